@@ -1,0 +1,58 @@
+"""The inner step shared by the decode and prefill attention kernels.
+
+One call attends a tile of queries to ``BLOCK_N`` consecutive context tokens read through
+the request's block table, and folds the result into the running online-softmax state
+(``m`` the running max in log2 units, ``l`` the running sum, ``acc`` the unnormalised
+output). Scores are never materialised beyond one [rows, BLOCK_N] tile.
+
+Token ``t`` of a request lives at ``block_table[t // block_size]``, offset
+``t % block_size``: the gather is per token, so any block size works, and the
+``head_dim`` run of each token is contiguous, which keeps loads 16 bytes wide.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def paged_attend_tile(
+    q, acc, m_i, l_i,
+    k_cache_ptr, v_cache_ptr, block_table_ptr,
+    stride_kb, stride_ko, stride_kh, kv_head,
+    block_size, n0, key_end, q_pos, qk_scale_log2,
+    d, d_mask,
+    CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    toks = n0 + tl.arange(0, BLOCK_N)
+    t_mask = toks < key_end
+    blk = tl.load(block_table_ptr + toks // block_size, mask=t_mask, other=0).to(tl.int64)
+    off = blk * stride_kb + (toks % block_size) * stride_ko + kv_head * stride_kh
+    kv_mask = t_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
+    valid = t_mask[None, :]
+    if CAUSAL:
+        valid = valid & (toks[None, :] <= q_pos[:, None])
+    s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # A row with no valid key yet keeps m = -inf; subtracting 0 instead avoids inf - inf.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+def dot_precision(dtype) -> str:
+    """fp32 caches get exact fp32 products (tf32 would cost ~3e-4 relative error and can
+    flip greedy tokens against the reference); half types use the tensor cores anyway."""
+    import torch
+
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)); exp2 is the native instruction

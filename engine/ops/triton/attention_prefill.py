@@ -1,0 +1,128 @@
+"""Varlen prefill attention over paged KV: online softmax, no score matrix.
+
+Grid ``(cdiv(max_query_len, BLOCK_M), B, num_heads)``. Request ``b`` has ``q_len`` new
+tokens at the end of its ``seq_len`` tokens of context; its first ``ctx = seq_len - q_len``
+tokens (an earlier chunk or a prefix-cache hit) are already in the cache, and this step's
+K/V have been written there too before the call. A program takes ``BLOCK_M`` of the new
+queries and walks the keys in two phases::
+
+    keys:  0 ............................ ctx+m0 ........ ctx+m0+BLOCK_M
+           |<-- phase 1: every key is -->|<-- phase 2: causal mask -->|
+           |    before every query       |   key_pos <= query_pos     |
+
+so the causal mask is only evaluated on the diagonal tiles. Programs whose query tile lies
+past ``q_len`` (shorter requests in a mixed batch) return at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.ops import AttentionMetadata
+from engine.ops.triton._paged import LOG2E, dot_precision, paged_attend_tile
+
+# Query rows x key columns per tile. 64 x 64 keeps the interpreter and small GPUs happy;
+# on sm_80+ with head_dim <= 128 a 128-row query tile doubles the reuse of each K/V tile.
+BLOCK_M_SMALL, BLOCK_M_LARGE = 64, 128
+BLOCK_N = 64
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
+    qk_scale_log2,
+    stride_qt, stride_qh, stride_kb, stride_ko, stride_kh, stride_bt, stride_ot, stride_oh,
+    block_size, head_dim,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    head = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + b)
+    q_len = tl.load(query_start_ptr + b + 1) - q_start
+    m0 = tile * BLOCK_M
+    if m0 >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx = seq_len - q_len
+    kv_head = head // GROUP
+
+    rows = m0 + tl.arange(0, BLOCK_M)
+    row_mask = rows < q_len
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    tok = (q_start + rows).to(tl.int64)
+    q_mask = row_mask[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    q_pos = ctx + rows
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    table = block_tables_ptr + b * stride_bt
+    diag = ctx + m0  # the first key that some query of this tile must not see
+    for n0 in range(0, diag, BLOCK_N):
+        acc, m_i, l_i = paged_attend_tile(
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table,
+            stride_kb, stride_ko, stride_kh, kv_head, block_size, n0, diag, q_pos,
+            qk_scale_log2, d, d_mask,
+            CAUSAL=False, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+        )
+    diag_end = tl.minimum(diag + BLOCK_M, seq_len)
+    for n0 in range(diag, diag_end, BLOCK_N):
+        acc, m_i, l_i = paged_attend_tile(
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table,
+            stride_kb, stride_ko, stride_kh, kv_head, block_size, n0, diag_end, q_pos,
+            qk_scale_log2, d, d_mask,
+            CAUSAL=True, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+        )
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_ptrs = out_ptr + tok[:, None] * stride_ot + head * stride_oh + d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def _block_m(device: torch.device, head_dim: int) -> int:
+    if device.type == "cuda" and head_dim <= 128 and torch.cuda.get_device_capability(device)[0] >= 8:
+        return BLOCK_M_LARGE
+    return BLOCK_M_SMALL
+
+
+def paged_attention_prefill(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    block_m: int | None = None,
+) -> torch.Tensor:
+    """Causal varlen attention of ``query`` [T, H, D] over the paged cache; returns [T, H, D].
+
+    ``block_m`` overrides the query tile (tests use a small one to cross tile edges).
+    """
+    n_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    out = torch.empty_like(query)
+    batch = meta.query_start_loc.shape[0] - 1
+    if n_tokens == 0 or batch == 0:
+        return out
+    if query.stride(-1) != 1 or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("paged_attention_prefill needs unit head_dim strides and one K/V layout")
+    bm = block_m or _block_m(query.device, head_dim)
+    block_d = triton.next_power_of_2(max(head_dim, 16))  # tl.dot needs K >= 16
+    grid = (triton.cdiv(meta.max_query_len, bm), batch, num_heads)
+    _prefill_kernel[grid](
+        query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
+        scale * LOG2E,
+        query.stride(0), query.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        k_cache.shape[1], head_dim,
+        GROUP=num_heads // num_kv_heads, BLOCK_M=bm, BLOCK_N=min(BLOCK_N, bm), BLOCK_D=block_d,
+        DOT_PRECISION=dot_precision(query.dtype),
+        # 8 warps for the 128-row tile (two warpgroups of MMA), 4 for 64 rows.
+        num_warps=8 if bm >= 128 else 4, num_stages=3,
+    )
+    return out

@@ -1,0 +1,160 @@
+"""Row-wise elementwise kernels: (fused add +) RMSNorm, in-place neox RoPE, SiLU-and-mul.
+
+Each is one pass over its rows; on GPU they replace several torch kernels and their
+intermediates (add, pow, mean, rsqrt, mul, mul for the norm; slice, neg, cat, mul, add for
+RoPE), so they are bound by a single read and write of the activations.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    n_cols, stride_x, stride_res, stride_out, stride_res_out, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        x += tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
+        # The sum is rounded to the activation dtype before the norm, as the torch
+        # reference (and HF) compute it: the residual stream lives in that dtype.
+        x_rounded = x.to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_res_out + cols, x_rounded, mask=mask)
+        x = x_rounded.to(tl.float32)
+    var = tl.sum(x * x, axis=0) / n_cols
+    y = x * tl.rsqrt(var + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    y = y * w.to(tl.float32)  # all in fp32, one rounding at the store
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """View ``t`` as [rows, last_dim] with a unit inner stride (copying only if needed)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm of ``x`` (plus ``residual`` first, if given); returns (out, x + residual).
+
+    The sum is written into ``residual``'s storage when it is contiguous, like vLLM's
+    fused_add_rms_norm, so the residual stream needs no new allocation per layer.
+    """
+    x2 = _rows(x)
+    n_rows, n_cols = x2.shape
+    out = torch.empty_like(x2)
+    block = triton.next_power_of_2(n_cols)
+    if residual is None:
+        res2, res_out = x2, x2  # unused: HAS_RESIDUAL is off
+    else:
+        res2 = _rows(residual)
+        res_out = res2 if res2.data_ptr() == residual.data_ptr() else torch.empty_like(x2)
+    if n_rows:
+        _rms_norm_kernel[(n_rows,)](
+            x2, res2, weight, out, res_out,
+            n_cols, x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0), eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=block,
+            # Wide rows (4-8k) need more warps to keep 16-byte loads per thread.
+            num_warps=min(max(block // 256, 1), 16),
+        )
+    out = out.view(x.shape)
+    if residual is None:
+        return out, None
+    return out, res_out.view(x.shape)
+
+
+@triton.jit
+def _rope_kernel(
+    pos_ptr, q_ptr, k_ptr, cache_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
+    n_q_heads, n_k_heads,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HALF
+    cos = tl.load(cache_ptr + pos * stride_cache + d, mask=d_mask, other=0.0).to(tl.float32)
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF + d, mask=d_mask, other=0.0).to(tl.float32)
+    h = tl.arange(0, BLOCK_H)
+    # Query and key share the same rotation; one loop body per tensor keeps it in place.
+    for which in tl.static_range(2):
+        if which == 0:
+            base = q_ptr + tok * stride_qt
+            stride_h = stride_qh
+            n_heads = n_q_heads
+        else:
+            base = k_ptr + tok * stride_kt
+            stride_h = stride_kh
+            n_heads = n_k_heads
+        mask = (h[:, None] < n_heads) & d_mask[None, :]
+        p1 = base + h[:, None] * stride_h + d[None, :]
+        x1 = tl.load(p1, mask=mask, other=0.0)
+        x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
+        y1 = x1.to(tl.float32) * cos[None, :] - x2.to(tl.float32) * sin[None, :]
+        y2 = x2.to(tl.float32) * cos[None, :] + x1.to(tl.float32) * sin[None, :]
+        tl.store(p1, y1.to(x1.dtype), mask=mask)
+        tl.store(p1 + HALF, y2.to(x1.dtype), mask=mask)
+
+
+def rotary_embedding(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox (rotate-half) RoPE applied in place on ``query`` [T, H, D] and ``key`` [T, Hkv, D].
+
+    Either may be a strided view (e.g. slices of a fused QKV output); only the head-dim
+    stride must be 1.
+    """
+    n_tokens, n_q_heads, head_dim = query.shape
+    n_k_heads = key.shape[1]
+    if query.stride(-1) != 1 or key.stride(-1) != 1:
+        raise ValueError("rotary_embedding needs a unit stride over head_dim")
+    half = head_dim // 2
+    cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    if n_tokens:
+        _rope_kernel[(n_tokens,)](
+            positions, query, key, cache,
+            query.stride(0), query.stride(1), key.stride(0), key.stride(1), cache.stride(0),
+            n_q_heads, n_k_heads,
+            HALF=half,
+            BLOCK_H=triton.next_power_of_2(max(n_q_heads, n_k_heads)),
+            BLOCK_D=triton.next_power_of_2(half),
+            num_warps=4,  # a [heads, d/2] tile of a few KB: one program per token is enough
+        )
+    return query, key
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_out, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
+    # Round the SiLU to the activation dtype before the multiply, as torch computes it.
+    act = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :d]) * x[..., d:]`` in one pass (torch needs three kernels and two temps)."""
+    x2 = _rows(x)
+    n_rows, two_d = x2.shape
+    d = two_d // 2
+    out = torch.empty((n_rows, d), dtype=x.dtype, device=x.device)
+    block = 1024  # columns per program: 4 KB of fp32 per operand, enough to hide latency
+    if n_rows:
+        _silu_and_mul_kernel[(n_rows, triton.cdiv(d, block))](
+            x2, out, d, x2.stride(0), out.stride(0), BLOCK=block, num_warps=4
+        )
+    return out.view(*x.shape[:-1], d)
