@@ -67,3 +67,230 @@ class StepResult:
     step_id: int
     sampled: tuple[SampledToken, ...]
     forward_seconds: float  # model forward + sampling, for the per-step overhead figure
+
+
+# --- caller -> processor ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChatMessage:
+    """One chat turn; ``content`` is plain text (content parts are joined by the API)."""
+
+    role: str
+    content: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TextPrompt:
+    """A prompt string, tokenized with the tokenizer's special tokens (BOS)."""
+
+    text: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokensPrompt:
+    """A prompt given as token ids; each id is checked against the vocabulary."""
+
+    token_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """Chat messages: the chat template applies, then tokenization adds no special tokens."""
+
+    messages: tuple[ChatMessage, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SubmitRequest:
+    """A caller asks for a completion; the processor answers the router with
+    :class:`RequestAdmitted` or :class:`RequestRejected` under the same ``request_id``."""
+
+    request_id: str
+    prompt: TextPrompt | TokensPrompt | ChatPrompt
+    params: SamplingParams
+    priority: int
+    cache_salt: str | None
+    arrival_time: float
+
+
+# --- processor -> router (admission replies) ----------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestAdmitted:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestRejected:
+    """Admission failed; ``error_type`` names an ``engine.errors`` class (``PromptTooLongError``
+    also carries its three counts so the caller gets the same exception back)."""
+
+    request_id: str
+    error_type: str
+    message: str
+    param: str | None
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+    max_model_len: int = 0
+
+
+# --- processor -> detokenizer and scheduler -----------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DetokenizerRequest:
+    """The detokenizer's view of one sample: ``request_id`` is the sample's engine id
+    (``f"{parent_id}-{index}"`` when ``n > 1``), outputs go out under ``parent_id``/``index``."""
+
+    request_id: str
+    parent_id: str
+    index: int
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SchedulerRequest:
+    """One sample for the scheduler. ``wait_for`` names the sample whose prompt blocks this
+    one waits for, so that it reuses them through the prefix cache (``n > 1``)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    max_tokens: int  # resolved: params.max_tokens, or what is left of the context
+    priority: int
+    arrival_time: float
+    cache_salt: str | None
+    wait_for: str | None
+
+
+# --- router / detokenizer -> scheduler (control) ------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AbortRequests:
+    """The callers no longer want these samples: finish them as ``abort`` and free blocks."""
+
+    request_ids: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StopStringHit:
+    """The detokenizer saw a stop string: the scheduler finishes the sample as ``stop``."""
+
+    request_id: str
+    stop: str
+
+
+# --- scheduler -> detokenizer -------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """New tokens of one sample in one step, and how it finished if it did."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[SampledToken, ...]  # one per token when the sample asked for logprobs
+    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    stop_reason: str | int | None  # the stop token id that ended it
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepOutputs:
+    step_id: int
+    deltas: tuple[TokenDelta, ...]
+
+
+# --- detokenizer -> router -> caller ------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token_id, logprob) of the top-N tokens
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What a caller receives: the new text and ids of one sample since its last output.
+
+    ``finish_reason`` is ``"stop"``, ``"length"`` or ``"abort"`` on the last output of a
+    sample (``finished`` true) and ``None`` before; ``stop_reason`` is the stop string or stop
+    token that ended it. ``usage`` is set on finished outputs only.
+    """
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None
+    stop_reason: str | int | None
+    logprobs: tuple[TokenLogprob, ...] | None
+    usage: Usage | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OutputBatch:
+    """All outputs of one step, so the router wakes once per step rather than per request."""
+
+    outputs: tuple[RequestOutput, ...]
+
+
+# --- msgpack ------------------------------------------------------------------------------
+
+_TAG = "__msg__"
+
+
+def _message_types() -> dict[str, type]:
+    # Read at call time so message types appended to this module later are packable too.
+    types = {
+        name: obj
+        for name, obj in globals().items()
+        if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == __name__
+    }
+    types["SamplingParams"] = SamplingParams
+    return types
+
+
+def _to_builtin(obj: object) -> object:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+        return {_TAG: type(obj).__name__, **fields}
+    raise TypeError(f"cannot pack {type(obj).__name__}")
+
+
+def _from_builtin(raw: dict[str, object]) -> object:
+    name = raw.get(_TAG)
+    if name is None:
+        return raw
+    cls = _message_types().get(str(name))
+    if cls is None:
+        raise ValueError(f"unknown message type {name!r}")
+    return cls(**{k: v for k, v in raw.items() if k != _TAG})
+
+
+def pack(message: object) -> bytes:
+    """Serialize a message (and the messages and params nested in it) with msgpack."""
+    import msgpack
+
+    return msgpack.packb(message, default=_to_builtin, use_bin_type=True)
+
+
+def unpack(data: bytes) -> object:
+    """Inverse of :func:`pack`; sequences come back as tuples, like the dataclasses hold them."""
+    import msgpack
+
+    return msgpack.unpackb(data, object_hook=_from_builtin, use_list=False, raw=False)
