@@ -1,18 +1,150 @@
-"""Plain-torch reference of every op: the CPU path and the oracle for the Triton kernels."""
+"""Plain-torch reference of every op: the CPU path and the oracle for the Triton kernels.
+
+Attention gathers each request's K/V through its block table into a padded batch and runs
+one masked ``scaled_dot_product_attention`` per layer, so the cost per layer does not grow
+with Python work per request. The index tensors of that gather depend only on the step's
+metadata, so they are built once per step (memoised on the metadata object's identity)
+and reused by every layer.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+import torch.nn.functional as F
 
 from engine.ops import AttentionMetadata
-from engine.ops.sampling_ref import sample as _sample
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Gather:
+    """Where a padded batch of requests reads its context from the flat cache."""
+
+    slots: torch.Tensor  # [B * L] int64: flat cache slot of each padded context position
+    mask: torch.Tensor  # [B, 1, Q, L] bool: True where the query may attend the key
+    batch: int
+    length: int  # L: padded context length, a multiple of the block size
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _PrefillPlan:
+    """How one varlen step splits into single-token rows and padded multi-token rows."""
+
+    single_rows: torch.Tensor  # [Bs] int64: token rows of requests with one query token
+    single: _Gather | None
+    multi_src: torch.Tensor  # [Bm * Qmax] int64: token row feeding each padded query slot
+    multi_dst: torch.Tensor  # [Tm] int64: token rows of the multi-token requests
+    multi_keep: torch.Tensor  # [Tm] int64: padded query slots that hold real tokens
+    multi: _Gather | None
+    max_query_len: int
 
 
 class TorchOps:
+    """The reference op set. Stateless apart from a one-entry memo of the step's indices."""
+
     name = "torch"
 
-    # The model helper fills in rms_norm, fused_add_rms_norm, rotary_embedding,
-    # silu_and_mul, write_kv_cache, paged_attention_decode, paged_attention_prefill.
+    def __init__(self) -> None:
+        self._decode_key: tuple[object, ...] | None = None
+        self._decode_plan: _Gather | None = None
+        self._prefill_meta: AttentionMetadata | None = None
+        self._prefill_plan: _PrefillPlan | None = None
+
+    # --- pointwise -------------------------------------------------------------------------
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        var = xf.pow(2).mean(-1, keepdim=True)
+        # HF casts back to the input dtype before the weight multiply; so do we, for parity.
+        return (xf * torch.rsqrt(var + eps)).to(x.dtype) * weight
+
+    def fused_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        summed = x.add_(residual)
+        return self.rms_norm(summed, weight, eps), summed
+
+    def rotary_embedding(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.silu(x[..., :d]).mul_(x[..., d:])
+
+    def write_kv_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        heads, dim = k_cache.shape[-2:]
+        k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+        v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+    # --- attention -------------------------------------------------------------------------
+
+    def paged_attention_decode(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        seq_lens_host: tuple[int, ...],
+    ) -> torch.Tensor:
+        block_size = k_cache.shape[1]
+        # Every layer of a step passes the same objects; a new step builds new ones. The
+        # key holds them, so their ids cannot be recycled while it is alive.
+        key = (block_tables, seq_lens_host, block_size)
+        old = self._decode_key
+        if (
+            old is None
+            or old[0] is not block_tables
+            or old[1] is not seq_lens_host
+            or old[2] != block_size
+            or self._decode_plan is None
+        ):
+            self._decode_plan = _decode_gather(block_tables, seq_lens_host, block_size)
+            self._decode_key = key
+        return _attend_decode(query, k_cache, v_cache, self._decode_plan, scale)
+
+    def paged_attention_prefill(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        # Same metadata object for every layer of a step: plan once, hold it so the id
+        # cannot be reused by a later step's object.
+        if meta is not self._prefill_meta or self._prefill_plan is None:
+            self._prefill_plan = _prefill_plan(meta, k_cache.shape[1])
+            self._prefill_meta = meta
+        plan = self._prefill_plan
+        out = torch.empty_like(query)
+        if plan.single is not None:
+            q = query.index_select(0, plan.single_rows)
+            out.index_copy_(0, plan.single_rows, _attend_decode(q, k_cache, v_cache, plan.single, scale))
+        if plan.multi is not None:
+            g = plan.multi
+            heads, dim = query.shape[1:]
+            q = query.index_select(0, plan.multi_src).view(g.batch, plan.max_query_len, heads, dim)
+            o = _attend(q.transpose(1, 2), k_cache, v_cache, g, scale)  # [Bm, H, Q, D]
+            o = o.transpose(1, 2).reshape(-1, heads, dim).index_select(0, plan.multi_keep)
+            out.index_copy_(0, plan.multi_dst, o)
+        return out
 
     def sample(
         self,
@@ -23,7 +155,131 @@ class TorchOps:
         min_p: torch.Tensor,
         seeds: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return _sample(logits, temperature, top_k, top_p, min_p, seeds)
+        # Imported here so the model ops stay importable on their own.
+        from engine.ops.sampling_ref import sample
+
+        return sample(logits, temperature, top_k, top_p, min_p, seeds)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x * cos + rotate_half(x) * sin, written on the two halves; the roundings match HF's.
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _gather_slots(block_tables: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
+    """Flat cache slots of the first ``num_blocks`` blocks of each row: [B * nb * bs]."""
+    offsets = torch.arange(block_size, device=block_tables.device, dtype=torch.int64)
+    blocks = block_tables[:, :num_blocks].to(torch.int64)
+    return (blocks.unsqueeze(-1) * block_size + offsets).reshape(-1)
+
+
+def _decode_gather(
+    block_tables: torch.Tensor, seq_lens_host: tuple[int, ...], block_size: int
+) -> _Gather:
+    batch = len(seq_lens_host)
+    num_blocks = -(-max(seq_lens_host) // block_size)
+    length = num_blocks * block_size
+    device = block_tables.device
+    lens = torch.tensor(seq_lens_host, device=device)
+    mask = torch.arange(length, device=device) < lens.unsqueeze(1)  # [B, L]
+    slots = _gather_slots(block_tables, num_blocks, block_size)
+    return _Gather(slots, mask.view(batch, 1, 1, length), batch, length)
+
+
+def _prefill_plan(meta: AttentionMetadata, block_size: int) -> _PrefillPlan:
+    device = meta.block_tables.device
+    qlens, slens = meta.query_lens_host, meta.seq_lens_host
+    starts = [0]
+    for n in qlens:
+        starts.append(starts[-1] + n)
+    single_idx = [b for b, n in enumerate(qlens) if n == 1]
+    multi_idx = [b for b, n in enumerate(qlens) if n > 1]
+    empty = torch.empty(0, dtype=torch.int64, device=device)
+
+    single = None
+    single_rows = empty
+    if single_idx:
+        single_rows = torch.tensor([starts[b] for b in single_idx], device=device)
+        sel = torch.tensor(single_idx, device=device)
+        single = _decode_gather(
+            meta.block_tables.index_select(0, sel), tuple(slens[b] for b in single_idx), block_size
+        )
+
+    multi = None
+    src = dst = keep = empty
+    max_q = max((qlens[b] for b in multi_idx), default=0)
+    if multi_idx:
+        src_l: list[int] = []
+        dst_l: list[int] = []
+        keep_l: list[int] = []
+        for i, b in enumerate(multi_idx):
+            s, n = starts[b], qlens[b]
+            # Padding query slots repeat the request's last token; their output is dropped.
+            src_l.extend(range(s, s + n))
+            src_l.extend([s + n - 1] * (max_q - n))
+            dst_l.extend(range(s, s + n))
+            keep_l.extend(range(i * max_q, i * max_q + n))
+        src, dst, keep = (torch.tensor(v, device=device) for v in (src_l, dst_l, keep_l))
+        multi = _multi_gather(meta, multi_idx, max_q, block_size)
+    return _PrefillPlan(single_rows, single, src, dst, keep, multi, max_q)
+
+
+def _multi_gather(
+    meta: AttentionMetadata, rows: list[int], max_q: int, block_size: int
+) -> _Gather:
+    device = meta.block_tables.device
+    slens = [meta.seq_lens_host[b] for b in rows]
+    qlens = [meta.query_lens_host[b] for b in rows]
+    num_blocks = -(-max(slens) // block_size)
+    length = num_blocks * block_size
+    seq = torch.tensor(slens, device=device).view(-1, 1, 1)
+    past = seq - torch.tensor(qlens, device=device).view(-1, 1, 1)
+    qpos = torch.arange(max_q, device=device).view(1, -1, 1)
+    kpos = torch.arange(length, device=device).view(1, 1, -1)
+    # Query i of a request sits at absolute position past + i: it sees its cached past and
+    # the new tokens up to itself. Padding rows (i >= qlen) see the whole context, so no
+    # row is fully masked (which would give NaN).
+    mask = (kpos <= past + qpos) & (kpos < seq)
+    sel = torch.tensor(rows, device=device)
+    slots = _gather_slots(meta.block_tables.index_select(0, sel), num_blocks, block_size)
+    return _Gather(slots, mask.unsqueeze(1), len(rows), length)
+
+
+def _gathered_kv(
+    cache: torch.Tensor, g: _Gather
+) -> torch.Tensor:
+    """The padded context of each request as [B, kv_heads, L, D] (a strided view)."""
+    heads, dim = cache.shape[-2:]
+    flat = cache.view(-1, heads, dim).index_select(0, g.slots)
+    return flat.view(g.batch, g.length, heads, dim).transpose(1, 2)
+
+
+def _attend(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: _Gather, scale: float
+) -> torch.Tensor:
+    """SDPA of q [B, H, Q, D] over the gathered context, GQA by head grouping."""
+    k = _gathered_kv(k_cache, g)
+    v = _gathered_kv(v_cache, g)
+    # The CPU and CUDA SDPA kernels accumulate the softmax in fp32 for bf16/fp16 inputs.
+    return F.scaled_dot_product_attention(
+        q, k.to(q.dtype), v.to(q.dtype), attn_mask=g.mask, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+
+
+def _attend_decode(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: _Gather, scale: float
+) -> torch.Tensor:
+    batch, heads, dim = query.shape
+    kv_heads = k_cache.shape[2]
+    # One query token per request: fold each KV head's group of query heads into the query
+    # length, so plain (non-GQA) SDPA serves every group with one K/V read.
+    q = query.view(batch, kv_heads, heads // kv_heads, dim)
+    k = _gathered_kv(k_cache, g).to(query.dtype)
+    v = _gathered_kv(v_cache, g).to(query.dtype)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)
+    return o.reshape(batch, heads, dim)
 
 
 __all__ = ["AttentionMetadata", "TorchOps"]

@@ -1,0 +1,273 @@
+"""The model runner: turns a :class:`StepPlan` into one forward pass and one sampling call.
+
+It runs in the executor's worker thread and owns the model, the paged KV cache and each
+request's tokens (prompt plus the outputs it sampled). A chunk names only ``(request,
+start, num_tokens, block table, sample)``; the runner reads the tokens from its own copy,
+which lets the scheduler plan step N+1 before step N's token is known, and lets a
+preempted request be recomputed from position 0 with nothing resent.
+
+One step's flat varlen batch (``B`` chunks, ``T`` tokens)::
+
+    input_ids      [T]    chunk 0's tokens | chunk 1's tokens | ...
+    positions      [T]    start .. start + num_tokens - 1 of each chunk
+    slot_mapping   [T]    block_ids[pos // block_size] * block_size + pos % block_size
+    query_start_loc[B+1]  0, n0, n0 + n1, ...
+    seq_lens       [B]    start + num_tokens
+    block_tables   [B, max_blocks], padded with 0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from engine.errors import EngineError, InvalidParamError
+from engine.messages import (
+    NewRequest,
+    SampledToken,
+    ScheduledChunk,
+    StepPlan,
+    StepResult,
+)
+from engine.models.llama import build_model
+from engine.ops import AttentionMetadata, Ops
+from engine.params import SamplingParams
+from engine.runner.kv_cache import allocate_kv_caches
+from engine.runner.sampler import Sampler, SamplingRow
+
+
+class StepPlanError(EngineError):
+    """A plan the runner cannot execute (unknown request, tokens it does not have, over
+    budget). It means the scheduler and the runner disagree: a bug, not a bad request."""
+
+
+@dataclasses.dataclass(slots=True)
+class _RequestState:
+    prompt: tuple[int, ...]
+    outputs: list[int]
+    tokens: list[int]  # prompt + outputs, kept in step so chunks slice one list
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+
+
+class ModelRunner:
+    """Forward + sample over a paged KV cache, one :meth:`execute` per engine step.
+
+    ``loaded`` is a :class:`engine.models.loader.LoadedModel` (``config``, ``weights``,
+    ``dtype``). ``num_blocks`` KV blocks of ``block_size`` tokens are allocated on
+    ``device`` up front. Not thread-safe: call :meth:`execute` from one thread at a time.
+    """
+
+    def __init__(
+        self,
+        loaded: Any,
+        *,
+        device: torch.device | str,
+        ops: Ops,
+        num_blocks: int,
+        block_size: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        seed: int = 0,
+    ) -> None:
+        self.device = torch.device(device)
+        self.config = loaded.config
+        self.dtype = loaded.dtype
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.model = build_model(loaded.config, loaded.weights, ops, dtype=loaded.dtype, device=self.device)
+        self.kv_caches = allocate_kv_caches(loaded.config, num_blocks, block_size, loaded.dtype, self.device)
+        self.sampler = Sampler(ops, seed=seed)
+        self._requests: dict[str, _RequestState] = {}
+
+    @property
+    def num_requests(self) -> int:
+        """Requests whose state the runner holds."""
+        return len(self._requests)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Forget ``plan.finished_ids``, learn ``plan.new_requests``, run ``plan.chunks``."""
+        t0 = time.perf_counter()
+        for rid in plan.finished_ids:
+            self._requests.pop(rid, None)
+        for new in plan.new_requests:
+            self._add(new)
+        if not plan.chunks:
+            return StepResult(plan.step_id, (), 0.0)
+        states = [self._state(c) for c in plan.chunks]
+        input_ids, positions, meta, sample_rows = self._prepare(plan.chunks, states)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
+        sampled: tuple[SampledToken, ...] = ()
+        if sample_rows:
+            sampled = self._sample(hidden, plan.chunks, states, sample_rows)
+        return StepResult(plan.step_id, sampled, time.perf_counter() - t0)
+
+    # -- request state ------------------------------------------------------------------
+
+    def _add(self, new: NewRequest) -> None:
+        prompt = tuple(new.prompt_token_ids)
+        self._requests[new.request_id] = _RequestState(
+            prompt, [], list(prompt), new.params, tuple(new.eos_token_ids)
+        )
+
+    def _state(self, chunk: ScheduledChunk) -> _RequestState:
+        state = self._requests.get(chunk.request_id)
+        if state is None:
+            raise StepPlanError(f"chunk for unknown request {chunk.request_id!r}")
+        end = chunk.start + chunk.num_tokens
+        if chunk.num_tokens < 1 or chunk.start < 0 or end > len(state.tokens):
+            raise StepPlanError(
+                f"request {chunk.request_id!r}: chunk [{chunk.start}, {end}) is outside its "
+                f"{len(state.tokens)} known tokens"
+            )
+        if chunk.sample and end != len(state.tokens):
+            raise StepPlanError(
+                f"request {chunk.request_id!r}: sampling after token {end} but it has "
+                f"{len(state.tokens)}"
+            )
+        if len(chunk.block_ids) * self.block_size < end:
+            raise StepPlanError(
+                f"request {chunk.request_id!r}: {len(chunk.block_ids)} blocks cannot hold {end} tokens"
+            )
+        return state
+
+    # -- batch ---------------------------------------------------------------------------
+
+    def _prepare(
+        self, chunks: Sequence[ScheduledChunk], states: Sequence[_RequestState]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """The flat batch's tensors, built with a handful of ops whatever the batch size."""
+        if len(chunks) > self.max_num_seqs:
+            raise StepPlanError(f"{len(chunks)} chunks exceed max_num_seqs={self.max_num_seqs}")
+        ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        width = max(len(c.block_ids) for c in chunks)
+        tables: list[int] = []
+        for c, s in zip(chunks, states, strict=True):
+            end = c.start + c.num_tokens
+            ids.extend(s.tokens[c.start : end])
+            positions.extend(range(c.start, end))
+            query_lens.append(c.num_tokens)
+            seq_lens.append(end)
+            tables.extend(c.block_ids)
+            tables.extend((0,) * (width - len(c.block_ids)))
+        if len(ids) > self.max_num_batched_tokens:
+            raise StepPlanError(
+                f"{len(ids)} tokens exceed max_num_batched_tokens={self.max_num_batched_tokens}"
+            )
+        batch = len(chunks)
+        # One host tensor holds every int index; slices of it go to the device in one copy.
+        host = torch.tensor(ids + positions + tables + query_lens + seq_lens, dtype=torch.int64)
+        dev = host.to(self.device, non_blocking=True)
+        t = len(ids)
+        input_ids, pos = dev[:t], dev[t : 2 * t]
+        block_tables = dev[2 * t : 2 * t + batch * width].view(batch, width)
+        qlens = dev[2 * t + batch * width : 2 * t + batch * width + batch]
+        slens = dev[2 * t + batch * width + batch :]
+        req = torch.repeat_interleave(torch.arange(batch, device=self.device), qlens, output_size=t)
+        blocks = block_tables[req, pos // self.block_size]
+        slot_mapping = blocks * self.block_size + pos % self.block_size
+        query_start_loc = torch.nn.functional.pad(qlens.cumsum(0), (1, 0)).to(torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            seq_lens=slens.to(torch.int32),
+            block_tables=block_tables.to(torch.int32),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_host=tuple(query_lens),
+            seq_lens_host=tuple(seq_lens),
+        )
+        ends = 0
+        sample_rows = []
+        for c in chunks:
+            ends += c.num_tokens
+            if c.sample:
+                sample_rows.append(ends - 1)
+        return input_ids, pos, meta, sample_rows
+
+    # -- sampling ------------------------------------------------------------------------
+
+    def _sample(
+        self,
+        hidden: torch.Tensor,
+        chunks: Sequence[ScheduledChunk],
+        states: Sequence[_RequestState],
+        sample_rows: list[int],
+    ) -> tuple[SampledToken, ...]:
+        rows = torch.tensor(sample_rows, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        picked = [(c, s) for c, s in zip(chunks, states, strict=True) if c.sample]
+        sampling_rows = [
+            SamplingRow(s.params, s.prompt, s.outputs, s.eos_token_ids) for _, s in picked
+        ]
+        out = []
+        for (c, s), (token, logprob, top) in zip(
+            picked, self.sampler(logits, sampling_rows), strict=True
+        ):
+            s.outputs.append(token)
+            s.tokens.append(token)
+            out.append(SampledToken(c.request_id, token, logprob, tuple(top)))
+        return tuple(out)
+
+
+def generate_greedy(
+    runner: ModelRunner,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    chunk_size: int | None = None,
+    block_size: int,
+) -> list[list[int]]:
+    """Greedy-decode every prompt for exactly ``max_new_tokens`` tokens (EOS ignored).
+
+    A tiny synchronous driver for tests and the interim CLI: request ``i`` gets a
+    contiguous run of blocks, all requests run together, and with ``chunk_size`` each
+    prompt is prefilled ``chunk_size`` tokens a step. Returns the new tokens per prompt.
+    """
+    if block_size != runner.block_size:
+        raise InvalidParamError(
+            f"block_size {block_size} differs from the runner's {runner.block_size}",
+            param="block_size",
+        )
+    if any(len(p) == 0 for p in prompts):
+        raise InvalidParamError("every prompt needs at least one token", param="prompt")
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
+    ids = [f"greedy-{i}" for i in range(len(prompts))]
+    tables, offset = [], 0
+    for p in prompts:
+        n = -(-(len(p) + max_new_tokens) // block_size)
+        tables.append(tuple(range(offset, offset + n)))
+        offset += n
+    if offset > runner.num_blocks:
+        raise InvalidParamError(
+            f"the prompts need {offset} KV blocks; the runner has {runner.num_blocks}",
+            param="prompt",
+        )
+    new = tuple(NewRequest(r, tuple(p), params, ()) for r, p in zip(ids, prompts, strict=True))
+    outputs: list[list[int]] = [[] for _ in prompts]
+    computed = [0] * len(prompts)
+    step = 0
+    while any(len(o) < max_new_tokens for o in outputs):
+        chunks = []
+        for i, p in enumerate(prompts):
+            if len(outputs[i]) >= max_new_tokens:
+                continue
+            known = len(p) + len(outputs[i])
+            n = known - computed[i] if chunk_size is None else min(chunk_size, known - computed[i])
+            chunks.append(ScheduledChunk(ids[i], computed[i], n, tables[i], computed[i] + n == known))
+            computed[i] += n
+        result = runner.execute(StepPlan(step, new if step == 0 else (), tuple(chunks), ()))
+        for s in result.sampled:
+            outputs[int(s.request_id.rsplit("-", 1)[1])].append(s.token_id)
+        step += 1
+    runner.execute(StepPlan(step, (), (), tuple(ids)))
+    return outputs
