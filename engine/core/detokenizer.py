@@ -1,0 +1,203 @@
+"""Incremental detokenization with stop strings: token ids in, finished text out.
+
+Pure and synchronous (no trio, no I/O); the detokenizer actor holds one
+:class:`IncrementalDetokenizer` per request.
+
+Two things make streaming text harder than ``decode(all_ids)`` at the end:
+
+* A token is not always whole characters. Byte-level BPE splits a multi-byte UTF-8
+  character (an emoji is four bytes) across tokens, and decoding a part gives U+FFFD.
+  Sentencepiece-style decoders also change a token's text depending on what precedes it
+  (the leading space of ``▁word`` is dropped at the start of a string).
+* A stop string can span tokens and must not leak: once ``"\\n\\n"`` is the stop, a lone
+  ``"\\n"`` may not be sent until the next character shows it is not the stop.
+
+The first is solved with two offsets into the token list::
+
+    tokens:  ... | prefix window  | new tokens |
+                 ^prefix_offset   ^read_offset ^len(tokens)
+
+    new text = decode(tokens[prefix_offset:]) minus decode(tokens[prefix_offset:read_offset])
+
+The prefix window gives the new tokens their left context; its text is decoded and
+dropped. New text that ends in U+FFFD is held (offsets unchanged) until the character
+completes. Both windows stay a few tokens long, so each push costs O(1), not O(output).
+The window starts in the prompt's last tokens, so the first output token gets its context
+too: the text is the prompt's continuation, which for byte-level BPE equals
+``decode(output_ids)`` exactly.
+
+The second is solved by holding back the longest tail of the text that is a proper prefix
+of some stop string, and searching for stop strings only in that tail plus the new text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+from engine.errors import InvalidParamError
+
+# Prompt tokens used as the first prefix window. A handful is enough left context for
+# every decoder rule we know of (sentencepiece's leading space, byte-level partial
+# characters); vLLM uses the same count for the same reason.
+PROMPT_CONTEXT_TOKENS = 5
+
+# Once this many consumed tokens sit before the prefix window, drop them, so a long
+# output keeps O(1) memory here; amortized O(1) per token.
+_COMPACT_AFTER = 256
+
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class _Decoder(Protocol):
+    """What the detokenizer needs of :class:`engine.models.tokenizer.Tokenizer`."""
+
+    skipped_special_ids: frozenset[int]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DetokenizerUpdate:
+    """The result of one push: text to send now and whether the request stopped.
+
+    ``text`` is new text since the previous update (possibly empty). ``stopped`` is true
+    once a stop string matched; ``stop_reason`` is that stop string.
+    """
+
+    text: str
+    stopped: bool = False
+    stop_reason: str | None = None
+
+
+class IncrementalDetokenizer:
+    """Turn one request's output token ids into text, piece by piece.
+
+    Call :meth:`push` with each step's new ids and send ``update.text``; call
+    :meth:`finish` when the request ends to release text held back (an unfinished UTF-8
+    character or a possible stop-string start). Without a stop string, the concatenation
+    of every update's text equals the text of the output ids decoded with
+    ``skip_special_tokens`` in the prompt's context (for byte-level BPE:
+    ``tokenizer.decode(output_ids)``). With stop strings, the text ends where the first
+    stop string ends (``include_stop_str_in_output``) or begins (otherwise), and nothing
+    after it is ever returned.
+    """
+
+    def __init__(
+        self,
+        tokenizer: _Decoder,
+        prompt_token_ids: Sequence[int],
+        *,
+        skip_special_tokens: bool = True,
+        stop: Iterable[str] = (),
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._stop = tuple(stop)
+        if any(not isinstance(s, str) or not s for s in self._stop):
+            raise InvalidParamError("stop must hold non-empty strings", param="stop")
+        self._include_stop = include_stop_str_in_output
+        # Every proper prefix of a stop string: a text tail in this set may still grow
+        # into a stop string, so it is held back.
+        self._stop_prefixes = frozenset(s[:k] for s in self._stop for k in range(1, len(s)))
+        self._max_held = max((len(s) - 1 for s in self._stop), default=0)
+
+        context = self._kept(prompt_token_ids)[-PROMPT_CONTEXT_TOKENS:]
+        self._tokens: list[int] = list(context)
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._prefix_text = self._decode(self._tokens)
+        self._held = ""  # decoded text not yet returned: a possible stop-string start
+        self._stop_reason: str | None = None
+
+    @property
+    def stopped(self) -> bool:
+        """True once a stop string matched; later pushes return no text."""
+        return self._stop_reason is not None
+
+    def push(self, token_ids: Iterable[int]) -> DetokenizerUpdate:
+        """Add newly sampled ids; return the text that is now safe to send."""
+        if self.stopped:
+            return self._stopped_update("")
+        self._tokens.extend(self._kept(token_ids))
+        return self._emit(self._new_text(flush=False), final=False)
+
+    def finish(self) -> DetokenizerUpdate:
+        """Release everything held back, at the end of the request.
+
+        An unfinished character is sent as U+FFFD (what a full decode gives); a held tail
+        that could have started a stop string is sent as it is.
+        """
+        if self.stopped:
+            return self._stopped_update("")
+        return self._emit(self._new_text(flush=True), final=True)
+
+    # -- tokens to text -----------------------------------------------------------------
+
+    def _kept(self, ids: Iterable[int]) -> list[int]:
+        # decode(skip_special_tokens=True) drops special tokens before running the decoder,
+        # so dropping them here gives the same text and keeps the windows short.
+        if not self._skip_special:
+            return list(ids)
+        skipped = self._tokenizer.skipped_special_ids
+        return [i for i in ids if i not in skipped]
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+
+    def _new_text(self, *, flush: bool) -> str:
+        """Text of the tokens after read_offset, or "" while it ends mid-character."""
+        if self._read_offset == len(self._tokens):
+            return ""
+        full = self._decode(self._tokens[self._prefix_offset :])
+        if not flush and (full.endswith(_REPLACEMENT_CHAR) or len(full) <= len(self._prefix_text)):
+            return ""
+        new = full[len(self._prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._tokens)
+        self._prefix_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])
+        self._compact()
+        return new
+
+    def _compact(self) -> None:
+        if self._prefix_offset >= _COMPACT_AFTER:
+            del self._tokens[: self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+
+    # -- stop strings -------------------------------------------------------------------
+
+    def _emit(self, new_text: str, *, final: bool) -> DetokenizerUpdate:
+        text = self._held + new_text
+        self._held = ""
+        match = self._find_stop(text)
+        if match is not None:
+            start, stop = match
+            self._stop_reason = stop
+            end = start + len(stop) if self._include_stop else start
+            return self._stopped_update(text[:end])
+        hold = 0 if final else self._held_tail_length(text)
+        self._held = text[len(text) - hold :] if hold else ""
+        return DetokenizerUpdate(text[: len(text) - hold])
+
+    def _find_stop(self, text: str) -> tuple[int, str] | None:
+        """The stop string that completes first in ``text`` (longest on a tie), and where."""
+        best: tuple[int, int, str] | None = None  # (end, start, stop)
+        for stop in self._stop:
+            start = text.find(stop)
+            if start >= 0:
+                candidate = (start + len(stop), start, stop)
+                best = candidate if best is None or candidate[:2] < best[:2] else best
+        return None if best is None else (best[1], best[2])
+
+    def _held_tail_length(self, text: str) -> int:
+        """Length of the longest tail of ``text`` that a stop string starts with."""
+        for length in range(min(self._max_held, len(text)), 0, -1):
+            if text[-length:] in self._stop_prefixes:
+                return length
+        return 0
+
+    def _stopped_update(self, text: str) -> DetokenizerUpdate:
+        return DetokenizerUpdate(text, stopped=True, stop_reason=self._stop_reason)
