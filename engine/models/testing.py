@@ -128,7 +128,11 @@ def _weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
         # Not all ones, so a model that skips a norm weight fails the parity tests.
         return 1.0 + rand(n, std=0.1)
 
-    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rand(vocab, hidden, std=0.5)}
+    # A tied head scores each token by its similarity to the residual stream, which holds
+    # the input token's own embedding: at std 0.5 that term dominates and greedy decoding
+    # repeats one token forever. At 0.02 the layers' outputs dominate and outputs vary.
+    embed_std = 0.02 if cfg["tie_word_embeddings"] else 0.5
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rand(vocab, hidden, std=embed_std)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = norm(hidden)
