@@ -1,0 +1,167 @@
+"""Plain-torch sampling: the CPU path and the oracle for the Triton sampling kernel.
+
+Order of operations for one row (the Sampler has already applied logit bias, min_tokens
+masking and penalties to ``logits``)::
+
+    logits --/temperature--> top-k --> top-p --> min-p --> softmax --> exponential race
+       |
+       +--> log_softmax --> logprob of the chosen token (raw: no temperature, no truncation)
+
+Top-k, then top-p, then min-p is the order of vLLM's pre-V1 sampler; vLLM V1 moved min-p
+in front of top-k/top-p. The order matters only between top-p and min-p (min-p compares each
+token with the row's maximum, which no truncation removes, so top-k and min-p commute).
+
+Masks are thresholds, so a mask never depends on how a sort orders equal values and a
+kernel can reproduce it without sorting:
+
+* **top-k** keeps every token whose logit is ``>=`` the k-th largest logit of the row. With
+  ties at the k-th value it keeps all of them, so it may keep more than ``k`` tokens (vLLM
+  does the same). ``k <= 0`` or ``k >= V`` keeps every token.
+* **top-p** keeps every token whose probability is ``>=`` ``t``, where ``t`` is the largest
+  probability value such that the tokens with probability ``>= t`` hold at least ``p`` of
+  the mass: the smallest set reaching ``p``, widened to include every token tied with its
+  last member. The first token always stays. ``p >= 1`` keeps every token. Probabilities are
+  ``softmax`` of the (temperature-scaled, top-k-masked) logits in fp32 and the mass is an
+  fp32 ``cumsum`` in descending order, so a kernel summing in another order can differ only
+  when the mass lands within rounding of ``p``.
+* **min-p** keeps tokens with ``prob >= min_p * max_prob``, evaluated as
+  ``exp(logit - max_logit) >= min_p`` (the same inequality without the softmax sum). The
+  arg-max token always stays. ``min_p == 0`` keeps every token.
+
+Greedy rows (temperature 0) take ``argmax(logits)``; among equal maxima the lowest token id
+wins (``torch.argmax`` returns the first). Other rows draw ``argmax(probs / q)`` with
+``q ~ Exp(1)`` i.i.d. per token: ``P(token i wins) = probs[i]`` exactly (an exponential
+race), and ``q`` comes from a generator seeded by the row's own seed, so a row's draw
+depends on nothing else in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_NEG_INF = float("-inf")
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) tokens below each row's k-th largest logit; ties at the k-th are kept.
+
+    ``logits`` is ``[B, V]`` float, ``top_k`` is ``[B]`` int; ``k <= 0`` or ``k >= V`` turns
+    the row's top-k off. Returns a new tensor; the input is not modified.
+    """
+    vocab = logits.shape[-1]
+    active = (top_k > 0) & (top_k < vocab)
+    out = logits.clone()
+    rows = active.nonzero().squeeze(-1)
+    if rows.numel() == 0:
+        return out
+    ks = top_k[rows].long()
+    # One topk at the largest k of the active rows, then each row reads its own k-th value.
+    top_vals = torch.topk(logits[rows], int(ks.max()), dim=-1).values
+    kth = top_vals.gather(-1, (ks - 1).unsqueeze(-1))
+    sub = out[rows]
+    out[rows] = sub.masked_fill(sub < kth, _NEG_INF)
+    return out
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest top set of tokens holding mass ``>= p``, plus ties with its last one.
+
+    ``logits`` is ``[B, V]`` float (probabilities are its fp32 softmax), ``top_p`` is ``[B]``
+    float in ``(0, 1]``; ``p >= 1`` turns the row's top-p off. Returns masked logits (new
+    tensor). See the module docstring for the exact threshold definition.
+    """
+    active = top_p < 1.0
+    out = logits.clone()
+    rows = active.nonzero().squeeze(-1)
+    if rows.numel() == 0:
+        return out
+    probs = torch.softmax(logits[rows].float(), dim=-1)
+    sorted_probs = torch.sort(probs, dim=-1, descending=True).values
+    cum = torch.cumsum(sorted_probs, dim=-1)
+    ps = top_p[rows].float().unsqueeze(-1)
+    # Tokens strictly before the cut hold mass < p; the token at the cut brings it to >= p.
+    # If rounding leaves the whole row short of p, the cut is the last token (keep all).
+    cut = (cum < ps).sum(dim=-1, keepdim=True).clamp_max(probs.shape[-1] - 1)
+    threshold = sorted_probs.gather(-1, cut)
+    sub = out[rows]
+    out[rows] = sub.masked_fill(probs < threshold, _NEG_INF)
+    return out
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens with ``prob < min_p * max_prob`` (as ``exp(logit - max) < min_p``).
+
+    ``logits`` is ``[B, V]`` float, ``min_p`` is ``[B]`` float in ``[0, 1]``; 0 turns the
+    row's min-p off. Returns masked logits (new tensor).
+    """
+    active = min_p > 0.0
+    out = logits.clone()
+    rows = active.nonzero().squeeze(-1)
+    if rows.numel() == 0:
+        return out
+    sub = out[rows]
+    ratio = torch.exp(sub - sub.max(dim=-1, keepdim=True).values)
+    out[rows] = sub.masked_fill(ratio < min_p[rows].float().unsqueeze(-1), _NEG_INF)
+    return out
+
+
+def exponential_noise(seeds: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
+    """``[B, vocab]`` i.i.d. Exp(1) draws; row ``b`` depends only on ``seeds[b]``.
+
+    One generator is re-seeded per row (a loop, but only over rows). Values are clamped
+    away from 0 so ``probs / q`` never divides by zero.
+    """
+    gen = torch.Generator(device=device)
+    noise = torch.empty(len(seeds), vocab, dtype=torch.float32, device=device)
+    for b, seed in enumerate(seeds.tolist()):
+        gen.manual_seed(seed)  # negative int64 seeds are valid (torch remaps them)
+        noise[b].exponential_(generator=gen)
+    # The smallest normal fp32 keeps probs / q finite for every prob <= 1.
+    return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+def truncate(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """Temperature-scaled logits with top-k, top-p and min-p masks applied, in that order.
+
+    Rows with temperature 0 are scaled by 1 (they are sampled greedily anyway).
+    """
+    temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    scaled = logits.float() / temp.float().unsqueeze(-1)
+    return apply_min_p(apply_top_p(apply_top_k(scaled, top_k), top_p), min_p)
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; see ``engine.ops.Ops.sample`` and the module docstring.
+
+    Returns ``(token_ids [B] int64, logprobs [B] fp32)``; a logprob is the chosen token's
+    under ``log_softmax(logits)``, before temperature and truncation.
+    """
+    logits = logits.float()
+    token_ids = torch.argmax(logits, dim=-1)
+    random_rows = (temperature > 0).nonzero().squeeze(-1)
+    if random_rows.numel() > 0:
+        masked = truncate(
+            logits[random_rows],
+            temperature[random_rows],
+            top_k[random_rows],
+            top_p[random_rows],
+            min_p[random_rows],
+        )
+        probs = torch.softmax(masked, dim=-1)
+        noise = exponential_noise(seeds[random_rows], logits.shape[-1], logits.device)
+        token_ids[random_rows] = torch.argmax(probs / noise, dim=-1)
+    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
+    return token_ids, logprobs

@@ -1,0 +1,270 @@
+"""Per-step sampling: logit bias, min_tokens, penalties, seeds and logprobs around ``ops.sample``.
+
+The model runner calls ``Sampler(logits, rows)`` once per step with one row per request that
+produces a token. The work, in order (vLLM's order)::
+
+    logits -> + logit_bias -> min_tokens mask -> repetition penalty -> presence/frequency
+           -> ops.sample (temperature -> top-k -> top-p -> min-p -> draw)
+
+Logprobs, sampled and top-N, are ``log_softmax`` of the logits after bias and penalties and
+before temperature (what ``ops.sample`` reports for the sampled token).
+
+Seeds: a seeded request draws with seed ``splitmix64(params.seed, step)`` where ``step`` is
+the number of tokens it has output so far, so its tokens are the same whatever else shares
+its batch, and whichever row it sits in. An unseeded row takes a seed from the Sampler's own
+generator. Two samples of one ``n > 1`` request must carry different ``params.seed`` (vLLM
+gives sample ``i`` the seed ``seed + i``), or they draw identical tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from engine.errors import InvalidParamError
+from engine.ops import Ops
+from engine.params import SamplingParams
+
+_U64 = (1 << 64) - 1
+# splitmix64 constants (Steele, Lea & Flood, "Fast splittable pseudorandom number
+# generators", OOPSLA 2014): the golden-ratio increment and the two finaliser multipliers.
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+# vLLM treats temperatures below 1e-5 as greedy: dividing logits by them overflows fp32.
+_GREEDY_TEMPERATURE = 1e-5
+
+SampledToken = tuple[int, float, tuple[tuple[int, float], ...]]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SamplingRow:
+    """What the sampler needs to know about one request for one step."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    # The model's EOS ids; they count as stop tokens for min_tokens unless ignore_eos.
+    eos_token_ids: tuple[int, ...]
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The ``step``-th output of a splitmix64 stream seeded with ``seed``, as a signed int64.
+
+    ``seed`` may be any int64 (it is taken mod 2**64); consecutive steps give unrelated
+    seeds, so the per-step torch generators do not share structure.
+    """
+    z = ((seed & _U64) + (step + 1) * _GOLDEN) & _U64
+    z = ((z ^ (z >> 30)) * _MIX1) & _U64
+    z = ((z ^ (z >> 27)) * _MIX2) & _U64
+    z ^= z >> 31
+    return z - (1 << 64) if z >= 1 << 63 else z
+
+
+class Sampler:
+    """Turns one step's logits into one token (with logprobs) per request row.
+
+    ``ops`` supplies ``sample``; ``seed`` seeds the generator that unseeded rows draw their
+    per-step seeds from. Not thread-safe: one Sampler belongs to one model runner.
+    """
+
+    def __init__(self, ops: Ops, *, seed: int = 0) -> None:
+        self._ops = ops
+        self._generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+        """Sample row ``b`` of ``logits`` ([B, V]) for ``rows[b]``.
+
+        Returns, per row, ``(token_id, logprob, top)`` where ``top`` holds the
+        ``params.logprobs`` most likely ``(token_id, logprob)`` pairs, best first, or ``()``.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(
+                f"logits must be [len(rows), V] = [{len(rows)}, V], got {tuple(logits.shape)}"
+            )
+        if not rows:
+            return []
+        logits = self._adjust_logits(logits.float(), rows)
+        token_ids, logprobs = self._ops.sample(logits, *self._sampling_tensors(rows, logits))
+        tops = self._top_logprobs(logits, rows)
+        return list(zip(token_ids.tolist(), logprobs.tolist(), tops, strict=True))
+
+    # -- logit adjustments -------------------------------------------------------------
+
+    def _adjust_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Bias, min_tokens and penalties; returns ``logits`` untouched when no row uses them."""
+        bias = _logit_bias_entries(rows, logits.shape[-1])
+        banned = _min_tokens_entries(rows, logits.shape[-1])
+        rep_rows = [b for b, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+        pf_rows = [
+            b
+            for b, r in enumerate(rows)
+            if (r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0)
+            and len(r.output_token_ids) > 0
+        ]
+        if not (bias[0] or banned[0] or rep_rows or pf_rows):
+            return logits  # the common case: nothing to do, not even a copy
+        logits = logits.clone()  # the caller's logits stay as the model produced them
+        device = logits.device
+        if bias[0]:
+            index = (torch.tensor(bias[0], device=device), torch.tensor(bias[1], device=device))
+            # accumulate: a token listed twice gets both biases, as a dict merge would not hide
+            logits.index_put_(index, torch.tensor(bias[2], device=device), accumulate=True)
+        if banned[0]:
+            index = (torch.tensor(banned[0], device=device), torch.tensor(banned[1], device=device))
+            logits[index] = float("-inf")
+        if rep_rows:
+            _apply_repetition_penalty(logits, rows, rep_rows)
+        if pf_rows:
+            _apply_presence_frequency(logits, rows, pf_rows)
+        return logits
+
+    # -- sampling parameters -----------------------------------------------------------
+
+    def _sampling_tensors(
+        self, rows: Sequence[SamplingRow], logits: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """(temperature, top_k, top_p, min_p, seeds) as [B] tensors on the logits' device."""
+        temps, top_ks, top_ps, min_ps, seeds = [], [], [], [], []
+        unseeded = [b for b, r in enumerate(rows) if r.params.seed is None]
+        drawn = iter(self._draw_seeds(len(unseeded)))
+        for r in rows:
+            p = r.params
+            temps.append(0.0 if p.temperature < _GREEDY_TEMPERATURE else p.temperature)
+            top_ks.append(max(p.top_k, 0))  # -1 and 0 both mean "off"
+            top_ps.append(p.top_p)
+            min_ps.append(p.min_p)
+            if p.seed is None:
+                seeds.append(next(drawn))
+            else:
+                seeds.append(step_seed(p.seed, len(r.output_token_ids)))
+        device = logits.device
+        return (
+            torch.tensor(temps, dtype=torch.float32, device=device),
+            torch.tensor(top_ks, dtype=torch.int32, device=device),
+            torch.tensor(top_ps, dtype=torch.float32, device=device),
+            torch.tensor(min_ps, dtype=torch.float32, device=device),
+            torch.tensor(seeds, dtype=torch.int64, device=device),
+        )
+
+    def _draw_seeds(self, count: int) -> list[int]:
+        if count == 0:
+            return []  # keep the generator's stream unmoved when every row is seeded
+        # The full int64 range: randint's upper bound is exclusive, so 2**63 - 1 is the max.
+        low, high = -(1 << 63), (1 << 63) - 1
+        return torch.randint(
+            low, high, (count,), generator=self._generator, dtype=torch.int64
+        ).tolist()
+
+    # -- logprobs ----------------------------------------------------------------------
+
+    def _top_logprobs(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow]
+    ) -> list[tuple[tuple[int, float], ...]]:
+        tops: list[tuple[tuple[int, float], ...]] = [()] * len(rows)
+        wanted = [b for b, r in enumerate(rows) if r.params.logprobs]
+        if not wanted:
+            return tops
+        n_max = min(max(rows[b].params.logprobs or 0 for b in wanted), logits.shape[-1])
+        logprobs = torch.log_softmax(logits[wanted], dim=-1)
+        values, ids = torch.topk(logprobs, n_max, dim=-1)
+        for i, (vals, toks) in enumerate(zip(values.tolist(), ids.tolist(), strict=True)):
+            n = rows[wanted[i]].params.logprobs or 0
+            tops[wanted[i]] = tuple(zip(toks[:n], vals[:n], strict=True))
+        return tops
+
+
+def _logit_bias_entries(
+    rows: Sequence[SamplingRow], vocab: int
+) -> tuple[list[int], list[int], list[float]]:
+    """(row, token, bias) triples of every row's logit_bias, as three parallel lists."""
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    values: list[float] = []
+    for b, r in enumerate(rows):
+        for tok, value in r.params.logit_bias:
+            if tok >= vocab:
+                # The API checks ids against the vocabulary at submit; this is the backstop.
+                raise InvalidParamError(
+                    f"logit_bias token id {tok} is out of range for vocabulary size {vocab}",
+                    param="logit_bias",
+                )
+            row_idx.append(b)
+            tok_idx.append(tok)
+            values.append(value)
+    return row_idx, tok_idx, values
+
+
+def _min_tokens_entries(rows: Sequence[SamplingRow], vocab: int) -> tuple[list[int], list[int]]:
+    """(row, token) pairs to ban: stop tokens of rows still short of ``min_tokens``.
+
+    EOS counts as a stop token unless ``ignore_eos`` (then EOS does not end the request, so
+    there is no reason to keep it from being sampled).
+    """
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    for b, r in enumerate(rows):
+        p = r.params
+        if len(r.output_token_ids) >= p.min_tokens:
+            continue
+        stops = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            stops.update(r.eos_token_ids)
+        # A stop id beyond the logits cannot be sampled, so there is nothing to mask.
+        in_vocab = sorted(t for t in stops if t < vocab)
+        row_idx.extend([b] * len(in_vocab))
+        tok_idx.extend(in_vocab)
+    return row_idx, tok_idx
+
+
+def _token_matrix(
+    token_lists: list[Sequence[int]], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """``[len(token_lists), vocab]`` fp32 counts of each token id in each list."""
+    counts = torch.zeros(len(token_lists), vocab, dtype=torch.float32, device=device)
+    lengths = torch.tensor([len(toks) for toks in token_lists], device=device)
+    tokens = torch.tensor([t for toks in token_lists for t in toks], dtype=torch.int64)
+    if tokens.numel():
+        row_idx = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths)
+        ones = torch.ones(tokens.numel(), device=device)
+        counts.index_put_((row_idx, tokens.to(device)), ones, accumulate=True)
+    return counts
+
+
+def _apply_repetition_penalty(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], which: list[int]
+) -> None:
+    """HF/CTRL semantics over prompt + output tokens: divide positive logits, multiply others."""
+    vocab = logits.shape[-1]
+    seen = (
+        _token_matrix(
+            [[*rows[b].prompt_token_ids, *rows[b].output_token_ids] for b in which],
+            vocab,
+            logits.device,
+        )
+        > 0
+    )
+    penalty = torch.tensor(
+        [rows[b].params.repetition_penalty for b in which], device=logits.device
+    ).unsqueeze(-1)
+    sub = logits[which]
+    penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
+    logits[which] = torch.where(seen, penalised, sub)
+
+
+def _apply_presence_frequency(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], which: list[int]
+) -> None:
+    """OpenAI semantics over output tokens: ``logit -= count * freq + (count > 0) * presence``."""
+    counts = _token_matrix(
+        [rows[b].output_token_ids for b in which], logits.shape[-1], logits.device
+    )
+    freq = torch.tensor(
+        [rows[b].params.frequency_penalty for b in which], device=logits.device
+    ).unsqueeze(-1)
+    presence = torch.tensor(
+        [rows[b].params.presence_penalty for b in which], device=logits.device
+    ).unsqueeze(-1)
+    logits[which] -= counts * freq + (counts > 0).float() * presence
