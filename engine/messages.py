@@ -73,14 +73,6 @@ class StepResult:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class ChatMessage:
-    """One chat turn; ``content`` is plain text (content parts are joined by the API)."""
-
-    role: str
-    content: str
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
 class TextPrompt:
     """A prompt string, tokenized with the tokenizer's special tokens (BOS)."""
 
@@ -96,9 +88,14 @@ class TokensPrompt:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ChatPrompt:
-    """Chat messages: the chat template applies, then tokenization adds no special tokens."""
+    """Chat messages: the chat template applies, then tokenization adds no special tokens.
 
-    messages: tuple[ChatMessage, ...]
+    ``messages_json`` is the caller's message list as JSON text: messages carry open-ended
+    fields (content parts, ``tool_calls``, ``name``) that the template may read, and JSON
+    keeps them exact and packable without a type per field.
+    """
+
+    messages_json: str
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

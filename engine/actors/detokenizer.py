@@ -1,0 +1,147 @@
+"""The detokenizer actor: token ids to text, stop strings, logprobs, per-request outputs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import trio
+
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.messages import (
+    DetokenizerRequest,
+    OutputBatch,
+    RequestOutput,
+    StepOutputs,
+    StopStringHit,
+    TokenDelta,
+    TokenLogprob,
+    Usage,
+)
+
+
+@dataclasses.dataclass(slots=True)
+class _Sample:
+    spec: DetokenizerRequest
+    detokenizer: IncrementalDetokenizer
+    completion_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DetokenizerStatistics:
+    active: int  # samples being detokenized
+    outputs: int  # outputs sent to the router
+    stop_string_hits: int
+
+
+class Detokenizer:
+    """Actor: keeps one :class:`IncrementalDetokenizer` per sample.
+
+    Its inbox carries :class:`DetokenizerRequest` (from the processor, before the sample's
+    first token can exist) and :class:`StepOutputs` (from the scheduler). Each step becomes
+    one :class:`OutputBatch` for the router. When a stop string matches, the sample's final
+    output goes out at once and :class:`StopStringHit` tells the scheduler to finish it, so
+    its blocks are freed; tokens the scheduler still reports for it are ignored.
+    """
+
+    def __init__(
+        self,
+        tokenizer: object,
+        *,
+        inbox: trio.MemoryReceiveChannel[DetokenizerRequest | StepOutputs],
+        to_router: trio.MemorySendChannel[OutputBatch],
+        to_scheduler: trio.MemorySendChannel[StopStringHit],
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._inbox = inbox
+        self._to_router = to_router
+        self._to_scheduler = to_scheduler
+        self._samples: dict[str, _Sample] = {}
+        self._outputs = 0
+        self._stop_hits = 0
+
+    def statistics(self) -> DetokenizerStatistics:
+        return DetokenizerStatistics(len(self._samples), self._outputs, self._stop_hits)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with self._inbox, self._to_router, self._to_scheduler:
+            task_status.started()
+            async for message in self._inbox:
+                if isinstance(message, DetokenizerRequest):
+                    self._add(message)
+                    continue
+                outputs, hits = self.process(message)
+                for hit in hits:
+                    await self._to_scheduler.send(hit)
+                if outputs:
+                    self._outputs += len(outputs)
+                    await self._to_router.send(OutputBatch(outputs))
+
+    def _add(self, spec: DetokenizerRequest) -> None:
+        params = spec.params
+        detokenizer = IncrementalDetokenizer(
+            self._tokenizer,  # type: ignore[arg-type]
+            spec.prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+        self._samples[spec.request_id] = _Sample(spec, detokenizer)
+
+    def process(
+        self, step: StepOutputs
+    ) -> tuple[tuple[RequestOutput, ...], list[StopStringHit]]:
+        """One step's deltas to outputs (pure apart from the per-sample state)."""
+        outputs: list[RequestOutput] = []
+        hits: list[StopStringHit] = []
+        for delta in step.deltas:
+            sample = self._samples.get(delta.request_id)
+            if sample is None:
+                continue  # finished by a stop string, or aborted before it was added
+            output, hit = self._output(sample, delta)
+            if output.finished:
+                del self._samples[delta.request_id]
+            if hit is not None:
+                hits.append(hit)
+                self._stop_hits += 1
+            if output.finished or output.token_ids or output.text:
+                outputs.append(output)
+        return tuple(outputs), hits
+
+    def _output(
+        self, sample: _Sample, delta: TokenDelta
+    ) -> tuple[RequestOutput, StopStringHit | None]:
+        sample.completion_tokens += len(delta.token_ids)
+        update = sample.detokenizer.push(delta.token_ids)
+        text = update.text
+        finish_reason = delta.finish_reason
+        stop_reason: str | int | None = delta.stop_reason
+        hit = None
+        if update.stopped:
+            finish_reason, stop_reason = "stop", update.stop_reason
+            if delta.finish_reason is None:
+                hit = StopStringHit(delta.request_id, update.stop_reason or "")
+        elif finish_reason is not None:
+            final = sample.detokenizer.finish()
+            text += final.text
+            if final.stopped:
+                finish_reason, stop_reason = "stop", final.stop_reason
+        spec = sample.spec
+        finished = finish_reason is not None
+        return (
+            RequestOutput(
+                request_id=spec.parent_id,
+                index=spec.index,
+                text=text,
+                token_ids=delta.token_ids,
+                finished=finished,
+                finish_reason=finish_reason,
+                stop_reason=stop_reason,
+                logprobs=_logprobs(delta) if spec.params.logprobs is not None else None,
+                usage=Usage(len(spec.prompt_token_ids), sample.completion_tokens) if finished else None,
+            ),
+            hit,
+        )
+
+
+def _logprobs(delta: TokenDelta) -> tuple[TokenLogprob, ...]:
+    return tuple(TokenLogprob(s.token_id, s.logprob, s.top_logprobs) for s in delta.logprobs)
