@@ -291,3 +291,103 @@ def unpack(data: bytes) -> object:
     import msgpack
 
     return msgpack.unpackb(data, object_hook=_from_builtin, use_list=False, raw=False)
+
+
+# --- scheduler <-> KV allocator -----------------------------------------------------------
+#
+# The KV-allocator actor owns an ``engine.core.BlockPool`` and answers every call below with
+# exactly one reply (``reply = pool.handle(call)``). Only the scheduler sends calls, one at a
+# time, so the pool sees them in the scheduler's order. Positions are token counts from the
+# start of a request; a block table grows only at its end.
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AllocateSlots:
+    """Grow ``request_id``'s block table so it holds the tokens of this step's chunk.
+
+    The chunk starts at ``num_computed_tokens`` and ends at
+    ``min(num_known_tokens, start + token_budget)``. When ``prefix_token_ids`` is given (the
+    request holds no blocks yet and ``num_computed_tokens`` is 0), the longest verified cached
+    prefix of those tokens is shared first and the chunk starts after it; the prefix never
+    covers the last known token, whose logits must be computed. Answered with
+    :class:`SlotsAllocated`, or :class:`AllocationRefused` with nothing changed.
+    """
+
+    request_id: str
+    num_computed_tokens: int
+    num_known_tokens: int
+    token_budget: int
+    prefix_token_ids: tuple[int, ...] = ()
+    cache_salt: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SlotsAllocated:
+    """``block_ids`` are appended to the request's table (shared prefix blocks first);
+    the chunk is ``num_new_tokens`` tokens after ``num_cached_tokens`` cached ones."""
+
+    request_id: str
+    num_cached_tokens: int
+    num_new_tokens: int
+    block_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AllocationRefused:
+    """Too few free blocks: ``num_blocks_needed`` new blocks, ``num_free_blocks`` free."""
+
+    request_id: str
+    num_blocks_needed: int
+    num_free_blocks: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CacheBlocks:
+    """The request's next full blocks are computed: ``token_ids`` are their tokens (a
+    multiple of the block size), following the blocks already cached for it. The pool
+    hashes them into the prefix cache. Answered with :class:`BlocksCached`."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlocksCached:
+    request_id: str
+    num_cached_blocks: int  # blocks of the request's table now hashed, from its start
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FreeRequest:
+    """Drop the request's block table (finish, abort or preemption). Cached blocks stay
+    reusable until evicted. Freeing an unknown request is a no-op (aborts race finishes)."""
+
+    request_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestFreed:
+    request_id: str
+    num_blocks: int  # length of the table that was dropped
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReadAllocatorStats:
+    """Ask for an :class:`AllocatorStats` snapshot."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AllocatorStats:
+    """``num_free_blocks`` counts blocks no request holds, cached ones included;
+    the prefix-cache counters are cumulative and in tokens."""
+
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+AllocatorCall = AllocateSlots | CacheBlocks | FreeRequest | ReadAllocatorStats
+AllocatorReply = SlotsAllocated | AllocationRefused | BlocksCached | RequestFreed | AllocatorStats
