@@ -1,0 +1,20 @@
+"""Bearer-token check for ``--api-key``."""
+
+from __future__ import annotations
+
+import hmac
+
+# Probes and scrapers must work without the key, as in vLLM.
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+def authorized(api_key: str | None, path: str, authorization: str | None) -> bool:
+    """Whether a request may go through.
+
+    The comparison runs in constant time (``hmac.compare_digest``) so the response time
+    does not leak how many leading bytes of a guessed key were right.
+    """
+    if api_key is None or path in OPEN_PATHS:
+        return True
+    expected = b"Bearer " + api_key.encode()
+    return hmac.compare_digest((authorization or "").encode(), expected)

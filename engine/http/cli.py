@@ -1,0 +1,201 @@
+"""``python -m engine serve``: flags, startup, serving and graceful shutdown.
+
+Lifetimes, outermost first::
+
+    signal receiver (SIGINT, SIGTERM)     opened first: a signal during loading is kept
+      engine.open_engine(...)             loads the model, sizes the KV pool, warms up
+        hypercorn.trio.serve(app, ...)    returns once a signal came and requests drained
+
+The first signal stops accepting connections and gives in-flight requests
+``--shutdown-timeout`` seconds to finish; then hypercorn cancels them (each abort frees its
+KV blocks), the engine closes and the process exits 0. A second signal cancels at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+
+from engine.config import DTYPES, parse_memory
+from engine.errors import EngineError
+from engine.http.app import DEFAULT_MAX_REQUEST_BYTES, create_app
+
+logger = logging.getLogger("engine.http")
+
+# vLLM's default port, so existing client configs work unchanged.
+DEFAULT_PORT = 8000
+# Long enough for a typical CPU generation (a few hundred tokens) to finish.
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+
+# CLI flag dest -> EngineConfig field, for the flags passed to open_engine when given.
+_ENGINE_OPTIONS = (
+    "served_model_name", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+    "block_size", "kv_cache_memory", "max_queued_requests", "dtype", "device", "seed",
+)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``serve`` flags to ``parser`` (see docs/serving.md for each one)."""
+    add = parser.add_argument
+    add("--model", default=None,
+        help="a Hugging Face folder or a .gguf file (default: the bundled SmolLM2-135M-Instruct)")
+    add("--served-model-name", default=None,
+        help="the model name clients send and see (default: derived from the model path)")
+    add("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
+    add("--port", type=int, default=DEFAULT_PORT, help="port to listen on (0 picks a free one)")
+    add("--api-key", default=os.environ.get("ENGINE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $ENGINE_API_KEY, else open)")
+    add("--max-model-len", type=int, default=None,
+        help="context length (default: the model's max_position_embeddings)")
+    add("--max-num-seqs", type=int, default=None, help="most requests in one step")
+    add("--max-num-batched-tokens", type=int, default=None, help="most tokens in one step")
+    add("--block-size", type=int, default=None, help="tokens per KV-cache block (a power of 2)")
+    add("--kv-cache-memory", type=parse_memory, default=None,
+        help="KV pool budget: bytes ('2GiB', '512MB') or a fraction of free memory ('0.5')")
+    add("--max-queued-requests", type=int, default=None,
+        help="waiting requests beyond which new ones get 429")
+    add("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest request body accepted; larger gets 413")
+    add("--dtype", choices=DTYPES, default=None, help="weight and activation dtype")
+    add("--device", default=None, help="auto, cpu, cuda or cuda:N")
+    add("--seed", type=int, default=None, help="seed of the engine's sampling generator")
+    add("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
+        help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
+    add("--log-level", default=os.environ.get("ENGINE_LOG_LEVEL", "info"),
+        choices=["debug", "info", "warning", "error"], help="logging level")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields the user set on the command line."""
+    return {k: getattr(args, k) for k in _ENGINE_OPTIONS if getattr(args, k, None) is not None}
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Run the server until SIGINT/SIGTERM; return the process exit status."""
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        trio.run(_serve, args)
+    except EngineError as exc:  # a model that does not load, a bad option
+        logger.error("%s", exc)
+        return 1
+    except ValueError as exc:  # InvalidParamError from EngineConfig
+        logger.error("invalid option: %s", exc)
+        return 2
+    return 0
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    import engine.api
+
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        t0 = time.monotonic()
+        with _LoadProgress() as progress:
+            async with engine.api.open_engine(args.model, **engine_options(args)) as eng:
+                progress.close()
+                logger.info("engine ready: %s, max_model_len %d (%.2f s)", eng.model_name,
+                            eng.max_model_len, time.monotonic() - t0)
+                app = create_app(eng, api_key=args.api_key,
+                                 max_request_bytes=args.max_request_bytes)
+                await _serve_until_signal(app, args, signals)
+        logger.info("shut down cleanly")
+
+
+async def _serve_until_signal(app: Any, args: argparse.Namespace, signals: Any) -> None:
+    async with trio.open_nursery() as nursery:
+
+        async def shutdown_trigger() -> None:
+            async for signum in signals:
+                logger.info("%s: draining in-flight requests (up to %.0f s)",
+                            signal.Signals(signum).name, args.shutdown_timeout)
+                nursery.start_soon(_cancel_on_second_signal, signals, nursery.cancel_scope)
+                return
+
+        async def run_server(task_status: trio.TaskStatus[list[str]]) -> None:
+            await serve_app(app, host=args.host, port=args.port,
+                            shutdown_timeout=args.shutdown_timeout,
+                            shutdown_trigger=shutdown_trigger, task_status=task_status)
+            # Drained: stop the second-signal watcher so the nursery can close.
+            nursery.cancel_scope.cancel()
+
+        t1 = time.monotonic()
+        binds = await nursery.start(run_server)
+        logger.info("listening on %s (%.2f s)", ", ".join(binds), time.monotonic() - t1)
+
+
+async def _cancel_on_second_signal(signals: Any, scope: trio.CancelScope) -> None:
+    async for signum in signals:
+        logger.warning("%s again: cancelling in-flight requests now",
+                       signal.Signals(signum).name)
+        scope.cancel()
+        return
+
+
+async def serve_app(
+    app: Any, *, host: str, port: int, shutdown_timeout: float,
+    shutdown_trigger: Callable[[], Awaitable[None]],
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``app`` with hypercorn's trio worker until ``shutdown_trigger`` returns.
+
+    ``task_status.started`` gets the bound URLs (``port=0`` picks a free port). After the
+    trigger, new connections are refused and in-flight requests get ``shutdown_timeout``
+    seconds before they are cancelled.
+    """
+    config = HypercornConfig()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.graceful_timeout = shutdown_timeout
+    config.accesslog = None
+    # Hypercorn's own "Running on" line duplicates ours; its errors still reach the log.
+    config.loglevel = "WARNING"
+    await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger,
+                          task_status=task_status)
+
+
+class _LoadProgress:
+    """A tqdm bar over the engine's startup phases, advanced by its log lines.
+
+    The loader reports progress as one "engine" log line per phase; this turns those
+    lines into a bar on stderr while the model loads (disabled when stderr is no tty).
+    """
+
+    # load weights, size the KV pool, warm up: the phases the engine logs.
+    PHASES = 3
+
+    def __enter__(self) -> _LoadProgress:
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=self.PHASES, desc="loading model", unit="phase",
+                         leave=False, disable=None)
+        self._handler = _PhaseHandler(self._bar)
+        logging.getLogger("engine").addHandler(self._handler)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Finish the bar (idempotent): loading is over."""
+        logging.getLogger("engine").removeHandler(self._handler)
+        self._bar.close()
+
+
+class _PhaseHandler(logging.Handler):
+    def __init__(self, bar: Any) -> None:
+        super().__init__(level=logging.INFO)
+        self._bar = bar
+
+    def emit(self, record: logging.LogRecord) -> None:
+        # Only the engine's own phase lines, not this module's (engine.http).
+        if not record.name.startswith("engine.http") and self._bar.n < self._bar.total:
+            self._bar.update(1)
