@@ -1,0 +1,281 @@
+"""The KV-block pool: a fixed set of blocks, reference counts, an eviction queue and a
+prefix cache. Pure and synchronous; the KV-allocator actor is ``reply = pool.handle(call)``.
+
+Block states::
+
+    held        ref_count > 0, in one or more requests' tables (shared when > 1)
+    free        ref_count == 0, in the free queue; may still be *cached*:
+                its tokens stay reusable until allocation evicts it
+
+    free queue (eviction order):  head -> [evicted first ... evicted last] <- tail
+    allocation pops the head; a freed block is appended at the tail; a prefix hit on a
+    free cached block takes it out of the queue wherever it is.
+
+Prefix cache. Only full blocks whose tokens are computed are cached. A block's key chains
+its parent's key, its tokens and the request's ``cache_salt``, so equal keys normally
+mean equal prefixes. The key is only a bucket index: a hit is *verified* by comparing the
+block's stored tokens and salt and by checking that its stored parent is the very cache
+entry matched one block earlier (each cache entry gets a fresh generation number, so a
+parent evicted and reused for other tokens no longer matches its old children). By
+induction a hit of ``k`` blocks means the whole ``k * block_size`` token prefix is equal,
+whatever the hash function does.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+from engine.core.request import ProtocolError
+from engine.errors import InvalidParamError
+from engine.messages import (
+    AllocateSlots,
+    AllocationRefused,
+    AllocatorCall,
+    AllocatorReply,
+    AllocatorStats,
+    BlocksCached,
+    CacheBlocks,
+    FreeRequest,
+    ReadAllocatorStats,
+    RequestFreed,
+    SlotsAllocated,
+)
+
+BlockHasher = Callable[[int | None, str | None, tuple[int, ...]], int]
+
+
+def block_hash(parent_hash: int | None, cache_salt: str | None, token_ids: tuple[int, ...]) -> int:
+    """The prefix-cache key of a full block. Python's tuple hash is fast and, because every
+    hit is verified against the stored tokens, a collision costs a miss, never a wrong hit."""
+    return hash((parent_hash, cache_salt, token_ids))
+
+
+class _Block:
+    __slots__ = ("block_id", "ref_count", "key", "token_ids", "salt", "parent_gen", "gen")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.gen = 0  # cache entry identity; 0 = not cached
+        self.key = 0
+        self.token_ids: tuple[int, ...] = ()
+        self.salt: str | None = None
+        self.parent_gen = 0  # gen of the parent entry; 0 for a request's first block
+
+
+class BlockPool:
+    """``num_blocks`` KV blocks of ``block_size`` tokens, handed out to requests.
+
+    Each request has one block table that only grows, until :class:`FreeRequest` drops it.
+    ``hasher`` replaces :func:`block_hash` (tests force collisions with it).
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        hasher: BlockHasher = block_hash,
+    ) -> None:
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidParamError(f"{name} must be a positive integer, got {value!r}", param=name)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._hasher = hasher
+        self._blocks = [_Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._buckets: dict[int, list[_Block]] = {}
+        self._tables: dict[str, list[int]] = {}
+        # Per request: (key, gen) of each leading block whose tokens are in the cache,
+        # the chain its next cached block hangs from.
+        self._chains: dict[str, list[tuple[int, int]]] = {}
+        self._salts: dict[str, str | None] = {}
+        self._next_gen = 1
+        self._num_cached = 0
+        self._queries = 0
+        self._hits = 0
+
+    # -- protocol -------------------------------------------------------------------------
+
+    def handle(self, call: AllocatorCall) -> AllocatorReply:
+        """Answer one allocator call (see ``engine.messages``)."""
+        match call:
+            case AllocateSlots():
+                return self.allocate_slots(call)
+            case CacheBlocks(request_id, token_ids):
+                return self.cache_blocks(request_id, token_ids)
+            case FreeRequest(request_id):
+                return self.free_request(request_id)
+            case ReadAllocatorStats():
+                return self.statistics()
+        raise ProtocolError(f"the block pool cannot handle {type(call).__name__}")
+
+    def allocate_slots(self, call: AllocateSlots) -> SlotsAllocated | AllocationRefused:
+        """Grow a table for one chunk, sharing a cached prefix first; all or nothing."""
+        table = self._tables.get(call.request_id, [])
+        if call.prefix_token_ids and (table or call.num_computed_tokens):
+            raise ProtocolError(
+                f"request {call.request_id!r}: prefix lookup while it holds blocks or computed tokens"
+            )
+        hits = self._lookup(call) if call.prefix_token_ids else []
+        start = call.num_computed_tokens + len(hits) * self.block_size
+        end = min(call.num_known_tokens, start + call.token_budget)
+        if end <= start:
+            raise ProtocolError(f"request {call.request_id!r}: nothing to compute from {start}")
+        num_new = max(0, -(-end // self.block_size) - len(table) - len(hits))
+        # Hit blocks that sit in the free queue leave it too; count them against it.
+        num_taken = num_new + sum(1 for b in hits if b.ref_count == 0)
+        if num_taken > len(self._free):
+            return AllocationRefused(call.request_id, num_taken, len(self._free))
+        for block in hits:
+            self._take(block)
+        new_ids = [self._allocate_one() for _ in range(num_new)]
+        if call.request_id not in self._tables:
+            self._tables[call.request_id] = table
+            self._chains[call.request_id] = [(b.key, b.gen) for b in hits]
+            self._salts[call.request_id] = call.cache_salt
+        block_ids = [b.block_id for b in hits] + new_ids
+        table.extend(block_ids)
+        if call.prefix_token_ids and self.enable_prefix_caching:
+            self._queries += len(call.prefix_token_ids)
+            self._hits += len(hits) * self.block_size
+        return SlotsAllocated(call.request_id, len(hits) * self.block_size, end - start, tuple(block_ids))
+
+    def cache_blocks(self, request_id: str, token_ids: tuple[int, ...]) -> BlocksCached:
+        """Enter the request's next full, computed blocks into the prefix cache."""
+        if not self.enable_prefix_caching:
+            return BlocksCached(request_id, 0)
+        table = self._tables.get(request_id)
+        if table is None:
+            raise ProtocolError(f"cache_blocks for {request_id!r}, which holds no blocks")
+        chain = self._chains[request_id]
+        count, rest = divmod(len(token_ids), self.block_size)
+        if rest or len(chain) + count > len(table):
+            raise ProtocolError(
+                f"request {request_id!r}: {len(token_ids)} tokens are not whole blocks after "
+                f"the {len(chain)} cached ones of its {len(table)}"
+            )
+        salt = self._salts[request_id]
+        for i in range(count):
+            tokens = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
+            parent_key, parent_gen = chain[-1] if chain else (None, 0)
+            key = self._hasher(parent_key, salt, tokens)
+            entry = self._find(key, tokens, salt, parent_gen)
+            if entry is None:
+                # Another request may already cache equal tokens; then this block stays
+                # private and the chain continues from that entry.
+                entry = self._enter(self._blocks[table[len(chain)]], key, tokens, salt, parent_gen)
+            chain.append((key, entry.gen))
+        return BlocksCached(request_id, len(chain))
+
+    def free_request(self, request_id: str) -> RequestFreed:
+        """Drop a table; blocks whose count reaches 0 join the free queue's tail, the
+        table's last block first, so a prefix's first blocks are evicted last."""
+        table = self._tables.pop(request_id, None)
+        if table is None:
+            return RequestFreed(request_id, 0)
+        del self._chains[request_id], self._salts[request_id]
+        for block_id in reversed(table):
+            block = self._blocks[block_id]
+            if block.ref_count <= 0 or block_id in self._free:
+                raise ProtocolError(f"block {block_id} freed twice (request {request_id!r})")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+        return RequestFreed(request_id, len(table))
+
+    def statistics(self) -> AllocatorStats:
+        return AllocatorStats(
+            num_blocks=self.num_blocks,
+            num_free_blocks=len(self._free),
+            num_cached_blocks=self._num_cached,
+            usage=1.0 - len(self._free) / self.num_blocks,
+            prefix_cache_queries=self._queries,
+            prefix_cache_hits=self._hits,
+        )
+
+    # -- read-only views (tests, debugging) -----------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request holds, cached ones included."""
+        return len(self._free)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._blocks[block_id].ref_count
+
+    def free_block_ids(self) -> tuple[int, ...]:
+        """The free queue, next to be evicted first."""
+        return tuple(self._free)
+
+    def block_table(self, request_id: str) -> tuple[int, ...]:
+        return tuple(self._tables.get(request_id, ()))
+
+    def lookup(self, token_ids: tuple[int, ...], cache_salt: str | None = None) -> tuple[int, ...]:
+        """The blocks of the longest verified cached prefix of ``token_ids`` (full blocks
+        only, no cap). Takes no references and changes no statistics."""
+        return tuple(b.block_id for b in self._match(token_ids, cache_salt, len(token_ids) // self.block_size))
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _lookup(self, call: AllocateSlots) -> list[_Block]:
+        if not self.enable_prefix_caching:
+            return []
+        # Never the whole known sequence: the last token's logits must be computed.
+        limit = min(len(call.prefix_token_ids), call.num_known_tokens - 1)
+        return self._match(call.prefix_token_ids, call.cache_salt, max(0, limit) // self.block_size)
+
+    def _match(self, token_ids: tuple[int, ...], salt: str | None, max_blocks: int) -> list[_Block]:
+        hits: list[_Block] = []
+        parent_key: int | None = None
+        parent_gen = 0
+        for i in range(max_blocks):
+            tokens = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
+            key = self._hasher(parent_key, salt, tokens)
+            block = self._find(key, tokens, salt, parent_gen)
+            if block is None:
+                break
+            hits.append(block)
+            parent_key, parent_gen = key, block.gen
+        return hits
+
+    def _find(self, key: int, tokens: tuple[int, ...], salt: str | None, parent_gen: int) -> _Block | None:
+        for block in self._buckets.get(key, ()):
+            if block.parent_gen == parent_gen and block.token_ids == tokens and block.salt == salt:
+                return block
+        return None
+
+    def _enter(self, block: _Block, key: int, tokens: tuple[int, ...], salt: str | None, parent_gen: int) -> _Block:
+        if block.gen:
+            raise ProtocolError(f"block {block.block_id} is cached already")
+        block.key, block.token_ids, block.salt, block.parent_gen = key, tokens, salt, parent_gen
+        block.gen = self._next_gen
+        self._next_gen += 1
+        self._buckets.setdefault(key, []).append(block)
+        self._num_cached += 1
+        return block
+
+    def _evict(self, block: _Block) -> None:
+        bucket = self._buckets[block.key]
+        bucket.remove(block)
+        if not bucket:
+            del self._buckets[block.key]
+        block.gen, block.token_ids, block.salt = 0, (), None
+        self._num_cached -= 1
+
+    def _take(self, block: _Block) -> None:
+        if block.ref_count == 0:
+            del self._free[block.block_id]
+        block.ref_count += 1
+
+    def _allocate_one(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self._blocks[block_id]
+        if block.gen:
+            self._evict(block)
+        block.ref_count = 1
+        return block_id

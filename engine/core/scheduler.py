@@ -1,0 +1,452 @@
+"""The scheduler: which tokens of which requests each engine step computes.
+
+One rule makes the whole policy: every step, each request is given tokens so that its
+computed tokens catch up with its known tokens, under a token budget
+(``max_num_batched_tokens``) and a sequence budget (``max_num_seqs``); running requests
+first, in queue order, then waiting ones. A prompt longer than what is left of the budget
+is split over steps (chunked prefill); a decode is a one-token catch-up. Only a chunk that
+reaches the end of the known tokens samples.
+
+:meth:`Scheduler.schedule` is a sans-IO generator: it yields allocator calls
+(``engine.messages.AllocateSlots`` and ``FreeRequest``), receives their replies and
+returns the :class:`StepPlan`. The scheduler actor forwards the calls to the KV-allocator
+actor; tests answer them with a :class:`BlockPool` through :func:`run_with_pool`.
+
+Async scheduling: ``schedule()`` may run again before the previous plan's result arrived.
+A request whose last chunk sampled counts one placeholder token per step in flight
+(``Request.num_pending_tokens``), so its next position can be planned before its id is
+known; the model runner holds the real ids.
+
+When the allocator refuses blocks to a running request, the newest running request
+(``fcfs``) or the lowest-priority, newest one (``priority``: a larger value is a lower
+priority) is preempted: its blocks are freed and it returns to the front of the waiting
+queue with nothing computed; its outputs are kept and recomputed as known tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Callable, Generator, Iterable
+
+from engine.config import EngineConfig
+from engine.core.block_pool import BlockPool
+from engine.core.request import ProtocolError, Request, RequestStatus
+from engine.errors import InvalidParamError, PromptTooLongError
+from engine.messages import (
+    AllocateSlots,
+    AllocatorCall,
+    AllocatorReply,
+    CacheBlocks,
+    FreeRequest,
+    NewRequest,
+    SampledToken,
+    ScheduledChunk,
+    SchedulerRequest,
+    SlotsAllocated,
+    StepPlan,
+    StepResult,
+    TokenDelta,
+)
+
+POLICIES = ("fcfs", "priority")
+
+ScheduleGenerator = Generator[AllocatorCall, AllocatorReply, StepPlan]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulerConfig:
+    """The scheduler's part of the engine configuration.
+
+    ``num_kv_blocks`` must equal the allocator's pool size: a request is admitted only if
+    it fits the pool alone, which is what guarantees that preemption always ends.
+    """
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    max_model_len: int
+    num_kv_blocks: int
+    policy: str = "fcfs"
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "num_kv_blocks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidParamError(f"{name} must be a positive integer, got {value!r}", param=name)
+        if self.policy not in POLICIES:
+            raise InvalidParamError(f"policy must be one of {POLICIES}, got {self.policy!r}", param="policy")
+
+    @classmethod
+    def from_engine_config(
+        cls, config: EngineConfig, *, max_model_len: int, num_kv_blocks: int
+    ) -> SchedulerConfig:
+        """Take the scheduling fields of ``config``; the context length and the pool size
+        are resolved elsewhere (from the model and the memory budget)."""
+        return cls(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            block_size=config.block_size,
+            max_model_len=max_model_len,
+            num_kv_blocks=num_kv_blocks,
+            policy=config.scheduling_policy,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+
+    @property
+    def max_request_len(self) -> int:
+        """Prompt plus outputs of one request: the context, or the whole pool if smaller."""
+        return min(self.max_model_len, self.num_kv_blocks * self.block_size)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    running: int
+    waiting: int  # preempted requests included
+    preemptions: int  # cumulative
+    steps: int  # plans returned
+    scheduled_tokens: int  # cumulative, over all plans
+    finished: int  # cumulative, aborts included
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SchedulerUpdate:
+    """What one step's result changed: a delta per sampled token of a live request, and
+    the allocator calls (cache commits, then frees) to send before the next ``schedule()``."""
+
+    deltas: tuple[TokenDelta, ...]
+    allocator_calls: tuple[AllocatorCall, ...]
+
+
+@dataclasses.dataclass(slots=True)
+class _Step:
+    """A plan being built."""
+
+    step_id: int
+    budget: int
+    new_requests: list[NewRequest] = dataclasses.field(default_factory=list)
+    chunks: list[ScheduledChunk] = dataclasses.field(default_factory=list)
+    epochs: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill, preemption by recompute and async
+    scheduling; FCFS or priority queues. Pure: no I/O, no trio.
+
+    Call order: :meth:`schedule` (drive the generator to its end before calling anything
+    else), then for each plan, in plan order, :meth:`update_from_output`; send the
+    allocator calls every method returns before the next ``schedule()``.
+    """
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self._requests: dict[str, Request] = {}
+        self._waiting: list[Request] = []
+        self._running: list[Request] = []  # kept in queue order: the victim is the last
+        self._waiters: dict[str, list[Request]] = {}  # request id -> samples waiting for its prompt
+        self._prompt_pending: set[str] = set()  # live requests whose prompt is not all computed
+        self._finished_ids: list[str] = []  # for the next plan: runner state to drop
+        self._in_flight: dict[int, dict[str, int]] = {}  # step id -> request id -> epoch
+        self._next_step_id = 0
+        self._next_arrival = 0
+        self._preemptions = 0
+        self._scheduled_tokens = 0
+        self._finished = 0
+        self._key: Callable[[Request], tuple[int, ...]] = (
+            _priority_key if config.policy == "priority" else _fcfs_key
+        )
+
+    # -- requests in and out ----------------------------------------------------------------
+
+    def add_request(self, request: SchedulerRequest) -> Request:
+        """Queue one sample. Raises :class:`PromptTooLongError` when the prompt leaves no
+        room for an output in the context or in the KV pool; ``max_tokens`` is cut to fit."""
+        if request.request_id in self._requests:
+            raise InvalidParamError(f"request id {request.request_id!r} is in use", param="request_id")
+        prompt_len = len(request.prompt_token_ids)
+        if prompt_len == 0:
+            raise InvalidParamError("the prompt is empty", param="prompt")
+        if request.max_tokens < 1:
+            raise InvalidParamError(f"max_tokens must be >= 1, got {request.max_tokens}", param="max_tokens")
+        limit = self.config.max_request_len
+        if prompt_len >= limit:
+            raise PromptTooLongError(prompt_tokens=prompt_len, max_tokens=request.max_tokens, max_model_len=limit)
+        req = Request(
+            request.request_id,
+            request.prompt_token_ids,
+            request.params,
+            max_tokens=min(request.max_tokens, limit - prompt_len),
+            eos_token_ids=request.eos_token_ids,
+            priority=request.priority,
+            arrival=self._next_arrival,
+            cache_salt=request.cache_salt,
+            wait_for=self._waitable(request.wait_for),
+        )
+        self._next_arrival += 1
+        self._requests[req.request_id] = req
+        self._prompt_pending.add(req.request_id)
+        if req.wait_for is not None:
+            self._waiters.setdefault(req.wait_for, []).append(req)
+        self._enqueue_waiting(req, front=False)
+        return req
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[AllocatorCall]:
+        """Finish live requests from outside (abort, a stop string seen by the detokenizer).
+        Unknown or already finished ids are ignored. Returns the frees to send."""
+        if not status.is_finished:
+            raise InvalidParamError(f"{status} is not a finished status", param="status")
+        calls: list[AllocatorCall] = []
+        for request_id in request_ids:
+            req = self._requests.get(request_id)
+            if req is not None:
+                calls.extend(self._finish(req, status))
+        return calls
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        """Live requests, or finished ones the runner has not been told about yet. An empty
+        plan while this is true means: wait for the step in flight."""
+        return bool(self._requests or self._finished_ids)
+
+    def statistics(self) -> SchedulerStats:
+        return SchedulerStats(
+            running=len(self._running),
+            waiting=len(self._waiting),
+            preemptions=self._preemptions,
+            steps=self._next_step_id,
+            scheduled_tokens=self._scheduled_tokens,
+            finished=self._finished,
+        )
+
+    # -- planning -------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduleGenerator:
+        """Plan one step; yields allocator calls, receives their replies, returns the plan."""
+        step = _Step(self._next_step_id, self.config.max_num_batched_tokens)
+        self._next_step_id += 1
+        preempted = yield from self._schedule_running(step)
+        # Like vLLM: after a preemption this step, admitting new work would only thrash.
+        if not preempted:
+            yield from self._schedule_waiting(step)
+        if step.chunks:
+            self._in_flight[step.step_id] = step.epochs
+        plan = StepPlan(step.step_id, tuple(step.new_requests), tuple(step.chunks), tuple(self._finished_ids))
+        self._finished_ids.clear()
+        self._scheduled_tokens += self.config.max_num_batched_tokens - step.budget
+        return plan
+
+    def _schedule_running(self, step: _Step) -> Generator[AllocatorCall, AllocatorReply, bool]:
+        preempted = False
+        i = 0
+        while i < len(self._running) and step.budget > 0:
+            req = self._running[i]
+            if not req.can_sample:
+                i += 1  # every output is drawn; its last results are in flight
+                continue
+            while True:
+                reply = yield self._allocate_call(req, step.budget, lookup=False)
+                if isinstance(reply, SlotsAllocated):
+                    break
+                # The victim is last in queue order, so never a request already planned.
+                victim = self._running[-1]
+                if victim is req and len(self._running) == 1:
+                    raise _too_small(req, reply)
+                yield from self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    return preempted  # it was the last one; nothing after it is running
+            self._add_chunk(step, req, reply)
+            i += 1
+        return preempted
+
+    def _schedule_waiting(self, step: _Step) -> Generator[AllocatorCall, AllocatorReply, None]:
+        for req in tuple(self._waiting):
+            if step.budget == 0 or len(self._running) >= self.config.max_num_seqs:
+                return
+            if req.wait_for is not None or not req.can_sample:
+                continue
+            reply = yield self._allocate_call(req, step.budget, lookup=self.config.enable_prefix_caching)
+            if not isinstance(reply, SlotsAllocated):
+                if not self._running:
+                    raise _too_small(req, reply)
+                return  # no overtaking: later requests wait for blocks too
+            self._waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            bisect.insort(self._running, req, key=self._key)
+            if not req.seen_by_runner:
+                req.seen_by_runner = True
+                step.new_requests.append(
+                    NewRequest(req.request_id, req.prompt_token_ids, req.params, req.eos_token_ids)
+                )
+            self._add_chunk(step, req, reply)
+
+    def _allocate_call(self, req: Request, budget: int, *, lookup: bool) -> AllocateSlots:
+        first = not req.block_ids
+        return AllocateSlots(
+            req.request_id,
+            req.num_computed_tokens,
+            req.num_known_tokens,
+            budget,
+            req.known_token_ids() if lookup and first else (),
+            req.cache_salt if first else None,
+        )
+
+    def _add_chunk(self, step: _Step, req: Request, reply: AllocatorReply) -> None:
+        if not isinstance(reply, SlotsAllocated) or reply.request_id != req.request_id:
+            raise ProtocolError(f"expected SlotsAllocated for {req.request_id!r}, got {reply!r}")
+        if reply.num_cached_tokens:
+            req.num_computed_tokens += reply.num_cached_tokens
+            req.num_cached_blocks = reply.num_cached_tokens // self.config.block_size
+        req.block_ids.extend(reply.block_ids)
+        start, count = req.num_computed_tokens, reply.num_new_tokens
+        if not 0 < count <= step.budget or start + count > req.num_known_tokens:
+            raise ProtocolError(f"{reply!r} does not fit {req!r} with budget {step.budget}")
+        sample = start + count == req.num_known_tokens
+        step.chunks.append(ScheduledChunk(req.request_id, start, count, tuple(req.block_ids), sample))
+        step.epochs[req.request_id] = req.num_preemptions
+        step.budget -= count
+        req.num_computed_tokens += count
+        if sample:
+            req.num_pending_tokens += 1
+
+    def _preempt(self, req: Request) -> Generator[AllocatorCall, AllocatorReply, None]:
+        self._running.remove(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.block_ids = []
+        req.num_cached_blocks = 0
+        req.num_preemptions += 1  # chunks planned before this now write to freed blocks
+        self._preemptions += 1
+        self._enqueue_waiting(req, front=True)
+        yield FreeRequest(req.request_id)
+
+    # -- results --------------------------------------------------------------------------
+
+    def update_from_output(self, plan: StepPlan, result: StepResult) -> SchedulerUpdate:
+        """Apply one step's sampled tokens, in plan order. Tokens of requests finished in
+        the meantime are dropped; every other token is kept, even for a preempted request,
+        because the runner already appended it to its copy."""
+        if result.step_id != plan.step_id:
+            raise ProtocolError(f"result of step {result.step_id} given for plan {plan.step_id}")
+        epochs = self._in_flight.pop(plan.step_id, None)
+        if epochs is None:
+            if plan.chunks:
+                raise ProtocolError(f"step {plan.step_id} is not in flight")
+            return SchedulerUpdate((), ())
+        sampled = {s.request_id: s for s in result.sampled}
+        deltas: list[TokenDelta] = []
+        calls: list[AllocatorCall] = []
+        for chunk in plan.chunks:
+            req = self._requests.get(chunk.request_id)
+            if req is None:
+                continue
+            if epochs[chunk.request_id] == req.num_preemptions:
+                calls.extend(self._computed(req, chunk.start + chunk.num_tokens))
+            if chunk.sample:
+                req.num_pending_tokens -= 1
+                token = sampled.get(chunk.request_id)
+                if token is None:
+                    raise ProtocolError(f"step {plan.step_id} drew no token for {chunk.request_id!r}")
+                deltas.append(self._apply_token(req, token, calls))
+        return SchedulerUpdate(tuple(deltas), tuple(calls))
+
+    def _computed(self, req: Request, end: int) -> list[AllocatorCall]:
+        """Positions below ``end`` are in the KV cache: commit full blocks, wake samples
+        waiting for this prompt."""
+        if end >= req.num_prompt_tokens:
+            self._release_waiters(req.request_id)
+        if not self.config.enable_prefix_caching:
+            return []
+        bs = self.config.block_size
+        full = min(end, req.num_prompt_tokens + len(req.output_token_ids)) // bs
+        if full <= req.num_cached_blocks:
+            return []
+        tokens = _token_slice(req, req.num_cached_blocks * bs, full * bs)
+        req.num_cached_blocks = full
+        return [CacheBlocks(req.request_id, tokens)]
+
+    def _apply_token(self, req: Request, token: SampledToken, calls: list[AllocatorCall]) -> TokenDelta:
+        status = req.append_output(token.token_id)
+        if status is not None:
+            calls.extend(self._finish(req, status))
+        return TokenDelta(
+            req.request_id,
+            (token.token_id,),
+            (token,) if req.params.logprobs is not None else (),
+            status.finish_reason if status else None,
+            req.stop_reason if status else None,
+        )
+
+    # -- queues ---------------------------------------------------------------------------
+
+    def _finish(self, req: Request, status: RequestStatus) -> list[AllocatorCall]:
+        req.status = status
+        del self._requests[req.request_id]
+        if req in self._running:
+            self._running.remove(req)
+        else:
+            self._waiting.remove(req)
+        self._release_waiters(req.request_id)
+        if req.seen_by_runner:
+            self._finished_ids.append(req.request_id)
+        self._finished += 1
+        had_blocks = bool(req.block_ids)
+        req.block_ids = []
+        return [FreeRequest(req.request_id)] if had_blocks else []
+
+    def _enqueue_waiting(self, req: Request, *, front: bool) -> None:
+        if self.config.policy == "priority":
+            bisect.insort(self._waiting, req, key=self._key)
+        elif front:
+            self._waiting.insert(0, req)
+        else:
+            self._waiting.append(req)
+
+    def _waitable(self, request_id: str | None) -> str | None:
+        """Wait only for a live request still computing its prompt, and only when the
+        prefix cache can share that prompt."""
+        if request_id is None or not self.config.enable_prefix_caching:
+            return None
+        return request_id if request_id in self._prompt_pending else None
+
+    def _release_waiters(self, request_id: str) -> None:
+        self._prompt_pending.discard(request_id)
+        for waiter in self._waiters.pop(request_id, ()):
+            waiter.wait_for = None
+
+
+def run_with_pool(gen: ScheduleGenerator, pool: BlockPool) -> StepPlan:
+    """Drive a :meth:`Scheduler.schedule` generator against a local pool; return the plan."""
+    try:
+        call = next(gen)
+        while True:
+            call = gen.send(pool.handle(call))
+    except StopIteration as stop:
+        return stop.value
+
+
+def _fcfs_key(req: Request) -> tuple[int, ...]:
+    return (req.arrival,)
+
+
+def _priority_key(req: Request) -> tuple[int, ...]:
+    return (req.priority, req.arrival)
+
+
+def _token_slice(req: Request, start: int, end: int) -> tuple[int, ...]:
+    prompt_len = req.num_prompt_tokens
+    head = req.prompt_token_ids[start:end]
+    if end <= prompt_len:
+        return head
+    return head + tuple(req.output_token_ids[max(0, start - prompt_len) : end - prompt_len])
+
+
+def _too_small(req: Request, reply: AllocatorReply) -> ProtocolError:
+    return ProtocolError(
+        f"{req!r} alone does not fit the KV pool ({reply!r}): SchedulerConfig.num_kv_blocks "
+        "must equal the pool's size"
+    )
