@@ -82,8 +82,9 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Run the server until SIGINT/SIGTERM; return the process exit status."""
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # engine/__main__.py may have configured the root logger already; the flag wins.
+    logging.getLogger().setLevel(args.log_level.upper())
     try:
         trio.run(_serve, args)
     except EngineError as exc:  # a model that does not load, a bad option

@@ -1,0 +1,270 @@
+"""End to end: the official openai client and raw HTTP against the server on a tiny model.
+
+One server per module (a background thread, real engine, tiny llama, free loopback port).
+The openai client is the oracle for the wire format; greedy decoding makes streamed and
+non-streamed answers comparable token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import httpx
+import openai
+import pytest
+import trio
+
+from engine.models.testing import write_tiny_model
+from http_server import ServerThread
+
+MODEL = "tiny-llama"
+
+
+def _open_engine(folder, **options):
+    import engine.api
+
+    return engine.api.open_engine(str(folder), served_model_name=MODEL, max_model_len=256,
+                                  **options)
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
+
+
+@pytest.fixture(scope="module")
+def server(model_folder):
+    with ServerThread(lambda: _open_engine(model_folder)) as srv:
+        yield srv
+
+
+@pytest.fixture
+def client(server):
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+GREEDY = {"temperature": 0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
+
+
+def _prompt_tokens(server, text):
+    return httpx.post(server.base_url + "/tokenize", json={"prompt": text}).json()["count"]
+
+
+def test_completion_non_streamed_and_streamed_agree(server, client):
+    full = client.completions.create(model=MODEL, prompt="The quick brown", **GREEDY)
+    (choice,) = full.choices
+    assert choice.finish_reason == "length"
+    assert full.usage.completion_tokens == 12
+    assert full.usage.prompt_tokens == _prompt_tokens(server, "The quick brown")
+    assert full.usage.total_tokens == full.usage.prompt_tokens + 12
+    chunks = list(client.completions.create(model=MODEL, prompt="The quick brown", stream=True,
+                                            **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_chat_non_streamed_and_streamed_agree(client):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hello"}]}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
+    assert full.object == "chat.completion"
+    assert full.choices[0].message.role == "assistant"
+    assert full.usage.completion_tokens == 12
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, stream=True,
+                                                 **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == \
+        full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_n_2_gives_two_choices_each_finished(client):
+    full = client.completions.create(model=MODEL, prompt="Hello", n=2, max_tokens=6, seed=1,
+                                     extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in full.choices) == [0, 1]
+    assert all(c.finish_reason == "length" for c in full.choices)
+    assert full.usage.completion_tokens == 12
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=2, max_tokens=6,
+        stream=True, extra_body={"ignore_eos": True}))
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == index]
+        assert mine[0].delta.role == "assistant"
+        assert [c.finish_reason for c in mine if c.finish_reason] == ["length"]
+        assert mine[-1].finish_reason == "length"
+
+
+def test_list_and_token_id_prompts(server, client):
+    ids = httpx.post(server.base_url + "/tokenize", json={"prompt": "Hello"}).json()["tokens"]
+    full = client.completions.create(model=MODEL, prompt=["Hello", "The quick"], **GREEDY)
+    assert [c.index for c in full.choices] == [0, 1]
+    by_ids = client.completions.create(model=MODEL, prompt=ids, **GREEDY)
+    assert by_ids.choices[0].text == full.choices[0].text
+    nested = client.completions.create(model=MODEL, prompt=[ids, ids], **GREEDY)
+    assert [c.text for c in nested.choices] == [full.choices[0].text] * 2
+
+
+def test_completion_logprobs(client):
+    full = client.completions.create(model=MODEL, prompt="Hello", logprobs=3, **GREEDY)
+    lp = full.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 12
+    assert "".join(lp.tokens) == full.choices[0].text
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert logprob <= 0
+        assert 1 <= len(top) <= 3
+        # Greedy: the chosen token is the most likely one.
+        assert top[token] == pytest.approx(max(top.values()), abs=1e-4)
+
+
+def test_chat_logprobs(client):
+    full = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], logprobs=True,
+        top_logprobs=2, **GREEDY)
+    content = full.choices[0].logprobs.content
+    assert len(content) == 12
+    assert all(len(item.top_logprobs) == 2 and item.logprob <= 0 for item in content)
+
+
+def test_include_usage_adds_a_final_usage_chunk(client):
+    chunks = list(client.completions.create(
+        model=MODEL, prompt="Hello", stream=True, stream_options={"include_usage": True},
+        **GREEDY))
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == 12
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_sse_framing_byte_for_byte(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True,
+            "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = b"".join(r.iter_raw())
+    assert raw.endswith(b"\n\ndata: [DONE]\n\n")
+    events = raw.split(b"\n\n")
+    assert events[-1] == b"" and events[-2] == b"data: [DONE]"
+    payloads = [json.loads(e.removeprefix(b"data: ")) for e in events[:-2]]
+    # Re-encoding every payload compactly gives back the exact bytes that were sent.
+    rebuilt = b"".join(b"data: " + json.dumps(p, ensure_ascii=False, separators=(",", ":"))
+                       .encode() + b"\n\n" for p in payloads) + b"data: [DONE]\n\n"
+    assert raw == rebuilt
+    first = payloads[0]
+    assert first["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None}]
+    assert len({p["id"] for p in payloads}) == 1
+    assert payloads[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_models_version_tokenize_detokenize(server):
+    models = httpx.get(server.base_url + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_model_len"] == 256
+    assert httpx.get(server.base_url + "/version").json()["version"]
+    tok = httpx.post(server.base_url + "/tokenize",
+                     json={"prompt": "Hello world", "add_special_tokens": False}).json()
+    assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 256
+    text = httpx.post(server.base_url + "/detokenize", json={"tokens": tok["tokens"]}).json()
+    assert text == {"prompt": "Hello world"}
+    chat = httpx.post(server.base_url + "/tokenize",
+                      json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["count"] > tok["count"] // 2
+    assert httpx.get(server.base_url + "/health").json() == {"status": "ok"}
+
+
+async def test_64_concurrent_streams_all_complete(server):
+    body = {"model": MODEL, "prompt": "The quick brown", "stream": True, "max_tokens": 16,
+            "temperature": 0, "ignore_eos": True}
+    results: list[tuple[str, str]] = []
+
+    async def one(http: httpx.AsyncClient) -> None:
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            raw = b"".join([chunk async for chunk in r.aiter_raw()])
+        events = raw.split(b"\n\n")
+        assert events[-2:] == [b"data: [DONE]", b""]
+        payloads = [json.loads(e.removeprefix(b"data: ")) for e in events[:-2]]
+        reasons = [p["choices"][0]["finish_reason"] for p in payloads]
+        text = "".join(p["choices"][0]["text"] for p in payloads)
+        results.append((text, "".join(r for r in reasons if r)))
+
+    limits = httpx.Limits(max_connections=64)
+    async with httpx.AsyncClient(base_url=server.base_url, limits=limits, timeout=120) as http:
+        async with trio.open_nursery() as nursery:
+            for _ in range(64):
+                nursery.start_soon(one, http)
+    assert len(results) == 64
+    # Greedy on one prompt: batching must not change anyone's answer.
+    assert len({text for text, _ in results}) == 1
+    assert {reason for _, reason in results} == {"length"}
+
+
+async def _wait_idle(server):
+    with trio.fail_after(30):  # hang guard only; an abort takes one engine step
+        while True:
+            running, kv = await trio.to_thread.run_sync(lambda: (
+                server.metric("engine:num_requests_running"),
+                server.metric("engine:kv_cache_usage_perc")))
+            if (running, kv) == (0, 0):
+                return
+            await trio.sleep(0.02)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["mid-stream", "mid-wait"])
+async def test_disconnect_aborts_and_frees_kv_blocks(server, stream):
+    host, port = server.base_url.removeprefix("http://").split(":")
+    # Long enough (ignore_eos, up to the context) to still be running when we hang up.
+    payload = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 240,
+                          "ignore_eos": True, "stream": stream}).encode()
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                 b"application/json\r\n" + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+                 + payload)
+    with trio.fail_after(30):
+        while await trio.to_thread.run_sync(server.metric, "engine:num_requests_running") == 0:
+            await trio.sleep(0.01)
+    assert await trio.to_thread.run_sync(server.metric, "engine:kv_cache_usage_perc") > 0
+    if stream:
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+    sock.close()
+    await _wait_idle(server)
+    assert await trio.to_thread.run_sync(server.metric, "engine:num_requests_waiting") == 0
+
+
+def test_metrics_exports_every_documented_name(server, client):
+    from engine.http.metrics import METRIC_NAMES
+
+    client.completions.create(model=MODEL, prompt="Hello", **GREEDY)
+    text = httpx.get(server.base_url + "/metrics").text
+    for name in METRIC_NAMES:
+        assert f"\n{name}" in text, name
+    assert 'engine:request_success_total{finished_reason="length"' in text
+
+
+async def test_actor_crash_makes_health_503_and_ends_streams(model_folder, monkeypatch):
+    from engine.runner.model_runner import ModelRunner
+
+    with ServerThread(lambda: _open_engine(model_folder)) as server:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+            body = {"prompt": "Hello", "max_tokens": 240, "ignore_eos": True, "stream": True}
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                lines = response.aiter_lines()
+                assert (await anext(lines)).startswith("data: {")
+
+                def crash(self, plan):
+                    raise RuntimeError("injected crash")
+
+                monkeypatch.setattr(ModelRunner, "execute", crash)
+                events = [line async for line in lines if line]
+            assert events[-1] == "data: [DONE]"
+            assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "engine_dead"
+            health = await http.get("/health")
+            assert health.status_code == 503
+            assert health.json()["error"]["code"] == "engine_dead"
+            later = await http.post("/v1/completions", json={"prompt": "Hi"})
+            assert later.status_code == 503
