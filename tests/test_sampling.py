@@ -14,7 +14,7 @@ import torch
 
 from engine.errors import InvalidParamError
 from engine.ops import get_ops
-from engine.ops.sampling_ref import apply_min_p, apply_top_k, apply_top_p, sample
+from engine.ops.sampling_ref import apply_min_p, apply_top_k, apply_top_p, sample, truncate
 from engine.params import SamplingParams
 from engine.runner.sampler import Sampler, SamplingRow, step_seed
 
@@ -98,6 +98,16 @@ def test_top_p_keeps_smallest_set_reaching_p_plus_ties():
         assert kept == want == top_p_oracle(probs, p), p
 
 
+def test_top_p_stops_at_the_token_whose_mass_reaches_p_exactly():
+    # fp32 softmax of these logits is exactly dyadic, so the running mass hits 0.75 exactly:
+    # {0, 1} already holds p, and "smallest set" must not take the 0.125 tokens.
+    logits = torch.tensor([[0.0, -math.log(2), -2 * math.log(2), -2 * math.log(2)]])
+    probs = torch.softmax(logits, dim=-1)
+    assert probs.tolist() == [[0.5, 0.25, 0.125, 0.125]]
+    assert _kept(apply_top_p(logits, torch.tensor([0.75]))) == [{0, 1}]
+    assert top_p_oracle(probs[0].tolist(), 0.75) == {0, 1}
+
+
 def test_top_p_on_a_uniform_row_keeps_everything_and_masked_tokens_stay_masked():
     logits = torch.tensor([[0.0] * 6, [1.0, NEG_INF, 0.0, NEG_INF, 0.0, -1.0]])
     got = _kept(apply_top_p(logits, torch.tensor([0.1, 0.99])))
@@ -134,6 +144,18 @@ def test_masks_match_the_definitions_on_random_rows():
         assert _kept(top_k[b : b + 1])[0] == top_k_oracle(row, int(ks[b]))
         assert _kept(top_p[b : b + 1])[0] == top_p_oracle(pr, float(ps[b]))
         assert _kept(min_p[b : b + 1])[0] == min_p_oracle(pr, float(mins[b]))
+
+
+def test_truncation_order_is_temperature_top_k_top_p_then_min_p():
+    # probs [0.5, 0.3, 0.2]: top-p 0.6 keeps {0, 1}; min-p 0.5 then keeps both (0.3 >= 0.25).
+    # Min-p first would drop token 2, and top-p over [0.625, 0.375] would then drop token 1.
+    logits = _rows([0.5, 0.3, 0.2])
+    one = torch.ones(1)
+    kept = truncate(logits, one, torch.zeros(1, dtype=torch.int32), one * 0.6, one * 0.5)
+    assert _kept(kept) == [{0, 1}]
+    # Temperature comes before the masks: at T = 0.25 probs become ~[0.87, 0.11, 0.02].
+    kept = truncate(logits, one * 0.25, torch.zeros(1, dtype=torch.int32), one * 0.8, one * 0.0)
+    assert _kept(kept) == [{0}]
 
 
 def test_masks_do_not_modify_their_input():
