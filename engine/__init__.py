@@ -1,4 +1,10 @@
-"""engine: an LLM inference server on trio structured concurrency."""
+"""engine: an LLM inference server on trio structured concurrency.
+
+``engine.open_engine`` opens the embedded trio API (see :mod:`engine.api`); it and the
+types around it are imported on first use, so ``import engine`` stays light (no torch).
+"""
+
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import (
     EngineDeadError,
@@ -9,15 +15,46 @@ from engine.errors import (
     QueueFullError,
     RequestError,
 )
+from engine.messages import RequestOutput, TokenLogprob, Usage
 from engine.params import SamplingParams
 
+if TYPE_CHECKING:
+    from engine.api import Engine, EngineStatistics, RequestStream, open_engine
+    from engine.config import EngineConfig
+
+_LAZY = {
+    "open_engine": "engine.api",
+    "Engine": "engine.api",
+    "EngineStatistics": "engine.api",
+    "RequestStream": "engine.api",
+    "EngineConfig": "engine.config",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
 __all__ = [
+    "Engine",
+    "EngineConfig",
     "EngineDeadError",
     "EngineError",
+    "EngineStatistics",
     "InvalidParamError",
     "ModelLoadError",
     "PromptTooLongError",
     "QueueFullError",
     "RequestError",
+    "RequestOutput",
+    "RequestStream",
     "SamplingParams",
+    "TokenLogprob",
+    "Usage",
+    "open_engine",
 ]

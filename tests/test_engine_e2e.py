@@ -1,0 +1,186 @@
+"""End to end through the actor engine on a tiny float32 model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+import engine
+from engine.errors import InvalidParamError, PromptTooLongError
+from engine.params import SamplingParams
+from engine_helpers import (
+    collect,
+    greedy,
+    random_prompts,
+    text,
+    tiny_model,
+    token_ids,
+    wait_idle,
+)
+
+# 16-token blocks and a 64-token step budget: prompts up to 90 tokens span several blocks
+# and are prefilled in chunks over several steps.
+# A 4 MiB pool (8192 tokens at 512 bytes a token) keeps start-up fast.
+ENGINE_OPTIONS: dict[str, Any] = dict(
+    dtype="float32", max_num_seqs=64, max_num_batched_tokens=64, block_size=16,
+    kv_cache_memory=4 * 1024 * 1024,
+)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model(tmp_path_factory)
+
+
+async def _alone(eng: Any, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    return [token_ids(await collect(eng, p, greedy(m))) for p, m in zip(prompts, max_tokens, strict=True)]
+
+
+async def _together(eng: Any, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    results: list[list[int]] = [[] for _ in prompts]
+
+    async def one(i: int) -> None:
+        results[i] = token_ids(await collect(eng, prompts[i], greedy(max_tokens[i])))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(prompts)):
+            nursery.start_soon(one, i)
+    return results
+
+
+async def test_64_concurrent_greedy_requests_give_the_tokens_each_gives_alone(model: Path) -> None:
+    prompts = random_prompts(64, vocab=300, lo=1, hi=90, seed=1)
+    max_tokens = [1 + (7 * i) % 20 for i in range(64)]  # 1..20 new tokens, mixed
+    async with engine.open_engine(str(model), **ENGINE_OPTIONS) as eng:
+        alone = await _alone(eng, prompts, max_tokens)
+        together = await _together(eng, prompts, max_tokens)
+        stats = await wait_idle(eng)
+    assert together == alone
+    assert [len(t) for t in together] == max_tokens
+    assert stats.requests_finished == 128
+
+
+async def test_a_pool_too_small_for_all_preempts_and_still_gives_the_same_tokens(model: Path) -> None:
+    prompts = random_prompts(12, vocab=300, lo=20, hi=60, seed=2)
+    max_tokens = [24] * 12
+    async with engine.open_engine(str(model), **ENGINE_OPTIONS) as eng:
+        alone = await _alone(eng, prompts, max_tokens)
+    # 12 blocks of 16 tokens (512 bytes a token in fp32: 2 layers x 2 KV heads x 32 dims x
+    # K and V x 4 bytes) hold one request of up to 192 tokens but not 12 of ~64 at once.
+    small = dict(ENGINE_OPTIONS, kv_cache_memory=12 * 16 * 512)
+    async with engine.open_engine(str(model), **small) as eng:
+        together = await _together(eng, prompts, max_tokens)
+        stats = await wait_idle(eng)
+    assert together == alone
+    assert stats.preemptions > 0
+    assert stats.kv_blocks_total == 12
+
+
+async def test_a_shared_prefix_is_computed_once_and_gives_the_same_tokens(model: Path) -> None:
+    prefix = random_prompts(1, vocab=300, lo=64, hi=64, seed=3)[0]  # four full blocks
+    first, second = prefix + [5, 6, 7], prefix + [9, 10]
+    async with engine.open_engine(str(model), **ENGINE_OPTIONS, enable_prefix_caching=False) as eng:
+        expected = token_ids(await collect(eng, second, greedy(12)))
+    async with engine.open_engine(str(model), **ENGINE_OPTIONS) as eng:
+        await collect(eng, first, greedy(12))
+        before = eng.statistics()
+        got = token_ids(await collect(eng, second, greedy(12)))
+        after = await wait_idle(eng)
+    assert got == expected
+    assert after.prefix_cache_hits - before.prefix_cache_hits == 64
+    assert after.prefix_cache_queries - before.prefix_cache_queries == len(second)
+
+
+async def test_bad_requests_raise_typed_errors_and_the_engine_keeps_serving(model: Path) -> None:
+    with pytest.raises(InvalidParamError) as bad_temperature:
+        SamplingParams(temperature=-0.5)
+    assert bad_temperature.value.param == "temperature"
+    with pytest.raises(InvalidParamError) as bad_top_p:
+        SamplingParams(top_p=0.0)
+    assert bad_top_p.value.param == "top_p"
+    async with engine.open_engine(str(model), **ENGINE_OPTIONS, max_model_len=128) as eng:
+        with pytest.raises(PromptTooLongError) as too_long:
+            await eng.submit(list(range(3, 123)), greedy(16))
+        assert (too_long.value.prompt_tokens, too_long.value.max_model_len) == (120, 128)
+        with pytest.raises(InvalidParamError) as bad_token:
+            await eng.submit([3, 4, 100_000], greedy(4))
+        assert bad_token.value.param == "prompt"
+        with pytest.raises(InvalidParamError) as empty:
+            await eng.submit([], greedy(4))
+        assert empty.value.param == "prompt"
+        with pytest.raises(InvalidParamError):
+            await eng.submit(object(), greedy(4))  # type: ignore[arg-type]
+        outputs = await collect(eng, [3, 4, 5], greedy(4))
+        stats = await wait_idle(eng)
+    assert len(token_ids(outputs)) == 4
+    assert outputs[-1].finish_reason == "length"
+    assert outputs[-1].usage == engine.Usage(prompt_tokens=3, completion_tokens=4)
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+async def test_max_tokens_none_runs_to_the_end_of_the_context(model: Path) -> None:
+    async with engine.open_engine(str(model), **ENGINE_OPTIONS, max_model_len=40) as eng:
+        outputs = await collect(eng, list(range(3, 33)), SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+    assert len(token_ids(outputs)) == 10
+    assert outputs[-1].finish_reason == "length"
+
+
+async def test_a_stop_string_ends_the_text_before_it_and_frees_the_blocks(model: Path) -> None:
+    prompt = "The quick brown fox"
+    async with engine.open_engine(str(model), **ENGINE_OPTIONS) as eng:
+        full = text(await collect(eng, prompt, greedy(24)))
+        stop = full[len(full) // 2 : len(full) // 2 + 2]
+        assert stop.strip(), f"pick a visible stop string from {full!r}"
+        outputs = await collect(eng, prompt, greedy(24, stop=[stop]))
+        stats = await wait_idle(eng)
+    assert text(outputs) == full[: full.index(stop)]
+    assert (outputs[-1].finish_reason, outputs[-1].stop_reason) == ("stop", stop)
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+async def test_n_samples_share_the_prompt_blocks_and_draw_distinct_seeded_streams(model: Path) -> None:
+    prompt = random_prompts(1, vocab=300, lo=48, hi=48, seed=4)[0]  # three full blocks
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=16, seed=1234, ignore_eos=True)
+    async with engine.open_engine(str(model), **ENGINE_OPTIONS) as eng:
+        first = await collect(eng, prompt, params, request_id="many")
+        stats = await wait_idle(eng)
+        again = await collect(eng, prompt, params)
+        single = [
+            token_ids(await collect(eng, prompt, params.replace(n=1, seed=1234 + i)))
+            for i in range(3)
+        ]
+    samples = [token_ids(first, i) for i in range(3)]
+    assert {out.request_id for out in first} == {"many"}
+    assert all(len(s) == 16 for s in samples)
+    assert len({tuple(s) for s in samples}) == 3  # distinct streams
+    assert samples == [token_ids(again, i) for i in range(3)] == single  # seed + i
+    # Samples 1 and 2 take the first sample's three prompt blocks from the prefix cache.
+    assert stats.prefix_cache_hits >= 2 * 47 - 47 % 16
+    assert sum(out.finished for out in first) == 3
+
+
+async def test_greedy_logprobs_rank_the_sampled_token_first(model: Path) -> None:
+    async with engine.open_engine(str(model), **ENGINE_OPTIONS) as eng:
+        outputs = await collect(eng, "Hello world", greedy(6, logprobs=3))
+    logprobs = [lp for out in outputs for lp in (out.logprobs or ())]
+    assert [lp.token_id for lp in logprobs] == token_ids(outputs)
+    for lp in logprobs:
+        assert len(lp.top) == 3
+        assert lp.top[0][0] == lp.token_id
+        assert lp.top[0][1] == pytest.approx(lp.logprob)
+        assert lp.logprob <= 0.0
+
+
+async def test_chat_messages_go_through_the_chat_template(model: Path) -> None:
+    messages = [{"role": "user", "content": "Hello world!"}]
+    async with engine.open_engine(str(model), **ENGINE_OPTIONS) as eng:
+        stream = await eng.submit(messages, greedy(4))
+        async with stream:
+            outputs = [out async for out in stream]
+        rendered = eng.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        expected = tuple(eng.tokenizer.encode(rendered, add_special_tokens=False))
+    assert stream.prompt_token_ids == expected
+    assert len(token_ids(outputs)) == 4
