@@ -178,7 +178,9 @@ class Tokenizer:
         )
 
     def _all_special_ids(self, config: Mapping[str, Any]) -> tuple[int, ...]:
-        tokens = list(dict.fromkeys([*self._special_tokens.values(), *_extra_special_tokens(config)]))
+        tokens = list(
+            dict.fromkeys([*self._special_tokens.values(), *_extra_special_tokens(config)])
+        )
         ids = (self._backend.token_to_id(t) for t in tokens)
         return tuple(i for i in ids if i is not None)
 
@@ -190,7 +192,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; with ``add_special_tokens`` the post-processor may add BOS/EOS."""
         if not isinstance(text, str):
-            raise InvalidParamError(f"prompt must be a string, got {type(text).__name__}", param="prompt")
+            raise InvalidParamError(
+                f"prompt must be a string, got {type(text).__name__}", param="prompt"
+            )
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -252,7 +256,9 @@ class Tokenizer:
                 **variables,
             )
         except jinja2.TemplateError as exc:
-            raise InvalidParamError(f"chat template rejected the messages: {exc}", param="messages") from exc
+            raise InvalidParamError(
+                f"chat template rejected the messages: {exc}", param="messages"
+            ) from exc
 
 
 # -- reading the folder -----------------------------------------------------------------
@@ -413,7 +419,9 @@ def _normalize_messages(messages: Any) -> list[dict[str, Any]]:
 def _normalize_message(index: int, message: Any) -> dict[str, Any]:
     where = f"messages[{index}]"
     if not isinstance(message, Mapping):
-        raise InvalidParamError(f"{where} must be an object with role and content", param="messages")
+        raise InvalidParamError(
+            f"{where} must be an object with role and content", param="messages"
+        )
     role = message.get("role")
     if role not in CHAT_ROLES:
         raise InvalidParamError(
