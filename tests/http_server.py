@@ -74,11 +74,18 @@ class ServerThread:
 
     def metric(self, name: str) -> float:
         """The value of one unlabelled-but-for-model_name metric from GET /metrics."""
+        return self.metrics(name)[0]
+
+    def metrics(self, *names: str) -> tuple[float, ...]:
+        """Several such values from one scrape (one consistent snapshot)."""
         text = httpx.get(self.base_url + "/metrics").text
-        match = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
-        if match is None:
-            raise KeyError(name)
-        return float(match.group(1))
+        values = []
+        for name in names:
+            match = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
+            if match is None:
+                raise KeyError(name)
+            values.append(float(match.group(1)))
+        return tuple(values)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` on the server's trio loop and return its result.

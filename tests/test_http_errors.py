@@ -14,11 +14,11 @@ import httpx
 import openai
 import pytest
 import trio
+from http_fake_engine import open_fake_engine
+from http_server import ServerThread
 
 from engine.models.testing import write_tiny_model
 from engine.models.tokenizer import Tokenizer
-from http_fake_engine import open_fake_engine
-from http_server import ServerThread
 
 API_KEY = "sk-test-key"
 MAX_REQUEST_BYTES = 4096  # small, so a 413 needs only a few KB
@@ -169,7 +169,7 @@ async def test_disconnect_aborts_and_frees_kv_blocks(server, stream):
                               "stream": stream})
     # Wait until the request is running and holds blocks.
     with trio.fail_after(10):
-        while await trio.to_thread.run_sync(server.metric, "engine:kv_cache_usage_perc") == 0:
+        while await trio.to_thread.run_sync(server.metric, "engine:kv_cache_usage_perc") == 0:  # noqa: ASYNC110 - polls another loop over HTTP
             await trio.sleep(0.02)
     if stream:
         assert sock.recv(4096).startswith(b"HTTP/1.1 200")

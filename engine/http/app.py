@@ -410,11 +410,19 @@ class _Run:
                     await send.send(self._chunk([protocol.chunk_choice(
                         False, choice.index, text, None, None, None)]))
 
+            pending: dict[int, list[Any]] = {}
+
             async def on_output(choice: _Choice, out: Any) -> None:
-                logprobs = self._logprobs(choice, out.logprobs)
-                self._record(choice, out)
+                # Tokens that are not yet text (half a UTF-8 character) wait, with their
+                # logprobs, for the chunk that completes the text.
+                held = pending.setdefault(choice.index, [])
+                held.extend(out.logprobs or ())
                 if not out.text and not out.finished:
-                    return  # tokens that are not yet text (half a UTF-8 character)
+                    self._record(choice, out)
+                    return
+                logprobs = self._logprobs(choice, held if out.logprobs is not None else None)
+                pending[choice.index] = []
+                self._record(choice, out)
                 await send.send(self._chunk([protocol.chunk_choice(
                     self.req.chat, choice.index, out.text, out.finish_reason if out.finished
                     else None, out.stop_reason if out.finished else None, logprobs)]))
