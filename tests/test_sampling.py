@@ -58,7 +58,12 @@ def top_p_oracle(probs: list[float], p: float) -> set[int]:
     """Token i stays iff the tokens strictly more likely than it hold less than p."""
     if p >= 1.0:
         return {i for i, q in enumerate(probs) if q > 0}
-    return {i for i, q in enumerate(probs) if q > 0 and math.fsum(x for x in probs if x > q) < p}
+    mass_above: dict[float, float] = {}  # distinct prob -> mass of all strictly larger probs
+    running = 0.0
+    for q in sorted(probs, reverse=True):
+        mass_above.setdefault(q, running)
+        running += q
+    return {i for i, q in enumerate(probs) if q > 0 and mass_above[q] < p}
 
 
 def min_p_oracle(probs: list[float], min_p: float) -> set[int]:
@@ -156,6 +161,23 @@ def test_truncation_order_is_temperature_top_k_top_p_then_min_p():
     # Temperature comes before the masks: at T = 0.25 probs become ~[0.87, 0.11, 0.02].
     kept = truncate(logits, one * 0.25, torch.zeros(1, dtype=torch.int32), one * 0.8, one * 0.0)
     assert _kept(kept) == [{0}]
+
+
+def test_top_p_on_a_large_vocabulary_wherever_the_cut_falls():
+    # The reference looks for the cut among the top 256, then the top 4096 tokens, and sorts
+    # the whole row only after that; peaked rows settle early, flat rows go all the way.
+    gen = torch.Generator().manual_seed(8)
+    scales = torch.tensor([8.0, 2.0, 1.0, 0.2]).repeat_interleave(3)
+    logits = torch.randn(len(scales), 6000, generator=gen) * scales.unsqueeze(-1)
+    ps = torch.tensor([0.5, 0.9, 0.99]).repeat(4)
+    masked = apply_top_p(logits, ps)
+    probs = torch.softmax(logits, dim=-1)
+    head_256 = torch.topk(probs, 256, dim=-1).values.sum(-1) >= ps
+    head_4096 = torch.topk(probs, 4096, dim=-1).values.sum(-1) >= ps
+    assert head_256.any() and (head_4096 & ~head_256).any() and (~head_4096).any()
+    for b in range(len(scales)):
+        want = top_p_oracle(probs[b].double().tolist(), float(ps[b]))
+        assert _kept(masked[b : b + 1])[0] == want
 
 
 def test_masks_do_not_modify_their_input():

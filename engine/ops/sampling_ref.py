@@ -40,20 +40,24 @@ from __future__ import annotations
 import torch
 
 _NEG_INF = float("-inf")
+# Top-p looks for its cut among the 256, then the 4096 most likely tokens before sorting a
+# whole row: on CPU a top-256 of a 49k vocabulary costs ~1/15 and a top-4096 ~1/6 of the full
+# sort, and a peaked LLM distribution usually reaches p within the first few hundred tokens.
+_TOP_P_PROBES = (256, 4096)
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     """Mask (to -inf) tokens below each row's k-th largest logit; ties at the k-th are kept.
 
     ``logits`` is ``[B, V]`` float, ``top_k`` is ``[B]`` int; ``k <= 0`` or ``k >= V`` turns
-    the row's top-k off. Returns a new tensor; the input is not modified.
+    the row's top-k off. Returns a new tensor, or ``logits`` itself when no row is active;
+    the input is never modified.
     """
     vocab = logits.shape[-1]
-    active = (top_k > 0) & (top_k < vocab)
-    out = logits.clone()
-    rows = active.nonzero().squeeze(-1)
+    rows = ((top_k > 0) & (top_k < vocab)).nonzero().squeeze(-1)
     if rows.numel() == 0:
-        return out
+        return logits
+    out = logits.clone()
     ks = top_k[rows].long()
     # One topk at the largest k of the active rows, then each row reads its own k-th value.
     top_vals = torch.topk(logits[rows], int(ks.max()), dim=-1).values
@@ -67,38 +71,57 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Keep the smallest top set of tokens holding mass ``>= p``, plus ties with its last one.
 
     ``logits`` is ``[B, V]`` float (probabilities are its fp32 softmax), ``top_p`` is ``[B]``
-    float in ``(0, 1]``; ``p >= 1`` turns the row's top-p off. Returns masked logits (new
-    tensor). See the module docstring for the exact threshold definition.
+    float in ``(0, 1]``; ``p >= 1`` turns the row's top-p off. Returns masked logits (a new
+    tensor, or ``logits`` itself when no row is active; the input is never modified). See
+    the module docstring for the exact threshold definition.
     """
-    active = top_p < 1.0
-    out = logits.clone()
-    rows = active.nonzero().squeeze(-1)
+    rows = (top_p < 1.0).nonzero().squeeze(-1)
     if rows.numel() == 0:
-        return out
+        return logits
     probs = torch.softmax(logits[rows].float(), dim=-1)
-    sorted_probs = torch.sort(probs, dim=-1, descending=True).values
-    cum = torch.cumsum(sorted_probs, dim=-1)
     ps = top_p[rows].float().unsqueeze(-1)
-    # Tokens strictly before the cut hold mass < p; the token at the cut brings it to >= p.
-    # If rounding leaves the whole row short of p, the cut is the last token (keep all).
-    cut = (cum < ps).sum(dim=-1, keepdim=True).clamp_max(probs.shape[-1] - 1)
-    threshold = sorted_probs.gather(-1, cut)
-    sub = out[rows]
-    out[rows] = sub.masked_fill(probs < threshold, _NEG_INF)
+    threshold = torch.empty_like(ps)
+    pending = torch.arange(len(rows), device=probs.device)  # rows whose cut is not found yet
+    for probe in (*_TOP_P_PROBES, probs.shape[-1]):
+        # torch.topk with k = V sorts the whole row, so the last probe settles every row.
+        head = torch.topk(probs[pending], min(probe, probs.shape[-1]), dim=-1).values
+        cum = torch.cumsum(head, dim=-1)
+        found = (cum[:, -1] >= ps[pending, 0]) | (head.shape[-1] == probs.shape[-1])
+        done = pending[found]
+        threshold[done] = _top_p_threshold(head[found], cum[found], ps[done])
+        pending = pending[~found]
+        if pending.numel() == 0:
+            break
+    out = logits.clone()
+    out[rows] = out[rows].masked_fill(probs < threshold, _NEG_INF)
     return out
+
+
+def _top_p_threshold(
+    sorted_probs: torch.Tensor, cum: torch.Tensor, ps: torch.Tensor
+) -> torch.Tensor:
+    """The probability at the cut: the first sorted position whose running mass is ``>= p``.
+
+    Tokens strictly before the cut hold mass ``< p``. If rounding leaves the whole row
+    short of ``p``, the cut is the last position (every token stays). ``cum`` is the fp32
+    running sum of ``sorted_probs`` (descending); on CPU a prefix gives the same sums as the
+    full sort, as torch.cumsum adds left to right.
+    """
+    cut = (cum < ps).sum(dim=-1, keepdim=True).clamp_max(sorted_probs.shape[-1] - 1)
+    return sorted_probs.gather(-1, cut)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Mask tokens with ``prob < min_p * max_prob`` (as ``exp(logit - max) < min_p``).
 
     ``logits`` is ``[B, V]`` float, ``min_p`` is ``[B]`` float in ``[0, 1]``; 0 turns the
-    row's min-p off. Returns masked logits (new tensor).
+    row's min-p off. Returns masked logits (a new tensor, or ``logits`` itself when no row is
+    active; the input is never modified).
     """
-    active = min_p > 0.0
-    out = logits.clone()
-    rows = active.nonzero().squeeze(-1)
+    rows = (min_p > 0.0).nonzero().squeeze(-1)
     if rows.numel() == 0:
-        return out
+        return logits
+    out = logits.clone()
     sub = out[rows]
     ratio = torch.exp(sub - sub.max(dim=-1, keepdim=True).values)
     out[rows] = sub.masked_fill(ratio < min_p[rows].float().unsqueeze(-1), _NEG_INF)
@@ -108,16 +131,16 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 def exponential_noise(seeds: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
     """``[B, vocab]`` i.i.d. Exp(1) draws; row ``b`` depends only on ``seeds[b]``.
 
-    One generator is re-seeded per row (a loop, but only over rows). Values are clamped
-    away from 0 so ``probs / q`` never divides by zero.
+    One generator is re-seeded per row (a loop, but only over rows). ``q = -log(u)`` with
+    ``u ~ U[0, 1)`` is Exp(1) and about 3x cheaper on CPU than ``Tensor.exponential_``. It
+    lies in ``(0, inf]``, never 0, so ``probs / q`` is never a division by zero or a NaN.
     """
     gen = torch.Generator(device=device)
     noise = torch.empty(len(seeds), vocab, dtype=torch.float32, device=device)
     for b, seed in enumerate(seeds.tolist()):
         gen.manual_seed(seed)  # negative int64 seeds are valid (torch remaps them)
-        noise[b].exponential_(generator=gen)
-    # The smallest normal fp32 keeps probs / q finite for every prob <= 1.
-    return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+        noise[b].uniform_(generator=gen)
+    return noise.log_().neg_()
 
 
 def truncate(
