@@ -233,6 +233,19 @@ def generate_greedy(
     contiguous run of blocks, all requests run together, and with ``chunk_size`` each
     prompt is prefilled ``chunk_size`` tokens a step. Returns the new tokens per prompt.
     """
+    runs = run_greedy(runner, prompts, max_new_tokens, chunk_size=chunk_size, block_size=block_size)
+    return [[s.token_id for s in run] for run in runs]
+
+
+def run_greedy(
+    runner: ModelRunner,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    chunk_size: int | None = None,
+    block_size: int,
+) -> list[list[SampledToken]]:
+    """:func:`generate_greedy`, returning each token with its logprob."""
     if block_size != runner.block_size:
         raise InvalidParamError(
             f"block_size {block_size} differs from the runner's {runner.block_size}",
@@ -253,7 +266,7 @@ def generate_greedy(
             param="prompt",
         )
     new = tuple(NewRequest(r, tuple(p), params, ()) for r, p in zip(ids, prompts, strict=True))
-    outputs: list[list[int]] = [[] for _ in prompts]
+    outputs: list[list[SampledToken]] = [[] for _ in prompts]
     computed = [0] * len(prompts)
     step = 0
     while any(len(o) < max_new_tokens for o in outputs):
@@ -267,7 +280,7 @@ def generate_greedy(
             computed[i] += n
         result = runner.execute(StepPlan(step, new if step == 0 else (), tuple(chunks), ()))
         for s in result.sampled:
-            outputs[int(s.request_id.rsplit("-", 1)[1])].append(s.token_id)
+            outputs[int(s.request_id.rsplit("-", 1)[1])].append(s)
         step += 1
     runner.execute(StepPlan(step, (), (), tuple(ids)))
     return outputs
