@@ -494,6 +494,8 @@ def test_smollm2_gguf_loads_with_its_real_shape(smollm2: loader.LoadedModel) -> 
     assert smollm2.weights["model.layers.0.mlp.down_proj.weight"].shape == (576, 1536)
     tokenizer = Tokenizer.from_file(str(smollm2.folder / "tokenizer.json"))
     assert tokenizer.encode("<|im_start|>user").ids[0] == 1  # a special token stays whole
+    # llama.cpp's "smollm" pre-tokenizer isolates every digit before the GPT-2 split.
+    assert tokenizer.encode(" 2024").tokens == ["Ġ", "2", "0", "2", "4"]
     assert (
         "<|im_start|>"
         in json.loads((smollm2.folder / "tokenizer_config.json").read_text())["chat_template"]

@@ -99,7 +99,7 @@ def load_model(
     dtype: str = "auto",
     device: str | torch.device = "cpu",
     *,
-    cache_dir: Path | None = None,
+    cache_dir: str | Path | None = None,
 ) -> LoadedModel:
     """Load a Hugging Face folder or a GGUF file (see the module docstring for ``dtype``).
 
@@ -152,8 +152,8 @@ def _device(device: str | torch.device) -> torch.device:
         ) from exc
 
 
-def _converted_gguf(source: Path, cache_dir: Path | None) -> Path:
-    root = cache_dir if cache_dir is not None else cache.default_cache_dir()
+def _converted_gguf(source: Path, cache_dir: str | Path | None) -> Path:
+    root = Path(cache_dir) if cache_dir is not None else cache.default_cache_dir()
     try:
         return cache.cached_folder(
             source,
