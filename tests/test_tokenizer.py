@@ -160,7 +160,7 @@ def test_eos_token_ids_add_generation_config_ids(tiny_dir: Path, tmp_path: Path)
 def test_eos_token_ids_without_generation_config(smol_dir: Path) -> None:
     # transformers' save_pretrained writes no generation_config.json for a tokenizer.
     assert not (smol_dir / "generation_config.json").exists()
-    assert Tokenizer.from_folder(smol_dir).eos_token_ids == frozenset({2})  # <|im_end|>
+    assert _ours(smol_dir).eos_token_ids == frozenset({2})  # <|im_end|>
 
 
 def test_missing_named_special_token_is_added_like_transformers(

@@ -100,7 +100,7 @@ class Tokenizer:
         self._chat_template = _compile_template(chat_template, source) if chat_template else None
 
         eos = self._token_id(self._special_tokens.get("eos_token"))
-        extra_eos = _int_ids(generation_config.get("eos_token_id"), GENERATION_CONFIG_FILE)
+        extra_eos = _int_ids(generation_config.get("eos_token_id"), source / GENERATION_CONFIG_FILE)
         self.eos_token_id: int | None = eos
         """The tokenizer config's ``eos_token`` as an id (None if it has none)."""
         self.eos_token_ids: frozenset[int] = frozenset(
@@ -299,12 +299,12 @@ def _extra_special_tokens(config: Mapping[str, Any]) -> list[str]:
     return [tok for tok in map(_token_content, values) if tok is not None]
 
 
-def _int_ids(value: Any, filename: str) -> tuple[int, ...]:
+def _int_ids(value: Any, path: Path) -> tuple[int, ...]:
     if value is None:
         return ()
     values = value if isinstance(value, list) else [value]
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise CorruptModelError(f"{filename}: eos_token_id must be an int or a list of ints")
+        raise CorruptModelError(f"{str(path)!r}: eos_token_id must be an int or a list of ints")
     return tuple(values)
 
 
