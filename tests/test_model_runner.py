@@ -1,0 +1,124 @@
+"""The model runner's step contract and KV pool sizing, on a tiny llama."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine.errors import InvalidParamError
+from engine.messages import NewRequest, ScheduledChunk, StepPlan
+from engine.models.config import ModelConfig
+from engine.models.testing import write_tiny_model
+from engine.ops import get_ops
+from engine.params import SamplingParams
+from engine.runner.kv_cache import allocate_kv_caches, bytes_per_block, num_kv_blocks
+from engine.runner.model_runner import ModelRunner, StepPlanError, generate_greedy
+
+BS = 4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+PROMPT = (5, 17, 42, 99, 7, 123, 8)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny shapes: a second thread only adds OpenMP wake-up cost on a shared box.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    folder = write_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
+    config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    return types.SimpleNamespace(
+        config=config, weights=load_file(str(folder / "model.safetensors")), dtype=torch.float32
+    )
+
+
+def _runner(loaded) -> ModelRunner:
+    return ModelRunner(
+        loaded, device="cpu", ops=get_ops("torch"), num_blocks=64, block_size=BS,
+        max_num_batched_tokens=64, max_num_seqs=4,
+    )
+
+
+def test_partial_prefill_chunk_samples_nothing(loaded) -> None:
+    runner = _runner(loaded)
+    new = NewRequest("a", PROMPT, GREEDY, ())
+    result = runner.execute(StepPlan(0, (new,), (ScheduledChunk("a", 0, 3, (0, 1, 2), False),), ()))
+    assert result.sampled == ()
+    result = runner.execute(StepPlan(1, (), (ScheduledChunk("a", 3, 4, (0, 1, 2), True),), ()))
+    assert [s.request_id for s in result.sampled] == ["a"]
+
+
+def test_recompute_after_preemption_continues_the_same_tokens(loaded) -> None:
+    want = generate_greedy(_runner(loaded), [list(PROMPT)], 6, block_size=BS)[0]
+    runner = _runner(loaded)
+    new = NewRequest("a", PROMPT, GREEDY, ())
+    first = runner.execute(StepPlan(0, (new,), (ScheduledChunk("a", 0, 7, (0, 1, 2), True),), ()))
+    second = runner.execute(StepPlan(1, (), (ScheduledChunk("a", 7, 1, (0, 1, 2), True),), ()))
+    # Preempted: its blocks went to someone else (overwrite them), then it is recomputed
+    # from position 0 into different blocks out of its stored 9 tokens.
+    for k, v in runner.kv_caches:
+        k.normal_()
+        v.normal_()
+    got = [first.sampled[0].token_id, second.sampled[0].token_id]
+    step = 2
+    result = runner.execute(StepPlan(step, (), (ScheduledChunk("a", 0, 9, (9, 8, 7), True),), ()))
+    got.append(result.sampled[0].token_id)
+    while len(got) < 6:
+        step += 1
+        pos = len(PROMPT) + len(got) - 1
+        result = runner.execute(StepPlan(step, (), (ScheduledChunk("a", pos, 1, (9, 8, 7), True),), ()))
+        got.append(result.sampled[0].token_id)
+    assert got == want
+
+
+def test_finished_requests_are_forgotten(loaded) -> None:
+    runner = _runner(loaded)
+    new = NewRequest("a", PROMPT, GREEDY, ())
+    runner.execute(StepPlan(0, (new,), (ScheduledChunk("a", 0, 7, (0, 1), True),), ()))
+    runner.execute(StepPlan(1, (), (), ("a",)))
+    assert runner.num_requests == 0
+    with pytest.raises(StepPlanError, match="unknown request"):
+        runner.execute(StepPlan(2, (), (ScheduledChunk("a", 7, 1, (0, 1), True),), ()))
+
+
+@pytest.mark.parametrize(
+    ("chunk", "message"),
+    [
+        (ScheduledChunk("a", 5, 5, (0, 1, 2), False), "outside its 7 known tokens"),
+        (ScheduledChunk("a", 0, 5, (0, 1), True), "sampling after token 5"),
+        (ScheduledChunk("a", 0, 7, (0,), True), "cannot hold 7 tokens"),
+    ],
+)
+def test_inconsistent_chunks_are_rejected(loaded, chunk, message) -> None:
+    runner = _runner(loaded)
+    with pytest.raises(StepPlanError, match=message):
+        runner.execute(StepPlan(0, (NewRequest("a", PROMPT, GREEDY, ()),), (chunk,), ()))
+
+
+def test_kv_pool_sizing(loaded) -> None:
+    config = loaded.config
+    # 2 (K and V) x 2 layers x 4 tokens x 2 kv heads x 16 dims x 4 bytes
+    assert bytes_per_block(config, torch.float32, 4) == 2 * 2 * 4 * 2 * 16 * 4
+    per_block = bytes_per_block(config, torch.bfloat16, 16)
+    assert num_kv_blocks(config, torch.bfloat16, 16, 100 * per_block + 5, "cpu") == 100
+    assert num_kv_blocks(config, torch.float32, 16, 0.001, "cpu") >= 1
+    caches = allocate_kv_caches(config, 3, 16, torch.bfloat16, "cpu")
+    assert len(caches) == config.num_hidden_layers
+    assert caches[0][0].shape == (3, 16, config.num_key_value_heads, config.head_dim)
+
+
+def test_kv_pool_too_small_for_one_request_is_rejected(loaded) -> None:
+    # max_position_embeddings 512 at block size 16 needs 32 blocks.
+    per_block = bytes_per_block(loaded.config, torch.float32, 16)
+    with pytest.raises(InvalidParamError) as info:
+        num_kv_blocks(loaded.config, torch.float32, 16, 31 * per_block, "cpu")
+    assert info.value.param == "kv_cache_memory"
