@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import gguf
@@ -217,6 +218,12 @@ def test_an_unknown_dtype_is_rejected(tmp_path: Path) -> None:
         load_model(_tiny(tmp_path), dtype="int8")
 
 
+def test_cuda_without_cuda_is_rejected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(InvalidParamError, match="CUDA is not available"):
+        load_model(_tiny(tmp_path), device="cuda")
+
+
 def test_missing_generation_config_gives_an_empty_dict(tmp_path: Path) -> None:
     folder = _tiny(tmp_path)
     (folder / "generation_config.json").unlink()
@@ -353,6 +360,18 @@ def test_a_crash_mid_conversion_leaves_no_cache_entry(
     assert list((private_cache / "gguf").iterdir()) == []
     monkeypatch.setattr(gguf_convert, "convert_gguf", real)
     assert load_model(path).config.num_hidden_layers == 2
+
+
+def test_abandoned_temp_folders_are_swept_but_fresh_ones_kept(
+    tmp_path: Path, private_cache: Path
+) -> None:
+    old, fresh = private_cache / "gguf" / ".tmp-killed", private_cache / "gguf" / ".tmp-running"
+    for folder in (old, fresh):
+        folder.mkdir(parents=True)
+    two_days_ago = time.time() - 2 * 24 * 3600
+    os.utime(old, (two_days_ago, two_days_ago))
+    load_model(write_gguf(_tiny(tmp_path), tmp_path / "m.gguf"))
+    assert not old.exists() and fresh.exists()
 
 
 def test_cache_dir_follows_xdg_when_engine_cache_dir_is_unset(

@@ -22,8 +22,13 @@ import hashlib
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
+
+# A temp folder untouched this long belongs to a process killed mid-conversion (a live one
+# writes its tensors within minutes even for large models), so it is removed.
+_ABANDONED_AFTER_SECONDS = 24 * 3600
 
 # Read in 1 MiB pieces: large enough that the per-call overhead vanishes, small enough to
 # keep memory flat for multi-GB files. SHA-256 measured 0.11 s on the 98 MB SmolLM2 GGUF
@@ -68,6 +73,7 @@ def cached_folder(
     if final.is_dir():
         return final
     root.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned(root)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
     try:
         build(tmp)
@@ -80,3 +86,13 @@ def cached_folder(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _remove_abandoned(root: Path) -> None:
+    now = time.time()
+    for tmp in root.glob(".tmp-*"):
+        try:
+            if now - tmp.stat().st_mtime > _ABANDONED_AFTER_SECONDS:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except FileNotFoundError:
+            pass  # another process removed it first

@@ -145,11 +145,14 @@ def _device(device: str | torch.device) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(device)
+        target = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise InvalidParamError(
             f"device {device!r} is not a torch device: {exc}", param="device"
         ) from exc
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidParamError(f"device {device!r}: CUDA is not available", param="device")
+    return target
 
 
 def _converted_gguf(source: Path, cache_dir: str | Path | None) -> Path:
