@@ -391,6 +391,25 @@ def test_penalties_leave_the_callers_logits_and_other_rows_alone(sampler):
     assert res[0][0] == 2 and res[1][0] == 0
 
 
+def test_batched_penalties_equal_row_by_row_results(sampler):
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(4, 20, generator=gen) * 3
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.7, logprobs=20),
+        SamplingParams(temperature=0.0, logprobs=20),
+        SamplingParams(temperature=0.0, frequency_penalty=-0.7, presence_penalty=1.2, logprobs=20),
+        SamplingParams(temperature=0.0, repetition_penalty=0.6, frequency_penalty=1.5, logprobs=20),
+    ]
+    prompts = [[1, 2, 3], [4, 5], [6, 19, 19], [0]]
+    outputs = [[3, 3, 7], [5, 8], [19, 0, 0, 11], [0, 0, 0, 12]]
+    rows = [_row(p, prompt=q, output=o) for p, q, o in zip(params, prompts, outputs, strict=True)]
+    batched = sampler(logits, rows)
+    for b, row in enumerate(rows):
+        [alone] = sampler(logits[b : b + 1], [row])
+        assert batched[b][0] == alone[0]
+        assert dict(batched[b][2]) == pytest.approx(dict(alone[2]), abs=1e-6)
+
+
 def test_sampler_logprobs_are_log_softmax_after_bias_before_temperature(sampler):
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(3, 40, generator=gen)

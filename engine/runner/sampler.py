@@ -106,7 +106,9 @@ class Sampler:
         ]
         if not (bias[0] or banned[0] or rep_rows or pf_rows):
             return logits  # the common case: nothing to do, not even a copy
-        logits = logits.clone()  # the caller's logits stay as the model produced them
+        # A contiguous copy: the caller's logits stay as the model produced them, and the
+        # penalties index the copy as a flat [B * V] view.
+        logits = logits.clone(memory_format=torch.contiguous_format)
         device = logits.device
         if bias[0]:
             index = (torch.tensor(bias[0], device=device), torch.tensor(bias[1], device=device))
@@ -219,18 +221,27 @@ def _min_tokens_entries(rows: Sequence[SamplingRow], vocab: int) -> tuple[list[i
     return row_idx, tok_idx
 
 
-def _token_matrix(
-    token_lists: list[Sequence[int]], vocab: int, device: torch.device
-) -> torch.Tensor:
-    """``[len(token_lists), vocab]`` fp32 counts of each token id in each list."""
-    counts = torch.zeros(len(token_lists), vocab, dtype=torch.float32, device=device)
-    lengths = torch.tensor([len(toks) for toks in token_lists], device=device)
+def _token_counts(
+    token_lists: Sequence[Sequence[int]], which: list[int], vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct ``(row, token)`` pairs, as flat indices ``row * vocab + token``, and counts.
+
+    ``token_lists[i]`` holds the tokens of row ``which[i]``. Working on the pairs that occur
+    keeps the cost proportional to the tokens, not to ``rows x vocab``.
+    """
     tokens = torch.tensor([t for toks in token_lists for t in toks], dtype=torch.int64)
-    if tokens.numel():
-        row_idx = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths)
-        ones = torch.ones(tokens.numel(), device=device)
-        counts.index_put_((row_idx, tokens.to(device)), ones, accumulate=True)
-    return counts
+    if tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab:
+        # A wrong id would silently penalise a token of the next row.
+        raise ValueError(f"token ids must lie in [0, {vocab}) to apply penalties")
+    lengths = torch.tensor([len(toks) for toks in token_lists])
+    row_ids = torch.repeat_interleave(torch.tensor(which, dtype=torch.int64), lengths)
+    flat, counts = torch.unique(row_ids * vocab + tokens, return_counts=True)
+    return flat.to(device), counts.to(device=device, dtype=torch.float32)
+
+
+def _per_pair(values: list[float], flat: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Broadcast one value per batch row to the flat ``(row, token)`` indices of that row."""
+    return torch.tensor(values, device=flat.device)[flat // vocab]
 
 
 def _apply_repetition_penalty(
@@ -238,33 +249,22 @@ def _apply_repetition_penalty(
 ) -> None:
     """HF/CTRL semantics over prompt + output tokens: divide positive logits, multiply others."""
     vocab = logits.shape[-1]
-    seen = (
-        _token_matrix(
-            [[*rows[b].prompt_token_ids, *rows[b].output_token_ids] for b in which],
-            vocab,
-            logits.device,
-        )
-        > 0
-    )
-    penalty = torch.tensor(
-        [rows[b].params.repetition_penalty for b in which], device=logits.device
-    ).unsqueeze(-1)
-    sub = logits[which]
-    penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
-    logits[which] = torch.where(seen, penalised, sub)
+    seen = [[*rows[b].prompt_token_ids, *rows[b].output_token_ids] for b in which]
+    flat, _ = _token_counts(seen, which, vocab, logits.device)
+    penalty = _per_pair([r.params.repetition_penalty for r in rows], flat, vocab)
+    view = logits.view(-1)
+    picked = view[flat]
+    view[flat] = torch.where(picked > 0, picked / penalty, picked * penalty)
 
 
 def _apply_presence_frequency(
     logits: torch.Tensor, rows: Sequence[SamplingRow], which: list[int]
 ) -> None:
     """OpenAI semantics over output tokens: ``logit -= count * freq + (count > 0) * presence``."""
-    counts = _token_matrix(
-        [rows[b].output_token_ids for b in which], logits.shape[-1], logits.device
-    )
-    freq = torch.tensor(
-        [rows[b].params.frequency_penalty for b in which], device=logits.device
-    ).unsqueeze(-1)
-    presence = torch.tensor(
-        [rows[b].params.presence_penalty for b in which], device=logits.device
-    ).unsqueeze(-1)
-    logits[which] -= counts * freq + (counts > 0).float() * presence
+    vocab = logits.shape[-1]
+    outputs = [rows[b].output_token_ids for b in which]
+    flat, counts = _token_counts(outputs, which, vocab, logits.device)
+    freq = _per_pair([r.params.frequency_penalty for r in rows], flat, vocab)
+    presence = _per_pair([r.params.presence_penalty for r in rows], flat, vocab)
+    view = logits.view(-1)
+    view[flat] -= counts * freq + presence
