@@ -298,7 +298,7 @@ class Scheduler:
     def _add_chunk(self, step: _Step, req: Request, reply: AllocatorReply) -> None:
         if not isinstance(reply, SlotsAllocated) or reply.request_id != req.request_id:
             raise ProtocolError(f"expected SlotsAllocated for {req.request_id!r}, got {reply!r}")
-        if reply.num_cached_tokens:
+        if not req.block_ids:  # a new table: its cached prefix is what the pool shared
             req.num_computed_tokens += reply.num_cached_tokens
             req.num_cached_blocks = reply.num_cached_tokens // self.config.block_size
         req.block_ids.extend(reply.block_ids)

@@ -1,0 +1,292 @@
+"""The KV-block pool: reference counts, eviction order and a prefix cache that is verified,
+never trusted on its hash. Model-based tests check the pool against a plain bookkeeping
+model of which request holds which block and what each block's KV content is."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from engine.core import BlockPool, ProtocolError
+from engine.errors import InvalidParamError
+from engine.messages import (
+    AllocateSlots,
+    AllocationRefused,
+    BlocksCached,
+    CacheBlocks,
+    FreeRequest,
+    ReadAllocatorStats,
+    RequestFreed,
+    SlotsAllocated,
+)
+
+BS = 4  # small blocks so short token lists span several
+
+
+def _allocate(pool: BlockPool, rid: str, tokens: tuple[int, ...], budget: int = 1000, salt: str | None = None):
+    return pool.handle(AllocateSlots(rid, 0, len(tokens), budget, tokens, salt))
+
+
+def _prefill_and_cache(pool: BlockPool, rid: str, tokens: tuple[int, ...], salt: str | None = None) -> tuple[int, ...]:
+    """A request computes all of ``tokens`` and commits its full blocks."""
+    reply = _allocate(pool, rid, tokens, salt=salt)
+    assert isinstance(reply, SlotsAllocated)
+    cached = reply.num_cached_tokens
+    full = len(tokens) // BS * BS
+    pool.handle(CacheBlocks(rid, tokens[cached:full]))
+    return pool.block_table(rid)
+
+
+def test_a_fresh_pool_is_all_free_and_rejects_bad_sizes() -> None:
+    pool = BlockPool(8, BS)
+    stats = pool.handle(ReadAllocatorStats())
+    assert (stats.num_blocks, stats.num_free_blocks, stats.usage) == (8, 8, 0.0)
+    assert pool.free_block_ids() == tuple(range(8))
+    with pytest.raises(InvalidParamError, match="num_blocks"):
+        BlockPool(0, BS)
+
+
+def test_allocation_covers_the_chunk_and_refusal_changes_nothing() -> None:
+    pool = BlockPool(4, BS, enable_prefix_caching=False)
+    reply = pool.handle(AllocateSlots("a", 0, 10, 6))
+    assert reply == SlotsAllocated("a", 0, 6, (0, 1))  # 6 of 10 tokens: two blocks
+    reply = pool.handle(AllocateSlots("a", 6, 10, 100))
+    assert reply == SlotsAllocated("a", 0, 4, (2,))
+    before = pool.free_block_ids()
+    refused = pool.handle(AllocateSlots("b", 0, 9, 9))
+    assert refused == AllocationRefused("b", 3, 1)
+    assert pool.free_block_ids() == before and pool.block_table("b") == ()
+
+
+def test_freed_blocks_join_the_tail_last_block_first_and_allocation_takes_the_head() -> None:
+    pool = BlockPool(6, BS, enable_prefix_caching=False)
+    pool.handle(AllocateSlots("a", 0, 12, 12))  # blocks 0, 1, 2
+    assert pool.handle(FreeRequest("a")) == RequestFreed("a", 3)
+    assert pool.free_block_ids() == (3, 4, 5, 2, 1, 0)
+    assert pool.handle(AllocateSlots("b", 0, 8, 8)).block_ids == (3, 4)
+
+
+def test_freeing_an_unknown_or_freed_request_is_a_no_op() -> None:
+    pool = BlockPool(4, BS)
+    pool.handle(AllocateSlots("a", 0, 5, 5))
+    pool.handle(FreeRequest("a"))
+    assert pool.handle(FreeRequest("a")) == RequestFreed("a", 0)
+    assert pool.num_free_blocks == 4
+
+
+def test_a_prefix_hit_shares_blocks_and_never_covers_the_last_token() -> None:
+    pool = BlockPool(8, BS)
+    tokens = tuple(range(100, 108))  # exactly two blocks
+    table = _prefill_and_cache(pool, "a", tokens)
+    reply = _allocate(pool, "b", tokens)
+    # The second block holds the last token, whose logits must be computed again.
+    assert reply.num_cached_tokens == 4 and reply.num_new_tokens == 4
+    assert reply.block_ids[0] == table[0] and reply.block_ids[1] != table[1]
+    assert pool.ref_count(table[0]) == 2
+    stats = pool.statistics()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (16, 4)
+
+
+def test_a_cached_free_block_is_reused_until_evicted() -> None:
+    pool = BlockPool(4, BS)
+    tokens = tuple(range(9))
+    table = _prefill_and_cache(pool, "a", tokens)  # 3 blocks, 2 full ones cached
+    pool.handle(FreeRequest("a"))
+    assert pool.num_free_blocks == 4 and pool.statistics().num_cached_blocks == 2
+    reply = _allocate(pool, "b", tokens)
+    assert reply.num_cached_tokens == 8 and reply.block_ids[:2] == table[:2]
+    assert table[0] not in pool.free_block_ids()  # taken out of the free queue
+    pool.handle(FreeRequest("b"))
+    # Allocating every block evicts the cached ones; the prefix is gone.
+    pool.handle(AllocateSlots("c", 0, 16, 16))
+    assert pool.lookup(tokens) == () and pool.statistics().num_cached_blocks == 0
+
+
+def test_a_hit_taking_free_cached_blocks_counts_them_against_the_free_queue() -> None:
+    pool = BlockPool(3, BS)
+    tokens = tuple(range(9))
+    _prefill_and_cache(pool, "a", tokens)
+    pool.handle(FreeRequest("a"))
+    pool.handle(AllocateSlots("x", 0, 1, 1, (), None))  # evicts the uncached tail block only
+    assert pool.num_free_blocks == 2
+    # b needs the 2 cached blocks plus one new block: 3 > 2 free.
+    assert isinstance(_allocate(pool, "b", tokens), AllocationRefused)
+    assert pool.lookup(tokens) != ()  # refusal evicted nothing
+
+
+def test_cache_salt_separates_prefixes() -> None:
+    pool = BlockPool(8, BS)
+    tokens = tuple(range(9))
+    _prefill_and_cache(pool, "a", tokens, salt="alice")
+    assert _allocate(pool, "b", tokens, salt="bob").num_cached_tokens == 0
+    assert _allocate(pool, "c", tokens, salt="alice").num_cached_tokens == 8
+
+
+def test_duplicate_blocks_stay_private_and_the_chain_continues_from_the_cached_one() -> None:
+    pool = BlockPool(8, BS)
+    tokens = tuple(range(12))
+    a = _prefill_and_cache(pool, "a", tokens[:9])
+    # b computed the same tokens without a hit (say, concurrently), then commits them.
+    pool.handle(AllocateSlots("b", 0, 12, 12))
+    assert pool.handle(CacheBlocks("b", tokens[:12])) == BlocksCached("b", 3)
+    hit = pool.lookup(tokens)
+    b = pool.block_table("b")
+    assert hit == (a[0], a[1], b[2])
+
+
+@pytest.mark.parametrize("hasher", [lambda parent, salt, tokens: 0, lambda parent, salt, tokens: len(tokens)])
+def test_a_hash_collision_never_gives_a_wrong_hit(hasher) -> None:
+    pool = BlockPool(16, BS, hasher=hasher)
+    a = _prefill_and_cache(pool, "a", (1, 2, 3, 4, 5, 6, 7, 8, 0))
+    b = _prefill_and_cache(pool, "b", (9, 9, 9, 9, 5, 6, 7, 8, 0))
+    assert pool.lookup((1, 2, 3, 4, 5, 6, 7, 8)) == a[:2]
+    assert pool.lookup((9, 9, 9, 9, 5, 6, 7, 8)) == b[:2]
+    # Same second block behind a different first block: only the first block may match.
+    assert pool.lookup((1, 2, 3, 4, 9, 9, 9, 9)) == a[:1]
+    assert pool.lookup((5, 6, 7, 8)) == ()
+    assert pool.lookup((1, 2, 3, 4), cache_salt="other") == ()
+
+
+def test_protocol_misuse_raises() -> None:
+    pool = BlockPool(8, BS)
+    pool.handle(AllocateSlots("a", 0, 8, 8))
+    with pytest.raises(ProtocolError, match="prefix lookup"):
+        pool.handle(AllocateSlots("a", 0, 8, 8, (1,) * 8))
+    with pytest.raises(ProtocolError, match="whole blocks"):
+        pool.handle(CacheBlocks("a", (1, 2, 3)))
+    with pytest.raises(ProtocolError, match="nothing to compute"):
+        pool.handle(AllocateSlots("a", 8, 8, 8))
+
+
+# -- model-based -------------------------------------------------------------------------
+
+_TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=14).map(tuple)  # few values: many shared prefixes
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Random allocate / grow / commit / free / lookup sequences against a bookkeeping model."""
+
+    hasher = None
+
+    @initialize()
+    def start(self) -> None:
+        kwargs = {"hasher": self.hasher} if self.hasher else {}
+        self.pool = BlockPool(10, BS, **kwargs)
+        self.tables: dict[str, list[int]] = {}
+        self.tokens: dict[str, tuple[int, ...]] = {}
+        self.salts: dict[str, str | None] = {}
+        self.computed: dict[str, int] = {}
+        self.committed: dict[str, int] = {}
+        # What each block's KV holds: the whole token prefix through its last slot, once full.
+        self.content: dict[int, tuple[int, ...] | None] = {}
+        self.next_id = 0
+
+    def _write(self, rid: str, start: int, end: int) -> None:
+        table, tokens = self.tables[rid], self.tokens[rid]
+        for i in range(start // BS, -(-end // BS)):
+            full = (i + 1) * BS <= end
+            self.content[table[i]] = tokens[: (i + 1) * BS] if full else None
+
+    def _check_hit(self, query: tuple[int, ...], blocks: tuple[int, ...]) -> None:
+        for i, block in enumerate(blocks):
+            assert self.content.get(block) == query[: (i + 1) * BS], "a hit returned a block whose tokens differ"
+
+    @rule(tokens=_TOKENS, budget=st.integers(1, 9), salt=st.sampled_from([None, "s"]))
+    def admit(self, tokens: tuple[int, ...], budget: int, salt: str | None) -> None:
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        free_before = self.pool.free_block_ids()
+        reply = self.pool.handle(AllocateSlots(rid, 0, len(tokens), budget, tokens, salt))
+        if isinstance(reply, AllocationRefused):
+            assert self.pool.free_block_ids() == free_before and self.pool.block_table(rid) == ()
+            return
+        cached = reply.num_cached_tokens
+        assert cached % BS == 0 and cached < len(tokens)
+        assert reply.num_new_tokens == min(budget, len(tokens) - cached)
+        hit = reply.block_ids[: cached // BS]
+        self._check_hit(tokens, hit)
+        self.tables[rid] = list(reply.block_ids)
+        self.tokens[rid], self.salts[rid] = tokens, salt
+        self.committed[rid] = cached // BS
+        self.computed[rid] = cached + reply.num_new_tokens
+        self._write(rid, cached, self.computed[rid])
+
+    @rule(data=st.data(), budget=st.integers(1, 9))
+    def grow(self, data: st.DataObject, budget: int) -> None:
+        live = sorted(r for r in self.tables if self.computed[r] < len(self.tokens[r]))
+        if not live:
+            return
+        rid = data.draw(st.sampled_from(live))
+        start = self.computed[rid]
+        reply = self.pool.handle(AllocateSlots(rid, start, len(self.tokens[rid]), budget))
+        if isinstance(reply, AllocationRefused):
+            return
+        assert reply.num_new_tokens == min(budget, len(self.tokens[rid]) - start)
+        self.tables[rid].extend(reply.block_ids)
+        self.computed[rid] = start + reply.num_new_tokens
+        assert len(self.tables[rid]) == -(-self.computed[rid] // BS)
+        self._write(rid, start, self.computed[rid])
+
+    @rule(data=st.data())
+    def commit(self, data: st.DataObject) -> None:
+        live = sorted(r for r in self.tables if self.computed[r] // BS > self.committed[r])
+        if not live:
+            return
+        rid = data.draw(st.sampled_from(live))
+        full = self.computed[rid] // BS
+        tokens = self.tokens[rid]
+        reply = self.pool.handle(CacheBlocks(rid, tokens[self.committed[rid] * BS : full * BS]))
+        assert reply == BlocksCached(rid, full)
+        self.committed[rid] = full
+        # Right after a commit, the whole committed prefix is found again.
+        hit = self.pool.lookup(tokens[: full * BS], self.salts[rid])
+        assert len(hit) == full
+        self._check_hit(tokens, hit)
+
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        if not self.tables:
+            return
+        rid = data.draw(st.sampled_from(sorted(self.tables)))
+        assert self.pool.handle(FreeRequest(rid)) == RequestFreed(rid, len(self.tables[rid]))
+        del self.tables[rid]
+
+    @rule(query=_TOKENS, salt=st.sampled_from([None, "s"]))
+    def lookup(self, query: tuple[int, ...], salt: str | None) -> None:
+        self._check_hit(query, self.pool.lookup(query, salt))
+
+    @invariant()
+    def bookkeeping_matches(self) -> None:
+        if not hasattr(self, "pool"):
+            return
+        held = Counter(b for table in self.tables.values() for b in table)
+        free = self.pool.free_block_ids()
+        assert len(set(free)) == len(free), "a block is in the free queue twice"
+        for block in range(self.pool.num_blocks):
+            assert self.pool.ref_count(block) == held[block] >= 0
+        assert set(free) == {b for b in range(self.pool.num_blocks) if held[b] == 0}
+        assert len(free) + len(held) == self.pool.num_blocks
+        for rid, table in self.tables.items():
+            assert self.pool.block_table(rid) == tuple(table)
+
+    def teardown(self) -> None:
+        if hasattr(self, "pool"):
+            for rid in list(self.tables):
+                self.pool.handle(FreeRequest(rid))
+            assert self.pool.num_free_blocks == self.pool.num_blocks, "blocks leaked"
+
+
+class CollidingPoolMachine(PoolMachine):
+    # Every block of equal length shares one key: only verification keeps hits right.
+    hasher = staticmethod(lambda parent, salt, tokens: len(tokens))
+
+
+_SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestPool = PoolMachine.TestCase
+TestPool.settings = _SETTINGS
+TestCollidingPool = CollidingPoolMachine.TestCase
+TestCollidingPool.settings = _SETTINGS
