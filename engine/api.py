@@ -352,13 +352,22 @@ async def open_engine(
     resolved = _config(str(model) if model is not None else None, config, options)
     parts = await trio.to_thread.run_sync(build_parts, resolved)
     engine = Engine(parts)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(engine._run)
-        try:
-            yield engine
-        finally:
-            engine._die(EngineDeadError("engine closed"))
-            nursery.cancel_scope.cancel()
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine._run)
+            try:
+                yield engine
+            finally:
+                engine._die(EngineDeadError("engine closed"))
+                nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # The actors never raise into this nursery (a crash marks the engine dead), so a
+        # group of one holds what the caller's own block raised (or a startup failure):
+        # give it back unwrapped, as if no nursery were there.
+        if len(group.exceptions) == 1:
+            only = group.exceptions[0]
+            raise only from only.__cause__
+        raise
 
 
 __all__ = [

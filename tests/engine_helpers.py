@@ -57,7 +57,10 @@ async def wait_idle(eng: Any) -> engine.EngineStatistics:
         s = eng.statistics()
         return s.running == 0 and s.waiting == 0 and s.kv_blocks_free == s.kv_blocks_total
 
-    await wait_until(idle)
+    try:
+        await wait_until(idle)
+    except trio.TooSlowError:
+        raise AssertionError(f"the engine never went idle: {eng.statistics()}") from None
     return eng.statistics()
 
 

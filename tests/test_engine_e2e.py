@@ -52,8 +52,8 @@ async def _together(eng: Any, prompts: list[list[int]], max_tokens: list[int]) -
 
 
 async def test_64_concurrent_greedy_requests_give_the_tokens_each_gives_alone(model: Path) -> None:
-    prompts = random_prompts(64, vocab=300, lo=1, hi=90, seed=1)
-    max_tokens = [1 + (7 * i) % 20 for i in range(64)]  # 1..20 new tokens, mixed
+    prompts = random_prompts(64, vocab=300, lo=1, hi=70, seed=1)
+    max_tokens = [1 + (5 * i) % 8 for i in range(64)]  # 1..8 new tokens, mixed
     async with engine.open_engine(str(model), **ENGINE_OPTIONS) as eng:
         alone = await _alone(eng, prompts, max_tokens)
         together = await _together(eng, prompts, max_tokens)
@@ -64,19 +64,19 @@ async def test_64_concurrent_greedy_requests_give_the_tokens_each_gives_alone(mo
 
 
 async def test_a_pool_too_small_for_all_preempts_and_still_gives_the_same_tokens(model: Path) -> None:
-    prompts = random_prompts(12, vocab=300, lo=20, hi=60, seed=2)
-    max_tokens = [24] * 12
+    prompts = random_prompts(8, vocab=300, lo=20, hi=60, seed=2)
+    max_tokens = [12] * 8
     async with engine.open_engine(str(model), **ENGINE_OPTIONS) as eng:
         alone = await _alone(eng, prompts, max_tokens)
-    # 12 blocks of 16 tokens (512 bytes a token in fp32: 2 layers x 2 KV heads x 32 dims x
-    # K and V x 4 bytes) hold one request of up to 192 tokens but not 12 of ~64 at once.
-    small = dict(ENGINE_OPTIONS, kv_cache_memory=12 * 16 * 512)
+    # 8 blocks of 16 tokens (512 bytes a token in fp32: 2 layers x 2 KV heads x 16 dims x
+    # K and V x 4 bytes) hold one request of up to 128 tokens but not 8 of ~55 at once.
+    small = dict(ENGINE_OPTIONS, kv_cache_memory=8 * 16 * 512)
     async with engine.open_engine(str(model), **small) as eng:
         together = await _together(eng, prompts, max_tokens)
         stats = await wait_idle(eng)
     assert together == alone
     assert stats.preemptions > 0
-    assert stats.kv_blocks_total == 12
+    assert stats.kv_blocks_total == 8
 
 
 async def test_a_shared_prefix_is_computed_once_and_gives_the_same_tokens(model: Path) -> None:
@@ -158,7 +158,8 @@ async def test_n_samples_share_the_prompt_blocks_and_draw_distinct_seeded_stream
     assert len({tuple(s) for s in samples}) == 3  # distinct streams
     assert samples == [token_ids(again, i) for i in range(3)] == single  # seed + i
     # Samples 1 and 2 take the first sample's three prompt blocks from the prefix cache.
-    assert stats.prefix_cache_hits >= 2 * 47 - 47 % 16
+    # (a hit never covers the last prompt token, whose logits must be computed: 2 blocks)
+    assert stats.prefix_cache_hits == 2 * 32
     assert sum(out.finished for out in first) == 3
 
 

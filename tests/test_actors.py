@@ -1,0 +1,212 @@
+"""The actor engine's guarantees: cancellation frees blocks, a crash fails everything
+cleanly, and a slow consumer stalls nobody. Tiny float32 model, real actors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+import engine
+from engine.actors.router import OutputMailbox
+from engine.errors import EngineDeadError, QueueFullError
+from engine.messages import RequestOutput, TokenLogprob
+from engine.runner.model_runner import ModelRunner
+from engine_helpers import collect, greedy, random_prompts, tiny_model, token_ids, wait_idle, wait_until
+
+# 16-token step budget: a 100-token prompt is prefilled over 7 steps, so there is a
+# prefill phase to cancel in. A 4 MiB pool keeps start-up fast.
+OPTIONS: dict[str, Any] = dict(
+    dtype="float32", max_num_seqs=8, max_num_batched_tokens=16, block_size=16,
+    kv_cache_memory=4 * 1024 * 1024,
+)
+LONG_PROMPT = random_prompts(1, vocab=300, lo=100, hi=100, seed=7)[0]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model(tmp_path_factory)
+
+
+async def _still_serves(eng: Any) -> None:
+    outputs = await collect(eng, [5, 6, 7], greedy(3))
+    assert len(token_ids(outputs)) == 3
+
+
+async def _cancel_when(eng: Any, ready: Any, *, max_tokens: int = 40, after_outputs: int = 0) -> bool:
+    """Run one request in a cancel scope; cancel it once ``ready()`` holds and it gave
+    ``after_outputs`` outputs. Returns whether the Cancelled reached the scope."""
+    seen = 0
+    with trio.CancelScope() as scope:
+
+        async def cancel_when_ready() -> None:
+            await wait_until(lambda: ready() and seen >= after_outputs)
+            scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(cancel_when_ready)
+            stream = await eng.submit(LONG_PROMPT, greedy(max_tokens))
+            async with stream:
+                async for _ in stream:
+                    seen += 1
+            pytest.fail("the request finished before it was cancelled")
+    return scope.cancelled_caught
+
+
+@pytest.mark.parametrize(
+    "point", ["waiting", "prefill", "first_output", "decoding"]
+)
+async def test_cancelling_the_consumer_frees_the_request_blocks(model: Path, point: str) -> None:
+    async with engine.open_engine(str(model), **dict(OPTIONS, max_num_seqs=1)) as eng:
+        stats = eng.statistics
+        if point == "waiting":
+            # max_num_seqs=1 and a long request ahead: ours waits in the queue.
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(collect, eng, LONG_PROMPT, greedy(30))
+                await wait_until(lambda: stats().running == 1)
+                assert await _cancel_when(eng, lambda: stats().waiting == 1)
+        elif point == "prefill":
+            assert await _cancel_when(eng, lambda: stats().kv_blocks_free < stats().kv_blocks_total)
+        elif point == "first_output":
+            assert await _cancel_when(eng, lambda: True, after_outputs=1)
+        else:
+            assert await _cancel_when(eng, lambda: True, after_outputs=5)
+        after = await wait_idle(eng)
+        assert after.kv_blocks_free == after.kv_blocks_total
+        await _still_serves(eng)
+
+
+async def test_cancelling_submit_itself_leaves_nothing_behind(model: Path) -> None:
+    async with engine.open_engine(str(model), **OPTIONS) as eng:
+        for checkpoints in range(4):  # cancel after 0..3 scheduling points inside submit
+            with trio.CancelScope() as scope:
+
+                async def cancel_soon(n: int = checkpoints) -> None:
+                    for _ in range(n):
+                        await trio.lowlevel.checkpoint()
+                    scope.cancel()
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(cancel_soon)
+                    stream = await eng.submit(LONG_PROMPT, greedy(40))
+                    async with stream:
+                        async for _ in stream:
+                            pass
+            assert scope.cancelled_caught
+        await wait_idle(eng)
+        await _still_serves(eng)
+
+
+async def test_leaving_a_generate_loop_early_aborts_the_request(model: Path) -> None:
+    async with engine.open_engine(str(model), **OPTIONS) as eng:
+        async with eng.generate(LONG_PROMPT, greedy(40)) as outputs:
+            async for _ in outputs:
+                break
+        async for _ in eng.generate(LONG_PROMPT, greedy(40)):
+            break  # no `async with`: the dropped iterator aborts when collected
+        stats = await wait_idle(eng)
+        assert stats.requests_finished == 2
+        stream = await eng.submit(LONG_PROMPT, greedy(40))
+        await stream.aclose()
+        await wait_idle(eng)
+
+
+async def test_abort_from_outside_ends_the_stream_with_abort(model: Path) -> None:
+    async with engine.open_engine(str(model), **OPTIONS) as eng:
+        stream = await eng.submit(LONG_PROMPT, greedy(40, stop=["never"]), request_id="victim")
+        outputs: list[RequestOutput] = []
+        async with stream:
+            async for out in stream:
+                outputs.append(out)
+                eng.abort("victim")
+                eng.abort("victim")  # idempotent
+        await wait_idle(eng)
+    assert outputs[-1].finished and outputs[-1].finish_reason == "abort"
+    assert len(token_ids(outputs)) < 40
+
+
+async def test_a_crashed_actor_fails_every_request_with_engine_dead_error(
+    model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = ModelRunner.execute
+    calls = 0
+
+    def execute_then_crash(self: ModelRunner, plan: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls > 12:  # let all three requests get going first
+            raise RuntimeError("device on fire")
+        return original(self, plan)
+
+    monkeypatch.setattr(ModelRunner, "execute", execute_then_crash)
+
+    def caused_by_the_crash(exc: EngineDeadError) -> bool:
+        return isinstance(exc.__cause__, RuntimeError) and "on fire" in str(exc.__cause__)
+
+    dead = pytest.RaisesExc(EngineDeadError, check=caused_by_the_crash)
+    async with engine.open_engine(str(model), **OPTIONS) as eng:
+        with pytest.RaisesGroup(dead, dead, dead):
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(collect, eng, LONG_PROMPT[i:], greedy(40))
+        assert eng.dead
+        assert isinstance(eng.dead_reason, RuntimeError)
+        with pytest.raises(EngineDeadError):
+            await eng.submit("Hello", greedy(4))
+    # Leaving the block after the crash is clean: nothing hangs, nothing else raised.
+
+
+async def test_closing_the_engine_fails_open_streams(model: Path) -> None:
+    async with engine.open_engine(str(model), **OPTIONS) as eng:
+        stream = await eng.submit(LONG_PROMPT, greedy(200))
+    with pytest.raises(EngineDeadError, match="engine closed"):
+        async for _ in stream:
+            pass
+    assert eng.dead
+    with pytest.raises(EngineDeadError):
+        await eng.submit("Hello", greedy(4))
+
+
+async def test_a_consumer_that_stops_reading_does_not_stall_others(model: Path) -> None:
+    async with engine.open_engine(str(model), **OPTIONS) as eng:
+        expected = token_ids(await collect(eng, LONG_PROMPT, greedy(24)))
+        stalled = await eng.submit(LONG_PROMPT, greedy(24))
+        async with stalled:
+            # Nobody reads `stalled` while three other requests run to the end.
+            others = [random_prompts(1, vocab=300, lo=10, hi=30, seed=s)[0] for s in (1, 2, 3)]
+            async with trio.open_nursery() as nursery:
+                for prompt in others:
+                    nursery.start_soon(collect, eng, prompt, greedy(30))
+            await wait_until(lambda: eng.statistics().running == 0)
+            outputs = [out async for out in stalled]
+        stats = await wait_idle(eng)
+    assert token_ids(outputs) == expected
+    assert len(outputs) < 24  # unread outputs were merged, not queued one per token
+    assert outputs[-1].finish_reason == "length"
+    assert stats.requests_finished == 5
+
+
+async def test_a_full_queue_rejects_new_requests(model: Path) -> None:
+    async with engine.open_engine(str(model), **dict(OPTIONS, max_num_seqs=1, max_queued_requests=1)) as eng:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(collect, eng, LONG_PROMPT, greedy(30))
+            await wait_until(lambda: eng.statistics().running == 1)
+            nursery.start_soon(collect, eng, [5, 6, 7], greedy(2))
+            await wait_until(lambda: eng.statistics().waiting == 1)
+            with pytest.raises(QueueFullError):
+                await eng.submit([5, 6, 7], greedy(2))
+        await wait_idle(eng)
+
+
+def test_a_mailbox_merges_unread_outputs_per_sample() -> None:
+    box = OutputMailbox("r", 2)
+    lp = TokenLogprob(1, -0.5, ())
+    box.put(RequestOutput("r", 0, "a", (1,), False, None, None, (lp,), None))
+    box.put(RequestOutput("r", 1, "x", (7,), False, None, None, (lp,), None))
+    box.put(RequestOutput("r", 0, "b", (2,), True, "length", None, (lp,), engine.Usage(3, 2)))
+    assert box.pending == 2 and box.merged == 1 and not box.done
+    merged = box._pending[0]
+    assert (merged.text, merged.token_ids, merged.finished) == ("ab", (1, 2), True)
+    assert merged.logprobs == (lp, lp) and merged.usage == engine.Usage(3, 2)

@@ -1,0 +1,85 @@
+"""`python -m engine generate` through the actor engine, checked against transformers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine_helpers import tiny_model
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model(tmp_path_factory)
+
+
+def _run_generate(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run(
+        [sys.executable, "-m", "engine", "generate", *args],
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout, check=False,
+    )
+
+
+def _transformers_greedy(folder: Path, prompt: str, max_new_tokens: int, gguf_file: str | None = None) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id,
+        )
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def test_generate_prints_only_the_greedy_text(model: Path) -> None:
+    prompt = "The quick brown fox"
+    result = _run_generate(
+        "--model", str(model), "--dtype", "float32", "--temperature", "0", "--ignore-eos",
+        "--max-tokens", "8", "--kv-cache-memory", "4MiB", "--prompt", prompt,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == _transformers_greedy(model, prompt, 8) + "\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "names"),
+    [
+        (["--max-tokens", "0"], "max_tokens"),
+        (["--temperature", "-1"], "temperature"),
+        (["--model", "/no/such/model"], "/no/such/model"),
+    ],
+)
+def test_bad_input_gives_one_line_on_stderr_and_exit_code_2(model: Path, args: list[str], names: str) -> None:
+    base = ["--model", str(model), "--kv-cache-memory", "4MiB", "--prompt", "Hi"]
+    result = _run_generate(*base, *args)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and names in lines[0], result.stderr
+
+
+@pytest.mark.slow
+def test_smollm2_generate_matches_transformers_greedy_fp32() -> None:
+    from engine.models.loader import default_model_path
+
+    gguf = default_model_path()
+    prompt = "The capital of France is"
+    result = _run_generate(
+        "--dtype", "float32", "--temperature", "0", "--ignore-eos", "--max-tokens", "32",
+        "--kv-cache-memory", "64MiB", "--prompt", prompt,
+    )
+    assert result.returncode == 0, result.stderr
+    expected = _transformers_greedy(gguf.parent, prompt, 32, gguf_file=gguf.name)
+    assert result.stdout == expected + "\n"
