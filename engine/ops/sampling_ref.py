@@ -8,8 +8,9 @@ masking and penalties to ``logits``)::
        +--> log_softmax --> logprob of the chosen token (raw: no temperature, no truncation)
 
 Top-k, then top-p, then min-p is the order of vLLM's pre-V1 sampler; vLLM V1 moved min-p
-in front of top-k/top-p. The order matters only between top-p and min-p (min-p compares each
-token with the row's maximum, which no truncation removes, so top-k and min-p commute).
+in front of top-k/top-p. Top-p measures mass after the masks before it, so it does not
+commute with either neighbour; top-k and min-p do commute (min-p compares each token with
+the row's maximum, which top-k never removes).
 
 Masks are thresholds, so a mask never depends on how a sort orders equal values and a
 kernel can reproduce it without sorting:
@@ -20,7 +21,7 @@ kernel can reproduce it without sorting:
 * **top-p** keeps every token whose probability is ``>=`` ``t``, where ``t`` is the largest
   probability value such that the tokens with probability ``>= t`` hold at least ``p`` of
   the mass: the smallest set reaching ``p``, widened to include every token tied with its
-  last member. The first token always stays. ``p >= 1`` keeps every token. Probabilities are
+  last member. The most likely token always stays. ``p >= 1`` keeps every token. Probabilities are
   ``softmax`` of the (temperature-scaled, top-k-masked) logits in fp32 and the mass is an
   fp32 ``cumsum`` in descending order, so a kernel summing in another order can differ only
   when the mass lands within rounding of ``p``.

@@ -112,7 +112,7 @@ class Sampler:
         device = logits.device
         if bias[0]:
             index = (torch.tensor(bias[0], device=device), torch.tensor(bias[1], device=device))
-            # accumulate: a token listed twice gets both biases, as a dict merge would not hide
+            # accumulate: a token listed twice in a tuple gets both biases (dicts cannot repeat)
             logits.index_put_(index, torch.tensor(bias[2], device=device), accumulate=True)
         if banned[0]:
             index = (torch.tensor(banned[0], device=device), torch.tensor(banned[1], device=device))
