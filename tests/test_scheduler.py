@@ -553,3 +553,22 @@ def test_deltas_are_token_delta_messages() -> None:
     plan = _plan(sched, pool)
     update = sched.update_from_output(plan, _result(plan))
     assert isinstance(update.deltas[0], TokenDelta)
+
+
+def test_a_decode_inside_the_last_block_needs_no_allocator_round_trip() -> None:
+    sched, pool = _setup(bs=4)
+    _add(sched, "a", 5)
+    _step(sched, pool)  # prefill: positions 0..4 in two blocks
+
+    calls: list[object] = []
+
+    class CountingPool:
+        def handle(self, call):
+            calls.append(call)
+            return pool.handle(call)
+
+    for position in (5, 6, 7, 8):
+        plan = run_with_pool(sched.schedule(), CountingPool())
+        assert _chunks(plan) == [("a", position, 1, True)]
+        _update(sched, pool, plan)
+    assert [type(c).__name__ for c in calls] == ["AllocateSlots"]  # only for position 8

@@ -247,11 +247,12 @@ class Scheduler:
             if not req.can_sample:
                 i += 1  # every output is drawn; its last results are in flight
                 continue
-            while True:
+            reply = self._fits_table(req, step.budget)
+            while not isinstance(reply, SlotsAllocated):
                 reply = yield self._allocate_call(req, step.budget, lookup=False)
                 if isinstance(reply, SlotsAllocated):
                     break
-                # The victim is last in queue order, so never a request already planned.
+                # Refused: the victim is last in queue order, so never a request already planned.
                 victim = self._running[-1]
                 if victim is req and len(self._running) == 1:
                     raise _too_small(req, reply)
@@ -283,6 +284,14 @@ class Scheduler:
                     NewRequest(req.request_id, req.prompt_token_ids, req.params, req.eos_token_ids)
                 )
             self._add_chunk(step, req, reply)
+
+    def _fits_table(self, req: Request, budget: int) -> SlotsAllocated | None:
+        """The chunk when the request's blocks already hold it (most decode steps): no
+        allocator round trip; ``None`` when blocks must be allocated."""
+        count = min(req.num_known_tokens - req.num_computed_tokens, budget)
+        if req.num_computed_tokens + count > len(req.block_ids) * self.config.block_size:
+            return None
+        return SlotsAllocated(req.request_id, 0, count, ())
 
     def _allocate_call(self, req: Request, budget: int, *, lookup: bool) -> AllocateSlots:
         first = not req.block_ids
