@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.ops.triton._paged import LOG2E, dot_precision, paged_attend_tile
+from engine.ops.triton._paged import LOG2E, dot_precision, dot_upcast, paged_attend_tile
 
 BLOCK_N = 64  # context tokens per tile: 16 KB of fp16 K at head_dim 128
 MIN_PARTITION = 256  # tokens per split at least, so a split's work outweighs its reduce share
@@ -38,6 +38,7 @@ def _decode_split_kernel(
     block_size, head_dim, partition_size, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -63,7 +64,7 @@ def _decode_split_kernel(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_tables_ptr + b * stride_bt,
             stride_kb, stride_ko, stride_kh, kv_head, block_size, n0, end, q_pos,
             qk_scale_log2, d, d_mask,
-            CAUSAL=False, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+            CAUSAL=False, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, DOT_UPCAST=DOT_UPCAST,
         )
 
     if SINGLE_SPLIT:
@@ -157,7 +158,7 @@ def paged_attention_decode(
         k_cache.shape[1], head_dim, partition, splits,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),  # dot needs M >= 16
         BLOCK_D=block_d, BLOCK_N=BLOCK_N, SINGLE_SPLIT=single,
-        DOT_PRECISION=dot_precision(query.dtype),
+        DOT_PRECISION=dot_precision(query.dtype), DOT_UPCAST=dot_upcast(query.dtype, query.device),
         num_warps=4, num_stages=3,  # memory bound: 3 stages keep two tiles' loads in flight
     )
     if not single:

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from engine.ops import AttentionMetadata
-from engine.ops.triton._paged import LOG2E, dot_precision, paged_attend_tile
+from engine.ops.triton._paged import LOG2E, dot_precision, dot_upcast, paged_attend_tile
 
 # Query rows x key columns per tile. 64 x 64 keeps the interpreter and small GPUs happy;
 # on sm_80+ with head_dim <= 128 a 128-row query tile doubles the reuse of each K/V tile.
@@ -36,7 +36,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_kb, stride_ko, stride_kh, stride_bt, stride_ot, stride_oh,
     block_size, head_dim,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     tile = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -69,7 +69,7 @@ def _prefill_kernel(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table,
             stride_kb, stride_ko, stride_kh, kv_head, block_size, n0, diag, q_pos,
             qk_scale_log2, d, d_mask,
-            CAUSAL=False, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+            CAUSAL=False, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, DOT_UPCAST=DOT_UPCAST,
         )
     diag_end = tl.minimum(diag + BLOCK_M, seq_len)
     for n0 in range(diag, diag_end, BLOCK_N):
@@ -77,7 +77,7 @@ def _prefill_kernel(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table,
             stride_kb, stride_ko, stride_kh, kv_head, block_size, n0, diag_end, q_pos,
             qk_scale_log2, d, d_mask,
-            CAUSAL=True, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+            CAUSAL=True, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, DOT_UPCAST=DOT_UPCAST,
         )
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_ptrs = out_ptr + tok[:, None] * stride_ot + head * stride_oh + d[None, :]
@@ -121,7 +121,7 @@ def paged_attention_prefill(
         out.stride(0), out.stride(1),
         k_cache.shape[1], head_dim,
         GROUP=num_heads // num_kv_heads, BLOCK_M=bm, BLOCK_N=min(BLOCK_N, bm), BLOCK_D=block_d,
-        DOT_PRECISION=dot_precision(query.dtype),
+        DOT_PRECISION=dot_precision(query.dtype), DOT_UPCAST=dot_upcast(query.dtype, query.device),
         # 8 warps for the 128-row tile (two warpgroups of MMA), 4 for 64 rows.
         num_warps=8 if bm >= 128 else 4, num_stages=3,
     )

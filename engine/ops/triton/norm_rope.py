@@ -32,7 +32,9 @@ def _rms_norm_kernel(
     var = tl.sum(x * x, axis=0) / n_cols
     y = x * tl.rsqrt(var + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    y = y * w.to(tl.float32)  # all in fp32, one rounding at the store
+    # Rounded to the activation dtype before the weight multiply, as HF and the torch
+    # reference do, so fp16/bf16 outputs match them bit for bit in the common case.
+    y = y.to(out_ptr.dtype.element_ty).to(tl.float32) * w.to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -42,35 +44,41 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """RMSNorm of ``x`` (plus ``residual`` first, if given); returns (out, x + residual).
-
-    The sum is written into ``residual``'s storage when it is contiguous, like vLLM's
-    fused_add_rms_norm, so the residual stream needs no new allocation per layer.
-    """
+def _launch_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     x2 = _rows(x)
     n_rows, n_cols = x2.shape
     out = torch.empty_like(x2)
+    # With a residual the sum goes into x2 (x itself, or its private copy), as the
+    # reference's `x.add_(residual)`; without one res2 is an unused placeholder.
+    res2 = x2 if residual is None else _rows(residual)
     block = triton.next_power_of_2(n_cols)
-    if residual is None:
-        res2, res_out = x2, x2  # unused: HAS_RESIDUAL is off
-    else:
-        res2 = _rows(residual)
-        res_out = res2 if res2.data_ptr() == residual.data_ptr() else torch.empty_like(x2)
     if n_rows:
         _rms_norm_kernel[(n_rows,)](
-            x2, res2, weight, out, res_out,
-            n_cols, x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0), eps,
+            x2, res2, weight, out, x2,
+            n_cols, x2.stride(0), res2.stride(0), out.stride(0), x2.stride(0), eps,
             HAS_RESIDUAL=residual is not None, BLOCK=block,
             # Wide rows (4-8k) need more warps to keep 16-byte loads per thread.
             num_warps=min(max(block // 256, 1), 16),
         )
-    out = out.view(x.shape)
-    if residual is None:
-        return out, None
-    return out, res_out.view(x.shape)
+    return out.view(x.shape), x2.view(x.shape)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, in fp32, returned in ``x.dtype``."""
+    return _launch_rms_norm(x, weight, eps, None)[0]
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)`` in one pass.
+
+    The sum is written into ``x``'s storage (as the torch reference's ``x.add_``) when
+    ``x`` has unit-stride rows, so the residual stream needs no new allocation per layer.
+    """
+    return _launch_rms_norm(x, weight, eps, residual)
 
 
 @triton.jit

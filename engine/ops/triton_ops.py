@@ -1,0 +1,96 @@
+"""The ``Ops`` protocol on Triton kernels (CUDA; CPU only under ``TRITON_INTERPRET=1``).
+
+Every op has the signature and the numerics of the torch reference
+(``engine.ops.reference.TorchOps``); the kernels live in ``engine.ops.triton``, one module
+per family. No op falls back to torch: each one is a single pass that replaces several torch
+kernels and their temporaries (see each module's docstring for the layout and the reason).
+
+Importing this module decorates the kernels; set ``TRITON_INTERPRET=1`` before that if the
+kernels are to run on CPU tensors (tests do; see ``engine/ops/triton/__init__.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.ops import AttentionMetadata
+from engine.ops.triton import attention_decode, attention_prefill, kv_cache, norm_rope, sampling
+
+
+class TritonOps:
+    """Triton implementation of :class:`engine.ops.Ops`; stateless, safe to share."""
+
+    name = "triton"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return norm_rope.rms_norm(x, weight, eps)
+
+    def fused_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass: ``x += residual`` (into ``x``'s storage, as the reference), then RMSNorm."""
+        return norm_rope.fused_add_rms_norm(x, residual, weight, eps)
+
+    def rotary_embedding(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """In place on ``query`` and ``key`` (which may be views of a fused QKV output)."""
+        return norm_rope.rotary_embedding(positions, query, key, cos_sin_cache)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return norm_rope.silu_and_mul(x)
+
+    def write_kv_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        kv_cache.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+    def paged_attention_decode(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        seq_lens_host: tuple[int, ...],
+    ) -> torch.Tensor:
+        """Flash-decoding: the context is split across programs when the batch is small."""
+        return attention_decode.paged_attention_decode(
+            query, k_cache, v_cache, block_tables, seq_lens, scale, seq_lens_host
+        )
+
+    def paged_attention_prefill(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        return attention_prefill.paged_attention_prefill(query, k_cache, v_cache, meta, scale)
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        min_p: torch.Tensor,
+        seeds: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sort-free: radix-searched thresholds and a Philox Gumbel race (see ``sampling``).
+
+        The masks equal the reference's; the draws use Philox instead of torch's generator,
+        so a seeded row gives the same token in any batch, but not the reference's token.
+        """
+        return sampling.sample(logits, temperature, top_k, top_p, min_p, seeds)
