@@ -572,3 +572,16 @@ def test_a_decode_inside_the_last_block_needs_no_allocator_round_trip() -> None:
         assert _chunks(plan) == [("a", position, 1, True)]
         _update(sched, pool, plan)
     assert [type(c).__name__ for c in calls] == ["AllocateSlots"]  # only for position 8
+
+
+def test_scheduler_config_comes_from_the_engine_config_and_is_checked() -> None:
+    from engine.config import EngineConfig
+
+    engine = EngineConfig(max_num_seqs=3, block_size=8, scheduling_policy="priority")
+    config = SchedulerConfig.from_engine_config(engine, max_model_len=100, num_kv_blocks=10)
+    assert (config.max_num_seqs, config.block_size, config.policy) == (3, 8, "priority")
+    assert config.max_request_len == 80  # the pool, not the context, is the limit here
+    with pytest.raises(InvalidParamError, match="policy"):
+        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=1, block_size=1, max_model_len=1, num_kv_blocks=1, policy="lifo")
+    with pytest.raises(InvalidParamError, match="num_kv_blocks"):
+        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=1, block_size=1, max_model_len=1, num_kv_blocks=0)
