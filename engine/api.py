@@ -281,10 +281,16 @@ class Engine:
             self._die(EngineDeadError("the engine's actors stopped"))
 
 
+# An actor that crashes closes its channel ends on the way out, so a neighbour blocked on
+# one of them fails too; those failures are consequences, not the cause.
+_CONSEQUENCES = (trio.BrokenResourceError, trio.ClosedResourceError, trio.EndOfChannel)
+
+
 def _single(group: BaseExceptionGroup[Exception]) -> BaseException:
-    """The one exception inside nested groups, or the group when there are several."""
+    """The crash inside nested groups, or the group when several actors failed on their own."""
     leaves = list(_leaves(group))
-    return leaves[0] if len(leaves) == 1 else group
+    causes = [e for e in leaves if not isinstance(e, _CONSEQUENCES)] or leaves
+    return causes[0] if len(causes) == 1 else group
 
 
 def _leaves(exc: BaseException) -> Any:

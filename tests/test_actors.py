@@ -145,12 +145,18 @@ async def test_a_crashed_actor_fails_every_request_with_engine_dead_error(
     def caused_by_the_crash(exc: EngineDeadError) -> bool:
         return isinstance(exc.__cause__, RuntimeError) and "on fire" in str(exc.__cause__)
 
+    async def consume(eng: Any, prompt: list[int]) -> None:
+        # Shielded so that the first failure does not cancel the others: each request
+        # must end with its own EngineDeadError, not hang.
+        with trio.CancelScope(shield=True):
+            await collect(eng, prompt, greedy(40))
+
     dead = pytest.RaisesExc(EngineDeadError, check=caused_by_the_crash)
     async with engine.open_engine(str(model), **OPTIONS) as eng:
         with pytest.RaisesGroup(dead, dead, dead):
             async with trio.open_nursery() as nursery:
                 for i in range(3):
-                    nursery.start_soon(collect, eng, LONG_PROMPT[i:], greedy(40))
+                    nursery.start_soon(consume, eng, LONG_PROMPT[i:])
         assert eng.dead
         assert isinstance(eng.dead_reason, RuntimeError)
         with pytest.raises(EngineDeadError):
