@@ -12,6 +12,7 @@ eager torch (the reference ops) for the pointwise ones. Smoke mode only proves t
 runs: interpreter timings mean nothing.
 """
 
+# ruff: noqa: B023  (each timing lambda runs inside its own loop iteration)
 from __future__ import annotations
 
 import argparse

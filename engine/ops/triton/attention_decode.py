@@ -93,11 +93,11 @@ def _decode_reduce_kernel(
     d = tl.arange(0, BLOCK_D)
     row = (b * num_heads + h) * num_splits + s
     m = tl.load(part_ml_ptr + row * 2, mask=s_mask, other=float("-inf"))
-    l = tl.load(part_ml_ptr + row * 2 + 1, mask=s_mask, other=0.0)
+    l_part = tl.load(part_ml_ptr + row * 2 + 1, mask=s_mask, other=0.0)
     m_max = tl.max(m, axis=0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.math.exp2(m - m_max)  # an empty split has m = -inf and weighs 0
-    l_tot = tl.sum(l * w, axis=0)
+    l_tot = tl.sum(l_part * w, axis=0)
     acc = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + d[None, :], mask=s_mask[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.where(l_tot > 0, l_tot, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < head_dim)
