@@ -19,7 +19,6 @@ import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
-from functools import partial
 from typing import Any
 
 import trio
