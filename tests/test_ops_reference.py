@@ -66,14 +66,23 @@ def test_fused_add_rms_norm_returns_norm_and_sum(ops: TorchOps, dtype: torch.dty
     torch.testing.assert_close(normed.double(), want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "views-of-one-qkv"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_embedding_rotates_each_half_pair(ops: TorchOps, dtype: torch.dtype) -> None:
+def test_rotary_embedding_rotates_each_half_pair(ops: TorchOps, dtype: torch.dtype, fused: bool) -> None:
     t, heads, kv_heads, dim, base = 6, 4, 2, 16, 10000.0
     positions = torch.tensor([0, 1, 7, 3, 31, 2])
     inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
     angles = torch.outer(torch.arange(32, dtype=torch.float64), inv_freq)
     cache = torch.cat((angles.cos(), angles.sin()), -1).to(dtype)
     q, k = _rand(t, heads, dim, seed=0, dtype=dtype), _rand(t, kv_heads, dim, seed=1, dtype=dtype)
+    if fused:
+        # As the model passes them: q and k are adjacent slices of each fused qkv row.
+        v = _rand(t, kv_heads * dim, seed=2, dtype=dtype)
+        qkv = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v), -1)
+        q_in, k_in, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+        q_in, k_in = q_in.view(t, heads, dim), k_in.view(t, kv_heads, dim)
+    else:
+        q_in, k_in = q.clone(), k.clone()
 
     def oracle(x: torch.Tensor) -> torch.Tensor:
         # Element i and i + dim/2 form a 2-vector rotated by angle pos * inv_freq[i].
@@ -82,7 +91,7 @@ def test_rotary_embedding_rotates_each_half_pair(ops: TorchOps, dtype: torch.dty
         x1, x2 = x[..., : dim // 2], x[..., dim // 2 :]
         return torch.cat((x1 * a.cos() - x2 * a.sin(), x1 * a.sin() + x2 * a.cos()), -1)
 
-    got_q, got_k = ops.rotary_embedding(positions, q.clone(), k.clone(), cache)
+    got_q, got_k = ops.rotary_embedding(positions, q_in, k_in, cache)
     torch.testing.assert_close(got_q.double(), oracle(q), **TOL[dtype])
     torch.testing.assert_close(got_k.double(), oracle(k), **TOL[dtype])
 

@@ -54,10 +54,9 @@ class TorchOps:
     # --- pointwise -------------------------------------------------------------------------
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        xf = x.float()
-        var = xf.pow(2).mean(-1, keepdim=True)
-        # HF casts back to the input dtype before the weight multiply; so do we, for parity.
-        return (xf * torch.rsqrt(var + eps)).to(x.dtype) * weight
+        # torch's fused kernel accumulates in fp32 for bf16/fp16 inputs; in fp32 it equals
+        # HF's x * rsqrt(mean(x^2) + eps) * w exactly, and is one dispatch instead of six.
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
     def fused_add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -73,7 +72,12 @@ class TorchOps:
         cos_sin_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+        both = _adjacent_heads(query, key)
+        if both is not None:
+            # q and k are neighbouring slices of one fused qkv row: rotate them together.
+            _rotate_(both, cos, sin)
+            return query, key
+        return _rotate_(query.clone(), cos, sin), _rotate_(key.clone(), cos, sin)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
@@ -161,10 +165,28 @@ class TorchOps:
         return sample(logits, temperature, top_k, top_p, min_p, seeds)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x * cos + rotate_half(x) * sin, written on the two halves; the roundings match HF's.
+def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """In place: x * cos + rotate_half(x) * sin on x [T, heads, D]; cos/sin [T, 1, D/2]."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    x2_sin = x2 * sin
+    x2.mul_(cos).addcmul_(x1, sin)  # x1 is still the original here
+    x1.mul_(cos).sub_(x2_sin)
+    return x
+
+
+def _adjacent_heads(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
+    """A [T, H + Hkv, D] view over q and k when k's heads follow q's in the same rows."""
+    t, heads, dim = query.shape
+    if (
+        key.shape[0] != t
+        or key.shape[2] != dim
+        or key.dtype != query.dtype
+        or query.stride()[1:] != (dim, 1)
+        or key.stride() != query.stride()
+        or key.data_ptr() != query.data_ptr() + heads * dim * query.element_size()
+    ):
+        return None
+    return query.as_strided((t, heads + key.shape[1], dim), query.stride())
 
 
 def _gather_slots(block_tables: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
