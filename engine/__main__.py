@@ -77,14 +77,9 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     return parser
 
 
-async def _generate(args: argparse.Namespace) -> None:
+async def _generate(args: argparse.Namespace, params: Any) -> None:
     from engine.api import open_engine
-    from engine.params import SamplingParams
 
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos,
-    )
     prompt: Any = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     async with open_engine(args.model, **engine_options(args)) as eng:
         async with eng.generate(prompt, params) as outputs:
@@ -99,8 +94,15 @@ def run_generate(args: argparse.Namespace) -> int:
 
     from engine.errors import EngineError
 
+    from engine.params import SamplingParams
+
     try:
-        trio.run(_generate, args)
+        # Checked before the engine (and torch) loads, so bad flags fail fast.
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos,
+        )
+        trio.run(_generate, args, params)
     except (EngineError, ValueError, OSError) as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -35,11 +35,16 @@ def _transformers_greedy(folder: Path, prompt: str, max_new_tokens: int, gguf_fi
     tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
     ids = tokenizer(prompt, return_tensors="pt").input_ids
+    # --ignore-eos: EOS is an ordinary token that does not stop generation. (min_new_tokens
+    # would mask it instead, which changes the text.)
+    pad = hf.generation_config.pad_token_id or tokenizer.pad_token_id or 0
+    hf.generation_config.eos_token_id = None
     with torch.no_grad():
         out = hf.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id,
+            do_sample=False, pad_token_id=pad,
         )
+    assert out.shape[1] == ids.shape[1] + max_new_tokens
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
