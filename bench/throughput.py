@@ -148,9 +148,9 @@ def main() -> int:
     parser.add_argument("--only", choices=("fixed", "random"), default=None)
     args = parser.parse_args()
 
-    from engine.models.loader import load_model, resolve_model
-
     import torch
+
+    from engine.models.loader import load_model, resolve_model
 
     loaded = load_model(resolve_model(args.model), dtype=args.dtype)
     print(f"model {loaded.source} ({loaded.config.architecture}, {args.dtype}); torch threads "

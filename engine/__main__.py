@@ -93,7 +93,6 @@ def run_generate(args: argparse.Namespace) -> int:
     import trio
 
     from engine.errors import EngineError
-
     from engine.params import SamplingParams
 
     try:

@@ -46,7 +46,7 @@ def text(outputs: list[Any], index: int = 0) -> str:
 
 async def wait_until(predicate: Callable[[], bool]) -> None:
     with trio.fail_after(WAIT_LIMIT_SECONDS):
-        while not predicate():
+        while not predicate():  # noqa: ASYNC110 - engine state has no event to wait on
             await trio.sleep(POLL_SECONDS)
 
 

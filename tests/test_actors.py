@@ -8,13 +8,21 @@ from typing import Any
 
 import pytest
 import trio
+from engine_helpers import (
+    collect,
+    greedy,
+    random_prompts,
+    tiny_model,
+    token_ids,
+    wait_idle,
+    wait_until,
+)
 
 import engine
 from engine.actors.router import OutputMailbox
 from engine.errors import EngineDeadError, QueueFullError
 from engine.messages import RequestOutput, TokenLogprob
 from engine.runner.model_runner import ModelRunner
-from engine_helpers import collect, greedy, random_prompts, tiny_model, token_ids, wait_idle, wait_until
 
 # 16-token step budget: a 100-token prompt is prefilled over 7 steps, so there is a
 # prefill phase to cancel in. A 4 MiB pool keeps start-up fast.

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from engine_helpers import tiny_model
 
 REPO = Path(__file__).resolve().parent.parent

@@ -7,10 +7,6 @@ from typing import Any
 
 import pytest
 import trio
-
-import engine
-from engine.errors import InvalidParamError, PromptTooLongError
-from engine.params import SamplingParams
 from engine_helpers import (
     collect,
     greedy,
@@ -20,6 +16,10 @@ from engine_helpers import (
     token_ids,
     wait_idle,
 )
+
+import engine
+from engine.errors import InvalidParamError, PromptTooLongError
+from engine.params import SamplingParams
 
 # 16-token blocks and a 64-token step budget: prompts up to 90 tokens span several blocks
 # and are prefilled in chunks over several steps.

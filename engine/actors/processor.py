@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 import trio
 
+from engine.actors.router import sample_ids
 from engine.errors import (
     InvalidParamError,
     PromptTooLongError,
@@ -24,7 +25,6 @@ from engine.messages import (
     SubmitRequest,
     TextPrompt,
 )
-from engine.actors.router import sample_ids
 from engine.params import SamplingParams
 
 

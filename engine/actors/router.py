@@ -22,7 +22,7 @@ from collections.abc import Callable
 import trio
 
 from engine import errors
-from engine.errors import EngineDeadError, InvalidParamError, PromptTooLongError, RequestError
+from engine.errors import InvalidParamError, PromptTooLongError, RequestError
 from engine.messages import (
     OutputBatch,
     RequestAdmitted,
