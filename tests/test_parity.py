@@ -72,7 +72,7 @@ def _hf_greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[int], li
     )
     tokens = out.sequences[0, len(prompt) :].tolist()
     logprobs = [
-        torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)
+        torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens, strict=True)
     ]
     return tokens, logprobs
 
