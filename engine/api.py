@@ -177,16 +177,19 @@ class Engine:
             arrival_time=time.monotonic(),
         )
         mailbox = handles.router.open(message.request_id, params.n)
-        admitted = False
+        sent = admitted = False
         try:
             try:
                 await handles.submit.send(message)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 raise self._dead_error() from self.dead_reason
+            sent = True
             await mailbox.wait_admitted()
             admitted = True
         finally:
-            if not admitted:  # rejected, cancelled, or the engine died: forget it
+            if not sent:  # a send that raised (even Cancelled) delivered nothing
+                handles.router.forget(message.request_id)
+            elif not admitted:  # rejected, cancelled, or the engine died: forget it
                 self._drop(mailbox)
         return RequestStream(self, mailbox)
 

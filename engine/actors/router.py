@@ -195,6 +195,10 @@ class OutputRouter:
                 self._closed_unadmitted[request_id] = mailbox
         return mailbox
 
+    def forget(self, request_id: str) -> None:
+        """Drop a mailbox whose request never reached the processor."""
+        self._mailboxes.pop(request_id, None)
+
     def get(self, request_id: str) -> OutputMailbox | None:
         return self._mailboxes.get(request_id)
 
