@@ -146,6 +146,7 @@ def main() -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--only", choices=("fixed", "random"), default=None)
+    parser.add_argument("--repeat", type=int, default=1, help="alternate async on/off this many times")
     args = parser.parse_args()
 
     import torch
@@ -164,7 +165,10 @@ def main() -> int:
             continue
         print(f"\n== {work.name}: {len(work.prompts)} requests, {work.prompt_tokens} prompt + "
               f"{work.output_tokens} output tokens", flush=True)
-        for label, extra in (("engine async on ", {}), ("engine async off", {"async_scheduling": False})):
+        # On and off alternate (--repeat times) so that load drifting on a shared machine
+        # hits both alike.
+        runs = [("engine async on ", {}), ("engine async off", {"async_scheduling": False})]
+        for label, extra in runs * args.repeat:
             r = trio.run(run_engine, args.model, dict(base, **extra), work)
             print(
                 f"{label}: {r['output_tps']:7.1f} out tok/s {r['total_tps']:7.1f} total tok/s "
