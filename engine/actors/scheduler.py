@@ -93,9 +93,11 @@ class SchedulerActor:
         )
 
     def queue_depth(self) -> int:
-        """Samples waiting to be scheduled, counting those still in the inbox
-        (admission control reads this)."""
-        return self._core.statistics().waiting + self._inbox.statistics().current_buffer_used
+        """Samples waiting to be scheduled (admission control reads this). Samples still in
+        the inbox are not counted (the inbox also holds step results and aborts, and cannot
+        be inspected); the scheduler drains it before each step, so the limit is exceeded at
+        most by what arrives within one step."""
+        return self._core.statistics().waiting
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with (
