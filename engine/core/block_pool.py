@@ -16,7 +16,9 @@ its parent's key, its tokens and the request's ``cache_salt``, so equal keys nor
 mean equal prefixes. The key is only a bucket index: a hit is *verified* by comparing the
 block's stored tokens and salt and by checking that its stored parent is the very cache
 entry matched one block earlier (each cache entry gets a fresh generation number, so a
-parent evicted and reused for other tokens no longer matches its old children). By
+parent evicted and reused for other tokens no longer matches its old children). Two
+requests that computed the same prefix side by side cache both copies as twins under one
+generation number, so children stay reachable while either twin lives. By
 induction a hit of ``k`` blocks means the whole ``k * block_size`` token prefix is equal,
 whatever the hash function does.
 """
@@ -164,11 +166,12 @@ class BlockPool:
             tokens = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
             parent_key, parent_gen = chain[-1] if chain else (None, 0)
             key = self._hasher(parent_key, salt, tokens)
-            entry = self._find(key, tokens, salt, parent_gen)
-            if entry is None:
-                # Another request may already cache equal tokens; then this block stays
-                # private and the chain continues from that entry.
-                entry = self._enter(self._blocks[table[len(chain)]], key, tokens, salt, parent_gen)
+            # Another request may already cache equal tokens. Then this block enters as
+            # a twin carrying that entry's generation: both hold the same prefix, and the
+            # chain (and any children) outlive the eviction of either twin.
+            twin = self._find(key, tokens, salt, parent_gen)
+            gen = twin.gen if twin is not None else None
+            entry = self._enter(self._blocks[table[len(chain)]], key, tokens, salt, parent_gen, gen)
             chain.append((key, entry.gen))
         return BlocksCached(request_id, len(chain))
 
@@ -249,12 +252,22 @@ class BlockPool:
                 return block
         return None
 
-    def _enter(self, block: _Block, key: int, tokens: tuple[int, ...], salt: str | None, parent_gen: int) -> _Block:
+    def _enter(
+        self,
+        block: _Block,
+        key: int,
+        tokens: tuple[int, ...],
+        salt: str | None,
+        parent_gen: int,
+        gen: int | None = None,
+    ) -> _Block:
         if block.gen:
             raise ProtocolError(f"block {block.block_id} is cached already")
         block.key, block.token_ids, block.salt, block.parent_gen = key, tokens, salt, parent_gen
-        block.gen = self._next_gen
-        self._next_gen += 1
+        if gen is None:
+            gen = self._next_gen
+            self._next_gen += 1
+        block.gen = gen
         self._buckets.setdefault(key, []).append(block)
         self._num_cached += 1
         return block
