@@ -252,7 +252,7 @@ def _assert_config_matches(gguf_config: ModelConfig, hf_config: ModelConfig) -> 
 def test_f32_gguf_gives_back_the_exact_hf_weights(tmp_path: Path, arch: str) -> None:
     folder = _tiny(tmp_path, arch)
     path = write_gguf(folder, tmp_path / f"{arch}.gguf")
-    model = load_model(path)
+    model = load_model(path, dtype="float32")
     hf = load_model(folder)
     _assert_config_matches(model.config, hf.config)
     assert model.weights.keys() == hf.weights.keys()
@@ -263,7 +263,7 @@ def test_f32_gguf_gives_back_the_exact_hf_weights(tmp_path: Path, arch: str) -> 
 
 def test_q8_0_gguf_is_within_quantization_error(tmp_path: Path) -> None:
     folder = _tiny(tmp_path, "mistral")  # untied: exercises output.weight -> lm_head
-    model = load_model(write_gguf(folder, tmp_path / "q8.gguf", quant=Q8_0))
+    model = load_model(write_gguf(folder, tmp_path / "q8.gguf", quant=Q8_0), dtype="float32")
     hf = load_model(folder)
     for name, tensor in hf.weights.items():
         got = model.weights[name]
@@ -302,9 +302,13 @@ def test_gguf_tokenizer_files_match_the_original_tokenizer(tmp_path: Path) -> No
     ]
 
 
-def test_gguf_auto_dtype_is_float32_on_cpu_and_casts_on_request(tmp_path: Path) -> None:
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_gguf_auto_dtype_follows_the_cpu_and_casts_on_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native_bf16: bool
+) -> None:
     path = write_gguf(_tiny(tmp_path), tmp_path / "m.gguf")
-    assert load_model(path).dtype == torch.float32
+    monkeypatch.setattr(loader, "_cpu_has_native_bf16", lambda: native_bf16)
+    assert load_model(path).dtype == (torch.bfloat16 if native_bf16 else torch.float32)
     half = load_model(path, dtype="bfloat16")
     assert {w.dtype for w in half.weights.values()} == {torch.bfloat16}
 
@@ -498,7 +502,7 @@ def test_resolve_without_the_package_says_how_to_install_it(
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> loader.LoadedModel:
     """SmolLM2 converted once for this module, into a private cache."""
-    return load_model(resolve_model(None), cache_dir=tmp_path_factory.mktemp("smollm2-cache"))
+    return load_model(resolve_model(None), dtype="float32", cache_dir=tmp_path_factory.mktemp("smollm2-cache"))
 
 
 def test_smollm2_gguf_loads_with_its_real_shape(smollm2: loader.LoadedModel) -> None:

@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine.ops import AttentionMetadata
 from engine.ops.reference import TorchOps
@@ -236,3 +237,17 @@ def test_step_plans_are_not_reused_across_new_metadata(ops: TorchOps) -> None:
     second = ops.paged_attention_decode(q, k_cache, v_cache, swapped, lens, 0.25, (6, 6))
     torch.testing.assert_close(first[0].double(), _dense_attention(q[:1], ks[0], vs[0], 0.25)[0], **TOL[torch.float32])
     torch.testing.assert_close(second[0].double(), _dense_attention(q[:1], ks[1], vs[1], 0.25)[0], **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_f_linear_at_every_batch_size(dtype: torch.dtype, bias: bool) -> None:
+    from engine.models.llama import Linear
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 64, generator=g).to(dtype)
+    b = torch.randn(96, generator=g).to(dtype) if bias else None
+    lin = Linear(w, b)
+    for rows in (1, 5, 32, 77):
+        x = torch.randn(rows, 64, generator=g).to(dtype)
+        assert torch.equal(lin(x), F.linear(x, w, b)), rows
