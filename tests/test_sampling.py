@@ -485,3 +485,11 @@ def test_empty_batch_and_shape_mismatch(sampler):
     assert sampler(torch.zeros(0, 10), []) == []
     with pytest.raises(ValueError, match="logits must be"):
         sampler(torch.zeros(2, 10), [_row(SamplingParams())])
+
+
+def test_inverse_cdf_never_picks_a_zero_probability_token_at_either_end() -> None:
+    from engine.ops.sampling_ref import inverse_cdf
+
+    probs = torch.tensor([[0.0, 0.0, 0.3, 0.0, 0.7, 0.0, 0.0]] * 4)
+    u = torch.tensor([0.0, 0.2999, 0.3001, 1.0 - 2.0**-53], dtype=torch.float64)
+    assert inverse_cdf(probs, u).tolist() == [2, 2, 4, 4]

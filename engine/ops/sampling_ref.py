@@ -3,7 +3,7 @@
 Order of operations for one row (the Sampler has already applied logit bias, min_tokens
 masking and penalties to ``logits``)::
 
-    logits --/temperature--> top-k --> top-p --> min-p --> softmax --> exponential race
+    logits --/temperature--> top-k --> top-p --> min-p --> softmax --> inverse CDF
        |
        +--> log_softmax --> logprob of the chosen token (raw: no temperature, no truncation)
 
@@ -30,10 +30,13 @@ kernel can reproduce it without sorting:
   arg-max token always stays. ``min_p == 0`` keeps every token.
 
 Greedy rows (temperature 0) take ``argmax(logits)``; among equal maxima the lowest token id
-wins (``torch.argmax`` returns the first). Other rows draw ``argmax(probs / q)`` with
-``q ~ Exp(1)`` i.i.d. per token: ``P(token i wins) = probs[i]`` exactly (an exponential
-race), and ``q`` comes from a generator seeded by the row's own seed, so a row's draw
-depends on nothing else in the batch.
+wins (``torch.argmax`` returns the first). Other rows draw by inverse CDF: one ``u ~ U[0,
+1)`` per row from a generator seeded by the row's own seed, and the first token whose
+cumulative probability exceeds ``u``, so ``P(token i) = probs[i]`` and a row's draw depends
+on nothing else in the batch. One uniform per row instead of one noise value per token
+(an exponential race) made a batch of 32 temperature-1 rows over a 49k vocabulary ~10x
+cheaper on CPU. (The Triton kernel races with Philox noise instead: on a GPU the per-token
+noise is free and a race needs no scan.)
 """
 
 from __future__ import annotations
@@ -129,19 +132,38 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def exponential_noise(seeds: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
-    """``[B, vocab]`` i.i.d. Exp(1) draws; row ``b`` depends only on ``seeds[b]``.
+def row_uniforms(seeds: torch.Tensor) -> torch.Tensor:
+    """``[B]`` fp64 draws from ``U[0, 1)``; draw ``b`` depends only on ``seeds[b]``.
 
-    One generator is re-seeded per row (a loop, but only over rows). ``q = -log(u)`` with
-    ``u ~ U[0, 1)`` is Exp(1) and about 3x cheaper on CPU than ``Tensor.exponential_``. It
-    lies in ``(0, inf]``, never 0, so ``probs / q`` is never a division by zero or a NaN.
+    One generator is re-seeded per row (a loop over rows, one number each).
     """
-    gen = torch.Generator(device=device)
-    noise = torch.empty(len(seeds), vocab, dtype=torch.float32, device=device)
+    gen = torch.Generator(device="cpu")
+    out = torch.empty(len(seeds), dtype=torch.float64)
     for b, seed in enumerate(seeds.tolist()):
         gen.manual_seed(seed)  # negative int64 seeds are valid (torch remaps them)
-        noise[b].uniform_(generator=gen)
-    return noise.log_().neg_()
+        out[b] = torch.rand((), generator=gen, dtype=torch.float64)
+    return out
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The token of each row whose cumulative mass first exceeds ``u * total``.
+
+    ``probs`` is ``[B, V]`` (rows need not sum to exactly 1, masked tokens are 0), ``uniforms``
+    ``[B]`` in ``[0, 1)``. A zero-probability token never starts a rise of the running sum,
+    so it is never the first to exceed the target; where rounding puts ``u * total`` at the
+    very top, the row's last token of positive probability is taken instead.
+    """
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:].contiguous()
+    target = uniforms.to(device=cdf.device, dtype=cdf.dtype).unsqueeze(-1) * total
+    picked = torch.searchsorted(cdf, target, right=True)
+    last_positive = torch.searchsorted(cdf, total, right=False)
+    return torch.minimum(picked, last_positive).squeeze(-1)
+
+
+def _take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``x[rows]``, without the copy when ``rows`` is every row in order."""
+    return x if rows.numel() == x.shape[0] else x[rows]
 
 
 def truncate(
@@ -174,18 +196,22 @@ def sample(
     under ``log_softmax(logits)``, before temperature and truncation.
     """
     logits = logits.float()
-    token_ids = torch.argmax(logits, dim=-1)
-    random_rows = (temperature > 0).nonzero().squeeze(-1)
+    batch = logits.shape[0]
+    token_ids = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    greedy = temperature <= 0
+    greedy_rows = greedy.nonzero().squeeze(-1)
+    random_rows = (~greedy).nonzero().squeeze(-1)
+    if greedy_rows.numel() > 0:
+        token_ids[greedy_rows] = torch.argmax(_take_rows(logits, greedy_rows), dim=-1)
     if random_rows.numel() > 0:
         masked = truncate(
-            logits[random_rows],
+            _take_rows(logits, random_rows),
             temperature[random_rows],
             top_k[random_rows],
             top_p[random_rows],
             min_p[random_rows],
         )
         probs = torch.softmax(masked, dim=-1)
-        noise = exponential_noise(seeds[random_rows], logits.shape[-1], logits.device)
-        token_ids[random_rows] = torch.argmax(probs / noise, dim=-1)
+        token_ids[random_rows] = inverse_cdf(probs, row_uniforms(seeds[random_rows]))
     logprobs = torch.log_softmax(logits, dim=-1).gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
     return token_ids, logprobs
