@@ -20,6 +20,7 @@ without continuous batching would do; only the requested tokens count as output.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import random
 import sys
@@ -136,6 +137,12 @@ def run_transformers(folder: Path, dtype: str, work: Workload, batch: int) -> di
     }
 
 
+def _in_own_thread(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` in a fresh thread that ends with the call."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn, *args, **kwargs).result()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
@@ -153,7 +160,11 @@ def main() -> int:
 
     from engine.models.loader import load_model, resolve_model
 
-    loaded = load_model(resolve_model(args.model), dtype=args.dtype)
+    # torch's CPU ops use an OpenMP thread team per calling thread. The engine runs its model
+    # in a worker thread; torch work in this main thread as well would leave a second team
+    # contending for the same cores (measured: engine steps up to 2x slower). So every
+    # torch call of this script runs in a short-lived thread of its own.
+    loaded = _in_own_thread(load_model, resolve_model(args.model), dtype=args.dtype)
     print(f"model {loaded.source} ({loaded.config.architecture}, {args.dtype}); torch threads "
           f"{torch.get_num_threads()}", flush=True)
     base = dict(
@@ -179,7 +190,7 @@ def main() -> int:
                 flush=True,
             )
         if not args.skip_transformers:
-            r = run_transformers(loaded.folder, args.dtype, work, args.hf_batch)
+            r = _in_own_thread(run_transformers, loaded.folder, args.dtype, work, args.hf_batch)
             print(
                 f"transformers b{args.hf_batch}: {r['output_tps']:7.1f} out tok/s {r['total_tps']:7.1f} "
                 f"total tok/s ({r['wall']:.1f} s, static padded batches)",
