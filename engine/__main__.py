@@ -31,7 +31,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-memory", type=parse_memory, default=None,
                        help="bytes (512MiB, 2GB) or a fraction of free memory (0.5)")
     group.add_argument("--no-prefix-caching", action="store_true")
-    group.add_argument("--no-async-scheduling", action="store_true")
+    group.add_argument(
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+        help="plan step N+1 while step N runs (default: on with CUDA, off on CPU)",
+    )
     group.add_argument("--ops-backend", default=None, choices=("auto", "torch", "triton"))
 
 
@@ -45,8 +48,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             options[name] = value
     if args.no_prefix_caching:
         options["enable_prefix_caching"] = False
-    if args.no_async_scheduling:
-        options["async_scheduling"] = False
+    if args.async_scheduling is not None:
+        options["async_scheduling"] = args.async_scheduling
     return options
 
 

@@ -33,7 +33,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # "fcfs" or "priority"
     max_queued_requests: int = 1024
-    async_scheduling: bool = True
+    # Plan step N+1 while step N runs. None: on with CUDA, where the GPU runs a step while
+    # the host plans; off on CPU, where both share the same cores and the overlap measured
+    # no gain while costing each new request one more step before its first token.
+    async_scheduling: bool | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -51,26 +51,36 @@ async def _together(eng: Any, prompts: list[list[int]], max_tokens: list[int]) -
     return results
 
 
-async def test_64_concurrent_greedy_requests_give_the_tokens_each_gives_alone(model: Path) -> None:
+@pytest.mark.parametrize("async_scheduling", [True, False])
+async def test_64_concurrent_greedy_requests_give_the_tokens_each_gives_alone(
+    model: Path, async_scheduling: bool
+) -> None:
     prompts = random_prompts(64, vocab=300, lo=1, hi=70, seed=1)
     max_tokens = [1 + (5 * i) % 8 for i in range(64)]  # 1..8 new tokens, mixed
-    async with engine.open_engine(str(model), **ENGINE_OPTIONS) as eng:
+    options = dict(ENGINE_OPTIONS, async_scheduling=async_scheduling)
+    async with engine.open_engine(str(model), **options) as eng:
         alone = await _alone(eng, prompts, max_tokens)
         together = await _together(eng, prompts, max_tokens)
         stats = await wait_idle(eng)
+        planned_ahead = eng._handles.actors["scheduler"].statistics().planned_ahead
     assert together == alone
     assert [len(t) for t in together] == max_tokens
     assert stats.requests_finished == 128
+    # Planning ahead happens exactly when it is asked for.
+    assert (planned_ahead > 0) == async_scheduling
 
 
-async def test_a_pool_too_small_for_all_preempts_and_still_gives_the_same_tokens(model: Path) -> None:
+@pytest.mark.parametrize("async_scheduling", [True, False])
+async def test_a_pool_too_small_for_all_preempts_and_still_gives_the_same_tokens(
+    model: Path, async_scheduling: bool
+) -> None:
     prompts = random_prompts(8, vocab=300, lo=20, hi=60, seed=2)
     max_tokens = [12] * 8
     async with engine.open_engine(str(model), **ENGINE_OPTIONS) as eng:
         alone = await _alone(eng, prompts, max_tokens)
     # 8 blocks of 16 tokens (512 bytes a token in fp32: 2 layers x 2 KV heads x 16 dims x
     # K and V x 4 bytes) hold one request of up to 128 tokens but not 8 of ~55 at once.
-    small = dict(ENGINE_OPTIONS, kv_cache_memory=8 * 16 * 512)
+    small = dict(ENGINE_OPTIONS, kv_cache_memory=8 * 16 * 512, async_scheduling=async_scheduling)
     async with engine.open_engine(str(model), **small) as eng:
         together = await _together(eng, prompts, max_tokens)
         stats = await wait_idle(eng)

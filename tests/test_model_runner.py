@@ -122,3 +122,11 @@ def test_kv_pool_too_small_for_one_request_is_rejected(loaded) -> None:
     with pytest.raises(InvalidParamError) as info:
         num_kv_blocks(loaded.config, torch.float32, 16, 31 * per_block, "cpu")
     assert info.value.param == "kv_cache_memory"
+
+
+def test_warm_up_leaves_no_request_and_changes_no_later_output(loaded) -> None:
+    cold = generate_greedy(_runner(loaded), [list(PROMPT)], 6, block_size=BS)
+    runner = _runner(loaded)
+    runner.warm_up()
+    assert runner.num_requests == 0
+    assert generate_greedy(runner, [list(PROMPT)], 6, block_size=BS) == cold

@@ -108,10 +108,13 @@ def build_parts(config: EngineConfig) -> EngineParts:
         max_num_seqs=config.max_num_seqs,
         seed=config.seed,
     )
+    t3 = time.perf_counter()
     logger.info(
-        "KV pool: %d blocks of %d tokens, max_model_len %d; runner built in %.2f s",
-        num_blocks, config.block_size, config.max_model_len, time.perf_counter() - t2,
+        "KV pool: %d blocks of %d tokens (%d tokens), max_model_len %d; runner built in %.2f s",
+        num_blocks, config.block_size, num_blocks * config.block_size, config.max_model_len, t3 - t2,
     )
+    runner.warm_up()
+    logger.info("warm-up (one prefill and one decode step) in %.2f s", time.perf_counter() - t3)
     limits = ProcessorLimits(
         max_model_len=config.max_model_len or 0,
         vocab_size=loaded.config.vocab_size,
@@ -208,7 +211,11 @@ async def run_actors(parts: EngineParts, *, ready: Callable[[ActorHandles], None
             from_allocator=reply_recv,
             to_executor=plan_send,
             to_detokenizer=detok_send.clone(),
-            async_scheduling=config.async_scheduling,
+            async_scheduling=(
+                config.async_scheduling
+                if config.async_scheduling is not None
+                else getattr(getattr(parts.runner, "device", None), "type", "cpu") == "cuda"
+            ),
         )
         detokenizer = Detokenizer(
             parts.tokenizer, inbox=detok_recv, to_router=router_send.clone(),

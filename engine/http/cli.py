@@ -169,8 +169,9 @@ class _LoadProgress:
     lines into a bar on stderr while the model loads (disabled when stderr is no tty).
     """
 
-    # load weights, size the KV pool, warm up: the phases the engine logs.
-    PHASES = 3
+    # load weights, tokenizer, size the KV pool and build the runner, warm up: the phases
+    # the engine logs.
+    PHASES = 4
 
     def __enter__(self) -> _LoadProgress:
         from tqdm import tqdm

@@ -108,6 +108,16 @@ class ModelRunner:
             sampled = self._sample(hidden, plan.chunks, states, sample_rows)
         return StepResult(plan.step_id, sampled, time.perf_counter() - t0)
 
+    def warm_up(self, prompt_len: int = 16) -> None:
+        """One prefill and one decode step of a throwaway request in the pool's first
+        blocks, so the first real request does not pay for torch's first-call costs (thread
+        pools, GEMM workspaces, kernel compilation). Leaves no request state behind; the
+        blocks it wrote are free and are overwritten before any request reads them."""
+        prompt_len = min(prompt_len, self.max_num_batched_tokens, self.num_blocks * self.block_size - 2)
+        if prompt_len < 1:
+            return  # a pool too small for even that: nothing worth warming
+        run_greedy(self, [[0] * prompt_len], 2, block_size=self.block_size)
+
     # -- request state ------------------------------------------------------------------
 
     def _add(self, new: NewRequest) -> None:
