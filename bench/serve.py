@@ -8,7 +8,9 @@ Each request streams /v1/completions with ``ignore_eos`` so it produces exactly
 (``--concurrency``) or a Poisson process (``--request-rate`` per second). Prompts are
 ``--input-len`` token ids, random per request (``--random-range-ratio`` widens input and
 output lengths around their means) so the prefix cache cannot help. Reports request
-throughput, output tokens/s, TTFT and inter-token latency percentiles.
+throughput, output tokens/s, TTFT and inter-token latency percentiles; with
+``--baseline transformers`` it then times transformers' ``generate`` on the same prompts in
+static batches of the same size, and prints the ratio.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import trio
@@ -76,17 +79,19 @@ def _lengths(mean: int, ratio: float, rng: random.Random) -> int:
     return max(1, rng.randint(int(mean * (1 - ratio)), int(mean * (1 + ratio))))
 
 
-async def run(args: argparse.Namespace) -> dict:
-    rng = random.Random(args.seed)
+def make_jobs(args: argparse.Namespace, rng: random.Random) -> list[tuple[list[int], int]]:
+    # Token ids from a middle band of the vocabulary: ordinary text tokens, no specials.
+    vocab_lo, vocab_hi = 1000, 20000
+    return [([rng.randint(vocab_lo, vocab_hi) for _ in range(
+                _lengths(args.input_len, args.random_range_ratio, rng))],
+             _lengths(args.output_len, args.random_range_ratio, rng))
+            for _ in range(args.num_prompts)]
+
+
+async def run(args: argparse.Namespace, jobs: list[tuple[list[int], int]], rng: random.Random) -> dict:
     async with httpx.AsyncClient(base_url=args.base_url, timeout=None,
                                  limits=httpx.Limits(max_connections=None)) as http:
         model = args.model or (await http.get("/v1/models")).json()["data"][0]["id"]
-        # Token ids from a middle band of the vocabulary: ordinary text tokens, no specials.
-        vocab_lo, vocab_hi = 1000, 20000
-        jobs = [([rng.randint(vocab_lo, vocab_hi) for _ in range(
-                    _lengths(args.input_len, args.random_range_ratio, rng))],
-                 _lengths(args.output_len, args.random_range_ratio, rng))
-                for _ in range(args.num_prompts)]
         if args.warmup:
             await one_request(http, model, jobs[0][0], 4)
         results: list[Result] = []
@@ -152,6 +157,11 @@ def print_summary(s: dict) -> None:
     for kind in ("ttft", "itl"):
         line = "  ".join(f"p{q} {s[f'p{q}_{kind}_s'] * 1000:.1f}" for q in (50, 90, 99))
         print(f"{kind.upper() + ' (ms)':28} {line}")
+    base = s.get("baseline")
+    if base:
+        print(f"{'baseline':28} {base['name']}: {base['output_tokens_per_s']:.1f} output tok/s "
+              f"({base['duration_s']:.2f} s); engine / baseline = "
+              f"{s['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x")
     for error in s.get("errors", []):
         print("error:", error, file=sys.stderr)
 
@@ -171,12 +181,54 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--baseline", choices=("none", "transformers"), default="none",
+                   help="after the run, time transformers' generate on the same prompts in "
+                        "static batches of --concurrency (the server should be idle by then)")
+    p.add_argument("--baseline-model", default=None,
+                   help="the model the server runs (default: the engine's default model)")
+    p.add_argument("--baseline-dtype", default="auto",
+                   help="as the server's --dtype (auto resolves as the engine does)")
     args = p.parse_args(argv)
-    summary = trio.run(run, args)
+    rng = random.Random(args.seed)
+    jobs = make_jobs(args, rng)
+    summary = trio.run(run, args, jobs, rng)
+    if args.baseline == "transformers":
+        summary["baseline"] = run_transformers(args, jobs)
     print(json.dumps(summary) if args.json else "", end="\n" if args.json else "")
     if not args.json:
         print_summary(summary)
     return 0 if summary["failed"] == 0 else 1
+
+
+def run_transformers(args: argparse.Namespace, jobs: list[tuple[list[int], int]]) -> dict:
+    """transformers' greedy ``generate`` over the same prompts, ``--concurrency`` at a time,
+    left-padded, each batch running to its longest output; only requested tokens count."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from engine.models.loader import load_model, resolve_model
+
+    loaded = load_model(resolve_model(args.baseline_model), dtype=args.baseline_dtype)
+    hf = AutoModelForCausalLM.from_pretrained(loaded.folder, dtype=loaded.dtype)
+    hf.generation_config.eos_token_id = None  # ignore_eos, as the requests ask
+    batch = max(1, args.concurrency)
+    start = time.perf_counter()
+    for i in range(0, len(jobs), batch):
+        group = jobs[i : i + batch]
+        width = max(len(prompt) for prompt, _ in group)
+        ids = torch.zeros((len(group), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, (prompt, _) in enumerate(group):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        with torch.no_grad():
+            hf.generate(ids, attention_mask=mask, max_new_tokens=max(n for _, n in group),
+                        do_sample=False, pad_token_id=0)
+    duration = time.perf_counter() - start
+    return {"name": f"transformers generate, static batches of {batch} ({loaded.dtype})",
+            "duration_s": duration,
+            "output_tokens_per_s": sum(n for _, n in jobs) / duration}
 
 
 if __name__ == "__main__":

@@ -178,7 +178,8 @@ def main() -> int:
               f"{work.output_tokens} output tokens", flush=True)
         # On and off alternate (--repeat times) so that load drifting on a shared machine
         # hits both alike.
-        runs = [("engine async on ", {}), ("engine async off", {"async_scheduling": False})]
+        runs = [("engine async on ", {"async_scheduling": True}),
+                ("engine async off", {"async_scheduling": False})]
         for label, extra in runs * args.repeat:
             r = trio.run(run_engine, args.model, dict(base, **extra), work)
             print(
