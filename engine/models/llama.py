@@ -68,56 +68,52 @@ class Linear:
     """``y = x @ weight.T (+ bias)`` for one weight, packed once where that pays.
 
     On CPU, torch's plain ``F.linear`` reorders the weight into the GEMM library's blocked
-    layout on every call. Packing it once at build time (oneDNN for bf16/fp16, MKL for fp32,
-    the same kernels ``torch.compile`` uses on CPU) saves that; on an AVX-512/AMX Xeon it
-    measured 1.3-1.8x on SmolLM2's decode-size matmuls, with results bitwise equal to
-    ``F.linear``. The packed path is checked against ``F.linear`` once at build time and
-    dropped if this torch lacks it or disagrees. The plain weight stays too (tied
-    embeddings read it, and MKL's packed call wants it).
+    layout on every call. Packing it once at build time into oneDNN's layout (the kernels
+    ``torch.compile`` uses on CPU) saves that. bf16/fp16 results are bitwise equal to
+    ``F.linear``'s. fp32 goes through oneDNN too rather than MKL (which ``F.linear`` calls):
+    on an AMD EPYC dev machine MKL's fp32 GEMM ran at half oneDNN's speed (SmolLM2 decode
+    23 vs 47 tok/s at batch 1, 245 vs 551 at batch 32), at the price of fp32 results that
+    differ from ``F.linear`` in the last bits (summation order). The packed path is checked
+    against ``F.linear`` once at build time and dropped if this torch lacks it or
+    disagrees. The plain weight stays too: tied embeddings read it.
     """
 
-    __slots__ = ("weight", "bias", "_packed", "_kind")
+    __slots__ = ("weight", "bias", "_packed")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool = True) -> None:
         self.weight = weight
         self.bias = bias
         self._packed: torch.Tensor | None = None
-        self._kind = ""
         if pack and weight.device.type == "cpu":
             self._pack()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._kind == "mkldnn":
+        if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
-        if self._kind == "mkl":
-            return torch.ops.mkl._mkl_linear(x, self._packed, self.weight, self.bias, _PACK_BATCH)
         return F.linear(x, self.weight, self.bias)
 
     def _pack(self) -> None:
         w = self.weight
+        if not _mkldnn_supports(w.dtype):
+            return
         try:
-            if w.dtype in (torch.bfloat16, torch.float16) and _mkldnn_supports(w.dtype):
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH)
-                self._kind = "mkldnn"
-            elif w.dtype == torch.float32 and torch.backends.mkl.is_available():
-                self._packed = torch.ops.mkl._mkl_reorder_linear_weight(w, _PACK_BATCH)
-                self._kind = "mkl"
-            else:
-                return
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH)
             probe = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
             if not torch.allclose(self(probe).float(), F.linear(probe, w, self.bias).float(), rtol=1e-2, atol=1e-2):
                 raise RuntimeError("packed linear disagrees with F.linear")
         except (RuntimeError, AttributeError):
-            self._packed, self._kind = None, ""
+            self._packed = None
 
 
-# The batch size the GEMM libraries tune their packed layout for; any batch works.
+# The batch size oneDNN tunes its packed layout for; any batch works.
 _PACK_BATCH = 32
 
 
 def _mkldnn_supports(dtype: torch.dtype) -> bool:
     if not torch.backends.mkldnn.is_available():
         return False
+    if dtype == torch.float32:
+        return True
     check = torch.ops.mkldnn._is_mkldnn_bf16_supported if dtype == torch.bfloat16 else torch.ops.mkldnn._is_mkldnn_fp16_supported
     return bool(check())
 
