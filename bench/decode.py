@@ -47,14 +47,14 @@ def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
 class EngineDecode:
     """Drives a ModelRunner directly: one prefill step, then timed decode steps."""
 
-    def __init__(self, base, dtype: torch.dtype, max_batch: int, max_len: int) -> None:
+    def __init__(self, base, dtype: torch.dtype, max_batch: int, max_len: int, ops: str = "auto") -> None:
         weights = {k: v.to(dtype) for k, v in base.weights.items()}
         loaded = types.SimpleNamespace(config=base.config, weights=weights, dtype=dtype)
         self.blocks_per_req = -(-max_len // BLOCK_SIZE)
         self.runner = ModelRunner(
             loaded,
             device="cpu",
-            ops=get_ops("torch"),
+            ops=get_ops(ops),
             num_blocks=max_batch * self.blocks_per_req,
             block_size=BLOCK_SIZE,
             max_num_batched_tokens=max_batch * max_len,
@@ -119,18 +119,21 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate timings")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (2: this machine's cores)")
+    ap.add_argument("--ops", default="auto", choices=("auto", "torch", "cpu"),
+                    help="op set (auto: the C kernels where built, as the engine runs)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     base = load_model(default_model_path(), dtype="float32")
     hf = None if args.no_hf else load_hf(base.folder)
     max_len = args.prompt_len + args.new_tokens
+    print(f"ops: {get_ops(args.ops).name}; torch threads {torch.get_num_threads()}")
     print(f"{'dtype':>9} {'batch':>5} {'engine tok/s':>13} {'transformers tok/s':>19}")
     # float32 first: casting the transformers model to bf16 is not undone by casting back.
     names = sorted(args.dtypes.split(","), key=lambda n: n != "float32")
     for name in names:
         dtype = getattr(torch, name)
-        engine = EngineDecode(base, dtype, max(batches), max_len)
+        engine = EngineDecode(base, dtype, max(batches), max_len, args.ops)
         model = None if hf is None else hf.to(dtype)
         for b in batches:
             ps = prompts(b, args.prompt_len, base.config.vocab_size)

@@ -35,7 +35,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
         help="plan step N+1 while step N runs (default: on with CUDA, off on CPU)",
     )
-    group.add_argument("--ops-backend", default=None, choices=("auto", "torch", "triton"))
+    group.add_argument("--ops-backend", default=None, choices=("auto", "torch", "cpu", "triton"))
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -22,7 +22,7 @@ class EngineConfig:
     served_model_name: str | None = None
     dtype: str = "auto"
     device: str = "auto"  # "auto" picks cuda when available, else cpu
-    ops_backend: str = "auto"  # "auto", "torch" or "triton"
+    ops_backend: str = "auto"  # "auto", "torch", "cpu" or "triton"; see engine.ops.get_ops
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -44,8 +44,8 @@ class EngineConfig:
             raise InvalidParamError(f"dtype must be one of {DTYPES}, got {self.dtype!r}", param="dtype")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise InvalidParamError(f"device must be auto, cpu or cuda[:N], got {self.device!r}", param="device")
-        if self.ops_backend not in ("auto", "torch", "triton"):
-            raise InvalidParamError(f"ops_backend must be auto, torch or triton, got {self.ops_backend!r}", param="ops_backend")
+        if self.ops_backend not in ("auto", "torch", "cpu", "triton"):
+            raise InvalidParamError(f"ops_backend must be auto, torch, cpu or triton, got {self.ops_backend!r}", param="ops_backend")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise InvalidParamError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}", param="scheduling_policy")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_queued_requests"):

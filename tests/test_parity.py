@@ -1,8 +1,9 @@
 """The engine's model and runner against Hugging Face transformers, token for token.
 
 Every tiny architecture greedy-decodes a batch of mixed-length prompts through the paged
-runner (whole prompts, and chunked prefill whose chunks straddle block boundaries) and must
-produce exactly the tokens of ``transformers``' greedy ``generate`` in fp32. Each token's
+runner (whole prompts, and chunked prefill whose chunks straddle block boundaries), once
+with the torch reference ops and once with the CPU path's C kernels, and must produce
+exactly the tokens of ``transformers``' greedy ``generate`` in fp32. Each token's
 logprob must also match transformers' ``log_softmax`` of its logits.
 
 Logprob tolerance, 1e-4 absolute: both sides compute in fp32 and differ only in summation
@@ -48,11 +49,15 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 4, 8, 9, 23)]
 
 
-def _runner(loaded: types.SimpleNamespace, block_size: int) -> ModelRunner:
+# The torch reference, and the CPU path's C kernels (what the engine runs on CPU).
+OPS = ["torch", "cpu"]
+
+
+def _runner(loaded: types.SimpleNamespace, block_size: int, ops: str) -> ModelRunner:
     return ModelRunner(
         loaded,
         device="cpu",
-        ops=get_ops("torch"),
+        ops=get_ops(ops),
         num_blocks=512 // block_size,
         block_size=block_size,
         max_num_batched_tokens=512,
@@ -100,15 +105,16 @@ def tiny(request, tmp_path_factory):
     return loaded, prompts, expected
 
 
+@pytest.mark.parametrize("ops", OPS)
 @pytest.mark.parametrize(
     ("block_size", "chunk_size"),
     [(4, None), (8, None), (4, 3), (8, 5)],
     ids=["bs4", "bs8", "bs4-chunk3", "bs8-chunk5"],
 )
-def test_greedy_tokens_and_logprobs_match_transformers(tiny, block_size, chunk_size) -> None:
+def test_greedy_tokens_and_logprobs_match_transformers(tiny, block_size, chunk_size, ops) -> None:
     loaded, prompts, expected = tiny
     runs = run_greedy(
-        _runner(loaded, block_size), prompts, NEW_TOKENS, chunk_size=chunk_size, block_size=block_size
+        _runner(loaded, block_size, ops), prompts, NEW_TOKENS, chunk_size=chunk_size, block_size=block_size
     )
     for run, (want_tokens, want_logprobs) in zip(runs, expected, strict=True):
         assert [s.token_id for s in run] == want_tokens
@@ -123,7 +129,8 @@ def test_tiny_models_do_not_degenerate(tiny) -> None:
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_greedy_matches_transformers() -> None:
+@pytest.mark.parametrize("ops", OPS)
+def test_smollm2_gguf_greedy_matches_transformers(ops: str) -> None:
     """The real default model: 32 identical greedy tokens from the same dequantized weights.
 
     The engine's loader converts the GGUF once into a cached Hugging Face folder and
@@ -138,7 +145,7 @@ def test_smollm2_gguf_greedy_matches_transformers() -> None:
         [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198],
         [504, 3575, 282, 4649, 314],
     ]
-    runner = _runner(loaded, 16)
+    runner = _runner(loaded, 16, ops)
     runs = run_greedy(runner, prompts, NEW_TOKENS, chunk_size=7, block_size=16)
     for run, prompt in zip(runs, prompts, strict=True):
         want_tokens, want_logprobs = _hf_greedy(hf, prompt, NEW_TOKENS)

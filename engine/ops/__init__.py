@@ -1,9 +1,11 @@
 """Kernels behind one signature per op, with a backend chosen by the caller.
 
-``get_ops("torch")`` gives the plain-torch reference (the CPU path and the oracle for the
-kernels); ``get_ops("triton")`` gives the Triton kernels (CUDA, or CPU under
-``TRITON_INTERPRET=1`` for tests). ``get_ops("auto")`` picks Triton on CUDA and the
-reference elsewhere. Models receive the ``Ops`` object explicitly; nothing here is global.
+``get_ops("torch")`` gives the plain-torch reference (the oracle for every kernel);
+``get_ops("cpu")`` the CPU path: C kernels for the ops torch dispatches slowly at decode
+sizes, the reference for the rest; ``get_ops("triton")`` the Triton kernels (CUDA, or CPU
+under ``TRITON_INTERPRET=1`` for tests). ``get_ops("auto")`` picks Triton on CUDA, and on
+CPU the C kernels when they are built, else the reference. Models receive the ``Ops``
+object explicitly; nothing here is global.
 
 KV-cache layout (one pair of tensors per layer)::
 
@@ -133,16 +135,22 @@ class Ops(Protocol):
 
 
 def get_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
-    """Return the op set for ``backend`` in {"auto", "torch", "triton"}."""
+    """Return the op set for ``backend`` in {"auto", "torch", "cpu", "triton"}."""
     device = torch.device(device)
     if backend == "auto":
-        backend = "triton" if device.type == "cuda" else "torch"
+        from engine.ops import cpu
+
+        backend = "triton" if device.type == "cuda" else "cpu" if cpu.available() else "torch"
     if backend == "torch":
         from engine.ops.reference import TorchOps
 
         return TorchOps()
+    if backend == "cpu":
+        from engine.ops.cpu import CpuOps
+
+        return CpuOps()
     if backend == "triton":
         from engine.ops.triton_ops import TritonOps
 
         return TritonOps()
-    raise ValueError(f"unknown ops backend {backend!r}; expected auto, torch or triton")
+    raise ValueError(f"unknown ops backend {backend!r}; expected auto, torch, cpu or triton")

@@ -32,6 +32,7 @@ class _PrefillPlan:
     """How one varlen step splits into single-token rows and padded multi-token rows."""
 
     single_rows: torch.Tensor  # [Bs] int64: token rows of requests with one query token
+    single_requests: torch.Tensor  # [Bs] int64: those requests' indices in the batch
     single: _Gather | None
     multi_src: torch.Tensor  # [Bm * Qmax] int64: token row feeding each padded query slot
     multi_dst: torch.Tensor  # [Tm] int64: token rows of the multi-token requests
@@ -140,7 +141,7 @@ class TorchOps:
         out = torch.empty_like(query)
         if plan.single is not None:
             q = query.index_select(0, plan.single_rows)
-            out.index_copy_(0, plan.single_rows, _attend_decode(q, k_cache, v_cache, plan.single, scale))
+            out.index_copy_(0, plan.single_rows, self._attend_single_rows(q, k_cache, v_cache, meta, plan, scale))
         if plan.multi is not None:
             g = plan.multi
             heads, dim = query.shape[1:]
@@ -149,6 +150,19 @@ class TorchOps:
             o = o.transpose(1, 2).reshape(-1, heads, dim).index_select(0, plan.multi_keep)
             out.index_copy_(0, plan.multi_dst, o)
         return out
+
+    def _attend_single_rows(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        plan: _PrefillPlan,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of the one-token requests of a mixed step (a subclass's decode path)."""
+        assert plan.single is not None
+        return _attend_decode(query, k_cache, v_cache, plan.single, scale)
 
     def sample(
         self,
@@ -222,7 +236,7 @@ def _prefill_plan(meta: AttentionMetadata, block_size: int) -> _PrefillPlan:
     empty = torch.empty(0, dtype=torch.int64, device=device)
 
     single = None
-    single_rows = empty
+    single_rows = sel = empty
     if single_idx:
         single_rows = torch.tensor([starts[b] for b in single_idx], device=device)
         sel = torch.tensor(single_idx, device=device)
@@ -246,7 +260,7 @@ def _prefill_plan(meta: AttentionMetadata, block_size: int) -> _PrefillPlan:
             keep_l.extend(range(i * max_q, i * max_q + n))
         src, dst, keep = (torch.tensor(v, device=device) for v in (src_l, dst_l, keep_l))
         multi = _multi_gather(meta, multi_idx, max_q, block_size)
-    return _PrefillPlan(single_rows, single, src, dst, keep, multi, max_q)
+    return _PrefillPlan(single_rows, sel, single, src, dst, keep, multi, max_q)
 
 
 def _multi_gather(

@@ -1,0 +1,213 @@
+"""The CPU op set: C kernels (``kernels.c``, built with cffi) where torch is slow, the torch
+reference for the rest.
+
+At decode sizes torch spends most of an RMSNorm, a RoPE or a paged attention call on
+dispatching the 5-10 small ops it is made of; on SmolLM2 those calls were a third of a
+batch-1 decode step, and SDPA over gathered K/V a third of a batch-32 one. ``CpuOps``
+replaces exactly those with one C call each and inherits everything else (KV write,
+SiLU-and-mul, prefill attention for multi-token rows, sampling) from :class:`TorchOps`.
+
+The C path takes fp32 and bf16 tensors in the layouts the model produces (rows with a
+uniform stride, heads contiguous); any other input (fp16, an odd view, a shape past the
+kernels' buffers) goes to the torch reference, so every call gets an answer. Single-query
+attention rows always take the same path whatever else is in the batch, so a request's
+numbers do not depend on its neighbours.
+
+The extension is compiled when the package is installed (``setup.py``). Where it is
+missing, :func:`available` is false and ``get_ops("auto")`` falls back to ``TorchOps``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.ops import AttentionMetadata
+from engine.ops.reference import TorchOps, _adjacent_heads, _PrefillPlan
+
+try:  # built at install time; absent in a source tree nobody installed
+    from engine.ops.cpu._kernels import ffi as _ffi
+    from engine.ops.cpu._kernels import lib as _lib
+except ImportError:  # pragma: no cover - depends on the install
+    _ffi = _lib = None
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # enum in kernels.c
+
+
+def available() -> bool:
+    """Whether the compiled kernels could be loaded."""
+    return _lib is not None
+
+
+def _ptr(t: torch.Tensor, ctype: str = "void *"):  # a cffi pointer to the tensor's data
+    return _ffi.cast(ctype, t.data_ptr())
+
+
+class CpuKernelError(RuntimeError):
+    """A C kernel refused its arguments (a position or block id out of range)."""
+
+
+class CpuOps(TorchOps):
+    """C kernels for RMSNorm, RoPE and single-query paged attention; the torch reference
+    for the rest. Raises ``RuntimeError`` at construction if the kernels are not built."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        if _lib is None:
+            raise RuntimeError(
+                "the CPU kernels (engine.ops.cpu._kernels) are not built; reinstall the "
+                "package (pip install -e .) with a C compiler present, or use the torch ops"
+            )
+        super().__init__()
+
+    # --- pointwise -------------------------------------------------------------------------
+    # The checks below run ~5 times per layer per step: each is a cheap attribute read, in
+    # the order most likely to fail first, so the C path pays ~2 us of Python per call.
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        code = _DTYPE_CODES.get(x.dtype)
+        if code is None or not _plain(x, weight) or weight.dtype != x.dtype:
+            return super().rms_norm(x, weight, eps)
+        out = torch.empty_like(x)
+        n = x.shape[-1]
+        _lib.eng_rms_norm(
+            code, _ptr(out), _ptr(x), n, _ffi.NULL, 0, _ptr(weight), x.numel() // n, n, eps,
+            torch.get_num_threads(),
+        )
+        return out
+
+    def fused_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        code = _DTYPE_CODES.get(x.dtype)
+        if (
+            code is None
+            or not _plain(x, weight)
+            or not (residual.is_contiguous() and residual.shape == x.shape)
+            or not (residual.dtype == weight.dtype == x.dtype)
+        ):
+            return super().fused_add_rms_norm(x, residual, weight, eps)
+        out = torch.empty_like(x)
+        n = x.shape[-1]
+        _lib.eng_rms_norm(
+            code, _ptr(out), _ptr(x), n, _ptr(residual), n, _ptr(weight), x.numel() // n, n,
+            eps, torch.get_num_threads(),
+        )
+        return out, x  # x now holds x + residual, as the reference's add_ leaves it
+
+    def rotary_embedding(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        code = _DTYPE_CODES.get(query.dtype)
+        if (
+            code is None
+            or not (_heads_contiguous(query) and _heads_contiguous(key))
+            or not _plain(positions, cos_sin_cache)
+            or not (key.dtype == cos_sin_cache.dtype == query.dtype)
+            or positions.dtype != torch.int64
+            or cos_sin_cache.shape[-1] != query.shape[-1]
+        ):
+            return super().rotary_embedding(positions, query, key, cos_sin_cache)
+        both = _adjacent_heads(query, key)
+        for x in (query, key) if both is None else (both,):
+            tokens, heads, dim = x.shape
+            status = _lib.eng_rope(
+                code, _ptr(x), x.stride(0), heads, dim, _ptr(positions, "int64_t *"), tokens,
+                _ptr(cos_sin_cache), cos_sin_cache.shape[0], torch.get_num_threads(),
+            )
+            if status:
+                raise CpuKernelError(
+                    f"rope: a position is outside the cos/sin cache of {cos_sin_cache.shape[0]}"
+                )
+        return query, key
+
+    # --- attention -------------------------------------------------------------------------
+
+    def paged_attention_decode(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        seq_lens_host: tuple[int, ...],
+    ) -> torch.Tensor:
+        out = self._decode(query, k_cache, v_cache, block_tables, seq_lens, scale)
+        if out is None:
+            return super().paged_attention_decode(
+                query, k_cache, v_cache, block_tables, seq_lens, scale, seq_lens_host
+            )
+        return out
+
+    def _attend_single_rows(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        plan: _PrefillPlan,
+        scale: float,
+    ) -> torch.Tensor:
+        sel = plan.single_requests
+        out = self._decode(
+            query, k_cache, v_cache, meta.block_tables.index_select(0, sel),
+            meta.seq_lens.index_select(0, sel), scale,
+        )
+        if out is None:
+            return super()._attend_single_rows(query, k_cache, v_cache, meta, plan, scale)
+        return out
+
+    def _decode(
+        self,
+        query: torch.Tensor,  # [B, H, D], heads contiguous, rows any stride
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor | None:
+        """The C kernel's answer, or None where it does not take these inputs."""
+        code = _DTYPE_CODES.get(query.dtype)
+        if (
+            code is None
+            or not _heads_contiguous(query)
+            or not _plain(k_cache, v_cache, seq_lens)
+            or not (k_cache.dtype == v_cache.dtype == query.dtype)
+            or block_tables.dtype != torch.int32
+            or seq_lens.dtype != torch.int32
+            or not block_tables.is_cpu
+            or block_tables.stride(-1) != 1
+        ):
+            return None
+        batch, heads, dim = query.shape
+        num_blocks, block_size, kv_heads, _ = k_cache.shape
+        out = torch.empty((batch, heads, dim), dtype=query.dtype)
+        status = _lib.eng_paged_decode(
+            code, _ptr(out), _ptr(query), query.stride(0), _ptr(k_cache),
+            _ptr(v_cache), num_blocks, _ptr(block_tables, "int32_t *"), block_tables.stride(0),
+            _ptr(seq_lens, "int32_t *"), batch, heads, kv_heads, dim, block_size, scale,
+            torch.get_num_threads(),
+        )
+        if status == -1:
+            return None  # a shape past the kernel's buffers: the reference handles it
+        if status:
+            raise CpuKernelError("paged attention: a sequence length or block id is out of range")
+        return out
+
+
+def _plain(*tensors: torch.Tensor) -> bool:
+    """All in CPU memory and contiguous, so one pointer and the shape describe each."""
+    return all(t.is_cpu and t.is_contiguous() for t in tensors)
+
+
+def _heads_contiguous(x: torch.Tensor) -> bool:
+    """[T, heads, D] in CPU memory, D contiguous and heads back to back (tokens any stride)."""
+    return x.is_cpu and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+__all__ = ["CpuKernelError", "CpuOps", "available"]

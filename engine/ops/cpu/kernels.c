@@ -1,0 +1,344 @@
+/*
+ * CPU kernels for the small, latency-bound ops of a decode step, called through cffi.
+ *
+ * torch runs each of these as a chain of 5-10 dispatched ops (upcast, pow, mean, rsqrt,
+ * mul, downcast, ...), ~20-40 us per call at decode sizes, most of it dispatch; the model
+ * calls them ~5 times per layer. Here each is one call over raw pointers.
+ *
+ * Numerics follow the torch reference (engine/ops/reference.py) and Hugging Face:
+ * activations are read in their storage dtype (fp32 or bf16) and computed in fp32, and a
+ * bf16 result is rounded (to nearest even, as torch does) at the same points where HF's
+ * bf16 module rounds it. Only summation order differs (fp32 last-bit noise).
+ *
+ * Each kernel does one unit of work (a row, a token, a request x KV head) in a function
+ * compiled three times (AVX-512, AVX2, baseline x86-64; picked at load time by the CPU),
+ * and an entry point spreads the units over OpenMP threads. The extension is linked
+ * against libgomp by SONAME, so in a process that imported torch first it shares torch's
+ * OpenMP runtime and thread pool instead of starting a second one on the same cores.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define CLONES
+#endif
+#define INLINE static inline __attribute__((always_inline))
+
+enum { DT_F32 = 0, DT_BF16 = 1 };
+
+/* Attention limits of the stack buffers below; larger shapes fall back to torch. */
+#define MAX_GROUP 16  /* query heads per KV head */
+#define MAX_DIM 256   /* head_dim */
+#define TILE 64       /* keys scored before one softmax rescale */
+
+/* Work (in multiply-adds) below which a call stays on the calling thread: waking the
+ * other OpenMP thread costs a few microseconds, more than a small op takes. */
+#define PARALLEL_MIN_WORK 65536
+
+/* ---- storage types ---------------------------------------------------------------- */
+
+INLINE float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+INLINE uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    /* Round to nearest even; NaN stays a quiet NaN (torch gives 0x7FC0). */
+    uint16_t rounded = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    return f != f ? (uint16_t)0x7FC0 : rounded;
+}
+
+/* `bf` is a compile-time constant at every call site below, so these fold away. */
+INLINE float ld(const void *p, int64_t i, int bf) {
+    return bf ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+INLINE void st(void *p, int64_t i, float v, int bf) {
+    if (bf)
+        ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+/* The value a store then a load would give: rounding to the storage precision. */
+INLINE float rnd(float v, int bf) { return bf ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+/* exp(x) for x <= 0, to ~2 ulp: x = k ln2 + r with |r| <= ln2 / 2, a degree-6
+ * polynomial for e^r (the classic Cephes expf coefficients), 2^k built in the exponent
+ * bits. Branch-free so loops over it vectorize; below -87 it returns 0. */
+INLINE float exp_nonpos(float x) {
+    float xc = x < -87.0f ? -87.0f : x;
+    float k = floorf(xc * 1.44269504088896341f + 0.5f);
+    float r = xc - k * 0.693359375f;
+    r = r - k * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    int32_t bits = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x < -87.0f ? 0.0f : p * scale;
+}
+
+/* ---- RMSNorm, optionally after a residual add --------------------------------------- */
+
+/* out[row] = rms_norm(x[row]) * w. With `res`, x[row] += res[row] first (in place, rounded
+ * to the storage dtype) and the norm is taken of that sum, as torch's add_ then rms_norm. */
+INLINE void rms_norm_row(void *out, void *x, int64_t xs, const void *res, int64_t rs,
+                         const void *w, int64_t row, int64_t n, float eps, int bf) {
+    int64_t xo = row * xs, oo = row * n;
+    float ss = 0.0f;
+    if (res) {
+        int64_t ro = row * rs;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < n; i++) {
+            float s = rnd(ld(x, xo + i, bf) + ld(res, ro + i, bf), bf);
+            st(x, xo + i, s, bf);
+            ss += s * s;
+        }
+    } else {
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < n; i++) {
+            float v = ld(x, xo + i, bf);
+            ss += v * v;
+        }
+    }
+    /* torch: rsqrt(mean(x^2) + eps); x * rstd rounded to the dtype, then times weight. */
+    float rstd = 1.0f / sqrtf(ss / (float)n + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++)
+        st(out, oo + i, rnd(ld(x, xo + i, bf) * rstd, bf) * ld(w, i, bf), bf);
+}
+
+CLONES void eng_rms_norm_row_f32(void *out, void *x, int64_t xs, const void *res, int64_t rs,
+                                 const void *w, int64_t row, int64_t n, float eps) {
+    rms_norm_row(out, x, xs, res, rs, w, row, n, eps, 0);
+}
+
+CLONES void eng_rms_norm_row_bf16(void *out, void *x, int64_t xs, const void *res, int64_t rs,
+                                  const void *w, int64_t row, int64_t n, float eps) {
+    rms_norm_row(out, x, xs, res, rs, w, row, n, eps, 1);
+}
+
+int eng_rms_norm(int dtype, void *out, void *x, int64_t x_stride, const void *res,
+                 int64_t res_stride, const void *w, int64_t rows, int64_t n, float eps,
+                 int nthreads) {
+    if (dtype != DT_F32 && dtype != DT_BF16)
+        return -1;
+#pragma omp parallel for schedule(static) num_threads(nthreads) \
+    if (nthreads > 1 && rows * n >= PARALLEL_MIN_WORK)
+    for (int64_t r = 0; r < rows; r++) {
+        if (dtype == DT_BF16)
+            eng_rms_norm_row_bf16(out, x, x_stride, res, res_stride, w, r, n, eps);
+        else
+            eng_rms_norm_row_f32(out, x, x_stride, res, res_stride, w, r, n, eps);
+    }
+    return 0;
+}
+
+/* ---- RoPE (rotate-half), in place --------------------------------------------------- */
+
+/* Token t's `heads` heads of `d` values each (heads contiguous, tokens `ts` apart) are
+ * rotated by the cos/sin row of its position: cs[pos] = cos[0:d/2] | sin[0:d/2]. As in
+ * HF, each product is rounded to the dtype before the sum is. */
+INLINE void rope_token(void *x, int64_t ts, int64_t heads, int64_t d, const int64_t *pos,
+                       const void *cs, int64_t t, int bf) {
+    int64_t half = d / 2, c0 = pos[t] * d;
+    for (int64_t h = 0; h < heads; h++) {
+        int64_t base = t * ts + h * d;
+#pragma omp simd
+        for (int64_t i = 0; i < half; i++) {
+            float c = ld(cs, c0 + i, bf), s = ld(cs, c0 + half + i, bf);
+            float a = ld(x, base + i, bf), b = ld(x, base + half + i, bf);
+            st(x, base + i, rnd(a * c, bf) - rnd(b * s, bf), bf);
+            st(x, base + half + i, rnd(b * c, bf) + rnd(a * s, bf), bf);
+        }
+    }
+}
+
+CLONES void eng_rope_token_f32(void *x, int64_t ts, int64_t heads, int64_t d,
+                               const int64_t *pos, const void *cs, int64_t t) {
+    rope_token(x, ts, heads, d, pos, cs, t, 0);
+}
+
+CLONES void eng_rope_token_bf16(void *x, int64_t ts, int64_t heads, int64_t d,
+                                const int64_t *pos, const void *cs, int64_t t) {
+    rope_token(x, ts, heads, d, pos, cs, t, 1);
+}
+
+int eng_rope(int dtype, void *x, int64_t token_stride, int64_t heads, int64_t d,
+             const int64_t *positions, int64_t tokens, const void *cos_sin, int64_t max_pos,
+             int nthreads) {
+    if ((dtype != DT_F32 && dtype != DT_BF16) || d % 2)
+        return -1;
+    for (int64_t t = 0; t < tokens; t++)
+        if (positions[t] < 0 || positions[t] >= max_pos)
+            return -2;
+#pragma omp parallel for schedule(static) num_threads(nthreads) \
+    if (nthreads > 1 && tokens * heads * d >= PARALLEL_MIN_WORK)
+    for (int64_t t = 0; t < tokens; t++) {
+        if (dtype == DT_BF16)
+            eng_rope_token_bf16(x, token_stride, heads, d, positions, cos_sin, t);
+        else
+            eng_rope_token_f32(x, token_stride, heads, d, positions, cos_sin, t);
+    }
+    return 0;
+}
+
+/* ---- paged decode attention ----------------------------------------------------------- */
+
+/* One request's one query token, for the `group` query heads that share KV head `g`:
+ * online softmax over its seq_len keys read through the block table, TILE keys at a time
+ * (scores of a tile first, one rescale of the accumulators per tile). Cache layout
+ * [num_blocks, block_size, kv_heads, d]; see engine/ops/__init__.py. */
+INLINE void decode_item(void *out, const void *q, int64_t qs, const void *kc, const void *vc,
+                        const int32_t *bt, int64_t bts, const int32_t *lens, int64_t b,
+                        int64_t g, int64_t heads, int64_t kv_heads, int64_t d, int64_t bs,
+                        float scale, int bf) {
+    const int64_t group = heads / kv_heads, len = lens[b];
+    const int32_t *table = bt + b * bts;
+    float qf[MAX_GROUP][MAX_DIM], acc[MAX_GROUP][MAX_DIM], kf[MAX_DIM];
+    float sc[MAX_GROUP][TILE], mx[MAX_GROUP], sum[MAX_GROUP];
+    int64_t rows[TILE]; /* cache element offset of each key of the tile */
+    for (int64_t j = 0; j < group; j++) {
+        int64_t qo = b * qs + (g * group + j) * d;
+        for (int64_t i = 0; i < d; i++) {
+            qf[j][i] = ld(q, qo + i, bf);
+            acc[j][i] = 0.0f;
+        }
+        mx[j] = -INFINITY;
+        sum[j] = 0.0f;
+    }
+    /* Walk the block table with a running (block, offset) pair: no division per key. */
+    int64_t blk = 0, off = 0;
+    for (int64_t t0 = 0; t0 < len; t0 += TILE) {
+        int64_t n = len - t0 < TILE ? len - t0 : TILE;
+        for (int64_t k = 0; k < n; k++) {
+            rows[k] = (((int64_t)table[blk] * bs + off) * kv_heads + g) * d;
+            if (++off == bs) {
+                off = 0;
+                blk++;
+            }
+        }
+        for (int64_t k = 0; k < n; k++) {
+            int64_t ko = rows[k];
+#pragma omp simd
+            for (int64_t i = 0; i < d; i++)
+                kf[i] = ld(kc, ko + i, bf);
+            for (int64_t j = 0; j < group; j++) {
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t i = 0; i < d; i++)
+                    dot = fmaf(qf[j][i], kf[i], dot);
+                sc[j][k] = dot * scale;
+            }
+        }
+        for (int64_t j = 0; j < group; j++) {
+            float m = mx[j];
+            for (int64_t k = 0; k < n; k++)
+                m = sc[j][k] > m ? sc[j][k] : m;
+            float alpha = exp_nonpos(mx[j] - m); /* 0 on the first tile (-inf) */
+            float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t k = 0; k < n; k++) {
+                float p = exp_nonpos(sc[j][k] - m);
+                sc[j][k] = p;
+                s += p;
+            }
+            sum[j] = sum[j] * alpha + s;
+            mx[j] = m;
+#pragma omp simd
+            for (int64_t i = 0; i < d; i++)
+                acc[j][i] *= alpha;
+        }
+        for (int64_t k = 0; k < n; k++) {
+            int64_t vo = rows[k];
+#pragma omp simd
+            for (int64_t i = 0; i < d; i++)
+                kf[i] = ld(vc, vo + i, bf);
+            for (int64_t j = 0; j < group; j++) {
+                float p = sc[j][k];
+#pragma omp simd
+                for (int64_t i = 0; i < d; i++)
+                    acc[j][i] = fmaf(p, kf[i], acc[j][i]);
+            }
+        }
+    }
+    for (int64_t j = 0; j < group; j++) {
+        float inv = 1.0f / sum[j];
+        int64_t oo = (b * heads + g * group + j) * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; i++)
+            st(out, oo + i, acc[j][i] * inv, bf);
+    }
+}
+
+/* head_dim 64 and 128 (nearly every Llama-family model) get loops of a known length,
+ * which the compiler unrolls into whole vectors; other sizes take the generic loop. */
+#define DECODE_ITEM(SUFFIX, BF)                                                             \
+    CLONES void eng_decode_item_##SUFFIX(void *out, const void *q, int64_t qs, const void *kc, \
+                                         const void *vc, const int32_t *bt, int64_t bts,      \
+                                         const int32_t *lens, int64_t b, int64_t g,           \
+                                         int64_t heads, int64_t kv_heads, int64_t d,          \
+                                         int64_t bs, float scale) {                           \
+        if (d == 64)                                                                          \
+            decode_item(out, q, qs, kc, vc, bt, bts, lens, b, g, heads, kv_heads, 64, bs,     \
+                        scale, BF);                                                           \
+        else if (d == 128)                                                                    \
+            decode_item(out, q, qs, kc, vc, bt, bts, lens, b, g, heads, kv_heads, 128, bs,    \
+                        scale, BF);                                                           \
+        else                                                                                  \
+            decode_item(out, q, qs, kc, vc, bt, bts, lens, b, g, heads, kv_heads, d, bs,      \
+                        scale, BF);                                                           \
+    }
+
+DECODE_ITEM(f32, 0)
+DECODE_ITEM(bf16, 1)
+
+int eng_paged_decode(int dtype, void *out, const void *q, int64_t q_stride, const void *k_cache,
+                     const void *v_cache, int64_t num_blocks, const int32_t *block_tables,
+                     int64_t bt_stride, const int32_t *seq_lens, int64_t batch, int64_t heads,
+                     int64_t kv_heads, int64_t d, int64_t block_size, float scale,
+                     int nthreads) {
+    if ((dtype != DT_F32 && dtype != DT_BF16) || kv_heads < 1 || heads % kv_heads ||
+        heads / kv_heads > MAX_GROUP || d > MAX_DIM || block_size < 1)
+        return -1;
+    /* Every block a request will read must exist: a bad table is an error, not a read
+     * out of bounds. */
+    int64_t work = 0;
+    for (int64_t b = 0; b < batch; b++) {
+        int64_t len = seq_lens[b], used = (len + block_size - 1) / block_size;
+        if (len < 1 || used > bt_stride)
+            return -2;
+        for (int64_t i = 0; i < used; i++)
+            if (block_tables[b * bt_stride + i] < 0 || block_tables[b * bt_stride + i] >= num_blocks)
+                return -2;
+        work += len * heads * d * 2;
+    }
+    int64_t items = batch * kv_heads;
+    /* Dynamic: requests of different lengths make items of different cost. */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) \
+    if (nthreads > 1 && items > 1 && work >= PARALLEL_MIN_WORK)
+    for (int64_t it = 0; it < items; it++) {
+        int64_t b = it / kv_heads, g = it % kv_heads;
+        if (dtype == DT_BF16)
+            eng_decode_item_bf16(out, q, q_stride, k_cache, v_cache, block_tables, bt_stride,
+                                 seq_lens, b, g, heads, kv_heads, d, block_size, scale);
+        else
+            eng_decode_item_f32(out, q, q_stride, k_cache, v_cache, block_tables, bt_stride,
+                                seq_lens, b, g, heads, kv_heads, d, block_size, scale);
+    }
+    return 0;
+}

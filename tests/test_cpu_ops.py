@@ -1,0 +1,233 @@
+"""The C kernels of the CPU path (``CpuOps``) against the torch reference.
+
+Tolerances: fp32 differs from the reference by summation order only (~1e-6 relative on
+O(1) values). bf16: the C RMSNorm and RoPE round where Hugging Face's bf16 modules round
+(the product, then the weight product / the sum), the reference where torch's fused ops do,
+so single elements differ by one bf16 step (2**-8 relative, 0.03 on values up to 8); the
+attention keeps probabilities in fp32 where SDPA rounds them. A wrong slot, mask, head
+group or position moves outputs by O(1), far past either tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.ops import AttentionMetadata, get_ops
+from engine.ops import cpu as cpu_ops
+from engine.ops.cpu import CpuKernelError, CpuOps
+from engine.ops.reference import TorchOps
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=4e-2, rtol=1e-2)}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def test_the_kernels_are_built_and_chosen_on_cpu() -> None:
+    # make test installs the package, which compiles them; without this check every test
+    # below could silently compare the reference with itself.
+    assert cpu_ops.available()
+    assert isinstance(get_ops("auto", "cpu"), CpuOps)
+    assert type(get_ops("torch")) is TorchOps
+
+
+def _rand(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+# --- RMSNorm ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 576 crosses the parallel threshold
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_the_reference(dtype: torch.dtype, rows: int, threads: int) -> None:
+    x, w = _rand(rows, 576, seed=0, dtype=dtype), _rand(576, seed=1, dtype=dtype)
+    got = CpuOps().rms_norm(x, w, 1e-5)
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(got, TorchOps().rms_norm(x, w, 1e-5), **TOL[dtype])
+
+
+def test_bf16_rms_norm_rounds_like_hugging_face() -> None:
+    # HF's LlamaRMSNorm: weight * (x * rsqrt(mean(x^2) + eps)).to(bf16), two roundings.
+    x, w = _rand(16, 576, seed=2, dtype=torch.bfloat16), _rand(576, seed=3, dtype=torch.bfloat16)
+    xf = x.float()
+    want = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    got = CpuOps().rms_norm(x, w, 1e-5)
+    # Summation order of the mean may flip a rounding now and then, never more than one step.
+    assert (got != want).float().mean() < 0.01
+    torch.testing.assert_close(got, want, atol=0.07, rtol=2**-7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm_leaves_the_sum_in_x(dtype: torch.dtype, threads: int) -> None:
+    x, r, w = _rand(5, 64, seed=4, dtype=dtype), _rand(5, 64, seed=5, dtype=dtype), _rand(64, seed=6, dtype=dtype)
+    want_normed, want_sum = TorchOps().fused_add_rms_norm(x.clone(), r.clone(), w, 1e-6)
+    xc = x.clone()
+    normed, summed = CpuOps().fused_add_rms_norm(xc, r.clone(), w, 1e-6)
+    assert summed.data_ptr() == xc.data_ptr()
+    assert torch.equal(summed, want_sum)  # one rounded add: bitwise the reference's
+    torch.testing.assert_close(normed, want_normed, **TOL[dtype])
+
+
+def test_unsupported_inputs_take_the_reference_path() -> None:
+    ops, ref = CpuOps(), TorchOps()
+    x16, w16 = _rand(3, 32, seed=7, dtype=torch.float16), _rand(32, seed=8, dtype=torch.float16)
+    assert torch.equal(ops.rms_norm(x16, w16, 1e-5), ref.rms_norm(x16, w16, 1e-5))
+    # A strided view (Qwen3's per-head q norm over a fused qkv row) is not a plain array.
+    qkv = _rand(4, 3 * 32, seed=9)
+    view = qkv[:, :64].view(4, 2, 32)
+    w = _rand(32, seed=10)
+    assert torch.equal(ops.rms_norm(view, w, 1e-5), ref.rms_norm(view, w, 1e-5))
+
+
+# --- RoPE --------------------------------------------------------------------------------
+
+
+def _cos_sin(max_pos: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    angles = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
+    return torch.cat((angles.cos(), angles.sin()), -1).to(dtype)
+
+
+def _qkv_views(qkv: torch.Tensor, heads: int, kv_heads: int, dim: int):
+    t = qkv.shape[0]
+    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+    return q.view(t, heads, dim), k.view(t, kv_heads, dim)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["views-of-one-qkv", "separate"])
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_matches_the_reference(dtype: torch.dtype, dim: int, fused: bool, threads: int) -> None:
+    t, heads, kv_heads, max_pos = 6, 8, 2, 64
+    positions = torch.tensor([0, 1, 15, 16, 40, 63])
+    cache = _cos_sin(max_pos, dim, dtype)
+    qkv = _rand(t, (heads + 2 * kv_heads) * dim, seed=11, dtype=dtype)
+    results = []
+    for ops in (CpuOps(), TorchOps()):
+        if fused:
+            row = qkv.clone()
+            q, k = _qkv_views(row, heads, kv_heads, dim)
+        else:
+            q, k = _rand(t, heads, dim, seed=12, dtype=dtype), _rand(t, kv_heads, dim, seed=13, dtype=dtype)
+        q2, k2 = ops.rotary_embedding(positions, q, k, cache)
+        results.append((q2.clone(), k2.clone(), row.clone() if fused else None))
+    (cq, ck, crow), (rq, rk, rrow) = results
+    torch.testing.assert_close(cq, rq, **TOL[dtype])
+    torch.testing.assert_close(ck, rk, **TOL[dtype])
+    if fused:  # V, after q and k in each row, is untouched
+        v_start = (heads + kv_heads) * dim
+        assert torch.equal(crow[:, v_start:], qkv[:, v_start:])
+
+
+def test_rope_position_past_the_cache_raises() -> None:
+    cache = _cos_sin(16, 64, torch.float32)
+    q, k = _rand(2, 4, 64, seed=14), _rand(2, 2, 64, seed=15)
+    with pytest.raises(CpuKernelError, match="position"):
+        CpuOps().rotary_embedding(torch.tensor([3, 16]), q, k, cache)
+
+
+# --- paged decode attention --------------------------------------------------------------
+
+
+def _paged_batch(lens: list[int], heads: int, kv_heads: int, dim: int, block_size: int,
+                 dtype: torch.dtype, seed: int):
+    """A cache whose blocks are handed out in a shuffled order, and tables over it."""
+    per_req = [-(-n // block_size) for n in lens]
+    num_blocks = sum(per_req) + 3  # spare blocks nobody reads
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables = torch.zeros(len(lens), max(per_req) + 1, dtype=torch.int32)  # padded width
+    used = 0
+    for b, n in enumerate(per_req):
+        tables[b, :n] = torch.tensor(order[used : used + n], dtype=torch.int32)
+        used += n
+    k_cache = _rand(num_blocks, block_size, kv_heads, dim, seed=seed + 1, dtype=dtype)
+    v_cache = _rand(num_blocks, block_size, kv_heads, dim, seed=seed + 2, dtype=dtype)
+    q = _rand(len(lens), heads, dim, seed=seed + 3, dtype=dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+# One token; exactly one block; one past it; a long context over many 64-key tiles.
+LENS = [1, 16, 17, 300]
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("dim", [64, 128, 80])  # 80: the generic (not unrolled) loop
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_decode_matches_the_reference(dtype: torch.dtype, dim: int, group: int, threads: int) -> None:
+    kv_heads = 2
+    q, kc, vc, tables, lens = _paged_batch(LENS, kv_heads * group, kv_heads, dim, 16, dtype, seed=20)
+    args = (q, kc, vc, tables, lens, dim**-0.5, tuple(LENS))
+    got = CpuOps().paged_attention_decode(*args)
+    torch.testing.assert_close(got, TorchOps().paged_attention_decode(*args), **TOL[dtype])
+
+
+def test_a_query_view_with_row_stride_reads_the_right_rows() -> None:
+    # As the model passes q: [B, H, D] rows of a wider fused qkv tensor.
+    heads, kv_heads, dim = 4, 2, 64
+    q, kc, vc, tables, lens = _paged_batch([5, 33], heads, kv_heads, dim, 8, torch.float32, seed=30)
+    wide = torch.cat([q.reshape(2, -1), _rand(2, 2 * kv_heads * dim, seed=31)], -1)
+    view = wide[:, : heads * dim].view(2, heads, dim)
+    got = CpuOps().paged_attention_decode(view, kc, vc, tables, lens, 0.125, (5, 33))
+    want = TorchOps().paged_attention_decode(q, kc, vc, tables, lens, 0.125, (5, 33))
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
+def test_results_do_not_depend_on_the_thread_count_or_the_batch() -> None:
+    q, kc, vc, tables, lens = _paged_batch(LENS, 8, 2, 64, 16, torch.float32, seed=40)
+    ops = CpuOps()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        together = ops.paged_attention_decode(q, kc, vc, tables, lens, 0.125, tuple(LENS))
+        torch.set_num_threads(1)
+        alone = [
+            ops.paged_attention_decode(q[b : b + 1], kc, vc, tables[b : b + 1], lens[b : b + 1], 0.125, (n,))
+            for b, n in enumerate(LENS)
+        ]
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(together, torch.cat(alone))
+
+
+def test_a_block_id_outside_the_cache_raises_instead_of_reading_it() -> None:
+    q, kc, vc, tables, lens = _paged_batch([20], 4, 2, 64, 16, torch.float32, seed=50)
+    tables[0, 1] = kc.shape[0]  # one past the last block
+    with pytest.raises(CpuKernelError, match="block"):
+        CpuOps().paged_attention_decode(q, kc, vc, tables, lens, 0.125, (20,))
+
+
+def test_a_mixed_step_sends_its_one_token_rows_through_the_kernel() -> None:
+    # Two prefill chunks and two decode rows interleaved, as the scheduler mixes them.
+    heads, kv_heads, dim, bs = 4, 2, 64, 8
+    qlens, slens = [1, 5, 1, 3], [12, 9, 30, 3]
+    q_all, kc, vc, tables, _ = _paged_batch(slens, heads, kv_heads, dim, bs, torch.float32, seed=60)
+    query = _rand(sum(qlens), heads, dim, seed=61)
+    starts = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(sum(qlens), dtype=torch.int64),  # unused by attention
+        query_start_loc=starts,
+        seq_lens=torch.tensor(slens, dtype=torch.int32),
+        block_tables=tables,
+        max_query_len=max(qlens),
+        max_seq_len=max(slens),
+        query_lens_host=tuple(qlens),
+        seq_lens_host=tuple(slens),
+    )
+    got = CpuOps().paged_attention_prefill(query, kc, vc, meta, 0.125)
+    want = TorchOps().paged_attention_prefill(query, kc, vc, meta, 0.125)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    # The decode rows equal the kernel's own decode answer for those requests alone.
+    for row, b in ((0, 0), (6, 2)):
+        alone = CpuOps().paged_attention_decode(
+            query[row : row + 1], kc, vc, tables[b : b + 1], meta.seq_lens[b : b + 1], 0.125, (slens[b],)
+        )
+        assert torch.equal(got[row : row + 1], alone)
