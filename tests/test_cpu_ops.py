@@ -88,6 +88,20 @@ def test_unsupported_inputs_take_the_reference_path() -> None:
     assert torch.equal(ops.rms_norm(view, w, 1e-5), ref.rms_norm(view, w, 1e-5))
 
 
+# --- SiLU-and-mul ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64])  # 64 x 1536 crosses the parallel threshold
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_the_reference(dtype: torch.dtype, rows: int, threads: int) -> None:
+    # Gate values from -20 to 20: both sides of the sigmoid's branch, and its tails.
+    x = torch.cat([torch.linspace(-20, 20, 1536).expand(rows, 1536), _rand(rows, 1536, seed=16)], -1)
+    x = x.to(dtype).contiguous()
+    got = CpuOps().silu_and_mul(x)
+    assert got.shape == (rows, 1536)
+    torch.testing.assert_close(got, TorchOps().silu_and_mul(x), **TOL[dtype])
+
+
 # --- RoPE --------------------------------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ int eng_rms_norm(int dtype, void *out, void *x, int64_t x_stride, const void *re
 int eng_rope(int dtype, void *x, int64_t token_stride, int64_t heads, int64_t d,
              const int64_t *positions, int64_t tokens, const void *cos_sin, int64_t max_pos,
              int nthreads);
+int eng_silu_mul(int dtype, void *out, const void *x, int64_t rows, int64_t n, int nthreads);
 int eng_paged_decode(int dtype, void *out, const void *q, int64_t q_stride,
                      const void *k_cache, const void *v_cache, int64_t num_blocks,
                      const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, int64_t batch, int64_t heads,
@@ -26,8 +27,9 @@ int eng_paged_decode(int dtype, void *out, const void *q, int64_t q_stride,
 """
 
 # -ffp-contract=off: no fused multiply-adds the source does not spell, so fp32 results
-# round where torch's separate ops round. -fno-math-errno lets floorf/sqrtf vectorize.
-COMPILE_ARGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-std=c11"]
+# round where torch's separate ops round. -fno-math-errno and -fno-trapping-math let
+# floorf/sqrtf and branch-free selects vectorize; neither changes a result.
+COMPILE_ARGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-std=c11"]
 
 ffibuilder = cffi.FFI()
 ffibuilder.cdef(CDEF)

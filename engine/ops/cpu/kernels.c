@@ -37,7 +37,7 @@ enum { DT_F32 = 0, DT_BF16 = 1 };
 
 /* Work (in multiply-adds) below which a call stays on the calling thread: waking the
  * other OpenMP thread costs a few microseconds, more than a small op takes. */
-#define PARALLEL_MIN_WORK 65536
+#define PARALLEL_MIN_WORK 32768
 
 /* ---- storage types ---------------------------------------------------------------- */
 
@@ -193,6 +193,44 @@ int eng_rope(int dtype, void *x, int64_t token_stride, int64_t heads, int64_t d,
             eng_rope_token_bf16(x, token_stride, heads, d, positions, cos_sin, t);
         else
             eng_rope_token_f32(x, token_stride, heads, d, positions, cos_sin, t);
+    }
+    return 0;
+}
+
+/* ---- SiLU-and-mul -------------------------------------------------------------------- */
+
+/* out[row] = silu(x[row, :n]) * x[row, n:2n]. silu is rounded to the dtype before the
+ * product is, as HF's act_fn(gate) * up does in bf16. sigmoid from exp(-|x|) <= 1, so the
+ * one exp is always of a non-positive argument. */
+INLINE void silu_mul_row(void *out, const void *x, int64_t row, int64_t n, int bf) {
+    int64_t xo = row * 2 * n, oo = row * n;
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        float g = ld(x, xo + i, bf);
+        float e = exp_nonpos(g < 0.0f ? g : -g);
+        float sig = (g < 0.0f ? e : 1.0f) / (1.0f + e);
+        st(out, oo + i, rnd(g * sig, bf) * ld(x, xo + n + i, bf), bf);
+    }
+}
+
+CLONES void eng_silu_mul_row_f32(void *out, const void *x, int64_t row, int64_t n) {
+    silu_mul_row(out, x, row, n, 0);
+}
+
+CLONES void eng_silu_mul_row_bf16(void *out, const void *x, int64_t row, int64_t n) {
+    silu_mul_row(out, x, row, n, 1);
+}
+
+int eng_silu_mul(int dtype, void *out, const void *x, int64_t rows, int64_t n, int nthreads) {
+    if (dtype != DT_F32 && dtype != DT_BF16)
+        return -1;
+#pragma omp parallel for schedule(static) num_threads(nthreads) \
+    if (nthreads > 1 && rows * n >= PARALLEL_MIN_WORK)
+    for (int64_t r = 0; r < rows; r++) {
+        if (dtype == DT_BF16)
+            eng_silu_mul_row_bf16(out, x, r, n);
+        else
+            eng_silu_mul_row_f32(out, x, r, n);
     }
     return 0;
 }
