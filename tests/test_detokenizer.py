@@ -173,9 +173,13 @@ def test_each_push_decodes_a_bounded_window(smol: Tokenizer) -> None:
 # -- stop strings -----------------------------------------------------------------------
 
 
-def _expected_stop(text: str, stops: Sequence[str], include: bool) -> tuple[str, str | None]:
-    """The spec: cut at the stop string that completes first (the longest on a tie)."""
-    hits = [(text.find(s) + len(s), text.find(s), s) for s in stops if s in text]
+def _expected_stop(
+    text: str, stops: Sequence[str], include: bool, protected: int = 0
+) -> tuple[str, str | None]:
+    """The spec: cut at the stop string that completes first (the longest on a tie),
+    counting only matches that end after the first ``protected`` characters (min_tokens)."""
+    found = [(text.find(s, max(0, protected - len(s) + 1)), s) for s in stops]
+    hits = [(start + len(s), start, s) for start, s in found if start >= 0]
     if not hits:
         return text, None
     end, start, stop = min(hits)
@@ -289,6 +293,52 @@ def test_random_stop_strings_match_the_spec_and_never_leak(tok: Tokenizer, inclu
             assert expected.startswith(sent), (text, stops)  # no text past the stop, ever
         assert sent == expected, (text, stops)
         assert updates[-1].stopped == (reason is not None)
+        assert updates[-1].stop_reason == reason
+
+
+def test_min_tokens_keeps_a_stop_string_from_ending_their_text(tok: Tokenizer) -> None:
+    ids = tok.encode("Hello world", add_special_tokens=False)
+    shield = next(k for k in range(1, len(ids) + 1) if "Hello" in tok.decode(ids[:k]))
+    detok = IncrementalDetokenizer(tok, _prompt(tok), stop=["o"], min_tokens=shield)
+    assert _text(_stream(detok, ids)) == "Hello w"  # the "o" of "Hello" did not stop it
+    assert detok.stopped
+
+
+def test_a_stop_string_that_starts_in_the_min_tokens_text_and_ends_after_it_stops(
+    tok: Tokenizer,
+) -> None:
+    ids = tok.encode("Hello world", add_special_tokens=False)
+    shield = next(k for k in range(1, len(ids) + 1) if "Hello" in tok.decode(ids[:k]))
+    detok = IncrementalDetokenizer(tok, _prompt(tok), stop=["lo w"], min_tokens=shield)
+    assert _text(_stream(detok, ids)) == "Hel"
+    assert detok.stopped
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_random_stop_strings_respect_min_tokens(tok: Tokenizer, include: bool) -> None:
+    rng = random.Random(5)
+    alphabet = ["a", "b", " ", "\n", "é", "😀", "ab", "the "]
+    for _ in range(120):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 25)))
+        ids = tok.encode(text, add_special_tokens=False)
+        min_tokens = rng.randint(0, len(ids))
+        stops = []
+        for _ in range(rng.randint(1, 3)):
+            i = rng.randrange(len(text))
+            stops.append(text[i : i + rng.randint(1, 6)])
+        full = tok.decode(ids)
+        # The text of the first min_tokens ids; an unfinished character is not text yet.
+        protected = len(tok.decode(ids[:min_tokens]).rstrip(REPLACEMENT)) if min_tokens else 0
+        expected, reason = _expected_stop(full, stops, include, protected)
+        detok = IncrementalDetokenizer(
+            tok, _prompt(tok), stop=stops, include_stop_str_in_output=include, min_tokens=min_tokens
+        )
+        updates = _stream(detok, ids, _random_chunks(rng, len(ids)))
+        sent = ""
+        for u in updates:
+            sent += u.text
+            assert expected.startswith(sent), (text, stops, min_tokens)
+        assert sent == expected, (text, stops, min_tokens)
         assert updates[-1].stop_reason == reason
 
 

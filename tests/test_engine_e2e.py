@@ -145,9 +145,12 @@ async def test_a_stop_string_ends_the_text_before_it_and_frees_the_blocks(model:
         stop = full[len(full) // 2 : len(full) // 2 + 2]
         assert stop.strip(), f"pick a visible stop string from {full!r}"
         outputs = await collect(eng, prompt, greedy(24, stop=[stop]))
+        # min_tokens covers every output: the stop string may not end any of their text.
+        shielded = await collect(eng, prompt, greedy(24, stop=[stop], min_tokens=24))
         stats = await wait_idle(eng)
     assert text(outputs) == full[: full.index(stop)]
     assert (outputs[-1].finish_reason, outputs[-1].stop_reason) == ("stop", stop)
+    assert text(shielded) == full and shielded[-1].finish_reason == "length"
     assert stats.kv_blocks_free == stats.kv_blocks_total
 
 

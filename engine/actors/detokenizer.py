@@ -84,6 +84,7 @@ class Detokenizer:
             skip_special_tokens=params.skip_special_tokens,
             stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens,
         )
         self._samples[spec.request_id] = _Sample(spec, detokenizer)
 

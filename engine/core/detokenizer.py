@@ -28,6 +28,10 @@ too: the text is the prompt's continuation, which for byte-level BPE equals
 
 The second is solved by holding back the longest tail of the text that is a proper prefix
 of some stop string, and searching for stop strings only in that tail plus the new text.
+
+``min_tokens`` protects the text of the first ``min_tokens`` outputs, as in vLLM: a stop
+string cannot end inside it (one that starts there and ends later still stops), just as
+EOS and stop token ids cannot end the request that early.
 """
 
 from __future__ import annotations
@@ -81,7 +85,8 @@ class IncrementalDetokenizer:
     ``skip_special_tokens`` in the prompt's context (for byte-level BPE:
     ``tokenizer.decode(output_ids)``). With stop strings, the text ends where the first
     stop string ends (``include_stop_str_in_output``) or begins (otherwise), and nothing
-    after it is ever returned.
+    after it is ever returned; no stop string may end in the text of the first
+    ``min_tokens`` ids.
     """
 
     def __init__(
@@ -92,6 +97,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Iterable[str] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
@@ -111,6 +117,11 @@ class IncrementalDetokenizer:
         self._prefix_text = self._decode(self._tokens)
         self._held = ""  # decoded text not yet returned: a possible stop-string start
         self._stop_reason: str | None = None
+        self._min_tokens = min_tokens
+        self._num_outputs = 0  # ids pushed, special ones included (min_tokens counts them)
+        # Leading characters of the text not sent yet (_held, then text waiting for a
+        # character to complete) that belong to the first min_tokens outputs.
+        self._protected = 0
 
     @property
     def stopped(self) -> bool:
@@ -121,8 +132,19 @@ class IncrementalDetokenizer:
         """Add newly sampled ids; return the text that is now safe to send."""
         if self.stopped:
             return self._stopped_update("")
-        self._tokens.extend(self._kept(token_ids))
-        return self._emit(self._new_text(flush=False), final=False)
+        ids = list(token_ids)
+        # Ids that are still among the first min_tokens outputs: their text is protected.
+        split = min(len(ids), max(0, self._min_tokens - self._num_outputs))
+        self._num_outputs += len(ids)
+        text = ""
+        if split:
+            self._tokens.extend(self._kept(ids[:split]))
+            text = self._emit(self._new_text(flush=False), final=False, protected=True).text
+            if split == len(ids):
+                return DetokenizerUpdate(text)
+        self._tokens.extend(self._kept(ids[split:]))
+        update = self._emit(self._new_text(flush=False), final=False)
+        return dataclasses.replace(update, text=text + update.text)
 
     def finish(self) -> DetokenizerUpdate:
         """Release everything held back, at the end of the request.
@@ -132,7 +154,8 @@ class IncrementalDetokenizer:
         """
         if self.stopped:
             return self._stopped_update("")
-        return self._emit(self._new_text(flush=True), final=True)
+        protected = self._num_outputs <= self._min_tokens and self._min_tokens > 0
+        return self._emit(self._new_text(flush=True), final=True, protected=protected)
 
     # -- tokens to text -----------------------------------------------------------------
 
@@ -169,10 +192,14 @@ class IncrementalDetokenizer:
 
     # -- stop strings -------------------------------------------------------------------
 
-    def _emit(self, new_text: str, *, final: bool) -> DetokenizerUpdate:
+    def _emit(self, new_text: str, *, final: bool, protected: bool = False) -> DetokenizerUpdate:
+        """Send ``_held + new_text`` up to a stop string or a possible stop-string start.
+        ``protected``: ``new_text`` comes from the first min_tokens outputs; no stop ends in it."""
         text = self._held + new_text
         self._held = ""
-        match = self._find_stop(text)
+        # Leading characters of ``text`` in which no stop string may end.
+        num_protected = len(text) if protected else self._protected
+        match = None if protected else self._find_stop(text, num_protected)
         if match is not None:
             start, stop = match
             self._stop_reason = stop
@@ -180,13 +207,27 @@ class IncrementalDetokenizer:
             return self._stopped_update(text[:end])
         hold = 0 if final else self._held_tail_length(text)
         self._held = text[len(text) - hold :] if hold else ""
-        return DetokenizerUpdate(text[: len(text) - hold])
+        sent = len(text) - hold
+        if protected:  # the held tail, and text waiting for a character to complete
+            self._protected = hold + len(self._unfinished_text())
+        else:
+            self._protected = max(0, num_protected - sent)
+        return DetokenizerUpdate(text[:sent])
 
-    def _find_stop(self, text: str) -> tuple[int, str] | None:
-        """The stop string that completes first in ``text`` (longest on a tie), and where."""
+    def _unfinished_text(self) -> str:
+        """The whole characters of tokens that ``_new_text`` holds back because their text
+        ends mid-character; the next ``_new_text`` starts with them."""
+        if self._read_offset == len(self._tokens):
+            return ""
+        full = self._decode(self._tokens[self._prefix_offset :])
+        return full[len(self._prefix_text) :].rstrip(_REPLACEMENT_CHAR)
+
+    def _find_stop(self, text: str, num_protected: int = 0) -> tuple[int, str] | None:
+        """The stop string that completes first in ``text`` (longest on a tie), and where;
+        only matches that end after the first ``num_protected`` characters count."""
         best: tuple[int, int, str] | None = None  # (end, start, stop)
         for stop in self._stop:
-            start = text.find(stop)
+            start = text.find(stop, max(0, num_protected - len(stop) + 1))
             if start >= 0:
                 candidate = (start + len(stop), start, stop)
                 best = candidate if best is None or candidate[:2] < best[:2] else best
