@@ -52,10 +52,10 @@ class SamplingParams:
             object.__setattr__(
                 self, "stop_token_ids", tuple(_seq(self.stop_token_ids, "stop_token_ids"))
             )
-        if isinstance(self.logit_bias, dict):
-            object.__setattr__(
-                self, "logit_bias", tuple((int(k), float(v)) for k, v in self.logit_bias.items())
-            )
+        if not isinstance(self.logit_bias, tuple) or not all(
+            isinstance(pair, tuple) for pair in self.logit_bias
+        ):
+            object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         self._check()
 
     def _check(self) -> None:
@@ -79,6 +79,9 @@ class SamplingParams:
                 raise InvalidParamError("stop must hold non-empty strings", param="stop")
         for t in self.stop_token_ids:
             _int(t, "stop_token_ids", lo=0)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidParamError(f"{name} must be true or false, got {getattr(self, name)!r}", param=name)
         _float(self.presence_penalty, "presence_penalty", lo=-2.0, hi=2.0)
         _float(self.frequency_penalty, "frequency_penalty", lo=-2.0, hi=2.0)
         _float(self.repetition_penalty, "repetition_penalty", lo=0.0, hi=100.0, lo_open=True)
@@ -88,6 +91,8 @@ class SamplingParams:
         if self.logprobs is not None:
             # OpenAI allows up to 20 top logprobs; vLLM's default limit is the same.
             _int(self.logprobs, "logprobs", lo=0, hi=20)
+        if self.prompt_logprobs is not None:
+            raise InvalidParamError("prompt_logprobs is not supported", param="prompt_logprobs")
 
     @property
     def greedy(self) -> bool:
@@ -95,6 +100,20 @@ class SamplingParams:
 
     def replace(self, **changes: Any) -> SamplingParams:
         return dataclasses.replace(self, **changes)
+
+
+def _bias_pairs(value: Any) -> tuple[tuple[Any, Any], ...]:
+    """``{token_id: bias}`` or ``(token_id, bias)`` pairs as a tuple of pairs. Dict keys may
+    be numeric strings (JSON objects have string keys); ranges are checked later."""
+    if isinstance(value, dict):
+        try:
+            return tuple((int(k), float(v)) for k, v in value.items())
+        except (TypeError, ValueError):
+            raise InvalidParamError("logit_bias must map token ids to numbers", param="logit_bias") from None
+    pairs = _seq(value, "logit_bias")
+    if not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
+        raise InvalidParamError("logit_bias must hold (token id, bias) pairs", param="logit_bias")
+    return tuple(tuple(p) for p in pairs)
 
 
 def _seq(value: Any, name: str) -> Sequence[Any]:
