@@ -74,6 +74,17 @@ MESSAGE_TYPES = sorted(
 )
 
 
+def test_the_message_module_defines_the_actor_protocol() -> None:
+    names = {cls.__name__ for cls in MESSAGE_TYPES}
+    assert {"SubmitRequest", "StepPlan", "StepResult", "AllocateSlots", "OutputBatch"} <= names
+
+
+@pytest.mark.parametrize("cls", MESSAGE_TYPES, ids=lambda cls: cls.__name__)
+def test_every_message_type_is_frozen_and_slotted(cls: type) -> None:
+    assert cls.__dataclass_params__.frozen  # type: ignore[attr-defined]
+    assert "__slots__" in vars(cls) and cls.__dictoffset__ == 0  # instances have no __dict__
+
+
 @pytest.mark.parametrize("cls", MESSAGE_TYPES, ids=lambda cls: cls.__name__)
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
