@@ -175,6 +175,24 @@ def test_fcfs_preempts_the_newest_running_request_and_resumes_it_first() -> None
     assert plan.new_requests == () and plan.finished_ids == ("old",)
 
 
+def test_a_preempted_request_goes_back_ahead_of_requests_that_never_ran() -> None:
+    sched, pool = _setup(bs=2, blocks=5, budget=32)
+    _add(sched, "old", 4, max_tokens=6)
+    _add(sched, "new", 4, max_tokens=6)
+    _add(sched, "late", 4, max_tokens=2)
+    plan, _ = _step(sched, pool)
+    assert [c.request_id for c in plan.chunks] == ["old", "new"]  # no block left for late
+    plan, _ = _step(sched, pool)
+    assert sched.get_request("new").status is RequestStatus.PREEMPTED
+    order = []
+    while sched.has_work:
+        plan, _ = _step(sched, pool)
+        order.extend(c.request_id for c in plan.chunks if c.request_id not in order)
+    # new, preempted after late arrived, is at the front of the waiting queue: it runs
+    # again before late runs at all.
+    assert order == ["old", "new", "late"]
+
+
 def test_priority_preempts_the_lowest_priority_even_if_older() -> None:
     sched, pool = _setup(bs=2, blocks=5, budget=32, policy="priority")
     _add(sched, "low", 4, priority=5)
