@@ -167,6 +167,9 @@ DECODE_LENS = [1, 16, 17, 300]
         (8, 2, 64, torch.float32, 3),  # GQA 4, forced split-K + reduce
         (8, 1, 128, torch.float16, 3),  # MQA / GQA 8, head_dim 128, half precision
         (8, 1, 64, torch.bfloat16, 1),
+        # Asking for 8 splits of 300 tokens gives five 64-token splits: the long request
+        # fills all five, the short ones leave four empty splits for the reduce to skip.
+        (8, 2, 128, torch.bfloat16, 8),
     ],
 )
 def test_paged_decode_matches_reference(heads, kv_heads, head_dim, dtype, splits) -> None:
@@ -182,6 +185,17 @@ def test_paged_decode_matches_reference(heads, kv_heads, head_dim, dtype, splits
         q, kc, vc, tables, seq_lens, scale, tuple(DECODE_LENS), num_splits=splits
     )
     torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+def test_decode_splits_one_long_request_but_not_a_full_batch() -> None:
+    """Flash-decoding's point: a lone long request is spread over many programs, while a
+    batch that already fills the device, or a short context, runs unsplit."""
+    choose = attention_decode.choose_num_splits
+    assert choose(1, 1, 64 * 1024, DEVICE) > 1
+    assert choose(1, 1, attention_decode.MIN_PARTITION, DEVICE) == 1
+    assert choose(4096, 8, 64 * 1024, DEVICE) == 1
+    # Never more splits than MIN_PARTITION-token pieces of the context.
+    assert choose(1, 1, 3 * attention_decode.MIN_PARTITION, DEVICE) <= 3
 
 
 def _meta(query_lens: list[int], seq_lens: list[int], tables: torch.Tensor, bs: int) -> AttentionMetadata:
@@ -214,7 +228,7 @@ PREFILL_SEQ = [9, 8, 13, 36, 21]
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "dtype"),
     [(2, 2, 64, torch.float32), (8, 2, 32, torch.float32), (8, 1, 64, torch.float16),
-     (4, 1, 32, torch.bfloat16)],
+     (4, 1, 32, torch.bfloat16), (4, 1, 128, torch.float32)],
 )
 def test_paged_prefill_matches_reference(heads, kv_heads, head_dim, dtype) -> None:
     bs = 8
@@ -286,6 +300,32 @@ def test_sampling_masks_equal_the_reference(case, ties) -> None:
     assert (want.sum(-1) < 300).sum() >= 3
 
 
+def test_sampling_over_a_vocabulary_of_several_chunks() -> None:
+    """Real vocabularies span many 1024-token chunks of the kernel's loops (the tests above
+    fit one): the online max/sum, the earliest-argmax rule, the radix counts and the race
+    must all carry across chunk edges, the last chunk ragged."""
+    vocab = 2500
+    logits = _rows(4, vocab, seed=44, ties=True)
+    # Row 0: the maximum tied in the second and third chunk (the lower id must win);
+    # row 1: the maximum in the ragged last chunk.
+    logits[0, 1500] = logits[0, 2200] = 20.0
+    logits[1, 2499] = 20.0
+    temperature, top_k, top_p, min_p = _params(
+        4, temperature=[0.0, 0.0, 0.7, 1.3], top_k=[0, 0, 1500, 40],
+        top_p=[1.0, 1.0, 0.9, 0.6], min_p=[0.0, 0.0, 0.01, 0.0],
+    )
+    seeds = torch.arange(4, device=DEVICE)
+    tokens, logprobs = TritonOps().sample(logits, temperature, top_k, top_p, min_p, seeds)
+    assert tokens[:2].tolist() == [1500, 2499]
+    want_lp = torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    torch.testing.assert_close(logprobs, want_lp, atol=1e-5, rtol=0)
+    got = sampling.keep_mask(logits[2:], temperature[2:], top_k[2:], top_p[2:], min_p[2:])
+    want = torch.isfinite(truncate(logits[2:], temperature[2:], top_k[2:], top_p[2:], min_p[2:]))
+    assert torch.equal(got, want)
+    assert (want.sum(-1) < vocab).all()
+    assert all(bool(want[r, tokens[2 + r]]) for r in range(2))  # drawn from the kept set
+
+
 def test_reference_mask_helpers_agree_with_truncate() -> None:
     """``truncate`` is the composition the kernel reproduces; pin its order here too."""
     logits = _rows(2, 50, seed=41)
@@ -355,38 +395,5 @@ def test_seeded_rows_draw_the_same_token_in_any_batch() -> None:
 
 
 # --- model level ------------------------------------------------------------------------
-
-
-def test_tiny_llama_greedy_tokens_equal_with_triton_and_torch_ops(tmp_path) -> None:
-    """The whole forward (norms, RoPE on fused-QKV views, KV writes, chunked prefill,
-    decode, greedy sampling) on TritonOps gives the reference backend's tokens.
-
-    Prompts of 1, 4 and 9 tokens with block size 4 and 3-token prefill chunks: a chunk
-    whose past ends on a block edge, one past it, and single-token decode steps.
-    """
-    import json
-    import types
-
-    from safetensors.torch import load_file
-
-    from engine.models.config import ModelConfig
-    from engine.models.testing import write_tiny_model
-    from engine.runner.model_runner import ModelRunner, run_greedy
-
-    folder = write_tiny_model(tmp_path, "llama")
-    config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
-    loaded = types.SimpleNamespace(
-        config=config, weights=load_file(str(folder / "model.safetensors")), dtype=torch.float32
-    )
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, config.vocab_size, (n,), generator=g).tolist() for n in (1, 4, 9)]
-    runs = []
-    for ops in (TritonOps(), TorchOps()):
-        runner = ModelRunner(loaded, device=DEVICE, ops=ops, num_blocks=16, block_size=4,
-                             max_num_batched_tokens=64, max_num_seqs=4)
-        runs.append(run_greedy(runner, prompts, 4, chunk_size=3, block_size=4))
-    got, want = runs
-    assert [[s.token_id for s in r] for r in got] == [[s.token_id for s in r] for r in want]
-    got_lp = torch.tensor([s.logprob for r in got for s in r], dtype=torch.float64)
-    want_lp = torch.tensor([s.logprob for r in want for s in r], dtype=torch.float64)
-    torch.testing.assert_close(got_lp, want_lp, atol=1e-4, rtol=0)  # fp32, as test_parity
+# The model-level check (greedy tokens and logprobs of every tiny architecture on TritonOps
+# against transformers) lives beside the other parity tests, in tests/test_parity.py.

@@ -213,6 +213,23 @@ def test_auto_dtype_follows_config_torch_dtype(tmp_path: Path) -> None:
     assert {w.dtype for w in model.weights.values()} == {torch.bfloat16}
 
 
+@pytest.mark.parametrize(
+    ("extra", "max_positions"),
+    [
+        ({"sliding_window": 16}, 16),  # Mistral 7B v0.1 style: the window caps the context
+        ({"sliding_window": 4096}, 512),  # a window past the context changes nothing
+        ({"sliding_window": 16, "use_sliding_window": False}, 512),  # Qwen2 style, off
+        ({"sliding_window": None}, 512),
+    ],
+)
+def test_the_context_is_capped_at_a_sliding_window(tmp_path: Path, extra: dict, max_positions: int) -> None:
+    folder = _tiny(tmp_path, "mistral")
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["max_position_embeddings"] == 512
+    (folder / "config.json").write_text(json.dumps(cfg | extra))
+    assert load_model(folder).config.max_position_embeddings == max_positions
+
+
 def test_an_unknown_dtype_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(InvalidParamError, match="int8"):
         load_model(_tiny(tmp_path), dtype="int8")

@@ -4,16 +4,27 @@ Every tiny architecture greedy-decodes a batch of mixed-length prompts through t
 runner (whole prompts, and chunked prefill whose chunks straddle block boundaries), once
 with the torch reference ops and once with the CPU path's C kernels, and must produce
 exactly the tokens of ``transformers``' greedy ``generate`` in fp32. Each token's
-logprob must also match transformers' ``log_softmax`` of its logits.
+logprob must also match transformers' ``log_softmax`` of its logits. Separately, the full
+logits row at every prompt position (whole, chunked and one-token-per-step prefill over
+scrambled blocks) must match transformers' forward in fp32, bf16 and fp16.
 
-Logprob tolerance, 1e-4 absolute: both sides compute in fp32 and differ only in summation
-order (fused q/k/v and gate/up matmuls, paged attention over gathered blocks versus a dense
-mask), which moves a logit by ~1e-6 per layer here; any real fault (a wrong rope position,
-a missed norm weight, a masked key leaking in) moves logprobs by 1e-2 or more.
+Logprob and fp32 logit tolerance, 1e-4 absolute: both sides compute in fp32 and differ
+only in summation order (fused q/k/v and gate/up matmuls, paged attention over gathered
+blocks versus a dense mask); measured at most 1e-5 on logits up to 18 in magnitude. Any
+real fault (a wrong rope position, a missed norm weight, a masked key leaking in) moves
+logprobs and logits by 1e-2 or more.
+
+bf16/fp16 logit tolerance: twice transformers' own rounding error in that dtype, i.e.
+``max|ours - hf(dtype)| <= 2 * max|hf(dtype) - hf(fp32)|``. Both sides round at the same
+places but accumulate in different orders, so they may differ by as much as either differs
+from fp32; measured ratios are at most 1.45 (bf16) and 1.4 (fp16). A missed norm weight
+gives ratios of at least 4 (bf16) and 40 (fp16) on these models.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import types
 from pathlib import Path
@@ -25,11 +36,13 @@ from safetensors.torch import load_file
 from engine.models.config import ModelConfig
 from engine.models.loader import default_model_path, load_model
 from engine.models.testing import TINY_ARCHITECTURES, write_tiny_model
-from engine.ops import get_ops
+from engine.ops import AttentionMetadata, get_ops
 from engine.runner.model_runner import ModelRunner, run_greedy
 
 NEW_TOKENS = 32
 LOGPROB_ATOL = 1e-4  # see the module docstring
+LOGIT_ATOL_FP32 = 1e-4  # see the module docstring
+LOW_PRECISION_SLACK = 2.0  # x transformers' own bf16/fp16 error; see the module docstring
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -54,9 +67,12 @@ OPS = ["torch", "cpu"]
 
 
 def _runner(loaded: types.SimpleNamespace, block_size: int, ops: str) -> ModelRunner:
+    # Triton runs on CUDA when there is one, else interpreted on CPU (conftest sets
+    # TRITON_INTERPRET); the other op sets are the CPU path.
+    device = "cuda" if ops == "triton" and torch.cuda.is_available() else "cpu"
     return ModelRunner(
         loaded,
-        device="cpu",
+        device=device,
         ops=get_ops(ops),
         num_blocks=512 // block_size,
         block_size=block_size,
@@ -82,10 +98,10 @@ def _hf_greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[int], li
     return tokens, logprobs
 
 
-def _hf_model(folder: Path):
+def _hf_model(folder: Path, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     # Generate exactly NEW_TOKENS: the engine side ignores EOS too.
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
@@ -102,7 +118,7 @@ def tiny(request, tmp_path_factory):
     hf = _hf_model(folder)
     prompts = _prompts(config.vocab_size)
     expected = [_hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-    return loaded, prompts, expected
+    return loaded, prompts, expected, folder
 
 
 @pytest.mark.parametrize("ops", OPS)
@@ -112,7 +128,7 @@ def tiny(request, tmp_path_factory):
     ids=["bs4", "bs8", "bs4-chunk3", "bs8-chunk5"],
 )
 def test_greedy_tokens_and_logprobs_match_transformers(tiny, block_size, chunk_size, ops) -> None:
-    loaded, prompts, expected = tiny
+    loaded, prompts, expected, _ = tiny
     runs = run_greedy(
         _runner(loaded, block_size, ops), prompts, NEW_TOKENS, chunk_size=chunk_size, block_size=block_size
     )
@@ -124,8 +140,119 @@ def test_greedy_tokens_and_logprobs_match_transformers(tiny, block_size, chunk_s
 
 def test_tiny_models_do_not_degenerate(tiny) -> None:
     """A model that repeats one token would make every parity test above vacuous."""
-    _, _, expected = tiny
+    _, _, expected, _ = tiny
     assert all(len(set(tokens)) > 1 for tokens, _ in expected)
+
+
+def _prefill_logits(runner: ModelRunner, prompts: list[list[int]], chunk_size: int | None) -> list[torch.Tensor]:
+    """fp32 logits [len(p), vocab] at every position of each prompt, all prompts prefilled
+    together ``chunk_size`` tokens a step (``None``: whole prompts; 1: decode-only steps).
+
+    Calls the model directly, as the runner does, but keeps every row's logits. Blocks are
+    handed out in reverse order, so token order and block order disagree everywhere.
+    """
+    bs = runner.block_size
+    need = [-(-len(p) // bs) for p in prompts]
+    free = list(reversed(range(sum(need))))
+    tables = [[free.pop(0) for _ in range(n)] for n in need]
+    done = [0] * len(prompts)
+    logits: list[list[torch.Tensor]] = [[] for _ in prompts]
+    while active := [i for i, p in enumerate(prompts) if done[i] < len(p)]:
+        ids, positions, slots, query_lens, seq_lens = [], [], [], [], []
+        for i in active:
+            n = len(prompts[i]) - done[i] if chunk_size is None else min(chunk_size, len(prompts[i]) - done[i])
+            span = range(done[i], done[i] + n)
+            ids += prompts[i][span.start : span.stop]
+            positions += span
+            slots += [tables[i][t // bs] * bs + t % bs for t in span]
+            query_lens.append(n)
+            seq_lens.append(span.stop)
+        width = max(len(tables[i]) for i in active)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots),
+            query_start_loc=torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=torch.tensor([tables[i] + [0] * (width - len(tables[i])) for i in active], dtype=torch.int32),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_host=tuple(query_lens),
+            seq_lens_host=tuple(seq_lens),
+        )
+        hidden = runner.model.forward(torch.tensor(ids), torch.tensor(positions), meta, runner.kv_caches)
+        for i, rows in zip(active, runner.model.compute_logits(hidden).split(query_lens), strict=True):
+            logits[i].append(rows)
+            done[i] += rows.shape[0]
+    return [torch.cat(rows) for rows in logits]
+
+
+@pytest.mark.parametrize("ops", OPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_logits_at_every_position_match_transformers(tiny, dtype, ops) -> None:
+    loaded, prompts, _, folder = tiny
+    with torch.inference_mode():
+        want = [_hf_model(folder, dtype)(torch.tensor([p])).logits[0].float() for p in prompts]
+    if dtype == torch.float32:
+        atol = LOGIT_ATOL_FP32
+    else:
+        with torch.inference_mode():
+            exact = [_hf_model(folder)(torch.tensor([p])).logits[0] for p in prompts]
+        hf_error = max((w - e).abs().max().item() for w, e in zip(want, exact, strict=True))
+        assert hf_error > 0  # transformers really ran in low precision
+        atol = LOW_PRECISION_SLACK * hf_error
+    loaded = types.SimpleNamespace(config=loaded.config, weights=loaded.weights, dtype=dtype)
+    for chunk_size in (None, 5, 1):
+        got = _prefill_logits(_runner(loaded, 4, ops), prompts, chunk_size)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, atol=atol, rtol=0, msg=lambda m, c=chunk_size: f"chunk {c}: {m}")
+
+
+def test_a_sliding_window_caps_the_context_where_full_attention_still_agrees(tmp_path) -> None:
+    """The decoder has no sliding-window attention (Mistral 7B v0.1 has a 4096 window), so
+    ModelConfig caps the context at the window. Up to the window transformers' windowed
+    attention and the engine's full attention agree; one token past it they do not."""
+    window = 8
+    folder = write_tiny_model(tmp_path, "mistral")
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(raw | {"sliding_window": window}))
+    config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    assert config.max_position_embeddings == window
+    loaded = types.SimpleNamespace(
+        config=config, weights=load_file(str(folder / "model.safetensors")), dtype=torch.float32
+    )
+    prompt = _prompts(config.vocab_size)[-1][: window + 1]
+    with torch.inference_mode():
+        want = _hf_model(folder)(torch.tensor([prompt])).logits[0]
+    # The runner's RoPE table ends at the capped context; this one extra position is only
+    # here to show what the cap prevents.
+    uncapped = types.SimpleNamespace(
+        config=dataclasses.replace(config, max_position_embeddings=window + 1),
+        weights=loaded.weights,
+        dtype=torch.float32,
+    )
+    (got,) = _prefill_logits(_runner(uncapped, 4, "torch"), [prompt], None)
+    torch.testing.assert_close(got[:window], want[:window], atol=LOGIT_ATOL_FP32, rtol=0)
+    assert (got[window] - want[window]).abs().max() > 100 * LOGIT_ATOL_FP32
+
+
+# Triton in the CPU interpreter costs ~0.4 s per step of the tiny model, so its check runs
+# a few tokens on the prompts of 1 to 9 tokens (one token, one block, two blocks, one past),
+# in 3-token chunks that straddle the 4-token blocks.
+TRITON_NEW_TOKENS = 3
+TRITON_PROMPTS = 4  # the first four of _prompts(): lengths 1, 4, 8, 9
+
+
+@pytest.mark.kernels
+def test_triton_backend_greedy_tokens_and_logprobs_match_transformers(tiny) -> None:
+    """The kernels issue's model-level check: this file's parity test with ``TritonOps``."""
+    loaded, prompts, expected, _ = tiny
+    prompts, expected = prompts[:TRITON_PROMPTS], expected[:TRITON_PROMPTS]
+    assert [len(p) for p in prompts] == [1, 4, 8, 9]
+    runs = run_greedy(_runner(loaded, 4, "triton"), prompts, TRITON_NEW_TOKENS, chunk_size=3, block_size=4)
+    for run, (want_tokens, want_logprobs) in zip(runs, expected, strict=True):
+        assert [s.token_id for s in run] == want_tokens[:TRITON_NEW_TOKENS]
+        got = torch.tensor([s.logprob for s in run], dtype=torch.float64)
+        want = torch.tensor(want_logprobs[:TRITON_NEW_TOKENS], dtype=torch.float64)
+        torch.testing.assert_close(got, want, atol=LOGPROB_ATOL, rtol=0)
 
 
 @pytest.mark.slow

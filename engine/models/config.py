@@ -30,7 +30,7 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict[str, Any] | None
-    max_position_embeddings: int
+    max_position_embeddings: int  # capped at sliding_window, which attention does not apply
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
@@ -55,6 +55,13 @@ class ModelConfig:
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+            max_positions = int(raw.get("max_position_embeddings", 2048))
+            if window and int(window) < max_positions:
+                # The decoder attends to the whole context: it equals a sliding-window
+                # model (Mistral 7B v0.1: window 4096, 32k positions) only while the
+                # context fits the window. Cap the context there, so a longer prompt is
+                # refused (PromptTooLongError) instead of silently decoded wrong.
+                max_positions = int(window)
             rope_scaling = raw.get("rope_scaling") or None
             rope_theta = raw.get("rope_theta")
             if rope_theta is None and isinstance(raw.get("rope_parameters"), dict):
@@ -75,7 +82,7 @@ class ModelConfig:
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
                 rope_scaling=rope_scaling,
-                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                max_position_embeddings=max_positions,
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 attention_bias=bool(raw.get("attention_bias", arch == "qwen2")),
                 qk_norm=arch == "qwen3",
