@@ -20,7 +20,7 @@ from engine_helpers import (
 
 import engine
 from engine.actors.router import OutputMailbox
-from engine.errors import EngineDeadError, QueueFullError
+from engine.errors import EngineDeadError, InvalidParamError, QueueFullError
 from engine.messages import RequestOutput, TokenLogprob
 from engine.runner.model_runner import ModelRunner
 
@@ -212,6 +212,20 @@ async def test_a_full_queue_rejects_new_requests(model: Path) -> None:
             with pytest.raises(QueueFullError):
                 await eng.submit([5, 6, 7], greedy(2))
         await wait_idle(eng)
+
+
+async def test_a_logit_bias_outside_the_vocabulary_is_rejected_and_the_engine_lives(
+    model: Path,
+) -> None:
+    # It used to pass admission and fail the sampler's step, killing the engine.
+    async with engine.open_engine(str(model), **OPTIONS) as eng:
+        vocab = eng.tokenizer.vocab_size  # the tiny model's config and tokenizer agree
+        with pytest.raises(InvalidParamError, match="logit_bias") as info:
+            await eng.submit([5, 6, 7], greedy(2, logit_bias={vocab: 1.0}))
+        assert info.value.param == "logit_bias"
+        assert not eng.dead
+        await _still_serves(eng)
+        await collect(eng, [5, 6, 7], greedy(2, logit_bias={vocab - 1: 1.0}))
 
 
 def test_a_mailbox_merges_unread_outputs_per_sample() -> None:

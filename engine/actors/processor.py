@@ -121,6 +121,14 @@ class Processor:
                 f"prompt token id {bad} is outside the vocabulary [0, {limits.vocab_size})",
                 param="prompt",
             )
+        # Checked here, per request: the sampler's own check would fail the whole step and
+        # with it the engine.
+        bad = next((t for t, _ in submit.params.logit_bias if t >= limits.vocab_size), None)
+        if bad is not None:
+            raise InvalidParamError(
+                f"logit_bias token id {bad} is outside the vocabulary [0, {limits.vocab_size})",
+                param="logit_bias",
+            )
         max_tokens = submit.params.max_tokens
         room = limits.max_model_len - len(ids)
         if room < 1 or (max_tokens is not None and max_tokens > room):
