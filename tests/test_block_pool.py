@@ -181,25 +181,36 @@ class PoolMachine(RuleBasedStateMachine):
         self.salts: dict[str, str | None] = {}
         self.computed: dict[str, int] = {}
         self.committed: dict[str, int] = {}
-        # What each block's KV holds: the whole token prefix through its last slot, once full.
-        self.content: dict[int, tuple[int, ...] | None] = {}
+        # What each block's KV holds, once full: the salt and the whole token prefix through
+        # its last slot. Committed blocks stay cached until allocation hands them out again.
+        self.content: dict[int, tuple[str | None, tuple[int, ...]] | None] = {}
+        self.cached: set[int] = set()
         self.next_id = 0
 
     def _write(self, rid: str, start: int, end: int) -> None:
-        table, tokens = self.tables[rid], self.tokens[rid]
+        table, tokens, salt = self.tables[rid], self.tokens[rid], self.salts[rid]
         for i in range(start // BS, -(-end // BS)):
             full = (i + 1) * BS <= end
-            self.content[table[i]] = tokens[: (i + 1) * BS] if full else None
+            self.content[table[i]] = (salt, tokens[: (i + 1) * BS]) if full else None
 
-    def _check_hit(self, query: tuple[int, ...], blocks: tuple[int, ...]) -> None:
+    def _check_hit(self, query: tuple[int, ...], salt: str | None, blocks: tuple[int, ...]) -> None:
         for i, block in enumerate(blocks):
-            assert self.content.get(block) == query[: (i + 1) * BS], "a hit returned a block whose tokens differ"
+            assert self.content.get(block) == (salt, query[: (i + 1) * BS]), "a hit returned a block whose tokens differ"
+
+    def _expected_hit_length(self, query: tuple[int, ...], salt: str | None, max_blocks: int) -> int:
+        """How many leading blocks of ``query`` some cached block holds: a hit must find them all."""
+        cached = {self.content.get(b) for b in self.cached}
+        k = 0
+        while k < max_blocks and (salt, query[: (k + 1) * BS]) in cached:
+            k += 1
+        return k
 
     @rule(tokens=_TOKENS, budget=st.integers(1, 9), salt=st.sampled_from([None, "s"]))
     def admit(self, tokens: tuple[int, ...], budget: int, salt: str | None) -> None:
         rid = f"r{self.next_id}"
         self.next_id += 1
         free_before = self.pool.free_block_ids()
+        expected = self._expected_hit_length(tokens, salt, (len(tokens) - 1) // BS)
         reply = self.pool.handle(AllocateSlots(rid, 0, len(tokens), budget, tokens, salt))
         if isinstance(reply, AllocationRefused):
             assert self.pool.free_block_ids() == free_before and self.pool.block_table(rid) == ()
@@ -208,7 +219,9 @@ class PoolMachine(RuleBasedStateMachine):
         assert cached % BS == 0 and cached < len(tokens)
         assert reply.num_new_tokens == min(budget, len(tokens) - cached)
         hit = reply.block_ids[: cached // BS]
-        self._check_hit(tokens, hit)
+        assert len(hit) == expected, "a cached prefix was missed"
+        self._check_hit(tokens, salt, hit)
+        self.cached -= set(reply.block_ids[len(hit) :])  # handed out fresh: evicted if cached
         self.tables[rid] = list(reply.block_ids)
         self.tokens[rid], self.salts[rid] = tokens, salt
         self.committed[rid] = cached // BS
@@ -226,6 +239,7 @@ class PoolMachine(RuleBasedStateMachine):
         if isinstance(reply, AllocationRefused):
             return
         assert reply.num_new_tokens == min(budget, len(self.tokens[rid]) - start)
+        self.cached -= set(reply.block_ids)
         self.tables[rid].extend(reply.block_ids)
         self.computed[rid] = start + reply.num_new_tokens
         assert len(self.tables[rid]) == -(-self.computed[rid] // BS)
@@ -241,11 +255,12 @@ class PoolMachine(RuleBasedStateMachine):
         tokens = self.tokens[rid]
         reply = self.pool.handle(CacheBlocks(rid, tokens[self.committed[rid] * BS : full * BS]))
         assert reply == BlocksCached(rid, full)
+        self.cached |= set(self.tables[rid][self.committed[rid] : full])
         self.committed[rid] = full
         # Right after a commit, the whole committed prefix is found again.
         hit = self.pool.lookup(tokens[: full * BS], self.salts[rid])
         assert len(hit) == full
-        self._check_hit(tokens, hit)
+        self._check_hit(tokens, self.salts[rid], hit)
 
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
@@ -257,7 +272,9 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(query=_TOKENS, salt=st.sampled_from([None, "s"]))
     def lookup(self, query: tuple[int, ...], salt: str | None) -> None:
-        self._check_hit(query, self.pool.lookup(query, salt))
+        hit = self.pool.lookup(query, salt)
+        assert len(hit) == self._expected_hit_length(query, salt, len(query) // BS)
+        self._check_hit(query, salt, hit)
 
     @invariant()
     def bookkeeping_matches(self) -> None:
