@@ -394,6 +394,34 @@ def test_seeded_rows_draw_the_same_token_in_any_batch() -> None:
     assert not torch.equal(reseeded, full)
 
 
+# --- empty batch ------------------------------------------------------------------------
+
+
+def test_every_op_accepts_an_empty_batch() -> None:
+    """A step can leave a kernel with no rows (no decode rows, no sampled rows): each op
+    returns an empty result of the right shape instead of launching an empty grid."""
+    ops = TritonOps()
+    kc = _rand(4, 4, 2, 16, seed=50)
+    vc = kc.clone()
+    q = _rand(0, 4, 16, seed=51)
+    none32 = torch.zeros(0, dtype=torch.int32, device=DEVICE)
+    none64 = torch.zeros(0, dtype=torch.int64, device=DEVICE)
+    tables = torch.zeros(0, 1, dtype=torch.int32, device=DEVICE)
+    assert ops.paged_attention_decode(q, kc, vc, tables, none32, 0.25, ()).shape == (0, 4, 16)
+    meta = AttentionMetadata(none64, torch.zeros(1, dtype=torch.int32, device=DEVICE), none32, tables, 0, 0, (), ())
+    assert ops.paged_attention_prefill(q, kc, vc, meta, 0.25).shape == (0, 4, 16)
+    before = kc.clone()
+    ops.write_kv_cache(_rand(0, 2, 16, seed=52), _rand(0, 2, 16, seed=53), kc, vc, none64)
+    assert torch.equal(kc, before)
+    empty = torch.zeros(0, device=DEVICE)
+    tokens, logprobs = ops.sample(_rand(0, 10, seed=54), empty, none32, empty + 1, empty, none64)
+    assert tokens.shape == logprobs.shape == (0,)
+    assert ops.rms_norm(_rand(0, 8, seed=55), _rand(8, seed=56), 1e-5).shape == (0, 8)
+    assert ops.silu_and_mul(_rand(0, 8, seed=57)).shape == (0, 4)
+    rq, rk = ops.rotary_embedding(none64, q, _rand(0, 2, 16, seed=58), _rand(8, 16, seed=59))
+    assert rq.shape == (0, 4, 16) and rk.shape == (0, 2, 16)
+
+
 # --- model level ------------------------------------------------------------------------
 # The model-level check (greedy tokens and logprobs of every tiny architecture on TritonOps
 # against transformers) lives beside the other parity tests, in tests/test_parity.py.
