@@ -142,13 +142,20 @@ def parse_chat(body: Any) -> CompletionRequest:
     _log_unknown(body, CHAT_FIELDS)
     messages = _chat_messages(body.get("messages"))
     top = _opt_int(body, "top_logprobs")
+    if top is not None and not 0 <= top <= 20:
+        # Checked here so the error names the chat field, not SamplingParams.logprobs.
+        raise APIError(400, f"top_logprobs must be in [0, 20], got {top}",
+                       param="top_logprobs", code="invalid_value")
     logprobs = top if top is not None else 0
     if not _opt_bool(body, "logprobs", False):
         if top is not None:
             raise APIError(400, "top_logprobs requires logprobs to be true",
                            param="top_logprobs", code="invalid_value")
         logprobs = None
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    # OpenAI's newer name wins; a null one (clients that serialise every field) falls back.
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
     params = _sampling_params(body, None, logprobs, max_tokens=max_tokens)
     stream, include_usage = _stream_flags(body)
     return CompletionRequest(
