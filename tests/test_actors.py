@@ -108,17 +108,23 @@ async def test_cancelling_submit_itself_leaves_nothing_behind(model: Path) -> No
 
 
 async def test_leaving_a_generate_loop_early_aborts_the_request(model: Path) -> None:
+    # 300 tokens each would take 7 prefill steps and 299 decode steps to run out; an
+    # aborted request stops a few steps after its first output.
+    natural_steps = 7 + 299
     async with engine.open_engine(str(model), **OPTIONS) as eng:
-        async with eng.generate(LONG_PROMPT, greedy(40)) as outputs:
+        async with eng.generate(LONG_PROMPT, greedy(300)) as outputs:
             async for _ in outputs:
                 break
-        async for _ in eng.generate(LONG_PROMPT, greedy(40)):
+        async for _ in eng.generate(LONG_PROMPT, greedy(300)):
             break  # no `async with`: the dropped iterator aborts when collected
         stats = await wait_idle(eng)
         assert stats.requests_finished == 2
-        stream = await eng.submit(LONG_PROMPT, greedy(40))
+        assert stats.steps < natural_steps // 2
+        stream = await eng.submit(LONG_PROMPT, greedy(300))
         await stream.aclose()
-        await wait_idle(eng)
+        stats = await wait_idle(eng)
+        assert stats.requests_finished == 3
+        assert stats.steps < natural_steps // 2
 
 
 async def test_abort_from_outside_ends_the_stream_with_abort(model: Path) -> None:
