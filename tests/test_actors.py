@@ -31,6 +31,11 @@ OPTIONS: dict[str, Any] = dict(
     kv_cache_memory=4 * 1024 * 1024,
 )
 LONG_PROMPT = random_prompts(1, vocab=300, lo=100, hi=100, seed=7)[0]
+# A request that is cancelled or left asks for 300 tokens: running to its end would take 7
+# prefill and 299 decode steps, so a step count far below that shows it was aborted (its
+# blocks would be free at the end either way).
+LEFT_MAX_TOKENS = 300
+NATURAL_STEPS = 7 + 299
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +48,7 @@ async def _still_serves(eng: Any) -> None:
     assert len(token_ids(outputs)) == 3
 
 
-async def _cancel_when(eng: Any, ready: Any, *, max_tokens: int = 40, after_outputs: int = 0) -> bool:
+async def _cancel_when(eng: Any, ready: Any, *, after_outputs: int = 0) -> bool:
     """Run one request in a cancel scope; cancel it once ``ready()`` holds and it gave
     ``after_outputs`` outputs. Returns whether the Cancelled reached the scope."""
     seen = 0
@@ -55,7 +60,7 @@ async def _cancel_when(eng: Any, ready: Any, *, max_tokens: int = 40, after_outp
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(cancel_when_ready)
-            stream = await eng.submit(LONG_PROMPT, greedy(max_tokens))
+            stream = await eng.submit(LONG_PROMPT, greedy(LEFT_MAX_TOKENS))
             async with stream:
                 async for _ in stream:
                     seen += 1
@@ -83,6 +88,7 @@ async def test_cancelling_the_consumer_frees_the_request_blocks(model: Path, poi
             assert await _cancel_when(eng, lambda: True, after_outputs=5)
         after = await wait_idle(eng)
         assert after.kv_blocks_free == after.kv_blocks_total
+        assert after.steps < NATURAL_STEPS // 2
         await _still_serves(eng)
 
 
@@ -98,33 +104,31 @@ async def test_cancelling_submit_itself_leaves_nothing_behind(model: Path) -> No
 
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(cancel_soon)
-                    stream = await eng.submit(LONG_PROMPT, greedy(40))
+                    stream = await eng.submit(LONG_PROMPT, greedy(LEFT_MAX_TOKENS))
                     async with stream:
                         async for _ in stream:
                             pass
             assert scope.cancelled_caught
-        await wait_idle(eng)
+        stats = await wait_idle(eng)
+        assert stats.steps < NATURAL_STEPS // 2
         await _still_serves(eng)
 
 
 async def test_leaving_a_generate_loop_early_aborts_the_request(model: Path) -> None:
-    # 300 tokens each would take 7 prefill steps and 299 decode steps to run out; an
-    # aborted request stops a few steps after its first output.
-    natural_steps = 7 + 299
     async with engine.open_engine(str(model), **OPTIONS) as eng:
-        async with eng.generate(LONG_PROMPT, greedy(300)) as outputs:
+        async with eng.generate(LONG_PROMPT, greedy(LEFT_MAX_TOKENS)) as outputs:
             async for _ in outputs:
                 break
-        async for _ in eng.generate(LONG_PROMPT, greedy(300)):
+        async for _ in eng.generate(LONG_PROMPT, greedy(LEFT_MAX_TOKENS)):
             break  # no `async with`: the dropped iterator aborts when collected
         stats = await wait_idle(eng)
         assert stats.requests_finished == 2
-        assert stats.steps < natural_steps // 2
-        stream = await eng.submit(LONG_PROMPT, greedy(300))
+        assert stats.steps < NATURAL_STEPS // 2
+        stream = await eng.submit(LONG_PROMPT, greedy(LEFT_MAX_TOKENS))
         await stream.aclose()
         stats = await wait_idle(eng)
         assert stats.requests_finished == 3
-        assert stats.steps < natural_steps // 2
+        assert stats.steps < NATURAL_STEPS // 2
 
 
 async def test_abort_from_outside_ends_the_stream_with_abort(model: Path) -> None:
