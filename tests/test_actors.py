@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import trio
 from engine_helpers import (
+    WAIT_LIMIT_SECONDS,
     collect,
     greedy,
     random_prompts,
@@ -165,8 +166,8 @@ async def test_a_crashed_actor_fails_every_request_with_engine_dead_error(
 
     async def consume(eng: Any, prompt: list[int]) -> None:
         # Shielded so that the first failure does not cancel the others: each request
-        # must end with its own EngineDeadError, not hang.
-        with trio.CancelScope(shield=True):
+        # must end with its own EngineDeadError, not hang (a hang fails as TooSlowError).
+        with trio.CancelScope(shield=True), trio.fail_after(WAIT_LIMIT_SECONDS):
             await collect(eng, prompt, greedy(40))
 
     dead = pytest.RaisesExc(EngineDeadError, check=caused_by_the_crash)
@@ -200,9 +201,10 @@ async def test_a_consumer_that_stops_reading_does_not_stall_others(model: Path) 
         async with stalled:
             # Nobody reads `stalled` while three other requests run to the end.
             others = [random_prompts(1, vocab=300, lo=10, hi=30, seed=s)[0] for s in (1, 2, 3)]
-            async with trio.open_nursery() as nursery:
-                for prompt in others:
-                    nursery.start_soon(collect, eng, prompt, greedy(30))
+            with trio.fail_after(WAIT_LIMIT_SECONDS):  # stalled: TooSlowError, not a hang
+                async with trio.open_nursery() as nursery:
+                    for prompt in others:
+                        nursery.start_soon(collect, eng, prompt, greedy(30))
             await wait_until(lambda: eng.statistics().running == 0)
             outputs = [out async for out in stalled]
         stats = await wait_idle(eng)
