@@ -95,13 +95,17 @@ async def test_a_shared_prefix_is_computed_once_and_gives_the_same_tokens(model:
     async with engine.open_engine(str(model), **ENGINE_OPTIONS, enable_prefix_caching=False) as eng:
         expected = token_ids(await collect(eng, second, greedy(12)))
     async with engine.open_engine(str(model), **ENGINE_OPTIONS) as eng:
+        scheduler = eng._handles.actors["scheduler"]
         await collect(eng, first, greedy(12))
-        before = eng.statistics()
+        before, computed_before = eng.statistics(), scheduler.statistics().scheduled_tokens
         got = token_ids(await collect(eng, second, greedy(12)))
         after = await wait_idle(eng)
+        computed = scheduler.statistics().scheduled_tokens - computed_before
     assert got == expected
     assert after.prefix_cache_hits - before.prefix_cache_hits == 64
     assert after.prefix_cache_queries - before.prefix_cache_queries == len(second)
+    # Only the 2 new prompt tokens, then one per output but the last (never fed back).
+    assert computed == 2 + 11
 
 
 async def test_bad_requests_raise_typed_errors_and_the_engine_keeps_serving(model: Path) -> None:

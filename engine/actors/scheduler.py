@@ -46,6 +46,7 @@ class SchedulerActorStatistics:
     planned_ahead: int  # of those, planned while the previous step was still running
     requests_finished: int  # cumulative, aborts included
     steps_in_flight: int
+    scheduled_tokens: int  # cumulative: tokens computed, prefix-cache hits excluded
 
 
 class SchedulerActor:
@@ -90,6 +91,7 @@ class SchedulerActor:
             planned_ahead=self._planned_ahead,
             requests_finished=core.finished,
             steps_in_flight=len(self._in_flight),
+            scheduled_tokens=core.scheduled_tokens,
         )
 
     def queue_depth(self) -> int:
