@@ -87,3 +87,17 @@ def test_smollm2_generate_matches_transformers_greedy_fp32() -> None:
     assert result.returncode == 0, result.stderr
     expected = _transformers_greedy(gguf.parent, prompt, 32, gguf_file=gguf.name)
     assert result.stdout == expected + "\n"
+
+
+def test_kv_cache_memory_is_bytes_with_units_or_a_fraction_of_free_memory() -> None:
+    from engine.__main__ import build_parser, engine_options
+    from engine.config import parse_memory
+
+    assert parse_memory("0.5") == 0.5 and isinstance(parse_memory("1.0"), float)
+    assert parse_memory("1073741824") == 2**30 and isinstance(parse_memory("1"), int)
+    assert parse_memory("512MiB") == 512 * 2**20
+    assert parse_memory("2GB") == 2 * 10**9
+    assert parse_memory("1.5GiB") == 3 * 2**29
+    argv = ["generate", "--prompt", "Hi", "--kv-cache-memory", "0.25", "--max-num-seqs", "4"]
+    options = engine_options(build_parser(argv).parse_args(argv))
+    assert (options["kv_cache_memory"], options["max_num_seqs"]) == (0.25, 4)
