@@ -3,6 +3,7 @@ cleanly, and a slow consumer stalls nobody. Tiny float32 model, real actors."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +21,10 @@ from engine_helpers import (
 )
 
 import engine
+from engine.actors.executor import Executor
 from engine.actors.router import OutputMailbox
 from engine.errors import EngineDeadError, InvalidParamError, QueueFullError
-from engine.messages import RequestOutput, TokenLogprob
+from engine.messages import RequestOutput, StepPlan, StepResult, TokenLogprob
 from engine.runner.model_runner import ModelRunner
 
 # 16-token step budget: a 100-token prompt is prefilled over 7 steps, so there is a
@@ -250,3 +252,39 @@ def test_a_mailbox_merges_unread_outputs_per_sample() -> None:
     merged = box._pending[0]
     assert (merged.text, merged.token_ids, merged.finished) == ("ab", (1, 2), True)
     assert merged.logprobs == (lp, lp) and merged.usage == engine.Usage(3, 2)
+
+
+async def test_a_cancelled_executor_waits_for_the_step_its_thread_is_running() -> None:
+    started, release = threading.Event(), threading.Event()
+    finished: list[int] = []
+
+    class SlowRunner:
+        def execute(self, plan: StepPlan) -> StepResult:
+            started.set()
+            release.wait(WAIT_LIMIT_SECONDS)
+            finished.append(plan.step_id)  # stands for the KV-cache writes of the step
+            return StepResult(plan.step_id, (), 0.0)
+
+    plan_send, plan_recv = trio.open_memory_channel[StepPlan](0)
+    result_send, _result_recv = trio.open_memory_channel[StepResult](1)
+    executor = Executor(SlowRunner(), plan_recv, result_send)
+    scope = trio.CancelScope()
+    stopped = trio.Event()
+
+    async def run_executor() -> None:
+        with scope:
+            await executor.run()
+        stopped.set()
+
+    async with trio.open_nursery() as nursery, plan_send:
+        nursery.start_soon(run_executor)
+        await plan_send.send(StepPlan(0, (), (), ()))
+        await wait_until(started.is_set)
+        scope.cancel()
+        # Real time, not a checkpoint: an abandoned thread would let the actor stop now.
+        await trio.sleep(0.05)
+        assert not stopped.is_set() and finished == []
+        release.set()
+        with trio.fail_after(WAIT_LIMIT_SECONDS):
+            await stopped.wait()
+    assert finished == [0]
