@@ -111,6 +111,7 @@ class FakeEngine:
         self._scopes: dict[str, trio.CancelScope] = {}
         self._running = 0
         self._waiting = 0
+        self._steps = 0  # generation steps of all requests: shows whether one was cut short
         self._ids = itertools.count()
         # The text every request generates, as token ids.
         self._cycle = tokenizer.encode("The quick brown fox jumps over the lazy dog. ",
@@ -119,7 +120,8 @@ class FakeEngine:
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(running=self._running, waiting=self._waiting,
                                 kv_blocks_total=self._kv_total,
-                                kv_blocks_free=self._kv_total - sum(self._held.values()))
+                                kv_blocks_free=self._kv_total - sum(self._held.values()),
+                                steps=self._steps)
 
     def abort(self, request_id: str) -> None:
         scope = self._scopes.get(request_id)
@@ -193,6 +195,7 @@ class FakeEngine:
         for step in range(max_tokens):
             self._held[rid] = math.ceil((len(ids) + step + 1) / self.config.block_size)
             await trio.sleep(self._step_delay)
+            self._steps += 1
             for index in sorted(live):
                 token = self._cycle[(step + index) % len(self._cycle)]
                 text = self.tokenizer.decode([token])

@@ -163,9 +163,15 @@ def _raw_post(server, body: dict) -> socket.socket:
     return sock
 
 
+def _engine_steps(server) -> int:
+    return server.call(lambda: server.engine.statistics().steps)
+
+
 @pytest.mark.parametrize("stream", [True, False], ids=["mid-stream", "mid-wait"])
 async def test_disconnect_aborts_and_frees_kv_blocks(server, stream):
-    sock = _raw_post(server, {"model": "tiny", "prompt": "hi", "max_tokens": 200,
+    max_tokens = 200
+    steps_before = await trio.to_thread.run_sync(_engine_steps, server)
+    sock = _raw_post(server, {"model": "tiny", "prompt": "hi", "max_tokens": max_tokens,
                               "stream": stream})
     # Wait until the request is running and holds blocks.
     with trio.fail_after(10):
@@ -175,6 +181,9 @@ async def test_disconnect_aborts_and_frees_kv_blocks(server, stream):
         assert sock.recv(4096).startswith(b"HTTP/1.1 200")
     sock.close()
     await _wait_idle(server)
+    # Idle alone proves nothing (the request ends by itself in 2 s): it was cut short.
+    steps = await trio.to_thread.run_sync(_engine_steps, server) - steps_before
+    assert steps < max_tokens
 
 
 async def test_engine_death_is_503_and_ends_streams_with_an_error_chunk(tokenizer):

@@ -159,6 +159,68 @@ def test_sse_framing_byte_for_byte(server):
     assert payloads[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def _single_token(server, text):
+    (token,) = httpx.post(server.base_url + "/tokenize",
+                          json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    return token
+
+
+def test_echo_puts_the_prompt_before_the_completion(server, client):
+    plain = client.completions.create(model=MODEL, prompt="The quick brown", **GREEDY)
+    echoed = client.completions.create(model=MODEL, prompt="The quick brown", echo=True,
+                                       **GREEDY)
+    assert echoed.choices[0].text == "The quick brown" + plain.choices[0].text
+    chunks = list(client.completions.create(model=MODEL, prompt="The quick brown", echo=True,
+                                            stream=True, **GREEDY))
+    assert chunks[0].choices[0].text == "The quick brown"
+    assert "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
+    ids = httpx.post(server.base_url + "/tokenize", json={"prompt": "The quick brown"}).json()
+    by_ids = client.completions.create(model=MODEL, prompt=ids["tokens"], echo=True, **GREEDY)
+    prompt_text = httpx.post(server.base_url + "/detokenize", json=ids).json()["prompt"]
+    assert by_ids.choices[0].text == prompt_text + plain.choices[0].text
+
+
+def test_logit_bias_stop_token_ids_and_min_tokens_are_honoured(server, client):
+    token = _single_token(server, ".")
+    base = {"model": MODEL, "prompt": "Hello", "temperature": 0, "max_tokens": 6}
+    plain = client.completions.create(**base).choices[0].text
+    # The tiny model's greedy answer to "Hello" is all dots; a bias of -100 forbids them.
+    assert plain == "." * 6
+    assert "." not in client.completions.create(**base, logit_bias={str(token): -100}
+                                                ).choices[0].text
+    forced = {**base, "prompt": "The quick", "logit_bias": {str(token): 100}}
+    assert "." not in client.completions.create(**{**forced, "logit_bias": None}
+                                                ).choices[0].text
+    assert client.completions.create(**forced).choices[0].text == "." * 6
+    stopped = client.completions.create(**forced, extra_body={"stop_token_ids": [token]})
+    choice = stopped.choices[0]
+    assert (choice.finish_reason, choice.model_extra["stop_reason"]) == ("stop", token)
+    assert stopped.usage.completion_tokens == 1
+    # min_tokens holds the stop token off for three tokens; the fourth is forced to it.
+    held = client.completions.create(**forced, extra_body={"stop_token_ids": [token],
+                                                           "min_tokens": 3})
+    assert held.choices[0].finish_reason == "stop"
+    assert held.usage.completion_tokens == 4
+
+
+def test_max_completion_tokens_user_and_unknown_fields(client):
+    answer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=3,
+        temperature=0, user="alice", extra_body={"ignore_eos": True, "not_a_field": {"x": 1}})
+    assert answer.usage.completion_tokens == 3
+    assert answer.choices[0].finish_reason == "length"
+
+
+def test_a_seed_makes_sampling_repeatable(client):
+    def sample(seed):
+        return client.completions.create(model=MODEL, prompt="Hello", max_tokens=8,
+                                         temperature=1.0, seed=seed,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+
+    assert sample(7) == sample(7)
+    assert len({sample(seed) for seed in range(4)}) > 1
+
+
 def test_models_version_tokenize_detokenize(server):
     models = httpx.get(server.base_url + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
@@ -213,12 +275,18 @@ async def _wait_idle(server):
             await trio.sleep(0.02)
 
 
+def _engine_steps(server) -> int:
+    return server.call(lambda: server.engine.statistics().steps)
+
+
 @pytest.mark.parametrize("stream", [True, False], ids=["mid-stream", "mid-wait"])
 async def test_disconnect_aborts_and_frees_kv_blocks(server, stream):
     host, port = server.base_url.removeprefix("http://").split(":")
     # Long enough (ignore_eos, up to the context) to still be running when we hang up.
-    payload = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 240,
+    max_tokens = 240
+    payload = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": max_tokens,
                           "ignore_eos": True, "stream": stream}).encode()
+    steps_before = await trio.to_thread.run_sync(_engine_steps, server)
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                      b"application/json\r\n" + f"Content-Length: {len(payload)}\r\n\r\n".encode()
@@ -232,6 +300,10 @@ async def test_disconnect_aborts_and_frees_kv_blocks(server, stream):
             assert sock.recv(4096).startswith(b"HTTP/1.1 200")
     await _wait_idle(server)
     assert await trio.to_thread.run_sync(server.metric, "engine:num_requests_waiting") == 0
+    # Going idle alone proves nothing (the request ends by itself within a second); it
+    # must have been cut short: run to the end it takes one step per output token.
+    steps = await trio.to_thread.run_sync(_engine_steps, server) - steps_before
+    assert steps < max_tokens
 
 
 def test_metrics_exports_every_documented_name(server, client):
@@ -242,6 +314,25 @@ def test_metrics_exports_every_documented_name(server, client):
     for name in METRIC_NAMES:
         assert f"\n{name}" in text, name
     assert 'engine:request_success_total{finished_reason="length"' in text
+
+
+def test_a_bad_request_is_a_400_and_the_engine_goes_on(server, client):
+    # A logit_bias id past the vocabulary used to reach the sampler and kill the engine.
+    vocab = server.engine.tokenizer.vocab_size
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2,
+                                  logit_bias={str(vocab): 1})
+    assert info.value.body["param"] == "logit_bias"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=[vocab], max_tokens=2)
+    assert info.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="Hi " * 300)
+    assert info.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-17", prompt="Hi")
+    assert httpx.get(server.base_url + "/health").status_code == 200
+    assert client.completions.create(model=MODEL, prompt="Hi", **GREEDY).usage.completion_tokens == 12
 
 
 async def test_actor_crash_makes_health_503_and_ends_streams(model_folder, monkeypatch):
