@@ -127,6 +127,14 @@ async def test_bad_requests_raise_typed_errors_and_the_engine_keeps_serving(mode
         assert empty.value.param == "prompt"
         with pytest.raises(InvalidParamError):
             await eng.submit(object(), greedy(4))  # type: ignore[arg-type]
+        # A lone surrogate (what JSON's "\ud800" decodes to) is the request's error; the
+        # tokenizer's TypeError used to crash the processor and kill the engine.
+        with pytest.raises(InvalidParamError) as surrogate:
+            await eng.submit("a\ud800b", greedy(4))
+        assert surrogate.value.param == "prompt"
+        with pytest.raises(InvalidParamError) as chat_surrogate:
+            await eng.submit([{"role": "user", "content": "x\udfff"}], greedy(4))
+        assert chat_surrogate.value.param == "messages"
         outputs = await collect(eng, [3, 4, 5], greedy(4))
         stats = await wait_idle(eng)
     assert len(token_ids(outputs)) == 4

@@ -143,10 +143,12 @@ class Processor:
     def _tokenize(self, submit: SubmitRequest) -> tuple[int, ...]:
         prompt = submit.prompt
         if isinstance(prompt, TextPrompt):
-            return tuple(self._tokenizer.encode(prompt.text, add_special_tokens=True))
+            text = _unicode(prompt.text, "prompt")
+            return tuple(self._tokenizer.encode(text, add_special_tokens=True))
         if isinstance(prompt, ChatPrompt):
             messages = json.loads(prompt.messages_json)
             text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = _unicode(text, "messages")
             return tuple(self._tokenizer.encode(text, add_special_tokens=False))
         return tuple(prompt.token_ids)
 
@@ -176,6 +178,19 @@ class Processor:
                 )
             )
         await self._to_router.send(RequestAdmitted(submit.request_id, admission.prompt_token_ids))
+
+
+def _unicode(text: str, param: str) -> str:
+    """``text`` if it is valid Unicode. A lone surrogate (JSON's ``"\\ud800"`` decodes to
+    one) makes the tokenizer raise TypeError, which would crash this actor and with it the
+    engine: it is this request's error."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidParamError(
+            f"{param} is not valid Unicode: {exc.reason} at character {exc.start}", param=param
+        ) from None
+    return text
 
 
 def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
