@@ -166,6 +166,26 @@ async def test_a_stop_string_ends_the_text_before_it_and_frees_the_blocks(model:
     assert stats.kv_blocks_free == stats.kv_blocks_total
 
 
+async def test_a_stop_token_ends_the_request_and_its_text_is_left_out(model: Path) -> None:
+    prompt = "The quick brown fox"
+    async with engine.open_engine(str(model), **ENGINE_OPTIONS) as eng:
+        full = await collect(eng, prompt, greedy(24))
+        ids = token_ids(full)
+        stop_id = ids[len(ids) // 2]
+        first = ids.index(stop_id)
+        outputs = await collect(eng, prompt, greedy(24, stop_token_ids=[stop_id]))
+        kept = await collect(eng, prompt, greedy(24, stop_token_ids=[stop_id],
+                                                 include_stop_str_in_output=True))
+        before = text(await collect(eng, prompt, greedy(first))) if first else ""
+        through = text(await collect(eng, prompt, greedy(first + 1)))
+    assert (outputs[-1].finish_reason, outputs[-1].stop_reason) == ("stop", stop_id)
+    # The id is an output (usage counts it); its text is not, as in vLLM, unless asked for.
+    assert token_ids(outputs) == ids[: first + 1]
+    assert outputs[-1].usage.completion_tokens == first + 1
+    assert text(outputs) == before
+    assert token_ids(kept) == ids[: first + 1] and text(kept) == through
+
+
 async def test_n_samples_share_the_prompt_blocks_and_draw_distinct_seeded_streams(model: Path) -> None:
     prompt = random_prompts(1, vocab=300, lo=48, hi=48, seed=4)[0]  # three full blocks
     params = SamplingParams(n=3, temperature=1.0, max_tokens=16, seed=1234, ignore_eos=True)

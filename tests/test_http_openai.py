@@ -196,6 +196,10 @@ def test_logit_bias_stop_token_ids_and_min_tokens_are_honoured(server, client):
     choice = stopped.choices[0]
     assert (choice.finish_reason, choice.model_extra["stop_reason"]) == ("stop", token)
     assert stopped.usage.completion_tokens == 1
+    assert choice.text == ""  # a stop token's text is left out, as in vLLM...
+    kept = client.completions.create(**forced, extra_body={"stop_token_ids": [token],
+                                                           "include_stop_str_in_output": True})
+    assert kept.choices[0].text == "."  # ...unless asked for
     # min_tokens holds the stop token off for three tokens; the fourth is forced to it.
     held = client.completions.create(**forced, extra_body={"stop_token_ids": [token],
                                                            "min_tokens": 3})

@@ -112,7 +112,12 @@ class Detokenizer:
         self, sample: _Sample, delta: TokenDelta
     ) -> tuple[RequestOutput, StopStringHit | None]:
         sample.completion_tokens += len(delta.token_ids)
-        update = sample.detokenizer.push(delta.token_ids)
+        ids = delta.token_ids
+        if delta.finish_reason == "stop" and ids and not sample.spec.params.include_stop_str_in_output:
+            # The scheduler stops on a token (EOS or one of stop_token_ids). As in vLLM, that
+            # token's text is left out like a stop string's, unless asked for; its id stays.
+            ids = ids[:-1]
+        update = sample.detokenizer.push(ids)
         text = update.text
         finish_reason = delta.finish_reason
         stop_reason: str | int | None = delta.stop_reason
