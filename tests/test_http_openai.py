@@ -8,6 +8,7 @@ non-streamed answers comparable token for token.
 from __future__ import annotations
 
 import json
+import re
 import socket
 
 import httpx
@@ -283,6 +284,13 @@ def _engine_steps(server) -> int:
     return server.call(lambda: server.engine.statistics().steps)
 
 
+def _aborted(server) -> float:
+    text = httpx.get(server.base_url + "/metrics").text
+    match = re.search(r'^engine:request_success_total\{finished_reason="abort"[^}]*\} (\S+)$',
+                      text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
 @pytest.mark.parametrize("stream", [True, False], ids=["mid-stream", "mid-wait"])
 async def test_disconnect_aborts_and_frees_kv_blocks(server, stream):
     host, port = server.base_url.removeprefix("http://").split(":")
@@ -291,6 +299,7 @@ async def test_disconnect_aborts_and_frees_kv_blocks(server, stream):
     payload = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": max_tokens,
                           "ignore_eos": True, "stream": stream}).encode()
     steps_before = await trio.to_thread.run_sync(_engine_steps, server)
+    aborted_before = await trio.to_thread.run_sync(_aborted, server)
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                      b"application/json\r\n" + f"Content-Length: {len(payload)}\r\n\r\n".encode()
@@ -308,6 +317,7 @@ async def test_disconnect_aborts_and_frees_kv_blocks(server, stream):
     # must have been cut short: run to the end it takes one step per output token.
     steps = await trio.to_thread.run_sync(_engine_steps, server) - steps_before
     assert steps < max_tokens
+    assert await trio.to_thread.run_sync(_aborted, server) == aborted_before + 1
 
 
 def test_metrics_exports_every_documented_name(server, client):

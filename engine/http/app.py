@@ -356,6 +356,12 @@ class _Run:
                     nursery.start_soon(self._pump, i, stream, on_output, nursery.cancel_scope)
         finally:
             self.abort()
+            if self.error is None:
+                # Cut short (the client went away): count the unfinished samples as vLLM
+                # does, under finished_reason="abort".
+                for choice in self.choices:
+                    if choice.finish_reason is None:
+                        self.timer.output(choice.index, 0, "abort")
         self.timer.done()
 
     # -- non-streamed -----------------------------------------------------------------
