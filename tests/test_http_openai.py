@@ -349,6 +349,41 @@ def test_a_bad_request_is_a_400_and_the_engine_goes_on(server, client):
     assert client.completions.create(model=MODEL, prompt="Hi", **GREEDY).usage.completion_tokens == 12
 
 
+async def test_each_error_class_maps_to_the_clients_exception(model_folder):
+    # The real engine this time (test_http_errors.py drives the same through a fake): one
+    # running slot and one waiting slot, which a request with n=2 fills.
+    key = "sk-real"
+    opener = lambda: _open_engine(model_folder, max_num_seqs=1, max_queued_requests=1)  # noqa: E731
+    with ServerThread(opener, api_key=key, max_request_bytes=4096) as srv:
+        with openai.OpenAI(base_url=srv.base_url + "/v1", api_key=key, max_retries=0) as c, \
+                openai.OpenAI(base_url=srv.base_url + "/v1", api_key="sk-wrong",
+                              max_retries=0) as wrong:
+
+            def call(client, **kwargs):
+                return client.completions.create(**{"model": MODEL, "prompt": "Hi",
+                                                    "max_tokens": 2, **kwargs})
+
+            with pytest.raises(openai.AuthenticationError):
+                await trio.to_thread.run_sync(call, wrong)
+            with pytest.raises(openai.BadRequestError) as info:
+                await trio.to_thread.run_sync(lambda: call(c, temperature=-1))
+            assert info.value.body["param"] == "temperature"
+            with pytest.raises(openai.NotFoundError):
+                await trio.to_thread.run_sync(lambda: call(c, model="gpt-17"))
+            with pytest.raises(openai.APIStatusError) as info:
+                await trio.to_thread.run_sync(lambda: call(c, extra_body={"x": "y" * 5000}))
+            assert info.value.status_code == 413
+            body = {"model": MODEL, "prompt": "Hi", "max_tokens": 240, "n": 2, "stream": True,
+                    "ignore_eos": True}
+            async with httpx.AsyncClient(base_url=srv.base_url, timeout=60,
+                                         headers={"Authorization": f"Bearer {key}"}) as http:
+                async with http.stream("POST", "/v1/completions", json=body) as busy:
+                    assert busy.status_code == 200
+                    with pytest.raises(openai.RateLimitError):
+                        await trio.to_thread.run_sync(call, c)
+            assert (await trio.to_thread.run_sync(call, c)).usage.completion_tokens == 2
+
+
 async def test_actor_crash_makes_health_503_and_ends_streams(model_folder, monkeypatch):
     from engine.runner.model_runner import ModelRunner
 
