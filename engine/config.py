@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 from engine.errors import InvalidParamError
@@ -66,11 +67,29 @@ class EngineConfig:
 
 
 def parse_memory(text: str) -> int | float:
-    """Parse a CLI memory budget: ``0.5`` (fraction), ``1073741824``, ``512MiB``, ``2GB``."""
+    """Parse a CLI memory budget: ``0.5`` (fraction), ``1073741824``, ``512MiB``, ``2GB``.
+
+    Raises ``argparse.ArgumentTypeError`` (so argparse prints the message as is) for text
+    that is neither, and for a decimal above 1, which is no fraction and, without a unit,
+    no byte count either.
+    """
     units = {"k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
     s = text.strip().lower().removesuffix("b")
-    for suffix in sorted(units, key=len, reverse=True):
-        if s.endswith(suffix):
-            return int(float(s[: -len(suffix)]) * units[suffix])
-    value = float(s)
-    return value if value <= 1.0 and "." in s else int(value)
+    try:
+        for suffix in sorted(units, key=len, reverse=True):
+            if s.endswith(suffix):
+                return int(float(s[: -len(suffix)]) * units[suffix])
+        value = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a memory size: give bytes (1073741824, 512MiB, 2GB) or a "
+            "fraction of free memory (0.5)"
+        ) from None
+    if "." not in s:
+        return int(value)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a fraction of free memory must be in (0, 1]; give bytes as an "
+            "integer or with a unit (512MiB, 2GB)"
+        )
+    return value

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -98,6 +99,9 @@ def test_kv_cache_memory_is_bytes_with_units_or_a_fraction_of_free_memory() -> N
     assert parse_memory("512MiB") == 512 * 2**20
     assert parse_memory("2GB") == 2 * 10**9
     assert parse_memory("1.5GiB") == 3 * 2**29
+    for bad in ("1.5", "0.0", "lots", "12XB"):  # 1.5 was once read as 1 byte
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_memory(bad)
     argv = ["generate", "--prompt", "Hi", "--kv-cache-memory", "0.25", "--max-num-seqs", "4"]
     options = engine_options(build_parser(argv).parse_args(argv))
     assert (options["kv_cache_memory"], options["max_num_seqs"]) == (0.25, 4)

@@ -51,6 +51,23 @@ def test_every_serve_flag_exists_and_is_documented() -> None:
         assert f"| `{flag}" in docs, f"{flag} missing from the flag table of {DOCS.name}"
 
 
+def test_engine_flags_become_engine_config_fields() -> None:
+    from engine.http.cli import engine_options
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args([
+        "--no-prefix-caching", "--scheduling-policy", "priority", "--no-async-scheduling",
+        "--ops-backend", "torch", "--max-num-seqs", "8", "--kv-cache-memory", "64MiB",
+    ])
+    assert engine_options(args) == {
+        "enable_prefix_caching": False, "scheduling_policy": "priority",
+        "async_scheduling": False, "ops_backend": "torch", "max_num_seqs": 8,
+        "kv_cache_memory": 64 * 2**20,
+    }
+    assert engine_options(parser.parse_args([])) == {}  # unset flags keep the config's defaults
+
+
 def test_every_metric_is_documented() -> None:
     docs = DOCS.read_text()
     for name in METRIC_NAMES:

@@ -407,3 +407,19 @@ async def test_actor_crash_makes_health_503_and_ends_streams(model_folder, monke
             assert health.json()["error"]["code"] == "engine_dead"
             later = await http.post("/v1/completions", json={"prompt": "Hi"})
             assert later.status_code == 503
+
+
+def test_cache_salt_keeps_a_prefix_private(server, client):
+    # 40 tokens of prompt: two full 16-token blocks the prefix cache can share.
+    prompt = list(range(100, 140))
+
+    def hits_after(salt):
+        before = server.metric("engine:prefix_cache_hits_total")
+        extra = {"ignore_eos": True, **({"cache_salt": salt} if salt else {})}
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                  extra_body=extra)
+        return server.metric("engine:prefix_cache_hits_total") - before
+
+    hits_after("tenant-a")  # fills the cache under tenant-a's salt
+    assert hits_after("tenant-b") == 0  # another salt sees none of it
+    assert hits_after("tenant-a") == 32  # the same salt shares both full blocks

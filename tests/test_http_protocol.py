@@ -115,3 +115,21 @@ def test_user_is_accepted_silently(caplog):
     protocol.parse_chat({"messages": CHAT, "user": "alice"})
     protocol.parse_completion({"prompt": "x", "user": "alice"})
     assert not [r for r in caplog.records if r.name == "engine.http"]
+
+
+def test_priority_and_cache_salt_reach_the_request():
+    req = protocol.parse_completion({"prompt": "x", "priority": -3, "cache_salt": "tenant-a"})
+    assert (req.priority, req.cache_salt) == (-3, "tenant-a")
+    chat = protocol.parse_chat({"messages": CHAT, "priority": 2})
+    assert (chat.priority, chat.cache_salt) == (2, None)
+    plain = protocol.parse_completion({"prompt": "x"})
+    assert (plain.priority, plain.cache_salt) == (0, None)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("priority", "high"), ("priority", 1.5), ("cache_salt", 7), ("cache_salt", "")]
+)
+def test_bad_priority_or_cache_salt_is_400_naming_it(field, value):
+    with pytest.raises(APIError) as info:
+        protocol.parse_completion({"prompt": "x", field: value})
+    assert (info.value.status, info.value.param) == (400, field)

@@ -287,6 +287,16 @@ def test_template_raise_exception_is_invalid_param(tiny_dir: Path, tmp_path: Pat
     assert info.value.param == "messages"
 
 
+def test_a_template_that_fails_on_the_messages_is_their_invalid_param(tiny_dir: Path, tmp_path: Path) -> None:
+    # A template bug hit by some input (here: adding a number to the content string)
+    # raises TypeError inside jinja; it must be this request's error, not the engine's.
+    template = "{% for m in messages %}{{ m.content + 1 }}{% endfor %}"
+    folder = _variant(tiny_dir, tmp_path / "t", config={"chat_template": template})
+    with pytest.raises(InvalidParamError, match="TypeError") as info:
+        Tokenizer.from_folder(folder).apply_chat_template([{"role": "user", "content": "x"}])
+    assert info.value.param == "messages"
+
+
 def test_named_chat_templates_use_default_like_transformers(tiny_dir: Path, tmp_path: Path) -> None:
     named = [
         {"name": "default", "template": "{% for m in messages %}D:{{ m.content }}{% endfor %}"},

@@ -284,7 +284,9 @@ class _Server:
         streams: list[Any] = []
         try:
             for prompt in req.prompts:
-                stream = await self.engine.submit(prompt, req.params)
+                stream = await self.engine.submit(
+                    prompt, req.params, priority=req.priority, cache_salt=req.cache_salt
+                )
                 streams.append(stream)
                 timer.prompt(len(stream.prompt_token_ids))
         except BaseException:

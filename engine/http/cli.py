@@ -40,6 +40,7 @@ DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 _ENGINE_OPTIONS = (
     "served_model_name", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
     "block_size", "kv_cache_memory", "max_queued_requests", "dtype", "device", "seed",
+    "scheduling_policy", "async_scheduling", "ops_backend",
 )
 
 
@@ -68,6 +69,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--dtype", choices=DTYPES, default=None, help="weight and activation dtype")
     add("--device", default=None, help="auto, cpu, cuda or cuda:N")
     add("--seed", type=int, default=None, help="seed of the engine's sampling generator")
+    add("--no-prefix-caching", action="store_true",
+        help="do not share KV blocks between requests with a common prefix")
+    add("--scheduling-policy", choices=("fcfs", "priority"), default=None,
+        help="waiting-queue order: arrival, or the request's priority then arrival")
+    add("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+        help="plan step N+1 while step N runs (default: on with CUDA, off on CPU)")
+    add("--ops-backend", choices=("auto", "torch", "cpu", "triton"), default=None,
+        help="kernels: auto picks triton on CUDA, the C kernels on CPU")
     add("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
         help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
     add("--log-level", default=os.environ.get("ENGINE_LOG_LEVEL", "info"),
@@ -76,7 +85,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The EngineConfig fields the user set on the command line."""
-    return {k: getattr(args, k) for k in _ENGINE_OPTIONS if getattr(args, k, None) is not None}
+    options = {k: getattr(args, k) for k in _ENGINE_OPTIONS if getattr(args, k, None) is not None}
+    if getattr(args, "no_prefix_caching", False):
+        options["enable_prefix_caching"] = False
+    return options
 
 
 def run_serve(args: argparse.Namespace) -> int:

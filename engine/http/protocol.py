@@ -35,6 +35,9 @@ _COMMON_FIELDS = frozenset(
         "stop_token_ids", "seed", "presence_penalty", "frequency_penalty",
         "repetition_penalty", "logprobs", "ignore_eos", "min_tokens", "logit_bias", "stream",
         "stream_options", "user", "include_stop_str_in_output", "skip_special_tokens",
+        # vLLM's extras: the queue priority (with --scheduling-policy priority, smaller
+        # first) and a salt that keeps this request's prefix-cache entries private.
+        "priority", "cache_salt",
     }
 )
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
@@ -114,6 +117,8 @@ class CompletionRequest:
     include_usage: bool
     echo: bool
     top_logprobs: int | None  # how many alternatives to print per token; None: no logprobs
+    priority: int = 0
+    cache_salt: str | None = None
 
 
 def parse_completion(body: Any) -> CompletionRequest:
@@ -132,7 +137,7 @@ def parse_completion(body: Any) -> CompletionRequest:
     stream, include_usage = _stream_flags(body)
     return CompletionRequest(
         chat=False, model=_model(body), prompts=prompts, params=params, stream=stream,
-        include_usage=include_usage, echo=echo, top_logprobs=logprobs,
+        include_usage=include_usage, echo=echo, top_logprobs=logprobs, **_queueing(body),
     )
 
 
@@ -160,8 +165,23 @@ def parse_chat(body: Any) -> CompletionRequest:
     stream, include_usage = _stream_flags(body)
     return CompletionRequest(
         chat=True, model=_model(body), prompts=(messages,), params=params, stream=stream,
-        include_usage=include_usage, echo=False, top_logprobs=logprobs,
+        include_usage=include_usage, echo=False, top_logprobs=logprobs, **_queueing(body),
     )
+
+
+def _queueing(body: dict[str, Any]) -> dict[str, Any]:
+    """``priority`` and ``cache_salt``, type-checked; absent ones keep their defaults."""
+    out: dict[str, Any] = {}
+    priority = _opt_int(body, "priority")
+    if priority is not None:
+        out["priority"] = priority
+    salt = body.get("cache_salt")
+    if salt is not None:
+        if not isinstance(salt, str) or not salt:
+            raise APIError(400, "cache_salt must be a non-empty string", param="cache_salt",
+                           code="invalid_type")
+        out["cache_salt"] = salt
+    return out
 
 
 def _require_object(body: Any) -> dict[str, Any]:

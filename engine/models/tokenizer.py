@@ -259,6 +259,14 @@ class Tokenizer:
             raise InvalidParamError(
                 f"chat template rejected the messages: {exc}", param="messages"
             ) from exc
+        except Exception as exc:
+            # The template is the model author's code run on the client's messages: any
+            # failure in it (a TypeError on an unexpected content type, say) is this
+            # request's error, never the engine's.
+            raise InvalidParamError(
+                f"chat template failed on the messages: {type(exc).__name__}: {exc}",
+                param="messages",
+            ) from exc
 
 
 # -- reading the folder -----------------------------------------------------------------
