@@ -49,7 +49,8 @@ class CpuKernelError(RuntimeError):
 
 class CpuOps(TorchOps):
     """C kernels for RMSNorm, RoPE, SiLU-and-mul and single-query paged attention; the
-    torch reference for the rest. Raises ``RuntimeError`` at construction if the kernels are not built."""
+    torch reference for the rest. Raises ``RuntimeError`` at construction if the kernels
+    are not built."""
 
     name = "cpu"
 
