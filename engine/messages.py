@@ -63,10 +63,23 @@ class SampledToken:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """Logprobs of prompt tokens ``start .. start + len(logprobs) - 1`` of one request,
+    scored by the logits of the positions before them (this step's chunk computed those).
+    Prompt token 0 has none: nothing comes before it."""
+
+    request_id: str
+    start: int
+    logprobs: tuple[TokenLogprob, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class StepResult:
     step_id: int
     sampled: tuple[SampledToken, ...]
     forward_seconds: float  # model forward + sampling, for the per-step overhead figure
+    # For requests that asked for prompt_logprobs, what this step's chunks scored.
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()
 
 
 # --- caller -> processor ------------------------------------------------------------------
@@ -201,6 +214,7 @@ class TokenDelta:
 class StepOutputs:
     step_id: int
     deltas: tuple[TokenDelta, ...]
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()  # passed on from the StepResult
 
 
 # --- detokenizer -> router -> caller ------------------------------------------------------
@@ -225,7 +239,9 @@ class RequestOutput:
 
     ``finish_reason`` is ``"stop"``, ``"length"`` or ``"abort"`` on the last output of a
     sample (``finished`` true) and ``None`` before; ``stop_reason`` is the stop string or stop
-    token that ended it. ``usage`` is set on finished outputs only.
+    token that ended it. ``usage`` is set on finished outputs only. With
+    ``prompt_logprobs`` asked for, a sample's first output carries one entry per prompt
+    token, ``None`` for the first (nothing scores it), as vLLM's ``prompt_logprobs``.
     """
 
     request_id: str
@@ -237,6 +253,7 @@ class RequestOutput:
     stop_reason: str | int | None
     logprobs: tuple[TokenLogprob, ...] | None
     usage: Usage | None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

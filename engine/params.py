@@ -38,7 +38,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
-    prompt_logprobs: None = None
+    # Logprobs of each prompt token under the model (raw: no penalties or temperature) and
+    # this many top alternatives per position; None: not computed. Such a request takes no
+    # prefix-cache hit, since a cached token's logits are never computed.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
@@ -92,7 +95,7 @@ class SamplingParams:
             # OpenAI allows up to 20 top logprobs; vLLM's default limit is the same.
             _int(self.logprobs, "logprobs", lo=0, hi=20)
         if self.prompt_logprobs is not None:
-            raise InvalidParamError("prompt_logprobs is not supported", param="prompt_logprobs")
+            _int(self.prompt_logprobs, "prompt_logprobs", lo=0, hi=20)
 
     @property
     def greedy(self) -> bool:

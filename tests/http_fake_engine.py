@@ -46,6 +46,7 @@ class RequestOutput:
     stop_reason: str | int | None
     logprobs: tuple[TokenLogprob, ...] | None
     usage: Usage | None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -230,3 +230,41 @@ async def test_chat_messages_go_through_the_chat_template(model: Path) -> None:
         expected = tuple(eng.tokenizer.encode(rendered, add_special_tokens=False))
     assert stream.prompt_token_ids == expected
     assert len(token_ids(outputs)) == 4
+
+
+async def test_prompt_logprobs_equal_transformers_over_chunks_and_skip_the_prefix_cache(
+    model: Path,
+) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    # 90 tokens: prefilled in two chunks (64-token budget); the first run caches its blocks,
+    # which the prompt_logprobs runs must not reuse (cached positions are never scored).
+    prompt = random_prompts(1, vocab=300, lo=90, hi=90, seed=7)[0]
+    async with engine.open_engine(str(model), **ENGINE_OPTIONS) as eng:
+        plain = await collect(eng, prompt, greedy(2))
+        scored = await collect(eng, prompt, greedy(2, prompt_logprobs=3))
+        pair = await collect(eng, prompt, SamplingParams(n=2, max_tokens=2, prompt_logprobs=0, seed=5))
+    assert plain[0].prompt_logprobs is None
+    assert token_ids(scored) == token_ids(plain)  # scoring the prompt changes no output
+    got = scored[0].prompt_logprobs
+    assert len(got) == len(prompt) and got[0] is None
+    assert all(out.prompt_logprobs is None for out in scored[1:])  # only the first output
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+    for i in range(1, len(prompt)):
+        entry = got[i]
+        assert entry.token_id == prompt[i]
+        assert abs(entry.logprob - want[i - 1, prompt[i]].item()) < 1e-4  # fp32 summation order
+        values, ids = want[i - 1].topk(3)
+        assert [t for t, _ in entry.top] == ids.tolist()
+        assert all(abs(v - w) < 1e-4 for (_, v), w in zip(entry.top, values.tolist(), strict=True))
+    # Every sample of n > 1 scores the prompt itself (0 alternatives asked: none given).
+    for index in (0, 1):
+        first = next(out for out in pair if out.index == index)
+        assert [e.logprob for e in first.prompt_logprobs[1:]] == pytest.approx(
+            [e.logprob for e in got[1:]], abs=1e-5
+        )
+        assert all(e.top == () for e in first.prompt_logprobs[1:])

@@ -181,6 +181,37 @@ def test_echo_puts_the_prompt_before_the_completion(server, client):
     assert by_ids.choices[0].text == prompt_text + plain.choices[0].text
 
 
+def test_echo_with_logprobs_scores_the_prompt_then_the_completion(server, client):
+    # What evaluation harnesses send to score a text: echo + logprobs.
+    prompt = "The quick brown fox jumps"
+    ids = httpx.post(server.base_url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+    plain = client.completions.create(model=MODEL, prompt=prompt, logprobs=2, **GREEDY)
+    echoed = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2, **GREEDY)
+    lp = echoed.choices[0].logprobs
+    n = len(ids)
+    assert len(lp.tokens) == n + 12
+    # The prompt's tokens first: the first unscored (null), as OpenAI reports it ...
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(v, float) and v <= 0 for v in lp.token_logprobs[1:n])
+    # Two alternatives each (fewer where two ids decode to one text: a dict keyed by text).
+    assert all(1 <= len(top) <= 2 for top in lp.top_logprobs[1:n])
+    assert any(len(top) == 2 for top in lp.top_logprobs[1:n])
+    # ... then exactly the completion's, as a plain request reports them.
+    assert lp.token_logprobs[n:] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-5)
+    assert lp.tokens[n:] == plain.choices[0].logprobs.tokens
+    assert lp.text_offset[n] == len(prompt)
+    # Streamed: the echo chunk waits for the prompt's logprobs and carries them.
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2,
+                                            stream=True, **GREEDY))
+    first = chunks[0].choices[0]
+    assert first.text == prompt
+    assert first.logprobs.token_logprobs[0] is None
+    assert first.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:n], abs=1e-5)
+    streamed = [v for c in chunks[1:] if c.choices and c.choices[0].logprobs
+                for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(lp.token_logprobs[n:], abs=1e-5)
+
+
 def test_logit_bias_stop_token_ids_and_min_tokens_are_honoured(server, client):
     token = _single_token(server, ".")
     base = {"model": MODEL, "prompt": "Hello", "temperature": 0, "max_tokens": 6}

@@ -96,6 +96,9 @@ def test_echo_and_stream_flags():
     req = protocol.parse_completion({"prompt": "x", "echo": True, "stream": True,
                                      "stream_options": {"include_usage": True}})
     assert req.echo and req.stream and req.include_usage
+    assert req.params.prompt_logprobs is None
+    scored = protocol.parse_completion({"prompt": "x", "echo": True, "logprobs": 3})
+    assert (scored.params.logprobs, scored.params.prompt_logprobs) == (3, 3)
     with pytest.raises(APIError) as info:
         protocol.parse_completion({"prompt": "x", "stream_options": {"include_usage": True}})
     assert info.value.param == "stream_options"

@@ -31,6 +31,7 @@ _PARAMS = st.sampled_from(
         SamplingParams(),
         SamplingParams(n=3, temperature=0.7, top_p=0.9, top_k=5, seed=2**62, stop=["\n\n", "END"]),
         SamplingParams(max_tokens=None, logprobs=5, logit_bias={7: -1.5}, stop_token_ids=[2, 3]),
+        SamplingParams(prompt_logprobs=0),
     ]
 )
 _FLOATS = st.floats(allow_nan=False)  # NaN != NaN would fail equality, not packing

@@ -80,6 +80,26 @@ def test_recompute_after_preemption_continues_the_same_tokens(loaded) -> None:
     assert got == want
 
 
+def test_prompt_logprobs_come_once_per_prompt_token_across_chunks_and_recompute(loaded) -> None:
+    scored = GREEDY.replace(prompt_logprobs=1)
+    runner = _runner(loaded)
+    new = NewRequest("a", PROMPT, scored, ())
+    # Chunks [0, 3) and [3, 7): position p scores prompt token p + 1, the last position
+    # samples instead; so 1..3, then 4..6.
+    first = runner.execute(StepPlan(0, (new,), (ScheduledChunk("a", 0, 3, (0, 1), False),), ()))
+    second = runner.execute(StepPlan(1, (), (ScheduledChunk("a", 3, 4, (0, 1), True),), ()))
+    assert [(p.start, [e.token_id for e in p.logprobs]) for p in first.prompt_logprobs] == [(1, [17, 42, 99])]
+    assert [(p.start, [e.token_id for e in p.logprobs]) for p in second.prompt_logprobs] == [(4, [7, 123, 8])]
+    # Recomputed from position 0 after a preemption: nothing is scored twice.
+    again = runner.execute(StepPlan(2, (), (ScheduledChunk("a", 0, 8, (4, 5), True),), ()))
+    assert again.prompt_logprobs == ()
+    # A request that did not ask scores nothing.
+    plain = _runner(loaded).execute(
+        StepPlan(0, (NewRequest("b", PROMPT, GREEDY, ()),), (ScheduledChunk("b", 0, 7, (0, 1), True),), ())
+    )
+    assert plain.prompt_logprobs == ()
+
+
 def test_finished_requests_are_forgotten(loaded) -> None:
     runner = _runner(loaded)
     new = NewRequest("a", PROMPT, GREEDY, ())

@@ -64,7 +64,9 @@ def test_every_field_exists_and_the_defaults_are_valid() -> None:
         ("logit_bias", {3: "up"}),
         ("logit_bias", {3: 101.0}),
         ("logit_bias", [(3,)]),
-        ("prompt_logprobs", 1),
+        ("prompt_logprobs", -1),
+        ("prompt_logprobs", 21),
+        ("prompt_logprobs", True),
     ],
 )
 def test_a_bad_value_raises_value_error_naming_the_field(field: str, value: object) -> None:
@@ -94,6 +96,6 @@ def test_lists_and_dicts_are_stored_as_tuples_and_params_are_frozen() -> None:
 
 def test_boundary_values_are_accepted() -> None:
     SamplingParams(
-        temperature=0.0, top_p=1.0, top_k=-1, min_p=1.0, seed=-(2**63), logprobs=0,
+        temperature=0.0, top_p=1.0, top_k=-1, min_p=1.0, seed=-(2**63), logprobs=0, prompt_logprobs=20,
         presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=100.0, max_tokens=None,
     )

@@ -24,6 +24,9 @@ class _Sample:
     spec: DetokenizerRequest
     detokenizer: IncrementalDetokenizer
     completion_tokens: int = 0
+    # prompt_logprobs requests: the prompt tokens' logprobs gathered so far (they arrive
+    # chunk by chunk, all before or with the first token), until the first output takes them.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -86,7 +89,8 @@ class Detokenizer:
             include_stop_str_in_output=params.include_stop_str_in_output,
             min_tokens=params.min_tokens,
         )
-        self._samples[spec.request_id] = _Sample(spec, detokenizer)
+        prompt_logprobs: list[TokenLogprob] | None = [] if params.prompt_logprobs is not None else None
+        self._samples[spec.request_id] = _Sample(spec, detokenizer, prompt_logprobs=prompt_logprobs)
 
     def process(
         self, step: StepOutputs
@@ -94,6 +98,10 @@ class Detokenizer:
         """One step's deltas to outputs (pure apart from the per-sample state)."""
         outputs: list[RequestOutput] = []
         hits: list[StopStringHit] = []
+        for scored in step.prompt_logprobs:
+            sample = self._samples.get(scored.request_id)
+            if sample is not None and sample.prompt_logprobs is not None:
+                sample.prompt_logprobs.extend(scored.logprobs)
         for delta in step.deltas:
             sample = self._samples.get(delta.request_id)
             if sample is None:
@@ -105,6 +113,10 @@ class Detokenizer:
                 hits.append(hit)
                 self._stop_hits += 1
             if output.finished or output.token_ids or output.text:
+                if sample.prompt_logprobs is not None:
+                    # The first output a caller sees carries them; None scores token 0.
+                    output = dataclasses.replace(output, prompt_logprobs=(None, *sample.prompt_logprobs))
+                    sample.prompt_logprobs = None
                 outputs.append(output)
         return tuple(outputs), hits
 

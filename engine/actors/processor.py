@@ -173,8 +173,9 @@ class Processor:
                     arrival_time=submit.arrival_time,
                     cache_salt=submit.cache_salt,
                     # Samples after the first wait until the first has computed (and cached)
-                    # the prompt's full blocks, then take them from the prefix cache.
-                    wait_for=ids[0] if index > 0 else None,
+                    # the prompt's full blocks, then take them from the prefix cache; with
+                    # prompt_logprobs each computes (and scores) the prompt itself.
+                    wait_for=ids[0] if index > 0 and submit.params.prompt_logprobs is None else None,
                 )
             )
         await self._to_router.send(RequestAdmitted(submit.request_id, admission.prompt_token_ids))

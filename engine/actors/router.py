@@ -42,7 +42,8 @@ def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
     if old.logprobs is not None or new.logprobs is not None:
         logprobs = (old.logprobs or ()) + (new.logprobs or ())
     return dataclasses.replace(
-        new, text=old.text + new.text, token_ids=old.token_ids + new.token_ids, logprobs=logprobs
+        new, text=old.text + new.text, token_ids=old.token_ids + new.token_ids, logprobs=logprobs,
+        prompt_logprobs=old.prompt_logprobs if old.prompt_logprobs is not None else new.prompt_logprobs,
     )
 
 

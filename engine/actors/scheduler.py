@@ -149,8 +149,10 @@ class SchedulerActor:
             plan = self._in_flight.popleft()
             update = self._core.update_from_output(plan, message)
             await self._call_all(update.allocator_calls)
-            if update.deltas:
-                await self._to_detokenizer.send(StepOutputs(plan.step_id, update.deltas))
+            if update.deltas or message.prompt_logprobs:
+                await self._to_detokenizer.send(
+                    StepOutputs(plan.step_id, update.deltas, message.prompt_logprobs)
+                )
         elif isinstance(message, SchedulerRequest):
             await self._add(message)
         elif isinstance(message, AbortRequests):

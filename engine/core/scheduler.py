@@ -247,7 +247,7 @@ class Scheduler:
             if not req.can_sample:
                 i += 1  # every output is drawn; its last results are in flight
                 continue
-            reply = self._fits_table(req, step.budget)
+            reply: AllocatorReply | None = self._fits_table(req, step.budget)
             while not isinstance(reply, SlotsAllocated):
                 reply = yield self._allocate_call(req, step.budget, lookup=False)
                 if isinstance(reply, SlotsAllocated):
@@ -255,7 +255,7 @@ class Scheduler:
                 # Refused: the victim is last in queue order, so never a request already planned.
                 victim = self._running[-1]
                 if victim is req and len(self._running) == 1:
-                    raise _too_small(req, reply)
+                    raise _too_small(req, reply)  # reply: the refusal just received
                 yield from self._preempt(victim)
                 preempted = True
                 if victim is req:
@@ -270,7 +270,10 @@ class Scheduler:
                 return
             if req.wait_for is not None or not req.can_sample:
                 continue
-            reply = yield self._allocate_call(req, step.budget, lookup=self.config.enable_prefix_caching)
+            # A prompt_logprobs request computes every prompt position: a cached block's
+            # logits would be missing.
+            lookup = self.config.enable_prefix_caching and req.params.prompt_logprobs is None
+            reply = yield self._allocate_call(req, step.budget, lookup=lookup)
             if not isinstance(reply, SlotsAllocated):
                 if not self._running:
                     raise _too_small(req, reply)

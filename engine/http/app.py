@@ -107,7 +107,9 @@ class _TaskBody(ResponseBody):
         self._nursery.start_soon(self._produce, send)
         return self
 
-    async def __aexit__(self, *exc_info: Any) -> bool:
+    # quart types this as returning None; the nursery's answer (whether it handled the
+    # exception) has to be passed on, so this returns it.
+    async def __aexit__(self, *exc_info: Any) -> bool:  # type: ignore[override]
         assert self._nursery is not None and self._receive is not None  # set by __aenter__
         # Leaving before the producer finished (send failed, cancelled): stop it.
         self._nursery.cancel_scope.cancel()
@@ -126,12 +128,14 @@ class _TaskBody(ResponseBody):
 class _Choice:
     """What one choice (one sample of one prompt) has produced so far."""
 
-    __slots__ = ("index", "text", "logprobs", "finish_reason", "stop_reason", "tokens")
+    __slots__ = ("index", "text", "logprobs", "prompt_logprobs", "finish_reason", "stop_reason",
+                 "tokens")
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.text = ""
         self.logprobs: list[Any] = []
+        self.prompt_logprobs: list[Any] | None = None  # echo + logprobs: the prompt's entries
         self.finish_reason: str | None = None
         self.stop_reason: Any = None
         self.tokens = 0
@@ -322,6 +326,13 @@ class _Run:
             return prompt
         return self.server.engine.tokenizer.decode(list(prompt))
 
+    def _prompt_entries(self, choice: _Choice, out: Any) -> list[Any] | None:
+        """The echoed prompt's logprob entries, from the first output that carries them."""
+        if out.prompt_logprobs is None:
+            return None
+        stream = self.streams[choice.index // self.n]
+        return protocol.prompt_logprob_entries(stream.prompt_token_ids, out.prompt_logprobs)
+
     def _logprobs(self, choice: _Choice, new: Any) -> dict[str, Any] | None:
         if self.req.top_logprobs is None or new is None:
             return None
@@ -387,6 +398,8 @@ class _Run:
                                       choices, self._usage())
 
     def _record(self, choice: _Choice, out: Any) -> None:
+        if choice.prompt_logprobs is None:
+            choice.prompt_logprobs = self._prompt_entries(choice, out)
         choice.text += out.text
         choice.tokens += len(out.token_ids)
         if out.logprobs:
@@ -400,27 +413,39 @@ class _Run:
             return None
         if self.req.chat:
             return protocol.chat_logprobs(choice.logprobs, self.server._token_text)
-        offset = len(self._echo_text(choice.index // self.n)) if self.req.echo else 0
-        return protocol.completion_logprobs(choice.logprobs, self.server._token_text, offset)
+        if self.req.echo:
+            # The prompt's tokens first (offsets from 0), then the completion's after the
+            # echoed text.
+            scored = protocol.completion_logprobs(
+                choice.prompt_logprobs or [], self.server._token_text, 0
+            )
+            offset = len(self._echo_text(choice.index // self.n))
+            generated = protocol.completion_logprobs(choice.logprobs, self.server._token_text, offset)
+            return {key: scored[key] + generated[key] for key in generated}
+        return protocol.completion_logprobs(choice.logprobs, self.server._token_text, 0)
 
     # -- streamed -----------------------------------------------------------------------
 
     async def stream(self, send: trio.MemorySendChannel[bytes]) -> None:
         """Write the SSE body: role/echo chunks, token chunks, usage, errors, ``[DONE]``."""
+        # With logprobs, an echoed prompt waits for its logprobs, which come with the
+        # choice's first output; without, it goes out at once.
+        echo_later = self.req.echo and self.req.top_logprobs is not None
         async with send:
             for choice in self.choices:
                 if self.req.chat:
                     await send.send(self._chunk([protocol.chunk_choice(
                         True, choice.index, "", None, None, None, role=True)]))
-                elif self.req.echo:
-                    text = self._echo_text(choice.index // self.n)
-                    choice.text = text
-                    await send.send(self._chunk([protocol.chunk_choice(
-                        False, choice.index, text, None, None, None)]))
+                elif self.req.echo and not echo_later:
+                    await self._send_echo(send, choice, None)
 
             pending: dict[int, list[Any]] = {}
 
             async def on_output(choice: _Choice, out: Any) -> None:
+                if echo_later and choice.prompt_logprobs is None:
+                    choice.prompt_logprobs = self._prompt_entries(choice, out) or []
+                    await self._send_echo(send, choice, protocol.completion_logprobs(
+                        choice.prompt_logprobs, self.server._token_text, 0))
                 # Tokens that are not yet text (half a UTF-8 character) wait, with their
                 # logprobs, for the chunk that completes the text.
                 held = pending.setdefault(choice.index, [])
@@ -441,6 +466,12 @@ class _Run:
             elif self.req.include_usage:
                 await send.send(self._chunk([], usage=self._usage()))
             await send.send(sse.DONE)
+
+    async def _send_echo(self, send: trio.MemorySendChannel[bytes], choice: _Choice,
+                         logprobs: dict[str, Any] | None) -> None:
+        choice.text = self._echo_text(choice.index // self.n)
+        await send.send(self._chunk([protocol.chunk_choice(
+            False, choice.index, choice.text, None, None, logprobs)]))
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None
                ) -> bytes:

@@ -130,10 +130,11 @@ def parse_completion(body: Any) -> CompletionRequest:
     prompts = _completion_prompts(body["prompt"])
     logprobs = _opt_int(body, "logprobs")
     echo = _opt_bool(body, "echo", False)
-    if echo and logprobs is not None:
-        raise APIError(400, "echo together with logprobs (prompt logprobs) is not supported",
-                       param="echo", code="unsupported_value")
     params = _sampling_params(body, COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs)
+    if echo and logprobs is not None:
+        # The echoed prompt gets logprobs too, as OpenAI gives them (scoring a text this
+        # way is what evaluation harnesses do).
+        params = params.replace(prompt_logprobs=logprobs)
     stream, include_usage = _stream_flags(body)
     return CompletionRequest(
         chat=False, model=_model(body), prompts=prompts, params=params, stream=stream,
@@ -151,7 +152,7 @@ def parse_chat(body: Any) -> CompletionRequest:
         # Checked here so the error names the chat field, not SamplingParams.logprobs.
         raise APIError(400, f"top_logprobs must be in [0, 20], got {top}",
                        param="top_logprobs", code="invalid_value")
-    logprobs = top if top is not None else 0
+    logprobs: int | None = top if top is not None else 0
     if not _opt_bool(body, "logprobs", False):
         if top is not None:
             raise APIError(400, "top_logprobs requires logprobs to be true",
@@ -362,16 +363,33 @@ def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 TokenText = Callable[[int], str]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Unscored:
+    """A token with no logprob: an echoed prompt's first, which nothing precedes."""
+
+    token_id: int
+    logprob: None = None
+    top: None = None
+
+
+def prompt_logprob_entries(
+    prompt_token_ids: Sequence[int], prompt_logprobs: Sequence[Any]
+) -> list[Any]:
+    """An echoed prompt's tokens as :func:`completion_logprobs` entries (first unscored)."""
+    return [Unscored(prompt_token_ids[0]), *prompt_logprobs[1:]]
+
+
 def completion_logprobs(
     logprobs: Sequence[Any], token_text: TokenText, text_offset: int
 ) -> dict[str, Any]:
-    """The legacy completions ``logprobs`` object for a run of tokens."""
+    """The legacy completions ``logprobs`` object for a run of tokens; an entry whose
+    ``logprob`` is None (an echoed prompt's first token) gets nulls, as OpenAI's does."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
     for lp in logprobs:
         text = token_text(lp.token_id)
         tokens.append(text)
         token_logprobs.append(lp.logprob)
-        tops.append({token_text(t): v for t, v in lp.top})
+        tops.append(None if lp.top is None else {token_text(t): v for t, v in lp.top})
         offsets.append(text_offset)
         text_offset += len(text)
     return {

@@ -28,10 +28,12 @@ import torch
 from engine.errors import EngineError, InvalidParamError
 from engine.messages import (
     NewRequest,
+    PromptLogprobs,
     SampledToken,
     ScheduledChunk,
     StepPlan,
     StepResult,
+    TokenLogprob,
 )
 from engine.models.llama import build_model
 from engine.ops import AttentionMetadata, Ops
@@ -52,6 +54,9 @@ class _RequestState:
     tokens: list[int]  # prompt + outputs, kept in step so chunks slice one list
     params: SamplingParams
     eos_token_ids: tuple[int, ...]
+    # The next prompt token whose logprob is owed (prompt_logprobs requests); a chunk
+    # recomputed after preemption does not report its tokens twice.
+    prompt_logprobs_next: int = 1
 
 
 class ModelRunner:
@@ -103,10 +108,11 @@ class ModelRunner:
         states = [self._state(c) for c in plan.chunks]
         input_ids, positions, meta, sample_rows = self._prepare(plan.chunks, states)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
+        prompt_logprobs = self._prompt_logprobs(hidden, plan.chunks, states)
         sampled: tuple[SampledToken, ...] = ()
         if sample_rows:
             sampled = self._sample(hidden, plan.chunks, states, sample_rows)
-        return StepResult(plan.step_id, sampled, time.perf_counter() - t0)
+        return StepResult(plan.step_id, sampled, time.perf_counter() - t0, prompt_logprobs)
 
     def warm_up(self, prompt_len: int = 16) -> None:
         """One prefill and one decode step of a throwaway request in the pool's first
@@ -204,6 +210,49 @@ class ModelRunner:
                 sample_rows.append(ends - 1)
         return input_ids, pos, meta, sample_rows
 
+    # -- prompt logprobs -------------------------------------------------------------------
+
+    def _prompt_logprobs(
+        self,
+        hidden: torch.Tensor,
+        chunks: Sequence[ScheduledChunk],
+        states: Sequence[_RequestState],
+    ) -> tuple[PromptLogprobs, ...]:
+        """What each ``prompt_logprobs`` request's chunk scores: the raw log-softmax of the
+        logits at its positions, at the next prompt token and for the top-N."""
+        out = []
+        row = 0
+        for chunk, state in zip(chunks, states, strict=True):
+            top_n = state.params.prompt_logprobs
+            if top_n is not None and state.prompt_logprobs_next < len(state.prompt):
+                first, end, rows = _prompt_logprob_rows(chunk, state, row)
+                if rows:
+                    entries = self._score(hidden, rows, state.prompt[first:end], top_n)
+                    out.append(PromptLogprobs(chunk.request_id, first, entries))
+                    state.prompt_logprobs_next = end
+            row += chunk.num_tokens
+        return tuple(out)
+
+    def _score(
+        self, hidden: torch.Tensor, rows: list[int], targets: Sequence[int], top_n: int
+    ) -> tuple[TokenLogprob, ...]:
+        entries: list[TokenLogprob] = []
+        for at in range(0, len(rows), _PROMPT_LOGITS_ROWS):
+            index = torch.tensor(rows[at : at + _PROMPT_LOGITS_ROWS], device=self.device)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden.index_select(0, index)), -1)
+            want = torch.tensor(targets[at : at + _PROMPT_LOGITS_ROWS], device=self.device)
+            chosen = logprobs.gather(1, want.unsqueeze(1)).squeeze(1).tolist()
+            if top_n:
+                values, ids = logprobs.topk(top_n, dim=-1)
+                tops = [tuple(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+            else:
+                tops = [()] * len(chosen)
+            entries.extend(
+                TokenLogprob(t, lp, top)
+                for t, lp, top in zip(targets[at : at + _PROMPT_LOGITS_ROWS], chosen, tops, strict=True)
+            )
+        return tuple(entries)
+
     # -- sampling ------------------------------------------------------------------------
 
     def _sample(
@@ -227,6 +276,21 @@ class ModelRunner:
             s.tokens.append(token)
             out.append(SampledToken(c.request_id, token, logprob, tuple(top)))
         return tuple(out)
+
+
+# Hidden rows turned into full-vocabulary logits at once for prompt logprobs: 256 rows of
+# a 150k vocabulary are 150 MB of fp32, the most one step should add for a rare request.
+_PROMPT_LOGITS_ROWS = 256
+
+
+def _prompt_logprob_rows(
+    chunk: ScheduledChunk, state: _RequestState, row: int
+) -> tuple[int, int, list[int]]:
+    """``(first, end, rows)``: the prompt tokens ``first .. end - 1`` this chunk scores and
+    the hidden rows whose logits score them (position ``p`` scores prompt token ``p + 1``)."""
+    first = max(state.prompt_logprobs_next, chunk.start + 1)
+    end = min(chunk.start + chunk.num_tokens + 1, len(state.prompt))
+    return first, end, [row + t - 1 - chunk.start for t in range(first, end)]
 
 
 def generate_greedy(
