@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/decode.py [--dtypes float32,bfloat16] [--batches 1,32]
                                       [--new-tokens 128] [--prompt-len 64] [--profile]
+                                      [--quantization gguf] [--llama-cpp /work/llama.cpp]
 
 Loads SmolLM2-135M-Instruct's GGUF with the engine's loader (fp32, dequantized into a
 cached Hugging Face folder), loads transformers from that same folder, and for each dtype
@@ -10,11 +11,18 @@ the decode phase only: prefill runs first (one step), then ``new_tokens - 1`` de
 For transformers, decode time is ``generate(new_tokens) - generate(1)`` on the same prompts.
 ``--profile`` prints where one engine decode step's time goes (torch profiler, by op).
 Threads default to 2: the machine's core count, and the setting the targets were set under.
+
+``--quantization gguf`` adds rows for the engine with the GGUF's blocks kept (activations
+in each of ``--dtypes``) beside the dequantized engine of the same dtypes, in the same
+run; ``--llama-cpp DIR`` (a build of ``../shared/anchors/build_llama_cpp.sh``) adds
+``llama-bench``'s tg128 on the same file with the same threads (skipped when absent).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import time
 import types
 from pathlib import Path
@@ -110,6 +118,23 @@ def hf_decode_seconds(hf, batch_prompts: list[list[int]], new_tokens: int) -> fl
     return timed(new_tokens) - timed(1)
 
 
+def llama_bench_tg(llama_cpp: Path, model: Path, threads: int, new_tokens: int) -> float | None:
+    """llama-bench's text-generation tok/s (tg``new_tokens``), or None without a build."""
+    exe = llama_cpp / "bin" / "llama-bench"
+    if not exe.is_file():
+        print(f"llama-bench not found under {llama_cpp}; skipped")
+        return None
+    # The anchors' settings are -t threads -p 64 -n 128 -r 5; the -p 64 prompt test died
+    # with SIGILL in this llama.cpp build on the AMX dev machine, so only tg runs (-p 0).
+    out = subprocess.run(
+        [str(exe), "-m", str(model), "-t", str(threads), "-p", "0", "-n", str(new_tokens),
+         "-r", "5", "-o", "json"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    runs = [r for r in json.loads(out) if r.get("n_gen") == new_tokens and r.get("n_prompt") == 0]
+    return float(runs[0]["avg_ts"]) if runs else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtypes", default="float32,bfloat16")
@@ -121,13 +146,37 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch threads (2: this machine's cores)")
     ap.add_argument("--ops", default="auto", choices=("auto", "torch", "cpu"),
                     help="op set (auto: the C kernels where built, as the engine runs)")
+    ap.add_argument("--quantization", default="none", choices=("none", "gguf"),
+                    help="gguf: also run the engine with the GGUF's quantized blocks kept")
+    ap.add_argument("--llama-cpp", type=Path, default=None,
+                    help="a llama.cpp build (DIR/bin/llama-bench) to time on the same file")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
-    base = load_model(default_model_path(), dtype="float32")
+    model_path = default_model_path()
+    base = load_model(model_path, dtype="float32", quantization="none")
     hf = None if args.no_hf else load_hf(base.folder)
     max_len = args.prompt_len + args.new_tokens
-    print(f"ops: {get_ops(args.ops).name}; torch threads {torch.get_num_threads()}")
+    print(f"ops: {get_ops(args.ops).name}; torch threads {torch.get_num_threads()}; model {model_path.name}")
+    if args.llama_cpp is not None:
+        tg = llama_bench_tg(args.llama_cpp, model_path, args.threads, args.new_tokens)
+        if tg is not None:
+            print(f"llama.cpp llama-bench tg{args.new_tokens} (-t {args.threads}): {tg:.1f} tok/s")
+    if args.quantization == "gguf":
+        quant = load_model(model_path, dtype="float32", quantization="gguf")
+        print(f"{'weights':>13} {'batch':>5} {'engine tok/s':>13}")
+        for name in args.dtypes.split(","):
+            dtype = getattr(torch, name)
+            for label, source in ((f"gguf/{name}", quant), (f"dense/{name}", base)):
+                engine = EngineDecode(source, dtype, max(batches), max_len, args.ops)
+                for b in batches:
+                    ps = prompts(b, args.prompt_len, base.config.vocab_size)
+                    engine.run(ps[:1], 4)
+                    secs = engine.run(ps, args.new_tokens, profile=args.profile)
+                    print(f"{label:>13} {b:>5} {b * (args.new_tokens - 1) / secs:>13.1f}", flush=True)
+                del engine
+        if args.no_hf:
+            return
     print(f"{'dtype':>9} {'batch':>5} {'engine tok/s':>13} {'transformers tok/s':>19}")
     # float32 first: casting the transformers model to bf16 is not undone by casting back.
     names = sorted(args.dtypes.split(","), key=lambda n: n != "float32")

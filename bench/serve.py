@@ -11,14 +11,33 @@ output lengths around their means) so the prefix cache cannot help. Reports requ
 throughput, output tokens/s, TTFT and inter-token latency percentiles; with
 ``--baseline transformers`` it then times transformers' ``generate`` on the same prompts in
 static batches of the same size, and prints the ratio.
+
+``--workload tools`` measures tool calling instead: the same chat questions, each asked
+twice in one run at the same concurrency, first as free chat (no tools, ``ignore_eos``,
+``--output-len`` tokens), then with two function tools and ``tool_choice`` naming one
+(the output constrained to its schema, ending when the call is complete). It reports both
+rows and checks every returned call's arguments against its schema with ``jsonschema``.
+
+``--launch engine-gguf,engine-none,llama`` starts each server in turn on a free port (the
+engine with its GGUF blocks kept, the engine dequantized to bf16, and llama.cpp's
+``llama-server`` from ``--llama-cpp DIR`` with the anchors' fair settings; skipped when
+absent), runs the same load at each of ``--concurrencies``, reads the server's resident
+memory (VmRSS) after the load, stops it, and prints one table:
+
+    python bench/serve.py --launch engine-gguf,engine-none,llama --llama-cpp /work/llama.cpp \
+        --concurrencies 1,32 --num-prompts 64
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import signal
+import socket
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -45,6 +64,7 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], ou
             "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
     result = Result()
     start = last = time.perf_counter()
+    usage_tokens, chunks = None, 0  # a server without streamed usage: one token per chunk
     try:
         async with http.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -58,9 +78,10 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], ou
                     result.error = chunk["error"]["message"]
                     return result
                 if chunk.get("usage"):
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                    usage_tokens = chunk["usage"]["completion_tokens"]
                 if not chunk["choices"] or not chunk["choices"][0]["text"]:
                     continue
+                chunks += 1
                 now = time.perf_counter()
                 if result.ttft == 0.0:
                     result.ttft = now - start
@@ -71,8 +92,127 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], ou
         result.error = repr(exc)
         return result
     result.latency = time.perf_counter() - start
+    result.output_tokens = usage_tokens if usage_tokens is not None else chunks
     result.ok = True
     return result
+
+
+# The tool-calling workload's tools: small, typical agent functions.
+BENCH_TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The current weather in a city.",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 24},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "search_flights", "description": "Flights between two airports on a day.",
+        "parameters": {"type": "object", "properties": {
+            "origin": {"type": "string", "pattern": "^[A-Z]{3}$"},
+            "destination": {"type": "string", "pattern": "^[A-Z]{3}$"},
+            "date": {"type": "string", "pattern": "^2026-[01][0-9]-[0-3][0-9]$"},
+            "passengers": {"type": "integer", "minimum": 1, "maximum": 9}},
+            "required": ["origin", "destination", "date", "passengers"],
+            "additionalProperties": False}}},
+]
+_CITIES = ["Paris", "Lima", "Osaka", "Nairobi", "Oslo", "Quito", "Hanoi", "Perth"]
+
+
+async def one_chat(http: httpx.AsyncClient, model: str, body: dict) -> Result:
+    """Stream one chat completion; count its calls' arguments that fail their schema as
+    an error."""
+    import jsonschema
+
+    body = {**body, "model": model, "stream": True, "stream_options": {"include_usage": True}}
+    result = Result()
+    args: dict[int, str] = {}
+    start = last = time.perf_counter()
+    try:
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result.error = chunk["error"]["message"]
+                    return result
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if not chunk["choices"]:
+                    continue
+                delta = chunk["choices"][0]["delta"]
+                for part in delta.get("tool_calls", ()):
+                    args[part["index"]] = args.get(part["index"], "") + part["function"][
+                        "arguments"]
+                if not (delta.get("content") or delta.get("tool_calls")):
+                    continue
+                now = time.perf_counter()
+                if result.ttft == 0.0:
+                    result.ttft = now - start
+                else:
+                    result.itls.append(now - last)
+                last = now
+    except httpx.HTTPError as exc:
+        result.error = repr(exc)
+        return result
+    if "tool_choice" in body:
+        name = body["tool_choice"]["function"]["name"]
+        schema = next(t["function"]["parameters"] for t in BENCH_TOOLS
+                      if t["function"]["name"] == name)
+        try:
+            jsonschema.validate(json.loads(args.get(0, "")), schema)
+        except (ValueError, jsonschema.ValidationError) as exc:
+            result.error = f"invalid call: {exc}"[:200]
+            return result
+    result.latency = time.perf_counter() - start
+    result.ok = True
+    return result
+
+
+def tool_jobs(args: argparse.Namespace, rng: random.Random) -> list[tuple[dict, dict]]:
+    """(free chat body, forced call body) per question: the same messages in both."""
+    jobs = []
+    for i in range(args.num_prompts):
+        city = rng.choice(_CITIES)
+        if i % 2:
+            question, name = f"What is the weather like in {city} right now?", "get_weather"
+        else:
+            question, name = (f"Find flights from {city} to Tokyo for {1 + i % 4} people "
+                              "next Friday.", "search_flights")
+        messages = [{"role": "user", "content": question}]
+        free = {"messages": messages, "max_tokens": args.output_len, "ignore_eos": True,
+                "temperature": 0}
+        forced = {"messages": messages, "max_tokens": args.output_len, "temperature": 0,
+                  "tools": BENCH_TOOLS,
+                  "tool_choice": {"type": "function", "function": {"name": name}}}
+        jobs.append((free, forced))
+    return jobs
+
+
+async def run_tools(args: argparse.Namespace, jobs: list[tuple[dict, dict]]) -> dict:
+    async with httpx.AsyncClient(base_url=args.base_url, timeout=None,
+                                 limits=httpx.Limits(max_connections=None)) as http:
+        model = args.model or (await http.get("/v1/models")).json()["data"][0]["id"]
+        if args.warmup:
+            await one_chat(http, model, {**jobs[0][1], "max_tokens": 8})
+        rows = {}
+        for label, which in (("free chat", 0), ("forced tool call", 1)):
+            results: list[Result] = []
+            queue = iter([job[which] for job in jobs])
+
+            async def client(results: list[Result] = results, queue=queue) -> None:
+                for body in queue:
+                    results.append(await one_chat(http, model, body))
+
+            start = time.perf_counter()
+            async with trio.open_nursery() as nursery:
+                for _ in range(args.concurrency):
+                    nursery.start_soon(client)
+            rows[label] = summarize(results, time.perf_counter() - start, args)
+    return rows
 
 
 def _lengths(mean: int, ratio: float, rng: random.Random) -> int:
@@ -166,6 +306,89 @@ def print_summary(s: dict) -> None:
         print("error:", error, file=sys.stderr)
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _server_command(kind: str, port: int, args: argparse.Namespace) -> list[str] | None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from engine.models.loader import resolve_model
+
+    model = resolve_model(args.baseline_model)
+    if kind.startswith("engine-"):
+        quant = kind.removeprefix("engine-")
+        return [sys.executable, "-m", "engine", "serve", "--model", str(model), "--port", str(port),
+                "--quantization", quant, "--log-level", "warning"]
+    if kind == "llama":
+        exe = None if args.llama_cpp is None else args.llama_cpp / "bin" / "llama-server"
+        if exe is None or not exe.is_file():
+            print(f"llama-server not found under {args.llama_cpp}; skipped", file=sys.stderr)
+            return None
+        # The anchors' fair settings for this 2-core machine (../shared/anchors/).
+        return [str(exe), "-m", str(model), "-t", "2", "-tb", "2", "-c", "16384", "-np", "32",
+                "-b", "512", "-ub", "512", "--host", "127.0.0.1", "--port", str(port)]
+    raise SystemExit(f"unknown server {kind!r}: engine-gguf, engine-none or llama")
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"server at {url} not ready after {timeout} s")
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def launch_and_compare(args: argparse.Namespace) -> int:
+    """Each server of --launch in turn, the same load at each concurrency, one table."""
+    rows = []
+    for kind in args.launch.split(","):
+        port = _free_port()
+        cmd = _server_command(kind, port, args)
+        if cmd is None:
+            continue
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _wait_ready(url, proc)
+            for concurrency in (int(c) for c in args.concurrencies.split(",")):
+                run_args = argparse.Namespace(**{**vars(args), "base_url": url, "concurrency": concurrency,
+                                                 "request_rate": 0.0})
+                rng = random.Random(args.seed)
+                summary = trio.run(run, run_args, make_jobs(run_args, rng), rng)
+                rows.append((kind, concurrency, summary, _rss_mib(proc.pid)))
+                print(f"{kind} c={concurrency}: {summary['output_tokens_per_s']:.1f} tok/s", file=sys.stderr)
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    print("| server | concurrency | output tok/s | TTFT p50 / p90 ms | ITL p50 / p90 ms | failed | RSS after MiB |")
+    print("|---|---|---|---|---|---|---|")
+    for kind, c, s_, rss in rows:
+        print(f"| {kind} | {c} | {s_['output_tokens_per_s']:.1f} | {s_['p50_ttft_s'] * 1e3:.0f} / "
+              f"{s_['p90_ttft_s'] * 1e3:.0f} | {s_['p50_itl_s'] * 1e3:.1f} / {s_['p90_itl_s'] * 1e3:.1f} | "
+              f"{s_['failed']} | {rss:.0f} |")
+    return 0 if all(r[2]["failed"] == 0 for r in rows) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -181,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--workload", choices=("completions", "tools"), default="completions",
+                   help="tools: free chat vs forced tool calls on the same questions")
     p.add_argument("--baseline", choices=("none", "transformers"), default="none",
                    help="after the run, time transformers' generate on the same prompts in "
                         "static batches of --concurrency (the server should be idle by then)")
@@ -188,8 +413,22 @@ def main(argv: list[str] | None = None) -> int:
                    help="the model the server runs (default: the engine's default model)")
     p.add_argument("--baseline-dtype", default="auto",
                    help="as the server's --dtype (auto resolves as the engine does)")
+    p.add_argument("--launch", default=None,
+                   help="start and compare servers in turn: engine-gguf,engine-none,llama")
+    p.add_argument("--concurrencies", default="1,32", help="with --launch: the loads to run")
+    p.add_argument("--llama-cpp", type=Path, default=None,
+                   help="with --launch llama: a llama.cpp build (DIR/bin/llama-server)")
     args = p.parse_args(argv)
+    if args.launch:
+        return launch_and_compare(args)
     rng = random.Random(args.seed)
+    if args.workload == "tools":
+        rows = trio.run(run_tools, args, tool_jobs(args, rng))
+        for label, row in rows.items():
+            print(json.dumps({"workload": label, **row}) if args.json else f"== {label}")
+            if not args.json:
+                print_summary(row)
+        return 0 if all(row["failed"] == 0 for row in rows.values()) else 1
     jobs = make_jobs(args, rng)
     summary = trio.run(run, args, jobs, rng)
     if args.baseline == "transformers":

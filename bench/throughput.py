@@ -1,6 +1,7 @@
 """Offline throughput: the actor engine against transformers' static batches, same prompts.
 
     .venv/bin/python bench/throughput.py [--model PATH] [--dtype float32] [--num-prompts 32]
+    .venv/bin/python bench/throughput.py --tiny-moe mixtral   # a random 8-expert MoE model
 
 Two workloads, both with ``ignore_eos`` so every request makes exactly its output length:
 
@@ -53,8 +54,9 @@ class Workload:
 
 def workloads(vocab: int, num_prompts: int, seed: int) -> list[Workload]:
     rng = random.Random(seed)
-    # Ids from the middle of the vocabulary: ordinary tokens, no specials at the start.
-    lo, hi = 1000, min(vocab, 40000) - 1
+    # Ids from the middle of the vocabulary: ordinary tokens, no specials at the start
+    # (a tiny test vocabulary of a few hundred ids: its upper three quarters).
+    lo, hi = min(1000, vocab // 4), min(vocab, 40000) - 1
 
     def prompt(n: int) -> list[int]:
         return [rng.randint(lo, hi) for _ in range(n)]
@@ -143,6 +145,22 @@ def _in_own_thread(fn: Any, *args: Any, **kwargs: Any) -> Any:
         return pool.submit(fn, *args, **kwargs).result()
 
 
+# Tiny but not trivial: 8 layers of 8 experts, top 2 (Qwen3-MoE: top 4 of 16, as its
+# family routes more experts), hidden 256, experts of 512 (Mixtral) / 256 (Qwen3-MoE).
+# Random weights; the tokenizer is the test models' 384-token BPE.
+_MOE_COMMON = {
+    "hidden_size": 256, "num_hidden_layers": 8, "num_attention_heads": 8,
+    "num_key_value_heads": 4, "max_position_embeddings": 1024,
+}
+TINY_MOE_SHAPES: dict[str, dict[str, Any]] = {
+    "mixtral": _MOE_COMMON | {"intermediate_size": 512, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen3_moe": _MOE_COMMON | {
+        "head_dim": 32, "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 256,
+        "intermediate_size": 1024, "mlp_only_layers": [],
+    },
+}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
@@ -154,7 +172,18 @@ def main() -> int:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--only", choices=("fixed", "random"), default=None)
     parser.add_argument("--repeat", type=int, default=1, help="alternate async on/off this many times")
+    parser.add_argument(
+        "--tiny-moe", choices=sorted(TINY_MOE_SHAPES), default=None,
+        help="write a random-weight mixture-of-experts model (see TINY_MOE_SHAPES) and use it",
+    )
     args = parser.parse_args()
+    if args.tiny_moe:
+        import tempfile
+
+        from engine.models.testing import write_tiny_model
+
+        folder = Path(tempfile.mkdtemp(prefix=f"bench-{args.tiny_moe}-"))
+        args.model = str(write_tiny_model(folder, args.tiny_moe, overrides=TINY_MOE_SHAPES[args.tiny_moe]))
 
     import torch
 

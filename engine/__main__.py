@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from engine.config import DTYPES, parse_memory
+from engine.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, parse_memory
 
 EXIT_BAD_INPUT = 2  # like argparse's own usage errors
 
@@ -23,6 +23,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=None, help="a Hugging Face folder or a .gguf file (default: SmolLM2-135M-Instruct)")
     group.add_argument("--dtype", default="auto", choices=DTYPES)
+    group.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
+                       help="auto/gguf: keep a GGUF's quantized blocks (CPU); none: dequantize")
     group.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--max-num-seqs", type=int, default=None)
@@ -30,6 +32,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--block-size", type=int, default=None)
     group.add_argument("--kv-cache-memory", type=parse_memory, default=None,
                        help="bytes (512MiB, 2GB) or a fraction of free memory (0.5)")
+    group.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
+                       help="K/V storage: auto (the model dtype), int8 or fp8")
     group.add_argument("--no-prefix-caching", action="store_true")
     group.add_argument(
         "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -40,9 +44,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The EngineConfig fields the user set on the command line."""
-    options: dict[str, Any] = {"dtype": args.dtype, "device": args.device}
+    options: dict[str, Any] = {"dtype": args.dtype, "device": args.device, "quantization": args.quantization}
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                 "kv_cache_memory", "ops_backend"):
+                 "kv_cache_memory", "kv_cache_dtype", "ops_backend"):
         value = getattr(args, name)
         if value is not None:
             options[name] = value

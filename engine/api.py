@@ -14,35 +14,27 @@ The contract is written down in ``docs/architecture.md`` ("Actors and the embedd
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
-from engine.actors.router import OutputMailbox, sample_ids
-from engine.actors.system import (
-    ActorHandles,
-    EngineParts,
-    EngineStatistics,
-    build_parts,
-    run_actors,
-)
+from engine.actors.router import OutputMailbox
+from engine.actors.system import ActorHandles, EngineStatistics, run_actors
+from engine.chat import session as chat_session
+from engine.chat.request import TemplateOptions
+from engine.chat.session import ChatChunk, ChatResult
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError, InvalidParamError
-from engine.messages import (
-    ChatPrompt,
-    RequestOutput,
-    SubmitRequest,
-    TextPrompt,
-    TokensPrompt,
-)
-from engine.params import SamplingParams
+from engine.core import admission
+from engine.errors import EngineDeadError, InvalidParamError, RequestFailedError
+from engine.loading import EngineParts, build_parts
+from engine.messages import RequestOutput
+from engine.params import SamplingParams, generation_defaults
 
 logger = logging.getLogger("engine")
 
@@ -53,7 +45,9 @@ class RequestStream:
     Use it as an async context manager (or call :meth:`aclose`): leaving before the last
     output aborts the request and frees its KV blocks. With ``n > 1`` every sample's
     outputs come through this one stream, tagged with ``.index``; the stream ends once all
-    samples have finished. If the engine dies, iteration raises :class:`EngineDeadError`.
+    samples have finished. If the engine dies, iteration raises :class:`EngineDeadError`;
+    if the request fails inside the engine (see ``StepResult.failed``), it raises
+    :class:`RequestFailedError` and the engine goes on.
     """
 
     def __init__(self, engine: Engine, mailbox: OutputMailbox) -> None:
@@ -71,7 +65,7 @@ class RequestStream:
             raise StopAsyncIteration
         try:
             return await self._mailbox.receive()
-        except (StopAsyncIteration, EngineDeadError):
+        except (StopAsyncIteration, EngineDeadError, RequestFailedError):
             self._closed = True
             raise
 
@@ -98,6 +92,48 @@ class RequestStream:
         if not getattr(self, "_closed", True):
             self._closed = True
             self._engine._drop_soon(self._mailbox)
+
+
+class StreamLike(Protocol):
+    """What the HTTP layer uses of a :class:`RequestStream`."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+
+    def __aiter__(self) -> StreamLike: ...
+
+    async def __anext__(self) -> RequestOutput: ...
+
+    async def __aenter__(self) -> StreamLike: ...
+
+    async def __aexit__(self, *exc_info: object) -> None: ...
+
+
+class EngineLike(Protocol):
+    """What the HTTP layer uses of an :class:`Engine` (the HTTP tests' fake implements it)."""
+
+    config: EngineConfig
+    model_name: str
+    tokenizer: Any  # engine.models.tokenizer.Tokenizer
+    max_model_len: int
+    sampling_defaults: dict[str, Any]
+    dead: bool
+    dead_reason: BaseException | None
+
+    async def submit(
+        self,
+        prompt: str | Sequence[int] | Sequence[dict[str, Any]],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        chat_options: TemplateOptions | None = None,
+    ) -> StreamLike: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def statistics(self) -> EngineStatistics: ...
 
 
 class _Generation:
@@ -132,7 +168,10 @@ class Engine:
     """A running engine: submit requests, read statistics, abort. Made by :func:`open_engine`.
 
     Attributes: ``config`` (resolved), ``model_name``, ``tokenizer``, ``max_model_len``,
-    ``dead`` and ``dead_reason`` (the exception that killed it, or the closing error).
+    ``sampling_defaults`` (the model's generation_config.json sampling fields in force,
+    ``{}`` with ``generation_config="none"``; a request submitted without params uses
+    them, and the HTTP server fills the fields a body leaves out), ``dead`` and
+    ``dead_reason`` (the exception that killed it, or the closing error).
     """
 
     def __init__(self, parts: EngineParts) -> None:
@@ -140,8 +179,17 @@ class Engine:
         self.model_name: str = parts.model_name
         self.tokenizer = parts.tokenizer
         self.max_model_len: int = parts.limits.max_model_len
+        self.sampling_defaults: dict[str, Any] = (
+            generation_defaults(dict(parts.tokenizer.generation_config))
+            if parts.config.generation_config == "auto" else {})
         self.dead = False
         self.dead_reason: BaseException | None = None
+        # Self-healing: a crash restarts the actors in place (weights kept, a fresh KV pool
+        # and scheduler) up to config.max_engine_restarts times; while that runs, submits
+        # fail with EngineDeadError and /health answers 503.
+        self.restarting = False
+        self.restarts = 0
+        self._dead_event = trio.Event()
         self._parts = parts
         self._handles: ActorHandles | None = None
         self._token = trio.lowlevel.current_trio_token()
@@ -156,41 +204,45 @@ class Engine:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        chat_options: TemplateOptions | None = None,
     ) -> RequestStream:
         """Validate, tokenize and queue a request; returns its stream once admitted.
 
         ``prompt`` is a string (tokenized with special tokens), a list of token ids, or a
-        list of chat messages (``{"role", "content"}`` dicts; the chat template applies).
+        list of chat messages (``{"role", "content"}`` dicts; the chat template applies,
+        with ``chat_options``: tools, template, template kwargs, generation prompt or
+        prefill).
         Raises :class:`InvalidParamError`, :class:`PromptTooLongError`,
         :class:`QueueFullError` (the request is not queued) or :class:`EngineDeadError`.
+        Admission runs here, in the caller's task; a cancellation before it returns leaves
+        nothing behind (nothing is sent before the last await).
         """
-        handles = self._alive()
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidParamError("params must be an engine.SamplingParams", param="params")
-        message = SubmitRequest(
-            request_id=request_id if request_id is not None else uuid.uuid4().hex,
-            prompt=_prompt_message(prompt),
-            params=params,
-            priority=_int_param(priority, "priority"),
-            cache_salt=_salt(cache_salt),
-            arrival_time=time.monotonic(),
+        await trio.lowlevel.checkpoint()
+        self._alive()
+        if params is None:
+            params = SamplingParams(**self.sampling_defaults)
+        submit = admission.submit_request(
+            prompt, params, request_id=request_id if request_id is not None else uuid.uuid4().hex,
+            priority=priority, cache_salt=cache_salt, arrival_time=time.monotonic(),
+            chat_options=chat_options.to_json() if chat_options is not None else None,
         )
-        mailbox = handles.router.open(message.request_id, params.n)
-        sent = admitted = False
+        if admission.prompt_chars(submit.prompt) > admission.THREAD_PROMPT_CHARS:
+            # Pure and quick to drop: a cancelled caller need not wait for it.
+            ids = await trio.to_thread.run_sync(
+                admission.prompt_token_ids, self.tokenizer, submit.prompt, abandon_on_cancel=True
+            )
+        else:
+            ids = admission.prompt_token_ids(self.tokenizer, submit.prompt)
+        handles = self._alive()  # it may have died while a thread tokenized
+        admitted = admission.admit(submit, ids, self._parts.limits, waiting=handles.queue_depth())
+        # No await from here on: the mailbox opens and the samples go to the scheduler in
+        # one go, so no cancellation can fall between them.
+        mailbox = handles.router.open(admitted)
         try:
-            try:
-                await handles.submit.send(message)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                raise self._dead_error() from self.dead_reason
-            sent = True
-            await mailbox.wait_admitted()
-            admitted = True
-        finally:
-            if not sent:  # a send that raised (even Cancelled) delivered nothing
-                handles.router.forget(message.request_id)
-            elif not admitted:  # rejected, cancelled, or the engine died: forget it
-                self._drop(mailbox)
+            handles.send(admitted)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            handles.router.close(mailbox)
+            raise self._dead_error() from self.dead_reason
         return RequestStream(self, mailbox)
 
     def generate(
@@ -206,17 +258,24 @@ class Engine:
         """
         return _Generation(self, (prompt, params), kwargs)
 
+    async def chat(self, messages: Sequence[dict[str, Any]], params: SamplingParams | None = None,
+                   **options: Any) -> ChatResult:
+        """One chat turn with tools and reasoning parsed into typed values; see
+        :func:`engine.chat.session.chat` for ``options`` (tools, tool_choice, ...)."""
+        return await chat_session.chat(self, messages, params, **options)
+
+    def chat_stream(self, messages: Sequence[dict[str, Any]], params: SamplingParams | None = None,
+                    **options: Any) -> AsyncIterator[ChatChunk]:
+        """:meth:`chat` streamed as :class:`engine.chat.session.ChatChunk` values."""
+        return chat_session.chat_stream(self, messages, params, **options)
+
     def abort(self, request_id: str) -> None:
         """Abort a request from outside its stream (idempotent). Its stream gets a last
         output with ``finish_reason == "abort"`` for each unfinished sample."""
-        if self._handles is None:
-            return
-        mailbox = self._handles.router.get(request_id)
-        if mailbox is None or mailbox.abort_requested:
-            return
-        mailbox.abort_requested = True
-        if mailbox.admitted:
-            self._handles.abort(mailbox.sample_ids)
+        if self._handles is not None:
+            mailbox = self._handles.router.get(request_id)
+            if mailbox is not None:
+                self._handles.abort(mailbox.abort())
 
     def statistics(self) -> EngineStatistics:
         """A frozen snapshot of the scheduler's and the KV pool's counters."""
@@ -226,7 +285,14 @@ class Engine:
 
     # -- internals --------------------------------------------------------------------------
 
+    @property
+    def serving(self) -> bool:
+        """True while the engine takes requests (not dead, not restarting)."""
+        return not (self.dead or self.restarting) and self._handles is not None
+
     def _alive(self) -> ActorHandles:
+        if self.restarting:
+            raise EngineDeadError("the engine is restarting after a crash; retry shortly")
         if self.dead or self._handles is None:
             raise self._dead_error() from self.dead_reason
         return self._handles
@@ -238,11 +304,8 @@ class Engine:
 
     def _drop(self, mailbox: OutputMailbox) -> None:
         """The caller no longer reads this request: forget its outputs, abort it."""
-        if self._handles is None:
-            return
-        self._handles.router.close(mailbox.request_id)
-        if mailbox.admitted and not mailbox.done:
-            self._handles.abort(mailbox.sample_ids)
+        if self._handles is not None:
+            self._handles.abort(self._handles.router.close(mailbox))
 
     def _drop_soon(self, mailbox: OutputMailbox) -> None:
         try:
@@ -250,38 +313,70 @@ class Engine:
         except trio.RunFinishedError:
             pass  # the trio run is over; so is the engine
 
+    async def wait_dead(self) -> None:
+        """Wait until the engine is dead for good: a crash past its restart limit, or the
+        ``open_engine`` block being left. (A server exits then, for a supervisor to act.)"""
+        await self._dead_event.wait()
+
     def _die(self, reason: BaseException) -> None:
         if self.dead:
             return
         self.dead = True
+        self.restarting = False
         self.dead_reason = reason
+        self._dead_event.set()
         if self._handles is not None:
             error = self._dead_error()
             error.__cause__ = reason
             self._handles.router.fail_all(error)
 
     async def _run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run the actors until cancelled; a crash marks the engine dead instead of
-        propagating, so the caller's ``async with`` block goes on (an HTTP server keeps
-        answering /health with 503)."""
+        """Run the actors until cancelled. A crash never propagates: the requests in
+        flight fail with :class:`EngineDeadError` (chained from the crash), and the actors
+        restart in place, up to ``config.max_engine_restarts`` times; past that the engine
+        stays dead, so the caller's ``async with`` block goes on (an HTTP server keeps
+        answering /health with 503 and its CLI exits non-zero)."""
         started = False
 
         def ready(handles: ActorHandles) -> None:
             nonlocal started
             self._handles = handles
-            started = True
-            task_status.started()
-
-        try:
-            await run_actors(self._parts, ready=ready)
-        except* Exception as group:
+            self.restarting = False
             if not started:
-                raise
-            crash = _single(group)
-            logger.error("engine actor crashed: %r", crash, exc_info=crash)
-            self._die(crash)
-        else:
-            self._die(EngineDeadError("the engine's actors stopped"))
+                started = True
+                task_status.started()
+
+        while True:
+            crash: BaseException | None = None
+            try:
+                await run_actors(self._parts, ready=ready)
+            except* Exception as group:
+                if not started:
+                    raise
+                crash = _single(group)
+            if crash is None:
+                self._die(EngineDeadError("the engine's actors stopped"))
+                return
+            limit = self.config.max_engine_restarts
+            if self.restarts >= limit:
+                logger.error("engine actor crashed; restart limit (%d) reached, the engine "
+                             "stays dead: %r", limit, crash, exc_info=crash)
+                self._die(crash)
+                return
+            self.restarts += 1
+            logger.error("engine actor crashed; restarting its actors (restart %d of %d): %r",
+                         self.restarts, limit, crash, exc_info=crash)
+            self.restarting = True
+            self._fail_in_flight(crash)
+            # The executor never abandons a step, so the runner is idle here; it forgets
+            # every request, and the new actors bring a fresh KV pool and scheduler.
+            self._parts.runner.reset()
+
+    def _fail_in_flight(self, crash: BaseException) -> None:
+        if self._handles is not None:
+            error = EngineDeadError("the engine crashed while serving this request; it is restarting")
+            error.__cause__ = crash
+            self._handles.router.fail_all(error)
 
 
 # An actor that crashes closes its channel ends on the way out, so a neighbour blocked on
@@ -302,35 +397,6 @@ def _leaves(exc: BaseException) -> Any:
             yield from _leaves(inner)
     else:
         yield exc
-
-
-def _prompt_message(prompt: Any) -> TextPrompt | TokensPrompt | ChatPrompt:
-    if isinstance(prompt, str):
-        return TextPrompt(prompt)
-    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-        try:
-            return ChatPrompt(json.dumps(list(prompt)))
-        except (TypeError, ValueError) as exc:
-            raise InvalidParamError(f"chat messages must be JSON values: {exc}", param="messages") from exc
-    if isinstance(prompt, (list, tuple)) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
-    ):
-        return TokensPrompt(tuple(prompt))
-    raise InvalidParamError(
-        "prompt must be a string, a list of token ids or a list of chat messages", param="prompt"
-    )
-
-
-def _int_param(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidParamError(f"{name} must be an integer, got {value!r}", param=name)
-    return value
-
-
-def _salt(value: Any) -> str | None:
-    if value is not None and not isinstance(value, str):
-        raise InvalidParamError("cache_salt must be a string", param="cache_salt")
-    return value
 
 
 def _config(model: str | None, config: EngineConfig | None, options: dict[str, Any]) -> EngineConfig:
@@ -381,9 +447,10 @@ async def open_engine(
 
 __all__ = [
     "Engine",
+    "EngineLike",
     "EngineStatistics",
     "RequestOutput",
     "RequestStream",
+    "StreamLike",
     "open_engine",
-    "sample_ids",
 ]

@@ -8,6 +8,10 @@ import dataclasses
 from engine.errors import InvalidParamError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# "auto" stores K/V in the model dtype; int8 and fp8 (e4m3) store 8-bit codes plus a scale
+# per token and KV head (engine.ops.QuantizedKV).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+QUANTIZATIONS = ("auto", "gguf", "none")  # see engine.models.loader
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -22,6 +26,9 @@ class EngineConfig:
     model: str | None = None  # a HF folder or a .gguf file; None is the default SmolLM2
     served_model_name: str | None = None
     dtype: str = "auto"
+    # "auto"/"gguf": a GGUF's block-quantized matrices stay in their blocks (CPU); "none":
+    # dequantize every weight to dtype at load.
+    quantization: str = "auto"
     device: str = "auto"  # "auto" picks cuda when available, else cpu
     ops_backend: str = "auto"  # "auto", "torch", "cpu" or "triton"; see engine.ops.get_ops
     max_model_len: int | None = None
@@ -31,6 +38,7 @@ class EngineConfig:
     # 2 GiB default: ample for SmolLM2's 30 layers x 3 KV heads x 64 dims (about 46 KB a
     # token in fp32), i.e. ~46k tokens, without taking a shared CPU machine's memory.
     kv_cache_memory: int | float = 2 * 1024**3
+    kv_cache_dtype: str = "auto"  # see KV_CACHE_DTYPES
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # "fcfs" or "priority"
     max_queued_requests: int = 1024
@@ -39,14 +47,30 @@ class EngineConfig:
     # no gain while costing each new request one more step before its first token.
     async_scheduling: bool | None = None
     seed: int = 0
+    # "auto": generation_config.json's sampling defaults (temperature, top_p, top_k, min_p,
+    # repetition_penalty) apply to requests that leave them out, as in vLLM; "none": the
+    # engine's own defaults (temperature 1, no truncation).
+    generation_config: str = "auto"
+    # Times the actors restart in place after a crash before the engine stays dead. 0 for
+    # the embedded API: a crash is a bug the caller sees; `serve` defaults to 5.
+    max_engine_restarts: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise InvalidParamError(f"dtype must be one of {DTYPES}, got {self.dtype!r}", param="dtype")
+        if self.quantization not in QUANTIZATIONS:
+            raise InvalidParamError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}", param="quantization")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise InvalidParamError(f"device must be auto, cpu or cuda[:N], got {self.device!r}", param="device")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidParamError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
+                param="kv_cache_dtype",
+            )
         if self.ops_backend not in ("auto", "torch", "cpu", "triton"):
             raise InvalidParamError(f"ops_backend must be auto, torch, cpu or triton, got {self.ops_backend!r}", param="ops_backend")
+        if self.generation_config not in ("auto", "none"):
+            raise InvalidParamError(f"generation_config must be auto or none, got {self.generation_config!r}", param="generation_config")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise InvalidParamError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}", param="scheduling_policy")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_queued_requests"):
@@ -55,6 +79,9 @@ class EngineConfig:
                 raise InvalidParamError(f"{name} must be a positive integer, got {value!r}", param=name)
         if self.block_size & (self.block_size - 1):
             raise InvalidParamError(f"block_size must be a power of two, got {self.block_size}", param="block_size")
+        restarts = self.max_engine_restarts
+        if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
+            raise InvalidParamError(f"max_engine_restarts must be a non-negative integer, got {restarts!r}", param="max_engine_restarts")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidParamError(f"max_model_len must be positive, got {self.max_model_len}", param="max_model_len")
         mem = self.kv_cache_memory

@@ -6,8 +6,12 @@ Two families matter to a caller:
   parameters, a prompt longer than the context, an unknown model name). The engine keeps
   serving every other request. They subclass :class:`ValueError` so ``except ValueError``
   catches validation failures the usual Python way.
-* :class:`EngineDeadError`: an actor crashed. Every in-flight request and every later
-  call fails with it; the engine must be reopened.
+* :class:`RequestFailedError`: one admitted request failed inside the engine (its logits
+  held NaN or masked every token, or the model step it was in raised). Only that request
+  (or only that step's requests) fails; the engine goes on serving (HTTP 500).
+* :class:`EngineDeadError`: an actor crashed. Every in-flight request fails with it; the
+  engine restarts its actors (see ``max_engine_restarts``) or, past its restart limit,
+  stays dead and later calls fail with it too.
 
 :class:`ModelLoadError` and its subclasses come from loading weights and tokenizers, before
 any request exists.
@@ -53,6 +57,11 @@ class PromptTooLongError(RequestError):
 
 class QueueFullError(EngineError):
     """Admission control: the waiting queue is at its limit. Try again later (HTTP 429)."""
+
+
+class RequestFailedError(EngineError):
+    """An admitted request failed inside the engine; others go on. The message says why
+    in the engine's own words (never an internal exception's text)."""
 
 
 class EngineDeadError(EngineError):

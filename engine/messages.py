@@ -74,15 +74,28 @@ class PromptLogprobs:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class RequestFailure:
+    """One request failed in a step: its logits could not be sampled (NaN, +inf, every
+    token masked) or the step raised. ``reason`` is the engine's own words, fit for a
+    client (never an internal exception's text)."""
+
+    request_id: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class StepResult:
     step_id: int
     sampled: tuple[SampledToken, ...]
     forward_seconds: float  # model forward + sampling, for the per-step overhead figure
     # For requests that asked for prompt_logprobs, what this step's chunks scored.
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()
+    # Requests of this step that failed: they drew no token and their chunk's KV writes
+    # must not be cached; the runner has dropped their state.
+    failed: tuple[RequestFailure, ...] = ()
 
 
-# --- caller -> processor ------------------------------------------------------------------
+# --- caller -> admission (engine/core/admission.py, in the caller's task) ----------------
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -109,12 +122,16 @@ class ChatPrompt:
     """
 
     messages_json: str
+    # The chat template's options as JSON keyword arguments of
+    # Tokenizer.apply_chat_template (tools, chat_template, chat_template_kwargs,
+    # add_generation_prompt, continue_final_message); "{}" renders with the defaults.
+    options_json: str = "{}"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SubmitRequest:
-    """A caller asks for a completion; the processor answers the router with
-    :class:`RequestAdmitted` or :class:`RequestRejected` under the same ``request_id``."""
+    """What a caller asks for, checked for types; :func:`engine.core.admission.admit`
+    turns it into an :class:`AdmittedRequest` or raises the request's error."""
 
     request_id: str
     prompt: TextPrompt | TokensPrompt | ChatPrompt
@@ -124,39 +141,16 @@ class SubmitRequest:
     arrival_time: float
 
 
-# --- processor -> router (admission replies) ----------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RequestAdmitted:
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RequestRejected:
-    """Admission failed; ``error_type`` names an ``engine.errors`` class (``PromptTooLongError``
-    also carries its three counts so the caller gets the same exception back)."""
-
-    request_id: str
-    error_type: str
-    message: str
-    param: str | None
-    prompt_tokens: int = 0
-    max_tokens: int = 0
-    max_model_len: int = 0
-
-
-# --- processor -> detokenizer and scheduler -----------------------------------------------
+# --- caller -> scheduler (-> detokenizer) ------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class DetokenizerRequest:
-    """The detokenizer's view of one sample: ``request_id`` is the sample's engine id
-    (``f"{parent_id}-{index}"`` when ``n > 1``), outputs go out under ``parent_id``/``index``."""
+    """The detokenizer's view of one sample; its outputs go out under ``request_id`` and
+    ``index`` (the sample's place among the request's ``n``)."""
 
+    sample_id: str
     request_id: str
-    parent_id: str
     index: int
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
@@ -167,7 +161,7 @@ class SchedulerRequest:
     """One sample for the scheduler. ``wait_for`` names the sample whose prompt blocks this
     one waits for, so that it reuses them through the prefix cache (``n > 1``)."""
 
-    request_id: str
+    sample_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     eos_token_ids: tuple[int, ...]
@@ -178,21 +172,36 @@ class SchedulerRequest:
     wait_for: str | None
 
 
-# --- router / detokenizer -> scheduler (control) ------------------------------------------
+@dataclasses.dataclass(frozen=True, slots=True)
+class AdmittedRequest:
+    """A request past admission, sent by the caller's task to the scheduler. The scheduler
+    passes ``outputs`` on to the detokenizer before it adds ``samples``, so the detokenizer
+    knows every sample before its first token: the order holds by construction."""
+
+    request_id: str
+    samples: tuple[SchedulerRequest, ...]
+    outputs: tuple[DetokenizerRequest, ...]
+
+    @property
+    def sample_ids(self) -> tuple[str, ...]:
+        return tuple(s.sample_id for s in self.samples)
+
+
+# --- callers / detokenizer -> scheduler (control) -----------------------------------------
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class AbortRequests:
+class AbortSamples:
     """The callers no longer want these samples: finish them as ``abort`` and free blocks."""
 
-    request_ids: tuple[str, ...]
+    sample_ids: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StopStringHit:
     """The detokenizer saw a stop string: the scheduler finishes the sample as ``stop``."""
 
-    request_id: str
+    sample_id: str
     stop: str
 
 
@@ -203,11 +212,13 @@ class StopStringHit:
 class TokenDelta:
     """New tokens of one sample in one step, and how it finished if it did."""
 
-    request_id: str
+    sample_id: str
     token_ids: tuple[int, ...]
     logprobs: tuple[SampledToken, ...]  # one per token when the sample asked for logprobs
-    finish_reason: str | None  # "stop", "length", "abort" or None while running
-    stop_reason: str | int | None  # the stop token id that ended it
+    finish_reason: str | None  # "stop", "length", "error" or None while running ("abort"
+    # inside the detokenizer only, for a SamplesAborted)
+    stop_reason: str | int | None  # the stop token id that ended it; "error": the reason
+    num_cached_tokens: int = 0  # prompt tokens its first table took from the prefix cache
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -215,6 +226,17 @@ class StepOutputs:
     step_id: int
     deltas: tuple[TokenDelta, ...]
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()  # passed on from the StepResult
+    # (sample id, time.monotonic()) of samples whose first delta this is: when the
+    # scheduler first gave them a step (queue, prefill and inference time metrics).
+    scheduled: tuple[tuple[str, float], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SamplesAborted:
+    """The scheduler finished these live samples as ``abort``: each one's stream ends with
+    an ``"abort"`` output."""
+
+    sample_ids: tuple[str, ...]
 
 
 # --- detokenizer -> router -> caller ------------------------------------------------------
@@ -231,6 +253,7 @@ class TokenLogprob:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -239,7 +262,8 @@ class RequestOutput:
 
     ``finish_reason`` is ``"stop"``, ``"length"`` or ``"abort"`` on the last output of a
     sample (``finished`` true) and ``None`` before; ``stop_reason`` is the stop string or stop
-    token that ended it. ``usage`` is set on finished outputs only. With
+    token that ended it. (``"error"``, with the reason in ``stop_reason``, travels from the
+    detokenizer to the router only: a caller gets :class:`engine.errors.RequestFailedError`.) ``usage`` is set on finished outputs only. With
     ``prompt_logprobs`` asked for, a sample's first output carries one entry per prompt
     token, ``None`` for the first (nothing scores it), as vLLM's ``prompt_logprobs``.
     """
@@ -254,6 +278,9 @@ class RequestOutput:
     logprobs: tuple[TokenLogprob, ...] | None
     usage: Usage | None
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    # On a sample's first output: when (time.monotonic()) the scheduler first gave it a
+    # step, so a front end can tell queueing from prefill.
+    scheduled_time: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -389,6 +416,30 @@ class RequestFreed:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class ReleaseBlocks:
+    """No layer reads the request's first ``num_blocks`` blocks any more (every layer of
+    the model slides a window past them): the pool drops the request's reference to each
+    one not released yet; the table keeps their places (the scheduler sends the runner
+    :data:`NULL_BLOCK` there). A block not yet in the prefix cache ends the request's
+    caching: its later blocks could no longer chain to it. Answered with
+    :class:`BlocksReleased`."""
+
+    request_id: str
+    num_blocks: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlocksReleased:
+    request_id: str
+    num_released_blocks: int  # leading blocks of the table released so far
+
+
+# The block id standing in a table for a released block. Attention never reads a released
+# position (it is outside every layer's window), so any valid id does.
+NULL_BLOCK = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ReadAllocatorStats:
     """Ask for an :class:`AllocatorStats` snapshot."""
 
@@ -406,5 +457,7 @@ class AllocatorStats:
     prefix_cache_hits: int
 
 
-AllocatorCall = AllocateSlots | CacheBlocks | FreeRequest | ReadAllocatorStats
-AllocatorReply = SlotsAllocated | AllocationRefused | BlocksCached | RequestFreed | AllocatorStats
+AllocatorCall = AllocateSlots | CacheBlocks | ReleaseBlocks | FreeRequest | ReadAllocatorStats
+AllocatorReply = (
+    SlotsAllocated | AllocationRefused | BlocksCached | BlocksReleased | RequestFreed | AllocatorStats
+)

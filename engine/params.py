@@ -10,6 +10,15 @@ from engine.errors import InvalidParamError
 
 # Any unseeded request draws from the engine's generator; seeds are 64-bit like OpenAI's.
 _MAX_SEED = 2**63 - 1
+# Stop strings are matched against each step's text: OpenAI allows 4; 32 strings of up to
+# 512 characters cover every chat format we know of and keep a step's matching cheap.
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 512
+# Token ids are int32 on the device; the vocabulary check proper happens at admission.
+_MAX_TOKEN_ID = 2**31 - 1
+# Penalties outside these make logits overflow to inf or vanish (repetition_penalty=1e-320
+# divided logits into +inf); vLLM's useful range is well inside.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,19 +86,30 @@ class SamplingParams:
         _float(self.min_p, "min_p", lo=0.0, hi=1.0)
         if self.seed is not None:
             _int(self.seed, "seed", lo=-_MAX_SEED - 1, hi=_MAX_SEED)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidParamError(
+                f"stop holds {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed",
+                param="stop",
+            )
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidParamError("stop must hold non-empty strings", param="stop")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise InvalidParamError(
+                    f"a stop string is {len(s)} characters; at most {MAX_STOP_STRING_CHARS} "
+                    "are allowed", param="stop",
+                )
         for t in self.stop_token_ids:
-            _int(t, "stop_token_ids", lo=0)
+            _int(t, "stop_token_ids", lo=0, hi=_MAX_TOKEN_ID)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParamError(f"{name} must be true or false, got {getattr(self, name)!r}", param=name)
         _float(self.presence_penalty, "presence_penalty", lo=-2.0, hi=2.0)
         _float(self.frequency_penalty, "frequency_penalty", lo=-2.0, hi=2.0)
-        _float(self.repetition_penalty, "repetition_penalty", lo=0.0, hi=100.0, lo_open=True)
+        lo, hi = REPETITION_PENALTY_RANGE
+        _float(self.repetition_penalty, "repetition_penalty", lo=lo, hi=hi)
         for tok, bias in self.logit_bias:
-            _int(tok, "logit_bias", lo=0)
+            _int(tok, "logit_bias", lo=0, hi=_MAX_TOKEN_ID)
             _float(bias, "logit_bias", lo=-100.0, hi=100.0)
         if self.logprobs is not None:
             # OpenAI allows up to 20 top logprobs; vLLM's default limit is the same.
@@ -144,3 +164,26 @@ def _float(
     if (value <= lo if lo_open else value < lo) or value > hi:
         left = "(" if lo_open else "["
         raise InvalidParamError(f"{name} must be in {left}{lo}, {hi}], got {value}", param=name)
+
+
+# generation_config.json keys a model's authors set as its sampling defaults; the names
+# are SamplingParams' too. As in vLLM, ``do_sample`` is not read: a model that ships a
+# temperature wants it used.
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
+    """The sampling defaults in a model's ``generation_config.json``: the fields of
+    :data:`GENERATION_DEFAULT_FIELDS` it sets to values SamplingParams accepts (an
+    invalid one is left out, so a bad file cannot break every request)."""
+    out: dict[str, Any] = {}
+    for name in GENERATION_DEFAULT_FIELDS:
+        value = generation_config.get(name)
+        if value is None:
+            continue
+        try:
+            SamplingParams(**{name: value})
+        except InvalidParamError:
+            continue
+        out[name] = value
+    return out

@@ -1,4 +1,5 @@
-"""A small fake of the embedded engine API (notes/API.md) for HTTP tests that need exact control.
+"""A small fake of the embedded engine API (``engine.api.EngineLike``) for HTTP tests that need
+exact control. It speaks the real message types (``RequestOutput``, ``EngineStatistics``).
 
 It uses the real tokenizer of a tiny model and "generates" a fixed token cycle with one
 ``trio.sleep`` per step, so queue limits (429), crashes (503) and slow streams are
@@ -9,7 +10,6 @@ deterministic. KV blocks are accounted like the real engine's: a running request
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import math
 from collections.abc import AsyncIterator
@@ -17,49 +17,11 @@ from typing import Any
 
 import trio
 
+from engine.actors.system import EngineStatistics
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, InvalidParamError, PromptTooLongError, QueueFullError
+from engine.messages import RequestOutput, TokenLogprob, Usage
 from engine.params import SamplingParams
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RequestOutput:
-    request_id: str
-    index: int
-    text: str
-    token_ids: tuple[int, ...]
-    finished: bool
-    finish_reason: str | None
-    stop_reason: str | int | None
-    logprobs: tuple[TokenLogprob, ...] | None
-    usage: Usage | None
-    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class EngineStatistics:
-    running: int
-    waiting: int
-    kv_blocks_total: int
-    kv_blocks_free: int
-    prefix_cache_hits: int = 0
-    prefix_cache_queries: int = 0
-    preemptions: int = 0
-    steps: int = 0
-    requests_finished: int = 0
 
 
 class RequestStream:
@@ -94,7 +56,7 @@ class RequestStream:
 
 
 class FakeEngine:
-    """Follows notes/API.md's Engine; ``crash(exc)`` plays an actor crash."""
+    """An ``engine.api.EngineLike``; ``crash(exc)`` plays an actor crash."""
 
     def __init__(self, nursery: trio.Nursery, tokenizer: Any, config: EngineConfig,
                  step_delay: float, kv_blocks: int) -> None:
@@ -117,12 +79,17 @@ class FakeEngine:
         # The text every request generates, as token ids.
         self._cycle = tokenizer.encode("The quick brown fox jumps over the lazy dog. ",
                                        add_special_tokens=False)
+        self.script: str | None = None
+        """When set, every request generates exactly this text, then stops ("stop"): a
+        test sets it to play a model's output (tool calls, reasoning)."""
+        self.sampling_defaults: dict[str, Any] = {}
 
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(running=self._running, waiting=self._waiting,
                                 kv_blocks_total=self._kv_total,
                                 kv_blocks_free=self._kv_total - sum(self._held.values()),
-                                steps=self._steps)
+                                prefix_cache_hits=0, prefix_cache_queries=0, preemptions=0,
+                                steps=self._steps, requests_finished=0)
 
     def abort(self, request_id: str) -> None:
         scope = self._scopes.get(request_id)
@@ -137,12 +104,12 @@ class FakeEngine:
 
     async def submit(self, prompt: Any, params: SamplingParams | None = None, *,
                      request_id: str | None = None, priority: int = 0,
-                     cache_salt: str | None = None) -> RequestStream:
+                     cache_salt: str | None = None, chat_options: Any = None) -> RequestStream:
         await trio.lowlevel.checkpoint()
         if self.dead:
             raise EngineDeadError("engine is dead") from self.dead_reason
         params = params or SamplingParams()
-        ids = self._prompt_ids(prompt)
+        ids = self._prompt_ids(prompt, chat_options)
         max_tokens = params.max_tokens or self.max_model_len - len(ids)
         if len(ids) + max_tokens > self.max_model_len:
             raise PromptTooLongError(prompt_tokens=len(ids), max_tokens=max_tokens,
@@ -157,11 +124,14 @@ class FakeEngine:
         self._nursery.start_soon(self._run, rid, ids, params, max_tokens, send)
         return RequestStream(self, rid, ids, receive)
 
-    def _prompt_ids(self, prompt: Any) -> list[int]:
+    def _prompt_ids(self, prompt: Any, chat_options: Any) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+            import json
+
+            options = json.loads(chat_options.to_json()) if chat_options is not None else {}
+            text = self.tokenizer.apply_chat_template(prompt, **options)
             return self.tokenizer.encode(text, add_special_tokens=False)
         for t in prompt:
             if t >= self.tokenizer.vocab_size:
@@ -193,15 +163,21 @@ class FakeEngine:
                         max_tokens: int, send: trio.MemorySendChannel[Any]) -> None:
         texts = [""] * params.n
         live = set(range(params.n))
+        cycle = self._cycle
+        if self.script is not None:
+            cycle = self.tokenizer.encode(self.script, add_special_tokens=False)
+            max_tokens = min(max_tokens, len(cycle))
         for step in range(max_tokens):
             self._held[rid] = math.ceil((len(ids) + step + 1) / self.config.block_size)
             await trio.sleep(self._step_delay)
             self._steps += 1
             for index in sorted(live):
-                token = self._cycle[(step + index) % len(self._cycle)]
-                text = self.tokenizer.decode([token])
+                token = cycle[(step + index) % len(cycle)] if self.script is None else cycle[step]
+                text = self.tokenizer.decode([token], skip_special_tokens=False)
                 texts[index] += text
                 reason = "length" if step + 1 == max_tokens else None
+                if self.script is not None and step + 1 == len(cycle):
+                    reason = "stop"
                 stop = next((s for s in params.stop if s in texts[index]), None)
                 if stop is not None:
                     reason = "stop"

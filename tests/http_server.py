@@ -28,9 +28,11 @@ class ServerThread:
     """``with ServerThread(lambda: open_engine(...), api_key=...) as server:`` ..."""
 
     def __init__(self, open_engine: Callable[[], AbstractAsyncContextManager[Any]],
-                 shutdown_timeout: float = 5.0, **app_options: Any) -> None:
+                 shutdown_timeout: float = 5.0, serve_options: dict[str, Any] | None = None,
+                 **app_options: Any) -> None:
         self._open_engine = open_engine
         self._app_options = app_options
+        self._serve_options = serve_options or {}
         self._shutdown_timeout = shutdown_timeout
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -68,7 +70,8 @@ class ServerThread:
             async with trio.open_nursery() as nursery:
                 binds = await nursery.start(lambda task_status: serve_app(
                     app, host="127.0.0.1", port=0, shutdown_timeout=self._shutdown_timeout,
-                    shutdown_trigger=self._stop.wait, task_status=task_status))
+                    shutdown_trigger=self._stop.wait, task_status=task_status,
+                    **self._serve_options))
                 self.base_url = binds[0]
                 self._ready.set()
 

@@ -22,7 +22,9 @@ from engine_helpers import (
 
 import engine
 from engine.actors.executor import Executor
-from engine.actors.router import OutputMailbox
+from engine.actors.router import MailboxState, OutputMailbox
+from engine.core import admission
+from engine.core.admission import AdmissionLimits, admit, submit_request
 from engine.errors import EngineDeadError, InvalidParamError, QueueFullError
 from engine.messages import RequestOutput, StepPlan, StepResult, TokenLogprob
 from engine.runner.model_runner import ModelRunner
@@ -95,23 +97,42 @@ async def test_cancelling_the_consumer_frees_the_request_blocks(model: Path, poi
         await _still_serves(eng)
 
 
-async def test_cancelling_submit_itself_leaves_nothing_behind(model: Path) -> None:
+@pytest.mark.parametrize("threaded", [False, True], ids=["inline", "tokenized-in-a-thread"])
+async def test_cancelling_submit_at_every_checkpoint_leaves_nothing_behind(
+    model: Path, threaded: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if threaded:
+        monkeypatch.setattr(admission, "THREAD_PROMPT_CHARS", 0)
+    prompt = " ".join(["the quick brown fox"] * 10)  # text: tokenized inside submit
     async with engine.open_engine(str(model), **OPTIONS) as eng:
-        for checkpoints in range(4):  # cancel after 0..3 scheduling points inside submit
+        router = eng._handles.router
+        inside = 0
+        # Cancel after 0, 1, 2, ... scheduling points: inside submit (at its first checkpoint,
+        # or while a thread tokenizes) or, once submit got through, in the caller.
+        for checkpoints in range(8):
+            stream = None
             with trio.CancelScope() as scope:
 
-                async def cancel_soon(n: int = checkpoints) -> None:
+                async def cancel_soon(n: int = checkpoints, scope: trio.CancelScope = scope) -> None:
                     for _ in range(n):
                         await trio.lowlevel.checkpoint()
                     scope.cancel()
 
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(cancel_soon)
-                    stream = await eng.submit(LONG_PROMPT, greedy(LEFT_MAX_TOKENS))
-                    async with stream:
-                        async for _ in stream:
-                            pass
-            assert scope.cancelled_caught
+                    if checkpoints == 0:
+                        scope.cancel()  # already cancelled when submit starts
+                    else:
+                        nursery.start_soon(cancel_soon)
+                    stream = await eng.submit(prompt, greedy(LEFT_MAX_TOKENS))
+            if stream is None:  # cancelled inside submit: nothing may be open or queued
+                assert scope.cancelled_caught
+                assert router.statistics().open_requests == 0
+                assert eng._handles.queue_depth() == 0
+                inside += 1
+            else:
+                await stream.aclose()  # submit got through: leaving aborts it
+                assert router.statistics().open_requests == 0
+        assert inside >= 1
         stats = await wait_idle(eng)
         assert stats.steps < NATURAL_STEPS // 2
         await _still_serves(eng)
@@ -242,13 +263,19 @@ async def test_a_logit_bias_outside_the_vocabulary_is_rejected_and_the_engine_li
         await collect(eng, [5, 6, 7], greedy(2, logit_bias={vocab - 1: 1.0}))
 
 
+def _admitted(request_id: str, n: int) -> Any:
+    submit = submit_request([5, 6], engine.SamplingParams(n=n), request_id=request_id,
+                            priority=0, cache_salt=None, arrival_time=0.0)
+    return admit(submit, (5, 6), AdmissionLimits(64, 300, 8, (2,)), waiting=0)
+
+
 def test_a_mailbox_merges_unread_outputs_per_sample() -> None:
-    box = OutputMailbox("r", 2)
+    box = OutputMailbox(_admitted("r", 2))
     lp = TokenLogprob(1, -0.5, ())
     box.put(RequestOutput("r", 0, "a", (1,), False, None, None, (lp,), None))
     box.put(RequestOutput("r", 1, "x", (7,), False, None, None, (lp,), None))
     box.put(RequestOutput("r", 0, "b", (2,), True, "length", None, (lp,), engine.Usage(3, 2)))
-    assert box.pending == 2 and box.merged == 1 and not box.done
+    assert box.pending == 2 and box.merged == 1 and box.state is MailboxState.OPEN
     merged = box._pending[0]
     assert (merged.text, merged.token_ids, merged.finished) == ("ab", (1, 2), True)
     assert merged.logprobs == (lp, lp) and merged.usage == engine.Usage(3, 2)

@@ -17,9 +17,11 @@ from engine.messages import (
     AllocateSlots,
     AllocationRefused,
     BlocksCached,
+    BlocksReleased,
     CacheBlocks,
     FreeRequest,
     ReadAllocatorStats,
+    ReleaseBlocks,
     RequestFreed,
     SlotsAllocated,
 )
@@ -62,12 +64,26 @@ def test_allocation_covers_the_chunk_and_refusal_changes_nothing() -> None:
     assert pool.free_block_ids() == before and pool.block_table("b") == ()
 
 
-def test_freed_blocks_join_the_tail_last_block_first_and_allocation_takes_the_head() -> None:
+def test_uncached_freed_blocks_are_reused_first_so_the_touched_set_stays_compact() -> None:
+    # Without prefix caching a freed block holds nothing worth keeping: it goes back to the
+    # head, and the never-used blocks 3..5 (pages maybe not yet resident) stay untouched.
     pool = BlockPool(6, BS, enable_prefix_caching=False)
     pool.handle(AllocateSlots("a", 0, 12, 12))  # blocks 0, 1, 2
     assert pool.handle(FreeRequest("a")) == RequestFreed("a", 3)
-    assert pool.free_block_ids() == (3, 4, 5, 2, 1, 0)
-    assert pool.handle(AllocateSlots("b", 0, 8, 8)).block_ids == (3, 4)
+    assert pool.free_block_ids() == (0, 1, 2, 3, 4, 5)
+    assert pool.handle(AllocateSlots("b", 0, 8, 8)).block_ids == (0, 1)
+
+
+def test_cached_freed_blocks_join_the_tail_last_block_first_and_partial_ones_the_head() -> None:
+    pool = BlockPool(8, BS)
+    tokens = tuple(range(100, 110))  # two full blocks and a partial third
+    table = _prefill_and_cache(pool, "a", tokens)
+    assert table == (0, 1, 2)
+    pool.handle(FreeRequest("a"))
+    # Block 2 holds no cached tokens: reused first. The cached blocks are evicted last,
+    # after every never-used block, the prefix's first block last of all.
+    assert pool.free_block_ids() == (2, 3, 4, 5, 6, 7, 1, 0)
+    assert pool.handle(AllocateSlots("b", 0, 8, 8)).block_ids == (2, 3)
 
 
 def test_freeing_an_unknown_or_freed_request_is_a_no_op() -> None:
@@ -89,6 +105,35 @@ def test_a_prefix_hit_shares_blocks_and_never_covers_the_last_token() -> None:
     assert pool.ref_count(table[0]) == 2
     stats = pool.statistics()
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (16, 4)
+
+
+def test_released_blocks_go_back_to_the_pool_once_and_stay_reusable_when_cached() -> None:
+    """Sliding windows: the first blocks of a long request are given back while it runs."""
+    pool = BlockPool(8, BS)
+    tokens = tuple(range(100, 116))  # four full blocks
+    table = _prefill_and_cache(pool, "a", tokens)
+    assert pool.handle(ReleaseBlocks("a", 2)) == BlocksReleased("a", 2)
+    assert pool.num_free_blocks == 6 and pool.ref_count(table[0]) == 0
+    assert pool.handle(ReleaseBlocks("a", 1)) == BlocksReleased("a", 2)  # never twice
+    # Cached before their release, they still serve a prefix hit.
+    assert pool.lookup(tokens) == table
+    assert pool.handle(FreeRequest("a")) == RequestFreed("a", 4)  # frees only the other two
+    assert pool.num_free_blocks == 8
+    with pytest.raises(ProtocolError):
+        pool.handle(ReleaseBlocks("a", 1))  # it holds nothing any more
+
+
+def test_releasing_a_block_before_it_is_cached_ends_caching_for_that_request() -> None:
+    pool = BlockPool(8, BS)
+    tokens = tuple(range(200, 216))
+    assert isinstance(_allocate(pool, "a", tokens), SlotsAllocated)
+    pool.handle(CacheBlocks("a", tokens[:4]))  # block 0 cached, block 1 not yet
+    pool.handle(ReleaseBlocks("a", 2))
+    # Block 1 may be reused by now: blocks after it must not chain to it.
+    assert pool.handle(CacheBlocks("a", tokens[4:16])) == BlocksCached("a", 1)
+    assert pool.lookup(tokens) == pool.block_table("a")[:1]
+    pool.handle(FreeRequest("a"))
+    assert pool.num_free_blocks == 8
 
 
 def test_a_cached_free_block_is_reused_until_evicted() -> None:

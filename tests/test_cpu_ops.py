@@ -184,6 +184,21 @@ def test_paged_decode_matches_the_reference(dtype: torch.dtype, dim: int, group:
     torch.testing.assert_close(got, TorchOps().paged_attention_decode(*args), **TOL[dtype])
 
 
+@pytest.mark.parametrize(("window", "softcap"), [(1, 0.0), (16, 0.0), (37, 0.0), (0, 3.0), (20, 3.0)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sliding_window_and_softcap_decode_match_the_reference(
+    dtype: torch.dtype, window: int, softcap: float
+) -> None:
+    # Windows of one key, exactly one block, and one not on a block edge, over contexts
+    # shorter and far longer than each; Gemma 2's soft-cap alone and with a window.
+    q, kc, vc, tables, lens = _paged_batch(LENS, 8, 2, 64, 16, dtype, seed=25)
+    args = (q * 4, kc, vc, tables, lens, 64**-0.5, tuple(LENS))  # x4: scores the cap bends
+    got = CpuOps().paged_attention_decode(*args, window=window, softcap=softcap)
+    want = TorchOps().paged_attention_decode(*args, window=window, softcap=softcap)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    assert (got - CpuOps().paged_attention_decode(*args)).abs().max() > 1e-2
+
+
 def test_a_query_view_with_row_stride_reads_the_right_rows() -> None:
     # As the model passes q: [B, H, D] rows of a wider fused qkv tensor.
     heads, kv_heads, dim = 4, 2, 64

@@ -347,3 +347,24 @@ def test_invalid_stop_raises(tiny: Tokenizer, stop: list[object]) -> None:
     with pytest.raises(InvalidParamError) as info:
         IncrementalDetokenizer(tiny, [], stop=stop)  # type: ignore[arg-type]
     assert info.value.param == "stop"
+
+
+def test_a_40000_character_stop_string_costs_linear_memory(tiny: Tokenizer) -> None:
+    # Regression: every prefix of every stop string was stored (~800 MB for 40,000
+    # characters; an 80 KB one ended in MemoryError). SamplingParams now caps stop strings
+    # at 512 characters; the matcher itself stays linear whatever it is given.
+    import tracemalloc
+
+    ids = tiny.encode("xx" + "ab" * 30, add_special_tokens=False)
+    tail = tiny.encode("c", add_special_tokens=False)
+    tracemalloc.start()
+    try:
+        det = IncrementalDetokenizer(tiny, [], stop=["ab" * 20_000])
+        sent = "".join(det.push([i]).text for i in ids)
+        after = det.push(tail).text + det.finish().text
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # The "ab" run is held back while it could still grow into the stop string.
+    assert sent == "xx" and after == "ab" * 30 + "c"
+    assert peak < 2_000_000

@@ -63,9 +63,11 @@ def test_engine_flags_become_engine_config_fields() -> None:
     assert engine_options(args) == {
         "enable_prefix_caching": False, "scheduling_policy": "priority",
         "async_scheduling": False, "ops_backend": "torch", "max_num_seqs": 8,
-        "kv_cache_memory": 64 * 2**20,
+        "kv_cache_memory": 64 * 2**20, "max_engine_restarts": 5,
     }
-    assert engine_options(parser.parse_args([])) == {}  # unset flags keep the config's defaults
+    # Unset flags keep the config's defaults, but for serve's own restart default (the
+    # embedded API's is 0: a crash there is the caller's to see).
+    assert engine_options(parser.parse_args([])) == {"max_engine_restarts": 5}
 
 
 def test_every_metric_is_documented() -> None:
@@ -127,7 +129,9 @@ def _stream_body(max_tokens: int) -> dict[str, object]:
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_lets_in_flight_streams_finish_then_exits_0(model: Path, signum: int) -> None:
-    with _server(model) as (proc, url, log):
+    # A deadline far above the stream's length: on a shared 2-core machine under load the
+    # 480 tokens took over the default 30 s, which cut the stream this test wants whole.
+    with _server(model, "--shutdown-timeout", "300") as (proc, url, log):
         with httpx.stream("POST", url + "/v1/completions", json=_stream_body(480),
                           timeout=60) as response:
             lines = response.iter_lines()

@@ -72,6 +72,20 @@ def test_invalid_chat_message_is_400(client):
     assert info.value.body["param"] == "messages[0].role"
 
 
+def test_tokenize_checks_chat_messages_as_generation_does(server):
+    # One normalizer (the tokenizer's) for /v1/chat/completions and /tokenize.
+    bad = {"messages": [{"role": "user", "content": "x"}, {"role": "wizard", "content": "y"}]}
+    tokenized = httpx.post(server.base_url + "/tokenize", json=bad, headers=_headers())
+    chat = httpx.post(server.base_url + "/v1/chat/completions", json=bad, headers=_headers())
+    assert _assert_error_body(tokenized, 400, "messages[1].role") == \
+        _assert_error_body(chat, 400, "messages[1].role")
+    developer = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    system = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    ids = [httpx.post(server.base_url + "/tokenize", json={"messages": m},
+                      headers=_headers()).json()["tokens"] for m in (developer, system)]
+    assert ids[0] == ids[1]
+
+
 def test_malformed_json_is_400(server):
     r = httpx.post(server.base_url + "/v1/completions", content=b'{"prompt": ',
                    headers={**_headers(), "Content-Type": "application/json"})
@@ -135,6 +149,7 @@ async def test_full_queue_is_429(server, client):
                     await trio.to_thread.run_sync(
                         lambda: client.completions.create(model="tiny", prompt="hi"))
                 assert info.value.status_code == 429
+                assert info.value.response.headers["retry-after"] == "1"
     await _wait_idle(server)
 
 

@@ -6,12 +6,14 @@ Pure parsing, no server: tests/test_http_openai.py checks that the engine honour
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
 
 from engine.http import protocol
 from engine.http.protocol import APIError
+from engine.messages import RequestOutput, TokenLogprob, Usage
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -136,3 +138,102 @@ def test_bad_priority_or_cache_salt_is_400_naming_it(field, value):
     with pytest.raises(APIError) as info:
         protocol.parse_completion({"prompt": "x", field: value})
     assert (info.value.status, info.value.param) == (400, field)
+
+
+# -- request bodies and response JSON ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("data", "param", "fragment"),
+    [
+        # Regressions: each was a 500 (RecursionError, a surrogate reaching the tokenizer).
+        (b'{"prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}", None, "nests 1001 levels"),
+        (b'{"model": "\\ud800"}', "model", "lone surrogate"),
+        (b'{"messages": [{"role": "user", "content": "a\\udfffb"}]}', "messages[0].content",
+         "lone surrogate"),
+        (b'{"logit_bias": {"\\ud800": 1}}', "logit_bias", "lone surrogate"),
+        (b'{"temperature": NaN}', None, "NaN"),
+        (b'{"temperature": -Infinity}', None, "-Infinity"),
+        (b'{"logit_bias": {"5": 1e999}}', None, "out of range"),
+        (b"\xff\xfe", None, "UTF-8"),
+        (b"{", None, "not valid JSON"),
+    ],
+)
+def test_bad_bodies_are_a_400_naming_the_field(data, param, fragment) -> None:
+    with pytest.raises(APIError) as info:
+        protocol.loads_body(data)
+    assert info.value.status == 400 and info.value.param == param
+    assert fragment in info.value.message
+
+
+def test_a_body_at_the_depth_limit_and_brackets_inside_strings_are_fine() -> None:
+    depth = protocol.MAX_JSON_DEPTH
+    assert protocol.loads_body(b"[" * depth + b"]" * depth) is not None
+    assert protocol.loads_body(b'{"prompt": "[[[[[[[[[[{{{{{{{{\\\\\\"[[[["}') == {
+        "prompt": '[[[[[[[[[[{{{{{{{{\\"[[[['}
+
+
+def test_response_json_never_holds_nan_or_infinity() -> None:
+    from engine.http import sse
+
+    body = {"logprob": float("-inf"), "top": [float("nan"), 1.5], "ok": 2}
+    text = sse.dumps(body).decode()
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(c)) == {
+        "logprob": sse.NO_LOGPROB, "top": [None, 1.5], "ok": 2}
+
+
+# -- one request's choices (protocol.Completion) ------------------------------------------
+
+
+def _completion(body: dict, prompt_ids: list[tuple[int, ...]]) -> protocol.Completion:
+    chat = "messages" in body
+    req = protocol.parse_chat(body) if chat else protocol.parse_completion(body)
+    return protocol.Completion(req, "m", prompt_ids, lambda t: f"<{t}>",
+                               lambda ids: "".join(f"<{t}>" for t in ids))
+
+
+def _out(index: int, text: str, ids: tuple[int, ...], *, finished: bool = False,
+         logprobs: tuple | None = None, prompt_logprobs: tuple | None = None) -> RequestOutput:
+    return RequestOutput("r", index, text, ids, finished, "length" if finished else None, None,
+                         logprobs, Usage(2, 1) if finished else None, prompt_logprobs)
+
+
+def test_a_streamed_token_that_is_not_yet_text_waits_with_its_logprobs() -> None:
+    answer = _completion({"prompt": "hi", "logprobs": 1, "stream": True}, [(5, 6)])
+    lp = [TokenLogprob(7, -0.5, ((7, -0.5),)), TokenLogprob(8, -0.25, ((8, -0.25),))]
+    assert answer.opening_chunks() == []
+    assert answer.stream_output(0, _out(0, "", (7,), logprobs=(lp[0],))) == []  # half a character
+    (chunk,) = answer.stream_output(0, _out(0, "é", (8,), finished=True, logprobs=(lp[1],)))
+    choice = chunk["choices"][0]
+    assert choice["text"] == "é" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == ["<7>", "<8>"]
+    assert choice["logprobs"]["text_offset"] == [0, 3]
+    assert answer.usage() == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4,
+                              "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_echo_with_logprobs_aligns_prompt_then_completion_in_both_writers() -> None:
+    body = {"prompt": [5, 6], "echo": True, "logprobs": 0, "max_tokens": 1}
+    scored = (None, TokenLogprob(6, -1.0, ()))
+    out = _out(0, "<9>", (9,), finished=True, logprobs=(TokenLogprob(9, -0.5, ()),),
+               prompt_logprobs=scored)
+    collected = _completion(body, [(5, 6)])
+    collected.begin_collected()
+    collected.record(0, out)
+    (choice,) = collected.response()["choices"]
+    assert choice["text"] == "<5><6><9>"
+    assert choice["logprobs"]["token_logprobs"] == [None, -1.0, -0.5]
+    assert choice["logprobs"]["text_offset"] == [0, 3, 6]
+    streamed = _completion(dict(body, stream=True), [(5, 6)])
+    assert streamed.opening_chunks() == []  # the echo waits for the prompt's logprobs
+    echo, token = streamed.stream_output(0, out)
+    assert echo["choices"][0]["text"] == "<5><6>"
+    assert echo["choices"][0]["logprobs"]["token_logprobs"] == [None, -1.0]
+    assert token["choices"][0]["logprobs"]["text_offset"] == [6]
+
+
+def test_chat_streams_open_with_the_role_of_every_choice() -> None:
+    answer = _completion({"messages": CHAT, "n": 2, "stream": True}, [(5,)])
+    assert [c["choices"][0]["delta"] for c in answer.opening_chunks()] == [{"role": "assistant", "content": ""}] * 2
+    answer.stream_output(0, _out(1, "x", (9,), finished=True))
+    assert answer.unfinished() == [0]

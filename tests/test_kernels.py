@@ -76,7 +76,7 @@ def test_kernels_are_interpreted_on_cpu() -> None:
 
 def test_triton_ops_has_every_op_with_the_reference_signature() -> None:
     for name in ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
-                 "write_kv_cache", "paged_attention_decode", "paged_attention_prefill", "sample"):
+                 "gelu_tanh_and_mul", "write_kv_cache", "paged_attention_decode", "paged_attention_prefill", "sample"):
         assert inspect.signature(getattr(TritonOps, name)) == inspect.signature(getattr(TorchOps, name))
 
 
@@ -115,6 +115,13 @@ def test_rope_in_place_on_views_of_a_fused_qkv(dtype: torch.dtype) -> None:
 def test_silu_and_mul() -> None:
     x = _rand(3, 2 * 80, seed=5)
     torch.testing.assert_close(TritonOps().silu_and_mul(x), TorchOps().silu_and_mul(x), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_and_mul(dtype: torch.dtype) -> None:
+    x = _rand(3, 2 * 80, seed=6, dtype=dtype) * 4  # both tails of the tanh
+    got, want = TritonOps().gelu_tanh_and_mul(x), TorchOps().gelu_tanh_and_mul(x)
+    torch.testing.assert_close(got, want, **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -242,6 +249,32 @@ def test_paged_prefill_matches_reference(heads, kv_heads, head_dim, dtype) -> No
     # A 16-row query tile makes the 19- and 21-token chunks cross tile edges.
     got = attention_prefill.paged_attention_prefill(q, kc, vc, meta, scale, block_m=16)
     torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(7, 0.0), (20, 0.0), (0, 2.0), (12, 2.0)])
+def test_windowed_and_softcapped_attention_match_reference(window: int, softcap: float) -> None:
+    """Sliding windows (shorter than a block, longer than a query tile) and Gemma 2's
+    soft-cap, in prefill (tiles that straddle the window's edge) and split decode."""
+    bs, heads, kv_heads, head_dim = 8, 4, 2, 32
+    num_blocks = sum(math.ceil(n / bs) for n in PREFILL_SEQ) + 1
+    kc, vc = _paged_cache(num_blocks, bs, kv_heads, head_dim, torch.float32, seed=40)
+    tables = _tables(PREFILL_SEQ, bs, num_blocks, seed=41)
+    meta = _meta(PREFILL_QUERY, PREFILL_SEQ, tables, bs)
+    q = _rand(sum(PREFILL_QUERY), heads, head_dim, seed=42) * 3  # scores the cap bends
+    scale = head_dim**-0.5
+    kw = dict(window=window, softcap=softcap)
+    want = TorchOps().paged_attention_prefill(q, kc, vc, meta, scale, **kw)
+    got = attention_prefill.paged_attention_prefill(q, kc, vc, meta, scale, block_m=16, **kw)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    lens = tuple(DECODE_LENS)
+    dkc, dvc = _paged_cache(sum(math.ceil(n / 16) for n in lens) + 2, 16, kv_heads, head_dim, torch.float32, seed=43)
+    dtables = _tables(list(lens), 16, dkc.shape[0], seed=44)
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    dq = _rand(len(lens), heads, head_dim, seed=45) * 3
+    want = TorchOps().paged_attention_decode(dq, dkc, dvc, dtables, seq, scale, lens, **kw)
+    for splits in (1, 3):
+        got = attention_decode.paged_attention_decode(dq, dkc, dvc, dtables, seq, scale, lens, splits, **kw)
+        torch.testing.assert_close(got, want, **TOL[torch.float32])
 
 
 def test_prefill_after_kv_write_through_triton_ops() -> None:

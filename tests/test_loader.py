@@ -56,6 +56,9 @@ _GGUF_ARCH = {
     "llama3": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+    "phi3": "phi3",
 }
 
 _HF_TO_GGUF = {
@@ -73,12 +76,29 @@ _HF_TO_GGUF = {
 }
 
 
-def _gguf_name(hf: str) -> str:
+# Where Gemma and Phi-3 differ, the names come from the gguf package's own table
+# (gguf.TENSOR_NAMES, what llama.cpp reads), not from the loader's.
+_T = gguf.MODEL_TENSOR
+_ARCH_HF_TO_GGUF = {
+    "gemma2": {
+        "post_attention_layernorm": _T.ATTN_POST_NORM,
+        "pre_feedforward_layernorm": _T.FFN_NORM,
+        "post_feedforward_layernorm": _T.FFN_POST_NORM,
+    },
+    "phi3": {"self_attn.qkv_proj": _T.ATTN_QKV, "mlp.gate_up_proj": _T.FFN_UP},
+}
+_ARCH_HF_TO_GGUF["gemma3"] = _ARCH_HF_TO_GGUF["gemma2"]
+
+
+def _gguf_name(hf: str, gguf_arch: str = "llama") -> str:
     stem, _, suffix = hf.rpartition(".")
     top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
     if stem in top:
         return f"{top[stem]}.{suffix}"
     _, _, layer, rest = stem.split(".", 3)
+    special = _ARCH_HF_TO_GGUF.get(gguf_arch, {})
+    if rest in special:
+        return gguf.TENSOR_NAMES[special[rest]].format(bid=int(layer)) + f".{suffix}"
     return f"blk.{layer}.{_HF_TO_GGUF[rest]}.{suffix}"
 
 
@@ -115,6 +135,7 @@ def write_gguf(
         w.add_value_length(cfg["head_dim"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(cfg["rope_theta"])
+    _add_family_metadata(w, gguf_arch, cfg)
     _add_tokenizer(w, folder, cfg)
     for name, tensor in load_file(str(folder / "model.safetensors")).items():
         array = tensor.numpy()
@@ -122,17 +143,44 @@ def write_gguf(
             array = _llama_cpp_permute(array, heads)
         elif gguf_arch == "llama" and name.endswith("k_proj.weight"):
             array = _llama_cpp_permute(array, kv_heads)
-        gname = _gguf_name(name)
+        elif gguf_arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+            array = array + 1  # llama.cpp's converter stores Gemma's norms as 1 + w
+        gname = _gguf_name(name, gguf_arch)
         qtype = quant if array.ndim == 2 else F32
         data = gguf.quants.quantize(array, qtype) if qtype != F32 else array
         if replace and gname in replace:
             data, qtype = replace[gname]  # already raw bytes
         w.add_tensor(gname, data, raw_dtype=qtype)
+    if gguf_arch == "phi3" and cfg.get("rope_scaling"):
+        # llama.cpp's converter writes Phi-3's longrope factors as two F32 tensors.
+        for kind in ("long", "short"):
+            factors = np.asarray(cfg["rope_scaling"][f"{kind}_factor"], dtype=np.float32)
+            w.add_tensor(gguf.TENSOR_NAMES[getattr(_T, f"ROPE_FACTORS_{kind.upper()}")] + ".weight", factors)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def _add_family_metadata(w: gguf.GGUFWriter, gguf_arch: str, cfg: dict) -> None:
+    """The keys llama.cpp's converter writes for Gemma 2/3 and Phi-3 beyond the common ones."""
+    if gguf_arch in ("gemma2", "gemma3"):
+        w.add_sliding_window(cfg["sliding_window"])
+        if cfg.get("attn_logit_softcapping"):
+            w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        if cfg.get("final_logit_softcapping"):
+            w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+        if "sliding_window_pattern" in cfg:
+            w.add_sliding_window_pattern(cfg["sliding_window_pattern"])
+        scaling = cfg.get("rope_scaling")
+        if scaling:
+            assert scaling["rope_type"] == "linear"
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(scaling["factor"])
+    if gguf_arch == "phi3":
+        w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
+        w.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
 
 
 def _add_tokenizer(w: gguf.GGUFWriter, folder: Path, cfg: dict) -> None:
@@ -214,20 +262,26 @@ def test_auto_dtype_follows_config_torch_dtype(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("extra", "max_positions"),
+    ("arch", "extra", "windows"),
     [
-        ({"sliding_window": 16}, 16),  # Mistral 7B v0.1 style: the window caps the context
-        ({"sliding_window": 4096}, 512),  # a window past the context changes nothing
-        ({"sliding_window": 16, "use_sliding_window": False}, 512),  # Qwen2 style, off
-        ({"sliding_window": None}, 512),
+        ("mistral", {"sliding_window": 16}, (16, 16)),  # Mistral 7B v0.1: every layer slides
+        ("mistral", {"sliding_window": None}, (0, 0)),
+        ("qwen2", {"sliding_window": 16, "use_sliding_window": False}, (0, 0)),  # off
+        # Qwen2: the first max_window_layers layers attend fully.
+        ("qwen2", {"sliding_window": 16, "use_sliding_window": True, "max_window_layers": 1}, (0, 16)),
+        # transformers v5 spells it out per layer.
+        ("mistral", {"sliding_window": 16, "layer_types": ["full_attention", "sliding_attention"]}, (0, 16)),
     ],
 )
-def test_the_context_is_capped_at_a_sliding_window(tmp_path: Path, extra: dict, max_positions: int) -> None:
-    folder = _tiny(tmp_path, "mistral")
+def test_sliding_windows_are_per_layer_and_do_not_cap_the_context(
+    tmp_path: Path, arch: str, extra: dict, windows: tuple[int, ...]
+) -> None:
+    folder = _tiny(tmp_path, arch)
     cfg = json.loads((folder / "config.json").read_text())
-    assert cfg["max_position_embeddings"] == 512
     (folder / "config.json").write_text(json.dumps(cfg | extra))
-    assert load_model(folder).config.max_position_embeddings == max_positions
+    config = load_model(folder).config
+    assert config.layer_windows == windows
+    assert config.max_position_embeddings == 512  # the model's, whatever the window
 
 
 def test_an_unknown_dtype_is_rejected(tmp_path: Path) -> None:
@@ -265,6 +319,39 @@ def _assert_config_matches(gguf_config: ModelConfig, hf_config: ModelConfig) -> 
     )  # stored as f32
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3"])
+def test_gemma_and_phi3_ggufs_load_as_their_hf_folders(tmp_path: Path, arch: str) -> None:
+    """llama.cpp's layouts: Gemma's sandwich norms stored as 1 + w, its windows, soft-caps
+    and local RoPE base; Phi-3's fused attn_qkv / ffn_up and its longrope factor tensors."""
+    folder = _tiny(tmp_path, arch)
+    cfg = json.loads((folder / "config.json").read_text())
+    if arch != "phi3":
+        # A GGUF has no query_pre_attn_scalar: llama.cpp uses head_dim (but for 27B).
+        (folder / "config.json").write_text(json.dumps(cfg | {"query_pre_attn_scalar": cfg["head_dim"]}))
+    path = write_gguf(folder, tmp_path / f"{arch}.gguf")
+    model = load_model(path, dtype="float32")
+    hf = load_model(folder)
+    _assert_config_matches(model.config, hf.config)
+    for field in (
+        "architecture", "layer_windows", "sliding_window", "activation", "query_pre_attn_scalar",
+        "rope_local_theta",
+    ):  # fmt: skip
+        assert getattr(model.config, field) == getattr(hf.config, field), field
+    got_scaling, want_scaling = model.config.rope_scaling or {}, hf.config.rope_scaling or {}
+    assert got_scaling.keys() == want_scaling.keys()
+    for key, want in want_scaling.items():  # longrope's factors went through f32
+        assert got_scaling[key] == (pytest.approx(want, rel=1e-6) if not isinstance(want, str) else want), key
+    for field in ("attn_logit_softcapping", "final_logit_softcapping"):  # stored as f32
+        assert getattr(model.config, field) == pytest.approx(getattr(hf.config, field), rel=1e-6), field
+    assert model.weights.keys() == hf.weights.keys()
+    for name, tensor in hf.weights.items():
+        if name.endswith("norm.weight") and arch != "phi3":
+            # (w + 1) - 1 in fp32 is w to within one rounding of 1 + w.
+            torch.testing.assert_close(model.weights[name], tensor, atol=1e-7, rtol=0, msg=name)
+        else:
+            assert torch.equal(model.weights[name], tensor), name
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 def test_f32_gguf_gives_back_the_exact_hf_weights(tmp_path: Path, arch: str) -> None:
     folder = _tiny(tmp_path, arch)
@@ -280,7 +367,7 @@ def test_f32_gguf_gives_back_the_exact_hf_weights(tmp_path: Path, arch: str) -> 
 
 def test_q8_0_gguf_is_within_quantization_error(tmp_path: Path) -> None:
     folder = _tiny(tmp_path, "mistral")  # untied: exercises output.weight -> lm_head
-    model = load_model(write_gguf(folder, tmp_path / "q8.gguf", quant=Q8_0), dtype="float32")
+    model = load_model(write_gguf(folder, tmp_path / "q8.gguf", quant=Q8_0), dtype="float32", quantization="none")
     hf = load_model(folder)
     for name, tensor in hf.weights.items():
         got = model.weights[name]
@@ -455,7 +542,26 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     folder = _tiny(tmp_path)
     cfg = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(cfg | {"architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(UnsupportedModelError, match=r"config\.json.*GPT2LMHeadModel"):
+    with pytest.raises(UnsupportedModelError, match=r"config\.json.*GPT2LMHeadModel") as caught:
+        load_model(folder)
+    # The message lists what would have loaded.
+    for supported in ("LlamaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"):
+        assert supported in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"rope_scaling": {"rope_type": "mrope", "factor": 2.0}}, "'mrope'.*supported: default"),
+        ({"hidden_act": "relu"}, "'relu'.*supported: silu"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ],
+)
+def test_an_unsupported_feature_is_named(tmp_path: Path, extra: dict, match: str) -> None:
+    folder = _tiny(tmp_path)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(cfg | extra))
+    with pytest.raises(UnsupportedModelError, match=match):
         load_model(folder)
 
 
@@ -519,7 +625,10 @@ def test_resolve_without_the_package_says_how_to_install_it(
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> loader.LoadedModel:
     """SmolLM2 converted once for this module, into a private cache."""
-    return load_model(resolve_model(None), dtype="float32", cache_dir=tmp_path_factory.mktemp("smollm2-cache"))
+    return load_model(
+        resolve_model(None), dtype="float32", cache_dir=tmp_path_factory.mktemp("smollm2-cache"),
+        quantization="none",
+    )
 
 
 def test_smollm2_gguf_loads_with_its_real_shape(smollm2: loader.LoadedModel) -> None:
@@ -562,9 +671,47 @@ def test_smollm2_weights_match_transformers_gguf_loader(smollm2: loader.LoadedMo
         "model.norm.weight",
     ):
         assert torch.allclose(smollm2.weights[name], theirs[name], rtol=0, atol=1e-6), name
+    # The kept blocks (the default) mean the same weights.
+    kept = load_model(path, dtype="float32", cache_dir=smollm2.folder.parent.parent)
+    for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+                 "model.layers.0.self_attn.k_proj.weight", "model.layers.17.mlp.down_proj.weight"):
+        got = kept.weights[name].dequantize()
+        assert torch.allclose(got, theirs[name], rtol=0, atol=1e-6), name
 
 
 def test_no_temp_folders_survive_a_conversion(private_cache: Path, tmp_path: Path) -> None:
     load_model(write_gguf(_tiny(tmp_path), tmp_path / "m.gguf"))
     entries = os.listdir(private_cache / "gguf")
     assert len(entries) == 1 and not entries[0].startswith(".tmp-")
+
+
+@pytest.mark.parametrize(("arch", "quant"), [("llama", "Q4_0"), ("qwen2", "Q4_1"), ("mistral", "Q8_0")])
+def test_quantized_gguf_keeps_blocks_that_dequantize_to_the_converted_weights(
+    tmp_path: Path, arch: str, quant: str
+) -> None:
+    """quantization="auto" keeps each 2-D tensor in its GGUF blocks (q/k rows unpermuted
+    on the blocks for llama) and they mean exactly what the dequantizing converter wrote."""
+    from engine.ops.quant import QuantizedWeight
+
+    path = write_gguf(_tiny(tmp_path, arch), tmp_path / "q.gguf", quant=getattr(gguf.GGMLQuantizationType, quant))
+    kept = load_model(path, dtype="float32")
+    dense = load_model(path, dtype="float32", quantization="none")
+    assert kept.quantization == "gguf" and dense.quantization == "none"
+    assert kept.file_tensor_bytes == sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+    assert kept.weights.keys() == dense.weights.keys()
+    for name, tensor in dense.weights.items():
+        got = kept.weights[name]
+        if tensor.ndim == 1:
+            assert torch.equal(got, tensor), name
+            continue
+        assert isinstance(got, QuantizedWeight) and got.fmt.name == quant, name
+        assert torch.equal(got.dequantize(), tensor), name
+
+
+def test_quantization_gguf_refuses_a_hugging_face_folder(tmp_path: Path) -> None:
+    from engine.errors import InvalidParamError
+
+    with pytest.raises(InvalidParamError, match="not a .gguf"):
+        load_model(_tiny(tmp_path), quantization="gguf")
+    with pytest.raises(InvalidParamError, match="quantization"):
+        load_model(_tiny(tmp_path), quantization="int3")

@@ -10,13 +10,13 @@ import torch
 from safetensors.torch import load_file
 
 from engine.errors import InvalidParamError
-from engine.messages import NewRequest, ScheduledChunk, StepPlan
+from engine.messages import NewRequest, RequestFailure, ScheduledChunk, StepPlan
 from engine.models.config import ModelConfig
 from engine.models.testing import write_tiny_model
 from engine.ops import get_ops
 from engine.params import SamplingParams
 from engine.runner.kv_cache import allocate_kv_caches, bytes_per_block, num_kv_blocks
-from engine.runner.model_runner import ModelRunner, StepPlanError, generate_greedy
+from engine.runner.model_runner import STEP_FAILED, ModelRunner, generate_greedy
 
 BS = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
@@ -100,14 +100,15 @@ def test_prompt_logprobs_come_once_per_prompt_token_across_chunks_and_recompute(
     assert plain.prompt_logprobs == ()
 
 
-def test_finished_requests_are_forgotten(loaded) -> None:
+def test_finished_requests_are_forgotten(loaded, caplog) -> None:
     runner = _runner(loaded)
     new = NewRequest("a", PROMPT, GREEDY, ())
     runner.execute(StepPlan(0, (new,), (ScheduledChunk("a", 0, 7, (0, 1), True),), ()))
     runner.execute(StepPlan(1, (), (), ("a",)))
     assert runner.num_requests == 0
-    with pytest.raises(StepPlanError, match="unknown request"):
-        runner.execute(StepPlan(2, (), (ScheduledChunk("a", 7, 1, (0, 1), True),), ()))
+    result = runner.execute(StepPlan(2, (), (ScheduledChunk("a", 7, 1, (0, 1), True),), ()))
+    assert result.failed == (RequestFailure("a", STEP_FAILED),)
+    assert "unknown request" in caplog.text
 
 
 @pytest.mark.parametrize(
@@ -118,10 +119,56 @@ def test_finished_requests_are_forgotten(loaded) -> None:
         (ScheduledChunk("a", 0, 7, (0,), True), "cannot hold 7 tokens"),
     ],
 )
-def test_inconsistent_chunks_are_rejected(loaded, chunk, message) -> None:
+def test_inconsistent_chunks_fail_the_step_not_the_runner(loaded, caplog, chunk, message) -> None:
+    # A plan the runner cannot execute is a bug (StepPlanError); it fails the step's
+    # requests, is logged with its cause, and the client sees no internal text.
     runner = _runner(loaded)
-    with pytest.raises(StepPlanError, match=message):
-        runner.execute(StepPlan(0, (NewRequest("a", PROMPT, GREEDY, ()),), (chunk,), ()))
+    result = runner.execute(StepPlan(0, (NewRequest("a", PROMPT, GREEDY, ()),), (chunk,), ()))
+    assert result.sampled == ()
+    assert result.failed == (RequestFailure("a", STEP_FAILED),)
+    assert message in caplog.text and "StepPlanError" in caplog.text
+    assert runner.num_requests == 0
+
+
+def test_a_step_that_raises_fails_only_that_steps_requests(loaded, monkeypatch) -> None:
+    runner = _runner(loaded)
+    news = tuple(NewRequest(r, PROMPT, GREEDY, ()) for r in "abc")
+    runner.execute(StepPlan(0, news, (ScheduledChunk("c", 0, 7, (4, 5), True),), ()))
+    forward = runner.model.forward
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(runner.model, "forward", broken)
+    plan = StepPlan(1, (), (ScheduledChunk("a", 0, 7, (0, 1), True), ScheduledChunk("b", 0, 7, (2, 3), True)), ())
+    result = runner.execute(plan)
+    assert {f.request_id for f in result.failed} == {"a", "b"}
+    assert all("injected" not in f.reason for f in result.failed)
+    monkeypatch.setattr(runner.model, "forward", forward)
+    # A chunk planned for a failed request before the failure was known (async
+    # scheduling) is skipped; "c", which was not in the step, goes on.
+    result = runner.execute(
+        StepPlan(2, (), (ScheduledChunk("a", 7, 1, (0, 1), True), ScheduledChunk("c", 7, 1, (4, 5), True)), ())
+    )
+    assert [s.request_id for s in result.sampled] == ["c"] and result.failed == ()
+    runner.execute(StepPlan(3, (), (), ("a", "b", "c")))
+    assert runner.num_requests == 0
+
+
+def test_an_unsamplable_row_fails_only_its_request(loaded) -> None:
+    # Regression: stop_token_ids listing the whole vocabulary with min_tokens=1 masked
+    # every token and the sampler returned the vocabulary size, which crashed the engine.
+    runner = _runner(loaded)
+    vocab = loaded.config.vocab_size
+    everything = SamplingParams(temperature=0.0, max_tokens=4, min_tokens=1,
+                                stop_token_ids=list(range(vocab)))
+    news = (NewRequest("bad", PROMPT, everything, ()), NewRequest("ok", PROMPT, GREEDY, ()))
+    chunks = (ScheduledChunk("bad", 0, 7, (0, 1), True), ScheduledChunk("ok", 0, 7, (2, 3), True))
+    result = runner.execute(StepPlan(0, news, chunks, ()))
+    assert [f.request_id for f in result.failed] == ["bad"]
+    assert "every token is masked" in result.failed[0].reason
+    assert [s.request_id for s in result.sampled] == ["ok"]
+    assert 0 <= result.sampled[0].token_id < vocab
 
 
 def test_kv_pool_sizing(loaded) -> None:
@@ -150,3 +197,19 @@ def test_warm_up_leaves_no_request_and_changes_no_later_output(loaded) -> None:
     runner.warm_up()
     assert runner.num_requests == 0
     assert generate_greedy(runner, [list(PROMPT)], 6, block_size=BS) == cold
+
+
+def test_a_failing_warm_up_raises_instead_of_spinning(loaded, monkeypatch) -> None:
+    # Regression: once execute() turned step faults into failed requests, run_greedy (the
+    # warm-up) looped forever on a step that kept failing (a stale C kernel build).
+    from engine.runner.model_runner import StepFailedError
+
+    runner = _runner(loaded)
+
+    def broken(*args, **kwargs):
+        raise TypeError("eng_paged_decode expected 17 arguments, got 19")
+
+    monkeypatch.setattr(runner.model, "forward", broken)
+    with pytest.raises(StepFailedError, match="greedy step 0 failed"):
+        runner.warm_up()
+    assert runner.num_requests == 0

@@ -105,6 +105,14 @@ def test_silu_and_mul(ops: TorchOps, dtype: torch.dtype) -> None:
     torch.testing.assert_close(ops.silu_and_mul(x).double(), want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_and_mul(ops: TorchOps, dtype: torch.dtype) -> None:
+    x = _rand(4, 2 * 24, seed=4, dtype=dtype) * 3
+    a, b = x.double()[:, :24], x.double()[:, 24:]
+    want = 0.5 * a * (1 + torch.tanh(math.sqrt(2 / math.pi) * (a + 0.044715 * a**3))) * b
+    torch.testing.assert_close(ops.gelu_tanh_and_mul(x).double(), want, **TOL[dtype])
+
+
 def test_write_kv_cache_touches_only_the_given_slots(ops: TorchOps) -> None:
     k_cache = torch.zeros(4, 4, 2, 8)
     v_cache = torch.zeros(4, 4, 2, 8)
@@ -146,15 +154,22 @@ def _paged_setup(
     return k_cache, v_cache, tables, ks, vs
 
 
-def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [n, H, D] at the last n positions of k/v [s, Hkv, D]; float64, explicit causal mask."""
+def _dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0
+) -> torch.Tensor:
+    """q [n, H, D] at the last n positions of k/v [s, Hkv, D]; float64, explicit causal mask
+    (and sliding window: position i sees j when i - j < window; Gemma 2's tanh soft-cap)."""
     n, heads, _ = q.shape
     s, kv_heads, _ = k.shape
     k = k.double().repeat_interleave(heads // kv_heads, dim=1)
     v = v.double().repeat_interleave(heads // kv_heads, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     qpos = torch.arange(s - n, s).unsqueeze(1)
     mask = torch.arange(s).unsqueeze(0) <= qpos
+    if window:
+        mask &= qpos - torch.arange(s).unsqueeze(0) < window
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
@@ -214,6 +229,42 @@ def test_paged_prefill_matches_dense(
         want = _dense_attention(q[start : start + n], ks[b], vs[b], scale)
         torch.testing.assert_close(got[start : start + n].double(), want, **TOL[dtype])
         start += n
+
+
+# (window, softcap): a window shorter than a block, one spanning blocks, and Gemma 2's
+# soft-cap with and without a window (a low cap of 2 so that tanh bends the scores).
+WINDOWED = [(3, 0.0), (6, 0.0), (0, 2.0), (5, 2.0)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("window", "softcap"), WINDOWED)
+def test_windowed_and_softcapped_attention_match_dense(
+    ops: TorchOps, dtype: torch.dtype, window: int, softcap: float
+) -> None:
+    bs = 4
+    # Fresh prompts longer than the window, a chunk whose window reaches into its cached
+    # past, a decode row far past the window, and one shorter than it.
+    query_lens = [11, 3, 1, 1, 2 * bs + 1]
+    seq_lens = [11, 14, 23, 2, 2 * bs + 1]
+    k_cache, v_cache, tables, ks, vs = _paged_setup(seq_lens, 8, 2, bs, dtype, 17)
+    q = _rand(sum(query_lens), 8, 16, seed=6, dtype=dtype)
+    scale = 0.7  # large enough that soft-capping at 2 changes the answer
+    meta = _meta(query_lens, seq_lens, tables)
+    got = ops.paged_attention_prefill(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap)
+    start = 0
+    for b, n in enumerate(query_lens):
+        want = _dense_attention(q[start : start + n], ks[b], vs[b], scale, window, softcap)
+        torch.testing.assert_close(got[start : start + n].double(), want, **TOL[dtype])
+        start += n
+    rows = torch.tensor([sum(query_lens[: b + 1]) - 1 for b in range(len(query_lens))])
+    dec = ops.paged_attention_decode(
+        q[rows], k_cache, v_cache, tables, meta.seq_lens, scale, meta.seq_lens_host,
+        window=window, softcap=softcap,
+    )
+    torch.testing.assert_close(dec, got[rows], **TOL[dtype])
+    # The window or the cap really changed something: the plain answer differs.
+    plain = ops.paged_attention_prefill(q, k_cache, v_cache, meta, scale)
+    assert (plain - got).abs().max() > 1e-2
 
 
 def test_prefill_with_only_single_tokens_equals_decode(ops: TorchOps) -> None:

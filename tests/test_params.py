@@ -55,7 +55,19 @@ def test_every_field_exists_and_the_defaults_are_valid() -> None:
         ("presence_penalty", 2.5),
         ("frequency_penalty", -2.5),
         ("repetition_penalty", 0.0),
+        # Regression: 1e-320 divided positive logits into +inf, and the sampler's draw ran
+        # off the end of the vocabulary ("index 49152 is out of bounds"), killing the engine.
+        ("repetition_penalty", 1e-320),
+        ("repetition_penalty", float("inf")),
         ("repetition_penalty", True),
+        ("temperature", float("nan")),
+        ("top_p", float("inf")),
+        ("stop", ["x" * 513]),
+        ("stop", [str(i) for i in range(33)]),
+        ("stop_token_ids", [2**31]),
+        ("logit_bias", {2**31: 1.0}),
+        ("logit_bias", {3: 1e43}),
+        ("logit_bias", {3: float("nan")}),
         ("logprobs", -1),
         ("logprobs", 21),
         ("include_stop_str_in_output", 1),
@@ -99,3 +111,16 @@ def test_boundary_values_are_accepted() -> None:
         temperature=0.0, top_p=1.0, top_k=-1, min_p=1.0, seed=-(2**63), logprobs=0, prompt_logprobs=20,
         presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=100.0, max_tokens=None,
     )
+
+
+def test_generation_defaults_take_the_sampling_fields_a_model_sets() -> None:
+    from engine.params import generation_defaults
+
+    config = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0,
+              "repetition_penalty": 1.05, "do_sample": True, "max_new_tokens": 99,
+              "eos_token_id": 2}
+    assert generation_defaults(config) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                                           "min_p": 0.0, "repetition_penalty": 1.05}
+    # An invalid value is dropped rather than failing every request.
+    assert generation_defaults({"temperature": -1, "top_p": 0.5}) == {"top_p": 0.5}
+    assert generation_defaults({}) == {}

@@ -19,6 +19,10 @@ bf16/fp16 logit tolerance: twice transformers' own rounding error in that dtype,
 places but accumulate in different orders, so they may differ by as much as either differs
 from fp32; measured ratios are at most 1.45 (bf16) and 1.4 (fp16). A missed norm weight
 gives ratios of at least 4 (bf16) and 40 (fp16) on these models.
+
+The tiny Gemma 2, Gemma 3 and Phi-3 (sliding windows of 8 on Gemma's local layers and on
+the tiny Mistral, prompts up to 23 tokens plus 32 decoded) hold to the same tolerances:
+measured fp32 logits within 8e-6, bf16/fp16 ratios at most 1.32.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from safetensors.torch import load_file
 
 from engine.models.config import ModelConfig
 from engine.models.loader import default_model_path, load_model
-from engine.models.testing import TINY_ARCHITECTURES, write_tiny_model
+from engine.models.testing import MISTRAL_WINDOW, TINY_ARCHITECTURES, write_tiny_model
 from engine.ops import AttentionMetadata, get_ops
 from engine.runner.model_runner import ModelRunner, run_greedy
 
@@ -206,32 +210,104 @@ def test_logits_at_every_position_match_transformers(tiny, dtype, ops) -> None:
             torch.testing.assert_close(g, w, atol=atol, rtol=0, msg=lambda m, c=chunk_size: f"chunk {c}: {m}")
 
 
-def test_a_sliding_window_caps_the_context_where_full_attention_still_agrees(tmp_path) -> None:
-    """The decoder has no sliding-window attention (Mistral 7B v0.1 has a 4096 window), so
-    ModelConfig caps the context at the window. Up to the window transformers' windowed
-    attention and the engine's full attention agree; one token past it they do not."""
-    window = 8
-    folder = write_tiny_model(tmp_path, "mistral")
-    raw = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps(raw | {"sliding_window": window}))
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    """The tiny Mistral (every layer slides over MISTRAL_WINDOW tokens)."""
+    folder = write_tiny_model(tmp_path_factory.mktemp("windowed"), "mistral")
     config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
-    assert config.max_position_embeddings == window
+    assert config.layer_windows == (MISTRAL_WINDOW,) * config.num_hidden_layers
     loaded = types.SimpleNamespace(
         config=config, weights=load_file(str(folder / "model.safetensors")), dtype=torch.float32
     )
-    prompt = _prompts(config.vocab_size)[-1][: window + 1]
+    return loaded, folder
+
+
+# 25x the window: keys far out of every window must be masked, not merely unlikely.
+LONG_PROMPT = 200
+
+
+@pytest.mark.parametrize("ops", OPS)
+def test_a_request_far_longer_than_the_window_matches_transformers(windowed, ops) -> None:
+    loaded, folder = windowed
+    g = torch.Generator().manual_seed(99)
+    prompt = torch.randint(3, loaded.config.vocab_size, (LONG_PROMPT,), generator=g).tolist()
+    hf = _hf_model(folder)
+    want_tokens, want_logprobs = _hf_greedy(hf, prompt, NEW_TOKENS)
+    assert len(set(want_tokens)) > 1
+    for chunk in (None, 48):
+        (run,) = run_greedy(_runner(loaded, 16, ops), [prompt], NEW_TOKENS, chunk_size=chunk, block_size=16)
+        assert [s.token_id for s in run] == want_tokens
+        got = torch.tensor([s.logprob for s in run], dtype=torch.float64)
+        torch.testing.assert_close(got, torch.tensor(want_logprobs, dtype=torch.float64), atol=LOGPROB_ATOL, rtol=0)
     with torch.inference_mode():
-        want = _hf_model(folder)(torch.tensor([prompt])).logits[0]
-    # The runner's RoPE table ends at the capped context; this one extra position is only
-    # here to show what the cap prevents.
-    uncapped = types.SimpleNamespace(
-        config=dataclasses.replace(config, max_position_embeddings=window + 1),
+        want = hf(torch.tensor([prompt])).logits[0]
+    (got,) = _prefill_logits(_runner(loaded, 16, ops), [prompt], 37)
+    torch.testing.assert_close(got, want, atol=LOGIT_ATOL_FP32, rtol=0)
+    # The window matters: the same weights with full attention give other logits.
+    full = types.SimpleNamespace(
+        config=dataclasses.replace(loaded.config, layer_windows=(0,) * loaded.config.num_hidden_layers),
         weights=loaded.weights,
         dtype=torch.float32,
     )
-    (got,) = _prefill_logits(_runner(uncapped, 4, "torch"), [prompt], None)
-    torch.testing.assert_close(got[:window], want[:window], atol=LOGIT_ATOL_FP32, rtol=0)
-    assert (got[window] - want[window]).abs().max() > 100 * LOGIT_ATOL_FP32
+    (unwindowed,) = _prefill_logits(_runner(full, 16, ops), [prompt], None)
+    assert (unwindowed[MISTRAL_WINDOW:] - want[MISTRAL_WINDOW:]).abs().max() > 100 * LOGIT_ATOL_FP32
+
+
+def _rescaled(tmp_path, arch: str, extra: dict) -> tuple[types.SimpleNamespace, Path]:
+    folder = write_tiny_model(tmp_path, arch)
+    raw = json.loads((folder / "config.json").read_text()) | extra
+    (folder / "config.json").write_text(json.dumps(raw))
+    config = ModelConfig.from_hf(raw)
+    loaded = types.SimpleNamespace(
+        config=config, weights=load_file(str(folder / "model.safetensors")), dtype=torch.float32
+    )
+    return loaded, folder
+
+
+@pytest.mark.parametrize("ops", OPS)
+def test_yarn_rope_matches_transformers_past_the_original_length(tmp_path, ops) -> None:
+    """YaRN (Qwen2.5's long-context recipe) on the tiny Qwen2: logits at every position of a
+    prompt three times the original length, and 32 greedy tokens after it."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    loaded, folder = _rescaled(tmp_path, "qwen2", {"rope_scaling": yarn})
+    assert loaded.config.max_position_embeddings == 512  # 4 x 32 < the configured 512
+    prompt = torch.randint(3, loaded.config.vocab_size, (96,), generator=torch.Generator().manual_seed(5)).tolist()
+    hf = _hf_model(folder)
+    with torch.inference_mode():
+        want = hf(torch.tensor([prompt])).logits[0]
+    (got,) = _prefill_logits(_runner(loaded, 16, ops), [prompt], 40)
+    torch.testing.assert_close(got, want, atol=LOGIT_ATOL_FP32, rtol=0)
+    want_tokens, _ = _hf_greedy(hf, prompt, NEW_TOKENS)
+    (run,) = run_greedy(_runner(loaded, 16, ops), [prompt], NEW_TOKENS, chunk_size=40, block_size=16)
+    assert [s.token_id for s in run] == want_tokens
+    # Without the scaling the same weights answer differently past the original length.
+    plain = types.SimpleNamespace(
+        config=dataclasses.replace(loaded.config, rope_scaling=None), weights=loaded.weights, dtype=torch.float32
+    )
+    (unscaled,) = _prefill_logits(_runner(plain, 16, ops), [prompt], None)
+    assert (unscaled - want).abs().max() > 100 * LOGIT_ATOL_FP32
+
+
+@pytest.mark.parametrize("ops", OPS)
+def test_dynamic_ntk_rope_matches_transformers_while_decoding_past_the_trained_length(tmp_path, ops) -> None:
+    """Dynamic NTK re-bases RoPE for every length past the trained one (32 here): a 20-token
+    prompt decoded 32 tokens crosses it, and every token and logprob matches transformers."""
+    dynamic = {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "max_position_embeddings": 32}
+    loaded, folder = _rescaled(tmp_path, "llama", dynamic)
+    assert loaded.config.max_position_embeddings == 64  # factor x trained, as vLLM
+    prompt = torch.randint(3, loaded.config.vocab_size, (20,), generator=torch.Generator().manual_seed(6)).tolist()
+    want_tokens, want_logprobs = _hf_greedy(_hf_model(folder), prompt, NEW_TOKENS)
+    (run,) = run_greedy(_runner(loaded, 4, ops), [prompt], NEW_TOKENS, chunk_size=7, block_size=4)
+    assert [s.token_id for s in run] == want_tokens
+    got = torch.tensor([s.logprob for s in run], dtype=torch.float64)
+    torch.testing.assert_close(got, torch.tensor(want_logprobs, dtype=torch.float64), atol=LOGPROB_ATOL, rtol=0)
+    # The tokens decoded past position 32 are what tells dynamic from plain RoPE.
+    plain = types.SimpleNamespace(
+        config=dataclasses.replace(loaded.config, rope_scaling=None), weights=loaded.weights, dtype=torch.float32
+    )
+    (unscaled,) = run_greedy(_runner(plain, 4, ops), [prompt], NEW_TOKENS, chunk_size=7, block_size=4)
+    assert [s.logprob for s in unscaled][:12] == pytest.approx([s.logprob for s in run][:12], abs=LOGPROB_ATOL)
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(unscaled[13:], run[13:], strict=True)) > 100 * LOGPROB_ATOL
 
 
 # Triton in the CPU interpreter costs ~0.4 s per step of the tiny model, so its check runs
@@ -264,7 +340,8 @@ def test_smollm2_gguf_greedy_matches_transformers(ops: str) -> None:
     transformers loads that folder; the loader's own tests check its dequantization
     against transformers' GGUF reader, so here only the model and runner are on trial.
     """
-    loaded = load_model(default_model_path(), dtype="float32")
+    # The dequantized weights transformers also runs (the kept-quantized path: test_quant_fidelity).
+    loaded = load_model(default_model_path(), dtype="float32", quantization="none")
     hf = _hf_model(loaded.folder)
     # "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
     # and a bare "The capital of France is", as SmolLM2's tokenizer spells them.

@@ -16,7 +16,7 @@ from engine.errors import InvalidParamError
 from engine.ops import get_ops
 from engine.ops.sampling_ref import apply_min_p, apply_top_k, apply_top_p, sample, truncate
 from engine.params import SamplingParams
-from engine.runner.sampler import Sampler, SamplingRow, step_seed
+from engine.runner.sampler import Sampler, SamplingFailure, SamplingRow, step_seed
 
 NEG_INF = float("-inf")
 
@@ -493,3 +493,53 @@ def test_inverse_cdf_never_picks_a_zero_probability_token_at_either_end() -> Non
     probs = torch.tensor([[0.0, 0.0, 0.3, 0.0, 0.7, 0.0, 0.0]] * 4)
     u = torch.tensor([0.0, 0.2999, 0.3001, 1.0 - 2.0**-53], dtype=torch.float64)
     assert inverse_cdf(probs, u).tolist() == [2, 2, 4, 4]
+
+
+# -- containment: a bad row fails its request, never the batch ----------------------------
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_top_k_of_2_31_or_more_is_off_not_an_int32_overflow(backend):
+    # Regression: top_k=2147483648 crashed the engine ("value cannot be converted to type
+    # int32 without overflow"); a k at or past the vocabulary keeps every token.
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0))
+    huge = SamplingParams(temperature=0.0, top_k=2**31)
+    plain = SamplingParams(temperature=0.0)
+    out = Sampler(get_ops(backend))(logits, [_row(huge), _row(plain)])
+    assert [o[0] for o in out] == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize(
+    ("poison", "reason"),
+    [(float("nan"), "NaN"), (float("inf"), "+inf"), (NEG_INF, "every token is masked")],
+)
+def test_a_row_of_bad_logits_fails_alone_and_the_batch_goes_on(sampler, poison, reason):
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(1))
+    if poison == NEG_INF:
+        logits[1] = NEG_INF
+    else:
+        logits[1, 7] = poison
+    params = SamplingParams(temperature=0.9, seed=3, logprobs=2)
+    out = sampler(logits, [_row(params), _row(params), _row(params)])
+    assert isinstance(out[1], SamplingFailure) and reason in out[1].reason
+    clean = sampler(logits[[0, 2]], [_row(params), _row(params)])
+    assert [out[0], out[2]] == clean  # the others draw as if the bad row were absent
+
+
+def test_every_stop_token_masked_under_min_tokens_fails_the_row(sampler):
+    # Regression: stop_token_ids listing the whole vocabulary with min_tokens=1 made the
+    # sampler return id == vocabulary size (out of bounds for the embedding).
+    vocab = 64
+    params = SamplingParams(temperature=0.0, min_tokens=1, stop_token_ids=list(range(vocab)))
+    [res] = sampler(torch.randn(1, vocab), [_row(params)])
+    assert isinstance(res, SamplingFailure) and "masked" in res.reason
+
+
+def test_an_id_outside_the_vocabulary_from_a_kernel_is_never_returned():
+    class OffByOne:
+        def sample(self, logits, *rest):
+            n = logits.shape[0]
+            return torch.full((n,), logits.shape[1], dtype=torch.int64), torch.zeros(n)
+
+    [res] = Sampler(OffByOne())(torch.zeros(1, 8), [_row(SamplingParams())])
+    assert isinstance(res, SamplingFailure) and "outside the vocabulary" in res.reason

@@ -20,6 +20,10 @@ from engine.core import (
 )
 from engine.errors import InvalidParamError, PromptTooLongError
 from engine.messages import (
+    NULL_BLOCK,
+    CacheBlocks,
+    FreeRequest,
+    RequestFailure,
     SampledToken,
     SchedulerRequest,
     StepPlan,
@@ -99,7 +103,7 @@ def _update(sched: Scheduler, pool: BlockPool, plan: StepPlan, tokens: dict[str,
     update = sched.update_from_output(plan, _result(plan, tokens))
     for call in update.allocator_calls:
         pool.handle(call)
-    return {d.request_id: d for d in update.deltas}
+    return {d.sample_id: d for d in update.deltas}
 
 
 def _step(sched: Scheduler, pool: BlockPool, tokens: dict[str, int] | None = None):
@@ -518,10 +522,10 @@ def test_every_request_gets_its_solo_tokens_under_preemption(seed, policy, depth
         for call in update.allocator_calls:
             pool.handle(call)
         for delta in update.deltas:
-            assert delta.request_id not in reasons
-            outputs[delta.request_id].extend(delta.token_ids)
+            assert delta.sample_id not in reasons
+            outputs[delta.sample_id].extend(delta.token_ids)
             if delta.finish_reason:
-                reasons[delta.request_id] = delta.finish_reason
+                reasons[delta.sample_id] = delta.finish_reason
 
     for _ in range(2000):  # a livelock fails the test instead of hanging it
         while pending and (rng.random() < 0.5 or not sched.has_work):
@@ -603,3 +607,54 @@ def test_scheduler_config_comes_from_the_engine_config_and_is_checked() -> None:
         SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=1, block_size=1, max_model_len=1, num_kv_blocks=1, policy="lifo")
     with pytest.raises(InvalidParamError, match="num_kv_blocks"):
         SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=1, block_size=1, max_model_len=1, num_kv_blocks=0)
+
+
+# -- failed requests ----------------------------------------------------------------------
+
+
+def test_a_failed_request_finishes_as_error_frees_its_blocks_and_caches_nothing() -> None:
+    sched, pool = _setup(budget=16, bs=4)
+    _add(sched, "bad", 8)
+    _add(sched, "ok", 8)
+    plan = _plan(sched, pool)
+    sampled = tuple(SampledToken("ok", 7, -0.5, ()) for c in plan.chunks if c.request_id == "ok")
+    result = StepResult(plan.step_id, sampled, 0.0, failed=(RequestFailure("bad", "NaN logits"),))
+    update = sched.update_from_output(plan, result)
+    cached = [c.request_id for c in update.allocator_calls if isinstance(c, CacheBlocks)]
+    freed = [c.request_id for c in update.allocator_calls if isinstance(c, FreeRequest)]
+    assert cached == ["ok"] and freed == ["bad"]
+    deltas = {d.sample_id: d for d in update.deltas}
+    assert deltas["bad"] == TokenDelta("bad", (), (), "error", "NaN logits")
+    assert deltas["ok"].token_ids == (7,)
+    for call in update.allocator_calls:
+        pool.handle(call)
+    assert sched.get_request("bad") is None
+    # The runner learns in the next plan that it may drop the failed request.
+    assert "bad" in _plan(sched, pool).finished_ids
+
+
+def test_a_sliding_window_model_holds_a_bounded_number_of_blocks() -> None:
+    """Every layer slides a 6-token window: a request keeps only the blocks its next chunk
+    can still see, whatever its length; released places read as NULL_BLOCK in the plans."""
+    window, bs, budget = 6, 4, 8
+    config = SchedulerConfig(
+        max_num_seqs=4, max_num_batched_tokens=budget, block_size=bs, max_model_len=1024,
+        num_kv_blocks=64, sliding_window=window,
+    )  # fmt: skip
+    sched, pool = Scheduler(config), BlockPool(64, bs)
+    _add(sched, "long", 40, max_tokens=30)
+    held = []
+    while sched.has_work:
+        plan = _plan(sched, pool)
+        for chunk in plan.chunks:
+            table = pool.block_table(chunk.request_id)
+            first_seen = max(0, chunk.start - window + 1) // bs
+            # Blocks the chunk can see are the pool's real ones; earlier places are null.
+            assert chunk.block_ids[first_seen:] == table[first_seen:]
+            assert set(chunk.block_ids[: sched.get_request(chunk.request_id).num_released_blocks]) <= {NULL_BLOCK}
+        held.append(pool.statistics().num_blocks - pool.num_free_blocks)
+        for call in sched.update_from_output(plan, _result(plan)).allocator_calls:
+            pool.handle(call)
+    # A chunk of 8 starting anywhere sees at most its 5 keys before it: 13 tokens, 4 blocks
+    # (5 when unaligned); 70 tokens unwindowed would hold 18.
+    assert max(held) <= 5 and pool.num_free_blocks == 64

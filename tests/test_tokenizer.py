@@ -267,7 +267,7 @@ def test_template_environment_renders_like_transformers(tiny_dir: Path, tmp_path
     messages = [
         {"role": "system", "content": "sys"},
         {"role": "user", "content": 'a <b> & "c" é'},
-        {"role": "tool", "content": "skipped"},
+        {"role": "tool", "tool_call_id": "call_1", "content": "skipped"},
         {"role": "assistant", "content": "<tag> & 😀"},
         {"role": "user", "content": "u2"},
         {"role": "user", "content": "never reached"},
@@ -317,26 +317,36 @@ def test_folder_without_chat_template_raises_request_error(tiny_dir: Path, tmp_p
 
 
 @pytest.mark.parametrize(
-    "messages",
+    ("messages", "param"),
     [
-        [],
-        "hello",
-        None,
-        ["hello"],
-        [{"content": "no role"}],
-        [{"role": "robot", "content": "x"}],
-        [{"role": "user"}],
-        [{"role": "user", "content": 42}],
-        [{"role": "user", "content": {"type": "text", "text": "x"}}],
-        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
-        [{"role": "user", "content": [{"type": "text", "text": 5}]}],
-        [{"role": "user", "content": ["bare string part"]}],
+        ([], "messages"),
+        ("hello", "messages"),
+        (None, "messages"),
+        (["hello"], "messages[0]"),
+        ([{"content": "no role"}], "messages[0].role"),
+        ([{"role": "user", "content": "x"}, {"role": "robot", "content": "x"}], "messages[1].role"),
+        ([{"role": "user"}], "messages[0].content"),
+        ([{"role": "user", "content": 42}], "messages[0].content"),
+        ([{"role": "user", "content": {"type": "text", "text": "x"}}], "messages[0].content"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+         "messages[0].content"),
+        ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "messages[0].content"),
+        ([{"role": "user", "content": ["bare string part"]}], "messages[0].content"),
     ],
 )
-def test_bad_messages_raise_invalid_param(tiny_dir: Path, messages: Any) -> None:
+def test_bad_messages_raise_invalid_param_naming_the_field(
+    tiny_dir: Path, messages: Any, param: str
+) -> None:
     with pytest.raises(InvalidParamError) as info:
         Tokenizer.from_folder(tiny_dir).apply_chat_template(messages)
-    assert info.value.param == "messages"
+    assert info.value.param == param
+
+
+def test_developer_is_the_system_role(tiny_dir: Path) -> None:
+    tok = Tokenizer.from_folder(tiny_dir)
+    developer = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    system = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(developer) == tok.apply_chat_template(system)
 
 
 def test_assistant_message_may_carry_only_tool_calls(tiny_dir: Path, tmp_path: Path) -> None:
@@ -391,3 +401,87 @@ def test_corrupt_file_raises_corrupt_model_naming_it(
         match=name.replace(".", r"\.") if "jinja" not in name else "chat template",
     ):
         Tokenizer.from_folder(folder)
+
+
+# -- chat-template controls and tools (transformers renders the same template) -------------
+
+from chat_fixtures import ROUND_TRIP, THINK_TEMPLATE, TOOL_TEMPLATE, TOOLS  # noqa: E402
+
+
+def _decoded_args(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The history as transformers' callers pass it: arguments as dicts, no None keys."""
+    out = []
+    for m in messages:
+        m = {k: v for k, v in m.items() if v is not None}
+        if "tool_calls" in m:
+            m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.loads(
+                c["function"]["arguments"])}} for c in m["tool_calls"]]
+        out.append(m)
+    return out
+
+
+def test_tool_template_with_tools_and_history_equals_transformers(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    folder = _variant(tiny_dir, tmp_path / "t", config={"chat_template": TOOL_TEMPLATE})
+    ours, hf = Tokenizer.from_folder(folder), _hf_tokenizer(folder)
+    expected = hf.apply_chat_template(_decoded_args(ROUND_TRIP), tools=TOOLS, tokenize=False,
+                                      add_generation_prompt=True)
+    got = ours.apply_chat_template(ROUND_TRIP, tools=TOOLS)
+    assert got == expected
+    assert '"arguments": {"city": "Paris", "unit": "celsius"}' in got  # decoded, not a string
+
+
+def test_request_template_kwargs_and_prefill_equal_transformers(tiny_dir: Path) -> None:
+    ours, hf = Tokenizer.from_folder(tiny_dir), _hf_tokenizer(tiny_dir)
+    chat = [{"role": "user", "content": "2+2?"}]
+    for kwargs in ({}, {"enable_thinking": False}):
+        assert ours.apply_chat_template(chat, chat_template=THINK_TEMPLATE, **kwargs) == \
+            hf.apply_chat_template(chat, chat_template=THINK_TEMPLATE, tokenize=False,
+                                   add_generation_prompt=True, **kwargs)
+    prefill = [*chat, {"role": "assistant", "content": "The answer is "}]
+    got = ours.apply_chat_template(prefill, add_generation_prompt=False,
+                                   continue_final_message=True)
+    assert got == hf.apply_chat_template(prefill, tokenize=False, continue_final_message=True)
+    assert got.endswith("<|im_start|>assistant\nThe answer is ")
+
+
+def test_template_without_tools_gets_the_fallback_prompt(tiny_dir: Path) -> None:
+    from engine.chat.tools import fallback_messages, parse_tools
+
+    ours, hf = Tokenizer.from_folder(tiny_dir), _hf_tokenizer(tiny_dir)
+    got = ours.apply_chat_template(ROUND_TRIP, tools=TOOLS)
+    rewritten = fallback_messages(_decoded_args(ROUND_TRIP), parse_tools(TOOLS),
+                                  describe_tools=True)
+    assert got == hf.apply_chat_template(rewritten, tokenize=False, add_generation_prompt=True)
+    assert "You can call functions" in got and "<tool_response>\n9 degrees, rain" in got
+
+
+@pytest.mark.parametrize(("kwargs", "param"), [
+    ({"chat_template": "{% if %}"}, "chat_template"),
+    ({"messages_extra": None, "add_generation_prompt": True, "continue_final_message": True},
+     "continue_final_message"),
+    ({"tools": [{"type": "function", "function": {"name": "x y"}}]}, "tools[0].function.name"),
+])
+def test_bad_template_controls_name_the_field(
+    tiny_dir: Path, kwargs: dict[str, Any], param: str
+) -> None:
+    kwargs = {k: v for k, v in kwargs.items() if k != "messages_extra"}
+    with pytest.raises(InvalidParamError) as info:
+        Tokenizer.from_folder(tiny_dir).apply_chat_template(
+            [{"role": "user", "content": "hi"}], **kwargs)
+    assert info.value.param == param
+
+
+def test_reserved_template_kwargs_are_refused(tiny_dir: Path) -> None:
+    with pytest.raises(InvalidParamError) as info:
+        Tokenizer.from_folder(tiny_dir).apply_chat_template(
+            [{"role": "user", "content": "hi"}], chat_template_kwargs={"messages": []})
+    assert info.value.param == "chat_template_kwargs"
+
+
+def test_tool_message_without_call_id_is_refused(tiny_dir: Path) -> None:
+    with pytest.raises(InvalidParamError) as info:
+        Tokenizer.from_folder(tiny_dir).apply_chat_template(
+            [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}])
+    assert info.value.param == "messages[1].tool_call_id"

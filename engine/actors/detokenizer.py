@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 import trio
 
@@ -11,6 +12,7 @@ from engine.messages import (
     DetokenizerRequest,
     OutputBatch,
     RequestOutput,
+    SamplesAborted,
     StepOutputs,
     StopStringHit,
     TokenDelta,
@@ -27,6 +29,7 @@ class _Sample:
     # prompt_logprobs requests: the prompt tokens' logprobs gathered so far (they arrive
     # chunk by chunk, all before or with the first token), until the first output takes them.
     prompt_logprobs: list[TokenLogprob] | None = None
+    scheduled_time: float | None = None  # until the first output carries it
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -39,9 +42,10 @@ class DetokenizerStatistics:
 class Detokenizer:
     """Actor: keeps one :class:`IncrementalDetokenizer` per sample.
 
-    Its inbox carries :class:`DetokenizerRequest` (from the processor, before the sample's
-    first token can exist) and :class:`StepOutputs` (from the scheduler). Each step becomes
-    one :class:`OutputBatch` for the router. When a stop string matches, the sample's final
+    Its inbox (from the scheduler only) carries :class:`DetokenizerRequest` (passed on
+    before the sample is scheduled, so before its first token can exist),
+    :class:`StepOutputs` and :class:`SamplesAborted`. Each becomes at most one
+    :class:`OutputBatch` for the router. When a stop string matches, the sample's final
     output goes out at once and :class:`StopStringHit` tells the scheduler to finish it, so
     its blocks are freed; tokens the scheduler still reports for it are ignored.
     """
@@ -50,7 +54,7 @@ class Detokenizer:
         self,
         tokenizer: object,
         *,
-        inbox: trio.MemoryReceiveChannel[DetokenizerRequest | StepOutputs],
+        inbox: trio.MemoryReceiveChannel[DetokenizerRequest | StepOutputs | SamplesAborted],
         to_router: trio.MemorySendChannel[OutputBatch],
         to_scheduler: trio.MemorySendChannel[StopStringHit],
     ) -> None:
@@ -72,7 +76,12 @@ class Detokenizer:
                 if isinstance(message, DetokenizerRequest):
                     self._add(message)
                     continue
-                outputs, hits = self.process(message)
+                if isinstance(message, SamplesAborted):
+                    # A stop string may already have ended a sample: it is gone from here.
+                    aborted = (TokenDelta(s, (), (), "abort", None) for s in message.sample_ids)
+                    outputs, hits = self._apply(aborted)
+                else:
+                    outputs, hits = self.process(message)
                 for hit in hits:
                     await self._to_scheduler.send(hit)
                 if outputs:
@@ -90,29 +99,47 @@ class Detokenizer:
             min_tokens=params.min_tokens,
         )
         prompt_logprobs: list[TokenLogprob] | None = [] if params.prompt_logprobs is not None else None
-        self._samples[spec.request_id] = _Sample(spec, detokenizer, prompt_logprobs=prompt_logprobs)
+        self._samples[spec.sample_id] = _Sample(spec, detokenizer, prompt_logprobs=prompt_logprobs)
 
     def process(
         self, step: StepOutputs
     ) -> tuple[tuple[RequestOutput, ...], list[StopStringHit]]:
         """One step's deltas to outputs (pure apart from the per-sample state)."""
-        outputs: list[RequestOutput] = []
-        hits: list[StopStringHit] = []
+        for sample_id, when in step.scheduled:
+            sample = self._samples.get(sample_id)
+            if sample is not None:
+                sample.scheduled_time = when
         for scored in step.prompt_logprobs:
             sample = self._samples.get(scored.request_id)
             if sample is not None and sample.prompt_logprobs is not None:
                 sample.prompt_logprobs.extend(scored.logprobs)
-        for delta in step.deltas:
-            sample = self._samples.get(delta.request_id)
+        return self._apply(step.deltas)
+
+    def _apply(
+        self, deltas: Iterable[TokenDelta]
+    ) -> tuple[tuple[RequestOutput, ...], list[StopStringHit]]:
+        outputs: list[RequestOutput] = []
+        hits: list[StopStringHit] = []
+        for delta in deltas:
+            sample = self._samples.get(delta.sample_id)
             if sample is None:
-                continue  # finished by a stop string, or aborted before it was added
+                continue  # finished by a stop string, or aborted
+            if delta.finish_reason == "error":
+                # Text held back stays unsent: the router turns this into the caller's
+                # RequestFailedError.
+                del self._samples[delta.sample_id]
+                outputs.append(_failed_output(sample, delta))
+                continue
             output, hit = self._output(sample, delta)
             if output.finished:
-                del self._samples[delta.request_id]
+                del self._samples[delta.sample_id]
             if hit is not None:
                 hits.append(hit)
                 self._stop_hits += 1
             if output.finished or output.token_ids or output.text:
+                if sample.scheduled_time is not None:
+                    output = dataclasses.replace(output, scheduled_time=sample.scheduled_time)
+                    sample.scheduled_time = None
                 if sample.prompt_logprobs is not None:
                     # The first output a caller sees carries them; None scores token 0.
                     output = dataclasses.replace(output, prompt_logprobs=(None, *sample.prompt_logprobs))
@@ -137,7 +164,7 @@ class Detokenizer:
         if update.stopped:
             finish_reason, stop_reason = "stop", update.stop_reason
             if delta.finish_reason is None:
-                hit = StopStringHit(delta.request_id, update.stop_reason or "")
+                hit = StopStringHit(delta.sample_id, update.stop_reason or "")
         elif finish_reason is not None:
             final = sample.detokenizer.finish()
             text += final.text
@@ -147,7 +174,7 @@ class Detokenizer:
         finished = finish_reason is not None
         return (
             RequestOutput(
-                request_id=spec.parent_id,
+                request_id=spec.request_id,
                 index=spec.index,
                 text=text,
                 token_ids=delta.token_ids,
@@ -155,10 +182,20 @@ class Detokenizer:
                 finish_reason=finish_reason,
                 stop_reason=stop_reason,
                 logprobs=_logprobs(delta) if spec.params.logprobs is not None else None,
-                usage=Usage(len(spec.prompt_token_ids), sample.completion_tokens) if finished else None,
+                usage=Usage(len(spec.prompt_token_ids), sample.completion_tokens,
+                            delta.num_cached_tokens) if finished else None,
             ),
             hit,
         )
+
+
+def _failed_output(sample: _Sample, delta: TokenDelta) -> RequestOutput:
+    spec = sample.spec
+    return RequestOutput(
+        request_id=spec.request_id, index=spec.index, text="", token_ids=(), finished=True,
+        finish_reason="error", stop_reason=delta.stop_reason, logprobs=None,
+        usage=Usage(len(spec.prompt_token_ids), sample.completion_tokens),
+    )
 
 
 def _logprobs(delta: TokenDelta) -> tuple[TokenLogprob, ...]:

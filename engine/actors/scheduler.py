@@ -13,28 +13,35 @@ before N's tokens are known; a request that N finishes wastes at most one planne
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
+import time
 from collections.abc import Iterable
 
 import trio
 
 from engine.core.request import RequestStatus
-from engine.core.scheduler import ScheduleGenerator, Scheduler
+from engine.core.scheduler import Scheduler, drive
 from engine.errors import RequestError
 from engine.messages import (
-    AbortRequests,
+    AbortSamples,
+    AdmittedRequest,
     AllocatorCall,
     AllocatorReply,
-    SchedulerRequest,
+    DetokenizerRequest,
+    SamplesAborted,
     StepOutputs,
     StepPlan,
     StepResult,
     StopStringHit,
-    TokenDelta,
 )
 
-SchedulerInbox = SchedulerRequest | StepResult | AbortRequests | StopStringHit
+# Bucket edges of the tokens-per-step histogram (vLLM's iteration_tokens_total): powers of
+# two up to a large step budget.
+ITERATION_TOKEN_BUCKETS = tuple(2**i for i in range(15))
+
+SchedulerInbox = AdmittedRequest | StepResult | AbortSamples | StopStringHit
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,15 +54,19 @@ class SchedulerActorStatistics:
     requests_finished: int  # cumulative, aborts included
     steps_in_flight: int
     scheduled_tokens: int  # cumulative: tokens computed, prefix-cache hits excluded
+    # Steps by the tokens they computed: counts per bucket of ITERATION_TOKEN_BUCKETS (the
+    # last counts steps above the largest edge), and their sum, for a histogram.
+    iteration_token_counts: tuple[int, ...] = ()
+    iteration_tokens_sum: int = 0
 
 
 class SchedulerActor:
     """Actor: owns the pure scheduler and the order of steps.
 
-    Its inbox (fan-in, unbounded: see :func:`engine.actors.system.run_actors`) carries new
-    samples from the processor, step results from the executor, aborts from the callers and
-    stop-string hits from the detokenizer. Everything already delivered is handled before
-    the next step is planned, so an abort frees its blocks before that step.
+    Its inbox (fan-in, unbounded: see :func:`engine.actors.system.run_actors`) carries
+    admitted requests and aborts from the callers' tasks, step results from the executor
+    and stop-string hits from the detokenizer. Everything already delivered is handled
+    before the next step is planned, so an abort frees its blocks before that step.
     """
 
     def __init__(
@@ -66,7 +77,7 @@ class SchedulerActor:
         to_allocator: trio.MemorySendChannel[AllocatorCall],
         from_allocator: trio.MemoryReceiveChannel[AllocatorReply],
         to_executor: trio.MemorySendChannel[StepPlan],
-        to_detokenizer: trio.MemorySendChannel[StepOutputs],
+        to_detokenizer: trio.MemorySendChannel[DetokenizerRequest | StepOutputs | SamplesAborted],
         async_scheduling: bool = True,
     ) -> None:
         self._core = core
@@ -80,26 +91,35 @@ class SchedulerActor:
         self._in_flight: collections.deque[StepPlan] = collections.deque()
         self._steps = 0
         self._planned_ahead = 0
+        self._scheduled_at: dict[str, float] = {}  # sample id -> first planned, until its first delta
+        self._iteration_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        self._iteration_sum = 0
+        self._arriving = 0  # samples sent to the inbox, not yet added
 
     def statistics(self) -> SchedulerActorStatistics:
         core = self._core.statistics()
         return SchedulerActorStatistics(
             running=core.running,
-            waiting=core.waiting,
+            waiting=core.waiting + self._arriving,
             preemptions=core.preemptions,
             steps=self._steps,
             planned_ahead=self._planned_ahead,
             requests_finished=core.finished,
             steps_in_flight=len(self._in_flight),
             scheduled_tokens=core.scheduled_tokens,
+            iteration_token_counts=tuple(self._iteration_counts),
+            iteration_tokens_sum=self._iteration_sum,
         )
 
     def queue_depth(self) -> int:
-        """Samples waiting to be scheduled (admission control reads this). Samples still in
-        the inbox are not counted (the inbox also holds step results and aborts, and cannot
-        be inspected); the scheduler drains it before each step, so the limit is exceeded at
-        most by what arrives within one step."""
-        return self._core.statistics().waiting
+        """Samples waiting to be scheduled, those still in the inbox included (admission
+        control reads this)."""
+        return self._core.statistics().waiting + self._arriving
+
+    def arriving(self, request: AdmittedRequest) -> None:
+        """Called by the sender of ``request`` as it puts it in the inbox (the inbox cannot
+        be inspected), so that statistics and admission control count it at once."""
+        self._arriving += len(request.samples)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with (
@@ -134,11 +154,17 @@ class SchedulerActor:
         """Plan and hand over one step if allowed and useful; true if one was sent."""
         if len(self._in_flight) >= self._max_in_flight or not self._core.has_work:
             return False
-        plan = await self._drive(self._core.schedule())
+        plan = await drive(self._core.schedule(), self._call)
         if not (plan.chunks or plan.finished_ids):
             return False  # nothing to run until a step in flight returns
         if self._in_flight:
             self._planned_ahead += 1
+        now = time.monotonic()
+        for new in plan.new_requests:
+            self._scheduled_at[new.request_id] = now
+        tokens = sum(c.num_tokens for c in plan.chunks)
+        self._iteration_counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
+        self._iteration_sum += tokens
         self._in_flight.append(plan)
         self._steps += 1
         await self._to_executor.send(plan)
@@ -150,34 +176,44 @@ class SchedulerActor:
             update = self._core.update_from_output(plan, message)
             await self._call_all(update.allocator_calls)
             if update.deltas or message.prompt_logprobs:
-                await self._to_detokenizer.send(
-                    StepOutputs(plan.step_id, update.deltas, message.prompt_logprobs)
+                scheduled = tuple(
+                    (d.sample_id, self._scheduled_at.pop(d.sample_id))
+                    for d in update.deltas if d.sample_id in self._scheduled_at
                 )
-        elif isinstance(message, SchedulerRequest):
+                await self._to_detokenizer.send(
+                    StepOutputs(plan.step_id, update.deltas, message.prompt_logprobs, scheduled)
+                )
+        elif isinstance(message, AdmittedRequest):
             await self._add(message)
-        elif isinstance(message, AbortRequests):
-            await self._finish(message.request_ids, RequestStatus.FINISHED_ABORTED)
+        elif isinstance(message, AbortSamples):
+            await self._finish(message.sample_ids, RequestStatus.FINISHED_ABORTED)
         else:
-            await self._finish((message.request_id,), RequestStatus.FINISHED_STOPPED)
+            await self._finish((message.sample_id,), RequestStatus.FINISHED_STOPPED)
 
-    async def _add(self, request: SchedulerRequest) -> None:
-        try:
-            self._core.add_request(request)
-        except RequestError:
-            # The processor checks every limit first; only a clash of engine ids (a
-            # caller's id reused while its aborted samples are still live) lands here.
-            # The sample ends at once rather than crashing the engine.
-            abort = TokenDelta(request.request_id, (), (), "abort", None)
-            await self._to_detokenizer.send(StepOutputs(-1, (abort,)))
+    async def _add(self, request: AdmittedRequest) -> None:
+        # The detokenizer hears of each sample before any of its tokens: same channel, sent first.
+        for spec in request.outputs:
+            await self._to_detokenizer.send(spec)
+        refused = []
+        for sample in request.samples:
+            try:
+                self._core.add_request(sample)
+            except RequestError:
+                # Admission checked every limit; only a sample id still live (a caller's
+                # id reused before its aborted samples finished) lands here. The sample
+                # ends at once rather than crashing the engine.
+                refused.append(sample.sample_id)
+        self._arriving -= len(request.samples)  # counted from here on by the core
+        if refused:
+            await self._to_detokenizer.send(SamplesAborted(tuple(refused)))
 
-    async def _finish(self, request_ids: Iterable[str], status: RequestStatus) -> None:
-        live = tuple(r for r in request_ids if self._core.get_request(r) is not None)
+    async def _finish(self, sample_ids: Iterable[str], status: RequestStatus) -> None:
+        live = tuple(r for r in sample_ids if self._core.get_request(r) is not None)
+        for sample_id in live:
+            self._scheduled_at.pop(sample_id, None)
         await self._call_all(self._core.finish_requests(live, status))
         if live and status is RequestStatus.FINISHED_ABORTED:
-            # The detokenizer ends each sample's stream with an "abort" output (a stop
-            # string already ended its own stream, so it needs nothing).
-            deltas = tuple(TokenDelta(r, (), (), "abort", None) for r in live)
-            await self._to_detokenizer.send(StepOutputs(-1, deltas))
+            await self._to_detokenizer.send(SamplesAborted(live))
 
     async def _call(self, call: AllocatorCall) -> AllocatorReply:
         await self._to_allocator.send(call)
@@ -186,12 +222,3 @@ class SchedulerActor:
     async def _call_all(self, calls: Iterable[AllocatorCall]) -> None:
         for call in calls:
             await self._call(call)
-
-    async def _drive(self, gen: ScheduleGenerator) -> StepPlan:
-        """Run a sans-IO ``schedule()`` generator against the allocator actor."""
-        try:
-            call = next(gen)
-            while True:
-                call = gen.send(await self._call(call))
-        except StopIteration as stop:
-            return stop.value

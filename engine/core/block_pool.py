@@ -8,8 +8,15 @@ Block states::
                 its tokens stay reusable until allocation evicts it
 
     free queue (eviction order):  head -> [evicted first ... evicted last] <- tail
-    allocation pops the head; a freed block is appended at the tail; a prefix hit on a
-    free cached block takes it out of the queue wherever it is.
+    allocation pops the head; a freed cached block is appended at the tail, a freed block
+    holding no cached tokens goes to the head; a prefix hit on a free cached block takes it
+    out of the queue wherever it is.
+
+The queue starts as every block in id order, so never-used blocks are handed out lowest id
+first, after any freed uncached block and before any cached one is evicted. The set of
+blocks ever written thus stays compact: on CPU the pool's memory pages become resident
+only when first touched (``engine.runner.kv_cache``), so resident memory follows the most
+blocks in use at once plus what the prefix cache keeps, not the pool's size.
 
 Prefix cache. Only full blocks whose tokens are computed are cached. A block's key chains
 its parent's key, its tokens and the request's ``cache_salt``, so equal keys normally
@@ -37,9 +44,11 @@ from engine.messages import (
     AllocatorReply,
     AllocatorStats,
     BlocksCached,
+    BlocksReleased,
     CacheBlocks,
     FreeRequest,
     ReadAllocatorStats,
+    ReleaseBlocks,
     RequestFreed,
     SlotsAllocated,
 )
@@ -96,6 +105,10 @@ class BlockPool:
         # the chain its next cached block hangs from.
         self._chains: dict[str, list[tuple[int, int]]] = {}
         self._salts: dict[str, str | None] = {}
+        # Per request: how many leading table entries are released (sliding windows), and
+        # the requests whose caching a release cut short.
+        self._released: dict[str, int] = {}
+        self._uncacheable: set[str] = set()
         self._next_gen = 1
         self._num_cached = 0
         self._queries = 0
@@ -110,6 +123,8 @@ class BlockPool:
                 return self.allocate_slots(call)
             case CacheBlocks(request_id, token_ids):
                 return self.cache_blocks(request_id, token_ids)
+            case ReleaseBlocks(request_id, num_blocks):
+                return self.release_blocks(request_id, num_blocks)
             case FreeRequest(request_id):
                 return self.free_request(request_id)
             case ReadAllocatorStats():
@@ -155,6 +170,8 @@ class BlockPool:
         if table is None:
             raise ProtocolError(f"cache_blocks for {request_id!r}, which holds no blocks")
         chain = self._chains[request_id]
+        if request_id in self._uncacheable:
+            return BlocksCached(request_id, len(chain))
         count, rest = divmod(len(token_ids), self.block_size)
         if rest or len(chain) + count > len(table):
             raise ProtocolError(
@@ -175,21 +192,50 @@ class BlockPool:
             chain.append((key, entry.gen))
         return BlocksCached(request_id, len(chain))
 
+    def release_blocks(self, request_id: str, num_blocks: int) -> BlocksReleased:
+        """Drop the request's hold on its first ``num_blocks`` blocks (see
+        :class:`ReleaseBlocks`); they join the free queue as :meth:`free_request` frees."""
+        table = self._tables.get(request_id)
+        if table is None:
+            raise ProtocolError(f"release_blocks for {request_id!r}, which holds no blocks")
+        done = self._released.get(request_id, 0)
+        if num_blocks > len(table):
+            raise ProtocolError(f"request {request_id!r}: cannot release {num_blocks} of {len(table)} blocks")
+        if num_blocks <= done:
+            return BlocksReleased(request_id, done)
+        if num_blocks > len(self._chains[request_id]):
+            self._uncacheable.add(request_id)  # its next block to cache is going away
+        for block_id in table[done:num_blocks]:
+            self._unref(block_id, request_id)
+        self._released[request_id] = num_blocks
+        return BlocksReleased(request_id, num_blocks)
+
     def free_request(self, request_id: str) -> RequestFreed:
-        """Drop a table; blocks whose count reaches 0 join the free queue's tail, the
-        table's last block first, so a prefix's first blocks are evicted last."""
+        """Drop a table; cached blocks whose count reaches 0 join the free queue's tail,
+        the table's last block first, so a prefix's first blocks are evicted last; uncached
+        ones go to the head, to be reused first."""
         table = self._tables.pop(request_id, None)
         if table is None:
             return RequestFreed(request_id, 0)
         del self._chains[request_id], self._salts[request_id]
-        for block_id in reversed(table):
-            block = self._blocks[block_id]
-            if block.ref_count <= 0 or block_id in self._free:
-                raise ProtocolError(f"block {block_id} freed twice (request {request_id!r})")
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free[block_id] = None
+        released = self._released.pop(request_id, 0)
+        self._uncacheable.discard(request_id)
+        for block_id in reversed(table[released:]):
+            self._unref(block_id, request_id)
         return RequestFreed(request_id, len(table))
+
+    def _unref(self, block_id: int, request_id: str) -> None:
+        block = self._blocks[block_id]
+        if block.ref_count <= 0 or block_id in self._free:
+            raise ProtocolError(f"block {block_id} freed twice (request {request_id!r})")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[block_id] = None
+            if not block.gen:
+                # Holding no cached tokens, it is worth nothing: reuse it before any
+                # never-used block (whose memory pages may not be resident yet) and before
+                # evicting a cached one.
+                self._free.move_to_end(block_id, last=False)
 
     def statistics(self) -> AllocatorStats:
         return AllocatorStats(

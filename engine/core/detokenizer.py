@@ -28,6 +28,8 @@ too: the text is the prompt's continuation, which for byte-level BPE equals
 
 The second is solved by holding back the longest tail of the text that is a proper prefix
 of some stop string, and searching for stop strings only in that tail plus the new text.
+The held tail is found without storing the stop strings' prefixes (memory linear in the
+stop strings; ``SamplingParams`` caps their count and length).
 
 ``min_tokens`` protects the text of the first ``min_tokens`` outputs, as in vLLM: a stop
 string cannot end inside it (one that starts there and ends later still stops), just as
@@ -105,10 +107,6 @@ class IncrementalDetokenizer:
         if any(not isinstance(s, str) or not s for s in self._stop):
             raise InvalidParamError("stop must hold non-empty strings", param="stop")
         self._include_stop = include_stop_str_in_output
-        # Every proper prefix of a stop string: a text tail in this set may still grow
-        # into a stop string, so it is held back.
-        self._stop_prefixes = frozenset(s[:k] for s in self._stop for k in range(1, len(s)))
-        self._max_held = max((len(s) - 1 for s in self._stop), default=0)
 
         context = self._kept(prompt_token_ids)[-PROMPT_CONTEXT_TOKENS:]
         self._tokens: list[int] = list(context)
@@ -234,11 +232,22 @@ class IncrementalDetokenizer:
         return None if best is None else (best[1], best[2])
 
     def _held_tail_length(self, text: str) -> int:
-        """Length of the longest tail of ``text`` that a stop string starts with."""
-        for length in range(min(self._max_held, len(text)), 0, -1):
-            if text[-length:] in self._stop_prefixes:
-                return length
-        return 0
+        """Length of the longest tail of ``text`` that a stop string starts with.
+
+        Memory stays linear in the stop strings (storing every prefix of each one cost
+        ~800 MB for one 40,000-character stop string): a held tail starts with its stop's
+        first character, so only those positions in the last ``len(stop) - 1`` characters
+        are tried, leftmost (longest) first.
+        """
+        best = 0
+        for stop in self._stop:
+            i = text.find(stop[0], max(0, len(text) - len(stop) + 1))
+            while i != -1 and len(text) - i > best:
+                if stop.startswith(text[i:]):
+                    best = len(text) - i
+                    break
+                i = text.find(stop[0], i + 1)
+        return best
 
     def _stopped_update(self, text: str) -> DetokenizerUpdate:
         return DetokenizerUpdate(text, stopped=True, stop_reason=self._stop_reason)

@@ -30,6 +30,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # failed inside the engine (bad logits, a model step that raised)
 
     @property
     def is_finished(self) -> bool:
@@ -37,12 +38,18 @@ class RequestStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        """``"stop"``, ``"length"`` or ``"abort"`` (OpenAI's names); ``None`` while unfinished."""
+        """``"stop"``, ``"length"``, ``"abort"`` (OpenAI's names) or ``"error"``; ``None``
+        while unfinished."""
         return self.value if self.is_finished else None
 
 
 _FINISHED = frozenset(
-    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+    {
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+    }
 )
 
 
@@ -54,7 +61,8 @@ class Request:
         "request_id", "prompt_token_ids", "params", "eos_token_ids", "priority", "arrival",
         "cache_salt", "wait_for", "max_tokens", "output_token_ids", "num_computed_tokens",
         "num_pending_tokens", "status", "stop_reason", "block_ids", "num_cached_blocks",
-        "num_preemptions", "seen_by_runner",
+        "num_released_blocks",
+        "num_preemptions", "seen_by_runner", "num_cached_tokens",
     )  # fmt: skip
 
     def __init__(
@@ -88,6 +96,10 @@ class Request:
         self.stop_reason: int | None = None
         self.block_ids: list[int] = []
         self.num_cached_blocks = 0  # leading blocks of block_ids already in the prefix cache
+        self.num_released_blocks = 0  # leading blocks out of every layer's window, given back
+        # Prompt tokens the prefix cache gave its first table (-1: not allocated yet); what
+        # usage.prompt_tokens_details.cached_tokens reports, as vLLM's num_cached_tokens.
+        self.num_cached_tokens = -1
         self.num_preemptions = 0  # also the epoch of block_ids: chunks of older epochs are void
         self.seen_by_runner = False
 

@@ -8,7 +8,7 @@ is split over steps (chunked prefill); a decode is a one-token catch-up. Only a 
 reaches the end of the known tokens samples.
 
 :meth:`Scheduler.schedule` is a sans-IO generator: it yields allocator calls
-(``engine.messages.AllocateSlots`` and ``FreeRequest``), receives their replies and
+(``engine.messages.AllocateSlots``, ``ReleaseBlocks`` and ``FreeRequest``), receives their replies and
 returns the :class:`StepPlan`. The scheduler actor forwards the calls to the KV-allocator
 actor; tests answer them with a :class:`BlockPool` through :func:`run_with_pool`.
 
@@ -27,19 +27,22 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Awaitable, Callable, Generator, Iterable
 
 from engine.config import EngineConfig
 from engine.core.block_pool import BlockPool
 from engine.core.request import ProtocolError, Request, RequestStatus
 from engine.errors import InvalidParamError, PromptTooLongError
 from engine.messages import (
+    NULL_BLOCK,
     AllocateSlots,
     AllocatorCall,
     AllocatorReply,
+    BlocksReleased,
     CacheBlocks,
     FreeRequest,
     NewRequest,
+    ReleaseBlocks,
     SampledToken,
     ScheduledChunk,
     SchedulerRequest,
@@ -69,6 +72,9 @@ class SchedulerConfig:
     num_kv_blocks: int
     policy: str = "fcfs"
     enable_prefix_caching: bool = True
+    # The window every layer of the model slides (0: some layer attends to everything).
+    # Blocks wholly before a request's next window are released to the pool as it grows.
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "num_kv_blocks"):
@@ -80,10 +86,10 @@ class SchedulerConfig:
 
     @classmethod
     def from_engine_config(
-        cls, config: EngineConfig, *, max_model_len: int, num_kv_blocks: int
+        cls, config: EngineConfig, *, max_model_len: int, num_kv_blocks: int, sliding_window: int = 0
     ) -> SchedulerConfig:
-        """Take the scheduling fields of ``config``; the context length and the pool size
-        are resolved elsewhere (from the model and the memory budget)."""
+        """Take the scheduling fields of ``config``; the context length, the pool size and
+        the window are resolved elsewhere (from the model and the memory budget)."""
         return cls(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -92,6 +98,7 @@ class SchedulerConfig:
             num_kv_blocks=num_kv_blocks,
             policy=config.scheduling_policy,
             enable_prefix_caching=config.enable_prefix_caching,
+            sliding_window=sliding_window,
         )
 
     @property
@@ -162,8 +169,8 @@ class Scheduler:
     def add_request(self, request: SchedulerRequest) -> Request:
         """Queue one sample. Raises :class:`PromptTooLongError` when the prompt leaves no
         room for an output in the context or in the KV pool; ``max_tokens`` is cut to fit."""
-        if request.request_id in self._requests:
-            raise InvalidParamError(f"request id {request.request_id!r} is in use", param="request_id")
+        if request.sample_id in self._requests:
+            raise InvalidParamError(f"sample id {request.sample_id!r} is in use", param="request_id")
         prompt_len = len(request.prompt_token_ids)
         if prompt_len == 0:
             raise InvalidParamError("the prompt is empty", param="prompt")
@@ -173,7 +180,7 @@ class Scheduler:
         if prompt_len >= limit:
             raise PromptTooLongError(prompt_tokens=prompt_len, max_tokens=request.max_tokens, max_model_len=limit)
         req = Request(
-            request.request_id,
+            request.sample_id,
             request.prompt_token_ids,
             request.params,
             max_tokens=min(request.max_tokens, limit - prompt_len),
@@ -247,6 +254,7 @@ class Scheduler:
             if not req.can_sample:
                 i += 1  # every output is drawn; its last results are in flight
                 continue
+            yield from self._release_out_of_window(req)
             reply: AllocatorReply | None = self._fits_table(req, step.budget)
             while not isinstance(reply, SlotsAllocated):
                 reply = yield self._allocate_call(req, step.budget, lookup=False)
@@ -296,6 +304,25 @@ class Scheduler:
             return None
         return SlotsAllocated(req.request_id, 0, count, ())
 
+    def _release_out_of_window(self, req: Request) -> Generator[AllocatorCall, AllocatorReply, None]:
+        """Give back the blocks no layer will read again. The next chunk's first query sits
+        at ``num_computed_tokens`` and sees keys from ``num_computed_tokens - window + 1``
+        on; later queries see later keys. Chunks planned earlier and still in flight run
+        before any step that could reuse a released block, so they still read it intact."""
+        window = self.config.sliding_window
+        if not window:
+            return
+        first_seen = max(0, req.num_computed_tokens - window + 1)
+        releasable = min(first_seen // self.config.block_size, len(req.block_ids))
+        if releasable <= req.num_released_blocks:
+            return
+        reply = yield ReleaseBlocks(req.request_id, releasable)
+        if not isinstance(reply, BlocksReleased) or reply.num_released_blocks != releasable:
+            raise ProtocolError(f"expected {releasable} blocks of {req.request_id!r} released, got {reply!r}")
+        for i in range(req.num_released_blocks, releasable):
+            req.block_ids[i] = NULL_BLOCK
+        req.num_released_blocks = releasable
+
     def _allocate_call(self, req: Request, budget: int, *, lookup: bool) -> AllocateSlots:
         first = not req.block_ids
         return AllocateSlots(
@@ -312,6 +339,8 @@ class Scheduler:
             raise ProtocolError(f"expected SlotsAllocated for {req.request_id!r}, got {reply!r}")
         if not req.block_ids:  # a new table: its cached prefix is what the pool shared
             req.num_computed_tokens += reply.num_cached_tokens
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = reply.num_cached_tokens
             req.num_cached_blocks = reply.num_cached_tokens // self.config.block_size
         req.block_ids.extend(reply.block_ids)
         start, count = req.num_computed_tokens, reply.num_new_tokens
@@ -331,6 +360,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.block_ids = []
         req.num_cached_blocks = 0
+        req.num_released_blocks = 0
         req.num_preemptions += 1  # chunks planned before this now write to freed blocks
         self._preemptions += 1
         self._enqueue_waiting(req, front=True)
@@ -341,7 +371,9 @@ class Scheduler:
     def update_from_output(self, plan: StepPlan, result: StepResult) -> SchedulerUpdate:
         """Apply one step's sampled tokens, in plan order. Tokens of requests finished in
         the meantime are dropped; every other token is kept, even for a preempted request,
-        because the runner already appended it to its copy."""
+        because the runner already appended it to its copy. A request in
+        ``result.failed`` finishes as ``"error"`` (the reason in the delta's
+        ``stop_reason``) with none of its blocks cached."""
         if result.step_id != plan.step_id:
             raise ProtocolError(f"result of step {result.step_id} given for plan {plan.step_id}")
         epochs = self._in_flight.pop(plan.step_id, None)
@@ -350,11 +382,18 @@ class Scheduler:
                 raise ProtocolError(f"step {plan.step_id} is not in flight")
             return SchedulerUpdate((), ())
         sampled = {s.request_id: s for s in result.sampled}
+        failed = {f.request_id: f.reason for f in result.failed}
         deltas: list[TokenDelta] = []
         calls: list[AllocatorCall] = []
         for chunk in plan.chunks:
             req = self._requests.get(chunk.request_id)
             if req is None:
+                continue
+            if chunk.request_id in failed:
+                # Its chunk's KV writes are not trusted: nothing of it is cached, and its
+                # blocks go back to the pool before the next plan.
+                calls.extend(self._finish(req, RequestStatus.FINISHED_ERROR))
+                deltas.append(TokenDelta(req.request_id, (), (), "error", failed[chunk.request_id]))
                 continue
             if epochs[chunk.request_id] == req.num_preemptions:
                 calls.extend(self._computed(req, chunk.start + chunk.num_tokens))
@@ -391,6 +430,7 @@ class Scheduler:
             (token,) if req.params.logprobs is not None else (),
             status.finish_reason if status else None,
             req.stop_reason if status else None,
+            max(req.num_cached_tokens, 0),
         )
 
     # -- queues ---------------------------------------------------------------------------
@@ -408,6 +448,7 @@ class Scheduler:
         self._finished += 1
         had_blocks = bool(req.block_ids)
         req.block_ids = []
+        req.num_released_blocks = 0
         return [FreeRequest(req.request_id)] if had_blocks else []
 
     def _enqueue_waiting(self, req: Request, *, front: bool) -> None:
@@ -431,14 +472,34 @@ class Scheduler:
             waiter.wait_for = None
 
 
-def run_with_pool(gen: ScheduleGenerator, pool: BlockPool) -> StepPlan:
-    """Drive a :meth:`Scheduler.schedule` generator against a local pool; return the plan."""
+async def drive(
+    gen: ScheduleGenerator, call: Callable[[AllocatorCall], Awaitable[AllocatorReply]]
+) -> StepPlan:
+    """Run a sans-IO :meth:`Scheduler.schedule` generator to its plan, answering each
+    allocator call it yields with ``await call(...)`` (the actor: a round trip to the
+    KV-allocator actor)."""
     try:
-        call = next(gen)
+        request = next(gen)
         while True:
-            call = gen.send(pool.handle(call))
+            request = gen.send(await call(request))
     except StopIteration as stop:
         return stop.value
+
+
+def run_with_pool(gen: ScheduleGenerator, pool: BlockPool) -> StepPlan:
+    """:func:`drive` against a local pool, without an event loop (tests): the coroutine
+    never suspends, so one ``send`` runs it to the end."""
+
+    async def handle(call: AllocatorCall) -> AllocatorReply:
+        return pool.handle(call)
+
+    coroutine = drive(gen, handle)
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    coroutine.close()
+    raise ProtocolError("drive() suspended without an event loop")
 
 
 def _fcfs_key(req: Request) -> tuple[int, ...]:

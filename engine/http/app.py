@@ -18,10 +18,10 @@ nursery is cancelled. So:
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from contextlib import AsyncExitStack
+from typing import TYPE_CHECKING, Any
 
 import trio
 from quart import Response, request
@@ -30,51 +30,99 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
-from engine.http import auth, protocol, sse
+from engine.chat.request import ChatSettings, parse_chat_fields
+from engine.core import admission
+from engine.errors import EngineDeadError
+from engine.http import auth, edge, protocol, schema, sse
 from engine.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.http.metrics import Metrics, RequestTimer
 from engine.http.protocol import APIError, CompletionRequest
+from engine.messages import RequestOutput
+from engine.models.tokenizer import normalize_messages
+
+if TYPE_CHECKING:
+    from engine.api import EngineLike, StreamLike
 
 logger = logging.getLogger("engine.http")
 
 # 4 MiB: a full 128k-token context of text is ~0.5 MiB of JSON, or ~1 MiB as token ids;
 # anything far beyond that is a mistake or abuse, not a prompt.
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+# Retry-After on 429 (queue full) and 503 (restarting): whole seconds per RFC 9110; one is
+# the shortest, and a step or a restart takes well under it.
+RETRY_AFTER_SECONDS = 1
+# Error codes whose cause the engine has already logged (a crash, a failed step).
+_LOGGED_ELSEWHERE = ("engine_dead", "request_failed")
+
+# A client's request id (echoed on the response, and the engine's id for the request), as
+# vLLM and most gateways name it.
+REQUEST_ID_HEADER = "X-Request-Id"
+# Long enough for any UUID-with-prefix scheme; short enough to keep out of the way in logs.
+_MAX_REQUEST_ID = 256
 
 
 def create_app(
-    engine: Any, *, api_key: str | None = None,
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    engine: EngineLike, *, api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, chat: ChatSettings | None = None,
+    allowed_origins: tuple[str, ...] = (),
 ) -> QuartTrio:
     """Build the OpenAI-compatible app serving ``engine`` (an open :class:`engine.api.Engine`).
 
     ``api_key`` (when set) is required as ``Authorization: Bearer <key>`` on every route
-    but ``/health`` and ``/metrics``. Bodies over ``max_request_bytes`` get a 413.
+    but ``/health``, ``/ping`` and ``/metrics``. Bodies over ``max_request_bytes`` get a
+    413. ``chat`` holds the chat flags (tool-call and reasoning parsers, chat template).
+    ``allowed_origins`` (``"*"`` or full origins like ``https://app.example``) turns on
+    CORS for browsers on those origins (quart-cors; preflights need no API key).
     """
     app = _App(__name__)
     # Generations can take minutes; the engine's own limits bound a request, not a timer.
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["MAX_CONTENT_LENGTH"] = max_request_bytes
-    server = _Server(engine, api_key=api_key, max_request_bytes=max_request_bytes)
+    app.config["BODY_TIMEOUT"] = edge.BODY_TIMEOUT_SECONDS
+    server = _Server(engine, api_key=api_key, max_request_bytes=max_request_bytes,
+                     chat=chat or ChatSettings())
     server.register(app)
+    if allowed_origins:
+        import quart_cors
+
+        quart_cors.cors(
+            app, allow_origin=list(allowed_origins), allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
     app.extensions["engine_server"] = server
     return app
 
 
 class _Connection(TrioASGIHTTPConnection):
-    """quart-trio's HTTP connection, aborting streams whose body was never sent."""
+    """quart-trio's HTTP connection, draining a request body that an early answer left
+    unread (see ``engine.http.edge``), and closing the engine streams of a response whose
+    body was never sent (the client left between the handler's return and the body)."""
 
-    async def _send_response(self, send: Any, response: Any) -> None:
+    async def handle_request(self, nursery: trio.Nursery, request: Any, send: Any) -> None:  # type: ignore[override]
+        # quart-trio's own version, minus per-response timeouts (RESPONSE_TIMEOUT is None
+        # here), plus the drain. hypercorn closes the connection when a response ends
+        # while the request body is unfinished, so the drain goes before the response's
+        # last message: the client already has the whole answer (its length is known).
+        response = await self.app.handle_request(request)
+
+        async def send_after_drain(message: Any) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                await edge.drain_unread_body(request)
+            await send(message)
+
         try:
-            await super()._send_response(send, response)
+            await self._send_response(send_after_drain, response)
         finally:
             body = getattr(response, "response", None)
             if isinstance(body, _TaskBody):
-                body.abort_unsent()
+                with trio.CancelScope(shield=True):  # cleanup that must finish
+                    await body.close_unsent()
+        nursery.cancel_scope.cancel()
 
 
 class _App(QuartTrio):
     asgi_http_class = _Connection
+    request_class = edge.EdgeRequest
 
 
 Produce = Callable[[trio.MemorySendChannel[bytes]], Awaitable[None]]
@@ -85,11 +133,11 @@ class _TaskBody(ResponseBody):
 
     Entering the body opens a nursery in the sending task (so the producer is cancelled
     with the connection) and starts ``produce(send_channel)``; the body yields what the
-    producer sends until it closes the channel. ``on_unsent`` runs (sync) if the body is
-    never entered.
+    producer sends until it closes the channel. ``on_unsent`` runs if the body is never
+    entered.
     """
 
-    def __init__(self, produce: Produce, on_unsent: Callable[[], None]) -> None:
+    def __init__(self, produce: Produce, on_unsent: Callable[[], Awaitable[None]]) -> None:
         self._produce = produce
         self._on_unsent = on_unsent
         self._entered = False
@@ -120,32 +168,20 @@ class _TaskBody(ResponseBody):
         assert self._receive is not None
         return self._receive
 
-    def abort_unsent(self) -> None:
+    async def close_unsent(self) -> None:
         if not self._entered:
-            self._on_unsent()
-
-
-class _Choice:
-    """What one choice (one sample of one prompt) has produced so far."""
-
-    __slots__ = ("index", "text", "logprobs", "prompt_logprobs", "finish_reason", "stop_reason",
-                 "tokens")
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.text = ""
-        self.logprobs: list[Any] = []
-        self.prompt_logprobs: list[Any] | None = None  # echo + logprobs: the prompt's entries
-        self.finish_reason: str | None = None
-        self.stop_reason: Any = None
-        self.tokens = 0
+            await self._on_unsent()
 
 
 class _Server:
     """Route handlers bound to one engine."""
 
-    def __init__(self, engine: Any, *, api_key: str | None, max_request_bytes: int) -> None:
+    def __init__(self, engine: EngineLike, *, api_key: str | None, max_request_bytes: int,
+                 chat: ChatSettings) -> None:
         self.engine = engine
+        self.chat_settings = chat
+        # The model's sampling defaults (--generation-config auto), for fields a body omits.
+        self.sampling_defaults: dict[str, Any] = dict(engine.sampling_defaults)
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes
         self.metrics = Metrics(engine, engine.model_name)
@@ -160,15 +196,28 @@ class _Server:
         app.add_url_rule("/v1/completions", view_func=self.completions, methods=["POST"])
         app.add_url_rule("/v1/chat/completions", view_func=self.chat, methods=["POST"])
         app.add_url_rule("/v1/models", view_func=self.models, methods=["GET"])
+        app.add_url_rule("/v1/models/<path:model_id>", view_func=self.model_card,
+                         methods=["GET"])
         app.add_url_rule("/health", view_func=self.health, methods=["GET"])
+        app.add_url_rule("/ping", view_func=self.health, methods=["GET", "POST"])
+        app.after_request(self._echo_request_id)
         app.add_url_rule("/version", view_func=self.version_route, methods=["GET"])
         app.add_url_rule("/metrics", view_func=self.metrics_route, methods=["GET"])
         app.add_url_rule("/tokenize", view_func=self.tokenize, methods=["POST"])
         app.add_url_rule("/detokenize", view_func=self.detokenize, methods=["POST"])
+        app.add_url_rule("/openapi.json", view_func=self.openapi, methods=["GET"])
 
     # -- plumbing ---------------------------------------------------------------------
 
     async def _check_auth(self) -> None:
+        # h11 bounds a head that arrives in pieces; one that arrives whole is checked here.
+        size = sum(len(k) + len(v) for k, v in request.headers.items())
+        if len(request.headers) > edge.MAX_HEADERS or size > edge.MAX_HEADER_BYTES:
+            raise APIError(431, f"The request headers are too large ({len(request.headers)} "
+                           f"headers, {size} bytes; at most {edge.MAX_HEADERS} headers and "
+                           f"{edge.MAX_HEADER_BYTES} bytes).", code="headers_too_large")
+        if request.method == "OPTIONS":
+            return  # a CORS preflight carries no credentials; the request it announces does
         if not auth.authorized(self.api_key, request.path, request.headers.get("Authorization")):
             raise APIError(401, "Invalid or missing API key (Authorization: Bearer <key>).",
                            code="invalid_api_key")
@@ -179,10 +228,15 @@ class _Server:
                            code=exc.name.lower().replace(" ", "_"))
         else:
             err = protocol.error_from_exception(exc)
-            if err.status >= 500 and err.code != "engine_dead":
+            if err.status >= 500 and err.code not in _LOGGED_ELSEWHERE:
                 logger.error("unhandled error in %s %s", request.method, request.path,
                              exc_info=exc)
-        return _json(err.body(), err.status)
+        response = _json(err.body(), err.status)
+        if err.status in (429, 503):
+            # The queue drains in about a step; a restart takes about as long. Clients
+            # (the openai library among them) honour this before retrying.
+            response.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+        return response
 
     async def _read_json(self) -> Any:
         length = request.content_length
@@ -192,11 +246,7 @@ class _Server:
             data = await request.get_data(as_text=False)
         except RequestEntityTooLarge:
             raise self._too_large(None) from None
-        try:
-            return json.loads(data)
-        except ValueError as exc:
-            raise APIError(400, f"The request body is not valid JSON: {exc}",
-                           code="invalid_json") from None
+        return protocol.loads_body(data if isinstance(data, bytes) else data.encode())
 
     def _too_large(self, length: int | None) -> APIError:
         size = f" ({length} bytes)" if length is not None else ""
@@ -215,9 +265,10 @@ class _Server:
     # -- small routes -----------------------------------------------------------------
 
     async def health(self) -> Response:
-        if self.engine.dead:
+        # 503 while the actors restart after a crash, and once the engine is dead.
+        if self.engine.dead or getattr(self.engine, "restarting", False):
             err = protocol.error_from_exception(
-                _dead_error(self.engine.dead_reason))
+                EngineDeadError())
             return _json(err.body(), 503)
         return _json({"status": "ok"}, 200)
 
@@ -227,35 +278,72 @@ class _Server:
     async def metrics_route(self) -> Response:
         return Response(self.metrics.render(), 200, content_type=METRICS_CONTENT_TYPE)
 
-    async def models(self) -> Response:
+    def _card(self) -> dict[str, Any]:
         eng = self.engine
-        card = {
+        return {
             "id": eng.model_name, "object": "model", "created": protocol.now(),
             "owned_by": "engine", "root": eng.config.model or eng.model_name, "parent": None,
             "max_model_len": eng.max_model_len,
         }
-        return _json({"object": "list", "data": [card]}, 200)
+
+    async def models(self) -> Response:
+        return _json({"object": "list", "data": [self._card()]}, 200)
+
+    async def model_card(self, model_id: str) -> Response:
+        if model_id != self.engine.model_name:
+            raise APIError(404, f"The model `{model_id}` does not exist; this server serves "
+                           f"`{self.engine.model_name}`.", param="model",
+                           code="model_not_found")
+        return _json(self._card(), 200)
+
+    async def _echo_request_id(self, response: Response) -> Response:
+        request_id = request.headers.get(REQUEST_ID_HEADER)
+        if request_id is not None:
+            response.headers[REQUEST_ID_HEADER] = request_id
+        return response
+
+    def _request_id(self) -> str | None:
+        """The client's ``X-Request-Id``, used as the engine's request id (checked: ids
+        show up in logs and metrics labels-free, so printable ASCII only)."""
+        value = request.headers.get(REQUEST_ID_HEADER)
+        if value is None:
+            return None
+        if not 0 < len(value) <= _MAX_REQUEST_ID or not value.isascii() or not value.isprintable():
+            raise APIError(400, f"{REQUEST_ID_HEADER} must be 1-{_MAX_REQUEST_ID} printable "
+                           "ASCII characters", param=REQUEST_ID_HEADER, code="invalid_value")
+        return value
+
+    async def openapi(self) -> Response:
+        return _json(schema.openapi(self.version, api_key=self.api_key is not None), 200)
+
+    async def _read_checked(self, name: str) -> Any:
+        """The body, checked against its JSON Schema (the one /openapi.json publishes)."""
+        body = await self._read_json()
+        schema.check_body(body, name)
+        return body
 
     async def tokenize(self) -> Response:
-        body = protocol._require_object(await self._read_json())
+        body = await self._read_checked("tokenize")
         self._check_model(body.get("model"))
         tok = self.engine.tokenizer
+        add_special_tokens = True
         if "messages" in body:
-            messages = protocol._chat_messages(body["messages"])
-            add_gen = body.get("add_generation_prompt", True)
-            text = tok.apply_chat_template(messages, add_generation_prompt=bool(add_gen))
-            ids = tok.encode(text, add_special_tokens=False)
+            fields = parse_chat_fields(body, self.chat_settings, tok.chat_template)
+            prompt = admission.prompt_message(normalize_messages(body["messages"]),
+                                              fields.template.to_json())
         elif isinstance(body.get("prompt"), str):
-            ids = tok.encode(body["prompt"],
-                             add_special_tokens=bool(body.get("add_special_tokens", True)))
+            prompt = admission.prompt_message(body["prompt"])
+            add_special_tokens = bool(body.get("add_special_tokens", True))
         else:
             raise APIError(400, "tokenize needs a string `prompt` or `messages`",
                            param="prompt", code="invalid_type")
+        # Generation's own path (admission), with its guards.
+        ids = admission.prompt_token_ids(tok, prompt, add_special_tokens=add_special_tokens)
         return _json({"count": len(ids), "max_model_len": self.engine.max_model_len,
                       "tokens": list(ids)}, 200)
 
     async def detokenize(self) -> Response:
-        body = protocol._require_object(await self._read_json())
+        body = await self._read_checked("detokenize")
         self._check_model(body.get("model"))
         tokens = body.get("tokens")
         vocab = self.engine.tokenizer.vocab_size
@@ -268,221 +356,136 @@ class _Server:
     # -- completions --------------------------------------------------------------------
 
     async def completions(self) -> Response:
-        return await self._generate(protocol.parse_completion(await self._read_json()))
+        return await self._generate(protocol.parse_completion(
+            await self._read_checked("completion"), defaults=self.sampling_defaults))
 
     async def chat(self) -> Response:
-        return await self._generate(protocol.parse_chat(await self._read_json()))
+        return await self._generate(protocol.parse_chat(
+            await self._read_checked("chat"), self.chat_settings, self.engine.tokenizer.chat_template,
+            defaults=self.sampling_defaults))
 
     async def _generate(self, req: CompletionRequest) -> Response:
         self._check_model(req.model)
-        timer = self.metrics.timer()
-        streams = await self._submit_all(req, timer)
+        run = _Run(self.engine, req, self.metrics.timer())
+        await run.submit_all(self._request_id())
         if req.stream:
-            run = _Run(self, req, streams, timer)
-            body = _TaskBody(run.stream, run.abort)
+            body = _TaskBody(run.write_sse, run.close)
             return Response(body, 200, headers=sse.HEADERS, content_type=sse.CONTENT_TYPE)
-        return _json(await _Run(self, req, streams, timer).collect(), 200)
-
-    async def _submit_all(self, req: CompletionRequest, timer: RequestTimer) -> list[Any]:
-        """Submit every prompt before answering, so validation errors are a proper 4xx."""
-        streams: list[Any] = []
-        try:
-            for prompt in req.prompts:
-                stream = await self.engine.submit(
-                    prompt, req.params, priority=req.priority, cache_salt=req.cache_salt
-                )
-                streams.append(stream)
-                timer.prompt(len(stream.prompt_token_ids))
-        except BaseException:
-            for stream in streams:
-                self.engine.abort(stream.request_id)
-            raise
-        return streams
+        return _json(await run.collect(), 200)
 
 
 class _Run:
-    """One OpenAI request in flight: its engine streams and its choices."""
+    """One OpenAI request in flight: the one owner of its engine streams (an
+    ``AsyncExitStack``: closing it aborts what has not finished), and the two writers of
+    its answer (one JSON body, or SSE chunks). What the answer says is
+    :class:`protocol.Completion`'s."""
 
-    def __init__(self, server: _Server, req: CompletionRequest, streams: list[Any],
-                 timer: RequestTimer) -> None:
-        self.server = server
+    def __init__(self, engine: EngineLike, req: CompletionRequest, timer: RequestTimer) -> None:
+        self.engine = engine
         self.req = req
-        self.streams = streams
         self.timer = timer
-        self.n = req.params.n
-        self.id = protocol.new_id(req.chat)
-        self.created = protocol.now()
-        self.model = server.engine.model_name
-        self.choices = [_Choice(i) for i in range(len(streams) * self.n)]
+        self.streams: list[StreamLike] = []
         self.error: APIError | None = None
+        self._exit = AsyncExitStack()
+        self._answer: protocol.Completion | None = None
 
-    def abort(self) -> None:
-        for stream in self.streams:
-            self.server.engine.abort(stream.request_id)
+    @property
+    def answer(self) -> protocol.Completion:
+        assert self._answer is not None  # set by submit_all
+        return self._answer
 
-    def _echo_text(self, prompt_index: int) -> str:
-        prompt = self.req.prompts[prompt_index]
-        if isinstance(prompt, str):
-            return prompt
-        return self.server.engine.tokenizer.decode(list(prompt))
-
-    def _prompt_entries(self, choice: _Choice, out: Any) -> list[Any] | None:
-        """The echoed prompt's logprob entries, from the first output that carries them."""
-        if out.prompt_logprobs is None:
-            return None
-        stream = self.streams[choice.index // self.n]
-        return protocol.prompt_logprob_entries(stream.prompt_token_ids, out.prompt_logprobs)
-
-    def _logprobs(self, choice: _Choice, new: Any) -> dict[str, Any] | None:
-        if self.req.top_logprobs is None or new is None:
-            return None
-        if self.req.chat:
-            return protocol.chat_logprobs(new, self.server._token_text)
-        return protocol.completion_logprobs(new, self.server._token_text, len(choice.text))
-
-    def _usage(self) -> dict[str, int]:
-        prompt = sum(len(s.prompt_token_ids) for s in self.streams)
-        return protocol.usage_dict(prompt, sum(c.tokens for c in self.choices))
-
-    async def _pump(self, prompt_index: int, stream: Any, on_output: Any,
-                    cancel: trio.CancelScope) -> None:
-        """Feed one engine stream into ``on_output``; the first failure cancels the rest."""
+    async def submit_all(self, base_id: str | None) -> None:
+        """Submit every prompt before answering, so validation errors are a proper 4xx.
+        ``base_id`` is the client's request id: the engine's id for its one prompt, or
+        ``{base_id}-{i}`` for prompt ``i`` of several."""
+        extra: dict[str, Any] = {}
+        if self.req.chat_fields is not None:
+            extra["chat_options"] = self.req.chat_fields.template
         try:
-            async with stream:
-                async for out in stream:
-                    choice = self.choices[prompt_index * self.n + out.index]
-                    self.timer.output(choice.index, len(out.token_ids), out.finish_reason)
-                    await on_output(choice, out)
-        except Exception as exc:
-            if self.error is None:
-                self.error = protocol.error_from_exception(exc)
-                if self.error.status >= 500 and self.error.code != "engine_dead":
-                    logger.error("request %s failed", stream.request_id, exc_info=exc)
-            cancel.cancel()
-        finally:
-            self.server.engine.abort(stream.request_id)
+            for i, prompt in enumerate(self.req.prompts):
+                if base_id is not None:
+                    extra["request_id"] = base_id if len(self.req.prompts) == 1 else f"{base_id}-{i}"
+                stream = await self.engine.submit(
+                    prompt, self.req.params, priority=self.req.priority,
+                    cache_salt=self.req.cache_salt, **extra,
+                )
+                self._exit.push_async_exit(stream)  # sync: no checkpoint between
+                self.streams.append(stream)
+                self.timer.prompt(len(stream.prompt_token_ids))
+        except BaseException:
+            with trio.CancelScope(shield=True):  # cleanup that must finish
+                await self.close()
+            raise
+        tok = self.engine.tokenizer
+        self._answer = protocol.Completion(
+            self.req, self.engine.model_name, [s.prompt_token_ids for s in self.streams],
+            lambda token_id: tok.decode([token_id], skip_special_tokens=False), tok.decode,
+            base_id,
+        )
 
-    async def _run_all(self, on_output: Any) -> None:
+    async def close(self) -> None:
+        """Leave every stream (aborting those not finished); idempotent."""
+        await self._exit.aclose()
+
+    async def collect(self) -> dict[str, Any]:
+        self.answer.begin_collected()
+
+        async def on_output(prompt_index: int, out: RequestOutput) -> None:
+            self.answer.record(prompt_index, out)
+
+        await self._pump_all(on_output)
+        if self.error is not None:
+            raise self.error
+        return self.answer.response()
+
+    async def write_sse(self, send: trio.MemorySendChannel[bytes]) -> None:
+        """The SSE body: opening chunks, token chunks, then usage or an error, ``[DONE]``."""
+        async with send:
+            for chunk in self.answer.opening_chunks():
+                await send.send(sse.event(chunk))
+
+            async def on_output(prompt_index: int, out: RequestOutput) -> None:
+                for chunk in self.answer.stream_output(prompt_index, out):
+                    await send.send(sse.event(chunk))
+
+            await self._pump_all(on_output)
+            if self.error is not None:
+                await send.send(sse.event(self.error.body()))
+            elif self.req.include_usage:
+                await send.send(sse.event(self.answer.usage_chunk()))
+            await send.send(sse.DONE)
+
+    async def _pump_all(self, on_output: Callable[[int, RequestOutput], Awaitable[None]]) -> None:
+        """Feed every stream's outputs to ``on_output``; the first failure stops them all."""
         try:
             async with trio.open_nursery() as nursery:
                 for i, stream in enumerate(self.streams):
                     nursery.start_soon(self._pump, i, stream, on_output, nursery.cancel_scope)
         finally:
-            self.abort()
+            with trio.CancelScope(shield=True):  # cleanup that must finish
+                await self.close()
             if self.error is None:
                 # Cut short (the client went away): count the unfinished samples as vLLM
                 # does, under finished_reason="abort".
-                for choice in self.choices:
-                    if choice.finish_reason is None:
-                        self.timer.output(choice.index, 0, "abort")
+                for index in self.answer.unfinished():
+                    self.timer.output(index, 0, "abort")
         self.timer.done()
 
-    # -- non-streamed -----------------------------------------------------------------
-
-    async def collect(self) -> dict[str, Any]:
-        async def on_output(choice: _Choice, out: Any) -> None:
-            self._record(choice, out)
-
-        if self.req.echo:
-            for choice in self.choices:
-                choice.text = self._echo_text(choice.index // self.n)
-        await self._run_all(on_output)
-        if self.error is not None:
-            raise self.error
-        build = protocol.chat_choice if self.req.chat else protocol.completion_choice
-        choices = [
-            build(c.index, c.text, c.finish_reason, c.stop_reason, self._final_logprobs(c))
-            for c in self.choices
-        ]
-        return protocol.response_body(self.req.chat, self.id, self.created, self.model,
-                                      choices, self._usage())
-
-    def _record(self, choice: _Choice, out: Any) -> None:
-        if choice.prompt_logprobs is None:
-            choice.prompt_logprobs = self._prompt_entries(choice, out)
-        choice.text += out.text
-        choice.tokens += len(out.token_ids)
-        if out.logprobs:
-            choice.logprobs.extend(out.logprobs)
-        if out.finished:
-            choice.finish_reason = out.finish_reason
-            choice.stop_reason = out.stop_reason
-
-    def _final_logprobs(self, choice: _Choice) -> dict[str, Any] | None:
-        if self.req.top_logprobs is None:
-            return None
-        if self.req.chat:
-            return protocol.chat_logprobs(choice.logprobs, self.server._token_text)
-        if self.req.echo:
-            # The prompt's tokens first (offsets from 0), then the completion's after the
-            # echoed text.
-            scored = protocol.completion_logprobs(
-                choice.prompt_logprobs or [], self.server._token_text, 0
-            )
-            offset = len(self._echo_text(choice.index // self.n))
-            generated = protocol.completion_logprobs(choice.logprobs, self.server._token_text, offset)
-            return {key: scored[key] + generated[key] for key in generated}
-        return protocol.completion_logprobs(choice.logprobs, self.server._token_text, 0)
-
-    # -- streamed -----------------------------------------------------------------------
-
-    async def stream(self, send: trio.MemorySendChannel[bytes]) -> None:
-        """Write the SSE body: role/echo chunks, token chunks, usage, errors, ``[DONE]``."""
-        # With logprobs, an echoed prompt waits for its logprobs, which come with the
-        # choice's first output; without, it goes out at once.
-        echo_later = self.req.echo and self.req.top_logprobs is not None
-        async with send:
-            for choice in self.choices:
-                if self.req.chat:
-                    await send.send(self._chunk([protocol.chunk_choice(
-                        True, choice.index, "", None, None, None, role=True)]))
-                elif self.req.echo and not echo_later:
-                    await self._send_echo(send, choice, None)
-
-            pending: dict[int, list[Any]] = {}
-
-            async def on_output(choice: _Choice, out: Any) -> None:
-                if echo_later and choice.prompt_logprobs is None:
-                    choice.prompt_logprobs = self._prompt_entries(choice, out) or []
-                    await self._send_echo(send, choice, protocol.completion_logprobs(
-                        choice.prompt_logprobs, self.server._token_text, 0))
-                # Tokens that are not yet text (half a UTF-8 character) wait, with their
-                # logprobs, for the chunk that completes the text.
-                held = pending.setdefault(choice.index, [])
-                held.extend(out.logprobs or ())
-                if not out.text and not out.finished:
-                    self._record(choice, out)
-                    return
-                logprobs = self._logprobs(choice, held if out.logprobs is not None else None)
-                pending[choice.index] = []
-                self._record(choice, out)
-                await send.send(self._chunk([protocol.chunk_choice(
-                    self.req.chat, choice.index, out.text, out.finish_reason if out.finished
-                    else None, out.stop_reason if out.finished else None, logprobs)]))
-
-            await self._run_all(on_output)
-            if self.error is not None:
-                await send.send(sse.event(self.error.body()))
-            elif self.req.include_usage:
-                await send.send(self._chunk([], usage=self._usage()))
-            await send.send(sse.DONE)
-
-    async def _send_echo(self, send: trio.MemorySendChannel[bytes], choice: _Choice,
-                         logprobs: dict[str, Any] | None) -> None:
-        choice.text = self._echo_text(choice.index // self.n)
-        await send.send(self._chunk([protocol.chunk_choice(
-            False, choice.index, choice.text, None, None, logprobs)]))
-
-    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None
-               ) -> bytes:
-        return sse.event(protocol.chunk_body(self.req.chat, self.id, self.created, self.model,
-                                             choices, self.req.include_usage, usage))
-
-
-def _dead_error(reason: BaseException | None) -> Exception:
-    from engine.errors import EngineDeadError
-
-    return EngineDeadError(f"{type(reason).__name__}: {reason}" if reason else "engine closed")
+    async def _pump(self, prompt_index: int, stream: StreamLike,
+                    on_output: Callable[[int, RequestOutput], Awaitable[None]],
+                    cancel: trio.CancelScope) -> None:
+        try:
+            async for out in stream:
+                self.timer.output(prompt_index * self.req.params.n + out.index,
+                                  len(out.token_ids), out.finish_reason,
+                                  getattr(out, "scheduled_time", None))
+                await on_output(prompt_index, out)
+        except Exception as exc:
+            if self.error is None:
+                self.error = protocol.error_from_exception(exc)
+                if self.error.status >= 500 and self.error.code not in _LOGGED_ELSEWHERE:
+                    logger.error("request %s failed", stream.request_id, exc_info=exc)
+            cancel.cancel()
 
 
 def _json(obj: Any, status: int) -> Response:

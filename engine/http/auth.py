@@ -5,7 +5,7 @@ from __future__ import annotations
 import hmac
 
 # Probes and scrapers must work without the key, as in vLLM.
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})
 
 
 def authorized(api_key: str | None, path: str, authorization: str | None) -> bool:

@@ -14,7 +14,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -26,6 +31,11 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# Token counts per request: vLLM's 1-2-5 series up to a long context.
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
+                  100000)
 
 # Every metric name this module exports, for the docs and the tests.
 METRIC_NAMES = (
@@ -41,6 +51,16 @@ METRIC_NAMES = (
     "engine:time_to_first_token_seconds",
     "engine:inter_token_latency_seconds",
     "engine:e2e_request_latency_seconds",
+    "engine:engine_restarts_total",
+    "engine:time_per_output_token_seconds",
+    "engine:request_queue_time_seconds",
+    "engine:request_prefill_time_seconds",
+    "engine:request_decode_time_seconds",
+    "engine:request_inference_time_seconds",
+    "engine:request_prompt_tokens",
+    "engine:request_generation_tokens",
+    "engine:iteration_tokens_total",
+    "engine:cache_config_info",
 )
 
 
@@ -69,6 +89,40 @@ class _EngineCollector(Collector):
                             stats.prefix_cache_queries)
         yield self._counter("engine:prefix_cache_hits",
                             "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
+        yield from self._iteration_tokens(stats)
+        yield self._cache_config(stats)
+        yield self._counter("engine:engine_restarts",
+                            "Times the engine's actors restarted in place after a crash.",
+                            getattr(self._engine, "restarts", 0))
+
+    def _iteration_tokens(self, stats: Any) -> Iterator[Metric]:
+        from engine.actors.scheduler import ITERATION_TOKEN_BUCKETS
+
+        counts = getattr(stats, "iteration_token_counts", ())
+        if not counts:
+            return
+        buckets, total = [], 0
+        for edge, count in zip((*ITERATION_TOKEN_BUCKETS, float("inf")), counts, strict=True):
+            total += count
+            buckets.append(("+Inf" if edge == float("inf") else str(edge), total))
+        family = HistogramMetricFamily("engine:iteration_tokens_total",
+                                       "Tokens computed per engine step.", labels=["model_name"])
+        family.add_metric(self._labels, buckets, stats.iteration_tokens_sum)
+        yield family
+
+    def _cache_config(self, stats: Any) -> Metric:
+        """vLLM's cache_config_info: the KV cache's configuration as labels, value 1."""
+        config = getattr(self._engine, "config", None)
+        labels = {
+            "block_size": str(getattr(config, "block_size", "")),
+            "num_gpu_blocks": str(stats.kv_blocks_total),
+            "enable_prefix_caching": str(getattr(config, "enable_prefix_caching", "")),
+            "cache_dtype": str(getattr(config, "dtype", "")),
+        }
+        family = GaugeMetricFamily("engine:cache_config_info", "The KV cache's configuration.",
+                                   labels=["model_name", *labels])
+        family.add_metric([*self._labels, *labels.values()], 1.0)
+        return family
 
     def _gauge(self, name: str, doc: str, value: float) -> Metric:
         family = GaugeMetricFamily(name, doc, labels=["model_name"])
@@ -98,6 +152,25 @@ class Metrics:
         self.e2e = Histogram("engine:e2e_request_latency_seconds",
                              "Time from request arrival to its last output token.",
                              labels, registry=reg, buckets=_E2E_BUCKETS).labels(model_name)
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, labels, registry=reg, buckets=buckets).labels(model_name)
+
+        self.tpot = histogram("engine:time_per_output_token_seconds",
+                              "Per request: (last token - first token) / (tokens - 1).",
+                              _TPOT_BUCKETS)
+        self.queue_time = histogram("engine:request_queue_time_seconds",
+                                    "Arrival to the first engine step that computes the "
+                                    "request.", _TTFT_BUCKETS)
+        self.prefill_time = histogram("engine:request_prefill_time_seconds",
+                                      "First engine step to first output token.", _E2E_BUCKETS)
+        self.decode_time = histogram("engine:request_decode_time_seconds",
+                                     "First output token to last.", _E2E_BUCKETS)
+        self.inference_time = histogram("engine:request_inference_time_seconds",
+                                        "First engine step to last output token.", _E2E_BUCKETS)
+        self.request_prompt_tokens = histogram("engine:request_prompt_tokens",
+                                               "Prompt tokens per request.", _TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram("engine:request_generation_tokens",
+                                                   "Output tokens per request.", _TOKEN_BUCKETS)
         self.prompt_tokens = Counter("engine:prompt_tokens", "Prompt tokens submitted.",
                                      labels, registry=reg).labels(model_name)
         self.generation_tokens = Counter("engine:generation_tokens", "Output tokens generated.",
@@ -130,22 +203,50 @@ class RequestTimer:
         self._arrival = time.monotonic()
         self._first = True
         self._last: dict[int, float] = {}
+        self._prompt_tokens = 0
+        self._generated = 0
+        self._scheduled: float | None = None  # the first engine step of any of its samples
+        self._first_token: float | None = None
+        self._last_token: float | None = None
 
     def prompt(self, num_tokens: int) -> None:
         self._metrics.prompt_tokens.inc(num_tokens)
+        self._prompt_tokens += num_tokens
 
-    def output(self, index: int, num_tokens: int, finish_reason: str | None) -> None:
+    def output(self, index: int, num_tokens: int, finish_reason: str | None,
+               scheduled_time: float | None = None) -> None:
         t = time.monotonic()
+        if scheduled_time is not None and (self._scheduled is None or scheduled_time < self._scheduled):
+            self._scheduled = scheduled_time
         if num_tokens:
             self._metrics.generation_tokens.inc(num_tokens)
+            self._generated += num_tokens
             if self._first:
                 self._metrics.ttft.observe(t - self._arrival)
                 self._first = False
+                self._first_token = t
             elif index in self._last:
                 self._metrics.itl.observe(t - self._last[index])
             self._last[index] = t
+            self._last_token = t
         if finish_reason is not None:
             self._metrics.success(finish_reason)
 
     def done(self) -> None:
-        self._metrics.e2e.observe(time.monotonic() - self._arrival)
+        m = self._metrics
+        m.e2e.observe(time.monotonic() - self._arrival)
+        m.request_prompt_tokens.observe(self._prompt_tokens)
+        m.request_generation_tokens.observe(self._generated)
+        first, last, scheduled = self._first_token, self._last_token, self._scheduled
+        if scheduled is not None:
+            # vLLM's queue time starts at the engine's arrival; here at the HTTP arrival
+            # (tokenization included), on the same monotonic clock.
+            m.queue_time.observe(max(0.0, scheduled - self._arrival))
+        if first is None or last is None:
+            return
+        m.decode_time.observe(last - first)
+        if self._generated > 1:
+            m.tpot.observe((last - first) / (self._generated - 1))
+        if scheduled is not None:
+            m.prefill_time.observe(max(0.0, first - scheduled))
+            m.inference_time.observe(max(0.0, last - scheduled))

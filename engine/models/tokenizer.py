@@ -65,10 +65,19 @@ _NAMED_SPECIAL_TOKENS = (
 )
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+# "developer" is OpenAI's newer name for the system role; templates only know "system".
+_ROLE_ALIASES = {"developer": "system"}
 
 # Text parts of a list-valued message content are joined with a newline, as vLLM does for
 # OpenAI-style content arrays.
 _CONTENT_PART_SEPARATOR = "\n"
+
+# Template variables a request's chat_template_kwargs may not replace: the engine sets
+# them from the request's own fields.
+_RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+# Request-supplied templates kept compiled; a client reusing one template pays once.
+_TEMPLATE_CACHE_SIZE = 16
 
 # Older names under which a message's reasoning arrives; templates read reasoning_content
 # (most) or thinking (gpt-oss). transformers copies the first one present to both.
@@ -97,7 +106,12 @@ class Tokenizer:
         self._add_missing_special_tokens()
         self._apply_bos_eos_flags(config)
         self._chat_template_source = chat_template
+        self.generation_config: Mapping[str, Any] = dict(generation_config)
+        """``generation_config.json`` as read (``{}`` without one)."""
         self._chat_template = _compile_template(chat_template, source) if chat_template else None
+        # Per-request templates (--trust-request-chat-template), compiled once each.
+        self._request_templates: dict[str, jinja2.Template] = {}
+        self._reads_tools: dict[str, bool] = {}
 
         eos = self._token_id(self._special_tokens.get("eos_token"))
         extra_eos = _int_ids(generation_config.get("eos_token_id"), source / GENERATION_CONFIG_FILE)
@@ -228,6 +242,9 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
         **template_kwargs: Any,
     ) -> str:
         """Render ``messages`` with the model's chat template into one prompt string.
@@ -238,17 +255,39 @@ class Tokenizer:
         given; keys whose value is None are dropped, as transformers does. Bad messages and
         errors the template raises (``raise_exception``) give :class:`InvalidParamError`
         with ``param="messages"``; a model without a template gives :class:`RequestError`.
+
+        ``tools`` are OpenAI tool definitions. A template that never reads ``tools`` gets
+        them through the fallback tool prompt instead, and its history's tool calls and
+        results as text (:func:`engine.chat.tools.fallback_messages`).
+        ``chat_template`` replaces the model's template (jinja source) for this call.
+        ``continue_final_message`` leaves the last message open, so the model continues
+        it (an assistant prefill): the text is cut right after that message's content, as
+        transformers does. ``chat_template_kwargs`` (a request's) and ``template_kwargs``
+        become template variables (``enable_thinking=False``, ...).
         """
-        if self._chat_template is None:
-            raise RequestError(
-                f"the model at {str(self._source)!r} has no chat template; "
-                "send a plain prompt (completions) instead of messages",
-                param="messages",
+        template = self._template(chat_template)
+        if continue_final_message and add_generation_prompt:
+            raise InvalidParamError(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                param="continue_final_message",
             )
-        chat = _normalize_messages(messages)
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+            raise InvalidParamError("chat_template_kwargs must be an object",
+                                    param="chat_template_kwargs")
+        template_kwargs = {**(chat_template_kwargs or {}), **template_kwargs}
+        reserved = sorted(set(template_kwargs) & _RESERVED_TEMPLATE_VARIABLES)
+        if reserved:
+            raise InvalidParamError(
+                f"chat_template_kwargs may not set {', '.join(reserved)}",
+                param="chat_template_kwargs",
+            )
+        chat = normalize_messages(messages)
+        if continue_final_message:
+            chat = _mark_final(chat)
+        chat, tools = self._fit_tools(chat, tools, chat_template or self._chat_template_source)
         variables = {**self._special_tokens, **template_kwargs}
         try:
-            return self._chat_template.render(
+            rendered = template.render(
                 messages=chat,
                 tools=list(tools) if tools is not None else None,
                 documents=None,
@@ -267,6 +306,48 @@ class Tokenizer:
                 f"chat template failed on the messages: {type(exc).__name__}: {exc}",
                 param="messages",
             ) from exc
+        if continue_final_message:
+            rendered = _cut_at_mark(rendered)
+        return rendered
+
+    def _template(self, source: str | None) -> jinja2.Template:
+        if source is None:
+            if self._chat_template is None:
+                raise RequestError(
+                    f"the model at {str(self._source)!r} has no chat template; "
+                    "send a plain prompt (completions) instead of messages",
+                    param="messages",
+                )
+            return self._chat_template
+        compiled = self._request_templates.get(source)
+        if compiled is None:
+            try:
+                compiled = _compile_template(source, self._source)
+            except CorruptModelError as exc:
+                raise InvalidParamError(f"chat_template is not valid jinja: {exc.__cause__}",
+                                        param="chat_template") from None
+            if len(self._request_templates) >= _TEMPLATE_CACHE_SIZE:
+                self._request_templates.pop(next(iter(self._request_templates)))
+            self._request_templates[source] = compiled
+        return compiled
+
+    def _fit_tools(
+        self, chat: list[dict[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
+        source: str | None,
+    ) -> tuple[list[dict[str, Any]], Sequence[Mapping[str, Any]] | None]:
+        """Messages and tools as this template can take them (see apply_chat_template)."""
+        from engine.chat.tools import fallback_messages, parse_tools, template_reads_tools
+
+        reads_tools = self._reads_tools.get(source or "")
+        if reads_tools is None:
+            reads_tools = self._reads_tools[source or ""] = template_reads_tools(source)
+        if reads_tools:
+            return chat, tools
+        has_tool_turns = any(m.get("role") == "tool" or m.get("tool_calls") for m in chat)
+        if not tools and not has_tool_turns:
+            return chat, tools
+        return fallback_messages(chat, parse_tools(list(tools) if tools else None),
+                                 describe_tools=bool(tools)), None
 
 
 # -- reading the folder -----------------------------------------------------------------
@@ -417,8 +498,12 @@ def _compile_template(source: str, folder: Path) -> jinja2.Template:
 # -- messages ---------------------------------------------------------------------------
 
 
-def _normalize_messages(messages: Any) -> list[dict[str, Any]]:
-    """Check ``messages`` and return plain copies that the template may read."""
+def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    """Check chat ``messages`` and return plain copies that a template may read.
+
+    The one chat-message normalizer: the HTTP server, the embedded API and ``/tokenize``
+    all go through it. Errors are :class:`InvalidParamError` naming the field
+    (``messages[1].content``). Idempotent."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise InvalidParamError("messages must be a non-empty list of messages", param="messages")
     return [_normalize_message(i, m) for i, m in enumerate(messages)]
@@ -427,24 +512,59 @@ def _normalize_messages(messages: Any) -> list[dict[str, Any]]:
 def _normalize_message(index: int, message: Any) -> dict[str, Any]:
     where = f"messages[{index}]"
     if not isinstance(message, Mapping):
-        raise InvalidParamError(
-            f"{where} must be an object with role and content", param="messages"
-        )
-    role = message.get("role")
+        raise InvalidParamError(f"{where} must be an object with role and content", param=where)
+    role = _ROLE_ALIASES.get(message.get("role"), message.get("role"))  # type: ignore[arg-type]
     if role not in CHAT_ROLES:
         raise InvalidParamError(
-            f"{where}.role must be one of {', '.join(sorted(CHAT_ROLES))}, got {role!r}",
-            param="messages",
+            f"{where}.role must be one of {', '.join(sorted(CHAT_ROLES | set(_ROLE_ALIASES)))}, "
+            f"got {message.get('role')!r}",
+            param=f"{where}.role",
         )
     out = {k: v for k, v in message.items() if v is not None}
+    out["role"] = role
+    if role != "assistant" and "content" in message and message["content"] is None:
+        out["content"] = ""  # OpenAI clients send null content; only assistants may omit it
+    from engine.chat.tools import check_tool_fields
+
+    out.update(check_tool_fields({**message, "role": role}, where))
     if "content" in out:
         out["content"] = _content_text(where, out["content"])
     elif role != "assistant":  # an assistant turn may carry only tool_calls
-        raise InvalidParamError(f"{where} has no content", param="messages")
+        raise InvalidParamError(f"{where} has no content", param=f"{where}.content")
     reasoning = next((out[k] for k in _REASONING_FIELDS if k in out), None)
     if reasoning is not None:
         out = {"thinking": reasoning, **out, "reasoning_content": reasoning}
     return out
+
+
+# Appended to the final message for continue_final_message; the rendered text is cut where
+# it lands. The trailing space tells whether the template kept the message's trailing
+# whitespace (transformers' method, so the prefill tokenizes as transformers makes it).
+_CONTINUE_MARK = "\u2063CONTINUE_FINAL_MESSAGE\u2063 "
+
+
+def _mark_final(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    content = chat[-1].get("content")
+    if not isinstance(content, str) or not content.strip():
+        raise InvalidParamError(
+            "continue_final_message needs a final message with text content",
+            param="continue_final_message",
+        )
+    return [*chat[:-1], {**chat[-1], "content": content + _CONTINUE_MARK}]
+
+
+def _cut_at_mark(rendered: str) -> str:
+    """``rendered`` cut where the final message ended, so the model continues it."""
+    mark = _CONTINUE_MARK.strip()
+    at = rendered.rfind(mark)
+    if at == -1:
+        raise InvalidParamError(
+            "continue_final_message: the chat template does not write out the final "
+            "message's content", param="continue_final_message",
+        )
+    if rendered.startswith(_CONTINUE_MARK, at):
+        return rendered[:at]
+    return rendered[:at].rstrip()  # the template trimmed the message: so do we
 
 
 def _content_text(where: str, content: Any) -> str:
@@ -452,16 +572,16 @@ def _content_text(where: str, content: Any) -> str:
         return content
     if isinstance(content, (bytes, Mapping)) or not isinstance(content, Sequence):
         raise InvalidParamError(
-            f"{where}.content must be a string or a list of text parts", param="messages"
+            f"{where}.content must be a string or a list of text parts", param=f"{where}.content"
         )
     texts = []
     for j, part in enumerate(content):
         if not isinstance(part, Mapping) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
             raise InvalidParamError(
-                f"{where}.content[{j}] must be a text part, got {kind!r}", param="messages"
+                f"{where}.content[{j}] must be a text part, got {kind!r}", param=f"{where}.content"
             )
         if not isinstance(part.get("text"), str):
-            raise InvalidParamError(f"{where}.content[{j}].text must be a string", param="messages")
+            raise InvalidParamError(f"{where}.content[{j}].text must be a string", param=f"{where}.content")
         texts.append(part["text"])
     return _CONTENT_PART_SEPARATOR.join(texts)

@@ -18,6 +18,18 @@ KV-cache layout (one pair of tensors per layer)::
 
 A request's block table lists its blocks in token order; token ``i`` of the request lives
 in block ``block_table[i // block_size]`` at offset ``i % block_size``.
+
+Quantized KV cache (``kv_cache_dtype`` int8 or fp8): each layer's K and V are a
+:class:`QuantizedKV`, 8-bit codes in the same layout plus one fp32 scale per token and KV
+head, so a cell costs ``head_dim + 4`` bytes instead of ``2 * head_dim`` in bf16::
+
+    data:  [num_blocks, block_size, num_kv_heads, head_dim]  int8 or float8_e4m3fn
+    scale: [num_blocks, block_size, num_kv_heads]            fp32
+    value = data.float() * scale[..., None]     scale = max|x| / 127 (int8) or / 448 (fp8)
+
+The write quantizes each token's head row on its own (a group of ``head_dim`` values, as
+GGUF's Q8_0 groups 32): a later token never changes an earlier one's codes, so a block
+fills one write at a time with no requantization.
 """
 
 from __future__ import annotations
@@ -52,6 +64,47 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+# Largest code of each 8-bit KV format: int8 is symmetric (-127..127, -128 unused);
+# float8_e4m3fn's largest finite value is 448.
+KV_CODE_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class QuantizedKV:
+    """One layer's K (or V) cache as 8-bit codes and a scale per token and KV head.
+
+    Passed to the ops wherever a cache tensor goes; ``shape`` is the codes' shape, so
+    layout reads (``k_cache.shape[1]`` is the block size) need no special case.
+    """
+
+    data: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim] int8 / fp8
+    scale: torch.Tensor  # [num_blocks, block_size, num_kv_heads] fp32
+
+    def __post_init__(self) -> None:
+        if self.data.dtype not in KV_CODE_MAX:
+            raise ValueError(f"QuantizedKV codes must be int8 or float8_e4m3fn, got {self.data.dtype}")
+        if self.scale.dtype != torch.float32 or self.scale.shape != self.data.shape[:-1]:
+            raise ValueError(
+                f"QuantizedKV scale must be fp32 of shape {tuple(self.data.shape[:-1])}, got "
+                f"{self.scale.dtype} {tuple(self.scale.shape)}"
+            )
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+
+KVCache = torch.Tensor | QuantizedKV
+
+
 class Ops(Protocol):
     """The op set a model and the sampler use; every backend provides all of it."""
 
@@ -81,12 +134,16 @@ class Ops(Protocol):
         """``silu(x[..., :d]) * x[..., d:]`` for ``x`` of last dim ``2d``."""
         ...
 
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``gelu(x[..., :d], approximate="tanh") * x[..., d:]`` (GeGLU: Gemma's MLP)."""
+        ...
+
     def write_kv_cache(
         self,
         key: torch.Tensor,  # [T, num_kv_heads, head_dim]
         value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: KVCache,
+        v_cache: KVCache,
         slot_mapping: torch.Tensor,  # [T] int64
     ) -> None:
         """Scatter each new token's K/V into its slot."""
@@ -95,25 +152,51 @@ class Ops(Protocol):
     def paged_attention_decode(
         self,
         query: torch.Tensor,  # [B, num_heads, head_dim], one token per request
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: KVCache,
+        v_cache: KVCache,
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
         seq_lens_host: tuple[int, ...],
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        """Attention of each request's one new token to its whole context (GQA aware)."""
+        """Attention of each request's one new token to its context (GQA aware).
+
+        ``window`` > 0 is a sliding window: the token at position ``i`` sees only keys
+        ``j`` with ``i - j < window`` (transformers' convention). ``softcap`` > 0 caps the
+        scaled scores as ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2).
+        """
         ...
 
     def paged_attention_prefill(
         self,
         query: torch.Tensor,  # [T, num_heads, head_dim]
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: KVCache,
+        v_cache: KVCache,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        """Varlen attention: causal within each request's new tokens, full to its cached past."""
+        """Varlen attention: causal within each request's new tokens, full to its cached past
+        (or to its last ``window`` positions); ``window`` and ``softcap`` as in decode."""
+        ...
+
+    def fused_moe(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        w13: torch.Tensor,  # [E, 2 * inter, hidden]: each expert's gate rows then up rows
+        w2: torch.Tensor,  # [E, hidden, inter]
+        topk_weights: torch.Tensor,  # [T, k] fp32 routing weights
+        topk_ids: torch.Tensor,  # [T, k] int64 expert of each slot
+    ) -> torch.Tensor:
+        """The routed experts' SiLU-gated MLPs, weighted and summed per token: [T, hidden].
+
+        Reads only the weights of experts that received a token (see ``engine.ops.moe``).
+        """
         ...
 
     def sample(

@@ -14,7 +14,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from engine.ops import AttentionMetadata
+from engine.ops import KV_CODE_MAX, AttentionMetadata, KVCache, QuantizedKV
+from engine.ops.moe import fused_moe_reference
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -25,6 +26,20 @@ class _Gather:
     mask: torch.Tensor  # [B, 1, Q, L] bool: True where the query may attend the key
     batch: int
     length: int  # L: padded context length, a multiple of the block size
+    # [B, 1, Q, L] int: query position minus key position, for sliding-window masks.
+    distance: torch.Tensor
+    # Window size -> its mask (``mask`` and distance < window); layers of a step share it.
+    windowed: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def mask_for(self, window: int) -> torch.Tensor:
+        """The mask of a layer that attends to the last ``window`` positions (0: all)."""
+        if not window:
+            return self.mask
+        mask = self.windowed.get(window)
+        if mask is None:
+            # transformers' sliding window: key j is visible from query i iff i - j < window.
+            mask = self.windowed[window] = self.mask & (self.distance < window)
+        return mask
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -84,29 +99,54 @@ class TorchOps:
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]).mul_(x[..., d:])
 
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate="tanh").mul_(x[..., d:])
+
     def write_kv_cache(
         self,
         key: torch.Tensor,
         value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: KVCache,
+        v_cache: KVCache,
         slot_mapping: torch.Tensor,
     ) -> None:
-        heads, dim = k_cache.shape[-2:]
-        k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-        v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+        for x, cache in ((key, k_cache), (value, v_cache)):
+            heads, dim = cache.shape[-2:]
+            if isinstance(cache, QuantizedKV):
+                codes, scale = quantize_kv(x, cache.dtype)
+                # As raw bytes: torch's CPU index_copy_ has no fp8 kernel.
+                cache.data.view(torch.uint8).view(-1, heads, dim).index_copy_(
+                    0, slot_mapping, codes.view(torch.uint8)
+                )
+                cache.scale.view(-1, heads).index_copy_(0, slot_mapping, scale)
+            else:
+                cache.view(-1, heads, dim).index_copy_(0, slot_mapping, x.to(cache.dtype))
+
+    def fused_moe(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        return fused_moe_reference(x, w13, w2, topk_weights, topk_ids)
 
     # --- attention -------------------------------------------------------------------------
 
     def paged_attention_decode(
         self,
         query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: KVCache,
+        v_cache: KVCache,
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
         seq_lens_host: tuple[int, ...],
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         block_size = k_cache.shape[1]
         # Every layer of a step passes the same objects; a new step builds new ones. The
@@ -122,15 +162,18 @@ class TorchOps:
         ):
             self._decode_plan = _decode_gather(block_tables, seq_lens_host, block_size)
             self._decode_key = key
-        return _attend_decode(query, k_cache, v_cache, self._decode_plan, scale)
+        return _attend_decode(query, k_cache, v_cache, self._decode_plan, scale, window, softcap)
 
     def paged_attention_prefill(
         self,
         query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: KVCache,
+        v_cache: KVCache,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         # Same metadata object for every layer of a step: plan once, hold it so the id
         # cannot be reused by a later step's object.
@@ -141,12 +184,16 @@ class TorchOps:
         out = torch.empty_like(query)
         if plan.single is not None:
             q = query.index_select(0, plan.single_rows)
-            out.index_copy_(0, plan.single_rows, self._attend_single_rows(q, k_cache, v_cache, meta, plan, scale))
+            out.index_copy_(
+                0,
+                plan.single_rows,
+                self._attend_single_rows(q, k_cache, v_cache, meta, plan, scale, window, softcap),
+            )
         if plan.multi is not None:
             g = plan.multi
             heads, dim = query.shape[1:]
             q = query.index_select(0, plan.multi_src).view(g.batch, plan.max_query_len, heads, dim)
-            o = _attend(q.transpose(1, 2), k_cache, v_cache, g, scale)  # [Bm, H, Q, D]
+            o = _attend(q.transpose(1, 2), k_cache, v_cache, g, scale, window, softcap)  # [Bm, H, Q, D]
             o = o.transpose(1, 2).reshape(-1, heads, dim).index_select(0, plan.multi_keep)
             out.index_copy_(0, plan.multi_dst, o)
         return out
@@ -154,15 +201,17 @@ class TorchOps:
     def _attend_single_rows(
         self,
         query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: KVCache,
+        v_cache: KVCache,
         meta: AttentionMetadata,
         plan: _PrefillPlan,
         scale: float,
+        window: int,
+        softcap: float,
     ) -> torch.Tensor:
         """Attention of the one-token requests of a mixed step (a subclass's decode path)."""
         assert plan.single is not None
-        return _attend_decode(query, k_cache, v_cache, plan.single, scale)
+        return _attend_decode(query, k_cache, v_cache, plan.single, scale, window, softcap)
 
     def sample(
         self,
@@ -220,9 +269,11 @@ def _decode_gather(
     length = num_blocks * block_size
     device = block_tables.device
     lens = torch.tensor(seq_lens_host, device=device)
-    mask = torch.arange(length, device=device) < lens.unsqueeze(1)  # [B, L]
+    kpos = torch.arange(length, device=device)
+    mask = kpos < lens.unsqueeze(1)  # [B, L]
+    distance = (lens.unsqueeze(1) - 1 - kpos).view(batch, 1, 1, length)
     blocks = _gather_blocks(block_tables, num_blocks)
-    return _Gather(blocks, mask.view(batch, 1, 1, length), batch, length)
+    return _Gather(blocks, mask.view(batch, 1, 1, length), batch, length, distance)
 
 
 def _prefill_plan(meta: AttentionMetadata, block_size: int) -> _PrefillPlan:
@@ -279,35 +330,91 @@ def _multi_gather(
     # the new tokens up to itself. Padding rows (i >= qlen) see the whole context, so no
     # row is fully masked (which would give NaN).
     mask = (kpos <= past + qpos) & (kpos < seq)
+    # Padding rows keep seeing their whole context under any window: their distance is 0.
+    distance = torch.where(qpos < seq - past, past + qpos - kpos, 0)
     sel = torch.tensor(rows, device=device)
     blocks = _gather_blocks(meta.block_tables.index_select(0, sel), num_blocks)
-    return _Gather(blocks, mask.unsqueeze(1), len(rows), length)
+    return _Gather(blocks, mask.unsqueeze(1), len(rows), length, distance.unsqueeze(1))
 
 
-def _gathered_kv(
-    cache: torch.Tensor, g: _Gather
-) -> torch.Tensor:
-    """The padded context of each request as [B, kv_heads, L, D] (a strided view)."""
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [..., D] as 8-bit codes of ``dtype`` and one fp32 scale per row of D values.
+
+    scale = max|row| / code_max; code = x / scale (int8: rounded half to even, as C's
+    nearbyintf); an all-zero row gets scale 0 and zero codes. fp32 throughout, so the C
+    and Triton writes, which spell the same operations, give the same codes.
+    """
+    xf = x.float()
+    code_max = KV_CODE_MAX[dtype]
+    scale = xf.abs().amax(-1) / code_max
+    y = torch.where(scale.unsqueeze(-1) > 0, xf / scale.unsqueeze(-1), 0.0)
+    if dtype == torch.int8:
+        return y.round_().clamp_(-code_max, code_max).to(torch.int8), scale
+    return y.to(dtype), scale
+
+
+def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 values of codes [..., D] with their scales [...]."""
+    return codes.float() * scale.unsqueeze(-1)
+
+
+def _gathered_kv(cache: KVCache, g: _Gather) -> torch.Tensor:
+    """The padded context of each request as [B, kv_heads, L, D] (a strided view); a
+    quantized cache comes back dequantized to fp32."""
     heads, dim = cache.shape[-2:]
-    gathered = cache.index_select(0, g.blocks)  # [B * nb, block_size, heads, dim]
+    if isinstance(cache, QuantizedKV):
+        # Only the gathered blocks are dequantized, never the pool; codes move as raw bytes
+        # (torch's CPU index_select has no fp8 kernel).
+        codes = cache.data.view(torch.uint8).index_select(0, g.blocks).view(cache.dtype)
+        gathered = dequantize_kv(codes, cache.scale.index_select(0, g.blocks))
+    else:
+        gathered = cache.index_select(0, g.blocks)  # [B * nb, block_size, heads, dim]
     return gathered.view(g.batch, g.length, heads, dim).transpose(1, 2)
 
 
 def _attend(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: _Gather, scale: float
+    q: torch.Tensor,
+    k_cache: KVCache,
+    v_cache: KVCache,
+    g: _Gather,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """SDPA of q [B, H, Q, D] over the gathered context, GQA by head grouping."""
-    k = _gathered_kv(k_cache, g)
-    v = _gathered_kv(v_cache, g)
+    k = _gathered_kv(k_cache, g).to(q.dtype)
+    v = _gathered_kv(v_cache, g).to(q.dtype)
+    mask = g.mask_for(window)
+    if softcap:
+        group = q.shape[1] // k.shape[1]
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return _softcapped_attention(q, k, v, mask, scale, softcap)
     # The CPU and CUDA SDPA kernels accumulate the softmax in fp32 for bf16/fp16 inputs.
     return F.scaled_dot_product_attention(
-        q, k.to(q.dtype), v.to(q.dtype), attn_mask=g.mask, scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
 
 
+def _softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
+    """Attention with Gemma 2's logit soft-capping, ``cap * tanh(s / cap)`` on the scaled
+    scores before the mask; SDPA has no hook for it. Scores and softmax in fp32."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+
+
 def _attend_decode(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: _Gather, scale: float
+    query: torch.Tensor,
+    k_cache: KVCache,
+    v_cache: KVCache,
+    g: _Gather,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     batch, heads, dim = query.shape
     kv_heads = k_cache.shape[2]
@@ -316,8 +423,12 @@ def _attend_decode(
     q = query.view(batch, kv_heads, heads // kv_heads, dim)
     k = _gathered_kv(k_cache, g).to(query.dtype)
     v = _gathered_kv(v_cache, g).to(query.dtype)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)
+    mask = g.mask_for(window)
+    if softcap:
+        o = _softcapped_attention(q, k, v, mask, scale, softcap)
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return o.reshape(batch, heads, dim)
 
 
-__all__ = ["AttentionMetadata", "TorchOps"]
+__all__ = ["AttentionMetadata", "TorchOps", "dequantize_kv", "quantize_kv"]

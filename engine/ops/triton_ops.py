@@ -13,8 +13,15 @@ from __future__ import annotations
 
 import torch
 
-from engine.ops import AttentionMetadata
-from engine.ops.triton import attention_decode, attention_prefill, kv_cache, norm_rope, sampling
+from engine.ops import AttentionMetadata, KVCache
+from engine.ops.triton import (
+    attention_decode,
+    attention_prefill,
+    fused_moe,
+    kv_cache,
+    norm_rope,
+    sampling,
+)
 
 
 class TritonOps:
@@ -44,12 +51,15 @@ class TritonOps:
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return norm_rope.silu_and_mul(x)
 
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return norm_rope.gelu_tanh_and_mul(x)
+
     def write_kv_cache(
         self,
         key: torch.Tensor,
         value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: KVCache,
+        v_cache: KVCache,
         slot_mapping: torch.Tensor,
     ) -> None:
         kv_cache.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
@@ -57,27 +67,47 @@ class TritonOps:
     def paged_attention_decode(
         self,
         query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: KVCache,
+        v_cache: KVCache,
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
         seq_lens_host: tuple[int, ...],
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """Flash-decoding: the context is split across programs when the batch is small."""
         return attention_decode.paged_attention_decode(
-            query, k_cache, v_cache, block_tables, seq_lens, scale, seq_lens_host
+            query, k_cache, v_cache, block_tables, seq_lens, scale, seq_lens_host,
+            window=window, softcap=softcap,
         )
 
     def paged_attention_prefill(
         self,
         query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: KVCache,
+        v_cache: KVCache,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        return attention_prefill.paged_attention_prefill(query, k_cache, v_cache, meta, scale)
+        return attention_prefill.paged_attention_prefill(
+            query, k_cache, v_cache, meta, scale, window=window, softcap=softcap
+        )
+
+    def fused_moe(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """Two grouped GEMMs over expert-sorted (token, slot) tiles (see ``fused_moe``)."""
+        return fused_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
 
     def sample(
         self,

@@ -19,6 +19,7 @@ One step's flat varlen batch (``B`` chunks, ``T`` tokens)::
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -29,6 +30,7 @@ from engine.errors import EngineError, InvalidParamError
 from engine.messages import (
     NewRequest,
     PromptLogprobs,
+    RequestFailure,
     SampledToken,
     ScheduledChunk,
     StepPlan,
@@ -39,7 +41,17 @@ from engine.models.llama import build_model
 from engine.ops import AttentionMetadata, Ops
 from engine.params import SamplingParams
 from engine.runner.kv_cache import allocate_kv_caches
-from engine.runner.sampler import Sampler, SamplingRow
+from engine.runner.sampler import Sampler, SamplingFailure, SamplingRow
+
+logger = logging.getLogger("engine")
+
+# What a client is told when the step its request was in raised; the exception itself
+# goes to the log, never into a response.
+STEP_FAILED = "internal error: the model step running this request failed"
+
+
+class StepFailedError(EngineError):
+    """A step of :func:`run_greedy` (warm-up, tests) failed; its cause is in the log."""
 
 
 class StepPlanError(EngineError):
@@ -63,7 +75,8 @@ class ModelRunner:
     """Forward + sample over a paged KV cache, one :meth:`execute` per engine step.
 
     ``loaded`` is a :class:`engine.models.loader.LoadedModel` (``config``, ``weights``,
-    ``dtype``). ``num_blocks`` KV blocks of ``block_size`` tokens are allocated on
+    ``dtype``). ``num_blocks`` KV blocks of ``block_size`` tokens (in ``kv_cache_dtype``:
+    "auto" for the model dtype, or "int8"/"fp8" codes with scales) are allocated on
     ``device`` up front. Not thread-safe: call :meth:`execute` from one thread at a time.
     """
 
@@ -78,6 +91,7 @@ class ModelRunner:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         seed: int = 0,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.device = torch.device(device)
         self.config = loaded.config
@@ -87,9 +101,21 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.model = build_model(loaded.config, loaded.weights, ops, dtype=loaded.dtype, device=self.device)
-        self.kv_caches = allocate_kv_caches(loaded.config, num_blocks, block_size, loaded.dtype, self.device)
+        self.kv_caches = allocate_kv_caches(
+            loaded.config, num_blocks, block_size, loaded.dtype, self.device, kv_cache_dtype=kv_cache_dtype
+        )
         self.sampler = Sampler(ops, seed=seed)
         self._requests: dict[str, _RequestState] = {}
+        # Requests that failed in a step: their state is gone, chunks already planned for
+        # them (async scheduling) are skipped until the scheduler's finished_ids names them.
+        self._failed: set[str] = set()
+
+    def reset(self) -> None:
+        """Forget every request (the engine restarts its actors after a crash). The KV
+        tensors are kept: the new block pool shares no cached block, so no stale entry is
+        ever read before it is written."""
+        self._requests.clear()
+        self._failed.clear()
 
     @property
     def num_requests(self) -> int:
@@ -97,22 +123,43 @@ class ModelRunner:
         return len(self._requests)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        """Forget ``plan.finished_ids``, learn ``plan.new_requests``, run ``plan.chunks``."""
+        """Forget ``plan.finished_ids``, learn ``plan.new_requests``, run ``plan.chunks``.
+
+        Never raises for a fault of the step: if the forward or the sampling raises, every
+        request of the step is reported in ``StepResult.failed`` (and forgotten), and the
+        exception is logged. A row that cannot be sampled fails only its request.
+        """
         t0 = time.perf_counter()
         for rid in plan.finished_ids:
             self._requests.pop(rid, None)
+            self._failed.discard(rid)
         for new in plan.new_requests:
             self._add(new)
-        if not plan.chunks:
+        chunks = tuple(c for c in plan.chunks if c.request_id not in self._failed)
+        if not chunks:
             return StepResult(plan.step_id, (), 0.0)
-        states = [self._state(c) for c in plan.chunks]
-        input_ids, positions, meta, sample_rows = self._prepare(plan.chunks, states)
+        try:
+            sampled, failed, prompt_logprobs = self._run(chunks)
+        except Exception:
+            logger.exception("model step %d failed; failing its %d requests", plan.step_id, len(chunks))
+            failed = tuple(RequestFailure(c.request_id, STEP_FAILED) for c in chunks)
+            sampled, prompt_logprobs = (), ()
+        for failure in failed:
+            self._requests.pop(failure.request_id, None)
+            self._failed.add(failure.request_id)
+        return StepResult(plan.step_id, sampled, time.perf_counter() - t0, prompt_logprobs, failed)
+
+    def _run(
+        self, chunks: tuple[ScheduledChunk, ...]
+    ) -> tuple[tuple[SampledToken, ...], tuple[RequestFailure, ...], tuple[PromptLogprobs, ...]]:
+        states = [self._state(c) for c in chunks]
+        input_ids, positions, meta, sample_rows = self._prepare(chunks, states)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
-        prompt_logprobs = self._prompt_logprobs(hidden, plan.chunks, states)
-        sampled: tuple[SampledToken, ...] = ()
-        if sample_rows:
-            sampled = self._sample(hidden, plan.chunks, states, sample_rows)
-        return StepResult(plan.step_id, sampled, time.perf_counter() - t0, prompt_logprobs)
+        prompt_logprobs = self._prompt_logprobs(hidden, chunks, states)
+        if not sample_rows:
+            return (), (), prompt_logprobs
+        sampled, failed = self._sample(hidden, chunks, states, sample_rows)
+        return sampled, failed, prompt_logprobs
 
     def warm_up(self, prompt_len: int = 16) -> None:
         """One prefill and one decode step of a throwaway request in the pool's first
@@ -261,7 +308,7 @@ class ModelRunner:
         chunks: Sequence[ScheduledChunk],
         states: Sequence[_RequestState],
         sample_rows: list[int],
-    ) -> tuple[SampledToken, ...]:
+    ) -> tuple[tuple[SampledToken, ...], tuple[RequestFailure, ...]]:
         rows = torch.tensor(sample_rows, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         picked = [(c, s) for c, s in zip(chunks, states, strict=True) if c.sample]
@@ -269,13 +316,16 @@ class ModelRunner:
             SamplingRow(s.params, s.prompt, s.outputs, s.eos_token_ids) for _, s in picked
         ]
         out = []
-        for (c, s), (token, logprob, top) in zip(
-            picked, self.sampler(logits, sampling_rows), strict=True
-        ):
+        failed = []
+        for (c, s), drawn in zip(picked, self.sampler(logits, sampling_rows), strict=True):
+            if isinstance(drawn, SamplingFailure):
+                failed.append(RequestFailure(c.request_id, drawn.reason))
+                continue
+            token, logprob, top = drawn
             s.outputs.append(token)
             s.tokens.append(token)
             out.append(SampledToken(c.request_id, token, logprob, tuple(top)))
-        return tuple(out)
+        return tuple(out), tuple(failed)
 
 
 # Hidden rows turned into full-vocabulary logits at once for prompt logprobs: 256 rows of
@@ -353,6 +403,11 @@ def run_greedy(
             chunks.append(ScheduledChunk(ids[i], computed[i], n, tables[i], computed[i] + n == known))
             computed[i] += n
         result = runner.execute(StepPlan(step, new if step == 0 else (), tuple(chunks), ()))
+        if result.failed:
+            # execute() logged the cause; a driver with no scheduler cannot go on (the
+            # failed requests are gone), and warm-up must fail loudly, not spin.
+            runner.execute(StepPlan(step + 1, (), (), tuple(ids)))
+            raise StepFailedError(f"greedy step {step} failed: {result.failed[0].reason}")
         for s in result.sampled:
             outputs[int(s.request_id.rsplit("-", 1)[1])].append(s)
         step += 1

@@ -40,6 +40,13 @@ SampledToken = tuple[int, float, tuple[tuple[int, float], ...]]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class SamplingFailure:
+    """A row that cannot be sampled; only its request fails. ``reason`` is fit for a client."""
+
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class SamplingRow:
     """What the sampler needs to know about one request for one step."""
 
@@ -74,11 +81,16 @@ class Sampler:
         self._ops = ops
         self._generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+    def __call__(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow]
+    ) -> list[SampledToken | SamplingFailure]:
         """Sample row ``b`` of ``logits`` ([B, V]) for ``rows[b]``.
 
         Returns, per row, ``(token_id, logprob, top)`` where ``top`` holds the
-        ``params.logprobs`` most likely ``(token_id, logprob)`` pairs, best first, or ``()``.
+        ``params.logprobs`` most likely ``(token_id, logprob)`` pairs, best first, or ``()``;
+        or a :class:`SamplingFailure` for a row that has no token to draw (NaN or +inf in
+        its adjusted logits, or every token masked). A returned id is always inside the
+        vocabulary: the rest of the batch is sampled as if the failed rows were absent.
         """
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
@@ -87,9 +99,27 @@ class Sampler:
         if not rows:
             return []
         logits = self._adjust_logits(logits.float(), rows)
+        failures = _unsamplable_rows(logits)
+        if failures:
+            # Neutral logits for the failed rows, so no kernel sees a NaN or an empty row;
+            # their draws are discarded below.
+            logits = logits.clone()
+            logits[list(failures)] = 0.0
         token_ids, logprobs = self._ops.sample(logits, *self._sampling_tensors(rows, logits))
         tops = self._top_logprobs(logits, rows)
-        return list(zip(token_ids.tolist(), logprobs.tolist(), tops, strict=True))
+        out: list[SampledToken | SamplingFailure] = []
+        vocab = logits.shape[-1]
+        for b, (token, logprob, top) in enumerate(
+            zip(token_ids.tolist(), logprobs.tolist(), tops, strict=True)
+        ):
+            if b in failures:
+                out.append(SamplingFailure(failures[b]))
+            elif not 0 <= token < vocab:
+                # A kernel fault; never hand an id past the embedding table to anyone.
+                out.append(SamplingFailure(f"the sampler drew token id {token}, outside the vocabulary"))
+            else:
+                out.append((token, logprob, top))
+        return out
 
     # -- logit adjustments -------------------------------------------------------------
 
@@ -130,12 +160,14 @@ class Sampler:
     ) -> tuple[torch.Tensor, ...]:
         """(temperature, top_k, top_p, min_p, seeds) as [B] tensors on the logits' device."""
         temps, top_ks, top_ps, min_ps, seeds = [], [], [], [], []
+        vocab = logits.shape[-1]
         unseeded = [b for b, r in enumerate(rows) if r.params.seed is None]
         drawn = iter(self._draw_seeds(len(unseeded)))
         for r in rows:
             p = r.params
             temps.append(0.0 if p.temperature < _GREEDY_TEMPERATURE else p.temperature)
-            top_ks.append(max(p.top_k, 0))  # -1 and 0 both mean "off"
+            # -1 and 0 mean "off", and so does k >= V; clamped so a huge k fits the int32.
+            top_ks.append(p.top_k if 0 < p.top_k < vocab else 0)
             top_ps.append(p.top_p)
             min_ps.append(p.min_p)
             if p.seed is None:
@@ -176,6 +208,29 @@ class Sampler:
             n = rows[wanted[i]].params.logprobs or 0
             tops[wanted[i]] = tuple(zip(toks[:n], vals[:n], strict=True))
         return tops
+
+
+def _unsamplable_rows(logits: torch.Tensor) -> dict[int, str]:
+    """Rows with no token to draw, and why: NaN or +inf anywhere, or every token -inf.
+
+    One reduction in the common case: ``amax`` propagates NaN, is +inf when any entry is,
+    and is -inf only when every entry is; so a finite maximum clears the row.
+    """
+    top = logits.amax(dim=-1)
+    bad = (~torch.isfinite(top)).nonzero().squeeze(-1).tolist()
+    reasons = {}
+    for b in bad:
+        row = logits[b]
+        if bool(torch.isnan(row).any()):
+            reasons[b] = "the logits hold NaN (a numerical fault in the model or the penalties)"
+        elif bool(torch.isposinf(row).any()):
+            reasons[b] = "the logits hold +inf (a penalty or bias overflowed)"
+        else:
+            reasons[b] = (
+                "no token can be sampled: every token is masked (stop_token_ids or EOS under "
+                "min_tokens, logit_bias)"
+            )
+    return reasons
 
 
 def _logit_bias_entries(

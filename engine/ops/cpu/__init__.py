@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.ops import AttentionMetadata
+from engine.ops import AttentionMetadata, KVCache, QuantizedKV
 from engine.ops.reference import TorchOps, _adjacent_heads, _PrefillPlan
 
 try:  # built at install time; absent in a source tree nobody installed
@@ -32,6 +32,7 @@ except ImportError:  # pragma: no cover - depends on the install
     _ffi = _lib = None
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # enum in kernels.c
+_DT_I8 = 2  # an int8 KV cache with fp32 scales (enum in kernels.c)
 
 
 def available() -> bool:
@@ -137,59 +138,108 @@ class CpuOps(TorchOps):
             _lib.eng_silu_mul(code, _ptr(out), _ptr(x), x.numel() // (2 * n), n, torch.get_num_threads())
         return out
 
+    def write_kv_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: KVCache,
+        v_cache: KVCache,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        # Quantizing in torch is ~8 dispatches per tensor per layer; one C call instead.
+        # A plain cache's index_copy_ is a single dispatch already.
+        code = _DTYPE_CODES.get(key.dtype)
+        if (
+            code is None
+            or not (_int8_cache(k_cache) and _int8_cache(v_cache))
+            or not (_heads_contiguous(key) and _heads_contiguous(value))
+            or value.dtype != key.dtype
+            or not _plain(slot_mapping)
+            or slot_mapping.dtype != torch.int64
+        ):
+            return super().write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+        tokens, heads, dim = key.shape
+        assert isinstance(k_cache, QuantizedKV) and isinstance(v_cache, QuantizedKV)
+        num_slots = k_cache.shape[0] * k_cache.shape[1]
+        for x, cache in ((key, k_cache), (value, v_cache)):
+            status = _lib.eng_kv_write_i8(
+                code, _ptr(x), x.stride(0), tokens, heads, dim, _ptr(cache.data, "int8_t *"),
+                _ptr(cache.scale, "float *"), _ptr(slot_mapping, "int64_t *"), num_slots,
+                torch.get_num_threads(),
+            )
+            if status:
+                raise CpuKernelError(f"kv write: a slot is outside the cache's {num_slots} slots")
+
     # --- attention -------------------------------------------------------------------------
 
     def paged_attention_decode(
         self,
         query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: KVCache,
+        v_cache: KVCache,
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
         seq_lens_host: tuple[int, ...],
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        out = self._decode(query, k_cache, v_cache, block_tables, seq_lens, scale)
+        out = self._decode(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
         if out is None:
             return super().paged_attention_decode(
-                query, k_cache, v_cache, block_tables, seq_lens, scale, seq_lens_host
+                query, k_cache, v_cache, block_tables, seq_lens, scale, seq_lens_host,
+                window=window, softcap=softcap,
             )
         return out
 
     def _attend_single_rows(
         self,
         query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: KVCache,
+        v_cache: KVCache,
         meta: AttentionMetadata,
         plan: _PrefillPlan,
         scale: float,
+        window: int,
+        softcap: float,
     ) -> torch.Tensor:
         sel = plan.single_requests
         out = self._decode(
             query, k_cache, v_cache, meta.block_tables.index_select(0, sel),
-            meta.seq_lens.index_select(0, sel), scale,
+            meta.seq_lens.index_select(0, sel), scale, window, softcap,
         )
         if out is None:
-            return super()._attend_single_rows(query, k_cache, v_cache, meta, plan, scale)
+            return super()._attend_single_rows(query, k_cache, v_cache, meta, plan, scale, window, softcap)
         return out
 
     def _decode(
         self,
         query: torch.Tensor,  # [B, H, D], heads contiguous, rows any stride
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: KVCache,
+        v_cache: KVCache,
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor | None:
         """The C kernel's answer, or None where it does not take these inputs."""
         code = _DTYPE_CODES.get(query.dtype)
+        quantized = isinstance(k_cache, QuantizedKV)
+        if quantized:
+            # Only int8 has a C path; an fp8 cache on CPU is the reference's.
+            if not (_int8_cache(k_cache) and _int8_cache(v_cache)):
+                return None
+            kv_code, k_data, v_data = _DT_I8, k_cache.data, v_cache.data
+            k_scale, v_scale = _ptr(k_cache.scale, "float *"), _ptr(v_cache.scale, "float *")
+        else:
+            kv_code, k_data, v_data, k_scale, v_scale = code, k_cache, v_cache, _ffi.NULL, _ffi.NULL
         if (
             code is None
             or not _heads_contiguous(query)
-            or not _plain(k_cache, v_cache, seq_lens)
-            or not (k_cache.dtype == v_cache.dtype == query.dtype)
+            or not _plain(k_data, v_data, seq_lens)
+            or not (quantized or k_cache.dtype == v_cache.dtype == query.dtype)
             or block_tables.dtype != torch.int32
             or seq_lens.dtype != torch.int32
             or not block_tables.is_cpu
@@ -200,10 +250,10 @@ class CpuOps(TorchOps):
         num_blocks, block_size, kv_heads, _ = k_cache.shape
         out = torch.empty((batch, heads, dim), dtype=query.dtype)
         status = _lib.eng_paged_decode(
-            code, _ptr(out), _ptr(query), query.stride(0), _ptr(k_cache),
-            _ptr(v_cache), num_blocks, _ptr(block_tables, "int32_t *"), block_tables.stride(0),
+            code, _ptr(out), _ptr(query), query.stride(0), _ptr(k_data), _ptr(v_data), kv_code,
+            k_scale, v_scale, num_blocks, _ptr(block_tables, "int32_t *"), block_tables.stride(0),
             _ptr(seq_lens, "int32_t *"), batch, heads, kv_heads, dim, block_size, scale,
-            torch.get_num_threads(),
+            window, softcap, torch.get_num_threads(),
         )
         if status == -1:
             return None  # a shape past the kernel's buffers: the reference handles it
@@ -215,6 +265,15 @@ class CpuOps(TorchOps):
 def _plain(*tensors: torch.Tensor) -> bool:
     """All in CPU memory and contiguous, so one pointer and the shape describe each."""
     return all(t.is_cpu and t.is_contiguous() for t in tensors)
+
+
+def _int8_cache(cache: KVCache) -> bool:
+    """An int8 :class:`QuantizedKV` whose codes and scales the C kernels can address."""
+    return (
+        isinstance(cache, QuantizedKV)
+        and cache.data.dtype == torch.int8
+        and _plain(cache.data, cache.scale)
+    )
 
 
 def _heads_contiguous(x: torch.Tensor) -> bool:

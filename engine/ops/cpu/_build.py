@@ -20,10 +20,28 @@ int eng_rope(int dtype, void *x, int64_t token_stride, int64_t heads, int64_t d,
              int nthreads);
 int eng_silu_mul(int dtype, void *out, const void *x, int64_t rows, int64_t n, int nthreads);
 int eng_paged_decode(int dtype, void *out, const void *q, int64_t q_stride,
-                     const void *k_cache, const void *v_cache, int64_t num_blocks,
+                     const void *k_cache, const void *v_cache, int kv_dtype,
+                     const float *k_scale, const float *v_scale, int64_t num_blocks,
                      const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, int64_t batch, int64_t heads,
                      int64_t kv_heads, int64_t d, int64_t block_size, float scale,
-                     int nthreads);
+                     int64_t window, float softcap, int nthreads);
+int eng_kv_write_i8(int dtype, const void *x, int64_t x_stride, int64_t tokens, int64_t heads,
+                    int64_t d, int8_t *codes, float *scales, const int64_t *slots,
+                    int64_t num_slots, int nthreads);
+"""
+
+# Quantized-weight matmuls (quant.c, a translation unit of its own; see engine/ops/quant.py).
+QUANT_CDEF = """
+int eng_q_isa(void);
+int eng_qmatmul(int fmt, int isa, int dtype, void *out, int64_t out_stride, const void *x,
+                int64_t x_stride, int64_t M, int64_t K, int64_t N, const uint8_t *codes,
+                const uint8_t *hi, const uint16_t *d, const uint16_t *m, const uint8_t *sc,
+                const uint8_t *mn, int nthreads);
+int eng_qrows(int fmt, int dtype, void *out, const int64_t *ids, int64_t n_ids, int64_t K,
+              int64_t N, const uint8_t *codes, const uint8_t *hi, const uint16_t *d,
+              const uint16_t *m, const uint8_t *sc, const uint8_t *mn, int nthreads);
+int eng_qpack(int fmt, const uint8_t *raw, int64_t N, int64_t K, uint8_t *codes, uint8_t *hi,
+              uint16_t *d, uint16_t *m, uint8_t *sc, uint8_t *mn, int nthreads);
 """
 
 # -ffp-contract=off: no fused multiply-adds the source does not spell, so fp32 results
@@ -32,14 +50,19 @@ int eng_paged_decode(int dtype, void *out, const void *q, int64_t q_stride,
 COMPILE_ARGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-std=c11"]
 
 ffibuilder = cffi.FFI()
-ffibuilder.cdef(CDEF)
+ffibuilder.cdef(CDEF + QUANT_CDEF)
 ffibuilder.set_source(
     "engine.ops.cpu._kernels",
-    (HERE / "kernels.c").read_text(),
+    (HERE / "kernels.c").read_text() + QUANT_CDEF,  # quant.c's prototypes for the wrappers
+    # Relative to the repository root, where setup.py and the by-hand build below run.
+    sources=["engine/ops/cpu/quant.c"],
     extra_compile_args=COMPILE_ARGS,
     extra_link_args=["-fopenmp"],
 )
 
 if __name__ == "__main__":
     # A build by hand, next to this file: python engine/ops/cpu/_build.py
-    ffibuilder.compile(tmpdir=str(HERE.parents[2]), verbose=True)
+    import os
+
+    os.chdir(HERE.parents[2])
+    ffibuilder.compile(tmpdir=".", verbose=True)

@@ -28,7 +28,7 @@
 #endif
 #define INLINE static inline __attribute__((always_inline))
 
-enum { DT_F32 = 0, DT_BF16 = 1 };
+enum { DT_F32 = 0, DT_BF16 = 1, DT_I8 = 2 };
 
 /* Attention limits of the stack buffers below; larger shapes fall back to torch. */
 #define MAX_GROUP 16  /* query heads per KV head */
@@ -237,15 +237,37 @@ int eng_silu_mul(int dtype, void *out, const void *x, int64_t rows, int64_t n, i
 
 /* ---- paged decode attention ----------------------------------------------------------- */
 
+/* One cache row (d values of one token and KV head at element offset o) as fp32. An int8
+ * cache (q8, a compile-time constant at every call) holds codes and one fp32 scale per
+ * row, at index o / d of the scale array [num_blocks, block_size, kv_heads]; the value is
+ * code * scale, the same product the torch reference's dequantize_kv forms. */
+INLINE void load_kv_row(float *dst, const void *c, const float *sc, int64_t o, int64_t d,
+                        int q8, int bf) {
+    if (q8) {
+        const int8_t *p = (const int8_t *)c + o;
+        const float s = sc[o / d];
+#pragma omp simd
+        for (int64_t i = 0; i < d; i++)
+            dst[i] = (float)p[i] * s;
+    } else {
+#pragma omp simd
+        for (int64_t i = 0; i < d; i++)
+            dst[i] = ld(c, o + i, bf);
+    }
+}
+
 /* One request's one query token, for the `group` query heads that share KV head `g`:
  * online softmax over its seq_len keys read through the block table, TILE keys at a time
  * (scores of a tile first, one rescale of the accumulators per tile). Cache layout
  * [num_blocks, block_size, kv_heads, d]; see engine/ops/__init__.py. */
 INLINE void decode_item(void *out, const void *q, int64_t qs, const void *kc, const void *vc,
-                        const int32_t *bt, int64_t bts, const int32_t *lens, int64_t b,
+                        const float *ksc, const float *vsc, int q8, const int32_t *bt,
+                        int64_t bts, const int32_t *lens, int64_t b,
                         int64_t g, int64_t heads, int64_t kv_heads, int64_t d, int64_t bs,
-                        float scale, int bf) {
+                        float scale, int64_t window, float softcap, int bf) {
     const int64_t group = heads / kv_heads, len = lens[b];
+    /* A sliding window sees only the last `window` keys: i - j < window for query i. */
+    const int64_t first = window > 0 && len > window ? len - window : 0;
     const int32_t *table = bt + b * bts;
     float qf[MAX_GROUP][MAX_DIM], acc[MAX_GROUP][MAX_DIM], kf[MAX_DIM];
     float sc[MAX_GROUP][TILE], mx[MAX_GROUP], sum[MAX_GROUP];
@@ -260,8 +282,8 @@ INLINE void decode_item(void *out, const void *q, int64_t qs, const void *kc, co
         sum[j] = 0.0f;
     }
     /* Walk the block table with a running (block, offset) pair: no division per key. */
-    int64_t blk = 0, off = 0;
-    for (int64_t t0 = 0; t0 < len; t0 += TILE) {
+    int64_t blk = first / bs, off = first % bs;
+    for (int64_t t0 = first; t0 < len; t0 += TILE) {
         int64_t n = len - t0 < TILE ? len - t0 : TILE;
         for (int64_t k = 0; k < n; k++) {
             rows[k] = (((int64_t)table[blk] * bs + off) * kv_heads + g) * d;
@@ -271,16 +293,14 @@ INLINE void decode_item(void *out, const void *q, int64_t qs, const void *kc, co
             }
         }
         for (int64_t k = 0; k < n; k++) {
-            int64_t ko = rows[k];
-#pragma omp simd
-            for (int64_t i = 0; i < d; i++)
-                kf[i] = ld(kc, ko + i, bf);
+            load_kv_row(kf, kc, ksc, rows[k], d, q8, bf);
             for (int64_t j = 0; j < group; j++) {
                 float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
                 for (int64_t i = 0; i < d; i++)
                     dot = fmaf(qf[j][i], kf[i], dot);
-                sc[j][k] = dot * scale;
+                /* Gemma 2's logit soft-capping: cap * tanh(s / cap) on the scaled score. */
+                sc[j][k] = softcap > 0.0f ? softcap * tanhf(dot * scale / softcap) : dot * scale;
             }
         }
         for (int64_t j = 0; j < group; j++) {
@@ -302,10 +322,7 @@ INLINE void decode_item(void *out, const void *q, int64_t qs, const void *kc, co
                 acc[j][i] *= alpha;
         }
         for (int64_t k = 0; k < n; k++) {
-            int64_t vo = rows[k];
-#pragma omp simd
-            for (int64_t i = 0; i < d; i++)
-                kf[i] = ld(vc, vo + i, bf);
+            load_kv_row(kf, vc, vsc, rows[k], d, q8, bf);
             for (int64_t j = 0; j < group; j++) {
                 float p = sc[j][k];
 #pragma omp simd
@@ -325,32 +342,45 @@ INLINE void decode_item(void *out, const void *q, int64_t qs, const void *kc, co
 
 /* head_dim 64 and 128 (nearly every Llama-family model) get loops of a known length,
  * which the compiler unrolls into whole vectors; other sizes take the generic loop. */
-#define DECODE_ITEM(SUFFIX, BF)                                                             \
+#define DECODE_ITEM(SUFFIX, BF, Q8)                                                         \
     CLONES void eng_decode_item_##SUFFIX(void *out, const void *q, int64_t qs, const void *kc, \
-                                         const void *vc, const int32_t *bt, int64_t bts,      \
+                                         const void *vc, const float *ksc, const float *vsc,  \
+                                         const int32_t *bt, int64_t bts,                      \
                                          const int32_t *lens, int64_t b, int64_t g,           \
                                          int64_t heads, int64_t kv_heads, int64_t d,          \
-                                         int64_t bs, float scale) {                           \
+                                         int64_t bs, float scale, int64_t window,             \
+                                         float softcap) {                                     \
         if (d == 64)                                                                          \
-            decode_item(out, q, qs, kc, vc, bt, bts, lens, b, g, heads, kv_heads, 64, bs,     \
-                        scale, BF);                                                           \
+            decode_item(out, q, qs, kc, vc, ksc, vsc, Q8, bt, bts, lens, b, g, heads,         \
+                        kv_heads, 64, bs, scale, window, softcap, BF);                        \
         else if (d == 128)                                                                    \
-            decode_item(out, q, qs, kc, vc, bt, bts, lens, b, g, heads, kv_heads, 128, bs,    \
-                        scale, BF);                                                           \
+            decode_item(out, q, qs, kc, vc, ksc, vsc, Q8, bt, bts, lens, b, g, heads,         \
+                        kv_heads, 128, bs, scale, window, softcap, BF);                       \
         else                                                                                  \
-            decode_item(out, q, qs, kc, vc, bt, bts, lens, b, g, heads, kv_heads, d, bs,      \
-                        scale, BF);                                                           \
+            decode_item(out, q, qs, kc, vc, ksc, vsc, Q8, bt, bts, lens, b, g, heads,         \
+                        kv_heads, d, bs, scale, window, softcap, BF);                         \
     }
 
-DECODE_ITEM(f32, 0)
-DECODE_ITEM(bf16, 1)
+DECODE_ITEM(f32, 0, 0)
+DECODE_ITEM(bf16, 1, 0)
+DECODE_ITEM(f32_q8, 0, 1)
+DECODE_ITEM(bf16_q8, 1, 1)
 
+typedef void (*decode_item_fn)(void *, const void *, int64_t, const void *, const void *,
+                               const float *, const float *, const int32_t *, int64_t,
+                               const int32_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                               int64_t, float, int64_t, float);
+
+/* kv_dtype: DT_I8 for an int8 cache with scales (k_scale, v_scale), else the query's
+ * dtype (the scales are then unused). */
 int eng_paged_decode(int dtype, void *out, const void *q, int64_t q_stride, const void *k_cache,
-                     const void *v_cache, int64_t num_blocks, const int32_t *block_tables,
+                     const void *v_cache, int kv_dtype, const float *k_scale,
+                     const float *v_scale, int64_t num_blocks, const int32_t *block_tables,
                      int64_t bt_stride, const int32_t *seq_lens, int64_t batch, int64_t heads,
                      int64_t kv_heads, int64_t d, int64_t block_size, float scale,
-                     int nthreads) {
-    if ((dtype != DT_F32 && dtype != DT_BF16) || kv_heads < 1 || heads % kv_heads ||
+                     int64_t window, float softcap, int nthreads) {
+    if ((dtype != DT_F32 && dtype != DT_BF16) || (kv_dtype != dtype && kv_dtype != DT_I8) ||
+        (kv_dtype == DT_I8 && (!k_scale || !v_scale)) || kv_heads < 1 || heads % kv_heads ||
         heads / kv_heads > MAX_GROUP || d > MAX_DIM || block_size < 1)
         return -1;
     /* Every block a request will read must exist: a bad table is an error, not a read
@@ -363,20 +393,70 @@ int eng_paged_decode(int dtype, void *out, const void *q, int64_t q_stride, cons
         for (int64_t i = 0; i < used; i++)
             if (block_tables[b * bt_stride + i] < 0 || block_tables[b * bt_stride + i] >= num_blocks)
                 return -2;
-        work += len * heads * d * 2;
+        work += (window > 0 && len > window ? window : len) * heads * d * 2;
     }
     int64_t items = batch * kv_heads;
+    const int q8 = kv_dtype == DT_I8;
+    decode_item_fn item = dtype == DT_BF16 ? (q8 ? eng_decode_item_bf16_q8 : eng_decode_item_bf16)
+                                           : (q8 ? eng_decode_item_f32_q8 : eng_decode_item_f32);
     /* Dynamic: requests of different lengths make items of different cost. */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) \
     if (nthreads > 1 && items > 1 && work >= PARALLEL_MIN_WORK)
     for (int64_t it = 0; it < items; it++) {
         int64_t b = it / kv_heads, g = it % kv_heads;
-        if (dtype == DT_BF16)
-            eng_decode_item_bf16(out, q, q_stride, k_cache, v_cache, block_tables, bt_stride,
-                                 seq_lens, b, g, heads, kv_heads, d, block_size, scale);
-        else
-            eng_decode_item_f32(out, q, q_stride, k_cache, v_cache, block_tables, bt_stride,
-                                seq_lens, b, g, heads, kv_heads, d, block_size, scale);
+        item(out, q, q_stride, k_cache, v_cache, k_scale, v_scale, block_tables, bt_stride,
+             seq_lens, b, g, heads, kv_heads, d, block_size, scale, window, softcap);
     }
+    return 0;
+}
+
+/* ---- int8 KV-cache write -------------------------------------------------------------- */
+
+/* Quantize one token's row of d values (fp32 or bf16 at x) into int8 codes and a scale:
+ * scale = max|x| / 127, code = nearbyint(x / scale) (half to even, as torch.round), an
+ * all-zero row gets scale 0 and zero codes: the operations of the torch reference's
+ * quantize_kv, in the same fp32 arithmetic, so the codes are equal. */
+INLINE void quantize_row(int8_t *codes, float *scale, const void *x, int64_t xo, int64_t d,
+                         int bf) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < d; i++) {
+        float a = fabsf(ld(x, xo + i, bf));
+        amax = a > amax ? a : amax;
+    }
+    float s = amax / 127.0f;
+    *scale = s;
+    for (int64_t i = 0; i < d; i++) {
+        float y = s > 0.0f ? nearbyintf(ld(x, xo + i, bf) / s) : 0.0f;
+        y = y > 127.0f ? 127.0f : (y < -127.0f ? -127.0f : y);
+        codes[i] = (int8_t)y;
+    }
+}
+
+CLONES void eng_kv_write_i8_token(int dtype, const void *x, int64_t xo, int64_t heads, int64_t d,
+                                  int8_t *codes, float *scales, int64_t slot) {
+    for (int64_t h = 0; h < heads; h++) {
+        int64_t row = slot * heads + h;
+        if (dtype == DT_BF16)
+            quantize_row(codes + row * d, scales + row, x, xo + h * d, d, 1);
+        else
+            quantize_row(codes + row * d, scales + row, x, xo + h * d, d, 0);
+    }
+}
+
+/* Scatter tokens x [tokens, heads, d] (rows x_stride elements apart, heads contiguous)
+ * into an int8 cache at their slots: codes [num_slots, heads, d], scales [num_slots,
+ * heads]. Returns -2 (and writes nothing) if a slot is outside [0, num_slots). */
+int eng_kv_write_i8(int dtype, const void *x, int64_t x_stride, int64_t tokens, int64_t heads,
+                    int64_t d, int8_t *codes, float *scales, const int64_t *slots,
+                    int64_t num_slots, int nthreads) {
+    if (dtype != DT_F32 && dtype != DT_BF16)
+        return -1;
+    for (int64_t t = 0; t < tokens; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots)
+            return -2;
+#pragma omp parallel for schedule(static) num_threads(nthreads) \
+    if (nthreads > 1 && tokens * heads * d >= PARALLEL_MIN_WORK)
+    for (int64_t t = 0; t < tokens; t++)
+        eng_kv_write_i8_token(dtype, x, t * x_stride, heads, d, codes, scales, slots[t]);
     return 0;
 }

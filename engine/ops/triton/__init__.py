@@ -8,5 +8,6 @@ on kernels already decorated.
 Modules: ``kv_cache`` (slot-mapped K/V scatter), ``attention_decode`` (flash-decoding
 split-K over paged KV plus its reduce), ``attention_prefill`` (varlen online-softmax over
 paged KV), ``sampling`` (temperature/top-k/top-p/min-p/greedy with Philox draws),
-``norm_rope`` (fused add+RMSNorm, in-place RoPE, SiLU-and-mul).
+``norm_rope`` (fused add+RMSNorm, in-place RoPE, SiLU-and-mul), ``fused_moe`` (grouped
+expert GEMMs over expert-sorted tokens).
 """

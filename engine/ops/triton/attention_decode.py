@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.ops.triton._paged import LOG2E, dot_precision, dot_upcast, paged_attend_tile
+from engine.ops import KVCache
+from engine.ops.triton._paged import LOG2E, cache_args, dot_precision, dot_upcast, paged_attend_tile
 
 BLOCK_N = 64  # context tokens per tile: 16 KB of fp16 K at head_dim 128
 MIN_PARTITION = 256  # tokens per split at least, so a split's work outweighs its reduce share
@@ -30,21 +31,25 @@ _CPU_SMS = 1  # the interpreter has no SMs; one keeps the CPU heuristic minimal
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_acc_ptr, part_ml_ptr,
     qk_scale_log2,
-    stride_qb, stride_qh, stride_kb, stride_ko, stride_kh, stride_bt,
+    stride_qb, stride_qh, stride_kb, stride_ko, stride_kh, stride_sb, stride_so, stride_bt,
     stride_ob, stride_oh,
-    block_size, head_dim, partition_size, num_splits,
+    block_size, head_dim, partition_size, num_splits, window, softcap,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_UPCAST: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
+    # A sliding window sees the last `window` keys only; the splits share those out.
     start = split * partition_size
+    if SLIDING:
+        start += tl.maximum(seq_len - window, 0)
     end = tl.minimum(start + partition_size, seq_len)
 
     g = tl.arange(0, BLOCK_G)
@@ -61,10 +66,12 @@ def _decode_split_kernel(
     q_pos = tl.zeros([BLOCK_G], dtype=tl.int32)  # unused: decode is never causal-masked
     for n0 in range(start, end, BLOCK_N):
         acc, m_i, l_i = paged_attend_tile(
-            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_tables_ptr + b * stride_bt,
-            stride_kb, stride_ko, stride_kh, kv_head, block_size, n0, end, q_pos,
-            qk_scale_log2, d, d_mask,
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+            block_tables_ptr + b * stride_bt,
+            stride_kb, stride_ko, stride_kh, stride_sb, stride_so, kv_head, block_size, n0, end,
+            q_pos, qk_scale_log2, d, d_mask, window, softcap,
             CAUSAL=False, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, DOT_UPCAST=DOT_UPCAST,
+            SOFTCAP=SOFTCAP, QUANT=QUANT,
         )
 
     if SINGLE_SPLIT:
@@ -117,13 +124,16 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: t
 
 def paged_attention_decode(
     query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: KVCache,
+    v_cache: KVCache,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
     seq_lens_host: tuple[int, ...],
     num_splits: int | None = None,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One query token per request attends its whole paged context; returns [B, H, D].
 
@@ -134,10 +144,12 @@ def paged_attention_decode(
     out = torch.empty_like(query)
     if batch == 0:
         return out
+    k_cache, v_cache, k_scale, v_scale, stride_sb, stride_so, quant = cache_args(k_cache, v_cache)
     if query.stride(-1) != 1 or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("paged_attention_decode needs unit head_dim strides and one K/V layout")
     group = num_heads // num_kv_heads
-    max_seq = max(seq_lens_host)
+    # Keys any request reads: its window at most.
+    max_seq = min(max(seq_lens_host), window) if window > 0 else max(seq_lens_host)
     splits = num_splits or choose_num_splits(batch, num_kv_heads, max_seq, query.device)
     # Partition length: a whole number of tiles, so only a split's last tile is ragged.
     partition = triton.cdiv(triton.cdiv(max(max_seq, 1), splits), BLOCK_N) * BLOCK_N
@@ -150,15 +162,17 @@ def paged_attention_decode(
         part_acc = torch.empty((batch, num_heads, splits, block_d), dtype=torch.float32, device=query.device)
         part_ml = torch.empty((batch, num_heads, splits, 2), dtype=torch.float32, device=query.device)
     _decode_split_kernel[(batch, num_kv_heads, splits)](
-        query, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml,
+        query, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, out, part_acc, part_ml,
         scale * LOG2E,
         query.stride(0), query.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_sb, stride_so,
+        block_tables.stride(0),
         out.stride(0), out.stride(1),
-        k_cache.shape[1], head_dim, partition, splits,
+        k_cache.shape[1], head_dim, partition, splits, window, softcap,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),  # dot needs M >= 16
         BLOCK_D=block_d, BLOCK_N=BLOCK_N, SINGLE_SPLIT=single,
         DOT_PRECISION=dot_precision(query.dtype), DOT_UPCAST=dot_upcast(query.dtype, query.device),
+        SLIDING=window > 0, SOFTCAP=softcap > 0, QUANT=quant,
         num_warps=4, num_stages=3,  # memory bound: 3 stages keep two tiles' loads in flight
     )
     if not single:

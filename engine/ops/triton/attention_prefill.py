@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.ops import AttentionMetadata
-from engine.ops.triton._paged import LOG2E, dot_precision, dot_upcast, paged_attend_tile
+from engine.ops import AttentionMetadata, KVCache
+from engine.ops.triton._paged import LOG2E, cache_args, dot_precision, dot_upcast, paged_attend_tile
 
 # Query rows x key columns per tile. 64 x 64 keeps the interpreter and small GPUs happy;
 # on sm_80+ with head_dim <= 128 a 128-row query tile doubles the reuse of each K/V tile.
@@ -31,12 +31,15 @@ BLOCK_N = 64
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr,
+    query_start_ptr, out_ptr,
     qk_scale_log2,
-    stride_qt, stride_qh, stride_kb, stride_ko, stride_kh, stride_bt, stride_ot, stride_oh,
-    block_size, head_dim,
+    stride_qt, stride_qh, stride_kb, stride_ko, stride_kh, stride_sb, stride_so, stride_bt,
+    stride_ot, stride_oh,
+    block_size, head_dim, window, softcap,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr, QUANT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -64,20 +67,27 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     table = block_tables_ptr + b * stride_bt
     diag = ctx + m0  # the first key that some query of this tile must not see
-    for n0 in range(0, diag, BLOCK_N):
+    # With a sliding window, keys before the tile's first query's window are skipped; the
+    # window mask then trims what the tile's later queries no longer see.
+    lo = 0
+    if SLIDING:
+        lo = tl.maximum(diag - window + 1, 0)
+    for n0 in range(lo, diag, BLOCK_N):
         acc, m_i, l_i = paged_attend_tile(
-            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table,
-            stride_kb, stride_ko, stride_kh, kv_head, block_size, n0, diag, q_pos,
-            qk_scale_log2, d, d_mask,
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table,
+            stride_kb, stride_ko, stride_kh, stride_sb, stride_so, kv_head, block_size, n0, diag,
+            q_pos, qk_scale_log2, d, d_mask, window, softcap,
             CAUSAL=False, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, DOT_UPCAST=DOT_UPCAST,
+            SLIDING=SLIDING, SOFTCAP=SOFTCAP, QUANT=QUANT,
         )
     diag_end = tl.minimum(diag + BLOCK_M, seq_len)
     for n0 in range(diag, diag_end, BLOCK_N):
         acc, m_i, l_i = paged_attend_tile(
-            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table,
-            stride_kb, stride_ko, stride_kh, kv_head, block_size, n0, diag_end, q_pos,
-            qk_scale_log2, d, d_mask,
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table,
+            stride_kb, stride_ko, stride_kh, stride_sb, stride_so, kv_head, block_size, n0,
+            diag_end, q_pos, qk_scale_log2, d, d_mask, window, softcap,
             CAUSAL=True, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, DOT_UPCAST=DOT_UPCAST,
+            SLIDING=SLIDING, SOFTCAP=SOFTCAP, QUANT=QUANT,
         )
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_ptrs = out_ptr + tok[:, None] * stride_ot + head * stride_oh + d[None, :]
@@ -92,11 +102,14 @@ def _block_m(device: torch.device, head_dim: int) -> int:
 
 def paged_attention_prefill(
     query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: KVCache,
+    v_cache: KVCache,
     meta: AttentionMetadata,
     scale: float,
     block_m: int | None = None,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal varlen attention of ``query`` [T, H, D] over the paged cache; returns [T, H, D].
 
@@ -108,20 +121,24 @@ def paged_attention_prefill(
     batch = meta.query_start_loc.shape[0] - 1
     if n_tokens == 0 or batch == 0:
         return out
+    k_cache, v_cache, k_scale, v_scale, stride_sb, stride_so, quant = cache_args(k_cache, v_cache)
     if query.stride(-1) != 1 or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("paged_attention_prefill needs unit head_dim strides and one K/V layout")
     bm = block_m or _block_m(query.device, head_dim)
     block_d = triton.next_power_of_2(max(head_dim, 16))  # tl.dot needs K >= 16
     grid = (triton.cdiv(meta.max_query_len, bm), batch, num_heads)
     _prefill_kernel[grid](
-        query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
+        query, k_cache, v_cache, k_scale, v_scale, meta.block_tables, meta.seq_lens,
+        meta.query_start_loc, out,
         scale * LOG2E,
         query.stride(0), query.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_sb, stride_so,
+        meta.block_tables.stride(0),
         out.stride(0), out.stride(1),
-        k_cache.shape[1], head_dim,
+        k_cache.shape[1], head_dim, window, softcap,
         GROUP=num_heads // num_kv_heads, BLOCK_M=bm, BLOCK_N=min(BLOCK_N, bm), BLOCK_D=block_d,
         DOT_PRECISION=dot_precision(query.dtype), DOT_UPCAST=dot_upcast(query.dtype, query.device),
+        SLIDING=window > 0, SOFTCAP=softcap > 0, QUANT=quant,
         # 8 warps for the 128-row tile (two warpgroups of MMA), 4 for 64 rows.
         num_warps=8 if bm >= 128 else 4, num_stages=3,
     )

@@ -1,4 +1,5 @@
-"""Row-wise elementwise kernels: (fused add +) RMSNorm, in-place neox RoPE, SiLU-and-mul.
+"""Row-wise elementwise kernels: (fused add +) RMSNorm, in-place neox RoPE, SiLU-and-mul,
+GELU(tanh)-and-mul.
 
 Each is one pass over its rows; on GPU they replace several torch kernels and their
 intermediates (add, pow, mean, rsqrt, mul, mul for the norm; slice, neg, cat, mul, add for
@@ -163,6 +164,37 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = 1024  # columns per program: 4 KB of fp32 per operand, enough to hide latency
     if n_rows:
         _silu_and_mul_kernel[(n_rows, triton.cdiv(d, block))](
+            x2, out, d, x2.stride(0), out.stride(0), BLOCK=block, num_warps=4
+        )
+    return out.view(*x.shape[:-1], d)
+
+
+@triton.jit
+def _gelu_tanh_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_out, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
+    # gelu_tanh(g) = g / 2 * (1 + tanh(u)), u = sqrt(2/pi) (g + 0.044715 g^3); with
+    # 1 + tanh(u) = 2 sigmoid(2u) that is g * sigmoid(2u). The sigmoid takes exp of a
+    # non-positive argument only, so it never overflows at either tail.
+    two_u = 1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)
+    e = tl.exp(-tl.abs(two_u))
+    sig = tl.where(two_u >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+    act = (gate * sig).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``gelu(x[..., :d], approximate="tanh") * x[..., d:]`` in one pass (Gemma's GeGLU)."""
+    x2 = _rows(x)
+    n_rows, two_d = x2.shape
+    d = two_d // 2
+    out = torch.empty((n_rows, d), dtype=x.dtype, device=x.device)
+    block = 1024  # as silu_and_mul
+    if n_rows:
+        _gelu_tanh_and_mul_kernel[(n_rows, triton.cdiv(d, block))](
             x2, out, d, x2.stride(0), out.stride(0), BLOCK=block, num_warps=4
         )
     return out.view(*x.shape[:-1], d)

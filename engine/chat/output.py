@@ -1,0 +1,158 @@
+"""One chat choice's model text turned into an assistant message: reasoning, content, calls.
+
+:class:`ChatOutputParser` chains the stages a request asks for. The reasoning parser
+(``--reasoning-parser``) splits off ``<think>...</think>`` first; what follows is content,
+which then goes through one tool stage:
+
+* a forced call (``tool_choice`` ``required`` or a named function): the output is the
+  constrained JSON, read by :class:`engine.chat.tools.ForcedCallStreamer`;
+* ``auto`` with a tool-call parser (``--enable-auto-tool-choice --tool-call-parser``):
+  the parser's streamer (:mod:`engine.chat.tool_parsers`);
+* otherwise the content is passed through unchanged (``tool_choice: "none"`` never
+  produces calls).
+
+``feed`` and ``finish`` return what to stream; :meth:`message` is the complete message,
+equal to what the streamed deltas add up to. A choice that produced calls and stopped on
+its own reports ``finish_reason: "tool_calls"``, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from engine.chat.reasoning import ReasoningParser, ReasoningStreamer
+from engine.chat.tool_parsers import ToolCall, ToolCallDelta, ToolCallStreamer, ToolParser
+from engine.chat.tools import NO_TOOLS, ForcedCallStreamer, Tool, ToolChoice
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ChatOutputOptions:
+    """How a chat request's outputs are read; one per request."""
+
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = NO_TOOLS
+    tool_parser: ToolParser | None = None  # used for tool_choice "auto"
+    reasoning_parser: ReasoningParser | None = None
+
+    @property
+    def forced(self) -> bool:
+        return self.tool_choice.mode in ("required", "function")
+
+    @property
+    def parses(self) -> bool:
+        """Whether outputs need more than plain text handling."""
+        return self.forced or self.reasoning_parser is not None or (
+            self.tool_choice.mode == "auto" and self.tool_parser is not None)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChatDelta:
+    """What one piece of output adds: reasoning text, content text, call pieces."""
+
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.tool_calls)
+
+    def to_openai_chunks(self) -> list[dict[str, Any]]:
+        """The ``delta`` objects to send, one chunk each: the text and the first call
+        piece, then one chunk per further call piece (so a call's header and its
+        arguments arrive in separate chunks, as OpenAI streams them)."""
+        first = ChatDelta(self.reasoning, self.content, self.tool_calls[:1]).to_openai()
+        return [first, *({"tool_calls": [d.to_openai()]} for d in self.tool_calls[1:])]
+
+    def to_openai(self) -> dict[str, Any]:
+        """The ``delta`` object of a chat chunk (without ``role``)."""
+        out: dict[str, Any] = {}
+        if self.reasoning:
+            out["reasoning_content"] = self.reasoning
+        if self.content:
+            out["content"] = self.content
+        if self.tool_calls:
+            out["tool_calls"] = [d.to_openai() for d in self.tool_calls]
+        return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChatMessage:
+    """A complete assistant message: the embedded API's typed value, and HTTP's body."""
+
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+
+    def to_openai(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            out["tool_calls"] = [c.to_openai() for c in self.tool_calls]
+        return out
+
+
+class ChatOutputParser:
+    """Incremental reading of one choice; see the module docstring."""
+
+    def __init__(self, options: ChatOutputOptions) -> None:
+        self._options = options
+        # A forced call's output is the constrained JSON from its first token, so there
+        # is no reasoning to split off before it.
+        self._reasoning: ReasoningStreamer | None = (
+            options.reasoning_parser.streamer()
+            if options.reasoning_parser is not None and not options.forced else None)
+        self._tools: ForcedCallStreamer | ToolCallStreamer | None = None
+        if options.forced:
+            self._tools = ForcedCallStreamer(options.tool_choice)
+        elif options.tool_choice.mode == "auto" and options.tool_parser is not None:
+            self._tools = options.tool_parser.streamer()
+        self._content: list[str] = []
+        self._finished = False
+
+    def feed(self, text: str) -> ChatDelta:
+        if not text:
+            return ChatDelta()
+        if self._reasoning is None:
+            return self._after_reasoning("", text, final=False)
+        split = self._reasoning.feed(text)
+        return self._after_reasoning(split.reasoning, split.content, final=False)
+
+    def finish(self) -> ChatDelta:
+        if self._finished:
+            return ChatDelta()
+        self._finished = True
+        if self._reasoning is None:
+            return self._after_reasoning("", "", final=True)
+        split = self._reasoning.finish()
+        return self._after_reasoning(split.reasoning, split.content, final=True)
+
+    def _after_reasoning(self, reasoning: str, content: str, *, final: bool) -> ChatDelta:
+        if self._tools is None:
+            self._content.append(content)
+            return ChatDelta(reasoning, content)
+        delta = self._tools.feed(content) if content else None
+        text = delta.content if delta else ""
+        calls = delta.tool_calls if delta else ()
+        if final:
+            end = self._tools.finish()
+            text += end.content
+            calls += end.tool_calls
+        return ChatDelta(reasoning, text, calls)
+
+    def message(self) -> ChatMessage:
+        """The complete message; call after :meth:`finish`."""
+        reasoning = self._reasoning.result().reasoning if self._reasoning else None
+        if self._tools is None:
+            content = "".join(self._content)
+            # With a reasoning parser, "no answer after thinking" is null, as vLLM sends it.
+            return ChatMessage(content or None if self._reasoning else content, reasoning)
+        parsed = self._tools.result()
+        return ChatMessage(parsed.content, reasoning, parsed.tool_calls)
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        """OpenAI's finish reason: ``tool_calls`` when calls ended the turn."""
+        if engine_reason == "stop" and self._tools is not None and self._tools.result().tool_calls:
+            return "tool_calls"
+        return engine_reason

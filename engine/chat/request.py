@@ -1,0 +1,201 @@
+"""The chat-only fields of a request body and the server's chat settings.
+
+:func:`parse_chat_fields` reads ``tools``, ``tool_choice``, ``parallel_tool_calls``,
+``chat_template``, ``chat_template_kwargs``, ``add_generation_prompt``,
+``continue_final_message`` and ``echo`` into a :class:`ChatFields`: what the chat
+template gets (:class:`TemplateOptions`), how the outputs are read
+(:class:`engine.chat.output.ChatOutputOptions`) and the JSON schema a forced call must
+match. Errors are :class:`InvalidParamError` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from engine.chat.output import ChatOutputOptions
+from engine.chat.reasoning import ReasoningParser, get_reasoning_parser
+from engine.chat.tool_parsers import ToolParser, get_tool_parser
+from engine.chat.tools import (
+    forced_call_schema,
+    parse_tool_choice,
+    parse_tools,
+    template_reads_tools,
+)
+from engine.errors import InvalidParamError
+from engine.params import SamplingParams
+
+# The parser that reads calls written after the fallback tool prompt, which asks for
+# hermes-style <tool_call> lines.
+FALLBACK_TOOL_PARSER = "hermes"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ChatSettings:
+    """The server's chat options (``serve`` flags), checked when built.
+
+    ``tool_call_parser`` with ``enable_auto_tool_choice`` lets ``tool_choice: "auto"`` read
+    calls from free text, as vLLM's flags of the same names. ``reasoning_parser`` splits
+    thinking from the answer. ``chat_template`` (jinja source) replaces the model's.
+    ``trust_request_chat_template`` lets requests send their own template (it runs in
+    the jinja sandbox, but can still cost CPU: off by default, as in vLLM).
+    """
+
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
+    chat_template: str | None = None
+    trust_request_chat_template: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser is not None:
+            get_tool_parser(self.tool_call_parser)
+        if self.reasoning_parser is not None:
+            get_reasoning_parser(self.reasoning_parser)
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+
+    @property
+    def tool_parser(self) -> ToolParser | None:
+        return get_tool_parser(self.tool_call_parser) if self.tool_call_parser else None
+
+    @property
+    def reasoning(self) -> ReasoningParser | None:
+        return get_reasoning_parser(self.reasoning_parser) if self.reasoning_parser else None
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class TemplateOptions:
+    """What the chat template is rendered with (see ``Tokenizer.apply_chat_template``)."""
+
+    tools: tuple[Mapping[str, Any], ...] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: Mapping[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``Tokenizer.apply_chat_template``."""
+        return {
+            "tools": list(self.tools) if self.tools is not None else None,
+            "chat_template": self.chat_template,
+            "chat_template_kwargs": dict(self.chat_template_kwargs or {}),
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+        }
+
+    def to_json(self) -> str:
+        """:meth:`to_kwargs` as JSON text (the form :class:`engine.messages.ChatPrompt`
+        carries)."""
+        return json.dumps(self.to_kwargs())
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ChatFields:
+    template: TemplateOptions
+    output: ChatOutputOptions
+    forced_schema: dict[str, Any] | None  # the JSON schema a forced call's output matches
+    echo: bool
+
+
+def parse_chat_fields(body: Mapping[str, Any], settings: ChatSettings,
+                      model_template: str | None) -> ChatFields:
+    """The chat-only fields of ``body``; ``model_template`` is the model's template
+    source (to tell whether it reads ``tools``)."""
+    template = _template_options(body, settings)
+    tools = parse_tools(body.get("tools"))
+    choice = parse_tool_choice(body.get("tool_choice"), tools)
+    parallel = _bool(body, "parallel_tool_calls", True)
+    source = template.chat_template or model_template
+    parser = settings.tool_parser if settings.enable_auto_tool_choice else None
+    if choice.mode == "auto" and parser is None:
+        if template_reads_tools(source):
+            raise InvalidParamError(
+                'tool_choice "auto" needs the server started with --enable-auto-tool-choice '
+                '--tool-call-parser NAME; send "required", a named function or "none"',
+                param="tool_choice")
+        parser = get_tool_parser(FALLBACK_TOOL_PARSER)
+    output = ChatOutputOptions(tools=tools, tool_choice=choice, tool_parser=parser,
+                               reasoning_parser=settings.reasoning)
+    if choice.mode != "none":
+        # tool_choice "none" keeps the tools out of the prompt, so the model is not invited
+        # to write calls that would then come back as text.
+        template = dataclasses.replace(template, tools=tuple(t.to_openai() for t in tools))
+    return ChatFields(template=template, output=output,
+                      forced_schema=forced_call_schema(tools, choice, parallel),
+                      echo=_bool(body, "echo", False))
+
+
+def chat_sampling_params(params: SamplingParams, fields: ChatFields, *,
+                         keep_skip_special_tokens: bool = False) -> SamplingParams:
+    """``params`` with what the request's tools need: special tokens kept in the text for
+    a parser whose call markers are special tokens (unless the caller chose
+    ``skip_special_tokens``), and the constraint of a forced call."""
+    parser = fields.output.tool_parser
+    if (fields.output.tool_choice.mode == "auto" and parser is not None
+            and parser.needs_special_tokens and not keep_skip_special_tokens):
+        params = params.replace(skip_special_tokens=False)
+    if fields.forced_schema is not None:
+        raise InvalidParamError(
+            'tool_choice "required" or a named function needs structured outputs, which '
+            "this server does not have yet", param="tool_choice")
+    return params
+
+
+def _template_options(body: Mapping[str, Any], settings: ChatSettings) -> TemplateOptions:
+    source = body.get("chat_template")
+    if source is not None:
+        if not settings.trust_request_chat_template:
+            raise InvalidParamError(
+                "chat_template in a request needs the server started with "
+                "--trust-request-chat-template", param="chat_template")
+        if not isinstance(source, str) or not source:
+            raise InvalidParamError("chat_template must be a non-empty string",
+                                    param="chat_template")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, Mapping):
+            raise InvalidParamError("chat_template_kwargs must be an object",
+                                    param="chat_template_kwargs")
+        try:
+            json.dumps(kwargs)
+        except (TypeError, ValueError):
+            raise InvalidParamError("chat_template_kwargs must be JSON",
+                                    param="chat_template_kwargs") from None
+    add_generation_prompt = _bool(body, "add_generation_prompt", True)
+    continue_final = _bool(body, "continue_final_message", False)
+    if continue_final and add_generation_prompt:
+        raise InvalidParamError(
+            "continue_final_message needs add_generation_prompt set to false",
+            param="continue_final_message")
+    return TemplateOptions(
+        chat_template=source if source is not None else settings.chat_template,
+        chat_template_kwargs=kwargs, add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final)
+
+
+def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidParamError(f"{name} must be a boolean", param=name)
+    return value
+
+
+def load_chat_template(value: str) -> str:
+    """``--chat-template``: a file's contents when ``value`` names a file, else the
+    template itself (as vLLM's flag)."""
+    from pathlib import Path
+
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    except OSError:
+        pass
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a jinja template")
+    return value

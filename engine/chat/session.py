@@ -1,0 +1,127 @@
+"""The embedded chat API: messages and tools in, typed assistant messages out.
+
+::
+
+    async with engine.open_engine() as eng:
+        result = await eng.chat(messages, tools=tools, tool_choice="required")
+        call = result.choices[0].message.tool_calls[0]      # ToolCall(id, name, arguments)
+
+        async for chunk in eng.chat_stream(messages, tools=tools):
+            chunk.delta.content, chunk.delta.reasoning, chunk.delta.tool_calls
+
+The same checks and parsers as the HTTP server (:mod:`engine.chat.request`,
+:mod:`engine.chat.output`): bad tools, ``tool_choice`` or history raise
+:class:`InvalidParamError` naming the field, before anything is queued.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+from engine.chat.output import ChatDelta, ChatMessage, ChatOutputParser
+from engine.chat.request import ChatFields, ChatSettings, chat_sampling_params, parse_chat_fields
+from engine.params import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChatChoice:
+    index: int
+    message: ChatMessage
+    finish_reason: str | None  # "tool_calls" when calls ended the turn
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChatResult:
+    choices: tuple[ChatChoice, ...]
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChatChunk:
+    """One streamed piece of choice ``index``; ``finish_reason`` is set on its last."""
+
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None = None
+
+
+def prepare_chat(
+    engine: Any, params: SamplingParams | None, *, tools: Sequence[Mapping[str, Any]] | None,
+    tool_choice: Any, parallel_tool_calls: bool, settings: ChatSettings | None,
+    template_fields: Mapping[str, Any],
+) -> tuple[ChatFields, SamplingParams]:
+    """Check the chat arguments (as the HTTP body's fields) and adjust ``params``."""
+    body: dict[str, Any] = {"tools": list(tools) if tools is not None else None,
+                            "tool_choice": tool_choice,
+                            "parallel_tool_calls": parallel_tool_calls,
+                            **template_fields}
+    settings = settings or ChatSettings(trust_request_chat_template=True)
+    fields = parse_chat_fields(body, settings, engine.tokenizer.chat_template)
+    if params is None:
+        params = SamplingParams(max_tokens=None, **engine.sampling_defaults)
+    return fields, chat_sampling_params(params, fields)
+
+
+async def chat_stream(
+    engine: Any, messages: Sequence[Mapping[str, Any]], params: SamplingParams | None = None,
+    *, tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: Any = None,
+    parallel_tool_calls: bool = True, settings: ChatSettings | None = None,
+    **template_fields: Any,
+) -> AsyncIterator[ChatChunk]:
+    """Stream the assistant's reply as :class:`ChatChunk` values (see :func:`chat`)."""
+    fields, params = prepare_chat(
+        engine, params, tools=tools, tool_choice=tool_choice,
+        parallel_tool_calls=parallel_tool_calls, settings=settings,
+        template_fields=template_fields)
+    parsers: dict[int, ChatOutputParser] = {}
+    stream = await engine.submit(list(messages), params, chat_options=fields.template)
+    async with stream:
+        async for out in stream:
+            parser = parsers.setdefault(out.index, ChatOutputParser(fields.output))
+            delta = parser.feed(out.text)
+            if out.finished:
+                end = parser.finish()
+                delta = ChatDelta(delta.reasoning + end.reasoning, delta.content + end.content,
+                                  delta.tool_calls + end.tool_calls)
+                yield ChatChunk(out.index, delta, parser.finish_reason(out.finish_reason))
+            elif delta:
+                yield ChatChunk(out.index, delta)
+
+
+async def chat(
+    engine: Any, messages: Sequence[Mapping[str, Any]], params: SamplingParams | None = None,
+    *, tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: Any = None,
+    parallel_tool_calls: bool = True, settings: ChatSettings | None = None,
+    **template_fields: Any,
+) -> ChatResult:
+    """Run one chat request to the end and return its messages.
+
+    ``tools`` are OpenAI function tools, ``tool_choice`` ``"none"``, ``"auto"``,
+    ``"required"`` or ``{"type": "function", "function": {"name": ...}}``.
+    ``settings`` names the tool-call and reasoning parsers (as the server's flags);
+    ``template_fields`` are the chat-template fields of the HTTP API
+    (``chat_template_kwargs``, ``add_generation_prompt``, ``continue_final_message``,
+    ``chat_template``). With ``params`` None, the model's sampling defaults apply and the
+    reply may run to the end of the context.
+    """
+    fields, params = prepare_chat(
+        engine, params, tools=tools, tool_choice=tool_choice,
+        parallel_tool_calls=parallel_tool_calls, settings=settings,
+        template_fields=template_fields)
+    parsers: dict[int, ChatOutputParser] = {}
+    reasons: dict[int, str | None] = {}
+    tokens = 0
+    stream = await engine.submit(list(messages), params, chat_options=fields.template)
+    async with stream:
+        async for out in stream:
+            parser = parsers.setdefault(out.index, ChatOutputParser(fields.output))
+            parser.feed(out.text)
+            tokens += len(out.token_ids)
+            if out.finished:
+                parser.finish()
+                reasons[out.index] = parser.finish_reason(out.finish_reason)
+    choices = tuple(ChatChoice(i, parsers[i].message(), reasons.get(i)) for i in sorted(parsers))
+    return ChatResult(choices, len(stream.prompt_token_ids), tokens)

@@ -1,0 +1,601 @@
+"""Tool-call parsers: a model's text in, OpenAI tool calls and the remaining content out.
+
+Each parser knows one model family's way of writing calls:
+
+==============  ==========================================================  ===============
+name            what the model writes                                       model families
+==============  ==========================================================  ===============
+``hermes``      ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``  Qwen2.5, Qwen3,
+                (one block per call)                                        Hermes 2/3
+``llama3_json`` ``{"name": ..., "parameters": {...}}``, calls joined by      Llama 3.1-3.3
+                ``;``, optionally after ``<|python_tag|>``
+``mistral``     ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` or   Mistral 7B v0.3,
+                ``[TOOL_CALLS]name[ARGS]{...}``                             Mistral Small/Nemo
+``pythonic``    ``[get_weather(city="Paris"), ...]`` (optionally inside      Llama 3.2/4,
+                ``<|python_start|>...<|python_end|>``)                      ToolACE
+==============  ==========================================================  ===============
+
+Streaming (:meth:`ToolParser.streamer`) gives OpenAI-shaped deltas: text before a call
+streams as content as it arrives (holding back only what could be the start of a call
+marker); a call is sent once its text is complete and parses, as one delta with ``index``,
+``id``, ``type`` and ``name`` and then its ``arguments``. Holding a call until it is
+complete is deliberate: text that opens a call and then turns out malformed comes back as
+content, never as a half-sent broken call, and a streamed response assembles to exactly
+what the complete parse returns (the tests check this at every split point).
+
+Whitespace right before or after a call is not content (models put newlines between
+calls); other text around calls is. ``arguments`` is the JSON text of the call's arguments
+object, written by ``json.dumps`` (so it always parses).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import secrets
+import string
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One parsed call, as OpenAI's ``message.tool_calls[i]``."""
+
+    id: str
+    name: str
+    arguments: str  # a JSON object, as text
+
+    def to_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """A piece of a streamed call: the first piece of a call has ``id`` and ``name``."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+    def to_openai(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"index": self.index}
+        function: dict[str, Any] = {"arguments": self.arguments}
+        if self.id is not None:
+            out["id"] = self.id
+            out["type"] = "function"
+        if self.name is not None:
+            function = {"name": self.name, **function}
+        out["function"] = function
+        return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ParsedOutput:
+    """A complete output split into content (None when there is none) and calls."""
+
+    content: str | None
+    tool_calls: tuple[ToolCall, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StreamDelta:
+    """What one piece of streamed text adds: content text and call pieces."""
+
+    content: str = ""
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.tool_calls)
+
+
+def random_call_id() -> str:
+    """An OpenAI-style call id (``call_`` and 24 hex digits)."""
+    return "call_" + secrets.token_hex(12)
+
+
+_ALNUM = string.ascii_letters + string.digits
+
+
+def mistral_call_id() -> str:
+    # Mistral's chat templates refuse tool_call_ids that are not 9 alphanumerics.
+    return "".join(secrets.choice(_ALNUM) for _ in range(9))
+
+
+# -- pieces a format scanner yields -----------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Text:
+    text: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Call:
+    name: str
+    arguments: str
+
+
+_Piece = _Text | _Call
+
+
+class _Format:
+    """One model family's call syntax as a resumable scanner.
+
+    ``scan(buf, final)`` is given the unconsumed text (never empty) and returns the pieces
+    it could decide and how many characters they used, or None when it needs more text.
+    It may return ``([], 0)`` after changing its own state (the driver calls it again);
+    with ``final`` it must make progress every call. ``close`` is called once at the end,
+    after everything was consumed, for text a scanner consumed but still holds.
+    """
+
+    def scan(self, buf: str, final: bool) -> tuple[list[_Piece], int] | None:
+        raise NotImplementedError
+
+    def close(self) -> list[_Piece]:
+        return []
+
+
+class ToolParser:
+    """A named tool-call syntax. :meth:`parse` for a complete text, :meth:`streamer` for
+    a stream; both give the same result on the same text."""
+
+    def __init__(self, name: str, make_format: Callable[[], _Format],
+                 new_id: Callable[[], str] = random_call_id,
+                 needs_special_tokens: bool = False) -> None:
+        self.name = name
+        self._make_format = make_format
+        self.new_id = new_id
+        self.needs_special_tokens = needs_special_tokens
+        """True when the call markers are special tokens, which the output text must keep
+        (the server then decodes with ``skip_special_tokens=False``)."""
+
+    def streamer(self, new_id: Callable[[], str] | None = None) -> ToolCallStreamer:
+        return ToolCallStreamer(self._make_format(), new_id or self.new_id)
+
+    def parse(self, text: str, new_id: Callable[[], str] | None = None) -> ParsedOutput:
+        streamer = self.streamer(new_id)
+        streamer.feed(text)
+        streamer.finish()
+        return streamer.result()
+
+
+class ToolCallStreamer:
+    """Incremental parsing of one output: ``feed`` each new piece of text, ``finish`` at
+    the end; each returns the :class:`StreamDelta` to send."""
+
+    def __init__(self, fmt: _Format, new_id: Callable[[], str]) -> None:
+        self._format = fmt
+        self._new_id = new_id
+        self._buf = ""
+        self._held_space = ""  # trailing whitespace of the content, dropped before a call
+        self._after_call = False
+        self._content: list[str] = []
+        self._calls: list[ToolCall] = []
+        self._finished = False
+
+    def feed(self, text: str) -> StreamDelta:
+        if self._finished:
+            raise RuntimeError("feed after finish")
+        self._buf += text
+        return self._drain(final=False)
+
+    def finish(self) -> StreamDelta:
+        delta = self._drain(final=True)
+        self._finished = True
+        if self._held_space and not self._after_call:
+            # Trailing whitespace of a plain answer is the answer's.
+            tail, self._held_space = self._held_space, ""
+            self._content.append(tail)
+            return StreamDelta(delta.content + tail, delta.tool_calls)
+        return delta
+
+    def result(self) -> ParsedOutput:
+        content = "".join(self._content)
+        return ParsedOutput(content or None, tuple(self._calls))
+
+    @property
+    def tool_calls(self) -> tuple[ToolCall, ...]:
+        return tuple(self._calls)
+
+    def _drain(self, final: bool) -> StreamDelta:
+        content: list[str] = []
+        deltas: list[ToolCallDelta] = []
+
+        def take(pieces: list[_Piece]) -> None:
+            for piece in pieces:
+                if isinstance(piece, _Text):
+                    content.append(self._text(piece.text))
+                else:
+                    deltas.extend(self._call(piece))
+
+        while self._buf:
+            step = self._format.scan(self._buf, final)
+            if step is None:
+                if final:
+                    raise AssertionError("a scanner must decide everything at the end")
+                break
+            pieces, used = step
+            self._buf = self._buf[used:]
+            take(pieces)
+        if final:
+            take(self._format.close())
+        text = "".join(content)
+        self._content.append(text)
+        return StreamDelta(text, tuple(deltas))
+
+    def _text(self, text: str) -> str:
+        if self._after_call:
+            text = text.lstrip()
+            if not text:
+                return ""
+            self._after_call = False
+        text = self._held_space + text
+        stripped = text.rstrip()
+        self._held_space = text[len(stripped):]
+        return stripped
+
+    def _call(self, call: _Call) -> Iterator[ToolCallDelta]:
+        self._held_space = ""
+        self._after_call = True
+        index = len(self._calls)
+        parsed = ToolCall(self._new_id(), call.name, call.arguments)
+        self._calls.append(parsed)
+        yield ToolCallDelta(index, id=parsed.id, name=parsed.name)
+        yield ToolCallDelta(index, arguments=parsed.arguments)
+
+
+# -- shared scanning helpers ------------------------------------------------------------
+
+
+def _partial_marker(buf: str, marker: str) -> int:
+    """Length of the longest suffix of ``buf`` that is a proper prefix of ``marker``."""
+    for n in range(min(len(buf), len(marker) - 1), 0, -1):
+        if marker.startswith(buf[-n:]):
+            return n
+    return 0
+
+
+def _text_until(buf: str, marker: str, final: bool) -> tuple[list[_Piece], int] | None:
+    """Content up to ``marker`` (exclusive), holding back a possible partial marker."""
+    i = buf.find(marker)
+    if i == -1:
+        keep = 0 if final else _partial_marker(buf, marker)
+        i = len(buf) - keep
+    if i == 0:
+        return None
+    return [_Text(buf[:i])], i
+
+
+def _bracket_end(buf: str, start: int, quotes: str = '"') -> int | None:
+    """Index just past the bracket that closes the one at ``start`` (``{`` or ``[``),
+    skipping brackets inside strings; None when the text ends first."""
+    depth = 0
+    quote = ""
+    escaped = False
+    for i in range(start, len(buf)):
+        c = buf[i]
+        if quote:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == quote:
+                quote = ""
+        elif c in quotes:
+            quote = c
+        elif c in "{[(":
+            depth += 1
+        elif c in "}])":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def _json_call(obj: Any, args_keys: tuple[str, ...]) -> _Call | None:
+    """``{"name": str, <args key>: object}`` as a call; None if it is not that shape."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args: Any = {}
+    for key in args_keys:
+        if key in obj:
+            args = obj[key]
+            break
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return _Call(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+# -- hermes -----------------------------------------------------------------------------
+
+
+class _Hermes(_Format):
+    OPEN = "<tool_call>"
+    CLOSE = "</tool_call>"
+
+    def scan(self, buf: str, final: bool) -> tuple[list[_Piece], int] | None:
+        if not buf.startswith(self.OPEN):
+            return _text_until(buf, self.OPEN, final)
+        end = buf.find(self.CLOSE, len(self.OPEN))
+        if end == -1:
+            if not final:
+                return None
+            # A model stopped by EOS right after the JSON: accept a complete call.
+            call = _json_call(_loads(buf[len(self.OPEN):]), ("arguments", "parameters"))
+            return ([call] if call else [_Text(buf)]), len(buf)
+        used = end + len(self.CLOSE)
+        call = _json_call(_loads(buf[len(self.OPEN):end]), ("arguments", "parameters"))
+        return ([call] if call else [_Text(buf[:used])]), used
+
+
+# -- llama3_json ------------------------------------------------------------------------
+
+
+class _Llama3Json(_Format):
+    """Calls only at the start of the output; the first text that is not a call (or
+    a ``;`` between calls) ends them and is content from there on."""
+
+    TAG = "<|python_tag|>"
+
+    def __init__(self) -> None:
+        self._mode = "start"  # start -> calls -> text
+        self._calls = 0
+        self._prefix = ""  # consumed text given back if the first call fails
+
+    def scan(self, buf: str, final: bool) -> tuple[list[_Piece], int] | None:
+        if self._mode == "text":
+            return [_Text(buf)], len(buf)
+        if self._mode == "start":
+            return self._start(buf, final)
+        return self._next_call(buf, final)
+
+    def _start(self, buf: str, final: bool) -> tuple[list[_Piece], int] | None:
+        body = buf.lstrip()
+        if body.startswith(self.TAG):
+            used = len(buf) - len(body) + len(self.TAG)
+            self._mode, self._prefix = "calls", buf[:used]
+            return [], used
+        if not final and (not body or self.TAG.startswith(body)):
+            return None
+        self._mode = "calls" if body.startswith("{") else "text"
+        return [], 0
+
+    def _next_call(self, buf: str, final: bool) -> tuple[list[_Piece], int] | None:
+        i = len(buf) - len(buf.lstrip())
+        if self._calls and buf[i:i + 1] == ";":
+            i += 1
+            i += len(buf[i:]) - len(buf[i:].lstrip())
+        if i == len(buf):
+            if not final:
+                return None
+            return ([], len(buf)) if self._calls else self._fail(buf)
+        if buf[i] != "{":
+            return self._fail(buf)
+        end = _bracket_end(buf, i)
+        if end is None:
+            return None if not final else self._fail(buf)
+        call = _json_call(_loads(buf[i:end]), ("parameters", "arguments"))
+        if call is None:
+            return self._fail(buf)
+        self._calls += 1
+        return [call], end
+
+    def _fail(self, buf: str) -> tuple[list[_Piece], int]:
+        self._mode = "text"
+        text = buf if self._calls else self._prefix + buf
+        self._prefix = ""
+        return [_Text(text)], len(buf)
+
+    def close(self) -> list[_Piece]:
+        # "<|python_tag|>" and nothing after it.
+        return [_Text(self._prefix)] if self._mode == "calls" and not self._calls \
+            and self._prefix else []
+
+
+# -- mistral ----------------------------------------------------------------------------
+
+
+class _Mistral(_Format):
+    MARK = "[TOOL_CALLS]"
+    ARGS = "[ARGS]"
+
+    def scan(self, buf: str, final: bool) -> tuple[list[_Piece], int] | None:
+        if not buf.startswith(self.MARK):
+            return _text_until(buf, self.MARK, final)
+        at = len(self.MARK)
+        i = at + len(buf[at:]) - len(buf[at:].lstrip())
+        if i == len(buf):
+            return None if not final else ([_Text(buf)], len(buf))
+        if buf[i] == "[" and not buf.startswith(self.ARGS, i):
+            return self._array(buf, i, final)
+        return self._named(buf, at, final)
+
+    def _array(self, buf: str, i: int, final: bool) -> tuple[list[_Piece], int] | None:
+        end = _bracket_end(buf, i)
+        if end is None:
+            return None if not final else ([_Text(buf)], len(buf))
+        items = _loads(buf[i:end])
+        if not isinstance(items, list) or not items:
+            return [_Text(buf[:end])], end
+        calls = [_json_call(o, ("arguments", "parameters")) for o in items]
+        if any(c is None for c in calls):
+            return [_Text(buf[:end])], end
+        return [c for c in calls if c is not None], end
+
+    def _named(self, buf: str, at: int, final: bool) -> tuple[list[_Piece], int] | None:
+        """``name[ARGS]{...}``: the name is checked as it arrives, so text that cannot be
+        one is content at once."""
+        k = buf.find(self.ARGS, at)
+        head_end = k if k != -1 else len(buf) - (0 if final else _partial_marker(buf, self.ARGS))
+        bad = next((at + n for n, c in enumerate(buf[at:head_end])
+                    if not (c.isalnum() or c in "_-.") and not c.isspace()), None)
+        if bad is not None:
+            return [_Text(buf[:bad])], bad
+        if k == -1:
+            return None if not final else ([_Text(buf)], len(buf))
+        name = buf[at:k].strip()
+        j = k + len(self.ARGS)
+        if not name or any(c.isspace() for c in name):
+            return [_Text(buf[:j])], j
+        if j == len(buf):
+            return None if not final else ([_Text(buf)], len(buf))
+        if buf[j] != "{":
+            return [_Text(buf[:j])], j
+        end = _bracket_end(buf, j)
+        if end is None:
+            return None if not final else ([_Text(buf)], len(buf))
+        args = _loads(buf[j:end])
+        if not isinstance(args, dict):
+            return [_Text(buf[:end])], end
+        return [_Call(name, json.dumps(args, ensure_ascii=False))], end
+
+
+# -- pythonic ---------------------------------------------------------------------------
+
+
+class _Pythonic(_Format):
+    """A Python list of calls with keyword arguments, at the start of the output."""
+
+    START = "<|python_start|>"
+    END = "<|python_end|>"
+
+    def __init__(self) -> None:
+        self._mode = "start"  # start -> list [-> end] -> text
+        self._prefix = ""  # consumed text given back if the list fails
+
+    def scan(self, buf: str, final: bool) -> tuple[list[_Piece], int] | None:
+        if self._mode == "text":
+            return [_Text(buf)], len(buf)
+        if self._mode == "start":
+            return self._start(buf, final)
+        if self._mode == "list":
+            return self._list(buf, final)
+        body = buf.lstrip()  # mode "end": an optional <|python_end|>
+        if body.startswith(self.END):
+            self._mode = "text"
+            return [], len(buf) - len(body) + len(self.END)
+        if not final and (not body or self.END.startswith(body)):
+            return None
+        self._mode = "text"
+        return [], 0
+
+    def _start(self, buf: str, final: bool) -> tuple[list[_Piece], int] | None:
+        body = buf.lstrip()
+        if body.startswith(self.START):
+            used = len(buf) - len(body) + len(self.START)
+            self._mode, self._prefix = "list", buf[:used]
+            return [], used
+        if not final and (not body or self.START.startswith(body)):
+            return None
+        self._mode = "list" if body.startswith("[") else "text"
+        return [], 0
+
+    def _list(self, buf: str, final: bool) -> tuple[list[_Piece], int] | None:
+        lead = len(buf) - len(buf.lstrip())
+        if lead == len(buf):
+            return None if not final else self._fail(buf, len(buf))
+        if buf[lead] != "[":
+            return self._fail(buf, len(buf))
+        end = _bracket_end(buf, lead, quotes="\"'")
+        if end is None:
+            return None if not final else self._fail(buf, len(buf))
+        calls = _python_calls(buf[lead:end])
+        if calls is None:
+            return self._fail(buf, end)
+        self._mode = "end" if self._prefix else "text"
+        return list(calls), end
+
+    def _fail(self, buf: str, upto: int) -> tuple[list[_Piece], int]:
+        self._mode = "text"
+        text, self._prefix = self._prefix + buf[:upto], ""
+        return [_Text(text)], upto
+
+    def close(self) -> list[_Piece]:
+        if self._mode == "list" and self._prefix:
+            return [_Text(self._prefix)]
+        return []
+
+
+_PY_CONSTANTS = {"true": True, "false": False, "null": None}
+
+
+def _python_calls(source: str) -> list[_Call] | None:
+    try:
+        tree = ast.parse(source, mode="eval").body
+    except (SyntaxError, ValueError):
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls = []
+    for node in tree.elts:
+        if not isinstance(node, ast.Call) or node.args or not isinstance(
+                node.func, (ast.Name, ast.Attribute)):
+            return None
+        try:
+            args = {kw.arg: _py_value(kw.value) for kw in node.keywords if kw.arg is not None}
+        except ValueError:
+            return None
+        if len(args) != len(node.keywords):  # **kwargs
+            return None
+        calls.append(_Call(ast.unparse(node.func), json.dumps(args, ensure_ascii=False)))
+    return calls
+
+
+def _py_value(node: ast.expr) -> Any:
+    if isinstance(node, ast.Name) and node.id in _PY_CONSTANTS:
+        return _PY_CONSTANTS[node.id]
+    if isinstance(node, ast.List):
+        return [_py_value(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        if any(k is None for k in node.keys):
+            raise ValueError("** in a dict")
+        return {_py_key(k): _py_value(v) for k, v in zip(node.keys, node.values, strict=True)}
+    value = ast.literal_eval(node)  # raises ValueError on anything not a literal
+    if isinstance(value, tuple):
+        return list(value)
+    if not isinstance(value, (str, int, float, bool)) and value is not None:
+        raise ValueError(f"not a JSON value: {value!r}")
+    return value
+
+
+def _py_key(node: ast.expr | None) -> str:
+    key = _py_value(node) if node is not None else None
+    if not isinstance(key, str):
+        raise ValueError("dict keys must be strings")
+    return key
+
+
+# -- registry ---------------------------------------------------------------------------
+
+TOOL_PARSERS: dict[str, ToolParser] = {
+    "hermes": ToolParser("hermes", _Hermes),
+    "llama3_json": ToolParser("llama3_json", _Llama3Json, needs_special_tokens=True),
+    "mistral": ToolParser("mistral", _Mistral, new_id=mistral_call_id,
+                          needs_special_tokens=True),
+    "pythonic": ToolParser("pythonic", _Pythonic, needs_special_tokens=True),
+}
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    """The parser called ``name``; ``ValueError`` naming the choices otherwise."""
+    try:
+        return TOOL_PARSERS[name]
+    except KeyError:
+        raise ValueError(f"unknown tool-call parser {name!r}; choose one of "
+                         f"{', '.join(sorted(TOOL_PARSERS))}") from None

@@ -1,0 +1,405 @@
+"""Function tools: definitions, ``tool_choice``, history messages and forced calls.
+
+What a request's tools become:
+
+* ``tools`` are checked here (:func:`parse_tools`: a name OpenAI accepts, a valid JSON
+  schema for the parameters, no duplicates) and ``tool_choice`` against them
+  (:func:`parse_tool_choice`). Errors are :class:`InvalidParamError` naming the field.
+* The chat template sees them as transformers passes them (``tools=[{"type": "function",
+  "function": {...}}]``). A template that never reads ``tools`` (SmolLM2's, the default
+  model's) gets the **fallback tool prompt** instead (:func:`fallback_messages`): the
+  definitions and the call format go into the system message, assistant calls in the
+  history become ``<tool_call>`` text and tool results become user turns in
+  ``<tool_response>`` tags, so such a model calls tools in the ``hermes`` format.
+* ``required`` and a named function constrain the output with a JSON schema built from
+  the tools (:func:`forced_call_schema`): a named call's output is its arguments object;
+  ``required`` is a list of ``{"name", "arguments"}`` objects (one, or one or more when
+  ``parallel_tool_calls``). :class:`ForcedCallStreamer` turns that output into calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import jinja2
+import jinja2.meta
+import jsonschema
+import jsonschema.exceptions
+import jsonschema.validators
+
+from engine.chat.tool_parsers import (
+    ParsedOutput,
+    StreamDelta,
+    ToolCall,
+    ToolCallDelta,
+    _bracket_end,
+    random_call_id,
+)
+from engine.errors import InvalidParamError
+
+# OpenAI's rule for function names.
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+ToolChoiceMode = Literal["none", "auto", "required", "function"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Tool:
+    """A function the model may call. ``parameters`` is its arguments' JSON schema."""
+
+    name: str
+    parameters: Mapping[str, Any]
+    description: str | None = None
+
+    def to_openai(self) -> dict[str, Any]:
+        function: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            function["description"] = self.description
+        function["parameters"] = dict(self.parameters)
+        return {"type": "function", "function": function}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ToolChoice:
+    """``none``, ``auto``, ``required``, or ``function`` with the function's ``name``."""
+
+    mode: ToolChoiceMode
+    name: str | None = None
+
+
+NO_TOOLS = ToolChoice("none")
+
+# Parameters of a function declared without any: an object with no properties.
+_EMPTY_PARAMETERS: Mapping[str, Any] = {"type": "object", "properties": {}}
+
+
+def parse_tools(value: Any, param: str = "tools") -> tuple[Tool, ...]:
+    """OpenAI's ``tools`` list as :class:`Tool` values; ``InvalidParamError`` naming the
+    bad element otherwise (``tools[1].function.parameters``, ...)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise InvalidParamError(f"{param} must be a list of tools", param=param)
+    tools: list[Tool] = []
+    for i, item in enumerate(value):
+        tools.append(_parse_tool(item, f"{param}[{i}]"))
+    names = [t.name for t in tools]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise InvalidParamError(f"{param} declares the function {dup!r} twice", param=param)
+    return tuple(tools)
+
+
+def _parse_tool(item: Any, where: str) -> Tool:
+    if not isinstance(item, Mapping):
+        raise InvalidParamError(f"{where} must be an object", param=where)
+    if item.get("type", "function") != "function":
+        raise InvalidParamError(f"{where}.type must be \"function\", got {item.get('type')!r}",
+                                param=f"{where}.type")
+    function = item.get("function")
+    if not isinstance(function, Mapping):
+        raise InvalidParamError(f"{where}.function must be an object", param=f"{where}.function")
+    name = function.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise InvalidParamError(
+            f"{where}.function.name must be 1-64 letters, digits, _ or -, got {name!r}",
+            param=f"{where}.function.name")
+    description = function.get("description")
+    if description is not None and not isinstance(description, str):
+        raise InvalidParamError(f"{where}.function.description must be a string",
+                                param=f"{where}.function.description")
+    parameters = function.get("parameters")
+    if parameters is None:
+        parameters = _EMPTY_PARAMETERS
+    _check_schema(parameters, f"{where}.function.parameters")
+    return Tool(name, parameters, description)
+
+
+def _check_schema(schema: Any, where: str) -> None:
+    if not isinstance(schema, Mapping):
+        raise InvalidParamError(f"{where} must be a JSON schema object", param=where)
+    if schema.get("type", "object") != "object":
+        raise InvalidParamError(f"{where} must describe an object (type \"object\"), got "
+                                f"type {schema.get('type')!r}", param=where)
+    validator = jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator)
+    try:
+        validator.check_schema(schema)
+    except jsonschema.exceptions.SchemaError as exc:
+        at = "".join(f"[{p!r}]" for p in exc.path)
+        raise InvalidParamError(f"{where} is not a valid JSON schema: {exc.message}"
+                                + (f" (at {at})" if at else ""), param=where) from None
+
+
+def parse_tool_choice(value: Any, tools: Sequence[Tool],
+                      param: str = "tool_choice") -> ToolChoice:
+    """OpenAI's ``tool_choice`` checked against ``tools``. Absent: ``auto`` when there
+    are tools, else ``none``."""
+    if value is None:
+        return ToolChoice("auto") if tools else NO_TOOLS
+    if value in ("none", "auto", "required"):
+        if value != "none" and not tools:
+            raise InvalidParamError(f"{param} {value!r} needs a non-empty tools list",
+                                    param=param)
+        return ToolChoice(value)
+    if isinstance(value, Mapping) and value.get("type") == "function":
+        function = value.get("function")
+        name = function.get("name") if isinstance(function, Mapping) else None
+        if not isinstance(name, str):
+            raise InvalidParamError(f"{param}.function.name must be a string",
+                                    param=f"{param}.function.name")
+        if name not in {t.name for t in tools}:
+            known = ", ".join(t.name for t in tools) or "none"
+            raise InvalidParamError(f"{param} names the function {name!r}, which is not in "
+                                    f"tools (declared: {known})", param=param)
+        return ToolChoice("function", name)
+    raise InvalidParamError(
+        f"{param} must be \"none\", \"auto\", \"required\" or "
+        '{"type": "function", "function": {"name": ...}}', param=param)
+
+
+# -- history messages -------------------------------------------------------------------
+
+
+def check_tool_fields(message: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The tool-related fields of one history message, checked and in the shape chat
+    templates read: ``tool_call_id`` of a ``tool`` message, and an assistant's
+    ``tool_calls`` with each ``function.arguments`` decoded into a dict (templates write
+    it with ``tojson``; a JSON string there would be encoded twice)."""
+    out: dict[str, Any] = {}
+    role = message.get("role")
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise InvalidParamError(f"{where}.tool_call_id is required for a tool message "
+                                    "(the id of the call it answers)",
+                                    param=f"{where}.tool_call_id")
+        out["tool_call_id"] = call_id
+        if isinstance(message.get("name"), str):
+            out["name"] = message["name"]
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if role != "assistant":
+            raise InvalidParamError(f"{where}.tool_calls is only allowed on assistant "
+                                    "messages", param=f"{where}.tool_calls")
+        if not isinstance(calls, list):
+            raise InvalidParamError(f"{where}.tool_calls must be a list",
+                                    param=f"{where}.tool_calls")
+        out["tool_calls"] = [_history_call(c, f"{where}.tool_calls[{j}]")
+                             for j, c in enumerate(calls)]
+    return out
+
+
+def _history_call(call: Any, where: str) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        raise InvalidParamError(f"{where} must be {{\"id\", \"type\": \"function\", "
+                                '"function": {"name", "arguments"}}', param=where)
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            raise InvalidParamError(f"{where}.function.arguments is not valid JSON",
+                                    param=f"{where}.function.arguments") from None
+    if not isinstance(arguments, Mapping):
+        raise InvalidParamError(f"{where}.function.arguments must be a JSON object",
+                                param=f"{where}.function.arguments")
+    out: dict[str, Any] = {"type": "function",
+                           "function": {"name": function["name"], "arguments": dict(arguments)}}
+    if isinstance(call.get("id"), str):
+        out = {"id": call["id"], **out}
+    return out
+
+
+def template_reads_tools(source: str | None) -> bool:
+    """Whether a chat template's jinja source reads the ``tools`` variable."""
+    if not source:
+        return False
+    try:
+        ast = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
+    except jinja2.TemplateSyntaxError:
+        return "tools" in source
+    return "tools" in jinja2.meta.find_undeclared_variables(ast)
+
+
+# -- the fallback tool prompt -----------------------------------------------------------
+
+FALLBACK_TOOL_PROMPT = """\
+You can call functions. Each one is described by a JSON object with its name, what it \
+does and the JSON schema of its arguments:
+{tools}
+
+To call one or more functions, answer with one line per call and nothing else:
+<tool_call>{{"name": "<function name>", "arguments": <the arguments as a JSON object>}}\
+</tool_call>
+The results come back in <tool_response> tags. When no function is needed, answer \
+normally."""
+
+
+def fallback_messages(messages: Sequence[Mapping[str, Any]], tools: Sequence[Tool],
+                      *, describe_tools: bool) -> list[dict[str, Any]]:
+    """``messages`` rewritten for a chat template that knows nothing of tools.
+
+    With ``describe_tools`` the tool definitions and the call format
+    (:data:`FALLBACK_TOOL_PROMPT`) are added to the first system message (one is
+    inserted when there is none). Assistant ``tool_calls`` become ``<tool_call>`` lines in
+    the content, and ``tool`` messages become user messages in ``<tool_response>`` tags
+    (such a template may not know the role).
+    """
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        m = dict(message)
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            lines = [_call_text(c["function"]) for c in m.pop("tool_calls")]
+            m["content"] = "\n".join([*([m["content"]] if m.get("content") else []), *lines])
+        elif m.get("role") == "tool":
+            m = {"role": "user",
+                 "content": f"<tool_response>\n{m.get('content', '')}\n</tool_response>"}
+        out.append(m)
+    if describe_tools and tools:
+        prompt = FALLBACK_TOOL_PROMPT.format(tools="\n".join(
+            json.dumps(t.to_openai()["function"], ensure_ascii=False) for t in tools))
+        if out and out[0].get("role") == "system":
+            out[0] = {**out[0], "content": f"{out[0].get('content', '')}\n\n{prompt}".lstrip()}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def _call_text(function: Mapping[str, Any]) -> str:
+    body = {"name": function["name"], "arguments": function.get("arguments", {})}
+    return f"<tool_call>{json.dumps(body, ensure_ascii=False)}</tool_call>"
+
+
+# -- forced calls (tool_choice "required" or a named function) --------------------------
+
+
+def forced_call_schema(tools: Sequence[Tool], choice: ToolChoice,
+                       parallel: bool) -> dict[str, Any] | None:
+    """The JSON schema the output must match for ``choice``; None unless it forces a call.
+
+    A named function: the output is that function's arguments object. ``required``: a
+    list of ``{"name": <a tool>, "arguments": <its arguments>}``, exactly one element
+    unless ``parallel``.
+    """
+    if choice.mode == "function":
+        tool = next(t for t in tools if t.name == choice.name)
+        return dict(tool.parameters)
+    if choice.mode != "required":
+        return None
+    items = [
+        {"type": "object",
+         "properties": {"name": {"type": "string", "enum": [t.name]},
+                        "arguments": dict(t.parameters)},
+         "required": ["name", "arguments"], "additionalProperties": False}
+        for t in tools
+    ]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                              "items": items[0] if len(items) == 1 else {"anyOf": items}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+class ForcedCallStreamer:
+    """Calls from an output constrained by :func:`forced_call_schema`.
+
+    A named call streams as it is written: the header (id, name) at once, then each new
+    piece of text as an argument fragment. A ``required`` list sends each call once its
+    object is complete. Output cut short by ``max_tokens`` keeps what was sent (a named
+    call's arguments are then a prefix, as OpenAI returns them with ``"length"``).
+    """
+
+    def __init__(self, choice: ToolChoice, new_id: Any = random_call_id) -> None:
+        if choice.mode not in ("function", "required"):
+            raise ValueError(f"tool_choice {choice.mode!r} does not force a call")
+        self._choice = choice
+        self._new_id = new_id
+        self._buf = ""
+        self._pos = 0  # required: where the next element may start
+        self._calls: list[ToolCall] = []
+        self._named_args = ""
+        self._named_id = ""
+
+    def feed(self, text: str) -> StreamDelta:
+        if self._choice.mode == "function":
+            return StreamDelta(tool_calls=tuple(self._named(text)))
+        self._buf += text
+        return StreamDelta(tool_calls=tuple(self._elements()))
+
+    def finish(self) -> StreamDelta:
+        if self._choice.mode == "function" and not self._named_id:
+            return StreamDelta(tool_calls=tuple(self._named("")))
+        return StreamDelta()
+
+    def result(self) -> ParsedOutput:
+        if self._choice.mode == "function":
+            assert self._choice.name is not None
+            self._calls = [ToolCall(self._named_id or self._new_id(), self._choice.name,
+                                    self._named_args)]
+        return ParsedOutput(None, tuple(self._calls))
+
+    def _named(self, text: str) -> list[ToolCallDelta]:
+        deltas: list[ToolCallDelta] = []
+        if not self._named_id:
+            self._named_id = self._new_id()
+            deltas.append(ToolCallDelta(0, id=self._named_id, name=self._choice.name))
+        if text:
+            self._named_args += text
+            deltas.append(ToolCallDelta(0, arguments=text))
+        return deltas
+
+    def _elements(self) -> list[ToolCallDelta]:
+        deltas: list[ToolCallDelta] = []
+        while True:
+            start = self._buf.find("{", self._pos)
+            if start == -1:
+                return deltas
+            end = _bracket_end(self._buf, start)
+            if end is None:
+                return deltas
+            self._pos = end
+            try:
+                obj = json.loads(self._buf[start:end])
+            except ValueError:  # only a broken constraint gets here; skip, never crash
+                continue
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+                continue
+            call = ToolCall(self._new_id(), obj["name"],
+                            json.dumps(obj.get("arguments", {}), ensure_ascii=False))
+            index = len(self._calls)
+            self._calls.append(call)
+            deltas += [ToolCallDelta(index, id=call.id, name=call.name),
+                       ToolCallDelta(index, arguments=call.arguments)]
+
+
+# -- auto: the rest of a call constrained once the model opens it -----------------------
+
+# Per tool-call parser: the text that opens a call (the grammar's trigger), and how one
+# call to NAME begins and ends around its arguments object. mistral and pythonic are not
+# here: their markers are special tokens or Python syntax, which a JSON-schema tag cannot
+# follow; their calls are parsed, not constrained.
+_CALL_FRAMES: dict[str, tuple[str, str, str]] = {
+    "hermes": ("<tool_call>", '<tool_call>\n{{"name": "{name}", "arguments": ', "}\n</tool_call>"),
+    "llama3_json": ('{"name": ', '{{"name": "{name}", "parameters": ', "}"),
+}
+
+
+def auto_structural_tag(tools: Sequence[Tool], parser: str) -> dict[str, Any] | None:
+    """An xgrammar structural tag for ``tool_choice: "auto"``: text is free until the
+    model writes the parser's call opening; from there the call must name one of
+    ``tools`` and its arguments must match that tool's schema. None when the parser's
+    syntax cannot be constrained this way."""
+    frame = _CALL_FRAMES.get(parser)
+    if frame is None or not tools:
+        return None
+    trigger, begin, end = frame
+    tags = [{"begin": begin.format(name=t.name),
+             "content": {"type": "json_schema", "json_schema": dict(t.parameters)},
+             "end": end} for t in tools]
+    return {"type": "structural_tag",
+            "format": {"type": "triggered_tags", "triggers": [trigger], "tags": tags}}

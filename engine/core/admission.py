@@ -1,0 +1,245 @@
+"""Admission: what happens to a request in its caller's task before the engine sees it.
+
+Pure (no I/O, no trio). :func:`submit_request` checks the caller's arguments,
+:func:`prompt_token_ids` applies the chat template and tokenizes, and :func:`admit`
+checks the queue, the vocabulary and the context, resolves ``max_tokens`` once and expands
+``n`` into samples. Each raises the request's own error (:class:`InvalidParamError`,
+:class:`PromptTooLongError`, :class:`QueueFullError`); nothing is sent before all three
+have passed, so a refused or cancelled request leaves nothing behind. This is the line
+vLLM draws between its front end (input processing) and its engine core.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from engine.errors import InvalidParamError, PromptTooLongError, QueueFullError
+from engine.messages import (
+    AdmittedRequest,
+    ChatPrompt,
+    DetokenizerRequest,
+    SchedulerRequest,
+    SubmitRequest,
+    TextPrompt,
+    TokensPrompt,
+)
+from engine.params import SamplingParams
+
+Prompt = TextPrompt | TokensPrompt | ChatPrompt
+
+# Prompts longer than this many characters are tokenized in a worker thread: about 8k
+# tokens, which the tokenizer and the chat template take milliseconds over, long enough to
+# stall every other request's stream if done on the trio thread; shorter ones cost less
+# than the thread hop.
+THREAD_PROMPT_CHARS = 32_768
+
+
+class PromptTokenizer(Protocol):
+    """What admission needs of :class:`engine.models.tokenizer.Tokenizer`."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def apply_chat_template(
+        self, messages: Sequence[Any], add_generation_prompt: bool = True, **options: Any
+    ) -> str: ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AdmissionLimits:
+    max_model_len: int
+    vocab_size: int
+    max_queued_requests: int
+    eos_token_ids: tuple[int, ...]
+
+
+def sample_ids(request_id: str, n: int) -> tuple[str, ...]:
+    """The engine ids of a request's samples: the id itself, or ``f"{id}-{i}"`` for n > 1."""
+    return (request_id,) if n == 1 else tuple(f"{request_id}-{i}" for i in range(n))
+
+
+def submit_request(
+    prompt: Any,
+    params: Any,
+    *,
+    request_id: str,
+    priority: Any,
+    cache_salt: Any,
+    arrival_time: float,
+    chat_options: str | None = None,
+) -> SubmitRequest:
+    """The caller's arguments as a :class:`SubmitRequest`, or the error naming the bad one.
+
+    ``prompt`` is a string, a list of token ids or a list of chat messages (dicts)."""
+    if params is None:
+        params = SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise InvalidParamError("params must be an engine.SamplingParams", param="params")
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidParamError(f"priority must be an integer, got {priority!r}", param="priority")
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise InvalidParamError("cache_salt must be a string", param="cache_salt")
+    return SubmitRequest(
+        request_id, prompt_message(prompt, chat_options), params, priority, cache_salt,
+        arrival_time,
+    )
+
+
+def prompt_message(prompt: Any, chat_options: str | None = None) -> Prompt:
+    """A string, a list of token ids or a list of chat messages as its prompt message;
+    ``chat_options`` is the chat template's options as JSON (ChatPrompt.options_json)."""
+    if chat_options is not None and not (
+        isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt)
+    ):
+        raise InvalidParamError("chat_options apply to chat messages only", param="chat_options")
+    if isinstance(prompt, str):
+        return TextPrompt(prompt)
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        try:
+            return ChatPrompt(json.dumps(list(prompt)), chat_options or "{}")
+        except (TypeError, ValueError) as exc:
+            raise InvalidParamError(f"chat messages must be JSON values: {exc}", param="messages") from exc
+    if isinstance(prompt, (list, tuple)) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
+        return TokensPrompt(tuple(prompt))
+    raise InvalidParamError(
+        "prompt must be a string, a list of token ids or a list of chat messages", param="prompt"
+    )
+
+
+def prompt_chars(prompt: Prompt) -> int:
+    """How much text tokenizing ``prompt`` reads (0 for token ids)."""
+    if isinstance(prompt, TextPrompt):
+        return len(prompt.text)
+    return len(prompt.messages_json) if isinstance(prompt, ChatPrompt) else 0
+
+
+def prompt_token_ids(
+    tokenizer: PromptTokenizer, prompt: Prompt, *, add_special_tokens: bool = True
+) -> tuple[int, ...]:
+    """Apply the chat template (whose normalizer checks the messages) and tokenize; safe in
+    a worker thread. ``add_special_tokens=False`` is for ``/tokenize``."""
+    if isinstance(prompt, TextPrompt):
+        text = _unicode(prompt.text, "prompt")
+        return tuple(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    if isinstance(prompt, ChatPrompt):
+        options = {"add_generation_prompt": True, **json.loads(prompt.options_json)}
+        text = tokenizer.apply_chat_template(json.loads(prompt.messages_json), **options)
+        return tuple(tokenizer.encode(_unicode(text, "messages"), add_special_tokens=False))
+    return prompt.token_ids
+
+
+def admit(
+    submit: SubmitRequest, ids: tuple[int, ...], limits: AdmissionLimits, *, waiting: int
+) -> AdmittedRequest:
+    """Check a tokenized request against the engine's limits and expand it into samples.
+
+    ``waiting`` is how many samples wait to be scheduled now (admission control)."""
+    if waiting >= limits.max_queued_requests:
+        raise QueueFullError(
+            f"{limits.max_queued_requests} requests are already waiting; try again later"
+        )
+    if not ids:
+        raise InvalidParamError("the prompt is empty", param="prompt")
+    _check_vocab(ids, limits.vocab_size, "prompt", "prompt token id")
+    # Checked here, per request: the sampler's own check would fail the whole step and with
+    # it the engine.
+    _check_vocab([t for t, _ in submit.params.logit_bias], limits.vocab_size, "logit_bias",
+                 "logit_bias token id")
+    _check_model_ranges(submit.params, limits)
+    max_tokens = submit.params.max_tokens
+    room = limits.max_model_len - len(ids)
+    if room < 1 or (max_tokens is not None and max_tokens > room):
+        raise PromptTooLongError(
+            prompt_tokens=len(ids),
+            max_tokens=max_tokens if max_tokens is not None else 1,
+            max_model_len=limits.max_model_len,
+        )
+    if submit.params.min_tokens > room:
+        raise InvalidParamError(
+            f"min_tokens ({submit.params.min_tokens}) exceeds the {room} tokens the context "
+            f"leaves after the {len(ids)}-token prompt", param="min_tokens",
+        )
+    return _expand(submit, ids, max_tokens if max_tokens is not None else room, limits)
+
+
+def _check_model_ranges(params: SamplingParams, limits: AdmissionLimits) -> None:
+    """The ranges only the model fixes (``SamplingParams`` checked the rest): ids inside
+    the vocabulary, ``top_k`` and logprob counts up to it, and a request that could never
+    sample a token (its first tokens may not stop it, yet every token stops it) refused
+    here rather than failing in the sampler."""
+    vocab = limits.vocab_size
+    _check_vocab(params.stop_token_ids, vocab, "stop_token_ids", "stop_token_ids id")
+    if params.top_k > vocab:
+        raise InvalidParamError(
+            f"top_k must be -1, 0 (off) or at most the vocabulary size {vocab}, got "
+            f"{params.top_k}", param="top_k",
+        )
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > vocab:
+            raise InvalidParamError(f"{name} ({value}) exceeds the vocabulary size {vocab}",
+                                    param=name)
+    if params.min_tokens > 0:
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops.update(limits.eos_token_ids)
+        if len({t for t in stops if t < vocab}) >= vocab:
+            raise InvalidParamError(
+                "no token can be sampled: every token of the vocabulary stops the request "
+                "(stop_token_ids and EOS) while min_tokens forbids stopping",
+                param="stop_token_ids",
+            )
+
+
+def _expand(
+    submit: SubmitRequest, ids: tuple[int, ...], max_tokens: int, limits: AdmissionLimits
+) -> AdmittedRequest:
+    names = sample_ids(submit.request_id, submit.params.n)
+    # Samples after the first wait until the first has computed (and cached) the prompt's
+    # full blocks, then take them from the prefix cache; with prompt_logprobs each computes
+    # (and scores) the prompt itself.
+    wait_for = names[0] if submit.params.n > 1 and submit.params.prompt_logprobs is None else None
+    samples, outputs = [], []
+    for index, name in enumerate(names):
+        params = _sample_params(submit.params, index)
+        samples.append(SchedulerRequest(
+            sample_id=name, prompt_token_ids=ids, params=params,
+            eos_token_ids=limits.eos_token_ids, max_tokens=max_tokens,
+            priority=submit.priority, arrival_time=submit.arrival_time,
+            cache_salt=submit.cache_salt, wait_for=wait_for if index > 0 else None,
+        ))
+        outputs.append(DetokenizerRequest(name, submit.request_id, index, ids, params))
+    return AdmittedRequest(submit.request_id, tuple(samples), tuple(outputs))
+
+
+def _check_vocab(ids: Sequence[int], vocab_size: int, param: str, what: str) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidParamError(f"{what} {bad} is outside the vocabulary [0, {vocab_size})", param=param)
+
+
+def _unicode(text: str, param: str) -> str:
+    """``text`` if it is valid Unicode. A lone surrogate (JSON's ``"\\ud800"`` decodes to
+    one) makes the tokenizer raise TypeError: it is this request's error."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidParamError(
+            f"{param} is not valid Unicode: {exc.reason} at character {exc.start}", param=param
+        ) from None
+    return text
+
+
+def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample ``index`` of a request: n = 1 and, when seeded, its own seed (seed + index,
+    wrapped into the signed 64-bit range so the largest seeds stay valid)."""
+    if params.n == 1:
+        return params
+    seed = None
+    if params.seed is not None:
+        seed = (params.seed + index + 2**63) % 2**64 - 2**63
+    return params.replace(n=1, seed=seed)

@@ -1,0 +1,318 @@
+"""The request bodies as JSON Schema: what each body is checked against, and what
+``GET /openapi.json`` publishes, from one set of definitions.
+
+Every field's type and range is written once here (the ranges come from
+:mod:`engine.params`, which checks them again in the engine); :func:`check_body` validates
+a body with the ``jsonschema`` library before :mod:`engine.http.protocol` turns it into
+engine parameters, and :func:`openapi` builds the OpenAPI 3.1 document from the same
+dictionaries. Checks that need the model (token ids below the vocabulary size, ``top_k``
+up to it, lengths within the context) happen at admission and are described here in
+words. ``null`` means "absent" for every optional field, as OpenAI's clients send it.
+Unknown fields are allowed (logged and ignored).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from engine import params as P
+from engine.http.protocol import APIError
+
+_INT64 = (-(2**63), 2**63 - 1)
+_TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": P._MAX_TOKEN_ID,
+             "description": "a token id, below the model's vocabulary size"}
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _number(lo: float, hi: float, description: str, *, lo_open: bool = False) -> dict[str, Any]:
+    bound = {"exclusiveMinimum": lo} if lo_open else {"minimum": lo}
+    return _nullable({"type": "number", **bound, "maximum": hi, "description": description})
+
+
+def _integer(lo: int | None, hi: int | None, description: str) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "integer", "description": description}
+    if lo is not None:
+        schema["minimum"] = lo
+    if hi is not None:
+        schema["maximum"] = hi
+    return _nullable(schema)
+
+
+_BOOL = _nullable({"type": "boolean"})
+_STOP_STRING = {"type": "string", "minLength": 1, "maxLength": P.MAX_STOP_STRING_CHARS}
+
+COMMON: dict[str, Any] = {
+    "model": _nullable({"type": "string", "description": "the served model name"}),
+    "max_tokens": _integer(1, None, "tokens to generate at most; prompt + max_tokens must "
+                           "fit the context (completions default 16, chat: the context)"),
+    "min_tokens": _integer(0, None, "tokens before EOS, stop tokens or stop strings may end "
+                           "the output; at most max_tokens"),
+    "temperature": _number(0.0, 100.0, "0 is greedy"),
+    "top_p": _number(0.0, 1.0, "nucleus mass; 1 is off", lo_open=True),
+    "top_k": _integer(-1, P._MAX_TOKEN_ID, "-1 or 0: off; at most the vocabulary size"),
+    "min_p": _number(0.0, 1.0, "0 is off"),
+    "n": _integer(1, 128, "samples per prompt"),
+    "seed": _integer(*_INT64, "a signed 64-bit seed: the same seed, the same tokens"),
+    "stop": _nullable({"anyOf": [
+        _STOP_STRING,
+        {"type": "array", "items": _STOP_STRING, "maxItems": P.MAX_STOP_STRINGS},
+    ]}),
+    "stop_token_ids": _nullable({"type": "array", "items": _TOKEN_ID}),
+    "presence_penalty": _number(-2.0, 2.0, "OpenAI's presence penalty"),
+    "frequency_penalty": _number(-2.0, 2.0, "OpenAI's frequency penalty"),
+    "repetition_penalty": _number(*P.REPETITION_PENALTY_RANGE, "1 is off; > 1 discourages"),
+    "logit_bias": _nullable({
+        "type": "object", "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        "description": "token id (a decimal string) to a bias added to its logit",
+    }),
+    "ignore_eos": _BOOL,
+    "stream": _BOOL,
+    "stream_options": _nullable({"type": "object", "properties": {
+        "include_usage": {"type": "boolean"}}, "description": "only with stream: true"}),
+    "user": _nullable({"type": "string"}),
+    "include_stop_str_in_output": _BOOL,
+    "skip_special_tokens": _BOOL,
+    "priority": _integer(*_INT64, "smaller is served first under --scheduling-policy "
+                         "priority"),
+    "cache_salt": _nullable({"type": "string", "minLength": 1,
+                             "description": "prefix-cache entries are shared only "
+                                            "between requests with the same salt"}),
+}
+
+_TOKEN_IDS = {"type": "array", "items": _TOKEN_ID, "minItems": 1}
+COMPLETION: dict[str, Any] = {
+    "type": "object",
+    "required": ["prompt"],
+    "properties": {
+        **COMMON,
+        "prompt": {"description": "a string, a list of strings, a list of token ids or a "
+                                  "list of token-id lists (not empty)", "anyOf": [
+            {"type": "string"},
+            {"type": "array", "items": {"type": "string"}, "minItems": 1},
+            _TOKEN_IDS,
+            {"type": "array", "items": _TOKEN_IDS, "minItems": 1},
+        ]},
+        "echo": _BOOL,
+        "logprobs": _integer(0, 20, "top alternatives per token (and per prompt token "
+                             "with echo)"),
+    },
+}
+
+_TEXT_PART = {"type": "object", "required": ["type", "text"], "properties": {
+    "type": {"const": "text"}, "text": {"type": "string"}}}
+_MESSAGE = {
+    "type": "object",
+    "required": ["role"],
+    "properties": {
+        "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+        "content": {"anyOf": [{"type": "string"}, {"type": "null"},
+                              {"type": "array", "items": _TEXT_PART}]},
+    },
+}
+_MESSAGES = {"type": "array", "items": _MESSAGE, "minItems": 1}
+CHAT: dict[str, Any] = {
+    "type": "object",
+    "required": ["messages"],
+    "properties": {
+        **COMMON,
+        "messages": _MESSAGES,
+        "max_completion_tokens": _integer(1, None, "OpenAI's newer name for max_tokens"),
+        "logprobs": _BOOL,
+        "top_logprobs": _integer(0, 20, "top alternatives per token; needs logprobs: true"),
+        "echo": _BOOL,
+        # Tool calling and templates (engine/chat checks their insides).
+        "tools": _nullable({"type": "array", "items": {"type": "object"}}),
+        "tool_choice": _nullable({"anyOf": [{"enum": ["none", "auto", "required"]},
+                                            {"type": "object"}]}),
+        "parallel_tool_calls": _BOOL,
+        "chat_template": _nullable({"type": "string"}),
+        "chat_template_kwargs": _nullable({"type": "object"}),
+        "add_generation_prompt": _BOOL,
+        "continue_final_message": _BOOL,
+    },
+}
+TOKENIZE: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "model": COMMON["model"],
+        "prompt": {"type": "string"},
+        "messages": _MESSAGES,
+        "add_special_tokens": _BOOL,
+        "add_generation_prompt": _BOOL,
+    },
+    "anyOf": [{"required": ["prompt"]}, {"required": ["messages"]}],
+}
+DETOKENIZE: dict[str, Any] = {
+    "type": "object",
+    "required": ["tokens"],
+    "properties": {"model": COMMON["model"], "tokens": {"type": "array", "items": _TOKEN_ID}},
+}
+
+
+@functools.cache
+def _validator(name: str) -> Any:
+    import jsonschema
+
+    schema = {"completion": COMPLETION, "chat": CHAT, "tokenize": TOKENIZE,
+              "detokenize": DETOKENIZE}[name]
+    return jsonschema.Draft202012Validator(schema)
+
+
+def check_body(body: Any, name: str) -> None:
+    """Raise a 400 :class:`APIError` naming the field if ``body`` breaks schema ``name``
+    (``completion``, ``chat``, ``tokenize`` or ``detokenize``)."""
+    import jsonschema
+
+    if not isinstance(body, dict):
+        raise APIError(400, "The request body must be a JSON object", code="invalid_json")
+    error = jsonschema.exceptions.best_match(_validator(name).iter_errors(body))
+    if error is None:
+        return
+    path = list(error.absolute_path)
+    if error.validator == "required" and not path:
+        missing = error.message.split("'")[1] if "'" in error.message else None
+        raise APIError(400, f"{missing or 'a field'} is required", param=missing,
+                       code="missing_required_parameter")
+    # A logit_bias key is a token id, not a field name: name the field.
+    param = "logit_bias" if path[:1] == ["logit_bias"] else _param(path)
+    value = error.instance
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+    code = "invalid_type" if error.validator in ("type", "anyOf") else "invalid_value"
+    raise APIError(400, f"{param or 'the body'} is invalid ({shown}): "
+                   f"{_expected(error)}", param=param, code=code)
+
+
+def _param(path: list[Any]) -> str | None:
+    if not path:
+        return None
+    out = str(path[0])
+    for part in path[1:]:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return out
+
+
+def _expected(error: Any) -> str:
+    schema = error.schema
+    if error.validator in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+        lo = schema.get("minimum", schema.get("exclusiveMinimum"))
+        hi = schema.get("maximum")
+        left = "(" if "exclusiveMinimum" in schema else "["
+        return f"must be in {left}{lo}, {'inf' if hi is None else hi}]"
+    if error.validator == "anyOf":
+        if "description" in schema:
+            return f"must be {schema['description']}"
+        kinds = [sub.get("type", "a value") for sub in schema["anyOf"]]
+        inner = [k for sub in schema["anyOf"] for k in
+                 ([sub["anyOf"][0].get("type")] if "anyOf" in sub else [])]
+        return "must be " + " or ".join(str(k) for k in inner + kinds if k)
+    return error.message if len(error.message) <= 200 else error.message[:197] + "..."
+
+
+# -- the OpenAPI document -------------------------------------------------------------------
+
+_ERROR = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["message", "type", "param", "code"],
+                             "properties": {"message": {"type": "string"},
+                                            "type": {"type": "string"},
+                                            "param": {"type": ["string", "null"]},
+                                            "code": {"type": ["string", "null"]}}}},
+}
+_ERRORS = {
+    "400": "invalid parameter, malformed JSON, or prompt + max_tokens over the context",
+    "401": "missing or wrong API key (when the server has one)",
+    "404": "unknown model",
+    "413": "body over --max-request-bytes",
+    "429": "waiting queue full; retry after the Retry-After header",
+    "431": "too many or too large headers",
+    "500": "this request failed inside the engine (code request_failed)",
+    "503": "the engine is restarting after a crash, or dead",
+}
+_COMPLETION_RESPONSE = {
+    "type": "object", "required": ["id", "object", "created", "model", "choices"],
+    "properties": {"id": {"type": "string"}, "object": {"type": "string"},
+                   "created": {"type": "integer"}, "model": {"type": "string"},
+                   "choices": {"type": "array", "items": {"type": "object"}},
+                   "usage": {"type": ["object", "null"]}},
+}
+
+
+def _errors(*codes: str) -> dict[str, Any]:
+    return {code: {"description": _ERRORS[code], "content": {
+        "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+        for code in codes}
+
+
+def _post(summary: str, schema_name: str, ok: dict[str, Any], *codes: str) -> dict[str, Any]:
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{schema_name}"}}}},
+        "responses": {"200": ok, **_errors(*codes)},
+    }}
+
+
+def _get(summary: str, ok: dict[str, Any], *codes: str) -> dict[str, Any]:
+    return {"get": {"summary": summary, "responses": {"200": ok, **_errors(*codes)}}}
+
+
+def _json(schema: dict[str, Any], description: str = "OK") -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def openapi(version: str, *, api_key: bool) -> dict[str, Any]:
+    """The server's OpenAPI 3.1 document (``GET /openapi.json``)."""
+    generation = {"description": "the completion, or with stream: true server-sent events "
+                  "(data: {chunk} ... data: [DONE])",
+                  "content": {"application/json": {"schema": {
+                      "$ref": "#/components/schemas/CompletionResponse"}},
+                      "text/event-stream": {"schema": {"type": "string"}}}}
+    gen_errors = ("400", "404", "413", "429", "431", "500", "503")
+    if api_key:
+        gen_errors = ("401", *gen_errors)
+    paths = {
+        "/v1/completions": _post("Text completion", "CompletionRequest", generation, *gen_errors),
+        "/v1/chat/completions": _post("Chat completion", "ChatCompletionRequest", generation,
+                                      *gen_errors),
+        "/tokenize": _post("Token ids of a prompt or chat", "TokenizeRequest", _json({
+            "type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {
+                "count": {"type": "integer"}, "max_model_len": {"type": "integer"},
+                "tokens": {"type": "array", "items": {"type": "integer"}}}}),
+            *(c for c in gen_errors if c not in ("429", "500", "503"))),
+        "/detokenize": _post("Text of token ids", "DetokenizeRequest", _json({
+            "type": "object", "required": ["prompt"], "properties": {
+                "prompt": {"type": "string"}}}),
+            *(c for c in gen_errors if c not in ("429", "500", "503"))),
+        "/v1/models": _get("The served model", _json({
+            "type": "object", "required": ["object", "data"], "properties": {
+                "object": {"const": "list"}, "data": {"type": "array", "items": {
+                    "type": "object", "required": ["id", "object"]}}}}),
+            *(("401",) if api_key else ())),
+        "/health": _get("200 while serving", _json({"type": "object"}), "503"),
+        "/version": _get("Server version", _json({
+            "type": "object", "required": ["version"],
+            "properties": {"version": {"type": "string"}}})),
+        "/metrics": _get("Prometheus metrics", {"description": "OK", "content": {
+            "text/plain": {"schema": {"type": "string"}}}}),
+        "/openapi.json": _get("This document", _json({"type": "object"})),
+    }
+    document: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": "engine: OpenAI-compatible LLM server", "version": version},
+        "paths": paths,
+        "components": {"schemas": {
+            "CompletionRequest": COMPLETION, "ChatCompletionRequest": CHAT,
+            "TokenizeRequest": TOKENIZE, "DetokenizeRequest": DETOKENIZE,
+            "CompletionResponse": _COMPLETION_RESPONSE, "Error": _ERROR,
+        }},
+    }
+    if api_key:
+        document["components"]["securitySchemes"] = {"bearer": {"type": "http",
+                                                                 "scheme": "bearer"}}
+        document["security"] = [{"bearer": []}]
+    return document

@@ -1,0 +1,148 @@
+"""Building an engine's parts before its actors start: model, tokenizer, KV pool, runner.
+
+Blocking (seconds of loading and a warm-up step); :func:`engine.api.open_engine` runs
+:func:`build_parts` in a worker thread. Nothing here is an actor: the parts are handed to
+:func:`engine.actors.system.run_actors`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core.admission import AdmissionLimits
+from engine.errors import InvalidParamError
+
+logger = logging.getLogger("engine")
+
+
+@dataclasses.dataclass(slots=True)
+class EngineParts:
+    """Everything built before the actors start (in a worker thread: loading is slow)."""
+
+    config: EngineConfig  # resolved: max_model_len and async_scheduling filled in
+    model_name: str
+    tokenizer: Any  # engine.models.tokenizer.Tokenizer
+    limits: AdmissionLimits
+    runner: Any  # engine.runner.model_runner.ModelRunner
+    num_blocks: int
+
+
+def build_parts(config: EngineConfig) -> EngineParts:
+    """Load the model and tokenizer, size the KV pool, build the model runner.
+
+    Blocking (seconds); the API runs it in a worker thread. Each phase is logged with
+    its time on the ``engine`` logger.
+    """
+    from engine.models.loader import load_model, resolve_model
+    from engine.models.tokenizer import Tokenizer
+    from engine.ops import get_ops
+    from engine.runner.kv_cache import bytes_per_block, num_kv_blocks
+    from engine.runner.model_runner import ModelRunner
+
+    device = _device(config.device)
+    if config.async_scheduling is None:
+        # On with CUDA, where the GPU runs a step while the host plans the next; off on CPU,
+        # where both share the cores (see EngineConfig.async_scheduling).
+        config = dataclasses.replace(config, async_scheduling=device.type == "cuda")
+    t0 = time.perf_counter()
+    path = resolve_model(config.model)
+    loaded = load_model(path, dtype=config.dtype, device=device, quantization=config.quantization)
+    t1 = time.perf_counter()
+    logger.info("loaded %s (%s, %s) in %.2f s", path, loaded.config.architecture, loaded.dtype, t1 - t0)
+    tokenizer = Tokenizer.from_folder(loaded.folder)
+    t2 = time.perf_counter()
+    logger.info("tokenizer ready in %.2f s", t2 - t1)
+    config, num_blocks = _size_kv_pool(config, loaded, device, num_kv_blocks)
+    runner = ModelRunner(
+        loaded,
+        device=device,
+        ops=get_ops(config.ops_backend, device),
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs,
+        seed=config.seed,
+        kv_cache_dtype=config.kv_cache_dtype,
+    )
+    t3 = time.perf_counter()
+    _log_weight_bytes(loaded, runner)
+    logger.info(
+        "KV pool: %d blocks of %d tokens (%d tokens, %s, %.0f MiB%s), max_model_len %d; "
+        "runner built in %.2f s",
+        num_blocks, config.block_size, num_blocks * config.block_size,
+        config.kv_cache_dtype if config.kv_cache_dtype != "auto" else str(loaded.dtype).removeprefix("torch."),
+        num_blocks * bytes_per_block(
+            loaded.config, loaded.dtype, config.block_size, kv_cache_dtype=config.kv_cache_dtype
+        ) / 2**20,
+        ", resident as blocks are used" if device.type == "cpu" else "",
+        config.max_model_len, t3 - t2,
+    )
+    runner.warm_up()
+    logger.info("warm-up (one prefill and one decode step) in %.2f s", time.perf_counter() - t3)
+    limits = AdmissionLimits(
+        max_model_len=config.max_model_len or 0,
+        vocab_size=loaded.config.vocab_size,
+        max_queued_requests=config.max_queued_requests,
+        eos_token_ids=_eos_ids(loaded, tokenizer),
+    )
+    name = config.served_model_name or _model_name(path)
+    return EngineParts(config, name, tokenizer, limits, runner, num_blocks)
+
+
+def _log_weight_bytes(loaded: Any, runner: Any) -> None:
+    from engine.models.quantized import weight_bytes
+
+    resident = weight_bytes(runner.model)
+    base = loaded.file_tensor_bytes
+    ratio = f" = {resident / base:.2f}x the file's {base / 2**20:.1f} MiB of tensor data" if base else ""
+    logger.info("weights resident: %.1f MiB (%s)%s", resident / 2**20,
+                "GGUF blocks kept" if loaded.quantization == "gguf" else f"dense {loaded.dtype}", ratio)
+
+
+def _device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _size_kv_pool(
+    config: EngineConfig, loaded: Any, device: torch.device, num_kv_blocks: Callable[..., int]
+) -> tuple[EngineConfig, int]:
+    """The pool size, and max_model_len: the model's, capped by what the pool holds."""
+    model_max = loaded.config.max_position_embeddings
+    wanted = config.max_model_len
+    if wanted is not None and wanted > model_max:
+        raise InvalidParamError(
+            f"max_model_len {wanted} exceeds the model's max_position_embeddings {model_max}",
+            param="max_model_len",
+        )
+    # With no explicit length, any pool of at least one block is fine: the length shrinks
+    # to fit it. An explicit length must fit whole (num_kv_blocks raises otherwise).
+    blocks = num_kv_blocks(
+        loaded.config, loaded.dtype, config.block_size, config.kv_cache_memory, device,
+        max_model_len=wanted if wanted is not None else config.block_size,
+        kv_cache_dtype=config.kv_cache_dtype,
+    )
+    max_len = min(wanted or model_max, blocks * config.block_size)
+    return dataclasses.replace(config, max_model_len=max_len), blocks
+
+
+def _eos_ids(loaded: Any, tokenizer: Any) -> tuple[int, ...]:
+    """EOS ids of the tokenizer, the model config and generation_config.json, merged."""
+    ids = set(tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids)
+    gen = loaded.generation_config.get("eos_token_id")
+    ids |= set(gen) if isinstance(gen, list) else ({gen} if isinstance(gen, int) else set())
+    return tuple(sorted(ids))
+
+
+def _model_name(path: Path) -> str:
+    path = Path(path)
+    return path.stem if path.suffix == ".gguf" else path.name

@@ -1,0 +1,139 @@
+"""Gemma 2 and Gemma 3 (text): the Llama decoder's attention with Gemma's layer around it.
+
+What differs from :class:`~engine.models.llama.LlamaModel`, each as transformers computes it:
+
+* four RMSNorms per layer: before and after attention, before and after the MLP (the
+  "sandwich"), each ``x / rms(x) * (1 + weight)`` computed in fp32 and rounded once (Llama
+  rounds ``x / rms(x)`` first, then multiplies by a weight stored without the 1);
+* the MLP is GeGLU: ``down(gelu_tanh(gate(x)) * up(x))``;
+* embeddings are scaled by ``sqrt(hidden_size)`` (rounded to the model dtype first);
+* attention scale ``query_pre_attn_scalar ** -0.5``; Gemma 2 soft-caps attention scores
+  (``attn_logit_softcapping``) and final logits (``final_logit_softcapping``);
+* local (sliding-window) and global layers alternate (``ModelConfig.layer_windows``);
+  Gemma 3's local layers rotate with their own base (``rope_local_base_freq``, no scaling)
+  and it normalises each head of q and k before RoPE (with the same ``1 + weight`` norm).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from engine.models.config import ModelConfig
+from engine.models.llama import Linear, LlamaModel, _Layer, _Weights, rope_cos_sin_cache
+from engine.ops import AttentionMetadata, Ops
+
+
+@dataclasses.dataclass(slots=True)
+class _GemmaLayer(_Layer):
+    # input_norm: before attention; post_norm: after it (post_attention_layernorm).
+    pre_ffn_norm: torch.Tensor
+    post_ffn_norm: torch.Tensor
+
+
+class GemmaModel(LlamaModel):
+    """Gemma 2 / Gemma 3 decoder stack plus (tied) LM head over Hugging Face weights."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        ops: Ops,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.config = config
+        self.ops = ops
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        assert config.query_pre_attn_scalar is not None  # from_hf requires it for Gemma
+        self.scale = config.query_pre_attn_scalar**-0.5
+        self.attn_softcap = config.attn_logit_softcapping
+        self.eps = config.rms_norm_eps
+        self.cos_sin_cache = rope_cos_sin_cache(config, dtype, self.device)
+        self.local_cos_sin_cache = (
+            rope_cos_sin_cache(config, dtype, self.device, local=True)
+            if config.rope_local_theta is not None
+            else self.cos_sin_cache
+        )
+        # transformers: Gemma 2 builds the scale in the model dtype, Gemma 3 in fp32 and
+        # casts it; both round sqrt(hidden) to the dtype before the multiply.
+        self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=torch.float32).to(dtype)
+        get = _Weights(weights, dtype, self.device)
+        self.embed = get("model.embed_tokens.weight")
+        self.layers = [self._layer(get, i) for i in range(config.num_hidden_layers)]
+        self.norm = self._norm_weight(weights, "model.norm.weight")
+        if config.tie_word_embeddings or "lm_head.weight" not in weights:
+            self.lm_head = Linear(self.embed)
+        else:
+            self.lm_head = Linear(get("lm_head.weight"))
+
+    def _norm_weight(self, weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        """``1 + weight`` in fp32: transformers multiplies by it in fp32, then rounds."""
+        w = _Weights(weights, torch.float32, self.device)(name)
+        return (1.0 + w).contiguous()
+
+    def _layer(self, get: _Weights, i: int) -> _GemmaLayer:  # type: ignore[override]
+        p = f"model.layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        norm = lambda name: self._norm_weight(get.weights, p + name)  # noqa: E731
+        qk_norm = self.config.qk_norm
+        return _GemmaLayer(
+            input_norm=norm("input_layernorm.weight"),
+            post_norm=norm("post_attention_layernorm.weight"),
+            pre_ffn_norm=norm("pre_feedforward_layernorm.weight"),
+            post_ffn_norm=norm("post_feedforward_layernorm.weight"),
+            qkv=Linear(torch.cat([get(attn + f"{n}_proj.weight") for n in "qkv"])),
+            o_proj=Linear(get(attn + "o_proj.weight")),
+            q_norm=norm("self_attn.q_norm.weight") if qk_norm else None,
+            k_norm=norm("self_attn.k_norm.weight") if qk_norm else None,
+            gate_up=Linear(torch.cat([get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")])),
+            down=Linear(get(mlp + "down_proj.weight")),
+            window=self.config.layer_windows[i],
+            rope=self.local_cos_sin_cache if self.config.layer_windows[i] else self.cos_sin_cache,
+        )
+
+    def _head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self._rms(x, weight)
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Gemma's RMSNorm with ``weight`` = 1 + w in fp32."""
+        if x.dtype == torch.float32:
+            return self.ops.rms_norm(x, weight, self.eps)  # the backend's kernel, same math
+        return F.rms_norm(x.float(), (x.shape[-1],), weight, self.eps).to(x.dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm; writes this step's K/V."""
+        ops = self.ops
+        hidden = F.embedding(input_ids, self.embed) * self.embed_scale
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            assert isinstance(layer, _GemmaLayer)
+            x = self._rms(hidden, layer.input_norm)
+            x = self._attention(layer, x, positions, meta, k_cache, v_cache)
+            hidden = hidden + self._rms(x, layer.post_norm)
+            x = self._rms(hidden, layer.pre_ffn_norm)
+            x = layer.down(ops.gelu_tanh_and_mul(layer.gate_up(x)))
+            hidden = hidden + self._rms(x, layer.post_ffn_norm)
+        return self._rms(hidden, self.norm)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab] in fp32, soft-capped (in the model dtype, as transformers)."""
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()

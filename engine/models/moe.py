@@ -1,0 +1,115 @@
+"""The sparse MLP of Mixtral, Qwen2-MoE and Qwen3-MoE: a router, routed experts and an
+optional shared expert, replacing the dense MLP in the layers ``MoeConfig.sparse_layers``
+names.
+
+Routing, as transformers computes it for each of these models: router logits in the model
+dtype, a softmax over all experts in fp32, the ``top_k`` largest probabilities, and (when
+``norm_topk_prob``, always for Mixtral) those ``k`` renormalised to sum to 1. Mixtral's
+"softmax over the top-k logits" is the same thing: renormalising a subset of a softmax is
+the softmax of that subset. The experts run through ``Ops.fused_moe`` (sorted by expert;
+only the routed experts' weights are read). Qwen2-MoE adds a dense shared expert whose
+output is scaled by ``sigmoid(shared_expert_gate(x))``.
+
+The checkpoint stores each expert's projections apart (Hugging Face hub layout); they are
+stacked once at build time into ``w13 [E, 2 * inter, hidden]`` (gate rows, then up rows)
+and ``w2 [E, hidden, inter]``, the layout of GGUF's ``ffn_*_exps`` tensors and of the
+fused kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine.models.config import ModelConfig, MoeConfig
+from engine.ops import Ops
+
+
+def layer_prefix(moe: MoeConfig, layer: int) -> str:
+    """Where a sparse layer's MLP weights live: Mixtral says block_sparse_moe, Qwen mlp."""
+    block = "block_sparse_moe" if moe.naming == "mixtral" else "mlp"
+    return f"model.layers.{layer}.{block}."
+
+
+def expert_weight_names(moe: MoeConfig, layer: int, expert: int) -> tuple[str, str, str]:
+    """The (gate, up, down) weight names of one expert, as the hub checkpoints spell them."""
+    p = layer_prefix(moe, layer) + f"experts.{expert}."
+    if moe.naming == "mixtral":
+        return p + "w1.weight", p + "w3.weight", p + "w2.weight"
+    return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
+
+
+def sparse_layer_weight_names(moe: MoeConfig, layer: int) -> list[str]:
+    """Every weight name of a sparse layer's MLP, in checkpoint order."""
+    p = layer_prefix(moe, layer)
+    names = [p + "gate.weight"]
+    for e in range(moe.num_experts):
+        names += expert_weight_names(moe, layer, e)
+    if moe.shared_expert_intermediate_size:
+        names += [p + f"shared_expert.{n}_proj.weight" for n in ("gate", "up", "down")]
+        names.append(p + "shared_expert_gate.weight")
+    return names
+
+
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights [T, k] fp32, ids [T, k] int64)`` of each token's ``top_k`` experts."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class SparseMoeBlock:
+    """One layer's router, stacked expert weights and optional shared expert."""
+
+    __slots__ = ("top_k", "renormalize", "router", "w13", "w2", "shared_gate_up", "shared_down", "shared_gate")
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int,
+        get: Callable[[str], torch.Tensor],
+        linear: Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]],
+    ) -> None:
+        moe = config.moe
+        assert moe is not None
+        self.top_k = moe.top_k
+        self.renormalize = moe.norm_topk_prob
+        p = layer_prefix(moe, layer)
+        self.router = linear(get(p + "gate.weight"))  # [E, hidden]
+        gate_up, down = [], []
+        for e in range(moe.num_experts):
+            g, u, d = expert_weight_names(moe, layer, e)
+            gate_up.append(torch.cat([get(g), get(u)]))
+            down.append(get(d))
+        self.w13 = torch.stack(gate_up)
+        self.w2 = torch.stack(down)
+        self.shared_gate_up = self.shared_down = self.shared_gate = None
+        if moe.shared_expert_intermediate_size:
+            s = p + "shared_expert."
+            self.shared_gate_up = linear(torch.cat([get(s + "gate_proj.weight"), get(s + "up_proj.weight")]))
+            self.shared_down = linear(get(s + "down_proj.weight"))
+            self.shared_gate = linear(get(p + "shared_expert_gate.weight"))  # [1, hidden]
+
+    def __call__(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        weights, ids = select_experts(self.router(x), self.top_k, self.renormalize)
+        out = ops.fused_moe(x, self.w13, self.w2, weights, ids)
+        if self.shared_gate_up is not None:
+            assert self.shared_down is not None and self.shared_gate is not None
+            shared = self.shared_down(ops.silu_and_mul(self.shared_gate_up(x)))
+            out = out + F.sigmoid(self.shared_gate(x)) * shared
+        return out
+
+
+__all__ = [
+    "SparseMoeBlock",
+    "expert_weight_names",
+    "layer_prefix",
+    "select_experts",
+    "sparse_layer_weight_names",
+]

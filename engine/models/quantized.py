@@ -1,0 +1,148 @@
+"""Model layers over block-quantized weights (:class:`engine.ops.quant.QuantizedWeight`).
+
+``make_linear`` is what the decoder builds its projections with: dense weights give the
+packed dense :class:`~engine.models.llama.Linear`, quantized ones a :class:`QuantLinear`.
+q/k/v and gate/up are fused into one matmul as for dense weights: parts of one format are
+concatenated row-wise into one weight, parts of different formats (a Q4_K_M file keeps
+attn_v in Q6_K beside Q4_K q/k) stay separate weights that write side by side into one
+output. The token embedding of a quantized model is read row by row (:func:`embed`), and a
+tied LM head multiplies by the same quantized table: no dequantized copy is made.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from engine.ops.quant import QuantizedWeight, reference_matmul
+
+logger = logging.getLogger("engine.models")
+
+
+class QuantLinear:
+    """``y = x @ W.T (+ bias)`` with ``W`` the rows of ``parts`` stacked, each part kept in
+    its block format; ``y`` comes in ``x``'s dtype."""
+
+    __slots__ = ("parts", "bias", "out_features", "_offsets")
+
+    def __init__(self, parts: list[QuantizedWeight], bias: torch.Tensor | None = None) -> None:
+        k = parts[0].shape[1]
+        if any(p.shape[1] != k for p in parts):
+            raise ValueError("fused quantized parts must share the input width")
+        self.parts = _merge_same_format(parts)
+        self.bias = bias
+        self.out_features = sum(p.shape[0] for p in self.parts)
+        offsets, start = [], 0
+        for p in self.parts:
+            offsets.append((start, start + p.shape[0]))
+            start += p.shape[0]
+        self._offsets = offsets
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cpu and x.dtype in (torch.float32, torch.bfloat16):
+            from engine.ops.cpu import qmatmul as cq
+
+            if cq.available():
+                if len(self.parts) == 1:
+                    out = cq.qmatmul(x, self.parts[0])
+                else:
+                    out = torch.empty((*x.shape[:-1], self.out_features), dtype=x.dtype)
+                    flat = out.view(-1, self.out_features)
+                    for part, (a, b) in zip(self.parts, self._offsets, strict=True):
+                        cq.qmatmul(x, part, out=flat[:, a:b])
+                return out if self.bias is None else out + self.bias
+        if x.is_cuda and all(p.layout == "blocks" for p in self.parts):
+            from engine.ops.triton import quant_matmul as tq
+
+            if all(tq.supports(p) for p in self.parts):
+                out = torch.cat([tq.quant_matmul(x, p) for p in self.parts], -1)
+                return out if self.bias is None else out + self.bias
+        # Reference path (no kernel for this device or dtype): dequantize per call.
+        out = torch.cat([reference_matmul(x.reshape(-1, x.shape[-1]), p) for p in self.parts], -1)
+        out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+
+def _merge_same_format(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
+    """Adjacent parts of one format as one weight (one kernel call instead of several)."""
+    merged: list[list[QuantizedWeight]] = []
+    for p in parts:
+        if merged and merged[-1][-1].fmt == p.fmt and merged[-1][-1].shape[0] % 16 == 0:
+            merged[-1].append(p)
+        else:
+            merged.append([p])
+    return [group[0] if len(group) == 1 else QuantizedWeight.cat_rows(group) for group in merged]
+
+
+def is_quantized(w: object) -> bool:
+    return isinstance(w, QuantizedWeight)
+
+
+def make_linear(parts: list, bias: torch.Tensor | None = None):
+    """A projection over the row-stacked ``parts`` (dense tensors or quantized weights)."""
+    from engine.models.llama import Linear
+
+    if all(is_quantized(p) for p in parts):
+        return QuantLinear(parts, bias)
+    if any(is_quantized(p) for p in parts):
+        # Fusing a dense and a quantized part: dequantize (rare: a file mixing kinds).
+        logger.info("dequantizing %d quantized part(s) fused with dense weights", sum(map(is_quantized, parts)))
+        dtype = next(p.dtype for p in parts if not is_quantized(p))
+        parts = [p.dequantize().to(dtype) if is_quantized(p) else p for p in parts]
+    return Linear(parts[0] if len(parts) == 1 else torch.cat(parts), bias)
+
+
+def embed(table, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` of the token embedding ``table`` (dense, or quantized: read row by row)."""
+    if not is_quantized(table):
+        return F.embedding(ids, table)
+    from engine.ops.cpu import qmatmul as cq
+
+    if table.layout == "panels" and cq.available() and dtype in (torch.float32, torch.bfloat16):
+        return cq.qrows(table, ids, dtype)
+    rows = table.decoded()  # reference path
+    flat = ids.reshape(-1).cpu()
+    dense = rows.dequantize()[flat]
+    return dense.to(device=ids.device, dtype=dtype).view(*ids.shape, -1)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of every weight the model holds (quantized blocks as stored), each counted once."""
+    seen: set[int] = set()
+    total = 0
+
+    def add(t) -> None:
+        nonlocal total
+        if t is None or id(t) in seen:
+            return
+        seen.add(id(t))
+        if isinstance(t, QuantizedWeight):
+            total += t.nbytes
+        elif isinstance(t, QuantLinear):
+            for p in t.parts:
+                add(p)
+            add(t.bias)
+        elif isinstance(t, torch.Tensor):
+            total += t.numel() * t.element_size()
+        elif hasattr(t, "weight"):  # a dense Linear: its weight and its packed copy
+            add(t.weight)
+            add(getattr(t, "_packed", None))
+            add(t.bias)
+
+    add(model.embed)
+    add(model.norm)
+    add(model.lm_head)
+    for layer in model.layers:
+        for name in layer.__slots__ if hasattr(layer, "__slots__") else vars(layer):
+            if name != "rope":  # the RoPE table is not a weight (and is shared)
+                add(getattr(layer, name))
+    return total
+
+
+__all__ = ["QuantLinear", "embed", "is_quantized", "make_linear", "weight_bytes"]

@@ -1,0 +1,149 @@
+"""Python side of the quantized-weight C kernels (``quant.c``): checks, then one call.
+
+Every argument is checked here before the C code sees a pointer, so a bad shape, dtype or
+token id raises instead of reading out of bounds; the C entry points check again and
+return an error code rather than trust their caller.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.ops.quant import (
+    FORMAT_CODES,
+    QuantError,
+    QuantFormat,
+    QuantizedWeight,
+    check_blocks,
+    panel_shapes,
+)
+
+try:  # built at install time (setup.py); absent in a source tree nobody built
+    from engine.ops.cpu._kernels import ffi as _ffi
+    from engine.ops.cpu._kernels import lib as _lib
+except ImportError:  # pragma: no cover - depends on the install
+    _ffi = _lib = None
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # QDT_* in quant.c
+_ERRORS = {1: "bad arguments", 2: "out of memory", 3: "a row id is out of range"}
+
+
+def available() -> bool:
+    """Whether the compiled kernels (with quant.c) could be loaded."""
+    return _lib is not None and hasattr(_lib, "eng_qmatmul")
+
+
+PATHS = ("auto", "portable", "avx512", "amx", "amx-bf16")  # the `isa` codes of eng_qmatmul
+
+
+def paths() -> tuple[str, ...]:
+    """The kernel paths this CPU runs: portable C always, then AVX-512 VNNI, AMX-INT8 and
+    AMX-BF16 where the CPU has them."""
+    if not available():
+        return ()
+    return PATHS[1 : 2 + int(_lib.eng_q_isa())]
+
+
+def _ptr(t: torch.Tensor | None, ctype: str):
+    return _ffi.NULL if t is None else _ffi.cast(ctype, t.data_ptr())
+
+
+def _fields(w: QuantizedWeight) -> tuple:
+    if w.layout != "panels" or not w.device.type == "cpu":
+        raise QuantError(f"the CPU kernels take panel-packed CPU weights, got {w!r}")
+    return _pointers(w.data)
+
+
+def _pointers(data: dict[str, torch.Tensor]) -> tuple:
+    codes = data.get("codes4", data.get("codes8"))
+    hi = data.get("hi1", data.get("hi2"))
+    second = data.get("m", data.get("dmin"))
+    return (
+        _ptr(codes, "uint8_t *"), _ptr(hi, "uint8_t *"), _ptr(data["d"], "uint16_t *"),
+        _ptr(second, "uint16_t *"), _ptr(data.get("sc"), "uint8_t *"), _ptr(data.get("mn"), "uint8_t *"),
+    )
+
+
+def qmatmul(
+    x: torch.Tensor,
+    w: QuantizedWeight,
+    *,
+    out: torch.Tensor | None = None,
+    path: str = "auto",
+    threads: int | None = None,
+) -> torch.Tensor:
+    """``x @ w.T`` for ``x`` [..., K] (fp32 or bf16, CPU): the result in ``x``'s dtype.
+
+    ``out`` [tokens, N] (rows of any stride, columns contiguous: a column slice of a wider
+    output) receives the result. ``path`` "auto" picks by CPU and batch (AMX-BF16 from 16
+    tokens, else AVX-512 VNNI, else portable C); "portable", "avx512",
+    "amx" and "amx-bf16" force one (tests; a path the CPU lacks falls back to the int8 one
+    below it). ``threads`` defaults to
+    torch's thread count.
+    """
+    n, k = w.shape
+    code = _DTYPES.get(x.dtype)
+    if code is None:
+        raise QuantError(f"quantized matmul takes float32 or bfloat16 activations, got {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise QuantError(f"quantized matmul: activations {list(x.shape)} do not end in K = {k}")
+    if not x.is_cpu:
+        raise QuantError("quantized matmul (CPU kernels): activations must be in CPU memory")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if out is None:
+        result = torch.empty((x2.shape[0], n), dtype=x.dtype)
+    elif out.shape != (x2.shape[0], n) or out.dtype != x.dtype or out.stride(-1) != 1 or not out.is_cpu:
+        raise QuantError(f"quantized matmul: out must be {x.dtype} [{x2.shape[0]}, {n}] with contiguous rows")
+    else:
+        result = out
+    status = _lib.eng_qmatmul(
+        FORMAT_CODES[w.fmt.name], PATHS.index(path), code, _ptr(result, "void *"), result.stride(0),
+        _ptr(x2, "void *"), x2.stride(0), x2.shape[0], k, n, *_fields(w),
+        threads or torch.get_num_threads(),
+    )
+    if status:
+        raise QuantError(f"quantized matmul {w!r}: {_ERRORS.get(status, status)}")
+    return result if out is not None else result.view(*lead, n)
+
+
+def pack(raw: torch.Tensor, fmt: QuantFormat, k: int, *, threads: int | None = None) -> dict[str, torch.Tensor]:
+    """GGUF rows ``raw`` [N, bytes] uint8 repacked into panels (``quant.pack_panels``'s
+    layout, bit for bit)."""
+    check_blocks(raw, fmt, k)
+    raw = raw.contiguous()
+    n = raw.shape[0]
+    data = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in panel_shapes(fmt, n, k).items()}
+    status = _lib.eng_qpack(
+        FORMAT_CODES[fmt.name], _ptr(raw, "uint8_t *"), n, k, *_pointers(data),
+        threads or torch.get_num_threads(),
+    )
+    if status:
+        raise QuantError(f"repacking {fmt.name} [{n}, {k}]: {_ERRORS.get(status, status)}")
+    return data
+
+
+def qrows(w: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype, *, threads: int | None = None) -> torch.Tensor:
+    """Rows ``ids`` of ``w`` dequantized into ``dtype``: [*ids.shape, K] (an embedding)."""
+    n, k = w.shape
+    code = _DTYPES.get(dtype)
+    if code is None:
+        raise QuantError(f"quantized rows come as float32 or bfloat16, not {dtype}")
+    if ids.dtype != torch.int64 or not ids.is_cpu:
+        raise QuantError(f"row ids must be int64 in CPU memory, got {ids.dtype} on {ids.device}")
+    flat = ids.reshape(-1).contiguous()
+    out = torch.empty((flat.numel(), k), dtype=dtype)
+    status = _lib.eng_qrows(
+        FORMAT_CODES[w.fmt.name], code, _ptr(out, "void *"), _ptr(flat, "int64_t *"), flat.numel(), k, n,
+        *_fields(w), threads or torch.get_num_threads(),
+    )
+    if status == 3:
+        raise QuantError(f"row id out of range for a table of {n} rows")
+    if status:
+        raise QuantError(f"quantized rows {w!r}: {_ERRORS.get(status, status)}")
+    return out.view(*ids.shape, k)
+
+
+__all__ = ["PATHS", "available", "pack", "paths", "qmatmul", "qrows"]

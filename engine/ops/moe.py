@@ -1,0 +1,72 @@
+"""The grouped expert computation of a mixture-of-experts MLP, in plain torch.
+
+Each of ``T`` tokens is routed to ``k`` experts with a weight each. Instead of running every
+expert on every token (dense) or each token through its ``k`` experts one by one, the
+``T * k`` (token, slot) pairs are sorted by expert, so each expert that received tokens
+runs two matmuls over one contiguous group of rows and no other expert's weights are read::
+
+    topk_ids  [[2, 0],        pairs sorted by expert   expert 0: rows of pairs 1, 3
+               [2, 3]]   ->   (stable argsort)    ->   expert 2: rows of pairs 0, 2
+                                                       expert 3: row of pair 3
+                                                       experts 1, 4..: nothing, not touched
+
+Every pair's output is scaled by its routing weight and the ``k`` outputs of a token are
+summed in fp32. A token routed to one expert twice (possible with hand-made ids; a real
+router's top-k never repeats) is two pairs like any others and gets both contributions.
+
+This is the torch reference of ``Ops.fused_moe`` and, being a loop over experts rather
+than tokens, also the CPU path. The Triton kernel (``engine.ops.triton.fused_moe``) runs
+the same sorted layout as one grouped GEMM launch per projection.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
+    """``(order, counts)``: the flat pair indices sorted by expert (stable, so a group keeps
+    token order) and how many pairs each expert received (a host list: one sync per call)."""
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return order, counts.tolist()
+
+
+def fused_moe_reference(
+    x: torch.Tensor,  # [T, hidden]
+    w13: torch.Tensor,  # [E, 2 * inter, hidden]: each expert's gate rows then up rows
+    w2: torch.Tensor,  # [E, hidden, inter]
+    topk_weights: torch.Tensor,  # [T, k] fp32
+    topk_ids: torch.Tensor,  # [T, k] int64
+) -> torch.Tensor:
+    """``sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with
+    ``e = topk_ids[t, j]``, for every token ``t``; returned in ``x.dtype``."""
+    tokens, k = topk_ids.shape
+    hidden = x.shape[-1]
+    inter = w2.shape[-1]
+    order, counts = sort_by_expert(topk_ids, w13.shape[0])
+    rows = x.index_select(0, order // k)  # [T * k, hidden]: pair rows in expert order
+    out_sorted = torch.empty((tokens * k, hidden), dtype=x.dtype, device=x.device)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue  # an expert that received no token: its weights are never read
+        h = F.linear(rows[start : start + n], w13[expert])
+        act = F.silu(h[:, :inter]) * h[:, inter:]
+        out_sorted[start : start + n] = F.linear(act, w2[expert])
+        start += n
+    return combine(out_sorted, order, topk_weights)
+
+
+def combine(out_sorted: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """Each token's ``k`` pair outputs (given in expert order) scaled and summed in fp32."""
+    tokens, k = topk_weights.shape
+    pairs = torch.empty_like(out_sorted)
+    pairs.index_copy_(0, order, out_sorted)  # back to pair order: token * k + slot
+    weighted = pairs.view(tokens, k, -1).float() * topk_weights.unsqueeze(-1).float()
+    return weighted.sum(1).to(out_sorted.dtype)
+
+
+__all__ = ["combine", "fused_moe_reference", "sort_by_expert"]

@@ -1,0 +1,394 @@
+"""Block-quantized weights (GGUF Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) kept in their blocks.
+
+Every format stores, per row of a ``[N, K]`` weight, unsigned integer *codes* with one
+``scale`` and ``min`` per group of ``G`` consecutive columns, and means
+``w = code * scale + min``:
+
+=======  =====  ====  ===================================================================
+format   group  bits  scale, min of a group (d, dmin: fp16 per block; sc, mn: ints)
+=======  =====  ====  ===================================================================
+Q4_0     32     4     d, -8 d
+Q4_1     32     4     d, m (both fp16)
+Q8_0     32     8     d, -128 d        (the int8 q is stored as the code q + 128)
+Q4_K     32     4     d sc, -dmin mn   (sc, mn: 6-bit, 8 per 256-column super-block)
+Q5_K     32     5     d sc, -dmin mn
+Q6_K     16     6     d sc, -32 d sc   (sc: int8, 16 per super-block)
+=======  =====  ====  ===================================================================
+
+This module holds the torch reference of all of it (decode a GGUF block array, dequantize,
+matmul: the oracle of the C and Triton kernels, checked against ``gguf.quants``) and the
+repacking into the CPU kernels' layout. :class:`QuantizedWeight` is what the loader hands
+the model in place of a dense tensor.
+
+CPU layout ("panels"): rows are taken 16 at a time (a panel; N is padded to a multiple of
+16 with zero rows) and each group of 32 columns of a panel is stored so one 64-byte load
+gives an AVX-512 VNNI ``vpdpbusd`` operand: 16 rows x 4 consecutive columns (a "quad")::
+
+    codes4[p, g, v, 4*r + j]   low nibble : code[16p + r, 32g + 4*(2v)   + j]   v = 0..3
+                               high nibble: code[16p + r, 32g + 4*(2v+1) + j]   r = 0..15
+    codes8[p, g, q, 4*r + j]   = code[16p + r, 32g + 4q + j]                    q = 0..7
+    hi1[p, g, q]  (Q5_K)       64-bit mask: bit 4*r + j = bit 4 of code[16p + r, 32g + 4q + j]
+    hi2[p, g, h, 4*r + j]      (Q6_K) bits 2i..2i+1 = bits 4..5 of quad q = 4h + i's code
+
+and the scales per panel, 16 rows side by side, so one load gives a vector of 16:
+``d``/``m`` ``[P, K/32, 16]`` fp16 (Q4_0, Q4_1, Q8_0); ``d``/``dmin`` ``[P, K/256, 16]``
+fp16 and ``sc``/``mn`` ``[P, K/32, 16]`` uint8 (Q4_K, Q5_K); ``d`` ``[P, K/256, 16]`` fp16
+and ``sc`` ``[P, K/16, 16]`` int8 (Q6_K). The bytes equal the file's for Q4_0, Q4_1, Q8_0
+and Q6_K; Q4_K and Q5_K unpack their 6-bit scales to bytes (+2.8% and +2.3%).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+PANEL = 16  # rows per panel: one AVX-512 vector of 16 int32 / fp32 lanes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class QuantFormat:
+    """One GGUF block format: ``block`` columns in ``block_bytes`` bytes."""
+
+    name: str
+    ggml_type: int  # gguf.GGMLQuantizationType value
+    block: int  # columns per block (K must be a multiple)
+    block_bytes: int
+    group: int  # columns sharing one scale and min
+    bits: int  # bits per code
+
+
+FORMATS: dict[str, QuantFormat] = {
+    f.name: f
+    for f in (
+        QuantFormat("Q4_0", 2, 32, 18, 32, 4),
+        QuantFormat("Q4_1", 3, 32, 20, 32, 4),
+        QuantFormat("Q8_0", 8, 32, 34, 32, 8),
+        QuantFormat("Q4_K", 12, 256, 144, 32, 4),
+        QuantFormat("Q5_K", 13, 256, 176, 32, 5),
+        QuantFormat("Q6_K", 14, 256, 210, 16, 6),
+    )
+}
+
+# The C kernels' format codes (enum in engine/ops/cpu/quant.c).
+FORMAT_CODES = {name: i for i, name in enumerate(FORMATS)}
+
+
+class QuantError(ValueError):
+    """A quantized tensor whose shape or bytes do not fit its format."""
+
+
+def format_of(name: str) -> QuantFormat:
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise QuantError(f"unsupported quantization format {name!r}; supported: {', '.join(FORMATS)}") from None
+
+
+# --- decoding GGUF blocks -----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Decoded:
+    """A GGUF tensor taken apart: ``codes`` [N, K] uint8 and the format's scale fields.
+
+    ``fields`` maps names to per-row tensors: ``d``, ``m``, ``dmin`` (fp16, per block),
+    ``sc``, ``mn`` (uint8 per 32 columns; int8 per 16 for Q6_K).
+    """
+
+    fmt: QuantFormat
+    codes: torch.Tensor
+    fields: dict[str, torch.Tensor]
+
+    def scale_min(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``scale``, ``min`` [N, K / group], computed as the kernels compute them."""
+        f, name = self.fields, self.fmt.name
+        if name in ("Q4_0", "Q8_0"):
+            d = f["d"].float()
+            return d, d * (-8.0 if name == "Q4_0" else -128.0)
+        if name == "Q4_1":
+            return f["d"].float(), f["m"].float()
+        if name in ("Q4_K", "Q5_K"):
+            d = f["d"].float().repeat_interleave(8, dim=1)
+            dmin = f["dmin"].float().repeat_interleave(8, dim=1)
+            return d * f["sc"].float(), -(dmin * f["mn"].float())
+        d = f["d"].float().repeat_interleave(16, dim=1)  # Q6_K
+        scale = d * f["sc"].float()
+        return scale, scale * -32.0
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight [N, K]."""
+        scale, mn = self.scale_min()
+        g = self.fmt.group
+        n, k = self.codes.shape
+        w = self.codes.float().view(n, k // g, g) * scale.unsqueeze(-1) + mn.unsqueeze(-1)
+        return w.view(n, k)
+
+
+def _f16(b: torch.Tensor, offset: int) -> torch.Tensor:
+    """The fp16 at byte ``offset`` of every block: [N, blocks]."""
+    return b[..., offset : offset + 2].contiguous().view(torch.float16)[..., 0]
+
+
+def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's 12 bytes of 6-bit scales and mins -> ([.., 8], [.., 8]) uint8."""
+    lo = s[..., 0:4] & 63, s[..., 4:8] & 63
+    hi_sc = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)
+    hi_mn = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    return torch.cat([lo[0], hi_sc], -1), torch.cat([lo[1], hi_mn], -1)
+
+
+def check_blocks(raw: torch.Tensor, fmt: QuantFormat, k: int) -> None:
+    """Raise :class:`QuantError` unless ``raw`` holds whole rows of K columns of ``fmt``."""
+    if k <= 0 or k % fmt.block:
+        raise QuantError(f"{fmt.name}: K = {k} is not a positive multiple of {fmt.block}")
+    nb = k // fmt.block
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != nb * fmt.block_bytes or raw.shape[0] < 1:
+        raise QuantError(
+            f"{fmt.name}: expected uint8 [N >= 1, {nb * fmt.block_bytes}] for K = {k}, got "
+            f"{raw.dtype} {list(raw.shape)}"
+        )
+
+
+def panel_shapes(fmt: QuantFormat, n: int, k: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of each tensor of the panel layout of an [n, k] weight."""
+    p, g, sb = -(-n // PANEL), k // 32, k // 256
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    out["codes8" if fmt.bits == 8 else "codes4"] = ((p, g, 8 if fmt.bits == 8 else 4, 64), torch.uint8)
+    if fmt.bits == 5:
+        out["hi1"] = ((p, g, 8), torch.int64)
+    if fmt.bits == 6:
+        out["hi2"] = ((p, g, 2, 64), torch.uint8)
+    if fmt.block == 32:
+        out["d"] = ((p, g, PANEL), torch.float16)
+        if fmt.name == "Q4_1":
+            out["m"] = ((p, g, PANEL), torch.float16)
+    else:
+        out["d"] = ((p, sb, PANEL), torch.float16)
+        if fmt.name == "Q6_K":
+            out["sc"] = ((p, 2 * g, PANEL), torch.int8)
+        else:
+            out["dmin"] = ((p, sb, PANEL), torch.float16)
+            out["sc"] = ((p, g, PANEL), torch.uint8)
+            out["mn"] = ((p, g, PANEL), torch.uint8)
+    return out
+
+
+def decode_blocks(raw: torch.Tensor, fmt: QuantFormat | str, k: int) -> Decoded:
+    """Take apart ``raw`` [N, K / block * block_bytes] uint8 (GGUF's bytes of N rows)."""
+    fmt = format_of(fmt) if isinstance(fmt, str) else fmt
+    check_blocks(raw, fmt, k)
+    nb = k // fmt.block
+    n = raw.shape[0]
+    b = raw.reshape(n, nb, fmt.block_bytes)
+    name = fmt.name
+    fields: dict[str, torch.Tensor] = {}
+    if name in ("Q4_0", "Q4_1"):
+        off = 2 if name == "Q4_0" else 4
+        fields["d"] = _f16(b, 0)
+        if name == "Q4_1":
+            fields["m"] = _f16(b, 2)
+        qs = b[..., off : off + 16]
+        codes = torch.cat([qs & 15, qs >> 4], -1)  # byte l: element l (low), l + 16 (high)
+    elif name == "Q8_0":
+        fields["d"] = _f16(b, 0)
+        codes = b[..., 2:34] ^ 0x80  # int8 q -> q + 128, unsigned for vpdpbusd
+    elif name in ("Q4_K", "Q5_K"):
+        fields["d"], fields["dmin"] = _f16(b, 0), _f16(b, 2)
+        sc, mn = _k_scales(b[..., 4:16])
+        fields["sc"], fields["mn"] = sc.reshape(n, nb * 8), mn.reshape(n, nb * 8)
+        qs = b[..., 16:144] if name == "Q4_K" else b[..., 48:176]
+        qs = qs.reshape(n, nb, 4, 32)  # 32 bytes per 64 columns: sub-blocks 2c (low), 2c+1
+        codes = torch.stack([qs & 15, qs >> 4], dim=3).reshape(n, nb, 8, 32)
+        if name == "Q5_K":
+            qh = b[..., 16:48].reshape(n, nb, 1, 32)  # bit s of byte l: sub-block s, column l
+            shifts = torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)
+            codes = codes | (((qh >> shifts) & 1) << 4)
+    else:  # Q6_K
+        ql = b[..., 0:128].reshape(n, nb, 2, 64)
+        qh = b[..., 128:192].reshape(n, nb, 2, 32)
+        fields["sc"] = b[..., 192:208].contiguous().view(torch.int8).reshape(n, nb * 16)
+        fields["d"] = _f16(b, 208)
+        lo = torch.stack(
+            [ql[..., :32] & 15, ql[..., 32:] & 15, ql[..., :32] >> 4, ql[..., 32:] >> 4], dim=3
+        )  # [n, nb, half, 4, 32]
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1)
+        hi = (qh.unsqueeze(3) >> shifts) & 3
+        codes = lo | (hi << 4)
+    return Decoded(fmt, codes.reshape(n, k).contiguous(), {k_: v.contiguous() for k_, v in fields.items()})
+
+
+def dequantize_blocks(raw: torch.Tensor, fmt: QuantFormat | str, k: int) -> torch.Tensor:
+    """The torch reference: GGUF blocks [N, bytes] -> fp32 [N, K]."""
+    return decode_blocks(raw, fmt, k).dequantize()
+
+
+# --- the CPU panel layout -----------------------------------------------------------------
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    pad = torch.zeros((rows - t.shape[0], *t.shape[1:]), dtype=t.dtype)
+    return torch.cat([t, pad])
+
+
+def _panel_field(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """[N, X] per-row field -> [P, X, 16]: each panel's 16 rows side by side."""
+    t = _pad_rows(t, rows)
+    return t.view(rows // PANEL, PANEL, t.shape[1]).transpose(1, 2).contiguous()
+
+
+def pack_panels(dec: Decoded) -> dict[str, torch.Tensor]:
+    """The CPU kernels' layout of ``dec`` (see the module docstring)."""
+    fmt = dec.fmt
+    n, k = dec.codes.shape
+    rows = -(-n // PANEL) * PANEL
+    p, g = rows // PANEL, k // 32
+    codes = _pad_rows(dec.codes, rows)
+    # [p, r, g, q, j] -> [p, g, q, r, j]: quad q of group g, 16 rows x 4 columns.
+    quads = codes.view(p, PANEL, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(p, g, 8, 64)
+    out: dict[str, torch.Tensor] = {}
+    if fmt.bits == 8:
+        out["codes8"] = quads.contiguous()
+    else:
+        low = quads & 15
+        out["codes4"] = (low[:, :, 0::2] | (low[:, :, 1::2] << 4)).contiguous()
+    if fmt.bits == 5:
+        bits = ((quads >> 4) & 1).to(torch.int64)  # [p, g, 8, 64]
+        weights = torch.ones(64, dtype=torch.int64) << torch.arange(64)
+        out["hi1"] = (bits * weights).sum(-1).contiguous()  # int64 masks (sums of distinct bits)
+    if fmt.bits == 6:
+        hi = ((quads >> 4) & 3).view(p, g, 2, 4, 64)
+        out["hi2"] = (hi[:, :, :, 0] | (hi[:, :, :, 1] << 2) | (hi[:, :, :, 2] << 4) | (hi[:, :, :, 3] << 6)).contiguous()
+    for name, t in dec.fields.items():
+        out[name] = _panel_field(t, rows)
+    return out
+
+
+def unpack_panels(fmt: QuantFormat, packed: dict[str, torch.Tensor], n: int, k: int) -> Decoded:
+    """Inverse of :func:`pack_panels` (the reference the kernels' layout is tested with)."""
+    if "codes8" in packed:
+        quads = packed["codes8"]
+    else:
+        c4 = packed["codes4"]
+        p, g = c4.shape[:2]
+        quads = torch.stack([c4 & 15, c4 >> 4], dim=3).reshape(p, g, 8, 64)
+    p, g = quads.shape[:2]
+    if "hi1" in packed:
+        bits = (packed["hi1"].unsqueeze(-1) >> torch.arange(64)) & 1
+        quads = quads | (bits.to(torch.uint8) << 4)
+    if "hi2" in packed:
+        h = packed["hi2"].unsqueeze(3)  # [p, g, 2, 1, 64]
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1)
+        quads = quads | ((((h >> shifts) & 3) << 4).reshape(p, g, 8, 64))
+    codes = quads.view(p, g, 8, PANEL, 4).permute(0, 3, 1, 2, 4).reshape(p * PANEL, k)[:n]
+    fields = {
+        name: t.transpose(1, 2).reshape(p * PANEL, t.shape[1])[:n]
+        for name, t in packed.items()
+        if name not in ("codes4", "codes8", "hi1", "hi2")
+    }
+    return Decoded(fmt, codes.contiguous(), fields)
+
+
+# --- the weight object ----------------------------------------------------------------------
+
+
+class QuantizedWeight:
+    """A ``[N, K]`` weight kept in a block format.
+
+    ``layout`` is ``"panels"`` (CPU: :func:`pack_panels`, tensors in ``data``) or
+    ``"blocks"`` (GGUF's own rows, ``data["raw"]`` [N, bytes] uint8: the Triton kernels'
+    input on CUDA). Immutable once built; :meth:`cat_rows` makes a new one.
+    """
+
+    __slots__ = ("fmt", "shape", "layout", "data")
+
+    def __init__(self, fmt: QuantFormat, shape: tuple[int, int], layout: str, data: dict[str, torch.Tensor]):
+        self.fmt, self.shape, self.layout, self.data = fmt, (int(shape[0]), int(shape[1])), layout, data
+
+    @classmethod
+    def from_blocks(cls, raw: torch.Tensor, fmt: QuantFormat | str, k: int, *, device: torch.device | str = "cpu") -> QuantizedWeight:
+        """From GGUF rows ``raw`` [N, bytes] uint8: panels on CPU, blocks elsewhere."""
+        fmt = format_of(fmt) if isinstance(fmt, str) else fmt
+        check_blocks(raw, fmt, k)
+        device = torch.device(device)
+        if device.type != "cpu":
+            return cls(fmt, (raw.shape[0], k), "blocks", {"raw": raw.contiguous().to(device)})
+        from engine.ops.cpu import qmatmul as cq
+
+        if cq.available():  # the C repack: ~100x the torch one below
+            data = cq.pack(raw.contiguous(), fmt, k)
+        else:
+            data = pack_panels(decode_blocks(raw, fmt, k))
+        return cls(fmt, (raw.shape[0], k), "panels", data)
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.data.values())).device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.data.values())
+
+    def to(self, device: torch.device | str | torch.dtype | None = None, dtype: torch.dtype | None = None) -> QuantizedWeight:
+        """Itself: the blocks keep their format whatever the model dtype (``dtype`` is the
+        activations'; ``w.to(torch.bfloat16)`` is accepted as for a tensor). Moving between
+        devices is not supported."""
+        if isinstance(device, torch.dtype):
+            device = None
+        if device is not None and torch.device(device).type != self.device.type:
+            raise QuantError(f"a quantized weight on {self.device} cannot move to {device}")
+        return self
+
+    def contiguous(self) -> QuantizedWeight:
+        return self
+
+    def decoded(self) -> Decoded:
+        n, k = self.shape
+        if self.layout == "blocks":
+            return decode_blocks(self.data["raw"].cpu(), self.fmt, k)
+        return unpack_panels(self.fmt, self.data, n, k)
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight [N, K] on CPU (reference path; tests, fallbacks)."""
+        return self.decoded().dequantize()
+
+    @staticmethod
+    def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """Rows of ``parts`` one after another (q/k/v and gate/up fused into one matmul)."""
+        first = parts[0]
+        if any(p.fmt != first.fmt or p.shape[1] != first.shape[1] or p.layout != first.layout for p in parts):
+            raise QuantError("only weights of one format, width and layout can be concatenated")
+        n = sum(p.shape[0] for p in parts)
+        if first.layout == "panels" and any(p.shape[0] % PANEL for p in parts[:-1]):
+            raise QuantError(f"rows of a panel-packed weight concatenate in multiples of {PANEL}")
+        data = {name: torch.cat([p.data[name] for p in parts]) for name in first.data}
+        return QuantizedWeight(first.fmt, (n, first.shape[1]), first.layout, data)
+
+    def __repr__(self) -> str:
+        return f"QuantizedWeight({self.fmt.name}, shape={self.shape}, layout={self.layout!r})"
+
+
+def reference_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """``x @ dequantize(w).T`` in fp32: the oracle of the quantized matmul kernels."""
+    return x.float() @ w.dequantize().to(x.device).T
+
+
+__all__ = [
+    "FORMATS",
+    "FORMAT_CODES",
+    "PANEL",
+    "Decoded",
+    "QuantError",
+    "QuantFormat",
+    "QuantizedWeight",
+    "check_blocks",
+    "decode_blocks",
+    "dequantize_blocks",
+    "format_of",
+    "pack_panels",
+    "panel_shapes",
+    "reference_matmul",
+    "unpack_panels",
+]

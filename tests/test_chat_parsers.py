@@ -1,0 +1,181 @@
+"""Tool-call and reasoning parsers on outputs written the way each model family writes them.
+
+Every case is checked complete and streamed: split in two at every character boundary and
+fed one character at a time, the streamed deltas must assemble (as the openai client's
+stream helper assembles them) to exactly the complete parse.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+import pytest
+
+from engine.chat.reasoning import REASONING_PARSERS, get_reasoning_parser
+from engine.chat.tool_parsers import TOOL_PARSERS, ToolCallDelta, get_tool_parser
+
+WEATHER = {"city": "Paris", "unit": "celsius"}
+NESTED = {"q": "a } tricky ] \"string\" {", "filters": [{"k": 1}, {"k": [2, 3]}], "x": None}
+
+# (parser, model text, expected content, expected [(name, arguments object)])
+CASES: list[tuple[str, str, str | None, list[tuple[str, dict[str, Any]]]]] = [
+    # hermes: Qwen2.5 / Qwen3 / Hermes write one <tool_call> block per call.
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+     '"unit": "celsius"}}\n</tool_call>', None, [("get_weather", WEATHER)]),
+    ("hermes", 'I will look both up.\n<tool_call>\n{"name": "get_weather", "arguments": '
+     '{"city": "Paris", "unit": "celsius"}}\n</tool_call>\n<tool_call>\n{"name": "search", '
+     f'"arguments": {json.dumps(NESTED)}}}\n</tool_call>',
+     "I will look both up.", [("get_weather", WEATHER), ("search", NESTED)]),
+    ("hermes", "The answer is 4 < 5, no tools needed.", "The answer is 4 < 5, no tools needed.",
+     []),
+    # Broken JSON inside the tags, a missing name: content, never a call.
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>',
+     '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>', []),
+    ("hermes", 'ok <tool_call>{"arguments": {}}</tool_call>',
+     'ok <tool_call>{"arguments": {}}</tool_call>', []),
+    # Stopped by EOS before the closing tag: a complete call is still a call...
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+     '"unit": "celsius"}}', None, [("get_weather", WEATHER)]),
+    # ...a truncated one is content.
+    ("hermes", '<tool_call>\n{"name": "get_weather", "argu', '<tool_call>\n{"name": '
+     '"get_weather", "argu', []),
+    ("hermes", "text then <tool_ca", "text then <tool_ca", []),
+    # llama3_json: Llama 3.1-3.3 write bare JSON, calls joined by ";".
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "unit": '
+     '"celsius"}}', None, [("get_weather", WEATHER)]),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", '
+     f'"unit": "celsius"}}}}; {{"name": "search", "parameters": {json.dumps(NESTED)}}}',
+     None, [("get_weather", WEATHER), ("search", NESTED)]),
+    ("llama3_json", "Paris is sunny today.", "Paris is sunny today.", []),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Par',
+     '{"name": "get_weather", "parameters": {"city": "Par', []),
+    ("llama3_json", '<|python_tag|>{"city": "Paris"}', '<|python_tag|>{"city": "Paris"}', []),
+    ("llama3_json", "{braces} in prose", "{braces} in prose", []),
+    # mistral: v0.3 writes a JSON list after [TOOL_CALLS]; v11+ tokenizers name[ARGS]{...}.
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", '
+     f'"unit": "celsius"}}}}, {{"name": "search", "arguments": {json.dumps(NESTED)}}}]',
+     None, [("get_weather", WEATHER), ("search", NESTED)]),
+    ("mistral", 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}'
+     f'[TOOL_CALLS]search[ARGS]{json.dumps(NESTED)}', "Checking.",
+     [("get_weather", WEATHER), ("search", NESTED)]),
+    ("mistral", "[TOOL_CALLS]not a call!", "[TOOL_CALLS]not a call!", []),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": 5}]',
+     '[TOOL_CALLS][{"name": "get_weather", "arguments": 5}]', []),
+    ("mistral", "A list [1, 2] is fine.", "A list [1, 2] is fine.", []),
+    # pythonic: Llama 3.2 / Llama 4 / ToolACE write a Python list of calls.
+    ("pythonic", '[get_weather(city="Paris", unit=\'celsius\')]', None,
+     [("get_weather", WEATHER)]),
+    ("pythonic", '<|python_start|>[get_weather(city="Paris", unit="celsius"), '
+     'search(q="a } tricky ] \\"string\\" {", filters=[{"k": 1}, {"k": [2, 3]}], x=None)]'
+     "<|python_end|>", None, [("get_weather", WEATHER), ("search", NESTED)]),
+    ("pythonic", "[1, 2, 3]", "[1, 2, 3]", []),
+    ("pythonic", "[get_weather(city=open('x'))]", "[get_weather(city=open('x'))]", []),
+    ("pythonic", '[get_weather(city="Par', '[get_weather(city="Par', []),
+    ("pythonic", "No call here.", "No call here.", []),
+]
+
+
+def _ids() -> Any:
+    counter = itertools.count()
+    return lambda: f"call_{next(counter)}"
+
+
+def _assemble(deltas: list[ToolCallDelta]) -> list[dict[str, str]]:
+    """What the openai client's stream helper builds from delta.tool_calls."""
+    calls: dict[int, dict[str, str]] = {}
+    for d in deltas:
+        call = calls.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
+        if d.id is not None:
+            assert not call["id"], "id sent twice"
+            call["id"] = d.id
+        if d.name is not None:
+            assert not call["name"], "name sent twice"
+            call["name"] = d.name
+        assert call["id"] and call["name"], "arguments before the call's id and name"
+        call["arguments"] += d.arguments
+    assert sorted(calls) == list(range(len(calls)))
+    return [calls[i] for i in sorted(calls)]
+
+
+def _stream(parser: str, pieces: list[str]) -> tuple[str | None, list[dict[str, str]]]:
+    streamer = get_tool_parser(parser).streamer(_ids())
+    content, deltas = "", []
+    for delta in [*(streamer.feed(p) for p in pieces), streamer.finish()]:
+        content += delta.content
+        deltas.extend(delta.tool_calls)
+    return content or None, _assemble(deltas)
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), CASES)
+def test_tool_parser_complete_and_streamed(
+    parser: str, text: str, content: str | None, calls: list[tuple[str, dict[str, Any]]]
+) -> None:
+    parsed = get_tool_parser(parser).parse(text, _ids())
+    assert parsed.content == content
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == calls
+    assert [c.id for c in parsed.tool_calls] == [f"call_{i}" for i in range(len(calls))]
+    expected = [c.to_openai()["function"] | {"id": c.id} for c in parsed.tool_calls]
+    splits = [[text[:k], text[k:]] for k in range(len(text) + 1)] + [list(text)]
+    for pieces in splits:
+        got_content, got_calls = _stream(parser, pieces)
+        assert got_content == content, pieces
+        assert got_calls == expected, pieces
+
+
+def test_every_parser_has_a_case() -> None:
+    assert {case[0] for case in CASES} == set(TOOL_PARSERS)
+
+
+def test_streamed_call_is_sent_once_complete() -> None:
+    streamer = get_tool_parser("hermes").streamer(_ids())
+    assert streamer.feed("Sure. ").content == "Sure."
+    assert not streamer.feed('<tool_call>{"name": "f", "arguments": {"a"')
+    delta = streamer.feed(": 1}}</tool_call>")
+    assert [d.to_openai() for d in delta.tool_calls] == [
+        {"index": 0, "id": "call_0", "type": "function",
+         "function": {"name": "f", "arguments": ""}},
+        {"index": 0, "function": {"arguments": '{"a": 1}'}},
+    ]
+
+
+def test_unknown_parser_names_the_choices() -> None:
+    with pytest.raises(ValueError, match="hermes, llama3_json, mistral, pythonic"):
+        get_tool_parser("nope")
+
+
+# -- reasoning --------------------------------------------------------------------------
+
+REASONING_CASES = [
+    ("deepseek_r1", "Let me think: 2+2.</think>It is 4.", "Let me think: 2+2.", "It is 4."),
+    ("deepseek_r1", "<think>\nhmm\n</think>\n\nFour.", "\nhmm\n", "\n\nFour."),
+    ("deepseek_r1", "still thinking when cut off </thi", "still thinking when cut off </thi",
+     None),
+    ("deepseek_r1", "</think>No thoughts.", None, "No thoughts."),
+    ("qwen3", "<think>\nThe user wants 4.\n</think>\n\nIt is 4.", "\nThe user wants 4.\n",
+     "\n\nIt is 4."),
+    ("qwen3", "It is 4, and <think> here is just text.", None,
+     "It is 4, and <think> here is just text."),
+    ("qwen3", "<think>cut off", "cut off", None),
+    ("qwen3", "<thin", None, "<thin"),
+]
+
+
+@pytest.mark.parametrize(("parser", "text", "reasoning", "content"), REASONING_CASES)
+def test_reasoning_split_exact_complete_and_streamed(
+    parser: str, text: str, reasoning: str | None, content: str | None
+) -> None:
+    split = get_reasoning_parser(parser).parse(text)
+    assert (split.reasoning, split.content) == (reasoning, content)
+    for pieces in [[text[:k], text[k:]] for k in range(len(text) + 1)] + [list(text)]:
+        streamer = get_reasoning_parser(parser).streamer()
+        deltas = [*(streamer.feed(p) for p in pieces), streamer.finish()]
+        assert "".join(d.reasoning for d in deltas) == (reasoning or "")
+        assert "".join(d.content for d in deltas) == (content or "")
+
+
+def test_reasoning_parsers_are_registered() -> None:
+    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3"}
+    with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
+        get_reasoning_parser("nope")
