@@ -229,6 +229,12 @@ class Tokenizer:
         """The id of the vocabulary entry ``token``, or None."""
         return self._backend.token_to_id(token)
 
+    @property
+    def backend_tokenizer(self) -> _BackendTokenizer:
+        """The ``tokenizers.Tokenizer`` underneath (transformers' name), for libraries that
+        read a vocabulary's encoding, such as the grammar backends. Do not mutate it."""
+        return self._backend
+
     # -- chat ---------------------------------------------------------------------------
 
     @property
