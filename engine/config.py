@@ -12,6 +12,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # per token and KV head (engine.ops.QuantizedKV).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 QUANTIZATIONS = ("auto", "gguf", "none")  # see engine.models.loader
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")  # see engine.structured
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,6 +55,9 @@ class EngineConfig:
     # Times the actors restart in place after a crash before the engine stays dead. 0 for
     # the embedded API: a crash is a bug the caller sees; `serve` defaults to 5.
     max_engine_restarts: int = 0
+    # Grammar library for structured output (engine.structured): "xgrammar", "guidance"
+    # (llguidance) or "auto" (xgrammar, and llguidance for JSON schemas xgrammar refuses).
+    structured_outputs_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -79,6 +83,10 @@ class EngineConfig:
                 raise InvalidParamError(f"{name} must be a positive integer, got {value!r}", param=name)
         if self.block_size & (self.block_size - 1):
             raise InvalidParamError(f"block_size must be a power of two, got {self.block_size}", param="block_size")
+        if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise InvalidParamError(
+                f"structured_outputs_backend must be one of {STRUCTURED_OUTPUTS_BACKENDS}, "
+                f"got {self.structured_outputs_backend!r}", param="structured_outputs_backend")
         restarts = self.max_engine_restarts
         if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
             raise InvalidParamError(f"max_engine_restarts must be a non-negative integer, got {restarts!r}", param="max_engine_restarts")

@@ -33,6 +33,7 @@ class EngineParts:
     limits: AdmissionLimits
     runner: Any  # engine.runner.model_runner.ModelRunner
     num_blocks: int
+    grammar: Any = None  # engine.structured.GrammarBackend: compiles structured outputs
 
 
 def build_parts(config: EngineConfig) -> EngineParts:
@@ -46,6 +47,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
     from engine.ops import get_ops
     from engine.runner.kv_cache import bytes_per_block, num_kv_blocks
     from engine.runner.model_runner import ModelRunner
+    from engine.structured import GrammarBackend
 
     device = _device(config.device)
     if config.async_scheduling is None:
@@ -61,6 +63,10 @@ def build_parts(config: EngineConfig) -> EngineParts:
     t2 = time.perf_counter()
     logger.info("tokenizer ready in %.2f s", t2 - t1)
     config, num_blocks = _size_kv_pool(config, loaded, device, num_kv_blocks)
+    eos_ids = _eos_ids(loaded, tokenizer)
+    # Built once here: the grammar backends read every vocabulary entry's bytes.
+    grammar = GrammarBackend(tokenizer, vocab_size=loaded.config.vocab_size,
+                             stop_token_ids=eos_ids, backend=config.structured_outputs_backend)
     runner = ModelRunner(
         loaded,
         device=device,
@@ -71,6 +77,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
         max_num_seqs=config.max_num_seqs,
         seed=config.seed,
         kv_cache_dtype=config.kv_cache_dtype,
+        grammar=grammar,
     )
     t3 = time.perf_counter()
     _log_weight_bytes(loaded, runner)
@@ -91,10 +98,10 @@ def build_parts(config: EngineConfig) -> EngineParts:
         max_model_len=config.max_model_len or 0,
         vocab_size=loaded.config.vocab_size,
         max_queued_requests=config.max_queued_requests,
-        eos_token_ids=_eos_ids(loaded, tokenizer),
+        eos_token_ids=eos_ids,
     )
     name = config.served_model_name or _model_name(path)
-    return EngineParts(config, name, tokenizer, limits, runner, num_blocks)
+    return EngineParts(config, name, tokenizer, limits, runner, num_blocks, grammar)
 
 
 def _log_weight_bytes(loaded: Any, runner: Any) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from engine.params import SamplingParams
+from engine.structured.spec import StructuredOutputs
 
 # --- scheduler -> executor -> model runner ------------------------------------------------
 
@@ -303,6 +304,7 @@ def _message_types() -> dict[str, type]:
         if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == __name__
     }
     types["SamplingParams"] = SamplingParams
+    types["StructuredOutputs"] = StructuredOutputs
     return types
 
 

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.errors import InvalidParamError
+from engine.structured.spec import StructuredOutputs
 
 # Any unseeded request draws from the engine's generator; seeds are 64-bit like OpenAI's.
 _MAX_SEED = 2**63 - 1
@@ -53,6 +54,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # The output must match this JSON schema, regex, choice or grammar (engine.structured);
+    # compiled at admission, enforced token by token by the model runner.
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and dicts from callers; store hashable tuples.
@@ -116,6 +120,16 @@ class SamplingParams:
             _int(self.logprobs, "logprobs", lo=0, hi=20)
         if self.prompt_logprobs is not None:
             _int(self.prompt_logprobs, "prompt_logprobs", lo=0, hi=20)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                raise InvalidParamError(
+                    "structured_outputs must be an engine.structured.StructuredOutputs",
+                    param="structured_outputs")
+            if self.ignore_eos:
+                # The grammar ends a sample by allowing only EOS; ignoring it would leave
+                # the sample nothing valid to draw.
+                raise InvalidParamError("ignore_eos cannot be combined with structured_outputs",
+                                        param="ignore_eos")
 
     @property
     def greedy(self) -> bool:

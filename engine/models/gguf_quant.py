@@ -58,11 +58,19 @@ def read_gguf_weights(path: Path, config: ModelConfig, *, device: torch.device) 
     for t in reader.tensors:
         if arch == "phi3" and t.name in gguf_convert._ROPE_FACTOR_TENSORS:
             continue  # read into config.json's rope_scaling by the converter
+        total += int(t.n_bytes)
+        kind = t.tensor_type.name
+        # Expert stacks (3-D) and routers are split into per-expert matrices as the
+        # converter does; the expert kernels take dense weights, so their blocks are not kept.
+        moe = gguf_convert._moe_tensors(t, {"model_type": config.architecture}, path)
+        if moe is not None:
+            weights.update(moe)
+            if kind not in gguf_convert._LOSSLESS_TORCH_DTYPES:
+                dequantized[f"{kind} (experts)"] += 1
+            continue
         name = gguf_convert.hf_tensor_name(t.name, arch)
         if name is None:
             raise UnsupportedModelError(f"{path}: unknown GGUF tensor {t.name!r}")
-        total += int(t.n_bytes)
-        kind = t.tensor_type.name
         proj = name.rsplit(".", 2)[-2] if permuted else ""
         if kind in FORMATS and len(t.shape) == 2:
             raw = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # own copy of [N, bytes]
