@@ -284,11 +284,17 @@ async def test_long_and_short_requests_on_a_windowed_model_with_preemption_give_
         alone = await _alone(eng, prompts, max_tokens)
     # 5 blocks of 16 tokens hold one long request (at most 72 tokens), not all nine, even
     # though each gives back the blocks that fall out of the window as it goes.
+    # Whether a step runs out of blocks depends on how the nine submissions interleave with
+    # the first steps (trio shuffles its run queue), so a run that happened to preempt
+    # nothing is tried again; every run must give the solo tokens.
     small = dict(ENGINE_OPTIONS, kv_cache_memory=5 * 16 * 512)
-    async with engine.open_engine(str(windowed), **small) as eng:
-        together = await _together(eng, prompts, max_tokens)
-        stats = await wait_idle(eng)
-    assert together == alone
+    for _attempt in range(5):
+        async with engine.open_engine(str(windowed), **small) as eng:
+            together = await _together(eng, prompts, max_tokens)
+            stats = await wait_idle(eng)
+        assert together == alone
+        if stats.preemptions:
+            break
     assert stats.preemptions > 0
     assert stats.kv_blocks_total == 5
 
