@@ -233,6 +233,14 @@ class Engine:
             )
         else:
             ids = admission.prompt_token_ids(self.tokenizer, submit.prompt)
+        grammar = self._parts.grammar
+        if admission.needs_compile(grammar, params):
+            # A compile takes milliseconds to seconds: off the trio thread. Abandoned on
+            # cancel, it still finishes into the cache for the next request.
+            await trio.to_thread.run_sync(
+                admission.compile_structured, grammar, params, abandon_on_cancel=True)
+        else:
+            admission.compile_structured(grammar, params)  # a cache hit (or no constraint)
         handles = self._alive()  # it may have died while a thread tokenized
         admitted = admission.admit(submit, ids, self._parts.limits, waiting=handles.queue_depth())
         # No await from here on: the mailbox opens and the samples go to the scheduler in

@@ -3,7 +3,8 @@
 Pure (no I/O, no trio). :func:`submit_request` checks the caller's arguments,
 :func:`prompt_token_ids` applies the chat template and tokenizes, and :func:`admit`
 checks the queue, the vocabulary and the context, resolves ``max_tokens`` once and expands
-``n`` into samples. Each raises the request's own error (:class:`InvalidParamError`,
+``n`` into samples; :func:`compile_structured` compiles a structured-output grammar (into
+the backend's cache, once per distinct spec). Each raises the request's own error (:class:`InvalidParamError`,
 :class:`PromptTooLongError`, :class:`QueueFullError`); nothing is sent before all three
 have passed, so a refused or cancelled request leaves nothing behind. This is the line
 vLLM draws between its front end (input processing) and its engine core.
@@ -130,6 +131,35 @@ def prompt_token_ids(
         text = tokenizer.apply_chat_template(json.loads(prompt.messages_json), **options)
         return tuple(tokenizer.encode(_unicode(text, "messages"), add_special_tokens=False))
     return prompt.token_ids
+
+
+class GrammarCompiler(Protocol):
+    """What admission needs of :class:`engine.structured.GrammarBackend`."""
+
+    def compile(self, spec: Any, *, count: bool = True) -> Any: ...
+
+    def is_cached(self, spec: Any) -> bool: ...
+
+
+def needs_compile(grammar: GrammarCompiler | None, params: SamplingParams) -> bool:
+    """Whether :func:`compile_structured` has real work (a grammar not yet in the cache):
+    the caller then runs it in a worker thread."""
+    spec = params.structured_outputs
+    return spec is not None and grammar is not None and not grammar.is_cached(spec)
+
+
+def compile_structured(grammar: GrammarCompiler | None, params: SamplingParams) -> None:
+    """Compile the request's structured-output grammar into the backend's cache (blocking
+    on a miss; safe in a worker thread), so the model runner only looks it up. An invalid
+    or unsupported constraint raises :class:`InvalidParamError` naming
+    ``structured_outputs``."""
+    spec = params.structured_outputs
+    if spec is None:
+        return
+    if grammar is None:
+        raise InvalidParamError("this engine has no grammar backend for structured outputs",
+                                param="structured_outputs")
+    grammar.compile(spec)
 
 
 def admit(

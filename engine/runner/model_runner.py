@@ -41,7 +41,8 @@ from engine.models.llama import build_model
 from engine.ops import AttentionMetadata, Ops
 from engine.params import SamplingParams
 from engine.runner.kv_cache import allocate_kv_caches
-from engine.runner.sampler import Sampler, SamplingFailure, SamplingRow
+from engine.runner.sampler import Sampler, SamplingFailure, SamplingRow, TokenBitmask
+from engine.structured import GrammarBackend, Matcher, bitmask_words
 
 logger = logging.getLogger("engine")
 
@@ -69,6 +70,9 @@ class _RequestState:
     # The next prompt token whose logprob is owed (prompt_logprobs requests); a chunk
     # recomputed after preemption does not report its tokens twice.
     prompt_logprobs_next: int = 1
+    # Structured output: the sample's place in its grammar, having accepted every token of
+    # ``outputs`` (built at its first sampling step; see ModelRunner._matcher).
+    matcher: Matcher | None = None
 
 
 class ModelRunner:
@@ -92,6 +96,7 @@ class ModelRunner:
         max_num_seqs: int,
         seed: int = 0,
         kv_cache_dtype: str = "auto",
+        grammar: GrammarBackend | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.config = loaded.config
@@ -105,6 +110,15 @@ class ModelRunner:
             loaded.config, num_blocks, block_size, loaded.dtype, self.device, kv_cache_dtype=kv_cache_dtype
         )
         self.sampler = Sampler(ops, seed=seed)
+        # Compiles structured-output specs and makes matchers; None: such requests fail.
+        self.grammar = grammar
+        # One row per sequence a step can hold, filled only for the constrained rows; reused
+        # every step (int32, on the CPU where the grammar libraries write it).
+        self._bitmask = torch.zeros(
+            (max_num_seqs, bitmask_words(self.config.vocab_size)), dtype=torch.int32)
+        # Time spent filling bitmasks and rows filled (the benchmark's per-token mask cost).
+        self.mask_fill_seconds = 0.0
+        self.mask_rows = 0
         self._requests: dict[str, _RequestState] = {}
         # Requests that failed in a step: their state is gone, chunks already planned for
         # them (async scheduling) are skipped until the scheduler's finished_ids names them.
@@ -310,22 +324,81 @@ class ModelRunner:
         sample_rows: list[int],
     ) -> tuple[tuple[SampledToken, ...], tuple[RequestFailure, ...]]:
         rows = torch.tensor(sample_rows, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
         picked = [(c, s) for c, s in zip(chunks, states, strict=True) if c.sample]
+        # The grammar masks are filled before the logits are computed: on a GPU the host
+        # fills them while the device still runs the forward.
+        bitmask, failed = self._fill_bitmask(picked)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
         sampling_rows = [
             SamplingRow(s.params, s.prompt, s.outputs, s.eos_token_ids) for _, s in picked
         ]
         out = []
-        failed = []
-        for (c, s), drawn in zip(picked, self.sampler(logits, sampling_rows), strict=True):
+        gone = {f.request_id for f in failed}
+        for (c, s), drawn in zip(picked, self.sampler(logits, sampling_rows, bitmask), strict=True):
+            if c.request_id in gone:
+                continue
             if isinstance(drawn, SamplingFailure):
                 failed.append(RequestFailure(c.request_id, drawn.reason))
                 continue
             token, logprob, top = drawn
+            if s.matcher is not None and not s.matcher.ended and not s.matcher.accept(token):
+                # The mask allowed only tokens the grammar takes; this is a backend fault.
+                failed.append(RequestFailure(
+                    c.request_id, "the sampled token does not fit the structured output grammar"))
+                continue
             s.outputs.append(token)
             s.tokens.append(token)
             out.append(SampledToken(c.request_id, token, logprob, tuple(top)))
         return tuple(out), tuple(failed)
+
+    def _fill_bitmask(
+        self, picked: Sequence[tuple[ScheduledChunk, _RequestState]]
+    ) -> tuple[TokenBitmask | None, list[RequestFailure]]:
+        """The token bitmask of the step's constrained rows (row ``i`` of the mask for
+        batch row ``rows[i]``), and the requests whose grammar could not be set up.
+
+        A matcher that already ended (it accepted EOS; with async scheduling the step after
+        may still be planned) gets no mask: its token is dropped by the scheduler."""
+        constrained: list[int] = []
+        failed: list[RequestFailure] = []
+        t0 = time.perf_counter()
+        for b, (c, s) in enumerate(picked):
+            if s.params.structured_outputs is None:
+                continue
+            try:
+                matcher = self._matcher(s)
+            except (EngineError, ValueError) as exc:
+                failed.append(RequestFailure(c.request_id, f"structured output: {exc}"))
+                continue
+            if matcher.ended:
+                continue
+            matcher.fill(self._bitmask, len(constrained))
+            constrained.append(b)
+        if not constrained:
+            return None, failed
+        self.mask_fill_seconds += time.perf_counter() - t0
+        self.mask_rows += len(constrained)
+        return TokenBitmask(self._bitmask[: len(constrained)], tuple(constrained)), failed
+
+    def _matcher(self, state: _RequestState) -> Matcher:
+        """The request's matcher, made on first use and fed the outputs it already has
+        (none for a new request; all of them should one ever be rebuilt, e.g. after its
+        state was recreated for a recompute)."""
+        held = state.matcher
+        if held is not None and (held.ended or held.accepted == len(state.outputs)):
+            return held
+        spec = state.params.structured_outputs
+        if self.grammar is None or spec is None:
+            raise StepPlanError("a structured-output request reached a runner without a "
+                                "grammar backend")
+        matcher = self.grammar.matcher(spec)
+        for token in state.outputs:
+            if matcher.ended:
+                break  # tokens after EOS were planned ahead and are dropped
+            if not matcher.accept(token):
+                raise StepPlanError("the request's tokens do not fit its grammar")
+        state.matcher = matcher
+        return matcher
 
 
 # Hidden rows turned into full-vocabulary logits at once for prompt logprobs: 256 rows of

@@ -1,10 +1,15 @@
 """Per-step sampling: logit bias, min_tokens, penalties, seeds and logprobs around ``ops.sample``.
 
-The model runner calls ``Sampler(logits, rows)`` once per step with one row per request that
-produces a token. The work, in order (vLLM's order)::
+The model runner calls ``Sampler(logits, rows, bitmask)`` once per step with one row per
+request that produces a token. The work, in order (vLLM's order)::
 
-    logits -> + logit_bias -> min_tokens mask -> repetition penalty -> presence/frequency
+    logits -> grammar bitmask (-inf where structured output forbids) -> + logit_bias
+           -> min_tokens mask -> repetition penalty -> presence/frequency
            -> ops.sample (temperature -> top-k -> top-p -> min-p -> draw)
+
+A forbidden token stays -inf through every later step (a bias or penalty cannot lift it),
+so the draw, whichever ``ops`` does it (torch, C or Triton), only picks allowed tokens; a
+row left with none becomes a :class:`SamplingFailure`.
 
 Logprobs, sampled and top-N, are ``log_softmax`` of the logits after bias and penalties and
 before temperature (what ``ops.sample`` reports for the sampled token).
@@ -19,6 +24,7 @@ gives sample ``i`` the seed ``seed + i``), or they draw identical tokens.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 
 import torch
@@ -26,6 +32,7 @@ import torch
 from engine.errors import InvalidParamError
 from engine.ops import Ops
 from engine.params import SamplingParams
+from engine.structured import apply_bitmask
 
 _U64 = (1 << 64) - 1
 # splitmix64 constants (Steele, Lea & Flood, "Fast splittable pseudorandom number
@@ -57,6 +64,16 @@ class SamplingRow:
     eos_token_ids: tuple[int, ...]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenBitmask:
+    """Allowed tokens of a step's constrained rows: ``mask[i]`` (int32 words, bit ``t`` of
+    the row = token ``t`` allowed; see ``engine.structured.backend``) for batch row
+    ``rows[i]``. ``mask`` is on the CPU, where the grammar libraries fill it."""
+
+    mask: torch.Tensor
+    rows: tuple[int, ...]
+
+
 def step_seed(seed: int, step: int) -> int:
     """The ``step``-th output of a splitmix64 stream seeded with ``seed``, as a signed int64.
 
@@ -80,11 +97,14 @@ class Sampler:
     def __init__(self, ops: Ops, *, seed: int = 0) -> None:
         self._ops = ops
         self._generator = torch.Generator().manual_seed(seed)
+        self.mask_apply_seconds = 0.0  # time spent applying grammar bitmasks
 
     def __call__(
-        self, logits: torch.Tensor, rows: Sequence[SamplingRow]
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+        bitmask: TokenBitmask | None = None,
     ) -> list[SampledToken | SamplingFailure]:
-        """Sample row ``b`` of ``logits`` ([B, V]) for ``rows[b]``.
+        """Sample row ``b`` of ``logits`` ([B, V]) for ``rows[b]``, only among the tokens
+        ``bitmask`` allows for its constrained rows.
 
         Returns, per row, ``(token_id, logprob, top)`` where ``top`` holds the
         ``params.logprobs`` most likely ``(token_id, logprob)`` pairs, best first, or ``()``;
@@ -98,7 +118,15 @@ class Sampler:
             )
         if not rows:
             return []
-        logits = self._adjust_logits(logits.float(), rows)
+        logits = logits.float()
+        if bitmask is not None:
+            t0 = time.perf_counter()
+            if logits.dtype != torch.float32 or not logits.is_contiguous():
+                logits = logits.contiguous()
+            # In place: the runner's logits are this step's own tensor, used for nothing else.
+            apply_bitmask(logits, bitmask.mask, list(bitmask.rows))
+            self.mask_apply_seconds += time.perf_counter() - t0
+        logits = self._adjust_logits(logits, rows)
         failures = _unsamplable_rows(logits)
         if failures:
             # Neutral logits for the failed rows, so no kernel sees a NaN or an empty row;
@@ -206,7 +234,10 @@ class Sampler:
         values, ids = torch.topk(logprobs, n_max, dim=-1)
         for i, (vals, toks) in enumerate(zip(values.tolist(), ids.tolist(), strict=True)):
             n = rows[wanted[i]].params.logprobs or 0
-            tops[wanted[i]] = tuple(zip(toks[:n], vals[:n], strict=True))
+            # A forbidden token (grammar, min_tokens) is no alternative: fewer entries come
+            # back when fewer than n tokens are allowed (and -inf has no JSON form).
+            tops[wanted[i]] = tuple(
+                (t, v) for t, v in zip(toks[:n], vals[:n], strict=True) if v != float("-inf"))
         return tops
 
 
@@ -227,8 +258,8 @@ def _unsamplable_rows(logits: torch.Tensor) -> dict[int, str]:
             reasons[b] = "the logits hold +inf (a penalty or bias overflowed)"
         else:
             reasons[b] = (
-                "no token can be sampled: every token is masked (stop_token_ids or EOS under "
-                "min_tokens, logit_bias)"
+                "no token can be sampled: every token is masked (the structured output "
+                "grammar, stop_token_ids or EOS under min_tokens, logit_bias)"
             )
     return reasons
 

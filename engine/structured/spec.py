@@ -1,0 +1,182 @@
+"""What a request asks its output to match: :class:`StructuredOutputs`.
+
+A frozen value of plain data (strings, tuples, a bool), so it rides inside
+:class:`engine.params.SamplingParams` through every message and packs with msgpack. The
+grammar it names is compiled elsewhere (:mod:`engine.structured.backend`); this module only
+checks that the value is well formed and says which constraint it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from engine.errors import InvalidParamError
+
+# The largest constraint text (a schema as JSON, a regex, a grammar, the choices joined):
+# compile time grows with it, and 64 KiB holds any schema an application sends (OpenAI
+# caps a strict schema at 5,000 properties of short names, well under this).
+MAX_SPEC_CHARS = 65_536
+# Choices beyond this make a grammar as large as the limit above for no real use.
+MAX_CHOICES = 1024
+
+# JSON-schema keywords xgrammar 0.2 accepts but does not enforce (checked by feeding its
+# matcher a violating document: "[1, 1]" under uniqueItems, '"a"' under {"not": string}).
+# A schema using one goes to llguidance (which enforces or refuses it) under "auto", and is
+# refused under "xgrammar": an output that silently breaks the schema is what fail-closed
+# forbids.
+XGRAMMAR_UNENFORCED = frozenset(
+    {"uniqueItems", "not", "if", "then", "else", "dependentRequired", "dependentSchemas",
+     "dependencies"}
+)
+# Keywords whose value is a schema, a list of schemas, or a map of names to schemas: the
+# places a keyword can hide in a nested schema (property *names* are not keywords).
+_SUBSCHEMA = frozenset({"additionalProperties", "items", "contains", "propertyNames", "not",
+                        "if", "then", "else", "unevaluatedItems", "unevaluatedProperties"})
+_SUBSCHEMA_LISTS = frozenset({"anyOf", "allOf", "oneOf", "prefixItems"})
+_SUBSCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                             "dependentSchemas"})
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class StructuredOutputs:
+    """One constraint on a request's output, exactly one field set (vLLM's names).
+
+    * ``json``: a JSON schema (a dict, or its JSON text); the output is a JSON document
+      that validates against it. Stored as compact JSON text, key order kept (it is the
+      order the properties are generated in).
+    * ``json_object``: ``True`` for any JSON object.
+    * ``regex``: the output fully matches this regular expression (ECMAScript syntax as
+      xgrammar reads it; no ``^``/``$`` needed).
+    * ``choice``: the output is exactly one of these strings.
+    * ``grammar``: an EBNF grammar in xgrammar's (GBNF) syntax whose ``root`` rule the
+      output matches.
+
+    Bad values raise :class:`InvalidParamError` with ``param="structured_outputs"``; a
+    regex or grammar that does not compile is found when the engine compiles it (at
+    admission), with the same error.
+    """
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.json is not None and not isinstance(self.json, str):
+            object.__setattr__(self, "json", _schema_text(self.json))
+        if self.choice is not None and not isinstance(self.choice, tuple):
+            if not isinstance(self.choice, list):
+                raise _error("choice must be a list of strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        self._check()
+
+    def _check(self) -> None:
+        if not isinstance(self.json_object, bool):
+            raise _error("json_object must be true or false")
+        set_kinds = [k for k in KINDS if (getattr(self, k) is not None and k != "json_object")
+                     or (k == "json_object" and self.json_object)]
+        if len(set_kinds) != 1:
+            raise _error(
+                "exactly one of json, json_object, regex, choice or grammar must be set, got "
+                + (", ".join(set_kinds) if set_kinds else "none"))
+        if self.json is not None:
+            schema = self.schema
+            if not isinstance(schema, dict):
+                raise _error("json must be a JSON schema object")
+            check_schema(schema)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise _error(f"{name} must be a non-empty string")
+        if self.choice is not None:
+            if not self.choice or len(self.choice) > MAX_CHOICES:
+                raise _error(f"choice must hold 1 to {MAX_CHOICES} strings")
+            if not all(isinstance(c, str) and c for c in self.choice):
+                raise _error("choice must hold non-empty strings")
+        if len(self.text) > MAX_SPEC_CHARS:
+            raise _error(f"the {self.kind} constraint is {len(self.text)} characters; at most "
+                         f"{MAX_SPEC_CHARS} are allowed")
+
+    @property
+    def kind(self) -> str:
+        """``"json"``, ``"json_object"``, ``"regex"``, ``"choice"`` or ``"grammar"``."""
+        if self.json is not None:
+            return "json"
+        if self.json_object:
+            return "json_object"
+        if self.regex is not None:
+            return "regex"
+        if self.choice is not None:
+            return "choice"
+        return "grammar"
+
+    @property
+    def text(self) -> str:
+        """The constraint as one string (the choices as a JSON list)."""
+        if self.json is not None:
+            return self.json
+        if self.regex is not None:
+            return self.regex
+        if self.grammar is not None:
+            return self.grammar
+        if self.choice is not None:
+            return json.dumps(list(self.choice), ensure_ascii=False)
+        return ""
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What the compiled-grammar cache is keyed by: equal keys compile alike."""
+        return self.kind, self.text
+
+    @property
+    def schema(self) -> Any:
+        """The JSON schema of a ``json`` constraint, parsed."""
+        return json.loads(self.json) if self.json is not None else None
+
+
+def _schema_text(schema: Any) -> str:
+    try:
+        return json.dumps(schema, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise _error(f"json must be a JSON schema: {exc}") from None
+
+
+def check_schema(schema: dict[str, Any]) -> None:
+    """Refuse a schema that is not valid JSON Schema (by its own metaschema)."""
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path)
+        raise _error(f"json is not a valid JSON schema{' at ' + where if where else ''}: "
+                     f"{exc.message}") from None
+
+
+def schema_keywords(schema: Any) -> set[str]:
+    """Every keyword used anywhere in ``schema`` (keys of schema objects, not property
+    names)."""
+    found: set[str] = set()
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        found.update(node)
+        for key, value in node.items():
+            if key in _SUBSCHEMA:
+                stack.append(value)
+            elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+                stack.extend(value)
+            elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+                stack.extend(value.values())
+    return found
+
+
+def _error(message: str) -> InvalidParamError:
+    return InvalidParamError(message, param="structured_outputs")
