@@ -148,13 +148,27 @@ def test_tiny_models_do_not_degenerate(tiny) -> None:
     assert all(len(set(tokens)) > 1 for tokens, _ in expected)
 
 
-def _prefill_logits(runner: ModelRunner, prompts: list[list[int]], chunk_size: int | None) -> list[torch.Tensor]:
+def _chunk_lengths(n: int, chunk_size: int | None) -> list[int]:
+    """``n`` tokens cut into ``chunk_size`` pieces (``None``: one piece)."""
+    if chunk_size is None:
+        return [n]
+    return [chunk_size] * (n // chunk_size) + ([n % chunk_size] if n % chunk_size else [])
+
+
+def _prefill_logits(
+    runner: ModelRunner, prompts: list[list[int]], chunk_size: int | None, *, plans: list[list[int]] | None = None
+) -> list[torch.Tensor]:
     """fp32 logits [len(p), vocab] at every position of each prompt, all prompts prefilled
-    together ``chunk_size`` tokens a step (``None``: whole prompts; 1: decode-only steps).
+    together ``chunk_size`` tokens a step (``None``: whole prompts; 1: decode-only steps),
+    or each prompt in its own ``plans[i]`` chunk lengths (the steps of a request that
+    prefills its prompt whole or chunked and then decodes a token a step).
 
     Calls the model directly, as the runner does, but keeps every row's logits. Blocks are
     handed out in reverse order, so token order and block order disagree everywhere.
     """
+    plans = plans or [_chunk_lengths(len(p), chunk_size) for p in prompts]
+    assert [sum(plan) for plan in plans] == [len(p) for p in prompts]
+    plans = [list(plan) for plan in plans]
     bs = runner.block_size
     need = [-(-len(p) // bs) for p in prompts]
     free = list(reversed(range(sum(need))))
@@ -164,7 +178,7 @@ def _prefill_logits(runner: ModelRunner, prompts: list[list[int]], chunk_size: i
     while active := [i for i, p in enumerate(prompts) if done[i] < len(p)]:
         ids, positions, slots, query_lens, seq_lens = [], [], [], [], []
         for i in active:
-            n = len(prompts[i]) - done[i] if chunk_size is None else min(chunk_size, len(prompts[i]) - done[i])
+            n = plans[i].pop(0)
             span = range(done[i], done[i] + n)
             ids += prompts[i][span.start : span.stop]
             positions += span
@@ -329,6 +343,47 @@ def test_triton_backend_greedy_tokens_and_logprobs_match_transformers(tiny) -> N
         got = torch.tensor([s.logprob for s in run], dtype=torch.float64)
         want = torch.tensor(want_logprobs[:TRITON_NEW_TOKENS], dtype=torch.float64)
         torch.testing.assert_close(got, want, atol=LOGPROB_ATOL, rtol=0)
+
+
+# The architectures with a sliding window (the tiny Mistral's every layer, the Gemmas' local
+# ones) or new ops (Phi-3's fused weights and longrope): their Triton check runs a prompt
+# past the window and 32 tokens after it, at ~0.35 s per interpreted step.
+TRITON_LONG_ARCHITECTURES = ("mistral", "gemma2", "gemma3", "phi3")
+
+
+def check_triton_past_the_window(loaded: types.SimpleNamespace, folder: Path, prompt: list[int]) -> None:
+    """The Triton backend (interpreted on CPU) on ``prompt`` and the 32 tokens transformers
+    greedy-decodes after it, fed back one a step: two requests in one batch, one prefilling
+    the prompt whole and one in 5-token chunks, then both decoding. The logits at every
+    position (prompt and decode) must match transformers' forward over the same tokens in
+    fp32 within ``LOGIT_ATOL_FP32``, and each decode row's argmax must be transformers' next
+    token: greedy decoding on these logits gives transformers' 32 tokens, chunked or not.
+
+    (Sampling through the Triton sampler is ``test_triton_backend_greedy_tokens_and_logprobs_
+    match_transformers``'s and ``test_kernels``'; feeding transformers' tokens back instead of
+    our own lets both requests share every decode step.)"""
+    hf = _hf_model(folder)
+    want_tokens, _ = _hf_greedy(hf, prompt, NEW_TOKENS)
+    assert len(set(want_tokens)) > 1
+    seq = prompt + want_tokens[:-1]
+    with torch.inference_mode():
+        want = hf(torch.tensor([seq])).logits[0]
+    n, decode = len(prompt), [1] * (NEW_TOKENS - 1)
+    plans = [[n, *decode], _chunk_lengths(n, 5) + decode]
+    got = _prefill_logits(_runner(loaded, 4, "triton"), [seq, seq], None, plans=plans)
+    for g, plan in zip(got, plans, strict=True):
+        torch.testing.assert_close(g, want, atol=LOGIT_ATOL_FP32, rtol=0, msg=lambda m, p=plan: f"{p[:6]}: {m}")
+        assert g[n - 1 :].argmax(-1).tolist() == want_tokens
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("tiny", TRITON_LONG_ARCHITECTURES, indirect=True)
+def test_triton_backend_logits_and_32_greedy_tokens_past_the_window_match_transformers(tiny) -> None:
+    loaded, prompts, _, folder = tiny
+    prompt = prompts[-1]
+    windows = [w for w in loaded.config.layer_windows if w]
+    assert len(prompt) > max(windows, default=0) * 2  # Phi-3 has none: longrope is on trial
+    check_triton_past_the_window(loaded, folder, prompt)
 
 
 @pytest.mark.slow
