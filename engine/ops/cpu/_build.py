@@ -33,6 +33,7 @@ int eng_kv_write_i8(int dtype, const void *x, int64_t x_stride, int64_t tokens, 
 # Quantized-weight matmuls (quant.c, a translation unit of its own; see engine/ops/quant.py).
 QUANT_CDEF = """
 int eng_q_isa(void);
+int eng_q_has_avx2(void);
 int eng_qmatmul(int fmt, int isa, int dtype, void *out, int64_t out_stride, const void *x,
                 int64_t x_stride, int64_t M, int64_t K, int64_t N, const uint8_t *codes,
                 const uint8_t *hi, const uint16_t *d, const uint16_t *m, const uint8_t *sc,

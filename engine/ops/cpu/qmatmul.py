@@ -33,15 +33,17 @@ def available() -> bool:
     return _lib is not None and hasattr(_lib, "eng_qmatmul")
 
 
-PATHS = ("auto", "portable", "avx512", "amx", "amx-bf16")  # the `isa` codes of eng_qmatmul
+# The `isa` codes of eng_qmatmul, by index (avx2 came last, hence its place).
+PATHS = ("auto", "portable", "avx512", "amx", "amx-bf16", "avx2")
 
 
 def paths() -> tuple[str, ...]:
-    """The kernel paths this CPU runs: portable C always, then AVX-512 VNNI, AMX-INT8 and
-    AMX-BF16 where the CPU has them."""
+    """The kernel paths this CPU runs: portable C always, AVX2 where the CPU has it (with
+    FMA and F16C), then AVX-512 VNNI, AMX-INT8 and AMX-BF16 where it has them."""
     if not available():
         return ()
-    return PATHS[1 : 2 + int(_lib.eng_q_isa())]
+    avx2 = ("avx2",) if _lib.eng_q_has_avx2() else ()
+    return ("portable", *avx2, *PATHS[2 : 2 + int(_lib.eng_q_isa())])
 
 
 def _ptr(t: torch.Tensor | None, ctype: str):
@@ -76,7 +78,7 @@ def qmatmul(
 
     ``out`` [tokens, N] (rows of any stride, columns contiguous: a column slice of a wider
     output) receives the result. ``path`` "auto" picks by CPU and batch (AMX-BF16 from 16
-    tokens, else AVX-512 VNNI, else portable C); "portable", "avx512",
+    tokens, else AVX-512 VNNI, else AVX2, else portable C); "portable", "avx2", "avx512",
     "amx" and "amx-bf16" force one (tests; a path the CPU lacks falls back to the int8 one
     below it). ``threads`` defaults to
     torch's thread count.

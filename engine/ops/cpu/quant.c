@@ -17,8 +17,8 @@
  * the 2-core AVX-512 dev machine this beat dequantizing to bf16 and multiplying with
  * vdpbf16ps (one fp32 conversion per 32 products instead of per 2).
  *
- * Paths: AVX-512 (F, BW, VL, VNNI, F16C) with intrinsics; a portable C path for every
- * other x86-64 CPU (compiled for x86-64-v3 and the baseline through target_clones, so the
+ * Paths: AVX-512 (F, BW, VL, VNNI, F16C) with intrinsics; AVX2 (with FMA, F16C) with
+ * intrinsics for CPUs without AVX-512; a portable C path for every other x86-64 CPU (compiled for x86-64-v3 and the baseline through target_clones, so the
  * compiler vectorizes it where it can). `isa` 1 forces the portable path (tests).
  * Threads: OpenMP over (token block, panel) pairs, on torch's libgomp pool (see kernels.c).
  */
@@ -714,6 +714,179 @@ static int q_matmul_amx_bf16(const QWeight *w, int dtype, void *out, int64_t out
 }
 #endif
 
+/* ---- the AVX2 micro-kernel ---------------------------------------------------------- *
+ *
+ * For x86-64 CPUs with AVX2, FMA and F16C but no AVX-512 (AMD Zen 2/3, most laptops).
+ * AVX2 has no int8 dot product into int32 (AVX-VNNI is rarer still), so a quad of 4
+ * columns takes vpmaddubsw (uint8 code x int8 activation, adjacent pairs summed to int16)
+ * then vpmaddwd by ones (pairs of int16 summed to int32), as llama.cpp's AVX2 dot products
+ * do. The int16 pair sum is at most 2 * 63 * 127 = 16002 for codes of up to 6 bits, so it
+ * never saturates; Q8_0's 8-bit codes (up to 255) could, so they are split into nibbles,
+ * each dotted alone and recombined as lo + 16 hi in int32.
+ * A 64-byte quad vector (16 rows x 4 columns) is two 32-byte halves of 8 rows each. */
+
+#if HAVE_AVX512_PATH
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+AVX2 QINLINE __m256 q2_ld_f16(const uint16_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+AVX2 QINLINE __m256 q2_ld_u8(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+AVX2 QINLINE __m256 q2_ld_i8(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* 32 bits of a Q5_K mask -> 32 bytes, 16 where the bit is set (bit i -> byte i). */
+AVX2 QINLINE __m256i q2_bits_to_16(uint32_t bits) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread);
+    b = _mm256_cmpeq_epi8(_mm256_and_si256(b, select), select);
+    return _mm256_and_si256(b, _mm256_set1_epi8(16));
+}
+
+/* Quads 0..7 of rows 8h .. 8h+7 of group pg (Q8_0: c[] holds the low nibbles, c[8 + q]
+ * the high ones). */
+AVX2 QINLINE void q2_unpack(const QWeight *w, int fmt, int64_t pg, int h, __m256i *c) {
+    const __m256i low4 = _mm256_set1_epi8(15);
+    if (fmt == F_Q8_0) {
+        for (int q = 0; q < 8; q++) {
+            __m256i b = _mm256_loadu_si256((const __m256i *)(w->codes + pg * 512 + 64 * q + 32 * h));
+            c[q] = _mm256_and_si256(b, low4);
+            c[8 + q] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+        }
+        return;
+    }
+    for (int v = 0; v < 4; v++) {
+        __m256i b = _mm256_loadu_si256((const __m256i *)(w->codes + pg * 256 + 64 * v + 32 * h));
+        c[2 * v] = _mm256_and_si256(b, low4);
+        c[2 * v + 1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+    }
+    if (fmt == F_Q5_K) {
+        for (int q = 0; q < 8; q++) {
+            uint64_t mk;
+            memcpy(&mk, w->hi + (pg * 8 + q) * 8, 8);
+            c[q] = _mm256_or_si256(c[q], q2_bits_to_16((uint32_t)(mk >> (32 * h))));
+        }
+    } else if (fmt == F_Q6_K) {
+        const __m256i low2 = _mm256_set1_epi8(3);
+        for (int hh = 0; hh < 2; hh++) {
+            __m256i b = _mm256_loadu_si256((const __m256i *)(w->hi + (pg * 2 + hh) * 64 + 32 * h));
+            for (int i = 0; i < 4; i++) {
+                __m256i bits = _mm256_and_si256(_mm256_srli_epi16(b, 2 * i), low2);
+                c[4 * hh + i] = _mm256_or_si256(c[4 * hh + i], _mm256_slli_epi16(bits, 4));
+            }
+        }
+    }
+}
+
+/* int32 dot of 8 rows with quads q0 .. q0+nq-1 of xq. */
+AVX2 QINLINE __m256i q2_dot(const __m256i *c, const int8_t *xq, int q0, int nq) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i s = _mm256_setzero_si256();
+    for (int q = q0; q < q0 + nq; q++) {
+        int32_t xv;
+        memcpy(&xv, xq + 4 * q, 4);
+        __m256i p16 = _mm256_maddubs_epi16(c[q], _mm256_set1_epi32(xv));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(p16, ones));
+    }
+    return s;
+}
+
+AVX2 QINLINE void q_panel_avx2_fmt(const QWeight *w, const int fmt, int64_t p, const QActs *a, int64_t t0,
+                                   const int64_t nt, float *out) {
+    const int64_t K = w->K, G = w->G;
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[TILE];
+        for (int t = 0; t < TILE; t++)
+            acc[t] = _mm256_setzero_ps();
+        __m256 D = _mm256_setzero_ps(), Dm = _mm256_setzero_ps();
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t pg = p * G + g;
+            __m256i c[16];
+            q2_unpack(w, fmt, pg, h, c);
+            if ((fmt == F_Q4_K || fmt == F_Q5_K || fmt == F_Q6_K) && g % 8 == 0) {
+                const int64_t ps = (p * (G / 8) + g / 8) * PANEL + 8 * h;
+                D = q2_ld_f16(w->d + ps);
+                if (fmt != F_Q6_K)
+                    Dm = q2_ld_f16(w->m + ps);
+            }
+            if (fmt == F_Q6_K) {
+                const int64_t p16 = (p * 2 * G + 2 * g) * PANEL + 8 * h;
+                __m256 S0 = _mm256_mul_ps(D, q2_ld_i8(w->sc + p16));
+                __m256 S1 = _mm256_mul_ps(D, q2_ld_i8(w->sc + p16 + PANEL));
+                __m256 M0 = _mm256_mul_ps(S0, _mm256_set1_ps(-32.0f));
+                __m256 M1 = _mm256_mul_ps(S1, _mm256_set1_ps(-32.0f));
+                for (int t = 0; t < nt; t++) {
+                    const int8_t *xq = a->xq + (t0 + t) * K + 32 * g;
+                    const float dx = a->dx[(t0 + t) * (K / 32) + g];
+                    const float *xs = a->xs + (t0 + t) * (K / 16) + 2 * g;
+                    __m256 v0 = _mm256_cvtepi32_ps(q2_dot(c, xq, 0, 4));
+                    __m256 v1 = _mm256_cvtepi32_ps(q2_dot(c, xq, 4, 4));
+                    acc[t] = _mm256_fmadd_ps(v0, _mm256_mul_ps(S0, _mm256_set1_ps(dx)), acc[t]);
+                    acc[t] = _mm256_fmadd_ps(M0, _mm256_set1_ps(xs[0]), acc[t]);
+                    acc[t] = _mm256_fmadd_ps(v1, _mm256_mul_ps(S1, _mm256_set1_ps(dx)), acc[t]);
+                    acc[t] = _mm256_fmadd_ps(M1, _mm256_set1_ps(xs[1]), acc[t]);
+                }
+                continue;
+            }
+            __m256 S, Mn;
+            const int64_t o = pg * PANEL + 8 * h;
+            switch (fmt) {
+            case F_Q4_0: S = q2_ld_f16(w->d + o); Mn = _mm256_mul_ps(S, _mm256_set1_ps(-8.0f)); break;
+            case F_Q4_1: S = q2_ld_f16(w->d + o); Mn = q2_ld_f16(w->m + o); break;
+            case F_Q8_0: S = q2_ld_f16(w->d + o); Mn = _mm256_mul_ps(S, _mm256_set1_ps(-128.0f)); break;
+            default: /* Q4_K, Q5_K: -(dmin * mn) as the portable path rounds it */
+                S = _mm256_mul_ps(D, q2_ld_u8(w->sc + o));
+                Mn = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(Dm, q2_ld_u8(w->mn + o)));
+            }
+            for (int t = 0; t < nt; t++) {
+                const int8_t *xq = a->xq + (t0 + t) * K + 32 * g;
+                const float dx = a->dx[(t0 + t) * (K / 32) + g];
+                const float *xs = a->xs + (t0 + t) * (K / 16) + 2 * g;
+                __m256i si = q2_dot(c, xq, 0, 8);
+                if (fmt == F_Q8_0) /* lo + 16 hi: exact in int32 */
+                    si = _mm256_add_epi32(si, _mm256_slli_epi32(q2_dot(c + 8, xq, 0, 8), 4));
+                __m256 v = _mm256_cvtepi32_ps(si);
+                acc[t] = _mm256_fmadd_ps(v, _mm256_mul_ps(S, _mm256_set1_ps(dx)), acc[t]);
+                acc[t] = _mm256_fmadd_ps(Mn, _mm256_set1_ps(xs[0] + xs[1]), acc[t]);
+            }
+        }
+        for (int t = 0; t < nt; t++)
+            _mm256_storeu_ps(out + t * PANEL + 8 * h, acc[t]);
+    }
+}
+
+AVX2 static void q_panel_avx2(const QWeight *w, int64_t p, const QActs *a, int64_t t0, int64_t nt, float *out) {
+#define Q_TILES(F)                                          \
+    if (nt == TILE)                                         \
+        q_panel_avx2_fmt(w, F, p, a, t0, TILE, out);        \
+    else if (nt == 1)                                       \
+        q_panel_avx2_fmt(w, F, p, a, t0, 1, out);           \
+    else                                                    \
+        q_panel_avx2_fmt(w, F, p, a, t0, nt, out);
+    switch (w->fmt) {
+    case F_Q4_0: Q_TILES(F_Q4_0) break;
+    case F_Q4_1: Q_TILES(F_Q4_1) break;
+    case F_Q8_0: Q_TILES(F_Q8_0) break;
+    case F_Q4_K: Q_TILES(F_Q4_K) break;
+    case F_Q5_K: Q_TILES(F_Q5_K) break;
+    default: Q_TILES(F_Q6_K)
+    }
+#undef Q_TILES
+}
+
+static int q_has_avx2(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+#endif
+
 /* ---- entry points ------------------------------------------------------------------- */
 
 static int q_check(int fmt, int64_t K, int64_t N) {
@@ -721,6 +894,15 @@ static int q_check(int fmt, int64_t K, int64_t N) {
         return Q_BAD_ARGS;
     int64_t block = fmt >= F_Q4_K ? 256 : 32;
     return K % block ? Q_BAD_ARGS : Q_OK;
+}
+
+/* Whether this CPU runs the AVX2 path (isa 5). */
+int eng_q_has_avx2(void) {
+#if HAVE_AVX512_PATH
+    return q_has_avx2();
+#else
+    return 0;
+#endif
 }
 
 /* The paths this CPU has: 0 only the portable C, 1 + AVX-512 VNNI, 2 + AMX-INT8,
@@ -754,8 +936,8 @@ static void q_store(void *out, int dtype, int64_t out_stride, int64_t t, int64_t
 
 /* out[t, n] (row stride out_stride elements) = x[t, :] . w[n, :] for t < M, n < N. x rows
  * have stride x_stride; x and out are fp32 (dtype 0) or bf16 (1). `isa`: 0 the best path
- * for M, 1 portable C, 2 AVX-512 VNNI, 3 AMX-INT8, 4 AMX-BF16 (each falls back to the
- * int8 paths below it where the CPU lacks it). Returns Q_OK, or Q_BAD_ARGS / Q_NO_MEMORY without touching out. */
+ * for M, 1 portable C, 2 AVX-512 VNNI, 3 AMX-INT8, 4 AMX-BF16, 5 AVX2 (each falls back to
+ * the int8 paths below it where the CPU lacks it: AVX-512, then AVX2, then portable). Returns Q_OK, or Q_BAD_ARGS / Q_NO_MEMORY without touching out. */
 int eng_qmatmul(int fmt, int isa, int dtype, void *out, int64_t out_stride, const void *x, int64_t x_stride,
                 int64_t M, int64_t K, int64_t N, const uint8_t *codes, const uint8_t *hi, const uint16_t *d,
                 const uint16_t *m, const uint8_t *sc, const uint8_t *mn, int nthreads) {
@@ -779,10 +961,11 @@ int eng_qmatmul(int fmt, int isa, int dtype, void *out, int64_t out_stride, cons
         free(a.xq), free(a.dx), free(a.xs);
         return Q_NO_MEMORY;
     }
-    int use_avx512 = 0, use_amx = 0;
+    int use_avx512 = 0, use_amx = 0, use_avx2 = 0;
 #if HAVE_AVX512_PATH
-    use_avx512 = isa != 1 && q_has_avx512();
+    use_avx512 = isa != 1 && isa != 5 && q_has_avx512();
     use_amx = use_avx512 && isa == 3 && q_has_amx();
+    use_avx2 = isa != 1 && !use_avx512 && q_has_avx2();
 #endif
     memset(a.xq + M * K, 0, (size_t)((Mpad - M) * K));
     const int esize = dtype == QDT_BF16 ? 2 : 4;
@@ -811,6 +994,8 @@ int eng_qmatmul(int fmt, int isa, int dtype, void *out, int64_t out_stride, cons
                         q_panel_amx(&w, p, &a, t0, nt, acc);
                     else if (use_avx512)
                         q_panel_avx512(&w, p, &a, t0, nt, acc);
+                    else if (use_avx2)
+                        q_panel_avx2(&w, p, &a, t0, nt, acc);
                     else
 #endif
                         q_panel_portable(&w, p, &a, t0, nt, acc);
