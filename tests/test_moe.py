@@ -40,6 +40,7 @@ from test_parity import (
     _prefill_logits,
     _prompts,
     _runner,
+    check_triton_past_the_window,
 )
 
 import engine.models.moe as moe_module
@@ -322,6 +323,16 @@ def test_triton_backend_greedy_tokens_match_transformers(tiny) -> None:
         got = torch.tensor([s.logprob for s in run], dtype=torch.float64)
         want = torch.tensor(want_logprobs[:TRITON_NEW_TOKENS], dtype=torch.float64)
         torch.testing.assert_close(got, want, atol=LOGPROB_ATOL, rtol=0)
+
+
+@pytest.mark.kernels
+def test_triton_backend_logits_and_32_greedy_tokens_after_a_chunked_prompt_match_transformers(tiny) -> None:
+    """The fused-MoE kernel inside the model over a 23-token prompt in 5-token chunks and 31
+    decode steps (``test_parity.check_triton_past_the_window``), in fp32. One request, not
+    also a whole-prompt one beside it: each interpreted fused-MoE launch costs ~0.1 s per
+    sparse layer, and whole prompts through it are the test above's."""
+    loaded, prompts, _, folder = tiny
+    check_triton_past_the_window(loaded, folder, prompts[-1], chunk_sizes=(5,))
 
 
 # --------------------------------------------------------------------------------------

@@ -351,10 +351,13 @@ def test_triton_backend_greedy_tokens_and_logprobs_match_transformers(tiny) -> N
 TRITON_LONG_ARCHITECTURES = ("mistral", "gemma2", "gemma3", "phi3")
 
 
-def check_triton_past_the_window(loaded: types.SimpleNamespace, folder: Path, prompt: list[int]) -> None:
+def check_triton_past_the_window(
+    loaded: types.SimpleNamespace, folder: Path, prompt: list[int], *, chunk_sizes: tuple[int | None, ...] = (None, 5)
+) -> None:
     """The Triton backend (interpreted on CPU) on ``prompt`` and the 32 tokens transformers
-    greedy-decodes after it, fed back one a step: two requests in one batch, one prefilling
-    the prompt whole and one in 5-token chunks, then both decoding. The logits at every
+    greedy-decodes after it, fed back one a step: one request per entry of ``chunk_sizes`` in
+    one batch (by default one prefilling the prompt whole and one in 5-token chunks), then
+    all decoding. The logits at every
     position (prompt and decode) must match transformers' forward over the same tokens in
     fp32 within ``LOGIT_ATOL_FP32``, and each decode row's argmax must be transformers' next
     token: greedy decoding on these logits gives transformers' 32 tokens, chunked or not.
@@ -369,8 +372,8 @@ def check_triton_past_the_window(loaded: types.SimpleNamespace, folder: Path, pr
     with torch.inference_mode():
         want = hf(torch.tensor([seq])).logits[0]
     n, decode = len(prompt), [1] * (NEW_TOKENS - 1)
-    plans = [[n, *decode], _chunk_lengths(n, 5) + decode]
-    got = _prefill_logits(_runner(loaded, 4, "triton"), [seq, seq], None, plans=plans)
+    plans = [_chunk_lengths(n, size) + decode for size in chunk_sizes]
+    got = _prefill_logits(_runner(loaded, 4, "triton"), [seq] * len(plans), None, plans=plans)
     for g, plan in zip(got, plans, strict=True):
         torch.testing.assert_close(g, want, atol=LOGIT_ATOL_FP32, rtol=0, msg=lambda m, p=plan: f"{p[:6]}: {m}")
         assert g[n - 1 :].argmax(-1).tolist() == want_tokens
