@@ -35,6 +35,7 @@ from engine.errors import EngineDeadError, InvalidParamError, RequestFailedError
 from engine.loading import EngineParts, build_parts
 from engine.messages import RequestOutput
 from engine.params import SamplingParams, generation_defaults
+from engine.structured import StructuredStatistics
 
 logger = logging.getLogger("engine")
 
@@ -284,6 +285,12 @@ class Engine:
             mailbox = self._handles.router.get(request_id)
             if mailbox is not None:
                 self._handles.abort(mailbox.abort())
+
+    def structured_statistics(self) -> StructuredStatistics | None:
+        """Structured output counters (requests by kind, grammar compiles, cache hits,
+        compile times), or None for an engine built without a grammar backend."""
+        grammar = self._parts.grammar
+        return grammar.statistics() if grammar is not None else None
 
     def statistics(self) -> EngineStatistics:
         """A frozen snapshot of the scheduler's and the KV pool's counters."""

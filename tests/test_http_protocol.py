@@ -11,6 +11,7 @@ import logging
 
 import pytest
 
+from engine.errors import InvalidParamError
 from engine.http import protocol
 from engine.http.protocol import APIError
 from engine.messages import RequestOutput, TokenLogprob, Usage
@@ -109,10 +110,50 @@ def test_echo_and_stream_flags():
 def test_unknown_fields_are_ignored_with_one_log_line(caplog):
     caplog.set_level(logging.INFO, logger="engine.http")
     req = protocol.parse_completion({"prompt": "x", "max_tokens": 2, "user": "alice",
-                                     "suffix": "!", "best_of": 1})
+                                     "suffix": "", "best_of": 1})  # their no-op values
     assert req.params.max_tokens == 2
     lines = [r.getMessage() for r in caplog.records if r.name == "engine.http"]
     assert lines == ["ignoring unknown request fields: best_of, suffix"]
+
+
+@pytest.mark.parametrize("field", [{"best_of": 2}, {"use_beam_search": True}, {"suffix": "!"},
+                                   {"functions": [{"name": "f"}]}, {"prompt_embeds": "x"}])
+def test_fields_that_change_the_answer_and_are_not_implemented_are_refused(field):
+    (name,) = field
+    for parse, body in ((protocol.parse_completion, {"prompt": "x"}),
+                        (protocol.parse_chat, {"messages": CHAT})):
+        with pytest.raises(APIError) as info:
+            parse({**body, **field})
+        assert (info.value.status, info.value.param) == (400, name)
+
+
+def test_structured_output_fields_become_one_constraint():
+    from engine.structured import StructuredOutputs
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    cases = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a",
+          "schema": schema, "strict": True}}}, StructuredOutputs(json=schema),
+         "response_format.json_schema.schema"),
+        ({"response_format": {"type": "json_object"}}, StructuredOutputs(json_object=True),
+         "response_format"),
+        ({"structured_outputs": {"regex": "a+"}}, StructuredOutputs(regex="a+"),
+         "structured_outputs.regex"),
+        ({"guided_choice": ["x", "y"]}, StructuredOutputs(choice=("x", "y")), "guided_choice"),
+        ({"guided_json": json.dumps(schema)}, StructuredOutputs(json=schema), "guided_json"),
+        ({"guided_grammar": 'root ::= "a"'}, StructuredOutputs(grammar='root ::= "a"'),
+         "guided_grammar"),
+        ({"response_format": {"type": "text"}}, None, None),
+    ]
+    for field, spec, param in cases:
+        req = protocol.parse_chat({"messages": CHAT, **field})
+        assert (req.params.structured_outputs, req.structured_param) == (spec, param)
+        req = protocol.parse_completion({"prompt": "x", **field})
+        assert (req.params.structured_outputs, req.structured_param) == (spec, param)
+    with pytest.raises(InvalidParamError) as both:
+        protocol.parse_chat({"messages": CHAT, "guided_regex": "a",
+                             "response_format": {"type": "json_object"}})
+    assert both.value.param == "guided_regex"
 
 
 def test_user_is_accepted_silently(caplog):

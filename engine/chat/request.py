@@ -26,6 +26,7 @@ from engine.chat.tools import (
 )
 from engine.errors import InvalidParamError
 from engine.params import SamplingParams
+from engine.structured import StructuredOutputs
 
 # The parser that reads calls written after the fallback tool prompt, which asks for
 # hermes-style <tool_call> lines.
@@ -138,9 +139,13 @@ def chat_sampling_params(params: SamplingParams, fields: ChatFields, *,
             and parser.needs_special_tokens and not keep_skip_special_tokens):
         params = params.replace(skip_special_tokens=False)
     if fields.forced_schema is not None:
-        raise InvalidParamError(
-            'tool_choice "required" or a named function needs structured outputs, which '
-            "this server does not have yet", param="tool_choice")
+        if params.structured_outputs is not None:
+            raise InvalidParamError(
+                'tool_choice "required" or a named function constrains the output already; '
+                "it cannot be combined with response_format or structured outputs",
+                param="tool_choice")
+        # The forced call's JSON is generated under its schema, token by token.
+        params = params.replace(structured_outputs=StructuredOutputs(json=fields.forced_schema))
     return params
 
 

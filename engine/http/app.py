@@ -32,7 +32,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from engine.chat.request import ChatSettings, parse_chat_fields
 from engine.core import admission
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, InvalidParamError
 from engine.http import auth, edge, protocol, schema, sse
 from engine.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.http.metrics import Metrics, RequestTimer
@@ -412,7 +412,11 @@ class _Run:
                 self._exit.push_async_exit(stream)  # sync: no checkpoint between
                 self.streams.append(stream)
                 self.timer.prompt(len(stream.prompt_token_ids))
-        except BaseException:
+        except BaseException as exc:
+            if (isinstance(exc, InvalidParamError) and exc.param == "structured_outputs"
+                    and self.req.structured_param is not None):
+                # The engine compiled the constraint; name the body field that carried it.
+                exc.param = self.req.structured_param
             with trio.CancelScope(shield=True):  # cleanup that must finish
                 await self.close()
             raise

@@ -61,6 +61,8 @@ METRIC_NAMES = (
     "engine:request_generation_tokens",
     "engine:iteration_tokens_total",
     "engine:cache_config_info",
+    "engine:structured_output_requests_total",
+    "engine:structured_output_compile_seconds",
 )
 
 
@@ -135,6 +137,41 @@ class _EngineCollector(Collector):
         return family
 
 
+class _StructuredCollector(Collector):
+    """Structured output: requests by kind and grammar compile times, read from the
+    engine's grammar backend at scrape time (``Engine.structured_statistics()``; an engine
+    without one, such as the HTTP tests' fake, reports zeros)."""
+
+    def __init__(self, engine: Any, model_name: str) -> None:
+        self._engine = engine
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        from engine.structured.backend import COMPILE_BUCKETS
+        from engine.structured.spec import KINDS
+
+        read = getattr(self._engine, "structured_statistics", None)
+        stats = read() if read is not None else None
+        requests = CounterMetricFamily(
+            "engine:structured_output_requests",
+            "Requests with a structured output constraint (response_format, "
+            "structured_outputs, guided_*, forced tool calls), by kind.",
+            labels=["model_name", "kind"])
+        for kind in KINDS:
+            count = stats.requests.get(kind, 0) if stats is not None else 0
+            requests.add_metric([self._model_name, kind], count)
+        yield requests
+        family = HistogramMetricFamily(
+            "engine:structured_output_compile_seconds",
+            "Time to compile a structured output grammar (cache misses only; a cached "
+            "spec costs nothing).", labels=["model_name"])
+        cumulative = stats.compile_buckets if stats is not None else (0,) * (len(COMPILE_BUCKETS) + 1)
+        bounds = [*(str(b) for b in COMPILE_BUCKETS), "+Inf"]
+        family.add_metric([self._model_name], list(zip(bounds, cumulative, strict=True)),
+                          stats.compile_seconds_sum if stats is not None else 0.0)
+        yield family
+
+
 class Metrics:
     """The metrics of one server: a registry, its histograms and counters."""
 
@@ -179,6 +216,7 @@ class Metrics:
                                 "Finished samples by finish reason (stop, length, abort).",
                                 ["model_name", "finished_reason"], registry=reg)
         reg.register(_EngineCollector(engine, model_name))
+        reg.register(_StructuredCollector(engine, model_name))
 
     def success(self, finished_reason: str) -> None:
         self._success.labels(self.model_name, finished_reason).inc()

@@ -31,6 +31,9 @@ from engine.errors import (
 )
 from engine.models.tokenizer import normalize_messages
 from engine.params import SamplingParams
+from engine.structured import StructuredOutputs
+from engine.structured.openai import FIELDS as STRUCTURED_FIELDS
+from engine.structured.openai import structured_from_body
 
 logger = logging.getLogger("engine.http")
 
@@ -47,7 +50,20 @@ _COMMON_FIELDS = frozenset(
         # first) and a salt that keeps this request's prefix-cache entries private.
         "priority", "cache_salt",
     }
-)
+) | frozenset(STRUCTURED_FIELDS)
+# Fields that change what the answer means and are not implemented: each is a 400 when
+# set to anything but its no-op value (so a client never takes a plain answer for the one
+# it asked for). Any other unknown field is ignored with a log line.
+NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
+    "best_of": lambda v: v not in (None, 1),
+    "use_beam_search": lambda v: v not in (None, False),
+    "suffix": lambda v: v not in (None, ""),
+    "functions": lambda v: v not in (None, []),
+    "function_call": lambda v: v not in (None, "none"),
+    "guided_whitespace_pattern": lambda v: v is not None,
+    "prompt_embeds": lambda v: v is not None,
+    "logits_processors": lambda v: v not in (None, []),
+}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "echo",
@@ -214,19 +230,25 @@ class CompletionRequest:
     cache_salt: str | None = None
     # Chat only: template options, how outputs are read (tools, reasoning), echo.
     chat_fields: ChatFields | None = None
+    # The body field that carried params.structured_outputs (response_format.json_schema.schema,
+    # guided_regex, ...): an error found when the engine compiles it names this field.
+    structured_param: str | None = None
 
 
 def parse_completion(body: Any, defaults: Mapping[str, Any] | None = None) -> CompletionRequest:
     """Parse a /v1/completions body; raise :class:`APIError`/``InvalidParamError``.
     ``defaults`` are the sampling defaults for fields the body leaves out."""
     body = _require_object(body)
+    _refuse_not_implemented(body)
     _log_unknown(body, COMPLETION_FIELDS)
     if "prompt" not in body:
         raise APIError(400, "prompt is required", param="prompt", code="missing_required_parameter")
     prompts = _completion_prompts(body["prompt"])
     logprobs = _opt_int(body, "logprobs")
     echo = _opt_bool(body, "echo", False)
-    params = _sampling_params(body, COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs, defaults=defaults)
+    structured, structured_param = structured_from_body(body)
+    params = _sampling_params(body, COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs, defaults=defaults,
+                              structured=structured)
     if echo and logprobs is not None:
         # The echoed prompt gets logprobs too, as OpenAI gives them (scoring a text this
         # way is what evaluation harnesses do).
@@ -235,6 +257,7 @@ def parse_completion(body: Any, defaults: Mapping[str, Any] | None = None) -> Co
     return CompletionRequest(
         chat=False, model=_model(body), prompts=prompts, params=params, stream=stream,
         include_usage=include_usage, echo=echo, top_logprobs=logprobs, **_queueing(body),
+        structured_param=structured_param,
     )
 
 
@@ -247,6 +270,7 @@ def parse_chat(body: Any, settings: ChatSettings | None = None,
     template source, ``defaults`` the sampling defaults for fields the body leaves out.
     """
     body = _require_object(body)
+    _refuse_not_implemented(body)
     _log_unknown(body, CHAT_FIELDS)
     messages = normalize_messages(body.get("messages"))
     fields = parse_chat_fields(body, settings or ChatSettings(), model_template)
@@ -265,13 +289,17 @@ def parse_chat(body: Any, settings: ChatSettings | None = None,
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
-    params = _sampling_params(body, None, logprobs, max_tokens=max_tokens, defaults=defaults)
+    structured, structured_param = structured_from_body(body)
+    params = _sampling_params(body, None, logprobs, max_tokens=max_tokens, defaults=defaults,
+                              structured=structured)
     params = _chat_output_params(body, params, fields)
     stream, include_usage = _stream_flags(body)
     return CompletionRequest(
         chat=True, model=_model(body), prompts=(messages,), params=params, stream=stream,
         include_usage=include_usage, echo=fields.echo, top_logprobs=logprobs,
         chat_fields=fields, **_queueing(body),
+        structured_param=structured_param or (
+            "tool_choice" if fields.forced_schema is not None else None),
     )
 
 
@@ -300,6 +328,13 @@ def _require_object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object", code="invalid_json")
     return body
+
+
+def _refuse_not_implemented(body: dict[str, Any]) -> None:
+    for name, is_set in NOT_IMPLEMENTED.items():
+        if is_set(body.get(name)):
+            raise APIError(400, f"{name} is not supported by this server", param=name,
+                           code="unsupported_parameter")
 
 
 def _log_unknown(body: dict[str, Any], known: frozenset[str]) -> None:
@@ -381,6 +416,7 @@ _PASSTHROUGH = (
 def _sampling_params(
     body: dict[str, Any], default_max: int | None, logprobs: int | None, *,
     max_tokens: Any = ..., defaults: Mapping[str, Any] | None = None,
+    structured: StructuredOutputs | None = None,
 ) -> SamplingParams:
     # The model's generation defaults (--generation-config) fill only what the body omits.
     kwargs: dict[str, Any] = dict(defaults or {})
@@ -395,6 +431,7 @@ def _sampling_params(
     if body.get("logit_bias") is not None:
         kwargs["logit_bias"] = _logit_bias(body["logit_bias"])
     kwargs["logprobs"] = logprobs
+    kwargs["structured_outputs"] = structured
     return SamplingParams(**kwargs)
 
 

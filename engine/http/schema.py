@@ -82,6 +82,19 @@ COMMON: dict[str, Any] = {
     "cache_salt": _nullable({"type": "string", "minLength": 1,
                              "description": "prefix-cache entries are shared only "
                                             "between requests with the same salt"}),
+    # Structured output (engine.structured.openai checks the insides and names the field).
+    "response_format": _nullable({
+        "type": "object", "required": ["type"],
+        "description": 'type "text", "json_object", or "json_schema" with json_schema: '
+                       "{name, schema, strict}; other types are refused"}),
+    "structured_outputs": _nullable({
+        "type": "object", "description": "vLLM's: one of json (a JSON schema), regex, "
+        "choice (strings), grammar (EBNF), json_object (true); other keys are refused"}),
+    "guided_json": _nullable({"anyOf": [{"type": "object"}, {"type": "string"}],
+                              "description": "a JSON schema (vLLM's older name)"}),
+    "guided_regex": _nullable({"type": "string"}),
+    "guided_choice": _nullable({"type": "array", "items": {"type": "string"}}),
+    "guided_grammar": _nullable({"type": "string"}),
 }
 
 _TOKEN_IDS = {"type": "array", "items": _TOKEN_ID, "minItems": 1}
