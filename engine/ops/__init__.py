@@ -199,6 +199,12 @@ class Ops(Protocol):
         """
         ...
 
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Structured output: set ``logits[rows[i], t]`` to -inf, in place, for every token
+        ``t`` that row ``i`` of ``bitmask`` (int32 [len(rows), ceil(V / 32)], bit ``t % 32``
+        of word ``t // 32`` set = allowed) forbids. ``logits`` is fp32 [B, V]."""
+        ...
+
     def sample(
         self,
         logits: torch.Tensor,  # [B, V] fp32, penalties and biases already applied

@@ -213,6 +213,12 @@ class TorchOps:
         assert plan.single is not None
         return _attend_decode(query, k_cache, v_cache, plan.single, scale, window, softcap)
 
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """xgrammar's kernel (C++ on the CPU, CUDA on a GPU)."""
+        from engine.structured.backend import apply_bitmask
+
+        apply_bitmask(logits, bitmask, rows)
+
     def sample(
         self,
         logits: torch.Tensor,

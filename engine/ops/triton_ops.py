@@ -109,6 +109,12 @@ class TritonOps:
         """Two grouped GEMMs over expert-sorted (token, slot) tiles (see ``fused_moe``)."""
         return fused_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
 
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """xgrammar's kernel (C++ on the CPU, CUDA on a GPU)."""
+        from engine.structured.backend import apply_bitmask
+
+        apply_bitmask(logits, bitmask, rows)
+
     def sample(
         self,
         logits: torch.Tensor,

@@ -32,7 +32,6 @@ import torch
 from engine.errors import InvalidParamError
 from engine.ops import Ops
 from engine.params import SamplingParams
-from engine.structured import apply_bitmask
 
 _U64 = (1 << 64) - 1
 # splitmix64 constants (Steele, Lea & Flood, "Fast splittable pseudorandom number
@@ -124,7 +123,7 @@ class Sampler:
             if logits.dtype != torch.float32 or not logits.is_contiguous():
                 logits = logits.contiguous()
             # In place: the runner's logits are this step's own tensor, used for nothing else.
-            apply_bitmask(logits, bitmask.mask, list(bitmask.rows))
+            self._ops.apply_token_bitmask(logits, bitmask.mask, list(bitmask.rows))
             self.mask_apply_seconds += time.perf_counter() - t0
         logits = self._adjust_logits(logits, rows)
         failures = _unsamplable_rows(logits)

@@ -79,6 +79,25 @@ class CpuOps(TorchOps):
         )
         return out
 
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """One C pass over the masked rows: xgrammar's CPU kernel spends ~150 us on a row of
+        SmolLM2's 49k-token vocabulary (~5 ms a step at 32 constrained requests), this ~10."""
+        if (logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1
+                or bitmask.dtype != torch.int32 or not bitmask.is_contiguous()
+                or bitmask.dim() != 2 or bitmask.shape[0] != len(rows)):
+            return super().apply_token_bitmask(logits, bitmask, rows)
+        if not rows:
+            return
+        index = torch.tensor(rows, dtype=torch.int64)
+        rc = _lib.eng_apply_bitmask(
+            _ptr(logits, "float *"), logits.stride(0), logits.shape[0], logits.shape[1],
+            _ptr(bitmask, "int32_t *"), bitmask.shape[1], _ptr(index, "int64_t *"), len(rows),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise CpuKernelError(f"apply_token_bitmask: a row index of {rows} is outside the "
+                                 f"batch of {logits.shape[0]}")
+
     def fused_add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,6 +28,9 @@ int eng_paged_decode(int dtype, void *out, const void *q, int64_t q_stride,
 int eng_kv_write_i8(int dtype, const void *x, int64_t x_stride, int64_t tokens, int64_t heads,
                     int64_t d, int8_t *codes, float *scales, const int64_t *slots,
                     int64_t num_slots, int nthreads);
+int eng_apply_bitmask(float *logits, int64_t stride, int64_t batch, int64_t vocab,
+                      const int32_t *mask, int64_t words, const int64_t *rows, int64_t n,
+                      int nthreads);
 """
 
 # Quantized-weight matmuls (quant.c, a translation unit of its own; see engine/ops/quant.py).

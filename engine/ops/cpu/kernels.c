@@ -460,3 +460,42 @@ int eng_kv_write_i8(int dtype, const void *x, int64_t x_stride, int64_t tokens, 
         eng_kv_write_i8_token(dtype, x, t * x_stride, heads, d, codes, scales, slots[t]);
     return 0;
 }
+
+/* Structured output: forbid, in place, every token a grammar bitmask rules out. Row i of
+ * `mask` ([n, words] int32, bit j of word w = token 32w + j allowed) applies to row
+ * rows[i] of `logits` (fp32, rows `stride` floats apart, `vocab` wide); a forbidden token's
+ * logit becomes -inf. Tokens past the mask's 32 * words are left alone, as xgrammar's
+ * kernel leaves them. A grammar's mask is mostly whole words of 0 (nothing of that word
+ * allowed) or of ~0, so those take a plain fill or nothing. Returns -2 (and writes
+ * nothing) if a row index is outside [0, batch). */
+int eng_apply_bitmask(float *logits, int64_t stride, int64_t batch, int64_t vocab,
+                      const int32_t *mask, int64_t words, const int64_t *rows, int64_t n,
+                      int nthreads) {
+    for (int64_t i = 0; i < n; i++)
+        if (rows[i] < 0 || rows[i] >= batch)
+            return -2;
+    const int64_t covered = words * 32 < vocab ? words * 32 : vocab;
+#pragma omp parallel for schedule(static) num_threads(nthreads) \
+    if (nthreads > 1 && n * covered >= PARALLEL_MIN_WORK)
+    for (int64_t i = 0; i < n; i++) {
+        float *row = logits + rows[i] * stride;
+        const uint32_t *bits = (const uint32_t *)(mask + i * words);
+        for (int64_t w = 0; w * 32 < covered; w++) {
+            const uint32_t b = bits[w];
+            if (b == 0xFFFFFFFFu)
+                continue;
+            const int64_t base = w * 32;
+            const int64_t lim = covered - base < 32 ? covered - base : 32;
+            if (b == 0) {
+#pragma omp simd
+                for (int64_t j = 0; j < lim; j++)
+                    row[base + j] = -INFINITY;
+            } else {
+                for (int64_t j = 0; j < lim; j++)
+                    if (!((b >> j) & 1u))
+                        row[base + j] = -INFINITY;
+            }
+        }
+    }
+    return 0;
+}
