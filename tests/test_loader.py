@@ -29,10 +29,26 @@ from engine.errors import (
 from engine.models import gguf_convert, loader
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model, resolve_model
-from engine.models.testing import CHATML_TEMPLATE, TINY_ARCHITECTURES, write_tiny_model
+from engine.models.testing import (
+    CHATML_TEMPLATE,
+    TINY_ARCHITECTURES,
+    quantize_q4_k,
+    write_tiny_model,
+)
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
+Q4_K = gguf.GGMLQuantizationType.Q4_K
 F32 = gguf.GGMLQuantizationType.F32
+
+
+def quantize_array(array: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    """GGUF bytes of ``array`` in ``qtype`` (F32: the array itself). The gguf package writes
+    the 32-column formats; Q4_K comes from the tiny-model helpers' own encoder."""
+    if qtype == F32:
+        return array
+    if qtype == Q4_K:
+        return quantize_q4_k(array)
+    return gguf.quants.quantize(array, qtype)
 
 
 @pytest.fixture(autouse=True)
@@ -147,7 +163,9 @@ def write_gguf(
             array = array + 1  # llama.cpp's converter stores Gemma's norms as 1 + w
         gname = _gguf_name(name, gguf_arch)
         qtype = quant if array.ndim == 2 else F32
-        data = gguf.quants.quantize(array, qtype) if qtype != F32 else array
+        if qtype == Q4_K and array.shape[-1] % 256:
+            qtype = Q8_0  # rows too short for a k-quant: llama.cpp's quantizer falls back too
+        data = quantize_array(array, qtype)
         if replace and gname in replace:
             data, qtype = replace[gname]  # already raw bytes
         w.add_tensor(gname, data, raw_dtype=qtype)

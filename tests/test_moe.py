@@ -344,9 +344,15 @@ _GGUF_MOE_ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwe
 def write_moe_gguf(folder, out, quant=None):
     """A GGUF of a tiny MoE folder the way llama.cpp lays one out: each layer's experts
     stacked into ffn_{gate,up,down}_exps, the router as ffn_gate_inp, Qwen2-MoE's shared
-    expert as *_shexp (its gate 1-D), Mixtral as architecture llama with q/k permuted."""
+    expert as *_shexp (its gate 1-D), Mixtral as architecture llama with q/k permuted.
+    ``quant`` (a gguf.GGMLQuantizationType): the matrices and expert stacks in that block
+    format; the routers stay F32, as llama.cpp's quantizer leaves ffn_gate_inp."""
     import gguf
-    from test_loader import _add_tokenizer, _gguf_name, _llama_cpp_permute
+    from test_loader import _add_tokenizer, _gguf_name, _llama_cpp_permute, quantize_array
+
+    def add(gname, array, *, quantize=True):
+        qtype = quant if quant is not None and quantize and array.ndim >= 2 else gguf.GGMLQuantizationType.F32
+        w.add_tensor(gname, quantize_array(array, qtype), raw_dtype=qtype)
 
     cfg = json.loads((folder / "config.json").read_text())
     config = ModelConfig.from_hf(cfg)
@@ -385,7 +391,7 @@ def write_moe_gguf(folder, out, quant=None):
                 names = [moe_module.expert_weight_names(moe, layer, e) for e in range(moe.num_experts)]
                 for j, stack in enumerate(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")):
                     data = np.stack([stored[n[j]].numpy() for n in names])
-                    w.add_tensor(f"blk.{layer}.{stack}.weight", data)
+                    add(f"blk.{layer}.{stack}.weight", data)
                 written.update(n for group in names for n in group)
                 continue
             gname = {
@@ -394,13 +400,14 @@ def write_moe_gguf(folder, out, quant=None):
                 "shared_expert.down_proj.weight": "ffn_down_shexp",
                 "shared_expert_gate.weight": "ffn_gate_inp_shexp",
             }[rest]
-            w.add_tensor(f"blk.{layer}.{gname}.weight", array.reshape(-1) if gname == "ffn_gate_inp_shexp" else array)
+            add(f"blk.{layer}.{gname}.weight", array.reshape(-1) if gname == "ffn_gate_inp_shexp" else array,
+                quantize=gname != "ffn_gate_inp")
             continue
         if arch == "llama" and name.endswith("q_proj.weight"):
             array = _llama_cpp_permute(array, cfg["num_attention_heads"])
         elif arch == "llama" and name.endswith("k_proj.weight"):
             array = _llama_cpp_permute(array, cfg["num_key_value_heads"])
-        w.add_tensor(_gguf_name(name), array)
+        add(_gguf_name(name), array)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

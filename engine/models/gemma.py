@@ -12,6 +12,9 @@ What differs from :class:`~engine.models.llama.LlamaModel`, each as transformers
 * local (sliding-window) and global layers alternate (``ModelConfig.layer_windows``);
   Gemma 3's local layers rotate with their own base (``rope_local_base_freq``, no scaling)
   and it normalises each head of q and k before RoPE (with the same ``1 + weight`` norm).
+
+Projections, the embedding and the (tied) head go through the same quantization-aware
+helpers as the Llama decoder (:mod:`engine.models.quantized`), so a GGUF's blocks are kept.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.config import ModelConfig
-from engine.models.llama import Linear, LlamaModel, _Layer, _Weights, rope_cos_sin_cache
+from engine.models.llama import LlamaModel, _Layer, _Weights, rope_cos_sin_cache
+from engine.models.quantized import embed, make_linear
 from engine.ops import AttentionMetadata, Ops
 
 
@@ -69,10 +73,12 @@ class GemmaModel(LlamaModel):
         self.embed = get("model.embed_tokens.weight")
         self.layers = [self._layer(get, i) for i in range(config.num_hidden_layers)]
         self.norm = self._norm_weight(weights, "model.norm.weight")
+        # As in LlamaModel: a quantized table stays one copy, rows read for the embedding
+        # and the same blocks multiplied for a tied head.
         if config.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = Linear(self.embed)
+            self.lm_head = make_linear([self.embed])
         else:
-            self.lm_head = Linear(get("lm_head.weight"))
+            self.lm_head = make_linear([get("lm_head.weight")])
 
     def _norm_weight(self, weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         """``1 + weight`` in fp32: transformers multiplies by it in fp32, then rounds."""
@@ -89,12 +95,12 @@ class GemmaModel(LlamaModel):
             post_norm=norm("post_attention_layernorm.weight"),
             pre_ffn_norm=norm("pre_feedforward_layernorm.weight"),
             post_ffn_norm=norm("post_feedforward_layernorm.weight"),
-            qkv=Linear(torch.cat([get(attn + f"{n}_proj.weight") for n in "qkv"])),
-            o_proj=Linear(get(attn + "o_proj.weight")),
+            qkv=make_linear([get(attn + f"{n}_proj.weight") for n in "qkv"]),
+            o_proj=make_linear([get(attn + "o_proj.weight")]),
             q_norm=norm("self_attn.q_norm.weight") if qk_norm else None,
             k_norm=norm("self_attn.k_norm.weight") if qk_norm else None,
-            gate_up=Linear(torch.cat([get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")])),
-            down=Linear(get(mlp + "down_proj.weight")),
+            gate_up=make_linear([get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")]),
+            down=make_linear([get(mlp + "down_proj.weight")]),
             window=self.config.layer_windows[i],
             rope=self.local_cos_sin_cache if self.config.layer_windows[i] else self.cos_sin_cache,
         )
@@ -118,7 +124,7 @@ class GemmaModel(LlamaModel):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; writes this step's K/V."""
         ops = self.ops
-        hidden = F.embedding(input_ids, self.embed) * self.embed_scale
+        hidden = embed(self.embed, input_ids, self.dtype) * self.embed_scale
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             assert isinstance(layer, _GemmaLayer)
             x = self._rms(hidden, layer.input_norm)
