@@ -5,7 +5,9 @@ The weight stays in GGUF's own row layout (``QuantizedWeight`` with layout ``"bl
 ``y``; per 32 columns (one Q4_0/Q4_1/Q8_0 block, or one sub-block of a Q4_K super-block)
 it loads the ``BN`` rows' bytes, dequantizes them in registers to the activation dtype
 (fp16/bf16; fp32 stays fp32) and feeds ``tl.dot`` with fp32 accumulation. The fp16 scale
-fields are assembled from two bytes and bitcast, so no alignment is assumed.
+fields are assembled from two bytes and bitcast, so no alignment is assumed. Under the CPU
+interpreter bf16 operands go to the dot as fp32 after the same rounding
+(:func:`engine.ops.triton._paged.dot_upcast`: its bf16 dots return garbage).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import triton
 import triton.language as tl
 
 from engine.ops.quant import QuantError, QuantizedWeight
+from engine.ops.triton._paged import dot_upcast
 
 _FORMATS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3}
 
@@ -31,7 +34,7 @@ def _f16_at(ptr):
 def _quant_matmul_kernel(
     x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_ym, row_bytes,
     FMT: tl.constexpr, BLOCK_BYTES: tl.constexpr, BLOCK_COLS: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -74,7 +77,10 @@ def _quant_matmul_kernel(
             code = (q >> ((j % 2) * 4)) & 15
             w = code.to(tl.float32) * (d * sc.to(tl.float32))[:, None] - (dmin * mn.to(tl.float32))[:, None]
         x = tl.load(x_ptr + rm[:, None] * stride_xm + k0 + cols[None, :], mask=m_ok[:, None], other=0.0)
-        acc += tl.dot(x, tl.trans(w.to(x.dtype)), out_dtype=tl.float32)
+        w = w.to(x.dtype)  # the weight rounded to the activations' dtype, on every device
+        if DOT_UPCAST:
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32)
     out = y_ptr + rm[:, None] * stride_ym + rn[None, :]
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -105,7 +111,7 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     _quant_matmul_kernel[grid](
         x2, raw, y, m, n, k, x2.stride(0), y.stride(0), raw.stride(0),
         FMT=_FORMATS[w.fmt.name], BLOCK_BYTES=w.fmt.block_bytes, BLOCK_COLS=w.fmt.block,
-        BM=bm, BN=bn,
+        BM=bm, BN=bn, DOT_UPCAST=dot_upcast(x.dtype, x.device),
     )
     return y.view(*x.shape[:-1], n)
 
