@@ -39,7 +39,12 @@ from safetensors.torch import load_file
 
 from engine.models.config import ModelConfig
 from engine.models.loader import default_model_path, load_model
-from engine.models.testing import MISTRAL_WINDOW, TINY_ARCHITECTURES, write_tiny_model
+from engine.models.testing import (
+    MISTRAL_WINDOW,
+    PHI3_ORIGINAL_POSITIONS,
+    TINY_ARCHITECTURES,
+    write_tiny_model,
+)
 from engine.ops import AttentionMetadata, get_ops
 from engine.runner.model_runner import ModelRunner, run_greedy
 
@@ -322,6 +327,72 @@ def test_dynamic_ntk_rope_matches_transformers_while_decoding_past_the_trained_l
     (unscaled,) = run_greedy(_runner(plain, 4, ops), [prompt], NEW_TOKENS, chunk_size=7, block_size=4)
     assert [s.logprob for s in unscaled][:12] == pytest.approx([s.logprob for s in run][:12], abs=LOGPROB_ATOL)
     assert max(abs(a.logprob - b.logprob) for a, b in zip(unscaled[13:], run[13:], strict=True)) > 100 * LOGPROB_ATOL
+
+
+def _per_position_longrope(hf, original: int) -> None:
+    """Make transformers' Phi-3 rotate each position with the factors of its own position:
+    short below ``original``, long from it (the engine's rule, see engine/models/rope.py),
+    frequencies and attention factor from transformers' own longrope initialiser. Unpatched,
+    transformers rotates a whole sequence with the long factors once it is longer than
+    ``original`` (re-encoding the prompt), which a paged KV cache cannot do."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    init = ROPE_INIT_FUNCTIONS["longrope"]
+    short, factor = init(hf.config, None)
+    long, long_factor = init(hf.config, None, seq_len=original + 1)
+    assert factor == long_factor and not torch.equal(short, long)
+
+    def rotary(x, position_ids):
+        pos = position_ids[..., None].float()
+        freqs = pos * torch.where(pos < original, short, long)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * factor).to(x.dtype), (emb.sin() * factor).to(x.dtype)
+
+    hf.model.rotary_emb.forward = rotary
+
+
+def _greedy_by_forward(hf, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedy tokens by a full forward per token (no KV cache: nothing to re-encode)."""
+    seq = list(prompt)
+    with torch.inference_mode():
+        for _ in range(new_tokens):
+            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt) :]
+
+
+@pytest.mark.parametrize("ops", OPS)
+def test_phi3_longrope_past_the_original_length_matches_transformers(tmp_path, ops) -> None:
+    """The tiny Phi-3 (longrope switch at PHI3_ORIGINAL_POSITIONS = 64) on an 80-token prompt
+    prefilled in 24-token chunks (one straddles position 64) and a 40-token one that crosses
+    64 while decoding, 32 greedy tokens each: every token, and the logits at every position
+    of the first, match transformers rotating each position with its own factors."""
+    folder = write_tiny_model(tmp_path, "phi3")
+    config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    loaded = types.SimpleNamespace(config=config, weights=load_file(str(folder / "model.safetensors")), dtype=torch.float32)
+    hf = _hf_model(folder)
+    _per_position_longrope(hf, PHI3_ORIGINAL_POSITIONS)
+    g = torch.Generator().manual_seed(64)
+    prompts = [torch.randint(3, config.vocab_size, (n,), generator=g).tolist() for n in (80, 40)]
+    want_tokens = [_greedy_by_forward(hf, p, NEW_TOKENS) for p in prompts]
+    assert all(len(set(t)) > 1 for t in want_tokens)
+    runs = run_greedy(_runner(loaded, 16, ops), prompts, NEW_TOKENS, chunk_size=24, block_size=16)
+    assert [[s.token_id for s in run] for run in runs] == want_tokens
+    seq = prompts[0] + want_tokens[0][:-1]
+    with torch.inference_mode():
+        want = hf(torch.tensor([seq])).logits[0]
+    plan = _chunk_lengths(len(prompts[0]), 24) + [1] * (NEW_TOKENS - 1)
+    (got,) = _prefill_logits(_runner(loaded, 16, ops), [seq], None, plans=[plan])
+    torch.testing.assert_close(got, want, atol=LOGIT_ATOL_FP32, rtol=0)
+    # The long factors are on trial: with the short ones everywhere, the logits agree
+    # below position 64 and part from it.
+    short = dict(config.rope_scaling, long_factor=config.rope_scaling["short_factor"])
+    plain = types.SimpleNamespace(
+        config=dataclasses.replace(config, rope_scaling=short), weights=loaded.weights, dtype=torch.float32
+    )
+    (unscaled,) = _prefill_logits(_runner(plain, 16, ops), [seq], None, plans=[plan])
+    switch = PHI3_ORIGINAL_POSITIONS
+    torch.testing.assert_close(unscaled[:switch], want[:switch], atol=LOGIT_ATOL_FP32, rtol=0)
+    assert (unscaled[switch:] - want[switch:]).abs().max() > 100 * LOGIT_ATOL_FP32
 
 
 # Triton in the CPU interpreter costs ~0.4 s per step of the tiny model, so its check runs

@@ -1,8 +1,9 @@
 """RoPE tables against transformers' own RoPE initialisers (ROPE_INIT_FUNCTIONS).
 
-The model-level parity tests cover the regimes a greedy request walks through; here the
-rows that a tiny model's tests never reach (Phi-3's long factors past the original length)
-are checked directly against transformers' frequencies and attention factor.
+The model-level parity tests cover the regimes a greedy request walks through (Phi-3's
+long factors past the original length in ``test_parity.test_phi3_longrope_past_the_
+original_length_matches_transformers``); here every row of the tables is checked directly
+against transformers' frequencies and attention factor.
 """
 
 from __future__ import annotations
