@@ -2,12 +2,20 @@
 
     .venv/bin/python bench/throughput.py [--model PATH] [--dtype float32] [--num-prompts 32]
     .venv/bin/python bench/throughput.py --tiny-moe mixtral   # a random 8-expert MoE model
+    .venv/bin/python bench/throughput.py --structured json --dtype bfloat16  # JSON schema vs free
 
 Two workloads, both with ``ignore_eos`` so every request makes exactly its output length:
 
 * ``fixed``: 32 requests x 64-token prompts x 128 output tokens (the issue's target case);
 * ``random``: ``--num-prompts`` requests, input lengths uniform in [16, 256], output
   lengths uniform in [16, 192] (seeded).
+
+``--structured json`` runs a third instead: ``--num-prompts`` chat requests (default 32,
+all at once) for 128 tokens each, once free (``ignore_eos``) and once under a JSON schema
+too long to close in 128 tokens (so both make exactly 128 tokens a request), alternating
+``--repeat`` times, with a second schema that bounds its strings' lengths; it prints the throughputs, the per-token cost of the grammar (filling
+the bitmask from each sample's matcher, applying it to the logits) and a schema's compile
+time cold and from the cache.
 
 For the engine it prints output tok/s and total (prompt + output) tok/s, with async
 scheduling on and off, and the per-step overhead: the share of wall time per step not
@@ -100,13 +108,102 @@ async def run_engine(model: str | None, options: dict[str, Any], work: Workload)
     }
 
 
-async def _drain(eng: Any, prompt: list[int], n: int) -> int:
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+async def _drain(eng: Any, prompt: Any, n: int, params: SamplingParams | None = None) -> int:
+    params = params or SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     count = 0
     async for out in eng.generate(prompt, params):
         count += len(out.token_ids)
     assert count == n, (count, n)
     return count
+
+
+# --------------------------------------------------------------------------------------
+# --structured json: the same chat requests free and under a JSON schema
+
+# At least 24 people of at least ~12 tokens each: no output closes within 128 tokens, so a
+# constrained request ends by length exactly as a free one with ignore_eos does, and both
+# runs make the same number of tokens. Two variants: free-length strings (a plain pydantic
+# model) and the same with maxLength on the strings, which xgrammar masks far more slowly.
+def _people_schema(max_length: int | None) -> dict[str, Any]:
+    text: dict[str, Any] = {"type": "string"}
+    if max_length is not None:
+        text["maxLength"] = max_length
+    return {
+        "type": "object",
+        "properties": {"people": {
+            "type": "array", "minItems": 24,
+            "items": {"type": "object",
+                      "properties": {"name": text, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                     "city": text},
+                      "required": ["name", "age", "city"], "additionalProperties": False}}},
+        "required": ["people"], "additionalProperties": False,
+    }
+
+
+SCHEMAS = {"free": None, "json schema": _people_schema(None), "json, maxLength 16": _people_schema(16)}
+CITIES = ("Lisbon", "Osaka", "Lagos", "Quito", "Oslo", "Perth", "Pune", "Tunis")
+
+
+def _people_prompts(n: int) -> list[list[dict[str, str]]]:
+    return [[{"role": "user", "content": f"List {24 + i} people who live in {CITIES[i % len(CITIES)]}, "
+              "with their name, age and city, as JSON."}] for i in range(n)]
+
+
+async def run_structured(model: str | None, options: dict[str, Any], n: int, out_len: int,
+                         schema: dict[str, Any] | None) -> dict[str, float]:
+    from engine.structured import StructuredOutputs
+
+    constrained = schema is not None
+    spec = StructuredOutputs(json=schema) if constrained else None
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=not constrained,
+                            structured_outputs=spec)
+    prompts = _people_prompts(n)
+    async with engine.open_engine(model, **options) as eng:
+        grammar = eng._parts.grammar
+        runner = eng._parts.runner
+        compile_cold = compile_cached = float("nan")
+        if constrained:
+            # A schema this engine has not seen compiles; the same spec again is a cache hit.
+            t0 = time.perf_counter()
+            await trio.to_thread.run_sync(grammar.compile, spec)
+            compile_cold = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            await trio.to_thread.run_sync(grammar.compile, spec)
+            compile_cached = time.perf_counter() - t0
+        await _drain(eng, prompts[0], 4, params.replace(max_tokens=4))  # warm-up
+        fill0, apply0, rows0 = runner.mask_fill_seconds, runner.sampler.mask_apply_seconds, runner.mask_rows
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for p in prompts:
+                nursery.start_soon(_drain, eng, p, out_len, params)
+        wall = time.perf_counter() - t0
+        rows = runner.mask_rows - rows0
+    return {
+        "wall": wall, "output_tps": n * out_len / wall,
+        "fill_us": 1e6 * (runner.mask_fill_seconds - fill0) / max(rows, 1),
+        "apply_us": 1e6 * (runner.sampler.mask_apply_seconds - apply0) / max(rows, 1),
+        "rows": rows, "compile_cold": compile_cold, "compile_cached": compile_cached,
+    }
+
+
+def structured_main(args: argparse.Namespace, base: dict[str, Any]) -> None:
+    out_len = 128
+    print(f"\n== structured json: {args.num_prompts} chat requests x {out_len} tokens, greedy; "
+          "free (ignore_eos) vs under a schema of 24+ people", flush=True)
+    tps: dict[str, list[float]] = {label: [] for label in SCHEMAS}
+    for _ in range(args.repeat):
+        for label, schema in SCHEMAS.items():
+            r = trio.run(run_structured, args.model, base, args.num_prompts, out_len, schema)
+            tps[label].append(r["output_tps"])
+            line = f"{label:18}: {r['output_tps']:7.1f} out tok/s ({r['wall']:.1f} s)"
+            if schema is not None:
+                line += (f"; per constrained token: mask fill {r['fill_us']:.1f} us + apply "
+                         f"{r['apply_us']:.1f} us ({r['rows']} rows); compile {1e3 * r['compile_cold']:.1f} ms "
+                         f"cold, {1e3 * r['compile_cached']:.3f} ms cached")
+            print(line, flush=True)
+    free = sum(tps["free"])
+    for label in list(SCHEMAS)[1:]:
+        print(f"{label} / free: {sum(tps[label]) / free:.3f} (over {args.repeat} rounds)", flush=True)
 
 
 def run_transformers(folder: Path, dtype: str, work: Workload, batch: int) -> dict[str, float]:
@@ -176,6 +273,8 @@ def main() -> int:
         "--tiny-moe", choices=sorted(TINY_MOE_SHAPES), default=None,
         help="write a random-weight mixture-of-experts model (see TINY_MOE_SHAPES) and use it",
     )
+    parser.add_argument("--structured", choices=("json",), default=None,
+                        help="compare chat requests under a JSON schema with the same free")
     args = parser.parse_args()
     if args.tiny_moe:
         import tempfile
@@ -200,6 +299,9 @@ def main() -> int:
         dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=512 * 1024**2,  # ample for 64 x 448 tokens of SmolLM2 (~46 KB/token fp32)
     )
+    if args.structured:
+        structured_main(args, base)
+        return 0
     for work in workloads(loaded.config.vocab_size, args.num_prompts, args.seed):
         if args.only and not work.name.startswith(args.only):
             continue
