@@ -219,3 +219,25 @@ async def test_engine_death_is_503_and_ends_streams_with_an_error_chunk(tokenize
             _assert_error_body(health, 503)
             later = await http.post("/v1/completions", json={"prompt": "hi"})
             _assert_error_body(later, 503)
+
+
+async def test_503_bodies_carry_no_internal_exception_text(tokenizer):
+    """A dead engine's 503s (and the error chunk of a cut stream) say the engine is down,
+    never what the exception inside it said (paths, tensor shapes, library internals)."""
+    secret = "index 49152 is out of bounds at /srv/engine/runner.py:42"
+    opener = lambda: open_fake_engine(tokenizer, step_delay=0.01, max_model_len=256)  # noqa: E731
+    with ServerThread(opener) as server:
+        async with httpx.AsyncClient(base_url=server.base_url) as http:
+            body = {"prompt": "hi", "max_tokens": 200, "stream": True}
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                lines = response.aiter_lines()
+                assert (await anext(lines)).startswith("data: {")
+                server.call(server.engine.crash, RuntimeError(secret))
+                events = [line async for line in lines if line]
+            bodies = [events[-2], (await http.get("/health")).text,
+                      (await http.post("/v1/completions", json={"prompt": "hi"})).text,
+                      (await http.post("/v1/chat/completions",
+                                       json={"messages": [{"role": "user", "content": "hi"}]})).text]
+    for text in bodies:
+        assert "engine_dead" in text
+        assert "49152" not in text and "runner.py" not in text and "out of bounds" not in text
