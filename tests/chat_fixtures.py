@@ -88,3 +88,40 @@ ROUND_TRIP = [
                       "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
     {"role": "tool", "tool_call_id": "call_1", "content": "9 degrees, rain"},
 ]
+
+# Markers that Qwen-family tokenizers hold as single added (not special) tokens. The tiny
+# model learns none of them from its corpus (each is ~10 byte tokens there), so a random
+# model would all but never write one; as single tokens a logit_bias on one makes the
+# model open calls and close its reasoning, which the tests need to see.
+MARKER_TOKENS = ("<tool_call>", "</tool_call>", "<think>", "</think>")
+
+
+def write_marker_model(path: Any, chat_template: str) -> Any:
+    """A tiny qwen2 whose tokenizer holds :data:`MARKER_TOKENS` as added tokens (the
+    model's vocabulary grows to match) and whose chat template is ``chat_template``."""
+    import json
+
+    from engine.models.testing import TINY_VOCAB_SIZE, write_tiny_model
+
+    size = TINY_VOCAB_SIZE + len(MARKER_TOKENS)
+    # 2048 positions: the fallback tool prompt alone is ~550 tokens (the tiny model's 512
+    # would not hold a conversation).
+    path = write_tiny_model(path, "qwen2", overrides={"vocab_size": size,
+                                                      "max_position_embeddings": 2048})
+    tokenizer = json.loads((path / "tokenizer.json").read_text())
+    base = len(tokenizer["model"]["vocab"])
+    assert base == TINY_VOCAB_SIZE, "the tiny tokenizer's vocabulary changed size"
+    tokenizer["added_tokens"] += [
+        {"id": base + i, "content": marker, "single_word": False, "lstrip": False,
+         "rstrip": False, "normalized": False, "special": False}
+        for i, marker in enumerate(MARKER_TOKENS)]
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = chat_template
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+def marker_id(tokenizer: Any, marker: str) -> int:
+    (token,) = tokenizer.encode(marker, add_special_tokens=False)
+    return int(token)

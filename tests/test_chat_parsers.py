@@ -42,6 +42,10 @@ CASES: list[tuple[str, str, str | None, list[tuple[str, dict[str, Any]]]]] = [
     ("hermes", '<tool_call>\n{"name": "get_weather", "argu', '<tool_call>\n{"name": '
      '"get_weather", "argu', []),
     ("hermes", "text then <tool_ca", "text then <tool_ca", []),
+    # A closing tag inside a JSON string of the arguments does not close the call (a
+    # schema-constrained string may hold any text).
+    ("hermes", '<tool_call>{"name": "note", "arguments": {"text": "</tool_call>"}}'
+     "</tool_call> after", "after", [("note", {"text": "</tool_call>"})]),
     # llama3_json: Llama 3.1-3.3 write bare JSON, calls joined by ";".
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "unit": '
      '"celsius"}}', None, [("get_weather", WEATHER)]),

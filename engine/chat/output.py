@@ -98,11 +98,12 @@ class ChatOutputParser:
 
     def __init__(self, options: ChatOutputOptions) -> None:
         self._options = options
-        # A forced call's output is the constrained JSON from its first token, so there
-        # is no reasoning to split off before it.
+        # With a reasoning parser every constraint (a forced call's included) starts after
+        # the reasoning (engine.chat.request.chat_sampling_params), so reasoning is split
+        # off first whatever the tool choice.
         self._reasoning: ReasoningStreamer | None = (
-            options.reasoning_parser.streamer()
-            if options.reasoning_parser is not None and not options.forced else None)
+            options.reasoning_parser.streamer() if options.reasoning_parser is not None
+            else None)
         self._tools: ForcedCallStreamer | ToolCallStreamer | None = None
         if options.forced:
             self._tools = ForcedCallStreamer(options.tool_choice)

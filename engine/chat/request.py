@@ -4,8 +4,10 @@
 ``chat_template``, ``chat_template_kwargs``, ``add_generation_prompt``,
 ``continue_final_message`` and ``echo`` into a :class:`ChatFields`: what the chat
 template gets (:class:`TemplateOptions`), how the outputs are read
-(:class:`engine.chat.output.ChatOutputOptions`) and the JSON schema a forced call must
-match. Errors are :class:`InvalidParamError` naming the field.
+(:class:`engine.chat.output.ChatOutputOptions`) and the constraint of its calls: the JSON
+schema a forced call must match, or the structural tag that holds an ``auto`` call to the
+tools' schemas once the model opens it. Errors are :class:`InvalidParamError` naming the
+field.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from engine.chat.output import ChatOutputOptions
 from engine.chat.reasoning import ReasoningParser, get_reasoning_parser
 from engine.chat.tool_parsers import ToolParser, get_tool_parser
 from engine.chat.tools import (
+    auto_structural_tag,
     forced_call_schema,
     parse_tool_choice,
     parse_tools,
@@ -98,6 +101,10 @@ class ChatFields:
     template: TemplateOptions
     output: ChatOutputOptions
     forced_schema: dict[str, Any] | None  # the JSON schema a forced call's output matches
+    # tool_choice "auto" with a parser whose calls a grammar can follow (hermes,
+    # llama3_json, the fallback prompt's hermes calls): the structural tag that constrains
+    # a call once the model opens it.
+    auto_tag: dict[str, Any] | None
     echo: bool
 
 
@@ -124,16 +131,20 @@ def parse_chat_fields(body: Mapping[str, Any], settings: ChatSettings,
         # tool_choice "none" keeps the tools out of the prompt, so the model is not invited
         # to write calls that would then come back as text.
         template = dataclasses.replace(template, tools=tuple(t.to_openai() for t in tools))
+    auto_tag = (auto_structural_tag(tools, parser.name, parallel)
+                if choice.mode == "auto" and parser is not None else None)
     return ChatFields(template=template, output=output,
                       forced_schema=forced_call_schema(tools, choice, parallel),
-                      echo=_bool(body, "echo", False))
+                      auto_tag=auto_tag, echo=_bool(body, "echo", False))
 
 
 def chat_sampling_params(params: SamplingParams, fields: ChatFields, *,
                          keep_skip_special_tokens: bool = False) -> SamplingParams:
-    """``params`` with what the request's tools need: special tokens kept in the text for
-    a parser whose call markers are special tokens (unless the caller chose
-    ``skip_special_tokens``), and the constraint of a forced call."""
+    """``params`` with what the request's tools and reasoning need: special tokens kept
+    in the text for a parser whose call markers are special tokens (unless the caller
+    chose ``skip_special_tokens``); the constraint of a forced call, or of an ``auto``
+    call once opened; and, with a reasoning parser, any constraint starting only after
+    the reasoning (the model thinks freely first)."""
     parser = fields.output.tool_parser
     if (fields.output.tool_choice.mode == "auto" and parser is not None
             and parser.needs_special_tokens and not keep_skip_special_tokens):
@@ -146,7 +157,29 @@ def chat_sampling_params(params: SamplingParams, fields: ChatFields, *,
                 param="tool_choice")
         # The forced call's JSON is generated under its schema, token by token.
         params = params.replace(structured_outputs=StructuredOutputs(json=fields.forced_schema))
+    elif (fields.auto_tag is not None and params.structured_outputs is None
+          and not params.ignore_eos):
+        # Free text, but a call the model opens is generated under the tools' schemas.
+        # (A response_format wins over it; ignore_eos asks for text no grammar could end.)
+        params = params.replace(
+            structured_outputs=StructuredOutputs(structural_tag=fields.auto_tag))
+    reasoning = fields.output.reasoning_parser
+    spec = params.structured_outputs
+    if reasoning is not None and spec is not None:
+        think = "open" if reasoning.starts_in_reasoning else "optional"
+        params = params.replace(structured_outputs=dataclasses.replace(spec, think=think))
     return params
+
+
+def constraint_param(fields: ChatFields, params: SamplingParams) -> str | None:
+    """The request field to name when the constraint ``chat_sampling_params`` added fails
+    to compile: ``tool_choice`` for a forced call, ``tools`` for an ``auto`` call's tag."""
+    spec = params.structured_outputs
+    if spec is None:
+        return None
+    if fields.forced_schema is not None:
+        return "tool_choice"
+    return "tools" if spec.kind == "structural_tag" else None
 
 
 def _template_options(body: Mapping[str, Any], settings: ChatSettings) -> TemplateOptions:

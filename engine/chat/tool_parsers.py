@@ -332,8 +332,8 @@ class _Hermes(_Format):
     def scan(self, buf: str, final: bool) -> tuple[list[_Piece], int] | None:
         if not buf.startswith(self.OPEN):
             return _text_until(buf, self.OPEN, final)
-        end = buf.find(self.CLOSE, len(self.OPEN))
-        if end == -1:
+        end = self._close(buf, final)
+        if end is None:
             if not final:
                 return None
             # A model stopped by EOS right after the JSON: accept a complete call.
@@ -342,6 +342,24 @@ class _Hermes(_Format):
         used = end + len(self.CLOSE)
         call = _json_call(_loads(buf[len(self.OPEN):end]), ("arguments", "parameters"))
         return ([call] if call else [_Text(buf[:used])]), used
+
+    def _close(self, buf: str, final: bool) -> int | None:
+        """Where the call's closing tag starts, or None when that is not decided yet
+        (needs more text) or there is none. A JSON object body is read to its end first:
+        a string in it may hold "</tool_call>"."""
+        i = len(buf) - len(buf[len(self.OPEN):].lstrip())
+        if i < len(buf) and buf[i] == "{":
+            end = _bracket_end(buf, i)
+            if end is None and not final:
+                return None
+            if end is not None:
+                j = len(buf) - len(buf[end:].lstrip())
+                if buf.startswith(self.CLOSE, j):
+                    return j
+                if not final and self.CLOSE.startswith(buf[j:]):
+                    return None
+        k = buf.find(self.CLOSE, len(self.OPEN))
+        return None if k == -1 else k
 
 
 # -- llama3_json ------------------------------------------------------------------------

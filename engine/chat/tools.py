@@ -348,6 +348,9 @@ class ForcedCallStreamer:
         if not self._named_id:
             self._named_id = self._new_id()
             deltas.append(ToolCallDelta(0, id=self._named_id, name=self._choice.name))
+        if not self._named_args:
+            # The whitespace a reasoning model may write after </think> is not arguments.
+            text = text.lstrip()
         if text:
             self._named_args += text
             deltas.append(ToolCallDelta(0, arguments=text))
@@ -379,27 +382,53 @@ class ForcedCallStreamer:
 
 # -- auto: the rest of a call constrained once the model opens it -----------------------
 
-# Per tool-call parser: the text that opens a call (the grammar's trigger), and how one
-# call to NAME begins and ends around its arguments object. mistral and pythonic are not
-# here: their markers are special tokens or Python syntax, which a JSON-schema tag cannot
-# follow; their calls are parsed, not constrained.
-_CALL_FRAMES: dict[str, tuple[str, str, str]] = {
-    "hermes": ("<tool_call>", '<tool_call>\n{{"name": "{name}", "arguments": ', "}\n</tool_call>"),
-    "llama3_json": ('{"name": ', '{{"name": "{name}", "parameters": ', "}"),
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _CallFrame:
+    """How one parser's calls look around the arguments object: ``trigger`` opens a call
+    (the grammar's trigger, and the tag's begin); then ``head`` with the function's name;
+    the arguments; ``tail``; ``end`` closes the call. ``gap`` is the whitespace allowed
+    right after the trigger and before ``end`` (a regex)."""
+
+    trigger: str
+    head: str
+    tail: str
+    end: str
+    gap: str
+
+
+# Per tool-call parser. hermes: Qwen's templates write "<tool_call>\n{...}\n</tool_call>",
+# the fallback prompt asks for it on one line; both fit the gap. llama3_json: its "name"
+# key is the trigger, so the object's remaining keys are the tag's content. mistral and
+# pythonic are not here: their markers are special tokens or Python syntax, which a JSON
+# tag cannot follow; their calls are parsed, not constrained.
+_CALL_FRAMES: dict[str, _CallFrame] = {
+    "hermes": _CallFrame("<tool_call>", '{{"name": "{name}", "arguments": ', "}",
+                         "</tool_call>", r"[ \n]{0,2}"),
+    "llama3_json": _CallFrame('{"name":', '"{name}", "parameters": ', "", "}", " ?"),
 }
 
 
-def auto_structural_tag(tools: Sequence[Tool], parser: str) -> dict[str, Any] | None:
+def auto_structural_tag(tools: Sequence[Tool], parser: str,
+                        parallel: bool = True) -> dict[str, Any] | None:
     """An xgrammar structural tag for ``tool_choice: "auto"``: text is free until the
     model writes the parser's call opening; from there the call must name one of
-    ``tools`` and its arguments must match that tool's schema. None when the parser's
+    ``tools`` and its arguments must match that tool's schema, and the call must close.
+    Without ``parallel`` the output ends after the first call. None when the parser's
     syntax cannot be constrained this way."""
     frame = _CALL_FRAMES.get(parser)
     if frame is None or not tools:
         return None
-    trigger, begin, end = frame
-    tags = [{"begin": begin.format(name=t.name),
-             "content": {"type": "json_schema", "json_schema": dict(t.parameters)},
-             "end": end} for t in tools]
+    gap = [{"type": "regex", "pattern": frame.gap}]
+    calls = [{"type": "sequence", "elements": [
+        {"type": "const_string", "value": frame.head.format(name=t.name)},
+        {"type": "json_schema", "json_schema": dict(t.parameters)},
+        *([{"type": "const_string", "value": frame.tail}] if frame.tail else [])]}
+        for t in tools]
+    content = {"type": "sequence",
+               "elements": [*gap, calls[0] if len(calls) == 1 else
+                            {"type": "or", "elements": calls}, *gap]}
+    tag = {"type": "tag", "begin": frame.trigger, "content": content, "end": frame.end}
     return {"type": "structural_tag",
-            "format": {"type": "triggered_tags", "triggers": [trigger], "tags": tags}}
+            "format": {"type": "triggered_tags", "triggers": [frame.trigger], "tags": [tag],
+                       "stop_after_first": not parallel}}

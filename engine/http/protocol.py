@@ -20,7 +20,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from engine.chat.output import ChatDelta, ChatOutputParser
-from engine.chat.request import ChatFields, ChatSettings, chat_sampling_params, parse_chat_fields
+from engine.chat.request import (
+    ChatFields,
+    ChatSettings,
+    chat_sampling_params,
+    constraint_param,
+    parse_chat_fields,
+)
 from engine.errors import (
     EngineDeadError,
     InvalidParamError,
@@ -298,8 +304,7 @@ def parse_chat(body: Any, settings: ChatSettings | None = None,
         chat=True, model=_model(body), prompts=(messages,), params=params, stream=stream,
         include_usage=include_usage, echo=fields.echo, top_logprobs=logprobs,
         chat_fields=fields, **_queueing(body),
-        structured_param=structured_param or (
-            "tool_choice" if fields.forced_schema is not None else None),
+        structured_param=structured_param or constraint_param(fields, params),
     )
 
 

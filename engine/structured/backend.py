@@ -25,12 +25,18 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from engine.errors import InvalidParamError
-from engine.structured.spec import XGRAMMAR_UNENFORCED, StructuredOutputs, schema_keywords
+from engine.structured.spec import (
+    XGRAMMAR_UNENFORCED,
+    StructuredOutputs,
+    schema_keywords,
+    tag_schemas,
+)
 
 logger = logging.getLogger("engine")
 
@@ -156,9 +162,9 @@ class GrammarBackend:
         self._stop_set = frozenset(stop_token_ids)
         self._hf = _hf_tokenizer(tokenizer)
         self._lock = threading.Lock()
-        self._cache: collections.OrderedDict[tuple[str, str], CompiledGrammar] = (
+        self._cache: collections.OrderedDict[tuple[str, str, str], CompiledGrammar] = (
             collections.OrderedDict())
-        self._pending: dict[tuple[str, str], threading.Event] = {}
+        self._pending: dict[tuple[str, str, str], threading.Event] = {}
         self._cache_size = cache_size
         self._requests: collections.Counter[str] = collections.Counter()
         self._compiles = 0
@@ -268,23 +274,17 @@ class GrammarBackend:
     def _xgrammar(self, spec: StructuredOutputs) -> Any:
         import xgrammar
 
-        kind = spec.kind
-        if kind == "json":
-            unenforced = sorted(schema_keywords(spec.schema) & XGRAMMAR_UNENFORCED)
-            if unenforced:
-                raise _Refused(f"it does not enforce {', '.join(unenforced)}")
+        schemas = ([spec.schema] if spec.kind == "json" else
+                   tag_schemas(json.loads(spec.text)) if spec.kind == "structural_tag" else [])
+        unenforced = sorted(set().union(*(schema_keywords(s) for s in schemas))
+                            & XGRAMMAR_UNENFORCED)
+        if unenforced:
+            raise _Refused(f"it does not enforce {', '.join(unenforced)}")
         try:
-            if kind in ("json", "json_object"):
-                # Compact separators, no free whitespace: a small model given free
-                # whitespace can loop on newlines forever; the document means the same.
-                schema = spec.json if spec.json is not None else '{"type": "object"}'
-                grammar = xgrammar.Grammar.from_json_schema(schema, any_whitespace=False)
-                return self._xgr.compile_grammar(_json_strings_fixed(str(grammar)))
-            if kind == "regex":
-                return self._xgr.compile_regex(spec.regex)
-            if kind == "choice":
-                return self._xgr.compile_grammar(_choice_ebnf(spec.choice or ()))
-            return self._xgr.compile_grammar(spec.grammar)
+            grammar = _xgrammar_grammar(spec)
+            if spec.think is not None:
+                grammar = xgrammar.Grammar.concat(_xgrammar_think(spec.think), grammar)
+            return self._xgr.compile_grammar(grammar)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise _Refused(_first_line(exc)) from None
 
@@ -301,10 +301,15 @@ class GrammarBackend:
                 grammar = llguidance.LLMatcher.grammar_from_regex(spec.text)
             elif kind == "choice":
                 grammar = llguidance.LLMatcher.grammar_from_lark(_choice_lark(spec.choice or ()))
+            elif kind == "structural_tag":
+                grammar = llguidance.LLMatcher.grammar_from_lark(
+                    _tag_lark(json.loads(spec.text)["format"], self._guidance_literal))
             else:
                 from llguidance.gbnf_to_lark import gbnf_to_lark
 
                 grammar = llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(spec.text))
+            if spec.think is not None:
+                grammar = _guidance_think(spec.think, grammar, self._guidance_literal)
         except Exception as exc:  # gbnf_to_lark raises its own error class
             raise _Refused(_first_line(exc)) from None
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
@@ -344,6 +349,17 @@ class GrammarBackend:
             return self._guidance_tok
 
 
+    def _guidance_literal(self, text: str) -> str:
+        """``text`` as a lark literal. llguidance holds every added token as a special
+        token, which a quoted string does not match; a marker that is one (Qwen's
+        ``</think>``, ``<tool_call>``) may be written as that token or spelled out."""
+        tok = self._guidance_tokenizer()
+        ids = tok.tokenize_str(text)
+        if len(ids) == 1 and tok.is_special_token(ids[0]):
+            return f"({json.dumps(text)} | <[{ids[0]}]>)"
+        return json.dumps(text)
+
+
 class _Refused(Exception):
     """One backend cannot take a spec; the message says why."""
 
@@ -372,6 +388,145 @@ def _json_strings_fixed(ebnf: str) -> str:
     for bad in _XGR_STRING_CHARS:
         ebnf = ebnf.replace(bad, _JSON_STRING_CHARS)
     return ebnf
+
+
+def _xgrammar_grammar(spec: StructuredOutputs) -> Any:
+    """``spec``'s constraint as an ``xgrammar.Grammar`` (before any reasoning prefix)."""
+    import xgrammar
+
+    kind = spec.kind
+    if kind in ("json", "json_object"):
+        return xgrammar.Grammar.from_ebnf(_json_ebnf(
+            spec.json if spec.json is not None else '{"type": "object"}'))
+    if kind == "regex":
+        return xgrammar.Grammar.from_regex(spec.text)
+    if kind == "choice":
+        return xgrammar.Grammar.from_ebnf(_choice_ebnf(spec.choice or ()))
+    if kind == "structural_tag":
+        tag = json.loads(spec.text)
+        return xgrammar.Grammar.from_structural_tag(json.dumps(
+            {**tag, "format": _schemas_as_grammars(tag["format"])}))
+    return xgrammar.Grammar.from_ebnf(spec.text)
+
+
+def _json_ebnf(schema: str) -> str:
+    """A JSON schema's grammar as xgrammar writes it, with its string faults patched.
+    Compact separators, no free whitespace: a small model given free whitespace can loop
+    on newlines forever; the document means the same."""
+    import xgrammar
+
+    return _json_strings_fixed(str(xgrammar.Grammar.from_json_schema(
+        schema, any_whitespace=False)))
+
+
+def _schemas_as_grammars(node: Any) -> Any:
+    """A structural tag's format tree with each ``json_schema`` format replaced by the
+    ``grammar`` of :func:`_json_ebnf`: the same compact, patched JSON as a ``json``
+    constraint gets (xgrammar's own tag JSON allows free whitespace and has the faults)."""
+    if isinstance(node, list):
+        return [_schemas_as_grammars(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and node.get("style", "json") == "json":
+        return {"type": "grammar", "grammar": _json_ebnf(json.dumps(node["json_schema"]))}
+    return {k: _schemas_as_grammars(v) for k, v in node.items()}
+
+
+# The text a model may write between </think> and the constrained output (Qwen3 writes
+# "\n\n"): a little whitespace, bounded so a small model cannot loop on it.
+_THINK_GAP = r"[ \t\r\n]{0,4}"
+
+
+def _xgrammar_think(mode: str) -> Any:
+    """The reasoning prefix of ``think`` ``mode`` as an xgrammar grammar."""
+    import xgrammar
+
+    block: dict[str, Any] = {"type": "tag", "begin": "", "content": {"type": "any_text"},
+                             "end": "</think>"}
+    if mode == "optional":
+        block["begin"] = "<think>"
+    prefix: dict[str, Any] = {"type": "sequence",
+                              "elements": [block, {"type": "regex", "pattern": _THINK_GAP}]}
+    if mode == "optional":
+        prefix = {"type": "optional", "content": prefix}
+    return xgrammar.Grammar.from_structural_tag(
+        json.dumps({"type": "structural_tag", "format": prefix}))
+
+
+def _guidance_think(mode: str, grammar: str, literal: Callable[[str], str]) -> str:
+    """llguidance's ``grammar`` behind the reasoning prefix of ``think`` ``mode``: free text
+    up to the first </think> (a lazy lexeme, or text then the </think> token), then the
+    constraint as a sub-grammar. ``literal`` writes a marker as a lark literal."""
+    # grammar_from_lark gives the lark text back; the others a JSON list of grammars.
+    top = (json.loads(grammar) if grammar.lstrip().startswith("{")
+           else {"grammars": [{"lark_grammar": grammar}]})
+    inner = top["grammars"]
+    name = inner[0].get("name") or "constraint"
+    inner[0] = {**inner[0], "name": name}
+    # "open" takes a leading <think> too (as the deepseek_r1 parser does); the free text
+    # would, but not when <think> is a special token.
+    opening = literal("<think>")
+    start = f"{opening}? think GAP" if mode == "open" else f"({opening} think GAP)?"
+    lark = "\n".join([
+        "%llguidance {}", f"start: {start} @{name}", *_until("think", "</think>", literal),
+        f"GAP: /{_THINK_GAP}/", "TEXT: /(.|\\n)*/"]) + "\n"
+    return json.dumps({**top, "grammars": [{"lark_grammar": lark}, *inner]})
+
+
+def _until(rule: str, marker: str, literal: Callable[[str], str]) -> list[str]:
+    """Lark rules for ``rule``: any text up to and including the first ``marker``. The
+    spelled-out marker ends a lazy lexeme (the shortest match); a marker that is a special
+    token follows free text, which cannot contain it."""
+    spelled = json.dumps(marker)
+    written = literal(marker)
+    if written == spelled:
+        return [f"{rule}[lazy]: TEXT {spelled}"]
+    token = written[len(spelled) + 4:-1]  # "(<spelled> | <[id]>)" -> "<[id]>"
+    return [f"{rule}: {rule}_text | TEXT {token}", f"{rule}_text[lazy]: TEXT {spelled}"]
+
+
+def _tag_lark(node: dict[str, Any], literal: Callable[[str], str]) -> str:
+    """A structural tag's format as an llguidance lark grammar, for the formats the chat
+    layer writes. A trigger and the text before it are one :func:`_until` rule, the rest
+    follows the format tree. ``literal`` writes a string as a lark literal."""
+    rules: list[str] = []
+
+    def expr(n: Any) -> str:
+        kind = n.get("type") if isinstance(n, dict) else None
+        if kind == "const_string":
+            return literal(n["value"])
+        if kind == "regex" and "/" not in n["pattern"]:
+            return f"/{n['pattern']}/"
+        if kind == "json_schema":
+            return "%json " + json.dumps({**n["json_schema"],
+                                          "x-guidance": {"whitespace_flexible": False}})
+        if kind == "sequence":
+            return "(" + " ".join(expr(e) for e in n["elements"]) + ")"
+        if kind == "or":
+            return "(" + " | ".join(expr(e) for e in n["elements"]) + ")"
+        if kind == "tag" and isinstance(n.get("begin"), str) and isinstance(n.get("end"), str):
+            return " ".join(x for x in (literal(n["begin"]) if n["begin"] else "",
+                                        expr(n["content"]),
+                                        literal(n["end"]) if n["end"] else "") if x)
+        if kind == "triggered_tags" and not n.get("excludes"):
+            return triggered(n)
+        raise ValueError(f"structural tag format {kind!r} is not translated for llguidance")
+
+    def triggered(n: dict[str, Any]) -> str:
+        options = []
+        for i, trigger in enumerate(n["triggers"]):
+            rules.extend(_until(f"open_{i}", trigger, literal))
+            for tag in n["tags"]:
+                if isinstance(tag.get("begin"), str) and tag["begin"].startswith(trigger):
+                    rest = {**tag, "begin": tag["begin"][len(trigger):]}
+                    options.append(f"(open_{i} {expr(rest)})")
+        call = "(" + " | ".join(options) + ")"
+        if n.get("stop_after_first"):
+            return call if n.get("at_least_one") else f"({call} | TEXT)"
+        return f"({call}{'+' if n.get('at_least_one') else '*'} TEXT)"
+
+    start = expr(node)
+    return "\n".join(["%llguidance {}", f"start: {start}", *rules, "TEXT: /(.|\\n)*/"]) + "\n"
 
 
 def _choice_ebnf(choices: tuple[str, ...]) -> str:

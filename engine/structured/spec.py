@@ -38,7 +38,12 @@ _SUBSCHEMA_LISTS = frozenset({"anyOf", "allOf", "oneOf", "prefixItems"})
 _SUBSCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
                              "dependentSchemas"})
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+# Where the constraint starts when the output may reason first (``think``): "open", the
+# output starts inside a <think> block its prompt opened (free text up to </think>, a
+# leading <think> allowed); "optional", the output may start with a whole
+# <think>...</think> block. Whitespace after </think> is free too.
+THINK_MODES = ("open", "optional")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,6 +59,15 @@ class StructuredOutputs:
     * ``choice``: the output is exactly one of these strings.
     * ``grammar``: an EBNF grammar in xgrammar's (GBNF) syntax whose ``root`` rule the
       output matches.
+    * ``structural_tag``: an xgrammar structural tag (a dict, or its JSON text:
+      ``{"type": "structural_tag", "format": {...}}``), e.g. ``triggered_tags``: free text
+      until a trigger such as ``<tool_call>``, then a tag whose content matches a JSON
+      schema (how ``tool_choice: "auto"`` calls are constrained). Under llguidance only
+      the formats the chat layer writes are translated (triggered tags, tag, sequence,
+      or, const_string, regex, json_schema).
+
+    ``think`` (:data:`THINK_MODES`) lets the output reason first: the constraint applies
+    after ``</think>`` (a reasoning model's structured output or forced call).
 
     Bad values raise :class:`InvalidParamError` with ``param="structured_outputs"``; a
     regex or grammar that does not compile is found when the engine compiles it (at
@@ -65,10 +79,15 @@ class StructuredOutputs:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    structural_tag: str | None = None
+    think: str | None = None
 
     def __post_init__(self) -> None:
         if self.json is not None and not isinstance(self.json, str):
             object.__setattr__(self, "json", _schema_text(self.json))
+        if self.structural_tag is not None and not isinstance(self.structural_tag, str):
+            object.__setattr__(self, "structural_tag", _json_text(self.structural_tag,
+                                                                  "structural_tag"))
         if self.choice is not None and not isinstance(self.choice, tuple):
             if not isinstance(self.choice, list):
                 raise _error("choice must be a list of strings")
@@ -82,13 +101,18 @@ class StructuredOutputs:
                      or (k == "json_object" and self.json_object)]
         if len(set_kinds) != 1:
             raise _error(
-                "exactly one of json, json_object, regex, choice or grammar must be set, got "
+                "exactly one of json, json_object, regex, choice, grammar or structural_tag "
+                "must be set, got "
                 + (", ".join(set_kinds) if set_kinds else "none"))
         if self.json is not None:
             schema = self.schema
             if not isinstance(schema, dict):
                 raise _error("json must be a JSON schema object")
             check_schema(schema)
+        if self.structural_tag is not None:
+            _check_structural_tag(self.structural_tag)
+        if self.think is not None and self.think not in THINK_MODES:
+            raise _error(f"think must be one of {', '.join(THINK_MODES)}, got {self.think!r}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -104,7 +128,8 @@ class StructuredOutputs:
 
     @property
     def kind(self) -> str:
-        """``"json"``, ``"json_object"``, ``"regex"``, ``"choice"`` or ``"grammar"``."""
+        """``"json"``, ``"json_object"``, ``"regex"``, ``"choice"``, ``"grammar"`` or
+        ``"structural_tag"``."""
         if self.json is not None:
             return "json"
         if self.json_object:
@@ -113,6 +138,8 @@ class StructuredOutputs:
             return "regex"
         if self.choice is not None:
             return "choice"
+        if self.structural_tag is not None:
+            return "structural_tag"
         return "grammar"
 
     @property
@@ -124,14 +151,16 @@ class StructuredOutputs:
             return self.regex
         if self.grammar is not None:
             return self.grammar
+        if self.structural_tag is not None:
+            return self.structural_tag
         if self.choice is not None:
             return json.dumps(list(self.choice), ensure_ascii=False)
         return ""
 
     @property
-    def key(self) -> tuple[str, str]:
+    def key(self) -> tuple[str, str, str]:
         """What the compiled-grammar cache is keyed by: equal keys compile alike."""
-        return self.kind, self.text
+        return self.kind, self.text, self.think or ""
 
     @property
     def schema(self) -> Any:
@@ -140,10 +169,47 @@ class StructuredOutputs:
 
 
 def _schema_text(schema: Any) -> str:
+    return _json_text(schema, "json", "a JSON schema")
+
+
+def _json_text(value: Any, name: str, what: str = "JSON") -> str:
     try:
-        return json.dumps(schema, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
-        raise _error(f"json must be a JSON schema: {exc}") from None
+        raise _error(f"{name} must be {what}: {exc}") from None
+
+
+def _check_structural_tag(text: str) -> None:
+    """The envelope of a structural tag, and every JSON schema inside it (the formats
+    themselves are checked by the backend when it compiles)."""
+    try:
+        tag = json.loads(text)
+    except ValueError as exc:
+        raise _error(f"structural_tag is not JSON: {exc}") from None
+    if not (isinstance(tag, dict) and tag.get("type") == "structural_tag"
+            and isinstance(tag.get("format"), dict)):
+        raise _error('structural_tag must be {"type": "structural_tag", "format": {...}}')
+    for schema in tag_schemas(tag["format"]):
+        if not isinstance(schema, dict):
+            raise _error("a json_schema format in structural_tag must hold a schema object")
+        check_schema(schema)
+
+
+def tag_schemas(node: Any) -> list[Any]:
+    """The ``json_schema`` of every ``json_schema`` format inside a structural tag's
+    format tree."""
+    found: list[Any] = []
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            if item.get("type") == "json_schema" and "json_schema" in item:
+                found.append(item["json_schema"])
+                continue
+            stack.extend(v for v in item.values() if isinstance(v, (dict, list)))
+    return found
 
 
 def check_schema(schema: dict[str, Any]) -> None:

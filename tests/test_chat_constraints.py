@@ -1,0 +1,250 @@
+"""Tool calls and reasoning under grammars, in the engine, on a tiny model.
+
+The model has random weights and holds ``<tool_call>``, ``</tool_call>``, ``<think>`` and
+``</think>`` as single tokens (``chat_fixtures.write_marker_model``), so a logit_bias on
+one makes it open calls or end its reasoning at temperature 1, and many seeds are the
+fuzzing. The oracles are the tool-call and reasoning parsers and ``jsonschema``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import trio
+from chat_fixtures import (
+    MARKER_TOKENS,
+    THINK_TEMPLATE,
+    TOOL_TEMPLATE,
+    TOOLS,
+    WEATHER_TOOL,
+    marker_id,
+    write_marker_model,
+)
+from engine_helpers import collect, wait_idle
+
+import engine
+from engine.chat.reasoning import get_reasoning_parser
+from engine.chat.request import ChatSettings
+from engine.chat.tool_parsers import get_tool_parser
+from engine.chat.tools import Tool, auto_structural_tag, parse_tools
+from engine.params import SamplingParams
+from engine.structured import GrammarBackend, StructuredOutputs
+
+ENGINE_OPTIONS: dict[str, Any] = dict(
+    dtype="float32", max_num_seqs=32, max_num_batched_tokens=512, block_size=16,
+    kv_cache_memory=8 * 1024 * 1024, max_model_len=1024,
+)
+SEEDS = range(24)
+MAX_TOKENS = 160
+TOOL_LIST = parse_tools(TOOLS)
+VALIDATORS = {t.name: jsonschema.Draft202012Validator(dict(t.parameters)) for t in TOOL_LIST}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_marker_model(tmp_path_factory.mktemp("markers") / "m", TOOL_TEMPLATE)
+
+
+@pytest.fixture
+async def eng(model: Path) -> Any:
+    async with engine.open_engine(str(model), **ENGINE_OPTIONS) as running:
+        yield running
+
+
+def bias(eng: Any, **markers: float) -> dict[int, float]:
+    """logit_bias favouring marker tokens (``call``, ``end_think``) and EOS (``eos``), so
+    outputs open calls, end reasoning and finish well within MAX_TOKENS."""
+    names = {"call": "<tool_call>", "end_think": "</think>", "think": "<think>"}
+    out = {marker_id(eng.tokenizer, names[k]): v for k, v in markers.items() if k != "eos"}
+    if "eos" in markers:
+        out[eng.tokenizer.eos_token_id] = markers["eos"]
+    return out
+
+
+async def texts(eng: Any, spec: StructuredOutputs, logit_bias: dict[int, float],
+                seeds: range = SEEDS, max_tokens: int = MAX_TOKENS) -> list[tuple[str, str | None]]:
+    """(text, finish_reason) of one request per seed at temperature 1, all in flight."""
+    results: list[tuple[str, str | None]] = [("", None)] * len(seeds)
+
+    async def one(i: int, seed: int) -> None:
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens,
+                                structured_outputs=spec, logit_bias=logit_bias)
+        outs = await collect(eng, "Answer:", params)
+        results[i] = ("".join(o.text for o in outs), outs[-1].finish_reason)
+
+    async with trio.open_nursery() as nursery:
+        for i, seed in enumerate(seeds):
+            nursery.start_soon(one, i, seed)
+    return results
+
+
+def check_calls(text: str, parser: str = "hermes") -> int:
+    """Every call in ``text`` names a tool and its arguments validate; no opened call is
+    left behind as content. Returns how many calls there were."""
+    parsed = get_tool_parser(parser).parse(text)
+    assert "<tool_call>" not in (parsed.content or ""), text
+    for call in parsed.tool_calls:
+        VALIDATORS[call.name].validate(json.loads(call.arguments))
+    return len(parsed.tool_calls)
+
+
+async def test_an_auto_call_once_opened_always_parses_and_validates(eng: Any) -> None:
+    spec = StructuredOutputs(structural_tag=auto_structural_tag(TOOL_LIST, "hermes"))
+    # Each call is ~35 tokens. The biases are tuned so that about half the outputs open a
+    # call or more and every output ends within the budget.
+    results = await texts(eng, spec, bias(eng, call=4.0, eos=3.5), max_tokens=400)
+    calls = 0
+    for text, reason in results:
+        assert reason == "stop", text
+        calls += check_calls(text)
+    # Really exercised: calls were opened, and free text stayed free.
+    assert calls >= len(SEEDS) // 2
+    assert any(get_tool_parser("hermes").parse(t).content for t, _ in results)
+    await wait_idle(eng)
+
+
+async def test_without_parallel_calls_an_auto_output_ends_after_one_call(eng: Any) -> None:
+    spec = StructuredOutputs(structural_tag=auto_structural_tag(TOOL_LIST, "hermes", False))
+    one_call = 0
+    for text, reason in await texts(eng, spec, bias(eng, call=4.0, eos=1.0)):
+        assert reason == "stop", text
+        n = check_calls(text)
+        assert n <= 1, text
+        one_call += n
+        if n:  # nothing but the call's own closing after it
+            assert text.endswith("</tool_call>"), text
+    assert one_call > len(SEEDS) // 2
+
+
+async def test_a_constraint_starts_only_after_the_reasoning(eng: Any) -> None:
+    """think "open" (deepseek_r1: the prompt opened <think>): free reasoning, then the
+    schema. "optional" (qwen3): an answer with or without a leading think block."""
+    schema = dict(WEATHER_TOOL["function"]["parameters"])
+    validator = jsonschema.Draft202012Validator(schema)
+    for think, parser, markers in (("open", "deepseek_r1", {"end_think": 3.0}),
+                                   ("optional", "qwen3", {"think": 2.0, "end_think": 3.0})):
+        spec = StructuredOutputs(json=schema, think=think)
+        thought = 0
+        for text, reason in await texts(eng, spec, bias(eng, **markers)):
+            assert reason == "stop", text
+            split = get_reasoning_parser(parser).parse(text)
+            assert split.content is not None, text
+            validator.validate(json.loads(split.content))
+            thought += split.reasoning is not None
+            if split.reasoning is not None:  # the reasoning really was free text
+                with pytest.raises(ValueError):
+                    json.loads(split.reasoning)
+        assert thought > (len(SEEDS) // 2 if think == "open" else 0), think
+
+
+async def test_a_forced_call_after_reasoning_is_split_and_validates(tmp_path: Path) -> None:
+    """Through the embedded chat API with --reasoning-parser deepseek_r1 and a template
+    that opens <think>: the reasoning comes back apart and the call validates."""
+    path = write_marker_model(tmp_path / "think", THINK_TEMPLATE)
+    settings = ChatSettings(reasoning_parser="deepseek_r1")
+    async with engine.open_engine(str(path), **ENGINE_OPTIONS) as eng:
+        # The random model prefers "," to "]" after a call of a parallel list; a bias
+        # on "]" lets lists end (the grammar allows both, and EOS after "]").
+        (close_list,) = eng.tokenizer.encode("]", add_special_tokens=False)
+        end_think = {marker_id(eng.tokenizer, "</think>"): 3.0, close_list: 3.0}
+
+        async def one(seed: int, choice: Any) -> Any:
+            params = SamplingParams(temperature=1.0, seed=seed, max_tokens=MAX_TOKENS,
+                                    logit_bias=end_think)
+            return await eng.chat([{"role": "user", "content": "Weather?"}], params,
+                                  tools=TOOLS, tool_choice=choice, settings=settings)
+
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        for seed in range(6):
+            for choice in ("required", named):
+                (reply,) = (await one(seed, choice)).choices
+                assert reply.finish_reason == "tool_calls", reply
+                assert reply.message.reasoning_content, reply
+                (call,) = reply.message.tool_calls
+                VALIDATORS[call.name].validate(json.loads(call.arguments))
+        await wait_idle(eng)
+
+
+def test_the_marker_tokens_are_single_tokens(model: Path) -> None:
+    from engine.models.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(model)
+    ids = [marker_id(tokenizer, m) for m in MARKER_TOKENS]
+    assert len(set(ids)) == len(MARKER_TOKENS)
+
+
+# -- the grammars themselves, token by token ----------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["xgrammar", "guidance"])
+def grammar(request: pytest.FixtureRequest, model: Path) -> tuple[str, GrammarBackend, Any]:
+    from engine.models.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(model)
+    return request.param, GrammarBackend(
+        tokenizer, vocab_size=tokenizer.vocab_size,
+        stop_token_ids=(tokenizer.eos_token_id,), backend=request.param), tokenizer
+
+
+def _accepts(grammar: tuple[str, GrammarBackend, Any], spec: StructuredOutputs, text: str,
+             *, end: bool = True) -> bool:
+    _, backend, tokenizer = grammar
+    matcher = backend.matcher(spec)
+    ok = all(matcher.accept(t) for t in tokenizer.encode(text, add_special_tokens=False))
+    return ok and (not end or matcher.accept(tokenizer.eos_token_id))
+
+
+def _args(grammar: tuple[str, GrammarBackend, Any], obj: dict[str, Any]) -> str:
+    # xgrammar writes ", " and ": " between JSON items; llguidance compact separators.
+    compact = grammar[0] == "guidance"
+    return json.dumps(obj, separators=(",", ":") if compact else None)
+
+
+def test_auto_tags_free_text_and_hold_an_opened_call_to_its_tool(grammar: Any) -> None:
+    paris = _args(grammar, {"city": "Paris", "unit": "celsius"})
+    call = f'<tool_call>\n{{"name": "get_weather", "arguments": {paris}}}\n</tool_call>'
+    one_line = f'<tool_call>{{"name": "get_weather", "arguments": {paris}}}</tool_call>'
+    hermes = StructuredOutputs(structural_tag=auto_structural_tag(TOOL_LIST, "hermes"))
+    assert _accepts(grammar, hermes, "No call at all.")
+    assert _accepts(grammar, hermes, f"Let me check. {call}\n{one_line} Done.")
+    for opened in ('<tool_call>{"name": "get_pizza"', '<tool_call>{"arguments": {}',
+                   '<tool_call>\n{"name": "get_weather", "arguments": {"town"',
+                   f'<tool_call>{{"name": "get_time", "arguments": {paris}'):
+        assert not _accepts(grammar, hermes, opened, end=False), opened
+    # An opened call must be closed before the output may end.
+    assert not _accepts(grammar, hermes, call[:-3])
+    single = StructuredOutputs(structural_tag=auto_structural_tag(TOOL_LIST, "hermes", False))
+    assert _accepts(grammar, single, "Sure. " + call)
+    assert not _accepts(grammar, single, call + " more", end=False)
+    llama = StructuredOutputs(structural_tag=auto_structural_tag(TOOL_LIST, "llama3_json"))
+    utc = _args(grammar, {"zone": "UTC", "hour24": True})
+    assert _accepts(grammar, llama, f'{{"name": "get_time", "parameters": {utc}}}')
+    assert not _accepts(grammar, llama, '{"name": "get_weather", "parameters": {"zone"', end=False)
+
+
+@pytest.mark.parametrize("kind", ["json", "regex", "choice", "grammar", "structural_tag"])
+def test_every_kind_of_constraint_waits_for_the_reasoning_to_end(grammar: Any, kind: str) -> None:
+    value: Any = {"json": {"type": "object", "properties": {"n": {"type": "integer"}},
+                           "required": ["n"]},
+                  "regex": "[0-9]+", "choice": ("yes", "no"), "grammar": 'root ::= "x" [0-9]',
+                  "structural_tag": auto_structural_tag([Tool("f", {"type": "object"})],
+                                                        "hermes")}[kind]
+    good = {"json": _args(grammar, {"n": 1}), "regex": "42", "choice": "yes", "grammar": "x7",
+            "structural_tag": 'Ok <tool_call>{"name": "f", "arguments": {}}</tool_call>'}[kind]
+    bad = {"json": '{"m"', "regex": "x", "choice": "maybe", "grammar": "y",
+           "structural_tag": '<tool_call>{"name": "g"'}[kind]
+    # (Under llguidance reasoning is text: a special token other than </think> is refused.)
+    reasoning = 'Hmm, {"n": "not json yet" and </thin'
+    opened = StructuredOutputs(**{kind: value}, think="open")
+    assert _accepts(grammar, opened, f"{reasoning}k>\n\n{good}")
+    assert _accepts(grammar, opened, f"<think>{reasoning}k>{good}")
+    assert not _accepts(grammar, opened, f"{reasoning}k>\n\n{bad}", end=False)
+    assert not _accepts(grammar, opened, reasoning)  # EOS only once the constraint is met
+    optional = StructuredOutputs(**{kind: value}, think="optional")
+    assert _accepts(grammar, optional, f"<think>{reasoning}k>\n{good}")
+    assert _accepts(grammar, optional, good)
+    assert not _accepts(grammar, optional, f"<think>{reasoning}k>{bad}", end=False)
