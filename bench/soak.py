@@ -2,6 +2,7 @@
 
     python bench/soak.py --minutes 10 --concurrency 8            # the default SmolLM2
     python bench/soak.py --minutes 1 --model /path/to/model --dtype float32
+    python bench/soak.py --minutes 10 --kv-cache-memory 128MiB   # the pool all resident early
 
 Starts the server as a subprocess, then ``--concurrency`` clients loop until the time is
 up, each request drawn at random: streamed or not, prompt 1..``--max-prompt`` words,
@@ -199,6 +200,8 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
         cmd += ["--dtype", args.dtype]
     if args.max_model_len:
         cmd += ["--max-model-len", str(args.max_model_len)]
+    if args.kv_cache_memory:
+        cmd += ["--kv-cache-memory", args.kv_cache_memory]
     # info level for the one "listening on" line; the rest of the log goes to a file.
     cmd[cmd.index("warning")] = "info"
     log = open(args.server_log, "w")  # noqa: SIM115 - lives as long as the server
@@ -233,6 +236,12 @@ def main() -> int:
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--kv-cache-memory", default=None,
+                        help="the server's KV pool (e.g. 128MiB). Pages of the pool become "
+                             "resident as blocks are first used, so with the default 2 GiB "
+                             "pool RSS climbs for as long as new blocks are reached; a pool "
+                             "small enough to be all in use early leaves what RSS does to "
+                             "everything else")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--server-log", default="/tmp/engine-soak-server.log")
     args = parser.parse_args()

@@ -267,6 +267,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--quantization", default=None, choices=("auto", "gguf", "none"),
+                        help="the engine's --quantization (default: the engine's own, auto)")
     parser.add_argument("--only", choices=("fixed", "random"), default=None)
     parser.add_argument("--repeat", type=int, default=1, help="alternate async on/off this many times")
     parser.add_argument(
@@ -299,6 +301,8 @@ def main() -> int:
         dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=512 * 1024**2,  # ample for 64 x 448 tokens of SmolLM2 (~46 KB/token fp32)
     )
+    if args.quantization:
+        base["quantization"] = args.quantization
     if args.structured:
         structured_main(args, base)
         return 0
