@@ -30,7 +30,7 @@ import engine
 from engine.chat.reasoning import get_reasoning_parser
 from engine.chat.request import ChatSettings
 from engine.chat.tool_parsers import get_tool_parser
-from engine.chat.tools import Tool, auto_structural_tag, parse_tools
+from engine.chat.tools import Tool, auto_structural_tag, parse_tools, required_structural_tag
 from engine.params import SamplingParams
 from engine.structured import GrammarBackend, StructuredOutputs
 
@@ -147,16 +147,15 @@ async def test_a_forced_call_after_reasoning_is_split_and_validates(tmp_path: Pa
     path = write_marker_model(tmp_path / "think", THINK_TEMPLATE)
     settings = ChatSettings(reasoning_parser="deepseek_r1")
     async with engine.open_engine(str(path), **ENGINE_OPTIONS) as eng:
-        # The random model prefers "," to "]" after a call of a parallel list; a bias
-        # on "]" lets lists end (the grammar allows both, and EOS after "]").
-        (close_list,) = eng.tokenizer.encode("]", add_special_tokens=False)
-        end_think = {marker_id(eng.tokenizer, "</think>"): 3.0, close_list: 3.0}
+        end_think = {marker_id(eng.tokenizer, "</think>"): 3.0}
 
         async def one(seed: int, choice: Any) -> Any:
-            params = SamplingParams(temperature=1.0, seed=seed, max_tokens=MAX_TOKENS,
+            # (The fallback tool prompt is ~790 tokens of the 1024.)
+            params = SamplingParams(temperature=1.0, seed=seed, max_tokens=230,
                                     logit_bias=end_think)
             return await eng.chat([{"role": "user", "content": "Weather?"}], params,
-                                  tools=TOOLS, tool_choice=choice, settings=settings)
+                                  tools=TOOLS, tool_choice=choice, settings=settings,
+                                  parallel_tool_calls=False)
 
         named = {"type": "function", "function": {"name": "get_weather"}}
         for seed in range(6):
@@ -165,6 +164,7 @@ async def test_a_forced_call_after_reasoning_is_split_and_validates(tmp_path: Pa
                 assert reply.finish_reason == "tool_calls", reply
                 assert reply.message.reasoning_content, reply
                 (call,) = reply.message.tool_calls
+                assert reply.message.content is None
                 VALIDATORS[call.name].validate(json.loads(call.arguments))
         await wait_idle(eng)
 
@@ -224,6 +224,26 @@ def test_auto_tags_free_text_and_hold_an_opened_call_to_its_tool(grammar: Any) -
     utc = _args(grammar, {"zone": "UTC", "hour24": True})
     assert _accepts(grammar, llama, f'{{"name": "get_time", "parameters": {utc}}}')
     assert not _accepts(grammar, llama, '{"name": "get_weather", "parameters": {"zone"', end=False)
+
+
+def test_required_calls_in_the_parsers_syntax_and_nothing_else(grammar: Any) -> None:
+    paris = _args(grammar, {"city": "Paris", "unit": "celsius"})
+    utc = _args(grammar, {"zone": "UTC", "hour24": True})
+    weather = f'<tool_call>\n{{"name": "get_weather", "arguments": {paris}}}\n</tool_call>'
+    time = f'<tool_call>{{"name": "get_time", "arguments": {utc}}}</tool_call>'
+    many = StructuredOutputs(structural_tag=required_structural_tag(TOOL_LIST, "hermes"))
+    assert _accepts(grammar, many, weather)
+    assert _accepts(grammar, many, f"{weather}\n{time}\n{weather}")
+    assert not _accepts(grammar, many, "")  # at least one call
+    assert not _accepts(grammar, many, "Sure", end=False)  # and no text
+    assert not _accepts(grammar, many, weather + " ok", end=False)
+    one = StructuredOutputs(structural_tag=required_structural_tag(TOOL_LIST, "hermes", False))
+    assert _accepts(grammar, one, time)
+    assert not _accepts(grammar, one, f"{time}\n<", end=False)
+    llama = StructuredOutputs(structural_tag=required_structural_tag(TOOL_LIST, "llama3_json"))
+    call = f'{{"name": "get_time", "parameters": {utc}}}'
+    assert _accepts(grammar, llama, f"{call}; {call}")
+    assert required_structural_tag(TOOL_LIST, "pythonic") is None
 
 
 @pytest.mark.parametrize("kind", ["json", "regex", "choice", "grammar", "structural_tag"])

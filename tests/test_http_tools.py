@@ -12,12 +12,23 @@ Two servers per module on a tiny qwen2 whose chat template knows tools (``TOOL_T
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import json
 
 import httpx
+import jsonschema
 import openai
 import pytest
-from chat_fixtures import ROUND_TRIP, TOOL_TEMPLATE, TOOLS, WEATHER_TOOL
+from chat_fixtures import (
+    ROUND_TRIP,
+    THINK_TEMPLATE,
+    TOOL_TEMPLATE,
+    TOOLS,
+    WEATHER_TOOL,
+    marker_id,
+    write_marker_model,
+)
 from http_fake_engine import open_fake_engine
 from http_server import ServerThread
 
@@ -35,11 +46,9 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    path = write_tiny_model(tmp_path_factory.mktemp("tools"), "qwen2")
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    config["chat_template"] = TOOL_TEMPLATE
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    return path
+    # The markers (<tool_call>, </think>, ...) are single tokens, so a logit_bias can make
+    # the random model open calls and end its reasoning.
+    return write_marker_model(tmp_path_factory.mktemp("tools") / "m", TOOL_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +63,20 @@ def scripted(folder):
 def real(folder):
     import engine.api
 
+    # No reasoning parser here (the `thinker` server below has one): with qwen3's, a forced
+    # call may open with <think>, which the random model then rarely closes.
+    settings = dataclasses.replace(HERMES, reasoning_parser=None)
     with ServerThread(lambda: engine.api.open_engine(
-            str(folder), served_model_name=MODEL, max_model_len=512,
-            kv_cache_memory=32 * 2**20), chat=HERMES) as srv:
+            str(folder), served_model_name=MODEL, max_model_len=1536,
+            kv_cache_memory=32 * 2**20), chat=settings) as srv:
         yield srv
+
+
+def _each_seed(seeds, request):
+    """``request(seed)`` for every seed, all in flight at once (the engine batches them;
+    one after another, a tiny-model request costs its full decode latency)."""
+    with concurrent.futures.ThreadPoolExecutor(len(seeds)) as pool:
+        return list(pool.map(request, seeds))
 
 
 def _client(server):
@@ -145,6 +164,207 @@ def test_streamed_deltas_are_framed_as_openai_frames_them(scripted):
 
 
 # -- the real engine ----------------------------------------------------------------------
+
+
+VALIDATORS = {t["function"]["name"]: jsonschema.Draft202012Validator(t["function"]["parameters"])
+              for t in TOOLS}
+NAMED = {"type": "function", "function": {"name": "get_time"}}
+
+
+def _bias(server, **tokens: float) -> dict[str, int]:
+    """openai's logit_bias (token id as text) for markers and plain tokens by their text."""
+    tokenizer = server.engine.tokenizer
+    out = {}
+    for text, value in tokens.items():
+        text = {"call": "<tool_call>", "end_think": "</think>", "eos": "<|im_end|>"}[text]
+        out[str(marker_id(tokenizer, text))] = value
+    return out
+
+
+def _validated(message) -> list[tuple[str, dict]]:
+    """The message's calls as (name, arguments), each checked against its tool's schema."""
+    calls = []
+    for call in message.tool_calls or []:
+        assert call.type == "function" and call.id.startswith("call_")
+        arguments = json.loads(call.function.arguments)
+        VALIDATORS[call.function.name].validate(arguments)
+        calls.append((call.function.name, arguments))
+    return calls
+
+
+@pytest.mark.parametrize(("choice", "parallel"), [("required", True), ("required", False),
+                                                  (NAMED, True)])
+def test_forced_calls_always_parse_and_validate(real, choice, parallel):
+    """Over many seeds at temperature 1 the random model's forced calls come back as
+    calls that validate, and the turn ends with finish_reason "tool_calls"."""
+    client = _client(real)
+    # (required is written as the template's <tool_call> blocks: after each the grammar
+    # allows another or EOS, and even the random model's lists end.)
+    counts = set()
+    replies = _each_seed(range(8), lambda seed: client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, seed=seed,
+        temperature=1.0, max_tokens=400, parallel_tool_calls=parallel))
+    for reply in replies:
+        choice_ = reply.choices[0]
+        assert choice_.finish_reason == "tool_calls", choice_
+        assert choice_.message.content is None
+        calls = _validated(choice_.message)
+        counts.add(len(calls))
+        if choice == NAMED:
+            assert [name for name, _ in calls] == ["get_time"]
+        elif not parallel:
+            assert len(calls) == 1
+    if parallel and choice == "required":
+        assert max(counts) > 1  # a list of calls, and it ended
+
+
+def test_auto_calls_opened_by_the_model_validate(real):
+    """tool_choice auto: the model writes text or opens calls (a bias on <tool_call>); a
+    call it opens is held to the schema, so every call that comes back validates."""
+    client = _client(real)
+    called = 0
+    replies = _each_seed(range(8), lambda seed: client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, seed=seed, temperature=1.0,
+        max_tokens=400, logit_bias=_bias(real, call=4, eos=3)))
+    for reply in replies:
+        choice = reply.choices[0]
+        calls = _validated(choice.message)
+        assert choice.finish_reason == ("tool_calls" if calls else "stop"), choice
+        assert "<tool_call>" not in (choice.message.content or "")
+        called += bool(calls)
+    assert 0 < called < 8  # both kinds of answer were seen
+
+
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_a_streamed_call_assembles_to_the_unstreamed_one(real, choice):
+    client = _client(real)
+    request = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, seed=3,
+                   temperature=1.0, max_tokens=400, parallel_tool_calls=False,
+                   logit_bias=_bias(real, call=6))
+    full = client.chat.completions.create(**request).choices[0]
+    with client.chat.completions.stream(**request) as stream:
+        for _ in stream:
+            pass
+        streamed = stream.get_final_completion().choices[0]
+    assert full.finish_reason == streamed.finish_reason == "tool_calls"
+    assert _validated(full.message) == _validated(streamed.message) != []
+    assert [c.function.arguments for c in full.message.tool_calls] == \
+        [c.function.arguments for c in streamed.message.tool_calls]
+
+
+def test_a_full_round_trip_call_result_answer(real):
+    """The call the server made goes back with its result, and the model answers."""
+    client = _client(real)
+    first = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice={
+            "type": "function", "function": {"name": "get_weather"}}, seed=1,
+        temperature=1.0, max_tokens=200)
+    (call,) = first.choices[0].message.tool_calls
+    history = [*ASK, first.choices[0].message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": "9 degrees, rain"}]
+    final = client.chat.completions.create(
+        model=MODEL, messages=history, tools=TOOLS, tool_choice="none", seed=1,
+        max_tokens=16, logit_bias=_bias(real, eos=2))
+    answer = final.choices[0]
+    assert answer.finish_reason in ("stop", "length") and not answer.message.tool_calls
+    assert isinstance(answer.message.content, str)
+    # The prompt was the template's rendering of the call (arguments as an object) and
+    # of the result.
+    tokens = httpx.post(real.base_url + "/tokenize", json={
+        "messages": history, "tools": TOOLS, "tool_choice": "none"}).json()
+    assert final.usage.prompt_tokens == tokens["count"]
+    text = real.engine.tokenizer.decode(tokens["tokens"], skip_special_tokens=False)
+    assert f'"arguments": {call.function.arguments}' in text
+    assert "<tool_response>\n9 degrees, rain\n</tool_response>" in text
+    stats = real.engine.statistics()
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    import engine.api
+
+    path = write_marker_model(tmp_path_factory.mktemp("think") / "m", THINK_TEMPLATE)
+    settings = ChatSettings(reasoning_parser="deepseek_r1")
+    with ServerThread(lambda: engine.api.open_engine(
+            str(path), served_model_name=MODEL, max_model_len=1024,
+            kv_cache_memory=16 * 2**20), chat=settings) as srv:
+        yield srv
+
+
+def test_the_reasoning_split_is_exact(thinker):
+    """reasoning_content + "</think>" + content is, character for character, the text the
+    same prompt and seed give through /v1/completions, streamed or not."""
+    client = _client(thinker)
+    prompt = httpx.post(thinker.base_url + "/tokenize", json={"messages": ASK}).json()
+    def three_ways(seed):
+        request = dict(seed=seed, temperature=1.0, max_tokens=60,
+                       logit_bias=_bias(thinker, end_think=3, eos=2))
+        raw = client.completions.create(model=MODEL, prompt=prompt["tokens"], **request)
+        reply = client.chat.completions.create(model=MODEL, messages=ASK, **request)
+        stream = list(client.chat.completions.create(model=MODEL, messages=ASK, stream=True,
+                                                     **request))
+        return raw.choices[0].text, reply.choices[0].message, stream
+
+    split = 0
+    for text, message, stream in _each_seed(range(6), three_ways):
+        reasoning = message.model_extra["reasoning_content"]
+        assert reasoning is not None
+        if "</think>" in text:
+            split += 1
+            assert reasoning + "</think>" + (message.content or "") == text
+        else:  # never closed: all reasoning
+            assert reasoning == text and message.content is None
+        streamed_reasoning = streamed_content = ""
+        for chunk in stream:
+            delta = chunk.choices[0].delta
+            streamed_reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+            streamed_content += delta.content or ""
+        assert (streamed_reasoning, streamed_content) == (reasoning, message.content or "")
+    assert split >= 3
+
+
+def test_a_forced_call_after_reasoning_is_split_off(thinker):
+    client = _client(thinker)
+    replies = _each_seed(range(4), lambda seed: client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice=NAMED, seed=seed,
+        temperature=1.0, max_tokens=200, logit_bias=_bias(thinker, end_think=3)))
+    for reply in replies:
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert choice.message.model_extra["reasoning_content"]
+        assert [name for name, _ in _validated(choice.message)] == ["get_time"]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    import engine.api
+    from engine.models.loader import default_model_path
+
+    # SmolLM2's template ignores tools: the fallback prompt describes them (~300 tokens).
+    with ServerThread(lambda: engine.api.open_engine(
+            str(default_model_path()), served_model_name=MODEL, max_model_len=1024,
+            kv_cache_memory=64 * 2**20)) as srv:
+        yield srv
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {
+    "name": "get_weather"}}, "auto"])
+def test_smollm2_calls_through_the_fallback_prompt_validate(smollm2, choice):
+    client = _client(smollm2)
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    replies = _each_seed(range(4), lambda seed: client.chat.completions.create(
+        model=MODEL, messages=ask, tools=TOOLS, tool_choice=choice, seed=seed,
+        temperature=1.0, max_tokens=200 if choice != "auto" else 100))
+    for reply in replies:
+        answer = reply.choices[0]
+        calls = _validated(answer.message)
+        if choice != "auto":
+            assert answer.finish_reason == "tool_calls" and calls, answer
+        elif answer.finish_reason != "length":  # auto: text, or calls that validate
+            assert answer.finish_reason == ("tool_calls" if calls else "stop"), answer
+            assert "<tool_call>" not in (answer.message.content or "")
 
 
 def test_tool_choice_none_never_produces_calls(real):

@@ -5,7 +5,9 @@
 which then goes through one tool stage:
 
 * a forced call (``tool_choice`` ``required`` or a named function): the output is the
-  constrained JSON, read by :class:`engine.chat.tools.ForcedCallStreamer`;
+  constrained JSON, read by :class:`engine.chat.tools.ForcedCallStreamer`, or, for
+  ``required`` with a parser whose syntax a grammar can follow, calls in that syntax,
+  read by the parser;
 * ``auto`` with a tool-call parser (``--enable-auto-tool-choice --tool-call-parser``):
   the parser's streamer (:mod:`engine.chat.tool_parsers`);
 * otherwise the content is passed through unchanged (``tool_choice: "none"`` never
@@ -34,6 +36,10 @@ class ChatOutputOptions:
     tool_choice: ToolChoice = NO_TOOLS
     tool_parser: ToolParser | None = None  # used for tool_choice "auto"
     reasoning_parser: ReasoningParser | None = None
+    # tool_choice "required" was generated in the tool parser's own call syntax (a
+    # grammar of its <tool_call> blocks), so the parser reads it; otherwise a forced
+    # output is JSON for ForcedCallStreamer.
+    forced_in_parser_syntax: bool = False
 
     @property
     def forced(self) -> bool:
@@ -105,7 +111,9 @@ class ChatOutputParser:
             options.reasoning_parser.streamer() if options.reasoning_parser is not None
             else None)
         self._tools: ForcedCallStreamer | ToolCallStreamer | None = None
-        if options.forced:
+        if options.forced_in_parser_syntax and options.tool_parser is not None:
+            self._tools = options.tool_parser.streamer()
+        elif options.forced:
             self._tools = ForcedCallStreamer(options.tool_choice)
         elif options.tool_choice.mode == "auto" and options.tool_parser is not None:
             self._tools = options.tool_parser.streamer()

@@ -4,10 +4,8 @@
 ``chat_template``, ``chat_template_kwargs``, ``add_generation_prompt``,
 ``continue_final_message`` and ``echo`` into a :class:`ChatFields`: what the chat
 template gets (:class:`TemplateOptions`), how the outputs are read
-(:class:`engine.chat.output.ChatOutputOptions`) and the constraint of its calls: the JSON
-schema a forced call must match, or the structural tag that holds an ``auto`` call to the
-tools' schemas once the model opens it. Errors are :class:`InvalidParamError` naming the
-field.
+(:class:`engine.chat.output.ChatOutputOptions`) and the constraint of its calls
+(:attr:`ChatFields.constraint`). Errors are :class:`InvalidParamError` naming the field.
 """
 
 from __future__ import annotations
@@ -21,10 +19,13 @@ from engine.chat.output import ChatOutputOptions
 from engine.chat.reasoning import ReasoningParser, get_reasoning_parser
 from engine.chat.tool_parsers import ToolParser, get_tool_parser
 from engine.chat.tools import (
+    Tool,
+    ToolChoice,
     auto_structural_tag,
     forced_call_schema,
     parse_tool_choice,
     parse_tools,
+    required_structural_tag,
     template_reads_tools,
 )
 from engine.errors import InvalidParamError
@@ -100,12 +101,19 @@ class TemplateOptions:
 class ChatFields:
     template: TemplateOptions
     output: ChatOutputOptions
-    forced_schema: dict[str, Any] | None  # the JSON schema a forced call's output matches
-    # tool_choice "auto" with a parser whose calls a grammar can follow (hermes,
-    # llama3_json, the fallback prompt's hermes calls): the structural tag that constrains
-    # a call once the model opens it.
-    auto_tag: dict[str, Any] | None
+    # What the request's tools constrain the output to (None: nothing):
+    # * required: the calls in the parser's syntax (hermes, llama3_json, the fallback
+    #   prompt's hermes calls), or else a JSON list of {"name", "arguments"} objects;
+    # * a named function: its arguments object;
+    # * auto, with a parser a grammar can follow: free text, but a call the model opens
+    #   is held to the tools' schemas.
+    constraint: StructuredOutputs | None
     echo: bool
+
+    @property
+    def forced(self) -> bool:
+        """Whether the constraint forces a call (``required`` or a named function)."""
+        return self.output.forced
 
 
 def parse_chat_fields(body: Mapping[str, Any], settings: ChatSettings,
@@ -117,52 +125,70 @@ def parse_chat_fields(body: Mapping[str, Any], settings: ChatSettings,
     choice = parse_tool_choice(body.get("tool_choice"), tools)
     parallel = _bool(body, "parallel_tool_calls", True)
     source = template.chat_template or model_template
-    parser = settings.tool_parser if settings.enable_auto_tool_choice else None
-    if choice.mode == "auto" and parser is None:
-        if template_reads_tools(source):
-            raise InvalidParamError(
-                'tool_choice "auto" needs the server started with --enable-auto-tool-choice '
-                '--tool-call-parser NAME; send "required", a named function or "none"',
-                param="tool_choice")
+    # The parser names the model's call syntax: auto reads calls with it, and required
+    # writes them in it where a grammar can follow it.
+    parser = (settings.tool_parser
+              if settings.enable_auto_tool_choice or choice.mode == "required" else None)
+    if choice.mode != "none" and parser is None and not template_reads_tools(source):
+        # The fallback prompt asks for hermes-style calls.
         parser = get_tool_parser(FALLBACK_TOOL_PARSER)
-    output = ChatOutputOptions(tools=tools, tool_choice=choice, tool_parser=parser,
-                               reasoning_parser=settings.reasoning)
+    if choice.mode == "auto" and parser is None:
+        raise InvalidParamError(
+            'tool_choice "auto" needs the server started with --enable-auto-tool-choice '
+            '--tool-call-parser NAME; send "required", a named function or "none"',
+            param="tool_choice")
+    constraint = _tools_constraint(tools, choice, parser, parallel)
+    output = ChatOutputOptions(
+        tools=tools, tool_choice=choice, tool_parser=parser,
+        reasoning_parser=settings.reasoning,
+        forced_in_parser_syntax=choice.mode == "required" and constraint is not None
+        and constraint.kind == "structural_tag")
     if choice.mode != "none":
         # tool_choice "none" keeps the tools out of the prompt, so the model is not invited
         # to write calls that would then come back as text.
         template = dataclasses.replace(template, tools=tuple(t.to_openai() for t in tools))
-    auto_tag = (auto_structural_tag(tools, parser.name, parallel)
-                if choice.mode == "auto" and parser is not None else None)
-    return ChatFields(template=template, output=output,
-                      forced_schema=forced_call_schema(tools, choice, parallel),
-                      auto_tag=auto_tag, echo=_bool(body, "echo", False))
+    return ChatFields(template=template, output=output, constraint=constraint,
+                      echo=_bool(body, "echo", False))
+
+
+def _tools_constraint(tools: tuple[Tool, ...], choice: ToolChoice, parser: ToolParser | None,
+                      parallel: bool) -> StructuredOutputs | None:
+    tag = None
+    if parser is not None and choice.mode == "auto":
+        tag = auto_structural_tag(tools, parser.name, parallel)
+    elif parser is not None and choice.mode == "required":
+        tag = required_structural_tag(tools, parser.name, parallel)
+    if tag is not None:
+        return StructuredOutputs(structural_tag=tag)
+    schema = forced_call_schema(tools, choice, parallel)
+    return StructuredOutputs(json=schema) if schema is not None else None
 
 
 def chat_sampling_params(params: SamplingParams, fields: ChatFields, *,
                          keep_skip_special_tokens: bool = False) -> SamplingParams:
     """``params`` with what the request's tools and reasoning need: special tokens kept
     in the text for a parser whose call markers are special tokens (unless the caller
-    chose ``skip_special_tokens``); the constraint of a forced call, or of an ``auto``
-    call once opened; and, with a reasoning parser, any constraint starting only after
-    the reasoning (the model thinks freely first)."""
+    chose ``skip_special_tokens``); the tools' constraint (``fields.constraint``); and,
+    with a reasoning parser, any constraint starting only after the reasoning (the model
+    thinks freely first)."""
     parser = fields.output.tool_parser
     if (fields.output.tool_choice.mode == "auto" and parser is not None
             and parser.needs_special_tokens and not keep_skip_special_tokens):
         params = params.replace(skip_special_tokens=False)
-    if fields.forced_schema is not None:
+    if fields.forced:
         if params.structured_outputs is not None:
             raise InvalidParamError(
                 'tool_choice "required" or a named function constrains the output already; '
                 "it cannot be combined with response_format or structured outputs",
                 param="tool_choice")
-        # The forced call's JSON is generated under its schema, token by token.
-        params = params.replace(structured_outputs=StructuredOutputs(json=fields.forced_schema))
-    elif (fields.auto_tag is not None and params.structured_outputs is None
+        # The forced call is generated under its grammar, token by token.
+        params = params.replace(structured_outputs=fields.constraint)
+    elif (fields.constraint is not None and params.structured_outputs is None
           and not params.ignore_eos):
-        # Free text, but a call the model opens is generated under the tools' schemas.
-        # (A response_format wins over it; ignore_eos asks for text no grammar could end.)
-        params = params.replace(
-            structured_outputs=StructuredOutputs(structural_tag=fields.auto_tag))
+        # auto: free text, but a call the model opens is generated under the tools'
+        # schemas. (A response_format wins over it; ignore_eos asks for text no grammar
+        # could end.)
+        params = params.replace(structured_outputs=fields.constraint)
     reasoning = fields.output.reasoning_parser
     spec = params.structured_outputs
     if reasoning is not None and spec is not None:
@@ -175,11 +201,11 @@ def constraint_param(fields: ChatFields, params: SamplingParams) -> str | None:
     """The request field to name when the constraint ``chat_sampling_params`` added fails
     to compile: ``tool_choice`` for a forced call, ``tools`` for an ``auto`` call's tag."""
     spec = params.structured_outputs
-    if spec is None:
+    if spec is None or fields.constraint is None:
         return None
-    if fields.forced_schema is not None:
+    if fields.forced:
         return "tool_choice"
-    return "tools" if spec.kind == "structural_tag" else None
+    return "tools" if spec.structural_tag == fields.constraint.structural_tag else None
 
 
 def _template_options(body: Mapping[str, Any], settings: ChatSettings) -> TemplateOptions:

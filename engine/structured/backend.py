@@ -510,6 +510,11 @@ def _tag_lark(node: dict[str, Any], literal: Callable[[str], str]) -> str:
                                         literal(n["end"]) if n["end"] else "") if x)
         if kind == "triggered_tags" and not n.get("excludes"):
             return triggered(n)
+        if kind == "tags_with_separator":
+            tag = "(" + " | ".join(expr(t) for t in n["tags"]) + ")"
+            sep = literal(n["separator"]) + " " if n["separator"] else ""
+            body = tag if n.get("stop_after_first") else f"({tag} ({sep}{tag})*)"
+            return body if n.get("at_least_one") else f"({body})?"
         raise ValueError(f"structural tag format {kind!r} is not translated for llguidance")
 
     def triggered(n: dict[str, Any]) -> str:

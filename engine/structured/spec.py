@@ -63,8 +63,8 @@ class StructuredOutputs:
       ``{"type": "structural_tag", "format": {...}}``), e.g. ``triggered_tags``: free text
       until a trigger such as ``<tool_call>``, then a tag whose content matches a JSON
       schema (how ``tool_choice: "auto"`` calls are constrained). Under llguidance only
-      the formats the chat layer writes are translated (triggered tags, tag, sequence,
-      or, const_string, regex, json_schema).
+      the formats the chat layer writes are translated (triggered_tags,
+      tags_with_separator, tag, sequence, or, const_string, regex, json_schema).
 
     ``think`` (:data:`THINK_MODES`) lets the output reason first: the constraint applies
     after ``</think>`` (a reasoning model's structured output or forced call).
