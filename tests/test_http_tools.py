@@ -507,6 +507,39 @@ async def test_embedded_chat_returns_typed_messages(folder):
         assert eng.statistics().running == 0
 
 
+async def test_embedded_tools_go_in_and_calls_come_out_typed(folder):
+    """Tool and ToolChoice values in; ToolCall values with parsed arguments out; the reply
+    goes back into the history as it is, with the tool's result."""
+    import engine
+    from engine.chat import ChatMessage, Tool, ToolCall, ToolChoice
+    from engine.params import SamplingParams
+
+    weather = Tool("get_weather", WEATHER_TOOL["function"]["parameters"], "The weather.")
+    async with engine.open_engine(str(folder), max_model_len=1024,
+                                  kv_cache_memory=8 * 2**20) as eng:
+        params = SamplingParams(max_tokens=200, temperature=1.0, seed=5)
+        # This template reads tools and no parser is set: required is a JSON list here.
+        for choice in (ToolChoice("required"), ToolChoice("function", "get_weather")):
+            result = await eng.chat(ASK, params, tools=[weather, TOOLS[1]], tool_choice=choice,
+                                    parallel_tool_calls=False)
+            (answer,) = result.choices
+            assert isinstance(answer.message, ChatMessage)
+            assert answer.finish_reason == "tool_calls"
+            (call,) = answer.message.tool_calls
+            assert isinstance(call, ToolCall)
+            VALIDATORS[call.name].validate(call.args())
+        history = [*ASK, answer.message,
+                   {"role": "tool", "tool_call_id": call.id, "content": "9 degrees, rain"}]
+        final = await eng.chat(history, SamplingParams(max_tokens=4), tools=[weather],
+                               tool_choice="none")
+        assert final.choices[0].message.tool_calls == ()
+        as_dicts = [*ASK, answer.message.to_openai(), history[-1]]
+        again = await eng.chat(as_dicts, SamplingParams(max_tokens=4), tools=[weather],
+                               tool_choice="none")
+        assert final.prompt_tokens == again.prompt_tokens
+        assert eng.statistics().running == 0
+
+
 def test_usage_reports_the_prefix_cache_hit(real):
     """The second request with the same long prompt finds its full blocks cached."""
     client = _client(real)

@@ -8,4 +8,14 @@ Pure code (no I/O, no trio), shared by the HTTP server and the embedded API:
   (``deepseek_r1``, ``qwen3``), complete or streamed.
 * :mod:`engine.chat.tools` checks tool definitions and ``tool_choice`` and holds the
   built-in fallback tool template for chat templates that ignore ``tools``.
+
+The embedded API's typed values (:mod:`engine.chat.session`) are re-exported here.
 """
+
+from engine.chat.output import ChatDelta, ChatMessage
+from engine.chat.session import ChatChoice, ChatChunk, ChatResult
+from engine.chat.tool_parsers import ToolCall, ToolCallDelta
+from engine.chat.tools import Tool, ToolChoice
+
+__all__ = ["ChatChoice", "ChatChunk", "ChatDelta", "ChatMessage", "ChatResult", "Tool",
+           "ToolCall", "ToolCallDelta", "ToolChoice"]

@@ -9,6 +9,16 @@
         async for chunk in eng.chat_stream(messages, tools=tools):
             chunk.delta.content, chunk.delta.reasoning, chunk.delta.tool_calls
 
+Tools go in as :class:`Tool` values or OpenAI dicts, ``tool_choice`` as a
+:class:`ToolChoice` or OpenAI's form; a reply's :class:`ChatMessage` can go straight back
+into the history (its calls as the template expects them)::
+
+    weather = Tool("get_weather", {"type": "object", "properties": {"city": {...}}})
+    result = await eng.chat(messages, tools=[weather], tool_choice=ToolChoice("required"))
+    message = result.choices[0].message
+    call = message.tool_calls[0]; call.name, call.args()                 # a dict
+    messages += [message, {"role": "tool", "tool_call_id": call.id, "content": "9C"}]
+
 The same checks and parsers as the HTTP server (:mod:`engine.chat.request`,
 :mod:`engine.chat.output`): bad tools, ``tool_choice`` or history raise
 :class:`InvalidParamError` naming the field, before anything is queued.
@@ -22,7 +32,12 @@ from typing import Any
 
 from engine.chat.output import ChatDelta, ChatMessage, ChatOutputParser
 from engine.chat.request import ChatFields, ChatSettings, chat_sampling_params, parse_chat_fields
+from engine.chat.tools import Tool, ToolChoice
 from engine.params import SamplingParams
+
+# What tools, tool_choice and history messages may be given as.
+ToolLike = Tool | Mapping[str, Any]
+MessageLike = ChatMessage | Mapping[str, Any]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -49,13 +64,14 @@ class ChatChunk:
 
 
 def prepare_chat(
-    engine: Any, params: SamplingParams | None, *, tools: Sequence[Mapping[str, Any]] | None,
+    engine: Any, params: SamplingParams | None, *, tools: Sequence[ToolLike] | None,
     tool_choice: Any, parallel_tool_calls: bool, settings: ChatSettings | None,
     template_fields: Mapping[str, Any],
 ) -> tuple[ChatFields, SamplingParams]:
     """Check the chat arguments (as the HTTP body's fields) and adjust ``params``."""
-    body: dict[str, Any] = {"tools": list(tools) if tools is not None else None,
-                            "tool_choice": tool_choice,
+    body: dict[str, Any] = {"tools": [_openai_tool(t) for t in tools] if tools is not None
+                            else None,
+                            "tool_choice": _openai_choice(tool_choice),
                             "parallel_tool_calls": parallel_tool_calls,
                             **template_fields}
     settings = settings or ChatSettings(trust_request_chat_template=True)
@@ -65,9 +81,33 @@ def prepare_chat(
     return fields, chat_sampling_params(params, fields)
 
 
+def _openai_tool(tool: ToolLike) -> Any:
+    return tool.to_openai() if isinstance(tool, Tool) else tool
+
+
+def _openai_choice(choice: Any) -> Any:
+    if not isinstance(choice, ToolChoice):
+        return choice
+    if choice.mode == "function":
+        return {"type": "function", "function": {"name": choice.name}}
+    return choice.mode
+
+
+def _openai_messages(messages: Sequence[MessageLike]) -> list[Any]:
+    """The history as OpenAI message dicts (a :class:`ChatMessage` from an earlier reply
+    becomes its assistant message, calls included; its reasoning is left out, as chat
+    templates drop earlier turns' thinking)."""
+    out: list[Any] = []
+    for m in messages:
+        if isinstance(m, ChatMessage):
+            m = {k: v for k, v in m.to_openai().items() if k != "reasoning_content"}
+        out.append(m)
+    return out
+
+
 async def chat_stream(
-    engine: Any, messages: Sequence[Mapping[str, Any]], params: SamplingParams | None = None,
-    *, tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: Any = None,
+    engine: Any, messages: Sequence[MessageLike], params: SamplingParams | None = None,
+    *, tools: Sequence[ToolLike] | None = None, tool_choice: Any = None,
     parallel_tool_calls: bool = True, settings: ChatSettings | None = None,
     **template_fields: Any,
 ) -> AsyncIterator[ChatChunk]:
@@ -77,7 +117,8 @@ async def chat_stream(
         parallel_tool_calls=parallel_tool_calls, settings=settings,
         template_fields=template_fields)
     parsers: dict[int, ChatOutputParser] = {}
-    stream = await engine.submit(list(messages), params, chat_options=fields.template)
+    stream = await engine.submit(_openai_messages(messages), params,
+                                 chat_options=fields.template)
     async with stream:
         async for out in stream:
             parser = parsers.setdefault(out.index, ChatOutputParser(fields.output))
@@ -92,15 +133,17 @@ async def chat_stream(
 
 
 async def chat(
-    engine: Any, messages: Sequence[Mapping[str, Any]], params: SamplingParams | None = None,
-    *, tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: Any = None,
+    engine: Any, messages: Sequence[MessageLike], params: SamplingParams | None = None,
+    *, tools: Sequence[ToolLike] | None = None, tool_choice: Any = None,
     parallel_tool_calls: bool = True, settings: ChatSettings | None = None,
     **template_fields: Any,
 ) -> ChatResult:
     """Run one chat request to the end and return its messages.
 
-    ``tools`` are OpenAI function tools, ``tool_choice`` ``"none"``, ``"auto"``,
-    ``"required"`` or ``{"type": "function", "function": {"name": ...}}``.
+    ``tools`` are :class:`Tool` values or OpenAI function tools; ``tool_choice`` a
+    :class:`ToolChoice`, ``"none"``, ``"auto"``, ``"required"`` or ``{"type":
+    "function", "function": {"name": ...}}``; ``messages`` OpenAI message dicts or the
+    :class:`ChatMessage` of an earlier reply.
     ``settings`` names the tool-call and reasoning parsers (as the server's flags);
     ``template_fields`` are the chat-template fields of the HTTP API
     (``chat_template_kwargs``, ``add_generation_prompt``, ``continue_final_message``,
@@ -114,7 +157,8 @@ async def chat(
     parsers: dict[int, ChatOutputParser] = {}
     reasons: dict[int, str | None] = {}
     tokens = 0
-    stream = await engine.submit(list(messages), params, chat_options=fields.template)
+    stream = await engine.submit(_openai_messages(messages), params,
+                                 chat_options=fields.template)
     async with stream:
         async for out in stream:
             parser = parsers.setdefault(out.index, ChatOutputParser(fields.output))

@@ -47,6 +47,14 @@ class ToolCall:
     name: str
     arguments: str  # a JSON object, as text
 
+    def args(self) -> dict[str, Any]:
+        """The arguments as a dict (a parser writes them with ``json.dumps``; a named
+        call cut short by ``max_tokens`` may not parse: ``ValueError``)."""
+        value = json.loads(self.arguments)
+        if not isinstance(value, dict):
+            raise ValueError(f"the arguments of {self.name!r} are not a JSON object")
+        return value
+
     def to_openai(self) -> dict[str, Any]:
         return {"id": self.id, "type": "function",
                 "function": {"name": self.name, "arguments": self.arguments}}
