@@ -155,7 +155,7 @@ class _StructuredCollector(Collector):
         requests = CounterMetricFamily(
             "engine:structured_output_requests",
             "Requests with a structured output constraint (response_format, "
-            "structured_outputs, guided_*, forced tool calls), by kind.",
+            "structured_outputs, guided_*, tool calls), by kind.",
             labels=["model_name", "kind"])
         for kind in KINDS:
             count = stats.requests.get(kind, 0) if stats is not None else 0
