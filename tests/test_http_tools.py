@@ -394,6 +394,8 @@ def test_round_trip_history_reaches_the_template(real):
     assert reply.usage.prompt_tokens < tokens["count"]
 
 
+UNENFORCEABLE = {"type": "function", "function": {"name": "tag", "parameters": {
+    "type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}}}
 BAD = [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "wrong"}}}}}]},
@@ -407,6 +409,10 @@ BAD = [
     ({"tools": [{"type": "function", "function": {"name": "has space"}}]},
      "tools[0].function.name"),
     ({"tool_choice": "required"}, "tool_choice"),
+    # A schema neither grammar backend enforces (uniqueItems): the forced call's
+    # constraint names tool_choice, the auto call's tools.
+    ({"tools": [UNENFORCEABLE], "tool_choice": "required"}, "tool_choice"),
+    ({"tools": [UNENFORCEABLE]}, "tools"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ({"continue_final_message": True}, "continue_final_message"),
 ]
