@@ -7,6 +7,7 @@ types around it are imported on first use, so ``import engine`` stays light (no 
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import (
+    ConfigError,
     EngineDeadError,
     EngineError,
     InvalidParamError,
@@ -41,6 +42,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "ConfigError",
     "Engine",
     "EngineConfig",
     "EngineDeadError",

@@ -31,7 +31,7 @@ from engine.chat.request import TemplateOptions
 from engine.chat.session import ChatChunk, ChatResult
 from engine.config import EngineConfig
 from engine.core import admission
-from engine.errors import EngineDeadError, InvalidParamError, RequestFailedError
+from engine.errors import ConfigError, EngineDeadError, RequestFailedError
 from engine.loading import EngineParts, build_parts
 from engine.messages import RequestOutput
 from engine.params import SamplingParams, generation_defaults
@@ -424,7 +424,7 @@ def _config(model: str | None, config: EngineConfig | None, options: dict[str, A
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     unknown = sorted(set(options) - names)
     if unknown:
-        raise InvalidParamError(f"unknown engine option(s): {', '.join(unknown)}", param=unknown[0])
+        raise ConfigError(f"unknown engine option(s): {', '.join(unknown)}", field=unknown[0])
     return EngineConfig(model=model, **options)
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
-from engine.errors import InvalidParamError
+from engine.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # "auto" stores K/V in the model dtype; int8 and fp8 (e4m3) store 8-bit codes plus a scale
@@ -13,92 +15,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 QUANTIZATIONS = ("auto", "gguf", "none")  # see engine.models.loader
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")  # see engine.structured
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class EngineConfig:
-    """Everything that shapes an engine. Environment variables are read by the CLI only.
-
-    ``kv_cache_memory`` is the KV pool's budget: an int is bytes, a float in (0, 1] is a
-    fraction of the device's free memory (on CPU, of the available system memory).
-    ``max_model_len`` of ``None`` takes the model's ``max_position_embeddings``.
-    """
-
-    model: str | None = None  # a HF folder or a .gguf file; None is the default SmolLM2
-    served_model_name: str | None = None
-    dtype: str = "auto"
-    # "auto"/"gguf": a GGUF's block-quantized matrices stay in their blocks (CPU); "none":
-    # dequantize every weight to dtype at load.
-    quantization: str = "auto"
-    device: str = "auto"  # "auto" picks cuda when available, else cpu
-    ops_backend: str = "auto"  # "auto", "torch", "cpu" or "triton"; see engine.ops.get_ops
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    # 2 GiB default: ample for SmolLM2's 30 layers x 3 KV heads x 64 dims (about 46 KB a
-    # token in fp32), i.e. ~46k tokens, without taking a shared CPU machine's memory.
-    kv_cache_memory: int | float = 2 * 1024**3
-    kv_cache_dtype: str = "auto"  # see KV_CACHE_DTYPES
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"  # "fcfs" or "priority"
-    max_queued_requests: int = 1024
-    # Plan step N+1 while step N runs. None: on with CUDA, where the GPU runs a step while
-    # the host plans; off on CPU, where both share the same cores and the overlap measured
-    # no gain while costing each new request one more step before its first token.
-    async_scheduling: bool | None = None
-    seed: int = 0
-    # "auto": generation_config.json's sampling defaults (temperature, top_p, top_k, min_p,
-    # repetition_penalty) apply to requests that leave them out, as in vLLM; "none": the
-    # engine's own defaults (temperature 1, no truncation).
-    generation_config: str = "auto"
-    # Times the actors restart in place after a crash before the engine stays dead. 0 for
-    # the embedded API: a crash is a bug the caller sees; `serve` defaults to 5.
-    max_engine_restarts: int = 0
-    # Grammar library for structured output (engine.structured): "xgrammar", "guidance"
-    # (llguidance) or "auto" (xgrammar, and llguidance for JSON schemas xgrammar refuses).
-    structured_outputs_backend: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise InvalidParamError(f"dtype must be one of {DTYPES}, got {self.dtype!r}", param="dtype")
-        if self.quantization not in QUANTIZATIONS:
-            raise InvalidParamError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}", param="quantization")
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise InvalidParamError(f"device must be auto, cpu or cuda[:N], got {self.device!r}", param="device")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise InvalidParamError(
-                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
-                param="kv_cache_dtype",
-            )
-        if self.ops_backend not in ("auto", "torch", "cpu", "triton"):
-            raise InvalidParamError(f"ops_backend must be auto, torch, cpu or triton, got {self.ops_backend!r}", param="ops_backend")
-        if self.generation_config not in ("auto", "none"):
-            raise InvalidParamError(f"generation_config must be auto or none, got {self.generation_config!r}", param="generation_config")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise InvalidParamError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}", param="scheduling_policy")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_queued_requests"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidParamError(f"{name} must be a positive integer, got {value!r}", param=name)
-        if self.block_size & (self.block_size - 1):
-            raise InvalidParamError(f"block_size must be a power of two, got {self.block_size}", param="block_size")
-        if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
-            raise InvalidParamError(
-                f"structured_outputs_backend must be one of {STRUCTURED_OUTPUTS_BACKENDS}, "
-                f"got {self.structured_outputs_backend!r}", param="structured_outputs_backend")
-        restarts = self.max_engine_restarts
-        if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
-            raise InvalidParamError(f"max_engine_restarts must be a non-negative integer, got {restarts!r}", param="max_engine_restarts")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise InvalidParamError(f"max_model_len must be positive, got {self.max_model_len}", param="max_model_len")
-        mem = self.kv_cache_memory
-        if isinstance(mem, bool) or not isinstance(mem, (int, float)):
-            raise InvalidParamError(f"kv_cache_memory must be bytes or a fraction, got {mem!r}", param="kv_cache_memory")
-        if isinstance(mem, float) and not 0.0 < mem <= 1.0:
-            raise InvalidParamError(f"kv_cache_memory as a fraction must be in (0, 1], got {mem}", param="kv_cache_memory")
-        if isinstance(mem, int) and mem < 1:
-            raise InvalidParamError(f"kv_cache_memory must be positive, got {mem}", param="kv_cache_memory")
+OPS_BACKENDS = ("auto", "torch", "cpu", "triton")  # see engine.ops.get_ops
 
 
 def parse_memory(text: str) -> int | float:
@@ -128,3 +45,151 @@ def parse_memory(text: str) -> int | float:
             "integer or with a unit (512MiB, 2GB)"
         )
     return value
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Flag:
+    """How an :class:`EngineConfig` field appears on the command line (see
+    :func:`add_engine_arguments`): its help, parsing and, where the default is ``None``,
+    what that default means."""
+
+    help: str
+    type: Callable[[str], Any] | None = None
+    choices: tuple[str, ...] | None = None
+    default_text: str | None = None
+    metavar: str | None = None
+    aliases: tuple[str, ...] = ()  # more option strings that set a bool field to False
+
+
+def _field(default: Any, help: str, **flag: Any) -> Any:
+    return dataclasses.field(default=default, metadata={"flag": Flag(help, **flag)})
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class EngineConfig:
+    """Everything that shapes an engine. Environment variables are read by the CLI only.
+
+    Each field is a flag of ``python -m engine generate`` and ``serve`` (``max_num_seqs``
+    is ``--max-num-seqs``) and a keyword of :func:`engine.open_engine`; its help is the
+    ``Flag`` in its metadata. Invalid values raise :class:`ConfigError` naming the field.
+    """
+
+    model: str | None = _field(
+        None, "a Hugging Face folder or a .gguf file", metavar="PATH",
+        default_text="the bundled SmolLM2-135M-Instruct GGUF")
+    served_model_name: str | None = _field(
+        None, "the model name clients send and see", metavar="NAME",
+        default_text="SmolLM2-135M-Instruct for the default model, else the folder or file name")
+    dtype: str = _field("auto", "weight and activation dtype", choices=DTYPES)
+    quantization: str = _field(
+        "auto", "auto/gguf: a GGUF's block-quantized matrices stay in their blocks (CPU; "
+        "--dtype is then the activations'); none: dequantize every weight to --dtype at load",
+        choices=QUANTIZATIONS)
+    device: str = _field("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N")
+    ops_backend: str = _field(
+        "auto", "kernels: auto picks triton on CUDA, the C kernels on CPU (see engine.ops)",
+        choices=OPS_BACKENDS)
+    max_model_len: int | None = _field(
+        None, "context length", type=int, metavar="N",
+        default_text="the model's max_position_embeddings, capped by the KV pool")
+    max_num_seqs: int = _field(64, "most requests in one step", type=int, metavar="N")
+    max_num_batched_tokens: int = _field(2048, "most tokens in one step", type=int, metavar="N")
+    block_size: int = _field(16, "tokens per KV-cache block (a power of 2)", type=int, metavar="N")
+    # 2 GiB default: ample for SmolLM2's 30 layers x 3 KV heads x 64 dims (about 46 KB a
+    # token in fp32), i.e. ~46k tokens, without taking a shared CPU machine's memory.
+    # An int is bytes, a float in (0, 1] a fraction of the device's free memory (on CPU, of
+    # the available system memory).
+    kv_cache_memory: int | float = _field(
+        2 * 1024**3, "KV pool budget: bytes (2GiB, 512MB) or a fraction of free memory (0.5)",
+        type=parse_memory, metavar="SIZE", default_text="2GiB")
+    kv_cache_dtype: str = _field(
+        "auto", "K/V storage: auto (the model dtype), int8 or fp8 (8-bit codes with a scale "
+        "per token and KV head: about half of bf16's memory)", choices=KV_CACHE_DTYPES)
+    enable_prefix_caching: bool = _field(
+        True, "share the KV blocks of a common prompt prefix between requests",
+        aliases=("--no-prefix-caching",))
+    scheduling_policy: str = _field(
+        "fcfs", "waiting-queue order: arrival, or the request's priority then arrival",
+        choices=("fcfs", "priority"))
+    max_queued_requests: int = _field(
+        1024, "waiting requests beyond which new ones are refused (HTTP 429)", type=int,
+        metavar="N")
+    # Plan step N+1 while step N runs. None: on with CUDA, where the GPU runs a step while
+    # the host plans; off on CPU, where both share the same cores and the overlap measured
+    # no gain while costing each new request one more step before its first token.
+    async_scheduling: bool | None = _field(
+        None, "plan step N+1 while step N runs", default_text="on with CUDA, off on CPU")
+    seed: int = _field(0, "seed of the engine's sampling generator", type=int, metavar="N")
+    # "auto": generation_config.json's sampling defaults (temperature, top_p, top_k, min_p,
+    # repetition_penalty) apply to requests that leave them out, as in vLLM; "none": the
+    # engine's own defaults (temperature 1, no truncation).
+    generation_config: str = _field(
+        "auto", "auto: the model's generation_config.json sampling defaults apply to requests "
+        "that leave those fields out; none: the engine's own defaults", choices=("auto", "none"))
+    # Times the actors restart in place after a crash before the engine stays dead. 0 for
+    # the embedded API: a crash is a bug the caller sees; `serve` defaults to 5.
+    max_engine_restarts: int = _field(
+        0, "restart the engine's actors in place after a crash this many times, then stay "
+        "dead", type=int, metavar="N")
+    # Grammar library for structured output (engine.structured): "xgrammar", "guidance"
+    # (llguidance) or "auto" (xgrammar, and llguidance for JSON schemas xgrammar refuses).
+    structured_outputs_backend: str = _field(
+        "auto", "grammar library for structured output: auto (xgrammar, and llguidance for "
+        "the JSON schemas xgrammar refuses), xgrammar or guidance (llguidance)",
+        choices=STRUCTURED_OUTPUTS_BACKENDS)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            choices = f.metadata["flag"].choices
+            if choices is not None and getattr(self, f.name) not in choices:
+                raise ConfigError(f"{f.name} must be one of {', '.join(choices)}, got "
+                                  f"{getattr(self, f.name)!r}", field=f.name)
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"device must be auto, cpu or cuda[:N], got {self.device!r}", field="device")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_queued_requests"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}", field=name)
+        if self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}", field="block_size")
+        restarts = self.max_engine_restarts
+        if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
+            raise ConfigError(f"max_engine_restarts must be a non-negative integer, got {restarts!r}", field="max_engine_restarts")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}", field="max_model_len")
+        mem = self.kv_cache_memory
+        if isinstance(mem, bool) or not isinstance(mem, (int, float)):
+            raise ConfigError(f"kv_cache_memory must be bytes or a fraction, got {mem!r}", field="kv_cache_memory")
+        if isinstance(mem, float) and not 0.0 < mem <= 1.0:
+            raise ConfigError(f"kv_cache_memory as a fraction must be in (0, 1], got {mem}", field="kv_cache_memory")
+        if isinstance(mem, int) and mem < 1:
+            raise ConfigError(f"kv_cache_memory must be positive, got {mem}", field="kv_cache_memory")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
+    """Add one flag per :class:`EngineConfig` field to ``parser`` (in an "engine" group):
+    ``--max-num-seqs`` for ``max_num_seqs``, ``--name/--no-name`` for a bool. ``defaults``
+    replace the config's own (``serve`` restarts a crashed engine 5 times; the embedded API
+    does not); :func:`config_from_args` reads the values back."""
+    group = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineConfig):
+        flag: Flag = f.metadata["flag"]
+        option = "--" + f.name.replace("_", "-")
+        help = flag.help if flag.default_text is None else f"{flag.help} (default: {flag.default_text})"
+        if str(f.type).startswith("bool"):  # "bool" or "bool | None" (string annotations)
+            group.add_argument(option, dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=f.default, help=help)
+            for alias in flag.aliases:
+                # default=SUPPRESS: the flag above already set the field's default.
+                group.add_argument(alias, dest=f.name, action="store_false",
+                                   default=argparse.SUPPRESS, help=f"same as --no-{option[2:]}")
+        else:
+            group.add_argument(option, dest=f.name, type=flag.type, choices=flag.choices,
+                               default=f.default, metavar=flag.metavar, help=help)
+    parser.set_defaults(**defaults)
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The :class:`EngineConfig` of parsed :func:`add_engine_arguments` flags; raises
+    :class:`ConfigError` for a bad value, before anything loads."""
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})

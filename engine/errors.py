@@ -13,8 +13,8 @@ Two families matter to a caller:
   engine restarts its actors (see ``max_engine_restarts``) or, past its restart limit,
   stays dead and later calls fail with it too.
 
-:class:`ModelLoadError` and its subclasses come from loading weights and tokenizers, before
-any request exists.
+:class:`ConfigError` (a bad engine option) and :class:`ModelLoadError` and its subclasses
+(loading weights and tokenizers) come before any request exists.
 """
 
 from __future__ import annotations
@@ -38,6 +38,15 @@ class RequestError(EngineError, ValueError):
 
 class InvalidParamError(RequestError):
     """A sampling or request parameter is out of range or of the wrong type."""
+
+
+class ConfigError(EngineError, ValueError):
+    """An engine option (an :class:`engine.config.EngineConfig` field, a server flag) is out
+    of range, of the wrong type or unknown. ``field`` names it where there is one."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class PromptTooLongError(RequestError):

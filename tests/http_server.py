@@ -18,7 +18,7 @@ import httpx
 import trio
 
 from engine.http.app import create_app
-from engine.http.cli import serve_app
+from engine.http.cli import bind_socket, serve_app
 
 # Loading a tiny model and binding a port takes well under a second; this is a hang guard.
 _START_TIMEOUT = 120.0
@@ -67,13 +67,14 @@ class ServerThread:
         async with self._open_engine() as eng:
             self.engine = eng
             app = create_app(eng, **self._app_options)
-            async with trio.open_nursery() as nursery:
-                binds = await nursery.start(lambda task_status: serve_app(
-                    app, host="127.0.0.1", port=0, shutdown_timeout=self._shutdown_timeout,
-                    shutdown_trigger=self._stop.wait, task_status=task_status,
-                    **self._serve_options))
-                self.base_url = binds[0]
-                self._ready.set()
+            with bind_socket("127.0.0.1", 0) as listener:
+                async with trio.open_nursery() as nursery:
+                    binds = await nursery.start(lambda task_status: serve_app(
+                        app, listener, shutdown_timeout=self._shutdown_timeout,
+                        shutdown_trigger=self._stop.wait, task_status=task_status,
+                        **self._serve_options))
+                    self.base_url = binds[0]
+                    self._ready.set()
 
     def metric(self, name: str) -> float:
         """The value of one unlabelled-but-for-model_name metric from GET /metrics."""

@@ -93,8 +93,8 @@ def test_smollm2_generate_matches_transformers_greedy_fp32() -> None:
 
 
 def test_kv_cache_memory_is_bytes_with_units_or_a_fraction_of_free_memory() -> None:
-    from engine.__main__ import build_parser, engine_options
-    from engine.config import parse_memory
+    from engine.__main__ import build_parser
+    from engine.config import config_from_args, parse_memory
 
     assert parse_memory("0.5") == 0.5 and isinstance(parse_memory("1.0"), float)
     assert parse_memory("1073741824") == 2**30 and isinstance(parse_memory("1"), int)
@@ -105,5 +105,5 @@ def test_kv_cache_memory_is_bytes_with_units_or_a_fraction_of_free_memory() -> N
         with pytest.raises(argparse.ArgumentTypeError):
             parse_memory(bad)
     argv = ["generate", "--prompt", "Hi", "--kv-cache-memory", "0.25", "--max-num-seqs", "4"]
-    options = engine_options(build_parser(argv).parse_args(argv))
-    assert (options["kv_cache_memory"], options["max_num_seqs"]) == (0.25, 4)
+    config = config_from_args(build_parser(argv).parse_args(argv))
+    assert (config.kv_cache_memory, config.max_num_seqs) == (0.25, 4)

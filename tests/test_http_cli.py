@@ -4,11 +4,15 @@ signal drains in-flight requests under the deadline, then the process exits 0.""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import io
 import json
+import logging
 import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -52,22 +56,23 @@ def test_every_serve_flag_exists_and_is_documented() -> None:
 
 
 def test_engine_flags_become_engine_config_fields() -> None:
-    from engine.http.cli import engine_options
+    from engine.config import EngineConfig, config_from_args
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
     args = parser.parse_args([
         "--no-prefix-caching", "--scheduling-policy", "priority", "--no-async-scheduling",
         "--ops-backend", "torch", "--max-num-seqs", "8", "--kv-cache-memory", "64MiB",
+        "--structured-outputs-backend", "guidance",
     ])
-    assert engine_options(args) == {
-        "enable_prefix_caching": False, "scheduling_policy": "priority",
-        "async_scheduling": False, "ops_backend": "torch", "max_num_seqs": 8,
-        "kv_cache_memory": 64 * 2**20, "max_engine_restarts": 5,
-    }
+    assert config_from_args(args) == dataclasses.replace(
+        EngineConfig(), enable_prefix_caching=False, scheduling_policy="priority",
+        async_scheduling=False, ops_backend="torch", max_num_seqs=8,
+        kv_cache_memory=64 * 2**20, max_engine_restarts=5, structured_outputs_backend="guidance",
+    )
     # Unset flags keep the config's defaults, but for serve's own restart default (the
     # embedded API's is 0: a crash there is the caller's to see).
-    assert engine_options(parser.parse_args([])) == {"max_engine_restarts": 5}
+    assert config_from_args(parser.parse_args([])) == EngineConfig(max_engine_restarts=5)
 
 
 def test_every_metric_is_documented() -> None:
@@ -76,17 +81,193 @@ def test_every_metric_is_documented() -> None:
         assert f"| `{name}" in docs, f"{name} missing from the metric table of {DOCS.name}"
 
 
+def _parser(command: str) -> argparse.ArgumentParser:
+    from engine.__main__ import build_parser
+
+    argv = [command]
+    return build_parser(argv)._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_every_engine_config_field_is_a_flag_of_generate_and_serve(command: str) -> None:
+    # Regression: generate and serve had two hand-written flag tables with different
+    # defaults (--dtype "auto" in one, None in the other) and generate lacked --seed,
+    # --scheduling-policy, --generation-config, ...
+    from engine.config import EngineConfig, config_from_args
+
+    parser = _parser(command)
+    options = {opt for action in parser._actions for opt in action.option_strings}
+    for field in dataclasses.fields(EngineConfig):
+        assert "--" + field.name.replace("_", "-") in options, field.name
+    argv = ["--prompt", "Hi"] if command == "generate" else []
+    restarts = 5 if command == "serve" else 0  # serve restarts a crashed engine
+    assert config_from_args(parser.parse_args(argv)) == EngineConfig(max_engine_restarts=restarts)
+    config = config_from_args(parser.parse_args([*argv, "--structured-outputs-backend", "xgrammar",
+                                                  "--seed", "7", "--no-enable-prefix-caching"]))
+    assert (config.structured_outputs_backend, config.seed, config.enable_prefix_caching) == \
+        ("xgrammar", 7, False)
+    with pytest.raises(SystemExit):  # argparse's usage error: not one of the choices
+        parser.parse_args([*argv, "--structured-outputs-backend", "outlines"])
+
+
+def test_a_bad_engine_option_is_a_config_error_naming_the_field() -> None:
+    from engine.config import EngineConfig
+    from engine.errors import ConfigError, InvalidParamError
+
+    with pytest.raises(ConfigError) as info:
+        EngineConfig(block_size=12)
+    assert info.value.field == "block_size" and isinstance(info.value, ValueError)
+    assert not isinstance(info.value, InvalidParamError)  # that one is a request's own
+    with pytest.raises(ConfigError, match="structured_outputs_backend"):
+        EngineConfig(structured_outputs_backend="outlines")
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_help_shows_every_default(command: str) -> None:
+    from engine.__main__ import HelpFormatter
+
+    formatter = HelpFormatter("python -m engine")
+    for action in _parser(command)._actions:
+        if isinstance(action, argparse._HelpAction) or action.default == argparse.SUPPRESS:
+            continue  # --help, and aliases (--no-prefix-caching) whose flag shows the default
+        text = formatter._get_help_string(action) or ""
+        assert "(default" in text or action.required, action.option_strings
+
+
+def test_version_comes_from_the_package_metadata() -> None:
+    import importlib.metadata
+
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, "-m", "engine", "--version"], capture_output=True,
+                            text=True, cwd=REPO, env=env, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["python", "-m", "engine", importlib.metadata.version("engine")]
+
+
+def test_a_port_in_use_is_one_line_and_a_non_zero_exit_before_the_model_loads() -> None:
+    # Regression: a port clash used to cost a full model load and then a 70-line traceback.
+    # The model does not exist: had loading started first, the error would name it.
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "engine", "serve", "--port", str(port), "--model",
+             "/no/such/model"], capture_output=True, text=True, cwd=REPO, env=env,
+            timeout=START_TIMEOUT, check=False)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in lines[0]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _terminal_rows(text: str) -> list[str]:
+    """The rows a terminal shows for ``text``: a carriage return goes back to column 0 and
+    what follows overwrites the row (the way tqdm redraws and clears its bar)."""
+    rows = []
+    for line in text.split("\n"):
+        row: list[str] = []
+        column = 0
+        for char in line:
+            if char == "\r":
+                column = 0
+                continue
+            row[column:column + 1] = [char]
+            column += 1
+        rows.append("".join(row).rstrip())
+    return [row for row in rows if row]
+
+
+def test_startup_log_lines_do_not_garble_the_load_progress_bar(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Regression: on a terminal each startup log line was written into the middle of the
+    # progress bar's row ("loading model:  25%|##5 ...INFO engine: weights loaded").
+    from engine.http import cli
+
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [handler])
+    monkeypatch.setattr(root, "level", logging.INFO)
+    phases = ["weights loaded", "tokenizer loaded", "KV pool sized", "warmed up"]
+    with cli._LoadProgress() as progress:
+        for phase in phases:
+            logging.getLogger("engine").info(phase)
+        progress.close()
+        logging.getLogger("engine.http").info("engine ready")
+    assert "loading model" in terminal.getvalue()  # the bar did show
+    assert _terminal_rows(terminal.getvalue()) == [
+        *(f"engine: {phase}" for phase in phases), "engine.http: engine ready"]
+    assert root.handlers == [handler]  # the console handler is back as it was
+
+
+def _examples() -> tuple[list[str], str]:
+    """The shell commands and the Python program of docs/serving.md's "Examples"."""
+    section = DOCS.read_text().split("\n## Examples\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```(\w+)\n(.*?)```", section, re.DOTALL)
+    (shell,) = [body for lang, body in blocks if lang == "sh"]
+    (python,) = [body for lang, body in blocks if lang == "python"]
+    return [command for command in shell.split("\n\n") if command.strip()], python
+
+
+@pytest.mark.slow
+def test_the_docs_examples_run_against_the_default_model() -> None:
+    # Regression: the docs' first curl example answered 404, the default model being
+    # served as SmolLM2-135M-Instruct.Q4_1 while the docs send SmolLM2-135M-Instruct.
+    commands, program = _examples()
+    assert len(commands) == 2
+    with _server(None) as (proc, url, log):
+        assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == \
+            ["SmolLM2-135M-Instruct"]
+        outputs = []
+        for command in commands:
+            assert "http://127.0.0.1:8000" in command
+            result = subprocess.run(["bash", "-c", command.replace("http://127.0.0.1:8000", url)],
+                                    capture_output=True, text=True, timeout=300, check=False)
+            assert result.returncode == 0, result.stderr
+            outputs.append(result.stdout)
+        completion = json.loads(outputs[0])
+        assert completion["object"] == "text_completion", completion
+        assert completion["model"] == "SmolLM2-135M-Instruct"
+        assert completion["usage"]["completion_tokens"] >= 1
+        events = [line.removeprefix("data: ") for line in outputs[1].splitlines() if line]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(event) for event in events[:-1]]
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] >= 1
+        assert 'base_url="http://127.0.0.1:8000/v1"' in program
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        result = subprocess.run(
+            [sys.executable, "-c", program.replace("http://127.0.0.1:8000", url)],
+            capture_output=True, text=True, timeout=300, cwd=REPO, env=env, check=False)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip()
+        proc.send_signal(signal.SIGTERM)
+    assert proc.returncode == 0, "".join(log)
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model(tmp_path_factory)
 
 
 @contextmanager
-def _server(model: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[str], str, list[str]]]:
-    """Start `python -m engine serve` on a free port; yield it, its URL and its log lines."""
+def _server(model: Path | None, *flags: str) -> Iterator[tuple[subprocess.Popen[str], str, list[str]]]:
+    """Start `python -m engine serve` on a free port (``model`` None: the default model);
+    yield it, its URL and its log lines."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
+    model_flags = [] if model is None else ["--model", str(model)]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine", "serve", "--model", str(model), "--port", "0",
+        [sys.executable, "-m", "engine", "serve", *model_flags, "--port", "0",
          "--max-model-len", "512", "--kv-cache-memory", "64MiB", "--log-level", "info",
          *flags],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=REPO, env=env,

@@ -13,7 +13,7 @@ import pytest
 from http_fake_engine import open_fake_engine
 from http_server import ServerThread
 
-from engine.errors import InvalidParamError
+from engine.errors import ConfigError
 from engine.http import cli
 from engine.models.testing import write_tiny_model
 from engine.models.tokenizer import Tokenizer
@@ -62,10 +62,11 @@ def test_tls_needs_both_files() -> None:
     import trio
 
     async def start() -> None:
-        await cli.serve_app(None, host="127.0.0.1", port=0, shutdown_timeout=1,
-                            shutdown_trigger=trio.sleep_forever, ssl_keyfile="k.pem")
+        with cli.bind_socket("127.0.0.1", 0) as listener:
+            await cli.serve_app(None, listener, shutdown_timeout=1,
+                                shutdown_trigger=trio.sleep_forever, ssl_keyfile="k.pem")
 
-    with pytest.raises(InvalidParamError, match="both"):
+    with pytest.raises(ConfigError, match="both"):
         trio.run(start)
 
 
@@ -108,9 +109,9 @@ def test_the_api_key_comes_from_the_flag_then_a_file_then_the_environment(
     assert cli.api_key(_args()) is None
     empty = tmp_path / "empty"
     empty.write_text("\n")
-    with pytest.raises(InvalidParamError, match="no key"):
+    with pytest.raises(ConfigError, match="no key"):
         cli.api_key(_args("--api-key-file", str(empty)))
-    with pytest.raises(InvalidParamError, match="api-key-file"):
+    with pytest.raises(ConfigError, match="api-key-file"):
         cli.api_key(_args("--api-key-file", str(tmp_path / "missing")))
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.errors import InvalidParamError
+from engine.errors import ConfigError
 from engine.messages import NewRequest, RequestFailure, ScheduledChunk, StepPlan
 from engine.models.config import ModelConfig
 from engine.models.testing import write_tiny_model
@@ -186,9 +186,9 @@ def test_kv_pool_sizing(loaded) -> None:
 def test_kv_pool_too_small_for_one_request_is_rejected(loaded) -> None:
     # max_position_embeddings 512 at block size 16 needs 32 blocks.
     per_block = bytes_per_block(loaded.config, torch.float32, 16)
-    with pytest.raises(InvalidParamError) as info:
+    with pytest.raises(ConfigError) as info:
         num_kv_blocks(loaded.config, torch.float32, 16, 31 * per_block, "cpu")
-    assert info.value.param == "kv_cache_memory"
+    assert info.value.field == "kv_cache_memory"
 
 
 def test_warm_up_leaves_no_request_and_changes_no_later_output(loaded) -> None:

@@ -14,10 +14,12 @@ KV blocks), the engine closes and the process exits 0. A second signal cancels a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -29,8 +31,8 @@ from hypercorn.trio import serve as hypercorn_serve
 from engine.chat.reasoning import REASONING_PARSERS
 from engine.chat.request import ChatSettings, load_chat_template
 from engine.chat.tool_parsers import TOOL_PARSERS
-from engine.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, parse_memory
-from engine.errors import EngineError, InvalidParamError
+from engine.config import add_engine_arguments, config_from_args
+from engine.errors import ConfigError, EngineError
 from engine.http import edge
 from engine.http.app import DEFAULT_MAX_REQUEST_BYTES, create_app
 
@@ -41,13 +43,8 @@ DEFAULT_PORT = 8000
 # Long enough for a typical CPU generation (a few hundred tokens) to finish.
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 
-# CLI flag dest -> EngineConfig field, for the flags passed to open_engine when given.
-_ENGINE_OPTIONS = (
-    "served_model_name", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-    "block_size", "kv_cache_memory", "kv_cache_dtype", "max_queued_requests", "dtype", "quantization", "device", "seed",
-    "scheduling_policy", "async_scheduling", "ops_backend", "generation_config",
-    "max_engine_restarts",
-)
+# Exit status for a bad option found before serving (argparse's own usage errors use 2).
+EXIT_BAD_OPTION = 2
 # Exit status when the engine died for good (past --max-engine-restarts): a supervisor
 # (systemd, Kubernetes) restarts the process.
 EXIT_ENGINE_DEAD = 3
@@ -57,71 +54,41 @@ DEFAULT_MAX_ENGINE_RESTARTS = 5
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``serve`` flags to ``parser`` (see docs/serving.md for each one)."""
-    add = parser.add_argument
-    add("--model", default=None,
-        help="a Hugging Face folder or a .gguf file (default: the bundled SmolLM2-135M-Instruct)")
-    add("--served-model-name", default=None,
-        help="the model name clients send and see (default: derived from the model path)")
-    add("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
-    add("--port", type=int, default=DEFAULT_PORT, help="port to listen on (0 picks a free one)")
-    add("--api-key", default=None,
+    """Add the ``serve`` flags to ``parser`` (see docs/serving.md for each one): the
+    server's own, then one per :class:`EngineConfig` field."""
+    group = parser.add_argument_group("server")
+    add = group.add_argument
+    add("--host", default="127.0.0.1", metavar="ADDRESS", help="address to listen on (0.0.0.0 for all)")
+    add("--port", type=int, default=DEFAULT_PORT, metavar="N", help="port to listen on (0 picks a free one)")
+    add("--api-key", default=None, metavar="KEY",
         help="require 'Authorization: Bearer KEY' (visible in ps: prefer $ENGINE_API_KEY "
-             "or --api-key-file)")
-    add("--api-key-file", default=None,
+             "or --api-key-file) (default: --api-key-file, else $ENGINE_API_KEY, else none)")
+    add("--api-key-file", default=None, metavar="PATH",
         help="read the API key from this file (its first line)")
-    add("--ssl-keyfile", default=None, help="serve HTTPS with this PEM private key")
-    add("--ssl-certfile", default=None, help="serve HTTPS with this PEM certificate (chain)")
-    add("--allowed-origins", action="append", default=None,
+    add("--ssl-keyfile", default=None, metavar="PATH", help="serve HTTPS with this PEM private key")
+    add("--ssl-certfile", default=None, metavar="PATH", help="serve HTTPS with this PEM certificate (chain)")
+    add("--allowed-origins", action="append", default=None, metavar="ORIGIN",
         help="allow browsers on these origins (CORS): '*' or https://host[:port]; "
              "repeat or separate with commas")
-    add("--max-model-len", type=int, default=None,
-        help="context length (default: the model's max_position_embeddings)")
-    add("--max-num-seqs", type=int, default=None, help="most requests in one step")
-    add("--max-num-batched-tokens", type=int, default=None, help="most tokens in one step")
-    add("--block-size", type=int, default=None, help="tokens per KV-cache block (a power of 2)")
-    add("--kv-cache-memory", type=parse_memory, default=None,
-        help="KV pool budget: bytes ('2GiB', '512MB') or a fraction of free memory ('0.5')")
-    add("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
-        help="K/V storage: auto (the model dtype), int8 or fp8 (8-bit codes with a scale per "
-             "token and head: about half of bf16's memory)")
-    add("--max-queued-requests", type=int, default=None,
-        help="waiting requests beyond which new ones get 429")
-    add("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+    add("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
         help="largest request body accepted; larger gets 413")
-    add("--dtype", choices=DTYPES, default=None, help="weight and activation dtype")
-    add("--quantization", choices=QUANTIZATIONS, default=None,
-        help="auto/gguf: keep a GGUF's quantized blocks (CPU); none: dequantize to --dtype")
-    add("--device", default=None, help="auto, cpu, cuda or cuda:N")
-    add("--seed", type=int, default=None, help="seed of the engine's sampling generator")
-    add("--no-prefix-caching", action="store_true",
-        help="do not share KV blocks between requests with a common prefix")
-    add("--scheduling-policy", choices=("fcfs", "priority"), default=None,
-        help="waiting-queue order: arrival, or the request's priority then arrival")
-    add("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-        help="plan step N+1 while step N runs (default: on with CUDA, off on CPU)")
-    add("--ops-backend", choices=("auto", "torch", "cpu", "triton"), default=None,
-        help="kernels: auto picks triton on CUDA, the C kernels on CPU")
-    add("--generation-config", choices=("auto", "none"), default=None,
-        help="auto: the model's generation_config.json sampling defaults apply to requests "
-             "that leave those fields out (default); none: the engine's own defaults")
-    add("--chat-template", default=None,
+    add("--chat-template", default=None, metavar="T",
         help="a jinja chat template (a file, or the template itself) replacing the model's")
     add("--trust-request-chat-template", action="store_true",
         help="let requests send their own chat_template")
     add("--enable-auto-tool-choice", action="store_true",
         help='read tool calls from free text for tool_choice "auto" (needs --tool-call-parser)')
-    add("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
-        help="how the model writes tool calls (see docs/serving.md)")
-    add("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
-        help="split <think>...</think> into reasoning_content")
-    add("--max-engine-restarts", type=int, default=DEFAULT_MAX_ENGINE_RESTARTS,
-        help="restart the engine's actors in place after a crash this many times, then "
-             f"exit with status {EXIT_ENGINE_DEAD}")
-    add("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
+    add("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None, metavar="NAME",
+        help=f"how the model writes tool calls: {', '.join(sorted(TOOL_PARSERS))} (see "
+             "docs/serving.md)")
+    add("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None, metavar="NAME",
+        help=f"split <think>...</think> into reasoning_content: "
+             f"{', '.join(sorted(REASONING_PARSERS))}")
+    add("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT, metavar="S",
         help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
     add("--log-level", default=os.environ.get("ENGINE_LOG_LEVEL", "info"),
-        choices=["debug", "info", "warning", "error"], help="logging level")
+        choices=["debug", "info", "warning", "error"], help="logging level ($ENGINE_LOG_LEVEL)")
+    add_engine_arguments(parser, max_engine_restarts=DEFAULT_MAX_ENGINE_RESTARTS)
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -133,10 +100,10 @@ def api_key(args: argparse.Namespace) -> str | None:
             with open(args.api_key_file, encoding="utf-8") as f:
                 key = f.readline().strip()
         except OSError as exc:
-            raise InvalidParamError(f"--api-key-file: {exc}", param="api_key_file") from None
+            raise ConfigError(f"--api-key-file: {exc}", field="api_key_file") from None
         if not key:
-            raise InvalidParamError(f"--api-key-file: {args.api_key_file} holds no key",
-                                    param="api_key_file")
+            raise ConfigError(f"--api-key-file: {args.api_key_file} holds no key",
+                              field="api_key_file")
         return key
     return os.environ.get("ENGINE_API_KEY") or None
 
@@ -147,14 +114,6 @@ def allowed_origins(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(o.strip() for v in values for o in v.split(",") if o.strip())
 
 
-def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The EngineConfig fields the user set on the command line."""
-    options = {k: getattr(args, k) for k in _ENGINE_OPTIONS if getattr(args, k, None) is not None}
-    if getattr(args, "no_prefix_caching", False):
-        options["enable_prefix_caching"] = False
-    return options
-
-
 def run_serve(args: argparse.Namespace) -> int:
     """Run the server until SIGINT/SIGTERM; return the process exit status."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -162,12 +121,12 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.getLogger().setLevel(args.log_level.upper())
     try:
         return trio.run(_serve, args)
-    except EngineError as exc:  # a model that does not load, a bad option
+    except ValueError as exc:  # a bad option or one the model refuses; a port in use
+        logger.error("%s", " ".join(str(exc).split()))
+        return EXIT_BAD_OPTION
+    except EngineError as exc:  # a model that does not load
         logger.error("%s", exc)
         return 1
-    except ValueError as exc:  # InvalidParamError from EngineConfig
-        logger.error("invalid option: %s", exc)
-        return 2
 
 
 def chat_settings(args: argparse.Namespace) -> ChatSettings:
@@ -185,11 +144,16 @@ def chat_settings(args: argparse.Namespace) -> ChatSettings:
 async def _serve(args: argparse.Namespace) -> int:
     import engine.api
 
+    # Everything the flags alone decide is checked before the model loads, the port too.
+    config = config_from_args(args)
     settings = chat_settings(args)
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    key = api_key(args)
+    check_tls(args.ssl_keyfile, args.ssl_certfile)
+    with bind_socket(args.host, args.port) as listener, \
+            trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         t0 = time.monotonic()
         with _LoadProgress() as progress:
-            async with engine.api.open_engine(args.model, **engine_options(args)) as eng:
+            async with engine.api.open_engine(config=config) as eng:
                 progress.close()
                 logger.info("engine ready: %s, max_model_len %d (%.2f s)", eng.model_name,
                             eng.max_model_len, time.monotonic() - t0)
@@ -197,10 +161,9 @@ async def _serve(args: argparse.Namespace) -> int:
                             json.dumps(eng.sampling_defaults) if eng.sampling_defaults else
                             "none" + (" (--generation-config none)"
                                       if eng.config.generation_config == "none" else ""))
-                app = create_app(eng, api_key=api_key(args),
-                                 max_request_bytes=args.max_request_bytes, chat=settings,
-                                 allowed_origins=allowed_origins(args))
-                died = await _serve_until_signal(app, args, signals, eng)
+                app = create_app(eng, api_key=key, max_request_bytes=args.max_request_bytes,
+                                 chat=settings, allowed_origins=allowed_origins(args))
+                died = await _serve_until_signal(app, args, listener, signals, eng)
         if died:
             return EXIT_ENGINE_DEAD
         logger.info("shut down cleanly")
@@ -208,7 +171,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 async def _serve_until_signal(
-    app: Any, args: argparse.Namespace, signals: Any, eng: Any
+    app: Any, args: argparse.Namespace, listener: socket.socket, signals: Any, eng: Any
 ) -> bool:
     """Serve until a signal (False) or the engine's death for good (True) starts the
     graceful shutdown; returns once the requests in flight are drained."""
@@ -239,8 +202,7 @@ async def _serve_until_signal(
                 race.start_soon(on_engine_death, race.cancel_scope)
 
         async def run_server(task_status: trio.TaskStatus[list[str]]) -> None:
-            await serve_app(app, host=args.host, port=args.port,
-                            shutdown_timeout=args.shutdown_timeout,
+            await serve_app(app, listener, shutdown_timeout=args.shutdown_timeout,
                             ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                             shutdown_trigger=shutdown_trigger, task_status=task_status)
             # Drained: stop the second-signal watcher so the nursery can close.
@@ -260,25 +222,50 @@ async def _cancel_on_second_signal(signals: Any, scope: trio.CancelScope) -> Non
         return
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (``port=0``: a free one), for :func:`serve_app`.
+
+    ``serve`` binds it before the model loads, so a port in use is a one-line
+    :class:`ConfigError` rather than a failure after the whole load.
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        # As hypercorn sets them on the sockets it binds itself: a restarted server reuses
+        # its port while old connections sit in TIME_WAIT, and small SSE writes go at once.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+                          field="port") from None
+    return sock
+
+
+def check_tls(ssl_keyfile: str | None, ssl_certfile: str | None) -> None:
+    """HTTPS needs both files; :class:`ConfigError` for one alone."""
+    if bool(ssl_keyfile) != bool(ssl_certfile):
+        raise ConfigError("TLS needs both --ssl-keyfile and --ssl-certfile",
+                          field="ssl_certfile" if ssl_keyfile else "ssl_keyfile")
+
+
 async def serve_app(
-    app: Any, *, host: str, port: int, shutdown_timeout: float,
+    app: Any, listener: socket.socket, *, shutdown_timeout: float,
     shutdown_trigger: Callable[[], Awaitable[None]],
     ssl_keyfile: str | None = None, ssl_certfile: str | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``app`` with hypercorn's trio worker until ``shutdown_trigger`` returns.
+    """Serve ``app`` with hypercorn's trio worker on ``listener`` (from :func:`bind_socket`,
+    which it takes over) until ``shutdown_trigger`` returns.
 
-    ``task_status.started`` gets the bound URLs (``port=0`` picks a free port). After the
-    trigger, new connections are refused and in-flight requests get ``shutdown_timeout``
-    seconds before they are cancelled.
+    ``task_status.started`` gets the bound URLs. After the trigger, new connections are
+    refused and in-flight requests get ``shutdown_timeout`` seconds before they are
+    cancelled.
     """
+    check_tls(ssl_keyfile, ssl_certfile)
     config = HypercornConfig()
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.graceful_timeout = shutdown_timeout
     config.accesslog = None
-    if bool(ssl_keyfile) != bool(ssl_certfile):
-        raise InvalidParamError("TLS needs both --ssl-keyfile and --ssl-certfile",
-                                param="ssl_certfile" if ssl_keyfile else "ssl_keyfile")
     # hypercorn serves HTTPS (and offers HTTP/2 through ALPN) when both are set.
     config.keyfile = ssl_keyfile
     config.certfile = ssl_certfile
@@ -286,6 +273,9 @@ async def serve_app(
     edge.shield_hypercorn_close()
     # Hypercorn's own "Running on" line duplicates ours; its errors still reach the log.
     config.loglevel = "WARNING"
+    # hypercorn wraps the descriptor in a socket of its own and closes it when done:
+    # detached, ``listener`` no longer owns it, so it is closed exactly once.
+    config.bind = [f"fd://{listener.detach()}"]
     await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger,
                           task_status=task_status)
 
@@ -295,6 +285,9 @@ class _LoadProgress:
 
     The loader reports progress as one "engine" log line per phase; this turns those
     lines into a bar on stderr while the model loads (disabled when stderr is no tty).
+    While the bar shows, the console log handlers write through ``tqdm.write``, which
+    clears the bar, prints the line and redraws the bar below it: a log line written
+    straight to the terminal would land in the middle of the bar's line.
     """
 
     # load weights, tokenizer, size the KV pool and build the runner, warm up: the phases
@@ -303,11 +296,15 @@ class _LoadProgress:
 
     def __enter__(self) -> _LoadProgress:
         from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
 
         self._bar = tqdm(total=self.PHASES, desc="loading model", unit="phase",
                          leave=False, disable=None)
         self._handler = _PhaseHandler(self._bar)
         logging.getLogger("engine").addHandler(self._handler)
+        self._redirect = contextlib.ExitStack()
+        if not self._bar.disable:
+            self._redirect.enter_context(logging_redirect_tqdm())
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -317,6 +314,7 @@ class _LoadProgress:
         """Finish the bar (idempotent): loading is over."""
         logging.getLogger("engine").removeHandler(self._handler)
         self._bar.close()
+        self._redirect.close()
 
 
 class _PhaseHandler(logging.Handler):

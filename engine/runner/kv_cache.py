@@ -15,7 +15,7 @@ import mmap
 
 import torch
 
-from engine.errors import InvalidParamError
+from engine.errors import ConfigError
 from engine.models.config import ModelConfig
 from engine.ops import KVCache, QuantizedKV
 
@@ -62,7 +62,7 @@ def num_kv_blocks(
     """How many blocks the budget buys.
 
     ``kv_cache_memory`` is bytes (int) or a fraction of the device's free memory (float).
-    Raises :class:`InvalidParamError` (``param="kv_cache_memory"``) when the pool could not
+    Raises :class:`ConfigError` (``field="kv_cache_memory"``) when the pool could not
     hold even one request of ``max_model_len`` tokens (default: the model's maximum).
     """
     if isinstance(kv_cache_memory, float):
@@ -74,11 +74,11 @@ def num_kv_blocks(
     max_len = max_model_len or model_config.max_position_embeddings
     needed = -(-max_len // block_size)
     if blocks < needed:
-        raise InvalidParamError(
+        raise ConfigError(
             f"kv_cache_memory of {budget} bytes gives {blocks} KV blocks of {per_block} bytes; "
             f"one request of {max_len} tokens needs {needed}. Raise kv_cache_memory or lower "
             f"max_model_len.",
-            param="kv_cache_memory",
+            field="kv_cache_memory",
         )
     return int(blocks)
 
