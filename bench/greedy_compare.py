@@ -10,13 +10,19 @@ continuations side by side with the index of the first token where they part.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
 from engine.models.loader import default_model_path, load_model
 from engine.models.tokenizer import Tokenizer
 from engine.ops import get_ops
-from engine.runner.model_runner import ModelRunner, run_greedy
+from engine.runner.model_runner import ModelRunner
+
+# The scheduler-free greedy driver lives with the tests that use it most.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from greedy_driver import run_greedy  # noqa: E402
 
 PROMPTS = [
     "The capital of France is",

@@ -131,10 +131,6 @@ class SamplingParams:
                 raise InvalidParamError("ignore_eos cannot be combined with structured_outputs",
                                         param="ignore_eos")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
     def replace(self, **changes: Any) -> SamplingParams:
         return dataclasses.replace(self, **changes)
 

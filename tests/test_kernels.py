@@ -45,22 +45,13 @@ from engine.ops.sampling_ref import apply_min_p, apply_top_k, apply_top_p, trunc
 from engine.ops.triton import attention_decode, attention_prefill, sampling  # noqa: E402
 from engine.ops.triton_ops import TritonOps  # noqa: E402
 
-pytestmark = pytest.mark.kernels
+pytestmark = [pytest.mark.kernels, pytest.mark.usefixtures("one_thread")]
 DEVICE = torch.device("cuda" if _CUDA else "cpu")
 TOL = {
     torch.float32: dict(atol=2e-5, rtol=2e-5),
     torch.float16: dict(atol=1e-2, rtol=1e-2),
     torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The interpreter runs numpy on tiny arrays: a second OpenMP thread only adds waits.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _rand(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -29,7 +29,7 @@ from engine.ops.reference import TorchOps, quantize_kv  # noqa: E402
 from engine.ops.triton import attention_decode, attention_prefill  # noqa: E402
 from engine.ops.triton_ops import TritonOps  # noqa: E402
 
-pytestmark = pytest.mark.kernels
+pytestmark = [pytest.mark.kernels, pytest.mark.usefixtures("one_thread")]
 DEVICE = torch.device("cuda" if _CUDA else "cpu")
 # bf16 under the interpreter: its fp32 -> bf16 cast truncates where the reference rounds
 # (see test_kernels.py), here applied to every dequantized K/V value, whose magnitudes reach
@@ -39,14 +39,6 @@ TOL = {
     torch.bfloat16: dict(atol=3e-2 if _CUDA else 8e-2, rtol=3e-2),
 }
 CODES = [torch.int8, torch.float8_e4m3fn]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _rand(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

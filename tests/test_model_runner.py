@@ -7,6 +7,7 @@ import types
 
 import pytest
 import torch
+from greedy_driver import generate_greedy
 from safetensors.torch import load_file
 
 from engine.errors import ConfigError
@@ -16,20 +17,14 @@ from engine.models.testing import write_tiny_model
 from engine.ops import get_ops
 from engine.params import SamplingParams
 from engine.runner.kv_cache import allocate_kv_caches, bytes_per_block, num_kv_blocks
-from engine.runner.model_runner import STEP_FAILED, ModelRunner, generate_greedy
+from engine.runner.model_runner import STEP_FAILED, ModelRunner
 
 BS = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 PROMPT = (5, 17, 42, 99, 7, 123, 8)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny shapes: a second thread only adds OpenMP wake-up cost on a shared box.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +205,6 @@ def test_a_failing_warm_up_raises_instead_of_spinning(loaded, monkeypatch) -> No
         raise TypeError("eng_paged_decode expected 17 arguments, got 19")
 
     monkeypatch.setattr(runner.model, "forward", broken)
-    with pytest.raises(StepFailedError, match="greedy step 0 failed"):
+    with pytest.raises(StepFailedError, match="warm-up step 0 failed"):
         runner.warm_up()
     assert runner.num_requests == 0

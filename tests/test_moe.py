@@ -29,6 +29,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from greedy_driver import run_greedy
 from safetensors.torch import load_file
 from test_parity import (
     LOGIT_ATOL_FP32,
@@ -48,18 +49,12 @@ from engine.models.config import ModelConfig
 from engine.models.loader import load_model
 from engine.models.testing import TINY_MOE_ARCHITECTURES, write_tiny_model
 from engine.ops import get_ops
-from engine.runner.model_runner import run_greedy
 
 ROUTING_TIE = 0.01  # see the module docstring
 OPS = ["torch", "cpu"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --------------------------------------------------------------------------------------

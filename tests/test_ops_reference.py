@@ -24,14 +24,7 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny shapes gain nothing from a second thread, and on a shared 2-core box OpenMP
-    # regions that wait for a descheduled thread cost ~10 ms each (measured: 10x slower).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from greedy_driver import run_greedy
 from safetensors.torch import load_file
 
 from engine.models.config import ModelConfig
@@ -46,7 +47,7 @@ from engine.models.testing import (
     write_tiny_model,
 )
 from engine.ops import AttentionMetadata, get_ops
-from engine.runner.model_runner import ModelRunner, run_greedy
+from engine.runner.model_runner import ModelRunner
 
 NEW_TOKENS = 32
 LOGPROB_ATOL = 1e-4  # see the module docstring
@@ -54,14 +55,7 @@ LOGIT_ATOL_FP32 = 1e-4  # see the module docstring
 LOW_PRECISION_SLACK = 2.0  # x transformers' own bf16/fp16 error; see the module docstring
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny shapes gain nothing from a second thread, and on a shared 2-core box OpenMP
-    # regions that wait for a descheduled thread cost ~10 ms each (measured: 10x slower).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _prompts(vocab: int) -> list[list[int]]:

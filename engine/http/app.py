@@ -89,7 +89,6 @@ def create_app(
             app, allow_origin=list(allowed_origins), allow_methods=["GET", "POST", "OPTIONS"],
             allow_headers=["Authorization", "Content-Type"],
         )
-    app.extensions["engine_server"] = server
     return app
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from engine.errors import EngineError, InvalidParamError
+from engine.errors import EngineError
 from engine.messages import (
     NewRequest,
     PromptLogprobs,
@@ -52,7 +52,7 @@ STEP_FAILED = "internal error: the model step running this request failed"
 
 
 class StepFailedError(EngineError):
-    """A step of :func:`run_greedy` (warm-up, tests) failed; its cause is in the log."""
+    """A warm-up step failed; its cause is in the log."""
 
 
 class StepPlanError(EngineError):
@@ -176,14 +176,27 @@ class ModelRunner:
         return sampled, failed, prompt_logprobs
 
     def warm_up(self, prompt_len: int = 16) -> None:
-        """One prefill and one decode step of a throwaway request in the pool's first
-        blocks, so the first real request does not pay for torch's first-call costs (thread
-        pools, GEMM workspaces, kernel compilation). Leaves no request state behind; the
-        blocks it wrote are free and are overwritten before any request reads them."""
+        """One prefill and one decode step of a throwaway greedy request in the pool's
+        first blocks, so the first real request does not pay for torch's first-call costs
+        (thread pools, GEMM workspaces, kernel compilation). Leaves no request state
+        behind; the blocks it wrote are free and are overwritten before any request reads
+        them. A failing step raises :class:`StepFailedError` (its cause is logged)."""
         prompt_len = min(prompt_len, self.max_num_batched_tokens, self.num_blocks * self.block_size - 2)
         if prompt_len < 1:
             return  # a pool too small for even that: nothing worth warming
-        run_greedy(self, [[0] * prompt_len], 2, block_size=self.block_size)
+        rid = "warm-up"
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        table = tuple(range(-(-(prompt_len + 2) // self.block_size)))
+        prefill = ScheduledChunk(rid, 0, prompt_len, table, True)
+        decode = ScheduledChunk(rid, prompt_len, 1, table, True)
+        steps = [StepPlan(0, (NewRequest(rid, (0,) * prompt_len, params, ()),), (prefill,), ()),
+                 StepPlan(1, (), (decode,), ())]
+        for plan in steps:
+            result = self.execute(plan)
+            if result.failed:
+                # execute() logged the cause and dropped the request; fail loudly, not spin.
+                raise StepFailedError(f"warm-up step {plan.step_id} failed: {result.failed[0].reason}")
+        self.execute(StepPlan(2, (), (), (rid,)))
 
     # -- request state ------------------------------------------------------------------
 
@@ -414,75 +427,3 @@ def _prompt_logprob_rows(
     first = max(state.prompt_logprobs_next, chunk.start + 1)
     end = min(chunk.start + chunk.num_tokens + 1, len(state.prompt))
     return first, end, [row + t - 1 - chunk.start for t in range(first, end)]
-
-
-def generate_greedy(
-    runner: ModelRunner,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    *,
-    chunk_size: int | None = None,
-    block_size: int,
-) -> list[list[int]]:
-    """Greedy-decode every prompt for exactly ``max_new_tokens`` tokens (EOS ignored).
-
-    A tiny synchronous driver for tests and the interim CLI: request ``i`` gets a
-    contiguous run of blocks, all requests run together, and with ``chunk_size`` each
-    prompt is prefilled ``chunk_size`` tokens a step. Returns the new tokens per prompt.
-    """
-    runs = run_greedy(runner, prompts, max_new_tokens, chunk_size=chunk_size, block_size=block_size)
-    return [[s.token_id for s in run] for run in runs]
-
-
-def run_greedy(
-    runner: ModelRunner,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    *,
-    chunk_size: int | None = None,
-    block_size: int,
-) -> list[list[SampledToken]]:
-    """:func:`generate_greedy`, returning each token with its logprob."""
-    if block_size != runner.block_size:
-        raise InvalidParamError(
-            f"block_size {block_size} differs from the runner's {runner.block_size}",
-            param="block_size",
-        )
-    if any(len(p) == 0 for p in prompts):
-        raise InvalidParamError("every prompt needs at least one token", param="prompt")
-    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
-    ids = [f"greedy-{i}" for i in range(len(prompts))]
-    tables, offset = [], 0
-    for p in prompts:
-        n = -(-(len(p) + max_new_tokens) // block_size)
-        tables.append(tuple(range(offset, offset + n)))
-        offset += n
-    if offset > runner.num_blocks:
-        raise InvalidParamError(
-            f"the prompts need {offset} KV blocks; the runner has {runner.num_blocks}",
-            param="prompt",
-        )
-    new = tuple(NewRequest(r, tuple(p), params, ()) for r, p in zip(ids, prompts, strict=True))
-    outputs: list[list[SampledToken]] = [[] for _ in prompts]
-    computed = [0] * len(prompts)
-    step = 0
-    while any(len(o) < max_new_tokens for o in outputs):
-        chunks = []
-        for i, p in enumerate(prompts):
-            if len(outputs[i]) >= max_new_tokens:
-                continue
-            known = len(p) + len(outputs[i])
-            n = known - computed[i] if chunk_size is None else min(chunk_size, known - computed[i])
-            chunks.append(ScheduledChunk(ids[i], computed[i], n, tables[i], computed[i] + n == known))
-            computed[i] += n
-        result = runner.execute(StepPlan(step, new if step == 0 else (), tuple(chunks), ()))
-        if result.failed:
-            # execute() logged the cause; a driver with no scheduler cannot go on (the
-            # failed requests are gone), and warm-up must fail loudly, not spin.
-            runner.execute(StepPlan(step + 1, (), (), tuple(ids)))
-            raise StepFailedError(f"greedy step {step} failed: {result.failed[0].reason}")
-        for s in result.sampled:
-            outputs[int(s.request_id.rsplit("-", 1)[1])].append(s)
-        step += 1
-    runner.execute(StepPlan(step, (), (), tuple(ids)))
-    return outputs
