@@ -184,7 +184,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> No
                 group.add_argument(alias, dest=f.name, action="store_false",
                                    default=argparse.SUPPRESS, help=f"same as --no-{option[2:]}")
         else:
-            group.add_argument(option, dest=f.name, type=flag.type, choices=flag.choices,
+            group.add_argument(option, dest=f.name, type=flag.type or str, choices=flag.choices,
                                default=f.default, metavar=flag.metavar, help=help)
     parser.set_defaults(**defaults)
 

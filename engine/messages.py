@@ -19,7 +19,7 @@ from engine.structured.spec import StructuredOutputs
 class NewRequest:
     """A request the model runner has not seen: it keeps its tokens and sampling state."""
 
-    request_id: str
+    sample_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     eos_token_ids: tuple[int, ...]  # for min_tokens: EOS is masked until min_tokens is reached
@@ -35,7 +35,7 @@ class ScheduledChunk:
     when the chunk reaches the end of the known tokens and a new token must be drawn.
     """
 
-    request_id: str
+    sample_id: str
     start: int
     num_tokens: int
     block_ids: tuple[int, ...]
@@ -56,7 +56,7 @@ class StepPlan:
 class SampledToken:
     """The token drawn for one request in one step, with its logprobs when asked."""
 
-    request_id: str
+    sample_id: str
     token_id: int
     logprob: float
     # (token_id, logprob) of the top-N tokens when the request asked for logprobs=N.
@@ -69,7 +69,7 @@ class PromptLogprobs:
     scored by the logits of the positions before them (this step's chunk computed those).
     Prompt token 0 has none: nothing comes before it."""
 
-    request_id: str
+    sample_id: str
     start: int
     logprobs: tuple[TokenLogprob, ...]
 
@@ -80,7 +80,7 @@ class RequestFailure:
     token masked) or the step raised. ``reason`` is the engine's own words, fit for a
     client (never an internal exception's text)."""
 
-    request_id: str
+    sample_id: str
     reason: str
 
 
@@ -96,7 +96,7 @@ class StepResult:
     failed: tuple[RequestFailure, ...] = ()
 
 
-# --- caller -> admission (engine/core/admission.py, in the caller's task) ----------------
+# --- what a caller submits (no actor: engine/core/admission.py checks it in its task) ----
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -349,7 +349,7 @@ def unpack(data: bytes) -> object:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class AllocateSlots:
-    """Grow ``request_id``'s block table so it holds the tokens of this step's chunk.
+    """Grow ``sample_id``'s block table so it holds the tokens of this step's chunk.
 
     The chunk starts at ``num_computed_tokens`` and ends at
     ``min(num_known_tokens, start + token_budget)``. When ``prefix_token_ids`` is given (the
@@ -359,7 +359,7 @@ class AllocateSlots:
     :class:`SlotsAllocated`, or :class:`AllocationRefused` with nothing changed.
     """
 
-    request_id: str
+    sample_id: str
     num_computed_tokens: int
     num_known_tokens: int
     token_budget: int
@@ -372,7 +372,7 @@ class SlotsAllocated:
     """``block_ids`` are appended to the request's table (shared prefix blocks first);
     the chunk is ``num_new_tokens`` tokens after ``num_cached_tokens`` cached ones."""
 
-    request_id: str
+    sample_id: str
     num_cached_tokens: int
     num_new_tokens: int
     block_ids: tuple[int, ...]
@@ -382,7 +382,7 @@ class SlotsAllocated:
 class AllocationRefused:
     """Too few free blocks: ``num_blocks_needed`` new blocks, ``num_free_blocks`` free."""
 
-    request_id: str
+    sample_id: str
     num_blocks_needed: int
     num_free_blocks: int
 
@@ -393,13 +393,13 @@ class CacheBlocks:
     multiple of the block size), following the blocks already cached for it. The pool
     hashes them into the prefix cache. Answered with :class:`BlocksCached`."""
 
-    request_id: str
+    sample_id: str
     token_ids: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlocksCached:
-    request_id: str
+    sample_id: str
     num_cached_blocks: int  # blocks of the request's table now hashed, from its start
 
 
@@ -408,12 +408,12 @@ class FreeRequest:
     """Drop the request's block table (finish, abort or preemption). Cached blocks stay
     reusable until evicted. Freeing an unknown request is a no-op (aborts race finishes)."""
 
-    request_id: str
+    sample_id: str
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RequestFreed:
-    request_id: str
+    sample_id: str
     num_blocks: int  # length of the table that was dropped
 
 
@@ -426,13 +426,13 @@ class ReleaseBlocks:
     caching: its later blocks could no longer chain to it. Answered with
     :class:`BlocksReleased`."""
 
-    request_id: str
+    sample_id: str
     num_blocks: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlocksReleased:
-    request_id: str
+    sample_id: str
     num_released_blocks: int  # leading blocks of the table released so far
 
 

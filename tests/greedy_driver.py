@@ -69,7 +69,7 @@ def run_greedy(
             runner.execute(StepPlan(step + 1, (), (), tuple(ids)))
             raise RuntimeError(f"greedy step {step} failed: {result.failed[0].reason}")
         for s in result.sampled:
-            outputs[int(s.request_id.rsplit("-", 1)[1])].append(s)
+            outputs[int(s.sample_id.rsplit("-", 1)[1])].append(s)
         step += 1
     runner.execute(StepPlan(step, (), (), tuple(ids)))
     return outputs

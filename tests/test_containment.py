@@ -69,7 +69,7 @@ async def test_an_injected_step_fault_fails_only_that_steps_requests(
         nonlocal faults
         # The step that decodes the victim's 4th token raises (once): by then the others
         # have steps of their own too.
-        victim = [c for c in chunks if c.request_id == "victim"]
+        victim = [c for c in chunks if c.sample_id == "victim"]
         if victim and victim[0].start == len(PROMPTS[2]) + 3 and not faults:
             faults += 1
             raise RuntimeError("injected fault")
@@ -167,7 +167,7 @@ def _crash_on(monkeypatch: pytest.MonkeyPatch, when: Any) -> list[int]:
 
 
 def _has_victim(plan: Any) -> bool:
-    return any(c.request_id.startswith("victim") for c in plan.chunks)
+    return any(c.sample_id.startswith("victim") for c in plan.chunks)
 
 
 async def test_an_actor_crash_restarts_the_engine_in_place_up_to_its_limit(

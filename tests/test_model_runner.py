@@ -49,7 +49,7 @@ def test_partial_prefill_chunk_samples_nothing(loaded) -> None:
     result = runner.execute(StepPlan(0, (new,), (ScheduledChunk("a", 0, 3, (0, 1, 2), False),), ()))
     assert result.sampled == ()
     result = runner.execute(StepPlan(1, (), (ScheduledChunk("a", 3, 4, (0, 1, 2), True),), ()))
-    assert [s.request_id for s in result.sampled] == ["a"]
+    assert [s.sample_id for s in result.sampled] == ["a"]
 
 
 def test_recompute_after_preemption_continues_the_same_tokens(loaded) -> None:
@@ -137,7 +137,7 @@ def test_a_step_that_raises_fails_only_that_steps_requests(loaded, monkeypatch) 
     monkeypatch.setattr(runner.model, "forward", broken)
     plan = StepPlan(1, (), (ScheduledChunk("a", 0, 7, (0, 1), True), ScheduledChunk("b", 0, 7, (2, 3), True)), ())
     result = runner.execute(plan)
-    assert {f.request_id for f in result.failed} == {"a", "b"}
+    assert {f.sample_id for f in result.failed} == {"a", "b"}
     assert all("injected" not in f.reason for f in result.failed)
     monkeypatch.setattr(runner.model, "forward", forward)
     # A chunk planned for a failed request before the failure was known (async
@@ -145,7 +145,7 @@ def test_a_step_that_raises_fails_only_that_steps_requests(loaded, monkeypatch) 
     result = runner.execute(
         StepPlan(2, (), (ScheduledChunk("a", 7, 1, (0, 1), True), ScheduledChunk("c", 7, 1, (4, 5), True)), ())
     )
-    assert [s.request_id for s in result.sampled] == ["c"] and result.failed == ()
+    assert [s.sample_id for s in result.sampled] == ["c"] and result.failed == ()
     runner.execute(StepPlan(3, (), (), ("a", "b", "c")))
     assert runner.num_requests == 0
 
@@ -160,9 +160,9 @@ def test_an_unsamplable_row_fails_only_its_request(loaded) -> None:
     news = (NewRequest("bad", PROMPT, everything, ()), NewRequest("ok", PROMPT, GREEDY, ()))
     chunks = (ScheduledChunk("bad", 0, 7, (0, 1), True), ScheduledChunk("ok", 0, 7, (2, 3), True))
     result = runner.execute(StepPlan(0, news, chunks, ()))
-    assert [f.request_id for f in result.failed] == ["bad"]
+    assert [f.sample_id for f in result.failed] == ["bad"]
     assert "every token is masked" in result.failed[0].reason
-    assert [s.request_id for s in result.sampled] == ["ok"]
+    assert [s.sample_id for s in result.sampled] == ["ok"]
     assert 0 <= result.sampled[0].token_id < vocab
 
 

@@ -86,13 +86,13 @@ def _plan(sched: Scheduler, pool: BlockPool) -> StepPlan:
 
 
 def _chunks(plan: StepPlan) -> list[tuple[str, int, int, bool]]:
-    return [(c.request_id, c.start, c.num_tokens, c.sample) for c in plan.chunks]
+    return [(c.sample_id, c.start, c.num_tokens, c.sample) for c in plan.chunks]
 
 
 def _result(plan: StepPlan, tokens: dict[str, int] | None = None, default: int = 7) -> StepResult:
     tokens = tokens or {}
     sampled = tuple(
-        SampledToken(c.request_id, tokens.get(c.request_id, default), -0.5, ((default, -0.5),))
+        SampledToken(c.sample_id, tokens.get(c.sample_id, default), -0.5, ((default, -0.5),))
         for c in plan.chunks
         if c.sample
     )
@@ -120,11 +120,11 @@ def test_the_token_budget_is_split_running_first_then_waiting_in_order() -> None
         _add(sched, rid, 10)
     plan, _ = _step(sched, pool)
     assert _chunks(plan) == [("a", 0, 10, True), ("b", 0, 6, False)]
-    assert [n.request_id for n in plan.new_requests] == ["a", "b"]
+    assert [n.sample_id for n in plan.new_requests] == ["a", "b"]
     plan, _ = _step(sched, pool)
     # a decodes, b finishes its prompt, c gets what is left: decode and prefill mix.
     assert _chunks(plan) == [("a", 10, 1, True), ("b", 6, 4, True), ("c", 0, 10, True)]
-    assert [n.request_id for n in plan.new_requests] == ["c"]
+    assert [n.sample_id for n in plan.new_requests] == ["c"]
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_and_only_the_last_samples() -> None:
@@ -145,10 +145,10 @@ def test_max_num_seqs_bounds_the_running_set() -> None:
     _add(sched, "b", 3)
     _add(sched, "c", 3)
     plan, deltas = _step(sched, pool)
-    assert [c.request_id for c in plan.chunks] == ["a", "b"]
+    assert [c.sample_id for c in plan.chunks] == ["a", "b"]
     assert deltas["a"].finish_reason == "length"
     plan, _ = _step(sched, pool)
-    assert [c.request_id for c in plan.chunks] == ["b", "c"]
+    assert [c.sample_id for c in plan.chunks] == ["b", "c"]
     assert plan.finished_ids == ("a",)
 
 
@@ -161,7 +161,7 @@ def test_fcfs_preempts_the_newest_running_request_and_resumes_it_first() -> None
     _add(sched, "old", 4, max_tokens=6)
     _add(sched, "new", 4, max_tokens=6)
     plan, _ = _step(sched, pool)
-    assert [c.request_id for c in plan.chunks] == ["old", "new"]
+    assert [c.sample_id for c in plan.chunks] == ["old", "new"]
     plan, _ = _step(sched, pool)  # position 4 needs a third block each: one is free
     assert _chunks(plan) == [("old", 4, 1, True)]
     assert sched.statistics().preemptions == 1
@@ -171,7 +171,7 @@ def test_fcfs_preempts_the_newest_running_request_and_resumes_it_first() -> None
     assert pool.block_table("new") == ()
     for _ in range(4):  # old runs to its end, taking the freed blocks; new cannot fit
         plan, deltas = _step(sched, pool)
-        assert [c.request_id for c in plan.chunks] == ["old"]
+        assert [c.sample_id for c in plan.chunks] == ["old"]
     assert deltas["old"].finish_reason == "length"
     plan, _ = _step(sched, pool)
     # new is recomputed from 0 over its prompt and its output, with no NewRequest.
@@ -185,13 +185,13 @@ def test_a_preempted_request_goes_back_ahead_of_requests_that_never_ran() -> Non
     _add(sched, "new", 4, max_tokens=6)
     _add(sched, "late", 4, max_tokens=2)
     plan, _ = _step(sched, pool)
-    assert [c.request_id for c in plan.chunks] == ["old", "new"]  # no block left for late
+    assert [c.sample_id for c in plan.chunks] == ["old", "new"]  # no block left for late
     plan, _ = _step(sched, pool)
     assert sched.get_request("new").status is RequestStatus.PREEMPTED
     order = []
     while sched.has_work:
         plan, _ = _step(sched, pool)
-        order.extend(c.request_id for c in plan.chunks if c.request_id not in order)
+        order.extend(c.sample_id for c in plan.chunks if c.sample_id not in order)
     # new, preempted after late arrived, is at the front of the waiting queue: it runs
     # again before late runs at all.
     assert order == ["old", "new", "late"]
@@ -202,9 +202,9 @@ def test_priority_preempts_the_lowest_priority_even_if_older() -> None:
     _add(sched, "low", 4, priority=5)
     _add(sched, "high", 4, priority=0)
     plan, _ = _step(sched, pool)
-    assert [c.request_id for c in plan.chunks] == ["high", "low"]  # queue order is priority
+    assert [c.sample_id for c in plan.chunks] == ["high", "low"]  # queue order is priority
     plan, _ = _step(sched, pool)  # each needs a third block at position 4: one is free
-    assert [c.request_id for c in plan.chunks] == ["high"]
+    assert [c.sample_id for c in plan.chunks] == ["high"]
     assert sched.get_request("low").status is RequestStatus.PREEMPTED
 
 
@@ -215,7 +215,7 @@ def test_a_refused_request_preempts_newer_ones_until_it_fits() -> None:
     _step(sched, pool)  # 6 blocks: all taken
     plan, _ = _step(sched, pool)
     # a needs a block: c, the newest, is preempted; b takes c's other block.
-    assert [c.request_id for c in plan.chunks] == ["a", "b"]
+    assert [c.sample_id for c in plan.chunks] == ["a", "b"]
     assert sched.statistics().preemptions == 1
     assert sched.statistics().waiting == 1
 
@@ -226,7 +226,7 @@ def test_waiting_requests_are_admitted_by_priority_then_arrival() -> None:
     _add(sched, "b", 2, priority=0)
     _add(sched, "c", 2, priority=1)
     plan, _ = _step(sched, pool)
-    assert [c.request_id for c in plan.chunks] == ["b", "a"]
+    assert [c.sample_id for c in plan.chunks] == ["b", "a"]
 
 
 def test_a_pool_smaller_than_configured_fails_loudly_instead_of_looping() -> None:
@@ -344,7 +344,7 @@ def test_async_a_preempted_request_keeps_the_token_drawn_in_flight() -> None:
     _add(sched, "b", 4, max_tokens=5)
     p0 = _plan(sched, pool)  # 4 blocks
     p1 = _plan(sched, pool)  # position 4 of each: one block left, b is preempted
-    assert [c.request_id for c in p1.chunks] == ["a"]
+    assert [c.sample_id for c in p1.chunks] == ["a"]
     assert sched.get_request("b").status is RequestStatus.PREEMPTED
     deltas = _update(sched, pool, p0, {"a": 11, "b": 12})
     assert deltas["b"].token_ids == (12,)  # the runner appended it; so does the scheduler
@@ -361,7 +361,7 @@ def test_a_sibling_waits_for_the_prompt_then_shares_its_blocks() -> None:
     _add(sched, "s0", prompt)
     _add(sched, "s1", prompt, wait_for="s0")
     plan, _ = _step(sched, pool)
-    assert [c.request_id for c in plan.chunks] == ["s0"]
+    assert [c.sample_id for c in plan.chunks] == ["s0"]
     plan, _ = _step(sched, pool)
     # Two full prompt blocks come from the cache; the last partial one is computed.
     assert ("s1", 8, 2, True) in _chunks(plan)
@@ -375,7 +375,7 @@ def test_without_prefix_caching_siblings_do_not_wait() -> None:
     sched, pool = _setup(caching=False)
     _add(sched, "s0", 5)
     _add(sched, "s1", 5, wait_for="s0")
-    assert [c.request_id for c in _plan(sched, pool).chunks] == ["s0", "s1"]
+    assert [c.sample_id for c in _plan(sched, pool).chunks] == ["s0", "s1"]
 
 
 def test_an_update_for_a_plan_not_in_flight_is_a_protocol_error() -> None:
@@ -439,11 +439,11 @@ class FakeRunner:
         for rid in plan.finished_ids:
             del self.requests[rid]
         for new in plan.new_requests:
-            assert new.request_id not in self.requests
-            self.requests[new.request_id] = (list(new.prompt_token_ids), new.params, [])
+            assert new.sample_id not in self.requests
+            self.requests[new.sample_id] = (list(new.prompt_token_ids), new.params, [])
         sampled = []
         for c in plan.chunks:
-            tokens, params, outputs = self.requests[c.request_id]
+            tokens, params, outputs = self.requests[c.sample_id]
             end = c.start + c.num_tokens
             assert end <= len(tokens) and c.sample == (end == len(tokens))
             prev = 0
@@ -459,7 +459,7 @@ class FakeRunner:
                 token = _draw(prev, len(outputs), params, (EOS,))
                 tokens.append(token)
                 outputs.append(token)
-                sampled.append(SampledToken(c.request_id, token, 0.0, ()))
+                sampled.append(SampledToken(c.sample_id, token, 0.0, ()))
         return StepResult(plan.step_id, tuple(sampled), 0.0)
 
 
@@ -617,11 +617,11 @@ def test_a_failed_request_finishes_as_error_frees_its_blocks_and_caches_nothing(
     _add(sched, "bad", 8)
     _add(sched, "ok", 8)
     plan = _plan(sched, pool)
-    sampled = tuple(SampledToken("ok", 7, -0.5, ()) for c in plan.chunks if c.request_id == "ok")
+    sampled = tuple(SampledToken("ok", 7, -0.5, ()) for c in plan.chunks if c.sample_id == "ok")
     result = StepResult(plan.step_id, sampled, 0.0, failed=(RequestFailure("bad", "NaN logits"),))
     update = sched.update_from_output(plan, result)
-    cached = [c.request_id for c in update.allocator_calls if isinstance(c, CacheBlocks)]
-    freed = [c.request_id for c in update.allocator_calls if isinstance(c, FreeRequest)]
+    cached = [c.sample_id for c in update.allocator_calls if isinstance(c, CacheBlocks)]
+    freed = [c.sample_id for c in update.allocator_calls if isinstance(c, FreeRequest)]
     assert cached == ["ok"] and freed == ["bad"]
     deltas = {d.sample_id: d for d in update.deltas}
     assert deltas["bad"] == TokenDelta("bad", (), (), "error", "NaN logits")
@@ -647,11 +647,11 @@ def test_a_sliding_window_model_holds_a_bounded_number_of_blocks() -> None:
     while sched.has_work:
         plan = _plan(sched, pool)
         for chunk in plan.chunks:
-            table = pool.block_table(chunk.request_id)
+            table = pool.block_table(chunk.sample_id)
             first_seen = max(0, chunk.start - window + 1) // bs
             # Blocks the chunk can see are the pool's real ones; earlier places are null.
             assert chunk.block_ids[first_seen:] == table[first_seen:]
-            assert set(chunk.block_ids[: sched.get_request(chunk.request_id).num_released_blocks]) <= {NULL_BLOCK}
+            assert set(chunk.block_ids[: sched.get_request(chunk.sample_id).num_released_blocks]) <= {NULL_BLOCK}
         held.append(pool.statistics().num_blocks - pool.num_free_blocks)
         for call in sched.update_from_output(plan, _result(plan)).allocator_calls:
             pool.handle(call)

@@ -110,7 +110,7 @@ class Detokenizer:
             if sample is not None:
                 sample.scheduled_time = when
         for scored in step.prompt_logprobs:
-            sample = self._samples.get(scored.request_id)
+            sample = self._samples.get(scored.sample_id)
             if sample is not None and sample.prompt_logprobs is not None:
                 sample.prompt_logprobs.extend(scored.logprobs)
         return self._apply(step.deltas)

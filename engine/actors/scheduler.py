@@ -161,7 +161,7 @@ class SchedulerActor:
             self._planned_ahead += 1
         now = time.monotonic()
         for new in plan.new_requests:
-            self._scheduled_at[new.request_id] = now
+            self._scheduled_at[new.sample_id] = now
         tokens = sum(c.num_tokens for c in plan.chunks)
         self._iteration_counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
         self._iteration_sum += tokens

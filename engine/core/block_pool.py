@@ -121,64 +121,64 @@ class BlockPool:
         match call:
             case AllocateSlots():
                 return self.allocate_slots(call)
-            case CacheBlocks(request_id, token_ids):
-                return self.cache_blocks(request_id, token_ids)
-            case ReleaseBlocks(request_id, num_blocks):
-                return self.release_blocks(request_id, num_blocks)
-            case FreeRequest(request_id):
-                return self.free_request(request_id)
+            case CacheBlocks(sample_id, token_ids):
+                return self.cache_blocks(sample_id, token_ids)
+            case ReleaseBlocks(sample_id, num_blocks):
+                return self.release_blocks(sample_id, num_blocks)
+            case FreeRequest(sample_id):
+                return self.free_request(sample_id)
             case ReadAllocatorStats():
                 return self.statistics()
         raise ProtocolError(f"the block pool cannot handle {type(call).__name__}")
 
     def allocate_slots(self, call: AllocateSlots) -> SlotsAllocated | AllocationRefused:
         """Grow a table for one chunk, sharing a cached prefix first; all or nothing."""
-        table = self._tables.get(call.request_id, [])
+        table = self._tables.get(call.sample_id, [])
         if call.prefix_token_ids and (table or call.num_computed_tokens):
             raise ProtocolError(
-                f"request {call.request_id!r}: prefix lookup while it holds blocks or computed tokens"
+                f"request {call.sample_id!r}: prefix lookup while it holds blocks or computed tokens"
             )
         hits = self._lookup(call) if call.prefix_token_ids else []
         start = call.num_computed_tokens + len(hits) * self.block_size
         end = min(call.num_known_tokens, start + call.token_budget)
         if end <= start:
-            raise ProtocolError(f"request {call.request_id!r}: nothing to compute from {start}")
+            raise ProtocolError(f"request {call.sample_id!r}: nothing to compute from {start}")
         num_new = max(0, -(-end // self.block_size) - len(table) - len(hits))
         # Hit blocks that sit in the free queue leave it too; count them against it.
         num_taken = num_new + sum(1 for b in hits if b.ref_count == 0)
         if num_taken > len(self._free):
-            return AllocationRefused(call.request_id, num_taken, len(self._free))
+            return AllocationRefused(call.sample_id, num_taken, len(self._free))
         for block in hits:
             self._take(block)
         new_ids = [self._allocate_one() for _ in range(num_new)]
-        if call.request_id not in self._tables:
-            self._tables[call.request_id] = table
-            self._chains[call.request_id] = [(b.key, b.gen) for b in hits]
-            self._salts[call.request_id] = call.cache_salt
+        if call.sample_id not in self._tables:
+            self._tables[call.sample_id] = table
+            self._chains[call.sample_id] = [(b.key, b.gen) for b in hits]
+            self._salts[call.sample_id] = call.cache_salt
         block_ids = [b.block_id for b in hits] + new_ids
         table.extend(block_ids)
         if call.prefix_token_ids and self.enable_prefix_caching:
             self._queries += len(call.prefix_token_ids)
             self._hits += len(hits) * self.block_size
-        return SlotsAllocated(call.request_id, len(hits) * self.block_size, end - start, tuple(block_ids))
+        return SlotsAllocated(call.sample_id, len(hits) * self.block_size, end - start, tuple(block_ids))
 
-    def cache_blocks(self, request_id: str, token_ids: tuple[int, ...]) -> BlocksCached:
+    def cache_blocks(self, sample_id: str, token_ids: tuple[int, ...]) -> BlocksCached:
         """Enter the request's next full, computed blocks into the prefix cache."""
         if not self.enable_prefix_caching:
-            return BlocksCached(request_id, 0)
-        table = self._tables.get(request_id)
+            return BlocksCached(sample_id, 0)
+        table = self._tables.get(sample_id)
         if table is None:
-            raise ProtocolError(f"cache_blocks for {request_id!r}, which holds no blocks")
-        chain = self._chains[request_id]
-        if request_id in self._uncacheable:
-            return BlocksCached(request_id, len(chain))
+            raise ProtocolError(f"cache_blocks for {sample_id!r}, which holds no blocks")
+        chain = self._chains[sample_id]
+        if sample_id in self._uncacheable:
+            return BlocksCached(sample_id, len(chain))
         count, rest = divmod(len(token_ids), self.block_size)
         if rest or len(chain) + count > len(table):
             raise ProtocolError(
-                f"request {request_id!r}: {len(token_ids)} tokens are not whole blocks after "
+                f"request {sample_id!r}: {len(token_ids)} tokens are not whole blocks after "
                 f"the {len(chain)} cached ones of its {len(table)}"
             )
-        salt = self._salts[request_id]
+        salt = self._salts[sample_id]
         for i in range(count):
             tokens = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
             parent_key, parent_gen = chain[-1] if chain else (None, 0)
@@ -190,44 +190,44 @@ class BlockPool:
             gen = twin.gen if twin is not None else None
             entry = self._enter(self._blocks[table[len(chain)]], key, tokens, salt, parent_gen, gen)
             chain.append((key, entry.gen))
-        return BlocksCached(request_id, len(chain))
+        return BlocksCached(sample_id, len(chain))
 
-    def release_blocks(self, request_id: str, num_blocks: int) -> BlocksReleased:
+    def release_blocks(self, sample_id: str, num_blocks: int) -> BlocksReleased:
         """Drop the request's hold on its first ``num_blocks`` blocks (see
         :class:`ReleaseBlocks`); they join the free queue as :meth:`free_request` frees."""
-        table = self._tables.get(request_id)
+        table = self._tables.get(sample_id)
         if table is None:
-            raise ProtocolError(f"release_blocks for {request_id!r}, which holds no blocks")
-        done = self._released.get(request_id, 0)
+            raise ProtocolError(f"release_blocks for {sample_id!r}, which holds no blocks")
+        done = self._released.get(sample_id, 0)
         if num_blocks > len(table):
-            raise ProtocolError(f"request {request_id!r}: cannot release {num_blocks} of {len(table)} blocks")
+            raise ProtocolError(f"request {sample_id!r}: cannot release {num_blocks} of {len(table)} blocks")
         if num_blocks <= done:
-            return BlocksReleased(request_id, done)
-        if num_blocks > len(self._chains[request_id]):
-            self._uncacheable.add(request_id)  # its next block to cache is going away
+            return BlocksReleased(sample_id, done)
+        if num_blocks > len(self._chains[sample_id]):
+            self._uncacheable.add(sample_id)  # its next block to cache is going away
         for block_id in table[done:num_blocks]:
-            self._unref(block_id, request_id)
-        self._released[request_id] = num_blocks
-        return BlocksReleased(request_id, num_blocks)
+            self._unref(block_id, sample_id)
+        self._released[sample_id] = num_blocks
+        return BlocksReleased(sample_id, num_blocks)
 
-    def free_request(self, request_id: str) -> RequestFreed:
+    def free_request(self, sample_id: str) -> RequestFreed:
         """Drop a table; cached blocks whose count reaches 0 join the free queue's tail,
         the table's last block first, so a prefix's first blocks are evicted last; uncached
         ones go to the head, to be reused first."""
-        table = self._tables.pop(request_id, None)
+        table = self._tables.pop(sample_id, None)
         if table is None:
-            return RequestFreed(request_id, 0)
-        del self._chains[request_id], self._salts[request_id]
-        released = self._released.pop(request_id, 0)
-        self._uncacheable.discard(request_id)
+            return RequestFreed(sample_id, 0)
+        del self._chains[sample_id], self._salts[sample_id]
+        released = self._released.pop(sample_id, 0)
+        self._uncacheable.discard(sample_id)
         for block_id in reversed(table[released:]):
-            self._unref(block_id, request_id)
-        return RequestFreed(request_id, len(table))
+            self._unref(block_id, sample_id)
+        return RequestFreed(sample_id, len(table))
 
-    def _unref(self, block_id: int, request_id: str) -> None:
+    def _unref(self, block_id: int, sample_id: str) -> None:
         block = self._blocks[block_id]
         if block.ref_count <= 0 or block_id in self._free:
-            raise ProtocolError(f"block {block_id} freed twice (request {request_id!r})")
+            raise ProtocolError(f"block {block_id} freed twice (request {sample_id!r})")
         block.ref_count -= 1
         if block.ref_count == 0:
             self._free[block_id] = None
@@ -261,8 +261,8 @@ class BlockPool:
         """The free queue, next to be evicted first."""
         return tuple(self._free)
 
-    def block_table(self, request_id: str) -> tuple[int, ...]:
-        return tuple(self._tables.get(request_id, ()))
+    def block_table(self, sample_id: str) -> tuple[int, ...]:
+        return tuple(self._tables.get(sample_id, ()))
 
     def lookup(self, token_ids: tuple[int, ...], cache_salt: str | None = None) -> tuple[int, ...]:
         """The blocks of the longest verified cached prefix of ``token_ids`` (full blocks

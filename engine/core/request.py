@@ -58,7 +58,7 @@ class Request:
     context (and the KV pool) by whoever builds it; see :meth:`Scheduler.add_request`."""
 
     __slots__ = (
-        "request_id", "prompt_token_ids", "params", "eos_token_ids", "priority", "arrival",
+        "sample_id", "prompt_token_ids", "params", "eos_token_ids", "priority", "arrival",
         "cache_salt", "wait_for", "max_tokens", "output_token_ids", "num_computed_tokens",
         "num_pending_tokens", "status", "stop_reason", "block_ids", "num_cached_blocks",
         "num_released_blocks",
@@ -67,7 +67,7 @@ class Request:
 
     def __init__(
         self,
-        request_id: str,
+        sample_id: str,
         prompt_token_ids: tuple[int, ...],
         params: SamplingParams,
         *,
@@ -78,7 +78,7 @@ class Request:
         cache_salt: str | None = None,
         wait_for: str | None = None,
     ) -> None:
-        self.request_id = request_id
+        self.sample_id = sample_id
         self.prompt_token_ids = tuple(prompt_token_ids)
         self.params = params
         self.eos_token_ids = tuple(eos_token_ids)
@@ -105,7 +105,7 @@ class Request:
 
     def __repr__(self) -> str:
         return (
-            f"Request({self.request_id!r}, {self.status.name}, computed="
+            f"Request({self.sample_id!r}, {self.status.name}, computed="
             f"{self.num_computed_tokens}/{self.num_known_tokens}, out={len(self.output_token_ids)}"
             f"+{self.num_pending_tokens}/{self.max_tokens})"
         )

@@ -191,27 +191,27 @@ class Scheduler:
             wait_for=self._waitable(request.wait_for),
         )
         self._next_arrival += 1
-        self._requests[req.request_id] = req
-        self._prompt_pending.add(req.request_id)
+        self._requests[req.sample_id] = req
+        self._prompt_pending.add(req.sample_id)
         if req.wait_for is not None:
             self._waiters.setdefault(req.wait_for, []).append(req)
         self._enqueue_waiting(req, front=False)
         return req
 
-    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[AllocatorCall]:
+    def finish_requests(self, sample_ids: Iterable[str], status: RequestStatus) -> list[AllocatorCall]:
         """Finish live requests from outside (abort, a stop string seen by the detokenizer).
         Unknown or already finished ids are ignored. Returns the frees to send."""
         if not status.is_finished:
             raise InvalidParamError(f"{status} is not a finished status", param="status")
         calls: list[AllocatorCall] = []
-        for request_id in request_ids:
-            req = self._requests.get(request_id)
+        for sample_id in sample_ids:
+            req = self._requests.get(sample_id)
             if req is not None:
                 calls.extend(self._finish(req, status))
         return calls
 
-    def get_request(self, request_id: str) -> Request | None:
-        return self._requests.get(request_id)
+    def get_request(self, sample_id: str) -> Request | None:
+        return self._requests.get(sample_id)
 
     @property
     def has_work(self) -> bool:
@@ -292,7 +292,7 @@ class Scheduler:
             if not req.seen_by_runner:
                 req.seen_by_runner = True
                 step.new_requests.append(
-                    NewRequest(req.request_id, req.prompt_token_ids, req.params, req.eos_token_ids)
+                    NewRequest(req.sample_id, req.prompt_token_ids, req.params, req.eos_token_ids)
                 )
             self._add_chunk(step, req, reply)
 
@@ -302,7 +302,7 @@ class Scheduler:
         count = min(req.num_known_tokens - req.num_computed_tokens, budget)
         if req.num_computed_tokens + count > len(req.block_ids) * self.config.block_size:
             return None
-        return SlotsAllocated(req.request_id, 0, count, ())
+        return SlotsAllocated(req.sample_id, 0, count, ())
 
     def _release_out_of_window(self, req: Request) -> Generator[AllocatorCall, AllocatorReply, None]:
         """Give back the blocks no layer will read again. The next chunk's first query sits
@@ -316,9 +316,9 @@ class Scheduler:
         releasable = min(first_seen // self.config.block_size, len(req.block_ids))
         if releasable <= req.num_released_blocks:
             return
-        reply = yield ReleaseBlocks(req.request_id, releasable)
+        reply = yield ReleaseBlocks(req.sample_id, releasable)
         if not isinstance(reply, BlocksReleased) or reply.num_released_blocks != releasable:
-            raise ProtocolError(f"expected {releasable} blocks of {req.request_id!r} released, got {reply!r}")
+            raise ProtocolError(f"expected {releasable} blocks of {req.sample_id!r} released, got {reply!r}")
         for i in range(req.num_released_blocks, releasable):
             req.block_ids[i] = NULL_BLOCK
         req.num_released_blocks = releasable
@@ -326,7 +326,7 @@ class Scheduler:
     def _allocate_call(self, req: Request, budget: int, *, lookup: bool) -> AllocateSlots:
         first = not req.block_ids
         return AllocateSlots(
-            req.request_id,
+            req.sample_id,
             req.num_computed_tokens,
             req.num_known_tokens,
             budget,
@@ -335,8 +335,8 @@ class Scheduler:
         )
 
     def _add_chunk(self, step: _Step, req: Request, reply: AllocatorReply) -> None:
-        if not isinstance(reply, SlotsAllocated) or reply.request_id != req.request_id:
-            raise ProtocolError(f"expected SlotsAllocated for {req.request_id!r}, got {reply!r}")
+        if not isinstance(reply, SlotsAllocated) or reply.sample_id != req.sample_id:
+            raise ProtocolError(f"expected SlotsAllocated for {req.sample_id!r}, got {reply!r}")
         if not req.block_ids:  # a new table: its cached prefix is what the pool shared
             req.num_computed_tokens += reply.num_cached_tokens
             if req.num_cached_tokens < 0:
@@ -347,8 +347,8 @@ class Scheduler:
         if not 0 < count <= step.budget or start + count > req.num_known_tokens:
             raise ProtocolError(f"{reply!r} does not fit {req!r} with budget {step.budget}")
         sample = start + count == req.num_known_tokens
-        step.chunks.append(ScheduledChunk(req.request_id, start, count, tuple(req.block_ids), sample))
-        step.epochs[req.request_id] = req.num_preemptions
+        step.chunks.append(ScheduledChunk(req.sample_id, start, count, tuple(req.block_ids), sample))
+        step.epochs[req.sample_id] = req.num_preemptions
         step.budget -= count
         req.num_computed_tokens += count
         if sample:
@@ -364,7 +364,7 @@ class Scheduler:
         req.num_preemptions += 1  # chunks planned before this now write to freed blocks
         self._preemptions += 1
         self._enqueue_waiting(req, front=True)
-        yield FreeRequest(req.request_id)
+        yield FreeRequest(req.sample_id)
 
     # -- results --------------------------------------------------------------------------
 
@@ -381,27 +381,27 @@ class Scheduler:
             if plan.chunks:
                 raise ProtocolError(f"step {plan.step_id} is not in flight")
             return SchedulerUpdate((), ())
-        sampled = {s.request_id: s for s in result.sampled}
-        failed = {f.request_id: f.reason for f in result.failed}
+        sampled = {s.sample_id: s for s in result.sampled}
+        failed = {f.sample_id: f.reason for f in result.failed}
         deltas: list[TokenDelta] = []
         calls: list[AllocatorCall] = []
         for chunk in plan.chunks:
-            req = self._requests.get(chunk.request_id)
+            req = self._requests.get(chunk.sample_id)
             if req is None:
                 continue
-            if chunk.request_id in failed:
+            if chunk.sample_id in failed:
                 # Its chunk's KV writes are not trusted: nothing of it is cached, and its
                 # blocks go back to the pool before the next plan.
                 calls.extend(self._finish(req, RequestStatus.FINISHED_ERROR))
-                deltas.append(TokenDelta(req.request_id, (), (), "error", failed[chunk.request_id]))
+                deltas.append(TokenDelta(req.sample_id, (), (), "error", failed[chunk.sample_id]))
                 continue
-            if epochs[chunk.request_id] == req.num_preemptions:
+            if epochs[chunk.sample_id] == req.num_preemptions:
                 calls.extend(self._computed(req, chunk.start + chunk.num_tokens))
             if chunk.sample:
                 req.num_pending_tokens -= 1
-                token = sampled.get(chunk.request_id)
+                token = sampled.get(chunk.sample_id)
                 if token is None:
-                    raise ProtocolError(f"step {plan.step_id} drew no token for {chunk.request_id!r}")
+                    raise ProtocolError(f"step {plan.step_id} drew no token for {chunk.sample_id!r}")
                 deltas.append(self._apply_token(req, token, calls))
         return SchedulerUpdate(tuple(deltas), tuple(calls))
 
@@ -409,7 +409,7 @@ class Scheduler:
         """Positions below ``end`` are in the KV cache: commit full blocks, wake samples
         waiting for this prompt."""
         if end >= req.num_prompt_tokens:
-            self._release_waiters(req.request_id)
+            self._release_waiters(req.sample_id)
         if not self.config.enable_prefix_caching:
             return []
         bs = self.config.block_size
@@ -418,14 +418,14 @@ class Scheduler:
             return []
         tokens = _token_slice(req, req.num_cached_blocks * bs, full * bs)
         req.num_cached_blocks = full
-        return [CacheBlocks(req.request_id, tokens)]
+        return [CacheBlocks(req.sample_id, tokens)]
 
     def _apply_token(self, req: Request, token: SampledToken, calls: list[AllocatorCall]) -> TokenDelta:
         status = req.append_output(token.token_id)
         if status is not None:
             calls.extend(self._finish(req, status))
         return TokenDelta(
-            req.request_id,
+            req.sample_id,
             (token.token_id,),
             (token,) if req.params.logprobs is not None else (),
             status.finish_reason if status else None,
@@ -437,19 +437,19 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> list[AllocatorCall]:
         req.status = status
-        del self._requests[req.request_id]
+        del self._requests[req.sample_id]
         if req in self._running:
             self._running.remove(req)
         else:
             self._waiting.remove(req)
-        self._release_waiters(req.request_id)
+        self._release_waiters(req.sample_id)
         if req.seen_by_runner:
-            self._finished_ids.append(req.request_id)
+            self._finished_ids.append(req.sample_id)
         self._finished += 1
         had_blocks = bool(req.block_ids)
         req.block_ids = []
         req.num_released_blocks = 0
-        return [FreeRequest(req.request_id)] if had_blocks else []
+        return [FreeRequest(req.sample_id)] if had_blocks else []
 
     def _enqueue_waiting(self, req: Request, *, front: bool) -> None:
         if self.config.policy == "priority":
@@ -459,16 +459,16 @@ class Scheduler:
         else:
             self._waiting.append(req)
 
-    def _waitable(self, request_id: str | None) -> str | None:
+    def _waitable(self, sample_id: str | None) -> str | None:
         """Wait only for a live request still computing its prompt, and only when the
         prefix cache can share that prompt."""
-        if request_id is None or not self.config.enable_prefix_caching:
+        if sample_id is None or not self.config.enable_prefix_caching:
             return None
-        return request_id if request_id in self._prompt_pending else None
+        return sample_id if sample_id in self._prompt_pending else None
 
-    def _release_waiters(self, request_id: str) -> None:
-        self._prompt_pending.discard(request_id)
-        for waiter in self._waiters.pop(request_id, ()):
+    def _release_waiters(self, sample_id: str) -> None:
+        self._prompt_pending.discard(sample_id)
+        for waiter in self._waiters.pop(sample_id, ()):
             waiter.wait_for = None
 
 

@@ -149,18 +149,18 @@ class ModelRunner:
             self._failed.discard(rid)
         for new in plan.new_requests:
             self._add(new)
-        chunks = tuple(c for c in plan.chunks if c.request_id not in self._failed)
+        chunks = tuple(c for c in plan.chunks if c.sample_id not in self._failed)
         if not chunks:
             return StepResult(plan.step_id, (), 0.0)
         try:
             sampled, failed, prompt_logprobs = self._run(chunks)
         except Exception:
             logger.exception("model step %d failed; failing its %d requests", plan.step_id, len(chunks))
-            failed = tuple(RequestFailure(c.request_id, STEP_FAILED) for c in chunks)
+            failed = tuple(RequestFailure(c.sample_id, STEP_FAILED) for c in chunks)
             sampled, prompt_logprobs = (), ()
         for failure in failed:
-            self._requests.pop(failure.request_id, None)
-            self._failed.add(failure.request_id)
+            self._requests.pop(failure.sample_id, None)
+            self._failed.add(failure.sample_id)
         return StepResult(plan.step_id, sampled, time.perf_counter() - t0, prompt_logprobs, failed)
 
     def _run(
@@ -202,28 +202,28 @@ class ModelRunner:
 
     def _add(self, new: NewRequest) -> None:
         prompt = tuple(new.prompt_token_ids)
-        self._requests[new.request_id] = _RequestState(
+        self._requests[new.sample_id] = _RequestState(
             prompt, [], list(prompt), new.params, tuple(new.eos_token_ids)
         )
 
     def _state(self, chunk: ScheduledChunk) -> _RequestState:
-        state = self._requests.get(chunk.request_id)
+        state = self._requests.get(chunk.sample_id)
         if state is None:
-            raise StepPlanError(f"chunk for unknown request {chunk.request_id!r}")
+            raise StepPlanError(f"chunk for unknown request {chunk.sample_id!r}")
         end = chunk.start + chunk.num_tokens
         if chunk.num_tokens < 1 or chunk.start < 0 or end > len(state.tokens):
             raise StepPlanError(
-                f"request {chunk.request_id!r}: chunk [{chunk.start}, {end}) is outside its "
+                f"request {chunk.sample_id!r}: chunk [{chunk.start}, {end}) is outside its "
                 f"{len(state.tokens)} known tokens"
             )
         if chunk.sample and end != len(state.tokens):
             raise StepPlanError(
-                f"request {chunk.request_id!r}: sampling after token {end} but it has "
+                f"request {chunk.sample_id!r}: sampling after token {end} but it has "
                 f"{len(state.tokens)}"
             )
         if len(chunk.block_ids) * self.block_size < end:
             raise StepPlanError(
-                f"request {chunk.request_id!r}: {len(chunk.block_ids)} blocks cannot hold {end} tokens"
+                f"request {chunk.sample_id!r}: {len(chunk.block_ids)} blocks cannot hold {end} tokens"
             )
         return state
 
@@ -302,7 +302,7 @@ class ModelRunner:
                 first, end, rows = _prompt_logprob_rows(chunk, state, row)
                 if rows:
                     entries = self._score(hidden, rows, state.prompt[first:end], top_n)
-                    out.append(PromptLogprobs(chunk.request_id, first, entries))
+                    out.append(PromptLogprobs(chunk.sample_id, first, entries))
                     state.prompt_logprobs_next = end
             row += chunk.num_tokens
         return tuple(out)
@@ -346,22 +346,22 @@ class ModelRunner:
             SamplingRow(s.params, s.prompt, s.outputs, s.eos_token_ids) for _, s in picked
         ]
         out = []
-        gone = {f.request_id for f in failed}
+        gone = {f.sample_id for f in failed}
         for (c, s), drawn in zip(picked, self.sampler(logits, sampling_rows, bitmask), strict=True):
-            if c.request_id in gone:
+            if c.sample_id in gone:
                 continue
             if isinstance(drawn, SamplingFailure):
-                failed.append(RequestFailure(c.request_id, drawn.reason))
+                failed.append(RequestFailure(c.sample_id, drawn.reason))
                 continue
             token, logprob, top = drawn
             if s.matcher is not None and not s.matcher.ended and not s.matcher.accept(token):
                 # The mask allowed only tokens the grammar takes; this is a backend fault.
                 failed.append(RequestFailure(
-                    c.request_id, "the sampled token does not fit the structured output grammar"))
+                    c.sample_id, "the sampled token does not fit the structured output grammar"))
                 continue
             s.outputs.append(token)
             s.tokens.append(token)
-            out.append(SampledToken(c.request_id, token, logprob, tuple(top)))
+            out.append(SampledToken(c.sample_id, token, logprob, tuple(top)))
         return tuple(out), tuple(failed)
 
     def _fill_bitmask(
@@ -381,7 +381,7 @@ class ModelRunner:
             try:
                 matcher = self._matcher(s)
             except (EngineError, ValueError) as exc:
-                failed.append(RequestFailure(c.request_id, f"structured output: {exc}"))
+                failed.append(RequestFailure(c.sample_id, f"structured output: {exc}"))
                 continue
             if matcher.ended:
                 continue
