@@ -32,6 +32,7 @@ import pytest
 import torch
 import trio
 from engine_helpers import collect, greedy, text, token_ids
+from greedy_driver import run_greedy
 from http_server import ServerThread
 from safetensors.torch import load_file
 from test_loader import Q4_K, Q8_0, quantize_array, write_gguf
@@ -45,7 +46,6 @@ from engine.models.quantized import QuantLinear, weight_bytes
 from engine.models.testing import TINY_MOE_ARCHITECTURES, quantize_q4_k, write_tiny_model
 from engine.ops.cpu import qmatmul as cq
 from engine.ops.quant import QuantizedWeight
-from engine.runner.model_runner import run_greedy
 
 # int8 activations per 32 columns err by up to amax / 254 each (0.4% of the block's largest
 # entry); after two layers and the head the logits moved by at most 1.5% of their row's
@@ -72,14 +72,10 @@ CASES = [
 
 
 @pytest.fixture(autouse=True)
-def _one_thread_private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    # Tiny shapes gain nothing from a second thread (see test_parity); conversions go into
-    # this test's own cache, never the user's.
+def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_thread: None) -> None:
+    # Conversions go into this test's own cache, never the user's; torch on one thread
+    # (tiny shapes, see tests/conftest.py).
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "cache"))
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def write_quantized(tmp_path: Path, arch: str, quant: str, overrides: dict | None = None) -> Path:
