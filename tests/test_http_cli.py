@@ -185,7 +185,7 @@ def _terminal_rows(text: str) -> list[str]:
 
 
 def test_startup_log_lines_do_not_garble_the_load_progress_bar(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
     # Regression: on a terminal each startup log line was written into the middle of the
     # progress bar's row ("loading model:  25%|##5 ...INFO engine: weights loaded").
@@ -197,7 +197,7 @@ def test_startup_log_lines_do_not_garble_the_load_progress_bar(
     handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
     root = logging.getLogger()
     monkeypatch.setattr(root, "handlers", [handler])
-    monkeypatch.setattr(root, "level", logging.INFO)
+    caplog.set_level(logging.INFO)  # setLevel, which also clears the loggers' level caches
     phases = ["weights loaded", "tokenizer loaded", "KV pool sized", "warmed up"]
     with cli._LoadProgress() as progress:
         for phase in phases:
