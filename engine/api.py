@@ -120,6 +120,8 @@ class EngineLike(Protocol):
     sampling_defaults: dict[str, Any]
     dead: bool
     dead_reason: BaseException | None
+    restarting: bool  # the actors are restarting after a crash (/health answers 503)
+    restarts: int  # in-place restarts so far (engine:engine_restarts_total)
 
     async def submit(
         self,
@@ -135,6 +137,8 @@ class EngineLike(Protocol):
     def abort(self, request_id: str) -> None: ...
 
     def statistics(self) -> EngineStatistics: ...
+
+    def structured_statistics(self) -> StructuredStatistics | None: ...
 
 
 class _Generation:
@@ -172,7 +176,9 @@ class Engine:
     ``sampling_defaults`` (the model's generation_config.json sampling fields in force,
     ``{}`` with ``generation_config="none"``; a request submitted without params uses
     them, and the HTTP server fills the fields a body leaves out), ``dead`` and
-    ``dead_reason`` (the exception that killed it, or the closing error).
+    ``dead_reason`` (the exception that killed it, or the closing error), ``restarting``
+    (true while its actors restart in place after a crash) and ``restarts`` (how many times
+    they have).
     """
 
     def __init__(self, parts: EngineParts) -> None:

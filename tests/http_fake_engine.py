@@ -67,6 +67,9 @@ class FakeEngine:
         self.max_model_len = config.max_model_len or 512
         self.dead = False
         self.dead_reason: BaseException | None = None
+        # The fake never restarts: crash() leaves it dead, as past the real one's limit.
+        self.restarting = False
+        self.restarts = 0
         self._step_delay = step_delay
         self._slots = trio.Semaphore(config.max_num_seqs)
         self._kv_total = kv_blocks
@@ -90,6 +93,10 @@ class FakeEngine:
                                 kv_blocks_free=self._kv_total - sum(self._held.values()),
                                 prefix_cache_hits=0, prefix_cache_queries=0, preemptions=0,
                                 steps=self._steps, requests_finished=0)
+
+    def structured_statistics(self) -> None:
+        """No grammar backend (the metrics report zeros)."""
+        return None
 
     def abort(self, request_id: str) -> None:
         scope = self._scopes.get(request_id)

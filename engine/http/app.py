@@ -265,7 +265,7 @@ class _Server:
 
     async def health(self) -> Response:
         # 503 while the actors restart after a crash, and once the engine is dead.
-        if self.engine.dead or getattr(self.engine, "restarting", False):
+        if self.engine.dead or self.engine.restarting:
             err = protocol.error_from_exception(
                 EngineDeadError())
             return _json(err.body(), 503)
@@ -481,7 +481,7 @@ class _Run:
             async for out in stream:
                 self.timer.output(prompt_index * self.req.params.n + out.index,
                                   len(out.token_ids), out.finish_reason,
-                                  getattr(out, "scheduled_time", None))
+                                  out.scheduled_time)
                 await on_output(prompt_index, out)
         except Exception as exc:
             if self.error is None:

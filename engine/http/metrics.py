@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
@@ -21,6 +21,10 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from engine.actors.system import EngineStatistics
+    from engine.api import EngineLike
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -69,7 +73,7 @@ METRIC_NAMES = (
 class _EngineCollector(Collector):
     """Reads the engine's statistics snapshot on every scrape."""
 
-    def __init__(self, engine: Any, model_name: str) -> None:
+    def __init__(self, engine: EngineLike, model_name: str) -> None:
         self._engine = engine
         self._labels = [model_name]
 
@@ -95,12 +99,12 @@ class _EngineCollector(Collector):
         yield self._cache_config(stats)
         yield self._counter("engine:engine_restarts",
                             "Times the engine's actors restarted in place after a crash.",
-                            getattr(self._engine, "restarts", 0))
+                            self._engine.restarts)
 
-    def _iteration_tokens(self, stats: Any) -> Iterator[Metric]:
+    def _iteration_tokens(self, stats: EngineStatistics) -> Iterator[Metric]:
         from engine.actors.scheduler import ITERATION_TOKEN_BUCKETS
 
-        counts = getattr(stats, "iteration_token_counts", ())
+        counts = stats.iteration_token_counts
         if not counts:
             return
         buckets, total = [], 0
@@ -112,14 +116,14 @@ class _EngineCollector(Collector):
         family.add_metric(self._labels, buckets, stats.iteration_tokens_sum)
         yield family
 
-    def _cache_config(self, stats: Any) -> Metric:
+    def _cache_config(self, stats: EngineStatistics) -> Metric:
         """vLLM's cache_config_info: the KV cache's configuration as labels, value 1."""
-        config = getattr(self._engine, "config", None)
+        config = self._engine.config
         labels = {
-            "block_size": str(getattr(config, "block_size", "")),
+            "block_size": str(config.block_size),
             "num_gpu_blocks": str(stats.kv_blocks_total),
-            "enable_prefix_caching": str(getattr(config, "enable_prefix_caching", "")),
-            "cache_dtype": str(getattr(config, "dtype", "")),
+            "enable_prefix_caching": str(config.enable_prefix_caching),
+            "cache_dtype": str(config.dtype),
         }
         family = GaugeMetricFamily("engine:cache_config_info", "The KV cache's configuration.",
                                    labels=["model_name", *labels])
@@ -140,9 +144,9 @@ class _EngineCollector(Collector):
 class _StructuredCollector(Collector):
     """Structured output: requests by kind and grammar compile times, read from the
     engine's grammar backend at scrape time (``Engine.structured_statistics()``; an engine
-    without one, such as the HTTP tests' fake, reports zeros)."""
+    without one, such as the HTTP tests' fake, returns None and reports zeros)."""
 
-    def __init__(self, engine: Any, model_name: str) -> None:
+    def __init__(self, engine: EngineLike, model_name: str) -> None:
         self._engine = engine
         self._model_name = model_name
 
@@ -150,8 +154,7 @@ class _StructuredCollector(Collector):
         from engine.structured.backend import COMPILE_BUCKETS
         from engine.structured.spec import KINDS
 
-        read = getattr(self._engine, "structured_statistics", None)
-        stats = read() if read is not None else None
+        stats = self._engine.structured_statistics()
         requests = CounterMetricFamily(
             "engine:structured_output_requests",
             "Requests with a structured output constraint (response_format, "
@@ -175,7 +178,7 @@ class _StructuredCollector(Collector):
 class Metrics:
     """The metrics of one server: a registry, its histograms and counters."""
 
-    def __init__(self, engine: Any, model_name: str) -> None:
+    def __init__(self, engine: EngineLike, model_name: str) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         labels = ["model_name"]
