@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from engine.core import BlockPool, ProtocolError
-from engine.errors import InvalidParamError
+from engine.errors import RequestError
 from engine.messages import (
     AllocateSlots,
     AllocationRefused,
@@ -48,8 +48,9 @@ def test_a_fresh_pool_is_all_free_and_rejects_bad_sizes() -> None:
     stats = pool.handle(ReadAllocatorStats())
     assert (stats.num_blocks, stats.num_free_blocks, stats.usage) == (8, 8, 0.0)
     assert pool.free_block_ids() == tuple(range(8))
-    with pytest.raises(InvalidParamError, match="num_blocks"):
+    with pytest.raises(ValueError, match="num_blocks") as info:
         BlockPool(0, BS)
+    assert not isinstance(info.value, RequestError)  # a caller's misuse, not a request's
 
 
 def test_allocation_covers_the_chunk_and_refusal_changes_nothing() -> None:

@@ -18,7 +18,7 @@ from engine.core import (
     SchedulerConfig,
     run_with_pool,
 )
-from engine.errors import InvalidParamError, PromptTooLongError
+from engine.errors import InvalidParamError, PromptTooLongError, RequestError
 from engine.messages import (
     NULL_BLOCK,
     CacheBlocks,
@@ -306,8 +306,9 @@ def test_abort_frees_blocks_and_tells_the_runner_in_the_next_plan() -> None:
     assert sched.update_from_output(plan, _result(plan)).deltas == ()  # its token is dropped
     assert _plan(sched, pool).finished_ids == ("a",)
     assert not sched.has_work
-    with pytest.raises(InvalidParamError):
+    with pytest.raises(ValueError, match="not a finished status") as info:
         sched.finish_requests(["a"], RequestStatus.RUNNING)
+    assert not isinstance(info.value, RequestError)  # a caller's misuse, not a request's
 
 
 # -- async scheduling ---------------------------------------------------------------------
@@ -603,10 +604,12 @@ def test_scheduler_config_comes_from_the_engine_config_and_is_checked() -> None:
     config = SchedulerConfig.from_engine_config(engine, max_model_len=100, num_kv_blocks=10)
     assert (config.max_num_seqs, config.block_size, config.policy) == (3, 8, "priority")
     assert config.max_request_len == 80  # the pool, not the context, is the limit here
-    with pytest.raises(InvalidParamError, match="policy"):
+    with pytest.raises(ValueError, match="policy") as info:
         SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=1, block_size=1, max_model_len=1, num_kv_blocks=1, policy="lifo")
-    with pytest.raises(InvalidParamError, match="num_kv_blocks"):
+    assert not isinstance(info.value, RequestError)  # a caller's misuse, not a request's
+    with pytest.raises(ValueError, match="num_kv_blocks") as info:
         SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=1, block_size=1, max_model_len=1, num_kv_blocks=0)
+    assert not isinstance(info.value, RequestError)
 
 
 # -- failed requests ----------------------------------------------------------------------

@@ -36,7 +36,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from engine.core.request import ProtocolError
-from engine.errors import InvalidParamError
 from engine.messages import (
     AllocateSlots,
     AllocationRefused,
@@ -92,7 +91,7 @@ class BlockPool:
     ) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidParamError(f"{name} must be a positive integer, got {value!r}", param=name)
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching

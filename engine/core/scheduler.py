@@ -77,12 +77,14 @@ class SchedulerConfig:
     sliding_window: int = 0
 
     def __post_init__(self) -> None:
+        # A plain ValueError: EngineConfig has checked the user's options and the KV sizing
+        # the pool (ConfigError both); a bad value here is a caller's bug, not configuration.
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "num_kv_blocks"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidParamError(f"{name} must be a positive integer, got {value!r}", param=name)
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.policy not in POLICIES:
-            raise InvalidParamError(f"policy must be one of {POLICIES}, got {self.policy!r}", param="policy")
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
 
     @classmethod
     def from_engine_config(
@@ -202,7 +204,7 @@ class Scheduler:
         """Finish live requests from outside (abort, a stop string seen by the detokenizer).
         Unknown or already finished ids are ignored. Returns the frees to send."""
         if not status.is_finished:
-            raise InvalidParamError(f"{status} is not a finished status", param="status")
+            raise ValueError(f"{status} is not a finished status")
         calls: list[AllocatorCall] = []
         for sample_id in sample_ids:
             req = self._requests.get(sample_id)

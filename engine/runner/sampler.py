@@ -29,7 +29,6 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.errors import InvalidParamError
 from engine.ops import Ops
 from engine.params import SamplingParams
 
@@ -274,9 +273,8 @@ def _logit_bias_entries(
         for tok, value in r.params.logit_bias:
             if tok >= vocab:
                 # The API checks ids against the vocabulary at submit; this is the backstop.
-                raise InvalidParamError(
-                    f"logit_bias token id {tok} is out of range for vocabulary size {vocab}",
-                    param="logit_bias",
+                raise ValueError(
+                    f"logit_bias token id {tok} is out of range for vocabulary size {vocab}"
                 )
             row_idx.append(b)
             tok_idx.append(tok)
