@@ -210,6 +210,9 @@ DEEP = "[" * 1000 + "]" * 1000
     [
         # Each of these killed the engine for everybody (503 until a restart).
         ("top_k_2147483648_overflowed_int32", {"prompt": "Hi", "top_k": 2147483648}, "top_k"),
+        # "Overflow when unpacking long long": 2**63 and past it do not fit a C int64.
+        ("top_k_2pow63_overflowed_long_long", {"prompt": "Hi", "top_k": 2**63}, "top_k"),
+        ("top_k_2pow64_overflowed_long_long", {"prompt": "Hi", "top_k": 2**64}, "top_k"),
         ("top_k_past_the_vocabulary", {"prompt": "Hi", "top_k": 100_000}, "top_k"),
         ("repetition_penalty_1e-320_indexed_past_the_vocabulary",
          {"prompt": "Hi", "repetition_penalty": 1e-320}, "repetition_penalty"),
