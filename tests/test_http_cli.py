@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -340,3 +340,202 @@ def test_the_drain_deadline_cuts_what_is_left_and_still_exits_0(model: Path) -> 
                 received.extend(line for line in lines if line)
         assert "data: [DONE]" not in received
     assert proc.returncode == 0, "".join(log)
+
+
+# -- the chat flags and the startup log, in process ---------------------------------------
+
+# A template that reads tools (so tool_choice "auto" needs a parser, not the fallback) and
+# renders a conversation recognisably.
+CHAT_TEMPLATE = ("{% for m in messages %}<<{{ m.role }}: {{ m.content }}>>\n{% endfor %}"
+                 "{% if tools %}{{ tools | length }} tools\n{% endif %}")
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def test_the_chat_flags_become_the_chat_settings_the_app_uses(tmp_path: Path) -> None:
+    from engine.chat.request import ChatSettings
+    from engine.http.cli import chat_settings
+
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    args = _parser("serve").parse_args([
+        "--chat-template", str(template), "--tool-call-parser", "mistral",
+        "--enable-auto-tool-choice", "--reasoning-parser", "qwen3",
+        "--trust-request-chat-template"])
+    assert chat_settings(args) == ChatSettings(
+        tool_call_parser="mistral", enable_auto_tool_choice=True, reasoning_parser="qwen3",
+        chat_template=CHAT_TEMPLATE, trust_request_chat_template=True)
+    # The template itself serves as well as a file holding it.
+    inline = _parser("serve").parse_args(["--chat-template", CHAT_TEMPLATE])
+    assert chat_settings(inline).chat_template == CHAT_TEMPLATE
+    assert chat_settings(_parser("serve").parse_args([])) == ChatSettings()
+
+
+@pytest.mark.parametrize("flag", ["--tool-call-parser", "--reasoning-parser"])
+def test_an_unknown_parser_name_is_a_usage_error_listing_the_choices(
+    flag: str, capsys: pytest.CaptureFixture[str],
+) -> None:
+    from engine.chat.reasoning import REASONING_PARSERS
+    from engine.chat.tool_parsers import TOOL_PARSERS
+
+    with pytest.raises(SystemExit) as info:
+        _parser("serve").parse_args([flag, "nope"])
+    assert info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"argument {flag}: invalid choice: 'nope'" in error
+    choices = TOOL_PARSERS if flag == "--tool-call-parser" else REASONING_PARSERS
+    assert all(name in error for name in choices), error
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+    (["--chat-template", "no-such-template.jinja"],
+     "--chat-template 'no-such-template.jinja' is neither a file nor a jinja template"),
+])
+def test_a_bad_chat_option_is_one_error_line_and_exit_2_before_the_model_loads(
+    argv: list[str], message: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The model does not exist: had loading started first, the error would name it.
+    from engine.http import cli
+
+    caplog.set_level(logging.INFO)  # and puts the root level back after run_serve's
+    args = _parser("serve").parse_args(["--model", "/no/such/model", "--port", "0", *argv])
+    assert cli.run_serve(args) == cli.EXIT_BAD_OPTION
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [message]
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tiny_model(tmp_path_factory)
+    (path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": 2, "temperature": 0.3, "top_k": 7, "do_sample": True}))
+    return path
+
+
+class _Listening(logging.Handler):
+    """Sets ``event`` once the server logs the URL it listens on (kept in ``url``)."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.INFO)
+        self.url: str | None = None
+        self.event = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        match = re.search(r"listening on (http://\S+)", record.getMessage())
+        if match:
+            self.url = match.group(1)
+            self.event.set()
+
+
+def _run_serve(argv: list[str], caplog: pytest.LogCaptureFixture,
+               while_serving: Callable[[str], None]) -> list[str]:
+    """``python -m engine serve ARGV`` in this process (cli.run_serve, signals and all):
+    once it listens, ``while_serving(url)`` runs in a thread, then SIGTERM stops the
+    server. Returns the log messages; any error of ``while_serving`` is raised here."""
+    from engine.http import cli
+
+    caplog.set_level(logging.INFO)
+    args = _parser("serve").parse_args([*argv, "--port", "0", "--kv-cache-memory", "8MiB"])
+    listening = _Listening()
+    served = threading.Event()
+    errors: list[BaseException] = []
+
+    def client() -> None:
+        listening.event.wait(START_TIMEOUT)
+        if listening.url is None or served.is_set():  # it never listened
+            return
+        try:
+            while_serving(listening.url)
+        except BaseException as exc:  # re-raised in the test's thread
+            errors.append(exc)
+        finally:
+            if not served.is_set():  # trio's signal receiver is still in place
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    http_logger = logging.getLogger("engine.http")
+    http_logger.addHandler(listening)
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+    try:
+        status = cli.run_serve(args)
+    finally:
+        served.set()
+        listening.event.set()
+        thread.join(START_TIMEOUT)
+        http_logger.removeHandler(listening)
+    if errors:
+        raise errors[0]
+    messages = [r.getMessage() for r in caplog.records]
+    assert status == 0, messages
+    assert "shut down cleanly" in messages
+    return messages
+
+
+def _chat(url: str, **body: object) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", timeout=60,
+                      json={"messages": ASK, "max_tokens": 4, **body})
+
+
+def test_serve_with_chat_flags_logs_the_generation_defaults_and_applies_the_flags(
+    chat_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """--generation-config auto (the default) logs generation_config.json's sampling
+    defaults; --chat-template (a file) is the prompt's template; the parser flags make
+    tool_choice "auto" and the reasoning split work; a request's own template is a 400."""
+    from engine.models.tokenizer import Tokenizer
+
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    tokenizer = Tokenizer.from_folder(chat_model)
+
+    def while_serving(url: str) -> None:
+        counted = httpx.post(url + "/tokenize", json={"messages": ASK}).json()
+        assert counted["tokens"] == tokenizer.encode(
+            "<<user: Weather in Paris?>>\n", add_special_tokens=False)
+        reply = _chat(url, tools=[WEATHER], tool_choice="auto", ignore_eos=True)
+        assert reply.status_code == 200, reply.text
+        message = reply.json()["choices"][0]["message"]
+        # deepseek_r1: the prompt opened the reasoning, which never closed here.
+        assert message["reasoning_content"] and message["content"] is None, message
+        for stream in (False, True):
+            refused = _chat(url, chat_template=CHAT_TEMPLATE, stream=stream)
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["param"] == "chat_template"
+        refused = httpx.post(url + "/tokenize", json={"messages": ASK,
+                                                      "chat_template": CHAT_TEMPLATE})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
+
+    messages = _run_serve([
+        "--model", str(chat_model), "--chat-template", str(template), "--tool-call-parser",
+        "hermes", "--enable-auto-tool-choice", "--reasoning-parser", "deepseek_r1",
+    ], caplog, while_serving)
+    assert 'sampling defaults from generation_config.json: {"temperature": 0.3, "top_k": 7}' \
+        in messages
+
+
+def test_serve_with_generation_config_none_logs_no_defaults_and_trusts_request_templates(
+    chat_model: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    from engine.models.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(chat_model)
+
+    def while_serving(url: str) -> None:
+        counted = httpx.post(url + "/tokenize", json={"messages": ASK,
+                                                      "chat_template": CHAT_TEMPLATE})
+        assert counted.status_code == 200, counted.text
+        assert counted.json()["tokens"] == tokenizer.encode(
+            "<<user: Weather in Paris?>>\n", add_special_tokens=False)
+        # That template reads tools, so "auto" needs the parser flags, which are not set.
+        refused = _chat(url, chat_template=CHAT_TEMPLATE, tools=[WEATHER], tool_choice="auto")
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "tool_choice"
+        reply = _chat(url, chat_template=CHAT_TEMPLATE, ignore_eos=True)
+        assert reply.status_code == 200, reply.text
+        message = reply.json()["choices"][0]["message"]
+        assert message["content"] and "reasoning_content" not in message, message
+
+    messages = _run_serve(["--model", str(chat_model), "--generation-config", "none",
+                           "--trust-request-chat-template"], caplog, while_serving)
+    assert "sampling defaults from generation_config.json: none (--generation-config none)" \
+        in messages
