@@ -83,7 +83,8 @@ class EngineConfig:
     dtype: str = _field("auto", "weight and activation dtype", choices=DTYPES)
     quantization: str = _field(
         "auto", "auto/gguf: a GGUF's block-quantized matrices stay in their blocks (CPU; "
-        "--dtype is then the activations'); none: dequantize every weight to --dtype at load",
+        "Q4_0/Q4_1/Q8_0/Q4_K with the triton ops backend; --dtype is then the activations'); "
+        "none: dequantize every weight to --dtype at load",
         choices=QUANTIZATIONS)
     device: str = _field("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N")
     ops_backend: str = _field(

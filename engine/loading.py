@@ -60,7 +60,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
         config = dataclasses.replace(config, async_scheduling=device.type == "cuda")
     t0 = time.perf_counter()
     path = resolve_model(config.model)
-    loaded = load_model(path, dtype=config.dtype, device=device, quantization=config.quantization)
+    loaded = load_model(path, dtype=config.dtype, device=device, quantization=config.quantization,
+                        ops_backend=config.ops_backend)
     t1 = time.perf_counter()
     logger.info("loaded %s (%s, %s) in %.2f s", path, loaded.config.architecture, loaded.dtype, t1 - t0)
     tokenizer = Tokenizer.from_folder(loaded.folder)

@@ -89,3 +89,20 @@ def test_triton_quant_matmul_bf16_activations(name):
 def test_triton_quant_matmul_of_no_rows_is_empty():
     w = blocks("Q8_0", 16, 64)
     assert quant_matmul(torch.zeros(0, 64, device=DEVICE), w).shape == (0, 16)
+
+
+def test_triton_quant_matmul_writes_column_slices_of_one_output():
+    """Parts of two formats side by side in one output, as a fused q/k/v does when v is
+    in another format than q/k; columns past the slices stay untouched. An ``out`` whose
+    columns are not contiguous is refused."""
+    a, b = blocks("Q4_K", 20, 256, seed=1), blocks("Q8_0", 12, 256, seed=2)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    out = torch.full((3, 40), float("nan"), device=DEVICE)
+    quant_matmul(x, a, out=out[:, :20])
+    quant_matmul(x, b, out=out[:, 20:32])
+    want = torch.cat([_reference(x, a), _reference(x, b)], -1)
+    tol = 2e-2 if DEVICE.type == "cuda" else 1e-4  # as above: summation order
+    torch.testing.assert_close(out[:, :32].cpu(), want, rtol=0, atol=tol * want.abs().max().item())
+    assert bool(out[:, 32:].isnan().all())
+    with pytest.raises(QuantError, match="out must be"):
+        quant_matmul(x, a, out=torch.empty(20, 3, device=DEVICE).T)

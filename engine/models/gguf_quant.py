@@ -28,7 +28,7 @@ import torch
 from engine.errors import UnsupportedModelError
 from engine.models import gguf_convert
 from engine.models.config import ModelConfig
-from engine.ops.quant import FORMATS, QuantizedWeight
+from engine.ops.quant import LAYOUT_FORMATS, QuantizedWeight
 
 logger = logging.getLogger("engine.models")
 
@@ -43,8 +43,11 @@ class GgufWeights:
     dequantized: dict[str, int]  # non-float type -> tensors dequantized
 
 
-def read_gguf_weights(path: Path, config: ModelConfig, *, device: torch.device) -> GgufWeights:
-    """The weights of GGUF ``path`` with Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K matrices kept."""
+def read_gguf_weights(path: Path, config: ModelConfig, *, device: torch.device, layout: str = "panels") -> GgufWeights:
+    """The weights of GGUF ``path`` with the matrices of the formats ``layout``'s kernels
+    read kept on ``device`` (panels: Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K, for the C kernels;
+    blocks: Q4_0/Q4_1/Q8_0/Q4_K, for the Triton kernel)."""
+    formats = LAYOUT_FORMATS[layout]
     reader = gguf_convert._open_reader(path)
     arch = gguf_convert._Fields(reader, path).get("general.architecture")
     if arch not in gguf_convert._ARCHITECTURES:
@@ -72,11 +75,11 @@ def read_gguf_weights(path: Path, config: ModelConfig, *, device: torch.device) 
         if name is None:
             raise UnsupportedModelError(f"{path}: unknown GGUF tensor {t.name!r}")
         proj = name.rsplit(".", 2)[-2] if permuted else ""
-        if kind in FORMATS and len(t.shape) == 2:
+        if kind in formats and len(t.shape) == 2:
             raw = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # own copy of [N, bytes]
             if proj in heads:
                 raw = gguf_convert.unpermute_qk(raw, heads[proj]).contiguous()
-            weights[name] = QuantizedWeight.from_blocks(raw, kind, int(t.shape[0]), device=device)
+            weights[name] = QuantizedWeight.from_blocks(raw, kind, int(t.shape[0]), device=device, layout=layout)
             kept[kind] += 1
             continue
         value = gguf_convert._dequantize(t, path)

@@ -15,10 +15,15 @@ dtype ``"auto"`` means:
   native bf16 (AVX-512 BF16 / AMX: 1.5-3x the fp32 matmul rate at serving batch sizes);
   float32 on other CPUs, where bf16 matmuls are emulated and slow.
 
-quantization ``"auto"`` (or ``"gguf"``) keeps a GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K
-matrices in their blocks on CPU (:mod:`engine.models.gguf_quant`); dtype then is the
-activations' and the other tensors'. ``"none"`` dequantizes everything, as before. A
-Hugging Face folder has nothing to keep: ``"auto"`` loads it dense, ``"gguf"`` refuses it.
+quantization ``"auto"`` (or ``"gguf"``) keeps a GGUF's block-quantized matrices in the
+layout of the kernels that will run the model (:mod:`engine.models.gguf_quant`), found as
+:func:`engine.ops.get_ops` finds them from ``ops_backend`` and the device: the Triton
+backend (CUDA, or CPU under its interpreter) keeps Q4_0/Q4_1/Q8_0/Q4_K in GGUF's blocks on
+the device; on CPU the other backends keep those and Q5_K/Q6_K in the C kernels' panels.
+The formats the kernels lack are dequantized (the log names them), and so is every weight
+on CUDA with the torch backend. dtype then is the activations' and the other tensors'.
+``"none"`` dequantizes everything, as before. A Hugging Face folder has nothing to keep:
+``"auto"`` loads it dense, ``"gguf"`` refuses it.
 """
 
 from __future__ import annotations
@@ -113,9 +118,10 @@ def load_model(
     *,
     cache_dir: str | Path | None = None,
     quantization: str = "auto",
+    ops_backend: str = "auto",
 ) -> LoadedModel:
-    """Load a Hugging Face folder or a GGUF file (see the module docstring for ``dtype``
-    and ``quantization``).
+    """Load a Hugging Face folder or a GGUF file (see the module docstring for ``dtype``,
+    ``quantization`` and ``ops_backend``, the backend the model will run on).
 
     ``cache_dir`` holds converted GGUFs; ``None`` is :func:`cache.default_cache_dir`.
     Raises :class:`ModelNotFoundError`, :class:`CorruptModelError` or
@@ -149,13 +155,13 @@ def load_model(
             f"{source}: a model is a Hugging Face folder (config.json + *.safetensors) or a .gguf file"
         )
     config = _model_config(folder / "config.json")
-    # The kernels for blocks are CPU ones (C); elsewhere weights are dequantized as before.
-    keep_blocks = from_gguf and quantization != "none" and target.type == "cpu"
+    layout = _quant_layout(ops_backend, target)
+    keep_blocks = from_gguf and quantization != "none" and layout is not None
     file_bytes = None
     if keep_blocks:
         from engine.models.gguf_quant import read_gguf_weights
 
-        read = read_gguf_weights(source, config, device=target)
+        read = read_gguf_weights(source, config, device=target, layout=layout)
         weights = _expected(read.weights, config, source)
         file_bytes = read.file_tensor_bytes
         keep_blocks = bool(read.kept)
@@ -176,6 +182,20 @@ def load_model(
         quantization="gguf" if keep_blocks else "none",
         file_tensor_bytes=file_bytes,
     )
+
+
+def _quant_layout(ops_backend: str, device: torch.device) -> str | None:
+    """The layout of kept blocks the model's kernels read; ``None``: no kernel, load dense."""
+    from engine.ops import resolve_backend
+
+    try:
+        backend = resolve_backend(ops_backend, device)
+    except ValueError as exc:
+        raise InvalidParamError(str(exc), param="ops_backend") from exc
+    if backend == "triton":
+        return "blocks"
+    # The C kernels, which the CPU's other backends call too (QuantLinear picks by layout).
+    return "panels" if device.type == "cpu" else None
 
 
 def _expected(loaded: dict[str, Any], config: ModelConfig, source: Path) -> dict[str, Any]:

@@ -7,6 +7,10 @@ concatenated row-wise into one weight, parts of different formats (a Q4_K_M file
 attn_v in Q6_K beside Q4_K q/k) stay separate weights that write side by side into one
 output. The token embedding of a quantized model is read row by row (:func:`embed`), and a
 tied LM head multiplies by the same quantized table: no dequantized copy is made.
+
+Which kernel runs follows the weights' layout, which the loader picked for the model's ops
+backend: "panels" go to the C kernels (CPU), "blocks" to the Triton kernel (the Triton
+backend: CUDA, or CPU under the interpreter); anything else to the torch reference.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from engine.ops.quant import QuantizedWeight, reference_matmul
+from engine.ops.quant import QuantizedWeight, dequantize_blocks, reference_matmul
 
 logger = logging.getLogger("engine.models")
 
@@ -45,28 +49,33 @@ class QuantLinear:
         return sum(p.nbytes for p in self.parts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cpu and x.dtype in (torch.float32, torch.bfloat16):
+        kernel = self._kernel(x)
+        if kernel is None:  # reference path (no kernel for this layout or dtype): dequantize per call
+            out = torch.cat([reference_matmul(x.reshape(-1, x.shape[-1]), p) for p in self.parts], -1)
+            out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        elif len(self.parts) == 1:
+            out = kernel(x, self.parts[0])
+        else:
+            out = torch.empty((*x.shape[:-1], self.out_features), dtype=x.dtype, device=x.device)
+            flat = out.view(-1, self.out_features)
+            for part, (a, b) in zip(self.parts, self._offsets, strict=True):
+                kernel(x, part, out=flat[:, a:b])
+        return out if self.bias is None else out + self.bias
+
+    def _kernel(self, x: torch.Tensor):
+        """The matmul for the parts' layout, which the loader chose for the model's ops
+        backend: panels for the C kernels (CPU), blocks for the Triton kernel (CUDA, or CPU
+        under the interpreter); ``None`` for the reference."""
+        layout = self.parts[0].layout  # one layout per model: the loader keeps one
+        if layout == "panels" and x.is_cpu and x.dtype in (torch.float32, torch.bfloat16):
             from engine.ops.cpu import qmatmul as cq
 
-            if cq.available():
-                if len(self.parts) == 1:
-                    out = cq.qmatmul(x, self.parts[0])
-                else:
-                    out = torch.empty((*x.shape[:-1], self.out_features), dtype=x.dtype)
-                    flat = out.view(-1, self.out_features)
-                    for part, (a, b) in zip(self.parts, self._offsets, strict=True):
-                        cq.qmatmul(x, part, out=flat[:, a:b])
-                return out if self.bias is None else out + self.bias
-        if x.is_cuda and all(p.layout == "blocks" for p in self.parts):
+            return cq.qmatmul if cq.available() else None
+        if layout == "blocks" and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
             from engine.ops.triton import quant_matmul as tq
 
-            if all(tq.supports(p) for p in self.parts):
-                out = torch.cat([tq.quant_matmul(x, p) for p in self.parts], -1)
-                return out if self.bias is None else out + self.bias
-        # Reference path (no kernel for this device or dtype): dequantize per call.
-        out = torch.cat([reference_matmul(x.reshape(-1, x.shape[-1]), p) for p in self.parts], -1)
-        out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
-        return out if self.bias is None else out + self.bias
+            return tq.quant_matmul if all(tq.supports(p) for p in self.parts) else None
+        return None
 
 
 def _merge_same_format(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
@@ -91,10 +100,11 @@ def make_linear(parts: list, bias: torch.Tensor | None = None):
     if all(is_quantized(p) for p in parts):
         return QuantLinear(parts, bias)
     if any(is_quantized(p) for p in parts):
-        # Fusing a dense and a quantized part: dequantize (rare: a file mixing kinds).
+        # Fusing a dense and a quantized part: dequantize (a file mixing kinds, or a format the
+        # kernels lack beside one they read: a Q4_K_M's Q6_K attn_v on the Triton backend).
         logger.info("dequantizing %d quantized part(s) fused with dense weights", sum(map(is_quantized, parts)))
-        dtype = next(p.dtype for p in parts if not is_quantized(p))
-        parts = [p.dequantize().to(dtype) if is_quantized(p) else p for p in parts]
+        dense = next(p for p in parts if not is_quantized(p))
+        parts = [p.dequantize().to(dense) if is_quantized(p) else p for p in parts]  # dense's dtype and device
     return Linear(parts[0] if len(parts) == 1 else torch.cat(parts), bias)
 
 
@@ -102,9 +112,14 @@ def embed(table, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows ``ids`` of the token embedding ``table`` (dense, or quantized: read row by row)."""
     if not is_quantized(table):
         return F.embedding(ids, table)
+    if table.layout == "blocks":  # GGUF rows on the model's device: gather, then dequantize them
+        k = table.shape[1]
+        raw = table.data["raw"][ids.reshape(-1)]
+        rows = dequantize_blocks(raw, table.fmt, k) if len(raw) else torch.empty((0, k), device=raw.device)
+        return rows.to(dtype).view(*ids.shape, k)
     from engine.ops.cpu import qmatmul as cq
 
-    if table.layout == "panels" and cq.available() and dtype in (torch.float32, torch.bfloat16):
+    if cq.available() and dtype in (torch.float32, torch.bfloat16):
         return cq.qrows(table, ids, dtype)
     rows = table.decoded()  # reference path
     flat = ids.reshape(-1).cpu()

@@ -223,13 +223,24 @@ class Ops(Protocol):
         ...
 
 
+def resolve_backend(backend: str = "auto", device: torch.device | str = "cpu") -> str:
+    """The backend :func:`get_ops` gives for ``backend`` on ``device``: "auto" resolved.
+
+    The loader asks too: which kernels will run the model decides the layout a GGUF's
+    quantized weights are kept in (see ``engine.models.loader``).
+    """
+    if backend not in ("auto", "torch", "cpu", "triton"):
+        raise ValueError(f"unknown ops backend {backend!r}; expected auto, torch, cpu or triton")
+    if backend != "auto":
+        return backend
+    from engine.ops import cpu
+
+    return "triton" if torch.device(device).type == "cuda" else "cpu" if cpu.available() else "torch"
+
+
 def get_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
     """Return the op set for ``backend`` in {"auto", "torch", "cpu", "triton"}."""
-    device = torch.device(device)
-    if backend == "auto":
-        from engine.ops import cpu
-
-        backend = "triton" if device.type == "cuda" else "cpu" if cpu.available() else "torch"
+    backend = resolve_backend(backend, device)
     if backend == "torch":
         from engine.ops.reference import TorchOps
 
@@ -238,8 +249,6 @@ def get_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
         from engine.ops.cpu import CpuOps
 
         return CpuOps()
-    if backend == "triton":
-        from engine.ops.triton_ops import TritonOps
+    from engine.ops.triton_ops import TritonOps
 
-        return TritonOps()
-    raise ValueError(f"unknown ops backend {backend!r}; expected auto, torch, cpu or triton")
+    return TritonOps()

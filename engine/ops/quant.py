@@ -73,6 +73,11 @@ FORMATS: dict[str, QuantFormat] = {
 # The C kernels' format codes (enum in engine/ops/cpu/quant.c).
 FORMAT_CODES = {name: i for i, name in enumerate(FORMATS)}
 
+# The formats each layout has a kernel for: the C kernels read every format in panels;
+# the Triton kernel (engine/ops/triton/quant_matmul.py, whose format codes are this order)
+# reads these in GGUF's blocks. The loader dequantizes what the model's kernels lack.
+LAYOUT_FORMATS = {"panels": tuple(FORMATS), "blocks": ("Q4_0", "Q4_1", "Q8_0", "Q4_K")}
+
 
 class QuantError(ValueError):
     """A quantized tensor whose shape or bytes do not fit its format."""
@@ -298,8 +303,8 @@ class QuantizedWeight:
     """A ``[N, K]`` weight kept in a block format.
 
     ``layout`` is ``"panels"`` (CPU: :func:`pack_panels`, tensors in ``data``) or
-    ``"blocks"`` (GGUF's own rows, ``data["raw"]`` [N, bytes] uint8: the Triton kernels'
-    input on CUDA). Immutable once built; :meth:`cat_rows` makes a new one.
+    ``"blocks"`` (GGUF's own rows, ``data["raw"]`` [N, bytes] uint8: the Triton kernel's
+    input). Immutable once built; :meth:`cat_rows` makes a new one.
     """
 
     __slots__ = ("fmt", "shape", "layout", "data")
@@ -308,13 +313,20 @@ class QuantizedWeight:
         self.fmt, self.shape, self.layout, self.data = fmt, (int(shape[0]), int(shape[1])), layout, data
 
     @classmethod
-    def from_blocks(cls, raw: torch.Tensor, fmt: QuantFormat | str, k: int, *, device: torch.device | str = "cpu") -> QuantizedWeight:
-        """From GGUF rows ``raw`` [N, bytes] uint8: panels on CPU, blocks elsewhere."""
+    def from_blocks(
+        cls, raw: torch.Tensor, fmt: QuantFormat | str, k: int, *,
+        device: torch.device | str = "cpu", layout: str | None = None,
+    ) -> QuantizedWeight:
+        """From GGUF rows ``raw`` [N, bytes] uint8, on ``device`` in ``layout`` (``None``:
+        panels on CPU, blocks elsewhere; blocks on CPU are for the Triton interpreter)."""
         fmt = format_of(fmt) if isinstance(fmt, str) else fmt
         check_blocks(raw, fmt, k)
         device = torch.device(device)
-        if device.type != "cpu":
+        layout = layout or ("panels" if device.type == "cpu" else "blocks")
+        if layout == "blocks":
             return cls(fmt, (raw.shape[0], k), "blocks", {"raw": raw.contiguous().to(device)})
+        if layout != "panels" or device.type != "cpu":
+            raise QuantError(f"no {layout!r} layout on {device}: panels are CPU-only, else blocks")
         from engine.ops.cpu import qmatmul as cq
 
         if cq.available():  # the C repack: ~100x the torch one below
@@ -378,6 +390,7 @@ def reference_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 __all__ = [
     "FORMATS",
     "FORMAT_CODES",
+    "LAYOUT_FORMATS",
     "PANEL",
     "Decoded",
     "QuantError",

@@ -4,7 +4,10 @@ The weight stays in GGUF's own row layout (``QuantizedWeight`` with layout ``"bl
 ``raw`` [N, K / block * block_bytes] uint8). Each program computes a ``BM x BN`` tile of
 ``y``; per 32 columns (one Q4_0/Q4_1/Q8_0 block, or one sub-block of a Q4_K super-block)
 it loads the ``BN`` rows' bytes, dequantizes them in registers to the activation dtype
-(fp16/bf16; fp32 stays fp32) and feeds ``tl.dot`` with fp32 accumulation. The fp16 scale
+(fp16/bf16; fp32 stays fp32, with exact fp32 products, not TF32: see
+:func:`engine.ops.triton._paged.dot_precision`) and feeds ``tl.dot`` with fp32
+accumulation. QuantLinear calls it for the blocks the loader keeps when the Triton ops
+backend runs the model (see ``engine.models.loader``). The fp16 scale
 fields are assembled from two bytes and bitcast, so no alignment is assumed. Under the CPU
 interpreter bf16 operands go to the dot as fp32 after the same rounding
 (:func:`engine.ops.triton._paged.dot_upcast`: its bf16 dots return garbage).
@@ -16,10 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.ops.quant import QuantError, QuantizedWeight
-from engine.ops.triton._paged import dot_upcast
+from engine.ops.quant import LAYOUT_FORMATS, QuantError, QuantizedWeight
+from engine.ops.triton._paged import dot_precision, dot_upcast
 
-_FORMATS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3}
+_FORMATS = {name: i for i, name in enumerate(LAYOUT_FORMATS["blocks"])}  # FMT: Q4_0, Q4_1, Q8_0, Q4_K
 
 
 @triton.jit
@@ -34,7 +37,7 @@ def _f16_at(ptr):
 def _quant_matmul_kernel(
     x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_ym, row_bytes,
     FMT: tl.constexpr, BLOCK_BYTES: tl.constexpr, BLOCK_COLS: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -80,7 +83,7 @@ def _quant_matmul_kernel(
         w = w.to(x.dtype)  # the weight rounded to the activations' dtype, on every device
         if DOT_UPCAST:
             x, w = x.to(tl.float32), w.to(tl.float32)
-        acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32)
+        acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION, out_dtype=tl.float32)
     out = y_ptr + rm[:, None] * stride_ym + rn[None, :]
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -89,8 +92,13 @@ def supports(w: QuantizedWeight) -> bool:
     return w.layout == "blocks" and w.fmt.name in _FORMATS
 
 
-def quant_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    """``x`` [..., K] @ ``w``.T -> [..., N] in ``x``'s dtype (fp32 accumulation)."""
+def quant_matmul(x: torch.Tensor, w: QuantizedWeight, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` [..., K] @ ``w``.T -> [..., N] in ``x``'s dtype (fp32 accumulation).
+
+    ``out`` [tokens, N] in ``x``'s dtype (rows of any stride, columns contiguous: a column
+    slice of a wider output, as parts of different formats write side by side) receives
+    the result, as the CPU kernels' ``qmatmul`` does.
+    """
     if not supports(w):
         raise QuantError(f"the Triton quantized matmul takes Q4_0/Q4_1/Q8_0/Q4_K blocks, got {w!r}")
     n, k = w.shape
@@ -103,17 +111,23 @@ def quant_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if out is None:
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or out.device != x.device or out.stride(-1) != 1:
+        raise QuantError(f"quantized matmul: out must be {x.dtype} [{m}, {n}] with contiguous columns, "
+                         f"got {out.dtype} {list(out.shape)} stride {out.stride()}")
+    else:
+        y = out
     if m == 0:
-        return y.view(*x.shape[:-1], n)
+        return y if out is not None else y.view(*x.shape[:-1], n)
     bm, bn = 16, 64  # tl.dot needs 16+ rows; decode steps have few tokens
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _quant_matmul_kernel[grid](
         x2, raw, y, m, n, k, x2.stride(0), y.stride(0), raw.stride(0),
         FMT=_FORMATS[w.fmt.name], BLOCK_BYTES=w.fmt.block_bytes, BLOCK_COLS=w.fmt.block,
-        BM=bm, BN=bn, DOT_UPCAST=dot_upcast(x.dtype, x.device),
+        BM=bm, BN=bn, DOT_PRECISION=dot_precision(x.dtype), DOT_UPCAST=dot_upcast(x.dtype, x.device),
     )
-    return y.view(*x.shape[:-1], n)
+    return y if out is not None else y.view(*x.shape[:-1], n)
 
 
 __all__ = ["quant_matmul", "supports"]
