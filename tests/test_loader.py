@@ -726,6 +726,36 @@ def test_quantized_gguf_keeps_blocks_that_dequantize_to_the_converted_weights(
         assert torch.equal(got.dequantize(), tensor), name
 
 
+def test_the_triton_backend_keeps_the_blocks_its_kernel_reads_and_dequantizes_the_rest(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ops_backend="triton" keeps GGUF's own blocks (layout "blocks", on the model's device)
+    for the formats the Triton kernel reads (here Q4_K, and Q8_0 where rows are too short);
+    a Q6_K tensor it cannot read is dequantized to the converter's weights, and the log
+    says so. The CPU backend keeps that tensor too, in the C kernels' panels."""
+    from test_quant import random_blocks
+
+    from engine.ops.quant import QuantizedWeight
+
+    folder = write_tiny_model(tmp_path / "wide", "llama", overrides={"hidden_size": 256, "head_dim": 64})
+    q6_k = random_blocks("Q6_K", 256, 256).numpy()  # o_proj: [hidden, heads x head_dim]
+    replace = {"blk.0.attn_output.weight": (q6_k, gguf.GGMLQuantizationType.Q6_K)}
+    path = write_gguf(folder, tmp_path / "q.gguf", quant=Q4_K, replace=replace)
+    with caplog.at_level("INFO", logger="engine.models"):
+        triton = load_model(path, dtype="float32", ops_backend="triton")
+    cpu = load_model(path, dtype="float32", ops_backend="cpu")
+    dense = load_model(path, dtype="float32", quantization="none")
+    o_proj = "model.layers.0.self_attn.o_proj.weight"
+    assert triton.quantization == "gguf"
+    assert torch.equal(triton.weights[o_proj], dense.weights[o_proj])
+    assert "dequantized 1 Q6_K" in caplog.text
+    kept = [w for w in triton.weights.values() if isinstance(w, QuantizedWeight)]
+    assert {(w.fmt.name, w.layout, w.device.type) for w in kept} == {("Q4_K", "blocks", "cpu"), ("Q8_0", "blocks", "cpu")}
+    assert len(kept) == sum(w.dim() == 2 for w in dense.weights.values()) - 1
+    assert cpu.weights[o_proj].fmt.name == "Q6_K" and cpu.weights[o_proj].layout == "panels"
+    assert torch.equal(cpu.weights[o_proj].dequantize(), dense.weights[o_proj])
+
+
 def test_quantization_gguf_refuses_a_hugging_face_folder(tmp_path: Path) -> None:
     from engine.errors import InvalidParamError
 

@@ -37,7 +37,7 @@ from http_server import ServerThread
 from safetensors.torch import load_file
 from test_loader import Q4_K, Q8_0, quantize_array, write_gguf
 from test_moe import write_moe_gguf
-from test_parity import LOGIT_ATOL_FP32, _prefill_logits, _prompts, _runner
+from test_parity import LOGIT_ATOL_FP32, _chunk_lengths, _prefill_logits, _prompts, _runner
 
 import engine
 from engine.models.llama import LlamaModel
@@ -246,3 +246,58 @@ def test_the_http_server_serves_a_quantized_gguf_with_its_blocks_kept(quantized_
             assert reply.status_code == 200, reply.text
             assert reply.json()["choices"][0]["text"] == text
 
+
+
+# --------------------------------------------------------------------------------------
+# The Triton ops backend: blocks kept in GGUF's own layout, read by the Triton kernel
+# (interpreted on CPU here; conftest sets TRITON_INTERPRET without a GPU).
+
+# Q4_K with attn_v in Q8_0 (two formats in one fused q/k/v: the kernel writes column
+# slices of one output) and down_proj's 128-wide rows in Q8_0, as write_quantized does.
+TRITON_CASES = [("Q4_0", None), ("Q8_0", None), ("Q4_K", WIDE)]
+TRITON_NEW_TOKENS = 4  # a few decode steps: the interpreter runs every kernel in numpy
+
+
+@pytest.mark.parametrize(("quant", "overrides"), TRITON_CASES, ids=[q for q, _ in TRITON_CASES])
+def test_the_triton_backend_keeps_gguf_blocks_and_matches_the_dequantized_model(
+    tmp_path: Path, quant: str, overrides: dict | None
+) -> None:
+    """quantization="auto" with ops_backend="triton": every matrix of a tiny Llama GGUF
+    (tied, so the head multiplies by the embedding's own blocks) stays in GGUF's blocks on
+    the model's device and goes through the Triton quantized matmul.
+
+    Against the same file dequantized, both on the Triton ops, over each prompt's chunked
+    prefill and then one token a step (the dense model's greedy tokens, fed back): both
+    sides hold the same weight values in fp32 and the kernel's fp32 dots are exact (no
+    TF32), so only summation order differs: logits within ``LOGIT_ATOL_FP32`` (1e-4;
+    measured at most 1.7e-6 on logits up to 1.2, whose closest top two are 2e-4 apart)
+    and, at every step, the top token is the dense model's greedy token: the kept model
+    decodes the same greedy tokens."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # as _runner picks
+    path = write_quantized(tmp_path, "llama", quant, overrides)
+    kept = load_model(path, dtype="float32", device=device, ops_backend="triton")
+    dense = load_model(path, dtype="float32", device=device, quantization="none", ops_backend="triton")
+    assert kept.quantization == "gguf" and dense.quantization == "none"
+    runner = _runner(kept, 4, "triton")
+    model = runner.model
+    parts = [p for proj in _projections(model) for p in proj.parts]
+    assert isinstance(model.embed, QuantizedWeight) and model.lm_head.parts == [model.embed]
+    assert all(p.layout == "blocks" and p.device == device for p in [model.embed, *parts])
+    assert {p.fmt.name for p in parts} == ({quant, "Q8_0"} if quant == "Q4_K" else {quant})
+    assert weight_bytes(model) <= 1.2 * kept.file_tensor_bytes
+
+    # Lengths 1, 8 and 9 (one token, two blocks of 4, one past them; 5-token chunks that
+    # straddle blocks): 5 steps of at most 16 tokens (one row tile of the kernel), as the
+    # interpreter's time goes with kernel launches. The greedy tokens come from the dense
+    # model on the torch ops (no interpreter).
+    prompts = [p for p in _prompts(kept.config.vocab_size) if len(p) in (1, 8, 9)]
+    tokens = [[s.token_id for s in run] for run in run_greedy(
+        _runner(dense, 4, "torch"), prompts, TRITON_NEW_TOKENS, chunk_size=5, block_size=4)]
+    seqs = [p + t[:-1] for p, t in zip(prompts, tokens, strict=True)]
+    plans = [_chunk_lengths(len(p), 5) + [1] * (TRITON_NEW_TOKENS - 1) for p in prompts]
+    with torch.inference_mode():
+        want = _prefill_logits(_runner(dense, 4, "triton"), seqs, None, plans=plans)
+        got = _prefill_logits(runner, seqs, None, plans=[list(plan) for plan in plans])
+    for g, w, p, t in zip(got, want, prompts, tokens, strict=True):
+        torch.testing.assert_close(g, w, atol=LOGIT_ATOL_FP32, rtol=0)
+        assert g[len(p) - 1 :].argmax(-1).tolist() == t
