@@ -8,8 +8,10 @@ bytes that must move, each input read once and each output written once) or TFLO
 (prefill), the ratio to the device's datasheet peak, and the torch alternative's time:
 ``scaled_dot_product_attention`` on K/V already gathered into dense tensors (the gather is
 not timed, which favours torch) for attention, torch's sort-based top-p for sampling,
-eager torch (the reference ops) for the pointwise ones. Smoke mode only proves the script
-runs: interpreter timings mean nothing.
+eager torch (the reference ops) for the pointwise ones, and for the quantized matmul (GGUF
+Q4_0/Q8_0/Q4_K blocks) a bf16 ``x @ W.T`` of the same weight dequantized, whose weight
+moves 2 bytes a value against the blocks' 0.56 (Q4_0, Q4_K) or 1.06 (Q8_0). Smoke mode only
+proves the script runs: interpreter timings mean nothing.
 """
 
 # ruff: noqa: B023  (each timing lambda runs inside its own loop iteration)
@@ -178,6 +180,38 @@ def bench_pointwise(device, smoke, peak_bw):
     print(_row("kv write", f"T={tokens} Hkv={hkv} D={d}", ms, 4 * k.numel() * esz, "GB/s", peak_bw, torch_ms))
 
 
+def _random_blocks(fmt, n: int, k: int, device) -> torch.Tensor:
+    """GGUF rows [n, bytes] of random codes whose fp16 scale fields (d; m or dmin) are small
+    and finite, so the products stay finite."""
+    nb = k // fmt.block
+    raw = torch.randint(0, 256, (n, nb, fmt.block_bytes), dtype=torch.uint8, device=device)
+    for off in (0, 2) if fmt.name in ("Q4_1", "Q4_K") else (0,):
+        scale = (torch.rand(n, nb, device=device) * 0.04 - 0.02).to(torch.float16)
+        raw[..., off : off + 2] = scale.view(torch.uint8).view(n, nb, 2)
+    return raw.view(n, nb * fmt.block_bytes)
+
+
+def bench_quant_matmul(device, smoke, peak_bw):
+    """GGUF blocks through the Triton kernel (dequantized in registers) against torch's
+    matmul of the same weight dequantized to bf16 (fp32 under the smoke interpreter), one
+    decode token (GEMV) and a batch (GEMM). The rate is the weight's bytes as stored."""
+    from engine.ops.quant import FORMATS, QuantizedWeight, dequantize_blocks
+    from engine.ops.triton.quant_matmul import quant_matmul
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    (n, k), batches = ((64, 256), (1, 16)) if smoke else ((4096, 4096), (1, 128))
+    for name in ("Q4_0", "Q8_0", "Q4_K"):
+        fmt = FORMATS[name]
+        raw = _random_blocks(fmt, n, k, device)
+        w = QuantizedWeight(fmt, (n, k), "blocks", {"raw": raw})
+        dense = dequantize_blocks(raw, fmt, k).to(dtype)
+        for m in batches:
+            x = torch.randn(m, k, dtype=dtype, device=device)
+            ms = _time_ms(lambda: quant_matmul(x, w), device, smoke)
+            torch_ms = _time_ms(lambda: x @ dense.T, device, smoke)
+            print(_row(f"qmatmul {name}", f"M={m} N={n} K={k}", ms, raw.numel(), "GB/s", peak_bw, torch_ms))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; the CPU interpreter without CUDA")
@@ -199,6 +233,7 @@ def main() -> None:
         bench_prefill(device, args.smoke, peak_flops)
         bench_sampling(device, args.smoke, peak_bw)
         bench_pointwise(device, args.smoke, peak_bw)
+        bench_quant_matmul(device, args.smoke, peak_bw)
 
 
 if __name__ == "__main__":
