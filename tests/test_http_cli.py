@@ -255,6 +255,53 @@ def test_the_docs_examples_run_against_the_default_model() -> None:
     assert proc.returncode == 0, "".join(log)
 
 
+def _tool_calling_curls() -> list[str]:
+    """The curl commands of docs/serving.md's "Tool calling"."""
+    section = DOCS.read_text().split("\n## Tool calling\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```(\w+)\n(.*?)```", section, re.DOTALL)
+    return [body for lang, body in blocks if lang == "sh"]
+
+
+@pytest.mark.parametrize("which", ["tiny", pytest.param("default", marks=pytest.mark.slow)])
+def test_the_docs_tool_calling_round_trip_runs_as_written(which: str, tmp_path: Path) -> None:
+    """Both legs of the curl round trip: a named call, then that call and its result sent
+    back and answered. The tiny model's template ignores tools, as the default model's
+    does, so both go through the fallback tool prompt."""
+    from chat_fixtures import write_marker_model
+    from http_server import ServerThread
+
+    import engine.api
+    from engine.models.loader import default_model_path
+    from engine.models.testing import CHATML_TEMPLATE
+
+    first, second = _tool_calling_curls()
+    # (The tiny marker model has the 2048 positions the fallback prompt needs. The commands
+    # carry no seed: they draw from the engine's generator, seeded by --seed (0), and run
+    # one at a time, so the random model's call ends the same way every run.)
+    path = (write_marker_model(tmp_path / "m", CHATML_TEMPLATE) if which == "tiny"
+            else default_model_path())
+    with ServerThread(lambda: engine.api.open_engine(
+            str(path), max_model_len=1536, kv_cache_memory=64 * 2**20)) as server:
+        replies = []
+        for command in (first, second):
+            assert "http://127.0.0.1:8000" in command
+            result = subprocess.run(
+                ["bash", "-c", command.replace("http://127.0.0.1:8000", server.base_url)],
+                capture_output=True, text=True, timeout=300, check=False)
+            assert result.returncode == 0, result.stderr
+            replies.append(json.loads(result.stdout))
+    called, answered = (reply["choices"][0] for reply in replies)
+    assert called["finish_reason"] == "tool_calls", called
+    (call,) = called["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert isinstance(json.loads(call["function"]["arguments"])["city"], str)
+    # The answer is text, or (tools still on offer, "auto") another call.
+    assert answered["finish_reason"] in ("stop", "length", "tool_calls"), answered
+    assert isinstance(answered["message"]["content"], str) or answered["message"]["tool_calls"]
+    assert replies[1]["usage"]["completion_tokens"] <= 100
+    assert replies[1]["usage"]["prompt_tokens"] > replies[0]["usage"]["prompt_tokens"]
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model(tmp_path_factory)
