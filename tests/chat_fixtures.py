@@ -96,14 +96,21 @@ ROUND_TRIP = [
 MARKER_TOKENS = ("<tool_call>", "</tool_call>", "<think>", "</think>")
 
 
-def write_marker_model(path: Any, chat_template: str) -> Any:
-    """A tiny qwen2 whose tokenizer holds :data:`MARKER_TOKENS` as added tokens (the
-    model's vocabulary grows to match) and whose chat template is ``chat_template``."""
+# Mistral's call markers, special tokens in its tokenizers (the server then keeps special
+# tokens in the text for the mistral parser).
+MISTRAL_MARKER_TOKENS = ("[TOOL_CALLS]", "[ARGS]")
+
+
+def write_marker_model(path: Any, chat_template: str,
+                       markers: tuple[str, ...] = MARKER_TOKENS, special: bool = False) -> Any:
+    """A tiny qwen2 whose tokenizer holds ``markers`` as added tokens (special ones with
+    ``special``; the model's vocabulary grows to match) and whose chat template is
+    ``chat_template``."""
     import json
 
     from engine.models.testing import TINY_VOCAB_SIZE, write_tiny_model
 
-    size = TINY_VOCAB_SIZE + len(MARKER_TOKENS)
+    size = TINY_VOCAB_SIZE + len(markers)
     # 2048 positions: the fallback tool prompt alone is ~550 tokens (the tiny model's 512
     # would not hold a conversation).
     path = write_tiny_model(path, "qwen2", overrides={"vocab_size": size,
@@ -113,8 +120,8 @@ def write_marker_model(path: Any, chat_template: str) -> Any:
     assert base == TINY_VOCAB_SIZE, "the tiny tokenizer's vocabulary changed size"
     tokenizer["added_tokens"] += [
         {"id": base + i, "content": marker, "single_word": False, "lstrip": False,
-         "rstrip": False, "normalized": False, "special": False}
-        for i, marker in enumerate(MARKER_TOKENS)]
+         "rstrip": False, "normalized": False, "special": special}
+        for i, marker in enumerate(markers)]
     (path / "tokenizer.json").write_text(json.dumps(tokenizer))
     config = json.loads((path / "tokenizer_config.json").read_text())
     config["chat_template"] = chat_template

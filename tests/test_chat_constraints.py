@@ -17,6 +17,7 @@ import pytest
 import trio
 from chat_fixtures import (
     MARKER_TOKENS,
+    MISTRAL_MARKER_TOKENS,
     THINK_TEMPLATE,
     TOOL_TEMPLATE,
     TOOLS,
@@ -66,13 +67,15 @@ def bias(eng: Any, **markers: float) -> dict[int, float]:
 
 
 async def texts(eng: Any, spec: StructuredOutputs, logit_bias: dict[int, float],
-                seeds: range = SEEDS, max_tokens: int = MAX_TOKENS) -> list[tuple[str, str | None]]:
+                seeds: range = SEEDS, max_tokens: int = MAX_TOKENS,
+                **params_extra: Any) -> list[tuple[str, str | None]]:
     """(text, finish_reason) of one request per seed at temperature 1, all in flight."""
     results: list[tuple[str, str | None]] = [("", None)] * len(seeds)
 
     async def one(i: int, seed: int) -> None:
         params = SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens,
-                                structured_outputs=spec, logit_bias=logit_bias)
+                                structured_outputs=spec, logit_bias=logit_bias,
+                                **params_extra)
         outs = await collect(eng, "Answer:", params)
         results[i] = ("".join(o.text for o in outs), outs[-1].finish_reason)
 
@@ -82,11 +85,14 @@ async def texts(eng: Any, spec: StructuredOutputs, logit_bias: dict[int, float],
     return results
 
 
+CALL_OPENING = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}
+
+
 def check_calls(text: str, parser: str = "hermes") -> int:
     """Every call in ``text`` names a tool and its arguments validate; no opened call is
     left behind as content. Returns how many calls there were."""
     parsed = get_tool_parser(parser).parse(text)
-    assert "<tool_call>" not in (parsed.content or ""), text
+    assert CALL_OPENING[parser] not in (parsed.content or ""), text
     for call in parsed.tool_calls:
         VALIDATORS[call.name].validate(json.loads(call.arguments))
     return len(parsed.tool_calls)
@@ -118,6 +124,76 @@ async def test_without_parallel_calls_an_auto_output_ends_after_one_call(eng: An
         if n:  # nothing but the call's own closing after it
             assert text.endswith("</tool_call>"), text
     assert one_call > len(SEEDS) // 2
+
+
+@pytest.fixture(scope="module")
+def mistral_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # As in Mistral's tokenizers, the markers are special tokens.
+    return write_marker_model(tmp_path_factory.mktemp("mistral") / "m", TOOL_TEMPLATE,
+                              MISTRAL_MARKER_TOKENS, special=True)
+
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "one call"])
+async def test_a_mistral_auto_call_once_opened_always_parses_and_validates(
+    mistral_model: Path, parallel: bool,
+) -> None:
+    """After [TOOL_CALLS] the random model writes a JSON list or name[ARGS]{...} (both
+    shapes are offered); every call parses with the mistral parser and validates, and
+    without parallel calls the output ends after one."""
+    spec = StructuredOutputs(structural_tag=auto_structural_tag(TOOL_LIST, "mistral", parallel))
+    async with engine.open_engine(str(mistral_model), **ENGINE_OPTIONS) as eng:
+        # Tuned so that a third or more of the outputs call and all end within the budget
+        # (parallel lists and repeated [TOOL_CALLS] run long unless EOS is likelier).
+        opening, eos = (3.0, 4.0) if parallel else (4.0, 3.5)
+        calls = {marker_id(eng.tokenizer, "[TOOL_CALLS]"): opening,
+                 eng.tokenizer.eos_token_id: eos}
+        # The markers are special tokens: the text keeps them (as the server asks for the
+        # mistral parser).
+        results = await texts(eng, spec, calls, max_tokens=400, skip_special_tokens=False)
+        await wait_idle(eng)
+    shapes = set()
+    for text, reason in results:
+        assert reason == "stop", text
+        n = check_calls(text, "mistral")
+        if n:
+            shapes.add("named" if "[ARGS]" in text else "list")
+        if not parallel:
+            assert n <= 1, text
+            if n:  # nothing after the call
+                assert text.endswith(("]", "}")), text
+    # Really exercised: both shapes were written, and free text stayed free.
+    assert shapes == {"list", "named"}
+    assert sum(check_calls(t, "mistral") for t, _ in results) >= len(SEEDS) // 3
+    assert any(get_tool_parser("mistral").parse(t).content for t, _ in results)
+
+
+async def test_mistral_auto_calls_through_the_chat_api_come_back_as_calls(
+    mistral_model: Path,
+) -> None:
+    """With --tool-call-parser mistral --enable-auto-tool-choice the chat path keeps the
+    special markers in the text, constrains the call the model opens and reads it back:
+    a call validates and ends the turn with "tool_calls", and no marker is left in the
+    content."""
+    settings = ChatSettings(tool_call_parser="mistral", enable_auto_tool_choice=True)
+    async with engine.open_engine(str(mistral_model), **ENGINE_OPTIONS) as eng:
+        calls = {marker_id(eng.tokenizer, "[TOOL_CALLS]"): 4.0, eng.tokenizer.eos_token_id: 3.5}
+
+        async def one(seed: int) -> Any:
+            params = SamplingParams(temperature=1.0, seed=seed, max_tokens=300,
+                                    logit_bias=calls)
+            result = await eng.chat([{"role": "user", "content": "Weather?"}], params,
+                                    tools=TOOLS, settings=settings, parallel_tool_calls=False)
+            return result.choices[0]
+
+        replies = [await one(seed) for seed in range(8)]
+        await wait_idle(eng)
+    for reply in replies:
+        assert "[TOOL_CALLS]" not in (reply.message.content or ""), reply
+        assert reply.finish_reason == ("tool_calls" if reply.message.tool_calls else "stop")
+        assert len(reply.message.tool_calls) <= 1, reply
+        for call in reply.message.tool_calls:
+            VALIDATORS[call.name].validate(call.args())
+    assert 0 < sum(bool(r.message.tool_calls) for r in replies) < len(replies)
 
 
 async def test_a_constraint_starts_only_after_the_reasoning(eng: Any) -> None:
@@ -180,14 +256,24 @@ def test_the_marker_tokens_are_single_tokens(model: Path) -> None:
 # -- the grammars themselves, token by token ----------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["xgrammar", "guidance"])
-def grammar(request: pytest.FixtureRequest, model: Path) -> tuple[str, GrammarBackend, Any]:
+def _grammar_backend(name: str, folder: Path) -> tuple[str, GrammarBackend, Any]:
     from engine.models.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.from_folder(model)
-    return request.param, GrammarBackend(
+    tokenizer = Tokenizer.from_folder(folder)
+    return name, GrammarBackend(
         tokenizer, vocab_size=tokenizer.vocab_size,
-        stop_token_ids=(tokenizer.eos_token_id,), backend=request.param), tokenizer
+        stop_token_ids=(tokenizer.eos_token_id,), backend=name), tokenizer
+
+
+@pytest.fixture(scope="module", params=["xgrammar", "guidance"])
+def grammar(request: pytest.FixtureRequest, model: Path) -> tuple[str, GrammarBackend, Any]:
+    return _grammar_backend(request.param, model)
+
+
+@pytest.fixture(scope="module", params=["xgrammar", "guidance"])
+def mistral_grammar(request: pytest.FixtureRequest,
+                    mistral_model: Path) -> tuple[str, GrammarBackend, Any]:
+    return _grammar_backend(request.param, mistral_model)
 
 
 def _accepts(grammar: tuple[str, GrammarBackend, Any], spec: StructuredOutputs, text: str,
@@ -224,6 +310,38 @@ def test_auto_tags_free_text_and_hold_an_opened_call_to_its_tool(grammar: Any) -
     utc = _args(grammar, {"zone": "UTC", "hour24": True})
     assert _accepts(grammar, llama, f'{{"name": "get_time", "parameters": {utc}}}')
     assert not _accepts(grammar, llama, '{"name": "get_weather", "parameters": {"zone"', end=False)
+
+
+def test_mistral_auto_tags_take_both_shapes_and_hold_them_to_the_tools(
+    mistral_grammar: Any,
+) -> None:
+    """[TOOL_CALLS] (a special token) opens a JSON list or name[ARGS]{...}: the names are
+    the tools', the arguments their schemas', a list closes; text around calls is free."""
+    paris = _args(mistral_grammar, {"city": "Paris", "unit": "celsius"})
+    utc = _args(mistral_grammar, {"zone": "UTC", "hour24": True})
+    weather = f'{{"name": "get_weather", "arguments": {paris}}}'
+    time = f'{{"name": "get_time", "arguments": {utc}}}'
+    many = StructuredOutputs(structural_tag=auto_structural_tag(TOOL_LIST, "mistral"))
+    assert _accepts(mistral_grammar, many, "No call at all.")
+    assert _accepts(mistral_grammar, many, f"Let me check. [TOOL_CALLS] [{weather}] Done.")
+    assert _accepts(mistral_grammar, many, f"[TOOL_CALLS][{weather}, {time}]")
+    assert _accepts(mistral_grammar, many,
+                    f"[TOOL_CALLS]get_time[ARGS]{utc}[TOOL_CALLS]get_weather[ARGS]{paris}")
+    for opened in ('[TOOL_CALLS][{"name": "get_pizza"', "[TOOL_CALLS]get_pizza",
+                   '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"town"',
+                   f"[TOOL_CALLS]get_time[ARGS]{paris}", "[TOOL_CALLS] hello"):
+        assert not _accepts(mistral_grammar, many, opened, end=False), opened
+    assert not _accepts(mistral_grammar, many, f"[TOOL_CALLS][{weather}")  # never closed
+    one = StructuredOutputs(structural_tag=auto_structural_tag(TOOL_LIST, "mistral", False))
+    assert _accepts(mistral_grammar, one, f"Sure. [TOOL_CALLS] [{weather}]")
+    assert _accepts(mistral_grammar, one, f"[TOOL_CALLS]get_time[ARGS]{utc}")
+    for more in (f"[TOOL_CALLS][{weather}, ", f"[TOOL_CALLS][{weather}] ok",
+                 f"[TOOL_CALLS]get_time[ARGS]{utc}[TOOL_CALLS]"):
+        assert not _accepts(mistral_grammar, one, more, end=False), more
+    # The markers went in as their special tokens (marker_id: one token each).
+    _, _, tokenizer = mistral_grammar
+    assert {marker_id(tokenizer, m) for m in MISTRAL_MARKER_TOKENS} <= set(
+        tokenizer.encode(f"[TOOL_CALLS]get_time[ARGS]{utc}", add_special_tokens=False))
 
 
 def test_required_calls_in_the_parsers_syntax_and_nothing_else(grammar: Any) -> None:

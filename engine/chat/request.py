@@ -105,8 +105,8 @@ class ChatFields:
     # * required: the calls in the parser's syntax (hermes, llama3_json, the fallback
     #   prompt's hermes calls), or else a JSON list of {"name", "arguments"} objects;
     # * a named function: its arguments object;
-    # * auto, with a parser a grammar can follow: free text, but a call the model opens
-    #   is held to the tools' schemas.
+    # * auto, with a parser a grammar can follow (hermes, llama3_json, mistral): free
+    #   text, but a call the model opens is held to the tools' schemas.
     constraint: StructuredOutputs | None
     echo: bool
 

@@ -17,8 +17,9 @@ What a request's tools become:
   llama3_json, the fallback prompt's hermes calls), else as a JSON list of
   ``{"name", "arguments"}`` objects; one call, or one or more when
   ``parallel_tool_calls``. :class:`ForcedCallStreamer` turns the JSON forms into calls.
-* ``auto`` with such a parser: text is free, but a call the model opens is held to the
-  tools' schemas (:func:`auto_structural_tag`).
+* ``auto`` with such a parser, or ``mistral``: text is free, but a call the model opens
+  is held to the tools' schemas (:func:`auto_structural_tag`). ``pythonic`` calls are
+  parsed, not constrained.
 """
 
 from __future__ import annotations
@@ -406,9 +407,10 @@ class _CallFrame:
 # Per tool-call parser. hermes: Qwen's templates write "<tool_call>\n{...}\n</tool_call>",
 # the fallback prompt asks for it on one line; both fit the gap. llama3_json: its "name"
 # key is the trigger, so the object's remaining keys are the tag's content; calls are
-# joined by ";". mistral and pythonic are not here: their markers are special tokens or
-# Python syntax, which a JSON tag cannot follow; their calls are parsed, not constrained
-# (and a forced call is a JSON list, see forced_call_schema).
+# joined by ";". mistral is not here: "[TOOL_CALLS]" opens one of two shapes
+# (_mistral_tags), which one frame cannot write; pythonic is Python syntax, which a JSON tag
+# cannot follow: its calls are parsed, not constrained. A forced call of either is a JSON
+# list (forced_call_schema).
 _CALL_FRAMES: dict[str, _CallFrame] = {
     "hermes": _CallFrame("<tool_call>", '{{"name": "{name}", "arguments": ', "}",
                          "</tool_call>", r"[ \n]{0,2}", "\n"),
@@ -435,19 +437,60 @@ def _call_tag(frame: _CallFrame, tools: Sequence[Tool]) -> dict[str, Any]:
     return {"type": "tag", "begin": frame.trigger, "content": content, "end": frame.end}
 
 
+# Mistral's call marker, and the one between a call's name and its arguments in the
+# newer (v11+) tokenizers' syntax. Both are special tokens in Mistral's tokenizers.
+_MISTRAL_CALLS = "[TOOL_CALLS]"
+_MISTRAL_ARGS = "[ARGS]"
+
+
+def _mistral_tags(tools: Sequence[Tool], parallel: bool) -> list[dict[str, Any]]:
+    """The two shapes the ``mistral`` parser reads after ``[TOOL_CALLS]``, as tags it
+    opens:
+
+    * ``[{"name": ..., "arguments": {...}}, ...]`` (Mistral 7B v0.3, Nemo): one element
+      unless ``parallel``. The closing ``]`` is the tag's end, not part of its content:
+      xgrammar lets a ``tags_with_separator`` run only up to an end string.
+    * ``name[ARGS]{...}`` (Mistral Small 3.2, Devstral, Magistral; each call opens with
+      its own ``[TOOL_CALLS]``). The name and ``[ARGS]`` are content, not the tag's
+      begin: llguidance matches a special token only as a literal of its own.
+    """
+    def arguments(tool: Tool) -> dict[str, Any]:
+        return {"type": "json_schema", "json_schema": dict(tool.parameters)}
+
+    items = [{"type": "tag", "begin": f'{{"name": "{t.name}", "arguments": ',
+              "content": arguments(t), "end": "}"} for t in tools]
+    listed = {"type": "tag", "begin": _MISTRAL_CALLS, "end": "]", "content": {
+        "type": "sequence", "elements": [
+            # Mistral 7B v0.3 writes "[TOOL_CALLS] [", the space its own token.
+            {"type": "regex", "pattern": r"[ \n]{0,2}"},
+            {"type": "const_string", "value": "["},
+            {"type": "tags_with_separator", "tags": items, "separator": ", ",
+             "at_least_one": True, "stop_after_first": not parallel}]}}
+    named = [{"type": "sequence", "elements": [
+        {"type": "const_string", "value": t.name},
+        {"type": "const_string", "value": _MISTRAL_ARGS}, arguments(t)]} for t in tools]
+    return [listed, {"type": "tag", "begin": _MISTRAL_CALLS, "end": "", "content":
+                     named[0] if len(named) == 1 else {"type": "or", "elements": named}}]
+
+
 def auto_structural_tag(tools: Sequence[Tool], parser: str,
                         parallel: bool = True) -> dict[str, Any] | None:
     """An xgrammar structural tag for ``tool_choice: "auto"``: text is free until the
     model writes the parser's call opening; from there the call must name one of
     ``tools`` and its arguments must match that tool's schema, and the call must close.
-    Without ``parallel`` the output ends after the first call. None when the parser's
-    syntax cannot be constrained this way."""
-    frame = _CALL_FRAMES.get(parser)
-    if frame is None or not tools:
+    Without ``parallel`` the output ends after the first call (for ``mistral``, a list of
+    one). None when the parser's syntax cannot be constrained this way (``pythonic``)."""
+    if not tools:
+        return None
+    if parser == "mistral":
+        trigger, tags = _MISTRAL_CALLS, _mistral_tags(tools, parallel)
+    elif (frame := _CALL_FRAMES.get(parser)) is not None:
+        trigger, tags = frame.trigger, [_call_tag(frame, tools)]
+    else:
         return None
     return {"type": "structural_tag",
-            "format": {"type": "triggered_tags", "triggers": [frame.trigger],
-                       "tags": [_call_tag(frame, tools)], "stop_after_first": not parallel}}
+            "format": {"type": "triggered_tags", "triggers": [trigger], "tags": tags,
+                       "stop_after_first": not parallel}}
 
 
 def required_structural_tag(tools: Sequence[Tool], parser: str,
