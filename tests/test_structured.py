@@ -16,7 +16,16 @@ from typing import Any
 import jsonschema
 import pytest
 import trio
-from engine_helpers import collect, greedy, random_prompts, tiny_model, token_ids, wait_idle
+from engine_helpers import (
+    collect,
+    greedy,
+    random_prompts,
+    tiny_model,
+    token_ids,
+    wait_idle,
+    wait_until,
+)
+from engine_helpers import text as output_text
 
 import engine
 from engine.errors import InvalidParamError, RequestFailedError
@@ -376,3 +385,94 @@ async def test_free_requests_beside_constrained_ones_give_the_tokens_they_give_a
         stats = await wait_idle(eng)
     assert stats.preemptions > 0
     assert after_preemption == alone
+
+
+# -- aborts, stop strings and the prefix cache ---------------------------------------------
+
+
+def held_matchers(eng: Any) -> dict[str, Any]:
+    """Sample id -> the matcher the model runner keeps for it (None before its first
+    sampling step). Copied in one C call: the executor's thread may change the dict."""
+    return {sid: state.matcher for sid, state in dict(eng._parts.runner._requests).items()}
+
+
+async def wait_matchers_freed(eng: Any) -> engine.EngineStatistics:
+    """Idle, and the runner has forgotten every sample (the scheduler tells it in a plan
+    of its own once the last one finished)."""
+    stats = await wait_idle(eng)
+    await wait_until(lambda: not held_matchers(eng))
+    return stats
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+async def test_an_aborted_constrained_request_frees_its_matchers_and_blocks(
+    model: Path, async_scheduling: bool
+) -> None:
+    # 100 letters: far from the grammar's end when the abort comes.
+    spec = StructuredOutputs(regex="[a-z]{100}")
+    options = dict(ENGINE_OPTIONS, async_scheduling=async_scheduling)
+    async with engine.open_engine(str(model), **options) as eng:
+        stream = await eng.submit("Answer:", constrained(spec, seed=1, n=2), request_id="victim")
+        outputs: list[Any] = []
+        held: dict[str, Any] = {}
+        async with stream:
+            async for out in stream:
+                outputs.append(out)
+                if not held and {o.index for o in outputs} == {0, 1}:
+                    held = held_matchers(eng)  # each sample drew a token: each has a matcher
+                    eng.abort("victim")
+        assert set(held) == {"victim-0", "victim-1"} and None not in held.values()
+        stats = await wait_matchers_freed(eng)
+        assert stats.kv_blocks_free == stats.kv_blocks_total
+        assert [o.finish_reason for o in outputs if o.finished] == ["abort", "abort"]
+        for i in range(2):
+            assert re.fullmatch("[a-z]{1,99}", output_text(outputs, i))
+        # The engine serves constrained requests on, and those free their matchers too.
+        for answer, reason in await outputs_for(eng, StructuredOutputs(regex="[ab]{3}"),
+                                                seeds=range(4)):
+            assert reason == "stop" and re.fullmatch("[ab]{3}", answer)
+        await wait_matchers_freed(eng)
+
+
+@pytest.mark.parametrize(
+    ("spec", "stop", "texts"),
+    [
+        # The stop string comes in the middle of the grammar's language...
+        (StructuredOutputs(regex="(yes|no), [a-z]{2,5}"), ",", {"yes", "no"}),
+        # ... and with the grammar's last token, where only EOS would be left.
+        (StructuredOutputs(choice=["positive", "negative"]), "ive", {"posit", "negat"}),
+    ],
+)
+async def test_a_stop_string_the_constrained_output_reaches_ends_it_with_stop(
+    eng: Any, spec: StructuredOutputs, stop: str, texts: set[str]
+) -> None:
+    results: list[list[Any]] = [[] for _ in range(8)]
+
+    async def one(seed: int) -> None:
+        results[seed] = await collect(eng, "Answer:", constrained(spec, seed, stop=[stop]))
+
+    async with trio.open_nursery() as nursery:
+        for seed in range(len(results)):
+            nursery.start_soon(one, seed)
+    for outs in results:
+        assert (outs[-1].finish_reason, outs[-1].stop_reason) == ("stop", stop)
+        assert output_text(outs) in texts
+    stats = await wait_matchers_freed(eng)
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+async def test_a_constrained_request_hitting_the_prefix_cache_gives_the_same_valid_output(
+    eng: Any,
+) -> None:
+    prompt = random_prompts(1, vocab=300, lo=70, hi=70, seed=5)[0]  # four full blocks and more
+    spec = StructuredOutputs(json=SCHEMAS["enums and const"])
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs=spec)
+    first = await collect(eng, prompt, params)
+    before = eng.statistics()
+    second = await collect(eng, prompt, params)
+    after = await wait_matchers_freed(eng)
+    assert after.prefix_cache_hits - before.prefix_cache_hits == 64
+    for outs in (first, second):
+        assert outs[-1].finish_reason == "stop"
+        jsonschema.validate(json.loads(output_text(outs)), spec.schema)
+    assert token_ids(second) == token_ids(first)
