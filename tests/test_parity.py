@@ -31,6 +31,7 @@ import dataclasses
 import itertools
 import json
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -423,6 +424,7 @@ def check_triton_past_the_window(
     *,
     chunk_sizes: tuple[int | None, ...] = (None, 5),
     dtype: torch.dtype = torch.float32,
+    excuse: Callable[[list[list[int]]], torch.Tensor] | None = None,
 ) -> None:
     """The Triton backend (interpreted on CPU) on ``prompt`` and the 32 tokens transformers
     greedy-decodes after it, fed back one a step: one request per entry of ``chunk_sizes`` in
@@ -438,6 +440,12 @@ def check_triton_past_the_window(
     argmax must be transformers' wherever its top two logits are further apart than twice
     that tolerance (closer, rounding may rightly pick either).
 
+    ``excuse`` (low precision only): called with the requests' chunk plans after our run,
+    returns a bool [requests, positions] of rows our run may get wrong for a reason of its
+    own (``test_moe``: a routing near-tie that rounding may break either way). Those rows
+    are held to nothing, in every request, and transformers' own error is taken over the
+    others.
+
     (Sampling through the Triton sampler is ``test_triton_backend_greedy_tokens_and_logprobs_
     match_transformers``'s and ``test_kernels``'; feeding transformers' tokens back instead of
     our own lets both requests share every decode step.)"""
@@ -447,23 +455,28 @@ def check_triton_past_the_window(
     seq = prompt + want_tokens[:-1]
     with torch.inference_mode():
         want = hf(torch.tensor([seq])).logits[0]
-    atol = LOGIT_ATOL_FP32
+    assert excuse is None or dtype != torch.float32  # fp32 parity is exact everywhere
     if dtype != torch.float32:
         with torch.inference_mode():
             low = _hf_model(folder, dtype)(torch.tensor([seq])).logits[0].float()
-        hf_error = (low - want).abs().max().item()
-        assert hf_error > 0  # transformers really ran in low precision
-        atol, want = LOW_PRECISION_SLACK * hf_error, low
+        hf_rows, want = (low - want).abs().amax(-1), low
         loaded = types.SimpleNamespace(config=loaded.config, weights=loaded.weights, dtype=dtype)
     n, decode = len(prompt), [1] * (NEW_TOKENS - 1)
     plans = [_chunk_lengths(n, size) + decode for size in chunk_sizes]
     got = _prefill_logits(_runner(loaded, 4, "triton"), [seq] * len(plans), None, plans=plans)
+    held = torch.ones(len(seq), dtype=torch.bool)
+    if excuse is not None:
+        held = ~excuse(plans).any(0)
+    atol = LOGIT_ATOL_FP32
+    if dtype != torch.float32:
+        assert hf_rows[held].max() > 0  # transformers really ran in low precision
+        atol = LOW_PRECISION_SLACK * hf_rows[held].max().item()
     top2 = want[n - 1 :].topk(2, -1).values
-    clear = (top2[:, 0] - top2[:, 1] > 2 * atol).tolist()
+    clear = ((top2[:, 0] - top2[:, 1] > 2 * atol) & held[n - 1 :]).tolist()
     if dtype == torch.float32:
         assert all(clear)  # fp32 greedy parity is exact: no row may be excused
     for g, plan in zip(got, plans, strict=True):
-        torch.testing.assert_close(g, want, atol=atol, rtol=0, msg=lambda m, p=plan: f"{p[:6]}: {m}")
+        torch.testing.assert_close(g[held], want[held], atol=atol, rtol=0, msg=lambda m, p=plan: f"{p[:6]}: {m}")
         picked, best = g[n - 1 :].argmax(-1).tolist(), want[n - 1 :].argmax(-1).tolist()
         assert [a for a, c in zip(picked, clear, strict=True) if c] == [b for b, c in zip(best, clear, strict=True) if c]
         if dtype == torch.float32:
@@ -480,20 +493,50 @@ def test_triton_backend_logits_and_32_greedy_tokens_past_the_window_match_transf
     check_triton_past_the_window(loaded, folder, prompt)
 
 
-# Windowed architectures whose bf16 Triton check runs (~4 s each interpreted). Measured
-# ratios of our error to transformers' own bf16 error: 0.97 (Gemma 2), 0.95 (Gemma 3);
-# the tiny Mistral reached 1.77 (the interpreter truncates casts to bf16 where a GPU
-# rounds to nearest), too close to LOW_PRECISION_SLACK to hold on other CPUs.
-TRITON_BF16_ARCHITECTURES = ("gemma2", "gemma3")
+@pytest.mark.kernels
+def test_the_interpreter_rounds_fp32_to_bf16_as_torch_does(interpreter_rounds_to_nearest) -> None:
+    """The fixture the bf16 model checks below take: the interpreter's fp32 -> bf16 casts,
+    explicit (``.to``) and on a store, give torch's values on ones that round up, ties,
+    subnormals, overflow to infinity, infinity and NaN (truncating, 61 of the 128 differ)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def cast_twice(src, dst, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        x = tl.load(src + offs, mask=offs < n)
+        tl.store(dst + offs, x.to(tl.bfloat16), mask=offs < n)
+        tl.store(dst + n + offs, x, mask=offs < n)
+
+    g = torch.Generator().manual_seed(0)
+    edges = [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 3.4e38, 1e-40, 0.0, float("inf"), float("nan")]
+    x = torch.cat([torch.randn(120, generator=g) * torch.logspace(-30, 30, 120), torch.tensor(edges)])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = torch.empty(2 * len(x), dtype=torch.bfloat16, device=device)
+    cast_twice[(1,)](x.to(device), out, len(x), BLOCK=128)
+    for got in out.cpu().split(len(x)):
+        torch.testing.assert_close(got, x.to(torch.bfloat16), atol=0, rtol=0, equal_nan=True)
+
+
+# The bf16 Triton check runs on the same architectures (~5 s each interpreted), with the
+# interpreter rounding casts to bf16 as a GPU does (it truncates them otherwise, see
+# conftest's interpreter_rounds_to_nearest). Measured ratios of our error to transformers'
+# own bf16 error, rounding (truncating): 1.01 (1.77) Mistral, 0.97 (0.97) Gemma 2,
+# 0.95 (0.95) Gemma 3, 1.11 (2.21) Phi-3; the torch ops give 1.01 and 1.11 on Mistral and
+# Phi-3 over the same tokens.
+TRITON_BF16_ARCHITECTURES = TRITON_LONG_ARCHITECTURES
 
 
 @pytest.mark.kernels
+@pytest.mark.usefixtures("interpreter_rounds_to_nearest")
 @pytest.mark.parametrize("tiny", TRITON_BF16_ARCHITECTURES, indirect=True)
 def test_triton_backend_bf16_logits_past_the_window_match_transformers(tiny) -> None:
-    """The Triton backend in bf16 on a prompt past twice the sliding window and 31 decode
-    steps after it, whole and 5-token-chunked prefill (see check_triton_past_the_window)."""
+    """The Triton backend in bf16 on a prompt past twice the sliding window (Phi-3: none)
+    and 31 decode steps after it, whole and 5-token-chunked prefill (see
+    check_triton_past_the_window)."""
     loaded, prompts, _, folder = tiny
-    assert len(prompts[-1]) > 2 * max(loaded.config.layer_windows)
+    windows = [w for w in loaded.config.layer_windows if w]
+    assert len(prompts[-1]) > 2 * max(windows, default=0)
     check_triton_past_the_window(loaded, folder, prompts[-1], dtype=torch.bfloat16)
 
 
