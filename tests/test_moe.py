@@ -36,6 +36,7 @@ from test_parity import (
     LOGPROB_ATOL,
     LOW_PRECISION_SLACK,
     NEW_TOKENS,
+    _chunk_lengths,
     _hf_greedy,
     _hf_model,
     _prefill_logits,
@@ -271,10 +272,8 @@ def test_logits_at_every_position_match_transformers(tiny, dtype, ops, monkeypat
         if dtype == torch.float32:
             assert err.max() <= LOGIT_ATOL_FP32, (chunk_size, err.max())
             continue
-        # Each step calls every sparse layer's router once over the step's tokens, in the
-        # order _prefill_logits lays them out; regroup to [sparse layers, token rows].
-        steps = [torch.stack(margins[i : i + sparse_layers]) for i in range(0, len(margins), sparse_layers)]
-        near_tie = _rows_in_prompt_order(steps, prompts, chunk_size).amin(0) < ROUTING_TIE
+        plans = [_chunk_lengths(len(p), chunk_size) for p in prompts]
+        near_tie = torch.cat(_near_ties(margins, sparse_layers, plans))
         hf_err = torch.cat([(w - e).abs().amax(-1) for w, e in zip(want, exact, strict=True)])
         assert hf_err[~near_tie].max() > 0  # transformers really ran in bf16
         atol = LOW_PRECISION_SLACK * hf_err[~near_tie].max()
@@ -283,22 +282,32 @@ def test_logits_at_every_position_match_transformers(tiny, dtype, ops, monkeypat
         assert not bad.any(), f"chunk {chunk_size}: rows {bad.nonzero().flatten().tolist()} err {err[bad]} > {atol}"
 
 
-def _rows_in_prompt_order(steps: list[torch.Tensor], prompts: list[list[int]], chunk_size) -> torch.Tensor:
-    """[layers, rows] margins from per-step [layers, step tokens] ones, reordered as the
-    concatenated prompts (the order of the logits rows)."""
-    done = [0] * len(prompts)
-    per_prompt: list[list[torch.Tensor]] = [[] for _ in prompts]
+def _near_ties(margins: list[torch.Tensor], sparse_layers: int, plans: list[list[int]]) -> list[torch.Tensor]:
+    """Per request, a bool per position: whether any sparse layer routed that token at a
+    near-tie (``ROUTING_TIE``), from ``_routing_margins``' record of a ``_prefill_logits``
+    run over ``plans``."""
+    # Each step calls every sparse layer's router once over the step's tokens, in the
+    # order _prefill_logits lays them out; regroup to [sparse layers, token rows].
+    steps = [torch.stack(margins[i : i + sparse_layers]) for i in range(0, len(margins), sparse_layers)]
+    return [rows.amin(0) < ROUTING_TIE for rows in _rows_by_request(steps, plans)]
+
+
+def _rows_by_request(steps: list[torch.Tensor], plans: list[list[int]]) -> list[torch.Tensor]:
+    """Per request, its [layers, rows] margins in position order, from per-step [layers,
+    step tokens] ones of a run where request ``i`` took ``plans[i]`` tokens a step (as
+    ``_prefill_logits`` lays them out: the active requests in order)."""
+    plans = [list(plan) for plan in plans]
+    per_request: list[list[torch.Tensor]] = [[] for _ in plans]
     for step in steps:
         col = 0
-        for i, p in enumerate(prompts):
-            if done[i] >= len(p):
-                continue
-            n = len(p) - done[i] if chunk_size is None else min(chunk_size, len(p) - done[i])
-            per_prompt[i].append(step[:, col : col + n])
-            col += n
-            done[i] += n
+        for i, plan in enumerate(plans):
+            if plan:
+                n = plan.pop(0)
+                per_request[i].append(step[:, col : col + n])
+                col += n
         assert col == step.shape[1]
-    return torch.cat([torch.cat(chunks, dim=1) for chunks in per_prompt], dim=1)
+    assert not any(plans)
+    return [torch.cat(chunks, dim=1) for chunks in per_request]
 
 
 # Triton in the CPU interpreter is slow (~0.3 s per kernel launch per layer): three tokens
@@ -321,13 +330,37 @@ def test_triton_backend_greedy_tokens_match_transformers(tiny) -> None:
 
 
 @pytest.mark.kernels
-def test_triton_backend_logits_and_32_greedy_tokens_after_a_chunked_prompt_match_transformers(tiny) -> None:
-    """The fused-MoE kernel inside the model over a 23-token prompt in 5-token chunks and 31
-    decode steps (``test_parity.check_triton_past_the_window``), in fp32. One request, not
-    also a whole-prompt one beside it: each interpreted fused-MoE launch costs ~0.1 s per
-    sparse layer, and whole prompts through it are the test above's."""
+def test_triton_backend_logits_and_32_greedy_tokens_after_a_prompt_match_transformers(tiny) -> None:
+    """The fused-MoE kernel inside the model over a 23-token prompt and 31 decode steps
+    (``test_parity.check_triton_past_the_window``), in fp32: one request prefilling the
+    prompt whole and one in 5-token chunks, batched together, so the whole one adds no
+    kernel launch, only rows (~6-13 s interpreted, about twice the chunked one alone)."""
     loaded, prompts, _, folder = tiny
-    check_triton_past_the_window(loaded, folder, prompts[-1], chunk_sizes=(5,))
+    check_triton_past_the_window(loaded, folder, prompts[-1])
+
+
+# Measured ratios of our error to transformers' own bf16 error over the rows held, with the
+# interpreter rounding casts to bf16 as a GPU does (truncating, as it does by default):
+# 1.01 (4.1) Mixtral, 0.97 (1.87) Qwen3-MoE, 1.44 (1.28) Qwen2-MoE, with 1, 3 and 0 of the
+# 54 rows excused; the torch ops reach 1.09, 0.97 and 1.60 over the same tokens.
+@pytest.mark.kernels
+@pytest.mark.usefixtures("interpreter_rounds_to_nearest")
+def test_triton_backend_bf16_logits_after_a_prompt_match_transformers(tiny, monkeypatch) -> None:
+    """As the fp32 check above in bf16 (~7-15 s interpreted): every row within twice
+    transformers' own bf16 error except those routed at a near-tie (see the module
+    docstring) in either request, which must be at most a quarter of them; the argmax is
+    held wherever the check holds it (``check_triton_past_the_window``)."""
+    loaded, prompts, _, folder = tiny
+    margins = _routing_margins(monkeypatch)
+    sparse_layers = len(loaded.config.moe.sparse_layers)
+
+    def near_ties(plans: list[list[int]]) -> torch.Tensor:
+        near_tie = torch.stack(_near_ties(margins, sparse_layers, plans))
+        rows = near_tie.shape[1]
+        assert near_tie.any(0).sum() <= rows // 4, f"{int(near_tie.any(0).sum())} of {rows} rows at a near-tie"
+        return near_tie
+
+    check_triton_past_the_window(loaded, folder, prompts[-1], dtype=torch.bfloat16, excuse=near_ties)
 
 
 # --------------------------------------------------------------------------------------
