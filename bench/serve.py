@@ -373,6 +373,8 @@ def launch_and_compare(args: argparse.Namespace) -> int:
                 summary = trio.run(run, run_args, make_jobs(run_args, rng), rng)
                 rows.append((kind, concurrency, summary, _rss_mib(proc.pid)))
                 print(f"{kind} c={concurrency}: {summary['output_tokens_per_s']:.1f} tok/s", file=sys.stderr)
+                for error in summary.get("errors", []):  # the first few, as a single run prints them
+                    print(f"{kind} c={concurrency} error: {error}", file=sys.stderr)
         finally:
             proc.send_signal(signal.SIGINT)
             try:
