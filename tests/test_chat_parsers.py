@@ -144,6 +144,75 @@ def test_streamed_call_is_sent_once_complete() -> None:
     ]
 
 
+# hermes under the tools' grammar (streamer(constrained=True)): the grammar writes
+# '<tool_call>' + up to two spaces/newlines + '{"name": "NAME", "arguments": ' + the
+# arguments + '}' + whitespace + '</tool_call>'. (text, content, [(name, arguments text)])
+PARIS_TEXT = '{"city": "Paris", "unit": "celsius"}'
+TRICKY_TEXT = '{"q": "a } tricky ] \\"string\\" { </tool_call>", "filters": [{"k": [2, 3]}]}'
+CONSTRAINED_CASES: list[tuple[str, str | None, list[tuple[str, str]]]] = [
+    (f'<tool_call>\n{{"name": "get_weather", "arguments": {PARIS_TEXT}}}\n</tool_call>',
+     None, [("get_weather", PARIS_TEXT)]),
+    # Text before, two calls with the forced list's separator, text after.
+    (f'Both.\n<tool_call>{{"name": "get_weather", "arguments": {PARIS_TEXT}}}</tool_call>\n'
+     f'<tool_call> {{"name": "search", "arguments": {TRICKY_TEXT}}} </tool_call>\nDone.',
+     "Both.Done.", [("get_weather", PARIS_TEXT), ("search", TRICKY_TEXT)]),
+    # Cut short by max_tokens inside the arguments: the call keeps what was written.
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', None,
+     [("get_weather", '{"city": "Pa')]),
+    ('<tool_call>{"name": "get_weather", "arguments": ', None, [("get_weather", "")]),
+    # ...and before the name was complete: no call was sent, the text is content.
+    ('<tool_call>\n{"name": "get_wea', '<tool_call>\n{"name": "get_wea', []),
+    # Stopped right after the arguments, or after their closing brace.
+    (f'<tool_call>{{"name": "f", "arguments": {PARIS_TEXT}', None, [("f", PARIS_TEXT)]),
+    (f'<tool_call>{{"name": "f", "arguments": {PARIS_TEXT}}}\n', None, [("f", PARIS_TEXT)]),
+    # An opening the grammar does not write is parsed whole, as unconstrained hermes does.
+    ('<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>', None, [("f", '{"a": 1}')]),
+    ('<tool_call>{"name": "f", "args": {}</tool_call>',
+     '<tool_call>{"name": "f", "args": {}</tool_call>', []),
+    # Not the grammar's tail after the arguments: the call stands, the rest is content.
+    (f'<tool_call>{{"name": "f", "arguments": {PARIS_TEXT}}} and more', "and more",
+     [("f", PARIS_TEXT)]),
+    ("No call, 4 < 5.", "No call, 4 < 5.", []),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), CONSTRAINED_CASES)
+def test_constrained_hermes_streams_calls_as_written(
+    text: str, content: str | None, calls: list[tuple[str, str]]
+) -> None:
+    parser = get_tool_parser("hermes")
+    parsed = parser.parse(text, _ids(), constrained=True)
+    assert parsed.content == content
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == calls
+    expected = [c.to_openai()["function"] | {"id": c.id} for c in parsed.tool_calls]
+    for pieces in [[text[:k], text[k:]] for k in range(len(text) + 1)] + [list(text)]:
+        streamer = parser.streamer(_ids(), constrained=True)
+        got, deltas = "", []
+        for delta in [*(streamer.feed(p) for p in pieces), streamer.finish()]:
+            got += delta.content
+            deltas.extend(delta.tool_calls)
+        assert (got or None, _assemble(deltas)) == (content, expected), pieces
+        assert streamer.result() == parsed, pieces
+
+
+def test_constrained_call_sends_arguments_as_they_arrive() -> None:
+    streamer = get_tool_parser("hermes").streamer(_ids(), constrained=True)
+    assert streamer.feed("Sure. ").content == "Sure."
+    assert not streamer.feed('<tool_call>\n{"name": "get_wea')
+    head = streamer.feed('ther", "arguments": ')
+    assert [d.to_openai() for d in head.tool_calls] == [
+        {"index": 0, "id": "call_0", "type": "function",
+         "function": {"name": "get_weather", "arguments": ""}}]
+    pieces = ['{"city"', ': "Pa', 'ris"}', "}", "\n</tool_call>"]
+    sent = [[d.to_openai() for d in streamer.feed(p).tool_calls] for p in pieces]
+    assert sent == [[{"index": 0, "function": {"arguments": '{"city"'}}],
+                    [{"index": 0, "function": {"arguments": ': "Pa'}}],
+                    [{"index": 0, "function": {"arguments": 'ris"}'}}], [], []]
+    assert not streamer.finish()
+    assert [(c.name, c.args()) for c in streamer.tool_calls] == [
+        ("get_weather", {"city": "Paris"})]
+
+
 def test_unknown_parser_names_the_choices() -> None:
     with pytest.raises(ValueError, match="hermes, llama3_json, mistral, pythonic"):
         get_tool_parser("nope")

@@ -124,8 +124,11 @@ def test_parallel_calls_keep_their_order_and_indices(scripted):
 
 
 def test_malformed_call_comes_back_as_content(scripted):
+    """Output not held to the tools' grammar (a response_format takes its place; the
+    scripted engine honours neither) is parsed whole: a broken call is content."""
     script = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
-    full, streamed = _both(scripted, script, messages=ASK, tools=TOOLS)
+    full, streamed = _both(scripted, script, messages=ASK, tools=TOOLS,
+                           response_format={"type": "json_object"})
     for choice in (full, streamed):
         assert choice.finish_reason == "stop"
         assert choice.message.content == script and not choice.message.tool_calls
@@ -160,6 +163,10 @@ def test_streamed_deltas_are_framed_as_openai_frames_them(scripted):
     assert all("id" not in part and "name" not in part["function"]
                for delta in calls[1:] for part in delta)
     assert "".join(p["function"]["arguments"] for d in calls for p in d) == json.dumps(PARIS)
+    # Under the tools' grammar the arguments stream as the model writes them, a fragment
+    # per token, not as one piece once the call is complete.
+    tokens = scripted.engine.tokenizer.encode(json.dumps(PARIS), add_special_tokens=False)
+    assert len(calls) - 1 >= len(tokens) - 2 > 1
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
@@ -243,13 +250,18 @@ def test_a_streamed_call_assembles_to_the_unstreamed_one(real, choice):
                    logit_bias=_bias(real, call=6))
     full = client.chat.completions.create(**request).choices[0]
     with client.chat.completions.stream(**request) as stream:
-        for _ in stream:
-            pass
+        fragments = sum(event.type == "tool_calls.function.arguments.delta"
+                        for event in stream)
         streamed = stream.get_final_completion().choices[0]
     assert full.finish_reason == streamed.finish_reason == "tool_calls"
     assert _validated(full.message) == _validated(streamed.message) != []
     assert [c.function.arguments for c in full.message.tool_calls] == \
         [c.function.arguments for c in streamed.message.tool_calls]
+    # The call was generated under the tools' grammar in hermes syntax, so its arguments
+    # streamed as they were written: a fragment per token, not one piece at the end.
+    tokens = real.engine.tokenizer.encode(full.message.tool_calls[0].function.arguments,
+                                          add_special_tokens=False)
+    assert fragments >= len(tokens) - 2 > 1
 
 
 def test_a_full_round_trip_call_result_answer(real):

@@ -102,7 +102,10 @@ class ChatMessage:
 class ChatOutputParser:
     """Incremental reading of one choice; see the module docstring."""
 
-    def __init__(self, options: ChatOutputOptions) -> None:
+    def __init__(self, options: ChatOutputOptions, *, constrained: bool = False) -> None:
+        """``constrained``: the output is generated under the tools' grammar in the
+        parser's call syntax (:func:`engine.chat.request.calls_constrained`), so a call
+        may stream as it is written."""
         self._options = options
         # With a reasoning parser every constraint (a forced call's included) starts after
         # the reasoning (engine.chat.request.chat_sampling_params), so reasoning is split
@@ -112,11 +115,11 @@ class ChatOutputParser:
             else None)
         self._tools: ForcedCallStreamer | ToolCallStreamer | None = None
         if options.forced_in_parser_syntax and options.tool_parser is not None:
-            self._tools = options.tool_parser.streamer()
+            self._tools = options.tool_parser.streamer(constrained=constrained)
         elif options.forced:
             self._tools = ForcedCallStreamer(options.tool_choice)
         elif options.tool_choice.mode == "auto" and options.tool_parser is not None:
-            self._tools = options.tool_parser.streamer()
+            self._tools = options.tool_parser.streamer(constrained=constrained)
         self._content: list[str] = []
         self._finished = False
 

@@ -197,6 +197,16 @@ def chat_sampling_params(params: SamplingParams, fields: ChatFields, *,
     return params
 
 
+def calls_constrained(fields: ChatFields, params: SamplingParams) -> bool:
+    """Whether ``params`` (from :func:`chat_sampling_params`) generate the output under
+    the tools' grammar in the parser's call syntax: ``auto`` without a
+    ``response_format``, and ``required`` where the parser has a frame. Its calls are then
+    well formed by construction, and may stream as they are written."""
+    tag = fields.constraint.structural_tag if fields.constraint is not None else None
+    spec = params.structured_outputs
+    return tag is not None and spec is not None and spec.structural_tag == tag
+
+
 def constraint_param(fields: ChatFields, params: SamplingParams) -> str | None:
     """The request field to name when the constraint ``chat_sampling_params`` added fails
     to compile: ``tool_choice`` for a forced call, ``tools`` for an ``auto`` call's tag."""

@@ -31,7 +31,13 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from engine.chat.output import ChatDelta, ChatMessage, ChatOutputParser
-from engine.chat.request import ChatFields, ChatSettings, chat_sampling_params, parse_chat_fields
+from engine.chat.request import (
+    ChatFields,
+    ChatSettings,
+    calls_constrained,
+    chat_sampling_params,
+    parse_chat_fields,
+)
 from engine.chat.tools import Tool, ToolChoice
 from engine.params import SamplingParams
 
@@ -117,11 +123,13 @@ async def chat_stream(
         parallel_tool_calls=parallel_tool_calls, settings=settings,
         template_fields=template_fields)
     parsers: dict[int, ChatOutputParser] = {}
+    constrained = calls_constrained(fields, params)
     stream = await engine.submit(_openai_messages(messages), params,
                                  chat_options=fields.template)
     async with stream:
         async for out in stream:
-            parser = parsers.setdefault(out.index, ChatOutputParser(fields.output))
+            parser = parsers.setdefault(out.index, ChatOutputParser(
+                fields.output, constrained=constrained))
             delta = parser.feed(out.text)
             if out.finished:
                 end = parser.finish()
@@ -155,13 +163,15 @@ async def chat(
         parallel_tool_calls=parallel_tool_calls, settings=settings,
         template_fields=template_fields)
     parsers: dict[int, ChatOutputParser] = {}
+    constrained = calls_constrained(fields, params)
     reasons: dict[int, str | None] = {}
     tokens = 0
     stream = await engine.submit(_openai_messages(messages), params,
                                  chat_options=fields.template)
     async with stream:
         async for out in stream:
-            parser = parsers.setdefault(out.index, ChatOutputParser(fields.output))
+            parser = parsers.setdefault(out.index, ChatOutputParser(
+                fields.output, constrained=constrained))
             parser.feed(out.text)
             tokens += len(out.token_ids)
             if out.finished:

@@ -22,10 +22,19 @@ marker); a call is sent once its text is complete and parses, as one delta with 
 complete is deliberate: text that opens a call and then turns out malformed comes back as
 content, never as a half-sent broken call, and a streamed response assembles to exactly
 what the complete parse returns (the tests check this at every split point).
+``arguments`` is then the JSON text of the call's arguments object, written by
+``json.dumps`` (so it always parses).
+
+A call generated under the tools' grammar (``streamer(constrained=True)``: ``auto`` once
+the call opens, ``required`` in the parser's syntax) cannot turn out malformed, so where
+the parser knows the grammar's frame (``hermes``) it streams the call as it is written:
+the header once the name is complete, then each new piece of the arguments object as an
+argument fragment, the model's own JSON text. Only ``max_tokens`` can cut such a call
+short; its arguments are then the prefix that was written, as with a named forced call.
+The other parsers send constrained calls whole, as above.
 
 Whitespace right before or after a call is not content (models put newlines between
-calls); other text around calls is. ``arguments`` is the JSON text of the call's arguments
-object, written by ``json.dumps`` (so it always parses).
+calls); other text around calls is.
 """
 
 from __future__ import annotations
@@ -48,8 +57,8 @@ class ToolCall:
     arguments: str  # a JSON object, as text
 
     def args(self) -> dict[str, Any]:
-        """The arguments as a dict (a parser writes them with ``json.dumps``; a named
-        call cut short by ``max_tokens`` may not parse: ``ValueError``)."""
+        """The arguments as a dict. A call cut short by ``max_tokens`` (a named call, or
+        one streamed as written) may not parse: ``ValueError``."""
         value = json.loads(self.arguments)
         if not isinstance(value, dict):
             raise ValueError(f"the arguments of {self.name!r} are not a JSON object")
@@ -127,7 +136,25 @@ class _Call:
     arguments: str
 
 
-_Piece = _Text | _Call
+@dataclasses.dataclass(frozen=True, slots=True)
+class _CallOpen:
+    """A call streamed as it is written: its name is known, its arguments follow as
+    :class:`_CallArgs` pieces."""
+
+    name: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _CallArgs:
+    text: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _CallClose:
+    pass
+
+
+_Piece = _Text | _Call | _CallOpen | _CallArgs | _CallClose
 
 
 class _Format:
@@ -153,19 +180,26 @@ class ToolParser:
 
     def __init__(self, name: str, make_format: Callable[[], _Format],
                  new_id: Callable[[], str] = random_call_id,
-                 needs_special_tokens: bool = False) -> None:
+                 needs_special_tokens: bool = False,
+                 make_constrained_format: Callable[[], _Format] | None = None) -> None:
         self.name = name
         self._make_format = make_format
+        self._make_constrained_format = make_constrained_format or make_format
         self.new_id = new_id
         self.needs_special_tokens = needs_special_tokens
         """True when the call markers are special tokens, which the output text must keep
         (the server then decodes with ``skip_special_tokens=False``)."""
 
-    def streamer(self, new_id: Callable[[], str] | None = None) -> ToolCallStreamer:
-        return ToolCallStreamer(self._make_format(), new_id or self.new_id)
+    def streamer(self, new_id: Callable[[], str] | None = None, *,
+                 constrained: bool = False) -> ToolCallStreamer:
+        """A streamer for one output; ``constrained`` when its calls are generated under
+        the tools' grammar (they may then stream as they are written)."""
+        make = self._make_constrained_format if constrained else self._make_format
+        return ToolCallStreamer(make(), new_id or self.new_id)
 
-    def parse(self, text: str, new_id: Callable[[], str] | None = None) -> ParsedOutput:
-        streamer = self.streamer(new_id)
+    def parse(self, text: str, new_id: Callable[[], str] | None = None, *,
+              constrained: bool = False) -> ParsedOutput:
+        streamer = self.streamer(new_id, constrained=constrained)
         streamer.feed(text)
         streamer.finish()
         return streamer.result()
@@ -217,8 +251,14 @@ class ToolCallStreamer:
             for piece in pieces:
                 if isinstance(piece, _Text):
                     content.append(self._text(piece.text))
-                else:
+                elif isinstance(piece, _Call):
                     deltas.extend(self._call(piece))
+                elif isinstance(piece, _CallOpen):
+                    deltas.append(self._open(piece.name))
+                elif isinstance(piece, _CallArgs):
+                    deltas.append(self._args(piece.text))
+                else:
+                    self._after_call = True
 
         while self._buf:
             step = self._format.scan(self._buf, final)
@@ -254,6 +294,17 @@ class ToolCallStreamer:
         self._calls.append(parsed)
         yield ToolCallDelta(index, id=parsed.id, name=parsed.name)
         yield ToolCallDelta(index, arguments=parsed.arguments)
+
+    def _open(self, name: str) -> ToolCallDelta:
+        self._held_space = ""
+        call = ToolCall(self._new_id(), name, "")
+        self._calls.append(call)
+        return ToolCallDelta(len(self._calls) - 1, id=call.id, name=name)
+
+    def _args(self, text: str) -> ToolCallDelta:
+        call = self._calls[-1]
+        self._calls[-1] = dataclasses.replace(call, arguments=call.arguments + text)
+        return ToolCallDelta(len(self._calls) - 1, arguments=text)
 
 
 # -- shared scanning helpers ------------------------------------------------------------
@@ -368,6 +419,125 @@ class _Hermes(_Format):
                     return None
         k = buf.find(self.CLOSE, len(self.OPEN))
         return None if k == -1 else k
+
+
+class _JsonEnd:
+    """Finds, across pieces of text, where one JSON object or array ends: bracket depth
+    with strings skipped (the grammar has checked everything else)."""
+
+    def __init__(self) -> None:
+        self._depth = 0
+        self._quoted = False
+        self._escaped = False
+
+    def scan(self, text: str) -> int | None:
+        """Index just past the closing bracket in ``text``, or None when it is not there
+        yet (all of ``text`` belongs to the value)."""
+        for i, c in enumerate(text):
+            if self._quoted:
+                if self._escaped:
+                    self._escaped = False
+                elif c == "\\":
+                    self._escaped = True
+                elif c == '"':
+                    self._quoted = False
+            elif self._depth == 0 and c not in "{[" and not c.isspace():
+                return i  # not an object: the grammar was not the tools' one
+            elif c == '"':
+                self._quoted = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    return i + 1
+        return None
+
+
+class _StreamingHermes(_Hermes):
+    """hermes calls under the tools' grammar, streamed as they are written.
+
+    The grammar writes ``<tool_call>``, up to two spaces or newlines, then exactly
+    ``{"name": "NAME", "arguments": `` (:data:`engine.chat.tools._CALL_FRAMES`), the
+    arguments object, ``}``, whitespace and ``</tool_call>``. A call whose opening does not
+    read that way is parsed whole, as :class:`_Hermes` does.
+    """
+
+    HEAD = '{"name": "'
+    ARGS = '", "arguments": '
+
+    def __init__(self) -> None:
+        self._mode = "text"  # text -> args -> tail -> text
+        self._end = _JsonEnd()
+        self._opened = False  # a call is open and not closed yet
+
+    def scan(self, buf: str, final: bool) -> tuple[list[_Piece], int] | None:
+        if self._mode == "args":
+            return self._arguments(buf)
+        if self._mode == "tail":
+            return self._tail(buf, final)
+        if not buf.startswith(self.OPEN):
+            return super().scan(buf, final)
+        head = self._head(buf)
+        if head is None:
+            return None if not final else super().scan(buf, final)
+        if not head:
+            return super().scan(buf, final)
+        name, used = head
+        self._mode, self._end, self._opened = "args", _JsonEnd(), True
+        return [_CallOpen(name)], used
+
+    def _head(self, buf: str) -> tuple[str, int] | tuple[()] | None:
+        """The name and the length of the opening through ``"arguments": ``; ``()`` when
+        the opening does not read as the grammar writes it, None when it may still."""
+        at = len(self.OPEN)
+        body = buf[at:].lstrip(" \n")
+        at = len(buf) - len(body)
+        if len(body) < len(self.HEAD):
+            return None if self.HEAD.startswith(body) else ()
+        if not body.startswith(self.HEAD):
+            return ()
+        quote = body.find('"', len(self.HEAD))
+        if quote == -1:
+            return None if "\\" not in body[len(self.HEAD):] else ()
+        name = body[len(self.HEAD):quote]
+        rest = body[quote:]
+        if not name or "\\" in name:
+            return ()
+        if not rest.startswith(self.ARGS):
+            return None if self.ARGS.startswith(rest) else ()
+        return name, at + quote + len(self.ARGS)
+
+    def _arguments(self, buf: str) -> tuple[list[_Piece], int]:
+        end = self._end.scan(buf)
+        if end is None:
+            return [_CallArgs(buf)], len(buf)
+        self._mode = "tail"
+        return ([_CallArgs(buf[:end])] if end else []), end
+
+    def _tail(self, buf: str, final: bool) -> tuple[list[_Piece], int] | None:
+        """``}``, whitespace and ``</tool_call>`` close the call; at the end of the output
+        any prefix of them does (a model may stop right after the arguments)."""
+        body = buf.lstrip()
+        if not body:
+            return None if not final else self._close_call(len(buf))
+        if not body.startswith("}"):
+            return self._close_call(0)  # not the grammar's tail: the rest is content
+        brace = len(buf) - len(body) + 1
+        body = body[1:].lstrip()
+        if body.startswith(self.CLOSE):
+            return self._close_call(len(buf) - len(body) + len(self.CLOSE))
+        if self.CLOSE.startswith(body):  # a prefix of it, or nothing yet
+            return None if not final else self._close_call(len(buf))
+        return self._close_call(brace)
+
+    def _close_call(self, used: int) -> tuple[list[_Piece], int]:
+        self._mode, self._opened = "text", False
+        return [_CallClose()], used
+
+    def close(self) -> list[_Piece]:
+        # Cut short by max_tokens inside the call: it keeps the arguments written.
+        return [_CallClose()] if self._opened else []
 
 
 # -- llama3_json ------------------------------------------------------------------------
@@ -610,7 +780,7 @@ def _py_key(node: ast.expr | None) -> str:
 # -- registry ---------------------------------------------------------------------------
 
 TOOL_PARSERS: dict[str, ToolParser] = {
-    "hermes": ToolParser("hermes", _Hermes),
+    "hermes": ToolParser("hermes", _Hermes, make_constrained_format=_StreamingHermes),
     "llama3_json": ToolParser("llama3_json", _Llama3Json, needs_special_tokens=True),
     "mistral": ToolParser("mistral", _Mistral, new_id=mistral_call_id,
                           needs_special_tokens=True),

@@ -23,6 +23,7 @@ from engine.chat.output import ChatDelta, ChatOutputParser
 from engine.chat.request import (
     ChatFields,
     ChatSettings,
+    calls_constrained,
     chat_sampling_params,
     constraint_param,
     parse_chat_fields,
@@ -649,7 +650,9 @@ class Completion:
         self._n = req.params.n
         fields = req.chat_fields
         output = fields.output if fields is not None and fields.output.parses else None
-        self.choices = [_Choice(i, ChatOutputParser(output) if output is not None else None)
+        constrained = fields is not None and calls_constrained(fields, req.params)
+        self.choices = [_Choice(i, ChatOutputParser(output, constrained=constrained)
+                                if output is not None else None)
                         for i in range(len(prompt_token_ids) * self._n)]
         # With logprobs, a streamed echo waits for the prompt's logprobs, which come with
         # the choice's first output; without, it goes out at once.
