@@ -95,6 +95,12 @@ def check_calls(text: str, parser: str = "hermes") -> int:
     assert CALL_OPENING[parser] not in (parsed.content or ""), text
     for call in parsed.tool_calls:
         VALIDATORS[call.name].validate(json.loads(call.arguments))
+    # What the grammar wrote, read as it streams (the model's own arguments text), is
+    # the same content and calls.
+    streamed = get_tool_parser(parser).parse(text, constrained=True)
+    assert streamed.content == parsed.content, text
+    assert [(c.name, json.loads(c.arguments)) for c in streamed.tool_calls] == \
+        [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls], text
     return len(parsed.tool_calls)
 
 
