@@ -128,8 +128,10 @@ async def chat_stream(
                                  chat_options=fields.template)
     async with stream:
         async for out in stream:
-            parser = parsers.setdefault(out.index, ChatOutputParser(
-                fields.output, constrained=constrained))
+            parser = parsers.get(out.index)
+            if parser is None:  # the choice's first output
+                parser = parsers[out.index] = ChatOutputParser(
+                    fields.output, constrained=constrained)
             delta = parser.feed(out.text)
             if out.finished:
                 end = parser.finish()
@@ -170,8 +172,10 @@ async def chat(
                                  chat_options=fields.template)
     async with stream:
         async for out in stream:
-            parser = parsers.setdefault(out.index, ChatOutputParser(
-                fields.output, constrained=constrained))
+            parser = parsers.get(out.index)
+            if parser is None:  # the choice's first output
+                parser = parsers[out.index] = ChatOutputParser(
+                    fields.output, constrained=constrained)
             parser.feed(out.text)
             tokens += len(out.token_ids)
             if out.finished:
