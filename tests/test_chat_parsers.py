@@ -15,6 +15,7 @@ import pytest
 
 from engine.chat.reasoning import REASONING_PARSERS, get_reasoning_parser
 from engine.chat.tool_parsers import TOOL_PARSERS, ToolCallDelta, get_tool_parser
+from engine.chat.tools import parse_tools
 
 WEATHER = {"city": "Paris", "unit": "celsius"}
 NESTED = {"q": "a } tricky ] \"string\" {", "filters": [{"k": 1}, {"k": [2, 3]}], "x": None}
@@ -78,7 +79,95 @@ CASES: list[tuple[str, str, str | None, list[tuple[str, dict[str, Any]]]]] = [
     ("pythonic", "[get_weather(city=open('x'))]", "[get_weather(city=open('x'))]", []),
     ("pythonic", '[get_weather(city="Par', '[get_weather(city="Par', []),
     ("pythonic", "No call here.", "No call here.", []),
+    # granite: Granite 3.0 opens the output with <|tool_call|>, 3.1+ with <tool_call>, and
+    # writes a JSON list; text after the list is content.
+    ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", '
+     f'"unit": "celsius"}}}}, {{"name": "search", "arguments": {json.dumps(NESTED)}}}]',
+     None, [("get_weather", WEATHER), ("search", NESTED)]),
+    ("granite", ' <tool_call>[{"name": "get_weather", "arguments": {"city": "Paris", '
+     '"unit": "celsius"}}] Done.', "Done.", [("get_weather", WEATHER)]),
+    ("granite", "Paris is sunny [today].", "Paris is sunny [today].", []),
+    ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": "nope"}]',
+     '<|tool_call|>[{"name": "get_weather", "arguments": "nope"}]', []),
+    ("granite", '<tool_call>[{"name": "get_weather", "arg', '<tool_call>[{"name": '
+     '"get_weather", "arg', []),
+    ("granite", "<|tool_call|>", "<|tool_call|>", []),
+    # granite4: hermes' blocks, with Granite 4's layout.
+    ("granite4", 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+     '"Paris", "unit": "celsius"}}\n</tool_call>', "Checking.", [("get_weather", WEATHER)]),
+    ("granite4", '<tool_call>{"name": "get_weather"}</tool_call><tool_call>{"name": "search",'
+     f' "arguments": {json.dumps(NESTED)}}}</tool_call>', None,
+     [("get_weather", {}), ("search", NESTED)]),
+    ("granite4", '<tool_call>{"name": get_weather}</tool_call>',
+     '<tool_call>{"name": get_weather}</tool_call>', []),
+    # internlm: InternLM 2.5 writes one action block per call, "parameters" its arguments.
+    ("internlm", 'Let me check.<|action_start|><|plugin|>\n{"name": "get_weather", '
+     '"parameters": {"city": "Paris", "unit": "celsius"}}<|action_end|>', "Let me check.",
+     [("get_weather", WEATHER)]),
+    ("internlm", '<|action_start|><|plugin|>{"name": "search", "arguments": '
+     f'{json.dumps(NESTED)}}}<|action_end|>\n<|action_start|><|plugin|>{{"name": '
+     '"get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}', None,
+     [("search", NESTED), ("get_weather", WEATHER)]),
+    ("internlm", '<|action_start|><|plugin|>{"name": "x", "parameters": [1]}<|action_end|>',
+     '<|action_start|><|plugin|>{"name": "x", "parameters": [1]}<|action_end|>', []),
+    ("internlm", '<|action_start|><|interpreter|>print(1)<|action_end|>',
+     '<|action_start|><|interpreter|>print(1)<|action_end|>', []),
+    ("internlm", "stop at <|action_start|><|plu", "stop at <|action_start|><|plu", []),
+    # qwen3_coder: XML-like, values typed by the tool's schema (TYPED below).
+    ("qwen3_coder", "I'll check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
+     "Paris\n</parameter>\n<parameter=unit>\ncelsius\n</parameter>\n</function>\n"
+     "</tool_call>", "I'll check.", [("get_weather", WEATHER)]),
+    ("qwen3_coder", "<tool_call>\n<function=set_alarm>\n<parameter=hour>\n7\n</parameter>\n"
+     "<parameter=loud>\nTrue\n</parameter>\n<parameter=ratio>\n0.5\n</parameter>\n"
+     "<parameter=tags>\n[\"a\", \"b\"]\n</parameter>\n<parameter=opts>\n{'k': [1, 2]}\n"
+     "</parameter>\n<parameter=note>\nnull\n</parameter>\n<parameter=label>\n 42 \n"
+     "</parameter>\n<parameter=extra>\n3\n</parameter>\n</function>\n</tool_call>\n"
+     "<tool_call>\n<function=set_alarm>\n<parameter=hour>\nseven\n</parameter>\n"
+     "<parameter=note>\n</tool_call> is text\n</parameter>\n</function>\n</tool_call>",
+     None, [("set_alarm", {"hour": 7, "loud": True, "ratio": 0.5, "tags": ["a", "b"],
+                           "opts": {"k": [1, 2]}, "note": None, "label": " 42 ",
+                           "extra": "3"}),
+            ("set_alarm", {"hour": "seven", "note": "</tool_call> is text"})]),
+    # Stopped by EOS after </function>: still a call.
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+     "</parameter>\n</function>", None, [("get_weather", {"city": "Paris"})]),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar",
+     "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar", []),
+    ("qwen3_coder", "<tool_call>\n{\"name\": \"get_weather\"}\n</tool_call> ok",
+     "<tool_call>\n{\"name\": \"get_weather\"}\n</tool_call> ok", []),
+    ("qwen3_coder", "4 < 5 and <function=x> alone is text.",
+     "4 < 5 and <function=x> alone is text.", []),
+    # deepseek_v3: a section of fenced JSON calls between special tokens.
+    ("deepseek_v3", "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+     'get_weather\n```json\n{"city": "Paris", "unit": "celsius"}\n```<｜tool▁call▁end｜>\n'
+     "<｜tool▁call▁begin｜>function<｜tool▁sep｜>search\n```json\n"
+     f"{json.dumps(NESTED)}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "Checking.",
+     [("get_weather", WEATHER), ("search", NESTED)]),
+    # Stopped by EOS after a call's end, before the section's.
+    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+     'get_weather\n```json\n{"city": "Paris", "unit": "celsius"}\n```<｜tool▁call▁end｜>',
+     None, [("get_weather", WEATHER)]),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+     'get_weather\n```json\n{"city": \n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+     "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+     'get_weather\n```json\n{"city": \n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', []),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_wea",
+     "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_wea", []),
+    ("deepseek_v3", "No ```json\n{}\n``` call here.", "No ```json\n{}\n``` call here.", []),
 ]
+
+# The tools the parsers are given (qwen3_coder types its values by these schemas).
+TYPED = parse_tools([
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"},
+                                         "unit": {"enum": ["celsius", "fahrenheit"]}}}}},
+    {"type": "function", "function": {"name": "set_alarm", "parameters": {
+        "type": "object", "properties": {
+            "hour": {"type": "integer"}, "loud": {"type": "boolean"},
+            "ratio": {"type": "number"}, "tags": {"type": "array"},
+            "opts": {"type": "object"}, "label": {"type": "string"},
+            "note": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}}},
+])
 
 
 def _ids() -> Any:
@@ -104,7 +193,7 @@ def _assemble(deltas: list[ToolCallDelta]) -> list[dict[str, str]]:
 
 
 def _stream(parser: str, pieces: list[str]) -> tuple[str | None, list[dict[str, str]]]:
-    streamer = get_tool_parser(parser).streamer(_ids())
+    streamer = get_tool_parser(parser).streamer(_ids(), tools=TYPED)
     content, deltas = "", []
     for delta in [*(streamer.feed(p) for p in pieces), streamer.finish()]:
         content += delta.content
@@ -116,7 +205,7 @@ def _stream(parser: str, pieces: list[str]) -> tuple[str | None, list[dict[str, 
 def test_tool_parser_complete_and_streamed(
     parser: str, text: str, content: str | None, calls: list[tuple[str, dict[str, Any]]]
 ) -> None:
-    parsed = get_tool_parser(parser).parse(text, _ids())
+    parsed = get_tool_parser(parser).parse(text, _ids(), tools=TYPED)
     assert parsed.content == content
     assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == calls
     assert [c.id for c in parsed.tool_calls] == [f"call_{i}" for i in range(len(calls))]
@@ -176,11 +265,12 @@ CONSTRAINED_CASES: list[tuple[str, str | None, list[tuple[str, str]]]] = [
 ]
 
 
+@pytest.mark.parametrize("name", ["hermes", "granite4"])
 @pytest.mark.parametrize(("text", "content", "calls"), CONSTRAINED_CASES)
 def test_constrained_hermes_streams_calls_as_written(
-    text: str, content: str | None, calls: list[tuple[str, str]]
+    text: str, content: str | None, calls: list[tuple[str, str]], name: str
 ) -> None:
-    parser = get_tool_parser("hermes")
+    parser = get_tool_parser(name)
     parsed = parser.parse(text, _ids(), constrained=True)
     assert parsed.content == content
     assert [(c.name, c.arguments) for c in parsed.tool_calls] == calls
@@ -214,7 +304,8 @@ def test_constrained_call_sends_arguments_as_they_arrive() -> None:
 
 
 def test_unknown_parser_names_the_choices() -> None:
-    with pytest.raises(ValueError, match="hermes, llama3_json, mistral, pythonic"):
+    with pytest.raises(ValueError, match="deepseek_v3, granite, granite4, hermes, internlm, "
+                       "llama3_json, mistral, pythonic, qwen3_coder"):
         get_tool_parser("nope")
 
 

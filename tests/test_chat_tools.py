@@ -177,7 +177,7 @@ def test_tool_value_is_typed() -> None:
 
 from engine.chat.output import ChatOutputOptions, ChatOutputParser  # noqa: E402
 from engine.chat.reasoning import get_reasoning_parser  # noqa: E402
-from engine.chat.tool_parsers import get_tool_parser  # noqa: E402
+from engine.chat.tool_parsers import TOOL_PARSERS, get_tool_parser  # noqa: E402
 
 
 def _read(options: ChatOutputOptions, pieces: list[str]) -> tuple[dict, dict]:  # type: ignore[type-arg]
@@ -249,3 +249,50 @@ def test_auto_structural_tag_frees_text_and_constrains_calls(tmp_path) -> None: 
     assert not accepts('<tool_call>\n{"name": "get_weather", "arguments": {"town": "x"}}')
     assert not accepts('<tool_call>\n{"name": "get_time", "arguments": {"tz": "PST"}}')
     assert auto_structural_tag(tools, "pythonic") is None  # parsed, not constrained
+
+
+def test_qwen3_coder_calls_through_the_chat_output_are_typed_by_the_request_tools() -> None:
+    """The chat layer hands the request's tools to a parser that reads them: a value
+    declared as an integer comes back as one (and a string one stays a string)."""
+    tools = parse_tools([{"type": "function", "function": {"name": "wait", "parameters": {
+        "type": "object", "properties": {"seconds": {"type": "integer"},
+                                         "why": {"type": "string"}}}}}])
+    options = ChatOutputOptions(tools=tools, tool_choice=ToolChoice("auto"),
+                                tool_parser=get_tool_parser("qwen3_coder"))
+    text = ("<tool_call>\n<function=wait>\n<parameter=seconds>\n5\n</parameter>\n"
+            "<parameter=why>\n10\n</parameter>\n</function>\n</tool_call>")
+    streamed, message = _read(options, [text[:40], text[40:]])
+    (call,) = message["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"seconds": 5, "why": "10"}
+    assert list(streamed["calls"].values()) == [call["function"]]
+
+
+# Which parsers' calls a grammar can hold (auto once opened, required from the start):
+# the others are parsed only, and a forced call with them is a JSON list.
+CONSTRAINED = {"hermes", "granite4", "llama3_json", "mistral"}
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
+def test_which_parsers_are_constrained(name: str) -> None:
+    from engine.chat.tools import auto_structural_tag, required_structural_tag
+
+    tools = parse_tools([WEATHER])
+    assert (auto_structural_tag(tools, name) is not None) == (name in CONSTRAINED)
+    if name == "granite4":  # hermes' syntax
+        assert required_structural_tag(tools, name) == required_structural_tag(tools, "hermes")
+        assert auto_structural_tag(tools, name) == auto_structural_tag(tools, "hermes")
+
+
+def test_a_required_call_in_special_token_markers_keeps_them_in_the_text() -> None:
+    """granite4's <tool_call> is a special token: a required call written in its syntax
+    is decoded with special tokens kept, or the parser would never see the markers."""
+    from engine.chat.request import ChatSettings, chat_sampling_params, parse_chat_fields
+    from engine.params import SamplingParams
+
+    settings = ChatSettings(tool_call_parser="granite4", enable_auto_tool_choice=True)
+    for choice in ("required", "auto"):
+        fields = parse_chat_fields({"tools": [WEATHER], "tool_choice": choice}, settings,
+                                   "{{ tools }}")
+        params = chat_sampling_params(SamplingParams(max_tokens=8), fields)
+        assert params.skip_special_tokens is False, choice
+        assert fields.output.forced_in_parser_syntax == (choice == "required")

@@ -2,8 +2,9 @@
 
 Pure code (no I/O, no trio), shared by the HTTP server and the embedded API:
 
-* :mod:`engine.chat.tool_parsers` turns a model's text into tool calls (``hermes``,
-  ``llama3_json``, ``mistral``, ``pythonic``), complete or streamed.
+* :mod:`engine.chat.tool_parsers` turns a model's text into tool calls (``hermes``, ``granite4``,
+  ``llama3_json``, ``mistral``, ``pythonic``, ``granite``, ``internlm``, ``qwen3_coder``,
+  ``deepseek_v3``), complete or streamed.
 * :mod:`engine.chat.reasoning` splits ``<think>...</think>`` into reasoning and content
   (``deepseek_r1``, ``qwen3``), complete or streamed.
 * :mod:`engine.chat.tools` checks tool definitions and ``tool_choice`` and holds the

@@ -115,11 +115,13 @@ class ChatOutputParser:
             else None)
         self._tools: ForcedCallStreamer | ToolCallStreamer | None = None
         if options.forced_in_parser_syntax and options.tool_parser is not None:
-            self._tools = options.tool_parser.streamer(constrained=constrained)
+            self._tools = options.tool_parser.streamer(constrained=constrained,
+                                                      tools=options.tools)
         elif options.forced:
             self._tools = ForcedCallStreamer(options.tool_choice)
         elif options.tool_choice.mode == "auto" and options.tool_parser is not None:
-            self._tools = options.tool_parser.streamer(constrained=constrained)
+            self._tools = options.tool_parser.streamer(constrained=constrained,
+                                                      tools=options.tools)
         self._content: list[str] = []
         self._finished = False
 

@@ -102,7 +102,7 @@ class ChatFields:
     template: TemplateOptions
     output: ChatOutputOptions
     # What the request's tools constrain the output to (None: nothing):
-    # * required: the calls in the parser's syntax (hermes, llama3_json, the fallback
+    # * required: the calls in the parser's syntax (hermes, granite4, llama3_json, the fallback
     #   prompt's hermes calls), or else a JSON list of {"name", "arguments"} objects;
     # * a named function: its arguments object;
     # * auto, with a parser a grammar can follow (hermes, llama3_json, mistral): free
@@ -172,8 +172,10 @@ def chat_sampling_params(params: SamplingParams, fields: ChatFields, *,
     with a reasoning parser, any constraint starting only after the reasoning (the model
     thinks freely first)."""
     parser = fields.output.tool_parser
-    if (fields.output.tool_choice.mode == "auto" and parser is not None
-            and parser.needs_special_tokens and not keep_skip_special_tokens):
+    reads_text = (fields.output.tool_choice.mode == "auto"
+                  or fields.output.forced_in_parser_syntax)
+    if (reads_text and parser is not None and parser.needs_special_tokens
+            and not keep_skip_special_tokens):
         params = params.replace(skip_special_tokens=False)
     if fields.forced:
         if params.structured_outputs is not None:

@@ -2,18 +2,28 @@
 
 Each parser knows one model family's way of writing calls:
 
-==============  ==========================================================  ===============
-name            what the model writes                                       model families
-==============  ==========================================================  ===============
-``hermes``      ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``  Qwen2.5, Qwen3,
-                (one block per call)                                        Hermes 2/3
-``llama3_json`` ``{"name": ..., "parameters": {...}}``, calls joined by      Llama 3.1-3.3
-                ``;``, optionally after ``<|python_tag|>``
-``mistral``     ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` or   Mistral 7B v0.3,
-                ``[TOOL_CALLS]name[ARGS]{...}``                             Mistral Small/Nemo
-``pythonic``    ``[get_weather(city="Paris"), ...]`` (optionally inside      Llama 3.2/4,
-                ``<|python_start|>...<|python_end|>``)                      ToolACE
-==============  ==========================================================  ===============
+===============  ==========================================================  ===============
+name             what the model writes                                       model families
+===============  ==========================================================  ===============
+``hermes``       ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``  Qwen2.5, Qwen3,
+                 (one block per call)                                        Hermes 2/3
+``granite4``     the same as ``hermes`` (its markers special tokens)         Granite 4
+``llama3_json``  ``{"name": ..., "parameters": {...}}``, calls joined by      Llama 3.1-3.3
+                 ``;``, optionally after ``<|python_tag|>``
+``mistral``      ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` or   Mistral 7B v0.3,
+                 ``[TOOL_CALLS]name[ARGS]{...}``                             Mistral Small/Nemo
+``pythonic``     ``[get_weather(city="Paris"), ...]`` (optionally inside      Llama 3.2/4,
+                 ``<|python_start|>...<|python_end|>``)                      ToolACE
+``granite``      ``<|tool_call|>`` or ``<tool_call>``, then a JSON list of     Granite 3.0-3.3
+                 ``{"name", "arguments"}`` (the whole output)
+``internlm``     ``<|action_start|><|plugin|>{"name", "parameters"}``         InternLM 2/2.5
+                 ``<|action_end|>``
+``qwen3_coder``  ``<tool_call><function=NAME><parameter=P>value</parameter>``  Qwen3-Coder
+                 ``</function></tool_call>``, values typed by the schema
+``deepseek_v3``  ``<｜tool▁calls▁begin｜>``, per call ``<｜tool▁call▁begin｜>``       DeepSeek V3
+                 ``function<｜tool▁sep｜>NAME`` + a ```json block +
+                 ``<｜tool▁call▁end｜>``, then ``<｜tool▁calls▁end｜>``
+===============  ==========================================================  ===============
 
 Streaming (:meth:`ToolParser.streamer`) gives OpenAI-shaped deltas: text before a call
 streams as content as it arrives (holding back only what could be the start of a call
@@ -27,7 +37,7 @@ what the complete parse returns (the tests check this at every split point).
 
 A call generated under the tools' grammar (``streamer(constrained=True)``: ``auto`` once
 the call opens, ``required`` in the parser's syntax) cannot turn out malformed, so where
-the parser knows the grammar's frame (``hermes``) it streams the call as it is written:
+the parser knows the grammar's frame (``hermes``, ``granite4``) it streams the call as it is written:
 the header once the name is complete, then each new piece of the arguments object as an
 argument fragment, the model's own JSON text. Only ``max_tokens`` can cut such a call
 short; its arguments are then the prefix that was written, as with a named forced call.
@@ -42,9 +52,10 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import re
 import secrets
 import string
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 
@@ -178,10 +189,11 @@ class ToolParser:
     """A named tool-call syntax. :meth:`parse` for a complete text, :meth:`streamer` for
     a stream; both give the same result on the same text."""
 
-    def __init__(self, name: str, make_format: Callable[[], _Format],
+    def __init__(self, name: str, make_format: Callable[..., _Format],
                  new_id: Callable[[], str] = random_call_id,
                  needs_special_tokens: bool = False,
-                 make_constrained_format: Callable[[], _Format] | None = None) -> None:
+                 make_constrained_format: Callable[[], _Format] | None = None,
+                 reads_tools: bool = False) -> None:
         self.name = name
         self._make_format = make_format
         self._make_constrained_format = make_constrained_format or make_format
@@ -189,17 +201,22 @@ class ToolParser:
         self.needs_special_tokens = needs_special_tokens
         """True when the call markers are special tokens, which the output text must keep
         (the server then decodes with ``skip_special_tokens=False``)."""
+        self.reads_tools = reads_tools
+        """True when the syntax needs the request's tools to read a call
+        (``qwen3_coder`` types its parameter values by the tool's schema)."""
 
     def streamer(self, new_id: Callable[[], str] | None = None, *,
-                 constrained: bool = False) -> ToolCallStreamer:
+                 constrained: bool = False, tools: Sequence[Any] = ()) -> ToolCallStreamer:
         """A streamer for one output; ``constrained`` when its calls are generated under
-        the tools' grammar (they may then stream as they are written)."""
+        the tools' grammar (they may then stream as they are written); ``tools`` the
+        request's :class:`engine.chat.tools.Tool` values."""
         make = self._make_constrained_format if constrained else self._make_format
-        return ToolCallStreamer(make(), new_id or self.new_id)
+        return ToolCallStreamer(make(tools) if self.reads_tools else make(),
+                                new_id or self.new_id)
 
     def parse(self, text: str, new_id: Callable[[], str] | None = None, *,
-              constrained: bool = False) -> ParsedOutput:
-        streamer = self.streamer(new_id, constrained=constrained)
+              constrained: bool = False, tools: Sequence[Any] = ()) -> ParsedOutput:
+        streamer = self.streamer(new_id, constrained=constrained, tools=tools)
         streamer.feed(text)
         streamer.finish()
         return streamer.result()
@@ -777,6 +794,379 @@ def _py_key(node: ast.expr | None) -> str:
     return key
 
 
+# -- granite ----------------------------------------------------------------------------
+
+
+class _Granite(_Format):
+    """Granite 3.x: the whole output is ``<|tool_call|>`` (3.0's special token) or
+    ``<tool_call>`` (3.1+) and a JSON list of ``{"name", "arguments"}`` objects. Text
+    after the list is content; an output that does not open this way is all content."""
+
+    MARKS = ("<|tool_call|>", "<tool_call>")
+
+    def __init__(self) -> None:
+        self._mode = "start"  # start -> list -> text
+        self._prefix = ""  # consumed text given back if the list fails
+
+    def scan(self, buf: str, final: bool) -> tuple[list[_Piece], int] | None:
+        if self._mode == "text":
+            return [_Text(buf)], len(buf)
+        if self._mode == "start":
+            return self._start(buf, final)
+        return self._list(buf, final)
+
+    def _start(self, buf: str, final: bool) -> tuple[list[_Piece], int] | None:
+        body = buf.lstrip()
+        for mark in self.MARKS:
+            if body.startswith(mark):
+                used = len(buf) - len(body) + len(mark)
+                self._mode, self._prefix = "list", buf[:used]
+                return [], used
+        if not final and (not body or any(m.startswith(body) for m in self.MARKS)):
+            return None
+        self._mode = "list" if body.startswith("[") else "text"
+        return [], 0
+
+    def _list(self, buf: str, final: bool) -> tuple[list[_Piece], int] | None:
+        lead = len(buf) - len(buf.lstrip())
+        if lead == len(buf):
+            return None if not final else self._fail(buf, len(buf))
+        if buf[lead] != "[":
+            return self._fail(buf, len(buf))
+        end = _bracket_end(buf, lead)
+        if end is None:
+            return None if not final else self._fail(buf, len(buf))
+        items = _loads(buf[lead:end])
+        calls = ([_json_call(o, ("arguments", "parameters")) for o in items]
+                 if isinstance(items, list) and items else [None])
+        if any(c is None for c in calls):
+            return self._fail(buf, end)
+        self._mode, self._prefix = "text", ""
+        return [c for c in calls if c is not None], end
+
+    def _fail(self, buf: str, upto: int) -> tuple[list[_Piece], int]:
+        self._mode = "text"
+        text, self._prefix = self._prefix + buf[:upto], ""
+        return [_Text(text)], upto
+
+    def close(self) -> list[_Piece]:
+        # A marker and nothing after it.
+        return [_Text(self._prefix)] if self._mode == "list" and self._prefix else []
+
+
+# -- tagged blocks: internlm, qwen3_coder -------------------------------------------------
+
+
+class _Blocks(_Format):
+    """Calls in blocks between an opening and a closing marker, with text around them; a
+    block whose body does not read as calls is content. ``body`` turns a block's inner
+    text into its calls (None: not calls). At the end of the output a block missing only
+    its closing marker still counts when its body reads (a model stopped by EOS)."""
+
+    OPEN = ""
+    CLOSE = ""
+
+    def body(self, text: str) -> list[_Call] | None:
+        raise NotImplementedError
+
+    def body_end(self, buf: str, final: bool) -> int | None:
+        """Where the closing marker starts (``buf`` begins with ``OPEN``); None when
+        that needs more text, or (with ``final``) there is none."""
+        k = buf.find(self.CLOSE, len(self.OPEN))
+        return None if k == -1 else k
+
+    def scan(self, buf: str, final: bool) -> tuple[list[_Piece], int] | None:
+        if not buf.startswith(self.OPEN):
+            return _text_until(buf, self.OPEN, final)
+        end = self.body_end(buf, final)
+        if end is None:
+            if not final:
+                return None
+            calls = self.body(buf[len(self.OPEN):])
+            return (list(calls) if calls else [_Text(buf)]), len(buf)
+        used = end + len(self.CLOSE)
+        calls = self.body(buf[len(self.OPEN):end])
+        return (list(calls) if calls else [_Text(buf[:used])]), used
+
+
+class _InternLM(_Blocks):
+    """InternLM2/2.5: ``<|action_start|><|plugin|>`` + ``{"name", "parameters"}`` +
+    ``<|action_end|>`` (all three special tokens)."""
+
+    OPEN = "<|action_start|><|plugin|>"
+    CLOSE = "<|action_end|>"
+
+    def body(self, text: str) -> list[_Call] | None:
+        call = _json_call(_loads(text.strip()), ("parameters", "arguments"))
+        return [call] if call else None
+
+
+class _Qwen3Coder(_Blocks):
+    """Qwen3-Coder's XML-like calls, one per block::
+
+        <tool_call>
+        <function=get_weather>
+        <parameter=city>
+        Paris
+        </parameter>
+        </function>
+        </tool_call>
+
+    A value is text (one newline either side is the layout's, not the value's), turned
+    into the type its tool's schema gives the parameter (:func:`_typed_value`)."""
+
+    OPEN = "<tool_call>"
+    CLOSE = "</tool_call>"
+    FUNCTION = "<function="
+    FUNCTION_END = "</function>"
+    PARAM = "<parameter="
+    PARAM_END = "</parameter>"
+
+    def __init__(self, tools: Any = ()) -> None:
+        self._schemas: dict[str, Any] = {t.name: t.parameters for t in tools}
+
+    def body_end(self, buf: str, final: bool) -> int | None:
+        # The function's own structure is read first: a value may hold "</tool_call>".
+        at = self._function_end(buf, len(self.OPEN))
+        if at is not None:
+            j = len(buf) - len(buf[at:].lstrip())
+            if buf.startswith(self.CLOSE, j):
+                return j
+            if not final and self.CLOSE.startswith(buf[j:]):
+                return None
+        elif not final and self._may_continue(buf):
+            return None
+        k = buf.find(self.CLOSE, len(self.OPEN))
+        return None if k == -1 else k
+
+    def _may_continue(self, buf: str) -> bool:
+        """Whether the block so far is a prefix of a well-formed function."""
+        try:
+            self._read(buf[len(self.OPEN):], partial=True)
+        except ValueError:
+            return False
+        return True
+
+    def _function_end(self, buf: str, start: int) -> int | None:
+        """Index just past ``</function>`` when the block's function reads to its end."""
+        try:
+            read = self._read(buf[start:], partial=False)
+        except ValueError:
+            return None
+        return None if read is None else start + read[2]
+
+    def _read(self, text: str, *, partial: bool) -> tuple[str, dict[str, str], int] | None:
+        """``(name, {parameter: raw value}, end)`` of the function ``text`` opens; None
+        when ``partial`` and the text ends first; ``ValueError`` when it is not one."""
+        def need(i: int, marker: str) -> int:
+            rest = text[i:]
+            if rest.startswith(marker):
+                return i + len(marker)
+            if partial and marker.startswith(rest):
+                raise _NeedMore
+            raise ValueError(marker)
+
+        try:
+            i = need(len(text) - len(text.lstrip()), self.FUNCTION)
+            gt = text.find(">", i)
+            if gt == -1:
+                if partial and "\n" not in text[i:]:
+                    raise _NeedMore
+                raise ValueError("name")
+            name = text[i:gt].strip()
+            if not name or any(c in name for c in "<\n"):
+                raise ValueError("name")
+            i, params = gt + 1, {}
+            while True:
+                i += len(text[i:]) - len(text[i:].lstrip())
+                if text.startswith(self.FUNCTION_END, i):
+                    return name, params, i + len(self.FUNCTION_END)
+                if partial and self.FUNCTION_END.startswith(text[i:]) and i < len(text):
+                    raise _NeedMore
+                i = need(i, self.PARAM)
+                gt = text.find(">", i)
+                if gt == -1:
+                    if partial and "\n" not in text[i:]:
+                        raise _NeedMore
+                    raise ValueError("parameter")
+                key = text[i:gt].strip()
+                end = text.find(self.PARAM_END, gt + 1)
+                if not key or key in params:
+                    raise ValueError("parameter")
+                if end == -1:
+                    if partial:
+                        raise _NeedMore
+                    raise ValueError("parameter")
+                value = text[gt + 1:end]
+                value = value[1:] if value.startswith("\n") else value
+                params[key] = value[:-1] if value.endswith("\n") else value
+                i = end + len(self.PARAM_END)
+        except _NeedMore:
+            return None
+
+    def body(self, text: str) -> list[_Call] | None:
+        try:
+            read = self._read(text, partial=False)
+        except ValueError:
+            return None
+        if read is None or text[read[2]:].strip():
+            return None
+        name, params, _ = read
+        schema = self._schemas.get(name)
+        props = schema.get("properties", {}) if isinstance(schema, dict) else {}
+        args = {k: _typed_value(v, props.get(k) if isinstance(props, dict) else None)
+                for k, v in params.items()}
+        return [_Call(name, json.dumps(args, ensure_ascii=False))]
+
+
+class _NeedMore(Exception):
+    """A partial read ran out of text."""
+
+
+def _schema_types(schema: Any) -> list[str]:
+    """The JSON types a parameter's schema allows, in the order it lists them."""
+    if not isinstance(schema, dict):
+        return []
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        return [kind]
+    if isinstance(kind, list):
+        return [k for k in kind if isinstance(k, str)]
+    if "enum" in schema and isinstance(schema["enum"], list):
+        return sorted({_json_type(v) for v in schema["enum"]})
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list):
+            return [t for option in schema[key] for t in _schema_types(option)]
+    return []
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    return "string" if isinstance(value, str) else "object"
+
+
+def _typed_value(text: str, schema: Any) -> Any:
+    """A qwen3_coder parameter's text as the type its schema gives it: strings stay as
+    written; ``integer``, ``number``, ``boolean`` and ``null`` are read from the text;
+    ``object`` and ``array`` as JSON (or a Python literal, which some templates write);
+    ``null`` or ``None`` where the schema allows null. Text that does not read as the schema's type stays a string, so the schema's
+    validator sees what the model wrote. A parameter the schema does not declare is a
+    string."""
+    types = _schema_types(schema)
+    value = text.strip()
+    if "null" in types and value in ("null", "None"):
+        return None
+    if not types or types[0] == "string":
+        return text
+    for kind in (t for t in types if t != "null"):
+        if kind == "integer":
+            try:
+                return int(value)
+            except ValueError:
+                continue
+        if kind == "number":
+            try:
+                return int(value)
+            except ValueError:
+                pass
+            try:
+                number = float(value)
+            except ValueError:
+                continue
+            if number == number and abs(number) != float("inf"):
+                return number
+        if kind == "boolean" and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        if kind in ("object", "array"):
+            parsed = _loads(value)
+            if parsed is None:
+                try:
+                    parsed = ast.literal_eval(value)
+                except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+                    continue
+            if isinstance(parsed, dict if kind == "object" else (list, tuple)):
+                return list(parsed) if isinstance(parsed, tuple) else parsed
+        if kind == "string":
+            return text
+    return text
+
+
+# -- deepseek_v3 ------------------------------------------------------------------------
+
+
+class _DeepSeekV3(_Format):
+    """DeepSeek-V3's calls, each a special-token frame around a fenced JSON block, all in
+    one ``<｜tool▁calls▁begin｜>`` ... ``<｜tool▁calls▁end｜>`` section::
+
+        <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather
+        ```json
+        {"city": "Paris"}
+        ```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+
+    Each call is sent once its ``<｜tool▁call▁end｜>`` arrives. A section whose first call
+    does not read is content from its opening marker on; one that breaks after a call is
+    content from there."""
+
+    BEGIN = "<｜tool▁calls▁begin｜>"
+    END = "<｜tool▁calls▁end｜>"
+    CALL = "<｜tool▁call▁begin｜>"
+    CALL_END = "<｜tool▁call▁end｜>"
+    SEP = "<｜tool▁sep｜>"
+    _BODY = re.compile(r"\s*function" + re.escape(SEP) + r"([^\n`<]+?)[ \t]*\n\s*```(?:json)?\s*"
+                       r"(\{.*\})\s*```\s*", re.DOTALL)
+
+    def __init__(self) -> None:
+        self._mode = "text"  # text -> calls -> text
+        self._prefix = ""  # the section's opening, given back if its first call fails
+        self._calls = 0
+
+    def scan(self, buf: str, final: bool) -> tuple[list[_Piece], int] | None:
+        if self._mode == "text":
+            if not buf.startswith(self.BEGIN):
+                return _text_until(buf, self.BEGIN, final)
+            self._mode, self._prefix, self._calls = "calls", self.BEGIN, 0
+            return [], len(self.BEGIN)
+        lead = len(buf) - len(buf.lstrip())
+        rest = buf[lead:]
+        if rest.startswith(self.END) and self._calls:
+            self._mode = "text"
+            return [], lead + len(self.END)
+        if not rest.startswith(self.CALL):
+            if not final and (not rest or self.CALL.startswith(rest)
+                              or (self._calls and self.END.startswith(rest))):
+                return None
+            if self._calls and not rest:
+                return [], len(buf)  # stopped after a call, before the section's end
+            return self._fail(buf)
+        end = rest.find(self.CALL_END)
+        if end == -1:
+            return None if not final else self._fail(buf)
+        match = self._BODY.fullmatch(rest, len(self.CALL), end)
+        args = _loads(match.group(2)) if match else None
+        if match is None or not isinstance(args, dict):
+            return self._fail(buf)
+        self._calls += 1
+        self._prefix = ""
+        call = _Call(match.group(1).strip(), json.dumps(args, ensure_ascii=False))
+        return [call], lead + end + len(self.CALL_END)
+
+    def _fail(self, buf: str) -> tuple[list[_Piece], int]:
+        self._mode = "text"
+        text, self._prefix = self._prefix + buf, ""
+        return [_Text(text)], len(buf)
+
+    def close(self) -> list[_Piece]:
+        # The section's opening and nothing after it.
+        return [_Text(self._prefix)] if self._mode == "calls" and self._prefix else []
+
+
 # -- registry ---------------------------------------------------------------------------
 
 TOOL_PARSERS: dict[str, ToolParser] = {
@@ -785,6 +1175,13 @@ TOOL_PARSERS: dict[str, ToolParser] = {
     "mistral": ToolParser("mistral", _Mistral, new_id=mistral_call_id,
                           needs_special_tokens=True),
     "pythonic": ToolParser("pythonic", _Pythonic, needs_special_tokens=True),
+    "granite": ToolParser("granite", _Granite, needs_special_tokens=True),
+    # Granite 4 writes hermes' syntax; its <tool_call> markers are special tokens.
+    "granite4": ToolParser("granite4", _Hermes, make_constrained_format=_StreamingHermes,
+                           needs_special_tokens=True),
+    "internlm": ToolParser("internlm", _InternLM, needs_special_tokens=True),
+    "qwen3_coder": ToolParser("qwen3_coder", _Qwen3Coder, reads_tools=True),
+    "deepseek_v3": ToolParser("deepseek_v3", _DeepSeekV3, needs_special_tokens=True),
 }
 
 

@@ -14,11 +14,12 @@ What a request's tools become:
 * A named function constrains the output to its arguments object
   (:func:`forced_call_schema`). ``required`` writes the calls in the tool-call parser's
   own syntax where a grammar can follow it (:func:`required_structural_tag`: hermes,
-  llama3_json, the fallback prompt's hermes calls), else as a JSON list of
+  granite4, llama3_json, the fallback prompt's hermes calls), else as a JSON list of
   ``{"name", "arguments"}`` objects; one call, or one or more when
   ``parallel_tool_calls``. :class:`ForcedCallStreamer` turns the JSON forms into calls.
 * ``auto`` with such a parser, or ``mistral``: text is free, but a call the model opens
-  is held to the tools' schemas (:func:`auto_structural_tag`). ``pythonic`` calls are
+  is held to the tools' schemas (:func:`auto_structural_tag`). ``pythonic``, ``granite``,
+  ``internlm``, ``qwen3_coder`` and ``deepseek_v3`` calls are
   parsed, not constrained.
 """
 
@@ -416,10 +417,13 @@ _CALL_FRAMES: dict[str, _CallFrame] = {
                          "</tool_call>", r"[ \n]{0,2}", "\n"),
     "llama3_json": _CallFrame('{"name":', '"{name}", "parameters": ', "", "}", " ?", "; "),
 }
+# Granite 4 writes hermes' calls (its markers are special tokens, which the grammar
+# backends take as written or as the token).
+_CALL_FRAMES["granite4"] = _CALL_FRAMES["hermes"]
 
 
 def has_call_frame(parser: str) -> bool:
-    """Whether calls in ``parser``'s syntax can be held to a grammar (hermes,
+    """Whether calls in ``parser``'s syntax can be held to a grammar (hermes, granite4,
     llama3_json)."""
     return parser in _CALL_FRAMES
 
