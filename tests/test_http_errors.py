@@ -68,13 +68,13 @@ def test_invalid_parameter_is_400_naming_the_param(client):
 
 def test_invalid_chat_message_is_400(client):
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "x"}])
+        client.chat.completions.create(model="tiny", messages=[{"role": 7, "content": "x"}])
     assert info.value.body["param"] == "messages[0].role"
 
 
 def test_tokenize_checks_chat_messages_as_generation_does(server):
     # One normalizer (the tokenizer's) for /v1/chat/completions and /tokenize.
-    bad = {"messages": [{"role": "user", "content": "x"}, {"role": "wizard", "content": "y"}]}
+    bad = {"messages": [{"role": "user", "content": "x"}, {"role": "", "content": "y"}]}
     tokenized = httpx.post(server.base_url + "/tokenize", json=bad, headers=_headers())
     chat = httpx.post(server.base_url + "/v1/chat/completions", json=bad, headers=_headers())
     assert _assert_error_body(tokenized, 400, "messages[1].role") == \

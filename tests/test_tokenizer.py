@@ -324,7 +324,7 @@ def test_folder_without_chat_template_raises_request_error(tiny_dir: Path, tmp_p
         (None, "messages"),
         (["hello"], "messages[0]"),
         ([{"content": "no role"}], "messages[0].role"),
-        ([{"role": "user", "content": "x"}, {"role": "robot", "content": "x"}], "messages[1].role"),
+        ([{"role": "user", "content": "x"}, {"role": 3, "content": "x"}], "messages[1].role"),
         ([{"role": "user"}], "messages[0].content"),
         ([{"role": "user", "content": 42}], "messages[0].content"),
         ([{"role": "user", "content": {"type": "text", "text": "x"}}], "messages[0].content"),

@@ -29,6 +29,7 @@ from engine.chat.tools import (
     template_reads_tools,
 )
 from engine.errors import InvalidParamError
+from engine.models.tokenizer import template_reads
 from engine.params import SamplingParams
 from engine.structured import StructuredOutputs
 
@@ -137,6 +138,7 @@ def parse_chat_fields(body: Mapping[str, Any], settings: ChatSettings,
             'tool_choice "auto" needs the server started with --enable-auto-tool-choice '
             '--tool-call-parser NAME; send "required", a named function or "none"',
             param="tool_choice")
+    template = _reasoning_effort(body, template, source)
     constraint = _tools_constraint(tools, choice, parser, parallel)
     output = ChatOutputOptions(
         tools=tools, tool_choice=choice, tool_parser=parser,
@@ -250,6 +252,25 @@ def _template_options(body: Mapping[str, Any], settings: ChatSettings) -> Templa
         chat_template=source if source is not None else settings.chat_template,
         chat_template_kwargs=kwargs, add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final)
+
+
+def _reasoning_effort(body: Mapping[str, Any], template: TemplateOptions,
+                      source: str | None) -> TemplateOptions:
+    """OpenAI's ``reasoning_effort``, given to the chat template as the variable of that
+    name (as vLLM does; gpt-oss's template reads it). A template that never reads it would
+    drop it silently, so that is a 400 instead."""
+    effort = body.get("reasoning_effort")
+    if effort is None:
+        return template
+    if not isinstance(effort, str):
+        raise InvalidParamError("reasoning_effort must be a string", param="reasoning_effort")
+    if not template_reads(source, "reasoning_effort"):
+        raise InvalidParamError(
+            "reasoning_effort is not supported by this model: its chat template does not "
+            "read a reasoning_effort variable (chat_template_kwargs passes model-specific "
+            "switches such as enable_thinking)", param="reasoning_effort")
+    kwargs = {"reasoning_effort": effort, **(template.chat_template_kwargs or {})}
+    return dataclasses.replace(template, chat_template_kwargs=kwargs)
 
 
 def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:

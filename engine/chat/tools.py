@@ -31,8 +31,6 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-import jinja2
-import jinja2.meta
 import jsonschema
 import jsonschema.exceptions
 import jsonschema.validators
@@ -223,13 +221,9 @@ def _history_call(call: Any, where: str) -> dict[str, Any]:
 
 def template_reads_tools(source: str | None) -> bool:
     """Whether a chat template's jinja source reads the ``tools`` variable."""
-    if not source:
-        return False
-    try:
-        ast = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
-    except jinja2.TemplateSyntaxError:
-        return "tools" in source
-    return "tools" in jinja2.meta.find_undeclared_variables(ast)
+    from engine.models.tokenizer import template_reads
+
+    return template_reads(source, "tools")
 
 
 # -- the fallback tool prompt -----------------------------------------------------------

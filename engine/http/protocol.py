@@ -56,6 +56,9 @@ _COMMON_FIELDS = frozenset(
         # vLLM's extras: the queue priority (with --scheduling-policy priority, smaller
         # first) and a salt that keeps this request's prefix-cache entries private.
         "priority", "cache_salt",
+        # OpenAI's bookkeeping fields: they change nothing in the answer.
+        "service_tier", "store", "metadata", "safety_identifier", "prompt_cache_key",
+        "prompt_cache_retention",
     }
 ) | frozenset(STRUCTURED_FIELDS)
 # Fields that change what the answer means and are not implemented: each is a 400 when
@@ -70,12 +73,41 @@ NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     "guided_whitespace_pattern": lambda v: v is not None,
     "prompt_embeds": lambda v: v is not None,
     "logits_processors": lambda v: v not in (None, []),
+    # OpenAI's chat fields for what this server cannot do: speech out, a web search, a
+    # predicted output (its own issue: speculative decoding), a verbosity other than the
+    # default for models trained to follow it.
+    "audio": lambda v: v is not None,
+    "modalities": lambda v: v not in (None, ["text"]),
+    "web_search_options": lambda v: v is not None,
+    "prediction": lambda v: v is not None,
+    "verbosity": lambda v: v not in (None, "medium"),
+    # vLLM's sampling extras that change the answer and are not built.
+    "truncate_prompt_tokens": lambda v: v is not None,
+    "allowed_token_ids": lambda v: v is not None,
+    "bad_words": lambda v: v not in (None, []),
+    "length_penalty": lambda v: v not in (None, 1, 1.0),
+    "spaces_between_special_tokens": lambda v: v not in (None, True),
+    "include_reasoning": lambda v: v not in (None, True),
+    "documents": lambda v: v is not None,
+    "vllm_xargs": lambda v: v is not None,
+    "kv_transfer_params": lambda v: v is not None,
+}
+# Why each refused field is refused, for the 400's message.
+_NOT_IMPLEMENTED_WHY = {
+    "audio": "audio output is not supported; this server writes text only",
+    "modalities": 'only ["text"] output is supported',
+    "web_search_options": "this server has no web search",
+    "prediction": "predicted outputs are not supported yet",
+    "verbosity": "only the default verbosity (medium) is supported",
+    "documents": "documents for retrieval-augmented chat templates are not supported",
+    "include_reasoning": "false is not supported; leave out --reasoning-parser instead",
 }
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "echo",
     "tools", "tool_choice", "parallel_tool_calls",
     "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+    "reasoning_effort",
 }
 class APIError(Exception):
     """An error answered as OpenAI's ``{"error": {...}}`` body with an HTTP status."""
@@ -297,6 +329,13 @@ def parse_chat(body: Any, settings: ChatSettings | None = None,
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
     structured, structured_param = structured_from_body(body)
+    if fields.forced and structured_param is not None and structured_param.startswith(
+            "response_format"):
+        # As vLLM: a forced call's schema replaces the response_format (the answer is the
+        # call, not a message in that format). An explicit structured_outputs/guided_*
+        # constraint beside a forced call stays a 400 (chat_sampling_params).
+        logger.info("tool_choice forces a call: response_format does not apply")
+        structured, structured_param = None, None
     params = _sampling_params(body, None, logprobs, max_tokens=max_tokens, defaults=defaults,
                               structured=structured)
     params = _chat_output_params(body, params, fields)
@@ -339,7 +378,9 @@ def _require_object(body: Any) -> dict[str, Any]:
 def _refuse_not_implemented(body: dict[str, Any]) -> None:
     for name, is_set in NOT_IMPLEMENTED.items():
         if is_set(body.get(name)):
-            raise APIError(400, f"{name} is not supported by this server", param=name,
+            why = _NOT_IMPLEMENTED_WHY.get(name)
+            raise APIError(400, f"{name} is not supported by this server"
+                           + (f": {why}" if why else ""), param=name,
                            code="unsupported_parameter")
 
 

@@ -122,7 +122,9 @@ _MESSAGE = {
     "type": "object",
     "required": ["role"],
     "properties": {
-        "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+        "role": {"type": "string", "minLength": 1,
+                 "description": "system, developer, user, assistant, tool, or a custom role "
+                                "the chat template reads (vLLM passes those on too)"},
         "content": {"anyOf": [{"type": "string"}, {"type": "null"},
                               {"type": "array", "items": _TEXT_PART}]},
     },

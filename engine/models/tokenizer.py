@@ -35,6 +35,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, processors
@@ -64,6 +65,8 @@ _NAMED_SPECIAL_TOKENS = (
     "mask_token",
 )
 
+# The roles every template knows; others ("ipython", "function", a custom "wizard") are
+# passed to the template, which accepts or rejects them.
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 # "developer" is OpenAI's newer name for the system role; templates only know "system".
 _ROLE_ALIASES = {"developer": "system"}
@@ -255,9 +258,9 @@ class Tokenizer:
     ) -> str:
         """Render ``messages`` with the model's chat template into one prompt string.
 
-        Each message is a dict with ``role`` (system, user, assistant or tool) and
-        ``content``: a string, or a list of ``{"type": "text", "text": ...}`` parts joined
-        with newlines. Other keys (``name``, ``tool_calls``, ...) reach the template as
+        Each message is a dict with ``role`` (system, user, assistant, tool or a custom
+        role the template reads) and ``content``: a string, or a list of
+        ``{"type": "text", "text": ...}`` parts joined with newlines. Other keys (``name``, ``tool_calls``, ...) reach the template as
         given; keys whose value is None are dropped, as transformers does. Bad messages and
         errors the template raises (``raise_exception``) give :class:`InvalidParamError`
         with ``param="messages"``; a model without a template gives :class:`RequestError`.
@@ -330,7 +333,10 @@ class Tokenizer:
             try:
                 compiled = _compile_template(source, self._source)
             except CorruptModelError as exc:
-                raise InvalidParamError(f"chat_template is not valid jinja: {exc.__cause__}",
+                cause = exc.__cause__
+                what = ("is not valid jinja" if isinstance(cause, jinja2.TemplateSyntaxError)
+                        else f"fails while compiling: {type(cause).__name__}")
+                raise InvalidParamError(f"chat_template {what}: {cause}",
                                         param="chat_template") from None
             if len(self._request_templates) >= _TEMPLATE_CACHE_SIZE:
                 self._request_templates.pop(next(iter(self._request_templates)))
@@ -483,8 +489,42 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
+# The largest integer a template's ``**`` may build, in bits: far past any count or index a
+# chat template computes, and small enough that the power and its printing stay instant
+# (10 ** 10 ** 9 would otherwise hold the process's CPU for minutes).
+_MAX_POWER_BITS = 4096
+
+
+class _TemplateEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox, with ``**`` bounded (jinja's own sandbox leaves it unbounded)."""
+
+    intercepted_binops = frozenset({"**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if (operator == "**" and isinstance(left, int) and isinstance(right, int)
+                and right > 0 and abs(left) > 1
+                and right * abs(left).bit_length() > _MAX_POWER_BITS):
+            raise jinja2.exceptions.SecurityError(
+                f"{left} ** {right} is over the template's integer limit of "
+                f"{_MAX_POWER_BITS} bits")
+        return super().call_binop(context, operator, left, right)
+
+
+def template_reads(source: str | None, variable: str) -> bool:
+    """Whether a chat template's jinja source reads ``variable`` (``tools``,
+    ``reasoning_effort``). Reading the source runs jinja's constant folding, so it goes
+    through the bounded sandbox too; a source that does not parse is searched as text."""
+    if not source:
+        return False
+    env = _TemplateEnvironment(extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    try:
+        return variable in jinja2.meta.find_undeclared_variables(env.parse(source))
+    except Exception:  # a syntax error, or a constant that fails to fold
+        return variable in source
+
+
 def _compile_template(source: str, folder: Path) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
+    env = _TemplateEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationBlock, jinja2.ext.loopcontrols],
@@ -499,6 +539,12 @@ def _compile_template(source: str, folder: Path) -> jinja2.Template:
         raise CorruptModelError(
             f"the chat template of {str(folder)!r} is not valid jinja: {exc} (line {exc.lineno})"
         ) from exc
+    except Exception as exc:
+        # jinja folds constant expressions while compiling: ``{{ (10 ** 5000) | string }}``
+        # raises (Python's int-to-text digit limit) before any message is rendered.
+        raise CorruptModelError(
+            f"the chat template of {str(folder)!r} fails while compiling: "
+            f"{type(exc).__name__}: {exc}") from exc
 
 
 # -- messages ---------------------------------------------------------------------------
@@ -519,13 +565,16 @@ def _normalize_message(index: int, message: Any) -> dict[str, Any]:
     where = f"messages[{index}]"
     if not isinstance(message, Mapping):
         raise InvalidParamError(f"{where} must be an object with role and content", param=where)
-    role = _ROLE_ALIASES.get(message.get("role"), message.get("role"))  # type: ignore[arg-type]
-    if role not in CHAT_ROLES:
+    role = message.get("role")
+    if not isinstance(role, str) or not role:
         raise InvalidParamError(
-            f"{where}.role must be one of {', '.join(sorted(CHAT_ROLES | set(_ROLE_ALIASES)))}, "
-            f"got {message.get('role')!r}",
+            f"{where}.role must be a non-empty string ({', '.join(sorted(CHAT_ROLES | set(_ROLE_ALIASES)))}, "
+            f"or a custom role the chat template reads), got {role!r}",
             param=f"{where}.role",
         )
+    # A custom role reaches the template as given, as vLLM passes it: the template decides
+    # (one that rejects it raises, and the request gets a 400 with the template's message).
+    role = _ROLE_ALIASES.get(role, role)
     out = {k: v for k, v in message.items() if v is not None}
     out["role"] = role
     if role != "assistant" and "content" in message and message["content"] is None:
