@@ -462,3 +462,53 @@ def test_gguf_with_stacked_experts_loads_as_the_hf_folder(tmp_path, monkeypatch,
     got = _prefill_logits(_runner(from_gguf, 4, "torch"), prompts, None)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=0, rtol=0)
+
+
+# --------------------------------------------------------------------------------------
+# A folder written by transformers itself
+
+
+def test_a_qwen3_moe_saved_by_transformers_loads_and_matches_its_greedy_tokens(tmp_path) -> None:
+    """transformers 5's Qwen3MoeConfig names the expert count ``num_local_experts`` (it
+    keeps ``num_experts`` as an alias); such a folder failed to load ("the safetensors lack
+    model.layers.0.mlp.gate_proj.weight"). Built with transformers' own classes and written
+    by its ``save_pretrained``; the tokenizer files come from the tiny test model."""
+    import shutil
+
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tokenizer_folder = write_tiny_model(tmp_path / "tok", "llama")
+    config = Qwen3MoeConfig(
+        vocab_size=384, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts_per_tok=2, max_position_embeddings=256, norm_topk_prob=True,
+        num_local_experts=4)
+    torch.manual_seed(0)
+    hf = Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        # transformers' init (std 0.02) gives near-uniform logits, where greedy tokens
+        # repeat one id and say little; wider weights give varied tokens.
+        for p in hf.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3)
+    folder = tmp_path / "qwen3moe"
+    hf.save_pretrained(folder)
+    written = json.loads((folder / "config.json").read_text())
+    if "num_local_experts" not in written:
+        # An older transformers writes num_experts; write the config as transformers 5
+        # does, so this test checks the name it was written for.
+        written["num_local_experts"] = written.pop("num_experts")
+        (folder / "config.json").write_text(json.dumps(written))
+    assert "num_experts" not in written
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_folder / name, folder / name)
+
+    loaded = load_model(folder, dtype="float32")
+    assert loaded.config.moe is not None and loaded.config.moe.num_experts == 4
+    assert loaded.config.moe.sparse_layers == (0, 1)
+    prompts = _prompts(loaded.config.vocab_size)[:2]
+    expected = [_hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    assert all(len(set(tokens)) > 1 for tokens, _ in expected)
+    runs = run_greedy(_runner(loaded, 4, "torch"), prompts, NEW_TOKENS, block_size=4)
+    for run, (want_tokens, _) in zip(runs, expected, strict=True):
+        assert [s.token_id for s in run] == want_tokens

@@ -56,7 +56,7 @@ class MoeConfig:
     @classmethod
     def from_hf(cls, raw: dict[str, Any], arch: str, num_layers: int) -> MoeConfig | None:
         if arch == "mixtral":
-            experts = int(raw.get("num_local_experts", 8))
+            experts = _num_experts(raw, 8)
             return cls(
                 num_experts=experts,
                 top_k=int(raw.get("num_experts_per_tok", 2)),
@@ -68,7 +68,7 @@ class MoeConfig:
             )
         if arch not in ("qwen2_moe", "qwen3_moe"):
             return None
-        experts = int(raw.get("num_experts", 0))
+        experts = _num_experts(raw, 0)
         step = int(raw.get("decoder_sparse_step", 1))
         dense_only = {int(i) for i in raw.get("mlp_only_layers") or ()}
         # transformers: layer i is sparse iff it is not in mlp_only_layers, the model has
@@ -88,6 +88,16 @@ class MoeConfig:
             sparse_layers=sparse,
             naming="qwen",
         )
+
+
+def _num_experts(raw: dict[str, Any], default: int) -> int:
+    """The expert count under either name: transformers 4 wrote ``num_experts`` for the
+    Qwen MoE families and ``num_local_experts`` for Mixtral; transformers 5 writes
+    ``num_local_experts`` for Qwen3-MoE too (``num_experts`` is an alias there)."""
+    for key in ("num_local_experts", "num_experts"):
+        if raw.get(key) is not None:
+            return int(raw[key])
+    return default
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
