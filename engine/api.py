@@ -14,6 +14,7 @@ The contract is written down in ``docs/architecture.md`` ("Actors and the embedd
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 import uuid
@@ -200,6 +201,9 @@ class Engine:
         self._parts = parts
         self._handles: ActorHandles | None = None
         self._token = trio.lowlevel.current_trio_token()
+        # Numbers every admitted request (across restarts too): its sample ids carry it, so
+        # they never collide whatever request ids callers pick (admission.sample_ids).
+        self._serials = itertools.count()
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -249,7 +253,8 @@ class Engine:
         else:
             admission.compile_structured(grammar, params)  # a cache hit (or no constraint)
         handles = self._alive()  # it may have died while a thread tokenized
-        admitted = admission.admit(submit, ids, self._parts.limits, waiting=handles.queue_depth())
+        admitted = admission.admit(submit, ids, self._parts.limits, waiting=handles.queue_depth(),
+                                   serial=next(self._serials))
         # No await from here on: the mailbox opens and the samples go to the scheduler in
         # one go, so no cancellation can fall between them.
         mailbox = handles.router.open(admitted)
@@ -285,11 +290,12 @@ class Engine:
         return chat_session.chat_stream(self, messages, params, **options)
 
     def abort(self, request_id: str) -> None:
-        """Abort a request from outside its stream (idempotent). Its stream gets a last
-        output with ``finish_reason == "abort"`` for each unfinished sample."""
+        """Abort from outside their streams every open request submitted under
+        ``request_id`` (idempotent; ids are the callers' labels, several requests may share
+        one). Each stream gets a last output with ``finish_reason == "abort"`` for each
+        unfinished sample."""
         if self._handles is not None:
-            mailbox = self._handles.router.get(request_id)
-            if mailbox is not None:
+            for mailbox in self._handles.router.find(request_id):
                 self._handles.abort(mailbox.abort())
 
     def structured_statistics(self) -> StructuredStatistics | None:

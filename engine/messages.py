@@ -286,9 +286,13 @@ class RequestOutput:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class OutputBatch:
-    """All outputs of one step, so the router wakes once per step rather than per request."""
+    """All outputs of one step, so the router wakes once per step rather than per request.
+
+    ``sample_ids[i]`` is the sample ``outputs[i]`` belongs to: the router delivers by it,
+    since a sample id is unique in the engine while a caller's request id need not be."""
 
     outputs: tuple[RequestOutput, ...]
+    sample_ids: tuple[str, ...]
 
 
 # --- msgpack ------------------------------------------------------------------------------

@@ -266,7 +266,8 @@ async def test_a_logit_bias_outside_the_vocabulary_is_rejected_and_the_engine_li
 def _admitted(request_id: str, n: int) -> Any:
     submit = submit_request([5, 6], engine.SamplingParams(n=n), request_id=request_id,
                             priority=0, cache_salt=None, arrival_time=0.0)
-    return admit(submit, (5, 6), AdmissionLimits(64, 300, 8, (2,)), waiting=0)
+    return admit(submit, (5, 6), AdmissionLimits(64, 300, 8, (2,)), waiting=0,
+                 serial=0)
 
 
 def test_a_mailbox_merges_unread_outputs_per_sample() -> None:

@@ -79,45 +79,46 @@ def test_a_lone_surrogate_is_the_request_error(tok: Tokenizer, prompt: object, p
 
 
 def test_one_sample_keeps_the_request_id_and_resolves_max_tokens() -> None:
-    admitted = admit(_submit(params=SamplingParams(max_tokens=None)), (5, 6, 7), LIMITS, waiting=0)
-    assert admitted.sample_ids == ("r",)
+    admitted = admit(_submit(params=SamplingParams(max_tokens=None)), (5, 6, 7), LIMITS,
+                     waiting=0, serial=7)
+    assert admitted.request_id == "r" and admitted.sample_ids == ("r#7",)
     (sample,) = admitted.samples
     assert (sample.max_tokens, sample.eos_token_ids, sample.wait_for) == (29, (2,), None)
     assert (sample.arrival_time, sample.priority) == (1.5, 0)
     (out,) = admitted.outputs
-    assert (out.sample_id, out.request_id, out.index, out.prompt_token_ids) == ("r", "r", 0, (5, 6, 7))
+    assert (out.sample_id, out.request_id, out.index, out.prompt_token_ids) == ("r#7", "r", 0, (5, 6, 7))
     assert unpack(pack(admitted)) == admitted  # it is a message: packable
 
 
 def test_n_samples_get_their_own_ids_and_seeds_and_wait_for_the_first() -> None:
     params = SamplingParams(n=3, seed=2**63 - 2, max_tokens=4)
-    admitted = admit(_submit(params=params), (5, 6), LIMITS, waiting=0)
-    assert admitted.sample_ids == sample_ids("r", 3) == ("r-0", "r-1", "r-2")
+    admitted = admit(_submit(params=params), (5, 6), LIMITS, waiting=0, serial=4)
+    assert admitted.sample_ids == sample_ids("r", 3, 4) == ("r#4.0", "r#4.1", "r#4.2")
     assert [s.params.seed for s in admitted.samples] == [2**63 - 2, 2**63 - 1, -(2**63)]
     assert all(s.params.n == 1 for s in admitted.samples)
-    assert [s.wait_for for s in admitted.samples] == [None, "r-0", "r-0"]
+    assert [s.wait_for for s in admitted.samples] == [None, "r#4.0", "r#4.0"]
     assert [(o.request_id, o.index) for o in admitted.outputs] == [("r", 0), ("r", 1), ("r", 2)]
     # With prompt logprobs every sample computes and scores the prompt itself.
-    scored = admit(_submit(params=params.replace(prompt_logprobs=0)), (5, 6), LIMITS, waiting=0)
+    scored = admit(_submit(params=params.replace(prompt_logprobs=0)), (5, 6), LIMITS, waiting=0, serial=0)
     assert [s.wait_for for s in scored.samples] == [None, None, None]
 
 
 def test_limits_raise_the_request_errors() -> None:
     with pytest.raises(QueueFullError):
-        admit(_submit(), (5,), LIMITS, waiting=4)
+        admit(_submit(), (5,), LIMITS, waiting=4, serial=0)
     with pytest.raises(InvalidParamError, match="empty"):
-        admit(_submit(), (), LIMITS, waiting=0)
+        admit(_submit(), (), LIMITS, waiting=0, serial=0)
     with pytest.raises(InvalidParamError, match="outside the vocabulary") as bad:
-        admit(_submit(), (5, 300), LIMITS, waiting=0)
+        admit(_submit(), (5, 300), LIMITS, waiting=0, serial=0)
     assert bad.value.param == "prompt"
     with pytest.raises(InvalidParamError) as bias:
-        admit(_submit(params=SamplingParams(logit_bias={300: 1.0})), (5,), LIMITS, waiting=0)
+        admit(_submit(params=SamplingParams(logit_bias={300: 1.0})), (5,), LIMITS, waiting=0, serial=0)
     assert bias.value.param == "logit_bias"
     with pytest.raises(PromptTooLongError) as too_long:
-        admit(_submit(params=SamplingParams(max_tokens=4)), tuple(range(3, 32)), LIMITS, waiting=0)
+        admit(_submit(params=SamplingParams(max_tokens=4)), tuple(range(3, 32)), LIMITS, waiting=0, serial=0)
     assert (too_long.value.prompt_tokens, too_long.value.max_tokens, too_long.value.max_model_len) == (29, 4, 32)
     with pytest.raises(PromptTooLongError):  # no room left for even one token
-        admit(_submit(params=SamplingParams(max_tokens=None)), tuple(range(3, 35)), LIMITS, waiting=0)
+        admit(_submit(params=SamplingParams(max_tokens=None)), tuple(range(3, 35)), LIMITS, waiting=0, serial=0)
     # Exactly full is fine.
     assert admit(_submit(params=SamplingParams(max_tokens=3)), tuple(range(3, 32)), LIMITS,
-                 waiting=3).samples[0].max_tokens == 3
+                 waiting=3, serial=0).samples[0].max_tokens == 3

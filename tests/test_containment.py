@@ -69,7 +69,7 @@ async def test_an_injected_step_fault_fails_only_that_steps_requests(
         nonlocal faults
         # The step that decodes the victim's 4th token raises (once): by then the others
         # have steps of their own too.
-        victim = [c for c in chunks if c.sample_id == "victim"]
+        victim = [c for c in chunks if c.sample_id.startswith("victim#")]
         if victim and victim[0].start == len(PROMPTS[2]) + 3 and not faults:
             faults += 1
             raise RuntimeError("injected fault")

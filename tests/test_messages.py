@@ -116,7 +116,7 @@ def test_logprobs_of_minus_infinity_survive() -> None:
         "r", 0, "x", (1,), True, "stop", "x",
         (TokenLogprob(1, -math.inf, ((1, -math.inf),)),), Usage(3, 1),
     )
-    assert unpack(pack(OutputBatch((out,)))) == OutputBatch((out,))
+    assert unpack(pack(OutputBatch((out,), ("r#0",)))) == OutputBatch((out,), ("r#0",))
     assert unpack(pack(SampledToken("r", 4, -math.inf, ()))).logprob == -math.inf
 
 

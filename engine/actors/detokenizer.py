@@ -86,7 +86,8 @@ class Detokenizer:
                     await self._to_scheduler.send(hit)
                 if outputs:
                     self._outputs += len(outputs)
-                    await self._to_router.send(OutputBatch(outputs))
+                    await self._to_router.send(
+                        OutputBatch(tuple(o for _, o in outputs), tuple(s for s, _ in outputs)))
 
     def _add(self, spec: DetokenizerRequest) -> None:
         params = spec.params
@@ -103,8 +104,9 @@ class Detokenizer:
 
     def process(
         self, step: StepOutputs
-    ) -> tuple[tuple[RequestOutput, ...], list[StopStringHit]]:
-        """One step's deltas to outputs (pure apart from the per-sample state)."""
+    ) -> tuple[tuple[tuple[str, RequestOutput], ...], list[StopStringHit]]:
+        """One step's deltas to (sample id, output) pairs (pure apart from the per-sample
+        state)."""
         for sample_id, when in step.scheduled:
             sample = self._samples.get(sample_id)
             if sample is not None:
@@ -117,8 +119,8 @@ class Detokenizer:
 
     def _apply(
         self, deltas: Iterable[TokenDelta]
-    ) -> tuple[tuple[RequestOutput, ...], list[StopStringHit]]:
-        outputs: list[RequestOutput] = []
+    ) -> tuple[tuple[tuple[str, RequestOutput], ...], list[StopStringHit]]:
+        outputs: list[tuple[str, RequestOutput]] = []
         hits: list[StopStringHit] = []
         for delta in deltas:
             sample = self._samples.get(delta.sample_id)
@@ -128,7 +130,7 @@ class Detokenizer:
                 # Text held back stays unsent: the router turns this into the caller's
                 # RequestFailedError.
                 del self._samples[delta.sample_id]
-                outputs.append(_failed_output(sample, delta))
+                outputs.append((delta.sample_id, _failed_output(sample, delta)))
                 continue
             output, hit = self._output(sample, delta)
             if output.finished:
@@ -144,7 +146,7 @@ class Detokenizer:
                     # The first output a caller sees carries them; None scores token 0.
                     output = dataclasses.replace(output, prompt_logprobs=(None, *sample.prompt_logprobs))
                     sample.prompt_logprobs = None
-                outputs.append(output)
+                outputs.append((delta.sample_id, output))
         return tuple(outputs), hits
 
     def _output(

@@ -60,8 +60,8 @@ class OutputMailbox:
         self.prompt_token_ids: tuple[int, ...] = admitted.samples[0].prompt_token_ids
         self.state = MailboxState.OPEN
         self.merged = 0  # outputs merged into an unread one, for statistics
-        self._sample_ids = admitted.sample_ids
-        self._unfinished = set(range(len(self._sample_ids)))  # by sample index
+        self.sample_ids = admitted.sample_ids
+        self._unfinished = set(range(len(self.sample_ids)))  # by sample index
         self._abort_sent = False
         self._pending: dict[int, RequestOutput] = {}
         self._failure: BaseException | None = None
@@ -99,7 +99,7 @@ class OutputMailbox:
         if self.state is not MailboxState.OPEN or self._abort_sent:
             return ()
         self._abort_sent = True
-        return tuple(self._sample_ids[i] for i in sorted(self._unfinished))
+        return tuple(self.sample_ids[i] for i in sorted(self._unfinished))
 
     def close(self) -> tuple[str, ...]:
         """The caller left: drop unread outputs; returns the samples to abort."""
@@ -149,16 +149,22 @@ class OutputRouter:
     ) -> None:
         self._inbox = inbox
         self._abort = abort
-        self._mailboxes: dict[str, OutputMailbox] = {}
+        # Keyed by sample id, which admission makes unique in the engine: a caller's request
+        # id is only a label (two requests may share one, and one request's derived ids may
+        # equal another's), so it never decides where an output goes.
+        self._by_sample: dict[str, OutputMailbox] = {}
+        self._mailboxes: set[OutputMailbox] = set()
         self._merged_gone = 0
 
     def open(self, admitted: AdmittedRequest) -> OutputMailbox:
-        """Register a new request's mailbox; the id must not be in use."""
-        if admitted.request_id in self._mailboxes:
-            raise InvalidParamError(
-                f"request id {admitted.request_id!r} is already in use", param="request_id"
-            )
-        mailbox = self._mailboxes[admitted.request_id] = OutputMailbox(admitted)
+        """Register a new request's mailbox under its sample ids (unique by construction)."""
+        taken = [s for s in admitted.sample_ids if s in self._by_sample]
+        if taken:  # cannot happen: admission numbers every request; refuse rather than misroute
+            raise InvalidParamError(f"sample id {taken[0]!r} is already in use", param="request_id")
+        mailbox = OutputMailbox(admitted)
+        self._mailboxes.add(mailbox)
+        for sample_id in admitted.sample_ids:
+            self._by_sample[sample_id] = mailbox
         return mailbox
 
     def close(self, mailbox: OutputMailbox) -> tuple[str, ...]:
@@ -166,34 +172,37 @@ class OutputRouter:
         self._forget(mailbox)
         return mailbox.close()
 
-    def get(self, request_id: str) -> OutputMailbox | None:
-        return self._mailboxes.get(request_id)
+    def find(self, request_id: str) -> list[OutputMailbox]:
+        """The open requests submitted under ``request_id`` (any number: ids are labels)."""
+        return [m for m in self._mailboxes if m.request_id == request_id]
 
     def fail_all(self, error: BaseException) -> None:
         """Fail every open request with ``error`` (the engine died or closed)."""
-        for mailbox in list(self._mailboxes.values()):
+        for mailbox in list(self._mailboxes):
             mailbox.fail(error)
             self._forget(mailbox)
 
     def statistics(self) -> RouterStatistics:
-        boxes = self._mailboxes.values()
+        boxes = self._mailboxes
         return RouterStatistics(
-            open_requests=len(self._mailboxes),
+            open_requests=len(boxes),
             pending_outputs=sum(b.pending for b in boxes),
             merged_outputs=self._merged_gone + sum(b.merged for b in boxes),
         )
 
     def _forget(self, mailbox: OutputMailbox) -> None:
-        if self._mailboxes.get(mailbox.request_id) is mailbox:
-            del self._mailboxes[mailbox.request_id]
+        if mailbox in self._mailboxes:
+            self._mailboxes.discard(mailbox)
+            for sample_id in mailbox.sample_ids:
+                del self._by_sample[sample_id]
             self._merged_gone += mailbox.merged
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with self._inbox:
             task_status.started()
             async for batch in self._inbox:
-                for output in batch.outputs:
-                    mailbox = self._mailboxes.get(output.request_id)
+                for sample_id, output in zip(batch.sample_ids, batch.outputs, strict=True):
+                    mailbox = self._by_sample.get(sample_id)
                     if mailbox is None:
                         continue  # its caller left; the request was aborted
                     if output.finish_reason == "error":

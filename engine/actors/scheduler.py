@@ -199,9 +199,9 @@ class SchedulerActor:
             try:
                 self._core.add_request(sample)
             except RequestError:
-                # Admission checked every limit; only a sample id still live (a caller's
-                # id reused before its aborted samples finished) lands here. The sample
-                # ends at once rather than crashing the engine.
+                # Admission checked every limit and numbered the sample ids, so nothing
+                # should land here; if something does, the sample ends at once rather
+                # than crashing the engine.
                 refused.append(sample.sample_id)
         self._arriving -= len(request.samples)  # counted from here on by the core
         if refused:

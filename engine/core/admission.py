@@ -56,9 +56,16 @@ class AdmissionLimits:
     eos_token_ids: tuple[int, ...]
 
 
-def sample_ids(request_id: str, n: int) -> tuple[str, ...]:
-    """The engine ids of a request's samples: the id itself, or ``f"{id}-{i}"`` for n > 1."""
-    return (request_id,) if n == 1 else tuple(f"{request_id}-{i}" for i in range(n))
+def sample_ids(request_id: str, n: int, serial: int) -> tuple[str, ...]:
+    """The engine ids of a request's samples: ``{id}#{serial}``, or ``{id}#{serial}.{i}``
+    for sample ``i`` of n > 1, where ``serial`` numbers the engine's requests.
+
+    Unique by construction, whatever ids callers choose: the text after the last ``#`` is
+    digits and dots (the caller's id may hold ``#`` but nothing of it follows ours), so it
+    gives back the serial and the index, and two requests never share a serial. A caller's
+    id is kept in front so logs still name the request."""
+    base = f"{request_id}#{serial}"
+    return (base,) if n == 1 else tuple(f"{base}.{i}" for i in range(n))
 
 
 def submit_request(
@@ -163,11 +170,14 @@ def compile_structured(grammar: GrammarCompiler | None, params: SamplingParams) 
 
 
 def admit(
-    submit: SubmitRequest, ids: tuple[int, ...], limits: AdmissionLimits, *, waiting: int
+    submit: SubmitRequest, ids: tuple[int, ...], limits: AdmissionLimits, *, waiting: int,
+    serial: int,
 ) -> AdmittedRequest:
     """Check a tokenized request against the engine's limits and expand it into samples.
 
-    ``waiting`` is how many samples wait to be scheduled now (admission control)."""
+    ``waiting`` is how many samples wait to be scheduled now (admission control);
+    ``serial`` is this request's number, never given to another request of the engine (it
+    makes the sample ids unique: :func:`sample_ids`)."""
     if waiting >= limits.max_queued_requests:
         raise QueueFullError(
             f"{limits.max_queued_requests} requests are already waiting; try again later"
@@ -193,7 +203,7 @@ def admit(
             f"min_tokens ({submit.params.min_tokens}) exceeds the {room} tokens the context "
             f"leaves after the {len(ids)}-token prompt", param="min_tokens",
         )
-    return _expand(submit, ids, max_tokens if max_tokens is not None else room, limits)
+    return _expand(submit, ids, max_tokens if max_tokens is not None else room, limits, serial)
 
 
 def _check_model_ranges(params: SamplingParams, limits: AdmissionLimits) -> None:
@@ -226,9 +236,10 @@ def _check_model_ranges(params: SamplingParams, limits: AdmissionLimits) -> None
 
 
 def _expand(
-    submit: SubmitRequest, ids: tuple[int, ...], max_tokens: int, limits: AdmissionLimits
+    submit: SubmitRequest, ids: tuple[int, ...], max_tokens: int, limits: AdmissionLimits,
+    serial: int,
 ) -> AdmittedRequest:
-    names = sample_ids(submit.request_id, submit.params.n)
+    names = sample_ids(submit.request_id, submit.params.n, serial)
     # Samples after the first wait until the first has computed (and cached) the prompt's
     # full blocks, then take them from the prefix cache; with prompt_logprobs each computes
     # (and scores) the prompt itself.
