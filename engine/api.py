@@ -31,8 +31,9 @@ from engine.chat import session as chat_session
 from engine.chat.request import TemplateOptions
 from engine.chat.session import ChatChunk, ChatResult
 from engine.config import EngineConfig
-from engine.core import admission
-from engine.errors import ConfigError, EngineDeadError, RequestFailedError
+from engine.core import admission, pooling
+from engine.core.pooling import Pooled
+from engine.errors import ConfigError, EngineDeadError, InvalidParamError, RequestFailedError
 from engine.loading import EngineParts, build_parts
 from engine.messages import RequestOutput
 from engine.params import SamplingParams, generation_defaults
@@ -123,6 +124,8 @@ class EngineLike(Protocol):
     dead_reason: BaseException | None
     restarting: bool  # the actors are restarting after a crash (/health answers 503)
     restarts: int  # in-place restarts so far (engine:engine_restarts_total)
+    # A pooling model's PoolerConfig (task "embed" or "classify"); None: it generates.
+    pooler: Any
 
     async def submit(
         self,
@@ -136,6 +139,18 @@ class EngineLike(Protocol):
     ) -> StreamLike: ...
 
     def abort(self, request_id: str) -> None: ...
+
+    async def embed(
+        self, input: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]], *,
+        dimensions: int | None = None, truncate_prompt_tokens: int | None = None,
+        request_id: str | None = None, priority: int = 0,
+    ) -> list[Pooled]: ...
+
+    async def score(
+        self, first: str | Sequence[str], second: str | Sequence[str], *,
+        truncate_prompt_tokens: int | None = None, request_id: str | None = None,
+        priority: int = 0,
+    ) -> list[tuple[float, int]]: ...
 
     def statistics(self) -> EngineStatistics: ...
 
@@ -190,6 +205,7 @@ class Engine:
         self.sampling_defaults: dict[str, Any] = (
             generation_defaults(dict(parts.tokenizer.generation_config))
             if parts.config.generation_config == "auto" else {})
+        self.pooler = parts.pooler
         self.dead = False
         self.dead_reason: BaseException | None = None
         # Self-healing: a crash restarts the actors in place (weights kept, a fresh KV pool
@@ -230,6 +246,11 @@ class Engine:
         """
         await trio.lowlevel.checkpoint()
         self._alive()
+        if self.pooler is not None:
+            raise InvalidParamError(
+                f"the model {self.model_name} is a pooling model ({self.pooler.task}): it does "
+                f"not generate text; use {'embed' if self.pooler.task == 'embed' else 'score'}",
+                param="model")
         if params is None:
             params = SamplingParams(**self.sampling_defaults)
         submit = admission.submit_request(
@@ -288,6 +309,117 @@ class Engine:
                     **options: Any) -> AsyncIterator[ChatChunk]:
         """:meth:`chat` streamed as :class:`engine.chat.session.ChatChunk` values."""
         return chat_session.chat_stream(self, messages, params, **options)
+
+    # -- pooling ---------------------------------------------------------------------------
+
+    async def embed(
+        self, input: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]], *,
+        dimensions: int | None = None, truncate_prompt_tokens: int | None = None,
+        request_id: str | None = None, priority: int = 0,
+    ) -> list[Pooled]:
+        """Embed a string, a list of token ids, or a list of either (one embedding each,
+        in order). The inputs run as separate requests batched into the same steps.
+
+        ``dimensions`` keeps the first N values (normalised again) where the model is a
+        Matryoshka model, else :class:`InvalidParamError`; ``truncate_prompt_tokens`` as
+        vLLM's (keep the last k tokens; -1: the model's limit). An input longer than the
+        model takes raises :class:`InputTooLongError` naming the limit."""
+        pooler = self._pooler("embed", "embed")
+        pooling.check_dimensions(dimensions, pooler.matryoshka_dimensions, pooler.size)
+        items = _inputs(input)
+        ids = [pooling.input_ids(self.tokenizer, item, truncate=truncate_prompt_tokens,
+                                 max_model_len=self.max_model_len) for item in items]
+        pooled = await self.pool(ids, request_id=request_id, priority=priority)
+        return [pooling.shorten(p, dimensions, pooler.normalize) for p in pooled]
+
+    async def score(
+        self, first: str | Sequence[str], second: str | Sequence[str], *,
+        truncate_prompt_tokens: int | None = None, request_id: str | None = None,
+        priority: int = 0,
+    ) -> list[tuple[float, int]]:
+        """``(score, input tokens)`` of each pair: ``first`` against every ``second`` when
+        ``first`` is one text, else pairwise (equal lengths). An embedding model scores
+        by cosine similarity; a cross-encoder reads each pair together and scores it by the
+        sigmoid of its logit, as sentence-transformers' CrossEncoder."""
+        pooler = self._pooler("score", None)
+        firsts = [first] if isinstance(first, str) else list(first)
+        seconds = [second] if isinstance(second, str) else list(second)
+        if not seconds or not firsts or not all(isinstance(t, str) for t in firsts + seconds):
+            raise InvalidParamError("score needs non-empty texts", param="text_1")
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        elif len(firsts) != len(seconds):
+            raise InvalidParamError(
+                f"text_1 has {len(firsts)} texts and text_2 {len(seconds)}: give one text_1 or "
+                "as many as text_2", param="text_2")
+        if pooler.task == "classify":
+            if pooler.size != 1:
+                raise InvalidParamError(
+                    f"score needs a cross-encoder with one output label; this model has "
+                    f"{pooler.size}", param="model")
+            ids = [pooling.pair_ids(self.tokenizer, a, b, truncate=truncate_prompt_tokens,
+                                    max_model_len=self.max_model_len)
+                   for a, b in zip(firsts, seconds, strict=True)]
+            pooled = await self.pool(ids, request_id=request_id, priority=priority)
+            return [(pooling.classifier_score(p), p.prompt_tokens) for p in pooled]
+        texts = list(dict.fromkeys(firsts + seconds))
+        ids = [pooling.input_ids(self.tokenizer, t, truncate=truncate_prompt_tokens,
+                                 max_model_len=self.max_model_len) for t in texts]
+        by_text = dict(zip(texts, await self.pool(ids, request_id=request_id, priority=priority),
+                           strict=True))
+        return [(pooling.cosine(by_text[a], by_text[b]),
+                 by_text[a].prompt_tokens + by_text[b].prompt_tokens)
+                for a, b in zip(firsts, seconds, strict=True)]
+
+    async def pool(
+        self, prompts: Sequence[tuple[int, ...]], *, request_id: str | None = None,
+        priority: int = 0,
+    ) -> list[Pooled]:
+        """Run token-id prompts through a pooling model; their pooled outputs in order.
+        All are admitted before any is awaited, so they share steps; leaving early (a
+        cancellation, one failing) aborts the rest and frees their blocks."""
+        await trio.lowlevel.checkpoint()
+        if self.pooler is None:
+            raise InvalidParamError(f"the model {self.model_name} generates; it has no pooler",
+                                    param="model")
+        base = request_id if request_id is not None else uuid.uuid4().hex
+        streams: list[RequestStream] = []
+        try:
+            for i, ids in enumerate(prompts):
+                handles = self._alive()
+                admitted = pooling.admit(
+                    base if len(prompts) == 1 else f"{base}-{i}", tuple(ids), self._parts.limits,
+                    waiting=handles.queue_depth(), priority=priority, arrival_time=time.monotonic())
+                mailbox = handles.router.open(admitted)
+                try:
+                    handles.send(admitted)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    handles.router.close(mailbox)
+                    raise self._dead_error() from self.dead_reason
+                streams.append(RequestStream(self, mailbox))
+            results = []
+            for stream in streams:
+                data = None
+                async for out in stream:
+                    data = out.pooled
+                if data is None:
+                    raise RequestFailedError("the request ended without a pooled output")
+                results.append(Pooled(data, len(stream.prompt_token_ids)))
+            return results
+        finally:
+            for stream in streams:
+                stream._release()
+
+    def _pooler(self, what: str, task: str | None) -> Any:
+        """The pooler, if this model can ``what`` (``task``: the task it needs, None: any)."""
+        self._alive()
+        if self.pooler is None or (task is not None and self.pooler.task != task):
+            kind = "a generation model" if self.pooler is None else f"a {self.pooler.task} model"
+            hint = ("; serve it with --convert embed to use it as an embedder"
+                    if self.pooler is None and what == "embed" else "")
+            raise InvalidParamError(f"the model {self.model_name} is {kind}: it does not "
+                                    f"{what}{hint}", param="model")
+        return self.pooler
 
     def abort(self, request_id: str) -> None:
         """Abort from outside their streams every open request submitted under
@@ -411,6 +543,22 @@ class Engine:
 _CONSEQUENCES = (trio.BrokenResourceError, trio.ClosedResourceError, trio.EndOfChannel)
 
 
+def _inputs(input: Any) -> list[str | Sequence[int]]:
+    """OpenAI's ``input``: a string, token ids, or a non-empty list of either."""
+    if isinstance(input, str):
+        return [input]
+    if isinstance(input, (list, tuple)) and input:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in input):
+            return [tuple(input)]
+        if all(isinstance(t, str) for t in input):
+            return list(input)
+        if all(isinstance(x, (list, tuple)) and x and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in x) for x in input):
+            return [tuple(x) for x in input]
+    raise InvalidParamError("input must be a string, a list of token ids, or a non-empty list "
+                            "of strings or of token-id lists", param="input")
+
+
 def _single(group: BaseExceptionGroup[Exception]) -> BaseException:
     """The crash inside nested groups, or the group when several actors failed on their own."""
     leaves = list(_leaves(group))
@@ -476,6 +624,7 @@ __all__ = [
     "Engine",
     "EngineLike",
     "EngineStatistics",
+    "Pooled",
     "RequestOutput",
     "RequestStream",
     "StreamLike",

@@ -139,6 +139,22 @@ class EngineConfig:
         "the JSON schemas xgrammar refuses), xgrammar or guidance (llguidance)",
         choices=STRUCTURED_OUTPUTS_BACKENDS)
 
+    # Pooling models (engine.models.pooling): the task is read from the model's files;
+    # these override it, as vLLM's --runner / --convert and pooler config do.
+    runner: str = _field(
+        "auto", "auto: the model's files decide (BERT and sentence-transformers folders "
+        "pool, causal LMs generate); pooling: serve a causal LM as an embedder; generate",
+        choices=("auto", "generate", "pooling"))
+    convert: str = _field(
+        "auto", "embed: run a causal LM as an embedding model (its last hidden states, "
+        "pooled); none: never", choices=("auto", "none", "embed"))
+    pooling_type: str = _field(
+        "auto", "how an embedder pools a prompt's hidden states", choices=("auto", "cls", "mean", "max", "last"),
+        default_text="auto: sentence-transformers' 1_Pooling, else cls for BERT and last for a decoder")
+    pooling_normalize: bool | None = _field(
+        None, "L2-normalise embeddings",
+        default_text="the model's files: sentence-transformers' Normalize module, else on")
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             choices = f.metadata["flag"].choices

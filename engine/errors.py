@@ -64,6 +64,21 @@ class PromptTooLongError(RequestError):
         self.max_model_len = max_model_len
 
 
+class InputTooLongError(PromptTooLongError):
+    """A pooling model's input (embed, score, rerank) is longer than it takes."""
+
+    def __init__(self, *, prompt_tokens: int, max_model_len: int, param: str = "input") -> None:
+        RequestError.__init__(
+            self,
+            f"This model's maximum input length is {max_model_len} tokens. However, an input "
+            f"has {prompt_tokens} tokens. Please shorten it, or set truncate_prompt_tokens.",
+            param=param,
+        )
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = 0
+        self.max_model_len = max_model_len
+
+
 class QueueFullError(EngineError):
     """Admission control: the waiting queue is at its limit. Try again later (HTTP 429)."""
 

@@ -38,6 +38,7 @@ class EngineParts:
     runner: Any  # engine.runner.model_runner.ModelRunner
     num_blocks: int
     grammar: Any = None  # engine.structured.GrammarBackend: compiles structured outputs
+    pooler: Any = None  # engine.models.pooling.PoolerConfig of a pooling model, else None
 
 
 def build_parts(config: EngineConfig) -> EngineParts:
@@ -47,9 +48,10 @@ def build_parts(config: EngineConfig) -> EngineParts:
     its time on the ``engine`` logger.
     """
     from engine.models.loader import load_model, resolve_model
+    from engine.models.pooling import pooler_config
     from engine.models.tokenizer import Tokenizer
     from engine.ops import get_ops
-    from engine.runner.kv_cache import bytes_per_block, num_kv_blocks
+    from engine.runner.kv_cache import num_kv_blocks
     from engine.runner.model_runner import ModelRunner
     from engine.structured import GrammarBackend
 
@@ -67,11 +69,19 @@ def build_parts(config: EngineConfig) -> EngineParts:
     tokenizer = Tokenizer.from_folder(loaded.folder)
     t2 = time.perf_counter()
     logger.info("tokenizer ready in %.2f s", t2 - t1)
-    config, num_blocks = _size_kv_pool(config, loaded, device, num_kv_blocks)
+    pooler = pooler_config(loaded.config, loaded.folder, runner=config.runner, convert=config.convert,
+                           pooling_type=config.pooling_type, normalize=config.pooling_normalize)
+    if loaded.config.is_encoder:
+        loaded = _with_sep(loaded, tokenizer)
+        config, num_blocks = _size_encoder(config, loaded, pooler)
+    else:
+        config, num_blocks = _size_kv_pool(config, loaded, device, num_kv_blocks, pooler)
     eos_ids = _eos_ids(loaded, tokenizer)
-    # Built once here: the grammar backends read every vocabulary entry's bytes.
-    grammar = GrammarBackend(tokenizer, vocab_size=loaded.config.vocab_size,
-                             stop_token_ids=eos_ids, backend=config.structured_outputs_backend)
+    # Built once here: the grammar backends read every vocabulary entry's bytes. A pooling
+    # model samples nothing, so it needs none.
+    grammar = None if pooler is not None else GrammarBackend(
+        tokenizer, vocab_size=loaded.config.vocab_size, stop_token_ids=eos_ids,
+        backend=config.structured_outputs_backend)
     runner = ModelRunner(
         loaded,
         device=device,
@@ -83,9 +93,34 @@ def build_parts(config: EngineConfig) -> EngineParts:
         seed=config.seed,
         kv_cache_dtype=config.kv_cache_dtype,
         grammar=grammar,
+        pooler=pooler,
     )
     t3 = time.perf_counter()
     _log_weight_bytes(loaded, runner)
+    if not runner.paged_kv:
+        logger.info("encoder: no KV cache; max_model_len %d; runner built in %.2f s",
+                    config.max_model_len, t3 - t2)
+    else:
+        _log_kv_pool(config, loaded, device, num_blocks, t3 - t2)
+    runner.warm_up()
+    logger.info("warm-up in %.2f s", time.perf_counter() - t3)
+    limits = AdmissionLimits(
+        max_model_len=config.max_model_len or 0,
+        vocab_size=loaded.config.vocab_size,
+        max_queued_requests=config.max_queued_requests,
+        eos_token_ids=eos_ids,
+    )
+    name = config.served_model_name or _model_name(config.model, path)
+    if pooler is not None:
+        logger.info("pooling model: %s (%s pooling%s, %d values per input)", pooler.task,
+                    pooler.pooling, ", normalized" if pooler.normalize else "", pooler.size)
+    return EngineParts(config, name, tokenizer, limits, runner, num_blocks, grammar, pooler)
+
+
+def _log_kv_pool(config: EngineConfig, loaded: Any, device: torch.device, num_blocks: int,
+                 seconds: float) -> None:
+    from engine.runner.kv_cache import bytes_per_block
+
     logger.info(
         "KV pool: %d blocks of %d tokens (%d tokens, %s, %.0f MiB%s), max_model_len %d; "
         "runner built in %.2f s",
@@ -95,18 +130,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
             loaded.config, loaded.dtype, config.block_size, kv_cache_dtype=config.kv_cache_dtype
         ) / 2**20,
         ", resident as blocks are used" if device.type == "cpu" else "",
-        config.max_model_len, t3 - t2,
+        config.max_model_len, seconds,
     )
-    runner.warm_up()
-    logger.info("warm-up (one prefill and one decode step) in %.2f s", time.perf_counter() - t3)
-    limits = AdmissionLimits(
-        max_model_len=config.max_model_len or 0,
-        vocab_size=loaded.config.vocab_size,
-        max_queued_requests=config.max_queued_requests,
-        eos_token_ids=eos_ids,
-    )
-    name = config.served_model_name or _model_name(config.model, path)
-    return EngineParts(config, name, tokenizer, limits, runner, num_blocks, grammar)
 
 
 def _log_weight_bytes(loaded: Any, runner: Any) -> None:
@@ -125,11 +150,44 @@ def _device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def _with_sep(loaded: Any, tokenizer: Any) -> Any:
+    """The loaded encoder with its [SEP] id, which marks where a pair's segment B starts."""
+    sep = tokenizer.token_to_id("[SEP]")
+    return dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, sep_token_id=sep))
+
+
+def _model_max_len(loaded: Any, pooler: Any) -> int:
+    """The model's context: its positions, or sentence-transformers' max_seq_length."""
+    model_max = loaded.config.max_position_embeddings
+    if pooler is not None and pooler.max_seq_length:
+        model_max = min(model_max, pooler.max_seq_length)
+    return int(model_max)
+
+
+def _size_encoder(config: EngineConfig, loaded: Any, pooler: Any) -> tuple[EngineConfig, int]:
+    """An encoder's max_model_len; it has no KV pool (the block count stays a nominal 1
+    for the allocator, which no request calls)."""
+    model_max = _model_max_len(loaded, pooler)
+    wanted = config.max_model_len
+    if wanted is not None and wanted > model_max:
+        raise ConfigError(f"max_model_len {wanted} exceeds the model's {model_max} tokens",
+                          field="max_model_len")
+    max_len = wanted or model_max
+    if max_len > config.max_num_batched_tokens:
+        # Every token attends to every token of its input: no chunking, one step each.
+        raise ConfigError(
+            f"a bidirectional encoder runs each input whole in one step: max_num_batched_tokens "
+            f"({config.max_num_batched_tokens}) must be at least max_model_len ({max_len})",
+            field="max_num_batched_tokens")
+    return dataclasses.replace(config, max_model_len=max_len), 1
+
+
 def _size_kv_pool(
-    config: EngineConfig, loaded: Any, device: torch.device, num_kv_blocks: Callable[..., int]
+    config: EngineConfig, loaded: Any, device: torch.device, num_kv_blocks: Callable[..., int],
+    pooler: Any = None,
 ) -> tuple[EngineConfig, int]:
     """The pool size, and max_model_len: the model's, capped by what the pool holds."""
-    model_max = loaded.config.max_position_embeddings
+    model_max = _model_max_len(loaded, pooler)
     wanted = config.max_model_len
     if wanted is not None and wanted > model_max:
         raise ConfigError(

@@ -85,6 +85,16 @@ class RequestFailure:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class PooledOutput:
+    """A pooling model's output for one request whose prompt this step finished: its
+    embedding (or a classifier's logits) as little-endian float32 bytes (compact to pack,
+    and what base64 ``encoding_format`` sends as is)."""
+
+    sample_id: str
+    data: bytes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class StepResult:
     step_id: int
     sampled: tuple[SampledToken, ...]
@@ -94,6 +104,8 @@ class StepResult:
     # Requests of this step that failed: they drew no token and their chunk's KV writes
     # must not be cached; the runner has dropped their state.
     failed: tuple[RequestFailure, ...] = ()
+    # Pooling models: the outputs of requests whose last prompt chunk ran in this step.
+    pooled: tuple[PooledOutput, ...] = ()
 
 
 # --- what a caller submits (no actor: engine/core/admission.py checks it in its task) ----
@@ -220,6 +232,7 @@ class TokenDelta:
     # inside the detokenizer only, for a SamplesAborted)
     stop_reason: str | int | None  # the stop token id that ended it; "error": the reason
     num_cached_tokens: int = 0  # prompt tokens its first table took from the prefix cache
+    pooled: bytes | None = None  # a pooling request's output (float32 bytes), on its last delta
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -282,6 +295,9 @@ class RequestOutput:
     # On a sample's first output: when (time.monotonic()) the scheduler first gave it a
     # step, so a front end can tell queueing from prefill.
     scheduled_time: float | None = None
+    # A pooling request's output: little-endian float32 bytes (the embedding, or a
+    # classifier's logits), on its one, finished output.
+    pooled: bytes | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

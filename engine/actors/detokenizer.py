@@ -186,6 +186,7 @@ class Detokenizer:
                 logprobs=_logprobs(delta) if spec.params.logprobs is not None else None,
                 usage=Usage(len(spec.prompt_token_ids), sample.completion_tokens,
                             delta.num_cached_tokens) if finished else None,
+                pooled=delta.pooled,
             ),
             hit,
         )

@@ -93,6 +93,7 @@ async def run_actors(parts: EngineParts, *, ready: Callable[[ActorHandles], None
                 SchedulerConfig.from_engine_config(
                     config, max_model_len=parts.limits.max_model_len, num_kv_blocks=parts.num_blocks,
                     sliding_window=parts.runner.config.released_window,
+                    pooling=parts.pooler is not None, paged_kv=parts.runner.paged_kv,
                 )
             ),
             inbox=sched_recv,

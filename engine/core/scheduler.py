@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable, Generator, Iterable
 from engine.config import EngineConfig
 from engine.core.block_pool import BlockPool
 from engine.core.request import ProtocolError, Request, RequestStatus
-from engine.errors import InvalidParamError, PromptTooLongError
+from engine.errors import InputTooLongError, InvalidParamError, PromptTooLongError
 from engine.messages import (
     NULL_BLOCK,
     AllocateSlots,
@@ -75,6 +75,12 @@ class SchedulerConfig:
     # The window every layer of the model slides (0: some layer attends to everything).
     # Blocks wholly before a request's next window are released to the pool as it grows.
     sliding_window: int = 0
+    # A pooling model: a request ends once its prompt is computed (the runner pools it in
+    # the step of its last chunk), with no token drawn; its blocks are freed then.
+    pooling: bool = False
+    # False for a bidirectional encoder: no KV cache at all, so no allocator call, and a
+    # prompt runs whole in one step (it cannot be chunked: every token sees every token).
+    paged_kv: bool = True
 
     def __post_init__(self) -> None:
         # A plain ValueError: EngineConfig has checked the user's options and the KV sizing
@@ -88,7 +94,8 @@ class SchedulerConfig:
 
     @classmethod
     def from_engine_config(
-        cls, config: EngineConfig, *, max_model_len: int, num_kv_blocks: int, sliding_window: int = 0
+        cls, config: EngineConfig, *, max_model_len: int, num_kv_blocks: int, sliding_window: int = 0,
+        pooling: bool = False, paged_kv: bool = True,
     ) -> SchedulerConfig:
         """Take the scheduling fields of ``config``; the context length, the pool size and
         the window are resolved elsewhere (from the model and the memory budget)."""
@@ -101,11 +108,15 @@ class SchedulerConfig:
             policy=config.scheduling_policy,
             enable_prefix_caching=config.enable_prefix_caching,
             sliding_window=sliding_window,
+            pooling=pooling,
+            paged_kv=paged_kv,
         )
 
     @property
     def max_request_len(self) -> int:
         """Prompt plus outputs of one request: the context, or the whole pool if smaller."""
+        if not self.paged_kv:
+            return self.max_model_len
         return min(self.max_model_len, self.num_kv_blocks * self.block_size)
 
 
@@ -179,13 +190,20 @@ class Scheduler:
         if request.max_tokens < 1:
             raise InvalidParamError(f"max_tokens must be >= 1, got {request.max_tokens}", param="max_tokens")
         limit = self.config.max_request_len
-        if prompt_len >= limit:
+        # A pooling request draws no token: its prompt may fill the context.
+        if self.config.pooling:
+            if not self.config.paged_kv:  # whole in one step
+                limit = min(limit, self.config.max_num_batched_tokens)
+            if prompt_len > limit:
+                raise InputTooLongError(prompt_tokens=prompt_len, max_model_len=limit)
+        elif prompt_len >= limit:
             raise PromptTooLongError(prompt_tokens=prompt_len, max_tokens=request.max_tokens, max_model_len=limit)
         req = Request(
             request.sample_id,
             request.prompt_token_ids,
             request.params,
-            max_tokens=min(request.max_tokens, limit - prompt_len),
+            # Pooling: one "sample" step (the pooled output), whatever the caller asked.
+            max_tokens=1 if self.config.pooling else min(request.max_tokens, limit - prompt_len),
             eos_token_ids=request.eos_token_ids,
             priority=request.priority,
             arrival=self._next_arrival,
@@ -282,8 +300,16 @@ class Scheduler:
                 continue
             # A prompt_logprobs request computes every prompt position: a cached block's
             # logits would be missing.
-            lookup = self.config.enable_prefix_caching and req.params.prompt_logprobs is None
-            reply = yield self._allocate_call(req, step.budget, lookup=lookup)
+            # A pooling request pools every position (mean, max) or at least the last: its
+            # hidden states, not the cache's K/V, are what it needs.
+            lookup = (self.config.enable_prefix_caching and req.params.prompt_logprobs is None
+                      and not self.config.pooling)
+            if not self.config.paged_kv:
+                if req.num_prompt_tokens > step.budget:
+                    return  # whole prompts only; it goes first in the next step
+                reply: AllocatorReply = SlotsAllocated(req.sample_id, 0, req.num_prompt_tokens, ())
+            else:
+                reply = yield self._allocate_call(req, step.budget, lookup=lookup)
             if not isinstance(reply, SlotsAllocated):
                 if not self._running:
                     raise _too_small(req, reply)
@@ -385,6 +411,7 @@ class Scheduler:
             return SchedulerUpdate((), ())
         sampled = {s.sample_id: s for s in result.sampled}
         failed = {f.sample_id: f.reason for f in result.failed}
+        pooled = {p.sample_id: p.data for p in result.pooled}
         deltas: list[TokenDelta] = []
         calls: list[AllocatorCall] = []
         for chunk in plan.chunks:
@@ -399,7 +426,14 @@ class Scheduler:
                 continue
             if epochs[chunk.sample_id] == req.num_preemptions:
                 calls.extend(self._computed(req, chunk.start + chunk.num_tokens))
-            if chunk.sample:
+            if chunk.sample and self.config.pooling:
+                req.num_pending_tokens -= 1
+                data = pooled.get(chunk.sample_id)
+                if data is None:
+                    raise ProtocolError(f"step {plan.step_id} pooled nothing for {chunk.sample_id!r}")
+                calls.extend(self._finish(req, RequestStatus.FINISHED_STOPPED))
+                deltas.append(TokenDelta(req.sample_id, (), (), "stop", None, pooled=data))
+            elif chunk.sample:
                 req.num_pending_tokens -= 1
                 token = sampled.get(chunk.sample_id)
                 if token is None:
@@ -412,7 +446,7 @@ class Scheduler:
         waiting for this prompt."""
         if end >= req.num_prompt_tokens:
             self._release_waiters(req.sample_id)
-        if not self.config.enable_prefix_caching:
+        if not self.config.enable_prefix_caching or not self.config.paged_kv:
             return []
         bs = self.config.block_size
         full = min(end, req.num_prompt_tokens + len(req.output_token_ids)) // bs

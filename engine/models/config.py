@@ -27,6 +27,14 @@ SUPPORTED_ARCHITECTURES = {
 
 GEMMA_FAMILY = frozenset({"gemma2", "gemma3"})
 
+# Bidirectional encoders (models/bert.py): no causal mask and no paged KV cache, so a
+# prompt runs whole in one step. BertModel is an embedder (sentence-transformers folders
+# add their pooling), BertForSequenceClassification a cross-encoder (reranker).
+ENCODER_ARCHITECTURES = {
+    "BertModel": "bert",
+    "BertForSequenceClassification": "bert_classifier",
+}
+
 # The rope_scaling types models/rope.py computes (``su`` is Phi-3's older name of longrope).
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope", "su")
 
@@ -134,6 +142,21 @@ class ModelConfig:
     # None: every layer uses rope_theta and rope_scaling.
     rope_local_theta: float | None = None
     moe: MoeConfig | None = None  # the sparse MLP of a mixture-of-experts model
+    # Encoders (ENCODER_ARCHITECTURES): learned absolute positions, token types, LayerNorm.
+    type_vocab_size: int = 0
+    # Output classes of a sequence classifier (cross-encoder); 0 for other models.
+    num_labels: int = 0
+    # The [SEP] id that closes segment A of a BERT pair: token types are 1 after it. Set by
+    # the loader from the tokenizer (config.json does not name it); None: single segments.
+    sep_token_id: int | None = None
+    # The embedding may be cut to its first N dimensions (Matryoshka training), as
+    # config.json's is_matryoshka / matryoshka_dimensions say; None: every dimension only.
+    matryoshka_dimensions: tuple[int, ...] | None = None
+
+    @property
+    def is_encoder(self) -> bool:
+        """A bidirectional encoder: no KV cache, no chunking, no generation."""
+        return self.architecture in ENCODER_ARCHITECTURES.values()
 
     @property
     def released_window(self) -> int:
@@ -146,11 +169,14 @@ class ModelConfig:
     def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
         """Build from a parsed ``config.json``; raises a typed error naming the problem."""
         archs = raw.get("architectures") or []
+        encoder = next((ENCODER_ARCHITECTURES[a] for a in archs if a in ENCODER_ARCHITECTURES), None)
+        if encoder is not None:
+            return _encoder_config(raw, encoder)
         arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise UnsupportedModelError(
                 f"unsupported architecture {archs or raw.get('model_type')!r}; supported: "
-                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+                f"{', '.join(sorted({**SUPPORTED_ARCHITECTURES, **ENCODER_ARCHITECTURES}))}"
             )
         try:
             heads = int(raw["num_attention_heads"])
@@ -193,6 +219,7 @@ class ModelConfig:
                 final_logit_softcapping=float(raw.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
                 rope_local_theta=local_theta,
                 moe=MoeConfig.from_hf(raw, arch, int(raw["num_hidden_layers"])),
+                matryoshka_dimensions=_matryoshka(raw, hidden),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptModelError(f"config.json is missing or has a bad field: {exc}") from exc
@@ -290,3 +317,59 @@ def _activation(raw: dict[str, Any], arch: str) -> str:
             f"hidden activation {name!r} is not supported; supported: {', '.join(_ACTIVATIONS)}"
         )
     return _ACTIVATIONS[name]
+
+
+def _matryoshka(raw: dict[str, Any], hidden: int) -> tuple[int, ...] | None:
+    """The dimensions an embedding may be cut to: config.json's ``matryoshka_dimensions``,
+    or any up to ``hidden_size`` with ``is_matryoshka`` (vLLM reads the same two fields)."""
+    dims = raw.get("matryoshka_dimensions")
+    if dims:
+        return tuple(sorted(int(d) for d in dims))
+    if raw.get("is_matryoshka"):
+        return tuple(range(1, hidden + 1))
+    return None
+
+
+def _encoder_config(raw: dict[str, Any], arch: str) -> ModelConfig:
+    """A BERT encoder's shape in the decoder's terms (the fields that mean nothing to it,
+    RoPE and windows, stay neutral)."""
+    if raw.get("position_embedding_type", "absolute") != "absolute":
+        raise UnsupportedModelError(
+            f"position_embedding_type {raw['position_embedding_type']!r} is not supported; "
+            "BERT models with absolute positions are")
+    act = raw.get("hidden_act", "gelu")
+    if act != "gelu":
+        raise UnsupportedModelError(f"hidden_act {act!r} is not supported for BERT; gelu is")
+    try:
+        heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        layers = int(raw["num_hidden_layers"])
+        labels = len(raw["id2label"]) if raw.get("id2label") else int(raw.get("num_labels", 2))
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            head_dim=hidden // heads,
+            rms_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),  # LayerNorm's eps here
+            rope_theta=0.0,
+            rope_scaling=None,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 512)),
+            tie_word_embeddings=False,
+            attention_bias=True,
+            qk_norm=False,
+            sliding_window=None,
+            layer_windows=(0,) * layers,
+            bos_token_id=None,
+            eos_token_ids=(),
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            activation="gelu",
+            type_vocab_size=int(raw.get("type_vocab_size", 2)),
+            num_labels=labels if arch == "bert_classifier" else 0,
+            matryoshka_dimensions=_matryoshka(raw, hidden),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptModelError(f"config.json is missing or has a bad field: {exc}") from exc

