@@ -323,7 +323,8 @@ async def test_logprobs_of_a_constrained_sample_list_only_allowed_tokens(eng: An
 
 async def test_a_grammar_leaving_nothing_to_sample_fails_only_that_request(eng: Any) -> None:
     # After "ok" the grammar allows only EOS, which min_tokens forbids: nothing is left.
-    spec = StructuredOutputs(choice=["ok"])
+    # (A JSON schema: admission bounds a choice's or a regex's length, not a schema's.)
+    spec = StructuredOutputs(json={"enum": ["ok"]})
     free = greedy(8)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(collect, eng, [5, 6, 7], free)
@@ -331,6 +332,19 @@ async def test_a_grammar_leaving_nothing_to_sample_fails_only_that_request(eng: 
             await collect(eng, "x", SamplingParams(min_tokens=10, max_tokens=20,
                                                    structured_outputs=spec))
     assert len(token_ids(await collect(eng, [5, 6, 7], free))) == 8
+    await wait_idle(eng)
+
+
+async def test_min_tokens_beyond_a_bounded_regex_or_choice_is_refused_at_submit(eng: Any) -> None:
+    # Issue 27: guided_regex "a" with min_tokens 5 was a 500 "no token can be sampled".
+    for spec in (StructuredOutputs(regex="a"), StructuredOutputs(choice=["ok", "no"])):
+        with pytest.raises(InvalidParamError) as bad:
+            await eng.submit("x", SamplingParams(min_tokens=5, structured_outputs=spec))
+        assert bad.value.param == "min_tokens"
+    # Within the bound it runs ("a{1,8}" can take 8 one-byte tokens).
+    outs = await collect(eng, "x", SamplingParams(min_tokens=2, max_tokens=12, seed=0,
+                                                  structured_outputs=StructuredOutputs(regex="a{1,8}")))
+    assert re.fullmatch("a{2,8}", output_text(outs)) and outs[-1].finish_reason == "stop"
     await wait_idle(eng)
 
 

@@ -166,7 +166,24 @@ def compile_structured(grammar: GrammarCompiler | None, params: SamplingParams) 
     if grammar is None:
         raise InvalidParamError("this engine has no grammar backend for structured outputs",
                                 param="structured_outputs")
+    check_min_tokens(params)
     grammar.compile(spec)
+
+
+def check_min_tokens(params: SamplingParams) -> None:
+    """Refuse ``min_tokens`` beyond the longest output a bounded regex or choice allows:
+    the grammar would end first and leave no token to sample (a dead end mid-generation)."""
+    spec = params.structured_outputs
+    if spec is None or params.min_tokens == 0 or spec.think is not None:
+        return
+    from engine.structured.check import max_output_bytes
+
+    most = max_output_bytes(spec.kind, spec.text, spec.choice)
+    if most is not None and params.min_tokens > most:
+        raise InvalidParamError(
+            f"min_tokens ({params.min_tokens}) exceeds what the {spec.kind} constraint can "
+            f"write: at most {most} bytes, so at most {most} tokens, before it must stop",
+            param="min_tokens")
 
 
 def admit(

@@ -31,12 +31,8 @@ from typing import Any
 import torch
 
 from engine.errors import InvalidParamError
-from engine.structured.spec import (
-    XGRAMMAR_UNENFORCED,
-    StructuredOutputs,
-    schema_keywords,
-    tag_schemas,
-)
+from engine.structured.check import check_choice, xgrammar_gap
+from engine.structured.spec import StructuredOutputs, tag_schemas
 
 logger = logging.getLogger("engine")
 
@@ -75,12 +71,13 @@ class Matcher:
     ``fill`` writes the tokens allowed next into a bitmask row. EOS is allowed only where
     the grammar accepts; accepting it terminates the matcher."""
 
-    __slots__ = ("_m", "_guidance", "_stop_ids", "accepted", "ended")
+    __slots__ = ("_m", "_guidance", "_stop_ids", "_keep", "accepted", "ended")
 
     def __init__(self, compiled: CompiledGrammar, stop_ids: frozenset[int],
-                 guidance_tokenizer: Any = None) -> None:
+                 guidance_tokenizer: Any = None, keep: torch.Tensor | None = None) -> None:
         self._guidance = compiled.backend == "guidance"
         self._stop_ids = stop_ids
+        self._keep = keep  # int32 words ANDed into each mask row (None: all tokens kept)
         self._m: Any  # llguidance.LLMatcher or xgrammar.GrammarMatcher
         if self._guidance:
             import llguidance
@@ -112,6 +109,18 @@ class Matcher:
             llguidance.torch.fill_next_token_bitmask(self._m, bitmask, row)
         else:
             self._m.fill_next_token_bitmask(bitmask, row)
+        if self._keep is not None:
+            bitmask[row] &= self._keep
+
+
+def _clear_bits(words: int, ids: list[int]) -> torch.Tensor:
+    """An int32 bitmask row with every bit set but those of ``ids``."""
+    import numpy as np
+
+    row = np.full(words, 0xFFFFFFFF, dtype=np.uint32)
+    for i in ids:
+        row[i // 32] &= np.uint32(~(1 << (i % 32)) & 0xFFFFFFFF)
+    return torch.from_numpy(row.view(np.int32).copy())
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -161,6 +170,15 @@ class GrammarBackend:
         self._stop_ids = list(stop_token_ids) or None
         self._stop_set = frozenset(stop_token_ids)
         self._hf = _hf_tokenizer(tokenizer)
+        # Special tokens (those decode(skip_special_tokens=True) drops) other than the stop
+        # tokens: xgrammar lets a grammar's literal text be written as one ("<|im_end|>" in
+        # a choice came out as ''), so they are masked out of every constrained step.
+        skipped = sorted(i for i in getattr(tokenizer, "skipped_special_ids", ())
+                         if 0 <= i < vocab_size)
+        self._special_texts = frozenset(
+            t for t in (self._hf.convert_ids_to_tokens(i) for i in skipped) if t)
+        special = [i for i in skipped if i not in self._stop_set]
+        self._no_special = _clear_bits(bitmask_words(vocab_size), special) if special else None
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[tuple[str, str, str], CompiledGrammar] = (
             collections.OrderedDict())
@@ -228,7 +246,11 @@ class GrammarBackend:
         """A fresh matcher at the start of ``spec``'s grammar (compiled if evicted)."""
         compiled = self.compile(spec, count=False)
         tok = self._guidance_tokenizer() if compiled.backend == "guidance" else None
-        return Matcher(compiled, self._stop_set, tok)
+        # llguidance never writes a special token for text; xgrammar does, unless masked.
+        # A structural tag or an EBNF grammar may name one on purpose (a tool-call marker).
+        keep = (self._no_special if compiled.backend == "xgrammar"
+                and spec.kind in ("json", "json_object", "regex", "choice") else None)
+        return Matcher(compiled, self._stop_set, tok, keep)
 
     def statistics(self) -> StructuredStatistics:
         with self._lock:
@@ -243,6 +265,8 @@ class GrammarBackend:
 
     def _compile(self, spec: StructuredOutputs) -> CompiledGrammar:
         t0 = time.perf_counter()
+        if spec.choice is not None:
+            check_choice(spec.choice, self._special_texts)
         errors: list[str] = []
         if self.backend in ("auto", "xgrammar"):
             try:
@@ -276,10 +300,10 @@ class GrammarBackend:
 
         schemas = ([spec.schema] if spec.kind == "json" else
                    tag_schemas(json.loads(spec.text)) if spec.kind == "structural_tag" else [])
-        unenforced = sorted(set().union(*(schema_keywords(s) for s in schemas))
-                            & XGRAMMAR_UNENFORCED)
-        if unenforced:
-            raise _Refused(f"it does not enforce {', '.join(unenforced)}")
+        for schema in schemas:
+            gap = xgrammar_gap(schema)
+            if gap is not None:
+                raise _Refused(gap)
         try:
             grammar = _xgrammar_grammar(spec)
             if spec.think is not None:

@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from engine.errors import InvalidParamError
+from engine.structured.check import check_json_schema, check_regex
 
 # The largest constraint text (a schema as JSON, a regex, a grammar, the choices joined):
 # compile time grows with it, and 64 KiB holds any schema an application sends (OpenAI
@@ -20,23 +21,6 @@ from engine.errors import InvalidParamError
 MAX_SPEC_CHARS = 65_536
 # Choices beyond this make a grammar as large as the limit above for no real use.
 MAX_CHOICES = 1024
-
-# JSON-schema keywords xgrammar 0.2 accepts but does not enforce (checked by feeding its
-# matcher a violating document: "[1, 1]" under uniqueItems, '"a"' under {"not": string}).
-# A schema using one goes to llguidance (which enforces or refuses it) under "auto", and is
-# refused under "xgrammar": an output that silently breaks the schema is what fail-closed
-# forbids.
-XGRAMMAR_UNENFORCED = frozenset(
-    {"uniqueItems", "not", "if", "then", "else", "dependentRequired", "dependentSchemas",
-     "dependencies"}
-)
-# Keywords whose value is a schema, a list of schemas, or a map of names to schemas: the
-# places a keyword can hide in a nested schema (property *names* are not keywords).
-_SUBSCHEMA = frozenset({"additionalProperties", "items", "contains", "propertyNames", "not",
-                        "if", "then", "else", "unevaluatedItems", "unevaluatedProperties"})
-_SUBSCHEMA_LISTS = frozenset({"anyOf", "allOf", "oneOf", "prefixItems"})
-_SUBSCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
-                             "dependentSchemas"})
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 # Where the constraint starts when the output may reason first (``think``): "open", the
@@ -109,6 +93,7 @@ class StructuredOutputs:
             if not isinstance(schema, dict):
                 raise _error("json must be a JSON schema object")
             check_schema(schema)
+            check_json_schema(schema)
         if self.structural_tag is not None:
             _check_structural_tag(self.structural_tag)
         if self.think is not None and self.think not in THINK_MODES:
@@ -117,6 +102,8 @@ class StructuredOutputs:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise _error(f"{name} must be a non-empty string")
+        if self.regex is not None:
+            check_regex(self.regex)
         if self.choice is not None:
             if not self.choice or len(self.choice) > MAX_CHOICES:
                 raise _error(f"choice must hold 1 to {MAX_CHOICES} strings")
@@ -193,6 +180,7 @@ def _check_structural_tag(text: str) -> None:
         if not isinstance(schema, dict):
             raise _error("a json_schema format in structural_tag must hold a schema object")
         check_schema(schema)
+        check_json_schema(schema)
 
 
 def tag_schemas(node: Any) -> list[Any]:
@@ -222,26 +210,6 @@ def check_schema(schema: dict[str, Any]) -> None:
         where = "/".join(str(p) for p in exc.absolute_path)
         raise _error(f"json is not a valid JSON schema{' at ' + where if where else ''}: "
                      f"{exc.message}") from None
-
-
-def schema_keywords(schema: Any) -> set[str]:
-    """Every keyword used anywhere in ``schema`` (keys of schema objects, not property
-    names)."""
-    found: set[str] = set()
-    stack = [schema]
-    while stack:
-        node = stack.pop()
-        if not isinstance(node, dict):
-            continue
-        found.update(node)
-        for key, value in node.items():
-            if key in _SUBSCHEMA:
-                stack.append(value)
-            elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
-                stack.extend(value)
-            elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
-                stack.extend(value.values())
-    return found
 
 
 def _error(message: str) -> InvalidParamError:
