@@ -218,5 +218,9 @@ def _model_name(model: str | None, path: Path) -> str:
     # (SmolLM2-135M-Instruct.Q4_1: the quantization is no part of the model's name).
     if model is None:
         return DEFAULT_SERVED_MODEL_NAME
+    from engine.models.loader import EMBEDDING_MODEL_NAMES
+
+    if model in EMBEDDING_MODEL_NAMES and not Path(model).exists():
+        return model  # the packaged embedder, under the name it was asked for
     path = Path(path)
     return path.stem if path.suffix == ".gguf" else path.name

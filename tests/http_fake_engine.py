@@ -86,6 +86,7 @@ class FakeEngine:
         """When set, every request generates exactly this text, then stops ("stop"): a
         test sets it to play a model's output (tool calls, reasoning)."""
         self.sampling_defaults: dict[str, Any] = {}
+        self.pooler = None  # it generates: the pooling routes answer 400, as a real one's
 
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(running=self._running, waiting=self._waiting,
@@ -93,6 +94,16 @@ class FakeEngine:
                                 kv_blocks_free=self._kv_total - sum(self._held.values()),
                                 prefix_cache_hits=0, prefix_cache_queries=0, preemptions=0,
                                 steps=self._steps, requests_finished=0)
+
+    async def embed(self, input: Any, **options: Any) -> Any:
+        await trio.lowlevel.checkpoint()
+        raise InvalidParamError(f"the model {self.model_name} is a generation model: it does "
+                                "not embed", param="model")
+
+    async def score(self, first: Any, second: Any, **options: Any) -> Any:
+        await trio.lowlevel.checkpoint()
+        raise InvalidParamError(f"the model {self.model_name} is a generation model: it does "
+                                "not score", param="model")
 
     def structured_statistics(self) -> None:
         """No grammar backend (the metrics report zeros)."""

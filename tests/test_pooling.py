@@ -5,46 +5,24 @@ hidden states, a tiny random cross-encoder against transformers' logits."""
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import numpy as np
+import pooling_fixtures
 import pytest
 import torch
 import trio
 from engine_helpers import random_prompts, tiny_model, wait_idle
+from pooling_fixtures import cosines, sentences
 
 import engine
 from engine.errors import InputTooLongError, InvalidParamError
-from engine.models.loader import default_embedding_model_path
 from engine.params import SamplingParams
 
-CORPUS = Path(__file__).parent / "data" / "perplexity_en.txt"
-
-
-def sentences() -> list[str]:
-    """The test corpus cut into its sentences (109 of them, 1 to ~60 tokens)."""
-    text = CORPUS.read_text(encoding="utf-8")
-    return [s.strip() for s in re.split(r"(?<=[.!?])\s+", text) if len(s.strip()) > 3]
-
-
-def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    a, b = a.astype(np.float64), b.astype(np.float64)
-    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
-
-
-@pytest.fixture(scope="module")
-def minilm(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """all-MiniLM-L6-v2's folder, extracted from its package into a test cache."""
-    return default_embedding_model_path(tmp_path_factory.mktemp("cache"))
-
-
-@pytest.fixture(scope="module")
-def st_embeddings(minilm: Path) -> np.ndarray:
-    from sentence_transformers import SentenceTransformer
-
-    model = SentenceTransformer(str(minilm), device="cpu")
-    return model.encode(sentences(), batch_size=32, convert_to_numpy=True)
+# The shared module-scoped fixtures (models and oracle outputs), by name.
+minilm = pooling_fixtures.minilm
+st_embeddings = pooling_fixtures.st_embeddings
+cross_encoder = pooling_fixtures.cross_encoder
 
 
 async def test_minilm_matches_sentence_transformers_single_batched_and_concurrent(
@@ -158,22 +136,6 @@ async def test_a_causal_lm_generates_unless_converted(decoder: Path) -> None:
 
 
 # -- a cross-encoder ----------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def cross_encoder(tmp_path_factory: pytest.TempPathFactory, minilm: Path) -> Path:
-    """A tiny random BertForSequenceClassification (one label) with MiniLM's tokenizer."""
-    from transformers import BertConfig, BertForSequenceClassification
-
-    path = tmp_path_factory.mktemp("cross")
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2,
-                        num_attention_heads=4, intermediate_size=64, num_labels=1,
-                        max_position_embeddings=128)
-    BertForSequenceClassification(config).save_pretrained(str(path))
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        (path / name).write_bytes((minilm / name).read_bytes())
-    return path
-
 
 async def test_cross_encoder_scores_match_transformers(cross_encoder: Path) -> None:
     from transformers import AutoTokenizer, BertForSequenceClassification

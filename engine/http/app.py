@@ -34,6 +34,7 @@ from engine.chat.request import ChatSettings, parse_chat_fields
 from engine.core import admission
 from engine.errors import EngineDeadError, InvalidParamError
 from engine.http import auth, edge, protocol, schema, sse
+from engine.http import pooling as pooling_http
 from engine.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.http.metrics import Metrics, RequestTimer
 from engine.http.protocol import APIError, CompletionRequest
@@ -203,6 +204,12 @@ class _Server:
         app.add_url_rule("/version", view_func=self.version_route, methods=["GET"])
         app.add_url_rule("/metrics", view_func=self.metrics_route, methods=["GET"])
         app.add_url_rule("/tokenize", view_func=self.tokenize, methods=["POST"])
+        app.add_url_rule("/v1/embeddings", view_func=self.embeddings, methods=["POST"])
+        # vLLM's paths for the same two routes, with and without the version.
+        for path in ("/v1/score", "/score"):
+            app.add_url_rule(path, view_func=self.score, methods=["POST"])
+        for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+            app.add_url_rule(path, view_func=self.rerank, methods=["POST"])
         app.add_url_rule("/detokenize", view_func=self.detokenize, methods=["POST"])
         app.add_url_rule("/openapi.json", view_func=self.openapi, methods=["GET"])
 
@@ -351,6 +358,35 @@ class _Server:
             raise APIError(400, f"tokens must be a list of token ids below {vocab}",
                            param="tokens", code="invalid_value")
         return _json({"prompt": self.engine.tokenizer.decode(tokens)}, 200)
+
+    # -- pooling ------------------------------------------------------------------------
+    # Each waits for its answer in the handler: a disconnect cancels the wait, and
+    # Engine.pool's cleanup aborts the inputs still running and frees their blocks.
+
+    async def embeddings(self) -> Response:
+        req = pooling_http.parse_embedding(await self._read_checked("embeddings"))
+        self._check_model(req.model)
+        pooled = await self.engine.embed(
+            req.input, dimensions=req.dimensions, truncate_prompt_tokens=req.truncate_prompt_tokens,
+            request_id=self._request_id(), priority=req.priority)
+        return _json(pooling_http.embedding_response(self.engine.model_name, pooled,
+                                                     req.encoding_format), 200)
+
+    async def score(self) -> Response:
+        req = pooling_http.parse_score(await self._read_checked("score"))
+        self._check_model(req.model)
+        scores = await self.engine.score(
+            req.first, req.second, truncate_prompt_tokens=req.truncate_prompt_tokens,
+            request_id=self._request_id(), priority=req.priority)
+        return _json(pooling_http.score_response(self.engine.model_name, scores), 200)
+
+    async def rerank(self) -> Response:
+        req = pooling_http.parse_rerank(await self._read_checked("rerank"))
+        self._check_model(req.model)
+        scores = await self.engine.score(
+            req.first, req.second, truncate_prompt_tokens=req.truncate_prompt_tokens,
+            request_id=self._request_id(), priority=req.priority)
+        return _json(pooling_http.rerank_response(self.engine.model_name, req, scores), 200)
 
     # -- completions --------------------------------------------------------------------
 

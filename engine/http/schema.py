@@ -168,19 +168,69 @@ DETOKENIZE: dict[str, Any] = {
     "properties": {"model": COMMON["model"], "tokens": {"type": "array", "items": _TOKEN_ID}},
 }
 
+_TRUNCATE = _nullable({"type": "integer", "minimum": -1, "not": {"const": 0},
+                       "description": "keep only the last k tokens of each input (-1: the "
+                       "model's maximum input length)"})
+_STRINGS = {"type": "array", "items": {"type": "string"}, "minItems": 1}
+EMBEDDINGS: dict[str, Any] = {
+    "type": "object",
+    "required": ["input"],
+    "properties": {
+        "model": COMMON["model"],
+        "input": {"anyOf": [{"type": "string"}, _TOKEN_IDS, _STRINGS,
+                            {"type": "array", "items": _TOKEN_IDS, "minItems": 1}],
+                  "description": "a string, token ids, or a list of strings or of token-id lists"},
+        "encoding_format": _nullable({"enum": ["float", "base64"]}),
+        "dimensions": _integer(1, None, "keep the first N dimensions (Matryoshka models only)"),
+        "user": _nullable({"type": "string"}),
+        "truncate_prompt_tokens": _TRUNCATE,
+        "priority": COMMON["priority"],
+    },
+}
+_TEXTS = {"anyOf": [{"type": "string"}, _STRINGS]}
+SCORE: dict[str, Any] = {
+    "type": "object",
+    "required": ["text_1", "text_2"],
+    "properties": {
+        "model": COMMON["model"],
+        "text_1": _TEXTS,
+        "text_2": _TEXTS,
+        "truncate_prompt_tokens": _TRUNCATE,
+        "priority": COMMON["priority"],
+    },
+}
+RERANK: dict[str, Any] = {
+    "type": "object",
+    "required": ["query", "documents"],
+    "properties": {
+        "model": COMMON["model"],
+        "query": {"type": "string"},
+        "documents": {"type": "array", "minItems": 1, "items": {"anyOf": [
+            {"type": "string"},
+            {"type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}},
+        ]}},
+        "top_n": _integer(1, None, "return the best N documents (default: all)"),
+        "return_documents": _BOOL,
+        "truncate_prompt_tokens": _TRUNCATE,
+        "priority": COMMON["priority"],
+    },
+}
+
 
 @functools.cache
 def _validator(name: str) -> Any:
     import jsonschema
 
     schema = {"completion": COMPLETION, "chat": CHAT, "tokenize": TOKENIZE,
-              "detokenize": DETOKENIZE}[name]
+              "detokenize": DETOKENIZE, "embeddings": EMBEDDINGS, "score": SCORE,
+              "rerank": RERANK}[name]
     return jsonschema.Draft202012Validator(schema)
 
 
 def check_body(body: Any, name: str) -> None:
     """Raise a 400 :class:`APIError` naming the field if ``body`` breaks schema ``name``
-    (``completion``, ``chat``, ``tokenize`` or ``detokenize``)."""
+    (``completion``, ``chat``, ``tokenize``, ``detokenize``, ``embeddings``, ``score`` or
+    ``rerank``)."""
     import jsonschema
 
     if not isinstance(body, dict):
@@ -303,6 +353,24 @@ def openapi(version: str, *, api_key: bool) -> dict[str, Any]:
             "type": "object", "required": ["prompt"], "properties": {
                 "prompt": {"type": "string"}}}),
             *(c for c in gen_errors if c not in ("429", "500", "503"))),
+        "/v1/embeddings": _post("Embeddings (pooling models)", "EmbeddingRequest", _json({
+            "type": "object", "required": ["object", "data", "model", "usage"], "properties": {
+                "object": {"const": "list"}, "model": {"type": "string"},
+                "usage": {"type": "object"},
+                "data": {"type": "array", "items": {
+                    "type": "object", "required": ["object", "index", "embedding"]}}}}),
+            *gen_errors),
+        "/v1/score": _post("Scores of text pairs (embedding or cross-encoder models)",
+                           "ScoreRequest", _json({
+                               "type": "object", "required": ["object", "data", "model"],
+                               "properties": {"data": {"type": "array", "items": {
+                                   "type": "object", "required": ["index", "score"]}}}}),
+                           *gen_errors),
+        "/v1/rerank": _post("Documents ranked by relevance to a query", "RerankRequest", _json({
+            "type": "object", "required": ["results", "model"], "properties": {
+                "results": {"type": "array", "items": {
+                    "type": "object", "required": ["index", "relevance_score"]}}}}),
+            *gen_errors),
         "/v1/models": _get("The served model", _json({
             "type": "object", "required": ["object", "data"], "properties": {
                 "object": {"const": "list"}, "data": {"type": "array", "items": {
@@ -323,6 +391,7 @@ def openapi(version: str, *, api_key: bool) -> dict[str, Any]:
         "components": {"schemas": {
             "CompletionRequest": COMPLETION, "ChatCompletionRequest": CHAT,
             "TokenizeRequest": TOKENIZE, "DetokenizeRequest": DETOKENIZE,
+            "EmbeddingRequest": EMBEDDINGS, "ScoreRequest": SCORE, "RerankRequest": RERANK,
             "CompletionResponse": _COMPLETION_RESPONSE, "Error": _ERROR,
         }},
     }

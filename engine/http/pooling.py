@@ -1,0 +1,127 @@
+"""The pooling routes' bodies: ``/v1/embeddings`` (OpenAI), ``/v1/score`` and
+``/v1/rerank`` (vLLM's; the rerank body and answer are Jina's and Cohere's). Pure: parse a
+checked body into the engine call's arguments, and build the answer from its results.
+
+Fields that would change an answer and that the engine does not honour are refused with a
+400 naming them, never ignored (vLLM's ``normalize``, ``add_special_tokens``, ...).
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from engine.core.pooling import Pooled
+from engine.http.protocol import APIError, now
+
+ENCODING_FORMATS = ("float", "base64")
+
+# vLLM's extras that change what comes back; honoured nowhere here, so refused.
+_REFUSED = ("normalize", "add_special_tokens", "embed_dtype", "endianness", "softmax",
+            "activation", "use_activation", "mm_processor_kwargs", "instruction")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EmbeddingRequest:
+    model: str | None
+    input: Any  # str, token ids, or a list of either (checked by the schema and the engine)
+    encoding_format: str
+    dimensions: int | None
+    truncate_prompt_tokens: int | None
+    priority: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ScoreRequest:
+    model: str | None
+    first: str | list[str]
+    second: str | list[str]
+    truncate_prompt_tokens: int | None
+    priority: int
+    # rerank: how many of the best to return (None: all), and whether with their text
+    top_n: int | None = None
+    return_documents: bool = True
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for name in _REFUSED:
+        if body.get(name) is not None:
+            raise APIError(400, f"{name} is not supported by this server", param=name,
+                           code="unsupported_parameter")
+
+
+def parse_embedding(body: dict[str, Any]) -> EmbeddingRequest:
+    _refuse_unsupported(body)
+    return EmbeddingRequest(
+        model=body.get("model"),
+        input=body["input"],
+        encoding_format=body.get("encoding_format") or "float",
+        dimensions=body.get("dimensions"),
+        truncate_prompt_tokens=body.get("truncate_prompt_tokens"),
+        priority=body.get("priority") or 0,
+    )
+
+
+def parse_score(body: dict[str, Any]) -> ScoreRequest:
+    _refuse_unsupported(body)
+    return ScoreRequest(
+        model=body.get("model"), first=body["text_1"], second=body["text_2"],
+        truncate_prompt_tokens=body.get("truncate_prompt_tokens"),
+        priority=body.get("priority") or 0,
+    )
+
+
+def parse_rerank(body: dict[str, Any]) -> ScoreRequest:
+    _refuse_unsupported(body)
+    documents = body["documents"]
+    # Cohere's documents may be objects with a text field; Jina's are strings.
+    texts = [d["text"] if isinstance(d, dict) else d for d in documents]
+    return ScoreRequest(
+        model=body.get("model"), first=body["query"], second=texts,
+        truncate_prompt_tokens=body.get("truncate_prompt_tokens"),
+        priority=body.get("priority") or 0, top_n=body.get("top_n"),
+        return_documents=body.get("return_documents", True) is not False,
+    )
+
+
+def embedding_response(model: str, pooled: Sequence[Pooled], encoding_format: str) -> dict[str, Any]:
+    """OpenAI's answer: one ``embedding`` per input, in order, as floats or as the base64
+    of their little-endian float32 bytes (what the openai client decodes)."""
+    data = [
+        {"object": "embedding", "index": i,
+         "embedding": (base64.b64encode(p.data).decode("ascii") if encoding_format == "base64"
+                       else p.tolist())}
+        for i, p in enumerate(pooled)
+    ]
+    tokens = sum(p.prompt_tokens for p in pooled)
+    return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": now(),
+            "model": model, "data": data,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def score_response(model: str, scores: Sequence[tuple[float, int]]) -> dict[str, Any]:
+    tokens = sum(n for _, n in scores)
+    return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": now(),
+            "model": model,
+            "data": [{"index": i, "object": "score", "score": s} for i, (s, _) in enumerate(scores)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def rerank_response(model: str, req: ScoreRequest, scores: Sequence[tuple[float, int]]) -> dict[str, Any]:
+    """The documents by falling relevance (ties keep their order), the best ``top_n``."""
+    assert isinstance(req.second, list)
+    order = sorted(range(len(scores)), key=lambda i: -scores[i][0])
+    if req.top_n is not None:
+        order = order[: req.top_n]
+    results = []
+    for i in order:
+        result: dict[str, Any] = {"index": i, "relevance_score": scores[i][0]}
+        if req.return_documents:
+            result["document"] = {"text": req.second[i]}
+        results.append(result)
+    tokens = sum(n for _, n in scores)
+    return {"id": f"rerank-{uuid.uuid4().hex}", "model": model, "results": results,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

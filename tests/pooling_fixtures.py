@@ -1,0 +1,56 @@
+"""Models and oracles the pooling tests share (tests/test_pooling.py, test_http_pooling.py)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine.models.loader import default_embedding_model_path
+
+CORPUS = Path(__file__).parent / "data" / "perplexity_en.txt"
+
+
+def sentences() -> list[str]:
+    """The test corpus cut into its sentences (109 of them, 1 to ~60 tokens)."""
+    text = CORPUS.read_text(encoding="utf-8")
+    return [s.strip() for s in re.split(r"(?<=[.!?])\s+", text) if len(s.strip()) > 3]
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+@pytest.fixture(scope="module")
+def minilm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """all-MiniLM-L6-v2's folder, extracted from its package into a test cache."""
+    return default_embedding_model_path(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="module")
+def st_embeddings(minilm: Path) -> np.ndarray:
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(minilm), device="cpu")
+    return model.encode(sentences(), batch_size=32, convert_to_numpy=True)
+
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory: pytest.TempPathFactory, minilm: Path) -> Path:
+    """A tiny random BertForSequenceClassification (one label) with MiniLM's tokenizer."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    path = tmp_path_factory.mktemp("cross")
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=64, num_labels=1,
+                        max_position_embeddings=128)
+    BertForSequenceClassification(config).save_pretrained(str(path))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (path / name).write_bytes((minilm / name).read_bytes())
+    return path

@@ -1,0 +1,185 @@
+"""/v1/embeddings, /v1/score and /v1/rerank over HTTP (issue 22), checked with the
+official openai client, LangChain's OpenAIEmbeddings, sentence-transformers and
+transformers as oracles."""
+
+from __future__ import annotations
+
+import base64
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pooling_fixtures
+import pytest
+import torch
+from engine_helpers import tiny_model
+from http_server import ServerThread
+from pooling_fixtures import cosines, sentences
+
+import engine
+
+# The shared module-scoped fixtures (models and oracle outputs), by name.
+minilm = pooling_fixtures.minilm
+st_embeddings = pooling_fixtures.st_embeddings
+cross_encoder = pooling_fixtures.cross_encoder
+
+
+@pytest.fixture(scope="module")
+def server():
+    # By its name: resolved to the package's zip, extracted once into the engine cache.
+    opener = lambda: engine.open_engine("all-MiniLM-L6-v2", dtype="float32", max_num_seqs=32)  # noqa: E731
+    with ServerThread(opener) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def test_openai_client_float_and_base64_match_sentence_transformers(
+    client: openai.OpenAI, st_embeddings: np.ndarray
+) -> None:
+    corpus = sentences()
+    floats = client.embeddings.create(model="all-MiniLM-L6-v2", input=corpus,
+                                      encoding_format="float")
+    assert [d.index for d in floats.data] == list(range(len(corpus)))
+    got = np.array([d.embedding for d in floats.data])
+    assert cosines(got, st_embeddings).min() >= 0.9999
+    # Left to itself the client asks for base64 and decodes it as float32.
+    default = client.embeddings.create(model="all-MiniLM-L6-v2", input=corpus[:5])
+    assert np.allclose([d.embedding for d in default.data], got[:5], atol=1e-7)
+    # Asked for explicitly, it hands the base64 text over as it came.
+    packed = client.embeddings.create(model="all-MiniLM-L6-v2", input=corpus[:5],
+                                      encoding_format="base64")
+    decoded = [np.frombuffer(base64.b64decode(d.embedding), dtype="<f4") for d in packed.data]
+    assert np.allclose(decoded, got[:5], atol=1e-7)
+    assert floats.usage.prompt_tokens == floats.usage.total_tokens > len(corpus) * 3
+
+
+def test_embedding_inputs_usage_and_concurrency(
+    server, client: openai.OpenAI, st_embeddings: np.ndarray
+) -> None:
+    corpus = sentences()
+    tok = server.engine.tokenizer
+    ids = [tok.encode(s) for s in corpus[:3]]
+    one = client.embeddings.create(model="all-MiniLM-L6-v2", input=corpus[0], encoding_format="float")
+    by_ids = client.embeddings.create(model="all-MiniLM-L6-v2", input=ids[0], encoding_format="float")
+    many_ids = client.embeddings.create(model="all-MiniLM-L6-v2", input=ids, encoding_format="float")
+    assert one.usage.prompt_tokens == len(ids[0]) == by_ids.usage.prompt_tokens
+    assert many_ids.usage.prompt_tokens == sum(map(len, ids))
+    assert np.allclose(one.data[0].embedding, by_ids.data[0].embedding, atol=1e-6)
+    assert cosines(np.array([d.embedding for d in many_ids.data]), st_embeddings[:3]).min() >= 0.9999
+
+    def embed(i: int) -> list[float]:
+        answer = client.embeddings.create(model="all-MiniLM-L6-v2", input=corpus[i],
+                                          encoding_format="float")
+        return answer.data[0].embedding
+
+    with ThreadPoolExecutor(16) as pool:
+        concurrent = np.array(list(pool.map(embed, range(48))))
+    assert cosines(concurrent, st_embeddings[:48]).min() >= 0.9999
+
+
+def test_embedding_refusals_name_their_field(server) -> None:
+    url = server.base_url + "/v1/embeddings"
+
+    def error(body: dict, status: int = 400) -> dict:
+        response = httpx.post(url, json=body, timeout=30)
+        assert response.status_code == status, response.text
+        return response.json()["error"]
+
+    assert error({"input": "hi", "dimensions": 8})["param"] == "dimensions"
+    too_long = error({"input": "word " * 300})
+    assert "maximum input length is 256" in too_long["message"]
+    assert too_long["code"] == "context_length_exceeded"
+    assert error({"input": "hi", "normalize": False})["param"] == "normalize"
+    assert error({"input": "hi", "encoding_format": "int8"})["param"] == "encoding_format"
+    assert error({"input": []})["param"] == "input"
+    assert error({"input": [5, 10**6]})["param"] == "input"  # past the vocabulary
+    assert error({"input": "hi", "truncate_prompt_tokens": 0})["param"] == "truncate_prompt_tokens"
+    cut = httpx.post(url, json={"input": "word " * 300, "truncate_prompt_tokens": 16}, timeout=30)
+    assert cut.status_code == 200 and cut.json()["usage"]["prompt_tokens"] == 16
+    chat = httpx.post(server.base_url + "/v1/chat/completions", timeout=30,
+                      json={"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 400 and "pooling model" in chat.json()["error"]["message"]
+
+
+def test_langchain_openai_embeddings(server, st_embeddings: np.ndarray) -> None:
+    from langchain_openai import OpenAIEmbeddings
+
+    # check_embedding_ctx_length=False: send the texts, not tiktoken ids of another vocabulary.
+    lc = OpenAIEmbeddings(model="all-MiniLM-L6-v2", base_url=server.base_url + "/v1",
+                          api_key="unused", check_embedding_ctx_length=False, max_retries=0)
+    corpus = sentences()
+    docs = np.array(lc.embed_documents(corpus[:10]))
+    query = np.array([lc.embed_query(corpus[10])])
+    assert cosines(docs, st_embeddings[:10]).min() >= 0.9999
+    assert cosines(query, st_embeddings[10:11]).min() >= 0.9999
+
+
+def test_score_and_rerank_with_an_embedder_are_cosines(server, st_embeddings: np.ndarray) -> None:
+    corpus = sentences()
+    query, docs = corpus[0], corpus[1:6]
+    want = cosines(np.repeat(st_embeddings[:1], 5, axis=0), st_embeddings[1:6])
+    score = httpx.post(server.base_url + "/v1/score", timeout=30,
+                       json={"text_1": query, "text_2": docs}).json()
+    assert [d["index"] for d in score["data"]] == list(range(5))
+    assert np.allclose([d["score"] for d in score["data"]], want, atol=1e-4)
+    rerank = httpx.post(server.base_url + "/v1/rerank", timeout=30,
+                        json={"query": query, "documents": docs, "top_n": 3}).json()
+    order = list(np.argsort(-want, kind="stable")[:3])
+    assert [r["index"] for r in rerank["results"]] == order
+    assert [r["document"]["text"] for r in rerank["results"]] == [docs[i] for i in order]
+    assert np.allclose([r["relevance_score"] for r in rerank["results"]], want[order], atol=1e-4)
+
+
+def test_rerank_with_a_cross_encoder_matches_transformers(cross_encoder: Path) -> None:
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    query = "How many people live in Berlin?"
+    docs = ["Berlin has a population of 3,520,031 registered inhabitants.",
+            "New York City is famous for the Metropolitan Museum of Art.",
+            "Berlin is the capital of Germany."]
+    opener = lambda: engine.open_engine(str(cross_encoder), dtype="float32")  # noqa: E731
+    with ServerThread(opener) as srv:
+        rerank = httpx.post(srv.base_url + "/rerank", timeout=30, json={
+            "query": query, "documents": [{"text": d} for d in docs],
+            "return_documents": False}).json()
+        score = httpx.post(srv.base_url + "/score", timeout=30,
+                           json={"text_1": [query, query], "text_2": docs[:2]}).json()
+        embed = httpx.post(srv.base_url + "/v1/embeddings", timeout=30, json={"input": "x"})
+    tok = AutoTokenizer.from_pretrained(str(cross_encoder))
+    model = BertForSequenceClassification.from_pretrained(str(cross_encoder)).eval()
+    with torch.no_grad():
+        batch = tok([query] * 3, docs, padding=True, return_tensors="pt")
+        want = torch.sigmoid(model(**batch).logits[:, 0]).numpy()
+    order = list(np.argsort(-want, kind="stable"))
+    assert [r["index"] for r in rerank["results"]] == order
+    assert "document" not in rerank["results"][0]
+    assert np.allclose([r["relevance_score"] for r in rerank["results"]], want[order], atol=1e-5)
+    assert np.allclose([d["score"] for d in score["data"]], want[:2], atol=1e-5)
+    assert embed.status_code == 400 and embed.json()["error"]["param"] == "model"
+
+
+def test_a_generation_model_refuses_embeddings(tmp_path_factory: pytest.TempPathFactory) -> None:
+    model = tiny_model(tmp_path_factory)
+    opener = lambda: engine.open_engine(str(model), dtype="float32",  # noqa: E731
+                                        kv_cache_memory=4 * 1024 * 1024)
+    with ServerThread(opener) as srv:
+        response = httpx.post(srv.base_url + "/v1/embeddings", json={"input": "hi"}, timeout=30)
+    assert response.status_code == 400
+    assert "--convert embed" in response.json()["error"]["message"]
+
+
+def test_base64_is_little_endian_float32(server) -> None:
+    body = httpx.post(server.base_url + "/v1/embeddings", timeout=30,
+                      json={"input": "hello", "encoding_format": "base64"}).json()
+    floats = httpx.post(server.base_url + "/v1/embeddings", timeout=30,
+                        json={"input": "hello"}).json()
+    decoded = np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), dtype="<f4")
+    assert decoded.shape == (384,)
+    assert np.array_equal(decoded, np.array(floats["data"][0]["embedding"], dtype="<f4"))
