@@ -33,7 +33,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 from engine.chat.request import ChatSettings, parse_chat_fields
 from engine.core import admission
 from engine.errors import EngineDeadError, InvalidParamError
-from engine.http import auth, edge, protocol, schema, sse
+from engine.http import anthropic, auth, edge, protocol, schema, sse
 from engine.http import pooling as pooling_http
 from engine.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.http.metrics import Metrics, RequestTimer
@@ -52,6 +52,8 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 # Retry-After on 429 (queue full) and 503 (restarting): whole seconds per RFC 9110; one is
 # the shortest, and a step or a restart takes well under it.
 RETRY_AFTER_SECONDS = 1
+# Routes that answer errors in Anthropic's shape.
+_ANTHROPIC_PATHS = "/v1/messages"
 # Error codes whose cause the engine has already logged (a crash, a failed step).
 _LOGGED_ELSEWHERE = ("engine_dead", "request_failed")
 
@@ -88,7 +90,8 @@ def create_app(
 
         quart_cors.cors(
             app, allow_origin=list(allowed_origins), allow_methods=["GET", "POST", "OPTIONS"],
-            allow_headers=["Authorization", "Content-Type"],
+            # x-api-key and anthropic-version: what Anthropic's clients send.
+            allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"],
         )
     return app
 
@@ -195,6 +198,9 @@ class _Server:
         app.register_error_handler(Exception, self._error_response)
         app.add_url_rule("/v1/completions", view_func=self.completions, methods=["POST"])
         app.add_url_rule("/v1/chat/completions", view_func=self.chat, methods=["POST"])
+        app.add_url_rule("/v1/messages", view_func=self.messages, methods=["POST"])
+        app.add_url_rule("/v1/messages/count_tokens", view_func=self.count_tokens,
+                         methods=["POST"])
         app.add_url_rule("/v1/models", view_func=self.models, methods=["GET"])
         app.add_url_rule("/v1/models/<path:model_id>", view_func=self.model_card,
                          methods=["GET"])
@@ -224,9 +230,10 @@ class _Server:
                            f"{edge.MAX_HEADER_BYTES} bytes).", code="headers_too_large")
         if request.method == "OPTIONS":
             return  # a CORS preflight carries no credentials; the request it announces does
-        if not auth.authorized(self.api_key, request.path, request.headers.get("Authorization")):
-            raise APIError(401, "Invalid or missing API key (Authorization: Bearer <key>).",
-                           code="invalid_api_key")
+        if not (auth.authorized(self.api_key, request.path, request.headers.get("Authorization"))
+                or auth.key_matches(self.api_key, request.headers.get("x-api-key"))):
+            raise APIError(401, "Invalid or missing API key (Authorization: Bearer <key>, "
+                           "or x-api-key: <key>).", code="invalid_api_key")
 
     async def _error_response(self, exc: Exception) -> Response:
         if isinstance(exc, HTTPException):
@@ -237,7 +244,9 @@ class _Server:
             if err.status >= 500 and err.code not in _LOGGED_ELSEWHERE:
                 logger.error("unhandled error in %s %s", request.method, request.path,
                              exc_info=exc)
-        response = _json(err.body(), err.status)
+        body = (anthropic.error_body(err) if request.path.startswith(_ANTHROPIC_PATHS)
+                else err.body())
+        response = _json(body, err.status)
         if err.status in (429, 503):
             # The queue drains in about a step; a restart takes about as long. Clients
             # (the openai library among them) honour this before retrying.
@@ -399,6 +408,37 @@ class _Server:
             await self._read_checked("chat"), self.chat_settings, self.engine.tokenizer.chat_template,
             defaults=self.sampling_defaults))
 
+    # -- Anthropic Messages ---------------------------------------------------------------
+
+    async def messages(self) -> Response:
+        """``POST /v1/messages``: the chat path, said in Anthropic's shapes."""
+        chat = anthropic.chat_body(await self._read_json(),
+                                   reasoning=self.chat_settings.reasoning_parser is not None)
+        req = protocol.parse_chat(chat, self.chat_settings, self.engine.tokenizer.chat_template,
+                                  defaults=self.sampling_defaults)
+        self._check_model(req.model)
+        run = _Run(self.engine, req, self.metrics.timer())
+        await run.submit_all(self._request_id())
+        msg_id, model = anthropic.new_id(), self.engine.model_name
+        if req.stream:
+            events = anthropic.MessageEvents(
+                msg_id, model, sum(len(s.prompt_token_ids) for s in run.streams))
+            body = _TaskBody(lambda send: run.write_events(send, events), run.close)
+            return Response(body, 200, headers=sse.HEADERS, content_type=sse.CONTENT_TYPE)
+        return _json(anthropic.message_from_chat(await run.collect(), msg_id, model), 200)
+
+    async def count_tokens(self) -> Response:
+        """``POST /v1/messages/count_tokens``: the prompt's length, as the route would
+        template it."""
+        chat = anthropic.chat_body(await self._read_json(), count_only=True,
+                                   reasoning=self.chat_settings.reasoning_parser is not None)
+        self._check_model(chat["model"])
+        tok = self.engine.tokenizer
+        fields = parse_chat_fields(chat, self.chat_settings, tok.chat_template)
+        prompt = admission.prompt_message(normalize_messages(chat["messages"]),
+                                          fields.template.to_json())
+        return _json({"input_tokens": len(admission.prompt_token_ids(tok, prompt))}, 200)
+
     async def _generate(self, req: CompletionRequest) -> Response:
         self._check_model(req.model)
         run = _Run(self.engine, req, self.metrics.timer())
@@ -493,6 +533,30 @@ class _Run:
             elif self.req.include_usage:
                 await send.send(sse.event(self.answer.usage_chunk()))
             await send.send(sse.DONE)
+
+    async def write_events(self, send: trio.MemorySendChannel[bytes],
+                           events: anthropic.MessageEvents) -> None:
+        """The SSE body of an Anthropic Messages stream: the same chunks as
+        :meth:`write_sse`, said as Messages events; an error ends it with an error event."""
+        async with send:
+            for frame in events.start():
+                await send.send(frame)
+
+            async def say(chunks: list[dict[str, Any]]) -> None:
+                for chunk in chunks:
+                    for frame in events.chunk(chunk):
+                        await send.send(frame)
+
+            await say(self.answer.opening_chunks())
+
+            async def on_output(prompt_index: int, out: RequestOutput) -> None:
+                await say(self.answer.stream_output(prompt_index, out))
+
+            await self._pump_all(on_output)
+            if self.error is not None:
+                await send.send(events.error(self.error))
+            else:
+                await say([self.answer.usage_chunk()])
 
     async def _pump_all(self, on_output: Callable[[int, RequestOutput], Awaitable[None]]) -> None:
         """Feed every stream's outputs to ``on_output``; the first failure stops them all."""

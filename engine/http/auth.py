@@ -18,3 +18,11 @@ def authorized(api_key: str | None, path: str, authorization: str | None) -> boo
         return True
     expected = b"Bearer " + api_key.encode()
     return hmac.compare_digest((authorization or "").encode(), expected)
+
+
+def key_matches(api_key: str | None, x_api_key: str | None) -> bool:
+    """Whether an ``x-api-key`` header (Anthropic's clients send the key there) holds the
+    server's key; constant time, as :func:`authorized`."""
+    if api_key is None or x_api_key is None:
+        return False
+    return hmac.compare_digest(x_api_key.encode(), api_key.encode())

@@ -1,0 +1,311 @@
+"""Anthropic's Messages API (``POST /v1/messages``) through the official ``anthropic`` client.
+
+One server on a tiny qwen2 whose chat template knows nothing of tools (so tools go
+through the fallback tool prompt), with an API key. The oracles: the ``anthropic``
+client's own parsing of responses and of the event stream (``get_final_message``), the
+OpenAI chat route on the same server for what the same conversation costs in prompt
+tokens (``/tokenize``) and what greedy decoding writes, and ``jsonschema`` for tool
+inputs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+import anthropic
+import httpx
+import jsonschema
+import pytest
+from chat_fixtures import WEATHER_TOOL, write_marker_model
+from http_server import ServerThread
+
+from engine.chat.request import ChatSettings
+from engine.models.testing import CHATML_TEMPLATE
+
+MODEL = "tiny-messages"
+KEY = "sk-test-messages"
+# Enums keep a random model's forced call short (a free string may be written as \u
+# escapes, six tokens a character).
+WEATHER = {"name": "get_weather", "description": WEATHER_TOOL["function"]["description"],
+           "input_schema": {"type": "object", "properties": {
+               "city": {"enum": ["Paris", "Oslo"]},
+               "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+               "required": ["city", "unit"], "additionalProperties": False}}
+WEATHER_OPENAI = {"type": "function", "function": {
+    "name": WEATHER["name"], "description": WEATHER["description"],
+    "parameters": WEATHER["input_schema"]}}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+# The client no longer takes sampling fields as arguments; the API still reads them.
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    import engine.api
+
+    folder = write_marker_model(tmp_path_factory.mktemp("messages") / "m", CHATML_TEMPLATE)
+    with ServerThread(lambda: engine.api.open_engine(
+            str(folder), served_model_name=MODEL, max_model_len=1536,
+            kv_cache_memory=32 * 2**20), api_key=KEY, chat=ChatSettings()) as srv:
+        yield srv
+
+
+@pytest.fixture
+def clients(server):
+    """``clients(**auth)``: a client of the server (the key as x-api-key by default),
+    closed after the test."""
+    made = []
+
+    def make(**auth):
+        made.append(anthropic.Anthropic(base_url=server.base_url, max_retries=0,
+                                        **(auth or {"api_key": KEY})))
+        return made[-1]
+
+    yield make
+    for client in made:
+        client.close()
+
+
+def _openai_count(server, messages, tools=None):
+    """The prompt's token count as the OpenAI side templates the same conversation."""
+    body = {"model": MODEL, "messages": messages,
+            **({"tools": tools, "tool_choice": "auto"} if tools else {})}
+    reply = httpx.post(server.base_url + "/tokenize", json=body,
+                       headers={"Authorization": f"Bearer {KEY}"})
+    assert reply.status_code == 200, reply.text
+    return reply.json()["count"]
+
+
+def test_text_answer_matches_the_chat_route_streamed_and_not(server, clients):
+    """Greedy: the Messages answer is the chat route's answer, streamed or not, and the
+    usage counts are the chat route's."""
+    client = clients()
+    chat = httpx.post(server.base_url + "/v1/chat/completions", headers={
+        "Authorization": f"Bearer {KEY}"}, json={
+        "model": MODEL, "messages": [{"role": "system", "content": "Be brief."}, *ASK],
+        "max_tokens": 12, "temperature": 0}).json()
+    request = dict(model=MODEL, system="Be brief.", messages=ASK, max_tokens=12,
+                   extra_body=GREEDY)
+    full = client.messages.create(**request)
+    with client.messages.stream(**request) as stream:
+        streamed = stream.get_final_message()
+    expected_text = chat["choices"][0]["message"]["content"]
+    for message in (full, streamed):
+        assert message.type == "message" and message.role == "assistant"
+        assert message.model == MODEL and message.id.startswith("msg_")
+        assert [b.type for b in message.content] == ["text"]
+        assert message.content[0].text == expected_text
+        assert message.usage.input_tokens == chat["usage"]["prompt_tokens"]
+        assert message.usage.output_tokens == chat["usage"]["completion_tokens"]
+        assert message.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[
+            chat["choices"][0]["finish_reason"]]
+    counted = client.messages.count_tokens(model=MODEL, system="Be brief.", messages=ASK)
+    assert counted.input_tokens == chat["usage"]["prompt_tokens"]
+
+
+def test_stop_sequence_ends_the_answer_where_it_first_appears(server, clients):
+    client = clients()
+    free = client.messages.create(model=MODEL, messages=ASK, max_tokens=24, extra_body=GREEDY)
+    text = free.content[0].text
+    stop = text[6:9]
+    assert stop.strip(), text  # (a random model's greedy text; the test needs 3 visible chars)
+    stopped = client.messages.create(model=MODEL, messages=ASK, max_tokens=24,
+                                     extra_body=GREEDY, stop_sequences=["never written", stop])
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == stop
+    assert "".join(b.text for b in stopped.content) == text[:text.index(stop)]
+
+
+def _events(server, body):
+    """The raw SSE stream: (event name, data) pairs."""
+    pairs = []
+    with httpx.stream("POST", server.base_url + "/v1/messages", json=body,
+                      headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"}) as reply:
+        assert reply.status_code == 200
+        name = None
+        for line in reply.iter_lines():
+            if line.startswith("event: "):
+                name = line[len("event: "):]
+            elif line.startswith("data: "):
+                pairs.append((name, json.loads(line[len("data: "):])))
+    return pairs
+
+
+def test_stream_events_come_in_anthropics_order(server):
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 10, "stream": True,
+            "tools": [WEATHER], "tool_choice": {"type": "any"}, "temperature": 0}
+    pairs = _events(server, body)
+    assert all(name == data["type"] for name, data in pairs)
+    names = [name for name, _ in pairs]
+    assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
+    assert names[1:3] == ["content_block_start", "ping"] and names.count("ping") == 1
+    # Blocks: start, deltas, stop, with indices counting up from 0.
+    open_index = None
+    starts = 0
+    for name, data in pairs[1:-2]:
+        if name == "content_block_start":
+            assert open_index is None and data["index"] == starts
+            open_index, starts = data["index"], starts + 1
+        elif name in ("content_block_delta", "content_block_stop"):
+            assert data["index"] == open_index
+            if name == "content_block_stop":
+                open_index = None
+    assert open_index is None and starts >= 1
+    delta = pairs[-2][1]
+    assert delta["usage"]["output_tokens"] <= 10
+    assert pairs[0][1]["message"]["usage"]["input_tokens"] > 0
+
+
+def test_tool_round_trip_through_the_fallback_prompt(server, clients):
+    """tool_choice any: the answer is a tool_use whose input validates; sent back with a
+    tool_result, the next prompt is the OpenAI conversation it means (same token count)."""
+    client = clients()
+    request = dict(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=200,
+                   tool_choice={"type": "any", "disable_parallel_tool_use": True})
+
+    def stream():
+        with client.messages.stream(**request, extra_body=GREEDY) as events:
+            return events.get_final_message()
+
+    # Both in flight at once: the engine batches them.
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        streaming = pool.submit(stream)
+        full = client.messages.create(**request, extra_body=GREEDY)
+        streamed = streaming.result()
+    for message in (full, streamed):
+        if message.stop_reason == "max_tokens":
+            pytest.fail(f"the forced call did not end within 200 tokens: {message}")
+        assert message.stop_reason == "tool_use"
+        (use,) = [b for b in message.content if b.type == "tool_use"]
+        assert use.name == "get_weather"
+        jsonschema.validate(use.input, WEATHER["input_schema"])
+    assert streamed.content[-1].input == full.content[-1].input
+    use = full.content[-1]
+    history = [*ASK, {"role": "assistant", "content": [b.model_dump() for b in full.content]},
+               {"role": "user", "content": [
+                   {"type": "tool_result", "tool_use_id": use.id, "content": "9C, rain"},
+                   {"type": "text", "text": "Thanks!"}]}]
+    answer = client.messages.create(model=MODEL, messages=history, tools=[WEATHER],
+                                    tool_choice={"type": "none"}, max_tokens=8)
+    assert answer.stop_reason in ("end_turn", "max_tokens")
+    assert all(b.type == "text" for b in answer.content)
+    openai_history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": use.id, "type": "function",
+         "function": {"name": use.name, "arguments": json.dumps(use.input)}}]},
+        {"role": "tool", "tool_call_id": use.id, "content": "9C, rain"},
+        {"role": "user", "content": "Thanks!"}]
+    # tool_choice none keeps the tools out of the prompt, on both sides.
+    assert answer.usage.input_tokens == _openai_count(server, openai_history)
+    counted = client.messages.count_tokens(model=MODEL, messages=history, tools=[WEATHER])
+    assert counted.input_tokens == _openai_count(server, openai_history, [WEATHER_OPENAI])
+
+
+def test_a_named_tool_is_called(server, clients):
+    message = clients().messages.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=200, extra_body=GREEDY,
+        tool_choice={"type": "tool", "name": "get_weather"})
+    assert message.stop_reason == "tool_use"
+    (use,) = message.content
+    assert use.type == "tool_use" and use.name == "get_weather"
+    jsonschema.validate(use.input, WEATHER["input_schema"])
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"messages": ASK}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": "iVBORw0KGgo="}}]}], "max_tokens": 5},
+     "messages[0].content[0].type"),
+    ({"messages": ASK, "max_tokens": 5, "thinking": {"type": "enabled", "budget_tokens": 1024}},
+     "thinking"),
+    ({"messages": ASK, "max_tokens": 5, "tools": [{"type": "web_search_20250305",
+                                                    "name": "web_search"}]}, "tools[0].type"),
+    ({"messages": ASK, "max_tokens": 5, "mcp_servers": [{"type": "url", "url": "x"}]},
+     "mcp_servers"),
+    ({"messages": [{"role": "system", "content": "hi"}], "max_tokens": 5}, "messages[0].role"),
+])
+def test_unsupported_or_bad_fields_are_anthropic_400s_naming_them(clients, body, param):
+    with pytest.raises(anthropic.BadRequestError) as info:
+        clients().post("/v1/messages", cast_to=object,
+                             body={"model": MODEL, **body})
+    assert info.value.status_code == 400
+    error = info.value.body
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert param in error["error"]["message"]
+
+
+def test_auth_takes_x_api_key_or_bearer_and_answers_in_anthropics_shape(server, clients):
+    ok = clients(auth_token=KEY).messages.create(  # Authorization: Bearer
+        model=MODEL, messages=ASK, max_tokens=2)
+    assert ok.usage.output_tokens <= 2
+    with pytest.raises(anthropic.AuthenticationError) as info:
+        clients(api_key="wrong").messages.create(model=MODEL, messages=ASK,
+                                                         max_tokens=2)
+    assert info.value.body["error"]["type"] == "authentication_error"
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        clients().messages.create(model="claude-x", messages=ASK, max_tokens=2)
+    assert missing.value.body["error"]["type"] == "not_found_error"
+
+
+def test_a_prefill_is_continued_as_the_chat_route_continues_it(server, clients):
+    prefill = [*ASK, {"role": "assistant", "content": "The weather in Paris"}]
+    chat = httpx.post(server.base_url + "/v1/chat/completions", headers={
+        "Authorization": f"Bearer {KEY}"}, json={
+        "model": MODEL, "messages": prefill, "max_tokens": 6, "temperature": 0,
+        "add_generation_prompt": False, "continue_final_message": True}).json()
+    message = clients().messages.create(model=MODEL, messages=prefill, max_tokens=6,
+                                        extra_body=GREEDY)
+    assert message.content[0].text == chat["choices"][0]["message"]["content"]
+
+
+def test_reasoning_text_and_calls_stream_as_blocks_the_client_assembles():
+    """Chat chunks with reasoning, text and two calls (as a reasoning parser and a tool
+    parser give them) become thinking, text and tool_use blocks; the anthropic client's
+    own accumulator reads the events into the message the non-streamed path builds."""
+    import httpx2  # the anthropic client's HTTP library
+
+    from engine.http.anthropic import MessageEvents, message_from_chat
+
+    def chunk(delta=None, finish=None, stop=None):
+        return {"choices": [{"index": 0, "delta": delta or {}, "finish_reason": finish,
+                             "stop_reason": stop}], "usage": None}
+
+    chunks = [chunk({"role": "assistant", "content": ""}),
+              chunk({"reasoning": "Paris, "}), chunk({"reasoning": "so call."}),
+              chunk({"content": "One moment."}),
+              chunk({"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                                     "function": {"name": "get_weather", "arguments": ""}}]}),
+              chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}),
+              chunk({"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}),
+              chunk({"tool_calls": [{"index": 1, "id": "call_b", "type": "function",
+                                     "function": {"name": "get_time", "arguments": ""}}]}),
+              chunk({"tool_calls": [{"index": 1, "function": {"arguments": "{}"}}]},
+                    finish="tool_calls"),
+              {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 30}}]
+    events = MessageEvents("msg_1", MODEL, 7)
+    frames = events.start() + [f for c in chunks for f in events.chunk(c)]
+    parsed = [json.loads(f.split(b"\ndata: ", 1)[1]) for f in frames]
+
+    def answer(request):
+        return httpx2.Response(200, content=b"".join(frames),
+                               headers={"content-type": "text/event-stream"})
+
+    with anthropic.Anthropic(api_key="x", base_url="http://test", http_client=httpx2.Client(
+            transport=httpx2.MockTransport(answer))) as client:
+        with client.messages.stream(model=MODEL, messages=ASK, max_tokens=30) as stream:
+            snapshot = stream.get_final_message()
+    assert [d["type"] for d in parsed if d["type"].startswith("message")] == [
+        "message_start", "message_delta", "message_stop"]
+    chat = {"choices": [{"message": {
+        "role": "assistant", "content": "One moment.", "reasoning": "Paris, so call.",
+        "tool_calls": [{"id": "call_a", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "call_b", "type": "function", "function": {
+                "name": "get_time", "arguments": "{}"}}]},
+        "finish_reason": "tool_calls", "stop_reason": None}],
+        "usage": {"prompt_tokens": 7, "completion_tokens": 30}}
+    assert snapshot.model_dump(exclude_none=True) == \
+        anthropic.types.Message.model_validate(
+            message_from_chat(chat, "msg_1", MODEL)).model_dump(exclude_none=True)
+    assert [b.type for b in snapshot.content] == ["thinking", "text", "tool_use", "tool_use"]
+    assert snapshot.stop_reason == "tool_use" and snapshot.usage.output_tokens == 30
