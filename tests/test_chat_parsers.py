@@ -12,6 +12,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.chat.reasoning import REASONING_PARSERS, get_reasoning_parser
 from engine.chat.tool_parsers import TOOL_PARSERS, ToolCallDelta, get_tool_parser
@@ -343,3 +345,32 @@ def test_reasoning_parsers_are_registered() -> None:
     assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3"}
     with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
         get_reasoning_parser("nope")
+
+
+# Pieces of every parser's syntax, so random texts hit partial markers, markers in odd
+# places and half-written calls.
+_FRAGMENTS = [
+    "<tool_call>", "</tool_call>", "<|tool_call|>", "[", "]", "{", "}", '"', ":", ",", " ",
+    "\n", '{"name": "get_weather", ', '"arguments": {"city": "Paris"}', '"parameters": {}',
+    "<|action_start|><|plugin|>", "<|action_end|>", "<|action_start|>", "<function=",
+    "get_weather>", "<parameter=city>", "Paris", "</parameter>", "</function>",
+    "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "function<｜tool▁sep｜>", "```json\n",
+    "\n```", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>", "[TOOL_CALLS]", "[ARGS]",
+    "<|python_tag|>", "get_weather(city='Paris')", ";", "text", "<", "\\",
+]
+
+
+@settings(max_examples=60, deadline=None)
+@given(pieces=st.lists(st.sampled_from(_FRAGMENTS), max_size=14), cut=st.integers(0, 400))
+def test_any_text_parses_and_streams_to_the_same_result(pieces: list[str], cut: int) -> None:
+    """Whatever the model writes, every parser reads it without raising, and the stream
+    (cut anywhere, or a character at a time) gives the complete parse."""
+    text = "".join(pieces)
+    cut = min(cut, len(text))
+    for name, parser in TOOL_PARSERS.items():
+        parsed = parser.parse(text, _ids(), tools=TYPED)
+        expected = [c.to_openai()["function"] | {"id": c.id} for c in parsed.tool_calls]
+        for split in ([text[:cut], text[cut:]], list(text)):
+            assert _stream(name, split) == (parsed.content, expected), (name, split)
+        for call in parsed.tool_calls:
+            assert isinstance(call.args(), dict)

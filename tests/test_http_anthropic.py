@@ -309,3 +309,31 @@ def test_reasoning_text_and_calls_stream_as_blocks_the_client_assembles():
             message_from_chat(chat, "msg_1", MODEL)).model_dump(exclude_none=True)
     assert [b.type for b in snapshot.content] == ["thinking", "text", "tool_use", "tool_use"]
     assert snapshot.stop_reason == "tool_use" and snapshot.usage.output_tokens == 30
+
+
+def test_an_error_mid_stream_ends_it_with_an_error_event(tmp_path):
+    """An engine crash after the 200: the stream ends with Anthropic's error event, and
+    later requests are Anthropic 503 bodies (which the anthropic client reads)."""
+    from http_fake_engine import open_fake_engine
+
+    from engine.models.testing import write_tiny_model
+    from engine.models.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(write_tiny_model(tmp_path / "m", "qwen2"))
+    opener = lambda: open_fake_engine(tokenizer, step_delay=0.01, max_model_len=256,  # noqa: E731
+                                      served_model_name=MODEL)
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 200, "stream": True}
+    with ServerThread(opener) as server:
+        with httpx.stream("POST", server.base_url + "/v1/messages", json=body) as reply:
+            lines = reply.iter_lines()
+            assert next(lines) == "event: message_start"
+            server.call(server.engine.crash, RuntimeError("injected"))
+            rest = [line for line in lines if line]
+        assert rest[-2] == "event: error"
+        error = json.loads(rest[-1].removeprefix("data: "))
+        assert error["type"] == "error" and error["error"]["type"] == "overloaded_error"
+        with anthropic.Anthropic(base_url=server.base_url, api_key="x", max_retries=0) as client:
+            with pytest.raises(anthropic.APIStatusError) as info:
+                client.messages.create(model=MODEL, messages=ASK, max_tokens=5)
+        assert info.value.status_code == 503
+        assert info.value.body["error"]["type"] == "overloaded_error"

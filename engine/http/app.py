@@ -244,8 +244,9 @@ class _Server:
             if err.status >= 500 and err.code not in _LOGGED_ELSEWHERE:
                 logger.error("unhandled error in %s %s", request.method, request.path,
                              exc_info=exc)
-        body = (anthropic.error_body(err) if request.path.startswith(_ANTHROPIC_PATHS)
-                else err.body())
+        # The matched route, not the raw path (which a --root-path prefix may lead).
+        rule = getattr(request.url_rule, "rule", None) or request.path
+        body = anthropic.error_body(err) if rule.startswith(_ANTHROPIC_PATHS) else err.body()
         response = _json(body, err.status)
         if err.status in (429, 503):
             # The queue drains in about a step; a restart takes about as long. Clients
