@@ -70,15 +70,19 @@ def pooler_config(
     """The model's pooler, or ``None`` for a model that generates. Raises
     :class:`ConfigError` for flags that contradict the model, and
     :class:`UnsupportedModelError` for a sentence-transformers pipeline it cannot run."""
-    st = _sentence_transformers(folder)
-    if config.is_encoder:
-        if runner == "generate" or convert == "embed" and config.architecture == "bert_classifier":
-            raise ConfigError(
-                f"{folder}: a {config.architecture} encoder is a pooling model; it cannot "
-                f"{'generate' if runner == 'generate' else 'be converted to embed'}",
-                field="runner" if runner == "generate" else "convert")
-    elif runner == "generate" or convert == "none" or (
-            runner == "auto" and convert == "auto" and st is None):
+    classifier = config.architecture == "bert_classifier"
+    if config.is_encoder and (runner == "generate" or convert == "embed" and classifier):
+        raise ConfigError(
+            f"{folder}: a {config.architecture} encoder is a pooling model; it cannot "
+            f"{'generate' if runner == 'generate' else 'be converted to embed'}",
+            field="runner" if runner == "generate" else "convert")
+    if classifier:
+        if pooling_type not in ("auto", "cls"):
+            raise ConfigError(f"a sequence classifier pools its [CLS] token; pooling_type "
+                              f"{pooling_type!r} does not apply", field="pooling_type")
+        return PoolerConfig(task="classify", pooling="cls", normalize=False,
+                            size=config.num_labels)
+    if not config.is_encoder and (runner == "generate" or convert == "none"):
         if convert == "embed":
             raise ConfigError("convert 'embed' makes a pooling model; runner 'generate' "
                               "contradicts it", field="convert")
@@ -86,12 +90,9 @@ def pooler_config(
             raise ConfigError("runner 'pooling' needs a pooling model: with convert 'none' "
                               "this causal LM only generates", field="runner")
         return None
-    if config.architecture == "bert_classifier":
-        if pooling_type not in ("auto", "cls"):
-            raise ConfigError(f"a sequence classifier pools its [CLS] token; pooling_type "
-                              f"{pooling_type!r} does not apply", field="pooling_type")
-        return PoolerConfig(task="classify", pooling="cls", normalize=False,
-                            size=config.num_labels)
+    st = _sentence_transformers(folder)
+    if not config.is_encoder and runner == "auto" and convert == "auto" and st is None:
+        return None  # a causal LM generates unless its files or the flags say otherwise
     pooling = pooling_type
     if pooling == "auto":
         pooling = (st or {}).get("pooling") or ("cls" if config.is_encoder else "last")
