@@ -405,6 +405,48 @@ def test_required_calls_in_the_parsers_syntax_and_nothing_else(grammar: Any) -> 
     assert required_structural_tag(TOOL_LIST, "pythonic") is None
 
 
+# InternLM 2.5's action markers, special tokens in its tokenizer.
+INTERNLM_MARKER_TOKENS = ("<|action_start|>", "<|plugin|>", "<|action_end|>")
+
+
+@pytest.fixture(scope="module", params=["xgrammar", "guidance"])
+def internlm_grammar(request: pytest.FixtureRequest,
+                     tmp_path_factory: pytest.TempPathFactory) -> tuple[str, GrammarBackend, Any]:
+    folder = write_marker_model(tmp_path_factory.mktemp("internlm") / "m", TOOL_TEMPLATE,
+                                INTERNLM_MARKER_TOKENS, special=True)
+    return _grammar_backend(request.param, folder)
+
+
+def test_internlm_calls_are_held_to_the_tools_in_its_special_token_frame(
+    internlm_grammar: Any,
+) -> None:
+    """auto: text is free until <|action_start|>, then a plugin call to a tool with its
+    schema's arguments, closed by <|action_end|>; required: such calls and nothing else.
+    What the grammar takes, the internlm parser reads as those calls."""
+    paris = _args(internlm_grammar, {"city": "Paris", "unit": "celsius"})
+    utc = _args(internlm_grammar, {"zone": "UTC", "hour24": True})
+    weather = (f'<|action_start|><|plugin|>\n{{"name": "get_weather", "parameters": {paris}}}'
+               "<|action_end|>")
+    time = f'<|action_start|><|plugin|>{{"name": "get_time", "parameters": {utc}}}<|action_end|>'
+    auto = StructuredOutputs(structural_tag=auto_structural_tag(TOOL_LIST, "internlm"))
+    required = StructuredOutputs(structural_tag=required_structural_tag(TOOL_LIST, "internlm"))
+    assert _accepts(internlm_grammar, auto, "No call at all.")
+    assert _accepts(internlm_grammar, auto, f"Let me check. {weather}")
+    assert _accepts(internlm_grammar, required, f"{weather}\n{time}")
+    for opened in ("<|action_start|><|interpreter|>", '<|action_start|><|plugin|>{"name": "x"',
+                   '<|action_start|><|plugin|>{"name": "get_time", "parameters": {"city"'):
+        assert not _accepts(internlm_grammar, auto, opened, end=False), opened
+    assert not _accepts(internlm_grammar, auto, weather[:-len("<|action_end|>")])
+    assert not _accepts(internlm_grammar, required, "Sure", end=False)
+    calls = get_tool_parser("internlm").parse(f"Let me check. {weather}\n{time}").tool_calls
+    assert [(c.name, c.args()) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"}),
+        ("get_time", {"zone": "UTC", "hour24": True})]
+    _, _, tokenizer = internlm_grammar
+    assert {marker_id(tokenizer, m) for m in INTERNLM_MARKER_TOKENS} <= set(
+        tokenizer.encode(weather, add_special_tokens=False))
+
+
 @pytest.mark.parametrize("kind", ["json", "regex", "choice", "grammar", "structural_tag"])
 def test_every_kind_of_constraint_waits_for_the_reasoning_to_end(grammar: Any, kind: str) -> None:
     value: Any = {"json": {"type": "object", "properties": {"n": {"type": "integer"}},

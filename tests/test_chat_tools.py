@@ -269,7 +269,7 @@ def test_qwen3_coder_calls_through_the_chat_output_are_typed_by_the_request_tool
 
 # Which parsers' calls a grammar can hold (auto once opened, required from the start):
 # the others are parsed only, and a forced call with them is a JSON list.
-CONSTRAINED = {"hermes", "granite4", "llama3_json", "mistral"}
+CONSTRAINED = {"hermes", "granite4", "internlm", "llama3_json", "mistral"}
 
 
 @pytest.mark.parametrize("name", sorted(TOOL_PARSERS))

@@ -103,11 +103,12 @@ class ChatFields:
     template: TemplateOptions
     output: ChatOutputOptions
     # What the request's tools constrain the output to (None: nothing):
-    # * required: the calls in the parser's syntax (hermes, granite4, llama3_json, the fallback
-    #   prompt's hermes calls), or else a JSON list of {"name", "arguments"} objects;
+    # * required: the calls in the parser's syntax (hermes, granite4, internlm, llama3_json,
+    #   the fallback prompt's hermes calls), or else a JSON list of {"name", "arguments"}
+    #   objects;
     # * a named function: its arguments object;
-    # * auto, with a parser a grammar can follow (hermes, llama3_json, mistral): free
-    #   text, but a call the model opens is held to the tools' schemas.
+    # * auto, with a parser a grammar can follow (hermes, granite4, internlm, llama3_json,
+    #   mistral): free text, but a call the model opens is held to the tools' schemas.
     constraint: StructuredOutputs | None
     echo: bool
 

@@ -14,13 +14,12 @@ What a request's tools become:
 * A named function constrains the output to its arguments object
   (:func:`forced_call_schema`). ``required`` writes the calls in the tool-call parser's
   own syntax where a grammar can follow it (:func:`required_structural_tag`: hermes,
-  granite4, llama3_json, the fallback prompt's hermes calls), else as a JSON list of
+  granite4, internlm, llama3_json, the fallback prompt's hermes calls), else as a JSON list of
   ``{"name", "arguments"}`` objects; one call, or one or more when
   ``parallel_tool_calls``. :class:`ForcedCallStreamer` turns the JSON forms into calls.
 * ``auto`` with such a parser, or ``mistral``: text is free, but a call the model opens
   is held to the tools' schemas (:func:`auto_structural_tag`). ``pythonic``, ``granite``,
-  ``internlm``, ``qwen3_coder`` and ``deepseek_v3`` calls are
-  parsed, not constrained.
+  ``qwen3_coder`` and ``deepseek_v3`` calls are parsed, not constrained.
 """
 
 from __future__ import annotations
@@ -389,7 +388,9 @@ class _CallFrame:
     (the grammar's trigger, and the tag's begin); then ``head`` with the function's name;
     the arguments; ``tail``; ``end`` closes the call. ``gap`` is the whitespace allowed
     right after the trigger and before ``end`` (a regex); ``separator`` goes between the
-    calls of a forced list."""
+    calls of a forced list. ``lead`` is written right after the trigger, before the gap:
+    markers that are special tokens each go as a literal of its own (llguidance matches
+    a special token only that way)."""
 
     trigger: str
     head: str
@@ -397,6 +398,7 @@ class _CallFrame:
     end: str
     gap: str
     separator: str
+    lead: tuple[str, ...] = ()
 
 
 # Per tool-call parser. hermes: Qwen's templates write "<tool_call>\n{...}\n</tool_call>",
@@ -414,11 +416,17 @@ _CALL_FRAMES: dict[str, _CallFrame] = {
 # Granite 4 writes hermes' calls (its markers are special tokens, which the grammar
 # backends take as written or as the token).
 _CALL_FRAMES["granite4"] = _CALL_FRAMES["hermes"]
+# InternLM 2.5: "<|action_start|><|plugin|>\n{...}<|action_end|>", three special tokens.
+# The trigger is the first alone: a call then has to be a plugin call (the model's
+# <|interpreter|> actions are not tools).
+_CALL_FRAMES["internlm"] = _CallFrame("<|action_start|>", '{{"name": "{name}", "parameters": ',
+                                      "}", "<|action_end|>", r"[ \n]{0,2}", "\n",
+                                      lead=("<|plugin|>",))
 
 
 def has_call_frame(parser: str) -> bool:
     """Whether calls in ``parser``'s syntax can be held to a grammar (hermes, granite4,
-    llama3_json)."""
+    internlm, llama3_json)."""
     return parser in _CALL_FRAMES
 
 
@@ -429,8 +437,9 @@ def _call_tag(frame: _CallFrame, tools: Sequence[Tool]) -> dict[str, Any]:
         {"type": "json_schema", "json_schema": dict(t.parameters)},
         *([{"type": "const_string", "value": frame.tail}] if frame.tail else [])]}
         for t in tools]
+    lead = [{"type": "const_string", "value": marker} for marker in frame.lead]
     content = {"type": "sequence",
-               "elements": [*gap, calls[0] if len(calls) == 1 else
+               "elements": [*lead, *gap, calls[0] if len(calls) == 1 else
                             {"type": "or", "elements": calls}, *gap]}
     return {"type": "tag", "begin": frame.trigger, "content": content, "end": frame.end}
 
