@@ -249,7 +249,8 @@ class Engine:
         if self.pooler is not None:
             raise InvalidParamError(
                 f"the model {self.model_name} is a pooling model ({self.pooler.task}): it does "
-                f"not generate text; use {'embed' if self.pooler.task == 'embed' else 'score'}",
+                f"not generate text; use "
+                f"{'/v1/embeddings' if self.pooler.task == 'embed' else '/v1/score or /v1/rerank'}",
                 param="model")
         if params is None:
             params = SamplingParams(**self.sampling_defaults)

@@ -12,7 +12,7 @@ import pooling_fixtures
 import pytest
 import torch
 import trio
-from engine_helpers import random_prompts, tiny_model, wait_idle
+from engine_helpers import random_prompts, tiny_model, wait_idle, wait_until
 from pooling_fixtures import cosines, sentences
 
 import engine
@@ -126,6 +126,28 @@ async def test_decoder_embedder_matches_transformers_hidden_states_across_chunks
     for vector, full in zip(cut, got[:3], strict=True):
         want = full[:8] / np.linalg.norm(full[:8])
         assert vector.shape == (8,) and np.allclose(vector, want, atol=1e-6)
+
+
+async def test_an_embed_cancelled_mid_way_frees_every_request_and_block(decoder: Path) -> None:
+    prompts = random_prompts(24, vocab=300, lo=30, hi=60, seed=5)  # ~70 steps of 16 tokens
+    async with engine.open_engine(
+        decoder, dtype="float32", runner="pooling", max_num_batched_tokens=16, block_size=16,
+        kv_cache_memory=4 * 1024 * 1024,
+    ) as eng:
+        scope = trio.CancelScope()
+
+        async def embed_all() -> None:
+            with scope:
+                await eng.embed(prompts)
+
+        async with trio.open_nursery() as nursery:
+            start = eng.statistics().steps
+            nursery.start_soon(embed_all)
+            await wait_until(lambda: eng.statistics().steps >= start + 3)
+            scope.cancel()
+        assert scope.cancelled_caught
+        await wait_idle(eng)  # nothing running or waiting, every block free
+        assert len(await eng.embed(prompts[:2])) == 2  # and it still serves
 
 
 async def test_a_causal_lm_generates_unless_converted(decoder: Path) -> None:
