@@ -130,6 +130,17 @@ class SamplingParams:
                 # the sample nothing valid to draw.
                 raise InvalidParamError("ignore_eos cannot be combined with structured_outputs",
                                         param="ignore_eos")
+            if self.stop:
+                # A stop string is matched on the text, not the grammar: inside a
+                # constrained output it ends the answer mid-document ('{"a": {"b": 100' for
+                # stop "}"), or mid tool call, as if it had finished. The constraint is a
+                # promise the answer keeps, so the combination is refused.
+                raise InvalidParamError(
+                    "stop strings cannot be combined with a constrained output (structured "
+                    "outputs, response_format, guided_* fields or tool calls generated under "
+                    "the tools' grammar): a stop string could end the output before it "
+                    "matches; drop `stop`, or express the end in the constraint itself",
+                    param="stop")
 
     def replace(self, **changes: Any) -> SamplingParams:
         return dataclasses.replace(self, **changes)

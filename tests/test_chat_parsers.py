@@ -374,3 +374,20 @@ def test_any_text_parses_and_streams_to_the_same_result(pieces: list[str], cut: 
             assert _stream(name, split) == (parsed.content, expected), (name, split)
         for call in parsed.tool_calls:
             assert isinstance(call.args(), dict)
+
+
+@pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
+def test_a_call_cut_anywhere_by_a_stop_string_is_never_a_call_with_non_json_arguments(
+    parser: str,
+) -> None:
+    # tool_choice "auto" with `stop` reads calls from free text (issue 28): a stop string
+    # may end the output at any character of a call, and what comes back must be content
+    # or calls whose arguments are JSON objects, streamed or whole.
+    for _, text, _, _ in (c for c in CASES if c[0] == parser and c[3]):
+        for k in range(len(text) + 1):
+            parsed = get_tool_parser(parser).parse(text[:k], _ids(), tools=TYPED)
+            for call in parsed.tool_calls:
+                assert isinstance(json.loads(call.arguments), dict), (text[:k], call)
+            _, streamed = _stream(parser, list(text[:k]))
+            for call in streamed:
+                assert isinstance(json.loads(call["arguments"]), dict), (text[:k], call)

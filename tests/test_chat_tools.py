@@ -296,3 +296,32 @@ def test_a_required_call_in_special_token_markers_keeps_them_in_the_text() -> No
         params = chat_sampling_params(SamplingParams(max_tokens=8), fields)
         assert params.skip_special_tokens is False, choice
         assert fields.output.forced_in_parser_syntax == (choice == "required")
+
+
+@pytest.mark.parametrize("name", sorted(CONSTRAINED))
+def test_auto_calls_with_a_stop_string_are_read_from_free_text(name: str) -> None:
+    """``auto`` with ``stop`` (issue 28): no call grammar, so no parser streams a call as
+    it is written that a stop string could then end mid-way; without ``stop`` the calls
+    are constrained as before. Forced calls with ``stop`` are refused, naming it."""
+    from engine.chat.request import (
+        ChatSettings,
+        calls_constrained,
+        chat_sampling_params,
+        parse_chat_fields,
+    )
+    from engine.errors import InvalidParamError
+    from engine.params import SamplingParams
+
+    settings = ChatSettings(tool_call_parser=name, enable_auto_tool_choice=True)
+    fields = parse_chat_fields({"tools": [WEATHER], "tool_choice": "auto"}, settings,
+                               "{{ tools }}")
+    free = chat_sampling_params(SamplingParams(max_tokens=8, stop=["\n"]), fields)
+    assert free.structured_outputs is None and not calls_constrained(fields, free)
+    held = chat_sampling_params(SamplingParams(max_tokens=8), fields)
+    assert held.structured_outputs is not None and calls_constrained(fields, held)
+    for choice in ("required", {"type": "function", "function": {"name": WEATHER["function"]["name"]}}):
+        forced = parse_chat_fields({"tools": [WEATHER], "tool_choice": choice}, settings,
+                                   "{{ tools }}")
+        with pytest.raises(InvalidParamError) as info:
+            chat_sampling_params(SamplingParams(max_tokens=8, stop=['"']), forced)
+        assert info.value.param == "stop"

@@ -194,3 +194,51 @@ def test_metrics_count_structured_requests_and_compile_time(server, client):
     counts = re.findall(r'^engine:structured_output_requests_total\{[^}]*kind="choice"[^}]*\} (\S+)$', text, re.M)
     assert counts and float(counts[0]) >= 1
     assert re.search(r"^engine:structured_output_compile_seconds_count\{[^}]*\} [1-9]", text, re.M)
+
+
+# Issue 28: a guided_json object cut by stop "}" came back as '{"a": {"b": 100' and a
+# regex cut by stop "-" as '1000', both with finish_reason "stop". A stop string beside
+# a constraint is refused: the constraint is what a "stop" answer promises.
+NESTED = {"type": "object", "properties": {"a": {"type": "object", "properties": {
+    "b": {"type": "integer"}}, "required": ["b"]}}, "required": ["a"]}
+STOP_CASES = {
+    "guided_json_cut_by_brace": ({"guided_json": NESTED}, ["}"]),
+    "guided_regex_cut_by_dash": ({"guided_regex": r"\d{4}-\d{2}"}, ["-"]),
+    "guided_choice": ({"guided_choice": ["yes-no", "no"]}, "-"),
+    "guided_grammar": ({"guided_grammar": 'root ::= "a" "-" "b"'}, ["-"]),
+    "structured_outputs": ({"structured_outputs": {"regex": "[a-z]+"}}, ["q"]),
+    "response_format_json_schema": ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "n", "schema": NESTED}}}, ["}"]),
+    "response_format_json_object": ({"response_format": {"type": "json_object"}}, [","]),
+}
+
+
+@pytest.mark.parametrize("case", list(STOP_CASES))
+def test_a_stop_string_with_a_constraint_is_a_400_naming_stop(server, case):
+    constraint, stop = STOP_CASES[case]
+    for path, body in (("/v1/chat/completions", {"messages": ASK}),
+                       ("/v1/completions", {"prompt": "x"})):
+        for stream in (False, True):
+            r = httpx.post(server.base_url + path, json={
+                "model": MODEL, "max_tokens": 16, **body, **constraint, "stop": stop,
+                "stream": stream})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "stop", r.text
+    # The same constraint without stop strings (or with an empty list) is served.
+    r = httpx.post(server.base_url + "/v1/completions", json={
+        "model": MODEL, "max_tokens": 16, "prompt": "x", **constraint, "stop": [], "seed": 0})
+    assert r.status_code == 200, r.text
+
+
+def test_the_embedded_api_refuses_stop_strings_with_a_constraint():
+    from engine.errors import InvalidParamError
+    from engine.params import SamplingParams
+    from engine.structured import StructuredOutputs
+
+    spec = StructuredOutputs(regex=r"\d{4}-\d{2}")
+    with pytest.raises(InvalidParamError) as info:
+        SamplingParams(stop=["-"], structured_outputs=spec)
+    assert info.value.param == "stop"
+    with pytest.raises(InvalidParamError):
+        SamplingParams(stop=["-"]).replace(structured_outputs=spec)
+    assert SamplingParams(stop_token_ids=[5], structured_outputs=spec).stop == ()

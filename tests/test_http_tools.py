@@ -614,3 +614,57 @@ def test_usage_reports_the_prefix_cache_hit(real):
     cached = second.usage.prompt_tokens_details.cached_tokens
     block = real.engine.config.block_size
     assert cached > 0 and cached % block == 0 and cached < second.usage.prompt_tokens
+
+
+# -- stop strings against forced and constrained calls (issue 28) ---------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_with_a_named_tool_call_is_a_400_naming_stop(real, stream):
+    # A stop `"` used to end the named call's arguments at `{` and answer
+    # finish_reason "tool_calls" with those arguments.
+    r = httpx.post(real.base_url + "/v1/chat/completions", json={
+        "model": MODEL, "messages": ASK, "tools": TOOLS, "tool_choice": NAMED, "stop": ['"'],
+        "max_tokens": 40, "stream": stream})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_with_required_tool_calls_is_a_400_naming_stop(real, stream):
+    # With `required`, a stop `"` left content `<tool_call>\n{` and no call.
+    r = httpx.post(real.base_url + "/v1/chat/completions", json={
+        "model": MODEL, "messages": ASK, "tools": TOOLS, "tool_choice": "required",
+        "stop": '"', "max_tokens": 40, "stream": stream})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "stop"
+
+
+def test_a_stop_string_inside_an_auto_call_never_gives_non_json_arguments(scripted):
+    """``auto`` with ``stop``: calls are read from free text (no call grammar, as vLLM
+    reads them), so a stop string that ends the output inside a call leaves it as content,
+    never as a call whose arguments are not JSON (streamed or not)."""
+    cut_at = '"unit"'
+    full, streamed = _both(scripted, "Let me check.\n" + CALL, messages=ASK, tools=TOOLS,
+                           stop=[cut_at])
+    for choice in (full, streamed):
+        assert choice.finish_reason == "stop", choice
+        assert not choice.message.tool_calls, choice
+        assert choice.message.content.startswith("Let me check.\n<tool_call>"), choice
+    # Without the stop string the same output is a call (the parser did read it).
+    full, _ = _both(scripted, "Let me check.\n" + CALL, messages=ASK, tools=TOOLS)
+    assert _calls(full.message) == [("function", "get_weather", PARIS)]
+
+
+def test_auto_calls_with_a_stop_string_come_back_as_json_or_as_text(real):
+    """On the real engine: ``auto``, a bias that makes the model open calls, and a stop
+    string it will meet; whatever comes back, every call's arguments are a JSON object."""
+    client = _client(real)
+    replies = _each_seed(range(4), lambda seed: client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, seed=seed, temperature=1.0, max_tokens=60,
+        parallel_tool_calls=False, logit_bias=_bias(real, call=6), stop=["e"]))
+    for reply in replies:
+        choice = reply.choices[0]
+        assert choice.finish_reason in ("stop", "length", "tool_calls"), choice
+        for call in choice.message.tool_calls or []:
+            assert isinstance(json.loads(call.function.arguments), dict), choice

@@ -450,30 +450,25 @@ async def test_an_aborted_constrained_request_frees_its_matchers_and_blocks(
 
 
 @pytest.mark.parametrize(
-    ("spec", "stop", "texts"),
+    ("spec", "stop"),
     [
-        # The stop string comes in the middle of the grammar's language...
-        (StructuredOutputs(regex="(yes|no), [a-z]{2,5}"), ",", {"yes", "no"}),
-        # ... and with the grammar's last token, where only EOS would be left.
-        (StructuredOutputs(choice=["positive", "negative"]), "ive", {"posit", "negat"}),
+        # The stop string would come in the middle of the grammar's language...
+        (StructuredOutputs(regex="(yes|no), [a-z]{2,5}"), ","),
+        # ... or with the grammar's last token, where only EOS would be left.
+        (StructuredOutputs(choice=["positive", "negative"]), "ive"),
     ],
 )
-async def test_a_stop_string_the_constrained_output_reaches_ends_it_with_stop(
-    eng: Any, spec: StructuredOutputs, stop: str, texts: set[str]
+async def test_a_stop_string_beside_a_constraint_is_refused_before_anything_runs(
+    eng: Any, spec: StructuredOutputs, stop: str
 ) -> None:
-    results: list[list[Any]] = [[] for _ in range(8)]
-
-    async def one(seed: int) -> None:
-        results[seed] = await collect(eng, "Answer:", constrained(spec, seed, stop=[stop]))
-
-    async with trio.open_nursery() as nursery:
-        for seed in range(len(results)):
-            nursery.start_soon(one, seed)
-    for outs in results:
-        assert (outs[-1].finish_reason, outs[-1].stop_reason) == ("stop", stop)
-        assert output_text(outs) in texts
+    # It used to end the output as "yes" or "posit" with finish_reason "stop", text the
+    # constraint does not match (issue 28).
+    with pytest.raises(InvalidParamError) as info:
+        await eng.submit("Answer:", SamplingParams(max_tokens=MAX_TOKENS, stop=[stop])
+                         .replace(structured_outputs=spec))
+    assert info.value.param == "stop"
     stats = await wait_matchers_freed(eng)
-    assert stats.kv_blocks_free == stats.kv_blocks_total
+    assert stats.kv_blocks_free == stats.kv_blocks_total and stats.running == 0
 
 
 async def test_a_constrained_request_hitting_the_prefix_cache_gives_the_same_valid_output(

@@ -189,10 +189,11 @@ def chat_sampling_params(params: SamplingParams, fields: ChatFields, *,
         # The forced call is generated under its grammar, token by token.
         params = params.replace(structured_outputs=fields.constraint)
     elif (fields.constraint is not None and params.structured_outputs is None
-          and not params.ignore_eos):
+          and not params.ignore_eos and not params.stop):
         # auto: free text, but a call the model opens is generated under the tools'
         # schemas. (A response_format wins over it; ignore_eos asks for text no grammar
-        # could end.)
+        # could end; a stop string could end a call mid-way, so with `stop` calls are
+        # read from free text, as vLLM does, and a cut one stays content.)
         params = params.replace(structured_outputs=fields.constraint)
     reasoning = fields.output.reasoning_parser
     spec = params.structured_outputs
