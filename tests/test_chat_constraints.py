@@ -405,6 +405,40 @@ def test_required_calls_in_the_parsers_syntax_and_nothing_else(grammar: Any) -> 
     assert required_structural_tag(TOOL_LIST, "pythonic") is None
 
 
+
+@pytest.mark.parametrize("parser", ["granite4", "internlm"])
+async def test_required_calls_in_a_special_token_syntax_come_back_as_calls(
+    tmp_path_factory: pytest.TempPathFactory, parser: str,
+) -> None:
+    """tool_choice "required" with a parser whose markers are special tokens: the chat
+    path writes the calls in that syntax and keeps the markers in the text, so the parser
+    reads each output back as one valid call ending the turn."""
+    markers = {"granite4": ("<tool_call>", "</tool_call>"),
+               "internlm": INTERNLM_MARKER_TOKENS}[parser]
+    folder = write_marker_model(tmp_path_factory.mktemp(parser) / "m", TOOL_TEMPLATE,
+                                markers, special=True)
+    settings = ChatSettings(tool_call_parser=parser, enable_auto_tool_choice=True)
+    replies: list[Any] = [None] * 4
+    async with engine.open_engine(str(folder), **ENGINE_OPTIONS) as eng:
+
+        async def one(seed: int) -> None:
+            params = SamplingParams(temperature=1.0, seed=seed, max_tokens=150)
+            result = await eng.chat([{"role": "user", "content": "Weather?"}], params,
+                                    tools=TOOLS, tool_choice="required", settings=settings,
+                                    parallel_tool_calls=False)
+            replies[seed] = result.choices[0]
+
+        async with trio.open_nursery() as nursery:
+            for seed in range(len(replies)):
+                nursery.start_soon(one, seed)
+        await wait_idle(eng)
+    for reply in replies:
+        assert reply.finish_reason == "tool_calls", reply
+        (call,) = reply.message.tool_calls
+        VALIDATORS[call.name].validate(call.args())
+        assert not reply.message.content, reply
+
+
 # InternLM 2.5's action markers, special tokens in its tokenizer.
 INTERNLM_MARKER_TOKENS = ("<|action_start|>", "<|plugin|>", "<|action_end|>")
 
