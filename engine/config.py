@@ -154,6 +154,23 @@ class EngineConfig:
     pooling_normalize: bool | None = _field(
         None, "L2-normalise embeddings",
         default_text="the model's files: sentence-transformers' Normalize module, else on")
+    # vLLM's default cap: OpenAI allows 20 top logprobs. -1 lets a request ask for the
+    # whole vocabulary (logprobs/top_logprobs/prompt_logprobs -1), as vLLM's flag does.
+    max_logprobs: int = _field(
+        20, "most logprobs, top_logprobs or prompt_logprobs a request may ask for; -1: the "
+        "whole vocabulary (and lets requests send -1 for it)", type=int, metavar="N")
+    # Answer shapes, named as vLLM's serve flags (engine.http.protocol.AnswerOptions).
+    enable_prompt_tokens_details: bool = _field(
+        False, "report usage.prompt_tokens_details.cached_tokens (the prefix-cache hit)")
+    enable_force_include_usage: bool = _field(
+        False, "end every stream with a usage chunk, as if it asked "
+        "stream_options.include_usage")
+    return_tokens_as_token_ids: bool = _field(
+        False, "write logprob tokens as 'token_id:N' unless a request says otherwise")
+    # Off by default, as in vLLM: the tokenizer's configuration (chat template included)
+    # is the operator's to publish.
+    enable_tokenizer_info_endpoint: bool = _field(
+        False, "serve GET /tokenizer_info: the tokenizer's configuration and chat template")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -172,6 +189,9 @@ class EngineConfig:
         restarts = self.max_engine_restarts
         if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
             raise ConfigError(f"max_engine_restarts must be a non-negative integer, got {restarts!r}", field="max_engine_restarts")
+        logprobs = self.max_logprobs
+        if isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < -1:
+            raise ConfigError(f"max_logprobs must be -1 (the vocabulary) or >= 0, got {logprobs!r}", field="max_logprobs")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}", field="max_model_len")
         mem = self.kv_cache_memory

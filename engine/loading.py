@@ -109,6 +109,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
         vocab_size=loaded.config.vocab_size,
         max_queued_requests=config.max_queued_requests,
         eos_token_ids=eos_ids,
+        max_logprobs=config.max_logprobs,
     )
     name = config.served_model_name or _model_name(config.model, path)
     if pooler is not None:

@@ -261,6 +261,9 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token_id, logprob) of the top-N tokens
+    # The token's place in the vocabulary by logprob (1: the most likely), for prompt
+    # tokens (vLLM's prompt_logprobs report it); None where not computed.
+    rank: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -47,7 +47,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
-    logprobs: int | None = None
+    logprobs: int | None = None  # top alternatives per token; -1: the whole vocabulary
     # Logprobs of each prompt token under the model (raw: no penalties or temperature) and
     # this many top alternatives per position; None: not computed. Such a request takes no
     # prefix-cache hit, since a cached token's logits are never computed.
@@ -115,11 +115,12 @@ class SamplingParams:
         for tok, bias in self.logit_bias:
             _int(tok, "logit_bias", lo=0, hi=_MAX_TOKEN_ID)
             _float(bias, "logit_bias", lo=-100.0, hi=100.0)
+        # -1 asks for the whole vocabulary. The cap (--max-logprobs, 20 by default as in
+        # vLLM and OpenAI) and the vocabulary are the engine's to check, at admission.
         if self.logprobs is not None:
-            # OpenAI allows up to 20 top logprobs; vLLM's default limit is the same.
-            _int(self.logprobs, "logprobs", lo=0, hi=20)
+            _int(self.logprobs, "logprobs", lo=-1)
         if self.prompt_logprobs is not None:
-            _int(self.prompt_logprobs, "prompt_logprobs", lo=0, hi=20)
+            _int(self.prompt_logprobs, "prompt_logprobs", lo=-1)
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputs):
                 raise InvalidParamError(

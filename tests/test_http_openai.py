@@ -193,9 +193,11 @@ def test_echo_with_logprobs_scores_the_prompt_then_the_completion(server, client
     # The prompt's tokens first: the first unscored (null), as OpenAI reports it ...
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert all(isinstance(v, float) and v <= 0 for v in lp.token_logprobs[1:n])
-    # Two alternatives each (fewer where two ids decode to one text: a dict keyed by text).
-    assert all(1 <= len(top) <= 2 for top in lp.top_logprobs[1:n])
-    assert any(len(top) == 2 for top in lp.top_logprobs[1:n])
+    # The prompt token and two alternatives each, as OpenAI documents logprobs + 1 and vLLM
+    # sends them (fewer where the token is among the two, or two ids decode to one text).
+    assert all(1 <= len(top) <= 3 and top[token] == value for top, token, value in
+               zip(lp.top_logprobs[1:n], lp.tokens[1:n], lp.token_logprobs[1:n], strict=True))
+    assert any(len(top) >= 2 for top in lp.top_logprobs[1:n])
     # ... then exactly the completion's, as a plain request reports them.
     assert lp.token_logprobs[n:] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-5)
     assert lp.tokens[n:] == plain.choices[0].logprobs.tokens

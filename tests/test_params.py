@@ -68,16 +68,14 @@ def test_every_field_exists_and_the_defaults_are_valid() -> None:
         ("logit_bias", {2**31: 1.0}),
         ("logit_bias", {3: 1e43}),
         ("logit_bias", {3: float("nan")}),
-        ("logprobs", -1),
-        ("logprobs", 21),
+        ("logprobs", -2),  # -1 is the whole vocabulary; the cap is admission's
         ("include_stop_str_in_output", 1),
         ("skip_special_tokens", None),
         ("logit_bias", {"x": 1.0}),
         ("logit_bias", {3: "up"}),
         ("logit_bias", {3: 101.0}),
         ("logit_bias", [(3,)]),
-        ("prompt_logprobs", -1),
-        ("prompt_logprobs", 21),
+        ("prompt_logprobs", -2),
         ("prompt_logprobs", True),
     ],
 )

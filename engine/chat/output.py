@@ -21,6 +21,7 @@ its own reports ``finish_reason: "tool_calls"``, as OpenAI does.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from engine.chat.reasoning import ReasoningParser, ReasoningStreamer
@@ -74,7 +75,9 @@ class ChatDelta:
         """The ``delta`` object of a chat chunk (without ``role``)."""
         out: dict[str, Any] = {}
         if self.reasoning:
-            out["reasoning_content"] = self.reasoning
+            # "reasoning" is vLLM's current name; "reasoning_content" its older one, which
+            # clients written for DeepSeek's API read.
+            out["reasoning"] = out["reasoning_content"] = self.reasoning
         if self.content:
             out["content"] = self.content
         if self.tool_calls:
@@ -93,10 +96,19 @@ class ChatMessage:
     def to_openai(self) -> dict[str, Any]:
         out: dict[str, Any] = {"role": "assistant", "content": self.content}
         if self.reasoning_content is not None:
-            out["reasoning_content"] = self.reasoning_content
+            # vLLM's current name, and its older one that DeepSeek-style clients read.
+            out["reasoning"] = out["reasoning_content"] = self.reasoning_content
         if self.tool_calls:
             out["tool_calls"] = [c.to_openai() for c in self.tool_calls]
         return out
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 class ChatOutputParser:
@@ -155,14 +167,19 @@ class ChatOutputParser:
             calls += end.tool_calls
         return ChatDelta(reasoning, text, calls)
 
-    def message(self) -> ChatMessage:
-        """The complete message; call after :meth:`finish`."""
+    def message(self, *, cut_short: bool = False) -> ChatMessage:
+        """The complete message; call after :meth:`finish`. ``cut_short``: the output hit
+        max_tokens, so a forced call list may end in an unfinished call: that call and
+        any call markup left as text are dropped (no fragment comes back as a call)."""
         reasoning = self._reasoning.result().reasoning if self._reasoning else None
         if self._tools is None:
             content = "".join(self._content)
             # With a reasoning parser, "no answer after thinking" is null, as vLLM sends it.
             return ChatMessage(content or None if self._reasoning else content, reasoning)
         parsed = self._tools.result()
+        if cut_short and self._options.tool_choice.mode == "required":
+            calls = tuple(c for c in parsed.tool_calls if _is_json(c.arguments))
+            return ChatMessage(None, reasoning, calls)
         return ChatMessage(parsed.content, reasoning, parsed.tool_calls)
 
     def finish_reason(self, engine_reason: str | None) -> str | None:

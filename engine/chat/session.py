@@ -106,7 +106,8 @@ def _openai_messages(messages: Sequence[MessageLike]) -> list[Any]:
     out: list[Any] = []
     for m in messages:
         if isinstance(m, ChatMessage):
-            m = {k: v for k, v in m.to_openai().items() if k != "reasoning_content"}
+            m = {k: v for k, v in m.to_openai().items()
+                 if k not in ("reasoning", "reasoning_content")}
         out.append(m)
     return out
 
@@ -181,5 +182,6 @@ async def chat(
             if out.finished:
                 parser.finish()
                 reasons[out.index] = parser.finish_reason(out.finish_reason)
-    choices = tuple(ChatChoice(i, parsers[i].message(), reasons.get(i)) for i in sorted(parsers))
+    choices = tuple(ChatChoice(i, parsers[i].message(cut_short=reasons.get(i) == "length"),
+                               reasons.get(i)) for i in sorted(parsers))
     return ChatResult(choices, len(stream.prompt_token_ids), tokens)

@@ -54,6 +54,8 @@ class AdmissionLimits:
     vocab_size: int
     max_queued_requests: int
     eos_token_ids: tuple[int, ...]
+    # The most logprobs / prompt_logprobs a request may ask for; -1: the vocabulary.
+    max_logprobs: int = 20
 
 
 def sample_ids(request_id: str, n: int, serial: int) -> tuple[str, ...]:
@@ -207,6 +209,7 @@ def admit(
     _check_vocab([t for t, _ in submit.params.logit_bias], limits.vocab_size, "logit_bias",
                  "logit_bias token id")
     _check_model_ranges(submit.params, limits)
+    submit = _resolve_logprobs(submit, limits)
     max_tokens = submit.params.max_tokens
     room = limits.max_model_len - len(ids)
     if room < 1 or (max_tokens is not None and max_tokens > room):
@@ -250,6 +253,28 @@ def _check_model_ranges(params: SamplingParams, limits: AdmissionLimits) -> None
                 "(stop_token_ids and EOS) while min_tokens forbids stopping",
                 param="stop_token_ids",
             )
+
+
+def _resolve_logprobs(submit: SubmitRequest, limits: AdmissionLimits) -> SubmitRequest:
+    """Logprob counts checked against ``max_logprobs`` (--max-logprobs), -1 (the whole
+    vocabulary, where the server allows it) replaced by the vocabulary size."""
+    vocab = limits.vocab_size
+    cap = vocab if limits.max_logprobs == -1 else limits.max_logprobs
+    changes = {}
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(submit.params, name)
+        if value is None:
+            continue
+        count = vocab if value == -1 else value
+        if count > cap:
+            raise InvalidParamError(
+                f"{name} asks for {'the whole vocabulary' if value == -1 else count} "
+                f"logprobs; this server allows at most {cap} (--max-logprobs)", param=name)
+        if value == -1:
+            changes[name] = vocab
+    if not changes:
+        return submit
+    return dataclasses.replace(submit, params=submit.params.replace(**changes))
 
 
 def _expand(

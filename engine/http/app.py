@@ -188,6 +188,11 @@ class _Server:
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes
         self.metrics = Metrics(engine, engine.model_name)
+        config = engine.config
+        self.answer_options = protocol.AnswerOptions(
+            prompt_tokens_details=config.enable_prompt_tokens_details,
+            force_include_usage=config.enable_force_include_usage,
+            tokens_as_token_ids=config.return_tokens_as_token_ids)
         try:
             self.version = importlib.metadata.version("engine")
         except importlib.metadata.PackageNotFoundError:
@@ -218,6 +223,8 @@ class _Server:
             app.add_url_rule(path, view_func=self.rerank, methods=["POST"])
         app.add_url_rule("/detokenize", view_func=self.detokenize, methods=["POST"])
         app.add_url_rule("/openapi.json", view_func=self.openapi, methods=["GET"])
+        if self.engine.config.enable_tokenizer_info_endpoint:
+            app.add_url_rule("/tokenizer_info", view_func=self.tokenizer_info, methods=["GET"])
 
     # -- plumbing ---------------------------------------------------------------------
 
@@ -355,8 +362,22 @@ class _Server:
                            param="prompt", code="invalid_type")
         # Generation's own path (admission), with its guards.
         ids = admission.prompt_token_ids(tok, prompt, add_special_tokens=add_special_tokens)
+        # vLLM's token_strs: each token as the vocabulary spells it (return_token_strs).
+        strs = tok.convert_ids_to_tokens(ids) if body.get("return_token_strs") else None
         return _json({"count": len(ids), "max_model_len": self.engine.max_model_len,
-                      "tokens": list(ids)}, 200)
+                      "tokens": list(ids), "token_strs": strs}, 200)
+
+    async def tokenizer_info(self) -> Response:
+        """The tokenizer's configuration (tokenizer_config.json, as vLLM's route gives it)
+        and the chat template this server renders with."""
+        tok = self.engine.tokenizer
+        info = {k: v for k, v in tok.tokenizer_config.items()
+                if k not in ("vocab_file", "merges_file", "chat_template")}
+        info.setdefault("tokenizer_class", type(tok).__name__)
+        template = self.chat_settings.chat_template or tok.chat_template
+        if template is not None:
+            info["chat_template"] = template
+        return _json(info, 200)
 
     async def detokenize(self) -> Response:
         body = await self._read_checked("detokenize")
@@ -418,7 +439,7 @@ class _Server:
         req = protocol.parse_chat(chat, self.chat_settings, self.engine.tokenizer.chat_template,
                                   defaults=self.sampling_defaults)
         self._check_model(req.model)
-        run = _Run(self.engine, req, self.metrics.timer())
+        run = _Run(self.engine, req, self.metrics.timer(), self.answer_options)
         await run.submit_all(self._request_id())
         msg_id, model = anthropic.new_id(), self.engine.model_name
         if req.stream:
@@ -442,7 +463,7 @@ class _Server:
 
     async def _generate(self, req: CompletionRequest) -> Response:
         self._check_model(req.model)
-        run = _Run(self.engine, req, self.metrics.timer())
+        run = _Run(self.engine, req, self.metrics.timer(), self.answer_options)
         await run.submit_all(self._request_id())
         if req.stream:
             body = _TaskBody(run.write_sse, run.close)
@@ -456,9 +477,11 @@ class _Run:
     its answer (one JSON body, or SSE chunks). What the answer says is
     :class:`protocol.Completion`'s."""
 
-    def __init__(self, engine: EngineLike, req: CompletionRequest, timer: RequestTimer) -> None:
+    def __init__(self, engine: EngineLike, req: CompletionRequest, timer: RequestTimer,
+                 options: protocol.AnswerOptions) -> None:
         self.engine = engine
         self.req = req
+        self.options = options
         self.timer = timer
         self.streams: list[StreamLike] = []
         self.error: APIError | None = None
@@ -499,8 +522,9 @@ class _Run:
         tok = self.engine.tokenizer
         self._answer = protocol.Completion(
             self.req, self.engine.model_name, [s.prompt_token_ids for s in self.streams],
-            lambda token_id: tok.decode([token_id], skip_special_tokens=False), tok.decode,
-            base_id,
+            lambda token_id: tok.decode([token_id], skip_special_tokens=False),
+            # An echoed token-id prompt shows its special tokens, as the model read them.
+            lambda ids: tok.decode(ids, skip_special_tokens=False), base_id, self.options,
         )
 
     async def close(self) -> None:
@@ -531,7 +555,7 @@ class _Run:
             await self._pump_all(on_output)
             if self.error is not None:
                 await send.send(sse.event(self.error.body()))
-            elif self.req.include_usage:
+            elif self.answer.include_usage:
                 await send.send(sse.event(self.answer.usage_chunk()))
             await send.send(sse.DONE)
 

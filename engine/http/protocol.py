@@ -59,6 +59,9 @@ _COMMON_FIELDS = frozenset(
         # OpenAI's bookkeeping fields: they change nothing in the answer.
         "service_tier", "store", "metadata", "safety_identifier", "prompt_cache_key",
         "prompt_cache_retention",
+        # vLLM's answer-shape extras: the prompt's logprobs, the token ids of the prompt
+        # and the output, and logprob tokens written as "token_id:N".
+        "prompt_logprobs", "return_token_ids", "return_tokens_as_token_ids",
     }
 ) | frozenset(STRUCTURED_FIELDS)
 # Fields that change what the answer means and are not implemented: each is a 400 when
@@ -272,6 +275,14 @@ class CompletionRequest:
     # The body field that carried params.structured_outputs (response_format.json_schema.schema,
     # guided_regex, ...): an error found when the engine compiles it names this field.
     structured_param: str | None = None
+    # vLLM's extras: the prompt's logprobs with this many alternatives (-1: the whole
+    # vocabulary; None: not asked, the answer's key is null); the prompt's and the
+    # output's token ids; logprob tokens as "token_id:N" (None: the server's default);
+    # usage on every chunk of a stream (stream_options.continuous_usage_stats).
+    prompt_logprobs: int | None = None
+    return_token_ids: bool = False
+    tokens_as_ids: bool | None = None
+    continuous_usage: bool = False
 
 
 def parse_completion(body: Any, defaults: Mapping[str, Any] | None = None) -> CompletionRequest:
@@ -288,15 +299,16 @@ def parse_completion(body: Any, defaults: Mapping[str, Any] | None = None) -> Co
     structured, structured_param = structured_from_body(body)
     params = _sampling_params(body, COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs, defaults=defaults,
                               structured=structured)
-    if echo and logprobs is not None:
-        # The echoed prompt gets logprobs too, as OpenAI gives them (scoring a text this
-        # way is what evaluation harnesses do).
-        params = params.replace(prompt_logprobs=logprobs)
-    stream, include_usage = _stream_flags(body)
+    stream, include_usage, continuous = _stream_flags(body)
+    prompt_logprobs = _prompt_logprobs(body, stream)
+    # The echoed prompt gets logprobs too, as OpenAI gives them (scoring a text this way is
+    # what evaluation harnesses do); the engine scores it once for both uses.
+    params = params.replace(prompt_logprobs=_most(
+        prompt_logprobs, logprobs if echo else None))
     return CompletionRequest(
         chat=False, model=_model(body), prompts=prompts, params=params, stream=stream,
         include_usage=include_usage, echo=echo, top_logprobs=logprobs, **_queueing(body),
-        structured_param=structured_param,
+        structured_param=structured_param, **_shape_fields(body, prompt_logprobs, continuous),
     )
 
 
@@ -314,13 +326,13 @@ def parse_chat(body: Any, settings: ChatSettings | None = None,
     messages = normalize_messages(body.get("messages"))
     fields = parse_chat_fields(body, settings or ChatSettings(), model_template)
     top = _opt_int(body, "top_logprobs")
-    if top is not None and not 0 <= top <= 20:
+    if top is not None and top < -1:
         # Checked here so the error names the chat field, not SamplingParams.logprobs.
-        raise APIError(400, f"top_logprobs must be in [0, 20], got {top}",
-                       param="top_logprobs", code="invalid_value")
+        raise APIError(400, f"top_logprobs must be -1 (the whole vocabulary) or >= 0, got "
+                       f"{top}", param="top_logprobs", code="invalid_value")
     logprobs: int | None = top if top is not None else 0
     if not _opt_bool(body, "logprobs", False):
-        if top is not None:
+        if top:
             raise APIError(400, "top_logprobs requires logprobs to be true",
                            param="top_logprobs", code="invalid_value")
         logprobs = None
@@ -339,13 +351,49 @@ def parse_chat(body: Any, settings: ChatSettings | None = None,
     params = _sampling_params(body, None, logprobs, max_tokens=max_tokens, defaults=defaults,
                               structured=structured)
     params = _chat_output_params(body, params, fields)
-    stream, include_usage = _stream_flags(body)
+    stream, include_usage, continuous = _stream_flags(body)
+    prompt_logprobs = _prompt_logprobs(body, stream)
+    params = params.replace(prompt_logprobs=prompt_logprobs)
     return CompletionRequest(
         chat=True, model=_model(body), prompts=(messages,), params=params, stream=stream,
         include_usage=include_usage, echo=fields.echo, top_logprobs=logprobs,
         chat_fields=fields, **_queueing(body),
         structured_param=structured_param or constraint_param(fields, params),
+        **_shape_fields(body, prompt_logprobs, continuous),
     )
+
+
+def _prompt_logprobs(body: dict[str, Any], stream: bool) -> int | None:
+    """The ``prompt_logprobs`` field: alternatives per prompt token, -1 for all of them."""
+    value = _opt_int(body, "prompt_logprobs")
+    if value is None:
+        return None
+    if value < -1:
+        raise APIError(400, f"prompt_logprobs must be -1 (the whole vocabulary) or >= 0, "
+                       f"got {value}", param="prompt_logprobs", code="invalid_value")
+    if stream:
+        # As vLLM: a stream has no place for them (its chunks carry the output).
+        raise APIError(400, "prompt_logprobs are not available when stream is true",
+                       param="prompt_logprobs", code="invalid_value")
+    return value
+
+
+def _most(a: int | None, b: int | None) -> int | None:
+    """The larger of two logprob counts, where -1 (the whole vocabulary) is the largest."""
+    if a is None or b is None:
+        return b if a is None else a
+    return -1 if -1 in (a, b) else max(a, b)
+
+
+def _shape_fields(body: dict[str, Any], prompt_logprobs: int | None,
+                  continuous: bool) -> dict[str, Any]:
+    as_ids = body.get("return_tokens_as_token_ids")
+    if as_ids is not None and not isinstance(as_ids, bool):
+        raise APIError(400, "return_tokens_as_token_ids must be a boolean",
+                       param="return_tokens_as_token_ids", code="invalid_type")
+    return {"prompt_logprobs": prompt_logprobs,
+            "return_token_ids": _opt_bool(body, "return_token_ids", False),
+            "tokens_as_ids": as_ids, "continuous_usage": continuous}
 
 
 def _chat_output_params(body: dict[str, Any], params: SamplingParams,
@@ -418,22 +466,26 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """``stream``, ``stream_options.include_usage`` and ``.continuous_usage_stats``."""
     stream = _opt_bool(body, "stream", False)
     options = body.get("stream_options")
     if options is None:
-        return stream, False
+        return stream, False, False
     if not isinstance(options, dict):
         raise APIError(400, "stream_options must be an object", param="stream_options",
                        code="invalid_type")
     if not stream:
         raise APIError(400, "stream_options is only allowed when stream is true",
                        param="stream_options", code="invalid_value")
-    include = options.get("include_usage", False)
-    if not isinstance(include, bool):
-        raise APIError(400, "stream_options.include_usage must be a boolean",
-                       param="stream_options.include_usage", code="invalid_type")
-    return stream, include
+    flags = []
+    for name in ("include_usage", "continuous_usage_stats"):
+        value = options.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise APIError(400, f"stream_options.{name} must be a boolean",
+                           param=f"stream_options.{name}", code="invalid_type")
+        flags.append(bool(value))
+    return stream, flags[0], flags[1]
 
 
 def _opt_bool(body: dict[str, Any], name: str, default: bool) -> bool:
@@ -511,18 +563,41 @@ def now() -> int:
     return int(time.time())
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class AnswerOptions:
+    """The server's flags that shape answers, named as vLLM's ``serve`` flags."""
+
+    # usage.prompt_tokens_details ({"cached_tokens": N}, the prefix cache's hit) on every
+    # answer (--enable-prompt-tokens-details); vLLM leaves it out by default.
+    prompt_tokens_details: bool = False
+    # Every stream ends with a usage chunk, as if it asked stream_options.include_usage
+    # (--enable-force-include-usage).
+    force_include_usage: bool = False
+    # Logprob tokens as "token_id:N" for requests that do not say
+    # (--return-tokens-as-token-ids; the request's return_tokens_as_token_ids wins).
+    tokens_as_token_ids: bool = False
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
                ) -> dict[str, Any]:
-    return {
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        # OpenAI's field for the prompt-cache hit; here, the prefix cache's.
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if cached_tokens is not None:
+        # OpenAI's field for the prompt-cache hit; here, the prefix cache's.
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return usage
 
 
 TokenText = Callable[[int], str]
+
+
+def token_id_text(token_id: int) -> str:
+    """A logprob token written as its id (return_tokens_as_token_ids), as vLLM writes it:
+    every token can be named, even one that is not whole UTF-8 on its own."""
+    return f"token_id:{token_id}"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -541,17 +616,33 @@ def prompt_logprob_entries(
     return [Unscored(prompt_token_ids[0]), *prompt_logprobs[1:]]
 
 
+def top_entries(lp: Any, limit: int | None) -> list[tuple[int, float]]:
+    """One token's alternatives as vLLM lists them: the chosen token first, then the most
+    likely others, best first (the chosen one not twice); at most ``limit`` (None: all).
+    So the chosen token is always there, and ``logprobs: 0`` still names it."""
+    entries = [(lp.token_id, lp.logprob), *((t, v) for t, v in lp.top if t != lp.token_id)]
+    return entries if limit is None else entries[:limit]
+
+
 def completion_logprobs(
-    logprobs: Sequence[Any], token_text: TokenText, text_offset: int
+    logprobs: Sequence[Any], token_text: TokenText, text_offset: int, top: int | None = None,
 ) -> dict[str, Any]:
-    """The legacy completions ``logprobs`` object for a run of tokens; an entry whose
-    ``logprob`` is None (an echoed prompt's first token) gets nulls, as OpenAI's does."""
+    """The legacy completions ``logprobs`` object for a run of tokens.
+
+    Each ``top_logprobs`` dict holds the chosen token and ``top`` alternatives (-1 or
+    None: all the entries have), so ``top + 1`` keys at most, as OpenAI documents and vLLM
+    sends. An entry whose ``logprob`` is None (an echoed prompt's first token) gets nulls.
+    ``text_offset`` counts the tokens' texts on from ``text_offset`` (an echoed prompt's
+    tokens, then the output's: one running count, as vLLM's).
+    """
+    limit = None if top is None or top < 0 else top + 1
     tokens, token_logprobs, tops, offsets = [], [], [], []
     for lp in logprobs:
         text = token_text(lp.token_id)
         tokens.append(text)
         token_logprobs.append(lp.logprob)
-        tops.append(None if lp.top is None else {token_text(t): v for t, v in lp.top})
+        tops.append(None if lp.logprob is None else
+                    {token_text(t): v for t, v in top_entries(lp, limit)})
         offsets.append(text_offset)
         text_offset += len(text)
     return {
@@ -560,19 +651,42 @@ def completion_logprobs(
     }
 
 
-def chat_logprobs(logprobs: Sequence[Any], token_text: TokenText) -> dict[str, Any]:
-    """The chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+def chat_logprobs(logprobs: Sequence[Any], token_text: TokenText, top: int = 0
+                  ) -> dict[str, Any]:
+    """The chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``;
+    ``top_logprobs`` lists ``top`` entries (-1: all), the chosen token first (vLLM's)."""
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         text = token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
+    limit = None if top < 0 else top
     content = []
     for lp in logprobs:
         item = entry(lp.token_id, lp.logprob)
-        item["top_logprobs"] = [entry(t, v) for t, v in lp.top]
+        item["top_logprobs"] = [entry(t, v) for t, v in top_entries(lp, limit)]
         content.append(item)
     return {"content": content}
+
+
+def prompt_logprobs_list(scores: Sequence[Any], top: int, token_text: TokenText
+                         ) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token, null for the first (nothing scores
+    it), else ``{token id: {logprob, rank, decoded_token}}`` for the token and its ``top``
+    most likely alternatives (-1: all the entries have); ``rank`` 1 is the most likely."""
+    limit = None if top < 0 else top
+    out: list[dict[str, Any] | None] = []
+    for lp in scores:
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank,
+                                    "decoded_token": token_text(lp.token_id)}}
+        alternatives = lp.top if limit is None else lp.top[:limit]
+        for rank, (t, v) in enumerate(alternatives, 1):
+            entry.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": token_text(t)})
+        out.append(entry)
+    return out
 
 
 def completion_choice(
@@ -592,7 +706,8 @@ def chat_choice(
     """A chat choice; ``message`` (from a chat output parser: reasoning, tool calls)
     replaces the plain ``{"role": "assistant", "content": text}``."""
     return {
-        "index": index, "message": message or {"role": "assistant", "content": text},
+        "index": index,
+        "message": message or {"role": "assistant", "content": text, "reasoning": None},
         "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason,
     }
 
@@ -626,8 +741,8 @@ def chunk_choice(
     logprobs: dict[str, Any] | None, role: bool = False,
     delta_fields: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One choice of a stream chunk; ``delta_fields`` (reasoning_content, tool_calls,
-    content from a chat output parser) replace the plain text delta."""
+    """One choice of a stream chunk; ``delta_fields`` (reasoning, tool_calls, content
+    from a chat output parser) replace the plain text delta."""
     if not chat:
         return completion_choice(index, text or "", finish_reason, stop_reason, logprobs)
     delta: dict[str, Any] = {}
@@ -655,14 +770,21 @@ class _Choice:
     parser: ChatOutputParser | None = None
     text: str = ""
     logprobs: list[Any] = dataclasses.field(default_factory=list)
-    prompt_logprobs: list[Any] | None = None  # echo + logprobs: the prompt's entries
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    # The prompt's scores (prompt_logprobs, or echo + logprobs): None for the first token,
+    # then one TokenLogprob per token; from the choice's first output.
+    prompt_scores: Sequence[Any] | None = None
     finish_reason: str | None = None
     stop_reason: Any = None
     tokens: int = 0
     cached: int = 0  # prompt tokens the prefix cache served this sample
-    # Streamed: logprobs of tokens that are not yet text (half a UTF-8 character), held
-    # for the chunk that completes the text.
+    # Streamed: logprobs and ids of tokens that are not yet text (half a UTF-8 character),
+    # held for the chunk that completes the text.
     held: list[Any] = dataclasses.field(default_factory=list)
+    held_ids: list[int] = dataclasses.field(default_factory=list)
+    offset: int = 0  # the next logprob token's text_offset
+    echoed: bool = False  # streamed: the echo chunk went out
+    ids_sent: bool = False  # streamed: prompt_token_ids went out (return_token_ids)
 
 
 class Completion:
@@ -671,26 +793,38 @@ class Completion:
     the dicts it returns (one response body, or SSE chunks).
 
     ``prompt_token_ids`` holds each prompt's ids (one engine request per prompt, ``n``
-    choices each); ``token_text`` and ``decode`` are the tokenizer's; ``base_id`` is the
-    client's request id, if it sent one. A chat choice whose request asks for tools or
-    reasoning reads them out of its text with a :class:`ChatOutputParser`.
+    choices each); ``token_text`` is one token's text and ``decode`` a token-id prompt's
+    (its special tokens kept, so an echo shows what the model read); ``base_id`` is the
+    client's request id, if it sent one; ``options`` the server's answer flags. A chat
+    choice whose request asks for tools or reasoning reads them out of its text with a
+    :class:`ChatOutputParser`.
     """
 
     def __init__(
         self, req: CompletionRequest, model: str, prompt_token_ids: Sequence[Sequence[int]],
         token_text: TokenText, decode: Callable[[list[int]], str], base_id: str | None = None,
+        options: AnswerOptions | None = None,
     ) -> None:
         self.req = req
+        options = options or AnswerOptions()
         prefix = "chatcmpl-" if req.chat else "cmpl-"
         self.id = prefix + base_id if base_id else new_id(req.chat)
         self.created = now()
         self.model = model
         self._prompt_ids = prompt_token_ids
-        self._token_text = token_text
+        self._decoded_token = token_text
+        as_ids = req.tokens_as_ids if req.tokens_as_ids is not None else options.tokens_as_token_ids
+        self._token_text = token_id_text if as_ids else token_text
         self._decode = decode
+        self._details = options.prompt_tokens_details
         self._n = req.params.n
+        # A stream ends with usage when asked, or always with --enable-force-include-usage;
+        # continuous_usage_stats puts usage on every chunk too (only with the final one).
+        self.include_usage = req.stream and (req.include_usage or options.force_include_usage)
+        self._continuous = self.include_usage and req.continuous_usage
         fields = req.chat_fields
         output = fields.output if fields is not None and fields.output.parses else None
+        self._forced = fields is not None and fields.forced
         constrained = fields is not None and calls_constrained(fields, req.params)
         self.choices = [_Choice(i, ChatOutputParser(output, constrained=constrained)
                                 if output is not None else None)
@@ -712,6 +846,9 @@ class Completion:
     def unfinished(self) -> list[int]:
         return [c.index for c in self.choices if c.finish_reason is None]
 
+    def _prompt_of(self, choice: _Choice) -> Sequence[int]:
+        return self._prompt_ids[choice.index // self._n]
+
     def usage(self) -> dict[str, Any]:
         prompt = sum(len(ids) for ids in self._prompt_ids)
         # One prompt's cached tokens: its samples share the prompt, so the most any of them
@@ -719,15 +856,17 @@ class Completion:
         n = self._n
         cached = sum(max(c.cached for c in self.choices[i * n:(i + 1) * n])
                      for i in range(len(self._prompt_ids)))
-        return usage_dict(prompt, sum(c.tokens for c in self.choices), cached)
+        return usage_dict(prompt, sum(c.tokens for c in self.choices),
+                          cached if self._details else None)
 
     def record(self, prompt_index: int, out: Any) -> _Choice:
         """Add one engine output of prompt ``prompt_index`` to its choice."""
         choice = self.choices[prompt_index * self._n + out.index]
-        if choice.prompt_logprobs is None:
-            choice.prompt_logprobs = self._prompt_entries(prompt_index, out)
+        if choice.prompt_scores is None and out.prompt_logprobs is not None:
+            choice.prompt_scores = out.prompt_logprobs
         choice.text += out.text
         choice.tokens += len(out.token_ids)
+        choice.token_ids.extend(out.token_ids)
         if out.logprobs:
             choice.logprobs.extend(out.logprobs)
         if out.finished:
@@ -737,11 +876,24 @@ class Completion:
                 choice.cached = out.usage.cached_tokens
         return choice
 
-    def _prompt_entries(self, prompt_index: int, out: Any) -> list[Any] | None:
-        """The echoed prompt's logprob entries, from the first output that carries them."""
-        if out.prompt_logprobs is None:
+    def _echo_entries(self, choice: _Choice, scores: Sequence[Any] | None) -> list[Any]:
+        """The echoed prompt's logprob entries (first unscored), from its scores."""
+        if scores is None:
+            return []
+        return prompt_logprob_entries(self._prompt_of(choice), scores)
+
+    def _completion_logprobs(self, entries: Sequence[Any], choice: _Choice) -> dict[str, Any]:
+        """:func:`completion_logprobs` of a choice's next tokens, offsets running on."""
+        body = completion_logprobs(entries, self._token_text, choice.offset, self.req.top_logprobs)
+        if body["tokens"]:
+            choice.offset = body["text_offset"][-1] + len(body["tokens"][-1])
+        return body
+
+    def _prompt_logprobs(self, choice: _Choice) -> list[dict[str, Any] | None] | None:
+        if self.req.prompt_logprobs is None or choice.prompt_scores is None:
             return None
-        return prompt_logprob_entries(self._prompt_ids[prompt_index], out.prompt_logprobs)
+        return prompt_logprobs_list(choice.prompt_scores, self.req.prompt_logprobs,
+                                    self._decoded_token)
 
     # -- collected ----------------------------------------------------------------------
 
@@ -752,13 +904,25 @@ class Completion:
 
     def response(self) -> dict[str, Any]:
         """The whole (non-streamed) response body."""
+        ids = self.req.return_token_ids
         if self.req.chat:
-            choices = [self._chat_choice(c) for c in self.choices]
+            choices = [{**self._chat_choice(c), "token_ids": c.token_ids if ids else None}
+                       for c in self.choices]
         else:
-            choices = [completion_choice(c.index, c.text, c.finish_reason, c.stop_reason,
-                                         self._all_logprobs(c)) for c in self.choices]
-        return response_body(self.req.chat, self.id, self.created, self.model, choices,
+            # vLLM's extra keys are there, null, when not asked for.
+            choices = [{**completion_choice(c.index, c.text, c.finish_reason, c.stop_reason,
+                                            self._all_logprobs(c)),
+                        "prompt_logprobs": self._prompt_logprobs(c),
+                        "prompt_token_ids": list(self._prompt_of(c)) if ids else None,
+                        "token_ids": c.token_ids if ids else None}
+                       for c in self.choices]
+        body = response_body(self.req.chat, self.id, self.created, self.model, choices,
                              self.usage())
+        if self.req.chat:
+            # One prompt: its scores and ids belong to the response (vLLM's keys).
+            body["prompt_logprobs"] = self._prompt_logprobs(self.choices[0])
+            body["prompt_token_ids"] = list(self._prompt_ids[0]) if ids else None
+        return body
 
     def _chat_choice(self, choice: _Choice) -> dict[str, Any]:
         logprobs = self._all_logprobs(choice)
@@ -769,9 +933,15 @@ class Completion:
         echo = self.echo_text(choice) if self.req.echo else ""
         parser.feed(choice.text[len(echo):])
         parser.finish()
-        message = parser.message().to_openai()
+        message = parser.message(cut_short=choice.finish_reason == "length").to_openai()
+        if self._forced:
+            # A forced call's answer has empty content and a list of calls (empty when
+            # max_tokens cut the only call short), as vLLM sends it.
+            message["content"] = message["content"] or ""
+            message.setdefault("tool_calls", [])
         if echo:
             message["content"] = echo + (message["content"] or "")
+        message.setdefault("reasoning", None)  # vLLM's key, null without reasoning
         return chat_choice(choice.index, choice.text, parser.finish_reason(choice.finish_reason),
                            choice.stop_reason, logprobs, message=message)
 
@@ -779,13 +949,14 @@ class Completion:
         if self.req.top_logprobs is None:
             return None
         if self.req.chat:
-            return chat_logprobs(choice.logprobs, self._token_text)
+            return chat_logprobs(choice.logprobs, self._token_text, self.req.top_logprobs)
+        choice.offset = 0
         if not self.req.echo:
-            return completion_logprobs(choice.logprobs, self._token_text, 0)
-        # The prompt's tokens first (offsets from 0), then the completion's after the echo.
-        scored = completion_logprobs(choice.prompt_logprobs or [], self._token_text, 0)
-        generated = completion_logprobs(choice.logprobs, self._token_text,
-                                        len(self.echo_text(choice)))
+            return self._completion_logprobs(choice.logprobs, choice)
+        # The prompt's tokens first, then the completion's, one running text_offset.
+        scored = self._completion_logprobs(self._echo_entries(choice, choice.prompt_scores),
+                                           choice)
+        generated = self._completion_logprobs(choice.logprobs, choice)
         return {key: scored[key] + generated[key] for key in generated}
 
     # -- streamed -----------------------------------------------------------------------
@@ -793,9 +964,11 @@ class Completion:
     def opening_chunks(self) -> list[dict[str, Any]]:
         """What a stream starts with: each chat choice's role, or each echo (no logprobs)."""
         if self.req.chat:
+            top = ({"prompt_token_ids": list(self._prompt_ids[0])}
+                   if self.req.return_token_ids else {})
             return [self._chunk(chunk_choice(
                 True, c.index, self.echo_text(c) if self.req.echo else "", None, None, None,
-                role=True)) for c in self.choices]
+                role=True), c, top) for c in self.choices]
         if self.req.echo and not self._echo_later:
             return [self._echo_chunk(c, None) for c in self.choices]
         return []
@@ -805,25 +978,26 @@ class Completion:
         not yet text)."""
         choice = self.choices[prompt_index * self._n + out.index]
         chunks = []
-        if self._echo_later and choice.prompt_logprobs is None:
-            choice.prompt_logprobs = self._prompt_entries(prompt_index, out) or []
-            chunks.append(self._echo_chunk(choice, completion_logprobs(
-                choice.prompt_logprobs, self._token_text, 0)))
+        if self._echo_later and not choice.echoed:
+            entries = self._echo_entries(choice, out.prompt_logprobs)
+            choice.offset = 0
+            chunks.append(self._echo_chunk(choice, self._completion_logprobs(entries, choice)))
         choice.held.extend(out.logprobs or ())
+        choice.held_ids.extend(out.token_ids)
         if not out.text and not out.finished:
             self.record(prompt_index, out)
             return chunks
         logprobs = None
         if self.req.top_logprobs is not None and out.logprobs is not None:
-            logprobs = (chat_logprobs(choice.held, self._token_text) if self.req.chat else
-                        completion_logprobs(choice.held, self._token_text, len(choice.text)))
+            logprobs = (chat_logprobs(choice.held, self._token_text, self.req.top_logprobs)
+                        if self.req.chat else self._completion_logprobs(choice.held, choice))
         choice.held = []
         self.record(prompt_index, out)
         finish = out.finish_reason if out.finished else None
         stop_reason = out.stop_reason if out.finished else None
         if choice.parser is None:
             chunks.append(self._chunk(chunk_choice(
-                self.req.chat, choice.index, out.text, finish, stop_reason, logprobs)))
+                self.req.chat, choice.index, out.text, finish, stop_reason, logprobs), choice))
             return chunks
         delta = choice.parser.feed(out.text)
         if out.finished:
@@ -831,7 +1005,8 @@ class Completion:
             delta = ChatDelta(delta.reasoning + end.reasoning, delta.content + end.content,
                               delta.tool_calls + end.tool_calls)
             finish = choice.parser.finish_reason(finish)
-        if not delta and not out.finished and logprobs is None:
+        if (not delta and not out.finished and logprobs is None
+                and not self.req.return_token_ids):
             return chunks  # held back (a possible call marker): nothing to send yet
         parts = delta.to_openai_chunks()
         for k, fields in enumerate(parts):
@@ -839,7 +1014,7 @@ class Completion:
             chunks.append(self._chunk(chunk_choice(
                 True, choice.index, None, finish if last else None,
                 stop_reason if last else None, logprobs if k == 0 else None,
-                delta_fields=fields)))
+                delta_fields=fields), choice))
         return chunks
 
     def usage_chunk(self) -> dict[str, Any]:
@@ -847,8 +1022,23 @@ class Completion:
 
     def _echo_chunk(self, choice: _Choice, logprobs: dict[str, Any] | None) -> dict[str, Any]:
         choice.text = self.echo_text(choice)
-        return self._chunk(chunk_choice(False, choice.index, choice.text, None, None, logprobs))
+        choice.echoed = True
+        return self._chunk(chunk_choice(False, choice.index, choice.text, None, None, logprobs),
+                           choice)
 
-    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
-        return chunk_body(self.req.chat, self.id, self.created, self.model, [choice],
-                          self.req.include_usage)
+    def _chunk(self, body_choice: dict[str, Any], choice: _Choice,
+               top: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A chunk of one choice; with return_token_ids its held ids go with it (and, the
+        first time, a completion choice's prompt ids); ``top``: chunk-level fields."""
+        if self.req.return_token_ids:
+            if not self.req.chat and not choice.ids_sent:
+                body_choice["prompt_token_ids"] = list(self._prompt_of(choice))
+                choice.ids_sent = True
+            body_choice["token_ids"], choice.held_ids = choice.held_ids, []
+        body = chunk_body(self.req.chat, self.id, self.created, self.model, [body_choice],
+                          self.include_usage)
+        if top:
+            body.update(top)
+        if self._continuous:
+            body["usage"] = usage_dict(len(self._prompt_of(choice)), choice.tokens)
+        return body

@@ -73,12 +73,22 @@ COMMON: dict[str, Any] = {
     "ignore_eos": _BOOL,
     "stream": _BOOL,
     "stream_options": _nullable({"type": "object", "properties": {
-        "include_usage": {"type": "boolean"}}, "description": "only with stream: true"}),
+        "include_usage": _BOOL, "continuous_usage_stats": _BOOL},
+        "description": "only with stream: true; continuous_usage_stats (with include_usage) "
+                       "puts usage on every chunk"}),
     "user": _nullable({"type": "string"}),
     "include_stop_str_in_output": _BOOL,
     "skip_special_tokens": _BOOL,
     "priority": _integer(*_INT64, "smaller is served first under --scheduling-policy "
                          "priority"),
+    # vLLM's answer-shape extras.
+    "prompt_logprobs": _integer(-1, None, "the logprobs of every prompt token and this many "
+                                "alternatives (-1: all; at most --max-logprobs); not with "
+                                "stream"),
+    "return_token_ids": _nullable({"type": "boolean", "description": "add prompt_token_ids "
+                                   "and token_ids to the answer"}),
+    "return_tokens_as_token_ids": _nullable({"type": "boolean", "description": "logprob "
+                                             "tokens as 'token_id:N'"}),
     "cache_salt": _nullable({"type": "string", "minLength": 1,
                              "description": "prefix-cache entries are shared only "
                                             "between requests with the same salt"}),
@@ -111,8 +121,9 @@ COMPLETION: dict[str, Any] = {
             {"type": "array", "items": _TOKEN_IDS, "minItems": 1},
         ]},
         "echo": _BOOL,
-        "logprobs": _integer(0, 20, "top alternatives per token (and per prompt token "
-                             "with echo)"),
+        "logprobs": _integer(-1, None, "top alternatives per token beside the chosen one "
+                             "(and per prompt token with echo); -1: all; at most "
+                             "--max-logprobs"),
     },
 }
 
@@ -138,7 +149,8 @@ CHAT: dict[str, Any] = {
         "messages": _MESSAGES,
         "max_completion_tokens": _integer(1, None, "OpenAI's newer name for max_tokens"),
         "logprobs": _BOOL,
-        "top_logprobs": _integer(0, 20, "top alternatives per token; needs logprobs: true"),
+        "top_logprobs": _integer(-1, None, "alternatives per token, the chosen one first; "
+                                 "-1: all; at most --max-logprobs; needs logprobs: true"),
         "echo": _BOOL,
         # Tool calling and templates (engine/chat checks their insides).
         "tools": _nullable({"type": "array", "items": {"type": "object"}}),
@@ -159,6 +171,7 @@ TOKENIZE: dict[str, Any] = {
         "messages": _MESSAGES,
         "add_special_tokens": _BOOL,
         "add_generation_prompt": _BOOL,
+        "return_token_strs": _BOOL,
     },
     "anyOf": [{"required": ["prompt"]}, {"required": ["messages"]}],
 }
@@ -347,7 +360,8 @@ def openapi(version: str, *, api_key: bool) -> dict[str, Any]:
         "/tokenize": _post("Token ids of a prompt or chat", "TokenizeRequest", _json({
             "type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {
                 "count": {"type": "integer"}, "max_model_len": {"type": "integer"},
-                "tokens": {"type": "array", "items": {"type": "integer"}}}}),
+                "tokens": {"type": "array", "items": {"type": "integer"}},
+                "token_strs": {"type": ["array", "null"], "items": {"type": "string"}}}}),
             *(c for c in gen_errors if c not in ("429", "500", "503"))),
         "/detokenize": _post("Text of token ids", "DetokenizeRequest", _json({
             "type": "object", "required": ["prompt"], "properties": {

@@ -105,6 +105,8 @@ class Tokenizer:
     ) -> None:
         self._backend = backend
         self._source = source
+        self.tokenizer_config: Mapping[str, Any] = dict(config)
+        """``tokenizer_config.json`` as read (for ``GET /tokenizer_info``)."""
         self._special_tokens = _named_special_tokens(config)
         self._add_missing_special_tokens()
         self._apply_bos_eos_flags(config)

@@ -367,15 +367,19 @@ class ModelRunner:
             index = torch.tensor(rows[at : at + _PROMPT_LOGITS_ROWS], device=self.device)
             logprobs = torch.log_softmax(self.model.compute_logits(hidden.index_select(0, index)), -1)
             want = torch.tensor(targets[at : at + _PROMPT_LOGITS_ROWS], device=self.device)
-            chosen = logprobs.gather(1, want.unsqueeze(1)).squeeze(1).tolist()
+            chosen_t = logprobs.gather(1, want.unsqueeze(1))
+            # 1 + how many tokens are more likely (ties share the better rank).
+            ranks = ((logprobs > chosen_t).sum(-1) + 1).tolist()
+            chosen = chosen_t.squeeze(1).tolist()
             if top_n:
                 values, ids = logprobs.topk(top_n, dim=-1)
                 tops = [tuple(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
             else:
                 tops = [()] * len(chosen)
             entries.extend(
-                TokenLogprob(t, lp, top)
-                for t, lp, top in zip(targets[at : at + _PROMPT_LOGITS_ROWS], chosen, tops, strict=True)
+                TokenLogprob(t, lp, top, rank)
+                for t, lp, top, rank in zip(targets[at : at + _PROMPT_LOGITS_ROWS], chosen, tops,
+                                            ranks, strict=True)
             )
         return tuple(entries)
 
