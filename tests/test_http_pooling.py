@@ -11,7 +11,6 @@ from pathlib import Path
 import httpx
 import numpy as np
 import openai
-import pooling_fixtures
 import pytest
 import torch
 from engine_helpers import tiny_model
@@ -19,11 +18,6 @@ from http_server import ServerThread
 from pooling_fixtures import cosines, sentences
 
 import engine
-
-# The shared module-scoped fixtures (models and oracle outputs), by name.
-minilm = pooling_fixtures.minilm
-st_embeddings = pooling_fixtures.st_embeddings
-cross_encoder = pooling_fixtures.cross_encoder
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +167,19 @@ def test_a_generation_model_refuses_embeddings(tmp_path_factory: pytest.TempPath
         response = httpx.post(srv.base_url + "/v1/embeddings", json={"input": "hi"}, timeout=30)
     assert response.status_code == 400
     assert "--convert embed" in response.json()["error"]["message"]
+
+
+def _prompt_tokens_total(server) -> float:
+    text = httpx.get(server.base_url + "/metrics", timeout=30).text
+    line = next(x for x in text.splitlines() if x.startswith("engine:prompt_tokens_total"))
+    return float(line.split()[-1])
+
+
+def test_pooling_requests_count_their_input_tokens_in_the_metrics(server) -> None:
+    before = _prompt_tokens_total(server)
+    answer = httpx.post(server.base_url + "/v1/embeddings", timeout=30,
+                        json={"input": ["one two three", "four"]}).json()
+    assert _prompt_tokens_total(server) - before == answer["usage"]["prompt_tokens"]
 
 
 def test_base64_is_little_endian_float32(server) -> None:

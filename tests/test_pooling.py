@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pooling_fixtures
 import pytest
 import torch
 import trio
@@ -18,11 +17,6 @@ from pooling_fixtures import cosines, sentences
 import engine
 from engine.errors import InputTooLongError, InvalidParamError
 from engine.params import SamplingParams
-
-# The shared module-scoped fixtures (models and oracle outputs), by name.
-minilm = pooling_fixtures.minilm
-st_embeddings = pooling_fixtures.st_embeddings
-cross_encoder = pooling_fixtures.cross_encoder
 
 
 async def test_minilm_matches_sentence_transformers_single_batched_and_concurrent(

@@ -397,27 +397,42 @@ class _Server:
     async def embeddings(self) -> Response:
         req = pooling_http.parse_embedding(await self._read_checked("embeddings"))
         self._check_model(req.model)
+        timer = self.metrics.timer()
         pooled = await self.engine.embed(
             req.input, dimensions=req.dimensions, truncate_prompt_tokens=req.truncate_prompt_tokens,
             request_id=self._request_id(), priority=req.priority)
+        self._observe(timer, [p.prompt_tokens for p in pooled])
         return _json(pooling_http.embedding_response(self.engine.model_name, pooled,
                                                      req.encoding_format), 200)
 
     async def score(self) -> Response:
         req = pooling_http.parse_score(await self._read_checked("score"))
         self._check_model(req.model)
+        timer = self.metrics.timer()
         scores = await self.engine.score(
             req.first, req.second, truncate_prompt_tokens=req.truncate_prompt_tokens,
             request_id=self._request_id(), priority=req.priority)
+        self._observe(timer, [n for _, n in scores])
         return _json(pooling_http.score_response(self.engine.model_name, scores), 200)
 
     async def rerank(self) -> Response:
         req = pooling_http.parse_rerank(await self._read_checked("rerank"))
         self._check_model(req.model)
+        timer = self.metrics.timer()
         scores = await self.engine.score(
             req.first, req.second, truncate_prompt_tokens=req.truncate_prompt_tokens,
             request_id=self._request_id(), priority=req.priority)
+        self._observe(timer, [n for _, n in scores])
         return _json(pooling_http.rerank_response(self.engine.model_name, req, scores), 200)
+
+    @staticmethod
+    def _observe(timer: RequestTimer, prompt_tokens: list[int]) -> None:
+        """A pooling request's metrics: its inputs' tokens (prompt tokens), one successful
+        "stop" per input, and its end-to-end latency; nothing is generated."""
+        timer.prompt(sum(prompt_tokens))
+        for i in range(len(prompt_tokens)):
+            timer.output(i, 0, "stop")
+        timer.done()
 
     # -- completions --------------------------------------------------------------------
 

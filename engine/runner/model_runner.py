@@ -162,10 +162,12 @@ class ModelRunner:
         chunks = tuple(c for c in plan.chunks if c.sample_id not in self._failed)
         if not chunks:
             return StepResult(plan.step_id, (), 0.0)
+        sampled: tuple[SampledToken, ...] = ()
+        failed: tuple[RequestFailure, ...] = ()
+        prompt_logprobs: tuple[PromptLogprobs, ...] = ()
         pooled: tuple[PooledOutput, ...] = ()
         try:
             if self.pooler is not None:
-                sampled, failed, prompt_logprobs = (), (), ()
                 pooled = self._run_pooling(chunks)
             else:
                 sampled, failed, prompt_logprobs = self._run(chunks)
@@ -330,7 +332,8 @@ class ModelRunner:
             return ()
         vectors = torch.stack([v for _, v in done])
         if self.pooler.task == "classify":
-            vectors = self.model.classify(vectors.to(self.dtype))
+            # Only a BertModel (models/bert.py) is built for a classify pooler.
+            vectors = self.model.classify(vectors.to(self.dtype))  # type: ignore[attr-defined]
         elif self.pooler.normalize:
             vectors = torch.nn.functional.normalize(vectors, p=2.0, dim=-1)
         host = vectors.float().cpu().numpy().astype("<f4")
