@@ -353,6 +353,9 @@ def test_tokenizer_info_with_its_flag(server, flagged, folder):
     assert info["chat_template"] == Tokenizer.from_folder(folder).chat_template
     assert info["eos_token"] == config["eos_token"]
     assert isinstance(info["tokenizer_class"], str)
+    paths = {srv: httpx.get(srv.base_url + "/openapi.json").json()["paths"]
+             for srv in (server, flagged)}
+    assert "/tokenizer_info" in paths[flagged] and "/tokenizer_info" not in paths[server]
 
 
 # -- reasoning and forced calls (scripted) ---------------------------------------------------

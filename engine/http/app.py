@@ -337,7 +337,9 @@ class _Server:
         return value
 
     async def openapi(self) -> Response:
-        return _json(schema.openapi(self.version, api_key=self.api_key is not None), 200)
+        return _json(schema.openapi(
+            self.version, api_key=self.api_key is not None,
+            tokenizer_info=self.engine.config.enable_tokenizer_info_endpoint), 200)
 
     async def _read_checked(self, name: str) -> Any:
         """The body, checked against its JSON Schema (the one /openapi.json publishes)."""

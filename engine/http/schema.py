@@ -343,8 +343,9 @@ def _json(schema: dict[str, Any], description: str = "OK") -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
-def openapi(version: str, *, api_key: bool) -> dict[str, Any]:
-    """The server's OpenAPI 3.1 document (``GET /openapi.json``)."""
+def openapi(version: str, *, api_key: bool, tokenizer_info: bool = False) -> dict[str, Any]:
+    """The server's OpenAPI 3.1 document (``GET /openapi.json``); ``tokenizer_info``: the
+    server has ``GET /tokenizer_info`` (--enable-tokenizer-info-endpoint)."""
     generation = {"description": "the completion, or with stream: true server-sent events "
                   "(data: {chunk} ... data: [DONE])",
                   "content": {"application/json": {"schema": {
@@ -398,6 +399,9 @@ def openapi(version: str, *, api_key: bool) -> dict[str, Any]:
             "text/plain": {"schema": {"type": "string"}}}}),
         "/openapi.json": _get("This document", _json({"type": "object"})),
     }
+    if tokenizer_info:
+        paths["/tokenizer_info"] = _get("The tokenizer's configuration and chat template",
+                                        _json({"type": "object"}), *(("401",) if api_key else ()))
     document: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "engine: OpenAI-compatible LLM server", "version": version},
