@@ -223,6 +223,10 @@ def test_a_named_tool_is_called(server, clients):
     ({"messages": ASK, "max_tokens": 5, "mcp_servers": [{"type": "url", "url": "x"}]},
      "mcp_servers"),
     ({"messages": [{"role": "system", "content": "hi"}], "max_tokens": 5}, "messages[0].role"),
+    # The chat path refuses stop strings beside a forced call; the error says the
+    # Messages name.
+    ({"messages": ASK, "max_tokens": 5, "stop_sequences": ["}"], "tools": [WEATHER],
+      "tool_choice": {"type": "any"}}, "stop_sequences"),
 ])
 def test_unsupported_or_bad_fields_are_anthropic_400s_naming_them(clients, body, param):
     with pytest.raises(anthropic.BadRequestError) as info:

@@ -326,6 +326,23 @@ def _output_config(config: Any) -> dict[str, Any]:
         "name": "output", "schema": dict(fmt["schema"])}}}
 
 
+# The chat fields a Messages field became, for errors the chat path finds (the rest keep
+# their names: model, max_tokens, temperature, tools, tool_choice, ...).
+_MESSAGES_NAMES = (("stop", "stop_sequences"), ("response_format", "output_config.format"),
+                   ("parallel_tool_calls", "tool_choice.disable_parallel_tool_use"))
+
+
+def rename_param(err: APIError) -> APIError:
+    """A chat-path error about a field this route renamed, said with the Messages name
+    (``stop`` -> ``stop_sequences``, ...)."""
+    for chat, messages in _MESSAGES_NAMES:
+        if err.param == chat or (err.param or "").startswith(chat + "."):
+            param = messages + (err.param or "")[len(chat):]
+            return APIError(err.status, f"{param}: {err.message}", type=err.type,
+                            param=param, code=err.code)
+    return err
+
+
 # -- the answer ------------------------------------------------------------------------------
 
 

@@ -453,11 +453,15 @@ class _Server:
         """``POST /v1/messages``: the chat path, said in Anthropic's shapes."""
         chat = anthropic.chat_body(await self._read_json(),
                                    reasoning=self.chat_settings.reasoning_parser is not None)
-        req = protocol.parse_chat(chat, self.chat_settings, self.engine.tokenizer.chat_template,
-                                  defaults=self.sampling_defaults)
-        self._check_model(req.model)
-        run = _Run(self.engine, req, self.metrics.timer(), self.answer_options)
-        await run.submit_all(self._request_id())
+        try:
+            req = protocol.parse_chat(chat, self.chat_settings,
+                                      self.engine.tokenizer.chat_template,
+                                      defaults=self.sampling_defaults)
+            self._check_model(req.model)
+            run = _Run(self.engine, req, self.metrics.timer(), self.answer_options)
+            await run.submit_all(self._request_id())
+        except (APIError, InvalidParamError) as exc:
+            raise anthropic.rename_param(protocol.error_from_exception(exc)) from None
         msg_id, model = anthropic.new_id(), self.engine.model_name
         if req.stream:
             events = anthropic.MessageEvents(
