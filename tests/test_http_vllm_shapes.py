@@ -402,3 +402,29 @@ def test_a_forced_call_cut_short_is_no_call(scripted):
         assert answer.message.content == ""  # as vLLM: empty, not null, for a forced call
         if choice == "required":
             assert answer.message.tool_calls == []  # no fragment of the markup as a call
+
+
+@pytest.mark.parametrize("constrained", [False, True])
+def test_a_required_list_cut_short_keeps_only_finished_calls(constrained):
+    """The output parser on its own (what the HTTP answer and the embedded chat API read):
+    cut short, a required list keeps the calls that finished and drops the one the limit
+    cut, and no markup comes back as content; not cut short, nothing changes."""
+    from engine.chat.output import ChatOutputOptions, ChatOutputParser
+    from engine.chat.tool_parsers import get_tool_parser
+    from engine.chat.tools import ToolChoice, parse_tools
+
+    options = ChatOutputOptions(tools=parse_tools(TOOLS), tool_choice=ToolChoice("required"),
+                                tool_parser=get_tool_parser("hermes"),
+                                forced_in_parser_syntax=True)
+    for text, finished in ((CALL[:30], 0), (CALL[:60], 0), (CALL + "\n" + CALL[:40], 1)):
+        parser = ChatOutputParser(options, constrained=constrained)
+        parser.feed(text)
+        parser.finish()
+        message = parser.message(cut_short=True)
+        assert message.content is None
+        assert [json.loads(c.arguments) for c in message.tool_calls] == [
+            {"city": "Paris", "unit": "celsius"}] * finished
+    whole = ChatOutputParser(options, constrained=constrained)
+    whole.feed(CALL)
+    whole.finish()
+    assert len(whole.message(cut_short=True).tool_calls) == 1
