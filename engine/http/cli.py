@@ -82,7 +82,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"how the model writes tool calls: {', '.join(sorted(TOOL_PARSERS))} (see "
              "docs/serving.md)")
     add("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None, metavar="NAME",
-        help=f"split <think>...</think> into reasoning_content: "
+        help=f"split <think>...</think> into reasoning (and reasoning_content): "
              f"{', '.join(sorted(REASONING_PARSERS))}")
     add("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT, metavar="S",
         help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
