@@ -328,8 +328,10 @@ class Engine:
         pooler = self._pooler("embed", "embed")
         pooling.check_dimensions(dimensions, pooler.matryoshka_dimensions, pooler.size)
         items = _inputs(input)
-        ids = [pooling.input_ids(self.tokenizer, item, truncate=truncate_prompt_tokens,
-                                 max_model_len=self.max_model_len) for item in items]
+        ids = await self._tokenize(
+            sum(len(i) for i in items if isinstance(i, str)),
+            lambda: [pooling.input_ids(self.tokenizer, item, truncate=truncate_prompt_tokens,
+                                       max_model_len=self.max_model_len) for item in items])
         pooled = await self.pool(ids, request_id=request_id, priority=priority)
         return [pooling.shorten(p, dimensions, pooler.normalize) for p in pooled]
 
@@ -358,14 +360,18 @@ class Engine:
                 raise InvalidParamError(
                     f"score needs a cross-encoder with one output label; this model has "
                     f"{pooler.size}", param="model")
-            ids = [pooling.pair_ids(self.tokenizer, a, b, truncate=truncate_prompt_tokens,
-                                    max_model_len=self.max_model_len)
-                   for a, b in zip(firsts, seconds, strict=True)]
+            ids = await self._tokenize(
+                sum(len(a) + len(b) for a, b in zip(firsts, seconds, strict=True)),
+                lambda: [pooling.pair_ids(self.tokenizer, a, b, truncate=truncate_prompt_tokens,
+                                          max_model_len=self.max_model_len)
+                         for a, b in zip(firsts, seconds, strict=True)])
             pooled = await self.pool(ids, request_id=request_id, priority=priority)
             return [(pooling.classifier_score(p), p.prompt_tokens) for p in pooled]
         texts = list(dict.fromkeys(firsts + seconds))
-        ids = [pooling.input_ids(self.tokenizer, t, truncate=truncate_prompt_tokens,
-                                 max_model_len=self.max_model_len) for t in texts]
+        ids = await self._tokenize(
+            sum(map(len, texts)),
+            lambda: [pooling.input_ids(self.tokenizer, t, truncate=truncate_prompt_tokens,
+                                       max_model_len=self.max_model_len) for t in texts])
         by_text = dict(zip(texts, await self.pool(ids, request_id=request_id, priority=priority),
                            strict=True))
         return [(pooling.cosine(by_text[a], by_text[b]),
@@ -383,6 +389,11 @@ class Engine:
         if self.pooler is None:
             raise InvalidParamError(f"the model {self.model_name} generates; it has no pooler",
                                     param="model")
+        limit = self._parts.limits.max_queued_requests
+        if len(prompts) > limit:
+            # Each input is a request in the queue: more than it ever holds could not run.
+            raise InvalidParamError(f"{len(prompts)} inputs in one request; at most {limit} "
+                                    "(--max-queued-requests)", param="input")
         base = request_id if request_id is not None else uuid.uuid4().hex
         streams: list[RequestStream] = []
         try:
@@ -410,6 +421,14 @@ class Engine:
         finally:
             for stream in streams:
                 stream._release()
+
+    @staticmethod
+    async def _tokenize(chars: int, work: Any) -> Any:
+        """``work()`` (tokenizing ``chars`` characters): on this thread when short, in a
+        worker thread when long, as admission does for prompts."""
+        if chars > admission.THREAD_PROMPT_CHARS:
+            return await trio.to_thread.run_sync(work, abandon_on_cancel=True)
+        return work()
 
     def _pooler(self, what: str, task: str | None) -> Any:
         """The pooler, if this model can ``what`` (``task``: the task it needs, None: any)."""

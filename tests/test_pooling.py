@@ -46,7 +46,16 @@ async def test_minilm_matches_sentence_transformers_single_batched_and_concurren
 
 
 async def test_minilm_refuses_long_inputs_generation_and_dimensions(minilm: Path) -> None:
-    async with engine.open_engine(minilm, dtype="float32", max_num_seqs=4) as eng:
+    async with engine.open_engine(minilm, dtype="float32", max_num_seqs=4,
+                                  max_queued_requests=64) as eng:
+        with pytest.raises(InvalidParamError, match="65 inputs") as info:
+            await eng.embed(["a"] * 65)  # more than the queue ever holds: a 400, not a 429
+        assert info.value.param == "input"
+        # 40 inputs of 200 words (41k characters) are tokenized in a worker thread.
+        many = await eng.embed(["word " * 200] * 40)
+        one = (await eng.embed("word " * 200))[0]
+        assert all(p.prompt_tokens == 202 for p in many)
+        assert np.allclose(np.stack([p.vector() for p in many]), one.vector(), atol=1e-6)
         long = " ".join(["word"] * 300)
         with pytest.raises(InputTooLongError, match="maximum input length is 256"):
             await eng.embed(long)
