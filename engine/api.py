@@ -216,6 +216,7 @@ class Engine:
         self._dead_event = trio.Event()
         self._parts = parts
         self._handles: ActorHandles | None = None
+        self._pool: Any = None  # engine.actors.cores.CorePool when the cores run apart
         self._token = trio.lowlevel.current_trio_token()
         # Numbers every admitted request (across restarts too): its sample ids carry it, so
         # they never collide whatever request ids callers pick (admission.sample_ids).
@@ -500,6 +501,8 @@ class Engine:
     def _die(self, reason: BaseException) -> None:
         if self.dead:
             return
+        if self._pool is not None:
+            self._pool.stopping()
         self.dead = True
         self.restarting = False
         self.dead_reason = reason
@@ -594,6 +597,53 @@ def _leaves(exc: BaseException) -> Any:
         yield exc
 
 
+async def _start_front_end(nursery: trio.Nursery, config: EngineConfig) -> Engine:
+    """Start the engine cores (processes of their own), then the front end's actors."""
+    from engine.actors.cores import CorePool
+    from engine.actors.system import run_front_actors
+    from engine.loading import build_front_parts
+
+    # Buffer 0: each core's reader hands the detokenizer a step's outputs and waits for it.
+    detok_send, detok_recv = trio.open_memory_channel[Any](0)
+    pool = CorePool(config, to_detokenizer=detok_send,
+                    data_parallel_size=config.data_parallel_size,
+                    routing=config.data_parallel_routing)
+    hello = await nursery.start(pool.run)
+    parts = await trio.to_thread.run_sync(build_front_parts, config, hello)
+    engine = Engine(parts)
+    engine._pool = pool
+
+    def allow_restart() -> bool:
+        if engine.dead or engine.restarts >= engine.config.max_engine_restarts:
+            return False
+        engine.restarts += 1
+        return True
+
+    def on_state(serving: int) -> None:
+        if engine.dead:
+            return
+        engine.restarting = serving == 0
+        if serving == 0 and not any(c.state.value in ("starting", "restarting")
+                                    for c in pool._cores):
+            engine._die(EngineDeadError("every engine core is down"))
+
+    pool.allow_restart = allow_restart
+    pool.on_state = on_state
+
+    async def run_front(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        def ready(handles: ActorHandles) -> None:
+            engine._handles = handles
+            task_status.started()
+
+        try:
+            await run_front_actors(parts, pool, detok_recv, ready=ready)
+        finally:
+            pool.stopping()
+
+    await nursery.start(run_front)
+    return engine
+
+
 def _config(model: str | None, config: EngineConfig | None, options: dict[str, Any]) -> EngineConfig:
     if config is not None:
         if options:
@@ -620,11 +670,14 @@ async def open_engine(
     actor; streams still open then raise ``EngineDeadError("engine closed")``.
     """
     resolved = _config(str(model) if model is not None else None, config, options)
-    parts = await trio.to_thread.run_sync(build_parts, resolved)
-    engine = Engine(parts)
     try:
         async with trio.open_nursery() as nursery:
-            await nursery.start(engine._run)
+            if resolved.core_in_process:
+                parts = await trio.to_thread.run_sync(build_parts, resolved)
+                engine = Engine(parts)
+                await nursery.start(engine._run)
+            else:
+                engine = await _start_front_end(nursery, resolved)
             try:
                 yield engine
             finally:

@@ -16,6 +16,7 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 QUANTIZATIONS = ("auto", "gguf", "none")  # see engine.models.loader
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")  # see engine.structured
 OPS_BACKENDS = ("auto", "torch", "cpu", "triton")  # see engine.ops.get_ops
+ENGINE_CORE_MODES = ("inprocess", "process")  # see engine.actors.cores
 
 
 def parse_memory(text: str) -> int | float:
@@ -138,6 +139,26 @@ class EngineConfig:
         "auto", "grammar library for structured output: auto (xgrammar, and llguidance for "
         "the JSON schemas xgrammar refuses), xgrammar or guidance (llguidance)",
         choices=STRUCTURED_OUTPUTS_BACKENDS)
+    # Where the scheduler, KV allocator and executor run: "inprocess" (the embedded API's
+    # default: one trio run) or "process" (an engine-core process of their own, talking to
+    # this front end over a Unix socket; see engine/actors/cores.py).
+    engine_core: str = _field(
+        "inprocess", "run the scheduler, KV allocator and executor in this process or in an "
+        "engine-core process of their own (msgpack frames over a Unix socket)",
+        choices=ENGINE_CORE_MODES)
+    data_parallel_size: int = _field(
+        1, "engine-core processes behind this front end, each with its own KV pool (cuda:i "
+           "each on CUDA, an equal share of the CPUs on CPU); above 1 implies "
+           "--engine-core process", type=int, metavar="N")
+    data_parallel_routing: str = _field(
+        "affinity", "how requests are spread over data-parallel cores: affinity (to the core "
+        "holding the prompt's leading blocks unless it is much busier, else the least "
+        "loaded), least-loaded or round-robin", choices=("affinity", "least-loaded", "round-robin"))
+
+    @property
+    def core_in_process(self) -> bool:
+        """Whether the engine core runs in the caller's process."""
+        return self.engine_core == "inprocess" and self.data_parallel_size == 1
 
     # Pooling models (engine.models.pooling): the task is read from the model's files;
     # these override it, as vLLM's --runner / --convert and pooler config do.
@@ -180,7 +201,8 @@ class EngineConfig:
                                   f"{getattr(self, f.name)!r}", field=f.name)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be auto, cpu or cuda[:N], got {self.device!r}", field="device")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_queued_requests"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_queued_requests",
+                     "data_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}", field=name)

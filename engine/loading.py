@@ -8,6 +8,7 @@ Blocking (seconds of loading and a warm-up step); :func:`engine.api.open_engine`
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -39,6 +40,9 @@ class EngineParts:
     num_blocks: int
     grammar: Any = None  # engine.structured.GrammarBackend: compiles structured outputs
     pooler: Any = None  # engine.models.pooling.PoolerConfig of a pooling model, else None
+    tokenizer_folder: Path | None = None  # where the tokenizer's files lie
+    dtype: str = ""  # the weights' and activations' dtype ("bfloat16")
+    quantization: str = "none"  # "gguf" when weights stay in their blocks
 
 
 def build_parts(config: EngineConfig) -> EngineParts:
@@ -115,7 +119,10 @@ def build_parts(config: EngineConfig) -> EngineParts:
     if pooler is not None:
         logger.info("pooling model: %s (%s pooling%s, %d values per input)", pooler.task,
                     pooler.pooling, ", normalized" if pooler.normalize else "", pooler.size)
-    return EngineParts(config, name, tokenizer, limits, runner, num_blocks, grammar, pooler)
+    return EngineParts(config, name, tokenizer, limits, runner, num_blocks, grammar, pooler,
+                       tokenizer_folder=loaded.folder,
+                       dtype=str(loaded.dtype).removeprefix("torch."),
+                       quantization=loaded.quantization)
 
 
 def _log_kv_pool(config: EngineConfig, loaded: Any, device: torch.device, num_blocks: int,
@@ -133,6 +140,41 @@ def _log_kv_pool(config: EngineConfig, loaded: Any, device: torch.device, num_bl
         ", resident as blocks are used" if device.type == "cpu" else "",
         config.max_model_len, seconds,
     )
+
+
+def build_front_parts(config: EngineConfig, hello: Any) -> EngineParts:
+    """The parts of a front end whose model runs in engine-core processes: the tokenizer
+    (from the folder the core announced: the same machine, or the same path on another)
+    and a grammar backend for admission, the limits the core announced, and no runner.
+
+    Blocking (the tokenizer and the grammar backend read the vocabulary); run it in a
+    worker thread. ``config`` takes the core's resolved fields (max_model_len, async
+    scheduling) so that the front end reports what the cores run."""
+    from engine.core_process import config_from_json
+    from engine.models.tokenizer import Tokenizer
+    from engine.structured import GrammarBackend
+
+    from engine.models.pooling import PoolerConfig
+
+    core_config = config_from_json(hello.config_json)
+    pooler = None
+    if hello.pooler_json:
+        fields = json.loads(hello.pooler_json)
+        if fields.get("matryoshka_dimensions") is not None:
+            fields["matryoshka_dimensions"] = tuple(fields["matryoshka_dimensions"])
+        pooler = PoolerConfig(**fields)
+    config = dataclasses.replace(config, max_model_len=core_config.max_model_len,
+                                 async_scheduling=core_config.async_scheduling)
+    tokenizer = Tokenizer.from_folder(Path(hello.tokenizer_folder))
+    eos_ids = tuple(hello.eos_token_ids)
+    grammar = None if pooler is not None else GrammarBackend(
+        tokenizer, vocab_size=hello.vocab_size, stop_token_ids=eos_ids,
+        backend=config.structured_outputs_backend)
+    limits = AdmissionLimits(max_model_len=hello.max_model_len, vocab_size=hello.vocab_size,
+                             max_queued_requests=config.max_queued_requests, eos_token_ids=eos_ids)
+    return EngineParts(config, hello.served_model_name, tokenizer, limits, None,
+                       hello.num_blocks, grammar, pooler, tokenizer_folder=Path(hello.tokenizer_folder),
+                       dtype=hello.dtype, quantization=hello.quantization)
 
 
 def _log_weight_bytes(loaded: Any, runner: Any) -> None:

@@ -338,7 +338,7 @@ def _to_builtin(obj: object) -> object:
     raise TypeError(f"cannot pack {type(obj).__name__}")
 
 
-def _from_builtin(raw: dict[str, object]) -> object:
+def from_builtin(raw: dict[str, object]) -> object:
     name = raw.get(_TAG)
     if name is None:
         return raw
@@ -346,6 +346,11 @@ def _from_builtin(raw: dict[str, object]) -> object:
     if cls is None:
         raise ValueError(f"unknown message type {name!r}")
     return cls(**{k: v for k, v in raw.items() if k != _TAG})
+
+
+def is_message(obj: object) -> bool:
+    """Whether ``obj`` is an instance of a registered message type."""
+    return type(obj) in _message_types().values()
 
 
 def pack(message: object) -> bytes:
@@ -359,7 +364,7 @@ def unpack(data: bytes) -> object:
     """Inverse of :func:`pack`; sequences come back as tuples, like the dataclasses hold them."""
     import msgpack
 
-    return msgpack.unpackb(data, object_hook=_from_builtin, use_list=False, raw=False)
+    return msgpack.unpackb(data, object_hook=from_builtin, use_list=False, raw=False)
 
 
 # --- scheduler <-> KV allocator -----------------------------------------------------------
@@ -486,3 +491,56 @@ AllocatorCall = AllocateSlots | CacheBlocks | ReleaseBlocks | FreeRequest | Read
 AllocatorReply = (
     SlotsAllocated | AllocationRefused | BlocksCached | BlocksReleased | RequestFreed | AllocatorStats
 )
+
+
+# --- front end <-> engine core (engine.corewire) ------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CoreHello:
+    """An engine core's announcement after authentication: what it serves and its limits.
+    The front end refuses a core whose model, limits or version differ from what it serves
+    (engine.corewire.hello_mismatch)."""
+
+    version: str
+    core_index: int
+    pid: int
+    model: str  # the model path the core loaded (a folder or .gguf)
+    served_model_name: str
+    tokenizer_folder: str  # where the tokenizer's files lie on the core's machine
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    eos_token_ids: tuple[int, ...]
+    num_blocks: int
+    dtype: str
+    quantization: str
+    config_json: str  # the core's resolved EngineConfig as JSON
+    pooler_json: str = ""  # a pooling model's PoolerConfig as JSON ("" for a generator)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CoreAccepted:
+    """The front end took the core: frames of requests follow."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CoreStatistics:
+    """A core's counters after a step (sent in the step's frame). ``samples_received``
+    counts the samples it took from frames, so the front end can add those still on the
+    wire to ``waiting`` for admission control."""
+
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    prefix_cache_hits: int
+    prefix_cache_queries: int
+    preemptions: int
+    steps: int
+    requests_finished: int
+    iteration_token_counts: tuple[int, ...]
+    iteration_tokens_sum: int
+    scheduled_tokens: int
+    planned_ahead: int
+    samples_received: int

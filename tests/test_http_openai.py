@@ -34,9 +34,11 @@ def model_folder(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
 
 
-@pytest.fixture(scope="module")
-def server(model_folder):
-    with ServerThread(lambda: _open_engine(model_folder)) as srv:
+@pytest.fixture(scope="module", params=["inprocess", "process"])
+def server(model_folder, request):
+    # Both modes of issue 20: the engine core in the server's process, and in an
+    # engine-core process of its own behind the same front end.
+    with ServerThread(lambda: _open_engine(model_folder, engine_core=request.param)) as srv:
         yield srv
 
 

@@ -68,6 +68,10 @@ class OutputMailbox:
         self._wakeup = trio.Event()
 
     @property
+    def sample_ids(self) -> tuple[str, ...]:
+        return self._sample_ids
+
+    @property
     def pending(self) -> int:
         return len(self._pending)
 
@@ -181,6 +185,18 @@ class OutputRouter:
         for mailbox in list(self._mailboxes):
             mailbox.fail(error)
             self._forget(mailbox)
+
+    def fail_samples(self, sample_ids: tuple[str, ...], error: BaseException) -> tuple[str, ...]:
+        """Fail the requests any of ``sample_ids`` belongs to (an engine core serving them
+        died); returns their other samples, for the caller to abort."""
+        lost = set(sample_ids)
+        to_abort: list[str] = []
+        for mailbox in list(self._mailboxes.values()):
+            if lost.intersection(mailbox.sample_ids):
+                to_abort.extend(s for s in mailbox.abort() if s not in lost)
+                mailbox.fail(error)
+                self._forget(mailbox)
+        return tuple(to_abort)
 
     def statistics(self) -> RouterStatistics:
         boxes = self._mailboxes

@@ -45,6 +45,8 @@ class EngineStatistics:
     # Steps by the tokens they computed (engine.actors.scheduler.ITERATION_TOKEN_BUCKETS).
     iteration_token_counts: tuple[int, ...] = ()
     iteration_tokens_sum: int = 0
+    scheduled_tokens: int = 0  # tokens computed, prefix-cache hits excluded
+    planned_ahead: int = 0  # steps planned while the previous one ran (async scheduling)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -137,6 +139,7 @@ async def run_actors(parts: EngineParts, *, ready: Callable[[ActorHandles], None
                 requests_finished=sched.requests_finished,
                 iteration_token_counts=sched.iteration_token_counts,
                 iteration_tokens_sum=sched.iteration_tokens_sum,
+                scheduled_tokens=sched.scheduled_tokens, planned_ahead=sched.planned_ahead,
             )
 
         with callers:
@@ -145,3 +148,75 @@ async def run_actors(parts: EngineParts, *, ready: Callable[[ActorHandles], None
                 for name in ("allocator", "executor", "router", "detokenizer", "scheduler"):
                     await nursery.start(actors[name].run)
                 ready(ActorHandles(router, send, abort, scheduler.queue_depth, statistics, actors))
+
+
+async def run_front_actors(
+    parts: EngineParts, pool: Any, detok_recv: trio.MemoryReceiveChannel[Any], *,
+    ready: Callable[[ActorHandles], None],
+) -> None:
+    """The front end's actors when the engine cores run in processes of their own: the
+    detokenizer and router of :func:`run_actors`, and a dispatcher that hands requests,
+    aborts and stop-string hits to ``pool`` (:class:`engine.actors.cores.CorePool`), whose
+    links feed ``detok_recv``. Returns when cancelled; raises what an actor raises."""
+    # math.inf: as the scheduler's inbox in run_actors: sync senders (callers, aborts) and
+    # the detokenizer's stop-string hits, bounded by admission control.
+    front_send, front_recv = trio.open_memory_channel[Any](math.inf)
+    router_send, router_recv = trio.open_memory_channel[Any](0)
+    with front_send:
+        callers = front_send.clone()
+        detokenizer = Detokenizer(parts.tokenizer, inbox=detok_recv, to_router=router_send,
+                                  to_scheduler=front_send.clone())
+
+        def send(message: AdmittedRequest | AbortSamples) -> None:
+            callers.send_nowait(message)
+            if isinstance(message, AdmittedRequest):
+                pool.arriving(message)
+
+        def abort(sample_ids: tuple[str, ...]) -> None:
+            if sample_ids:
+                try:
+                    send(AbortSamples(sample_ids))
+                except (trio.ClosedResourceError, trio.BrokenResourceError):
+                    pass
+
+        router = OutputRouter(router_recv, abort=abort)
+
+        def lost(sample_ids: tuple[str, ...], error: BaseException) -> None:
+            abort(router.fail_samples(sample_ids, error))
+
+        pool.on_lost = lost
+
+        async def dispatch(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+            with front_recv:
+                task_status.started()
+                async for message in front_recv:
+                    await pool.dispatch(message)
+
+        def statistics() -> EngineStatistics:
+            cores = [s for _, s in pool.core_statistics() if s is not None]
+            width = max((len(s.iteration_token_counts) for s in cores), default=0)
+            return EngineStatistics(
+                running=sum(s.running for s in cores), waiting=pool.queue_depth(),
+                kv_blocks_total=sum(s.kv_blocks_total for s in cores)
+                or parts.num_blocks * pool.size,
+                kv_blocks_free=sum(s.kv_blocks_free for s in cores)
+                or parts.num_blocks * pool.size,
+                prefix_cache_hits=sum(s.prefix_cache_hits for s in cores),
+                prefix_cache_queries=sum(s.prefix_cache_queries for s in cores),
+                preemptions=sum(s.preemptions for s in cores),
+                steps=sum(s.steps for s in cores),
+                requests_finished=sum(s.requests_finished for s in cores),
+                iteration_token_counts=tuple(
+                    sum(s.iteration_token_counts[i] for s in cores
+                        if i < len(s.iteration_token_counts)) for i in range(width)),
+                iteration_tokens_sum=sum(s.iteration_tokens_sum for s in cores),
+                scheduled_tokens=sum(s.scheduled_tokens for s in cores),
+                planned_ahead=sum(s.planned_ahead for s in cores),
+            )
+
+        actors: dict[str, Any] = {"detokenizer": detokenizer, "router": router, "cores": pool}
+        with callers:
+            async with trio.open_nursery() as nursery:
+                for start in (router.run, detokenizer.run, dispatch):
+                    await nursery.start(start)
+                ready(ActorHandles(router, send, abort, pool.queue_depth, statistics, actors))

@@ -1,0 +1,477 @@
+"""The front end's engine cores: processes it owns, the links to them, and the routing.
+
+:class:`CorePool` is the actor that stands where the scheduler stands in an in-process
+engine. It spawns ``data_parallel_size`` engine-core processes
+(:mod:`engine.core_process`), accepts their connections on a Unix-domain socket (and,
+with ``listen_tcp``, those of headless cores on other machines), authenticates each with
+the shared secret and checks its :class:`~engine.messages.CoreHello` against the first
+core's. Then, per core, one task writes frames (every message queued since the last
+frame, so a burst of requests travels together) and one reads them (a step's outputs go
+to the detokenizer; its :class:`~engine.messages.CoreStatistics` is kept for routing,
+admission control and metrics).
+
+Routing: each request goes to the serving core with the least load (running + waiting +
+samples still on the wire), unless a core already holds the request's leading prompt
+blocks in its prefix cache (as far as this front end knows: it remembers the block hashes
+of the prompts it sent to each core) and is not much busier than the least loaded one.
+
+Failure: a core whose connection drops (a ``kill -9``, an out-of-memory kill, a crash)
+is noticed at once by its reader; its in-flight samples fail with an
+:class:`~engine.errors.EngineDeadError` (the other cores' requests go on), and the core
+is restarted if the engine's restart budget allows. Leaving :meth:`CorePool.run` closes
+every connection (a core exits when its front end goes) and reaps the processes, killing
+any that has not exited within ``STOP_GRACE_SECONDS``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import hashlib
+import itertools
+import logging
+import os
+import socket
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from engine.corewire import FrameStream, WireError, authenticate_peer, hello_mismatch, new_secret
+from engine.errors import ConfigError, EngineDeadError
+from engine.messages import (
+    AbortSamples,
+    AdmittedRequest,
+    CoreAccepted,
+    CoreHello,
+    CoreStatistics,
+    SamplesAborted,
+    StepOutputs,
+    StopStringHit,
+)
+
+logger = logging.getLogger("engine")
+
+# A core that has not answered the challenge and sent its hello this long after
+# connecting is dropped (a stray or hostile peer must not hold an accept slot).
+HANDSHAKE_SECONDS = 10.0
+# What a core gets to exit by itself once its connection closes (it finishes the step in
+# flight, milliseconds to a second) before it is killed.
+STOP_GRACE_SECONDS = 5.0
+# Prompt blocks remembered per core for cache-affinity routing: enough for thousands of
+# distinct prefixes, small beside the core's own cache.
+AFFINITY_BLOCKS = 8192
+# The leading blocks of a prompt that affinity looks at (a shared system prompt of up to
+# 32 blocks of 16 tokens).
+AFFINITY_DEPTH = 32
+ROUTING_POLICIES = ("affinity", "least-loaded", "round-robin")
+
+
+class CoreState(enum.Enum):
+    STARTING = "starting"
+    SERVING = "serving"
+    RESTARTING = "restarting"
+    DEAD = "dead"
+
+
+@dataclasses.dataclass(eq=False)
+class _Core:
+    index: int
+    state: CoreState = CoreState.STARTING
+    frames: FrameStream | None = None
+    hello: CoreHello | None = None
+    stats: CoreStatistics | None = None
+    sent_samples: int = 0
+    live: set[str] = dataclasses.field(default_factory=set)
+    blocks: collections.OrderedDict[bytes, None] = dataclasses.field(
+        default_factory=collections.OrderedDict)
+    outbox: list[Any] = dataclasses.field(default_factory=list)
+    wake: trio.Event = dataclasses.field(default_factory=trio.Event)
+    arrived: trio.MemorySendChannel[FrameStream] | None = None
+
+    def load(self) -> int:
+        stats = self.stats
+        if stats is None:
+            return self.sent_samples
+        return stats.running + stats.waiting + (self.sent_samples - stats.samples_received)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CorePoolStatistics:
+    cores: tuple[tuple[int, str, int], ...]  # (index, state, load)
+    frames_sent: int
+    frames_received: int
+    bytes_sent: int
+    bytes_received: int
+    restarts: int
+
+
+class CorePool:
+    """Actor: the front end's engine cores (see the module docstring).
+
+    ``allow_restart`` is asked before a lost core is restarted (it counts the restart
+    against the engine's budget); ``on_lost`` fails the samples a lost core was serving;
+    ``on_state`` hears the number of serving cores whenever it changes.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        to_detokenizer: trio.MemorySendChannel[Any],
+        data_parallel_size: int = 1,
+        routing: str = "affinity",
+        listen_tcp: tuple[str, int] | None = None,
+        local_cores: int | None = None,
+        secret: bytes | None = None,
+        verbose: bool = False,
+    ) -> None:
+        if routing not in ROUTING_POLICIES:
+            raise ConfigError(f"routing must be one of {', '.join(ROUTING_POLICIES)}",
+                              field="data_parallel_routing")
+        self.config = config
+        self.size = data_parallel_size
+        self.local = self.size if local_cores is None else local_cores
+        self.routing = routing
+        self.listen_tcp = listen_tcp
+        self.secret = secret if secret is not None else new_secret()
+        self.verbose = verbose
+        self.allow_restart: Callable[[], bool] = lambda: False
+        self.on_lost: Callable[[tuple[str, ...], BaseException], None] = lambda ids, exc: None
+        self.on_state: Callable[[int], None] = lambda serving: None
+        self.restarts = 0
+        self.reference: CoreHello | None = None
+        self.tcp_address: tuple[str, int] | None = None
+        self.unix_path = ""  # where local cores connect (set by run)
+        self._to_detokenizer = to_detokenizer
+        self._cores = [_Core(i) for i in range(self.size)]
+        self._owner: dict[str, _Core] = {}
+        self._undispatched = 0
+        self._round_robin = itertools.count()
+        self._stopping = False
+        self._gone_frames = [0, 0, 0, 0]  # of connections closed since: sent, received, bytes
+
+    # -- what the front end's actors call -----------------------------------------------------
+
+    @property
+    def serving(self) -> int:
+        return sum(c.state is CoreState.SERVING for c in self._cores)
+
+    def arriving(self, request: AdmittedRequest) -> None:
+        """Count a request put in the dispatcher's inbox (for admission control)."""
+        self._undispatched += len(request.samples)
+
+    def queue_depth(self) -> int:
+        waiting = sum(c.stats.waiting if c.stats else 0 for c in self._cores)
+        on_wire = sum(c.sent_samples - (c.stats.samples_received if c.stats else 0)
+                      for c in self._cores if c.state is CoreState.SERVING)
+        return waiting + on_wire + self._undispatched
+
+    def core_statistics(self) -> list[tuple[int, CoreStatistics | None]]:
+        return [(c.index, c.stats) for c in self._cores]
+
+    def statistics(self) -> CorePoolStatistics:
+        frames = [c.frames for c in self._cores if c.frames is not None]
+        return CorePoolStatistics(
+            cores=tuple((c.index, c.state.value, c.load()) for c in self._cores),
+            frames_sent=self._gone_frames[0] + sum(f.frames_sent for f in frames),
+            frames_received=self._gone_frames[1] + sum(f.frames_received for f in frames),
+            bytes_sent=self._gone_frames[2] + sum(f.bytes_sent for f in frames),
+            bytes_received=self._gone_frames[3] + sum(f.bytes_received for f in frames),
+            restarts=self.restarts,
+        )
+
+    async def dispatch(self, message: Any) -> None:
+        """Send one message from the front end's inbox to the core it concerns."""
+        if isinstance(message, AdmittedRequest):
+            self._undispatched -= len(message.samples)
+            core = self._route(message)
+            if core is None:
+                self.on_lost(message.sample_ids, EngineDeadError(
+                    "no engine core is serving (they are restarting); retry shortly"))
+                return
+            # The detokenizer hears of each sample before the core can produce a token.
+            for spec in message.outputs:
+                await self._to_detokenizer.send(spec)
+            for sample_id in message.sample_ids:
+                self._owner[sample_id] = core
+                core.live.add(sample_id)
+            core.sent_samples += len(message.samples)
+            self._remember_blocks(core, message)
+            self._queue(core, message)
+        elif isinstance(message, AbortSamples):
+            by_core: dict[_Core, list[str]] = {}
+            for sample_id in message.sample_ids:
+                owner = self._owner.get(sample_id)
+                if owner is not None:
+                    by_core.setdefault(owner, []).append(sample_id)
+            for core, ids in by_core.items():
+                self._queue(core, AbortSamples(tuple(ids)))
+        elif isinstance(message, StopStringHit):
+            owner = self._owner.get(message.sample_id)
+            if owner is not None:
+                self._queue(owner, message)
+        else:
+            raise TypeError(f"the core pool cannot route {type(message).__name__}")
+
+    # -- routing -------------------------------------------------------------------------------
+
+    def _route(self, request: AdmittedRequest) -> _Core | None:
+        serving = [c for c in self._cores if c.state is CoreState.SERVING]
+        if not serving:
+            return None
+        if self.routing == "round-robin":
+            return serving[next(self._round_robin) % len(serving)]
+        least = min(serving, key=_Core.load)
+        if self.routing == "least-loaded":
+            return least
+        hashes = self._block_hashes(request)
+        best, best_hits = least, 0
+        for core in serving:
+            hits = 0
+            for h in hashes:
+                if h not in core.blocks:
+                    break
+                hits += 1
+            if hits > best_hits or (hits == best_hits and hits and core.load() < best.load()):
+                best, best_hits = core, hits
+        # "Much busier": the cached blocks save a prefill of best_hits blocks, worth
+        # waiting behind a few more requests, not behind twice the work.
+        if best_hits and best.load() <= 2 * least.load() + 4:
+            return best
+        return least
+
+    def _block_hashes(self, request: AdmittedRequest) -> list[bytes]:
+        sample = request.samples[0]
+        size = self.config.block_size
+        ids = sample.prompt_token_ids
+        out: list[bytes] = []
+        parent = (sample.cache_salt or "").encode()
+        for start in range(0, min(len(ids) - 1, AFFINITY_DEPTH * size) - size + 1, size):
+            digest = hashlib.blake2b(parent, digest_size=16)
+            digest.update(repr(ids[start:start + size]).encode())
+            parent = digest.digest()
+            out.append(parent)
+        return out
+
+    def _remember_blocks(self, core: _Core, request: AdmittedRequest) -> None:
+        if self.routing != "affinity":
+            return
+        for h in self._block_hashes(request):
+            core.blocks[h] = None
+            core.blocks.move_to_end(h)
+        while len(core.blocks) > AFFINITY_BLOCKS:
+            core.blocks.popitem(last=False)
+
+    def _queue(self, core: _Core, message: Any) -> None:
+        core.outbox.append(message)
+        core.wake.set()
+
+    # -- lifetime ------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[CoreHello] = trio.TASK_STATUS_IGNORED) -> None:
+        """Start every core and wait until each has connected and been accepted; report
+        the first core's hello; then serve until cancelled, and stop them all."""
+        with tempfile.TemporaryDirectory(prefix="engine-core-") as tmp:
+            path = self.unix_path = str(Path(tmp) / "core.sock")
+            unix = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            await unix.bind(path)
+            unix.listen(64)
+            listeners: list[trio.SocketListener] = [trio.SocketListener(unix)]
+            if self.listen_tcp is not None:
+                tcp = await trio.open_tcp_listeners(self.listen_tcp[1], host=self.listen_tcp[0])
+                self.tcp_address = tcp[0].socket.getsockname()[:2]
+                listeners.extend(tcp)
+            async with trio.open_nursery() as nursery:
+                for listener in listeners:
+                    nursery.start_soon(self._accept_loop, listener)
+                for core in self._cores:
+                    send, receive = trio.open_memory_channel[FrameStream](1)
+                    core.arrived = send
+                    local = core.index < self.local
+                    await nursery.start(self._supervise, core, receive, f"unix:{path}", local)
+                assert self.reference is not None  # set by the first core's acceptance
+                task_status.started(self.reference)
+
+    async def _accept_loop(self, listener: trio.SocketListener) -> None:
+        async with listener, trio.open_nursery() as nursery:
+            while True:
+                stream = await listener.accept()
+                nursery.start_soon(self._handshake, stream)
+
+    async def _handshake(self, stream: trio.abc.Stream) -> None:
+        frames = FrameStream(stream)
+        try:
+            with trio.fail_after(HANDSHAKE_SECONDS):
+                await authenticate_peer(frames, self.secret)
+                batch = await frames.receive()
+            hello = batch[0] if len(batch) == 1 and isinstance(batch[0], CoreHello) else None
+            if hello is None:
+                raise WireError("the first frame must be a CoreHello")
+            core = self._cores[hello.core_index] if 0 <= hello.core_index < self.size else None
+            if core is None or core.state not in (CoreState.STARTING, CoreState.RESTARTING) \
+                    or core.arrived is None:
+                raise WireError(f"no core slot {hello.core_index} is waiting for a connection")
+            from engine.core_process import engine_version
+
+            expected = self.reference or dataclasses.replace(hello, version=engine_version())
+            differs = hello_mismatch(expected, hello)
+            if differs:
+                raise WireError(f"core {hello.core_index} differs from what this front end "
+                                f"serves: {differs}")
+            core.hello = hello
+            self.reference = self.reference or hello
+            core.arrived.send_nowait(frames)
+        except (WireError, EOFError, trio.TooSlowError, trio.BrokenResourceError,
+                trio.WouldBlock, OSError) as exc:
+            logger.warning("engine core connection dropped: %s", exc or type(exc).__name__)
+            await trio.aclose_forcefully(stream)
+
+    async def _supervise(self, core: _Core, arrived: trio.MemoryReceiveChannel[FrameStream],
+                         address: str, local: bool, *,
+                         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        first = True
+        while True:
+            process = await self._spawn(core, address) if local else None
+            try:
+                frames = await self._wait_connected(core, arrived, process)
+                if frames is None:
+                    if first:
+                        raise ConfigError(
+                            f"engine core {core.index} exited before it connected "
+                            f"(status {process.returncode if process else '?'}); see its log above",
+                            field="engine_core")
+                else:
+                    await frames.send((CoreAccepted(),))
+                    core.frames, core.state = frames, CoreState.SERVING
+                    self.on_state(self.serving)
+                    if first:
+                        first = False
+                        task_status.started()
+                    logger.info("engine core %d serving (pid %d)", core.index,
+                                core.hello.pid if core.hello else -1)
+                    await self._serve(core, frames)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self._stop(core, process)
+            if self._stopping or not self.allow_restart():
+                core.state = CoreState.DEAD
+                self.on_state(self.serving)
+                logger.error("engine core %d is down for good", core.index)
+                return
+            self.restarts += 1
+            core.state = CoreState.RESTARTING
+            logger.error("engine core %d lost; restarting it", core.index)
+
+    async def _spawn(self, core: _Core, address: str) -> trio.Process:
+        from engine.core_process import SECRET_ENV, config_to_json
+
+        cmd = [sys.executable, "-m", "engine.core_process", "--connect", address,
+               "--core-index", str(core.index), "--data-parallel-size", str(self.size),
+               "--config-json", config_to_json(self.config), "--parent-pid", str(os.getpid())]
+        if self.verbose or logger.isEnabledFor(logging.INFO):
+            cmd.append("--verbose")
+        env = {**os.environ, SECRET_ENV: self.secret.hex()}
+        return await trio.lowlevel.open_process(cmd, env=env)
+
+    async def _wait_connected(self, core: _Core, arrived: trio.MemoryReceiveChannel[FrameStream],
+                              process: trio.Process | None) -> FrameStream | None:
+        """The core's accepted connection, or None if its process exits first."""
+        result: list[FrameStream] = []
+        async with trio.open_nursery() as nursery:
+            async def take() -> None:
+                result.append(await arrived.receive())
+                nursery.cancel_scope.cancel()
+
+            async def exited() -> None:
+                assert process is not None
+                await process.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(take)
+            if process is not None:
+                nursery.start_soon(exited)
+        return result[0] if result else None
+
+    async def _serve(self, core: _Core, frames: FrameStream) -> None:
+        async with trio.open_nursery() as nursery:
+            async def write() -> None:
+                while True:
+                    await core.wake.wait()
+                    core.wake = trio.Event()
+                    batch, core.outbox = core.outbox, []
+                    if batch:
+                        await frames.send(tuple(batch))
+
+            async def read() -> None:
+                try:
+                    while True:
+                        for message in await frames.receive():
+                            await self._from_core(core, message)
+                except (EOFError, WireError, trio.BrokenResourceError, trio.ClosedResourceError,
+                        OSError) as exc:
+                    if not self._stopping:
+                        logger.error("engine core %d: connection lost (%s)", core.index,
+                                     exc or type(exc).__name__)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(write)
+            nursery.start_soon(read)
+
+    async def _from_core(self, core: _Core, message: Any) -> None:
+        if isinstance(message, CoreStatistics):
+            core.stats = message
+            return
+        if isinstance(message, StepOutputs):
+            for delta in message.deltas:
+                if delta.finish_reason is not None:
+                    self._forget(core, delta.sample_id)
+        elif isinstance(message, SamplesAborted):
+            for sample_id in message.sample_ids:
+                self._forget(core, sample_id)
+        else:
+            raise WireError(f"unexpected message from a core: {type(message).__name__}")
+        await self._to_detokenizer.send(message)
+
+    def _forget(self, core: _Core, sample_id: str) -> None:
+        core.live.discard(sample_id)
+        if self._owner.get(sample_id) is core:
+            del self._owner[sample_id]
+
+    async def _stop(self, core: _Core, process: trio.Process | None) -> None:
+        """Close the core's connection (it exits by itself), fail what it was serving,
+        reap its process."""
+        was_serving = core.state is CoreState.SERVING
+        core.state = CoreState.RESTARTING if not self._stopping else CoreState.DEAD
+        if was_serving:
+            self.on_state(self.serving)
+        frames, core.frames = core.frames, None
+        if frames is not None:
+            for i, n in enumerate((frames.frames_sent, frames.frames_received,
+                                   frames.bytes_sent, frames.bytes_received)):
+                self._gone_frames[i] += n
+            await trio.aclose_forcefully(frames.stream)
+        lost = tuple(core.live)
+        for sample_id in lost:
+            self._forget(core, sample_id)
+        core.stats, core.sent_samples, core.outbox = None, 0, []
+        core.blocks.clear()
+        if lost and not self._stopping:
+            self.on_lost(lost, EngineDeadError(
+                f"engine core {core.index} died while serving this request"))
+        if process is not None:
+            with trio.move_on_after(STOP_GRACE_SECONDS):
+                await process.wait()
+            if process.returncode is None:
+                logger.warning("engine core %d did not exit within %.0f s; killing it",
+                               core.index, STOP_GRACE_SECONDS)
+                process.kill()
+                await process.wait()
+
+    def stopping(self) -> None:
+        """The front end is shutting down: lost connections are no longer failures."""
+        self._stopping = True

@@ -1,0 +1,271 @@
+"""An engine core in a process of its own: scheduler, KV allocator and executor.
+
+Started by a front end (:class:`engine.actors.cores.CorePool`) as
+``python -m engine.core_process --connect unix:PATH --core-index I --config-json ...``, or
+on another machine by ``python -m engine serve --headless --data-parallel-address
+HOST:PORT``. It loads the model, connects to its front end, answers the authentication
+challenge with the shared secret (``ENGINE_CORE_SECRET``, hex, read here at the edge),
+announces itself with a :class:`~engine.messages.CoreHello`, then runs its three actors
+under its own ``trio.run`` with a bridge in place of the front end's actors::
+
+    socket --frames--> bridge_in --AdmittedRequest, AbortSamples, StopStringHit--> scheduler
+    scheduler --StepOutputs, SamplesAborted--> bridge_out --one frame a step--> socket
+
+The core lives exactly as long as its connection: when the front end closes it (or dies,
+and the kernel closes it), the core stops its actors and exits. A core spawned on the
+front end's machine also exits when its parent process is gone, which covers a front end
+that dies while the core is still loading.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import trio
+
+from engine.corewire import FrameStream, WireError, answer_challenge
+from engine.messages import (
+    AbortSamples,
+    AdmittedRequest,
+    CoreAccepted,
+    CoreHello,
+    CoreStatistics,
+    DetokenizerRequest,
+    StopStringHit,
+)
+
+logger = logging.getLogger("engine")
+
+SECRET_ENV = "ENGINE_CORE_SECRET"
+# How often a spawned core checks that its front end still lives (a front end killed while
+# the core loads has no connection yet whose closing would tell it).
+PARENT_POLL_SECONDS = 0.5
+
+
+def engine_version() -> str:
+    from engine.__main__ import _version
+
+    return _version()
+
+
+def config_to_json(config: Any) -> str:
+    return json.dumps({f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+
+
+def config_from_json(text: str) -> Any:
+    from engine.config import EngineConfig
+
+    return EngineConfig(**json.loads(text))
+
+
+def core_placement(config: Any, core_index: int, data_parallel_size: int) -> Any:
+    """The config a core runs with: on CUDA each core takes its own device (``cuda:i``);
+    on CPU each takes an equal share of this process's CPUs (and as many torch threads)."""
+    import torch
+
+    if data_parallel_size <= 1:
+        return config
+    wants_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    if wants_cuda:
+        return dataclasses.replace(config, device=f"cuda:{core_index}")
+    cpus = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cpus) // data_parallel_size)
+    mine = cpus[core_index * share:(core_index + 1) * share] or cpus[-share:]
+    os.sched_setaffinity(0, mine)
+    torch.set_num_threads(len(mine))
+    logger.info("core %d: CPUs %s, %d torch threads", core_index, mine, len(mine))
+    return config
+
+
+def hello_for(parts: Any, core_index: int) -> CoreHello:
+    config = parts.config
+    return CoreHello(
+        version=engine_version(), core_index=core_index, pid=os.getpid(),
+        model=str(config.model), served_model_name=parts.model_name,
+        tokenizer_folder=str(parts.tokenizer_folder), max_model_len=parts.limits.max_model_len,
+        vocab_size=parts.limits.vocab_size, block_size=config.block_size,
+        eos_token_ids=tuple(parts.limits.eos_token_ids), num_blocks=parts.num_blocks,
+        dtype=parts.dtype, quantization=parts.quantization,
+        config_json=config_to_json(config),
+        pooler_json=json.dumps(dataclasses.asdict(parts.pooler)) if parts.pooler else "",
+    )
+
+
+async def connect(address: str) -> trio.abc.Stream:
+    """``unix:PATH`` or ``tcp:HOST:PORT`` (``HOST:PORT`` alone means TCP)."""
+    if address.startswith("unix:"):
+        return await trio.open_unix_socket(address.removeprefix("unix:"))
+    host, _, port = address.removeprefix("tcp:").rpartition(":")
+    return await trio.open_tcp_stream(host.strip("[]"), int(port))
+
+
+async def serve_core(config: Any, address: str, secret: bytes, core_index: int) -> None:
+    """Load, connect, handshake, then run the core's actors until the front end leaves."""
+    from engine.loading import build_parts
+
+    parts = await trio.to_thread.run_sync(build_parts, config)
+    frames = FrameStream(await connect(address))
+    async with frames.stream:
+        await answer_challenge(frames, secret)
+        await frames.send((hello_for(parts, core_index),))
+        reply = await frames.receive()
+        if not any(isinstance(m, CoreAccepted) for m in reply):
+            raise WireError(f"the front end did not accept this core: {reply!r}")
+        logger.info("core %d connected to %s", core_index, address)
+        await run_core_actors(parts, frames)
+
+
+async def run_core_actors(parts: Any, frames: FrameStream) -> None:
+    """The scheduler, KV-allocator and executor actors of :func:`engine.actors.system.run_actors`,
+    fed from and answering to ``frames``. Returns when the peer closes the connection."""
+    from engine.actors.allocator import KVAllocator
+    from engine.actors.executor import Executor
+    from engine.actors.scheduler import SchedulerActor
+    from engine.core import admission
+    from engine.core.block_pool import BlockPool
+    from engine.core.scheduler import Scheduler, SchedulerConfig
+
+    config = parts.config
+    # math.inf: as in run_actors, the inbox closes the executor's cycle and takes the
+    # bridge's messages without blocking; admission control in the front end bounds it.
+    sched_send, sched_recv = trio.open_memory_channel[Any](math.inf)
+    call_send, call_recv = trio.open_memory_channel[Any](0)
+    reply_send, reply_recv = trio.open_memory_channel[Any](0)
+    plan_send, plan_recv = trio.open_memory_channel[Any](0)
+    out_send, out_recv = trio.open_memory_channel[Any](0)
+    pool = BlockPool(parts.num_blocks, config.block_size,
+                     enable_prefix_caching=config.enable_prefix_caching)
+    allocator = KVAllocator(pool, call_recv, reply_send)
+    executor = Executor(parts.runner, plan_recv, sched_send.clone())
+    scheduler = SchedulerActor(
+        Scheduler(SchedulerConfig.from_engine_config(
+            config, max_model_len=parts.limits.max_model_len, num_kv_blocks=parts.num_blocks,
+            sliding_window=parts.runner.config.released_window)),
+        inbox=sched_recv, to_allocator=call_send, from_allocator=reply_recv,
+        to_executor=plan_send, to_detokenizer=out_send,
+        async_scheduling=bool(config.async_scheduling),
+    )
+    received = 0
+
+    def statistics() -> CoreStatistics:
+        sched = scheduler.statistics()
+        kv = allocator.statistics()
+        return CoreStatistics(
+            running=sched.running, waiting=sched.waiting, kv_blocks_total=kv.num_blocks,
+            kv_blocks_free=kv.num_free_blocks, prefix_cache_hits=kv.prefix_cache_hits,
+            prefix_cache_queries=kv.prefix_cache_queries, preemptions=sched.preemptions,
+            steps=sched.steps, requests_finished=sched.requests_finished,
+            iteration_token_counts=sched.iteration_token_counts,
+            iteration_tokens_sum=sched.iteration_tokens_sum,
+            scheduled_tokens=sched.scheduled_tokens, planned_ahead=sched.planned_ahead,
+            samples_received=received,
+        )
+
+    async def bridge_in(cancel: trio.CancelScope, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        nonlocal received
+        task_status.started()
+        with sched_send:
+            while True:
+                try:
+                    batch = await frames.receive()
+                except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError):
+                    logger.info("the front end closed the connection; the core stops")
+                    cancel.cancel()
+                    return
+                for message in batch:
+                    if isinstance(message, AdmittedRequest):
+                        params = message.samples[0].params
+                        if admission.needs_compile(parts.grammar, params):
+                            # The front end compiled it already (and refused what does
+                            # not compile); this core's cache misses only once per spec.
+                            await trio.to_thread.run_sync(
+                                admission.compile_structured, parts.grammar, params)
+                        scheduler.arriving(message)
+                        received += len(message.samples)
+                        sched_send.send_nowait(message)
+                    elif isinstance(message, (AbortSamples, StopStringHit)):
+                        sched_send.send_nowait(message)
+                    else:
+                        raise WireError(f"unexpected message from the front end: "
+                                        f"{type(message).__name__}")
+
+    async def bridge_out(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        with out_recv:
+            async for first in out_recv:
+                batch = [first]
+                while True:
+                    try:
+                        batch.append(out_recv.receive_nowait())
+                    except trio.WouldBlock:
+                        break
+                # The front end hands its detokenizer each sample's spec itself, before
+                # the request leaves it; the scheduler's copy has nowhere to go.
+                out = [m for m in batch if not isinstance(m, DetokenizerRequest)]
+                if out:
+                    await frames.send((*out, statistics()))
+
+    with sched_send:
+        async with trio.open_nursery() as nursery:
+            for actor in (allocator, executor):
+                await nursery.start(actor.run)
+            await nursery.start(bridge_out)
+            await nursery.start(scheduler.run)
+            await nursery.start(bridge_in, nursery.cancel_scope)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Exit at once when the parent process is gone (its pid is no longer our parent).
+
+    A daemon thread polls ``getppid`` rather than asking for ``PR_SET_PDEATHSIG``: Linux
+    sends that signal when the *thread* that forked us exits, and trio forks from a
+    worker thread that its thread cache retires after a few idle seconds.
+    """
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_SECONDS)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.core_process")
+    parser.add_argument("--connect", required=True, help="unix:PATH or tcp:HOST:PORT")
+    parser.add_argument("--core-index", type=int, default=0)
+    parser.add_argument("--data-parallel-size", type=int, default=1)
+    parser.add_argument("--config-json", required=True)
+    parser.add_argument("--parent-pid", type=int, default=0)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO if args.verbose else logging.WARNING,
+                        format=f"%(asctime)s core{args.core_index} %(levelname)s %(message)s")
+    if args.parent_pid:
+        _exit_with_parent(args.parent_pid)
+    secret = bytes.fromhex(os.environ.get(SECRET_ENV, ""))
+    if not secret:
+        print(f"error: {SECRET_ENV} is not set", file=sys.stderr)
+        return 2
+    config = core_placement(config_from_json(args.config_json), args.core_index,
+                            args.data_parallel_size)
+    try:
+        trio.run(serve_core, config, args.connect, secret, args.core_index)
+    except (OSError, EOFError, WireError) as exc:
+        logger.error("core %d: %s", args.core_index, exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""The engine core in processes of its own (issue 20): parity, faults, the wire.
+
+Each engine here spawns engine-core processes (``python -m engine.core_process``) that
+load the tiny model themselves; the front end talks to them in msgpack frames over a Unix
+socket. What is checked: greedy outputs identical in-process, with one core process and
+with two data-parallel cores; a core killed with SIGKILL mid-stream (its requests fail with
+EngineDeadError, the core restarts, later requests are served, nothing hangs); the front end
+killed (every core gone within 5 s); peers that send garbage, an oversized frame or the
+wrong secret (dropped, logged, serving goes on); a client that stops reading never stalls
+the core; and the frame decoder builds nothing but message types.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import trio
+from engine_helpers import collect, greedy, random_prompts, tiny_model, token_ids, wait_until
+
+import engine
+from engine import corewire, messages
+from engine.errors import EngineDeadError
+from engine.params import SamplingParams
+
+OPTIONS: dict[str, Any] = dict(
+    dtype="float32", max_num_seqs=16, max_num_batched_tokens=64, block_size=16,
+    kv_cache_memory=4 * 1024 * 1024,
+)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model(tmp_path_factory)
+
+
+async def _greedy_all(eng: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    results: list[list[int]] = [[] for _ in prompts]
+
+    async def one(i: int) -> None:
+        results[i] = token_ids(await collect(eng, prompts[i], greedy(max_tokens)))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(prompts)):
+            nursery.start_soon(one, i)
+    return results
+
+
+async def test_greedy_outputs_are_identical_in_process_in_one_core_process_and_with_two_cores(
+    model: Path,
+) -> None:
+    prompts = random_prompts(12, vocab=300, lo=2, hi=70, seed=7)
+    outputs = {}
+    for name, extra in (("inprocess", {}), ("process", {"engine_core": "process"}),
+                        ("dp2", {"data_parallel_size": 2})):
+        async with engine.open_engine(str(model), **OPTIONS, **extra) as eng:
+            outputs[name] = await _greedy_all(eng, prompts, 24)
+            if name == "dp2":
+                stats = eng._pool.statistics()
+                # Both cores took requests (least-loaded routing spreads a burst).
+                assert all(state == "serving" for _, state, _ in stats.cores)
+                assert eng.statistics().requests_finished == len(prompts)
+    assert outputs["process"] == outputs["inprocess"]
+    assert outputs["dp2"] == outputs["inprocess"]
+    assert all(len(o) == 24 for o in outputs["inprocess"])
+
+
+async def test_a_step_travels_as_one_frame_for_all_its_requests(model: Path) -> None:
+    prompts = random_prompts(8, vocab=300, lo=2, hi=10, seed=3)
+    async with engine.open_engine(str(model), **OPTIONS, engine_core="process") as eng:
+        await _greedy_all(eng, prompts, 16)
+        frames = eng._pool.statistics().frames_received
+        steps = eng.statistics().steps
+    # One frame a step with outputs (plus the hello): never one per token (8 x 16 = 128).
+    assert frames <= steps + 1 < 8 * 16
+
+
+async def test_a_core_killed_mid_stream_fails_its_requests_restarts_and_serves_on(
+    model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with engine.open_engine(str(model), **OPTIONS, engine_core="process",
+                                  max_engine_restarts=1) as eng:
+        before = token_ids(await collect(eng, [1, 2, 3], greedy(8)))
+        pid = eng._pool._cores[0].hello.pid
+        errors: list[BaseException] = []
+        got_tokens = trio.Event()
+
+        async def victim() -> None:
+            try:
+                async for _ in eng.generate([5, 6, 7], SamplingParams(
+                        max_tokens=400, temperature=0, ignore_eos=True)):
+                    got_tokens.set()
+            except EngineDeadError as exc:
+                errors.append(exc)
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(victim)
+                nursery.start_soon(victim)
+                await got_tokens.wait()
+                os.kill(pid, signal.SIGKILL)
+        assert len(errors) == 2 and "died" in str(errors[0])
+        with trio.fail_after(60):
+            await wait_until(lambda: eng._pool.serving == 1)
+        assert eng.restarts == 1 and not eng.restarting
+        after = token_ids(await collect(eng, [1, 2, 3], greedy(8)))
+        assert eng._pool._cores[0].hello.pid != pid
+    assert after == before
+    assert "connection lost" in caplog.text
+
+
+async def test_past_the_restart_budget_a_lost_core_leaves_the_engine_dead(model: Path) -> None:
+    async with engine.open_engine(str(model), **OPTIONS, engine_core="process") as eng:
+        os.kill(eng._pool._cores[0].hello.pid, signal.SIGKILL)
+        with trio.fail_after(30):
+            await eng.wait_dead()
+        with pytest.raises(EngineDeadError):
+            await eng.submit([1, 2, 3], greedy(4))
+
+
+def _pids_alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            if state != "Z":
+                alive.append(pid)
+        except FileNotFoundError:
+            pass
+    return alive
+
+
+def test_killing_the_front_end_takes_every_core_down_within_5_seconds(model: Path) -> None:
+    script = textwrap.dedent(f"""
+        import sys, trio, engine
+        async def main():
+            async with engine.open_engine({str(model)!r}, data_parallel_size=2,
+                                          **{OPTIONS!r}) as eng:
+                print(" ".join(str(c.hello.pid) for c in eng._pool._cores), flush=True)
+                await trio.sleep(600)
+        trio.run(main)
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    front = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env,
+                             text=True)
+    try:
+        pids = [int(p) for p in front.stdout.readline().split()]
+        assert len(pids) == 2 and not set(pids) - set(_pids_alive(pids))
+        front.kill()
+        front.wait()
+        deadline = time.monotonic() + 5
+        while _pids_alive(pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _pids_alive(pids) == []
+    finally:
+        front.kill()
+        front.wait()
+        front.stdout.close()
+
+
+async def _peer(path: str) -> corewire.FrameStream:
+    return corewire.FrameStream(await trio.open_unix_socket(path))
+
+
+@pytest.mark.parametrize("attack", ["garbage", "wrong_secret", "oversized_frame", "bad_hello",
+                                    "not_messages"])
+async def test_a_hostile_peer_is_dropped_logged_and_serving_goes_on(
+    model: Path, attack: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="engine")
+    async with engine.open_engine(str(model), **OPTIONS, engine_core="process") as eng:
+        before = token_ids(await collect(eng, [9, 8, 7], greedy(6)))
+        peer = await _peer(eng._pool.unix_path)
+        secret = eng._pool.secret
+        with trio.fail_after(20):
+            nonce = await peer.receive_exactly(corewire.NONCE_BYTES)
+            if attack == "garbage":
+                await peer.send_raw(os.urandom(4096))
+            elif attack == "wrong_secret":
+                await peer.send_raw(corewire.auth_digest(b"not the secret", nonce))
+            else:
+                await peer.send_raw(corewire.auth_digest(secret, nonce))
+                if attack == "oversized_frame":
+                    await peer.send_raw(corewire.HEADER.pack(2**31) + b"x" * 1024)
+                elif attack == "bad_hello":
+                    await peer.send((messages.AbortSamples(("x",)),))
+                else:
+                    payload = msgpack.packb({"__msg__": "os.system", "command": "true"})
+                    await peer.send_raw(corewire.HEADER.pack(len(payload)) + payload)
+            # The front end closes the connection.
+            with pytest.raises((EOFError, trio.BrokenResourceError)):
+                while True:
+                    await peer.receive_exactly(1)
+        await peer.aclose()
+        after = token_ids(await collect(eng, [9, 8, 7], greedy(6)))
+        assert eng._pool.serving == 1
+    assert after == before
+    assert "engine core connection dropped" in caplog.text
+
+
+async def test_a_client_that_stops_reading_never_stalls_the_core(model: Path) -> None:
+    async with engine.open_engine(str(model), **OPTIONS, engine_core="process") as eng:
+        stuck = await eng.submit([4, 4, 4], SamplingParams(max_tokens=200, temperature=0,
+                                                           ignore_eos=True))
+        async with stuck:
+            with trio.fail_after(60):
+                # Requests after it finish while nobody reads the first one's stream.
+                outs = await _greedy_all(eng, random_prompts(4, vocab=300, lo=2, hi=9, seed=5), 16)
+                assert all(len(o) == 16 for o in outs)
+                await wait_until(lambda: eng.statistics().running == 0)
+            # Everything it produced waits, merged, in its mailbox.
+            got = [t for out in [o async for o in stuck] for t in out.token_ids]
+        assert len(got) == 200
+
+
+def _nested(depth: int) -> list[Any]:
+    value: list[Any] = [1]
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def test_the_frame_decoder_builds_only_message_types() -> None:
+    good = messages.pack((messages.AbortSamples(("a", "b")), messages.StopStringHit("a", "x")))
+    assert corewire.decode_frame(good) == (messages.AbortSamples(("a", "b")),
+                                           messages.StopStringHit("a", "x"))
+    for bad in (
+        msgpack.packb([1, 2, 3]),  # a list of primitives, not messages
+        msgpack.packb({"__msg__": "Popen", "args": "rm"}),  # a type that is no message
+        msgpack.packb([{"__msg__": "AbortSamples", "sample_ids": [], "extra": 1}]),
+        msgpack.packb([{"__msg__": "AbortSamples"}]),  # a missing field
+        b"\xc1",  # never used in msgpack
+        msgpack.packb([b"x" * 10]),  # a bare blob is no message
+        msgpack.packb([msgpack.ExtType(1, b"x")]),  # nor is an extension type
+        msgpack.packb(_nested(20)),  # nested beyond any message
+    ):
+        with pytest.raises(corewire.WireError):
+            corewire.decode_frame(bad)
+
+
+def test_hello_mismatch_names_what_differs() -> None:
+    hello = messages.CoreHello(
+        version="1", core_index=0, pid=1, model="m", served_model_name="m",
+        tokenizer_folder="/t", max_model_len=512, vocab_size=100, block_size=16,
+        eos_token_ids=(2,), num_blocks=10, dtype="float32", quantization="none", config_json="{}")
+    assert corewire.hello_mismatch(hello, hello) is None
+    import dataclasses
+
+    other = dataclasses.replace(hello, max_model_len=256, version="2", num_blocks=20)
+    differs = corewire.hello_mismatch(hello, other)
+    assert "max_model_len: 512 here, 256 from the core" in differs
+    assert "version" in differs and "num_blocks" not in differs
+
+
+def test_stats_round_trip_through_json_config() -> None:
+    from engine.config import EngineConfig
+    from engine.core_process import config_from_json, config_to_json
+
+    config = EngineConfig(kv_cache_memory=0.5, data_parallel_size=2, max_model_len=64)
+    assert config_from_json(config_to_json(config)) == config
+    assert json.loads(config_to_json(config))["kv_cache_memory"] == 0.5
