@@ -151,10 +151,9 @@ def build_front_parts(config: EngineConfig, hello: Any) -> EngineParts:
     worker thread. ``config`` takes the core's resolved fields (max_model_len, async
     scheduling) so that the front end reports what the cores run."""
     from engine.core_process import config_from_json
+    from engine.models.pooling import PoolerConfig
     from engine.models.tokenizer import Tokenizer
     from engine.structured import GrammarBackend
-
-    from engine.models.pooling import PoolerConfig
 
     core_config = config_from_json(hello.config_json)
     pooler = None

@@ -68,10 +68,6 @@ class OutputMailbox:
         self._wakeup = trio.Event()
 
     @property
-    def sample_ids(self) -> tuple[str, ...]:
-        return self._sample_ids
-
-    @property
     def pending(self) -> int:
         return len(self._pending)
 
@@ -191,11 +187,10 @@ class OutputRouter:
         died); returns their other samples, for the caller to abort."""
         lost = set(sample_ids)
         to_abort: list[str] = []
-        for mailbox in list(self._mailboxes.values()):
-            if lost.intersection(mailbox.sample_ids):
-                to_abort.extend(s for s in mailbox.abort() if s not in lost)
-                mailbox.fail(error)
-                self._forget(mailbox)
+        for mailbox in {self._by_sample[s] for s in lost if s in self._by_sample}:
+            to_abort.extend(s for s in mailbox.abort() if s not in lost)
+            mailbox.fail(error)
+            self._forget(mailbox)
         return tuple(to_abort)
 
     def statistics(self) -> RouterStatistics:
