@@ -48,6 +48,14 @@ def parse_memory(text: str) -> int | float:
     return value
 
 
+def parse_bytes(text: str) -> int:
+    """Parse a CLI size in bytes: ``1048576``, ``512MiB``, ``2GB`` (no fractions)."""
+    value = parse_memory(text)
+    if isinstance(value, float):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size in bytes (1048576, 64MiB)")
+    return value
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Flag:
     """How an :class:`EngineConfig` field appears on the command line (see
@@ -192,6 +200,16 @@ class EngineConfig:
     # is the operator's to publish.
     enable_tokenizer_info_endpoint: bool = _field(
         False, "serve GET /tokenizer_info: the tokenizer's configuration and chat template")
+    # The /v1/responses store (store: true, previous_response_id): in the server's memory,
+    # lost on restart. 64 MiB of JSON holds thousands of turns of a few thousand tokens;
+    # an hour without use is long for an agent loop and short enough not to hoard.
+    responses_store_bytes: int = _field(
+        64 * 1024**2, "/v1/responses: bytes of stored responses (JSON) kept in memory for "
+        "previous_response_id and GET; the least recently used go first",
+        type=parse_bytes, metavar="SIZE", default_text="64MiB")
+    responses_store_ttl: float = _field(
+        3600.0, "/v1/responses: seconds a stored response is kept after its last use",
+        type=float, metavar="S")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -223,6 +241,15 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_memory as a fraction must be in (0, 1], got {mem}", field="kv_cache_memory")
         if isinstance(mem, int) and mem < 1:
             raise ConfigError(f"kv_cache_memory must be positive, got {mem}", field="kv_cache_memory")
+        size = self.responses_store_bytes
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ConfigError(f"responses_store_bytes must be a positive number of bytes, got "
+                              f"{size!r}", field="responses_store_bytes")
+        ttl = self.responses_store_ttl
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0 \
+                or ttl == float("inf"):
+            raise ConfigError(f"responses_store_ttl must be a positive number of seconds, got "
+                              f"{ttl!r}", field="responses_store_ttl")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:

@@ -30,14 +30,16 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
-from engine.chat.request import ChatSettings, parse_chat_fields
+from engine.chat.output import ChatOutputParser
+from engine.chat.request import ChatSettings, calls_constrained, parse_chat_fields
 from engine.core import admission
 from engine.errors import EngineDeadError, InvalidParamError
-from engine.http import anthropic, auth, edge, protocol, schema, sse
+from engine.http import anthropic, auth, edge, protocol, responses, schema, sse
 from engine.http import pooling as pooling_http
 from engine.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.http.metrics import Metrics, RequestTimer
 from engine.http.protocol import APIError, CompletionRequest
+from engine.http.response_store import MissingResponse, ResponseStore
 from engine.messages import RequestOutput
 from engine.models.tokenizer import normalize_messages
 
@@ -89,7 +91,8 @@ def create_app(
         import quart_cors
 
         quart_cors.cors(
-            app, allow_origin=list(allowed_origins), allow_methods=["GET", "POST", "OPTIONS"],
+            app, allow_origin=list(allowed_origins),
+            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
             # x-api-key and anthropic-version: what Anthropic's clients send.
             allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"],
         )
@@ -193,6 +196,9 @@ class _Server:
             prompt_tokens_details=config.enable_prompt_tokens_details,
             force_include_usage=config.enable_force_include_usage,
             tokens_as_token_ids=config.return_tokens_as_token_ids)
+        # /v1/responses' store: in memory, bounded, lost on restart (docs/serving.md).
+        self.responses = ResponseStore(engine.config.responses_store_bytes,
+                                       engine.config.responses_store_ttl)
         try:
             self.version = importlib.metadata.version("engine")
         except importlib.metadata.PackageNotFoundError:
@@ -206,6 +212,13 @@ class _Server:
         app.add_url_rule("/v1/messages", view_func=self.messages, methods=["POST"])
         app.add_url_rule("/v1/messages/count_tokens", view_func=self.count_tokens,
                          methods=["POST"])
+        app.add_url_rule("/v1/responses", view_func=self.create_response, methods=["POST"])
+        app.add_url_rule("/v1/responses/<response_id>", view_func=self.get_response,
+                         methods=["GET"])
+        app.add_url_rule("/v1/responses/<response_id>", view_func=self.delete_response,
+                         methods=["DELETE"])
+        app.add_url_rule("/v1/responses/<response_id>/input_items",
+                         view_func=self.response_input_items, methods=["GET"])
         app.add_url_rule("/v1/models", view_func=self.models, methods=["GET"])
         app.add_url_rule("/v1/models/<path:model_id>", view_func=self.model_card,
                          methods=["GET"])
@@ -481,6 +494,58 @@ class _Server:
         prompt = admission.prompt_message(normalize_messages(chat["messages"]),
                                           fields.template.to_json())
         return _json({"input_tokens": len(admission.prompt_token_ids(tok, prompt))}, 200)
+    # -- responses ----------------------------------------------------------------------
+
+    async def create_response(self) -> Response:
+        req = responses.parse_responses(
+            await self._read_checked("responses"), history=self.responses.history,
+            settings=self.chat_settings, model_template=self.engine.tokenizer.chat_template,
+            defaults=self.sampling_defaults)
+        self._check_model(req.chat.model)
+        run = _ResponsesRun(self.engine, req, self.metrics.timer(), self.answer_options,
+                            self.responses)
+        await run.submit_all(self._request_id())
+        if req.stream:
+            body = _TaskBody(run.write_response_events, run.close)
+            return Response(body, 200, headers=sse.HEADERS, content_type=sse.CONTENT_TYPE)
+        return _json(await run.collect_response(), 200)
+
+    def _stored(self, response_id: str) -> Any:
+        try:
+            return self.responses.get(response_id)
+        except MissingResponse:
+            raise APIError(404, f"Response with id {response_id!r} not found (stored "
+                           "responses live in memory, bounded in size and age, and are lost "
+                           "on restart).", param="response_id", code="not_found") from None
+
+    async def get_response(self, response_id: str) -> Response:
+        for name in ("stream", "include", "include[]", "starting_after"):
+            if request.args.get(name) not in (None, "", "false"):
+                raise APIError(400, f"{name} is not supported when retrieving a response",
+                               param=name, code="unsupported_parameter")
+        return _json(self._stored(response_id).body, 200)
+
+    async def delete_response(self, response_id: str) -> Response:
+        self._stored(response_id)
+        self.responses.delete(response_id)
+        return _json({"id": response_id, "object": "response.deleted", "deleted": True}, 200)
+
+    async def response_input_items(self, response_id: str) -> Response:
+        args = request.args
+        limit = args.get("limit", "20")
+        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+            raise APIError(400, "limit must be an integer from 1 to 100", param="limit",
+                           code="invalid_value")
+        order = args.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise APIError(400, 'order must be "asc" or "desc"', param="order",
+                           code="invalid_value")
+        if args.get("include") or args.get("include[]"):
+            raise APIError(400, "include is not supported", param="include",
+                           code="unsupported_parameter")
+        items = list(self._stored(response_id).input_items)
+        return _json(responses.input_items_page(items, limit=int(limit), order=order,
+                                                after=args.get("after")), 200)
 
     async def _generate(self, req: CompletionRequest) -> Response:
         self._check_model(req.model)
@@ -635,6 +700,73 @@ class _Run:
                 if self.error.status >= 500 and self.error.code not in _LOGGED_ELSEWHERE:
                     logger.error("request %s failed", stream.request_id, exc_info=exc)
             cancel.cancel()
+
+
+class _ResponsesRun(_Run):
+    """A ``/v1/responses`` request: a chat run whose outputs go through a
+    :class:`responses.ResponseBuilder` (one JSON response, or typed SSE events), and
+    whose finished answer is stored (``store``) before its last event is sent, so the
+    client's next turn finds it."""
+
+    def __init__(self, engine: EngineLike, req: responses.ResponsesRequest,
+                 timer: RequestTimer, options: protocol.AnswerOptions,
+                 store: ResponseStore) -> None:
+        super().__init__(engine, req.chat, timer, options)
+        self.responses_req = req
+        self.store = store
+
+    def _builder(self) -> responses.ResponseBuilder:
+        fields = self.req.chat_fields
+        assert fields is not None  # a chat request
+        parser = ChatOutputParser(fields.output,
+                                  constrained=calls_constrained(fields, self.req.params))
+        return responses.ResponseBuilder(self.responses_req, self.engine.model_name, parser)
+
+    def _events(self, builder: responses.ResponseBuilder,
+                out: RequestOutput) -> list[dict[str, Any]]:
+        self.answer.record(0, out)
+        events = builder.feed(out.text, len(out.token_ids))
+        if out.finished:
+            usage = self.answer.usage()
+            # Responses' usage always has cached_tokens (the prefix cache's hit).
+            events += builder.finish(out.finish_reason, usage["prompt_tokens"],
+                                     usage["completion_tokens"], self.answer.choices[0].cached)
+            self._keep(builder)
+        return events
+
+    def _keep(self, builder: responses.ResponseBuilder) -> None:
+        req = self.responses_req
+        if req.store and not self.store.put(
+                builder.id, builder.response(), req.input_items,
+                [*req.turn, builder.turn_message()], req.previous_response_id):
+            logger.info("response %s not stored: larger than --responses-store-bytes",
+                        builder.id)
+
+    async def collect_response(self) -> dict[str, Any]:
+        builder = self._builder()
+
+        async def on_output(prompt_index: int, out: RequestOutput) -> None:
+            self._events(builder, out)
+
+        await self._pump_all(on_output)
+        if self.error is not None:
+            raise self.error
+        return builder.response()
+
+    async def write_response_events(self, send: trio.MemorySendChannel[bytes]) -> None:
+        async with send:
+            builder = self._builder()
+            for event in builder.start():
+                await send.send(sse.typed_event(event))
+
+            async def on_output(prompt_index: int, out: RequestOutput) -> None:
+                for event in self._events(builder, out):
+                    await send.send(sse.typed_event(event))
+
+            await self._pump_all(on_output)
+            if self.error is not None:
+                for event in builder.fail(self.error):
+                    await send.send(sse.typed_event(event))
 
 
 def _json(obj: Any, status: int) -> Response:

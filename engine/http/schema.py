@@ -163,6 +163,55 @@ CHAT: dict[str, Any] = {
         "continue_final_message": _BOOL,
     },
 }
+_OBJECT = _nullable({"type": "object"})
+RESPONSES: dict[str, Any] = {
+    "type": "object",
+    "required": ["input"],
+    "properties": {
+        "model": COMMON["model"],
+        "input": {"description": "a string (one user message) or a list of input items: "
+                                 "messages (input_text parts; assistant output_text), "
+                                 "function_call, function_call_output, reasoning", "anyOf": [
+            {"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+        "instructions": _nullable({"type": "string", "description": "a system message "
+                                   "first (not carried over by previous_response_id)"}),
+        "previous_response_id": _nullable({"type": "string", "description": "continue a "
+                                           "stored response's conversation"}),
+        "store": _BOOL,
+        "stream": _BOOL,
+        "stream_options": _OBJECT,
+        "max_output_tokens": _integer(1, None, "tokens to generate at most (default: up to "
+                                      "the context)"),
+        "temperature": COMMON["temperature"],
+        "top_p": COMMON["top_p"],
+        "tools": _nullable({"type": "array", "items": {
+            "type": "object", "required": ["type"],
+            "description": 'function tools: {"type": "function", "name", "description", '
+                           '"parameters", "strict"}; built-in tools are refused'}}),
+        "tool_choice": _nullable({"anyOf": [{"enum": ["none", "auto", "required"]},
+                                            {"type": "object", "required": ["type"]}]}),
+        "parallel_tool_calls": _BOOL,
+        "text": _nullable({"type": "object", "properties": {"format": _nullable({
+            "type": "object", "required": ["type"],
+            "description": 'type "text", "json_object", or "json_schema" with name, schema, '
+                           "strict"})}}),
+        "reasoning": _OBJECT,
+        "metadata": _nullable({"type": "object", "additionalProperties": {"type": "string"}}),
+        "user": _nullable({"type": "string"}),
+        "include": _nullable({"type": "array", "items": {"type": "string"},
+                              "description": "refused unless empty"}),
+        "background": _BOOL,
+        "truncation": _nullable({"enum": ["auto", "disabled"],
+                                 "description": '"auto" is refused'}),
+        # vLLM's sampling extras, as on the chat route.
+        **{k: COMMON[k] for k in ("top_k", "min_p", "seed", "stop", "stop_token_ids",
+                                  "presence_penalty", "frequency_penalty",
+                                  "repetition_penalty", "logit_bias", "priority",
+                                  "cache_salt")},
+        "min_tokens": COMMON["min_tokens"],
+        "chat_template_kwargs": _nullable({"type": "object"}),
+    },
+}
 TOKENIZE: dict[str, Any] = {
     "type": "object",
     "properties": {
@@ -236,14 +285,14 @@ def _validator(name: str) -> Any:
 
     schema = {"completion": COMPLETION, "chat": CHAT, "tokenize": TOKENIZE,
               "detokenize": DETOKENIZE, "embeddings": EMBEDDINGS, "score": SCORE,
-              "rerank": RERANK}[name]
+              "rerank": RERANK, "responses": RESPONSES}[name]
     return jsonschema.Draft202012Validator(schema)
 
 
 def check_body(body: Any, name: str) -> None:
     """Raise a 400 :class:`APIError` naming the field if ``body`` breaks schema ``name``
-    (``completion``, ``chat``, ``tokenize``, ``detokenize``, ``embeddings``, ``score`` or
-    ``rerank``)."""
+    (``completion``, ``chat``, ``responses``, ``tokenize``, ``detokenize``, ``embeddings``,
+    ``score`` or ``rerank``)."""
     import jsonschema
 
     if not isinstance(body, dict):
@@ -320,6 +369,28 @@ _COMPLETION_RESPONSE = {
 }
 
 
+_RESPONSE = {
+    "type": "object", "required": ["id", "object", "created_at", "status", "model", "output"],
+    "properties": {"id": {"type": "string"}, "object": {"const": "response"},
+                   "status": {"type": "string"}, "output": {"type": "array"}},
+}
+
+
+def _stored_route(method: str, summary: str, ok: dict[str, Any], api_key: bool, *,
+                  query: tuple[tuple[str, dict[str, Any]], ...] = ()) -> dict[str, Any]:
+    """A route on one stored response: 404 when the id is not (or no longer) stored."""
+    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    responses = {"200": _json(ok), "404": {"description": "no such stored response", **error},
+                 "400": {"description": "an unsupported or invalid query parameter", **error}}
+    if api_key:
+        responses["401"] = {"description": _ERRORS["401"], **error}
+    parameters = [{"name": "response_id", "in": "path", "required": True,
+                   "schema": {"type": "string"}},
+                  *({"name": name, "in": "query", "required": False, "schema": schema}
+                    for name, schema in query)]
+    return {method: {"summary": summary, "parameters": parameters, "responses": responses}}
+
+
 def _errors(*codes: str) -> dict[str, Any]:
     return {code: {"description": _ERRORS[code], "content": {
         "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
@@ -358,6 +429,22 @@ def openapi(version: str, *, api_key: bool, tokenizer_info: bool = False) -> dic
         "/v1/completions": _post("Text completion", "CompletionRequest", generation, *gen_errors),
         "/v1/chat/completions": _post("Chat completion", "ChatCompletionRequest", generation,
                                       *gen_errors),
+        "/v1/responses": _post("Create a response (OpenAI's Responses API, over the chat "
+                               "path)", "ResponsesRequest", {
+            "description": "the response object, or with stream: true typed server-sent "
+                           "events (event: response.created ... response.completed)",
+            "content": {"application/json": {"schema": _RESPONSE},
+                        "text/event-stream": {"schema": {"type": "string"}}}}, *gen_errors),
+        "/v1/responses/{response_id}": {
+            **_stored_route("get", "A stored response", _RESPONSE, api_key),
+            **_stored_route("delete", "Forget a stored response", {
+                "type": "object", "required": ["id", "deleted"]}, api_key),
+        },
+        "/v1/responses/{response_id}/input_items": _stored_route(
+            "get", "A stored response's input items", {
+                "type": "object", "required": ["object", "data", "has_more"]}, api_key,
+            query=(("limit", {"type": "integer", "minimum": 1, "maximum": 100}),
+                   ("order", {"enum": ["asc", "desc"]}), ("after", {"type": "string"}))),
         "/tokenize": _post("Token ids of a prompt or chat", "TokenizeRequest", _json({
             "type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {
                 "count": {"type": "integer"}, "max_model_len": {"type": "integer"},
@@ -411,6 +498,7 @@ def openapi(version: str, *, api_key: bool, tokenizer_info: bool = False) -> dic
             "TokenizeRequest": TOKENIZE, "DetokenizeRequest": DETOKENIZE,
             "EmbeddingRequest": EMBEDDINGS, "ScoreRequest": SCORE, "RerankRequest": RERANK,
             "CompletionResponse": _COMPLETION_RESPONSE, "Error": _ERROR,
+            "ResponsesRequest": RESPONSES,
         }},
     }
     if api_key:

@@ -44,3 +44,9 @@ def _finite(obj: Any) -> Any:
 def event(obj: Any) -> bytes:
     """One SSE event carrying ``obj`` as JSON."""
     return b"data: " + dumps(obj) + b"\n\n"
+
+
+def typed_event(obj: Any) -> bytes:
+    """One SSE event named by ``obj["type"]`` (the Responses API's framing:
+    ``event: response.created`` then its data; no ``[DONE]`` follows the last)."""
+    return b"event: " + obj["type"].encode() + b"\ndata: " + dumps(obj) + b"\n\n"

@@ -1,0 +1,764 @@
+"""OpenAI's Responses API (``POST /v1/responses``) as a chat request, and its answer.
+
+Pure (no I/O, no trio). A Responses body becomes a chat body, which
+:func:`engine.http.protocol.parse_chat` turns into the same :class:`CompletionRequest` a
+``/v1/chat/completions`` request makes, so tools, structured output, reasoning and the
+sampling fields go through the one chat path:
+
+==============================  =======================================================
+Responses                        chat
+==============================  =======================================================
+``instructions``                 a first ``system`` message
+``previous_response_id``         the stored conversation's messages (see
+                                 :mod:`engine.http.response_store`)
+``input`` (a string)             one ``user`` message
+``input`` message items          messages (``input_text`` / ``output_text`` parts)
+``function_call`` items          an assistant message's ``tool_calls`` (consecutive calls
+                                 make one message)
+``function_call_output`` items   ``tool`` messages
+``reasoning`` items              the next assistant message's ``reasoning_content``
+``tools`` (flat function tools)  ``tools`` (``{"type": "function", "function": {...}}``)
+``tool_choice``                  ``tool_choice``
+``text.format``                  ``response_format``
+``max_output_tokens``            ``max_tokens``
+==============================  =======================================================
+
+An error found by the chat layer names the Responses field (``tools[0].parameters``,
+``input[2].arguments``, ``text.format.schema``). What this server cannot honour
+(:data:`REFUSED`: built-in tools, ``background``, ``include``, ...) is a 400 naming it.
+
+:class:`ResponseBuilder` turns the chat output parser's deltas (reasoning, text, calls)
+into output items and OpenAI's typed stream events, in OpenAI's order; the non-streamed
+answer is the same builder's final response, so both agree by construction.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from engine.chat.output import ChatDelta, ChatOutputParser
+from engine.chat.request import ChatSettings
+from engine.errors import InvalidParamError
+from engine.http.protocol import APIError, CompletionRequest, parse_chat
+from engine.http.response_store import MissingResponse
+
+logger = logging.getLogger("engine.http")
+
+
+def _set(value: Any) -> bool:
+    return value is not None
+
+
+# Fields that would change the answer and are not implemented: a 400 naming the field
+# when set to anything but their no-op value (OpenAI's clients send some as null).
+REFUSED: dict[str, Callable[[Any], bool]] = {
+    "background": lambda v: v not in (None, False),
+    "background_options": _set,
+    "conversation": _set,  # the Conversations API is not served
+    "prompt": _set,  # stored prompt templates
+    "context_management": lambda v: v not in (None, []),
+    "moderation": _set,
+    "truncation": lambda v: v not in (None, "disabled"),
+    "top_logprobs": lambda v: v not in (None, 0),
+    # Every include value asks for something this server does not produce (built-in tool
+    # results, logprobs, encrypted reasoning).
+    "include": lambda v: v not in (None, []),
+}
+# Read here (the others in REFUSED are refused, the vLLM sampling extras passed through).
+KNOWN = frozenset({
+    "model", "input", "instructions", "previous_response_id", "store", "stream",
+    "stream_options", "tools", "tool_choice", "parallel_tool_calls", "text", "reasoning",
+    "max_output_tokens", "temperature", "top_p", "metadata", "user", "safety_identifier",
+    "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options", "service_tier",
+    "max_tool_calls", "image", "access_programs",
+})
+# vLLM's sampling extras a client may add (extra_body), passed to the chat request as is.
+SAMPLING_EXTRAS = ("top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+                   "priority", "cache_salt", "chat_template_kwargs")
+_TOOL_KEYS = frozenset({"type", "name", "description", "parameters", "strict"})
+_TEXT_FORMAT_KEYS = frozenset({"type", "name", "schema", "strict", "description"})
+# OpenAI's built-in tools, named in the refusal as such.
+_BUILT_IN = ("web_search", "web_search_preview", "file_search", "code_interpreter",
+             "computer_use_preview", "computer", "image_generation", "mcp", "local_shell",
+             "shell", "apply_patch", "custom", "tool_search", "namespace")
+_ROLES = ("user", "system", "developer", "assistant")
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _bad(message: str, param: str, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def _unsupported(message: str, param: str) -> APIError:
+    return APIError(400, message, param=param, code="unsupported_parameter")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ResponsesRequest:
+    """A parsed ``/v1/responses`` body: the chat request it runs as, and what the
+    response echoes and the store keeps."""
+
+    chat: CompletionRequest
+    stream: bool
+    store: bool
+    previous_response_id: str | None
+    input_items: tuple[dict[str, Any], ...]  # this request's input, with ids
+    turn: tuple[dict[str, Any], ...]  # the chat messages this request's input adds
+    echo: dict[str, Any]  # request fields the response object repeats
+
+
+def parse_responses(
+    body: Any, *, history: Callable[[str], list[dict[str, Any]]],
+    settings: ChatSettings | None = None, model_template: str | None = None,
+    defaults: Mapping[str, Any] | None = None,
+) -> ResponsesRequest:
+    """Parse a ``/v1/responses`` body; :class:`APIError` naming the field.
+
+    ``history(id)`` gives the chat messages of a stored conversation (raising
+    :class:`MissingResponse`)."""
+    if not isinstance(body, dict):
+        raise APIError(400, "The request body must be a JSON object", code="invalid_json")
+    for name, is_set in REFUSED.items():
+        if is_set(body.get(name)):
+            raise _unsupported(f"{name} is not supported by this server", name)
+    unknown = sorted(set(body) - KNOWN - set(REFUSED) - set(SAMPLING_EXTRAS))
+    if unknown:
+        logger.info("ignoring unknown request fields: %s", ", ".join(unknown))
+    _check_reasoning(body.get("reasoning"))
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise _bad("instructions must be a string", "instructions", "invalid_type")
+    previous_id = body.get("previous_response_id")
+    prior: list[dict[str, Any]] = []
+    if previous_id is not None:
+        if not isinstance(previous_id, str):
+            raise _bad("previous_response_id must be a string", "previous_response_id",
+                       "invalid_type")
+        try:
+            prior = history(previous_id)
+        except MissingResponse as exc:
+            missing = ("" if exc.response_id == previous_id else
+                       f" (its conversation reaches {exc.response_id!r}, which is not)")
+            raise APIError(404, f"Previous response with id {previous_id!r} not found{missing}: "
+                           "stored responses live in the server's memory, bounded in size "
+                           "and age, and are lost on restart", param="previous_response_id",
+                           code="previous_response_not_found") from None
+    turn, items, origins = _input(body.get("input"))
+    messages: list[dict[str, Any]] = []
+    where: dict[str, str] = {}
+    if instructions is not None:
+        where["messages[0]"] = "instructions"
+        messages.append({"role": "system", "content": instructions})
+    for _ in prior:
+        where[f"messages[{len(messages)}]"] = "previous_response_id"
+        messages.append(_)
+    for k, message in enumerate(turn):
+        for key, origin in origins[k].items():
+            where[f"messages[{len(messages)}]{key}"] = origin
+        messages.append(message)
+    tools = _tools(body.get("tools"))
+    chat_body: dict[str, Any] = {
+        "model": body.get("model"), "messages": messages,
+        "max_tokens": body.get("max_output_tokens"),
+        "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+        "tools": tools or None, "tool_choice": _tool_choice(body.get("tool_choice")),
+        "parallel_tool_calls": body.get("parallel_tool_calls"),
+        "response_format": _text_format(body.get("text")),
+        **{k: body[k] for k in SAMPLING_EXTRAS if body.get(k) is not None},
+    }
+    try:
+        chat = parse_chat(chat_body, settings, model_template, defaults)
+    except (APIError, InvalidParamError) as exc:
+        _rename(exc, where)
+        raise
+    if chat.structured_param is not None:
+        chat = dataclasses.replace(chat, structured_param=_renamed(chat.structured_param, where))
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options")
+    if options is not None and not stream:
+        raise _bad("stream_options is only allowed when stream is true", "stream_options")
+    metadata = body.get("metadata")
+    if metadata is not None and not (isinstance(metadata, dict)
+                                     and all(isinstance(v, str) for v in metadata.values())):
+        raise _bad("metadata must map keys to strings", "metadata", "invalid_type")
+    params = chat.params
+    echo = {
+        "instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
+        "metadata": metadata or {}, "parallel_tool_calls": _bool(body, "parallel_tool_calls", True),
+        "previous_response_id": previous_id, "temperature": params.temperature,
+        "top_p": params.top_p, "text": {"format": (body.get("text") or {}).get("format")
+                                        or {"type": "text"}},
+        "tool_choice": body.get("tool_choice") or ("auto" if tools else "none"),
+        "tools": body.get("tools") or [], "user": body.get("user"),
+    }
+    return ResponsesRequest(chat=chat, stream=stream, store=_bool(body, "store", True),
+                            previous_response_id=previous_id, input_items=tuple(items),
+                            turn=tuple(turn), echo=echo)
+
+
+def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _bad(f"{name} must be a boolean", name, "invalid_type")
+    return value
+
+
+def _check_reasoning(value: Any) -> None:
+    """``reasoning``: effort and summaries cannot be honoured (the model thinks as its
+    template and ``chat_template_kwargs`` say); null values are the no-op."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise _bad("reasoning must be an object", "reasoning", "invalid_type")
+    for key, item in value.items():
+        if item is not None:
+            raise _unsupported(f"reasoning.{key} is not supported by this server (the "
+                               "model reasons as its chat template says; reasoning "
+                               "models' thinking comes back as reasoning items)",
+                               f"reasoning.{key}")
+
+
+# -- input ------------------------------------------------------------------------------
+
+
+def _input(value: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
+                                list[dict[str, str]]]:
+    """The chat messages of ``input``, its items as stored (with ids), and for each
+    message where its parts came from (``""`` for the message, ``.tool_calls[m]`` for a
+    call), as ``input[j]`` paths."""
+    if isinstance(value, str):
+        item = {"type": "message", "role": "user",
+                "content": [{"type": "input_text", "text": value}], "id": _new_id("msg")}
+        return [{"role": "user", "content": value}], [item], [{"": "input"}]
+    if not isinstance(value, list):
+        raise _bad("input must be a string or a list of input items", "input",
+                   "missing_required_parameter" if value is None else "invalid_type")
+    messages: list[dict[str, Any]] = []
+    origins: list[dict[str, str]] = []
+    items: list[dict[str, Any]] = []
+    # The assistant message that function_call (and reasoning) items are gathered into.
+    open_assistant: dict[str, Any] | None = None
+
+    def flush() -> None:
+        nonlocal open_assistant
+        if open_assistant is not None:
+            if open_assistant.get("content") is not None or open_assistant.get("tool_calls"):
+                messages.append(open_assistant)
+            else:
+                origins.pop()  # thinking with no answer: nothing for the template
+            open_assistant = None
+
+    def assistant(origin: str) -> dict[str, Any]:
+        nonlocal open_assistant
+        if open_assistant is None:
+            open_assistant = {"role": "assistant", "content": None}
+            origins.append({"": origin})
+        return open_assistant
+
+    for j, item in enumerate(value):
+        where = f"input[{j}]"
+        if not isinstance(item, dict):
+            raise _bad(f"{where} must be an object", where, "invalid_type")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role, text = _message(item, where)
+            items.append(_stored(item, "message", "msg"))
+            if role == "assistant":
+                if open_assistant is not None and (open_assistant.get("content") is not None
+                                                   or open_assistant.get("tool_calls")):
+                    flush()
+                target = assistant(where)
+                target["content"] = text
+                continue
+            flush()
+            messages.append({"role": role, "content": text})
+            origins.append({"": where})
+        elif kind == "function_call":
+            call = _function_call(item, where)
+            items.append(_stored(item, "function_call", "fc"))
+            target = assistant(where)
+            calls = target.setdefault("tool_calls", [])
+            origins[-1][f".tool_calls[{len(calls)}]"] = where
+            calls.append(call)
+        elif kind == "function_call_output":
+            call_id = _string(item, "call_id", where)
+            output = _output_text(item.get("output"), f"{where}.output")
+            items.append(_stored(item, "function_call_output", "fco"))
+            flush()
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+            origins.append({"": where})
+        elif kind == "reasoning":
+            text = _reasoning_text(item, where)
+            items.append(_stored(item, "reasoning", "rs"))
+            flush()
+            assistant(where)["reasoning_content"] = text
+        elif kind == "item_reference":
+            raise _unsupported(f"{where}: item_reference is not supported; send the item "
+                               "itself or use previous_response_id", f"{where}.type")
+        else:
+            raise _unsupported(f"{where}: input items of type {kind!r} are not supported "
+                               "(only message, function_call, function_call_output and "
+                               "reasoning)", f"{where}.type")
+    flush()
+    return messages, items, origins
+
+
+def _message(item: dict[str, Any], where: str) -> tuple[str, str]:
+    role = item.get("role")
+    if role not in _ROLES:
+        raise _bad(f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}",
+                   f"{where}.role")
+    content = item.get("content")
+    if isinstance(content, str):
+        return role, content
+    if not isinstance(content, list):
+        raise _bad(f"{where}.content must be a string or a list of content parts",
+                   f"{where}.content", "invalid_type")
+    allowed = ("output_text", "refusal") if role == "assistant" else ("input_text",)
+    texts = []
+    for k, part in enumerate(content):
+        at = f"{where}.content[{k}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in allowed:
+            raise _unsupported(f"{at}: content of type {kind!r} is not supported in a "
+                               f"{role} message (only {' and '.join(allowed)}: this server "
+                               "serves text models)", f"{at}.type")
+        text = part.get("refusal" if kind == "refusal" else "text")
+        if not isinstance(text, str):
+            raise _bad(f"{at} needs its text as a string", at, "invalid_type")
+        texts.append(text)
+    # Parts joined as /v1/chat/completions joins text parts.
+    return role, "\n".join(texts)
+
+
+def _string(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or not value:
+        raise _bad(f"{where}.{key} must be a non-empty string", f"{where}.{key}",
+                   "invalid_type")
+    return value
+
+
+def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:
+    call_id = _string(item, "call_id", where)
+    name = _string(item, "name", where)
+    arguments = item.get("arguments")
+    if not isinstance(arguments, str):
+        raise _bad(f"{where}.arguments must be a string (a JSON object)",
+                   f"{where}.arguments", "invalid_type")
+    try:
+        decoded = json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        raise _bad(f"{where}.arguments is not valid JSON", f"{where}.arguments") from None
+    if not isinstance(decoded, dict):
+        raise _bad(f"{where}.arguments must be a JSON object", f"{where}.arguments")
+    return {"id": call_id, "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def _output_text(output: Any, where: str) -> str:
+    if isinstance(output, str):
+        return output
+    if isinstance(output, list):
+        texts = []
+        for k, part in enumerate(output):
+            if not (isinstance(part, dict) and part.get("type") in ("input_text", "output_text")
+                    and isinstance(part.get("text"), str)):
+                raise _unsupported(f"{where}[{k}]: only text parts are supported",
+                                   f"{where}[{k}]")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise _bad(f"{where} must be a string or a list of text parts", where, "invalid_type")
+
+
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    if item.get("encrypted_content") is not None:
+        raise _unsupported(f"{where}.encrypted_content: this server does not encrypt "
+                           "reasoning; send its content", f"{where}.encrypted_content")
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not all(
+            isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts):
+        raise _bad(f"{where}.content must be a list of reasoning_text parts",
+                   f"{where}.content", "invalid_type")
+    return "".join(p["text"] for p in parts)
+
+
+def _stored(item: dict[str, Any], kind: str, prefix: str) -> dict[str, Any]:
+    """The item as ``GET /v1/responses/{id}/input_items`` lists it: typed, with an id,
+    message content as parts."""
+    out = {"type": kind, **item}
+    if not isinstance(out.get("id"), str):
+        out["id"] = _new_id(prefix)
+    if kind == "message" and isinstance(out.get("content"), str):
+        part = "output_text" if out.get("role") == "assistant" else "input_text"
+        out["content"] = [{"type": part, "text": out["content"]}]
+    return out
+
+
+# -- tools, tool_choice, text.format ------------------------------------------------------
+
+
+def _tools(value: Any) -> list[dict[str, Any]]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise _bad("tools must be a list of tools", "tools", "invalid_type")
+    out = []
+    for i, tool in enumerate(value):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise _bad(f"{where} must be an object", where, "invalid_type")
+        kind = tool.get("type")
+        if kind != "function":
+            what = "the built-in tool" if kind in _BUILT_IN or (
+                isinstance(kind, str) and kind.startswith(_BUILT_IN)) else "the tool type"
+            raise _unsupported(f"{where}: {what} {kind!r} is not supported by this server; "
+                               "only function tools", f"{where}.type")
+        extra = sorted(k for k, v in tool.items() if k not in _TOOL_KEYS and v is not None)
+        if extra:
+            raise _unsupported(f"{where}.{extra[0]} is not supported by this server",
+                               f"{where}.{extra[0]}")
+        function = {k: tool[k] for k in ("name", "description", "parameters")
+                    if tool.get(k) is not None}
+        # strict or not, a call generated under the tools' grammar matches its schema.
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _tool_choice(value: Any) -> Any:
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, dict):
+        raise _bad('tool_choice must be "none", "auto", "required" or '
+                   '{"type": "function", "name": ...}', "tool_choice", "invalid_type")
+    kind = value.get("type")
+    if kind == "function":
+        return {"type": "function", "function": {"name": value.get("name")}}
+    raise _unsupported(f"tool_choice of type {kind!r} is not supported by this server (only "
+                       '"none", "auto", "required" and {"type": "function", "name": ...})',
+                       "tool_choice.type")
+
+
+def _text_format(text: Any) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise _bad("text must be an object", "text", "invalid_type")
+    if text.get("verbosity") not in (None, "medium"):
+        raise _unsupported("text.verbosity is not supported by this server", "text.verbosity")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise _bad("text.format must be an object", "text.format", "invalid_type")
+    kind = fmt.get("type")
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    if kind != "json_schema":
+        raise _bad(f"text.format.type {kind!r} is not supported; use text, json_object or "
+                   "json_schema", "text.format.type")
+    extra = sorted(set(fmt) - _TEXT_FORMAT_KEYS)
+    if extra:
+        raise _bad(f"text.format has unknown key {extra[0]!r}", f"text.format.{extra[0]}")
+    return {"type": "json_schema", "json_schema": {
+        k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
+
+
+# -- error names ------------------------------------------------------------------------
+
+# Chat names -> Responses names, applied after the messages' own prefixes.
+_SUFFIXES = ((".function.arguments", ".arguments"), (".function.name", ".name"),
+             (".tool_call_id", ".call_id"), (".function.parameters", ".parameters"),
+             (".function.description", ".description"), (".function", ""))
+_FIELDS = (("response_format.json_schema.", "text.format."), ("response_format", "text.format"),
+           ("max_tokens", "max_output_tokens"), ("messages", "input"))
+
+
+def _renamed(param: str, where: Mapping[str, str]) -> str:
+    best = max((k for k in where if param == k or param.startswith((k + ".", k + "["))),
+               key=len, default=None)
+    if best is not None:
+        param = where[best] + param[len(best):]
+    elif param.startswith("tools[") or param.startswith("tool_choice"):
+        pass
+    else:
+        for old, new in _FIELDS:
+            if param.startswith(old):
+                param = new + param[len(old):]
+                break
+    for old, new in _SUFFIXES:
+        param = param.replace(old, new)
+    return param
+
+
+def _rename(exc: APIError | InvalidParamError, where: Mapping[str, str]) -> None:
+    """Name the Responses field in a chat-layer error (its param and its message)."""
+    old = exc.param
+    if old is None:
+        return
+    new = _renamed(old, where)
+    exc.param = new
+    if isinstance(exc, APIError):
+        exc.message = exc.message.replace(old, new)
+        exc.args = (exc.message,)
+    else:
+        exc.message = exc.message.replace(old, new)
+        exc.args = (exc.message,)
+
+
+# -- the answer ---------------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int,
+          reasoning_tokens: int) -> dict[str, Any]:
+    return {
+        "input_tokens": prompt_tokens,
+        "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "total_tokens": prompt_tokens + output_tokens,
+    }
+
+
+class ResponseBuilder:
+    """One response's output items and stream events, from its chat output parser.
+
+    ``start()`` gives ``response.created`` and ``response.in_progress``; ``feed(text)`` the
+    events a piece of model text adds; ``finish(reason, usage)`` closes the open item and
+    gives ``response.completed`` (or ``response.incomplete`` when the output hit
+    ``max_output_tokens``); ``fail(error)`` gives ``response.failed``. Items open and close
+    in order (reasoning, message, function calls, as the model wrote them), each as::
+
+        output_item.added, [content_part.added], *.delta..., *.done, [content_part.done],
+        output_item.done
+
+    Every event carries ``sequence_number`` (0, 1, ...). :meth:`response` is the response
+    object at any point; after ``finish`` it is the complete, non-streamed answer.
+    """
+
+    def __init__(self, req: ResponsesRequest, model: str, parser: ChatOutputParser) -> None:
+        self.req = req
+        self.model = model
+        self.id = _new_id("resp")
+        self.created_at = int(time.time())
+        self.status = "in_progress"
+        self.output: list[dict[str, Any]] = []
+        self._parser = parser
+        self._open: int | None = None  # index in output of the item being written
+        self._calls: dict[int, int] = {}  # a call's parser index -> its output index
+        self._seq = 0
+        self._pending_space = ""  # whitespace that opens no message by itself
+        self._thinking = True  # no answer text or call yet
+        self._thinking_tokens = 0
+        self._usage: dict[str, Any] | None = None
+        self._error: dict[str, Any] | None = None
+        self._incomplete: dict[str, Any] | None = None
+        self._completed_at: int | None = None
+
+    # -- the response object
+
+    def response(self) -> dict[str, Any]:
+        echo = self.req.echo
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at,
+            "status": self.status, "background": False, "completed_at": self._completed_at,
+            "error": self._error, "incomplete_details": self._incomplete,
+            "instructions": echo["instructions"], "max_output_tokens": echo["max_output_tokens"],
+            "max_tool_calls": None, "metadata": echo["metadata"], "model": self.model,
+            "output": copy.deepcopy(self.output),
+            "parallel_tool_calls": echo["parallel_tool_calls"],
+            "previous_response_id": echo["previous_response_id"],
+            "reasoning": {"effort": None, "summary": None}, "service_tier": "default",
+            "store": self.req.store, "temperature": echo["temperature"], "text": echo["text"],
+            "tool_choice": echo["tool_choice"], "tools": echo["tools"], "top_p": echo["top_p"],
+            "truncation": "disabled", "usage": self._usage, "user": echo["user"],
+        }
+
+    def turn_message(self) -> dict[str, Any]:
+        """The reply as a chat assistant message (what the store keeps for the next turn)."""
+        text = "".join(i["content"][0]["text"] for i in self.output if i["type"] == "message")
+        reasoning = "".join(i["content"][0]["text"] for i in self.output
+                            if i["type"] == "reasoning")
+        calls = [{"id": i["call_id"], "type": "function",
+                  "function": {"name": i["name"], "arguments": i["arguments"]}}
+                 for i in self.output if i["type"] == "function_call"]
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": text if text or not calls else None}
+        if calls:
+            message["tool_calls"] = calls
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        return message
+
+    # -- events
+
+    def start(self) -> list[dict[str, Any]]:
+        return [self._event("response.created", response=self.response()),
+                self._event("response.in_progress", response=self.response())]
+
+    def feed(self, text: str, tokens: int = 0) -> list[dict[str, Any]]:
+        """The events one engine output's ``text`` (of ``tokens`` tokens) adds."""
+        events = self._delta(self._parser.feed(text))
+        if self._thinking:
+            self._thinking_tokens += tokens
+        return events
+
+    def finish(self, engine_reason: str | None, prompt_tokens: int, output_tokens: int,
+               cached_tokens: int) -> list[dict[str, Any]]:
+        events = self._delta(self._parser.finish())
+        incomplete = self._parser.finish_reason(engine_reason) == "length"
+        if self._pending_space and not self.output:  # an answer of whitespace alone
+            events += self._ensure("message")
+            events += self._text(self._pending_space)
+        events += self._close("incomplete" if incomplete else "completed")
+        thought = any(i["type"] == "reasoning" for i in self.output)
+        self._usage = usage(prompt_tokens, output_tokens, cached_tokens,
+                            self._thinking_tokens if thought else 0)
+        self._completed_at = int(time.time())
+        if incomplete:
+            self.status = "incomplete"
+            self._incomplete = {"reason": "max_output_tokens"}
+            return [*events, self._event("response.incomplete", response=self.response())]
+        self.status = "completed"
+        return [*events, self._event("response.completed", response=self.response())]
+
+    def fail(self, error: APIError) -> list[dict[str, Any]]:
+        events = self._close("incomplete")
+        self.status = "failed"
+        self._error = {"code": "server_error", "message": error.message}
+        return [*events, self._event("response.failed", response=self.response())]
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return event
+
+    def _delta(self, delta: ChatDelta) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if delta.reasoning:
+            events += self._ensure("reasoning")
+            item = self._item()
+            item["content"][0]["text"] += delta.reasoning
+            events.append(self._event("response.reasoning_text.delta", item_id=item["id"],
+                                      output_index=self._open, content_index=0,
+                                      delta=delta.reasoning))
+        if delta.content or delta.tool_calls:
+            self._thinking = False
+        if delta.content:
+            text = self._pending_space + delta.content
+            if self._kind() != "message" and not text.strip():
+                self._pending_space = text
+            else:
+                self._pending_space = ""
+                events += self._ensure("message")
+                events += self._text(text)
+        for call in delta.tool_calls:
+            if call.id is not None or call.index not in self._calls:
+                events += self._close("completed")
+                self._pending_space = ""
+                item = {"id": _new_id("fc"), "type": "function_call", "status": "in_progress",
+                        "call_id": call.id or _new_id("call"), "name": call.name or "",
+                        "arguments": ""}
+                self.output.append(item)
+                self._open = self._calls[call.index] = len(self.output) - 1
+                events.append(self._event("response.output_item.added",
+                                          output_index=self._open, item=copy.deepcopy(item)))
+            if call.arguments:
+                index = self._calls[call.index]
+                item = self.output[index]
+                item["arguments"] += call.arguments
+                events.append(self._event("response.function_call_arguments.delta",
+                                          item_id=item["id"], output_index=index,
+                                          delta=call.arguments))
+        return events
+
+    def _text(self, text: str) -> list[dict[str, Any]]:
+        item = self._item()
+        item["content"][0]["text"] += text
+        return [self._event("response.output_text.delta", item_id=item["id"],
+                            output_index=self._open, content_index=0, delta=text, logprobs=[])]
+
+    def _item(self) -> dict[str, Any]:
+        assert self._open is not None  # callers open an item first
+        return self.output[self._open]
+
+    def _kind(self) -> str | None:
+        return None if self._open is None else self.output[self._open]["type"]
+
+    def _ensure(self, kind: str) -> list[dict[str, Any]]:
+        """Open an item of ``kind`` unless that is the one being written."""
+        if self._kind() == kind:
+            return []
+        events = self._close("completed")
+        if kind == "message":
+            item: dict[str, Any] = {"id": _new_id("msg"), "type": "message", "role": "assistant",
+                                    "status": "in_progress", "content": []}
+            part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": [],
+                                    "logprobs": []}
+        else:
+            item = {"id": _new_id("rs"), "type": "reasoning", "status": "in_progress",
+                    "summary": [], "content": []}
+            part = {"type": "reasoning_text", "text": ""}
+        self.output.append(item)
+        self._open = len(self.output) - 1
+        events.append(self._event("response.output_item.added", output_index=self._open,
+                                  item=copy.deepcopy(item)))
+        item["content"].append(part)
+        events.append(self._event("response.content_part.added", item_id=item["id"],
+                                  output_index=self._open, content_index=0,
+                                  part=copy.deepcopy(part)))
+        return events
+
+    def _close(self, status: str) -> list[dict[str, Any]]:
+        if self._open is None:
+            return []
+        index, self._open = self._open, None
+        item = self.output[index]
+        item["status"] = status
+        events = []
+        if item["type"] == "function_call":
+            events.append(self._event("response.function_call_arguments.done",
+                                      item_id=item["id"], output_index=index,
+                                      name=item["name"], arguments=item["arguments"]))
+        else:
+            part = item["content"][0]
+            done = ("response.output_text.done" if item["type"] == "message"
+                    else "response.reasoning_text.done")
+            extra = {"logprobs": []} if item["type"] == "message" else {}
+            events.append(self._event(done, item_id=item["id"], output_index=index,
+                                      content_index=0, text=part["text"], **extra))
+            events.append(self._event("response.content_part.done", item_id=item["id"],
+                                      output_index=index, content_index=0,
+                                      part=copy.deepcopy(part)))
+        events.append(self._event("response.output_item.done", output_index=index,
+                                  item=copy.deepcopy(item)))
+        return events
+
+
+def input_items_page(items: list[dict[str, Any]], *, limit: int, order: str,
+                     after: str | None) -> dict[str, Any]:
+    """``GET /v1/responses/{id}/input_items``: a page of the items, OpenAI's list shape."""
+    ordered = list(items) if order == "asc" else list(reversed(items))
+    if after is not None:
+        ids = [i["id"] for i in ordered]
+        if after not in ids:
+            raise _bad(f"after: no input item {after!r} in this response", "after")
+        ordered = ordered[ids.index(after) + 1:]
+    page = ordered[:limit]
+    return {"object": "list", "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(ordered) > limit}
