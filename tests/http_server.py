@@ -38,6 +38,7 @@ class ServerThread:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, daemon=True)
         self.engine: Any = None
+        self.app: Any = None
         self.base_url = ""
 
     def __enter__(self) -> ServerThread:
@@ -66,7 +67,7 @@ class ServerThread:
         self._stop = trio.Event()
         async with self._open_engine() as eng:
             self.engine = eng
-            app = create_app(eng, **self._app_options)
+            app = self.app = create_app(eng, **self._app_options)
             with bind_socket("127.0.0.1", 0) as listener:
                 async with trio.open_nursery() as nursery:
                     binds = await nursery.start(lambda task_status: serve_app(

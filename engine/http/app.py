@@ -87,6 +87,8 @@ def create_app(
     server = _Server(engine, api_key=api_key, max_request_bytes=max_request_bytes,
                      chat=chat or ChatSettings())
     server.register(app)
+    # The /v1/responses store, for tests and operators' introspection (statistics()).
+    app.extensions["responses_store"] = server.responses
     if allowed_origins:
         import quart_cors
 
