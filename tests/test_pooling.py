@@ -153,6 +153,31 @@ async def test_an_embed_cancelled_mid_way_frees_every_request_and_block(decoder:
         assert len(await eng.embed(prompts[:2])) == 2  # and it still serves
 
 
+async def test_a_decoder_saved_without_its_lm_head_embeds_by_default(
+    decoder: Path, tmp_path: Path
+) -> None:
+    """As Qwen3-Embedding ships: the base model's class, no "model." prefix, no lm_head."""
+    from safetensors.torch import load_file, save_file
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((decoder / name).read_bytes())
+    config = json.loads((decoder / "config.json").read_text())
+    config["architectures"] = ["LlamaModel"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    weights = load_file(str(decoder / "model.safetensors"))
+    save_file({k.removeprefix("model."): v for k, v in weights.items() if k != "lm_head.weight"},
+              str(tmp_path / "model.safetensors"))
+    prompts = random_prompts(4, vocab=300, lo=1, hi=30, seed=4)
+    async with engine.open_engine(tmp_path, dtype="float32", kv_cache_memory=4 * 1024 * 1024) as eng:
+        assert (eng.pooler.task, eng.pooler.pooling) == ("embed", "last")
+        got = [p.vector() for p in await eng.embed(prompts)]
+        with pytest.raises(InvalidParamError, match="pooling model"):
+            await eng.submit(prompts[0], SamplingParams(max_tokens=2))
+    for vector, hidden in zip(got, _hf_hidden(tmp_path, prompts), strict=True):
+        want = torch.nn.functional.normalize(hidden[-1], dim=0).numpy()
+        assert np.allclose(vector, want, atol=1e-5)
+
+
 async def test_a_causal_lm_generates_unless_converted(decoder: Path) -> None:
     async with engine.open_engine(decoder, dtype="float32", kv_cache_memory=4 * 1024 * 1024) as eng:
         assert eng.pooler is None

@@ -98,8 +98,8 @@ def _bert(arch: str = "BertModel", **extra) -> ModelConfig:
                                 "intermediate_size": 16, **extra})
 
 
-def _llama() -> ModelConfig:
-    return ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 100,
+def _llama(arch: str = "LlamaForCausalLM") -> ModelConfig:
+    return ModelConfig.from_hf({"architectures": [arch], "vocab_size": 100,
                                 "hidden_size": 8, "num_hidden_layers": 1,
                                 "num_attention_heads": 2, "intermediate_size": 16})
 
@@ -128,6 +128,10 @@ def test_sentence_transformers_files_give_pooling_normalisation_and_length(tmp_p
     assert pooler_config(_llama(), folder).task == "embed"
     assert pooler_config(_llama(), tmp_path / "nothing-here") is None
     assert pooler_config(_llama(), tmp_path / "nothing-here", convert="embed").pooling == "last"
+    # A decoder saved without its LM head (Qwen3-Embedding's Qwen3Model) embeds, only.
+    assert pooler_config(_llama("Qwen3Model"), tmp_path / "nothing-here").task == "embed"
+    with pytest.raises(ConfigError, match="cannot generate"):
+        pooler_config(_llama("Qwen3Model"), tmp_path / "nothing-here", runner="generate")
 
 
 def test_pipelines_and_flags_the_engine_cannot_honour_are_refused(tmp_path: Path) -> None:

@@ -27,6 +27,16 @@ SUPPORTED_ARCHITECTURES = {
 
 GEMMA_FAMILY = frozenset({"gemma2", "gemma3"})
 
+# The same decoders saved without their LM head (transformers' base classes), as embedding
+# models such as Qwen3-Embedding are: weights without the "model." prefix, no lm_head.
+# They pool (engine.models.pooling); they cannot generate.
+BASE_MODEL_ARCHITECTURES = {
+    "LlamaModel": "llama",
+    "MistralModel": "mistral",
+    "Qwen2Model": "qwen2",
+    "Qwen3Model": "qwen3",
+}
+
 # Bidirectional encoders (models/bert.py): no causal mask and no paged KV cache, so a
 # prompt runs whole in one step. BertModel is an embedder (sentence-transformers folders
 # add their pooling), BertForSequenceClassification a cross-encoder (reranker).
@@ -152,6 +162,8 @@ class ModelConfig:
     # The embedding may be cut to its first N dimensions (Matryoshka training), as
     # config.json's is_matryoshka / matryoshka_dimensions say; None: every dimension only.
     matryoshka_dimensions: tuple[int, ...] | None = None
+    # A decoder saved without its LM head (BASE_MODEL_ARCHITECTURES): it only pools.
+    base_model: bool = False
 
     @property
     def is_encoder(self) -> bool:
@@ -173,10 +185,13 @@ class ModelConfig:
         if encoder is not None:
             return _encoder_config(raw, encoder)
         arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        base = arch is None and any(a in BASE_MODEL_ARCHITECTURES for a in archs)
+        if base:
+            arch = next(BASE_MODEL_ARCHITECTURES[a] for a in archs if a in BASE_MODEL_ARCHITECTURES)
         if arch is None:
             raise UnsupportedModelError(
                 f"unsupported architecture {archs or raw.get('model_type')!r}; supported: "
-                f"{', '.join(sorted({**SUPPORTED_ARCHITECTURES, **ENCODER_ARCHITECTURES}))}"
+                f"{', '.join(sorted({**SUPPORTED_ARCHITECTURES, **BASE_MODEL_ARCHITECTURES, **ENCODER_ARCHITECTURES}))}"
             )
         try:
             heads = int(raw["num_attention_heads"])
@@ -220,6 +235,7 @@ class ModelConfig:
                 rope_local_theta=local_theta,
                 moe=MoeConfig.from_hf(raw, arch, int(raw["num_hidden_layers"])),
                 matryoshka_dimensions=_matryoshka(raw, hidden),
+                base_model=base,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptModelError(f"config.json is missing or has a bad field: {exc}") from exc

@@ -313,6 +313,9 @@ def _read_weights(folder: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
     if config.is_encoder:
         # BertForSequenceClassification names the encoder bert.*; BertModel has no prefix.
         loaded = {name.removeprefix("bert."): w for name, w in loaded.items()}
+    elif "model.embed_tokens.weight" not in loaded and "embed_tokens.weight" in loaded:
+        # A decoder saved as its base model (Qwen3-Embedding): no "model." prefix.
+        loaded = {f"model.{name}": w for name, w in loaded.items()}
     missing = [name for name in expected if name not in loaded]
     if missing:
         shown = ", ".join(missing[:3]) + (
@@ -386,7 +389,7 @@ def expected_weight_names(config: ModelConfig) -> list[str]:
         else:
             names += [p + f"mlp.{proj}.weight" for proj in ("gate_proj", "up_proj", "down_proj")]
     names.append("model.norm.weight")
-    if not config.tie_word_embeddings:
+    if not config.tie_word_embeddings and not config.base_model:
         names.append("lm_head.weight")
     return names
 

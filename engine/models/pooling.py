@@ -5,6 +5,7 @@
 
 * ``BertModel`` embeds, ``BertForSequenceClassification`` classifies (a cross-encoder:
   one logit per label from the [CLS] row through the pooler and classifier);
+* a decoder saved without its LM head (``Qwen3Model``, ``LlamaModel``, ...) embeds;
 * a causal LM generates, unless its folder is a sentence-transformers model (a
   ``modules.json`` with a Pooling module, as Qwen3-Embedding ships) or the engine is told
   ``runner="pooling"`` / ``convert="embed"``: then it embeds its last hidden states (after
@@ -82,6 +83,9 @@ def pooler_config(
                               f"{pooling_type!r} does not apply", field="pooling_type")
         return PoolerConfig(task="classify", pooling="cls", normalize=False,
                             size=config.num_labels)
+    if config.base_model and (runner == "generate" or convert == "none"):
+        raise ConfigError(f"{folder}: a decoder saved without its LM head can only pool; it "
+                          "cannot generate", field="runner" if runner == "generate" else "convert")
     if not config.is_encoder and (runner == "generate" or convert == "none"):
         if convert == "embed":
             raise ConfigError("convert 'embed' makes a pooling model; runner 'generate' "
@@ -91,7 +95,8 @@ def pooler_config(
                               "this causal LM only generates", field="runner")
         return None
     st = _sentence_transformers(folder)
-    if not config.is_encoder and runner == "auto" and convert == "auto" and st is None:
+    if (not config.is_encoder and not config.base_model and runner == "auto"
+            and convert == "auto" and st is None):
         return None  # a causal LM generates unless its files or the flags say otherwise
     pooling = pooling_type
     if pooling == "auto":
