@@ -255,6 +255,7 @@ REFUSED = [
     ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"top_logprobs": 3}, "top_logprobs"),
+    ({"n": 2}, "n"),
     ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ({"context_management": [{"type": "compaction"}]}, "context_management"),
@@ -322,6 +323,33 @@ def test_the_store_drops_the_least_recently_used_past_its_size(folder):
 
 def server_store(server):
     return server.app.extensions["responses_store"]
+
+
+def test_an_engine_failure_mid_stream_ends_it_with_response_failed(folder):
+    """The engine dies after the stream began: the last event is response.failed with
+    the error, the response is not stored, and its blocks are back."""
+    tokenizer = Tokenizer.from_folder(folder)
+    with ServerThread(lambda: open_fake_engine(
+            tokenizer, served_model_name=MODEL, max_model_len=1024, step_delay=0.05),
+            chat=HERMES) as server, _client(server) as client:
+        server.engine.script = "word " * 200
+        events = []
+        with client.responses.create(model=MODEL, input="Talk", stream=True) as stream:
+            for event in stream:
+                events.append(event)
+                if event.type == "response.output_text.delta" and len(events) == 5:
+                    server.call(server.engine.crash, RuntimeError("a kernel fault"))
+        assert events[-1].type == "response.failed"
+        failed = events[-1].response
+        assert failed.status == "failed" and failed.error.code == "server_error"
+        assert "kernel fault" not in failed.error.message  # internals go to the log
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert events[-2].type == "response.output_item.done"
+        assert events[-2].item.status == "incomplete"
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(failed.id)
+        stats = server.engine.statistics()
+        assert stats.kv_blocks_free == stats.kv_blocks_total
 
 
 # -- the real engine (a tiny random model) -----------------------------------------------

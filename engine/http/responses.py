@@ -67,6 +67,8 @@ REFUSED: dict[str, Callable[[Any], bool]] = {
     "moderation": _set,
     "truncation": lambda v: v not in (None, "disabled"),
     "top_logprobs": lambda v: v not in (None, 0),
+    # Not a Responses field, but vLLM's chat one: one response is one sample.
+    "n": lambda v: v not in (None, 1),
     # Every include value asks for something this server does not produce (built-in tool
     # results, logprobs, encrypted reasoning).
     "include": lambda v: v not in (None, []),
