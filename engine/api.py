@@ -38,6 +38,7 @@ from engine.loading import EngineParts, build_parts
 from engine.messages import RequestOutput
 from engine.params import SamplingParams, generation_defaults
 from engine.structured import StructuredStatistics
+from engine.structured.pool import CompilePool
 
 logger = logging.getLogger("engine")
 
@@ -218,6 +219,11 @@ class Engine:
         self._handles: ActorHandles | None = None
         self._pool: Any = None  # engine.actors.cores.CorePool when the cores run apart
         self._token = trio.lowlevel.current_trio_token()
+        config = parts.config
+        self._compiles = (CompilePool(
+            parts.grammar, workers=config.grammar_compile_workers,
+            timeout=config.grammar_compile_timeout, max_bytes=config.grammar_max_bytes)
+            if parts.grammar is not None else None)
         # Numbers every admitted request (across restarts too): its sample ids carry it, so
         # they never collide whatever request ids callers pick (admission.sample_ids).
         self._serials = itertools.count()
@@ -267,14 +273,12 @@ class Engine:
             )
         else:
             ids = admission.prompt_token_ids(self.tokenizer, submit.prompt)
-        grammar = self._parts.grammar
-        if admission.needs_compile(grammar, params):
-            # A compile takes milliseconds to seconds: off the trio thread. Abandoned on
-            # cancel, it still finishes into the cache for the next request.
-            await trio.to_thread.run_sync(
-                admission.compile_structured, grammar, params, abandon_on_cancel=True)
+        if params.structured_outputs is not None and self._compiles is not None:
+            admission.check_min_tokens(params)
+            # In a worker process, under a time budget; leaving (a cancel) kills it.
+            await self._compiles.compile(params.structured_outputs)
         else:
-            admission.compile_structured(grammar, params)  # a cache hit (or no constraint)
+            admission.compile_structured(self._parts.grammar, params)  # none, or refused
         handles = self._alive()  # it may have died while a thread tokenized
         admitted = admission.admit(submit, ids, self._parts.limits, waiting=handles.queue_depth(),
                                    serial=next(self._serials))
@@ -683,6 +687,8 @@ async def open_engine(
             finally:
                 engine._die(EngineDeadError("engine closed"))
                 nursery.cancel_scope.cancel()
+                if engine._compiles is not None:
+                    await engine._compiles.aclose()  # kills compiles still running
     except BaseExceptionGroup as group:
         # The actors never raise into this nursery (a crash marks the engine dead), so a
         # group of one holds what the caller's own block raised (or a startup failure):

@@ -211,6 +211,25 @@ class EngineConfig:
         3600.0, "/v1/responses: seconds a stored response is kept after its last use",
         type=float, metavar="S")
 
+    # Grammar compiles run in worker processes that can be killed (engine.structured.pool).
+    # 10 s: a large real schema compiles in about a second on a 150k vocabulary; minutes
+    # mean a pathological one (a pattern repeating 30,000 times).
+    grammar_compile_timeout: float = _field(
+        10.0, "seconds a structured-output grammar may take to compile; past it the compile "
+        "is killed and the request refused (400)", type=float, metavar="SECONDS")
+    # serve: 2 (a compile already uses two threads of xgrammar's; more would take the
+    # cores the model step needs). The embedded API: 0, threads, as a process would cost
+    # every engine opened a Python start and an xgrammar import (seconds of CPU).
+    grammar_compile_workers: int = _field(
+        0, "worker processes compiling grammars, that a compile past its budget or whose "
+        "client left is killed in; the others wait their turn. 0: two threads of the engine "
+        "(a compile cannot be stopped, only abandoned)", type=int, metavar="N",
+        default_text="2 for serve, 0 for the embedded API")
+    # A JSON-schema grammar on a 150k vocabulary is tens of KiB to a few MiB.
+    grammar_max_bytes: int = _field(
+        64 * 1024**2, "largest compiled grammar (its token-mask cache) a request may make; "
+        "larger is refused (400)", type=parse_memory, metavar="SIZE", default_text="64MiB")
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             choices = f.metadata["flag"].choices
@@ -226,6 +245,15 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}", field=name)
         if self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}", field="block_size")
+        timeout = self.grammar_compile_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ConfigError(f"grammar_compile_timeout must be a positive number of seconds, "
+                              f"got {timeout!r}", field="grammar_compile_timeout")
+        for name, least in (("grammar_compile_workers", 0), ("grammar_max_bytes", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(f"{name} must be an integer of at least {least}, got "
+                                  f"{value!r}", field=name)
         restarts = self.max_engine_restarts
         if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
             raise ConfigError(f"max_engine_restarts must be a non-negative integer, got {restarts!r}", field="max_engine_restarts")

@@ -150,13 +150,6 @@ class GrammarCompiler(Protocol):
     def is_cached(self, spec: Any) -> bool: ...
 
 
-def needs_compile(grammar: GrammarCompiler | None, params: SamplingParams) -> bool:
-    """Whether :func:`compile_structured` has real work (a grammar not yet in the cache):
-    the caller then runs it in a worker thread."""
-    spec = params.structured_outputs
-    return spec is not None and grammar is not None and not grammar.is_cached(spec)
-
-
 def compile_structured(grammar: GrammarCompiler | None, params: SamplingParams) -> None:
     """Compile the request's structured-output grammar into the backend's cache (blocking
     on a miss; safe in a worker thread), so the model runner only looks it up. An invalid

@@ -51,6 +51,9 @@ EXIT_ENGINE_DEAD = 3
 # A crash is a bug; restarting the actors in place a few times keeps serving while it is
 # reported, and a process that keeps crashing is better restarted whole.
 DEFAULT_MAX_ENGINE_RESTARTS = 5
+# Grammar compiles in killable processes (engine.structured.pool): a pathological schema
+# cannot hold a core past its budget nor outlive its client.
+SERVE_GRAMMAR_COMPILE_WORKERS = 2
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,7 +91,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
     add("--log-level", default=os.environ.get("ENGINE_LOG_LEVEL", "info"),
         choices=["debug", "info", "warning", "error"], help="logging level ($ENGINE_LOG_LEVEL)")
-    add_engine_arguments(parser, max_engine_restarts=DEFAULT_MAX_ENGINE_RESTARTS)
+    add_engine_arguments(parser, max_engine_restarts=DEFAULT_MAX_ENGINE_RESTARTS,
+                         grammar_compile_workers=SERVE_GRAMMAR_COMPILE_WORKERS)
 
 
 def api_key(args: argparse.Namespace) -> str | None:

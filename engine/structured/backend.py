@@ -177,6 +177,7 @@ class GrammarBackend:
                          if 0 <= i < vocab_size)
         self._special_texts = frozenset(
             t for t in (self._hf.convert_ids_to_tokens(i) for i in skipped) if t)
+        self._skipped = skipped
         special = [i for i in skipped if i not in self._stop_set]
         self._no_special = _clear_bits(bitmask_words(vocab_size), special) if special else None
         self._lock = threading.Lock()
@@ -190,6 +191,7 @@ class GrammarBackend:
         self._seconds = 0.0
         self._buckets = [0] * (len(COMPILE_BUCKETS) + 1)
         self._xgr: Any = None
+        self._xgr_info: Any = None  # xgrammar.TokenizerInfo, to read back worker grammars
         self._guidance_tok: Any = None
         self._guidance_lock = threading.Lock()
         if backend in ("auto", "xgrammar"):
@@ -229,14 +231,53 @@ class GrammarBackend:
         finally:
             with self._lock:
                 self._pending.pop(key).set()
+        self._store(key, compiled)
+        return compiled
+
+    def _store(self, key: tuple[str, str, str], compiled: CompiledGrammar) -> None:
         with self._lock:
             self._cache[key] = compiled
+            self._cache.move_to_end(key)
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
             self._compiles += 1
             self._seconds += compiled.seconds
             self._buckets[bisect.bisect_left(COMPILE_BUCKETS, compiled.seconds)] += 1
+
+    def count_request(self, spec: StructuredOutputs) -> None:
+        """Count one admitted structured request (what ``compile(count=True)`` counts)."""
+        with self._lock:
+            self._requests[spec.kind] += 1
+
+    def cached(self, spec: StructuredOutputs) -> CompiledGrammar | None:
+        """The cached grammar of ``spec`` (counted as a hit), or None."""
+        with self._lock:
+            hit = self._cache.get(spec.key)
+            if hit is not None:
+                self._cache.move_to_end(spec.key)
+                self._hits += 1
+            return hit
+
+    def adopt(self, spec: StructuredOutputs, backend: str, data: Any,
+              seconds: float) -> CompiledGrammar:
+        """Cache a grammar a worker process compiled (:mod:`engine.structured.worker`):
+        xgrammar's serialized JSON is read back against this tokenizer's tables (blocking:
+        about as long as reading the JSON), llguidance's grammar text is kept as is."""
+        if backend == "xgrammar":
+            import xgrammar
+
+            handle = xgrammar.CompiledGrammar.deserialize_json(data, self._xgr_info)
+        else:
+            handle = data
+        compiled = CompiledGrammar(backend, handle, seconds)
+        self._store(spec.key, compiled)
         return compiled
+
+    def worker_payload(self, max_bytes: int) -> dict[str, Any]:
+        """What a compile worker needs to build the same backend (its first frame)."""
+        return {"tokenizer": self._hf.backend_tokenizer.to_str(), "vocab_size": self.vocab_size,
+                "stop_token_ids": self._stop_ids or [], "backend": self.backend,
+                "skipped_special_ids": sorted(self._skipped), "max_bytes": max_bytes}
 
     def is_cached(self, spec: StructuredOutputs) -> bool:
         with self._lock:
@@ -353,6 +394,7 @@ class GrammarBackend:
         # Two compile threads: a compile runs in an admission worker thread beside the
         # model step; more would take cores from it (the dev machines have 2).
         compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+        self._xgr_info = info
         logger.info("xgrammar tokenizer info built in %.2f s", time.perf_counter() - t0)
         return compiler
 
