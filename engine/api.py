@@ -601,17 +601,27 @@ def _leaves(exc: BaseException) -> Any:
         yield exc
 
 
-async def _start_front_end(nursery: trio.Nursery, config: EngineConfig) -> Engine:
+async def _start_front_end(nursery: trio.Nursery, config: EngineConfig,
+                           core_secret: bytes | None) -> Engine:
     """Start the engine cores (processes of their own), then the front end's actors."""
     from engine.actors.cores import CorePool
     from engine.actors.system import run_front_actors
+    from engine.config import parse_address
     from engine.loading import build_front_parts
 
+    listen = None
+    if config.data_parallel_address is not None:
+        if not core_secret:
+            raise ConfigError("cores on other machines need a shared secret "
+                              "($ENGINE_DP_SECRET or --data-parallel-secret-file)",
+                              field="data_parallel_address")
+        listen = parse_address(config.data_parallel_address)
     # Buffer 0: each core's reader hands the detokenizer a step's outputs and waits for it.
     detok_send, detok_recv = trio.open_memory_channel[Any](0)
     pool = CorePool(config, to_detokenizer=detok_send,
                     data_parallel_size=config.data_parallel_size,
-                    routing=config.data_parallel_routing)
+                    routing=config.data_parallel_routing, listen_tcp=listen,
+                    local_cores=config.data_parallel_size_local, secret=core_secret)
     hello = await nursery.start(pool.run)
     parts = await trio.to_thread.run_sync(build_front_parts, config, hello)
     engine = Engine(parts)
@@ -664,7 +674,8 @@ def _config(model: str | None, config: EngineConfig | None, options: dict[str, A
 
 @asynccontextmanager
 async def open_engine(
-    model: str | Path | None = None, *, config: EngineConfig | None = None, **options: Any
+    model: str | Path | None = None, *, config: EngineConfig | None = None,
+    core_secret: bytes | None = None, **options: Any
 ) -> AsyncIterator[Engine]:
     """Load a model, start the engine's actors, and yield the :class:`Engine`.
 
@@ -672,6 +683,11 @@ async def open_engine(
     ``options`` are :class:`EngineConfig` fields (``dtype="float32"``, ``max_num_seqs=8``,
     ``kv_cache_memory=...``). Loading runs in a worker thread. Leaving the block stops every
     actor; streams still open then raise ``EngineDeadError("engine closed")``.
+
+    With ``engine_core="process"`` or ``data_parallel_size > 1`` the scheduler, KV pool
+    and executor run in engine-core processes this block owns (see
+    :mod:`engine.actors.cores`); ``core_secret`` is the shared secret that cores started on
+    other machines (``data_parallel_address``) must prove they know.
     """
     resolved = _config(str(model) if model is not None else None, config, options)
     try:
@@ -681,7 +697,7 @@ async def open_engine(
                 engine = Engine(parts)
                 await nursery.start(engine._run)
             else:
-                engine = await _start_front_end(nursery, resolved)
+                engine = await _start_front_end(nursery, resolved, core_secret)
             try:
                 yield engine
             finally:

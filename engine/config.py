@@ -56,6 +56,15 @@ def parse_bytes(text: str) -> int:
     return value
 
 
+def parse_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) as (host, port); :class:`ConfigError` otherwise."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ConfigError(f"data_parallel_address must be HOST:PORT, got {text!r}",
+                          field="data_parallel_address")
+    return host.strip("[]"), int(port)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Flag:
     """How an :class:`EngineConfig` field appears on the command line (see
@@ -162,11 +171,23 @@ class EngineConfig:
         "affinity", "how requests are spread over data-parallel cores: affinity (to the core "
         "holding the prompt's leading blocks unless it is much busier, else the least "
         "loaded), least-loaded or round-robin", choices=("affinity", "least-loaded", "round-robin"))
+    data_parallel_address: str | None = _field(
+        None, "HOST:PORT where this front end listens for engine cores started on other "
+        "machines with --headless (and where a --headless server connects); the link is "
+        "authenticated with the secret in $ENGINE_DP_SECRET or --data-parallel-secret-file",
+        metavar="HOST:PORT", default_text="none: every core is local")
+    data_parallel_size_local: int | None = _field(
+        None, "engine cores this machine starts (the rest of --data-parallel-size connect "
+        "from other machines)", type=int, metavar="N", default_text="all of them")
+    data_parallel_start_rank: int = _field(
+        0, "with --headless: the index of this machine's first engine core", type=int,
+        metavar="N")
 
     @property
     def core_in_process(self) -> bool:
         """Whether the engine core runs in the caller's process."""
-        return self.engine_core == "inprocess" and self.data_parallel_size == 1
+        return (self.engine_core == "inprocess" and self.data_parallel_size == 1
+                and self.data_parallel_address is None)
 
     # Pooling models (engine.models.pooling): the task is read from the model's files;
     # these override it, as vLLM's --runner / --convert and pooler config do.
@@ -254,6 +275,16 @@ class EngineConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ConfigError(f"{name} must be an integer of at least {least}, got "
                                   f"{value!r}", field=name)
+        local = self.data_parallel_size_local
+        if local is not None and (isinstance(local, bool) or not isinstance(local, int)
+                                  or not 0 <= local <= self.data_parallel_size):
+            raise ConfigError(f"data_parallel_size_local must be 0..{self.data_parallel_size}, "
+                              f"got {local!r}", field="data_parallel_size_local")
+        if local is not None and local < self.data_parallel_size and not self.data_parallel_address:
+            raise ConfigError("cores on other machines need --data-parallel-address",
+                              field="data_parallel_address")
+        if self.data_parallel_address is not None:
+            parse_address(self.data_parallel_address)
         restarts = self.max_engine_restarts
         if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
             raise ConfigError(f"max_engine_restarts must be a non-negative integer, got {restarts!r}", field="max_engine_restarts")

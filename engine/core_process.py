@@ -67,22 +67,23 @@ def config_from_json(text: str) -> Any:
     return EngineConfig(**json.loads(text))
 
 
-def core_placement(config: Any, core_index: int, data_parallel_size: int) -> Any:
-    """The config a core runs with: on CUDA each core takes its own device (``cuda:i``);
-    on CPU each takes an equal share of this process's CPUs (and as many torch threads)."""
+def core_placement(config: Any, local_index: int, local_size: int) -> Any:
+    """The config a core runs with, the ``local_index``-th of ``local_size`` cores on this
+    machine: on CUDA each takes its own device (``cuda:i``); on CPU each takes an equal
+    share of this process's CPUs (and as many torch threads)."""
     import torch
 
-    if data_parallel_size <= 1:
+    if local_size <= 1:
         return config
     wants_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
     if wants_cuda:
-        return dataclasses.replace(config, device=f"cuda:{core_index}")
+        return dataclasses.replace(config, device=f"cuda:{local_index}")
     cpus = sorted(os.sched_getaffinity(0))
-    share = max(1, len(cpus) // data_parallel_size)
-    mine = cpus[core_index * share:(core_index + 1) * share] or cpus[-share:]
+    share = max(1, len(cpus) // local_size)
+    mine = cpus[local_index * share:(local_index + 1) * share] or cpus[-share:]
     os.sched_setaffinity(0, mine)
     torch.set_num_threads(len(mine))
-    logger.info("core %d: CPUs %s, %d torch threads", core_index, mine, len(mine))
+    logger.info("core on CPUs %s, %d torch threads", mine, len(mine))
     return config
 
 
@@ -240,11 +241,59 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+async def run_headless(config: Any, secret: bytes) -> int:
+    """``serve --headless``: start this machine's engine cores (ranks
+    ``data_parallel_start_rank`` on) and let each connect to the front end at
+    ``data_parallel_address``; return when they have all exited (their front end closed
+    the link) or on SIGINT/SIGTERM, which stops them. Returns the worst exit status."""
+    from engine.config import parse_address
+
+    if config.data_parallel_address is None:
+        raise ValueError("--headless needs --data-parallel-address HOST:PORT of the front end")
+    host, port = parse_address(config.data_parallel_address)
+    local = config.data_parallel_size_local or 1
+    ranks = range(config.data_parallel_start_rank, config.data_parallel_start_rank + local)
+    if ranks.stop > config.data_parallel_size:
+        raise ValueError(f"--headless ranks {ranks.start}..{ranks.stop - 1} exceed "
+                         f"--data-parallel-size {config.data_parallel_size}")
+    env = {**os.environ, SECRET_ENV: secret.decode()}
+    statuses: list[int] = []
+    async with trio.open_nursery() as nursery:
+        async def one(rank: int, local_index: int) -> None:
+            cmd = [sys.executable, "-m", "engine.core_process", "--connect",
+                   f"tcp:{host}:{port}", "--core-index", str(rank),
+                   "--local-index", str(local_index), "--local-size", str(local),
+                   "--config-json", config_to_json(config), "--parent-pid", str(os.getpid())]
+            if logger.isEnabledFor(logging.INFO):
+                cmd.append("--verbose")
+            done = await trio.run_process(cmd, env=env, check=False)
+            statuses.append(done.returncode)
+
+        async def signals() -> None:
+            import signal
+
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
+                async for _ in received:
+                    logger.info("signal received: stopping the engine cores")
+                    nursery.cancel_scope.cancel()  # run_process terminates its child
+                    return
+
+        nursery.start_soon(signals)
+        async with trio.open_nursery() as cores:
+            for i, rank in enumerate(ranks):
+                cores.start_soon(one, rank, i)
+        nursery.cancel_scope.cancel()
+    return max(statuses, default=0)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.core_process")
     parser.add_argument("--connect", required=True, help="unix:PATH or tcp:HOST:PORT")
     parser.add_argument("--core-index", type=int, default=0)
-    parser.add_argument("--data-parallel-size", type=int, default=1)
+    parser.add_argument("--local-index", type=int, default=0,
+                        help="this core's place among the cores of this machine")
+    parser.add_argument("--local-size", type=int, default=1,
+                        help="the cores this machine runs (they share its CPUs or GPUs)")
     parser.add_argument("--config-json", required=True)
     parser.add_argument("--parent-pid", type=int, default=0)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -253,12 +302,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format=f"%(asctime)s core{args.core_index} %(levelname)s %(message)s")
     if args.parent_pid:
         _exit_with_parent(args.parent_pid)
-    secret = bytes.fromhex(os.environ.get(SECRET_ENV, ""))
+    secret = os.environ.get(SECRET_ENV, "").encode()
     if not secret:
         print(f"error: {SECRET_ENV} is not set", file=sys.stderr)
         return 2
-    config = core_placement(config_from_json(args.config_json), args.core_index,
-                            args.data_parallel_size)
+    config = core_placement(config_from_json(args.config_json), args.local_index,
+                            args.local_size)
     try:
         trio.run(serve_core, config, args.connect, secret, args.core_index)
     except (OSError, EOFError, WireError) as exc:

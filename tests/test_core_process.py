@@ -270,3 +270,60 @@ def test_stats_round_trip_through_json_config() -> None:
     config = EngineConfig(kv_cache_memory=0.5, data_parallel_size=2, max_model_len=64)
     assert config_from_json(config_to_json(config)) == config
     assert json.loads(config_to_json(config))["kv_cache_memory"] == 0.5
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_a_headless_core_on_another_machine_joins_over_tcp_with_the_shared_secret(
+    model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``serve --headless`` (a core for another machine) connects over TCP; a peer with
+    the wrong secret is dropped; outputs equal the in-process engine's."""
+    prompts = random_prompts(6, vocab=300, lo=2, hi=40, seed=11)
+    async with engine.open_engine(str(model), **OPTIONS) as eng:
+        expected = await _greedy_all(eng, prompts, 12)
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    secret = "a shared secret"
+    cmd = [sys.executable, "-m", "engine", "serve", "--headless", "--model", str(model),
+           "--data-parallel-size", "2", "--data-parallel-size-local", "1",
+           "--data-parallel-start-rank", "1", "--data-parallel-address", address]
+    for key, value in OPTIONS.items():
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "ENGINE_DP_SECRET": secret}
+    exited = trio.Event()
+
+    async def run_headless(*, task_status: Any) -> None:
+        await trio.run_process(cmd, env=env, check=False, task_status=task_status)
+        exited.set()
+
+    async with trio.open_nursery() as nursery:
+        headless = await nursery.start(run_headless)
+        with trio.fail_after(120):
+            async with engine.open_engine(
+                    str(model), **OPTIONS, data_parallel_size=2, data_parallel_size_local=1,
+                    data_parallel_address=address, core_secret=secret.encode()) as eng:
+                # A stranger without the secret is dropped, and serving goes on.
+                stranger = corewire.FrameStream(await trio.open_tcp_stream("127.0.0.1", port))
+                nonce = await stranger.receive_exactly(corewire.NONCE_BYTES)
+                await stranger.send_raw(corewire.auth_digest(b"guess", nonce))
+                with pytest.raises((EOFError, trio.BrokenResourceError)):
+                    await stranger.receive_exactly(1)
+                await stranger.aclose()
+                got = await _greedy_all(eng, prompts, 12)
+                loads = [load for _, state, load in eng._pool.statistics().cores]
+                assert [state for _, state, _ in eng._pool.statistics().cores] == ["serving"] * 2
+                assert eng._pool._cores[1].stats is not None  # the remote core ran steps
+            # The front end closed the link: the headless server's core exits, then it does.
+            with trio.fail_after(30):
+                await exited.wait()
+    assert got == expected
+    assert loads == [0, 0]
+    assert headless.returncode == 0
+    assert "does not know the shared secret" in caplog.text

@@ -293,6 +293,9 @@ class CorePool:
                     send, receive = trio.open_memory_channel[FrameStream](1)
                     core.arrived = send
                     local = core.index < self.local
+                    if not local:
+                        logger.info("waiting for engine core %d to connect at %s:%d",
+                                    core.index, *(self.tcp_address or ("?", 0)))
                     await nursery.start(self._supervise, core, receive, f"unix:{path}", local)
                 assert self.reference is not None  # set by the first core's acceptance
                 task_status.started(self.reference)
@@ -358,6 +361,12 @@ class CorePool:
             finally:
                 with trio.CancelScope(shield=True):
                     await self._stop(core, process)
+            if not local and not self._stopping:
+                # A remote core is restarted on its own machine; its slot waits for it.
+                core.state = CoreState.RESTARTING
+                logger.error("engine core %d (remote) lost; waiting for it to reconnect",
+                             core.index)
+                continue
             if self._stopping or not self.allow_restart():
                 core.state = CoreState.DEAD
                 self.on_state(self.serving)
@@ -371,11 +380,12 @@ class CorePool:
         from engine.core_process import SECRET_ENV, config_to_json
 
         cmd = [sys.executable, "-m", "engine.core_process", "--connect", address,
-               "--core-index", str(core.index), "--data-parallel-size", str(self.size),
+               "--core-index", str(core.index), "--local-index", str(core.index),
+               "--local-size", str(self.local),
                "--config-json", config_to_json(self.config), "--parent-pid", str(os.getpid())]
         if self.verbose or logger.isEnabledFor(logging.INFO):
             cmd.append("--verbose")
-        env = {**os.environ, SECRET_ENV: self.secret.hex()}
+        env = {**os.environ, SECRET_ENV: self.secret.decode()}
         return await trio.lowlevel.open_process(cmd, env=env)
 
     async def _wait_connected(self, core: _Core, arrived: trio.MemoryReceiveChannel[FrameStream],

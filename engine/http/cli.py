@@ -89,6 +89,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
              f"{', '.join(sorted(REASONING_PARSERS))}")
     add("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT, metavar="S",
         help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
+    add("--headless", action="store_true",
+        help="serve no HTTP: start this machine's engine cores (--data-parallel-size-local "
+             "of them, from --data-parallel-start-rank) and connect them to the front end at "
+             "--data-parallel-address")
+    add("--data-parallel-secret-file", default=None, metavar="PATH",
+        help="the secret that authenticates engine cores on other machines (its first "
+             "line) (default: $ENGINE_DP_SECRET)")
     add("--log-level", default=os.environ.get("ENGINE_LOG_LEVEL", "info"),
         choices=["debug", "info", "warning", "error"], help="logging level ($ENGINE_LOG_LEVEL)")
     add_engine_arguments(parser, max_engine_restarts=DEFAULT_MAX_ENGINE_RESTARTS,
@@ -112,6 +119,25 @@ def api_key(args: argparse.Namespace) -> str | None:
     return os.environ.get("ENGINE_API_KEY") or None
 
 
+def data_parallel_secret(args: argparse.Namespace) -> bytes | None:
+    """The shared secret of remote engine cores: --data-parallel-secret-file, else
+    $ENGINE_DP_SECRET, else None."""
+    path = getattr(args, "data_parallel_secret_file", None)
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                secret = f.readline().strip()
+        except OSError as exc:
+            raise ConfigError(f"--data-parallel-secret-file: {exc}",
+                              field="data_parallel_secret_file") from None
+        if not secret:
+            raise ConfigError(f"--data-parallel-secret-file: {path} holds no secret",
+                              field="data_parallel_secret_file")
+        return secret.encode()
+    env = os.environ.get("ENGINE_DP_SECRET")
+    return env.encode() if env else None
+
+
 def allowed_origins(args: argparse.Namespace) -> tuple[str, ...]:
     """Every --allowed-origins value, commas split, blanks dropped."""
     values = args.allowed_origins or ()
@@ -124,6 +150,8 @@ def run_serve(args: argparse.Namespace) -> int:
     # engine/__main__.py may have configured the root logger already; the flag wins.
     logging.getLogger().setLevel(args.log_level.upper())
     try:
+        if getattr(args, "headless", False):
+            return trio.run(_headless, args)
         return trio.run(_serve, args)
     except ValueError as exc:  # a bad option or one the model refuses; a port in use
         logger.error("%s", " ".join(str(exc).split()))
@@ -145,6 +173,19 @@ def chat_settings(args: argparse.Namespace) -> ChatSettings:
     )
 
 
+async def _headless(args: argparse.Namespace) -> int:
+    from engine.core_process import run_headless
+
+    config = config_from_args(args)
+    secret = data_parallel_secret(args)
+    if not secret:
+        raise ConfigError("--headless needs the front end's secret ($ENGINE_DP_SECRET or "
+                          "--data-parallel-secret-file)", field="data_parallel_secret_file")
+    status = await run_headless(config, secret)
+    logger.info("engine cores exited (status %d)", status)
+    return status
+
+
 async def _serve(args: argparse.Namespace) -> int:
     import engine.api
 
@@ -152,12 +193,13 @@ async def _serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     settings = chat_settings(args)
     key = api_key(args)
+    secret = data_parallel_secret(args)
     check_tls(args.ssl_keyfile, args.ssl_certfile)
     with bind_socket(args.host, args.port) as listener, \
             trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         t0 = time.monotonic()
         with _LoadProgress() as progress:
-            async with engine.api.open_engine(config=config) as eng:
+            async with engine.api.open_engine(config=config, core_secret=secret) as eng:
                 progress.close()
                 logger.info("engine ready: %s, max_model_len %d (%.2f s)", eng.model_name,
                             eng.max_model_len, time.monotonic() - t0)
