@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -63,6 +64,68 @@ def parse_address(text: str) -> tuple[str, int]:
         raise ConfigError(f"data_parallel_address must be HOST:PORT, got {text!r}",
                           field="data_parallel_address")
     return host.strip("[]"), int(port)
+
+
+SPECULATIVE_METHODS = ("ngram",)  # draft_model: not built yet (see docs/architecture.md)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """``--speculative-config``, as vLLM's JSON: ``method`` "ngram" (prompt lookup) proposes
+    up to ``num_speculative_tokens`` tokens per step by matching the last
+    ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens against the prompt and output."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+
+    def describe(self) -> str:
+        return (f"{self.method}: up to {self.num_speculative_tokens} tokens a step, matching "
+                f"{self.prompt_lookup_max}..{self.prompt_lookup_min}-token suffixes")
+
+
+def parse_speculative_config(value: str | dict[str, Any]) -> SpeculativeConfig:
+    """The checked :class:`SpeculativeConfig` of a JSON object (text or dict); raises
+    :class:`ConfigError` naming ``speculative_config`` for anything else."""
+
+    def bad(message: str) -> ConfigError:
+        return ConfigError(f"speculative_config: {message}", field="speculative_config")
+
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise bad(f"not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise bad(f"must be a JSON object, got {value!r}")
+    method = value.get("method")
+    if method == "draft_model":
+        raise bad("method draft_model is not supported yet; use ngram")
+    if method not in SPECULATIVE_METHODS:
+        raise bad(f"method must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
+    known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise bad(f"unknown key(s) {', '.join(unknown)} (this engine reads {', '.join(sorted(known))})")
+    ints = {}
+    for key, default in (("num_speculative_tokens", None), ("prompt_lookup_max", None),
+                         ("prompt_lookup_min", None)):
+        v = value.get(key, default)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64):
+            raise bad(f"{key} must be an integer in [1, 64], got {v!r}")
+        ints[key] = v
+    if ints["num_speculative_tokens"] is None:
+        raise bad("num_speculative_tokens is required")
+    # As vLLM, one bound given sets the other; neither: 4 down to 1.
+    hi, lo = ints["prompt_lookup_max"], ints["prompt_lookup_min"]
+    if hi is None and lo is None:
+        hi, lo = 4, 1
+    hi = hi if hi is not None else lo
+    lo = lo if lo is not None else hi
+    if lo > hi:
+        raise bad(f"prompt_lookup_min ({lo}) must not exceed prompt_lookup_max ({hi})")
+    return SpeculativeConfig(method, ints["num_speculative_tokens"], hi, lo)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -251,7 +314,27 @@ class EngineConfig:
         64 * 1024**2, "largest compiled grammar (its token-mask cache) a request may make; "
         "larger is refused (400)", type=parse_memory, metavar="SIZE", default_text="64MiB")
 
+    # Speculative decoding (engine/core/spec.py): the JSON object as vLLM's flag takes it.
+    # Kept as canonical JSON text (the config stays hashable and crosses to a core process
+    # as is); ``speculative`` is the checked form.
+    speculative_config: str | None = _field(
+        None, "speculative decoding, as vLLM's JSON: "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 1}\' (prompt lookup; verified by the model in one forward, the '
+        "output distribution unchanged)", metavar="JSON", default_text="off")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The checked speculative configuration, or ``None`` when off."""
+        if self.speculative_config is None:
+            return None
+        return parse_speculative_config(self.speculative_config)
+
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            spec = parse_speculative_config(self.speculative_config)
+            # Canonical text: a dict given to open_engine() becomes JSON too.
+            object.__setattr__(self, "speculative_config", json.dumps(dataclasses.asdict(spec)))
         for f in dataclasses.fields(self):
             choices = f.metadata["flag"].choices
             if choices is not None and getattr(self, f.name) not in choices:

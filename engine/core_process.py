@@ -169,6 +169,9 @@ async def run_core_actors(parts: Any, frames: FrameStream) -> None:
             iteration_tokens_sum=sched.iteration_tokens_sum,
             scheduled_tokens=sched.scheduled_tokens, planned_ahead=sched.planned_ahead,
             samples_received=received,
+            spec_drafts=sched.spec_drafts, spec_draft_tokens=sched.spec_draft_tokens,
+            spec_accepted_tokens=sched.spec_accepted_tokens,
+            spec_accepted_per_pos=sched.spec_accepted_per_pos,
         )
 
     async def bridge_in(cancel: trio.CancelScope, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:

@@ -64,6 +64,10 @@ def build_parts(config: EngineConfig) -> EngineParts:
         # On with CUDA, where the GPU runs a step while the host plans the next; off on CPU,
         # where both share the cores (see EngineConfig.async_scheduling).
         config = dataclasses.replace(config, async_scheduling=device.type == "cuda")
+    if config.speculative is not None:
+        # Requests with a proposal in flight are not planned ahead (async scheduling plans
+        # the others as usual); structured-output requests never speculate.
+        logger.info("speculative decoding: %s", config.speculative.describe())
     t0 = time.perf_counter()
     path = resolve_model(config.model)
     loaded = load_model(path, dtype=config.dtype, device=device, quantization=config.quantization,

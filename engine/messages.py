@@ -40,6 +40,11 @@ class ScheduledChunk:
     num_tokens: int
     block_ids: tuple[int, ...]
     sample: bool
+    # Speculative decoding: tokens proposed after the request's known ones. The chunk's
+    # last ``len(draft_token_ids)`` positions compute them; the runner samples every one of
+    # the last ``1 + len`` positions and keeps the proposal while the draws agree with it
+    # (StepResult then holds 1 + accepted SampledTokens for the request, in order).
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -183,6 +188,8 @@ class SchedulerRequest:
     arrival_time: float
     cache_salt: str | None
     wait_for: str | None
+    # Predicted Outputs: the prediction's token ids, the request's speculative proposals.
+    prediction_token_ids: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -233,6 +240,8 @@ class TokenDelta:
     stop_reason: str | int | None  # the stop token id that ended it; "error": the reason
     num_cached_tokens: int = 0  # prompt tokens its first table took from the prefix cache
     pooled: bytes | None = None  # a pooling request's output (float32 bytes), on its last delta
+    # A Predicted Outputs request's (accepted, rejected) prediction tokens, on its last delta.
+    prediction_tokens: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -544,3 +553,8 @@ class CoreStatistics:
     scheduled_tokens: int
     planned_ahead: int
     samples_received: int
+    # Speculative decoding (see SchedulerActorStatistics).
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()

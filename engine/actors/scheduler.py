@@ -58,6 +58,12 @@ class SchedulerActorStatistics:
     # last counts steps above the largest edge), and their sum, for a histogram.
     iteration_token_counts: tuple[int, ...] = ()
     iteration_tokens_sum: int = 0
+    # Speculative decoding, cumulative (vLLM's spec_decode counters): steps that verified a
+    # proposal, tokens proposed, tokens accepted, accepted tokens by place in the proposal.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 class SchedulerActor:
@@ -109,6 +115,10 @@ class SchedulerActor:
             scheduled_tokens=core.scheduled_tokens,
             iteration_token_counts=tuple(self._iteration_counts),
             iteration_tokens_sum=self._iteration_sum,
+            spec_drafts=core.spec_drafts,
+            spec_draft_tokens=core.spec_draft_tokens,
+            spec_accepted_tokens=core.spec_accepted_tokens,
+            spec_accepted_per_pos=core.spec_accepted_per_pos,
         )
 
     def queue_depth(self) -> int:

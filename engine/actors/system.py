@@ -47,6 +47,12 @@ class EngineStatistics:
     iteration_tokens_sum: int = 0
     scheduled_tokens: int = 0  # tokens computed, prefix-cache hits excluded
     planned_ahead: int = 0  # steps planned while the previous one ran (async scheduling)
+    # Speculative decoding, cumulative (vLLM's spec_decode counters): steps that verified a
+    # proposal, tokens proposed, tokens accepted, accepted tokens by place in the proposal.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -140,6 +146,9 @@ async def run_actors(parts: EngineParts, *, ready: Callable[[ActorHandles], None
                 iteration_token_counts=sched.iteration_token_counts,
                 iteration_tokens_sum=sched.iteration_tokens_sum,
                 scheduled_tokens=sched.scheduled_tokens, planned_ahead=sched.planned_ahead,
+                spec_drafts=sched.spec_drafts, spec_draft_tokens=sched.spec_draft_tokens,
+                spec_accepted_tokens=sched.spec_accepted_tokens,
+                spec_accepted_per_pos=sched.spec_accepted_per_pos,
             )
 
         with callers:
@@ -212,6 +221,10 @@ async def run_front_actors(
                 iteration_tokens_sum=sum(s.iteration_tokens_sum for s in cores),
                 scheduled_tokens=sum(s.scheduled_tokens for s in cores),
                 planned_ahead=sum(s.planned_ahead for s in cores),
+                spec_drafts=sum(s.spec_drafts for s in cores),
+                spec_draft_tokens=sum(s.spec_draft_tokens for s in cores),
+                spec_accepted_tokens=sum(s.spec_accepted_tokens for s in cores),
+                spec_accepted_per_pos=_sum_lists([s.spec_accepted_per_pos for s in cores]),
             )
 
         actors: dict[str, Any] = {"detokenizer": detokenizer, "router": router, "cores": pool}
@@ -220,3 +233,8 @@ async def run_front_actors(
                 for start in (router.run, detokenizer.run, dispatch):
                     await nursery.start(start)
                 ready(ActorHandles(router, send, abort, pool.queue_depth, statistics, actors))
+
+
+def _sum_lists(lists: list[tuple[int, ...]]) -> tuple[int, ...]:
+    width = max((len(x) for x in lists), default=0)
+    return tuple(sum(x[i] for x in lists if i < len(x)) for i in range(width))

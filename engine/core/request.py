@@ -62,7 +62,8 @@ class Request:
         "cache_salt", "wait_for", "max_tokens", "output_token_ids", "num_computed_tokens",
         "num_pending_tokens", "status", "stop_reason", "block_ids", "num_cached_blocks",
         "num_released_blocks",
-        "num_preemptions", "seen_by_runner", "num_cached_tokens",
+        "num_preemptions", "seen_by_runner", "num_cached_tokens", "prediction",
+        "draft_token_ids", "num_draft_tokens", "num_accepted_tokens",
     )  # fmt: skip
 
     def __init__(
@@ -77,6 +78,7 @@ class Request:
         arrival: int = 0,
         cache_salt: str | None = None,
         wait_for: str | None = None,
+        prediction: tuple[int, ...] = (),
     ) -> None:
         self.sample_id = sample_id
         self.prompt_token_ids = tuple(prompt_token_ids)
@@ -102,6 +104,13 @@ class Request:
         self.num_cached_tokens = -1
         self.num_preemptions = 0  # also the epoch of block_ids: chunks of older epochs are void
         self.seen_by_runner = False
+        # Speculative decoding: a Predicted Outputs request's prediction (its proposal
+        # source); the proposal of the step in flight (the request is not planned again
+        # until its result is in); drafted and accepted tokens so far.
+        self.prediction = tuple(prediction)
+        self.draft_token_ids: tuple[int, ...] = ()
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     def __repr__(self) -> str:
         return (
@@ -125,8 +134,10 @@ class Request:
 
     @property
     def can_sample(self) -> bool:
-        """False once enough tokens are drawn for ``max_tokens``: scheduling more is waste."""
-        return self.num_sampled < self.max_tokens
+        """False once enough tokens are drawn for ``max_tokens`` (scheduling more is waste),
+        and while a speculative step of it is in flight (how many tokens it keeps is not
+        known until its result arrives)."""
+        return self.num_sampled < self.max_tokens and not self.draft_token_ids
 
     def known_token_ids(self) -> tuple[int, ...]:
         """Prompt and received outputs: every token whose id the scheduler knows."""

@@ -32,6 +32,7 @@ from collections.abc import Awaitable, Callable, Generator, Iterable
 from engine.config import EngineConfig
 from engine.core.block_pool import BlockPool
 from engine.core.request import ProtocolError, Request, RequestStatus
+from engine.core.spec import propose
 from engine.errors import InputTooLongError, InvalidParamError, PromptTooLongError
 from engine.messages import (
     NULL_BLOCK,
@@ -81,6 +82,14 @@ class SchedulerConfig:
     # False for a bidirectional encoder: no KV cache at all, so no allocator call, and a
     # prompt runs whole in one step (it cannot be chunked: every token sees every token).
     paged_kv: bool = True
+    # Speculative decoding (engine/core/spec.py): tokens proposed per decode step by
+    # prompt lookup (0: off), and the lookup's suffix lengths.
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    # Tokens proposed per step from a Predicted Outputs request's prediction (with or
+    # without prompt lookup configured).
+    num_prediction_tokens: int = 8
 
     def __post_init__(self) -> None:
         # A plain ValueError: EngineConfig has checked the user's options and the KV sizing
@@ -110,6 +119,7 @@ class SchedulerConfig:
             sliding_window=sliding_window,
             pooling=pooling,
             paged_kv=paged_kv,
+            **_speculative_fields(config),
         )
 
     @property
@@ -128,6 +138,13 @@ class SchedulerStats:
     steps: int  # plans returned
     scheduled_tokens: int  # cumulative, over all plans
     finished: int  # cumulative, aborts included
+    # Speculative decoding, cumulative (vLLM's spec_decode counters): verification steps
+    # of requests with a proposal, tokens proposed, tokens accepted, and accepted tokens by
+    # their place in the proposal.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -173,6 +190,10 @@ class Scheduler:
         self._preemptions = 0
         self._scheduled_tokens = 0
         self._finished = 0
+        self._spec_drafts = 0
+        self._spec_draft_tokens = 0
+        self._spec_accepted = 0
+        self._spec_per_pos = [0] * max(config.num_speculative_tokens, config.num_prediction_tokens)
         self._key: Callable[[Request], tuple[int, ...]] = (
             _priority_key if config.policy == "priority" else _fcfs_key
         )
@@ -209,6 +230,7 @@ class Scheduler:
             arrival=self._next_arrival,
             cache_salt=request.cache_salt,
             wait_for=self._waitable(request.wait_for),
+            prediction=request.prediction_token_ids,
         )
         self._next_arrival += 1
         self._requests[req.sample_id] = req
@@ -247,6 +269,10 @@ class Scheduler:
             steps=self._next_step_id,
             scheduled_tokens=self._scheduled_tokens,
             finished=self._finished,
+            spec_drafts=self._spec_drafts,
+            spec_draft_tokens=self._spec_draft_tokens,
+            spec_accepted_tokens=self._spec_accepted,
+            spec_accepted_per_pos=tuple(self._spec_per_pos),
         )
 
     # -- planning -------------------------------------------------------------------------
@@ -274,10 +300,14 @@ class Scheduler:
             if not req.can_sample:
                 i += 1  # every output is drawn; its last results are in flight
                 continue
+            if req.num_pending_tokens and self._speculates(req):
+                i += 1  # not planned ahead: its proposal needs its last token (async scheduling)
+                continue
             yield from self._release_out_of_window(req)
-            reply: AllocatorReply | None = self._fits_table(req, step.budget)
+            drafts = self._propose(req, step.budget)
+            reply: AllocatorReply | None = self._fits_table(req, step.budget, drafts)
             while not isinstance(reply, SlotsAllocated):
-                reply = yield self._allocate_call(req, step.budget, lookup=False)
+                reply = yield self._allocate_call(req, step.budget, lookup=False, drafts=drafts)
                 if isinstance(reply, SlotsAllocated):
                     break
                 # Refused: the victim is last in queue order, so never a request already planned.
@@ -288,9 +318,37 @@ class Scheduler:
                 preempted = True
                 if victim is req:
                     return preempted  # it was the last one; nothing after it is running
-            self._add_chunk(step, req, reply)
+            self._add_chunk(step, req, reply, drafts)
             i += 1
         return preempted
+
+    def _speculates(self, req: Request) -> bool:
+        """Whether ``req`` gets proposals: prompt lookup is on or it has a prediction, and
+        no grammar constrains it (its matcher would need rolling back)."""
+        return bool(self.config.num_speculative_tokens or req.prediction) and (
+            req.params.structured_outputs is None)
+
+    def _propose(self, req: Request, budget: int) -> tuple[int, ...]:
+        """The tokens to verify after ``req``'s next one this step: a decode step of a
+        request whose every token is known (none in flight), with no grammar (the
+        structured-output matcher is not rolled back), and room left in ``max_tokens``
+        and the budget."""
+        config = self.config
+        if req.prediction:
+            k = config.num_prediction_tokens
+        else:
+            k = config.num_speculative_tokens
+        k = min(k, req.max_tokens - req.num_sampled - 1, budget - 1)
+        if (k < 1 or req.num_pending_tokens or req.num_known_tokens - req.num_computed_tokens != 1
+                or not self._speculates(req)):
+            return ()
+        if req.prediction:
+            if not req.output_token_ids:
+                return req.prediction[:k]
+            return propose(req.known_token_ids(), req.prediction, k, config.prompt_lookup_max,
+                           config.prompt_lookup_min)
+        return propose(req.known_token_ids(), None, k, config.prompt_lookup_max,
+                       config.prompt_lookup_min)
 
     def _schedule_waiting(self, step: _Step) -> Generator[AllocatorCall, AllocatorReply, None]:
         for req in tuple(self._waiting):
@@ -322,12 +380,12 @@ class Scheduler:
                 step.new_requests.append(
                     NewRequest(req.sample_id, req.prompt_token_ids, req.params, req.eos_token_ids)
                 )
-            self._add_chunk(step, req, reply)
+            self._add_chunk(step, req, reply, ())
 
-    def _fits_table(self, req: Request, budget: int) -> SlotsAllocated | None:
+    def _fits_table(self, req: Request, budget: int, drafts: tuple[int, ...]) -> SlotsAllocated | None:
         """The chunk when the request's blocks already hold it (most decode steps): no
         allocator round trip; ``None`` when blocks must be allocated."""
-        count = min(req.num_known_tokens - req.num_computed_tokens, budget)
+        count = min(req.num_known_tokens + len(drafts) - req.num_computed_tokens, budget)
         if req.num_computed_tokens + count > len(req.block_ids) * self.config.block_size:
             return None
         return SlotsAllocated(req.sample_id, 0, count, ())
@@ -351,18 +409,22 @@ class Scheduler:
             req.block_ids[i] = NULL_BLOCK
         req.num_released_blocks = releasable
 
-    def _allocate_call(self, req: Request, budget: int, *, lookup: bool) -> AllocateSlots:
+    def _allocate_call(
+        self, req: Request, budget: int, *, lookup: bool, drafts: tuple[int, ...] = ()
+    ) -> AllocateSlots:
         first = not req.block_ids
         return AllocateSlots(
             req.sample_id,
             req.num_computed_tokens,
-            req.num_known_tokens,
+            req.num_known_tokens + len(drafts),
             budget,
             req.known_token_ids() if lookup and first else (),
             req.cache_salt if first else None,
         )
 
-    def _add_chunk(self, step: _Step, req: Request, reply: AllocatorReply) -> None:
+    def _add_chunk(
+        self, step: _Step, req: Request, reply: AllocatorReply, drafts: tuple[int, ...]
+    ) -> None:
         if not isinstance(reply, SlotsAllocated) or reply.sample_id != req.sample_id:
             raise ProtocolError(f"expected SlotsAllocated for {req.sample_id!r}, got {reply!r}")
         if not req.block_ids:  # a new table: its cached prefix is what the pool shared
@@ -372,10 +434,15 @@ class Scheduler:
             req.num_cached_blocks = reply.num_cached_tokens // self.config.block_size
         req.block_ids.extend(reply.block_ids)
         start, count = req.num_computed_tokens, reply.num_new_tokens
-        if not 0 < count <= step.budget or start + count > req.num_known_tokens:
+        known = req.num_known_tokens + len(drafts)
+        if not 0 < count <= step.budget or start + count > known:
             raise ProtocolError(f"{reply!r} does not fit {req!r} with budget {step.budget}")
-        sample = start + count == req.num_known_tokens
-        step.chunks.append(ScheduledChunk(req.sample_id, start, count, tuple(req.block_ids), sample))
+        sample = start + count == known
+        if drafts and not sample:
+            raise ProtocolError(f"{reply!r} cuts the proposal of {req!r}")
+        req.draft_token_ids = drafts
+        step.chunks.append(ScheduledChunk(req.sample_id, start, count, tuple(req.block_ids), sample,
+                                          drafts))
         step.epochs[req.sample_id] = req.num_preemptions
         step.budget -= count
         req.num_computed_tokens += count
@@ -409,7 +476,9 @@ class Scheduler:
             if plan.chunks:
                 raise ProtocolError(f"step {plan.step_id} is not in flight")
             return SchedulerUpdate((), ())
-        sampled = {s.sample_id: s for s in result.sampled}
+        sampled: dict[str, list[SampledToken]] = {}
+        for s in result.sampled:
+            sampled.setdefault(s.sample_id, []).append(s)
         failed = {f.sample_id: f.reason for f in result.failed}
         pooled = {p.sample_id: p.data for p in result.pooled}
         deltas: list[TokenDelta] = []
@@ -424,7 +493,16 @@ class Scheduler:
                 calls.extend(self._finish(req, RequestStatus.FINISHED_ERROR))
                 deltas.append(TokenDelta(req.sample_id, (), (), "error", failed[chunk.sample_id]))
                 continue
-            if epochs[chunk.sample_id] == req.num_preemptions:
+            current = epochs[chunk.sample_id] == req.num_preemptions
+            if chunk.draft_token_ids:
+                req.num_pending_tokens -= 1
+                req.draft_token_ids = ()
+                tokens = sampled.get(chunk.sample_id)
+                if not tokens:
+                    raise ProtocolError(f"step {plan.step_id} drew no token for {chunk.sample_id!r}")
+                deltas.append(self._apply_verified(req, chunk, tokens, current, calls))
+                continue
+            if current:
                 calls.extend(self._computed(req, chunk.start + chunk.num_tokens))
             if chunk.sample and self.config.pooling:
                 req.num_pending_tokens -= 1
@@ -435,10 +513,10 @@ class Scheduler:
                 deltas.append(TokenDelta(req.sample_id, (), (), "stop", None, pooled=data))
             elif chunk.sample:
                 req.num_pending_tokens -= 1
-                token = sampled.get(chunk.sample_id)
-                if token is None:
+                tokens = sampled.get(chunk.sample_id)
+                if tokens is None:
                     raise ProtocolError(f"step {plan.step_id} drew no token for {chunk.sample_id!r}")
-                deltas.append(self._apply_token(req, token, calls))
+                deltas.append(self._apply_token(req, tokens[0], calls))
         return SchedulerUpdate(tuple(deltas), tuple(calls))
 
     def _computed(self, req: Request, end: int) -> list[AllocatorCall]:
@@ -456,6 +534,53 @@ class Scheduler:
         req.num_cached_blocks = full
         return [CacheBlocks(req.sample_id, tokens)]
 
+    def _apply_verified(
+        self, req: Request, chunk: ScheduledChunk, tokens: list[SampledToken], current: bool,
+        calls: list[AllocatorCall],
+    ) -> TokenDelta:
+        """A speculative step's result: the accepted proposal tokens then the model's own.
+
+        The chunk computed the request's last token and the proposal; of those, the last
+        token and the accepted proposal tokens (``tokens[:-1]``) are verified. The rejected
+        ones' KV slots lie past ``num_computed_tokens`` and are overwritten by the next
+        step; only verified tokens' blocks enter the prefix cache (the cache commit comes
+        before the free when a token ends the request)."""
+        drafts = chunk.draft_token_ids
+        accepted = len(tokens) - 1
+        if not 0 <= accepted <= len(drafts) or any(
+                t.token_id != d for t, d in zip(tokens[:-1], drafts, strict=False)):
+            raise ProtocolError(f"tokens {[t.token_id for t in tokens]} do not follow the "
+                                f"proposal {drafts} of {req.sample_id!r}")
+        self._spec_drafts += 1
+        self._spec_draft_tokens += len(drafts)
+        self._spec_accepted += accepted
+        for i in range(accepted):
+            self._spec_per_pos[i] += 1
+        req.num_draft_tokens += len(drafts)
+        req.num_accepted_tokens += accepted
+        status = None
+        applied: list[SampledToken] = []
+        for token in tokens:
+            applied.append(token)
+            status = req.append_output(token.token_id)
+            if status is not None:
+                break
+        if current:
+            # Positions chunk.start .. chunk.start + len(applied) - 1 hold verified tokens.
+            req.num_computed_tokens = chunk.start + len(applied)
+            calls.extend(self._computed(req, req.num_computed_tokens))
+        if status is not None:
+            calls.extend(self._finish(req, status))
+        return TokenDelta(
+            req.sample_id,
+            tuple(t.token_id for t in applied),
+            tuple(applied) if req.params.logprobs is not None else (),
+            status.finish_reason if status else None,
+            req.stop_reason if status else None,
+            max(req.num_cached_tokens, 0),
+            prediction_tokens=_prediction_usage(req, status),
+        )
+
     def _apply_token(self, req: Request, token: SampledToken, calls: list[AllocatorCall]) -> TokenDelta:
         status = req.append_output(token.token_id)
         if status is not None:
@@ -467,6 +592,7 @@ class Scheduler:
             status.finish_reason if status else None,
             req.stop_reason if status else None,
             max(req.num_cached_tokens, 0),
+            prediction_tokens=_prediction_usage(req, status),
         )
 
     # -- queues ---------------------------------------------------------------------------
@@ -536,6 +662,23 @@ def run_with_pool(gen: ScheduleGenerator, pool: BlockPool) -> StepPlan:
         return done.value  # type: ignore[no-any-return]
     coroutine.close()
     raise ProtocolError("drive() suspended without an event loop")
+
+
+def _speculative_fields(config: EngineConfig) -> dict[str, int]:
+    spec = config.speculative
+    if spec is None:
+        return {}
+    return {"num_speculative_tokens": spec.num_speculative_tokens,
+            "prompt_lookup_max": spec.prompt_lookup_max,
+            "prompt_lookup_min": spec.prompt_lookup_min,
+            "num_prediction_tokens": spec.num_speculative_tokens}
+
+
+def _prediction_usage(req: Request, status: RequestStatus | None) -> tuple[int, int] | None:
+    """``(accepted, rejected)`` prediction tokens, on a Predicted Outputs request's last delta."""
+    if status is None or not req.prediction:
+        return None
+    return req.num_accepted_tokens, req.num_draft_tokens - req.num_accepted_tokens
 
 
 def _fcfs_key(req: Request) -> tuple[int, ...]:

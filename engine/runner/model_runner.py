@@ -231,12 +231,17 @@ class ModelRunner:
         if state is None:
             raise StepPlanError(f"chunk for unknown request {chunk.sample_id!r}")
         end = chunk.start + chunk.num_tokens
-        if chunk.num_tokens < 1 or chunk.start < 0 or end > len(state.tokens):
+        known = len(state.tokens) + len(chunk.draft_token_ids)
+        if chunk.num_tokens < 1 or chunk.start < 0 or end > known:
             raise StepPlanError(
                 f"request {chunk.sample_id!r}: chunk [{chunk.start}, {end}) is outside its "
-                f"{len(state.tokens)} known tokens"
+                f"{known} known tokens"
             )
-        if chunk.sample and end != len(state.tokens):
+        if chunk.draft_token_ids and (not chunk.sample or chunk.start >= len(state.tokens)
+                                      or state.params.structured_outputs is not None):
+            raise StepPlanError(f"request {chunk.sample_id!r}: a proposal on a chunk that "
+                                "does not sample, or on a structured-output request")
+        if chunk.sample and end != known:
             raise StepPlanError(
                 f"request {chunk.sample_id!r}: sampling after token {end} but it has "
                 f"{len(state.tokens)}"
@@ -264,6 +269,7 @@ class ModelRunner:
         for c, s in zip(chunks, states, strict=True):
             end = c.start + c.num_tokens
             ids.extend(s.tokens[c.start : end])
+            ids.extend(c.draft_token_ids)  # the proposal follows the known tokens
             positions.extend(range(c.start, end))
             query_lens.append(c.num_tokens)
             seq_lens.append(end)
@@ -304,7 +310,8 @@ class ModelRunner:
         for c in chunks:
             ends += c.num_tokens
             if c.sample:
-                sample_rows.append(ends - 1)
+                # A proposal of k tokens: the k + 1 last positions each draw a token.
+                sample_rows.extend(range(ends - 1 - len(c.draft_token_ids), ends))
         return input_ids, pos, meta, sample_rows
 
     # -- pooling ---------------------------------------------------------------------------
@@ -395,32 +402,60 @@ class ModelRunner:
         states: Sequence[_RequestState],
         sample_rows: list[int],
     ) -> tuple[tuple[SampledToken, ...], tuple[RequestFailure, ...]]:
+        """One token per sampling chunk, or, for a chunk with a proposal, the verification.
+
+        Speculative verification: row ``j`` of a proposal ``d`` (k tokens) holds the
+        logits after the known tokens and ``d[:j]``; it is sampled exactly as a decode step
+        with those outputs would be (penalties, min_tokens and the seed's step counted
+        with ``d[:j]``). The proposal is kept while each draw equals it: the tokens are the
+        draws ``t_0 .. t_m`` where ``m`` is the first ``j`` with ``t_j != d[j]`` (or k).
+        Each kept draw comes from the target's distribution given the verified tokens
+        before it, so the output is distributed as without speculation (for a point-mass
+        proposal this is the accept/resample rule: accept ``d[j]`` with probability
+        ``p(d[j])``, else draw from ``p`` without ``d[j]``, renormalised)."""
         rows = torch.tensor(sample_rows, device=self.device)
         picked = [(c, s) for c, s in zip(chunks, states, strict=True) if c.sample]
+        # One entry per sampled row: its chunk, state and place in the chunk's proposal.
+        expanded = [(c, s, j) for c, s in picked for j in range(len(c.draft_token_ids) + 1)]
         # The grammar masks are filled before the logits are computed: on a GPU the host
-        # fills them while the device still runs the forward.
-        bitmask, failed = self._fill_bitmask(picked)
+        # fills them while the device still runs the forward. (A structured-output request
+        # never carries a proposal: _state refuses one, so it has one row.)
+        bitmask, failed = self._fill_bitmask([(c, s) for c, s, _ in expanded])
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         sampling_rows = [
-            SamplingRow(s.params, s.prompt, s.outputs, s.eos_token_ids) for _, s in picked
+            SamplingRow(s.params, s.prompt, s.outputs if not j else [*s.outputs, *c.draft_token_ids[:j]],
+                        s.eos_token_ids)
+            for c, s, j in expanded
         ]
+        drawn_rows = self.sampler(logits, sampling_rows, bitmask)
         out = []
         gone = {f.sample_id for f in failed}
-        for (c, s), drawn in zip(picked, self.sampler(logits, sampling_rows, bitmask), strict=True):
+        at = 0
+        for c, s in picked:
+            k = len(c.draft_token_ids)
+            draws, at = drawn_rows[at : at + k + 1], at + k + 1
             if c.sample_id in gone:
                 continue
-            if isinstance(drawn, SamplingFailure):
-                failed.append(RequestFailure(c.sample_id, drawn.reason))
-                continue
-            token, logprob, top = drawn
-            if s.matcher is not None and not s.matcher.ended and not s.matcher.accept(token):
-                # The mask allowed only tokens the grammar takes; this is a backend fault.
-                failed.append(RequestFailure(
-                    c.sample_id, "the sampled token does not fit the structured output grammar"))
-                continue
-            s.outputs.append(token)
-            s.tokens.append(token)
-            out.append(SampledToken(c.sample_id, token, logprob, tuple(top)))
+            kept: list[SampledToken] = []
+            for j, drawn in enumerate(draws):
+                if isinstance(drawn, SamplingFailure):
+                    failed.append(RequestFailure(c.sample_id, drawn.reason))
+                    kept = []
+                    break
+                token, logprob, top = drawn
+                if s.matcher is not None and not s.matcher.ended and not s.matcher.accept(token):
+                    # The mask allowed only tokens the grammar takes; this is a backend fault.
+                    failed.append(RequestFailure(
+                        c.sample_id, "the sampled token does not fit the structured output grammar"))
+                    kept = []
+                    break
+                kept.append(SampledToken(c.sample_id, token, logprob, tuple(top)))
+                if j == k or token != c.draft_token_ids[j]:
+                    break  # the model's own token ends the step's output
+            for t in kept:
+                s.outputs.append(t.token_id)
+                s.tokens.append(t.token_id)
+            out.extend(kept)
         return tuple(out), tuple(failed)
 
     def _fill_bitmask(

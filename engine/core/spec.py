@@ -1,0 +1,47 @@
+"""Speculative decoding proposals: prompt lookup (n-gram) and Predicted Outputs.
+
+Pure functions over token ids. The scheduler asks for a proposal when it plans a decode
+step for a request whose every token is known (nothing of it in flight); the model runner
+verifies the proposal in the same forward as the request's next token (see
+``ModelRunner._sample`` and docs/architecture.md, "Speculative decoding").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def propose(
+    context: Sequence[int], haystack: Sequence[int] | None, k: int, n_max: int, n_min: int
+) -> tuple[int, ...]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the last ``n``
+    tokens of ``context`` (``n`` from ``n_max`` down to ``n_min``, longest match first).
+
+    ``haystack`` is where to look: ``None`` for ``context`` itself (prompt lookup); a
+    Predicted Outputs request gives its prediction, whose continuation after the matched
+    suffix is proposed (and its first ``k`` tokens while the context ends where the
+    prediction is not found, i.e. before any output matched it).
+    """
+    if k < 1 or not context:
+        return ()
+    ctx = np.asarray(context, dtype=np.int64)
+    hay = ctx if haystack is None else np.asarray(haystack, dtype=np.int64)
+    size = len(hay)
+    for n in range(min(n_max, len(ctx)), n_min - 1, -1):
+        suffix = ctx[len(ctx) - n:]
+        # Starts i with a continuation: i + n < size, and in the context itself, not the
+        # suffix's own position (i + n <= size - 1 excludes it).
+        last = size - n - 1
+        if last < 0:
+            continue
+        idx = np.flatnonzero(hay[: last + 1] == suffix[0])
+        for j in range(1, n):
+            if not idx.size:
+                break
+            idx = idx[hay[idx + j] == suffix[j]]
+        if idx.size:
+            start = int(idx[-1]) + n
+            return tuple(hay[start : start + k].tolist())
+    return ()
