@@ -224,6 +224,7 @@ XGRAMMAR_REFUSES = {
     "required not in properties": {"type": "object", "required": ["x"]},
     "unknown format": {"type": "string", "format": "idn-email"},
     "multipleOf on a number": {"type": "number", "multipleOf": 0.5},
+    "multipleOf beside a bound": {"type": "integer", "multipleOf": 3, "minimum": 1},
     "enum partly breaking its type": {"type": "integer", "enum": [1, "a"]},
 }
 

@@ -320,6 +320,10 @@ def xgrammar_gap(schema: Any) -> str | None:
             return f"it does not enforce format {fmt!r} (at {where})"
         if "multipleOf" in node and node.get("type") != "integer":
             return f"it enforces multipleOf on integers only (at {where})"
+        bounds = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"} & set(node)
+        if "multipleOf" in node and bounds:
+            # "range + multipleOf combination not yet supported; ignoring multipleOf"
+            return f"it drops multipleOf beside {sorted(bounds)[0]} (at {where})"
         if ("enum" in node or "const" in node) and set(node) & (CONSTRAINING - {"enum", "const"}):
             if not _fits_enum(schema, node):
                 return f"it writes enum/const values that break the rest of their schema (at {where})"
