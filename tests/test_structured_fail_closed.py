@@ -122,11 +122,27 @@ ENFORCED_BY_LLGUIDANCE = {
                                     "maxProperties": 1},
     "enum_partly_of_the_wrong_type": {"type": "integer", "enum": [1, "a", 2.5, 7]},
 }
+# oneOf whose branches cannot overlap is anyOf: admitted, and enforced.
+DISJOINT_ONE_OF = {
+    "types": {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 9},
+                        {"type": "string", "maxLength": 3}, {"type": "null"}]},
+    "discriminated_union": {  # as pydantic writes a union with a discriminator
+        "$defs": {"Cat": {"type": "object", "properties": {
+                      "kind": {"const": "cat"}, "lives": {"type": "integer", "minimum": 1,
+                                                         "maximum": 9}},
+                      "required": ["kind", "lives"], "additionalProperties": False},
+                  "Dog": {"type": "object", "properties": {
+                      "kind": {"const": "dog"}, "good": {"type": "boolean"}},
+                      "required": ["kind", "good"], "additionalProperties": False}},
+        "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+        "discriminator": {"propertyName": "kind"}},
+}
+ENFORCED_BY_LLGUIDANCE.update({f"oneOf_{k}": v for k, v in DISJOINT_ONE_OF.items()})
 
 
 @pytest.mark.parametrize("schema", ENFORCED_BY_LLGUIDANCE.values(),
                          ids=ENFORCED_BY_LLGUIDANCE.keys())
-def test_a_schema_xgrammar_would_break_is_enforced_by_llguidance(server, schema):
+def test_a_schema_xgrammar_alone_would_break_is_enforced(server, schema):
     finished = 0
     for seed in range(3):
         r = _chat(server, guided_json=schema, seed=seed)
@@ -212,7 +228,7 @@ def test_xgrammar_enforces_each_keyword_it_is_trusted_with(xgrammar_backend, sch
 
 
 XGRAMMAR_REFUSES = {
-    "oneOf": {"oneOf": [{"type": "integer"}, {"type": "string"}]},
+    "oneOf that may overlap": {"oneOf": [{"type": "integer"}, {"type": "number"}]},
     "allOf of two": {"allOf": [{"type": "integer"}, {"maximum": 5}]},
     "contains": {"type": "array", "contains": {"const": 1}},
     "propertyNames": {"type": "object", "propertyNames": {"maxLength": 2}},

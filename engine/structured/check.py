@@ -21,6 +21,7 @@ Pure (no I/O; ``jsonschema`` and Python's regex parser only). Two kinds of verdi
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -433,3 +434,108 @@ def max_output_bytes(kind: str, text: str, choices: tuple[str, ...] | None) -> i
         most = regex_max_chars(text)
         return None if most is None else 4 * most  # UTF-8: at most 4 bytes a character
     return None
+
+
+# -- oneOf whose branches cannot overlap ---------------------------------------------------
+
+
+def disjoint_one_of(schema: Any) -> Any:
+    """``schema`` with every ``oneOf`` whose branches provably never both match written as
+    ``anyOf`` (the same language; both backends enforce ``anyOf``, neither ``oneOf``).
+    Provably: the branches' types are pairwise disjoint (``integer`` inside ``number``),
+    or they are all objects requiring one property whose ``const``/``enum`` strings,
+    booleans or nulls differ (a discriminated union, as pydantic writes one). Any other
+    ``oneOf`` is left for the backends to refuse."""
+    if not isinstance(schema, dict):
+        return schema
+    refs = _Refs(schema, {})
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(n) for n in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: walk(v) for k, v in node.items()}
+        branches = node.get("oneOf")
+        if isinstance(branches, list) and "anyOf" not in node and _disjoint(branches, refs):
+            out["anyOf"] = out.pop("oneOf")
+        return out
+
+    return walk(schema)
+
+
+def _resolved(node: Any, refs: _Refs) -> Any:
+    for _ in range(32):  # a chain of refs; a longer one is not proven anything
+        if not (isinstance(node, dict) and set(node) - ANNOTATIONS == {"$ref"}):
+            return node
+        try:
+            node = refs.resolve(node["$ref"], "oneOf")
+        except InvalidParamError:
+            return None
+    return None
+
+
+def _value_types(value: Any) -> set[str]:
+    if value is None:
+        return {"null"}
+    if isinstance(value, bool):
+        return {"boolean"}
+    if isinstance(value, (int, float)):
+        return {"number", "integer"}  # 1 and 1.0 are equal and both integers
+    return {"string"} if isinstance(value, str) else {"array" if isinstance(value, list) else "object"}
+
+
+def _types(node: Any) -> set[str] | None:
+    """The JSON types a branch can match, or None when it is not known."""
+    if not isinstance(node, dict):
+        return None
+    if "const" in node:
+        return _value_types(node["const"])
+    if "enum" in node and isinstance(node["enum"], list):
+        return set().union(*(_value_types(v) for v in node["enum"])) if node["enum"] else set()
+    types = node.get("type")
+    if types is None or set(node) & {"anyOf", "oneOf", "allOf", "$ref", "not", "if"}:
+        return None
+    found = {types} if isinstance(types, str) else set(types)
+    if "number" in found:
+        found.add("integer")
+    if "integer" in found:
+        found.add("number")
+    return found
+
+
+def _disjoint(branches: list[Any], refs: _Refs) -> bool:
+    nodes = [_resolved(b, refs) for b in branches]
+    kinds = [_types(n) for n in nodes]
+    if all(k is not None for k in kinds):
+        seen: set[str] = set()
+        for k in kinds:
+            assert k is not None
+            if k & seen:
+                break
+            seen |= k
+        else:
+            return True
+    return _discriminated(nodes, refs)
+
+
+def _discriminated(nodes: list[Any], refs: _Refs) -> bool:
+    if not all(isinstance(n, dict) and n.get("type") == "object" for n in nodes):
+        return False
+    shared = set.intersection(*(set(n.get("required", [])) for n in nodes))
+    for name in sorted(shared):
+        seen: set[str] = set()
+        for node in nodes:
+            prop = _resolved(node.get("properties", {}).get(name), refs)
+            values = ([prop["const"]] if isinstance(prop, dict) and "const" in prop else
+                      prop.get("enum") if isinstance(prop, dict) else None)
+            if not isinstance(values, list) or not all(
+                    v is None or isinstance(v, (str, bool)) for v in values):
+                break
+            keys = {json.dumps(v) for v in values}
+            if keys & seen:
+                break
+            seen |= keys
+        else:
+            return True
+    return False

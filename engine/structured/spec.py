@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from engine.errors import InvalidParamError
-from engine.structured.check import check_json_schema, check_regex
+from engine.structured.check import check_json_schema, check_regex, disjoint_one_of
 
 # The largest constraint text (a schema as JSON, a regex, a grammar, the choices joined):
 # compile time grows with it, and 64 KiB holds any schema an application sends (OpenAI
@@ -93,7 +93,10 @@ class StructuredOutputs:
             if not isinstance(schema, dict):
                 raise _error("json must be a JSON schema object")
             check_schema(schema)
-            check_json_schema(schema)
+            rewritten = disjoint_one_of(schema)
+            if rewritten != schema:
+                object.__setattr__(self, "json", _schema_text(rewritten))
+            check_json_schema(rewritten)
         if self.structural_tag is not None:
             _check_structural_tag(self.structural_tag)
         if self.think is not None and self.think not in THINK_MODES:
