@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import trio
 
+from engine import multimodal
 from engine.actors.router import OutputMailbox
 from engine.actors.system import ActorHandles, EngineStatistics, run_actors
 from engine.chat import session as chat_session
@@ -261,6 +262,9 @@ class Engine:
                 param="model")
         if params is None:
             params = SamplingParams(**self.sampling_defaults)
+        raw_images: list[Any] = []
+        if multimodal.has_images(prompt):
+            prompt, raw_images = self._split_images(prompt)
         submit = admission.submit_request(
             prompt, params, request_id=request_id if request_id is not None else uuid.uuid4().hex,
             priority=priority, cache_salt=cache_salt, arrival_time=time.monotonic(),
@@ -273,6 +277,12 @@ class Engine:
             )
         else:
             ids = admission.prompt_token_ids(self.tokenizer, submit.prompt)
+        images: tuple[Any, ...] = ()
+        if raw_images:
+            # Decoding and the image processor take milliseconds per image: off the trio
+            # thread, abandoned (pure) on cancel.
+            ids, images = await trio.to_thread.run_sync(
+                self._parts.images.expand, ids, raw_images, abandon_on_cancel=True)
         if params.structured_outputs is not None and self._compiles is not None:
             admission.check_min_tokens(params)
             # In a worker process, under a time budget; leaving (a cancel) kills it.
@@ -281,7 +291,7 @@ class Engine:
             admission.compile_structured(self._parts.grammar, params)  # none, or refused
         handles = self._alive()  # it may have died while a thread tokenized
         admitted = admission.admit(submit, ids, self._parts.limits, waiting=handles.queue_depth(),
-                                   serial=next(self._serials))
+                                   serial=next(self._serials), images=images)
         # No await from here on: the mailbox opens and the samples go to the scheduler in
         # one go, so no cancellation can fall between them.
         mailbox = handles.router.open(admitted)
@@ -291,6 +301,14 @@ class Engine:
             handles.router.close(mailbox)
             raise self._dead_error() from self.dead_reason
         return RequestStream(self, mailbox)
+
+    def _split_images(self, prompt: Any) -> tuple[list[Any], list[Any]]:
+        """The chat messages with image parts replaced by the model's image token, and the
+        images; a text-only model refuses them (a 400 naming the part)."""
+        prep = self._parts.images
+        limits = prep.limits if prep is not None else multimodal.MediaLimits()
+        return multimodal.split_images(prompt, prep.image_token if prep is not None else None,
+                                       limits, model=self.model_name)
 
     def generate(
         self,

@@ -329,6 +329,22 @@ class EngineConfig:
         if self.speculative_config is None:
             return None
         return parse_speculative_config(self.speculative_config)
+    # Image inputs of vision-language models (engine.multimodal).
+    limit_mm_per_prompt: int = _field(
+        4, "most images in one request (more: HTTP 400)", type=int, metavar="N")
+    max_image_pixels: int = _field(
+        4096 * 4096, "most pixels (width x height, read from the header before decoding) of "
+        "one image; a larger one, a decompression bomb included, is refused with a 400",
+        type=int, metavar="N")
+    allowed_media_domains: str = _field(
+        "", "comma-separated hosts whose http(s) image URLs are accepted; others are refused "
+        "(400). Fetching is not implemented yet: images must be sent as base64 data: URLs",
+        metavar="HOSTS", default_text="none")
+
+    @property
+    def media_domains(self) -> tuple[str, ...]:
+        """``allowed_media_domains`` as lower-case host names."""
+        return tuple(h.strip().lower() for h in self.allowed_media_domains.split(",") if h.strip())
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:
@@ -343,7 +359,7 @@ class EngineConfig:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be auto, cpu or cuda[:N], got {self.device!r}", field="device")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_queued_requests",
-                     "data_parallel_size"):
+                     "data_parallel_size", "limit_mm_per_prompt", "max_image_pixels"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}", field=name)

@@ -43,6 +43,8 @@ class EngineParts:
     tokenizer_folder: Path | None = None  # where the tokenizer's files lie
     dtype: str = ""  # the weights' and activations' dtype ("bfloat16")
     quantization: str = "none"  # "gguf" when weights stay in their blocks
+    # A vision-language model's engine.multimodal.ImagePreprocessor; None: text only.
+    images: Any = None
 
 
 def build_parts(config: EngineConfig) -> EngineParts:
@@ -126,7 +128,24 @@ def build_parts(config: EngineConfig) -> EngineParts:
     return EngineParts(config, name, tokenizer, limits, runner, num_blocks, grammar, pooler,
                        tokenizer_folder=loaded.folder,
                        dtype=str(loaded.dtype).removeprefix("torch."),
-                       quantization=loaded.quantization)
+                       quantization=loaded.quantization,
+                       images=image_preprocessor(config, loaded.config, loaded.folder, tokenizer))
+
+
+def image_preprocessor(config: EngineConfig, model_config: Any, folder: Path, tokenizer: Any) -> Any:
+    """The model's image preprocessor (engine.multimodal) for a vision-language model."""
+    vision = model_config.vision
+    if vision is None:
+        return None
+    from engine.multimodal import ImagePreprocessor, MediaLimits
+
+    token = tokenizer.convert_ids_to_tokens([vision.image_token_id])[0]
+    if token is None:
+        raise ConfigError(f"the tokenizer has no image token (id {vision.image_token_id})",
+                          field="model")
+    limits = MediaLimits(config.limit_mm_per_prompt, config.max_image_pixels, config.media_domains)
+    return ImagePreprocessor(folder, image_token_id=vision.image_token_id, image_token=token,
+                             num_image_tokens=vision.num_image_tokens, limits=limits)
 
 
 def _log_kv_pool(config: EngineConfig, loaded: Any, device: torch.device, num_blocks: int,
@@ -175,9 +194,14 @@ def build_front_parts(config: EngineConfig, hello: Any) -> EngineParts:
         backend=config.structured_outputs_backend)
     limits = AdmissionLimits(max_model_len=hello.max_model_len, vocab_size=hello.vocab_size,
                              max_queued_requests=config.max_queued_requests, eos_token_ids=eos_ids)
+    folder = Path(hello.tokenizer_folder)
+    from engine.models.loader import _model_config
+
+    model_config = _model_config(folder / "config.json") if (folder / "config.json").is_file() else None
+    images = image_preprocessor(config, model_config, folder, tokenizer) if model_config else None
     return EngineParts(config, hello.served_model_name, tokenizer, limits, None,
-                       hello.num_blocks, grammar, pooler, tokenizer_folder=Path(hello.tokenizer_folder),
-                       dtype=hello.dtype, quantization=hello.quantization)
+                       hello.num_blocks, grammar, pooler, tokenizer_folder=folder,
+                       dtype=hello.dtype, quantization=hello.quantization, images=images)
 
 
 def _log_weight_bytes(loaded: Any, runner: Any) -> None:

@@ -16,6 +16,24 @@ from engine.structured.spec import StructuredOutputs
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class ImageInput:
+    """One image of a prompt, preprocessed by the model's image processor at admission.
+
+    Its ``length`` placeholder tokens start at prompt position ``offset``; the runner
+    replaces their embeddings with the vision encoder's output for ``pixels`` (float32
+    bytes, C order, of ``shape``, e.g. ``(3, 336, 336)``). ``key`` is a 63-bit content
+    hash of the preprocessed pixels: it names the encoder's cached output and stands for
+    the placeholder tokens in the prefix cache's block keys (see ``Request.cache_token_ids``).
+    """
+
+    offset: int
+    length: int
+    key: int
+    pixels: bytes
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class NewRequest:
     """A request the model runner has not seen: it keeps its tokens and sampling state."""
 
@@ -23,6 +41,7 @@ class NewRequest:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     eos_token_ids: tuple[int, ...]  # for min_tokens: EOS is masked until min_tokens is reached
+    images: tuple[ImageInput, ...] = ()  # in prompt order, not overlapping
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -190,6 +209,7 @@ class SchedulerRequest:
     wait_for: str | None
     # Predicted Outputs: the prediction's token ids, the request's speculative proposals.
     prediction_token_ids: tuple[int, ...] = ()
+    images: tuple[ImageInput, ...] = ()  # in prompt order (ImageInput)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ from engine.messages import (
     AdmittedRequest,
     ChatPrompt,
     DetokenizerRequest,
+    ImageInput,
     SchedulerRequest,
     SubmitRequest,
     TextPrompt,
@@ -183,7 +184,7 @@ def check_min_tokens(params: SamplingParams) -> None:
 
 def admit(
     submit: SubmitRequest, ids: tuple[int, ...], limits: AdmissionLimits, *, waiting: int,
-    serial: int,
+    serial: int, images: tuple[ImageInput, ...] = (),
 ) -> AdmittedRequest:
     """Check a tokenized request against the engine's limits and expand it into samples.
 
@@ -216,7 +217,8 @@ def admit(
             f"min_tokens ({submit.params.min_tokens}) exceeds the {room} tokens the context "
             f"leaves after the {len(ids)}-token prompt", param="min_tokens",
         )
-    return _expand(submit, ids, max_tokens if max_tokens is not None else room, limits, serial)
+    return _expand(submit, ids, max_tokens if max_tokens is not None else room, limits, serial,
+                   images)
 
 
 def _check_model_ranges(params: SamplingParams, limits: AdmissionLimits) -> None:
@@ -272,7 +274,7 @@ def _resolve_logprobs(submit: SubmitRequest, limits: AdmissionLimits) -> SubmitR
 
 def _expand(
     submit: SubmitRequest, ids: tuple[int, ...], max_tokens: int, limits: AdmissionLimits,
-    serial: int,
+    serial: int, images: tuple[ImageInput, ...] = (),
 ) -> AdmittedRequest:
     names = sample_ids(submit.request_id, submit.params.n, serial)
     # Samples after the first wait until the first has computed (and cached) the prompt's
@@ -287,6 +289,7 @@ def _expand(
             eos_token_ids=limits.eos_token_ids, max_tokens=max_tokens,
             priority=submit.priority, arrival_time=submit.arrival_time,
             cache_salt=submit.cache_salt, wait_for=wait_for if index > 0 else None,
+            images=images,
         ))
         outputs.append(DetokenizerRequest(name, submit.request_id, index, ids, params))
     return AdmittedRequest(submit.request_id, tuple(samples), tuple(outputs))

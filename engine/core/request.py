@@ -14,8 +14,10 @@ compute that position before its token id is known: the model runner holds the r
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from engine.errors import EngineError
+from engine.multimodal import cache_token_ids
 from engine.params import SamplingParams
 
 
@@ -63,7 +65,7 @@ class Request:
         "num_pending_tokens", "status", "stop_reason", "block_ids", "num_cached_blocks",
         "num_released_blocks",
         "num_preemptions", "seen_by_runner", "num_cached_tokens", "prediction",
-        "draft_token_ids", "num_draft_tokens", "num_accepted_tokens",
+        "draft_token_ids", "num_draft_tokens", "num_accepted_tokens", "images", "cache_prompt_ids",
     )  # fmt: skip
 
     def __init__(
@@ -79,9 +81,15 @@ class Request:
         cache_salt: str | None = None,
         wait_for: str | None = None,
         prediction: tuple[int, ...] = (),
+        images: tuple[Any, ...] = (),
     ) -> None:
         self.sample_id = sample_id
         self.prompt_token_ids = tuple(prompt_token_ids)
+        # Image inputs (engine.messages.ImageInput) travel to the runner with the request;
+        # the prefix cache keys the prompt with each image's placeholders replaced by its
+        # content hash, so blocks are shared only between equal images.
+        self.images = images
+        self.cache_prompt_ids = cache_token_ids(self.prompt_token_ids, images)
         self.params = params
         self.eos_token_ids = tuple(eos_token_ids)
         self.priority = priority
@@ -140,8 +148,9 @@ class Request:
         return self.num_sampled < self.max_tokens and not self.draft_token_ids
 
     def known_token_ids(self) -> tuple[int, ...]:
-        """Prompt and received outputs: every token whose id the scheduler knows."""
-        return self.prompt_token_ids + tuple(self.output_token_ids)
+        """Prompt and received outputs: every token whose id the scheduler knows, as the
+        prefix cache keys them (image placeholders stand as their image's hash)."""
+        return self.cache_prompt_ids + tuple(self.output_token_ids)
 
     def append_output(self, token_id: int) -> RequestStatus | None:
         """Record a sampled token; return the finished status it causes, if any.

@@ -231,6 +231,7 @@ class Scheduler:
             cache_salt=request.cache_salt,
             wait_for=self._waitable(request.wait_for),
             prediction=request.prediction_token_ids,
+            images=request.images,
         )
         self._next_arrival += 1
         self._requests[req.sample_id] = req
@@ -378,7 +379,8 @@ class Scheduler:
             if not req.seen_by_runner:
                 req.seen_by_runner = True
                 step.new_requests.append(
-                    NewRequest(req.sample_id, req.prompt_token_ids, req.params, req.eos_token_ids)
+                    NewRequest(req.sample_id, req.prompt_token_ids, req.params, req.eos_token_ids,
+                               req.images)
                 )
             self._add_chunk(step, req, reply, ())
 
@@ -691,7 +693,7 @@ def _priority_key(req: Request) -> tuple[int, ...]:
 
 def _token_slice(req: Request, start: int, end: int) -> tuple[int, ...]:
     prompt_len = req.num_prompt_tokens
-    head = req.prompt_token_ids[start:end]
+    head = req.cache_prompt_ids[start:end]
     if end <= prompt_len:
         return head
     return head + tuple(req.output_token_ids[max(0, start - prompt_len) : end - prompt_len])

@@ -118,6 +118,46 @@ def _num_experts(raw: dict[str, Any], default: int) -> int:
     return default
 
 
+# Vision-language models: a vision tower and projector in front of a decoder of the
+# families above (models/llava.py). The language model's config is their text_config.
+VISION_ARCHITECTURES = {"LlavaForConditionalGeneration": "llava"}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class VisionConfig:
+    """LLaVA's CLIP vision tower and projector, and how images enter the prompt."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    image_size: int
+    patch_size: int
+    num_channels: int
+    layer_norm_eps: float
+    hidden_act: str  # the tower's MLP: "quick_gelu" (CLIP) or "gelu"
+    # The tower's hidden states the projector reads: an index into (embeddings, layer 1,
+    # ..., layer N) as transformers counts them, negative from the end; several are
+    # concatenated on the feature axis.
+    feature_layers: tuple[int, ...]
+    select_strategy: str  # "default" drops the CLS position, "full" keeps it
+    projector_act: str  # between the projector's two linears
+    projector_bias: bool
+    image_token_id: int  # the placeholder token each image's embeddings replace
+
+    @property
+    def num_image_tokens(self) -> int:
+        """Placeholder tokens (and embeddings) per image."""
+        patches = (self.image_size // self.patch_size) ** 2
+        return patches + (1 if self.select_strategy == "full" else 0)
+
+    @property
+    def layers_needed(self) -> int:
+        """Encoder layers to run: the deepest feature layer's."""
+        n = self.num_hidden_layers
+        return max(i % (n + 1) for i in self.feature_layers)
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ModelConfig:
     architecture: str  # one of SUPPORTED_ARCHITECTURES' values
@@ -164,6 +204,8 @@ class ModelConfig:
     matryoshka_dimensions: tuple[int, ...] | None = None
     # A decoder saved without its LM head (BASE_MODEL_ARCHITECTURES): it only pools.
     base_model: bool = False
+    # A vision-language model's vision tower (LLaVA); None for a text-only model.
+    vision: VisionConfig | None = None
 
     @property
     def is_encoder(self) -> bool:
@@ -181,6 +223,8 @@ class ModelConfig:
     def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
         """Build from a parsed ``config.json``; raises a typed error naming the problem."""
         archs = raw.get("architectures") or []
+        if any(a in VISION_ARCHITECTURES for a in archs):
+            return _llava_config(raw)
         encoder = next((ENCODER_ARCHITECTURES[a] for a in archs if a in ENCODER_ARCHITECTURES), None)
         if encoder is not None:
             return _encoder_config(raw, encoder)
@@ -389,3 +433,52 @@ def _encoder_config(raw: dict[str, Any], arch: str) -> ModelConfig:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptModelError(f"config.json is missing or has a bad field: {exc}") from exc
+
+
+_VISION_ACTIVATIONS = ("quick_gelu", "gelu", "gelu_pytorch_tanh")
+
+
+def _llava_config(raw: dict[str, Any]) -> ModelConfig:
+    """LLaVA: the language model's config from ``text_config`` plus the vision tower's."""
+    try:
+        text = dict(raw["text_config"])
+        vis = dict(raw["vision_config"])
+        text.setdefault("architectures", ["LlamaForCausalLM"])
+        text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+        text.setdefault("torch_dtype", raw.get("torch_dtype") or raw.get("dtype"))
+        if vis.get("model_type", "clip_vision_model") != "clip_vision_model":
+            raise UnsupportedModelError(
+                f"LLaVA with a {vis.get('model_type')!r} vision tower is not supported (CLIP only)")
+        layers = raw.get("vision_feature_layer", -2)
+        layers = tuple(int(i) for i in layers) if isinstance(layers, list) else (int(layers),)
+        vision = VisionConfig(
+            hidden_size=int(vis["hidden_size"]),
+            intermediate_size=int(vis["intermediate_size"]),
+            num_hidden_layers=int(vis["num_hidden_layers"]),
+            num_attention_heads=int(vis["num_attention_heads"]),
+            image_size=int(vis["image_size"]),
+            patch_size=int(vis["patch_size"]),
+            num_channels=int(vis.get("num_channels", 3)),
+            layer_norm_eps=float(vis.get("layer_norm_eps", 1e-5)),
+            hidden_act=str(vis.get("hidden_act", "quick_gelu")),
+            feature_layers=layers,
+            select_strategy=str(raw.get("vision_feature_select_strategy", "default")),
+            projector_act=str(raw.get("projector_hidden_act", "gelu")),
+            projector_bias=bool(raw.get("multimodal_projector_bias", True)),
+            image_token_id=int(raw.get("image_token_index", raw.get("image_token_id", 32000))),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptModelError(f"config.json is missing or has a bad LLaVA field: {exc}") from exc
+    for act in (vision.hidden_act, vision.projector_act):
+        if act not in _VISION_ACTIVATIONS:
+            raise UnsupportedModelError(f"LLaVA activation {act!r} is not supported")
+    if vision.select_strategy not in ("default", "full"):
+        raise UnsupportedModelError(
+            f"vision_feature_select_strategy {vision.select_strategy!r} is not supported")
+    if any(not -vision.num_hidden_layers - 1 <= i <= vision.num_hidden_layers
+           for i in vision.feature_layers):
+        raise CorruptModelError(f"vision_feature_layer {vision.feature_layers} is out of range")
+    lm = ModelConfig.from_hf(text)
+    if lm.is_encoder or lm.architecture in GEMMA_FAMILY or lm.moe is not None:
+        raise UnsupportedModelError(f"LLaVA over a {lm.architecture} language model is not supported")
+    return dataclasses.replace(lm, vision=vision)

@@ -188,10 +188,17 @@ class LlamaModel:
         positions: torch.Tensor,  # [T] int64
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm; writes this step's K/V."""
+        """Hidden states [T, hidden] after the final norm; writes this step's K/V.
+
+        ``mm_embeds`` ``(rows [R] int64, embeddings [R, hidden])`` replace the token
+        embeddings of those rows (a vision model's image placeholders)."""
         ops = self.ops
         hidden = embed(self.embed, input_ids, self.dtype)
+        if mm_embeds is not None:
+            rows, values = mm_embeds
+            hidden = hidden.index_copy(0, rows, values.to(hidden.dtype))
         residual: torch.Tensor | None = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             if residual is None:
@@ -286,6 +293,10 @@ def build_model(
             f"config.json: num_attention_heads ({config.num_attention_heads}) is not a multiple "
             f"of num_key_value_heads ({config.num_key_value_heads})"
         )
+    if config.vision is not None:
+        from engine.models.llava import LlavaModel
+
+        return LlavaModel(config, weights, ops, dtype=dtype, device=device)
     if config.architecture in GEMMA_FAMILY:
         from engine.models.gemma import GemmaModel
 

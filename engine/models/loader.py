@@ -316,6 +316,10 @@ def _read_weights(folder: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
     elif "model.embed_tokens.weight" not in loaded and "embed_tokens.weight" in loaded:
         # A decoder saved as its base model (Qwen3-Embedding): no "model." prefix.
         loaded = {f"model.{name}": w for name, w in loaded.items()}
+    if config.vision is not None:
+        from engine.models.llava import normalize_llava_names
+
+        loaded = {normalize_llava_names(name): w for name, w in loaded.items()}
     missing = [name for name in expected if name not in loaded]
     if missing:
         shown = ", ".join(missing[:3]) + (
@@ -391,6 +395,10 @@ def expected_weight_names(config: ModelConfig) -> list[str]:
     names.append("model.norm.weight")
     if not config.tie_word_embeddings and not config.base_model:
         names.append("lm_head.weight")
+    if config.vision is not None:
+        from engine.models.llava import vision_weight_names
+
+        names += vision_weight_names(config.vision)
     return names
 
 

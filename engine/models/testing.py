@@ -380,3 +380,79 @@ def quantize_q4_k(weight: np.ndarray) -> np.ndarray:
         axis=-1,
     )
     return blocks.reshape(n, k // 256 * 144)
+
+
+IMAGE_TOKEN = "<image>"
+TINY_IMAGE_SIZE = 28  # pixels square, 2 x 2 patches of 14: 4 placeholder tokens per image
+
+
+def write_tiny_llava(path: str | Path, *, seed: int = 0) -> Path:
+    """A tiny random LLaVA (CLIP vision tower + projector + the tiny Llama) in folder
+    ``path``, in the layout transformers' ``save_pretrained`` writes: config.json from
+    ``LlavaConfig``, model.safetensors, the tiny tokenizer with an ``<image>`` token and a
+    ``CLIPImageProcessor`` (preprocessor_config.json) that crops to 28 x 28 pixels."""
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+    path = Path(path)
+    write_tiny_model(path, "llama3", seed=seed)
+    tok = Tokenizer.from_str((path / "tokenizer.json").read_text())
+    tok.add_special_tokens([AddedToken(IMAGE_TOKEN, special=True)])
+    image_id = tok.token_to_id(IMAGE_TOKEN)
+    (path / "tokenizer.json").write_text(tok.to_str())
+    text = json.loads((path / "config.json").read_text())
+    text["vocab_size"] = image_id + 1
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        image_size=TINY_IMAGE_SIZE, patch_size=14, projection_dim=32, layer_norm_eps=1e-5,
+    )
+    text_cfg = LlamaConfig(**{k: v for k, v in text.items() if k not in ("architectures", "model_type")})
+    cfg = LlavaConfig(vision_config=vision, text_config=text_cfg, image_token_index=image_id,
+                      vision_feature_layer=-2, vision_feature_select_strategy="default",
+                      projector_hidden_act="gelu", image_seq_length=4)
+    cfg.save_pretrained(path)
+    raw = json.loads((path / "config.json").read_text())
+    raw["architectures"] = ["LlavaForConditionalGeneration"]
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    gen = torch.Generator().manual_seed(seed + 1)
+
+    def rand(*shape: int, std: float = 0.08) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    lm = _weights(text, seed)
+    weights = {f"language_model.{k}": v for k, v in lm.items()}
+    # The image token's row exists in a real checkpoint too; its value is never read.
+    embed = weights["language_model.model.embed_tokens.weight"]
+    weights["language_model.model.embed_tokens.weight"] = torch.cat([embed, rand(image_id + 1 - embed.shape[0], embed.shape[1])])
+    if "language_model.lm_head.weight" in weights:
+        head = weights["language_model.lm_head.weight"]
+        weights["language_model.lm_head.weight"] = torch.cat([head, rand(image_id + 1 - head.shape[0], head.shape[1], std=0.5)])
+    d, inter, hidden = vision.hidden_size, vision.intermediate_size, text["hidden_size"]
+    v = "vision_tower."
+    weights[v + "embeddings.class_embedding"] = rand(d, std=0.5)
+    weights[v + "embeddings.patch_embedding.weight"] = rand(d, 3, 14, 14, std=0.2)
+    weights[v + "embeddings.position_embedding.weight"] = rand(5, d, std=0.5)
+    for name in ("pre_layrnorm", "post_layernorm"):
+        weights[v + name + ".weight"] = 1 + rand(d, std=0.1)
+        weights[v + name + ".bias"] = rand(d, std=0.1)
+    for i in range(vision.num_hidden_layers):
+        p = f"{v}encoder.layers.{i}."
+        for name in ("layer_norm1", "layer_norm2"):
+            weights[p + name + ".weight"] = 1 + rand(d, std=0.1)
+            weights[p + name + ".bias"] = rand(d, std=0.1)
+        for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            weights[p + f"self_attn.{name}.weight"] = rand(d, d, std=0.2)
+            weights[p + f"self_attn.{name}.bias"] = rand(d, std=0.1)
+        weights[p + "mlp.fc1.weight"] = rand(inter, d, std=0.2)
+        weights[p + "mlp.fc1.bias"] = rand(inter, std=0.1)
+        weights[p + "mlp.fc2.weight"] = rand(d, inter, std=0.2)
+        weights[p + "mlp.fc2.bias"] = rand(d, std=0.1)
+    weights["multi_modal_projector.linear_1.weight"] = rand(hidden, d, std=0.3)
+    weights["multi_modal_projector.linear_1.bias"] = rand(hidden, std=0.1)
+    weights["multi_modal_projector.linear_2.weight"] = rand(hidden, hidden, std=1.5)
+    weights["multi_modal_projector.linear_2.bias"] = rand(hidden, std=0.1)
+    save_file({k: t.contiguous() for k, t in weights.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+    CLIPImageProcessor(size={"shortest_edge": TINY_IMAGE_SIZE},
+                       crop_size={"height": TINY_IMAGE_SIZE, "width": TINY_IMAGE_SIZE}).save_pretrained(path)
+    return path

@@ -28,6 +28,7 @@ import torch
 
 from engine.errors import EngineError
 from engine.messages import (
+    ImageInput,
     NewRequest,
     PooledOutput,
     PromptLogprobs,
@@ -77,6 +78,11 @@ class _RequestState:
     matcher: Matcher | None = None
     # Pooling: what the chunks so far add up to (fp32: a sum, a max or a chosen row).
     pool: torch.Tensor | None = None
+    # A vision model's images (ImageInput, prompt order) and how far its prompt has been
+    # run (the end of its last chunk): an image whose placeholders all lie below it no
+    # longer needs its encoder output.
+    images: tuple[ImageInput, ...] = ()
+    prefilled: int = 0
 
 
 class ModelRunner:
@@ -130,6 +136,12 @@ class ModelRunner:
         self.mask_fill_seconds = 0.0
         self.mask_rows = 0
         self._requests: dict[str, _RequestState] = {}
+        # A vision model's encoder outputs by image key ([num_image_tokens, hidden]), kept
+        # while some request still has placeholder tokens of that image to prefill: a
+        # chunk boundary inside an image, or the same image in two requests at once, runs
+        # the encoder once.
+        self._encoder_cache: dict[int, torch.Tensor] = {}
+        self.encoder_runs = 0  # images encoded (tests and the benchmark read it)
         # Requests that failed in a step: their state is gone, chunks already planned for
         # them (async scheduling) are skipped until the scheduler's finished_ids names them.
         self._failed: set[str] = set()
@@ -140,6 +152,7 @@ class ModelRunner:
         ever read before it is written."""
         self._requests.clear()
         self._failed.clear()
+        self._encoder_cache.clear()
 
     @property
     def num_requests(self) -> int:
@@ -178,6 +191,8 @@ class ModelRunner:
         for failure in failed:
             self._requests.pop(failure.sample_id, None)
             self._failed.add(failure.sample_id)
+        if self._encoder_cache:
+            self._evict_encoder_outputs()
         return StepResult(plan.step_id, sampled, time.perf_counter() - t0, prompt_logprobs, failed,
                           pooled)
 
@@ -186,7 +201,11 @@ class ModelRunner:
     ) -> tuple[tuple[SampledToken, ...], tuple[RequestFailure, ...], tuple[PromptLogprobs, ...]]:
         states = [self._state(c) for c in chunks]
         input_ids, positions, meta, sample_rows = self._prepare(chunks, states)
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
+        mm = self._image_embeds(chunks, states)
+        if mm is not None:
+            hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, mm_embeds=mm)
+        else:
+            hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
         prompt_logprobs = self._prompt_logprobs(hidden, chunks, states)
         if not sample_rows:
             return (), (), prompt_logprobs
@@ -223,8 +242,51 @@ class ModelRunner:
     def _add(self, new: NewRequest) -> None:
         prompt = tuple(new.prompt_token_ids)
         self._requests[new.sample_id] = _RequestState(
-            prompt, [], list(prompt), new.params, tuple(new.eos_token_ids)
+            prompt, [], list(prompt), new.params, tuple(new.eos_token_ids), images=tuple(new.images)
         )
+
+    # -- images --------------------------------------------------------------------------
+
+    def _image_embeds(
+        self, chunks: Sequence[ScheduledChunk], states: Sequence[_RequestState]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(rows, embeddings)`` of the step's image placeholder tokens, encoding each
+        image not in the encoder cache once (all of them in one batch)."""
+        spans: list[tuple[int, ImageInput, int, int]] = []  # (first row, image, from, to)
+        row = 0
+        for c, s in zip(chunks, states, strict=True):
+            end = c.start + c.num_tokens
+            for image in s.images:
+                lo, hi = max(c.start, image.offset), min(end, image.offset + image.length)
+                if lo < hi:
+                    spans.append((row + lo - c.start, image, lo - image.offset, hi - image.offset))
+            s.prefilled = end if c.start == 0 else max(s.prefilled, end)
+            row += c.num_tokens
+        if not spans:
+            return None
+        missing = {image.key: image for _, image, _, _ in spans if image.key not in self._encoder_cache}
+        if missing:
+            pixels = torch.stack([
+                torch.frombuffer(bytearray(image.pixels), dtype=torch.float32).view(image.shape)
+                for image in missing.values()])
+            encoded = self.model.encode_images(pixels)  # type: ignore[attr-defined]
+            self.encoder_runs += len(missing)
+            for key, out in zip(missing, encoded, strict=True):
+                self._encoder_cache[key] = out
+        rows = torch.cat([torch.arange(r, r + hi - lo) for r, _, lo, hi in spans]).to(self.device)
+        values = torch.cat([self._encoder_cache[image.key][lo:hi] for _, image, lo, hi in spans])
+        return rows, values
+
+    def _evict_encoder_outputs(self) -> None:
+        """Drop the encoder outputs no live request still has placeholders of to prefill."""
+        needed = {
+            image.key
+            for s in self._requests.values()
+            for image in s.images
+            if s.prefilled < image.offset + image.length
+        }
+        for key in [k for k in self._encoder_cache if k not in needed]:
+            del self._encoder_cache[key]
 
     def _state(self, chunk: ScheduledChunk) -> _RequestState:
         state = self._requests.get(chunk.sample_id)

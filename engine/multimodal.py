@@ -1,0 +1,253 @@
+"""Images in chat prompts: from content parts to :class:`ImageInput` messages.
+
+The data path (admission, in the caller's task or a worker thread):
+
+1. :func:`split_images` takes the image parts out of the chat messages, leaving the
+   model's image token (``<image>``) as a text part in their place, so the chat template
+   renders as for text. Parts are ``{"type": "image_url", "image_url": {"url": ...}}``
+   (a ``data:`` URL; an ``http(s)`` URL only for a host in ``--allowed-media-domains``)
+   or, from the embedded API, ``{"type": "image", "image": <bytes | PIL.Image>}``.
+2. :meth:`ImagePreprocessor.expand` decodes each image with Pillow (PNG, JPEG, WebP; the
+   size read from the header is checked against the pixel budget before any pixel is
+   decoded), runs the model's own transformers image processor and replaces each image
+   token of the tokenized prompt with the model's number of placeholder tokens. Each image
+   becomes an :class:`ImageInput` (float32 pixel bytes, shape, offset, content hash).
+
+Every fault of an image is this request's :class:`InvalidParamError` naming the part.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import hashlib
+import io
+import urllib.parse
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from engine.errors import InvalidParamError
+from engine.messages import ImageInput
+
+# The formats accepted, by their leading bytes (WebP: "RIFF", size, "WEBP").
+_FORMATS = {"PNG": (b"\x89PNG\r\n\x1a\n",), "JPEG": (b"\xff\xd8\xff",)}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MediaLimits:
+    """What a server accepts of images (``--limit-mm-per-prompt``, ``--max-image-pixels``,
+    ``--allowed-media-domains``)."""
+
+    max_images_per_prompt: int = 4
+    max_image_pixels: int = 4096 * 4096
+    allowed_media_domains: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RawImage:
+    """An image part taken out of the messages: where it was and its encoded bytes (or an
+    already decoded PIL image from the embedded API)."""
+
+    where: str  # messages[i].content[j]
+    data: Any  # bytes | PIL.Image.Image
+
+
+def has_images(messages: Any) -> bool:
+    """Whether any chat message holds a non-text content part (cheap: no decoding)."""
+    if not isinstance(messages, (list, tuple)):
+        return False
+    for m in messages:
+        content = m.get("content") if isinstance(m, Mapping) else None
+        if isinstance(content, (list, tuple)) and any(
+            isinstance(p, Mapping) and p.get("type") in ("image_url", "image") for p in content
+        ):
+            return True
+    return False
+
+
+def split_images(
+    messages: Sequence[Any], image_token: str | None, limits: MediaLimits, *, model: str = "model"
+) -> tuple[list[Any], list[RawImage]]:
+    """The messages with each image part replaced by a text part holding ``image_token``,
+    and the images in prompt order. ``image_token`` None: a text-only model, refused."""
+    out: list[Any] = []
+    images: list[RawImage] = []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if not isinstance(content, (list, tuple)):
+            out.append(message)
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind not in ("image_url", "image"):
+                parts.append(part)
+                continue
+            where = f"messages[{i}].content[{j}]"
+            if image_token is None:
+                raise InvalidParamError(
+                    f"{where}: the model {model} takes text only, not images", param=where)
+            images.append(RawImage(where, _part_data(part, kind, where, limits)))
+            if len(images) > limits.max_images_per_prompt:
+                raise InvalidParamError(
+                    f"{where}: more than {limits.max_images_per_prompt} images in one request "
+                    "(--limit-mm-per-prompt)", param="messages")
+            parts.append({"type": "text", "text": image_token})
+        out.append({**message, "content": parts})
+    return out, images
+
+
+def _part_data(part: Mapping[str, Any], kind: str, where: str, limits: MediaLimits) -> Any:
+    if kind == "image":  # the embedded API: bytes or a PIL image
+        data = part.get("image")
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            return bytes(data)
+        if _is_pil(data):
+            return data
+        raise InvalidParamError(f"{where}.image must be bytes or a PIL image", param=where)
+    spec = part.get("image_url")
+    url = spec.get("url") if isinstance(spec, Mapping) else spec
+    if not isinstance(url, str):
+        raise InvalidParamError(f"{where}.image_url.url must be a string", param=where)
+    if url.startswith("data:"):
+        return _data_url(url, where)
+    scheme = urllib.parse.urlsplit(url).scheme.lower()
+    if scheme in ("http", "https"):
+        host = (urllib.parse.urlsplit(url).hostname or "").lower()
+        if host not in limits.allowed_media_domains:
+            raise InvalidParamError(
+                f"{where}: image URLs from {host or 'that host'!r} are not allowed; send the "
+                "image as a base64 data: URL (the server fetches only from "
+                "--allowed-media-domains)", param=where)
+        raise InvalidParamError(
+            f"{where}: fetching images over http(s) is not implemented in this server; "
+            "send the image as a base64 data: URL", param=where)
+    raise InvalidParamError(f"{where}: image_url must be a data: URL (or http(s) for an "
+                            "allowed host)", param=where)
+
+
+def _data_url(url: str, where: str) -> bytes:
+    header, sep, payload = url.partition(",")
+    if not sep or not header.endswith(";base64"):
+        raise InvalidParamError(f"{where}: a data: URL image must be base64 "
+                                "(data:image/png;base64,...)", param=where)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidParamError(f"{where}: the data: URL is not valid base64 ({exc})",
+                                param=where) from None
+
+
+def _is_pil(obj: Any) -> bool:
+    try:
+        from PIL import Image
+    except ImportError:  # pragma: no cover - pillow is a dependency
+        return False
+    return isinstance(obj, Image.Image)
+
+
+def decode_image(data: Any, where: str, max_pixels: int) -> Any:
+    """A PIL RGB image from encoded bytes (or a PIL image), within ``max_pixels``."""
+    from PIL import Image, UnidentifiedImageError
+
+    if _is_pil(data):
+        _check_pixels(data.size, where, max_pixels)
+        return data.convert("RGB")
+    fmt = _sniff(data)
+    if fmt is None:
+        raise InvalidParamError(
+            f"{where}: unsupported image format (PNG, JPEG and WebP are accepted)", param=where)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data), formats=(fmt,))
+            # The header's size, checked before a pixel is decoded: a small file that
+            # inflates to a huge image stops here.
+            _check_pixels(image.size, where, max_pixels)
+            image.load()
+            return image.convert("RGB")
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise InvalidParamError(f"{where}: image refused as a decompression bomb ({exc})",
+                                param=where) from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError) as exc:
+        raise InvalidParamError(f"{where}: the {fmt} image is corrupt or truncated ({exc})",
+                                param=where) from None
+
+
+def _sniff(data: bytes) -> str | None:
+    for fmt, magics in _FORMATS.items():
+        if data.startswith(magics):
+            return fmt
+    if len(data) >= 12 and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    return None
+
+
+def _check_pixels(size: tuple[int, int], where: str, max_pixels: int) -> None:
+    w, h = size
+    if w * h > max_pixels:
+        raise InvalidParamError(
+            f"{where}: the image is {w}x{h} = {w * h} pixels, over the {max_pixels}-pixel "
+            "budget per image (--max-image-pixels)", param=where)
+    if w < 1 or h < 1:
+        raise InvalidParamError(f"{where}: the image is empty ({w}x{h})", param=where)
+
+
+class ImagePreprocessor:
+    """The model's own image processor (transformers' ``AutoImageProcessor`` from the
+    model folder) and how its images enter a prompt."""
+
+    def __init__(self, folder: str | Path, *, image_token_id: int, image_token: str,
+                 num_image_tokens: int, limits: MediaLimits) -> None:
+        from transformers import AutoImageProcessor
+
+        self.processor = AutoImageProcessor.from_pretrained(str(folder))
+        self.image_token_id = image_token_id
+        self.image_token = image_token
+        self.num_image_tokens = num_image_tokens
+        self.limits = limits
+
+    def pixels(self, raw: RawImage) -> tuple[bytes, tuple[int, ...]]:
+        """Float32 pixel bytes and their shape ``(C, H, W)`` for one image."""
+        image = decode_image(raw.data, raw.where, self.limits.max_image_pixels)
+        out = self.processor(images=[image], return_tensors="np")["pixel_values"][0]
+        out = out.astype("<f4", copy=False)
+        return out.tobytes(), tuple(int(d) for d in out.shape)
+
+    def expand(self, ids: Sequence[int], images: Sequence[RawImage]) -> tuple[tuple[int, ...], tuple[ImageInput, ...]]:
+        """The prompt with each image token widened to the image's placeholder tokens,
+        and the images. Safe in a worker thread (decoding and preprocessing are slow)."""
+        at = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        if len(at) != len(images):
+            raise InvalidParamError(
+                f"the prompt holds {len(at)} {self.image_token} tokens for {len(images)} images "
+                f"(do not write {self.image_token} in text)", param="messages")
+        out: list[int] = []
+        inputs: list[ImageInput] = []
+        prev = 0
+        n = self.num_image_tokens
+        for pos, raw in zip(at, images, strict=True):
+            out.extend(ids[prev:pos])
+            pixels, shape = self.pixels(raw)
+            digest = hashlib.sha256(repr(shape).encode() + pixels).digest()
+            key = int.from_bytes(digest[:8], "little") >> 1
+            inputs.append(ImageInput(len(out), n, key, pixels, shape))
+            out.extend([self.image_token_id] * n)
+            prev = pos + 1
+        out.extend(ids[prev:])
+        return tuple(out), tuple(inputs)
+
+
+def cache_token_ids(prompt: Sequence[int], images: Sequence[ImageInput]) -> tuple[int, ...]:
+    """The prompt as the prefix cache keys it: each image's placeholder tokens replaced by
+    a negative id from its content hash (no real token is negative), so two prompts with
+    equal text and different images share no block, and equal images match."""
+    if not images:
+        return tuple(prompt)
+    out = list(prompt)
+    for image in images:
+        out[image.offset : image.offset + image.length] = [-1 - image.key] * image.length
+    return tuple(out)

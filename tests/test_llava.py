@@ -1,0 +1,201 @@
+"""LLaVA (a CLIP vision tower and projector before the tiny Llama) through the engine,
+against transformers' LlavaForConditionalGeneration on its own processor's output.
+
+The engine gets chat messages with image parts; transformers gets the same conversation as
+text (written out by hand) through ``LlavaProcessor``. Checked: the expanded prompt ids,
+the log-softmax of the logits at every prompt position (``prompt_logprobs`` over the whole
+vocabulary) and 24 greedy tokens with their full distributions, for one image, two images
+in one message, and an image split across chunked-prefill chunks; then the prefix cache
+(same text with another image shares no block, the same image is a hit) and the bad-image
+refusals, each a 400-class error with the engine still serving.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+import torch
+
+import engine
+from engine.errors import InvalidParamError
+from engine.models.testing import IMAGE_TOKEN, write_tiny_llava
+from tests.engine_helpers import collect, greedy, token_ids, wait_idle
+
+NEW_TOKENS = 24
+QUESTION = "What is in the picture? Describe it."
+
+
+def _image(seed: int, size: tuple[int, int] = (40, 32)):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def _encoded(image, fmt: str = "PNG") -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def data_url(image, fmt: str = "PNG") -> str:
+    mime = {"PNG": "png", "JPEG": "jpeg", "WEBP": "webp"}[fmt]
+    return f"data:image/{mime};base64," + base64.b64encode(_encoded(image, fmt)).decode()
+
+
+def _messages(images: list, question: str = QUESTION) -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": data_url(im)}} for im in images]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": question}]}]
+
+
+def _hf_text(num_images: int, question: str = QUESTION) -> str:
+    # The ChatML template over content parts joined by newlines, written out by hand.
+    body = "\n".join([IMAGE_TOKEN] * num_images + [question])
+    return f"<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    return write_tiny_llava(tmp_path_factory.mktemp("tiny-llava"))
+
+
+@pytest.fixture(scope="module")
+def hf(llava):
+    from transformers import (
+        AutoImageProcessor,
+        AutoTokenizer,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    model = LlavaForConditionalGeneration.from_pretrained(llava, dtype=torch.float32).eval()
+    processor = LlavaProcessor(
+        image_processor=AutoImageProcessor.from_pretrained(llava),
+        tokenizer=AutoTokenizer.from_pretrained(llava), patch_size=14,
+        vision_feature_select_strategy="default", num_additional_image_tokens=1,
+        image_token=IMAGE_TOKEN)
+    return model, processor
+
+
+def _hf_run(hf, images: list, question: str = QUESTION):
+    model, processor = hf
+    inputs = processor(text=_hf_text(len(images), question), images=images, return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**inputs).logits[0]
+        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    ids = inputs["input_ids"][0].tolist()
+    new = out.sequences[0, len(ids):].tolist()
+    steps = torch.stack([s[0] for s in out.logits])
+    return ids, torch.log_softmax(logits.float(), -1), new, torch.log_softmax(steps.float(), -1)
+
+
+def _dense(entry, vocab: int) -> torch.Tensor:
+    row = torch.full((vocab,), float("nan"))
+    for token, logprob in entry.top:
+        row[token] = logprob
+    return row
+
+
+def _open(llava, **options):
+    defaults = dict(dtype="float32", max_logprobs=-1, block_size=4, kv_cache_memory=8 * 2**20,
+                    max_num_seqs=4)
+    return engine.open_engine(llava, **(defaults | options))
+
+
+@pytest.mark.parametrize(("num_images", "batched"), [(1, 2048), (2, 2048), (1, 7)],
+                         ids=["one-image", "two-images", "image-across-chunks"])
+async def test_logits_and_greedy_tokens_match_transformers(llava, hf, num_images, batched) -> None:
+    images = [_image(i) for i in range(num_images)]
+    ids, hf_logprobs, hf_new, hf_steps = _hf_run(hf, images)
+    vocab = hf_logprobs.shape[-1]
+    async with _open(llava, max_num_batched_tokens=batched) as eng:
+        stream = await eng.submit(_messages(images), greedy(NEW_TOKENS, prompt_logprobs=-1, logprobs=-1))
+        async with stream:
+            outs = [o async for o in stream]
+        assert stream.prompt_token_ids == tuple(ids)
+        if batched < len(ids):  # the chunks really cut an image's placeholders
+            first = ids.index(eng.tokenizer.token_to_id(IMAGE_TOKEN))
+            assert first < batched < first + 4
+        prompt = outs[0].prompt_logprobs
+        got = torch.stack([_dense(e, vocab) for e in prompt[1:]])
+        torch.testing.assert_close(got, hf_logprobs[:-1], atol=2e-4, rtol=0)
+        assert token_ids(outs) == hf_new
+        sampled = torch.stack([_dense(e, vocab) for o in outs for e in o.logprobs])
+        torch.testing.assert_close(sampled, hf_steps, atol=2e-4, rtol=0)
+        # Each image ran through the encoder exactly once, chunk boundary or not.
+        assert eng._parts.runner.encoder_runs == num_images
+        await wait_idle(eng)
+
+
+async def test_prefix_cache_keys_blocks_by_image(llava, hf) -> None:
+    from PIL import Image
+
+    # Two images this random model answers differently about (most noise images look
+    # alike to it: it reads mostly the text).
+    a, b = _image(1), Image.new("RGB", (30, 20), (255, 255, 255))
+    async with _open(llava, max_num_batched_tokens=2048) as eng:
+        first = await collect(eng, _messages([a]), greedy(NEW_TOKENS))
+        other = await collect(eng, _messages([b]), greedy(NEW_TOKENS))
+        again = await collect(eng, _messages([a]), greedy(NEW_TOKENS))
+        runs = eng._parts.runner.encoder_runs
+        await wait_idle(eng)
+    ids = _hf_run(hf, [a])[0]
+    offset = ids.index(hf[0].config.image_token_id)
+    usage = [outs[-1].usage for outs in (first, other, again)]
+    assert usage[0].cached_tokens == 0
+    # Same text, another image: only the blocks wholly before the image are shared, and
+    # the answer is b's own (transformers says what it is).
+    assert usage[1].cached_tokens == offset // 4 * 4
+    assert token_ids(other) == _hf_run(hf, [b])[2] != token_ids(first)
+    # The same image again: every full block of the prompt is a hit, the image's included,
+    # so its encoder output is not even computed a second time.
+    assert usage[2].cached_tokens == (len(ids) - 1) // 4 * 4 > offset + 4
+    assert token_ids(again) == token_ids(first)
+    assert runs == 2
+
+
+async def test_bad_images_are_refused_and_the_engine_keeps_serving(llava) -> None:
+    from PIL import Image
+
+    good = _image(3)
+    bomb = io.BytesIO()
+    Image.new("1", (6000, 6000)).save(bomb, format="PNG")  # 36M pixels in a few KB
+    cases = {
+        "corrupt": "data:image/png;base64," + base64.b64encode(_encoded(good)[:60]).decode(),
+        "bomb": "data:image/png;base64," + base64.b64encode(bomb.getvalue()).decode(),
+        "format": "data:image/gif;base64," + base64.b64encode(_encoded(good, "GIF")).decode(),
+        "not-base64": "data:image/png;base64,@@@@",
+        "remote": "https://example.com/cat.png",
+    }
+    async with _open(llava, max_image_pixels=100_000, limit_mm_per_prompt=2) as eng:
+        for name, url in cases.items():
+            messages = [{"role": "user", "content": [
+                {"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": url}}]}]
+            with pytest.raises(InvalidParamError) as info:
+                await eng.submit(messages, greedy(4))
+            assert info.value.param == "messages[0].content[1]", name
+        with pytest.raises(InvalidParamError, match="limit-mm-per-prompt"):
+            await eng.submit(_messages([good, good, good]), greedy(4))
+        with pytest.raises(InvalidParamError, match="over the 100000-pixel budget"):
+            await eng.submit(_messages([_image(4, size=(400, 300))]), greedy(4))
+        # The embedded API also takes bytes and PIL images as parts.
+        for data in (_encoded(good, "JPEG"), _encoded(good, "WEBP"), good):
+            parts = [{"type": "image", "image": data}, {"type": "text", "text": QUESTION}]
+            outs = await collect(eng, [{"role": "user", "content": parts}], greedy(4))
+            assert len(token_ids(outs)) == 4
+        await wait_idle(eng)
+
+
+async def test_a_text_only_model_refuses_images(tmp_path) -> None:
+    from engine.models.testing import write_tiny_model
+
+    folder = write_tiny_model(tmp_path / "text", "llama")
+    async with engine.open_engine(folder, dtype="float32", kv_cache_memory=4 * 2**20) as eng:
+        with pytest.raises(InvalidParamError, match="takes text only") as info:
+            await eng.submit(_messages([_image(0)]), greedy(4))
+        assert info.value.param == "messages[0].content[0]"
+        assert len(token_ids(await collect(eng, "Hello", greedy(3)))) == 3
