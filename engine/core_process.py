@@ -188,9 +188,11 @@ async def run_core_actors(parts: Any, frames: FrameStream) -> None:
                 for message in batch:
                     if isinstance(message, AdmittedRequest):
                         params = message.samples[0].params
-                        if admission.needs_compile(parts.grammar, params):
-                            # The front end compiled it already (and refused what does
-                            # not compile); this core's cache misses only once per spec.
+                        spec = params.structured_outputs
+                        if spec is not None and not parts.grammar.is_cached(spec):
+                            # The front end compiled it already in a worker process under
+                            # its time and size budget (and refused what does not fit), so
+                            # this compile is known to finish; the cache misses once a spec.
                             await trio.to_thread.run_sync(
                                 admission.compile_structured, parts.grammar, params)
                         scheduler.arriving(message)
@@ -311,12 +313,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     config = core_placement(config_from_json(args.config_json), args.local_index,
                             args.local_size)
+    status = 0
     try:
         trio.run(serve_core, config, args.connect, secret, args.core_index)
     except (OSError, EOFError, WireError) as exc:
         logger.error("core %d: %s", args.core_index, exc)
-        return 1
-    return 0
+        status = 1
+    # Skip the interpreter's teardown (torch's and the model's objects take seconds to
+    # finalize, and a daemon thread cannot run once it starts): nothing of a core needs
+    # cleaning up, and its front end wants it gone at once.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":

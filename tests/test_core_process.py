@@ -327,3 +327,18 @@ async def test_a_headless_core_on_another_machine_joins_over_tcp_with_the_shared
     assert loads == [0, 0]
     assert headless.returncode == 0
     assert "does not know the shared secret" in caplog.text
+
+
+async def test_structured_output_through_a_core_process_matches_in_process(model: Path) -> None:
+    from engine.structured.spec import StructuredOutputs
+
+    params = SamplingParams(max_tokens=40, temperature=0, structured_outputs=StructuredOutputs(
+        regex=r"(yes|no) [0-9]{2,4}"))
+    got = {}
+    for mode in ("inprocess", "process"):
+        async with engine.open_engine(str(model), **OPTIONS, engine_core=mode) as eng:
+            got[mode] = "".join(o.text for o in await collect(eng, [1, 2, 3], params))
+    import re
+
+    assert re.fullmatch(r"(yes|no) [0-9]{2,4}", got["process"])
+    assert got["process"] == got["inprocess"]
