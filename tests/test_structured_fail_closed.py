@@ -265,3 +265,24 @@ def test_xgrammar_never_writes_a_special_token_for_text(xgrammar_backend):
     for i in special:
         assert not (int(mask[0, i // 32]) >> (i % 32)) & 1, tok.decode([i], False)
     assert _accepts(tok, backend, spec, "<|im_end|>")  # spelled out, it fits
+
+
+def test_a_grammar_dead_end_mid_generation_is_an_error_never_a_stop(server):
+    # A JSON schema's length is not bounded at admission: {"enum": ["ok"]} is complete
+    # after a few tokens, where min_tokens still forbids EOS. The answer is an error that
+    # says so, streamed or not, never a "stop" whose text breaks the constraint.
+    fields = {"guided_json": {"enum": ["ok"]}, "min_tokens": 30, "max_tokens": 40}
+    r = _chat(server, **fields)
+    assert r.status_code == 500, r.text
+    error = r.json()["error"]
+    assert error["code"] == "request_failed" and "min_tokens asks for 30" in error["message"]
+    body = {"model": MODEL, "messages": ASK, "stream": True, **fields}
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body,
+                      timeout=60) as response:
+        events = [line.removeprefix("data: ") for line in response.iter_lines()
+                  if line.startswith("data: ")]
+    payloads = [json.loads(e) for e in events if e != "[DONE]"]
+    assert any("min_tokens asks for 30" in p.get("error", {}).get("message", "")
+               for p in payloads), events
+    assert not any(c.get("finish_reason") == "stop"
+                   for p in payloads for c in p.get("choices", [])), events

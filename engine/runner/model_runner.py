@@ -501,7 +501,8 @@ class ModelRunner:
             kept: list[SampledToken] = []
             for j, drawn in enumerate(draws):
                 if isinstance(drawn, SamplingFailure):
-                    failed.append(RequestFailure(c.sample_id, drawn.reason))
+                    why = _dead_end(s) if j == 0 else None  # the matcher is at row 0
+                    failed.append(RequestFailure(c.sample_id, why or drawn.reason))
                     kept = []
                     break
                 token, logprob, top = drawn
@@ -568,6 +569,20 @@ class ModelRunner:
                 raise StepPlanError("the request's tokens do not fit its grammar")
         state.matcher = matcher
         return matcher
+
+
+def _dead_end(state: _RequestState) -> str | None:
+    """Why a constrained sample has nothing to sample, when its grammar is the cause: the
+    output is complete (only EOS may follow) while min_tokens still forbids EOS. Admission
+    refuses this where it can know it (a bounded regex or choice); a JSON schema's length
+    is found out here."""
+    matcher = state.matcher
+    wanted = state.params.min_tokens
+    if matcher is None or len(state.outputs) >= wanted or not matcher.complete():
+        return None
+    return (f"structured output: the constrained output is complete after "
+            f"{len(state.outputs)} tokens and can only end there, but min_tokens asks for "
+            f"{wanted}; no token can be sampled")
 
 
 # Hidden rows turned into full-vocabulary logits at once for prompt logprobs: 256 rows of

@@ -101,6 +101,10 @@ class Matcher:
             self.ended = token in self._stop_ids
         return ok
 
+    def complete(self) -> bool:
+        """Whether the tokens accepted so far form a whole output (EOS may follow)."""
+        return bool(self._m.is_accepting() if self._guidance else self._m.is_completed())
+
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into ``bitmask[row]`` (int32, on the CPU)."""
         if self._guidance:
