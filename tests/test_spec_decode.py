@@ -13,6 +13,7 @@ from engine_helpers import collect, greedy, text, tiny_model, token_ids, wait_id
 
 import engine
 from engine.config import EngineConfig
+from engine.core.request import RequestStatus
 from engine.core.spec import propose
 from engine.errors import ConfigError
 from engine.params import SamplingParams
@@ -146,3 +147,141 @@ async def test_n_samples_and_a_grammar_request_beside_speculating_ones(model: Pa
         assert len(token_ids(spec, i)) == 32
         assert token_ids(spec, i) == token_ids(plain, i)
     assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+# --- the prefix cache holds only verified tokens (the pure scheduler and block pool) -------
+
+
+def _spec_scheduler(k: int) -> tuple[Any, Any]:
+    from engine.core.block_pool import BlockPool
+    from engine.core.scheduler import Scheduler, SchedulerConfig
+
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, block_size=4,
+                             max_model_len=256, num_kv_blocks=32, num_speculative_tokens=k,
+                             prompt_lookup_max=2, prompt_lookup_min=1)
+    return Scheduler(config), BlockPool(32, 4, enable_prefix_caching=True)
+
+
+def _step(sched: Any, pool: Any, tokens: list[int]) -> tuple[Any, Any]:
+    from engine.core.scheduler import run_with_pool
+    from engine.messages import SampledToken, StepResult
+
+    plan = run_with_pool(sched.schedule(), pool)
+    (chunk,) = plan.chunks
+    result = StepResult(plan.step_id, tuple(SampledToken(chunk.sample_id, t, 0.0, ()) for t in tokens), 0.0)
+    update = sched.update_from_output(plan, result)
+    for call in update.allocator_calls:
+        pool.handle(call)
+    return chunk, update
+
+
+def test_rejected_proposal_tokens_are_never_cached_and_are_recomputed() -> None:
+    from engine.messages import CacheBlocks, SchedulerRequest
+
+    sched, pool = _spec_scheduler(3)
+    prompt = (7, 8, 9, 10, 7, 8)
+    sched.add_request(SchedulerRequest("a", prompt, SamplingParams(temperature=0, max_tokens=20),
+                                       (), 20, 0, 0.0, None, None))
+    chunk, _ = _step(sched, pool, [9])  # the prompt; the model draws 9
+    assert (chunk.start, chunk.num_tokens, chunk.draft_token_ids) == (0, 6, ())
+    # Context 7 8 9 10 7 8 9: "8 9" occurred at 1, so 10 7 8 is proposed at positions 7..9.
+    chunk, update = _step(sched, pool, [11])  # the model disagrees at once
+    assert (chunk.start, chunk.num_tokens, chunk.draft_token_ids) == (6, 4, (10, 7, 8))
+    req = sched.get_request("a")
+    # Verified: position 6 (token 9). Block [4, 8) would hold the rejected 10: not cached.
+    assert req.num_computed_tokens == 7 and req.output_token_ids == [9, 11]
+    assert not [c for c in update.allocator_calls if isinstance(c, CacheBlocks)]
+    chunk, _ = _step(sched, pool, [12])  # no earlier "9 11" or "11": a plain decode
+    assert (chunk.start, chunk.num_tokens, chunk.draft_token_ids) == (7, 1, ())
+    _step(sched, pool, [7])
+    # Context ... 9 11 12 7: "12 7" never occurred, "7" last at 4: 8 9 11 is proposed.
+    chunk, update = _step(sched, pool, [8, 9, 11, 5])  # all accepted, then the model's 5
+    assert (chunk.start, chunk.draft_token_ids) == (9, (8, 9, 11))
+    assert req.output_token_ids == [9, 11, 12, 7, 8, 9, 11, 5]
+    assert req.num_computed_tokens == 6 + 8 - 1  # every token but the last drawn
+    cached = [c.token_ids for c in update.allocator_calls if isinstance(c, CacheBlocks)]
+    known = prompt + tuple(req.output_token_ids)
+    assert cached == [known[8:12]]  # block [8, 12); [4, 8) went in when 11 was computed
+    for call in sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED):
+        pool.handle(call)
+    assert pool.statistics().num_free_blocks == 32
+
+
+# --- sampled outputs follow the target distribution -----------------------------------------
+
+# Upper 0.1% points of the chi-square distribution with 3 degrees of freedom (4 categories).
+CHI2_3DF_999 = 16.27
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_sampled_tokens_under_verification_follow_the_target_distribution(tmp_path: Path) -> None:
+    """4000 seeded draws of the first two output tokens, each verified against a proposal
+    of the second most likely first token: the first token's frequencies match the target
+    model's distribution (transformers' logits, top-4 at temperature 1), and so do the second
+    token's among the draws that accepted the proposal (the target's distribution after it).
+    Chi-square at the 0.1% level, 3 degrees of freedom. Accepting the proposal blindly, or
+    resampling wrongly after a rejection, moves the first token's frequencies far off."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from engine.messages import NewRequest, ScheduledChunk, StepPlan
+    from engine.models.config import ModelConfig
+    from engine.models.testing import write_tiny_model
+    from engine.ops import get_ops
+    from engine.runner.model_runner import ModelRunner
+
+    folder = write_tiny_model(tmp_path / "llama", "llama")
+    prompt = (5, 17, 42, 99, 7, 123)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+    def target(tokens: tuple[int, ...]) -> dict[int, float]:
+        with torch.no_grad():
+            logits = hf(torch.tensor([tokens])).logits[0, -1]
+        top = torch.topk(logits, 4)
+        return dict(zip(top.indices.tolist(), torch.softmax(top.values, -1).tolist(), strict=True))
+
+    p0 = target(prompt)
+    draft = sorted(p0, key=p0.get)[-2]
+    p1 = target((*prompt, draft))
+
+    loaded = type("Loaded", (), {})()
+    loaded.config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    loaded.weights = load_file(str(folder / "model.safetensors"))
+    loaded.dtype = torch.float32
+    batch = 100
+    runner = ModelRunner(loaded, device="cpu", ops=get_ops("torch"), num_blocks=4, block_size=4,
+                         max_num_batched_tokens=batch * 7, max_num_seqs=batch)
+    first: dict[int, int] = {}
+    second: dict[int, int] = {}
+    trials = 4000
+    done: tuple[str, ...] = ()
+    for step in range(trials // batch):
+        ids = [f"r{step}-{i}" for i in range(batch)]
+        # Every trial computes the same positions: one shared table, identical writes.
+        news = tuple(NewRequest(r, prompt, SamplingParams(temperature=1.0, top_k=4, max_tokens=4,
+                                                          seed=step * batch + i, ignore_eos=True), ())
+                     for i, r in enumerate(ids))
+        chunks = tuple(ScheduledChunk(r, 0, 7, (0, 1), True, (draft,)) for r in ids)
+        result = runner.execute(StepPlan(step, news, chunks, done))
+        done = tuple(ids)
+        assert not result.failed
+        drawn: dict[str, list[int]] = {}
+        for s in result.sampled:
+            drawn.setdefault(s.sample_id, []).append(s.token_id)
+        for tokens in drawn.values():
+            assert len(tokens) == (2 if tokens[0] == draft else 1)
+            first[tokens[0]] = first.get(tokens[0], 0) + 1
+            if tokens[0] == draft:
+                second[tokens[1]] = second.get(tokens[1], 0) + 1
+
+    def chi2(counts: dict[int, int], p: dict[int, float]) -> float:
+        assert set(counts) <= set(p)
+        n = sum(counts.values())
+        return sum((counts.get(t, 0) - n * q) ** 2 / (n * q) for t, q in p.items())
+
+    assert sum(second.values()) > 400  # the proposal was accepted often enough to test
+    assert chi2(first, p0) < CHI2_3DF_999, (first, p0)
+    assert chi2(second, p1) < CHI2_3DF_999, (second, p1)
