@@ -14,7 +14,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from chat_fixtures import TOOL_TEMPLATE, WEATHER_TOOL, write_marker_model
+from chat_fixtures import TOOL_TEMPLATE, write_marker_model
 from http_fake_engine import open_fake_engine
 from http_server import ServerThread
 
@@ -35,8 +35,11 @@ def folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fake(folder):
     tokenizer = Tokenizer.from_folder(folder)
+    # Behind a proxy at /llm, with X-Request-Id on every response; the routes answer
+    # without the prefix too.
     with ServerThread(lambda: open_fake_engine(tokenizer, served_model_name=MODEL,
-                                               max_model_len=1024), chat=SETTINGS) as srv:
+                                               max_model_len=1024), chat=SETTINGS,
+                      root_path="/llm", enable_request_id_headers=True) as srv:
         yield srv
 
 
@@ -180,23 +183,149 @@ def test_reasoning_effort_reaches_a_template_that_reads_it_and_is_refused_otherw
 # -- a forced call with a response_format ---------------------------------------------------
 
 
+# A tool whose call is a few tokens (the random model would write long strings for free-text
+# arguments).
+UNIT_TOOL = {"type": "function", "function": {"name": "set_unit", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"],
+    "additionalProperties": False}}}
+
+
 def test_a_forced_call_wins_over_response_format_as_in_vllm(real):
     other = {"type": "object", "properties": {"zzz": {"type": "integer"}}, "required": ["zzz"],
              "additionalProperties": False}
     with _client(real) as client:
-        for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        for choice in ({"type": "function", "function": {"name": "set_unit"}}, "required"):
             reply = client.chat.completions.create(
-                model=MODEL, messages=ASK, tools=[WEATHER_TOOL], tool_choice=choice,
-                max_tokens=200, temperature=0, response_format={
+                model=MODEL, messages=ASK, tools=[UNIT_TOOL], tool_choice=choice,
+                max_tokens=60, temperature=0, response_format={
                     "type": "json_schema", "json_schema": {"name": "z", "schema": other}})
             calls = reply.choices[0].message.tool_calls
-            assert calls and calls[0].function.name == "get_weather", reply
+            assert calls and calls[0].function.name == "set_unit", reply
             jsonschema.validate(json.loads(calls[0].function.arguments),
-                                WEATHER_TOOL["function"]["parameters"])
+                                UNIT_TOOL["function"]["parameters"])
         # An explicit grammar beside a forced call stays a 400 saying why.
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(
-                model=MODEL, messages=ASK, tools=[WEATHER_TOOL], tool_choice="required",
+                model=MODEL, messages=ASK, tools=[UNIT_TOOL], tool_choice="required",
                 max_tokens=5, extra_body={"guided_regex": "[a-z]+"})
         assert info.value.body["param"] == "tool_choice"
         assert "response_format" in info.value.body["message"]
+
+
+# -- serving options ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefix", ["", "/llm"])
+def test_root_path_routes_answer_with_and_without_the_prefix(fake, prefix):
+    with openai.OpenAI(base_url=fake.base_url + prefix + "/v1", api_key="x",
+                       max_retries=0) as client:
+        reply = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2)
+        assert reply.choices[0].finish_reason == "length"
+        assert [m.id for m in client.models.list()] == [MODEL]
+    assert httpx.get(fake.base_url + prefix + "/health").status_code == 200
+    # Only the whole prefix is stripped: /llmx is not /llm.
+    assert httpx.get(fake.base_url + "/llmx/health").status_code == 404
+
+
+def test_request_id_headers_on_every_response(fake):
+    mine = httpx.post(fake.base_url + "/v1/completions", headers={"X-Request-Id": "abc-1"},
+                      json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
+    assert mine.headers["X-Request-Id"] == "abc-1"
+    assert mine.json()["id"] == "cmpl-abc-1"
+    fresh = httpx.post(fake.base_url + "/v1/completions",
+                       json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
+    # The generated id is the one the request ran under (the response's id carries it).
+    assert fresh.json()["id"] == "cmpl-" + fresh.headers["X-Request-Id"]
+    other = httpx.post(fake.base_url + "/v1/completions",
+                       json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
+    assert other.headers["X-Request-Id"] != fresh.headers["X-Request-Id"]
+    assert httpx.get(fake.base_url + "/health").headers["X-Request-Id"]
+
+
+def test_load_counts_requests_in_flight_and_orca_reports_the_engine_state(fake):
+    assert httpx.get(fake.base_url + "/load").json() == {"server_load": 0}
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1000, "stream": True}
+    with httpx.stream("POST", fake.base_url + "/v1/completions", json=body) as stream:
+        lines = stream.iter_lines()  # kept: a dropped iterator closes the response
+        assert next(lines).startswith("data: ")  # the stream is under way
+        assert httpx.get(fake.base_url + "/load").json() == {"server_load": 1}
+    # The client left: the request is done (aborted) and no longer counted.
+    for _ in range(200):
+        if httpx.get(fake.base_url + "/load").json() == {"server_load": 0}:
+            break
+    assert httpx.get(fake.base_url + "/load").json() == {"server_load": 0}
+
+    stats = fake.call(fake.engine.statistics)
+    text = httpx.post(fake.base_url + "/v1/completions",
+                      headers={"endpoint-load-metrics-format": "text"},
+                      json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
+    header = text.headers["endpoint-load-metrics"]
+    assert header.startswith("TEXT ")
+    named = dict(item.split("=") for item in header[5:].split(", "))
+    assert set(named) == {"named_metrics.kv_cache_usage_perc",
+                          "named_metrics.num_requests_waiting"}
+    assert float(named["named_metrics.num_requests_waiting"]) == stats.waiting
+    with _client(fake) as client:
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=ASK, max_tokens=1,
+            extra_headers={"endpoint-load-metrics-format": "json"})
+    kind, payload = raw.headers["endpoint-load-metrics"].split(" ", 1)
+    assert kind == "JSON"
+    report = json.loads(payload)["named_metrics"]
+    assert 0.0 <= report["kv_cache_usage_perc"] <= 1.0
+    assert "endpoint-load-metrics" not in httpx.post(
+        fake.base_url + "/v1/completions",
+        json={"model": MODEL, "prompt": "hi", "max_tokens": 1}).headers
+
+
+def test_invocations_dispatches_by_body_shape(fake):
+    chat = httpx.post(fake.base_url + "/invocations",
+                      json={"model": MODEL, "messages": ASK, "max_tokens": 2})
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
+    completion = httpx.post(fake.base_url + "/invocations",
+                            json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert completion.status_code == 200
+    assert completion.json()["object"] == "text_completion"
+    # The same checks as the routes themselves.
+    bad = httpx.post(fake.base_url + "/invocations",
+                     json={"model": MODEL, "prompt": "hi", "temperature": -1})
+    assert (bad.status_code, bad.json()["error"]["param"]) == (400, "temperature")
+    neither = httpx.post(fake.base_url + "/invocations", json={"input": "hi"})
+    assert neither.status_code == 400 and "messages" in neither.json()["error"]["message"]
+
+
+def test_generate_tokens_route_matches_transformers_greedy_tokens(real, folder):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = [5, 17, 42, 99, 7]
+    r = httpx.post(real.base_url + "/inference/v1/generate", json={
+        "model": MODEL, "token_ids": prompt, "request_id": "gen-1",
+        "sampling_params": {"temperature": 0, "max_tokens": 8, "ignore_eos": True,
+                            "logprobs": 1, "detokenize": True}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert set(body) == {"request_id", "choices", "prompt_logprobs", "kv_transfer_params"}
+    assert body["request_id"] == "gen-1"
+    (choice,) = body["choices"]
+    assert (choice["index"], choice["finish_reason"]) == (0, "length")
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                      dtype=torch.long), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert choice["token_ids"] == out[0, len(prompt):].tolist()
+    assert len(choice["logprobs"]["content"]) == 8
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"token_ids": [], "sampling_params": {}}, "token_ids"),
+    ({"token_ids": [1, "a"], "sampling_params": {}}, "token_ids"),
+    ({"token_ids": [1], "sampling_params": {"bad_words": ["x"]}}, "sampling_params.bad_words"),
+    ({"token_ids": [1], "sampling_params": {"frobnicate": 1}}, "sampling_params.frobnicate"),
+    ({"token_ids": [1], "sampling_params": {}, "stream": True}, "stream"),
+    ({"token_ids": [1], "sampling_params": {"temperature": -1}}, "temperature"),
+    ({"token_ids": [10**6], "sampling_params": {}}, "prompt"),
+])
+def test_generate_tokens_route_refuses_what_it_cannot_honour(fake, body, param):
+    r = httpx.post(fake.base_url + "/inference/v1/generate", json={"model": MODEL, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import uuid
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any
 
 import trio
-from quart import Response, request
+from quart import Response, g, request
 from quart.wrappers.response import ResponseBody
 from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
@@ -34,7 +35,7 @@ from engine.chat.output import ChatOutputParser
 from engine.chat.request import ChatSettings, calls_constrained, parse_chat_fields
 from engine.core import admission
 from engine.errors import EngineDeadError, InvalidParamError
-from engine.http import anthropic, auth, edge, protocol, responses, schema, sse
+from engine.http import anthropic, auth, edge, protocol, responses, schema, sse, tokens
 from engine.http import pooling as pooling_http
 from engine.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.http.metrics import Metrics, RequestTimer
@@ -62,6 +63,10 @@ _LOGGED_ELSEWHERE = ("engine_dead", "request_failed")
 # A client's request id (echoed on the response, and the engine's id for the request), as
 # vLLM and most gateways name it.
 REQUEST_ID_HEADER = "X-Request-Id"
+# ORCA load reports (vLLM's and Envoy's names): the request header asks for one, in "text"
+# or "json", on the response's header.
+ORCA_FORMAT_HEADER = "endpoint-load-metrics-format"
+ORCA_HEADER = "endpoint-load-metrics"
 # Long enough for any UUID-with-prefix scheme; short enough to keep out of the way in logs.
 _MAX_REQUEST_ID = 256
 
@@ -69,7 +74,8 @@ _MAX_REQUEST_ID = 256
 def create_app(
     engine: EngineLike, *, api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, chat: ChatSettings | None = None,
-    allowed_origins: tuple[str, ...] = (),
+    allowed_origins: tuple[str, ...] = (), root_path: str = "",
+    enable_request_id_headers: bool = False,
 ) -> QuartTrio:
     """Build the OpenAI-compatible app serving ``engine`` (an open :class:`engine.api.Engine`).
 
@@ -78,14 +84,19 @@ def create_app(
     413. ``chat`` holds the chat flags (tool-call and reasoning parsers, chat template).
     ``allowed_origins`` (``"*"`` or full origins like ``https://app.example``) turns on
     CORS for browsers on those origins (quart-cors; preflights need no API key).
+    ``root_path`` (``/llm``) is the prefix a proxy serves the app under: every route
+    answers with and without it, as vLLM's ``--root-path``. ``enable_request_id_headers``
+    puts an ``X-Request-Id`` on every response, a fresh one where the client sent none.
     """
     app = _App(__name__)
+    app.root_prefix = _root_prefix(root_path)
     # Generations can take minutes; the engine's own limits bound a request, not a timer.
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["MAX_CONTENT_LENGTH"] = max_request_bytes
     app.config["BODY_TIMEOUT"] = edge.BODY_TIMEOUT_SECONDS
     server = _Server(engine, api_key=api_key, max_request_bytes=max_request_bytes,
-                     chat=chat or ChatSettings())
+                     chat=chat or ChatSettings(),
+                     enable_request_id_headers=enable_request_id_headers)
     server.register(app)
     # The /v1/responses store, for tests and operators' introspection (statistics()).
     app.extensions["responses_store"] = server.responses
@@ -128,9 +139,29 @@ class _Connection(TrioASGIHTTPConnection):
         nursery.cancel_scope.cancel()
 
 
+def _root_prefix(root_path: str) -> str:
+    """``--root-path`` as a prefix to strip: ``/llm`` (no trailing slash), or ``""``."""
+    prefix = root_path.strip().rstrip("/")
+    if prefix and not prefix.startswith("/"):
+        prefix = "/" + prefix
+    return prefix
+
+
 class _App(QuartTrio):
     asgi_http_class = _Connection
     request_class = edge.EdgeRequest
+    root_prefix = ""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:  # type: ignore[override]
+        # Behind a proxy that keeps the prefix (/llm/v1/...) as well as one that strips it:
+        # the routes see the path without it.
+        prefix = self.root_prefix
+        if prefix and scope.get("type") == "http":
+            path = scope.get("path", "")
+            if path == prefix or path.startswith(prefix + "/"):
+                rest = path[len(prefix):] or "/"
+                scope = {**scope, "path": rest, "raw_path": rest.encode()}
+        await super().__call__(scope, receive, send)
 
 
 Produce = Callable[[trio.MemorySendChannel[bytes]], Awaitable[None]]
@@ -185,8 +216,12 @@ class _Server:
     """Route handlers bound to one engine."""
 
     def __init__(self, engine: EngineLike, *, api_key: str | None, max_request_bytes: int,
-                 chat: ChatSettings) -> None:
+                 chat: ChatSettings, enable_request_id_headers: bool = False) -> None:
         self.engine = engine
+        self.enable_request_id_headers = enable_request_id_headers
+        # Generation requests in flight (submitted, not yet answered or streamed to the
+        # end): GET /load, as vLLM's server-load tracking counts them.
+        self.in_flight = 0
         self.chat_settings = chat
         # The model's sampling defaults (--generation-config auto), for fields a body omits.
         self.sampling_defaults: dict[str, Any] = dict(engine.sampling_defaults)
@@ -240,6 +275,10 @@ class _Server:
         app.add_url_rule("/openapi.json", view_func=self.openapi, methods=["GET"])
         if self.engine.config.enable_tokenizer_info_endpoint:
             app.add_url_rule("/tokenizer_info", view_func=self.tokenizer_info, methods=["GET"])
+        app.add_url_rule("/load", view_func=self.load, methods=["GET"])
+        app.add_url_rule("/invocations", view_func=self.invocations, methods=["POST"])
+        app.add_url_rule("/inference/v1/generate", view_func=self.generate_tokens,
+                         methods=["POST"])
 
     # -- plumbing ---------------------------------------------------------------------
 
@@ -336,15 +375,23 @@ class _Server:
 
     async def _echo_request_id(self, response: Response) -> Response:
         request_id = request.headers.get(REQUEST_ID_HEADER)
+        if request_id is None and self.enable_request_id_headers:
+            # The id the request ran under when it generated, else a fresh one.
+            request_id = getattr(g, "request_id", None) or uuid.uuid4().hex
         if request_id is not None:
             response.headers[REQUEST_ID_HEADER] = request_id
         return response
 
     def _request_id(self) -> str | None:
         """The client's ``X-Request-Id``, used as the engine's request id (checked: ids
-        show up in logs and metrics labels-free, so printable ASCII only)."""
+        show up in logs and metrics labels-free, so printable ASCII only). With
+        ``--enable-request-id-headers`` a request without one gets a fresh id, which the
+        response's header then carries."""
         value = request.headers.get(REQUEST_ID_HEADER)
         if value is None:
+            if self.enable_request_id_headers:
+                g.request_id = uuid.uuid4().hex
+                return str(g.request_id)
             return None
         if not 0 < len(value) <= _MAX_REQUEST_ID or not value.isascii() or not value.isprintable():
             raise APIError(400, f"{REQUEST_ID_HEADER} must be 1-{_MAX_REQUEST_ID} printable "
@@ -454,12 +501,18 @@ class _Server:
     # -- completions --------------------------------------------------------------------
 
     async def completions(self) -> Response:
-        return await self._generate(protocol.parse_completion(
-            await self._read_checked("completion"), defaults=self.sampling_defaults))
+        return await self._completions_body(await self._read_checked("completion"))
 
     async def chat(self) -> Response:
+        return await self._chat_body(await self._read_checked("chat"))
+
+    async def _completions_body(self, body: Any) -> Response:
+        return await self._generate(protocol.parse_completion(
+            body, defaults=self.sampling_defaults))
+
+    async def _chat_body(self, body: Any) -> Response:
         return await self._generate(protocol.parse_chat(
-            await self._read_checked("chat"), self.chat_settings, self.engine.tokenizer.chat_template,
+            body, self.chat_settings, self.engine.tokenizer.chat_template,
             defaults=self.sampling_defaults))
 
     # -- Anthropic Messages ---------------------------------------------------------------
@@ -473,7 +526,8 @@ class _Server:
                                       self.engine.tokenizer.chat_template,
                                       defaults=self.sampling_defaults)
             self._check_model(req.model)
-            run = _Run(self.engine, req, self.metrics.timer(), self.answer_options)
+            run = _Run(self.engine, req, self.metrics.timer(), self.answer_options,
+                       self._load_tracker())
             await run.submit_all(self._request_id())
         except (APIError, InvalidParamError) as exc:
             raise anthropic.rename_param(protocol.error_from_exception(exc)) from None
@@ -549,14 +603,91 @@ class _Server:
         return _json(responses.input_items_page(items, limit=int(limit), order=order,
                                                 after=args.get("after")), 200)
 
+
+    async def invocations(self) -> Response:
+        """SageMaker's one route: a chat body (``messages``) or a completions body
+        (``prompt``), told apart by shape as vLLM does."""
+        body = await self._read_json()
+        if isinstance(body, dict) and "messages" in body:
+            schema.check_body(body, "chat")
+            return await self._chat_body(body)
+        if isinstance(body, dict) and "prompt" in body:
+            schema.check_body(body, "completion")
+            return await self._completions_body(body)
+        raise APIError(400, "/invocations takes a chat completions body (with `messages`) "
+                       "or a completions body (with `prompt`)", code="invalid_value")
+
     async def _generate(self, req: CompletionRequest) -> Response:
         self._check_model(req.model)
-        run = _Run(self.engine, req, self.metrics.timer(), self.answer_options)
+        run = _Run(self.engine, req, self.metrics.timer(), self.answer_options,
+                   self._load_tracker())
         await run.submit_all(self._request_id())
         if req.stream:
             body = _TaskBody(run.write_sse, run.close)
             return Response(body, 200, headers=sse.HEADERS, content_type=sse.CONTENT_TYPE)
-        return _json(await run.collect(), 200)
+        response = _json(await run.collect(), 200)
+        self._add_load_report(response)
+        return response
+
+    # -- load reporting -----------------------------------------------------------------
+
+    def _load_tracker(self) -> Callable[[], None]:
+        """Count one generation request in flight; the returned call (idempotent) ends it."""
+        self.in_flight += 1
+        done = False
+
+        def finish() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                self.in_flight -= 1
+
+        return finish
+
+    async def load(self) -> Response:
+        return _json({"server_load": self.in_flight}, 200)
+
+    def _add_load_report(self, response: Response) -> None:
+        """The ORCA load report (``endpoint-load-metrics``) a load balancer asked for with
+        ``endpoint-load-metrics-format: text`` or ``json``, as vLLM sends it."""
+        wanted = request.headers.get(ORCA_FORMAT_HEADER, "").strip().lower()
+        if wanted not in ("text", "json"):
+            return
+        stats = self.engine.statistics()
+        total = stats.kv_blocks_total
+        named = {
+            "kv_cache_usage_perc": (total - stats.kv_blocks_free) / total if total else 0.0,
+            "num_requests_waiting": float(stats.waiting),
+        }
+        if wanted == "text":
+            value = "TEXT " + ", ".join(f"named_metrics.{k}={float(v)}" for k, v in named.items())
+        else:
+            value = "JSON " + sse.dumps({"named_metrics": named}).decode()
+        response.headers[ORCA_HEADER] = value
+
+    # -- tokens in, tokens out ----------------------------------------------------------
+
+    async def generate_tokens(self) -> Response:
+        """vLLM's ``POST /inference/v1/generate``: token ids and sampling params in, token
+        ids out (no text, no chat template)."""
+        req = tokens.parse_generate(await self._read_json(), defaults=self.sampling_defaults)
+        self._check_model(req.model)
+        base_id = self._request_id() if req.request_id is None else req.request_id
+        finish = self._load_tracker()
+        try:
+            stream = await self.engine.submit(list(req.token_ids), req.params,
+                                              request_id=base_id, priority=req.priority,
+                                              cache_salt=req.cache_salt)
+            async with stream:
+                answer = tokens.GenerateAnswer(stream.request_id, req.params.n,
+                                               self._token_text)
+                async for out in stream:
+                    answer.record(out)
+        finally:
+            finish()
+        response = _json(answer.response(), 200)
+        self._add_load_report(response)
+        return response
 
 
 class _Run:
@@ -566,11 +697,13 @@ class _Run:
     :class:`protocol.Completion`'s."""
 
     def __init__(self, engine: EngineLike, req: CompletionRequest, timer: RequestTimer,
-                 options: protocol.AnswerOptions) -> None:
+                 options: protocol.AnswerOptions,
+                 on_close: Callable[[], None] = lambda: None) -> None:
         self.engine = engine
         self.req = req
         self.options = options
         self.timer = timer
+        self._on_close = on_close
         self.streams: list[StreamLike] = []
         self.error: APIError | None = None
         self._exit = AsyncExitStack()
@@ -617,7 +750,10 @@ class _Run:
 
     async def close(self) -> None:
         """Leave every stream (aborting those not finished); idempotent."""
-        await self._exit.aclose()
+        try:
+            await self._exit.aclose()
+        finally:
+            self._on_close()
 
     async def collect(self) -> dict[str, Any]:
         self.answer.begin_collected()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import hmac
 
 # Probes and scrapers must work without the key, as in vLLM.
-OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})
+# /load too: a load balancer polls it like /health.
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/load"})
 
 
 def authorized(api_key: str | None, path: str, authorization: str | None) -> bool:

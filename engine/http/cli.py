@@ -31,7 +31,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from engine.chat.reasoning import REASONING_PARSERS
 from engine.chat.request import ChatSettings, load_chat_template
 from engine.chat.tool_parsers import TOOL_PARSERS
-from engine.config import add_engine_arguments, config_from_args
+from engine.config import VLLM_SERVE_FLAGS, add_engine_arguments, config_from_args
 from engine.errors import ConfigError, EngineError
 from engine.http import edge
 from engine.http.app import DEFAULT_MAX_REQUEST_BYTES, create_app
@@ -98,8 +98,61 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
              "line) (default: $ENGINE_DP_SECRET)")
     add("--log-level", default=os.environ.get("ENGINE_LOG_LEVEL", "info"),
         choices=["debug", "info", "warning", "error"], help="logging level ($ENGINE_LOG_LEVEL)")
+    add("--root-path", default="", metavar="PREFIX",
+        help="the path prefix a proxy serves this server under (/llm): routes answer with "
+             "and without it")
+    add("--uds", default=None, metavar="PATH",
+        help="serve on this Unix domain socket instead of --host/--port")
+    add("--enable-request-id-headers", action="store_true",
+        help="put X-Request-Id on every response (a fresh id where the request had none)")
+    add("model_tag", nargs="?", default=None, metavar="MODEL",
+        help="the model, as `vllm serve MODEL` takes it (same as --model)")
     add_engine_arguments(parser, max_engine_restarts=DEFAULT_MAX_ENGINE_RESTARTS,
                          grammar_compile_workers=SERVE_GRAMMAR_COMPILE_WORKERS)
+    _add_vllm_flags(parser)
+
+
+class _VllmNoOp(argparse.Action):
+    """A vLLM flag with nothing to do here: noted (logged at startup), or a usage error at
+    a value this server cannot honour."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        flag = VLLM_SERVE_FLAGS[option_string or ""]
+        if flag.allowed is not None and values not in flag.allowed:
+            parser.error(f"{option_string} {values} (a vLLM flag) is not supported: "
+                         f"{flag.reason}; only {', '.join(flag.allowed)} is accepted")
+        notes = list(getattr(namespace, "vllm_no_ops", []))
+        notes.append(f"{option_string}: no effect here ({flag.reason})")
+        namespace.vllm_no_ops = notes
+
+
+class _VllmRefused(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        flag = VLLM_SERVE_FLAGS[option_string or ""]
+        parser.error(f"{option_string} is a vLLM flag this server does not support: "
+                     f"{flag.reason} (see 'Coming from vLLM' in docs/serving.md)")
+
+
+def _add_vllm_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's serve flags (:data:`engine.config.VLLM_SERVE_FLAGS`): its names for this
+    server's flags, flags with nothing to do here, and flags refused with their reason.
+    Hidden from --help; docs/serving.md lists them."""
+    group = parser.add_argument_group("vLLM's flags")
+    for option, flag in VLLM_SERVE_FLAGS.items():
+        nargs = None if flag.takes_value else 0
+        if flag.action == "alias":
+            target = parser._option_string_actions[flag.target or ""]
+            group.add_argument(option, dest=target.dest, type=target.type,
+                               choices=target.choices, metavar=target.metavar,
+                               default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        elif flag.action == "no_op":
+            group.add_argument(option, action=_VllmNoOp, nargs=nargs,
+                               default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        else:
+            group.add_argument(option, action=_VllmRefused, nargs=nargs if nargs == 0 else "?",
+                               default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -149,7 +202,12 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # engine/__main__.py may have configured the root logger already; the flag wins.
     logging.getLogger().setLevel(args.log_level.upper())
+    for note in getattr(args, "vllm_no_ops", ()):
+        logger.info("%s", note)
+    raise_open_file_limit()
+    edge.quiet_accept_errors()
     try:
+        model_from_tag(args)
         if getattr(args, "headless", False):
             return trio.run(_headless, args)
         return trio.run(_serve, args)
@@ -159,6 +217,37 @@ def run_serve(args: argparse.Namespace) -> int:
     except EngineError as exc:  # a model that does not load
         logger.error("%s", exc)
         return 1
+
+
+def model_from_tag(args: argparse.Namespace) -> None:
+    """``serve MODEL`` (vLLM's positional form) sets ``--model``; both must agree."""
+    tag = getattr(args, "model_tag", None)
+    if tag is None:
+        return
+    if args.model is not None and args.model != tag:
+        raise ConfigError(f"the model is given twice: {tag!r} and --model {args.model!r}",
+                          field="model")
+    args.model = tag
+
+
+def raise_open_file_limit() -> None:
+    """Raise the soft limit on open files to the hard limit, as vLLM does: every client
+    connection is a descriptor, and distributions' default soft limit (1024) is reached
+    by a thousand idle keep-alive connections."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # An unlimited hard limit cannot be the soft one for descriptors (the kernel caps it at
+    # fs.nr_open, 1048576 by default).
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as exc:
+        logger.warning("could not raise the open-file limit from %d to %d: %s", soft, target, exc)
+        return
+    logger.debug("open-file limit raised from %d to %d", soft, target)
 
 
 def chat_settings(args: argparse.Namespace) -> ChatSettings:
@@ -195,7 +284,8 @@ async def _serve(args: argparse.Namespace) -> int:
     key = api_key(args)
     secret = data_parallel_secret(args)
     check_tls(args.ssl_keyfile, args.ssl_certfile)
-    with bind_socket(args.host, args.port) as listener, \
+    uds = getattr(args, "uds", None)
+    with (bind_unix_socket(uds) if uds else bind_socket(args.host, args.port)) as listener, \
             trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         t0 = time.monotonic()
         with _LoadProgress() as progress:
@@ -208,7 +298,10 @@ async def _serve(args: argparse.Namespace) -> int:
                             "none" + (" (--generation-config none)"
                                       if eng.config.generation_config == "none" else ""))
                 app = create_app(eng, api_key=key, max_request_bytes=args.max_request_bytes,
-                                 chat=settings, allowed_origins=allowed_origins(args))
+                                 chat=settings, allowed_origins=allowed_origins(args),
+                                 root_path=getattr(args, "root_path", ""),
+                                 enable_request_id_headers=getattr(
+                                     args, "enable_request_id_headers", False))
                 died = await _serve_until_signal(app, args, listener, signals, eng)
         if died:
             return EXIT_ENGINE_DEAD
@@ -286,6 +379,44 @@ def bind_socket(host: str, port: int) -> socket.socket:
         raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
                           field="port") from None
     return sock
+
+
+@contextlib.contextmanager
+def bind_unix_socket(path: str) -> Any:
+    """A Unix domain socket bound at ``path`` (``--uds``), for :func:`serve_app`; the
+    file is removed when the server is done. A stale socket file (a server that died) is
+    replaced; anything else at ``path`` is a :class:`ConfigError`."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISSOCK(mode):
+            raise ConfigError(f"--uds {path}: the path exists and is not a socket",
+                              field="uds")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # nobody listens: a dead server's socket file
+        else:
+            raise ConfigError(f"--uds {path}: another server is listening there", field="uds")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {path}: {exc.strerror or exc}", field="uds") from None
+    try:
+        with sock:
+            yield sock
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def check_tls(ssl_keyfile: str | None, ssl_certfile: str | None) -> None:

@@ -19,10 +19,18 @@ Three things keep one client from hanging its own connection or piling up others
   :func:`shield_hypercorn_close` shields those two steps.
 * **Limits** on header size and count, and keep-alive and body timeouts, set in
   :func:`hypercorn_limits` and the app config.
+* **Out of descriptors, quietly.** When every file descriptor is taken (a flood of
+  connections past the open-file limit, which ``serve`` first raises to the hard limit),
+  trio's accept loop logs an error with a traceback every 0.1 s and retries; new
+  connections wait in the kernel's listen backlog until descriptors come back (idle
+  keep-alive connections close after :data:`KEEP_ALIVE_SECONDS`). :func:`quiet_accept_errors`
+  turns the flood of tracebacks into one line per :data:`ACCEPT_ERROR_LOG_SECONDS`.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import trio
@@ -106,3 +114,43 @@ def _shielded(method: Any) -> Any:
 
     shielded.shielded_by_engine = True  # type: ignore[attr-defined]
     return shielded
+
+
+# One "out of descriptors" line at most this often: enough to see it is still happening.
+ACCEPT_ERROR_LOG_SECONDS = 10.0
+
+
+class _AcceptErrorFilter(logging.Filter):
+    """Rate-limits trio's accept-loop errors (see :func:`quiet_accept_errors`)."""
+
+    def __init__(self, interval: float = ACCEPT_ERROR_LOG_SECONDS) -> None:
+        super().__init__()
+        self.interval = interval
+        self._last = -float("inf")
+        self._suppressed = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = time.monotonic()
+        if now - self._last < self.interval:
+            self._suppressed += 1
+            return False
+        self._last = now
+        # trio's message names the errno ("accept returned EMFILE (Too many open
+        # files); retrying in 0.1 seconds"); the traceback says nothing more.
+        reason = record.getMessage()
+        record.msg = ("%s: new connections wait in the listen backlog until descriptors "
+                      "free up (%d more such errors in the last %.0f s not logged)")
+        record.args = (reason, self._suppressed, self.interval)
+        record.exc_info = None
+        record.exc_text = None
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        self._suppressed = 0
+        return True
+
+
+def quiet_accept_errors() -> None:
+    """Log trio's "accept returned EMFILE" at most once per
+    :data:`ACCEPT_ERROR_LOG_SECONDS`, as a warning without a traceback. Idempotent."""
+    accept_logger = logging.getLogger("trio.serve_listeners")
+    if not any(isinstance(f, _AcceptErrorFilter) for f in accept_logger.filters):
+        accept_logger.addFilter(_AcceptErrorFilter())
