@@ -500,7 +500,6 @@ VLLM_SERVE_FLAGS: dict[str, VllmFlag] = {
         "fraction of the memory free after the weights load)"),
     "--swap-space": VllmFlag("refuse", "there is no CPU swap space for KV blocks here"),
     "--cpu-offload-gb": VllmFlag("refuse", "weights are not offloaded to the CPU here"),
-    "--max-logprobs": VllmFlag("refuse", "the limit is fixed at 20 here"),
     "--download-dir": VllmFlag("refuse", _NO_HUB),
     "--load-format": VllmFlag("refuse", "the format follows --model: a folder of "
                               "safetensors, or a .gguf file"),
@@ -538,8 +537,7 @@ VLLM_SERVE_FLAGS: dict[str, VllmFlag] = {
     "--max-seq-len-to-capture": VllmFlag("refuse", "there are no CUDA graphs here"),
     "--otlp-traces-endpoint": VllmFlag("refuse", "OpenTelemetry tracing is not supported"),
     "--enable-expert-parallel": VllmFlag("refuse", _ONE_DEVICE, takes_value=False),
-    "--task": VllmFlag("refuse", "this server serves text generation only"),
-    "--runner": VllmFlag("refuse", "this server serves text generation only"),
+    "--task": VllmFlag("refuse", "give --runner (generate, pooling) and --convert instead"),
     "--calculate-kv-scales": VllmFlag("refuse", "--kv-cache-dtype int8/fp8 keep a scale per "
                                       "token and head, computed as they are written",
                                       takes_value=False),

@@ -290,7 +290,14 @@ def test_invocations_dispatches_by_body_shape(fake):
     bad = httpx.post(fake.base_url + "/invocations",
                      json={"model": MODEL, "prompt": "hi", "temperature": -1})
     assert (bad.status_code, bad.json()["error"]["param"]) == (400, "temperature")
-    neither = httpx.post(fake.base_url + "/invocations", json={"input": "hi"})
+    # An embeddings body goes where /v1/embeddings sends it (this generative model's
+    # answer, whatever it is).
+    embed = {"model": MODEL, "input": "hi"}
+    via = httpx.post(fake.base_url + "/invocations", json=embed)
+    direct = httpx.post(fake.base_url + "/v1/embeddings", json=embed)
+    assert via.status_code == direct.status_code
+    assert via.json().get("error") == direct.json().get("error")
+    neither = httpx.post(fake.base_url + "/invocations", json={"text": "hi"})
     assert neither.status_code == 400 and "messages" in neither.json()["error"]["message"]
 
 

@@ -459,7 +459,10 @@ class _Server:
     # Engine.pool's cleanup aborts the inputs still running and frees their blocks.
 
     async def embeddings(self) -> Response:
-        req = pooling_http.parse_embedding(await self._read_checked("embeddings"))
+        return await self._embeddings_body(await self._read_checked("embeddings"))
+
+    async def _embeddings_body(self, body: Any) -> Response:
+        req = pooling_http.parse_embedding(body)
         self._check_model(req.model)
         timer = self.metrics.timer()
         pooled = await self.engine.embed(
@@ -605,8 +608,9 @@ class _Server:
 
 
     async def invocations(self) -> Response:
-        """SageMaker's one route: a chat body (``messages``) or a completions body
-        (``prompt``), told apart by shape as vLLM does."""
+        """SageMaker's one route: a chat body (``messages``), a completions body
+        (``prompt``) or an embeddings body (``input``), told apart by shape as vLLM
+        does."""
         body = await self._read_json()
         if isinstance(body, dict) and "messages" in body:
             schema.check_body(body, "chat")
@@ -614,8 +618,12 @@ class _Server:
         if isinstance(body, dict) and "prompt" in body:
             schema.check_body(body, "completion")
             return await self._completions_body(body)
-        raise APIError(400, "/invocations takes a chat completions body (with `messages`) "
-                       "or a completions body (with `prompt`)", code="invalid_value")
+        if isinstance(body, dict) and "input" in body:
+            schema.check_body(body, "embeddings")
+            return await self._embeddings_body(body)
+        raise APIError(400, "/invocations takes a chat completions body (with `messages`), "
+                       "a completions body (with `prompt`) or an embeddings body (with "
+                       "`input`)", code="invalid_value")
 
     async def _generate(self, req: CompletionRequest) -> Response:
         self._check_model(req.model)

@@ -141,6 +141,8 @@ def _add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     Hidden from --help; docs/serving.md lists them."""
     group = parser.add_argument_group("vLLM's flags")
     for option, flag in VLLM_SERVE_FLAGS.items():
+        if option in parser._option_string_actions:
+            continue  # this server has the flag itself now: its own meaning wins
         nargs = None if flag.takes_value else 0
         if flag.action == "alias":
             target = parser._option_string_actions[flag.target or ""]
