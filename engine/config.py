@@ -515,10 +515,8 @@ VLLM_SERVE_FLAGS: dict[str, VllmFlag] = {
     "--lora-modules": VllmFlag("refuse", "LoRA adapters are not supported"),
     "--max-loras": VllmFlag("refuse", "LoRA adapters are not supported"),
     "--max-lora-rank": VllmFlag("refuse", "LoRA adapters are not supported"),
-    "--speculative-config": VllmFlag("refuse", "speculative decoding is not supported yet"),
     "--kv-transfer-config": VllmFlag("refuse", "disaggregated prefill is not supported"),
-    "--limit-mm-per-prompt": VllmFlag("refuse", "this server serves text-only models"),
-    "--mm-processor-kwargs": VllmFlag("refuse", "this server serves text-only models"),
+    "--mm-processor-kwargs": VllmFlag("refuse", "image processor options are not supported"),
     "--override-generation-config": VllmFlag(
         "refuse", "use --generation-config none, and send the sampling fields per request"),
     "--compilation-config": VllmFlag("refuse", "there is no torch.compile step here"),
