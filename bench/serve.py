@@ -18,6 +18,10 @@ twice in one run at the same concurrency, first as free chat (no tools, ``ignore
 (the output constrained to its schema, ending when the call is complete). It reports both
 rows and checks every returned call's arguments against its schema with ``jsonschema``.
 
+``--shared-prefixes K`` starts every prompt with one of K fixed prefixes of ``--prefix-len``
+tokens (system prompts), so the prefix cache and data-parallel routing by cache affinity
+matter; the table then reports the server's prefix-cache hit rate over the run.
+
 ``--launch engine-gguf,engine-none,llama`` starts each server in turn on a free port (the
 engine with its GGUF blocks kept, the engine dequantized to bf16, and llama.cpp's
 ``llama-server`` from ``--llama-cpp DIR`` with the anchors' fair settings; skipped when
@@ -26,6 +30,14 @@ memory (VmRSS) after the load, stops it, and prints one table:
 
     python bench/serve.py --launch engine-gguf,engine-none,llama --llama-cpp /work/llama.cpp \
         --concurrencies 1,32 --num-prompts 64
+
+An engine kind takes a mode after a colon: ``engine-gguf:inproc`` and ``engine-gguf:core``
+(the engine core in the server's process, or in one of its own), ``engine-gguf:dp2`` and
+``engine-gguf:dp2rr`` (two data-parallel cores, routed by cache affinity or round-robin):
+
+    python bench/serve.py --launch engine-gguf:inproc,engine-gguf:core --concurrencies 1,8,32
+    python bench/serve.py --launch engine-gguf:dp2,engine-gguf:dp2rr --shared-prefixes 8 \
+        --concurrencies 8 --num-prompts 128 --output-len 16
 """
 
 from __future__ import annotations
@@ -222,6 +234,15 @@ def _lengths(mean: int, ratio: float, rng: random.Random) -> int:
 def make_jobs(args: argparse.Namespace, rng: random.Random) -> list[tuple[list[int], int]]:
     # Token ids from a middle band of the vocabulary: ordinary text tokens, no specials.
     vocab_lo, vocab_hi = 1000, 20000
+    if args.shared_prefixes:
+        # --shared-prefixes K: each prompt is one of K fixed "system prompts" of
+        # --prefix-len tokens, then --input-len random tokens of its own.
+        prefixes = [[rng.randint(vocab_lo, vocab_hi) for _ in range(args.prefix_len)]
+                    for _ in range(args.shared_prefixes)]
+        return [(rng.choice(prefixes) + [rng.randint(vocab_lo, vocab_hi)
+                                         for _ in range(args.input_len)],
+                 _lengths(args.output_len, args.random_range_ratio, rng))
+                for _ in range(args.num_prompts)]
     return [([rng.randint(vocab_lo, vocab_hi) for _ in range(
                 _lengths(args.input_len, args.random_range_ratio, rng))],
              _lengths(args.output_len, args.random_range_ratio, rng))
@@ -318,9 +339,17 @@ def _server_command(kind: str, port: int, args: argparse.Namespace) -> list[str]
 
     model = resolve_model(args.baseline_model)
     if kind.startswith("engine-"):
-        quant = kind.removeprefix("engine-")
+        # engine-QUANT[:MODE]: MODE "core" runs the engine core in a process of its own,
+        # "dp2" two data-parallel cores, "dp2rr" two cores routed round-robin.
+        quant, _, mode = kind.removeprefix("engine-").partition(":")
+        extra = {"": [], "inproc": ["--engine-core", "inprocess"],
+                 "core": ["--engine-core", "process"],
+                 "dp2": ["--data-parallel-size", "2"],
+                 "dp2rr": ["--data-parallel-size", "2", "--data-parallel-routing", "round-robin"]}
+        if mode not in extra:
+            raise SystemExit(f"unknown engine mode {mode!r}: inproc, core, dp2 or dp2rr")
         return [sys.executable, "-m", "engine", "serve", "--model", str(model), "--port", str(port),
-                "--quantization", quant, "--log-level", "warning"]
+                "--quantization", quant, "--log-level", "warning", *extra[mode]]
     if kind == "llama":
         exe = None if args.llama_cpp is None else args.llama_cpp / "bin" / "llama-server"
         if exe is None or not exe.is_file():
@@ -347,10 +376,31 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> Non
 
 
 def _rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    """Resident memory of ``pid`` and its descendants (engine cores, compile workers)."""
+    total = 0.0
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1]) / 1024
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                total += _rss_mib(int(child))
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return total
+
+
+def _prefix_cache(url: str) -> tuple[float, float]:
+    """(hits, queries) of the server's prefix cache, in tokens, from /metrics."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    # The engine's own names, or vLLM's where the server serves only those.
+    prefix = "engine:" if "\nengine:prefix_cache_hits_total" in text else "vllm:"
+    values = {"hits": 0.0, "queries": 0.0}
+    for line in text.splitlines():
+        for key in values:
+            if line.startswith(f"{prefix}prefix_cache_{key}_total"):
+                values[key] += float(line.rsplit(" ", 1)[1])
+    return values["hits"], values["queries"]
 
 
 def launch_and_compare(args: argparse.Namespace) -> int:
@@ -370,7 +420,11 @@ def launch_and_compare(args: argparse.Namespace) -> int:
                 run_args = argparse.Namespace(**{**vars(args), "base_url": url, "concurrency": concurrency,
                                                  "request_rate": 0.0})
                 rng = random.Random(args.seed)
+                hits0, queries0 = _prefix_cache(url)
                 summary = trio.run(run, run_args, make_jobs(run_args, rng), rng)
+                hits1, queries1 = _prefix_cache(url)
+                summary["prefix_cache_hit_rate"] = (
+                    (hits1 - hits0) / (queries1 - queries0) if queries1 > queries0 else 0.0)
                 rows.append((kind, concurrency, summary, _rss_mib(proc.pid)))
                 print(f"{kind} c={concurrency}: {summary['output_tokens_per_s']:.1f} tok/s", file=sys.stderr)
                 for error in summary.get("errors", []):  # the first few, as a single run prints them
@@ -382,12 +436,13 @@ def launch_and_compare(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    print("| server | concurrency | output tok/s | TTFT p50 / p90 ms | ITL p50 / p90 ms | failed | RSS after MiB |")
-    print("|---|---|---|---|---|---|---|")
+    print("| server | concurrency | output tok/s | TTFT p50 / p90 ms | ITL p50 / p90 ms | failed "
+          "| prefix-cache hit rate | RSS after MiB |")
+    print("|---|---|---|---|---|---|---|---|")
     for kind, c, s_, rss in rows:
         print(f"| {kind} | {c} | {s_['output_tokens_per_s']:.1f} | {s_['p50_ttft_s'] * 1e3:.0f} / "
               f"{s_['p90_ttft_s'] * 1e3:.0f} | {s_['p50_itl_s'] * 1e3:.1f} / {s_['p90_itl_s'] * 1e3:.1f} | "
-              f"{s_['failed']} | {rss:.0f} |")
+              f"{s_['failed']} | {s_['prefix_cache_hit_rate']:.1%} | {rss:.0f} |")
     return 0 if all(r[2]["failed"] == 0 for r in rows) else 1
 
 
@@ -403,6 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="lengths drawn uniformly from mean*(1-r)..mean*(1+r); 0 = fixed")
+    p.add_argument("--shared-prefixes", type=int, default=0, metavar="K",
+                   help="prompts start with one of K shared prefixes of --prefix-len tokens")
+    p.add_argument("--prefix-len", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")

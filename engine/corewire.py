@@ -21,8 +21,8 @@ Handshake, before any msgpack is decoded::
       | -- frame: (CoreAccepted,) ----------------> |
       | <== frames both ways until either closes => |
 
-Frames from a peer are bounded (``max_frame_bytes``, a nesting depth, no msgpack
-extension types), and decoding builds nothing but the types registered in
+Frames from a peer are bounded (``max_frame_bytes``; nesting by msgpack's own unpacker
+stack, 1024 levels, past which it raises; no extension types), and decoding builds nothing but the types registered in
 :mod:`engine.messages`: a frame whose top level is anything but a tuple of messages is a
 :class:`WireError`, and so is an unknown type or field.
 """
@@ -46,9 +46,6 @@ DIGEST_BYTES = hashlib.sha256().digest_size
 # request whose prompt fills a long context (1M tokens at ~5 bytes each packed is 5 MB,
 # with its detokenizer twin). 64 MiB bounds what a peer can make us buffer.
 DEFAULT_MAX_FRAME_BYTES = 64 * 2**20
-# msgpack nesting: our messages nest at most ~5 deep (a frame, a request, its samples,
-# their params, a structured-output spec); anything much deeper is not ours.
-MAX_DEPTH = 16
 
 
 class WireError(Exception):
@@ -135,22 +132,7 @@ def decode_frame(payload: bytes, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> tu
         raise WireError(f"undecodable frame: {exc}") from None
     if not isinstance(batch, tuple) or not all(messages.is_message(m) for m in batch):
         raise WireError("a frame must be a tuple of messages")
-    if _depth(batch) > MAX_DEPTH:
-        raise WireError("a frame nests too deeply")
     return batch
-
-
-def _depth(obj: object, level: int = 0) -> int:
-    if level > MAX_DEPTH:
-        return level
-    if isinstance(obj, tuple):
-        return max((_depth(o, level + 1) for o in obj), default=level)
-    if isinstance(obj, dict):
-        return max((_depth(o, level + 1) for o in obj.values()), default=level)
-    slots = getattr(type(obj), "__slots__", None)
-    if slots and messages.is_message(obj):
-        return max((_depth(getattr(obj, s), level + 1) for s in slots), default=level)
-    return level
 
 
 # --- the handshake --------------------------------------------------------------------------

@@ -348,38 +348,58 @@ class OutputBatch:
 _TAG = "__msg__"
 
 
+_TYPES: dict[str, type] = {}
+
+
 def _message_types() -> dict[str, type]:
-    # Read at call time so message types appended to this module later are packable too.
-    types = {
-        name: obj
-        for name, obj in globals().items()
-        if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == __name__
-    }
-    types["SamplingParams"] = SamplingParams
-    types["StructuredOutputs"] = StructuredOutputs
-    return types
+    # Built on first use, once this module (and every message type in it) is defined; a
+    # frame decoder calls this for every message it builds.
+    if not _TYPES:
+        _TYPES.update({
+            name: obj
+            for name, obj in globals().items()
+            if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == __name__
+        })
+        _TYPES["SamplingParams"] = SamplingParams
+        _TYPES["StructuredOutputs"] = StructuredOutputs
+        _TYPE_SET.update(_TYPES.values())
+    return _TYPES
+
+
+_TYPE_SET: set[type] = set()
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 
 
 def _to_builtin(obj: object) -> object:
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-        return {_TAG: type(obj).__name__, **fields}
-    raise TypeError(f"cannot pack {type(obj).__name__}")
+    cls = type(obj)
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        if not (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
+            raise TypeError(f"cannot pack {cls.__name__}")
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(obj))
+    packed: dict[str, object] = {_TAG: cls.__name__}
+    for name in names:
+        packed[name] = getattr(obj, name)
+    return packed
 
 
 def from_builtin(raw: dict[str, object]) -> object:
-    name = raw.get(_TAG)
+    name = raw.pop(_TAG, None)
     if name is None:
         return raw
-    cls = _message_types().get(str(name))
+    cls = (_TYPES or _message_types()).get(str(name))
     if cls is None:
         raise ValueError(f"unknown message type {name!r}")
-    return cls(**{k: v for k, v in raw.items() if k != _TAG})
+    return cls(**raw)
 
 
 def is_message(obj: object) -> bool:
     """Whether ``obj`` is an instance of a registered message type."""
-    return type(obj) in _message_types().values()
+    if not _TYPE_SET:
+        _message_types()
+    return type(obj) in _TYPE_SET
 
 
 def pack(message: object) -> bytes:
