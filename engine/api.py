@@ -289,9 +289,15 @@ class Engine:
             await self._compiles.compile(params.structured_outputs)
         else:
             admission.compile_structured(self._parts.grammar, params)  # none, or refused
+        prediction: tuple[int, ...] = ()
+        if params.prediction:
+            text = params.prediction
+            prediction = await self._tokenize(len(text), lambda: tuple(
+                self.tokenizer.encode(text, add_special_tokens=False)))
         handles = self._alive()  # it may have died while a thread tokenized
         admitted = admission.admit(submit, ids, self._parts.limits, waiting=handles.queue_depth(),
-                                   serial=next(self._serials), images=images)
+                                   serial=next(self._serials), images=images,
+                                   prediction=prediction)
         # No await from here on: the mailbox opens and the samples go to the scheduler in
         # one go, so no cancellation can fall between them.
         mailbox = handles.router.open(admitted)

@@ -300,6 +300,8 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # Predicted Outputs: (accepted, rejected) prediction tokens; None without a prediction.
+    prediction_tokens: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -57,6 +57,9 @@ class SamplingParams:
     # The output must match this JSON schema, regex, choice or grammar (engine.structured);
     # compiled at admission, enforced token by token by the model runner.
     structured_outputs: StructuredOutputs | None = None
+    # OpenAI's Predicted Outputs: text the output is expected to repeat (a file edited in
+    # place). Only a source of speculative proposals: the output is the model's either way.
+    prediction: str | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and dicts from callers; store hashable tuples.
@@ -76,6 +79,9 @@ class SamplingParams:
 
     def _check(self) -> None:
         _int(self.n, "n", lo=1, hi=128)
+        if self.prediction is not None and not isinstance(self.prediction, str):
+            raise InvalidParamError(f"prediction must be text, got {type(self.prediction).__name__}",
+                                    param="prediction")
         if self.max_tokens is not None:
             _int(self.max_tokens, "max_tokens", lo=1)
         _int(self.min_tokens, "min_tokens", lo=0)

@@ -126,7 +126,6 @@ def test_a_request_template_that_raises_is_a_400_naming_the_error(fake, expressi
     ("audio", {"voice": "alloy", "format": "wav"}),
     ("modalities", ["text", "audio"]),
     ("web_search_options", {}),
-    ("prediction", {"type": "content", "content": "hello"}),
     ("verbosity", "low"),
     ("truncate_prompt_tokens", 5),
     ("allowed_token_ids", [1, 2]),

@@ -45,14 +45,19 @@ def _copying_prompts(count: int, seed: int) -> list[list[int]]:
 def test_prompt_lookup_proposes_what_followed_the_latest_longest_match() -> None:
     ctx = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
     # The suffix 1 2 3 last occurred at 5 (not the suffix itself): 7 8 5 follows.
-    assert propose(ctx, None, 3, 3, 1) == (7, 8, 5)
-    assert propose(ctx, None, 10, 3, 1) == (7, 8, 5, 1, 2, 3)
-    assert propose([4, 5, 6], None, 3, 3, 1) == ()  # no earlier match
-    assert propose([5, 6, 5], None, 2, 3, 2) == ()  # only n=1 would match; min is 2
-    assert propose([5, 6, 5], None, 2, 3, 1) == (6, 5)
-    # A prediction as the haystack: the continuation after the context's suffix in it.
-    assert propose([1, 2, 3, 4], [9, 3, 4, 10, 11, 12], 2, 3, 1) == (10, 11)
-    assert propose([1, 2], [2], 2, 3, 1) == ()  # matched at its end: nothing follows
+    assert propose(ctx, None, 3, 3, 1) == ((7, 8, 5), 8)
+    assert propose(ctx, None, 10, 3, 1)[0] == (7, 8, 5, 1, 2, 3)
+    assert propose([4, 5, 6], None, 3, 3, 1) == ((), -1)  # no earlier match
+    assert propose([5, 6, 5], None, 2, 3, 2)[0] == ()  # only n=1 would match; min is 2
+    assert propose([5, 6, 5], None, 2, 3, 1)[0] == (6, 5)
+    # A prediction as the haystack: the continuation after the context's suffix in it,
+    # the earliest one from where the last proposal started.
+    assert propose([1, 2, 3, 4], [9, 3, 4, 10, 11, 12], 2, 3, 1, after=0) == ((10, 11), 3)
+    prediction = [7, 1, 8, 1, 9, 1, 10]
+    assert propose([5, 1], prediction, 2, 3, 1, after=0) == ((8, 1), 2)
+    assert propose([5, 1], prediction, 2, 3, 1, after=3) == ((9, 1), 4)
+    assert propose([5, 1], prediction, 2, 3, 1, after=7) == ((10,), 6)  # none later: the latest
+    assert propose([1, 2], [2], 2, 3, 1)[0] == ()  # matched at its end: nothing follows
 
 
 def test_speculative_config_is_checked_at_config_time_naming_the_field() -> None:
@@ -285,3 +290,46 @@ def test_sampled_tokens_under_verification_follow_the_target_distribution(tmp_pa
     assert sum(second.values()) > 400  # the proposal was accepted often enough to test
     assert chi2(first, p0) < CHI2_3DF_999, (first, p0)
     assert chi2(second, p1) < CHI2_3DF_999, (second, p1)
+
+
+# --- OpenAI Predicted Outputs over HTTP ------------------------------------------------------
+
+
+def test_chat_prediction_proposes_tokens_and_usage_counts_them(model: Path) -> None:
+    import openai
+    from http_server import ServerThread
+
+    import engine.api
+
+    def open_engine() -> Any:
+        return engine.api.open_engine(str(model), served_model_name="tiny", max_model_len=256,
+                                      kv_cache_memory=8 * 2**20)
+
+    ask = [{"role": "user", "content": "Rewrite: the cat sat on the mat, the cat sat."}]
+    greedy_chat = {"model": "tiny", "messages": ask, "temperature": 0, "max_tokens": 40,
+                   "extra_body": {"ignore_eos": True}}
+    with ServerThread(open_engine) as srv, openai.OpenAI(
+            base_url=srv.base_url + "/v1", api_key="unused", max_retries=0) as client:
+        plain = client.chat.completions.create(**greedy_chat)
+        answer = plain.choices[0].message.content
+        assert plain.usage.completion_tokens_details is None  # no prediction: no counts
+        predicted = client.chat.completions.create(
+            **greedy_chat, prediction={"type": "content", "content": answer})
+        details = predicted.usage.completion_tokens_details
+        # The answer is the model's; the prediction only saved forwards.
+        assert predicted.choices[0].message.content == answer
+        assert details.accepted_prediction_tokens > 10
+        assert details.rejected_prediction_tokens >= 0
+        wrong = client.chat.completions.create(
+            **greedy_chat, prediction={"type": "content", "content": [
+                {"type": "text", "text": "Something else entirely, "}, {"type": "text", "text": answer[::-1]}]})
+        assert wrong.choices[0].message.content == answer
+        chunks = list(client.chat.completions.create(
+            **greedy_chat, stream=True, stream_options={"include_usage": True},
+            prediction={"type": "content", "content": answer}))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
+        assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens == \
+            details.accepted_prediction_tokens
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(**greedy_chat, prediction={"type": "text", "content": "x"})
+        assert info.value.body["param"] == "prediction"

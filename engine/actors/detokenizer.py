@@ -185,7 +185,7 @@ class Detokenizer:
                 stop_reason=stop_reason,
                 logprobs=_logprobs(delta) if spec.params.logprobs is not None else None,
                 usage=Usage(len(spec.prompt_token_ids), sample.completion_tokens,
-                            delta.num_cached_tokens) if finished else None,
+                            delta.num_cached_tokens, delta.prediction_tokens) if finished else None,
                 pooled=delta.pooled,
             ),
             hit,

@@ -184,7 +184,7 @@ def check_min_tokens(params: SamplingParams) -> None:
 
 def admit(
     submit: SubmitRequest, ids: tuple[int, ...], limits: AdmissionLimits, *, waiting: int,
-    serial: int, images: tuple[ImageInput, ...] = (),
+    serial: int, images: tuple[ImageInput, ...] = (), prediction: tuple[int, ...] = (),
 ) -> AdmittedRequest:
     """Check a tokenized request against the engine's limits and expand it into samples.
 
@@ -218,7 +218,7 @@ def admit(
             f"leaves after the {len(ids)}-token prompt", param="min_tokens",
         )
     return _expand(submit, ids, max_tokens if max_tokens is not None else room, limits, serial,
-                   images)
+                   images, prediction)
 
 
 def _check_model_ranges(params: SamplingParams, limits: AdmissionLimits) -> None:
@@ -274,7 +274,7 @@ def _resolve_logprobs(submit: SubmitRequest, limits: AdmissionLimits) -> SubmitR
 
 def _expand(
     submit: SubmitRequest, ids: tuple[int, ...], max_tokens: int, limits: AdmissionLimits,
-    serial: int, images: tuple[ImageInput, ...] = (),
+    serial: int, images: tuple[ImageInput, ...] = (), prediction: tuple[int, ...] = (),
 ) -> AdmittedRequest:
     names = sample_ids(submit.request_id, submit.params.n, serial)
     # Samples after the first wait until the first has computed (and cached) the prompt's
@@ -289,7 +289,7 @@ def _expand(
             eos_token_ids=limits.eos_token_ids, max_tokens=max_tokens,
             priority=submit.priority, arrival_time=submit.arrival_time,
             cache_salt=submit.cache_salt, wait_for=wait_for if index > 0 else None,
-            images=images,
+            images=images, prediction_token_ids=prediction,
         ))
         outputs.append(DetokenizerRequest(name, submit.request_id, index, ids, params))
     return AdmittedRequest(submit.request_id, tuple(samples), tuple(outputs))

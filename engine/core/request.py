@@ -66,6 +66,7 @@ class Request:
         "num_released_blocks",
         "num_preemptions", "seen_by_runner", "num_cached_tokens", "prediction",
         "draft_token_ids", "num_draft_tokens", "num_accepted_tokens", "images", "cache_prompt_ids",
+        "prediction_pos",
     )  # fmt: skip
 
     def __init__(
@@ -116,6 +117,7 @@ class Request:
         # source); the proposal of the step in flight (the request is not planned again
         # until its result is in); drafted and accepted tokens so far.
         self.prediction = tuple(prediction)
+        self.prediction_pos = 0  # where in the prediction the last proposal started
         self.draft_token_ids: tuple[int, ...] = ()
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0

@@ -344,12 +344,13 @@ class Scheduler:
                 or not self._speculates(req)):
             return ()
         if req.prediction:
-            if not req.output_token_ids:
-                return req.prediction[:k]
-            return propose(req.known_token_ids(), req.prediction, k, config.prompt_lookup_max,
-                           config.prompt_lookup_min)
+            drafts, start = propose(req.known_token_ids(), req.prediction, k, config.prompt_lookup_max,
+                                    config.prompt_lookup_min, after=req.prediction_pos)
+            if start >= 0:
+                req.prediction_pos = start
+            return drafts
         return propose(req.known_token_ids(), None, k, config.prompt_lookup_max,
-                       config.prompt_lookup_min)
+                       config.prompt_lookup_min)[0]
 
     def _schedule_waiting(self, step: _Step) -> Generator[AllocatorCall, AllocatorReply, None]:
         for req in tuple(self._waiting):

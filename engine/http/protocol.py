@@ -82,7 +82,6 @@ NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     "audio": lambda v: v is not None,
     "modalities": lambda v: v not in (None, ["text"]),
     "web_search_options": lambda v: v is not None,
-    "prediction": lambda v: v is not None,
     "verbosity": lambda v: v not in (None, "medium"),
     # vLLM's sampling extras that change the answer and are not built.
     "truncate_prompt_tokens": lambda v: v is not None,
@@ -100,7 +99,6 @@ _NOT_IMPLEMENTED_WHY = {
     "audio": "audio output is not supported; this server writes text only",
     "modalities": 'only ["text"] output is supported',
     "web_search_options": "this server has no web search",
-    "prediction": "predicted outputs are not supported yet",
     "verbosity": "only the default verbosity (medium) is supported",
     "documents": "documents for retrieval-augmented chat templates are not supported",
     "include_reasoning": "false is not supported; leave out --reasoning-parser instead",
@@ -110,7 +108,7 @@ CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "echo",
     "tools", "tool_choice", "parallel_tool_calls",
     "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
-    "reasoning_effort",
+    "reasoning_effort", "prediction",
 }
 class APIError(Exception):
     """An error answered as OpenAI's ``{"error": {...}}`` body with an HTTP status."""
@@ -351,6 +349,9 @@ def parse_chat(body: Any, settings: ChatSettings | None = None,
     params = _sampling_params(body, None, logprobs, max_tokens=max_tokens, defaults=defaults,
                               structured=structured)
     params = _chat_output_params(body, params, fields)
+    prediction = _prediction(body.get("prediction"))
+    if prediction is not None:
+        params = params.replace(prediction=prediction)
     stream, include_usage, continuous = _stream_flags(body)
     prompt_logprobs = _prompt_logprobs(body, stream)
     params = params.replace(prompt_logprobs=prompt_logprobs)
@@ -578,8 +579,27 @@ class AnswerOptions:
     tokens_as_token_ids: bool = False
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
-               ) -> dict[str, Any]:
+def _prediction(value: Any) -> str | None:
+    """OpenAI's Predicted Outputs: ``{"type": "content", "content": text or text parts}``;
+    the text becomes the request's speculative proposals (the answer is unchanged)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") != "content" or set(value) - {"type", "content"}:
+        raise APIError(400, 'prediction must be {"type": "content", "content": ...}',
+                       param="prediction", code="invalid_value")
+    content = value.get("content")
+    if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content):
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise APIError(400, "prediction.content must be a string or an array of text parts",
+                       param="prediction.content", code="invalid_type")
+    return content
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
+               prediction: tuple[int, int] | None = None) -> dict[str, Any]:
     usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -588,6 +608,11 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int | 
     if cached_tokens is not None:
         # OpenAI's field for the prompt-cache hit; here, the prefix cache's.
         usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    if prediction is not None:
+        # OpenAI's Predicted Outputs counts: proposal tokens the output kept, and those
+        # it did not (which OpenAI bills as completion tokens; here they cost compute only).
+        usage["completion_tokens_details"] = {
+            "accepted_prediction_tokens": prediction[0], "rejected_prediction_tokens": prediction[1]}
     return usage
 
 
@@ -778,6 +803,7 @@ class _Choice:
     stop_reason: Any = None
     tokens: int = 0
     cached: int = 0  # prompt tokens the prefix cache served this sample
+    prediction: tuple[int, int] | None = None  # Predicted Outputs: (accepted, rejected)
     # Streamed: logprobs and ids of tokens that are not yet text (half a UTF-8 character),
     # held for the chunk that completes the text.
     held: list[Any] = dataclasses.field(default_factory=list)
@@ -856,8 +882,10 @@ class Completion:
         n = self._n
         cached = sum(max(c.cached for c in self.choices[i * n:(i + 1) * n])
                      for i in range(len(self._prompt_ids)))
+        predicted = [c.prediction for c in self.choices if c.prediction is not None]
+        prediction = (sum(a for a, _ in predicted), sum(r for _, r in predicted)) if predicted else None
         return usage_dict(prompt, sum(c.tokens for c in self.choices),
-                          cached if self._details else None)
+                          cached if self._details else None, prediction)
 
     def record(self, prompt_index: int, out: Any) -> _Choice:
         """Add one engine output of prompt ``prompt_index`` to its choice."""
@@ -874,6 +902,7 @@ class Completion:
             choice.stop_reason = out.stop_reason
             if out.usage is not None:
                 choice.cached = out.usage.cached_tokens
+                choice.prediction = out.usage.prediction_tokens
         return choice
 
     def _echo_entries(self, choice: _Choice, scores: Sequence[Any] | None) -> list[Any]:
