@@ -17,6 +17,10 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -208,8 +212,12 @@ def test_function_call_round_trip_rebuilds_the_conversation(scripted, client):
     assert second.usage.input_tokens == counted["count"]
     # The same conversation sent whole as input items is the same prompt.
     scripted.engine.script = "It is 9 degrees."
+    # (A reasoning item goes with the next assistant turn; this template does not show
+    # earlier turns' thinking, as most do not.)
     whole = client.responses.create(model=MODEL, tools=FLAT_TOOLS, input=[
         {"role": "user", "content": "Weather in Paris?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "They want the weather."}]},
         call.model_dump(exclude_none=True),
         {"type": "function_call_output", "call_id": call.call_id, "output": "9 degrees, rain"}])
     assert whole.usage.input_tokens == second.usage.input_tokens
@@ -432,6 +440,42 @@ def test_forced_call_round_trip_through_previous_response_id_frees_every_block(r
     assert stats.kv_blocks_free == stats.kv_blocks_total and stats.running == 0
 
 
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "serving.md"
+
+
+def _docs_blocks(language):
+    section = DOCS.read_text().split("\n## Responses API (`/v1/responses`)\n", 1)[1]
+    section = section.split("\n## ", 1)[0]
+    return [body for lang, body in re.findall(r"```(\w+)\n(.*?)```", section, re.DOTALL)
+            if lang == language]
+
+
+def test_the_docs_curl_examples_run_as_written(real):
+    (shell,) = _docs_blocks("sh")
+    first, second = [c for c in shell.split("\n\n") if c.strip()]
+    outputs = []
+    for command in (first, second):
+        assert "http://127.0.0.1:8000" in command
+        command = command.replace("http://127.0.0.1:8000", real.base_url)
+        result = subprocess.run(["bash", "-c", command.replace("SmolLM2-135M-Instruct", MODEL)],
+                                capture_output=True, text=True, timeout=300, check=False)
+        assert result.returncode == 0, result.stderr
+        outputs.append(result.stdout)
+    reply = json.loads(outputs[0])
+    assert reply["object"] == "response" and reply["status"] in ("completed", "incomplete")
+    assert reply["output"][0]["type"] == "message" and reply["instructions"] == "Be brief."
+    frames = [frame for frame in outputs[1].split("\n\n") if frame.strip()]
+    events = []
+    for frame in frames:
+        name, data = frame.split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert name == "event: " + event["type"]
+        events.append(event)
+    assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[-1]["type"] in ("response.completed", "response.incomplete")
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
 # -- SmolLM2, the default model, end to end ------------------------------------------------
 
 
@@ -442,7 +486,8 @@ def smollm2():
 
     # SmolLM2's template ignores tools: the fallback prompt describes them (~300 tokens).
     with ServerThread(lambda: engine.api.open_engine(
-            str(default_model_path()), max_model_len=2048,
+            str(default_model_path()), served_model_name="SmolLM2-135M-Instruct",
+            max_model_len=2048,
             kv_cache_memory=64 * 2**20)) as srv:
         yield srv
 
@@ -499,6 +544,18 @@ def test_an_openai_agents_agent_with_a_function_tool_runs_on_smollm2(smollm2):
     assert len(result.raw_responses) == len(cities) + 1
     stats = smollm2.engine.statistics()
     assert stats.kv_blocks_free == stats.kv_blocks_total and stats.running == 0
+
+
+@pytest.mark.slow
+def test_the_docs_python_example_runs_against_smollm2(smollm2):
+    program = _docs_blocks("python")[0]
+    assert 'base_url="http://127.0.0.1:8000/v1"' in program
+    result = subprocess.run(
+        [sys.executable, "-c", program.replace("http://127.0.0.1:8000", smollm2.base_url)],
+        # About 250 tokens of SmolLM2 in all; generous for a loaded machine.
+        capture_output=True, text=True, timeout=900, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
 
 
 # -- the store's policy ------------------------------------------------------------------
