@@ -47,9 +47,10 @@ def fake(folder):
 def real(folder):
     import engine.api
 
+    # Metrics under vLLM's names (--metrics-prefix vllm).
     with ServerThread(lambda: engine.api.open_engine(
             str(folder), served_model_name=MODEL, max_model_len=1024,
-            kv_cache_memory=16 * 2**20), chat=SETTINGS) as srv:
+            kv_cache_memory=16 * 2**20), chat=SETTINGS, metrics_prefix="vllm") as srv:
         yield srv
 
 
@@ -335,3 +336,58 @@ def test_generate_tokens_route_refuses_what_it_cannot_honour(fake, body, param):
     r = httpx.post(fake.base_url + "/inference/v1/generate", json={"model": MODEL, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+# -- metrics under vLLM's names --------------------------------------------------------------
+
+# The series vLLM's dashboard and its metric tests read (histograms by their base name).
+VLLM_SERIES = (
+    "vllm:num_requests_running", "vllm:num_requests_waiting",
+    "vllm:num_requests_waiting_by_reason", "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions",
+    "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:iteration_tokens_total",
+    "vllm:cache_config_info", "vllm:request_success", "vllm:request_prompt_tokens",
+    "vllm:request_generation_tokens", "vllm:request_params_n", "vllm:request_params_max_tokens",
+    "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+    "vllm:time_per_output_token_seconds", "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds", "vllm:request_inference_time_seconds",
+    "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+)
+
+
+def _families(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.base_url + "/metrics").text
+    return text, {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def _sample(family, suffix, **labels):
+    (value,) = [s.value for s in family.samples if s.name == family.name + suffix
+                and all(s.labels.get(k) == v for k, v in labels.items())]
+    return value
+
+
+def test_metrics_under_vllms_names_with_the_request_params(real):
+    from engine.http.metrics import METRIC_NAMES
+
+    _, before = _families(real)
+    with _client(real) as client:
+        client.completions.create(model=MODEL, prompt="Hello there", max_tokens=3, n=2,
+                                  temperature=1.0, seed=1)
+    text, after = _families(real)
+    for name in VLLM_SERIES:
+        assert name in after, name
+    # The engine's own series are all there, under the same prefix; none under engine:.
+    for name in METRIC_NAMES:
+        assert "\n" + name.replace("engine:", "vllm:", 1) in text, name
+    assert "\nengine:" not in text and "# TYPE engine:" not in text
+    params_n, max_tokens = after["vllm:request_params_n"], after["vllm:request_params_max_tokens"]
+    assert _sample(params_n, "_count") == _sample(before["vllm:request_params_n"], "_count") + 1
+    assert _sample(params_n, "_sum") == _sample(before["vllm:request_params_n"], "_sum") + 2
+    assert _sample(max_tokens, "_sum") == \
+        _sample(before["vllm:request_params_max_tokens"], "_sum") + 3
+    waiting = after["vllm:num_requests_waiting_by_reason"]
+    assert {s.labels["reason"] for s in waiting.samples} == {"capacity", "deferred"}
+    assert _sample(waiting, "", reason="capacity") == _sample(
+        after["vllm:num_requests_waiting"], "")

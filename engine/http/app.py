@@ -75,7 +75,7 @@ def create_app(
     engine: EngineLike, *, api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, chat: ChatSettings | None = None,
     allowed_origins: tuple[str, ...] = (), root_path: str = "",
-    enable_request_id_headers: bool = False,
+    enable_request_id_headers: bool = False, metrics_prefix: str = "engine",
 ) -> QuartTrio:
     """Build the OpenAI-compatible app serving ``engine`` (an open :class:`engine.api.Engine`).
 
@@ -87,6 +87,7 @@ def create_app(
     ``root_path`` (``/llm``) is the prefix a proxy serves the app under: every route
     answers with and without it, as vLLM's ``--root-path``. ``enable_request_id_headers``
     puts an ``X-Request-Id`` on every response, a fresh one where the client sent none.
+    ``metrics_prefix`` names the Prometheus series ``engine:*`` or, as vLLM's, ``vllm:*``.
     """
     app = _App(__name__)
     app.root_prefix = _root_prefix(root_path)
@@ -96,7 +97,8 @@ def create_app(
     app.config["BODY_TIMEOUT"] = edge.BODY_TIMEOUT_SECONDS
     server = _Server(engine, api_key=api_key, max_request_bytes=max_request_bytes,
                      chat=chat or ChatSettings(),
-                     enable_request_id_headers=enable_request_id_headers)
+                     enable_request_id_headers=enable_request_id_headers,
+                     metrics_prefix=metrics_prefix)
     server.register(app)
     # The /v1/responses store, for tests and operators' introspection (statistics()).
     app.extensions["responses_store"] = server.responses
@@ -216,7 +218,8 @@ class _Server:
     """Route handlers bound to one engine."""
 
     def __init__(self, engine: EngineLike, *, api_key: str | None, max_request_bytes: int,
-                 chat: ChatSettings, enable_request_id_headers: bool = False) -> None:
+                 chat: ChatSettings, enable_request_id_headers: bool = False,
+                 metrics_prefix: str = "engine") -> None:
         self.engine = engine
         self.enable_request_id_headers = enable_request_id_headers
         # Generation requests in flight (submitted, not yet answered or streamed to the
@@ -227,7 +230,7 @@ class _Server:
         self.sampling_defaults: dict[str, Any] = dict(engine.sampling_defaults)
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes
-        self.metrics = Metrics(engine, engine.model_name)
+        self.metrics = Metrics(engine, engine.model_name, prefix=metrics_prefix)
         config = engine.config
         self.answer_options = protocol.AnswerOptions(
             prompt_tokens_details=config.enable_prompt_tokens_details,
@@ -740,6 +743,10 @@ class _Run:
                 self._exit.push_async_exit(stream)  # sync: no checkpoint between
                 self.streams.append(stream)
                 self.timer.prompt(len(stream.prompt_token_ids))
+                max_tokens = self.req.params.max_tokens
+                if max_tokens is None:  # up to the context
+                    max_tokens = self.engine.max_model_len - len(stream.prompt_token_ids)
+                self.timer.params(self.req.params.n, max_tokens)
         except BaseException as exc:
             if (isinstance(exc, InvalidParamError) and exc.param == "structured_outputs"
                     and self.req.structured_param is not None):

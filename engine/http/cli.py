@@ -35,6 +35,7 @@ from engine.config import VLLM_SERVE_FLAGS, add_engine_arguments, config_from_ar
 from engine.errors import ConfigError, EngineError
 from engine.http import edge
 from engine.http.app import DEFAULT_MAX_REQUEST_BYTES, create_app
+from engine.http.metrics import METRIC_PREFIXES
 
 logger = logging.getLogger("engine.http")
 
@@ -105,6 +106,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve on this Unix domain socket instead of --host/--port")
     add("--enable-request-id-headers", action="store_true",
         help="put X-Request-Id on every response (a fresh id where the request had none)")
+    add("--metrics-prefix", choices=METRIC_PREFIXES, default="engine",
+        help="the prefix of the /metrics series: engine, or vllm for vLLM's names (its "
+             "Grafana dashboard and alerts read them)")
     add("model_tag", nargs="?", default=None, metavar="MODEL",
         help="the model, as `vllm serve MODEL` takes it (same as --model)")
     add_engine_arguments(parser, max_engine_restarts=DEFAULT_MAX_ENGINE_RESTARTS,
@@ -303,7 +307,8 @@ async def _serve(args: argparse.Namespace) -> int:
                                  chat=settings, allowed_origins=allowed_origins(args),
                                  root_path=getattr(args, "root_path", ""),
                                  enable_request_id_headers=getattr(
-                                     args, "enable_request_id_headers", False))
+                                     args, "enable_request_id_headers", False),
+                                 metrics_prefix=getattr(args, "metrics_prefix", "engine"))
                 died = await _serve_until_signal(app, args, listener, signals, eng)
         if died:
             return EXIT_ENGINE_DEAD

@@ -9,6 +9,7 @@ one :class:`RequestTimer` per request.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -67,7 +68,16 @@ METRIC_NAMES = (
     "engine:cache_config_info",
     "engine:structured_output_requests_total",
     "engine:structured_output_compile_seconds",
+    "engine:num_requests_waiting_by_reason",
+    "engine:request_params_n",
+    "engine:request_params_max_tokens",
 )
+# --metrics-prefix: "engine" (the default) or "vllm", the prefix vLLM's own series, its
+# Grafana dashboard and its metric tests use.
+METRIC_PREFIXES = ("engine", "vllm")
+_PREFIX_AT_LINE_START = re.compile(rb"^(# (?:HELP|TYPE) )?engine:", re.MULTILINE)
+# vLLM's buckets for the n request parameter.
+_N_BUCKETS = (1, 2, 5, 10, 20)
 
 
 class _EngineCollector(Collector):
@@ -83,6 +93,15 @@ class _EngineCollector(Collector):
                           "Requests in the running batch.", stats.running)
         yield self._gauge("engine:num_requests_waiting",
                           "Requests waiting to be scheduled.", stats.waiting)
+        # vLLM's split of the waiting requests: "capacity" (for KV blocks or a batch slot)
+        # and "deferred" (for something else, such as a remote KV transfer). Every waiting
+        # request here waits for capacity: grammars compile before a request is queued.
+        by_reason = GaugeMetricFamily("engine:num_requests_waiting_by_reason",
+                                      "Requests waiting to be scheduled, by reason.",
+                                      labels=["model_name", "reason"])
+        by_reason.add_metric([*self._labels, "capacity"], stats.waiting)
+        by_reason.add_metric([*self._labels, "deferred"], 0)
+        yield by_reason
         used = stats.kv_blocks_total - stats.kv_blocks_free
         usage = used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
         yield self._gauge("engine:kv_cache_usage_perc",
@@ -178,8 +197,12 @@ class _StructuredCollector(Collector):
 class Metrics:
     """The metrics of one server: a registry, its histograms and counters."""
 
-    def __init__(self, engine: EngineLike, model_name: str) -> None:
+    def __init__(self, engine: EngineLike, model_name: str, prefix: str = "engine") -> None:
+        if prefix not in METRIC_PREFIXES:
+            raise ValueError(f"metrics prefix must be one of {', '.join(METRIC_PREFIXES)}, "
+                             f"got {prefix!r}")
         self.model_name = model_name
+        self.prefix = prefix
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         reg = self.registry
@@ -211,6 +234,12 @@ class Metrics:
                                                "Prompt tokens per request.", _TOKEN_BUCKETS)
         self.request_generation_tokens = histogram("engine:request_generation_tokens",
                                                    "Output tokens per request.", _TOKEN_BUCKETS)
+        self.request_params_n = histogram("engine:request_params_n",
+                                          "The n request parameter (samples per prompt), "
+                                          "per prompt.", _N_BUCKETS)
+        self.request_params_max_tokens = histogram(
+            "engine:request_params_max_tokens", "The max_tokens request parameter, per prompt "
+            "(the room left in the context where the request sets none).", _TOKEN_BUCKETS)
         self.prompt_tokens = Counter("engine:prompt_tokens", "Prompt tokens submitted.",
                                      labels, registry=reg).labels(model_name)
         self.generation_tokens = Counter("engine:generation_tokens", "Output tokens generated.",
@@ -225,7 +254,12 @@ class Metrics:
         self._success.labels(self.model_name, finished_reason).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        text = generate_latest(self.registry)
+        if self.prefix == "engine":
+            return text
+        # Only metric names start a line (after "# HELP " or "# TYPE " on those lines);
+        # label values never do, so this renames series and nothing else.
+        return _PREFIX_AT_LINE_START.sub(rb"\1" + self.prefix.encode() + b":", text)
 
     def timer(self) -> RequestTimer:
         """Start timing one HTTP request now (its arrival)."""
@@ -249,6 +283,11 @@ class RequestTimer:
         self._scheduled: float | None = None  # the first engine step of any of its samples
         self._first_token: float | None = None
         self._last_token: float | None = None
+
+    def params(self, n: int, max_tokens: int) -> None:
+        """One prompt's ``n`` and ``max_tokens`` (the effective one)."""
+        self._metrics.request_params_n.observe(n)
+        self._metrics.request_params_max_tokens.observe(max_tokens)
 
     def prompt(self, num_tokens: int) -> None:
         self._metrics.prompt_tokens.inc(num_tokens)
