@@ -179,7 +179,9 @@ async def test_the_embedded_default_compiles_in_threads_and_refuses_past_the_bud
     # grammar_compile_workers=0: no process; a compile past the budget is refused (and
     # abandoned: {1,3000} finishes its thread a second or so later).
     options = {**ENGINE, "grammar_compile_workers": 0}
-    async with engine.open_engine(str(model), grammar_compile_timeout=0.05, **options) as eng:
+    async with engine.open_engine(str(model), grammar_compile_timeout=0.2, **options) as eng:
+        # Cached beforehand: on a loaded machine even QUICK may take longer than 0.2 s.
+        eng._parts.grammar.compile(StructuredOutputs(json=QUICK))
         spec = StructuredOutputs(json={**SLOW, "pattern": "^[a-z]{1,3000}$"})
         with pytest.raises(InvalidParamError, match="grammar-compile-timeout"):
             await eng.submit("x", SamplingParams(max_tokens=4, structured_outputs=spec))
@@ -194,3 +196,16 @@ async def test_the_embedded_default_compiles_in_threads_and_refuses_past_the_bud
         # in C++ when the interpreter exits).
         with trio.fail_after(120):
             await wait_until(lambda: eng._parts.grammar.is_cached(spec))
+
+
+async def test_a_grammar_past_the_size_budget_is_refused(model: Path) -> None:
+    # QUICK compiles to about 2 KB on the tiny vocabulary (its token-mask cache).
+    options = {**ENGINE, "grammar_compile_workers": 1}
+    async with engine.open_engine(str(model), grammar_max_bytes=1024, **options) as eng:
+        spec = StructuredOutputs(json=QUICK)
+        with pytest.raises(InvalidParamError, match="--grammar-max-bytes"):
+            await eng.submit("x", SamplingParams(max_tokens=4, structured_outputs=spec))
+        assert not eng._parts.grammar.is_cached(spec)
+        # The worker answered the refusal itself: it was not killed and stays for the next.
+        stats = eng._compiles.statistics()
+        assert (stats.killed, stats.workers) == (0, 1)

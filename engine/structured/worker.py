@@ -76,8 +76,9 @@ def compile_one(backend: Any, request: dict[str, Any], max_bytes: int) -> dict[s
         spec = spec_from_key(request["kind"], request["text"], request["think"])
         compiled = backend._compile(spec)
         if compiled.backend == "xgrammar":
-            size = int(compiled.handle.memory_size_bytes)
             data = compiled.handle.serialize_json()
+            # In memory here, and as the JSON that crosses to the server and is read back.
+            size = max(int(compiled.handle.memory_size_bytes), len(data))
         else:
             data = compiled.handle
             size = len(data)
