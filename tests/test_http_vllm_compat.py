@@ -391,3 +391,57 @@ def test_metrics_under_vllms_names_with_the_request_params(real):
     assert {s.labels["reason"] for s in waiting.samples} == {"capacity", "deferred"}
     assert _sample(waiting, "", reason="capacity") == _sample(
         after["vllm:num_requests_waiting"], "")
+
+
+# -- render -------------------------------------------------------------------------------
+
+
+def test_chat_render_is_the_generate_request_the_chat_would_run(real, folder):
+    from transformers import AutoTokenizer
+
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True}
+    r = httpx.post(real.base_url + "/v1/chat/completions/render", json=body,
+                   headers={"X-Request-Id": "render-1"})
+    assert r.status_code == 200, r.text
+    rendered = r.json()
+    assert set(rendered) >= {"request_id", "token_ids", "sampling_params", "model"}
+    assert rendered["request_id"] == "render-1"
+    hf = AutoTokenizer.from_pretrained(folder)
+    text = hf.apply_chat_template(ASK, add_generation_prompt=True, tokenize=False)
+    assert rendered["token_ids"] == hf.encode(text, add_special_tokens=False)
+    assert rendered["sampling_params"]["max_tokens"] == 6
+    # Run it: the same tokens as the chat request itself.
+    generated = httpx.post(real.base_url + "/inference/v1/generate", json=rendered).json()
+    chat = httpx.post(real.base_url + "/v1/chat/completions",
+                      json={**body, "return_token_ids": True}).json()
+    assert generated["choices"][0]["token_ids"] == chat["choices"][0]["token_ids"]
+
+
+def test_completions_render_gives_one_request_per_prompt(fake, folder):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(folder)
+    r = httpx.post(fake.base_url + "/v1/completions/render",
+                   json={"model": MODEL, "prompt": ["The quick fox", "Hello"], "n": 2,
+                         "stop": ["."], "seed": 3})
+    assert r.status_code == 200, r.text
+    first, second = r.json()
+    assert first["token_ids"] == hf.encode("The quick fox")
+    assert second["token_ids"] == hf.encode("Hello")
+    assert first["request_id"] != second["request_id"]
+    params = first["sampling_params"]
+    # Completions' default max_tokens (16), and the request's own fields.
+    assert (params["max_tokens"], params["n"], params["stop"], params["seed"]) == (16, 2, ["."], 3)
+    ids = httpx.post(fake.base_url + "/v1/completions/render",
+                     json={"model": MODEL, "prompt": [5, 6, 7]}).json()
+    assert ids[0]["token_ids"] == [5, 6, 7]
+
+
+def test_render_refuses_what_the_generate_request_cannot_carry(fake):
+    r = httpx.post(fake.base_url + "/v1/chat/completions/render", json={
+        "model": MODEL, "messages": ASK, "response_format": {"type": "json_object"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    bad = httpx.post(fake.base_url + "/v1/chat/completions/render",
+                     json={"model": MODEL, "messages": ASK, "temperature": -1})
+    assert (bad.status_code, bad.json()["error"]["param"]) == (400, "temperature")

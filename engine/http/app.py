@@ -282,6 +282,10 @@ class _Server:
         app.add_url_rule("/invocations", view_func=self.invocations, methods=["POST"])
         app.add_url_rule("/inference/v1/generate", view_func=self.generate_tokens,
                          methods=["POST"])
+        app.add_url_rule("/v1/chat/completions/render", view_func=self.render_chat,
+                         methods=["POST"])
+        app.add_url_rule("/v1/completions/render", view_func=self.render_completions,
+                         methods=["POST"])
 
     # -- plumbing ---------------------------------------------------------------------
 
@@ -675,6 +679,56 @@ class _Server:
         else:
             value = "JSON " + sse.dumps({"named_metrics": named}).decode()
         response.headers[ORCA_HEADER] = value
+
+    # -- render: what a request would run ------------------------------------------------
+
+    async def render_chat(self) -> Response:
+        """vLLM's ``/v1/chat/completions/render``: the ``/inference/v1/generate`` request a
+        chat body would run (its prompt through the chat template), without running it."""
+        req = protocol.parse_chat(await self._read_checked("chat"), self.chat_settings,
+                                  self.engine.tokenizer.chat_template,
+                                  defaults=self.sampling_defaults)
+        self._check_model(req.model)
+        assert req.chat_fields is not None  # a chat request has them
+        (messages,) = req.prompts
+        prompt = admission.prompt_message(messages, req.chat_fields.template.to_json())
+        return _json(self._rendered(req, 0, list(admission.prompt_token_ids(
+            self.engine.tokenizer, prompt))), 200)
+
+    async def render_completions(self) -> Response:
+        """vLLM's ``/v1/completions/render``: one ``/inference/v1/generate`` request per
+        prompt of a completions body, without running them."""
+        req = protocol.parse_completion(await self._read_checked("completion"),
+                                        defaults=self.sampling_defaults)
+        self._check_model(req.model)
+        tok = self.engine.tokenizer
+        rendered = []
+        for i, prompt in enumerate(req.prompts):
+            ids = (list(admission.prompt_token_ids(tok, admission.prompt_message(prompt)))
+                   if isinstance(prompt, str) else list(prompt))
+            rendered.append(self._rendered(req, i, ids))
+        return _json(rendered, 200)
+
+    def _rendered(self, req: CompletionRequest, index: int, ids: list[int]) -> dict[str, Any]:
+        if req.params.structured_outputs is not None:
+            # /inference/v1/generate takes no grammar: the request it runs would drop it.
+            raise APIError(400, "render does not support requests with an output "
+                           "constraint (response_format, structured outputs, tool calls)",
+                           param=req.structured_param or "response_format",
+                           code="unsupported_parameter")
+        if req.echo or req.params.prompt_logprobs is not None:
+            raise APIError(400, "render does not support echo or prompt_logprobs",
+                           param="echo" if req.echo else "prompt_logprobs",
+                           code="unsupported_parameter")
+        if len(ids) >= self.engine.max_model_len:
+            raise APIError(400, f"The prompt is {len(ids)} tokens; the context is "
+                           f"{self.engine.max_model_len}.", param="messages" if req.chat
+                           else "prompt", code="context_length_exceeded")
+        base = self._request_id() or uuid.uuid4().hex
+        request_id = base if len(req.prompts) == 1 else f"{base}-{index}"
+        return tokens.render_body(ids, req.params, max_model_len=self.engine.max_model_len,
+                                  model=self.engine.model_name, request_id=request_id,
+                                  priority=req.priority, cache_salt=req.cache_salt)
 
     # -- tokens in, tokens out ----------------------------------------------------------
 

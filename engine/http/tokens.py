@@ -1,10 +1,15 @@
-"""vLLM's token-in/token-out route, ``POST /inference/v1/generate``: pure parsing and shaping.
+"""vLLM's token-in/token-out route, ``POST /inference/v1/generate``, and the render routes
+that produce its requests: pure parsing and shaping.
 
 The body is ``{"token_ids": [int], "sampling_params": {...}, "model", "request_id",
 "priority", "cache_salt", "stream"}``; ``sampling_params`` uses the names of vLLM's (and the
 engine's) ``SamplingParams``. The answer is ``{"request_id", "choices": [{"index",
 "logprobs", "finish_reason", "token_ids"}], "prompt_logprobs", "kv_transfer_params"}``:
 token ids only, no text, no chat template, as vLLM's disaggregated front ends expect.
+
+``POST /v1/chat/completions/render`` and ``/v1/completions/render`` answer with the
+request(s) of that shape a chat or completions body would run (:func:`render_body`): the
+prompt's token ids after the chat template, and the sampling parameters.
 """
 
 from __future__ import annotations
@@ -143,3 +148,29 @@ class GenerateAnswer:
             zip(self._tokens, self._logprobs, self._finish, strict=True))]
         return {"request_id": self.request_id, "choices": choices, "prompt_logprobs": None,
                 "kv_transfer_params": None}
+
+
+def sampling_params_dict(params: SamplingParams, max_tokens: int) -> dict[str, Any]:
+    """``params`` under vLLM's ``SamplingParams`` names, as :func:`parse_generate` reads
+    them back (``max_tokens`` the effective one)."""
+    out: dict[str, Any] = {key: getattr(params, key) for key in _SAMPLING_KEYS}
+    out["max_tokens"] = max_tokens
+    out["stop"] = list(params.stop)
+    out["stop_token_ids"] = list(params.stop_token_ids)
+    out["logit_bias"] = {str(t): b for t, b in params.logit_bias} or None
+    return out
+
+
+def render_body(token_ids: list[int], params: SamplingParams, *, max_model_len: int,
+                model: str, request_id: str, priority: int,
+                cache_salt: str | None) -> dict[str, Any]:
+    """The ``/inference/v1/generate`` request that runs ``token_ids`` with ``params``."""
+    max_tokens = params.max_tokens
+    if max_tokens is None:  # up to the context, as the request would run
+        max_tokens = max_model_len - len(token_ids)
+    return {
+        "request_id": request_id, "token_ids": list(token_ids), "features": None,
+        "sampling_params": sampling_params_dict(params, max_tokens), "model": model,
+        "stream": False, "stream_options": None, "cache_salt": cache_salt,
+        "priority": priority, "kv_transfer_params": None,
+    }
