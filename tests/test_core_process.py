@@ -342,3 +342,46 @@ async def test_structured_output_through_a_core_process_matches_in_process(model
 
     assert re.fullmatch(r"(yes|no) [0-9]{2,4}", got["process"])
     assert got["process"] == got["inprocess"]
+
+
+def test_over_http_a_killed_core_ends_its_stream_with_an_error_and_health_tells(
+    model: Path,
+) -> None:
+    """Through the server: a core killed mid-stream ends the stream with an error event
+    (no hang), /health answers 503 until the core is back and 200 after, and the next
+    request is served."""
+    import httpx
+    from http_server import ServerThread
+
+    import engine.api
+
+    with ServerThread(lambda: engine.api.open_engine(
+            str(model), **OPTIONS, engine_core="process", max_engine_restarts=2)) as server, \
+            httpx.Client(base_url=server.base_url, timeout=60) as http:
+        body = {"model": server.engine.model_name, "prompt": [3, 4, 5], "max_tokens": 400,
+                "temperature": 0, "ignore_eos": True, "stream": True}
+        events: list[str] = []
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line)
+                if len(events) == 3:
+                    os.kill(server.engine._pool._cores[0].hello.pid, signal.SIGKILL)
+        assert events[-1] == "data: [DONE]"
+        errors = [json.loads(e[6:]) for e in events[:-1] if '"error"' in e]
+        assert errors and errors[-1]["error"]["code"] == "engine_dead"
+        statuses = set()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            status = http.get("/health").status_code
+            statuses.add(status)
+            if status == 200 and server.engine._pool.serving == 1:
+                break
+            time.sleep(0.05)
+        assert 503 in statuses and status == 200
+        done = http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 5})
+        assert done.status_code == 200
+        assert done.json()["usage"]["completion_tokens"] == 5
+        assert server.engine.restarts == 1
