@@ -9,6 +9,8 @@ one process with both ends of a socketpair driven by trio: ``messages.pack`` + t
 the receive + ``corewire.decode_frame``. It prints microseconds per frame and per token,
 and the frame's size; beside it, the same for the request direction (an AdmittedRequest
 of a 64-token prompt). The model's step (milliseconds) is what these are compared to.
+Where pyzmq is installed (it is no dependency of the engine), the same frames also go over
+a zmq PAIR socket on ipc://, the transport vLLM uses, for the choice between the two.
 """
 
 from __future__ import annotations
@@ -50,6 +52,46 @@ def request_frame() -> tuple[object, ...]:
     return (admission.admit(submit, tuple(range(100, 164)), limits, waiting=0, **kwargs),)
 
 
+async def time_zmq(frame: tuple[object, ...], count: int) -> tuple[float, float, int] | None:
+    """The same frames over a pyzmq PAIR socket on ipc://, driven from trio by waiting on
+    zmq's file descriptor (as an engine using pyzmq under trio would)."""
+    try:
+        import zmq
+    except ImportError:
+        return None
+    import tempfile
+
+    ctx = zmq.Context()
+    path = f"ipc://{tempfile.mkdtemp()}/bench.sock"
+    left, right = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    right.bind(path)
+    left.connect(path)
+
+    async def receive() -> bytes:
+        while True:
+            try:
+                return right.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                await trio.lowlevel.wait_readable(right.getsockopt(zmq.FD))
+
+    send_s = receive_s = 0.0
+    payload = b""
+    for _ in range(count):
+        t0 = time.perf_counter()
+        payload = messages.pack(frame)
+        left.send(payload)
+        t1 = time.perf_counter()
+        got = corewire.decode_frame(await receive())
+        t2 = time.perf_counter()
+        send_s += t1 - t0
+        receive_s += t2 - t1
+    assert got == frame
+    left.close(0)
+    right.close(0)
+    ctx.term()
+    return send_s / count, receive_s / count, len(payload)
+
+
 async def time_frames(frame: tuple[object, ...], count: int) -> tuple[float, float, int]:
     a, b = trio.socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     left = corewire.FrameStream(trio.SocketStream(a))
@@ -74,16 +116,22 @@ def main() -> int:
     p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--steps", type=int, default=2000)
     args = p.parse_args()
-    print("| frame | bytes | pack+send us | receive+decode us | total us | us per token |")
-    print("|---|---|---|---|---|---|")
-    for batch in (int(b) for b in args.batches.split(",")):
-        send, receive, size = trio.run(time_frames, step_frame(batch), args.steps)
-        total = (send + receive) * 1e6
-        print(f"| step outputs, {batch} requests | {size} | {send * 1e6:.1f} | "
-              f"{receive * 1e6:.1f} | {total:.1f} | {total / batch:.2f} |")
-    send, receive, size = trio.run(time_frames, request_frame(), args.steps)
-    print(f"| one request, 64-token prompt | {size} | {send * 1e6:.1f} | {receive * 1e6:.1f} | "
-          f"{(send + receive) * 1e6:.1f} | |")
+    print("| frame | transport | bytes | pack+send us | receive+decode us | total us | us per token |")
+    print("|---|---|---|---|---|---|---|")
+    frames = [(f"step outputs, {b} requests", step_frame(b), b)
+              for b in (int(x) for x in args.batches.split(","))]
+    frames.append(("one request, 64-token prompt", request_frame(), 0))
+    for label, frame, batch in frames:
+        for transport, timer in (("trio unix socket", time_frames), ("pyzmq PAIR ipc", time_zmq)):
+            timed = trio.run(timer, frame, args.steps)
+            if timed is None:
+                print(f"| {label} | {transport} | pyzmq not installed | | | | |")
+                continue
+            send, receive, size = timed
+            total = (send + receive) * 1e6
+            per_token = f"{total / batch:.2f}" if batch else ""
+            print(f"| {label} | {transport} | {size} | {send * 1e6:.1f} | {receive * 1e6:.1f} | "
+                  f"{total:.1f} | {per_token} |")
     return 0
 
 
