@@ -14,6 +14,7 @@ The contract is written down in ``docs/architecture.md`` ("Actors and the embedd
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -270,13 +271,14 @@ class Engine:
             priority=priority, cache_salt=cache_salt, arrival_time=time.monotonic(),
             chat_options=chat_options.to_json() if chat_options is not None else None,
         )
+        tokenize = functools.partial(
+            admission.prompt_token_ids, self.tokenizer, submit.prompt,
+            special_tokens_in_content=self.config.allow_special_tokens_in_content)
         if admission.prompt_chars(submit.prompt) > admission.THREAD_PROMPT_CHARS:
             # Pure and quick to drop: a cancelled caller need not wait for it.
-            ids = await trio.to_thread.run_sync(
-                admission.prompt_token_ids, self.tokenizer, submit.prompt, abandon_on_cancel=True
-            )
+            ids = await trio.to_thread.run_sync(tokenize, abandon_on_cancel=True)
         else:
-            ids = admission.prompt_token_ids(self.tokenizer, submit.prompt)
+            ids = tokenize()
         images: tuple[Any, ...] = ()
         if raw_images:
             # Decoding and the image processor take milliseconds per image: off the trio

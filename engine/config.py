@@ -210,6 +210,15 @@ class EngineConfig:
         "that leave those fields out; none: the engine's own defaults", choices=("auto", "none"))
     # Times the actors restart in place after a crash before the engine stays dead. 0 for
     # the embedded API: a crash is a bug the caller sees; `serve` defaults to 5.
+    # Text in chat messages (and tools, chat_template_kwargs) is tokenized so that it never
+    # becomes a control token: "<|im_end|>\n<|im_start|>system" from a user stays text, and
+    # only the chat template's own markers are special tokens. True restores the old
+    # reading (the rendered prompt encoded as a whole), for clients that write a model's
+    # control tokens into messages on purpose.
+    allow_special_tokens_in_content: bool = _field(
+        False, "let special-token text in chat messages (<|im_start|>, <|eot_id|>, ...) "
+        "become the special tokens, as a whole-prompt encode does; off: such text stays text "
+        "and only the chat template's own markers are special tokens")
     max_engine_restarts: int = _field(
         0, "restart the engine's actors in place after a crash this many times, then stay "
         "dead", type=int, metavar="N")

@@ -44,9 +44,10 @@ class PromptTokenizer(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def apply_chat_template(
-        self, messages: Sequence[Any], add_generation_prompt: bool = True, **options: Any
-    ) -> str: ...
+    def chat_prompt_ids(
+        self, messages: Sequence[Any], add_generation_prompt: bool = True, *,
+        special_tokens_in_content: bool = False, **options: Any,
+    ) -> list[int]: ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -129,17 +130,24 @@ def prompt_chars(prompt: Prompt) -> int:
 
 
 def prompt_token_ids(
-    tokenizer: PromptTokenizer, prompt: Prompt, *, add_special_tokens: bool = True
+    tokenizer: PromptTokenizer, prompt: Prompt, *, add_special_tokens: bool = True,
+    special_tokens_in_content: bool = False,
 ) -> tuple[int, ...]:
     """Apply the chat template (whose normalizer checks the messages) and tokenize; safe in
-    a worker thread. ``add_special_tokens=False`` is for ``/tokenize``."""
+    a worker thread. ``add_special_tokens=False`` is for ``/tokenize``. Text of chat
+    messages never becomes a control token (a forged ``<|im_start|>system`` turn stays
+    text) unless ``special_tokens_in_content`` (``--allow-special-tokens-in-content``);
+    a plain ``prompt`` is the caller's own text, special tokens and all, as in vLLM."""
     if isinstance(prompt, TextPrompt):
         text = _unicode(prompt.text, "prompt")
         return tuple(tokenizer.encode(text, add_special_tokens=add_special_tokens))
     if isinstance(prompt, ChatPrompt):
         options = {"add_generation_prompt": True, **json.loads(prompt.options_json)}
-        text = tokenizer.apply_chat_template(json.loads(prompt.messages_json), **options)
-        return tuple(tokenizer.encode(_unicode(text, "messages"), add_special_tokens=False))
+        messages = json.loads(prompt.messages_json)
+        # The JSON text escapes a lone surrogate; this check sees it as the tokenizer would.
+        _unicode(json.dumps([messages, options], ensure_ascii=False), "messages")
+        return tuple(tokenizer.chat_prompt_ids(
+            messages, special_tokens_in_content=special_tokens_in_content, **options))
     return prompt.token_ids
 
 

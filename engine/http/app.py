@@ -432,7 +432,9 @@ class _Server:
             raise APIError(400, "tokenize needs a string `prompt` or `messages`",
                            param="prompt", code="invalid_type")
         # Generation's own path (admission), with its guards.
-        ids = admission.prompt_token_ids(tok, prompt, add_special_tokens=add_special_tokens)
+        ids = admission.prompt_token_ids(
+            tok, prompt, add_special_tokens=add_special_tokens,
+            special_tokens_in_content=self.engine.config.allow_special_tokens_in_content)
         # vLLM's token_strs: each token as the vocabulary spells it (return_token_strs).
         strs = tok.convert_ids_to_tokens(ids) if body.get("return_token_strs") else None
         return _json({"count": len(ids), "max_model_len": self.engine.max_model_len,
@@ -559,7 +561,11 @@ class _Server:
         fields = parse_chat_fields(chat, self.chat_settings, tok.chat_template)
         prompt = admission.prompt_message(normalize_messages(chat["messages"]),
                                           fields.template.to_json())
-        return _json({"input_tokens": len(admission.prompt_token_ids(tok, prompt))}, 200)
+        ids = admission.prompt_token_ids(
+            tok, prompt,
+            special_tokens_in_content=self.engine.config.allow_special_tokens_in_content)
+        return _json({"input_tokens": len(ids)}, 200)
+
     # -- responses ----------------------------------------------------------------------
 
     async def create_response(self) -> Response:

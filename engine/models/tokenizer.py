@@ -28,7 +28,10 @@ The rules copied from transformers, because a model was trained with them:
 from __future__ import annotations
 
 import datetime
+import functools
 import json
+import re
+import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -136,6 +139,16 @@ class Tokenizer:
             i for i, tok in backend.get_added_tokens_decoder().items() if tok.special
         )
         """Ids that ``decode(..., skip_special_tokens=True)`` drops: every special added token."""
+        # The control tokens a message's text must never become (every special added token,
+        # <|im_start|>, <|eot_id|>, [INST]...), longest first so a regex prefers the longest.
+        # None when the config splits special tokens anyway (text can never form one).
+        control = {tok.content: i for i, tok in backend.get_added_tokens_decoder().items()
+                   if tok.special and tok.content}
+        self._control_ids: dict[int, str] = {i: text for text, i in control.items()}
+        self._control_texts: tuple[str, ...] = tuple(sorted(control, key=len, reverse=True))
+        self._control_pattern: re.Pattern[str] | None = (
+            re.compile("|".join(map(re.escape, self._control_texts)))
+            if self._control_texts and not backend.encode_special_tokens else None)
 
     # -- construction -------------------------------------------------------------------
 
@@ -246,6 +259,84 @@ class Tokenizer:
         return self._backend
 
     # -- chat ---------------------------------------------------------------------------
+
+    def chat_prompt_ids(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        special_tokens_in_content: bool = False,
+        **options: Any,
+    ) -> list[int]:
+        """The token ids of :meth:`apply_chat_template`'s prompt (no BOS/EOS added: the
+        template writes its own).
+
+        Text that came from the request (message contents, names, tool calls and results,
+        tool definitions, ``chat_template_kwargs``) never becomes a control token: a user
+        who writes ``<|im_end|>\n<|im_start|>system`` gets those characters as text, while
+        the template's own markers are the special tokens. ``special_tokens_in_content``
+        encodes the whole rendered text instead (what transformers'
+        ``apply_chat_template(tokenize=True)`` does: the server's
+        ``--allow-special-tokens-in-content``). A request without control-token text in it
+        gets exactly the ids of encoding the rendered text either way.
+        """
+        pattern = None if special_tokens_in_content else self._control_pattern
+        if pattern is not None:
+            chat = normalize_messages(messages)
+            nonce = str(secrets.randbelow(10**8))
+            marked = _Marker(self._control_texts, pattern, nonce)
+            chat = marked(chat)
+            for name in ("tools", "chat_template_kwargs"):
+                if options.get(name) is not None:
+                    options = {**options, name: marked(options[name])}
+            if marked.count:
+                rendered = self.apply_chat_template(chat, add_generation_prompt, **options)
+                return self._encode_marked(rendered, marked)
+        rendered = self.apply_chat_template(messages, add_generation_prompt, **options)
+        return self.encode(rendered, add_special_tokens=False)
+
+    def _encode_marked(self, rendered: str, marker: _Marker) -> list[int]:
+        """Encode a prompt whose request text had its control-token text replaced by
+        :class:`_Marker` sentinels: the control tokens left in ``rendered`` are the
+        template's. The text between two of them is encoded on its own with special tokens
+        split (the backend also encodes the text between added tokens piece by piece), after
+        the sentinels in it turn back into their text."""
+        encoding = self._backend.encode(rendered, add_special_tokens=False)
+        ids: list[int] = []
+        at = 0
+        for token, (start, end) in zip(encoding.ids, encoding.offsets, strict=True):
+            # A control token written by the template (an <unk> for a character the
+            # vocabulary lacks is special too, but its text is not its own).
+            if token in self._control_ids and self._control_ids[token] in rendered[start:end]:
+                ids += self._text_ids(marker.restore(rendered[at:start]), first=at == 0)
+                ids.append(token)
+                at = end  # past any whitespace the token strips (AddedToken lstrip/rstrip)
+        ids += self._text_ids(marker.restore(rendered[at:]), first=at == 0)
+        return ids
+
+    def _text_ids(self, text: str, *, first: bool) -> list[int]:
+        if not text:
+            return []
+        first_backend, later_backend = self._text_backends
+        backend = first_backend if first else later_backend
+        return backend.encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def _text_backends(self) -> tuple[_BackendTokenizer, _BackendTokenizer]:
+        """Copies of the backend that read special-token text as text: one for the text at
+        the start of a prompt, one for text after a control token. They differ where a
+        Metaspace pre-tokenizer prepends its "▁" to the first piece of the input only
+        (``prepend_scheme: "first"``): text after a control token gets none in a whole
+        encode, so the second copy prepends never. Built on the first request that needs
+        them (a race builds them twice, harmlessly)."""
+        source = json.loads(self._backend.to_str())
+        first = _BackendTokenizer.from_str(json.dumps(source))
+        first.encode_special_tokens = True
+        if not _never_prepend(source.get("pre_tokenizer")):
+            return first, first
+        later = _BackendTokenizer.from_str(json.dumps(source))
+        later.encode_special_tokens = True
+        return first, later
 
     @property
     def chat_template(self) -> str | None:
@@ -367,6 +458,57 @@ class Tokenizer:
             return chat, tools
         return fallback_messages(chat, parse_tools(list(tools) if tools else None),
                                  describe_tools=bool(tools)), None
+
+
+def _never_prepend(node: Any) -> bool:
+    """Turn every Metaspace ``prepend_scheme: "first"`` in a pre-tokenizer's JSON into
+    ``"never"``; true if there was one."""
+    found = False
+    if isinstance(node, dict):
+        if node.get("type") == "Metaspace" and node.get("prepend_scheme") == "first":
+            node["prepend_scheme"] = "never"
+            found = True
+        for value in node.values():
+            found = _never_prepend(value) or found
+    elif isinstance(node, list):
+        for value in node:
+            found = _never_prepend(value) or found
+    return found
+
+
+class _Marker:
+    """Replaces control-token text in a request's JSON values with sentinels and back.
+
+    A sentinel is ``U+E000 nonce index U+E001`` (private-use characters, a per-request
+    random nonce, the token's index): no template writes one, and a client cannot guess
+    the nonce. Digits only, so a template's ``upper``/``lower``/``trim`` leave it whole.
+    """
+
+    def __init__(self, texts: tuple[str, ...], pattern: re.Pattern[str], nonce: str) -> None:
+        self._texts = texts
+        self._index = {t: i for i, t in enumerate(texts)}
+        self._pattern = pattern
+        self._nonce = nonce
+        self._sentinel = re.compile(f"\ue000{nonce}(\\d+)\ue001")
+        self.count = 0
+
+    def __call__(self, value: Any) -> Any:
+        if isinstance(value, str):
+            if not any(t in value for t in self._texts):  # C-speed check before the regex
+                return value
+            return self._pattern.sub(self._replace, value)
+        if isinstance(value, Mapping):
+            return {k: self(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self(v) for v in value]
+        return value
+
+    def _replace(self, match: re.Match[str]) -> str:
+        self.count += 1
+        return f"\ue000{self._nonce}{self._index[match.group()]}\ue001"
+
+    def restore(self, text: str) -> str:
+        return self._sentinel.sub(lambda m: self._texts[int(m.group(1))], text)
 
 
 # -- reading the folder -----------------------------------------------------------------
