@@ -8,11 +8,13 @@ else there (logs go to stderr). Bad input gives a one-line error on stderr and e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import logging
+import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from engine.config import EngineConfig, add_engine_arguments, config_from_args
 
@@ -112,6 +114,10 @@ def _one_line(exc: BaseException) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns its exit status. With ``argv`` None (the process's own
+    command line: ``python -m engine``, the ``engine`` script) the process ends right here
+    instead, see :func:`_exit_now`."""
+    command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
     logging.basicConfig(
@@ -122,8 +128,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         from engine.http.cli import run_serve
 
-        return run_serve(args)
-    return run_generate(args)
+        status = run_serve(args)
+    else:
+        status = run_generate(args)
+    if command_line:
+        _exit_now(status)
+    return status
+
+
+def _exit_now(status: int) -> NoReturn:
+    """End the process now that the command is done (for ``serve``: the server drained,
+    the engine closed, "shut down cleanly" logged). The normal interpreter exit would
+    first wait for whatever worker threads still run (an abandoned grammar compile, a
+    native library's thread pool joined by its destructors), so a SIGTERM could take tens
+    of seconds after the log said the server was down; nothing of the command's is left
+    to wait for, so flush the output and leave."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed pipe must not change the status
+            stream.flush()
+    logging.shutdown()
+    os._exit(status)
 
 
 if __name__ == "__main__":

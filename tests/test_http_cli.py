@@ -308,13 +308,14 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @contextmanager
-def _server(model: Path | None, *flags: str) -> Iterator[tuple[subprocess.Popen[str], str, list[str]]]:
+def _server(model: Path | None, *flags: str, launch: tuple[str, ...] = ("-m", "engine"),
+            ) -> Iterator[tuple[subprocess.Popen[str], str, list[str]]]:
     """Start `python -m engine serve` on a free port (``model`` None: the default model);
-    yield it, its URL and its log lines."""
+    yield it, its URL and its log lines. ``launch`` replaces ``-m engine``."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     model_flags = [] if model is None else ["--model", str(model)]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine", "serve", *model_flags, "--port", "0",
+        [sys.executable, *launch, "serve", *model_flags, "--port", "0",
          "--max-model-len", "512", "--kv-cache-memory", "64MiB", "--log-level", "info",
          *flags],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=REPO, env=env,
@@ -373,6 +374,27 @@ def test_a_signal_lets_in_flight_streams_finish_then_exits_0(model: Path, signum
     text = "".join(log)
     assert f"{signal.Signals(signum).name}: draining" in text
     assert "shut down cleanly" in text
+
+
+# `python -m engine` with a worker thread that outlives everything (as an abandoned grammar
+# compile did): a non-daemon thread, which a normal interpreter exit waits for.
+LEFT_BEHIND = ("import runpy, sys, threading; "
+               "threading.Thread(target=threading.Event().wait, args=(3600,), "
+               "name='left-behind').start(); "
+               "sys.argv[0] = 'engine'; runpy.run_module('engine', run_name='__main__')")
+
+
+def test_shut_down_cleanly_is_logged_only_when_the_process_is_about_to_exit(model: Path) -> None:
+    # It used to be logged inside the trio run, and the process then waited for worker
+    # threads left behind (19-40 s of abandoned compiles after SIGTERM in issue 28).
+    with _server(model, launch=("-c", LEFT_BEHIND)) as (proc, url, log):
+        assert httpx.get(url + "/health", timeout=60).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=START_TIMEOUT)  # the thread waits an hour: a hang fails here
+    assert proc.returncode == 0, "".join(log)
+    lines = [line for line in log if line.strip()]
+    assert "SIGTERM: draining" in "".join(lines)
+    assert "shut down cleanly" in lines[-1], "".join(lines)
 
 
 def test_the_drain_deadline_cuts_what_is_left_and_still_exits_0(model: Path) -> None:

@@ -8,7 +8,8 @@ Lifetimes, outermost first::
 
 The first signal stops accepting connections and gives in-flight requests
 ``--shutdown-timeout`` seconds to finish; then hypercorn cancels them (each abort frees its
-KV blocks), the engine closes and the process exits 0. A second signal cancels at once.
+KV blocks), the engine closes, "shut down cleanly" is logged and the process exits 0 at
+once (:func:`engine.__main__._exit_now`). A second signal cancels at once.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from engine.chat.request import ChatSettings, load_chat_template
 from engine.chat.tool_parsers import TOOL_PARSERS
 from engine.config import VLLM_SERVE_FLAGS, add_engine_arguments, config_from_args
 from engine.errors import ConfigError, EngineError
-from engine.http import edge
+from engine.http import edge, h2c
 from engine.http.app import DEFAULT_MAX_REQUEST_BYTES, create_app
 from engine.http.metrics import METRIC_PREFIXES
 
@@ -88,6 +89,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None, metavar="NAME",
         help=f"split <think>...</think> into reasoning (and reasoning_content): "
              f"{', '.join(sorted(REASONING_PARSERS))}")
+    add("--enable-h2c", action="store_true",
+        help="also serve HTTP/2 in cleartext (prior knowledge and Upgrade: h2c); without it "
+             "HTTP/2 needs TLS (--ssl-keyfile/--ssl-certfile)")
     add("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT, metavar="S",
         help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
     add("--headless", action="store_true",
@@ -216,13 +220,19 @@ def run_serve(args: argparse.Namespace) -> int:
         model_from_tag(args)
         if getattr(args, "headless", False):
             return trio.run(_headless, args)
-        return trio.run(_serve, args)
+        status = trio.run(_serve, args)
     except ValueError as exc:  # a bad option or one the model refuses; a port in use
         logger.error("%s", " ".join(str(exc).split()))
         return EXIT_BAD_OPTION
     except EngineError as exc:  # a model that does not load
         logger.error("%s", exc)
         return 1
+    if status == 0:
+        # Outside the trio run: the server, the engine and every request are gone, and
+        # ``python -m engine serve`` exits right after this line (engine.__main__._exit_now)
+        # without waiting on worker threads left behind.
+        logger.info("shut down cleanly")
+    return status
 
 
 def model_from_tag(args: argparse.Namespace) -> None:
@@ -310,10 +320,7 @@ async def _serve(args: argparse.Namespace) -> int:
                                      args, "enable_request_id_headers", False),
                                  metrics_prefix=getattr(args, "metrics_prefix", "engine"))
                 died = await _serve_until_signal(app, args, listener, signals, eng)
-        if died:
-            return EXIT_ENGINE_DEAD
-        logger.info("shut down cleanly")
-        return 0
+        return EXIT_ENGINE_DEAD if died else 0
 
 
 async def _serve_until_signal(
@@ -350,6 +357,7 @@ async def _serve_until_signal(
         async def run_server(task_status: trio.TaskStatus[list[str]]) -> None:
             await serve_app(app, listener, shutdown_timeout=args.shutdown_timeout,
                             ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                            enable_h2c=getattr(args, "enable_h2c", False),
                             shutdown_trigger=shutdown_trigger, task_status=task_status)
             # Drained: stop the second-signal watcher so the nursery can close.
             nursery.cancel_scope.cancel()
@@ -437,6 +445,7 @@ async def serve_app(
     app: Any, listener: socket.socket, *, shutdown_timeout: float,
     shutdown_trigger: Callable[[], Awaitable[None]],
     ssl_keyfile: str | None = None, ssl_certfile: str | None = None,
+    enable_h2c: bool = False,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` with hypercorn's trio worker on ``listener`` (from :func:`bind_socket`,
@@ -444,7 +453,7 @@ async def serve_app(
 
     ``task_status.started`` gets the bound URLs. After the trigger, new connections are
     refused and in-flight requests get ``shutdown_timeout`` seconds before they are
-    cancelled.
+    cancelled. HTTP/2 in cleartext is served only with ``enable_h2c`` (:mod:`engine.http.h2c`).
     """
     check_tls(ssl_keyfile, ssl_certfile)
     config = HypercornConfig()
@@ -455,6 +464,7 @@ async def serve_app(
     config.certfile = ssl_certfile
     edge.hypercorn_limits(config)
     edge.shield_hypercorn_close()
+    h2c.configure(config, enable_h2c=enable_h2c)
     # Hypercorn's own "Running on" line duplicates ours; its errors still reach the log.
     config.loglevel = "WARNING"
     # hypercorn wraps the descriptor in a socket of its own and closes it when done:
