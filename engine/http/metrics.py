@@ -71,6 +71,12 @@ METRIC_NAMES = (
     "engine:num_requests_waiting_by_reason",
     "engine:request_params_n",
     "engine:request_params_max_tokens",
+    "engine:spec_decode_num_drafts_total",
+    "engine:spec_decode_num_draft_tokens_total",
+    "engine:spec_decode_num_accepted_tokens_total",
+    "engine:spec_decode_num_accepted_tokens_per_pos_total",
+    "engine:spec_decode_draft_acceptance_rate",
+    "engine:spec_decode_mean_acceptance_length",
 )
 # --metrics-prefix: "engine" (the default) or "vllm", the prefix vLLM's own series, its
 # Grafana dashboard and its metric tests use.
@@ -115,6 +121,7 @@ class _EngineCollector(Collector):
         yield self._counter("engine:prefix_cache_hits",
                             "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
         yield from self._iteration_tokens(stats)
+        yield from self._spec_decode(stats)
         yield self._cache_config(stats)
         yield self._counter("engine:engine_restarts",
                             "Times the engine's actors restarted in place after a crash.",
@@ -134,6 +141,31 @@ class _EngineCollector(Collector):
                                        "Tokens computed per engine step.", labels=["model_name"])
         family.add_metric(self._labels, buckets, stats.iteration_tokens_sum)
         yield family
+
+    def _spec_decode(self, stats: EngineStatistics) -> Iterator[Metric]:
+        """Speculative decoding (prompt lookup, Predicted Outputs), vLLM's counters, and the
+        two figures vLLM logs from them: accepted / drafted tokens, and the tokens a
+        verification step yields on average (1 + accepted / drafts)."""
+        yield self._counter("engine:spec_decode_num_drafts",
+                            "Verification steps of a request with a proposal.", stats.spec_drafts)
+        yield self._counter("engine:spec_decode_num_draft_tokens",
+                            "Tokens proposed.", stats.spec_draft_tokens)
+        yield self._counter("engine:spec_decode_num_accepted_tokens",
+                            "Proposed tokens accepted.", stats.spec_accepted_tokens)
+        family = CounterMetricFamily("engine:spec_decode_num_accepted_tokens_per_pos",
+                                     "Proposed tokens accepted, by their place in the proposal.",
+                                     labels=["model_name", "position"])
+        for position, count in enumerate(stats.spec_accepted_per_pos):
+            family.add_metric([*self._labels, str(position)], count)
+        yield family
+        drafted, drafts = stats.spec_draft_tokens, stats.spec_drafts
+        yield self._gauge("engine:spec_decode_draft_acceptance_rate",
+                          "Accepted over proposed tokens since start (0 before any).",
+                          stats.spec_accepted_tokens / drafted if drafted else 0.0)
+        yield self._gauge("engine:spec_decode_mean_acceptance_length",
+                          "Tokens output per verification step since start: 1 + accepted / "
+                          "drafts (0 before any).",
+                          1 + stats.spec_accepted_tokens / drafts if drafts else 0.0)
 
     def _cache_config(self, stats: EngineStatistics) -> Metric:
         """vLLM's cache_config_info: the KV cache's configuration as labels, value 1."""
