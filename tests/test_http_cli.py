@@ -69,10 +69,13 @@ def test_engine_flags_become_engine_config_fields() -> None:
         EngineConfig(), enable_prefix_caching=False, scheduling_policy="priority",
         async_scheduling=False, ops_backend="torch", max_num_seqs=8,
         kv_cache_memory=64 * 2**20, max_engine_restarts=5, structured_outputs_backend="guidance",
+        grammar_compile_workers=2,
     )
     # Unset flags keep the config's defaults, but for serve's own restart default (the
-    # embedded API's is 0: a crash there is the caller's to see).
-    assert config_from_args(parser.parse_args([])) == EngineConfig(max_engine_restarts=5)
+    # embedded API's is 0: a crash there is the caller's to see) and its grammar compile
+    # processes (the embedded API compiles in threads).
+    assert config_from_args(parser.parse_args([])) == EngineConfig(max_engine_restarts=5,
+                                                                   grammar_compile_workers=2)
 
 
 def test_every_metric_is_documented() -> None:
@@ -101,7 +104,9 @@ def test_every_engine_config_field_is_a_flag_of_generate_and_serve(command: str)
         assert "--" + field.name.replace("_", "-") in options, field.name
     argv = ["--prompt", "Hi"] if command == "generate" else []
     restarts = 5 if command == "serve" else 0  # serve restarts a crashed engine
-    assert config_from_args(parser.parse_args(argv)) == EngineConfig(max_engine_restarts=restarts)
+    workers = 2 if command == "serve" else 0  # serve compiles grammars in processes
+    assert config_from_args(parser.parse_args(argv)) == EngineConfig(
+        max_engine_restarts=restarts, grammar_compile_workers=workers)
     config = config_from_args(parser.parse_args([*argv, "--structured-outputs-backend", "xgrammar",
                                                   "--seed", "7", "--no-enable-prefix-caching"]))
     assert (config.structured_outputs_backend, config.seed, config.enable_prefix_caching) == \
