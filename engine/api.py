@@ -273,7 +273,9 @@ class Engine:
         )
         tokenize = functools.partial(
             admission.prompt_token_ids, self.tokenizer, submit.prompt,
-            special_tokens_in_content=self.config.allow_special_tokens_in_content)
+            special_tokens_in_content=self.config.allow_special_tokens_in_content,
+            # The image token each image part became is the engine's, not the client's.
+            content_tokens=(self._parts.images.image_token,) if raw_images else ())
         if admission.prompt_chars(submit.prompt) > admission.THREAD_PROMPT_CHARS:
             # Pure and quick to drop: a cancelled caller need not wait for it.
             ids = await trio.to_thread.run_sync(tokenize, abandon_on_cancel=True)

@@ -199,3 +199,19 @@ async def test_a_text_only_model_refuses_images(tmp_path) -> None:
             await eng.submit(_messages([_image(0)]), greedy(4))
         assert info.value.param == "messages[0].content[0]"
         assert len(token_ids(await collect(eng, "Hello", greedy(3)))) == 3
+
+
+async def test_the_image_token_is_the_engines_own_and_a_clients_stays_text(llava) -> None:
+    """Image parts become the model's image token, which stays a token though message text
+    never becomes a control token (issue 28): one image gives its placeholder run. The
+    same token written as text by the client, with no image, stays text."""
+    async with _open(llava) as eng:
+        image_id = eng.tokenizer.token_to_id(IMAGE_TOKEN)
+        stream = await eng.submit(_messages([_image(5)]), greedy(1))
+        async with stream:
+            assert stream.prompt_token_ids.count(image_id) == 4  # TINY_IMAGE_SIZE's 2 x 2
+        text = [{"role": "user", "content": f"{IMAGE_TOKEN} {QUESTION}"}]
+        stream = await eng.submit(text, greedy(1))
+        async with stream:
+            assert image_id not in stream.prompt_token_ids
+        await wait_idle(eng)

@@ -46,7 +46,8 @@ class PromptTokenizer(Protocol):
 
     def chat_prompt_ids(
         self, messages: Sequence[Any], add_generation_prompt: bool = True, *,
-        special_tokens_in_content: bool = False, **options: Any,
+        special_tokens_in_content: bool = False, content_tokens: Sequence[str] = (),
+        **options: Any,
     ) -> list[int]: ...
 
 
@@ -131,13 +132,15 @@ def prompt_chars(prompt: Prompt) -> int:
 
 def prompt_token_ids(
     tokenizer: PromptTokenizer, prompt: Prompt, *, add_special_tokens: bool = True,
-    special_tokens_in_content: bool = False,
+    special_tokens_in_content: bool = False, content_tokens: Sequence[str] = (),
 ) -> tuple[int, ...]:
     """Apply the chat template (whose normalizer checks the messages) and tokenize; safe in
     a worker thread. ``add_special_tokens=False`` is for ``/tokenize``. Text of chat
     messages never becomes a control token (a forged ``<|im_start|>system`` turn stays
     text) unless ``special_tokens_in_content`` (``--allow-special-tokens-in-content``);
-    a plain ``prompt`` is the caller's own text, special tokens and all, as in vLLM."""
+    a plain ``prompt`` is the caller's own text, special tokens and all, as in vLLM.
+    ``content_tokens``: control tokens the engine wrote into the messages itself (an image
+    part's image token), which stay tokens."""
     if isinstance(prompt, TextPrompt):
         text = _unicode(prompt.text, "prompt")
         return tuple(tokenizer.encode(text, add_special_tokens=add_special_tokens))
@@ -147,7 +150,8 @@ def prompt_token_ids(
         # The JSON text escapes a lone surrogate; this check sees it as the tokenizer would.
         _unicode(json.dumps([messages, options], ensure_ascii=False), "messages")
         return tuple(tokenizer.chat_prompt_ids(
-            messages, special_tokens_in_content=special_tokens_in_content, **options))
+            messages, special_tokens_in_content=special_tokens_in_content,
+            content_tokens=content_tokens, **options))
     return prompt.token_ids
 
 

@@ -266,6 +266,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         *,
         special_tokens_in_content: bool = False,
+        content_tokens: Sequence[str] = (),
         **options: Any,
     ) -> list[int]:
         """The token ids of :meth:`apply_chat_template`'s prompt (no BOS/EOS added: the
@@ -279,12 +280,19 @@ class Tokenizer:
         ``apply_chat_template(tokenize=True)`` does: the server's
         ``--allow-special-tokens-in-content``). A request without control-token text in it
         gets exactly the ids of encoding the rendered text either way.
+        ``content_tokens`` are control tokens the caller itself wrote into the messages
+        (the image token a multimodal request's image parts became): those stay tokens.
         """
-        pattern = None if special_tokens_in_content else self._control_pattern
+        texts, pattern = self._control_texts, self._control_pattern
+        if content_tokens and pattern is not None:
+            texts = tuple(t for t in texts if t not in content_tokens)
+            pattern = re.compile("|".join(map(re.escape, texts))) if texts else None
+        if special_tokens_in_content:
+            pattern = None
         if pattern is not None:
             chat = normalize_messages(messages)
             nonce = str(secrets.randbelow(10**8))
-            marked = _Marker(self._control_texts, pattern, nonce)
+            marked = _Marker(texts, pattern, nonce)
             chat = marked(chat)
             for name in ("tools", "chat_template_kwargs"):
                 if options.get(name) is not None:
