@@ -60,6 +60,13 @@ class SamplingParams:
     # OpenAI's Predicted Outputs: text the output is expected to repeat (a file edited in
     # place). Only a source of speculative proposals: the output is the model's either way.
     prediction: str | None = None
+    # vLLM's thinking_token_budget: once the reasoning holds this many tokens, the end of
+    # the reasoning (``think_end_token_ids``, "</think>") is forced, token by token. The
+    # reasoning starts at the first output token, or after ``think_start_token_ids`` when
+    # set ("<think>", for a model that may not think at all); None: no budget.
+    thinking_token_budget: int | None = None
+    think_start_token_ids: tuple[int, ...] = ()
+    think_end_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # Accept lists and dicts from callers; store hashable tuples.
@@ -127,6 +134,16 @@ class SamplingParams:
             _int(self.logprobs, "logprobs", lo=-1)
         if self.prompt_logprobs is not None:
             _int(self.prompt_logprobs, "prompt_logprobs", lo=-1)
+        for name in ("think_start_token_ids", "think_end_token_ids"):
+            ids = tuple(_seq(getattr(self, name), name))
+            for t in ids:
+                _int(t, name, lo=0)
+            object.__setattr__(self, name, ids)
+        if self.thinking_token_budget is not None:
+            _int(self.thinking_token_budget, "thinking_token_budget", lo=0)
+            if not self.think_end_token_ids:
+                raise InvalidParamError("thinking_token_budget needs the end-of-reasoning "
+                                        "marker's token ids", param="thinking_token_budget")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputs):
                 raise InvalidParamError(
@@ -215,3 +232,28 @@ def generation_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
             continue
         out[name] = value
     return out
+
+
+def thinking_forced_token(params: SamplingParams, outputs: Sequence[int]) -> int | None:
+    """The token ``params.thinking_token_budget`` forces after ``outputs`` (the next token of
+    the end-of-reasoning marker), or None: no budget, the reasoning not started or already
+    ended, or still within its budget."""
+    budget = params.thinking_token_budget
+    if budget is None:
+        return None
+    start, end = params.think_start_token_ids, params.think_end_token_ids
+    at = 0
+    if start:
+        if tuple(outputs[:len(start)]) != start:
+            return None  # not (yet) reasoning: the model decides whether to think
+        at = len(start)
+    reasoning = list(outputs[at:])
+    for i in range(len(reasoning) - len(end) + 1):
+        if tuple(reasoning[i:i + len(end)]) == end:
+            return None  # the reasoning ended
+    # How much of the marker is already written at the tail (a partial marker continues).
+    written = next((k for k in range(min(len(end) - 1, len(reasoning)), 0, -1)
+                    if tuple(reasoning[-k:]) == end[:k]), 0)
+    if len(reasoning) - written < budget:
+        return None
+    return end[written]

@@ -445,3 +445,70 @@ def test_render_refuses_what_the_generate_request_cannot_carry(fake):
     bad = httpx.post(fake.base_url + "/v1/chat/completions/render",
                      json={"model": MODEL, "messages": ASK, "temperature": -1})
     assert (bad.status_code, bad.json()["error"]["param"]) == (400, "temperature")
+
+
+# -- thinking_token_budget ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def thinker(folder):
+    import engine.api
+
+    settings = ChatSettings(reasoning_parser="deepseek_r1")
+    with ServerThread(lambda: engine.api.open_engine(
+            str(folder), served_model_name=MODEL, max_model_len=1024,
+            kv_cache_memory=16 * 2**20), chat=settings) as srv:
+        yield srv
+
+
+def test_thinking_token_budget_forces_the_end_of_the_reasoning(thinker, folder):
+    from chat_fixtures import marker_id
+
+    end = marker_id(Tokenizer.from_folder(folder), "</think>")
+    # The bias keeps the random model from closing its reasoning by itself; the budget's
+    # mask (only </think> allowed) holds against it.
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "logit_bias": {str(end): -100}, "return_token_ids": True}
+    free = httpx.post(thinker.base_url + "/v1/chat/completions", json=body).json()
+    assert end not in free["choices"][0]["token_ids"]
+    for budget in (5, 0):
+        r = httpx.post(thinker.base_url + "/v1/chat/completions",
+                       json={**body, "thinking_token_budget": budget})
+        assert r.status_code == 200, r.text
+        (choice,) = r.json()["choices"]
+        ids = choice["token_ids"]
+        assert ids.index(end) == budget, ids
+        assert ids[:budget] == free["choices"][0]["token_ids"][:budget]
+        # The reasoning parser sees the reasoning end there: the rest is content.
+        assert choice["message"]["content"]
+    # vLLM's extra_body form through the openai client, streamed.
+    with _client(thinker) as client:
+        stream = client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=12, temperature=0, stream=True,
+            extra_body={"thinking_token_budget": 3, "ignore_eos": True,
+                        "logit_bias": {str(end): -100}})
+        content = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert content
+
+
+def test_thinking_token_budget_needs_a_reasoning_parser(real):
+    r = httpx.post(real.base_url + "/v1/chat/completions",
+                   json={"model": MODEL, "messages": ASK, "thinking_token_budget": 4})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "thinking_token_budget")
+
+
+def test_the_forced_token_follows_the_markers():
+    from engine.params import SamplingParams, thinking_forced_token
+
+    # DeepSeek-R1 style: reasoning from the first token; a two-token end marker [8, 9].
+    r1 = SamplingParams(thinking_token_budget=3, think_end_token_ids=(8, 9))
+    assert [thinking_forced_token(r1, out) for out in ([], [1, 2], [1, 2, 3])] == [None, None, 8]
+    assert thinking_forced_token(r1, [1, 2, 3, 8]) == 9  # the marker goes on
+    assert thinking_forced_token(r1, [1, 2, 3, 8, 9]) is None  # ended
+    assert thinking_forced_token(r1, [1, 8, 9, 4, 5, 6]) is None  # ended by the model
+    # Qwen3 style: reasoning only after the start marker [7].
+    q3 = SamplingParams(thinking_token_budget=2, think_start_token_ids=(7,),
+                        think_end_token_ids=(9,))
+    assert thinking_forced_token(q3, [1, 2, 3, 4]) is None  # it did not think
+    assert thinking_forced_token(q3, [7, 1]) is None
+    assert thinking_forced_token(q3, [7, 1, 2]) == 9

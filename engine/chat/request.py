@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from engine.chat.output import ChatOutputOptions
@@ -298,3 +298,26 @@ def load_chat_template(value: str) -> str:
     if "{" not in value:
         raise ValueError(f"--chat-template {value!r} is neither a file nor a jinja template")
     return value
+
+
+def thinking_budget_params(body: Mapping[str, Any], params: SamplingParams,
+                           settings: ChatSettings,
+                           encode: Callable[[str], list[int]]) -> SamplingParams:
+    """vLLM's ``thinking_token_budget``: with a reasoning parser, the reasoning's end marker
+    is forced once the reasoning holds that many tokens (``encode`` tokenizes the markers).
+    Without a reasoning parser there is no reasoning to bound: a 400."""
+    budget = body.get("thinking_token_budget")
+    if budget is None:
+        return params
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise InvalidParamError("thinking_token_budget must be a non-negative integer",
+                                param="thinking_token_budget")
+    reasoning = settings.reasoning
+    if reasoning is None:
+        raise InvalidParamError("thinking_token_budget needs the server started with "
+                                "--reasoning-parser", param="thinking_token_budget")
+    from engine.chat.reasoning import THINK_END, THINK_START
+
+    start = () if reasoning.starts_in_reasoning else tuple(encode(THINK_START))
+    return params.replace(thinking_token_budget=budget, think_start_token_ids=start,
+                          think_end_token_ids=tuple(encode(THINK_END)))

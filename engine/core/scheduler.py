@@ -325,9 +325,10 @@ class Scheduler:
 
     def _speculates(self, req: Request) -> bool:
         """Whether ``req`` gets proposals: prompt lookup is on or it has a prediction, and
-        no grammar constrains it (its matcher would need rolling back)."""
+        no grammar constrains it (its matcher would need rolling back) and no thinking
+        budget forces its tokens (the runner masks one row per request)."""
         return bool(self.config.num_speculative_tokens or req.prediction) and (
-            req.params.structured_outputs is None)
+            req.params.structured_outputs is None and req.params.thinking_token_budget is None)
 
     def _propose(self, req: Request, budget: int) -> tuple[int, ...]:
         """The tokens to verify after ``req``'s next one this step: a decode step of a

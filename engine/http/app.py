@@ -17,6 +17,7 @@ nursery is cancelled. So:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import logging
 import uuid
@@ -32,7 +33,12 @@ from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from engine.chat.output import ChatOutputParser
-from engine.chat.request import ChatSettings, calls_constrained, parse_chat_fields
+from engine.chat.request import (
+    ChatSettings,
+    calls_constrained,
+    parse_chat_fields,
+    thinking_budget_params,
+)
 from engine.core import admission
 from engine.errors import EngineDeadError, InvalidParamError
 from engine.http import anthropic, auth, edge, protocol, responses, schema, sse, tokens
@@ -523,9 +529,14 @@ class _Server:
             body, defaults=self.sampling_defaults))
 
     async def _chat_body(self, body: Any) -> Response:
-        return await self._generate(protocol.parse_chat(
-            body, self.chat_settings, self.engine.tokenizer.chat_template,
-            defaults=self.sampling_defaults))
+        req = protocol.parse_chat(body, self.chat_settings, self.engine.tokenizer.chat_template,
+                                  defaults=self.sampling_defaults)
+        if body.get("thinking_token_budget") is not None:
+            tok = self.engine.tokenizer
+            req = dataclasses.replace(req, params=thinking_budget_params(
+                body, req.params, self.chat_settings,
+                lambda text: tok.encode(text, add_special_tokens=False)))
+        return await self._generate(req)
 
     # -- Anthropic Messages ---------------------------------------------------------------
 
@@ -691,10 +702,15 @@ class _Server:
     async def render_chat(self) -> Response:
         """vLLM's ``/v1/chat/completions/render``: the ``/inference/v1/generate`` request a
         chat body would run (its prompt through the chat template), without running it."""
-        req = protocol.parse_chat(await self._read_checked("chat"), self.chat_settings,
+        body = await self._read_checked("chat")
+        req = protocol.parse_chat(body, self.chat_settings,
                                   self.engine.tokenizer.chat_template,
                                   defaults=self.sampling_defaults)
         self._check_model(req.model)
+        if body.get("thinking_token_budget") is not None:
+            raise APIError(400, "render does not support thinking_token_budget (the "
+                           "generate request cannot carry it)", param="thinking_token_budget",
+                           code="unsupported_parameter")
         assert req.chat_fields is not None  # a chat request has them
         (messages,) = req.prompts
         prompt = admission.prompt_message(messages, req.chat_fields.template.to_json())

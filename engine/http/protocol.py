@@ -108,7 +108,7 @@ CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "echo",
     "tools", "tool_choice", "parallel_tool_calls",
     "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
-    "reasoning_effort", "prediction",
+    "reasoning_effort", "prediction", "thinking_token_budget",
 }
 class APIError(Exception):
     """An error answered as OpenAI's ``{"error": {...}}`` body with an HTTP status."""

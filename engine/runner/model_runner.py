@@ -42,7 +42,7 @@ from engine.messages import (
 from engine.models.llama import build_model
 from engine.models.pooling import PoolerConfig
 from engine.ops import AttentionMetadata, Ops
-from engine.params import SamplingParams
+from engine.params import SamplingParams, thinking_forced_token
 from engine.runner.kv_cache import allocate_kv_caches
 from engine.runner.sampler import Sampler, SamplingFailure, SamplingRow, TokenBitmask
 from engine.structured import GrammarBackend, Matcher, bitmask_words
@@ -300,9 +300,11 @@ class ModelRunner:
                 f"{known} known tokens"
             )
         if chunk.draft_token_ids and (not chunk.sample or chunk.start >= len(state.tokens)
-                                      or state.params.structured_outputs is not None):
+                                      or state.params.structured_outputs is not None
+                                      or state.params.thinking_token_budget is not None):
             raise StepPlanError(f"request {chunk.sample_id!r}: a proposal on a chunk that "
-                                "does not sample, or on a structured-output request")
+                                "does not sample, or on a structured-output or "
+                                "thinking-budget request")
         if chunk.sample and end != known:
             raise StepPlanError(
                 f"request {chunk.sample_id!r}: sampling after token {end} but it has "
@@ -527,12 +529,21 @@ class ModelRunner:
         """The token bitmask of the step's constrained rows (row ``i`` of the mask for
         batch row ``rows[i]``), and the requests whose grammar could not be set up.
 
-        A matcher that already ended (it accepted EOS; with async scheduling the step after
-        may still be planned) gets no mask: its token is dropped by the scheduler."""
+        A row whose thinking budget is spent allows only the next token of the reasoning's
+        end marker (ahead of any grammar: the grammar takes the marker where reasoning may
+        end). A matcher that already ended (it accepted EOS; with async scheduling the step
+        after may still be planned) gets no mask: its token is dropped by the scheduler."""
         constrained: list[int] = []
         failed: list[RequestFailure] = []
         t0 = time.perf_counter()
         for b, (c, s) in enumerate(picked):
+            if s.params.thinking_token_budget is not None:
+                # (Such a request carries no proposal: one row, after its outputs.)
+                forced = thinking_forced_token(s.params, s.outputs)
+                if forced is not None:
+                    _allow_only(self._bitmask[len(constrained)], forced)
+                    constrained.append(b)
+                    continue
             if s.params.structured_outputs is None:
                 continue
             try:
@@ -617,3 +628,12 @@ def _prompt_logprob_rows(
     first = max(state.prompt_logprobs_next, chunk.start + 1)
     end = min(chunk.start + chunk.num_tokens + 1, len(state.prompt))
     return first, end, [row + t - 1 - chunk.start for t in range(first, end)]
+
+
+def _allow_only(row: torch.Tensor, token_id: int) -> None:
+    """Make one bitmask row allow ``token_id`` alone (xgrammar's layout: bit ``t % 32`` of
+    int32 word ``t // 32`` set means allowed)."""
+    row.zero_()
+    bit = token_id % 32
+    # Bit 31 is the int32 sign bit.
+    row[token_id // 32] = -(1 << 31) if bit == 31 else 1 << bit
