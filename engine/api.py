@@ -157,6 +157,8 @@ class EngineLike(Protocol):
 
     def statistics(self) -> EngineStatistics: ...
 
+    def core_statistics(self) -> list[tuple[int, EngineStatistics]]: ...
+
     def structured_statistics(self) -> StructuredStatistics | None: ...
 
 
@@ -494,6 +496,20 @@ class Engine:
         if self._handles is None:
             raise self._dead_error()
         return self._handles.statistics()
+
+    def core_statistics(self) -> list[tuple[int, EngineStatistics]]:
+        """:meth:`statistics` per engine core, by core index (one core, 0, in-process).
+        A core's ``waiting`` counts what it has received; a core that has run no step
+        since it (re)started reports zeros."""
+        if self._pool is None:
+            return [(0, self.statistics())]
+        from engine.actors.system import combined_statistics
+
+        idle = self._parts.num_blocks
+        return [(index, combined_statistics([s] if s is not None else [],
+                                            waiting=s.waiting if s is not None else 0,
+                                            idle_blocks=idle))
+                for index, s in self._pool.core_statistics()]
 
     # -- internals --------------------------------------------------------------------------
 

@@ -105,6 +105,9 @@ class FakeEngine:
         raise InvalidParamError(f"the model {self.model_name} is a generation model: it does "
                                 "not score", param="model")
 
+
+    def core_statistics(self) -> list[tuple[int, EngineStatistics]]:
+        return [(0, self.statistics())]
     def structured_statistics(self) -> None:
         """No grammar backend (the metrics report zeros)."""
         return None

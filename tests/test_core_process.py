@@ -385,3 +385,27 @@ def test_over_http_a_killed_core_ends_its_stream_with_an_error_and_health_tells(
         assert done.status_code == 200
         assert done.json()["usage"]["completion_tokens"] == 5
         assert server.engine.restarts == 1
+
+
+def test_metrics_carry_an_engine_label_per_data_parallel_core(model: Path) -> None:
+    import re
+
+    import httpx
+    from http_server import ServerThread
+
+    import engine.api
+
+    with ServerThread(lambda: engine.api.open_engine(
+            str(model), **OPTIONS, data_parallel_size=2)) as server:
+        for i in range(4):
+            body = {"model": server.engine.model_name, "prompt": [7, 8, 9 + i],
+                    "max_tokens": 4, "temperature": 0}
+            assert httpx.post(server.base_url + "/v1/completions", json=body,
+                              timeout=60).status_code == 200
+        text = httpx.get(server.base_url + "/metrics").text
+        queries = {m.group(1): float(m.group(2)) for m in re.finditer(
+            r'^engine:prefix_cache_queries_total\{engine="(\d)",[^}]*\} (\S+)$', text, re.M)}
+        per_core = [s.prefix_cache_queries for _, s in server.engine.core_statistics()]
+    assert set(queries) == {"0", "1"}
+    assert [queries["0"], queries["1"]] == per_core
+    assert sum(per_core) == 4 * 3  # every prompt token looked up once, on one core or the other

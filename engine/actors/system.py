@@ -203,29 +203,8 @@ async def run_front_actors(
 
         def statistics() -> EngineStatistics:
             cores = [s for _, s in pool.core_statistics() if s is not None]
-            width = max((len(s.iteration_token_counts) for s in cores), default=0)
-            return EngineStatistics(
-                running=sum(s.running for s in cores), waiting=pool.queue_depth(),
-                kv_blocks_total=sum(s.kv_blocks_total for s in cores)
-                or parts.num_blocks * pool.size,
-                kv_blocks_free=sum(s.kv_blocks_free for s in cores)
-                or parts.num_blocks * pool.size,
-                prefix_cache_hits=sum(s.prefix_cache_hits for s in cores),
-                prefix_cache_queries=sum(s.prefix_cache_queries for s in cores),
-                preemptions=sum(s.preemptions for s in cores),
-                steps=sum(s.steps for s in cores),
-                requests_finished=sum(s.requests_finished for s in cores),
-                iteration_token_counts=tuple(
-                    sum(s.iteration_token_counts[i] for s in cores
-                        if i < len(s.iteration_token_counts)) for i in range(width)),
-                iteration_tokens_sum=sum(s.iteration_tokens_sum for s in cores),
-                scheduled_tokens=sum(s.scheduled_tokens for s in cores),
-                planned_ahead=sum(s.planned_ahead for s in cores),
-                spec_drafts=sum(s.spec_drafts for s in cores),
-                spec_draft_tokens=sum(s.spec_draft_tokens for s in cores),
-                spec_accepted_tokens=sum(s.spec_accepted_tokens for s in cores),
-                spec_accepted_per_pos=_sum_lists([s.spec_accepted_per_pos for s in cores]),
-            )
+            return combined_statistics(cores, waiting=pool.queue_depth(),
+                                       idle_blocks=parts.num_blocks * pool.size)
 
         actors: dict[str, Any] = {"detokenizer": detokenizer, "router": router, "cores": pool}
         with callers:
@@ -233,6 +212,30 @@ async def run_front_actors(
                 for start in (router.run, detokenizer.run, dispatch):
                     await nursery.start(start)
                 ready(ActorHandles(router, send, abort, pool.queue_depth, statistics, actors))
+
+
+def combined_statistics(cores: list[Any], *, waiting: int, idle_blocks: int) -> EngineStatistics:
+    """One :class:`EngineStatistics` over engine cores' :class:`~engine.messages.CoreStatistics`
+    (counters and gauges summed); ``waiting`` is the front end's count, samples on the wire
+    included, and ``idle_blocks`` the pool size reported before any core ran a step."""
+    return EngineStatistics(
+        running=sum(s.running for s in cores), waiting=waiting,
+        kv_blocks_total=sum(s.kv_blocks_total for s in cores) or idle_blocks,
+        kv_blocks_free=sum(s.kv_blocks_free for s in cores) or idle_blocks,
+        prefix_cache_hits=sum(s.prefix_cache_hits for s in cores),
+        prefix_cache_queries=sum(s.prefix_cache_queries for s in cores),
+        preemptions=sum(s.preemptions for s in cores),
+        steps=sum(s.steps for s in cores),
+        requests_finished=sum(s.requests_finished for s in cores),
+        iteration_token_counts=_sum_lists([s.iteration_token_counts for s in cores]),
+        iteration_tokens_sum=sum(s.iteration_tokens_sum for s in cores),
+        scheduled_tokens=sum(s.scheduled_tokens for s in cores),
+        planned_ahead=sum(s.planned_ahead for s in cores),
+        spec_drafts=sum(s.spec_drafts for s in cores),
+        spec_draft_tokens=sum(s.spec_draft_tokens for s in cores),
+        spec_accepted_tokens=sum(s.spec_accepted_tokens for s in cores),
+        spec_accepted_per_pos=_sum_lists([s.spec_accepted_per_pos for s in cores]),
+    )
 
 
 def _sum_lists(lists: list[tuple[int, ...]]) -> tuple[int, ...]:

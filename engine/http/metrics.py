@@ -94,32 +94,46 @@ class _EngineCollector(Collector):
         self._labels = [model_name]
 
     def collect(self) -> Iterator[Metric]:
+        # One sample per engine core, labelled engine="i" as vLLM's are (one core, "0",
+        # when it runs in the server's process); the engine-wide totals are their sums.
+        cores = self._engine.core_statistics()
         stats = self._engine.statistics()
-        yield self._gauge("engine:num_requests_running",
-                          "Requests in the running batch.", stats.running)
-        yield self._gauge("engine:num_requests_waiting",
-                          "Requests waiting to be scheduled.", stats.waiting)
+
+        def family(kind: type, name: str, doc: str, value: Any) -> Metric:
+            metric = kind(name, doc, labels=["model_name", "engine"])
+            for index, core in cores:
+                metric.add_metric([*self._labels, str(index)], value(core))
+            return metric
+
+        yield family(GaugeMetricFamily, "engine:num_requests_running",
+                     "Requests in the running batch.", lambda c: c.running)
+        yield family(GaugeMetricFamily, "engine:num_requests_waiting",
+                     "Requests waiting to be scheduled.", lambda c: c.waiting)
         # vLLM's split of the waiting requests: "capacity" (for KV blocks or a batch slot)
         # and "deferred" (for something else, such as a remote KV transfer). Every waiting
         # request here waits for capacity: grammars compile before a request is queued.
         by_reason = GaugeMetricFamily("engine:num_requests_waiting_by_reason",
                                       "Requests waiting to be scheduled, by reason.",
-                                      labels=["model_name", "reason"])
-        by_reason.add_metric([*self._labels, "capacity"], stats.waiting)
-        by_reason.add_metric([*self._labels, "deferred"], 0)
+                                      labels=["model_name", "engine", "reason"])
+        for index, core in cores:
+            by_reason.add_metric([*self._labels, str(index), "capacity"], core.waiting)
+            by_reason.add_metric([*self._labels, str(index), "deferred"], 0)
         yield by_reason
-        used = stats.kv_blocks_total - stats.kv_blocks_free
-        usage = used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
-        yield self._gauge("engine:kv_cache_usage_perc",
-                          "Fraction of KV-cache blocks held by requests (1 = full).", usage)
-        yield self._counter("engine:num_preemptions",
-                            "Preemptions (requests evicted and later recomputed).",
-                            stats.preemptions)
-        yield self._counter("engine:prefix_cache_queries",
-                            "Prompt tokens looked up in the prefix cache.",
-                            stats.prefix_cache_queries)
-        yield self._counter("engine:prefix_cache_hits",
-                            "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
+
+        def usage(c: EngineStatistics) -> float:
+            used = c.kv_blocks_total - c.kv_blocks_free
+            return used / c.kv_blocks_total if c.kv_blocks_total else 0.0
+
+        yield family(GaugeMetricFamily, "engine:kv_cache_usage_perc",
+                     "Fraction of KV-cache blocks held by requests (1 = full).", usage)
+        yield family(CounterMetricFamily, "engine:num_preemptions",
+                     "Preemptions (requests evicted and later recomputed).",
+                     lambda c: c.preemptions)
+        yield family(CounterMetricFamily, "engine:prefix_cache_queries",
+                     "Prompt tokens looked up in the prefix cache.",
+                     lambda c: c.prefix_cache_queries)
+        yield family(CounterMetricFamily, "engine:prefix_cache_hits",
+                     "Prompt tokens found in the prefix cache.", lambda c: c.prefix_cache_hits)
         yield from self._iteration_tokens(stats)
         yield from self._spec_decode(stats)
         yield self._cache_config(stats)
