@@ -321,7 +321,7 @@ def parse_chat(body: Any, settings: ChatSettings | None = None,
     body = _require_object(body)
     _refuse_not_implemented(body)
     _log_unknown(body, CHAT_FIELDS)
-    messages = normalize_messages(body.get("messages"))
+    messages = normalize_messages(body.get("messages"), images=True)
     fields = parse_chat_fields(body, settings or ChatSettings(), model_template)
     top = _opt_int(body, "top_logprobs")
     if top is not None and top < -1:

@@ -129,6 +129,13 @@ COMPLETION: dict[str, Any] = {
 
 _TEXT_PART = {"type": "object", "required": ["type", "text"], "properties": {
     "type": {"const": "text"}, "text": {"type": "string"}}}
+# An image for a vision-language model: a base64 data: URL (http(s) only for hosts in
+# --allowed-media-domains); a text-only model refuses it with a 400 naming the part.
+_IMAGE_PART = {"type": "object", "required": ["type", "image_url"], "properties": {
+    "type": {"const": "image_url"},
+    "image_url": {"anyOf": [{"type": "string"}, {"type": "object", "required": ["url"],
+                  "properties": {"url": {"type": "string"},
+                                 "detail": {"enum": ["auto", "low", "high"]}}}]}}}
 _MESSAGE = {
     "type": "object",
     "required": ["role"],
@@ -137,7 +144,7 @@ _MESSAGE = {
                  "description": "system, developer, user, assistant, tool, or a custom role "
                                 "the chat template reads (vLLM passes those on too)"},
         "content": {"anyOf": [{"type": "string"}, {"type": "null"},
-                              {"type": "array", "items": _TEXT_PART}]},
+                              {"type": "array", "items": {"anyOf": [_TEXT_PART, _IMAGE_PART]}}]},
     },
 }
 _MESSAGES = {"type": "array", "items": _MESSAGE, "minItems": 1}

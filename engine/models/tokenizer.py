@@ -707,18 +707,21 @@ def _compile_template(source: str, folder: Path) -> jinja2.Template:
 # -- messages ---------------------------------------------------------------------------
 
 
-def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+def normalize_messages(messages: Any, *, images: bool = False) -> list[dict[str, Any]]:
     """Check chat ``messages`` and return plain copies that a template may read.
 
     The one chat-message normalizer: the HTTP server, the embedded API and ``/tokenize``
     all go through it. Errors are :class:`InvalidParamError` naming the field
-    (``messages[1].content``). Idempotent."""
+    (``messages[1].content``). Idempotent. ``images``: a content list holding image parts
+    (``image_url``, ``image``) stays a list of parts, for the engine to take the images
+    out (:func:`engine.multimodal.split_images`) before the template renders; otherwise
+    an image part is refused."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise InvalidParamError("messages must be a non-empty list of messages", param="messages")
-    return [_normalize_message(i, m) for i, m in enumerate(messages)]
+    return [_normalize_message(i, m, images) for i, m in enumerate(messages)]
 
 
-def _normalize_message(index: int, message: Any) -> dict[str, Any]:
+def _normalize_message(index: int, message: Any, images: bool = False) -> dict[str, Any]:
     where = f"messages[{index}]"
     if not isinstance(message, Mapping):
         raise InvalidParamError(f"{where} must be an object with role and content", param=where)
@@ -740,7 +743,7 @@ def _normalize_message(index: int, message: Any) -> dict[str, Any]:
 
     out.update(check_tool_fields({**message, "role": role}, where))
     if "content" in out:
-        out["content"] = _content_text(where, out["content"])
+        out["content"] = _content_text(where, out["content"], images)
     elif role != "assistant":  # an assistant turn may carry only tool_calls
         raise InvalidParamError(f"{where} has no content", param=f"{where}.content")
     reasoning = next((out[k] for k in _REASONING_FIELDS if k in out), None)
@@ -779,9 +782,22 @@ def _cut_at_mark(rendered: str) -> str:
     return rendered[:at].rstrip()  # the template trimmed the message: so do we
 
 
-def _content_text(where: str, content: Any) -> str:
+_IMAGE_PARTS = ("image_url", "image")
+
+
+def _content_text(where: str, content: Any, images: bool = False) -> str | list[Any]:
     if isinstance(content, str):
         return content
+    if images and isinstance(content, (list, tuple)) and any(
+            isinstance(p, Mapping) and p.get("type") in _IMAGE_PARTS for p in content):
+        for j, part in enumerate(content):  # text parts checked; images are checked later
+            if isinstance(part, Mapping) and part.get("type") in _IMAGE_PARTS:
+                continue
+            if not (isinstance(part, Mapping) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):
+                raise InvalidParamError(f"{where}.content[{j}] must be a text or image part",
+                                        param=f"{where}.content")
+        return [dict(p) for p in content]
     if isinstance(content, (bytes, Mapping)) or not isinstance(content, Sequence):
         raise InvalidParamError(
             f"{where}.content must be a string or a list of text parts", param=f"{where}.content"
