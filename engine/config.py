@@ -20,6 +20,22 @@ OPS_BACKENDS = ("auto", "torch", "cpu", "triton")  # see engine.ops.get_ops
 ENGINE_CORE_MODES = ("inprocess", "process")  # see engine.actors.cores
 
 
+def parse_mm_limit(value: str) -> int:
+    """``--limit-mm-per-prompt``: images per request, as ``4`` or vLLM's ``{"image": 4}``
+    (other modalities may only be 0: none is supported)."""
+    text = value.strip()
+    if not text.startswith("{"):
+        return int(text)
+    try:
+        limits = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(limits, dict) or any(
+            k != "image" and v not in (0, None) for k, v in limits.items()):
+        raise ValueError("only the image modality is supported: {\"image\": N}")
+    return int(limits.get("image", 4))
+
+
 def parse_memory(text: str) -> int | float:
     """Parse a CLI memory budget: ``0.5`` (fraction), ``1073741824``, ``512MiB``, ``2GB``.
 
@@ -340,7 +356,8 @@ class EngineConfig:
         return parse_speculative_config(self.speculative_config)
     # Image inputs of vision-language models (engine.multimodal).
     limit_mm_per_prompt: int = _field(
-        4, "most images in one request (more: HTTP 400)", type=int, metavar="N")
+        4, "most images in one request (more: HTTP 400): N, or vLLM's JSON '{\"image\": N}'",
+        type=parse_mm_limit, metavar="N")
     max_image_pixels: int = _field(
         4096 * 4096, "most pixels (width x height, read from the header before decoding) of "
         "one image; a larger one, a decompression bomb included, is refused with a 400",
