@@ -120,6 +120,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
         max_queued_requests=config.max_queued_requests,
         eos_token_ids=eos_ids,
         max_logprobs=config.max_logprobs,
+        special_token_ids=frozenset(tokenizer.skipped_special_ids),
     )
     name = config.served_model_name or _model_name(config.model, path)
     if pooler is not None:
@@ -193,7 +194,8 @@ def build_front_parts(config: EngineConfig, hello: Any) -> EngineParts:
         tokenizer, vocab_size=hello.vocab_size, stop_token_ids=eos_ids,
         backend=config.structured_outputs_backend)
     limits = AdmissionLimits(max_model_len=hello.max_model_len, vocab_size=hello.vocab_size,
-                             max_queued_requests=config.max_queued_requests, eos_token_ids=eos_ids)
+                             max_queued_requests=config.max_queued_requests, eos_token_ids=eos_ids,
+                             special_token_ids=frozenset(tokenizer.skipped_special_ids))
     folder = Path(hello.tokenizer_folder)
     from engine.models.loader import _model_config
 

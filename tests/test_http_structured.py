@@ -242,3 +242,21 @@ def test_the_embedded_api_refuses_stop_strings_with_a_constraint():
     with pytest.raises(InvalidParamError):
         SamplingParams(stop=["-"]).replace(structured_outputs=spec)
     assert SamplingParams(stop_token_ids=[5], structured_outputs=spec).stop == ()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_text_stop_token_id_with_a_constraint_is_a_400_and_eos_is_fine(server, stream):
+    # A text token in stop_token_ids ends a constrained output early like a stop string;
+    # EOS (which the grammar allows only where the output is complete) may stay.
+    tok = server.engine.tokenizer
+    dash = tok.encode("-", add_special_tokens=False)[-1]
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 16, "seed": 0, "stream": stream,
+            "guided_regex": "[0-9]{2}-[0-9]{2}"}
+    r = httpx.post(server.base_url + "/v1/completions", json={**body, "stop_token_ids": [dash]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "stop_token_ids"
+    r = httpx.post(server.base_url + "/v1/completions",
+                   json={**body, "stream": False, "stop_token_ids": [tok.eos_token_id]})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and re.fullmatch("[0-9]{2}-[0-9]{2}", choice["text"])

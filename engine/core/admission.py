@@ -59,6 +59,9 @@ class AdmissionLimits:
     eos_token_ids: tuple[int, ...]
     # The most logprobs / prompt_logprobs a request may ask for; -1: the vocabulary.
     max_logprobs: int = 20
+    # The special tokens (a grammar never lets one be sampled but for EOS): a stop token
+    # id outside them and EOS is a text token a constrained output may reach mid-way.
+    special_token_ids: frozenset[int] = frozenset()
 
 
 def sample_ids(request_id: str, n: int, serial: int) -> tuple[str, ...]:
@@ -240,6 +243,19 @@ def _check_model_ranges(params: SamplingParams, limits: AdmissionLimits) -> None
     here rather than failing in the sampler."""
     vocab = limits.vocab_size
     _check_vocab(params.stop_token_ids, vocab, "stop_token_ids", "stop_token_ids id")
+    if params.structured_outputs is not None:
+        # As stop strings (SamplingParams refuses those): a text token that stops the
+        # request could end a constrained output before it matches. EOS and the other
+        # special tokens cannot: the grammar allows EOS only where it is complete and masks
+        # the rest.
+        text = [t for t in params.stop_token_ids
+                if t not in limits.eos_token_ids and t not in limits.special_token_ids]
+        if text:
+            raise InvalidParamError(
+                f"stop_token_ids {text[0]} is a text token: with a constrained output "
+                "(structured outputs, response_format, guided_*, forced tool calls) it could "
+                "end the output before it matches; only EOS and special tokens may stop it",
+                param="stop_token_ids")
     if params.top_k > vocab:
         raise InvalidParamError(
             f"top_k must be -1, 0 (off) or at most the vocabulary size {vocab}, got "
