@@ -139,18 +139,42 @@ async def test_stop_strings_stop_tokens_and_aborts_mid_proposal_leave_no_block(m
 
 
 async def test_n_samples_and_a_grammar_request_beside_speculating_ones(model: Path) -> None:
+    import re
+
+    from engine.structured.spec import StructuredOutputs
+
     prompts = _copying_prompts(4, seed=7)
+    seeded = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=32, ignore_eos=True)
+    constrained = SamplingParams(temperature=1.0, seed=5, max_tokens=24,
+                                 structured_outputs=StructuredOutputs(regex="(ab|cd){3,6}"))
     async with engine.open_engine(str(model), **OPTIONS) as eng:
-        plain = await collect(eng, prompts[1], SamplingParams(n=3, temperature=1.0, seed=11,
-                                                              max_tokens=32, ignore_eos=True))
+        plain = await collect(eng, prompts[1], seeded)
     async with engine.open_engine(str(model), **OPTIONS, speculative_config=NGRAM) as eng:
-        spec = await collect(eng, prompts[1], SamplingParams(n=3, temperature=1.0, seed=11,
-                                                             max_tokens=32, ignore_eos=True))
+        spec, grammar, *_ = await _run_all(eng, [prompts[1], prompts[2], *prompts],
+                                           [seeded, constrained, *[greedy(32)] * len(prompts)])
         stats = await wait_idle(eng)
     # Seeded samples: each position draws with the same per-step seed as without speculation.
     for i in range(3):
         assert len(token_ids(spec, i)) == 32
         assert token_ids(spec, i) == token_ids(plain, i)
+    # The grammar request never speculates, beside requests that do, and keeps its grammar.
+    assert re.fullmatch("(ab|cd){3,6}", text(grammar)), text(grammar)
+    assert stats.spec_drafts > 0
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+async def test_preemption_with_proposals_gives_the_same_tokens_and_frees_every_block(model: Path) -> None:
+    """A pool far too small for all requests at once: the newest are preempted (some with
+    a proposal just verified) and recomputed, and still give the plain engine's tokens."""
+    prompts = _copying_prompts(6, seed=9)
+    small = dict(OPTIONS, kv_cache_memory=20 * 512 * 16)  # 20 blocks of 16 tokens
+    async with engine.open_engine(str(model), **small) as eng:
+        plain = await _run_all(eng, prompts, [greedy(64)] * len(prompts))
+    async with engine.open_engine(str(model), **small, speculative_config=NGRAM) as eng:
+        spec = await _run_all(eng, prompts, [greedy(64)] * len(prompts))
+        stats = await wait_idle(eng)
+    assert [token_ids(o) for o in spec] == [token_ids(o) for o in plain]
+    assert stats.preemptions > 0 and stats.spec_drafts > 0
     assert stats.kv_blocks_free == stats.kv_blocks_total
 
 
@@ -333,3 +357,29 @@ def test_chat_prediction_proposes_tokens_and_usage_counts_them(model: Path) -> N
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(**greedy_chat, prediction={"type": "text", "content": "x"})
         assert info.value.body["param"] == "prediction"
+
+
+@pytest.mark.slow
+async def test_smollm2_greedy_is_the_same_with_prompt_lookup_and_with_a_prediction() -> None:
+    code = ("def area(width, height):\n    return width * height\n\n\n"
+            "def perimeter(width, height):\n    return 2 * (width + height)\n")
+    chats = [
+        [{"role": "user", "content": "Rename width to w in this code and return all of it:\n\n" + code}],
+        [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog. "
+                                     "The quick brown fox jumps over the lazy dog."}],
+        [{"role": "user", "content": "Write a short poem about the sea."}],
+    ]
+    options = dict(kv_cache_memory=64 * 2**20)
+    params = [greedy(128), greedy(128), greedy(128)]
+    async with engine.open_engine(None, **options) as eng:
+        plain = await _run_all(eng, chats, params)
+    async with engine.open_engine(None, **options, speculative_config=NGRAM) as eng:
+        spec = await _run_all(eng, chats, params)
+        stats = await wait_idle(eng)
+    async with engine.open_engine(None, **options) as eng:
+        predicted = await collect(eng, chats[0], greedy(128, prediction=code))
+    assert [token_ids(o) for o in spec] == [token_ids(o) for o in plain]
+    assert token_ids(predicted) == token_ids(plain[0])
+    assert predicted[-1].usage.prediction_tokens[0] > 0
+    assert stats.spec_accepted_tokens > 0
+    assert stats.kv_blocks_free == stats.kv_blocks_total
