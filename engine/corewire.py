@@ -94,6 +94,13 @@ class FrameStream:
     async def send(self, batch: tuple[object, ...]) -> None:
         """Pack ``batch`` (messages) as one frame and write it."""
         payload = messages.pack(tuple(batch))
+        if len(payload) > self.max_frame_bytes and len(batch) > 1:
+            # Several admitted requests with images can outgrow one frame together: send
+            # the batch as more frames, in order (one message alone must still fit).
+            half = len(batch) // 2
+            await self.send(tuple(batch[:half]))
+            await self.send(tuple(batch[half:]))
+            return
         if len(payload) > self.max_frame_bytes:
             raise WireError(f"a frame of {len(payload)} bytes exceeds the limit of "
                             f"{self.max_frame_bytes}")

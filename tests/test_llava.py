@@ -215,3 +215,41 @@ async def test_the_image_token_is_the_engines_own_and_a_clients_stays_text(llava
         async with stream:
             assert image_id not in stream.prompt_token_ids
         await wait_idle(eng)
+
+
+async def test_a_request_with_more_pixel_bytes_than_a_frame_share_is_refused(llava, monkeypatch) -> None:
+    from engine.core import admission
+
+    async with _open(llava) as eng:
+        one = len(eng._parts.images.pixels(_raw(_image(0)))[0])
+        monkeypatch.setattr(admission, "MAX_IMAGE_BYTES", 2 * one)
+        with pytest.raises(InvalidParamError, match="bytes of pixels") as info:
+            await eng.submit(_messages([_image(0)]), greedy(2, n=3))
+        assert info.value.param == "messages"
+        assert len(token_ids(await collect(eng, _messages([_image(0)]), greedy(2, n=2)), 1)) == 2
+        await wait_idle(eng)
+
+
+async def test_a_batch_too_large_for_one_frame_goes_as_several_in_order() -> None:
+    import trio.testing
+
+    from engine import corewire
+    from engine.messages import ImageInput
+
+    left, right = trio.testing.memory_stream_pair()
+    sender, receiver = corewire.FrameStream(left, max_frame_bytes=3000), corewire.FrameStream(right)
+    batch = tuple(ImageInput(i, 4, i, bytes([i]) * 1000, (1, 1000)) for i in range(5))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sender.send, batch)
+        got: list = []
+        while len(got) < len(batch):
+            got.extend(await receiver.receive())
+    assert tuple(got) == batch and receiver.frames_received > 1
+    with pytest.raises(corewire.WireError):
+        await sender.send((ImageInput(0, 4, 0, b"x" * 4000, (1, 4000)),))
+
+
+def _raw(image):
+    from engine.multimodal import RawImage
+
+    return RawImage("messages[0].content[0]", image)

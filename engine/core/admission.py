@@ -197,6 +197,11 @@ def check_min_tokens(params: SamplingParams) -> None:
             param="min_tokens")
 
 
+# The preprocessed pixels (float32) one request may carry, over all its samples: a quarter
+# of an engine-core frame (engine.corewire), e.g. 8 samples of 4 LLaVA-1.5 images.
+MAX_IMAGE_BYTES = 16 * 2**20
+
+
 def admit(
     submit: SubmitRequest, ids: tuple[int, ...], limits: AdmissionLimits, *, waiting: int,
     serial: int, images: tuple[ImageInput, ...] = (), prediction: tuple[int, ...] = (),
@@ -212,6 +217,14 @@ def admit(
         )
     if not ids:
         raise InvalidParamError("the prompt is empty", param="prompt")
+    image_bytes = sum(len(image.pixels) for image in images) * submit.params.n
+    if image_bytes > MAX_IMAGE_BYTES:
+        # Each sample carries the pixels to the runner (across a process boundary in one
+        # message, whose frame is bounded): refused rather than a frame too large to send.
+        raise InvalidParamError(
+            f"the request's images are {image_bytes} bytes of pixels for its {submit.params.n} "
+            f"sample(s); at most {MAX_IMAGE_BYTES} are taken (send fewer images or lower n)",
+            param="messages")
     _check_vocab(ids, limits.vocab_size, "prompt", "prompt token id")
     # Checked here, per request: the sampler's own check would fail the whole step and with
     # it the engine.
