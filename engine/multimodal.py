@@ -5,7 +5,8 @@ The data path (admission, in the caller's task or a worker thread):
 1. :func:`split_images` takes the image parts out of the chat messages, leaving the
    model's image token (``<image>``) as a text part in their place, so the chat template
    renders as for text. Parts are ``{"type": "image_url", "image_url": {"url": ...}}``
-   (a ``data:`` URL; an ``http(s)`` URL only for a host in ``--allowed-media-domains``)
+   (a ``data:`` URL; an ``http(s)`` URL only for a host in ``--allowed-media-domains``,
+   fetched in step 2 with a time and size limit and no redirects)
    or, from the embedded API, ``{"type": "image", "image": <bytes | PIL.Image>}``.
 2. :meth:`ImagePreprocessor.expand` decodes each image with Pillow (PNG, JPEG, WebP; the
    size read from the header is checked against the pixel budget before any pixel is
@@ -23,7 +24,9 @@ import binascii
 import dataclasses
 import hashlib
 import io
+import urllib.error
 import urllib.parse
+import urllib.request
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -52,7 +55,7 @@ class RawImage:
     already decoded PIL image from the embedded API)."""
 
     where: str  # messages[i].content[j]
-    data: Any  # bytes | PIL.Image.Image
+    data: Any  # bytes | PIL.Image.Image | ImageURL
 
 
 def has_images(messages: Any) -> bool:
@@ -122,11 +125,47 @@ def _part_data(part: Mapping[str, Any], kind: str, where: str, limits: MediaLimi
                 f"{where}: image URLs from {host or 'that host'!r} are not allowed; send the "
                 "image as a base64 data: URL (the server fetches only from "
                 "--allowed-media-domains)", param=where)
-        raise InvalidParamError(
-            f"{where}: fetching images over http(s) is not implemented in this server; "
-            "send the image as a base64 data: URL", param=where)
+        return ImageURL(url)  # fetched with the decoding, in a worker thread
     raise InvalidParamError(f"{where}: image_url must be a data: URL (or http(s) for an "
                             "allowed host)", param=where)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ImageURL:
+    """An http(s) image URL of an allowed host, fetched when the image is decoded."""
+
+    url: str
+
+
+# Fetching an allowed host's image: the whole fetch's time, and the most bytes read. No
+# redirect is followed (it could leave the allowed hosts).
+FETCH_TIMEOUT_SECONDS = 10.0
+FETCH_MAX_BYTES = 20 * 2**20
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001, ANN201
+        raise urllib.error.HTTPError(req.full_url, code, f"redirect to {newurl} not followed",
+                                     headers, fp)
+
+
+def fetch_image(url: str, where: str) -> bytes:
+    """The bytes at ``url`` (blocking: a worker thread's), within the time and size limits;
+    any failure is this request's :class:`InvalidParamError`."""
+    opener = urllib.request.build_opener(_NoRedirect)
+    try:
+        with opener.open(url, timeout=FETCH_TIMEOUT_SECONDS) as response:
+            data = response.read(FETCH_MAX_BYTES + 1)
+    except urllib.error.HTTPError as exc:
+        exc.close()  # it holds the response's connection
+        raise InvalidParamError(f"{where}: fetching the image failed: HTTP {exc.code} "
+                                f"{exc.reason}", param=where) from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise InvalidParamError(f"{where}: fetching the image failed: {exc}", param=where) from None
+    if len(data) > FETCH_MAX_BYTES:
+        raise InvalidParamError(f"{where}: the image at the URL is over {FETCH_MAX_BYTES} bytes",
+                                param=where)
+    return data
 
 
 def _data_url(url: str, where: str) -> bytes:
@@ -156,6 +195,8 @@ def decode_image(data: Any, where: str, max_pixels: int) -> Any:
     if _is_pil(data):
         _check_pixels(data.size, where, max_pixels)
         return data.convert("RGB")
+    if isinstance(data, ImageURL):
+        data = fetch_image(data.url, where)
     fmt = _sniff(data)
     if fmt is None:
         raise InvalidParamError(

@@ -253,3 +253,58 @@ def _raw(image):
     from engine.multimodal import RawImage
 
     return RawImage("messages[0].content[0]", image)
+
+
+@pytest.fixture
+def image_host():
+    """A loopback HTTP server: /cat.png an image, /moved a redirect to it, else 404."""
+    import http.server
+    import threading
+
+    png = _encoded(_image(5))
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            if self.path == "/cat.png":
+                self.send_response(200)
+                self.send_header("Content-Type", "image/png")
+                self.end_headers()
+                self.wfile.write(png)
+            elif self.path == "/moved":
+                self.send_response(302)
+                self.send_header("Location", "/cat.png")
+                self.end_headers()
+            else:
+                self.send_error(404)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", png
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+async def test_an_allowed_hosts_image_url_is_fetched_without_redirects(llava, image_host) -> None:
+    base, png = image_host
+
+    def ask(url: str) -> list[dict]:
+        return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": QUESTION}]}]
+
+    async with _open(llava, allowed_media_domains="127.0.0.1") as eng:
+        fetched = await collect(eng, ask(base + "/cat.png"), greedy(8))
+        inline = await collect(eng, ask("data:image/png;base64," + base64.b64encode(png).decode()),
+                               greedy(8))
+        assert token_ids(fetched) == token_ids(inline)
+        for path, reason in (("/moved", "HTTP 302"), ("/missing.png", "HTTP 404")):
+            with pytest.raises(InvalidParamError, match=reason) as info:
+                await eng.submit(ask(base + path), greedy(2))
+            assert info.value.param == "messages[0].content[0]"
+        with pytest.raises(InvalidParamError, match="not allowed"):
+            await eng.submit(ask(base.replace("127.0.0.1", "localhost") + "/cat.png"), greedy(2))
+        await wait_idle(eng)
