@@ -24,6 +24,7 @@ import binascii
 import dataclasses
 import hashlib
 import io
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -153,9 +154,24 @@ def fetch_image(url: str, where: str) -> bytes:
     """The bytes at ``url`` (blocking: a worker thread's), within the time and size limits;
     any failure is this request's :class:`InvalidParamError`."""
     opener = urllib.request.build_opener(_NoRedirect)
+    deadline = time.monotonic() + FETCH_TIMEOUT_SECONDS
+    chunks: list[bytes] = []
+    size = 0
     try:
+        # urllib's timeout bounds each socket operation; the deadline bounds the whole
+        # fetch (a server dripping bytes slowly cannot hold a thread for long).
         with opener.open(url, timeout=FETCH_TIMEOUT_SECONDS) as response:
-            data = response.read(FETCH_MAX_BYTES + 1)
+            while size <= FETCH_MAX_BYTES:
+                chunk = response.read(min(2**16, FETCH_MAX_BYTES + 1 - size))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+                if time.monotonic() > deadline:
+                    raise InvalidParamError(
+                        f"{where}: fetching the image took over {FETCH_TIMEOUT_SECONDS:g} s",
+                        param=where)
+        data = b"".join(chunks)
     except urllib.error.HTTPError as exc:
         exc.close()  # it holds the response's connection
         raise InvalidParamError(f"{where}: fetching the image failed: HTTP {exc.code} "

@@ -260,6 +260,7 @@ def image_host():
     """A loopback HTTP server: /cat.png an image, /moved a redirect to it, else 404."""
     import http.server
     import threading
+    import time
 
     png = _encoded(_image(5))
 
@@ -270,6 +271,13 @@ def image_host():
                 self.send_header("Content-Type", "image/png")
                 self.end_headers()
                 self.wfile.write(png)
+            elif self.path == "/slow":  # drips the image: each piece in time, not the whole
+                self.send_response(200)
+                self.end_headers()
+                for at in range(0, 120, 40):
+                    self.wfile.write(png[at : at + 40])
+                    self.wfile.flush()
+                    time.sleep(0.3)
             elif self.path == "/moved":
                 self.send_response(302)
                 self.send_header("Location", "/cat.png")
@@ -289,7 +297,10 @@ def image_host():
     thread.join()
 
 
-async def test_an_allowed_hosts_image_url_is_fetched_without_redirects(llava, image_host) -> None:
+async def test_an_allowed_hosts_image_url_is_fetched_without_redirects(
+        llava, image_host, monkeypatch) -> None:
+    from engine import multimodal
+
     base, png = image_host
 
     def ask(url: str) -> list[dict]:
@@ -305,6 +316,12 @@ async def test_an_allowed_hosts_image_url_is_fetched_without_redirects(llava, im
             with pytest.raises(InvalidParamError, match=reason) as info:
                 await eng.submit(ask(base + path), greedy(2))
             assert info.value.param == "messages[0].content[0]"
+        monkeypatch.setattr(multimodal, "FETCH_TIMEOUT_SECONDS", 0.5)
+        with pytest.raises(InvalidParamError, match="took over 0.5 s"):
+            await eng.submit(ask(base + "/slow"), greedy(2))
+        monkeypatch.setattr(multimodal, "FETCH_MAX_BYTES", len(png) - 1)
+        with pytest.raises(InvalidParamError, match=f"over {len(png) - 1} bytes"):
+            await eng.submit(ask(base + "/cat.png"), greedy(2))
         with pytest.raises(InvalidParamError, match="not allowed"):
             await eng.submit(ask(base.replace("127.0.0.1", "localhost") + "/cat.png"), greedy(2))
         await wait_idle(eng)
