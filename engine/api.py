@@ -14,7 +14,6 @@ The contract is written down in ``docs/architecture.md`` ("Actors and the embedd
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import logging
 import time
@@ -38,11 +37,45 @@ from engine.core.pooling import Pooled
 from engine.errors import ConfigError, EngineDeadError, InvalidParamError, RequestFailedError
 from engine.loading import EngineParts, build_parts
 from engine.messages import RequestOutput
+from engine.models.chat_sandbox import RenderBudget
 from engine.params import SamplingParams, generation_defaults
 from engine.structured import StructuredStatistics
 from engine.structured.pool import CompilePool
 
 logger = logging.getLogger("engine")
+
+# Worker threads for prompt work (chat templates, long tokenizations) at once, apart from
+# trio's default pool (grammar compiles and the rest): a few slow prompts (each bounded by
+# --chat-template-timeout and the context's length) queue behind each other instead of
+# taking every thread. A chat render is Python, so more threads would not render faster.
+PROMPT_THREADS = 4
+
+
+async def tokenize_prompt(
+    tokenizer: Any, prompt: admission.Prompt, *, limiter: trio.CapacityLimiter,
+    template_seconds: float, max_model_len: int | None, **options: Any,
+) -> tuple[int, ...]:
+    """:func:`admission.prompt_token_ids` (with ``options``: ``add_special_tokens``, ...)
+    off the event loop when it is more than a short text: in a worker thread under
+    ``limiter``, the chat template bounded by ``template_seconds`` (and sizes:
+    :mod:`engine.models.chat_sandbox`). A cancelled caller stops waiting at once; its
+    render stops at its next step."""
+    options["max_model_len"] = max_model_len
+    if not admission.needs_thread(prompt):
+        return admission.prompt_token_ids(tokenizer, prompt, **options)
+    # What a template makes of the messages (and tools) may be a few times their size.
+    size = admission.prompt_chars(prompt) + len(getattr(prompt, "options_json", ""))
+    budget = RenderBudget(template_seconds, max_chars=4 * size)
+
+    def work() -> tuple[int, ...]:
+        with budget.active():
+            return admission.prompt_token_ids(tokenizer, prompt, **options)
+
+    try:
+        # Pure and quick to drop: a cancelled caller need not wait for it.
+        return await trio.to_thread.run_sync(work, limiter=limiter, abandon_on_cancel=True)
+    finally:
+        budget.cancel()
 
 
 class RequestStream:
@@ -231,6 +264,7 @@ class Engine:
         # Numbers every admitted request (across restarts too): its sample ids carry it, so
         # they never collide whatever request ids callers pick (admission.sample_ids).
         self._serials = itertools.count()
+        self._prompt_limiter = trio.CapacityLimiter(PROMPT_THREADS)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -273,16 +307,13 @@ class Engine:
             priority=priority, cache_salt=cache_salt, arrival_time=time.monotonic(),
             chat_options=chat_options.to_json() if chat_options is not None else None,
         )
-        tokenize = functools.partial(
-            admission.prompt_token_ids, self.tokenizer, submit.prompt,
+        ids = await tokenize_prompt(
+            self.tokenizer, submit.prompt, limiter=self._prompt_limiter,
+            template_seconds=self.config.chat_template_timeout,
+            max_model_len=self.max_model_len,
             special_tokens_in_content=self.config.allow_special_tokens_in_content,
             # The image token each image part became is the engine's, not the client's.
             content_tokens=(self._parts.images.image_token,) if raw_images else ())
-        if admission.prompt_chars(submit.prompt) > admission.THREAD_PROMPT_CHARS:
-            # Pure and quick to drop: a cancelled caller need not wait for it.
-            ids = await trio.to_thread.run_sync(tokenize, abandon_on_cancel=True)
-        else:
-            ids = tokenize()
         images: tuple[Any, ...] = ()
         if raw_images:
             # Decoding and the image processor take milliseconds per image: off the trio

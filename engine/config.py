@@ -212,6 +212,13 @@ class EngineConfig:
     max_queued_requests: int = _field(
         1024, "waiting requests beyond which new ones are refused (HTTP 429)", type=int,
         metavar="N")
+    # A chat template is code (the model's, or a request's with
+    # --trust-request-chat-template) run on the client's messages and tools; a render
+    # takes milliseconds, and the worker thread it runs in cannot be killed, so each step
+    # of it checks this deadline (engine.models.chat_sandbox).
+    chat_template_timeout: float = _field(
+        5.0, "seconds one chat template render may take; past it the request is refused "
+        "(HTTP 400)", type=float, metavar="S")
     # Plan step N+1 while step N runs. None: on with CUDA, where the GPU runs a step while
     # the host plans; off on CPU, where both share the same cores and the overlap measured
     # no gain while costing each new request one more step before its first token.
@@ -416,6 +423,10 @@ class EngineConfig:
         logprobs = self.max_logprobs
         if isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < -1:
             raise ConfigError(f"max_logprobs must be -1 (the vocabulary) or >= 0, got {logprobs!r}", field="max_logprobs")
+        timeout = self.chat_template_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ConfigError(f"chat_template_timeout must be a positive number of seconds, "
+                              f"got {timeout!r}", field="chat_template_timeout")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}", field="max_model_len")
         mem = self.kv_cache_memory

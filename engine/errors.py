@@ -79,6 +79,23 @@ class InputTooLongError(PromptTooLongError):
         self.max_model_len = max_model_len
 
 
+class PromptTextTooLongError(PromptTooLongError):
+    """The prompt's text is too long for any tokenization of it to fit the context:
+    refused before it is tokenized (tokenizing megabytes takes seconds)."""
+
+    def __init__(self, *, chars: int, max_chars: int, max_model_len: int) -> None:
+        RequestError.__init__(
+            self,
+            f"This model's maximum context length is {max_model_len} tokens. However, the "
+            f"prompt is {chars} characters, more than any {max_model_len} tokens can stand "
+            f"for (at most {max_chars} characters). Please reduce the prompt.",
+            param="messages_or_prompt",
+        )
+        self.prompt_tokens = None
+        self.max_tokens = None
+        self.max_model_len = max_model_len
+
+
 class QueueFullError(EngineError):
     """Admission control: the waiting queue is at its limit. Try again later (HTTP 429)."""
 

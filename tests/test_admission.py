@@ -122,3 +122,23 @@ def test_limits_raise_the_request_errors() -> None:
     # Exactly full is fine.
     assert admit(_submit(params=SamplingParams(max_tokens=3)), tuple(range(3, 32)), LIMITS,
                  waiting=3, serial=0).samples[0].max_tokens == 3
+
+
+def test_a_text_too_long_for_any_tokenization_to_fit_is_refused_untokenized(tok) -> None:
+    limit = 4 * LIMITS.max_model_len * tok.max_token_chars
+    # Just under the bound: tokenized (and then too long for admit, with its token count).
+    ids = prompt_token_ids(tok, TextPrompt("a " * (limit // 2)), max_model_len=32)
+    assert ids == tuple(tok.encode("a " * (limit // 2))) and len(ids) > 32
+    with pytest.raises(PromptTooLongError, match="characters") as info:
+        prompt_token_ids(tok, TextPrompt("a " * (limit // 2 + 1)), max_model_len=32)
+    assert info.value.max_model_len == 32
+    # The bound is sound: no vocabulary entry is longer than max_token_chars.
+    assert all(len(t) <= tok.max_token_chars
+               for t in tok.backend_tokenizer.get_vocab(with_added_tokens=True))
+
+
+def test_a_long_text_tokenizes_the_same_through_the_gil_releasing_path(tok) -> None:
+    text = "Hello, world! " * 2000  # over the length where encode switches paths
+    assert tok.encode(text) == tok.backend_tokenizer.encode(text).ids
+    assert tok.encode(text, add_special_tokens=False) == tok.backend_tokenizer.encode(
+        text, add_special_tokens=False).ids

@@ -36,6 +36,22 @@ def server(tmp_path_factory):
         patch.undo()
 
 
+@pytest.fixture(scope="module")
+def h2c_server(tmp_path_factory):
+    """The same server with cleartext HTTP/2 (--enable-h2c)."""
+    tokenizer = Tokenizer.from_folder(write_tiny_model(tmp_path_factory.mktemp("tiny"), "llama"))
+    opener = lambda: open_fake_engine(  # noqa: E731
+        tokenizer, step_delay=0.001, max_model_len=256, served_model_name="tiny")
+    patch = pytest.MonkeyPatch()
+    patch.setattr(edge, "KEEP_ALIVE_SECONDS", KEEP_ALIVE)
+    try:
+        with ServerThread(opener, max_request_bytes=MAX_REQUEST_BYTES,
+                          serve_options={"enable_h2c": True}) as srv:
+            yield srv
+    finally:
+        patch.undo()
+
+
 def _connect(server) -> socket.socket:
     host, port = server.base_url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)))
@@ -134,3 +150,51 @@ def test_too_many_or_too_large_headers_get_431_and_a_huge_head_400(server) -> No
     with _connect(server) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 200_000 + b"\r\n\r\n")
         assert _read_response(sock)[0] in (400, 431)
+
+
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+
+def test_an_idle_http2_connection_is_closed_like_an_http1_one(h2c_server) -> None:
+    # Regression: a connection that sent only the HTTP/2 preface (and its SETTINGS) was
+    # never closed; 450 of them used up the server's file descriptors.
+    import h2.connection
+
+    client = h2.connection.H2Connection()
+    client.initiate_connection()
+    with _connect(h2c_server) as sock:
+        sock.sendall(client.data_to_send())
+        t0 = time.monotonic()
+        while sock.recv(65536):  # the server's SETTINGS, then its close
+            pass
+        assert time.monotonic() - t0 < READ_LIMIT
+
+
+def test_an_http2_connection_closes_once_its_last_stream_is_done(h2c_server) -> None:
+    import h2.connection
+    import h2.events
+
+    client = h2.connection.H2Connection()
+    client.initiate_connection()
+    stream = client.get_next_available_stream_id()
+    client.send_headers(stream, [(":method", "GET"), (":path", "/health"), (":scheme", "http"),
+                                 (":authority", "x")], end_stream=True)
+    events = []
+    with _connect(h2c_server) as sock:
+        sock.sendall(client.data_to_send())
+        while data := sock.recv(65536):
+            events.extend(client.receive_data(data))
+            sock.sendall(client.data_to_send())
+    assert any(isinstance(e, h2.events.StreamEnded) and e.stream_id == stream for e in events)
+
+
+@pytest.mark.parametrize("coding", [b"xchunked", b"gzip, chunked", b"chunked, xchunked"])
+def test_an_unknown_transfer_coding_gets_501(server, coding: bytes) -> None:
+    with _connect(server) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                     b"application/json\r\ntransfer-encoding: " + coding + b"\r\n\r\n")
+        # The body after the head, as a client that waits for nothing sends it.
+        sock.sendall(b"5\r\nhello\r\n0\r\n\r\n")
+        status, head, _ = _read_response(sock)
+        assert status == 501
+        assert sock.recv(1) == b""  # and the connection is closed

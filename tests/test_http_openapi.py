@@ -66,3 +66,25 @@ def test_the_server_honours_its_own_openapi_document(api_schema, server) -> None
             assert not server.engine.dead
 
         check()
+
+
+def test_the_token_list_fast_path_agrees_with_the_published_schema() -> None:
+    # check_body checks a completion's prompt and detokenize's tokens by hand (a million
+    # ids are too many for jsonschema); its verdict is the schema's on every shape.
+    import random
+
+    import jsonschema
+
+    from engine.http import schema
+
+    prompt_schema = jsonschema.Draft202012Validator(schema.COMPLETION["properties"]["prompt"])
+    tokens_schema = jsonschema.Draft202012Validator(
+        schema.DETOKENIZE["properties"]["tokens"])
+    atoms = [0, 5, 2**31 - 1, 2**31, -1, True, 1.5, "a", "", None, [], [3], ["a"], [[1]], {}]
+    rng = random.Random(0)
+    values = [*atoms, *([rng.choice(atoms) for _ in range(rng.randrange(4))]
+                        for _ in range(400))]
+    for value in values:
+        assert schema._valid_prompt(value) == prompt_schema.is_valid(value), value
+        if isinstance(value, list):
+            assert schema._token_ids(value) == tokens_schema.is_valid(value), value

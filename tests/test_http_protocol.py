@@ -219,6 +219,34 @@ def test_a_body_at_the_depth_limit_and_brackets_inside_strings_are_fine() -> Non
         "prompt": '[[[[[[[[[[{{{{{{{{\\"[[[['}
 
 
+def test_values_and_containers_are_counted_before_parsing_and_strings_do_not_count() -> None:
+    at_limit = b"[" + b",".join([b"1"] * protocol.MAX_JSON_VALUES) + b"]"
+    assert len(protocol.loads_body(at_limit)) == protocol.MAX_JSON_VALUES
+    with pytest.raises(APIError, match="values") as info:
+        protocol.loads_body(b"[" + b",".join([b"1"] * (protocol.MAX_JSON_VALUES + 1)) + b"]")
+    assert info.value.code == "too_many_values"
+    lists = protocol.MAX_JSON_CONTAINERS - 1  # plus the outer one
+    assert len(protocol.loads_body(b"[" + b",".join([b"[]"] * lists) + b"]")) == lists
+    with pytest.raises(APIError, match="arrays and objects"):
+        protocol.loads_body(b"[" + b",".join([b"{}"] * (lists + 1)) + b"]")
+    # Commas and brackets inside strings (escaped quotes too) are text, not structure.
+    text = '\\"' + ",[{" * protocol.MAX_JSON_VALUES
+    assert protocol.loads_body(json.dumps({"prompt": text}).encode()) == {"prompt": text}
+
+
+def test_the_json_string_pattern_finds_the_strings_json_does() -> None:
+    # The blanking that counts values and depth must see exactly JSON's strings.
+    import random
+
+    rng = random.Random(0)
+    alphabet = ['"', "\\", "a", ",", "[", "{", "u", "n", "\u00e9"]
+    for _ in range(300):
+        value = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(12)))
+                 for _ in range(rng.randrange(1, 5))]
+        text = json.dumps(value)
+        assert protocol._JSON_STRING.sub('""', text) == json.dumps([""] * len(value))
+
+
 def test_response_json_never_holds_nan_or_infinity() -> None:
     from engine.http import sse
 

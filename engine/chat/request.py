@@ -37,6 +37,16 @@ from engine.structured import StructuredOutputs
 # hermes-style <tool_call> lines.
 FALLBACK_TOOL_PARSER = "hermes"
 
+# OpenAI's own limit on the functions of one request.
+DEFAULT_MAX_TOOLS = 128
+# The tools of one request as JSON: 128 tools with generous schemas take ~100 KB. Every
+# byte is read into the prompt (the template renders it) and the calls' grammar.
+DEFAULT_MAX_TOOL_SCHEMA_BYTES = 1 << 20
+# A request's own chat template (--trust-request-chat-template): the largest real ones
+# (tool-calling templates) are 10-20 KB; compiling jinja costs time and memory in
+# proportion to the source, before any render budget applies.
+MAX_REQUEST_TEMPLATE_CHARS = 1 << 16
+
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ChatSettings:
@@ -47,6 +57,8 @@ class ChatSettings:
     thinking from the answer. ``chat_template`` (jinja source) replaces the model's.
     ``trust_request_chat_template`` lets requests send their own template (it runs in
     the jinja sandbox, but can still cost CPU: off by default, as in vLLM).
+    ``max_tools`` and ``max_tool_schema_bytes`` bound a request's ``tools`` (their count,
+    and their size as JSON).
     """
 
     tool_call_parser: str | None = None
@@ -54,8 +66,15 @@ class ChatSettings:
     reasoning_parser: str | None = None
     chat_template: str | None = None
     trust_request_chat_template: bool = False
+    max_tools: int = DEFAULT_MAX_TOOLS
+    max_tool_schema_bytes: int = DEFAULT_MAX_TOOL_SCHEMA_BYTES
 
     def __post_init__(self) -> None:
+        for name in ("max_tools", "max_tool_schema_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be a non-negative integer, "
+                                 f"got {value!r}")
         if self.tool_call_parser is not None:
             get_tool_parser(self.tool_call_parser)
         if self.reasoning_parser is not None:
@@ -123,6 +142,7 @@ def parse_chat_fields(body: Mapping[str, Any], settings: ChatSettings,
     """The chat-only fields of ``body``; ``model_template`` is the model's template
     source (to tell whether it reads ``tools``)."""
     template = _template_options(body, settings)
+    check_tool_limits(body.get("tools"), settings)
     tools = parse_tools(body.get("tools"))
     choice = parse_tool_choice(body.get("tool_choice"), tools)
     parallel = _bool(body, "parallel_tool_calls", True)
@@ -152,6 +172,25 @@ def parse_chat_fields(body: Mapping[str, Any], settings: ChatSettings,
         template = dataclasses.replace(template, tools=tuple(t.to_openai() for t in tools))
     return ChatFields(template=template, output=output, constraint=constraint,
                       echo=_bool(body, "echo", False))
+
+
+def check_tool_limits(tools: Any, settings: ChatSettings) -> None:
+    """Refuse ``tools`` past the server's limits (their count, their JSON size) before
+    anything reads them: 60,000 tools took a minute to check and render."""
+    if not isinstance(tools, list):
+        return
+    if len(tools) > settings.max_tools:
+        raise InvalidParamError(
+            f"tools holds {len(tools)} functions; this server accepts at most "
+            f"{settings.max_tools} (--max-tools)", param="tools")
+    try:
+        size = len(json.dumps(tools, ensure_ascii=False).encode())
+    except (TypeError, ValueError):
+        return  # not JSON: parse_tools names what is wrong
+    if size > settings.max_tool_schema_bytes:
+        raise InvalidParamError(
+            f"tools takes {size} bytes as JSON; this server accepts at most "
+            f"{settings.max_tool_schema_bytes} (--max-tool-schema-bytes)", param="tools")
 
 
 def _tools_constraint(tools: tuple[Tool, ...], choice: ToolChoice, parser: ToolParser | None,
@@ -234,6 +273,10 @@ def _template_options(body: Mapping[str, Any], settings: ChatSettings) -> Templa
         if not isinstance(source, str) or not source:
             raise InvalidParamError("chat_template must be a non-empty string",
                                     param="chat_template")
+        if len(source) > MAX_REQUEST_TEMPLATE_CHARS:
+            raise InvalidParamError(
+                f"chat_template is {len(source)} characters; at most "
+                f"{MAX_REQUEST_TEMPLATE_CHARS} are accepted", param="chat_template")
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None:
         if not isinstance(kwargs, Mapping):

@@ -90,10 +90,12 @@ def parse_tools(value: Any, param: str = "tools") -> tuple[Tool, ...]:
     tools: list[Tool] = []
     for i, item in enumerate(value):
         tools.append(_parse_tool(item, f"{param}[{i}]"))
-    names = [t.name for t in tools]
-    dup = next((n for n in names if names.count(n) > 1), None)
-    if dup is not None:
-        raise InvalidParamError(f"{param} declares the function {dup!r} twice", param=param)
+    seen: set[str] = set()
+    for tool in tools:
+        if tool.name in seen:
+            raise InvalidParamError(f"{param} declares the function {tool.name!r} twice",
+                                    param=param)
+        seen.add(tool.name)
     return tuple(tools)
 
 

@@ -14,10 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from engine.errors import InvalidParamError, PromptTooLongError, QueueFullError
+from engine.errors import (
+    InvalidParamError,
+    PromptTextTooLongError,
+    PromptTooLongError,
+    QueueFullError,
+)
 from engine.messages import (
     AdmittedRequest,
     ChatPrompt,
@@ -32,22 +37,29 @@ from engine.params import SamplingParams
 
 Prompt = TextPrompt | TokensPrompt | ChatPrompt
 
-# Prompts longer than this many characters are tokenized in a worker thread: about 8k
-# tokens, which the tokenizer and the chat template take milliseconds over, long enough to
-# stall every other request's stream if done on the trio thread; shorter ones cost less
-# than the thread hop.
+# Text prompts longer than this many characters are tokenized in a worker thread: about
+# 8k tokens, which the tokenizer takes milliseconds over, long enough to stall every other
+# request's stream if done on the trio thread; shorter ones cost less than the thread hop.
+# Chat prompts always go to a thread: a template's cost does not follow its size.
 THREAD_PROMPT_CHARS = 32_768
+# A text more than this many times max_model_len * max_token_chars characters long cannot
+# fit the context (each token stands for at most max_token_chars characters), and is
+# refused without being tokenized. The margin covers normalizers that shorten text
+# (composing accents: two characters into one).
+_TEXT_MARGIN = 4
 
 
 class PromptTokenizer(Protocol):
     """What admission needs of :class:`engine.models.tokenizer.Tokenizer`."""
+
+    max_token_chars: int
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def chat_prompt_ids(
         self, messages: Sequence[Any], add_generation_prompt: bool = True, *,
         special_tokens_in_content: bool = False, content_tokens: Sequence[str] = (),
-        **options: Any,
+        check_rendered: Callable[[str], Any] | None = None, **options: Any,
     ) -> list[int]: ...
 
 
@@ -133,19 +145,29 @@ def prompt_chars(prompt: Prompt) -> int:
     return len(prompt.messages_json) if isinstance(prompt, ChatPrompt) else 0
 
 
+def needs_thread(prompt: Prompt) -> bool:
+    """Whether tokenizing ``prompt`` belongs in a worker thread: a chat (its template may
+    cost anything) or a long text."""
+    return isinstance(prompt, ChatPrompt) or prompt_chars(prompt) > THREAD_PROMPT_CHARS
+
+
 def prompt_token_ids(
     tokenizer: PromptTokenizer, prompt: Prompt, *, add_special_tokens: bool = True,
     special_tokens_in_content: bool = False, content_tokens: Sequence[str] = (),
+    max_model_len: int | None = None,
 ) -> tuple[int, ...]:
     """Apply the chat template (whose normalizer checks the messages) and tokenize; safe in
-    a worker thread. ``add_special_tokens=False`` is for ``/tokenize``. Text of chat
-    messages never becomes a control token (a forged ``<|im_start|>system`` turn stays
-    text) unless ``special_tokens_in_content`` (``--allow-special-tokens-in-content``);
-    a plain ``prompt`` is the caller's own text, special tokens and all, as in vLLM.
-    ``content_tokens``: control tokens the engine wrote into the messages itself (an image
-    part's image token), which stay tokens."""
+    a worker thread, where the caller bounds the render with
+    :func:`engine.models.chat_sandbox.render_budget`. ``add_special_tokens=False`` is for
+    ``/tokenize``. Text of chat messages never becomes a control token (a forged
+    ``<|im_start|>system`` turn stays text) unless ``special_tokens_in_content``
+    (``--allow-special-tokens-in-content``); a plain ``prompt`` is the caller's own text,
+    special tokens and all, as in vLLM. ``content_tokens``: control tokens the engine wrote
+    into the messages itself (an image part's image token), which stay tokens. With
+    ``max_model_len``, a text too long to fit it (the prompt, or the rendered chat) is
+    refused (:class:`PromptTooLongError`) before it is tokenized."""
     if isinstance(prompt, TextPrompt):
-        text = _unicode(prompt.text, "prompt")
+        text = _fitting(_unicode(prompt.text, "prompt"), tokenizer, max_model_len)
         return tuple(tokenizer.encode(text, add_special_tokens=add_special_tokens))
     if isinstance(prompt, ChatPrompt):
         options = {"add_generation_prompt": True, **json.loads(prompt.options_json)}
@@ -154,8 +176,20 @@ def prompt_token_ids(
         _unicode(json.dumps([messages, options], ensure_ascii=False), "messages")
         return tuple(tokenizer.chat_prompt_ids(
             messages, special_tokens_in_content=special_tokens_in_content,
-            content_tokens=content_tokens, **options))
+            content_tokens=content_tokens,
+            check_rendered=lambda text: _fitting(text, tokenizer, max_model_len),
+            **options))
     return prompt.token_ids
+
+
+def _fitting(text: str, tokenizer: PromptTokenizer, max_model_len: int | None) -> str:
+    """``text``, unless it is too long to be ``max_model_len`` tokens (then an error)."""
+    if max_model_len is not None:
+        limit = _TEXT_MARGIN * max_model_len * tokenizer.max_token_chars
+        if len(text) > limit:
+            raise PromptTextTooLongError(chars=len(text), max_chars=limit,
+                                         max_model_len=max_model_len)
+    return text
 
 
 class GrammarCompiler(Protocol):

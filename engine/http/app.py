@@ -13,6 +13,14 @@ nursery is cancelled. So:
   the body; a disconnect cancels those tasks the same way.
 * A disconnect after the handler returned but before the body was entered would leave the
   submitted streams open; :class:`_Connection` aborts them in that case.
+* A client that stops reading is treated as gone once one write to it has waited
+  ``send_timeout`` seconds (see ``engine.http.edge``): the response is abandoned the same
+  way, so its requests are aborted and their KV blocks freed.
+
+Nothing heavy runs on the event loop: a body is parsed, checked and turned into engine
+prompts in a worker thread (at most :data:`PARSE_THREADS` at once), and chat templates and
+long prompts are tokenized in others (``engine.api.tokenize_prompt``), so ``/health`` and
+``/metrics`` answer while any of them works.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 from quart import Response, g, request
@@ -32,10 +40,12 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
+from engine.api import PROMPT_THREADS, tokenize_prompt
 from engine.chat.output import ChatOutputParser
 from engine.chat.request import (
     ChatSettings,
     calls_constrained,
+    check_tool_limits,
     parse_chat_fields,
     thinking_budget_params,
 )
@@ -75,25 +85,34 @@ ORCA_FORMAT_HEADER = "endpoint-load-metrics-format"
 ORCA_HEADER = "endpoint-load-metrics"
 # Long enough for any UUID-with-prefix scheme; short enough to keep out of the way in logs.
 _MAX_REQUEST_ID = 256
+# Worker threads parsing request bodies at once (JSON, schema, tools), apart from trio's
+# default pool. A body is bounded by --max-request-bytes and MAX_JSON_VALUES, so each takes
+# at most about a second; more at once would only share the GIL.
+PARSE_THREADS = 4
+
+T = TypeVar("T")
 
 
 def create_app(
     engine: EngineLike, *, api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, chat: ChatSettings | None = None,
     allowed_origins: tuple[str, ...] = (), root_path: str = "",
-    enable_request_id_headers: bool = False, metrics_prefix: str = "engine",
+    enable_request_id_headers: bool = False, metrics_prefix: str = "engine", send_timeout: float = edge.SEND_TIMEOUT_SECONDS,
 ) -> QuartTrio:
     """Build the OpenAI-compatible app serving ``engine`` (an open :class:`engine.api.Engine`).
 
     ``api_key`` (when set) is required as ``Authorization: Bearer <key>`` on every route
     but ``/health``, ``/ping`` and ``/metrics``. Bodies over ``max_request_bytes`` get a
-    413. ``chat`` holds the chat flags (tool-call and reasoning parsers, chat template).
+    413. ``chat`` holds the chat flags (tool-call and reasoning parsers, chat template,
+    tool limits).
     ``allowed_origins`` (``"*"`` or full origins like ``https://app.example``) turns on
     CORS for browsers on those origins (quart-cors; preflights need no API key).
     ``root_path`` (``/llm``) is the prefix a proxy serves the app under: every route
     answers with and without it, as vLLM's ``--root-path``. ``enable_request_id_headers``
     puts an ``X-Request-Id`` on every response, a fresh one where the client sent none.
     ``metrics_prefix`` names the Prometheus series ``engine:*`` or, as vLLM's, ``vllm:*``.
+    A response one of whose writes waits ``send_timeout`` seconds for the client to
+    read is abandoned (its requests aborted).
     """
     app = _App(__name__)
     app.root_prefix = _root_prefix(root_path)
@@ -101,6 +120,7 @@ def create_app(
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["MAX_CONTENT_LENGTH"] = max_request_bytes
     app.config["BODY_TIMEOUT"] = edge.BODY_TIMEOUT_SECONDS
+    app.config[edge.SEND_TIMEOUT_CONFIG] = send_timeout
     server = _Server(engine, api_key=api_key, max_request_bytes=max_request_bytes,
                      chat=chat or ChatSettings(),
                      enable_request_id_headers=enable_request_id_headers,
@@ -131,14 +151,21 @@ class _Connection(TrioASGIHTTPConnection):
         # while the request body is unfinished, so the drain goes before the response's
         # last message: the client already has the whole answer (its length is known).
         response = await self.app.handle_request(request)
+        send_timeout = self.app.config[edge.SEND_TIMEOUT_CONFIG]
 
         async def send_after_drain(message: Any) -> None:
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 await edge.drain_unread_body(request)
-            await send(message)
+            await edge.send_within(send, message, send_timeout)
 
         try:
             await self._send_response(send_after_drain, response)
+        except* edge.SlowReaderError as group:
+            # The client stopped reading: leave the response unfinished (hypercorn then
+            # closes the HTTP/1 connection, or resets the HTTP/2 stream); a streamed body's
+            # nursery has aborted its requests on the way out.
+            logger.warning("%s %s: %s; response abandoned", request.method, request.path,
+                           group.exceptions[0])
         finally:
             body = getattr(response, "response", None)
             if isinstance(body, _TaskBody):
@@ -245,6 +272,8 @@ class _Server:
         # /v1/responses' store: in memory, bounded, lost on restart (docs/serving.md).
         self.responses = ResponseStore(engine.config.responses_store_bytes,
                                        engine.config.responses_store_ttl)
+        self.parse_limiter = trio.CapacityLimiter(PARSE_THREADS)
+        self.prompt_limiter = trio.CapacityLimiter(PROMPT_THREADS)
         try:
             self.version = importlib.metadata.version("engine")
         except importlib.metadata.PackageNotFoundError:
@@ -328,7 +357,9 @@ class _Server:
             response.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
         return response
 
-    async def _read_json(self) -> Any:
+    async def _read_body(self) -> bytes:
+        """The body's bytes: refused with a 413 past --max-request-bytes, counted as they
+        arrive (quart stops storing a body once it is over the limit)."""
         length = request.content_length
         if length is not None and length > self.max_request_bytes:
             raise self._too_large(length)
@@ -336,7 +367,32 @@ class _Server:
             data = await request.get_data(as_text=False)
         except RequestEntityTooLarge:
             raise self._too_large(None) from None
-        return protocol.loads_body(data if isinstance(data, bytes) else data.encode())
+        return data if isinstance(data, bytes) else data.encode()
+
+    async def _off_loop(self, work: Callable[[], T]) -> T:
+        """``work()`` (pure request parsing) in a worker thread under the parse limiter.
+        A cancelled caller need not wait for it; the limiter holds its slot until the
+        thread ends, so abandoned work still counts."""
+        return await trio.to_thread.run_sync(work, limiter=self.parse_limiter,
+                                             abandon_on_cancel=True)
+
+    async def _read_json(self) -> Any:
+        """The body as JSON (``protocol.loads_body``), decoded in a worker thread."""
+        data = await self._read_body()
+        return await self._off_loop(lambda: protocol.loads_body(data))
+
+    async def _read_checked(self, name: str) -> Any:
+        """The body, checked against its JSON Schema (the one /openapi.json publishes),
+        in a worker thread."""
+        data = await self._read_body()
+        return await self._off_loop(lambda: self._checked(protocol.loads_body(data), name))
+
+    def _checked(self, body: Any, name: str) -> Any:
+        if name == "chat" and isinstance(body, dict):
+            # Before the schema check, which would read each of 60,000 tools.
+            check_tool_limits(body.get("tools"), self.chat_settings)
+        schema.check_body(body, name)
+        return body
 
     def _too_large(self, length: int | None) -> APIError:
         size = f" ({length} bytes)" if length is not None else ""
@@ -416,33 +472,33 @@ class _Server:
             self.version, api_key=self.api_key is not None,
             tokenizer_info=self.engine.config.enable_tokenizer_info_endpoint), 200)
 
-    async def _read_checked(self, name: str) -> Any:
-        """The body, checked against its JSON Schema (the one /openapi.json publishes)."""
-        body = await self._read_json()
-        schema.check_body(body, name)
-        return body
-
     async def tokenize(self) -> Response:
-        body = await self._read_checked("tokenize")
-        self._check_model(body.get("model"))
         tok = self.engine.tokenizer
-        add_special_tokens = True
-        if "messages" in body:
-            fields = parse_chat_fields(body, self.chat_settings, tok.chat_template)
-            prompt = admission.prompt_message(normalize_messages(body["messages"]),
-                                              fields.template.to_json())
-        elif isinstance(body.get("prompt"), str):
-            prompt = admission.prompt_message(body["prompt"])
-            add_special_tokens = bool(body.get("add_special_tokens", True))
-        else:
+
+        def parse(body: dict[str, Any]) -> tuple[Any, Any, bool]:
+            if "messages" in body:
+                fields = parse_chat_fields(body, self.chat_settings, tok.chat_template)
+                prompt = admission.prompt_message(normalize_messages(body["messages"]),
+                                                  fields.template.to_json())
+                return prompt, True
+            if isinstance(body.get("prompt"), str):
+                return (admission.prompt_message(body["prompt"]),
+                        bool(body.get("add_special_tokens", True)))
             raise APIError(400, "tokenize needs a string `prompt` or `messages`",
                            param="prompt", code="invalid_type")
+
+        body = await self._read_checked("tokenize")
+        self._check_model(body.get("model"))
+        return_strs = body.get("return_token_strs")
+        prompt, add_special_tokens = await self._off_loop(lambda: parse(body))
         # Generation's own path (admission), with its guards.
-        ids = admission.prompt_token_ids(
-            tok, prompt, add_special_tokens=add_special_tokens,
+        ids = await tokenize_prompt(
+            tok, prompt, limiter=self.prompt_limiter, add_special_tokens=add_special_tokens,
+            template_seconds=self.engine.config.chat_template_timeout,
+            max_model_len=self.engine.max_model_len,
             special_tokens_in_content=self.engine.config.allow_special_tokens_in_content)
         # vLLM's token_strs: each token as the vocabulary spells it (return_token_strs).
-        strs = tok.convert_ids_to_tokens(ids) if body.get("return_token_strs") else None
+        strs = tok.convert_ids_to_tokens(ids) if return_strs else None
         return _json({"count": len(ids), "max_model_len": self.engine.max_model_len,
                       "tokens": list(ids), "token_strs": strs}, 200)
 
@@ -459,15 +515,19 @@ class _Server:
         return _json(info, 200)
 
     async def detokenize(self) -> Response:
+        tok = self.engine.tokenizer
+        vocab = tok.vocab_size
+
+        def decode(tokens: Any) -> str:
+            if not (isinstance(tokens, list)
+                    and all(protocol._is_token_id(t) and t < vocab for t in tokens)):
+                raise APIError(400, f"tokens must be a list of token ids below {vocab}",
+                               param="tokens", code="invalid_value")
+            return tok.decode(tokens)
+
         body = await self._read_checked("detokenize")
         self._check_model(body.get("model"))
-        tokens = body.get("tokens")
-        vocab = self.engine.tokenizer.vocab_size
-        if not (isinstance(tokens, list)
-                and all(protocol._is_token_id(t) and t < vocab for t in tokens)):
-            raise APIError(400, f"tokens must be a list of token ids below {vocab}",
-                           param="tokens", code="invalid_value")
-        return _json({"prompt": self.engine.tokenizer.decode(tokens)}, 200)
+        return _json({"prompt": await self._off_loop(lambda: decode(body.get("tokens")))}, 200)
 
     # -- pooling ------------------------------------------------------------------------
     # Each waits for its answer in the handler: a disconnect cancels the wait, and
@@ -525,18 +585,26 @@ class _Server:
         return await self._chat_body(await self._read_checked("chat"))
 
     async def _completions_body(self, body: Any) -> Response:
-        return await self._generate(protocol.parse_completion(
-            body, defaults=self.sampling_defaults))
+        def parse() -> CompletionRequest:
+            req = protocol.parse_completion(body, defaults=self.sampling_defaults)
+            _check_token_prompts(req, self.engine.max_model_len)
+            return req
+
+        return await self._generate(await self._off_loop(parse))
 
     async def _chat_body(self, body: Any) -> Response:
-        req = protocol.parse_chat(body, self.chat_settings, self.engine.tokenizer.chat_template,
-                                  defaults=self.sampling_defaults)
-        if body.get("thinking_token_budget") is not None:
-            tok = self.engine.tokenizer
-            req = dataclasses.replace(req, params=thinking_budget_params(
-                body, req.params, self.chat_settings,
-                lambda text: tok.encode(text, add_special_tokens=False)))
-        return await self._generate(req)
+        def parse() -> CompletionRequest:
+            req = protocol.parse_chat(body, self.chat_settings,
+                                      self.engine.tokenizer.chat_template,
+                                      defaults=self.sampling_defaults)
+            if body.get("thinking_token_budget") is not None:
+                tok = self.engine.tokenizer
+                req = dataclasses.replace(req, params=thinking_budget_params(
+                    body, req.params, self.chat_settings,
+                    lambda text: tok.encode(text, add_special_tokens=False)))
+            return req
+
+        return await self._generate(await self._off_loop(parse))
 
     # -- Anthropic Messages ---------------------------------------------------------------
 
@@ -545,9 +613,9 @@ class _Server:
         chat = anthropic.chat_body(await self._read_json(),
                                    reasoning=self.chat_settings.reasoning_parser is not None)
         try:
-            req = protocol.parse_chat(chat, self.chat_settings,
-                                      self.engine.tokenizer.chat_template,
-                                      defaults=self.sampling_defaults)
+            req = await self._off_loop(lambda: protocol.parse_chat(
+                chat, self.chat_settings, self.engine.tokenizer.chat_template,
+                defaults=self.sampling_defaults))
             self._check_model(req.model)
             run = _Run(self.engine, req, self.metrics.timer(), self.answer_options,
                        self._load_tracker())
@@ -569,21 +637,27 @@ class _Server:
                                    reasoning=self.chat_settings.reasoning_parser is not None)
         self._check_model(chat["model"])
         tok = self.engine.tokenizer
-        fields = parse_chat_fields(chat, self.chat_settings, tok.chat_template)
-        prompt = admission.prompt_message(normalize_messages(chat["messages"]),
-                                          fields.template.to_json())
-        ids = admission.prompt_token_ids(
-            tok, prompt,
+
+        def parse() -> Any:
+            fields = parse_chat_fields(chat, self.chat_settings, tok.chat_template)
+            return admission.prompt_message(normalize_messages(chat["messages"]),
+                                            fields.template.to_json())
+
+        ids = await tokenize_prompt(
+            tok, await self._off_loop(parse), limiter=self.prompt_limiter,
+            template_seconds=self.engine.config.chat_template_timeout,
+            max_model_len=self.engine.max_model_len,
             special_tokens_in_content=self.engine.config.allow_special_tokens_in_content)
         return _json({"input_tokens": len(ids)}, 200)
 
     # -- responses ----------------------------------------------------------------------
 
     async def create_response(self) -> Response:
-        req = responses.parse_responses(
-            await self._read_checked("responses"), history=self.responses.history,
-            settings=self.chat_settings, model_template=self.engine.tokenizer.chat_template,
-            defaults=self.sampling_defaults)
+        body = await self._read_checked("responses")
+        req = await self._off_loop(lambda: responses.parse_responses(
+            body, history=self.responses.history, settings=self.chat_settings,
+            model_template=self.engine.tokenizer.chat_template,
+            defaults=self.sampling_defaults))
         self._check_model(req.chat.model)
         run = _ResponsesRun(self.engine, req, self.metrics.timer(), self.answer_options,
                             self.responses)
@@ -637,14 +711,13 @@ class _Server:
         does."""
         body = await self._read_json()
         if isinstance(body, dict) and "messages" in body:
-            schema.check_body(body, "chat")
-            return await self._chat_body(body)
+            return await self._chat_body(await self._off_loop(lambda: self._checked(body, "chat")))
         if isinstance(body, dict) and "prompt" in body:
-            schema.check_body(body, "completion")
-            return await self._completions_body(body)
+            return await self._completions_body(
+                await self._off_loop(lambda: self._checked(body, "completion")))
         if isinstance(body, dict) and "input" in body:
-            schema.check_body(body, "embeddings")
-            return await self._embeddings_body(body)
+            return await self._embeddings_body(
+                await self._off_loop(lambda: self._checked(body, "embeddings")))
         raise APIError(400, "/invocations takes a chat completions body (with `messages`), "
                        "a completions body (with `prompt`) or an embeddings body (with "
                        "`input`)", code="invalid_value")
@@ -996,6 +1069,18 @@ class _ResponsesRun(_Run):
             if self.error is not None:
                 for event in builder.fail(self.error):
                     await send.send(sse.typed_event(event))
+
+
+def _check_token_prompts(req: CompletionRequest, max_model_len: int) -> None:
+    """Refuse a token-id prompt that cannot fit the context here, in the parse thread:
+    admission would too, but only after walking its ids on the event loop."""
+    for prompt in req.prompts:
+        if isinstance(prompt, list) and len(prompt) >= max_model_len:
+            raise APIError(
+                400, f"This model's maximum context length is {max_model_len} tokens. "
+                f"However, the prompt holds {len(prompt)} token ids, which leaves no room "
+                "for the completion. Please reduce the prompt.", param="prompt",
+                code="context_length_exceeded")
 
 
 def _json(obj: Any, status: int) -> Response:

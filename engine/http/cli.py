@@ -30,7 +30,12 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
 from engine.chat.reasoning import REASONING_PARSERS
-from engine.chat.request import ChatSettings, load_chat_template
+from engine.chat.request import (
+    DEFAULT_MAX_TOOL_SCHEMA_BYTES,
+    DEFAULT_MAX_TOOLS,
+    ChatSettings,
+    load_chat_template,
+)
 from engine.chat.tool_parsers import TOOL_PARSERS
 from engine.config import VLLM_SERVE_FLAGS, add_engine_arguments, config_from_args
 from engine.errors import ConfigError, EngineError
@@ -77,6 +82,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
              "repeat or separate with commas")
     add("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
         help="largest request body accepted; larger gets 413")
+    add("--send-timeout", type=float, default=edge.SEND_TIMEOUT_SECONDS, metavar="S",
+        help="seconds one write may wait for the client to read; then the response is "
+             "abandoned, its requests aborted (their KV blocks freed)")
+    add("--h2-max-concurrent-streams", type=int, default=edge.H2_MAX_CONCURRENT_STREAMS,
+        metavar="N", help="concurrent requests (streams) on one HTTP/2 connection")
+    add("--max-tools", type=int, default=DEFAULT_MAX_TOOLS, metavar="N",
+        help="most tools (functions) one chat request may declare; more gets 400")
+    add("--max-tool-schema-bytes", type=int, default=DEFAULT_MAX_TOOL_SCHEMA_BYTES,
+        metavar="N", help="largest `tools` of one request, as JSON; larger gets 400")
     add("--chat-template", default=None, metavar="T",
         help="a jinja chat template (a file, or the template itself) replacing the model's")
     add("--trust-request-chat-template", action="store_true",
@@ -275,6 +289,9 @@ def chat_settings(args: argparse.Namespace) -> ChatSettings:
         reasoning_parser=getattr(args, "reasoning_parser", None),
         chat_template=load_chat_template(template) if template is not None else None,
         trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
+        max_tools=getattr(args, "max_tools", DEFAULT_MAX_TOOLS),
+        max_tool_schema_bytes=getattr(args, "max_tool_schema_bytes",
+                                      DEFAULT_MAX_TOOL_SCHEMA_BYTES),
     )
 
 
@@ -300,6 +317,7 @@ async def _serve(args: argparse.Namespace) -> int:
     key = api_key(args)
     secret = data_parallel_secret(args)
     check_tls(args.ssl_keyfile, args.ssl_certfile)
+    check_edge_limits(args.send_timeout, args.h2_max_concurrent_streams)
     uds = getattr(args, "uds", None)
     with (bind_unix_socket(uds) if uds else bind_socket(args.host, args.port)) as listener, \
             trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -318,7 +336,8 @@ async def _serve(args: argparse.Namespace) -> int:
                                  root_path=getattr(args, "root_path", ""),
                                  enable_request_id_headers=getattr(
                                      args, "enable_request_id_headers", False),
-                                 metrics_prefix=getattr(args, "metrics_prefix", "engine"))
+                                 metrics_prefix=getattr(args, "metrics_prefix", "engine"),
+                                 send_timeout=args.send_timeout)
                 died = await _serve_until_signal(app, args, listener, signals, eng)
         return EXIT_ENGINE_DEAD if died else 0
 
@@ -358,6 +377,7 @@ async def _serve_until_signal(
             await serve_app(app, listener, shutdown_timeout=args.shutdown_timeout,
                             ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                             enable_h2c=getattr(args, "enable_h2c", False),
+                            h2_max_concurrent_streams=args.h2_max_concurrent_streams,
                             shutdown_trigger=shutdown_trigger, task_status=task_status)
             # Drained: stop the second-signal watcher so the nursery can close.
             nursery.cancel_scope.cancel()
@@ -434,6 +454,16 @@ def bind_unix_socket(path: str) -> Any:
             os.unlink(path)
 
 
+def check_edge_limits(send_timeout: float, h2_max_concurrent_streams: int) -> None:
+    """:class:`ConfigError` for a connection limit out of range."""
+    if not send_timeout > 0:
+        raise ConfigError(f"--send-timeout must be a positive number of seconds, got "
+                          f"{send_timeout}", field="send_timeout")
+    if h2_max_concurrent_streams < 1:
+        raise ConfigError(f"--h2-max-concurrent-streams must be at least 1, got "
+                          f"{h2_max_concurrent_streams}", field="h2_max_concurrent_streams")
+
+
 def check_tls(ssl_keyfile: str | None, ssl_certfile: str | None) -> None:
     """HTTPS needs both files; :class:`ConfigError` for one alone."""
     if bool(ssl_keyfile) != bool(ssl_certfile):
@@ -446,6 +476,7 @@ async def serve_app(
     shutdown_trigger: Callable[[], Awaitable[None]],
     ssl_keyfile: str | None = None, ssl_certfile: str | None = None,
     enable_h2c: bool = False,
+    h2_max_concurrent_streams: int = edge.H2_MAX_CONCURRENT_STREAMS,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` with hypercorn's trio worker on ``listener`` (from :func:`bind_socket`,
@@ -454,6 +485,8 @@ async def serve_app(
     ``task_status.started`` gets the bound URLs. After the trigger, new connections are
     refused and in-flight requests get ``shutdown_timeout`` seconds before they are
     cancelled. HTTP/2 in cleartext is served only with ``enable_h2c`` (:mod:`engine.http.h2c`).
+    A socket write waits at most the app's send timeout (``create_app``'s ``send_timeout``)
+    before the connection is closed.
     """
     check_tls(ssl_keyfile, ssl_certfile)
     config = HypercornConfig()
@@ -462,9 +495,12 @@ async def serve_app(
     # hypercorn serves HTTPS (and offers HTTP/2 through ALPN) when both are set.
     config.keyfile = ssl_keyfile
     config.certfile = ssl_certfile
-    edge.hypercorn_limits(config)
+    edge.hypercorn_limits(config, h2_max_concurrent_streams=h2_max_concurrent_streams)
+    config.engine_send_timeout = getattr(app, "config", {}).get(
+        edge.SEND_TIMEOUT_CONFIG, edge.SEND_TIMEOUT_SECONDS)
     edge.shield_hypercorn_close()
     h2c.configure(config, enable_h2c=enable_h2c)
+    edge.patch_hypercorn_h2()
     # Hypercorn's own "Running on" line duplicates ours; its errors still reach the log.
     config.loglevel = "WARNING"
     # hypercorn wraps the descriptor in a socket of its own and closes it when done:
