@@ -367,10 +367,11 @@ async def test_smollm2_greedy_is_the_same_with_prompt_lookup_and_with_a_predicti
         [{"role": "user", "content": "Rename width to w in this code and return all of it:\n\n" + code}],
         [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog. "
                                      "The quick brown fox jumps over the lazy dog."}],
-        [{"role": "user", "content": "Write a short poem about the sea."}],
     ]
-    options = dict(kv_cache_memory=64 * 2**20)
-    params = [greedy(128), greedy(128), greedy(128)]
+    # Dequantized fp32, as the other SmolLM2 parity checks: the kept-quantized path's
+    # several-row matmuls round differently from one row, which can flip a near-tie.
+    options = dict(kv_cache_memory=64 * 2**20, dtype="float32", quantization="none")
+    params = [greedy(128), greedy(128)]
     async with engine.open_engine(None, **options) as eng:
         plain = await _run_all(eng, chats, params)
     async with engine.open_engine(None, **options, speculative_config=NGRAM) as eng:
