@@ -1,6 +1,6 @@
 """Embedding throughput: the server's /v1/embeddings against sentence-transformers offline.
 
-    python bench/embed.py --concurrencies 1,32 --num-sentences 512
+    python bench/embed.py --concurrencies 1,32 --num-sentences 512 [--per-request 1,16]
 
 Starts ``python -m engine serve --model all-MiniLM-L6-v2`` on a free port (or uses
 ``--base-url``), sends ``--num-sentences`` sentences (the sentences of
@@ -38,19 +38,24 @@ def corpus(count: int) -> list[str]:
     return [base[i % len(base)] for i in range(count)]
 
 
-async def run_load(base_url: str, sentences: list[str], concurrency: int) -> tuple[float, np.ndarray]:
-    """Seconds to embed every sentence, one per request, from ``concurrency`` clients."""
+async def run_load(base_url: str, sentences: list[str], concurrency: int,
+                   per_request: int = 1) -> tuple[float, np.ndarray]:
+    """Seconds to embed every sentence, ``per_request`` sentences a request (a string, or a
+    list of strings), from ``concurrency`` clients."""
     vectors: list[list[float]] = [[] for _ in sentences]
-    queue = iter(range(len(sentences)))
+    queue = iter(range(0, len(sentences), per_request))
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=base_url, timeout=600.0, limits=limits) as http:
 
         async def client() -> None:
-            for i in queue:
+            for start in queue:
+                batch = sentences[start:start + per_request]
                 response = await http.post("/v1/embeddings", json={
-                    "model": MODEL, "input": sentences[i], "encoding_format": "float"})
+                    "model": MODEL, "input": batch[0] if per_request == 1 else batch,
+                    "encoding_format": "float"})
                 response.raise_for_status()
-                vectors[i] = response.json()["data"][0]["embedding"]
+                for item in response.json()["data"]:
+                    vectors[start + item["index"]] = item["embedding"]
 
         start = time.perf_counter()
         async with trio.open_nursery() as nursery:
@@ -97,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrencies", default="1,32")
     parser.add_argument("--num-sentences", type=int, default=512)
     parser.add_argument("--st-batch-size", type=int, default=32)
+    parser.add_argument("--per-request", default="1",
+                        help="sentences per request, comma-separated runs (1: one string; "
+                             "more: a list of strings, as LangChain and LlamaIndex send)")
     parser.add_argument("--server-args", default="--dtype float32",
                         help="extra flags for the server it starts")
     args = parser.parse_args(argv)
@@ -114,9 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         if proc is not None:
             _wait_ready(base_url, proc)
         trio.run(run_load, base_url, sentences[:32], 4)  # warm-up
-        for n in (int(c) for c in args.concurrencies.split(",")):
-            seconds, vectors = trio.run(run_load, base_url, sentences, n)
-            rows.append((f"server, concurrency {n}", seconds, vectors))
+        for per in (int(p) for p in args.per_request.split(",")):
+            for n in (int(c) for c in args.concurrencies.split(",")):
+                seconds, vectors = trio.run(run_load, base_url, sentences, n, per)
+                label = f"server, concurrency {n}" + (f", {per} a request" if per > 1 else "")
+                rows.append((label, seconds, vectors))
     finally:
         if proc is not None:
             proc.terminate()
@@ -124,13 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     seconds, reference = offline(sentences, args.st_batch_size)
     base_rate = len(sentences) / seconds
     print(f"{len(sentences)} sentences, {MODEL}")
-    print(f"{'':32} {'sentences/s':>12} {'vs offline':>11} {'min cosine':>11}")
-    print(f"{f'sentence-transformers, batch {args.st_batch_size}':32} {base_rate:12.1f} {1.0:10.2f}x {'':>11}")
+    print(f"{'':40} {'sentences/s':>12} {'vs offline':>11} {'min cosine':>11}")
+    print(f"{f'sentence-transformers, batch {args.st_batch_size}':40} {base_rate:12.1f} {1.0:10.2f}x {'':>11}")
     for name, secs, vectors in rows:
         a, b = vectors.astype(np.float64), reference.astype(np.float64)
         cos = ((a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)).min()
         rate = len(sentences) / secs
-        print(f"{name:32} {rate:12.1f} {rate / base_rate:10.2f}x {cos:11.6f}")
+        print(f"{name:40} {rate:12.1f} {rate / base_rate:10.2f}x {cos:11.6f}")
     return 0
 
 
