@@ -391,10 +391,12 @@ def test_an_http1_client_that_stops_reading_is_cut_off_and_its_kv_freed(server) 
     # Regression: a client that stopped reading held its running slot to the end of the
     # generation; the server now gives up on it after --send-timeout.
     server.wait_idle()
-    # 128 samples, each opening with its echoed prompt and logprobs (~60 KB): more than the
-    # kernel can buffer (a socket's send buffer grows to 4 MiB at most), so the server's
-    # writes must wait; the samples alone fill every running slot.
-    body = json.dumps({**_UNREAD_BODY, "n": 128, "max_tokens": 4}).encode()
+    # 128 samples, each opening with its echoed prompt and 20 logprobs a token (~20 MB in
+    # all): more than the kernel buffers between the two sockets (a send buffer grows to
+    # 4 MiB of data, charged double; with 5 logprobs the ~6 MB answer fitted on an idle
+    # machine and the test failed), so the server's writes must wait; the samples alone
+    # fill every running slot.
+    body = json.dumps({**_UNREAD_BODY, "n": 128, "max_tokens": 4, "logprobs": 20}).encode()
     socks = []
     for _ in range(1):
         sock = socket.socket()
