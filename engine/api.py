@@ -313,7 +313,7 @@ class Engine:
             max_model_len=self.max_model_len,
             special_tokens_in_content=self.config.allow_special_tokens_in_content,
             # The image token each image part became is the engine's, not the client's.
-            content_tokens=(self._parts.images.image_token,) if raw_images else ())
+            content_tokens=self._parts.images.content_tokens if raw_images else ())
         images: tuple[Any, ...] = ()
         if raw_images:
             # Decoding and the image processor take milliseconds per image: off the trio
@@ -350,7 +350,7 @@ class Engine:
         images; a text-only model refuses them (a 400 naming the part)."""
         prep = self._parts.images
         limits = prep.limits if prep is not None else multimodal.MediaLimits()
-        return multimodal.split_images(prompt, prep.image_token if prep is not None else None,
+        return multimodal.split_images(prompt, prep.image_text if prep is not None else None,
                                        limits, model=self.model_name)
 
     def generate(

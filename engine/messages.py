@@ -31,6 +31,9 @@ class ImageInput:
     key: int
     pixels: bytes
     shape: tuple[int, ...]
+    # Qwen-VL: the image's (t, h, w) patch grid (``pixels`` are its patches, ``shape``
+    # ``(t * h * w, C * T * P * P)``); empty for a fixed-size tower (LLaVA).
+    grid: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

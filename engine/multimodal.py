@@ -255,24 +255,47 @@ def _check_pixels(size: tuple[int, int], where: str, max_pixels: int) -> None:
 
 class ImagePreprocessor:
     """The model's own image processor (transformers' ``AutoImageProcessor`` from the
-    model folder) and how its images enter a prompt."""
+    model folder) and how its images enter a prompt.
+
+    Each image part becomes ``image_text`` in the messages (LLaVA: its image token;
+    Qwen-VL: ``<|vision_start|><|image_pad|><|vision_end|>``), whose ``content_tokens``
+    stay control tokens; the image token is then widened to the image's placeholders:
+    ``num_image_tokens`` for a fixed-size tower, or, with ``merge_size`` (Qwen-VL's
+    dynamic resolution), ``t * h * w / merge_size**2`` of the image's own patch grid."""
 
     def __init__(self, folder: str | Path, *, image_token_id: int, image_token: str,
-                 num_image_tokens: int, limits: MediaLimits) -> None:
+                 num_image_tokens: int | None, limits: MediaLimits, merge_size: int | None = None,
+                 image_text: str | None = None, content_tokens: Sequence[str] = ()) -> None:
         from transformers import AutoImageProcessor
 
         self.processor = AutoImageProcessor.from_pretrained(str(folder))
         self.image_token_id = image_token_id
         self.image_token = image_token
         self.num_image_tokens = num_image_tokens
+        self.merge_size = merge_size
+        self.image_text = image_text if image_text is not None else image_token
+        self.content_tokens = tuple(content_tokens) or (image_token,)
         self.limits = limits
 
     def pixels(self, raw: RawImage) -> tuple[bytes, tuple[int, ...]]:
-        """Float32 pixel bytes and their shape ``(C, H, W)`` for one image."""
+        """Float32 pixel bytes and their shape for one image: ``(C, H, W)``, or Qwen-VL's
+        patches ``(t * h * w, C * T * P * P)``."""
+        pixels, shape, _ = self.preprocess(raw)
+        return pixels, shape
+
+    def preprocess(self, raw: RawImage) -> tuple[bytes, tuple[int, ...], tuple[int, ...]]:
+        """``(float32 bytes, shape, grid)`` of one image; ``grid`` is ``(t, h, w)`` patches
+        for Qwen-VL, empty otherwise."""
         image = decode_image(raw.data, raw.where, self.limits.max_image_pixels)
-        out = self.processor(images=[image], return_tensors="np")["pixel_values"][0]
-        out = out.astype("<f4", copy=False)
-        return out.tobytes(), tuple(int(d) for d in out.shape)
+        out = self.processor(images=[image], return_tensors="np")
+        grid: tuple[int, ...] = ()
+        if self.merge_size is not None:
+            pixels = out["pixel_values"]  # every patch of the image, one row each
+            grid = tuple(int(d) for d in out["image_grid_thw"][0])
+        else:
+            pixels = out["pixel_values"][0]
+        pixels = pixels.astype("<f4", copy=False)
+        return pixels.tobytes(), tuple(int(d) for d in pixels.shape), grid
 
     def expand(self, ids: Sequence[int], images: Sequence[RawImage]) -> tuple[tuple[int, ...], tuple[ImageInput, ...]]:
         """The prompt with each image token widened to the image's placeholder tokens,
@@ -285,13 +308,19 @@ class ImagePreprocessor:
         out: list[int] = []
         inputs: list[ImageInput] = []
         prev = 0
-        n = self.num_image_tokens
         for pos, raw in zip(at, images, strict=True):
             out.extend(ids[prev:pos])
-            pixels, shape = self.pixels(raw)
-            digest = hashlib.sha256(repr(shape).encode() + pixels).digest()
+            pixels, shape, grid = self.preprocess(raw)
+            if grid:
+                assert self.merge_size is not None
+                t, h, w = grid
+                n = t * h * w // (self.merge_size * self.merge_size)
+            else:
+                assert self.num_image_tokens is not None
+                n = self.num_image_tokens
+            digest = hashlib.sha256(repr((shape, grid)).encode() + pixels).digest()
             key = int.from_bytes(digest[:8], "little") >> 1
-            inputs.append(ImageInput(len(out), n, key, pixels, shape))
+            inputs.append(ImageInput(len(out), n, key, pixels, shape, grid))
             out.extend([self.image_token_id] * n)
             prev = pos + 1
         out.extend(ids[prev:])

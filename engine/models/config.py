@@ -121,6 +121,12 @@ def _num_experts(raw: dict[str, Any], default: int) -> int:
 # Vision-language models: a vision tower and projector in front of a decoder of the
 # families above (models/llava.py). The language model's config is their text_config.
 VISION_ARCHITECTURES = {"LlavaForConditionalGeneration": "llava"}
+# Qwen2-VL and Qwen2.5-VL (models/qwen_vl.py): a vision transformer with 2-D rotary
+# positions and a patch merger in front of a Qwen2 decoder with M-RoPE.
+QWEN_VL_ARCHITECTURES = {
+    "Qwen2VLForConditionalGeneration": "qwen2_vl",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+}
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -156,6 +162,42 @@ class VisionConfig:
         """Encoder layers to run: the deepest feature layer's."""
         n = self.num_hidden_layers
         return max(i % (n + 1) for i in self.feature_layers)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class QwenVisionConfig:
+    """Qwen2-VL's / Qwen2.5-VL's vision transformer, its patch merger, and M-RoPE.
+
+    Images keep their own size (a multiple of ``patch_size * spatial_merge_size`` pixels
+    per side, as the image processor resizes them): an image of ``h x w`` patches becomes
+    ``h * w / spatial_merge_size**2`` placeholder tokens."""
+
+    kind: str  # "qwen2_vl" or "qwen2_5_vl"
+    depth: int
+    hidden_size: int  # the tower's width
+    intermediate_size: int  # of each block's MLP
+    num_heads: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    in_channels: int
+    hidden_act: str  # "quick_gelu" (Qwen2-VL) or "silu" (Qwen2.5-VL's SwiGLU)
+    out_hidden_size: int  # the merger's output: the language model's hidden size
+    rope_theta: float  # the tower's 2-D rotary base
+    # Qwen2.5-VL: attention within windows of window_size pixels, but for these blocks.
+    window_size: int = 0
+    fullatt_block_indexes: tuple[int, ...] = ()
+    image_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    # M-RoPE: how many of the decoder's head_dim / 2 frequencies the temporal, height and
+    # width positions each rotate (in that order, cycling).
+    mrope_section: tuple[int, ...]
+
+    @property
+    def num_image_tokens(self) -> None:
+        """Placeholder tokens per image: none fixed (each image's own grid decides)."""
+        return None
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -204,8 +246,13 @@ class ModelConfig:
     matryoshka_dimensions: tuple[int, ...] | None = None
     # A decoder saved without its LM head (BASE_MODEL_ARCHITECTURES): it only pools.
     base_model: bool = False
-    # A vision-language model's vision tower (LLaVA); None for a text-only model.
-    vision: VisionConfig | None = None
+    # A vision-language model's vision tower (LLaVA, Qwen-VL); None for a text-only model.
+    vision: VisionConfig | QwenVisionConfig | None = None
+
+    @property
+    def mrope(self) -> bool:
+        """Positions are M-RoPE's three streams (Qwen-VL): the runner gives ``[3, T]``."""
+        return isinstance(self.vision, QwenVisionConfig)
 
     @property
     def is_encoder(self) -> bool:
@@ -225,6 +272,9 @@ class ModelConfig:
         archs = raw.get("architectures") or []
         if any(a in VISION_ARCHITECTURES for a in archs):
             return _llava_config(raw)
+        qwen_vl = next((QWEN_VL_ARCHITECTURES[a] for a in archs if a in QWEN_VL_ARCHITECTURES), None)
+        if qwen_vl is not None:
+            return _qwen_vl_config(raw, qwen_vl)
         encoder = next((ENCODER_ARCHITECTURES[a] for a in archs if a in ENCODER_ARCHITECTURES), None)
         if encoder is not None:
             return _encoder_config(raw, encoder)
@@ -481,4 +531,65 @@ def _llava_config(raw: dict[str, Any]) -> ModelConfig:
     lm = ModelConfig.from_hf(text)
     if lm.is_encoder or lm.architecture in GEMMA_FAMILY or lm.moe is not None:
         raise UnsupportedModelError(f"LLaVA over a {lm.architecture} language model is not supported")
+    return dataclasses.replace(lm, vision=vision)
+
+
+def _qwen_vl_config(raw: dict[str, Any], kind: str) -> ModelConfig:
+    """Qwen2-VL / Qwen2.5-VL: a Qwen2 decoder (``text_config`` in transformers 5, the top
+    level in older configs) with M-RoPE, plus the vision tower's config."""
+    try:
+        vis = dict(raw["vision_config"])
+        text = dict(raw.get("text_config") or {k: v for k, v in raw.items() if k != "vision_config"})
+        text["architectures"] = ["Qwen2ForCausalLM"]
+        text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+        if raw.get("tie_word_embeddings"):
+            text["tie_word_embeddings"] = True
+        text.setdefault("torch_dtype", raw.get("torch_dtype") or raw.get("dtype"))
+        # M-RoPE's section list rides in rope_scaling ({"type": "mrope"}, transformers 4)
+        # or rope_parameters (transformers 5); the frequencies are the default ones.
+        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or raw.get("rope_scaling") or {})
+        section = tuple(int(s) for s in rope.pop("mrope_section", ()))
+        if not section:
+            raise UnsupportedModelError(f"{kind} without rope mrope_section is not supported")
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", "mrope"):
+            raise UnsupportedModelError(
+                f"{kind} with rope type {rope.get('rope_type', rope.get('type'))!r} is not supported")
+        text.pop("rope_scaling", None)
+        text.pop("rope_parameters", None)
+        text["rope_theta"] = float(rope.get("rope_theta", text.get("rope_theta", raw.get("rope_theta", 1e6))))
+        vision_rope = vis.get("rope_parameters") or {}
+        qwen2 = kind == "qwen2_vl"
+        width = int(vis["embed_dim"] if qwen2 else vis["hidden_size"])
+        vision = QwenVisionConfig(
+            kind=kind,
+            depth=int(vis["depth"]),
+            hidden_size=width,
+            intermediate_size=int(width * vis.get("mlp_ratio", 4)) if qwen2 else int(vis["intermediate_size"]),
+            num_heads=int(vis["num_heads"]),
+            patch_size=int(vis.get("patch_size", 14)),
+            temporal_patch_size=int(vis.get("temporal_patch_size", 2)),
+            spatial_merge_size=int(vis.get("spatial_merge_size", 2)),
+            in_channels=int(vis.get("in_channels", vis.get("in_chans", 3))),
+            hidden_act=str(vis.get("hidden_act", "quick_gelu" if qwen2 else "silu")),
+            out_hidden_size=int(vis["hidden_size"] if qwen2 else vis["out_hidden_size"]),
+            rope_theta=float(vision_rope.get("rope_theta", 10000.0)),
+            window_size=0 if qwen2 else int(vis.get("window_size", 112)),
+            fullatt_block_indexes=() if qwen2 else tuple(int(i) for i in vis.get("fullatt_block_indexes", ())),
+            image_token_id=int(raw.get("image_token_id", 151655)),
+            vision_start_token_id=int(raw.get("vision_start_token_id", 151652)),
+            vision_end_token_id=int(raw.get("vision_end_token_id", 151653)),
+            mrope_section=section,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptModelError(f"config.json is missing or has a bad {kind} field: {exc}") from exc
+    if vision.hidden_act not in ("quick_gelu", "gelu", "silu", "gelu_pytorch_tanh"):
+        raise UnsupportedModelError(f"{kind} vision activation {vision.hidden_act!r} is not supported")
+    lm = ModelConfig.from_hf(text)
+    if 2 * sum(section) != lm.head_dim:
+        raise CorruptModelError(
+            f"mrope_section {list(section)} covers {sum(section)} frequencies; head_dim "
+            f"{lm.head_dim} has {lm.head_dim // 2}")
+    if vision.hidden_size % vision.num_heads or (vision.hidden_size // vision.num_heads) % 4:
+        raise CorruptModelError(f"{kind} vision width {vision.hidden_size} over {vision.num_heads} "
+                                "heads: the head size must be a multiple of 4 (2-D RoPE)")
     return dataclasses.replace(lm, vision=vision)

@@ -293,6 +293,10 @@ def build_model(
             f"config.json: num_attention_heads ({config.num_attention_heads}) is not a multiple "
             f"of num_key_value_heads ({config.num_key_value_heads})"
         )
+    if config.mrope:
+        from engine.models.qwen_vl import QwenVLModel
+
+        return QwenVLModel(config, weights, ops, dtype=dtype, device=device)
     if config.vision is not None:
         from engine.models.llava import LlavaModel
 

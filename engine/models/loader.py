@@ -316,7 +316,11 @@ def _read_weights(folder: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
     elif "model.embed_tokens.weight" not in loaded and "embed_tokens.weight" in loaded:
         # A decoder saved as its base model (Qwen3-Embedding): no "model." prefix.
         loaded = {f"model.{name}": w for name, w in loaded.items()}
-    if config.vision is not None:
+    if config.mrope:
+        from engine.models.qwen_vl import normalize_qwen_vl_names
+
+        loaded = {normalize_qwen_vl_names(name): w for name, w in loaded.items()}
+    elif config.vision is not None:
         from engine.models.llava import normalize_llava_names
 
         loaded = {normalize_llava_names(name): w for name, w in loaded.items()}
@@ -395,10 +399,14 @@ def expected_weight_names(config: ModelConfig) -> list[str]:
     names.append("model.norm.weight")
     if not config.tie_word_embeddings and not config.base_model:
         names.append("lm_head.weight")
-    if config.vision is not None:
+    if config.mrope:
+        from engine.models.qwen_vl import qwen_vision_weight_names
+
+        names += qwen_vision_weight_names(config.vision)  # type: ignore[arg-type]
+    elif config.vision is not None:
         from engine.models.llava import vision_weight_names
 
-        names += vision_weight_names(config.vision)
+        names += vision_weight_names(config.vision)  # type: ignore[arg-type]
     return names
 
 

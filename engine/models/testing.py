@@ -456,3 +456,108 @@ def write_tiny_llava(path: str | Path, *, seed: int = 0) -> Path:
     CLIPImageProcessor(size={"shortest_edge": TINY_IMAGE_SIZE},
                        crop_size={"height": TINY_IMAGE_SIZE, "width": TINY_IMAGE_SIZE}).save_pretrained(path)
     return path
+
+
+QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+TINY_QWEN_VL = ("qwen2_vl", "qwen2_5_vl")
+# The tiny Qwen-VL towers' patches: 4 x 4 pixels, 2 frames, merged 2 x 2 into one token,
+# so an image's sides are rounded to multiples of 8 pixels; the processor keeps each
+# image between 8 x 8 and 64 x 64 pixels' worth (min_pixels / max_pixels).
+TINY_QWEN_VL_PATCH = 4
+TINY_QWEN_VL_MIN_PIXELS = 8 * 8
+TINY_QWEN_VL_MAX_PIXELS = 64 * 64
+
+
+def write_tiny_qwen_vl(path: str | Path, kind: str = "qwen2_vl", *, seed: int = 0) -> Path:
+    """A tiny random Qwen2-VL (``kind="qwen2_vl"``: LayerNorm/QuickGELU vision blocks) or
+    Qwen2.5-VL (``"qwen2_5_vl"``: RMSNorm/SwiGLU blocks, windowed attention but for the
+    ``fullatt_block_indexes`` layers) in folder ``path``, as transformers 5's
+    ``save_pretrained`` lays it out: config.json (``text_config`` with M-RoPE's
+    ``mrope_section``, ``vision_config``), model.safetensors under ``model.language_model.*``
+    / ``model.visual.*`` / ``lm_head.weight``, the tiny tokenizer with the vision tokens
+    and a ``Qwen2VLImageProcessor`` (preprocessor_config.json) with a small pixel budget."""
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen2VLImageProcessor
+
+    if kind not in TINY_QWEN_VL:
+        raise ValueError(f"unknown tiny Qwen-VL kind {kind!r}; choose from {TINY_QWEN_VL}")
+    path = Path(path)
+    write_tiny_model(path, "qwen2", seed=seed)
+    tok = Tokenizer.from_str((path / "tokenizer.json").read_text())
+    tok.add_special_tokens([AddedToken(t, special=True) for t in QWEN_VL_TOKENS])
+    ids = {t: tok.token_to_id(t) for t in QWEN_VL_TOKENS}
+    (path / "tokenizer.json").write_text(tok.to_str())
+    text = json.loads((path / "config.json").read_text())
+    vocab = max(ids.values()) + 1
+    # Untied: with a tied head these random weights mostly repeat the last token.
+    text.update(vocab_size=vocab, tie_word_embeddings=False, model_type="qwen2")
+    text_cfg = {k: v for k, v in text.items() if k not in ("architectures", "model_type", "rope_theta",
+                                                              "torch_dtype")}
+    # head_dim 16: 8 frequencies, 2 rotated by the temporal position, 3 by the height, 3
+    # by the width.
+    text_cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
+                                   "mrope_section": [2, 3, 3]}
+    common = dict(depth=3, num_heads=4, patch_size=TINY_QWEN_VL_PATCH, temporal_patch_size=2,
+                  spatial_merge_size=2, in_channels=3)
+    tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                  vision_start_token_id=ids["<|vision_start|>"],
+                  vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    d, hidden = 32, text["hidden_size"]
+    if kind == "qwen2_vl":
+        vision = dict(common, embed_dim=d, hidden_size=hidden, mlp_ratio=2, hidden_act="quick_gelu")
+        cfg = Qwen2VLConfig(text_config=text_cfg, vision_config=vision, **tokens)
+        arch = "Qwen2VLForConditionalGeneration"
+    else:
+        # Windows of 16 pixels: 2 x 2 merged tokens (4 x 4 patches); block 1 sees the whole
+        # image, blocks 0 and 2 their window only.
+        vision = dict(common, hidden_size=d, intermediate_size=48, out_hidden_size=hidden,
+                      hidden_act="silu", window_size=16, fullatt_block_indexes=[1])
+        cfg = Qwen2_5_VLConfig(text_config=text_cfg, vision_config=vision, **tokens)
+        arch = "Qwen2_5_VLForConditionalGeneration"
+    cfg.dtype = "float32"
+    cfg.save_pretrained(path)
+    raw = json.loads((path / "config.json").read_text())
+    raw["architectures"] = [arch]
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    gen = torch.Generator().manual_seed(seed + 1)
+
+    def rand(*shape: int, std: float = 0.08) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    lm = _weights(text, seed)
+    weights = {k.replace("model.", "model.language_model.", 1): v for k, v in lm.items()}
+    v = "model.visual."
+    weights[v + "patch_embed.proj.weight"] = rand(d, 3, 2, TINY_QWEN_VL_PATCH, TINY_QWEN_VL_PATCH, std=0.2)
+    layer_norm = kind == "qwen2_vl"
+
+    def norm(name: str, n: int) -> None:
+        weights[name + ".weight"] = 1 + rand(n, std=0.1)
+        if layer_norm:
+            weights[name + ".bias"] = rand(n, std=0.1)
+
+    def linear(name: str, out: int, inp: int, std: float = 0.2) -> None:
+        weights[name + ".weight"] = rand(out, inp, std=std)
+        weights[name + ".bias"] = rand(out, std=0.1)
+
+    for i in range(common["depth"]):
+        p = f"{v}blocks.{i}."
+        norm(p + "norm1", d)
+        norm(p + "norm2", d)
+        linear(p + "attn.qkv", 3 * d, d)
+        linear(p + "attn.proj", d, d)
+        if kind == "qwen2_vl":
+            linear(p + "mlp.fc1", 2 * d, d)
+            linear(p + "mlp.fc2", d, 2 * d)
+        else:
+            linear(p + "mlp.gate_proj", 48, d)
+            linear(p + "mlp.up_proj", 48, d)
+            linear(p + "mlp.down_proj", d, 48)
+    norm(v + "merger.ln_q", d)
+    linear(v + "merger.mlp.0", 4 * d, 4 * d, std=0.15)
+    linear(v + "merger.mlp.2", hidden, 4 * d, std=0.6)
+    save_file({k: t.contiguous() for k, t in weights.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+    Qwen2VLImageProcessor(patch_size=TINY_QWEN_VL_PATCH, temporal_patch_size=2, merge_size=2,
+                          min_pixels=TINY_QWEN_VL_MIN_PIXELS,
+                          max_pixels=TINY_QWEN_VL_MAX_PIXELS).save_pretrained(path)
+    return path

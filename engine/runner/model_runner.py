@@ -83,6 +83,10 @@ class _RequestState:
     # longer needs its encoder output.
     images: tuple[ImageInput, ...] = ()
     prefilled: int = 0
+    # M-RoPE (Qwen-VL): the prompt's [3, len(prompt)] positions (int64, host), and the
+    # offset of every later token's position from its index (the same on all streams).
+    mrope: torch.Tensor | None = None
+    mrope_delta: int = 0
 
 
 class ModelRunner:
@@ -241,9 +245,15 @@ class ModelRunner:
 
     def _add(self, new: NewRequest) -> None:
         prompt = tuple(new.prompt_token_ids)
-        self._requests[new.sample_id] = _RequestState(
+        state = _RequestState(
             prompt, [], list(prompt), new.params, tuple(new.eos_token_ids), images=tuple(new.images)
         )
+        if self.config.mrope:
+            from engine.models.qwen_vl import mrope_positions
+
+            state.mrope, state.mrope_delta = mrope_positions(
+                len(prompt), state.images, self.config.vision.spatial_merge_size)
+        self._requests[new.sample_id] = state
 
     # -- images --------------------------------------------------------------------------
 
@@ -266,10 +276,14 @@ class ModelRunner:
             return None
         missing = {image.key: image for _, image, _, _ in spans if image.key not in self._encoder_cache}
         if missing:
-            pixels = torch.stack([
-                torch.frombuffer(bytearray(image.pixels), dtype=torch.float32).view(image.shape)
-                for image in missing.values()])
-            encoded = self.model.encode_images(pixels)  # type: ignore[attr-defined]
+            encoded: Sequence[torch.Tensor]
+            if self.config.mrope:  # Qwen-VL: images of their own sizes, one list
+                encoded = self.model.encode_image_inputs(list(missing.values()))  # type: ignore[attr-defined]
+            else:
+                pixels = torch.stack([
+                    torch.frombuffer(bytearray(image.pixels), dtype=torch.float32).view(image.shape)
+                    for image in missing.values()])
+                encoded = self.model.encode_images(pixels)  # type: ignore[attr-defined]
             self.encoder_runs += len(missing)
             for key, out in zip(missing, encoded, strict=True):
                 self._encoder_cache[key] = out
@@ -359,6 +373,8 @@ class ModelRunner:
         else:  # an encoder: no KV cache to write
             slot_mapping = pos.new_empty(0)
         query_start_loc = torch.nn.functional.pad(qlens.cumsum(0), (1, 0)).to(torch.int32)
+        if self.config.mrope:  # the rotary positions are M-RoPE's three streams
+            pos = self._mrope_positions(chunks, states)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             query_start_loc=query_start_loc,
@@ -377,6 +393,22 @@ class ModelRunner:
                 # A proposal of k tokens: the k + 1 last positions each draw a token.
                 sample_rows.extend(range(ends - 1 - len(c.draft_token_ids), ends))
         return input_ids, pos, meta, sample_rows
+
+    def _mrope_positions(
+        self, chunks: Sequence[ScheduledChunk], states: Sequence[_RequestState]
+    ) -> torch.Tensor:
+        """[3, T]: each chunk's M-RoPE positions, the prompt's as computed at admission and
+        every later token (outputs, proposals) at its index plus the request's delta."""
+        parts = []
+        for c, s in zip(chunks, states, strict=True):
+            assert s.mrope is not None
+            end = c.start + c.num_tokens
+            cut = min(max(c.start, s.mrope.shape[1]), end)
+            if cut > c.start:
+                parts.append(s.mrope[:, c.start : cut])
+            if end > cut:
+                parts.append(torch.arange(cut + s.mrope_delta, end + s.mrope_delta).expand(3, -1))
+        return torch.cat(parts, dim=1).to(self.device, non_blocking=True)
 
     # -- pooling ---------------------------------------------------------------------------
 

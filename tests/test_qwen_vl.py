@@ -1,0 +1,134 @@
+"""Qwen2-VL and Qwen2.5-VL (a 2-D RoPE vision transformer, windowed for Qwen2.5, and a
+patch merger before a Qwen2 decoder with M-RoPE) through the engine, against
+transformers' ``Qwen2VLForConditionalGeneration`` / ``Qwen2_5_VLForConditionalGeneration``
+on the output of its own ``Qwen2VLProcessor``.
+
+The engine gets chat messages with image parts; transformers gets the same conversation
+as text (written out by hand) through the processor, which resizes each image within the
+pixel budget and widens ``<|image_pad|>`` to the image's grid. Checked: the expanded
+prompt ids, the log-softmax of the logits at every prompt position and 24 greedy tokens
+with their full distributions (positions after the image continue from M-RoPE's largest
+position), for one image, two images of different sizes in one message (one of them
+shrunk by ``max_pixels``), and an image split across chunked-prefill chunks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import engine
+from engine.models.testing import TINY_QWEN_VL_MAX_PIXELS, write_tiny_qwen_vl
+from tests.engine_helpers import greedy, token_ids, wait_idle
+from tests.test_llava import _dense, data_url
+
+NEW_TOKENS = 24
+QUESTION = "What is in the picture? Describe it."
+IMAGE_TEXT = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def _image(seed: int, size: tuple[int, int] = (40, 32)):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+# Two images per kind of case: the second is larger than the processor's max_pixels, so
+# it reaches the model shrunk (and on a grid of another shape than the first).
+IMAGES = [_image(0), _image(1, size=(120, 72))]
+
+
+def messages(images: list, question: str = QUESTION) -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": data_url(im)}} for im in images]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": question}]}]
+
+
+def hf_text(num_images: int, question: str = QUESTION) -> str:
+    # The tiny ChatML template over content parts joined by newlines, written out by hand.
+    body = "\n".join([IMAGE_TEXT] * num_images + [question])
+    return f"<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def qwen_vl(tmp_path_factory, request):
+    return write_tiny_qwen_vl(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def hf_model(folder):
+    from transformers import (
+        AutoConfig,
+        AutoImageProcessor,
+        AutoTokenizer,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLProcessor,
+    )
+
+    class ImageOnlyProcessor(Qwen2VLProcessor):
+        # The processor's video half needs torchvision (not installed); images need none of it.
+        def check_argument_for_proper_class(self, name, arg):  # noqa: ANN001, ANN202
+            if arg is not None:
+                return super().check_argument_for_proper_class(name, arg)
+            return None
+
+    kind = AutoConfig.from_pretrained(folder).model_type
+    cls = Qwen2VLForConditionalGeneration if kind == "qwen2_vl" else Qwen2_5_VLForConditionalGeneration
+    model = cls.from_pretrained(folder, dtype=torch.float32).eval()
+    processor = ImageOnlyProcessor(image_processor=AutoImageProcessor.from_pretrained(folder),
+                                   tokenizer=AutoTokenizer.from_pretrained(folder))
+    return model, processor
+
+
+@pytest.fixture(scope="module")
+def hf(qwen_vl):
+    return hf_model(qwen_vl)
+
+
+def hf_run(hf, images: list, question: str = QUESTION, new_tokens: int = NEW_TOKENS):
+    model, processor = hf
+    inputs = processor(text=hf_text(len(images), question), images=images, return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**inputs).logits[0]
+        out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    ids = inputs["input_ids"][0].tolist()
+    new = out.sequences[0, len(ids):].tolist()
+    steps = torch.stack([s[0] for s in out.logits])
+    return ids, torch.log_softmax(logits.float(), -1), new, torch.log_softmax(steps.float(), -1)
+
+
+def _open(folder, **options):
+    defaults = dict(dtype="float32", max_logprobs=-1, block_size=4, kv_cache_memory=8 * 2**20,
+                    max_num_seqs=4)
+    return engine.open_engine(folder, **(defaults | options))
+
+
+@pytest.mark.parametrize(("num_images", "batched"), [(1, 2048), (2, 2048), (1, 16)],
+                         ids=["one-image", "two-images", "image-across-chunks"])
+async def test_logits_and_greedy_tokens_match_transformers(qwen_vl, hf, num_images, batched) -> None:
+    images = IMAGES[:num_images]
+    ids, hf_logprobs, hf_new, hf_steps = hf_run(hf, images)
+    vocab = hf_logprobs.shape[-1]
+    pad = hf[0].config.image_token_id
+    if num_images == 2:  # dynamic resolution: the grids differ, the large one was shrunk
+        counts = [len(run) for run in "".join("x" if t == pad else " " for t in ids).split()]
+        assert counts[0] != counts[1] and counts[1] * 4 * 4 * 4 <= TINY_QWEN_VL_MAX_PIXELS
+    async with _open(qwen_vl, max_num_batched_tokens=batched) as eng:
+        stream = await eng.submit(messages(images), greedy(NEW_TOKENS, prompt_logprobs=-1, logprobs=-1))
+        async with stream:
+            outs = [o async for o in stream]
+        assert stream.prompt_token_ids == tuple(ids)
+        if batched < len(ids):  # the chunks really cut the image's placeholders
+            first = ids.index(pad)
+            assert first < batched < first + ids.count(pad)
+        prompt = outs[0].prompt_logprobs
+        got = torch.stack([_dense(e, vocab) for e in prompt[1:]])
+        torch.testing.assert_close(got, hf_logprobs[:-1], atol=2e-4, rtol=0)
+        assert token_ids(outs) == hf_new
+        sampled = torch.stack([_dense(e, vocab) for o in outs for e in o.logprobs])
+        torch.testing.assert_close(sampled, hf_steps, atol=2e-4, rtol=0)
+        # Each image ran through the encoder exactly once, chunk boundary or not.
+        assert eng._parts.runner.encoder_runs == num_images
+        await wait_idle(eng)
