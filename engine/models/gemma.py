@@ -26,8 +26,10 @@ import torch.nn.functional as F
 
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaModel, _Layer, _Weights, rope_cos_sin_cache
-from engine.models.quantized import embed, make_linear
+from engine.models.quantized import make_linear
 from engine.ops import AttentionMetadata, Ops
+from engine.parallel import SINGLE, TensorParallel
+from engine.parallel.shard import qkv_spans
 
 
 @dataclasses.dataclass(slots=True)
@@ -48,13 +50,13 @@ class GemmaModel(LlamaModel):
         *,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        tp: TensorParallel = SINGLE,
     ) -> None:
         self.config = config
         self.ops = ops
         self.dtype = dtype
         self.device = torch.device(device)
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self._init_parallel(config, tp)
         self.head_dim = config.head_dim
         assert config.query_pre_attn_scalar is not None  # from_hf requires it for Gemma
         self.scale = config.query_pre_attn_scalar**-0.5
@@ -69,8 +71,8 @@ class GemmaModel(LlamaModel):
         # transformers: Gemma 2 builds the scale in the model dtype, Gemma 3 in fp32 and
         # casts it; both round sqrt(hidden) to the dtype before the multiply.
         self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=torch.float32).to(dtype)
-        get = _Weights(weights, dtype, self.device)
-        self.embed = get("model.embed_tokens.weight")
+        get = _Weights(weights, dtype, self.device, tp)
+        self.embed = get.rows("model.embed_tokens.weight")
         self.layers = [self._layer(get, i) for i in range(config.num_hidden_layers)]
         self.norm = self._norm_weight(weights, "model.norm.weight")
         # As in LlamaModel: a quantized table stays one copy, rows read for the embedding
@@ -78,7 +80,7 @@ class GemmaModel(LlamaModel):
         if config.tie_word_embeddings or "lm_head.weight" not in weights:
             self.lm_head = make_linear([self.embed])
         else:
-            self.lm_head = make_linear([get("lm_head.weight")])
+            self.lm_head = make_linear([get.rows("lm_head.weight")])
 
     def _norm_weight(self, weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         """``1 + weight`` in fp32: transformers multiplies by it in fp32, then rounds."""
@@ -90,17 +92,18 @@ class GemmaModel(LlamaModel):
         attn, mlp = p + "self_attn.", p + "mlp."
         norm = lambda name: self._norm_weight(get.weights, p + name)  # noqa: E731
         qk_norm = self.config.qk_norm
+        _, spans = qkv_spans(self.config, self.tp)
         return _GemmaLayer(
             input_norm=norm("input_layernorm.weight"),
             post_norm=norm("post_attention_layernorm.weight"),
             pre_ffn_norm=norm("pre_feedforward_layernorm.weight"),
             post_ffn_norm=norm("post_feedforward_layernorm.weight"),
-            qkv=make_linear([get(attn + f"{n}_proj.weight") for n in "qkv"]),
-            o_proj=make_linear([get(attn + "o_proj.weight")]),
+            qkv=make_linear([get.rows(attn + f"{n}_proj.weight", spans=[span]) for n, span in zip("qkv", spans, strict=True)]),
+            o_proj=make_linear([get.cols(attn + "o_proj.weight")]),
             q_norm=norm("self_attn.q_norm.weight") if qk_norm else None,
             k_norm=norm("self_attn.k_norm.weight") if qk_norm else None,
-            gate_up=make_linear([get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")]),
-            down=make_linear([get(mlp + "down_proj.weight")]),
+            gate_up=make_linear([get.rows(mlp + "gate_proj.weight"), get.rows(mlp + "up_proj.weight")]),
+            down=make_linear([get.cols(mlp + "down_proj.weight")]),
             window=self.config.layer_windows[i],
             rope=self.local_cos_sin_cache if self.config.layer_windows[i] else self.cos_sin_cache,
         )
@@ -124,21 +127,22 @@ class GemmaModel(LlamaModel):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; writes this step's K/V."""
         ops = self.ops
-        hidden = embed(self.embed, input_ids, self.dtype) * self.embed_scale
+        hidden = self._embed(input_ids) * self.embed_scale
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             assert isinstance(layer, _GemmaLayer)
             x = self._rms(hidden, layer.input_norm)
             x = self._attention(layer, x, positions, meta, k_cache, v_cache)
             hidden = hidden + self._rms(x, layer.post_norm)
             x = self._rms(hidden, layer.pre_ffn_norm)
-            x = layer.down(ops.gelu_tanh_and_mul(layer.gate_up(x)))
+            x = self.tp.all_reduce(layer.down(ops.gelu_tanh_and_mul(layer.gate_up(x))))  # row-parallel down
             hidden = hidden + self._rms(x, layer.post_ffn_norm)
         return self._rms(hidden, self.norm)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [N, vocab] in fp32, soft-capped (in the model dtype, as transformers)."""
-        logits = self.lm_head(hidden)
+        """Logits [N, vocab] in fp32, soft-capped (in the model dtype, as transformers; with
+        tensor parallelism, on the gathered logits)."""
+        logits = self._logits(hidden)
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

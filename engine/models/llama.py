@@ -26,6 +26,14 @@ from engine.models.moe import SparseMoeBlock
 from engine.models.quantized import embed, make_linear
 from engine.models.rope import cos_sin_cache
 from engine.ops import AttentionMetadata, Ops
+from engine.parallel import SINGLE, TensorParallel
+from engine.parallel.shard import (
+    ShardedWeights,
+    check_tensor_parallel,
+    local_heads,
+    qkv_spans,
+    vocab_range,
+)
 
 
 def rope_cos_sin_cache(
@@ -116,7 +124,13 @@ class _Layer:
 
 
 class LlamaModel:
-    """The decoder stack plus LM head, over weights given under Hugging Face names."""
+    """The decoder stack plus LM head, over weights given under Hugging Face names.
+
+    With ``tp`` of ``N > 1`` ranks this is rank ``tp.rank``'s slice of every layer (see
+    :mod:`engine.parallel.shard`): its query and KV heads, its share of the MLP and of the
+    vocabulary; :meth:`forward` all-reduces after o and down (the residual stream is whole
+    on every rank) and :meth:`compute_logits` returns the gathered full-vocabulary logits.
+    """
 
     def __init__(
         self,
@@ -126,20 +140,20 @@ class LlamaModel:
         *,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        tp: TensorParallel = SINGLE,
     ) -> None:
         self.config = config
         self.ops = ops
         self.dtype = dtype
         self.device = torch.device(device)
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self._init_parallel(config, tp)
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
         self.attn_softcap = 0.0  # Gemma 2 soft-caps attention scores; the Llama family does not
         self.eps = config.rms_norm_eps
         self.cos_sin_cache = rope_cos_sin_cache(config, dtype, self.device)
-        get = _Weights(weights, dtype, self.device)
-        self.embed = get("model.embed_tokens.weight")
+        get = _Weights(weights, dtype, self.device, tp)
+        self.embed = get.rows("model.embed_tokens.weight")
         self.layers = [self._layer(get, i) for i in range(config.num_hidden_layers)]
         self.norm = get("model.norm.weight")
         # A quantized table stays one copy: rows read for the embedding, the same blocks
@@ -147,7 +161,15 @@ class LlamaModel:
         if config.tie_word_embeddings or "lm_head.weight" not in weights:
             self.lm_head = make_linear([self.embed])
         else:
-            self.lm_head = make_linear([get("lm_head.weight")])
+            self.lm_head = make_linear([get.rows("lm_head.weight")])
+
+    def _init_parallel(self, config: ModelConfig, tp: TensorParallel) -> None:
+        """This rank's head counts and vocabulary slice; refuses a model that does not
+        split over ``tp.world_size`` ranks."""
+        check_tensor_parallel(config, tp)
+        self.tp = tp
+        self.num_heads, self.num_kv_heads = local_heads(config, tp)
+        self.vocab_start, self.vocab_end = vocab_range(config, tp)
 
     def _layer(self, get: _Weights, i: int) -> _Layer:
         p = f"model.layers.{i}."
@@ -155,30 +177,34 @@ class LlamaModel:
         bias = None
         moe = self.config.moe
         sparse = moe is not None and i in moe.sparse_layers
+        sizes, spans = qkv_spans(self.config, self.tp)
         if self.config.attention_bias:
-            bias = torch.cat([get(attn + f"{n}_proj.bias") for n in "qkv"])
+            bias = torch.cat([get.rows(attn + f"{n}_proj.bias", spans=[span]) for n, span in zip("qkv", spans, strict=True)])
         gate_up: list | None = None
+        inter = self.config.intermediate_size
         if self.config.architecture == "phi3":
-            # Phi-3 ships q/k/v and gate/up already fused, in the order used here.
-            qkv, gate_up = [get(attn + "qkv_proj.weight")], [get(mlp + "gate_up_proj.weight")]
+            # Phi-3 ships q/k/v and gate/up already fused, in the order used here; each
+            # part is cut to this rank's share and the cuts are fused again.
+            qkv = [get.rows(attn + "qkv_proj.weight", sizes, spans)]
+            gate_up = [get.rows(mlp + "gate_up_proj.weight", (inter, inter))]
         else:
-            qkv = [get(attn + f"{n}_proj.weight") for n in "qkv"]
+            qkv = [get.rows(attn + f"{n}_proj.weight", spans=[span]) for n, span in zip("qkv", spans, strict=True)]
             if not sparse:
-                gate_up = [get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")]
+                gate_up = [get.rows(mlp + "gate_proj.weight"), get.rows(mlp + "up_proj.weight")]
         # make_linear: a dense Linear over the parts concatenated, or a QuantLinear over
         # weights kept in their GGUF blocks.
         return _Layer(
             input_norm=get(p + "input_layernorm.weight"),
             post_norm=get(p + "post_attention_layernorm.weight"),
             qkv=make_linear(qkv, bias),
-            o_proj=make_linear([get(attn + "o_proj.weight")]),
+            o_proj=make_linear([get.cols(attn + "o_proj.weight")]),
             q_norm=get(attn + "q_norm.weight") if self.config.qk_norm else None,
             k_norm=get(attn + "k_norm.weight") if self.config.qk_norm else None,
             gate_up=None if gate_up is None else make_linear(gate_up),
-            down=None if sparse else make_linear([get(mlp + "down_proj.weight")]),
+            down=None if sparse else make_linear([get.cols(mlp + "down_proj.weight")]),
             window=self.config.layer_windows[i],
             rope=self.cos_sin_cache,
-            moe=SparseMoeBlock(self.config, i, get, Linear) if sparse else None,
+            moe=SparseMoeBlock(self.config, i, get, Linear, self.tp) if sparse else None,
         )
 
     @torch.inference_mode()
@@ -195,7 +221,7 @@ class LlamaModel:
         ``mm_embeds`` ``(rows [R] int64, embeddings [R, hidden])`` replace the token
         embeddings of those rows (a vision model's image placeholders)."""
         ops = self.ops
-        hidden = embed(self.embed, input_ids, self.dtype)
+        hidden = self._embed(input_ids)
         if mm_embeds is not None:
             rows, values = mm_embeds
             hidden = hidden.index_copy(0, rows, values.to(hidden.dtype))
@@ -213,6 +239,7 @@ class LlamaModel:
             else:
                 assert layer.gate_up is not None and layer.down is not None
                 hidden = layer.down(ops.silu_and_mul(layer.gate_up(x)))
+            hidden = self.tp.all_reduce(hidden)  # row-parallel down (or experts): sum the ranks' parts
         assert residual is not None  # num_hidden_layers >= 1 is checked at build time
         out, _ = ops.fused_add_rms_norm(hidden, residual, self.norm, self.eps)
         return out
@@ -246,30 +273,36 @@ class LlamaModel:
             o = ops.paged_attention_prefill(
                 q, k_cache, v_cache, meta, self.scale, window=layer.window, softcap=self.attn_softcap
             )
-        return layer.o_proj(o.reshape(t, h * d))
+        return self.tp.all_reduce(layer.o_proj(o.reshape(t, h * d)))  # row-parallel o
 
     def _head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Per-head RMSNorm of q or k [T, heads, D] before RoPE (Qwen3)."""
         return self.ops.rms_norm(x, weight, self.eps)
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [T, hidden]. Vocab-parallel: each rank looks up the ids of
+        its slice (the others read row 0 and are zeroed), and the ranks' rows are summed."""
+        if not self.tp.enabled:
+            return embed(self.embed, input_ids, self.dtype)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.vocab_end - self.vocab_start)
+        rows = embed(self.embed, torch.where(mine, local, 0), self.dtype)
+        rows = rows * mine.unsqueeze(-1).to(rows.dtype)
+        return self.tp.all_reduce(rows)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits [N, vocab] in the model dtype: this rank's slice of the
+        LM head, gathered from every rank in vocabulary order."""
+        return self.tp.all_gather_last(self.lm_head(hidden))
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] in fp32 for the rows of ``hidden`` [N, hidden]."""
-        return self.lm_head(hidden).float()
+        return self._logits(hidden).float()
 
 
-class _Weights:
-    """Fetches a weight by HF name, cast to the model dtype and device; names a missing one."""
-
-    def __init__(self, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
-        self.weights, self.dtype, self.device = weights, dtype, device
-
-    def __call__(self, name: str) -> torch.Tensor:
-        try:
-            w = self.weights[name]
-        except KeyError:
-            raise CorruptModelError(f"weight {name!r} is missing from the checkpoint") from None
-        return w.to(device=self.device, dtype=self.dtype).contiguous()
+# The decoders fetch their weights through it: by name, cut to the rank's slice, cast.
+_Weights = ShardedWeights
 
 
 def build_model(
@@ -279,9 +312,12 @@ def build_model(
     *,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
+    tp: TensorParallel = SINGLE,
 ) -> LlamaModel:
-    """Build the decoder (or encoder) for ``config``; raises a typed error for an unusable
-    config."""
+    """Build the decoder (or encoder) for ``config``, or with ``tp`` rank ``tp.rank``'s
+    slice of it; raises a typed error for an unusable config (one that cannot be split
+    over ``tp.world_size`` ranks included)."""
+    check_tensor_parallel(config, tp)
     if config.is_encoder:
         from engine.models.bert import BertModel
 
@@ -304,5 +340,5 @@ def build_model(
     if config.architecture in GEMMA_FAMILY:
         from engine.models.gemma import GemmaModel
 
-        return GemmaModel(config, weights, ops, dtype=dtype, device=device)
-    return LlamaModel(config, weights, ops, dtype=dtype, device=device)
+        return GemmaModel(config, weights, ops, dtype=dtype, device=device, tp=tp)
+    return LlamaModel(config, weights, ops, dtype=dtype, device=device, tp=tp)

@@ -14,6 +14,12 @@ The checkpoint stores each expert's projections apart (Hugging Face hub layout);
 stacked once at build time into ``w13 [E, 2 * inter, hidden]`` (gate rows, then up rows)
 and ``w2 [E, hidden, inter]``, the layout of GGUF's ``ffn_*_exps`` tensors and of the
 fused kernels.
+
+Tensor parallelism splits inside each expert: a rank keeps ``inter / N`` of every expert's
+gate and up rows and the matching columns of its down, the shared expert likewise, and the
+router and shared-expert gate whole. Every rank routes every token the same way and runs
+the same experts on its slice; the block's output is a partial sum the decoder
+all-reduces with the attention's (see :mod:`engine.parallel.shard`).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch.nn.functional as F
 
 from engine.models.config import ModelConfig, MoeConfig
 from engine.ops import Ops
+from engine.parallel import SINGLE, TensorParallel
 
 
 def layer_prefix(moe: MoeConfig, layer: int) -> str:
@@ -75,28 +82,37 @@ class SparseMoeBlock:
         layer: int,
         get: Callable[[str], torch.Tensor],
         linear: Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]],
+        tp: TensorParallel = SINGLE,
     ) -> None:
+        """``get`` fetches a weight by name; with ``tp`` of several ranks it is a
+        :class:`~engine.parallel.shard.ShardedWeights` whose ``rows``/``cols`` cut this
+        rank's slice."""
         moe = config.moe
         assert moe is not None
         self.top_k = moe.top_k
         self.renormalize = moe.norm_topk_prob
         p = layer_prefix(moe, layer)
         self.router = linear(get(p + "gate.weight"))  # [E, hidden]
+        # Column-parallel gate/up rows, row-parallel down columns (whole with one rank).
+        rows = get.rows if tp.enabled else get  # type: ignore[attr-defined]
+        cols = get.cols if tp.enabled else get  # type: ignore[attr-defined]
         gate_up, down = [], []
         for e in range(moe.num_experts):
             g, u, d = expert_weight_names(moe, layer, e)
-            gate_up.append(torch.cat([get(g), get(u)]))
-            down.append(get(d))
+            gate_up.append(torch.cat([rows(g), rows(u)]))
+            down.append(cols(d))
         self.w13 = torch.stack(gate_up)
         self.w2 = torch.stack(down)
         self.shared_gate_up = self.shared_down = self.shared_gate = None
         if moe.shared_expert_intermediate_size:
             s = p + "shared_expert."
-            self.shared_gate_up = linear(torch.cat([get(s + "gate_proj.weight"), get(s + "up_proj.weight")]))
-            self.shared_down = linear(get(s + "down_proj.weight"))
+            self.shared_gate_up = linear(torch.cat([rows(s + "gate_proj.weight"), rows(s + "up_proj.weight")]))
+            self.shared_down = linear(cols(s + "down_proj.weight"))
             self.shared_gate = linear(get(p + "shared_expert_gate.weight"))  # [1, hidden]
 
     def __call__(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        """The block's output; with tensor parallelism this rank's part of it (the gated
+        shared expert's too: the gate scales each rank's partial sum alike)."""
         weights, ids = select_experts(self.router(x), self.top_k, self.renormalize)
         out = ops.fused_moe(x, self.w13, self.w2, weights, ids)
         if self.shared_gate_up is not None:

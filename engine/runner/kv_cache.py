@@ -6,6 +6,12 @@ head_dim]`` (see :mod:`engine.ops` for the slot layout); a block therefore costs
 With ``kv_cache_dtype`` int8 or fp8 each is a :class:`engine.ops.QuantizedKV`: one byte
 per value plus a 4-byte scale per token and KV head, ``2 * layers * block_size * kv_heads
 * (head_dim + 4)`` bytes a block (53% of bf16 at head_dim 64, 52% at 128).
+
+With tensor parallelism (``tp``) each rank's pool holds only its own KV heads
+(:func:`engine.parallel.shard.local_heads`: ``num_kv_heads / N``, or one copied head when
+there are fewer KV heads than ranks), so a block costs each rank that share and the same
+budget buys each rank ``N`` times the blocks (fewer where heads are copied). Every rank
+must run the same block count: the scheduler's pool is one for all of them.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import torch
 from engine.errors import ConfigError
 from engine.models.config import ModelConfig
 from engine.ops import KVCache, QuantizedKV
+from engine.parallel import SINGLE, TensorParallel
+from engine.parallel.shard import local_heads
 
 # EngineConfig.kv_cache_dtype -> the codes' dtype; "auto" stores K/V in the model's dtype.
 KV_CODE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -25,10 +33,12 @@ SCALE_BYTES = 4  # one fp32 scale per token and KV head
 
 
 def bytes_per_block(
-    model_config: ModelConfig, dtype: torch.dtype, block_size: int, *, kv_cache_dtype: str = "auto"
+    model_config: ModelConfig, dtype: torch.dtype, block_size: int, *, kv_cache_dtype: str = "auto",
+    tp: TensorParallel = SINGLE,
 ) -> int:
-    """Bytes one block takes across every layer, K and V together (scales included)."""
-    heads, dim = model_config.num_key_value_heads, model_config.head_dim
+    """Bytes one block takes across every layer, K and V together (scales included), in
+    one rank's pool."""
+    heads, dim = local_heads(model_config, tp)[1], model_config.head_dim
     if kv_cache_dtype in KV_CODE_DTYPES:
         per_token = heads * (dim * KV_CODE_DTYPES[kv_cache_dtype].itemsize + SCALE_BYTES)
     else:
@@ -58,8 +68,9 @@ def num_kv_blocks(
     *,
     max_model_len: int | None = None,
     kv_cache_dtype: str = "auto",
+    tp: TensorParallel = SINGLE,
 ) -> int:
-    """How many blocks the budget buys.
+    """How many blocks the budget buys (``kv_cache_memory`` is one rank's budget).
 
     ``kv_cache_memory`` is bytes (int) or a fraction of the device's free memory (float).
     Raises :class:`ConfigError` (``field="kv_cache_memory"``) when the pool could not
@@ -69,7 +80,7 @@ def num_kv_blocks(
         budget = int(free_memory(device) * kv_cache_memory)
     else:
         budget = int(kv_cache_memory)
-    per_block = bytes_per_block(model_config, dtype, block_size, kv_cache_dtype=kv_cache_dtype)
+    per_block = bytes_per_block(model_config, dtype, block_size, kv_cache_dtype=kv_cache_dtype, tp=tp)
     blocks = budget // per_block
     max_len = max_model_len or model_config.max_position_embeddings
     needed = -(-max_len // block_size)
@@ -91,9 +102,11 @@ def allocate_kv_caches(
     device: torch.device | str,
     *,
     kv_cache_dtype: str = "auto",
+    tp: TensorParallel = SINGLE,
 ) -> list[tuple[KVCache, KVCache]]:
     """One zeroed ``(k_cache, v_cache)`` pair per layer: tensors of ``dtype``, or with
-    ``kv_cache_dtype`` int8/fp8, :class:`QuantizedKV` codes and scales.
+    ``kv_cache_dtype`` int8/fp8, :class:`QuantizedKV` codes and scales; with ``tp``, of
+    this rank's KV heads only.
 
     Zeroed, not empty: attention gathers whole blocks and masks the unused tail, and a
     masked weight of 0 times a NaN left in fresh memory would still be NaN.
@@ -103,7 +116,7 @@ def allocate_kv_caches(
     (``torch.zeros`` would write every byte at startup and keep the whole budget resident).
     """
     layers = model_config.num_hidden_layers
-    shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
+    shape = (num_blocks, block_size, local_heads(model_config, tp)[1], model_config.head_dim)
     code_dtype = KV_CODE_DTYPES.get(kv_cache_dtype)
     # Codes (or values) of every layer's K and V first, then the scales: each region is
     # laid out block-major, so low block ids stay on a compact set of pages.

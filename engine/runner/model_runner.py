@@ -42,6 +42,7 @@ from engine.messages import (
 from engine.models.llama import build_model
 from engine.models.pooling import PoolerConfig
 from engine.ops import AttentionMetadata, Ops
+from engine.parallel import SINGLE, TensorParallel
 from engine.params import SamplingParams, thinking_forced_token
 from engine.runner.kv_cache import allocate_kv_caches
 from engine.runner.sampler import Sampler, SamplingFailure, SamplingRow, TokenBitmask
@@ -96,6 +97,13 @@ class ModelRunner:
     ``dtype``). ``num_blocks`` KV blocks of ``block_size`` tokens (in ``kv_cache_dtype``:
     "auto" for the model dtype, or "int8"/"fp8" codes with scales) are allocated on
     ``device`` up front. Not thread-safe: call :meth:`execute` from one thread at a time.
+
+    ``tp``: this runner is rank ``tp.rank`` of a tensor-parallel group. It holds that
+    rank's slice of the model and of the KV pool (its KV heads), and every rank must be
+    given the same plans in the same order (the collectives of a step pair up). The logits
+    are the gathered full-vocabulary ones, bitwise the same on every rank, so with the same
+    ``seed`` every rank samples the same tokens and keeps the same request state; the
+    executor reads rank 0's :class:`StepResult` (the others' are equal).
     """
 
     def __init__(
@@ -112,22 +120,24 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         grammar: GrammarBackend | None = None,
         pooler: PoolerConfig | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         self.device = torch.device(device)
+        self.tp = tp
         self.config = loaded.config
         self.dtype = loaded.dtype
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.model = build_model(loaded.config, loaded.weights, ops, dtype=loaded.dtype, device=self.device)
+        self.model = build_model(loaded.config, loaded.weights, ops, dtype=loaded.dtype, device=self.device, tp=tp)
         # A pooling model's requests end with their prompt: the step of the last chunk
         # pools the hidden states (see _pool) instead of sampling.
         self.pooler = pooler
         # An encoder keeps nothing between steps: no KV cache (its chunks carry no blocks).
         self.paged_kv = not loaded.config.is_encoder
         self.kv_caches = allocate_kv_caches(
-            loaded.config, num_blocks, block_size, loaded.dtype, self.device, kv_cache_dtype=kv_cache_dtype
+            loaded.config, num_blocks, block_size, loaded.dtype, self.device, kv_cache_dtype=kv_cache_dtype, tp=tp
         ) if self.paged_kv else []
         self.sampler = Sampler(ops, seed=seed)
         # Compiles structured-output specs and makes matchers; None: such requests fail.

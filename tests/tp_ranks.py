@@ -1,0 +1,92 @@
+"""Run a function on N tensor-parallel ranks, each a spawned process, joined by gloo over a
+local TCP store (the tensor-parallel tests' harness, issue 21).
+
+:func:`run_ranks` spawns the ranks once and hands each a :class:`TensorParallel`; the
+function does as much as it likes (several models in a row) and returns what the test
+compares, which comes back per rank. The parent holds the TCP store (port picked by the
+OS, so no race for a free port), and the collectives time out, so a stuck rank fails the
+test instead of hanging it. This module imports only what the ranks need: spawning
+re-imports it in every child.
+"""
+
+from __future__ import annotations
+
+import datetime
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine.parallel import TensorParallel
+
+TIMEOUT = datetime.timedelta(seconds=120)
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """``[fn(TensorParallel(r, world_size), *args) for r in ranks]``, each on its own
+    process; ``fn`` must be a module-level function (it is pickled by name)."""
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, timeout=TIMEOUT,
+                          wait_for_workers=False)
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_rank_main, args=(fn, world_size, store.port, out, args),
+                           nprocs=world_size, join=True, start_method="spawn")
+        return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, port: int, out: str, args: tuple) -> None:
+    torch.set_num_threads(1)  # tiny shapes; two ranks on a shared 2-core machine
+    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=TIMEOUT)
+    try:
+        result = fn(TensorParallel(rank, world_size), *args)
+        torch.save(result, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+# --- what the parity tests run on each rank ---------------------------------------------------
+
+BLOCK_SIZE = 4
+CHUNK = 8  # prefill chunk: the longer prompts take several steps
+NEW_TOKENS = 32
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    """Three prompts (1, 9 and 23 tokens: one chunk, two, three), seeded."""
+    g = torch.Generator().manual_seed(4321)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 9, 23)]
+
+
+def greedy_with_logits(tp: TensorParallel, models: list[tuple[str, str, str]]) -> dict[str, tuple]:
+    """For each ``(key, path, quantization)``: ``(tokens, logits)`` of greedy decoding the
+    :func:`prompts` through a :class:`ModelRunner` for ``tp``'s rank, chunked prefill then
+    :data:`NEW_TOKENS` decode steps; ``logits`` is every step's sampled rows, in fp32."""
+    from greedy_driver import generate_greedy
+
+    from engine.models.loader import load_model
+    from engine.ops import get_ops
+    from engine.runner.model_runner import ModelRunner
+
+    out = {}
+    for key, path, quantization in models:
+        loaded = load_model(path, dtype="float32", quantization=quantization)
+        runner = ModelRunner(loaded, device="cpu", ops=get_ops("cpu"), num_blocks=64, block_size=BLOCK_SIZE,
+                             max_num_batched_tokens=64, max_num_seqs=4, tp=tp)
+        del loaded  # the runner keeps its slice only
+        steps: list[torch.Tensor] = []
+        compute = runner.model.compute_logits
+
+        def record(hidden: torch.Tensor, compute=compute, steps=steps) -> torch.Tensor:
+            logits = compute(hidden)
+            steps.append(logits.clone())
+            return logits
+
+        runner.model.compute_logits = record  # type: ignore[method-assign]
+        tokens = generate_greedy(runner, prompts(runner.config.vocab_size), NEW_TOKENS, chunk_size=CHUNK,
+                                 block_size=BLOCK_SIZE)
+        out[key] = (tokens, steps)
+    return out
