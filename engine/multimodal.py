@@ -287,7 +287,11 @@ class ImagePreprocessor:
         """``(float32 bytes, shape, grid)`` of one image; ``grid`` is ``(t, h, w)`` patches
         for Qwen-VL, empty otherwise."""
         image = decode_image(raw.data, raw.where, self.limits.max_image_pixels)
-        out = self.processor(images=[image], return_tensors="np")
+        try:
+            out = self.processor(images=[image], return_tensors="np")
+        except ValueError as exc:  # e.g. Qwen-VL's: an aspect ratio over 200
+            raise InvalidParamError(f"{raw.where}: the model's image processor refused the "
+                                    f"image ({exc})", param=raw.where) from None
         grid: tuple[int, ...] = ()
         if self.merge_size is not None:
             pixels = out["pixel_values"]  # every patch of the image, one row each

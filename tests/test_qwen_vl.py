@@ -132,3 +132,47 @@ async def test_logits_and_greedy_tokens_match_transformers(qwen_vl, hf, num_imag
         # Each image ran through the encoder exactly once, chunk boundary or not.
         assert eng._parts.runner.encoder_runs == num_images
         await wait_idle(eng)
+
+
+@pytest.mark.parametrize("qwen_vl", ["qwen2_vl"], indirect=True)
+async def test_prefix_cache_hits_keep_mrope_positions(qwen_vl, hf) -> None:
+    """A prompt run from a prefix-cache hit inside the text after its image still gets
+    M-RoPE's positions (sliced from the whole prompt's); another image with the same text
+    shares only the blocks before the image and gets its own answer."""
+    a, b = IMAGES[0], _image(7, size=(24, 48))
+    ids, _, a_new, _ = hf_run(hf, [a])
+    b_new = hf_run(hf, [b])[2]
+    assert a_new != b_new
+    offset = ids.index(hf[0].config.image_token_id)
+    async with _open(qwen_vl, max_num_batched_tokens=2048) as eng:
+        outs = []
+        for image in (a, b, a):
+            stream = await eng.submit(messages([image]), greedy(NEW_TOKENS))
+            async with stream:
+                outs.append([o async for o in stream])
+        runs = eng._parts.runner.encoder_runs
+        await wait_idle(eng)
+    cached = [o[-1].usage.cached_tokens for o in outs]
+    assert [token_ids(o) for o in outs] == [a_new, b_new, a_new]
+    assert cached[0] == 0 and cached[1] == offset // 4 * 4
+    assert cached[2] == (len(ids) - 1) // 4 * 4 > offset + ids.count(hf[0].config.image_token_id)
+    assert runs == 2  # the hit skipped the encoder
+
+
+@pytest.mark.parametrize("qwen_vl", ["qwen2_5_vl"], indirect=True)
+async def test_an_image_the_processor_refuses_is_a_400_and_the_engine_serves_on(qwen_vl) -> None:
+    from engine.errors import InvalidParamError
+
+    async with _open(qwen_vl) as eng:
+        # Qwen2VLImageProcessor refuses aspect ratios over 200.
+        with pytest.raises(InvalidParamError, match="image processor refused") as info:
+            await eng.submit(messages([_image(2, size=(402, 2))]), greedy(2))
+        assert info.value.param == "messages[0].content[0]"
+        # The embedded API's PIL image part, and an image smaller than one merged patch
+        # (the processor scales it up to min_pixels).
+        for image in (_image(3), _image(4, size=(3, 5))):
+            parts = [{"type": "image", "image": image}, {"type": "text", "text": QUESTION}]
+            stream = await eng.submit([{"role": "user", "content": parts}], greedy(3))
+            async with stream:
+                assert len(token_ids([o async for o in stream])) == 3
+        await wait_idle(eng)
