@@ -192,6 +192,13 @@ class EngineConfig:
         default_text="the model's max_position_embeddings, capped by the KV pool")
     max_num_seqs: int = _field(64, "most requests in one step", type=int, metavar="N")
     max_num_batched_tokens: int = _field(2048, "most tokens in one step", type=int, metavar="N")
+    # vLLM V1's encoder budget: a vision model's images encoded in one step, counted in
+    # their placeholder tokens. An image is never split; one larger than the budget runs
+    # alone in a step.
+    max_num_encoder_input_tokens: int | None = _field(
+        None, "most image placeholder tokens whose vision encoder runs in one step; a "
+        "prefill chunk that would need more stops before the image's placeholders",
+        type=int, metavar="N", default_text="--max-num-batched-tokens")
     block_size: int = _field(16, "tokens per KV-cache block (a power of 2)", type=int, metavar="N")
     # 2 GiB default: ample for SmolLM2's 30 layers x 3 KV heads x 64 dims (about 46 KB a
     # token in fp32), i.e. ~46k tokens, without taking a shared CPU machine's memory.
@@ -396,6 +403,10 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}", field=name)
+        budget = self.max_num_encoder_input_tokens
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ConfigError(f"max_num_encoder_input_tokens must be a positive integer, got "
+                              f"{budget!r}", field="max_num_encoder_input_tokens")
         if self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}", field="block_size")
         timeout = self.grammar_compile_timeout

@@ -106,13 +106,25 @@ def _open(llava, **options):
     return engine.open_engine(llava, **(defaults | options))
 
 
-@pytest.mark.parametrize(("num_images", "batched"), [(1, 2048), (2, 2048), (1, 7)],
-                         ids=["one-image", "two-images", "image-across-chunks"])
-async def test_logits_and_greedy_tokens_match_transformers(llava, hf, num_images, batched) -> None:
+@pytest.mark.parametrize(("num_images", "batched", "encoder"),
+                         [(1, 2048, None), (2, 2048, None), (1, 7, None), (2, 2048, 4)],
+                         ids=["one-image", "two-images", "image-across-chunks",
+                              "two-images-one-encoder-run-a-step"])
+async def test_logits_and_greedy_tokens_match_transformers(llava, hf, num_images, batched,
+                                                          encoder) -> None:
     images = [_image(i) for i in range(num_images)]
     ids, hf_logprobs, hf_new, hf_steps = _hf_run(hf, images)
     vocab = hf_logprobs.shape[-1]
-    async with _open(llava, max_num_batched_tokens=batched) as eng:
+    async with _open(llava, max_num_batched_tokens=batched,
+                     max_num_encoder_input_tokens=encoder) as eng:
+        model = eng._parts.runner.model
+        batches: list[int] = []  # images per encoder run
+
+        def encode(pixels, _encode=model.encode_images):
+            batches.append(pixels.shape[0])
+            return _encode(pixels)
+
+        model.encode_images = encode
         stream = await eng.submit(_messages(images), greedy(NEW_TOKENS, prompt_logprobs=-1, logprobs=-1))
         async with stream:
             outs = [o async for o in stream]
@@ -128,6 +140,8 @@ async def test_logits_and_greedy_tokens_match_transformers(llava, hf, num_images
         torch.testing.assert_close(sampled, hf_steps, atol=2e-4, rtol=0)
         # Each image ran through the encoder exactly once, chunk boundary or not.
         assert eng._parts.runner.encoder_runs == num_images
+        # An encoder budget of one image's 4 placeholder tokens: one image a step.
+        assert batches == ([1] * num_images if encoder == 4 else [num_images])
         await wait_idle(eng)
 
 

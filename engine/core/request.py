@@ -66,7 +66,7 @@ class Request:
         "num_released_blocks",
         "num_preemptions", "seen_by_runner", "num_cached_tokens", "prediction",
         "draft_token_ids", "num_draft_tokens", "num_accepted_tokens", "images", "cache_prompt_ids",
-        "prediction_pos",
+        "prediction_pos", "last_chunk_end",
     )  # fmt: skip
 
     def __init__(
@@ -91,6 +91,9 @@ class Request:
         # content hash, so blocks are shared only between equal images.
         self.images = images
         self.cache_prompt_ids = cache_token_ids(self.prompt_token_ids, images)
+        # Where its last chunk planned since it was (re)started ended (0: none): an image
+        # this lies inside of has its encoder output kept by the runner (the encoder budget).
+        self.last_chunk_end = 0
         self.params = params
         self.eos_token_ids = tuple(eos_token_ids)
         self.priority = priority

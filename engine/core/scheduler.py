@@ -90,6 +90,9 @@ class SchedulerConfig:
     # Tokens proposed per step from a Predicted Outputs request's prediction (with or
     # without prompt lookup configured).
     num_prediction_tokens: int = 8
+    # A vision model's encoder budget: image placeholder tokens whose encoder output a
+    # step may compute (0: max_num_batched_tokens). See Scheduler._encoder_cut.
+    max_num_encoder_input_tokens: int = 0
 
     def __post_init__(self) -> None:
         # A plain ValueError: EngineConfig has checked the user's options and the KV sizing
@@ -98,6 +101,9 @@ class SchedulerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_num_encoder_input_tokens < 0:
+            raise ValueError("max_num_encoder_input_tokens must be >= 0, got "
+                             f"{self.max_num_encoder_input_tokens!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
 
@@ -119,8 +125,14 @@ class SchedulerConfig:
             sliding_window=sliding_window,
             pooling=pooling,
             paged_kv=paged_kv,
+            max_num_encoder_input_tokens=config.max_num_encoder_input_tokens or 0,
             **_speculative_fields(config),
         )
+
+    @property
+    def encoder_budget(self) -> int:
+        """Image placeholder tokens whose encoder output one step may compute."""
+        return self.max_num_encoder_input_tokens or self.max_num_batched_tokens
 
     @property
     def max_request_len(self) -> int:
@@ -165,6 +177,11 @@ class _Step:
     new_requests: list[NewRequest] = dataclasses.field(default_factory=list)
     chunks: list[ScheduledChunk] = dataclasses.field(default_factory=list)
     epochs: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Images: what is left of the encoder budget, the images the runner holds an encoder
+    # output of when the step starts, and those this step's chunks encode (by key).
+    encoder_budget: int = 0
+    encoder_held: frozenset[int] = frozenset()
+    encoding: set[int] = dataclasses.field(default_factory=set)
 
 
 class Scheduler:
@@ -280,7 +297,8 @@ class Scheduler:
 
     def schedule(self) -> ScheduleGenerator:
         """Plan one step; yields allocator calls, receives their replies, returns the plan."""
-        step = _Step(self._next_step_id, self.config.max_num_batched_tokens)
+        step = _Step(self._next_step_id, self.config.max_num_batched_tokens,
+                     encoder_budget=self.config.encoder_budget, encoder_held=self._encoder_held())
         self._next_step_id += 1
         preempted = yield from self._schedule_running(step)
         # Like vLLM: after a preemption this step, admitting new work would only thrash.
@@ -305,10 +323,14 @@ class Scheduler:
                 i += 1  # not planned ahead: its proposal needs its last token (async scheduling)
                 continue
             yield from self._release_out_of_window(req)
-            drafts = self._propose(req, step.budget)
-            reply: AllocatorReply | None = self._fits_table(req, step.budget, drafts)
+            budget = self._encoder_cut(step, req, req.num_computed_tokens, step.budget)
+            if budget == 0:
+                i += 1  # its next image's encoder does not fit this step's encoder budget
+                continue
+            drafts = self._propose(req, budget)
+            reply: AllocatorReply | None = self._fits_table(req, budget, drafts)
             while not isinstance(reply, SlotsAllocated):
-                reply = yield self._allocate_call(req, step.budget, lookup=False, drafts=drafts)
+                reply = yield self._allocate_call(req, budget, lookup=False, drafts=drafts)
                 if isinstance(reply, SlotsAllocated):
                     break
                 # Refused: the victim is last in queue order, so never a request already planned.
@@ -365,12 +387,17 @@ class Scheduler:
             # hidden states, not the cache's K/V, are what it needs.
             lookup = (self.config.enable_prefix_caching and req.params.prompt_logprobs is None
                       and not self.config.pooling)
+            budget = step.budget
+            if req.images and not lookup:  # its start is known: cut before allocating
+                budget = self._encoder_cut(step, req, req.num_computed_tokens, budget)
+                if budget == 0:
+                    continue  # its first image's encoder does not fit this step
             if not self.config.paged_kv:
                 if req.num_prompt_tokens > step.budget:
                     return  # whole prompts only; it goes first in the next step
                 reply: AllocatorReply = SlotsAllocated(req.sample_id, 0, req.num_prompt_tokens, ())
             else:
-                reply = yield self._allocate_call(req, step.budget, lookup=lookup)
+                reply = yield self._allocate_call(req, budget, lookup=lookup)
             if not isinstance(reply, SlotsAllocated):
                 if not self._running:
                     raise _too_small(req, reply)
@@ -441,6 +468,12 @@ class Scheduler:
         known = req.num_known_tokens + len(drafts)
         if not 0 < count <= step.budget or start + count > known:
             raise ProtocolError(f"{reply!r} does not fit {req!r} with budget {step.budget}")
+        if req.images:
+            # A new request's start is known only now (its prefix-cache hit): the blocks of
+            # tokens cut here stay in its table for its next chunk.
+            count = self._encoder_cut(step, req, start, count, commit=True)
+            if count == 0:
+                return
         sample = start + count == known
         if drafts and not sample:
             raise ProtocolError(f"{reply!r} cuts the proposal of {req!r}")
@@ -450,13 +483,55 @@ class Scheduler:
         step.epochs[req.sample_id] = req.num_preemptions
         step.budget -= count
         req.num_computed_tokens += count
+        req.last_chunk_end = req.num_computed_tokens
         if sample:
             req.num_pending_tokens += 1
+
+    # -- the encoder budget -----------------------------------------------------------------
+
+    def _encoder_held(self) -> frozenset[int]:
+        """The images whose encoder output the runner keeps into the next step: those a
+        running request's last chunk ended inside of (the runner drops an output once no
+        request has placeholders of it left to prefill; see ModelRunner._image_embeds)."""
+        return frozenset(
+            image.key
+            for req in self._running if req.images
+            for image in req.images
+            if image.offset < req.last_chunk_end < image.offset + image.length
+        )
+
+    def _encoder_cut(self, step: _Step, req: Request, start: int, count: int, *,
+                     commit: bool = False) -> int:
+        """How many of the ``count`` tokens from ``start`` of ``req`` fit the step's encoder
+        budget: every image whose placeholders the chunk reaches must have its encoder
+        output held by the runner, be encoded by this step already, or be encoded in this
+        step whole; the chunk stops before the first image that cannot. An image larger
+        than the whole budget runs alone in a step (else it never would). ``commit``: the
+        chunk is taken, spend the budget."""
+        budget, encoding = step.encoder_budget, set()
+        end = start + count
+        for image in req.images:
+            if image.offset >= end:
+                break  # in prompt order: the rest lie past the chunk
+            if (image.offset + image.length <= start or image.key in step.encoder_held
+                    or image.key in step.encoding or image.key in encoding):
+                continue
+            alone = budget == self.config.encoder_budget and not step.encoding and not encoding
+            if image.length > budget and not alone:
+                end = max(start, image.offset)
+                break
+            budget -= min(image.length, budget)
+            encoding.add(image.key)
+        if commit:
+            step.encoder_budget = budget
+            step.encoding |= encoding
+        return end - start
 
     def _preempt(self, req: Request) -> Generator[AllocatorCall, AllocatorReply, None]:
         self._running.remove(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.last_chunk_end = 0
         req.block_ids = []
         req.num_cached_blocks = 0
         req.num_released_blocks = 0
