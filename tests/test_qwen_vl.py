@@ -176,3 +176,38 @@ async def test_an_image_the_processor_refuses_is_a_400_and_the_engine_serves_on(
             async with stream:
                 assert len(token_ids([o async for o in stream])) == 3
         await wait_idle(eng)
+
+
+async def test_the_hubs_older_layout_loads_the_same_model(qwen_vl, hf, tmp_path) -> None:
+    """The checkpoints on the hub predate transformers 5: a flat config.json with
+    ``rope_scaling {"type": "mrope"}`` and ``in_chans``, tensors under ``model.*`` and
+    ``visual.*``. Rewritten so, the tiny model answers as transformers does."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    old = tmp_path / "old-layout"
+    shutil.copytree(qwen_vl, old)
+    raw = json.loads((qwen_vl / "config.json").read_text())
+    text = raw.pop("text_config")
+    rope = text.pop("rope_parameters")
+    vision = raw["vision_config"]
+    vision["in_chans"] = vision.pop("in_channels")
+    vision.pop("rope_parameters", None)
+    flat = {**text, **raw, "rope_theta": rope["rope_theta"], "model_type": raw["model_type"],
+            "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]}}
+    (old / "config.json").write_text(json.dumps(flat))
+    weights = load_file(str(qwen_vl / "model.safetensors"))
+    renamed = {k.replace("model.language_model.", "model.").replace("model.visual.", "visual."): v
+               for k, v in weights.items()}
+    assert renamed.keys() != weights.keys()
+    save_file(renamed, str(old / "model.safetensors"), metadata={"format": "pt"})
+    ids, _, new, _ = hf_run(hf, IMAGES[:1], new_tokens=8)
+    async with _open(old, max_num_batched_tokens=2048) as eng:
+        stream = await eng.submit(messages(IMAGES[:1]), greedy(8))
+        async with stream:
+            outs = [o async for o in stream]
+        assert stream.prompt_token_ids == tuple(ids)
+        assert token_ids(outs) == new
+        await wait_idle(eng)
