@@ -61,32 +61,50 @@ def prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 9, 23)]
 
 
-def greedy_with_logits(tp: TensorParallel, models: list[tuple[str, str, str]]) -> dict[str, tuple]:
-    """For each ``(key, path, quantization)``: ``(tokens, logits)`` of greedy decoding the
-    :func:`prompts` through a :class:`ModelRunner` for ``tp``'s rank, chunked prefill then
-    :data:`NEW_TOKENS` decode steps; ``logits`` is every step's sampled rows, in fp32."""
+def greedy_with_logits(tp: TensorParallel, models: list[tuple[str, str, bool]]) -> dict[str, tuple]:
+    """For each ``(key, path, c_kernels)``: ``(tokens, logits, kept)`` of greedy decoding
+    the :func:`prompts` through a :class:`ModelRunner` for ``tp``'s rank, chunked prefill
+    then :data:`NEW_TOKENS` decode steps. ``logits``: every step's sampled rows, in fp32;
+    ``kept``: the block formats of the quantized weights the rank's projections hold (a
+    GGUF loads with its blocks kept). ``c_kernels`` False: the quantized weights are
+    multiplied by the torch reference matmul instead of the C kernels."""
+    from engine.ops.cpu import qmatmul as cq
+
+    available = cq.available
+    out = {}
+    try:
+        for key, path, c_kernels in models:
+            cq.available = available if c_kernels else (lambda: False)
+            out[key] = _greedy(tp, path)
+    finally:
+        cq.available = available
+    return out
+
+
+def _greedy(tp: TensorParallel, path: str) -> tuple:
     from greedy_driver import generate_greedy
 
     from engine.models.loader import load_model
+    from engine.models.quantized import QuantLinear
     from engine.ops import get_ops
     from engine.runner.model_runner import ModelRunner
 
-    out = {}
-    for key, path, quantization in models:
-        loaded = load_model(path, dtype="float32", quantization=quantization)
-        runner = ModelRunner(loaded, device="cpu", ops=get_ops("cpu"), num_blocks=64, block_size=BLOCK_SIZE,
-                             max_num_batched_tokens=64, max_num_seqs=4, tp=tp)
-        del loaded  # the runner keeps its slice only
-        steps: list[torch.Tensor] = []
-        compute = runner.model.compute_logits
+    loaded = load_model(path, dtype="float32")
+    runner = ModelRunner(loaded, device="cpu", ops=get_ops("cpu"), num_blocks=64, block_size=BLOCK_SIZE,
+                         max_num_batched_tokens=64, max_num_seqs=4, tp=tp)
+    del loaded  # the runner keeps its slice only
+    steps: list[torch.Tensor] = []
+    compute = runner.model.compute_logits
 
-        def record(hidden: torch.Tensor, compute=compute, steps=steps) -> torch.Tensor:
-            logits = compute(hidden)
-            steps.append(logits.clone())
-            return logits
+    def record(hidden: torch.Tensor, compute=compute, steps=steps) -> torch.Tensor:
+        logits = compute(hidden)
+        steps.append(logits.clone())
+        return logits
 
-        runner.model.compute_logits = record  # type: ignore[method-assign]
-        tokens = generate_greedy(runner, prompts(runner.config.vocab_size), NEW_TOKENS, chunk_size=CHUNK,
-                                 block_size=BLOCK_SIZE)
-        out[key] = (tokens, steps)
-    return out
+    runner.model.compute_logits = record  # type: ignore[method-assign]
+    tokens = generate_greedy(runner, prompts(runner.config.vocab_size), NEW_TOKENS, chunk_size=CHUNK,
+                             block_size=BLOCK_SIZE)
+    model = runner.model
+    linears = [model.lm_head] + [p for layer in model.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+    kept = sorted({part.fmt.name for q in linears if isinstance(q, QuantLinear) for part in q.parts})
+    return tokens, steps, kept

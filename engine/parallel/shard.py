@@ -40,7 +40,7 @@ def tensor_parallel_problem(config: ModelConfig, n: int) -> str | None:
     if config.is_encoder:
         return "tensor parallelism is not supported for encoder (BERT) models"
     if config.vision is not None:
-        return "tensor parallelism is not supported for vision-language (LLaVA) models"
+        return "tensor parallelism is not supported for vision-language models (LLaVA, Qwen-VL)"
     problems = []
     h, hkv = config.num_attention_heads, config.num_key_value_heads
     if h % n:
