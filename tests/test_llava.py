@@ -64,6 +64,22 @@ def llava(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf(llava):
+    return _hf_model(llava)
+
+
+@pytest.fixture(scope="module")
+def siglip_llava(tmp_path_factory):
+    return write_tiny_llava(tmp_path_factory.mktemp("tiny-llava-siglip"), tower="siglip")
+
+
+@pytest.fixture(scope="module")
+def hf_siglip(siglip_llava):
+    return _hf_model(siglip_llava, strategy="full", cls=0)
+
+
+def _hf_model(folder, *, strategy: str = "default", cls: int = 1):
+    """transformers' LLaVA and its processor (CLIP: one CLS position the default strategy
+    drops; SigLIP: no CLS, every position kept)."""
     from transformers import (
         AutoImageProcessor,
         AutoTokenizer,
@@ -71,11 +87,11 @@ def hf(llava):
         LlavaProcessor,
     )
 
-    model = LlavaForConditionalGeneration.from_pretrained(llava, dtype=torch.float32).eval()
+    model = LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
     processor = LlavaProcessor(
-        image_processor=AutoImageProcessor.from_pretrained(llava),
-        tokenizer=AutoTokenizer.from_pretrained(llava), patch_size=14,
-        vision_feature_select_strategy="default", num_additional_image_tokens=1,
+        image_processor=AutoImageProcessor.from_pretrained(folder),
+        tokenizer=AutoTokenizer.from_pretrained(folder), patch_size=14,
+        vision_feature_select_strategy=strategy, num_additional_image_tokens=cls,
         image_token=IMAGE_TOKEN)
     return model, processor
 
@@ -106,12 +122,19 @@ def _open(llava, **options):
     return engine.open_engine(llava, **(defaults | options))
 
 
-@pytest.mark.parametrize(("num_images", "batched", "encoder"),
-                         [(1, 2048, None), (2, 2048, None), (1, 7, None), (2, 2048, 4)],
-                         ids=["one-image", "two-images", "image-across-chunks",
-                              "two-images-one-encoder-run-a-step"])
-async def test_logits_and_greedy_tokens_match_transformers(llava, hf, num_images, batched,
+_CASES = {"one-image": (1, 2048, None), "two-images": (2, 2048, None),
+          "image-across-chunks": (1, 7, None), "two-images-one-encoder-run-a-step": (2, 2048, 4)}
+
+
+@pytest.mark.parametrize(("tower", "num_images", "batched", "encoder"), [
+    pytest.param(tower, *case, id=f"{tower}-{name}")
+    for tower in ("clip", "siglip") for name, case in _CASES.items()
+    # The encoder budget is the scheduler's, the same for either tower.
+    if tower == "clip" or case[2] is None])
+async def test_logits_and_greedy_tokens_match_transformers(request, tower, num_images, batched,
                                                           encoder) -> None:
+    llava, hf = (request.getfixturevalue(n) for n in (
+        ("llava", "hf") if tower == "clip" else ("siglip_llava", "hf_siglip")))
     images = [_image(i) for i in range(num_images)]
     ids, hf_logprobs, hf_new, hf_steps = _hf_run(hf, images)
     vocab = hf_logprobs.shape[-1]

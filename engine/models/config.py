@@ -131,7 +131,7 @@ QWEN_VL_ARCHITECTURES = {
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class VisionConfig:
-    """LLaVA's CLIP vision tower and projector, and how images enter the prompt."""
+    """LLaVA's vision tower (CLIP or SigLIP) and projector, and how images enter the prompt."""
 
     hidden_size: int
     intermediate_size: int
@@ -150,12 +150,17 @@ class VisionConfig:
     projector_act: str  # between the projector's two linears
     projector_bias: bool
     image_token_id: int  # the placeholder token each image's embeddings replace
+    # "clip": a CLS position before the patches, a bias-free patch conv and a pre-norm;
+    # "siglip": the patches alone, a patch conv with a bias, no pre-norm.
+    tower: str = "clip"
 
     @property
     def num_image_tokens(self) -> int:
-        """Placeholder tokens (and embeddings) per image."""
-        patches = (self.image_size // self.patch_size) ** 2
-        return patches + (1 if self.select_strategy == "full" else 0)
+        """Placeholder tokens (and embeddings) per image: the tower's positions (the CLS
+        one included), less the first under the ``default`` strategy (as transformers'
+        LLaVA drops it whether or not it is a CLS)."""
+        positions = (self.image_size // self.patch_size) ** 2 + (self.tower == "clip")
+        return positions - (self.select_strategy == "default")
 
     @property
     def layers_needed(self) -> int:
@@ -496,9 +501,13 @@ def _llava_config(raw: dict[str, Any]) -> ModelConfig:
         text.setdefault("architectures", ["LlamaForCausalLM"])
         text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
         text.setdefault("torch_dtype", raw.get("torch_dtype") or raw.get("dtype"))
-        if vis.get("model_type", "clip_vision_model") != "clip_vision_model":
-            raise UnsupportedModelError(
-                f"LLaVA with a {vis.get('model_type')!r} vision tower is not supported (CLIP only)")
+        tower = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}.get(
+            vis.get("model_type", "clip_vision_model"))
+        if tower is None:
+            raise UnsupportedModelError(f"LLaVA with a {vis.get('model_type')!r} vision tower "
+                                        "is not supported (CLIP and SigLIP are)")
+        # transformers' defaults of each tower's config class.
+        eps, act = (1e-5, "quick_gelu") if tower == "clip" else (1e-6, "gelu_pytorch_tanh")
         layers = raw.get("vision_feature_layer", -2)
         layers = tuple(int(i) for i in layers) if isinstance(layers, list) else (int(layers),)
         vision = VisionConfig(
@@ -509,13 +518,14 @@ def _llava_config(raw: dict[str, Any]) -> ModelConfig:
             image_size=int(vis["image_size"]),
             patch_size=int(vis["patch_size"]),
             num_channels=int(vis.get("num_channels", 3)),
-            layer_norm_eps=float(vis.get("layer_norm_eps", 1e-5)),
-            hidden_act=str(vis.get("hidden_act", "quick_gelu")),
+            layer_norm_eps=float(vis.get("layer_norm_eps", eps)),
+            hidden_act=str(vis.get("hidden_act", act)),
             feature_layers=layers,
             select_strategy=str(raw.get("vision_feature_select_strategy", "default")),
             projector_act=str(raw.get("projector_hidden_act", "gelu")),
             projector_bias=bool(raw.get("multimodal_projector_bias", True)),
             image_token_id=int(raw.get("image_token_index", raw.get("image_token_id", 32000))),
+            tower=tower,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptModelError(f"config.json is missing or has a bad LLaVA field: {exc}") from exc

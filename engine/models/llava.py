@@ -1,4 +1,5 @@
-"""LLaVA: a CLIP vision tower and a two-layer projector in front of a Llama-family decoder.
+"""LLaVA: a CLIP or SigLIP vision tower and a two-layer projector in front of a Llama-family
+decoder.
 
 An image enters the prompt as ``VisionConfig.num_image_tokens`` placeholder tokens. The
 runner encodes the image (:meth:`LlavaModel.encode_images`: CLIP's patch embedding, its
@@ -7,7 +8,8 @@ embeddings at the placeholder positions are replaced by the result
 (:meth:`LlavaModel.forward`'s ``mm_embeds``); everything after that is the text model.
 
 Weights arrive under the names the loader gives them (:func:`normalize_llava_names`):
-``vision_tower.*`` (CLIPVisionModel without its ``vision_model.`` prefix),
+``vision_tower.*`` (CLIPVisionModel or SiglipVisionModel without its ``vision_model.``
+prefix),
 ``multi_modal_projector.*`` and the decoder's own ``model.*`` / ``lm_head.weight``.
 """
 
@@ -44,9 +46,11 @@ def normalize_llava_names(name: str) -> str:
 def vision_weight_names(vision: VisionConfig) -> list[str]:
     """The vision tower's and projector's tensors the engine reads."""
     v = "vision_tower."
-    names = [v + "embeddings.class_embedding", v + "embeddings.patch_embedding.weight",
-             v + "embeddings.position_embedding.weight", v + "pre_layrnorm.weight",
-             v + "pre_layrnorm.bias"]
+    names = [v + "embeddings.patch_embedding.weight", v + "embeddings.position_embedding.weight"]
+    if vision.tower == "clip":
+        names += [v + "embeddings.class_embedding", v + "pre_layrnorm.weight", v + "pre_layrnorm.bias"]
+    else:  # SigLIP: no CLS position and no pre-norm; its patch conv has a bias
+        names.append(v + "embeddings.patch_embedding.bias")
     for i in range(vision.layers_needed):
         p = f"{v}encoder.layers.{i}."
         for part in ("layer_norm1", "layer_norm2", "mlp.fc1", "mlp.fc2", "self_attn.q_proj",
@@ -79,23 +83,29 @@ class _VisionLayer:
     fc2: tuple[torch.Tensor, torch.Tensor]
 
 
-class ClipVisionTower:
-    """CLIP's vision transformer up to the feature layer LLaVA reads, plus the projector:
-    pixels [N, C, H, W] -> embeddings [N, num_image_tokens, text hidden]."""
+class VisionTower:
+    """CLIP's or SigLIP's vision transformer up to the feature layer LLaVA reads, plus the
+    projector: pixels [N, C, H, W] -> embeddings [N, num_image_tokens, text hidden].
+
+    The two differ only before the first layer: CLIP prepends a CLS position and runs a
+    pre-norm, SigLIP's patch conv has a bias. Their layers are the same pre-norm blocks
+    (SigLIP's post-norm and pooling head come after the hidden states LLaVA reads)."""
 
     def __init__(self, vision: VisionConfig, get) -> None:
         self.cfg = vision
         v = "vision_tower."
-        self.class_embedding = get(v + "embeddings.class_embedding")
+        clip = vision.tower == "clip"
+        self.class_embedding = get(v + "embeddings.class_embedding") if clip else None
         self.patch_weight = get(v + "embeddings.patch_embedding.weight")
+        self.patch_bias = None if clip else get(v + "embeddings.patch_embedding.bias")
         self.position_embedding = get(v + "embeddings.position_embedding.weight")
-        self.pre_norm = (get(v + "pre_layrnorm.weight"), get(v + "pre_layrnorm.bias"))
+        self.pre_norm = (get(v + "pre_layrnorm.weight"), get(v + "pre_layrnorm.bias")) if clip else None
         self.layers = [self._layer(get, i) for i in range(vision.layers_needed)]
         p = "multi_modal_projector."
         bias = vision.projector_bias
         self.proj1 = (get(p + "linear_1.weight"), get(p + "linear_1.bias") if bias else None)
         self.proj2 = (get(p + "linear_2.weight"), get(p + "linear_2.bias") if bias else None)
-        expected = (vision.image_size // vision.patch_size) ** 2 + 1
+        expected = (vision.image_size // vision.patch_size) ** 2 + clip
         if self.position_embedding.shape[0] != expected:
             raise CorruptModelError(
                 f"vision_tower position_embedding has {self.position_embedding.shape[0]} rows; "
@@ -120,11 +130,14 @@ class ClipVisionTower:
     def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         n = pixels.shape[0]
-        patches = F.conv2d(pixels.to(self.patch_weight.dtype), self.patch_weight, stride=cfg.patch_size)
+        patches = F.conv2d(pixels.to(self.patch_weight.dtype), self.patch_weight, self.patch_bias,
+                           stride=cfg.patch_size)
         x = patches.flatten(2).transpose(1, 2)  # [N, P, D]
-        cls = self.class_embedding.expand(n, 1, -1)
-        x = torch.cat([cls, x], dim=1) + self.position_embedding
-        x = F.layer_norm(x, (cfg.hidden_size,), *self.pre_norm, eps=cfg.layer_norm_eps)
+        if self.class_embedding is not None:
+            x = torch.cat([self.class_embedding.expand(n, 1, -1), x], dim=1)
+        x = x + self.position_embedding
+        if self.pre_norm is not None:
+            x = F.layer_norm(x, (cfg.hidden_size,), *self.pre_norm, eps=cfg.layer_norm_eps)
         states = [x]  # transformers' hidden_states: embeddings, then each layer's output
         for layer in self.layers:
             x = self._block(layer, x)
@@ -151,8 +164,8 @@ class ClipVisionTower:
 
 
 class LlavaModel(LlamaModel):
-    """The Llama-family decoder with a CLIP vision tower whose outputs replace the input
-    embeddings at image placeholder positions."""
+    """The Llama-family decoder with a CLIP or SigLIP vision tower whose outputs replace the
+    input embeddings at image placeholder positions."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], ops: Ops, *,
                  dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
@@ -160,7 +173,7 @@ class LlavaModel(LlamaModel):
         assert config.vision is not None
         from engine.models.llama import _Weights
 
-        self.vision = ClipVisionTower(config.vision, _Weights(weights, dtype, self.device))
+        self.vision = VisionTower(config.vision, _Weights(weights, dtype, self.device))
 
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
         """[N, C, H, W] float pixels -> [N, num_image_tokens, hidden] in the model dtype."""

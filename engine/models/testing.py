@@ -386,13 +386,25 @@ IMAGE_TOKEN = "<image>"
 TINY_IMAGE_SIZE = 28  # pixels square, 2 x 2 patches of 14: 4 placeholder tokens per image
 
 
-def write_tiny_llava(path: str | Path, *, seed: int = 0) -> Path:
-    """A tiny random LLaVA (CLIP vision tower + projector + the tiny Llama) in folder
-    ``path``, in the layout transformers' ``save_pretrained`` writes: config.json from
-    ``LlavaConfig``, model.safetensors, the tiny tokenizer with an ``<image>`` token and a
-    ``CLIPImageProcessor`` (preprocessor_config.json) that crops to 28 x 28 pixels."""
+def write_tiny_llava(path: str | Path, *, seed: int = 0, tower: str = "clip") -> Path:
+    """A tiny random LLaVA (a vision tower + projector + the tiny Llama) in folder ``path``,
+    in the layout transformers' ``save_pretrained`` writes: config.json from ``LlavaConfig``,
+    model.safetensors, the tiny tokenizer with an ``<image>`` token and the tower's image
+    processor (preprocessor_config.json) giving 28 x 28 pixels.
+
+    ``tower="clip"``: a CLIP tower read at layer -2 without its CLS position (LLaVA-1.5's
+    shape), a ``CLIPImageProcessor`` that crops. ``"siglip"``: a SigLIP tower read whole at
+    its last layer (strategy ``full``, as LLaVA-style models over SigLIP do), a
+    ``SiglipImageProcessor`` that resizes."""
     from tokenizers import AddedToken, Tokenizer
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        SiglipImageProcessor,
+        SiglipVisionConfig,
+    )
 
     path = Path(path)
     write_tiny_model(path, "llama3", seed=seed)
@@ -402,13 +414,17 @@ def write_tiny_llava(path: str | Path, *, seed: int = 0) -> Path:
     (path / "tokenizer.json").write_text(tok.to_str())
     text = json.loads((path / "config.json").read_text())
     text["vocab_size"] = image_id + 1
-    vision = CLIPVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        image_size=TINY_IMAGE_SIZE, patch_size=14, projection_dim=32, layer_norm_eps=1e-5,
-    )
+    clip = tower == "clip"
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                 image_size=TINY_IMAGE_SIZE, patch_size=14)
+    if clip:
+        vision = CLIPVisionConfig(**sizes, projection_dim=32, layer_norm_eps=1e-5)
+    else:
+        vision = SiglipVisionConfig(**sizes, layer_norm_eps=1e-6, vision_use_head=False)
     text_cfg = LlamaConfig(**{k: v for k, v in text.items() if k not in ("architectures", "model_type")})
     cfg = LlavaConfig(vision_config=vision, text_config=text_cfg, image_token_index=image_id,
-                      vision_feature_layer=-2, vision_feature_select_strategy="default",
+                      vision_feature_layer=-2 if clip else -1,
+                      vision_feature_select_strategy="default" if clip else "full",
                       projector_hidden_act="gelu", image_seq_length=4)
     cfg.save_pretrained(path)
     raw = json.loads((path / "config.json").read_text())
@@ -429,10 +445,13 @@ def write_tiny_llava(path: str | Path, *, seed: int = 0) -> Path:
         weights["language_model.lm_head.weight"] = torch.cat([head, rand(image_id + 1 - head.shape[0], head.shape[1], std=0.5)])
     d, inter, hidden = vision.hidden_size, vision.intermediate_size, text["hidden_size"]
     v = "vision_tower."
-    weights[v + "embeddings.class_embedding"] = rand(d, std=0.5)
     weights[v + "embeddings.patch_embedding.weight"] = rand(d, 3, 14, 14, std=0.2)
-    weights[v + "embeddings.position_embedding.weight"] = rand(5, d, std=0.5)
-    for name in ("pre_layrnorm", "post_layernorm"):
+    weights[v + "embeddings.position_embedding.weight"] = rand(4 + clip, d, std=0.5)
+    if clip:
+        weights[v + "embeddings.class_embedding"] = rand(d, std=0.5)
+    else:
+        weights[v + "embeddings.patch_embedding.bias"] = rand(d, std=0.1)
+    for name in ("pre_layrnorm", "post_layernorm") if clip else ("post_layernorm",):
         weights[v + name + ".weight"] = 1 + rand(d, std=0.1)
         weights[v + name + ".bias"] = rand(d, std=0.1)
     for i in range(vision.num_hidden_layers):
@@ -453,8 +472,11 @@ def write_tiny_llava(path: str | Path, *, seed: int = 0) -> Path:
     weights["multi_modal_projector.linear_2.bias"] = rand(hidden, std=0.1)
     save_file({k: t.contiguous() for k, t in weights.items()}, str(path / "model.safetensors"),
               metadata={"format": "pt"})
-    CLIPImageProcessor(size={"shortest_edge": TINY_IMAGE_SIZE},
-                       crop_size={"height": TINY_IMAGE_SIZE, "width": TINY_IMAGE_SIZE}).save_pretrained(path)
+    if clip:
+        CLIPImageProcessor(size={"shortest_edge": TINY_IMAGE_SIZE},
+                           crop_size={"height": TINY_IMAGE_SIZE, "width": TINY_IMAGE_SIZE}).save_pretrained(path)
+    else:
+        SiglipImageProcessor(size={"height": TINY_IMAGE_SIZE, "width": TINY_IMAGE_SIZE}).save_pretrained(path)
     return path
 
 
