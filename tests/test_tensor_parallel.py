@@ -211,3 +211,35 @@ def test_a_gguf_whose_row_parallel_cut_falls_inside_a_block_is_refused_naming_it
     assert loaded.quantization == "gguf"
     with pytest.raises(UnsupportedModelError, match=r"model\.layers\.0\.self_attn\.o_proj\.weight: its Q4_K blocks hold 256"):
         build_model(loaded.config, loaded.weights, get_ops("cpu"), dtype=torch.float32, tp=TensorParallel(0, 2))
+
+
+def test_a_rank_built_for_its_device_from_host_weights_receives_only_its_cut(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model larger than one device loads on the host and each rank builds for its own
+    device: the weights are cut on the host and only the cut moves (GGUF's block rows
+    too: QuantizedWeight.to refuses to change devices). The "meta" device stands in for a
+    GPU: it holds shapes, not bytes, so any tensor left on the host shows."""
+    from engine.models.llama import build_model
+    from engine.models.loader import load_model
+    from engine.models.quantized import QuantLinear
+    from engine.ops import get_ops
+    from engine.ops.quant import QuantizedWeight
+
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "cache"))
+    folder = write_tiny_model(tmp_path / "m", "qwen2")
+    path = write_gguf(folder, tmp_path / "m-Q8_0.gguf", quant=gguf.GGMLQuantizationType.Q8_0)
+    loaded = load_model(path, dtype="float32", device="cpu", ops_backend="triton")  # GGUF's block rows
+    cfg = loaded.config
+    model = build_model(cfg, loaded.weights, get_ops("torch"), dtype=torch.float32, device="meta",
+                        tp=TensorParallel(1, 2))
+    layer = model.layers[0]
+    assert isinstance(model.embed, QuantizedWeight) and model.embed.layout == "blocks"
+    assert model.embed.device.type == "meta" and model.embed.shape == (cfg.vocab_size // 2, cfg.hidden_size)
+    assert isinstance(layer.o_proj, QuantLinear)
+    (o,) = layer.o_proj.parts
+    assert o.device.type == "meta" and o.shape == (cfg.hidden_size, cfg.hidden_size // 2)
+    d = cfg.head_dim
+    assert sum(p.shape[0] for p in layer.qkv.parts) == (cfg.num_attention_heads // 2 + 2 * (cfg.num_key_value_heads // 2)) * d
+    assert all(p.device.type == "meta" for p in layer.qkv.parts)
+    assert layer.qkv.bias.device.type == "meta" and layer.input_norm.device.type == "meta"

@@ -18,6 +18,10 @@ without dequantizing: by rows of the CPU kernels' panels (16 rows; a cut inside 
 unpacks and repacks the panels it touches, which is lossless) or of GGUF's block rows, and
 by columns on the format's block boundaries (32 values, or 256 for the k-quants). A
 row-parallel cut that falls inside a block is refused, naming the tensor.
+
+A model larger than one device loads on the host and is built for the device: the weights
+(dense, or GGUF's block rows, loaded with the Triton backend's layout) are cut on the host
+and only the rank's cut is moved (``build_model(..., device=rank's device, tp=)``).
 """
 
 from __future__ import annotations
@@ -199,6 +203,10 @@ class ShardedWeights:
             raise CorruptModelError(f"weight {name!r} is missing from the checkpoint") from None
 
     def _cast(self, w):
+        if isinstance(w, QuantizedWeight) and w.layout == "blocks" and w.device.type != self.device.type:
+            # GGUF's block rows loaded on the host (``load_model(device="cpu",
+            # ops_backend="triton")``): only the rank's cut travels to its device.
+            return QuantizedWeight(w.fmt, w.shape, "blocks", {"raw": w.data["raw"].to(self.device)})
         return w.to(device=self.device, dtype=self.dtype).contiguous()
 
     def __call__(self, name: str):
