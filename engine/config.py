@@ -101,6 +101,41 @@ class SpeculativeConfig:
                 f"{self.prompt_lookup_max}..{self.prompt_lookup_min}-token suffixes")
 
 
+# The image processor options --mm-processor-kwargs may set: Qwen-VL's pixel budget.
+MM_PROCESSOR_KEYS = ("min_pixels", "max_pixels")
+
+
+def parse_mm_processor_kwargs(value: str | dict[str, Any]) -> dict[str, int]:
+    """The checked image processor options of a JSON object (text or dict): only
+    ``min_pixels`` / ``max_pixels``, positive integers, min <= max; anything else raises
+    :class:`ConfigError` naming ``mm_processor_kwargs``."""
+
+    def bad(message: str) -> ConfigError:
+        return ConfigError(f"mm_processor_kwargs: {message}", field="mm_processor_kwargs")
+
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise bad(f"not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise bad(f"must be a JSON object, got {value!r}")
+    unknown = sorted(set(value) - set(MM_PROCESSOR_KEYS))
+    if unknown:
+        raise bad(f"unknown key(s) {', '.join(unknown)} (this engine takes "
+                  f"{', '.join(MM_PROCESSOR_KEYS)})")
+    out = {}
+    for key in MM_PROCESSOR_KEYS:
+        if key in value:
+            v = value[key]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise bad(f"{key} must be a positive integer, got {v!r}")
+            out[key] = v
+    if out.get("min_pixels", 0) > out.get("max_pixels", out.get("min_pixels", 0)):
+        raise bad(f"min_pixels {out['min_pixels']} is over max_pixels {out['max_pixels']}")
+    return out
+
+
 def parse_speculative_config(value: str | dict[str, Any]) -> SpeculativeConfig:
     """The checked :class:`SpeculativeConfig` of a JSON object (text or dict); raises
     :class:`ConfigError` naming ``speculative_config`` for anything else."""
@@ -381,6 +416,21 @@ class EngineConfig:
         "redirects); other hosts' URLs are refused (400)",
         metavar="HOSTS", default_text="none")
 
+    # Kept as canonical JSON text, as speculative_config; ``mm_processor_options`` is the
+    # checked form.
+    mm_processor_kwargs: str | None = _field(
+        None, "the image processor's pixel budget per image, as vLLM's JSON: "
+        '\'{"min_pixels": 3136, "max_pixels": 200704}\' (Qwen-VL: an image is resized to '
+        "fit, fewer pixels are fewer tokens); other keys are refused",
+        metavar="JSON", default_text="the model folder's preprocessor_config.json")
+
+    @property
+    def mm_processor_options(self) -> dict[str, int]:
+        """The checked ``mm_processor_kwargs`` (empty when not given)."""
+        if self.mm_processor_kwargs is None:
+            return {}
+        return parse_mm_processor_kwargs(self.mm_processor_kwargs)
+
     @property
     def media_domains(self) -> tuple[str, ...]:
         """``allowed_media_domains`` as lower-case host names."""
@@ -391,6 +441,9 @@ class EngineConfig:
             spec = parse_speculative_config(self.speculative_config)
             # Canonical text: a dict given to open_engine() becomes JSON too.
             object.__setattr__(self, "speculative_config", json.dumps(dataclasses.asdict(spec)))
+        if self.mm_processor_kwargs is not None:
+            options = parse_mm_processor_kwargs(self.mm_processor_kwargs)
+            object.__setattr__(self, "mm_processor_kwargs", json.dumps(options, sort_keys=True))
         for f in dataclasses.fields(self):
             choices = f.metadata["flag"].choices
             if choices is not None and getattr(self, f.name) not in choices:
@@ -564,7 +617,6 @@ VLLM_SERVE_FLAGS: dict[str, VllmFlag] = {
     "--max-loras": VllmFlag("refuse", "LoRA adapters are not supported"),
     "--max-lora-rank": VllmFlag("refuse", "LoRA adapters are not supported"),
     "--kv-transfer-config": VllmFlag("refuse", "disaggregated prefill is not supported"),
-    "--mm-processor-kwargs": VllmFlag("refuse", "image processor options are not supported"),
     "--override-generation-config": VllmFlag(
         "refuse", "use --generation-config none, and send the sampling fields per request"),
     "--compilation-config": VllmFlag("refuse", "there is no torch.compile step here"),

@@ -145,6 +145,11 @@ def image_preprocessor(config: EngineConfig, model_config: Any, folder: Path, to
         raise ConfigError(f"the tokenizer has no image token (id {vision.image_token_id})",
                           field="model")
     limits = MediaLimits(config.limit_mm_per_prompt, config.max_image_pixels, config.media_domains)
+    options = config.mm_processor_options
+    if options and not model_config.mrope:
+        raise ConfigError("mm_processor_kwargs: this model's image processor takes no pixel "
+                          "budget (it resizes every image to one size); only Qwen-VL's does",
+                          field="mm_processor_kwargs")
     if model_config.mrope:  # Qwen-VL: <|vision_start|><|image_pad|><|vision_end|> per image
         start, end = tokenizer.convert_ids_to_tokens([vision.vision_start_token_id,
                                                       vision.vision_end_token_id])
@@ -155,7 +160,8 @@ def image_preprocessor(config: EngineConfig, model_config: Any, folder: Path, to
         return ImagePreprocessor(folder, image_token_id=vision.image_token_id, image_token=token,
                                  num_image_tokens=None, limits=limits,
                                  merge_size=vision.spatial_merge_size,
-                                 image_text=start + token + end, content_tokens=(start, token, end))
+                                 image_text=start + token + end, content_tokens=(start, token, end),
+                                 processor_options=options)
     return ImagePreprocessor(folder, image_token_id=vision.image_token_id, image_token=token,
                              num_image_tokens=vision.num_image_tokens, limits=limits)
 

@@ -265,10 +265,13 @@ class ImagePreprocessor:
 
     def __init__(self, folder: str | Path, *, image_token_id: int, image_token: str,
                  num_image_tokens: int | None, limits: MediaLimits, merge_size: int | None = None,
-                 image_text: str | None = None, content_tokens: Sequence[str] = ()) -> None:
+                 image_text: str | None = None, content_tokens: Sequence[str] = (),
+                 processor_options: Mapping[str, Any] | None = None) -> None:
         from transformers import AutoImageProcessor
 
-        self.processor = AutoImageProcessor.from_pretrained(str(folder))
+        # processor_options: --mm-processor-kwargs (Qwen-VL's min_pixels / max_pixels),
+        # over the folder's preprocessor_config.json.
+        self.processor = AutoImageProcessor.from_pretrained(str(folder), **(processor_options or {}))
         self.image_token_id = image_token_id
         self.image_token = image_token
         self.num_image_tokens = num_image_tokens

@@ -211,3 +211,34 @@ async def test_the_hubs_older_layout_loads_the_same_model(qwen_vl, hf, tmp_path)
         assert stream.prompt_token_ids == tuple(ids)
         assert token_ids(outs) == new
         await wait_idle(eng)
+
+
+@pytest.mark.parametrize("qwen_vl", ["qwen2_vl"], indirect=True)
+async def test_mm_processor_kwargs_sets_the_pixel_budget(qwen_vl, tmp_path) -> None:
+    from transformers import AutoImageProcessor
+
+    from engine.errors import ConfigError
+    from engine.models.testing import write_tiny_llava
+
+    budget = {"min_pixels": 64, "max_pixels": 16 * 16}
+    processor = AutoImageProcessor.from_pretrained(qwen_vl, **budget)
+    grid = processor(images=[IMAGES[0]], return_tensors="np")["image_grid_thw"][0]
+    expected = int(grid.prod()) // 4
+    async with _open(qwen_vl, mm_processor_kwargs=budget) as eng:
+        pad = eng.tokenizer.token_to_id("<|image_pad|>")
+        stream = await eng.submit(messages(IMAGES[:1]), greedy(2))
+        async with stream:
+            assert stream.prompt_token_ids.count(pad) == expected < 20  # 20 without it
+            assert len(token_ids([o async for o in stream])) == 2
+        await wait_idle(eng)
+    for bad, match in (({"size": 3}, "unknown key"), ({"max_pixels": 0}, "positive integer"),
+                       ({"min_pixels": 512, "max_pixels": 256}, "over max_pixels"),
+                       ("{", "not JSON")):
+        with pytest.raises(ConfigError, match=match) as info:
+            async with _open(qwen_vl, mm_processor_kwargs=bad):
+                pass
+        assert info.value.field == "mm_processor_kwargs"
+    llava = write_tiny_llava(tmp_path / "llava")
+    with pytest.raises(ConfigError, match="only Qwen-VL"):
+        async with _open(llava, mm_processor_kwargs=budget):
+            pass
