@@ -16,12 +16,16 @@ Threads default to 2: the machine's core count, and the setting the targets were
 in each of ``--dtypes``) beside the dequantized engine of the same dtypes, in the same
 run; ``--llama-cpp DIR`` (a build of ``../shared/anchors/build_llama_cpp.sh``) adds
 ``llama-bench``'s tg128 on the same file with the same threads (skipped when absent).
+``--fused-ab`` runs each kept-blocks row twice more, alternating the fused CPU decode step
+(``engine/ops/cpu/fused.c``, the default) with the unfused layers
+(``ENGINE_FUSED_DECODE=0``) in the same process: "gguf+fused" and "gguf-unfused" rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import time
 import types
@@ -148,6 +152,8 @@ def main() -> None:
                     help="op set (auto: the C kernels where built, as the engine runs)")
     ap.add_argument("--quantization", default="none", choices=("none", "gguf"),
                     help="gguf: also run the engine with the GGUF's quantized blocks kept")
+    ap.add_argument("--fused-ab", action="store_true",
+                    help="with --quantization gguf: alternate the fused decode step and the unfused layers")
     ap.add_argument("--llama-cpp", type=Path, default=None,
                     help="a llama.cpp build (DIR/bin/llama-bench) to time on the same file")
     args = ap.parse_args()
@@ -174,6 +180,14 @@ def main() -> None:
                     engine.run(ps[:1], 4)
                     secs = engine.run(ps, args.new_tokens, profile=args.profile)
                     print(f"{label:>13} {b:>5} {b * (args.new_tokens - 1) / secs:>13.1f}", flush=True)
+                    if args.fused_ab and source is quant:
+                        for _ in range(2):
+                            for flag, tag in (("0", "gguf-unfused"), ("1", "gguf+fused")):
+                                os.environ["ENGINE_FUSED_DECODE"] = flag
+                                engine.run(ps[:1], 4)
+                                secs = engine.run(ps, args.new_tokens)
+                                print(f"{tag:>13} {b:>5} {b * (args.new_tokens - 1) / secs:>13.1f}", flush=True)
+                        os.environ.pop("ENGINE_FUSED_DECODE")
                 del engine
         if args.no_hf:
             return

@@ -26,6 +26,7 @@ from engine.models.moe import SparseMoeBlock
 from engine.models.quantized import embed, make_linear
 from engine.models.rope import cos_sin_cache
 from engine.ops import AttentionMetadata, Ops
+from engine.ops.cpu import fused as fused_decode
 from engine.parallel import SINGLE, TensorParallel
 from engine.parallel.shard import (
     ShardedWeights,
@@ -222,6 +223,13 @@ class LlamaModel:
         embeddings of those rows (a vision model's image placeholders)."""
         ops = self.ops
         hidden = self._embed(input_ids)
+        if meta.decode_only and mm_embeds is None and input_ids.shape[0] <= fused_decode.MAX_TOKENS:
+            # Small decode-only batches on CPU: every layer in one C call (ops/cpu/fused.py
+            # says which models it covers; the rest run the layers below).
+            step = fused_decode.plan(self, kv_caches)
+            out = None if step is None else step.run(hidden, positions, meta)
+            if out is not None:
+                return out
         if mm_embeds is not None:
             rows, values = mm_embeds
             hidden = hidden.index_copy(0, rows, values.to(hidden.dtype))

@@ -48,18 +48,61 @@ int eng_qpack(int fmt, const uint8_t *raw, int64_t N, int64_t K, uint8_t *codes,
               uint16_t *d, uint16_t *m, uint8_t *sc, uint8_t *mn, int nthreads);
 """
 
+# The fused decode step (fused.c; the structs are fused.h's, field for field).
+FUSED_CDEF = """
+typedef struct {
+    int fmt;
+    int64_t N, col;
+    const uint8_t *codes, *hi;
+    const uint16_t *d, *m;
+    const uint8_t *sc, *mn;
+} EngQPart;
+typedef struct {
+    int nparts;
+    int64_t K, N;
+    EngQPart parts[3];
+    const void *bias;
+} EngQLinear;
+typedef struct {
+    const void *input_norm, *post_norm, *q_norm, *k_norm;
+    EngQLinear qkv, o, gate_up, down;
+    void *k_cache, *v_cache;
+    float *k_scale, *v_scale;
+    const void *rope;
+    int64_t max_pos, window;
+} EngFusedLayer;
+typedef struct {
+    int dtype;
+    int kv_int8;
+    int64_t n_layers, hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size, max_tokens;
+    float eps, scale;
+    const EngFusedLayer *layers;
+    const void *final_norm;
+    void *delta, *x, *qkv, *attn, *gate_up, *act;
+    int8_t *xq;
+    float *dx, *xs;
+} EngFusedModel;
+int eng_fused_decode(const EngFusedModel *m, int64_t T, void *hidden, void *out, const int64_t *positions,
+                     const int64_t *slots, const int32_t *block_tables, int64_t bt_stride,
+                     const int32_t *seq_lens, int nthreads);
+"""
+
 # -ffp-contract=off: no fused multiply-adds the source does not spell, so fp32 results
 # round where torch's separate ops round. -fno-math-errno and -fno-trapping-math let
 # floorf/sqrtf and branch-free selects vectorize; neither changes a result.
 COMPILE_ARGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-std=c11"]
 
 ffibuilder = cffi.FFI()
-ffibuilder.cdef(CDEF + QUANT_CDEF)
+ffibuilder.cdef(CDEF + QUANT_CDEF + FUSED_CDEF)
 ffibuilder.set_source(
     "engine.ops.cpu._kernels",
-    (HERE / "kernels.c").read_text() + QUANT_CDEF,  # quant.c's prototypes for the wrappers
+    # quant.c's prototypes, and fused.c's header, for the wrappers
+    (HERE / "kernels.c").read_text() + QUANT_CDEF + '#include "fused.h"\n'
+    "int eng_fused_decode(const EngFusedModel *, int64_t, void *, void *, const int64_t *, const int64_t *,"
+    " const int32_t *, int64_t, const int32_t *, int);\n",
     # Relative to the repository root, where setup.py and the by-hand build below run.
-    sources=["engine/ops/cpu/quant.c"],
+    sources=["engine/ops/cpu/quant.c", "engine/ops/cpu/fused.c"],
+    include_dirs=["engine/ops/cpu"],
     extra_compile_args=COMPILE_ARGS,
     extra_link_args=["-fopenmp"],
 )

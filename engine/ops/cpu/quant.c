@@ -1152,3 +1152,60 @@ int eng_qpack(int fmt, const uint8_t *raw, int64_t N, int64_t K, uint8_t *codes,
     }
     return Q_OK;
 }
+
+/* ---- the fused decode step's matmul (see fused.c) ------------------------------------ */
+
+#include "fused.h"
+
+/* One row of activations quantized as eng_qmatmul quantizes it (int8 per 32 columns). */
+void eng_q_quantize_row(const void *x, int bf, int64_t K, int8_t *xq, float *dx, float *xs) {
+    q_quantize_row(x, bf, K, xq, dx, xs);
+}
+
+/* Called by every thread of an OpenMP team (an orphaned worksharing loop): for each part,
+ * out[t, part.col + n] = x[t, :] . part[n, :] for t < M, from activations quantized by
+ * eng_q_quantize_row (xq [M, K], dx [M, K/32], xs [M, K/16]). The panels of all parts are
+ * one index space shared out statically; the loop's barrier ends it. Each output value is
+ * computed by the same micro-kernel, tile by tile, as eng_qmatmul's int8 paths compute it
+ * for M < AMX_BF16_MIN_TOKENS, so the two agree bit for bit. */
+void eng_q_team_matmul(const EngQPart *parts, int nparts, int64_t K, int dtype, void *out, int64_t out_stride,
+                       int8_t *xq, float *dx, float *xs, int64_t M) {
+    QActs a = {xq, dx, xs};
+    int64_t total = 0, starts[ENG_MAX_PARTS + 1];
+    for (int i = 0; i < nparts; i++) {
+        starts[i] = total;
+        total += (parts[i].N + PANEL - 1) / PANEL;
+    }
+    starts[nparts] = total;
+    int use_avx512 = 0, use_avx2 = 0;
+#if HAVE_AVX512_PATH
+    use_avx512 = q_has_avx512();
+    use_avx2 = !use_avx512 && q_has_avx2();
+#endif
+    (void)use_avx2;
+#pragma omp for schedule(static)
+    for (int64_t idx = 0; idx < total; idx++) {
+        int i = 0;
+        while (idx >= starts[i + 1])
+            i++;
+        const EngQPart *pt = parts + i;
+        const QWeight w = {pt->fmt, K, pt->N, (pt->N + PANEL - 1) / PANEL, K / 32, pt->codes, pt->hi, pt->d,
+                           pt->m, pt->sc, pt->mn};
+        const int64_t p = idx - starts[i];
+        const int64_t rows = w.N - p * PANEL < PANEL ? w.N - p * PANEL : PANEL;
+        float acc[TILE * PANEL];
+        for (int64_t t0 = 0; t0 < M; t0 += TILE) { /* M <= TOKEN_BLOCK: one token block */
+            const int64_t nt = M - t0 < TILE ? M - t0 : TILE;
+#if HAVE_AVX512_PATH
+            if (use_avx512)
+                q_panel_avx512(&w, p, &a, t0, nt, acc);
+            else if (use_avx2)
+                q_panel_avx2(&w, p, &a, t0, nt, acc);
+            else
+#endif
+                q_panel_portable(&w, p, &a, t0, nt, acc);
+            for (int64_t t = 0; t < nt; t++)
+                q_store(out, dtype, out_stride, t0 + t, pt->col + p * PANEL, rows, acc + t * PANEL);
+        }
+    }
+}

@@ -1,0 +1,191 @@
+/*
+ * The fused CPU decode step: every decoder layer of a Llama-family model over quantized
+ * weights (quant.c's panels), for a batch of single-token decode rows, in one C call.
+ *
+ * The unfused path (engine/models/llama.py over CpuOps) makes ~15 Python-level calls per
+ * layer, each allocating its output tensor, and every C kernel opens and joins its own
+ * OpenMP parallel region. Here one parallel region runs the whole step: the threads share
+ * each phase out with a worksharing loop (per token, per (token, KV head), per weight
+ * panel) and meet at the loop's barrier, and every intermediate lives in scratch buffers
+ * the Python side allocated once (EngFusedModel). The phases are the same kernels the
+ * unfused path calls (kernels.c's RMSNorm, RoPE, KV write, paged attention, SiLU-and-mul;
+ * quant.c's matmul micro-kernels), in the same order with the same roundings, so the
+ * fused step's result equals the unfused one's (tests/test_fused_decode.py).
+ *
+ * Per layer: RMSNorm (after the residual add) -> quantize -> q/k/v matmul -> bias,
+ * per-head q/k RMSNorm (Qwen3), RoPE, KV write -> paged attention -> quantize -> o_proj
+ * -> residual add + RMSNorm -> quantize -> gate/up matmul -> SiLU-and-mul -> quantize ->
+ * down matmul. The residual stream alternates between two buffers (no copies).
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "fused.h"
+
+/* kernels.c (the same extension) */
+void eng_rms_norm_row_f32(void *, void *, int64_t, const void *, int64_t, const void *, int64_t, int64_t, float);
+void eng_rms_norm_row_bf16(void *, void *, int64_t, const void *, int64_t, const void *, int64_t, int64_t, float);
+void eng_rope_token_f32(void *, int64_t, int64_t, int64_t, const int64_t *, const void *, int64_t);
+void eng_rope_token_bf16(void *, int64_t, int64_t, int64_t, const int64_t *, const void *, int64_t);
+void eng_silu_mul_row_f32(void *, const void *, int64_t, int64_t);
+void eng_silu_mul_row_bf16(void *, const void *, int64_t, int64_t);
+void eng_kv_write_i8_token(int, const void *, int64_t, int64_t, int64_t, int8_t *, float *, int64_t);
+typedef void (*eng_decode_item_fn)(void *, const void *, int64_t, const void *, const void *, const float *,
+                                   const float *, const int32_t *, int64_t, const int32_t *, int64_t, int64_t,
+                                   int64_t, int64_t, int64_t, int64_t, float, int64_t, float);
+void eng_decode_item_f32(void *, const void *, int64_t, const void *, const void *, const float *, const float *,
+                         const int32_t *, int64_t, const int32_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                         int64_t, float, int64_t, float);
+void eng_decode_item_bf16(void *, const void *, int64_t, const void *, const void *, const float *, const float *,
+                          const int32_t *, int64_t, const int32_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                          int64_t, float, int64_t, float);
+void eng_decode_item_f32_q8(void *, const void *, int64_t, const void *, const void *, const float *,
+                            const float *, const int32_t *, int64_t, const int32_t *, int64_t, int64_t, int64_t,
+                            int64_t, int64_t, int64_t, float, int64_t, float);
+void eng_decode_item_bf16_q8(void *, const void *, int64_t, const void *, const void *, const float *,
+                             const float *, const int32_t *, int64_t, const int32_t *, int64_t, int64_t, int64_t,
+                             int64_t, int64_t, int64_t, float, int64_t, float);
+
+#define ROW(p, i, n, es) ((void *)((char *)(p) + (size_t)((i) * (n)) * (size_t)(es)))
+
+static void norm_row(int bf, void *out, void *x, int64_t n, const void *res, const void *w, int64_t t, float eps) {
+    if (bf)
+        eng_rms_norm_row_bf16(out, x, n, res, n, w, t, n, eps);
+    else
+        eng_rms_norm_row_f32(out, x, n, res, n, w, t, n, eps);
+}
+
+static void linear(const EngFusedModel *m, const EngQLinear *l, void *out, int64_t T) {
+    eng_q_team_matmul(l->parts, l->nparts, l->K, m->dtype, out, l->N, m->xq, m->dx, m->xs, T);
+}
+
+/* Quantize row t of x [T, K] for the next matmul (the buffers hold one row per token). */
+static void quantize(const EngFusedModel *m, const void *x, int64_t K, int64_t t, int es) {
+    eng_q_quantize_row(ROW(x, t, K, es), m->dtype == 1, K, m->xq + t * K, m->dx + t * (K / 32), m->xs + t * (K / 16));
+}
+
+/* Returns 0, -1 for arguments the step does not take, -2 for a position, slot, sequence
+ * length or block id out of range (nothing is written then). `hidden` [T, hidden] holds
+ * the token embeddings and is used as scratch; `out` [T, hidden] receives the final
+ * normed hidden states. */
+int eng_fused_decode(const EngFusedModel *m, int64_t T, void *hidden, void *out, const int64_t *positions,
+                     const int64_t *slots, const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                     int nthreads) {
+    if (T < 1 || T > m->max_tokens || (m->dtype != 0 && m->dtype != 1))
+        return -1;
+    const int64_t num_slots = m->num_blocks * m->block_size;
+    for (int64_t t = 0; t < T; t++) {
+        if (slots[t] < 0 || slots[t] >= num_slots || positions[t] < 0)
+            return -2;
+        for (int64_t l = 0; l < m->n_layers; l++)
+            if (positions[t] >= m->layers[l].max_pos)
+                return -2;
+        const int64_t len = seq_lens[t], used = (len + m->block_size - 1) / m->block_size;
+        if (len < 1 || used > bt_stride)
+            return -2;
+        for (int64_t i = 0; i < used; i++)
+            if (block_tables[t * bt_stride + i] < 0 || block_tables[t * bt_stride + i] >= m->num_blocks)
+                return -2;
+    }
+    const int bf = m->dtype == 1, es = bf ? 2 : 4;
+    const int64_t H = m->hidden, h = m->heads, hkv = m->kv_heads, d = m->head_dim, I = m->inter;
+    const int64_t HD = h * d;
+    eng_decode_item_fn item = bf ? (m->kv_int8 ? eng_decode_item_bf16_q8 : eng_decode_item_bf16)
+                                 : (m->kv_int8 ? eng_decode_item_f32_q8 : eng_decode_item_f32);
+#pragma omp parallel num_threads(nthreads)
+    {
+        void *R = hidden, *D = m->delta; /* the residual stream, and the block output added to it */
+        for (int64_t li = 0; li < m->n_layers; li++) {
+            const EngFusedLayer *L = m->layers + li;
+            const int64_t NQ = L->qkv.N;
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t++) {
+                if (li == 0)
+                    norm_row(bf, m->x, R, H, NULL, L->input_norm, t, m->eps);
+                else
+                    norm_row(bf, m->x, D, H, R, L->input_norm, t, m->eps); /* D += R */
+                quantize(m, m->x, H, t, es);
+            }
+            if (li > 0) {
+                void *s = R;
+                R = D, D = s;
+            }
+            linear(m, &L->qkv, m->qkv, T);
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t++) {
+                char *row = (char *)m->qkv + (size_t)(t * NQ) * es;
+                if (L->qkv.bias) {
+                    for (int64_t i = 0; i < NQ; i++) {
+                        if (bf) {
+                            uint16_t *o = (uint16_t *)row;
+                            const uint16_t *b = (const uint16_t *)L->qkv.bias;
+                            uint32_t ua = (uint32_t)o[i] << 16, ub = (uint32_t)b[i] << 16, us;
+                            float fa, fb;
+                            memcpy(&fa, &ua, 4), memcpy(&fb, &ub, 4);
+                            float s = fa + fb;
+                            memcpy(&us, &s, 4);
+                            o[i] = s != s ? (uint16_t)0x7FC0 : (uint16_t)((us + 0x7FFFu + ((us >> 16) & 1u)) >> 16);
+                        } else {
+                            ((float *)row)[i] += ((const float *)L->qkv.bias)[i];
+                        }
+                    }
+                }
+                if (L->q_norm) {
+                    for (int64_t j = 0; j < h; j++)
+                        norm_row(bf, row + j * d * es, row + j * d * es, d, NULL, L->q_norm, 0, m->eps);
+                    for (int64_t j = 0; j < hkv; j++)
+                        norm_row(bf, row + (HD + j * d) * es, row + (HD + j * d) * es, d, NULL, L->k_norm, 0,
+                                 m->eps);
+                }
+                /* q and k are adjacent: h + hkv heads rotated in one pass */
+                if (bf)
+                    eng_rope_token_bf16(m->qkv, NQ, h + hkv, d, positions, L->rope, t);
+                else
+                    eng_rope_token_f32(m->qkv, NQ, h + hkv, d, positions, L->rope, t);
+                const int64_t slot = slots[t];
+                if (m->kv_int8) {
+                    eng_kv_write_i8_token(m->dtype, m->qkv, t * NQ + HD, hkv, d, (int8_t *)L->k_cache, L->k_scale,
+                                          slot);
+                    eng_kv_write_i8_token(m->dtype, m->qkv, t * NQ + HD + hkv * d, hkv, d, (int8_t *)L->v_cache,
+                                          L->v_scale, slot);
+                } else {
+                    const size_t n = (size_t)(hkv * d) * es;
+                    memcpy((char *)L->k_cache + slot * n, row + HD * es, n);
+                    memcpy((char *)L->v_cache + slot * n, row + (HD + hkv * d) * es, n);
+                }
+            }
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t it = 0; it < T * hkv; it++)
+                item(m->attn, m->qkv, NQ, L->k_cache, L->v_cache, L->k_scale, L->v_scale, block_tables, bt_stride,
+                     seq_lens, it / hkv, it % hkv, h, hkv, d, m->block_size, m->scale, L->window, 0.0f);
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t++)
+                quantize(m, m->attn, HD, t, es);
+            linear(m, &L->o, D, T);
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t++) {
+                norm_row(bf, m->x, D, H, R, L->post_norm, t, m->eps); /* D += R */
+                quantize(m, m->x, H, t, es);
+            }
+            {
+                void *s = R;
+                R = D, D = s;
+            }
+            linear(m, &L->gate_up, m->gate_up, T);
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t++) {
+                if (bf)
+                    eng_silu_mul_row_bf16(m->act, m->gate_up, t, I);
+                else
+                    eng_silu_mul_row_f32(m->act, m->gate_up, t, I);
+                quantize(m, m->act, I, t, es);
+            }
+            linear(m, &L->down, D, T);
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++)
+            norm_row(bf, out, D, H, R, m->final_norm, t, m->eps);
+    }
+    return 0;
+}

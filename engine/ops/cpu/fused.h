@@ -1,0 +1,52 @@
+/* The fused decode step's descriptors (fused.c), shared with quant.c and the cffi cdef
+ * (engine/ops/cpu/_build.py repeats them: keep the three in step). */
+#ifndef ENG_FUSED_H
+#define ENG_FUSED_H
+#include <stdint.h>
+
+#define ENG_MAX_PARTS 3
+
+/* One weight of a projection in its panels (quant.c's fields), writing output columns
+ * [col, col + N). */
+typedef struct {
+    int fmt;
+    int64_t N, col;
+    const uint8_t *codes, *hi;
+    const uint16_t *d, *m;
+    const uint8_t *sc, *mn;
+} EngQPart;
+
+/* y = x @ W.T (+ bias): W the parts side by side (out features N), K input features. */
+typedef struct {
+    int nparts;
+    int64_t K, N;
+    EngQPart parts[ENG_MAX_PARTS];
+    const void *bias; /* [N] in the activation dtype, or NULL */
+} EngQLinear;
+
+typedef struct {
+    const void *input_norm, *post_norm, *q_norm, *k_norm; /* q_norm, k_norm: NULL unless qk-norm */
+    EngQLinear qkv, o, gate_up, down;
+    void *k_cache, *v_cache;   /* [num_blocks, block_size, kv_heads, d]: activation dtype or int8 */
+    float *k_scale, *v_scale;  /* int8 cache: [num_blocks, block_size, kv_heads]; else NULL */
+    const void *rope;          /* [max_pos, d] cos | sin in the activation dtype */
+    int64_t max_pos, window;
+} EngFusedLayer;
+
+typedef struct {
+    int dtype;    /* 0 fp32, 1 bf16 (activations, norms, biases, RoPE tables) */
+    int kv_int8;  /* the caches hold int8 codes with fp32 scales */
+    int64_t n_layers, hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size, max_tokens;
+    float eps, scale;
+    const EngFusedLayer *layers;
+    const void *final_norm;
+    /* scratch, in the activation dtype unless said: each sized for max_tokens rows */
+    void *delta, *x, *qkv, *attn, *gate_up, *act; /* [T, hidden], [T, hidden], [T, qkv.N], [T, H*d], [T, 2I], [T, I] */
+    int8_t *xq;   /* [T, max K] */
+    float *dx, *xs; /* [T, max K / 32], [T, max K / 16] */
+} EngFusedModel;
+
+void eng_q_quantize_row(const void *x, int bf, int64_t K, int8_t *xq, float *dx, float *xs);
+void eng_q_team_matmul(const EngQPart *parts, int nparts, int64_t K, int dtype, void *out, int64_t out_stride,
+                       int8_t *xq, float *dx, float *xs, int64_t M);
+#endif

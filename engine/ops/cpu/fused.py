@@ -1,0 +1,246 @@
+"""The fused CPU decode step (``fused.c``): all decoder layers of a Llama-family model over
+quantized weights in one C call per step, for decode-only batches of up to
+:data:`MAX_TOKENS` rows.
+
+:func:`plan` checks once per model and KV pool whether the step applies (see
+:func:`unfusable` for what it covers) and builds the C descriptors and the scratch
+buffers; :meth:`FusedDecode.run` is then one call per step. Anything it does not take
+stays on the unfused path (``LlamaModel.forward`` over the ops object), which is the
+reference the fused step is tested against (``tests/test_fused_decode.py``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine.ops import QuantizedKV
+from engine.ops.quant import FORMAT_CODES, QuantizedWeight
+
+try:  # built at install time (setup.py); absent in a source tree nobody built
+    from engine.ops.cpu._kernels import ffi as _ffi
+    from engine.ops.cpu._kernels import lib as _lib
+except ImportError:  # pragma: no cover - depends on the install
+    _ffi = _lib = None
+
+# Decode rows per fused step: a single stream and small batches, where the per-op glue is
+# the cost. Larger batches keep the unfused path (its matmuls pick AMX-BF16 from 16 rows
+# on CPUs that have it, and the glue is shared by more rows there).
+MAX_TOKENS = 8
+_MAX_PARTS = 3  # ENG_MAX_PARTS in fused.h
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def available() -> bool:
+    return _lib is not None and hasattr(_lib, "eng_fused_decode")
+
+
+def enabled() -> bool:
+    """``ENGINE_FUSED_DECODE=0`` turns the fused step off (the unfused path then runs)."""
+    return os.environ.get("ENGINE_FUSED_DECODE", "1") != "0"
+
+
+def _ptr(t: torch.Tensor | None, ctype: str = "void *"):
+    return _ffi.NULL if t is None else _ffi.cast(ctype, t.data_ptr())
+
+
+def _linear_ok(lin, dtype: torch.dtype, k: int) -> str | None:
+    from engine.models.quantized import QuantLinear
+
+    if not isinstance(lin, QuantLinear):
+        return "a projection is not quantized"
+    if len(lin.parts) > _MAX_PARTS:
+        return "a projection has more than 3 parts"
+    for p in lin.parts:
+        if not (isinstance(p, QuantizedWeight) and p.layout == "panels" and p.device.type == "cpu"):
+            return "a quantized weight is not in CPU panels"
+        if p.shape[1] != k or k % 32:
+            return "a projection's input width is not the layer's"
+    if lin.bias is not None and not (lin.bias.dtype == dtype and lin.bias.is_contiguous()
+                                     and lin.bias.numel() == lin.out_features):
+        return "a bias is not in the activation dtype"
+    return None
+
+
+def unfusable(model, kv_caches) -> str | None:
+    """Why the fused step cannot run this model over these caches, or None if it can.
+
+    Covered: ``LlamaModel`` itself (Llama, Mistral, Qwen2 with its q/k/v biases, Qwen3 with
+    its q/k norms, Phi-3, SmolLM2), every projection a :class:`QuantLinear` over CPU panels
+    (GGUF blocks kept), fp32 or bf16 activations, a KV cache in the activation dtype or
+    int8, sliding windows. Not covered: dense (dequantized) weights, Gemma 2/3, LLaVA,
+    mixture-of-experts layers, tensor parallelism, fp16, fp8 KV, attention soft-capping.
+    """
+    from engine.models.llama import LlamaModel
+    from engine.ops.cpu import qmatmul as cq
+
+    if not (available() and enabled()):
+        return "the fused kernels are not built or are turned off"
+    if not cq.available():  # QuantLinear then takes the reference matmul: so does the model
+        return "the quantized matmul kernels are not available"
+    if type(model) is not LlamaModel:
+        return f"{type(model).__name__} is not the plain Llama-family decoder"
+    if model.tp.enabled:
+        return "tensor parallelism (the layers' all-reduces are the unfused path's)"
+    if getattr(model.ops, "name", None) != "cpu":
+        return "the ops are not the CPU kernels"
+    dtype = model.dtype
+    if dtype not in _DTYPES or model.device.type != "cpu":
+        return "activations are not fp32 or bf16 on CPU"
+    if model.attn_softcap:
+        return "attention soft-capping"
+    h, hkv, d = model.num_heads, model.num_kv_heads, model.head_dim
+    if h % hkv or h // hkv > 16 or d > 256 or d % 2:
+        return "attention shape past the decode kernel's buffers"
+    hidden = model.config.hidden_size
+    for layer in model.layers:
+        if layer.moe is not None:
+            return "a mixture-of-experts layer"
+        inter = layer.down.parts[0].shape[1] if hasattr(layer.down, "parts") else None
+        for lin, k in ((layer.qkv, hidden), (layer.o_proj, h * d), (layer.gate_up, hidden), (layer.down, inter)):
+            why = _linear_ok(lin, dtype, k)
+            if why:
+                return why
+        if layer.qkv.out_features != (h + 2 * hkv) * d or layer.o_proj.out_features != hidden:
+            return "unexpected q/k/v or o_proj width"
+        if inter != model.layers[0].down.parts[0].shape[1] or layer.gate_up.out_features != 2 * inter or layer.down.out_features != hidden:
+            return "unexpected MLP width"
+        norms = [layer.input_norm, layer.post_norm, layer.rope]
+        if layer.q_norm is not None:
+            norms += [layer.q_norm, layer.k_norm]
+        if any(t is None or t.dtype != dtype or not t.is_contiguous() for t in norms):
+            return "a norm weight or RoPE table is not in the activation dtype"
+        if layer.rope.shape[-1] != d:
+            return "partial rotary embedding"
+    if any(t.dtype != dtype or not t.is_contiguous() for t in (model.norm,)):
+        return "the final norm is not in the activation dtype"
+    int8 = isinstance(kv_caches[0][0], QuantizedKV)
+    for k, v in kv_caches:
+        for c in (k, v):
+            if int8:
+                if not (isinstance(c, QuantizedKV) and c.data.dtype == torch.int8 and c.data.is_contiguous()
+                        and c.scale.is_contiguous() and c.scale.dtype == torch.float32):
+                    return "a KV cache is neither the activation dtype nor int8"
+            elif isinstance(c, QuantizedKV) or c.dtype != dtype or not c.is_contiguous() or not c.is_cpu:
+                return "a KV cache is neither the activation dtype nor int8"
+    return None
+
+
+class FusedDecode:
+    """The C descriptors of one model over one KV pool, and the step's scratch buffers."""
+
+    def __init__(self, model, kv_caches) -> None:
+        dtype = model.dtype
+        self.dtype = dtype
+        self.hidden = model.config.hidden_size
+        h, hkv, d = model.num_heads, model.num_kv_heads, model.head_dim
+        inter = model.layers[0].down.parts[0].shape[1]
+        self._keep: list = []  # every buffer a C pointer points into
+        n = len(model.layers)
+        self.layers = _ffi.new("EngFusedLayer[]", n)
+        int8 = isinstance(kv_caches[0][0], QuantizedKV)
+        for i, (layer, (kc, vc)) in enumerate(zip(model.layers, kv_caches, strict=True)):
+            L = self.layers[i]
+            L.input_norm, L.post_norm = _ptr(layer.input_norm), _ptr(layer.post_norm)
+            L.q_norm, L.k_norm = _ptr(layer.q_norm), _ptr(layer.k_norm)
+            for field, lin in (("qkv", layer.qkv), ("o", layer.o_proj), ("gate_up", layer.gate_up),
+                               ("down", layer.down)):
+                self._linear(getattr(L, field), lin)
+            if int8:
+                L.k_cache, L.v_cache = _ptr(kc.data), _ptr(vc.data)
+                L.k_scale, L.v_scale = _ptr(kc.scale, "float *"), _ptr(vc.scale, "float *")
+            else:
+                L.k_cache, L.v_cache = _ptr(kc), _ptr(vc)
+            L.rope, L.max_pos, L.window = _ptr(layer.rope), layer.rope.shape[0], layer.window
+            self._keep += [layer.rope]
+        kc0 = kv_caches[0][0]
+        num_blocks, block_size = kc0.shape[0], kc0.shape[1]
+        T = MAX_TOKENS
+        qkv_n = (h + 2 * hkv) * d
+        max_k = max(self.hidden, h * d, inter)
+        bufs = {
+            "delta": torch.empty(T, self.hidden, dtype=dtype), "x": torch.empty(T, self.hidden, dtype=dtype),
+            "qkv": torch.empty(T, qkv_n, dtype=dtype), "attn": torch.empty(T, h * d, dtype=dtype),
+            "gate_up": torch.empty(T, 2 * inter, dtype=dtype), "act": torch.empty(T, inter, dtype=dtype),
+            "xq": torch.empty(T, max_k, dtype=torch.int8), "dx": torch.empty(T, max_k // 32),
+            "xs": torch.empty(T, max_k // 16),
+        }
+        self._keep += list(bufs.values()) + [model.norm]
+        self.model = m = _ffi.new("EngFusedModel *")
+        m.dtype, m.kv_int8 = _DTYPES[dtype], int(int8)
+        m.n_layers, m.hidden, m.heads, m.kv_heads, m.head_dim, m.inter = n, self.hidden, h, hkv, d, inter
+        m.num_blocks, m.block_size, m.max_tokens = num_blocks, block_size, T
+        m.eps, m.scale = model.eps, model.scale
+        m.layers, m.final_norm = self.layers, _ptr(model.norm)
+        for name in ("delta", "x", "qkv", "attn", "gate_up", "act"):
+            setattr(m, name, _ptr(bufs[name]))
+        m.xq, m.dx, m.xs = _ptr(bufs["xq"], "int8_t *"), _ptr(bufs["dx"], "float *"), _ptr(bufs["xs"], "float *")
+        self.steps = 0  # fused steps run (tests check the fused path was taken)
+
+    def _linear(self, dst, lin) -> None:
+        from engine.ops.cpu.qmatmul import _pointers
+
+        dst.nparts, dst.K, dst.N = len(lin.parts), lin.parts[0].shape[1], lin.out_features
+        col = 0
+        for j, p in enumerate(lin.parts):
+            part = dst.parts[j]
+            part.fmt, part.N, part.col = FORMAT_CODES[p.fmt.name], p.shape[0], col
+            part.codes, part.hi, part.d, part.m, part.sc, part.mn = _pointers(p.data)
+            col += p.shape[0]
+            self._keep.append(p)
+        dst.bias = _ptr(lin.bias)
+        if lin.bias is not None:
+            self._keep.append(lin.bias)
+
+    def run(self, hidden: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor | None:
+        """The final normed hidden states [T, hidden] of one decode-only step (writes its K/V),
+        or None where the step's inputs are not the fused step's (the caller runs the
+        unfused path)."""
+        t = hidden.shape[0]
+        bt, lens, slots = meta.block_tables, meta.seq_lens, meta.slot_mapping
+        if (t > MAX_TOKENS or hidden.dtype != self.dtype or not hidden.is_contiguous()
+                or positions.dtype != torch.int64 or not positions.is_contiguous()
+                or slots.dtype != torch.int64 or not slots.is_contiguous() or slots.shape[0] != t
+                or bt.dtype != torch.int32 or bt.stride(-1) != 1 or not bt.is_cpu or bt.shape[0] != t
+                or lens.dtype != torch.int32 or not lens.is_contiguous() or lens.shape[0] != t):
+            return None
+        out = torch.empty_like(hidden)
+        status = _lib.eng_fused_decode(
+            self.model, t, _ptr(hidden), _ptr(out), _ptr(positions, "int64_t *"), _ptr(slots, "int64_t *"),
+            _ptr(bt, "int32_t *"), bt.stride(0), _ptr(lens, "int32_t *"), torch.get_num_threads(),
+        )
+        if status == -1:
+            return None
+        if status:
+            from engine.ops.cpu import CpuKernelError
+
+            raise CpuKernelError("fused decode: a position, slot, sequence length or block id is out of range")
+        self.steps += 1
+        return out
+
+
+def _key(c) -> tuple:
+    t = c.data if isinstance(c, QuantizedKV) else c
+    return (t.data_ptr(), tuple(t.shape), t.dtype)
+
+
+def plan(model, kv_caches) -> FusedDecode | None:
+    """The model's fused step over ``kv_caches`` (cached on the model), or None where it
+    does not apply."""
+    if not enabled():
+        return None
+    cached = getattr(model, "_fused", None)
+    # The runner passes the same list every step: an identity check is the fast path.
+    if cached is not None and cached[0] is kv_caches:
+        return cached[1]
+    key = tuple((_key(k), _key(v)) for k, v in kv_caches)
+    if cached is not None and cached[2] == key:
+        fused = cached[1]
+    else:
+        fused = FusedDecode(model, kv_caches) if unfusable(model, kv_caches) is None else None
+    model._fused = (kv_caches, fused, key)
+    return fused
+
+
+__all__ = ["MAX_TOKENS", "FusedDecode", "available", "enabled", "plan", "unfusable"]

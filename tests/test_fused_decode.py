@@ -1,0 +1,151 @@
+"""The fused CPU decode step (engine/ops/cpu/fused.c) against the unfused path it replaces.
+
+The oracle is the engine's own unfused forward over the same weights (``LlamaModel``'s
+layers over ``CpuOps`` and the quantized matmul), itself checked against transformers and
+the dequantized model by ``test_parity`` / ``test_quant_models``. The fused step calls the
+same kernels in the same order with the same roundings, so in the logits are equal, bit for
+bit, in fp32 and bf16, with a plain or an int8 KV cache; the one exception is Qwen3 in bf16
+with several rows a step, where the unfused path's per-head q/k norm is torch's reference
+RMSNorm (the heads are a strided view there), which rounds differently: there the rows agree
+within the quantized tests' ``KERNEL_LOGIT_SPAN`` of each row's range.
+
+Each case prefills five prompts (whole or in chunks of 3), then decodes four tokens for all
+of them together, so decode steps have five rows and attention reads several KV blocks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_parity import _chunk_lengths, _prefill_logits, _prompts
+from test_quant_models import KERNEL_LOGIT_SPAN, write_quantized
+
+from engine.models.loader import load_model
+from engine.ops import AttentionMetadata, get_ops
+from engine.ops.cpu import CpuKernelError, fused
+from engine.ops.cpu import qmatmul as cq
+from engine.runner.model_runner import ModelRunner
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(not (fused.available() and cq.available()), reason="C kernels not built"),
+]
+
+DECODE_STEPS = 4
+BLOCK_SIZE = 4
+
+
+def _runner(loaded, kv: str) -> ModelRunner:
+    return ModelRunner(
+        loaded, device="cpu", ops=get_ops("cpu"), num_blocks=64, block_size=BLOCK_SIZE,
+        max_num_batched_tokens=512, max_num_seqs=8, kv_cache_dtype=kv,
+    )
+
+
+def _logits(loaded, kv: str, chunk: int | None, prompts, *, fuse: bool, monkeypatch) -> tuple[list, object]:
+    monkeypatch.setenv("ENGINE_FUSED_DECODE", "1" if fuse else "0")
+    runner = _runner(loaded, kv)
+    # Prefill (whole or chunked), then DECODE_STEPS single-token steps: the prompts' last
+    # tokens are fed back one at a time, so every decode step has a row per prompt.
+    plans = [_chunk_lengths(len(p) - DECODE_STEPS, chunk) + [1] * DECODE_STEPS for p in prompts]
+    out = _prefill_logits(runner, prompts, None, plans=plans)
+    return out, getattr(runner.model, "_fused", (None, None))[1]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    cache: dict = {}
+
+    def get(arch: str, quant: str, dtype: str):
+        key = (arch, quant)
+        if key not in cache:
+            cache[key] = write_quantized(tmp_path_factory.mktemp(arch), arch, quant)
+        return load_model(cache[key], dtype=dtype)
+
+    return get
+
+
+def _compare(got, want, arch: str, dtype: str) -> None:
+    for g, w in zip(got, want, strict=True):
+        if arch == "qwen3" and dtype == "bfloat16":
+            # The unfused path's per-head q/k norm over several rows is torch's reference
+            # RMSNorm (the heads are a strided view), which rounds differently in bf16: there
+            # the unfused row depends on its batch, the fused one does not.
+            span = (w.amax(-1) - w.amin(-1)).unsqueeze(-1)
+            assert float(((g - w).abs() / span).max()) <= KERNEL_LOGIT_SPAN
+        else:  # the same kernels in the same order: the same bits
+            assert torch.equal(g, w), float((g - w).abs().max())
+
+
+CASES = [
+    # (arch, quant, dtype, kv cache, prefill chunk)
+    ("llama", "Q4_1", "float32", "auto", None),
+    ("llama", "Q4_1", "bfloat16", "int8", 3),
+    ("llama3", "Q4_0", "bfloat16", "auto", None),
+    ("mistral", "Q8_0", "float32", "int8", 3),  # sliding window
+    ("qwen2", "Q4_1", "bfloat16", "auto", 3),   # q/k/v biases
+    ("qwen2", "Q8_0", "float32", "int8", None),
+    ("qwen3", "Q4_1", "float32", "auto", 3),    # per-head q/k norm
+    ("qwen3", "Q8_0", "bfloat16", "int8", None),
+    ("phi3", "Q4_1", "bfloat16", "auto", None),  # fused q/k/v and gate/up weights
+]
+
+
+@pytest.mark.parametrize(("arch", "quant", "dtype", "kv", "chunk"), CASES,
+                         ids=[f"{a}-{q}-{d[:4]}-kv{k}-c{c}" for a, q, d, k, c in CASES])
+def test_the_fused_decode_step_matches_the_unfused_forward(models, monkeypatch, arch, quant, dtype, kv, chunk) -> None:
+    loaded = models(arch, quant, dtype)
+    prompts = [p for p in _prompts(loaded.config.vocab_size) if len(p) > DECODE_STEPS]
+    prompts.append(prompts[-1][:DECODE_STEPS + 2])
+    want, unfused = _logits(loaded, kv, chunk, prompts, fuse=False, monkeypatch=monkeypatch)
+    got, step = _logits(loaded, kv, chunk, prompts, fuse=True, monkeypatch=monkeypatch)
+    assert unfused is None
+    # Every decode step was fused (a chunked prefill whose last chunks are single tokens
+    # makes more decode-only steps).
+    assert step is not None and step.steps >= DECODE_STEPS
+    _compare(got, want, arch, dtype)
+
+
+def test_a_rows_result_does_not_depend_on_its_batch(models, monkeypatch) -> None:
+    """One request decoded alone or beside others: the same logits, bit for bit (what
+    continuous batching and speculative verification rely on)."""
+    loaded = models("qwen2", "Q4_1", "float32")
+    prompts = [p for p in _prompts(loaded.config.vocab_size) if len(p) > DECODE_STEPS]
+    together, _ = _logits(loaded, "auto", None, prompts, fuse=True, monkeypatch=monkeypatch)
+    alone, _ = _logits(loaded, "auto", None, prompts[-1:], fuse=True, monkeypatch=monkeypatch)
+    assert torch.equal(together[-1], alone[0])
+
+
+def test_what_the_fused_step_does_not_cover_runs_unfused(models, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("ENGINE_FUSED_DECODE", "1")
+    gemma = _runner(models("gemma2", "Q8_0", "float32"), "auto")
+    assert fused.unfusable(gemma.model, gemma.kv_caches) == "GemmaModel is not the plain Llama-family decoder"
+    dense = load_model(write_quantized(tmp_path, "llama", "Q8_0"), dtype="float32", quantization="none")
+    runner = _runner(dense, "auto")
+    assert fused.unfusable(runner.model, runner.kv_caches) == "a projection is not quantized"
+    # More decode rows than MAX_TOKENS: the unfused path, the same answer.
+    loaded = models("llama", "Q4_1", "float32")
+    runner = _runner(loaded, "auto")
+    prompts = [[5 + i, 7, 9 + i] for i in range(fused.MAX_TOKENS + 1)]
+    _prefill_logits(runner, prompts, None, plans=[[2, 1]] * len(prompts))
+    step = runner.model._fused[1] if hasattr(runner.model, "_fused") else None
+    assert step is None or step.steps == 0
+
+
+def test_a_bad_slot_raises_and_writes_nothing(models, monkeypatch) -> None:
+    monkeypatch.setenv("ENGINE_FUSED_DECODE", "1")
+    runner = _runner(models("llama", "Q4_1", "float32"), "auto")
+    step = fused.plan(runner.model, runner.kv_caches)
+    assert step is not None
+    before = [k.clone() for k, _ in runner.kv_caches]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([64 * BLOCK_SIZE]), query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens=torch.tensor([1], dtype=torch.int32), block_tables=torch.tensor([[0]], dtype=torch.int32),
+        max_query_len=1, max_seq_len=1, query_lens_host=(1,), seq_lens_host=(1,),
+    )
+    hidden = torch.zeros(1, runner.model.config.hidden_size)
+    with pytest.raises(CpuKernelError):
+        step.run(hidden, torch.tensor([0]), meta)
+    assert all(torch.equal(b, k) for b, (k, _) in zip(before, runner.kv_caches, strict=True))
