@@ -630,12 +630,23 @@ class Engine:
             self.restarting = True
             self._fail_in_flight(crash)
             # The executor never abandons a step, so the runner is idle here; it forgets
-            # every request, and the new actors bring a fresh KV pool and scheduler.
-            self._parts.runner.reset()
+            # every request, and the new actors bring a fresh KV pool and scheduler. (In a
+            # worker thread: a tensor-parallel runner restarts its workers, in seconds.)
+            try:
+                await trio.to_thread.run_sync(self._parts.runner.reset)
+            except Exception as exc:  # the tensor-parallel workers could not restart
+                logger.error("the engine could not restart: %r", exc, exc_info=exc)
+                self._die(exc)
+                return
 
     def _fail_in_flight(self, crash: BaseException) -> None:
         if self._handles is not None:
-            error = EngineDeadError("the engine crashed while serving this request; it is restarting")
+            from engine.parallel.workers import WorkerLostError
+
+            if isinstance(crash, WorkerLostError):
+                error = EngineDeadError(f"{crash}; the engine is restarting")
+            else:
+                error = EngineDeadError("the engine crashed while serving this request; it is restarting")
             error.__cause__ = crash
             self._handles.router.fail_all(error)
 
@@ -765,6 +776,7 @@ async def open_engine(
     other machines (``data_parallel_address``) must prove they know.
     """
     resolved = _config(str(model) if model is not None else None, config, options)
+    parts: EngineParts | None = None
     try:
         async with trio.open_nursery() as nursery:
             if resolved.core_in_process:
@@ -788,6 +800,13 @@ async def open_engine(
             only = group.exceptions[0]
             raise only from only.__cause__
         raise
+    finally:
+        # The actors have stopped (no step runs): stop what the runner started (the
+        # tensor-parallel workers).
+        close = getattr(parts.runner, "close", None) if parts is not None else None
+        if close is not None:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(close)
 
 
 __all__ = [

@@ -18,6 +18,7 @@ QUANTIZATIONS = ("auto", "gguf", "none")  # see engine.models.loader
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")  # see engine.structured
 OPS_BACKENDS = ("auto", "torch", "cpu", "triton")  # see engine.ops.get_ops
 ENGINE_CORE_MODES = ("inprocess", "process")  # see engine.actors.cores
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")  # see engine.parallel.workers
 
 
 def parse_mm_limit(value: str) -> int:
@@ -319,6 +320,17 @@ class EngineConfig:
     data_parallel_start_rank: int = _field(
         0, "with --headless: the index of this machine's first engine core", type=int,
         metavar="N")
+    # Tensor parallelism (engine.parallel): every layer split over N ranks joined by
+    # torch.distributed collectives; rank 0 runs where the model runner runs with one rank,
+    # ranks 1..N-1 in worker processes (mp) or Ray actors (ray).
+    tensor_parallel_size: int = _field(
+        1, "split every layer of the model over N ranks (torch.distributed: NCCL on CUDA, "
+        "gloo on CPU); rank 0 runs in the engine, ranks 1..N-1 in worker processes",
+        type=int, metavar="N")
+    distributed_executor_backend: str = _field(
+        "mp", "where the tensor-parallel workers run: mp (processes on this machine) or ray "
+        "(Ray actors in a placement group, on the cluster at $RAY_ADDRESS or a local Ray "
+        "started and stopped by the engine)", choices=DISTRIBUTED_EXECUTOR_BACKENDS)
 
     @property
     def core_in_process(self) -> bool:
@@ -481,6 +493,14 @@ class EngineConfig:
                               field="data_parallel_address")
         if self.data_parallel_address is not None:
             parse_address(self.data_parallel_address)
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ConfigError(f"tensor_parallel_size must be a positive integer, got {tp!r}",
+                              field="tensor_parallel_size")
+        if tp > 1 and (self.data_parallel_size > 1 or self.data_parallel_address is not None):
+            raise ConfigError("tensor_parallel_size above 1 with data parallelism is not "
+                              "supported yet: each engine core would need its own group of "
+                              "devices", field="tensor_parallel_size")
         restarts = self.max_engine_restarts
         if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
             raise ConfigError(f"max_engine_restarts must be a non-negative integer, got {restarts!r}", field="max_engine_restarts")

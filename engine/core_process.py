@@ -114,15 +114,21 @@ async def serve_core(config: Any, address: str, secret: bytes, core_index: int) 
     from engine.loading import build_parts
 
     parts = await trio.to_thread.run_sync(build_parts, config)
-    frames = FrameStream(await connect(address))
-    async with frames.stream:
-        await answer_challenge(frames, secret)
-        await frames.send((hello_for(parts, core_index),))
-        reply = await frames.receive()
-        if not any(isinstance(m, CoreAccepted) for m in reply):
-            raise WireError(f"the front end did not accept this core: {reply!r}")
-        logger.info("core %d connected to %s", core_index, address)
-        await run_core_actors(parts, frames)
+    try:
+        frames = FrameStream(await connect(address))
+        async with frames.stream:
+            await answer_challenge(frames, secret)
+            await frames.send((hello_for(parts, core_index),))
+            reply = await frames.receive()
+            if not any(isinstance(m, CoreAccepted) for m in reply):
+                raise WireError(f"the front end did not accept this core: {reply!r}")
+            logger.info("core %d connected to %s", core_index, address)
+            await run_core_actors(parts, frames)
+    finally:
+        # The actors have stopped: stop the tensor-parallel workers the runner drives.
+        close = getattr(parts.runner, "close", None)
+        if close is not None:
+            close()
 
 
 async def run_core_actors(parts: Any, frames: FrameStream) -> None:

@@ -47,20 +47,80 @@ class EngineParts:
     images: Any = None
 
 
+@dataclasses.dataclass(slots=True)
+class RankLoad:
+    """What one rank loads before its pool is sized: the model (whole: each rank's runner
+    keeps its slice), the tokenizer, the pooler and the grammar backend."""
+
+    path: Path
+    loaded: Any  # engine.models.loader.LoadedModel
+    tokenizer: Any
+    pooler: Any
+    eos_ids: tuple[int, ...]
+    grammar: Any
+
+
+def load_rank(config: EngineConfig, device: torch.device) -> RankLoad:
+    """Load the model, tokenizer, pooler and grammar backend (blocking: seconds). Every
+    tensor-parallel rank runs this, so that each builds the same grammar matchers."""
+    from engine.models.loader import load_model, resolve_model
+    from engine.models.pooling import pooler_config
+    from engine.models.tokenizer import Tokenizer
+    from engine.structured import GrammarBackend
+
+    t0 = time.perf_counter()
+    path = resolve_model(config.model)
+    loaded = load_model(path, dtype=config.dtype, device=device, quantization=config.quantization,
+                        ops_backend=config.ops_backend)
+    t1 = time.perf_counter()
+    logger.info("loaded %s (%s, %s) in %.2f s", path, loaded.config.architecture, loaded.dtype, t1 - t0)
+    tokenizer = Tokenizer.from_folder(loaded.folder)
+    logger.info("tokenizer ready in %.2f s", time.perf_counter() - t1)
+    pooler = pooler_config(loaded.config, loaded.folder, runner=config.runner, convert=config.convert,
+                           pooling_type=config.pooling_type, normalize=config.pooling_normalize)
+    if loaded.config.is_encoder:
+        loaded = _with_sep(loaded, tokenizer)
+    eos_ids = _eos_ids(loaded, tokenizer)
+    # Built once here: the grammar backends read every vocabulary entry's bytes. A pooling
+    # model samples nothing, so it needs none.
+    grammar = None if pooler is not None else GrammarBackend(
+        tokenizer, vocab_size=loaded.config.vocab_size, stop_token_ids=eos_ids,
+        backend=config.structured_outputs_backend)
+    return RankLoad(path, loaded, tokenizer, pooler, eos_ids, grammar)
+
+
+def build_rank_runner(config: EngineConfig, load: RankLoad, device: torch.device,
+                      num_blocks: int, tp: Any = None) -> Any:
+    """The rank's :class:`~engine.runner.model_runner.ModelRunner` over ``num_blocks`` KV
+    blocks; ``tp`` (engine.parallel.TensorParallel) names its slice of the model."""
+    from engine.ops import get_ops
+    from engine.runner.model_runner import ModelRunner
+
+    extra = {"tp": tp} if tp is not None and tp.enabled else {}
+    return ModelRunner(
+        load.loaded,
+        device=device,
+        ops=get_ops(config.ops_backend, device),
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs,
+        seed=config.seed,
+        kv_cache_dtype=config.kv_cache_dtype,
+        grammar=load.grammar,
+        pooler=load.pooler,
+        **extra,
+    )
+
+
 def build_parts(config: EngineConfig) -> EngineParts:
     """Load the model and tokenizer, size the KV pool, build the model runner.
 
     Blocking (seconds); the API runs it in a worker thread. Each phase is logged with
-    its time on the ``engine`` logger.
+    its time on the ``engine`` logger. With ``tensor_parallel_size`` N above 1 the runner
+    is rank 0's, driving N - 1 workers (:mod:`engine.parallel.workers`) that load the
+    model while this process does.
     """
-    from engine.models.loader import load_model, resolve_model
-    from engine.models.pooling import pooler_config
-    from engine.models.tokenizer import Tokenizer
-    from engine.ops import get_ops
-    from engine.runner.kv_cache import num_kv_blocks
-    from engine.runner.model_runner import ModelRunner
-    from engine.structured import GrammarBackend
-
     device = _device(config.device)
     if config.async_scheduling is None:
         # On with CUDA, where the GPU runs a step while the host plans the next; off on CPU,
@@ -70,41 +130,44 @@ def build_parts(config: EngineConfig) -> EngineParts:
         # Requests with a proposal in flight are not planned ahead (async scheduling plans
         # the others as usual); structured-output requests never speculate.
         logger.info("speculative decoding: %s", config.speculative.describe())
-    t0 = time.perf_counter()
-    path = resolve_model(config.model)
-    loaded = load_model(path, dtype=config.dtype, device=device, quantization=config.quantization,
-                        ops_backend=config.ops_backend)
-    t1 = time.perf_counter()
-    logger.info("loaded %s (%s, %s) in %.2f s", path, loaded.config.architecture, loaded.dtype, t1 - t0)
-    tokenizer = Tokenizer.from_folder(loaded.folder)
+    group = None
+    if config.tensor_parallel_size > 1:
+        from engine.parallel.workers import WorkerGroup, share_cpu_threads
+
+        share_cpu_threads(device, config.tensor_parallel_size)
+        group = WorkerGroup(config, device)
+    try:
+        return _build_parts(config, device, group)
+    except BaseException:
+        if group is not None:
+            group.close()
+        raise
+
+
+def _build_parts(config: EngineConfig, device: torch.device, group: Any) -> EngineParts:
+    from engine.runner.kv_cache import num_kv_blocks
+
+    load = load_rank(config, device)
+    loaded, tokenizer, pooler = load.loaded, load.tokenizer, load.pooler
     t2 = time.perf_counter()
-    logger.info("tokenizer ready in %.2f s", t2 - t1)
-    pooler = pooler_config(loaded.config, loaded.folder, runner=config.runner, convert=config.convert,
-                           pooling_type=config.pooling_type, normalize=config.pooling_normalize)
+    tp = None
+    if group is not None:
+        from engine.parallel import TensorParallel
+
+        _refuse_unsplittable(loaded.config, config.tensor_parallel_size)
+        group.init_rank0()
+        tp = TensorParallel(0, config.tensor_parallel_size)
     if loaded.config.is_encoder:
-        loaded = _with_sep(loaded, tokenizer)
         config, num_blocks = _size_encoder(config, loaded, pooler)
     else:
         config, num_blocks = _size_kv_pool(config, loaded, device, num_kv_blocks, pooler)
-    eos_ids = _eos_ids(loaded, tokenizer)
-    # Built once here: the grammar backends read every vocabulary entry's bytes. A pooling
-    # model samples nothing, so it needs none.
-    grammar = None if pooler is not None else GrammarBackend(
-        tokenizer, vocab_size=loaded.config.vocab_size, stop_token_ids=eos_ids,
-        backend=config.structured_outputs_backend)
-    runner = ModelRunner(
-        loaded,
-        device=device,
-        ops=get_ops(config.ops_backend, device),
-        num_blocks=num_blocks,
-        block_size=config.block_size,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_num_seqs=config.max_num_seqs,
-        seed=config.seed,
-        kv_cache_dtype=config.kv_cache_dtype,
-        grammar=grammar,
-        pooler=pooler,
-    )
+    runner = build_rank_runner(config, load, device, num_blocks, tp)
+    if group is not None:
+        from engine.core_process import config_to_json
+        from engine.parallel.workers import TensorParallelRunner
+
+        group.build(config_to_json(config), num_blocks)
+        runner = TensorParallelRunner(runner, group)
     t3 = time.perf_counter()
     _log_weight_bytes(loaded, runner)
     if not runner.paged_kv:
@@ -118,19 +181,30 @@ def build_parts(config: EngineConfig) -> EngineParts:
         max_model_len=config.max_model_len or 0,
         vocab_size=loaded.config.vocab_size,
         max_queued_requests=config.max_queued_requests,
-        eos_token_ids=eos_ids,
+        eos_token_ids=load.eos_ids,
         max_logprobs=config.max_logprobs,
         special_token_ids=frozenset(tokenizer.skipped_special_ids),
     )
-    name = config.served_model_name or _model_name(config.model, path)
+    name = config.served_model_name or _model_name(config.model, load.path)
     if pooler is not None:
         logger.info("pooling model: %s (%s pooling%s, %d values per input)", pooler.task,
                     pooler.pooling, ", normalized" if pooler.normalize else "", pooler.size)
-    return EngineParts(config, name, tokenizer, limits, runner, num_blocks, grammar, pooler,
+    return EngineParts(config, name, tokenizer, limits, runner, num_blocks, load.grammar, pooler,
                        tokenizer_folder=loaded.folder,
                        dtype=str(loaded.dtype).removeprefix("torch."),
                        quantization=loaded.quantization,
                        images=image_preprocessor(config, loaded.config, loaded.folder, tokenizer))
+
+
+def _refuse_unsplittable(model_config: Any, world_size: int) -> None:
+    """A model whose layers cannot be split over ``world_size`` ranks is refused here, at
+    startup, with the tensor-parallel model code's reason."""
+    import engine.parallel as parallel
+
+    problem = getattr(parallel, "tensor_parallel_problem", None)
+    reason = problem(model_config, world_size) if problem is not None else None
+    if reason:
+        raise ConfigError(reason, field="tensor_parallel_size")
 
 
 def image_preprocessor(config: EngineConfig, model_config: Any, folder: Path, tokenizer: Any) -> Any:

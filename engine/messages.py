@@ -603,3 +603,60 @@ class CoreStatistics:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+
+
+# --- rank 0 <-> tensor-parallel workers (engine.parallel.workers) -------------------------
+#
+# One msgpack frame (a tuple of messages, as engine.corewire) per message, over an
+# authenticated multiprocessing connection. Rank 0 sends, every worker answers each with
+# one reply: RankBuilt to RankBuild, RankDone to RankStep, RankWarmUp and RankReset.
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankBuild:
+    """Build the rank's runner: the engine's resolved config (JSON, with max_model_len) and
+    the KV blocks rank 0 sized its pool to (every rank holds as many, of its own heads)."""
+
+    config_json: str
+    num_blocks: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankBuilt:
+    rank: int
+    pid: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankStep:
+    """The step rank 0 is about to run: every rank runs the same plan."""
+
+    plan: StepPlan
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankWarmUp:
+    """Run the runner's warm-up steps (rank 0 runs the same ones)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankReset:
+    """Forget every request (the engine restarted its actors)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankDone:
+    """A worker's answer to a step: what it sampled and failed, which rank 0 checks against
+    its own result (every rank samples the same gathered logits with the same seeds)."""
+
+    step_id: int
+    sampled: tuple[tuple[str, int], ...]  # (sample_id, token_id), in the result's order
+    failed: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankError:
+    """A worker could not do what it was asked (it exits after sending this)."""
+
+    rank: int
+    message: str

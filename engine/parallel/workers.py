@@ -1,0 +1,630 @@
+"""The processes of tensor parallelism: ranks 1..N-1 as worker processes or Ray actors.
+
+Rank 0 lives where the model runner lives with one rank (the executor's worker thread, in
+the engine's process or its engine-core process). :class:`WorkerGroup` starts the other
+ranks and :class:`TensorParallelRunner` drives them: it stands in for the rank-0
+:class:`~engine.runner.model_runner.ModelRunner`, so the executor, the scheduler and the
+engine's restart logic see one runner::
+
+    rank 0 (executor thread)                       rank r (worker process / Ray actor)
+      |-- RankStep(plan): one msgpack frame -------> |
+      |   runner.execute(plan)   <== all-reduce ==>  |   runner.execute(plan)
+      | <------------------ RankDone(sampled, failed) |
+      |   check: the same tokens and failures, else fail the engine (restart)
+
+Every rank runs the same plan on its slice of the model and samples the same gathered
+logits with the same seeds, so every rank's request state (tokens, grammar matchers,
+penalties' counts) stays the same without sending tokens back; each step's answer lets
+rank 0 check that they did. Only rank 0's :class:`~engine.messages.StepResult` goes to the
+scheduler.
+
+The wire is an authenticated :mod:`multiprocessing.connection` over TCP (loopback for
+``mp``, the node address Ray reports for ``ray``), carrying :mod:`engine.corewire` frames
+(msgpack of :mod:`engine.messages` types, nothing else decoded). torch.distributed is
+initialised from a TCP store that rank 0 opens on a free port: gloo on CPU, NCCL on CUDA,
+with a timeout on every collective (:data:`COLLECTIVE_TIMEOUT_SECONDS`), so a stuck peer
+fails the step instead of hanging the engine.
+
+Faults: a worker that dies (its process sentinel, a closed connection, or no answer within
+the collective timeout) raises :class:`WorkerLostError` out of :meth:`execute`; the
+executor crashes with it, the engine fails the requests in flight with its message and
+restarts its actors within ``--max-engine-restarts``, and :meth:`reset` then replaces the
+whole worker group (the rank-0 process group too). Workers exit when rank 0's connection
+closes or, for ``mp``, when their parent process is gone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import multiprocessing.connection as mpc
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+from engine import messages
+from engine.corewire import decode_frame
+from engine.errors import EngineError
+from engine.messages import (
+    RankBuild,
+    RankBuilt,
+    RankDone,
+    RankError,
+    RankReset,
+    RankStep,
+    RankWarmUp,
+    StepPlan,
+    StepResult,
+)
+from engine.parallel import TensorParallel
+
+logger = logging.getLogger("engine")
+
+# How long a collective (and rank 0's wait for a worker's answer to a step) may take before
+# the step fails: long enough for a worker's first compile of a structured-output grammar
+# (bounded at admission by --grammar-compile-timeout), short enough that a stopped peer
+# does not hang the engine for long.
+COLLECTIVE_TIMEOUT_SECONDS = 60.0
+# Loading the model and joining the process group, per worker.
+START_TIMEOUT_SECONDS = 600.0
+PARENT_POLL_SECONDS = 0.5
+# A worker process's arguments (JSON), the shared secret among them.
+WORKER_ARGS_ENV = "ENGINE_TP_WORKER"
+# A local Ray started by the engine: a small object store (the workers pass nothing
+# through it; the steps go over the connection).
+RAY_OBJECT_STORE_BYTES = 100 * 2**20
+
+
+class WorkerLostError(EngineError):
+    """A tensor-parallel worker died, stopped answering, or disagreed with rank 0; the
+    engine fails the requests in flight with this message and restarts the group."""
+
+
+def dist_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank ``rank``'s device on this machine: ``cuda:(i + rank)`` from rank 0's
+    ``cuda:i``; the CPU for every rank on CPU."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def share_cpu_threads(device: torch.device, world_size: int) -> None:
+    """On CPU the ranks share the machine's cores: each takes an equal share of threads."""
+    if device.type == "cpu" and world_size > 1:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
+
+
+def _send(conn: Any, message: object) -> None:
+    conn.send_bytes(messages.pack((message,)))
+
+
+def _receive(conn: Any) -> object:
+    (message,) = decode_frame(conn.recv_bytes())
+    return message
+
+
+# --- rank 0's side -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(slots=True)
+class _Peer:
+    rank: int
+    handle: Any  # subprocess.Popen, or a Ray actor handle
+    sentinel: int | None  # a pidfd of the process (mp): readable once it exits; None for Ray
+    conn: Any = None  # multiprocessing.connection.Connection once it connected
+    pid: int = 0
+    run_ref: Any = None  # Ray: the ObjectRef of the actor's run() call
+
+
+@dataclasses.dataclass(slots=True)
+class GroupStatistics:
+    steps: int = 0
+    broadcast_seconds: float = 0.0  # packing and writing the step to every worker
+    wait_seconds: float = 0.0  # after rank 0's step, waiting for the workers' answers
+
+
+class WorkerGroup:
+    """Ranks 1..N-1 of a tensor-parallel group, started at construction; rank 0 is the
+    calling process. Call :meth:`init_rank0` once rank 0 has loaded its model (the
+    workers load theirs meanwhile), then :meth:`build` with the pool size."""
+
+    def __init__(self, config: Any, device: torch.device, *,
+                 timeout: float = COLLECTIVE_TIMEOUT_SECONDS) -> None:
+        from engine.core_process import config_to_json
+
+        self.world_size = int(config.tensor_parallel_size)
+        self.backend = config.distributed_executor_backend
+        self.device = device
+        self.timeout = timeout
+        self._config_json = config_to_json(config)
+        self._build: RankBuild | None = None
+        self._peers: list[_Peer] = []
+        self._store: Any = None
+        self._server: socket.socket | None = None
+        self._authkey = b""
+        self._ray_started = False
+        self._placement: Any = None
+        self.broken = False
+        self.stats = GroupStatistics()
+        self._start()
+
+    # -- starting ----------------------------------------------------------------------
+
+    def _start(self) -> None:
+        import torch.distributed as dist
+
+        self.broken = False
+        host = self._ray_host() if self.backend == "ray" else "127.0.0.1"
+        self._authkey = os.urandom(32)
+        self._server = socket.create_server((host, 0), backlog=self.world_size)
+        address = (host, self._server.getsockname()[1])
+        self._store = dist.TCPStore(host, 0, self.world_size, is_master=True,
+                                    wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=START_TIMEOUT_SECONDS))
+        store = (host, self._store.port)
+        common = dict(world_size=self.world_size, address=address, authkey=self._authkey,
+                      store=store, config_json=self._config_json, timeout=self.timeout)
+        if self.backend == "ray":
+            self._start_ray(common)
+        else:
+            for rank in range(1, self.world_size):
+                # A fresh interpreter (not multiprocessing's spawn, which would re-run the
+                # caller's __main__); the secret travels in its environment, not its argv.
+                args = {**common, "rank": rank, "parent_pid": os.getpid(),
+                        "authkey": self._authkey.hex(), "address": list(address),
+                        "store": list(store)}
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "engine.parallel.workers"],
+                    env={**os.environ, WORKER_ARGS_ENV: json.dumps(args)},
+                    stdin=subprocess.DEVNULL)
+                self._peers.append(_Peer(rank, process, os.pidfd_open(process.pid),
+                                         pid=process.pid))
+        logger.info("tensor parallel: %d ranks (%s backend, %s), workers %s", self.world_size,
+                    self.backend, dist_backend(self.device),
+                    ", ".join(f"rank {p.rank}" + (f" pid {p.pid}" if p.pid else "") for p in self._peers))
+
+    def _ray_host(self) -> str:
+        import ray
+
+        if not ray.is_initialized():
+            if os.environ.get("RAY_ADDRESS"):
+                ray.init(log_to_driver=False)  # the cluster at $RAY_ADDRESS
+            else:
+                # A local Ray of our own, stopped in close(): loopback only, no dashboard,
+                # a small object store, a CPU per worker rank.
+                ray.init(num_cpus=max(1, self.world_size - 1), include_dashboard=False,
+                         object_store_memory=RAY_OBJECT_STORE_BYTES, log_to_driver=False,
+                         _node_ip_address="127.0.0.1")
+                self._ray_started = True
+        return ray.util.get_node_ip_address()
+
+    def _start_ray(self, common: dict[str, Any]) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        gpu = self.device.type == "cuda"
+        bundle = {"CPU": 1.0, "GPU": 1.0} if gpu else {"CPU": 1.0}
+        # One bundle per worker rank (rank 0 is this process, outside the group), packed
+        # onto as few nodes as hold them.
+        self._placement = placement_group([dict(bundle) for _ in range(1, self.world_size)],
+                                          strategy="PACK")
+        ready, _ = ray.wait([self._placement.ready()], timeout=START_TIMEOUT_SECONDS)
+        if not ready:
+            raise WorkerLostError(f"Ray could not place {self.world_size - 1} tensor-parallel "
+                                  f"workers ({bundle} each) within {START_TIMEOUT_SECONDS:.0f} s")
+        actor_class = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0)(RayRank)
+        for rank in range(1, self.world_size):
+            actor = actor_class.options(
+                name=None, max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self._placement, placement_group_bundle_index=rank - 1),
+            ).remote()
+            ref = actor.run.remote(**{**common, "rank": rank, "parent_pid": 0})
+            self._peers.append(_Peer(rank, actor, None, run_ref=ref))
+
+    def _dead(self, peer: _Peer) -> str | None:
+        """Why ``peer`` is gone, or None while it lives."""
+        if peer.sentinel is not None:
+            code = peer.handle.poll()
+            if code is None:
+                return None
+            how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
+            return f"tensor-parallel worker rank {peer.rank} (pid {peer.pid}) died ({how})"
+        import ray
+
+        done, _ = ray.wait([peer.run_ref], timeout=0)
+        if not done:
+            return None
+        try:
+            ray.get(done[0])
+            why = "returned"
+        except Exception as exc:  # the actor died, or its run() raised
+            why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        return f"tensor-parallel worker rank {peer.rank} (Ray actor) stopped ({why})"
+
+    def init_rank0(self) -> None:
+        """Take every worker's connection, then join the process group as rank 0 (blocks
+        until every worker joins; a worker that dies first raises)."""
+        import torch.distributed as dist
+
+        assert self._server is not None
+        deadline = time.monotonic() + START_TIMEOUT_SECONDS
+        self._server.settimeout(0.5)
+        waiting = {p.rank: p for p in self._peers}
+        while waiting:
+            for peer in waiting.values():
+                why = self._dead(peer)
+                if why:
+                    raise WorkerLostError(f"{why} while starting")
+            if time.monotonic() > deadline:
+                raise WorkerLostError(f"tensor-parallel workers {sorted(waiting)} did not start "
+                                      f"within {START_TIMEOUT_SECONDS:.0f} s")
+            try:
+                sock, _ = self._server.accept()
+            except TimeoutError:
+                continue
+            sock.setblocking(True)  # the Connection reads its fd with os.read
+            conn = mpc.Connection(sock.detach())
+            try:
+                mpc.deliver_challenge(conn, self._authkey)
+                mpc.answer_challenge(conn, self._authkey)
+                hello = _receive(conn)
+            except (mpc.AuthenticationError, OSError, EOFError, ValueError):
+                conn.close()
+                continue  # not one of ours
+            if isinstance(hello, RankError):
+                raise WorkerLostError(f"tensor-parallel worker rank {hello.rank} failed to start: "
+                                      f"{hello.message}")
+            if not isinstance(hello, RankBuilt) or hello.rank not in waiting:
+                conn.close()
+                continue
+            peer = waiting.pop(hello.rank)
+            peer.conn, peer.pid = conn, hello.pid
+        self._server.close()
+        self._server = None
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        dist.init_process_group(dist_backend(self.device), store=self._store, rank=0,
+                                world_size=self.world_size,
+                                timeout=datetime.timedelta(seconds=self.timeout))
+
+    def build(self, config_json: str, num_blocks: int) -> None:
+        """Every worker builds its runner with rank 0's resolved config and pool size."""
+        self._build = RankBuild(config_json, num_blocks)
+        self._broadcast(self._build)
+        self._answers(RankBuilt, deadline=time.monotonic() + START_TIMEOUT_SECONDS)
+
+    # -- steps ---------------------------------------------------------------------------
+
+    def _broadcast(self, message: object) -> None:
+        payload = messages.pack((message,))
+        for peer in self._peers:
+            try:
+                peer.conn.send_bytes(payload)
+            except OSError:
+                self.broken = True
+                raise WorkerLostError(self._dead(peer) or f"tensor-parallel worker rank "
+                                      f"{peer.rank} closed its connection") from None
+
+    def _answers(self, kind: type, *, deadline: float) -> list[Any]:
+        """Each worker's answer (of type ``kind``), in rank order."""
+        out = []
+        for peer in self._peers:
+            waitables = [peer.conn] + ([peer.sentinel] if peer.sentinel is not None else [])
+            ready = mpc.wait(waitables, timeout=max(0.0, deadline - time.monotonic()))
+            answer: object = None
+            if peer.conn in ready:
+                try:
+                    answer = _receive(peer.conn)
+                except (EOFError, OSError):
+                    answer = None
+            if answer is None:
+                self.broken = True
+                if not ready:
+                    raise WorkerLostError(f"tensor-parallel worker rank {peer.rank} did not "
+                                          f"answer within {self.timeout:.0f} s")
+                time.sleep(0.05)  # let the process's exit status settle
+                raise WorkerLostError(self._dead(peer) or f"tensor-parallel worker rank "
+                                      f"{peer.rank} closed its connection")
+            if isinstance(answer, RankError):
+                self.broken = True
+                raise WorkerLostError(f"tensor-parallel worker rank {answer.rank}: {answer.message}")
+            if not isinstance(answer, kind):
+                self.broken = True
+                raise WorkerLostError(f"tensor-parallel worker rank {peer.rank} answered "
+                                      f"{type(answer).__name__}, not {kind.__name__}")
+            out.append(answer)
+        return out
+
+    def send_step(self, plan: StepPlan) -> None:
+        t0 = time.perf_counter()
+        self._broadcast(RankStep(plan))
+        self.stats.broadcast_seconds += time.perf_counter() - t0
+
+    def check_step(self, result: StepResult) -> None:
+        """Wait for every worker's answer to the step and check it against rank 0's."""
+        t0 = time.perf_counter()
+        # The workers ran the same collectives: they answer within the collective timeout
+        # of rank 0's end of the step, or they are stuck.
+        answers = self._answers(RankDone, deadline=time.monotonic() + self.timeout + 5.0)
+        self.stats.wait_seconds += time.perf_counter() - t0
+        self.stats.steps += 1
+        sampled = tuple((t.sample_id, t.token_id) for t in result.sampled)
+        failed = tuple(f.sample_id for f in result.failed)
+        for peer, answer in zip(self._peers, answers, strict=True):
+            if answer.sampled != sampled or answer.failed != failed:
+                self.broken = True
+                raise WorkerLostError(
+                    f"tensor-parallel worker rank {peer.rank} diverged from rank 0 at step "
+                    f"{result.step_id}: sampled {answer.sampled[:4]} failed {answer.failed[:4]}, "
+                    f"rank 0 sampled {sampled[:4]} failed {failed[:4]}")
+
+    def command(self, message: RankWarmUp | RankReset) -> None:
+        """Send a warm-up or reset; :meth:`finish_command` collects the answers."""
+        self._broadcast(message)
+
+    def finish_command(self) -> None:
+        self._answers(RankDone, deadline=time.monotonic() + START_TIMEOUT_SECONDS)
+
+    def alive(self) -> bool:
+        return not self.broken and all(self._dead(p) is None for p in self._peers)
+
+    def pids(self) -> list[int]:
+        """The worker processes' ids (rank order)."""
+        return [p.pid for p in self._peers]
+
+    # -- stopping ----------------------------------------------------------------------------
+
+    def _stop_workers(self) -> None:
+        import torch.distributed as dist
+
+        for peer in self._peers:
+            if peer.conn is not None:
+                peer.conn.close()  # a worker waiting for a step sees EOF and exits
+        if self.backend == "ray":
+            import ray
+
+            for peer in self._peers:
+                try:
+                    ray.kill(peer.handle, no_restart=True)
+                except Exception:  # already gone
+                    pass
+            if self._placement is not None:
+                from ray.util.placement_group import remove_placement_group
+
+                try:
+                    remove_placement_group(self._placement)
+                except Exception:
+                    pass
+                self._placement = None
+        else:
+            deadline = time.monotonic() + 5.0
+            for peer in self._peers:
+                try:
+                    peer.handle.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    peer.handle.kill()  # stuck in a collective: it holds nothing to save
+                    peer.handle.wait(5.0)
+                if peer.sentinel is not None:
+                    os.close(peer.sentinel)
+        self._peers = []
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._store = None
+
+    def restart(self) -> None:
+        """Replace every worker (after one died): a new store, process group and runners."""
+        logger.warning("restarting the tensor-parallel workers")
+        build = self._build
+        self._stop_workers()
+        self._start()
+        self.init_rank0()
+        if build is not None:
+            self.build(build.config_json, build.num_blocks)
+
+    def close(self) -> None:
+        """Stop every worker (and a local Ray the group started)."""
+        self._stop_workers()
+        if self._ray_started:
+            import ray
+
+            ray.shutdown()
+            self._ray_started = False
+
+
+class TensorParallelRunner:
+    """Rank 0's runner with its workers: what the executor drives when
+    ``--tensor-parallel-size`` is above 1. Everything but the step-taking methods is rank
+    0's runner's (its config, its model, its request count)."""
+
+    def __init__(self, runner: Any, group: WorkerGroup) -> None:
+        self._runner = runner
+        self.group = group
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runner, name)
+
+    @property
+    def rank0(self) -> Any:
+        return self._runner
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        if self.group.broken:
+            raise WorkerLostError("the tensor-parallel workers are down")
+        self.group.send_step(plan)
+        result = self._runner.execute(plan)
+        self.group.check_step(result)
+        return result
+
+    def warm_up(self) -> None:
+        self.group.command(RankWarmUp())
+        self._runner.warm_up()
+        self.group.finish_command()
+
+    def reset(self) -> None:
+        """Forget every request on every rank; a broken group is replaced (blocking:
+        seconds, the workers reload the model)."""
+        self._runner.reset()
+        if self.group.alive():
+            try:
+                self.group.command(RankReset())
+                self.group.finish_command()
+                return
+            except WorkerLostError:
+                pass
+        self.group.restart()
+
+    def worker_pids(self) -> list[int]:
+        return self.group.pids()
+
+    def close(self) -> None:
+        self.group.close()
+
+
+# --- a worker's side -----------------------------------------------------------------------
+
+
+def main() -> None:
+    """``python -m engine.parallel.workers``: a worker rank, its arguments in
+    ``$ENGINE_TP_WORKER`` (set by :class:`WorkerGroup`)."""
+    args = json.loads(os.environ.pop(WORKER_ARGS_ENV))
+    worker_main(rank=args["rank"], world_size=args["world_size"],
+                address=tuple(args["address"]), authkey=bytes.fromhex(args["authkey"]),
+                store=tuple(args["store"]), config_json=args["config_json"],
+                timeout=args["timeout"], parent_pid=args["parent_pid"])
+
+
+def worker_main(*, rank: int, world_size: int, address: tuple[str, int], authkey: bytes,
+                store: tuple[str, int], config_json: str, timeout: float,
+                parent_pid: int) -> None:
+    """A worker rank: load the model, connect to rank 0, join the process group, build the
+    runner, then run every step rank 0 sends until its connection closes."""
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING,
+                        format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s")
+    if parent_pid:
+        _exit_with_parent(parent_pid)
+    try:
+        _serve_rank(rank, world_size, address, authkey, store, config_json, timeout)
+    finally:
+        logging.shutdown()
+        sys.stderr.flush()
+    # Skip the interpreter's teardown (torch's objects take seconds to finalize).
+    os._exit(0)
+
+
+def _serve_rank(rank: int, world_size: int, address: tuple[str, int], authkey: bytes,
+                store: tuple[str, int], config_json: str, timeout: float) -> None:
+    import torch.distributed as dist
+
+    from engine.core_process import config_from_json
+    from engine.loading import build_rank_runner, load_rank
+
+    config = config_from_json(config_json)
+    conn: Any = None
+    try:
+        device = rank_device(torch.device(_resolve_device(config.device)), rank)
+        share_cpu_threads(device, world_size)
+        loaded = load_rank(config, device)
+        conn = mpc.Client(address, authkey=authkey)
+        _send(conn, RankBuilt(rank, os.getpid()))
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        tcp_store = dist.TCPStore(store[0], store[1], world_size, is_master=False,
+                                  timeout=datetime.timedelta(seconds=START_TIMEOUT_SECONDS))
+        dist.init_process_group(dist_backend(device), store=tcp_store, rank=rank,
+                                world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
+        build = _receive(conn)
+        if not isinstance(build, RankBuild):
+            raise EngineError(f"expected RankBuild, got {type(build).__name__}")
+        runner = build_rank_runner(config_from_json(build.config_json), loaded, device,
+                                   build.num_blocks, TensorParallel(rank, world_size))
+        _send(conn, RankBuilt(rank, os.getpid()))
+    except Exception as exc:
+        logger.exception("tensor-parallel worker rank %d failed to start", rank)
+        if conn is None:
+            try:
+                conn = mpc.Client(address, authkey=authkey)
+            except OSError:
+                return
+        try:
+            _send(conn, RankError(rank, f"{type(exc).__name__}: {exc}"))
+        except OSError:
+            pass
+        return
+    while True:
+        try:
+            message = _receive(conn)
+        except (EOFError, OSError):
+            return  # rank 0 closed the connection (or is gone): stop
+        if isinstance(message, RankStep):
+            result = runner.execute(message.plan)
+            answer: object = RankDone(
+                result.step_id, tuple((t.sample_id, t.token_id) for t in result.sampled),
+                tuple(f.sample_id for f in result.failed))
+        elif isinstance(message, RankWarmUp):
+            try:
+                runner.warm_up()
+                answer = RankDone(-1, (), ())
+            except Exception as exc:
+                answer = RankError(rank, f"warm-up failed: {exc}")
+        elif isinstance(message, RankReset):
+            runner.reset()
+            answer = RankDone(-1, (), ())
+        else:
+            answer = RankError(rank, f"unexpected message {type(message).__name__}")
+        try:
+            _send(conn, answer)
+        except OSError:
+            return
+
+
+def _resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Exit at once when the parent (rank 0's process) is gone, even mid-collective."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_SECONDS)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+class RayRank:
+    """A worker rank as a Ray actor: its one long call runs :func:`worker_main`'s loop
+    (the steps come over the connection, not as Ray calls)."""
+
+    def run(self, **kwargs: Any) -> None:
+        kwargs["parent_pid"] = 0
+        import engine.parallel.workers as workers
+
+        logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
+        workers._serve_rank(kwargs["rank"], kwargs["world_size"], kwargs["address"],
+                            kwargs["authkey"], kwargs["store"], kwargs["config_json"],
+                            kwargs["timeout"])
+
+
+if __name__ == "__main__":
+    main()
