@@ -580,7 +580,8 @@ class VllmFlag:
     allowed: tuple[str, ...] | None = None
 
 
-_ONE_DEVICE = "this server runs on one device (one process, one GPU or the CPU)"
+_ONE_DEVICE = ("this server splits a model over devices by tensor parallelism only "
+               "(--tensor-parallel-size)")
 _NO_HUB = "this server loads local folders and GGUF files only (no Hugging Face Hub download)"
 
 # The ``vllm serve`` flags users are likely to pass that this server does not define under
@@ -589,8 +590,7 @@ _NO_HUB = "this server loads local folders and GGUF files only (no Hugging Face 
 VLLM_SERVE_FLAGS: dict[str, VllmFlag] = {
     "--guided-decoding-backend": VllmFlag("alias", target="--structured-outputs-backend"),
     "--uvicorn-log-level": VllmFlag("alias", target="--log-level"),
-    "--tensor-parallel-size": VllmFlag("no_op", _ONE_DEVICE, allowed=("1",)),
-    "-tp": VllmFlag("no_op", _ONE_DEVICE, allowed=("1",)),
+    "-tp": VllmFlag("alias", target="--tensor-parallel-size"),
     "--pipeline-parallel-size": VllmFlag("no_op", _ONE_DEVICE, allowed=("1",)),
     "-pp": VllmFlag("no_op", _ONE_DEVICE, allowed=("1",)),
     "-dp": VllmFlag("alias", target="--data-parallel-size"),
@@ -641,7 +641,6 @@ VLLM_SERVE_FLAGS: dict[str, VllmFlag] = {
         "refuse", "use --generation-config none, and send the sampling fields per request"),
     "--compilation-config": VllmFlag("refuse", "there is no torch.compile step here"),
     "-O": VllmFlag("refuse", "there is no torch.compile step here"),
-    "--distributed-executor-backend": VllmFlag("refuse", _ONE_DEVICE),
     "--api-server-count": VllmFlag("refuse", "one HTTP server process serves here"),
     "--enable-sleep-mode": VllmFlag("refuse", "sleep mode is not supported",
                                     takes_value=False),

@@ -132,29 +132,35 @@ def build_parts(config: EngineConfig) -> EngineParts:
         logger.info("speculative decoding: %s", config.speculative.describe())
     group = None
     if config.tensor_parallel_size > 1:
-        from engine.parallel.workers import WorkerGroup, share_cpu_threads
+        from engine.parallel.workers import share_cpu_threads
 
         share_cpu_threads(device, config.tensor_parallel_size)
+    load = load_rank(config, device)
+    if config.tensor_parallel_size > 1:
+        from engine.parallel.workers import WorkerGroup
+
+        # Refused before any worker starts; the workers load the model while rank 0
+        # sizes its pool and builds its runner.
+        _refuse_unsplittable(load.loaded.config, config.tensor_parallel_size)
         group = WorkerGroup(config, device)
     try:
-        return _build_parts(config, device, group)
+        return _build_parts(config, device, load, group)
     except BaseException:
         if group is not None:
             group.close()
         raise
 
 
-def _build_parts(config: EngineConfig, device: torch.device, group: Any) -> EngineParts:
+def _build_parts(config: EngineConfig, device: torch.device, load: RankLoad,
+                 group: Any) -> EngineParts:
     from engine.runner.kv_cache import num_kv_blocks
 
-    load = load_rank(config, device)
     loaded, tokenizer, pooler = load.loaded, load.tokenizer, load.pooler
     t2 = time.perf_counter()
     tp = None
     if group is not None:
         from engine.parallel import TensorParallel
 
-        _refuse_unsplittable(loaded.config, config.tensor_parallel_size)
         group.init_rank0()
         tp = TensorParallel(0, config.tensor_parallel_size)
     if loaded.config.is_encoder:

@@ -59,14 +59,14 @@ def test_a_refused_vllm_flag_is_a_usage_error_naming_it_and_why(capsys, option) 
 def test_vllm_flags_that_map_or_do_nothing_are_taken(capsys) -> None:
     args = _serve_parser().parse_args([
         "serve", "some/model", "--guided-decoding-backend", "guidance", "--trust-remote-code",
-        "-tp", "1", "--enforce-eager", "--uvicorn-log-level", "warning",
+        "-tp", "3", "--enforce-eager", "--uvicorn-log-level", "warning",
         "--disable-log-requests"])
-    assert (args.model_tag, args.structured_outputs_backend, args.log_level) == \
-        ("some/model", "guidance", "warning")
+    assert (args.model_tag, args.structured_outputs_backend, args.log_level,
+            args.tensor_parallel_size) == ("some/model", "guidance", "warning", 3)
     assert [n.split(":")[0] for n in args.vllm_no_ops] == \
-        ["--trust-remote-code", "-tp", "--enforce-eager", "--disable-log-requests"]
-    err = _usage_error(capsys, "--tensor-parallel-size", "2")
-    assert "--tensor-parallel-size 2 (a vLLM flag) is not supported" in err
+        ["--trust-remote-code", "--enforce-eager", "--disable-log-requests"]
+    err = _usage_error(capsys, "--pipeline-parallel-size", "2")
+    assert "--pipeline-parallel-size 2 (a vLLM flag) is not supported" in err
     # An unknown flag is still argparse's own error, naming it.
     assert "--frobnicate" in _usage_error(capsys, "--frobnicate")
 

@@ -1,0 +1,162 @@
+"""Tensor parallelism's processes (engine/parallel/workers.py): worker ranks driven by
+rank 0, the step broadcast, a worker killed mid-stream, Ray placement, and SmolLM2 split
+over three ranks behind ``python -m engine serve``.
+
+The oracle of every output is the same engine at one rank (itself checked against
+transformers in test_parity.py / test_cli.py): the split model must give the one-rank
+greedy tokens and, for a seeded sampler, the same draws."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import trio
+from engine_helpers import collect, greedy, token_ids, wait_idle
+
+import engine
+from engine.errors import EngineDeadError
+from engine.params import SamplingParams
+from engine.structured.spec import StructuredOutputs
+
+REPO = Path(__file__).resolve().parent.parent
+OPTIONS: dict[str, Any] = dict(dtype="float32", kv_cache_memory=2**22, max_num_seqs=8,
+                               async_scheduling=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engine.models.testing import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tp-tiny"), "llama")
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12] * 3, [40, 41, 42], [100, 7, 33, 2 + 60, 90, 91]]
+CASES: list[tuple[str, SamplingParams]] = [
+    ("greedy", greedy(20)),
+    ("logprobs", greedy(12, logprobs=3, prompt_logprobs=2)),
+    ("penalties", greedy(16, repetition_penalty=1.3, presence_penalty=0.5,
+                         frequency_penalty=0.3)),
+    ("seeded", SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=16,
+                              ignore_eos=True)),
+    ("regex", SamplingParams(temperature=0.0, max_tokens=12,
+                             structured_outputs=StructuredOutputs(regex="[a-f]{3,6}"))),
+]
+
+
+async def _outputs(eng: Any) -> dict[tuple[str, int], Any]:
+    """Every case on every prompt, all in flight at once (batched, async scheduling), then
+    the first prompt again (its leading blocks come from the prefix cache)."""
+    out: dict[tuple[str, int], Any] = {}
+
+    async def one(name: str, i: int, params: SamplingParams) -> None:
+        out[name, i] = await collect(eng, PROMPTS[i], params)
+
+    async with trio.open_nursery() as nursery:
+        for name, params in CASES:
+            for i in range(len(PROMPTS)):
+                nursery.start_soon(one, name, i, params)
+    before = eng.statistics().prefix_cache_hits
+    out["again", 0] = await collect(eng, PROMPTS[0], greedy(20))
+    assert eng.statistics().prefix_cache_hits > before
+    return out
+
+
+def _same(got: list[Any], want: list[Any]) -> bool:
+    """The same tokens, and logprobs within fp32's reach of a different summation order."""
+
+    def flat(outputs: list[Any]) -> tuple[list[int], list[tuple[int, float]]]:
+        scored = [lp for out in outputs for lp in (out.logprobs or ())]
+        scored += [p for p in (outputs[0].prompt_logprobs or ()) if p is not None]
+        return token_ids(outputs), [(lp.token_id, lp.logprob) for lp in scored]
+
+    (got_ids, got_lp), (want_ids, want_lp) = flat(got), flat(want)
+    return got_ids == want_ids and len(got_lp) == len(want_lp) and all(
+        a == c and abs(b - d) < 1e-4 for (a, b), (c, d) in zip(got_lp, want_lp, strict=True))
+
+
+async def test_two_ranks_give_the_one_rank_outputs_for_every_sampling_feature(model: Path) -> None:
+    async with engine.open_engine(str(model), **OPTIONS) as eng:
+        want = await _outputs(eng)
+    async with engine.open_engine(str(model), tensor_parallel_size=2, **OPTIONS) as eng:
+        pids = eng._parts.runner.worker_pids()
+        assert len(pids) == 1 and psutil.Process(pids[0]).ppid() == os.getpid()
+        got = await _outputs(eng)
+        await wait_idle(eng)  # every KV block came back
+        group = eng._parts.runner.group
+        assert group.stats.steps > 0
+    for key, outputs in want.items():
+        assert _same(got[key], outputs), key
+    assert any(token_ids(want["regex", i]) for i in range(3))
+    assert not psutil.pid_exists(pids[0])  # stopped with the engine
+
+
+async def test_a_worker_killed_mid_stream_fails_that_stream_and_the_group_restarts(model: Path) -> None:
+    async with engine.open_engine(str(model), **OPTIONS) as eng:
+        want = token_ids(await collect(eng, PROMPTS[1], greedy(8)))
+    async with engine.open_engine(str(model), tensor_parallel_size=2, max_engine_restarts=1,
+                                  **OPTIONS) as eng:
+        (victim,) = eng._parts.runner.worker_pids()
+        stream = await eng.submit(PROMPTS[0], greedy(400))
+        seen = 0
+        with pytest.raises(EngineDeadError) as info:
+            async with stream:
+                async for out in stream:
+                    seen += len(out.token_ids)
+                    if seen >= 3 and psutil.pid_exists(victim):
+                        os.kill(victim, signal.SIGKILL)
+        assert 3 <= seen < 400
+        assert f"tensor-parallel worker rank 1 (pid {victim}) died (killed by signal 9)" in str(info.value)
+        assert not psutil.pid_exists(victim)  # reaped, no zombie left
+        with trio.fail_after(120):
+            while not eng.serving:  # noqa: ASYNC110 - the group restarts (a new worker loads)
+                await trio.sleep(0.05)
+        assert token_ids(await collect(eng, PROMPTS[1], greedy(8))) == want
+        (replacement,) = eng._parts.runner.worker_pids()
+        assert replacement != victim and eng.restarts == 1
+    assert not psutil.pid_exists(replacement)
+    assert not psutil.Process().children(recursive=True)
+
+
+async def test_ray_places_the_workers_of_two_ranks_on_a_local_ray(model: Path) -> None:
+    """One local Ray for the whole suite, started and stopped by the engine: 1 CPU per
+    worker rank, no dashboard, a 100 MB object store, loopback only."""
+    pytest.importorskip("ray", reason="the [ray] extra is not installed")
+    import ray
+
+    async with engine.open_engine(str(model), **OPTIONS) as eng:
+        want = token_ids(await collect(eng, PROMPTS[0], greedy(12)))
+    assert not ray.is_initialized()
+    env_address = os.environ.pop("RAY_ADDRESS", None)
+    try:
+        async with engine.open_engine(str(model), tensor_parallel_size=2,
+                                      distributed_executor_backend="ray", **OPTIONS) as eng:
+            assert ray.is_initialized()
+            placement = eng._parts.runner.group._placement
+            assert ray.util.placement_group_table(placement)["bundles"] == {0: {"CPU": 1.0}}
+            assert token_ids(await collect(eng, PROMPTS[0], greedy(12))) == want
+    finally:
+        if env_address is not None:
+            os.environ["RAY_ADDRESS"] = env_address
+    assert not ray.is_initialized()  # the engine stopped the Ray it started
+
+
+def test_the_two_flags_are_checked_and_n_above_one_with_data_parallel_is_refused() -> None:
+    from engine.config import EngineConfig
+    from engine.errors import ConfigError
+
+    assert EngineConfig().tensor_parallel_size == 1
+    assert EngineConfig().distributed_executor_backend == "mp"
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ConfigError) as info:
+            EngineConfig(tensor_parallel_size=bad)
+        assert info.value.field == "tensor_parallel_size"
+    with pytest.raises(ConfigError) as info:
+        EngineConfig(distributed_executor_backend="spark")
+    assert info.value.field == "distributed_executor_backend"
+    with pytest.raises(ConfigError, match="data parallelism"):
+        EngineConfig(tensor_parallel_size=2, data_parallel_size=2)
