@@ -132,6 +132,7 @@ class _Peer:
 class GroupStatistics:
     steps: int = 0
     broadcast_seconds: float = 0.0  # packing and writing the step to every worker
+    broadcast_bytes: int = 0  # one worker's share: the frames' bytes
     wait_seconds: float = 0.0  # after rank 0's step, waiting for the workers' answers
 
 
@@ -309,7 +310,8 @@ class WorkerGroup:
 
     # -- steps ---------------------------------------------------------------------------
 
-    def _broadcast(self, message: object) -> None:
+    def _broadcast(self, message: object) -> int:
+        """Write ``message`` to every worker; returns its frame's size."""
         payload = messages.pack((message,))
         for peer in self._peers:
             try:
@@ -318,6 +320,7 @@ class WorkerGroup:
                 self.broken = True
                 raise WorkerLostError(self._dead(peer) or f"tensor-parallel worker rank "
                                       f"{peer.rank} closed its connection") from None
+        return len(payload)
 
     def _answers(self, kind: type, *, deadline: float) -> list[Any]:
         """Each worker's answer (of type ``kind``), in rank order."""
@@ -351,7 +354,7 @@ class WorkerGroup:
 
     def send_step(self, plan: StepPlan) -> None:
         t0 = time.perf_counter()
-        self._broadcast(RankStep(plan))
+        self.stats.broadcast_bytes += self._broadcast(RankStep(plan))
         self.stats.broadcast_seconds += time.perf_counter() - t0
 
     def check_step(self, result: StepResult) -> None:
