@@ -94,9 +94,9 @@ def build_rank_runner(config: EngineConfig, load: RankLoad, device: torch.device
     """The rank's :class:`~engine.runner.model_runner.ModelRunner` over ``num_blocks`` KV
     blocks; ``tp`` (engine.parallel.TensorParallel) names its slice of the model."""
     from engine.ops import get_ops
+    from engine.parallel import SINGLE
     from engine.runner.model_runner import ModelRunner
 
-    extra = {"tp": tp} if tp is not None and tp.enabled else {}
     return ModelRunner(
         load.loaded,
         device=device,
@@ -109,7 +109,7 @@ def build_rank_runner(config: EngineConfig, load: RankLoad, device: torch.device
         kv_cache_dtype=config.kv_cache_dtype,
         grammar=load.grammar,
         pooler=load.pooler,
-        **extra,
+        tp=tp if tp is not None else SINGLE,
     )
 
 
@@ -157,16 +157,16 @@ def _build_parts(config: EngineConfig, device: torch.device, load: RankLoad,
 
     loaded, tokenizer, pooler = load.loaded, load.tokenizer, load.pooler
     t2 = time.perf_counter()
-    tp = None
-    if group is not None:
-        from engine.parallel import TensorParallel
+    from engine.parallel import SINGLE, TensorParallel
 
+    tp = SINGLE
+    if group is not None:
         group.init_rank0()
         tp = TensorParallel(0, config.tensor_parallel_size)
     if loaded.config.is_encoder:
         config, num_blocks = _size_encoder(config, loaded, pooler)
     else:
-        config, num_blocks = _size_kv_pool(config, loaded, device, num_kv_blocks, pooler)
+        config, num_blocks = _size_kv_pool(config, loaded, device, num_kv_blocks, pooler, tp)
     runner = build_rank_runner(config, load, device, num_blocks, tp)
     if group is not None:
         from engine.core_process import config_to_json
@@ -180,7 +180,7 @@ def _build_parts(config: EngineConfig, device: torch.device, load: RankLoad,
         logger.info("encoder: no KV cache; max_model_len %d; runner built in %.2f s",
                     config.max_model_len, t3 - t2)
     else:
-        _log_kv_pool(config, loaded, device, num_blocks, t3 - t2)
+        _log_kv_pool(config, loaded, device, num_blocks, t3 - t2, tp)
     runner.warm_up()
     logger.info("warm-up in %.2f s", time.perf_counter() - t3)
     limits = AdmissionLimits(
@@ -205,10 +205,9 @@ def _build_parts(config: EngineConfig, device: torch.device, load: RankLoad,
 def _refuse_unsplittable(model_config: Any, world_size: int) -> None:
     """A model whose layers cannot be split over ``world_size`` ranks is refused here, at
     startup, with the tensor-parallel model code's reason."""
-    import engine.parallel as parallel
+    from engine.parallel.shard import tensor_parallel_problem
 
-    problem = getattr(parallel, "tensor_parallel_problem", None)
-    reason = problem(model_config, world_size) if problem is not None else None
+    reason = tensor_parallel_problem(model_config, world_size)
     if reason:
         raise ConfigError(reason, field="tensor_parallel_size")
 
@@ -247,7 +246,7 @@ def image_preprocessor(config: EngineConfig, model_config: Any, folder: Path, to
 
 
 def _log_kv_pool(config: EngineConfig, loaded: Any, device: torch.device, num_blocks: int,
-                 seconds: float) -> None:
+                 seconds: float, tp: Any) -> None:
     from engine.runner.kv_cache import bytes_per_block
 
     logger.info(
@@ -256,7 +255,8 @@ def _log_kv_pool(config: EngineConfig, loaded: Any, device: torch.device, num_bl
         num_blocks, config.block_size, num_blocks * config.block_size,
         config.kv_cache_dtype if config.kv_cache_dtype != "auto" else str(loaded.dtype).removeprefix("torch."),
         num_blocks * bytes_per_block(
-            loaded.config, loaded.dtype, config.block_size, kv_cache_dtype=config.kv_cache_dtype
+            loaded.config, loaded.dtype, config.block_size, kv_cache_dtype=config.kv_cache_dtype,
+            tp=tp,
         ) / 2**20,
         ", resident as blocks are used" if device.type == "cpu" else "",
         config.max_model_len, seconds,
@@ -353,9 +353,10 @@ def _size_encoder(config: EngineConfig, loaded: Any, pooler: Any) -> tuple[Engin
 
 def _size_kv_pool(
     config: EngineConfig, loaded: Any, device: torch.device, num_kv_blocks: Callable[..., int],
-    pooler: Any = None,
+    pooler: Any = None, tp: Any = None,
 ) -> tuple[EngineConfig, int]:
-    """The pool size, and max_model_len: the model's, capped by what the pool holds."""
+    """The pool size, and max_model_len: the model's, capped by what the pool holds (with
+    tensor parallelism ``kv_cache_memory`` is each rank's budget, for its own KV heads)."""
     model_max = _model_max_len(loaded, pooler)
     wanted = config.max_model_len
     if wanted is not None and wanted > model_max:
@@ -368,7 +369,7 @@ def _size_kv_pool(
     blocks = num_kv_blocks(
         loaded.config, loaded.dtype, config.block_size, config.kv_cache_memory, device,
         max_model_len=wanted if wanted is not None else config.block_size,
-        kv_cache_dtype=config.kv_cache_dtype,
+        kv_cache_dtype=config.kv_cache_dtype, **({"tp": tp} if tp is not None else {}),
     )
     max_len = min(wanted or model_max, blocks * config.block_size)
     return dataclasses.replace(config, max_model_len=max_len), blocks

@@ -13,6 +13,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import openai
 import psutil
 import pytest
 import trio
@@ -83,8 +84,12 @@ async def test_two_ranks_give_the_one_rank_outputs_for_every_sampling_feature(mo
     async with engine.open_engine(str(model), **OPTIONS) as eng:
         want = await _outputs(eng)
     async with engine.open_engine(str(model), tensor_parallel_size=2, **OPTIONS) as eng:
-        pids = eng._parts.runner.worker_pids()
+        runner = eng._parts.runner
+        pids = runner.worker_pids()
         assert len(pids) == 1 and psutil.Process(pids[0]).ppid() == os.getpid()
+        # Rank 0 holds half the model: one of the two KV heads in its pool.
+        assert runner.rank0.tp.world_size == 2
+        assert runner.kv_caches[0][0].shape[2] == runner.config.num_key_value_heads // 2 == 1
         got = await _outputs(eng)
         await wait_idle(eng)  # every KV block came back
         group = eng._parts.runner.group
@@ -145,6 +150,16 @@ async def test_ray_places_the_workers_of_two_ranks_on_a_local_ray(model: Path) -
     assert not ray.is_initialized()  # the engine stopped the Ray it started
 
 
+async def test_a_model_that_does_not_split_is_refused_before_any_worker_starts(model: Path) -> None:
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"num_attention_heads \(4\) does not divide by 3") as info:
+        async with engine.open_engine(str(model), tensor_parallel_size=3, **OPTIONS):
+            pass
+    assert info.value.field == "tensor_parallel_size"
+    assert not psutil.Process().children(recursive=True)
+
+
 def test_the_two_flags_are_checked_and_n_above_one_with_data_parallel_is_refused() -> None:
     from engine.config import EngineConfig
     from engine.errors import ConfigError
@@ -160,3 +175,32 @@ def test_the_two_flags_are_checked_and_n_above_one_with_data_parallel_is_refused
     assert info.value.field == "distributed_executor_backend"
     with pytest.raises(ConfigError, match="data parallelism"):
         EngineConfig(tensor_parallel_size=2, data_parallel_size=2)
+
+
+@pytest.mark.slow
+async def test_smollm2_over_three_ranks_through_serve_gives_the_one_rank_text() -> None:
+    """SmolLM2 (9 query heads, 3 KV heads) split over 3 ranks behind ``python -m engine
+    serve``, asked through the official client."""
+    from test_http_serve_options import _serve
+
+    from engine.models.loader import default_model_path
+
+    gguf = str(default_model_path())
+    flags = dict(dtype="float32", quantization="none", kv_cache_memory=16 * 2**20,
+                 max_model_len=256)
+    prompt = [1, 504, 3575, 282, 4649, 314, 253]  # token ids: both sides encode nothing
+    async with engine.open_engine(gguf, **flags) as eng:
+        outputs = await collect(eng, prompt, SamplingParams(temperature=0.0, max_tokens=24))
+    want = "".join(out.text for out in outputs)
+    assert len(token_ids(outputs)) > 8
+    with _serve(gguf, "--port", "0", "--tensor-parallel-size", "3", "--dtype", "float32",
+                "--quantization", "none") as (proc, where, log):
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        assert sum("engine.parallel.workers" in " ".join(w.cmdline()) for w in workers) == 2
+        with openai.OpenAI(base_url=f"{where}/v1", api_key="x", max_retries=0) as client:
+            reply = client.completions.create(model=client.models.list().data[0].id, prompt=prompt,
+                                              max_tokens=24, temperature=0)
+        assert reply.choices[0].text == want
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, "".join(log)
+    assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
