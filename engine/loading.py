@@ -70,8 +70,17 @@ def load_rank(config: EngineConfig, device: torch.device) -> RankLoad:
 
     t0 = time.perf_counter()
     path = resolve_model(config.model)
-    loaded = load_model(path, dtype=config.dtype, device=device, quantization=config.quantization,
-                        ops_backend=config.ops_backend)
+    load_device, dtype, ops_backend = device, config.dtype, config.ops_backend
+    if config.tensor_parallel_size > 1 and device.type == "cuda":
+        # The whole model may not fit one device: load on the host, in the layout and
+        # dtype of the rank's device; the runner moves only the rank's cut there.
+        from engine.ops import resolve_backend
+
+        load_device, ops_backend = torch.device("cpu"), resolve_backend(config.ops_backend, device)
+        if dtype == "auto" and path.suffix == ".gguf":
+            dtype = "bfloat16"  # what a GGUF loads as on CUDA
+    loaded = load_model(path, dtype=dtype, device=load_device, quantization=config.quantization,
+                        ops_backend=ops_backend)
     t1 = time.perf_counter()
     logger.info("loaded %s (%s, %s) in %.2f s", path, loaded.config.architecture, loaded.dtype, t1 - t0)
     tokenizer = Tokenizer.from_folder(loaded.folder)
