@@ -44,10 +44,12 @@ class _Gather:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _PrefillPlan:
-    """How one varlen step splits into single-token rows and padded multi-token rows."""
+    """How one varlen step splits into rows attended one by one, as decode rows, and
+    padded multi-token rows."""
 
-    single_rows: torch.Tensor  # [Bs] int64: token rows of requests with one query token
-    single_requests: torch.Tensor  # [Bs] int64: those requests' indices in the batch
+    single_rows: torch.Tensor  # [Bs] int64: token rows attended as decode rows
+    single_requests: torch.Tensor  # [Bs] int64: each one's request index in the batch
+    single_seq_lens: torch.Tensor  # [Bs] int32: the context each one sees (itself included)
     single: _Gather | None
     multi_src: torch.Tensor  # [Bm * Qmax] int64: token row feeding each padded query slot
     multi_dst: torch.Tensor  # [Tm] int64: token rows of the multi-token requests
@@ -60,6 +62,10 @@ class TorchOps:
     """The reference op set. Stateless apart from a one-entry memo of the step's indices."""
 
     name = "torch"
+    # Requests of a mixed step with at most this many query tokens are attended row by row
+    # as decode rows (``_attend_single_rows``). The reference pads a decode batch to its
+    # longest context, so its rows depend on their neighbours anyway: only one-token rows.
+    rowwise_max_query_len = 1
 
     def __init__(self) -> None:
         self._decode_key: tuple[object, ...] | None = None
@@ -178,7 +184,7 @@ class TorchOps:
         # Same metadata object for every layer of a step: plan once, hold it so the id
         # cannot be reused by a later step's object.
         if meta is not self._prefill_meta or self._prefill_plan is None:
-            self._prefill_plan = _prefill_plan(meta, k_cache.shape[1])
+            self._prefill_plan = _prefill_plan(meta, k_cache.shape[1], self.rowwise_max_query_len)
             self._prefill_meta = meta
         plan = self._prefill_plan
         out = torch.empty_like(query)
@@ -282,24 +288,30 @@ def _decode_gather(
     return _Gather(blocks, mask.view(batch, 1, 1, length), batch, length, distance)
 
 
-def _prefill_plan(meta: AttentionMetadata, block_size: int) -> _PrefillPlan:
+def _prefill_plan(meta: AttentionMetadata, block_size: int, rowwise: int = 1) -> _PrefillPlan:
+    """Requests with at most ``rowwise`` query tokens have each one attended as a decode
+    row; the others go in the padded multi-token batch."""
     device = meta.block_tables.device
     qlens, slens = meta.query_lens_host, meta.seq_lens_host
     starts = [0]
     for n in qlens:
         starts.append(starts[-1] + n)
-    single_idx = [b for b, n in enumerate(qlens) if n == 1]
-    multi_idx = [b for b, n in enumerate(qlens) if n > 1]
+    single_idx = [b for b, n in enumerate(qlens) if 0 < n <= rowwise]
+    multi_idx = [b for b, n in enumerate(qlens) if n > rowwise]
     empty = torch.empty(0, dtype=torch.int64, device=device)
 
     single = None
     single_rows = sel = empty
+    single_lens = torch.empty(0, dtype=torch.int32, device=device)
     if single_idx:
-        single_rows = torch.tensor([starts[b] for b in single_idx], device=device)
-        sel = torch.tensor(single_idx, device=device)
-        single = _decode_gather(
-            meta.block_tables.index_select(0, sel), tuple(slens[b] for b in single_idx), block_size
-        )
+        # Query i of request b sits at position seq_len - qlen + i: it sees i + 1 fewer
+        # keys than the end of its request's context, as the decode step of that token.
+        rows = [(starts[b] + i, b, slens[b] - qlens[b] + i + 1) for b in single_idx for i in range(qlens[b])]
+        single_rows = torch.tensor([r for r, _, _ in rows], device=device)
+        sel = torch.tensor([b for _, b, _ in rows], device=device)
+        lens = tuple(n for _, _, n in rows)
+        single_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+        single = _decode_gather(meta.block_tables.index_select(0, sel), lens, block_size)
 
     multi = None
     src = dst = keep = empty
@@ -317,7 +329,7 @@ def _prefill_plan(meta: AttentionMetadata, block_size: int) -> _PrefillPlan:
             keep_l.extend(range(i * max_q, i * max_q + n))
         src, dst, keep = (torch.tensor(v, device=device) for v in (src_l, dst_l, keep_l))
         multi = _multi_gather(meta, multi_idx, max_q, block_size)
-    return _PrefillPlan(single_rows, sel, single, src, dst, keep, multi, max_q)
+    return _PrefillPlan(single_rows, sel, single_lens, single, src, dst, keep, multi, max_q)
 
 
 def _multi_gather(

@@ -11,8 +11,10 @@ sampling) from :class:`TorchOps`.
 The C path takes fp32 and bf16 tensors in the layouts the model produces (rows with a
 uniform stride, heads contiguous); any other input (fp16, an odd view, a shape past the
 kernels' buffers) goes to the torch reference, so every call gets an answer. Single-query
-attention rows always take the same path whatever else is in the batch, so a request's
-numbers do not depend on its neighbours.
+attention rows, and every row of a request with at most 65 query tokens in the step (a
+speculative verification chunk), take the decode kernel whatever else is in the batch, so
+a position's numbers depend neither on its neighbours nor on how many of its request's
+positions the step computes.
 
 The extension is compiled when the package is installed (``setup.py``). Where it is
 missing, :func:`available` is false and ``get_ops("auto")`` falls back to ``TorchOps``.
@@ -54,6 +56,13 @@ class CpuOps(TorchOps):
     are not built."""
 
     name = "cpu"
+    # Each query row of a request with at most this many query tokens in a step goes
+    # through the decode kernel, with the context up to itself: a speculative verification
+    # chunk (1 + up to 64 proposed tokens, the most ``num_speculative_tokens`` allows)
+    # then computes every position bit for bit as the one-token decode step of it would,
+    # so greedy speculation gives the plain decode's tokens. Longer chunks (prefill) take
+    # the padded SDPA path.
+    rowwise_max_query_len = 65
 
     def __init__(self) -> None:
         if _lib is None:
@@ -223,10 +232,9 @@ class CpuOps(TorchOps):
         window: int,
         softcap: float,
     ) -> torch.Tensor:
-        sel = plan.single_requests
         out = self._decode(
-            query, k_cache, v_cache, meta.block_tables.index_select(0, sel),
-            meta.seq_lens.index_select(0, sel), scale, window, softcap,
+            query, k_cache, v_cache, meta.block_tables.index_select(0, plan.single_requests),
+            plan.single_seq_lens, scale, window, softcap,
         )
         if out is None:
             return super()._attend_single_rows(query, k_cache, v_cache, meta, plan, scale, window, softcap)
