@@ -242,3 +242,36 @@ async def test_mm_processor_kwargs_sets_the_pixel_budget(qwen_vl, tmp_path) -> N
     with pytest.raises(ConfigError, match="only Qwen-VL"):
         async with _open(llava, mm_processor_kwargs=budget):
             pass
+
+
+@pytest.mark.parametrize("qwen_vl", ["qwen2_5_vl"], indirect=True)
+async def test_requests_batched_together_each_get_their_own_positions(qwen_vl, hf) -> None:
+    """Three requests (two images, one image, text only) prefill and decode in the same
+    steps; each one's M-RoPE positions and delta are its own."""
+    import trio
+
+    cases = [(IMAGES, QUESTION), ([_image(5, size=(16, 40))], "Hello world!"), ([], "The quick brown fox")]
+    expected = [hf_run(hf, images, question, new_tokens=12)[2] if images else None
+                for images, question in cases]
+    got: dict[int, list[int]] = {}
+    async with _open(qwen_vl, max_num_batched_tokens=64) as eng:
+        async def run(i: int, images: list, question: str) -> None:
+            prompt = messages(images, question) if images else [{"role": "user", "content": question}]
+            stream = await eng.submit(prompt, greedy(12))
+            async with stream:
+                got[i] = token_ids([o async for o in stream])
+
+        async with trio.open_nursery() as nursery:
+            for i, (images, question) in enumerate(cases):
+                nursery.start_soon(run, i, images, question)
+        # Text only on a Qwen-VL model: the positions of a plain decoder (all three equal).
+        alone = await eng.submit([{"role": "user", "content": cases[2][1]}], greedy(12))
+        async with alone:
+            assert token_ids([o async for o in alone]) == got[2]
+        await wait_idle(eng)
+    assert [got[0], got[1]] == expected[:2]
+    model, processor = hf
+    inputs = processor.tokenizer(hf_text(0, cases[2][1]), return_tensors="pt")
+    with torch.no_grad():
+        text_only = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+    assert got[2] == text_only[0, inputs["input_ids"].shape[1]:].tolist()

@@ -409,16 +409,19 @@ class ModelRunner:
     ) -> torch.Tensor:
         """[3, T]: each chunk's M-RoPE positions, the prompt's as computed at admission and
         every later token (outputs, proposals) at its index plus the request's delta."""
-        parts = []
+        streams: tuple[list[int], list[int], list[int]] = ([], [], [])
         for c, s in zip(chunks, states, strict=True):
             assert s.mrope is not None
             end = c.start + c.num_tokens
             cut = min(max(c.start, s.mrope.shape[1]), end)
             if cut > c.start:
-                parts.append(s.mrope[:, c.start : cut])
-            if end > cut:
-                parts.append(torch.arange(cut + s.mrope_delta, end + s.mrope_delta).expand(3, -1))
-        return torch.cat(parts, dim=1).to(self.device, non_blocking=True)
+                for out, rows in zip(streams, s.mrope[:, c.start : cut].tolist(), strict=True):
+                    out.extend(rows)
+            if end > cut:  # decode rows: plain Python, no tensor op per request
+                later = range(cut + s.mrope_delta, end + s.mrope_delta)
+                for out in streams:
+                    out.extend(later)
+        return torch.tensor(streams, dtype=torch.int64).to(self.device, non_blocking=True)
 
     # -- pooling ---------------------------------------------------------------------------
 
