@@ -31,6 +31,7 @@ from engine.errors import UnsupportedModelError
 from engine.models.config import ModelConfig
 from engine.models.loader import _converted_gguf
 from engine.models.testing import TINY_ARCHITECTURES, TINY_MOE_ARCHITECTURES, write_tiny_model
+from engine.ops.quant import LAYOUT_FORMATS
 from engine.parallel import SINGLE, TensorParallel
 from engine.parallel.shard import kv_head_range, tensor_parallel_problem
 
@@ -165,29 +166,48 @@ def test_the_model_path_is_unchanged_on_one_rank(tmp_path: Path) -> None:
     assert model.num_heads == loaded.config.num_attention_heads
 
 
-CUT_FORMATS = ["Q4_0", "Q8_0", "Q4_K"]
+CUT_FORMATS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
 
-@pytest.mark.parametrize("layout", ["panels", "blocks"])
-@pytest.mark.parametrize("fmt", CUT_FORMATS)
+def _blocks(fmt: str, n: int, k: int) -> torch.Tensor:
+    """GGUF rows of ``fmt`` for a random [n, k] weight: quantized by the gguf package (or
+    the helpers' Q4_K encoder); Q5_K and Q6_K, which neither writes, as random bytes with
+    their fp16 scales set to finite values (every bit field random, so a misplaced one shows)."""
+    from test_loader import quantize_array
+
+    from engine.ops.quant import format_of
+
+    if fmt not in ("Q5_K", "Q6_K"):
+        array = torch.randn(n, k, generator=torch.Generator().manual_seed(7)).numpy()
+        return torch.from_numpy(quantize_array(array, getattr(gguf.GGMLQuantizationType, fmt)).copy())
+    f = format_of(fmt)
+    raw = torch.randint(0, 256, (n, k // f.block, f.block_bytes), dtype=torch.uint8,
+                        generator=torch.Generator().manual_seed(7))
+    scales = (torch.rand(n, k // f.block, 2, generator=torch.Generator().manual_seed(8)) * 0.01).half()
+    at = (0, 4) if fmt == "Q5_K" else (208, 210)  # Q5_K: d, dmin; Q6_K: d
+    raw[..., at[0] : at[1]] = scales[..., : (at[1] - at[0]) // 2].contiguous().view(torch.uint8).view(n, k // f.block, -1)
+    return raw.view(n, -1)
+
+
+# Every format each layout's kernels read (blocks: the Triton kernel's four).
+CUTS = [(fmt, layout) for layout in ("panels", "blocks") for fmt in CUT_FORMATS if fmt in LAYOUT_FORMATS[layout]]
+
+
+@pytest.mark.parametrize(("fmt", "layout"), CUTS, ids=[f"{f}-{lay}" for f, lay in CUTS])
 def test_quantized_cuts_keep_the_blocks_and_their_values(fmt: str, layout: str) -> None:
     """Cuts of a kept weight dequantize to the same cuts of the whole weight, in either
     layout, including row cuts inside a 16-row panel (repacked) and joined spans."""
-    from test_loader import quantize_array
-
     from engine.ops.quant import QuantizedWeight
     from engine.parallel.shard import take_cols, take_rows
 
     n, k = 56, 512
-    array = torch.randn(n, k, generator=torch.Generator().manual_seed(7)).numpy()
-    raw = torch.from_numpy(quantize_array(array, getattr(gguf.GGMLQuantizationType, fmt)).copy())
-    w = QuantizedWeight.from_blocks(raw, fmt, k, layout=layout)
+    w = QuantizedWeight.from_blocks(_blocks(fmt, n, k), fmt, k, layout=layout)
     whole = w.dequantize()
     for spans in ([(16, 48)], [(8, 40)], [(0, 8), (24, 40)], [(40, 56)]):
         cut = take_rows(w, spans, "w")
         assert isinstance(cut, QuantizedWeight) and cut.fmt.name == fmt and cut.layout == layout
         assert torch.equal(cut.dequantize(), torch.cat([whole[a:b] for a, b in spans]))
-    for a, b in ((256, 512), (0, 256)) + (((32, 96),) if fmt != "Q4_K" else ()):
+    for a, b in ((256, 512), (0, 256)) + (((32, 96),) if w.fmt.block == 32 else ()):
         cut = take_cols(w, a, b, "w")
         assert isinstance(cut, QuantizedWeight) and cut.shape == (n, b - a)
         assert torch.equal(cut.dequantize(), whole[:, a:b])
