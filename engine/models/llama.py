@@ -284,8 +284,13 @@ class LlamaModel:
         return self.tp.all_reduce(layer.o_proj(o.reshape(t, h * d)))  # row-parallel o
 
     def _head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Per-head RMSNorm of q or k [T, heads, D] before RoPE (Qwen3)."""
-        return self.ops.rms_norm(x, weight, self.eps)
+        """Per-head RMSNorm of q or k [T, heads, D] before RoPE (Qwen3).
+
+        q and k are column slices of the fused q/k/v output, so with several rows they are
+        strided views, which the C kernel does not take: copied to contiguous rows first, so
+        every row takes the C kernel (Hugging Face's bf16 rounding) whatever its batch, as a
+        single row (contiguous already) and the fused decode step do."""
+        return self.ops.rms_norm(x if x.is_contiguous() else x.contiguous(), weight, self.eps)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [T, hidden]. Vocab-parallel: each rank looks up the ids of
