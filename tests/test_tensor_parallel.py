@@ -204,7 +204,7 @@ def test_quantized_cuts_keep_the_blocks_and_their_values(fmt: str, layout: str) 
     w = QuantizedWeight.from_blocks(_blocks(fmt, n, k), fmt, k, layout=layout)
     whole = w.dequantize()
     for spans in ([(16, 48)], [(8, 40)], [(0, 8), (24, 40)], [(40, 56)]):
-        cut = take_rows(w, spans, "w")
+        cut = take_rows(w, spans)
         assert isinstance(cut, QuantizedWeight) and cut.fmt.name == fmt and cut.layout == layout
         assert torch.equal(cut.dequantize(), torch.cat([whole[a:b] for a, b in spans]))
     for a, b in ((256, 512), (0, 256)) + (((32, 96),) if w.fmt.block == 32 else ()):

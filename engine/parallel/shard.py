@@ -30,7 +30,7 @@ import torch
 
 from engine.errors import CorruptModelError, UnsupportedModelError
 from engine.models.config import ModelConfig
-from engine.ops.quant import PANEL, QuantizedWeight, pack_panels, unpack_panels
+from engine.ops.quant import PANEL, Decoded, QuantizedWeight, pack_panels, unpack_panels
 from engine.parallel import SINGLE, TensorParallel, shard_range
 
 
@@ -82,8 +82,8 @@ def check_tensor_parallel(config: ModelConfig, tp: TensorParallel) -> None:
 
 def local_heads(config: ModelConfig, tp: TensorParallel = SINGLE) -> tuple[int, int]:
     """``(query heads, KV heads)`` rank ``tp.rank`` holds."""
-    n, hkv = tp.world_size, config.num_key_value_heads
-    return config.num_attention_heads // n, max(hkv // n, 1)
+    n = tp.world_size
+    return config.num_attention_heads // n, max(config.num_key_value_heads // n, 1)
 
 
 def kv_head_range(config: ModelConfig, tp: TensorParallel = SINGLE) -> tuple[int, int]:
@@ -108,9 +108,9 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def take_rows(w, spans: list[tuple[int, int]], name: str):
+def take_rows(w, spans: list[tuple[int, int]]):
     """Rows ``spans`` (``[start, stop)`` each, concatenated) of a dense tensor (1-D: a
-    bias) or a quantized weight."""
+    bias) or a quantized weight (any rows: a panel cut inside is repacked)."""
     if isinstance(w, QuantizedWeight):
         parts = [_quant_rows(w, a, b) for a, b in spans]
         return parts[0] if len(parts) == 1 else _cat_quant_rows(parts)
@@ -121,7 +121,8 @@ def take_rows(w, spans: list[tuple[int, int]], name: str):
 
 
 def take_cols(w, start: int, stop: int, name: str):
-    """Columns ``[start, stop)`` (input features) of a dense or quantized ``[N, K]`` weight."""
+    """Columns ``[start, stop)`` (input features) of a dense or quantized ``[N, K]`` weight;
+    ``name`` is the tensor's, for the refusal of a cut inside a quantized block."""
     if isinstance(w, QuantizedWeight):
         return _quant_cols(w, start, stop, name)
     return _own(w[..., start:stop])
@@ -142,8 +143,6 @@ def _quant_rows(w: QuantizedWeight, a: int, b: int) -> QuantizedWeight:
     rows = min(p1 * PANEL, n) - p0 * PANEL
     dec = unpack_panels(w.fmt, covering, rows, k)
     lo, hi = a - p0 * PANEL, b - p0 * PANEL
-    from engine.ops.quant import Decoded
-
     cut = Decoded(w.fmt, dec.codes[lo:hi].contiguous(), {f: t[lo:hi].contiguous() for f, t in dec.fields.items()})
     return QuantizedWeight(w.fmt, (b - a, k), "panels", pack_panels(cut))
 
@@ -151,8 +150,6 @@ def _quant_rows(w: QuantizedWeight, a: int, b: int) -> QuantizedWeight:
 def _cat_quant_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     if parts[0].layout == "panels" and any(p.shape[0] % PANEL for p in parts[:-1]):
         # Panels only concatenate whole: repack the rows together.
-        from engine.ops.quant import Decoded
-
         decs = [p.decoded() for p in parts]
         fields = {f: torch.cat([d.fields[f] for d in decs]) for f in decs[0].fields}
         dec = Decoded(parts[0].fmt, torch.cat([d.codes for d in decs]), fields)
@@ -229,7 +226,7 @@ class ShardedWeights:
             start += size
         if start != w.shape[0]:
             raise CorruptModelError(f"weight {name!r} has {w.shape[0]} rows, expected {start}")
-        return self._cast(take_rows(w, cut, name))
+        return self._cast(take_rows(w, cut))
 
     def cols(self, name: str):
         """Row-parallel: this rank's equal share of the input columns."""
