@@ -32,7 +32,8 @@ class ImageInput:
     pixels: bytes
     shape: tuple[int, ...]
     # Qwen-VL: the image's (t, h, w) patch grid (``pixels`` are its patches, ``shape``
-    # ``(t * h * w, C * T * P * P)``); empty for a fixed-size tower (LLaVA).
+    # ``(t * h * w, C * T * P * P)``, or ``C * P * P`` for a still image whose temporal
+    # frames are one frame repeated); empty for a fixed-size tower (LLaVA).
     grid: tuple[int, ...] = ()
 
 

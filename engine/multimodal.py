@@ -282,7 +282,7 @@ class ImagePreprocessor:
 
     def pixels(self, raw: RawImage) -> tuple[bytes, tuple[int, ...]]:
         """Float32 pixel bytes and their shape for one image: ``(C, H, W)``, or Qwen-VL's
-        patches ``(t * h * w, C * T * P * P)``."""
+        patches ``(t * h * w, C * T * P * P)`` (``C * P * P``: one frame of a still image)."""
         pixels, shape, _ = self.preprocess(raw)
         return pixels, shape
 
@@ -299,6 +299,12 @@ class ImagePreprocessor:
         if self.merge_size is not None:
             pixels = out["pixel_values"]  # every patch of the image, one row each
             grid = tuple(int(d) for d in out["image_grid_thw"][0])
+            # A still image's temporal patch is its one frame repeated (C, T, P, P): keep
+            # one copy, half the bytes to carry (the tower repeats it back).
+            frames = pixels.reshape(len(pixels), -1, int(self.processor.temporal_patch_size),
+                                    int(self.processor.patch_size) ** 2)
+            if (frames == frames[:, :, :1]).all():
+                pixels = frames[:, :, 0].reshape(len(pixels), -1)
         else:
             pixels = out["pixel_values"][0]
         pixels = pixels.astype("<f4", copy=False)

@@ -131,6 +131,11 @@ async def test_logits_and_greedy_tokens_match_transformers(qwen_vl, hf, num_imag
         torch.testing.assert_close(sampled, hf_steps, atol=2e-4, rtol=0)
         # Each image ran through the encoder exactly once, chunk boundary or not.
         assert eng._parts.runner.encoder_runs == num_images
+        # A still image's patches travel as one frame (3 x 4 x 4 values), not two.
+        from engine.multimodal import RawImage
+
+        _, shape = eng._parts.images.pixels(RawImage("messages[0].content[0]", images[0]))
+        assert shape == (80, 48)  # 40 x 32 pixels: 8 x 10 patches
         await wait_idle(eng)
 
 

@@ -307,11 +307,19 @@ class QwenVLModel(LlamaModel):
         self._mrope_column = torch.arange(2 * half, device=self.device)
 
     def encode_image_inputs(self, images: Sequence[Any]) -> list[torch.Tensor]:
-        """``ImageInput``s (``pixels`` of ``shape`` [t*h*w, C*T*P*P], ``grid`` (t, h, w)) ->
-        one ``[tokens, hidden]`` embedding per image, in the model dtype."""
-        pixels = torch.cat([
-            torch.frombuffer(bytearray(im.pixels), dtype=torch.float32).view(im.shape) for im in images])
-        return self.vision(pixels.to(self.device), [tuple(im.grid) for im in images])
+        """``ImageInput``s (``pixels`` of ``shape`` [t*h*w, C*T*P*P], or [t*h*w, C*P*P] for
+        a still image's one frame; ``grid`` (t, h, w)) -> one ``[tokens, hidden]``
+        embedding per image, in the model dtype."""
+        cfg = self.vision.cfg
+        area = cfg.patch_size * cfg.patch_size
+        parts = []
+        for im in images:
+            patches = torch.frombuffer(bytearray(im.pixels), dtype=torch.float32).view(im.shape)
+            if im.shape[1] == cfg.in_channels * area:  # one frame: repeat it T times
+                patches = patches.view(-1, cfg.in_channels, 1, area).expand(
+                    -1, -1, cfg.temporal_patch_size, -1).reshape(len(patches), -1)
+            parts.append(patches)
+        return self.vision(torch.cat(parts).to(self.device), [tuple(im.grid) for im in images])
 
     def mrope_table(self, positions: torch.Tensor) -> torch.Tensor:
         """[T, head_dim]: each token's cos/sin row, frequency j taken at the position of the
