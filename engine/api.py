@@ -176,6 +176,9 @@ class EngineLike(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
+    async def tokenize_chat(self, messages: Sequence[dict[str, Any]],
+                            chat_options: TemplateOptions | None = None) -> tuple[int, ...]: ...
+
     async def embed(
         self, input: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]], *,
         dimensions: int | None = None, truncate_prompt_tokens: int | None = None,
@@ -307,19 +310,7 @@ class Engine:
             priority=priority, cache_salt=cache_salt, arrival_time=time.monotonic(),
             chat_options=chat_options.to_json() if chat_options is not None else None,
         )
-        ids = await tokenize_prompt(
-            self.tokenizer, submit.prompt, limiter=self._prompt_limiter,
-            template_seconds=self.config.chat_template_timeout,
-            max_model_len=self.max_model_len,
-            special_tokens_in_content=self.config.allow_special_tokens_in_content,
-            # The image token each image part became is the engine's, not the client's.
-            content_tokens=self._parts.images.content_tokens if raw_images else ())
-        images: tuple[Any, ...] = ()
-        if raw_images:
-            # Decoding and the image processor take milliseconds per image: off the trio
-            # thread, abandoned (pure) on cancel.
-            ids, images = await trio.to_thread.run_sync(
-                self._parts.images.expand, ids, raw_images, abandon_on_cancel=True)
+        ids, images = await self._prompt_ids(submit.prompt, raw_images)
         if params.structured_outputs is not None and self._compiles is not None:
             admission.check_min_tokens(params)
             # In a worker process, under a time budget; leaving (a cancel) kills it.
@@ -344,6 +335,35 @@ class Engine:
             handles.router.close(mailbox)
             raise self._dead_error() from self.dead_reason
         return RequestStream(self, mailbox)
+
+    async def tokenize_chat(self, messages: Sequence[dict[str, Any]],
+                            chat_options: TemplateOptions | None = None) -> tuple[int, ...]:
+        """The prompt token ids ``submit`` would run chat ``messages`` as, each image part
+        widened to its placeholder tokens (``/tokenize``, ``count_tokens``). Refuses what
+        ``submit`` refuses of the images (:class:`InvalidParamError` naming the part)."""
+        raw_images: list[Any] = []
+        if multimodal.has_images(messages):
+            messages, raw_images = self._split_images(messages)
+        prompt = admission.prompt_message(
+            messages, chat_options.to_json() if chat_options is not None else None)
+        return (await self._prompt_ids(prompt, raw_images))[0]
+
+    async def _prompt_ids(self, prompt: admission.Prompt,
+                          raw_images: Sequence[Any]) -> tuple[tuple[int, ...], tuple[Any, ...]]:
+        ids = await tokenize_prompt(
+            self.tokenizer, prompt, limiter=self._prompt_limiter,
+            template_seconds=self.config.chat_template_timeout,
+            max_model_len=self.max_model_len,
+            special_tokens_in_content=self.config.allow_special_tokens_in_content,
+            # The image token each image part became is the engine's, not the client's.
+            content_tokens=self._parts.images.content_tokens if raw_images else ())
+        images: tuple[Any, ...] = ()
+        if raw_images:
+            # Decoding and the image processor take milliseconds per image: off the trio
+            # thread, abandoned (pure) on cancel.
+            ids, images = await trio.to_thread.run_sync(
+                self._parts.images.expand, ids, list(raw_images), abandon_on_cancel=True)
+        return ids, images
 
     def _split_images(self, prompt: Any) -> tuple[list[Any], list[Any]]:
         """The chat messages with image parts replaced by the model's image token, and the

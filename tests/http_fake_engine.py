@@ -145,6 +145,15 @@ class FakeEngine:
         self._nursery.start_soon(self._run, rid, ids, params, max_tokens, send)
         return RequestStream(self, rid, ids, receive)
 
+    async def tokenize_chat(self, messages: Any, chat_options: Any = None) -> tuple[int, ...]:
+        """A text-only model's: image parts refused as the real engine refuses them."""
+        from engine import multimodal
+
+        await trio.lowlevel.checkpoint()
+        messages, _ = multimodal.split_images(messages, None, multimodal.MediaLimits(),
+                                              model=self.model_name)
+        return tuple(self._prompt_ids(messages, chat_options))
+
     def _prompt_ids(self, prompt: Any, chat_options: Any) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)

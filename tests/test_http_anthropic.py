@@ -212,9 +212,14 @@ def test_a_named_tool_is_called(server, clients):
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"messages": ASK}, "max_tokens"),
+    # This model takes text only: the image block is refused by name.
     ({"messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                      "data": "iVBORw0KGgo="}}]}], "max_tokens": 5},
+     "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "document", "source": {"type": "text", "media_type": "text/plain",
+                                        "data": "hi"}}]}], "max_tokens": 5},
      "messages[0].content[0].type"),
     ({"messages": ASK, "max_tokens": 5, "thinking": {"type": "enabled", "budget_tokens": 1024}},
      "thinking"),

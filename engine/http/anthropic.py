@@ -14,6 +14,8 @@ Messages                     chat
 ===========================  ==============================================================
 ``system`` (text or blocks)  a first ``system`` message
 ``text`` blocks              the message's text (joined)
+``image`` blocks (user)      ``image_url`` parts: a ``base64`` source as a ``data:`` URL, a
+                             ``url`` source as the URL (served as chat serves them)
 ``tool_use`` (assistant)     ``tool_calls`` (``input`` as the arguments)
 ``tool_result`` (user)       a ``tool`` message answering ``tool_use_id``, before the text
 ``thinking`` (assistant)     dropped, as chat templates drop earlier turns' reasoning
@@ -29,8 +31,8 @@ a final assistant message    a prefill the model continues (``continue_final_mes
 ``output_config.format``     ``response_format`` (``json_schema``)
 ===========================  ==============================================================
 
-Refused with a 400 naming the field (each would change the answer): image, document and
-other non-text blocks, server tools (``web_search_...``, ``bash_...``), ``mcp_servers``,
+Refused with a 400 naming the field (each would change the answer): document and other
+non-text blocks but images (and images to a text-only model), server tools (``web_search_...``, ``bash_...``), ``mcp_servers``,
 ``container``, and ``thinking`` on a server without a reasoning parser.
 """
 
@@ -85,10 +87,13 @@ def _bad(message: str, param: str) -> APIError:
 # -- the request -----------------------------------------------------------------------------
 
 
-def chat_body(body: Any, *, reasoning: bool, count_only: bool = False) -> dict[str, Any]:
+def chat_body(body: Any, *, reasoning: bool, count_only: bool = False,
+              origins: dict[str, str] | None = None) -> dict[str, Any]:
     """The OpenAI chat body a Messages body means; :class:`APIError` naming the field
     otherwise. ``reasoning``: the server has a reasoning parser (``thinking`` is then
-    allowed). ``count_only``: for ``count_tokens``, which takes no ``max_tokens``."""
+    allowed). ``count_only``: for ``count_tokens``, which takes no ``max_tokens``.
+    ``origins`` is filled with the chat path of each image part and its block's path, for
+    :func:`rename_param` (a bad image is found later, by the engine)."""
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object", code="invalid_json")
     for name, why in REFUSED_FIELDS.items():
@@ -100,8 +105,9 @@ def chat_body(body: Any, *, reasoning: bool, count_only: bool = False) -> dict[s
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("model is required (a string)", "model")
+    system = _system(body.get("system"))
     out: dict[str, Any] = {"model": model,
-                           "messages": _system(body.get("system")) + _messages(body)}
+                           "messages": system + _messages(body, len(system), origins)}
     if not count_only:
         max_tokens = body.get("max_tokens")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
@@ -155,7 +161,8 @@ def _text_block(block: Any, where: str) -> str:
     return text
 
 
-def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _messages(body: Mapping[str, Any], first: int,
+              origins: dict[str, str] | None) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages must be a non-empty list", "messages")
@@ -172,7 +179,18 @@ def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
         if isinstance(content, str):
             out.append({"role": role, "content": content})
         elif isinstance(content, list):
-            out += (_user(content, where) if role == "user" else [_assistant(content, where)])
+            if role == "user":
+                turn = _user(content, where)
+                if origins is not None and turn and isinstance(turn[-1]["content"], list):
+                    at = f"messages[{first + len(out) + len(turn) - 1}].content"
+                    origins.update({f"{at}[{k}]": part.pop("origin")
+                                    for k, part in enumerate(turn[-1]["content"]) if "origin" in part})
+                for message in turn:
+                    for part in message["content"] if isinstance(message["content"], list) else ():
+                        part.pop("origin", None)
+                out += turn
+            else:
+                out.append(_assistant(content, where))
         else:
             raise _bad(f"{where}.content must be a string or a list of content blocks",
                        f"{where}.content")
@@ -182,15 +200,49 @@ def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
 def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
     """A user turn's blocks: its tool results as ``tool`` messages, then its text."""
     results: list[dict[str, Any]] = []
-    text: list[str] = []
+    parts: list[dict[str, Any]] = []
     for j, block in enumerate(blocks):
         at = f"{where}.content[{j}]"
         kind = block.get("type") if isinstance(block, Mapping) else None
         if kind == "tool_result":
             results.append(_tool_result(block, at))
+        elif kind == "image":
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(block, at)},
+                          "origin": at})
         else:
-            text.append(_text_block(block, at))
-    return results + ([{"role": "user", "content": "".join(text)}] if text else [])
+            parts.append({"type": "text", "text": _text_block(block, at)})
+    if not parts:
+        return results
+    if all(p["type"] == "text" for p in parts):
+        return [*results, {"role": "user", "content": "".join(p["text"] for p in parts)}]
+    return [*results, {"role": "user", "content": parts}]
+
+
+# The image types Anthropic's API takes; the engine decodes PNG, JPEG and WebP (a GIF is its
+# 400, naming the block).
+_IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
+
+
+def _image_url(block: Mapping[str, Any], where: str) -> str:
+    """An image block's ``source`` as the chat ``image_url`` it means."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, Mapping) else None
+    if kind == "base64":
+        media, data = source.get("media_type"), source.get("data")
+        if media not in _IMAGE_TYPES:
+            raise _bad(f"{where}.source.media_type must be one of {', '.join(_IMAGE_TYPES)}, "
+                       f"got {media!r}", f"{where}.source.media_type")
+        if not isinstance(data, str) or not data:
+            raise _bad(f"{where}.source.data must be the image as a base64 string",
+                       f"{where}.source.data")
+        return f"data:{media};base64,{data}"
+    if kind == "url":
+        url = source.get("url")
+        if not isinstance(url, str) or not url:
+            raise _bad(f"{where}.source.url must be a string", f"{where}.source.url")
+        return url
+    raise _bad(f"{where}.source.type must be \"base64\" or \"url\", got {kind!r}",
+               f"{where}.source.type")
 
 
 def _tool_result(block: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -332,9 +384,13 @@ _MESSAGES_NAMES = (("stop", "stop_sequences"), ("response_format", "output_confi
                    ("parallel_tool_calls", "tool_choice.disable_parallel_tool_use"))
 
 
-def rename_param(err: APIError) -> APIError:
+def rename_param(err: APIError, origins: Mapping[str, str] | None = None) -> APIError:
     """A chat-path error about a field this route renamed, said with the Messages name
-    (``stop`` -> ``stop_sequences``, ...)."""
+    (``stop`` -> ``stop_sequences``, an image part -> its block: ``origins``, ...)."""
+    for chat, block in (origins or {}).items():
+        if err.param == chat:  # the engine's message names the part: name the block
+            return APIError(err.status, err.message.replace(chat, block), type=err.type,
+                            param=block, code=err.code)
     for chat, messages in _MESSAGES_NAMES:
         if err.param == chat or (err.param or "").startswith(chat + "."):
             param = messages + (err.param or "")[len(chat):]

@@ -59,6 +59,7 @@ from engine.http.protocol import APIError, CompletionRequest
 from engine.http.response_store import MissingResponse, ResponseStore
 from engine.messages import RequestOutput
 from engine.models.tokenizer import normalize_messages
+from engine.multimodal import has_images
 
 if TYPE_CHECKING:
     from engine.api import EngineLike, StreamLike
@@ -489,9 +490,10 @@ class _Server:
         def parse(body: dict[str, Any]) -> tuple[Any, Any, bool]:
             if "messages" in body:
                 fields = parse_chat_fields(body, self.chat_settings, tok.chat_template)
-                prompt = admission.prompt_message(normalize_messages(body["messages"]),
-                                                  fields.template.to_json())
-                return prompt, True
+                messages = normalize_messages(body["messages"], images=True)
+                if has_images(messages):  # the engine widens each image to its placeholders
+                    return (messages, fields.template), True
+                return admission.prompt_message(messages, fields.template.to_json()), True
             if isinstance(body.get("prompt"), str):
                 return (admission.prompt_message(body["prompt"]),
                         bool(body.get("add_special_tokens", True)))
@@ -503,11 +505,14 @@ class _Server:
         return_strs = body.get("return_token_strs")
         prompt, add_special_tokens = await self._off_loop(lambda: parse(body))
         # Generation's own path (admission), with its guards.
-        ids = await tokenize_prompt(
-            tok, prompt, limiter=self.prompt_limiter, add_special_tokens=add_special_tokens,
-            template_seconds=self.engine.config.chat_template_timeout,
-            max_model_len=self.engine.max_model_len,
-            special_tokens_in_content=self.engine.config.allow_special_tokens_in_content)
+        if isinstance(prompt, tuple):  # chat messages with images: as vLLM, the count
+            ids = await self.engine.tokenize_chat(*prompt)  # holds their placeholders
+        else:
+            ids = await tokenize_prompt(
+                tok, prompt, limiter=self.prompt_limiter, add_special_tokens=add_special_tokens,
+                template_seconds=self.engine.config.chat_template_timeout,
+                max_model_len=self.engine.max_model_len,
+                special_tokens_in_content=self.engine.config.allow_special_tokens_in_content)
         # vLLM's token_strs: each token as the vocabulary spells it (return_token_strs).
         strs = tok.convert_ids_to_tokens(ids) if return_strs else None
         return _json({"count": len(ids), "max_model_len": self.engine.max_model_len,
@@ -621,7 +626,8 @@ class _Server:
 
     async def messages(self) -> Response:
         """``POST /v1/messages``: the chat path, said in Anthropic's shapes."""
-        chat = anthropic.chat_body(await self._read_json(),
+        origins: dict[str, str] = {}  # chat paths of image blocks -> their Messages paths
+        chat = anthropic.chat_body(await self._read_json(), origins=origins,
                                    reasoning=self.chat_settings.reasoning_parser is not None)
         try:
             req = await self._off_loop(lambda: protocol.parse_chat(
@@ -632,7 +638,7 @@ class _Server:
                        self._load_tracker())
             await run.submit_all(self._request_id())
         except (APIError, InvalidParamError) as exc:
-            raise anthropic.rename_param(protocol.error_from_exception(exc)) from None
+            raise anthropic.rename_param(protocol.error_from_exception(exc), origins) from None
         msg_id, model = anthropic.new_id(), self.engine.model_name
         if req.stream:
             events = anthropic.MessageEvents(
@@ -644,21 +650,31 @@ class _Server:
     async def count_tokens(self) -> Response:
         """``POST /v1/messages/count_tokens``: the prompt's length, as the route would
         template it."""
-        chat = anthropic.chat_body(await self._read_json(), count_only=True,
+        origins: dict[str, str] = {}
+        chat = anthropic.chat_body(await self._read_json(), count_only=True, origins=origins,
                                    reasoning=self.chat_settings.reasoning_parser is not None)
         self._check_model(chat["model"])
         tok = self.engine.tokenizer
 
         def parse() -> Any:
             fields = parse_chat_fields(chat, self.chat_settings, tok.chat_template)
-            return admission.prompt_message(normalize_messages(chat["messages"]),
-                                            fields.template.to_json())
+            messages = normalize_messages(chat["messages"], images=True)
+            if has_images(messages):
+                return messages, fields.template
+            return admission.prompt_message(messages, fields.template.to_json())
 
-        ids = await tokenize_prompt(
-            tok, await self._off_loop(parse), limiter=self.prompt_limiter,
-            template_seconds=self.engine.config.chat_template_timeout,
-            max_model_len=self.engine.max_model_len,
-            special_tokens_in_content=self.engine.config.allow_special_tokens_in_content)
+        try:
+            prompt = await self._off_loop(parse)
+            if isinstance(prompt, tuple):  # image blocks count as their placeholder tokens
+                ids = await self.engine.tokenize_chat(*prompt)
+            else:
+                ids = await tokenize_prompt(
+                    tok, prompt, limiter=self.prompt_limiter,
+                    template_seconds=self.engine.config.chat_template_timeout,
+                    max_model_len=self.engine.max_model_len,
+                    special_tokens_in_content=self.engine.config.allow_special_tokens_in_content)
+        except (APIError, InvalidParamError) as exc:
+            raise anthropic.rename_param(protocol.error_from_exception(exc), origins) from None
         return _json({"input_tokens": len(ids)}, 200)
 
     # -- responses ----------------------------------------------------------------------
@@ -672,7 +688,11 @@ class _Server:
         self._check_model(req.chat.model)
         run = _ResponsesRun(self.engine, req, self.metrics.timer(), self.answer_options,
                             self.responses)
-        await run.submit_all(self._request_id())
+        try:
+            await run.submit_all(self._request_id())
+        except (APIError, InvalidParamError) as exc:
+            responses.rename(exc, req)  # a bad image: its input part
+            raise
         if req.stream:
             body = _TaskBody(run.write_response_events, run.close)
             return Response(body, 200, headers=sse.HEADERS, content_type=sse.CONTENT_TYPE)

@@ -13,6 +13,8 @@ Responses                        chat
                                  :mod:`engine.http.response_store`)
 ``input`` (a string)             one ``user`` message
 ``input`` message items          messages (``input_text`` / ``output_text`` parts)
+``input_image`` parts            ``image_url`` parts (``image_url``: a ``data:`` URL, or an
+                                 ``http(s)`` one of an allowed host)
 ``function_call`` items          an assistant message's ``tool_calls`` (consecutive calls
                                  make one message)
 ``function_call_output`` items   ``tool`` messages
@@ -118,6 +120,9 @@ class ResponsesRequest:
     input_items: tuple[dict[str, Any], ...]  # this request's input, with ids
     turn: tuple[dict[str, Any], ...]  # the chat messages this request's input adds
     echo: dict[str, Any]  # request fields the response object repeats
+    # Chat paths -> Responses paths, to name the field in an error found after parsing
+    # (a bad image, found by the engine at admission): see rename().
+    where: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 def parse_responses(
@@ -206,7 +211,7 @@ def parse_responses(
     }
     return ResponsesRequest(chat=chat, stream=stream, store=_bool(body, "store", True),
                             previous_response_id=previous_id, input_items=tuple(items),
-                            turn=tuple(turn), echo=echo)
+                            turn=tuple(turn), echo=echo, where=where)
 
 
 def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
@@ -318,7 +323,7 @@ def _input(value: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
     return messages, items, origins
 
 
-def _message(item: dict[str, Any], where: str) -> tuple[str, str]:
+def _message(item: dict[str, Any], where: str) -> tuple[str, str | list[dict[str, Any]]]:
     role = item.get("role")
     if role not in _ROLES:
         raise _bad(f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}",
@@ -329,21 +334,43 @@ def _message(item: dict[str, Any], where: str) -> tuple[str, str]:
     if not isinstance(content, list):
         raise _bad(f"{where}.content must be a string or a list of content parts",
                    f"{where}.content", "invalid_type")
-    allowed = ("output_text", "refusal") if role == "assistant" else ("input_text",)
-    texts = []
+    allowed = ("output_text", "refusal") if role == "assistant" else ("input_text", "input_image")
+    parts: list[dict[str, Any]] = []
     for k, part in enumerate(content):
         at = f"{where}.content[{k}]"
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in allowed:
             raise _unsupported(f"{at}: content of type {kind!r} is not supported in a "
-                               f"{role} message (only {' and '.join(allowed)}: this server "
-                               "serves text models)", f"{at}.type")
+                               f"{role} message (only {' and '.join(allowed)})", f"{at}.type")
+        if kind == "input_image":
+            parts.append(_input_image(part, at))
+            continue
         text = part.get("refusal" if kind == "refusal" else "text")
         if not isinstance(text, str):
             raise _bad(f"{at} needs its text as a string", at, "invalid_type")
-        texts.append(text)
+        parts.append({"type": "text", "text": text})
+    if any(p["type"] == "image_url" for p in parts):
+        return role, parts  # one chat part per input part: input[j].content[k] keeps k
     # Parts joined as /v1/chat/completions joins text parts.
-    return role, "\n".join(texts)
+    return role, "\n".join(p["text"] for p in parts)
+
+
+def _input_image(part: dict[str, Any], where: str) -> dict[str, Any]:
+    """An ``input_image`` part as the chat ``image_url`` part it means. ``detail`` asks
+    OpenAI's models for a resolution; here the model's own image processor sets it, so
+    only ``auto`` (the default) is honoured."""
+    if part.get("file_id") is not None:
+        raise _unsupported(f"{where}.file_id: this server has no Files API; send the image "
+                           "as image_url (a base64 data: URL)", f"{where}.file_id")
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url:
+        raise _bad(f"{where}.image_url must be the image as a URL (data:image/png;base64,...)",
+                   f"{where}.image_url", "invalid_type")
+    if part.get("detail") not in (None, "auto"):
+        raise _unsupported(f"{where}.detail {part.get('detail')!r} is not supported: the "
+                           "model's own image processor sets the resolution (auto)",
+                           f"{where}.detail")
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _string(item: dict[str, Any], key: str, where: str) -> str:
@@ -504,6 +531,12 @@ def _renamed(param: str, where: Mapping[str, str]) -> str:
     for old, new in _SUFFIXES:
         param = param.replace(old, new)
     return param
+
+
+def rename(exc: APIError | InvalidParamError, req: ResponsesRequest) -> None:
+    """Name the Responses field in an error found after parsing (the engine's refusal of
+    an image part names the chat path)."""
+    _rename(exc, req.where)
 
 
 def _rename(exc: APIError | InvalidParamError, where: Mapping[str, str]) -> None:
