@@ -178,6 +178,67 @@ async def test_preemption_with_proposals_gives_the_same_tokens_and_frees_every_b
     assert stats.kv_blocks_free == stats.kv_blocks_total
 
 
+# Bounded documents (no free whitespace: xgrammar's compact JSON), so greedy finishes.
+GRAMMAR_SCHEMAS: list[dict[str, Any]] = [
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                      "size": {"enum": [1, 2, 3]}, "kind": {"const": "shirt"}},
+     "required": ["color", "size", "kind"]},
+    {"type": "object", "properties": {"ids": {"type": "array", "minItems": 2, "maxItems": 5,
+                                              "items": {"type": "integer", "minimum": 0, "maximum": 99}},
+                                      "flags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
+     "required": ["ids", "flags"]},
+    {"type": "array", "minItems": 3, "maxItems": 6,
+     "items": {"type": "object", "properties": {"a": {"enum": ["x", "y"]}, "b": {"type": "boolean"}},
+               "required": ["a", "b"]}},
+]
+
+
+async def test_structured_output_speculates_and_gives_the_plain_outputs(model: Path) -> None:
+    """Requests under a JSON schema (and a regex) speculate with prompt lookup: the part of
+    each proposal the grammar takes is verified, every row masked with the grammar's state
+    after the proposal tokens before it, and the matcher advances over the kept tokens only.
+    Greedy and seeded outputs equal the plain engine's, token for token, and validate under
+    ``jsonschema`` (the regex ones under ``re.fullmatch``)."""
+    import json
+    import re
+
+    import jsonschema
+
+    from engine.structured.spec import StructuredOutputs
+
+    # The prompts quote documents of each schema, so prompt lookup proposes from them.
+    examples = ['{"color":"red","size":2,"kind":"shirt"} {"color":"blue","size":1,"kind":"shirt"}',
+                '{"ids":[1,2,3],"flags":[true,false]} {"ids":[4,5],"flags":[]}',
+                '[{"a":"x","b":true},{"a":"y","b":false},{"a":"x","b":false}]']
+    regex = "(ab|cd){3,8}"
+    prompts: list[Any] = []
+    params: list[SamplingParams] = []
+    for schema, example in zip(GRAMMAR_SCHEMAS, examples, strict=True):
+        for seed in (None, 1, 2):
+            prompts.append(f"Examples: {example}\nAnother one:")
+            params.append(SamplingParams(
+                temperature=0.0 if seed is None else 1.0, seed=seed, max_tokens=96,
+                structured_outputs=StructuredOutputs(json=schema)))
+    for seed in (None, 3):
+        prompts.append("abababcdcdab cdabcd:")
+        params.append(SamplingParams(temperature=0.0 if seed is None else 1.0, seed=seed, max_tokens=24,
+                                     structured_outputs=StructuredOutputs(regex=regex)))
+    async with engine.open_engine(str(model), **OPTIONS) as eng:
+        plain = await _run_all(eng, prompts, params)
+    async with engine.open_engine(str(model), **OPTIONS, speculative_config=NGRAM) as eng:
+        spec = await _run_all(eng, prompts, params)
+        stats = await wait_idle(eng)
+    for i, (a, b) in enumerate(zip(plain, spec, strict=True)):
+        assert token_ids(b) == token_ids(a), i
+        assert b[-1].finish_reason == "stop", (i, text(b))
+        if i < 3 * len(GRAMMAR_SCHEMAS):
+            jsonschema.validate(json.loads(text(b)), GRAMMAR_SCHEMAS[i // 3])
+        else:
+            assert re.fullmatch(regex, text(b)), text(b)
+    assert stats.spec_drafts > 0 and stats.spec_accepted_tokens > 0
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
 # --- the prefix cache holds only verified tokens (the pure scheduler and block pool) -------
 
 

@@ -347,16 +347,15 @@ class Scheduler:
 
     def _speculates(self, req: Request) -> bool:
         """Whether ``req`` gets proposals: prompt lookup is on or it has a prediction, and
-        no grammar constrains it (its matcher would need rolling back) and no thinking
-        budget forces its tokens (the runner masks one row per request)."""
+        no thinking budget forces its tokens (the runner masks one row per request). Under
+        a grammar the runner verifies the prefix of the proposal the grammar takes."""
         return bool(self.config.num_speculative_tokens or req.prediction) and (
-            req.params.structured_outputs is None and req.params.thinking_token_budget is None)
+            req.params.thinking_token_budget is None)
 
     def _propose(self, req: Request, budget: int) -> tuple[int, ...]:
         """The tokens to verify after ``req``'s next one this step: a decode step of a
-        request whose every token is known (none in flight), with no grammar (the
-        structured-output matcher is not rolled back), and room left in ``max_tokens``
-        and the budget."""
+        request whose every token is known (none in flight), with room left in
+        ``max_tokens`` and the budget."""
         config = self.config
         if req.prediction:
             k = config.num_prediction_tokens

@@ -143,7 +143,8 @@ class ModelRunner:
         # Compiles structured-output specs and makes matchers; None: such requests fail.
         self.grammar = grammar
         # One row per sequence a step can hold, filled only for the constrained rows; reused
-        # every step (int32, on the CPU where the grammar libraries write it).
+        # every step (int32, on the CPU where the grammar libraries write it). Speculative
+        # verification samples several rows of a request: it grows to the widest step's rows.
         self._bitmask = torch.zeros(
             (max_num_seqs, bitmask_words(self.config.vocab_size)), dtype=torch.int32)
         # Time spent filling bitmasks and rows filled (the benchmark's per-token mask cost).
@@ -324,11 +325,9 @@ class ModelRunner:
                 f"{known} known tokens"
             )
         if chunk.draft_token_ids and (not chunk.sample or chunk.start >= len(state.tokens)
-                                      or state.params.structured_outputs is not None
                                       or state.params.thinking_token_budget is not None):
             raise StepPlanError(f"request {chunk.sample_id!r}: a proposal on a chunk that "
-                                "does not sample, or on a structured-output or "
-                                "thinking-budget request")
+                                "does not sample, or on a thinking-budget request")
         if chunk.sample and end != known:
             raise StepPlanError(
                 f"request {chunk.sample_id!r}: sampling after token {end} but it has "
@@ -522,26 +521,33 @@ class ModelRunner:
         before it, so the output is distributed as without speculation (for a point-mass
         proposal this is the accept/resample rule: accept ``d[j]`` with probability
         ``p(d[j])``, else draw from ``p`` without ``d[j]``, renormalised)."""
-        rows = torch.tensor(sample_rows, device=self.device)
         picked = [(c, s) for c, s in zip(chunks, states, strict=True) if c.sample]
+        # Under a grammar only the proposal's prefix the grammar takes is verified (the rows
+        # after it are not sampled); each verified row is masked with the grammar's state
+        # after the proposal tokens before it.
+        proposals = [self._grammar_proposal(c, s) for c, s in picked]
         # One entry per sampled row: its chunk, state and place in the chunk's proposal.
-        expanded = [(c, s, j) for c, s in picked for j in range(len(c.draft_token_ids) + 1)]
+        expanded = [(c, s, d, j) for (c, s), d in zip(picked, proposals, strict=True) for j in range(len(d) + 1)]
+        kept_rows: list[int] = []
+        at = 0
+        for c, d in zip((c for c, _ in picked), proposals, strict=True):
+            kept_rows.extend(sample_rows[at : at + len(d) + 1])
+            at += len(c.draft_token_ids) + 1
+        rows = torch.tensor(kept_rows, device=self.device)
         # The grammar masks are filled before the logits are computed: on a GPU the host
-        # fills them while the device still runs the forward. (A structured-output request
-        # never carries a proposal: _state refuses one, so it has one row.)
-        bitmask, failed = self._fill_bitmask([(c, s) for c, s, _ in expanded])
+        # fills them while the device still runs the forward.
+        bitmask, failed = self._fill_bitmask([(c, s, d[:j]) for c, s, d, j in expanded])
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         sampling_rows = [
-            SamplingRow(s.params, s.prompt, s.outputs if not j else [*s.outputs, *c.draft_token_ids[:j]],
-                        s.eos_token_ids)
-            for c, s, j in expanded
+            SamplingRow(s.params, s.prompt, s.outputs if not j else [*s.outputs, *d[:j]], s.eos_token_ids)
+            for c, s, d, j in expanded
         ]
         drawn_rows = self.sampler(logits, sampling_rows, bitmask)
         out = []
         gone = {f.sample_id for f in failed}
         at = 0
-        for c, s in picked:
-            k = len(c.draft_token_ids)
+        for (c, s), d in zip(picked, proposals, strict=True):
+            k = len(d)
             draws, at = drawn_rows[at : at + k + 1], at + k + 1
             if c.sample_id in gone:
                 continue
@@ -560,7 +566,7 @@ class ModelRunner:
                     kept = []
                     break
                 kept.append(SampledToken(c.sample_id, token, logprob, tuple(top)))
-                if j == k or token != c.draft_token_ids[j]:
+                if j == k or token != d[j]:
                     break  # the model's own token ends the step's output
             for t in kept:
                 s.outputs.append(t.token_id)
@@ -568,20 +574,39 @@ class ModelRunner:
             out.extend(kept)
         return tuple(out), tuple(failed)
 
+    def _grammar_proposal(self, chunk: ScheduledChunk, state: _RequestState) -> tuple[int, ...]:
+        """The part of ``chunk``'s proposal to verify: all of it, or under a grammar the
+        prefix the grammar takes (none if the matcher cannot be had; ``_fill_bitmask``
+        reports why)."""
+        d = chunk.draft_token_ids
+        if not d or state.params.structured_outputs is None:
+            return d
+        try:
+            matcher = self._matcher(state)
+        except (EngineError, ValueError):
+            return ()
+        return () if matcher.ended else d[: matcher.valid_prefix(d)]
+
     def _fill_bitmask(
-        self, picked: Sequence[tuple[ScheduledChunk, _RequestState]]
+        self, picked: Sequence[tuple[ScheduledChunk, _RequestState, tuple[int, ...]]]
     ) -> tuple[TokenBitmask | None, list[RequestFailure]]:
         """The token bitmask of the step's constrained rows (row ``i`` of the mask for
         batch row ``rows[i]``), and the requests whose grammar could not be set up.
 
-        A row whose thinking budget is spent allows only the next token of the reasoning's
-        end marker (ahead of any grammar: the grammar takes the marker where reasoning may
-        end). A matcher that already ended (it accepted EOS; with async scheduling the step
-        after may still be planned) gets no mask: its token is dropped by the scheduler."""
+        Each row comes with the proposal tokens before it (speculative verification): a
+        constrained row is masked with the grammar's state after them (the matcher
+        advances over them and is rolled back after the request's last row; they are
+        accepted for real only once drawn). A row whose thinking budget is spent allows
+        only the next token of the reasoning's end marker (ahead of any grammar: the
+        grammar takes the marker where reasoning may end). A matcher that already ended
+        (it accepted EOS; with async scheduling the step after may still be planned) gets
+        no mask: its token is dropped by the scheduler."""
         constrained: list[int] = []
         failed: list[RequestFailure] = []
+        if len(picked) > len(self._bitmask):
+            self._bitmask = torch.zeros((len(picked), self._bitmask.shape[1]), dtype=torch.int32)
         t0 = time.perf_counter()
-        for b, (c, s) in enumerate(picked):
+        for b, (c, s, before) in enumerate(picked):
             if s.params.thinking_token_budget is not None:
                 # (Such a request carries no proposal: one row, after its outputs.)
                 forced = thinking_forced_token(s.params, s.outputs)
@@ -591,15 +616,22 @@ class ModelRunner:
                     continue
             if s.params.structured_outputs is None:
                 continue
-            try:
-                matcher = self._matcher(s)
-            except (EngineError, ValueError) as exc:
-                failed.append(RequestFailure(c.sample_id, f"structured output: {exc}"))
-                continue
-            if matcher.ended:
-                continue
-            matcher.fill(self._bitmask, len(constrained))
-            constrained.append(b)
+            if before:  # the request's earlier rows advanced its matcher over before[:-1]
+                matcher = s.matcher
+                if matcher is None or not matcher.accept(before[-1]):  # _grammar_proposal checked it
+                    raise StepPlanError("a proposal token the grammar took is refused")
+            else:
+                try:
+                    matcher = self._matcher(s)
+                except (EngineError, ValueError) as exc:
+                    failed.append(RequestFailure(c.sample_id, f"structured output: {exc}"))
+                    continue  # (_grammar_proposal gave it no proposal: one row)
+            last = b + 1 == len(picked) or picked[b + 1][0] is not c
+            if not matcher.ended:
+                matcher.fill(self._bitmask, len(constrained))
+                constrained.append(b)
+            if last:
+                matcher.rollback(len(before))
         if not constrained:
             return None, failed
         self.mask_fill_seconds += time.perf_counter() - t0

@@ -25,7 +25,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -100,6 +100,31 @@ class Matcher:
             self.accepted += 1
             self.ended = token in self._stop_ids
         return ok
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading ``tokens`` (a speculative proposal) the grammar takes from
+        here, counting none from the first stop token on (nothing can be masked after
+        one); the matcher is left where it was."""
+        tokens = list(tokens)
+        cut = next((i for i, t in enumerate(tokens) if t in self._stop_ids), len(tokens))
+        if self._guidance:
+            return int(self._m.validate_tokens(tokens[:cut]))
+        n = 0
+        while n < cut and self._m.accept_token(tokens[n]):
+            n += 1
+        if n:
+            self._m.rollback(n)
+        return n
+
+    def rollback(self, n: int) -> None:
+        """Undo the last ``n`` accepted tokens (a matcher ended by a stop token is not
+        ended any more once that token is undone)."""
+        if n < 0 or n > self.accepted:
+            raise ValueError(f"cannot roll back {n} of {self.accepted} accepted tokens")
+        if n:
+            self._m.rollback(n)
+            self.accepted -= n
+            self.ended = False
 
     def complete(self) -> bool:
         """Whether the tokens accepted so far form a whole output (EOS may follow)."""
