@@ -137,7 +137,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
         config = dataclasses.replace(config, async_scheduling=device.type == "cuda")
     if config.speculative is not None:
         # Requests with a proposal in flight are not planned ahead (async scheduling plans
-        # the others as usual); structured-output requests never speculate.
+        # the others as usual); under a grammar the prefix of a proposal it takes is verified.
         logger.info("speculative decoding: %s", config.speculative.describe())
     group = None
     if config.tensor_parallel_size > 1:
