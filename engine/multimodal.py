@@ -266,7 +266,8 @@ class ImagePreprocessor:
     def __init__(self, folder: str | Path, *, image_token_id: int, image_token: str,
                  num_image_tokens: int | None, limits: MediaLimits, merge_size: int | None = None,
                  image_text: str | None = None, content_tokens: Sequence[str] = (),
-                 processor_options: Mapping[str, Any] | None = None) -> None:
+                 processor_options: Mapping[str, Any] | None = None,
+                 marker_ids: Mapping[str, int] | None = None) -> None:
         from transformers import AutoImageProcessor
 
         # processor_options: --mm-processor-kwargs (Qwen-VL's min_pixels / max_pixels),
@@ -278,6 +279,9 @@ class ImagePreprocessor:
         self.merge_size = merge_size
         self.image_text = image_text if image_text is not None else image_token
         self.content_tokens = tuple(content_tokens) or (image_token,)
+        # The other control tokens image_text holds (Qwen-VL's <|vision_start|>, ...): the
+        # prompt must hold exactly one of each per image, none typed by the client.
+        self.marker_ids = dict(marker_ids or {})
         self.limits = limits
 
     def pixels(self, raw: RawImage) -> tuple[bytes, tuple[int, ...]]:
@@ -318,6 +322,10 @@ class ImagePreprocessor:
             raise InvalidParamError(
                 f"the prompt holds {len(at)} {self.image_token} tokens for {len(images)} images "
                 f"(do not write {self.image_token} in text)", param="messages")
+        for text, token_id in self.marker_ids.items():
+            if sum(1 for t in ids if t == token_id) != len(images):
+                raise InvalidParamError(f"the prompt holds {text} tokens that are not an "
+                                        f"image's (do not write {text} in text)", param="messages")
         out: list[int] = []
         inputs: list[ImageInput] = []
         prev = 0

@@ -280,3 +280,21 @@ async def test_requests_batched_together_each_get_their_own_positions(qwen_vl, h
     with torch.no_grad():
         text_only = model.generate(**inputs, max_new_tokens=12, do_sample=False)
     assert got[2] == text_only[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("qwen_vl", ["qwen2_vl"], indirect=True)
+async def test_vision_tokens_typed_beside_an_image_are_refused(qwen_vl) -> None:
+    """The engine's own image text stays control tokens; the same tokens typed by the
+    client in the request with an image are a 400, not an image marker."""
+    from engine.errors import InvalidParamError
+
+    async with _open(qwen_vl) as eng:
+        for typed in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>"):
+            with pytest.raises(InvalidParamError, match="do not write") as info:
+                await eng.submit(messages(IMAGES[:1], f"{typed} {QUESTION}"), greedy(2))
+            assert info.value.param == "messages"
+        # Without an image the same text is text.
+        stream = await eng.submit([{"role": "user", "content": "<|vision_start|> hi"}], greedy(2))
+        async with stream:
+            assert eng.tokenizer.token_to_id("<|vision_start|>") not in stream.prompt_token_ids
+        await wait_idle(eng)
