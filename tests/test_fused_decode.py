@@ -143,3 +143,17 @@ def test_a_bad_slot_raises_and_writes_nothing(models, monkeypatch) -> None:
     with pytest.raises(CpuKernelError):
         step.run(hidden, torch.tensor([0]), meta)
     assert all(torch.equal(b, k) for b, (k, _) in zip(before, runner.kv_caches, strict=True))
+
+
+def test_the_plan_follows_the_kv_pool(models, monkeypatch) -> None:
+    """A plan points into the caches it was built over: the same cache objects reuse it,
+    other ones (a new pool) get a new plan, never the old pointers."""
+    monkeypatch.setenv("ENGINE_FUSED_DECODE", "1")
+    loaded = models("llama", "Q4_1", "float32")
+    a, b = _runner(loaded, "auto"), _runner(loaded, "int8")
+    step = fused.plan(a.model, a.kv_caches)
+    assert step is not None and fused.plan(a.model, list(a.kv_caches)) is step
+    other = fused.plan(a.model, b.kv_caches)
+    assert other is not None and other is not step and other.model.kv_int8 == 1
+    monkeypatch.setenv("ENGINE_FUSED_DECODE", "0")
+    assert fused.plan(a.model, b.kv_caches) is None
