@@ -2,6 +2,7 @@
 of one image plus a 64-token question, the engine beside transformers, same model, same run.
 
     python bench/vision.py                          # a tiny random LLaVA written to a temp dir
+    python bench/vision.py --tower siglip           # the same over a SigLIP tower
     python bench/vision.py --model PATH --dtype bfloat16 --device cuda --images 32
 
 Encoder: ``--images`` preprocessed images (the model's own image processor) through the
@@ -103,6 +104,8 @@ async def engine_ttft(args, folder: Path, question: str, size: int) -> tuple[lis
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="a LLaVA folder (default: a tiny random one)")
+    parser.add_argument("--tower", choices=("clip", "siglip"), default="clip",
+                        help="the tiny random model's vision tower (without --model)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--images", type=int, default=16)
@@ -118,7 +121,7 @@ def main() -> None:
     folder = Path(args.model) if args.model else None
     if folder is None:
         tmp = tempfile.TemporaryDirectory()
-        folder = write_tiny_llava(Path(tmp.name) / "tiny-llava")
+        folder = write_tiny_llava(Path(tmp.name) / "tiny-llava", tower=args.tower)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     processor = AutoImageProcessor.from_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -137,7 +140,10 @@ def main() -> None:
     full = LlavaProcessor(image_processor=processor, tokenizer=tokenizer,
                           patch_size=hf.config.vision_config.patch_size,
                           vision_feature_select_strategy=hf.config.vision_feature_select_strategy,
-                          num_additional_image_tokens=1, image_token=IMAGE_TOKEN)
+                          # CLIP's CLS position; SigLIP has none
+                          num_additional_image_tokens=int(
+                              hf.config.vision_config.model_type == "clip_vision_model"),
+                          image_token=IMAGE_TOKEN)
     hf_times = []
     for i in range(args.repeats + 1):
         t0 = time.perf_counter()
