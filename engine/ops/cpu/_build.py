@@ -103,6 +103,7 @@ ffibuilder.set_source(
     # Relative to the repository root, where setup.py and the by-hand build below run.
     sources=["engine/ops/cpu/quant.c", "engine/ops/cpu/fused.c"],
     include_dirs=["engine/ops/cpu"],
+    depends=["engine/ops/cpu/fused.h"],
     extra_compile_args=COMPILE_ARGS,
     extra_link_args=["-fopenmp"],
 )
