@@ -6,10 +6,13 @@ for the module; each builds every tiny model's :class:`ModelRunner` for its rank
 of each layer, its KV heads) and greedy-decodes the same prompts: chunked prefill, then
 32 decode steps. The oracle is the same runner on one rank, in this process. In fp32 the
 split changes only the order of sums (o, down and the experts' down summed over ranks by
-the all-reduce), so the logits agree within 1e-5 and the tokens are the same.
+the all-reduce), so the logits agree to a few fp32 steps and the tokens are the same: within
+1e-5 plus 1e-6 of the logit (``LOGIT_ATOL``, ``LOGIT_RTOL``). The untied tiny models' logits
+reach 17, where one fp32 step is 1.9e-6: measured 4e-6 to 1.2e-5 apart (Qwen3-MoE the
+most), so 1e-5 alone sits on the edge of what the order of sums gives.
 
 GGUF models keep their blocks on every rank (cut by panel rows and block columns). Over the
-torch reference matmul they meet the same 1e-5. Over the C kernels the activations are
+torch reference matmul they meet the same bound. Over the C kernels the activations are
 rounded to int8 per 32 columns before each quantized matmul; the all-reduced sums differ
 from one rank's in the last bits, and where an activation sits on a rounding edge that
 flips one int8 step (measured: the tiny Qwen2 Q4_0's logits moved by 3.8e-3), so there the
@@ -36,6 +39,7 @@ from engine.parallel import SINGLE, TensorParallel
 from engine.parallel.shard import kv_head_range, tensor_parallel_problem
 
 LOGIT_ATOL = 1e-5
+LOGIT_RTOL = 1e-6  # a part in a million of the logit: ~8 fp32 steps (see the docstring)
 # Over the C kernels: each logit within this fraction of its row's range (max - min) of the
 # one-rank value. Flipped int8 steps moved the tiny tied Qwen2 Q4_0's by 5.2e-3 of its
 # rows' range (3.8e-3 absolute: a tied head's logits span only ~0.7); the others stayed
@@ -90,7 +94,7 @@ def _check(key: str, two_ranks: list[dict], one_rank: dict, close) -> None:
 
 
 def _exact(got: torch.Tensor, want: torch.Tensor, where: str) -> None:
-    torch.testing.assert_close(got, want, atol=LOGIT_ATOL, rtol=0, msg=lambda m: f"{where}: {m}")
+    torch.testing.assert_close(got, want, atol=LOGIT_ATOL, rtol=LOGIT_RTOL, msg=lambda m: f"{where}: {m}")
 
 
 def _within_span(got: torch.Tensor, want: torch.Tensor, where: str) -> None:
