@@ -97,3 +97,22 @@ def test_the_budget_defaults_to_the_token_budget() -> None:
     _add(sched, "a", 1000, [1, (1, 20), 1])
     _add(sched, "b", 2000, [1, (2, 20), 1])
     assert _step(sched, pool) == [("a", 0, 22), ("b", 0, 1)]
+
+
+def test_blocks_are_shared_up_to_an_image_only_when_the_image_is_the_same() -> None:
+    """The prefix cache keys an image's placeholders by its content hash: the same text
+    with another image shares only the blocks wholly before the image, the same image
+    every full block (the pool's own tables are the oracle)."""
+    sched, pool = _setup(budget=64, encoder=64)
+    layout = [6, (1, 8), 5]  # blocks of 4: [0, 4) is text only, the image is 6..14
+    _add(sched, "a", 1000, layout)
+    while sched.get_request("a") is not None:
+        _step(sched, pool)
+    for rid, key in (("other", 2), ("same", 1)):
+        _add(sched, rid, 1000, [6, (key, 8), 5])
+        _step(sched, pool)
+    table = {rid: pool.block_table(rid) for rid in ("other", "same")}
+    assert sched.get_request("other").num_cached_tokens == 4
+    assert sched.get_request("same").num_cached_tokens == 16  # 4 full blocks of 19 tokens
+    assert set(table["other"]).isdisjoint(table["same"][1:])
+    assert table["other"][0] == table["same"][0]
