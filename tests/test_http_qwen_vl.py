@@ -71,3 +71,21 @@ def test_an_image_the_processor_refuses_is_a_400_and_the_server_serves_on(server
     ok = client.chat.completions.create(model=MODEL, messages=_messages([IMAGES[0]]), max_tokens=2)
     assert ok.choices[0].finish_reason == "length"
     assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+def test_tokenize_and_responses_take_qwen_images(folder, server, client) -> None:
+    """/tokenize widens each image to its own grid's placeholders, as the processor does;
+    /v1/responses answers an input_image as transformers."""
+    hf = hf_model(folder)
+    ids, _, new, _ = hf_run(hf, IMAGES, new_tokens=MAX_TOKENS)
+    reply = httpx.post(server.base_url + "/tokenize", json={"model": MODEL, "messages": _messages(IMAGES)})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["tokens"] == ids
+    ids, _, new, _ = hf_run(hf, IMAGES[:1], new_tokens=MAX_TOKENS)
+    content = [{"type": "input_image", "image_url": data_url(IMAGES[0])},
+               {"type": "input_text", "text": QUESTION}]
+    answer = client.responses.create(model=MODEL, input=[{"role": "user", "content": content}],
+                                     temperature=0, max_output_tokens=MAX_TOKENS, store=False,
+                                     extra_body={"ignore_eos": True})
+    assert answer.output_text == hf[1].tokenizer.decode(new, skip_special_tokens=True)
+    assert answer.usage.input_tokens == len(ids)
