@@ -371,7 +371,8 @@ class Engine:
         prep = self._parts.images
         limits = prep.limits if prep is not None else multimodal.MediaLimits()
         return multimodal.split_images(prompt, prep.image_text if prep is not None else None,
-                                       limits, model=self.model_name)
+                                       limits, model=self.model_name,
+                                       glue=prep is not None and prep.glue_parts)
 
     def generate(
         self,

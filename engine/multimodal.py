@@ -73,10 +73,13 @@ def has_images(messages: Any) -> bool:
 
 
 def split_images(
-    messages: Sequence[Any], image_token: str | None, limits: MediaLimits, *, model: str = "model"
+    messages: Sequence[Any], image_token: str | None, limits: MediaLimits, *, model: str = "model",
+    glue: bool = False,
 ) -> tuple[list[Any], list[RawImage]]:
     """The messages with each image part replaced by a text part holding ``image_token``,
-    and the images in prompt order. ``image_token`` None: a text-only model, refused."""
+    and the images in prompt order. ``image_token`` None: a text-only model, refused.
+    ``glue``: a message holding an image becomes one text part, its parts back to back
+    (Qwen-VL's template writes them so; others join text parts with a newline)."""
     out: list[Any] = []
     images: list[RawImage] = []
     for i, message in enumerate(messages):
@@ -100,6 +103,9 @@ def split_images(
                     f"{where}: more than {limits.max_images_per_prompt} images in one request "
                     "(--limit-mm-per-prompt)", param="messages")
             parts.append({"type": "text", "text": image_token})
+        if glue and all(isinstance(p, Mapping) and p.get("type") == "text"
+                        and isinstance(p.get("text"), str) for p in parts):
+            parts = [{"type": "text", "text": "".join(p["text"] for p in parts)}]
         out.append({**message, "content": parts})
     return out, images
 
@@ -282,6 +288,8 @@ class ImagePreprocessor:
         # The other control tokens image_text holds (Qwen-VL's <|vision_start|>, ...): the
         # prompt must hold exactly one of each per image, none typed by the client.
         self.marker_ids = dict(marker_ids or {})
+        # Qwen-VL's template writes a message's image and text parts back to back.
+        self.glue_parts = merge_size is not None
         self.limits = limits
 
     def pixels(self, raw: RawImage) -> tuple[bytes, tuple[int, ...]]:

@@ -46,8 +46,9 @@ def messages(images: list, question: str = QUESTION) -> list[dict]:
 
 
 def hf_text(num_images: int, question: str = QUESTION) -> str:
-    # The tiny ChatML template over content parts joined by newlines, written out by hand.
-    body = "\n".join([IMAGE_TEXT] * num_images + [question])
+    # The tiny ChatML template over content parts back to back, as Qwen-VL's own template
+    # writes them, by hand.
+    body = "".join([IMAGE_TEXT] * num_images + [question])
     return f"<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -297,4 +298,42 @@ async def test_vision_tokens_typed_beside_an_image_are_refused(qwen_vl) -> None:
         stream = await eng.submit([{"role": "user", "content": "<|vision_start|> hi"}], greedy(2))
         async with stream:
             assert eng.tokenizer.token_to_id("<|vision_start|>") not in stream.prompt_token_ids
+        await wait_idle(eng)
+
+
+# A chat template that renders content lists itself, as Qwen-VL's own does: each image
+# part as the vision tokens, each text part as its text, back to back.
+PARTS_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("qwen_vl", ["qwen2_vl"], indirect=True)
+async def test_the_prompt_is_the_templates_own_rendering_of_the_parts(qwen_vl, hf, tmp_path) -> None:
+    """With a template that renders content lists (as Qwen-VL's does), transformers'
+    apply_chat_template over the image and text parts gives the engine's prompt."""
+    import json
+    import shutil
+
+    folder = tmp_path / "parts-template"
+    shutil.copytree(qwen_vl, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": PARTS_TEMPLATE}))
+    question = [{"type": "text", "text": "Compare "}, {"type": "text", "text": "these two."}]
+    hf_messages = [{"role": "user", "content": [{"type": "image"}, question[0], {"type": "image"},
+                                                question[1]]}]
+    text = hf[1].tokenizer.apply_chat_template(hf_messages, tokenize=False, add_generation_prompt=True,
+                                               chat_template=PARTS_TEMPLATE)
+    ids = hf[1](text=text, images=IMAGES, return_tensors="pt")["input_ids"][0].tolist()
+    parts = [{"type": "image_url", "image_url": {"url": data_url(IMAGES[0])}}, question[0],
+             {"type": "image_url", "image_url": {"url": data_url(IMAGES[1])}}, question[1]]
+    async with _open(folder) as eng:
+        stream = await eng.submit([{"role": "user", "content": parts}], greedy(1))
+        async with stream:
+            assert stream.prompt_token_ids == tuple(ids)
         await wait_idle(eng)
