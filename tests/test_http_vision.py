@@ -105,7 +105,7 @@ def test_tokenize_counts_an_images_placeholder_tokens(server, hf) -> None:  # no
 
 def test_responses_takes_an_input_image(client, hf) -> None:  # noqa: F811
     image = _image(1)
-    new = _hf_run(hf, [image])[2]
+    ids, _, new, _ = _hf_run(hf, [image])
     expected = hf[1].tokenizer.decode(new[:MAX_TOKENS], skip_special_tokens=True)
     content = [{"type": "input_image", "image_url": data_url(image)},
                {"type": "input_text", "text": QUESTION}]
@@ -113,7 +113,7 @@ def test_responses_takes_an_input_image(client, hf) -> None:  # noqa: F811
                 max_output_tokens=MAX_TOKENS, extra_body={"ignore_eos": True}, store=False)
     reply = client.responses.create(**args)
     assert reply.output_text == expected
-    assert reply.usage.input_tokens == len(_hf_run(hf, [image])[0])
+    assert reply.usage.input_tokens == len(ids)
     events = client.responses.create(**args, stream=True)
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == expected
 
@@ -122,7 +122,7 @@ def test_messages_take_a_base64_image_block(server, hf) -> None:  # noqa: F811
     import anthropic
 
     image = _image(1)
-    new = _hf_run(hf, [image])[2]
+    ids, _, new, _ = _hf_run(hf, [image])
     expected = hf[1].tokenizer.decode(new[:MAX_TOKENS], skip_special_tokens=True)
     content = [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                             "data": _b64(image)}},
@@ -133,7 +133,7 @@ def test_messages_take_a_base64_image_block(server, hf) -> None:  # noqa: F811
                     extra_body={"temperature": 0})
         reply = claude.messages.create(**args)
         assert reply.content[0].text == expected
-        assert reply.usage.input_tokens == len(_hf_run(hf, [image])[0])
+        assert reply.usage.input_tokens == len(ids)
         counted = claude.messages.count_tokens(model=MODEL, messages=args["messages"])
         assert counted.input_tokens == reply.usage.input_tokens
         # A system prompt moves the chat messages one on; the error still names the block.
