@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_parity import _chunk_lengths, _prefill_logits, _prompts
-from test_quant_models import write_quantized
+from test_quant_models import WIDE, write_quantized
 
 from engine.models.loader import load_model
 from engine.ops import AttentionMetadata, get_ops
@@ -59,7 +59,10 @@ def models(tmp_path_factory):
     def get(arch: str, quant: str, dtype: str):
         key = (arch, quant)
         if key not in cache:
-            cache[key] = write_quantized(tmp_path_factory.mktemp(arch), arch, quant)
+            # Q4_K needs rows of 256: the wide tiny model, its v_proj in Q8_0 (q/k/v is then
+            # two parts of two formats) and its 128-wide down_proj in Q8_0, as write_quantized
+            # makes them.
+            cache[key] = write_quantized(tmp_path_factory.mktemp(arch), arch, quant, WIDE if quant == "Q4_K" else None)
         return load_model(cache[key], dtype=dtype)
 
     return get
@@ -75,6 +78,7 @@ CASES = [
     ("llama", "Q4_1", "float32", "auto", None),
     ("llama", "Q4_1", "bfloat16", "int8", 3),
     ("llama3", "Q4_0", "bfloat16", "auto", None),
+    ("llama", "Q4_K", "bfloat16", "int8", 3),  # q/k/v of two formats (Q4_K q/k, Q8_0 v)
     ("mistral", "Q8_0", "float32", "int8", 3),  # sliding window
     ("qwen2", "Q4_1", "bfloat16", "auto", 3),   # q/k/v biases
     ("qwen2", "Q8_0", "float32", "int8", None),
@@ -96,6 +100,8 @@ def test_the_fused_decode_step_matches_the_unfused_forward(models, monkeypatch, 
     # Every decode step was fused (a chunked prefill whose last chunks are single tokens
     # makes more decode-only steps).
     assert step is not None and step.steps >= DECODE_STEPS
+    if quant == "Q4_K":
+        assert step.layers[0].qkv.nparts == 2
     _compare(got, want)
 
 
