@@ -20,12 +20,16 @@ def _setup(*, budget: int, encoder: int, blocks: int = 64, caching: bool = True)
     return Scheduler(config), BlockPool(blocks, 4, enable_prefix_caching=caching)
 
 
-def _add(sched: Scheduler, rid: str, base: int, layout: list[int | tuple[int, int]]) -> None:
-    """``layout``: text runs (a count of tokens) and images ``(key, length)`` in order."""
+def _add(sched: Scheduler, rid: str, base: int,
+         layout: list[int | tuple[int, int] | list[int]]) -> None:
+    """``layout``: text runs (a count of tokens, or the tokens) and images ``(key,
+    length)`` in order."""
     prompt: list[int] = []
     images = []
     for part in layout:
-        if isinstance(part, tuple):
+        if isinstance(part, list):
+            prompt += part
+        elif isinstance(part, tuple):
             key, length = part
             images.append(ImageInput(len(prompt), length, key, b"", (0,)))
             prompt += [IMAGE_ID] * length
@@ -116,3 +120,18 @@ def test_blocks_are_shared_up_to_an_image_only_when_the_image_is_the_same() -> N
     assert sched.get_request("same").num_cached_tokens == 16  # 4 full blocks of 19 tokens
     assert set(table["other"]).isdisjoint(table["same"][1:])
     assert table["other"][0] == table["same"][0]
+
+
+def test_a_prefix_hit_ending_inside_an_image_pays_for_the_image() -> None:
+    """A cache hit can end inside an image (its later blocks hold other text): the runner
+    has no encoder output for it, so the rest of the image needs the encoder budget; with
+    none left this step, the request holds its blocks and starts in the next step."""
+    sched, pool = _setup(budget=64, encoder=8)
+    _add(sched, "a", 0, [[1, 2], (1, 8), [3, 4]])
+    while sched.get_request("a") is not None:
+        _step(sched, pool)
+    _add(sched, "c", 3000, [1, (3, 8), 1])
+    _add(sched, "b", 0, [[1, 2], (1, 8), [5, 6, 7]])  # blocks [0, 4) and [4, 8) are a's
+    assert _step(sched, pool) == [("c", 0, 10)]
+    assert sched.get_request("b").num_computed_tokens == 8
+    assert _step(sched, pool) == [("c", 10, 1), ("b", 8, 5)]
