@@ -214,8 +214,11 @@ def test_a_block_id_outside_the_int8_cache_raises() -> None:
 def _config(layers: int = 30, kv_heads: int = 3, dim: int = 64):
     import types
 
+    # The fields pool sizing reads: the KV shape, and the query heads (a tensor-parallel
+    # rank's share of the KV heads is computed beside its share of the query heads).
     return types.SimpleNamespace(
-        num_hidden_layers=layers, num_key_value_heads=kv_heads, head_dim=dim, max_position_embeddings=8192
+        num_hidden_layers=layers, num_attention_heads=3 * kv_heads, num_key_value_heads=kv_heads,
+        head_dim=dim, max_position_embeddings=8192,
     )
 
 
