@@ -148,6 +148,10 @@ async def test_ray_places_the_workers_of_two_ranks_on_a_local_ray(model: Path) -
         if env_address is not None:
             os.environ["RAY_ADDRESS"] = env_address
     assert not ray.is_initialized()  # the engine stopped the Ray it started
+    with trio.fail_after(30):  # and its processes (GCS, raylet, the actor's worker) exit
+        while any(p.status() != psutil.STATUS_ZOMBIE  # noqa: ASYNC110 - no event to wait on
+                  for p in psutil.Process().children(recursive=True)):
+            await trio.sleep(0.1)
 
 
 async def test_a_model_that_does_not_split_is_refused_before_any_worker_starts(model: Path) -> None:

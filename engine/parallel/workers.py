@@ -382,8 +382,16 @@ class WorkerGroup:
     def finish_command(self) -> None:
         self._answers(RankDone, deadline=time.monotonic() + START_TIMEOUT_SECONDS)
 
+    def first_death(self) -> str | None:
+        """Why the first dead worker is gone (None while all live)."""
+        for peer in self._peers:
+            why = self._dead(peer)
+            if why is not None:
+                return why
+        return None
+
     def alive(self) -> bool:
-        return not self.broken and all(self._dead(p) is None for p in self._peers)
+        return not self.broken and self.first_death() is None
 
     def pids(self) -> list[int]:
         """The worker processes' ids (rank order)."""
@@ -470,6 +478,12 @@ class TensorParallelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         if self.group.broken:
             raise WorkerLostError("the tensor-parallel workers are down")
+        # A worker that died between steps: fail now, before rank 0 waits in a collective
+        # for it (NCCL would wait out the whole timeout).
+        why = self.group.first_death()
+        if why is not None:
+            self.group.broken = True
+            raise WorkerLostError(why)
         self.group.send_step(plan)
         result = self._runner.execute(plan)
         self.group.check_step(result)
