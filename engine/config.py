@@ -83,23 +83,46 @@ def parse_address(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-SPECULATIVE_METHODS = ("ngram",)  # draft_model: not built yet (see docs/architecture.md)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    """``--speculative-config``, as vLLM's JSON: ``method`` "ngram" (prompt lookup) proposes
+    """``--speculative-config``, as vLLM's JSON. ``method`` "ngram" (prompt lookup) proposes
     up to ``num_speculative_tokens`` tokens per step by matching the last
-    ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens against the prompt and output."""
+    ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens against the prompt and output;
+    "draft_model" has the model at ``model`` (a Hugging Face folder or a GGUF file with the
+    target's vocabulary) propose ``num_speculative_tokens`` tokens, one forward each."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int
     prompt_lookup_min: int
+    model: str | None = None  # draft_model: the draft's path
+    # draft_model: the draft's dtype ("auto": the target's) and GGUF handling, as --dtype
+    # and --quantization are for the target.
+    dtype: str | None = None
+    quantization: str | None = None
+
+    def to_json(self) -> str:
+        """The canonical JSON text: the keys its method reads, those not given left out."""
+        fields = dataclasses.asdict(self)
+        return json.dumps({k: fields[k] for k in sorted(_SPECULATIVE_KEYS[self.method])
+                           if fields[k] is not None})
 
     def describe(self) -> str:
+        if self.method == "draft_model":
+            return (f"draft_model {self.model}: {self.num_speculative_tokens} tokens a step "
+                    "proposed by the draft, verified by the target in one forward")
         return (f"{self.method}: up to {self.num_speculative_tokens} tokens a step, matching "
                 f"{self.prompt_lookup_max}..{self.prompt_lookup_min}-token suffixes")
+
+
+# The keys each method reads (vLLM's names); any other key is refused, naming it.
+_SPECULATIVE_KEYS = {
+    "ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"},
+    "draft_model": {"method", "num_speculative_tokens", "model", "dtype", "quantization"},
+}
 
 
 # The image processor options --mm-processor-kwargs may set: Qwen-VL's pixel budget.
@@ -152,23 +175,23 @@ def parse_speculative_config(value: str | dict[str, Any]) -> SpeculativeConfig:
     if not isinstance(value, dict):
         raise bad(f"must be a JSON object, got {value!r}")
     method = value.get("method")
-    if method == "draft_model":
-        raise bad("method draft_model is not supported yet; use ngram")
     if method not in SPECULATIVE_METHODS:
         raise bad(f"method must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
-    known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+    known = _SPECULATIVE_KEYS[method]
     unknown = sorted(set(value) - known)
     if unknown:
-        raise bad(f"unknown key(s) {', '.join(unknown)} (this engine reads {', '.join(sorted(known))})")
+        raise bad(f"unknown key(s) {', '.join(unknown)} for method {method} (it reads "
+                  f"{', '.join(sorted(known))})")
     ints = {}
-    for key, default in (("num_speculative_tokens", None), ("prompt_lookup_max", None),
-                         ("prompt_lookup_min", None)):
-        v = value.get(key, default)
+    for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+        v = value.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64):
             raise bad(f"{key} must be an integer in [1, 64], got {v!r}")
         ints[key] = v
     if ints["num_speculative_tokens"] is None:
         raise bad("num_speculative_tokens is required")
+    if method == "draft_model":
+        return _draft_model_config(value, ints["num_speculative_tokens"], bad)
     # As vLLM, one bound given sets the other; neither: 4 down to 1.
     hi, lo = ints["prompt_lookup_max"], ints["prompt_lookup_min"]
     if hi is None and lo is None:
@@ -178,6 +201,19 @@ def parse_speculative_config(value: str | dict[str, Any]) -> SpeculativeConfig:
     if lo > hi:
         raise bad(f"prompt_lookup_min ({lo}) must not exceed prompt_lookup_max ({hi})")
     return SpeculativeConfig(method, ints["num_speculative_tokens"], hi, lo)
+
+
+def _draft_model_config(value: dict[str, Any], k: int, bad: Callable[[str], ConfigError]) -> SpeculativeConfig:
+    model = value.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad(f"model (the draft's path) is required for draft_model, got {model!r}")
+    dtype, quantization = value.get("dtype"), value.get("quantization")
+    if dtype is not None and dtype not in DTYPES:
+        raise bad(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise bad(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    # The lookup bounds are the ngram method's; kept at their defaults, unused.
+    return SpeculativeConfig("draft_model", k, 4, 1, model, dtype, quantization)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -452,7 +488,7 @@ class EngineConfig:
         if self.speculative_config is not None:
             spec = parse_speculative_config(self.speculative_config)
             # Canonical text: a dict given to open_engine() becomes JSON too.
-            object.__setattr__(self, "speculative_config", json.dumps(dataclasses.asdict(spec)))
+            object.__setattr__(self, "speculative_config", spec.to_json())
         if self.mm_processor_kwargs is not None:
             options = parse_mm_processor_kwargs(self.mm_processor_kwargs)
             object.__setattr__(self, "mm_processor_kwargs", json.dumps(options, sort_keys=True))

@@ -19,7 +19,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.admission import AdmissionLimits
-from engine.errors import ConfigError
+from engine.errors import ConfigError, ModelLoadError
 
 logger = logging.getLogger("engine")
 
@@ -58,6 +58,7 @@ class RankLoad:
     pooler: Any
     eos_ids: tuple[int, ...]
     grammar: Any
+    draft: Any = None  # speculative decoding's draft model (a LoadedModel), or None
 
 
 def load_rank(config: EngineConfig, device: torch.device) -> RankLoad:
@@ -87,6 +88,7 @@ def load_rank(config: EngineConfig, device: torch.device) -> RankLoad:
     logger.info("tokenizer ready in %.2f s", time.perf_counter() - t1)
     pooler = pooler_config(loaded.config, loaded.folder, runner=config.runner, convert=config.convert,
                            pooling_type=config.pooling_type, normalize=config.pooling_normalize)
+    draft = _load_draft(config, loaded, tokenizer, pooler, load_device)
     if loaded.config.is_encoder:
         loaded = _with_sep(loaded, tokenizer)
     eos_ids = _eos_ids(loaded, tokenizer)
@@ -95,7 +97,7 @@ def load_rank(config: EngineConfig, device: torch.device) -> RankLoad:
     grammar = None if pooler is not None else GrammarBackend(
         tokenizer, vocab_size=loaded.config.vocab_size, stop_token_ids=eos_ids,
         backend=config.structured_outputs_backend)
-    return RankLoad(path, loaded, tokenizer, pooler, eos_ids, grammar)
+    return RankLoad(path, loaded, tokenizer, pooler, eos_ids, grammar, draft)
 
 
 def build_rank_runner(config: EngineConfig, load: RankLoad, device: torch.device,
@@ -119,6 +121,7 @@ def build_rank_runner(config: EngineConfig, load: RankLoad, device: torch.device
         grammar=load.grammar,
         pooler=load.pooler,
         tp=tp if tp is not None else SINGLE,
+        draft=load.draft,
     )
 
 
@@ -175,7 +178,7 @@ def _build_parts(config: EngineConfig, device: torch.device, load: RankLoad,
     if loaded.config.is_encoder:
         config, num_blocks = _size_encoder(config, loaded, pooler)
     else:
-        config, num_blocks = _size_kv_pool(config, loaded, device, num_kv_blocks, pooler, tp)
+        config, num_blocks = _size_kv_pool(config, loaded, device, num_kv_blocks, pooler, tp, load.draft)
     runner = build_rank_runner(config, load, device, num_blocks, tp)
     if group is not None:
         from engine.core_process import config_to_json
@@ -189,7 +192,7 @@ def _build_parts(config: EngineConfig, device: torch.device, load: RankLoad,
         logger.info("encoder: no KV cache; max_model_len %d; runner built in %.2f s",
                     config.max_model_len, t3 - t2)
     else:
-        _log_kv_pool(config, loaded, device, num_blocks, t3 - t2, tp)
+        _log_kv_pool(config, loaded, device, num_blocks, t3 - t2, tp, load.draft)
     runner.warm_up()
     logger.info("warm-up in %.2f s", time.perf_counter() - t3)
     limits = AdmissionLimits(
@@ -256,8 +259,64 @@ def image_preprocessor(config: EngineConfig, model_config: Any, folder: Path, to
                              num_image_tokens=vision.num_image_tokens, limits=limits)
 
 
+def _load_draft(config: EngineConfig, loaded: Any, tokenizer: Any, pooler: Any,
+                device: torch.device) -> Any:
+    """The draft model of ``--speculative-config`` method ``draft_model`` (loaded as the
+    target is), or ``None``; :class:`ConfigError` naming ``speculative_config`` for a draft
+    the engine cannot pair with the target: another vocabulary (size or any token string),
+    a model kind it cannot run as a draft, or a window shorter than what it would read."""
+    spec = config.speculative
+    if spec is None or spec.method != "draft_model":
+        return None
+    from engine.models.loader import load_model, resolve_model
+    from engine.models.tokenizer import Tokenizer
+
+    def bad(message: str) -> ConfigError:
+        return ConfigError(f"speculative_config: {message}", field="speculative_config")
+
+    target = loaded.config
+    if config.tensor_parallel_size > 1:
+        raise bad("draft_model is not supported with tensor_parallel_size above 1")
+    if pooler is not None or target.is_encoder or target.vision is not None:
+        raise bad("draft_model needs a text-generating target (not a pooling, encoder or "
+                  "vision model)")
+    t0 = time.perf_counter()
+    try:
+        path = resolve_model(spec.model)
+        draft = load_model(path, dtype=spec.dtype or config.dtype, device=device,
+                           quantization=spec.quantization or config.quantization,
+                           ops_backend=config.ops_backend)
+    except (ModelLoadError, ConfigError, ValueError, OSError) as exc:
+        raise bad(f"model {spec.model!r} cannot be loaded as the draft: {exc}") from exc
+    if draft.config.is_encoder or draft.config.vision is not None:
+        raise bad(f"model {spec.model!r} ({draft.config.architecture}) cannot run as a draft: "
+                  "it must be a text-only decoder")
+    if draft.config.vocab_size != target.vocab_size:
+        raise bad(f"model {spec.model!r} has a vocabulary of {draft.config.vocab_size} tokens, "
+                  f"the target {target.vocab_size}: a draft must share the target's vocabulary")
+    draft_tokenizer = Tokenizer.from_folder(draft.folder)
+    ids = range(target.vocab_size)
+    mine, theirs = tokenizer.convert_ids_to_tokens(ids), draft_tokenizer.convert_ids_to_tokens(ids)
+    differ = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b), None)
+    if differ is not None:
+        raise bad(f"model {spec.model!r}: token {differ} is {theirs[differ]!r} in the draft's "
+                  f"tokenizer and {mine[differ]!r} in the target's: a draft must share the "
+                  "target's vocabulary")
+    # The scheduler gives back blocks before the target's window; a draft layer that sees
+    # further back would read them after they are reused.
+    window = target.released_window
+    if window and not (all(draft.config.layer_windows)
+                       and max(draft.config.layer_windows) <= window):
+        raise bad(f"model {spec.model!r} attends further back than the target's sliding "
+                  f"window of {window} tokens, whose older KV blocks are given back")
+    logger.info("draft model %s (%s, %s) loaded in %.2f s; %d tokens proposed a step", path,
+                draft.config.architecture, draft.dtype, time.perf_counter() - t0,
+                spec.num_speculative_tokens)
+    return draft
+
+
 def _log_kv_pool(config: EngineConfig, loaded: Any, device: torch.device, num_blocks: int,
-                 seconds: float, tp: Any) -> None:
+                 seconds: float, tp: Any, draft: Any = None) -> None:
     from engine.runner.kv_cache import bytes_per_block
 
     logger.info(
@@ -272,6 +331,12 @@ def _log_kv_pool(config: EngineConfig, loaded: Any, device: torch.device, num_bl
         ", resident as blocks are used" if device.type == "cpu" else "",
         config.max_model_len, seconds,
     )
+    if draft is not None:
+        # The draft's cache mirrors the pool block for block (engine/runner/draft.py).
+        draft_bytes = num_blocks * bytes_per_block(
+            draft.config, draft.dtype, config.block_size, kv_cache_dtype=config.kv_cache_dtype)
+        logger.info("draft KV cache: the same %d blocks, %.0f MiB of the kv_cache_memory budget",
+                    num_blocks, draft_bytes / 2**20)
 
 
 def build_front_parts(config: EngineConfig, hello: Any) -> EngineParts:
@@ -364,10 +429,12 @@ def _size_encoder(config: EngineConfig, loaded: Any, pooler: Any) -> tuple[Engin
 
 def _size_kv_pool(
     config: EngineConfig, loaded: Any, device: torch.device, num_kv_blocks: Callable[..., int],
-    pooler: Any = None, tp: Any = None,
+    pooler: Any = None, tp: Any = None, draft: Any = None,
 ) -> tuple[EngineConfig, int]:
     """The pool size, and max_model_len: the model's, capped by what the pool holds (with
-    tensor parallelism ``kv_cache_memory`` is each rank's budget, for its own KV heads)."""
+    tensor parallelism ``kv_cache_memory`` is each rank's budget, for its own KV heads). With
+    a draft model, whose cache has as many blocks, the budget is split in proportion to
+    each model's bytes per block: the target's share buys the pool."""
     model_max = _model_max_len(loaded, pooler)
     wanted = config.max_model_len
     if wanted is not None and wanted > model_max:
@@ -377,8 +444,16 @@ def _size_kv_pool(
         )
     # With no explicit length, any pool of at least one block is fine: the length shrinks
     # to fit it. An explicit length must fit whole (num_kv_blocks raises otherwise).
+    budget = config.kv_cache_memory
+    if draft is not None:
+        from engine.runner.kv_cache import bytes_per_block, free_memory
+
+        mine, theirs = (bytes_per_block(m.config, m.dtype, config.block_size,
+                                        kv_cache_dtype=config.kv_cache_dtype) for m in (loaded, draft))
+        total = int(free_memory(device) * budget) if isinstance(budget, float) else int(budget)
+        budget = total * mine // (mine + theirs)
     blocks = num_kv_blocks(
-        loaded.config, loaded.dtype, config.block_size, config.kv_cache_memory, device,
+        loaded.config, loaded.dtype, config.block_size, budget, device,
         max_model_len=wanted if wanted is not None else config.block_size,
         kv_cache_dtype=config.kv_cache_dtype, **({"tp": tp} if tp is not None else {}),
     )

@@ -68,6 +68,16 @@ class ScheduledChunk:
     # the last ``1 + len`` positions and keeps the proposal while the draws agree with it
     # (StepResult then holds 1 + accepted SampledTokens for the request, in order).
     draft_token_ids: tuple[int, ...] = ()
+    # Speculative decoding with a draft model (``draft_model``): the runner's draft model
+    # proposes this many tokens after the known ones, in the step itself (the chunk's last
+    # ``num_model_drafts`` positions compute them); the result is as for a proposal given in
+    # ``draft_token_ids``, which is then empty.
+    num_model_drafts: int = 0
+
+    @property
+    def num_proposed(self) -> int:
+        """Positions past the known tokens this chunk verifies (0: no speculation)."""
+        return len(self.draft_token_ids) or self.num_model_drafts
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -72,7 +72,10 @@ def test_speculative_config_is_checked_at_config_time_naming_the_field() -> None
                 '{"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}',
                 '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, '
                 '"prompt_lookup_max": 2}',
-                '{"method": "draft_model", "model": "x", "num_speculative_tokens": 2}'):
+                '{"method": "draft_model", "num_speculative_tokens": 2}',
+                '{"method": "draft_model", "model": "x", "num_speculative_tokens": 2, '
+                '"prompt_lookup_max": 2}',
+                '{"method": "ngram", "model": "x", "num_speculative_tokens": 2}'):
         with pytest.raises(ConfigError) as info:
             EngineConfig(speculative_config=bad)
         assert info.value.field == "speculative_config"

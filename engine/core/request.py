@@ -65,8 +65,8 @@ class Request:
         "num_pending_tokens", "status", "stop_reason", "block_ids", "num_cached_blocks",
         "num_released_blocks",
         "num_preemptions", "seen_by_runner", "num_cached_tokens", "prediction",
-        "draft_token_ids", "num_draft_tokens", "num_accepted_tokens", "images", "cache_prompt_ids",
-        "prediction_pos", "last_chunk_end",
+        "draft_token_ids", "num_model_drafts", "num_draft_tokens", "num_accepted_tokens", "images",
+        "cache_prompt_ids", "prediction_pos", "last_chunk_end",
     )  # fmt: skip
 
     def __init__(
@@ -122,6 +122,7 @@ class Request:
         self.prediction = tuple(prediction)
         self.prediction_pos = 0  # where in the prediction the last proposal started
         self.draft_token_ids: tuple[int, ...] = ()
+        self.num_model_drafts = 0  # the same, when the runner's draft model proposes
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
 
@@ -150,7 +151,8 @@ class Request:
         """False once enough tokens are drawn for ``max_tokens`` (scheduling more is waste),
         and while a speculative step of it is in flight (how many tokens it keeps is not
         known until its result arrives)."""
-        return self.num_sampled < self.max_tokens and not self.draft_token_ids
+        return (self.num_sampled < self.max_tokens and not self.draft_token_ids
+                and not self.num_model_drafts)
 
     def known_token_ids(self) -> tuple[int, ...]:
         """Prompt and received outputs: every token whose id the scheduler knows, as the

@@ -93,6 +93,9 @@ class SchedulerConfig:
     # A vision model's encoder budget: image placeholder tokens whose encoder output a
     # step may compute (0: max_num_batched_tokens). See Scheduler._encoder_cut.
     max_num_encoder_input_tokens: int = 0
+    # draft_model: the runner's draft model proposes num_speculative_tokens tokens for a
+    # speculating decode step (the chunk reserves the positions; the runner fills them).
+    draft_model: bool = False
 
     def __post_init__(self) -> None:
         # A plain ValueError: EngineConfig has checked the user's options and the KV sizing
@@ -327,10 +330,10 @@ class Scheduler:
             if budget == 0:
                 i += 1  # its next image's encoder does not fit this step's encoder budget
                 continue
-            drafts = self._propose(req, budget)
-            reply: AllocatorReply | None = self._fits_table(req, budget, drafts)
+            drafts, n_drafts = self._propose(req, budget)
+            reply: AllocatorReply | None = self._fits_table(req, budget, n_drafts)
             while not isinstance(reply, SlotsAllocated):
-                reply = yield self._allocate_call(req, budget, lookup=False, drafts=drafts)
+                reply = yield self._allocate_call(req, budget, lookup=False, n_drafts=n_drafts)
                 if isinstance(reply, SlotsAllocated):
                     break
                 # Refused: the victim is last in queue order, so never a request already planned.
@@ -341,7 +344,7 @@ class Scheduler:
                 preempted = True
                 if victim is req:
                     return preempted  # it was the last one; nothing after it is running
-            self._add_chunk(step, req, reply, drafts)
+            self._add_chunk(step, req, reply, drafts, n_drafts)
             i += 1
         return preempted
 
@@ -352,10 +355,11 @@ class Scheduler:
         return bool(self.config.num_speculative_tokens or req.prediction) and (
             req.params.thinking_token_budget is None)
 
-    def _propose(self, req: Request, budget: int) -> tuple[int, ...]:
-        """The tokens to verify after ``req``'s next one this step: a decode step of a
-        request whose every token is known (none in flight), with room left in
-        ``max_tokens`` and the budget."""
+    def _propose(self, req: Request, budget: int) -> tuple[tuple[int, ...], int]:
+        """The tokens to verify after ``req``'s next one this step, and how many: a decode
+        step of a request whose every token is known (none in flight), with room left in
+        ``max_tokens`` and the budget. With a draft model the runner proposes them in the
+        step: ``((), k)``."""
         config = self.config
         if req.prediction:
             k = config.num_prediction_tokens
@@ -364,15 +368,18 @@ class Scheduler:
         k = min(k, req.max_tokens - req.num_sampled - 1, budget - 1)
         if (k < 1 or req.num_pending_tokens or req.num_known_tokens - req.num_computed_tokens != 1
                 or not self._speculates(req)):
-            return ()
+            return (), 0
         if req.prediction:
             drafts, start = propose(req.known_token_ids(), req.prediction, k, config.prompt_lookup_max,
                                     config.prompt_lookup_min, after=req.prediction_pos)
             if start >= 0:
                 req.prediction_pos = start
-            return drafts
-        return propose(req.known_token_ids(), None, k, config.prompt_lookup_max,
-                       config.prompt_lookup_min)[0]
+            return drafts, len(drafts)
+        if config.draft_model:
+            return (), k
+        drafts = propose(req.known_token_ids(), None, k, config.prompt_lookup_max,
+                         config.prompt_lookup_min)[0]
+        return drafts, len(drafts)
 
     def _schedule_waiting(self, step: _Step) -> Generator[AllocatorCall, AllocatorReply, None]:
         for req in tuple(self._waiting):
@@ -410,12 +417,12 @@ class Scheduler:
                     NewRequest(req.sample_id, req.prompt_token_ids, req.params, req.eos_token_ids,
                                req.images)
                 )
-            self._add_chunk(step, req, reply, ())
+            self._add_chunk(step, req, reply, (), 0)
 
-    def _fits_table(self, req: Request, budget: int, drafts: tuple[int, ...]) -> SlotsAllocated | None:
+    def _fits_table(self, req: Request, budget: int, n_drafts: int) -> SlotsAllocated | None:
         """The chunk when the request's blocks already hold it (most decode steps): no
         allocator round trip; ``None`` when blocks must be allocated."""
-        count = min(req.num_known_tokens + len(drafts) - req.num_computed_tokens, budget)
+        count = min(req.num_known_tokens + n_drafts - req.num_computed_tokens, budget)
         if req.num_computed_tokens + count > len(req.block_ids) * self.config.block_size:
             return None
         return SlotsAllocated(req.sample_id, 0, count, ())
@@ -440,21 +447,25 @@ class Scheduler:
         req.num_released_blocks = releasable
 
     def _allocate_call(
-        self, req: Request, budget: int, *, lookup: bool, drafts: tuple[int, ...] = ()
+        self, req: Request, budget: int, *, lookup: bool, n_drafts: int = 0
     ) -> AllocateSlots:
         first = not req.block_ids
         return AllocateSlots(
             req.sample_id,
             req.num_computed_tokens,
-            req.num_known_tokens + len(drafts),
+            req.num_known_tokens + n_drafts,
             budget,
             req.known_token_ids() if lookup and first else (),
             req.cache_salt if first else None,
         )
 
     def _add_chunk(
-        self, step: _Step, req: Request, reply: AllocatorReply, drafts: tuple[int, ...]
+        self, step: _Step, req: Request, reply: AllocatorReply, drafts: tuple[int, ...],
+        n_drafts: int,
     ) -> None:
+        """Plan ``req``'s chunk: ``n_drafts`` positions past its known tokens verify a
+        proposal, ``drafts`` (from prompt lookup or a prediction) or, where that is empty,
+        the runner's draft model's."""
         if not isinstance(reply, SlotsAllocated) or reply.sample_id != req.sample_id:
             raise ProtocolError(f"expected SlotsAllocated for {req.sample_id!r}, got {reply!r}")
         if not req.block_ids:  # a new table: its cached prefix is what the pool shared
@@ -464,7 +475,7 @@ class Scheduler:
             req.num_cached_blocks = reply.num_cached_tokens // self.config.block_size
         req.block_ids.extend(reply.block_ids)
         start, count = req.num_computed_tokens, reply.num_new_tokens
-        known = req.num_known_tokens + len(drafts)
+        known = req.num_known_tokens + n_drafts
         if not 0 < count <= step.budget or start + count > known:
             raise ProtocolError(f"{reply!r} does not fit {req!r} with budget {step.budget}")
         if req.images:
@@ -474,11 +485,13 @@ class Scheduler:
             if count == 0:
                 return
         sample = start + count == known
-        if drafts and not sample:
+        if n_drafts and not sample:
             raise ProtocolError(f"{reply!r} cuts the proposal of {req!r}")
         req.draft_token_ids = drafts
+        model_drafts = 0 if drafts else n_drafts
+        req.num_model_drafts = model_drafts
         step.chunks.append(ScheduledChunk(req.sample_id, start, count, tuple(req.block_ids), sample,
-                                          drafts))
+                                          drafts, model_drafts))
         step.epochs[req.sample_id] = req.num_preemptions
         step.budget -= count
         req.num_computed_tokens += count
@@ -572,9 +585,10 @@ class Scheduler:
                 deltas.append(TokenDelta(req.sample_id, (), (), "error", failed[chunk.sample_id]))
                 continue
             current = epochs[chunk.sample_id] == req.num_preemptions
-            if chunk.draft_token_ids:
+            if chunk.num_proposed:
                 req.num_pending_tokens -= 1
                 req.draft_token_ids = ()
+                req.num_model_drafts = 0
                 tokens = sampled.get(chunk.sample_id)
                 if not tokens:
                     raise ProtocolError(f"step {plan.step_id} drew no token for {chunk.sample_id!r}")
@@ -623,18 +637,19 @@ class Scheduler:
         ones' KV slots lie past ``num_computed_tokens`` and are overwritten by the next
         step; only verified tokens' blocks enter the prefix cache (the cache commit comes
         before the free when a token ends the request)."""
-        drafts = chunk.draft_token_ids
+        drafts = chunk.draft_token_ids  # empty for a draft model's proposal (never sent back)
+        proposed = chunk.num_proposed
         accepted = len(tokens) - 1
-        if not 0 <= accepted <= len(drafts) or any(
+        if not 0 <= accepted <= proposed or any(
                 t.token_id != d for t, d in zip(tokens[:-1], drafts, strict=False)):
             raise ProtocolError(f"tokens {[t.token_id for t in tokens]} do not follow the "
-                                f"proposal {drafts} of {req.sample_id!r}")
+                                f"proposal {drafts or proposed} of {req.sample_id!r}")
         self._spec_drafts += 1
-        self._spec_draft_tokens += len(drafts)
+        self._spec_draft_tokens += proposed
         self._spec_accepted += accepted
         for i in range(accepted):
             self._spec_per_pos[i] += 1
-        req.num_draft_tokens += len(drafts)
+        req.num_draft_tokens += proposed
         req.num_accepted_tokens += accepted
         status = None
         applied: list[SampledToken] = []
@@ -742,14 +757,15 @@ def run_with_pool(gen: ScheduleGenerator, pool: BlockPool) -> StepPlan:
     raise ProtocolError("drive() suspended without an event loop")
 
 
-def _speculative_fields(config: EngineConfig) -> dict[str, int]:
+def _speculative_fields(config: EngineConfig) -> dict[str, int | bool]:
     spec = config.speculative
     if spec is None:
         return {}
     return {"num_speculative_tokens": spec.num_speculative_tokens,
             "prompt_lookup_max": spec.prompt_lookup_max,
             "prompt_lookup_min": spec.prompt_lookup_min,
-            "num_prediction_tokens": spec.num_speculative_tokens}
+            "num_prediction_tokens": spec.num_speculative_tokens,
+            "draft_model": spec.method == "draft_model"}
 
 
 def _prediction_usage(req: Request, status: RequestStatus | None) -> tuple[int, int] | None:

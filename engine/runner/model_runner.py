@@ -44,6 +44,7 @@ from engine.models.pooling import PoolerConfig
 from engine.ops import AttentionMetadata, Ops
 from engine.parallel import SINGLE, TensorParallel
 from engine.params import SamplingParams, thinking_forced_token
+from engine.runner.draft import DraftModel, Proposal
 from engine.runner.kv_cache import allocate_kv_caches
 from engine.runner.sampler import Sampler, SamplingFailure, SamplingRow, TokenBitmask
 from engine.structured import GrammarBackend, Matcher, bitmask_words
@@ -88,6 +89,11 @@ class _RequestState:
     # offset of every later token's position from its index (the same on all streams).
     mrope: torch.Tensor | None = None
     mrope_delta: int = 0
+    # A draft model's progress (engine/runner/draft.py): where the target's verified
+    # positions end after the last chunk, and where the draft's do (it may lag: the
+    # positions between are run by the draft at the start of the next chunk).
+    target_end: int = 0
+    draft_end: int = 0
 
 
 class ModelRunner:
@@ -121,6 +127,7 @@ class ModelRunner:
         grammar: GrammarBackend | None = None,
         pooler: PoolerConfig | None = None,
         tp: TensorParallel = SINGLE,
+        draft: Any = None,
     ) -> None:
         self.device = torch.device(device)
         self.tp = tp
@@ -140,6 +147,11 @@ class ModelRunner:
             loaded.config, num_blocks, block_size, loaded.dtype, self.device, kv_cache_dtype=kv_cache_dtype, tp=tp
         ) if self.paged_kv else []
         self.sampler = Sampler(ops, seed=seed)
+        # Speculative decoding's draft model (a LoadedModel given as ``draft``): its KV
+        # cache has this pool's blocks, indexed by the same block tables.
+        self.drafter = None if draft is None else DraftModel(
+            draft, device=self.device, ops=ops, num_blocks=num_blocks, block_size=block_size,
+            kv_cache_dtype=kv_cache_dtype, sampler=self.sampler, seed=seed)
         # Compiles structured-output specs and makes matchers; None: such requests fail.
         self.grammar = grammar
         # One row per sequence a step can hold, filled only for the constrained rows; reused
@@ -215,6 +227,15 @@ class ModelRunner:
         self, chunks: tuple[ScheduledChunk, ...]
     ) -> tuple[tuple[SampledToken, ...], tuple[RequestFailure, ...], tuple[PromptLogprobs, ...]]:
         states = [self._state(c) for c in chunks]
+        drafted_q: dict[str, Proposal] = {}  # the proposals of sampled, unconstrained requests
+        if self.drafter is not None:
+            drafted = self.drafter.propose(chunks, states, build_batch)
+            # The draft's tokens become the chunks' proposals, verified as any other.
+            chunks = tuple(c if d is None else dataclasses.replace(
+                c, draft_token_ids=d.token_ids, num_model_drafts=0) for c, d in zip(chunks, drafted, strict=True))
+            drafted_q = {c.sample_id: d for c, d, s in zip(chunks, drafted, states, strict=True)
+                         if d is not None and d.probs is not None
+                         and s.params.structured_outputs is None}
         input_ids, positions, meta, sample_rows = self._prepare(chunks, states)
         mm = self._image_embeds(chunks, states)
         if mm is not None:
@@ -222,9 +243,14 @@ class ModelRunner:
         else:
             hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
         prompt_logprobs = self._prompt_logprobs(hidden, chunks, states)
-        if not sample_rows:
-            return (), (), prompt_logprobs
-        sampled, failed = self._sample(hidden, chunks, states, sample_rows)
+        before = [len(s.outputs) for s in states]
+        sampled: tuple[SampledToken, ...] = ()
+        failed: tuple[RequestFailure, ...] = ()
+        if sample_rows:
+            sampled, failed = self._sample(hidden, chunks, states, sample_rows, drafted_q)
+        if self.drafter is not None:
+            _track_draft(chunks, states, before, model_drafted={
+                c.sample_id for c, d in zip(chunks, drafted, strict=True) if d is not None})
         return sampled, failed, prompt_logprobs
 
     def warm_up(self, prompt_len: int = 16) -> None:
@@ -318,13 +344,16 @@ class ModelRunner:
         if state is None:
             raise StepPlanError(f"chunk for unknown request {chunk.sample_id!r}")
         end = chunk.start + chunk.num_tokens
-        known = len(state.tokens) + len(chunk.draft_token_ids)
+        known = len(state.tokens) + chunk.num_proposed
         if chunk.num_tokens < 1 or chunk.start < 0 or end > known:
             raise StepPlanError(
                 f"request {chunk.sample_id!r}: chunk [{chunk.start}, {end}) is outside its "
                 f"{known} known tokens"
             )
-        if chunk.draft_token_ids and (not chunk.sample or chunk.start >= len(state.tokens)
+        if chunk.num_model_drafts and self.drafter is None:
+            raise StepPlanError(f"request {chunk.sample_id!r}: a draft model's proposal "
+                                "asked of a runner without a draft model")
+        if chunk.num_proposed and (not chunk.sample or chunk.start >= len(state.tokens)
                                       or state.params.thinking_token_budget is not None):
             raise StepPlanError(f"request {chunk.sample_id!r}: a proposal on a chunk that "
                                 "does not sample, or on a thinking-budget request")
@@ -347,53 +376,19 @@ class ModelRunner:
         """The flat batch's tensors, built with a handful of ops whatever the batch size."""
         if len(chunks) > self.max_num_seqs:
             raise StepPlanError(f"{len(chunks)} chunks exceed max_num_seqs={self.max_num_seqs}")
-        ids: list[int] = []
-        positions: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        width = max(len(c.block_ids) for c in chunks)
-        tables: list[int] = []
+        spans = []
         for c, s in zip(chunks, states, strict=True):
             end = c.start + c.num_tokens
-            ids.extend(s.tokens[c.start : end])
-            ids.extend(c.draft_token_ids)  # the proposal follows the known tokens
-            positions.extend(range(c.start, end))
-            query_lens.append(c.num_tokens)
-            seq_lens.append(end)
-            tables.extend(c.block_ids)
-            tables.extend((0,) * (width - len(c.block_ids)))
-        if len(ids) > self.max_num_batched_tokens:
+            # The proposal follows the known tokens.
+            spans.append((c.start, [*s.tokens[c.start : end], *c.draft_token_ids], c.block_ids))
+        if sum(len(t) for _, t, _ in spans) > self.max_num_batched_tokens:
             raise StepPlanError(
-                f"{len(ids)} tokens exceed max_num_batched_tokens={self.max_num_batched_tokens}"
+                f"{sum(len(t) for _, t, _ in spans)} tokens exceed "
+                f"max_num_batched_tokens={self.max_num_batched_tokens}"
             )
-        batch = len(chunks)
-        # One host tensor holds every int index; slices of it go to the device in one copy.
-        host = torch.tensor(ids + positions + tables + query_lens + seq_lens, dtype=torch.int64)
-        dev = host.to(self.device, non_blocking=True)
-        t = len(ids)
-        input_ids, pos = dev[:t], dev[t : 2 * t]
-        block_tables = dev[2 * t : 2 * t + batch * width].view(batch, width)
-        qlens = dev[2 * t + batch * width : 2 * t + batch * width + batch]
-        slens = dev[2 * t + batch * width + batch :]
-        req = torch.repeat_interleave(torch.arange(batch, device=self.device), qlens, output_size=t)
-        if width:
-            blocks = block_tables[req, pos // self.block_size]
-            slot_mapping = blocks * self.block_size + pos % self.block_size
-        else:  # an encoder: no KV cache to write
-            slot_mapping = pos.new_empty(0)
-        query_start_loc = torch.nn.functional.pad(qlens.cumsum(0), (1, 0)).to(torch.int32)
+        input_ids, pos, meta = build_batch(spans, self.block_size, self.device)
         if self.config.mrope:  # the rotary positions are M-RoPE's three streams
             pos = self._mrope_positions(chunks, states)
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping,
-            query_start_loc=query_start_loc,
-            seq_lens=slens.to(torch.int32),
-            block_tables=block_tables.to(torch.int32),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_host=tuple(query_lens),
-            seq_lens_host=tuple(seq_lens),
-        )
         ends = 0
         sample_rows = []
         for c in chunks:
@@ -509,6 +504,7 @@ class ModelRunner:
         chunks: Sequence[ScheduledChunk],
         states: Sequence[_RequestState],
         sample_rows: list[int],
+        drafted: dict[str, Proposal] | None = None,
     ) -> tuple[tuple[SampledToken, ...], tuple[RequestFailure, ...]]:
         """One token per sampling chunk, or, for a chunk with a proposal, the verification.
 
@@ -520,7 +516,15 @@ class ModelRunner:
         Each kept draw comes from the target's distribution given the verified tokens
         before it, so the output is distributed as without speculation (for a point-mass
         proposal this is the accept/resample rule: accept ``d[j]`` with probability
-        ``p(d[j])``, else draw from ``p`` without ``d[j]``, renormalised)."""
+        ``p(d[j])``, else draw from ``p`` without ``d[j]``, renormalised).
+
+        A draft model's proposal for a sampled request (``drafted``: its tokens and the
+        distributions ``q`` they were drawn from) replaces the draws of its rows ``0 .. k-1``
+        by the general rule (:func:`engine.runner.draft.accept_or_resample`): keep ``d[j]``
+        with probability ``min(1, p/q)``, else draw from ``normalize(max(p - q, 0))``; row
+        ``k`` is the plain draw (a structured-output request's proposal is verified as a
+        point mass: its draws are masked, the draft's were not). Everything else (rows, penalties, logprobs, the keeping
+        loop) is the shared path above."""
         picked = [(c, s) for c, s in zip(chunks, states, strict=True) if c.sample]
         # Under a grammar only the proposal's prefix the grammar takes is verified (the rows
         # after it are not sampled); each verified row is masked with the grammar's state
@@ -543,6 +547,8 @@ class ModelRunner:
             for c, s, d, j in expanded
         ]
         drawn_rows = self.sampler(logits, sampling_rows, bitmask)
+        if drafted:
+            self._apply_rejection_rule(logits, sampling_rows, picked, proposals, drawn_rows, drafted)
         out = []
         gone = {f.sample_id for f in failed}
         at = 0
@@ -586,6 +592,28 @@ class ModelRunner:
         except (EngineError, ValueError):
             return ()
         return () if matcher.ended else d[: matcher.valid_prefix(d)]
+
+    def _apply_rejection_rule(
+        self, logits: torch.Tensor, sampling_rows: list[SamplingRow],
+        picked: Sequence[tuple[ScheduledChunk, _RequestState]], verified: Sequence[tuple[int, ...]],
+        drawn_rows: list[Any], drafted: dict[str, Proposal],
+    ) -> None:
+        """Replace, in ``drawn_rows``, the draws of the proposal rows of each chunk with a
+        sampled draft model's proposal by the accept/resample rule's tokens (logprobs from
+        the same adjusted logits as the draws'; top-N alternatives unchanged)."""
+        assert self.drafter is not None
+        at = 0
+        for (c, s), d in zip(picked, verified, strict=True):
+            k = len(d)  # the rows sampled: the whole proposal but under a grammar
+            proposal = drafted.get(c.sample_id)
+            if proposal is not None and k == len(proposal.token_ids) and not any(
+                    isinstance(d, SamplingFailure) for d in drawn_rows[at : at + k]):
+                index = torch.arange(at, at + k, device=logits.device)
+                adjusted, p = self.sampler.distributions(
+                    logits.index_select(0, index), sampling_rows[at : at + k])
+                for j, (token, logprob) in enumerate(self.drafter.verify(proposal, p, adjusted, s)):
+                    drawn_rows[at + j] = (token, logprob, drawn_rows[at + j][2])
+            at += k + 1
 
     def _fill_bitmask(
         self, picked: Sequence[tuple[ScheduledChunk, _RequestState, tuple[int, ...]]]
@@ -657,6 +685,76 @@ class ModelRunner:
                 raise StepPlanError("the request's tokens do not fit its grammar")
         state.matcher = matcher
         return matcher
+
+
+def _track_draft(
+    chunks: Sequence[ScheduledChunk], states: Sequence[_RequestState], before: Sequence[int],
+    model_drafted: set[str],
+) -> None:
+    """After a step: where each request's verified positions end for the target and for the
+    draft. A proposal of ``k`` with ``m`` kept: the target verified the known tokens and
+    ``m`` proposal tokens; the draft ran the known tokens and its own ``d_1 .. d_{k-1}``
+    (none of a prediction's)."""
+    for c, s, n in zip(chunks, states, before, strict=True):
+        end = c.start + c.num_tokens
+        k = c.num_proposed
+        if not k:
+            s.target_end = s.draft_end = end
+            continue
+        kept = len(s.outputs) - n
+        if kept < 1:
+            continue  # the request failed; its state is dropped
+        known_end, m = end - k, kept - 1
+        s.target_end = known_end + m
+        s.draft_end = known_end + min(m, k - 1) if c.sample_id in model_drafted else known_end
+
+
+def build_batch(
+    spans: Sequence[tuple[int, Sequence[int], Sequence[int]]], block_size: int, device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """``(input_ids, positions, metadata)`` of a flat varlen batch (the module docstring's
+    layout): one span ``(start, token ids, block table)`` per sequence, its tokens at
+    positions ``start ..``. An empty block table everywhere: an encoder, no KV cache."""
+    ids: list[int] = []
+    positions: list[int] = []
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    width = max(len(table) for _, _, table in spans)
+    tables: list[int] = []
+    for start, tokens, table in spans:
+        ids.extend(tokens)
+        positions.extend(range(start, start + len(tokens)))
+        query_lens.append(len(tokens))
+        seq_lens.append(start + len(tokens))
+        tables.extend(table)
+        tables.extend((0,) * (width - len(table)))
+    batch = len(spans)
+    # One host tensor holds every int index; slices of it go to the device in one copy.
+    host = torch.tensor(ids + positions + tables + query_lens + seq_lens, dtype=torch.int64)
+    dev = host.to(device, non_blocking=True)
+    t = len(ids)
+    input_ids, pos = dev[:t], dev[t : 2 * t]
+    block_tables = dev[2 * t : 2 * t + batch * width].view(batch, width)
+    qlens = dev[2 * t + batch * width : 2 * t + batch * width + batch]
+    slens = dev[2 * t + batch * width + batch :]
+    req = torch.repeat_interleave(torch.arange(batch, device=device), qlens, output_size=t)
+    if width:
+        blocks = block_tables[req, pos // block_size]
+        slot_mapping = blocks * block_size + pos % block_size
+    else:  # an encoder: no KV cache to write
+        slot_mapping = pos.new_empty(0)
+    query_start_loc = torch.nn.functional.pad(qlens.cumsum(0), (1, 0)).to(torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping,
+        query_start_loc=query_start_loc,
+        seq_lens=slens.to(torch.int32),
+        block_tables=block_tables.to(torch.int32),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_host=tuple(query_lens),
+        seq_lens_host=tuple(seq_lens),
+    )
+    return input_ids, pos, meta
 
 
 def _dead_end(state: _RequestState) -> str | None:

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.ops import Ops
+from engine.ops.sampling_ref import truncate
 from engine.params import SamplingParams
 
 _U64 = (1 << 64) - 1
@@ -147,6 +148,25 @@ class Sampler:
                 out.append((token, logprob, top))
         return out
 
+    def distributions(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(adjusted, probs)`` of each row: the logits after bias, min_tokens and penalties
+        (what logprobs are taken from), and the distribution a draw of the row follows
+        (temperature, top-k, top-p, min-p; a greedy row: one-hot on its arg-max). No seed
+        is drawn: the Sampler's generator is left where it was.
+
+        Speculative decoding's rejection rule reads them (``engine.runner.spec_verify``);
+        the draft model draws its proposal from them."""
+        adjusted = self._adjust_logits(logits.float(), rows)
+        temps, top_ks, top_ps, min_ps = self._truncation_tensors(rows, adjusted)
+        probs = torch.softmax(truncate(adjusted, temps, top_ks, top_ps, min_ps), dim=-1)
+        greedy = (temps <= 0).nonzero().squeeze(-1)
+        if greedy.numel():
+            probs[greedy] = torch.nn.functional.one_hot(
+                adjusted[greedy].argmax(-1), adjusted.shape[-1]).to(probs.dtype)
+        return adjusted, probs
+
     # -- logit adjustments -------------------------------------------------------------
 
     def _adjust_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -185,10 +205,24 @@ class Sampler:
         self, rows: Sequence[SamplingRow], logits: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         """(temperature, top_k, top_p, min_p, seeds) as [B] tensors on the logits' device."""
-        temps, top_ks, top_ps, min_ps, seeds = [], [], [], [], []
-        vocab = logits.shape[-1]
+        seeds = []
         unseeded = [b for b, r in enumerate(rows) if r.params.seed is None]
         drawn = iter(self._draw_seeds(len(unseeded)))
+        for r in rows:
+            if r.params.seed is None:
+                seeds.append(next(drawn))
+            else:
+                seeds.append(step_seed(r.params.seed, len(r.output_token_ids)))
+        return (*self._truncation_tensors(rows, logits),
+                torch.tensor(seeds, dtype=torch.int64, device=logits.device))
+
+    @staticmethod
+    def _truncation_tensors(
+        rows: Sequence[SamplingRow], logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(temperature, top_k, top_p, min_p) as [B] tensors on the logits' device."""
+        temps, top_ks, top_ps, min_ps = [], [], [], []
+        vocab = logits.shape[-1]
         for r in rows:
             p = r.params
             temps.append(0.0 if p.temperature < _GREEDY_TEMPERATURE else p.temperature)
@@ -196,17 +230,12 @@ class Sampler:
             top_ks.append(p.top_k if 0 < p.top_k < vocab else 0)
             top_ps.append(p.top_p)
             min_ps.append(p.min_p)
-            if p.seed is None:
-                seeds.append(next(drawn))
-            else:
-                seeds.append(step_seed(p.seed, len(r.output_token_ids)))
         device = logits.device
         return (
             torch.tensor(temps, dtype=torch.float32, device=device),
             torch.tensor(top_ks, dtype=torch.int32, device=device),
             torch.tensor(top_ps, dtype=torch.float32, device=device),
             torch.tensor(min_ps, dtype=torch.float32, device=device),
-            torch.tensor(seeds, dtype=torch.int64, device=device),
         )
 
     def _draw_seeds(self, count: int) -> list[int]:
