@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/spec.py [--model PATH] [--max-tokens 256] [--k 4]
                                    [--lookup-max 4] [--lookup-min 1] [--repeat 2]
+                                   [--draft PATH] [--draft-k 4] [--modes ...]
                                    [--workloads code,quotes] [--json out.json]
 
 Concurrency 1, greedy, through the embedded engine (the bundled SmolLM2 GGUF by default).
@@ -10,7 +11,10 @@ rename a variable in a function and return the whole function; ``quotes`` asks f
 summary that quotes the passage's sentences. For each workload three engines answer it:
 ``plain`` (no speculation), ``ngram`` (``--speculative-config`` prompt lookup with ``k``
 tokens) and ``prediction`` (no flag; the request's OpenAI ``prediction`` is the original
-code or passage). Printed per row: output tokens, decode tokens/s (output tokens after the
+code or passage); with ``--draft PATH``, a fourth, ``draft_model`` (``--speculative-config``
+method draft_model with that model proposing ``--draft-k`` tokens; e.g. the target's own
+GGUF, or its f32 folder as target with the GGUF as draft). ``--modes`` picks a subset of
+plain,ngram,prediction,draft_model (plain always runs: it is the baseline). Printed per row: output tokens, decode tokens/s (output tokens after the
 first over the time after the first), engine steps, proposals, acceptance rate, mean
 acceptance length, and whether the tokens equal the plain engine's (greedy must: the
 output distribution is the target's).
@@ -85,9 +89,15 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": args.k,
                        "prompt_lookup_max": args.lookup_max, "prompt_lookup_min": args.lookup_min})
     modes = [("plain", None, False), ("ngram", spec, False), ("prediction", None, True)]
+    if args.draft:
+        modes.append(("draft_model", json.dumps({
+            "method": "draft_model", "model": args.draft, "num_speculative_tokens": args.draft_k}),
+            False))
+    wanted = set(args.modes.split(",")) | {"plain"} if args.modes else None
+    modes = [m for m in modes if wanted is None or m[0] in wanted]
     baseline: dict[str, list[int]] = {}
     for mode, config, predict in modes:
-        options: dict[str, Any] = {"kv_cache_memory": 256 * 2**20}
+        options: dict[str, Any] = {"kv_cache_memory": args.kv_cache_memory}
         if config is not None:
             options["speculative_config"] = config
         async with engine.open_engine(args.model, **options) as eng:
@@ -118,7 +128,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     baseline[name] = best["ids"]
                 best["same_as_plain"] = best.pop("ids") == baseline[name]
                 rows.append(best)
-                print(f"{name:7s} {mode:10s} tokens={best['tokens']:4d} "
+                print(f"{name:7s} {mode:11s} tokens={best['tokens']:4d} "
                       f"decode={best['decode_tok_s']:7.1f} tok/s steps={best['steps']:4d} "
                       f"drafts={best['drafts']:4d} accept={best['acceptance_rate']:.2f} "
                       f"mean_len={best['mean_acceptance_length']:.2f} "
@@ -140,6 +150,13 @@ def main() -> None:
     parser.add_argument("--lookup-min", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=2, help="runs per row; the fastest is kept")
     parser.add_argument("--workloads", default="code,quotes")
+    parser.add_argument("--draft", default=None,
+                        help="a draft model (folder or GGUF): adds the draft_model mode")
+    parser.add_argument("--draft-k", type=int, default=4, help="tokens the draft proposes a step")
+    parser.add_argument("--modes", default=None,
+                        help="comma-separated subset of plain,ngram,prediction,draft_model")
+    parser.add_argument("--kv-cache-memory", type=int, default=256 * 2**20,
+                        help="bytes for the KV cache (split with the draft's in draft_model)")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args()
     rows = trio.run(run, args)
