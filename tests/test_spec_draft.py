@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
-from engine_helpers import collect, greedy, token_ids, wait_idle
+from engine_helpers import collect, greedy, text, token_ids, wait_idle
 
 import engine
 from engine.errors import ConfigError
 from engine.params import SamplingParams
+from engine.structured.spec import StructuredOutputs
 
 # Tiny shapes: a second torch thread only adds waits on a shared machine.
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -123,7 +125,8 @@ async def test_greedy_output_is_the_target_alone_s(models: tuple[Path, Path]) ->
 
 async def test_async_scheduling_n_samples_and_stop_tokens_with_a_draft(models: tuple[Path, Path]) -> None:
     """Async scheduling (speculating requests are not planned ahead, the others are), n > 1
-    seeded samples beside them, and a stop token cut inside an accepted proposal. A seeded
+    seeded samples beside them, a grammar request (the draft proposes unconstrained; the
+    part its grammar takes is verified) and a stop token cut inside an accepted proposal. A seeded
     request's tokens depend on its seed and on the steps it speculated in (the rule's
     uniforms are drawn per output index): the same request alone in two fresh engines
     gives the same tokens."""
@@ -133,11 +136,15 @@ async def test_async_scheduling_n_samples_and_stop_tokens_with_a_draft(models: t
         plain = await _run_all(eng, prompts, [greedy(48)] * 3)
     stop_id = token_ids(plain[0])[20]
     seeded = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=24, ignore_eos=True)
+    constrained = SamplingParams(temperature=1.0, seed=5, max_tokens=24,
+                                 structured_outputs=StructuredOutputs(regex="(ab|cd){3,6}"))
     async with engine.open_engine(str(target), **OPTIONS, speculative_config=_draft(noisy, 3),
                                   async_scheduling=True) as eng:
-        spec = await _run_all(eng, [*prompts, prompts[0], prompts[1]],
-                              [*[greedy(48)] * 3, greedy(48, stop_token_ids=[stop_id]), seeded])
+        spec = await _run_all(eng, [*prompts, prompts[0], prompts[1], prompts[2]],
+                              [*[greedy(48)] * 3, greedy(48, stop_token_ids=[stop_id]), seeded,
+                               constrained])
         stats = await wait_idle(eng)
+    assert re.fullmatch("(ab|cd){3,6}", text(spec[5])), text(spec[5])
     assert [token_ids(o) for o in spec[:3]] == [token_ids(o) for o in plain]
     ids = token_ids(plain[0])
     assert token_ids(spec[3]) == ids[: ids.index(stop_id) + 1]
@@ -289,3 +296,4 @@ def test_sampled_tokens_follow_the_target_distribution_with_a_different_draft(
     assert sum(pairs[common].values()) > 400
     p1 = p_target((*prompt, common))
     assert chi2(pairs[common], p1) < CHI2_3DF_999, (pairs[common], p1)
+
