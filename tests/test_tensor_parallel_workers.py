@@ -100,29 +100,46 @@ async def test_two_ranks_give_the_one_rank_outputs_for_every_sampling_feature(mo
     assert not psutil.pid_exists(pids[0])  # stopped with the engine
 
 
-async def test_a_worker_killed_mid_stream_fails_that_stream_and_the_group_restarts(model: Path) -> None:
+async def _fail_mid_stream(eng: Any, sig: signal.Signals) -> tuple[int, str]:
+    """Stream a long request, send ``sig`` to the worker after 3 tokens; the stream must
+    fail. Returns the worker's pid and the error, once the engine serves again."""
+    (victim,) = eng._parts.runner.worker_pids()
+    stream = await eng.submit(PROMPTS[0], greedy(400))
+    seen, sent = 0, False
+    with pytest.raises(EngineDeadError) as info:
+        async with stream:
+            async for out in stream:
+                seen += len(out.token_ids)
+                if seen >= 3 and not sent:
+                    os.kill(victim, sig)
+                    sent = True
+    assert 3 <= seen < 400
+    with trio.fail_after(120):
+        while not eng.serving:  # noqa: ASYNC110 - the group restarts (a new worker loads)
+            await trio.sleep(0.05)
+    assert not psutil.pid_exists(victim)  # stopped (a stuck one killed) and reaped
+    return victim, str(info.value)
+
+
+async def test_a_worker_killed_or_stuck_mid_stream_fails_that_stream_and_the_group_restarts(
+        model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine.parallel.workers as workers
+
+    # A stuck peer fails the step after the collective timeout (here 3 s, not 60).
+    monkeypatch.setattr(workers, "COLLECTIVE_TIMEOUT_SECONDS", 3.0)
     async with engine.open_engine(str(model), **OPTIONS) as eng:
         want = token_ids(await collect(eng, PROMPTS[1], greedy(8)))
-    async with engine.open_engine(str(model), tensor_parallel_size=2, max_engine_restarts=1,
+    async with engine.open_engine(str(model), tensor_parallel_size=2, max_engine_restarts=2,
                                   **OPTIONS) as eng:
-        (victim,) = eng._parts.runner.worker_pids()
-        stream = await eng.submit(PROMPTS[0], greedy(400))
-        seen = 0
-        with pytest.raises(EngineDeadError) as info:
-            async with stream:
-                async for out in stream:
-                    seen += len(out.token_ids)
-                    if seen >= 3 and psutil.pid_exists(victim):
-                        os.kill(victim, signal.SIGKILL)
-        assert 3 <= seen < 400
-        assert f"tensor-parallel worker rank 1 (pid {victim}) died (killed by signal 9)" in str(info.value)
-        assert not psutil.pid_exists(victim)  # reaped, no zombie left
-        with trio.fail_after(120):
-            while not eng.serving:  # noqa: ASYNC110 - the group restarts (a new worker loads)
-                await trio.sleep(0.05)
+        victim, error = await _fail_mid_stream(eng, signal.SIGKILL)
+        assert f"tensor-parallel worker rank 1 (pid {victim}) died (killed by signal 9)" in error
+        assert token_ids(await collect(eng, PROMPTS[1], greedy(8))) == want
+        stopped, error = await _fail_mid_stream(eng, signal.SIGSTOP)
+        assert stopped != victim
+        assert "tensor-parallel worker rank 1 did not answer within 3 s" in error
         assert token_ids(await collect(eng, PROMPTS[1], greedy(8))) == want
         (replacement,) = eng._parts.runner.worker_pids()
-        assert replacement != victim and eng.restarts == 1
+        assert replacement not in (victim, stopped) and eng.restarts == 2
     assert not psutil.pid_exists(replacement)
     assert not psutil.Process().children(recursive=True)
 

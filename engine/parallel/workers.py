@@ -126,6 +126,7 @@ class _Peer:
     conn: Any = None  # multiprocessing.connection.Connection once it connected
     pid: int = 0
     run_ref: Any = None  # Ray: the ObjectRef of the actor's run() call
+    stuck: bool = False  # it did not answer a step in time: killed, not waited for
 
 
 @dataclasses.dataclass(slots=True)
@@ -142,13 +143,13 @@ class WorkerGroup:
     workers load theirs meanwhile), then :meth:`build` with the pool size."""
 
     def __init__(self, config: Any, device: torch.device, *,
-                 timeout: float = COLLECTIVE_TIMEOUT_SECONDS) -> None:
+                 timeout: float | None = None) -> None:
         from engine.core_process import config_to_json
 
         self.world_size = int(config.tensor_parallel_size)
         self.backend = config.distributed_executor_backend
         self.device = device
-        self.timeout = timeout
+        self.timeout = timeout if timeout is not None else COLLECTIVE_TIMEOUT_SECONDS
         self._config_json = config_to_json(config)
         self._build: RankBuild | None = None
         self._peers: list[_Peer] = []
@@ -337,6 +338,7 @@ class WorkerGroup:
             if answer is None:
                 self.broken = True
                 if not ready:
+                    peer.stuck = True
                     raise WorkerLostError(f"tensor-parallel worker rank {peer.rank} did not "
                                           f"answer within {self.timeout:.0f} s")
                 time.sleep(0.05)  # let the process's exit status settle
@@ -422,6 +424,9 @@ class WorkerGroup:
                     pass
                 self._placement = None
         else:
+            for peer in self._peers:
+                if peer.stuck:
+                    peer.handle.kill()
             deadline = time.monotonic() + 5.0
             for peer in self._peers:
                 try:
