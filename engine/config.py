@@ -442,8 +442,9 @@ class EngineConfig:
     speculative_config: str | None = _field(
         None, "speculative decoding, as vLLM's JSON: "
         '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-        '"prompt_lookup_min": 1}\' (prompt lookup; verified by the model in one forward, the '
-        "output distribution unchanged)", metavar="JSON", default_text="off")
+        '"prompt_lookup_min": 1}\' (prompt lookup) or \'{"method": "draft_model", "model": PATH, '
+        '"num_speculative_tokens": 4}\' (a draft model of the same vocabulary); verified by the '
+        "model in one forward, the output distribution unchanged", metavar="JSON", default_text="off")
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

@@ -297,3 +297,48 @@ def test_sampled_tokens_follow_the_target_distribution_with_a_different_draft(
     p1 = p_target((*prompt, common))
     assert chi2(pairs[common], p1) < CHI2_3DF_999, (pairs[common], p1)
 
+
+
+# --- the scheduler reserves a draft model's positions (pure: no model) ----------------------
+
+
+def test_scheduler_reserves_k_positions_for_the_draft_and_counts_what_was_verified() -> None:
+    from engine.core.block_pool import BlockPool
+    from engine.core.request import RequestStatus
+    from engine.core.scheduler import Scheduler, SchedulerConfig, run_with_pool
+    from engine.messages import CacheBlocks, SampledToken, SchedulerRequest, StepResult
+
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, block_size=4,
+                             max_model_len=256, num_kv_blocks=32, num_speculative_tokens=3,
+                             draft_model=True)
+    sched, pool = Scheduler(config), BlockPool(32, 4, enable_prefix_caching=True)
+    prompt = (7, 8, 9, 10, 11, 12)
+    sched.add_request(SchedulerRequest("a", prompt, SamplingParams(temperature=0, max_tokens=9),
+                                       (), 9, 0, 0.0, None, None))
+
+    def step(tokens: list[int]) -> tuple[Any, Any]:
+        plan = run_with_pool(sched.schedule(), pool)
+        (chunk,) = plan.chunks
+        result = StepResult(plan.step_id, tuple(SampledToken("a", t, 0.0, ()) for t in tokens), 0.0)
+        update = sched.update_from_output(plan, result)
+        for call in update.allocator_calls:
+            pool.handle(call)
+        return chunk, update
+
+    chunk, _ = step([20])  # the prompt: no proposal (more than one token to compute)
+    assert (chunk.num_tokens, chunk.num_model_drafts) == (6, 0)
+    chunk, update = step([21, 22])  # 3 positions reserved; the first kept, then the model's 22
+    assert (chunk.start, chunk.num_tokens, chunk.draft_token_ids, chunk.num_model_drafts) == (6, 4, (), 3)
+    req = sched.get_request("a")
+    assert req.output_token_ids == [20, 21, 22] and req.num_computed_tokens == 8
+    # Positions 6 and 7 (20, the kept 21) are verified: block [4, 8) is full and cached.
+    assert [c.token_ids for c in update.allocator_calls if isinstance(c, CacheBlocks)] == [(11, 12, 20, 21)]
+    chunk, _ = step([23, 24, 25, 26])  # all 3 kept, then the model's own
+    assert (chunk.start, chunk.num_model_drafts) == (8, 3)
+    assert req.num_computed_tokens == 12 and len(req.output_token_ids) == 7
+    chunk, _ = step([27, 28])  # max_tokens 9 leaves one proposal position
+    assert (chunk.start, chunk.num_tokens, chunk.num_model_drafts) == (12, 2, 1)
+    assert req.status == RequestStatus.FINISHED_LENGTH
+    stats = sched.statistics()
+    assert (stats.spec_drafts, stats.spec_draft_tokens, stats.spec_accepted_tokens) == (3, 7, 5)
+    assert pool.statistics().num_free_blocks == 32

@@ -45,7 +45,7 @@ from engine.models.llama import build_model
 from engine.ops import Ops
 from engine.ops.sampling_ref import inverse_cdf, row_uniforms
 from engine.runner.kv_cache import allocate_kv_caches
-from engine.runner.sampler import Sampler, SamplingRow, step_seed
+from engine.runner.sampler import _GREEDY_TEMPERATURE, Sampler, SamplingRow, step_seed
 
 # Distinct streams for the draft's draws and the verifier's accept/resample uniforms of a
 # seeded request (its own sampler stream stays as without speculation). Arbitrary odd
@@ -203,6 +203,4 @@ def accept_or_resample(p: torch.Tensor, q: torch.Tensor, d: int, u: float, v: fl
 
 
 def _is_greedy(state: Any) -> bool:
-    from engine.runner.sampler import _GREEDY_TEMPERATURE
-
     return bool(state.params.temperature < _GREEDY_TEMPERATURE)
