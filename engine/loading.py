@@ -143,10 +143,6 @@ def build_parts(config: EngineConfig) -> EngineParts:
         # the others as usual); under a grammar the prefix of a proposal it takes is verified.
         logger.info("speculative decoding: %s", config.speculative.describe())
     group = None
-    if config.tensor_parallel_size > 1:
-        from engine.parallel.workers import share_cpu_threads
-
-        share_cpu_threads(device, config.tensor_parallel_size)
     load = load_rank(config, device)
     if config.tensor_parallel_size > 1:
         from engine.parallel.workers import WorkerGroup

@@ -16,6 +16,7 @@ from typing import Any
 import openai
 import psutil
 import pytest
+import torch
 import trio
 from engine_helpers import collect, greedy, token_ids, wait_idle
 
@@ -83,6 +84,7 @@ def _same(got: list[Any], want: list[Any]) -> bool:
 async def test_two_ranks_give_the_one_rank_outputs_for_every_sampling_feature(model: Path) -> None:
     async with engine.open_engine(str(model), **OPTIONS) as eng:
         want = await _outputs(eng)
+    threads = torch.get_num_threads()
     async with engine.open_engine(str(model), tensor_parallel_size=2, **OPTIONS) as eng:
         runner = eng._parts.runner
         pids = runner.worker_pids()
@@ -98,6 +100,7 @@ async def test_two_ranks_give_the_one_rank_outputs_for_every_sampling_feature(mo
         assert _same(got[key], outputs), key
     assert any(token_ids(want["regex", i]) for i in range(3))
     assert not psutil.pid_exists(pids[0])  # stopped with the engine
+    assert torch.get_num_threads() == threads  # rank 0's share of the CPUs given back
 
 
 async def _fail_mid_stream(eng: Any, sig: signal.Signals) -> tuple[int, str]:

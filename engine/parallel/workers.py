@@ -100,10 +100,13 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank)
 
 
-def share_cpu_threads(device: torch.device, world_size: int) -> None:
-    """On CPU the ranks share the machine's cores: each takes an equal share of threads."""
+def share_cpu_threads(device: torch.device, world_size: int) -> int:
+    """On CPU the ranks share the machine's cores: each takes an equal share of threads.
+    Returns the torch thread count before."""
+    before = torch.get_num_threads()
     if device.type == "cpu" and world_size > 1:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
+    return before
 
 
 def _send(conn: Any, message: object) -> None:
@@ -160,6 +163,8 @@ class WorkerGroup:
         self._placement: Any = None
         self.broken = False
         self.stats = GroupStatistics()
+        # Rank 0's share of the CPU threads while the group lives (restored by close()).
+        self._threads_before = share_cpu_threads(device, self.world_size)
         self._start()
 
     # -- starting ----------------------------------------------------------------------
@@ -364,7 +369,8 @@ class WorkerGroup:
         t0 = time.perf_counter()
         # The workers ran the same collectives: they answer within the collective timeout
         # of rank 0's end of the step, or they are stuck.
-        answers = self._answers(RankDone, deadline=time.monotonic() + self.timeout + 5.0)
+        answers = self._answers(RankDone, deadline=time.monotonic() + self.timeout
+                                + min(5.0, self.timeout))
         self.stats.wait_seconds += time.perf_counter() - t0
         self.stats.steps += 1
         sampled = tuple((t.sample_id, t.token_id) for t in result.sampled)
@@ -462,6 +468,7 @@ class WorkerGroup:
 
             ray.shutdown()
             self._ray_started = False
+        torch.set_num_threads(self._threads_before)
 
 
 class TensorParallelRunner:
@@ -551,7 +558,8 @@ def worker_main(*, rank: int, world_size: int, address: tuple[str, int], authkey
 
 
 def _serve_rank(rank: int, world_size: int, address: tuple[str, int], authkey: bytes,
-                store: tuple[str, int], config_json: str, timeout: float) -> None:
+                store: tuple[str, int], config_json: str, timeout: float,
+                device_index: int | None = None) -> None:
     import torch.distributed as dist
 
     from engine.core_process import config_from_json
@@ -561,6 +569,8 @@ def _serve_rank(rank: int, world_size: int, address: tuple[str, int], authkey: b
     conn: Any = None
     try:
         device = rank_device(torch.device(_resolve_device(config.device)), rank)
+        if device.type == "cuda" and device_index is not None:
+            device = torch.device("cuda", device_index)
         share_cpu_threads(device, world_size)
         loaded = load_rank(config, device)
         conn = mpc.Client(address, authkey=authkey)
@@ -643,9 +653,10 @@ class RayRank:
         import engine.parallel.workers as workers
 
         logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
+        # Ray shows the actor only its own GPU (CUDA_VISIBLE_DEVICES): cuda:0.
         workers._serve_rank(kwargs["rank"], kwargs["world_size"], kwargs["address"],
                             kwargs["authkey"], kwargs["store"], kwargs["config_json"],
-                            kwargs["timeout"])
+                            kwargs["timeout"], device_index=0)
 
 
 if __name__ == "__main__":
