@@ -126,7 +126,8 @@ async def test_greedy_output_is_the_target_alone_s(models: tuple[Path, Path]) ->
 async def test_async_scheduling_n_samples_and_stop_tokens_with_a_draft(models: tuple[Path, Path]) -> None:
     """Async scheduling (speculating requests are not planned ahead, the others are), n > 1
     seeded samples beside them, a grammar request (the draft proposes unconstrained; the
-    part its grammar takes is verified) and a stop token cut inside an accepted proposal. A seeded
+    part its grammar takes is verified), a stop token cut inside an accepted proposal and a
+    stop string. A seeded
     request's tokens depend on its seed and on the steps it speculated in (the rule's
     uniforms are drawn per output index): the same request alone in two fresh engines
     gives the same tokens."""
@@ -135,19 +136,23 @@ async def test_async_scheduling_n_samples_and_stop_tokens_with_a_draft(models: t
     async with engine.open_engine(str(target), **OPTIONS) as eng:
         plain = await _run_all(eng, prompts, [greedy(48)] * 3)
     stop_id = token_ids(plain[0])[20]
+    whole = text(plain[1])
+    stop = whole[len(whole) // 2 : len(whole) // 2 + 3]
+    assert stop.strip()
     seeded = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=24, ignore_eos=True)
     constrained = SamplingParams(temperature=1.0, seed=5, max_tokens=24,
                                  structured_outputs=StructuredOutputs(regex="(ab|cd){3,6}"))
     async with engine.open_engine(str(target), **OPTIONS, speculative_config=_draft(noisy, 3),
                                   async_scheduling=True) as eng:
-        spec = await _run_all(eng, [*prompts, prompts[0], prompts[1], prompts[2]],
+        spec = await _run_all(eng, [*prompts, prompts[0], prompts[1], prompts[2], prompts[1]],
                               [*[greedy(48)] * 3, greedy(48, stop_token_ids=[stop_id]), seeded,
-                               constrained])
+                               constrained, greedy(48, stop=[stop])])
         stats = await wait_idle(eng)
     assert re.fullmatch("(ab|cd){3,6}", text(spec[5])), text(spec[5])
     assert [token_ids(o) for o in spec[:3]] == [token_ids(o) for o in plain]
     ids = token_ids(plain[0])
     assert token_ids(spec[3]) == ids[: ids.index(stop_id) + 1]
+    assert text(spec[6]) == whole[: whole.index(stop)]
     assert [len(token_ids(spec[4], i)) for i in range(3)] == [24] * 3
     assert stats.spec_drafts > 0
     assert stats.kv_blocks_free == stats.kv_blocks_total
