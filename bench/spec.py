@@ -3,6 +3,8 @@
     .venv/bin/python bench/spec.py [--model PATH] [--max-tokens 256] [--k 4]
                                    [--lookup-max 4] [--lookup-min 1] [--repeat 2]
                                    [--draft PATH] [--draft-k 4] [--modes ...]
+                                   [--dtype float32] [--quantization none]
+                                   [--draft-quantization gguf]
                                    [--workloads code,quotes] [--json out.json]
 
 Concurrency 1, greedy, through the embedded engine (the bundled SmolLM2 GGUF by default).
@@ -13,7 +15,8 @@ summary that quotes the passage's sentences. For each workload three engines ans
 tokens) and ``prediction`` (no flag; the request's OpenAI ``prediction`` is the original
 code or passage); with ``--draft PATH``, a fourth, ``draft_model`` (``--speculative-config``
 method draft_model with that model proposing ``--draft-k`` tokens; e.g. the target's own
-GGUF, or its f32 folder as target with the GGUF as draft). ``--modes`` picks a subset of
+GGUF, or the GGUF dequantized (``--dtype float32 --quantization none``) as target with the
+GGUF kept in its blocks (``--draft-quantization gguf``) as draft). ``--modes`` picks a subset of
 plain,ngram,prediction,draft_model (plain always runs: it is the baseline). Printed per row: output tokens, decode tokens/s (output tokens after the
 first over the time after the first), engine steps, proposals, acceptance rate, mean
 acceptance length, and whether the tokens equal the plain engine's (greedy must: the
@@ -90,14 +93,17 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                        "prompt_lookup_max": args.lookup_max, "prompt_lookup_min": args.lookup_min})
     modes = [("plain", None, False), ("ngram", spec, False), ("prediction", None, True)]
     if args.draft:
-        modes.append(("draft_model", json.dumps({
-            "method": "draft_model", "model": args.draft, "num_speculative_tokens": args.draft_k}),
-            False))
+        draft: dict[str, Any] = {"method": "draft_model", "model": args.draft,
+                                 "num_speculative_tokens": args.draft_k}
+        if args.draft_quantization:
+            draft["quantization"] = args.draft_quantization
+        modes.append(("draft_model", json.dumps(draft), False))
     wanted = set(args.modes.split(",")) | {"plain"} if args.modes else None
     modes = [m for m in modes if wanted is None or m[0] in wanted]
     baseline: dict[str, list[int]] = {}
     for mode, config, predict in modes:
-        options: dict[str, Any] = {"kv_cache_memory": args.kv_cache_memory}
+        options: dict[str, Any] = {"kv_cache_memory": args.kv_cache_memory, "dtype": args.dtype,
+                                   "quantization": args.quantization}
         if config is not None:
             options["speculative_config"] = config
         async with engine.open_engine(args.model, **options) as eng:
@@ -155,6 +161,10 @@ def main() -> None:
     parser.add_argument("--draft-k", type=int, default=4, help="tokens the draft proposes a step")
     parser.add_argument("--modes", default=None,
                         help="comma-separated subset of plain,ngram,prediction,draft_model")
+    parser.add_argument("--dtype", default="auto", help="the target's --dtype")
+    parser.add_argument("--quantization", default="auto", help="the target's --quantization")
+    parser.add_argument("--draft-quantization", default=None,
+                        help="the draft's quantization (default: the target's)")
     parser.add_argument("--kv-cache-memory", type=int, default=256 * 2**20,
                         help="bytes for the KV cache (split with the draft's in draft_model)")
     parser.add_argument("--json", default=None, help="also write the rows here")
