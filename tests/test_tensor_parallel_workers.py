@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -228,3 +229,17 @@ async def test_smollm2_over_three_ranks_through_serve_gives_the_one_rank_text() 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, "".join(log)
     assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
+
+
+def test_the_ray_backend_without_ray_installed_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.config import EngineConfig
+    from engine.errors import ConfigError
+    from engine.parallel.workers import WorkerGroup
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if the [ray] extra were missing
+    threads = torch.get_num_threads()
+    config = EngineConfig(tensor_parallel_size=2, distributed_executor_backend="ray")
+    with pytest.raises(ConfigError, match=r"install the package's \[ray\] extra") as info:
+        WorkerGroup(config, torch.device("cpu"))
+    assert info.value.field == "distributed_executor_backend"
+    assert torch.get_num_threads() == threads

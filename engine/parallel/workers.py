@@ -165,7 +165,11 @@ class WorkerGroup:
         self.stats = GroupStatistics()
         # Rank 0's share of the CPU threads while the group lives (restored by close()).
         self._threads_before = share_cpu_threads(device, self.world_size)
-        self._start()
+        try:
+            self._start()
+        except BaseException:
+            self.close()  # the workers already started, a local Ray, the threads
+            raise
 
     # -- starting ----------------------------------------------------------------------
 
@@ -203,7 +207,14 @@ class WorkerGroup:
                     ", ".join(f"rank {p.rank}" + (f" pid {p.pid}" if p.pid else "") for p in self._peers))
 
     def _ray_host(self) -> str:
-        import ray
+        try:
+            import ray
+        except ImportError:
+            from engine.errors import ConfigError
+
+            raise ConfigError("--distributed-executor-backend ray needs Ray: install the "
+                              "package's [ray] extra (pip install -e '.[ray]')",
+                              field="distributed_executor_backend") from None
 
         if not ray.is_initialized():
             if os.environ.get("RAY_ADDRESS"):
@@ -413,7 +424,7 @@ class WorkerGroup:
         for peer in self._peers:
             if peer.conn is not None:
                 peer.conn.close()  # a worker waiting for a step sees EOF and exits
-        if self.backend == "ray":
+        if self.backend == "ray" and (self._peers or self._placement is not None):
             import ray
 
             for peer in self._peers:
@@ -429,7 +440,7 @@ class WorkerGroup:
                 except Exception:
                     pass
                 self._placement = None
-        else:
+        elif self.backend != "ray":
             for peer in self._peers:
                 if peer.stuck:
                     peer.handle.kill()
