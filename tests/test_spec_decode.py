@@ -160,7 +160,7 @@ async def test_n_samples_and_a_grammar_request_beside_speculating_ones(model: Pa
     for i in range(3):
         assert len(token_ids(spec, i)) == 32
         assert token_ids(spec, i) == token_ids(plain, i)
-    # The grammar request never speculates, beside requests that do, and keeps its grammar.
+    # The grammar request, beside requests that speculate, keeps its grammar.
     assert re.fullmatch("(ab|cd){3,6}", text(grammar)), text(grammar)
     assert stats.spec_drafts > 0
     assert stats.kv_blocks_free == stats.kv_blocks_total
@@ -300,6 +300,61 @@ def test_rejected_proposal_tokens_are_never_cached_and_are_recomputed() -> None:
     assert pool.statistics().num_free_blocks == 32
 
 
+def test_a_stop_token_inside_an_accepted_proposal_ends_it_there_and_frees_every_block() -> None:
+    """Stop tokens and EOS end the output where they fall inside a verified proposal: the
+    tokens after them (accepted by the model or not) are never output, only verified
+    tokens' blocks are cached, and every block is free after the finish; min_tokens keeps
+    a stop token inside the proposal from ending it early."""
+    from engine.messages import CacheBlocks, SchedulerRequest
+
+    stop7 = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[7])
+    plain = SamplingParams(temperature=0, max_tokens=20)
+    under_min = SamplingParams(temperature=0, max_tokens=20, min_tokens=4, stop_token_ids=[7])
+    cases = [  # prompt, params, the model's draws, the delta's tokens, finish
+        ((7, 8, 9, 10, 7, 8), stop7, [10, 7, 8, 3], [10, 7], "stop"),
+        ((7, 8, 9, 10, 7, 8), plain, [10, 7, 8, 3], [10, 7, 8, 3], None),
+        ((7, 8, 9, 2, 7, 8), plain, [2, 7, 8, 3], [2], "stop"),  # 2: EOS
+        ((7, 8, 9, 10, 7, 8), under_min, [10, 7, 8, 3], [10, 7, 8, 3], None),
+    ]
+    for prompt, params, draws, out, reason in cases:
+        sched, pool = _spec_scheduler(3)
+        sched.add_request(SchedulerRequest("a", prompt, params, (2,), 20, 0, 0.0, None, None))
+        _step(sched, pool, [9])
+        chunk, update = _step(sched, pool, draws)  # "8 9" occurred at 1: its 3 followers proposed
+        assert chunk.draft_token_ids == prompt[3:]
+        (delta,) = update.deltas
+        assert (list(delta.token_ids), delta.finish_reason) == (out, reason)
+        cached = [t for c in update.allocator_calls if isinstance(c, CacheBlocks) for t in c.token_ids]
+        verified = (*prompt, 9, *out)
+        assert tuple(cached) == verified[4 : 4 + len(cached)]
+        # Every full block of verified tokens: the prompt, 9 and the accepted proposal tokens
+        # (the last output token is drawn, its KV not computed yet).
+        assert len(cached) == (6 + len(out)) // 4 * 4 - 4
+        for call in sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED):
+            pool.handle(call)
+        assert pool.statistics().num_free_blocks == 32
+
+
+def test_an_abort_while_a_proposal_is_verified_drops_its_tokens_and_frees_every_block() -> None:
+    from engine.core.scheduler import run_with_pool
+    from engine.messages import SampledToken, SchedulerRequest, StepResult
+
+    sched, pool = _spec_scheduler(3)
+    sched.add_request(SchedulerRequest("a", (7, 8, 9, 10, 7, 8), SamplingParams(temperature=0, max_tokens=20),
+                                       (), 20, 0, 0.0, None, None))
+    _step(sched, pool, [9])
+    plan = run_with_pool(sched.schedule(), pool)  # the verification step, in flight
+    (chunk,) = plan.chunks
+    assert chunk.draft_token_ids == (10, 7, 8)
+    for call in sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED):
+        pool.handle(call)
+    result = StepResult(plan.step_id, tuple(SampledToken("a", t, 0.0, ()) for t in (10, 7, 8, 5)), 0.0)
+    update = sched.update_from_output(plan, result)
+    assert update.deltas == () and update.allocator_calls == ()
+    assert pool.statistics().num_free_blocks == 32
+    assert not sched.has_work or run_with_pool(sched.schedule(), pool).finished_ids == ("a",)
+
+
 # --- sampled outputs follow the target distribution -----------------------------------------
 
 # Upper 0.1% points of the chi-square distribution with 3 degrees of freedom (4 categories).
@@ -423,28 +478,52 @@ def test_chat_prediction_proposes_tokens_and_usage_counts_them(model: Path) -> N
         assert info.value.body["param"] == "prediction"
 
 
+def _bench_workloads() -> dict[str, Any]:
+    """bench/spec.py's chat workloads (the code one left the plain output before row-wise
+    verification attention)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "spec.py"
+    module_spec = importlib.util.spec_from_file_location("bench_spec", path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.WORKLOADS
+
+
 @pytest.mark.slow
-async def test_smollm2_greedy_is_the_same_with_prompt_lookup_and_with_a_prediction() -> None:
+async def test_smollm2_quantized_greedy_is_the_same_with_prompt_lookup_and_with_a_prediction() -> None:
+    """SmolLM2 as served by default (bf16, the GGUF's Q4_1 blocks kept, the C kernels):
+    greedy over 128 tokens with prompt lookup and with a prediction equals plain greedy,
+    token for token, on bench/spec.py's workloads and a third chat. The requests run one
+    at a time, as the bench does: a step of 16 rows or more multiplies the quantized
+    weights on the AMX-BF16 path, whose numbers differ from the int8 path's (see
+    tests/test_batch_invariance.py), so batches of different widths may round apart."""
+    workloads = _bench_workloads()
     code = ("def area(width, height):\n    return width * height\n\n\n"
             "def perimeter(width, height):\n    return 2 * (width + height)\n")
     chats = [
-        [{"role": "user", "content": "Rename width to w in this code and return all of it:\n\n" + code}],
-        [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog. "
-                                     "The quick brown fox jumps over the lazy dog."}],
+        (workloads["code"][0], workloads["code"][1]),
+        (workloads["quotes"][0], workloads["quotes"][1]),
+        ([{"role": "user", "content": "Rename width to w in this code and return all of it:\n\n" + code}], code),
     ]
-    # Dequantized fp32, as the other SmolLM2 parity checks: the kept-quantized path's
-    # several-row matmuls round differently from one row, which can flip a near-tie.
-    options = dict(kv_cache_memory=64 * 2**20, dtype="float32", quantization="none")
-    params = [greedy(128), greedy(128)]
+    # Every request starts cold: a prefix-cache hit computes the prompt's last tokens in a
+    # narrower step than the whole prompt's, whose quantized matmuls take the int8 path
+    # instead of AMX-BF16 (tests/test_batch_invariance.py), which alone moves the code
+    # workload's greedy output at its 44th token, speculation or not.
+    options = dict(kv_cache_memory=64 * 2**20, enable_prefix_caching=False)
     async with engine.open_engine(None, **options) as eng:
-        plain = await _run_all(eng, chats, params)
+        assert (eng._parts.quantization, eng._parts.dtype) == ("gguf", "bfloat16")  # the bench's path
+        plain = [await collect(eng, chat, greedy(128)) for chat, _ in chats]
+        predicted = [await collect(eng, chat, greedy(128, prediction=source)) for chat, source in chats]
+        stats_plain = await wait_idle(eng)
     async with engine.open_engine(None, **options, speculative_config=NGRAM) as eng:
-        spec = await _run_all(eng, chats, params)
+        spec = [await collect(eng, chat, greedy(128)) for chat, _ in chats]
         stats = await wait_idle(eng)
-    async with engine.open_engine(None, **options) as eng:
-        predicted = await collect(eng, chats[0], greedy(128, prediction=code))
-    assert [token_ids(o) for o in spec] == [token_ids(o) for o in plain]
-    assert token_ids(predicted) == token_ids(plain[0])
-    assert predicted[-1].usage.prediction_tokens[0] > 0
-    assert stats.spec_accepted_tokens > 0
+    for a, b, c in zip(plain, spec, predicted, strict=True):
+        assert token_ids(b) == token_ids(a)
+        assert token_ids(c) == token_ids(a)
+    assert all(o[-1].usage.prediction_tokens[0] > 0 for o in predicted)
+    assert stats.spec_accepted_tokens > 0 and stats_plain.spec_accepted_tokens > 0
     assert stats.kv_blocks_free == stats.kv_blocks_total
+    assert stats_plain.kv_blocks_free == stats_plain.kv_blocks_total
