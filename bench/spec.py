@@ -135,7 +135,8 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 # Run i against the plain engine's run i: the first runs are cold, the later
                 # ones hit the prefix cache, which computes the prompt's tail in a narrower
                 # step whose numbers may differ (the quantized matmul's int8 path below 16
-                # rows, AMX-BF16 from 16), and greedy then may part on a near-tie.
+                # rows, AMX-BF16 from 16; the decode kernel's attention up to 65 query rows
+                # of a request, the padded SDPA past that), and greedy may part on a near-tie.
                 if mode == "plain":
                     baseline[name] = runs
                 best["same_as_plain"] = runs == baseline[name]

@@ -508,9 +508,10 @@ async def test_smollm2_quantized_greedy_is_the_same_with_prompt_lookup_and_with_
         ([{"role": "user", "content": "Rename width to w in this code and return all of it:\n\n" + code}], code),
     ]
     # Every request starts cold: a prefix-cache hit computes the prompt's last tokens in a
-    # narrower step than the whole prompt's, whose quantized matmuls take the int8 path
-    # instead of AMX-BF16 (tests/test_batch_invariance.py), which alone moves the code
-    # workload's greedy output at its 44th token, speculation or not.
+    # narrower step than the whole prompt's (the quantized matmuls' int8 path instead of
+    # AMX-BF16, the decode kernel's attention instead of the padded SDPA; see
+    # tests/test_batch_invariance.py), which alone moves the code workload's greedy output
+    # at its 44th token, speculation or not.
     options = dict(kv_cache_memory=64 * 2**20, enable_prefix_caching=False)
     async with engine.open_engine(None, **options) as eng:
         assert (eng._parts.quantization, eng._parts.dtype) == ("gguf", "bfloat16")  # the bench's path
