@@ -242,6 +242,49 @@ async def test_structured_output_speculates_and_gives_the_plain_outputs(model: P
     assert stats.kv_blocks_free == stats.kv_blocks_total
 
 
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_a_matcher_checks_a_proposal_without_moving_and_rolls_back(model: Path, backend: str) -> None:
+    """``Matcher.valid_prefix`` counts the proposal tokens the grammar takes (up to a refused
+    one, and none from a stop token on) and leaves the matcher where it was (same mask);
+    ``rollback`` undoes accepted tokens, a stop token's end included."""
+    import torch
+
+    from engine.models.tokenizer import Tokenizer
+    from engine.structured import GrammarBackend
+    from engine.structured.backend import bitmask_words
+    from engine.structured.spec import StructuredOutputs
+
+    tok = Tokenizer.from_folder(model)
+    eos = tuple(tok.eos_token_ids)
+    grammar = GrammarBackend(tok, vocab_size=tok.vocab_size, stop_token_ids=eos, backend=backend)
+    spec = StructuredOutputs(regex="(ab|cd){2,3}")
+    good = tok.encode("abcd", add_special_tokens=False)
+    refused = tok.encode("x", add_special_tokens=False)[0]
+
+    def mask(m: Any) -> torch.Tensor:
+        row = torch.zeros((1, bitmask_words(tok.vocab_size)), dtype=torch.int32)
+        m.fill(row, 0)
+        return row
+
+    m = grammar.matcher(spec)
+    start = mask(m)
+    assert m.valid_prefix([*good, refused, *good]) == len(good)
+    assert m.valid_prefix([*good, eos[0], *good]) == len(good)  # nothing counted from a stop on
+    assert m.valid_prefix([refused]) == 0
+    assert m.accepted == 0 and torch.equal(mask(m), start)
+    for t in good:
+        assert m.accept(t)
+    after = mask(m)
+    assert not torch.equal(after, start)  # "abcd" is complete: EOS is allowed now
+    assert m.accept(eos[0]) and m.ended
+    m.rollback(1)
+    assert not m.ended and m.complete() and torch.equal(mask(m), after)
+    m.rollback(len(good))
+    assert m.accepted == 0 and torch.equal(mask(m), start)
+    with pytest.raises(ValueError):
+        m.rollback(1)
+
+
 # --- the prefix cache holds only verified tokens (the pure scheduler and block pool) -------
 
 
