@@ -32,7 +32,8 @@ async def test_a_large_pool_with_a_small_workload_stays_far_below_the_pool_size(
 
 
 def test_a_lazily_mapped_pool_reads_as_zeros_and_keeps_each_layers_writes_apart() -> None:
-    cfg = types.SimpleNamespace(num_hidden_layers=3, num_key_value_heads=2, head_dim=8)
+    cfg = types.SimpleNamespace(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                head_dim=8)
     before = resident_bytes()
     caches = allocate_kv_caches(cfg, 100_000, 16, torch.bfloat16, "cpu")  # ~293 MiB
     assert resident_bytes() - before < 32 * 2**20  # nothing touched yet
