@@ -38,6 +38,20 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tp-tiny"), "llama")
 
 
+def _children() -> set[int]:
+    """This process's live child processes. Tests compare the set before and after: the
+    suite's process may hold children of its own (multiprocessing's resource tracker,
+    started by another module's spawned ranks, lives as long as the process)."""
+    pids = set()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                pids.add(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return pids
+
+
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12] * 3, [40, 41, 42], [100, 7, 33, 2 + 60, 90, 91]]
 CASES: list[tuple[str, SamplingParams]] = [
     ("greedy", greedy(20)),
@@ -131,6 +145,7 @@ async def test_a_worker_killed_or_stuck_mid_stream_fails_that_stream_and_the_gro
 
     # A stuck peer fails the step after the collective timeout (here 3 s, not 60).
     monkeypatch.setattr(workers, "COLLECTIVE_TIMEOUT_SECONDS", 3.0)
+    before = _children()
     async with engine.open_engine(str(model), **OPTIONS) as eng:
         want = token_ids(await collect(eng, PROMPTS[1], greedy(8)))
     async with engine.open_engine(str(model), tensor_parallel_size=2, max_engine_restarts=2,
@@ -145,7 +160,7 @@ async def test_a_worker_killed_or_stuck_mid_stream_fails_that_stream_and_the_gro
         (replacement,) = eng._parts.runner.worker_pids()
         assert replacement not in (victim, stopped) and eng.restarts == 2
     assert not psutil.pid_exists(replacement)
-    assert not psutil.Process().children(recursive=True)
+    assert _children() <= before
 
 
 async def test_ray_places_the_workers_of_two_ranks_on_a_local_ray(model: Path) -> None:
@@ -154,6 +169,7 @@ async def test_ray_places_the_workers_of_two_ranks_on_a_local_ray(model: Path) -
     pytest.importorskip("ray", reason="the [ray] extra is not installed")
     import ray
 
+    before = _children()
     async with engine.open_engine(str(model), **OPTIONS) as eng:
         want = token_ids(await collect(eng, PROMPTS[0], greedy(12)))
     assert not ray.is_initialized()
@@ -170,19 +186,19 @@ async def test_ray_places_the_workers_of_two_ranks_on_a_local_ray(model: Path) -
             os.environ["RAY_ADDRESS"] = env_address
     assert not ray.is_initialized()  # the engine stopped the Ray it started
     with trio.fail_after(30):  # and its processes (GCS, raylet, the actor's worker) exit
-        while any(p.status() != psutil.STATUS_ZOMBIE  # noqa: ASYNC110 - no event to wait on
-                  for p in psutil.Process().children(recursive=True)):
+        while not _children() <= before:  # noqa: ASYNC110 - no event to wait on
             await trio.sleep(0.1)
 
 
 async def test_a_model_that_does_not_split_is_refused_before_any_worker_starts(model: Path) -> None:
     from engine.errors import ConfigError
 
+    before = _children()
     with pytest.raises(ConfigError, match=r"num_attention_heads \(4\) does not divide by 3") as info:
         async with engine.open_engine(str(model), tensor_parallel_size=3, **OPTIONS):
             pass
     assert info.value.field == "tensor_parallel_size"
-    assert not psutil.Process().children(recursive=True)
+    assert _children() <= before
 
 
 def test_the_two_flags_are_checked_and_n_above_one_with_data_parallel_is_refused() -> None:
