@@ -9,6 +9,8 @@ quantized tests' ``KERNEL_LOGIT_SPAN``; a 5% error in the attention scale fails 
 
 Each case prefills five prompts (whole or in chunks of 3), then decodes four tokens for all
 of them together, so decode steps have five rows and attention reads several KV blocks.
+The verification cases feed a request 1 + k tokens a step (speculative decoding's
+verification chunk) beside other requests' decode rows.
 """
 
 from __future__ import annotations
@@ -103,6 +105,69 @@ def test_the_fused_decode_step_matches_the_unfused_forward(models, monkeypatch, 
     if quant == "Q4_K":
         assert step.layers[0].qkv.nparts == 2
     _compare(got, want)
+
+
+# Speculative verification steps: each request's prompt is prefilled whole (more rows than
+# the fused step takes), then fed in the chunk lengths given, all requests in lockstep. A
+# chunk of 1 + k rows is what a verification step gives the model (the last verified token
+# and k proposals, none of them in the cache yet); a chunk of 1 is a decode row. With
+# blocks of 4 every chunk of 5 crosses a block boundary.
+VERIFY_CASES = [
+    # (arch, quant, dtype, kv cache, {prompt length: its chunks after the prefill})
+    ("llama", "Q4_1", "float32", "auto", {23: [5, 5]}),                   # one request, 1 + 4 rows
+    ("llama", "Q4_1", "bfloat16", "int8", {23: [5, 4, 1], 9: [1, 1, 1], 8: [1, 1, 1]}),  # beside 2 decode rows
+    ("mistral", "Q8_0", "float32", "int8", {23: [5, 3], 9: [1, 2], 8: [1, 1]}),  # window 8 < context
+    ("qwen3", "Q4_1", "bfloat16", "auto", {23: [5, 5], 9: [5, 1]}),        # 2 x (1 + 4) = 10 rows
+]
+
+
+@pytest.mark.parametrize(("arch", "quant", "dtype", "kv", "tails"), VERIFY_CASES,
+                         ids=[f"{a}-{q}-{d[:4]}-kv{k}-{len(t)}req" for a, q, d, k, t in VERIFY_CASES])
+def test_verification_chunks_are_fused_and_match_the_unfused_forward(models, monkeypatch, arch, quant, dtype, kv,
+                                                                       tails) -> None:
+    """A step of short chunks (a request's query rows beside others' decode rows) runs fused,
+    every row attending causally up to its own position, with the unfused forward's logits
+    bit for bit: the path that attends each row of such a chunk as its own decode step
+    (``CpuOps.rowwise_max_query_len``), so greedy speculation keeps plain decoding's tokens."""
+    loaded = models(arch, quant, dtype)
+    by_len = {len(p): p for p in _prompts(loaded.config.vocab_size)}
+    prompts = [by_len[n] for n in tails]
+    plans = [[len(p) - sum(tail), *tail] for p, tail in zip(prompts, tails.values(), strict=True)]
+    assert sum(plan[0] for plan in plans) > fused.MAX_TOKENS  # the prefill step is unfused
+
+    def run(fuse: bool):
+        monkeypatch.setenv("ENGINE_FUSED_DECODE", "1" if fuse else "0")
+        runner = _runner(loaded, kv)
+        out = _prefill_logits(runner, prompts, None, plans=[list(plan) for plan in plans])
+        return out, getattr(runner.model, "_fused", (None, None))[1]
+
+    want, unfused = run(False)
+    got, step = run(True)
+    assert unfused is None
+    # Every step after the prefill was fused, and those with a chunk took the chunk path.
+    steps = max(len(t) for t in tails.values())
+    chunked = sum(any(len(t) > i and t[i] > 1 for t in tails.values()) for i in range(steps))
+    assert step is not None and (step.steps, step.chunk_steps) == (steps, chunked)
+    _compare(got, want)
+
+
+def test_a_chunk_the_unfused_path_attends_padded_is_not_fused(models, monkeypatch) -> None:
+    """With ``rowwise_max_query_len`` 1 the unfused path attends a chunk's rows together
+    (padded SDPA), which the fused step does not run: it leaves such a step to it, and the
+    logits are still the unfused path's."""
+    from engine.ops.cpu import CpuOps
+
+    monkeypatch.setattr(CpuOps, "rowwise_max_query_len", 1)
+    loaded = models("llama", "Q4_1", "float32")
+    prompts = [p for p in _prompts(loaded.config.vocab_size) if len(p) == 23]
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("ENGINE_FUSED_DECODE", flag)
+        runner = _runner(loaded, "auto")
+        runs[flag] = _prefill_logits(runner, prompts, None, plans=[[17, 5, 1]])
+    step = runner.model._fused[1]
+    assert step is not None and (step.steps, step.chunk_steps) == (1, 0)  # only the decode row
+    _compare(runs["1"], runs["0"])
 
 
 def test_a_rows_result_does_not_depend_on_its_batch(models, monkeypatch) -> None:

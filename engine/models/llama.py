@@ -223,9 +223,10 @@ class LlamaModel:
         embeddings of those rows (a vision model's image placeholders)."""
         ops = self.ops
         hidden = self._embed(input_ids)
-        if meta.decode_only and mm_embeds is None and input_ids.shape[0] <= fused_decode.MAX_TOKENS:
-            # Small decode-only batches on CPU: every layer in one C call (ops/cpu/fused.py
-            # says which models it covers; the rest run the layers below).
+        if mm_embeds is None and input_ids.shape[0] <= fused_decode.MAX_TOKENS:
+            # Small steps on CPU (decode rows, speculative verification chunks): every layer
+            # in one C call (ops/cpu/fused.py says which models and steps it covers; the
+            # rest run the layers below).
             step = fused_decode.plan(self, kv_caches)
             out = None if step is None else step.run(hidden, positions, meta)
             if out is not None:

@@ -1,6 +1,10 @@
 /*
  * The fused CPU decode step: every decoder layer of a Llama-family model over quantized
- * weights (quant.c's panels), for a batch of single-token decode rows, in one C call.
+ * weights (quant.c's panels), for a few query rows, in one C call. Each row is attended as
+ * a decode row: its own block table row and sequence length (fused.py gives the rows of a
+ * speculative verification chunk their request's table and a length ending at their own
+ * position). Every row's K/V is written, in the loop before attention's, before any row
+ * attends, so a chunk's rows see the rows before them.
  *
  * The unfused path (engine/models/llama.py over CpuOps) makes ~15 Python-level calls per
  * layer, each allocating its output tensor, and every C kernel opens and joins its own

@@ -1,6 +1,8 @@
 """The fused CPU decode step (``fused.c``): all decoder layers of a Llama-family model over
-quantized weights in one C call per step, for decode-only batches of up to
-:data:`MAX_TOKENS` rows.
+quantized weights in one C call per step, for steps of up to :data:`MAX_TOKENS` rows whose
+requests each bring a few query tokens: decode rows, and speculative verification chunks
+(a request's last verified token and its proposal tokens), each row attended as the decode
+step of its own position.
 
 :func:`plan` checks once per model and KV pool whether the step applies (see
 :func:`unfusable` for what it covers) and builds the C descriptors and the scratch
@@ -24,10 +26,12 @@ try:  # built at install time (setup.py); absent in a source tree nobody built
 except ImportError:  # pragma: no cover - depends on the install
     _ffi = _lib = None
 
-# Decode rows per fused step: a single stream and small batches, where the per-op glue is
-# the cost. Larger batches keep the unfused path (its matmuls pick AMX-BF16 from 16 rows
-# on CPUs that have it, and the glue is shared by more rows there).
-MAX_TOKENS = 8
+# Query rows per fused step: a single stream and small batches, where the per-op glue is
+# the cost, and speculative verification at k = 4 for up to two requests (2 x (1 + 4)).
+# Larger steps keep the unfused path (its matmuls pick AMX-BF16 from 16 rows on CPUs that
+# have it, which the fused step's int8 micro-kernels do not follow, and the glue is shared
+# by more rows there).
+MAX_TOKENS = 10
 _MAX_PARTS = 3  # ENG_MAX_PARTS in fused.h
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -176,7 +180,12 @@ class FusedDecode:
         for name in ("delta", "x", "qkv", "attn", "gate_up", "act"):
             setattr(m, name, _ptr(bufs[name]))
         m.xq, m.dx, m.xs = _ptr(bufs["xq"], "int8_t *"), _ptr(bufs["dx"], "float *"), _ptr(bufs["xs"], "float *")
+        # The unfused path attends a request's query rows one by one with the decode kernel
+        # only up to the op set's rowwise_max_query_len (read each step: tests change it);
+        # past it they take the padded prefill attention, which the fused step does not run.
+        self._ops = model.ops
         self.steps = 0  # fused steps run (tests check the fused path was taken)
+        self.chunk_steps = 0  # of which steps with a request of several query rows
 
     def _linear(self, dst, lin) -> None:
         from engine.ops.cpu.qmatmul import _pointers
@@ -194,12 +203,28 @@ class FusedDecode:
             self._keep.append(lin.bias)
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor | None:
-        """The final normed hidden states [T, hidden] of one decode-only step (writes its K/V),
-        or None where the step's inputs are not the fused step's (the caller runs the
-        unfused path)."""
+        """The final normed hidden states [T, hidden] of one step (writes its K/V), or None
+        where the step's inputs are not the fused step's (the caller runs the unfused path).
+
+        A decode-only step passes the batch's block tables and sequence lengths as they are.
+        A step of short chunks (speculative verification: a request's last verified token
+        and its proposals, beside decode rows) is given one table row and one sequence
+        length per query row, as ``CpuOps`` attends such rows: query ``i`` of a request
+        with ``q`` query tokens and ``s`` tokens of context sees its request's table and
+        ``s - q + i + 1`` keys. The C step writes every row's K/V before any row attends,
+        so each row sees the rows before it in its chunk, and is the decode step of its
+        position bit for bit."""
         t = hidden.shape[0]
         bt, lens, slots = meta.block_tables, meta.seq_lens, meta.slot_mapping
-        if (t > MAX_TOKENS or hidden.dtype != self.dtype or not hidden.is_contiguous()
+        if t > MAX_TOKENS:
+            return None
+        chunked = not meta.decode_only
+        if chunked:
+            rows = self._chunk_rows(meta, t)
+            if rows is None:
+                return None
+            bt, lens = rows
+        if (hidden.dtype != self.dtype or not hidden.is_contiguous()
                 or positions.dtype != torch.int64 or not positions.is_contiguous()
                 or slots.dtype != torch.int64 or not slots.is_contiguous() or slots.shape[0] != t
                 or bt.dtype != torch.int32 or bt.stride(-1) != 1 or not bt.is_cpu or bt.shape[0] != t
@@ -217,7 +242,24 @@ class FusedDecode:
 
             raise CpuKernelError("fused decode: a position, slot, sequence length or block id is out of range")
         self.steps += 1
+        self.chunk_steps += chunked
         return out
+
+    def _chunk_rows(self, meta, t: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Per query row: its request's block table row and the keys it sees (itself
+        included), or None where the unfused path would not attend every row as a decode
+        row (a chunk past the op set's ``rowwise_max_query_len``)."""
+        qlens, slens = meta.query_lens_host, meta.seq_lens_host
+        if (meta.max_query_len > getattr(self._ops, "rowwise_max_query_len", 1) or sum(qlens) != t
+                or meta.block_tables.dtype != torch.int32 or not meta.block_tables.is_cpu):
+            return None
+        requests: list[int] = []
+        lens: list[int] = []
+        for b, (q, s) in enumerate(zip(qlens, slens, strict=True)):
+            requests += [b] * q
+            lens += range(s - q + 1, s + 1)
+        bt = meta.block_tables.index_select(0, torch.tensor(requests))
+        return bt, torch.tensor(lens, dtype=torch.int32)
 
 
 def plan(model, kv_caches) -> FusedDecode | None:
