@@ -37,6 +37,7 @@ from engine.core.pooling import Pooled
 from engine.errors import ConfigError, EngineDeadError, InvalidParamError, RequestFailedError
 from engine.loading import EngineParts, build_parts
 from engine.messages import RequestOutput
+from engine.model_thread import run_in_model_thread
 from engine.models.chat_sandbox import RenderBudget
 from engine.params import SamplingParams, generation_defaults
 from engine.structured import StructuredStatistics
@@ -652,9 +653,9 @@ class Engine:
             self._fail_in_flight(crash)
             # The executor never abandons a step, so the runner is idle here; it forgets
             # every request, and the new actors bring a fresh KV pool and scheduler. (In a
-            # worker thread: a tensor-parallel runner restarts its workers, in seconds.)
+            # model thread: a tensor-parallel runner restarts its workers, in seconds.)
             try:
-                await trio.to_thread.run_sync(self._parts.runner.reset)
+                await run_in_model_thread(self._parts.runner.reset)
             except Exception as exc:  # the tensor-parallel workers could not restart
                 logger.error("the engine could not restart: %r", exc, exc_info=exc)
                 self._die(exc)
@@ -801,7 +802,7 @@ async def open_engine(
     try:
         async with trio.open_nursery() as nursery:
             if resolved.core_in_process:
-                parts = await trio.to_thread.run_sync(build_parts, resolved)
+                parts = await run_in_model_thread(build_parts, resolved)
                 engine = Engine(parts)
                 await nursery.start(engine._run)
             else:
@@ -827,7 +828,7 @@ async def open_engine(
         close = getattr(parts.runner, "close", None) if parts is not None else None
         if close is not None:
             with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(close)
+                await run_in_model_thread(close)
 
 
 __all__ = [

@@ -42,6 +42,7 @@ from engine.messages import (
     DetokenizerRequest,
     StopStringHit,
 )
+from engine.model_thread import run_in_model_thread
 
 logger = logging.getLogger("engine")
 
@@ -113,7 +114,7 @@ async def serve_core(config: Any, address: str, secret: bytes, core_index: int) 
     """Load, connect, handshake, then run the core's actors until the front end leaves."""
     from engine.loading import build_parts
 
-    parts = await trio.to_thread.run_sync(build_parts, config)
+    parts = await run_in_model_thread(build_parts, config)
     try:
         frames = FrameStream(await connect(address))
         async with frames.stream:

@@ -1,4 +1,5 @@
-"""The executor actor: runs each step's plan on the model runner in a worker thread."""
+"""The executor actor: runs each step's plan on the model runner in the process's model
+thread (:mod:`engine.model_thread`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Protocol
 import trio
 
 from engine.messages import StepPlan, StepResult
+from engine.model_thread import run_in_model_thread
 
 
 class StepRunner(Protocol):
@@ -28,9 +30,9 @@ class ExecutorStatistics:
 class Executor:
     """Actor: takes :class:`StepPlan` s, hands back :class:`StepResult` s, one at a time.
 
-    The runner writes the KV cache, so a step is never abandoned: ``to_thread.run_sync``
-    keeps its default ``abandon_on_cancel=False`` and a cancelled executor waits for the
-    step in flight to return. One ``CapacityLimiter(1)`` per device serializes steps even if
+    The runner writes the KV cache, so a step is never abandoned: the wait for the model
+    thread is not cancellable, and a cancelled executor waits for the step in flight to
+    return. One ``CapacityLimiter(1)`` per device serializes steps even if
     a second executor were started on the same runner.
     """
 
@@ -59,9 +61,8 @@ class Executor:
             task_status.started()
             async for plan in self._plans:
                 t0 = time.perf_counter()
-                result = await trio.to_thread.run_sync(
-                    self._runner.execute, plan, limiter=self._limiter
-                )
+                async with self._limiter:
+                    result = await run_in_model_thread(self._runner.execute, plan)
                 t1 = time.perf_counter()
                 await self._results.send(result)
                 self._steps += 1

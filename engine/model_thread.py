@@ -1,0 +1,69 @@
+"""One OS thread for all model work in a process: loading, warm-up, every step, reset.
+
+``trio.to_thread.run_sync`` takes whichever cached worker thread is idle, so consecutive
+steps may run on different OS threads. The CPU kernels and torch's intra-op pool are
+OpenMP, whose thread team belongs to the thread that opens the parallel region: a second
+calling thread gets a second team, and the two teams then share the two cores. Measured on
+the dev machine (SmolLM2 Q4_1, one stream): once a step had run on a second thread, every
+later step took 15-16 ms instead of 6-7 ms, for the rest of the process. Running all model
+work here keeps one team.
+
+The wait is not cancellable, as ``to_thread.run_sync`` without ``abandon_on_cancel``: the
+model writes the KV cache, so a step is never abandoned half done.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import outcome
+import trio
+
+T = TypeVar("T")
+
+_lock = threading.Lock()
+_jobs: queue.SimpleQueue[tuple[Callable[[], Any], trio.lowlevel.TrioToken, Any]] | None = None
+
+
+def _serve(jobs: queue.SimpleQueue[tuple[Callable[[], Any], trio.lowlevel.TrioToken, Any]]) -> None:
+    while True:
+        fn, token, task = jobs.get()
+        result = outcome.capture(fn)
+        try:
+            token.run_sync_soon(trio.lowlevel.reschedule, task, result)
+        except trio.RunFinishedError:  # the caller's trio.run is gone; nobody waits
+            pass
+
+
+def _queue() -> queue.SimpleQueue[tuple[Callable[[], Any], trio.lowlevel.TrioToken, Any]]:
+    global _jobs
+    with _lock:
+        if _jobs is None:
+            jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(jobs,), name="engine-model", daemon=True).start()
+            _jobs = jobs
+        return _jobs
+
+
+async def run_in_model_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on the process's model thread; its result or exception comes back
+    here. Jobs run one at a time, in the order they were given."""
+    jobs = _queue()
+    await trio.lowlevel.checkpoint_if_cancelled()
+    jobs.put((lambda: fn(*args), trio.lowlevel.current_trio_token(), trio.lowlevel.current_task()))
+
+    def abort(_: Any) -> trio.lowlevel.Abort:
+        return trio.lowlevel.Abort.FAILED  # never abandoned (see the module docstring)
+
+    return await trio.lowlevel.wait_task_rescheduled(abort)  # type: ignore[no-any-return]
+
+
+def model_thread_ident() -> int | None:
+    """The model thread's ident once it has started (tests read it)."""
+    for thread in threading.enumerate():
+        if thread.name == "engine-model":
+            return thread.ident
+    return None

@@ -1,0 +1,83 @@
+"""All model work of a process runs on one OS thread (engine/model_thread.py): OpenMP gives
+each calling thread its own thread team, and two teams on two cores slow every later step
+(measured: 6-7 ms a SmolLM2 step became 15-16 ms once a step had run on a second thread)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from engine_helpers import collect, greedy, tiny_model, token_ids
+
+import engine
+from engine.model_thread import model_thread_ident, run_in_model_thread
+from engine.runner.model_runner import ModelRunner
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model(tmp_path_factory)
+
+
+async def test_loading_every_step_and_reset_run_on_the_one_model_thread(
+        model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[int] = []
+    for name in ("__init__", "execute", "reset"):
+        original = getattr(ModelRunner, name)
+
+        def record(self: ModelRunner, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            seen.append(threading.get_ident())
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(ModelRunner, name, record)
+    async with engine.open_engine(str(model), dtype="float32", kv_cache_memory=2**22) as eng:
+        async with trio.open_nursery() as nursery:
+            # Other work on trio's worker threads meanwhile, so its thread cache holds
+            # several idle threads a step could have landed on.
+            for _ in range(4):
+                nursery.start_soon(trio.to_thread.run_sync, time.sleep, 0.02)
+            for prompt in ([5, 6, 7], [8, 9, 10, 11], [12, 13]):
+                nursery.start_soon(collect, eng, prompt, greedy(12))
+        await collect(eng, [3, 4], greedy(4))
+        await run_in_model_thread(eng._parts.runner.reset)
+    assert len(seen) > 12
+    assert set(seen) == {model_thread_ident()}
+    assert model_thread_ident() != threading.get_ident()
+
+
+async def test_an_exception_comes_back_and_a_cancel_waits_for_the_job() -> None:
+    def fail() -> None:
+        raise ValueError("from the model thread")
+
+    with pytest.raises(ValueError, match="from the model thread"):
+        await run_in_model_thread(fail)
+    done = threading.Event()
+
+    def slow() -> int:
+        time.sleep(0.2)
+        done.set()
+        return 7
+
+    got = None
+    with trio.move_on_after(0.01):
+        got = await run_in_model_thread(slow)
+    assert got == 7 and done.is_set()  # past the deadline, the job was waited for, not abandoned
+    assert await run_in_model_thread(lambda: 3) == 3
+
+
+async def test_two_engines_in_one_process_share_the_thread_and_both_answer(model: Path) -> None:
+    async with engine.open_engine(str(model), dtype="float32", kv_cache_memory=2**22) as a, \
+            engine.open_engine(str(model), dtype="float32", kv_cache_memory=2**22) as b:
+        out: dict[str, list[int]] = {}
+
+        async def one(name: str, eng: Any) -> None:
+            out[name] = token_ids(await collect(eng, [5, 6, 7, 8], greedy(10)))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, "a", a)
+            nursery.start_soon(one, "b", b)
+    assert out["a"] == out["b"] and len(out["a"]) == 10
