@@ -77,8 +77,7 @@ NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     "prompt_embeds": lambda v: v is not None,
     "logits_processors": lambda v: v not in (None, []),
     # OpenAI's chat fields for what this server cannot do: speech out, a web search, a
-    # predicted output (its own issue: speculative decoding), a verbosity other than the
-    # default for models trained to follow it.
+    # verbosity other than the default for models trained to follow it.
     "audio": lambda v: v is not None,
     "modalities": lambda v: v not in (None, ["text"]),
     "web_search_options": lambda v: v is not None,
@@ -93,6 +92,9 @@ NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     "documents": lambda v: v is not None,
     "vllm_xargs": lambda v: v is not None,
     "kv_transfer_params": lambda v: v is not None,
+    # vLLM's per-request image processor options: they change an image's token count, and
+    # only the server's --mm-processor-kwargs is taken.
+    "mm_processor_kwargs": lambda v: v not in (None, {}),
 }
 # Why each refused field is refused, for the 400's message.
 _NOT_IMPLEMENTED_WHY = {
@@ -102,6 +104,8 @@ _NOT_IMPLEMENTED_WHY = {
     "verbosity": "only the default verbosity (medium) is supported",
     "documents": "documents for retrieval-augmented chat templates are not supported",
     "include_reasoning": "false is not supported; leave out --reasoning-parser instead",
+    "mm_processor_kwargs": "per-request image processor options are not supported; "
+                           "the server's --mm-processor-kwargs applies to every request",
 }
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = _COMMON_FIELDS | {
