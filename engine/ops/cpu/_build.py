@@ -48,40 +48,13 @@ int eng_qpack(int fmt, const uint8_t *raw, int64_t N, int64_t K, uint8_t *codes,
               uint16_t *d, uint16_t *m, uint8_t *sc, uint8_t *mn, int nthreads);
 """
 
-# The fused decode step (fused.c; the structs are fused.h's, field for field).
-FUSED_CDEF = """
-typedef struct {
-    int fmt;
-    int64_t N, col;
-    const uint8_t *codes, *hi;
-    const uint16_t *d, *m;
-    const uint8_t *sc, *mn;
-} EngQPart;
-typedef struct {
-    int nparts;
-    int64_t K, N;
-    EngQPart parts[3];
-    const void *bias;
-} EngQLinear;
-typedef struct {
-    const void *input_norm, *post_norm, *q_norm, *k_norm;
-    EngQLinear qkv, o, gate_up, down;
-    void *k_cache, *v_cache;
-    float *k_scale, *v_scale;
-    const void *rope;
-    int64_t max_pos, window;
-} EngFusedLayer;
-typedef struct {
-    int dtype;
-    int kv_int8;
-    int64_t n_layers, hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size, max_tokens;
-    float eps, scale;
-    const EngFusedLayer *layers;
-    const void *final_norm;
-    void *delta, *x, *qkv, *attn, *gate_up, *act;
-    int8_t *xq;
-    float *dx, *xs;
-} EngFusedModel;
+# The fused decode step (fused.c): fused.h's declarations, read from the header itself
+# (its include guard and #include lines dropped: cffi's cdef takes declarations and integer
+# #defines only), and the entry point.
+FUSED_CDEF = "\n".join(
+    line for line in (HERE / "fused.h").read_text().splitlines()
+    if not line.startswith(("#ifndef", "#endif", "#include", "#define ENG_FUSED_H"))
+) + """
 int eng_fused_decode(const EngFusedModel *m, int64_t T, void *hidden, void *out, const int64_t *positions,
                      const int64_t *slots, const int32_t *block_tables, int64_t bt_stride,
                      const int32_t *seq_lens, int nthreads);

@@ -1,5 +1,5 @@
 /* The fused decode step's descriptors (fused.c), shared with quant.c and the cffi cdef
- * (engine/ops/cpu/_build.py repeats them: keep the three in step). */
+ * (engine/ops/cpu/_build.py reads this file: keep it to declarations cffi can parse). */
 #ifndef ENG_FUSED_H
 #define ENG_FUSED_H
 #include <stdint.h>
