@@ -411,6 +411,10 @@ def test_an_http1_client_that_stops_reading_is_cut_off_and_its_kv_freed(server) 
                                json={"prompt": "hello", "max_tokens": 4})
             assert other.status_code == 200
             server.wait_idle()
+        # The generation (4 tokens) ends in well under a second, while the server's writes
+        # still wait on the full buffers: give --send-timeout time to expire before this
+        # client reads, or its reading would let the blocked writes through to the end.
+        time.sleep(3 * SEND_TIMEOUT)
         for sock in socks:
             # What the kernel had buffered, then the server's close: the stream was cut
             # before its end.
