@@ -210,8 +210,12 @@ def test_a_query_view_with_row_stride_reads_the_right_rows() -> None:
     torch.testing.assert_close(got, want, **TOL[torch.float32])
 
 
-def test_results_do_not_depend_on_the_thread_count_or_the_batch() -> None:
-    q, kc, vc, tables, lens = _paged_batch(LENS, 8, 2, 64, 16, torch.float32, seed=40)
+@pytest.mark.parametrize("dim", [64, 128, 80])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_results_do_not_depend_on_the_thread_count_or_the_batch(dtype: torch.dtype, dim: int) -> None:
+    # Alone on one thread a row is attended one query head per work item (fewer than two
+    # (row, KV head) pairs a thread); in the batch, one item per KV head. Bit for bit equal.
+    q, kc, vc, tables, lens = _paged_batch(LENS, 8, 2, dim, 16, dtype, seed=40)
     ops = CpuOps()
     before = torch.get_num_threads()
     try:
@@ -260,3 +264,32 @@ def test_a_mixed_step_sends_its_one_token_rows_through_the_kernel() -> None:
             query[row : row + 1], kc, vc, tables[b : b + 1], meta.seq_lens[b : b + 1], 0.125, (slens[b],)
         )
         assert torch.equal(got[row : row + 1], alone)
+
+
+# --- greedy sampling ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 63, 64, 65, 49152])
+def test_greedy_matches_the_reference_sampler(vocab: int, threads: int) -> None:
+    logits = _rand(4, vocab, seed=60) * 6
+    logits[0, vocab // 2] = logits.max() + 1  # a tie: the first index wins, as torch.argmax
+    logits[0, vocab - 1] = logits[0, vocab // 2]
+    if vocab > 3:
+        logits[1, : vocab // 2] = float("-inf")
+        logits[2, :] = logits[2, 1]  # a flat row
+    zero = torch.zeros(4)
+    ids, lps = CpuOps().greedy(logits)
+    want_ids, want_lps = TorchOps().sample(logits, zero, torch.zeros(4, dtype=torch.int32), zero + 1, zero,
+                                           torch.zeros(4, dtype=torch.int64))
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(lps, want_lps, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_greedy_declines_rows_it_cannot_sample(poison: float) -> None:
+    logits = _rand(3, 100, seed=61)
+    logits[1, 40] = poison
+    assert CpuOps().greedy(logits) is None
+    logits[1] = float("-inf")
+    assert CpuOps().greedy(logits) is None
+    assert CpuOps().greedy(logits.to(torch.bfloat16)) is None  # fp32 rows only

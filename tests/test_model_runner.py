@@ -208,3 +208,27 @@ def test_a_failing_warm_up_raises_instead_of_spinning(loaded, monkeypatch) -> No
     with pytest.raises(StepFailedError, match="warm-up step 0 failed"):
         runner.warm_up()
     assert runner.num_requests == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_small_cpu_batches_built_on_lists_equal_the_tensor_path(monkeypatch, seed: int) -> None:
+    import engine.runner.model_runner as mr
+
+    rng = torch.Generator().manual_seed(seed)
+    spans = []
+    for _ in range(int(torch.randint(1, 5, (1,), generator=rng))):
+        start = int(torch.randint(0, 40, (1,), generator=rng))
+        n = int(torch.randint(1, 6, (1,), generator=rng))
+        blocks = -(-(start + n) // 8)
+        table = torch.randperm(32, generator=rng)[:blocks].tolist()
+        spans.append((start, torch.randint(0, 100, (n,), generator=rng).tolist(), table))
+    small = mr.build_batch(spans, 8, torch.device("cpu"))
+    monkeypatch.setattr(mr, "_HOST_BATCH_TOKENS", 0)
+    tensor = mr.build_batch(spans, 8, torch.device("cpu"))
+    for got, want in zip(small[:2], tensor[:2], strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    for field in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+        got, want = getattr(small[2], field), getattr(tensor[2], field)
+        assert got.dtype == want.dtype and torch.equal(got, want), field
+    for field in ("max_query_len", "max_seq_len", "query_lens_host", "seq_lens_host"):
+        assert getattr(small[2], field) == getattr(tensor[2], field)

@@ -545,3 +545,43 @@ def test_an_id_outside_the_vocabulary_from_a_kernel_is_never_returned():
 
     [res] = Sampler(OffByOne())(torch.zeros(1, 8), [_row(SamplingParams())])
     assert isinstance(res, SamplingFailure) and "outside the vocabulary" in res.reason
+
+
+# -- the one-pass greedy path (CpuOps.greedy) --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("poison", "reason"),
+    [(float("nan"), "NaN"), (float("inf"), "+inf"), (NEG_INF, "every token is masked")],
+)
+def test_greedy_rows_of_bad_logits_fail_alone_on_the_c_path(poison, reason):
+    # The C arg-max declines a batch holding such a row; the general path must then report
+    # it and draw the others as the torch sampler does.
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(1))
+    if poison == NEG_INF:
+        logits[1] = NEG_INF
+    else:
+        logits[1, 7] = poison
+    rows = [_row(SamplingParams(temperature=0.0, logprobs=2)) for _ in range(3)]
+    out = Sampler(get_ops("cpu"), seed=0)(logits, rows)
+    assert isinstance(out[1], SamplingFailure) and reason in out[1].reason
+    assert [out[0][0], out[2][0]] == logits[[0, 2]].argmax(-1).tolist()
+
+
+def test_the_greedy_path_leaves_draws_and_the_seed_stream_as_the_torch_sampler():
+    # Greedy steps on the C path draw (and discard) the same seeds as the torch path, so a
+    # sampled request after them draws the same tokens from the same engine seed.
+    gen = torch.Generator().manual_seed(7)
+    steps = [torch.randn(2, 49152, generator=gen) * 4 for _ in range(4)]
+    greedy = SamplingParams(temperature=0.0, logprobs=3)
+    sampled = SamplingParams(temperature=0.9, top_p=0.95)
+    plan = [[greedy, greedy], [greedy, greedy], [sampled, greedy], [sampled, sampled]]
+    outs = []
+    for backend in ("cpu", "torch"):
+        s = Sampler(get_ops(backend), seed=11)
+        outs.append([s(x, [_row(p) for p in ps]) for x, ps in zip(steps, plan, strict=True)])
+    for got, want in zip(*outs, strict=True):
+        for (tok, lp, top), (tok_w, lp_w, top_w) in zip(got, want, strict=True):
+            assert tok == tok_w
+            assert lp == pytest.approx(lp_w, abs=1e-5)
+            assert [t for t, _ in top] == [t for t, _ in top_w]

@@ -729,6 +729,8 @@ def build_batch(
         tables.extend(table)
         tables.extend((0,) * (width - len(table)))
     batch = len(spans)
+    if torch.device(device).type == "cpu" and len(ids) <= _HOST_BATCH_TOKENS and width:
+        return _host_batch(ids, positions, tables, width, query_lens, seq_lens, block_size)
     # One host tensor holds every int index; slices of it go to the device in one copy.
     host = torch.tensor(ids + positions + tables + query_lens + seq_lens, dtype=torch.int64)
     dev = host.to(device, non_blocking=True)
@@ -755,6 +757,43 @@ def build_batch(
         seq_lens_host=tuple(seq_lens),
     )
     return input_ids, pos, meta
+
+
+# Steps of at most this many tokens on CPU (decode steps, speculative verification) get
+# their index tensors from lists in Python: two tensor constructions instead of a dozen
+# dispatched ops (~0.2 ms of a ~4 ms single-stream step on the 2-core dev machine).
+_HOST_BATCH_TOKENS = 64
+
+
+def _host_batch(
+    ids: list[int], positions: list[int], tables: list[int], width: int, query_lens: list[int],
+    seq_lens: list[int], block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """build_batch's result for a small CPU batch, the same values computed on lists."""
+    t, batch = len(ids), len(query_lens)
+    slots: list[int] = []
+    starts = [0]
+    row = 0
+    for b, q in enumerate(query_lens):
+        for p in positions[row : row + q]:
+            if p // block_size >= width:  # as indexing the padded table raises
+                raise IndexError(f"position {p} is past the block table's {width} blocks")
+            slots.append(tables[b * width + p // block_size] * block_size + p % block_size)
+        row += q
+        starts.append(row)
+    wide = torch.tensor(ids + positions + slots, dtype=torch.int64)
+    narrow = torch.tensor(tables + starts + seq_lens, dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=wide[2 * t :],
+        query_start_loc=narrow[batch * width : batch * width + batch + 1],
+        seq_lens=narrow[batch * width + batch + 1 :],
+        block_tables=narrow[: batch * width].view(batch, width),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_host=tuple(query_lens),
+        seq_lens_host=tuple(seq_lens),
+    )
+    return wide[:t], wide[t : 2 * t], meta
 
 
 def _dead_end(state: _RequestState) -> str | None:

@@ -126,13 +126,26 @@ class Sampler:
             self._ops.apply_token_bitmask(logits, bitmask.mask, list(bitmask.rows))
             self.mask_apply_seconds += time.perf_counter() - t0
         logits = self._adjust_logits(logits, rows)
-        failures = _unsamplable_rows(logits)
-        if failures:
-            # Neutral logits for the failed rows, so no kernel sees a NaN or an empty row;
-            # their draws are discarded below.
-            logits = logits.clone()
-            logits[list(failures)] = 0.0
-        token_ids, logprobs = self._ops.sample(logits, *self._sampling_tensors(rows, logits))
+        # Every row greedy, on an op set with a one-pass arg-max (the C kernels): that pass
+        # also finds the rows with nothing to draw (it declines them, and the general path
+        # below reports them). The seeds are drawn all the same, so the generator's stream
+        # does not depend on which path ran.
+        greedy = getattr(self._ops, "greedy", None)
+        fast = None
+        if greedy is not None and all(r.params.temperature < _GREEDY_TEMPERATURE for r in rows):
+            fast = greedy(logits)
+        if fast is not None:
+            failures: dict[int, str] = {}
+            self._draw_seeds(sum(r.params.seed is None for r in rows))
+            token_ids, logprobs = fast
+        else:
+            failures = _unsamplable_rows(logits)
+            if failures:
+                # Neutral logits for the failed rows, so no kernel sees a NaN or an empty row;
+                # their draws are discarded below.
+                logits = logits.clone()
+                logits[list(failures)] = 0.0
+            token_ids, logprobs = self._ops.sample(logits, *self._sampling_tensors(rows, logits))
         tops = self._top_logprobs(logits, rows)
         out: list[SampledToken | SamplingFailure] = []
         vocab = logits.shape[-1]

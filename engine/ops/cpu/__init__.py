@@ -107,6 +107,36 @@ class CpuOps(TorchOps):
             raise CpuKernelError(f"apply_token_bitmask: a row index of {rows} is outside the "
                                  f"batch of {logits.shape[0]}")
 
+    def greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every row's arg-max (the first on a tie, as ``torch.argmax``) and its log-softmax,
+        in one C pass per row; None where the logits are not fp32 rows or a row holds NaN
+        or no finite value (the general path then samples and reports them). The torch
+        reference spends ~0.2 ms on one row of SmolLM2's 49k-token vocabulary in argmax,
+        log_softmax and the indexing around them, a twentieth of a single stream's step."""
+        if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1 or not logits.shape[0]:
+            return None
+        ids = torch.empty(logits.shape[0], dtype=torch.int64)
+        logprobs = torch.empty(logits.shape[0], dtype=torch.float32)
+        status = _lib.eng_greedy(_ptr(logits, "float *"), logits.stride(0), logits.shape[0], logits.shape[1],
+                                 _ptr(ids, "int64_t *"), _ptr(logprobs, "float *"), torch.get_num_threads())
+        return (ids, logprobs) if status == 0 else None
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        min_p: torch.Tensor,
+        seeds: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """All-greedy batches through :meth:`greedy`; the rest through the reference."""
+        if bool((temperature <= 0).all()):
+            fast = self.greedy(logits)
+            if fast is not None:
+                return fast
+        return super().sample(logits, temperature, top_k, top_p, min_p, seeds)
+
     def fused_add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,6 +31,8 @@ int eng_kv_write_i8(int dtype, const void *x, int64_t x_stride, int64_t tokens, 
 int eng_apply_bitmask(float *logits, int64_t stride, int64_t batch, int64_t vocab,
                       const int32_t *mask, int64_t words, const int64_t *rows, int64_t n,
                       int nthreads);
+int eng_greedy(const float *logits, int64_t stride, int64_t rows, int64_t vocab, int64_t *ids,
+               float *lp, int nthreads);
 """
 
 # Quantized-weight matmuls (quant.c, a translation unit of its own; see engine/ops/quant.py).

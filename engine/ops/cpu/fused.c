@@ -32,24 +32,37 @@ void eng_rms_norm_row_f32(void *, void *, int64_t, const void *, int64_t, const 
 void eng_rms_norm_row_bf16(void *, void *, int64_t, const void *, int64_t, const void *, int64_t, int64_t, float);
 void eng_rope_token_f32(void *, int64_t, int64_t, int64_t, const int64_t *, const void *, int64_t);
 void eng_rope_token_bf16(void *, int64_t, int64_t, int64_t, const int64_t *, const void *, int64_t);
-void eng_silu_mul_row_f32(void *, const void *, int64_t, int64_t);
-void eng_silu_mul_row_bf16(void *, const void *, int64_t, int64_t);
+void eng_silu_mul_row_f32(void *, const void *, int64_t, int64_t, int64_t, int64_t);
+void eng_silu_mul_row_bf16(void *, const void *, int64_t, int64_t, int64_t, int64_t);
 void eng_kv_write_i8_token(int, const void *, int64_t, int64_t, int64_t, int8_t *, float *, int64_t);
-typedef void (*eng_decode_item_fn)(void *, const void *, int64_t, const void *, const void *, const float *,
-                                   const float *, const int32_t *, int64_t, const int32_t *, int64_t, int64_t,
-                                   int64_t, int64_t, int64_t, int64_t, float, int64_t, float);
-void eng_decode_item_f32(void *, const void *, int64_t, const void *, const void *, const float *, const float *,
-                         const int32_t *, int64_t, const int32_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
-                         int64_t, float, int64_t, float);
-void eng_decode_item_bf16(void *, const void *, int64_t, const void *, const void *, const float *, const float *,
-                          const int32_t *, int64_t, const int32_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
-                          int64_t, float, int64_t, float);
-void eng_decode_item_f32_q8(void *, const void *, int64_t, const void *, const void *, const float *,
-                            const float *, const int32_t *, int64_t, const int32_t *, int64_t, int64_t, int64_t,
-                            int64_t, int64_t, int64_t, float, int64_t, float);
-void eng_decode_item_bf16_q8(void *, const void *, int64_t, const void *, const void *, const float *,
-                             const float *, const int32_t *, int64_t, const int32_t *, int64_t, int64_t, int64_t,
-                             int64_t, int64_t, int64_t, float, int64_t, float);
+int64_t eng_decode_split(int64_t, int64_t, int);
+/* One (row, KV head) attention item over query heads j0 .. j0 + nj - 1 of the group. */
+typedef void eng_decode_item_t(void *out, const void *q, int64_t qs, const void *kc, const void *vc,
+                               const float *ksc, const float *vsc, const int32_t *bt, int64_t bts,
+                               const int32_t *lens, int64_t b, int64_t g, int64_t j0, int64_t nj, int64_t heads,
+                               int64_t kv_heads, int64_t d, int64_t bs, float scale, int64_t window, float softcap);
+eng_decode_item_t eng_decode_item_f32, eng_decode_item_bf16, eng_decode_item_f32_q8, eng_decode_item_bf16_q8;
+
+/* Built with -DENG_FUSED_PROFILE (CFLAGS=-DENG_FUSED_PROFILE setup.py build_ext), the step
+ * times its phases on thread 0 (each ends at its loop's barrier) and prints their mean per
+ * step, summed over the layers, at exit: the profile docs/benchmarks.md quotes. */
+#ifdef ENG_FUSED_PROFILE
+#include <stdio.h>
+static const char *const prof_names[] = {"norm+quantize", "qkv matmul", "rope, kv write", "attention",
+                                         "quantize", "o matmul", "norm+quantize", "gate/up matmul",
+                                         "silu+quantize", "down matmul", "final norm"};
+static double prof_sum[11];
+static long prof_steps;
+#define PROF_START double prof_t = omp_get_wtime(); if (omp_get_thread_num() == 0) prof_steps++
+#define PROF(i) do { if (omp_get_thread_num() == 0) { double n_ = omp_get_wtime(); prof_sum[i] += n_ - prof_t; prof_t = n_; } } while (0)
+__attribute__((destructor)) static void prof_print(void) {
+    for (int i = 0; prof_steps && i < 11; i++)
+        fprintf(stderr, "fused step %-15s %8.1f us\n", prof_names[i], prof_sum[i] / prof_steps * 1e6);
+}
+#else
+#define PROF_START
+#define PROF(i)
+#endif
 
 #define ROW(p, i, n, es) ((void *)((char *)(p) + (size_t)((i) * (n)) * (size_t)(es)))
 
@@ -67,6 +80,13 @@ static void linear(const EngFusedModel *m, const EngQLinear *l, void *out, int64
 /* Quantize row t of x [T, K] for the next matmul (the buffers hold one row per token). */
 static void quantize(const EngFusedModel *m, const void *x, int64_t K, int64_t t, int es) {
     eng_q_quantize_row(ROW(x, t, K, es), m->dtype == 1, K, m->xq + t * K, m->dx + t * (K / 32), m->xs + t * (K / 16));
+}
+
+/* Columns [32 b0, 32 b1) of that row (32-column blocks are quantized independently). */
+static void quantize_part(const EngFusedModel *m, const void *x, int64_t K, int64_t t, int es, int64_t b0,
+                          int64_t b1) {
+    eng_q_quantize_row((char *)x + (size_t)(t * K + 32 * b0) * es, m->dtype == 1, 32 * (b1 - b0),
+                       m->xq + t * K + 32 * b0, m->dx + t * (K / 32) + b0, m->xs + t * (K / 16) + 2 * b0);
 }
 
 /* Returns 0, -1 for arguments the step does not take, -2 for a position, slot, sequence
@@ -95,11 +115,16 @@ int eng_fused_decode(const EngFusedModel *m, int64_t T, void *hidden, void *out,
     const int bf = m->dtype == 1, es = bf ? 2 : 4;
     const int64_t H = m->hidden, h = m->heads, hkv = m->kv_heads, d = m->head_dim, I = m->inter;
     const int64_t HD = h * d;
-    eng_decode_item_fn item = bf ? (m->kv_int8 ? eng_decode_item_bf16_q8 : eng_decode_item_bf16)
+    eng_decode_item_t *item = bf ? (m->kv_int8 ? eng_decode_item_bf16_q8 : eng_decode_item_bf16)
                                  : (m->kv_int8 ? eng_decode_item_f32_q8 : eng_decode_item_f32);
+    const int64_t group = h / hkv, split = eng_decode_split(T * hkv, group, nthreads), nj = group / split;
 #pragma omp parallel num_threads(nthreads)
     {
-        void *R = hidden, *D = m->delta; /* the residual stream, and the block output added to it */
+        /* Rows per thread below one: the SiLU-and-mul and the quantizations after attention
+         * and the MLP's first matmul share each row out in slices of whole 32-column blocks. */
+        const int64_t S = T < omp_get_num_threads() ? omp_get_num_threads() : 1;
+        void *R = hidden, *D = m->delta;
+        PROF_START; /* the residual stream, and the block output added to it */
         for (int64_t li = 0; li < m->n_layers; li++) {
             const EngFusedLayer *L = m->layers + li;
             const int64_t NQ = L->qkv.N;
@@ -111,11 +136,13 @@ int eng_fused_decode(const EngFusedModel *m, int64_t T, void *hidden, void *out,
                     norm_row(bf, m->x, D, H, R, L->input_norm, t, m->eps); /* D += R */
                 quantize(m, m->x, H, t, es);
             }
+            PROF(0);
             if (li > 0) {
                 void *s = R;
                 R = D, D = s;
             }
             linear(m, &L->qkv, m->qkv, T);
+            PROF(1);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
                 char *row = (char *)m->qkv + (size_t)(t * NQ) * es;
@@ -159,37 +186,48 @@ int eng_fused_decode(const EngFusedModel *m, int64_t T, void *hidden, void *out,
                     memcpy((char *)L->v_cache + slot * n, row + (HD + hkv * d) * es, n);
                 }
             }
+            PROF(2);
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t it = 0; it < T * hkv; it++)
+            for (int64_t it = 0; it < T * hkv * split; it++)
                 item(m->attn, m->qkv, NQ, L->k_cache, L->v_cache, L->k_scale, L->v_scale, block_tables, bt_stride,
-                     seq_lens, it / hkv, it % hkv, h, hkv, d, m->block_size, m->scale, L->window, 0.0f);
+                     seq_lens, it / (hkv * split), it / split % hkv, it % split * nj, nj, h, hkv, d, m->block_size,
+                     m->scale, L->window, 0.0f);
+            PROF(3);
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; t++)
-                quantize(m, m->attn, HD, t, es);
+            for (int64_t it = 0; it < T * S; it++)
+                quantize_part(m, m->attn, HD, it / S, es, HD / 32 * (it % S) / S, HD / 32 * (it % S + 1) / S);
+            PROF(4);
             linear(m, &L->o, D, T);
+            PROF(5);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
                 norm_row(bf, m->x, D, H, R, L->post_norm, t, m->eps); /* D += R */
                 quantize(m, m->x, H, t, es);
             }
+            PROF(6);
             {
                 void *s = R;
                 R = D, D = s;
             }
             linear(m, &L->gate_up, m->gate_up, T);
+            PROF(7);
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; t++) {
+            for (int64_t it = 0; it < T * S; it++) {
+                const int64_t t = it / S, b0 = I / 32 * (it % S) / S, b1 = I / 32 * (it % S + 1) / S;
                 if (bf)
-                    eng_silu_mul_row_bf16(m->act, m->gate_up, t, I);
+                    eng_silu_mul_row_bf16(m->act, m->gate_up, t, I, 32 * b0, 32 * b1);
                 else
-                    eng_silu_mul_row_f32(m->act, m->gate_up, t, I);
-                quantize(m, m->act, I, t, es);
+                    eng_silu_mul_row_f32(m->act, m->gate_up, t, I, 32 * b0, 32 * b1);
+                quantize_part(m, m->act, I, t, es, b0, b1);
             }
+            PROF(8);
             linear(m, &L->down, D, T);
+            PROF(9);
         }
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++)
             norm_row(bf, out, D, H, R, m->final_norm, t, m->eps);
+        PROF(10);
     }
     return 0;
 }

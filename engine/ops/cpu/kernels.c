@@ -202,10 +202,11 @@ int eng_rope(int dtype, void *x, int64_t token_stride, int64_t heads, int64_t d,
 /* out[row] = silu(x[row, :n]) * x[row, n:2n]. silu is rounded to the dtype before the
  * product is, as HF's act_fn(gate) * up does in bf16. sigmoid from exp(-|x|) <= 1, so the
  * one exp is always of a non-positive argument. */
-INLINE void silu_mul_row(void *out, const void *x, int64_t row, int64_t n, int bf) {
+INLINE void silu_mul_row(void *out, const void *x, int64_t row, int64_t n, int64_t i0, int64_t i1,
+                         int bf) {
     int64_t xo = row * 2 * n, oo = row * n;
 #pragma omp simd
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t i = i0; i < i1; i++) {
         float g = ld(x, xo + i, bf);
         float e = exp_nonpos(g < 0.0f ? g : -g);
         float sig = (g < 0.0f ? e : 1.0f) / (1.0f + e);
@@ -213,12 +214,13 @@ INLINE void silu_mul_row(void *out, const void *x, int64_t row, int64_t n, int b
     }
 }
 
-CLONES void eng_silu_mul_row_f32(void *out, const void *x, int64_t row, int64_t n) {
-    silu_mul_row(out, x, row, n, 0);
+/* Columns [i0, i1) of row `row` (the fused step gives each thread a slice of one row). */
+CLONES void eng_silu_mul_row_f32(void *out, const void *x, int64_t row, int64_t n, int64_t i0, int64_t i1) {
+    silu_mul_row(out, x, row, n, i0, i1, 0);
 }
 
-CLONES void eng_silu_mul_row_bf16(void *out, const void *x, int64_t row, int64_t n) {
-    silu_mul_row(out, x, row, n, 1);
+CLONES void eng_silu_mul_row_bf16(void *out, const void *x, int64_t row, int64_t n, int64_t i0, int64_t i1) {
+    silu_mul_row(out, x, row, n, i0, i1, 1);
 }
 
 int eng_silu_mul(int dtype, void *out, const void *x, int64_t rows, int64_t n, int nthreads) {
@@ -228,9 +230,9 @@ int eng_silu_mul(int dtype, void *out, const void *x, int64_t rows, int64_t n, i
     if (nthreads > 1 && rows * n >= PARALLEL_MIN_WORK)
     for (int64_t r = 0; r < rows; r++) {
         if (dtype == DT_BF16)
-            eng_silu_mul_row_bf16(out, x, r, n);
+            eng_silu_mul_row_bf16(out, x, r, n, 0, n);
         else
-            eng_silu_mul_row_f32(out, x, r, n);
+            eng_silu_mul_row_f32(out, x, r, n, 0, n);
     }
     return 0;
 }
@@ -256,24 +258,26 @@ INLINE void load_kv_row(float *dst, const void *c, const float *sc, int64_t o, i
     }
 }
 
-/* One request's one query token, for the `group` query heads that share KV head `g`:
+/* One request's one query token, for query heads j0 .. j0 + nj - 1 of the `group` that
+ * share KV head `g` (each head's scores, softmax and sum are its own, so a head's result
+ * does not depend on which others share its call):
  * online softmax over its seq_len keys read through the block table, TILE keys at a time
  * (scores of a tile first, one rescale of the accumulators per tile). Cache layout
  * [num_blocks, block_size, kv_heads, d]; see engine/ops/__init__.py. */
 INLINE void decode_item(void *out, const void *q, int64_t qs, const void *kc, const void *vc,
                         const float *ksc, const float *vsc, int q8, const int32_t *bt,
                         int64_t bts, const int32_t *lens, int64_t b,
-                        int64_t g, int64_t heads, int64_t kv_heads, int64_t d, int64_t bs,
-                        float scale, int64_t window, float softcap, int bf) {
-    const int64_t group = heads / kv_heads, len = lens[b];
+                        int64_t g, int64_t j0, int64_t nj, int64_t heads, int64_t kv_heads,
+                        int64_t d, int64_t bs, float scale, int64_t window, float softcap, int bf) {
+    const int64_t group = heads / kv_heads, len = lens[b], h0 = g * group + j0;
     /* A sliding window sees only the last `window` keys: i - j < window for query i. */
     const int64_t first = window > 0 && len > window ? len - window : 0;
     const int32_t *table = bt + b * bts;
     float qf[MAX_GROUP][MAX_DIM], acc[MAX_GROUP][MAX_DIM], kf[MAX_DIM];
     float sc[MAX_GROUP][TILE], mx[MAX_GROUP], sum[MAX_GROUP];
     int64_t rows[TILE]; /* cache element offset of each key of the tile */
-    for (int64_t j = 0; j < group; j++) {
-        int64_t qo = b * qs + (g * group + j) * d;
+    for (int64_t j = 0; j < nj; j++) {
+        int64_t qo = b * qs + (h0 + j) * d;
         for (int64_t i = 0; i < d; i++) {
             qf[j][i] = ld(q, qo + i, bf);
             acc[j][i] = 0.0f;
@@ -294,7 +298,7 @@ INLINE void decode_item(void *out, const void *q, int64_t qs, const void *kc, co
         }
         for (int64_t k = 0; k < n; k++) {
             load_kv_row(kf, kc, ksc, rows[k], d, q8, bf);
-            for (int64_t j = 0; j < group; j++) {
+            for (int64_t j = 0; j < nj; j++) {
                 float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
                 for (int64_t i = 0; i < d; i++)
@@ -303,7 +307,7 @@ INLINE void decode_item(void *out, const void *q, int64_t qs, const void *kc, co
                 sc[j][k] = softcap > 0.0f ? softcap * tanhf(dot * scale / softcap) : dot * scale;
             }
         }
-        for (int64_t j = 0; j < group; j++) {
+        for (int64_t j = 0; j < nj; j++) {
             float m = mx[j];
             for (int64_t k = 0; k < n; k++)
                 m = sc[j][k] > m ? sc[j][k] : m;
@@ -323,7 +327,7 @@ INLINE void decode_item(void *out, const void *q, int64_t qs, const void *kc, co
         }
         for (int64_t k = 0; k < n; k++) {
             load_kv_row(kf, vc, vsc, rows[k], d, q8, bf);
-            for (int64_t j = 0; j < group; j++) {
+            for (int64_t j = 0; j < nj; j++) {
                 float p = sc[j][k];
 #pragma omp simd
                 for (int64_t i = 0; i < d; i++)
@@ -331,33 +335,211 @@ INLINE void decode_item(void *out, const void *q, int64_t qs, const void *kc, co
             }
         }
     }
-    for (int64_t j = 0; j < group; j++) {
+    for (int64_t j = 0; j < nj; j++) {
         float inv = 1.0f / sum[j];
-        int64_t oo = (b * heads + g * group + j) * d;
+        int64_t oo = (b * heads + h0 + j) * d;
 #pragma omp simd
         for (int64_t i = 0; i < d; i++)
             st(out, oo + i, acc[j][i] * inv, bf);
     }
 }
 
-/* head_dim 64 and 128 (nearly every Llama-family model) get loops of a known length,
- * which the compiler unrolls into whole vectors; other sizes take the generic loop. */
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+#define HAVE_ATTN_AVX512 1
+#define AVX512K __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
+
+/* Lane k of the result = the sum of v[k]'s 16 lanes: a transposing tree of unpacks and
+ * shuffles (45 operations for 16 sums, against ~8 each for separate reductions). */
+AVX512K INLINE __m512 hsum16(const __m512 *v) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) /* pairs: 128-bit lane = [x0+x2, y0+y2, x1+x3, y1+y3] */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) /* quads: 128-bit lane = the lane's sums of 4 vectors */
+        b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+/* 16 values of a cache row from element offset o as fp32. */
+AVX512K INLINE __m512 ld16(const void *c, const float *sc, int64_t o, int64_t d, int q8, int bf) {
+    if (q8)
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)c + o)))),
+                             _mm512_set1_ps(sc[o / d]));
+    if (bf)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)c + o))), 16));
+    return _mm512_loadu_ps((const float *)c + o);
+}
+
+/* decode_item for head_dim D (64 or 128, a compile-time constant) with AVX-512: each tile's
+ * keys are converted to fp32 once and scored 16 at a time (one transposing reduction per
+ * 16 scores), and each head's output accumulates in registers over the tile's values. The
+ * same online softmax as decode_item; each head's arithmetic is its own, so a head's
+ * result does not depend on nj. */
+AVX512K INLINE void decode_item_avx512(void *out, const void *q, int64_t qs, const void *kc, const void *vc,
+                                       const float *ksc, const float *vsc, int q8, const int32_t *bt,
+                                       int64_t bts, const int32_t *lens, int64_t b, int64_t g, int64_t j0,
+                                       int64_t nj, int64_t heads, int64_t kv_heads, const int64_t D, int64_t bs,
+                                       float scale, int64_t window, float softcap, int bf) {
+    enum { C_MAX = 8 }; /* 16-lane chunks of a row: D / 16 */
+    const int64_t C = D / 16, group = heads / kv_heads, len = lens[b], h0 = g * group + j0;
+    const int64_t first = window > 0 && len > window ? len - window : 0;
+    const int32_t *table = bt + b * bts;
+    float kv[TILE][MAX_DIM / 2] __attribute__((aligned(64)));
+    float acc[MAX_GROUP][MAX_DIM / 2] __attribute__((aligned(64)));
+    float sc[MAX_GROUP][TILE] __attribute__((aligned(64))), mx[MAX_GROUP], sum[MAX_GROUP];
+    int64_t rows[TILE];
+    for (int64_t j = 0; j < nj; j++) {
+        for (int64_t i = 0; i < D; i++)
+            acc[j][i] = 0.0f;
+        mx[j] = -INFINITY;
+        sum[j] = 0.0f;
+    }
+    int64_t blk = first / bs, off = first % bs;
+    for (int64_t t0 = first; t0 < len; t0 += TILE) {
+        const int64_t n = len - t0 < TILE ? len - t0 : TILE;
+        for (int64_t k = 0; k < n; k++) {
+            rows[k] = (((int64_t)table[blk] * bs + off) * kv_heads + g) * D;
+            if (++off == bs) {
+                off = 0;
+                blk++;
+            }
+        }
+        for (int64_t k = 0; k < n; k++)
+            for (int64_t c = 0; c < C; c++)
+                _mm512_store_ps(kv[k] + 16 * c, ld16(kc, ksc, rows[k] + 16 * c, D, q8, bf));
+        for (int64_t k = n; k < (n + 15) / 16 * 16; k++) /* the last block's padding keys */
+            for (int64_t c = 0; c < C; c++)
+                _mm512_store_ps(kv[k] + 16 * c, _mm512_setzero_ps());
+        for (int64_t j = 0; j < nj; j++) {
+            __m512 qv[C_MAX];
+            for (int64_t c = 0; c < C; c++)
+                qv[c] = ld16(q, NULL, b * qs + (h0 + j) * D + 16 * c, D, 0, bf);
+            for (int64_t k0 = 0; k0 < n; k0 += 16) {
+                __m512 p[16];
+                for (int kk = 0; kk < 16; kk++) {
+                    p[kk] = _mm512_mul_ps(qv[0], _mm512_load_ps(kv[k0 + kk]));
+                    for (int64_t c = 1; c < C; c++)
+                        p[kk] = _mm512_fmadd_ps(qv[c], _mm512_load_ps(kv[k0 + kk] + 16 * c), p[kk]);
+                }
+                _mm512_store_ps(sc[j] + k0, _mm512_mul_ps(hsum16(p), _mm512_set1_ps(scale)));
+            }
+            if (softcap > 0.0f)
+                for (int64_t k = 0; k < n; k++)
+                    sc[j][k] = softcap * tanhf(sc[j][k] / softcap);
+            float m = mx[j];
+#pragma omp simd reduction(max : m)
+            for (int64_t k = 0; k < n; k++)
+                m = sc[j][k] > m ? sc[j][k] : m;
+            const float alpha = exp_nonpos(mx[j] - m);
+            float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t k = 0; k < n; k++) {
+                float e = exp_nonpos(sc[j][k] - m);
+                sc[j][k] = e;
+                s += e;
+            }
+            sum[j] = sum[j] * alpha + s;
+            mx[j] = m;
+            for (int64_t c = 0; c < C; c++)
+                _mm512_store_ps(acc[j] + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[j] + 16 * c), _mm512_set1_ps(alpha)));
+        }
+        for (int64_t k = 0; k < n; k++)
+            for (int64_t c = 0; c < C; c++)
+                _mm512_store_ps(kv[k] + 16 * c, ld16(vc, vsc, rows[k] + 16 * c, D, q8, bf));
+        for (int64_t j = 0; j < nj; j++) {
+            __m512 a[C_MAX];
+            for (int64_t c = 0; c < C; c++)
+                a[c] = _mm512_load_ps(acc[j] + 16 * c);
+            for (int64_t k = 0; k < n; k++) {
+                const __m512 pk = _mm512_set1_ps(sc[j][k]);
+                for (int64_t c = 0; c < C; c++)
+                    a[c] = _mm512_fmadd_ps(pk, _mm512_load_ps(kv[k] + 16 * c), a[c]);
+            }
+            for (int64_t c = 0; c < C; c++)
+                _mm512_store_ps(acc[j] + 16 * c, a[c]);
+        }
+    }
+    for (int64_t j = 0; j < nj; j++) {
+        const float inv = 1.0f / sum[j];
+        const int64_t oo = (b * heads + h0 + j) * D;
+        for (int64_t i = 0; i < D; i++)
+            st(out, oo + i, acc[j][i] * inv, bf);
+    }
+}
+
+#define ATTN_FAST(NAME, D, BF, Q8)                                                                             \
+    AVX512K static void NAME(void *out, const void *q, int64_t qs, const void *kc, const void *vc,             \
+                             const float *ksc, const float *vsc, const int32_t *bt, int64_t bts,               \
+                             const int32_t *lens, int64_t b, int64_t g, int64_t j0, int64_t nj, int64_t heads, \
+                             int64_t kv_heads, int64_t bs, float scale, int64_t window, float softcap) {       \
+        decode_item_avx512(out, q, qs, kc, vc, ksc, vsc, Q8, bt, bts, lens, b, g, j0, nj, heads, kv_heads, D,  \
+                           bs, scale, window, softcap, BF);                                                    \
+    }
+ATTN_FAST(attn64_f32, 64, 0, 0)
+ATTN_FAST(attn64_bf16, 64, 1, 0)
+ATTN_FAST(attn64_f32_q8, 64, 0, 1)
+ATTN_FAST(attn64_bf16_q8, 64, 1, 1)
+ATTN_FAST(attn128_f32, 128, 0, 0)
+ATTN_FAST(attn128_bf16, 128, 1, 0)
+ATTN_FAST(attn128_f32_q8, 128, 0, 1)
+ATTN_FAST(attn128_bf16_q8, 128, 1, 1)
+
+static int attn_avx512(void) {
+    static int state = -1;
+    if (state < 0) {
+        __builtin_cpu_init();
+        state = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+    }
+    return state;
+}
+#else
+#define HAVE_ATTN_AVX512 0
+#endif
+
+#if HAVE_ATTN_AVX512
+#define ATTN_DISPATCH(SUFFIX)                                                                                \
+    if (d == 64 && attn_avx512()) {                                                                           \
+        attn64_##SUFFIX(out, q, qs, kc, vc, ksc, vsc, bt, bts, lens, b, g, j0, nj, heads, kv_heads, bs, scale, \
+                        window, softcap);                                                                     \
+        return;                                                                                               \
+    }                                                                                                         \
+    if (d == 128 && attn_avx512()) {                                                                          \
+        attn128_##SUFFIX(out, q, qs, kc, vc, ksc, vsc, bt, bts, lens, b, g, j0, nj, heads, kv_heads, bs,      \
+                         scale, window, softcap);                                                             \
+        return;                                                                                               \
+    }
+#else
+#define ATTN_DISPATCH(SUFFIX)
+#endif
+
+/* head_dim 64 and 128 take the AVX-512 item where the CPU has it, or loops of a known
+ * length the compiler unrolls; other sizes take the generic loop. */
 #define DECODE_ITEM(SUFFIX, BF, Q8)                                                         \
     CLONES void eng_decode_item_##SUFFIX(void *out, const void *q, int64_t qs, const void *kc, \
                                          const void *vc, const float *ksc, const float *vsc,  \
                                          const int32_t *bt, int64_t bts,                      \
                                          const int32_t *lens, int64_t b, int64_t g,           \
+                                         int64_t j0, int64_t nj,                              \
                                          int64_t heads, int64_t kv_heads, int64_t d,          \
                                          int64_t bs, float scale, int64_t window,             \
                                          float softcap) {                                     \
+        ATTN_DISPATCH(SUFFIX)                                                                 \
         if (d == 64)                                                                          \
-            decode_item(out, q, qs, kc, vc, ksc, vsc, Q8, bt, bts, lens, b, g, heads,         \
+            decode_item(out, q, qs, kc, vc, ksc, vsc, Q8, bt, bts, lens, b, g, j0, nj, heads, \
                         kv_heads, 64, bs, scale, window, softcap, BF);                        \
         else if (d == 128)                                                                    \
-            decode_item(out, q, qs, kc, vc, ksc, vsc, Q8, bt, bts, lens, b, g, heads,         \
+            decode_item(out, q, qs, kc, vc, ksc, vsc, Q8, bt, bts, lens, b, g, j0, nj, heads, \
                         kv_heads, 128, bs, scale, window, softcap, BF);                       \
         else                                                                                  \
-            decode_item(out, q, qs, kc, vc, ksc, vsc, Q8, bt, bts, lens, b, g, heads,         \
+            decode_item(out, q, qs, kc, vc, ksc, vsc, Q8, bt, bts, lens, b, g, j0, nj, heads, \
                         kv_heads, d, bs, scale, window, softcap, BF);                         \
     }
 
@@ -369,7 +551,14 @@ DECODE_ITEM(bf16_q8, 1, 1)
 typedef void (*decode_item_fn)(void *, const void *, int64_t, const void *, const void *,
                                const float *, const float *, const int32_t *, int64_t,
                                const int32_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
-                               int64_t, float, int64_t, float);
+                               int64_t, int64_t, int64_t, float, int64_t, float);
+
+/* Pieces each KV head's query heads are attended in: the whole group, or one head per
+ * item where (request, KV head) pairs are fewer than two per thread. Each head's result is
+ * the same either way (decode_item), so the split is free to follow the batch. */
+int64_t eng_decode_split(int64_t pairs, int64_t group, int nthreads) {
+    return pairs < 2 * (int64_t)nthreads ? group : 1;
+}
 
 /* kv_dtype: DT_I8 for an int8 cache with scales (k_scale, v_scale), else the query's
  * dtype (the scales are then unused). */
@@ -395,7 +584,10 @@ int eng_paged_decode(int dtype, void *out, const void *q, int64_t q_stride, cons
                 return -2;
         work += (window > 0 && len > window ? window : len) * heads * d * 2;
     }
-    int64_t items = batch * kv_heads;
+    /* An item is a (request, KV head) pair, or with fewer such pairs than two per thread
+     * (one stream) a (request, query head) pair, so both threads have work. */
+    const int64_t group = heads / kv_heads, split = eng_decode_split(batch * kv_heads, group, nthreads);
+    const int64_t items = batch * kv_heads * split, nj = group / split;
     const int q8 = kv_dtype == DT_I8;
     decode_item_fn item = dtype == DT_BF16 ? (q8 ? eng_decode_item_bf16_q8 : eng_decode_item_bf16)
                                            : (q8 ? eng_decode_item_f32_q8 : eng_decode_item_f32);
@@ -403,9 +595,9 @@ int eng_paged_decode(int dtype, void *out, const void *q, int64_t q_stride, cons
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) \
     if (nthreads > 1 && items > 1 && work >= PARALLEL_MIN_WORK)
     for (int64_t it = 0; it < items; it++) {
-        int64_t b = it / kv_heads, g = it % kv_heads;
+        int64_t b = it / (kv_heads * split), g = it / split % kv_heads, j0 = it % split * nj;
         item(out, q, q_stride, k_cache, v_cache, k_scale, v_scale, block_tables, bt_stride,
-             seq_lens, b, g, heads, kv_heads, d, block_size, scale, window, softcap);
+             seq_lens, b, g, j0, nj, heads, kv_heads, d, block_size, scale, window, softcap);
     }
     return 0;
 }
@@ -498,4 +690,55 @@ int eng_apply_bitmask(float *logits, int64_t stride, int64_t batch, int64_t voca
         }
     }
     return 0;
+}
+
+/* ---- greedy sampling ------------------------------------------------------------------ */
+
+/* Row r of logits (fp32, `vocab` wide, rows `stride` apart): ids[r] = the first index of
+ * its maximum (torch.argmax's choice on a tie) and lp[r] = that token's log-softmax,
+ * -log(sum_j exp(x_j - max)) (x_max - max is exactly 0). Returns -1, with nothing
+ * promised, where a row holds NaN or has no finite maximum: the caller's general path
+ * reports such rows. */
+CLONES static int greedy_row(const float *x, int64_t vocab, int64_t *id, float *lp) {
+    float m = -INFINITY;
+    int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+    for (int64_t i = 0; i < vocab; i++) {
+        m = x[i] > m ? x[i] : m;
+        nan |= x[i] != x[i];
+    }
+    if (nan || !isfinite(m))
+        return -1;
+    int64_t at = -1;
+    for (int64_t c = 0; c < vocab && at < 0; c += 64) { /* the first 64-wide chunk holding m */
+        const int64_t n = vocab - c < 64 ? vocab - c : 64;
+        int hit = 0;
+#pragma omp simd reduction(| : hit)
+        for (int64_t i = 0; i < n; i++)
+            hit |= x[c + i] == m;
+        for (int64_t i = 0; hit && i < n; i++)
+            if (x[c + i] == m) {
+                at = c + i;
+                break;
+            }
+    }
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < vocab; i++)
+        s += exp_nonpos(x[i] - m);
+    *id = at;
+    *lp = -logf(s);
+    return 0;
+}
+
+int eng_greedy(const float *logits, int64_t stride, int64_t rows, int64_t vocab, int64_t *ids, float *lp,
+               int nthreads) {
+    int bad = 0;
+    if (vocab < 1)
+        return -1;
+#pragma omp parallel for schedule(static) num_threads(nthreads) reduction(| : bad) \
+    if (nthreads > 1 && rows > 1 && rows * vocab >= 4 * PARALLEL_MIN_WORK)
+    for (int64_t r = 0; r < rows; r++)
+        bad |= greedy_row(logits + r * stride, vocab, ids + r, lp + r) != 0;
+    return bad ? -1 : 0;
 }
