@@ -195,3 +195,20 @@ def test_c_repack_equals_the_torch_packing(name):
     assert got.keys() == expected.keys()
     for key in expected:
         assert got[key].dtype == expected[key].dtype and torch.equal(got[key], expected[key]), key
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 20])  # 20: the AMX-BF16 path where the CPU has it
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_1"])
+def test_a_widened_head_equals_its_bf16_output_cast_to_fp32(name: str, tokens: int) -> None:
+    # A bf16 model's logits: the head writes fp32 holding the bf16-rounded values, in one
+    # pass, exactly what qmatmul(x, w).float() gives.
+    from engine.models.quantized import QuantLinear
+
+    w = QuantizedWeight.from_blocks(random_blocks(name, 96, 256, seed=3), name, 256)
+    x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    head = QuantLinear([w], None)
+    wide = head.widened(x)
+    assert wide is not None and wide.dtype == torch.float32
+    assert torch.equal(wide, head(x).float())
+    assert head.widened(x.float()) is None  # fp32 activations: nothing to widen
+    assert QuantLinear([w], torch.zeros(96, dtype=torch.bfloat16)).widened(x) is None

@@ -312,6 +312,13 @@ class LlamaModel:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] in fp32 for the rows of ``hidden`` [N, hidden]."""
+        if not self.tp.enabled:
+            # A quantized head on CPU writes the widened logits itself (the same values as
+            # its bf16 output then ``.float()``, without a second pass over the vocabulary).
+            widened = getattr(self.lm_head, "widened", None)
+            logits = None if widened is None else widened(hidden)
+            if logits is not None:
+                return logits
         return self._logits(hidden).float()
 
 

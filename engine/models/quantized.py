@@ -62,6 +62,18 @@ class QuantLinear:
                 kernel(x, part, out=flat[:, a:b])
         return out if self.bias is None else out + self.bias
 
+    def widened(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``self(x).float()`` for bf16 ``x`` in one kernel pass (fp32 results rounded to
+        bf16 first, so the values are those of the bf16 output), or None where the CPU
+        kernel does not take it (several parts, a bias, another dtype or layout)."""
+        if x.dtype != torch.bfloat16 or len(self.parts) != 1 or self.bias is not None:
+            return None
+        from engine.ops.cpu import qmatmul as cq
+
+        if self._kernel(x) is not cq.qmatmul:
+            return None
+        return cq.qmatmul(x, self.parts[0], out_dtype=torch.float32)
+
     def _kernel(self, x: torch.Tensor):
         """The matmul for the parts' layout, which the loader chose for the model's ops
         backend: panels for the C kernels (CPU), blocks for the Triton kernel (CUDA, or CPU

@@ -537,11 +537,13 @@ class ModelRunner:
         for c, d in zip((c for c, _ in picked), proposals, strict=True):
             kept_rows.extend(sample_rows[at : at + len(d) + 1])
             at += len(c.draft_token_ids) + 1
-        rows = torch.tensor(kept_rows, device=self.device)
         # The grammar masks are filled before the logits are computed: on a GPU the host
         # fills them while the device still runs the forward.
         bitmask, failed = self._fill_bitmask([(c, s, d[:j]) for c, s, d, j in expanded])
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        if kept_rows == list(range(hidden.shape[0])):  # every row, in order (a decode step)
+            logits = self.model.compute_logits(hidden)
+        else:
+            logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(kept_rows, device=self.device)))
         sampling_rows = [
             SamplingRow(s.params, s.prompt, s.outputs if not j else [*s.outputs, *d[:j]], s.eos_token_ids)
             for c, s, d, j in expanded

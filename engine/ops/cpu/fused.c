@@ -120,11 +120,11 @@ int eng_fused_decode(const EngFusedModel *m, int64_t T, void *hidden, void *out,
     const int64_t group = h / hkv, split = eng_decode_split(T * hkv, group, nthreads), nj = group / split;
 #pragma omp parallel num_threads(nthreads)
     {
-        /* Rows per thread below one: the SiLU-and-mul and the quantizations after attention
-         * and the MLP's first matmul share each row out in slices of whole 32-column blocks. */
+        /* Rows per thread below one: the SiLU-and-mul and its quantization share each row
+         * out in slices of whole 32-column blocks. */
         const int64_t S = T < omp_get_num_threads() ? omp_get_num_threads() : 1;
-        void *R = hidden, *D = m->delta;
-        PROF_START; /* the residual stream, and the block output added to it */
+        void *R = hidden, *D = m->delta; /* the residual stream, and the block output added to it */
+        PROF_START;
         for (int64_t li = 0; li < m->n_layers; li++) {
             const EngFusedLayer *L = m->layers + li;
             const int64_t NQ = L->qkv.N;
@@ -188,14 +188,19 @@ int eng_fused_decode(const EngFusedModel *m, int64_t T, void *hidden, void *out,
             }
             PROF(2);
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t it = 0; it < T * hkv * split; it++)
+            for (int64_t it = 0; it < T * hkv * split; it++) {
+                const int64_t t = it / (hkv * split), g = it / split % hkv, j0 = it % split * nj;
                 item(m->attn, m->qkv, NQ, L->k_cache, L->v_cache, L->k_scale, L->v_scale, block_tables, bt_stride,
-                     seq_lens, it / (hkv * split), it / split % hkv, it % split * nj, nj, h, hkv, d, m->block_size,
-                     m->scale, L->window, 0.0f);
+                     seq_lens, t, g, j0, nj, h, hkv, d, m->block_size, m->scale, L->window, 0.0f);
+                if (d % 32 == 0) /* the item's heads are whole 32-column blocks: quantized here */
+                    quantize_part(m, m->attn, HD, t, es, (g * group + j0) * d / 32, (g * group + j0 + nj) * d / 32);
+            }
             PROF(3);
+            if (d % 32) {
 #pragma omp for schedule(static)
-            for (int64_t it = 0; it < T * S; it++)
-                quantize_part(m, m->attn, HD, it / S, es, HD / 32 * (it % S) / S, HD / 32 * (it % S + 1) / S);
+                for (int64_t it = 0; it < T * S; it++)
+                    quantize_part(m, m->attn, HD, it / S, es, HD / 32 * (it % S) / S, HD / 32 * (it % S + 1) / S);
+            }
             PROF(4);
             linear(m, &L->o, D, T);
             PROF(5);

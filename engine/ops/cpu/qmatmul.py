@@ -73,6 +73,7 @@ def qmatmul(
     out: torch.Tensor | None = None,
     path: str = "auto",
     threads: int | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``x @ w.T`` for ``x`` [..., K] (fp32 or bf16, CPU): the result in ``x``'s dtype.
 
@@ -81,10 +82,16 @@ def qmatmul(
     tokens, else AVX-512 VNNI, else AVX2, else portable C); "portable", "avx2", "avx512",
     "amx" and "amx-bf16" force one (tests; a path the CPU lacks falls back to the int8 one
     below it). ``threads`` defaults to
-    torch's thread count.
+    torch's thread count. ``out_dtype=torch.float32`` with bf16 ``x`` returns fp32 holding
+    the bf16-rounded results (``qmatmul(x, w).float()`` in one pass).
     """
     n, k = w.shape
     code = _DTYPES.get(x.dtype)
+    widen = out_dtype is not None and out_dtype != x.dtype
+    if widen:
+        if x.dtype != torch.bfloat16 or out_dtype != torch.float32 or out is not None:
+            raise QuantError(f"quantized matmul: no {x.dtype} -> {out_dtype} output")
+        code = 2  # QDT_BF16_F32
     if code is None:
         raise QuantError(f"quantized matmul takes float32 or bfloat16 activations, got {x.dtype}")
     if x.dim() < 1 or x.shape[-1] != k:
@@ -96,7 +103,7 @@ def qmatmul(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     if out is None:
-        result = torch.empty((x2.shape[0], n), dtype=x.dtype)
+        result = torch.empty((x2.shape[0], n), dtype=torch.float32 if widen else x.dtype)
     elif out.shape != (x2.shape[0], n) or out.dtype != x.dtype or out.stride(-1) != 1 or not out.is_cpu:
         raise QuantError(f"quantized matmul: out must be {x.dtype} [{x2.shape[0]}, {n}] with contiguous rows")
     else:

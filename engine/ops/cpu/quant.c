@@ -45,13 +45,17 @@
 #define QINLINE static inline __attribute__((always_inline))
 
 enum { F_Q4_0 = 0, F_Q4_1 = 1, F_Q8_0 = 2, F_Q4_K = 3, F_Q5_K = 4, F_Q6_K = 5, F_COUNT = 6 };
-enum { QDT_F32 = 0, QDT_BF16 = 1 };
+/* QDT_BF16_F32: bf16 activations, fp32 results holding the bf16-rounded values (a bf16
+ * model's logits, widened without a second pass). eng_qmatmul only. */
+enum { QDT_F32 = 0, QDT_BF16 = 1, QDT_BF16_F32 = 2 };
 enum { Q_OK = 0, Q_BAD_ARGS = 1, Q_NO_MEMORY = 2, Q_BAD_INDEX = 3 };
 
 #define PANEL 16
 #define TILE 4          /* tokens per micro-kernel call: 8 unpacked + 8 int + 4 fp32 zmm */
 #define TOKEN_BLOCK 64  /* tokens whose int8 activations stay in L2 while panels stream */
+#ifndef Q_PREFETCH_GROUPS
 #define Q_PREFETCH_GROUPS 4 /* groups ahead the AVX-512 micro-kernel prefetches (measured: 4 beat 2, 6, 8, 16) */
+#endif
 
 /* Work (multiply-adds) below which one thread does it all: waking the second OpenMP
  * thread costs microseconds, more than a small product takes. */
@@ -700,7 +704,7 @@ static int q_matmul_amx_bf16(const QWeight *w, int dtype, void *out, int64_t out
     }
     for (int64_t t = 0; t < M; t++)
         for (int64_t k = 0; k < K; k++)
-            xb[t * K + k] = dtype == QDT_BF16 ? ((const uint16_t *)x)[t * x_stride + k]
+            xb[t * K + k] = dtype != QDT_F32 ? ((const uint16_t *)x)[t * x_stride + k]
                                               : q_f32_to_bf16(((const float *)x)[t * x_stride + k]);
     memset(xb + M * K, 0, (size_t)((Mpad - M) * K * 2));
     const int64_t nblocks = (M + TOKEN_BLOCK - 1) / TOKEN_BLOCK;
@@ -936,6 +940,10 @@ static void q_store(void *out, int dtype, int64_t out_stride, int64_t t, int64_t
         uint16_t *o = (uint16_t *)out + t * out_stride + n0;
         for (int64_t r = 0; r < rows; r++)
             o[r] = q_f32_to_bf16(v[r]);
+    } else if (dtype == QDT_BF16_F32) {
+        float *o = (float *)out + t * out_stride + n0;
+        for (int64_t r = 0; r < rows; r++)
+            o[r] = q_bf16_to_f32(q_f32_to_bf16(v[r]));
     } else {
         float *o = (float *)out + t * out_stride + n0;
         for (int64_t r = 0; r < rows; r++)
@@ -951,13 +959,14 @@ static void q_store(void *out, int dtype, int64_t out_stride, int64_t t, int64_t
 #define AMX_BF16_MIN_TOKENS 16
 
 /* out[t, n] (row stride out_stride elements) = x[t, :] . w[n, :] for t < M, n < N. x rows
- * have stride x_stride; x and out are fp32 (dtype 0) or bf16 (1). `isa`: 0 the best path
+ * have stride x_stride; x and out are fp32 (dtype 0) or bf16 (1), or x bf16 and out fp32 (2). `isa`: 0 the best path
  * for M, 1 portable C, 2 AVX-512 VNNI, 3 AMX-INT8, 4 AMX-BF16, 5 AVX2 (each falls back to
  * the int8 paths below it where the CPU lacks it: AVX-512, then AVX2, then portable). Returns Q_OK, or Q_BAD_ARGS / Q_NO_MEMORY without touching out. */
 int eng_qmatmul(int fmt, int isa, int dtype, void *out, int64_t out_stride, const void *x, int64_t x_stride,
                 int64_t M, int64_t K, int64_t N, const uint8_t *codes, const uint8_t *hi, const uint16_t *d,
                 const uint16_t *m, const uint8_t *sc, const uint8_t *mn, int nthreads) {
-    if (q_check(fmt, K, N) || M < 0 || (dtype != QDT_F32 && dtype != QDT_BF16) || !codes || !d)
+    if (q_check(fmt, K, N) || M < 0 || (dtype != QDT_F32 && dtype != QDT_BF16 && dtype != QDT_BF16_F32) || !codes ||
+        !d)
         return Q_BAD_ARGS;
     if (M == 0)
         return Q_OK;
@@ -984,10 +993,10 @@ int eng_qmatmul(int fmt, int isa, int dtype, void *out, int64_t out_stride, cons
     use_avx2 = isa != 1 && !use_avx512 && q_has_avx2();
 #endif
     memset(a.xq + M * K, 0, (size_t)((Mpad - M) * K));
-    const int esize = dtype == QDT_BF16 ? 2 : 4;
+    const int esize = dtype != QDT_F32 ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (M * K >= 65536)
     for (int64_t t = 0; t < M; t++)
-        q_quantize_row((const char *)x + t * x_stride * esize, dtype == QDT_BF16, K, a.xq + t * K,
+        q_quantize_row((const char *)x + t * x_stride * esize, dtype != QDT_F32, K, a.xq + t * K,
                        a.dx + t * (K / 32), a.xs + t * (K / 16));
     const int64_t nblocks = (M + TOKEN_BLOCK - 1) / TOKEN_BLOCK;
     const int64_t tile = use_amx ? 16 : TILE;
