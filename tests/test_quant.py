@@ -212,3 +212,32 @@ def test_a_widened_head_equals_its_bf16_output_cast_to_fp32(name: str, tokens: i
     assert torch.equal(wide, head(x).float())
     assert head.widened(x.float()) is None  # fp32 activations: nothing to widen
     assert QuantLinear([w], torch.zeros(96, dtype=torch.bfloat16)).widened(x) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activations_are_quantized_as_defined(dtype: torch.dtype) -> None:
+    # Per 32 columns: step = amax / 127, codes = round-half-even(x * (127 / amax)) clamped to
+    # +-127, and xs = step * (sum of each 16-column half's codes), in fp32, value for value
+    # (the AVX-512 and the compiled-C quantizers both; every matmul path reads them).
+    from engine.ops.cpu._kernels import ffi, lib
+
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(40, 32, generator=g) * torch.logspace(-3, 3, 40).unsqueeze(1)).to(dtype)
+    x[3] = 0.0  # an all-zero block: step 0, codes 0
+    x[5, :4] = torch.tensor([63.5, -63.5, 0.5, 127.0]).to(dtype) / 127 * x[5].float().abs().max().to(dtype)
+    k = x.numel()
+    xq = torch.empty(k, dtype=torch.int8)
+    dx, xs = torch.empty(k // 32), torch.empty(k // 16)
+    lib.eng_q_quantize_row(ffi.cast("void *", x.data_ptr()), int(dtype == torch.bfloat16), k,
+                           ffi.cast("int8_t *", xq.data_ptr()), ffi.cast("float *", dx.data_ptr()),
+                           ffi.cast("float *", xs.data_ptr()))
+    v = x.float().view(-1, 32)
+    amax = v.abs().amax(1)
+    c127 = torch.full_like(amax, 127.0)  # tensor / tensor: IEEE division (127.0 / t is 127 * (1 / t))
+    step = amax / c127
+    inv = torch.where(amax > 0, c127 / amax, torch.zeros_like(amax))
+    codes = torch.round(v * inv.unsqueeze(1)).clamp(-127, 127)
+    assert torch.equal(xq.view(-1, 32).float(), codes)
+    assert torch.equal(dx, step)
+    halves = codes.view(-1, 2, 16).sum(-1)
+    assert torch.equal(xs.view(-1, 2), step.unsqueeze(1) * halves)

@@ -161,7 +161,7 @@ typedef struct {
     float *xs;   /* [M, K/16]: dx * (sum of the block's 16-column half of xq) */
 } QActs;
 
-QCLONES static void q_quantize_row(const void *x, int bf, int64_t K, int8_t *xq, float *dx, float *xs) {
+QCLONES static void q_quantize_row_c(const void *x, int bf, int64_t K, int8_t *xq, float *dx, float *xs) {
     for (int64_t b = 0; b < K / 32; b++) {
         float v[32], amax = 0.0f;
         for (int i = 0; i < 32; i++) {
@@ -389,6 +389,36 @@ static int q_has_avx512(void) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+}
+
+/* q_quantize_row_c with AVX-512, value for value: the same amax (a max is exact in any
+ * order), the same step and inverse, the same products rounded to nearest even (rintf in
+ * the default rounding mode, as the conversion rounds), the same clamp, and integer sums. */
+AVX512 static void q_quantize_row_avx512(const void *x, int bf, int64_t K, int8_t *xq, float *dx, float *xs) {
+    const __m512 lim = _mm512_set1_ps(127.0f), nlim = _mm512_set1_ps(-127.0f);
+    const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+    for (int64_t b = 0; b < K / 32; b++) {
+        __m512 v0, v1;
+        if (bf) {
+            const uint16_t *p = (const uint16_t *)x + 32 * b;
+            v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+            v1 = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + 16))), 16));
+        } else {
+            v0 = _mm512_loadu_ps((const float *)x + 32 * b);
+            v1 = _mm512_loadu_ps((const float *)x + 32 * b + 16);
+        }
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, sign), _mm512_and_ps(v1, sign)));
+        const float step = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m512 vi = _mm512_set1_ps(inv);
+        __m512i q0 = _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(_mm512_mul_ps(v0, vi), lim), nlim));
+        __m512i q1 = _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(_mm512_mul_ps(v1, vi), lim), nlim));
+        _mm_storeu_si128((__m128i *)(xq + 32 * b), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(xq + 32 * b + 16), _mm512_cvtepi32_epi8(q1));
+        dx[b] = step;
+        xs[2 * b] = step * (float)_mm512_reduce_add_epi32(q0);
+        xs[2 * b + 1] = step * (float)_mm512_reduce_add_epi32(q1);
+    }
 }
 
 /* ---- the AMX-INT8 micro-kernel (batched steps) -------------------------------------- *
@@ -906,6 +936,22 @@ static int q_has_avx2(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 #endif
+
+/* Activations quantized per 32 columns (q_quantize_row_c), with AVX-512 where the CPU has it:
+ * ~0.3 ns a value against ~2 for the compiled C, whose per-block reductions do not vectorize
+ * (the fused step quantizes ~3,300 values a layer on one stream). */
+static void q_quantize_row(const void *x, int bf, int64_t K, int8_t *xq, float *dx, float *xs) {
+#if HAVE_AVX512_PATH
+    static int avx512 = -1;
+    if (avx512 < 0)
+        avx512 = q_has_avx512();
+    if (avx512) {
+        q_quantize_row_avx512(x, bf, K, xq, dx, xs);
+        return;
+    }
+#endif
+    q_quantize_row_c(x, bf, K, xq, dx, xs);
+}
 
 /* ---- entry points ------------------------------------------------------------------- */
 
