@@ -120,8 +120,9 @@ int eng_fused_decode(const EngFusedModel *m, int64_t T, void *hidden, void *out,
     const int64_t group = h / hkv, split = eng_decode_split(T * hkv, group, nthreads), nj = group / split;
 #pragma omp parallel num_threads(nthreads)
     {
-        /* Rows per thread below one: the SiLU-and-mul and its quantization share each row
-         * out in slices of whole 32-column blocks. */
+        /* Rows per thread below one: RoPE and the cache write split q from k/v, and the
+         * SiLU-and-mul and its quantization share each row out in slices of whole 32-column
+         * blocks. */
         const int64_t S = T < omp_get_num_threads() ? omp_get_num_threads() : 1;
         void *R = hidden, *D = m->delta; /* the residual stream, and the block output added to it */
         PROF_START;
@@ -143,11 +144,16 @@ int eng_fused_decode(const EngFusedModel *m, int64_t T, void *hidden, void *out,
             }
             linear(m, &L->qkv, m->qkv, T);
             PROF(1);
+            /* One stream: q (part 0) and k/v with the cache write (part 1) on two threads. */
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; t++) {
+            for (int64_t it = 0; it < T * S; it++) {
+                const int64_t t = it / S;
+                const int do_q = S == 1 || it % S == 0, do_kv = S == 1 || it % S == 1;
+                if (!do_q && !do_kv)
+                    continue;
                 char *row = (char *)m->qkv + (size_t)(t * NQ) * es;
                 if (L->qkv.bias) {
-                    for (int64_t i = 0; i < NQ; i++) {
+                    for (int64_t i = do_q ? 0 : HD; i < (do_kv ? NQ : HD); i++) {
                         if (bf) {
                             uint16_t *o = (uint16_t *)row;
                             const uint16_t *b = (const uint16_t *)L->qkv.bias;
@@ -163,17 +169,22 @@ int eng_fused_decode(const EngFusedModel *m, int64_t T, void *hidden, void *out,
                     }
                 }
                 if (L->q_norm) {
-                    for (int64_t j = 0; j < h; j++)
+                    for (int64_t j = 0; do_q && j < h; j++)
                         norm_row(bf, row + j * d * es, row + j * d * es, d, NULL, L->q_norm, 0, m->eps);
-                    for (int64_t j = 0; j < hkv; j++)
+                    for (int64_t j = 0; do_kv && j < hkv; j++)
                         norm_row(bf, row + (HD + j * d) * es, row + (HD + j * d) * es, d, NULL, L->k_norm, 0,
                                  m->eps);
                 }
-                /* q and k are adjacent: h + hkv heads rotated in one pass */
+                /* q and k are adjacent: their heads are rotated in one pass where one thread
+                 * has both, else each part its own (each head is rotated on its own) */
+                void *first = do_q ? m->qkv : (char *)m->qkv + HD * es;
+                const int64_t heads = (do_q ? h : 0) + (do_kv ? hkv : 0);
                 if (bf)
-                    eng_rope_token_bf16(m->qkv, NQ, h + hkv, d, positions, L->rope, t);
+                    eng_rope_token_bf16(first, NQ, heads, d, positions, L->rope, t);
                 else
-                    eng_rope_token_f32(m->qkv, NQ, h + hkv, d, positions, L->rope, t);
+                    eng_rope_token_f32(first, NQ, heads, d, positions, L->rope, t);
+                if (!do_kv)
+                    continue;
                 const int64_t slot = slots[t];
                 if (m->kv_int8) {
                     eng_kv_write_i8_token(m->dtype, m->qkv, t * NQ + HD, hkv, d, (int8_t *)L->k_cache, L->k_scale,
