@@ -281,8 +281,12 @@ def test_greedy_matches_the_reference_sampler(vocab: int, threads: int) -> None:
     ids, lps = CpuOps().greedy(logits)
     want_ids, want_lps = TorchOps().sample(logits, zero, torch.zeros(4, dtype=torch.int32), zero + 1, zero,
                                            torch.zeros(4, dtype=torch.int64))
-    assert torch.equal(ids, want_ids)
-    torch.testing.assert_close(lps, want_lps, atol=1e-5, rtol=1e-6)
+    assert ids == want_ids.tolist()
+    torch.testing.assert_close(torch.tensor(lps), want_lps, atol=1e-5, rtol=1e-6)
+    # sample() takes the same pass for an all-greedy batch
+    got_ids, got_lps = CpuOps().sample(logits, zero, torch.zeros(4, dtype=torch.int32), zero + 1, zero,
+                                       torch.zeros(4, dtype=torch.int64))
+    assert torch.equal(got_ids, want_ids) and torch.equal(got_lps, torch.tensor(lps))
 
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])

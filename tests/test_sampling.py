@@ -569,8 +569,8 @@ def test_greedy_rows_of_bad_logits_fail_alone_on_the_c_path(poison, reason):
 
 
 def test_the_greedy_path_leaves_draws_and_the_seed_stream_as_the_torch_sampler():
-    # Greedy steps on the C path draw (and discard) the same seeds as the torch path, so a
-    # sampled request after them draws the same tokens from the same engine seed.
+    # All-greedy steps draw no seeds on either path, so a sampled request after them draws
+    # the same tokens from the same engine seed whichever path ran.
     gen = torch.Generator().manual_seed(7)
     steps = [torch.randn(2, 49152, generator=gen) * 4 for _ in range(4)]
     greedy = SamplingParams(temperature=0.0, logprobs=3)
@@ -585,3 +585,16 @@ def test_the_greedy_path_leaves_draws_and_the_seed_stream_as_the_torch_sampler()
             assert tok == tok_w
             assert lp == pytest.approx(lp_w, abs=1e-5)
             assert [t for t, _ in top] == [t for t, _ in top_w]
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_an_all_greedy_batch_leaves_the_engine_generator_where_it_was(backend):
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(2))
+    greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)
+    s = Sampler(get_ops(backend), seed=21)
+    before = s._generator.get_state()
+    s(logits, [_row(greedy)] * 3)
+    assert torch.equal(s._generator.get_state(), before)
+    # one sampled row: the batch's unseeded rows draw their seeds, the greedy ones too
+    s(logits, [_row(greedy), _row(sampled), _row(greedy)])
+    assert not torch.equal(s._generator.get_state(), before)

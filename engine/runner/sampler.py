@@ -126,18 +126,16 @@ class Sampler:
             self._ops.apply_token_bitmask(logits, bitmask.mask, list(bitmask.rows))
             self.mask_apply_seconds += time.perf_counter() - t0
         logits = self._adjust_logits(logits, rows)
-        # Every row greedy, on an op set with a one-pass arg-max (the C kernels): that pass
-        # also finds the rows with nothing to draw (it declines them, and the general path
-        # below reports them). The seeds are drawn all the same, so the generator's stream
-        # does not depend on which path ran.
+        # A batch of greedy rows only draws no seeds (nothing would use them), whichever
+        # path samples it. On an op set with a one-pass arg-max (the C kernels) such a batch
+        # takes it; that pass also finds the rows with nothing to draw (it declines the
+        # batch, and the general path below reports them).
+        all_greedy = all(r.params.temperature < _GREEDY_TEMPERATURE for r in rows)
         greedy = getattr(self._ops, "greedy", None)
-        fast = None
-        if greedy is not None and all(r.params.temperature < _GREEDY_TEMPERATURE for r in rows):
-            fast = greedy(logits)
+        fast = greedy(logits) if greedy is not None and all_greedy else None
         if fast is not None:
             failures: dict[int, str] = {}
-            self._draw_seeds(sum(r.params.seed is None for r in rows))
-            token_ids, logprobs = fast
+            token_list, logprob_list = fast
         else:
             failures = _unsamplable_rows(logits)
             if failures:
@@ -145,12 +143,14 @@ class Sampler:
                 # their draws are discarded below.
                 logits = logits.clone()
                 logits[list(failures)] = 0.0
-            token_ids, logprobs = self._ops.sample(logits, *self._sampling_tensors(rows, logits))
+            token_ids, logprobs = self._ops.sample(
+                logits, *self._sampling_tensors(rows, logits, draw=not all_greedy))
+            token_list, logprob_list = token_ids.tolist(), logprobs.tolist()
         tops = self._top_logprobs(logits, rows)
         out: list[SampledToken | SamplingFailure] = []
         vocab = logits.shape[-1]
         for b, (token, logprob, top) in enumerate(
-            zip(token_ids.tolist(), logprobs.tolist(), tops, strict=True)
+            zip(token_list, logprob_list, tops, strict=True)
         ):
             if b in failures:
                 out.append(SamplingFailure(failures[b]))
@@ -215,12 +215,13 @@ class Sampler:
     # -- sampling parameters -----------------------------------------------------------
 
     def _sampling_tensors(
-        self, rows: Sequence[SamplingRow], logits: torch.Tensor
+        self, rows: Sequence[SamplingRow], logits: torch.Tensor, draw: bool = True
     ) -> tuple[torch.Tensor, ...]:
-        """(temperature, top_k, top_p, min_p, seeds) as [B] tensors on the logits' device."""
+        """(temperature, top_k, top_p, min_p, seeds) as [B] tensors on the logits' device;
+        without ``draw`` the unseeded rows get seed 0 and the generator does not move."""
         seeds = []
         unseeded = [b for b, r in enumerate(rows) if r.params.seed is None]
-        drawn = iter(self._draw_seeds(len(unseeded)))
+        drawn = iter(self._draw_seeds(len(unseeded)) if draw else [0] * len(unseeded))
         for r in rows:
             if r.params.seed is None:
                 seeds.append(next(drawn))

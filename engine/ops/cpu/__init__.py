@@ -107,19 +107,22 @@ class CpuOps(TorchOps):
             raise CpuKernelError(f"apply_token_bitmask: a row index of {rows} is outside the "
                                  f"batch of {logits.shape[0]}")
 
-    def greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def greedy(self, logits: torch.Tensor) -> tuple[list[int], list[float]] | None:
         """Every row's arg-max (the first on a tie, as ``torch.argmax``) and its log-softmax,
-        in one C pass per row; None where the logits are not fp32 rows or a row holds NaN
-        or no finite value (the general path then samples and reports them). The torch
-        reference spends ~0.2 ms on one row of SmolLM2's 49k-token vocabulary in argmax,
-        log_softmax and the indexing around them, a twentieth of a single stream's step."""
+        as lists, in one C pass per row; None where the logits are not fp32 rows or a row
+        holds NaN or no finite value (the general path then samples and reports them).
+
+        The torch reference spends ~0.2 ms on one row of SmolLM2's 49k-token vocabulary in
+        argmax, log_softmax and the indexing around them. The results come back through
+        cffi arrays rather than tensors: after a step has streamed the model's weights
+        through the caches, each torch op the sampler adds costs tens of microseconds."""
         if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1 or not logits.shape[0]:
             return None
-        ids = torch.empty(logits.shape[0], dtype=torch.int64)
-        logprobs = torch.empty(logits.shape[0], dtype=torch.float32)
-        status = _lib.eng_greedy(_ptr(logits, "float *"), logits.stride(0), logits.shape[0], logits.shape[1],
-                                 _ptr(ids, "int64_t *"), _ptr(logprobs, "float *"), torch.get_num_threads())
-        return (ids, logprobs) if status == 0 else None
+        n = logits.shape[0]
+        ids, logprobs = _ffi.new("int64_t[]", n), _ffi.new("float[]", n)
+        status = _lib.eng_greedy(_ptr(logits, "float *"), logits.stride(0), n, logits.shape[1], ids, logprobs,
+                                 torch.get_num_threads())
+        return (list(ids), list(logprobs)) if status == 0 else None
 
     def sample(
         self,
@@ -134,7 +137,7 @@ class CpuOps(TorchOps):
         if bool((temperature <= 0).all()):
             fast = self.greedy(logits)
             if fast is not None:
-                return fast
+                return torch.tensor(fast[0], dtype=torch.int64), torch.tensor(fast[1], dtype=torch.float32)
         return super().sample(logits, temperature, top_k, top_p, min_p, seeds)
 
     def fused_add_rms_norm(
