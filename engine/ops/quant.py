@@ -307,7 +307,7 @@ class QuantizedWeight:
     input). Immutable once built; :meth:`cat_rows` makes a new one.
     """
 
-    __slots__ = ("fmt", "shape", "layout", "data")
+    __slots__ = ("fmt", "shape", "layout", "data", "__weakref__")  # weakref: qmatmul caches pointers
 
     def __init__(self, fmt: QuantFormat, shape: tuple[int, int], layout: str, data: dict[str, torch.Tensor]):
         self.fmt, self.shape, self.layout, self.data = fmt, (int(shape[0]), int(shape[1])), layout, data
