@@ -51,7 +51,13 @@ enum { QDT_F32 = 0, QDT_BF16 = 1, QDT_BF16_F32 = 2 };
 enum { Q_OK = 0, Q_BAD_ARGS = 1, Q_NO_MEMORY = 2, Q_BAD_INDEX = 3 };
 
 #define PANEL 16
-#define TILE 4          /* tokens per micro-kernel call: 8 unpacked + 8 int + 4 fp32 zmm */
+#define TILE 4          /* tokens per micro-kernel call (AVX2, portable) */
+#ifndef TILE512
+/* Tokens per AVX-512 micro-kernel call: 8 unpacked + 8 fp32 accumulator zmm, the int32
+ * sums in the rest. A speculative verification step (5 rows at k = 4) unpacks each group
+ * once rather than twice (4 + 1): measured 1.6x faster at 5 rows than tiles of 4. */
+#define TILE512 8
+#endif
 #define TOKEN_BLOCK 64  /* tokens whose int8 activations stay in L2 while panels stream */
 #ifndef Q_PREFETCH_GROUPS
 #define Q_PREFETCH_GROUPS 4 /* groups ahead the AVX-512 micro-kernel prefetches (measured: 4 beat 2, 6, 8, 16) */
@@ -292,7 +298,7 @@ AVX512 QINLINE __m512i q_dot(const __m512i *c, const int8_t *xq, int q0, int nq)
 AVX512 QINLINE void q_panel_avx512_fmt(const QWeight *w, const int fmt, int64_t p, const QActs *a, int64_t t0,
                                              const int64_t nt, __m512 *acc) {
     const int64_t K = w->K, G = w->G;
-    for (int t = 0; t < TILE; t++)
+    for (int t = 0; t < nt; t++)
         acc[t] = _mm512_setzero_ps();
     __m512 D = _mm512_setzero_ps(), Dm = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
@@ -362,13 +368,16 @@ AVX512 QINLINE void q_panel_avx512_fmt(const QWeight *w, const int fmt, int64_t 
 
 /* One specialization per format, so the format tests fold away inside the loops. */
 AVX512 static void q_panel_avx512(const QWeight *w, int64_t p, const QActs *a, int64_t t0, int64_t nt, float *out) {
-    __m512 acc[TILE];
-    /* Constant tile sizes let the compiler keep acc[] and the unpacked codes in registers. */
+    __m512 acc[TILE512];
+    /* Constant tile sizes let the compiler keep acc[] and the unpacked codes in registers:
+     * a full tile, one stream, and a verification chunk at k = 4 (5 rows). */
 #define Q_TILES(F)                                                        \
-    if (nt == TILE)                                                       \
-        q_panel_avx512_fmt(w, F, p, a, t0, TILE, acc);                    \
+    if (nt == TILE512)                                                    \
+        q_panel_avx512_fmt(w, F, p, a, t0, TILE512, acc);                 \
     else if (nt == 1)                                                     \
         q_panel_avx512_fmt(w, F, p, a, t0, 1, acc);                       \
+    else if (nt == 5)                                                     \
+        q_panel_avx512_fmt(w, F, p, a, t0, 5, acc);                       \
     else                                                                  \
         q_panel_avx512_fmt(w, F, p, a, t0, nt, acc);
     switch (w->fmt) {
@@ -1045,7 +1054,7 @@ int eng_qmatmul(int fmt, int isa, int dtype, void *out, int64_t out_stride, cons
         q_quantize_row((const char *)x + t * x_stride * esize, dtype != QDT_F32, K, a.xq + t * K,
                        a.dx + t * (K / 32), a.xs + t * (K / 16));
     const int64_t nblocks = (M + TOKEN_BLOCK - 1) / TOKEN_BLOCK;
-    const int64_t tile = use_amx ? 16 : TILE;
+    const int64_t tile = use_amx ? 16 : use_avx512 ? TILE512 : TILE;
 #pragma omp parallel num_threads(nthreads)
     {
 #if HAVE_AVX512_PATH
@@ -1264,9 +1273,10 @@ void eng_q_team_matmul(const EngQPart *parts, int nparts, int64_t K, int dtype, 
                            pt->m, pt->sc, pt->mn};
         const int64_t p = idx - starts[i];
         const int64_t rows = w.N - p * PANEL < PANEL ? w.N - p * PANEL : PANEL;
-        float acc[TILE * PANEL];
-        for (int64_t t0 = 0; t0 < M; t0 += TILE) { /* M <= TOKEN_BLOCK: one token block */
-            const int64_t nt = M - t0 < TILE ? M - t0 : TILE;
+        float acc[TILE512 * PANEL];
+        const int64_t tile = use_avx512 ? TILE512 : TILE;
+        for (int64_t t0 = 0; t0 < M; t0 += tile) { /* M <= TOKEN_BLOCK: one token block */
+            const int64_t nt = M - t0 < tile ? M - t0 : tile;
 #if HAVE_AVX512_PATH
             if (use_avx512)
                 q_panel_avx512(&w, p, &a, t0, nt, acc);
