@@ -232,3 +232,24 @@ def test_small_cpu_batches_built_on_lists_equal_the_tensor_path(monkeypatch, see
         assert got.dtype == want.dtype and torch.equal(got, want), field
     for field in ("max_query_len", "max_seq_len", "query_lens_host", "seq_lens_host"):
         assert getattr(small[2], field) == getattr(tensor[2], field)
+
+
+def test_a_runners_reused_host_tensors_hold_each_steps_values() -> None:
+    # The runner's HostBatch writes each small step into the same buffers (views cached per
+    # shape): every step's tensors equal a fresh build's, across shapes and back again.
+    import engine.runner.model_runner as mr
+
+    host = mr.HostBatch()
+    steps = [
+        [(5, [7], [3])],
+        [(6, [9], [3])],  # same shape: the cached views, new values
+        [(16, [1, 2], [3, 4]), (0, [5], [8])],
+        [(7, [4], [3])],
+    ]
+    for spans in steps:
+        got = mr.build_batch(spans, 16, torch.device("cpu"), host)
+        want = mr.build_batch(spans, 16, torch.device("cpu"))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        for field in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+            a, b = getattr(got[2], field), getattr(want[2], field)
+            assert a.dtype == b.dtype and torch.equal(a, b), field

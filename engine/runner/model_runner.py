@@ -172,6 +172,8 @@ class ModelRunner:
         # Requests that failed in a step: their state is gone, chunks already planned for
         # them (async scheduling) are skipped until the scheduler's finished_ids names them.
         self._failed: set[str] = set()
+        # The index tensors of small CPU steps, reused step after step (build_batch).
+        self._host_batch = HostBatch() if self.device.type == "cpu" else None
 
     def reset(self) -> None:
         """Forget every request (the engine restarts its actors after a crash). The KV
@@ -386,7 +388,7 @@ class ModelRunner:
                 f"{sum(len(t) for _, t, _ in spans)} tokens exceed "
                 f"max_num_batched_tokens={self.max_num_batched_tokens}"
             )
-        input_ids, pos, meta = build_batch(spans, self.block_size, self.device)
+        input_ids, pos, meta = build_batch(spans, self.block_size, self.device, self._host_batch)
         if self.config.mrope:  # the rotary positions are M-RoPE's three streams
             pos = self._mrope_positions(chunks, states)
         ends = 0
@@ -713,10 +715,12 @@ def _track_draft(
 
 def build_batch(
     spans: Sequence[tuple[int, Sequence[int], Sequence[int]]], block_size: int, device: torch.device,
+    host: HostBatch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """``(input_ids, positions, metadata)`` of a flat varlen batch (the module docstring's
     layout): one span ``(start, token ids, block table)`` per sequence, its tokens at
-    positions ``start ..``. An empty block table everywhere: an encoder, no KV cache."""
+    positions ``start ..``. An empty block table everywhere: an encoder, no KV cache.
+    With ``host``, a small CPU step's tensors are ``host``'s, reused by the next call."""
     ids: list[int] = []
     positions: list[int] = []
     query_lens: list[int] = []
@@ -732,7 +736,7 @@ def build_batch(
         tables.extend((0,) * (width - len(table)))
     batch = len(spans)
     if torch.device(device).type == "cpu" and len(ids) <= _HOST_BATCH_TOKENS and width:
-        return _host_batch(ids, positions, tables, width, query_lens, seq_lens, block_size)
+        return _host_batch(ids, positions, tables, width, query_lens, seq_lens, block_size, host)
     # One host tensor holds every int index; slices of it go to the device in one copy.
     host = torch.tensor(ids + positions + tables + query_lens + seq_lens, dtype=torch.int64)
     dev = host.to(device, non_blocking=True)
@@ -767,9 +771,48 @@ def build_batch(
 _HOST_BATCH_TOKENS = 64
 
 
+class HostBatch:
+    """Index tensors a runner reuses for its small CPU steps (``build_batch``'s ``host``).
+
+    After a decode step has streamed the model's weights through the caches, each torch op
+    that builds the next step's tensors costs tens of microseconds; here the values are
+    written through numpy views of two buffers, and the tensor views of a step's shape
+    (tokens, rows, table width: the same for most steps of a stream) are made once. A
+    step's tensors are valid until the next step is built (the runner runs one at a time).
+    """
+
+    def __init__(self) -> None:
+        self._wide = self._narrow = None
+        self._views: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
+
+    def fill(self, ids: list[int], positions: list[int], slots: list[int], tables: list[int],
+             starts: list[int], seq_lens: list[int], width: int) -> tuple[torch.Tensor, ...]:
+        t, batch = len(ids), len(seq_lens)
+        wide_n, narrow_n = 3 * t, batch * width + 2 * batch + 1
+        if self._wide is None or self._wide.numel() < wide_n or self._narrow.numel() < narrow_n:
+            self._wide = torch.zeros(max(wide_n, 3 * _HOST_BATCH_TOKENS), dtype=torch.int64)
+            self._narrow = torch.zeros(max(2 * narrow_n, 1024), dtype=torch.int32)
+            self._wide_np, self._narrow_np = self._wide.numpy(), self._narrow.numpy()
+            self._views.clear()
+        w, n = self._wide_np, self._narrow_np
+        w[:t], w[t : 2 * t], w[2 * t : 3 * t] = ids, positions, slots
+        bw = batch * width
+        n[:bw], n[bw : bw + batch + 1], n[bw + batch + 1 : narrow_n] = tables, starts, seq_lens
+        key = (t, batch, width)
+        views = self._views.get(key)
+        if views is None:
+            wide, narrow = self._wide, self._narrow
+            views = (wide[:t], wide[t : 2 * t], wide[2 * t : 3 * t], narrow[:bw].view(batch, width),
+                     narrow[bw : bw + batch + 1], narrow[bw + batch + 1 : narrow_n])
+            if len(self._views) >= 64:
+                self._views.clear()
+            self._views[key] = views
+        return views
+
+
 def _host_batch(
     ids: list[int], positions: list[int], tables: list[int], width: int, query_lens: list[int],
-    seq_lens: list[int], block_size: int,
+    seq_lens: list[int], block_size: int, host: HostBatch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """build_batch's result for a small CPU batch, the same values computed on lists."""
     t, batch = len(ids), len(query_lens)
@@ -783,19 +826,27 @@ def _host_batch(
             slots.append(tables[b * width + p // block_size] * block_size + p % block_size)
         row += q
         starts.append(row)
-    wide = torch.tensor(ids + positions + slots, dtype=torch.int64)
-    narrow = torch.tensor(tables + starts + seq_lens, dtype=torch.int32)
+    if host is not None:
+        input_ids, pos, slot_mapping, block_tables, query_start_loc, seq_lens_t = host.fill(
+            ids, positions, slots, tables, starts, seq_lens, width)
+    else:
+        wide = torch.tensor(ids + positions + slots, dtype=torch.int64)
+        narrow = torch.tensor(tables + starts + seq_lens, dtype=torch.int32)
+        input_ids, pos, slot_mapping = wide[:t], wide[t : 2 * t], wide[2 * t :]
+        block_tables = narrow[: batch * width].view(batch, width)
+        query_start_loc = narrow[batch * width : batch * width + batch + 1]
+        seq_lens_t = narrow[batch * width + batch + 1 :]
     meta = AttentionMetadata(
-        slot_mapping=wide[2 * t :],
-        query_start_loc=narrow[batch * width : batch * width + batch + 1],
-        seq_lens=narrow[batch * width + batch + 1 :],
-        block_tables=narrow[: batch * width].view(batch, width),
+        slot_mapping=slot_mapping,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens_t,
+        block_tables=block_tables,
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
         query_lens_host=tuple(query_lens),
         seq_lens_host=tuple(seq_lens),
     )
-    return wide[:t], wide[t : 2 * t], meta
+    return input_ids, pos, meta
 
 
 def _dead_end(state: _RequestState) -> str | None:
