@@ -112,7 +112,7 @@ def qmatmul(
     if not x.is_cpu:
         raise QuantError("quantized matmul (CPU kernels): activations must be in CPU memory")
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)  # (each torch op costs ~10 us cold in a step)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     if out is None:
@@ -128,7 +128,7 @@ def qmatmul(
     )
     if status:
         raise QuantError(f"quantized matmul {w!r}: {_ERRORS.get(status, status)}")
-    return result if out is not None else result.view(*lead, n)
+    return result if out is not None or x.dim() == 2 else result.view(*lead, n)
 
 
 def pack(raw: torch.Tensor, fmt: QuantFormat, k: int, *, threads: int | None = None) -> dict[str, torch.Tensor]:
