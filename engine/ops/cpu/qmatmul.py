@@ -155,7 +155,7 @@ def qrows(w: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype, *, threads:
         raise QuantError(f"quantized rows come as float32 or bfloat16, not {dtype}")
     if ids.dtype != torch.int64 or not ids.is_cpu:
         raise QuantError(f"row ids must be int64 in CPU memory, got {ids.dtype} on {ids.device}")
-    flat = ids.reshape(-1).contiguous()
+    flat = ids if ids.dim() == 1 and ids.is_contiguous() else ids.reshape(-1).contiguous()
     out = torch.empty((flat.numel(), k), dtype=dtype)
     status = _lib.eng_qrows(
         FORMAT_CODES[w.fmt.name], code, _ptr(out, "void *"), _ptr(flat, "int64_t *"), flat.numel(), k, n,
@@ -165,7 +165,7 @@ def qrows(w: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype, *, threads:
         raise QuantError(f"row id out of range for a table of {n} rows")
     if status:
         raise QuantError(f"quantized rows {w!r}: {_ERRORS.get(status, status)}")
-    return out.view(*ids.shape, k)
+    return out if ids.dim() == 1 else out.view(*ids.shape, k)
 
 
 __all__ = ["PATHS", "available", "pack", "paths", "qmatmul", "qrows"]
