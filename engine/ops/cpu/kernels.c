@@ -411,9 +411,16 @@ AVX512K INLINE void decode_item_avx512(void *out, const void *q, int64_t qs, con
                 blk++;
             }
         }
-        for (int64_t k = 0; k < n; k++)
+        /* The tile's value rows are fetched while its keys are converted and scored: a
+         * decode step comes back to a layer's cache after streaming the model's weights,
+         * so both come from memory. */
+        const int64_t vbytes = D * (q8 ? 1 : bf ? 2 : 4);
+        for (int64_t k = 0; k < n; k++) {
+            for (int64_t o = 0; o < vbytes; o += 64)
+                _mm_prefetch((const char *)vc + rows[k] / D * vbytes + o, _MM_HINT_T0);
             for (int64_t c = 0; c < C; c++)
                 _mm512_store_ps(kv[k] + 16 * c, ld16(kc, ksc, rows[k] + 16 * c, D, q8, bf));
+        }
         for (int64_t k = n; k < (n + 15) / 16 * 16; k++) /* the last block's padding keys */
             for (int64_t c = 0; c < C; c++)
                 _mm512_store_ps(kv[k] + 16 * c, _mm512_setzero_ps());
