@@ -738,8 +738,8 @@ def build_batch(
     if torch.device(device).type == "cpu" and len(ids) <= _HOST_BATCH_TOKENS and width:
         return _host_batch(ids, positions, tables, width, query_lens, seq_lens, block_size, host)
     # One host tensor holds every int index; slices of it go to the device in one copy.
-    host = torch.tensor(ids + positions + tables + query_lens + seq_lens, dtype=torch.int64)
-    dev = host.to(device, non_blocking=True)
+    packed = torch.tensor(ids + positions + tables + query_lens + seq_lens, dtype=torch.int64)
+    dev = packed.to(device, non_blocking=True)
     t = len(ids)
     input_ids, pos = dev[:t], dev[t : 2 * t]
     block_tables = dev[2 * t : 2 * t + batch * width].view(batch, width)

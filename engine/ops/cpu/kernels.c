@@ -258,6 +258,26 @@ INLINE void load_kv_row(float *dst, const void *c, const float *sc, int64_t o, i
     }
 }
 
+/* One head's online-softmax step over a tile of n scores: the running max *mx and sum
+ * *sum move to the tile's, the scores become exp(score - max), and the factor the head's
+ * accumulators must be scaled by comes back (0 on the first tile, whose *mx is -inf). */
+INLINE float softmax_tile(float *sc, int64_t n, float *mx, float *sum) {
+    float m = *mx;
+    for (int64_t k = 0; k < n; k++)
+        m = sc[k] > m ? sc[k] : m;
+    const float alpha = exp_nonpos(*mx - m);
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t k = 0; k < n; k++) {
+        const float p = exp_nonpos(sc[k] - m);
+        sc[k] = p;
+        s += p;
+    }
+    *sum = *sum * alpha + s;
+    *mx = m;
+    return alpha;
+}
+
 /* One request's one query token, for query heads j0 .. j0 + nj - 1 of the `group` that
  * share KV head `g` (each head's scores, softmax and sum are its own, so a head's result
  * does not depend on which others share its call):
@@ -308,19 +328,7 @@ INLINE void decode_item(void *out, const void *q, int64_t qs, const void *kc, co
             }
         }
         for (int64_t j = 0; j < nj; j++) {
-            float m = mx[j];
-            for (int64_t k = 0; k < n; k++)
-                m = sc[j][k] > m ? sc[j][k] : m;
-            float alpha = exp_nonpos(mx[j] - m); /* 0 on the first tile (-inf) */
-            float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t k = 0; k < n; k++) {
-                float p = exp_nonpos(sc[j][k] - m);
-                sc[j][k] = p;
-                s += p;
-            }
-            sum[j] = sum[j] * alpha + s;
-            mx[j] = m;
+            const float alpha = softmax_tile(sc[j], n, &mx[j], &sum[j]);
 #pragma omp simd
             for (int64_t i = 0; i < d; i++)
                 acc[j][i] *= alpha;
@@ -440,20 +448,7 @@ AVX512K INLINE void decode_item_avx512(void *out, const void *q, int64_t qs, con
             if (softcap > 0.0f)
                 for (int64_t k = 0; k < n; k++)
                     sc[j][k] = softcap * tanhf(sc[j][k] / softcap);
-            float m = mx[j];
-#pragma omp simd reduction(max : m)
-            for (int64_t k = 0; k < n; k++)
-                m = sc[j][k] > m ? sc[j][k] : m;
-            const float alpha = exp_nonpos(mx[j] - m);
-            float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t k = 0; k < n; k++) {
-                float e = exp_nonpos(sc[j][k] - m);
-                sc[j][k] = e;
-                s += e;
-            }
-            sum[j] = sum[j] * alpha + s;
-            mx[j] = m;
+            const float alpha = softmax_tile(sc[j], n, &mx[j], &sum[j]);
             for (int64_t c = 0; c < C; c++)
                 _mm512_store_ps(acc[j] + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[j] + 16 * c), _mm512_set1_ps(alpha)));
         }
