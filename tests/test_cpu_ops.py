@@ -102,6 +102,35 @@ def test_silu_and_mul_matches_the_reference(dtype: torch.dtype, rows: int, threa
     torch.testing.assert_close(got, TorchOps().silu_and_mul(x), **TOL[dtype])
 
 
+@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_and_mul_matches_the_reference(dtype: torch.dtype, rows: int, threads: int) -> None:
+    # Gemma's GeGLU: gate values from -20 to 20 cover the tanh's two tails and zero.
+    x = torch.cat([torch.linspace(-20, 20, 1536).expand(rows, 1536), _rand(rows, 1536, seed=17)], -1)
+    x = x.to(dtype).contiguous()
+    got = CpuOps().gelu_tanh_and_mul(x)
+    assert got.shape == (rows, 1536) and got.dtype == dtype
+    torch.testing.assert_close(got, TorchOps().gelu_tanh_and_mul(x), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma_rms_norm_matches_transformers_arithmetic(dtype: torch.dtype, threads: int) -> None:
+    """Gemma's norm as transformers' Gemma2RMSNorm computes it: fp32 throughout, times
+    (1 + w) in fp32, one rounding; also over strided per-head views of a q/k/v row."""
+    x, w = _rand(300, 576, seed=18, dtype=dtype), 1.0 + _rand(576, seed=19)
+    xf = x.float()
+    want = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w).to(dtype)
+    got = CpuOps().gemma_rms_norm(x, w, 1e-6)
+    assert got.dtype == dtype and got.shape == x.shape
+    if dtype == torch.bfloat16:  # the mean's summation order may flip a rounding, by one step
+        assert (got != want).float().mean() < 0.01
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    qkv = _rand(4, 3 * 32, seed=20, dtype=dtype)
+    heads = qkv[:, :64].view(4, 2, 32)
+    wh = 1.0 + _rand(32, seed=21)
+    assert torch.equal(CpuOps().gemma_rms_norm(heads, wh, 1e-6), CpuOps().gemma_rms_norm(heads.contiguous(), wh, 1e-6))
+
+
 # --- RoPE --------------------------------------------------------------------------------
 
 

@@ -28,6 +28,7 @@ from engine.models.config import ModelConfig
 from engine.models.llama import LlamaModel, _Layer, _Weights, rope_cos_sin_cache
 from engine.models.quantized import make_linear
 from engine.ops import AttentionMetadata, Ops
+from engine.ops.cpu import fused as fused_decode
 from engine.parallel import SINGLE, TensorParallel
 from engine.parallel.shard import qkv_spans
 
@@ -113,6 +114,9 @@ class GemmaModel(LlamaModel):
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Gemma's RMSNorm with ``weight`` = 1 + w in fp32."""
+        gemma_norm = getattr(self.ops, "gemma_rms_norm", None)  # the CPU kernels' (the fused step's too)
+        if gemma_norm is not None:
+            return gemma_norm(x, weight, self.eps)
         if x.dtype == torch.float32:
             return self.ops.rms_norm(x, weight, self.eps)  # the backend's kernel, same math
         return F.rms_norm(x.float(), (x.shape[-1],), weight, self.eps).to(x.dtype)
@@ -128,6 +132,11 @@ class GemmaModel(LlamaModel):
         """Hidden states [T, hidden] after the final norm; writes this step's K/V."""
         ops = self.ops
         hidden = self._embed(input_ids) * self.embed_scale
+        if input_ids.shape[0] <= fused_decode.MAX_TOKENS:  # small CPU steps: one C call (as LlamaModel)
+            step = fused_decode.plan(self, kv_caches)
+            out = None if step is None else step.run(hidden, positions, meta)
+            if out is not None:
+                return out
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             assert isinstance(layer, _GemmaLayer)
             x = self._rms(hidden, layer.input_norm)

@@ -46,6 +46,10 @@ def _ptr(t: torch.Tensor, ctype: str = "void *"):  # a cffi pointer to the tenso
     return _ffi.cast(ctype, t.data_ptr())
 
 
+def _gemma_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+
+
 class CpuKernelError(RuntimeError):
     """A C kernel refused its arguments (a position or block id out of range)."""
 
@@ -197,6 +201,33 @@ class CpuOps(TorchOps):
         out = torch.empty((*x.shape[:-1], n), dtype=x.dtype)
         if n:
             _lib.eng_silu_mul(code, _ptr(out), _ptr(x), x.numel() // (2 * n), n, torch.get_num_threads())
+        return out
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        code = _DTYPE_CODES.get(x.dtype)
+        if code is None or not _plain(x) or x.dim() < 1 or x.shape[-1] % 2:
+            return super().gelu_tanh_and_mul(x)
+        n = x.shape[-1] // 2
+        out = torch.empty((*x.shape[:-1], n), dtype=x.dtype)
+        if n:
+            _lib.eng_gelu_tanh_mul(code, _ptr(out), _ptr(x), x.numel() // (2 * n), n, torch.get_num_threads())
+        return out
+
+    def gemma_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Gemma's RMSNorm: ``x / rms(x) * weight`` in fp32 with ``weight`` (1 + w) in fp32,
+        rounded to ``x.dtype`` once, as transformers computes it. Rows may be strided (the
+        per-head q/k norm takes column slices of the fused q/k/v output)."""
+        code = _DTYPE_CODES.get(x.dtype)
+        n = x.shape[-1]
+        if (code is None or weight.dtype != torch.float32 or not weight.is_contiguous() or weight.numel() != n
+                or not x.is_cpu or x.stride(-1) != 1 or x.dim() < 1 or not n):
+            return _gemma_norm_reference(x, weight, eps)
+        rows = x.reshape(-1, n) if not x.is_contiguous() else x.view(-1, n)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty(x.shape, dtype=x.dtype)
+        _lib.eng_gemma_norm(code, _ptr(out), _ptr(rows), rows.stride(0), _ptr(weight, "float *"), rows.shape[0], n,
+                            eps, torch.get_num_threads())
         return out
 
     def write_kv_cache(

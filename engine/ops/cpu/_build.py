@@ -19,6 +19,9 @@ int eng_rope(int dtype, void *x, int64_t token_stride, int64_t heads, int64_t d,
              const int64_t *positions, int64_t tokens, const void *cos_sin, int64_t max_pos,
              int nthreads);
 int eng_silu_mul(int dtype, void *out, const void *x, int64_t rows, int64_t n, int nthreads);
+int eng_gemma_norm(int dtype, void *out, const void *x, int64_t x_stride, const float *w, int64_t rows,
+                   int64_t n, float eps, int nthreads);
+int eng_gelu_tanh_mul(int dtype, void *out, const void *x, int64_t rows, int64_t n, int nthreads);
 int eng_paged_decode(int dtype, void *out, const void *q, int64_t q_stride,
                      const void *k_cache, const void *v_cache, int kv_dtype,
                      const float *k_scale, const float *v_scale, int64_t num_blocks,

@@ -20,6 +20,12 @@
  * per-head q/k RMSNorm (Qwen3), RoPE, KV write -> paged attention -> quantize -> o_proj
  * -> residual add + RMSNorm -> quantize -> gate/up matmul -> SiLU-and-mul -> quantize ->
  * down matmul. The residual stream alternates between two buffers (no copies).
+ *
+ * Gemma 2/3 (m->gemma): the same phases with Gemma's layer around them. Its norms are
+ * x / rms(x) * (1 + w) in fp32 (kernels.c's gemma_norm_row), four a layer: the attention
+ * and MLP outputs are normed before they are added to the residual stream, which stays in
+ * `hidden`; the MLP is GeGLU (gelu-tanh-and-mul); Gemma 2 soft-caps attention scores.
+ * The caller scales the embeddings by sqrt(hidden) and soft-caps the logits.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -34,6 +40,12 @@ void eng_rope_token_f32(void *, int64_t, int64_t, int64_t, const int64_t *, cons
 void eng_rope_token_bf16(void *, int64_t, int64_t, int64_t, const int64_t *, const void *, int64_t);
 void eng_silu_mul_row_f32(void *, const void *, int64_t, int64_t, int64_t, int64_t);
 void eng_silu_mul_row_bf16(void *, const void *, int64_t, int64_t, int64_t, int64_t);
+void eng_gelu_tanh_mul_row_f32(void *, const void *, int64_t, int64_t, int64_t, int64_t);
+void eng_gelu_tanh_mul_row_bf16(void *, const void *, int64_t, int64_t, int64_t, int64_t);
+void eng_gemma_norm_row_f32(void *, const void *, int64_t, const float *, float);
+void eng_gemma_norm_row_bf16(void *, const void *, int64_t, const float *, float);
+void eng_gemma_add_norm_row_f32(void *, const void *, const float *, void *, const float *, int64_t, float);
+void eng_gemma_add_norm_row_bf16(void *, const void *, const float *, void *, const float *, int64_t, float);
 void eng_kv_write_i8_token(int, const void *, int64_t, int64_t, int64_t, int8_t *, float *, int64_t);
 int64_t eng_decode_split(int64_t, int64_t, int);
 /* One (row, KV head) attention item over query heads j0 .. j0 + nj - 1 of the group. */
@@ -71,6 +83,29 @@ static void norm_row(int bf, void *out, void *x, int64_t n, const void *res, con
         eng_rms_norm_row_bf16(out, x, n, res, n, w, t, n, eps);
     else
         eng_rms_norm_row_f32(out, x, n, res, n, w, t, n, eps);
+}
+
+/* Gemma: with d, r += norm(d) * w_post; then out = norm(r) * w_next (row t of each). */
+static void gemma_add_norm(int bf, void *r, const void *d, const void *w_post, void *out, const void *w_next,
+                           int64_t t, int64_t n, float eps) {
+    const int es = bf ? 2 : 4;
+    void *rt = ROW(r, t, n, es), *ot = ROW(out, t, n, es);
+    const void *dt = d ? ROW(d, t, n, es) : NULL;
+    if (bf)
+        eng_gemma_add_norm_row_bf16(rt, dt, (const float *)w_post, ot, (const float *)w_next, n, eps);
+    else
+        eng_gemma_add_norm_row_f32(rt, dt, (const float *)w_post, ot, (const float *)w_next, n, eps);
+}
+
+/* A per-head q or k norm in place: Llama's (Qwen3) or Gemma's (Gemma 3). */
+static void head_norm(const EngFusedModel *m, void *x, const void *w) {
+    const int64_t d = m->head_dim;
+    if (!m->gemma)
+        norm_row(m->dtype == 1, x, x, d, NULL, w, 0, m->eps);
+    else if (m->dtype == 1)
+        eng_gemma_norm_row_bf16(x, x, d, (const float *)w, m->eps);
+    else
+        eng_gemma_norm_row_f32(x, x, d, (const float *)w, m->eps);
 }
 
 static void linear(const EngFusedModel *m, const EngQLinear *l, void *out, int64_t T) {
@@ -131,14 +166,17 @@ int eng_fused_decode(const EngFusedModel *m, int64_t T, void *hidden, void *out,
             const int64_t NQ = L->qkv.N;
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
-                if (li == 0)
+                if (m->gemma) /* R += norm(D) (the last layer's MLP out); x = norm(R) */
+                    gemma_add_norm(bf, R, li ? D : NULL, li ? L[-1].post_ffn_norm : NULL, m->x, L->input_norm, t,
+                                   H, m->eps);
+                else if (li == 0)
                     norm_row(bf, m->x, R, H, NULL, L->input_norm, t, m->eps);
                 else
                     norm_row(bf, m->x, D, H, R, L->input_norm, t, m->eps); /* D += R */
                 quantize(m, m->x, H, t, es);
             }
             PROF(0);
-            if (li > 0) {
+            if (li > 0 && !m->gemma) {
                 void *s = R;
                 R = D, D = s;
             }
@@ -170,10 +208,9 @@ int eng_fused_decode(const EngFusedModel *m, int64_t T, void *hidden, void *out,
                 }
                 if (L->q_norm) {
                     for (int64_t j = 0; do_q && j < h; j++)
-                        norm_row(bf, row + j * d * es, row + j * d * es, d, NULL, L->q_norm, 0, m->eps);
+                        head_norm(m, row + j * d * es, L->q_norm);
                     for (int64_t j = 0; do_kv && j < hkv; j++)
-                        norm_row(bf, row + (HD + j * d) * es, row + (HD + j * d) * es, d, NULL, L->k_norm, 0,
-                                 m->eps);
+                        head_norm(m, row + (HD + j * d) * es, L->k_norm);
                 }
                 /* q and k are adjacent: their heads are rotated in one pass where one thread
                  * has both, else each part its own (each head is rotated on its own) */
@@ -202,7 +239,7 @@ int eng_fused_decode(const EngFusedModel *m, int64_t T, void *hidden, void *out,
             for (int64_t it = 0; it < T * hkv * split; it++) {
                 const int64_t t = it / (hkv * split), g = it / split % hkv, j0 = it % split * nj;
                 item(m->attn, m->qkv, NQ, L->k_cache, L->v_cache, L->k_scale, L->v_scale, block_tables, bt_stride,
-                     seq_lens, t, g, j0, nj, h, hkv, d, m->block_size, m->scale, L->window, 0.0f);
+                     seq_lens, t, g, j0, nj, h, hkv, d, m->block_size, m->scale, L->window, m->softcap);
                 if (d % 32 == 0) /* the item's heads are whole 32-column blocks: quantized here */
                     quantize_part(m, m->attn, HD, t, es, (g * group + j0) * d / 32, (g * group + j0 + nj) * d / 32);
             }
@@ -217,11 +254,14 @@ int eng_fused_decode(const EngFusedModel *m, int64_t T, void *hidden, void *out,
             PROF(5);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
-                norm_row(bf, m->x, D, H, R, L->post_norm, t, m->eps); /* D += R */
+                if (m->gemma) /* R += norm(D); x = norm(R) */
+                    gemma_add_norm(bf, R, D, L->post_norm, m->x, L->pre_ffn_norm, t, H, m->eps);
+                else
+                    norm_row(bf, m->x, D, H, R, L->post_norm, t, m->eps); /* D += R */
                 quantize(m, m->x, H, t, es);
             }
             PROF(6);
-            {
+            if (!m->gemma) {
                 void *s = R;
                 R = D, D = s;
             }
@@ -230,7 +270,11 @@ int eng_fused_decode(const EngFusedModel *m, int64_t T, void *hidden, void *out,
 #pragma omp for schedule(static)
             for (int64_t it = 0; it < T * S; it++) {
                 const int64_t t = it / S, b0 = I / 32 * (it % S) / S, b1 = I / 32 * (it % S + 1) / S;
-                if (bf)
+                if (m->gemma && bf)
+                    eng_gelu_tanh_mul_row_bf16(m->act, m->gate_up, t, I, 32 * b0, 32 * b1);
+                else if (m->gemma)
+                    eng_gelu_tanh_mul_row_f32(m->act, m->gate_up, t, I, 32 * b0, 32 * b1);
+                else if (bf)
                     eng_silu_mul_row_bf16(m->act, m->gate_up, t, I, 32 * b0, 32 * b1);
                 else
                     eng_silu_mul_row_f32(m->act, m->gate_up, t, I, 32 * b0, 32 * b1);
@@ -241,8 +285,13 @@ int eng_fused_decode(const EngFusedModel *m, int64_t T, void *hidden, void *out,
             PROF(9);
         }
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++)
-            norm_row(bf, out, D, H, R, m->final_norm, t, m->eps);
+        for (int64_t t = 0; t < T; t++) {
+            if (m->gemma)
+                gemma_add_norm(bf, R, D, m->layers[m->n_layers - 1].post_ffn_norm, out, m->final_norm, t, H,
+                               m->eps);
+            else
+                norm_row(bf, out, D, H, R, m->final_norm, t, m->eps);
+        }
         PROF(10);
     }
     return 0;

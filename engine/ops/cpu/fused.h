@@ -25,7 +25,11 @@ typedef struct {
 } EngQLinear;
 
 typedef struct {
+    /* Llama: input_norm before attention, post_norm before the MLP, in the activation dtype.
+     * Gemma: input_norm and post_norm around attention, pre_ffn_norm and post_ffn_norm
+     * around the MLP, each 1 + w in fp32 (q_norm and k_norm too). */
     const void *input_norm, *post_norm, *q_norm, *k_norm; /* q_norm, k_norm: NULL unless qk-norm */
+    const void *pre_ffn_norm, *post_ffn_norm;             /* Gemma only */
     EngQLinear qkv, o, gate_up, down;
     void *k_cache, *v_cache;   /* [num_blocks, block_size, kv_heads, d]: activation dtype or int8 */
     float *k_scale, *v_scale;  /* int8 cache: [num_blocks, block_size, kv_heads]; else NULL */
@@ -36,6 +40,8 @@ typedef struct {
 typedef struct {
     int dtype;    /* 0 fp32, 1 bf16 (activations, norms, biases, RoPE tables) */
     int kv_int8;  /* the caches hold int8 codes with fp32 scales */
+    int gemma;    /* Gemma's layer: four fp32 "1 + w" norms a layer, GeGLU, a soft-cap */
+    float softcap; /* attention score soft-cap (Gemma 2), 0 for none */
     int64_t n_layers, hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size, max_tokens;
     float eps, scale;
     const EngFusedLayer *layers;

@@ -1,4 +1,4 @@
-"""The fused CPU decode step (``fused.c``): all decoder layers of a Llama-family model over
+"""The fused CPU decode step (``fused.c``): all decoder layers of a Llama-family or Gemma model over
 quantized weights in one C call per step, for steps of up to :data:`MAX_TOKENS` rows whose
 requests each bring a few query tokens: decode rows, and speculative verification chunks
 (a request's last verified token and its proposal tokens), each row attended as the decode
@@ -72,11 +72,14 @@ def unfusable(model, kv_caches) -> str | None:
     """Why the fused step cannot run this model over these caches, or None if it can.
 
     Covered: ``LlamaModel`` itself (Llama, Mistral, Qwen2 with its q/k/v biases, Qwen3 with
-    its q/k norms, Phi-3, SmolLM2), every projection a :class:`QuantLinear` over CPU panels
-    (GGUF blocks kept), fp32 or bf16 activations, a KV cache in the activation dtype or
-    int8, sliding windows. Not covered: dense (dequantized) weights, Gemma 2/3, LLaVA,
-    mixture-of-experts layers, tensor parallelism, fp16, fp8 KV, attention soft-capping.
+    its q/k norms, Phi-3, SmolLM2) and ``GemmaModel`` (Gemma 2 with its attention
+    soft-cap, Gemma 3 with its q/k norms and local RoPE), every projection a
+    :class:`QuantLinear` over CPU panels (GGUF blocks kept), fp32 or bf16 activations, a
+    KV cache in the activation dtype or int8, sliding windows. Not covered: dense
+    (dequantized) weights, LLaVA, mixture-of-experts layers, tensor parallelism, fp16,
+    fp8 KV.
     """
+    from engine.models.gemma import GemmaModel
     from engine.models.llama import LlamaModel
     from engine.ops.cpu import qmatmul as cq
 
@@ -84,8 +87,9 @@ def unfusable(model, kv_caches) -> str | None:
         return "the fused kernels are not built or are turned off"
     if not cq.available():  # QuantLinear then takes the reference matmul: so does the model
         return "the quantized matmul kernels are not available"
-    if type(model) is not LlamaModel:
-        return f"{type(model).__name__} is not the plain Llama-family decoder"
+    gemma = type(model) is GemmaModel
+    if type(model) is not LlamaModel and not gemma:
+        return f"{type(model).__name__} is not a decoder the fused step runs"
     if model.tp.enabled:
         return "tensor parallelism (the layers' all-reduces are the unfused path's)"
     if getattr(model.ops, "name", None) != "cpu":
@@ -93,8 +97,6 @@ def unfusable(model, kv_caches) -> str | None:
     dtype = model.dtype
     if dtype not in _DTYPES or model.device.type != "cpu":
         return "activations are not fp32 or bf16 on CPU"
-    if model.attn_softcap:
-        return "attention soft-capping"
     h, hkv, d = model.num_heads, model.num_kv_heads, model.head_dim
     if h % hkv or h // hkv > 16 or d > 256 or d % 2:
         return "attention shape past the decode kernel's buffers"
@@ -111,15 +113,19 @@ def unfusable(model, kv_caches) -> str | None:
             return "unexpected q/k/v or o_proj width"
         if inter != model.layers[0].down.parts[0].shape[1] or layer.gate_up.out_features != 2 * inter or layer.down.out_features != hidden:
             return "unexpected MLP width"
-        norms = [layer.input_norm, layer.post_norm, layer.rope]
+        norms = [layer.input_norm, layer.post_norm]
+        if gemma:
+            norms += [layer.pre_ffn_norm, layer.post_ffn_norm]
         if layer.q_norm is not None:
             norms += [layer.q_norm, layer.k_norm]
-        if any(t is None or t.dtype != dtype or not t.is_contiguous() for t in norms):
-            return "a norm weight or RoPE table is not in the activation dtype"
+        # Gemma keeps its norms as 1 + w in fp32 (GemmaModel._norm_weight), Llama in the dtype.
+        norm_dtype = torch.float32 if gemma else dtype
+        if any(t is None or t.dtype != norm_dtype or not t.is_contiguous() for t in [*norms, model.norm]):
+            return "a norm weight is not in the dtype the decoder keeps it in"
+        if layer.rope.dtype != dtype or not layer.rope.is_contiguous():
+            return "a RoPE table is not in the activation dtype"
         if layer.rope.shape[-1] != d:
             return "partial rotary embedding"
-    if any(t.dtype != dtype or not t.is_contiguous() for t in (model.norm,)):
-        return "the final norm is not in the activation dtype"
     int8 = isinstance(kv_caches[0][0], QuantizedKV)
     for k, v in kv_caches:
         for c in (k, v):
@@ -145,10 +151,13 @@ class FusedDecode:
         n = len(model.layers)
         self.layers = _ffi.new("EngFusedLayer[]", n)
         int8 = isinstance(kv_caches[0][0], QuantizedKV)
+        gemma = hasattr(model.layers[0], "pre_ffn_norm")
         for i, (layer, (kc, vc)) in enumerate(zip(model.layers, kv_caches, strict=True)):
             L = self.layers[i]
             L.input_norm, L.post_norm = _ptr(layer.input_norm), _ptr(layer.post_norm)
             L.q_norm, L.k_norm = _ptr(layer.q_norm), _ptr(layer.k_norm)
+            if gemma:
+                L.pre_ffn_norm, L.post_ffn_norm = _ptr(layer.pre_ffn_norm), _ptr(layer.post_ffn_norm)
             for field, lin in (("qkv", layer.qkv), ("o", layer.o_proj), ("gate_up", layer.gate_up),
                                ("down", layer.down)):
                 self._linear(getattr(L, field), lin)
@@ -173,7 +182,7 @@ class FusedDecode:
         }
         self._keep += list(bufs.values()) + [model.norm]
         self.model = m = _ffi.new("EngFusedModel *")
-        m.dtype, m.kv_int8 = _DTYPES[dtype], int(int8)
+        m.dtype, m.kv_int8, m.gemma, m.softcap = _DTYPES[dtype], int(int8), int(gemma), model.attn_softcap
         m.n_layers, m.hidden, m.heads, m.kv_heads, m.head_dim, m.inter = n, self.hidden, h, hkv, d, inter
         m.num_blocks, m.block_size, m.max_tokens = num_blocks, block_size, T
         m.eps, m.scale = model.eps, model.scale

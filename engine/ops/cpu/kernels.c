@@ -237,6 +237,119 @@ int eng_silu_mul(int dtype, void *out, const void *x, int64_t rows, int64_t n, i
     return 0;
 }
 
+/* ---- Gemma's RMSNorm and GeGLU -------------------------------------------------------- */
+
+/* Gemma's norm, as transformers computes it: x / rms(x) * w in fp32 with w = 1 + weight
+ * kept in fp32 (fused.py and GemmaModel store it so), rounded to the dtype once. In fp32
+ * it is the same arithmetic as rms_norm_row's. In place (out == x) is fine: every x is
+ * read before its out is written. */
+INLINE void gemma_norm_row(void *out, const void *x, int64_t n, const float *w, float eps, int bf) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; i++) {
+        float v = ld(x, i, bf);
+        ss += v * v;
+    }
+    float rstd = 1.0f / sqrtf(ss / (float)n + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++)
+        st(out, i, ld(x, i, bf) * rstd * w[i], bf);
+}
+
+/* Gemma's sandwich step on one row: with `d`, r += norm(d) * w_post (each rounded to the
+ * dtype, as transformers' `hidden + post_norm(x)`), then out = norm(r) * w_next. Without
+ * `d`, only the second norm (the first layer's input norm). */
+INLINE void gemma_add_norm_row(void *r, const void *d, const float *w_post, void *out, const float *w_next,
+                               int64_t n, float eps, int bf) {
+    if (d) {
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < n; i++) {
+            float v = ld(d, i, bf);
+            ss += v * v;
+        }
+        float rstd = 1.0f / sqrtf(ss / (float)n + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++)
+            st(r, i, ld(r, i, bf) + rnd(ld(d, i, bf) * rstd * w_post[i], bf), bf);
+    }
+    gemma_norm_row(out, r, n, w_next, eps, bf);
+}
+
+CLONES void eng_gemma_norm_row_f32(void *out, const void *x, int64_t n, const float *w, float eps) {
+    gemma_norm_row(out, x, n, w, eps, 0);
+}
+
+CLONES void eng_gemma_norm_row_bf16(void *out, const void *x, int64_t n, const float *w, float eps) {
+    gemma_norm_row(out, x, n, w, eps, 1);
+}
+
+CLONES void eng_gemma_add_norm_row_f32(void *r, const void *d, const float *w_post, void *out,
+                                       const float *w_next, int64_t n, float eps) {
+    gemma_add_norm_row(r, d, w_post, out, w_next, n, eps, 0);
+}
+
+CLONES void eng_gemma_add_norm_row_bf16(void *r, const void *d, const float *w_post, void *out,
+                                        const float *w_next, int64_t n, float eps) {
+    gemma_add_norm_row(r, d, w_post, out, w_next, n, eps, 1);
+}
+
+int eng_gemma_norm(int dtype, void *out, const void *x, int64_t x_stride, const float *w, int64_t rows,
+                   int64_t n, float eps, int nthreads) {
+    if (dtype != DT_F32 && dtype != DT_BF16)
+        return -1;
+    const int es = dtype == DT_BF16 ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(nthreads) \
+    if (nthreads > 1 && rows * n >= PARALLEL_MIN_WORK)
+    for (int64_t r = 0; r < rows; r++) {
+        void *o = (char *)out + (size_t)(r * n) * es;
+        const void *xr = (const char *)x + (size_t)(r * x_stride) * es;
+        if (dtype == DT_BF16)
+            eng_gemma_norm_row_bf16(o, xr, n, w, eps);
+        else
+            eng_gemma_norm_row_f32(o, xr, n, w, eps);
+    }
+    return 0;
+}
+
+/* out[row] = gelu_tanh(x[row, :n]) * x[row, n:2n], the gelu rounded to the dtype before
+ * the product is (transformers' act_fn(gate) * up). 0.5 g (1 + tanh(u)) is written as
+ * g * sigmoid(2u), which has no cancellation: the one exp is of -|2u|. */
+INLINE void gelu_tanh_mul_row(void *out, const void *x, int64_t row, int64_t n, int64_t i0, int64_t i1,
+                              int bf) {
+    int64_t xo = row * 2 * n, oo = row * n;
+#pragma omp simd
+    for (int64_t i = i0; i < i1; i++) {
+        float g = ld(x, xo + i, bf);
+        float u2 = 1.5957691216057308f * (g + 0.044715f * g * g * g); /* 2 sqrt(2 / pi) (g + c g^3) */
+        float e = exp_nonpos(u2 < 0.0f ? u2 : -u2);
+        float sig = (u2 < 0.0f ? e : 1.0f) / (1.0f + e);
+        st(out, oo + i, rnd(g * sig, bf) * ld(x, xo + n + i, bf), bf);
+    }
+}
+
+CLONES void eng_gelu_tanh_mul_row_f32(void *out, const void *x, int64_t row, int64_t n, int64_t i0, int64_t i1) {
+    gelu_tanh_mul_row(out, x, row, n, i0, i1, 0);
+}
+
+CLONES void eng_gelu_tanh_mul_row_bf16(void *out, const void *x, int64_t row, int64_t n, int64_t i0, int64_t i1) {
+    gelu_tanh_mul_row(out, x, row, n, i0, i1, 1);
+}
+
+int eng_gelu_tanh_mul(int dtype, void *out, const void *x, int64_t rows, int64_t n, int nthreads) {
+    if (dtype != DT_F32 && dtype != DT_BF16)
+        return -1;
+#pragma omp parallel for schedule(static) num_threads(nthreads) \
+    if (nthreads > 1 && rows * n >= PARALLEL_MIN_WORK)
+    for (int64_t r = 0; r < rows; r++) {
+        if (dtype == DT_BF16)
+            eng_gelu_tanh_mul_row_bf16(out, x, r, n, 0, n);
+        else
+            eng_gelu_tanh_mul_row_f32(out, x, r, n, 0, n);
+    }
+    return 0;
+}
+
 /* ---- paged decode attention ----------------------------------------------------------- */
 
 /* One cache row (d values of one token and KV head at element offset o) as fp32. An int8
