@@ -60,7 +60,7 @@ FUSED_CDEF = "\n".join(
     line for line in (HERE / "fused.h").read_text().splitlines()
     if not line.startswith(("#ifndef", "#endif", "#include", "#define ENG_FUSED_H"))
 ) + """
-int eng_fused_decode(const EngFusedModel *m, int64_t T, void *hidden, void *out, const int64_t *positions,
+int eng_fused_decode(const EngFusedModel *m, EngFusedState *st, int64_t T, void *out, const int64_t *positions,
                      const int64_t *slots, const int32_t *block_tables, int64_t bt_stride,
                      const int32_t *seq_lens, int nthreads);
 """
@@ -76,7 +76,7 @@ ffibuilder.set_source(
     "engine.ops.cpu._kernels",
     # quant.c's prototypes, and fused.c's header, for the wrappers
     (HERE / "kernels.c").read_text() + QUANT_CDEF + '#include "fused.h"\n'
-    "int eng_fused_decode(const EngFusedModel *, int64_t, void *, void *, const int64_t *, const int64_t *,"
+    "int eng_fused_decode(const EngFusedModel *, EngFusedState *, int64_t, void *, const int64_t *, const int64_t *,"
     " const int32_t *, int64_t, const int32_t *, int);\n",
     # Relative to the repository root, where setup.py and the by-hand build below run.
     sources=["engine/ops/cpu/quant.c", "engine/ops/cpu/fused.c"],

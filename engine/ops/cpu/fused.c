@@ -124,14 +124,16 @@ static void quantize_part(const EngFusedModel *m, const void *x, int64_t K, int6
                        m->xq + t * K + 32 * b0, m->dx + t * (K / 32) + b0, m->xs + t * (K / 16) + 2 * b0);
 }
 
-/* Returns 0, -1 for arguments the step does not take, -2 for a position, slot, sequence
- * length or block id out of range (nothing is written then). `hidden` [T, hidden] holds
- * the token embeddings and is used as scratch; `out` [T, hidden] receives the final
- * normed hidden states. */
-int eng_fused_decode(const EngFusedModel *m, int64_t T, void *hidden, void *out, const int64_t *positions,
+/* Runs layers st->layer .. on: returns 0 with `out` [T, hidden] holding the final normed
+ * hidden states, 1 where it stopped before a layer's external MLP (EngFusedState says
+ * how to go on), -1 for arguments the step does not take, -2 for a position, slot,
+ * sequence length or block id out of range (nothing is written then). On the first call
+ * st->R holds the token embeddings; both of st's buffers are scratch. */
+int eng_fused_decode(const EngFusedModel *m, EngFusedState *st, int64_t T, void *out, const int64_t *positions,
                      const int64_t *slots, const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                      int nthreads) {
-    if (T < 1 || T > m->max_tokens || (m->dtype != 0 && m->dtype != 1))
+    if (T < 1 || T > m->max_tokens || (m->dtype != 0 && m->dtype != 1) || st->layer < 0
+        || st->layer > m->n_layers) /* n_layers: only the final norm is left (the last layer's MLP was external) */
         return -1;
     const int64_t num_slots = m->num_blocks * m->block_size;
     for (int64_t t = 0; t < T; t++) {
@@ -153,15 +155,17 @@ int eng_fused_decode(const EngFusedModel *m, int64_t T, void *hidden, void *out,
     eng_decode_item_t *item = bf ? (m->kv_int8 ? eng_decode_item_bf16_q8 : eng_decode_item_bf16)
                                  : (m->kv_int8 ? eng_decode_item_f32_q8 : eng_decode_item_f32);
     const int64_t group = h / hkv, split = eng_decode_split(T * hkv, group, nthreads), nj = group / split;
+    const int64_t l0 = st->layer;
+    int64_t stop = -1; /* the layer whose external MLP ends this call */
 #pragma omp parallel num_threads(nthreads)
     {
         /* Rows per thread below one: RoPE and the cache write split q from k/v, and the
          * SiLU-and-mul and its quantization share each row out in slices of whole 32-column
          * blocks. */
         const int64_t S = T < omp_get_num_threads() ? omp_get_num_threads() : 1;
-        void *R = hidden, *D = m->delta; /* the residual stream, and the block output added to it */
+        void *R = st->R, *D = st->D; /* the residual stream, and the block output added to it */
         PROF_START;
-        for (int64_t li = 0; li < m->n_layers; li++) {
+        for (int64_t li = l0; li < m->n_layers; li++) {
             const EngFusedLayer *L = m->layers + li;
             const int64_t NQ = L->qkv.N;
 #pragma omp for schedule(static)
@@ -265,6 +269,11 @@ int eng_fused_decode(const EngFusedModel *m, int64_t T, void *hidden, void *out,
                 void *s = R;
                 R = D, D = s;
             }
+            if (L->external_mlp) { /* every thread leaves here: the same test on shared data */
+#pragma omp single
+                st->R = R, st->D = D, stop = li;
+                break;
+            }
             linear(m, &L->gate_up, m->gate_up, T);
             PROF(7);
 #pragma omp for schedule(static)
@@ -284,6 +293,7 @@ int eng_fused_decode(const EngFusedModel *m, int64_t T, void *hidden, void *out,
             linear(m, &L->down, D, T);
             PROF(9);
         }
+        if (stop < 0) {
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
             if (m->gemma)
@@ -292,7 +302,12 @@ int eng_fused_decode(const EngFusedModel *m, int64_t T, void *hidden, void *out,
             else
                 norm_row(bf, out, D, H, R, m->final_norm, t, m->eps);
         }
+        }
         PROF(10);
+    }
+    if (stop >= 0) {
+        st->layer = stop;
+        return 1;
     }
     return 0;
 }

@@ -30,6 +30,7 @@ typedef struct {
      * around the MLP, each 1 + w in fp32 (q_norm and k_norm too). */
     const void *input_norm, *post_norm, *q_norm, *k_norm; /* q_norm, k_norm: NULL unless qk-norm */
     const void *pre_ffn_norm, *post_ffn_norm;             /* Gemma only */
+    int external_mlp; /* a mixture-of-experts MLP: the step stops before it (see EngFusedState) */
     EngQLinear qkv, o, gate_up, down;
     void *k_cache, *v_cache;   /* [num_blocks, block_size, kv_heads, d]: activation dtype or int8 */
     float *k_scale, *v_scale;  /* int8 cache: [num_blocks, block_size, kv_heads]; else NULL */
@@ -51,6 +52,16 @@ typedef struct {
     int8_t *xq;   /* [T, max K] */
     float *dx, *xs; /* [T, max K / 32], [T, max K / 16] */
 } EngFusedModel;
+
+/* Where a step stands: the residual stream R and the block output D buffers (each
+ * [T, hidden], in the activation dtype), and the layer to start from. A step that reaches
+ * a layer with an external MLP stops after that layer's post-attention norm (its MLP
+ * input in EngFusedModel.x) with `layer` set to it; the caller writes the MLP's output to
+ * D, sets `layer` to the next one and calls again. */
+typedef struct {
+    void *R, *D;
+    int64_t layer;
+} EngFusedState;
 
 void eng_q_quantize_row(const void *x, int bf, int64_t K, int8_t *xq, float *dx, float *xs);
 void eng_q_team_matmul(const EngQPart *parts, int nparts, int64_t K, int dtype, void *out, int64_t out_stride,

@@ -101,17 +101,21 @@ def unfusable(model, kv_caches) -> str | None:
     if h % hkv or h // hkv > 16 or d > 256 or d % 2:
         return "attention shape past the decode kernel's buffers"
     hidden = model.config.hidden_size
+    inter = _inter(model)
     for layer in model.layers:
-        if layer.moe is not None:
-            return "a mixture-of-experts layer"
-        inter = layer.down.parts[0].shape[1] if hasattr(layer.down, "parts") else None
-        for lin, k in ((layer.qkv, hidden), (layer.o_proj, h * d), (layer.gate_up, hidden), (layer.down, inter)):
+        if layer.moe is not None and gemma:
+            return "a mixture-of-experts layer in a Gemma decoder"
+        projections = [(layer.qkv, hidden), (layer.o_proj, h * d)]
+        if layer.moe is None:  # a sparse layer's MLP runs in torch between two C calls
+            projections += [(layer.gate_up, hidden), (layer.down, inter)]
+        for lin, k in projections:
             why = _linear_ok(lin, dtype, k)
             if why:
                 return why
         if layer.qkv.out_features != (h + 2 * hkv) * d or layer.o_proj.out_features != hidden:
             return "unexpected q/k/v or o_proj width"
-        if inter != model.layers[0].down.parts[0].shape[1] or layer.gate_up.out_features != 2 * inter or layer.down.out_features != hidden:
+        if layer.moe is None and (_in_features(layer.down) != inter or layer.gate_up.out_features != 2 * inter
+                                  or layer.down.out_features != hidden):
             return "unexpected MLP width"
         norms = [layer.input_norm, layer.post_norm]
         if gemma:
@@ -138,6 +142,16 @@ def unfusable(model, kv_caches) -> str | None:
     return None
 
 
+def _inter(model) -> int:
+    """The dense MLP's width (one for every dense layer), or 0 where every layer is sparse."""
+    dense = [layer.down for layer in model.layers if layer.moe is None]
+    return _in_features(dense[0]) if dense else 0
+
+
+def _in_features(lin) -> int:
+    return lin.parts[0].shape[1] if hasattr(lin, "parts") else lin.weight.shape[1]
+
+
 class FusedDecode:
     """The C descriptors of one model over one KV pool, and the step's scratch buffers."""
 
@@ -146,7 +160,7 @@ class FusedDecode:
         self.dtype = dtype
         self.hidden = model.config.hidden_size
         h, hkv, d = model.num_heads, model.num_kv_heads, model.head_dim
-        inter = model.layers[0].down.parts[0].shape[1]
+        inter = _inter(model)
         self._keep: list = []  # every buffer a C pointer points into
         n = len(model.layers)
         self.layers = _ffi.new("EngFusedLayer[]", n)
@@ -160,7 +174,9 @@ class FusedDecode:
                 L.pre_ffn_norm, L.post_ffn_norm = _ptr(layer.pre_ffn_norm), _ptr(layer.post_ffn_norm)
             for field, lin in (("qkv", layer.qkv), ("o", layer.o_proj), ("gate_up", layer.gate_up),
                                ("down", layer.down)):
-                self._linear(getattr(L, field), lin)
+                if lin is not None:
+                    self._linear(getattr(L, field), lin)
+            L.external_mlp = int(layer.moe is not None)
             if int8:
                 L.k_cache, L.v_cache = _ptr(kc.data), _ptr(vc.data)
                 L.k_scale, L.v_scale = _ptr(kc.scale, "float *"), _ptr(vc.scale, "float *")
@@ -173,6 +189,7 @@ class FusedDecode:
         T = MAX_TOKENS
         qkv_n = (h + 2 * hkv) * d
         max_k = max(self.hidden, h * d, inter)
+        inter = max(inter, 32)  # all-sparse models: the dense MLP's buffers go unused
         bufs = {
             "delta": torch.empty(T, self.hidden, dtype=dtype), "x": torch.empty(T, self.hidden, dtype=dtype),
             "qkv": torch.empty(T, qkv_n, dtype=dtype), "attn": torch.empty(T, h * d, dtype=dtype),
@@ -181,6 +198,10 @@ class FusedDecode:
             "xs": torch.empty(T, max_k // 16),
         }
         self._keep += list(bufs.values()) + [model.norm]
+        self._x, self._delta = bufs["x"], bufs["delta"]
+        # The sparse layers' MLPs, by layer index (run in torch between C calls).
+        self._moe = {i: layer.moe for i, layer in enumerate(model.layers) if layer.moe is not None}
+        self._state = _ffi.new("EngFusedState *")
         self.model = m = _ffi.new("EngFusedModel *")
         m.dtype, m.kv_int8, m.gemma, m.softcap = _DTYPES[dtype], int(int8), int(gemma), model.attn_softcap
         m.n_layers, m.hidden, m.heads, m.kv_heads, m.head_dim, m.inter = n, self.hidden, h, hkv, d, inter
@@ -241,10 +262,17 @@ class FusedDecode:
                 or lens.dtype != torch.int32 or not lens.is_contiguous() or lens.shape[0] != t):
             return None
         out = torch.empty_like(hidden)
-        status = _lib.eng_fused_decode(
-            self.model, t, _ptr(hidden), _ptr(out), _ptr(positions, "int64_t *"), _ptr(slots, "int64_t *"),
-            _ptr(bt, "int32_t *"), bt.stride(0), _ptr(lens, "int32_t *"), torch.get_num_threads(),
-        )
+        st = self._state
+        st.R, st.D, st.layer = _ptr(hidden), _ptr(self._delta), 0
+        args = (_ptr(out), _ptr(positions, "int64_t *"), _ptr(slots, "int64_t *"), _ptr(bt, "int32_t *"),
+                bt.stride(0), _ptr(lens, "int32_t *"), torch.get_num_threads())
+        status = _lib.eng_fused_decode(self.model, st, t, *args)
+        while status == 1:  # stopped before a sparse layer's MLP: run it in torch, go on after it
+            y = self._moe[st.layer](self._x[:t], self._ops)
+            target = hidden if int(_ffi.cast("uintptr_t", st.D)) == hidden.data_ptr() else self._delta
+            target[:t].copy_(y)
+            st.layer += 1
+            status = _lib.eng_fused_decode(self.model, st, t, *args)
         if status == -1:
             return None
         if status:
