@@ -8,7 +8,7 @@ TORCH  := torch==2.13.0
 .PHONY: setup serve test bench lint
 
 # setup.py and the C source too: the CPU kernels are compiled by the install.
-$(STAMP): pyproject.toml setup.py engine/ops/cpu/kernels.c engine/ops/cpu/quant.c engine/ops/cpu/fused.c engine/ops/cpu/fused.h engine/ops/cpu/_build.py
+$(STAMP): pyproject.toml setup.py engine/ops/cpu/kernels.c engine/ops/cpu/quant.c engine/ops/cpu/fused.c engine/ops/cpu/fused.h engine/ops/cpu/simd.h engine/ops/cpu/_build.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH)

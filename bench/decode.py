@@ -16,9 +16,11 @@ Threads default to 2: the machine's core count, and the setting the targets were
 in each of ``--dtypes``) beside the dequantized engine of the same dtypes, in the same
 run; ``--llama-cpp DIR`` (a build of ``../shared/anchors/build_llama_cpp.sh``) adds
 ``llama-bench``'s tg128 on the same file with the same threads (skipped when absent).
-``--fused-ab`` runs each kept-blocks row twice more, alternating the fused CPU decode step
+``--fused-ab`` runs each row twice more, alternating the fused CPU decode step
 (``engine/ops/cpu/fused.c``, the default) with the unfused layers
-(``ENGINE_FUSED_DECODE=0``) in the same process: "gguf+fused" and "gguf-unfused" rows.
+(``ENGINE_FUSED_DECODE=0``) in the same process: "gguf+fused" and "gguf-unfused" rows, and
+for the dense weights also "dense-oneDNN": unfused with every projection on oneDNN's packed
+GEMM (the path before dense weights took quant.c's small-batch kernel and the fused step).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 from engine.messages import NewRequest, ScheduledChunk, StepPlan
 from engine.models.loader import default_model_path, load_model
 from engine.ops import get_ops
+from engine.ops.cpu import qmatmul as cq
 from engine.params import SamplingParams
 from engine.runner.model_runner import ModelRunner
 
@@ -180,14 +183,22 @@ def main() -> None:
                     engine.run(ps[:1], 4)
                     secs = engine.run(ps, args.new_tokens, profile=args.profile)
                     print(f"{label:>13} {b:>5} {b * (args.new_tokens - 1) / secs:>13.1f}", flush=True)
-                    if args.fused_ab and source is quant:
+                    if args.fused_ab:
+                        # (fused step, dense kernel rows, tag); the dense rows add the path
+                        # before the fused step took dense weights: unfused, oneDNN at every size
+                        small = dict(cq.DENSE_MAX_ROWS)
+                        arms = [("0", small, "unfused"), ("1", small, "+fused")]
+                        if source is base:
+                            arms.insert(0, ("0", {}, "oneDNN"))
                         for _ in range(2):
-                            for flag, tag in (("0", "gguf-unfused"), ("1", "gguf+fused")):
-                                os.environ["ENGINE_FUSED_DECODE"] = flag
+                            for flag, rows, tag in arms:
+                                os.environ["ENGINE_FUSED_DECODE"], cq.DENSE_MAX_ROWS = flag, rows
                                 engine.run(ps[:1], 4)
                                 secs = engine.run(ps, args.new_tokens)
+                                tag = label.split("/")[0] + ("" if tag.startswith("+") else "-") + tag
                                 print(f"{tag:>13} {b:>5} {b * (args.new_tokens - 1) / secs:>13.1f}", flush=True)
                         os.environ.pop("ENGINE_FUSED_DECODE")
+                        cq.DENSE_MAX_ROWS = small
                 del engine
         if args.no_hf:
             return

@@ -23,6 +23,7 @@ from test_parity import _chunk_lengths, _prefill_logits, _prompts
 from test_quant_models import WIDE, write_quantized
 
 from engine.models.loader import load_model
+from engine.models.testing import TINY_QWEN_VL, write_tiny_llava, write_tiny_model, write_tiny_qwen_vl
 from engine.ops import AttentionMetadata, get_ops
 from engine.ops.cpu import CpuKernelError, fused
 from engine.ops.cpu import qmatmul as cq
@@ -60,6 +61,14 @@ def models(tmp_path_factory):
 
     def get(arch: str, quant: str, dtype: str):
         key = (arch, quant)
+        if quant == "dense" and key not in cache:  # the Hugging Face folder: dense weights
+            folder = tmp_path_factory.mktemp(arch)
+            if arch == "llava":
+                cache[key] = write_tiny_llava(folder)
+            elif arch in TINY_QWEN_VL:
+                cache[key] = write_tiny_qwen_vl(folder, arch)
+            else:
+                cache[key] = write_tiny_model(folder, arch)
         if key not in cache:
             # Q4_K needs rows of 256: the wide tiny model, its v_proj in Q8_0 (q/k/v is then
             # two parts of two formats) and its 128-wide down_proj in Q8_0, as write_quantized
@@ -96,6 +105,14 @@ CASES = [
     ("mixtral", "Q8_0", "float32", "auto", 3),
     ("qwen3_moe", "Q4_1", "bfloat16", "int8", None),  # a dense layer between sparse ones; the last sparse
     ("qwen2_moe", "Q8_0", "bfloat16", "auto", 3),  # a gated shared expert
+    # Dense weights (Linear's small-batch kernel in both paths), and the VLMs' decoders
+    ("llama", "dense", "bfloat16", "int8", 3),
+    ("qwen2", "dense", "float32", "auto", None),    # biases added in the dense matmul
+    ("gemma2", "dense", "bfloat16", "auto", 3),
+    ("qwen2_moe", "dense", "float32", "int8", None),
+    ("llava", "dense", "float32", "auto", 3),
+    ("qwen2_vl", "dense", "bfloat16", "auto", None),  # M-RoPE: each step's own table
+    ("qwen2_5_vl", "dense", "float32", "int8", 3),
 ]
 
 
@@ -130,6 +147,8 @@ VERIFY_CASES = [
     ("gemma2", "Q8_0", "bfloat16", "int8", {23: [5, 3], 9: [1, 2], 8: [1, 1]}),
     ("gemma3", "Q4_1", "float32", "auto", {23: [5, 5], 9: [5, 1]}),
     ("qwen3_moe", "Q8_0", "bfloat16", "int8", {23: [5, 4, 1], 9: [1, 1, 1], 8: [1, 1, 1]}),
+    ("llama", "dense", "bfloat16", "auto", {23: [5, 5], 9: [3, 1]}),  # bf16 dense: up to 8 rows fused
+    ("qwen2_vl", "dense", "float32", "int8", {23: [5, 3], 9: [1, 2], 8: [1, 1]}),
 ]
 
 
@@ -197,9 +216,10 @@ def test_a_rows_result_does_not_depend_on_its_batch(models, monkeypatch) -> None
 
 def test_what_the_fused_step_does_not_cover_runs_unfused(models, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("ENGINE_FUSED_DECODE", "1")
-    dense = load_model(write_quantized(tmp_path, "llama", "Q8_0"), dtype="float32", quantization="none")
-    runner = _runner(dense, "auto")
-    assert fused.unfusable(runner.model, runner.kv_caches) == "a projection is not quantized"
+    # fp16 (the dense kernel takes fp32 and bf16)
+    half = load_model(write_tiny_model(tmp_path / "llama", "llama"), dtype="float16")
+    runner = _runner(half, "auto")
+    assert fused.unfusable(runner.model, runner.kv_caches) == "activations are not fp32 or bf16 on CPU"
     # More decode rows than MAX_TOKENS: the unfused path, the same answer.
     loaded = models("llama", "Q4_1", "float32")
     runner = _runner(loaded, "auto")
@@ -207,6 +227,23 @@ def test_what_the_fused_step_does_not_cover_runs_unfused(models, tmp_path: Path,
     _prefill_logits(runner, prompts, None, plans=[[2, 1]] * len(prompts))
     step = runner.model._fused[1] if hasattr(runner.model, "_fused") else None
     assert step is None or step.steps == 0
+
+
+def test_a_dense_bf16_step_past_the_dense_kernels_rows_runs_unfused(models, monkeypatch) -> None:
+    """Past cq.DENSE_MAX_ROWS (8 in bf16) dense projections take oneDNN: the step is left
+    to the unfused path, which then gives the logits (the fused step never runs oneDNN)."""
+    from engine.ops.cpu.qmatmul import DENSE_MAX_ROWS
+
+    loaded = models("llama", "dense", "bfloat16")
+    rows = DENSE_MAX_ROWS[torch.bfloat16] + 1
+    prompts = [[5 + i, 7, 9 + i] for i in range(rows)]
+    monkeypatch.setenv("ENGINE_FUSED_DECODE", "1")
+    runner = _runner(loaded, "auto")
+    got = _prefill_logits(runner, prompts, None, plans=[[2, 1]] * rows)
+    step = runner.model._fused[1]
+    assert step is not None and step.dense and step.steps == 0
+    monkeypatch.setenv("ENGINE_FUSED_DECODE", "0")
+    _compare(got, _prefill_logits(_runner(loaded, "auto"), prompts, None, plans=[[2, 1]] * rows))
 
 
 def test_a_bad_slot_raises_and_writes_nothing(models, monkeypatch) -> None:

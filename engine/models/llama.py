@@ -27,6 +27,7 @@ from engine.models.quantized import embed, make_linear
 from engine.models.rope import cos_sin_cache
 from engine.ops import AttentionMetadata, Ops
 from engine.ops.cpu import fused as fused_decode
+from engine.ops.cpu import qmatmul as cq
 from engine.parallel import SINGLE, TensorParallel
 from engine.parallel.shard import (
     ShardedWeights,
@@ -68,16 +69,26 @@ class Linear:
     disagrees. The plain weight stays too: tied embeddings read it.
     """
 
-    __slots__ = ("weight", "bias", "_packed")
+    __slots__ = ("weight", "bias", "_packed", "_small")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool = True) -> None:
         self.weight = weight
         self.bias = bias
         self._packed: torch.Tensor | None = None
+        # Up to DENSE_MAX_ROWS[dtype] rows on CPU: quant.c's dense kernel, which the fused
+        # decode step runs too (the same bits either way, and a row's result whatever its
+        # batch up to there).
+        self._small = weight.device.type == "cpu" and cq.dense_ok(weight, bias)
         if pack and weight.device.type == "cpu":
             self._pack()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._small and x.dtype is self.weight.dtype and x.is_contiguous() and x.dim() >= 1 and (
+            x.numel() <= cq.DENSE_MAX_ROWS.get(x.dtype, 0) * self.weight.shape[1]
+            and x.shape[-1] == self.weight.shape[1]
+        ):
+            out = cq.dense_matmul(self.weight, self.bias, x.view(-1, x.shape[-1]))
+            return out.view(*x.shape[:-1], self.weight.shape[0])
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -108,19 +108,26 @@ static void head_norm(const EngFusedModel *m, void *x, const void *w) {
         eng_gemma_norm_row_f32(x, x, d, (const float *)w, m->eps);
 }
 
-static void linear(const EngFusedModel *m, const EngQLinear *l, void *out, int64_t T) {
-    eng_q_team_matmul(l->parts, l->nparts, l->K, m->dtype, out, l->N, m->xq, m->dx, m->xs, T);
+/* out = src @ W.T: from src itself over dense weights (with the bias, rounded once, as
+ * Linear), else from its quantized copy (xq, dx, xs). */
+static void linear(const EngFusedModel *m, const EngQLinear *l, const void *src, void *out, int64_t T) {
+    if (l->dense)
+        eng_dense_team_matmul(l->dense, l->bias, l->K, l->N, m->dtype, src, out, l->N, T);
+    else
+        eng_q_team_matmul(l->parts, l->nparts, l->K, m->dtype, out, l->N, m->xq, m->dx, m->xs, T);
 }
 
 /* Quantize row t of x [T, K] for the next matmul (the buffers hold one row per token). */
 static void quantize(const EngFusedModel *m, const void *x, int64_t K, int64_t t, int es) {
-    eng_q_quantize_row(ROW(x, t, K, es), m->dtype == 1, K, m->xq + t * K, m->dx + t * (K / 32), m->xs + t * (K / 16));
+    if (m->quantized)
+        eng_q_quantize_row(ROW(x, t, K, es), m->dtype == 1, K, m->xq + t * K, m->dx + t * (K / 32), m->xs + t * (K / 16));
 }
 
 /* Columns [32 b0, 32 b1) of that row (32-column blocks are quantized independently). */
 static void quantize_part(const EngFusedModel *m, const void *x, int64_t K, int64_t t, int es, int64_t b0,
                           int64_t b1) {
-    eng_q_quantize_row((char *)x + (size_t)(t * K + 32 * b0) * es, m->dtype == 1, 32 * (b1 - b0),
+    if (m->quantized)
+        eng_q_quantize_row((char *)x + (size_t)(t * K + 32 * b0) * es, m->dtype == 1, 32 * (b1 - b0),
                        m->xq + t * K + 32 * b0, m->dx + t * (K / 32) + b0, m->xs + t * (K / 16) + 2 * b0);
 }
 
@@ -140,7 +147,7 @@ int eng_fused_decode(const EngFusedModel *m, EngFusedState *st, int64_t T, void 
         if (slots[t] < 0 || slots[t] >= num_slots || positions[t] < 0)
             return -2;
         for (int64_t l = 0; l < m->n_layers; l++)
-            if (positions[t] >= m->layers[l].max_pos)
+            if (positions[t] >= (m->rope_step ? m->rope_step_rows : m->layers[l].max_pos))
                 return -2;
         const int64_t len = seq_lens[t], used = (len + m->block_size - 1) / m->block_size;
         if (len < 1 || used > bt_stride)
@@ -184,7 +191,7 @@ int eng_fused_decode(const EngFusedModel *m, EngFusedState *st, int64_t T, void 
                 void *s = R;
                 R = D, D = s;
             }
-            linear(m, &L->qkv, m->qkv, T);
+            linear(m, &L->qkv, m->x, m->qkv, T);
             PROF(1);
             /* One stream: q (part 0) and k/v with the cache write (part 1) on two threads. */
 #pragma omp for schedule(static)
@@ -194,7 +201,7 @@ int eng_fused_decode(const EngFusedModel *m, EngFusedState *st, int64_t T, void 
                 if (!do_q && !do_kv)
                     continue;
                 char *row = (char *)m->qkv + (size_t)(t * NQ) * es;
-                if (L->qkv.bias) {
+                if (L->qkv.bias && !L->qkv.dense) { /* a dense matmul added it */
                     for (int64_t i = do_q ? 0 : HD; i < (do_kv ? NQ : HD); i++) {
                         if (bf) {
                             uint16_t *o = (uint16_t *)row;
@@ -221,9 +228,9 @@ int eng_fused_decode(const EngFusedModel *m, EngFusedState *st, int64_t T, void 
                 void *first = do_q ? m->qkv : (char *)m->qkv + HD * es;
                 const int64_t heads = (do_q ? h : 0) + (do_kv ? hkv : 0);
                 if (bf)
-                    eng_rope_token_bf16(first, NQ, heads, d, positions, L->rope, t);
+                    eng_rope_token_bf16(first, NQ, heads, d, positions, m->rope_step ? m->rope_step : L->rope, t);
                 else
-                    eng_rope_token_f32(first, NQ, heads, d, positions, L->rope, t);
+                    eng_rope_token_f32(first, NQ, heads, d, positions, m->rope_step ? m->rope_step : L->rope, t);
                 if (!do_kv)
                     continue;
                 const int64_t slot = slots[t];
@@ -254,7 +261,7 @@ int eng_fused_decode(const EngFusedModel *m, EngFusedState *st, int64_t T, void 
                     quantize_part(m, m->attn, HD, it / S, es, HD / 32 * (it % S) / S, HD / 32 * (it % S + 1) / S);
             }
             PROF(4);
-            linear(m, &L->o, D, T);
+            linear(m, &L->o, m->attn, D, T);
             PROF(5);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
@@ -274,7 +281,7 @@ int eng_fused_decode(const EngFusedModel *m, EngFusedState *st, int64_t T, void 
                 st->R = R, st->D = D, stop = li;
                 break;
             }
-            linear(m, &L->gate_up, m->gate_up, T);
+            linear(m, &L->gate_up, m->x, m->gate_up, T);
             PROF(7);
 #pragma omp for schedule(static)
             for (int64_t it = 0; it < T * S; it++) {
@@ -290,7 +297,7 @@ int eng_fused_decode(const EngFusedModel *m, EngFusedState *st, int64_t T, void 
                 quantize_part(m, m->act, I, t, es, b0, b1);
             }
             PROF(8);
-            linear(m, &L->down, D, T);
+            linear(m, &L->down, m->act, D, T);
             PROF(9);
         }
         if (stop < 0) {

@@ -16,12 +16,14 @@ typedef struct {
     const uint8_t *sc, *mn;
 } EngQPart;
 
-/* y = x @ W.T (+ bias): W the parts side by side (out features N), K input features. */
+/* y = x @ W.T (+ bias): W the parts side by side (out features N), K input features; or,
+ * with `dense`, W [N, K] dense in the activation dtype (no parts). */
 typedef struct {
     int nparts;
     int64_t K, N;
     EngQPart parts[ENG_MAX_PARTS];
-    const void *bias; /* [N] in the activation dtype, or NULL */
+    const void *bias;  /* [N] in the activation dtype, or NULL */
+    const void *dense; /* NULL for quantized parts */
 } EngQLinear;
 
 typedef struct {
@@ -42,10 +44,15 @@ typedef struct {
     int dtype;    /* 0 fp32, 1 bf16 (activations, norms, biases, RoPE tables) */
     int kv_int8;  /* the caches hold int8 codes with fp32 scales */
     int gemma;    /* Gemma's layer: four fp32 "1 + w" norms a layer, GeGLU, a soft-cap */
+    int quantized; /* some projection has quantized parts (its inputs are quantized for it) */
     float softcap; /* attention score soft-cap (Gemma 2), 0 for none */
     int64_t n_layers, hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size, max_tokens;
     float eps, scale;
     const EngFusedLayer *layers;
+    /* Set per call, or NULL: one cos | sin table [rope_step_rows, d] every layer reads
+     * instead of its own (Qwen-VL's M-RoPE: a row per token of the step). */
+    const void *rope_step;
+    int64_t rope_step_rows;
     const void *final_norm;
     /* scratch, in the activation dtype unless said: each sized for max_tokens rows */
     void *delta, *x, *qkv, *attn, *gate_up, *act; /* [T, hidden], [T, hidden], [T, qkv.N], [T, H*d], [T, 2I], [T, I] */
@@ -64,6 +71,8 @@ typedef struct {
 } EngFusedState;
 
 void eng_q_quantize_row(const void *x, int bf, int64_t K, int8_t *xq, float *dx, float *xs);
+void eng_dense_team_matmul(const void *w, const void *bias, int64_t K, int64_t N, int dtype, const void *x,
+                           void *out, int64_t out_stride, int64_t M);
 void eng_q_team_matmul(const EngQPart *parts, int nparts, int64_t K, int dtype, void *out, int64_t out_stride,
                        int8_t *xq, float *dx, float *xs, int64_t M);
 #endif

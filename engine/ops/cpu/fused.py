@@ -51,10 +51,15 @@ def _ptr(t: torch.Tensor | None, ctype: str = "void *"):
 
 
 def _linear_ok(lin, dtype: torch.dtype, k: int) -> str | None:
+    from engine.models.llama import Linear
     from engine.models.quantized import QuantLinear
 
+    if isinstance(lin, Linear):  # dense: quant.c's dense kernel, which Linear runs at these sizes too
+        if not (lin._small and lin.weight.dtype == dtype and lin.weight.shape[1] == k):
+            return "a dense projection is not in the activation dtype on CPU"
+        return None
     if not isinstance(lin, QuantLinear):
-        return "a projection is not quantized"
+        return "a projection is neither dense nor quantized"
     if len(lin.parts) > _MAX_PARTS:
         return "a projection has more than 3 parts"
     for p in lin.parts:
@@ -81,6 +86,8 @@ def unfusable(model, kv_caches) -> str | None:
     """
     from engine.models.gemma import GemmaModel
     from engine.models.llama import LlamaModel
+    from engine.models.llava import LlavaModel
+    from engine.models.qwen_vl import QwenVLModel
     from engine.ops.cpu import qmatmul as cq
 
     if not (available() and enabled()):
@@ -88,7 +95,10 @@ def unfusable(model, kv_caches) -> str | None:
     if not cq.available():  # QuantLinear then takes the reference matmul: so does the model
         return "the quantized matmul kernels are not available"
     gemma = type(model) is GemmaModel
-    if type(model) is not LlamaModel and not gemma:
+    # The VLMs' decoders: LLaVA's is Llama's; Qwen-VL's turns each step by its own M-RoPE
+    # table (FusedDecode.run passes it). Their image embeddings come in prefill steps,
+    # which the fused step never runs (LlamaModel.forward).
+    if type(model) not in (LlamaModel, LlavaModel, QwenVLModel) and not gemma:
         return f"{type(model).__name__} is not a decoder the fused step runs"
     if model.tp.enabled:
         return "tensor parallelism (the layers' all-reduces are the unfused path's)"
@@ -112,10 +122,10 @@ def unfusable(model, kv_caches) -> str | None:
             why = _linear_ok(lin, dtype, k)
             if why:
                 return why
-        if layer.qkv.out_features != (h + 2 * hkv) * d or layer.o_proj.out_features != hidden:
+        if _out_features(layer.qkv) != (h + 2 * hkv) * d or _out_features(layer.o_proj) != hidden:
             return "unexpected q/k/v or o_proj width"
-        if layer.moe is None and (_in_features(layer.down) != inter or layer.gate_up.out_features != 2 * inter
-                                  or layer.down.out_features != hidden):
+        if layer.moe is None and (_in_features(layer.down) != inter or _out_features(layer.gate_up) != 2 * inter
+                                  or _out_features(layer.down) != hidden):
             return "unexpected MLP width"
         norms = [layer.input_norm, layer.post_norm]
         if gemma:
@@ -152,6 +162,10 @@ def _in_features(lin) -> int:
     return lin.parts[0].shape[1] if hasattr(lin, "parts") else lin.weight.shape[1]
 
 
+def _out_features(lin) -> int:
+    return lin.out_features if hasattr(lin, "parts") else lin.weight.shape[0]
+
+
 class FusedDecode:
     """The C descriptors of one model over one KV pool, and the step's scratch buffers."""
 
@@ -160,8 +174,11 @@ class FusedDecode:
         self.dtype = dtype
         self.hidden = model.config.hidden_size
         h, hkv, d = model.num_heads, model.num_kv_heads, model.head_dim
+        self.head_dim = d
         inter = _inter(model)
         self._keep: list = []  # every buffer a C pointer points into
+        self.quantized = False  # some projection has quantized parts
+        self.dense = False  # some projection is dense (steps up to cq.DENSE_MAX_ROWS rows)
         n = len(model.layers)
         self.layers = _ffi.new("EngFusedLayer[]", n)
         int8 = isinstance(kv_caches[0][0], QuantizedKV)
@@ -202,8 +219,12 @@ class FusedDecode:
         # The sparse layers' MLPs, by layer index (run in torch between C calls).
         self._moe = {i: layer.moe for i, layer in enumerate(model.layers) if layer.moe is not None}
         self._state = _ffi.new("EngFusedState *")
+        # Qwen-VL sets every layer's table to the step's M-RoPE rows before each forward:
+        # a layer-0 table other than the planned one is passed to the step as its table.
+        self._layer0, self._rope0 = model.layers[0], model.layers[0].rope
         self.model = m = _ffi.new("EngFusedModel *")
         m.dtype, m.kv_int8, m.gemma, m.softcap = _DTYPES[dtype], int(int8), int(gemma), model.attn_softcap
+        m.quantized = int(self.quantized)
         m.n_layers, m.hidden, m.heads, m.kv_heads, m.head_dim, m.inter = n, self.hidden, h, hkv, d, inter
         m.num_blocks, m.block_size, m.max_tokens = num_blocks, block_size, T
         m.eps, m.scale = model.eps, model.scale
@@ -220,6 +241,14 @@ class FusedDecode:
 
     def _linear(self, dst, lin) -> None:
         from engine.ops.cpu.qmatmul import _pointers
+
+        if not hasattr(lin, "parts"):  # a dense Linear
+            dst.nparts, dst.K, dst.N = 0, lin.weight.shape[1], lin.weight.shape[0]
+            dst.dense, dst.bias = _ptr(lin.weight), _ptr(lin.bias)
+            self.dense = True
+            self._keep += [lin.weight, lin.bias]
+            return
+        self.quantized = True
 
         dst.nparts, dst.K, dst.N = len(lin.parts), lin.parts[0].shape[1], lin.out_features
         col = 0
@@ -249,6 +278,11 @@ class FusedDecode:
         bt, lens, slots = meta.block_tables, meta.seq_lens, meta.slot_mapping
         if t > MAX_TOKENS:
             return None
+        if self.dense:  # past these rows Linear takes oneDNN: so does the step (unfused)
+            from engine.ops.cpu.qmatmul import DENSE_MAX_ROWS
+
+            if t > DENSE_MAX_ROWS.get(self.dtype, 0):
+                return None
         chunked = not meta.decode_only
         if chunked:
             rows = self._chunk_rows(meta, t)
@@ -260,6 +294,14 @@ class FusedDecode:
                 or slots.dtype != torch.int64 or not slots.is_contiguous() or slots.shape[0] != t
                 or bt.dtype != torch.int32 or bt.stride(-1) != 1 or not bt.is_cpu or bt.shape[0] != t
                 or lens.dtype != torch.int32 or not lens.is_contiguous() or lens.shape[0] != t):
+            return None
+        rope = self._layer0.rope
+        if rope is self._rope0:
+            self.model.rope_step = _ffi.NULL
+        elif rope.dtype == self.dtype and rope.is_contiguous() and rope.dim() == 2 and rope.shape[1] == self.head_dim:
+            self.model.rope_step, self.model.rope_step_rows = _ptr(rope), rope.shape[0]
+            self._rope_step = rope  # alive for the call
+        else:
             return None
         out = torch.empty_like(hidden)
         st = self._state

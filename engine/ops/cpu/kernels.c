@@ -468,24 +468,10 @@ INLINE void decode_item(void *out, const void *q, int64_t qs, const void *kc, co
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
+
+#include "simd.h"
 #define HAVE_ATTN_AVX512 1
 #define AVX512K __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
-
-/* Lane k of the result = the sum of v[k]'s 16 lanes: a transposing tree of unpacks and
- * shuffles (45 operations for 16 sums, against ~8 each for separate reductions). */
-AVX512K INLINE __m512 hsum16(const __m512 *v) {
-    __m512 a[8], b[4], c[2];
-    for (int i = 0; i < 8; i++) /* pairs: 128-bit lane = [x0+x2, y0+y2, x1+x3, y1+y3] */
-        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) /* quads: 128-bit lane = the lane's sums of 4 vectors */
-        b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44),
-                             _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
-    for (int i = 0; i < 2; i++)
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
-}
 
 /* 16 values of a cache row from element offset o as fp32. */
 AVX512K INLINE __m512 ld16(const void *c, const float *sc, int64_t o, int64_t d, int q8, int bf) {
@@ -556,7 +542,7 @@ AVX512K INLINE void decode_item_avx512(void *out, const void *q, int64_t qs, con
                     for (int64_t c = 1; c < C; c++)
                         p[kk] = _mm512_fmadd_ps(qv[c], _mm512_load_ps(kv[k0 + kk] + 16 * c), p[kk]);
                 }
-                _mm512_store_ps(sc[j] + k0, _mm512_mul_ps(hsum16(p), _mm512_set1_ps(scale)));
+                _mm512_store_ps(sc[j] + k0, _mm512_mul_ps(eng_hsum16(p), _mm512_set1_ps(scale)));
             }
             if (softcap > 0.0f)
                 for (int64_t k = 0; k < n; k++)

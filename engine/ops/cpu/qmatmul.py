@@ -169,3 +169,38 @@ def qrows(w: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype, *, threads:
 
 
 __all__ = ["PATHS", "available", "pack", "paths", "qmatmul", "qrows"]
+
+
+# Rows of activations up to which a dense projection on CPU takes quant.c's dense kernel
+# (Linear and the fused decode step alike, so both give the same bits): decode steps and
+# speculative verification chunks. Past it oneDNN's packed GEMM is faster: in bf16 from 9
+# rows on an AMX CPU (its tiles against AVX512-BF16 dot products; SmolLM2 decode at 10
+# rows was 10% slower fused than on oneDNN, at 8 the same), in fp32 past the fused step's
+# 10 (1.26x faster fused at 10). Read at every call (bench/decode.py changes it).
+DENSE_MAX_ROWS = {torch.float32: 10, torch.bfloat16: 8}
+
+
+def dense_ok(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether :func:`dense_matmul` takes this weight (and bias)."""
+    return (available() and hasattr(_lib, "eng_dense_matmul") and weight.dtype in _DTYPES
+            and weight.dim() == 2 and weight.is_cpu and weight.is_contiguous() and weight.shape[1] > 0
+            and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous()
+                                  and bias.shape == (weight.shape[0],))))
+
+
+def dense_matmul(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
+                 *, threads: int | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for ``x`` [M, K] contiguous in the weight's dtype (fp32
+    or bf16; accumulated in fp32, rounded once). The caller checked :func:`dense_ok`."""
+    m, k = x.shape
+    if k != weight.shape[1] or x.dtype != weight.dtype or not x.is_contiguous():
+        raise QuantError(f"dense matmul: activations {tuple(x.shape)} {x.dtype} do not fit the weight "
+                         f"{tuple(weight.shape)} {weight.dtype}")
+    out = torch.empty((m, weight.shape[0]), dtype=x.dtype)
+    status = _lib.eng_dense_matmul(
+        _DTYPES[x.dtype], _ptr(out, "void *"), _ptr(x, "void *"), m, k, weight.shape[0], _ptr(weight, "void *"),
+        _ptr(bias, "void *"), torch.get_num_threads() if threads is None else threads,
+    )
+    if status:
+        raise QuantError(f"dense matmul: {_ERRORS.get(-status, 'bad arguments')}")
+    return out

@@ -1236,6 +1236,7 @@ int eng_qpack(int fmt, const uint8_t *raw, int64_t N, int64_t K, uint8_t *codes,
 /* ---- the fused decode step's matmul (see fused.c) ------------------------------------ */
 
 #include "fused.h"
+#include "simd.h"
 
 /* One row of activations quantized as eng_qmatmul quantizes it (int8 per 32 columns). */
 void eng_q_quantize_row(const void *x, int bf, int64_t K, int8_t *xq, float *dx, float *xs) {
@@ -1289,4 +1290,207 @@ void eng_q_team_matmul(const EngQPart *parts, int nparts, int64_t K, int dtype, 
                 q_store(out, dtype, out_stride, t0 + t, pt->col + p * PANEL, rows, acc + t * PANEL);
         }
     }
+}
+
+/* ---- dense matmul at decode sizes ---------------------------------------------------------
+ *
+ * out[t, n] = x[t, :] . w[n, :] (+ bias[n]) for a few rows t of activations, with w dense
+ * in the activations' dtype (fp32, or bf16 with fp32 accumulation and one rounding of the
+ * biased sum, as torch's bf16 linear). The fused step's projections over dense weights,
+ * and Linear's at up to a few rows (so both paths give the same bits). Each output value
+ * is one accumulation over K in a fixed order whatever M or the thread count, so a row's
+ * result does not depend on its batch. Weight rows are read DENSE_ROWS at a time and each
+ * is used for DENSE_TOK tokens from registers. */
+
+#define DENSE_ROWS 4
+#define DENSE_TOK 4
+#define DENSE_BLOCK 16 /* weight rows per work item of a team */
+
+static float d_ld(const void *p, int64_t i, int bf) {
+    return bf ? q_bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static void d_st(void *out, int64_t i, float v, int bf) {
+    if (bf)
+        ((uint16_t *)out)[i] = q_f32_to_bf16(v);
+    else
+        ((float *)out)[i] = v;
+}
+
+static void dense_rows_portable(int bf, const void *w, const void *bias, const void *x, void *out, int64_t os,
+                                int64_t K, int64_t M, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t t = 0; t < M; t++) {
+            float acc[16] = {0};
+            int64_t k = 0;
+            for (; k + 16 <= K; k += 16)
+                for (int i = 0; i < 16; i++)
+                    acc[i] += d_ld(x, t * K + k + i, bf) * d_ld(w, n * K + k + i, bf);
+            for (int i = 0; k + i < K; i++)
+                acc[i] += d_ld(x, t * K + k + i, bf) * d_ld(w, n * K + k + i, bf);
+            float s = 0.0f;
+            for (int i = 0; i < 16; i++)
+                s += acc[i];
+            if (bias)
+                s += d_ld(bias, n, bf);
+            d_st(out, t * os + n, s, bf);
+        }
+}
+
+#if HAVE_AVX512_PATH
+#define DENSEBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx512bf16,avx2,fma,f16c")))
+
+/* 16 values from element k of a row (fewer where the mask says: a row's tail) as fp32. */
+AVX512 QINLINE __m512 d_load16(const void *p, int64_t o, __mmask16 mk, int bf) {
+    if (bf)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, (const uint16_t *)p + o)), 16));
+    return _mm512_maskz_loadu_ps(mk, (const float *)p + o);
+}
+
+/* Bytes ahead of the weight row being read that each step prefetches (the rows of a tile
+ * are contiguous, so this runs on into the next rows). */
+#ifndef DENSE_PREFETCH
+#define DENSE_PREFETCH 8192
+#endif
+
+/* res[r * TT + t] = the sum of acc[r][t]'s lanes (acc rows are 4 wide): one transposing
+ * reduction for up to 16 sums, the same tree for each whatever the tile. */
+AVX512 QINLINE void d_reduce(const __m512 *acc, const int R, const int TT, float *res) {
+    __m512 v[16];
+    for (int i = 0; i < 16; i++)
+        v[i] = i < R * TT ? acc[i / TT * 4 + i % TT] : _mm512_setzero_ps();
+    _mm512_storeu_ps(res, eng_hsum16(v));
+}
+
+/* One tile: rows n .. n + R - 1 of w against tokens t0 .. t0 + TT - 1 (R, TT compile-time
+ * constants at every call, so the accumulators stay in registers; R * TT >= 8 keeps
+ * enough independent accumulations in flight for the FMA or dot-product latency). fp32
+ * products and FMAs: fp32 activations, or bf16 ones where the CPU lacks AVX512-BF16. */
+AVX512 QINLINE void d_tile_f32(const int bf, const void *w, const void *x, int64_t K, int64_t n, int64_t t0,
+                               const int R, const int TT, float *res) {
+    __m512 acc[8][4];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < TT; t++)
+            acc[r][t] = _mm512_setzero_ps();
+    const char *pf = (const char *)w + (size_t)(n * K) * (bf ? 2 : 4);
+    for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 mk = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+        __m512 xv[4];
+        for (int t = 0; t < TT; t++)
+            xv[t] = d_load16(x, (t0 + t) * K + k, mk, bf);
+        for (int r = 0; r < R; r++) {
+            _mm_prefetch(pf + (size_t)(r * K + k) * (bf ? 2 : 4) + DENSE_PREFETCH, _MM_HINT_T0);
+            const __m512 wv = d_load16(w, (n + r) * K + k, mk, bf);
+            for (int t = 0; t < TT; t++)
+                acc[r][t] = _mm512_fmadd_ps(wv, xv[t], acc[r][t]);
+        }
+    }
+    d_reduce(&acc[0][0], R, TT, res);
+}
+
+/* The same with AVX512-BF16 for bf16: each dot-product instruction multiplies 32 pairs
+ * exactly and adds them into 16 fp32 lanes. */
+DENSEBF16 QINLINE void d_tile_bf16dp(const uint16_t *w, const uint16_t *x, int64_t K, int64_t n, int64_t t0,
+                                     const int R, const int TT, float *res) {
+    __m512 acc[8][4];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < TT; t++)
+            acc[r][t] = _mm512_setzero_ps();
+    const char *pf = (const char *)(w + n * K);
+    for (int64_t k = 0; k < K; k += 32) {
+        const __mmask32 mk = K - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1);
+        __m512i xv[4];
+        for (int t = 0; t < TT; t++)
+            xv[t] = _mm512_maskz_loadu_epi16(mk, x + (t0 + t) * K + k);
+        for (int r = 0; r < R; r++) {
+            _mm_prefetch(pf + (size_t)(r * K + k) * 2 + DENSE_PREFETCH, _MM_HINT_T0);
+            const __m512i wv = _mm512_maskz_loadu_epi16(mk, w + (n + r) * K + k);
+            for (int t = 0; t < TT; t++)
+                acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)wv, (__m512bh)xv[t]);
+        }
+    }
+    d_reduce(&acc[0][0], R, TT, res);
+}
+
+/* Rows [n0, n1) for every token: tiles of 8 rows x 1 token or 4 rows x 2-4 tokens, and
+ * single rows for the rest. Which tile computes an output changes nothing in its
+ * arithmetic (one accumulation over K, lane by lane, then the same reduction). */
+#define DENSE_ROWS_FN(NAME, ATTR, TILE, WT)                                                                   \
+    ATTR static void NAME(int bf, const void *w, const void *bias, const void *x, void *out, int64_t os,       \
+                          int64_t K, int64_t M, int64_t n0, int64_t n1) {                                     \
+        float res[16];                                                                                        \
+        for (int64_t t0 = 0; t0 < M;) {                                                                       \
+            const int64_t TT = M - t0 >= 4 ? 4 : M - t0, R = TT == 1 ? 8 : 4;                                 \
+            int64_t n = n0;                                                                                   \
+            for (; n + R <= n1; n += R) {                                                                     \
+                if (TT == 1)                                                                                  \
+                    TILE((WT)w, (WT)x, K, n, t0, 8, 1, res);                                                  \
+                else if (TT == 2)                                                                             \
+                    TILE((WT)w, (WT)x, K, n, t0, 4, 2, res);                                                  \
+                else if (TT == 3)                                                                             \
+                    TILE((WT)w, (WT)x, K, n, t0, 4, 3, res);                                                  \
+                else                                                                                          \
+                    TILE((WT)w, (WT)x, K, n, t0, 4, 4, res);                                                  \
+                for (int64_t r = 0; r < R; r++)                                                               \
+                    for (int64_t t = 0; t < TT; t++)                                                          \
+                        d_st(out, (t0 + t) * os + n + r,                                                      \
+                             res[r * TT + t] + (bias ? d_ld(bias, n + r, bf) : 0.0f), bf);                     \
+            }                                                                                                 \
+            for (; n < n1; n++)                                                                               \
+                for (int64_t t = 0; t < TT; t++) {                                                            \
+                    TILE((WT)w, (WT)x, K, n, t0 + t, 1, 1, res);                                              \
+                    d_st(out, (t0 + t) * os + n, res[0] + (bias ? d_ld(bias, n, bf) : 0.0f), bf);             \
+                }                                                                                             \
+            t0 += TT;                                                                                         \
+        }                                                                                                     \
+    }
+
+#define D_TILE_F32(w, x, K, n, t0, R, TT, res) d_tile_f32(0, w, x, K, n, t0, R, TT, res)
+#define D_TILE_BF16(w, x, K, n, t0, R, TT, res) d_tile_f32(1, w, x, K, n, t0, R, TT, res)
+DENSE_ROWS_FN(dense_rows_f32, AVX512, D_TILE_F32, const void *)
+DENSE_ROWS_FN(dense_rows_bf16, AVX512, D_TILE_BF16, const void *)
+DENSE_ROWS_FN(dense_rows_bf16dp, DENSEBF16, d_tile_bf16dp, const uint16_t *)
+
+static int d_has_bf16dp(void) {
+    static int state = -1;
+    if (state < 0)
+        state = q_has_avx512() && __builtin_cpu_supports("avx512bf16") && !getenv("NO_DP");
+    return state;
+}
+#endif
+
+/* Called by every thread of an OpenMP team (an orphaned worksharing loop, as
+ * eng_q_team_matmul): x [M, K] contiguous, out rows out_stride apart. dtype 0 fp32, 1 bf16. */
+void eng_dense_team_matmul(const void *w, const void *bias, int64_t K, int64_t N, int dtype, const void *x,
+                           void *out, int64_t out_stride, int64_t M) {
+    const int bf = dtype == 1;
+    const int64_t blocks = (N + DENSE_BLOCK - 1) / DENSE_BLOCK;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t n0 = b * DENSE_BLOCK, n1 = n0 + DENSE_BLOCK < N ? n0 + DENSE_BLOCK : N;
+#if HAVE_AVX512_PATH
+        if (bf && d_has_bf16dp())
+            dense_rows_bf16dp(1, w, bias, x, out, out_stride, K, M, n0, n1);
+        else if (bf && q_has_avx512())
+            dense_rows_bf16(1, w, bias, x, out, out_stride, K, M, n0, n1);
+        else if (q_has_avx512())
+            dense_rows_f32(0, w, bias, x, out, out_stride, K, M, n0, n1);
+        else
+#endif
+            dense_rows_portable(bf, w, bias, x, out, out_stride, K, M, n0, n1);
+    }
+}
+
+int eng_dense_matmul(int dtype, void *out, const void *x, int64_t M, int64_t K, int64_t N, const void *w,
+                     const void *bias, int nthreads) {
+    if ((dtype != 0 && dtype != 1) || M < 0 || K < 1 || N < 0)
+        return -1;
+    if (nthreads > 1 && N * K >= 65536) {
+#pragma omp parallel num_threads(nthreads)
+        eng_dense_team_matmul(w, bias, K, N, dtype, x, out, N, M);
+    } else {
+#pragma omp parallel num_threads(1)
+        eng_dense_team_matmul(w, bias, K, N, dtype, x, out, N, M);
+    }
+    return 0;
 }
