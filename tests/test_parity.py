@@ -125,6 +125,13 @@ def tiny(request, tmp_path_factory):
     return loaded, prompts, expected, folder
 
 
+def _check_fused(runner: ModelRunner, ops: str) -> None:
+    """On the C kernels every decode step ran fused (ops/cpu/fused.c): transformers then
+    checks that path; on the torch ops none did."""
+    fused = getattr(runner.model, "_fused", (None, None))[1]
+    assert (fused is not None and fused.steps >= NEW_TOKENS - 1) == (ops == "cpu")
+
+
 @pytest.mark.parametrize("ops", OPS)
 @pytest.mark.parametrize(
     ("block_size", "chunk_size"),
@@ -133,9 +140,9 @@ def tiny(request, tmp_path_factory):
 )
 def test_greedy_tokens_and_logprobs_match_transformers(tiny, block_size, chunk_size, ops) -> None:
     loaded, prompts, expected, _ = tiny
-    runs = run_greedy(
-        _runner(loaded, block_size, ops), prompts, NEW_TOKENS, chunk_size=chunk_size, block_size=block_size
-    )
+    runner = _runner(loaded, block_size, ops)
+    runs = run_greedy(runner, prompts, NEW_TOKENS, chunk_size=chunk_size, block_size=block_size)
+    _check_fused(runner, ops)
     for run, (want_tokens, want_logprobs) in zip(runs, expected, strict=True):
         assert [s.token_id for s in run] == want_tokens
         got = torch.tensor([s.logprob for s in run], dtype=torch.float64)
@@ -249,7 +256,9 @@ def test_a_request_far_longer_than_the_window_matches_transformers(windowed, ops
     want_tokens, want_logprobs = _hf_greedy(hf, prompt, NEW_TOKENS)
     assert len(set(want_tokens)) > 1
     for chunk in (None, 48):
-        (run,) = run_greedy(_runner(loaded, 16, ops), [prompt], NEW_TOKENS, chunk_size=chunk, block_size=16)
+        runner = _runner(loaded, 16, ops)
+        (run,) = run_greedy(runner, [prompt], NEW_TOKENS, chunk_size=chunk, block_size=16)
+        _check_fused(runner, ops)
         assert [s.token_id for s in run] == want_tokens
         got = torch.tensor([s.logprob for s in run], dtype=torch.float64)
         torch.testing.assert_close(got, torch.tensor(want_logprobs, dtype=torch.float64), atol=LOGPROB_ATOL, rtol=0)

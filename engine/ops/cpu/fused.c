@@ -1,6 +1,8 @@
 /*
- * The fused CPU decode step: every decoder layer of a Llama-family model over quantized
- * weights (quant.c's panels), for a few query rows, in one C call. Each row is attended as
+ * The fused CPU decode step: every decoder layer of a Llama-family or Gemma model over
+ * quantized weights (quant.c's panels) or dense ones (quant.c's small-batch dense kernel),
+ * for a few query rows, in one C call (a mixture-of-experts layer's MLP runs outside it:
+ * see EngFusedState). Each row is attended as
  * a decode row: its own block table row and sequence length (fused.py gives the rows of a
  * speculative verification chunk their request's table and a length ending at their own
  * position). Every row's K/V is written, in the loop before attention's, before any row

@@ -1,5 +1,5 @@
-"""The fused CPU decode step (``fused.c``): all decoder layers of a Llama-family or Gemma model over
-quantized weights in one C call per step, for steps of up to :data:`MAX_TOKENS` rows whose
+"""The fused CPU decode step (``fused.c``): all decoder layers of a model in one C call per
+step (one more per mixture-of-experts layer), for steps of up to :data:`MAX_TOKENS` rows whose
 requests each bring a few query tokens: decode rows, and speculative verification chunks
 (a request's last verified token and its proposal tokens), each row attended as the decode
 step of its own position.
@@ -76,13 +76,14 @@ def _linear_ok(lin, dtype: torch.dtype, k: int) -> str | None:
 def unfusable(model, kv_caches) -> str | None:
     """Why the fused step cannot run this model over these caches, or None if it can.
 
-    Covered: ``LlamaModel`` itself (Llama, Mistral, Qwen2 with its q/k/v biases, Qwen3 with
-    its q/k norms, Phi-3, SmolLM2) and ``GemmaModel`` (Gemma 2 with its attention
-    soft-cap, Gemma 3 with its q/k norms and local RoPE), every projection a
-    :class:`QuantLinear` over CPU panels (GGUF blocks kept), fp32 or bf16 activations, a
-    KV cache in the activation dtype or int8, sliding windows. Not covered: dense
-    (dequantized) weights, LLaVA, mixture-of-experts layers, tensor parallelism, fp16,
-    fp8 KV.
+    Covered: ``LlamaModel`` (Llama, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its
+    q/k norms, Phi-3, SmolLM2; Mixtral and Qwen-MoE, whose sparse MLPs run in torch between
+    C calls), ``GemmaModel`` (Gemma 2 with its attention soft-cap, Gemma 3 with its q/k
+    norms and local RoPE), ``LlavaModel`` and ``QwenVLModel`` (M-RoPE: each step's own
+    table); every projection a :class:`QuantLinear` over CPU panels (GGUF blocks kept) or
+    a dense ``Linear`` in the activation dtype; fp32 or bf16 activations, a KV cache in the
+    activation dtype or int8, sliding windows. Not covered: tensor parallelism, fp16, fp8
+    KV, partial rotary tables.
     """
     from engine.models.gemma import GemmaModel
     from engine.models.llama import LlamaModel
