@@ -129,6 +129,27 @@ def test_fused_moe_matches_a_dense_per_token_loop(backend, dtype, routing) -> No
     torch.testing.assert_close(got.float(), want, atol=atol, rtol=0)
 
 
+def test_the_cpu_ops_take_their_c_kernel_for_a_few_tokens(monkeypatch) -> None:
+    """Up to MOE_MAX_TOKENS tokens CpuOps.fused_moe is the C kernel (the reference is never
+    called), past them the reference; both match the per-token loop. An expert id out of
+    range raises instead of reading past the weights."""
+    from engine.ops.cpu import MOE_MAX_TOKENS, CpuKernelError, CpuOps
+    from engine.ops.reference import TorchOps
+
+    calls = []
+    reference = TorchOps.fused_moe
+    monkeypatch.setattr(TorchOps, "fused_moe", lambda self, *a: calls.append(1) or reference(self, *a))
+    for tokens, want_calls in ((1, 0), (MOE_MAX_TOKENS, 0), (MOE_MAX_TOKENS + 1, 1)):
+        x, w13, w2, weights = _op_case(tokens, 8, 2, 64, 32, torch.float32, seed=tokens)
+        ids = torch.randint(0, 8, (tokens, 2), generator=torch.Generator().manual_seed(tokens))
+        calls.clear()
+        got = CpuOps().fused_moe(x, w13, w2, weights, ids)
+        assert len(calls) == want_calls
+        torch.testing.assert_close(got, dense_moe(x, w13, w2, weights, ids), atol=1e-5, rtol=0)
+    with pytest.raises(CpuKernelError):
+        CpuOps().fused_moe(x[:2], w13, w2, weights[:2], torch.tensor([[0, 8], [1, 2]]))
+
+
 def test_the_duplicate_routing_counts_both_slots() -> None:
     """A token sent twice to one expert gets both weighted outputs, not one: compared with
     the same expert's output once at the summed weight (the op is linear in the weights)."""

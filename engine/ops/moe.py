@@ -15,7 +15,8 @@ summed in fp32. A token routed to one expert twice (possible with hand-made ids;
 router's top-k never repeats) is two pairs like any others and gets both contributions.
 
 This is the torch reference of ``Ops.fused_moe`` and, being a loop over experts rather
-than tokens, also the CPU path. The Triton kernel (``engine.ops.triton.fused_moe``) runs
+than tokens, also the CPU path past a few tokens (``CpuOps.fused_moe`` runs the same
+sorted layout in one C call at decode sizes). The Triton kernel (``engine.ops.triton.fused_moe``) runs
 the same sorted layout as one grouped GEMM launch per projection.
 """
 

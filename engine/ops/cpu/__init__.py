@@ -35,6 +35,9 @@ except ImportError:  # pragma: no cover - depends on the install
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # enum in kernels.c
 _DT_I8 = 2  # an int8 KV cache with fp32 scales (enum in kernels.c)
+# Tokens up to which CpuOps.fused_moe takes the C kernel (MOE_MAX_PAIRS / k in quant.c
+# bounds the pairs; the fused decode step's 10 rows at most 8 experts a token fit).
+MOE_MAX_TOKENS = 16
 
 
 def available() -> bool:
@@ -228,6 +231,42 @@ class CpuOps(TorchOps):
         out = torch.empty(x.shape, dtype=x.dtype)
         _lib.eng_gemma_norm(code, _ptr(out), _ptr(rows), rows.stride(0), _ptr(weight, "float *"), rows.shape[0], n,
                             eps, torch.get_num_threads())
+        return out
+
+    def fused_moe(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """Up to ``MOE_MAX_TOKENS`` tokens (decode steps, verification chunks): one C call
+        over the routed experts (quant.c's ``eng_moe_small``: the reference's sorted pairs,
+        its roundings, the dense small-batch kernel for the expert matmuls); more tokens,
+        or other inputs, the torch reference."""
+        code = _DTYPE_CODES.get(x.dtype)
+        t, k = topk_ids.shape
+        if (code is None or t > MOE_MAX_TOKENS or not t or x.dim() != 2 or not _plain(x, w13, w2)
+                or not (w13.dtype == w2.dtype == x.dtype) or w13.dim() != 3 or w2.dim() != 3
+                or w13.shape[2] != x.shape[1] or w2.shape[1] != x.shape[1] or w13.shape[1] != 2 * w2.shape[2]
+                or topk_ids.dtype != torch.int64 or topk_weights.dtype != torch.float32
+                or not (topk_ids.is_contiguous() and topk_weights.is_contiguous())):
+            return super().fused_moe(x, w13, w2, topk_weights, topk_ids)
+        hidden, inter = x.shape[1], w2.shape[2]
+        out = torch.empty_like(x)
+        pairs = t * k
+        scratch = torch.empty(pairs * (2 * hidden + 3 * inter), dtype=x.dtype)
+        xg, h, a, y = scratch.split([pairs * hidden, pairs * 2 * inter, pairs * inter, pairs * hidden])
+        status = _lib.eng_moe_small(
+            code, _ptr(out), _ptr(x), t, hidden, inter, k, w13.shape[0], _ptr(w13), _ptr(w2),
+            _ptr(topk_weights, "float *"), _ptr(topk_ids, "int64_t *"), _ptr(xg), _ptr(h), _ptr(a), _ptr(y),
+            torch.get_num_threads(),
+        )
+        if status == -2:
+            raise CpuKernelError(f"fused_moe: an expert id is outside the {w13.shape[0]} experts")
+        if status:
+            return super().fused_moe(x, w13, w2, topk_weights, topk_ids)
         return out
 
     def write_kv_cache(

@@ -1454,30 +1454,35 @@ DENSE_ROWS_FN(dense_rows_bf16dp, DENSEBF16, d_tile_bf16dp, const uint16_t *)
 static int d_has_bf16dp(void) {
     static int state = -1;
     if (state < 0)
-        state = q_has_avx512() && __builtin_cpu_supports("avx512bf16") && !getenv("NO_DP");
+        state = q_has_avx512() && __builtin_cpu_supports("avx512bf16");
     return state;
 }
 #endif
+
+/* Rows [n0, n1) of w for the M rows of x, on the best path this CPU has. */
+static void dense_block(int bf, const void *w, const void *bias, const void *x, void *out, int64_t os, int64_t K,
+                        int64_t M, int64_t n0, int64_t n1) {
+#if HAVE_AVX512_PATH
+    if (bf && d_has_bf16dp())
+        dense_rows_bf16dp(1, w, bias, x, out, os, K, M, n0, n1);
+    else if (bf && q_has_avx512())
+        dense_rows_bf16(1, w, bias, x, out, os, K, M, n0, n1);
+    else if (q_has_avx512())
+        dense_rows_f32(0, w, bias, x, out, os, K, M, n0, n1);
+    else
+#endif
+        dense_rows_portable(bf, w, bias, x, out, os, K, M, n0, n1);
+}
 
 /* Called by every thread of an OpenMP team (an orphaned worksharing loop, as
  * eng_q_team_matmul): x [M, K] contiguous, out rows out_stride apart. dtype 0 fp32, 1 bf16. */
 void eng_dense_team_matmul(const void *w, const void *bias, int64_t K, int64_t N, int dtype, const void *x,
                            void *out, int64_t out_stride, int64_t M) {
-    const int bf = dtype == 1;
     const int64_t blocks = (N + DENSE_BLOCK - 1) / DENSE_BLOCK;
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t n0 = b * DENSE_BLOCK, n1 = n0 + DENSE_BLOCK < N ? n0 + DENSE_BLOCK : N;
-#if HAVE_AVX512_PATH
-        if (bf && d_has_bf16dp())
-            dense_rows_bf16dp(1, w, bias, x, out, out_stride, K, M, n0, n1);
-        else if (bf && q_has_avx512())
-            dense_rows_bf16(1, w, bias, x, out, out_stride, K, M, n0, n1);
-        else if (q_has_avx512())
-            dense_rows_f32(0, w, bias, x, out, out_stride, K, M, n0, n1);
-        else
-#endif
-            dense_rows_portable(bf, w, bias, x, out, out_stride, K, M, n0, n1);
+        dense_block(dtype == 1, w, bias, x, out, out_stride, K, M, n0, n1);
     }
 }
 
@@ -1491,6 +1496,106 @@ int eng_dense_matmul(int dtype, void *out, const void *x, int64_t M, int64_t K, 
     } else {
 #pragma omp parallel num_threads(1)
         eng_dense_team_matmul(w, bias, K, N, dtype, x, out, N, M);
+    }
+    return 0;
+}
+
+/* ---- the routed experts of a mixture-of-experts MLP at decode sizes ------------------------
+ *
+ * ops/moe.py's fused_moe for a few tokens, in one call: the T * k (token, slot) pairs sorted
+ * by expert (stable), each expert's rows through its gate/up rows of w13 [E, 2I, H] and its
+ * w2 [E, H, I] with the dense kernel above (outputs rounded to the dtype, as F.linear), the
+ * SiLU-and-mul between (kernels.c's, rounded as transformers' act(gate) * up), then each
+ * token's k outputs scaled by their routing weights and summed in fp32, rounded once. The
+ * torch reference runs ~30 dispatched ops for this at decode sizes. Work items of all
+ * experts share each phase's worksharing loop. Scratch (the caller's): xg [T*k, H],
+ * h [T*k, 2I], a [T*k, I], y [T*k, H] in the dtype. Returns -1 for arguments it does not
+ * take, -2 for an expert id out of range (nothing written). */
+void eng_silu_mul_row_f32(void *, const void *, int64_t, int64_t, int64_t, int64_t);
+void eng_silu_mul_row_bf16(void *, const void *, int64_t, int64_t, int64_t, int64_t);
+
+#define MOE_MAX_PAIRS 256
+
+int eng_moe_small(int dtype, void *out, const void *x, int64_t T, int64_t H, int64_t I, int64_t k, int64_t E,
+                  const void *w13, const void *w2, const float *topw, const int64_t *topi, void *xg, void *h,
+                  void *a, void *y, int nthreads) {
+    const int64_t P = T * k;
+    if ((dtype != 0 && dtype != 1) || T < 1 || k < 1 || P > MOE_MAX_PAIRS || H < 1 || I < 1 || E < 1)
+        return -1;
+    for (int64_t p = 0; p < P; p++)
+        if (topi[p] < 0 || topi[p] >= E)
+            return -2;
+    const int bf = dtype == 1;
+    const size_t es = bf ? 2 : 4;
+    /* pairs by expert, stable: order[i] = the pair at sorted position i; where[p] = its position */
+    int64_t order[MOE_MAX_PAIRS], where[MOE_MAX_PAIRS], gstart[MOE_MAX_PAIRS + 1], gexp[MOE_MAX_PAIRS];
+    int64_t n = 0, groups = 0;
+    {
+        /* the distinct experts, ascending as torch's sort puts them (E may be large: only
+         * the few ids seen are sorted) */
+        int64_t ids[MOE_MAX_PAIRS];
+        int64_t m = 0;
+        for (int64_t p = 0; p < P; p++) {
+            int64_t e = topi[p], i = m;
+            int dup = 0;
+            for (int64_t j = 0; j < m; j++)
+                dup |= ids[j] == e;
+            if (dup)
+                continue;
+            while (i > 0 && ids[i - 1] > e) {
+                ids[i] = ids[i - 1];
+                i--;
+            }
+            ids[i] = e;
+            m++;
+        }
+        for (int64_t g = 0; g < m; g++) {
+            gstart[g] = n;
+            gexp[g] = ids[g];
+            for (int64_t p = 0; p < P; p++)
+                if (topi[p] == ids[g]) {
+                    where[p] = n;
+                    order[n++] = p;
+                }
+        }
+        gstart[m] = n;
+        groups = m;
+    }
+    for (int64_t i = 0; i < P; i++)
+        memcpy((char *)xg + (size_t)(i * H) * es, (const char *)x + (size_t)(order[i] / k * H) * es, (size_t)H * es);
+    const int64_t b13 = (2 * I + DENSE_BLOCK - 1) / DENSE_BLOCK, b2 = (H + DENSE_BLOCK - 1) / DENSE_BLOCK;
+    const int team = nthreads > 1 && P * I * H >= 32768 ? nthreads : 1;
+#pragma omp parallel num_threads(team)
+    {
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < groups * b13; it++) {
+            const int64_t g = it / b13, n0 = it % b13 * DENSE_BLOCK, n1 = n0 + DENSE_BLOCK < 2 * I ? n0 + DENSE_BLOCK : 2 * I;
+            dense_block(bf, (const char *)w13 + (size_t)(gexp[g] * 2 * I * H) * es, NULL,
+                        (const char *)xg + (size_t)(gstart[g] * H) * es, (char *)h + (size_t)(gstart[g] * 2 * I) * es,
+                        2 * I, H, gstart[g + 1] - gstart[g], n0, n1);
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < P; i++) {
+            if (bf)
+                eng_silu_mul_row_bf16(a, h, i, I, 0, I);
+            else
+                eng_silu_mul_row_f32(a, h, i, I, 0, I);
+        }
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < groups * b2; it++) {
+            const int64_t g = it / b2, n0 = it % b2 * DENSE_BLOCK, n1 = n0 + DENSE_BLOCK < H ? n0 + DENSE_BLOCK : H;
+            dense_block(bf, (const char *)w2 + (size_t)(gexp[g] * H * I) * es, NULL,
+                        (const char *)a + (size_t)(gstart[g] * I) * es, (char *)y + (size_t)(gstart[g] * H) * es, H, I,
+                        gstart[g + 1] - gstart[g], n0, n1);
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t c = 0; c < H; c++) {
+                float s = 0.0f;
+                for (int64_t j = 0; j < k; j++)
+                    s += d_ld(y, where[t * k + j] * H + c, bf) * topw[t * k + j];
+                d_st(out, t * H + c, s, bf);
+            }
     }
     return 0;
 }
