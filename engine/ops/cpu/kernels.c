@@ -197,47 +197,67 @@ int eng_rope(int dtype, void *x, int64_t token_stride, int64_t heads, int64_t d,
     return 0;
 }
 
-/* ---- SiLU-and-mul -------------------------------------------------------------------- */
+/* ---- SiLU-and-mul, GeGLU ------------------------------------------------------------------ */
 
-/* out[row] = silu(x[row, :n]) * x[row, n:2n]. silu is rounded to the dtype before the
- * product is, as HF's act_fn(gate) * up does in bf16. sigmoid from exp(-|x|) <= 1, so the
- * one exp is always of a non-positive argument. */
-INLINE void silu_mul_row(void *out, const void *x, int64_t row, int64_t n, int64_t i0, int64_t i1,
-                         int bf) {
+/* out[row] = act(x[row, :n]) * x[row, n:2n] with act SiLU, or Gemma's gelu-tanh written as
+ * g * sigmoid(2u) (no cancellation, unlike 0.5 g (1 + tanh(u))). act is rounded to the
+ * dtype before the product is, as HF's act_fn(gate) * up does in bf16. sigmoid from
+ * exp(-|z|) <= 1, so the one exp is always of a non-positive argument. */
+INLINE void act_mul_row(void *out, const void *x, int64_t row, int64_t n, int64_t i0, int64_t i1, int bf,
+                        int gelu) {
     int64_t xo = row * 2 * n, oo = row * n;
 #pragma omp simd
     for (int64_t i = i0; i < i1; i++) {
         float g = ld(x, xo + i, bf);
-        float e = exp_nonpos(g < 0.0f ? g : -g);
-        float sig = (g < 0.0f ? e : 1.0f) / (1.0f + e);
+        /* silu(g) = g sigmoid(g); gelu_tanh(g) = g sigmoid(2u), u = sqrt(2 / pi) (g + c g^3) */
+        float z = gelu ? 1.5957691216057308f * (g + 0.044715f * g * g * g) : g;
+        float e = exp_nonpos(z < 0.0f ? z : -z);
+        float sig = (z < 0.0f ? e : 1.0f) / (1.0f + e);
         st(out, oo + i, rnd(g * sig, bf) * ld(x, xo + n + i, bf), bf);
     }
 }
 
 /* Columns [i0, i1) of row `row` (the fused step gives each thread a slice of one row). */
 CLONES void eng_silu_mul_row_f32(void *out, const void *x, int64_t row, int64_t n, int64_t i0, int64_t i1) {
-    silu_mul_row(out, x, row, n, i0, i1, 0);
+    act_mul_row(out, x, row, n, i0, i1, 0, 0);
 }
 
 CLONES void eng_silu_mul_row_bf16(void *out, const void *x, int64_t row, int64_t n, int64_t i0, int64_t i1) {
-    silu_mul_row(out, x, row, n, i0, i1, 1);
+    act_mul_row(out, x, row, n, i0, i1, 1, 0);
 }
 
-int eng_silu_mul(int dtype, void *out, const void *x, int64_t rows, int64_t n, int nthreads) {
+CLONES void eng_gelu_tanh_mul_row_f32(void *out, const void *x, int64_t row, int64_t n, int64_t i0, int64_t i1) {
+    act_mul_row(out, x, row, n, i0, i1, 0, 1);
+}
+
+CLONES void eng_gelu_tanh_mul_row_bf16(void *out, const void *x, int64_t row, int64_t n, int64_t i0, int64_t i1) {
+    act_mul_row(out, x, row, n, i0, i1, 1, 1);
+}
+
+static int act_mul(int dtype, int gelu, void *out, const void *x, int64_t rows, int64_t n, int nthreads) {
     if (dtype != DT_F32 && dtype != DT_BF16)
         return -1;
 #pragma omp parallel for schedule(static) num_threads(nthreads) \
     if (nthreads > 1 && rows * n >= PARALLEL_MIN_WORK)
     for (int64_t r = 0; r < rows; r++) {
-        if (dtype == DT_BF16)
-            eng_silu_mul_row_bf16(out, x, r, n, 0, n);
+        if (gelu)
+            (dtype == DT_BF16 ? eng_gelu_tanh_mul_row_bf16 : eng_gelu_tanh_mul_row_f32)(out, x, r, n, 0, n);
         else
-            eng_silu_mul_row_f32(out, x, r, n, 0, n);
+            (dtype == DT_BF16 ? eng_silu_mul_row_bf16 : eng_silu_mul_row_f32)(out, x, r, n, 0, n);
     }
     return 0;
 }
 
-/* ---- Gemma's RMSNorm and GeGLU -------------------------------------------------------- */
+int eng_silu_mul(int dtype, void *out, const void *x, int64_t rows, int64_t n, int nthreads) {
+    return act_mul(dtype, 0, out, x, rows, n, nthreads);
+}
+
+int eng_gelu_tanh_mul(int dtype, void *out, const void *x, int64_t rows, int64_t n, int nthreads) {
+    return act_mul(dtype, 1, out, x, rows, n, nthreads);
+}
+
+
+/* ---- Gemma's RMSNorm -------------------------------------------------------------- */
 
 /* Gemma's norm, as transformers computes it: x / rms(x) * w in fp32 with w = 1 + weight
  * kept in fp32 (fused.py and GemmaModel store it so), rounded to the dtype once. In fp32
@@ -312,43 +332,6 @@ int eng_gemma_norm(int dtype, void *out, const void *x, int64_t x_stride, const 
     return 0;
 }
 
-/* out[row] = gelu_tanh(x[row, :n]) * x[row, n:2n], the gelu rounded to the dtype before
- * the product is (transformers' act_fn(gate) * up). 0.5 g (1 + tanh(u)) is written as
- * g * sigmoid(2u), which has no cancellation: the one exp is of -|2u|. */
-INLINE void gelu_tanh_mul_row(void *out, const void *x, int64_t row, int64_t n, int64_t i0, int64_t i1,
-                              int bf) {
-    int64_t xo = row * 2 * n, oo = row * n;
-#pragma omp simd
-    for (int64_t i = i0; i < i1; i++) {
-        float g = ld(x, xo + i, bf);
-        float u2 = 1.5957691216057308f * (g + 0.044715f * g * g * g); /* 2 sqrt(2 / pi) (g + c g^3) */
-        float e = exp_nonpos(u2 < 0.0f ? u2 : -u2);
-        float sig = (u2 < 0.0f ? e : 1.0f) / (1.0f + e);
-        st(out, oo + i, rnd(g * sig, bf) * ld(x, xo + n + i, bf), bf);
-    }
-}
-
-CLONES void eng_gelu_tanh_mul_row_f32(void *out, const void *x, int64_t row, int64_t n, int64_t i0, int64_t i1) {
-    gelu_tanh_mul_row(out, x, row, n, i0, i1, 0);
-}
-
-CLONES void eng_gelu_tanh_mul_row_bf16(void *out, const void *x, int64_t row, int64_t n, int64_t i0, int64_t i1) {
-    gelu_tanh_mul_row(out, x, row, n, i0, i1, 1);
-}
-
-int eng_gelu_tanh_mul(int dtype, void *out, const void *x, int64_t rows, int64_t n, int nthreads) {
-    if (dtype != DT_F32 && dtype != DT_BF16)
-        return -1;
-#pragma omp parallel for schedule(static) num_threads(nthreads) \
-    if (nthreads > 1 && rows * n >= PARALLEL_MIN_WORK)
-    for (int64_t r = 0; r < rows; r++) {
-        if (dtype == DT_BF16)
-            eng_gelu_tanh_mul_row_bf16(out, x, r, n, 0, n);
-        else
-            eng_gelu_tanh_mul_row_f32(out, x, r, n, 0, n);
-    }
-    return 0;
-}
 
 /* ---- paged decode attention ----------------------------------------------------------- */
 
