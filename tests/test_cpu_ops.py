@@ -326,3 +326,29 @@ def test_greedy_declines_rows_it_cannot_sample(poison: float) -> None:
     logits[1] = float("-inf")
     assert CpuOps().greedy(logits) is None
     assert CpuOps().greedy(logits.to(torch.bfloat16)) is None  # fp32 rows only
+
+
+# --- small-batch dense matmul (quant.c; Linear and the fused decode step) -------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "k"), [(7, 5), (16, 33), (100, 64), (203, 576)])  # row and column tails
+def test_the_dense_kernel_matches_f_linear_and_not_its_batch(dtype: torch.dtype, n: int, k: int, threads: int) -> None:
+    """``x @ w.T + b`` against fp32 F.linear, and every row the same bits at 1-10 rows (a
+    row's tile changes with the batch: 8 x 1, 4 x 2-4 or single rows)."""
+    from engine.models.llama import Linear
+    from engine.ops.cpu import qmatmul as cq
+
+    w, b, x = _rand(n, k, seed=30, dtype=dtype), _rand(n, seed=31, dtype=dtype), _rand(10, k, seed=32, dtype=dtype)
+    assert cq.dense_ok(w, b)
+    for bias in (None, b):
+        full = cq.dense_matmul(w, bias, x)
+        want = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float())
+        if dtype == torch.float32:
+            torch.testing.assert_close(full, want, atol=1e-4, rtol=1e-5)
+        else:  # one rounding of an fp32 sum: within a bf16 step of the exact value
+            torch.testing.assert_close(full.float(), want, atol=1e-2, rtol=2**-7)
+        for m in range(1, 11):
+            assert torch.equal(cq.dense_matmul(w, bias, x[:m].contiguous()), full[:m])
+        lin = Linear(w, bias, pack=False)
+        assert lin.small_batch and torch.equal(lin(x[:3]), full[:3])

@@ -67,9 +67,13 @@ class Linear:
     differ from ``F.linear`` in the last bits (summation order). The packed path is checked
     against ``F.linear`` once at build time and dropped if this torch lacks it or
     disagrees. The plain weight stays too: tied embeddings read it.
+
+    ``small_batch``: on a CPU with AVX-512, up to ``qmatmul.DENSE_MAX_ROWS`` rows go to
+    quant.c's small-batch dense kernel instead (decode steps; the fused decode step runs
+    the same kernel, so both paths give the same bits).
     """
 
-    __slots__ = ("weight", "bias", "_packed", "_small")
+    __slots__ = ("weight", "bias", "_packed", "small_batch")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool = True) -> None:
         self.weight = weight
@@ -78,12 +82,12 @@ class Linear:
         # Up to DENSE_MAX_ROWS[dtype] rows on CPU: quant.c's dense kernel, which the fused
         # decode step runs too (the same bits either way, and a row's result whatever its
         # batch up to there).
-        self._small = weight.device.type == "cpu" and cq.dense_ok(weight, bias)
+        self.small_batch = weight.device.type == "cpu" and cq.dense_ok(weight, bias)
         if pack and weight.device.type == "cpu":
             self._pack()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._small and x.dtype is self.weight.dtype and x.is_contiguous() and x.dim() >= 1 and (
+        if self.small_batch and x.dtype is self.weight.dtype and x.is_contiguous() and x.dim() >= 1 and (
             x.numel() <= cq.DENSE_MAX_ROWS.get(x.dtype, 0) * self.weight.shape[1]
             and x.shape[-1] == self.weight.shape[1]
         ):

@@ -49,6 +49,7 @@ int eng_qmatmul(int fmt, int isa, int dtype, void *out, int64_t out_stride, cons
 int eng_qrows(int fmt, int dtype, void *out, const int64_t *ids, int64_t n_ids, int64_t K,
               int64_t N, const uint8_t *codes, const uint8_t *hi, const uint16_t *d,
               const uint16_t *m, const uint8_t *sc, const uint8_t *mn, int nthreads);
+int eng_dense_isa(void);
 int eng_dense_matmul(int dtype, void *out, const void *x, int64_t M, int64_t K, int64_t N, const void *w,
                      const void *bias, int nthreads);
 int eng_moe_small(int dtype, void *out, const void *x, int64_t T, int64_t H, int64_t I, int64_t k, int64_t E,

@@ -55,7 +55,7 @@ def _linear_ok(lin, dtype: torch.dtype, k: int) -> str | None:
     from engine.models.quantized import QuantLinear
 
     if isinstance(lin, Linear):  # dense: quant.c's dense kernel, which Linear runs at these sizes too
-        if not (lin._small and lin.weight.dtype == dtype and lin.weight.shape[1] == k):
+        if not (lin.small_batch and lin.weight.dtype == dtype and lin.weight.shape[1] == k):
             return "a dense projection is not in the activation dtype on CPU"
         return None
     if not isinstance(lin, QuantLinear):

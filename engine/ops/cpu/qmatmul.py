@@ -181,8 +181,9 @@ DENSE_MAX_ROWS = {torch.float32: 10, torch.bfloat16: 8}
 
 
 def dense_ok(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether :func:`dense_matmul` takes this weight (and bias)."""
-    return (available() and hasattr(_lib, "eng_dense_matmul") and weight.dtype in _DTYPES
+    """Whether :func:`dense_matmul` takes this weight (and bias): fp32 or bf16 on a CPU
+    with AVX-512 (elsewhere its portable loops trail oneDNN, and Linear keeps oneDNN)."""
+    return (available() and hasattr(_lib, "eng_dense_isa") and _lib.eng_dense_isa() > 0 and weight.dtype in _DTYPES
             and weight.dim() == 2 and weight.is_cpu and weight.is_contiguous() and weight.shape[1] > 0
             and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous()
                                   and bias.shape == (weight.shape[0],))))

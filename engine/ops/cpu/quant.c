@@ -1486,6 +1486,17 @@ void eng_dense_team_matmul(const void *w, const void *bias, int64_t K, int64_t N
     }
 }
 
+/* The dense kernel's path on this CPU: 0 portable C, 1 AVX-512 (fp32 FMAs), 2 AVX-512 with
+ * BF16 dot products. Linear takes the kernel only from 1 (the portable loops trail
+ * oneDNN's AVX2 GEMM). */
+int eng_dense_isa(void) {
+#if HAVE_AVX512_PATH
+    return q_has_avx512() ? 1 + d_has_bf16dp() : 0;
+#else
+    return 0;
+#endif
+}
+
 int eng_dense_matmul(int dtype, void *out, const void *x, int64_t M, int64_t K, int64_t N, const void *w,
                      const void *bias, int nthreads) {
     if ((dtype != 0 && dtype != 1) || M < 0 || K < 1 || N < 0)
