@@ -263,14 +263,18 @@ int eng_gelu_tanh_mul(int dtype, void *out, const void *x, int64_t rows, int64_t
  * kept in fp32 (fused.py and GemmaModel store it so), rounded to the dtype once. In fp32
  * it is the same arithmetic as rms_norm_row's. In place (out == x) is fine: every x is
  * read before its out is written. */
-INLINE void gemma_norm_row(void *out, const void *x, int64_t n, const float *w, float eps, int bf) {
+INLINE float rms_rstd(const void *x, int64_t n, float eps, int bf) {
     float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
     for (int64_t i = 0; i < n; i++) {
         float v = ld(x, i, bf);
         ss += v * v;
     }
-    float rstd = 1.0f / sqrtf(ss / (float)n + eps);
+    return 1.0f / sqrtf(ss / (float)n + eps);
+}
+
+INLINE void gemma_norm_row(void *out, const void *x, int64_t n, const float *w, float eps, int bf) {
+    const float rstd = rms_rstd(x, n, eps, bf);
 #pragma omp simd
     for (int64_t i = 0; i < n; i++)
         st(out, i, ld(x, i, bf) * rstd * w[i], bf);
@@ -282,13 +286,7 @@ INLINE void gemma_norm_row(void *out, const void *x, int64_t n, const float *w, 
 INLINE void gemma_add_norm_row(void *r, const void *d, const float *w_post, void *out, const float *w_next,
                                int64_t n, float eps, int bf) {
     if (d) {
-        float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t i = 0; i < n; i++) {
-            float v = ld(d, i, bf);
-            ss += v * v;
-        }
-        float rstd = 1.0f / sqrtf(ss / (float)n + eps);
+        const float rstd = rms_rstd(d, n, eps, bf);
 #pragma omp simd
         for (int64_t i = 0; i < n; i++)
             st(r, i, ld(r, i, bf) + rnd(ld(d, i, bf) * rstd * w_post[i], bf), bf);

@@ -1299,11 +1299,9 @@ void eng_q_team_matmul(const EngQPart *parts, int nparts, int64_t K, int dtype, 
  * biased sum, as torch's bf16 linear). The fused step's projections over dense weights,
  * and Linear's at up to a few rows (so both paths give the same bits). Each output value
  * is one accumulation over K in a fixed order whatever M or the thread count, so a row's
- * result does not depend on its batch. Weight rows are read DENSE_ROWS at a time and each
- * is used for DENSE_TOK tokens from registers. */
+ * result does not depend on its batch. Weight rows are read 4 or 8 at a time and each is
+ * used for up to 4 tokens from registers (DENSE_ROWS_FN below). */
 
-#define DENSE_ROWS 4
-#define DENSE_TOK 4
 #define DENSE_BLOCK 16 /* weight rows per work item of a team */
 
 static float d_ld(const void *p, int64_t i, int bf) {
