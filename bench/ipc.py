@@ -25,8 +25,9 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine import corewire, messages  # noqa: E402
+from engine import messages  # noqa: E402
 from engine.params import SamplingParams  # noqa: E402
+from engine.process import wire as corewire  # noqa: E402
 
 
 def step_frame(batch: int) -> tuple[object, ...]:

@@ -3,6 +3,11 @@
 Closing a channel means end of stream; no message stands for "nothing". Every message is
 made of primitives, tuples and other messages so it can be packed with msgpack (see
 :func:`pack` / :func:`unpack`) and an actor can later move to another process.
+
+This module is one room on purpose (the design brief: "defined in one module"): the wire
+codec finds a message's type by its name among the dataclasses of this module (plus the
+params it carries), so every type that crosses a channel, a socket or a worker pipe is
+declared here, where a new one cannot be left out of the codec.
 """
 
 from __future__ import annotations
@@ -558,14 +563,14 @@ AllocatorReply = (
 )
 
 
-# --- front end <-> engine core (engine.corewire) ------------------------------------------
+# --- front end <-> engine core (engine.process.wire) ------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class CoreHello:
     """An engine core's announcement after authentication: what it serves and its limits.
     The front end refuses a core whose model, limits or version differ from what it serves
-    (engine.corewire.hello_mismatch)."""
+    (engine.process.wire.hello_mismatch)."""
 
     version: str
     core_index: int
@@ -616,9 +621,9 @@ class CoreStatistics:
     spec_accepted_per_pos: tuple[int, ...] = ()
 
 
-# --- rank 0 <-> tensor-parallel workers (engine.parallel.workers) -------------------------
+# --- rank 0 <-> tensor-parallel workers (engine.process.workers) -------------------------
 #
-# One msgpack frame (a tuple of messages, as engine.corewire) per message, over an
+# One msgpack frame (a tuple of messages, as engine.process.wire) per message, over an
 # authenticated multiprocessing connection. Rank 0 sends, every worker answers each with
 # one reply: RankBuilt to RankBuild, RankDone to RankStep, RankWarmUp and RankReset.
 

@@ -2,7 +2,7 @@
 
 pytest-trio fixtures live inside one test's trio run, so a server shared by a whole module
 runs in its own thread instead; tests talk to it over real sockets with the openai client
-and httpx, exactly as users do. The server goes through :func:`engine.http.cli.serve_app`,
+and httpx, exactly as users do. The server goes through :func:`engine.cli.serve.serve_app`,
 the same path ``python -m engine serve`` takes.
 """
 
@@ -18,7 +18,7 @@ import httpx
 import trio
 
 from engine.http.app import create_app
-from engine.http.cli import bind_socket, serve_app
+from engine.http.server import bind_socket, serve_app
 
 # Loading a tiny model and binding a port takes well under a second; this is a hang guard.
 _START_TIMEOUT = 120.0

@@ -1,6 +1,6 @@
 """The engine core in processes of its own (issue 20): parity, faults, the wire.
 
-Each engine here spawns engine-core processes (``python -m engine.core_process``) that
+Each engine here spawns engine-core processes (``python -m engine.process.core``) that
 load the tiny model themselves; the front end talks to them in msgpack frames over a Unix
 socket. What is checked: greedy outputs identical in-process, with one core process and
 with two data-parallel cores; a core killed with SIGKILL mid-stream (its requests fail with
@@ -29,9 +29,10 @@ import trio
 from engine_helpers import collect, greedy, random_prompts, tiny_model, token_ids, wait_until
 
 import engine
-from engine import corewire, messages
+from engine import messages
 from engine.errors import EngineDeadError
 from engine.params import SamplingParams
+from engine.process import wire as corewire
 
 OPTIONS: dict[str, Any] = dict(
     dtype="float32", max_num_seqs=16, max_num_batched_tokens=64, block_size=16,
@@ -265,11 +266,10 @@ def test_hello_mismatch_names_what_differs() -> None:
 
 def test_stats_round_trip_through_json_config() -> None:
     from engine.config import EngineConfig
-    from engine.core_process import config_from_json, config_to_json
 
     config = EngineConfig(kv_cache_memory=0.5, data_parallel_size=2, max_model_len=64)
-    assert config_from_json(config_to_json(config)) == config
-    assert json.loads(config_to_json(config))["kv_cache_memory"] == 0.5
+    assert EngineConfig.from_json(config.to_json()) == config
+    assert json.loads(config.to_json())["kv_cache_memory"] == 0.5
 
 
 def _free_port() -> int:

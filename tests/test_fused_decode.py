@@ -23,7 +23,12 @@ from test_parity import _chunk_lengths, _prefill_logits, _prompts
 from test_quant_models import WIDE, write_quantized
 
 from engine.models.loader import load_model
-from engine.models.testing import TINY_QWEN_VL, write_tiny_llava, write_tiny_model, write_tiny_qwen_vl
+from engine.models.testing import (
+    TINY_QWEN_VL,
+    write_tiny_llava,
+    write_tiny_model,
+    write_tiny_qwen_vl,
+)
 from engine.ops import AttentionMetadata, get_ops
 from engine.ops.cpu import CpuKernelError, fused
 from engine.ops.cpu import qmatmul as cq

@@ -24,7 +24,7 @@ import httpx
 import pytest
 from engine_helpers import tiny_model
 
-from engine.http.cli import add_serve_arguments
+from engine.cli.serve import add_serve_arguments
 from engine.http.metrics import METRIC_NAMES
 
 REPO = Path(__file__).resolve().parent.parent
@@ -85,7 +85,7 @@ def test_every_metric_is_documented() -> None:
 
 
 def _parser(command: str) -> argparse.ArgumentParser:
-    from engine.__main__ import build_parser
+    from engine.cli import build_parser
 
     argv = [command]
     return build_parser(argv)._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
@@ -129,7 +129,7 @@ def test_a_bad_engine_option_is_a_config_error_naming_the_field() -> None:
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_help_shows_every_default(command: str) -> None:
-    from engine.__main__ import HelpFormatter
+    from engine.cli.help import HelpFormatter
 
     formatter = HelpFormatter("python -m engine")
     for action in _parser(command)._actions:
@@ -429,7 +429,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 
 def test_the_chat_flags_become_the_chat_settings_the_app_uses(tmp_path: Path) -> None:
     from engine.chat.request import ChatSettings
-    from engine.http.cli import chat_settings
+    from engine.cli.serve import chat_settings
 
     template = tmp_path / "chat.jinja"
     template.write_text(CHAT_TEMPLATE)

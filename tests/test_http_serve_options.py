@@ -31,7 +31,7 @@ START_TIMEOUT = 120.0  # a hang guard: loading the tiny model takes seconds
 
 
 def _serve_parser() -> Any:
-    from engine.__main__ import build_parser
+    from engine.cli import build_parser
 
     return build_parser(["serve"])
 
@@ -78,7 +78,7 @@ def test_every_vllm_flag_is_in_the_docs() -> None:
 
 
 def test_the_model_as_a_positional_argument_is_the_model(tmp_path) -> None:
-    from engine.http.cli import model_from_tag
+    from engine.cli.serve import model_from_tag
 
     args = _serve_parser().parse_args(["serve", "a/b"])
     model_from_tag(args)

@@ -272,8 +272,8 @@ async def test_a_request_with_more_pixel_bytes_than_a_frame_share_is_refused(lla
 async def test_a_batch_too_large_for_one_frame_goes_as_several_in_order() -> None:
     import trio.testing
 
-    from engine import corewire
     from engine.messages import ImageInput
+    from engine.process import wire as corewire
 
     left, right = trio.testing.memory_stream_pair()
     sender, receiver = corewire.FrameStream(left, max_frame_bytes=3000), corewire.FrameStream(right)

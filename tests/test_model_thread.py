@@ -14,7 +14,7 @@ import trio
 from engine_helpers import collect, greedy, tiny_model, token_ids
 
 import engine
-from engine.model_thread import model_thread_ident, run_in_model_thread
+from engine.actors.model_thread import model_thread_ident, run_in_model_thread
 from engine.runner.model_runner import ModelRunner
 
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism's processes (engine/parallel/workers.py): worker ranks driven by
+"""Tensor parallelism's processes (engine/process/workers.py, worker_rank.py): worker ranks driven by
 rank 0, the step broadcast, a worker killed mid-stream, Ray placement, and SmolLM2 split
 over three ranks behind ``python -m engine serve``.
 
@@ -141,7 +141,7 @@ async def _fail_mid_stream(eng: Any, sig: signal.Signals) -> tuple[int, str]:
 
 async def test_a_worker_killed_or_stuck_mid_stream_fails_that_stream_and_the_group_restarts(
         model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import engine.parallel.workers as workers
+    import engine.process.workers as workers
 
     # A stuck peer fails the step after the collective timeout (here 3 s, not 60).
     monkeypatch.setattr(workers, "COLLECTIVE_TIMEOUT_SECONDS", 3.0)
@@ -237,7 +237,7 @@ async def test_smollm2_over_three_ranks_through_serve_gives_the_one_rank_text() 
     with _serve(gguf, "--port", "0", "--tensor-parallel-size", "3", "--dtype", "float32",
                 "--quantization", "none") as (proc, where, log):
         workers = psutil.Process(proc.pid).children(recursive=True)
-        assert sum("engine.parallel.workers" in " ".join(w.cmdline()) for w in workers) == 2
+        assert sum("engine.process.worker_rank" in " ".join(w.cmdline()) for w in workers) == 2
         with openai.OpenAI(base_url=f"{where}/v1", api_key="x", max_retries=0) as client:
             reply = client.completions.create(model=client.models.list().data[0].id, prompt=prompt,
                                               max_tokens=24, temperature=0)
@@ -250,7 +250,7 @@ async def test_smollm2_over_three_ranks_through_serve_gives_the_one_rank_text() 
 def test_the_ray_backend_without_ray_installed_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
     from engine.config import EngineConfig
     from engine.errors import ConfigError
-    from engine.parallel.workers import WorkerGroup
+    from engine.process.workers import WorkerGroup
 
     monkeypatch.setitem(sys.modules, "ray", None)  # as if the [ray] extra were missing
     threads = torch.get_num_threads()

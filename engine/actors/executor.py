@@ -1,5 +1,5 @@
 """The executor actor: runs each step's plan on the model runner in the process's model
-thread (:mod:`engine.model_thread`)."""
+thread (:mod:`engine.actors.model_thread`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Protocol
 
 import trio
 
+from engine.actors.model_thread import run_in_model_thread
 from engine.messages import StepPlan, StepResult
-from engine.model_thread import run_in_model_thread
 
 
 class StepRunner(Protocol):

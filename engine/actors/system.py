@@ -23,9 +23,11 @@ import trio
 from engine.actors.allocator import KVAllocator
 from engine.actors.detokenizer import Detokenizer
 from engine.actors.executor import Executor
+from engine.actors.parts import EngineParts
 from engine.actors.router import OutputRouter
 from engine.actors.scheduler import SchedulerActor
-from engine.loading import EngineParts
+from engine.core.block_pool import BlockPool
+from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.messages import AbortSamples, AdmittedRequest
 
 
@@ -74,9 +76,6 @@ async def run_actors(parts: EngineParts, *, ready: Callable[[ActorHandles], None
     Returns when all actors have stopped; raises what they raise (an actor's crash cancels
     the others). Cancel the caller's scope to stop the engine.
     """
-    from engine.core.block_pool import BlockPool
-    from engine.core.scheduler import Scheduler, SchedulerConfig
-
     config = parts.config
     # math.inf: this inbox closes two cycles (step results from the executor, stop-string
     # hits from the detokenizer) and takes requests and aborts from sync code in the
@@ -165,7 +164,7 @@ async def run_front_actors(
 ) -> None:
     """The front end's actors when the engine cores run in processes of their own: the
     detokenizer and router of :func:`run_actors`, and a dispatcher that hands requests,
-    aborts and stop-string hits to ``pool`` (:class:`engine.actors.cores.CorePool`), whose
+    aborts and stop-string hits to ``pool`` (:class:`engine.process.cores.CorePool`), whose
     links feed ``detok_recv``. Returns when cancelled; raises what an actor raises."""
     # math.inf: as the scheduler's inbox in run_actors: sync senders (callers, aborts) and
     # the detokenizer's stop-string hits, bounded by admission control.

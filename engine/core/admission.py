@@ -232,7 +232,7 @@ def check_min_tokens(params: SamplingParams) -> None:
 
 
 # The preprocessed pixels (float32) one request may carry, over all its samples: a quarter
-# of an engine-core frame (engine.corewire), e.g. 8 samples of 4 LLaVA-1.5 images.
+# of an engine-core frame (engine.process.wire), e.g. 8 samples of 4 LLaVA-1.5 images.
 MAX_IMAGE_BYTES = 16 * 2**20
 
 

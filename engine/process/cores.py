@@ -2,7 +2,7 @@
 
 :class:`CorePool` is the actor that stands where the scheduler stands in an in-process
 engine. It spawns ``data_parallel_size`` engine-core processes
-(:mod:`engine.core_process`), accepts their connections on a Unix-domain socket (and,
+(:mod:`engine.process.core`), accepts their connections on a Unix-domain socket (and,
 with ``listen_tcp``, those of headless cores on other machines), authenticates each with
 the shared secret and checks its :class:`~engine.messages.CoreHello` against the first
 core's. Then, per core, one task writes frames (every message queued since the last
@@ -41,7 +41,7 @@ from typing import Any
 
 import trio
 
-from engine.corewire import FrameStream, WireError, authenticate_peer, hello_mismatch, new_secret
+from engine._version import VERSION
 from engine.errors import ConfigError, EngineDeadError
 from engine.messages import (
     AbortSamples,
@@ -52,6 +52,14 @@ from engine.messages import (
     SamplesAborted,
     StepOutputs,
     StopStringHit,
+)
+from engine.process.spawn import SECRET_ENV
+from engine.process.wire import (
+    FrameStream,
+    WireError,
+    authenticate_peer,
+    hello_mismatch,
+    new_secret,
 )
 
 logger = logging.getLogger("engine")
@@ -319,9 +327,7 @@ class CorePool:
             if core is None or core.state not in (CoreState.STARTING, CoreState.RESTARTING) \
                     or core.arrived is None:
                 raise WireError(f"no core slot {hello.core_index} is waiting for a connection")
-            from engine.core_process import engine_version
-
-            expected = self.reference or dataclasses.replace(hello, version=engine_version())
+            expected = self.reference or dataclasses.replace(hello, version=VERSION)
             differs = hello_mismatch(expected, hello)
             if differs:
                 raise WireError(f"core {hello.core_index} differs from what this front end "
@@ -377,12 +383,10 @@ class CorePool:
             logger.error("engine core %d lost; restarting it", core.index)
 
     async def _spawn(self, core: _Core, address: str) -> trio.Process:
-        from engine.core_process import SECRET_ENV, config_to_json
-
-        cmd = [sys.executable, "-m", "engine.core_process", "--connect", address,
+        cmd = [sys.executable, "-m", "engine.process.core", "--connect", address,
                "--core-index", str(core.index), "--local-index", str(core.index),
                "--local-size", str(self.local),
-               "--config-json", config_to_json(self.config), "--parent-pid", str(os.getpid())]
+               "--config-json", self.config.to_json(), "--parent-pid", str(os.getpid())]
         if self.verbose or logger.isEnabledFor(logging.INFO):
             cmd.append("--verbose")
         env = {**os.environ, SECRET_ENV: self.secret.decode()}

@@ -9,7 +9,7 @@ Lifetimes, outermost first::
 The first signal stops accepting connections and gives in-flight requests
 ``--shutdown-timeout`` seconds to finish; then hypercorn cancels them (each abort frees its
 KV blocks), the engine closes, "shut down cleanly" is logged and the process exits 0 at
-once (:func:`engine.__main__._exit_now`). A second signal cancels at once.
+once (:func:`engine.cli._exit_now`). A second signal cancels at once.
 """
 
 from __future__ import annotations
@@ -22,13 +22,11 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
 
+from engine.api import open_engine
 from engine.chat.reasoning import REASONING_PARSERS
 from engine.chat.request import (
     DEFAULT_MAX_TOOL_SCHEMA_BYTES,
@@ -37,11 +35,19 @@ from engine.chat.request import (
     load_chat_template,
 )
 from engine.chat.tool_parsers import TOOL_PARSERS
-from engine.config import VLLM_SERVE_FLAGS, add_engine_arguments, config_from_args
+from engine.cli.args import VLLM_SERVE_FLAGS, add_engine_arguments, config_from_args
 from engine.errors import ConfigError, EngineError
-from engine.http import edge, h2c
+from engine.http import edge
 from engine.http.app import DEFAULT_MAX_REQUEST_BYTES, create_app
 from engine.http.metrics import METRIC_PREFIXES
+from engine.http.server import (
+    bind_socket,
+    bind_unix_socket,
+    check_edge_limits,
+    check_tls,
+    serve_app,
+)
+from engine.process.core import run_headless
 
 logger = logging.getLogger("engine.http")
 
@@ -224,7 +230,7 @@ def allowed_origins(args: argparse.Namespace) -> tuple[str, ...]:
 def run_serve(args: argparse.Namespace) -> int:
     """Run the server until SIGINT/SIGTERM; return the process exit status."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # engine/__main__.py may have configured the root logger already; the flag wins.
+    # engine.cli.main may have configured the root logger already; the flag wins.
     logging.getLogger().setLevel(args.log_level.upper())
     for note in getattr(args, "vllm_no_ops", ()):
         logger.info("%s", note)
@@ -243,7 +249,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 1
     if status == 0:
         # Outside the trio run: the server, the engine and every request are gone, and
-        # ``python -m engine serve`` exits right after this line (engine.__main__._exit_now)
+        # ``python -m engine serve`` exits right after this line (engine.cli._exit_now)
         # without waiting on worker threads left behind.
         logger.info("shut down cleanly")
     return status
@@ -296,8 +302,6 @@ def chat_settings(args: argparse.Namespace) -> ChatSettings:
 
 
 async def _headless(args: argparse.Namespace) -> int:
-    from engine.core_process import run_headless
-
     config = config_from_args(args)
     secret = data_parallel_secret(args)
     if not secret:
@@ -309,8 +313,6 @@ async def _headless(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    import engine.api
-
     # Everything the flags alone decide is checked before the model loads, the port too.
     config = config_from_args(args)
     settings = chat_settings(args)
@@ -323,7 +325,7 @@ async def _serve(args: argparse.Namespace) -> int:
             trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         t0 = time.monotonic()
         with _LoadProgress() as progress:
-            async with engine.api.open_engine(config=config, core_secret=secret) as eng:
+            async with open_engine(config=config, core_secret=secret) as eng:
                 progress.close()
                 logger.info("engine ready: %s, max_model_len %d (%.2f s)", eng.model_name,
                             eng.max_model_len, time.monotonic() - t0)
@@ -394,120 +396,6 @@ async def _cancel_on_second_signal(signals: Any, scope: trio.CancelScope) -> Non
                        signal.Signals(signum).name)
         scope.cancel()
         return
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (``port=0``: a free one), for :func:`serve_app`.
-
-    ``serve`` binds it before the model loads, so a port in use is a one-line
-    :class:`ConfigError` rather than a failure after the whole load.
-    """
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        # As hypercorn sets them on the sockets it binds itself: a restarted server reuses
-        # its port while old connections sit in TIME_WAIT, and small SSE writes go at once.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
-                          field="port") from None
-    return sock
-
-
-@contextlib.contextmanager
-def bind_unix_socket(path: str) -> Any:
-    """A Unix domain socket bound at ``path`` (``--uds``), for :func:`serve_app`; the
-    file is removed when the server is done. A stale socket file (a server that died) is
-    replaced; anything else at ``path`` is a :class:`ConfigError`."""
-    import stat
-
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        pass
-    else:
-        if not stat.S_ISSOCK(mode):
-            raise ConfigError(f"--uds {path}: the path exists and is not a socket",
-                              field="uds")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
-        except OSError:
-            os.unlink(path)  # nobody listens: a dead server's socket file
-        else:
-            raise ConfigError(f"--uds {path}: another server is listening there", field="uds")
-        finally:
-            probe.close()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.bind(path)
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"cannot listen on {path}: {exc.strerror or exc}", field="uds") from None
-    try:
-        with sock:
-            yield sock
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-
-
-def check_edge_limits(send_timeout: float, h2_max_concurrent_streams: int) -> None:
-    """:class:`ConfigError` for a connection limit out of range."""
-    if not send_timeout > 0:
-        raise ConfigError(f"--send-timeout must be a positive number of seconds, got "
-                          f"{send_timeout}", field="send_timeout")
-    if h2_max_concurrent_streams < 1:
-        raise ConfigError(f"--h2-max-concurrent-streams must be at least 1, got "
-                          f"{h2_max_concurrent_streams}", field="h2_max_concurrent_streams")
-
-
-def check_tls(ssl_keyfile: str | None, ssl_certfile: str | None) -> None:
-    """HTTPS needs both files; :class:`ConfigError` for one alone."""
-    if bool(ssl_keyfile) != bool(ssl_certfile):
-        raise ConfigError("TLS needs both --ssl-keyfile and --ssl-certfile",
-                          field="ssl_certfile" if ssl_keyfile else "ssl_keyfile")
-
-
-async def serve_app(
-    app: Any, listener: socket.socket, *, shutdown_timeout: float,
-    shutdown_trigger: Callable[[], Awaitable[None]],
-    ssl_keyfile: str | None = None, ssl_certfile: str | None = None,
-    enable_h2c: bool = False,
-    h2_max_concurrent_streams: int = edge.H2_MAX_CONCURRENT_STREAMS,
-    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Serve ``app`` with hypercorn's trio worker on ``listener`` (from :func:`bind_socket`,
-    which it takes over) until ``shutdown_trigger`` returns.
-
-    ``task_status.started`` gets the bound URLs. After the trigger, new connections are
-    refused and in-flight requests get ``shutdown_timeout`` seconds before they are
-    cancelled. HTTP/2 in cleartext is served only with ``enable_h2c`` (:mod:`engine.http.h2c`).
-    A socket write waits at most the app's send timeout (``create_app``'s ``send_timeout``)
-    before the connection is closed.
-    """
-    check_tls(ssl_keyfile, ssl_certfile)
-    config = HypercornConfig()
-    config.graceful_timeout = shutdown_timeout
-    config.accesslog = None
-    # hypercorn serves HTTPS (and offers HTTP/2 through ALPN) when both are set.
-    config.keyfile = ssl_keyfile
-    config.certfile = ssl_certfile
-    edge.hypercorn_limits(config, h2_max_concurrent_streams=h2_max_concurrent_streams)
-    config.engine_send_timeout = getattr(app, "config", {}).get(
-        edge.SEND_TIMEOUT_CONFIG, edge.SEND_TIMEOUT_SECONDS)
-    edge.shield_hypercorn_close()
-    h2c.configure(config, enable_h2c=enable_h2c)
-    edge.patch_hypercorn_h2()
-    # Hypercorn's own "Running on" line duplicates ours; its errors still reach the log.
-    config.loglevel = "WARNING"
-    # hypercorn wraps the descriptor in a socket of its own and closes it when done:
-    # detached, ``listener`` no longer owns it, so it is closed exactly once.
-    config.bind = [f"fd://{listener.detach()}"]
-    await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger,
-                          task_status=task_status)
 
 
 class _LoadProgress:

@@ -171,3 +171,11 @@ def hello_mismatch(expected: CoreHello, got: CoreHello) -> str | None:
     diffs = [f"{name}: {getattr(expected, name)!r} here, {getattr(got, name)!r} from the core"
              for name in fields if getattr(expected, name) != getattr(got, name)]
     return "; ".join(diffs) or None
+
+
+async def connect(address: str) -> trio.abc.Stream:
+    """``unix:PATH`` or ``tcp:HOST:PORT`` (``HOST:PORT`` alone means TCP)."""
+    if address.startswith("unix:"):
+        return await trio.open_unix_socket(address.removeprefix("unix:"))
+    host, _, port = address.removeprefix("tcp:").rpartition(":")
+    return await trio.open_tcp_stream(host.strip("[]"), int(port))

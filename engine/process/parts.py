@@ -1,4 +1,6 @@
-"""Building an engine's parts before its actors start: model, tokenizer, KV pool, runner.
+"""Building an engine's parts before its actors start: model, tokenizer, KV pool, runner
+(rank 0's, driving the tensor-parallel workers when there are any), or a front end's parts
+from a remote core's hello.
 
 Blocking (seconds of loading and a warm-up step); :func:`engine.api.open_engine` runs
 :func:`build_parts` in a worker thread. Nothing here is an actor: the parts are handed to
@@ -17,9 +19,21 @@ from typing import Any
 
 import torch
 
+from engine.actors.parts import EngineParts
 from engine.config import EngineConfig
 from engine.core.admission import AdmissionLimits
-from engine.errors import ConfigError, ModelLoadError
+from engine.errors import ConfigError
+from engine.models.loader import EMBEDDING_MODEL_NAMES, _model_config
+from engine.models.pooling import PoolerConfig
+from engine.models.quantized import weight_bytes
+from engine.models.tokenizer import Tokenizer
+from engine.multimodal import ImagePreprocessor, MediaLimits
+from engine.parallel import SINGLE, TensorParallel
+from engine.parallel.shard import tensor_parallel_problem
+from engine.process.rank import RankLoad, build_rank_runner, load_rank
+from engine.process.workers import TensorParallelRunner, WorkerGroup
+from engine.runner.kv_cache import bytes_per_block, free_memory, num_kv_blocks
+from engine.structured import GrammarBackend
 
 logger = logging.getLogger("engine")
 
@@ -28,109 +42,12 @@ logger = logging.getLogger("engine")
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
-@dataclasses.dataclass(slots=True)
-class EngineParts:
-    """Everything built before the actors start (in a worker thread: loading is slow)."""
-
-    config: EngineConfig  # resolved: max_model_len and async_scheduling filled in
-    model_name: str
-    tokenizer: Any  # engine.models.tokenizer.Tokenizer
-    limits: AdmissionLimits
-    runner: Any  # engine.runner.model_runner.ModelRunner
-    num_blocks: int
-    grammar: Any = None  # engine.structured.GrammarBackend: compiles structured outputs
-    pooler: Any = None  # engine.models.pooling.PoolerConfig of a pooling model, else None
-    tokenizer_folder: Path | None = None  # where the tokenizer's files lie
-    dtype: str = ""  # the weights' and activations' dtype ("bfloat16")
-    quantization: str = "none"  # "gguf" when weights stay in their blocks
-    # A vision-language model's engine.multimodal.ImagePreprocessor; None: text only.
-    images: Any = None
-
-
-@dataclasses.dataclass(slots=True)
-class RankLoad:
-    """What one rank loads before its pool is sized: the model (whole: each rank's runner
-    keeps its slice), the tokenizer, the pooler and the grammar backend."""
-
-    path: Path
-    loaded: Any  # engine.models.loader.LoadedModel
-    tokenizer: Any
-    pooler: Any
-    eos_ids: tuple[int, ...]
-    grammar: Any
-    draft: Any = None  # speculative decoding's draft model (a LoadedModel), or None
-
-
-def load_rank(config: EngineConfig, device: torch.device) -> RankLoad:
-    """Load the model, tokenizer, pooler and grammar backend (blocking: seconds). Every
-    tensor-parallel rank runs this, so that each builds the same grammar matchers."""
-    from engine.models.loader import load_model, resolve_model
-    from engine.models.pooling import pooler_config
-    from engine.models.tokenizer import Tokenizer
-    from engine.structured import GrammarBackend
-
-    t0 = time.perf_counter()
-    path = resolve_model(config.model)
-    load_device, dtype, ops_backend = device, config.dtype, config.ops_backend
-    if config.tensor_parallel_size > 1 and device.type == "cuda":
-        # The whole model may not fit one device: load on the host, in the layout and
-        # dtype of the rank's device; the runner moves only the rank's cut there.
-        from engine.ops import resolve_backend
-
-        load_device, ops_backend = torch.device("cpu"), resolve_backend(config.ops_backend, device)
-        if dtype == "auto" and path.suffix == ".gguf":
-            dtype = "bfloat16"  # what a GGUF loads as on CUDA
-    loaded = load_model(path, dtype=dtype, device=load_device, quantization=config.quantization,
-                        ops_backend=ops_backend)
-    t1 = time.perf_counter()
-    logger.info("loaded %s (%s, %s) in %.2f s", path, loaded.config.architecture, loaded.dtype, t1 - t0)
-    tokenizer = Tokenizer.from_folder(loaded.folder)
-    logger.info("tokenizer ready in %.2f s", time.perf_counter() - t1)
-    pooler = pooler_config(loaded.config, loaded.folder, runner=config.runner, convert=config.convert,
-                           pooling_type=config.pooling_type, normalize=config.pooling_normalize)
-    draft = _load_draft(config, loaded, tokenizer, pooler, load_device)
-    if loaded.config.is_encoder:
-        loaded = _with_sep(loaded, tokenizer)
-    eos_ids = _eos_ids(loaded, tokenizer)
-    # Built once here: the grammar backends read every vocabulary entry's bytes. A pooling
-    # model samples nothing, so it needs none.
-    grammar = None if pooler is not None else GrammarBackend(
-        tokenizer, vocab_size=loaded.config.vocab_size, stop_token_ids=eos_ids,
-        backend=config.structured_outputs_backend)
-    return RankLoad(path, loaded, tokenizer, pooler, eos_ids, grammar, draft)
-
-
-def build_rank_runner(config: EngineConfig, load: RankLoad, device: torch.device,
-                      num_blocks: int, tp: Any = None) -> Any:
-    """The rank's :class:`~engine.runner.model_runner.ModelRunner` over ``num_blocks`` KV
-    blocks; ``tp`` (engine.parallel.TensorParallel) names its slice of the model."""
-    from engine.ops import get_ops
-    from engine.parallel import SINGLE
-    from engine.runner.model_runner import ModelRunner
-
-    return ModelRunner(
-        load.loaded,
-        device=device,
-        ops=get_ops(config.ops_backend, device),
-        num_blocks=num_blocks,
-        block_size=config.block_size,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_num_seqs=config.max_num_seqs,
-        seed=config.seed,
-        kv_cache_dtype=config.kv_cache_dtype,
-        grammar=load.grammar,
-        pooler=load.pooler,
-        tp=tp if tp is not None else SINGLE,
-        draft=load.draft,
-    )
-
-
 def build_parts(config: EngineConfig) -> EngineParts:
     """Load the model and tokenizer, size the KV pool, build the model runner.
 
     Blocking (seconds); the API runs it in a worker thread. Each phase is logged with
     its time on the ``engine`` logger. With ``tensor_parallel_size`` N above 1 the runner
-    is rank 0's, driving N - 1 workers (:mod:`engine.parallel.workers`) that load the
+    is rank 0's, driving N - 1 workers (:mod:`engine.process.workers`) that load the
     model while this process does.
     """
     device = _device(config.device)
@@ -145,8 +62,6 @@ def build_parts(config: EngineConfig) -> EngineParts:
     group = None
     load = load_rank(config, device)
     if config.tensor_parallel_size > 1:
-        from engine.parallel.workers import WorkerGroup
-
         # Refused before any worker starts; the workers load the model while rank 0
         # sizes its pool and builds its runner.
         _refuse_unsplittable(load.loaded.config, config.tensor_parallel_size)
@@ -161,12 +76,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
 
 def _build_parts(config: EngineConfig, device: torch.device, load: RankLoad,
                  group: Any) -> EngineParts:
-    from engine.runner.kv_cache import num_kv_blocks
-
     loaded, tokenizer, pooler = load.loaded, load.tokenizer, load.pooler
     t2 = time.perf_counter()
-    from engine.parallel import SINGLE, TensorParallel
-
     tp = SINGLE
     if group is not None:
         group.init_rank0()
@@ -177,10 +88,7 @@ def _build_parts(config: EngineConfig, device: torch.device, load: RankLoad,
         config, num_blocks = _size_kv_pool(config, loaded, device, num_kv_blocks, pooler, tp, load.draft)
     runner = build_rank_runner(config, load, device, num_blocks, tp)
     if group is not None:
-        from engine.core_process import config_to_json
-        from engine.parallel.workers import TensorParallelRunner
-
-        group.build(config_to_json(config), num_blocks)
+        group.build(config.to_json(), num_blocks)
         runner = TensorParallelRunner(runner, group)
     t3 = time.perf_counter()
     _log_weight_bytes(loaded, runner)
@@ -213,8 +121,6 @@ def _build_parts(config: EngineConfig, device: torch.device, load: RankLoad,
 def _refuse_unsplittable(model_config: Any, world_size: int) -> None:
     """A model whose layers cannot be split over ``world_size`` ranks is refused here, at
     startup, with the tensor-parallel model code's reason."""
-    from engine.parallel.shard import tensor_parallel_problem
-
     reason = tensor_parallel_problem(model_config, world_size)
     if reason:
         raise ConfigError(reason, field="tensor_parallel_size")
@@ -225,8 +131,6 @@ def image_preprocessor(config: EngineConfig, model_config: Any, folder: Path, to
     vision = model_config.vision
     if vision is None:
         return None
-    from engine.multimodal import ImagePreprocessor, MediaLimits
-
     token = tokenizer.convert_ids_to_tokens([vision.image_token_id])[0]
     if token is None:
         raise ConfigError(f"the tokenizer has no image token (id {vision.image_token_id})",
@@ -255,66 +159,8 @@ def image_preprocessor(config: EngineConfig, model_config: Any, folder: Path, to
                              num_image_tokens=vision.num_image_tokens, limits=limits)
 
 
-def _load_draft(config: EngineConfig, loaded: Any, tokenizer: Any, pooler: Any,
-                device: torch.device) -> Any:
-    """The draft model of ``--speculative-config`` method ``draft_model`` (loaded as the
-    target is), or ``None``; :class:`ConfigError` naming ``speculative_config`` for a draft
-    the engine cannot pair with the target: another vocabulary (size or any token string),
-    a model kind it cannot run as a draft, or a window shorter than what it would read."""
-    spec = config.speculative
-    if spec is None or spec.method != "draft_model":
-        return None
-    from engine.models.loader import load_model, resolve_model
-    from engine.models.tokenizer import Tokenizer
-
-    def bad(message: str) -> ConfigError:
-        return ConfigError(f"speculative_config: {message}", field="speculative_config")
-
-    target = loaded.config
-    if config.tensor_parallel_size > 1:
-        raise bad("draft_model is not supported with tensor_parallel_size above 1")
-    if pooler is not None or target.is_encoder or target.vision is not None:
-        raise bad("draft_model needs a text-generating target (not a pooling, encoder or "
-                  "vision model)")
-    t0 = time.perf_counter()
-    try:
-        path = resolve_model(spec.model)
-        draft = load_model(path, dtype=spec.dtype or config.dtype, device=device,
-                           quantization=spec.quantization or config.quantization,
-                           ops_backend=config.ops_backend)
-    except (ModelLoadError, ConfigError, ValueError, OSError) as exc:
-        raise bad(f"model {spec.model!r} cannot be loaded as the draft: {exc}") from exc
-    if draft.config.is_encoder or draft.config.vision is not None:
-        raise bad(f"model {spec.model!r} ({draft.config.architecture}) cannot run as a draft: "
-                  "it must be a text-only decoder")
-    if draft.config.vocab_size != target.vocab_size:
-        raise bad(f"model {spec.model!r} has a vocabulary of {draft.config.vocab_size} tokens, "
-                  f"the target {target.vocab_size}: a draft must share the target's vocabulary")
-    draft_tokenizer = Tokenizer.from_folder(draft.folder)
-    ids = range(target.vocab_size)
-    mine, theirs = tokenizer.convert_ids_to_tokens(ids), draft_tokenizer.convert_ids_to_tokens(ids)
-    differ = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b), None)
-    if differ is not None:
-        raise bad(f"model {spec.model!r}: token {differ} is {theirs[differ]!r} in the draft's "
-                  f"tokenizer and {mine[differ]!r} in the target's: a draft must share the "
-                  "target's vocabulary")
-    # The scheduler gives back blocks before the target's window; a draft layer that sees
-    # further back would read them after they are reused.
-    window = target.released_window
-    if window and not (all(draft.config.layer_windows)
-                       and max(draft.config.layer_windows) <= window):
-        raise bad(f"model {spec.model!r} attends further back than the target's sliding "
-                  f"window of {window} tokens, whose older KV blocks are given back")
-    logger.info("draft model %s (%s, %s) loaded in %.2f s; %d tokens proposed a step", path,
-                draft.config.architecture, draft.dtype, time.perf_counter() - t0,
-                spec.num_speculative_tokens)
-    return draft
-
-
 def _log_kv_pool(config: EngineConfig, loaded: Any, device: torch.device, num_blocks: int,
                  seconds: float, tp: Any, draft: Any = None) -> None:
-    from engine.runner.kv_cache import bytes_per_block
-
     logger.info(
         "KV pool: %d blocks of %d tokens (%d tokens, %s, %.0f MiB%s), max_model_len %d; "
         "runner built in %.2f s",
@@ -343,12 +189,7 @@ def build_front_parts(config: EngineConfig, hello: Any) -> EngineParts:
     Blocking (the tokenizer and the grammar backend read the vocabulary); run it in a
     worker thread. ``config`` takes the core's resolved fields (max_model_len, async
     scheduling) so that the front end reports what the cores run."""
-    from engine.core_process import config_from_json
-    from engine.models.pooling import PoolerConfig
-    from engine.models.tokenizer import Tokenizer
-    from engine.structured import GrammarBackend
-
-    core_config = config_from_json(hello.config_json)
+    core_config = EngineConfig.from_json(hello.config_json)
     pooler = None
     if hello.pooler_json:
         fields = json.loads(hello.pooler_json)
@@ -366,8 +207,6 @@ def build_front_parts(config: EngineConfig, hello: Any) -> EngineParts:
                              max_queued_requests=config.max_queued_requests, eos_token_ids=eos_ids,
                              special_token_ids=frozenset(tokenizer.skipped_special_ids))
     folder = Path(hello.tokenizer_folder)
-    from engine.models.loader import _model_config
-
     model_config = _model_config(folder / "config.json") if (folder / "config.json").is_file() else None
     images = image_preprocessor(config, model_config, folder, tokenizer) if model_config else None
     return EngineParts(config, hello.served_model_name, tokenizer, limits, None,
@@ -376,8 +215,6 @@ def build_front_parts(config: EngineConfig, hello: Any) -> EngineParts:
 
 
 def _log_weight_bytes(loaded: Any, runner: Any) -> None:
-    from engine.models.quantized import weight_bytes
-
     resident = weight_bytes(runner.model)
     base = loaded.file_tensor_bytes
     ratio = f" = {resident / base:.2f}x the file's {base / 2**20:.1f} MiB of tensor data" if base else ""
@@ -389,12 +226,6 @@ def _device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
-
-
-def _with_sep(loaded: Any, tokenizer: Any) -> Any:
-    """The loaded encoder with its [SEP] id, which marks where a pair's segment B starts."""
-    sep = tokenizer.token_to_id("[SEP]")
-    return dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, sep_token_id=sep))
 
 
 def _model_max_len(loaded: Any, pooler: Any) -> int:
@@ -442,8 +273,6 @@ def _size_kv_pool(
     # to fit it. An explicit length must fit whole (num_kv_blocks raises otherwise).
     budget = config.kv_cache_memory
     if draft is not None:
-        from engine.runner.kv_cache import bytes_per_block, free_memory
-
         mine, theirs = (bytes_per_block(m.config, m.dtype, config.block_size,
                                         kv_cache_dtype=config.kv_cache_dtype) for m in (loaded, draft))
         total = int(free_memory(device) * budget) if isinstance(budget, float) else int(budget)
@@ -457,21 +286,11 @@ def _size_kv_pool(
     return dataclasses.replace(config, max_model_len=max_len), blocks
 
 
-def _eos_ids(loaded: Any, tokenizer: Any) -> tuple[int, ...]:
-    """EOS ids of the tokenizer, the model config and generation_config.json, merged."""
-    ids = set(tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids)
-    gen = loaded.generation_config.get("eos_token_id")
-    ids |= set(gen) if isinstance(gen, list) else ({gen} if isinstance(gen, int) else set())
-    return tuple(sorted(ids))
-
-
 def _model_name(model: str | None, path: Path) -> str:
     # The default model goes by the name the docs and clients use, not its file's
     # (SmolLM2-135M-Instruct.Q4_1: the quantization is no part of the model's name).
     if model is None:
         return DEFAULT_SERVED_MODEL_NAME
-    from engine.models.loader import EMBEDDING_MODEL_NAMES
-
     if model in EMBEDDING_MODEL_NAMES and not Path(model).exists():
         return model  # the packaged embedder, under the name it was asked for
     path = Path(path)

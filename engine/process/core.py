@@ -1,7 +1,7 @@
 """An engine core in a process of its own: scheduler, KV allocator and executor.
 
-Started by a front end (:class:`engine.actors.cores.CorePool`) as
-``python -m engine.core_process --connect unix:PATH --core-index I --config-json ...``, or
+Started by a front end (:class:`engine.process.cores.CorePool`) as
+``python -m engine.process.core --connect unix:PATH --core-index I --config-json ...``, or
 on another machine by ``python -m engine serve --headless --data-parallel-address
 HOST:PORT``. It loads the model, connects to its front end, answers the authentication
 challenge with the shared secret (``ENGINE_CORE_SECRET``, hex, read here at the edge),
@@ -26,13 +26,20 @@ import logging
 import math
 import os
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import trio
 
-from engine.corewire import FrameStream, WireError, answer_challenge
+from engine._version import VERSION
+from engine.actors.allocator import KVAllocator
+from engine.actors.executor import Executor
+from engine.actors.model_thread import run_in_model_thread
+from engine.actors.scheduler import SchedulerActor
+from engine.config import EngineConfig, parse_address
+from engine.core import admission
+from engine.core.block_pool import BlockPool
+from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.messages import (
     AbortSamples,
     AdmittedRequest,
@@ -42,31 +49,11 @@ from engine.messages import (
     DetokenizerRequest,
     StopStringHit,
 )
-from engine.model_thread import run_in_model_thread
+from engine.process.parts import build_parts
+from engine.process.spawn import SECRET_ENV, exit_with_parent
+from engine.process.wire import FrameStream, WireError, answer_challenge, connect
 
 logger = logging.getLogger("engine")
-
-SECRET_ENV = "ENGINE_CORE_SECRET"
-# How often a spawned core checks that its front end still lives (a front end killed while
-# the core loads has no connection yet whose closing would tell it).
-PARENT_POLL_SECONDS = 0.5
-
-
-def engine_version() -> str:
-    from engine.__main__ import _version
-
-    return _version()
-
-
-def config_to_json(config: Any) -> str:
-    return json.dumps({f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
-
-
-def config_from_json(text: str) -> Any:
-    from engine.config import EngineConfig
-
-    return EngineConfig(**json.loads(text))
-
 
 def core_placement(config: Any, local_index: int, local_size: int) -> Any:
     """The config a core runs with, the ``local_index``-th of ``local_size`` cores on this
@@ -91,29 +78,19 @@ def core_placement(config: Any, local_index: int, local_size: int) -> Any:
 def hello_for(parts: Any, core_index: int) -> CoreHello:
     config = parts.config
     return CoreHello(
-        version=engine_version(), core_index=core_index, pid=os.getpid(),
+        version=VERSION, core_index=core_index, pid=os.getpid(),
         model=str(config.model), served_model_name=parts.model_name,
         tokenizer_folder=str(parts.tokenizer_folder), max_model_len=parts.limits.max_model_len,
         vocab_size=parts.limits.vocab_size, block_size=config.block_size,
         eos_token_ids=tuple(parts.limits.eos_token_ids), num_blocks=parts.num_blocks,
         dtype=parts.dtype, quantization=parts.quantization,
-        config_json=config_to_json(config),
+        config_json=config.to_json(),
         pooler_json=json.dumps(dataclasses.asdict(parts.pooler)) if parts.pooler else "",
     )
 
 
-async def connect(address: str) -> trio.abc.Stream:
-    """``unix:PATH`` or ``tcp:HOST:PORT`` (``HOST:PORT`` alone means TCP)."""
-    if address.startswith("unix:"):
-        return await trio.open_unix_socket(address.removeprefix("unix:"))
-    host, _, port = address.removeprefix("tcp:").rpartition(":")
-    return await trio.open_tcp_stream(host.strip("[]"), int(port))
-
-
 async def serve_core(config: Any, address: str, secret: bytes, core_index: int) -> None:
     """Load, connect, handshake, then run the core's actors until the front end leaves."""
-    from engine.loading import build_parts
-
     parts = await run_in_model_thread(build_parts, config)
     try:
         frames = FrameStream(await connect(address))
@@ -135,13 +112,6 @@ async def serve_core(config: Any, address: str, secret: bytes, core_index: int) 
 async def run_core_actors(parts: Any, frames: FrameStream) -> None:
     """The scheduler, KV-allocator and executor actors of :func:`engine.actors.system.run_actors`,
     fed from and answering to ``frames``. Returns when the peer closes the connection."""
-    from engine.actors.allocator import KVAllocator
-    from engine.actors.executor import Executor
-    from engine.actors.scheduler import SchedulerActor
-    from engine.core import admission
-    from engine.core.block_pool import BlockPool
-    from engine.core.scheduler import Scheduler, SchedulerConfig
-
     config = parts.config
     # math.inf: as in run_actors, the inbox closes the executor's cycle and takes the
     # bridge's messages without blocking; admission control in the front end bounds it.
@@ -236,30 +206,11 @@ async def run_core_actors(parts: Any, frames: FrameStream) -> None:
             await nursery.start(bridge_in, nursery.cancel_scope)
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """Exit at once when the parent process is gone (its pid is no longer our parent).
-
-    A daemon thread polls ``getppid`` rather than asking for ``PR_SET_PDEATHSIG``: Linux
-    sends that signal when the *thread* that forked us exits, and trio forks from a
-    worker thread that its thread cache retires after a few idle seconds.
-    """
-    import threading
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(PARENT_POLL_SECONDS)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
 async def run_headless(config: Any, secret: bytes) -> int:
     """``serve --headless``: start this machine's engine cores (ranks
     ``data_parallel_start_rank`` on) and let each connect to the front end at
     ``data_parallel_address``; return when they have all exited (their front end closed
     the link) or on SIGINT/SIGTERM, which stops them. Returns the worst exit status."""
-    from engine.config import parse_address
-
     if config.data_parallel_address is None:
         raise ValueError("--headless needs --data-parallel-address HOST:PORT of the front end")
     host, port = parse_address(config.data_parallel_address)
@@ -272,10 +223,10 @@ async def run_headless(config: Any, secret: bytes) -> int:
     statuses: list[int] = []
     async with trio.open_nursery() as nursery:
         async def one(rank: int, local_index: int) -> None:
-            cmd = [sys.executable, "-m", "engine.core_process", "--connect",
+            cmd = [sys.executable, "-m", "engine.process.core", "--connect",
                    f"tcp:{host}:{port}", "--core-index", str(rank),
                    "--local-index", str(local_index), "--local-size", str(local),
-                   "--config-json", config_to_json(config), "--parent-pid", str(os.getpid())]
+                   "--config-json", config.to_json(), "--parent-pid", str(os.getpid())]
             if logger.isEnabledFor(logging.INFO):
                 cmd.append("--verbose")
             done = await trio.run_process(cmd, env=env, check=False)
@@ -299,7 +250,7 @@ async def run_headless(config: Any, secret: bytes) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.core_process")
+    parser = argparse.ArgumentParser(prog="python -m engine.process.core")
     parser.add_argument("--connect", required=True, help="unix:PATH or tcp:HOST:PORT")
     parser.add_argument("--core-index", type=int, default=0)
     parser.add_argument("--local-index", type=int, default=0,
@@ -313,12 +264,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(stream=sys.stderr, level=logging.INFO if args.verbose else logging.WARNING,
                         format=f"%(asctime)s core{args.core_index} %(levelname)s %(message)s")
     if args.parent_pid:
-        _exit_with_parent(args.parent_pid)
+        exit_with_parent(args.parent_pid)
     secret = os.environ.get(SECRET_ENV, "").encode()
     if not secret:
         print(f"error: {SECRET_ENV} is not set", file=sys.stderr)
         return 2
-    config = core_placement(config_from_json(args.config_json), args.local_index,
+    config = core_placement(EngineConfig.from_json(args.config_json), args.local_index,
                             args.local_size)
     status = 0
     try:

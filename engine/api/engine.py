@@ -13,33 +13,36 @@ The contract is written down in ``docs/architecture.md`` ("Actors and the embedd
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import trio
 
 from engine import multimodal
+from engine.actors.model_thread import run_in_model_thread
+from engine.actors.parts import EngineParts
 from engine.actors.router import OutputMailbox
-from engine.actors.system import ActorHandles, EngineStatistics, run_actors
+from engine.actors.system import (
+    ActorHandles,
+    EngineStatistics,
+    combined_statistics,
+    run_actors,
+)
+from engine.api.streams import RequestStream, _Generation
 from engine.chat import session as chat_session
 from engine.chat.request import TemplateOptions
 from engine.chat.session import ChatChunk, ChatResult
 from engine.config import EngineConfig
 from engine.core import admission, pooling
 from engine.core.pooling import Pooled
-from engine.errors import ConfigError, EngineDeadError, InvalidParamError, RequestFailedError
-from engine.loading import EngineParts, build_parts
-from engine.messages import RequestOutput
-from engine.model_thread import run_in_model_thread
+from engine.errors import EngineDeadError, InvalidParamError, RequestFailedError
 from engine.models.chat_sandbox import RenderBudget
 from engine.params import SamplingParams, generation_defaults
+from engine.process.workers import WorkerLostError
 from engine.structured import StructuredStatistics
 from engine.structured.pool import CompilePool
 
@@ -79,154 +82,6 @@ async def tokenize_prompt(
         budget.cancel()
 
 
-class RequestStream:
-    """The outputs of one submitted request: an async iterator of :class:`RequestOutput`.
-
-    Use it as an async context manager (or call :meth:`aclose`): leaving before the last
-    output aborts the request and frees its KV blocks. With ``n > 1`` every sample's
-    outputs come through this one stream, tagged with ``.index``; the stream ends once all
-    samples have finished. If the engine dies, iteration raises :class:`EngineDeadError`;
-    if the request fails inside the engine (see ``StepResult.failed``), it raises
-    :class:`RequestFailedError` and the engine goes on.
-    """
-
-    def __init__(self, engine: Engine, mailbox: OutputMailbox) -> None:
-        self._engine = engine
-        self._mailbox = mailbox
-        self._closed = False
-        self.request_id = mailbox.request_id
-        self.prompt_token_ids: tuple[int, ...] = mailbox.prompt_token_ids
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._closed:
-            raise StopAsyncIteration
-        try:
-            return await self._mailbox.receive()
-        except (StopAsyncIteration, EngineDeadError, RequestFailedError):
-            self._closed = True
-            raise
-
-    async def aclose(self) -> None:
-        """Stop reading; aborts the request if it has not finished."""
-        self._release()
-        await trio.lowlevel.checkpoint()
-
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self._release()
-
-    def _release(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._engine._drop(self._mailbox)
-
-    def __del__(self) -> None:
-        # A stream dropped mid-way (a consumer that broke out of its loop without closing)
-        # must not keep its blocks: schedule the abort on the trio thread, which is safe
-        # from whatever thread the garbage collector runs in.
-        if not getattr(self, "_closed", True):
-            self._closed = True
-            self._engine._drop_soon(self._mailbox)
-
-
-class StreamLike(Protocol):
-    """What the HTTP layer uses of a :class:`RequestStream`."""
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-
-    def __aiter__(self) -> StreamLike: ...
-
-    async def __anext__(self) -> RequestOutput: ...
-
-    async def __aenter__(self) -> StreamLike: ...
-
-    async def __aexit__(self, *exc_info: object) -> None: ...
-
-
-class EngineLike(Protocol):
-    """What the HTTP layer uses of an :class:`Engine` (the HTTP tests' fake implements it)."""
-
-    config: EngineConfig
-    model_name: str
-    tokenizer: Any  # engine.models.tokenizer.Tokenizer
-    max_model_len: int
-    sampling_defaults: dict[str, Any]
-    dead: bool
-    dead_reason: BaseException | None
-    restarting: bool  # the actors are restarting after a crash (/health answers 503)
-    restarts: int  # in-place restarts so far (engine:engine_restarts_total)
-    # A pooling model's PoolerConfig (task "embed" or "classify"); None: it generates.
-    pooler: Any
-
-    async def submit(
-        self,
-        prompt: str | Sequence[int] | Sequence[dict[str, Any]],
-        params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        chat_options: TemplateOptions | None = None,
-    ) -> StreamLike: ...
-
-    def abort(self, request_id: str) -> None: ...
-
-    async def tokenize_chat(self, messages: Sequence[dict[str, Any]],
-                            chat_options: TemplateOptions | None = None) -> tuple[int, ...]: ...
-
-    async def embed(
-        self, input: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]], *,
-        dimensions: int | None = None, truncate_prompt_tokens: int | None = None,
-        request_id: str | None = None, priority: int = 0,
-    ) -> list[Pooled]: ...
-
-    async def score(
-        self, first: str | Sequence[str], second: str | Sequence[str], *,
-        truncate_prompt_tokens: int | None = None, request_id: str | None = None,
-        priority: int = 0,
-    ) -> list[tuple[float, int]]: ...
-
-    def statistics(self) -> EngineStatistics: ...
-
-    def core_statistics(self) -> list[tuple[int, EngineStatistics]]: ...
-
-    def structured_statistics(self) -> StructuredStatistics | None: ...
-
-
-class _Generation:
-    """``Engine.generate``'s iterator: submits on first iteration, then streams."""
-
-    def __init__(self, engine: Engine, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self._engine = engine
-        self._args = args
-        self._kwargs = kwargs
-        self._stream: RequestStream | None = None
-
-    def __aiter__(self) -> _Generation:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._stream is None:
-            self._stream = await self._engine.submit(*self._args, **self._kwargs)
-        return await self._stream.__anext__()
-
-    async def aclose(self) -> None:
-        if self._stream is not None:
-            await self._stream.aclose()
-
-    async def __aenter__(self) -> _Generation:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-
 class Engine:
     """A running engine: submit requests, read statistics, abort. Made by :func:`open_engine`.
 
@@ -258,7 +113,7 @@ class Engine:
         self._dead_event = trio.Event()
         self._parts = parts
         self._handles: ActorHandles | None = None
-        self._pool: Any = None  # engine.actors.cores.CorePool when the cores run apart
+        self._pool: Any = None  # engine.process.cores.CorePool when the cores run apart
         self._token = trio.lowlevel.current_trio_token()
         config = parts.config
         self._compiles = (CompilePool(
@@ -556,8 +411,6 @@ class Engine:
         since it (re)started reports zeros."""
         if self._pool is None:
             return [(0, self.statistics())]
-        from engine.actors.system import combined_statistics
-
         idle = self._parts.num_blocks
         return [(index, combined_statistics([s] if s is not None else [],
                                             waiting=s.waiting if s is not None else 0,
@@ -663,8 +516,6 @@ class Engine:
 
     def _fail_in_flight(self, crash: BaseException) -> None:
         if self._handles is not None:
-            from engine.parallel.workers import WorkerLostError
-
             if isinstance(crash, WorkerLostError):
                 error = EngineDeadError(f"{crash}; the engine is restarting")
             else:
@@ -707,137 +558,3 @@ def _leaves(exc: BaseException) -> Any:
             yield from _leaves(inner)
     else:
         yield exc
-
-
-async def _start_front_end(nursery: trio.Nursery, config: EngineConfig,
-                           core_secret: bytes | None) -> Engine:
-    """Start the engine cores (processes of their own), then the front end's actors."""
-    from engine.actors.cores import CorePool
-    from engine.actors.system import run_front_actors
-    from engine.config import parse_address
-    from engine.loading import build_front_parts
-
-    listen = None
-    if config.data_parallel_address is not None:
-        if not core_secret:
-            raise ConfigError("cores on other machines need a shared secret "
-                              "($ENGINE_DP_SECRET or --data-parallel-secret-file)",
-                              field="data_parallel_address")
-        listen = parse_address(config.data_parallel_address)
-    # Buffer 0: each core's reader hands the detokenizer a step's outputs and waits for it.
-    detok_send, detok_recv = trio.open_memory_channel[Any](0)
-    pool = CorePool(config, to_detokenizer=detok_send,
-                    data_parallel_size=config.data_parallel_size,
-                    routing=config.data_parallel_routing, listen_tcp=listen,
-                    local_cores=config.data_parallel_size_local, secret=core_secret)
-    hello = await nursery.start(pool.run)
-    parts = await trio.to_thread.run_sync(build_front_parts, config, hello)
-    engine = Engine(parts)
-    engine._pool = pool
-
-    def allow_restart() -> bool:
-        if engine.dead or engine.restarts >= engine.config.max_engine_restarts:
-            return False
-        engine.restarts += 1
-        return True
-
-    def on_state(serving: int) -> None:
-        if engine.dead:
-            return
-        engine.restarting = serving == 0
-        if serving == 0 and not any(c.state.value in ("starting", "restarting")
-                                    for c in pool._cores):
-            engine._die(EngineDeadError("every engine core is down"))
-
-    pool.allow_restart = allow_restart
-    pool.on_state = on_state
-
-    async def run_front(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        def ready(handles: ActorHandles) -> None:
-            engine._handles = handles
-            task_status.started()
-
-        try:
-            await run_front_actors(parts, pool, detok_recv, ready=ready)
-        finally:
-            pool.stopping()
-
-    await nursery.start(run_front)
-    return engine
-
-
-def _config(model: str | None, config: EngineConfig | None, options: dict[str, Any]) -> EngineConfig:
-    if config is not None:
-        if options:
-            config = dataclasses.replace(config, **options)
-        if model is not None:
-            config = dataclasses.replace(config, model=model)
-        return config
-    names = {f.name for f in dataclasses.fields(EngineConfig)}
-    unknown = sorted(set(options) - names)
-    if unknown:
-        raise ConfigError(f"unknown engine option(s): {', '.join(unknown)}", field=unknown[0])
-    return EngineConfig(model=model, **options)
-
-
-@asynccontextmanager
-async def open_engine(
-    model: str | Path | None = None, *, config: EngineConfig | None = None,
-    core_secret: bytes | None = None, **options: Any
-) -> AsyncIterator[Engine]:
-    """Load a model, start the engine's actors, and yield the :class:`Engine`.
-
-    ``model`` is a Hugging Face folder or a ``.gguf`` file (None: the default SmolLM2);
-    ``options`` are :class:`EngineConfig` fields (``dtype="float32"``, ``max_num_seqs=8``,
-    ``kv_cache_memory=...``). Loading runs in a worker thread. Leaving the block stops every
-    actor; streams still open then raise ``EngineDeadError("engine closed")``.
-
-    With ``engine_core="process"`` or ``data_parallel_size > 1`` the scheduler, KV pool
-    and executor run in engine-core processes this block owns (see
-    :mod:`engine.actors.cores`); ``core_secret`` is the shared secret that cores started on
-    other machines (``data_parallel_address``) must prove they know.
-    """
-    resolved = _config(str(model) if model is not None else None, config, options)
-    parts: EngineParts | None = None
-    try:
-        async with trio.open_nursery() as nursery:
-            if resolved.core_in_process:
-                parts = await run_in_model_thread(build_parts, resolved)
-                engine = Engine(parts)
-                await nursery.start(engine._run)
-            else:
-                engine = await _start_front_end(nursery, resolved, core_secret)
-            try:
-                yield engine
-            finally:
-                engine._die(EngineDeadError("engine closed"))
-                nursery.cancel_scope.cancel()
-                if engine._compiles is not None:
-                    await engine._compiles.aclose()  # kills compiles still running
-    except BaseExceptionGroup as group:
-        # The actors never raise into this nursery (a crash marks the engine dead), so a
-        # group of one holds what the caller's own block raised (or a startup failure):
-        # give it back unwrapped, as if no nursery were there.
-        if len(group.exceptions) == 1:
-            only = group.exceptions[0]
-            raise only from only.__cause__
-        raise
-    finally:
-        # The actors have stopped (no step runs): stop what the runner started (the
-        # tensor-parallel workers).
-        close = getattr(parts.runner, "close", None) if parts is not None else None
-        if close is not None:
-            with trio.CancelScope(shield=True):
-                await run_in_model_thread(close)
-
-
-__all__ = [
-    "Engine",
-    "EngineLike",
-    "EngineStatistics",
-    "Pooled",
-    "RequestOutput",
-    "RequestStream",
-    "StreamLike",
-    "open_engine",
-]

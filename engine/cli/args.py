@@ -1,0 +1,144 @@
+"""The engine's flags: one per :class:`~engine.config.EngineConfig` field, shared by
+``generate`` and ``serve``, and the table of ``vllm serve`` flags users carry over.
+
+Flags are read here, at the command line's edge, and turned into an ``EngineConfig``
+(checked when built); nothing below the command line reads argparse or the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from engine.config import EngineConfig, Flag
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
+    """Add one flag per :class:`EngineConfig` field to ``parser`` (in an "engine" group):
+    ``--max-num-seqs`` for ``max_num_seqs``, ``--name/--no-name`` for a bool. ``defaults``
+    replace the config's own (``serve`` restarts a crashed engine 5 times; the embedded API
+    does not); :func:`config_from_args` reads the values back."""
+    group = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineConfig):
+        flag: Flag = f.metadata["flag"]
+        option = "--" + f.name.replace("_", "-")
+        help = flag.help if flag.default_text is None else f"{flag.help} (default: {flag.default_text})"
+        if str(f.type).startswith("bool"):  # "bool" or "bool | None" (string annotations)
+            group.add_argument(option, dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=f.default, help=help)
+            for alias in flag.aliases:
+                # default=SUPPRESS: the flag above already set the field's default.
+                group.add_argument(alias, dest=f.name, action="store_false",
+                                   default=argparse.SUPPRESS, help=f"same as --no-{option[2:]}")
+        else:
+            group.add_argument(option, dest=f.name, type=flag.type or str, choices=flag.choices,
+                               default=f.default, metavar=flag.metavar, help=help)
+    parser.set_defaults(**defaults)
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The :class:`EngineConfig` of parsed :func:`add_engine_arguments` flags; raises
+    :class:`ConfigError` for a bad value, before anything loads."""
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+
+
+# -- vLLM's serve flags ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VllmFlag:
+    """A flag of ``vllm serve`` that users carry over, and what ``serve`` does with it.
+
+    ``alias``: the same meaning as this server's ``target`` flag, taken under vLLM's name.
+    ``no_op``: accepted, with nothing to do here (``reason`` says why; it is logged), at
+    any value or, with ``allowed``, only at those. ``refuse``: a usage error naming the
+    flag and ``reason`` (it would change what the server does, and it is not built).
+    """
+
+    action: str  # "alias", "no_op" or "refuse"
+    reason: str = ""
+    target: str | None = None
+    takes_value: bool = True
+    allowed: tuple[str, ...] | None = None
+
+
+_ONE_DEVICE = ("this server splits a model over devices by tensor parallelism only "
+               "(--tensor-parallel-size)")
+_NO_HUB = "this server loads local folders and GGUF files only (no Hugging Face Hub download)"
+
+# The ``vllm serve`` flags users are likely to pass that this server does not define under
+# the same name (those it shares, --max-model-len, --max-num-seqs, --dtype, ..., are its
+# own flags and mean the same). docs/serving.md ("Coming from vLLM") lists them all.
+VLLM_SERVE_FLAGS: dict[str, VllmFlag] = {
+    "--guided-decoding-backend": VllmFlag("alias", target="--structured-outputs-backend"),
+    "--uvicorn-log-level": VllmFlag("alias", target="--log-level"),
+    "-tp": VllmFlag("alias", target="--tensor-parallel-size"),
+    "--pipeline-parallel-size": VllmFlag("no_op", _ONE_DEVICE, allowed=("1",)),
+    "-pp": VllmFlag("no_op", _ONE_DEVICE, allowed=("1",)),
+    "-dp": VllmFlag("alias", target="--data-parallel-size"),
+    "--trust-remote-code": VllmFlag(
+        "no_op", "this server never runs a model's own Python code", takes_value=False),
+    "--enforce-eager": VllmFlag("no_op", "this server always runs eagerly (no CUDA graphs)",
+                                takes_value=False),
+    "--enable-chunked-prefill": VllmFlag("no_op", "prefill is always chunked here",
+                                         takes_value=False),
+    "--disable-log-requests": VllmFlag("no_op", "requests are not logged one by one here",
+                                       takes_value=False),
+    "--disable-log-stats": VllmFlag("no_op", "no periodic stats lines are logged here",
+                                    takes_value=False),
+    "--disable-uvicorn-access-log": VllmFlag("no_op", "there is no access log here",
+                                             takes_value=False),
+    "--disable-fastapi-docs": VllmFlag("no_op", "there are no docs pages here (only "
+                                       "/openapi.json)", takes_value=False),
+    "--disable-frontend-multiprocessing": VllmFlag(
+        "no_op", "the HTTP front end and the engine share one process here",
+        takes_value=False),
+    "--enable-server-load-tracking": VllmFlag("no_op", "GET /load is always served",
+                                              takes_value=False),
+    "--no-enable-chunked-prefill": VllmFlag(
+        "refuse", "prefill is always chunked here (by --max-num-batched-tokens)",
+        takes_value=False),
+    "--gpu-memory-utilization": VllmFlag(
+        "refuse", "give the KV cache's budget with --kv-cache-memory instead (bytes, or a "
+        "fraction of the memory free after the weights load)"),
+    "--swap-space": VllmFlag("refuse", "there is no CPU swap space for KV blocks here"),
+    "--cpu-offload-gb": VllmFlag("refuse", "weights are not offloaded to the CPU here"),
+    "--download-dir": VllmFlag("refuse", _NO_HUB),
+    "--load-format": VllmFlag("refuse", "the format follows --model: a folder of "
+                              "safetensors, or a .gguf file"),
+    "--tokenizer": VllmFlag("refuse", "the tokenizer is read from the model's folder"),
+    "--tokenizer-mode": VllmFlag("refuse", "the tokenizer is read from the model's folder"),
+    "--revision": VllmFlag("refuse", _NO_HUB),
+    "--tokenizer-revision": VllmFlag("refuse", _NO_HUB),
+    "--hf-token": VllmFlag("refuse", _NO_HUB),
+    "--hf-overrides": VllmFlag("refuse", "config.json is read as written"),
+    "--rope-scaling": VllmFlag("refuse", "rope scaling is read from config.json"),
+    "--quantization-param-path": VllmFlag("refuse", "not supported"),
+    "--enable-lora": VllmFlag("refuse", "LoRA adapters are not supported", takes_value=False),
+    "--lora-modules": VllmFlag("refuse", "LoRA adapters are not supported"),
+    "--max-loras": VllmFlag("refuse", "LoRA adapters are not supported"),
+    "--max-lora-rank": VllmFlag("refuse", "LoRA adapters are not supported"),
+    "--kv-transfer-config": VllmFlag("refuse", "disaggregated prefill is not supported"),
+    "--override-generation-config": VllmFlag(
+        "refuse", "use --generation-config none, and send the sampling fields per request"),
+    "--compilation-config": VllmFlag("refuse", "there is no torch.compile step here"),
+    "-O": VllmFlag("refuse", "there is no torch.compile step here"),
+    "--api-server-count": VllmFlag("refuse", "one HTTP server process serves here"),
+    "--enable-sleep-mode": VllmFlag("refuse", "sleep mode is not supported",
+                                    takes_value=False),
+    "--response-role": VllmFlag("refuse", "replies always carry the role assistant"),
+    "--chat-template-content-format": VllmFlag(
+        "refuse", "message content is always given to the template as a string"),
+    "--logits-processor-pattern": VllmFlag("refuse", "request logits processors are refused"),
+    "--tool-parser-plugin": VllmFlag("refuse", "tool parsers are built in (--tool-call-parser)"),
+    "--middleware": VllmFlag("refuse", "ASGI middleware is not loaded from the command line"),
+    "--num-gpu-blocks-override": VllmFlag("refuse", "size the KV pool with --kv-cache-memory"),
+    "--max-seq-len-to-capture": VllmFlag("refuse", "there are no CUDA graphs here"),
+    "--otlp-traces-endpoint": VllmFlag("refuse", "OpenTelemetry tracing is not supported"),
+    "--enable-expert-parallel": VllmFlag("refuse", _ONE_DEVICE, takes_value=False),
+    "--task": VllmFlag("refuse", "give --runner (generate, pooling) and --convert instead"),
+    "--calculate-kv-scales": VllmFlag("refuse", "--kv-cache-dtype int8/fp8 keep a scale per "
+                                      "token and head, computed as they are written",
+                                      takes_value=False),
+}

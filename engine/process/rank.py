@@ -1,0 +1,161 @@
+"""What one rank loads and builds: the model (whole; the runner keeps the rank's slice),
+tokenizer, pooler, grammar backend and draft model (:func:`load_rank`), then its model
+runner over a KV pool of a given size (:func:`build_rank_runner`). Rank 0 runs both from
+:mod:`engine.process.parts`; every other tensor-parallel rank from
+:mod:`engine.process.workers`."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import ConfigError, ModelLoadError
+from engine.models.loader import load_model, resolve_model
+from engine.models.pooling import pooler_config
+from engine.models.tokenizer import Tokenizer
+from engine.ops import get_ops, resolve_backend
+from engine.parallel import SINGLE
+from engine.runner.model_runner import ModelRunner
+from engine.structured import GrammarBackend
+
+logger = logging.getLogger("engine")
+
+
+@dataclasses.dataclass(slots=True)
+class RankLoad:
+    """What one rank loads before its pool is sized: the model (whole: each rank's runner
+    keeps its slice), the tokenizer, the pooler and the grammar backend."""
+
+    path: Path
+    loaded: Any  # engine.models.loader.LoadedModel
+    tokenizer: Any
+    pooler: Any
+    eos_ids: tuple[int, ...]
+    grammar: Any
+    draft: Any = None  # speculative decoding's draft model (a LoadedModel), or None
+
+
+def load_rank(config: EngineConfig, device: torch.device) -> RankLoad:
+    """Load the model, tokenizer, pooler and grammar backend (blocking: seconds). Every
+    tensor-parallel rank runs this, so that each builds the same grammar matchers."""
+    t0 = time.perf_counter()
+    path = resolve_model(config.model)
+    load_device, dtype, ops_backend = device, config.dtype, config.ops_backend
+    if config.tensor_parallel_size > 1 and device.type == "cuda":
+        # The whole model may not fit one device: load on the host, in the layout and
+        # dtype of the rank's device; the runner moves only the rank's cut there.
+        load_device, ops_backend = torch.device("cpu"), resolve_backend(config.ops_backend, device)
+        if dtype == "auto" and path.suffix == ".gguf":
+            dtype = "bfloat16"  # what a GGUF loads as on CUDA
+    loaded = load_model(path, dtype=dtype, device=load_device, quantization=config.quantization,
+                        ops_backend=ops_backend)
+    t1 = time.perf_counter()
+    logger.info("loaded %s (%s, %s) in %.2f s", path, loaded.config.architecture, loaded.dtype, t1 - t0)
+    tokenizer = Tokenizer.from_folder(loaded.folder)
+    logger.info("tokenizer ready in %.2f s", time.perf_counter() - t1)
+    pooler = pooler_config(loaded.config, loaded.folder, runner=config.runner, convert=config.convert,
+                           pooling_type=config.pooling_type, normalize=config.pooling_normalize)
+    draft = _load_draft(config, loaded, tokenizer, pooler, load_device)
+    if loaded.config.is_encoder:
+        loaded = _with_sep(loaded, tokenizer)
+    eos_ids = _eos_ids(loaded, tokenizer)
+    # Built once here: the grammar backends read every vocabulary entry's bytes. A pooling
+    # model samples nothing, so it needs none.
+    grammar = None if pooler is not None else GrammarBackend(
+        tokenizer, vocab_size=loaded.config.vocab_size, stop_token_ids=eos_ids,
+        backend=config.structured_outputs_backend)
+    return RankLoad(path, loaded, tokenizer, pooler, eos_ids, grammar, draft)
+
+
+def build_rank_runner(config: EngineConfig, load: RankLoad, device: torch.device,
+                      num_blocks: int, tp: Any = None) -> Any:
+    """The rank's :class:`~engine.runner.model_runner.ModelRunner` over ``num_blocks`` KV
+    blocks; ``tp`` (engine.parallel.TensorParallel) names its slice of the model."""
+    return ModelRunner(
+        load.loaded,
+        device=device,
+        ops=get_ops(config.ops_backend, device),
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs,
+        seed=config.seed,
+        kv_cache_dtype=config.kv_cache_dtype,
+        grammar=load.grammar,
+        pooler=load.pooler,
+        tp=tp if tp is not None else SINGLE,
+        draft=load.draft,
+    )
+
+
+def _load_draft(config: EngineConfig, loaded: Any, tokenizer: Any, pooler: Any,
+                device: torch.device) -> Any:
+    """The draft model of ``--speculative-config`` method ``draft_model`` (loaded as the
+    target is), or ``None``; :class:`ConfigError` naming ``speculative_config`` for a draft
+    the engine cannot pair with the target: another vocabulary (size or any token string),
+    a model kind it cannot run as a draft, or a window shorter than what it would read."""
+    spec = config.speculative
+    if spec is None or spec.method != "draft_model":
+        return None
+    def bad(message: str) -> ConfigError:
+        return ConfigError(f"speculative_config: {message}", field="speculative_config")
+
+    target = loaded.config
+    if config.tensor_parallel_size > 1:
+        raise bad("draft_model is not supported with tensor_parallel_size above 1")
+    if pooler is not None or target.is_encoder or target.vision is not None:
+        raise bad("draft_model needs a text-generating target (not a pooling, encoder or "
+                  "vision model)")
+    t0 = time.perf_counter()
+    try:
+        path = resolve_model(spec.model)
+        draft = load_model(path, dtype=spec.dtype or config.dtype, device=device,
+                           quantization=spec.quantization or config.quantization,
+                           ops_backend=config.ops_backend)
+    except (ModelLoadError, ConfigError, ValueError, OSError) as exc:
+        raise bad(f"model {spec.model!r} cannot be loaded as the draft: {exc}") from exc
+    if draft.config.is_encoder or draft.config.vision is not None:
+        raise bad(f"model {spec.model!r} ({draft.config.architecture}) cannot run as a draft: "
+                  "it must be a text-only decoder")
+    if draft.config.vocab_size != target.vocab_size:
+        raise bad(f"model {spec.model!r} has a vocabulary of {draft.config.vocab_size} tokens, "
+                  f"the target {target.vocab_size}: a draft must share the target's vocabulary")
+    draft_tokenizer = Tokenizer.from_folder(draft.folder)
+    ids = range(target.vocab_size)
+    mine, theirs = tokenizer.convert_ids_to_tokens(ids), draft_tokenizer.convert_ids_to_tokens(ids)
+    differ = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b), None)
+    if differ is not None:
+        raise bad(f"model {spec.model!r}: token {differ} is {theirs[differ]!r} in the draft's "
+                  f"tokenizer and {mine[differ]!r} in the target's: a draft must share the "
+                  "target's vocabulary")
+    # The scheduler gives back blocks before the target's window; a draft layer that sees
+    # further back would read them after they are reused.
+    window = target.released_window
+    if window and not (all(draft.config.layer_windows)
+                       and max(draft.config.layer_windows) <= window):
+        raise bad(f"model {spec.model!r} attends further back than the target's sliding "
+                  f"window of {window} tokens, whose older KV blocks are given back")
+    logger.info("draft model %s (%s, %s) loaded in %.2f s; %d tokens proposed a step", path,
+                draft.config.architecture, draft.dtype, time.perf_counter() - t0,
+                spec.num_speculative_tokens)
+    return draft
+
+
+def _with_sep(loaded: Any, tokenizer: Any) -> Any:
+    """The loaded encoder with its [SEP] id, which marks where a pair's segment B starts."""
+    sep = tokenizer.token_to_id("[SEP]")
+    return dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, sep_token_id=sep))
+
+
+def _eos_ids(loaded: Any, tokenizer: Any) -> tuple[int, ...]:
+    """EOS ids of the tokenizer, the model config and generation_config.json, merged."""
+    ids = set(tokenizer.eos_token_ids) | set(loaded.config.eos_token_ids)
+    gen = loaded.generation_config.get("eos_token_id")
+    ids |= set(gen) if isinstance(gen, list) else ({gen} if isinstance(gen, int) else set())
+    return tuple(sorted(ids))
