@@ -94,7 +94,8 @@ def test_smollm2_generate_matches_transformers_greedy_fp32() -> None:
 
 def test_kv_cache_memory_is_bytes_with_units_or_a_fraction_of_free_memory() -> None:
     from engine.cli import build_parser
-    from engine.config import config_from_args, parse_memory
+    from engine.cli.args import config_from_args
+    from engine.config import parse_memory
 
     assert parse_memory("0.5") == 0.5 and isinstance(parse_memory("1.0"), float)
     assert parse_memory("1073741824") == 2**30 and isinstance(parse_memory("1"), int)

@@ -56,7 +56,8 @@ def test_every_serve_flag_exists_and_is_documented() -> None:
 
 
 def test_engine_flags_become_engine_config_fields() -> None:
-    from engine.config import EngineConfig, config_from_args
+    from engine.cli.args import config_from_args
+    from engine.config import EngineConfig
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
@@ -96,7 +97,8 @@ def test_every_engine_config_field_is_a_flag_of_generate_and_serve(command: str)
     # Regression: generate and serve had two hand-written flag tables with different
     # defaults (--dtype "auto" in one, None in the other) and generate lacked --seed,
     # --scheduling-policy, --generation-config, ...
-    from engine.config import EngineConfig, config_from_args
+    from engine.cli.args import config_from_args
+    from engine.config import EngineConfig
 
     parser = _parser(command)
     options = {opt for action in parser._actions for opt in action.option_strings}
@@ -194,7 +196,7 @@ def test_startup_log_lines_do_not_garble_the_load_progress_bar(
 ) -> None:
     # Regression: on a terminal each startup log line was written into the middle of the
     # progress bar's row ("loading model:  25%|##5 ...INFO engine: weights loaded").
-    from engine.http import cli
+    from engine.cli import serve as cli
 
     terminal = _Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
@@ -471,7 +473,7 @@ def test_a_bad_chat_option_is_one_error_line_and_exit_2_before_the_model_loads(
     argv: list[str], message: str, caplog: pytest.LogCaptureFixture,
 ) -> None:
     # The model does not exist: had loading started first, the error would name it.
-    from engine.http import cli
+    from engine.cli import serve as cli
 
     caplog.set_level(logging.INFO)  # and puts the root level back after run_serve's
     args = _parser("serve").parse_args(["--model", "/no/such/model", "--port", "0", *argv])
@@ -507,7 +509,7 @@ def _run_serve(argv: list[str], caplog: pytest.LogCaptureFixture,
     """``python -m engine serve ARGV`` in this process (cli.run_serve, signals and all):
     once it listens, ``while_serving(url)`` runs in a thread, then SIGTERM stops the
     server. Returns the log messages; any error of ``while_serving`` is raised here."""
-    from engine.http import cli
+    from engine.cli import serve as cli
 
     caplog.set_level(logging.INFO)
     args = _parser("serve").parse_args([*argv, "--port", "0", "--kv-cache-memory", "8MiB"])

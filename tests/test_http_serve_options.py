@@ -23,7 +23,7 @@ import openai
 import pytest
 from engine_helpers import tiny_model
 
-from engine.config import VLLM_SERVE_FLAGS
+from engine.cli.args import VLLM_SERVE_FLAGS
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs" / "serving.md"
