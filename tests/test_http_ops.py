@@ -13,8 +13,9 @@ import pytest
 from http_fake_engine import open_fake_engine
 from http_server import ServerThread
 
+from engine.cli import serve as cli
 from engine.errors import ConfigError
-from engine.http import cli
+from engine.http import server
 from engine.models.testing import write_tiny_model
 from engine.models.tokenizer import Tokenizer
 
@@ -62,8 +63,8 @@ def test_tls_needs_both_files() -> None:
     import trio
 
     async def start() -> None:
-        with cli.bind_socket("127.0.0.1", 0) as listener:
-            await cli.serve_app(None, listener, shutdown_timeout=1,
+        with server.bind_socket("127.0.0.1", 0) as listener:
+            await server.serve_app(None, listener, shutdown_timeout=1,
                                 shutdown_trigger=trio.sleep_forever, ssl_keyfile="k.pem")
 
     with pytest.raises(ConfigError, match="both"):

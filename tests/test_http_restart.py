@@ -20,7 +20,7 @@ from engine_helpers import tiny_model
 from http_server import ServerThread
 
 import engine
-from engine.http import cli
+from engine.cli import serve as cli
 from engine.runner.model_runner import ModelRunner
 
 OPTIONS: dict[str, Any] = dict(dtype="float32", max_model_len=256, kv_cache_memory=4 * 1024 * 1024)
