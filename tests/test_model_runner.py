@@ -212,7 +212,7 @@ def test_a_failing_warm_up_raises_instead_of_spinning(loaded, monkeypatch) -> No
 
 @pytest.mark.parametrize("seed", range(4))
 def test_small_cpu_batches_built_on_lists_equal_the_tensor_path(monkeypatch, seed: int) -> None:
-    import engine.runner.model_runner as mr
+    from engine.runner import batch
 
     rng = torch.Generator().manual_seed(seed)
     spans = []
@@ -222,9 +222,9 @@ def test_small_cpu_batches_built_on_lists_equal_the_tensor_path(monkeypatch, see
         blocks = -(-(start + n) // 8)
         table = torch.randperm(32, generator=rng)[:blocks].tolist()
         spans.append((start, torch.randint(0, 100, (n,), generator=rng).tolist(), table))
-    small = mr.build_batch(spans, 8, torch.device("cpu"))
-    monkeypatch.setattr(mr, "_HOST_BATCH_TOKENS", 0)
-    tensor = mr.build_batch(spans, 8, torch.device("cpu"))
+    small = batch.build_batch(spans, 8, torch.device("cpu"))
+    monkeypatch.setattr(batch, "_HOST_BATCH_TOKENS", 0)
+    tensor = batch.build_batch(spans, 8, torch.device("cpu"))
     for got, want in zip(small[:2], tensor[:2], strict=True):
         assert got.dtype == want.dtype and torch.equal(got, want)
     for field in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
@@ -237,9 +237,9 @@ def test_small_cpu_batches_built_on_lists_equal_the_tensor_path(monkeypatch, see
 def test_a_runners_reused_host_tensors_hold_each_steps_values() -> None:
     # The runner's HostBatch writes each small step into the same buffers (views cached per
     # shape): every step's tensors equal a fresh build's, across shapes and back again.
-    import engine.runner.model_runner as mr
+    from engine.runner import batch
 
-    host = mr.HostBatch()
+    host = batch.HostBatch()
     steps = [
         [(5, [7], [3])],
         [(6, [9], [3])],  # same shape: the cached views, new values
@@ -247,8 +247,8 @@ def test_a_runners_reused_host_tensors_hold_each_steps_values() -> None:
         [(7, [4], [3])],
     ]
     for spans in steps:
-        got = mr.build_batch(spans, 16, torch.device("cpu"), host)
-        want = mr.build_batch(spans, 16, torch.device("cpu"))
+        got = batch.build_batch(spans, 16, torch.device("cpu"), host)
+        want = batch.build_batch(spans, 16, torch.device("cpu"))
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         for field in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
             a, b = getattr(got[2], field), getattr(want[2], field)

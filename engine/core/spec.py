@@ -3,7 +3,7 @@
 Pure functions over token ids. The scheduler asks for a proposal when it plans a decode
 step for a request whose every token is known (nothing of it in flight); the model runner
 verifies the proposal in the same forward as the request's next token (see
-``ModelRunner._sample`` and docs/architecture.md, "Speculative decoding").
+``Verifier.sample`` in engine/runner/verify.py and docs/architecture.md, "Speculative decoding").
 """
 
 from __future__ import annotations

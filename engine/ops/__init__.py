@@ -7,220 +7,27 @@ under ``TRITON_INTERPRET=1`` for tests). ``get_ops("auto")`` picks Triton on CUD
 CPU the C kernels when they are built, else the reference. Models receive the ``Ops``
 object explicitly; nothing here is global.
 
-KV-cache layout (one pair of tensors per layer)::
-
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
-
-       block 0            block 1                  slot = block_id * block_size + offset
-    +--+--+--+--+     +--+--+--+--+
-    |t0|t1|t2|t3|     |t4|t5|  |  |   <- a request whose block table is [0, 1]
-    +--+--+--+--+     +--+--+--+--+      holds 6 tokens; each cell is [num_kv_heads, head_dim]
-
-A request's block table lists its blocks in token order; token ``i`` of the request lives
-in block ``block_table[i // block_size]`` at offset ``i % block_size``.
-
-Quantized KV cache (``kv_cache_dtype`` int8 or fp8): each layer's K and V are a
-:class:`QuantizedKV`, 8-bit codes in the same layout plus one fp32 scale per token and KV
-head, so a cell costs ``head_dim + 4`` bytes instead of ``2 * head_dim`` in bf16::
-
-    data:  [num_blocks, block_size, num_kv_heads, head_dim]  int8 or float8_e4m3fn
-    scale: [num_blocks, block_size, num_kv_heads]            fp32
-    value = data.float() * scale[..., None]     scale = max|x| / 127 (int8) or / 448 (fp8)
-
-The write quantizes each token's head row on its own (a group of ``head_dim`` values, as
-GGUF's Q8_0 groups 32): a later token never changes an earlier one's codes, so a block
-fills one write at a time with no requantization.
+The protocol and the data types the ops take (:class:`Ops`, :class:`AttentionMetadata`,
+:class:`QuantizedKV`, ``KVCache``; the KV-cache layout) live in ``engine.ops.base``, which
+the backends import; they are re-exported here for the models and the runner.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Protocol
-
 import torch
 
+from engine.ops import cpu
+from engine.ops.base import AttentionMetadata, KVCache, Ops, QuantizedKV
+from engine.ops.reference import TorchOps
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class AttentionMetadata:
-    """Where each token of a flat varlen batch reads and writes the paged KV cache.
-
-    The batch holds ``B`` requests and ``T`` new tokens; request ``b`` owns tokens
-    ``query_start_loc[b]:query_start_loc[b + 1]``, which sit at the last positions of its
-    ``seq_lens[b]`` tokens of context.
-    """
-
-    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
-    query_start_loc: torch.Tensor  # [B + 1] int32: cumulative query lengths
-    seq_lens: torch.Tensor  # [B] int32: context length including this step's tokens
-    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
-    max_query_len: int
-    max_seq_len: int
-    # Host-side copies so the CPU path never syncs a device tensor to read them.
-    query_lens_host: tuple[int, ...]
-    seq_lens_host: tuple[int, ...]
-
-    @property
-    def decode_only(self) -> bool:
-        return self.max_query_len == 1
-
-
-# Largest code of each 8-bit KV format: int8 is symmetric (-127..127, -128 unused);
-# float8_e4m3fn's largest finite value is 448.
-KV_CODE_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class QuantizedKV:
-    """One layer's K (or V) cache as 8-bit codes and a scale per token and KV head.
-
-    Passed to the ops wherever a cache tensor goes; ``shape`` is the codes' shape, so
-    layout reads (``k_cache.shape[1]`` is the block size) need no special case.
-    """
-
-    data: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim] int8 / fp8
-    scale: torch.Tensor  # [num_blocks, block_size, num_kv_heads] fp32
-
-    def __post_init__(self) -> None:
-        if self.data.dtype not in KV_CODE_MAX:
-            raise ValueError(f"QuantizedKV codes must be int8 or float8_e4m3fn, got {self.data.dtype}")
-        if self.scale.dtype != torch.float32 or self.scale.shape != self.data.shape[:-1]:
-            raise ValueError(
-                f"QuantizedKV scale must be fp32 of shape {tuple(self.data.shape[:-1])}, got "
-                f"{self.scale.dtype} {tuple(self.scale.shape)}"
-            )
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.data.shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.data.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.data.device
-
-
-KVCache = torch.Tensor | QuantizedKV
-
-
-class Ops(Protocol):
-    """The op set a model and the sampler use; every backend provides all of it."""
-
-    name: str
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """``x / rms(x) * weight`` over the last dim, computed in fp32, returned in x.dtype."""
-        ...
-
-    def fused_add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(rms_norm(x + residual), x + residual)``; may reuse the inputs' storage."""
-        ...
-
-    def rotary_embedding(
-        self,
-        positions: torch.Tensor,  # [T] int64
-        query: torch.Tensor,  # [T, num_heads, head_dim]
-        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        cos_sin_cache: torch.Tensor,  # [max_pos, head_dim]: cos in [:, :d/2], sin in [:, d/2:]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Neox-style (rotate-half) RoPE as in HF Llama; may work in place."""
-        ...
-
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """``silu(x[..., :d]) * x[..., d:]`` for ``x`` of last dim ``2d``."""
-        ...
-
-    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """``gelu(x[..., :d], approximate="tanh") * x[..., d:]`` (GeGLU: Gemma's MLP)."""
-        ...
-
-    def write_kv_cache(
-        self,
-        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        value: torch.Tensor,
-        k_cache: KVCache,
-        v_cache: KVCache,
-        slot_mapping: torch.Tensor,  # [T] int64
-    ) -> None:
-        """Scatter each new token's K/V into its slot."""
-        ...
-
-    def paged_attention_decode(
-        self,
-        query: torch.Tensor,  # [B, num_heads, head_dim], one token per request
-        k_cache: KVCache,
-        v_cache: KVCache,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        scale: float,
-        seq_lens_host: tuple[int, ...],
-        *,
-        window: int = 0,
-        softcap: float = 0.0,
-    ) -> torch.Tensor:
-        """Attention of each request's one new token to its context (GQA aware).
-
-        ``window`` > 0 is a sliding window: the token at position ``i`` sees only keys
-        ``j`` with ``i - j < window`` (transformers' convention). ``softcap`` > 0 caps the
-        scaled scores as ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2).
-        """
-        ...
-
-    def paged_attention_prefill(
-        self,
-        query: torch.Tensor,  # [T, num_heads, head_dim]
-        k_cache: KVCache,
-        v_cache: KVCache,
-        meta: AttentionMetadata,
-        scale: float,
-        *,
-        window: int = 0,
-        softcap: float = 0.0,
-    ) -> torch.Tensor:
-        """Varlen attention: causal within each request's new tokens, full to its cached past
-        (or to its last ``window`` positions); ``window`` and ``softcap`` as in decode."""
-        ...
-
-    def fused_moe(
-        self,
-        x: torch.Tensor,  # [T, hidden]
-        w13: torch.Tensor,  # [E, 2 * inter, hidden]: each expert's gate rows then up rows
-        w2: torch.Tensor,  # [E, hidden, inter]
-        topk_weights: torch.Tensor,  # [T, k] fp32 routing weights
-        topk_ids: torch.Tensor,  # [T, k] int64 expert of each slot
-    ) -> torch.Tensor:
-        """The routed experts' SiLU-gated MLPs, weighted and summed per token: [T, hidden].
-
-        Reads only the weights of experts that received a token (see ``engine.ops.moe``).
-        """
-        ...
-
-    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        """Structured output: set ``logits[rows[i], t]`` to -inf, in place, for every token
-        ``t`` that row ``i`` of ``bitmask`` (int32 [len(rows), ceil(V / 32)], bit ``t % 32``
-        of word ``t // 32`` set = allowed) forbids. ``logits`` is fp32 [B, V]."""
-        ...
-
-    def sample(
-        self,
-        logits: torch.Tensor,  # [B, V] fp32, penalties and biases already applied
-        temperature: torch.Tensor,  # [B] fp32; 0 means greedy
-        top_k: torch.Tensor,  # [B] int32; 0 means off
-        top_p: torch.Tensor,  # [B] fp32; 1 means off
-        min_p: torch.Tensor,  # [B] fp32; 0 means off
-        seeds: torch.Tensor,  # [B] int64: the random stream of each row for this step
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(token_ids [B] int64, logprobs [B] fp32)``.
-
-        The logprob is the sampled token's under ``log_softmax(logits)`` (before temperature
-        and truncation, as vLLM reports it). A row's draw depends only on its own logits,
-        parameters and seed, never on the rest of the batch.
-        """
-        ...
+__all__ = [
+    "AttentionMetadata",
+    "KVCache",
+    "Ops",
+    "QuantizedKV",
+    "get_ops",
+    "resolve_backend",
+]
 
 
 def resolve_backend(backend: str = "auto", device: torch.device | str = "cpu") -> str:
@@ -233,8 +40,6 @@ def resolve_backend(backend: str = "auto", device: torch.device | str = "cpu") -
         raise ValueError(f"unknown ops backend {backend!r}; expected auto, torch, cpu or triton")
     if backend != "auto":
         return backend
-    from engine.ops import cpu
-
     return "triton" if torch.device(device).type == "cuda" else "cpu" if cpu.available() else "torch"
 
 
@@ -242,13 +47,12 @@ def get_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
     """Return the op set for ``backend`` in {"auto", "torch", "cpu", "triton"}."""
     backend = resolve_backend(backend, device)
     if backend == "torch":
-        from engine.ops.reference import TorchOps
-
         return TorchOps()
     if backend == "cpu":
-        from engine.ops.cpu import CpuOps
-
-        return CpuOps()
+        return cpu.CpuOps()
+    # Imported here, not at the top: triton is a heavy optional library (absent from a
+    # CPU-only install), and importing the module decorates every kernel, which must
+    # happen after a test sets TRITON_INTERPRET (see engine/ops/triton/__init__.py).
     from engine.ops.triton_ops import TritonOps
 
     return TritonOps()

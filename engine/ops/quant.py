@@ -18,7 +18,9 @@ Q6_K     16     6     d sc, -32 d sc   (sc: int8, 16 per super-block)
 This module holds the torch reference of all of it (decode a GGUF block array, dequantize,
 matmul: the oracle of the C and Triton kernels, checked against ``gguf.quants``) and the
 repacking into the CPU kernels' layout. :class:`QuantizedWeight` is what the loader hands
-the model in place of a dense tensor.
+the model in place of a dense tensor. The formats' tables (``FORMATS``, ``FORMAT_CODES``,
+``LAYOUT_FORMATS``, ``PANEL``...) live in ``engine.ops.quant_formats``, which the C kernels'
+wrappers read too, and are exported from here with the rest of the quantized-weight API.
 
 CPU layout ("panels"): rows are taken 16 at a time (a panel; N is padded to a multiple of
 16 with zero rows) and each group of 32 columns of a panel is stored so one 64-byte load
@@ -43,52 +45,17 @@ import dataclasses
 
 import torch
 
-PANEL = 16  # rows per panel: one AVX-512 vector of 16 int32 / fp32 lanes
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class QuantFormat:
-    """One GGUF block format: ``block`` columns in ``block_bytes`` bytes."""
-
-    name: str
-    ggml_type: int  # gguf.GGMLQuantizationType value
-    block: int  # columns per block (K must be a multiple)
-    block_bytes: int
-    group: int  # columns sharing one scale and min
-    bits: int  # bits per code
-
-
-FORMATS: dict[str, QuantFormat] = {
-    f.name: f
-    for f in (
-        QuantFormat("Q4_0", 2, 32, 18, 32, 4),
-        QuantFormat("Q4_1", 3, 32, 20, 32, 4),
-        QuantFormat("Q8_0", 8, 32, 34, 32, 8),
-        QuantFormat("Q4_K", 12, 256, 144, 32, 4),
-        QuantFormat("Q5_K", 13, 256, 176, 32, 5),
-        QuantFormat("Q6_K", 14, 256, 210, 16, 6),
-    )
-}
-
-# The C kernels' format codes (enum in engine/ops/cpu/quant.c).
-FORMAT_CODES = {name: i for i, name in enumerate(FORMATS)}
-
-# The formats each layout has a kernel for: the C kernels read every format in panels;
-# the Triton kernel (engine/ops/triton/quant_matmul.py, whose format codes are this order)
-# reads these in GGUF's blocks. The loader dequantizes what the model's kernels lack.
-LAYOUT_FORMATS = {"panels": tuple(FORMATS), "blocks": ("Q4_0", "Q4_1", "Q8_0", "Q4_K")}
-
-
-class QuantError(ValueError):
-    """A quantized tensor whose shape or bytes do not fit its format."""
-
-
-def format_of(name: str) -> QuantFormat:
-    try:
-        return FORMATS[name]
-    except KeyError:
-        raise QuantError(f"unsupported quantization format {name!r}; supported: {', '.join(FORMATS)}") from None
-
+from engine.ops.cpu import qpack
+from engine.ops.quant_formats import (
+    FORMAT_CODES,
+    FORMATS,
+    LAYOUT_FORMATS,
+    PANEL,
+    QuantError,
+    QuantFormat,
+    check_blocks,
+    format_of,
+)
 
 # --- decoding GGUF blocks -----------------------------------------------------------------
 
@@ -141,42 +108,6 @@ def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     hi_sc = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)
     hi_mn = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
     return torch.cat([lo[0], hi_sc], -1), torch.cat([lo[1], hi_mn], -1)
-
-
-def check_blocks(raw: torch.Tensor, fmt: QuantFormat, k: int) -> None:
-    """Raise :class:`QuantError` unless ``raw`` holds whole rows of K columns of ``fmt``."""
-    if k <= 0 or k % fmt.block:
-        raise QuantError(f"{fmt.name}: K = {k} is not a positive multiple of {fmt.block}")
-    nb = k // fmt.block
-    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != nb * fmt.block_bytes or raw.shape[0] < 1:
-        raise QuantError(
-            f"{fmt.name}: expected uint8 [N >= 1, {nb * fmt.block_bytes}] for K = {k}, got "
-            f"{raw.dtype} {list(raw.shape)}"
-        )
-
-
-def panel_shapes(fmt: QuantFormat, n: int, k: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Name -> (shape, dtype) of each tensor of the panel layout of an [n, k] weight."""
-    p, g, sb = -(-n // PANEL), k // 32, k // 256
-    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    out["codes8" if fmt.bits == 8 else "codes4"] = ((p, g, 8 if fmt.bits == 8 else 4, 64), torch.uint8)
-    if fmt.bits == 5:
-        out["hi1"] = ((p, g, 8), torch.int64)
-    if fmt.bits == 6:
-        out["hi2"] = ((p, g, 2, 64), torch.uint8)
-    if fmt.block == 32:
-        out["d"] = ((p, g, PANEL), torch.float16)
-        if fmt.name == "Q4_1":
-            out["m"] = ((p, g, PANEL), torch.float16)
-    else:
-        out["d"] = ((p, sb, PANEL), torch.float16)
-        if fmt.name == "Q6_K":
-            out["sc"] = ((p, 2 * g, PANEL), torch.int8)
-        else:
-            out["dmin"] = ((p, sb, PANEL), torch.float16)
-            out["sc"] = ((p, g, PANEL), torch.uint8)
-            out["mn"] = ((p, g, PANEL), torch.uint8)
-    return out
 
 
 def decode_blocks(raw: torch.Tensor, fmt: QuantFormat | str, k: int) -> Decoded:
@@ -327,10 +258,8 @@ class QuantizedWeight:
             return cls(fmt, (raw.shape[0], k), "blocks", {"raw": raw.contiguous().to(device)})
         if layout != "panels" or device.type != "cpu":
             raise QuantError(f"no {layout!r} layout on {device}: panels are CPU-only, else blocks")
-        from engine.ops.cpu import qmatmul as cq
-
-        if cq.available():  # the C repack: ~100x the torch one below
-            data = cq.pack(raw.contiguous(), fmt, k)
+        if qpack.available():  # the C repack: ~100x the torch one below
+            data = qpack.pack(raw.contiguous(), fmt, k)
         else:
             data = pack_panels(decode_blocks(raw, fmt, k))
         return cls(fmt, (raw.shape[0], k), "panels", data)
@@ -401,7 +330,6 @@ __all__ = [
     "dequantize_blocks",
     "format_of",
     "pack_panels",
-    "panel_shapes",
     "reference_matmul",
     "unpack_panels",
 ]

@@ -14,8 +14,10 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from engine.ops import KV_CODE_MAX, AttentionMetadata, KVCache, QuantizedKV
+from engine.ops.base import KV_CODE_MAX, AttentionMetadata, KVCache, QuantizedKV
 from engine.ops.moe import fused_moe_reference
+from engine.ops.sampling_ref import sample as sample_reference
+from engine.structured.backend import apply_bitmask
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -221,8 +223,6 @@ class TorchOps:
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         """xgrammar's kernel (C++ on the CPU, CUDA on a GPU)."""
-        from engine.structured.backend import apply_bitmask
-
         apply_bitmask(logits, bitmask, rows)
 
     def sample(
@@ -234,10 +234,7 @@ class TorchOps:
         min_p: torch.Tensor,
         seeds: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # Imported here so the model ops stay importable on their own.
-        from engine.ops.sampling_ref import sample
-
-        return sample(logits, temperature, top_k, top_p, min_p, seeds)
+        return sample_reference(logits, temperature, top_k, top_p, min_p, seeds)
 
 
 def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.ops import AttentionMetadata, KVCache
+from engine.ops.base import AttentionMetadata, KVCache
 from engine.ops.triton import (
     attention_decode,
     attention_prefill,
@@ -22,6 +22,7 @@ from engine.ops.triton import (
     norm_rope,
     sampling,
 )
+from engine.structured.backend import apply_bitmask
 
 
 class TritonOps:
@@ -111,8 +112,6 @@ class TritonOps:
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         """xgrammar's kernel (C++ on the CPU, CUDA on a GPU)."""
-        from engine.structured.backend import apply_bitmask
-
         apply_bitmask(logits, bitmask, rows)
 
     def sample(

@@ -2,7 +2,7 @@
 
 A second, smaller model (or the same weights quantized) proposes ``k`` tokens for each
 speculating request of a step; the target verifies them in its one forward of the step
-(``ModelRunner._sample``). The draft runs in the same worker thread, in the same
+(``Verifier.sample``, engine/runner/verify.py). The draft runs in the same worker thread, in the same
 :meth:`ModelRunner.execute`, before the target.
 
 The draft's KV cache mirrors the target's block tables: one cache of the same number of
@@ -44,7 +44,9 @@ from engine.messages import ScheduledChunk
 from engine.models.llama import build_model
 from engine.ops import Ops
 from engine.ops.sampling_ref import inverse_cdf, row_uniforms
+from engine.runner.batch import build_batch
 from engine.runner.kv_cache import allocate_kv_caches
+from engine.runner.request_state import RequestState
 from engine.runner.sampler import _GREEDY_TEMPERATURE, Sampler, SamplingRow, step_seed
 
 # Distinct streams for the draft's draws and the verifier's accept/resample uniforms of a
@@ -87,15 +89,13 @@ class DraftModel:
         self._generator = torch.Generator().manual_seed(seed ^ (DRAFT_SALT >> 1))
 
     def propose(
-        self, chunks: Sequence[ScheduledChunk], states: Sequence[Any],
-        build_batch: Any,
+        self, chunks: Sequence[ScheduledChunk], states: Sequence[RequestState],
     ) -> list[Proposal | None]:
         """Run the draft over every chunk and propose for those with ``num_model_drafts``.
 
         ``states`` are the runner's request states (``tokens``, ``prompt``, ``outputs``,
-        ``params``, ``eos_token_ids``, ``draft_end``, ``target_end``); ``build_batch`` the
-        runner's batch builder. Returns one entry per chunk, ``None`` where it proposes
-        nothing."""
+        ``params``, ``eos_token_ids``, ``draft_end``, ``target_end``). Returns one entry
+        per chunk, ``None`` where it proposes nothing."""
         spans = []
         for c, s in zip(chunks, states, strict=True):
             known_end = c.start + c.num_tokens - c.num_proposed
@@ -140,7 +140,7 @@ class DraftModel:
         return out
 
     def _draw(
-        self, logits: torch.Tensor, states: Sequence[Any], drafted: Sequence[list[int]]
+        self, logits: torch.Tensor, states: Sequence[RequestState], drafted: Sequence[list[int]]
     ) -> tuple[list[int], torch.Tensor | None]:
         """One draft token per row (its request's state, the tokens drafted so far), and the
         distributions drawn from (rows of greedy requests hold a one-hot)."""
@@ -154,7 +154,7 @@ class DraftModel:
         tokens = inverse_cdf(q, uniforms).tolist()
         return tokens, q
 
-    def _uniform(self, state: Any, index: int, salt: int) -> float:
+    def _uniform(self, state: RequestState, index: int, salt: int) -> float:
         """A uniform in [0, 1) for output ``index`` of a request: from its seed and ``salt``
         when it has one, else from the draft's generator."""
         seed = state.params.seed
@@ -163,7 +163,7 @@ class DraftModel:
         return float(row_uniforms(torch.tensor([step_seed(seed ^ salt, index)]))[0])
 
     def verify(
-        self, proposal: Proposal, p: torch.Tensor, adjusted: torch.Tensor, state: Any,
+        self, proposal: Proposal, p: torch.Tensor, adjusted: torch.Tensor, state: RequestState,
     ) -> list[tuple[int, float]]:
         """The accept/resample rule over a sampled proposal: ``p`` ([k, V]) the target's
         distributions at the proposal's rows, ``adjusted`` its logits for logprobs. Returns
@@ -181,6 +181,28 @@ class DraftModel:
             if token != d:
                 break
         return out
+
+
+def track_draft(
+    chunks: Sequence[ScheduledChunk], states: Sequence[RequestState], before: Sequence[int],
+    model_drafted: set[str],
+) -> None:
+    """After a step: where each request's verified positions end for the target and for the
+    draft. A proposal of ``k`` with ``m`` kept: the target verified the known tokens and
+    ``m`` proposal tokens; the draft ran the known tokens and its own ``d_1 .. d_{k-1}``
+    (none of a prediction's)."""
+    for c, s, n in zip(chunks, states, before, strict=True):
+        end = c.start + c.num_tokens
+        k = c.num_proposed
+        if not k:
+            s.target_end = s.draft_end = end
+            continue
+        kept = len(s.outputs) - n
+        if kept < 1:
+            continue  # the request failed; its state is dropped
+        known_end, m = end - k, kept - 1
+        s.target_end = known_end + m
+        s.draft_end = known_end + min(m, k - 1) if c.sample_id in model_drafted else known_end
 
 
 def accept_or_resample(p: torch.Tensor, q: torch.Tensor, d: int, u: float, v: float) -> int:
@@ -202,5 +224,5 @@ def accept_or_resample(p: torch.Tensor, q: torch.Tensor, d: int, u: float, v: fl
     return int(inverse_cdf(residual.unsqueeze(0), torch.tensor([v], dtype=torch.float64))[0])
 
 
-def _is_greedy(state: Any) -> bool:
+def _is_greedy(state: RequestState) -> bool:
     return bool(state.params.temperature < _GREEDY_TEMPERATURE)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.ops import AttentionMetadata, KVCache, QuantizedKV
+from engine.ops.base import AttentionMetadata, KVCache, QuantizedKV
 from engine.ops.reference import TorchOps, _adjacent_heads, _PrefillPlan
 
 try:  # built at install time; absent in a source tree nobody installed

@@ -11,23 +11,19 @@ import weakref
 
 import torch
 
-from engine.ops.quant import (
-    FORMAT_CODES,
-    QuantError,
-    QuantFormat,
-    QuantizedWeight,
-    check_blocks,
-    panel_shapes,
-)
+from engine.ops.cpu.qpack import ERRORS as _ERRORS
+from engine.ops.cpu.qpack import pack
+from engine.ops.cpu.qpack import pointers as _pointers
+from engine.ops.cpu.qpack import ptr as _ptr
+from engine.ops.quant import QuantizedWeight
+from engine.ops.quant_formats import FORMAT_CODES, QuantError
 
 try:  # built at install time (setup.py); absent in a source tree nobody built
-    from engine.ops.cpu._kernels import ffi as _ffi
     from engine.ops.cpu._kernels import lib as _lib
 except ImportError:  # pragma: no cover - depends on the install
-    _ffi = _lib = None
+    _lib = None
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # QDT_* in quant.c
-_ERRORS = {1: "bad arguments", 2: "out of memory", 3: "a row id is out of range"}
 
 
 def available() -> bool:
@@ -48,10 +44,6 @@ def paths() -> tuple[str, ...]:
     return ("portable", *avx2, *PATHS[2 : 2 + int(_lib.eng_q_isa())])
 
 
-def _ptr(t: torch.Tensor | None, ctype: str):
-    return _ffi.NULL if t is None else _ffi.cast(ctype, t.data_ptr())
-
-
 # A weight's field pointers, made once per weight (six cffi casts a call were ~5 us, and a
 # step at batch 32 makes ~120 calls); dropped with the weight. Keyed on the weight, checked
 # against its data dict, which the cast pointers point into.
@@ -67,16 +59,6 @@ def _fields(w: QuantizedWeight) -> tuple:
     fields = _pointers(w.data)
     _FIELDS[w] = (w.data, fields)
     return fields
-
-
-def _pointers(data: dict[str, torch.Tensor]) -> tuple:
-    codes = data.get("codes4", data.get("codes8"))
-    hi = data.get("hi1", data.get("hi2"))
-    second = data.get("m", data.get("dmin"))
-    return (
-        _ptr(codes, "uint8_t *"), _ptr(hi, "uint8_t *"), _ptr(data["d"], "uint16_t *"),
-        _ptr(second, "uint16_t *"), _ptr(data.get("sc"), "uint8_t *"), _ptr(data.get("mn"), "uint8_t *"),
-    )
 
 
 def qmatmul(
@@ -129,22 +111,6 @@ def qmatmul(
     if status:
         raise QuantError(f"quantized matmul {w!r}: {_ERRORS.get(status, status)}")
     return result if out is not None or x.dim() == 2 else result.view(*lead, n)
-
-
-def pack(raw: torch.Tensor, fmt: QuantFormat, k: int, *, threads: int | None = None) -> dict[str, torch.Tensor]:
-    """GGUF rows ``raw`` [N, bytes] uint8 repacked into panels (``quant.pack_panels``'s
-    layout, bit for bit)."""
-    check_blocks(raw, fmt, k)
-    raw = raw.contiguous()
-    n = raw.shape[0]
-    data = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in panel_shapes(fmt, n, k).items()}
-    status = _lib.eng_qpack(
-        FORMAT_CODES[fmt.name], _ptr(raw, "uint8_t *"), n, k, *_pointers(data),
-        threads or torch.get_num_threads(),
-    )
-    if status:
-        raise QuantError(f"repacking {fmt.name} [{n}, {k}]: {_ERRORS.get(status, status)}")
-    return data
 
 
 def qrows(w: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype, *, threads: int | None = None) -> torch.Tensor:

@@ -17,8 +17,11 @@ is the codes' bytes plus 4 bytes a token-head.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from engine.ops.base import QuantizedKV
 
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)); exp2 is the native instruction
 
@@ -80,24 +83,18 @@ def dot_upcast(dtype, device) -> bool:
     """True where bf16 operands must go to fp32 before ``tl.dot``: the CPU interpreter of
     triton 3.9 returns garbage for bf16 dots (measured: errors of 1e10 on a 16x16 product).
     Never on GPU, where bf16 feeds the tensor cores directly."""
-    import torch
-
     return device.type == "cpu" and dtype == torch.bfloat16
 
 
 def dot_precision(dtype) -> str:
     """fp32 caches get exact fp32 products (tf32 would cost ~3e-4 relative error and can
     flip greedy tokens against the reference); half types use the tensor cores anyway."""
-    import torch
-
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def cache_args(k_cache, v_cache):
     """``(k data, v data, k scales, v scales, scale block stride, scale offset stride,
     QUANT)`` for a kernel launch; a plain cache passes its own tensors as unused scales."""
-    from engine.ops import QuantizedKV
-
     if isinstance(k_cache, QuantizedKV):
         if not isinstance(v_cache, QuantizedKV) or k_cache.scale.stride() != v_cache.scale.stride():
             raise ValueError("K and V caches must both be quantized, with one scale layout")

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.ops import KVCache
+from engine.ops.base import KVCache
 from engine.ops.triton._paged import LOG2E, cache_args, dot_precision, dot_upcast, paged_attend_tile
 
 BLOCK_N = 64  # context tokens per tile: 16 KB of fp16 K at head_dim 128

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.ops import AttentionMetadata, KVCache
+from engine.ops.base import AttentionMetadata, KVCache
 from engine.ops.triton._paged import LOG2E, cache_args, dot_precision, dot_upcast, paged_attend_tile
 
 # Query rows x key columns per tile. 64 x 64 keeps the interpreter and small GPUs happy;

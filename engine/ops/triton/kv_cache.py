@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.ops import KV_CODE_MAX, KVCache, QuantizedKV
+from engine.ops.base import KV_CODE_MAX, KVCache, QuantizedKV
 
 ROUND_MAGIC: tl.constexpr = tl.constexpr(12582912.0)  # 1.5 * 2**23
 

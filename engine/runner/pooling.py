@@ -1,0 +1,67 @@
+"""The output of a pooling model's requests: their hidden states pooled into one vector.
+
+A pooling request ends with its prompt: each of its chunks adds its rows to the request's
+pool (``RequestState.pool``), and the step of its last chunk turns the pool into the
+request's :class:`~engine.messages.PooledOutput` (classified or normalised as the pooler
+says) instead of sampling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from engine.messages import PooledOutput, ScheduledChunk
+from engine.models.pooling import PoolerConfig
+from engine.runner.request_state import RequestState
+
+
+def pool_outputs(
+    pooler: PoolerConfig, model: Any, dtype: torch.dtype, hidden: torch.Tensor,
+    chunks: Sequence[ScheduledChunk], states: Sequence[RequestState],
+) -> tuple[PooledOutput, ...]:
+    """Each chunk's rows of ``hidden`` add to its request's pool, and each chunk that ends
+    its prompt (``sample``) gives the request's output."""
+    done: list[tuple[str, torch.Tensor]] = []
+    row = 0
+    for c, s in zip(chunks, states, strict=True):
+        rows = hidden[row : row + c.num_tokens]
+        row += c.num_tokens
+        s.pool = _pool_rows(pooler.pooling, s.pool, rows, c)
+        if c.sample:
+            assert s.pool is not None  # the last chunk always sets it
+            pooled = s.pool
+            if pooler.pooling == "mean":
+                pooled = pooled / len(s.prompt)
+            done.append((c.sample_id, pooled))
+    if not done:
+        return ()
+    vectors = torch.stack([v for _, v in done])
+    if pooler.task == "classify":
+        # Only a BertModel (models/bert.py) is built for a classify pooler.
+        vectors = model.classify(vectors.to(dtype))
+    elif pooler.normalize:
+        vectors = torch.nn.functional.normalize(vectors, p=2.0, dim=-1)
+    host = vectors.float().cpu().numpy().astype("<f4")
+    return tuple(PooledOutput(sid, host[i].tobytes()) for i, (sid, _) in enumerate(done))
+
+
+def _pool_rows(
+    pooling: str, pool: torch.Tensor | None, rows: torch.Tensor, chunk: ScheduledChunk
+) -> torch.Tensor | None:
+    """A request's pool after one more chunk (fp32). A chunk from position 0 starts it
+    afresh: a request recomputed after preemption pools its prompt once."""
+    if chunk.start == 0:
+        pool = None
+    rows = rows.float()
+    if pooling == "cls":
+        return rows[0] if chunk.start == 0 else pool
+    if pooling == "last":
+        return rows[-1] if chunk.sample else pool
+    if pooling == "mean":
+        total = rows.sum(0)
+        return total if pool is None else pool + total
+    top = rows.max(0).values  # "max"
+    return top if pool is None else torch.maximum(pool, top)
