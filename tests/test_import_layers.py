@@ -38,6 +38,14 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("engine.errors", "engine._version")),
 )
 
+# The only function-level imports of engine modules: modules that exist to wrap a heavy
+# optional library, imported when first needed (with the reason).
+LAZY = {
+    ("engine.ops", "engine.ops.triton_ops"):
+        "triton is heavy and optional, and TRITON_INTERPRET must be set before its kernels "
+        "are decorated at import",
+}
+
 # A module this much over 600 lines must say in its docstring why it is one room.
 MAX_LINES = 650
 
@@ -181,7 +189,8 @@ def test_no_import_runs_up_a_floor() -> None:
 
 
 def test_no_engine_module_is_imported_inside_a_function() -> None:
-    hidden = [f"{i.source}:{i.line} imports {i.target}" for i in IMPORTS if i.in_function]
+    hidden = [f"{i.source}:{i.line} imports {i.target}" for i in IMPORTS
+              if i.in_function and (i.source, i.target) not in LAZY]
     assert hidden == []
 
 
