@@ -221,7 +221,7 @@ class TorchOps:
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         """xgrammar's kernel (C++ on the CPU, CUDA on a GPU)."""
-        from engine.structured.backend import apply_bitmask
+        from engine.structured.bitmask import apply_bitmask
 
         apply_bitmask(logits, bitmask, rows)
 

@@ -74,7 +74,7 @@ def compile_one(backend: Any, request: dict[str, Any], max_bytes: int) -> dict[s
 
     try:
         spec = spec_from_key(request["kind"], request["text"], request["think"])
-        compiled = backend._compile(spec)
+        compiled = backend.compile_uncached(spec)
         if compiled.backend == "xgrammar":
             data = compiled.handle.serialize_json()
             # In memory here, and as the JSON that crosses to the server and is read back.
