@@ -251,7 +251,7 @@ def test_a_matcher_checks_a_proposal_without_moving_and_rolls_back(model: Path, 
 
     from engine.models.tokenizer import Tokenizer
     from engine.structured import GrammarBackend
-    from engine.structured.backend import bitmask_words
+    from engine.structured.bitmask import bitmask_words
     from engine.structured.spec import StructuredOutputs
 
     tok = Tokenizer.from_folder(model)

@@ -34,6 +34,7 @@ from engine.messages import (
     TokensPrompt,
 )
 from engine.params import SamplingParams
+from engine.structured.check import max_output_bytes
 
 Prompt = TextPrompt | TokensPrompt | ChatPrompt
 
@@ -221,8 +222,6 @@ def check_min_tokens(params: SamplingParams) -> None:
     spec = params.structured_outputs
     if spec is None or params.min_tokens == 0 or spec.think is not None:
         return
-    from engine.structured.check import max_output_bytes
-
     most = max_output_bytes(spec.kind, spec.text, spec.choice)
     if most is not None and params.min_tokens > most:
         raise InvalidParamError(

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from engine.ops.base import KV_CODE_MAX, AttentionMetadata, KVCache, QuantizedKV
 from engine.ops.moe import fused_moe_reference
 from engine.ops.sampling_ref import sample as sample_reference
-from engine.structured.backend import apply_bitmask
+from engine.structured.bitmask import apply_bitmask
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

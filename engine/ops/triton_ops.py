@@ -22,7 +22,7 @@ from engine.ops.triton import (
     norm_rope,
     sampling,
 )
-from engine.structured.backend import apply_bitmask
+from engine.structured.bitmask import apply_bitmask
 
 
 class TritonOps:

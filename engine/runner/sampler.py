@@ -66,7 +66,7 @@ class SamplingRow:
 @dataclasses.dataclass(frozen=True, slots=True)
 class TokenBitmask:
     """Allowed tokens of a step's constrained rows: ``mask[i]`` (int32 words, bit ``t`` of
-    the row = token ``t`` allowed; see ``engine.structured.backend``) for batch row
+    the row = token ``t`` allowed; see ``engine.structured.bitmask``) for batch row
     ``rows[i]``. ``mask`` is on the CPU, where the grammar libraries fill it."""
 
     mask: torch.Tensor

@@ -4,8 +4,10 @@
 * ``check.py``: what no backend may take (unresolvable or remote refs, cycles, empty
   languages, anchors mid-pattern), refused when the spec is built, and the subset xgrammar
   is trusted with (the rest goes to llguidance).
-* :class:`GrammarBackend` (``backend.py``): compiles constraints with xgrammar (llguidance
-  where xgrammar refuses), cached per spec, and makes one :class:`Matcher` per sample.
+* :class:`GrammarBackend` (``backend.py``): compiles constraints with xgrammar
+  (``xgrammar_compiler.py``; llguidance where xgrammar refuses, ``guidance.py``), cached
+  per spec, and makes one :class:`Matcher` (``matcher.py``) per sample.
+* ``bitmask.py``: the token bitmask a matcher fills and the sampler applies.
 * ``pool.py`` / ``worker.py``: the engine's compiles, in worker processes killed past
   their time budget or when their caller leaves.
 
@@ -13,15 +15,10 @@ The model runner holds the matchers and the sampler applies their token bitmask 
 logits; ``docs/architecture.md`` ("Structured output") tells the whole path.
 """
 
-from engine.structured.backend import (
-    BACKENDS,
-    CompiledGrammar,
-    GrammarBackend,
-    Matcher,
-    StructuredStatistics,
-    apply_bitmask,
-    bitmask_words,
-)
+from engine.structured.backend import BACKENDS, GrammarBackend, StructuredStatistics
+from engine.structured.bitmask import apply_bitmask, bitmask_words
+from engine.structured.compiled import CompiledGrammar
+from engine.structured.matcher import Matcher
 from engine.structured.spec import StructuredOutputs
 
 __all__ = [

@@ -29,6 +29,13 @@ import types
 from typing import Any, BinaryIO
 
 import msgpack
+from tokenizers import Tokenizer
+
+# No lazy import would make the worker start faster: ``-m`` imports the engine.structured
+# package (its backend, and torch under it) before this module runs.
+from engine.errors import InvalidParamError
+from engine.structured.backend import GrammarBackend
+from engine.structured.spec import StructuredOutputs
 
 _HEADER = struct.Struct(">I")
 
@@ -50,11 +57,9 @@ def frame(value: Any) -> bytes:
     return _HEADER.pack(len(body)) + body
 
 
-def spec_from_key(kind: str, text: str, think: str) -> Any:
+def spec_from_key(kind: str, text: str, think: str) -> StructuredOutputs:
     """The :class:`StructuredOutputs` whose ``key`` is ``(kind, text, think)``, built
     without its checks: the server ran them before sending it."""
-    from engine.structured.spec import StructuredOutputs
-
     fields: dict[str, Any] = {f: None for f in StructuredOutputs.__dataclass_fields__}
     fields.update(json_object=False, think=think or None)
     if kind == "json_object":
@@ -69,12 +74,10 @@ def spec_from_key(kind: str, text: str, think: str) -> Any:
     return spec
 
 
-def compile_one(backend: Any, request: dict[str, Any], max_bytes: int) -> dict[str, Any]:
-    from engine.errors import InvalidParamError
-
+def compile_one(backend: GrammarBackend, request: dict[str, Any], max_bytes: int) -> dict[str, Any]:
     try:
         spec = spec_from_key(request["kind"], request["text"], request["think"])
-        compiled = backend._compile(spec)
+        compiled = backend.compile_uncached(spec)
         if compiled.backend == "xgrammar":
             data = compiled.handle.serialize_json()
             # In memory here, and as the JSON that crosses to the server and is read back.
@@ -110,10 +113,6 @@ def main() -> None:
     init = read_frame(stdin)
     if init is None:
         return
-    from tokenizers import Tokenizer
-
-    from engine.structured.backend import GrammarBackend
-
     tokenizer = types.SimpleNamespace(
         backend_tokenizer=Tokenizer.from_str(init["tokenizer"]),
         skipped_special_ids=frozenset(init["skipped_special_ids"]))
