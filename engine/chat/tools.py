@@ -39,9 +39,9 @@ from engine.chat.tool_parsers import (
     StreamDelta,
     ToolCall,
     ToolCallDelta,
-    _bracket_end,
     random_call_id,
 )
+from engine.chat.tool_parsers.scan import bracket_end
 from engine.errors import InvalidParamError
 
 # OpenAI's rule for function names.
@@ -363,7 +363,7 @@ class ForcedCallStreamer:
             start = self._buf.find("{", self._pos)
             if start == -1:
                 return deltas
-            end = _bracket_end(self._buf, start)
+            end = bracket_end(self._buf, start)
             if end is None:
                 return deltas
             self._pos = end
