@@ -29,7 +29,7 @@ from engine.chat.tools import (
     template_reads_tools,
 )
 from engine.errors import InvalidParamError
-from engine.models.tokenizer import template_reads
+from engine.models.chat_template import template_reads
 from engine.params import SamplingParams
 from engine.structured import StructuredOutputs
 
@@ -93,7 +93,8 @@ class ChatSettings:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class TemplateOptions:
-    """What the chat template is rendered with (see ``Tokenizer.apply_chat_template``)."""
+    """What the chat template is rendered with (see
+    :func:`engine.chat.template.apply_chat_template`)."""
 
     tools: tuple[Mapping[str, Any], ...] | None = None
     chat_template: str | None = None
@@ -102,7 +103,7 @@ class TemplateOptions:
     continue_final_message: bool = False
 
     def to_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of ``Tokenizer.apply_chat_template``."""
+        """The keyword arguments of :func:`engine.chat.template.apply_chat_template`."""
         return {
             "tools": list(self.tools) if self.tools is not None else None,
             "chat_template": self.chat_template,

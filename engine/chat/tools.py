@@ -43,6 +43,7 @@ from engine.chat.tool_parsers import (
 )
 from engine.chat.tool_parsers.scan import bracket_end
 from engine.errors import InvalidParamError
+from engine.models.chat_template import template_reads
 
 # OpenAI's rule for function names.
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -222,8 +223,6 @@ def _history_call(call: Any, where: str) -> dict[str, Any]:
 
 def template_reads_tools(source: str | None) -> bool:
     """Whether a chat template's jinja source reads the ``tools`` variable."""
-    from engine.models.tokenizer import template_reads
-
     return template_reads(source, "tools")
 
 
