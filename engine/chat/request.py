@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from engine.chat.output import ChatOutputOptions
-from engine.chat.reasoning import ReasoningParser, get_reasoning_parser
+from engine.chat.reasoning import THINK_END, THINK_START, ReasoningParser, get_reasoning_parser
 from engine.chat.tool_parsers import ToolParser, get_tool_parser
 from engine.chat.tools import (
     Tool,
@@ -360,8 +360,6 @@ def thinking_budget_params(body: Mapping[str, Any], params: SamplingParams,
     if reasoning is None:
         raise InvalidParamError("thinking_token_budget needs the server started with "
                                 "--reasoning-parser", param="thinking_token_budget")
-    from engine.chat.reasoning import THINK_END, THINK_START
-
     start = () if reasoning.starts_in_reasoning else tuple(encode(THINK_START))
     return params.replace(thinking_token_budget=budget, think_start_token_ids=start,
                           think_end_token_ids=tuple(encode(THINK_END)))
