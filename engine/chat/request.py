@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from engine.chat.output import ChatOutputOptions
@@ -331,8 +332,6 @@ def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
 def load_chat_template(value: str) -> str:
     """``--chat-template``: a file's contents when ``value`` names a file, else the
     template itself (as vLLM's flag)."""
-    from pathlib import Path
-
     path = Path(value)
     try:
         if path.is_file():
