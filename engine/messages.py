@@ -179,7 +179,7 @@ class ChatPrompt:
 
     messages_json: str
     # The chat template's options as JSON keyword arguments of
-    # Tokenizer.apply_chat_template (tools, chat_template, chat_template_kwargs,
+    # engine.chat.template.apply_chat_template (tools, chat_template, chat_template_kwargs,
     # add_generation_prompt, continue_final_message); "{}" renders with the defaults.
     options_json: str = "{}"
 

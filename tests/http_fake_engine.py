@@ -18,6 +18,7 @@ from typing import Any
 import trio
 
 from engine.actors.system import EngineStatistics
+from engine.chat.template import apply_chat_template
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, InvalidParamError, PromptTooLongError, QueueFullError
 from engine.messages import RequestOutput, TokenLogprob, Usage
@@ -161,7 +162,7 @@ class FakeEngine:
             import json
 
             options = json.loads(chat_options.to_json()) if chat_options is not None else {}
-            text = self.tokenizer.apply_chat_template(prompt, **options)
+            text = apply_chat_template(self.tokenizer, prompt, **options)
             return self.tokenizer.encode(text, add_special_tokens=False)
         for t in prompt:
             if t >= self.tokenizer.vocab_size:

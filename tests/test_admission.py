@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from text_fixtures import tiny_folder
 
+from engine.chat.template import ChatTokenizer, apply_chat_template
 from engine.core.admission import (
     AdmissionLimits,
     admit,
@@ -61,9 +62,9 @@ def test_bad_arguments_name_their_field(kwargs: dict[str, object], param: str) -
 
 def test_tokenization_matches_the_tokenizer(tok: Tokenizer) -> None:
     messages = [{"role": "user", "content": "Hello world!"}]
-    rendered = tok.apply_chat_template(messages, add_generation_prompt=True)
+    rendered = apply_chat_template(tok, messages, add_generation_prompt=True)
     assert prompt_token_ids(tok, _submit("Hello").prompt) == tuple(tok.encode("Hello"))
-    assert prompt_token_ids(tok, _submit(messages).prompt) == tuple(
+    assert prompt_token_ids(ChatTokenizer(tok), _submit(messages).prompt) == tuple(
         tok.encode(rendered, add_special_tokens=False)
     )
     assert prompt_token_ids(tok, _submit([9, 8]).prompt) == (9, 8)
@@ -74,7 +75,7 @@ def test_tokenization_matches_the_tokenizer(tok: Tokenizer) -> None:
                                                 ([{"role": "user", "content": "x\udfff"}], "messages")])
 def test_a_lone_surrogate_is_the_request_error(tok: Tokenizer, prompt: object, param: str) -> None:
     with pytest.raises(InvalidParamError) as info:
-        prompt_token_ids(tok, _submit(prompt).prompt)
+        prompt_token_ids(ChatTokenizer(tok), _submit(prompt).prompt)
     assert info.value.param == param
 
 

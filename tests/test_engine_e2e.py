@@ -18,6 +18,7 @@ from engine_helpers import (
 )
 
 import engine
+from engine.chat.template import apply_chat_template
 from engine.errors import InvalidParamError, PromptTooLongError
 from engine.params import SamplingParams
 
@@ -238,7 +239,7 @@ async def test_chat_messages_go_through_the_chat_template(model: Path) -> None:
         stream = await eng.submit(messages, greedy(4))
         async with stream:
             outputs = [out async for out in stream]
-        rendered = eng.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        rendered = apply_chat_template(eng.tokenizer, messages, add_generation_prompt=True)
         expected = tuple(eng.tokenizer.encode(rendered, add_special_tokens=False))
     assert stream.prompt_token_ids == expected
     assert len(token_ids(outputs)) == 4

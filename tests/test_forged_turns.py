@@ -27,6 +27,7 @@ from http_server import ServerThread
 from text_fixtures import smollm2_folder
 
 import engine
+from engine.chat.template import apply_chat_template, chat_prompt_ids
 from engine.models.testing import write_tiny_model
 from engine.models.tokenizer import Tokenizer
 
@@ -166,21 +167,21 @@ def test_forged_control_tokens_in_messages_stay_text_on_every_template(root: Pat
     tok = Tokenizer.from_folder(folder)
     hf = AutoTokenizer.from_pretrained(str(folder))
     forged, options = chat(forgery), make_options(forgery)
-    assert tok._control_pattern is not None and tok._control_pattern.search(forgery)
+    assert any(text in forgery for text in tok.control_tokens)
     innocent, plain_options = chat("EVIL"), make_options("EVIL")
 
-    ids = tok.chat_prompt_ids(forged, **options)
+    ids = chat_prompt_ids(tok, forged, **options)
     # The special tokens are exactly the template's, in order: those of the same chat
     # without the forged markers, as transformers tokenizes it.
     assert _specials(tok, ids) == _specials(tok, _hf_ids(hf, innocent, plain_options))
     # No text lost or added: the forged markers are there, as text.
-    assert tok.decode(ids, skip_special_tokens=False) == tok.apply_chat_template(forged, **options)
+    assert tok.decode(ids, skip_special_tokens=False) == apply_chat_template(tok, forged, **options)
     # The old reading (the flag) is transformers' whole-prompt encode, forged turns and all.
-    old = tok.chat_prompt_ids(forged, special_tokens_in_content=True, **options)
+    old = chat_prompt_ids(tok, forged, special_tokens_in_content=True, **options)
     assert old == _hf_ids(hf, forged, options)
     assert len(_specials(tok, old)) > len(_specials(tok, ids))
     # Without forged markers nothing changes: transformers' ids exactly.
-    assert tok.chat_prompt_ids(innocent, **plain_options) == _hf_ids(hf, innocent, plain_options)
+    assert chat_prompt_ids(tok, innocent, **plain_options) == _hf_ids(hf, innocent, plain_options)
 
 
 @pytest.mark.parametrize("case", ["tiny_chatml", "llama3", "mistral"])
@@ -190,16 +191,17 @@ def test_text_between_the_templates_markers_encodes_as_a_whole_encode_does(
     """The forged path encodes the text between the template's markers piece by piece;
     on text without forged markers that gives exactly the whole encode's ids (here forced
     onto innocent prompts), Metaspace's first-piece "▁" included."""
-    from engine.models.tokenizer import _Marker
+    from engine.chat.template import _control_pattern, _Marker
 
     build, _, chat, make_options = CASES[case]
     options = make_options("x")
     tok = Tokenizer.from_folder(build(root / "whole"))
-    assert tok._control_pattern is not None
-    marker = _Marker(tok._control_texts, tok._control_pattern, "7")
+    assert tok.control_tokens
+    marker = _Marker(tok.control_tokens, _control_pattern(tok.control_tokens), "7")
     for text in ("Hi there", " leading space", "two  spaces\n\nand lines ", "x"):
-        rendered = tok.apply_chat_template(chat(text), **options)
-        assert tok._encode_marked(rendered, marker) == tok.encode(rendered, add_special_tokens=False)
+        rendered = apply_chat_template(tok, chat(text), **options)
+        assert tok.encode_templated(rendered, marker.restore) == tok.encode(
+            rendered, add_special_tokens=False)
 
 
 # -- through the server and the embedded API ----------------------------------------------

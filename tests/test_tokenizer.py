@@ -1,4 +1,5 @@
-"""engine.models.tokenizer.Tokenizer encodes, decodes and renders chats like transformers.
+"""engine.models.tokenizer.Tokenizer encodes and decodes, and engine.chat.template renders its
+chats, like transformers.
 
 The oracle is ``transformers.AutoTokenizer`` loaded from the same folder: the tiny test
 model's byte-level BPE and the real SmolLM2 tokenizer converted from its GGUF.
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 from text_fixtures import TEXTS, smollm2_folder, tiny_folder
 
+from engine.chat.template import apply_chat_template
 from engine.errors import (
     CorruptModelError,
     InvalidParamError,
@@ -219,12 +221,12 @@ def test_chat_template_equals_transformers(
         expected = hf.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
         )
-        assert ours.apply_chat_template(messages, add_generation_prompt) == expected
+        assert apply_chat_template(ours, messages, add_generation_prompt) == expected
 
 
 def test_smollm2_template_comes_from_chat_template_jinja(smol_dir: Path) -> None:
     assert (smol_dir / "chat_template.jinja").exists()
-    prompt = Tokenizer.from_folder(smol_dir).apply_chat_template(
+    prompt = apply_chat_template(Tokenizer.from_folder(smol_dir),
         [{"role": "user", "content": "hi"}]
     )
     assert prompt.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
@@ -234,8 +236,8 @@ def test_smollm2_template_comes_from_chat_template_jinja(smol_dir: Path) -> None
 def test_text_parts_are_joined_with_newlines(tiny_dir: Path) -> None:
     tok = Tokenizer.from_folder(tiny_dir)
     parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
-    assert tok.apply_chat_template([{"role": "user", "content": parts}]) == (
-        tok.apply_chat_template([{"role": "user", "content": "first\nsecond"}])
+    assert apply_chat_template(tok, [{"role": "user", "content": parts}]) == (
+        apply_chat_template(tok, [{"role": "user", "content": "first\nsecond"}])
     )
 
 
@@ -276,14 +278,14 @@ def test_template_environment_renders_like_transformers(tiny_dir: Path, tmp_path
     expected = hf.apply_chat_template(
         messages, tools=tools, tokenize=False, add_generation_prompt=True
     )
-    assert ours.apply_chat_template(messages, tools=tools) == expected
+    assert apply_chat_template(ours, messages, tools=tools) == expected
     assert '"<tag> & 😀"' in expected and "never reached" not in expected
 
 
 def test_template_raise_exception_is_invalid_param(tiny_dir: Path, tmp_path: Path) -> None:
     folder = _variant(tiny_dir, tmp_path / "t", config={"chat_template": FEATURE_TEMPLATE})
     with pytest.raises(InvalidParamError, match="must not start with assistant") as info:
-        Tokenizer.from_folder(folder).apply_chat_template([{"role": "assistant", "content": "x"}])
+        apply_chat_template(Tokenizer.from_folder(folder), [{"role": "assistant", "content": "x"}])
     assert info.value.param == "messages"
 
 
@@ -293,7 +295,7 @@ def test_a_template_that_fails_on_the_messages_is_their_invalid_param(tiny_dir: 
     template = "{% for m in messages %}{{ m.content + 1 }}{% endfor %}"
     folder = _variant(tiny_dir, tmp_path / "t", config={"chat_template": template})
     with pytest.raises(InvalidParamError, match="TypeError") as info:
-        Tokenizer.from_folder(folder).apply_chat_template([{"role": "user", "content": "x"}])
+        apply_chat_template(Tokenizer.from_folder(folder), [{"role": "user", "content": "x"}])
     assert info.value.param == "messages"
 
 
@@ -305,7 +307,7 @@ def test_named_chat_templates_use_default_like_transformers(tiny_dir: Path, tmp_
     folder = _variant(tiny_dir, tmp_path / "t", config={"chat_template": named})
     messages = [{"role": "user", "content": "x"}]
     expected = _hf_tokenizer(folder).apply_chat_template(messages, tokenize=False)
-    assert Tokenizer.from_folder(folder).apply_chat_template(messages) == expected == "D:x"
+    assert apply_chat_template(Tokenizer.from_folder(folder), messages) == expected == "D:x"
 
 
 def test_folder_without_chat_template_raises_request_error(tiny_dir: Path, tmp_path: Path) -> None:
@@ -313,7 +315,7 @@ def test_folder_without_chat_template_raises_request_error(tiny_dir: Path, tmp_p
     tok = Tokenizer.from_folder(folder)
     assert tok.chat_template is None
     with pytest.raises(RequestError, match="no chat template"):
-        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+        apply_chat_template(tok, [{"role": "user", "content": "hi"}])
 
 
 @pytest.mark.parametrize(
@@ -338,7 +340,7 @@ def test_bad_messages_raise_invalid_param_naming_the_field(
     tiny_dir: Path, messages: Any, param: str
 ) -> None:
     with pytest.raises(InvalidParamError) as info:
-        Tokenizer.from_folder(tiny_dir).apply_chat_template(messages)
+        apply_chat_template(Tokenizer.from_folder(tiny_dir), messages)
     assert info.value.param == param
 
 
@@ -346,7 +348,7 @@ def test_developer_is_the_system_role(tiny_dir: Path) -> None:
     tok = Tokenizer.from_folder(tiny_dir)
     developer = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]
     system = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    assert tok.apply_chat_template(developer) == tok.apply_chat_template(system)
+    assert apply_chat_template(tok, developer) == apply_chat_template(tok, system)
 
 
 def test_assistant_message_may_carry_only_tool_calls(tiny_dir: Path, tmp_path: Path) -> None:
@@ -358,7 +360,7 @@ def test_assistant_message_may_carry_only_tool_calls(tiny_dir: Path, tmp_path: P
     ]
     expected = _hf_tokenizer(folder).apply_chat_template(messages, tokenize=False)
     assert (
-        Tokenizer.from_folder(folder).apply_chat_template(messages)
+        apply_chat_template(Tokenizer.from_folder(folder), messages)
         == expected
         == "user:x;assistant:-;"
     )
@@ -427,7 +429,7 @@ def test_tool_template_with_tools_and_history_equals_transformers(
     ours, hf = Tokenizer.from_folder(folder), _hf_tokenizer(folder)
     expected = hf.apply_chat_template(_decoded_args(ROUND_TRIP), tools=TOOLS, tokenize=False,
                                       add_generation_prompt=True)
-    got = ours.apply_chat_template(ROUND_TRIP, tools=TOOLS)
+    got = apply_chat_template(ours, ROUND_TRIP, tools=TOOLS)
     assert got == expected
     assert '"arguments": {"city": "Paris", "unit": "celsius"}' in got  # decoded, not a string
 
@@ -436,11 +438,11 @@ def test_request_template_kwargs_and_prefill_equal_transformers(tiny_dir: Path) 
     ours, hf = Tokenizer.from_folder(tiny_dir), _hf_tokenizer(tiny_dir)
     chat = [{"role": "user", "content": "2+2?"}]
     for kwargs in ({}, {"enable_thinking": False}):
-        assert ours.apply_chat_template(chat, chat_template=THINK_TEMPLATE, **kwargs) == \
+        assert apply_chat_template(ours, chat, chat_template=THINK_TEMPLATE, **kwargs) == \
             hf.apply_chat_template(chat, chat_template=THINK_TEMPLATE, tokenize=False,
                                    add_generation_prompt=True, **kwargs)
     prefill = [*chat, {"role": "assistant", "content": "The answer is "}]
-    got = ours.apply_chat_template(prefill, add_generation_prompt=False,
+    got = apply_chat_template(ours, prefill, add_generation_prompt=False,
                                    continue_final_message=True)
     assert got == hf.apply_chat_template(prefill, tokenize=False, continue_final_message=True)
     assert got.endswith("<|im_start|>assistant\nThe answer is ")
@@ -450,7 +452,7 @@ def test_template_without_tools_gets_the_fallback_prompt(tiny_dir: Path) -> None
     from engine.chat.tools import fallback_messages, parse_tools
 
     ours, hf = Tokenizer.from_folder(tiny_dir), _hf_tokenizer(tiny_dir)
-    got = ours.apply_chat_template(ROUND_TRIP, tools=TOOLS)
+    got = apply_chat_template(ours, ROUND_TRIP, tools=TOOLS)
     rewritten = fallback_messages(_decoded_args(ROUND_TRIP), parse_tools(TOOLS),
                                   describe_tools=True)
     assert got == hf.apply_chat_template(rewritten, tokenize=False, add_generation_prompt=True)
@@ -468,20 +470,20 @@ def test_bad_template_controls_name_the_field(
 ) -> None:
     kwargs = {k: v for k, v in kwargs.items() if k != "messages_extra"}
     with pytest.raises(InvalidParamError) as info:
-        Tokenizer.from_folder(tiny_dir).apply_chat_template(
+        apply_chat_template(Tokenizer.from_folder(tiny_dir),
             [{"role": "user", "content": "hi"}], **kwargs)
     assert info.value.param == param
 
 
 def test_reserved_template_kwargs_are_refused(tiny_dir: Path) -> None:
     with pytest.raises(InvalidParamError) as info:
-        Tokenizer.from_folder(tiny_dir).apply_chat_template(
+        apply_chat_template(Tokenizer.from_folder(tiny_dir),
             [{"role": "user", "content": "hi"}], chat_template_kwargs={"messages": []})
     assert info.value.param == "chat_template_kwargs"
 
 
 def test_tool_message_without_call_id_is_refused(tiny_dir: Path) -> None:
     with pytest.raises(InvalidParamError) as info:
-        Tokenizer.from_folder(tiny_dir).apply_chat_template(
+        apply_chat_template(Tokenizer.from_folder(tiny_dir),
             [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}])
     assert info.value.param == "messages[1].tool_call_id"

@@ -36,6 +36,7 @@ from engine.api.streams import RequestStream, _Generation
 from engine.chat import session as chat_session
 from engine.chat.request import TemplateOptions
 from engine.chat.session import ChatChunk, ChatResult
+from engine.chat.template import ChatTokenizer
 from engine.config import EngineConfig
 from engine.core import admission, pooling
 from engine.core.pooling import Pooled
@@ -63,17 +64,19 @@ async def tokenize_prompt(
     off the event loop when it is more than a short text: in a worker thread under
     ``limiter``, the chat template bounded by ``template_seconds`` (and sizes:
     :mod:`engine.models.chat_sandbox`). A cancelled caller stops waiting at once; its
-    render stops at its next step."""
+    render stops at its next step. ``tokenizer`` is the model's; chat messages render
+    with its chat template (:class:`engine.chat.template.ChatTokenizer`)."""
     options["max_model_len"] = max_model_len
+    chat_tokenizer = ChatTokenizer(tokenizer)
     if not admission.needs_thread(prompt):
-        return admission.prompt_token_ids(tokenizer, prompt, **options)
+        return admission.prompt_token_ids(chat_tokenizer, prompt, **options)
     # What a template makes of the messages (and tools) may be a few times their size.
     size = admission.prompt_chars(prompt) + len(getattr(prompt, "options_json", ""))
     budget = RenderBudget(template_seconds, max_chars=4 * size)
 
     def work() -> tuple[int, ...]:
         with budget.active():
-            return admission.prompt_token_ids(tokenizer, prompt, **options)
+            return admission.prompt_token_ids(chat_tokenizer, prompt, **options)
 
     try:
         # Pure and quick to drop: a cancelled caller need not wait for it.

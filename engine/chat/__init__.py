@@ -1,4 +1,4 @@
-"""The chat layer between OpenAI messages and model text: tool calls and reasoning.
+"""The chat layer between OpenAI messages and model text: templates, tool calls, reasoning.
 
 Pure code (no I/O, no trio), shared by the HTTP server and the embedded API:
 
@@ -9,6 +9,9 @@ Pure code (no I/O, no trio), shared by the HTTP server and the embedded API:
   (``deepseek_r1``, ``qwen3``), complete or streamed.
 * :mod:`engine.chat.tools` checks tool definitions and ``tool_choice`` and holds the
   built-in fallback tool template for chat templates that ignore ``tools``.
+* :mod:`engine.chat.template` normalizes chat messages and renders them with the model's
+  chat template (with the request's tools and template options) into the prompt and its
+  token ids.
 
 The embedded API's typed values (:mod:`engine.chat.session`) are re-exported here.
 """

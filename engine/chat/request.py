@@ -13,10 +13,11 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from engine.chat.output import ChatOutputOptions
-from engine.chat.reasoning import ReasoningParser, get_reasoning_parser
+from engine.chat.reasoning import THINK_END, THINK_START, ReasoningParser, get_reasoning_parser
 from engine.chat.tool_parsers import ToolParser, get_tool_parser
 from engine.chat.tools import (
     Tool,
@@ -29,7 +30,7 @@ from engine.chat.tools import (
     template_reads_tools,
 )
 from engine.errors import InvalidParamError
-from engine.models.tokenizer import template_reads
+from engine.models.chat_template import template_reads
 from engine.params import SamplingParams
 from engine.structured import StructuredOutputs
 
@@ -93,7 +94,8 @@ class ChatSettings:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class TemplateOptions:
-    """What the chat template is rendered with (see ``Tokenizer.apply_chat_template``)."""
+    """What the chat template is rendered with (see
+    :func:`engine.chat.template.apply_chat_template`)."""
 
     tools: tuple[Mapping[str, Any], ...] | None = None
     chat_template: str | None = None
@@ -102,7 +104,7 @@ class TemplateOptions:
     continue_final_message: bool = False
 
     def to_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of ``Tokenizer.apply_chat_template``."""
+        """The keyword arguments of :func:`engine.chat.template.apply_chat_template`."""
         return {
             "tools": list(self.tools) if self.tools is not None else None,
             "chat_template": self.chat_template,
@@ -330,8 +332,6 @@ def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
 def load_chat_template(value: str) -> str:
     """``--chat-template``: a file's contents when ``value`` names a file, else the
     template itself (as vLLM's flag)."""
-    from pathlib import Path
-
     path = Path(value)
     try:
         if path.is_file():
@@ -359,8 +359,6 @@ def thinking_budget_params(body: Mapping[str, Any], params: SamplingParams,
     if reasoning is None:
         raise InvalidParamError("thinking_token_budget needs the server started with "
                                 "--reasoning-parser", param="thinking_token_budget")
-    from engine.chat.reasoning import THINK_END, THINK_START
-
     start = () if reasoning.starts_in_reasoning else tuple(encode(THINK_START))
     return params.replace(thinking_token_budget=budget, think_start_token_ids=start,
                           think_end_token_ids=tuple(encode(THINK_END)))

@@ -39,10 +39,11 @@ from engine.chat.tool_parsers import (
     StreamDelta,
     ToolCall,
     ToolCallDelta,
-    _bracket_end,
     random_call_id,
 )
+from engine.chat.tool_parsers.scan import bracket_end
 from engine.errors import InvalidParamError
+from engine.models.chat_template import template_reads
 
 # OpenAI's rule for function names.
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -222,8 +223,6 @@ def _history_call(call: Any, where: str) -> dict[str, Any]:
 
 def template_reads_tools(source: str | None) -> bool:
     """Whether a chat template's jinja source reads the ``tools`` variable."""
-    from engine.models.tokenizer import template_reads
-
     return template_reads(source, "tools")
 
 
@@ -363,7 +362,7 @@ class ForcedCallStreamer:
             start = self._buf.find("{", self._pos)
             if start == -1:
                 return deltas
-            end = _bracket_end(self._buf, start)
+            end = bracket_end(self._buf, start)
             if end is None:
                 return deltas
             self._pos = end

@@ -51,9 +51,11 @@ _TEXT_MARGIN = 4
 
 
 class PromptTokenizer(Protocol):
-    """What admission needs of :class:`engine.models.tokenizer.Tokenizer`."""
+    """What admission needs of a tokenizer: the model's, with ``chat_prompt_ids`` for chat
+    messages (:class:`engine.chat.template.ChatTokenizer`, handed down by its caller)."""
 
-    max_token_chars: int
+    @property
+    def max_token_chars(self) -> int: ...
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 

@@ -49,6 +49,7 @@ from engine.chat.request import (
     parse_chat_fields,
     thinking_budget_params,
 )
+from engine.chat.template import ChatTokenizer, normalize_messages
 from engine.core import admission
 from engine.errors import EngineDeadError, InvalidParamError
 from engine.http import anthropic, auth, edge, protocol, responses, schema, sse, tokens
@@ -58,7 +59,6 @@ from engine.http.metrics import Metrics, RequestTimer
 from engine.http.protocol import APIError, CompletionRequest
 from engine.http.response_store import MissingResponse, ResponseStore
 from engine.messages import RequestOutput
-from engine.models.tokenizer import normalize_messages
 from engine.multimodal import has_images
 
 if TYPE_CHECKING:
@@ -819,7 +819,7 @@ class _Server:
         (messages,) = req.prompts
         prompt = admission.prompt_message(messages, req.chat_fields.template.to_json())
         return _json(self._rendered(req, 0, list(admission.prompt_token_ids(
-            self.engine.tokenizer, prompt))), 200)
+            ChatTokenizer(self.engine.tokenizer), prompt))), 200)
 
     async def render_completions(self) -> Response:
         """vLLM's ``/v1/completions/render``: one ``/inference/v1/generate`` request per

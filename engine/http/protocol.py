@@ -28,6 +28,7 @@ from engine.chat.request import (
     constraint_param,
     parse_chat_fields,
 )
+from engine.chat.template import normalize_messages
 from engine.errors import (
     EngineDeadError,
     InvalidParamError,
@@ -36,7 +37,6 @@ from engine.errors import (
     RequestError,
     RequestFailedError,
 )
-from engine.models.tokenizer import normalize_messages
 from engine.params import SamplingParams
 from engine.structured import StructuredOutputs
 from engine.structured.openai import FIELDS as STRUCTURED_FIELDS
