@@ -32,11 +32,11 @@ from tp_ranks import BLOCK_SIZE, greedy_with_logits, run_ranks
 
 from engine.errors import UnsupportedModelError
 from engine.models.config import ModelConfig
+from engine.models.layers.shard import kv_head_range, tensor_parallel_problem
 from engine.models.loader import _converted_gguf
 from engine.models.testing import TINY_ARCHITECTURES, TINY_MOE_ARCHITECTURES, write_tiny_model
 from engine.ops.quant import LAYOUT_FORMATS
 from engine.parallel import SINGLE, TensorParallel
-from engine.parallel.shard import kv_head_range, tensor_parallel_problem
 
 LOGIT_ATOL = 1e-5
 LOGIT_RTOL = 1e-6  # a part in a million of the logit: ~8 fp32 steps (see the docstring)
@@ -201,8 +201,8 @@ CUTS = [(fmt, layout) for layout in ("panels", "blocks") for fmt in CUT_FORMATS 
 def test_quantized_cuts_keep_the_blocks_and_their_values(fmt: str, layout: str) -> None:
     """Cuts of a kept weight dequantize to the same cuts of the whole weight, in either
     layout, including row cuts inside a 16-row panel (repacked) and joined spans."""
+    from engine.models.layers.shard import take_cols, take_rows
     from engine.ops.quant import QuantizedWeight
-    from engine.parallel.shard import take_cols, take_rows
 
     n, k = 56, 512
     w = QuantizedWeight.from_blocks(_blocks(fmt, n, k), fmt, k, layout=layout)

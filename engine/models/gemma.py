@@ -25,12 +25,12 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.config import ModelConfig
+from engine.models.layers.shard import qkv_spans
 from engine.models.llama import LlamaModel, _Layer, _Weights, rope_cos_sin_cache
 from engine.models.quantized import make_linear
 from engine.ops import AttentionMetadata, Ops
 from engine.ops.cpu import fused as fused_decode
 from engine.parallel import SINGLE, TensorParallel
-from engine.parallel.shard import qkv_spans
 
 
 @dataclasses.dataclass(slots=True)

@@ -22,6 +22,13 @@ import torch.nn.functional as F
 
 from engine.errors import CorruptModelError
 from engine.models.config import GEMMA_FAMILY, ModelConfig
+from engine.models.layers.shard import (
+    ShardedWeights,
+    check_tensor_parallel,
+    local_heads,
+    qkv_spans,
+    vocab_range,
+)
 from engine.models.moe import SparseMoeBlock
 from engine.models.quantized import embed, make_linear
 from engine.models.rope import cos_sin_cache
@@ -29,13 +36,6 @@ from engine.ops import AttentionMetadata, Ops
 from engine.ops.cpu import fused as fused_decode
 from engine.ops.cpu import qmatmul as cq
 from engine.parallel import SINGLE, TensorParallel
-from engine.parallel.shard import (
-    ShardedWeights,
-    check_tensor_parallel,
-    local_heads,
-    qkv_spans,
-    vocab_range,
-)
 
 
 def rope_cos_sin_cache(
@@ -143,7 +143,7 @@ class LlamaModel:
     """The decoder stack plus LM head, over weights given under Hugging Face names.
 
     With ``tp`` of ``N > 1`` ranks this is rank ``tp.rank``'s slice of every layer (see
-    :mod:`engine.parallel.shard`): its query and KV heads, its share of the MLP and of the
+    :mod:`engine.models.layers.shard`): its query and KV heads, its share of the MLP and of the
     vocabulary; :meth:`forward` all-reduces after o and down (the residual stream is whole
     on every rank) and :meth:`compute_logits` returns the gathered full-vocabulary logits.
     """
