@@ -45,7 +45,7 @@ from test_parity import (
     check_triton_past_the_window,
 )
 
-import engine.models.moe as moe_module
+import engine.models.layers.moe as moe_module
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model
 from engine.models.testing import TINY_MOE_ARCHITECTURES, write_tiny_model

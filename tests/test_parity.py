@@ -335,7 +335,7 @@ def test_dynamic_ntk_rope_matches_transformers_while_decoding_past_the_trained_l
 
 def _per_position_longrope(hf, original: int) -> None:
     """Make transformers' Phi-3 rotate each position with the factors of its own position:
-    short below ``original``, long from it (the engine's rule, see engine/models/rope.py),
+    short below ``original``, long from it (the engine's rule, see engine/models/layers/rope.py),
     frequencies and attention factor from transformers' own longrope initialiser. Unpatched,
     transformers rotates a whole sequence with the long factors once it is longer than
     ``original`` (re-encoding the prompt), which a paged KV cache cannot do."""

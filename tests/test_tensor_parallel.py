@@ -244,9 +244,9 @@ def test_a_rank_built_for_its_device_from_host_weights_receives_only_its_cut(
     device: the weights are cut on the host and only the cut moves (GGUF's block rows
     too: QuantizedWeight.to refuses to change devices). The "meta" device stands in for a
     GPU: it holds shapes, not bytes, so any tensor left on the host shows."""
+    from engine.models.layers.linear import QuantLinear
     from engine.models.llama import build_model
     from engine.models.loader import load_model
-    from engine.models.quantized import QuantLinear
     from engine.ops import get_ops
     from engine.ops.quant import QuantizedWeight
 

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.config import ModelConfig
-from engine.models.llama import Linear, _Weights
+from engine.models.layers.linear import Linear
+from engine.models.llama import _Weights
 from engine.ops import AttentionMetadata, Ops
 
 

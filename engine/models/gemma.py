@@ -14,7 +14,8 @@ What differs from :class:`~engine.models.llama.LlamaModel`, each as transformers
   and it normalises each head of q and k before RoPE (with the same ``1 + weight`` norm).
 
 Projections, the embedding and the (tied) head go through the same quantization-aware
-helpers as the Llama decoder (:mod:`engine.models.quantized`), so a GGUF's blocks are kept.
+helpers as the Llama decoder (:mod:`engine.models.layers.linear`), so a GGUF's blocks are
+kept.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 
 from engine.models.config import ModelConfig
+from engine.models.layers.linear import make_linear
+from engine.models.layers.norm import gemma_norm_weight, gemma_rms_norm
+from engine.models.layers.rope import rope_cos_sin_cache
 from engine.models.layers.shard import qkv_spans
-from engine.models.llama import LlamaModel, _Layer, _Weights, rope_cos_sin_cache
-from engine.models.quantized import make_linear
+from engine.models.llama import LlamaModel, _Layer, _Weights
 from engine.ops import AttentionMetadata, Ops
 from engine.ops.cpu import fused as fused_decode
 from engine.parallel import SINGLE, TensorParallel
@@ -84,9 +86,7 @@ class GemmaModel(LlamaModel):
             self.lm_head = make_linear([get.rows("lm_head.weight")])
 
     def _norm_weight(self, weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-        """``1 + weight`` in fp32: transformers multiplies by it in fp32, then rounds."""
-        w = _Weights(weights, torch.float32, self.device)(name)
-        return (1.0 + w).contiguous()
+        return gemma_norm_weight(weights, name, self.device)
 
     def _layer(self, get: _Weights, i: int) -> _GemmaLayer:  # type: ignore[override]
         p = f"model.layers.{i}."
@@ -113,13 +113,7 @@ class GemmaModel(LlamaModel):
         return self._rms(x, weight)
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Gemma's RMSNorm with ``weight`` = 1 + w in fp32."""
-        gemma_norm = getattr(self.ops, "gemma_rms_norm", None)  # the CPU kernels' (the fused step's too)
-        if gemma_norm is not None:
-            return gemma_norm(x, weight, self.eps)
-        if x.dtype == torch.float32:
-            return self.ops.rms_norm(x, weight, self.eps)  # the backend's kernel, same math
-        return F.rms_norm(x.float(), (x.shape[-1],), weight, self.eps).to(x.dtype)
+        return gemma_rms_norm(self.ops, x, weight, self.eps)
 
     @torch.inference_mode()
     def forward(

@@ -18,10 +18,13 @@ import dataclasses
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from engine.errors import CorruptModelError
 from engine.models.config import GEMMA_FAMILY, ModelConfig
+from engine.models.layers.linear import Linear, embed, make_linear
+from engine.models.layers.moe import SparseMoeBlock
+from engine.models.layers.norm import head_norm
+from engine.models.layers.rope import rope_cos_sin_cache
 from engine.models.layers.shard import (
     ShardedWeights,
     check_tensor_parallel,
@@ -29,98 +32,9 @@ from engine.models.layers.shard import (
     qkv_spans,
     vocab_range,
 )
-from engine.models.moe import SparseMoeBlock
-from engine.models.quantized import embed, make_linear
-from engine.models.rope import cos_sin_cache
 from engine.ops import AttentionMetadata, Ops
 from engine.ops.cpu import fused as fused_decode
-from engine.ops.cpu import qmatmul as cq
 from engine.parallel import SINGLE, TensorParallel
-
-
-def rope_cos_sin_cache(
-    config: ModelConfig, dtype: torch.dtype, device: torch.device, *, local: bool = False
-) -> torch.Tensor:
-    """[max_pos, head_dim]: cos of every (position, frequency) then sin, cast to ``dtype``.
-
-    ``local``: the table of Gemma 3's sliding layers (their own base, no scaling). Computed
-    in fp32 and cast once, as HF does per call, so both round identically.
-    """
-    theta, scaling = config.rope_theta, config.rope_scaling
-    if local and config.rope_local_theta is not None:
-        theta, scaling = config.rope_local_theta, None
-    return cos_sin_cache(
-        theta=theta, scaling=scaling, head_dim=config.head_dim,
-        max_positions=config.max_position_embeddings, dtype=dtype, device=device,
-    )
-
-
-class Linear:
-    """``y = x @ weight.T (+ bias)`` for one weight, packed once where that pays.
-
-    On CPU, torch's plain ``F.linear`` reorders the weight into the GEMM library's blocked
-    layout on every call. Packing it once at build time into oneDNN's layout (the kernels
-    ``torch.compile`` uses on CPU) saves that. bf16/fp16 results are bitwise equal to
-    ``F.linear``'s. fp32 goes through oneDNN too rather than MKL (which ``F.linear`` calls):
-    on an AMD EPYC dev machine MKL's fp32 GEMM ran at half oneDNN's speed (SmolLM2 decode
-    23 vs 47 tok/s at batch 1, 245 vs 551 at batch 32), at the price of fp32 results that
-    differ from ``F.linear`` in the last bits (summation order). The packed path is checked
-    against ``F.linear`` once at build time and dropped if this torch lacks it or
-    disagrees. The plain weight stays too: tied embeddings read it.
-
-    ``small_batch``: on a CPU with AVX-512, up to ``qmatmul.DENSE_MAX_ROWS`` rows go to
-    quant.c's small-batch dense kernel instead (decode steps; the fused decode step runs
-    the same kernel, so both paths give the same bits).
-    """
-
-    __slots__ = ("weight", "bias", "_packed", "small_batch")
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool = True) -> None:
-        self.weight = weight
-        self.bias = bias
-        self._packed: torch.Tensor | None = None
-        # Up to DENSE_MAX_ROWS[dtype] rows on CPU: quant.c's dense kernel, which the fused
-        # decode step runs too (the same bits either way, and a row's result whatever its
-        # batch up to there).
-        self.small_batch = weight.device.type == "cpu" and cq.dense_ok(weight, bias)
-        if pack and weight.device.type == "cpu":
-            self._pack()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small_batch and x.dtype is self.weight.dtype and x.is_contiguous() and x.dim() >= 1 and (
-            x.numel() <= cq.DENSE_MAX_ROWS.get(x.dtype, 0) * self.weight.shape[1]
-            and x.shape[-1] == self.weight.shape[1]
-        ):
-            out = cq.dense_matmul(self.weight, self.bias, x.view(-1, x.shape[-1]))
-            return out.view(*x.shape[:-1], self.weight.shape[0])
-        if self._packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-
-    def _pack(self) -> None:
-        w = self.weight
-        if not _mkldnn_supports(w.dtype):
-            return
-        try:
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH)
-            probe = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
-            if not torch.allclose(self(probe).float(), F.linear(probe, w, self.bias).float(), rtol=1e-2, atol=1e-2):
-                raise RuntimeError("packed linear disagrees with F.linear")
-        except (RuntimeError, AttributeError):
-            self._packed = None
-
-
-# The batch size oneDNN tunes its packed layout for; any batch works.
-_PACK_BATCH = 32
-
-
-def _mkldnn_supports(dtype: torch.dtype) -> bool:
-    if not torch.backends.mkldnn.is_available():
-        return False
-    if dtype == torch.float32:
-        return True
-    check = torch.ops.mkldnn._is_mkldnn_bf16_supported if dtype == torch.bfloat16 else torch.ops.mkldnn._is_mkldnn_fp16_supported
-    return bool(check())
 
 
 @dataclasses.dataclass(slots=True)
@@ -300,13 +214,7 @@ class LlamaModel:
         return self.tp.all_reduce(layer.o_proj(o.reshape(t, h * d)))  # row-parallel o
 
     def _head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Per-head RMSNorm of q or k [T, heads, D] before RoPE (Qwen3).
-
-        q and k are column slices of the fused q/k/v output, so with several rows they are
-        strided views, which the C kernel does not take: copied to contiguous rows first, so
-        every row takes the C kernel (Hugging Face's bf16 rounding) whatever its batch, as a
-        single row (contiguous already) and the fused decode step do."""
-        return self.ops.rms_norm(x if x.is_contiguous() else x.contiguous(), weight, self.eps)
+        return head_norm(self.ops, x, weight, self.eps)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [T, hidden]. Vocab-parallel: each rank looks up the ids of

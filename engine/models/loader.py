@@ -45,7 +45,7 @@ from engine.errors import (
 )
 from engine.models import cache, gguf_convert
 from engine.models.config import GEMMA_FAMILY, ModelConfig
-from engine.models.moe import sparse_layer_weight_names
+from engine.models.layers.moe import sparse_layer_weight_names
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("auto", "gguf", "none")

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine.models.config import ModelConfig, MoeConfig
-from engine.models.moe import expert_weight_names, layer_prefix
+from engine.models.layers.moe import expert_weight_names, layer_prefix
 
 TINY_ARCHITECTURES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 # Mixture-of-experts models (kept apart so the dense suites do not grow by their cost):

@@ -23,10 +23,10 @@ from engine.actors.parts import EngineParts
 from engine.config import EngineConfig
 from engine.core.admission import AdmissionLimits
 from engine.errors import ConfigError
+from engine.models.layers.linear import weight_bytes
 from engine.models.layers.shard import tensor_parallel_problem
 from engine.models.loader import EMBEDDING_MODEL_NAMES, _model_config
 from engine.models.pooling import PoolerConfig
-from engine.models.quantized import weight_bytes
 from engine.models.tokenizer import Tokenizer
 from engine.multimodal import ImagePreprocessor, MediaLimits
 from engine.parallel import SINGLE, TensorParallel

@@ -51,8 +51,7 @@ def _ptr(t: torch.Tensor | None, ctype: str = "void *"):
 
 
 def _linear_ok(lin, dtype: torch.dtype, k: int) -> str | None:
-    from engine.models.llama import Linear
-    from engine.models.quantized import QuantLinear
+    from engine.models.layers.linear import Linear, QuantLinear
 
     if isinstance(lin, Linear):  # dense: quant.c's dense kernel, which Linear runs at these sizes too
         if not (lin.small_batch and lin.weight.dtype == dtype and lin.weight.shape[1] == k):
