@@ -128,7 +128,7 @@ def tiny(request, tmp_path_factory):
 def _check_fused(runner: ModelRunner, ops: str) -> None:
     """On the C kernels every decode step ran fused (ops/cpu/fused.c): transformers then
     checks that path; on the torch ops none did."""
-    fused = getattr(runner.model, "_fused", (None, None))[1]
+    fused = runner.model.fused_step
     assert (fused is not None and fused.steps >= NEW_TOKENS - 1) == (ops == "cpu")
 
 

@@ -31,7 +31,7 @@ from engine.models.layers.rope import rope_cos_sin_cache
 from engine.models.layers.shard import qkv_spans
 from engine.models.llama import LlamaModel, _Layer, _Weights
 from engine.ops import AttentionMetadata, Ops
-from engine.ops.cpu import fused as fused_decode
+from engine.ops.cpu.fused_spec import FusedLayer, FusedModel
 from engine.parallel import SINGLE, TensorParallel
 
 
@@ -126,11 +126,9 @@ class GemmaModel(LlamaModel):
         """Hidden states [T, hidden] after the final norm; writes this step's K/V."""
         ops = self.ops
         hidden = self._embed(input_ids) * self.embed_scale
-        if input_ids.shape[0] <= fused_decode.MAX_TOKENS:  # small CPU steps: one C call (as LlamaModel)
-            step = fused_decode.plan(self, kv_caches)
-            out = None if step is None else step.run(hidden, positions, meta)
-            if out is not None:
-                return out
+        out = self._run_fused(hidden, positions, meta, kv_caches)  # small CPU steps: one C call
+        if out is not None:
+            return out
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             assert isinstance(layer, _GemmaLayer)
             x = self._rms(hidden, layer.input_norm)
@@ -150,3 +148,11 @@ class GemmaModel(LlamaModel):
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
+
+    def fused_description(self) -> FusedModel:
+        return dataclasses.replace(super().fused_description(), gemma=True)
+
+    def _fused_layer(self, layer: _Layer) -> FusedLayer:
+        assert isinstance(layer, _GemmaLayer)
+        return dataclasses.replace(super()._fused_layer(layer), pre_ffn_norm=layer.pre_ffn_norm,
+                                   post_ffn_norm=layer.post_ffn_norm)

@@ -10,11 +10,14 @@ concatenated once at build time so a layer runs two fused matmuls instead of fiv
 
 A forward pass takes a flat varlen batch (every request's new tokens back to back) and
 the paged KV cache; all kernels come from the ``Ops`` object given to the constructor.
+Small CPU steps run every layer in one C call (``engine/ops/cpu/fused.py``), which is
+handed :meth:`LlamaModel.fused_description`, not the model.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -34,6 +37,7 @@ from engine.models.layers.shard import (
 )
 from engine.ops import AttentionMetadata, Ops
 from engine.ops.cpu import fused as fused_decode
+from engine.ops.cpu.fused_spec import FusedLayer, FusedModel
 from engine.parallel import SINGLE, TensorParallel
 
 
@@ -61,6 +65,10 @@ class LlamaModel:
     vocabulary; :meth:`forward` all-reduces after o and down (the residual stream is whole
     on every rank) and :meth:`compute_logits` returns the gathered full-vocabulary logits.
     """
+
+    # The fused CPU decode step's plans over the KV pools this model has run over (made on
+    # the first small step; see plan_fused_step).
+    _fused: fused_decode.Planner | None = None
 
     def __init__(
         self,
@@ -150,19 +158,28 @@ class LlamaModel:
 
         ``mm_embeds`` ``(rows [R] int64, embeddings [R, hidden])`` replace the token
         embeddings of those rows (a vision model's image placeholders)."""
+        return self._decode(self._embed(input_ids), positions, meta, kv_caches, mm_embeds)
+
+    def _decode(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rope: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:meth:`forward` from the token embeddings ``hidden`` [T, hidden]. ``rope``: a
+        table every layer rotates by this step instead of its own (row ``positions[i]`` for
+        token ``i``; Qwen-VL's per-token M-RoPE rows)."""
         ops = self.ops
-        hidden = self._embed(input_ids)
-        if mm_embeds is None and input_ids.shape[0] <= fused_decode.MAX_TOKENS:
-            # Small steps on CPU (decode rows, speculative verification chunks): every layer
-            # in one C call (ops/cpu/fused.py says which models and steps it covers; the
-            # rest run the layers below).
-            step = fused_decode.plan(self, kv_caches)
-            out = None if step is None else step.run(hidden, positions, meta)
-            if out is not None:
-                return out
         if mm_embeds is not None:
             rows, values = mm_embeds
             hidden = hidden.index_copy(0, rows, values.to(hidden.dtype))
+        else:
+            out = self._run_fused(hidden, positions, meta, kv_caches, rope)
+            if out is not None:
+                return out
         residual: torch.Tensor | None = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             if residual is None:
@@ -170,7 +187,7 @@ class LlamaModel:
                 x = ops.rms_norm(hidden, layer.input_norm, self.eps)
             else:
                 x, residual = ops.fused_add_rms_norm(hidden, residual, layer.input_norm, self.eps)
-            attn = self._attention(layer, x, positions, meta, k_cache, v_cache)
+            attn = self._attention(layer, x, positions, meta, k_cache, v_cache, rope)
             x, residual = ops.fused_add_rms_norm(attn, residual, layer.post_norm, self.eps)
             if layer.moe is not None:
                 hidden = layer.moe(x, ops)
@@ -190,6 +207,7 @@ class LlamaModel:
         meta: AttentionMetadata,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        rope: torch.Tensor | None = None,
     ) -> torch.Tensor:
         ops = self.ops
         t = x.shape[0]
@@ -200,7 +218,7 @@ class LlamaModel:
         if layer.q_norm is not None and layer.k_norm is not None:
             q = self._head_norm(q, layer.q_norm)
             k = self._head_norm(k, layer.k_norm)
-        q, k = ops.rotary_embedding(positions, q, k, layer.rope)
+        q, k = ops.rotary_embedding(positions, q, k, layer.rope if rope is None else rope)
         ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.decode_only:
             o = ops.paged_attention_decode(
@@ -243,6 +261,57 @@ class LlamaModel:
             if logits is not None:
                 return logits
         return self._logits(hidden).float()
+
+    # -- the fused CPU decode step -------------------------------------------------------
+
+    def _run_fused(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        rope: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """Small steps on CPU (decode rows, speculative verification chunks): every layer
+        in one C call (ops/cpu/fused.py says which models and steps it covers); None where
+        the step is not the fused step's, and the layers run one by one."""
+        if hidden.shape[0] > fused_decode.MAX_TOKENS:
+            return None
+        step = self.plan_fused_step(kv_caches)
+        return None if step is None else step.run(hidden, positions, meta, rope=rope)
+
+    def plan_fused_step(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> fused_decode.FusedDecode | None:
+        """The fused CPU decode step of this model over ``kv_caches`` (planned once per KV
+        pool), or None where it does not apply."""
+        if self._fused is None:
+            self._fused = fused_decode.Planner(self.fused_description())
+        return self._fused.plan(kv_caches)
+
+    @property
+    def fused_step(self) -> fused_decode.FusedDecode | None:
+        """The fused step last planned (its ``steps`` count the steps it ran), or None."""
+        return None if self._fused is None else self._fused.step
+
+    def fused_description(self) -> FusedModel:
+        """This decoder as the fused CPU decode step reads it (engine/ops/cpu/fused_spec.py)."""
+        return FusedModel(
+            dtype=self.dtype, device=self.device, ops=self.ops, tensor_parallel=self.tp.enabled,
+            hidden=self.config.hidden_size, heads=self.num_heads, kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, eps=self.eps, scale=self.scale, softcap=self.attn_softcap,
+            gemma=False, final_norm=self.norm, layers=tuple(map(self._fused_layer, self.layers)),
+        )
+
+    def _fused_layer(self, layer: _Layer) -> FusedLayer:
+        def describe(lin):
+            return None if lin is None else lin.describe()
+
+        return FusedLayer(
+            input_norm=layer.input_norm, post_norm=layer.post_norm, q_norm=layer.q_norm, k_norm=layer.k_norm,
+            qkv=describe(layer.qkv), o=describe(layer.o_proj), gate_up=describe(layer.gate_up),
+            down=describe(layer.down), rope=layer.rope, window=layer.window,
+            external_mlp=None if layer.moe is None else functools.partial(layer.moe, ops=self.ops),
+        )
+
 
 
 # The decoders fetch their weights through it: by name, cut to the rank's slice, cast.

@@ -339,14 +339,7 @@ class QwenVLModel(LlamaModel):
     ) -> torch.Tensor:
         if positions.dim() == 1:
             positions = positions.unsqueeze(0).expand(3, -1)
+        # Every layer rotates by this step's per-token table (row i for token i).
         table = self.mrope_table(positions)
-        # Every layer rotates by this step's per-token table (row i for token i); the
-        # layers' own table is put back afterwards.
-        for layer in self.layers:
-            layer.rope = table
-        try:
-            rows = torch.arange(positions.shape[1], device=positions.device)
-            return super().forward(input_ids, rows, meta, kv_caches, mm_embeds)
-        finally:
-            for layer in self.layers:
-                layer.rope = self.cos_sin_cache
+        rows = torch.arange(positions.shape[1], device=positions.device)
+        return self._decode(self._embed(input_ids), rows, meta, kv_caches, mm_embeds, rope=table)

@@ -12,6 +12,9 @@ copy is made.
 Which kernel runs follows the weights' layout, which the loader picked for the model's ops
 backend: "panels" go to the C kernels (CPU), "blocks" to the Triton kernel (the Triton
 backend: CUDA, or CPU under the interpreter); anything else to the torch reference.
+
+Each projection also describes itself to the fused CPU decode step (:meth:`Linear.describe`,
+:meth:`QuantLinear.describe`), which takes descriptions, not these classes.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.ops.cpu import qmatmul as cq
+from engine.ops.cpu.fused_spec import DenseProjection, QuantProjection
 from engine.ops.quant import QuantizedWeight, dequantize_blocks, reference_matmul
 
 logger = logging.getLogger("engine.models")
@@ -68,6 +72,10 @@ class Linear:
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def describe(self) -> DenseProjection:
+        """This projection as the fused CPU decode step reads it."""
+        return DenseProjection(self.weight, self.bias, self.small_batch)
 
     def _pack(self) -> None:
         w = self.weight
@@ -131,6 +139,10 @@ class QuantLinear:
             for part, (a, b) in zip(self.parts, self._offsets, strict=True):
                 kernel(x, part, out=flat[:, a:b])
         return out if self.bias is None else out + self.bias
+
+    def describe(self) -> QuantProjection:
+        """This projection as the fused CPU decode step reads it."""
+        return QuantProjection(tuple(self.parts), self.bias, self.out_features)
 
     def widened(self, x: torch.Tensor) -> torch.Tensor | None:
         """``self(x).float()`` for bf16 ``x`` in one kernel pass (fp32 results rounded to
