@@ -138,7 +138,7 @@ def test_a_model_whose_heads_do_not_divide_is_refused_naming_the_counts() -> Non
     assert "num_key_value_heads (2)" in tensor_parallel_problem(_config(num_attention_heads=12, num_key_value_heads=2), 3)
     assert "intermediate_size (1537)" in tensor_parallel_problem(_config(num_attention_heads=8, num_key_value_heads=2, intermediate_size=1537), 2)
     assert "vocab_size (49153)" in tensor_parallel_problem(_config(num_attention_heads=8, num_key_value_heads=2, vocab_size=49153), 2)
-    from engine.models.llama import build_model
+    from engine.models.registry import build_model
     from engine.ops import get_ops
 
     with pytest.raises(UnsupportedModelError, match=r"num_attention_heads \(9\)"):
@@ -160,8 +160,8 @@ def test_kv_heads_are_split_or_copied_to_the_ranks_whose_queries_read_them() -> 
 
 def test_the_model_path_is_unchanged_on_one_rank(tmp_path: Path) -> None:
     """``SINGLE`` cuts nothing: the weights are the checkpoint's own tensors."""
-    from engine.models.llama import build_model
     from engine.models.loader import load_model
+    from engine.models.registry import build_model
     from engine.ops import get_ops
 
     loaded = load_model(write_tiny_model(tmp_path / "m", "qwen2"), dtype="float32")
@@ -224,8 +224,8 @@ def test_a_gguf_whose_row_parallel_cut_falls_inside_a_block_is_refused_naming_it
 ) -> None:
     """Q4_K's blocks are 256 wide: a 256-wide o_proj cannot be split in two by columns.
     The load refuses it (naming the tensor) instead of dequantizing it."""
-    from engine.models.llama import build_model
     from engine.models.loader import load_model
+    from engine.models.registry import build_model
     from engine.ops import get_ops
 
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "cache"))
@@ -245,8 +245,8 @@ def test_a_rank_built_for_its_device_from_host_weights_receives_only_its_cut(
     too: QuantizedWeight.to refuses to change devices). The "meta" device stands in for a
     GPU: it holds shapes, not bytes, so any tensor left on the host shows."""
     from engine.models.layers.linear import QuantLinear
-    from engine.models.llama import build_model
     from engine.models.loader import load_model
+    from engine.models.registry import build_model
     from engine.ops import get_ops
     from engine.ops.quant import QuantizedWeight
 

@@ -1,6 +1,7 @@
 """Gemma 2 and Gemma 3 (text): the Llama decoder's attention with Gemma's layer around it.
 
-What differs from :class:`~engine.models.llama.LlamaModel`, each as transformers computes it:
+What differs from the generic decoder (:class:`~engine.models.layers.decoder.Decoder`, the
+Llama family's), each as transformers computes it:
 
 * four RMSNorms per layer: before and after attention, before and after the MLP (the
   "sandwich"), each ``x / rms(x) * (1 + weight)`` computed in fp32 and rounded once (Llama
@@ -25,25 +26,32 @@ import dataclasses
 import torch
 
 from engine.models.config import ModelConfig
+from engine.models.layers.decoder import LAYER_NORMS, Decoder, DecoderLayer, decoder_weight_names
 from engine.models.layers.linear import make_linear
 from engine.models.layers.norm import gemma_norm_weight, gemma_rms_norm
 from engine.models.layers.rope import rope_cos_sin_cache
-from engine.models.layers.shard import qkv_spans
-from engine.models.llama import LlamaModel, _Layer, _Weights
+from engine.models.layers.shard import ShardedWeights, qkv_spans
 from engine.ops import AttentionMetadata, Ops
 from engine.ops.cpu.fused_spec import FusedLayer, FusedModel
 from engine.parallel import SINGLE, TensorParallel
 
+# Gemma's sandwich: a norm before and after the MLP too.
+GEMMA_LAYER_NORMS = (*LAYER_NORMS, "pre_feedforward_layernorm", "post_feedforward_layernorm")
+
 
 @dataclasses.dataclass(slots=True)
-class _GemmaLayer(_Layer):
+class GemmaLayer(DecoderLayer):
     # input_norm: before attention; post_norm: after it (post_attention_layernorm).
     pre_ffn_norm: torch.Tensor
     post_ffn_norm: torch.Tensor
 
 
-class GemmaModel(LlamaModel):
+class GemmaModel(Decoder):
     """Gemma 2 / Gemma 3 decoder stack plus (tied) LM head over Hugging Face weights."""
+
+    @classmethod
+    def weight_names(cls, config: ModelConfig) -> list[str]:
+        return decoder_weight_names(config, GEMMA_LAYER_NORMS)
 
     def __init__(
         self,
@@ -74,11 +82,11 @@ class GemmaModel(LlamaModel):
         # transformers: Gemma 2 builds the scale in the model dtype, Gemma 3 in fp32 and
         # casts it; both round sqrt(hidden) to the dtype before the multiply.
         self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=torch.float32).to(dtype)
-        get = _Weights(weights, dtype, self.device, tp)
+        get = ShardedWeights(weights, dtype, self.device, tp)
         self.embed = get.rows("model.embed_tokens.weight")
         self.layers = [self._layer(get, i) for i in range(config.num_hidden_layers)]
         self.norm = self._norm_weight(weights, "model.norm.weight")
-        # As in LlamaModel: a quantized table stays one copy, rows read for the embedding
+        # As in Decoder: a quantized table stays one copy, rows read for the embedding
         # and the same blocks multiplied for a tied head.
         if config.tie_word_embeddings or "lm_head.weight" not in weights:
             self.lm_head = make_linear([self.embed])
@@ -88,13 +96,13 @@ class GemmaModel(LlamaModel):
     def _norm_weight(self, weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         return gemma_norm_weight(weights, name, self.device)
 
-    def _layer(self, get: _Weights, i: int) -> _GemmaLayer:  # type: ignore[override]
+    def _layer(self, get: ShardedWeights, i: int) -> GemmaLayer:  # type: ignore[override]
         p = f"model.layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
         norm = lambda name: self._norm_weight(get.weights, p + name)  # noqa: E731
         qk_norm = self.config.qk_norm
         _, spans = qkv_spans(self.config, self.tp)
-        return _GemmaLayer(
+        return GemmaLayer(
             input_norm=norm("input_layernorm.weight"),
             post_norm=norm("post_attention_layernorm.weight"),
             pre_ffn_norm=norm("pre_feedforward_layernorm.weight"),
@@ -130,7 +138,7 @@ class GemmaModel(LlamaModel):
         if out is not None:
             return out
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            assert isinstance(layer, _GemmaLayer)
+            assert isinstance(layer, GemmaLayer)
             x = self._rms(hidden, layer.input_norm)
             x = self._attention(layer, x, positions, meta, k_cache, v_cache)
             hidden = hidden + self._rms(x, layer.post_norm)
@@ -152,7 +160,10 @@ class GemmaModel(LlamaModel):
     def fused_description(self) -> FusedModel:
         return dataclasses.replace(super().fused_description(), gemma=True)
 
-    def _fused_layer(self, layer: _Layer) -> FusedLayer:
-        assert isinstance(layer, _GemmaLayer)
+    def _fused_layer(self, layer: DecoderLayer) -> FusedLayer:
+        assert isinstance(layer, GemmaLayer)
         return dataclasses.replace(super()._fused_layer(layer), pre_ffn_norm=layer.pre_ffn_norm,
                                    post_ffn_norm=layer.post_ffn_norm)
+
+
+__all__ = ["GEMMA_LAYER_NORMS", "GemmaLayer", "GemmaModel"]
