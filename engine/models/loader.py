@@ -31,10 +31,13 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from engine.errors import (
     CorruptModelError,
@@ -142,8 +145,6 @@ def default_embedding_model_path(cache_dir: str | Path | None = None) -> Path:
 
 
 def _extract_zip(archive: Path, out: Path) -> None:
-    import zipfile
-
     with zipfile.ZipFile(archive) as zf:
         for member in zf.namelist():
             # A member outside the folder (absolute, or climbing with ..) is refused.
@@ -349,9 +350,6 @@ def _weight_files(folder: Path) -> list[Path]:
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as exc:
