@@ -74,7 +74,7 @@ def main() -> None:
                         engine.run(ps[:1], 4)
                         secs = engine.run(ps, args.new_tokens)
                         rates[flag].append(b * (args.new_tokens - 1) / secs)
-                fused = getattr(engine.runner.model, "_fused", (None, None))[1]
+                fused = engine.runner.model.fused_step
                 assert fused is not None and fused.steps > 0, f"{arch}: the fused step did not run"
                 u, f = max(rates["0"]), max(rates["1"])
                 print(f"| {arch:<10} | {b} | {u:.1f} | {f:.1f} | {f / u:.2f}x |", flush=True)

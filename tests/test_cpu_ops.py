@@ -336,7 +336,7 @@ def test_greedy_declines_rows_it_cannot_sample(poison: float) -> None:
 def test_the_dense_kernel_matches_f_linear_and_not_its_batch(dtype: torch.dtype, n: int, k: int, threads: int) -> None:
     """``x @ w.T + b`` against fp32 F.linear, and every row the same bits at 1-10 rows (a
     row's tile changes with the batch: 8 x 1, 4 x 2-4 or single rows)."""
-    from engine.models.llama import Linear
+    from engine.models.layers.linear import Linear
     from engine.ops.cpu import qmatmul as cq
 
     w, b, x = _rand(n, k, seed=30, dtype=dtype), _rand(n, seed=31, dtype=dtype), _rand(10, k, seed=32, dtype=dtype)

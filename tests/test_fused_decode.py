@@ -57,7 +57,7 @@ def _logits(loaded, kv: str, chunk: int | None, prompts, *, fuse: bool, monkeypa
     # tokens are fed back one at a time, so every decode step has a row per prompt.
     plans = [_chunk_lengths(len(p) - DECODE_STEPS, chunk) + [1] * DECODE_STEPS for p in prompts]
     out = _prefill_logits(runner, prompts, None, plans=plans)
-    return out, getattr(runner.model, "_fused", (None, None))[1]
+    return out, runner.model.fused_step
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +175,7 @@ def test_verification_chunks_are_fused_and_match_the_unfused_forward(models, mon
         monkeypatch.setenv("ENGINE_FUSED_DECODE", "1" if fuse else "0")
         runner = _runner(loaded, kv)
         out = _prefill_logits(runner, prompts, None, plans=[list(plan) for plan in plans])
-        return out, getattr(runner.model, "_fused", (None, None))[1]
+        return out, runner.model.fused_step
 
     want, unfused = run(False)
     got, step = run(True)
@@ -201,7 +201,7 @@ def test_a_chunk_the_unfused_path_attends_padded_is_not_fused(models, monkeypatc
         monkeypatch.setenv("ENGINE_FUSED_DECODE", flag)
         runner = _runner(loaded, "auto")
         runs[flag] = _prefill_logits(runner, prompts, None, plans=[[17, 5, 1]])
-    step = runner.model._fused[1]
+    step = runner.model.fused_step
     assert step is not None and (step.steps, step.chunk_steps) == (1, 0)  # only the decode row
     _compare(runs["1"], runs["0"])
 
@@ -224,13 +224,13 @@ def test_what_the_fused_step_does_not_cover_runs_unfused(models, tmp_path: Path,
     # fp16 (the dense kernel takes fp32 and bf16)
     half = load_model(write_tiny_model(tmp_path / "llama", "llama"), dtype="float16")
     runner = _runner(half, "auto")
-    assert fused.unfusable(runner.model, runner.kv_caches) == "activations are not fp32 or bf16 on CPU"
+    assert fused.unfusable(runner.model.fused_description(), runner.kv_caches) == "activations are not fp32 or bf16 on CPU"
     # More decode rows than MAX_TOKENS: the unfused path, the same answer.
     loaded = models("llama", "Q4_1", "float32")
     runner = _runner(loaded, "auto")
     prompts = [[5 + i, 7, 9 + i] for i in range(fused.MAX_TOKENS + 1)]
     _prefill_logits(runner, prompts, None, plans=[[2, 1]] * len(prompts))
-    step = runner.model._fused[1] if hasattr(runner.model, "_fused") else None
+    step = runner.model.fused_step
     assert step is None or step.steps == 0
 
 
@@ -245,7 +245,7 @@ def test_a_dense_bf16_step_past_the_dense_kernels_rows_runs_unfused(models, monk
     monkeypatch.setenv("ENGINE_FUSED_DECODE", "1")
     runner = _runner(loaded, "auto")
     got = _prefill_logits(runner, prompts, None, plans=[[2, 1]] * rows)
-    step = runner.model._fused[1]
+    step = runner.model.fused_step
     assert step is not None and step.dense and step.steps == 0
     monkeypatch.setenv("ENGINE_FUSED_DECODE", "0")
     _compare(got, _prefill_logits(_runner(loaded, "auto"), prompts, None, plans=[[2, 1]] * rows))
@@ -254,7 +254,7 @@ def test_a_dense_bf16_step_past_the_dense_kernels_rows_runs_unfused(models, monk
 def test_a_bad_slot_raises_and_writes_nothing(models, monkeypatch) -> None:
     monkeypatch.setenv("ENGINE_FUSED_DECODE", "1")
     runner = _runner(models("llama", "Q4_1", "float32"), "auto")
-    step = fused.plan(runner.model, runner.kv_caches)
+    step = runner.model.plan_fused_step(runner.kv_caches)
     assert step is not None
     before = [k.clone() for k, _ in runner.kv_caches]
     meta = AttentionMetadata(
@@ -274,12 +274,12 @@ def test_the_plan_follows_the_kv_pool(models, monkeypatch) -> None:
     monkeypatch.setenv("ENGINE_FUSED_DECODE", "1")
     loaded = models("llama", "Q4_1", "float32")
     a, b = _runner(loaded, "auto"), _runner(loaded, "int8")
-    step = fused.plan(a.model, a.kv_caches)
-    assert step is not None and fused.plan(a.model, list(a.kv_caches)) is step
-    other = fused.plan(a.model, b.kv_caches)
+    step = a.model.plan_fused_step(a.kv_caches)
+    assert step is not None and a.model.plan_fused_step(list(a.kv_caches)) is step
+    other = a.model.plan_fused_step(b.kv_caches)
     assert other is not None and other is not step and other.model.kv_int8 == 1
     monkeypatch.setenv("ENGINE_FUSED_DECODE", "0")
-    assert fused.plan(a.model, b.kv_caches) is None
+    assert a.model.plan_fused_step(b.kv_caches) is None
 
 
 def test_the_runner_decodes_the_same_tokens_fused_and_unfused(models, monkeypatch) -> None:
@@ -295,7 +295,7 @@ def test_the_runner_decodes_the_same_tokens_fused_and_unfused(models, monkeypatc
         runner = _runner(loaded, "int8")
         runs[flag] = [[(s.token_id, s.logprob) for s in run]
                       for run in run_greedy(runner, prompts, 24, chunk_size=5, block_size=BLOCK_SIZE)]
-        step = runner.model._fused[1] if hasattr(runner.model, "_fused") else None
+        step = runner.model.fused_step
         assert (step is not None and step.steps >= 23) == (flag == "1")
     assert runs["1"] == runs["0"]
     assert all(len({t for t, _ in run}) > 1 for run in runs["1"])  # not one token repeated

@@ -44,6 +44,9 @@ LAZY = {
     ("engine.ops", "engine.ops.triton_ops"):
         "triton is heavy and optional, and TRITON_INTERPRET must be set before its kernels "
         "are decorated at import",
+    ("engine.models.layers.linear", "engine.ops.triton.quant_matmul"):
+        "triton is heavy and optional: QuantLinear imports the Triton matmul only when it "
+        "first multiplies by weights kept in GGUF's blocks (the Triton backend's layout)",
 }
 
 # A module this much over 600 lines must say in its docstring why it is one room.

@@ -164,7 +164,7 @@ async def test_logits_and_greedy_tokens_match_transformers(request, tower, num_i
         # Each image ran through the encoder exactly once, chunk boundary or not.
         assert eng._parts.runner.encoder_runs == num_images
         # The decode steps ran fused (ops/cpu/fused.c), so transformers checks that path too.
-        assert eng._parts.runner.model._fused[1].steps >= NEW_TOKENS - 1
+        assert eng._parts.runner.model.fused_step.steps >= NEW_TOKENS - 1
         # An encoder budget of one image's 4 placeholder tokens: one image a step.
         assert batches == ([1] * num_images if encoder == 4 else [num_images])
         await wait_idle(eng)

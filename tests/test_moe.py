@@ -45,7 +45,7 @@ from test_parity import (
     check_triton_past_the_window,
 )
 
-import engine.models.moe as moe_module
+import engine.models.layers.moe as moe_module
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model
 from engine.models.testing import TINY_MOE_ARCHITECTURES, write_tiny_model
@@ -248,7 +248,7 @@ def test_greedy_tokens_and_logprobs_match_transformers(tiny, block_size, chunk_s
     runner = _runner(loaded, block_size, ops)
     runs = run_greedy(runner, prompts, NEW_TOKENS, chunk_size=chunk_size, block_size=block_size)
     # On the C kernels the decode steps run fused (sparse MLPs between C calls).
-    fused = getattr(runner.model, "_fused", (None, None))[1]
+    fused = runner.model.fused_step
     assert (fused is not None and fused.steps > 0) == (ops == "cpu")
     for run, (want_tokens, want_logprobs) in zip(runs, expected, strict=True):
         assert [s.token_id for s in run] == want_tokens

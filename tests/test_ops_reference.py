@@ -286,7 +286,7 @@ def test_step_plans_are_not_reused_across_new_metadata(ops: TorchOps) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_agrees_with_f_linear_at_every_batch_size(dtype: torch.dtype, bias: bool) -> None:
-    from engine.models.llama import Linear
+    from engine.models.layers.linear import Linear
 
     g = torch.Generator().manual_seed(3)
     w = torch.randn(96, 64, generator=g).to(dtype)

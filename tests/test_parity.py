@@ -128,7 +128,7 @@ def tiny(request, tmp_path_factory):
 def _check_fused(runner: ModelRunner, ops: str) -> None:
     """On the C kernels every decode step ran fused (ops/cpu/fused.c): transformers then
     checks that path; on the torch ops none did."""
-    fused = getattr(runner.model, "_fused", (None, None))[1]
+    fused = runner.model.fused_step
     assert (fused is not None and fused.steps >= NEW_TOKENS - 1) == (ops == "cpu")
 
 
@@ -335,7 +335,7 @@ def test_dynamic_ntk_rope_matches_transformers_while_decoding_past_the_trained_l
 
 def _per_position_longrope(hf, original: int) -> None:
     """Make transformers' Phi-3 rotate each position with the factors of its own position:
-    short below ``original``, long from it (the engine's rule, see engine/models/rope.py),
+    short below ``original``, long from it (the engine's rule, see engine/models/layers/rope.py),
     frequencies and attention factor from transformers' own longrope initialiser. Unpatched,
     transformers rotates a whole sequence with the long factors once it is longer than
     ``original`` (re-encoding the prompt), which a paged KV cache cannot do."""

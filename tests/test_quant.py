@@ -202,7 +202,7 @@ def test_c_repack_equals_the_torch_packing(name):
 def test_a_widened_head_equals_its_bf16_output_cast_to_fp32(name: str, tokens: int) -> None:
     # A bf16 model's logits: the head writes fp32 holding the bf16-rounded values, in one
     # pass, exactly what qmatmul(x, w).float() gives.
-    from engine.models.quantized import QuantLinear
+    from engine.models.layers.linear import QuantLinear
 
     w = QuantizedWeight.from_blocks(random_blocks(name, 96, 256, seed=3), name, 256)
     x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)

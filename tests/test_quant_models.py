@@ -40,9 +40,9 @@ from test_moe import write_moe_gguf
 from test_parity import LOGIT_ATOL_FP32, _chunk_lengths, _prefill_logits, _prompts, _runner
 
 import engine
+from engine.models.layers.linear import QuantLinear, weight_bytes
 from engine.models.llama import LlamaModel
 from engine.models.loader import load_model
-from engine.models.quantized import QuantLinear, weight_bytes
 from engine.models.testing import TINY_MOE_ARCHITECTURES, quantize_q4_k, write_tiny_model
 from engine.ops.cpu import qmatmul as cq
 from engine.ops.quant import QuantizedWeight

@@ -133,7 +133,7 @@ async def test_logits_and_greedy_tokens_match_transformers(qwen_vl, hf, num_imag
         # Each image ran through the encoder exactly once, chunk boundary or not.
         assert eng._parts.runner.encoder_runs == num_images
         # The decode steps ran fused (each with its M-RoPE rows), checked by transformers too.
-        assert eng._parts.runner.model._fused[1].steps >= NEW_TOKENS - 1
+        assert eng._parts.runner.model.fused_step.steps >= NEW_TOKENS - 1
         # A still image's patches travel as one frame (3 x 4 x 4 values), not two.
         from engine.multimodal import RawImage
 

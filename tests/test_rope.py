@@ -15,7 +15,7 @@ from transformers import AutoConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.models.config import ModelConfig
-from engine.models.llama import rope_cos_sin_cache
+from engine.models.layers.rope import rope_cos_sin_cache
 from engine.models.testing import PHI3_ORIGINAL_POSITIONS, write_tiny_model
 
 

@@ -32,11 +32,11 @@ from tp_ranks import BLOCK_SIZE, greedy_with_logits, run_ranks
 
 from engine.errors import UnsupportedModelError
 from engine.models.config import ModelConfig
+from engine.models.layers.shard import kv_head_range, tensor_parallel_problem
 from engine.models.loader import _converted_gguf
 from engine.models.testing import TINY_ARCHITECTURES, TINY_MOE_ARCHITECTURES, write_tiny_model
 from engine.ops.quant import LAYOUT_FORMATS
 from engine.parallel import SINGLE, TensorParallel
-from engine.parallel.shard import kv_head_range, tensor_parallel_problem
 
 LOGIT_ATOL = 1e-5
 LOGIT_RTOL = 1e-6  # a part in a million of the logit: ~8 fp32 steps (see the docstring)
@@ -138,7 +138,7 @@ def test_a_model_whose_heads_do_not_divide_is_refused_naming_the_counts() -> Non
     assert "num_key_value_heads (2)" in tensor_parallel_problem(_config(num_attention_heads=12, num_key_value_heads=2), 3)
     assert "intermediate_size (1537)" in tensor_parallel_problem(_config(num_attention_heads=8, num_key_value_heads=2, intermediate_size=1537), 2)
     assert "vocab_size (49153)" in tensor_parallel_problem(_config(num_attention_heads=8, num_key_value_heads=2, vocab_size=49153), 2)
-    from engine.models.llama import build_model
+    from engine.models.registry import build_model
     from engine.ops import get_ops
 
     with pytest.raises(UnsupportedModelError, match=r"num_attention_heads \(9\)"):
@@ -160,8 +160,8 @@ def test_kv_heads_are_split_or_copied_to_the_ranks_whose_queries_read_them() -> 
 
 def test_the_model_path_is_unchanged_on_one_rank(tmp_path: Path) -> None:
     """``SINGLE`` cuts nothing: the weights are the checkpoint's own tensors."""
-    from engine.models.llama import build_model
     from engine.models.loader import load_model
+    from engine.models.registry import build_model
     from engine.ops import get_ops
 
     loaded = load_model(write_tiny_model(tmp_path / "m", "qwen2"), dtype="float32")
@@ -201,8 +201,8 @@ CUTS = [(fmt, layout) for layout in ("panels", "blocks") for fmt in CUT_FORMATS 
 def test_quantized_cuts_keep_the_blocks_and_their_values(fmt: str, layout: str) -> None:
     """Cuts of a kept weight dequantize to the same cuts of the whole weight, in either
     layout, including row cuts inside a 16-row panel (repacked) and joined spans."""
+    from engine.models.layers.shard import take_cols, take_rows
     from engine.ops.quant import QuantizedWeight
-    from engine.parallel.shard import take_cols, take_rows
 
     n, k = 56, 512
     w = QuantizedWeight.from_blocks(_blocks(fmt, n, k), fmt, k, layout=layout)
@@ -224,8 +224,8 @@ def test_a_gguf_whose_row_parallel_cut_falls_inside_a_block_is_refused_naming_it
 ) -> None:
     """Q4_K's blocks are 256 wide: a 256-wide o_proj cannot be split in two by columns.
     The load refuses it (naming the tensor) instead of dequantizing it."""
-    from engine.models.llama import build_model
     from engine.models.loader import load_model
+    from engine.models.registry import build_model
     from engine.ops import get_ops
 
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "cache"))
@@ -244,9 +244,9 @@ def test_a_rank_built_for_its_device_from_host_weights_receives_only_its_cut(
     device: the weights are cut on the host and only the cut moves (GGUF's block rows
     too: QuantizedWeight.to refuses to change devices). The "meta" device stands in for a
     GPU: it holds shapes, not bytes, so any tensor left on the host shows."""
-    from engine.models.llama import build_model
+    from engine.models.layers.linear import QuantLinear
     from engine.models.loader import load_model
-    from engine.models.quantized import QuantLinear
+    from engine.models.registry import build_model
     from engine.ops import get_ops
     from engine.ops.quant import QuantizedWeight
 

@@ -84,8 +84,8 @@ def greedy_with_logits(tp: TensorParallel, models: list[tuple[str, str, bool]]) 
 def _greedy(tp: TensorParallel, path: str) -> tuple:
     from greedy_driver import generate_greedy
 
+    from engine.models.layers.linear import QuantLinear
     from engine.models.loader import load_model
-    from engine.models.quantized import QuantLinear
     from engine.ops import get_ops
     from engine.runner.model_runner import ModelRunner
 

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.config import ModelConfig
-from engine.models.llama import Linear, _Weights
+from engine.models.layers.linear import Linear
+from engine.models.layers.shard import ShardedWeights
 from engine.ops import AttentionMetadata, Ops
 
 
@@ -62,6 +63,17 @@ def encoder_weight_names(config: ModelConfig) -> list[str]:
 class BertModel:
     """The encoder stack; :meth:`classify` adds a classifier's pooler and head."""
 
+    @classmethod
+    def weight_names(cls, config: ModelConfig) -> list[str]:
+        """The checkpoint tensors a model of ``config`` reads, in checkpoint order."""
+        return encoder_weight_names(config)
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        """A stored tensor's name under :meth:`weight_names`' names:
+        BertForSequenceClassification names the encoder ``bert.*``, BertModel has no prefix."""
+        return name.removeprefix("bert.")
+
     def __init__(
         self,
         config: ModelConfig,
@@ -78,7 +90,7 @@ class BertModel:
         self.num_heads = config.num_attention_heads
         self.head_dim = config.head_dim
         self.eps = config.rms_norm_eps  # config.json's layer_norm_eps
-        get = _Weights(weights, dtype, self.device)
+        get = ShardedWeights(weights, dtype, self.device)
         self.word = get("embeddings.word_embeddings.weight")
         self.position = get("embeddings.position_embeddings.weight")
         self.token_type = get("embeddings.token_type_embeddings.weight")
@@ -90,7 +102,7 @@ class BertModel:
             self.pooler = Linear(get("pooler.dense.weight"), get("pooler.dense.bias"))
             self.classifier = Linear(get("classifier.weight"), get("classifier.bias"))
 
-    def _layer(self, get: _Weights, i: int) -> _EncoderLayer:
+    def _layer(self, get: ShardedWeights, i: int) -> _EncoderLayer:
         p = f"encoder.layer.{i}."
         attn = p + "attention.self."
         return _EncoderLayer(

@@ -19,7 +19,7 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
-    # Mixture of experts (engine/models/moe.py): the Llama layer with a routed expert MLP.
+    # Mixture of experts (engine/models/layers/moe.py): the Llama layer with a routed expert MLP.
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -45,7 +45,7 @@ ENCODER_ARCHITECTURES = {
     "BertForSequenceClassification": "bert_classifier",
 }
 
-# The rope_scaling types models/rope.py computes (``su`` is Phi-3's older name of longrope).
+# The rope_scaling types models/layers/rope.py computes (``su`` is Phi-3's older name of longrope).
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope", "su")
 
 # hidden_act values -> the MLP's gated activation.

@@ -1,6 +1,7 @@
 """Gemma 2 and Gemma 3 (text): the Llama decoder's attention with Gemma's layer around it.
 
-What differs from :class:`~engine.models.llama.LlamaModel`, each as transformers computes it:
+What differs from the generic decoder (:class:`~engine.models.layers.decoder.Decoder`, the
+Llama family's), each as transformers computes it:
 
 * four RMSNorms per layer: before and after attention, before and after the MLP (the
   "sandwich"), each ``x / rms(x) * (1 + weight)`` computed in fp32 and rounded once (Llama
@@ -14,7 +15,8 @@ What differs from :class:`~engine.models.llama.LlamaModel`, each as transformers
   and it normalises each head of q and k before RoPE (with the same ``1 + weight`` norm).
 
 Projections, the embedding and the (tied) head go through the same quantization-aware
-helpers as the Llama decoder (:mod:`engine.models.quantized`), so a GGUF's blocks are kept.
+helpers as the Llama decoder (:mod:`engine.models.layers.linear`), so a GGUF's blocks are
+kept.
 """
 
 from __future__ import annotations
@@ -22,26 +24,34 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 
 from engine.models.config import ModelConfig
-from engine.models.llama import LlamaModel, _Layer, _Weights, rope_cos_sin_cache
-from engine.models.quantized import make_linear
+from engine.models.layers.decoder import LAYER_NORMS, Decoder, DecoderLayer, decoder_weight_names
+from engine.models.layers.linear import make_linear
+from engine.models.layers.norm import gemma_norm_weight, gemma_rms_norm
+from engine.models.layers.rope import rope_cos_sin_cache
+from engine.models.layers.shard import ShardedWeights, qkv_spans
 from engine.ops import AttentionMetadata, Ops
-from engine.ops.cpu import fused as fused_decode
+from engine.ops.cpu.fused_spec import FusedLayer, FusedModel
 from engine.parallel import SINGLE, TensorParallel
-from engine.parallel.shard import qkv_spans
+
+# Gemma's sandwich: a norm before and after the MLP too.
+GEMMA_LAYER_NORMS = (*LAYER_NORMS, "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
 @dataclasses.dataclass(slots=True)
-class _GemmaLayer(_Layer):
+class GemmaLayer(DecoderLayer):
     # input_norm: before attention; post_norm: after it (post_attention_layernorm).
     pre_ffn_norm: torch.Tensor
     post_ffn_norm: torch.Tensor
 
 
-class GemmaModel(LlamaModel):
+class GemmaModel(Decoder):
     """Gemma 2 / Gemma 3 decoder stack plus (tied) LM head over Hugging Face weights."""
+
+    @classmethod
+    def weight_names(cls, config: ModelConfig) -> list[str]:
+        return decoder_weight_names(config, GEMMA_LAYER_NORMS)
 
     def __init__(
         self,
@@ -72,11 +82,11 @@ class GemmaModel(LlamaModel):
         # transformers: Gemma 2 builds the scale in the model dtype, Gemma 3 in fp32 and
         # casts it; both round sqrt(hidden) to the dtype before the multiply.
         self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=torch.float32).to(dtype)
-        get = _Weights(weights, dtype, self.device, tp)
+        get = ShardedWeights(weights, dtype, self.device, tp)
         self.embed = get.rows("model.embed_tokens.weight")
         self.layers = [self._layer(get, i) for i in range(config.num_hidden_layers)]
         self.norm = self._norm_weight(weights, "model.norm.weight")
-        # As in LlamaModel: a quantized table stays one copy, rows read for the embedding
+        # As in Decoder: a quantized table stays one copy, rows read for the embedding
         # and the same blocks multiplied for a tied head.
         if config.tie_word_embeddings or "lm_head.weight" not in weights:
             self.lm_head = make_linear([self.embed])
@@ -84,17 +94,15 @@ class GemmaModel(LlamaModel):
             self.lm_head = make_linear([get.rows("lm_head.weight")])
 
     def _norm_weight(self, weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-        """``1 + weight`` in fp32: transformers multiplies by it in fp32, then rounds."""
-        w = _Weights(weights, torch.float32, self.device)(name)
-        return (1.0 + w).contiguous()
+        return gemma_norm_weight(weights, name, self.device)
 
-    def _layer(self, get: _Weights, i: int) -> _GemmaLayer:  # type: ignore[override]
+    def _layer(self, get: ShardedWeights, i: int) -> GemmaLayer:  # type: ignore[override]
         p = f"model.layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
         norm = lambda name: self._norm_weight(get.weights, p + name)  # noqa: E731
         qk_norm = self.config.qk_norm
         _, spans = qkv_spans(self.config, self.tp)
-        return _GemmaLayer(
+        return GemmaLayer(
             input_norm=norm("input_layernorm.weight"),
             post_norm=norm("post_attention_layernorm.weight"),
             pre_ffn_norm=norm("pre_feedforward_layernorm.weight"),
@@ -113,13 +121,7 @@ class GemmaModel(LlamaModel):
         return self._rms(x, weight)
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Gemma's RMSNorm with ``weight`` = 1 + w in fp32."""
-        gemma_norm = getattr(self.ops, "gemma_rms_norm", None)  # the CPU kernels' (the fused step's too)
-        if gemma_norm is not None:
-            return gemma_norm(x, weight, self.eps)
-        if x.dtype == torch.float32:
-            return self.ops.rms_norm(x, weight, self.eps)  # the backend's kernel, same math
-        return F.rms_norm(x.float(), (x.shape[-1],), weight, self.eps).to(x.dtype)
+        return gemma_rms_norm(self.ops, x, weight, self.eps)
 
     @torch.inference_mode()
     def forward(
@@ -132,13 +134,11 @@ class GemmaModel(LlamaModel):
         """Hidden states [T, hidden] after the final norm; writes this step's K/V."""
         ops = self.ops
         hidden = self._embed(input_ids) * self.embed_scale
-        if input_ids.shape[0] <= fused_decode.MAX_TOKENS:  # small CPU steps: one C call (as LlamaModel)
-            step = fused_decode.plan(self, kv_caches)
-            out = None if step is None else step.run(hidden, positions, meta)
-            if out is not None:
-                return out
+        out = self._run_fused(hidden, positions, meta, kv_caches)  # small CPU steps: one C call
+        if out is not None:
+            return out
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            assert isinstance(layer, _GemmaLayer)
+            assert isinstance(layer, GemmaLayer)
             x = self._rms(hidden, layer.input_norm)
             x = self._attention(layer, x, positions, meta, k_cache, v_cache)
             hidden = hidden + self._rms(x, layer.post_norm)
@@ -156,3 +156,14 @@ class GemmaModel(LlamaModel):
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
+
+    def fused_description(self) -> FusedModel:
+        return dataclasses.replace(super().fused_description(), gemma=True)
+
+    def _fused_layer(self, layer: DecoderLayer) -> FusedLayer:
+        assert isinstance(layer, GemmaLayer)
+        return dataclasses.replace(super()._fused_layer(layer), pre_ffn_norm=layer.pre_ffn_norm,
+                                   post_ffn_norm=layer.post_ffn_norm)
+
+
+__all__ = ["GEMMA_LAYER_NORMS", "GemmaLayer", "GemmaModel"]

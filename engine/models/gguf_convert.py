@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
+from tokenizers import pre_tokenizers
 
 from engine.errors import CorruptModelError, UnsupportedModelError
 
@@ -141,7 +143,6 @@ def convert_gguf(path: Path, out: Path) -> None:
     :class:`UnsupportedModelError` for an architecture, tensor or quantization type this
     converter does not handle; both name ``path``.
     """
-    from safetensors.torch import save_file
 
     reader = _open_reader(path)
     fields = _Fields(reader, path)
@@ -161,6 +162,7 @@ def convert_gguf(path: Path, out: Path) -> None:
 
 
 def _reader_class() -> type:
+    # gguf (gguf-py) is imported on use (a fifth of a second): only GGUF loads need it.
     from gguf import GGUFReader
 
     class _PlainArrayReader(GGUFReader):
@@ -430,7 +432,7 @@ def _moe_tensors(t: Any, config: dict[str, Any], path: Path) -> dict[str, torch.
 
 
 def _dequantize(t: Any, path: Path) -> torch.Tensor:
-    from gguf.quants import dequantize
+    from gguf.quants import dequantize  # on use: see _reader_class
 
     kind = t.tensor_type.name
     try:
@@ -453,8 +455,6 @@ def _write_tokenizer(path: Path, out: Path, *, model_max_length: int) -> None:
     arch, tokenizer_dict, tokenizer_config = _gguf_tokenizer(path)
     backend = _build_backend(arch, tokenizer_dict, path)
     if tokenizer_dict.get("pre_tokenizer_type") in _DIGIT_SPLIT_PRE_TOKENIZERS:
-        from tokenizers import pre_tokenizers
-
         backend.pre_tokenizer = pre_tokenizers.Sequence(
             [
                 pre_tokenizers.Digits(individual_digits=True),
@@ -477,6 +477,7 @@ def _write_tokenizer(path: Path, out: Path, *, model_max_length: int) -> None:
 
 
 def _gguf_tokenizer(path: Path) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    # transformers is heavy (seconds to import): only a GGUF's first conversion needs it.
     from transformers.integrations.gguf import get_gguf_tokenizer
 
     try:
@@ -488,7 +489,7 @@ def _gguf_tokenizer(path: Path) -> tuple[str, dict[str, Any], dict[str, Any]]:
 
 
 def _build_backend(arch: str, tokenizer_dict: dict[str, Any], path: Path) -> Any:
-    from transformers.integrations.gguf import convert_gguf_tokenizer
+    from transformers.integrations.gguf import convert_gguf_tokenizer  # on use: see _gguf_tokenizer
 
     if "tokens" not in tokenizer_dict:
         raise CorruptModelError(f"{path}: GGUF has no tokenizer vocabulary (tokenizer.ggml.tokens)")

@@ -1,5 +1,5 @@
 """LLaVA: a CLIP or SigLIP vision tower and a two-layer projector in front of a Llama-family
-decoder.
+decoder (the generic one, :class:`~engine.models.layers.decoder.Decoder`).
 
 An image enters the prompt as ``VisionConfig.num_image_tokens`` placeholder tokens. The
 runner encodes the image (:meth:`LlavaModel.encode_images`: CLIP's patch embedding, its
@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from engine.errors import CorruptModelError
 from engine.models.config import ModelConfig, VisionConfig
-from engine.models.llama import LlamaModel
+from engine.models.layers.decoder import Decoder, decoder_weight_names
+from engine.models.layers.shard import ShardedWeights
 from engine.ops import Ops
 
 
@@ -163,17 +164,24 @@ class VisionTower:
         return x + h
 
 
-class LlavaModel(LlamaModel):
+class LlavaModel(Decoder):
     """The Llama-family decoder with a CLIP or SigLIP vision tower whose outputs replace the
     input embeddings at image placeholder positions."""
+
+    @classmethod
+    def weight_names(cls, config: ModelConfig) -> list[str]:
+        assert isinstance(config.vision, VisionConfig)
+        return decoder_weight_names(config) + vision_weight_names(config.vision)
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        return normalize_llava_names(name)
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], ops: Ops, *,
                  dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         super().__init__(config, weights, ops, dtype=dtype, device=device)
-        assert config.vision is not None
-        from engine.models.llama import _Weights
-
-        self.vision = VisionTower(config.vision, _Weights(weights, dtype, self.device))
+        assert isinstance(config.vision, VisionConfig)
+        self.vision = VisionTower(config.vision, ShardedWeights(weights, dtype, self.device))
 
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
         """[N, C, H, W] float pixels -> [N, num_image_tokens, hidden] in the model dtype."""

@@ -31,10 +31,13 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from engine.errors import (
     CorruptModelError,
@@ -44,8 +47,10 @@ from engine.errors import (
     UnsupportedModelError,
 )
 from engine.models import cache, gguf_convert
-from engine.models.config import GEMMA_FAMILY, ModelConfig
-from engine.models.moe import sparse_layer_weight_names
+from engine.models.config import ModelConfig
+from engine.models.gguf_quant import read_gguf_weights
+from engine.models.registry import model_class
+from engine.ops import resolve_backend
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("auto", "gguf", "none")
@@ -140,8 +145,6 @@ def default_embedding_model_path(cache_dir: str | Path | None = None) -> Path:
 
 
 def _extract_zip(archive: Path, out: Path) -> None:
-    import zipfile
-
     with zipfile.ZipFile(archive) as zf:
         for member in zf.namelist():
             # A member outside the folder (absolute, or climbing with ..) is refused.
@@ -199,8 +202,6 @@ def load_model(
     keep_blocks = from_gguf and quantization != "none" and layout is not None
     file_bytes = None
     if keep_blocks:
-        from engine.models.gguf_quant import read_gguf_weights
-
         read = read_gguf_weights(source, config, device=target, layout=layout)
         weights = _expected(read.weights, config, source)
         file_bytes = read.file_tensor_bytes
@@ -226,8 +227,6 @@ def load_model(
 
 def _quant_layout(ops_backend: str, device: torch.device) -> str | None:
     """The layout of kept blocks the model's kernels read; ``None``: no kernel, load dense."""
-    from engine.ops import resolve_backend
-
     try:
         backend = resolve_backend(ops_backend, device)
     except ValueError as exc:
@@ -310,20 +309,13 @@ def _read_weights(folder: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
     for shard in _weight_files(folder):
         loaded.update(_read_safetensors(shard))
     expected = expected_weight_names(config)
-    if config.is_encoder:
-        # BertForSequenceClassification names the encoder bert.*; BertModel has no prefix.
-        loaded = {name.removeprefix("bert."): w for name, w in loaded.items()}
-    elif "model.embed_tokens.weight" not in loaded and "embed_tokens.weight" in loaded:
+    if not config.is_encoder and "model.embed_tokens.weight" not in loaded and "embed_tokens.weight" in loaded:
         # A decoder saved as its base model (Qwen3-Embedding): no "model." prefix.
         loaded = {f"model.{name}": w for name, w in loaded.items()}
-    if config.mrope:
-        from engine.models.qwen_vl import normalize_qwen_vl_names
-
-        loaded = {normalize_qwen_vl_names(name): w for name, w in loaded.items()}
-    elif config.vision is not None:
-        from engine.models.llava import normalize_llava_names
-
-        loaded = {normalize_llava_names(name): w for name, w in loaded.items()}
+    # Under the model's own names: a BERT classifier's bert.* prefix dropped, a vision
+    # model's nested decoder and tower moved to model.* and its tower's prefix.
+    checkpoint_name = model_class(config).checkpoint_name
+    loaded = {checkpoint_name(name): w for name, w in loaded.items()}
     missing = [name for name in expected if name not in loaded]
     if missing:
         shown = ", ".join(missing[:3]) + (
@@ -358,9 +350,6 @@ def _weight_files(folder: Path) -> list[Path]:
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as exc:
@@ -369,45 +358,7 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 def expected_weight_names(config: ModelConfig) -> list[str]:
     """The Hugging Face tensor names a model with ``config`` has, in checkpoint order."""
-    if config.is_encoder:
-        from engine.models.bert import encoder_weight_names
-
-        return encoder_weight_names(config)
-    names = ["model.embed_tokens.weight"]
-    fused = config.architecture == "phi3"  # qkv_proj and gate_up_proj, as Phi-3 ships them
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        if config.architecture in GEMMA_FAMILY:
-            names += [p + "pre_feedforward_layernorm.weight", p + "post_feedforward_layernorm.weight"]
-        if fused:
-            names += [p + "self_attn.qkv_proj.weight", p + "self_attn.o_proj.weight"]
-        else:
-            names += [
-                p + f"self_attn.{proj}.weight" for proj in ("q_proj", "k_proj", "v_proj", "o_proj")
-            ]
-        if config.attention_bias:
-            names += [p + f"self_attn.{proj}.bias" for proj in ("q_proj", "k_proj", "v_proj")]
-        if config.qk_norm:
-            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-        if config.moe is not None and i in config.moe.sparse_layers:
-            names += sparse_layer_weight_names(config.moe, i)
-        elif fused:
-            names += [p + "mlp.gate_up_proj.weight", p + "mlp.down_proj.weight"]
-        else:
-            names += [p + f"mlp.{proj}.weight" for proj in ("gate_proj", "up_proj", "down_proj")]
-    names.append("model.norm.weight")
-    if not config.tie_word_embeddings and not config.base_model:
-        names.append("lm_head.weight")
-    if config.mrope:
-        from engine.models.qwen_vl import qwen_vision_weight_names
-
-        names += qwen_vision_weight_names(config.vision)  # type: ignore[arg-type]
-    elif config.vision is not None:
-        from engine.models.llava import vision_weight_names
-
-        names += vision_weight_names(config.vision)  # type: ignore[arg-type]
-    return names
+    return model_class(config).weight_names(config)
 
 
 def _cpu_has_native_bf16() -> bool:

@@ -43,7 +43,8 @@ import torch.nn.functional as F
 
 from engine.errors import CorruptModelError
 from engine.models.config import ModelConfig, QwenVisionConfig
-from engine.models.llama import LlamaModel, _Weights
+from engine.models.layers.decoder import Decoder, decoder_weight_names
+from engine.models.layers.shard import ShardedWeights
 from engine.ops import AttentionMetadata, Ops
 
 
@@ -139,7 +140,7 @@ class QwenVisionTower:
     """Qwen2-VL's / Qwen2.5-VL's vision transformer and patch merger: images' patches
     ``[sum of t*h*w, C*T*P*P]`` and grids -> one ``[tokens, out_hidden]`` per image."""
 
-    def __init__(self, vision: QwenVisionConfig, get: _Weights) -> None:
+    def __init__(self, vision: QwenVisionConfig, get: ShardedWeights) -> None:
         self.cfg = vision
         self.layer_norm = vision.kind == "qwen2_vl"
         v = "visual."
@@ -158,10 +159,10 @@ class QwenVisionTower:
         quarter = head // 2
         self.inv_freq = 1.0 / (vision.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float32) / quarter))
 
-    def _norm(self, get: _Weights, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _norm(self, get: ShardedWeights, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         return get(name + ".weight"), get(name + ".bias") if self.layer_norm else None
 
-    def _block(self, get: _Weights, i: int) -> _Block:
+    def _block(self, get: ShardedWeights, i: int) -> _Block:
         p = f"visual.blocks.{i}."
 
         def wb(name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,21 +291,35 @@ def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
-class QwenVLModel(LlamaModel):
+class QwenVLModel(Decoder):
     """The Qwen2 decoder with M-RoPE and a Qwen-VL vision tower whose outputs replace the
     input embeddings at image placeholder positions."""
+
+    @classmethod
+    def weight_names(cls, config: ModelConfig) -> list[str]:
+        assert isinstance(config.vision, QwenVisionConfig)
+        return decoder_weight_names(config) + qwen_vision_weight_names(config.vision)
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        return normalize_qwen_vl_names(name)
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], ops: Ops, *,
                  dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         super().__init__(config, weights, ops, dtype=dtype, device=device)
         vision = config.vision
         assert isinstance(vision, QwenVisionConfig)
-        self.vision = QwenVisionTower(vision, _Weights(weights, dtype, self.device))
+        self.vision = QwenVisionTower(vision, ShardedWeights(weights, dtype, self.device))
         half = config.head_dim // 2
         # Frequency j (of head_dim / 2, cos and sin halves alike) turns by stream stream[j].
         stream = torch.cat([torch.full((s,), i % 3) for i, s in enumerate(vision.mrope_section)])
         self._mrope_stream = torch.cat([stream, stream]).to(self.device)
         self._mrope_column = torch.arange(2 * half, device=self.device)
+
+    def prompt_positions(self, length: int, images: Sequence[Any]) -> tuple[torch.Tensor, int]:
+        """A prompt's ``([3, length] M-RoPE positions, delta)`` (:func:`mrope_positions`):
+        what the runner keeps per request of a model whose ``config.mrope`` is set."""
+        return mrope_positions(length, images, self.vision.cfg.spatial_merge_size)
 
     def encode_image_inputs(self, images: Sequence[Any]) -> list[torch.Tensor]:
         """``ImageInput``s (``pixels`` of ``shape`` [t*h*w, C*T*P*P], or [t*h*w, C*P*P] for
@@ -339,14 +354,7 @@ class QwenVLModel(LlamaModel):
     ) -> torch.Tensor:
         if positions.dim() == 1:
             positions = positions.unsqueeze(0).expand(3, -1)
+        # Every layer rotates by this step's per-token table (row i for token i).
         table = self.mrope_table(positions)
-        # Every layer rotates by this step's per-token table (row i for token i); the
-        # layers' own table is put back afterwards.
-        for layer in self.layers:
-            layer.rope = table
-        try:
-            rows = torch.arange(positions.shape[1], device=positions.device)
-            return super().forward(input_ids, rows, meta, kv_caches, mm_embeds)
-        finally:
-            for layer in self.layers:
-                layer.rope = self.cos_sin_cache
+        rows = torch.arange(positions.shape[1], device=positions.device)
+        return self._decode(self._embed(input_ids), rows, meta, kv_caches, mm_embeds, rope=table)

@@ -16,9 +16,10 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import save_file
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from engine.models.config import ModelConfig, MoeConfig
-from engine.models.moe import expert_weight_names, layer_prefix
+from engine.models.layers.moe import expert_weight_names, layer_prefix
 
 TINY_ARCHITECTURES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 # Mixture-of-experts models (kept apart so the dense suites do not grow by their cost):
@@ -54,8 +55,6 @@ PHI3_ORIGINAL_POSITIONS = 64  # the tiny Phi-3's longrope switch point (max posi
 
 
 def _tokenizer_json() -> str:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -396,7 +395,7 @@ def write_tiny_llava(path: str | Path, *, seed: int = 0, tower: str = "clip") ->
     shape), a ``CLIPImageProcessor`` that crops. ``"siglip"``: a SigLIP tower read whole at
     its last layer (strategy ``full``, as LLaVA-style models over SigLIP do), a
     ``SiglipImageProcessor`` that resizes."""
-    from tokenizers import AddedToken, Tokenizer
+    # transformers is heavy and only the VLM tests need it: imported here, on use.
     from transformers import (
         CLIPImageProcessor,
         CLIPVisionConfig,
@@ -498,7 +497,7 @@ def write_tiny_qwen_vl(path: str | Path, kind: str = "qwen2_vl", *, seed: int = 
     ``mrope_section``, ``vision_config``), model.safetensors under ``model.language_model.*``
     / ``model.visual.*`` / ``lm_head.weight``, the tiny tokenizer with the vision tokens
     and a ``Qwen2VLImageProcessor`` (preprocessor_config.json) with a small pixel budget."""
-    from tokenizers import AddedToken, Tokenizer
+    # transformers is heavy and only the VLM tests need it: imported here, on use.
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen2VLImageProcessor
 
     if kind not in TINY_QWEN_VL:

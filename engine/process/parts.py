@@ -23,13 +23,13 @@ from engine.actors.parts import EngineParts
 from engine.config import EngineConfig
 from engine.core.admission import AdmissionLimits
 from engine.errors import ConfigError
+from engine.models.layers.linear import weight_bytes
+from engine.models.layers.shard import tensor_parallel_problem
 from engine.models.loader import EMBEDDING_MODEL_NAMES, _model_config
 from engine.models.pooling import PoolerConfig
-from engine.models.quantized import weight_bytes
 from engine.models.tokenizer import Tokenizer
 from engine.multimodal import ImagePreprocessor, MediaLimits
 from engine.parallel import SINGLE, TensorParallel
-from engine.parallel.shard import tensor_parallel_problem
 from engine.process.rank import RankLoad, build_rank_runner, load_rank
 from engine.process.workers import TensorParallelRunner, WorkerGroup
 from engine.runner.kv_cache import bytes_per_block, free_memory, num_kv_blocks

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from engine.messages import ScheduledChunk
-from engine.models.llama import build_model
+from engine.models.registry import build_model
 from engine.ops import Ops
 from engine.ops.sampling_ref import inverse_cdf, row_uniforms
 from engine.runner.batch import build_batch

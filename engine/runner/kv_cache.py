@@ -8,7 +8,7 @@ per value plus a 4-byte scale per token and KV head, ``2 * layers * block_size *
 * (head_dim + 4)`` bytes a block (53% of bf16 at head_dim 64, 52% at 128).
 
 With tensor parallelism (``tp``) each rank's pool holds only its own KV heads
-(:func:`engine.parallel.shard.local_heads`: ``num_kv_heads / N``, or one copied head when
+(:func:`engine.models.layers.shard.local_heads`: ``num_kv_heads / N``, or one copied head when
 there are fewer KV heads than ranks), so a block costs each rank that share and the same
 budget buys each rank ``N`` times the blocks (fewer where heads are copied). Every rank
 must run the same block count: the scheduler's pool is one for all of them.
@@ -23,9 +23,9 @@ import torch
 
 from engine.errors import ConfigError
 from engine.models.config import ModelConfig
+from engine.models.layers.shard import local_heads
 from engine.ops import KVCache, QuantizedKV
 from engine.parallel import SINGLE, TensorParallel
-from engine.parallel.shard import local_heads
 
 # EngineConfig.kv_cache_dtype -> the codes' dtype; "auto" stores K/V in the model's dtype.
 KV_CODE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}

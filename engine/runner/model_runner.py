@@ -35,8 +35,8 @@ from engine.messages import (
     StepPlan,
     StepResult,
 )
-from engine.models.llama import build_model
 from engine.models.pooling import PoolerConfig
+from engine.models.registry import build_model
 from engine.ops import Ops
 from engine.parallel import SINGLE, TensorParallel
 from engine.params import SamplingParams
@@ -261,10 +261,7 @@ class ModelRunner:
             prompt, [], list(prompt), new.params, tuple(new.eos_token_ids), images=tuple(new.images)
         )
         if self.config.mrope:
-            from engine.models.qwen_vl import mrope_positions
-
-            state.mrope, state.mrope_delta = mrope_positions(
-                len(prompt), state.images, self.config.vision.spatial_merge_size)
+            state.mrope, state.mrope_delta = self.model.prompt_positions(len(prompt), state.images)  # type: ignore[attr-defined]
         self._requests[new.sample_id] = state
 
     # -- images --------------------------------------------------------------------------

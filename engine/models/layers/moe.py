@@ -19,7 +19,7 @@ Tensor parallelism splits inside each expert: a rank keeps ``inter / N`` of ever
 gate and up rows and the matching columns of its down, the shared expert likewise, and the
 router and shared-expert gate whole. Every rank routes every token the same way and runs
 the same experts on its slice; the block's output is a partial sum the decoder
-all-reduces with the attention's (see :mod:`engine.parallel.shard`).
+all-reduces with the attention's (see :mod:`engine.models.layers.shard`).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class SparseMoeBlock:
         tp: TensorParallel = SINGLE,
     ) -> None:
         """``get`` fetches a weight by name; with ``tp`` of several ranks it is a
-        :class:`~engine.parallel.shard.ShardedWeights` whose ``rows``/``cols`` cut this
+        :class:`~engine.models.layers.shard.ShardedWeights` whose ``rows``/``cols`` cut this
         rank's slice."""
         moe = config.moe
         assert moe is not None

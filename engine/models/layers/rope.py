@@ -1,5 +1,8 @@
 """Rotary position tables: every RoPE scaling type as transformers computes it.
 
+:func:`rope_cos_sin_cache` is a model's table from its config; :func:`cos_sin_cache` the
+table of any base, scaling and head size.
+
 A model keeps one table ``[max_positions, head_dim]`` per distinct RoPE (Gemma 3 has two:
 its sliding layers use their own base and no scaling): ``cos`` of every (position,
 frequency) in the first half of a row, ``sin`` in the second, each already multiplied by
@@ -29,6 +32,7 @@ from typing import Any
 import torch
 
 from engine.errors import UnsupportedModelError
+from engine.models.config import ModelConfig
 
 
 def cos_sin_cache(
@@ -150,3 +154,20 @@ def _longrope_freqs(
     long = 1.0 / (torch.tensor(scaling["long_factor"], dtype=torch.float32) * base)
     inv = torch.where((positions < original).unsqueeze(1), short, long)
     return positions.unsqueeze(1) * inv, float(attention)
+
+
+def rope_cos_sin_cache(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, *, local: bool = False
+) -> torch.Tensor:
+    """[max_pos, head_dim]: ``config``'s table (:func:`cos_sin_cache`), cast to ``dtype``.
+
+    ``local``: the table of Gemma 3's sliding layers (their own base, no scaling). Computed
+    in fp32 and cast once, as HF does per call, so both round identically.
+    """
+    theta, scaling = config.rope_theta, config.rope_scaling
+    if local and config.rope_local_theta is not None:
+        theta, scaling = config.rope_local_theta, None
+    return cos_sin_cache(
+        theta=theta, scaling=scaling, head_dim=config.head_dim,
+        max_positions=config.max_position_embeddings, dtype=dtype, device=device,
+    )

@@ -1,0 +1,365 @@
+"""The generic decoder: attention, gated MLP, the layer and the stack that the Llama family
+(Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM2) and the mixture-of-experts models built
+on it (Mixtral, Qwen2-MoE, Qwen3-MoE: see ``moe``) share, and that Gemma, LLaVA and Qwen-VL
+build on.
+
+The variations are switches on :class:`ModelConfig`: Qwen2 has q/k/v biases
+(``attention_bias``), Qwen3 normalises each head of q and k before RoPE (``qk_norm``) and
+may set ``head_dim`` apart from ``hidden_size / heads``, SmolLM2 and small Qwen2 tie the
+LM head to the embedding, Phi-3 stores q/k/v and gate/up fused, Mistral and Qwen2 may slide
+a window over some layers (``ModelConfig.layer_windows``). Weights arrive under Hugging
+Face names; q/k/v and gate/up are concatenated once at build time so a layer runs two
+fused matmuls instead of five.
+
+A forward pass takes a flat varlen batch (every request's new tokens back to back) and
+the paged KV cache; all kernels come from the ``Ops`` object given to the constructor.
+Small CPU steps run every layer in one C call (``engine/ops/cpu/fused.py``), which is
+handed :meth:`Decoder.fused_description`, not the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+
+from engine.models.config import ModelConfig
+from engine.models.layers.linear import Linear, embed, make_linear
+from engine.models.layers.moe import SparseMoeBlock, sparse_layer_weight_names
+from engine.models.layers.norm import head_norm
+from engine.models.layers.rope import rope_cos_sin_cache
+from engine.models.layers.shard import (
+    ShardedWeights,
+    check_tensor_parallel,
+    local_heads,
+    qkv_spans,
+    vocab_range,
+)
+from engine.ops import AttentionMetadata, Ops
+from engine.ops.cpu import fused as fused_decode
+from engine.ops.cpu.fused_spec import FusedLayer, FusedModel
+from engine.parallel import SINGLE, TensorParallel
+
+# The norms of a decoder layer, in checkpoint order (Gemma adds two around its MLP).
+LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
+def decoder_weight_names(config: ModelConfig, layer_norms: tuple[str, ...] = LAYER_NORMS) -> list[str]:
+    """The Hugging Face tensor names of the decoder ``config`` describes, in checkpoint
+    order (a vision model's tower comes on top: its family adds it)."""
+    names = ["model.embed_tokens.weight"]
+    fused = config.architecture == "phi3"  # qkv_proj and gate_up_proj, as Phi-3 ships them
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        names += [p + norm + ".weight" for norm in layer_norms]
+        if fused:
+            names += [p + "self_attn.qkv_proj.weight", p + "self_attn.o_proj.weight"]
+        else:
+            names += [
+                p + f"self_attn.{proj}.weight" for proj in ("q_proj", "k_proj", "v_proj", "o_proj")
+            ]
+        if config.attention_bias:
+            names += [p + f"self_attn.{proj}.bias" for proj in ("q_proj", "k_proj", "v_proj")]
+        if config.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        if config.moe is not None and i in config.moe.sparse_layers:
+            names += sparse_layer_weight_names(config.moe, i)
+        elif fused:
+            names += [p + "mlp.gate_up_proj.weight", p + "mlp.down_proj.weight"]
+        else:
+            names += [p + f"mlp.{proj}.weight" for proj in ("gate_proj", "up_proj", "down_proj")]
+    names.append("model.norm.weight")
+    if not config.tie_word_embeddings and not config.base_model:
+        names.append("lm_head.weight")
+    return names
+
+
+@dataclasses.dataclass(slots=True)
+class DecoderLayer:
+    """One layer's weights: its norms, projections, sliding window and RoPE table."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: Any  # Linear | QuantLinear: [(H + 2 * Hkv) * D, hidden], with q/k/v biases if any
+    o_proj: Any
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    gate_up: Any  # Linear | QuantLinear [2 * intermediate, hidden]; None in a sparse (MoE) layer
+    down: Any
+    window: int  # sliding window (last N positions), 0 for full attention
+    rope: torch.Tensor  # this layer's cos/sin table (shared by layers with the same RoPE)
+    # The routed-expert MLP of a sparse layer (keyword-only, so subclasses may add fields).
+    moe: SparseMoeBlock | None = dataclasses.field(default=None, kw_only=True)
+
+
+class Decoder:
+    """The decoder stack plus LM head, over weights given under Hugging Face names.
+
+    With ``tp`` of ``N > 1`` ranks this is rank ``tp.rank``'s slice of every layer (see
+    :mod:`engine.models.layers.shard`): its query and KV heads, its share of the MLP and of
+    the vocabulary; :meth:`forward` all-reduces after o and down (the residual stream is
+    whole on every rank) and :meth:`compute_logits` returns the gathered full-vocabulary
+    logits.
+    """
+
+    # The fused CPU decode step's plans over the KV pools this model has run over (made on
+    # the first small step; see plan_fused_step).
+    _fused: fused_decode.Planner | None = None
+
+    @classmethod
+    def weight_names(cls, config: ModelConfig) -> list[str]:
+        """The checkpoint tensors a model of ``config`` reads, in checkpoint order."""
+        return decoder_weight_names(config)
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        """A stored tensor's name under the names :meth:`weight_names` gives (a vision
+        model's checkpoints nest the decoder; a text decoder's are those already)."""
+        return name
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        ops: Ops,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        tp: TensorParallel = SINGLE,
+    ) -> None:
+        self.config = config
+        self.ops = ops
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self._init_parallel(config, tp)
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.attn_softcap = 0.0  # Gemma 2 soft-caps attention scores; the Llama family does not
+        self.eps = config.rms_norm_eps
+        self.cos_sin_cache = rope_cos_sin_cache(config, dtype, self.device)
+        get = ShardedWeights(weights, dtype, self.device, tp)
+        self.embed = get.rows("model.embed_tokens.weight")
+        self.layers = [self._layer(get, i) for i in range(config.num_hidden_layers)]
+        self.norm = get("model.norm.weight")
+        # A quantized table stays one copy: rows read for the embedding, the same blocks
+        # multiplied for a tied head.
+        if config.tie_word_embeddings or "lm_head.weight" not in weights:
+            self.lm_head = make_linear([self.embed])
+        else:
+            self.lm_head = make_linear([get.rows("lm_head.weight")])
+
+    def _init_parallel(self, config: ModelConfig, tp: TensorParallel) -> None:
+        """This rank's head counts and vocabulary slice; refuses a model that does not
+        split over ``tp.world_size`` ranks."""
+        check_tensor_parallel(config, tp)
+        self.tp = tp
+        self.num_heads, self.num_kv_heads = local_heads(config, tp)
+        self.vocab_start, self.vocab_end = vocab_range(config, tp)
+
+    def _layer(self, get: ShardedWeights, i: int) -> DecoderLayer:
+        p = f"model.layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        bias = None
+        moe = self.config.moe
+        sparse = moe is not None and i in moe.sparse_layers
+        sizes, spans = qkv_spans(self.config, self.tp)
+        if self.config.attention_bias:
+            bias = torch.cat([get.rows(attn + f"{n}_proj.bias", spans=[span]) for n, span in zip("qkv", spans, strict=True)])
+        gate_up: list | None = None
+        inter = self.config.intermediate_size
+        if self.config.architecture == "phi3":
+            # Phi-3 ships q/k/v and gate/up already fused, in the order used here; each
+            # part is cut to this rank's share and the cuts are fused again.
+            qkv = [get.rows(attn + "qkv_proj.weight", sizes, spans)]
+            gate_up = [get.rows(mlp + "gate_up_proj.weight", (inter, inter))]
+        else:
+            qkv = [get.rows(attn + f"{n}_proj.weight", spans=[span]) for n, span in zip("qkv", spans, strict=True)]
+            if not sparse:
+                gate_up = [get.rows(mlp + "gate_proj.weight"), get.rows(mlp + "up_proj.weight")]
+        # make_linear: a dense Linear over the parts concatenated, or a QuantLinear over
+        # weights kept in their GGUF blocks.
+        return DecoderLayer(
+            input_norm=get(p + "input_layernorm.weight"),
+            post_norm=get(p + "post_attention_layernorm.weight"),
+            qkv=make_linear(qkv, bias),
+            o_proj=make_linear([get.cols(attn + "o_proj.weight")]),
+            q_norm=get(attn + "q_norm.weight") if self.config.qk_norm else None,
+            k_norm=get(attn + "k_norm.weight") if self.config.qk_norm else None,
+            gate_up=None if gate_up is None else make_linear(gate_up),
+            down=None if sparse else make_linear([get.cols(mlp + "down_proj.weight")]),
+            window=self.config.layer_windows[i],
+            rope=self.cos_sin_cache,
+            moe=SparseMoeBlock(self.config, i, get, Linear, self.tp) if sparse else None,
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm; writes this step's K/V.
+
+        ``mm_embeds`` ``(rows [R] int64, embeddings [R, hidden])`` replace the token
+        embeddings of those rows (a vision model's image placeholders)."""
+        return self._decode(self._embed(input_ids), positions, meta, kv_caches, mm_embeds)
+
+    def _decode(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rope: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:meth:`forward` from the token embeddings ``hidden`` [T, hidden]. ``rope``: a
+        table every layer rotates by this step instead of its own (row ``positions[i]`` for
+        token ``i``; Qwen-VL's per-token M-RoPE rows)."""
+        ops = self.ops
+        if mm_embeds is not None:
+            rows, values = mm_embeds
+            hidden = hidden.index_copy(0, rows, values.to(hidden.dtype))
+        else:
+            out = self._run_fused(hidden, positions, meta, kv_caches, rope)
+            if out is not None:
+                return out
+        residual: torch.Tensor | None = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            if residual is None:
+                residual = hidden
+                x = ops.rms_norm(hidden, layer.input_norm, self.eps)
+            else:
+                x, residual = ops.fused_add_rms_norm(hidden, residual, layer.input_norm, self.eps)
+            attn = self._attention(layer, x, positions, meta, k_cache, v_cache, rope)
+            x, residual = ops.fused_add_rms_norm(attn, residual, layer.post_norm, self.eps)
+            if layer.moe is not None:
+                hidden = layer.moe(x, ops)
+            else:
+                assert layer.gate_up is not None and layer.down is not None
+                hidden = layer.down(ops.silu_and_mul(layer.gate_up(x)))
+            hidden = self.tp.all_reduce(hidden)  # row-parallel down (or experts): sum the ranks' parts
+        assert residual is not None  # num_hidden_layers >= 1 is checked at build time
+        out, _ = ops.fused_add_rms_norm(hidden, residual, self.norm, self.eps)
+        return out
+
+    def _attention(
+        self,
+        layer: DecoderLayer,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        rope: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        ops = self.ops
+        t = x.shape[0]
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = layer.qkv(x)
+        q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+        q, k, v = q.view(t, h, d), k.view(t, hkv, d), v.view(t, hkv, d)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q = self._head_norm(q, layer.q_norm)
+            k = self._head_norm(k, layer.k_norm)
+        q, k = ops.rotary_embedding(positions, q, k, layer.rope if rope is None else rope)
+        ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.decode_only:
+            o = ops.paged_attention_decode(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale,
+                meta.seq_lens_host, window=layer.window, softcap=self.attn_softcap,
+            )
+        else:
+            o = ops.paged_attention_prefill(
+                q, k_cache, v_cache, meta, self.scale, window=layer.window, softcap=self.attn_softcap
+            )
+        return self.tp.all_reduce(layer.o_proj(o.reshape(t, h * d)))  # row-parallel o
+
+    def _head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return head_norm(self.ops, x, weight, self.eps)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [T, hidden]. Vocab-parallel: each rank looks up the ids of
+        its slice (the others read row 0 and are zeroed), and the ranks' rows are summed."""
+        if not self.tp.enabled:
+            return embed(self.embed, input_ids, self.dtype)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.vocab_end - self.vocab_start)
+        rows = embed(self.embed, torch.where(mine, local, 0), self.dtype)
+        rows = rows * mine.unsqueeze(-1).to(rows.dtype)
+        return self.tp.all_reduce(rows)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits [N, vocab] in the model dtype: this rank's slice of the
+        LM head, gathered from every rank in vocabulary order."""
+        return self.tp.all_gather_last(self.lm_head(hidden))
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab] in fp32 for the rows of ``hidden`` [N, hidden]."""
+        if not self.tp.enabled:
+            # A quantized head on CPU writes the widened logits itself (the same values as
+            # its bf16 output then ``.float()``, without a second pass over the vocabulary).
+            widened = getattr(self.lm_head, "widened", None)
+            logits = None if widened is None else widened(hidden)
+            if logits is not None:
+                return logits
+        return self._logits(hidden).float()
+
+    # -- the fused CPU decode step -------------------------------------------------------
+
+    def _run_fused(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        rope: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """Small steps on CPU (decode rows, speculative verification chunks): every layer
+        in one C call (ops/cpu/fused.py says which models and steps it covers); None where
+        the step is not the fused step's, and the layers run one by one."""
+        if hidden.shape[0] > fused_decode.MAX_TOKENS:
+            return None
+        step = self.plan_fused_step(kv_caches)
+        return None if step is None else step.run(hidden, positions, meta, rope=rope)
+
+    def plan_fused_step(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> fused_decode.FusedDecode | None:
+        """The fused CPU decode step of this model over ``kv_caches`` (planned once per KV
+        pool), or None where it does not apply."""
+        if self._fused is None:
+            self._fused = fused_decode.Planner(self.fused_description())
+        return self._fused.plan(kv_caches)
+
+    @property
+    def fused_step(self) -> fused_decode.FusedDecode | None:
+        """The fused step last planned (its ``steps`` count the steps it ran), or None."""
+        return None if self._fused is None else self._fused.step
+
+    def fused_description(self) -> FusedModel:
+        """This decoder as the fused CPU decode step reads it (engine/ops/cpu/fused_spec.py)."""
+        return FusedModel(
+            dtype=self.dtype, device=self.device, ops=self.ops, tensor_parallel=self.tp.enabled,
+            hidden=self.config.hidden_size, heads=self.num_heads, kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, eps=self.eps, scale=self.scale, softcap=self.attn_softcap,
+            gemma=False, final_norm=self.norm, layers=tuple(map(self._fused_layer, self.layers)),
+        )
+
+    def _fused_layer(self, layer: DecoderLayer) -> FusedLayer:
+        def describe(lin):
+            return None if lin is None else lin.describe()
+
+        return FusedLayer(
+            input_norm=layer.input_norm, post_norm=layer.post_norm, q_norm=layer.q_norm, k_norm=layer.k_norm,
+            qkv=describe(layer.qkv), o=describe(layer.o_proj), gate_up=describe(layer.gate_up),
+            down=describe(layer.down), rope=layer.rope, window=layer.window,
+            external_mlp=None if layer.moe is None else functools.partial(layer.moe, ops=self.ops),
+        )
+
+
+__all__ = ["LAYER_NORMS", "Decoder", "DecoderLayer", "decoder_weight_names"]

@@ -1,0 +1,96 @@
+"""The model registry: which class builds the model a config describes.
+
+Every family module is imported here and only here; a family never imports another, nor
+this registry. Adding a family is one module and one entry in :data:`MODEL_CLASSES`.
+
+A model class offers, besides its constructor ``(config, weights, ops, *, dtype, device)``
+(the decoders also take ``tp``), two class-level hooks the loader reads through
+:func:`model_class`: ``weight_names(config)`` (the checkpoint tensors it reads, in
+checkpoint order) and ``checkpoint_name(name)`` (a stored tensor's name under those).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.errors import CorruptModelError, UnsupportedModelError
+from engine.models.bert import BertModel
+from engine.models.config import ModelConfig
+from engine.models.gemma import GemmaModel
+from engine.models.layers.decoder import Decoder
+from engine.models.layers.shard import check_tensor_parallel
+from engine.models.llama import LlamaModel
+from engine.models.llava import LlavaModel
+from engine.models.qwen_vl import QwenVLModel
+from engine.ops import Ops
+from engine.parallel import SINGLE, TensorParallel
+
+# Architecture name -> model class. The names are ModelConfig.architecture's (the
+# families of engine.models.config's *_ARCHITECTURES), and for a vision-language model,
+# whose config.architecture is its text decoder's, the model's own (see architecture_name).
+MODEL_CLASSES: dict[str, type] = {
+    "llama": LlamaModel,
+    "mistral": LlamaModel,
+    "qwen2": LlamaModel,
+    "qwen3": LlamaModel,
+    "phi3": LlamaModel,
+    "mixtral": LlamaModel,
+    "qwen2_moe": LlamaModel,
+    "qwen3_moe": LlamaModel,
+    "gemma2": GemmaModel,
+    "gemma3": GemmaModel,
+    "bert": BertModel,
+    "bert_classifier": BertModel,
+    "llava": LlavaModel,
+    "qwen2_vl": QwenVLModel,
+    "qwen2_5_vl": QwenVLModel,
+}
+
+
+def architecture_name(config: ModelConfig) -> str:
+    """The name :data:`MODEL_CLASSES` files ``config``'s model under."""
+    if config.mrope:
+        return config.vision.kind  # type: ignore[union-attr]  # QwenVisionConfig: "qwen2_vl" | "qwen2_5_vl"
+    if config.vision is not None:
+        return "llava"
+    return config.architecture
+
+
+def model_class(config: ModelConfig) -> type:
+    """The class that builds ``config``'s model."""
+    name = architecture_name(config)
+    try:
+        return MODEL_CLASSES[name]
+    except KeyError:
+        raise UnsupportedModelError(f"no model class for architecture {name!r}") from None
+
+
+def build_model(
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    ops: Ops,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    tp: TensorParallel = SINGLE,
+) -> Decoder | BertModel:
+    """Build the decoder (or encoder) for ``config``, or with ``tp`` rank ``tp.rank``'s
+    slice of it; raises a typed error for an unusable config (one that cannot be split
+    over ``tp.world_size`` ranks included)."""
+    check_tensor_parallel(config, tp)
+    cls = model_class(config)
+    if config.is_encoder:
+        return cls(config, weights, ops, dtype=dtype, device=device)
+    if config.num_hidden_layers < 1:
+        raise CorruptModelError("config.json: num_hidden_layers must be at least 1")
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise CorruptModelError(
+            f"config.json: num_attention_heads ({config.num_attention_heads}) is not a multiple "
+            f"of num_key_value_heads ({config.num_key_value_heads})"
+        )
+    if config.vision is not None:  # tensor parallelism is refused for them (check_tensor_parallel)
+        return cls(config, weights, ops, dtype=dtype, device=device)
+    return cls(config, weights, ops, dtype=dtype, device=device, tp=tp)
+
+
+__all__ = ["MODEL_CLASSES", "architecture_name", "build_model", "model_class"]
