@@ -18,7 +18,7 @@ import httpx
 import trio
 
 from engine.http.app import create_app
-from engine.http.server import bind_socket, serve_app
+from engine.http.serve import bind_socket, serve_app
 
 # Loading a tiny model and binding a port takes well under a second; this is a hang guard.
 _START_TIMEOUT = 120.0

@@ -15,7 +15,7 @@ from http_server import ServerThread
 
 from engine.cli import serve as cli
 from engine.errors import ConfigError
-from engine.http import server
+from engine.http import serve as server
 from engine.models.testing import write_tiny_model
 from engine.models.tokenizer import Tokenizer
 

@@ -40,7 +40,7 @@ from engine.errors import ConfigError, EngineError
 from engine.http import edge
 from engine.http.app import DEFAULT_MAX_REQUEST_BYTES, create_app
 from engine.http.metrics import METRIC_PREFIXES
-from engine.http.server import (
+from engine.http.serve import (
     bind_socket,
     bind_unix_socket,
     check_edge_limits,
