@@ -51,12 +51,15 @@ from engine.chat.request import (
 )
 from engine.core import admission
 from engine.errors import EngineDeadError, InvalidParamError
-from engine.http import anthropic, auth, edge, protocol, responses, schema, sse, tokens
+from engine.http import anthropic, auth, edge, responses, schema, sse
 from engine.http import pooling as pooling_http
+from engine.http.completions import answer, protocol, tokens
+from engine.http.completions.protocol import CompletionRequest
+from engine.http.errors import LOGGED_ELSEWHERE, APIError, error_from_exception
 from engine.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.http.metrics import Metrics, RequestTimer
-from engine.http.protocol import APIError, CompletionRequest
 from engine.http.response_store import MissingResponse, ResponseStore
+from engine.http.strict_json import loads_body
 from engine.messages import RequestOutput
 from engine.models.tokenizer import normalize_messages
 from engine.multimodal import has_images
@@ -74,8 +77,6 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 RETRY_AFTER_SECONDS = 1
 # Routes that answer errors in Anthropic's shape.
 _ANTHROPIC_PATHS = "/v1/messages"
-# Error codes whose cause the engine has already logged (a crash, a failed step).
-_LOGGED_ELSEWHERE = ("engine_dead", "request_failed")
 
 # A client's request id (echoed on the response, and the engine's id for the request), as
 # vLLM and most gateways name it.
@@ -271,7 +272,7 @@ class _Server:
         self.max_request_bytes = max_request_bytes
         self.metrics = Metrics(engine, engine.model_name, prefix=metrics_prefix)
         config = engine.config
-        self.answer_options = protocol.AnswerOptions(
+        self.answer_options = answer.AnswerOptions(
             prompt_tokens_details=config.enable_prompt_tokens_details,
             force_include_usage=config.enable_force_include_usage,
             tokens_as_token_ids=config.return_tokens_as_token_ids)
@@ -349,8 +350,8 @@ class _Server:
             err = APIError(exc.code or 500, exc.description or exc.name,
                            code=exc.name.lower().replace(" ", "_"))
         else:
-            err = protocol.error_from_exception(exc)
-            if err.status >= 500 and err.code not in _LOGGED_ELSEWHERE:
+            err = error_from_exception(exc)
+            if err.status >= 500 and err.code not in LOGGED_ELSEWHERE:
                 logger.error("unhandled error in %s %s", request.method, request.path,
                              exc_info=exc)
         # The matched route, not the raw path (which a --root-path prefix may lead).
@@ -389,15 +390,15 @@ class _Server:
                                              abandon_on_cancel=True)
 
     async def _read_json(self) -> Any:
-        """The body as JSON (``protocol.loads_body``), decoded in a worker thread."""
+        """The body as JSON (``loads_body``), decoded in a worker thread."""
         data = await self._read_body()
-        return await self._off_loop(lambda: protocol.loads_body(data))
+        return await self._off_loop(lambda: loads_body(data))
 
     async def _read_checked(self, name: str) -> Any:
         """The body, checked against its JSON Schema (the one /openapi.json publishes),
         in a worker thread."""
         data = await self._read_body()
-        return await self._off_loop(lambda: self._checked(protocol.loads_body(data), name))
+        return await self._off_loop(lambda: self._checked(loads_body(data), name))
 
     def _checked(self, body: Any, name: str) -> Any:
         if name == "chat" and isinstance(body, dict):
@@ -425,7 +426,7 @@ class _Server:
     async def health(self) -> Response:
         # 503 while the actors restart after a crash, and once the engine is dead.
         if self.engine.dead or self.engine.restarting:
-            err = protocol.error_from_exception(
+            err = error_from_exception(
                 EngineDeadError())
             return _json(err.body(), 503)
         return _json({"status": "ok"}, 200)
@@ -439,7 +440,7 @@ class _Server:
     def _card(self) -> dict[str, Any]:
         eng = self.engine
         return {
-            "id": eng.model_name, "object": "model", "created": protocol.now(),
+            "id": eng.model_name, "object": "model", "created": answer.now(),
             "owned_by": "engine", "root": eng.config.model or eng.model_name, "parent": None,
             "max_model_len": eng.max_model_len,
         }
@@ -536,7 +537,7 @@ class _Server:
 
         def decode(tokens: Any) -> str:
             if not (isinstance(tokens, list)
-                    and all(protocol._is_token_id(t) and t < vocab for t in tokens)):
+                    and all(protocol.is_token_id(t) and t < vocab for t in tokens)):
                 raise APIError(400, f"tokens must be a list of token ids below {vocab}",
                                param="tokens", code="invalid_value")
             return tok.decode(tokens)
@@ -638,7 +639,7 @@ class _Server:
                        self._load_tracker())
             await run.submit_all(self._request_id())
         except (APIError, InvalidParamError) as exc:
-            raise anthropic.rename_param(protocol.error_from_exception(exc), origins) from None
+            raise anthropic.rename_param(error_from_exception(exc), origins) from None
         msg_id, model = anthropic.new_id(), self.engine.model_name
         if req.stream:
             events = anthropic.MessageEvents(
@@ -674,7 +675,7 @@ class _Server:
                     max_model_len=self.engine.max_model_len,
                     special_tokens_in_content=self.engine.config.allow_special_tokens_in_content)
         except (APIError, InvalidParamError) as exc:
-            raise anthropic.rename_param(protocol.error_from_exception(exc), origins) from None
+            raise anthropic.rename_param(error_from_exception(exc), origins) from None
         return _json({"input_tokens": len(ids)}, 200)
 
     # -- responses ----------------------------------------------------------------------
@@ -885,10 +886,10 @@ class _Run:
     """One OpenAI request in flight: the one owner of its engine streams (an
     ``AsyncExitStack``: closing it aborts what has not finished), and the two writers of
     its answer (one JSON body, or SSE chunks). What the answer says is
-    :class:`protocol.Completion`'s."""
+    :class:`answer.Completion`'s."""
 
     def __init__(self, engine: EngineLike, req: CompletionRequest, timer: RequestTimer,
-                 options: protocol.AnswerOptions,
+                 options: answer.AnswerOptions,
                  on_close: Callable[[], None] = lambda: None) -> None:
         self.engine = engine
         self.req = req
@@ -898,10 +899,10 @@ class _Run:
         self.streams: list[StreamLike] = []
         self.error: APIError | None = None
         self._exit = AsyncExitStack()
-        self._answer: protocol.Completion | None = None
+        self._answer: answer.Completion | None = None
 
     @property
-    def answer(self) -> protocol.Completion:
+    def answer(self) -> answer.Completion:
         assert self._answer is not None  # set by submit_all
         return self._answer
 
@@ -936,7 +937,7 @@ class _Run:
                 await self.close()
             raise
         tok = self.engine.tokenizer
-        self._answer = protocol.Completion(
+        self._answer = answer.Completion(
             self.req, self.engine.model_name, [s.prompt_token_ids for s in self.streams],
             lambda token_id: tok.decode([token_id], skip_special_tokens=False),
             # An echoed token-id prompt shows its special tokens, as the model read them.
@@ -1029,8 +1030,8 @@ class _Run:
                 await on_output(prompt_index, out)
         except Exception as exc:
             if self.error is None:
-                self.error = protocol.error_from_exception(exc)
-                if self.error.status >= 500 and self.error.code not in _LOGGED_ELSEWHERE:
+                self.error = error_from_exception(exc)
+                if self.error.status >= 500 and self.error.code not in LOGGED_ELSEWHERE:
                     logger.error("request %s failed", stream.request_id, exc_info=exc)
             cancel.cancel()
 
@@ -1042,7 +1043,7 @@ class _ResponsesRun(_Run):
     client's next turn finds it."""
 
     def __init__(self, engine: EngineLike, req: responses.ResponsesRequest,
-                 timer: RequestTimer, options: protocol.AnswerOptions,
+                 timer: RequestTimer, options: answer.AnswerOptions,
                  store: ResponseStore) -> None:
         super().__init__(engine, req.chat, timer, options)
         self.responses_req = req

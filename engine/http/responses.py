@@ -1,9 +1,9 @@
 """OpenAI's Responses API (``POST /v1/responses``) as a chat request, and its answer.
 
 Pure (no I/O, no trio). A Responses body becomes a chat body, which
-:func:`engine.http.protocol.parse_chat` turns into the same :class:`CompletionRequest` a
-``/v1/chat/completions`` request makes, so tools, structured output, reasoning and the
-sampling fields go through the one chat path:
+:func:`engine.http.completions.protocol.parse_chat` turns into the same
+:class:`CompletionRequest` a ``/v1/chat/completions`` request makes, so tools, structured
+output, reasoning and the sampling fields go through the one chat path:
 
 ==============================  =======================================================
 Responses                        chat
@@ -48,7 +48,8 @@ from typing import Any
 from engine.chat.output import ChatDelta, ChatOutputParser
 from engine.chat.request import ChatSettings
 from engine.errors import InvalidParamError
-from engine.http.protocol import APIError, CompletionRequest, parse_chat
+from engine.http.completions.protocol import CompletionRequest, parse_chat
+from engine.http.errors import APIError
 from engine.http.response_store import MissingResponse
 
 logger = logging.getLogger("engine.http")

@@ -3,12 +3,13 @@
 
 Every field's type and range is written once here (the ranges come from
 :mod:`engine.params`, which checks them again in the engine); :func:`check_body` validates
-a body with the ``jsonschema`` library before :mod:`engine.http.protocol` turns it into
-engine parameters, and :func:`openapi` builds the OpenAPI 3.1 document from the same
-dictionaries. Checks that need the model (token ids below the vocabulary size, ``top_k``
-up to it, lengths within the context) happen at admission and are described here in
-words. ``null`` means "absent" for every optional field, as OpenAI's clients send it.
-Unknown fields are allowed (logged and ignored).
+a body with the ``jsonschema`` library before the family's parser (such as
+:mod:`engine.http.completions.protocol`) turns it into engine parameters, and
+:func:`openapi` builds the OpenAPI 3.1 document from the same dictionaries. Checks that
+need the model (token ids below the vocabulary size, ``top_k`` up to it, lengths within
+the context) happen at admission and are described here in words. ``null`` means
+"absent" for every optional field, as OpenAI's clients send it. Unknown fields are allowed
+(logged and ignored).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import functools
 from typing import Any
 
 from engine import params as P
-from engine.http.protocol import APIError
+from engine.http.errors import APIError
 
 _INT64 = (-(2**63), 2**63 - 1)
 _TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": P._MAX_TOKEN_ID,
