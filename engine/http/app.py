@@ -51,14 +51,16 @@ from engine.chat.request import (
 )
 from engine.core import admission
 from engine.errors import EngineDeadError, InvalidParamError
-from engine.http import anthropic, auth, edge, responses, schema, sse
+from engine.http import anthropic, auth, edge, schema, sse
 from engine.http import pooling as pooling_http
 from engine.http.completions import answer, protocol, tokens
 from engine.http.completions.protocol import CompletionRequest
 from engine.http.errors import LOGGED_ELSEWHERE, APIError, error_from_exception
 from engine.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.http.metrics import Metrics, RequestTimer
-from engine.http.response_store import MissingResponse, ResponseStore
+from engine.http.responses import protocol as responses
+from engine.http.responses.builder import ResponseBuilder, input_items_page
+from engine.http.responses.store import MissingResponse, ResponseStore
 from engine.http.strict_json import loads_body
 from engine.messages import RequestOutput
 from engine.models.tokenizer import normalize_messages
@@ -733,7 +735,7 @@ class _Server:
             raise APIError(400, "include is not supported", param="include",
                            code="unsupported_parameter")
         items = list(self._stored(response_id).input_items)
-        return _json(responses.input_items_page(items, limit=int(limit), order=order,
+        return _json(input_items_page(items, limit=int(limit), order=order,
                                                 after=args.get("after")), 200)
 
 
@@ -1038,7 +1040,7 @@ class _Run:
 
 class _ResponsesRun(_Run):
     """A ``/v1/responses`` request: a chat run whose outputs go through a
-    :class:`responses.ResponseBuilder` (one JSON response, or typed SSE events), and
+    :class:`ResponseBuilder` (one JSON response, or typed SSE events), and
     whose finished answer is stored (``store``) before its last event is sent, so the
     client's next turn finds it."""
 
@@ -1049,14 +1051,14 @@ class _ResponsesRun(_Run):
         self.responses_req = req
         self.store = store
 
-    def _builder(self) -> responses.ResponseBuilder:
+    def _builder(self) -> ResponseBuilder:
         fields = self.req.chat_fields
         assert fields is not None  # a chat request
         parser = ChatOutputParser(fields.output,
                                   constrained=calls_constrained(fields, self.req.params))
-        return responses.ResponseBuilder(self.responses_req, self.engine.model_name, parser)
+        return ResponseBuilder(self.responses_req, self.engine.model_name, parser)
 
-    def _events(self, builder: responses.ResponseBuilder,
+    def _events(self, builder: ResponseBuilder,
                 out: RequestOutput) -> list[dict[str, Any]]:
         self.answer.record(0, out)
         events = builder.feed(out.text, len(out.token_ids))
@@ -1068,7 +1070,7 @@ class _ResponsesRun(_Run):
             self._keep(builder)
         return events
 
-    def _keep(self, builder: responses.ResponseBuilder) -> None:
+    def _keep(self, builder: ResponseBuilder) -> None:
         req = self.responses_req
         if req.store and not self.store.put(
                 builder.id, builder.response(), req.input_items,
