@@ -51,13 +51,14 @@ from engine.chat.request import (
 )
 from engine.core import admission
 from engine.errors import EngineDeadError, InvalidParamError
-from engine.http import anthropic, auth, edge, schema, sse
-from engine.http import pooling as pooling_http
+from engine.http import auth, edge, schema, sse
+from engine.http.anthropic import protocol as anthropic
 from engine.http.completions import answer, protocol, tokens
 from engine.http.completions.protocol import CompletionRequest
 from engine.http.errors import LOGGED_ELSEWHERE, APIError, error_from_exception
 from engine.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.http.metrics import Metrics, RequestTimer
+from engine.http.pooling import protocol as pooling_http
 from engine.http.responses import protocol as responses
 from engine.http.responses.builder import ResponseBuilder, input_items_page
 from engine.http.responses.store import MissingResponse, ResponseStore
