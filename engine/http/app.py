@@ -55,6 +55,7 @@ import logging
 import uuid
 from typing import TYPE_CHECKING, Any
 
+import quart_cors
 import trio
 from quart import Response, g, request
 from quart_trio import QuartTrio
@@ -131,8 +132,6 @@ def create_app(
     # The /v1/responses store, for tests and operators' introspection (statistics()).
     app.extensions["responses_store"] = responses.store
     if allowed_origins:
-        import quart_cors
-
         quart_cors.cors(
             app, allow_origin=list(allowed_origins),
             allow_methods=["GET", "POST", "DELETE", "OPTIONS"],

@@ -17,6 +17,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import jsonschema
+
 from engine import params as P
 from engine.http.errors import APIError
 
@@ -289,8 +291,6 @@ RERANK: dict[str, Any] = {
 
 @functools.cache
 def _validator(name: str) -> Any:
-    import jsonschema
-
     schema = {"completion": COMPLETION, "chat": CHAT, "tokenize": TOKENIZE,
               "detokenize": DETOKENIZE, "embeddings": EMBEDDINGS, "score": SCORE,
               "rerank": RERANK, "responses": RESPONSES}[name]
@@ -301,8 +301,6 @@ def check_body(body: Any, name: str) -> None:
     """Raise a 400 :class:`APIError` naming the field if ``body`` breaks schema ``name``
     (``completion``, ``chat``, ``responses``, ``tokenize``, ``detokenize``, ``embeddings``,
     ``score`` or ``rerank``)."""
-    import jsonschema
-
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object", code="invalid_json")
     body = _token_lists_checked(body, name)
