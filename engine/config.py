@@ -394,7 +394,7 @@ class EngineConfig:
     max_logprobs: int = _field(
         20, "most logprobs, top_logprobs or prompt_logprobs a request may ask for; -1: the "
         "whole vocabulary (and lets requests send -1 for it)", type=int, metavar="N")
-    # Answer shapes, named as vLLM's serve flags (engine.http.protocol.AnswerOptions).
+    # Answer shapes, named as vLLM's serve flags (engine.http.completions.answer.AnswerOptions).
     enable_prompt_tokens_details: bool = _field(
         False, "report usage.prompt_tokens_details.cached_tokens (the prefix-cache hit)")
     enable_force_include_usage: bool = _field(

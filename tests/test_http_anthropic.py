@@ -273,7 +273,7 @@ def test_reasoning_text_and_calls_stream_as_blocks_the_client_assembles():
     own accumulator reads the events into the message the non-streamed path builds."""
     import httpx2  # the anthropic client's HTTP library
 
-    from engine.http.anthropic import MessageEvents, message_from_chat
+    from engine.http.anthropic.protocol import MessageEvents, message_from_chat
 
     def chunk(delta=None, finish=None, stop=None):
         return {"choices": [{"index": 0, "delta": delta or {}, "finish_reason": finish,

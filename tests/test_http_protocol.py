@@ -12,8 +12,10 @@ import logging
 import pytest
 
 from engine.errors import InvalidParamError
-from engine.http import protocol
-from engine.http.protocol import APIError
+from engine.http import strict_json
+from engine.http.completions import protocol
+from engine.http.completions.answer import Completion
+from engine.http.errors import APIError
 from engine.messages import RequestOutput, TokenLogprob, Usage
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -207,31 +209,31 @@ def test_bad_priority_or_cache_salt_is_400_naming_it(field, value):
 )
 def test_bad_bodies_are_a_400_naming_the_field(data, param, fragment) -> None:
     with pytest.raises(APIError) as info:
-        protocol.loads_body(data)
+        strict_json.loads_body(data)
     assert info.value.status == 400 and info.value.param == param
     assert fragment in info.value.message
 
 
 def test_a_body_at_the_depth_limit_and_brackets_inside_strings_are_fine() -> None:
-    depth = protocol.MAX_JSON_DEPTH
-    assert protocol.loads_body(b"[" * depth + b"]" * depth) is not None
-    assert protocol.loads_body(b'{"prompt": "[[[[[[[[[[{{{{{{{{\\\\\\"[[[["}') == {
+    depth = strict_json.MAX_JSON_DEPTH
+    assert strict_json.loads_body(b"[" * depth + b"]" * depth) is not None
+    assert strict_json.loads_body(b'{"prompt": "[[[[[[[[[[{{{{{{{{\\\\\\"[[[["}') == {
         "prompt": '[[[[[[[[[[{{{{{{{{\\"[[[['}
 
 
 def test_values_and_containers_are_counted_before_parsing_and_strings_do_not_count() -> None:
-    at_limit = b"[" + b",".join([b"1"] * protocol.MAX_JSON_VALUES) + b"]"
-    assert len(protocol.loads_body(at_limit)) == protocol.MAX_JSON_VALUES
+    at_limit = b"[" + b",".join([b"1"] * strict_json.MAX_JSON_VALUES) + b"]"
+    assert len(strict_json.loads_body(at_limit)) == strict_json.MAX_JSON_VALUES
     with pytest.raises(APIError, match="values") as info:
-        protocol.loads_body(b"[" + b",".join([b"1"] * (protocol.MAX_JSON_VALUES + 1)) + b"]")
+        strict_json.loads_body(b"[" + b",".join([b"1"] * (strict_json.MAX_JSON_VALUES + 1)) + b"]")
     assert info.value.code == "too_many_values"
-    lists = protocol.MAX_JSON_CONTAINERS - 1  # plus the outer one
-    assert len(protocol.loads_body(b"[" + b",".join([b"[]"] * lists) + b"]")) == lists
+    lists = strict_json.MAX_JSON_CONTAINERS - 1  # plus the outer one
+    assert len(strict_json.loads_body(b"[" + b",".join([b"[]"] * lists) + b"]")) == lists
     with pytest.raises(APIError, match="arrays and objects"):
-        protocol.loads_body(b"[" + b",".join([b"{}"] * (lists + 1)) + b"]")
+        strict_json.loads_body(b"[" + b",".join([b"{}"] * (lists + 1)) + b"]")
     # Commas and brackets inside strings (escaped quotes too) are text, not structure.
-    text = '\\"' + ",[{" * protocol.MAX_JSON_VALUES
-    assert protocol.loads_body(json.dumps({"prompt": text}).encode()) == {"prompt": text}
+    text = '\\"' + ",[{" * strict_json.MAX_JSON_VALUES
+    assert strict_json.loads_body(json.dumps({"prompt": text}).encode()) == {"prompt": text}
 
 
 def test_the_json_string_pattern_finds_the_strings_json_does() -> None:
@@ -244,7 +246,7 @@ def test_the_json_string_pattern_finds_the_strings_json_does() -> None:
         value = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(12)))
                  for _ in range(rng.randrange(1, 5))]
         text = json.dumps(value)
-        assert protocol._JSON_STRING.sub('""', text) == json.dumps([""] * len(value))
+        assert strict_json._JSON_STRING.sub('""', text) == json.dumps([""] * len(value))
 
 
 def test_response_json_never_holds_nan_or_infinity() -> None:
@@ -256,13 +258,13 @@ def test_response_json_never_holds_nan_or_infinity() -> None:
         "logprob": sse.NO_LOGPROB, "top": [None, 1.5], "ok": 2}
 
 
-# -- one request's choices (protocol.Completion) ------------------------------------------
+# -- one request's choices (Completion) ------------------------------------------
 
 
-def _completion(body: dict, prompt_ids: list[tuple[int, ...]]) -> protocol.Completion:
+def _completion(body: dict, prompt_ids: list[tuple[int, ...]]) -> Completion:
     chat = "messages" in body
     req = protocol.parse_chat(body) if chat else protocol.parse_completion(body)
-    return protocol.Completion(req, "m", prompt_ids, lambda t: f"<{t}>",
+    return Completion(req, "m", prompt_ids, lambda t: f"<{t}>",
                                lambda ids: "".join(f"<{t}>" for t in ids))
 
 

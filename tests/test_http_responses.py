@@ -32,7 +32,7 @@ from http_fake_engine import open_fake_engine
 from http_server import ServerThread
 
 from engine.chat.request import ChatSettings
-from engine.http.response_store import MissingResponse, ResponseStore
+from engine.http.responses.store import MissingResponse, ResponseStore
 from engine.models.tokenizer import Tokenizer
 
 MODEL = "tiny-responses"

@@ -532,7 +532,7 @@ async def test_generation_defaults_fill_what_a_request_leaves_out(tmp_path):
     """--generation-config auto takes generation_config.json's sampling fields; a body's
     own value wins; none turns them off."""
     import engine
-    from engine.http import protocol
+    from engine.http.completions import protocol
 
     path = write_tiny_model(tmp_path / "m", "llama")
     (path / "generation_config.json").write_text(json.dumps(

@@ -52,7 +52,13 @@ import math
 import time
 from typing import Any
 
+import h2.errors
+import h2.exceptions
 import trio
+from hypercorn.events import Closed, RawData, Updated
+from hypercorn.protocol import h2 as hyper_h2
+from hypercorn.protocol.events import StreamClosed
+from hypercorn.trio.tcp_server import TCPServer
 from quart_trio.wrappers.request import TrioBody, TrioRequest
 
 # A body refused early is read and dropped for at most this long: enough for a client on
@@ -143,8 +149,6 @@ def shield_hypercorn_close() -> None:
     that does not read: that one waits at most ``config.engine_send_timeout`` seconds
     (set by ``serve_app``), then the connection is closed.
     """
-    from hypercorn.trio.tcp_server import TCPServer
-
     if getattr(TCPServer.protocol_send, "shielded_by_engine", False):
         return
     TCPServer.protocol_send = _shielded(_timed_protocol_send(TCPServer.protocol_send))
@@ -152,8 +156,6 @@ def shield_hypercorn_close() -> None:
 
 
 def _timed_protocol_send(protocol_send: Any) -> Any:
-    from hypercorn.events import Closed, RawData
-
     async def timed(self: Any, event: Any) -> None:
         if not isinstance(event, RawData):
             await protocol_send(self, event)
@@ -239,12 +241,6 @@ def patch_hypercorn_h2() -> None:
       switches an HTTP/1 connection, whose timer its request head had stopped) starts the
       keep-alive timer, as an HTTP/1 connection between requests does.
     """
-    import h2.errors
-    import h2.exceptions
-    from hypercorn.events import Updated
-    from hypercorn.protocol import h2 as hyper_h2
-    from hypercorn.protocol.events import StreamClosed
-
     if getattr(hyper_h2.StreamBuffer.pop, "patched_by_engine", False):
         return
 

@@ -16,6 +16,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from hypercorn.events import Closed, RawData
+from hypercorn.protocol import ProtocolWrapper
+from hypercorn.protocol.h11 import H2ProtocolAssumedError, H11Protocol
+
 # The attribute of a hypercorn Config that says whether h2c is served. A Config without it
 # (a hypercorn server this module did not set up) keeps hypercorn's behaviour.
 _ATTRIBUTE = "engine_enable_h2c"
@@ -37,10 +41,6 @@ def _enabled(config: Any) -> bool:
 
 def _patch_hypercorn() -> None:
     """Idempotent; see the module docstring."""
-    from hypercorn.events import Closed, RawData
-    from hypercorn.protocol import ProtocolWrapper
-    from hypercorn.protocol.h11 import H2ProtocolAssumedError, H11Protocol
-
     if getattr(ProtocolWrapper.handle, "engine_h2c", False):
         return
     check_protocol = H11Protocol._check_protocol

@@ -23,6 +23,10 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from engine.actors.scheduler import ITERATION_TOKEN_BUCKETS
+from engine.structured.backend import COMPILE_BUCKETS
+from engine.structured.spec import KINDS
+
 if TYPE_CHECKING:
     from engine.actors.system import EngineStatistics
     from engine.api import EngineLike
@@ -142,8 +146,6 @@ class _EngineCollector(Collector):
                             self._engine.restarts)
 
     def _iteration_tokens(self, stats: EngineStatistics) -> Iterator[Metric]:
-        from engine.actors.scheduler import ITERATION_TOKEN_BUCKETS
-
         counts = stats.iteration_token_counts
         if not counts:
             return
@@ -216,9 +218,6 @@ class _StructuredCollector(Collector):
         self._model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        from engine.structured.backend import COMPILE_BUCKETS
-        from engine.structured.spec import KINDS
-
         stats = self._engine.structured_statistics()
         requests = CounterMetricFamily(
             "engine:structured_output_requests",

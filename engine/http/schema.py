@@ -3,12 +3,13 @@
 
 Every field's type and range is written once here (the ranges come from
 :mod:`engine.params`, which checks them again in the engine); :func:`check_body` validates
-a body with the ``jsonschema`` library before :mod:`engine.http.protocol` turns it into
-engine parameters, and :func:`openapi` builds the OpenAPI 3.1 document from the same
-dictionaries. Checks that need the model (token ids below the vocabulary size, ``top_k``
-up to it, lengths within the context) happen at admission and are described here in
-words. ``null`` means "absent" for every optional field, as OpenAI's clients send it.
-Unknown fields are allowed (logged and ignored).
+a body with the ``jsonschema`` library before the family's parser (such as
+:mod:`engine.http.completions.protocol`) turns it into engine parameters, and
+:func:`openapi` builds the OpenAPI 3.1 document from the same dictionaries. Checks that
+need the model (token ids below the vocabulary size, ``top_k`` up to it, lengths within
+the context) happen at admission and are described here in words. ``null`` means
+"absent" for every optional field, as OpenAI's clients send it. Unknown fields are allowed
+(logged and ignored).
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import jsonschema
+
 from engine import params as P
-from engine.http.protocol import APIError
+from engine.http.errors import APIError
 
 _INT64 = (-(2**63), 2**63 - 1)
 _TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": P._MAX_TOKEN_ID,
@@ -288,8 +291,6 @@ RERANK: dict[str, Any] = {
 
 @functools.cache
 def _validator(name: str) -> Any:
-    import jsonschema
-
     schema = {"completion": COMPLETION, "chat": CHAT, "tokenize": TOKENIZE,
               "detokenize": DETOKENIZE, "embeddings": EMBEDDINGS, "score": SCORE,
               "rerank": RERANK, "responses": RESPONSES}[name]
@@ -300,8 +301,6 @@ def check_body(body: Any, name: str) -> None:
     """Raise a 400 :class:`APIError` naming the field if ``body`` breaks schema ``name``
     (``completion``, ``chat``, ``responses``, ``tokenize``, ``detokenize``, ``embeddings``,
     ``score`` or ``rerank``)."""
-    import jsonschema
-
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object", code="invalid_json")
     body = _token_lists_checked(body, name)

@@ -1,6 +1,7 @@
 """The bounded in-memory store behind ``/v1/responses``' ``store`` and ``previous_response_id``.
 
-Pure (no I/O, no trio): the HTTP app owns one and calls it from its one trio thread.
+Pure (no I/O, no trio): the Responses routes (:mod:`engine.http.responses.routes`) own
+one and call it from their one trio thread.
 
 Each stored response keeps only its own turn: the chat messages its input added (the
 previous turns are not copied) and its reply, with a link to the response it continued.

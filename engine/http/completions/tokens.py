@@ -18,14 +18,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from engine.http.protocol import (
-    APIError,
-    TokenText,
-    _is_token_id,
-    _logit_bias,
-    _stop,
-    chat_logprobs,
-)
+from engine.http.completions.answer import TokenText, chat_logprobs
+from engine.http.completions.protocol import is_token_id, parse_logit_bias, parse_stop
+from engine.http.errors import APIError
 from engine.params import SamplingParams
 
 # sampling_params keys taken as they are (the engine's SamplingParams has each).
@@ -76,7 +71,7 @@ def parse_generate(body: Any, defaults: Mapping[str, Any] | None = None) -> Gene
             raise APIError(400, f"{name} is not supported by this server", param=name,
                            code="unsupported_parameter")
     ids = body.get("token_ids")
-    if not isinstance(ids, list) or not ids or not all(_is_token_id(t) for t in ids):
+    if not isinstance(ids, list) or not ids or not all(is_token_id(t) for t in ids):
         raise APIError(400, "token_ids must be a non-empty list of token ids",
                        param="token_ids", code="invalid_type")
     raw = body.get("sampling_params")
@@ -90,13 +85,13 @@ def parse_generate(body: Any, defaults: Mapping[str, Any] | None = None) -> Gene
                 kwargs[key] = value
         elif key == "stop":
             if value:
-                kwargs["stop"] = _stop(value)
+                kwargs["stop"] = parse_stop(value)
         elif key == "stop_token_ids":
             if value:
                 kwargs["stop_token_ids"] = tuple(value)
         elif key == "logit_bias":
             if value:
-                kwargs["logit_bias"] = _logit_bias(value)
+                kwargs["logit_bias"] = parse_logit_bias(value)
         elif key not in _NO_OP_KEYS or value not in _NO_OP_KEYS[key]:
             raise APIError(400, f"sampling_params.{key} is not supported by this server"
                            + ("" if key in _NO_OP_KEYS else " (unknown key)"),

@@ -44,7 +44,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from engine.http.protocol import APIError
+from engine.http.errors import APIError
 from engine.http.sse import dumps
 
 logger = logging.getLogger("engine.http")

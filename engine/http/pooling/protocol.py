@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.core.pooling import Pooled
-from engine.http.protocol import APIError, now
+from engine.http.completions.answer import now
+from engine.http.errors import APIError
 
 ENCODING_FORMATS = ("float", "base64")
 

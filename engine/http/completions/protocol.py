@@ -1,0 +1,425 @@
+"""The OpenAI completions and chat requests: a body in, a :class:`CompletionRequest` out.
+
+Everything here is pure (no I/O, no trio): a ``/v1/completions`` or ``/v1/chat/completions``
+body (already decoded JSON) becomes a :class:`CompletionRequest` holding the engine prompts
+and one :class:`SamplingParams`. Bad input raises :class:`APIError` (or the engine's
+:class:`InvalidParamError`, which :func:`engine.http.errors.error_from_exception` maps)
+naming the field. The answers are :mod:`engine.http.completions.answer`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from engine.chat.request import (
+    ChatFields,
+    ChatSettings,
+    chat_sampling_params,
+    constraint_param,
+    parse_chat_fields,
+)
+from engine.chat.template import normalize_messages
+from engine.errors import InvalidParamError
+from engine.http.errors import APIError
+from engine.params import SamplingParams
+from engine.structured import StructuredOutputs
+from engine.structured.openai import FIELDS as STRUCTURED_FIELDS
+from engine.structured.openai import structured_from_body
+
+logger = logging.getLogger("engine.http")
+
+# OpenAI's documented default for /v1/completions; chat defaults to "up to the context".
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+_COMMON_FIELDS = frozenset(
+    {
+        "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop",
+        "stop_token_ids", "seed", "presence_penalty", "frequency_penalty",
+        "repetition_penalty", "logprobs", "ignore_eos", "min_tokens", "logit_bias", "stream",
+        "stream_options", "user", "include_stop_str_in_output", "skip_special_tokens",
+        # vLLM's extras: the queue priority (with --scheduling-policy priority, smaller
+        # first) and a salt that keeps this request's prefix-cache entries private.
+        "priority", "cache_salt",
+        # OpenAI's bookkeeping fields: they change nothing in the answer.
+        "service_tier", "store", "metadata", "safety_identifier", "prompt_cache_key",
+        "prompt_cache_retention",
+        # vLLM's answer-shape extras: the prompt's logprobs, the token ids of the prompt
+        # and the output, and logprob tokens written as "token_id:N".
+        "prompt_logprobs", "return_token_ids", "return_tokens_as_token_ids",
+    }
+) | frozenset(STRUCTURED_FIELDS)
+# Fields that change what the answer means and are not implemented: each is a 400 when
+# set to anything but its no-op value (so a client never takes a plain answer for the one
+# it asked for). Any other unknown field is ignored with a log line.
+NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
+    "best_of": lambda v: v not in (None, 1),
+    "use_beam_search": lambda v: v not in (None, False),
+    "suffix": lambda v: v not in (None, ""),
+    "functions": lambda v: v not in (None, []),
+    "function_call": lambda v: v not in (None, "none"),
+    "guided_whitespace_pattern": lambda v: v is not None,
+    "prompt_embeds": lambda v: v is not None,
+    "logits_processors": lambda v: v not in (None, []),
+    # OpenAI's chat fields for what this server cannot do: speech out, a web search, a
+    # verbosity other than the default for models trained to follow it.
+    "audio": lambda v: v is not None,
+    "modalities": lambda v: v not in (None, ["text"]),
+    "web_search_options": lambda v: v is not None,
+    "verbosity": lambda v: v not in (None, "medium"),
+    # vLLM's sampling extras that change the answer and are not built.
+    "truncate_prompt_tokens": lambda v: v is not None,
+    "allowed_token_ids": lambda v: v is not None,
+    "bad_words": lambda v: v not in (None, []),
+    "length_penalty": lambda v: v not in (None, 1, 1.0),
+    "spaces_between_special_tokens": lambda v: v not in (None, True),
+    "include_reasoning": lambda v: v not in (None, True),
+    "documents": lambda v: v is not None,
+    "vllm_xargs": lambda v: v is not None,
+    "kv_transfer_params": lambda v: v is not None,
+    # vLLM's per-request image processor options: they change an image's token count, and
+    # only the server's --mm-processor-kwargs is taken.
+    "mm_processor_kwargs": lambda v: v not in (None, {}),
+}
+# Why each refused field is refused, for the 400's message.
+_NOT_IMPLEMENTED_WHY = {
+    "audio": "audio output is not supported; this server writes text only",
+    "modalities": 'only ["text"] output is supported',
+    "web_search_options": "this server has no web search",
+    "verbosity": "only the default verbosity (medium) is supported",
+    "documents": "documents for retrieval-augmented chat templates are not supported",
+    "include_reasoning": "false is not supported; leave out --reasoning-parser instead",
+    "mm_processor_kwargs": "per-request image processor options are not supported; "
+                           "the server's --mm-processor-kwargs applies to every request",
+}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
+CHAT_FIELDS = _COMMON_FIELDS | {
+    "messages", "max_completion_tokens", "top_logprobs", "echo",
+    "tools", "tool_choice", "parallel_tool_calls",
+    "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+    "reasoning_effort", "prediction", "thinking_token_budget",
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class CompletionRequest:
+    """A parsed /v1/completions or /v1/chat/completions body.
+
+    ``prompts`` holds one engine prompt per OpenAI prompt (a string, token ids or chat
+    messages); each is submitted as its own engine request with ``params``.
+    """
+
+    chat: bool
+    model: str | None
+    prompts: tuple[Any, ...]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    echo: bool
+    top_logprobs: int | None  # how many alternatives to print per token; None: no logprobs
+    priority: int = 0
+    cache_salt: str | None = None
+    # Chat only: template options, how outputs are read (tools, reasoning), echo.
+    chat_fields: ChatFields | None = None
+    # The body field that carried params.structured_outputs (response_format.json_schema.schema,
+    # guided_regex, ...): an error found when the engine compiles it names this field.
+    structured_param: str | None = None
+    # vLLM's extras: the prompt's logprobs with this many alternatives (-1: the whole
+    # vocabulary; None: not asked, the answer's key is null); the prompt's and the
+    # output's token ids; logprob tokens as "token_id:N" (None: the server's default);
+    # usage on every chunk of a stream (stream_options.continuous_usage_stats).
+    prompt_logprobs: int | None = None
+    return_token_ids: bool = False
+    tokens_as_ids: bool | None = None
+    continuous_usage: bool = False
+
+
+def parse_completion(body: Any, defaults: Mapping[str, Any] | None = None) -> CompletionRequest:
+    """Parse a /v1/completions body; raise :class:`APIError`/``InvalidParamError``.
+    ``defaults`` are the sampling defaults for fields the body leaves out."""
+    body = _require_object(body)
+    _refuse_not_implemented(body)
+    _log_unknown(body, COMPLETION_FIELDS)
+    if "prompt" not in body:
+        raise APIError(400, "prompt is required", param="prompt", code="missing_required_parameter")
+    prompts = _completion_prompts(body["prompt"])
+    logprobs = _opt_int(body, "logprobs")
+    echo = _opt_bool(body, "echo", False)
+    structured, structured_param = structured_from_body(body)
+    params = _sampling_params(body, COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs, defaults=defaults,
+                              structured=structured)
+    stream, include_usage, continuous = _stream_flags(body)
+    prompt_logprobs = _prompt_logprobs(body, stream)
+    # The echoed prompt gets logprobs too, as OpenAI gives them (scoring a text this way is
+    # what evaluation harnesses do); the engine scores it once for both uses.
+    params = params.replace(prompt_logprobs=_most(
+        prompt_logprobs, logprobs if echo else None))
+    return CompletionRequest(
+        chat=False, model=_model(body), prompts=prompts, params=params, stream=stream,
+        include_usage=include_usage, echo=echo, top_logprobs=logprobs, **_queueing(body),
+        structured_param=structured_param, **_shape_fields(body, prompt_logprobs, continuous),
+    )
+
+
+def parse_chat(body: Any, settings: ChatSettings | None = None,
+               model_template: str | None = None,
+               defaults: Mapping[str, Any] | None = None) -> CompletionRequest:
+    """Parse a /v1/chat/completions body; raise :class:`APIError`/``InvalidParamError``.
+
+    ``settings`` are the server's chat flags, ``model_template`` the model's chat
+    template source, ``defaults`` the sampling defaults for fields the body leaves out.
+    """
+    body = _require_object(body)
+    _refuse_not_implemented(body)
+    _log_unknown(body, CHAT_FIELDS)
+    messages = normalize_messages(body.get("messages"), images=True)
+    fields = parse_chat_fields(body, settings or ChatSettings(), model_template)
+    top = _opt_int(body, "top_logprobs")
+    if top is not None and top < -1:
+        # Checked here so the error names the chat field, not SamplingParams.logprobs.
+        raise APIError(400, f"top_logprobs must be -1 (the whole vocabulary) or >= 0, got "
+                       f"{top}", param="top_logprobs", code="invalid_value")
+    logprobs: int | None = top if top is not None else 0
+    if not _opt_bool(body, "logprobs", False):
+        if top:
+            raise APIError(400, "top_logprobs requires logprobs to be true",
+                           param="top_logprobs", code="invalid_value")
+        logprobs = None
+    # OpenAI's newer name wins; a null one (clients that serialise every field) falls back.
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
+    structured, structured_param = structured_from_body(body)
+    if fields.forced and structured_param is not None and structured_param.startswith(
+            "response_format"):
+        # As vLLM: a forced call's schema replaces the response_format (the answer is the
+        # call, not a message in that format). An explicit structured_outputs/guided_*
+        # constraint beside a forced call stays a 400 (chat_sampling_params).
+        logger.info("tool_choice forces a call: response_format does not apply")
+        structured, structured_param = None, None
+    params = _sampling_params(body, None, logprobs, max_tokens=max_tokens, defaults=defaults,
+                              structured=structured)
+    params = _chat_output_params(body, params, fields)
+    prediction = _prediction(body.get("prediction"))
+    if prediction is not None:
+        params = params.replace(prediction=prediction)
+    stream, include_usage, continuous = _stream_flags(body)
+    prompt_logprobs = _prompt_logprobs(body, stream)
+    params = params.replace(prompt_logprobs=prompt_logprobs)
+    return CompletionRequest(
+        chat=True, model=_model(body), prompts=(messages,), params=params, stream=stream,
+        include_usage=include_usage, echo=fields.echo, top_logprobs=logprobs,
+        chat_fields=fields, **_queueing(body),
+        structured_param=structured_param or constraint_param(fields, params),
+        **_shape_fields(body, prompt_logprobs, continuous),
+    )
+
+
+def _prompt_logprobs(body: dict[str, Any], stream: bool) -> int | None:
+    """The ``prompt_logprobs`` field: alternatives per prompt token, -1 for all of them."""
+    value = _opt_int(body, "prompt_logprobs")
+    if value is None:
+        return None
+    if value < -1:
+        raise APIError(400, f"prompt_logprobs must be -1 (the whole vocabulary) or >= 0, "
+                       f"got {value}", param="prompt_logprobs", code="invalid_value")
+    if stream:
+        # As vLLM: a stream has no place for them (its chunks carry the output).
+        raise APIError(400, "prompt_logprobs are not available when stream is true",
+                       param="prompt_logprobs", code="invalid_value")
+    return value
+
+
+def _most(a: int | None, b: int | None) -> int | None:
+    """The larger of two logprob counts, where -1 (the whole vocabulary) is the largest."""
+    if a is None or b is None:
+        return b if a is None else a
+    return -1 if -1 in (a, b) else max(a, b)
+
+
+def _shape_fields(body: dict[str, Any], prompt_logprobs: int | None,
+                  continuous: bool) -> dict[str, Any]:
+    as_ids = body.get("return_tokens_as_token_ids")
+    if as_ids is not None and not isinstance(as_ids, bool):
+        raise APIError(400, "return_tokens_as_token_ids must be a boolean",
+                       param="return_tokens_as_token_ids", code="invalid_type")
+    return {"prompt_logprobs": prompt_logprobs,
+            "return_token_ids": _opt_bool(body, "return_token_ids", False),
+            "tokens_as_ids": as_ids, "continuous_usage": continuous}
+
+
+def _chat_output_params(body: dict[str, Any], params: SamplingParams,
+                        fields: ChatFields) -> SamplingParams:
+    return chat_sampling_params(params, fields,
+                                keep_skip_special_tokens=body.get("skip_special_tokens") is not None)
+
+
+def _queueing(body: dict[str, Any]) -> dict[str, Any]:
+    """``priority`` and ``cache_salt``, type-checked; absent ones keep their defaults."""
+    out: dict[str, Any] = {}
+    priority = _opt_int(body, "priority")
+    if priority is not None:
+        out["priority"] = priority
+    salt = body.get("cache_salt")
+    if salt is not None:
+        if not isinstance(salt, str) or not salt:
+            raise APIError(400, "cache_salt must be a non-empty string", param="cache_salt",
+                           code="invalid_type")
+        out["cache_salt"] = salt
+    return out
+
+
+def _require_object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise APIError(400, "The request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _refuse_not_implemented(body: dict[str, Any]) -> None:
+    for name, is_set in NOT_IMPLEMENTED.items():
+        if is_set(body.get(name)):
+            why = _NOT_IMPLEMENTED_WHY.get(name)
+            raise APIError(400, f"{name} is not supported by this server"
+                           + (f": {why}" if why else ""), param=name,
+                           code="unsupported_parameter")
+
+
+def _log_unknown(body: dict[str, Any], known: frozenset[str]) -> None:
+    unknown = sorted(set(body) - known)
+    if unknown:
+        logger.info("ignoring unknown request fields: %s", ", ".join(unknown))
+
+
+def _model(body: dict[str, Any]) -> str | None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise APIError(400, "model must be a string", param="model", code="invalid_type")
+    return model
+
+
+def _completion_prompts(prompt: Any) -> tuple[Any, ...]:
+    """OpenAI's four prompt shapes: str, [str], [int], [[int]]."""
+    if isinstance(prompt, str):
+        return (prompt,)
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return tuple(prompt)
+        if all(is_token_id(t) for t in prompt):
+            return (list(prompt),)
+        if all(isinstance(p, list) and p and all(is_token_id(t) for t in p) for p in prompt):
+            return tuple(list(p) for p in prompt)
+    raise APIError(
+        400, "prompt must be a string, a list of strings, a list of token ids or a list of "
+        "token-id lists, and not empty", param="prompt", code="invalid_type",
+    )
+
+
+def is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """``stream``, ``stream_options.include_usage`` and ``.continuous_usage_stats``."""
+    stream = _opt_bool(body, "stream", False)
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False, False
+    if not isinstance(options, dict):
+        raise APIError(400, "stream_options must be an object", param="stream_options",
+                       code="invalid_type")
+    if not stream:
+        raise APIError(400, "stream_options is only allowed when stream is true",
+                       param="stream_options", code="invalid_value")
+    flags = []
+    for name in ("include_usage", "continuous_usage_stats"):
+        value = options.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise APIError(400, f"stream_options.{name} must be a boolean",
+                           param=f"stream_options.{name}", code="invalid_type")
+        flags.append(bool(value))
+    return stream, flags[0], flags[1]
+
+
+def _opt_bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise APIError(400, f"{name} must be a boolean", param=name, code="invalid_type")
+    return value
+
+
+def _opt_int(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise APIError(400, f"{name} must be an integer", param=name, code="invalid_type")
+    return value
+
+
+# Body field -> SamplingParams field, for those passed through unchanged when present.
+_PASSTHROUGH = (
+    "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
+    "include_stop_str_in_output", "skip_special_tokens",
+)
+
+
+def _sampling_params(
+    body: dict[str, Any], default_max: int | None, logprobs: int | None, *,
+    max_tokens: Any = ..., defaults: Mapping[str, Any] | None = None,
+    structured: StructuredOutputs | None = None,
+) -> SamplingParams:
+    # The model's generation defaults (--generation-config) fill only what the body omits.
+    kwargs: dict[str, Any] = dict(defaults or {})
+    kwargs.update({k: body[k] for k in _PASSTHROUGH if body.get(k) is not None})
+    kwargs["max_tokens"] = body.get("max_tokens") if max_tokens is ... else max_tokens
+    if kwargs["max_tokens"] is None:
+        kwargs["max_tokens"] = default_max
+    if body.get("stop") is not None:
+        kwargs["stop"] = parse_stop(body["stop"])
+    if body.get("stop_token_ids") is not None:
+        kwargs["stop_token_ids"] = body["stop_token_ids"]
+    if body.get("logit_bias") is not None:
+        kwargs["logit_bias"] = parse_logit_bias(body["logit_bias"])
+    kwargs["logprobs"] = logprobs
+    kwargs["structured_outputs"] = structured
+    return SamplingParams(**kwargs)
+
+
+def parse_stop(stop: Any) -> tuple[str, ...]:
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return tuple(stop)
+    raise InvalidParamError("stop must be a string or a list of strings", param="stop")
+
+
+def parse_logit_bias(bias: Any) -> dict[int, float]:
+    if not isinstance(bias, dict):
+        raise InvalidParamError("logit_bias must map token ids to biases", param="logit_bias")
+    try:
+        return {int(k): v for k, v in bias.items()}
+    except ValueError:
+        raise InvalidParamError("logit_bias keys must be token ids", param="logit_bias") from None
+
+
+
+def _prediction(value: Any) -> str | None:
+    """OpenAI's Predicted Outputs: ``{"type": "content", "content": text or text parts}``;
+    the text becomes the request's speculative proposals (the answer is unchanged)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") != "content" or set(value) - {"type", "content"}:
+        raise APIError(400, 'prediction must be {"type": "content", "content": ...}',
+                       param="prediction", code="invalid_value")
+    content = value.get("content")
+    if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content):
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise APIError(400, "prediction.content must be a string or an array of text parts",
+                       param="prediction.content", code="invalid_type")
+    return content

@@ -1,0 +1,77 @@
+"""The pooling routes: ``/v1/embeddings``, ``/v1/score`` (also ``/score``) and
+``/v1/rerank`` (also ``/rerank``, ``/v2/rerank``).
+
+Each waits for its answer in the handler: a disconnect cancels the wait, and
+``Engine.pool``'s cleanup aborts the inputs still running and frees their blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from quart import Response
+from quart_trio import QuartTrio
+
+from engine.http.bodies import json_response
+from engine.http.metrics import RequestTimer
+from engine.http.pooling import protocol
+from engine.http.server import Server
+
+
+class PoolingRoutes:
+    """The handlers of the pooling family, bound to one :class:`Server`."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.engine = server.engine
+
+    def register(self, app: QuartTrio) -> None:
+        app.add_url_rule("/v1/embeddings", view_func=self.embeddings, methods=["POST"])
+        # vLLM's paths for the same two routes, with and without the version.
+        for path in ("/v1/score", "/score"):
+            app.add_url_rule(path, view_func=self.score, methods=["POST"])
+        for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+            app.add_url_rule(path, view_func=self.rerank, methods=["POST"])
+
+    async def embeddings(self) -> Response:
+        return await self.embeddings_body(await self.server.read_checked("embeddings"))
+
+    async def embeddings_body(self, body: Any) -> Response:
+        req = protocol.parse_embedding(body)
+        self.server.check_model(req.model)
+        timer = self.server.metrics.timer()
+        pooled = await self.engine.embed(
+            req.input, dimensions=req.dimensions, truncate_prompt_tokens=req.truncate_prompt_tokens,
+            request_id=self.server.request_id(), priority=req.priority)
+        self._observe(timer, [p.prompt_tokens for p in pooled])
+        return json_response(protocol.embedding_response(self.engine.model_name, pooled,
+                                                         req.encoding_format), 200)
+
+    async def score(self) -> Response:
+        req = protocol.parse_score(await self.server.read_checked("score"))
+        self.server.check_model(req.model)
+        timer = self.server.metrics.timer()
+        scores = await self.engine.score(
+            req.first, req.second, truncate_prompt_tokens=req.truncate_prompt_tokens,
+            request_id=self.server.request_id(), priority=req.priority)
+        self._observe(timer, [n for _, n in scores])
+        return json_response(protocol.score_response(self.engine.model_name, scores), 200)
+
+    async def rerank(self) -> Response:
+        req = protocol.parse_rerank(await self.server.read_checked("rerank"))
+        self.server.check_model(req.model)
+        timer = self.server.metrics.timer()
+        scores = await self.engine.score(
+            req.first, req.second, truncate_prompt_tokens=req.truncate_prompt_tokens,
+            request_id=self.server.request_id(), priority=req.priority)
+        self._observe(timer, [n for _, n in scores])
+        return json_response(protocol.rerank_response(self.engine.model_name, req, scores), 200)
+
+    @staticmethod
+    def _observe(timer: RequestTimer, prompt_tokens: list[int]) -> None:
+        """A pooling request's metrics: its inputs' tokens (prompt tokens), one successful
+        "stop" per input, and its end-to-end latency; nothing is generated."""
+        timer.prompt(sum(prompt_tokens))
+        for i in range(len(prompt_tokens)):
+            timer.output(i, 0, "stop")
+        timer.done()
