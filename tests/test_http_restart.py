@@ -87,6 +87,41 @@ def test_a_crash_ends_streams_with_an_error_chunk_and_the_next_request_succeeds(
             server.call(setattr, server.engine, "restarting", False)
 
 
+def _counters(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every counter and histogram sample of a /metrics text, read by Prometheus's parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text)
+            if family.type in ("counter", "histogram") for sample in family.samples}
+
+
+def test_an_in_place_restart_never_sets_a_counter_back(
+    model: Path, crash_switch: threading.Event
+) -> None:
+    """The engine's counters (steps, prefix-cache lookups, preemptions, ...) live in its
+    scheduler and KV pool, which a restart builds afresh: /metrics must still never go
+    back, as Prometheus reads a drop as a counter reset."""
+    opener = lambda: engine.open_engine(str(model), max_engine_restarts=1, **OPTIONS)  # noqa: E731
+    with ServerThread(opener) as server, httpx.Client(base_url=server.base_url, timeout=60) as client:
+        for _ in range(2):
+            assert client.post("/v1/completions", json=_body(8, False)).status_code == 200
+        before = _counters(client.get("/metrics").text)
+        crash_switch.set()
+        assert client.post("/v1/completions", json=_body(8, False)).status_code == 503
+        deadline = time.monotonic() + 30
+        while client.get("/health").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        restarted = _counters(client.get("/metrics").text)
+        assert client.post("/v1/completions", json=_body(8, False)).status_code == 200
+        after = _counters(client.get("/metrics").text)
+    for earlier, later in ((before, restarted), (restarted, after)):
+        assert [(k, v, later.get(k)) for k, v in earlier.items() if later.get(k, -1.0) < v] == []
+    queries = ("engine:prefix_cache_queries_total",
+               (("engine", "0"), ("model_name", server.engine.model_name)))
+    assert after[queries] > restarted[queries] >= before[queries] > 0
+
+
 async def test_serve_exits_non_zero_past_its_restart_limit(
     model: Path, crash_switch: threading.Event, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -237,6 +237,31 @@ def combined_statistics(cores: list[Any], *, waiting: int, idle_blocks: int) -> 
     )
 
 
+# The cumulative fields of EngineStatistics and CoreStatistics (the others are gauges, and
+# CoreStatistics.samples_received counts one connection's frames, for admission control).
+COUNTER_FIELDS = (
+    "prefix_cache_hits", "prefix_cache_queries", "preemptions", "steps", "requests_finished",
+    "iteration_token_counts", "iteration_tokens_sum", "scheduled_tokens", "planned_ahead",
+    "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_pos",
+)
+
+
+def carry_counters(base: Any, current: Any) -> Any:
+    """``current`` (an :class:`EngineStatistics` or a core's
+    :class:`~engine.messages.CoreStatistics`) with the counters of ``base`` added: what a
+    restarted core, or an engine's actors before an in-place restart, had counted. Counters
+    start again from zero in a fresh scheduler and KV pool; adding what the gone ones
+    counted keeps every counter of the engine monotonic, as Prometheus expects of a
+    counter. ``base`` None: ``current`` as it is."""
+    if base is None:
+        return current
+    changes: dict[str, Any] = {}
+    for name in COUNTER_FIELDS:
+        before, now = getattr(base, name), getattr(current, name)
+        changes[name] = _sum_lists([before, now]) if isinstance(now, tuple) else before + now
+    return dataclasses.replace(current, **changes)
+
+
 def _sum_lists(lists: list[tuple[int, ...]]) -> tuple[int, ...]:
     width = max((len(x) for x in lists), default=0)
     return tuple(sum(x[i] for x in lists if i < len(x)) for i in range(width))

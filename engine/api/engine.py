@@ -29,6 +29,7 @@ from engine.actors.router import OutputMailbox
 from engine.actors.system import (
     ActorHandles,
     EngineStatistics,
+    carry_counters,
     combined_statistics,
     run_actors,
 )
@@ -116,6 +117,9 @@ class Engine:
         self._dead_event = trio.Event()
         self._parts = parts
         self._handles: ActorHandles | None = None
+        # What the actors before the last in-place restart had counted (a fresh scheduler
+        # and KV pool count from zero): added to every snapshot, so counters never go back.
+        self._carried: EngineStatistics | None = None
         self._pool: Any = None  # engine.process.cores.CorePool when the cores run apart
         self._token = trio.lowlevel.current_trio_token()
         config = parts.config
@@ -403,15 +407,18 @@ class Engine:
         return grammar.statistics() if grammar is not None else None
 
     def statistics(self) -> EngineStatistics:
-        """A frozen snapshot of the scheduler's and the KV pool's counters."""
+        """A frozen snapshot of the scheduler's and the KV pool's counters. Counters are
+        cumulative over the engine's life: an in-place restart, or an engine core's, does
+        not set them back."""
         if self._handles is None:
             raise self._dead_error()
-        return self._handles.statistics()
+        return carry_counters(self._carried, self._handles.statistics())
 
     def core_statistics(self) -> list[tuple[int, EngineStatistics]]:
         """:meth:`statistics` per engine core, by core index (one core, 0, in-process).
-        A core's ``waiting`` counts what it has received; a core that has run no step
-        since it (re)started reports zeros."""
+        A core's ``waiting`` counts what it has received; its counters include what it
+        counted before a restart, and a core that has run no step since it (re)started
+        reports those and an idle pool."""
         if self._pool is None:
             return [(0, self.statistics())]
         idle = self._parts.num_blocks
@@ -479,6 +486,10 @@ class Engine:
 
         def ready(handles: ActorHandles) -> None:
             nonlocal started
+            if self._handles is not None:
+                # The crashed actors' counters are final now (they stopped); the new ones
+                # start from zero.
+                self._carried = carry_counters(self._carried, self._handles.statistics())
             self._handles = handles
             self.restarting = False
             if not started:
