@@ -33,6 +33,7 @@ from engine import messages
 from engine.errors import EngineDeadError
 from engine.params import SamplingParams
 from engine.process import wire as corewire
+from engine.process.cores import CoreState
 
 OPTIONS: dict[str, Any] = dict(
     dtype="float32", max_num_seqs=16, max_num_batched_tokens=64, block_size=16,
@@ -118,6 +119,80 @@ async def test_a_core_killed_mid_stream_fails_its_requests_restarts_and_serves_o
         assert eng._pool._cores[0].hello.pid != pid
     assert after == before
     assert "connection lost" in caplog.text
+
+
+def _counters(eng: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every counter and histogram sample of the server's /metrics, as Prometheus's own
+    parser reads the text the server would send."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from engine.http.metrics import Metrics
+
+    text = Metrics(eng, eng.model_name).render().decode()
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text)
+            if family.type in ("counter", "histogram")
+            for sample in family.samples}
+
+
+def _gone_back(before: dict[Any, float], after: dict[Any, float]) -> list[Any]:
+    return [(key, value, after.get(key)) for key, value in before.items()
+            if after.get(key, -1.0) < value]
+
+
+async def test_a_lost_core_hands_the_requests_it_had_not_started_to_the_other_core(
+    model: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two engine cores, one sequence each, round-robin routing. A long request runs on
+    core 0 and a second waits behind it there; core 0 is SIGKILLed once the first has
+    streamed. The first stream ends with EngineDeadError; the waiting request, which had
+    produced nothing, completes on core 1 with the greedy tokens a clean run gives; and
+    no counter of /metrics ever goes back (at the kill, at the restart, after)."""
+    async with engine.open_engine(str(model), **{**OPTIONS, "max_num_seqs": 1},
+                                  data_parallel_size=2, data_parallel_routing="round-robin",
+                                  max_engine_restarts=1) as eng:
+        pool = eng._pool
+        waiting_prompt = [11, 12, 13, 14]
+        errors: list[BaseException] = []
+        streamed = trio.Event()
+
+        async def victim() -> None:  # round-robin: the first request goes to core 0
+            try:
+                async for _ in eng.generate([5, 6, 7], greedy(eng.max_model_len - 8)):
+                    streamed.set()
+            except EngineDeadError as exc:
+                errors.append(exc)
+
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(victim)
+                await streamed.wait()
+                # The second request goes to core 1: the clean run.
+                clean = token_ids(await collect(eng, waiting_prompt, greedy(12)))
+                # The third to core 0, where it waits behind the victim (one sequence).
+                stream = await eng.submit(waiting_prompt, greedy(12))
+                (sample,) = stream._mailbox.sample_ids
+                await wait_until(lambda: sample in pool._owner)
+                assert pool._owner[sample].index == 0 and sample in pool._cores[0].quiet
+                victim_pid = pool._cores[0].hello.pid
+                before = _counters(eng)
+                os.kill(victim_pid, signal.SIGKILL)
+            await wait_until(lambda: pool._cores[0].state is not CoreState.SERVING)
+            at_kill = _counters(eng)
+            async with stream:
+                moved = token_ids([out async for out in stream])
+            await wait_until(lambda: pool.serving == 2)
+            restarted = _counters(eng)
+            again = token_ids(await collect(eng, waiting_prompt, greedy(12)))
+            after = _counters(eng)
+    assert len(errors) == 1 and "died" in str(errors[0])
+    assert "1 request(s) it had not started moved" in caplog.text
+    assert moved == clean == again and len(clean) == 12
+    assert _gone_back(before, at_kill) == []
+    assert _gone_back(at_kill, restarted) == []
+    assert _gone_back(restarted, after) == []
+    steps = ("engine:iteration_tokens_total_count", (("model_name", eng.model_name),))
+    assert after[steps] > before[steps]
 
 
 async def test_past_the_restart_budget_a_lost_core_leaves_the_engine_dead(model: Path) -> None:

@@ -16,9 +16,12 @@ blocks in its prefix cache (as far as this front end knows: it remembers the blo
 of the prompts it sent to each core) and is not much busier than the least loaded one.
 
 Failure: a core whose connection drops (a ``kill -9``, an out-of-memory kill, a crash)
-is noticed at once by its reader; its in-flight samples fail with an
-:class:`~engine.errors.EngineDeadError` (the other cores' requests go on), and the core
-is restarted if the engine's restart budget allows. Leaving :meth:`CorePool.run` closes
+is noticed at once by its reader. Its requests that had nothing back yet (queued there,
+or still on the wire) go to the other serving cores, so their callers never see the
+loss; those that had streamed something fail with an
+:class:`~engine.errors.EngineDeadError` (the other cores' requests go on). The core is
+restarted if the engine's restart budget allows, and its counters carry over, so the
+server's metrics never go back. Leaving :meth:`CorePool.run` closes
 every connection (a core exits when its front end goes) and reaps the processes, killing
 any that has not exited within ``STOP_GRACE_SECONDS``.
 """
@@ -42,6 +45,7 @@ from typing import Any
 import trio
 
 from engine._version import VERSION
+from engine.actors.system import carry_counters
 from engine.errors import ConfigError, EngineDeadError
 from engine.messages import (
     AbortSamples,
@@ -93,8 +97,14 @@ class _Core:
     frames: FrameStream | None = None
     hello: CoreHello | None = None
     stats: CoreStatistics | None = None
+    # What this slot's earlier processes counted before they were lost (a restarted core
+    # counts from zero): added to its statistics, so the server's counters never go back.
+    carried: CoreStatistics | None = None
     sent_samples: int = 0
     live: set[str] = dataclasses.field(default_factory=set)
+    # The live samples that have had nothing back yet (no token, no prompt logprobs), with
+    # their request: if this core is lost, such a request is sent to another core.
+    quiet: dict[str, AdmittedRequest] = dataclasses.field(default_factory=dict)
     blocks: collections.OrderedDict[bytes, None] = dataclasses.field(
         default_factory=collections.OrderedDict)
     outbox: list[Any] = dataclasses.field(default_factory=list)
@@ -180,7 +190,19 @@ class CorePool:
         return waiting + on_wire + self._undispatched
 
     def core_statistics(self) -> list[tuple[int, CoreStatistics | None]]:
-        return [(c.index, c.stats) for c in self._cores]
+        """Each core's last statistics, its counters cumulative over its restarts; None
+        for a core that has run no step yet (and none before a restart)."""
+        return [(c.index, self._counted(c)) for c in self._cores]
+
+    def _counted(self, core: _Core) -> CoreStatistics | None:
+        if core.stats is not None:
+            return carry_counters(core.carried, core.stats)
+        if core.carried is None:
+            return None
+        # Lost, or restarted and not stepped yet: what it counted, over an idle pool.
+        blocks = self.reference.num_blocks if self.reference is not None else 0
+        return dataclasses.replace(core.carried, running=0, waiting=0, kv_blocks_total=blocks,
+                                   kv_blocks_free=blocks, samples_received=0)
 
     def statistics(self) -> CorePoolStatistics:
         frames = [c.frames for c in self._cores if c.frames is not None]
@@ -205,17 +227,15 @@ class CorePool:
             # The detokenizer hears of each sample before the core can produce a token.
             for spec in message.outputs:
                 await self._to_detokenizer.send(spec)
-            for sample_id in message.sample_ids:
-                self._owner[sample_id] = core
-                core.live.add(sample_id)
-            core.sent_samples += len(message.samples)
-            self._remember_blocks(core, message)
-            self._queue(core, message)
+            self._assign(core, message)
         elif isinstance(message, AbortSamples):
             by_core: dict[_Core, list[str]] = {}
             for sample_id in message.sample_ids:
                 owner = self._owner.get(sample_id)
                 if owner is not None:
+                    # An aborted request is not moved should its core be lost (the abort
+                    # queued for it would be lost with the core): it fails with the core.
+                    owner.quiet.pop(sample_id, None)
                     by_core.setdefault(owner, []).append(sample_id)
             for core, ids in by_core.items():
                 self._queue(core, AbortSamples(tuple(ids)))
@@ -225,6 +245,15 @@ class CorePool:
                 self._queue(owner, message)
         else:
             raise TypeError(f"the core pool cannot route {type(message).__name__}")
+
+    def _assign(self, core: _Core, request: AdmittedRequest) -> None:
+        for sample_id in request.sample_ids:
+            self._owner[sample_id] = core
+            core.live.add(sample_id)
+            core.quiet[sample_id] = request
+        core.sent_samples += len(request.samples)
+        self._remember_blocks(core, request)
+        self._queue(core, request)
 
     # -- routing -------------------------------------------------------------------------------
 
@@ -441,7 +470,10 @@ class CorePool:
             core.stats = message
             return
         if isinstance(message, StepOutputs):
+            for scored in message.prompt_logprobs:
+                core.quiet.pop(scored.sample_id, None)
             for delta in message.deltas:
+                core.quiet.pop(delta.sample_id, None)
                 if delta.finish_reason is not None:
                     self._forget(core, delta.sample_id)
         elif isinstance(message, SamplesAborted):
@@ -453,6 +485,7 @@ class CorePool:
 
     def _forget(self, core: _Core, sample_id: str) -> None:
         core.live.discard(sample_id)
+        core.quiet.pop(sample_id, None)
         if self._owner.get(sample_id) is core:
             del self._owner[sample_id]
 
@@ -463,6 +496,8 @@ class CorePool:
         core.state = CoreState.RESTARTING if not self._stopping else CoreState.DEAD
         if was_serving:
             self.on_state(self.serving)
+        if not self._stopping:
+            self._move_quiet(core)  # before any await: nothing else is routed meanwhile
         frames, core.frames = core.frames, None
         if frames is not None:
             for i, n in enumerate((frames.frames_sent, frames.frames_received,
@@ -472,6 +507,8 @@ class CorePool:
         lost = tuple(core.live)
         for sample_id in lost:
             self._forget(core, sample_id)
+        if core.stats is not None:
+            core.carried = carry_counters(core.carried, core.stats)
         core.stats, core.sent_samples, core.outbox = None, 0, []
         core.blocks.clear()
         if lost and not self._stopping:
@@ -485,6 +522,30 @@ class CorePool:
                                core.index, STOP_GRACE_SECONDS)
                 process.kill()
                 await process.wait()
+
+    def _move_quiet(self, core: _Core) -> None:
+        """Send the requests of a lost core that had nothing back yet (no sample of theirs
+        produced a token: the caller has seen nothing) to the other serving cores, as if
+        they had been routed there first. Their detokenizer specs are already in place;
+        the new core computes them from the start, so a greedy or seeded request gives
+        the text it would have given on the lost core. With no other core serving they
+        fail with the core, as the requests that had started do."""
+        requests = {id(r): r for r in core.quiet.values()}.values()
+        moved = 0
+        for request in requests:
+            if not all(core.quiet.get(s) is request for s in request.sample_ids):
+                continue  # some sample of it had output, or was aborted: it fails
+            target = self._route(request)
+            if target is None:
+                return
+            for sample_id in request.sample_ids:
+                core.live.discard(sample_id)
+                del core.quiet[sample_id]
+            self._assign(target, request)
+            moved += 1
+        if moved:
+            logger.warning("engine core %d lost: %d request(s) it had not started moved to "
+                           "other cores", core.index, moved)
 
     def stopping(self) -> None:
         """The front end is shutting down: lost connections are no longer failures."""
