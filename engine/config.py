@@ -367,6 +367,12 @@ class EngineConfig:
         "mp", "where the tensor-parallel workers run: mp (processes on this machine) or ray "
         "(Ray actors in a placement group, on the cluster at $RAY_ADDRESS or a local Ray "
         "started and stopped by the engine)", choices=DISTRIBUTED_EXECUTOR_BACKENDS)
+    # engine.process.runtime: files that live as long as their process (the engine cores'
+    # socket, a local Ray's temp dir), swept of dead processes' leftovers at each start.
+    runtime_dir: str | None = _field(
+        None, "folder for the engine's runtime files (the engine cores' Unix socket, a "
+        "local Ray's temp dir); leftovers of killed servers are removed at the next start",
+        metavar="DIR", default_text="$XDG_RUNTIME_DIR/engine, else /tmp/engine-$UID")
 
     @property
     def core_in_process(self) -> bool:

@@ -217,21 +217,43 @@ def _pids_alive(pids: list[int]) -> list[int]:
     return alive
 
 
-def test_killing_the_front_end_takes_every_core_down_within_5_seconds(model: Path) -> None:
+def test_killing_the_front_end_takes_every_core_down_and_the_next_start_clears_its_files(
+    model: Path,
+) -> None:
+    """A front end SIGKILLed: its cores exit within 5 s, and its cores' socket, left in
+    the runtime folder (no cleanup runs), is removed by the next start, which keeps the
+    files of a live engine process in the same folder; nothing goes to /tmp/engine-core-*."""
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="rt-"))  # short: a Unix socket's path holds 107 bytes
+    before = set(Path(tempfile.gettempdir()).glob("engine-core-*"))
     script = textwrap.dedent(f"""
         import sys, trio, engine
         async def main():
             async with engine.open_engine({str(model)!r}, data_parallel_size=2,
-                                          **{OPTIONS!r}) as eng:
-                print(" ".join(str(c.hello.pid) for c in eng._pool._cores), flush=True)
+                                          runtime_dir={str(root)!r}, **{OPTIONS!r}) as eng:
+                print(eng._pool.unix_path, " ".join(str(c.hello.pid) for c in eng._pool._cores),
+                      flush=True)
                 await trio.sleep(600)
         trio.run(main)
+    """)
+    # A live engine process holding a folder of the runtime root the way a front end does.
+    holder = textwrap.dedent(f"""
+        import time
+        from engine.process.runtime import runtime_folder
+        with runtime_folder({str(root)!r}, "cores") as folder:
+            print(folder, flush=True)
+            time.sleep(600)
     """)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     front = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env,
                              text=True)
+    live = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, env=env,
+                            text=True)
     try:
-        pids = [int(p) for p in front.stdout.readline().split()]
+        unix_path, *pids_text = front.stdout.readline().split()
+        pids = [int(p) for p in pids_text]
         assert len(pids) == 2 and not set(pids) - set(_pids_alive(pids))
         front.kill()
         front.wait()
@@ -239,10 +261,28 @@ def test_killing_the_front_end_takes_every_core_down_within_5_seconds(model: Pat
         while _pids_alive(pids) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _pids_alive(pids) == []
+        leftover = Path(unix_path).parent
+        assert leftover.parent == root and Path(unix_path).exists()
+        held = Path(live.stdout.readline().strip())
+        assert held.parent == root and held.is_dir()
+
+        async def next_start() -> tuple[bool, bool, Path, int]:
+            async with engine.open_engine(str(model), **OPTIONS, engine_core="process",
+                                          runtime_dir=str(root)) as eng:
+                served = len(token_ids(await collect(eng, [1, 2, 3], greedy(2))))
+                return (leftover.exists(), held.is_dir(),  # noqa: ASYNC240 - a test's look
+                        Path(eng._pool.unix_path).parent, served)
+
+        leftover_kept, held_kept, mine, served = trio.run(next_start)
+        assert not leftover_kept and held_kept and served == 2
+        assert mine.parent == root and not mine.exists()  # a clean stop leaves nothing
+        assert set(Path(tempfile.gettempdir()).glob("engine-core-*")) <= before
     finally:
-        front.kill()
-        front.wait()
-        front.stdout.close()
+        for process in (front, live):
+            process.kill()
+            process.wait()
+            process.stdout.close()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 async def _peer(path: str) -> corewire.FrameStream:

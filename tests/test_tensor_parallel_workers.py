@@ -165,26 +165,39 @@ async def test_a_worker_killed_or_stuck_mid_stream_fails_that_stream_and_the_gro
 
 async def test_ray_places_the_workers_of_two_ranks_on_a_local_ray(model: Path) -> None:
     """One local Ray for the whole suite, started and stopped by the engine: 1 CPU per
-    worker rank, no dashboard, a 100 MB object store, loopback only."""
+    worker rank, no dashboard, a 100 MB object store, loopback only; its session lives in
+    the engine's runtime folder (not /tmp/ray) and is gone after the engine stops."""
     pytest.importorskip("ray", reason="the [ray] extra is not installed")
+    import shutil
+    import tempfile
+
     import ray
 
     before = _children()
+    # Short: Ray's socket paths under it must fit a Unix socket's 107 bytes.
+    root = Path(tempfile.mkdtemp(prefix="rt-"))
+    mine = f"session_*_{os.getpid()}"
+    in_tmp = set((Path(tempfile.gettempdir()) / "ray").glob(mine))
     async with engine.open_engine(str(model), **OPTIONS) as eng:
         want = token_ids(await collect(eng, PROMPTS[0], greedy(12)))
     assert not ray.is_initialized()
     env_address = os.environ.pop("RAY_ADDRESS", None)
     try:
-        async with engine.open_engine(str(model), tensor_parallel_size=2,
+        async with engine.open_engine(str(model), tensor_parallel_size=2, runtime_dir=str(root),
                                       distributed_executor_backend="ray", **OPTIONS) as eng:
             assert ray.is_initialized()
             placement = eng._parts.runner.group._placement
             assert ray.util.placement_group_table(placement)["bundles"] == {0: {"CPU": 1.0}}
             assert token_ids(await collect(eng, PROMPTS[0], greedy(12))) == want
+            sessions = list((root / "ray").glob(mine))  # noqa: ASYNC240 - a test's look
+            assert len(sessions) == 1 and (sessions[0] / "sockets").is_dir()
     finally:
         if env_address is not None:
             os.environ["RAY_ADDRESS"] = env_address
     assert not ray.is_initialized()  # the engine stopped the Ray it started
+    assert not sessions[0].exists()  # noqa: ASYNC240 - and removed its session
+    assert set((Path(tempfile.gettempdir()) / "ray").glob(mine)) == in_tmp  # noqa: ASYNC240
+    shutil.rmtree(root, ignore_errors=True)
     with trio.fail_after(30):  # and its processes (GCS, raylet, the actor's worker) exit
         while not _children() <= before:  # noqa: ASYNC110 - no event to wait on
             await trio.sleep(0.1)

@@ -48,6 +48,7 @@ from engine.http.serve import (
     serve_app,
 )
 from engine.process.core import run_headless
+from engine.process.runtime import sweep_at_start
 
 logger = logging.getLogger("engine.http")
 
@@ -315,6 +316,7 @@ async def _headless(args: argparse.Namespace) -> int:
 async def _serve(args: argparse.Namespace) -> int:
     # Everything the flags alone decide is checked before the model loads, the port too.
     config = config_from_args(args)
+    sweep_at_start(config.runtime_dir)  # what a killed server left
     settings = chat_settings(args)
     key = api_key(args)
     secret = data_parallel_secret(args)

@@ -37,9 +37,7 @@ import logging
 import os
 import socket
 import sys
-import tempfile
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import trio
@@ -57,6 +55,7 @@ from engine.messages import (
     StepOutputs,
     StopStringHit,
 )
+from engine.process.runtime import runtime_folder
 from engine.process.spawn import SECRET_ENV
 from engine.process.wire import (
     FrameStream,
@@ -313,8 +312,10 @@ class CorePool:
     async def run(self, *, task_status: trio.TaskStatus[CoreHello] = trio.TASK_STATUS_IGNORED) -> None:
         """Start every core and wait until each has connected and been accepted; report
         the first core's hello; then serve until cancelled, and stop them all."""
-        with tempfile.TemporaryDirectory(prefix="engine-core-") as tmp:
-            path = self.unix_path = str(Path(tmp) / "core.sock")
+        # In the engine's runtime folder, whose next start removes it should this process
+        # be killed; a clean stop removes it on the way out.
+        with runtime_folder(getattr(self.config, "runtime_dir", None), "cores") as folder:
+            path = self.unix_path = str(folder / "core.sock")
             unix = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             await unix.bind(path)
             unix.listen(64)

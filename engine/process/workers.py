@@ -45,6 +45,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -62,6 +63,7 @@ from engine.messages import (
     StepPlan,
     StepResult,
 )
+from engine.process.runtime import forget_own_ray_sessions, ray_temp_dir
 from engine.process.worker_rank import (
     START_TIMEOUT_SECONDS,
     WORKER_ARGS_ENV,
@@ -128,6 +130,8 @@ class WorkerGroup:
         self._server: socket.socket | None = None
         self._authkey = b""
         self._ray_started = False
+        self._ray_dir: Path | None = None  # a local Ray's temp dir, in the runtime folder
+        self._runtime_dir = getattr(config, "runtime_dir", None)
         self._placement: Any = None
         self.broken = False
         self.stats = GroupStatistics()
@@ -187,10 +191,13 @@ class WorkerGroup:
                 ray.init(log_to_driver=False)  # the cluster at $RAY_ADDRESS
             else:
                 # A local Ray of our own, stopped in close(): loopback only, no dashboard,
-                # a small object store, a CPU per worker rank.
+                # a small object store, a CPU per worker rank; its session (sockets, logs)
+                # in the engine's runtime folder rather than /tmp/ray, so that the next
+                # start removes what a killed server's Ray left.
+                self._ray_dir = ray_temp_dir(self._runtime_dir)
                 ray.init(num_cpus=max(1, self.world_size - 1), include_dashboard=False,
                          object_store_memory=RAY_OBJECT_STORE_BYTES, log_to_driver=False,
-                         _node_ip_address="127.0.0.1")
+                         _node_ip_address="127.0.0.1", _temp_dir=str(self._ray_dir))
                 self._ray_started = True
         return ray.util.get_node_ip_address()
 
@@ -445,6 +452,8 @@ class WorkerGroup:
 
             ray.shutdown()
             self._ray_started = False
+            if self._ray_dir is not None:
+                forget_own_ray_sessions(self._ray_dir)
         torch.set_num_threads(self._threads_before)
 
 
