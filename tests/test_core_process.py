@@ -185,6 +185,9 @@ async def test_a_lost_core_hands_the_requests_it_had_not_started_to_the_other_co
             restarted = _counters(eng)
             again = token_ids(await collect(eng, waiting_prompt, greedy(12)))
             after = _counters(eng)
+            # Nothing of the lost request is left in the front end.
+            assert eng._handles.actors["detokenizer"].statistics().active == 0
+            assert eng._handles.router.statistics().open_requests == 0
     assert len(errors) == 1 and "died" in str(errors[0])
     assert "1 request(s) it had not started moved" in caplog.text
     assert moved == clean == again and len(clean) == 12

@@ -515,6 +515,12 @@ class CorePool:
         if lost and not self._stopping:
             self.on_lost(lost, EngineDeadError(
                 f"engine core {core.index} died while serving this request"))
+            # The detokenizer holds their state until it hears they ended; their "abort"
+            # outputs find no mailbox (on_lost failed them) and are dropped.
+            try:
+                await self._to_detokenizer.send(SamplesAborted(lost))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the front end is stopping
         if process is not None:
             with trio.move_on_after(STOP_GRACE_SECONDS):
                 await process.wait()
