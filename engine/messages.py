@@ -644,10 +644,23 @@ class RankBuilt:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class RankGrammar:
+    """A structured-output grammar rank 0 compiled, for a worker to read back instead of
+    compiling it (engine.process.grammars): as ``GrammarBackend.adopt`` takes it."""
+
+    spec: StructuredOutputs
+    backend: str  # "xgrammar" (data: its serialized JSON) or "guidance" (the grammar text)
+    data: str
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class RankStep:
-    """The step rank 0 is about to run: every rank runs the same plan."""
+    """The step rank 0 is about to run: every rank runs the same plan, with the grammars
+    of its new requests that the workers do not hold yet."""
 
     plan: StepPlan
+    grammars: tuple[RankGrammar, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -209,3 +209,56 @@ async def test_a_grammar_past_the_size_budget_is_refused(model: Path) -> None:
         # The worker answered the refusal itself: it was not killed and stays for the next.
         stats = eng._compiles.statistics()
         assert (stats.killed, stats.workers) == (0, 1)
+
+
+async def test_a_grammar_lost_while_its_request_waits_compiles_again_through_the_pool(
+        model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache of one grammar and two structured requests waiting behind a long one: the
+    second compile does not evict the first's grammar (each live request holds its own);
+    one dropped from the cache anyway is compiled again through the compile pool, its
+    limiter and its budget, when the request runs. No compile ever runs on the model
+    thread, and both outputs match their patterns."""
+    from engine.structured.backend import GrammarBackend
+
+    where: list[str] = []
+    compile_uncached = GrammarBackend.compile_uncached
+
+    def recorded(self: GrammarBackend, spec: StructuredOutputs) -> Any:
+        where.append(threading.current_thread().name)
+        return compile_uncached(self, spec)
+
+    monkeypatch.setattr(GrammarBackend, "compile_uncached", recorded)
+    patterns = (r"(yes|no) [0-9]{2,4}", r"[a-c]{3,6}!")
+    specs = [StructuredOutputs(regex=p) for p in patterns]
+    options = {**ENGINE, "grammar_compile_workers": 0, "max_num_seqs": 1}
+    async with engine.open_engine(str(model), **options) as eng:
+        grammar = eng._parts.grammar
+        grammar._cache_size = 1
+        texts: dict[int, str] = {}
+
+        async def constrained(i: int) -> None:
+            outs = await collect(eng, [7, 8, 9], SamplingParams(
+                max_tokens=40, temperature=0, structured_outputs=specs[i]))
+            texts[i] = "".join(o.text for o in outs)
+
+        with trio.fail_after(120):
+            # One sequence at a time: both wait behind this one.
+            long = await eng.submit([3, 4, 5], greedy(eng.max_model_len - 8))
+            async with long:
+                await long.__anext__()
+                async with trio.open_nursery() as nursery:
+                    for i in (0, 1):
+                        nursery.start_soon(constrained, i)
+                    await wait_until(lambda: eng.statistics().waiting == 2)  # both admitted
+                    assert grammar.statistics().held == 2
+                    assert all(grammar.is_cached(s) for s in specs)  # over the cache's size
+                    # Lost anyway (what a hold prevents): the runner must not compile it.
+                    del grammar._cache[specs[0].key]
+                    await long.aclose()  # the waiting requests run now
+        stats, pool = grammar.statistics(), eng._compiles.statistics()
+    for i, pattern in enumerate(patterns):
+        assert re.fullmatch(pattern, texts[i]), texts[i]
+    assert (stats.recompiles, pool.recompiles) == (1, 1)
+    assert len(where) == pool.compiles == 3  # two at admission, one again
+    assert "engine-model" not in where
+    assert stats.held == 0 and stats.evictions >= 1  # released once done, back to size

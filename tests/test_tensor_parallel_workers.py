@@ -111,6 +111,10 @@ async def test_two_ranks_give_the_one_rank_outputs_for_every_sampling_feature(mo
         await wait_idle(eng)  # every KV block came back
         group = eng._parts.runner.group
         assert group.stats.steps > 0
+        # The regex grammar went to the worker with its requests' steps: a worker never
+        # compiles (it would raise: engine.process.grammars), so equal outputs say it
+        # read back what rank 0 sent.
+        assert 1 <= runner.grammars.sent <= 3
     for key, outputs in want.items():
         assert _same(got[key], outputs), key
     assert any(token_ids(want["regex", i]) for i in range(3))

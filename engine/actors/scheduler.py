@@ -17,7 +17,8 @@ import bisect
 import collections
 import dataclasses
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import trio
 
@@ -85,8 +86,13 @@ class SchedulerActor:
         to_executor: trio.MemorySendChannel[StepPlan],
         to_detokenizer: trio.MemorySendChannel[DetokenizerRequest | StepOutputs | SamplesAborted],
         async_scheduling: bool = True,
+        release_grammar: Callable[[Any], None] | None = None,
     ) -> None:
         self._core = core
+        # Each structured sample holds its grammar in the grammar backend's cache (taken
+        # at admission: engine.structured.backend); released here when the sample ends.
+        self._release_grammar = release_grammar
+        self._grammar_of: dict[str, Any] = {}  # sample id -> its StructuredOutputs
         self._inbox = inbox
         self._to_allocator = to_allocator
         self._from_allocator = from_allocator
@@ -184,6 +190,9 @@ class SchedulerActor:
         if isinstance(message, StepResult):
             plan = self._in_flight.popleft()
             update = self._core.update_from_output(plan, message)
+            for delta in update.deltas:
+                if delta.finish_reason is not None:
+                    self._release(delta.sample_id)
             await self._call_all(update.allocator_calls)
             if update.deltas or message.prompt_logprobs:
                 scheduled = tuple(
@@ -206,6 +215,9 @@ class SchedulerActor:
             await self._to_detokenizer.send(spec)
         refused = []
         for sample in request.samples:
+            spec = sample.params.structured_outputs
+            if spec is not None and self._release_grammar is not None:
+                self._grammar_of[sample.sample_id] = spec
             try:
                 self._core.add_request(sample)
             except RequestError:
@@ -213,6 +225,7 @@ class SchedulerActor:
                 # should land here; if something does, the sample ends at once rather
                 # than crashing the engine.
                 refused.append(sample.sample_id)
+                self._release(sample.sample_id)
         self._arriving -= len(request.samples)  # counted from here on by the core
         if refused:
             await self._to_detokenizer.send(SamplesAborted(tuple(refused)))
@@ -221,9 +234,15 @@ class SchedulerActor:
         live = tuple(r for r in sample_ids if self._core.get_request(r) is not None)
         for sample_id in live:
             self._scheduled_at.pop(sample_id, None)
+            self._release(sample_id)
         await self._call_all(self._core.finish_requests(live, status))
         if live and status is RequestStatus.FINISHED_ABORTED:
             await self._to_detokenizer.send(SamplesAborted(live))
+
+    def _release(self, sample_id: str) -> None:
+        spec = self._grammar_of.pop(sample_id, None)
+        if spec is not None and self._release_grammar is not None:
+            self._release_grammar(spec)
 
     async def _call(self, call: AllocatorCall) -> AllocatorReply:
         await self._to_allocator.send(call)

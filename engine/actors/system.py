@@ -109,6 +109,7 @@ async def run_actors(parts: EngineParts, *, ready: Callable[[ActorHandles], None
             to_executor=plan_send,
             to_detokenizer=detok_send,
             async_scheduling=bool(config.async_scheduling),
+            release_grammar=parts.grammar.release if parts.grammar is not None else None,
         )
         detokenizer = Detokenizer(
             parts.tokenizer, inbox=detok_recv, to_router=router_send,

@@ -127,6 +127,10 @@ class Engine:
             parts.grammar, workers=config.grammar_compile_workers,
             timeout=config.grammar_compile_timeout, max_bytes=config.grammar_max_bytes)
             if parts.grammar is not None else None)
+        if self._compiles is not None and parts.runner is not None:
+            # A grammar the runner finds missing compiles through the pool (its budgets and
+            # limiter), never on the model thread by itself.
+            parts.grammar.recompile = self._recompile
         # Numbers every admitted request (across restarts too): its sample ids carry it, so
         # they never collide whatever request ids callers pick (admission.sample_ids).
         self._serials = itertools.count()
@@ -174,6 +178,23 @@ class Engine:
             chat_options=chat_options.to_json() if chat_options is not None else None,
         )
         ids, images = await self._prompt_ids(submit.prompt, raw_images)
+        grammar = self._parts.grammar
+        spec = params.structured_outputs
+        # In-process the runner reads the grammar from this backend's cache: the request
+        # holds it there from before its compile, then each sample until the scheduler
+        # sees it finish (engine.structured.backend), so no other compile can evict it.
+        held = spec if spec is not None and grammar is not None and self._pool is None else None
+        if held is not None:
+            grammar.hold(held)
+        try:
+            return await self._admit(submit, params, ids, images, held)
+        finally:
+            if held is not None:
+                grammar.release(held)
+
+    async def _admit(self, submit: Any, params: SamplingParams, ids: tuple[int, ...],
+                     images: tuple[Any, ...], held: Any) -> RequestStream:
+        """The rest of :meth:`submit`: compile, admit, and send the request."""
         if params.structured_outputs is not None and self._compiles is not None:
             admission.check_min_tokens(params)
             # In a worker process, under a time budget; leaving (a cancel) kills it.
@@ -197,6 +218,8 @@ class Engine:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             handles.router.close(mailbox)
             raise self._dead_error() from self.dead_reason
+        if held is not None:
+            self._parts.grammar.hold(held, len(admitted.samples))  # the scheduler releases
         return RequestStream(self, mailbox)
 
     async def tokenize_chat(self, messages: Sequence[dict[str, Any]],
@@ -518,6 +541,9 @@ class Engine:
                          self.restarts, limit, crash, exc_info=crash)
             self.restarting = True
             self._fail_in_flight(crash)
+            if self._parts.grammar is not None:
+                # The crashed scheduler's requests hold grammars they no longer need.
+                self._parts.grammar.release_all()
             # The executor never abandons a step, so the runner is idle here; it forgets
             # every request, and the new actors bring a fresh KV pool and scheduler. (In a
             # model thread: a tensor-parallel runner restarts its workers, in seconds.)
@@ -527,6 +553,12 @@ class Engine:
                 logger.error("the engine could not restart: %r", exc, exc_info=exc)
                 self._die(exc)
                 return
+
+    def _recompile(self, spec: Any) -> Any:
+        """``GrammarBackend.recompile`` for the runner: called on the model thread, it
+        waits for the compile pool on the trio thread (the step waits with it)."""
+        assert self._compiles is not None
+        return trio.from_thread.run(self._compiles.recompile, spec, trio_token=self._token)
 
     def _fail_in_flight(self, crash: BaseException) -> None:
         if self._handles is not None:

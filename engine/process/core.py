@@ -37,9 +37,9 @@ from engine.actors.executor import Executor
 from engine.actors.model_thread import run_in_model_thread
 from engine.actors.scheduler import SchedulerActor
 from engine.config import EngineConfig, parse_address
-from engine.core import admission
 from engine.core.block_pool import BlockPool
 from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.errors import InvalidParamError
 from engine.messages import (
     AbortSamples,
     AdmittedRequest,
@@ -47,11 +47,14 @@ from engine.messages import (
     CoreHello,
     CoreStatistics,
     DetokenizerRequest,
+    StepOutputs,
     StopStringHit,
+    TokenDelta,
 )
 from engine.process.parts import build_parts
 from engine.process.spawn import SECRET_ENV, exit_with_parent
 from engine.process.wire import FrameStream, WireError, answer_challenge, connect
+from engine.structured.pool import CompilePool
 
 logger = logging.getLogger("engine")
 
@@ -111,7 +114,31 @@ async def serve_core(config: Any, address: str, secret: bytes, core_index: int) 
 
 async def run_core_actors(parts: Any, frames: FrameStream) -> None:
     """The scheduler, KV-allocator and executor actors of :func:`engine.actors.system.run_actors`,
-    fed from and answering to ``frames``. Returns when the peer closes the connection."""
+    fed from and answering to ``frames``. Returns when the peer closes the connection.
+
+    Grammars: this core's runner reads its own grammar backend's cache, so the bridge
+    compiles each request's grammar there (a miss once a spec) through a
+    :class:`CompilePool` of this process with the front end's budgets, holding it for the
+    request's samples until the scheduler sees them end; a grammar the runner still finds
+    missing is compiled again through the same pool (``GrammarBackend.recompile``)."""
+    config = parts.config
+    compiles = None
+    if parts.grammar is not None:
+        compiles = CompilePool(parts.grammar, workers=config.grammar_compile_workers,
+                               timeout=config.grammar_compile_timeout,
+                               max_bytes=config.grammar_max_bytes)
+        token = trio.lowlevel.current_trio_token()
+        parts.grammar.recompile = lambda spec: trio.from_thread.run(
+            compiles.recompile, spec, trio_token=token)
+    try:
+        await _run_core_actors(parts, frames, compiles)
+    finally:
+        if compiles is not None:
+            with trio.CancelScope(shield=True):
+                await compiles.aclose()  # kills compiles still running
+
+
+async def _run_core_actors(parts: Any, frames: FrameStream, compiles: CompilePool | None) -> None:
     config = parts.config
     # math.inf: as in run_actors, the inbox closes the executor's cycle and takes the
     # bridge's messages without blocking; admission control in the front end bounds it.
@@ -131,7 +158,9 @@ async def run_core_actors(parts: Any, frames: FrameStream) -> None:
         inbox=sched_recv, to_allocator=call_send, from_allocator=reply_recv,
         to_executor=plan_send, to_detokenizer=out_send,
         async_scheduling=bool(config.async_scheduling),
+        release_grammar=parts.grammar.release if parts.grammar is not None else None,
     )
+    refusals = out_send.clone()  # bridge_in's answer to a request whose grammar it refused
     received = 0
 
     def statistics() -> CoreStatistics:
@@ -151,10 +180,32 @@ async def run_core_actors(parts: Any, frames: FrameStream) -> None:
             spec_accepted_per_pos=sched.spec_accepted_per_pos,
         )
 
+    async def compiled(message: AdmittedRequest) -> bool:
+        """Whether the request's grammar (if any) is in this core's cache, held for its
+        samples; if not, its samples have been answered with an error."""
+        spec = message.samples[0].params.structured_outputs
+        if spec is None:
+            return True
+        reason = "this engine core has no grammar backend"
+        if parts.grammar is not None and compiles is not None:
+            parts.grammar.hold(spec, len(message.samples))  # the scheduler releases them
+            try:
+                # The front end compiled it already under the same budgets (and refused
+                # what does not fit), so this is known to fit, unless this machine is
+                # slower or busier; then the request fails, not the core.
+                await compiles.compile(spec, count=False)
+                return True
+            except (InvalidParamError, RuntimeError) as exc:
+                parts.grammar.release(spec, len(message.samples))
+                reason = str(exc)
+        await refusals.send(StepOutputs(-1, tuple(
+            TokenDelta(sample_id, (), (), "error", reason) for sample_id in message.sample_ids)))
+        return False
+
     async def bridge_in(cancel: trio.CancelScope, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         nonlocal received
         task_status.started()
-        with sched_send:
+        with sched_send, refusals:
             while True:
                 try:
                     batch = await frames.receive()
@@ -164,14 +215,9 @@ async def run_core_actors(parts: Any, frames: FrameStream) -> None:
                     return
                 for message in batch:
                     if isinstance(message, AdmittedRequest):
-                        params = message.samples[0].params
-                        spec = params.structured_outputs
-                        if spec is not None and not parts.grammar.is_cached(spec):
-                            # The front end compiled it already in a worker process under
-                            # its time and size budget (and refused what does not fit), so
-                            # this compile is known to finish; the cache misses once a spec.
-                            await trio.to_thread.run_sync(
-                                admission.compile_structured, parts.grammar, params)
+                        if not await compiled(message):
+                            received += len(message.samples)
+                            continue
                         scheduler.arriving(message)
                         received += len(message.samples)
                         sched_send.send_nowait(message)

@@ -29,6 +29,7 @@ from engine.messages import (
     RankWarmUp,
 )
 from engine.parallel import TensorParallel
+from engine.process.grammars import WorkerGrammars
 from engine.process.rank import build_rank_runner, load_rank
 from engine.process.spawn import exit_with_parent
 from engine.process.wire import decode_frame
@@ -128,6 +129,7 @@ def _serve_rank(rank: int, world_size: int, address: tuple[str, int], authkey: b
             raise EngineError(f"expected RankBuild, got {type(build).__name__}")
         runner = build_rank_runner(EngineConfig.from_json(build.config_json), loaded, device,
                                    build.num_blocks, TensorParallel(rank, world_size))
+        grammars = WorkerGrammars(loaded.grammar)  # sent by rank 0, never compiled here
         _send(conn, RankBuilt(rank, os.getpid()))
     except Exception as exc:
         logger.exception("tensor-parallel worker rank %d failed to start", rank)
@@ -147,6 +149,7 @@ def _serve_rank(rank: int, world_size: int, address: tuple[str, int], authkey: b
         except (EOFError, OSError):
             return  # rank 0 closed the connection (or is gone): stop
         if isinstance(message, RankStep):
+            grammars.before_step(message.plan, message.grammars)
             result = runner.execute(message.plan)
             answer: object = RankDone(
                 result.step_id, tuple((t.sample_id, t.token_id) for t in result.sampled),
@@ -159,6 +162,7 @@ def _serve_rank(rank: int, world_size: int, address: tuple[str, int], authkey: b
                 answer = RankError(rank, f"warm-up failed: {exc}")
         elif isinstance(message, RankReset):
             runner.reset()
+            grammars.reset()
             answer = RankDone(-1, (), ())
         else:
             answer = RankError(rank, f"unexpected message {type(message).__name__}")

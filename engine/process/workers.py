@@ -57,12 +57,14 @@ from engine.messages import (
     RankBuilt,
     RankDone,
     RankError,
+    RankGrammar,
     RankReset,
     RankStep,
     RankWarmUp,
     StepPlan,
     StepResult,
 )
+from engine.process.grammars import GrammarMirror
 from engine.process.runtime import forget_own_ray_sessions, ray_temp_dir
 from engine.process.worker_rank import (
     START_TIMEOUT_SECONDS,
@@ -343,9 +345,9 @@ class WorkerGroup:
             out.append(answer)
         return out
 
-    def send_step(self, plan: StepPlan) -> None:
+    def send_step(self, plan: StepPlan, grammars: tuple[RankGrammar, ...] = ()) -> None:
         t0 = time.perf_counter()
-        self.stats.broadcast_bytes += self._broadcast(RankStep(plan))
+        self.stats.broadcast_bytes += self._broadcast(RankStep(plan, grammars))
         self.stats.broadcast_seconds += time.perf_counter() - t0
 
     def check_step(self, result: StepResult) -> None:
@@ -465,6 +467,9 @@ class TensorParallelRunner:
     def __init__(self, runner: Any, group: WorkerGroup) -> None:
         self._runner = runner
         self.group = group
+        # The grammars the workers hold, so that each step sends them the others (they
+        # never compile one: engine.process.grammars).
+        self.grammars = GrammarMirror(runner.grammar)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._runner, name)
@@ -482,7 +487,7 @@ class TensorParallelRunner:
         if why is not None:
             self.group.broken = True
             raise WorkerLostError(why)
-        self.group.send_step(plan)
+        self.group.send_step(plan, self.grammars.for_plan(plan))
         result = self._runner.execute(plan)
         self.group.check_step(result)
         return result
@@ -496,6 +501,7 @@ class TensorParallelRunner:
         """Forget every request on every rank; a broken group is replaced (blocking:
         seconds, the workers reload the model)."""
         self._runner.reset()
+        self.grammars.reset()
         if self.group.alive():
             try:
                 self.group.command(RankReset())

@@ -13,6 +13,16 @@ between the compilers, caches their grammars and counts.
 
 Thread-safety: :meth:`GrammarBackend.compile` may run in any thread (admission runs it in a
 worker thread); a :class:`Matcher` belongs to the one thread that drives the model runner.
+
+Holds: a grammar that some live request still needs is *held* (:meth:`hold` when the
+request's compile starts, :meth:`release` by the scheduler when each of its samples
+finishes), and the cache never evicts a held grammar: past ``cache_size`` it evicts the
+least recently used grammar nobody holds, and runs over by the grammars held. So the
+runner finds every running request's grammar in the cache. Should one still be missing
+(a bug, or a backend driven without holds), :meth:`matcher` compiles it through
+:attr:`GrammarBackend.recompile`, which the engine points at its
+:class:`~engine.structured.pool.CompilePool`: the same time budget, size budget and
+limiter as any compile, never a compile of its own on the model thread.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import collections
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from engine.errors import InvalidParamError
@@ -52,6 +63,9 @@ class StructuredStatistics:
     cache_hits: int
     compile_seconds_sum: float
     compile_buckets: tuple[int, ...]  # cumulative counts per COMPILE_BUCKETS bound, then +Inf
+    evictions: int = 0  # grammars dropped from the cache (none while held)
+    held: int = 0  # distinct grammars held by live requests now
+    recompiles: int = 0  # matchers whose grammar had to be compiled again (see recompile)
 
 
 class GrammarBackend:
@@ -89,6 +103,13 @@ class GrammarBackend:
             collections.OrderedDict())
         self._pending: dict[tuple[str, str, str], threading.Event] = {}
         self._cache_size = cache_size
+        # Live requests per grammar key (see the module docstring): never evicted while > 0.
+        self._holds: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        self._evictions = 0
+        self._recompiles = 0
+        # How matcher() compiles a grammar the cache lost: the engine's CompilePool (its
+        # budget and limiter). None: compiled here, for a backend used without an engine.
+        self.recompile: Callable[[StructuredOutputs], CompiledGrammar] | None = None
         self._requests: collections.Counter[str] = collections.Counter()
         self._compiles = 0
         self._hits = 0
@@ -142,11 +163,42 @@ class GrammarBackend:
         with self._lock:
             self._cache[key] = compiled
             self._cache.move_to_end(key)
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+            self._evict_locked()
             self._compiles += 1
             self._seconds += compiled.seconds
             self._buckets[bisect.bisect_left(COMPILE_BUCKETS, compiled.seconds)] += 1
+
+    def _evict_locked(self) -> None:
+        """Down to ``cache_size``, least recently used first, skipping held grammars."""
+        excess = len(self._cache) - self._cache_size
+        if excess <= 0:
+            return
+        for key in [k for k in self._cache if k not in self._holds][:excess]:
+            del self._cache[key]
+            self._evictions += 1
+
+    def hold(self, spec: StructuredOutputs, count: int = 1) -> None:
+        """``count`` live samples need ``spec``'s grammar: it stays cached (once compiled)
+        until they :meth:`release` it. Take it before the compile, so that nothing can
+        evict the grammar between its compile and its first matcher."""
+        with self._lock:
+            self._holds[spec.key] += count
+
+    def release(self, spec: StructuredOutputs, count: int = 1) -> None:
+        """``count`` of the samples that held ``spec``'s grammar finished."""
+        with self._lock:
+            left = self._holds[spec.key] - count
+            if left > 0:
+                self._holds[spec.key] = left
+            else:
+                del self._holds[spec.key]
+            self._evict_locked()
+
+    def release_all(self) -> None:
+        """No request is live any more (the engine's actors restarted): drop every hold."""
+        with self._lock:
+            self._holds.clear()
+            self._evict_locked()
 
     def count_request(self, spec: StructuredOutputs) -> None:
         """Count one admitted structured request (what ``compile(count=True)`` counts)."""
@@ -177,6 +229,15 @@ class GrammarBackend:
         self._store(spec.key, compiled)
         return compiled
 
+    def exported(self, spec: StructuredOutputs) -> tuple[str, Any, float]:
+        """``(backend, data, seconds)`` of ``spec``'s grammar (:meth:`grammar`) as
+        :meth:`adopt` reads it back in another process (xgrammar's serialized JSON,
+        llguidance's text)."""
+        compiled = self.grammar(spec)
+        data = (compiled.handle.serialize_json() if compiled.backend == "xgrammar"
+                else compiled.handle)
+        return compiled.backend, data, compiled.seconds
+
     def worker_payload(self, max_bytes: int) -> dict[str, Any]:
         """What a compile worker needs to build the same backend (its first frame)."""
         return {"tokenizer": self._hf.backend_tokenizer.to_str(), "vocab_size": self.vocab_size,
@@ -187,9 +248,20 @@ class GrammarBackend:
         with self._lock:
             return spec.key in self._cache
 
+    def grammar(self, spec: StructuredOutputs) -> CompiledGrammar:
+        """``spec``'s grammar for a live request: the cached one (the request holds it),
+        else compiled again through :attr:`recompile`."""
+        compiled = self.cached(spec)
+        if compiled is None:
+            with self._lock:
+                self._recompiles += 1
+            compiled = (self.recompile(spec) if self.recompile is not None
+                        else self.compile(spec, count=False))
+        return compiled
+
     def matcher(self, spec: StructuredOutputs) -> Matcher:
-        """A fresh matcher at the start of ``spec``'s grammar (compiled if evicted)."""
-        compiled = self.compile(spec, count=False)
+        """A fresh matcher at the start of ``spec``'s grammar (:meth:`grammar`)."""
+        compiled = self.grammar(spec)
         tok = self._guidance.tokenizer() if compiled.backend == "guidance" else None
         # llguidance never writes a special token for text; xgrammar does, unless masked.
         # A structural tag or an EBNF grammar may name one on purpose (a tool-call marker).
@@ -204,7 +276,8 @@ class GrammarBackend:
                 total += n
                 cumulative.append(total)
             return StructuredStatistics(dict(self._requests), self._compiles, self._hits,
-                                        self._seconds, tuple(cumulative))
+                                        self._seconds, tuple(cumulative), self._evictions,
+                                        len(self._holds), self._recompiles)
 
     # -- compiling -------------------------------------------------------------------------
 

@@ -13,8 +13,10 @@ a worker process (:mod:`engine.structured.worker`) and the pool holds it to thre
 
 A caller that leaves (its client disconnected, the server stopping) kills its compile:
 nothing keeps burning CPU for a request that is gone, and shutdown never waits on one.
-Requests for a spec already being compiled wait for that compile instead of starting
-their own; a refusal (invalid, too slow, too large) is never cached, so it changes nothing
+A grammar the cache lost while a request still needs it (see the holds in
+:mod:`engine.structured.backend`) comes back through :meth:`CompilePool.recompile`: the
+same worker processes, budgets and limiter. Requests for a spec already being compiled
+wait for that compile instead of starting their own; a refusal (invalid, too slow, too large) is never cached, so it changes nothing
 for other specs. Idle workers stay up for the next compile; :meth:`aclose` kills them all.
 
 Measured cost of the process boundary, for a normal schema: the compile itself is the
@@ -40,6 +42,7 @@ import trio
 
 from engine.errors import InvalidParamError
 from engine.structured.backend import GrammarBackend
+from engine.structured.compiled import CompiledGrammar
 from engine.structured.spec import StructuredOutputs
 
 logger = logging.getLogger("engine")
@@ -140,6 +143,8 @@ class CompilePoolStatistics:
     busy: int  # compiles running in a worker now (not counting workers starting)
     waiting: int  # compiles waiting for a worker
     killed: int  # compiles killed so far (past the time budget, or their caller left)
+    compiles: int = 0  # compiles run under the limiter (in a worker, or a pool thread)
+    recompiles: int = 0  # of the requests for one, those for a grammar the cache had lost
 
 
 class CompilePool:
@@ -169,13 +174,16 @@ class CompilePool:
         self._payload: bytes | None = None
         self._killed = 0
         self._compiling = 0
+        self._compiles = 0
+        self._recompiles = 0
         self._closed = False
 
-    async def compile(self, spec: StructuredOutputs) -> None:
-        """Make sure ``spec``'s grammar is in the backend's cache; count the request.
-        Raises :class:`InvalidParamError` for a constraint no backend takes, or one past
-        the time or size budget."""
-        self._backend.count_request(spec)
+    async def compile(self, spec: StructuredOutputs, *, count: bool = True) -> None:
+        """Make sure ``spec``'s grammar is in the backend's cache; count the request
+        (``count``). Raises :class:`InvalidParamError` for a constraint no backend takes,
+        or one past the time or size budget."""
+        if count:
+            self._backend.count_request(spec)
         if self._threads:
             await self._compile_in_thread(spec)
             return
@@ -209,6 +217,21 @@ class CompilePool:
             del self._flights[spec.key]
             flight.done.set()
 
+    async def recompile(self, spec: StructuredOutputs) -> CompiledGrammar:
+        """``spec``'s grammar for a live request whose grammar the cache no longer has,
+        compiled again as any compile is (this pool's budgets and limiter); held while it
+        compiles, so that it is still cached when it is read."""
+        self._recompiles += 1
+        self._backend.hold(spec)
+        try:
+            await self.compile(spec, count=False)
+            compiled = self._backend.cached(spec)
+        finally:
+            self._backend.release(spec)
+        if compiled is None:  # cannot happen: a held grammar is never evicted
+            raise RuntimeError(f"the {spec.kind} grammar left the cache while held")
+        return compiled
+
     async def _compile_in_thread(self, spec: StructuredOutputs) -> None:
         """``workers=0``: compile in a thread of this pool's own. Past the budget the
         request is refused but the thread runs on (no thread can be stopped) and caches
@@ -217,6 +240,7 @@ class CompilePool:
             await trio.lowlevel.checkpoint()
             return
         with trio.move_on_after(self._timeout):
+            self._compiles += 1
             await trio.to_thread.run_sync(functools.partial(self._backend.compile, spec,
                                                             count=False),
                                           abandon_on_cancel=True, limiter=self._limiter)
@@ -238,6 +262,7 @@ class CompilePool:
             worker = await self._take()
             reply: dict[str, Any] | None = None
             self._compiling += 1
+            self._compiles += 1
             try:
                 with trio.move_on_after(self._timeout):
                     reply = await worker.ask({"kind": kind, "text": text, "think": think})
@@ -272,7 +297,7 @@ class CompilePool:
     def statistics(self) -> CompilePoolStatistics:
         stats = self._limiter.statistics()
         return CompilePoolStatistics(len(self._live), self._compiling, stats.tasks_waiting,
-                                     self._killed)
+                                     self._killed, self._compiles, self._recompiles)
 
     async def aclose(self) -> None:
         """Kill every worker (idle or compiling); later compiles fail."""
