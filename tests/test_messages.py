@@ -23,6 +23,7 @@ from engine.messages import (
     unpack,
 )
 from engine.params import SamplingParams
+from engine.structured.spec import StructuredOutputs
 
 # Valid sampling params come from a few representative constructions, not from random
 # fields, because SamplingParams rejects most random values on construction.
@@ -35,11 +36,19 @@ _PARAMS = st.sampled_from(
     ]
 )
 _FLOATS = st.floats(allow_nan=False)  # NaN != NaN would fail equality, not packing
+# Valid structured-output specs, for the same reason (RankGrammar carries one).
+_SPECS = st.sampled_from([
+    StructuredOutputs(regex=r"(yes|no) [0-9]{2,4}"),
+    StructuredOutputs(json={"type": "object", "properties": {"n": {"type": "integer"}}}),
+    StructuredOutputs(choice=["red", "green"]),
+])
 
 
 def _strategy_for(tp: object) -> st.SearchStrategy[object]:
     if tp is SamplingParams:
         return _PARAMS
+    if tp is StructuredOutputs:
+        return _SPECS
     if tp is float:
         return _FLOATS
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
