@@ -138,6 +138,10 @@ class Session:
             stream = self.client.chat.completions.create(
                 model=self.model, messages=self.history, stream=True,  # type: ignore[arg-type]
                 **self.sampling)
+        except (openai.OpenAIError, KeyboardInterrupt):  # no reply: the turn never happened
+            self.history.pop()
+            raise
+        try:
             self._stream(stream, lambda chunk: chunk.choices[0].delta.content, reply)
         except openai.OpenAIError:
             self.history.pop()
@@ -192,6 +196,8 @@ def repl(session: Session, send: Callable[[str], str], *, read: Callable[[str], 
             send(line)
         except openai.OpenAIError as exc:
             print(f"error: {_message(exc)}", file=err)
+        except KeyboardInterrupt:  # before the reply began: back to the prompt
+            session.out.write("\n")
 
 
 def _message(exc: openai.OpenAIError) -> str:
@@ -228,7 +234,8 @@ def run_client(args: argparse.Namespace) -> int:
             url = base_url(args.url or DEFAULT_URL)
             client = stack.enter_context(_client(url, api_key))
             try:
-                model = args.model or _first_model(client)
+                served = _first_model(client)  # also the probe: is a server there?
+                model = args.model or served
             except openai.APIConnectionError:
                 if args.url is not None:
                     raise
@@ -236,7 +243,7 @@ def run_client(args: argparse.Namespace) -> int:
                       f"({args.model or 'the bundled SmolLM2'})", file=sys.stderr)
                 server = stack.enter_context(EmbeddedServer(config_from_args(args)))
                 client = stack.enter_context(_client(server.url, server.api_key))
-                model = _first_model(client)
+                model = _first_model(client)  # the name it serves --model under
         except (openai.OpenAIError, ValueError, OSError) as exc:
             text = _message(exc) if isinstance(exc, openai.OpenAIError) else str(exc)
             print(f"error: {' '.join(text.split())}", file=sys.stderr)
