@@ -62,6 +62,7 @@ logger = logging.getLogger("engine.cli.run_batch")
 BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/score",
               "/v1/rerank")
 EXIT_BAD_INPUT = 2  # as argparse's usage errors
+EXIT_INTERRUPTED = 130  # a shell's status for a command ended by SIGINT (128 + 2)
 # Statuses that mean "not now", not "no": the line is sent again after Retry-After.
 _RETRY_STATUSES = (429, 503)
 
@@ -261,8 +262,11 @@ class _Output:
 
     def __init__(self, path: str, append: bool) -> None:
         self.path = path
-        self._file: BinaryIO = (sys.stdout.buffer if path == "-"
-                                else open(path, "ab" if append else "wb"))  # noqa: SIM115
+        try:
+            self._file: BinaryIO = (sys.stdout.buffer if path == "-"
+                                    else open(path, "ab" if append else "wb"))  # noqa: SIM115
+        except OSError as exc:
+            raise BatchFileError(f"--output-file: {exc}") from None
 
     def write(self, lines: list[dict[str, Any]]) -> None:
         # ASCII JSON: a lone surrogate from a body's escapes still writes.
@@ -368,6 +372,21 @@ def _read_input(path: str) -> list[str]:
         raise BatchFileError(f"--input-file: {exc}") from None
 
 
+def _run_until_interrupted(args: argparse.Namespace, lines: list[BatchLine]) -> int:
+    """:func:`_run`; Ctrl-C (from inside the engine's nurseries, so in a group) ends the
+    run with the answers written so far whole (the writer's thread finishes its write)."""
+    interrupted = False
+    try:
+        status = trio.run(_run, args, lines)
+    except* KeyboardInterrupt:
+        interrupted = True
+    if interrupted:
+        print("run-batch: interrupted; run again with --resume to answer the rest",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return status
+
+
 def run_batch(args: argparse.Namespace) -> int:
     """The ``run-batch`` command; returns the exit status."""
     try:
@@ -384,7 +403,9 @@ def run_batch(args: argparse.Namespace) -> int:
                      (line.custom_id is None and line.number in numbers)]
             print(f"run-batch: --resume: {before - len(lines)} of {before} line(s) already "
                   f"answered in {args.output_file}", file=sys.stderr)
-        return trio.run(_run, args, lines)
+        if not lines and args.resume:
+            return 0  # nothing left: no model to load
+        return _run_until_interrupted(args, lines)
     except (BatchFileError, ValueError) as exc:  # ConfigError is a ValueError
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return EXIT_BAD_INPUT
