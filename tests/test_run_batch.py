@@ -289,3 +289,9 @@ def test_resume_reads_ids_and_numbered_errors_and_refuses_a_foreign_file(tmp_pat
     with pytest.raises(run_batch.BatchFileError, match="not a batch output line"):
         run_batch.resume_state(str(out))
     assert run_batch.resume_state(str(tmp_path / "absent.jsonl")) == (set(), set())
+
+
+def test_a_line_nested_past_the_parser_is_answered_not_fatal() -> None:
+    line = run_batch.parse_line(3, "[" * 100_000)
+    assert line.error is not None and line.error["code"] == "invalid_json_line"
+    assert line.error["line"] == 3

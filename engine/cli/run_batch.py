@@ -90,10 +90,11 @@ def _envelope_error(number: int, custom_id: str | None, code: str, message: str,
 
 
 def parse_line(number: int, text: str) -> BatchLine:
-    """Read one line's envelope; the body is the app's to check."""
+    """Read one line's envelope; the body is the app's to check (sent on as JSON again, so
+    a NaN or a lone surrogate in it meets the server's own refusal)."""
     try:
         item = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested past the parser
         return _envelope_error(number, None, "invalid_json_line", f"line {number} is not JSON: {exc}")
     if not isinstance(item, dict):
         return _envelope_error(number, None, "invalid_json_line",
