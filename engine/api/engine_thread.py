@@ -70,6 +70,7 @@ class _Job:
         # callback there has run (they run in order).
         self._cancelled = False
         self.handed = False
+        self.finished = False  # the caller's thread has seen its last event
 
     def cancel(self) -> None:
         """On the trio thread: cancel the job, before or after it starts."""
@@ -171,8 +172,9 @@ class EngineThread:
 
     def call(self, work: Work[T], on_event: Emit | None = None) -> T:
         """``await work(engine, emit)`` on the engine's thread; each ``emit(event)`` there
-        becomes ``on_event(event)`` here. Ctrl-C (``KeyboardInterrupt`` in this thread)
-        cancels the work, waits until it has unwound, and is raised again."""
+        becomes ``on_event(event)`` here. Ctrl-C (``KeyboardInterrupt`` in this thread),
+        or any other exception here (``on_event`` raising), cancels the work and waits
+        until it has unwound before it propagates."""
         job = _Job(work)
         jobs = self._jobs_send()
 
@@ -186,9 +188,9 @@ class EngineThread:
         try:
             self._to_trio(hand)
             return self._wait(job, on_event)
-        except KeyboardInterrupt:
-            self._cancel(job)
-            raise
+        finally:
+            if not job.finished:  # Ctrl-C here, or on_event raised: nobody waits for it
+                self._cancel(job)
 
     def run_sync(self, fn: Callable[[], T]) -> T:
         """``fn()`` on the engine's thread (reading its statistics, ...)."""
@@ -201,6 +203,10 @@ class EngineThread:
             return self._jobs
 
     def _to_trio(self, fn: Callable[..., T], *args: Any) -> T:
+        if trio.lowlevel.in_trio_task():
+            # It would block the caller's own event loop until the call ends.
+            raise RuntimeError("engine.LLM is synchronous: from trio code use "
+                               "engine.open_engine, or call it in trio.to_thread.run_sync")
         token = self._token
         if token is None:
             raise EngineDeadError("the LLM is closed")
@@ -218,6 +224,7 @@ class EngineThread:
                     raise EngineDeadError("the engine's thread has ended") from None
                 continue
             if isinstance(event, _Finished):
+                job.finished = True
                 if event.outcome is None:
                     raise EngineDeadError("the LLM was closed while this call ran")
                 return event.outcome.unwrap()
@@ -235,6 +242,7 @@ class EngineThread:
         while self._thread.is_alive():
             try:
                 if isinstance(job.events.get(timeout=_LIVENESS_SECONDS), _Finished):
+                    job.finished = True
                     return
             except queue.Empty:
                 continue
