@@ -246,7 +246,7 @@ class Engine:
         :class:`QueueFullError` (not queued; it may be enqueued later) or
         :class:`EngineDeadError`. A prepared request is enqueued once."""
         if prepared.enqueued:
-            raise InvalidParamError("this request was enqueued already", param="prepared")
+            raise RuntimeError("this prepared request was enqueued already")
         handles = self._alive()
         admission.check_queue(handles.queue_depth(), self._parts.limits)
         prepared.enqueued = True
