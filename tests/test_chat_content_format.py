@@ -234,6 +234,27 @@ def test_tokenize_and_the_answer_are_the_processors_for_a_template_over_parts(
     assert reply.usage.prompt_tokens == len(ids)
 
 
+async def test_a_string_template_gets_each_image_placeholder_where_its_part_stood(
+        tmp_path) -> None:
+    """The tiny LLaVA's ChatML template reads content as a string: the parts are joined
+    with a newline, the image as ``<image>`` in its place (text first here), and the
+    processor widens it as the engine does."""
+    from engine.models.testing import IMAGE_TOKEN
+
+    folder = write_tiny_llava(tmp_path / "chatml-llava")
+    hf = _hf_model(folder)
+    image = _image(2)
+    parts = [{"type": "text", "text": "Look:"}, *_messages([image])[0]["content"]]
+    ref = as_vllm_hands_them([{"role": "user", "content": [
+        {"type": "text", "text": IMAGE_TOKEN} if p["type"] == "image_url" else p
+        for p in parts]}], "string")
+    text = hf[1].tokenizer.apply_chat_template(ref, tokenize=False, add_generation_prompt=True)
+    ids = hf[1](text=text, images=[image], return_tensors="pt")["input_ids"][0].tolist()
+    async with engine.open_engine(str(folder), dtype="float32",
+                                  kv_cache_memory=8 * 2**20) as eng:
+        assert list(await eng.tokenize_chat([{"role": "user", "content": parts}])) == ids
+
+
 def test_a_llava_template_over_parts_takes_a_string_question_too(tokenizers) -> None:
     """LLaVA-1.5's template reads only parts: a string content becomes one text part (as
     vLLM gives it), or the question would vanish from the prompt."""
