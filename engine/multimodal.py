@@ -6,10 +6,11 @@ The data path (admission, in the caller's task or a worker thread):
    ``{"type": "image"}`` part in each one's place: the chat template writes the model's
    image placeholder for it (a template that iterates over content), or the engine does
    (``ImagePreprocessor.image_text``, for a template that reads content as a string; see
-   :func:`engine.chat.template.apply_chat_template`). Parts are ``{"type": "image_url", "image_url": {"url": ...}}``
-   (a ``data:`` URL; an ``http(s)`` URL only for a host in ``--allowed-media-domains``,
-   fetched in step 2 with a time and size limit and no redirects)
-   or, from the embedded API, ``{"type": "image", "image": <bytes | PIL.Image>}``.
+   :func:`engine.chat.template.apply_chat_template`). Parts are
+   ``{"type": "image_url", "image_url": {"url": ...}}`` (a ``data:`` URL; an ``http(s)``
+   URL only for a host in ``--allowed-media-domains``, fetched in step 2 with a time and
+   size limit and no redirects) or, from the embedded API,
+   ``{"type": "image", "image": <bytes | PIL.Image>}``.
 2. :meth:`ImagePreprocessor.expand` decodes each image with Pillow (PNG, JPEG, WebP; the
    size read from the header is checked against the pixel budget before any pixel is
    decoded), runs the model's own transformers image processor and replaces each image
