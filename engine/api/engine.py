@@ -36,7 +36,7 @@ from engine.api.streams import RequestStream, _Generation
 from engine.chat import session as chat_session
 from engine.chat.request import TemplateOptions
 from engine.chat.session import ChatChunk, ChatResult
-from engine.chat.template import ChatTokenizer
+from engine.chat.template import ChatTokenizer, resolve_content_format
 from engine.config import EngineConfig
 from engine.core import admission, pooling
 from engine.core.pooling import Pooled
@@ -59,16 +59,20 @@ PROMPT_THREADS = 4
 
 async def tokenize_prompt(
     tokenizer: Any, prompt: admission.Prompt, *, limiter: trio.CapacityLimiter,
-    template_seconds: float, max_model_len: int | None, **options: Any,
+    template_seconds: float, max_model_len: int | None, content_format: str,
+    image_text: str | None = None, **options: Any,
 ) -> tuple[int, ...]:
     """:func:`admission.prompt_token_ids` (with ``options``: ``add_special_tokens``, ...)
     off the event loop when it is more than a short text: in a worker thread under
     ``limiter``, the chat template bounded by ``template_seconds`` (and sizes:
     :mod:`engine.models.chat_sandbox`). A cancelled caller stops waiting at once; its
     render stops at its next step. ``tokenizer`` is the model's; chat messages render
-    with its chat template (:class:`engine.chat.template.ChatTokenizer`)."""
+    with its chat template (:class:`engine.chat.template.ChatTokenizer`), their content
+    as ``content_format`` says (``--chat-template-content-format``; ``image_text``: the
+    model's image placeholder, for messages whose images the engine took out)."""
     options["max_model_len"] = max_model_len
-    chat_tokenizer = ChatTokenizer(tokenizer)
+    chat_tokenizer = ChatTokenizer(tokenizer, content_format=content_format,
+                                   image_text=image_text)
     if not admission.needs_thread(prompt):
         return admission.prompt_token_ids(chat_tokenizer, prompt, **options)
     # What a template makes of the messages (and tools) may be a few times their size.
@@ -146,6 +150,12 @@ class Engine:
         # they never collide whatever request ids callers pick (admission.sample_ids).
         self._serials = itertools.count()
         self._prompt_limiter = trio.CapacityLimiter(PROMPT_THREADS)
+        if parts.tokenizer.chat_template is not None:
+            option = config.chat_template_content_format
+            logger.info("chat message content reaches the model's chat template as %s%s",
+                        "a string" if resolve_content_format(
+                            parts.tokenizer.chat_template, option) == "string" else "parts",
+                        " (read from the template)" if option == "auto" else "")
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -276,9 +286,11 @@ class Engine:
             self.tokenizer, prompt, limiter=self._prompt_limiter,
             template_seconds=self.config.chat_template_timeout,
             max_model_len=self.max_model_len,
+            content_format=self.config.chat_template_content_format,
             special_tokens_in_content=self.config.allow_special_tokens_in_content,
-            # The image token each image part became is the engine's, not the client's.
-            content_tokens=self._parts.images.content_tokens if raw_images else ())
+            # The image parts split_images left: a string template gets the model's
+            # placeholder text for each.
+            image_text=self._parts.images.image_text if raw_images else None)
         images: tuple[Any, ...] = ()
         if raw_images:
             # Decoding and the image processor take milliseconds per image: off the trio
@@ -288,13 +300,12 @@ class Engine:
         return ids, images
 
     def _split_images(self, prompt: Any) -> tuple[list[Any], list[Any]]:
-        """The chat messages with image parts replaced by the model's image token, and the
-        images; a text-only model refuses them (a 400 naming the part)."""
+        """The chat messages with each image part left as ``{"type": "image"}`` (the chat
+        template writes its placeholder), and the images; a text-only model refuses them
+        (a 400 naming the part)."""
         prep = self._parts.images
         limits = prep.limits if prep is not None else multimodal.MediaLimits()
-        return multimodal.split_images(prompt, prep.image_text if prep is not None else None,
-                                       limits, model=self.model_name,
-                                       glue=prep is not None and prep.glue_parts)
+        return multimodal.split_images(prompt, prep is not None, limits, model=self.model_name)
 
     def generate(
         self,

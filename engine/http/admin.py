@@ -115,6 +115,7 @@ class AdminRoutes:
                 tok, prompt, limiter=self.server.prompt_limiter, add_special_tokens=add_special_tokens,
                 template_seconds=self.engine.config.chat_template_timeout,
                 max_model_len=self.engine.max_model_len,
+                content_format=self.engine.config.chat_template_content_format,
                 special_tokens_in_content=self.engine.config.allow_special_tokens_in_content)
         # vLLM's token_strs: each token as the vocabulary spells it (return_token_strs).
         strs = tok.convert_ids_to_tokens(ids) if return_strs else None

@@ -151,7 +151,7 @@ def image_preprocessor(config: EngineConfig, model_config: Any, folder: Path, to
         return ImagePreprocessor(folder, image_token_id=vision.image_token_id, image_token=token,
                                  num_image_tokens=None, limits=limits,
                                  merge_size=vision.spatial_merge_size,
-                                 image_text=start + token + end, content_tokens=(start, token, end),
+                                 image_text=start + token + end,
                                  processor_options=options,
                                  marker_ids={start: vision.vision_start_token_id,
                                              end: vision.vision_end_token_id})

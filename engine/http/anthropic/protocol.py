@@ -13,7 +13,7 @@ What maps to what:
 Messages                     chat
 ===========================  ==============================================================
 ``system`` (text or blocks)  a first ``system`` message
-``text`` blocks              the message's text (joined)
+``text`` blocks              the message's text parts (one block: a string)
 ``image`` blocks (user)      ``image_url`` parts: a ``base64`` source as a ``data:`` URL, a
                              ``url`` source as the URL (served as chat serves them)
 ``tool_use`` (assistant)     ``tool_calls`` (``input`` as the arguments)
@@ -213,8 +213,10 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
             parts.append({"type": "text", "text": _text_block(block, at)})
     if not parts:
         return results
-    if all(p["type"] == "text" for p in parts):
-        return [*results, {"role": "user", "content": "".join(p["text"] for p in parts)}]
+    # The blocks as chat content parts (one text block as a string, as vLLM converts them):
+    # the chat template gets them as /v1/chat/completions gives a content list.
+    if len(parts) == 1 and parts[0]["type"] == "text":
+        return [*results, {"role": "user", "content": parts[0]["text"]}]
     return [*results, {"role": "user", "content": parts}]
 
 
@@ -251,9 +253,9 @@ def _tool_result(block: Mapping[str, Any], where: str) -> dict[str, Any]:
         raise _bad(f"{where}.tool_use_id is required (the id of the tool_use it answers)",
                    f"{where}.tool_use_id")
     content = block.get("content", "")
-    if isinstance(content, list):
-        content = "".join(_text_block(b, f"{where}.content[{k}]")
-                          for k, b in enumerate(content))
+    if isinstance(content, list):  # joined as every tool result's text parts are
+        content = "\n".join(_text_block(b, f"{where}.content[{k}]")
+                            for k, b in enumerate(content))
     elif not isinstance(content, str):
         raise _bad(f"{where}.content must be a string or a list of text blocks",
                    f"{where}.content")
@@ -274,7 +276,10 @@ def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
             continue  # earlier turns' reasoning does not go back into the prompt
         else:
             text.append(_text_block(block, at))
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
+    # Text blocks as content parts (one as a string), as a user turn's.
+    content: Any = ([{"type": "text", "text": t} for t in text] if len(text) > 1
+                    else text[0] if text and text[0] else None)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = calls
     return message

@@ -308,9 +308,11 @@ class Completion:
         prompt = self.req.prompts[choice.index // self._n]
         if self.req.chat:
             # Chat echo (vLLM's): the last message's content, when it is the assistant's
-            # (a prefill the model continues).
+            # (a prefill the model continues); text parts joined with newlines, as vLLM.
             last = prompt[-1]
             content = last.get("content") if last.get("role") == "assistant" else None
+            if isinstance(content, list):
+                return "\n".join(p["text"] for p in content if p.get("type") == "text")
             return content if isinstance(content, str) else ""
         return prompt if isinstance(prompt, str) else self._decode(list(prompt))
 

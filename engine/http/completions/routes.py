@@ -99,8 +99,12 @@ class CompletionsRoutes:
         assert req.chat_fields is not None  # a chat request has them
         (messages,) = req.prompts
         prompt = admission.prompt_message(messages, req.chat_fields.template.to_json())
+        config = self.engine.config
+        tokenizer = ChatTokenizer(self.engine.tokenizer,
+                                  content_format=config.chat_template_content_format)
         return json_response(self._rendered(req, 0, list(admission.prompt_token_ids(
-            ChatTokenizer(self.engine.tokenizer), prompt))), 200)
+            tokenizer, prompt,
+            special_tokens_in_content=config.allow_special_tokens_in_content))), 200)
 
     async def render_completions(self) -> Response:
         """vLLM's ``/v1/completions/render``: one ``/inference/v1/generate`` request per
