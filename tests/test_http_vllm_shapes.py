@@ -130,13 +130,24 @@ def test_continuous_usage_stats_put_usage_on_every_chunk(server):
         assert all(c.usage is None for c in plain[:-1])
 
 
-def test_force_include_usage_ends_every_stream_with_usage(server, flagged):
-    for srv, expected in ((server, False), (flagged, True)):
-        chunks = list(_client(srv).completions.create(model=MODEL, prompt=PROMPT, stream=True,
-                                                      **GREEDY))
-        assert (chunks[-1].usage is not None) is expected
-        if expected:
-            assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+def test_force_include_usage_puts_usage_on_every_chunk_as_vllm(server, flagged):
+    # vLLM's --enable-force-include-usage acts as include_usage and continuous_usage_stats
+    # both: usage on every chunk, and a final usage chunk.
+    messages = [{"role": "user", "content": PROMPT}]
+    for srv, forced in ((server, False), (flagged, True)):
+        client = _client(srv)
+        for create, request in ((client.completions.create, {"prompt": PROMPT}),
+                                (client.chat.completions.create, {"messages": messages})):
+            *body, last = list(create(model=MODEL, stream=True, **request, **GREEDY))
+            if not forced:
+                assert all(c.usage is None for c in [*body, last])
+                continue
+            assert last.choices == [] and last.usage.completion_tokens == 6
+            prompt = last.usage.prompt_tokens
+            assert body and all(c.usage is not None for c in body)
+            counts = [c.usage.completion_tokens for c in body]
+            assert all(c.usage.prompt_tokens == prompt for c in body)
+            assert counts == sorted(counts) and counts[-1] == 6
 
 
 # -- prompt_logprobs -----------------------------------------------------------------------
