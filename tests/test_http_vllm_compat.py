@@ -394,6 +394,27 @@ def test_metrics_under_vllms_names_with_the_request_params(real):
         after["vllm:num_requests_waiting"], "")
 
 
+def test_iteration_tokens_count_the_token_a_prefill_samples_as_vllm(real):
+    # vLLM counts an iteration's prompt tokens plus the tokens it gave out: a prefill
+    # that samples is prompt + 1, each decode step 1, and nothing else is a step. (The
+    # prompt is under one 16-token block: no prefix-cache hit makes it cheaper.)
+    prompt, generated, requests = [5, 17, 42, 99, 7, 11, 13, 2, 8], 10, 3
+    _, before = _families(real)
+    with _client(real) as client:
+        for _ in range(requests):
+            done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=generated,
+                                             temperature=0, extra_body={"ignore_eos": True})
+            assert done.usage.completion_tokens == generated
+    _, after = _families(real)
+
+    def grew(suffix):
+        name = "vllm:iteration_tokens_total"
+        return _sample(after[name], suffix) - _sample(before[name], suffix)
+
+    assert grew("_count") == requests * generated
+    assert grew("_sum") == requests * (len(prompt) + generated)
+
+
 # -- render -------------------------------------------------------------------------------
 
 
