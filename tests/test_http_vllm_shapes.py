@@ -313,6 +313,75 @@ def test_top_logprobs_minus_1_where_the_server_allows_it(server, flagged):
     assert _post(flagged, "/v1/completions", {"prompt": "hi", "logprobs": 21}).status_code == 200
 
 
+# -- /inference/v1/generate -----------------------------------------------------------------
+
+
+def _generate(server, ids, **sampling):
+    r = httpx.post(server.base_url + "/inference/v1/generate", timeout=60, json={
+        "model": MODEL, "token_ids": ids, "sampling_params": sampling})
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    return choice
+
+
+def test_generate_route_top_logprobs_hold_max_n_1_entries(server, hf):
+    """vLLM's tokens-only logprobs: tokens named token_id:N, and max(logprobs, 1) entries,
+    the chosen token first (transformers' logits are the oracle)."""
+    ids = _ids(server, PROMPT)
+    for n in (0, 1, 3):
+        choice = _generate(server, ids, temperature=0, max_tokens=4, ignore_eos=True,
+                           logprobs=n)
+        rows = _hf_logprobs(hf, ids + choice["token_ids"])[len(ids) - 1:]
+        content = choice["logprobs"]["content"]
+        assert [c["token"] for c in content] == [f"token_id:{t}" for t in choice["token_ids"]]
+        for k, item in enumerate(content):
+            top = item["top_logprobs"]
+            assert len(top) == max(n, 1)
+            # Greedy: the chosen token is the most likely, so the entries are the best ones.
+            assert [t["token"] for t in top] == [
+                f"token_id:{t}" for t in rows[k].topk(max(n, 1)).indices.tolist()]
+            assert top[0]["logprob"] == item["logprob"] == pytest.approx(
+                rows[k].max().item(), abs=1e-4)
+    assert _generate(server, ids, max_tokens=2)["logprobs"] is None
+
+
+def test_generate_route_without_max_tokens_fills_the_context(server):
+    ids = _ids(server, PROMPT)
+    choice = _generate(server, ids, temperature=0, ignore_eos=True)
+    assert choice["finish_reason"] == "length"
+    assert len(choice["token_ids"]) == 256 - len(ids)  # the server's max_model_len
+
+
+def _sse(response):
+    events = [line.removeprefix("data: ") for line in response.text.split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_generate_route_streams_the_same_tokens(server):
+    ids = _ids(server, PROMPT)
+    sampling = {"temperature": 0, "max_tokens": 6, "ignore_eos": True, "logprobs": 1}
+    whole = _generate(server, ids, **sampling)
+    r = httpx.post(server.base_url + "/inference/v1/generate", timeout=60, json={
+        "model": MODEL, "token_ids": ids, "sampling_params": sampling, "request_id": "g-1",
+        "stream": True, "stream_options": {"include_usage": True,
+                                           "continuous_usage_stats": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    *chunks, last = _sse(r)
+    assert all(c["request_id"] == last["request_id"] == "g-1" for c in chunks)
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == whole["token_ids"]
+    assert [i for c in chunks for i in c["choices"][0]["logprobs"]["content"]] == \
+        whole["logprobs"]["content"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+    assert [c["usage"]["completion_tokens"] for c in chunks] == list(range(1, 7))
+    assert last["choices"] == [] and last["usage"] == {
+        "prompt_tokens": len(ids), "completion_tokens": 6, "total_tokens": len(ids) + 6}
+    # Without stream_options: no usage anywhere.
+    plain = _sse(httpx.post(server.base_url + "/inference/v1/generate", timeout=60, json={
+        "model": MODEL, "token_ids": ids, "sampling_params": sampling, "stream": True}))
+    assert all(c["usage"] is None and c["choices"] for c in plain)
+
+
 # -- echo ----------------------------------------------------------------------------------
 
 
@@ -411,8 +480,7 @@ def test_a_forced_call_cut_short_is_no_call(scripted):
         (answer,) = cut.choices
         assert answer.finish_reason == "length"
         assert answer.message.content == ""  # as vLLM: empty, not null, for a forced call
-        if choice == "required":
-            assert answer.message.tool_calls == []  # no fragment of the markup as a call
+        assert answer.message.tool_calls == []  # no fragment of the markup as a call
 
 
 @pytest.mark.parametrize("constrained", [False, True])

@@ -187,9 +187,12 @@ def response_body(
     chat: bool, request_id: str, created: int, model: str, choices: list[dict[str, Any]],
     usage: dict[str, Any],
 ) -> dict[str, Any]:
+    # OpenAI's service_tier and system_fingerprint, null: there is one tier, and no
+    # fingerprint of the backend's configuration (vLLM sends both keys, null).
     return {
         "id": request_id, "object": "chat.completion" if chat else "text_completion",
-        "created": created, "model": model, "choices": choices, "usage": usage,
+        "created": created, "model": model, "choices": choices, "service_tier": None,
+        "system_fingerprint": None, "usage": usage,
     }
 
 
