@@ -110,6 +110,31 @@ def split_images(
     return out, images
 
 
+def prompt_images(images: Any, takes_images: bool, limits: MediaLimits, *, model: str = "model",
+                  where: str = "images") -> list[RawImage]:
+    """Images given beside a text or token-id prompt (vLLM's ``multi_modal_data``), in the
+    order of the prompt's image tokens: one image or a list, each bytes or a PIL image.
+    A text-only model (``takes_images`` false) refuses them (a 400 naming ``where``)."""
+    items = list(images) if isinstance(images, (list, tuple)) else [images]
+    if not takes_images:
+        raise InvalidParamError(f"{where}: the model {model} takes text only, not images",
+                                param=where)
+    if len(items) > limits.max_images_per_prompt:
+        raise InvalidParamError(f"{where}: {len(items)} images in one request; at most "
+                                f"{limits.max_images_per_prompt} (--limit-mm-per-prompt)",
+                                param=where)
+    out = []
+    for k, data in enumerate(items):
+        at = f"{where}[{k}]"
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            out.append(RawImage(at, bytes(data)))
+        elif _is_pil(data):
+            out.append(RawImage(at, data))
+        else:
+            raise InvalidParamError(f"{at} must be bytes or a PIL image", param=at)
+    return out
+
+
 def _part_data(part: Mapping[str, Any], kind: str, where: str, limits: MediaLimits) -> Any:
     if kind == "image":  # the embedded API: bytes or a PIL image
         data = part.get("image")

@@ -41,6 +41,7 @@ from engine.config import EngineConfig
 from engine.core import admission, pooling
 from engine.core.pooling import Pooled
 from engine.errors import EngineDeadError, InvalidParamError, RequestFailedError
+from engine.messages import AdmittedRequest
 from engine.models.chat_sandbox import RenderBudget
 from engine.params import SamplingParams, generation_defaults
 from engine.process.workers import WorkerLostError
@@ -83,6 +84,24 @@ async def tokenize_prompt(
         return await trio.to_thread.run_sync(work, limiter=limiter, abandon_on_cancel=True)
     finally:
         budget.cancel()
+
+
+class PreparedRequest:
+    """A request past every admission check but the queue's (:meth:`Engine.prepare`),
+    ready for :meth:`Engine.enqueue`. ``prompt_token_ids`` is the prompt as the model
+    reads it (chat template applied, image tokens widened)."""
+
+    __slots__ = ("admitted", "enqueued", "prompt_token_ids")
+
+    def __init__(self, admitted: AdmittedRequest, prompt_token_ids: tuple[int, ...]) -> None:
+        self.admitted = admitted
+        self.prompt_token_ids = prompt_token_ids
+        self.enqueued = False
+
+    @property
+    def samples(self) -> int:
+        """How many samples it runs as (``n``): what it adds to the waiting queue."""
+        return len(self.admitted.samples)
 
 
 class Engine:
@@ -149,7 +168,33 @@ class Engine:
         Raises :class:`InvalidParamError`, :class:`PromptTooLongError`,
         :class:`QueueFullError` (the request is not queued) or :class:`EngineDeadError`.
         Admission runs here, in the caller's task; a cancellation before it returns leaves
-        nothing behind (nothing is sent before the last await).
+        nothing behind (nothing is sent before the last await). It is :meth:`prepare`
+        then :meth:`enqueue`.
+        """
+        prepared = await self.prepare(prompt, params, request_id=request_id, priority=priority,
+                                      cache_salt=cache_salt, chat_options=chat_options)
+        return self.enqueue(prepared)
+
+    async def prepare(
+        self,
+        prompt: str | Sequence[int] | Sequence[dict[str, Any]],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        chat_options: TemplateOptions | None = None,
+        images: Sequence[Any] = (),
+    ) -> PreparedRequest:
+        """Everything :meth:`submit` does short of queueing: check, tokenize (chat template,
+        images), compile a structured output's grammar, and pass every admission check but
+        the queue's. Nothing is sent; a prepared request that is never enqueued leaves
+        nothing behind. A batch (:class:`engine.LLM`) prepares all its prompts first, so a
+        bad one is refused before any runs.
+
+        ``images`` go with a text or token-id ``prompt`` that holds the model's image token
+        once per image, in order (vLLM's ``multi_modal_data``): bytes or PIL images. Chat
+        messages carry theirs in their content parts instead.
         """
         await trio.lowlevel.checkpoint()
         self._alive()
@@ -163,13 +208,21 @@ class Engine:
             params = SamplingParams(**self.sampling_defaults)
         raw_images: list[Any] = []
         if multimodal.has_images(prompt):
+            if images:
+                raise InvalidParamError("chat messages carry their images in their content "
+                                        "parts, not beside them", param="multi_modal_data")
             prompt, raw_images = self._split_images(prompt)
+        elif images:
+            prep = self._parts.images
+            raw_images = multimodal.prompt_images(
+                images, prep is not None, prep.limits if prep is not None else
+                multimodal.MediaLimits(), model=self.model_name, where="multi_modal_data.image")
         submit = admission.submit_request(
             prompt, params, request_id=request_id if request_id is not None else uuid.uuid4().hex,
             priority=priority, cache_salt=cache_salt, arrival_time=time.monotonic(),
             chat_options=chat_options.to_json() if chat_options is not None else None,
         )
-        ids, images = await self._prompt_ids(submit.prompt, raw_images)
+        ids, images_in = await self._prompt_ids(submit.prompt, raw_images)
         if params.structured_outputs is not None and self._compiles is not None:
             admission.check_min_tokens(params)
             # In a worker process, under a time budget; leaving (a cancel) kills it.
@@ -181,15 +234,25 @@ class Engine:
             text = params.prediction
             prediction = await self._tokenize(len(text), lambda: tuple(
                 self.tokenizer.encode(text, add_special_tokens=False)))
-        handles = self._alive()  # it may have died while a thread tokenized
-        admitted = admission.admit(submit, ids, self._parts.limits, waiting=handles.queue_depth(),
-                                   serial=next(self._serials), images=images,
+        # The queue is checked when the request is enqueued: here, every other check.
+        admitted = admission.admit(submit, ids, self._parts.limits, waiting=0,
+                                   serial=next(self._serials), images=images_in,
                                    prediction=prediction)
-        # No await from here on: the mailbox opens and the samples go to the scheduler in
-        # one go, so no cancellation can fall between them.
-        mailbox = handles.router.open(admitted)
+        return PreparedRequest(admitted, ids)
+
+    def enqueue(self, prepared: PreparedRequest) -> RequestStream:
+        """Queue a prepared request and return its stream (no await: nothing can cancel
+        between the mailbox opening and the samples going to the scheduler). Raises
+        :class:`QueueFullError` (not queued; it may be enqueued later) or
+        :class:`EngineDeadError`. A prepared request is enqueued once."""
+        if prepared.enqueued:
+            raise RuntimeError("this prepared request was enqueued already")
+        handles = self._alive()
+        admission.check_queue(handles.queue_depth(), self._parts.limits)
+        prepared.enqueued = True
+        mailbox = handles.router.open(prepared.admitted)
         try:
-            handles.send(admitted)
+            handles.send(prepared.admitted)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             handles.router.close(mailbox)
             raise self._dead_error() from self.dead_reason

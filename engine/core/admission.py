@@ -237,6 +237,14 @@ def check_min_tokens(params: SamplingParams) -> None:
 MAX_IMAGE_BYTES = 16 * 2**20
 
 
+def check_queue(waiting: int, limits: AdmissionLimits) -> None:
+    """Admission control: :class:`QueueFullError` when ``waiting`` samples already wait."""
+    if waiting >= limits.max_queued_requests:
+        raise QueueFullError(
+            f"{limits.max_queued_requests} requests are already waiting; try again later"
+        )
+
+
 def admit(
     submit: SubmitRequest, ids: tuple[int, ...], limits: AdmissionLimits, *, waiting: int,
     serial: int, images: tuple[ImageInput, ...] = (), prediction: tuple[int, ...] = (),
@@ -246,10 +254,7 @@ def admit(
     ``waiting`` is how many samples wait to be scheduled now (admission control);
     ``serial`` is this request's number, never given to another request of the engine (it
     makes the sample ids unique: :func:`sample_ids`)."""
-    if waiting >= limits.max_queued_requests:
-        raise QueueFullError(
-            f"{limits.max_queued_requests} requests are already waiting; try again later"
-        )
+    check_queue(waiting, limits)
     if not ids:
         raise InvalidParamError("the prompt is empty", param="prompt")
     image_bytes = sum(len(image.pixels) for image in images) * submit.params.n
