@@ -483,6 +483,24 @@ def test_a_forced_call_cut_short_is_no_call(scripted):
         assert answer.message.tool_calls == []  # no fragment of the markup as a call
 
 
+def test_a_named_call_ends_with_stop_and_required_with_tool_calls(scripted):
+    """OpenAI's and vLLM's finish for a call that ended on its own: "stop" under a named
+    tool_choice, "tool_calls" under required; streamed or not."""
+    client = _client(scripted)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, script, ended in ((named, '{"city": "Paris", "unit": "celsius"}', "stop"),
+                                  ("required", CALL, "tool_calls")):
+        scripted.engine.script = script
+        whole = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                               tool_choice=choice)
+        (answer,) = whole.choices
+        assert answer.finish_reason == ended
+        assert [c.function.name for c in answer.message.tool_calls] == ["get_weather"]
+        chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                                     tool_choice=choice, stream=True))
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ended
+
+
 @pytest.mark.parametrize("constrained", [False, True])
 def test_a_required_list_cut_short_keeps_only_finished_calls(constrained):
     """The output parser on its own (what the HTTP answer and the embedded chat API read):
