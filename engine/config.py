@@ -410,8 +410,8 @@ class EngineConfig:
     enable_prompt_tokens_details: bool = _field(
         False, "report usage.prompt_tokens_details.cached_tokens (the prefix-cache hit)")
     enable_force_include_usage: bool = _field(
-        False, "end every stream with a usage chunk, as if it asked "
-        "stream_options.include_usage")
+        False, "usage on every stream, as if it asked stream_options.include_usage and "
+        "continuous_usage_stats: on every chunk and in a last usage chunk (as vLLM's flag)")
     return_tokens_as_token_ids: bool = _field(
         False, "write logprob tokens as 'token_id:N' unless a request says otherwise")
     # Off by default, as in vLLM: the tokenizer's configuration (chat template included)

@@ -318,8 +318,9 @@ class ForcedCallStreamer:
 
     A named call streams as it is written: the header (id, name) at once, then each new
     piece of text as an argument fragment. A ``required`` list sends each call once its
-    object is complete. Output cut short by ``max_tokens`` keeps what was sent (a named
-    call's arguments are then a prefix, as OpenAI returns them with ``"length"``).
+    object is complete. Output cut short by ``max_tokens`` leaves a named call's arguments
+    a prefix in the stream; the complete message drops such a call
+    (:meth:`engine.chat.output.ChatOutputParser.message`).
     """
 
     def __init__(self, choice: ToolChoice, new_id: Any = random_call_id) -> None:

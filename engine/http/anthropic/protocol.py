@@ -27,7 +27,7 @@ a final assistant message    a prefill the model continues (``continue_final_mes
 ``max_tokens`` (required)    ``max_tokens``
 ``stop_sequences``           ``stop``
 ``temperature``, ``top_p``,  the same
-``top_k``
+``top_k``, ``ignore_eos``
 ``output_config.format``     ``response_format`` (``json_schema``)
 ===========================  ==============================================================
 
@@ -44,6 +44,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from engine.chat.request import lax_bool
 from engine.http.errors import APIError
 from engine.http.sse import dumps
 
@@ -56,6 +57,8 @@ KNOWN_FIELDS = frozenset({
     "top_k", "stream", "tools", "tool_choice", "thinking", "output_config", "metadata",
     "service_tier", "cache_control", "speed", "inference_geo", "diagnostics",
     "user_profile_id", "workspace_id",
+    # vLLM's sampling extra, honoured as on the chat route: generate past the end of text.
+    "ignore_eos",
 })
 # Fields that ask for something this server does not do; each is a 400.
 REFUSED_FIELDS = {
@@ -121,6 +124,8 @@ def chat_body(body: Any, *, reasoning: bool, count_only: bool = False,
     for name in ("temperature", "top_p", "top_k"):
         if body.get(name) is not None:
             out[name] = body[name]
+    if body.get("ignore_eos") is not None:
+        out["ignore_eos"] = lax_bool(body["ignore_eos"], "ignore_eos")
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise _bad("stream must be a boolean", "stream")
@@ -411,11 +416,13 @@ def new_id() -> str:
     return "msg_" + uuid.uuid4().hex
 
 
-def stop_reason(finish_reason: str | None, stop: Any) -> tuple[str | None, str | None]:
+def stop_reason(finish_reason: str | None, stop: Any,
+                called: bool = False) -> tuple[str | None, str | None]:
     """``(stop_reason, stop_sequence)`` for a chat choice's finish: ``tool_use`` when calls
-    ended the turn, ``max_tokens`` at the limit, ``stop_sequence`` with the string matched,
-    else ``end_turn``."""
-    if finish_reason == "tool_calls":
+    ended the turn (``called``: the answer holds calls; a named call's chat finish is
+    ``stop``, Anthropic's ``tool_use`` all the same), ``max_tokens`` at the limit,
+    ``stop_sequence`` with the string matched, else ``end_turn``."""
+    if finish_reason == "tool_calls" or (finish_reason == "stop" and called):
         return "tool_use", None
     if finish_reason == "length":
         return "max_tokens", None
@@ -451,7 +458,8 @@ def message_from_chat(chat: Mapping[str, Any], msg_id: str, model: str) -> dict[
     for call in message.get("tool_calls") or []:
         content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
                         "input": _input(call["function"]["arguments"])})
-    reason, sequence = stop_reason(choice["finish_reason"], choice.get("stop_reason"))
+    reason, sequence = stop_reason(choice["finish_reason"], choice.get("stop_reason"),
+                                   bool(message.get("tool_calls")))
     usage = chat["usage"]
     return {"id": msg_id, "type": "message", "role": "assistant", "model": model,
             "content": content, "stop_reason": reason, "stop_sequence": sequence,
@@ -482,6 +490,7 @@ class MessageEvents:
         self._call: int | None = None  # the open tool_use block's chat call index
         self._pinged = False
         self._finish: tuple[str | None, Any] = (None, None)
+        self._called = False  # a tool_use block was opened
 
     def start(self) -> list[bytes]:
         return [event("message_start", {"type": "message_start", "message": {
@@ -527,6 +536,7 @@ class MessageEvents:
         else:
             assert call is not None
             self._call = call.get("index")
+            self._called = True
             block = {"type": "tool_use", "id": call["id"],
                      "name": (call.get("function") or {}).get("name"), "input": {}}
         out.append(event("content_block_start", {"type": "content_block_start",
@@ -552,7 +562,7 @@ class MessageEvents:
         if not self._pinged:
             self._pinged = True
             out.append(event("ping", {"type": "ping"}))
-        reason, sequence = stop_reason(*self._finish)
+        reason, sequence = stop_reason(*self._finish, self._called)
         out.append(event("message_delta", {
             "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
             "usage": {"output_tokens": output_tokens}}))
