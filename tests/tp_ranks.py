@@ -105,6 +105,7 @@ def _greedy(tp: TensorParallel, path: str) -> tuple:
     tokens = generate_greedy(runner, prompts(runner.config.vocab_size), NEW_TOKENS, chunk_size=CHUNK,
                              block_size=BLOCK_SIZE)
     model = runner.model
-    linears = [model.lm_head] + [p for layer in model.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+    linears = [model.lm_head] + [getattr(p, "linear", p) for layer in model.layers  # RowParallel: its projection
+                                 for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
     kept = sorted({part.fmt.name for q in linears if isinstance(q, QuantLinear) for part in q.parts})
     return tokens, steps, kept
