@@ -34,10 +34,14 @@ and only the rank's cut is moved (``build_model(..., device=rank's device, tp=)`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from engine.errors import CorruptModelError, UnsupportedModelError
+from engine.models.checkpoint import StoredTensor, read_stored
 from engine.models.config import ModelConfig
+from engine.models.gguf_quant import cut_inside_blocks
 from engine.models.layers.linear import make_linear
 from engine.ops.quant import PANEL, Decoded, QuantizedWeight, pack_panels, unpack_panels
 from engine.parallel import SINGLE, TensorParallel, shard_range
@@ -173,11 +177,7 @@ def _quant_cols(w: QuantizedWeight, a: int, b: int, name: str) -> QuantizedWeigh
         return w
     block = w.fmt.block
     if a % block or b % block:
-        raise UnsupportedModelError(
-            f"{name}: its {w.fmt.name} blocks hold {block} values, and this rank's input "
-            f"columns [{a}, {b}) of {k} do not fall on block boundaries; the blocks cannot be "
-            f"split for this tensor-parallel size (use another size, or --quantization none)"
-        )
+        raise cut_inside_blocks(name, w.fmt, a, b, k)
     if w.layout == "blocks":
         bb = w.fmt.block_bytes
         raw = w.data["raw"][:, a // block * bb : b // block * bb]
@@ -197,9 +197,13 @@ def _quant_cols(w: QuantizedWeight, a: int, b: int, name: str) -> QuantizedWeigh
 
 class ShardedWeights:
     """Fetches a weight by Hugging Face name, cut to this rank's slice, then cast to the
-    model dtype and device; names a missing one. With ``SINGLE`` every cut is the whole."""
+    model dtype and device; names a missing one. With ``SINGLE`` every cut is the whole.
 
-    def __init__(self, weights: dict, dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE):
+    ``weights`` holds tensors (cut here, each cut copied into its own storage) or, loaded
+    lazily, :class:`~engine.models.checkpoint.StoredTensor` s, of which only the cut is
+    read from the file."""
+
+    def __init__(self, weights: Mapping, dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE):
         self.weights, self.dtype, self.device, self.tp = weights, dtype, device, tp
 
     def _raw(self, name: str):
@@ -217,7 +221,7 @@ class ShardedWeights:
 
     def __call__(self, name: str):
         """The whole weight (replicated on every rank: norms, routers)."""
-        return self._cast(self._raw(name))
+        return self._cast(read_stored(self._raw(name)))
 
     def rows(self, name: str, sizes: tuple[int, ...] | None = None, spans: list[list[tuple[int, int]]] | None = None):
         """Column-parallel: this rank's rows. The weight is the row-wise concatenation of
@@ -226,7 +230,7 @@ class ShardedWeights:
         joined in part order."""
         w = self._raw(name)
         if not self.tp.enabled:
-            return self._cast(w)
+            return self(name)
         sizes = sizes or (w.shape[0],)
         cut, start = [], 0
         for i, size in enumerate(sizes):
@@ -235,15 +239,15 @@ class ShardedWeights:
             start += size
         if start != w.shape[0]:
             raise CorruptModelError(f"weight {name!r} has {w.shape[0]} rows, expected {start}")
-        return self._cast(take_rows(w, cut))
+        return self._cast(w.read_rows(cut) if isinstance(w, StoredTensor) else take_rows(w, cut))
 
     def cols(self, name: str):
         """Row-parallel: this rank's equal share of the input columns."""
         w = self._raw(name)
         if not self.tp.enabled:
-            return self._cast(w)
+            return self(name)
         a, b = shard_range(w.shape[-1], self.tp.rank, self.tp.world_size)
-        return self._cast(take_cols(w, a, b, name))
+        return self._cast(w.read_cols(a, b) if isinstance(w, StoredTensor) else take_cols(w, a, b, name))
 
     def row_parallel(self, name: str):
         """A row-parallel projection (o, down) over this rank's share of the input features,
@@ -251,7 +255,7 @@ class ShardedWeights:
         :class:`RowParallel` (gathered for weights in the C kernels' panels)."""
         w = self._raw(name)
         if not self.tp.enabled:
-            return make_linear([self._cast(w)])
+            return make_linear([self(name)])
         if not gathers(w):
             return RowParallel(make_linear([self.cols(name)]), self.tp, gathered=False)
         n, world = w.shape[0], self.tp.world_size
@@ -265,7 +269,8 @@ class ShardedWeights:
 def gathers(w) -> bool:
     """Whether a row-parallel weight is split by output rows over the gathered input (see
     the module docstring): blocks kept in the C kernels' panels, which round activations."""
-    return isinstance(w, QuantizedWeight) and w.layout == "panels"
+    layout = w.layout if isinstance(w, QuantizedWeight | StoredTensor) else None
+    return layout == "panels"
 
 
 class RowParallel:
