@@ -11,10 +11,11 @@ costs per step (the all-reduces, the logits' all-gather, the step's broadcast); 
 ``--memory``: each size runs in a fresh process (a high-water mark only rises), which opens
 the engine, runs a few greedy requests and reports every rank's peak resident memory
 (``VmHWM`` in ``/proc/PID/status``: anonymous and file-backed pages, the load's transients
-included) and its resident memory then (``VmRSS``), with rank 0's weight bytes and the
-bytes it read from the checkpoint. A rank of N reads only its slices (issue 41), so its
-peak should sit about ``(1 - 1/N)`` of the model's weights below one rank's. Not a timing:
-the figures do not depend on the machine's load.
+included) and its resident memory then (``VmRSS``), with the weight bytes rank 0 holds. A
+rank of N reads only its slices (issue 41), so its peak is its ``1/N`` of the weights plus
+the runtime; with the random model, a tiny model with the same tokenizer gives the
+runtime's own peak (the ``baseline`` row). Not a timing: the figures do not depend on the
+machine's load.
 
 Without ``--model`` a random Llama of ``--hidden``/``--layers``/``--heads`` is written to a
 temporary folder (SmolLM2's 9 query heads split over 1 or 3 ranks only: ``--model`` the
@@ -147,22 +148,29 @@ async def _memory_one(model: str, size: int, args: argparse.Namespace) -> dict[s
         return {"tp": size, "ranks": ranks, "rank0_weights_mib": weight_bytes(rank0.model) / 2**20}
 
 
-def _memory(model: str, sizes: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
-    rows = []
-    for size in sizes:
-        child = [sys.executable, __file__, "--memory-child", str(size), "--model", model, "--dtype", args.dtype,
-                 "--quantization", args.quantization, "--kv-cache-memory", str(args.kv_cache_memory)]
-        out = subprocess.run(child, check=True, capture_output=True, text=True).stdout
-        rows.append(json.loads(out.strip().splitlines()[-1]))
-    one = rows[0]["ranks"][0]["hwm_mib"] if rows[0]["tp"] == 1 else None
-    weights = rows[0]["rank0_weights_mib"]
-    print(f"weights on one rank: {weights:.1f} MiB" if rows[0]["tp"] == 1 else "")
-    print(f"{'tp':>3} {'rank':>5} {'peak MiB':>9} {'rss MiB':>8} {'below 1 rank':>13} {'W (1-1/N)':>10}")
+def _memory_child(model: str, size: int, args: argparse.Namespace) -> dict[str, Any]:
+    child = [sys.executable, __file__, "--memory-child", str(size), "--model", model, "--dtype", args.dtype,
+             "--quantization", args.quantization, "--kv-cache-memory", str(args.kv_cache_memory)]
+    done = subprocess.run(child, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"tp={size} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _memory(model: str, sizes: list[int], args: argparse.Namespace, baseline: str | None) -> list[dict[str, Any]]:
+    """Each size in a fresh process; ``baseline``: a tiny model with the same tokenizer, whose
+    peak is the runtime's (torch, the engine, tokenizer and grammar tables) with next to no
+    weights."""
+    rows = [_memory_child(model, size, args) for size in sizes]
+    if baseline is not None:
+        rows.append({**_memory_child(baseline, 1, args), "baseline": True})
+    print(f"{'tp':>8} {'rank':>5} {'peak MiB':>9} {'rss MiB':>8} {'weights MiB':>12} {'peak - weights':>15}")
     for row in rows:
+        w = row["rank0_weights_mib"]  # every rank's share is equal: the heads and widths divide
         for r in row["ranks"]:
-            below = f"{one - r['hwm_mib']:13.1f}" if one is not None else ""
-            share = f"{weights * (1 - 1 / row['tp']):10.1f}" if one is not None else ""
-            print(f"{row['tp']:>3} {r['rank']:>5} {r['hwm_mib']:9.1f} {r['rss_mib']:8.1f} {below} {share}")
+            name = "baseline" if row.get("baseline") else str(row["tp"])
+            print(f"{name:>8} {r['rank']:>5} {r['hwm_mib']:9.1f} {r['rss_mib']:8.1f} {w:12.1f} "
+                  f"{r['hwm_mib'] - w:15.1f}")
     return rows
 
 
@@ -202,7 +210,12 @@ def main() -> None:
                 "intermediate_size": args.hidden * 11 // 4 // 64 * 64,
                 "max_position_embeddings": 4096}))
         if args.memory:
-            rows = _memory(model, sizes, args)
+            baseline = None
+            if args.model is None:
+                from engine.models.testing import write_tiny_model
+
+                baseline = str(write_tiny_model(Path(tmp) / "tiny", "llama"))
+            rows = _memory(model, sizes, args, baseline)
             if args.json:
                 Path(args.json).write_text(json.dumps(rows, indent=2))
             return
