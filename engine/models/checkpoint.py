@@ -195,10 +195,9 @@ def read_safetensors_header(file: CheckpointFile) -> dict[str, SafetensorsTensor
 
 
 class LazyWeights(Mapping):
-    """Hugging Face name -> :class:`StoredTensor` (or a tensor already read: GGUF's small
-    MoE routers), over the ``files`` they read from."""
+    """Hugging Face name -> :class:`StoredTensor`, over the ``files`` they read from."""
 
-    def __init__(self, tensors: dict[str, object], files: list[CheckpointFile]) -> None:
+    def __init__(self, tensors: dict[str, StoredTensor], files: list[CheckpointFile]) -> None:
         self._tensors, self.files = tensors, files
 
     def __getitem__(self, name: str):
@@ -212,7 +211,8 @@ class LazyWeights(Mapping):
 
     @property
     def bytes_read(self) -> int:
-        """Bytes read from the files so far (headers included)."""
+        """Bytes read from the files so far: tensor data, and safetensors' headers (a
+        GGUF's header is parsed by gguf's reader, not counted)."""
         return sum(f.bytes_read for f in self.files)
 
 
