@@ -86,9 +86,12 @@ def _build_parts(config: EngineConfig, device: torch.device, load: RankLoad,
         config, num_blocks = _size_encoder(config, loaded, pooler)
     else:
         config, num_blocks = _size_kv_pool(config, loaded, device, num_kv_blocks, pooler, tp, load.draft)
+    if group is not None:
+        # Every rank reads its own slices of the checkpoint at once (load_rank's lazy load).
+        group.start_build(config.to_json(), num_blocks)
     runner = build_rank_runner(config, load, device, num_blocks, tp)
     if group is not None:
-        group.build(config.to_json(), num_blocks)
+        group.wait_built()
         runner = TensorParallelRunner(runner, group)
     t3 = time.perf_counter()
     _log_weight_bytes(loaded, runner)
@@ -218,8 +221,10 @@ def _log_weight_bytes(loaded: Any, runner: Any) -> None:
     resident = weight_bytes(runner.model)
     base = loaded.file_tensor_bytes
     ratio = f" = {resident / base:.2f}x the file's {base / 2**20:.1f} MiB of tensor data" if base else ""
-    logger.info("weights resident: %.1f MiB (%s)%s", resident / 2**20,
-                "GGUF blocks kept" if loaded.quantization == "gguf" else f"dense {loaded.dtype}", ratio)
+    read = getattr(loaded.weights, "bytes_read", None)  # a rank's lazy load: its slices
+    logger.info("weights resident: %.1f MiB (%s)%s%s", resident / 2**20,
+                "GGUF blocks kept" if loaded.quantization == "gguf" else f"dense {loaded.dtype}", ratio,
+                "" if read is None else f"; rank 0 read {read / 2**20:.1f} MiB of the checkpoint")
 
 
 def _device(device: str) -> torch.device:
