@@ -29,5 +29,7 @@ serve: setup
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider
 
+# ruff, and the package's floors (no import cycle, none up a floor: tests/test_import_layers.py).
 lint: setup
 	$(PY) -m ruff check engine tests bench
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_import_layers.py

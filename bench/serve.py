@@ -44,69 +44,42 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import trio
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-@dataclass
-class Result:
-    ok: bool = False
-    error: str = ""
-    ttft: float = 0.0
-    latency: float = 0.0
-    output_tokens: int = 0
-    itls: list[float] = field(default_factory=list)
+# The load, the prompts and the report are `python -m engine bench serve`'s; this script
+# adds the project's comparisons (tool calling, launching servers, a transformers baseline).
+from engine.cli.bench import (  # noqa: E402
+    DEFAULT_TOKEN_RANGE,
+    RequestResult,
+    first_model,
+    parse_token_range,
+    random_requests,
+    run_load,
+    stream_completion,
+    summarize,
+)
+from engine.cli.bench import print_summary as print_report  # noqa: E402
+
+Result = RequestResult
 
 
 async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], output_len: int
                       ) -> Result:
-    """Stream one completion; time its first token and the gaps between chunks."""
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "stream": True,
-            "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
-    result = Result()
-    start = last = time.perf_counter()
-    usage_tokens, chunks = None, 0  # a server without streamed usage: one token per chunk
-    try:
-        async with http.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    result.error = chunk["error"]["message"]
-                    return result
-                if chunk.get("usage"):
-                    usage_tokens = chunk["usage"]["completion_tokens"]
-                if not chunk["choices"] or not chunk["choices"][0]["text"]:
-                    continue
-                chunks += 1
-                now = time.perf_counter()
-                if result.ttft == 0.0:
-                    result.ttft = now - start
-                else:
-                    result.itls.append(now - last)
-                last = now
-    except httpx.HTTPError as exc:
-        result.error = repr(exc)
-        return result
-    result.latency = time.perf_counter() - start
-    result.output_tokens = usage_tokens if usage_tokens is not None else chunks
-    result.ok = True
-    return result
+    """Stream one completion (``ignore_eos``); time its first token and the gaps between chunks."""
+    return await stream_completion(http, model, prompt, output_len, ignore_eos=True)
 
 
 # The tool-calling workload's tools: small, typical agent functions.
@@ -223,108 +196,47 @@ async def run_tools(args: argparse.Namespace, jobs: list[tuple[dict, dict]]) -> 
             async with trio.open_nursery() as nursery:
                 for _ in range(args.concurrency):
                     nursery.start_soon(client)
-            rows[label] = summarize(results, time.perf_counter() - start, args)
+            rows[label] = _summary(results, time.perf_counter() - start, args)
     return rows
 
 
-def _lengths(mean: int, ratio: float, rng: random.Random) -> int:
-    return max(1, rng.randint(int(mean * (1 - ratio)), int(mean * (1 + ratio))))
-
-
 def make_jobs(args: argparse.Namespace, rng: random.Random) -> list[tuple[list[int], int]]:
-    # Token ids from a middle band of the vocabulary: ordinary text tokens, no specials.
-    vocab_lo, vocab_hi = 1000, 20000
-    if args.shared_prefixes:
-        # --shared-prefixes K: each prompt is one of K fixed "system prompts" of
-        # --prefix-len tokens, then --input-len random tokens of its own.
-        prefixes = [[rng.randint(vocab_lo, vocab_hi) for _ in range(args.prefix_len)]
-                    for _ in range(args.shared_prefixes)]
-        return [(rng.choice(prefixes) + [rng.randint(vocab_lo, vocab_hi)
-                                         for _ in range(args.input_len)],
-                 _lengths(args.output_len, args.random_range_ratio, rng))
-                for _ in range(args.num_prompts)]
-    return [([rng.randint(vocab_lo, vocab_hi) for _ in range(
-                _lengths(args.input_len, args.random_range_ratio, rng))],
-             _lengths(args.output_len, args.random_range_ratio, rng))
-            for _ in range(args.num_prompts)]
+    # --shared-prefixes K: each prompt is one of K fixed "system prompts" of --prefix-len
+    # tokens, then --input-len random tokens of its own.
+    return random_requests(
+        rng, num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+        range_ratio=args.random_range_ratio, tokens=args.random_token_range,
+        prefix_len=args.prefix_len if args.shared_prefixes else 0,
+        num_prefixes=args.shared_prefixes)
 
 
 async def run(args: argparse.Namespace, jobs: list[tuple[list[int], int]], rng: random.Random) -> dict:
     async with httpx.AsyncClient(base_url=args.base_url, timeout=None,
                                  limits=httpx.Limits(max_connections=None)) as http:
-        model = args.model or (await http.get("/v1/models")).json()["data"][0]["id"]
+        model = args.model or await first_model(http)
         if args.warmup:
             await one_request(http, model, jobs[0][0], 4)
-        results: list[Result] = []
-        start = time.perf_counter()
-        async with trio.open_nursery() as nursery:
-            if args.request_rate:
-                for prompt, out_len in jobs:
-                    nursery.start_soon(_record, results, http, model, prompt, out_len)
-                    await trio.sleep(rng.expovariate(args.request_rate))
-            else:
-                queue = iter(jobs)
-                for _ in range(args.concurrency):
-                    nursery.start_soon(_client_loop, results, http, model, queue)
-        duration = time.perf_counter() - start
-    return summarize(results, duration, args)
+        # --request-rate: Poisson arrivals, no cap; else --concurrency clients in a closed
+        # loop, which is every request at once with that many in flight.
+        results, duration = await run_load(
+            http, model, jobs, request_rate=args.request_rate or math.inf,
+            max_concurrency=None if args.request_rate else args.concurrency, rng=rng)
+    return _summary(results, duration, args)
 
 
-async def _record(results, http, model, prompt, out_len) -> None:
-    results.append(await one_request(http, model, prompt, out_len))
-
-
-async def _client_loop(results, http, model, queue) -> None:
-    for prompt, out_len in queue:  # a shared iterator: each job is taken once
-        await _record(results, http, model, prompt, out_len)
-
-
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
-
-
-def summarize(results: list[Result], duration: float, args: argparse.Namespace) -> dict:
-    ok = [r for r in results if r.ok]
-    ttfts = [r.ttft for r in ok]
-    itls = [x for r in ok for x in r.itls]
-    out_tokens = sum(r.output_tokens for r in ok)
-    summary = {
-        "concurrency": None if args.request_rate else args.concurrency,
-        "request_rate": args.request_rate or None,
-        "completed": len(ok), "failed": len(results) - len(ok),
-        "duration_s": duration,
-        "request_throughput": len(ok) / duration,
-        "output_tokens_per_s": out_tokens / duration,
-        "mean_ttft_s": statistics.fmean(ttfts) if ttfts else float("nan"),
-    }
-    for q in (50, 90, 99):
-        summary[f"p{q}_ttft_s"] = _pct(ttfts, q)
-    for q in (50, 90, 99):
-        summary[f"p{q}_itl_s"] = _pct(itls, q)
-    errors = sorted({r.error for r in results if not r.ok})
-    if errors:
-        summary["errors"] = errors[:5]
-    return summary
+def _summary(results: list[Result], duration: float, args: argparse.Namespace) -> dict:
+    return {"concurrency": None if args.request_rate else args.concurrency,
+            "request_rate": args.request_rate or None,
+            **summarize(results, duration, percentiles=(50, 90, 99))}
 
 
 def print_summary(s: dict) -> None:
-    print(f"{'completed / failed':28} {s['completed']} / {s['failed']}")
-    print(f"{'duration (s)':28} {s['duration_s']:.2f}")
-    print(f"{'request throughput (req/s)':28} {s['request_throughput']:.3f}")
-    print(f"{'output throughput (tok/s)':28} {s['output_tokens_per_s']:.1f}")
-    for kind in ("ttft", "itl"):
-        line = "  ".join(f"p{q} {s[f'p{q}_{kind}_s'] * 1000:.1f}" for q in (50, 90, 99))
-        print(f"{kind.upper() + ' (ms)':28} {line}")
+    print_report(s)
     base = s.get("baseline")
     if base:
         print(f"{'baseline':28} {base['name']}: {base['output_tokens_per_s']:.1f} output tok/s "
               f"({base['duration_s']:.2f} s); engine / baseline = "
               f"{s['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x")
-    for error in s.get("errors", []):
-        print("error:", error, file=sys.stderr)
 
 
 def _free_port() -> int:
@@ -334,7 +246,6 @@ def _free_port() -> int:
 
 
 def _server_command(kind: str, port: int, args: argparse.Namespace) -> list[str] | None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from engine.models.loader import resolve_model
 
     model = resolve_model(args.baseline_model)
@@ -461,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared-prefixes", type=int, default=0, metavar="K",
                    help="prompts start with one of K shared prefixes of --prefix-len tokens")
     p.add_argument("--prefix-len", type=int, default=256)
+    p.add_argument("--random-token-range", type=parse_token_range, default=DEFAULT_TOKEN_RANGE,
+                   metavar="LO:HI", help="prompt token ids are drawn from [LO, HI)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -505,7 +418,6 @@ def run_transformers(args: argparse.Namespace, jobs: list[tuple[list[int], int]]
     import torch
     from transformers import AutoModelForCausalLM
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from engine.models.loader import load_model, resolve_model
 
     loaded = load_model(resolve_model(args.baseline_model), dtype=args.baseline_dtype)

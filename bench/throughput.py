@@ -42,6 +42,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import engine  # noqa: E402
+from engine.cli.bench import drain, token_range  # noqa: E402 - `python -m engine bench`'s
 from engine.params import SamplingParams  # noqa: E402
 
 
@@ -64,10 +65,10 @@ def workloads(vocab: int, num_prompts: int, seed: int) -> list[Workload]:
     rng = random.Random(seed)
     # Ids from the middle of the vocabulary: ordinary tokens, no specials at the start
     # (a tiny test vocabulary of a few hundred ids: its upper three quarters).
-    lo, hi = min(1000, vocab // 4), min(vocab, 40000) - 1
+    lo, hi = token_range(vocab)
 
     def prompt(n: int) -> list[int]:
-        return [rng.randint(lo, hi) for _ in range(n)]
+        return [rng.randint(lo, hi - 1) for _ in range(n)]
 
     fixed = Workload("fixed 32x64->128", [prompt(64) for _ in range(32)], [128] * 32)
     lens = [(rng.randint(16, 256), rng.randint(16, 192)) for _ in range(num_prompts)]
@@ -109,10 +110,7 @@ async def run_engine(model: str | None, options: dict[str, Any], work: Workload)
 
 
 async def _drain(eng: Any, prompt: Any, n: int, params: SamplingParams | None = None) -> int:
-    params = params or SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    count = 0
-    async for out in eng.generate(prompt, params):
-        count += len(out.token_ids)
+    count = await drain(eng, prompt, n, params)
     assert count == n, (count, n)
     return count
 

@@ -92,7 +92,9 @@ def main() -> None:
     ours_ips = args.images / _best(ours, args.repeats)
     hf_ips = args.images / _best(theirs, args.repeats)
 
-    text = f"<|im_start|>user\n{IMAGE_TEXT}{question}<|im_end|>\n<|im_start|>assistant\n"
+    # The engine's prompt for [image, text] parts under the tiny model's ChatML template,
+    # which reads content as a string: the parts joined with a newline.
+    text = f"<|im_start|>user\n{IMAGE_TEXT}\n{question}<|im_end|>\n<|im_start|>assistant\n"
     hf_times = []
     for i in range(args.repeats + 1):
         t0 = time.perf_counter()

@@ -1,12 +1,15 @@
 """engine: an LLM inference server on trio structured concurrency.
 
-``engine.open_engine`` opens the embedded trio API (see :mod:`engine.api`); it and the
-types around it are imported on first use, so ``import engine`` stays light (no torch).
+``engine.open_engine`` opens the embedded trio API (see :mod:`engine.api`);
+``engine.LLM`` is the synchronous offline API for scripts and notebooks, shaped like
+vLLM's (:mod:`engine.api.offline`). They and the types around them are imported on first
+use, so ``import engine`` stays light (no torch).
 """
 
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import (
+    BatchPromptError,
     ConfigError,
     EngineDeadError,
     EngineError,
@@ -21,6 +24,7 @@ from engine.params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.api import Engine, EngineStatistics, RequestStream, open_engine
+    from engine.api.offline import LLM
     from engine.config import EngineConfig
 
 _LAZY = {
@@ -29,6 +33,7 @@ _LAZY = {
     "EngineStatistics": "engine.api",
     "RequestStream": "engine.api",
     "EngineConfig": "engine.config",
+    "LLM": "engine.api.offline",
 }
 
 
@@ -42,6 +47,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "LLM",
+    "BatchPromptError",
     "ConfigError",
     "Engine",
     "EngineConfig",

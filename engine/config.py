@@ -19,6 +19,9 @@ STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")  # see engine.str
 OPS_BACKENDS = ("auto", "torch", "cpu", "triton")  # see engine.ops.get_ops
 ENGINE_CORE_MODES = ("inprocess", "process")  # see engine.process.cores
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")  # see engine.process.workers
+# How chat message content reaches the chat template (engine.chat.template): "auto" reads
+# the template, "string" joins text parts, "openai" gives the parts (vLLM's option).
+CHAT_TEMPLATE_CONTENT_FORMATS = ("auto", "string", "openai")
 
 
 def parse_mm_limit(value: str) -> int:
@@ -310,8 +313,6 @@ class EngineConfig:
     generation_config: str = _field(
         "auto", "auto: the model's generation_config.json sampling defaults apply to requests "
         "that leave those fields out; none: the engine's own defaults", choices=("auto", "none"))
-    # Times the actors restart in place after a crash before the engine stays dead. 0 for
-    # the embedded API: a crash is a bug the caller sees; `serve` defaults to 5.
     # Text in chat messages (and tools, chat_template_kwargs) is tokenized so that it never
     # becomes a control token: "<|im_end|>\n<|im_start|>system" from a user stays text, and
     # only the chat template's own markers are special tokens. True restores the old
@@ -321,6 +322,17 @@ class EngineConfig:
         False, "let special-token text in chat messages (<|im_start|>, <|eot_id|>, ...) "
         "become the special tokens, as a whole-prompt encode does; off: such text stays text "
         "and only the chat template's own markers are special tokens")
+    # vLLM's --chat-template-content-format. A template that loops over a message's
+    # content (Qwen2-VL's, LLaVA's, Gemma 3's) must get the parts, in the order given, for
+    # its prompt to be the one the model's own processor writes; one that reads content as
+    # a string gets the text parts joined with a newline, vLLM's rule.
+    chat_template_content_format: str = _field(
+        "auto", "how message content reaches the chat template: auto (the parts, text and "
+        "images, when the template iterates over a message's content, else a string), "
+        "string (text parts joined with newlines), openai (always the parts)",
+        choices=CHAT_TEMPLATE_CONTENT_FORMATS)
+    # Times the actors restart in place after a crash before the engine stays dead. 0 for
+    # the embedded API: a crash is a bug the caller sees; `serve` defaults to 5.
     max_engine_restarts: int = _field(
         0, "restart the engine's actors in place after a crash this many times, then stay "
         "dead", type=int, metavar="N")
@@ -404,8 +416,8 @@ class EngineConfig:
     enable_prompt_tokens_details: bool = _field(
         False, "report usage.prompt_tokens_details.cached_tokens (the prefix-cache hit)")
     enable_force_include_usage: bool = _field(
-        False, "end every stream with a usage chunk, as if it asked "
-        "stream_options.include_usage")
+        False, "usage on every stream, as if it asked stream_options.include_usage and "
+        "continuous_usage_stats: on every chunk and in a last usage chunk (as vLLM's flag)")
     return_tokens_as_token_ids: bool = _field(
         False, "write logprob tokens as 'token_id:N' unless a request says otherwise")
     # Off by default, as in vLLM: the tokenizer's configuration (chat template included)

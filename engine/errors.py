@@ -40,6 +40,18 @@ class InvalidParamError(RequestError):
     """A sampling or request parameter is out of range or of the wrong type."""
 
 
+class BatchPromptError(RequestError):
+    """One prompt of an offline batch (:class:`engine.LLM`) was refused before any prompt
+    of the batch ran. ``index`` is its place in the list the caller gave, ``error`` (also
+    ``__cause__``) the refusal itself (an :class:`InvalidParamError`, a
+    :class:`PromptTooLongError`, ...); ``param`` is the refusal's."""
+
+    def __init__(self, index: int, error: RequestError) -> None:
+        super().__init__(f"prompt {index}: {error.message}", param=error.param)
+        self.index = index
+        self.error = error
+
+
 class ConfigError(EngineError, ValueError):
     """An engine option (an :class:`engine.config.EngineConfig` field, a server flag) is out
     of range, of the wrong type or unknown. ``field`` names it where there is one."""

@@ -2,12 +2,15 @@
 
 The data path (admission, in the caller's task or a worker thread):
 
-1. :func:`split_images` takes the image parts out of the chat messages, leaving the
-   model's image token (``<image>``) as a text part in their place, so the chat template
-   renders as for text. Parts are ``{"type": "image_url", "image_url": {"url": ...}}``
-   (a ``data:`` URL; an ``http(s)`` URL only for a host in ``--allowed-media-domains``,
-   fetched in step 2 with a time and size limit and no redirects)
-   or, from the embedded API, ``{"type": "image", "image": <bytes | PIL.Image>}``.
+1. :func:`split_images` takes the image parts out of the chat messages, leaving a bare
+   ``{"type": "image"}`` part in each one's place: the chat template writes the model's
+   image placeholder for it (a template that iterates over content), or the engine does
+   (``ImagePreprocessor.image_text``, for a template that reads content as a string; see
+   :func:`engine.chat.template.apply_chat_template`). Parts are
+   ``{"type": "image_url", "image_url": {"url": ...}}`` (a ``data:`` URL; an ``http(s)``
+   URL only for a host in ``--allowed-media-domains``, fetched in step 2 with a time and
+   size limit and no redirects) or, from the embedded API,
+   ``{"type": "image", "image": <bytes | PIL.Image>}``.
 2. :meth:`ImagePreprocessor.expand` decodes each image with Pillow (PNG, JPEG, WebP; the
    size read from the header is checked against the pixel budget before any pixel is
    decoded), runs the model's own transformers image processor and replaces each image
@@ -73,13 +76,11 @@ def has_images(messages: Any) -> bool:
 
 
 def split_images(
-    messages: Sequence[Any], image_token: str | None, limits: MediaLimits, *, model: str = "model",
-    glue: bool = False,
+    messages: Sequence[Any], takes_images: bool, limits: MediaLimits, *, model: str = "model",
 ) -> tuple[list[Any], list[RawImage]]:
-    """The messages with each image part replaced by a text part holding ``image_token``,
-    and the images in prompt order. ``image_token`` None: a text-only model, refused.
-    ``glue``: a message holding an image becomes one text part, its parts back to back
-    (Qwen-VL's template writes them so; others join text parts with a newline)."""
+    """The messages with each image part replaced by ``{"type": "image"}`` (the parts stay
+    in the order given), and the images in prompt order. ``takes_images`` false: a
+    text-only model, which refuses them."""
     out: list[Any] = []
     images: list[RawImage] = []
     for i, message in enumerate(messages):
@@ -94,7 +95,7 @@ def split_images(
                 parts.append(part)
                 continue
             where = f"messages[{i}].content[{j}]"
-            if image_token is None:
+            if not takes_images:
                 raise InvalidParamError(
                     f"{where}: the model {model} takes text only, not images", param=where)
             images.append(RawImage(where, _part_data(part, kind, where, limits)))
@@ -102,12 +103,34 @@ def split_images(
                 raise InvalidParamError(
                     f"{where}: more than {limits.max_images_per_prompt} images in one request "
                     "(--limit-mm-per-prompt)", param="messages")
-            parts.append({"type": "text", "text": image_token})
-        if glue and all(isinstance(p, Mapping) and p.get("type") == "text"
-                        and isinstance(p.get("text"), str) for p in parts):
-            parts = [{"type": "text", "text": "".join(p["text"] for p in parts)}]
+            parts.append({"type": "image"})
         out.append({**message, "content": parts})
     return out, images
+
+
+def prompt_images(images: Any, takes_images: bool, limits: MediaLimits, *, model: str = "model",
+                  where: str = "images") -> list[RawImage]:
+    """Images given beside a text or token-id prompt (vLLM's ``multi_modal_data``), in the
+    order of the prompt's image tokens: one image or a list, each bytes or a PIL image.
+    A text-only model (``takes_images`` false) refuses them (a 400 naming ``where``)."""
+    items = list(images) if isinstance(images, (list, tuple)) else [images]
+    if not takes_images:
+        raise InvalidParamError(f"{where}: the model {model} takes text only, not images",
+                                param=where)
+    if len(items) > limits.max_images_per_prompt:
+        raise InvalidParamError(f"{where}: {len(items)} images in one request; at most "
+                                f"{limits.max_images_per_prompt} (--limit-mm-per-prompt)",
+                                param=where)
+    out = []
+    for k, data in enumerate(items):
+        at = f"{where}[{k}]"
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            out.append(RawImage(at, bytes(data)))
+        elif _is_pil(data):
+            out.append(RawImage(at, data))
+        else:
+            raise InvalidParamError(f"{at} must be bytes or a PIL image", param=at)
+    return out
 
 
 def _part_data(part: Mapping[str, Any], kind: str, where: str, limits: MediaLimits) -> Any:
@@ -263,15 +286,16 @@ class ImagePreprocessor:
     """The model's own image processor (transformers' ``AutoImageProcessor`` from the
     model folder) and how its images enter a prompt.
 
-    Each image part becomes ``image_text`` in the messages (LLaVA: its image token;
-    Qwen-VL: ``<|vision_start|><|image_pad|><|vision_end|>``), whose ``content_tokens``
-    stay control tokens; the image token is then widened to the image's placeholders:
+    Each image part is written by the chat template as the model's processor expects it,
+    or, in a template that reads content as a string, as ``image_text`` (LLaVA: its image
+    token; Qwen-VL: ``<|vision_start|><|image_pad|><|vision_end|>``, what Qwen-VL's own
+    template writes); the image token is then widened to the image's placeholders:
     ``num_image_tokens`` for a fixed-size tower, or, with ``merge_size`` (Qwen-VL's
     dynamic resolution), ``t * h * w / merge_size**2`` of the image's own patch grid."""
 
     def __init__(self, folder: str | Path, *, image_token_id: int, image_token: str,
                  num_image_tokens: int | None, limits: MediaLimits, merge_size: int | None = None,
-                 image_text: str | None = None, content_tokens: Sequence[str] = (),
+                 image_text: str | None = None,
                  processor_options: Mapping[str, Any] | None = None,
                  marker_ids: Mapping[str, int] | None = None) -> None:
         from transformers import AutoImageProcessor
@@ -284,12 +308,9 @@ class ImagePreprocessor:
         self.num_image_tokens = num_image_tokens
         self.merge_size = merge_size
         self.image_text = image_text if image_text is not None else image_token
-        self.content_tokens = tuple(content_tokens) or (image_token,)
         # The other control tokens image_text holds (Qwen-VL's <|vision_start|>, ...): the
         # prompt must hold exactly one of each per image, none typed by the client.
         self.marker_ids = dict(marker_ids or {})
-        # Qwen-VL's template writes a message's image and text parts back to back.
-        self.glue_parts = merge_size is not None
         self.limits = limits
 
     def pixels(self, raw: RawImage) -> tuple[bytes, tuple[int, ...]]:
@@ -327,9 +348,11 @@ class ImagePreprocessor:
         and the images. Safe in a worker thread (decoding and preprocessing are slow)."""
         at = [i for i, t in enumerate(ids) if t == self.image_token_id]
         if len(at) != len(images):
+            # Text never becomes the token (it is marked as the client's), so the chat
+            # template wrote another count: one that drops some image parts, say.
             raise InvalidParamError(
                 f"the prompt holds {len(at)} {self.image_token} tokens for {len(images)} images "
-                f"(do not write {self.image_token} in text)", param="messages")
+                "(the chat template must write one per image part)", param="messages")
         for text, token_id in self.marker_ids.items():
             if sum(1 for t in ids if t == token_id) != len(images):
                 raise InvalidParamError(f"the prompt holds {text} tokens that are not an "

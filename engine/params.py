@@ -67,8 +67,35 @@ class SamplingParams:
     thinking_token_budget: int | None = None
     think_start_token_ids: tuple[int, ...] = ()
     think_end_token_ids: tuple[int, ...] = ()
+    # vLLM's SamplingParams names this engine has no field for (see VLLM_ONLY_FIELDS), so
+    # that a script written for vLLM runs unchanged: accepted with a value that asks for
+    # nothing beyond what the engine does, refused otherwise. Read once, never stored.
+    best_of: dataclasses.InitVar[int | None] = None
+    detokenize: dataclasses.InitVar[bool] = True
+    spaces_between_special_tokens: dataclasses.InitVar[bool] = True
+    output_kind: dataclasses.InitVar[Any] = None
+    truncate_prompt_tokens: dataclasses.InitVar[int | None] = None
+    bad_words: dataclasses.InitVar[Sequence[str] | None] = None
+    allowed_token_ids: dataclasses.InitVar[Sequence[int] | None] = None
+    logits_processors: dataclasses.InitVar[Sequence[Any] | None] = None
+    extra_args: dataclasses.InitVar[dict[str, Any] | None] = None
+    guided_decoding: dataclasses.InitVar[StructuredOutputs | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, best_of: int | None, detokenize: bool,
+                      spaces_between_special_tokens: bool, output_kind: Any,
+                      truncate_prompt_tokens: int | None, bad_words: Sequence[str] | None,
+                      allowed_token_ids: Sequence[int] | None,
+                      logits_processors: Sequence[Any] | None,
+                      extra_args: dict[str, Any] | None,
+                      guided_decoding: StructuredOutputs | None) -> None:
+        _vllm_only(self, best_of=best_of, detokenize=detokenize,
+                   spaces_between_special_tokens=spaces_between_special_tokens,
+                   output_kind=output_kind, truncate_prompt_tokens=truncate_prompt_tokens,
+                   bad_words=bad_words, allowed_token_ids=allowed_token_ids,
+                   logits_processors=logits_processors, extra_args=extra_args,
+                   guided_decoding=guided_decoding)
+        if self.thinking_token_budget == -1 and not isinstance(self.thinking_token_budget, bool):
+            object.__setattr__(self, "thinking_token_budget", None)  # vLLM's -1: no budget
         # Accept lists and dicts from callers; store hashable tuples.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
@@ -168,6 +195,41 @@ class SamplingParams:
 
     def replace(self, **changes: Any) -> SamplingParams:
         return dataclasses.replace(self, **changes)
+
+
+# vLLM's SamplingParams fields without a field here, and the one value of each that asks
+# for nothing more than this engine does (None: only None). ``best_of`` may also equal
+# ``n`` (vLLM V1 itself samples no extra sequences); ``guided_decoding`` (vLLM's older
+# name for ``structured_outputs``) is taken as the engine's StructuredOutputs.
+VLLM_ONLY_FIELDS: dict[str, Any] = {
+    "best_of": None,
+    "detokenize": True,  # the text is always detokenized
+    "spaces_between_special_tokens": True,  # fast tokenizers decode so; vLLM's default
+    "output_kind": None,  # the embedded API streams deltas; engine.LLM returns final outputs
+    "truncate_prompt_tokens": None,
+    "bad_words": None,
+    "allowed_token_ids": None,
+    "logits_processors": None,
+    "extra_args": None,
+}
+
+
+def _vllm_only(params: SamplingParams, *, guided_decoding: Any, **values: Any) -> None:
+    """Check the vLLM-only arguments (:data:`VLLM_ONLY_FIELDS`); maps ``guided_decoding``."""
+    for name, value in values.items():
+        neutral = VLLM_ONLY_FIELDS[name]
+        if value is None or value == neutral or (value in ([], (), {}) and neutral is None):
+            continue
+        if name == "best_of" and value == params.n:
+            continue
+        raise InvalidParamError(
+            f"{name}={value!r} is a vLLM sampling parameter this engine does not implement "
+            f"(only {neutral!r} is accepted)", param=name)
+    if guided_decoding is not None:
+        if params.structured_outputs is not None:
+            raise InvalidParamError("guided_decoding is vLLM's older name for "
+                                    "structured_outputs: give one of them", param="guided_decoding")
+        object.__setattr__(params, "structured_outputs", guided_decoding)
 
 
 def _bias_pairs(value: Any) -> tuple[tuple[Any, Any], ...]:

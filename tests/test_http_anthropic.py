@@ -116,6 +116,39 @@ def test_stop_sequence_ends_the_answer_where_it_first_appears(server, clients):
     assert "".join(b.text for b in stopped.content) == text[:text.index(stop)]
 
 
+@pytest.fixture(scope="module")
+def ending(tmp_path_factory):
+    """A server whose model ends its text at any token of its base vocabulary (every one an
+    EOS id): only ignore_eos lets it write more than one token."""
+    import engine.api
+    from engine.models.testing import TINY_VOCAB_SIZE
+
+    folder = write_marker_model(tmp_path_factory.mktemp("ending") / "m", CHATML_TEMPLATE)
+    config = json.loads((folder / "generation_config.json").read_text())
+    config["eos_token_id"] = list(range(TINY_VOCAB_SIZE))
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    with ServerThread(lambda: engine.api.open_engine(
+            str(folder), served_model_name=MODEL, max_model_len=512,
+            kv_cache_memory=16 * 2**20), chat=ChatSettings()) as srv:
+        yield srv
+
+
+def test_ignore_eos_is_honoured_as_on_the_chat_route(ending):
+    client = anthropic.Anthropic(base_url=ending.base_url, api_key="unused", max_retries=0)
+    with client:
+        ended = client.messages.create(model=MODEL, messages=ASK, max_tokens=8,
+                                       extra_body=GREEDY)
+        assert (ended.stop_reason, ended.usage.output_tokens) == ("end_turn", 1)
+        for body in ({**GREEDY, "ignore_eos": True}, {**GREEDY, "ignore_eos": "true"}):
+            full = client.messages.create(model=MODEL, messages=ASK, max_tokens=8,
+                                          extra_body=body)
+            assert (full.stop_reason, full.usage.output_tokens) == ("max_tokens", 8)
+    chat = httpx.post(ending.base_url + "/v1/chat/completions", json={
+        "model": MODEL, "messages": ASK, "max_tokens": 8, "ignore_eos": True,
+        **GREEDY}).json()
+    assert full.content[0].text == chat["choices"][0]["message"]["content"]
+
+
 def _events(server, body):
     """The raw SSE stream: (event name, data) pairs."""
     pairs = []

@@ -1,14 +1,25 @@
 """The connection edge: early answers drain their body, closing closes, idle connections
-time out, header limits. Raw sockets against the real hypercorn server (fake engine)."""
+time out, header limits, WebSocket handshakes refused, unknown transfer codings, HTTP/2
+streams the client never lets the server write to. Raw sockets against the real
+hypercorn server (fake engine)."""
 
 from __future__ import annotations
 
+import json
+import logging
 import re
 import socket
 import time
 
+import h2.connection
+import h2.errors
+import h2.events
+import h2.settings
 import httpx
 import pytest
+import wsproto
+import wsproto.events
+from h2_client import H2Client
 from http_fake_engine import open_fake_engine
 from http_server import ServerThread
 
@@ -188,13 +199,132 @@ def test_an_http2_connection_closes_once_its_last_stream_is_done(h2c_server) -> 
     assert any(isinstance(e, h2.events.StreamEnded) and e.stream_id == stream for e in events)
 
 
-@pytest.mark.parametrize("coding", [b"xchunked", b"gzip, chunked", b"chunked, xchunked"])
-def test_an_unknown_transfer_coding_gets_501(server, coding: bytes) -> None:
+@pytest.mark.parametrize("coding", [b"xchunked", b"XCHUNKED", b"gzip, chunked",
+                                    b"chunked, xchunked"])
+@pytest.mark.parametrize("shape", ["chunked_body", "with_content_length", "second_request"])
+def test_an_unknown_transfer_coding_gets_501(server, coding: bytes, shape: str) -> None:
+    # RFC 9112 section 6.1: a server that receives a transfer coding it does not
+    # understand SHOULD respond with 501, and the body's length is then unknown, so the
+    # connection closes.
+    head = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+            b"\r\ntransfer-encoding: " + coding + b"\r\n")
+    body = b"5\r\nhello\r\n0\r\n\r\n"
+    if shape == "with_content_length":
+        head += b"content-length: %d\r\n" % len(body)
     with _connect(server) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
-                     b"application/json\r\ntransfer-encoding: " + coding + b"\r\n\r\n")
-        # The body after the head, as a client that waits for nothing sends it.
-        sock.sendall(b"5\r\nhello\r\n0\r\n\r\n")
-        status, head, _ = _read_response(sock)
-        assert status == 501
+        if shape == "second_request":  # on a keep-alive connection that served one
+            sock.sendall(HEALTH)
+            assert _read_response(sock)[0] == 200
+        # The body right after the head, as a client that waits for nothing sends it.
+        sock.sendall(head + b"\r\n" + body)
+        assert _read_response(sock)[0] == 501
         assert sock.recv(1) == b""  # and the connection is closed
+
+
+def _websocket_handshake(path: str) -> tuple[wsproto.WSConnection, bytes]:
+    """A WebSocket client (wsproto, hypercorn's own WebSocket library) and its handshake."""
+    client = wsproto.WSConnection(wsproto.ConnectionType.CLIENT)
+    return client, client.send(wsproto.events.Request(host="x", target=path))
+
+
+@pytest.mark.parametrize("path", ["/health", "/v1/completions", "/v1/chat/completions",
+                                  "/v1/models", "/nowhere"])
+def test_a_websocket_upgrade_is_a_400_without_a_traceback(server, path, caplog) -> None:
+    # Regression: any route answered a WebSocket handshake with a 500 and five tracebacks
+    # (the error handler read `request` outside a request context).
+    client, handshake = _websocket_handshake(path)
+    with caplog.at_level(logging.WARNING), _connect(server) as sock:
+        sock.sendall(handshake)
+        events = []
+        while data := sock.recv(65536):  # the server closes after its answer
+            client.receive_data(data)
+            events.extend(client.events())
+    rejection = next(e for e in events if isinstance(e, wsproto.events.RejectConnection))
+    assert rejection.status_code == 400
+    body = b"".join(e.data for e in events if isinstance(e, wsproto.events.RejectData))
+    assert json.loads(body)["error"]["code"] == "websocket_not_supported"
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+def test_an_http2_websocket_connect_is_a_400(h2c_server, caplog) -> None:
+    # RFC 8441's WebSocket over HTTP/2 (an extended CONNECT), which hypercorn offers.
+    client = h2.connection.H2Connection()
+    client.initiate_connection()
+    events = []
+    with caplog.at_level(logging.WARNING), _connect(h2c_server) as sock:
+        sock.sendall(client.data_to_send())
+        while not any(isinstance(e, h2.events.RemoteSettingsChanged) for e in events):
+            events.extend(client.receive_data(sock.recv(65536)))
+        assert client.remote_settings[h2.settings.SettingCodes.ENABLE_CONNECT_PROTOCOL] == 1
+        stream = client.get_next_available_stream_id()
+        client.send_headers(stream, [(":method", "CONNECT"), (":protocol", "websocket"),
+                                     (":scheme", "http"), (":path", "/v1/completions"),
+                                     (":authority", "x"), ("sec-websocket-version", "13")])
+        sock.sendall(client.data_to_send())
+        while not any(isinstance(e, h2.events.StreamEnded) and e.stream_id == stream
+                      for e in events):
+            data = sock.recv(65536)
+            assert data, "the server closed the connection"
+            events.extend(client.receive_data(data))
+            sock.sendall(client.data_to_send())
+    headers = next(dict(e.headers) for e in events if isinstance(e, h2.events.ResponseReceived))
+    assert headers[b":status"] == b"400"
+    body = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
+    assert json.loads(body)["error"]["code"] == "websocket_not_supported"
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+# An engine slow enough that hypercorn's 32 KiB stream buffer would take seconds to fill
+# with streamed tokens (about 200 bytes of SSE each: 160 tokens, 8 s at this step), with
+# few running slots and a short send timeout.
+STALL_STEP_SECONDS = 0.05
+STALL_SEND_TIMEOUT = 0.5
+STALL_SLOTS = 2
+
+
+@pytest.fixture(scope="module")
+def stall_server(tmp_path_factory):
+    tokenizer = Tokenizer.from_folder(write_tiny_model(tmp_path_factory.mktemp("tiny"), "llama"))
+    opener = lambda: open_fake_engine(  # noqa: E731
+        tokenizer, step_delay=STALL_STEP_SECONDS, max_model_len=2048, kv_blocks=1024,
+        max_num_seqs=STALL_SLOTS, served_model_name="tiny")
+    with ServerThread(opener, send_timeout=STALL_SEND_TIMEOUT,
+                      serve_options={"enable_h2c": True}) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("window", [0, 1000], ids=["window_started_at_0", "window_shrank_to_0"])
+def test_an_h2_stream_the_client_never_lets_the_server_write_to_is_cut_after_the_send_timeout(
+        stall_server, window) -> None:
+    # Regression: a stream's writes waited only once hypercorn's buffer was full, so a
+    # client that never opened its window held its running slots for as long as the
+    # generations took to write 32 KiB each (minutes on a slow model), not --send-timeout.
+    engine = stall_server.engine
+    host, port = stall_server.base_url.removeprefix("http://").split(":")
+    client = H2Client((host, int(port)), window=window)
+    body = {"prompt": "hello", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    streams = [client.request(body) for _ in range(2 * STALL_SLOTS)]
+    client.flush()
+    try:
+        t0 = time.monotonic()
+        other = httpx.post(stall_server.base_url + "/v1/completions", timeout=READ_LIMIT,
+                           json={"prompt": "hello", "max_tokens": 2})
+        waited = time.monotonic() - t0
+        assert other.status_code == 200
+        # It waited for two rounds of stalled streams to be cut: one send timeout each
+        # (plus a few tokens each, the window's worth), where filling the buffers would
+        # have taken 8 s a round.
+        assert waited < 2 * STALL_SEND_TIMEOUT + 2.0, waited
+        client.pump_until_reset(streams, time.monotonic() + READ_LIMIT)
+        assert client.resets() == {s: h2.errors.ErrorCodes.CANCEL for s in streams}
+        assert all(client.received(s) <= window for s in streams)
+        # The engine has aborted them all and freed their KV blocks (its tasks end
+        # within a step of the abort).
+        deadline = time.monotonic() + READ_LIMIT
+        while (stats := stall_server.call(engine.statistics)).running and \
+                time.monotonic() < deadline:
+            time.sleep(STALL_STEP_SECONDS)
+        assert (stats.running, stats.waiting) == (0, 0)
+        assert stats.kv_blocks_free == stats.kv_blocks_total
+    finally:
+        client.close()

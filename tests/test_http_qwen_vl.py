@@ -11,7 +11,7 @@ import pytest
 
 from tests.http_server import ServerThread
 from tests.test_llava import data_url
-from tests.test_qwen_vl import IMAGES, QUESTION, _image, hf_model, hf_run
+from tests.test_qwen_vl import IMAGES, QUESTION, _image, hf_model, hf_run, write_folder
 
 MODEL = "tiny-qwen2-vl"
 MAX_TOKENS = 12
@@ -19,9 +19,7 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    from engine.models.testing import write_tiny_qwen_vl
-
-    return write_tiny_qwen_vl(tmp_path_factory.mktemp("tiny-qwen2-vl"), "qwen2_vl")
+    return write_folder(tmp_path_factory.mktemp("tiny-qwen2-vl"), "qwen2_vl")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from chat_fixtures import TOOL_TEMPLATE, write_marker_model
+from chat_fixtures import THINK_TEMPLATE, TIME_TOOL, TOOL_TEMPLATE, marker_id, write_marker_model
 from http_fake_engine import open_fake_engine
 from http_server import ServerThread
 
@@ -100,6 +100,75 @@ def test_a_role_that_is_no_string_is_a_400_naming_it(fake, role):
                    json={"model": MODEL, "messages": [{"role": role, "content": "x"}]})
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "messages[0].role"
+
+
+# -- what vLLM's pydantic models take ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["true", "True", "YES", "on", "1", 1, 1.0, "false", "off",
+                                   "0", 0, 0.0, "maybe", "", 2, 0.5, [True]])
+def test_a_boolean_field_is_read_as_vllms_pydantic_models_read_it(fake, value):
+    """Oracle: pydantic's own lax reading of a ``bool | None`` field (vLLM's
+    ``ChatCompletionRequest.logprobs``); what it refuses is a 400 naming the field."""
+    import pydantic
+
+    class Request(pydantic.BaseModel):
+        logprobs: bool | None = False
+
+    try:
+        expected = Request.model_validate_json(json.dumps({"logprobs": value})).logprobs
+    except pydantic.ValidationError:
+        expected = None
+    with _client(fake) as client:
+        if expected is None:
+            with pytest.raises(openai.BadRequestError) as info:
+                client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2,
+                                               logprobs=value)
+            assert info.value.body["param"] == "logprobs"
+            return
+        reply = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2,
+                                               logprobs=value)
+    (choice,) = reply.choices
+    assert (choice.logprobs is not None) is expected
+    if expected:
+        assert len(choice.logprobs.content) == reply.usage.completion_tokens
+
+
+def test_whole_answers_carry_service_tier_and_system_fingerprint_as_null(fake):
+    with _client(fake) as client:
+        chat = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2)
+        text = client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    for reply in (chat, text):
+        # Sent as null keys: to_dict() keeps only the keys the server sent (the client
+        # would read an absent key as None too).
+        sent = reply.to_dict()
+        assert "service_tier" in sent and "system_fingerprint" in sent
+        assert sent["service_tier"] is None and sent["system_fingerprint"] is None
+
+
+def test_tokenize_with_tools_on_a_template_without_them_counts_the_fallback_prompt(fake, folder):
+    """A template that never reads tools drops them when vLLM renders it (its /tokenize
+    is transformers' rendering); here the chat route runs them in the fallback tool prompt,
+    and /tokenize counts what the chat route runs (the documented departure)."""
+    from transformers import AutoTokenizer
+
+    from engine.models.testing import CHATML_TEMPLATE
+
+    tools = [UNIT_TOOL]
+    body = {"messages": ASK, "tools": tools, "chat_template": CHATML_TEMPLATE}
+    ours = _tokenize(fake, **body)
+    assert ours.status_code == 200, ours.text
+    hf = AutoTokenizer.from_pretrained(folder)
+    dropped = hf.apply_chat_template(ASK, tools=tools, chat_template=CHATML_TEMPLATE,
+                                     add_generation_prompt=True, tokenize=False)
+    assert "set_unit" not in dropped  # what vLLM counts: the tools are gone
+    text = hf.decode(ours.json()["tokens"])
+    assert "set_unit" in text and text.endswith(dropped.split("<|im_start|>user")[-1])
+    with _client(fake) as client:
+        reply = client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=tools, max_tokens=1,
+            extra_body={"chat_template": CHATML_TEMPLATE, "return_token_ids": True})
+    assert reply.model_extra["prompt_token_ids"] == ours.json()["tokens"]
 
 
 # -- hostile templates ------------------------------------------------------------------
@@ -211,6 +280,38 @@ def test_a_forced_call_wins_over_response_format_as_in_vllm(real):
                 max_tokens=5, extra_body={"guided_regex": "[a-z]+"})
         assert info.value.body["param"] == "tool_choice"
         assert "response_format" in info.value.body["message"]
+
+
+# A oneOf whose branches cannot both match (an integer, or one of two words): a
+# response_format holds the output to it, and so must a tool's parameters.
+WHEN_SCHEMA = {"type": "object", "properties": {"when": {"oneOf": [
+    {"type": "integer", "minimum": 0, "maximum": 9},
+    {"type": "string", "enum": ["now", "later"]}]}}, "required": ["when"],
+    "additionalProperties": False}
+WHEN_TOOL = {"type": "function", "function": {"name": "remind", "parameters": WHEN_SCHEMA}}
+
+
+@pytest.mark.parametrize("choice", ["required", "auto",
+                                    {"type": "function", "function": {"name": "remind"}}])
+def test_one_of_in_tool_parameters_is_enforced_as_in_response_format(real, folder, choice):
+    """The calls of every tool_choice (required and auto in hermes' <tool_call> syntax, a
+    named call as JSON) hold to the oneOf, as a response_format with the same schema does;
+    jsonschema is the oracle."""
+    from chat_fixtures import marker_id
+
+    opening = marker_id(Tokenizer.from_folder(folder), "<tool_call>")
+    with _client(real) as client:
+        formatted = client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=60, temperature=0, response_format={
+                "type": "json_schema", "json_schema": {"name": "w", "schema": WHEN_SCHEMA}})
+        jsonschema.validate(json.loads(formatted.choices[0].message.content), WHEN_SCHEMA)
+        # (auto: a bias on <tool_call> makes the random model open a call.)
+        reply = client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[WHEN_TOOL], tool_choice=choice, max_tokens=60,
+            temperature=0, parallel_tool_calls=False, logit_bias={str(opening): 100})
+    (call,) = reply.choices[0].message.tool_calls
+    assert call.function.name == "remind"
+    jsonschema.validate(json.loads(call.function.arguments), WHEN_SCHEMA)
 
 
 # -- serving options ----------------------------------------------------------------------
@@ -329,7 +430,12 @@ def test_generate_tokens_route_matches_transformers_greedy_tokens(real, folder):
     ({"token_ids": [1, "a"], "sampling_params": {}}, "token_ids"),
     ({"token_ids": [1], "sampling_params": {"bad_words": ["x"]}}, "sampling_params.bad_words"),
     ({"token_ids": [1], "sampling_params": {"frobnicate": 1}}, "sampling_params.frobnicate"),
-    ({"token_ids": [1], "sampling_params": {}, "stream": True}, "stream"),
+    ({"token_ids": [1], "sampling_params": {}, "stream": "maybe"}, "stream"),
+    ({"token_ids": [1], "sampling_params": {}, "stream": True, "stream_options": 1},
+     "stream_options"),
+    # Without text there is nothing to match stop strings in (vLLM's 400).
+    ({"token_ids": [1], "sampling_params": {"detokenize": False, "stop": ["x"]}},
+     "sampling_params.stop"),
     ({"token_ids": [1], "sampling_params": {"temperature": -1}}, "temperature"),
     ({"token_ids": [10**6], "sampling_params": {}}, "prompt"),
 ])
@@ -394,6 +500,27 @@ def test_metrics_under_vllms_names_with_the_request_params(real):
         after["vllm:num_requests_waiting"], "")
 
 
+def test_iteration_tokens_count_the_token_a_prefill_samples_as_vllm(real):
+    # vLLM counts an iteration's prompt tokens plus the tokens it gave out: a prefill
+    # that samples is prompt + 1, each decode step 1, and nothing else is a step. (The
+    # prompt is under one 16-token block: no prefix-cache hit makes it cheaper.)
+    prompt, generated, requests = [5, 17, 42, 99, 7, 11, 13, 2, 8], 10, 3
+    _, before = _families(real)
+    with _client(real) as client:
+        for _ in range(requests):
+            done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=generated,
+                                             temperature=0, extra_body={"ignore_eos": True})
+            assert done.usage.completion_tokens == generated
+    _, after = _families(real)
+
+    def grew(suffix):
+        name = "vllm:iteration_tokens_total"
+        return _sample(after[name], suffix) - _sample(before[name], suffix)
+
+    assert grew("_count") == requests * generated
+    assert grew("_sum") == requests * (len(prompt) + generated)
+
+
 # -- render -------------------------------------------------------------------------------
 
 
@@ -407,7 +534,9 @@ def test_chat_render_is_the_generate_request_the_chat_would_run(real, folder):
     assert r.status_code == 200, r.text
     rendered = r.json()
     assert set(rendered) >= {"request_id", "token_ids", "sampling_params", "model"}
-    assert rendered["request_id"] == "render-1"
+    # The id the chat answer would carry, with vLLM's prefix.
+    assert rendered["request_id"] == "chatcmpl-render-1"
+    assert (rendered["stream"], rendered["stream_options"]) == (False, None)
     hf = AutoTokenizer.from_pretrained(folder)
     text = hf.apply_chat_template(ASK, add_generation_prompt=True, tokenize=False)
     assert rendered["token_ids"] == hf.encode(text, add_special_tokens=False)
@@ -417,6 +546,18 @@ def test_chat_render_is_the_generate_request_the_chat_would_run(real, folder):
     chat = httpx.post(real.base_url + "/v1/chat/completions",
                       json={**body, "return_token_ids": True}).json()
     assert generated["choices"][0]["token_ids"] == chat["choices"][0]["token_ids"]
+    # A streamed chat renders as a streamed generate request, which runs as one.
+    options = {"include_usage": True, "continuous_usage_stats": False}
+    streamed = httpx.post(real.base_url + "/v1/chat/completions/render",
+                          json={**body, "stream": True, "stream_options": options}).json()
+    assert (streamed["stream"], streamed["stream_options"]) == (True, options)
+    assert streamed["request_id"].startswith("chatcmpl-")
+    events = httpx.post(real.base_url + "/inference/v1/generate", json=streamed).text
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events.split("\n\n")
+              if e and e != "data: [DONE]"]
+    assert [t for c in chunks[:-1] for t in c["choices"][0]["token_ids"]] == \
+        chat["choices"][0]["token_ids"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 6
 
 
 def test_completions_render_gives_one_request_per_prompt(fake, folder):
@@ -431,6 +572,8 @@ def test_completions_render_gives_one_request_per_prompt(fake, folder):
     assert first["token_ids"] == hf.encode("The quick fox")
     assert second["token_ids"] == hf.encode("Hello")
     assert first["request_id"] != second["request_id"]
+    assert all(x["request_id"].startswith("cmpl-") and x["stream"] is False
+               for x in (first, second))
     params = first["sampling_params"]
     # Completions' default max_tokens (16), and the request's own fields.
     assert (params["max_tokens"], params["n"], params["stop"], params["seed"]) == (16, 2, ["."], 3)
@@ -513,3 +656,44 @@ def test_the_forced_token_follows_the_markers():
     assert thinking_forced_token(q3, [1, 2, 3, 4]) is None  # it did not think
     assert thinking_forced_token(q3, [7, 1]) is None
     assert thinking_forced_token(q3, [7, 1, 2]) == 9
+
+
+# -- a hybrid thinker with its thinking turned off ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """Qwen3's shape: a template that writes an empty <think></think> when enable_thinking
+    is false, read by the qwen3 reasoning parser."""
+    import engine.api
+
+    folder = write_marker_model(tmp_path_factory.mktemp("hybrid") / "m", THINK_TEMPLATE)
+    with ServerThread(lambda: engine.api.open_engine(
+            str(folder), served_model_name=MODEL, max_model_len=1024,
+            kv_cache_memory=16 * 2**20), chat=ChatSettings(reasoning_parser="qwen3")) as srv:
+        yield srv, folder
+
+
+def test_a_named_call_with_thinking_off_is_the_call_not_reasoning(hybrid):
+    """enable_thinking: false closes the reasoning in the prompt: the named call's grammar
+    starts at once (a bias toward <think> cannot open a reasoning block), the answer has
+    no reasoning, and the call holds its arguments, which validate."""
+    server, folder = hybrid
+    think = marker_id(Tokenizer.from_folder(folder), "<think>")
+    named = {"type": "function", "function": {"name": "get_time"}}
+    with _client(server) as client:
+        reply = client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[TIME_TOOL], tool_choice=named,
+            max_completion_tokens=40, temperature=0, logit_bias={str(think): 100},
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        (choice,) = reply.choices
+        assert choice.message.model_extra["reasoning"] is None
+        assert choice.finish_reason == "stop", choice  # a named call, as OpenAI and vLLM end it
+        (call,) = choice.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments),
+                            TIME_TOOL["function"]["parameters"])
+        # With thinking on, the reasoning parser still reads a <think> block first.
+        thinking = client.chat.completions.create(
+            model=MODEL, messages=ASK, max_completion_tokens=4, temperature=0,
+            logit_bias={str(think): 100}, extra_body={"ignore_eos": True})
+        assert thinking.choices[0].message.model_extra["reasoning"] is not None

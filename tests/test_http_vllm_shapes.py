@@ -130,13 +130,24 @@ def test_continuous_usage_stats_put_usage_on_every_chunk(server):
         assert all(c.usage is None for c in plain[:-1])
 
 
-def test_force_include_usage_ends_every_stream_with_usage(server, flagged):
-    for srv, expected in ((server, False), (flagged, True)):
-        chunks = list(_client(srv).completions.create(model=MODEL, prompt=PROMPT, stream=True,
-                                                      **GREEDY))
-        assert (chunks[-1].usage is not None) is expected
-        if expected:
-            assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+def test_force_include_usage_puts_usage_on_every_chunk_as_vllm(server, flagged):
+    # vLLM's --enable-force-include-usage acts as include_usage and continuous_usage_stats
+    # both: usage on every chunk, and a final usage chunk.
+    messages = [{"role": "user", "content": PROMPT}]
+    for srv, forced in ((server, False), (flagged, True)):
+        client = _client(srv)
+        for create, request in ((client.completions.create, {"prompt": PROMPT}),
+                                (client.chat.completions.create, {"messages": messages})):
+            *body, last = list(create(model=MODEL, stream=True, **request, **GREEDY))
+            if not forced:
+                assert all(c.usage is None for c in [*body, last])
+                continue
+            assert last.choices == [] and last.usage.completion_tokens == 6
+            prompt = last.usage.prompt_tokens
+            assert body and all(c.usage is not None for c in body)
+            counts = [c.usage.completion_tokens for c in body]
+            assert all(c.usage.prompt_tokens == prompt for c in body)
+            assert counts == sorted(counts) and counts[-1] == 6
 
 
 # -- prompt_logprobs -----------------------------------------------------------------------
@@ -302,6 +313,75 @@ def test_top_logprobs_minus_1_where_the_server_allows_it(server, flagged):
     assert _post(flagged, "/v1/completions", {"prompt": "hi", "logprobs": 21}).status_code == 200
 
 
+# -- /inference/v1/generate -----------------------------------------------------------------
+
+
+def _generate(server, ids, **sampling):
+    r = httpx.post(server.base_url + "/inference/v1/generate", timeout=60, json={
+        "model": MODEL, "token_ids": ids, "sampling_params": sampling})
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    return choice
+
+
+def test_generate_route_top_logprobs_hold_max_n_1_entries(server, hf):
+    """vLLM's tokens-only logprobs: tokens named token_id:N, and max(logprobs, 1) entries,
+    the chosen token first (transformers' logits are the oracle)."""
+    ids = _ids(server, PROMPT)
+    for n in (0, 1, 3):
+        choice = _generate(server, ids, temperature=0, max_tokens=4, ignore_eos=True,
+                           logprobs=n)
+        rows = _hf_logprobs(hf, ids + choice["token_ids"])[len(ids) - 1:]
+        content = choice["logprobs"]["content"]
+        assert [c["token"] for c in content] == [f"token_id:{t}" for t in choice["token_ids"]]
+        for k, item in enumerate(content):
+            top = item["top_logprobs"]
+            assert len(top) == max(n, 1)
+            # Greedy: the chosen token is the most likely, so the entries are the best ones.
+            assert [t["token"] for t in top] == [
+                f"token_id:{t}" for t in rows[k].topk(max(n, 1)).indices.tolist()]
+            assert top[0]["logprob"] == item["logprob"] == pytest.approx(
+                rows[k].max().item(), abs=1e-4)
+    assert _generate(server, ids, max_tokens=2)["logprobs"] is None
+
+
+def test_generate_route_without_max_tokens_fills_the_context(server):
+    ids = _ids(server, PROMPT)
+    choice = _generate(server, ids, temperature=0, ignore_eos=True)
+    assert choice["finish_reason"] == "length"
+    assert len(choice["token_ids"]) == 256 - len(ids)  # the server's max_model_len
+
+
+def _sse(response):
+    events = [line.removeprefix("data: ") for line in response.text.split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_generate_route_streams_the_same_tokens(server):
+    ids = _ids(server, PROMPT)
+    sampling = {"temperature": 0, "max_tokens": 6, "ignore_eos": True, "logprobs": 1}
+    whole = _generate(server, ids, **sampling)
+    r = httpx.post(server.base_url + "/inference/v1/generate", timeout=60, json={
+        "model": MODEL, "token_ids": ids, "sampling_params": sampling, "request_id": "g-1",
+        "stream": True, "stream_options": {"include_usage": True,
+                                           "continuous_usage_stats": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    *chunks, last = _sse(r)
+    assert all(c["request_id"] == last["request_id"] == "g-1" for c in chunks)
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == whole["token_ids"]
+    assert [i for c in chunks for i in c["choices"][0]["logprobs"]["content"]] == \
+        whole["logprobs"]["content"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+    assert [c["usage"]["completion_tokens"] for c in chunks] == list(range(1, 7))
+    assert last["choices"] == [] and last["usage"] == {
+        "prompt_tokens": len(ids), "completion_tokens": 6, "total_tokens": len(ids) + 6}
+    # Without stream_options: no usage anywhere.
+    plain = _sse(httpx.post(server.base_url + "/inference/v1/generate", timeout=60, json={
+        "model": MODEL, "token_ids": ids, "sampling_params": sampling, "stream": True}))
+    assert all(c["usage"] is None and c["choices"] for c in plain)
+
+
 # -- echo ----------------------------------------------------------------------------------
 
 
@@ -400,8 +480,25 @@ def test_a_forced_call_cut_short_is_no_call(scripted):
         (answer,) = cut.choices
         assert answer.finish_reason == "length"
         assert answer.message.content == ""  # as vLLM: empty, not null, for a forced call
-        if choice == "required":
-            assert answer.message.tool_calls == []  # no fragment of the markup as a call
+        assert answer.message.tool_calls == []  # no fragment of the markup as a call
+
+
+def test_a_named_call_ends_with_stop_and_required_with_tool_calls(scripted):
+    """OpenAI's and vLLM's finish for a call that ended on its own: "stop" under a named
+    tool_choice, "tool_calls" under required; streamed or not."""
+    client = _client(scripted)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, script, ended in ((named, '{"city": "Paris", "unit": "celsius"}', "stop"),
+                                  ("required", CALL, "tool_calls")):
+        scripted.engine.script = script
+        whole = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                               tool_choice=choice)
+        (answer,) = whole.choices
+        assert answer.finish_reason == ended
+        assert [c.function.name for c in answer.message.tool_calls] == ["get_weather"]
+        chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                                     tool_choice=choice, stream=True))
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ended
 
 
 @pytest.mark.parametrize("constrained", [False, True])

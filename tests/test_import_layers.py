@@ -214,3 +214,45 @@ def test_the_cycle_finder_finds_a_loop_through_three_modules() -> None:
             Import("c", "a", 1, False, False), Import("c", "d", 1, False, False)]
     assert _cycles(loop, {"a", "b", "c", "d"}) == [["a", "b", "c"]]
     assert _cycles(loop[1:], {"a", "b", "c", "d"}) == []
+
+
+def _picture_arrows() -> list[tuple[tuple[str, ...], str]]:
+    """The arrows of the floor picture that opens docs/architecture.md: each ``A, B --> C,
+    D`` line of its first fenced block means some module of A or B imports C, and D."""
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    block = doc.split("```", 2)[1]
+    arrows = []
+    for line in block.splitlines():
+        if "-->" not in line:
+            continue
+        left, right = line.split("-->")
+        sources = tuple(s.strip() for s in left.split(None, 1)[1].split(","))
+        arrows.extend((sources, target.strip()) for target in right.split(","))
+    return arrows
+
+
+def _package(name: str) -> str:
+    return "engine." + name.rstrip("/")
+
+
+def test_every_arrow_of_the_floor_picture_is_an_import_that_exists() -> None:
+    arrows = _picture_arrows()
+    assert len(arrows) > 50  # the picture was found and read
+    running = {(i.source, i.target) for i in IMPORTS if not i.typing_only}
+
+    def within(module: str, package: str) -> bool:
+        return module == package or module.startswith(package + ".")
+
+    missing = []
+    for sources, target in arrows:
+        groups = [_package(s) for s in sources]
+        if not any(within(a, g) and within(b, _package(target)) for a, b in running for g in groups):
+            missing.append(f"{', '.join(sources)} --> {target}")
+    assert missing == []
+
+
+def test_the_floor_picture_lists_the_floors_in_order() -> None:
+    # Each arrow of the picture points down a floor (or stays on one).
+    for sources, target in _picture_arrows():
+        for source in sources:
+            assert _floor(_package(target)) >= _floor(_package(source)), (source, target)

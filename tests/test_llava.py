@@ -1,8 +1,9 @@
 """LLaVA (a CLIP vision tower and projector before the tiny Llama) through the engine,
 against transformers' LlavaForConditionalGeneration on its own processor's output.
 
-The engine gets chat messages with image parts; transformers gets the same conversation as
-text (written out by hand) through ``LlavaProcessor``. Checked: the expanded prompt ids,
+The tiny model carries LLaVA-1.5's own chat template. The engine gets chat messages with
+image parts; transformers gets the same conversation through ``LlavaProcessor``'s
+``apply_chat_template`` and the processor. Checked: the expanded prompt ids,
 the log-softmax of the logits at every prompt position (``prompt_logprobs`` over the whole
 vocabulary) and 24 greedy tokens with their full distributions, for one image, two images
 in one message, and an image split across chunked-prefill chunks; then the prefix cache
@@ -23,6 +24,7 @@ import engine
 from engine.errors import InvalidParamError
 from engine.models.testing import IMAGE_TOKEN, write_tiny_llava
 from tests.engine_helpers import collect, greedy, token_ids, wait_idle
+from tests.template_data import LLAVA_1_5, checkpoint_template
 
 NEW_TOKENS = 24
 QUESTION = "What is in the picture? Describe it."
@@ -51,15 +53,18 @@ def _messages(images: list, question: str = QUESTION) -> list[dict]:
     return [{"role": "user", "content": [*parts, {"type": "text", "text": question}]}]
 
 
-def _hf_text(num_images: int, question: str = QUESTION) -> str:
-    # The ChatML template over content parts joined by newlines, written out by hand.
-    body = "\n".join([IMAGE_TOKEN] * num_images + [question])
-    return f"<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
+def _hf_text(processor, num_images: int, question: str = QUESTION) -> str:
+    """The prompt the processor's own apply_chat_template writes for the conversation
+    :func:`_messages` sends the engine (image parts first, then the question)."""
+    parts = [{"type": "image"}] * num_images + [{"type": "text", "text": question}]
+    return processor.apply_chat_template([{"role": "user", "content": parts}],
+                                         add_generation_prompt=True, tokenize=False)
 
 
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory):
-    return write_tiny_llava(tmp_path_factory.mktemp("tiny-llava"))
+    return write_tiny_llava(tmp_path_factory.mktemp("tiny-llava"),
+                            chat_template=checkpoint_template(LLAVA_1_5))
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +74,8 @@ def hf(llava):
 
 @pytest.fixture(scope="module")
 def siglip_llava(tmp_path_factory):
-    return write_tiny_llava(tmp_path_factory.mktemp("tiny-llava-siglip"), tower="siglip")
+    return write_tiny_llava(tmp_path_factory.mktemp("tiny-llava-siglip"), tower="siglip",
+                            chat_template=checkpoint_template(LLAVA_1_5))
 
 
 @pytest.fixture(scope="module")
@@ -88,17 +94,20 @@ def _hf_model(folder, *, strategy: str = "default", cls: int = 1):
     )
 
     model = LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    # The folder's chat template is the processor's too, as llava-hf's checkpoints ship it.
     processor = LlavaProcessor(
-        image_processor=AutoImageProcessor.from_pretrained(folder),
-        tokenizer=AutoTokenizer.from_pretrained(folder), patch_size=14,
-        vision_feature_select_strategy=strategy, num_additional_image_tokens=cls,
-        image_token=IMAGE_TOKEN)
+        image_processor=AutoImageProcessor.from_pretrained(folder), tokenizer=tokenizer,
+        patch_size=14, vision_feature_select_strategy=strategy,
+        num_additional_image_tokens=cls, image_token=IMAGE_TOKEN,
+        chat_template=tokenizer.chat_template)
     return model, processor
 
 
 def _hf_run(hf, images: list, question: str = QUESTION):
     model, processor = hf
-    inputs = processor(text=_hf_text(len(images), question), images=images, return_tensors="pt")
+    inputs = processor(text=_hf_text(processor, len(images), question), images=images,
+                       return_tensors="pt")
     with torch.no_grad():
         logits = model(**inputs).logits[0]
         out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False,

@@ -122,3 +122,25 @@ def test_generation_defaults_take_the_sampling_fields_a_model_sets() -> None:
     # An invalid value is dropped rather than failing every request.
     assert generation_defaults({"temperature": -1, "top_p": 0.5}) == {"top_p": 0.5}
     assert generation_defaults({}) == {}
+
+
+def test_vllms_other_field_names_are_taken_at_their_neutral_values_and_refused_otherwise() -> None:
+    """A script written for vLLM passes fields the engine has no use for at their
+    defaults; a value that asks for something the engine does not do is refused by name."""
+    from engine.structured import StructuredOutputs
+
+    params = SamplingParams(n=2, best_of=2, detokenize=True, spaces_between_special_tokens=True,
+                            output_kind=None, truncate_prompt_tokens=None, bad_words=[],
+                            allowed_token_ids=None, logits_processors=[], extra_args={},
+                            thinking_token_budget=-1, max_tokens=8)
+    assert params == SamplingParams(n=2, max_tokens=8)  # nothing stored, -1 is no budget
+    for name, value in [("best_of", 3), ("detokenize", False), ("bad_words", ["x"]),
+                        ("allowed_token_ids", [1, 2]), ("truncate_prompt_tokens", 8),
+                        ("spaces_between_special_tokens", False), ("extra_args", {"a": 1})]:
+        with pytest.raises(InvalidParamError) as info:
+            SamplingParams(**{name: value})
+        assert info.value.param == name
+    spec = StructuredOutputs(regex="[ab]+")
+    assert SamplingParams(guided_decoding=spec).structured_outputs == spec
+    assert SamplingParams(guided_decoding=spec).replace(max_tokens=3).structured_outputs == spec
+

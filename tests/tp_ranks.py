@@ -89,7 +89,8 @@ def _greedy(tp: TensorParallel, path: str) -> tuple:
     from engine.ops import get_ops
     from engine.runner.model_runner import ModelRunner
 
-    loaded = load_model(path, dtype="float32")
+    # A split rank reads only its slices (as the engine's ranks do); one rank loads whole.
+    loaded = load_model(path, dtype="float32", lazy=tp.enabled)
     runner = ModelRunner(loaded, device="cpu", ops=get_ops("cpu"), num_blocks=64, block_size=BLOCK_SIZE,
                          max_num_batched_tokens=64, max_num_seqs=4, tp=tp)
     del loaded  # the runner keeps its slice only
@@ -105,6 +106,65 @@ def _greedy(tp: TensorParallel, path: str) -> tuple:
     tokens = generate_greedy(runner, prompts(runner.config.vocab_size), NEW_TOKENS, chunk_size=CHUNK,
                              block_size=BLOCK_SIZE)
     model = runner.model
-    linears = [model.lm_head] + [p for layer in model.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+    linears = [model.lm_head] + [getattr(p, "linear", p) for layer in model.layers  # RowParallel: its projection
+                                 for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
     kept = sorted({part.fmt.name for q in linears if isinstance(q, QuantLinear) for part in q.parts})
     return tokens, steps, kept
+
+
+# --- the issue's bound: long greedy runs of GGUF models over the C kernels -------------------
+
+
+def greedy_texts_by_size(tp: TensorParallel, runs: list[tuple[int, list[tuple[str, str]]]], texts: list[str],
+                         new_tokens: int, chunk: int | None) -> dict[int, dict[str, tuple]]:
+    """:func:`greedy_texts` for each ``(size, models)`` of ``runs`` on ranks ``0 .. size - 1``
+    of this world (a group of their own where ``size`` is smaller: one spawn serves every
+    size), by size; the ranks outside a group skip its models."""
+    out = {}
+    for size, models in runs:
+        # Every rank takes part in making a group, members or not.
+        group = None if size == tp.world_size else dist.new_group(list(range(size)))
+        if tp.rank < size:
+            out[size] = greedy_texts(TensorParallel(tp.rank, size, group), models, texts, new_tokens, chunk)
+    return out
+
+
+def greedy_texts(tp: TensorParallel, models: list[tuple[str, str]], texts: list[str], new_tokens: int,
+                 chunk: int | None) -> dict[str, tuple]:
+    """For each ``(key, path)``: ``(tokens, logits)`` of greedy decoding every text of
+    ``texts`` (tokenized by the model's own tokenizer) together, ``new_tokens`` each, with
+    prefill chunks of ``chunk`` tokens. ``logits``: every step's sampled rows stacked in
+    fp32 on rank 0; on the other ranks a digest of their bytes (every rank gathers the same
+    logits: the digests say so without the bytes crossing)."""
+    import hashlib
+
+    from greedy_driver import generate_greedy
+
+    from engine.models.loader import load_model
+    from engine.models.tokenizer import Tokenizer
+    from engine.ops import get_ops
+    from engine.runner.model_runner import ModelRunner
+
+    out = {}
+    for key, path in models:
+        loaded = load_model(path, dtype="float32", lazy=tp.enabled)  # a split rank reads its slices
+        tokenizer = Tokenizer.from_folder(loaded.folder)
+        prompts = [tokenizer.encode(text) for text in texts]
+        blocks = sum(-(-(len(p) + new_tokens) // BLOCK_SIZE) for p in prompts)
+        runner = ModelRunner(loaded, device="cpu", ops=get_ops("cpu"), num_blocks=blocks, block_size=BLOCK_SIZE,
+                             max_num_batched_tokens=256, max_num_seqs=len(prompts), tp=tp)
+        del loaded
+        steps: list[torch.Tensor] = []
+        compute = runner.model.compute_logits
+
+        def record(hidden: torch.Tensor, compute=compute, steps=steps) -> torch.Tensor:
+            logits = compute(hidden)
+            steps.append(logits.clone())
+            return logits
+
+        runner.model.compute_logits = record  # type: ignore[method-assign]
+        tokens = generate_greedy(runner, prompts, new_tokens, chunk_size=chunk, block_size=BLOCK_SIZE)
+        logits = torch.cat(steps)
+        out[key] = (tokens, logits if tp.rank == 0 else hashlib.sha256(logits.numpy().tobytes()).hexdigest())
+        del runner, steps
+    return out

@@ -39,7 +39,10 @@ from engine.messages import (
 )
 
 # Bucket edges of the tokens-per-step histogram (vLLM's iteration_tokens_total): powers of
-# two up to a large step budget.
+# two up to a large step budget. A step counts as vLLM counts an iteration: the prompt
+# tokens it computed plus the tokens it gave out (a prefill that samples counts its prompt
+# and its first token; a decode step, its token), and a step that gave nothing and
+# computed no prompt (one that only dropped finished requests) is not counted.
 ITERATION_TOKEN_BUCKETS = tuple(2**i for i in range(15))
 
 SchedulerInbox = AdmittedRequest | StepResult | AbortSamples | StopStringHit
@@ -55,8 +58,8 @@ class SchedulerActorStatistics:
     requests_finished: int  # cumulative, aborts included
     steps_in_flight: int
     scheduled_tokens: int  # cumulative: tokens computed, prefix-cache hits excluded
-    # Steps by the tokens they computed: counts per bucket of ITERATION_TOKEN_BUCKETS (the
-    # last counts steps above the largest edge), and their sum, for a histogram.
+    # Steps by their tokens (see ITERATION_TOKEN_BUCKETS): counts per bucket (the last
+    # counts steps above the largest edge), and their sum, for a histogram.
     iteration_token_counts: tuple[int, ...] = ()
     iteration_tokens_sum: int = 0
     # Speculative decoding, cumulative (vLLM's spec_decode counters): steps that verified a
@@ -101,6 +104,9 @@ class SchedulerActor:
         # One step running plus one planned ahead; without async scheduling, one at a time.
         self._max_in_flight = 2 if async_scheduling else 1
         self._in_flight: collections.deque[StepPlan] = collections.deque()
+        # Beside each step in flight: the prompt tokens its chunks compute (counted with
+        # the tokens it gives out when its result comes back).
+        self._in_flight_prompt: collections.deque[int] = collections.deque()
         self._steps = 0
         self._planned_ahead = 0
         self._scheduled_at: dict[str, float] = {}  # sample id -> first planned, until its first delta
@@ -146,15 +152,33 @@ class SchedulerActor:
             self._to_detokenizer,
         ):
             task_status.started()
-            while True:
-                await self._handle_delivered()
-                if await self._plan_step():
-                    continue
-                try:
-                    message = await self._inbox.receive()
-                except trio.EndOfChannel:
-                    return
-                await self._handle(message)
+            try:
+                while True:
+                    await self._handle_delivered()
+                    if await self._plan_step():
+                        continue
+                    try:
+                        message = await self._inbox.receive()
+                    except trio.EndOfChannel:
+                        return
+                    await self._handle(message)
+            finally:
+                self._release_all()
+
+    def _release_all(self) -> None:
+        """The actor stops (the engine closes, or restarts after a crash): its samples, and
+        those still in its inbox, hold their grammars no more."""
+        for sample_id in list(self._grammar_of):
+            self._release(sample_id)
+        while self._release_grammar is not None:
+            try:
+                message = self._inbox.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                return
+            if isinstance(message, AdmittedRequest):
+                for sample in message.samples:
+                    if sample.params.structured_outputs is not None:
+                        self._release_grammar(sample.params.structured_outputs)
 
     async def _handle_delivered(self) -> None:
         while True:
@@ -178,10 +202,8 @@ class SchedulerActor:
         now = time.monotonic()
         for new in plan.new_requests:
             self._scheduled_at[new.sample_id] = now
-        tokens = sum(c.num_tokens for c in plan.chunks)
-        self._iteration_counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
-        self._iteration_sum += tokens
         self._in_flight.append(plan)
+        self._in_flight_prompt.append(self._prompt_tokens(plan))
         self._steps += 1
         await self._to_executor.send(plan)
         return True
@@ -189,7 +211,9 @@ class SchedulerActor:
     async def _handle(self, message: SchedulerInbox) -> None:
         if isinstance(message, StepResult):
             plan = self._in_flight.popleft()
+            prompt_tokens = self._in_flight_prompt.popleft()
             update = self._core.update_from_output(plan, message)
+            self._count_iteration(prompt_tokens + sum(len(d.token_ids) for d in update.deltas))
             for delta in update.deltas:
                 if delta.finish_reason is not None:
                     self._release(delta.sample_id)
@@ -208,6 +232,21 @@ class SchedulerActor:
             await self._finish(message.sample_ids, RequestStatus.FINISHED_ABORTED)
         else:
             await self._finish((message.sample_id,), RequestStatus.FINISHED_STOPPED)
+
+    def _prompt_tokens(self, plan: StepPlan) -> int:
+        """The prompt tokens ``plan``'s chunks compute (a recomputed output is none)."""
+        total = 0
+        for chunk in plan.chunks:
+            request = self._core.get_request(chunk.sample_id)
+            if request is not None:
+                end = min(chunk.start + chunk.num_tokens, request.num_prompt_tokens)
+                total += max(0, end - chunk.start)
+        return total
+
+    def _count_iteration(self, tokens: int) -> None:
+        if tokens:
+            self._iteration_counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
+            self._iteration_sum += tokens
 
     async def _add(self, request: AdmittedRequest) -> None:
         # The detokenizer hears of each sample before any of its tokens: same channel, sent first.

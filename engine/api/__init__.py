@@ -11,7 +11,10 @@
 The contract is written down in ``docs/architecture.md`` ("Actors and the embedded API").
 Its modules: :mod:`~engine.api.open` (``open_engine``), :mod:`~engine.api.engine` (the
 ``Engine`` an application talks to), :mod:`~engine.api.streams` (a request's stream) and
-:mod:`~engine.api.protocol` (what the HTTP layer is typed against).
+:mod:`~engine.api.protocol` (what the HTTP layer is typed against). The synchronous offline
+API over the same engine, ``engine.LLM``, is :mod:`~engine.api.offline` (with
+:mod:`~engine.api.engine_thread`, :mod:`~engine.api.batch` and :mod:`~engine.api.outputs`);
+it is not imported here.
 """
 
 from engine.actors.system import EngineStatistics

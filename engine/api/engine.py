@@ -17,6 +17,7 @@ import itertools
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -37,11 +38,12 @@ from engine.api.streams import RequestStream, _Generation
 from engine.chat import session as chat_session
 from engine.chat.request import TemplateOptions
 from engine.chat.session import ChatChunk, ChatResult
-from engine.chat.template import ChatTokenizer
+from engine.chat.template import ChatTokenizer, resolve_content_format
 from engine.config import EngineConfig
 from engine.core import admission, pooling
 from engine.core.pooling import Pooled
 from engine.errors import EngineDeadError, InvalidParamError, RequestFailedError
+from engine.messages import AdmittedRequest
 from engine.models.chat_sandbox import RenderBudget
 from engine.params import SamplingParams, generation_defaults
 from engine.process.workers import WorkerLostError
@@ -59,16 +61,20 @@ PROMPT_THREADS = 4
 
 async def tokenize_prompt(
     tokenizer: Any, prompt: admission.Prompt, *, limiter: trio.CapacityLimiter,
-    template_seconds: float, max_model_len: int | None, **options: Any,
+    template_seconds: float, max_model_len: int | None, content_format: str,
+    image_text: str | None = None, **options: Any,
 ) -> tuple[int, ...]:
     """:func:`admission.prompt_token_ids` (with ``options``: ``add_special_tokens``, ...)
     off the event loop when it is more than a short text: in a worker thread under
     ``limiter``, the chat template bounded by ``template_seconds`` (and sizes:
     :mod:`engine.models.chat_sandbox`). A cancelled caller stops waiting at once; its
     render stops at its next step. ``tokenizer`` is the model's; chat messages render
-    with its chat template (:class:`engine.chat.template.ChatTokenizer`)."""
+    with its chat template (:class:`engine.chat.template.ChatTokenizer`), their content
+    as ``content_format`` says (``--chat-template-content-format``; ``image_text``: the
+    model's image placeholder, for messages whose images the engine took out)."""
     options["max_model_len"] = max_model_len
-    chat_tokenizer = ChatTokenizer(tokenizer)
+    chat_tokenizer = ChatTokenizer(tokenizer, content_format=content_format,
+                                   image_text=image_text)
     if not admission.needs_thread(prompt):
         return admission.prompt_token_ids(chat_tokenizer, prompt, **options)
     # What a template makes of the messages (and tools) may be a few times their size.
@@ -84,6 +90,27 @@ async def tokenize_prompt(
         return await trio.to_thread.run_sync(work, limiter=limiter, abandon_on_cancel=True)
     finally:
         budget.cancel()
+
+
+class PreparedRequest:
+    """A request past every admission check but the queue's (:meth:`Engine.prepare`),
+    ready for :meth:`Engine.enqueue`. ``prompt_token_ids`` is the prompt as the model
+    reads it (chat template applied, image tokens widened)."""
+
+    __slots__ = ("__weakref__", "admitted", "enqueued", "grammar_hold", "prompt_token_ids")
+
+    def __init__(self, admitted: AdmittedRequest, prompt_token_ids: tuple[int, ...]) -> None:
+        self.admitted = admitted
+        self.prompt_token_ids = prompt_token_ids
+        self.enqueued = False
+        # Its structured-output grammar held in the cache until it is enqueued (then its
+        # samples hold it) or dropped: a weakref.finalize that releases the hold.
+        self.grammar_hold: weakref.finalize | None = None
+
+    @property
+    def samples(self) -> int:
+        """How many samples it runs as (``n``): what it adds to the waiting queue."""
+        return len(self.admitted.samples)
 
 
 class Engine:
@@ -135,6 +162,12 @@ class Engine:
         # they never collide whatever request ids callers pick (admission.sample_ids).
         self._serials = itertools.count()
         self._prompt_limiter = trio.CapacityLimiter(PROMPT_THREADS)
+        if parts.tokenizer.chat_template is not None:
+            option = config.chat_template_content_format
+            logger.info("chat message content reaches the model's chat template as %s%s",
+                        "a string" if resolve_content_format(
+                            parts.tokenizer.chat_template, option) == "string" else "parts",
+                        " (read from the template)" if option == "auto" else "")
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -157,7 +190,33 @@ class Engine:
         Raises :class:`InvalidParamError`, :class:`PromptTooLongError`,
         :class:`QueueFullError` (the request is not queued) or :class:`EngineDeadError`.
         Admission runs here, in the caller's task; a cancellation before it returns leaves
-        nothing behind (nothing is sent before the last await).
+        nothing behind (nothing is sent before the last await). It is :meth:`prepare`
+        then :meth:`enqueue`.
+        """
+        prepared = await self.prepare(prompt, params, request_id=request_id, priority=priority,
+                                      cache_salt=cache_salt, chat_options=chat_options)
+        return self.enqueue(prepared)
+
+    async def prepare(
+        self,
+        prompt: str | Sequence[int] | Sequence[dict[str, Any]],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        chat_options: TemplateOptions | None = None,
+        images: Sequence[Any] = (),
+    ) -> PreparedRequest:
+        """Everything :meth:`submit` does short of queueing: check, tokenize (chat template,
+        images), compile a structured output's grammar, and pass every admission check but
+        the queue's. Nothing is sent; a prepared request that is never enqueued leaves
+        nothing behind. A batch (:class:`engine.LLM`) prepares all its prompts first, so a
+        bad one is refused before any runs.
+
+        ``images`` go with a text or token-id ``prompt`` that holds the model's image token
+        once per image, in order (vLLM's ``multi_modal_data``): bytes or PIL images. Chat
+        messages carry theirs in their content parts instead.
         """
         await trio.lowlevel.checkpoint()
         self._alive()
@@ -171,30 +230,43 @@ class Engine:
             params = SamplingParams(**self.sampling_defaults)
         raw_images: list[Any] = []
         if multimodal.has_images(prompt):
+            if images:
+                raise InvalidParamError("chat messages carry their images in their content "
+                                        "parts, not beside them", param="multi_modal_data")
             prompt, raw_images = self._split_images(prompt)
+        elif images:
+            prep = self._parts.images
+            raw_images = multimodal.prompt_images(
+                images, prep is not None, prep.limits if prep is not None else
+                multimodal.MediaLimits(), model=self.model_name, where="multi_modal_data.image")
         submit = admission.submit_request(
             prompt, params, request_id=request_id if request_id is not None else uuid.uuid4().hex,
             priority=priority, cache_salt=cache_salt, arrival_time=time.monotonic(),
             chat_options=chat_options.to_json() if chat_options is not None else None,
         )
-        ids, images = await self._prompt_ids(submit.prompt, raw_images)
+        ids, images_in = await self._prompt_ids(submit.prompt, raw_images)
         grammar = self._parts.grammar
         spec = params.structured_outputs
         # In-process the runner reads the grammar from this backend's cache: the request
-        # holds it there from before its compile, then each sample until the scheduler
-        # sees it finish (engine.structured.backend), so no other compile can evict it.
+        # holds it there from before its compile until it is enqueued (or dropped), then
+        # each sample until the scheduler sees it end (engine.structured.backend), so no
+        # other compile evicts it before its matchers are made.
         held = spec if spec is not None and grammar is not None and self._pool is None else None
         if held is not None:
             grammar.hold(held)
         try:
-            return await self._admit(submit, params, ids, images, held)
-        finally:
+            prepared = await self._prepared(submit, params, ids, images_in)
+        except BaseException:
             if held is not None:
                 grammar.release(held)
+            raise
+        if held is not None:
+            prepared.grammar_hold = weakref.finalize(prepared, grammar.release, held)
+        return prepared
 
-    async def _admit(self, submit: Any, params: SamplingParams, ids: tuple[int, ...],
-                     images: tuple[Any, ...], held: Any) -> RequestStream:
-        """The rest of :meth:`submit`: compile, admit, and send the request."""
+    async def _prepared(self, submit: Any, params: SamplingParams, ids: tuple[int, ...],
+                        images_in: tuple[Any, ...]) -> PreparedRequest:
+        """The rest of :meth:`prepare`: compile the grammar, pass the admission checks."""
         if params.structured_outputs is not None and self._compiles is not None:
             admission.check_min_tokens(params)
             # In a worker process, under a time budget; leaving (a cancel) kills it.
@@ -206,20 +278,34 @@ class Engine:
             text = params.prediction
             prediction = await self._tokenize(len(text), lambda: tuple(
                 self.tokenizer.encode(text, add_special_tokens=False)))
-        handles = self._alive()  # it may have died while a thread tokenized
-        admitted = admission.admit(submit, ids, self._parts.limits, waiting=handles.queue_depth(),
-                                   serial=next(self._serials), images=images,
+        # The queue is checked when the request is enqueued: here, every other check.
+        admitted = admission.admit(submit, ids, self._parts.limits, waiting=0,
+                                   serial=next(self._serials), images=images_in,
                                    prediction=prediction)
-        # No await from here on: the mailbox opens and the samples go to the scheduler in
-        # one go, so no cancellation can fall between them.
-        mailbox = handles.router.open(admitted)
+        return PreparedRequest(admitted, ids)
+
+    def enqueue(self, prepared: PreparedRequest) -> RequestStream:
+        """Queue a prepared request and return its stream (no await: nothing can cancel
+        between the mailbox opening and the samples going to the scheduler). Raises
+        :class:`QueueFullError` (not queued; it may be enqueued later) or
+        :class:`EngineDeadError`. A prepared request is enqueued once."""
+        if prepared.enqueued:
+            raise RuntimeError("this prepared request was enqueued already")
+        handles = self._alive()
+        admission.check_queue(handles.queue_depth(), self._parts.limits)
+        prepared.enqueued = True
+        mailbox = handles.router.open(prepared.admitted)
         try:
-            handles.send(admitted)
+            handles.send(prepared.admitted)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             handles.router.close(mailbox)
             raise self._dead_error() from self.dead_reason
-        if held is not None:
-            self._parts.grammar.hold(held, len(admitted.samples))  # the scheduler releases
+        hold = prepared.grammar_hold
+        if hold is not None and hold.alive:
+            # One hold per sample, each released by the scheduler; then the prepare's goes.
+            spec = prepared.admitted.samples[0].params.structured_outputs
+            self._parts.grammar.hold(spec, len(prepared.admitted.samples))
+            hold()
         return RequestStream(self, mailbox)
 
     async def tokenize_chat(self, messages: Sequence[dict[str, Any]],
@@ -240,9 +326,11 @@ class Engine:
             self.tokenizer, prompt, limiter=self._prompt_limiter,
             template_seconds=self.config.chat_template_timeout,
             max_model_len=self.max_model_len,
+            content_format=self.config.chat_template_content_format,
             special_tokens_in_content=self.config.allow_special_tokens_in_content,
-            # The image token each image part became is the engine's, not the client's.
-            content_tokens=self._parts.images.content_tokens if raw_images else ())
+            # The image parts split_images left: a string template gets the model's
+            # placeholder text for each.
+            image_text=self._parts.images.image_text if raw_images else None)
         images: tuple[Any, ...] = ()
         if raw_images:
             # Decoding and the image processor take milliseconds per image: off the trio
@@ -252,13 +340,12 @@ class Engine:
         return ids, images
 
     def _split_images(self, prompt: Any) -> tuple[list[Any], list[Any]]:
-        """The chat messages with image parts replaced by the model's image token, and the
-        images; a text-only model refuses them (a 400 naming the part)."""
+        """The chat messages with each image part left as ``{"type": "image"}`` (the chat
+        template writes its placeholder), and the images; a text-only model refuses them
+        (a 400 naming the part)."""
         prep = self._parts.images
         limits = prep.limits if prep is not None else multimodal.MediaLimits()
-        return multimodal.split_images(prompt, prep.image_text if prep is not None else None,
-                                       limits, model=self.model_name,
-                                       glue=prep is not None and prep.glue_parts)
+        return multimodal.split_images(prompt, prep is not None, limits, model=self.model_name)
 
     def generate(
         self,
@@ -541,9 +628,6 @@ class Engine:
                          self.restarts, limit, crash, exc_info=crash)
             self.restarting = True
             self._fail_in_flight(crash)
-            if self._parts.grammar is not None:
-                # The crashed scheduler's requests hold grammars they no longer need.
-                self._parts.grammar.release_all()
             # The executor never abandons a step, so the runner is idle here; it forgets
             # every request, and the new actors bring a fresh KV pool and scheduler. (In a
             # model thread: a tensor-parallel runner restarts its workers, in seconds.)

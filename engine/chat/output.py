@@ -14,8 +14,10 @@ which then goes through one tool stage:
   produces calls).
 
 ``feed`` and ``finish`` return what to stream; :meth:`message` is the complete message,
-equal to what the streamed deltas add up to. A choice that produced calls and stopped on
-its own reports ``finish_reason: "tool_calls"``, as OpenAI does.
+equal to what the streamed deltas add up to (but for a forced call cut short by
+``max_tokens``: its fragment was streamed, and the message drops it). A choice that
+produced calls and stopped on its own reports ``finish_reason: "tool_calls"``, as OpenAI
+does, except under a named ``tool_choice``: ``"stop"``, as OpenAI and vLLM send it.
 """
 
 from __future__ import annotations
@@ -169,21 +171,25 @@ class ChatOutputParser:
 
     def message(self, *, cut_short: bool = False) -> ChatMessage:
         """The complete message; call after :meth:`finish`. ``cut_short``: the output hit
-        max_tokens, so a forced call list may end in an unfinished call: that call and
-        any call markup left as text are dropped (no fragment comes back as a call)."""
+        max_tokens, so a forced call (a named one, or the last of a ``required`` list) may
+        be unfinished: such a call and any call markup left as text are dropped (no
+        fragment comes back as a call, as vLLM answers)."""
         reasoning = self._reasoning.result().reasoning if self._reasoning else None
         if self._tools is None:
             content = "".join(self._content)
             # With a reasoning parser, "no answer after thinking" is null, as vLLM sends it.
             return ChatMessage(content or None if self._reasoning else content, reasoning)
         parsed = self._tools.result()
-        if cut_short and self._options.tool_choice.mode == "required":
+        if cut_short and self._options.forced:
             calls = tuple(c for c in parsed.tool_calls if _is_json(c.arguments))
             return ChatMessage(None, reasoning, calls)
         return ChatMessage(parsed.content, reasoning, parsed.tool_calls)
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
-        """OpenAI's finish reason: ``tool_calls`` when calls ended the turn."""
-        if engine_reason == "stop" and self._tools is not None and self._tools.result().tool_calls:
+        """OpenAI's finish reason: ``tool_calls`` when calls ended the turn, but for a
+        named ``tool_choice``, whose call ends with ``stop`` (as OpenAI and vLLM send it)."""
+        if (engine_reason == "stop" and self._tools is not None
+                and self._options.tool_choice.mode != "function"
+                and self._tools.result().tool_calls):
             return "tool_calls"
         return engine_reason

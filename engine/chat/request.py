@@ -165,7 +165,7 @@ def parse_chat_fields(body: Mapping[str, Any], settings: ChatSettings,
     constraint = _tools_constraint(tools, choice, parser, parallel)
     output = ChatOutputOptions(
         tools=tools, tool_choice=choice, tool_parser=parser,
-        reasoning_parser=settings.reasoning,
+        reasoning_parser=None if _thinking_off(template, source) else settings.reasoning,
         forced_in_parser_syntax=choice.mode == "required" and constraint is not None
         and constraint.kind == "structural_tag")
     if choice.mode != "none":
@@ -174,6 +174,18 @@ def parse_chat_fields(body: Mapping[str, Any], settings: ChatSettings,
         template = dataclasses.replace(template, tools=tuple(t.to_openai() for t in tools))
     return ChatFields(template=template, output=output, constraint=constraint,
                       echo=_bool(body, "echo", False))
+
+
+def _thinking_off(template: TemplateOptions, source: str | None) -> bool:
+    """Whether the request turned a hybrid model's thinking off (``chat_template_kwargs``
+    ``enable_thinking: false``, Qwen3's switch) on a template that reads the switch: such a
+    template closes the reasoning in the prompt (``<think></think>``), so the output holds
+    none. It is then all content and a constraint (a forced call, a response_format)
+    starts at once, where an optional reasoning block would let the model open one again
+    and spend the output on it (vLLM's qwen3 parser reads the same switch)."""
+    kwargs = template.chat_template_kwargs or {}
+    return ("enable_thinking" in kwargs and not kwargs["enable_thinking"]
+            and template_reads(source, "enable_thinking"))
 
 
 def check_tool_limits(tools: Any, settings: ChatSettings) -> None:
@@ -321,12 +333,28 @@ def _reasoning_effort(body: Mapping[str, Any], template: TemplateOptions,
 
 
 def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
+    return lax_bool(body.get(name), name, default)
+
+
+# The spellings pydantic's lax mode reads as booleans (vLLM's request models are pydantic
+# models, so a client written against vLLM may send "true" or 1): strings whatever their
+# case, the integers 0 and 1, the floats 0.0 and 1.0. Anything else stays a 400.
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def lax_bool(value: Any, name: str, default: bool = False) -> bool:
+    """A boolean request field as vLLM's pydantic models coerce it; ``default`` when it is
+    absent or null; :class:`InvalidParamError` naming ``name`` otherwise."""
     if value is None:
         return default
-    if not isinstance(value, bool):
-        raise InvalidParamError(f"{name} must be a boolean", param=name)
-    return value
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+        return value.lower() in _TRUE
+    raise InvalidParamError(f"{name} must be a boolean", param=name)
 
 
 def load_chat_template(value: str) -> str:

@@ -2,6 +2,9 @@
 
 * :func:`normalize_messages` is the one chat-message normalizer (the HTTP server, the
   embedded API and ``/tokenize`` all go through it).
+* :func:`resolve_content_format` tells how a template reads a message's content (vLLM's
+  ``--chat-template-content-format``): ``"openai"`` when it iterates over it (it gets the
+  parts), ``"string"`` otherwise (it gets the text parts joined with a newline).
 * :func:`apply_chat_template` renders messages with a model's template
   (:attr:`engine.models.tokenizer.Tokenizer.compiled_chat_template`) or a request's, with
   its tools (or the fallback tool prompt, :func:`engine.chat.tools.fallback_messages`, for
@@ -31,9 +34,10 @@ from engine.chat.tools import (
     parse_tools,
     template_reads_tools,
 )
+from engine.config import CHAT_TEMPLATE_CONTENT_FORMATS
 from engine.errors import InvalidParamError, RequestError
 from engine.models import chat_sandbox
-from engine.models.chat_template import compile_template
+from engine.models.chat_template import compile_template, template_iterates_content
 from engine.models.tokenizer import Tokenizer
 
 # The roles every template knows; others ("ipython", "function", a custom "wizard") are
@@ -42,9 +46,14 @@ CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 # "developer" is OpenAI's newer name for the system role; templates only know "system".
 _ROLE_ALIASES = {"developer": "system"}
 
-# Text parts of a list-valued message content are joined with a newline, as vLLM does for
-# OpenAI-style content arrays.
+# A template that reads content as a string gets a content list's text parts joined with a
+# newline (vLLM's rule, kept so prompts match across servers); so does every tool result,
+# which templates write as a string (vLLM flattens those whatever the format).
 _CONTENT_PART_SEPARATOR = "\n"
+
+# --chat-template-content-format: "auto" reads the template (resolve_content_format);
+# "string" and "openai" force one way.
+CONTENT_FORMATS = CHAT_TEMPLATE_CONTENT_FORMATS
 
 # Template variables a request's chat_template_kwargs may not replace: the engine sets
 # them from the request's own fields.
@@ -60,6 +69,7 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _TEMPLATE_CACHE_SIZE = 16
 _request_templates: dict[str, jinja2.Template] = {}
 _reads_tools: dict[str, bool] = {}
+_content_formats: dict[str, str] = {}
 _cache_lock = threading.Lock()
 
 
@@ -71,10 +81,13 @@ def normalize_messages(messages: Any, *, images: bool = False) -> list[dict[str,
 
     The one chat-message normalizer: the HTTP server, the embedded API and ``/tokenize``
     all go through it. Errors are :class:`InvalidParamError` naming the field
-    (``messages[1].content``). Idempotent. ``images``: a content list holding image parts
-    (``image_url``, ``image``) stays a list of parts, for the engine to take the images
-    out (:func:`engine.multimodal.split_images`) before the template renders; otherwise
-    an image part is refused."""
+    (``messages[1].content``). Idempotent. A content list stays a list of parts
+    (``{"type": "text", "text": ...}`` copies; how it reaches the template is the
+    template's content format, :func:`resolve_content_format`), but a tool result's, which
+    becomes its texts joined with newlines (templates write tool results as strings; vLLM
+    joins them so too). ``images``: image parts (``image_url``, ``image``) are kept, for
+    the engine to take the images out (:func:`engine.multimodal.split_images`) before the
+    template renders; otherwise an image part is refused."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise InvalidParamError("messages must be a non-empty list of messages", param="messages")
     return [_normalize_message(i, m, images) for i, m in enumerate(messages)]
@@ -100,12 +113,98 @@ def _normalize_message(index: int, message: Any, images: bool = False) -> dict[s
         out["content"] = ""  # OpenAI clients send null content; only assistants may omit it
     out.update(check_tool_fields({**message, "role": role}, where))
     if "content" in out:
-        out["content"] = _content_text(where, out["content"], images)
+        out["content"] = _content(where, out["content"], images and role != "tool")
+        if role == "tool" and isinstance(out["content"], list):
+            out["content"] = _CONTENT_PART_SEPARATOR.join(p["text"] for p in out["content"])
     elif role != "assistant":  # an assistant turn may carry only tool_calls
         raise InvalidParamError(f"{where} has no content", param=f"{where}.content")
     reasoning = next((out[k] for k in _REASONING_FIELDS if k in out), None)
     if reasoning is not None:
         out = {"thinking": reasoning, **out, "reasoning_content": reasoning}
+    return out
+
+
+_IMAGE_PARTS = ("image_url", "image")
+
+
+def _content(where: str, content: Any, images: bool = False) -> str | list[dict[str, Any]]:
+    """A message's content checked: a string, or a list of text parts (copies holding
+    ``type`` and ``text`` only) and, with ``images``, image parts (copied whole: the engine
+    reads their data later)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (bytes, Mapping)) or not isinstance(content, Sequence):
+        raise InvalidParamError(
+            f"{where}.content must be a string or a list of content parts",
+            param=f"{where}.content")
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+        if images and kind in _IMAGE_PARTS:
+            parts.append(dict(part))  # checked when the engine takes the image out
+            continue
+        if kind != "text":
+            what = "a text or image part" if images else "a text part"
+            raise InvalidParamError(f"{where}.content[{j}] must be {what}, got {kind!r}",
+                                    param=f"{where}.content")
+        if not isinstance(part.get("text"), str):
+            raise InvalidParamError(f"{where}.content[{j}].text must be a string",
+                                    param=f"{where}.content")
+        parts.append({"type": "text", "text": part["text"]})
+    return parts
+
+
+# -- content format ---------------------------------------------------------------------
+
+
+def resolve_content_format(source: str | None, option: str = "auto") -> str:
+    """How the template ``source`` reads a message's content: ``"openai"`` (it iterates
+    over it, or indexes it as a list: it gets the parts) or ``"string"``. ``option`` is
+    ``--chat-template-content-format``: ``"auto"`` reads the template (cached per
+    source; a source that does not parse is ``"string"``), the others force one way."""
+    if option not in CONTENT_FORMATS:
+        raise InvalidParamError(f"chat template content format must be one of "
+                                f"{', '.join(CONTENT_FORMATS)}, got {option!r}",
+                                param="chat_template_content_format")
+    if option != "auto":
+        return option
+    found = _content_formats.get(source or "")
+    if found is None:
+        found = "openai" if source and template_iterates_content(source) else "string"
+        with _cache_lock:
+            if len(_content_formats) >= 2 * _TEMPLATE_CACHE_SIZE:
+                _content_formats.pop(next(iter(_content_formats)))
+            _content_formats[source or ""] = found
+    return found
+
+
+def _shape_content(chat: list[dict[str, Any]], fmt: str,
+                   image_text: str | None) -> list[dict[str, Any]]:
+    """The messages as a template of content format ``fmt`` takes them (vLLM's rule).
+
+    ``openai``: every content is a list of parts in the order given, text parts as
+    ``{"type": "text", "text"}`` and each image as ``{"type": "image"}`` (the template
+    writes the image placeholder the model's processor expects); a string becomes one text
+    part. ``string``: a list becomes its parts joined with a newline, each image as
+    ``image_text`` (the model's placeholder). A tool result is a string either way; an
+    assistant turn without content keeps none."""
+    out = []
+    for message in chat:
+        content = message.get("content")
+        if message.get("role") == "tool" or content is None:
+            out.append(message)
+            continue
+        if fmt == "openai":
+            parts = [{"type": "text", "text": content}] if isinstance(content, str) else [
+                {"type": "text", "text": p["text"]} if p.get("type") == "text"
+                else {"type": "image"} for p in content]
+            out.append({**message, "content": parts})
+        elif isinstance(content, list):
+            text = _CONTENT_PART_SEPARATOR.join(
+                p["text"] if p.get("type") == "text" else image_text or "" for p in content)
+            out.append({**message, "content": text})
+        else:
+            out.append(message)
     return out
 
 
@@ -116,13 +215,19 @@ _CONTINUE_MARK = "\u2063CONTINUE_FINAL_MESSAGE\u2063 "
 
 
 def _mark_final(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The mark appended to the final message's text (its last part's, for parts)."""
     content = chat[-1].get("content")
-    if not isinstance(content, str) or not content.strip():
+    last = content[-1] if isinstance(content, list) and content else None
+    if isinstance(content, str) and content.strip():
+        marked: Any = content + _CONTINUE_MARK
+    elif last is not None and last.get("type") == "text" and last["text"].strip():
+        marked = [*content[:-1], {**last, "text": last["text"] + _CONTINUE_MARK}]
+    else:
         raise InvalidParamError(
-            "continue_final_message needs a final message with text content",
+            "continue_final_message needs a final message that ends with text",
             param="continue_final_message",
         )
-    return [*chat[:-1], {**chat[-1], "content": content + _CONTINUE_MARK}]
+    return [*chat[:-1], {**chat[-1], "content": marked}]
 
 
 def _cut_at_mark(rendered: str) -> str:
@@ -139,39 +244,6 @@ def _cut_at_mark(rendered: str) -> str:
     return rendered[:at].rstrip()  # the template trimmed the message: so do we
 
 
-_IMAGE_PARTS = ("image_url", "image")
-
-
-def _content_text(where: str, content: Any, images: bool = False) -> str | list[Any]:
-    if isinstance(content, str):
-        return content
-    if images and isinstance(content, (list, tuple)) and any(
-            isinstance(p, Mapping) and p.get("type") in _IMAGE_PARTS for p in content):
-        for j, part in enumerate(content):  # text parts checked; images are checked later
-            if isinstance(part, Mapping) and part.get("type") in _IMAGE_PARTS:
-                continue
-            if not (isinstance(part, Mapping) and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)):
-                raise InvalidParamError(f"{where}.content[{j}] must be a text or image part",
-                                        param=f"{where}.content")
-        return [dict(p) for p in content]
-    if isinstance(content, (bytes, Mapping)) or not isinstance(content, Sequence):
-        raise InvalidParamError(
-            f"{where}.content must be a string or a list of text parts", param=f"{where}.content"
-        )
-    texts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, Mapping) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-            raise InvalidParamError(
-                f"{where}.content[{j}] must be a text part, got {kind!r}", param=f"{where}.content"
-            )
-        if not isinstance(part.get("text"), str):
-            raise InvalidParamError(f"{where}.content[{j}].text must be a string", param=f"{where}.content")
-        texts.append(part["text"])
-    return _CONTENT_PART_SEPARATOR.join(texts)
-
-
 # -- rendering --------------------------------------------------------------------------
 
 
@@ -184,13 +256,22 @@ def apply_chat_template(
     chat_template: str | None = None,
     continue_final_message: bool = False,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    content_format: str = "auto",
+    image_text: str | None = None,
     **template_kwargs: Any,
 ) -> str:
     """Render ``messages`` with ``tokenizer``'s chat template into one prompt string.
 
     Each message is a dict with ``role`` (system, user, assistant, tool or a custom
     role the template reads) and ``content``: a string, or a list of
-    ``{"type": "text", "text": ...}`` parts joined with newlines. Other keys (``name``, ``tool_calls``, ...) reach the template as
+    ``{"type": "text", "text": ...}`` parts. ``content_format`` (``auto``, ``string``,
+    ``openai``: :func:`resolve_content_format`) says how the parts reach the template: as parts,
+    a string becoming one text part, for a template that iterates over content; joined
+    with newlines for one that reads a string. ``image_text`` is given when the engine
+    took a request's images out (:func:`engine.multimodal.split_images`): the
+    ``{"type": "image"}`` parts left in their place then render as the template writes an
+    image, or as ``image_text`` (the model's placeholder) in a string template; without
+    it an image part is refused. Other keys (``name``, ``tool_calls``, ...) reach the template as
     given; keys whose value is None are dropped, as transformers does. Bad messages and
     errors the template raises (``raise_exception``) give :class:`InvalidParamError`
     with ``param="messages"``; a model without a template gives :class:`RequestError`.
@@ -224,10 +305,12 @@ def apply_chat_template(
             f"chat_template_kwargs may not set {', '.join(reserved)}",
             param="chat_template_kwargs",
         )
-    chat = normalize_messages(messages)
+    source = chat_template or tokenizer.chat_template
+    chat = normalize_messages(messages, images=image_text is not None)
+    chat, tools = _fit_tools(chat, tools, source)
+    chat = _shape_content(chat, resolve_content_format(source, content_format), image_text)
     if continue_final_message:
         chat = _mark_final(chat)
-    chat, tools = _fit_tools(chat, tools, chat_template or tokenizer.chat_template)
     variables = {**tokenizer.special_tokens, **template_kwargs}
     try:
         rendered = chat_sandbox.render(
@@ -317,7 +400,6 @@ def chat_prompt_ids(
     add_generation_prompt: bool = True,
     *,
     special_tokens_in_content: bool = False,
-    content_tokens: Sequence[str] = (),
     check_rendered: Callable[[str], Any] | None = None,
     **options: Any,
 ) -> list[int]:
@@ -332,16 +414,15 @@ def chat_prompt_ids(
     ``apply_chat_template(tokenize=True)`` does: the server's
     ``--allow-special-tokens-in-content``). A request without control-token text in it
     gets exactly the ids of encoding the rendered text either way.
-    ``content_tokens`` are control tokens the caller itself wrote into the messages
-    (the image token a multimodal request's image parts became): those stay tokens.
+    The image placeholders a request's image parts become are the template's (or, for a
+    string template, ``image_text`` written in after the request's text was marked):
+    tokens, whatever the client typed.
     ``check_rendered`` sees the rendered text before it is encoded (and may raise: a
     text too long for any tokenization to fit the context).
     """
     texts = tokenizer.control_tokens
-    if content_tokens:
-        texts = tuple(t for t in texts if t not in content_tokens)
     if texts and not special_tokens_in_content:
-        chat = normalize_messages(messages)
+        chat = normalize_messages(messages, images=options.get("image_text") is not None)
         nonce = str(secrets.randbelow(10**8))
         marked = _Marker(texts, _control_pattern(texts), nonce)
         chat = marked(chat)
@@ -403,11 +484,17 @@ class _Marker:
 class ChatTokenizer:
     """A tokenizer and its chat template, as :func:`engine.core.admission.prompt_token_ids`
     takes one (its ``PromptTokenizer``): ``tokenizer``'s ``encode`` and
-    ``max_token_chars``, and :func:`chat_prompt_ids` for chat messages. The embedded API
-    and the HTTP server hand it to admission, which knows nothing of chat."""
+    ``max_token_chars``, and :func:`chat_prompt_ids` for chat messages, rendered with the
+    server's ``content_format`` (and ``image_text``: see :func:`apply_chat_template`). The
+    embedded API and the HTTP server hand it to admission, which knows nothing of chat."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, *, content_format: str = "auto",
+                 image_text: str | None = None) -> None:
         self.tokenizer = tokenizer
+        # --chat-template-content-format, and the image placeholder of a request whose
+        # images the engine took out (see apply_chat_template).
+        self.content_format = content_format
+        self.image_text = image_text
 
     @property
     def max_token_chars(self) -> int:
@@ -418,4 +505,6 @@ class ChatTokenizer:
 
     def chat_prompt_ids(self, messages: Sequence[Mapping[str, Any]],
                         add_generation_prompt: bool = True, **options: Any) -> list[int]:
-        return chat_prompt_ids(self.tokenizer, messages, add_generation_prompt, **options)
+        return chat_prompt_ids(self.tokenizer, messages, add_generation_prompt,
+                               content_format=self.content_format, image_text=self.image_text,
+                               **options)

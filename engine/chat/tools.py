@@ -248,14 +248,19 @@ def fallback_messages(messages: Sequence[Mapping[str, Any]], tools: Sequence[Too
     (:data:`FALLBACK_TOOL_PROMPT`) are added to the first system message (one is
     inserted when there is none). Assistant ``tool_calls`` become ``<tool_call>`` lines in
     the content, and ``tool`` messages become user messages in ``<tool_response>`` tags
-    (such a template may not know the role).
+    (such a template may not know the role). A content list of text parts gets the call
+    lines as more text parts; a system message's, its texts joined with newlines.
     """
     out: list[dict[str, Any]] = []
     for message in messages:
         m = dict(message)
+        content = m.get("content")
         if m.get("role") == "assistant" and m.get("tool_calls"):
             lines = [_call_text(c["function"]) for c in m.pop("tool_calls")]
-            m["content"] = "\n".join([*([m["content"]] if m.get("content") else []), *lines])
+            if isinstance(content, list):
+                m["content"] = [*content, *({"type": "text", "text": line} for line in lines)]
+            else:
+                m["content"] = "\n".join([*([content] if content else []), *lines])
         elif m.get("role") == "tool":
             m = {"role": "user",
                  "content": f"<tool_response>\n{m.get('content', '')}\n</tool_response>"}
@@ -264,7 +269,10 @@ def fallback_messages(messages: Sequence[Mapping[str, Any]], tools: Sequence[Too
         prompt = FALLBACK_TOOL_PROMPT.format(tools="\n".join(
             json.dumps(t.to_openai()["function"], ensure_ascii=False) for t in tools))
         if out and out[0].get("role") == "system":
-            out[0] = {**out[0], "content": f"{out[0].get('content', '')}\n\n{prompt}".lstrip()}
+            system = out[0].get("content", "")
+            if isinstance(system, list):
+                system = "\n".join(p.get("text", "") for p in system)
+            out[0] = {**out[0], "content": f"{system}\n\n{prompt}".lstrip()}
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out
@@ -310,8 +318,9 @@ class ForcedCallStreamer:
 
     A named call streams as it is written: the header (id, name) at once, then each new
     piece of text as an argument fragment. A ``required`` list sends each call once its
-    object is complete. Output cut short by ``max_tokens`` keeps what was sent (a named
-    call's arguments are then a prefix, as OpenAI returns them with ``"length"``).
+    object is complete. Output cut short by ``max_tokens`` leaves a named call's arguments
+    a prefix in the stream; the complete message drops such a call
+    (:meth:`engine.chat.output.ChatOutputParser.message`).
     """
 
     def __init__(self, choice: ToolChoice, new_id: Any = random_call_id) -> None:

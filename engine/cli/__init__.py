@@ -1,8 +1,10 @@
-"""The command line: ``python -m engine generate ...`` and ``python -m engine serve ...``.
+"""The command line: ``python -m engine serve|generate|run-batch|chat|complete|bench ...``.
 
 The top floor of the package: each subcommand is a module of this package
-(:mod:`engine.cli.generate`, :mod:`engine.cli.serve`) that turns flags into an
-:class:`~engine.config.EngineConfig` (:mod:`engine.cli.args`) and calls the floors below.
+(:mod:`engine.cli.serve`, :mod:`engine.cli.generate`, :mod:`engine.cli.run_batch`,
+:mod:`engine.cli.chat` for ``chat`` and ``complete``, :mod:`engine.cli.bench`) that turns
+flags into an :class:`~engine.config.EngineConfig` (:mod:`engine.cli.args`) and calls the
+floors below.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from engine._version import VERSION
-from engine.cli import generate, serve
+from engine.cli import bench, chat, generate, run_batch, serve
 from engine.cli.help import HelpFormatter
 
 
@@ -24,8 +26,10 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m engine", formatter_class=HelpFormatter,
         description="An LLM inference server on trio: `serve` runs the OpenAI-compatible "
-                    "HTTP server, `generate` prints one completion. With no --model both "
-                    "use the bundled SmolLM2-135M-Instruct.")
+                    "HTTP server, `generate` prints one completion, `run-batch` answers an "
+                    "OpenAI Batch file offline, `chat` and `complete` talk to a server, "
+                    "`bench` measures one. With no --model the engine loads the bundled "
+                    "SmolLM2-135M-Instruct.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {VERSION}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -36,6 +40,9 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
                     "SIGTERM (see docs/serving.md).")
     if "serve" in argv[:2]:
         serve.add_serve_arguments(serve_parser)
+    run_batch.add_parser(sub)
+    chat.add_parsers(sub)
+    bench.add_parser(sub)
     return parser
 
 
@@ -53,6 +60,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.command == "serve":
         status = serve.run_serve(args)
+    elif args.command == "run-batch":
+        status = run_batch.run_batch(args)
+    elif args.command in ("chat", "complete"):
+        status = chat.run_client(args)
+    elif args.command == "bench":
+        status = bench.run_bench(args)
     else:
         status = generate.run_generate(args)
     if command_line:

@@ -94,22 +94,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
              "abandoned, its requests aborted (their KV blocks freed)")
     add("--h2-max-concurrent-streams", type=int, default=edge.H2_MAX_CONCURRENT_STREAMS,
         metavar="N", help="concurrent requests (streams) on one HTTP/2 connection")
-    add("--max-tools", type=int, default=DEFAULT_MAX_TOOLS, metavar="N",
-        help="most tools (functions) one chat request may declare; more gets 400")
-    add("--max-tool-schema-bytes", type=int, default=DEFAULT_MAX_TOOL_SCHEMA_BYTES,
-        metavar="N", help="largest `tools` of one request, as JSON; larger gets 400")
-    add("--chat-template", default=None, metavar="T",
-        help="a jinja chat template (a file, or the template itself) replacing the model's")
-    add("--trust-request-chat-template", action="store_true",
-        help="let requests send their own chat_template")
-    add("--enable-auto-tool-choice", action="store_true",
-        help='read tool calls from free text for tool_choice "auto" (needs --tool-call-parser)')
-    add("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None, metavar="NAME",
-        help=f"how the model writes tool calls: {', '.join(sorted(TOOL_PARSERS))} (see "
-             "docs/serving.md)")
-    add("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None, metavar="NAME",
-        help=f"split <think>...</think> into reasoning (and reasoning_content): "
-             f"{', '.join(sorted(REASONING_PARSERS))}")
+    add_chat_arguments(group)
     add("--enable-h2c", action="store_true",
         help="also serve HTTP/2 in cleartext (prior knowledge and Upgrade: h2c); without it "
              "HTTP/2 needs TLS (--ssl-keyfile/--ssl-certfile)")
@@ -139,6 +124,28 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser, max_engine_restarts=DEFAULT_MAX_ENGINE_RESTARTS,
                          grammar_compile_workers=SERVE_GRAMMAR_COMPILE_WORKERS)
     _add_vllm_flags(parser)
+
+
+def add_chat_arguments(group: Any) -> None:
+    """The chat flags (tools, chat template, tool-call and reasoning parsers), read back by
+    :func:`chat_settings`; ``serve`` and ``run-batch`` share them."""
+    add = group.add_argument
+    add("--max-tools", type=int, default=DEFAULT_MAX_TOOLS, metavar="N",
+        help="most tools (functions) one chat request may declare; more gets 400")
+    add("--max-tool-schema-bytes", type=int, default=DEFAULT_MAX_TOOL_SCHEMA_BYTES,
+        metavar="N", help="largest `tools` of one request, as JSON; larger gets 400")
+    add("--chat-template", default=None, metavar="T",
+        help="a jinja chat template (a file, or the template itself) replacing the model's")
+    add("--trust-request-chat-template", action="store_true",
+        help="let requests send their own chat_template")
+    add("--enable-auto-tool-choice", action="store_true",
+        help='read tool calls from free text for tool_choice "auto" (needs --tool-call-parser)')
+    add("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None, metavar="NAME",
+        help=f"how the model writes tool calls: {', '.join(sorted(TOOL_PARSERS))} (see "
+             "docs/serving.md)")
+    add("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None, metavar="NAME",
+        help=f"split <think>...</think> into reasoning (and reasoning_content): "
+             f"{', '.join(sorted(REASONING_PARSERS))}")
 
 
 class _VllmNoOp(argparse.Action):

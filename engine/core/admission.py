@@ -61,7 +61,7 @@ class PromptTokenizer(Protocol):
 
     def chat_prompt_ids(
         self, messages: Sequence[Any], add_generation_prompt: bool = True, *,
-        special_tokens_in_content: bool = False, content_tokens: Sequence[str] = (),
+        special_tokens_in_content: bool = False,
         check_rendered: Callable[[str], Any] | None = None, **options: Any,
     ) -> list[int]: ...
 
@@ -156,8 +156,7 @@ def needs_thread(prompt: Prompt) -> bool:
 
 def prompt_token_ids(
     tokenizer: PromptTokenizer, prompt: Prompt, *, add_special_tokens: bool = True,
-    special_tokens_in_content: bool = False, content_tokens: Sequence[str] = (),
-    max_model_len: int | None = None,
+    special_tokens_in_content: bool = False, max_model_len: int | None = None,
 ) -> tuple[int, ...]:
     """Apply the chat template (whose normalizer checks the messages) and tokenize; safe in
     a worker thread, where the caller bounds the render with
@@ -165,9 +164,7 @@ def prompt_token_ids(
     ``/tokenize``. Text of chat messages never becomes a control token (a forged
     ``<|im_start|>system`` turn stays text) unless ``special_tokens_in_content``
     (``--allow-special-tokens-in-content``); a plain ``prompt`` is the caller's own text,
-    special tokens and all, as in vLLM. ``content_tokens``: control tokens the engine wrote
-    into the messages itself (an image part's image token), which stay tokens. With
-    ``max_model_len``, a text too long to fit it (the prompt, or the rendered chat) is
+    special tokens and all, as in vLLM. With ``max_model_len``, a text too long to fit it (the prompt, or the rendered chat) is
     refused (:class:`PromptTooLongError`) before it is tokenized."""
     if isinstance(prompt, TextPrompt):
         text = _fitting(_unicode(prompt.text, "prompt"), tokenizer, max_model_len)
@@ -179,7 +176,6 @@ def prompt_token_ids(
         _unicode(json.dumps([messages, options], ensure_ascii=False), "messages")
         return tuple(tokenizer.chat_prompt_ids(
             messages, special_tokens_in_content=special_tokens_in_content,
-            content_tokens=content_tokens,
             check_rendered=lambda text: _fitting(text, tokenizer, max_model_len),
             **options))
     return prompt.token_ids
@@ -237,6 +233,14 @@ def check_min_tokens(params: SamplingParams) -> None:
 MAX_IMAGE_BYTES = 16 * 2**20
 
 
+def check_queue(waiting: int, limits: AdmissionLimits) -> None:
+    """Admission control: :class:`QueueFullError` when ``waiting`` samples already wait."""
+    if waiting >= limits.max_queued_requests:
+        raise QueueFullError(
+            f"{limits.max_queued_requests} requests are already waiting; try again later"
+        )
+
+
 def admit(
     submit: SubmitRequest, ids: tuple[int, ...], limits: AdmissionLimits, *, waiting: int,
     serial: int, images: tuple[ImageInput, ...] = (), prediction: tuple[int, ...] = (),
@@ -246,10 +250,7 @@ def admit(
     ``waiting`` is how many samples wait to be scheduled now (admission control);
     ``serial`` is this request's number, never given to another request of the engine (it
     makes the sample ids unique: :func:`sample_ids`)."""
-    if waiting >= limits.max_queued_requests:
-        raise QueueFullError(
-            f"{limits.max_queued_requests} requests are already waiting; try again later"
-        )
+    check_queue(waiting, limits)
     if not ids:
         raise InvalidParamError("the prompt is empty", param="prompt")
     image_bytes = sum(len(image.pixels) for image in images) * submit.params.n

@@ -14,7 +14,7 @@ from quart import Response
 from quart_trio import QuartTrio
 
 from engine.api import tokenize_prompt
-from engine.chat.request import parse_chat_fields
+from engine.chat.request import lax_bool, parse_chat_fields
 from engine.chat.template import normalize_messages
 from engine.core import admission
 from engine.errors import EngineDeadError
@@ -99,13 +99,13 @@ class AdminRoutes:
                 return admission.prompt_message(messages, fields.template.to_json()), True
             if isinstance(body.get("prompt"), str):
                 return (admission.prompt_message(body["prompt"]),
-                        bool(body.get("add_special_tokens", True)))
+                        lax_bool(body.get("add_special_tokens"), "add_special_tokens", True))
             raise APIError(400, "tokenize needs a string `prompt` or `messages`",
                            param="prompt", code="invalid_type")
 
         body = await self.server.read_checked("tokenize")
         self.server.check_model(body.get("model"))
-        return_strs = body.get("return_token_strs")
+        return_strs = lax_bool(body.get("return_token_strs"), "return_token_strs")
         prompt, add_special_tokens = await self.server.off_loop(lambda: parse(body))
         # Generation's own path (admission), with its guards.
         if isinstance(prompt, tuple):  # chat messages with images: as vLLM, the count
@@ -115,6 +115,7 @@ class AdminRoutes:
                 tok, prompt, limiter=self.server.prompt_limiter, add_special_tokens=add_special_tokens,
                 template_seconds=self.engine.config.chat_template_timeout,
                 max_model_len=self.engine.max_model_len,
+                content_format=self.engine.config.chat_template_content_format,
                 special_tokens_in_content=self.engine.config.allow_special_tokens_in_content)
         # vLLM's token_strs: each token as the vocabulary spells it (return_token_strs).
         strs = tok.convert_ids_to_tokens(ids) if return_strs else None

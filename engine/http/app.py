@@ -24,7 +24,8 @@ family                                      routes
 
 What every route shares is here: the header limits and the API key before each request,
 the error bodies (OpenAI's, or Anthropic's on ``/v1/messages*``), the ``X-Request-Id``
-echo, ``--root-path``, CORS, and the connection that drains and cleans up.
+echo, ``--root-path``, CORS, the connection that drains and cleans up, and the 400 that
+answers a WebSocket handshake on any route (no route speaks WebSocket).
 
 Request lifetime and cancellation
 ---------------------------------
@@ -63,7 +64,7 @@ from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
 from engine.chat.request import ChatSettings
-from engine.http import auth, edge
+from engine.http import auth, edge, sse
 from engine.http.admin import AdminRoutes
 from engine.http.anthropic.protocol import error_body as anthropic_error_body
 from engine.http.anthropic.routes import AnthropicRoutes
@@ -189,6 +190,11 @@ class _App(QuartTrio):
     root_prefix = ""
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:  # type: ignore[override]
+        if scope.get("type") == "websocket":
+            # No route speaks WebSocket. Left to quart, the handshake reached the error
+            # handler outside a request context and became a 500 with tracebacks.
+            await _refuse_websocket(scope, receive, send)
+            return
         # Behind a proxy that keeps the prefix (/llm/v1/...) as well as one that strips it:
         # the routes see the path without it.
         prefix = self.root_prefix
@@ -198,6 +204,28 @@ class _App(QuartTrio):
                 rest = path[len(prefix):] or "/"
                 scope = {**scope, "path": rest, "raw_path": rest.encode()}
         await super().__call__(scope, receive, send)
+
+
+_WEBSOCKET_REFUSAL = APIError(
+    400, "This server does not serve WebSocket connections: send the request over plain "
+    "HTTP, without Upgrade: websocket.", code="websocket_not_supported")
+
+
+async def _refuse_websocket(scope: Any, receive: Any, send: Any) -> None:
+    """Answer a WebSocket handshake (HTTP/1.1 ``Upgrade: websocket`` or HTTP/2's extended
+    CONNECT, on any route) with a 400 in OpenAI's error shape, as the ASGI spec's
+    ``websocket.http.response`` extension lets a server deny one; the connection is then
+    closed (hypercorn's rule for a refused upgrade)."""
+    await receive()  # websocket.connect: the handshake is complete
+    if "websocket.http.response" not in scope.get("extensions", {}):
+        # A server without the extension (hypercorn has it) answers a close with a 403.
+        await send({"type": "websocket.close"})
+        return
+    data = sse.dumps(_WEBSOCKET_REFUSAL.body())
+    await send({"type": "websocket.http.response.start", "status": _WEBSOCKET_REFUSAL.status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(data)).encode())]})
+    await send({"type": "websocket.http.response.body", "body": data})
 
 
 class _Hooks:

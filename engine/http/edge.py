@@ -25,10 +25,14 @@ engine by not reading:
   reset). Either way the response's engine requests are aborted and their KV blocks freed.
   Without it, an HTTP/2 client with a zero flow-control window held every running slot of
   the engine, and an HTTP/1 client that stopped reading held its slot to the end of the
-  generation.
-* **HTTP/2 holds to account** (:func:`patch_hypercorn_h2`): a stream's send buffer pushes
-  back on the application (hypercorn's let it grow without bound when the client's window
-  was closed), a stream whose response was abandoned is reset (hypercorn left it open,
+  generation. An HTTP/2 write waits as soon as the client's window is shut, whether it
+  shrank to 0 or started there (:func:`patch_hypercorn_h2`), not only once hypercorn's
+  stream buffer is full: 32 KiB is a couple of hundred streamed tokens, which a slow
+  generation takes minutes to write.
+* **HTTP/2 holds to account** (:func:`patch_hypercorn_h2`): a stream's send buffer and a
+  shut flow-control window push back on the application (hypercorn's buffer grew without
+  bound when the client's window was closed), a stream whose response was abandoned is
+  reset (hypercorn left it open,
   counting against the connection's streams for ever), and a connection that opened with
   the prior-knowledge preface and no request closes after the keep-alive timeout like an
   idle HTTP/1 one (hypercorn never timed it out: 450 such connections used up the file
@@ -36,20 +40,32 @@ engine by not reading:
   a client that opens more loses the connection (h2's rule).
 * **Limits** on header size and count, and keep-alive and body timeouts, set in
   :func:`hypercorn_limits` and the app config. Unknown transfer codings
-  (``Transfer-Encoding: xchunked``) get h11's 501.
-* **Out of descriptors, quietly.** When every file descriptor is taken (a flood of
+  (``Transfer-Encoding: xchunked``) get h11's 501 (RFC 9112 section 6.1), which hypercorn
+  sends since 0.16 (before, every h11 error was a 400; ``pyproject.toml`` asks for 0.17).
+* **Out of descriptors, answered.** When every file descriptor is taken (a flood of
   connections past the open-file limit, which ``serve`` first raises to the hard limit),
-  trio's accept loop logs an error with a traceback every 0.1 s and retries; new
-  connections wait in the kernel's listen backlog until descriptors come back (idle
-  keep-alive connections close after :data:`KEEP_ALIVE_SECONDS`). :func:`quiet_accept_errors`
-  turns the flood of tracebacks into one line per :data:`ACCEPT_ERROR_LOG_SECONDS`.
+  trio's accept loop logged an error every 0.1 s and retried, and new connections waited
+  in the kernel's listen backlog until descriptors came back. Now the listening socket
+  keeps one spare descriptor (:class:`DescriptorReserve`, :func:`reserve_descriptors`)
+  and spends it to answer each such connection with a 503 and close it at once; one
+  warning line per :data:`ACCEPT_ERROR_LOG_SECONDS` says so. A connection the client
+  closes gives its descriptor back at once (:func:`shield_hypercorn_close`), so the
+  server serves again as soon as connections close. Should the spare be lost (another
+  thread took the descriptor), trio's retry remains, its log quieted by
+  :func:`quiet_accept_errors`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import json
 import logging
 import math
+import os
+import socket
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import h2.errors
@@ -57,9 +73,13 @@ import h2.exceptions
 import trio
 from hypercorn.events import Closed, RawData, Updated
 from hypercorn.protocol import h2 as hyper_h2
-from hypercorn.protocol.events import StreamClosed
+from hypercorn.protocol.events import Body, Data, StreamClosed
 from hypercorn.trio.tcp_server import TCPServer
 from quart_trio.wrappers.request import TrioBody, TrioRequest
+
+from engine.http.errors import APIError
+
+logger = logging.getLogger("engine.http")
 
 # A body refused early is read and dropped for at most this long: enough for a client on
 # a slow link to finish sending a few MB, short enough that a client sending forever
@@ -140,7 +160,8 @@ def shield_hypercorn_close() -> None:
     """Make hypercorn's trio worker finish its connection bookkeeping even when it runs in
     a cancelled task, and give up on a socket write that stalls.
 
-    Idempotent. hypercorn calls ``TCPServer.protocol_send`` from the application's task
+    Idempotent; checked against hypercorn 0.18.0 (``hypercorn/trio/tcp_server.py``).
+    hypercorn calls ``TCPServer.protocol_send`` from the application's task
     for ``Closed`` (close the socket) and ``Updated`` (restart or stop the keep-alive
     timer); quart-trio has cancelled that task by then, so both were skipped: a
     ``Connection: close`` request or one whose body was left unread never got its EOF,
@@ -148,11 +169,28 @@ def shield_hypercorn_close() -> None:
     a close, a timer restart), so shielding it cannot hang, but for a write to a client
     that does not read: that one waits at most ``config.engine_send_timeout`` seconds
     (set by ``serve_app``), then the connection is closed.
+
+    And a connection the client closed gives its descriptor back at once: hypercorn
+    left the keep-alive timer running after the read loop saw
+    EOF, and the connection's task group (so its socket) waited for the timer, up to
+    :data:`KEEP_ALIVE_SECONDS` per closed connection, which matters most when the
+    descriptors have run out.
     """
     if getattr(TCPServer.protocol_send, "shielded_by_engine", False):
         return
     TCPServer.protocol_send = _shielded(_timed_protocol_send(TCPServer.protocol_send))
     TCPServer._close = _shielded(TCPServer._close)
+    TCPServer._read_data = _stop_timer_after(TCPServer._read_data)
+
+
+def _stop_timer_after(read_data: Any) -> Any:
+    async def read_then_stop_timer(self: Any) -> None:
+        await read_data(self)
+        # Nothing more will arrive: no idle time to measure. A response still being
+        # written keeps the connection's task group (and socket) open until it ends.
+        await self.idle_task.stop()
+
+    return read_then_stop_timer
 
 
 def _timed_protocol_send(protocol_send: Any) -> Any:
@@ -228,15 +266,168 @@ def quiet_accept_errors() -> None:
         accept_logger.addFilter(_AcceptErrorFilter())
 
 
+# An accept that failed for want of a descriptor: the process's (EMFILE) or the system's
+# (ENFILE). A spare descriptor helps with both; ENOMEM and ENOBUFS it cannot.
+_OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
+# Bytes read and dropped from a refused connection before it is closed: a request head
+# (at most MAX_HEADER_BYTES) and a little body. Closing a socket with unread data sends a
+# reset, which can make the client drop the answer it has not read yet.
+_REFUSED_READ_BYTES = 64 * 1024
+_REFUSAL = APIError(
+    503, "The server has no file descriptor free for a new connection (too many open "
+    "connections); retry later.", type="service_unavailable", code="too_many_connections")
+_REFUSAL_BODY = json.dumps(_REFUSAL.body(), separators=(",", ":")).encode()
+# Retry-After: 1, as the app's other 503s (idle keep-alive connections close within
+# KEEP_ALIVE_SECONDS and give their descriptors back).
+OUT_OF_DESCRIPTORS_ANSWER = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+    b"content-length: " + str(len(_REFUSAL_BODY)).encode() + b"\r\nretry-after: 1\r\n"
+    b"connection: close\r\n\r\n" + _REFUSAL_BODY)
+
+
+class DescriptorReserve:
+    """One spare descriptor kept for a listening socket, so that a connection arriving when
+    every other descriptor is taken is answered at once instead of waiting in the listen
+    backlog (libev's documented remedy for EMFILE on accept).
+
+    :meth:`refuse_one` closes the spare, accepts the waiting connection on the descriptor
+    it frees, writes ``answer`` (an HTTP/1.1 503; nothing on a TLS listener, whose
+    handshake has not happened), closes the connection and takes the spare again. Another
+    thread may take the freed descriptor first; then nothing is refused and trio's accept
+    loop retries as before.
+    """
+
+    def __init__(self, fd: int, answer: bytes) -> None:
+        self.fd = fd
+        self.answer = answer
+        self._spare: int | None = None
+        self._take_spare()
+        self._last_log = -math.inf
+        self._unlogged = 0
+
+    def _take_spare(self) -> None:
+        if self._spare is None:
+            try:
+                self._spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                pass  # none free now; taken again at the next refusal
+
+    def close(self) -> None:
+        if self._spare is not None:
+            os.close(self._spare)
+            self._spare = None
+
+    def refuse_one(self) -> bool | None:
+        """Answer and close one connection waiting to be accepted: True when one was,
+        False when none waits (Linux's accept fails with EMFILE before it looks for a
+        connection), None when no descriptor could be freed for it."""
+        if self._spare is None:
+            self._take_spare()
+            return None
+        os.close(self._spare)
+        self._spare = None
+        # A second socket object on the listening descriptor, detached before it is
+        # dropped, so that only hypercorn's object ever closes the descriptor.
+        listening = socket.socket(fileno=self.fd)
+        try:
+            conn = listening.accept()[0]
+        except OSError as exc:
+            self._take_spare()
+            # EAGAIN: none waits. Else another thread took the freed descriptor first.
+            return False if isinstance(exc, BlockingIOError) else None
+        finally:
+            listening.detach()
+        with conn:
+            conn.setblocking(False)
+            with contextlib.suppress(OSError):
+                conn.recv(_REFUSED_READ_BYTES)
+            with contextlib.suppress(OSError):
+                conn.send(self.answer)  # a fresh socket's send buffer takes it whole
+        self._take_spare()  # the descriptor conn held
+        self._log()
+        return True
+
+    def _log(self) -> None:
+        now = time.monotonic()
+        if now - self._last_log < ACCEPT_ERROR_LOG_SECONDS:
+            self._unlogged += 1
+            return
+        logger.warning("out of file descriptors: a new connection was refused at once "
+                       "(%d more in the last %.0f s); open connections hold the rest of the "
+                       "open-file limit", self._unlogged, ACCEPT_ERROR_LOG_SECONDS)
+        self._last_log, self._unlogged = now, 0
+
+
+# The listening descriptors served with a reserve, by descriptor number: trio's listener
+# knows only its socket, and a descriptor number is what both sides share. serve_app adds
+# and removes its own (reserve_descriptors).
+_RESERVES: dict[int, DescriptorReserve] = {}
+
+
+@contextlib.contextmanager
+def reserve_descriptors(fd: int, *, tls: bool) -> Iterator[DescriptorReserve]:
+    """Refuse new connections on the listening descriptor ``fd`` with a 503 (``tls``: by
+    closing them) while descriptors have run out, for the duration of the block."""
+    _patch_trio_accept()
+    reserve = DescriptorReserve(fd, b"" if tls else OUT_OF_DESCRIPTORS_ANSWER)
+    _RESERVES[fd] = reserve
+    try:
+        yield reserve
+    finally:
+        if _RESERVES.get(fd) is reserve:
+            del _RESERVES[fd]
+        reserve.close()
+
+
+def _patch_trio_accept() -> None:
+    """Make ``trio.SocketListener.accept`` refuse connections through the listening
+    socket's :class:`DescriptorReserve` when accept fails for want of a descriptor;
+    idempotent. Checked against trio 0.35.0 and hypercorn 0.18.0: hypercorn's trio worker
+    serves its sockets with ``trio.serve_listeners`` over ``trio.SocketListener``s, whose
+    ``accept`` leaves EMFILE to ``serve_listeners``, which logs it and retries every
+    0.1 s while the connection waits in the backlog. Listeners without a reserve keep
+    trio's behaviour."""
+    if getattr(trio.SocketListener.accept, "patched_by_engine", False):
+        return
+    accept = trio.SocketListener.accept
+
+    async def accept_or_refuse(self: trio.SocketListener) -> trio.SocketStream:
+        while True:
+            try:
+                return await accept(self)
+            except OSError as exc:
+                reserve = _RESERVES.get(self.socket.fileno())
+                if exc.errno not in _OUT_OF_DESCRIPTORS or reserve is None:
+                    raise
+                refused = reserve.refuse_one()
+                if refused is None:
+                    raise  # trio's loop logs it and retries in 0.1 s
+            if refused:
+                # A flood of refusals still lets the other tasks run.
+                await trio.lowlevel.checkpoint()
+            else:
+                # Nothing waits: sleep until a connection does (trio's loop would retry
+                # the failing accept every 0.1 s).
+                await trio.lowlevel.wait_readable(self.socket)
+
+    accept_or_refuse.patched_by_engine = True  # type: ignore[attr-defined]
+    trio.SocketListener.accept = accept_or_refuse  # type: ignore[method-assign]
+
+
 def patch_hypercorn_h2() -> None:
-    """Fix three holes of hypercorn's HTTP/2 (see the module docstring); idempotent.
+    """Fix four holes of hypercorn's HTTP/2 (see the module docstring); idempotent. Checked
+    against hypercorn 0.18.0 (``hypercorn/protocol/h2.py``) and h2 4.4.1.
 
     * ``StreamBuffer.pop`` released a writer waiting on a full buffer whenever the chunk it
       took was small, the empty chunk of a closed window included, so the application's
       writes never waited: the buffer now releases writers once *it* is below the low-water
       mark.
-    * A stream closed while its response is unfinished (the application gave up on it) is
-      reset with CANCEL and its buffer closed; the send task then forgets it.
+    * A write to a stream whose flow-control window is shut waits until what the stream
+      has buffered is sent (:func:`_wait_for_window`), so the send timeout measures how
+      long the client has not let the server write, as on HTTP/1.
+    * A stream closed while its response is unfinished (the application gave up on it,
+      before its end or while its end waited on a shut window) is reset with CANCEL and
+      its buffer closed; the send task then forgets it.
     * A connection that starts HTTP/2 with no request open (the prior-knowledge preface
       switches an HTTP/1 connection, whose timer its request head had stopped) starts the
       keep-alive timer, as an HTTP/1 connection between requests does.
@@ -259,8 +450,9 @@ def patch_hypercorn_h2() -> None:
     async def reset_abandoned(self: Any, event: Any) -> None:
         if isinstance(event, StreamClosed):
             buffer = self.stream_buffers.get(event.stream_id)
-            if buffer is not None and not buffer._complete:
-                # No EndBody came: the response was abandoned mid-way. The send task
+            if buffer is not None and not buffer.complete:
+                # The response was abandoned mid-way: no EndBody came, or it came and its
+                # drain gave up with data still unsent (a closed window). The send task
                 # removes the stream when it next finds it (it fails on the reset stream).
                 try:
                     self.connection.reset_stream(event.stream_id, h2.errors.ErrorCodes.CANCEL)
@@ -271,6 +463,8 @@ def patch_hypercorn_h2() -> None:
                 await self.has_data.set()
                 await self._flush()
         await stream_send(self, event)
+        if isinstance(event, (Body, Data)):
+            await _wait_for_window(self, event.stream_id)
 
     initiate = hyper_h2.H2Protocol.initiate
 
@@ -283,3 +477,22 @@ def patch_hypercorn_h2() -> None:
     hyper_h2.StreamBuffer.pop = pop
     hyper_h2.H2Protocol.stream_send = reset_abandoned
     hyper_h2.H2Protocol.initiate = initiate_then_time_idle
+
+
+async def _wait_for_window(protocol: Any, stream_id: int) -> None:
+    """After a write to an HTTP/2 stream: while the client's flow-control window (the
+    stream's or the connection's) is shut, wait until what the stream has buffered is
+    sent, as a write to a stalled HTTP/1 socket waits; the application's send timeout
+    then cuts a client that never opens it. Without this, a write waited only once
+    hypercorn's buffer held ``BUFFER_HIGH_WATER`` bytes (32 KiB, a couple of hundred
+    streamed tokens), so a zero-window client held its running slots for as long as
+    the generations took to produce that much."""
+    buffer = protocol.stream_buffers.get(stream_id)
+    if buffer is None or not buffer.buffer:
+        return
+    try:
+        window = protocol.connection.local_flow_control_window(stream_id)
+    except h2.exceptions.ProtocolError:
+        return  # the stream is closed or reset: nothing will be sent
+    if window <= 0:
+        await buffer.drain()

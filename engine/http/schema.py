@@ -46,6 +46,23 @@ def _integer(lo: int | None, hi: int | None, description: str) -> dict[str, Any]
 
 
 _BOOL = _nullable({"type": "boolean"})
+
+
+def _spelled(word: str) -> str:
+    """``word`` as a regex of any letter case (no inline flags: OpenAPI's regexes are
+    ECMA-262's)."""
+    return "".join(f"[{c.lower()}{c.upper()}]" if c.isalpha() else c for c in word)
+
+
+# The completions, chat and tokenize routes read a boolean as vLLM's pydantic models do
+# (engine.chat.request.lax_bool): the words below in any case, 0 and 1.
+_LAX_BOOL = _nullable({"anyOf": [
+    {"type": "boolean"}, {"enum": [0, 1]},
+    {"type": "string", "pattern": "^(" + "|".join(
+        _spelled(w) for w in ("true", "false", "yes", "no", "on", "off", "t", "f", "y", "n",
+                              "1", "0")) + ")$"},
+], "description": "a boolean; also \"true\"/\"false\", \"yes\"/\"no\", \"on\"/\"off\", "
+                  "\"t\"/\"f\", \"y\"/\"n\" in any case, and 0/1 (as vLLM reads it)"})
 _STOP_STRING = {"type": "string", "minLength": 1, "maxLength": P.MAX_STOP_STRING_CHARS}
 
 COMMON: dict[str, Any] = {
@@ -73,15 +90,15 @@ COMMON: dict[str, Any] = {
         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
         "description": "token id (a decimal string) to a bias added to its logit",
     }),
-    "ignore_eos": _BOOL,
-    "stream": _BOOL,
+    "ignore_eos": _LAX_BOOL,
+    "stream": _LAX_BOOL,
     "stream_options": _nullable({"type": "object", "properties": {
-        "include_usage": _BOOL, "continuous_usage_stats": _BOOL},
+        "include_usage": _LAX_BOOL, "continuous_usage_stats": _LAX_BOOL},
         "description": "only with stream: true; continuous_usage_stats (with include_usage) "
                        "puts usage on every chunk"}),
     "user": _nullable({"type": "string"}),
-    "include_stop_str_in_output": _BOOL,
-    "skip_special_tokens": _BOOL,
+    "include_stop_str_in_output": _LAX_BOOL,
+    "skip_special_tokens": _LAX_BOOL,
     "priority": _integer(*_INT64, "smaller is served first under --scheduling-policy "
                          "priority"),
     # vLLM's answer-shape extras.
@@ -123,7 +140,7 @@ COMPLETION: dict[str, Any] = {
             _TOKEN_IDS,
             {"type": "array", "items": _TOKEN_IDS, "minItems": 1},
         ]},
-        "echo": _BOOL,
+        "echo": _LAX_BOOL,
         "logprobs": _integer(-1, None, "top alternatives per token beside the chosen one "
                              "(and per prompt token with echo); -1: all; at most "
                              "--max-logprobs"),
@@ -158,19 +175,19 @@ CHAT: dict[str, Any] = {
         **COMMON,
         "messages": _MESSAGES,
         "max_completion_tokens": _integer(1, None, "OpenAI's newer name for max_tokens"),
-        "logprobs": _BOOL,
+        "logprobs": _LAX_BOOL,
         "top_logprobs": _integer(-1, None, "alternatives per token, the chosen one first; "
                                  "-1: all; at most --max-logprobs; needs logprobs: true"),
-        "echo": _BOOL,
+        "echo": _LAX_BOOL,
         # Tool calling and templates (engine/chat checks their insides).
         "tools": _nullable({"type": "array", "items": {"type": "object"}}),
         "tool_choice": _nullable({"anyOf": [{"enum": ["none", "auto", "required"]},
                                             {"type": "object"}]}),
-        "parallel_tool_calls": _BOOL,
+        "parallel_tool_calls": _LAX_BOOL,
         "chat_template": _nullable({"type": "string"}),
         "chat_template_kwargs": _nullable({"type": "object"}),
-        "add_generation_prompt": _BOOL,
-        "continue_final_message": _BOOL,
+        "add_generation_prompt": _LAX_BOOL,
+        "continue_final_message": _LAX_BOOL,
     },
 }
 _OBJECT = _nullable({"type": "object"})
@@ -228,9 +245,9 @@ TOKENIZE: dict[str, Any] = {
         "model": COMMON["model"],
         "prompt": {"type": "string"},
         "messages": _MESSAGES,
-        "add_special_tokens": _BOOL,
-        "add_generation_prompt": _BOOL,
-        "return_token_strs": _BOOL,
+        "add_special_tokens": _LAX_BOOL,
+        "add_generation_prompt": _LAX_BOOL,
+        "return_token_strs": _LAX_BOOL,
     },
     "anyOf": [{"required": ["prompt"]}, {"required": ["messages"]}],
 }

@@ -110,7 +110,8 @@ async def serve_app(
     refused and in-flight requests get ``shutdown_timeout`` seconds before they are
     cancelled. HTTP/2 in cleartext is served only with ``enable_h2c`` (:mod:`engine.http.h2c`).
     A socket write waits at most the app's send timeout (``create_app``'s ``send_timeout``)
-    before the connection is closed.
+    before the connection is closed. When the process runs out of file descriptors, a new
+    connection is answered with a 503 and closed rather than left in the listen backlog.
     """
     check_tls(ssl_keyfile, ssl_certfile)
     config = HypercornConfig()
@@ -129,6 +130,9 @@ async def serve_app(
     config.loglevel = "WARNING"
     # hypercorn wraps the descriptor in a socket of its own and closes it when done:
     # detached, ``listener`` no longer owns it, so it is closed exactly once.
-    config.bind = [f"fd://{listener.detach()}"]
-    await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger,
-                          task_status=task_status)
+    fd = listener.detach()
+    config.bind = [f"fd://{fd}"]
+    # Out of descriptors, a new connection gets a 503 at once (edge.DescriptorReserve).
+    with edge.reserve_descriptors(fd, tls=bool(ssl_keyfile)):
+        await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger,
+                              task_status=task_status)

@@ -97,6 +97,138 @@ def template_reads(source: str | None, variable: str) -> bool:
         return variable in source
 
 
+def template_iterates_content(source: str) -> bool:
+    """Whether a chat template reads a message's content as a list of parts (vLLM's
+    ``auto`` content format): it loops over ``message['content']`` or
+    ``message.content`` (through filters such as ``selectattr``, a slice, a name set from
+    it, or a macro argument given it), or reads a part of it (``content[0]['text']``).
+    ``message`` is a loop variable over ``messages`` (or over a name set from it, sliced or
+    filtered) or one of its items (``messages[0]``, ``messages | last``). A source that
+    does not parse reads as a string template."""
+    env = chat_sandbox.BoundedSandbox(extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    try:
+        tree = env.parse(source)
+    except Exception:  # a syntax error: the template cannot render anyway
+        return False
+    return _ContentReads(tree).as_list
+
+
+class _ContentReads:
+    """Which names of a parsed template hold the messages, one message, or a message's
+    content, found by following ``{% set %}``, ``{% for %}`` and macro calls until nothing
+    changes; then whether content is read as a list of parts."""
+
+    def __init__(self, tree: jinja2.nodes.Template) -> None:
+        self.lists = {"messages"}
+        self.messages: set[str] = set()
+        self.contents: set[str] = set()
+        assigns = list(tree.find_all(jinja2.nodes.Assign))
+        loops = list(tree.find_all(jinja2.nodes.For))
+        macros = {m.name: m for m in tree.find_all(jinja2.nodes.Macro)}
+        calls = [c for c in tree.find_all(jinja2.nodes.Call)
+                 if isinstance(c.node, jinja2.nodes.Name) and c.node.name in macros]
+        while True:
+            before = (len(self.lists), len(self.messages), len(self.contents))
+            for assign in assigns:
+                for name in _target_names(assign.target):
+                    self._bind(name, assign.node)
+            for loop in loops:
+                if self._is_list(loop.iter):
+                    self.messages.update(_target_names(loop.target))
+            for call in calls:
+                params = [p.name for p in macros[call.node.name].args]  # type: ignore[attr-defined]
+                given = list(zip(params, call.args, strict=False))
+                given += [(k.key, k.value) for k in call.kwargs]
+                for name, value in given:
+                    self._bind(name, value)
+            if (len(self.lists), len(self.messages), len(self.contents)) == before:
+                break
+        self.as_list = any(self._is_content(loop.iter) for loop in loops) or any(
+            self._is_part(node) for node in tree.find_all((jinja2.nodes.Getitem,
+                                                           jinja2.nodes.Getattr)))
+
+    def _bind(self, name: str, value: jinja2.nodes.Node) -> None:
+        if self._is_list(value):
+            self.lists.add(name)
+        elif self._is_message(value):
+            self.messages.add(name)
+        elif self._is_content(value):
+            self.contents.add(name)
+
+    def _is_list(self, node: jinja2.nodes.Node) -> bool:
+        return any(isinstance(b, jinja2.nodes.Name) and b.name in self.lists
+                   for b in _bases(node))
+
+    def _is_message(self, node: jinja2.nodes.Node) -> bool:
+        for b in _bases(node, keep_items=True):
+            if isinstance(b, jinja2.nodes.Name) and b.name in self.messages:
+                return True
+            if isinstance(b, jinja2.nodes.Filter) and b.name in ("first", "last") and (
+                    b.node is not None and self._is_list(b.node)):
+                return True
+            if isinstance(b, jinja2.nodes.Getitem) and _index(b.arg) is not None and (
+                    self._is_list(b.node)):
+                return True
+        return False
+
+    def _is_content(self, node: jinja2.nodes.Node) -> bool:
+        for b in _bases(node):
+            if isinstance(b, jinja2.nodes.Name) and b.name in self.contents:
+                return True
+            if isinstance(b, jinja2.nodes.Getitem) and isinstance(b.arg, jinja2.nodes.Const) and (
+                    b.arg.value == "content" and self._is_message(b.node)):
+                return True
+            if isinstance(b, jinja2.nodes.Getattr) and b.attr == "content" and (
+                    self._is_message(b.node)):
+                return True
+        return False
+
+    def _is_part(self, node: jinja2.nodes.Node) -> bool:
+        """``content[0]['text']`` / ``content[0].type``: a field of one part."""
+        inner = node.node  # type: ignore[attr-defined]
+        if isinstance(node, jinja2.nodes.Getitem) and not (
+                isinstance(node.arg, jinja2.nodes.Const) and isinstance(node.arg.value, str)):
+            return False
+        return (isinstance(inner, jinja2.nodes.Getitem) and _index(inner.arg) is not None
+                and self._is_content(inner.node))
+
+
+def _bases(node: jinja2.nodes.Node, keep_items: bool = False) -> list[jinja2.nodes.Node]:
+    """What ``node`` evaluates to, under filters, tests, slices and ``a if c else b``
+    (``messages[1:] | selectattr(...)`` is ``messages``). ``keep_items``: ``first`` and
+    ``last`` stay (they pick an item, not the list)."""
+    if isinstance(node, jinja2.nodes.Filter) and node.node is not None and not (
+            keep_items and node.name in ("first", "last")):
+        return _bases(node.node, keep_items)
+    if isinstance(node, jinja2.nodes.Test):
+        return _bases(node.node, keep_items)
+    if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice):
+        return _bases(node.node, keep_items)
+    if isinstance(node, jinja2.nodes.CondExpr):
+        return [*_bases(node.expr1, keep_items),
+                *(_bases(node.expr2, keep_items) if node.expr2 is not None else [])]
+    return [node]
+
+
+def _index(node: jinja2.nodes.Node) -> int | None:
+    """The integer ``node`` is (``0``, ``-1``), else None."""
+    if isinstance(node, jinja2.nodes.Neg):
+        inner = _index(node.node)
+        return -inner if inner is not None else None
+    if isinstance(node, jinja2.nodes.Const) and isinstance(node.value, int) and not (
+            isinstance(node.value, bool)):
+        return node.value
+    return None
+
+
+def _target_names(target: jinja2.nodes.Node) -> list[str]:
+    if isinstance(target, jinja2.nodes.Name):
+        return [target.name]
+    if isinstance(target, jinja2.nodes.Tuple):
+        return [n for item in target.items for n in _target_names(item)]
+    return []  # a namespace attribute (ns.x): not followed
+
+
 def compile_template(source: str) -> jinja2.Template:
     """``source`` compiled in the bounded sandbox. Raises what jinja raises: a
     :class:`jinja2.TemplateSyntaxError`, or any error of folding a constant expression

@@ -108,11 +108,11 @@ class GemmaModel(Decoder):
             pre_ffn_norm=norm("pre_feedforward_layernorm.weight"),
             post_ffn_norm=norm("post_feedforward_layernorm.weight"),
             qkv=make_linear([get.rows(attn + f"{n}_proj.weight", spans=[span]) for n, span in zip("qkv", spans, strict=True)]),
-            o_proj=make_linear([get.cols(attn + "o_proj.weight")]),
+            o_proj=get.row_parallel(attn + "o_proj.weight"),
             q_norm=norm("self_attn.q_norm.weight") if qk_norm else None,
             k_norm=norm("self_attn.k_norm.weight") if qk_norm else None,
             gate_up=make_linear([get.rows(mlp + "gate_proj.weight"), get.rows(mlp + "up_proj.weight")]),
-            down=make_linear([get.cols(mlp + "down_proj.weight")]),
+            down=get.row_parallel(mlp + "down_proj.weight"),
             window=self.config.layer_windows[i],
             rope=self.local_cos_sin_cache if self.config.layer_windows[i] else self.cos_sin_cache,
         )
@@ -143,7 +143,7 @@ class GemmaModel(Decoder):
             x = self._attention(layer, x, positions, meta, k_cache, v_cache)
             hidden = hidden + self._rms(x, layer.post_norm)
             x = self._rms(hidden, layer.pre_ffn_norm)
-            x = self.tp.all_reduce(layer.down(ops.gelu_tanh_and_mul(layer.gate_up(x))))  # row-parallel down
+            x = layer.down(ops.gelu_tanh_and_mul(layer.gate_up(x)))  # row-parallel: the whole output
             hidden = hidden + self._rms(x, layer.post_ffn_norm)
         return self._rms(hidden, self.norm)
 

@@ -409,26 +409,39 @@ def _hf_tensors(reader: Any, config: dict[str, Any], *, arch: str, path: Path) -
     return tensors
 
 
-def _moe_tensors(t: Any, config: dict[str, Any], path: Path) -> dict[str, torch.Tensor] | None:
-    """The Hugging Face tensors of a GGUF expert or router tensor; None for any other."""
-    stem, _, suffix = t.name.rpartition(".")
+def moe_tensor_names(gguf_name: str, model_type: str, experts: int) -> list[str] | None:
+    """The Hugging Face names of a GGUF expert stack (one per expert, in order) or of a
+    router / shared-expert tensor (one); None for any other tensor."""
+    stem, _, suffix = gguf_name.rpartition(".")
     parts = stem.split(".")
     if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit() or suffix != "weight":
         return None
     kind = parts[2]
-    if kind not in _EXPERT_STACKS and kind not in _MOE_BLOCK_NAMES:
-        return None
-    mixtral = config["model_type"] == "mixtral"
+    mixtral = model_type == "mixtral"
     prefix = f"model.layers.{int(parts[1])}.{'block_sparse_moe' if mixtral else 'mlp'}."
-    value = _dequantize(t, path)
     if kind in _MOE_BLOCK_NAMES:
+        return [f"{prefix}{_MOE_BLOCK_NAMES[kind]}.weight"]
+    if kind not in _EXPERT_STACKS:
+        return None
+    proj = (("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj"))[_EXPERT_STACKS[kind]]
+    return [f"{prefix}experts.{e}.{proj}.weight" for e in range(experts)]
+
+
+def _moe_tensors(t: Any, config: dict[str, Any], path: Path) -> dict[str, torch.Tensor] | None:
+    """The Hugging Face tensors of a GGUF expert or router tensor; None for any other."""
+    experts = int(t.shape[-1]) if len(t.shape) == 3 else 1
+    names = moe_tensor_names(t.name, config["model_type"], experts)
+    if names is None:
+        return None
+    value = _dequantize(t, path)
+    kind = t.name.split(".")[2]
+    if kind not in _EXPERT_STACKS:
         if kind == "ffn_gate_inp_shexp":
             value = value.reshape(1, -1)
-        return {f"{prefix}{_MOE_BLOCK_NAMES[kind]}.weight": value.contiguous()}
+        return {names[0]: value.contiguous()}
     if value.dim() != 3:
         raise CorruptModelError(f"{path}: expert tensor {t.name!r} is not 3-D ({tuple(value.shape)})")
-    proj = (("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj"))[_EXPERT_STACKS[kind]]
-    return {f"{prefix}experts.{e}.{proj}.weight": value[e].clone() for e in range(value.shape[0])}
+    return {name: value[e].clone() for e, name in enumerate(names)}
 
 
 def _dequantize(t: Any, path: Path) -> torch.Tensor:

@@ -2,17 +2,19 @@
 
 The conversion cache (:mod:`engine.models.gguf_convert`) writes a dequantized Hugging Face
 folder; it still supplies the config and the tokenizer, but with quantization on, the
-weights come from the GGUF itself: ``gguf.GGUFReader`` memory-maps the file, each
-quantized tensor's rows of blocks are copied out once and repacked for the kernels
-(:class:`engine.ops.quant.QuantizedWeight`), and the map is dropped when the reader goes.
-Tensors of other types (F32 norms, F16, or a block format the kernels lack) are
-dequantized as the converter does, and the log names the block formats that were.
+weights come from the GGUF itself. ``gguf.GGUFReader`` parses the header (names, types,
+shapes and the offset of each tensor's bytes); each tensor is then a :class:`GgufTensor`
+read from the file by position (:mod:`engine.models.checkpoint`), whole for one rank or in
+a tensor-parallel rank's rows or columns. A quantized tensor's rows of blocks are repacked
+for the kernels (:class:`engine.ops.quant.QuantizedWeight`); tensors of other types (F32
+norms, F16, or a block format the kernels lack) are dequantized as the converter does, and
+the log names the block formats that were.
 
 The per-tensor fix-ups mirror ``gguf_convert._hf_tensors`` (phi3's RoPE factor tensors
 skipped, Gemma's stored 1 + w norms undone); llama.cpp's q/k row permutation (see
-:func:`gguf_convert.unpermute_qk`) acts on whole rows,
-and each row of a block-quantized tensor is its own run of blocks, so it is undone on the
-block rows without dequantizing.
+:func:`gguf_convert.unpermute_qk`) acts on whole rows within each head, and each row of a
+block-quantized tensor is its own run of blocks, so it is undone on the block rows without
+dequantizing, on the heads a cut covers. Expert stacks (3-D) are read one expert at a time.
 """
 
 from __future__ import annotations
@@ -25,28 +27,147 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.errors import UnsupportedModelError
+from engine.errors import CorruptModelError, UnsupportedModelError
 from engine.models import gguf_convert
+from engine.models.checkpoint import CheckpointFile, LazyWeights, StoredTensor, read_stored
 from engine.models.config import ModelConfig
 from engine.ops.quant import LAYOUT_FORMATS, QuantizedWeight
+from engine.ops.quant_formats import QuantFormat, format_of
 
 logger = logging.getLogger("engine.models")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GgufWeights:
-    """Tensors under Hugging Face names: ``QuantizedWeight`` for kept blocks, else dense."""
+    """Tensors under Hugging Face names: ``QuantizedWeight`` for kept blocks, else dense
+    (or, read lazily, the :class:`GgufTensor` each reads from)."""
 
-    weights: dict[str, QuantizedWeight | torch.Tensor]
+    weights: dict[str, QuantizedWeight | torch.Tensor] | LazyWeights
     file_tensor_bytes: int  # the file's bytes of tensor data (the 1.2x budget's base)
     kept: dict[str, int]  # block format -> tensors kept quantized
     dequantized: dict[str, int]  # non-float type -> tensors dequantized
 
 
-def read_gguf_weights(path: Path, config: ModelConfig, *, device: torch.device, layout: str = "panels") -> GgufWeights:
+def cut_inside_blocks(name: str, fmt: QuantFormat, start: int, stop: int, k: int) -> UnsupportedModelError:
+    """The refusal of input columns ``[start, stop)`` that split ``fmt``'s blocks."""
+    return UnsupportedModelError(
+        f"{name}: its {fmt.name} blocks hold {fmt.block} values, and this rank's input "
+        f"columns [{start}, {stop}) of {k} do not fall on block boundaries; the blocks cannot be "
+        f"split for this tensor-parallel size (use another size, or --quantization none)"
+    )
+
+
+class GgufTensor(StoredTensor):
+    """One GGUF tensor under its Hugging Face name: rows of ``row_bytes`` bytes at
+    ``offset`` (a 1-D tensor is one row, read whole; ``shape`` [1, n] for the shared-expert
+    gate HF stores 2-D). ``keep``: the block format it is kept in (``layout`` then says
+    which), else it is dequantized; ``heads``: llama.cpp's q/k permutation to undo over
+    that many heads; ``plus_one``: a Gemma norm stored as ``1 + w``."""
+
+    def __init__(self, file: CheckpointFile, name: str, qtype, shape: tuple[int, ...], offset: int, *,
+                 keep: QuantFormat | None, layout: str, device: torch.device, heads: int = 0,
+                 plus_one: bool = False) -> None:
+        from gguf import GGML_QUANT_SIZES
+
+        self.file, self.name, self.qtype, self.shape, self.offset = file, name, qtype, shape, offset
+        self.keep, self.device, self.heads, self.plus_one = keep, device, heads, plus_one
+        self.layout = layout if keep is not None else None
+        self.block, self.type_size = GGML_QUANT_SIZES[qtype]
+        cols = shape[-1] if len(shape) == 2 else int(np.prod(shape))
+        if cols % self.block:
+            raise CorruptModelError(f"{file.path}: tensor {name!r} has {cols} columns, not whole "
+                                    f"{qtype.name} blocks of {self.block}")
+        self.row_bytes = cols // self.block * self.type_size
+        self.dtype = gguf_convert._LOSSLESS_TORCH_DTYPES.get(qtype.name, torch.float32)
+
+    def _rows(self) -> int:
+        return self.shape[0] if len(self.shape) == 2 else 1
+
+    def read_rows(self, spans: list[tuple[int, int]]):
+        if len(self.shape) != 2:  # a norm or bias: small, read whole and cut
+            whole = self._dense(self.file.read_rows(self.offset, self.row_bytes, 0, 1)).reshape(self.shape)
+            whole = self._finish(gguf_convert.unpermute_qk(whole, self.heads) if self.heads else whole)
+            return whole if spans == [(0, self.shape[0])] else torch.cat([whole[a:b] for a, b in spans])
+        parts = [self._span(a, b) for a, b in spans]
+        raw = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self._finish(raw)
+
+    def _span(self, a: int, b: int) -> torch.Tensor:
+        """Rows [a, b): block bytes for a kept tensor, else dequantized; unpermuted over the
+        whole heads the rows fall in (the permutation stays inside a head)."""
+        if not self.heads:
+            return self._decoded(self.file.read_rows(self.offset, self.row_bytes, a, b))
+        per = self.shape[0] // self.heads
+        h0, h1 = a // per, -(-b // per)
+        rows = self._decoded(self.file.read_rows(self.offset, self.row_bytes, h0 * per, h1 * per))
+        rows = gguf_convert.unpermute_qk(rows, h1 - h0)
+        return rows[a - h0 * per : b - h0 * per]
+
+    def read_cols(self, start: int, stop: int):
+        if len(self.shape) != 2:
+            raise ValueError(f"{self.name}: a column cut needs a 2-D tensor, not {list(self.shape)}")
+        k = self.shape[1]
+        if self.keep is not None and (start % self.block or stop % self.block):
+            raise cut_inside_blocks(self.name, self.keep, start, stop, k)
+        b0, b1 = start // self.block, -(-stop // self.block)  # the blocks covering the cut
+        raw = self.file.read_columns(self.offset, self.row_bytes, self.shape[0], b0 * self.type_size,
+                                     b1 * self.type_size)
+        if self.keep is not None:
+            value = torch.from_numpy(raw)
+        else:
+            value = self._dense(raw)[:, start - b0 * self.block : stop - b0 * self.block]
+        if self.heads:
+            value = gguf_convert.unpermute_qk(value, self.heads)
+        if self.keep is not None:
+            return QuantizedWeight.from_blocks(value.contiguous(), self.keep, stop - start, device=self.device,
+                                               layout=self.layout)
+        return self._finish(value)
+
+    def _decoded(self, raw: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(raw) if self.keep is not None else self._dense(raw)
+
+    def _dense(self, raw: np.ndarray) -> torch.Tensor:
+        """Rows of this tensor's type, dequantized (fp32; F16 and BF16 as they are)."""
+        from gguf.quants import dequantize  # on use: see gguf_convert._reader_class
+
+        try:
+            array = dequantize(raw, self.qtype)
+        except NotImplementedError as exc:
+            raise UnsupportedModelError(f"{self.file.path}: tensor {self.name!r} has quantization type "
+                                        f"{self.qtype.name}, which cannot be dequantized") from exc
+        except ValueError as exc:
+            raise CorruptModelError(f"{self.file.path}: tensor {self.name!r} ({self.qtype.name}) is malformed: "
+                                    f"{exc}") from exc
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.dtype)
+
+    def _finish(self, value: torch.Tensor):
+        if self.keep is not None:
+            return QuantizedWeight.from_blocks(value.contiguous(), self.keep, self.shape[1], device=self.device,
+                                               layout=self.layout)
+        if self.plus_one:
+            value = value.float() - 1.0  # llama.cpp stores Gemma's norms as 1 + w (as the converter undoes)
+        return value.contiguous()
+
+
+def read_gguf_weights(path: Path, config: ModelConfig, *, device: torch.device, layout: str = "panels",
+                      lazy: bool = False) -> GgufWeights:
     """The weights of GGUF ``path`` with the matrices of the formats ``layout``'s kernels
     read kept on ``device`` (panels: Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K, for the C kernels;
-    blocks: Q4_0/Q4_1/Q8_0/Q4_K, for the Triton kernel)."""
+    blocks: Q4_0/Q4_1/Q8_0/Q4_K, for the Triton kernel). ``lazy``: the
+    :class:`GgufTensor` of each name instead, read when asked (see
+    :mod:`engine.models.checkpoint`)."""
+    stored = _gguf_tensors(path, config, device, layout)
+    weights = stored.weights if lazy else {name: read_stored(w) for name, w in stored.weights.items()}
+    if stored.dequantized:
+        logger.info(
+            "%s: dequantized %s (no kernel for these block formats; kept: %s)",
+            path.name, ", ".join(f"{n} {k}" for k, n in sorted(stored.dequantized.items())),
+            ", ".join(f"{n} {k}" for k, n in sorted(stored.kept.items())) or "none",
+        )
+    return dataclasses.replace(stored, weights=weights)
+
+
+def _gguf_tensors(path: Path, config: ModelConfig, device: torch.device, layout: str) -> GgufWeights:
     formats = LAYOUT_FORMATS[layout]
     reader = gguf_convert._open_reader(path)
     arch = gguf_convert._Fields(reader, path).get("general.architecture")
@@ -54,7 +175,8 @@ def read_gguf_weights(path: Path, config: ModelConfig, *, device: torch.device, 
         raise UnsupportedModelError(f"{path}: GGUF architecture {arch!r} is not supported")
     permuted = gguf_convert._ARCHITECTURES[arch][2]
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
-    weights: dict[str, QuantizedWeight | torch.Tensor] = {}
+    file = CheckpointFile(path)
+    weights: dict[str, StoredTensor] = {}
     kept: Counter[str] = Counter()
     dequantized: Counter[str] = Counter()
     total = 0
@@ -63,11 +185,23 @@ def read_gguf_weights(path: Path, config: ModelConfig, *, device: torch.device, 
             continue  # read into config.json's rope_scaling by the converter
         total += int(t.n_bytes)
         kind = t.tensor_type.name
+        dims = tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml lists the fastest first
         # Expert stacks (3-D) and routers are split into per-expert matrices as the
         # converter does; the expert kernels take dense weights, so their blocks are not kept.
-        moe = gguf_convert._moe_tensors(t, {"model_type": config.architecture}, path)
+        experts = dims[0] if len(dims) == 3 else 1
+        moe = gguf_convert.moe_tensor_names(t.name, config.architecture, experts)
         if moe is not None:
-            weights.update(moe)
+            if len(moe) > 1 or t.name.split(".")[2] in gguf_convert._EXPERT_STACKS:
+                if len(dims) != 3:
+                    raise CorruptModelError(f"{path}: expert tensor {t.name!r} is not 3-D ({dims})")
+                step = int(t.n_bytes) // experts
+                for e, name in enumerate(moe):
+                    weights[name] = GgufTensor(file, name, t.tensor_type, dims[1:], int(t.data_offset) + e * step,
+                                               keep=None, layout=layout, device=device)
+            else:  # a router [E, hidden], or the shared expert's gate: [hidden] in GGUF, [1, hidden] in HF
+                shape = (1, dims[0]) if len(dims) == 1 else dims
+                weights[moe[0]] = GgufTensor(file, moe[0], t.tensor_type, shape, int(t.data_offset), keep=None,
+                                             layout=layout, device=device)
             if kind not in gguf_convert._LOSSLESS_TORCH_DTYPES:
                 dequantized[f"{kind} (experts)"] += 1
             continue
@@ -75,29 +209,16 @@ def read_gguf_weights(path: Path, config: ModelConfig, *, device: torch.device, 
         if name is None:
             raise UnsupportedModelError(f"{path}: unknown GGUF tensor {t.name!r}")
         proj = name.rsplit(".", 2)[-2] if permuted else ""
-        if kind in formats and len(t.shape) == 2:
-            raw = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # own copy of [N, bytes]
-            if proj in heads:
-                raw = gguf_convert.unpermute_qk(raw, heads[proj]).contiguous()
-            weights[name] = QuantizedWeight.from_blocks(raw, kind, int(t.shape[0]), device=device, layout=layout)
+        keep = format_of(kind) if kind in formats and len(dims) == 2 else None
+        if keep is not None:
             kept[kind] += 1
-            continue
-        value = gguf_convert._dequantize(t, path)
-        if proj in heads:
-            value = gguf_convert.unpermute_qk(value, heads[proj])
-        elif arch in gguf_convert._GEMMA and name.endswith("norm.weight"):
-            value = value.float() - 1.0  # llama.cpp stores Gemma's norms as 1 + w (as the converter undoes)
-        if kind not in gguf_convert._LOSSLESS_TORCH_DTYPES:
+        elif kind not in gguf_convert._LOSSLESS_TORCH_DTYPES:
             dequantized[kind] += 1
-        weights[name] = value.contiguous()
-    del reader  # the memory map goes with it
-    if dequantized:
-        logger.info(
-            "%s: dequantized %s (no kernel for these block formats; kept: %s)",
-            path.name, ", ".join(f"{n} {k}" for k, n in sorted(dequantized.items())),
-            ", ".join(f"{n} {k}" for k, n in sorted(kept.items())) or "none",
-        )
-    return GgufWeights(weights, total, dict(kept), dict(dequantized))
+        weights[name] = GgufTensor(file, name, t.tensor_type, dims, int(t.data_offset), keep=keep, layout=layout,
+                                   device=device, heads=heads.get(proj, 0),
+                                   plus_one=arch in gguf_convert._GEMMA and name.endswith("norm.weight"))
+    del reader  # the header's memory map goes with it: the tensors are read by position
+    return GgufWeights(LazyWeights(weights, [file]), total, dict(kept), dict(dequantized))
 
 
-__all__ = ["GgufWeights", "read_gguf_weights"]
+__all__ = ["GgufTensor", "GgufWeights", "cut_inside_blocks", "read_gguf_weights"]

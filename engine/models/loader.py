@@ -32,6 +32,7 @@ import dataclasses
 import importlib.util
 import json
 import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ from engine.errors import (
     UnsupportedModelError,
 )
 from engine.models import cache, gguf_convert
+from engine.models.checkpoint import CheckpointFile, LazyWeights, read_safetensors_header
 from engine.models.config import ModelConfig
 from engine.models.gguf_quant import read_gguf_weights
 from engine.models.registry import model_class
@@ -71,14 +73,16 @@ class LoadedModel:
     """A model ready for the runner.
 
     ``weights`` maps Hugging Face names (``model.layers.0.self_attn.q_proj.weight``) to
-    tensors already in ``dtype`` on the requested device; ``lm_head.weight`` is present
+    tensors already in ``dtype`` on the requested device (loaded ``lazy``: to the
+    :class:`~engine.models.checkpoint.StoredTensor` each is read from, a
+    :class:`~engine.models.checkpoint.LazyWeights`); ``lm_head.weight`` is present
     only when ``config.tie_word_embeddings`` is false. ``folder`` is a Hugging Face folder
     with the tokenizer files (for a GGUF, the converted copy in the cache); ``source`` is
     the path the caller gave.
     """
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: Mapping[str, Any]
     folder: Path
     generation_config: dict[str, Any]
     dtype: torch.dtype
@@ -162,9 +166,14 @@ def load_model(
     cache_dir: str | Path | None = None,
     quantization: str = "auto",
     ops_backend: str = "auto",
+    lazy: bool = False,
 ) -> LoadedModel:
     """Load a Hugging Face folder or a GGUF file (see the module docstring for ``dtype``,
     ``quantization`` and ``ops_backend``, the backend the model will run on).
+
+    ``lazy``: read no tensor yet; ``weights`` maps each name to a
+    :class:`~engine.models.checkpoint.StoredTensor`, which the model reads (and casts)
+    when it is built, in a tensor-parallel rank's slices (:mod:`engine.models.checkpoint`).
 
     ``cache_dir`` holds converted GGUFs; ``None`` is :func:`cache.default_cache_dir`.
     Raises :class:`ModelNotFoundError`, :class:`CorruptModelError` or
@@ -202,17 +211,20 @@ def load_model(
     keep_blocks = from_gguf and quantization != "none" and layout is not None
     file_bytes = None
     if keep_blocks:
-        read = read_gguf_weights(source, config, device=target, layout=layout)
+        read = read_gguf_weights(source, config, device=target, layout=layout, lazy=lazy)
         weights = _expected(read.weights, config, source)
         file_bytes = read.file_tensor_bytes
         keep_blocks = bool(read.kept)
+    elif lazy:
+        weights = _stored_weights(folder, config)
     else:
         weights = _read_weights(folder, config)
     try:
         torch_dtype = _target_dtype(dtype, config, weights, from_gguf=from_gguf, device=target)
     except UnsupportedModelError as exc:
         raise UnsupportedModelError(f"{folder / 'config.json'}: {exc}") from exc
-    weights = {name: w.to(device=target, dtype=torch_dtype) for name, w in weights.items()}
+    if not lazy:  # (read lazily, each cut is cast as the model reads it)
+        weights = {name: w.to(device=target, dtype=torch_dtype) for name, w in weights.items()}
     return LoadedModel(
         config=config,
         weights=weights,
@@ -237,12 +249,13 @@ def _quant_layout(ops_backend: str, device: torch.device) -> str | None:
     return "panels" if device.type == "cpu" else None
 
 
-def _expected(loaded: dict[str, Any], config: ModelConfig, source: Path) -> dict[str, Any]:
+def _expected(loaded: Mapping[str, Any], config: ModelConfig, source: Path) -> Mapping[str, Any]:
     """The tensors ``config`` expects, in checkpoint order; names any that are missing."""
     missing = [name for name in expected_weight_names(config) if name not in loaded]
     if missing:
         raise CorruptModelError(f"{source}: the GGUF lacks {', '.join(missing[:3])}")
-    return {name: loaded[name] for name in expected_weight_names(config)}
+    expected = {name: loaded[name] for name in expected_weight_names(config)}
+    return LazyWeights(expected, loaded.files) if isinstance(loaded, LazyWeights) else expected
 
 
 def _device(device: str | torch.device) -> torch.device:
@@ -308,6 +321,21 @@ def _read_weights(folder: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
     loaded: dict[str, torch.Tensor] = {}
     for shard in _weight_files(folder):
         loaded.update(_read_safetensors(shard))
+    return _expected_in_folder(loaded, folder, config)
+
+
+def _stored_weights(folder: Path, config: ModelConfig) -> LazyWeights:
+    """:func:`_read_weights` with nothing read: each tensor's place in its file."""
+    files = [CheckpointFile(shard) for shard in _weight_files(folder)]
+    stored: dict[str, Any] = {}
+    for file in files:
+        stored.update(read_safetensors_header(file))
+    return LazyWeights(_expected_in_folder(stored, folder, config), files)
+
+
+def _expected_in_folder(loaded: dict[str, Any], folder: Path, config: ModelConfig) -> dict[str, Any]:
+    """The tensors ``config`` expects, under the model's names, from a folder's tensors by
+    stored name; names any that are missing."""
     expected = expected_weight_names(config)
     if not config.is_encoder and "model.embed_tokens.weight" not in loaded and "embed_tokens.weight" in loaded:
         # A decoder saved as its base model (Qwen3-Embedding): no "model." prefix.
@@ -371,7 +399,7 @@ def _cpu_has_native_bf16() -> bool:
 def _target_dtype(
     dtype: str,
     config: ModelConfig,
-    weights: dict[str, torch.Tensor],
+    weights: Mapping[str, Any],
     *,
     from_gguf: bool,
     device: torch.device,

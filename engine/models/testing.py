@@ -302,12 +302,14 @@ def _moe_weights(
 
 
 def write_tiny_model(
-    path: str | Path, arch: str = "llama", *, seed: int = 0, overrides: dict[str, Any] | None = None
+    path: str | Path, arch: str = "llama", *, seed: int = 0, overrides: dict[str, Any] | None = None,
+    chat_template: str | None = None,
 ) -> Path:
     """Write a tiny random-weight model of ``arch`` into folder ``path`` and return it.
 
     ``overrides`` replaces config.json fields before the weights are drawn (benchmarks use
-    it for larger shapes: more layers, wider experts)."""
+    it for larger shapes: more layers, wider experts). ``chat_template`` replaces the
+    ChatML template in tokenizer_config.json (tests give a real checkpoint's)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer_json = _tokenizer_json()
@@ -325,7 +327,7 @@ def write_tiny_model(
                 "pad_token": "<|endoftext|>",
                 "unk_token": None,
                 "add_bos_token": False,
-                "chat_template": CHATML_TEMPLATE,
+                "chat_template": chat_template if chat_template is not None else CHATML_TEMPLATE,
                 "model_max_length": cfg["max_position_embeddings"],
             },
             indent=2,
@@ -385,7 +387,8 @@ IMAGE_TOKEN = "<image>"
 TINY_IMAGE_SIZE = 28  # pixels square, 2 x 2 patches of 14: 4 placeholder tokens per image
 
 
-def write_tiny_llava(path: str | Path, *, seed: int = 0, tower: str = "clip") -> Path:
+def write_tiny_llava(path: str | Path, *, seed: int = 0, tower: str = "clip",
+                     chat_template: str | None = None) -> Path:
     """A tiny random LLaVA (a vision tower + projector + the tiny Llama) in folder ``path``,
     in the layout transformers' ``save_pretrained`` writes: config.json from ``LlavaConfig``,
     model.safetensors, the tiny tokenizer with an ``<image>`` token and the tower's image
@@ -394,7 +397,7 @@ def write_tiny_llava(path: str | Path, *, seed: int = 0, tower: str = "clip") ->
     ``tower="clip"``: a CLIP tower read at layer -2 without its CLS position (LLaVA-1.5's
     shape), a ``CLIPImageProcessor`` that crops. ``"siglip"``: a SigLIP tower read whole at
     its last layer (strategy ``full``, as LLaVA-style models over SigLIP do), a
-    ``SiglipImageProcessor`` that resizes."""
+    ``SiglipImageProcessor`` that resizes. ``chat_template``: as :func:`write_tiny_model`'s."""
     # transformers is heavy and only the VLM tests need it: imported here, on use.
     from transformers import (
         CLIPImageProcessor,
@@ -406,7 +409,7 @@ def write_tiny_llava(path: str | Path, *, seed: int = 0, tower: str = "clip") ->
     )
 
     path = Path(path)
-    write_tiny_model(path, "llama3", seed=seed)
+    write_tiny_model(path, "llama3", seed=seed, chat_template=chat_template)
     tok = Tokenizer.from_str((path / "tokenizer.json").read_text())
     tok.add_special_tokens([AddedToken(IMAGE_TOKEN, special=True)])
     image_id = tok.token_to_id(IMAGE_TOKEN)
@@ -489,21 +492,23 @@ TINY_QWEN_VL_MIN_PIXELS = 8 * 8
 TINY_QWEN_VL_MAX_PIXELS = 64 * 64
 
 
-def write_tiny_qwen_vl(path: str | Path, kind: str = "qwen2_vl", *, seed: int = 0) -> Path:
+def write_tiny_qwen_vl(path: str | Path, kind: str = "qwen2_vl", *, seed: int = 0,
+                       chat_template: str | None = None) -> Path:
     """A tiny random Qwen2-VL (``kind="qwen2_vl"``: LayerNorm/QuickGELU vision blocks) or
     Qwen2.5-VL (``"qwen2_5_vl"``: RMSNorm/SwiGLU blocks, windowed attention but for the
     ``fullatt_block_indexes`` layers) in folder ``path``, as transformers 5's
     ``save_pretrained`` lays it out: config.json (``text_config`` with M-RoPE's
     ``mrope_section``, ``vision_config``), model.safetensors under ``model.language_model.*``
     / ``model.visual.*`` / ``lm_head.weight``, the tiny tokenizer with the vision tokens
-    and a ``Qwen2VLImageProcessor`` (preprocessor_config.json) with a small pixel budget."""
+    and a ``Qwen2VLImageProcessor`` (preprocessor_config.json) with a small pixel budget.
+    ``chat_template``: as :func:`write_tiny_model`'s."""
     # transformers is heavy and only the VLM tests need it: imported here, on use.
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen2VLImageProcessor
 
     if kind not in TINY_QWEN_VL:
         raise ValueError(f"unknown tiny Qwen-VL kind {kind!r}; choose from {TINY_QWEN_VL}")
     path = Path(path)
-    write_tiny_model(path, "qwen2", seed=seed)
+    write_tiny_model(path, "qwen2", seed=seed, chat_template=chat_template)
     tok = Tokenizer.from_str((path / "tokenizer.json").read_text())
     tok.add_special_tokens([AddedToken(t, special=True) for t in QWEN_VL_TOKENS])
     ids = {t: tok.token_to_id(t) for t in QWEN_VL_TOKENS}

@@ -86,9 +86,12 @@ def _build_parts(config: EngineConfig, device: torch.device, load: RankLoad,
         config, num_blocks = _size_encoder(config, loaded, pooler)
     else:
         config, num_blocks = _size_kv_pool(config, loaded, device, num_kv_blocks, pooler, tp, load.draft)
+    if group is not None:
+        # Every rank reads its own slices of the checkpoint at once (load_rank's lazy load).
+        group.start_build(config.to_json(), num_blocks)
     runner = build_rank_runner(config, load, device, num_blocks, tp)
     if group is not None:
-        group.build(config.to_json(), num_blocks)
+        group.wait_built()
         runner = TensorParallelRunner(runner, group)
     t3 = time.perf_counter()
     _log_weight_bytes(loaded, runner)
@@ -151,7 +154,7 @@ def image_preprocessor(config: EngineConfig, model_config: Any, folder: Path, to
         return ImagePreprocessor(folder, image_token_id=vision.image_token_id, image_token=token,
                                  num_image_tokens=None, limits=limits,
                                  merge_size=vision.spatial_merge_size,
-                                 image_text=start + token + end, content_tokens=(start, token, end),
+                                 image_text=start + token + end,
                                  processor_options=options,
                                  marker_ids={start: vision.vision_start_token_id,
                                              end: vision.vision_end_token_id})
@@ -218,8 +221,10 @@ def _log_weight_bytes(loaded: Any, runner: Any) -> None:
     resident = weight_bytes(runner.model)
     base = loaded.file_tensor_bytes
     ratio = f" = {resident / base:.2f}x the file's {base / 2**20:.1f} MiB of tensor data" if base else ""
-    logger.info("weights resident: %.1f MiB (%s)%s", resident / 2**20,
-                "GGUF blocks kept" if loaded.quantization == "gguf" else f"dense {loaded.dtype}", ratio)
+    read = getattr(loaded.weights, "bytes_read", None)  # a rank's lazy load: its slices
+    logger.info("weights resident: %.1f MiB (%s)%s%s", resident / 2**20,
+                "GGUF blocks kept" if loaded.quantization == "gguf" else f"dense {loaded.dtype}", ratio,
+                "" if read is None else f"; rank 0 read {read / 2**20:.1f} MiB of the checkpoint")
 
 
 def _device(device: str) -> torch.device:

@@ -1,6 +1,7 @@
-"""What one rank loads and builds: the model (whole; the runner keeps the rank's slice),
-tokenizer, pooler, grammar backend and draft model (:func:`load_rank`), then its model
-runner over a KV pool of a given size (:func:`build_rank_runner`). Rank 0 runs both from
+"""What one rank loads and builds: the model (with tensor parallelism, read lazily: the
+runner reads the rank's slices), tokenizer, pooler, grammar backend and draft model
+(:func:`load_rank`), then its model runner over a KV pool of a given size
+(:func:`build_rank_runner`). Rank 0 runs both from
 :mod:`engine.process.parts`; every other tensor-parallel rank from
 :mod:`engine.process.workers`."""
 
@@ -29,8 +30,9 @@ logger = logging.getLogger("engine")
 
 @dataclasses.dataclass(slots=True)
 class RankLoad:
-    """What one rank loads before its pool is sized: the model (whole: each rank's runner
-    keeps its slice), the tokenizer, the pooler and the grammar backend."""
+    """What one rank loads before its pool is sized: the model (one rank: whole; a
+    tensor-parallel rank: lazily, each tensor read in the rank's slice when its runner
+    builds the model), the tokenizer, the pooler and the grammar backend."""
 
     path: Path
     loaded: Any  # engine.models.loader.LoadedModel
@@ -53,8 +55,10 @@ def load_rank(config: EngineConfig, device: torch.device) -> RankLoad:
         load_device, ops_backend = torch.device("cpu"), resolve_backend(config.ops_backend, device)
         if dtype == "auto" and path.suffix == ".gguf":
             dtype = "bfloat16"  # what a GGUF loads as on CUDA
+    # A tensor-parallel rank reads only its slices of each tensor, when its runner builds
+    # the model (engine/models/checkpoint.py): no rank holds the whole checkpoint.
     loaded = load_model(path, dtype=dtype, device=load_device, quantization=config.quantization,
-                        ops_backend=ops_backend)
+                        ops_backend=ops_backend, lazy=config.tensor_parallel_size > 1)
     t1 = time.perf_counter()
     logger.info("loaded %s (%s, %s) in %.2f s", path, loaded.config.architecture, loaded.dtype, t1 - t0)
     tokenizer = Tokenizer.from_folder(loaded.folder)

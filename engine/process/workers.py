@@ -117,7 +117,9 @@ class GroupStatistics:
 class WorkerGroup:
     """Ranks 1..N-1 of a tensor-parallel group, started at construction; rank 0 is the
     calling process. Call :meth:`init_rank0` once rank 0 has loaded its model (the
-    workers load theirs meanwhile), then :meth:`build` with the pool size."""
+    workers load theirs meanwhile), then :meth:`build` with the pool size (or
+    :meth:`start_build`, rank 0's own build, :meth:`wait_built`: the ranks read their
+    slices of the checkpoint at once)."""
 
     def __init__(self, config: Any, device: torch.device, *,
                  timeout: float | None = None) -> None:
@@ -296,8 +298,17 @@ class WorkerGroup:
 
     def build(self, config_json: str, num_blocks: int) -> None:
         """Every worker builds its runner with rank 0's resolved config and pool size."""
+        self.start_build(config_json, num_blocks)
+        self.wait_built()
+
+    def start_build(self, config_json: str, num_blocks: int) -> None:
+        """:meth:`build`'s first half: the workers start building (each reads its slices
+        of the checkpoint), while rank 0 builds its own runner; then :meth:`wait_built`."""
         self._build = RankBuild(config_json, num_blocks)
         self._broadcast(self._build)
+
+    def wait_built(self) -> None:
+        """Wait for every worker's runner (a worker that fails or dies raises)."""
         self._answers(RankBuilt, deadline=time.monotonic() + START_TIMEOUT_SECONDS)
 
     # -- steps ---------------------------------------------------------------------------

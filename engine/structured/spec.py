@@ -98,6 +98,9 @@ class StructuredOutputs:
                 object.__setattr__(self, "json", _schema_text(rewritten))
             check_json_schema(rewritten)
         if self.structural_tag is not None:
+            rewritten_tag = _disjoint_one_of_in_tag(self.structural_tag)
+            if rewritten_tag is not None:
+                object.__setattr__(self, "structural_tag", rewritten_tag)
             _check_structural_tag(self.structural_tag)
         if self.think is not None and self.think not in THINK_MODES:
             raise _error(f"think must be one of {', '.join(THINK_MODES)}, got {self.think!r}")
@@ -167,6 +170,34 @@ def _json_text(value: Any, name: str, what: str = "JSON") -> str:
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise _error(f"{name} must be {what}: {exc}") from None
+
+
+def _disjoint_one_of_in_tag(text: str) -> str | None:
+    """``text`` with every JSON schema inside the tag rewritten as a ``json`` constraint's
+    is (:func:`engine.structured.check.disjoint_one_of`), so a tool's parameters hold to
+    a ``oneOf`` as a response_format does; None when nothing changes (or the tag is not
+    JSON, which :func:`_check_structural_tag` reports)."""
+    try:
+        tag = json.loads(text)
+    except ValueError:
+        return None
+    changed = False
+
+    def walk(node: Any) -> Any:
+        nonlocal changed
+        if isinstance(node, list):
+            return [walk(n) for n in node]
+        if not isinstance(node, dict):
+            return node
+        if node.get("type") == "json_schema" and "json_schema" in node:
+            schema = node["json_schema"]
+            rewritten = disjoint_one_of(schema)
+            changed = changed or rewritten != schema
+            return {**node, "json_schema": rewritten}
+        return {k: walk(v) for k, v in node.items()}
+
+    out = walk(tag)
+    return _json_text(out, "structural_tag") if changed else None
 
 
 def _check_structural_tag(text: str) -> None:

@@ -13,7 +13,7 @@ What maps to what:
 Messages                     chat
 ===========================  ==============================================================
 ``system`` (text or blocks)  a first ``system`` message
-``text`` blocks              the message's text (joined)
+``text`` blocks              the message's text parts (one block: a string)
 ``image`` blocks (user)      ``image_url`` parts: a ``base64`` source as a ``data:`` URL, a
                              ``url`` source as the URL (served as chat serves them)
 ``tool_use`` (assistant)     ``tool_calls`` (``input`` as the arguments)
@@ -27,7 +27,7 @@ a final assistant message    a prefill the model continues (``continue_final_mes
 ``max_tokens`` (required)    ``max_tokens``
 ``stop_sequences``           ``stop``
 ``temperature``, ``top_p``,  the same
-``top_k``
+``top_k``, ``ignore_eos``
 ``output_config.format``     ``response_format`` (``json_schema``)
 ===========================  ==============================================================
 
@@ -44,6 +44,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from engine.chat.request import lax_bool
 from engine.http.errors import APIError
 from engine.http.sse import dumps
 
@@ -56,6 +57,8 @@ KNOWN_FIELDS = frozenset({
     "top_k", "stream", "tools", "tool_choice", "thinking", "output_config", "metadata",
     "service_tier", "cache_control", "speed", "inference_geo", "diagnostics",
     "user_profile_id", "workspace_id",
+    # vLLM's sampling extra, honoured as on the chat route: generate past the end of text.
+    "ignore_eos",
 })
 # Fields that ask for something this server does not do; each is a 400.
 REFUSED_FIELDS = {
@@ -121,6 +124,8 @@ def chat_body(body: Any, *, reasoning: bool, count_only: bool = False,
     for name in ("temperature", "top_p", "top_k"):
         if body.get(name) is not None:
             out[name] = body[name]
+    if body.get("ignore_eos") is not None:
+        out["ignore_eos"] = lax_bool(body["ignore_eos"], "ignore_eos")
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise _bad("stream must be a boolean", "stream")
@@ -213,8 +218,10 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
             parts.append({"type": "text", "text": _text_block(block, at)})
     if not parts:
         return results
-    if all(p["type"] == "text" for p in parts):
-        return [*results, {"role": "user", "content": "".join(p["text"] for p in parts)}]
+    # The blocks as chat content parts (one text block as a string, as vLLM converts them):
+    # the chat template gets them as /v1/chat/completions gives a content list.
+    if len(parts) == 1 and parts[0]["type"] == "text":
+        return [*results, {"role": "user", "content": parts[0]["text"]}]
     return [*results, {"role": "user", "content": parts}]
 
 
@@ -251,9 +258,9 @@ def _tool_result(block: Mapping[str, Any], where: str) -> dict[str, Any]:
         raise _bad(f"{where}.tool_use_id is required (the id of the tool_use it answers)",
                    f"{where}.tool_use_id")
     content = block.get("content", "")
-    if isinstance(content, list):
-        content = "".join(_text_block(b, f"{where}.content[{k}]")
-                          for k, b in enumerate(content))
+    if isinstance(content, list):  # joined as every tool result's text parts are
+        content = "\n".join(_text_block(b, f"{where}.content[{k}]")
+                            for k, b in enumerate(content))
     elif not isinstance(content, str):
         raise _bad(f"{where}.content must be a string or a list of text blocks",
                    f"{where}.content")
@@ -274,7 +281,10 @@ def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
             continue  # earlier turns' reasoning does not go back into the prompt
         else:
             text.append(_text_block(block, at))
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
+    # Text blocks as content parts (one as a string), as a user turn's.
+    content: Any = ([{"type": "text", "text": t} for t in text] if len(text) > 1
+                    else text[0] if text and text[0] else None)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = calls
     return message
@@ -406,11 +416,13 @@ def new_id() -> str:
     return "msg_" + uuid.uuid4().hex
 
 
-def stop_reason(finish_reason: str | None, stop: Any) -> tuple[str | None, str | None]:
+def stop_reason(finish_reason: str | None, stop: Any,
+                called: bool = False) -> tuple[str | None, str | None]:
     """``(stop_reason, stop_sequence)`` for a chat choice's finish: ``tool_use`` when calls
-    ended the turn, ``max_tokens`` at the limit, ``stop_sequence`` with the string matched,
-    else ``end_turn``."""
-    if finish_reason == "tool_calls":
+    ended the turn (``called``: the answer holds calls; a named call's chat finish is
+    ``stop``, Anthropic's ``tool_use`` all the same), ``max_tokens`` at the limit,
+    ``stop_sequence`` with the string matched, else ``end_turn``."""
+    if finish_reason == "tool_calls" or (finish_reason == "stop" and called):
         return "tool_use", None
     if finish_reason == "length":
         return "max_tokens", None
@@ -446,7 +458,8 @@ def message_from_chat(chat: Mapping[str, Any], msg_id: str, model: str) -> dict[
     for call in message.get("tool_calls") or []:
         content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
                         "input": _input(call["function"]["arguments"])})
-    reason, sequence = stop_reason(choice["finish_reason"], choice.get("stop_reason"))
+    reason, sequence = stop_reason(choice["finish_reason"], choice.get("stop_reason"),
+                                   bool(message.get("tool_calls")))
     usage = chat["usage"]
     return {"id": msg_id, "type": "message", "role": "assistant", "model": model,
             "content": content, "stop_reason": reason, "stop_sequence": sequence,
@@ -477,6 +490,7 @@ class MessageEvents:
         self._call: int | None = None  # the open tool_use block's chat call index
         self._pinged = False
         self._finish: tuple[str | None, Any] = (None, None)
+        self._called = False  # a tool_use block was opened
 
     def start(self) -> list[bytes]:
         return [event("message_start", {"type": "message_start", "message": {
@@ -522,6 +536,7 @@ class MessageEvents:
         else:
             assert call is not None
             self._call = call.get("index")
+            self._called = True
             block = {"type": "tool_use", "id": call["id"],
                      "name": (call.get("function") or {}).get("name"), "input": {}}
         out.append(event("content_block_start", {"type": "content_block_start",
@@ -547,7 +562,7 @@ class MessageEvents:
         if not self._pinged:
             self._pinged = True
             out.append(event("ping", {"type": "ping"}))
-        reason, sequence = stop_reason(*self._finish)
+        reason, sequence = stop_reason(*self._finish, self._called)
         out.append(event("message_delta", {
             "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
             "usage": {"output_tokens": output_tokens}}))

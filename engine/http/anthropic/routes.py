@@ -94,6 +94,7 @@ class AnthropicRoutes:
                     tok, prompt, limiter=self.server.prompt_limiter,
                     template_seconds=self.engine.config.chat_template_timeout,
                     max_model_len=self.engine.max_model_len,
+                    content_format=self.engine.config.chat_template_content_format,
                     special_tokens_in_content=self.engine.config.allow_special_tokens_in_content)
         except (APIError, InvalidParamError) as exc:
             raise rename_param(error_from_exception(exc), origins) from None

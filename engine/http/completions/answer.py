@@ -35,8 +35,9 @@ class AnswerOptions:
     # usage.prompt_tokens_details ({"cached_tokens": N}, the prefix cache's hit) on every
     # answer (--enable-prompt-tokens-details); vLLM leaves it out by default.
     prompt_tokens_details: bool = False
-    # Every stream ends with a usage chunk, as if it asked stream_options.include_usage
-    # (--enable-force-include-usage).
+    # Every stream carries usage, as if it asked stream_options.include_usage and
+    # continuous_usage_stats: on every chunk and in a final usage chunk
+    # (--enable-force-include-usage; vLLM's flag does both).
     force_include_usage: bool = False
     # Logprob tokens as "token_id:N" for requests that do not say
     # (--return-tokens-as-token-ids; the request's return_tokens_as_token_ids wins).
@@ -186,9 +187,12 @@ def response_body(
     chat: bool, request_id: str, created: int, model: str, choices: list[dict[str, Any]],
     usage: dict[str, Any],
 ) -> dict[str, Any]:
+    # OpenAI's service_tier and system_fingerprint, null: there is one tier, and no
+    # fingerprint of the backend's configuration (vLLM sends both keys, null).
     return {
         "id": request_id, "object": "chat.completion" if chat else "text_completion",
-        "created": created, "model": model, "choices": choices, "usage": usage,
+        "created": created, "model": model, "choices": choices, "service_tier": None,
+        "system_fingerprint": None, "usage": usage,
     }
 
 
@@ -289,10 +293,12 @@ class Completion:
         self._decode = decode
         self._details = options.prompt_tokens_details
         self._n = req.params.n
-        # A stream ends with usage when asked, or always with --enable-force-include-usage;
-        # continuous_usage_stats puts usage on every chunk too (only with the final one).
-        self.include_usage = req.stream and (req.include_usage or options.force_include_usage)
-        self._continuous = self.include_usage and req.continuous_usage
+        # A stream ends with usage when asked; continuous_usage_stats puts usage on every
+        # chunk too (only with the final one). --enable-force-include-usage does both for
+        # every stream, as vLLM's flag does.
+        forced = options.force_include_usage
+        self.include_usage = req.stream and (req.include_usage or forced)
+        self._continuous = self.include_usage and (req.continuous_usage or forced)
         fields = req.chat_fields
         output = fields.output if fields is not None and fields.output.parses else None
         self._forced = fields is not None and fields.forced
@@ -308,9 +314,11 @@ class Completion:
         prompt = self.req.prompts[choice.index // self._n]
         if self.req.chat:
             # Chat echo (vLLM's): the last message's content, when it is the assistant's
-            # (a prefill the model continues).
+            # (a prefill the model continues); text parts joined with newlines, as vLLM.
             last = prompt[-1]
             content = last.get("content") if last.get("role") == "assistant" else None
+            if isinstance(content, list):
+                return "\n".join(p["text"] for p in content if p.get("type") == "text")
             return content if isinstance(content, str) else ""
         return prompt if isinstance(prompt, str) else self._decode(list(prompt))
 

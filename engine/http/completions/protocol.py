@@ -19,6 +19,7 @@ from engine.chat.request import (
     ChatSettings,
     chat_sampling_params,
     constraint_param,
+    lax_bool,
     parse_chat_fields,
 )
 from engine.chat.template import normalize_messages
@@ -242,9 +243,8 @@ def _most(a: int | None, b: int | None) -> int | None:
 def _shape_fields(body: dict[str, Any], prompt_logprobs: int | None,
                   continuous: bool) -> dict[str, Any]:
     as_ids = body.get("return_tokens_as_token_ids")
-    if as_ids is not None and not isinstance(as_ids, bool):
-        raise APIError(400, "return_tokens_as_token_ids must be a boolean",
-                       param="return_tokens_as_token_ids", code="invalid_type")
+    if as_ids is not None:
+        as_ids = lax_bool(as_ids, "return_tokens_as_token_ids")
     return {"prompt_logprobs": prompt_logprobs,
             "return_token_ids": _opt_bool(body, "return_token_ids", False),
             "tokens_as_ids": as_ids, "continuous_usage": continuous}
@@ -332,23 +332,14 @@ def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool, bool]:
     if not stream:
         raise APIError(400, "stream_options is only allowed when stream is true",
                        param="stream_options", code="invalid_value")
-    flags = []
-    for name in ("include_usage", "continuous_usage_stats"):
-        value = options.get(name)
-        if value is not None and not isinstance(value, bool):
-            raise APIError(400, f"stream_options.{name} must be a boolean",
-                           param=f"stream_options.{name}", code="invalid_type")
-        flags.append(bool(value))
+    flags = [lax_bool(options.get(name), f"stream_options.{name}")
+             for name in ("include_usage", "continuous_usage_stats")]
     return stream, flags[0], flags[1]
 
 
 def _opt_bool(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise APIError(400, f"{name} must be a boolean", param=name, code="invalid_type")
-    return value
+    # As vLLM's pydantic models read booleans: "true" and 1 are true (lax_bool).
+    return lax_bool(body.get(name), name, default)
 
 
 def _opt_int(body: dict[str, Any], name: str) -> int | None:
@@ -358,12 +349,13 @@ def _opt_int(body: dict[str, Any], name: str) -> int | None:
     return value
 
 
-# Body field -> SamplingParams field, for those passed through unchanged when present.
+# Body field -> SamplingParams field, for those passed through unchanged when present
+# (the booleans read as vLLM reads them, lax_bool).
 _PASSTHROUGH = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
-    "include_stop_str_in_output", "skip_special_tokens",
+    "frequency_penalty", "repetition_penalty", "min_tokens",
 )
+_PASSTHROUGH_BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 
 
 def _sampling_params(
@@ -374,6 +366,8 @@ def _sampling_params(
     # The model's generation defaults (--generation-config) fill only what the body omits.
     kwargs: dict[str, Any] = dict(defaults or {})
     kwargs.update({k: body[k] for k in _PASSTHROUGH if body.get(k) is not None})
+    kwargs.update({k: lax_bool(body[k], k) for k in _PASSTHROUGH_BOOLS
+                   if body.get(k) is not None})
     kwargs["max_tokens"] = body.get("max_tokens") if max_tokens is ... else max_tokens
     if kwargs["max_tokens"] is None:
         kwargs["max_tokens"] = default_max

@@ -9,21 +9,30 @@ here (so bad input is a 4xx) and pumped while quart sends the body (:class:`Run`
 from __future__ import annotations
 
 import dataclasses
+import logging
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
+import trio
 from quart import Response
 from quart_trio import QuartTrio
 
 from engine.chat.request import thinking_budget_params
 from engine.chat.template import ChatTokenizer
 from engine.core import admission
+from engine.http import sse
 from engine.http.bodies import json_response, sse_response
 from engine.http.completions import protocol, tokens
 from engine.http.completions.protocol import CompletionRequest
 from engine.http.completions.run import Run
-from engine.http.errors import APIError
+from engine.http.errors import LOGGED_ELSEWHERE, APIError, error_from_exception
 from engine.http.server import Server
+
+if TYPE_CHECKING:
+    from engine.api import StreamLike
+
+logger = logging.getLogger("engine.http")
 
 
 class CompletionsRoutes:
@@ -99,8 +108,12 @@ class CompletionsRoutes:
         assert req.chat_fields is not None  # a chat request has them
         (messages,) = req.prompts
         prompt = admission.prompt_message(messages, req.chat_fields.template.to_json())
+        config = self.engine.config
+        tokenizer = ChatTokenizer(self.engine.tokenizer,
+                                  content_format=config.chat_template_content_format)
         return json_response(self._rendered(req, 0, list(admission.prompt_token_ids(
-            ChatTokenizer(self.engine.tokenizer), prompt))), 200)
+            tokenizer, prompt,
+            special_tokens_in_content=config.allow_special_tokens_in_content))), 200)
 
     async def render_completions(self) -> Response:
         """vLLM's ``/v1/completions/render``: one ``/inference/v1/generate`` request per
@@ -131,17 +144,25 @@ class CompletionsRoutes:
             raise APIError(400, f"The prompt is {len(ids)} tokens; the context is "
                            f"{self.engine.max_model_len}.", param="messages" if req.chat
                            else "prompt", code="context_length_exceeded")
-        base = self.server.request_id() or uuid.uuid4().hex
+        # The id the chat or completions answer would carry (chatcmpl-/cmpl-, as vLLM's
+        # render writes it), one per prompt.
+        base = ("chatcmpl-" if req.chat else "cmpl-") + (
+            self.server.request_id() or uuid.uuid4().hex)
         request_id = base if len(req.prompts) == 1 else f"{base}-{index}"
+        options = ({"include_usage": req.include_usage,
+                    "continuous_usage_stats": req.continuous_usage}
+                   if req.include_usage or req.continuous_usage else None)
         return tokens.render_body(ids, req.params, max_model_len=self.engine.max_model_len,
                                   model=self.engine.model_name, request_id=request_id,
-                                  priority=req.priority, cache_salt=req.cache_salt)
+                                  priority=req.priority, cache_salt=req.cache_salt,
+                                  stream=req.stream, stream_options=options)
 
     # -- tokens in, tokens out ----------------------------------------------------------
 
     async def generate_tokens(self) -> Response:
         """vLLM's ``POST /inference/v1/generate``: token ids and sampling params in, token
-        ids out (no text, no chat template)."""
+        ids out (no text, no chat template); one JSON body, or SSE chunks with
+        ``stream``."""
         req = tokens.parse_generate(await self.server.read_json(),
                                     defaults=self.server.sampling_defaults)
         self.server.check_model(req.model)
@@ -151,9 +172,23 @@ class CompletionsRoutes:
             stream = await self.engine.submit(list(req.token_ids), req.params,
                                               request_id=base_id, priority=req.priority,
                                               cache_salt=req.cache_salt)
+        except BaseException:
+            finish()
+            raise
+        answer = tokens.GenerateAnswer(stream.request_id, req.params.n,
+                                       len(stream.prompt_token_ids), req.params.logprobs,
+                                       continuous_usage=req.continuous_usage)
+        if req.stream:
+            async def unsent() -> None:
+                try:
+                    await stream.aclose()
+                finally:
+                    finish()
+
+            return sse_response(lambda send: _write_generate(
+                stream, answer, req.include_usage, finish, send), unsent)
+        try:
             async with stream:
-                answer = tokens.GenerateAnswer(stream.request_id, req.params.n,
-                                               self.server.token_text)
                 async for out in stream:
                     answer.record(out)
         finally:
@@ -161,6 +196,31 @@ class CompletionsRoutes:
         response = json_response(answer.response(), 200)
         self.server.add_load_report(response)
         return response
+
+
+async def _write_generate(stream: StreamLike, answer: tokens.GenerateAnswer,
+                          include_usage: bool, finish: Callable[[], None],
+                          send: trio.MemorySendChannel[bytes]) -> None:
+    """A streamed ``/inference/v1/generate``: a chunk per output, then the usage chunk
+    (when asked) or the error, then ``[DONE]``."""
+    async with send:
+        error: APIError | None = None
+        try:
+            async with stream:
+                async for out in stream:
+                    for chunk in answer.stream_output(out):
+                        await send.send(sse.event(chunk))
+        except Exception as exc:
+            error = error_from_exception(exc)
+            if error.status >= 500 and error.code not in LOGGED_ELSEWHERE:
+                logger.error("request %s failed", stream.request_id, exc_info=exc)
+        finally:
+            finish()
+        if error is not None:
+            await send.send(sse.event(error.body()))
+        elif include_usage:
+            await send.send(sse.event(answer.usage_chunk()))
+        await send.send(sse.DONE)
 
 
 def _check_token_prompts(req: CompletionRequest, max_model_len: int) -> None:

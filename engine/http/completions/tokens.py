@@ -2,10 +2,13 @@
 that produce its requests: pure parsing and shaping.
 
 The body is ``{"token_ids": [int], "sampling_params": {...}, "model", "request_id",
-"priority", "cache_salt", "stream"}``; ``sampling_params`` uses the names of vLLM's (and the
-engine's) ``SamplingParams``. The answer is ``{"request_id", "choices": [{"index",
-"logprobs", "finish_reason", "token_ids"}], "prompt_logprobs", "kv_transfer_params"}``:
-token ids only, no text, no chat template, as vLLM's disaggregated front ends expect.
+"priority", "cache_salt", "stream", "stream_options"}``; ``sampling_params`` uses the names
+of vLLM's (and the engine's) ``SamplingParams``. The answer is ``{"request_id", "choices":
+[{"index", "logprobs", "finish_reason", "token_ids"}], "prompt_logprobs",
+"kv_transfer_params"}``: token ids only, no text, no chat template, as vLLM's disaggregated
+front ends expect. Streamed, each SSE chunk is ``{"request_id", "choices": [one choice's
+new tokens], "usage"}``, then a usage chunk with ``stream_options.include_usage``, then
+``[DONE]`` (:class:`GenerateAnswer`).
 
 ``POST /v1/chat/completions/render`` and ``/v1/completions/render`` answer with the
 request(s) of that shape a chat or completions body would run (:func:`render_body`): the
@@ -18,7 +21,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from engine.http.completions.answer import TokenText, chat_logprobs
+from engine.chat.request import lax_bool
+from engine.http.completions.answer import token_id_text, top_entries, usage_dict
 from engine.http.completions.protocol import is_token_id, parse_logit_bias, parse_stop
 from engine.http.errors import APIError
 from engine.params import SamplingParams
@@ -33,7 +37,9 @@ _SAMPLING_KEYS = (
 # serialises a whole SamplingParams sends them); any other value changes the answer and
 # is refused.
 _NO_OP_KEYS: dict[str, tuple[Any, ...]] = {
-    "detokenize": (True, False),  # token ids come back either way; the text is not sent
+    # Token ids come back either way and the text is not sent; but without text there is
+    # nothing to match stop strings in, so detokenize: false with stop is a 400 (vLLM's).
+    "detokenize": (True, False),
     "output_kind": (0, 1, 2),  # how vLLM batches its outputs; one answer here
     "best_of": (None, 1),
     "spaces_between_special_tokens": (True,),
@@ -57,15 +63,19 @@ class GenerateRequest:
     request_id: str | None
     priority: int
     cache_salt: str | None
+    stream: bool = False
+    # stream_options (read only when streaming, as vLLM reads them): a last usage chunk,
+    # and usage on every chunk.
+    include_usage: bool = False
+    continuous_usage: bool = False
 
 
 def parse_generate(body: Any, defaults: Mapping[str, Any] | None = None) -> GenerateRequest:
     """The body of ``/inference/v1/generate``; :class:`APIError` naming a bad field."""
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object", code="invalid_json")
-    if body.get("stream"):
-        raise APIError(400, "stream is not supported on /inference/v1/generate yet; send "
-                       "stream: false", param="stream", code="unsupported_parameter")
+    stream = lax_bool(body.get("stream"), "stream")
+    include_usage, continuous = _stream_options(body.get("stream_options"))
     for name in ("features", "kv_transfer_params"):
         if body.get(name) is not None:
             raise APIError(400, f"{name} is not supported by this server", param=name,
@@ -96,7 +106,14 @@ def parse_generate(body: Any, defaults: Mapping[str, Any] | None = None) -> Gene
             raise APIError(400, f"sampling_params.{key} is not supported by this server"
                            + ("" if key in _NO_OP_KEYS else " (unknown key)"),
                            param=f"sampling_params.{key}", code="unsupported_parameter")
-    kwargs.setdefault("max_tokens", 16)  # vLLM's SamplingParams default
+    if raw.get("detokenize") is False and kwargs.get("stop"):
+        raise APIError(400, "stop strings need detokenize: true (without text there is "
+                       "nothing to match them in); send stop_token_ids instead",
+                       param="sampling_params.stop", code="invalid_value")
+    # No max_tokens: up to the context (the engine's None; SamplingParams' own default is
+    # 16), as vLLM's route fills it when the client leaves it out; the model's generation
+    # defaults above still apply.
+    kwargs.setdefault("max_tokens", None)
     request_id = body.get("request_id")
     if request_id is not None and (not isinstance(request_id, str) or not request_id):
         raise APIError(400, "request_id must be a non-empty string", param="request_id",
@@ -113,36 +130,88 @@ def parse_generate(body: Any, defaults: Mapping[str, Any] | None = None) -> Gene
     if model is not None and not isinstance(model, str):
         raise APIError(400, "model must be a string", param="model", code="invalid_type")
     return GenerateRequest(token_ids=tuple(ids), params=SamplingParams(**kwargs), model=model,
-                           request_id=request_id, priority=priority, cache_salt=salt)
+                           request_id=request_id, priority=priority, cache_salt=salt,
+                           stream=stream, include_usage=stream and include_usage,
+                           continuous_usage=stream and continuous)
+
+
+def _stream_options(options: Any) -> tuple[bool, bool]:
+    """``stream_options``' ``include_usage`` and ``continuous_usage_stats`` (the latter only
+    with the former, as vLLM reads it)."""
+    if options is None:
+        return False, False
+    if not isinstance(options, dict):
+        raise APIError(400, "stream_options must be an object", param="stream_options",
+                       code="invalid_type")
+    usage = lax_bool(options.get("include_usage"), "stream_options.include_usage")
+    continuous = lax_bool(options.get("continuous_usage_stats"),
+                          "stream_options.continuous_usage_stats")
+    return usage, usage and continuous
+
+
+def token_logprobs(logprobs: Any, top: int) -> dict[str, Any]:
+    """vLLM's ``logprobs`` of this route: each token named ``token_id:N`` (there is no
+    text), no ``bytes``, and ``max(top, 1)`` ``top_logprobs`` entries: the chosen token
+    first, then the most likely others (so ``logprobs: 0`` still names the chosen one)."""
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        return {"token": token_id_text(token_id), "logprob": logprob, "bytes": None}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [
+        entry(t, v) for t, v in top_entries(lp, max(top, 1))]} for lp in logprobs]}
 
 
 class GenerateAnswer:
-    """The choices of one ``/inference/v1/generate`` request as engine outputs arrive."""
+    """The choices of one ``/inference/v1/generate`` request as engine outputs arrive: one
+    response body (:meth:`record`, :meth:`response`) or SSE chunks
+    (:meth:`stream_output`, :meth:`usage_chunk`). ``top`` is the request's
+    ``sampling_params.logprobs`` (None: no logprobs)."""
 
-    def __init__(self, request_id: str, n: int, token_text: TokenText) -> None:
+    def __init__(self, request_id: str, n: int, prompt_tokens: int, top: int | None, *,
+                 continuous_usage: bool = False) -> None:
         self.request_id = request_id
-        self._token_text = token_text
+        self._top = top
+        self._prompt_tokens = prompt_tokens
+        self._continuous = continuous_usage
         self._tokens: list[list[int]] = [[] for _ in range(n)]
-        self._logprobs: list[list[Any] | None] = [None] * n
+        self._logprobs: list[list[Any]] = [[] for _ in range(n)]
         self._finish: list[str | None] = [None] * n
 
     def record(self, out: Any) -> None:
         self._tokens[out.index].extend(out.token_ids)
-        if out.logprobs is not None:
-            self._logprobs[out.index] = (self._logprobs[out.index] or []) + list(out.logprobs)
+        self._logprobs[out.index].extend(out.logprobs or ())
         if out.finished:
             self._finish[out.index] = out.finish_reason
+
+    def _logprobs_of(self, logprobs: list[Any]) -> dict[str, Any] | None:
+        return None if self._top is None else token_logprobs(logprobs, self._top)
 
     def response(self) -> dict[str, Any]:
         choices = [{
             "index": i,
-            "logprobs": None if lp is None else chat_logprobs(lp, self._token_text),
+            "logprobs": self._logprobs_of(lp),
             "finish_reason": finish,
             "token_ids": tokens,
         } for i, (tokens, lp, finish) in enumerate(
             zip(self._tokens, self._logprobs, self._finish, strict=True))]
         return {"request_id": self.request_id, "choices": choices, "prompt_logprobs": None,
                 "kv_transfer_params": None}
+
+    def stream_output(self, out: Any) -> list[dict[str, Any]]:
+        """Record one engine output; the chunk that says it (none for an output with no
+        token that does not finish the choice)."""
+        self.record(out)
+        if not out.token_ids and not out.finished:
+            return []
+        choice = {"index": out.index, "logprobs": self._logprobs_of(list(out.logprobs or ())),
+                  "finish_reason": out.finish_reason if out.finished else None,
+                  "token_ids": list(out.token_ids)}
+        usage = (usage_dict(self._prompt_tokens, len(self._tokens[out.index]))
+                 if self._continuous else None)
+        return [{"request_id": self.request_id, "choices": [choice], "usage": usage}]
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {"request_id": self.request_id, "choices": [], "usage": usage_dict(
+            self._prompt_tokens, sum(len(t) for t in self._tokens))}
 
 
 def sampling_params_dict(params: SamplingParams, max_tokens: int) -> dict[str, Any]:
@@ -157,15 +226,17 @@ def sampling_params_dict(params: SamplingParams, max_tokens: int) -> dict[str, A
 
 
 def render_body(token_ids: list[int], params: SamplingParams, *, max_model_len: int,
-                model: str, request_id: str, priority: int,
-                cache_salt: str | None) -> dict[str, Any]:
-    """The ``/inference/v1/generate`` request that runs ``token_ids`` with ``params``."""
+                model: str, request_id: str, priority: int, cache_salt: str | None,
+                stream: bool = False, stream_options: Mapping[str, Any] | None = None,
+                ) -> dict[str, Any]:
+    """The ``/inference/v1/generate`` request that runs ``token_ids`` with ``params``;
+    ``stream`` and its ``stream_options`` as the rendered request asked (vLLM's)."""
     max_tokens = params.max_tokens
     if max_tokens is None:  # up to the context, as the request would run
         max_tokens = max_model_len - len(token_ids)
     return {
         "request_id": request_id, "token_ids": list(token_ids), "features": None,
         "sampling_params": sampling_params_dict(params, max_tokens), "model": model,
-        "stream": False, "stream_options": None, "cache_salt": cache_salt,
-        "priority": priority, "kv_transfer_params": None,
+        "stream": stream, "stream_options": dict(stream_options) if stream and stream_options
+        else None, "cache_salt": cache_salt, "priority": priority, "kv_transfer_params": None,
     }

@@ -346,10 +346,9 @@ def _message(item: dict[str, Any], where: str) -> tuple[str, str | list[dict[str
         if not isinstance(text, str):
             raise _bad(f"{at} needs its text as a string", at, "invalid_type")
         parts.append({"type": "text", "text": text})
-    if any(p["type"] == "image_url" for p in parts):
-        return role, parts  # one chat part per input part: input[j].content[k] keeps k
-    # Parts joined as /v1/chat/completions joins text parts.
-    return role, "\n".join(p["text"] for p in parts)
+    # One chat part per input part (input[j].content[k] keeps k): the chat template gets
+    # them as /v1/chat/completions gives a content list (engine.chat.template).
+    return role, parts
 
 
 def _input_image(part: dict[str, Any], where: str) -> dict[str, Any]:

@@ -184,11 +184,11 @@ class Decoder:
             input_norm=get(p + "input_layernorm.weight"),
             post_norm=get(p + "post_attention_layernorm.weight"),
             qkv=make_linear(qkv, bias),
-            o_proj=make_linear([get.cols(attn + "o_proj.weight")]),
+            o_proj=get.row_parallel(attn + "o_proj.weight"),
             q_norm=get(attn + "q_norm.weight") if self.config.qk_norm else None,
             k_norm=get(attn + "k_norm.weight") if self.config.qk_norm else None,
             gate_up=None if gate_up is None else make_linear(gate_up),
-            down=None if sparse else make_linear([get.cols(mlp + "down_proj.weight")]),
+            down=None if sparse else get.row_parallel(mlp + "down_proj.weight"),
             window=self.config.layer_windows[i],
             rope=self.cos_sin_cache,
             moe=SparseMoeBlock(self.config, i, get, Linear, self.tp) if sparse else None,
@@ -239,11 +239,10 @@ class Decoder:
             attn = self._attention(layer, x, positions, meta, k_cache, v_cache, rope)
             x, residual = ops.fused_add_rms_norm(attn, residual, layer.post_norm, self.eps)
             if layer.moe is not None:
-                hidden = layer.moe(x, ops)
+                hidden = self.tp.all_reduce(layer.moe(x, ops))  # the experts' row-parallel downs
             else:
                 assert layer.gate_up is not None and layer.down is not None
-                hidden = layer.down(ops.silu_and_mul(layer.gate_up(x)))
-            hidden = self.tp.all_reduce(hidden)  # row-parallel down (or experts): sum the ranks' parts
+                hidden = layer.down(ops.silu_and_mul(layer.gate_up(x)))  # row-parallel: whole
         assert residual is not None  # num_hidden_layers >= 1 is checked at build time
         out, _ = ops.fused_add_rms_norm(hidden, residual, self.norm, self.eps)
         return out
@@ -278,7 +277,7 @@ class Decoder:
             o = ops.paged_attention_prefill(
                 q, k_cache, v_cache, meta, self.scale, window=layer.window, softcap=self.attn_softcap
             )
-        return self.tp.all_reduce(layer.o_proj(o.reshape(t, h * d)))  # row-parallel o
+        return layer.o_proj(o.reshape(t, h * d))  # row-parallel: the whole output on every rank
 
     def _head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return head_norm(self.ops, x, weight, self.eps)

@@ -236,6 +236,8 @@ def weight_bytes(model) -> int:
         elif isinstance(t, tuple):  # a LayerNorm's (weight, bias)
             for part in t:
                 add(part)
+        elif hasattr(t, "linear"):  # a tensor-parallel rank's row-parallel projection
+            add(t.linear)
         elif hasattr(t, "weight"):  # a dense Linear: its weight and its packed copy
             add(t.weight)
             add(getattr(t, "_packed", None))

@@ -9,6 +9,14 @@ this rank's slice before casting it, so a rank never holds a second full copy:
   the partial products are summed by :meth:`TensorParallel.all_reduce`;
 * replicated: norms, the MoE router and the shared expert's gate.
 
+Row-parallel o and down kept in the C kernels' panels (a GGUF on CPU) are the exception,
+:class:`RowParallel`'s *gathered* form: each rank keeps their output rows instead and
+multiplies the gathered whole input, and the outputs are gathered. The C kernels round the
+activations to int8 per 32 columns, and a sum that differs from one rank's in its last bit
+(what an all-reduce's order of summation gives) moves the next layer's int8 roundings:
+measured on SmolLM2 Q4_1, one ulp on every o/down output moves the logits by 0.6 (1.7% of
+their range) in one step. Gathered, every value a rank computes is one rank's, bit for bit.
+
 KV heads: with ``num_kv_heads >= N`` rank ``r`` keeps ``num_kv_heads / N`` of them; with
 fewer KV heads than ranks, each KV head is copied to the ``N / num_kv_heads`` ranks whose
 query heads read it (rank ``r`` keeps KV head ``r * num_kv_heads // N``).
@@ -26,10 +34,15 @@ and only the rank's cut is moved (``build_model(..., device=rank's device, tp=)`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from engine.errors import CorruptModelError, UnsupportedModelError
+from engine.models.checkpoint import StoredTensor, read_stored
 from engine.models.config import ModelConfig
+from engine.models.gguf_quant import cut_inside_blocks
+from engine.models.layers.linear import make_linear
 from engine.ops.quant import PANEL, Decoded, QuantizedWeight, pack_panels, unpack_panels
 from engine.parallel import SINGLE, TensorParallel, shard_range
 
@@ -164,11 +177,7 @@ def _quant_cols(w: QuantizedWeight, a: int, b: int, name: str) -> QuantizedWeigh
         return w
     block = w.fmt.block
     if a % block or b % block:
-        raise UnsupportedModelError(
-            f"{name}: its {w.fmt.name} blocks hold {block} values, and this rank's input "
-            f"columns [{a}, {b}) of {k} do not fall on block boundaries; the blocks cannot be "
-            f"split for this tensor-parallel size (use another size, or --quantization none)"
-        )
+        raise cut_inside_blocks(name, w.fmt, a, b, k)
     if w.layout == "blocks":
         bb = w.fmt.block_bytes
         raw = w.data["raw"][:, a // block * bb : b // block * bb]
@@ -188,9 +197,13 @@ def _quant_cols(w: QuantizedWeight, a: int, b: int, name: str) -> QuantizedWeigh
 
 class ShardedWeights:
     """Fetches a weight by Hugging Face name, cut to this rank's slice, then cast to the
-    model dtype and device; names a missing one. With ``SINGLE`` every cut is the whole."""
+    model dtype and device; names a missing one. With ``SINGLE`` every cut is the whole.
 
-    def __init__(self, weights: dict, dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE):
+    ``weights`` holds tensors (cut here, each cut copied into its own storage) or, loaded
+    lazily, :class:`~engine.models.checkpoint.StoredTensor` s, of which only the cut is
+    read from the file."""
+
+    def __init__(self, weights: Mapping, dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE):
         self.weights, self.dtype, self.device, self.tp = weights, dtype, device, tp
 
     def _raw(self, name: str):
@@ -208,7 +221,7 @@ class ShardedWeights:
 
     def __call__(self, name: str):
         """The whole weight (replicated on every rank: norms, routers)."""
-        return self._cast(self._raw(name))
+        return self._cast(read_stored(self._raw(name)))
 
     def rows(self, name: str, sizes: tuple[int, ...] | None = None, spans: list[list[tuple[int, int]]] | None = None):
         """Column-parallel: this rank's rows. The weight is the row-wise concatenation of
@@ -217,7 +230,7 @@ class ShardedWeights:
         joined in part order."""
         w = self._raw(name)
         if not self.tp.enabled:
-            return self._cast(w)
+            return self(name)
         sizes = sizes or (w.shape[0],)
         cut, start = [], 0
         for i, size in enumerate(sizes):
@@ -226,15 +239,67 @@ class ShardedWeights:
             start += size
         if start != w.shape[0]:
             raise CorruptModelError(f"weight {name!r} has {w.shape[0]} rows, expected {start}")
-        return self._cast(take_rows(w, cut))
+        return self._cast(w.read_rows(cut) if isinstance(w, StoredTensor) else take_rows(w, cut))
 
     def cols(self, name: str):
         """Row-parallel: this rank's equal share of the input columns."""
         w = self._raw(name)
         if not self.tp.enabled:
-            return self._cast(w)
+            return self(name)
         a, b = shard_range(w.shape[-1], self.tp.rank, self.tp.world_size)
-        return self._cast(take_cols(w, a, b, name))
+        return self._cast(w.read_cols(a, b) if isinstance(w, StoredTensor) else take_cols(w, a, b, name))
+
+    def row_parallel(self, name: str):
+        """A row-parallel projection (o, down) over this rank's share of the input features,
+        returning the whole output on every rank: the plain projection on one rank, else a
+        :class:`RowParallel` (gathered for weights in the C kernels' panels)."""
+        w = self._raw(name)
+        if not self.tp.enabled:
+            return make_linear([self(name)])
+        if not gathers(w):
+            return RowParallel(make_linear([self.cols(name)]), self.tp, gathered=False)
+        n, world = w.shape[0], self.tp.world_size
+        if n % world:
+            raise UnsupportedModelError(
+                f"{name}: its {n} output rows do not divide by tensor-parallel size {world} (a "
+                f"weight kept in GGUF blocks on CPU is split by its output rows)")
+        return RowParallel(make_linear([self.rows(name)]), self.tp, gathered=True)
+
+
+def gathers(w) -> bool:
+    """Whether a row-parallel weight is split by output rows over the gathered input (see
+    the module docstring): blocks kept in the C kernels' panels, which round activations."""
+    layout = w.layout if isinstance(w, QuantizedWeight | StoredTensor) else None
+    return layout == "panels"
+
+
+class RowParallel:
+    """One rank's row-parallel projection: called with this rank's share of the input
+    features ``[T, K / N]``, it returns the whole output ``[T, out]`` on every rank.
+
+    Reduced (dense weights, GGUF's block rows): the rank holds the input columns of its
+    share and the ranks' partial products are summed by one all-reduce; in fp32 the sum
+    differs from one rank's in the order of summation only. Gathered (``gathered``: the C
+    kernels' panels): the rank holds ``out / N`` output rows and multiplies the whole
+    input, gathered from the ranks; the outputs are gathered in rank order. Two gathers
+    instead of one all-reduce (the input's ``K`` values a token where the reduce moved
+    ``out``), and every output value is computed as on one rank, from the same inputs.
+    """
+
+    __slots__ = ("linear", "tp", "gathered")
+
+    def __init__(self, linear, tp: TensorParallel, *, gathered: bool) -> None:
+        self.linear, self.tp, self.gathered = linear, tp, gathered
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gathered:
+            return self.tp.all_gather_last(self.linear(self.tp.all_gather_last(x)))
+        return self.tp.all_reduce(self.linear(x))
+
+    def describe(self):
+        """The rank's projection as the fused CPU step reads it (which tensor parallelism
+        does not run: its collectives are this class's)."""
+        return self.linear.describe()
 
 
 def qkv_spans(config: ModelConfig, tp: TensorParallel) -> tuple[tuple[int, int, int], list[list[tuple[int, int]]]]:
@@ -248,7 +313,9 @@ def qkv_spans(config: ModelConfig, tp: TensorParallel) -> tuple[tuple[int, int, 
 
 
 __all__ = [
+    "RowParallel",
     "ShardedWeights",
+    "gathers",
     "check_tensor_parallel",
     "kv_head_range",
     "local_heads",

@@ -1,0 +1,442 @@
+"""Offline batches on the engine's trio thread: what :class:`engine.LLM` runs.
+
+A batch is checked whole before any of it runs: each prompt in vLLM's forms (text, token
+ids, ``{"prompt": ..., "multi_modal_data": {"image": ...}}``, ``{"prompt_token_ids":
+...}``, a chat conversation) is read by :func:`generation_prompts` / :func:`chat_prompts`
+and then prepared by :meth:`Engine.prepare` (tokenized, templated, every admission check
+but the queue's); the first refusal raises :class:`BatchPromptError` naming its index.
+Then every prompt is enqueued in order, as fast as the :class:`Window` lets it: at most
+``max_queued_requests`` samples of the batch are in the engine at once, so the waiting
+queue (whose limit answers 429 to a server's clients) never refuses one, and the
+scheduler still sees far more than one step takes. Outputs are collected per request and
+returned in the order given. Cancelling the batch (Ctrl-C, :meth:`engine.LLM.close`)
+aborts every request still running; each frees its KV blocks before the next step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import trio
+
+from engine.api.engine import Engine, PreparedRequest
+from engine.api.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    GenerationAccumulator,
+    GenerationRequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from engine.chat.request import TemplateOptions
+from engine.core import pooling
+from engine.core.pooling import Pooled
+from engine.errors import (
+    BatchPromptError,
+    EngineError,
+    InputTooLongError,
+    InvalidParamError,
+    RequestError,
+)
+from engine.params import SamplingParams
+
+# What a batch reports per finished prompt: (prompt tokens, output tokens).
+Progress = Callable[[int, int], None]
+
+# The keys of a vLLM prompt dict this engine reads; any other is refused rather than
+# silently ignored (it would change what the prompt asks for).
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "multi_modal_data", "cache_salt"})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BatchPrompt:
+    """One prompt of a batch, read from the caller's form. ``prompt`` is what
+    :meth:`Engine.prepare` takes (text, token ids, or chat messages); ``text`` is what the
+    output reports as its ``prompt`` (None: the token ids were given; ``render``: the
+    rendered chat template, decoded from the prompt's ids)."""
+
+    prompt: str | tuple[int, ...] | list[Any]
+    text: str | None
+    images: tuple[Any, ...] = ()
+    cache_salt: str | None = None
+    chat_options: TemplateOptions | None = None
+    render: bool = False
+
+
+def _refused(index: int, message: str, param: str = "prompts") -> BatchPromptError:
+    return BatchPromptError(index, InvalidParamError(message, param=param))
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def generation_prompts(prompts: Any) -> list[BatchPrompt]:
+    """vLLM's ``generate`` prompts as a list: one prompt (a string, a list of token ids,
+    a prompt dict) or a list of them. A bad one raises :class:`BatchPromptError`."""
+    if isinstance(prompts, (str, Mapping)) or _is_ids(prompts):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise InvalidParamError("prompts must be a string, a list of token ids, a prompt dict "
+                                "or a list of these", param="prompts")
+    return [_generation_prompt(i, p) for i, p in enumerate(prompts)]
+
+
+def _generation_prompt(index: int, prompt: Any) -> BatchPrompt:
+    if isinstance(prompt, str):
+        return BatchPrompt(prompt, prompt)
+    if _is_ids(prompt):
+        return BatchPrompt(tuple(prompt), None)
+    if not isinstance(prompt, Mapping):
+        raise _refused(index, "a prompt must be a string, a list of token ids, or a dict with "
+                              "'prompt' or 'prompt_token_ids'")
+    unknown = sorted(set(map(str, prompt)) - _PROMPT_KEYS)
+    if unknown:
+        raise _refused(index, f"unknown prompt key {unknown[0]!r} (this engine reads "
+                              f"{', '.join(sorted(_PROMPT_KEYS))})", param=unknown[0])
+    text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+    if ids is not None:
+        if not _is_ids(ids):
+            raise _refused(index, "prompt_token_ids must be a non-empty list of integers",
+                           param="prompt_token_ids")
+        body: str | tuple[int, ...] = tuple(ids)
+    elif isinstance(text, str):
+        body = text
+    else:
+        raise _refused(index, "a prompt dict needs 'prompt' (a string) or 'prompt_token_ids'")
+    salt = prompt.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise _refused(index, "cache_salt must be a string", param="cache_salt")
+    return BatchPrompt(body, text if isinstance(text, str) else None,
+                       _images(index, prompt.get("multi_modal_data")), salt)
+
+
+def _images(index: int, data: Any) -> tuple[Any, ...]:
+    if data is None:
+        return ()
+    if not isinstance(data, Mapping):
+        raise _refused(index, "multi_modal_data must be a dict", param="multi_modal_data")
+    for kind in data:
+        if kind != "image":
+            raise _refused(index, f"multi_modal_data[{kind!r}]: this engine takes images only",
+                           param="multi_modal_data")
+    images = data.get("image")
+    return tuple(images) if isinstance(images, (list, tuple)) else (images,)
+
+
+def chat_prompts(messages: Any, options: TemplateOptions) -> list[BatchPrompt]:
+    """vLLM's ``chat`` messages as a list of conversations: one conversation (a list of
+    message dicts) or a list of them. vLLM's ``image_pil`` parts become the engine's
+    ``image`` parts."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise InvalidParamError("messages must be a conversation (a list of message dicts) "
+                                "or a list of conversations", param="messages")
+    conversations = messages if isinstance(messages[0], (list, tuple)) else [messages]
+    out = []
+    for i, conversation in enumerate(conversations):
+        if not (isinstance(conversation, (list, tuple)) and conversation
+                and all(isinstance(m, Mapping) for m in conversation)):
+            raise _refused(i, "a conversation must be a non-empty list of message dicts",
+                           param="messages")
+        out.append(BatchPrompt([_message(m) for m in conversation], None,
+                               chat_options=options, render=True))
+    return out
+
+
+def _message(message: Mapping[str, Any]) -> Any:
+    content = message.get("content")
+    if not isinstance(content, (list, tuple)):
+        return message
+    parts = [{"type": "image", "image": p["image_pil"]}
+             if isinstance(p, Mapping) and p.get("type") == "image_pil" else p for p in content]
+    return {**message, "content": parts}
+
+
+class Window:
+    """How many samples of this LLM's batches may be in the engine at once (admitted and
+    not finished): a counting semaphore whose units are samples, shared by every batch
+    of one :class:`engine.LLM` (several threads may run batches together)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._units = trio.Semaphore(size)
+        self._lock = trio.Lock()  # one taker of several units at a time: no two half-full
+
+    async def acquire(self, samples: int) -> int:
+        """Take room for ``samples`` (a request of ``n`` larger than the window takes it
+        all); returns the units taken, for :meth:`release`."""
+        units = min(samples, self.size)
+        if units == 1:
+            await self._units.acquire()
+            return 1
+        taken = 0
+        try:
+            async with self._lock:
+                while taken < units:
+                    await self._units.acquire()
+                    taken += 1
+        finally:
+            if taken < units:
+                self.release(taken)  # cancelled half way: give back what was taken
+        return units
+
+    def release(self, units: int) -> None:
+        for _ in range(units):
+            self._units.release()
+
+
+class _Failure:
+    """The first error of a batch's requests, by prompt index; it cancels the rest."""
+
+    def __init__(self, scope: trio.CancelScope) -> None:
+        self._scope = scope
+        self.index: int | None = None
+        self.error: EngineError | None = None
+
+    def record(self, index: int, error: EngineError) -> None:
+        if self.error is None:
+            self.index, self.error = index, error
+        self._scope.cancel()
+
+    def raise_if_any(self) -> None:
+        if self.error is not None:
+            self.error.add_note(f"(prompt {self.index} of the batch)")
+            raise self.error
+
+
+async def prepare_all(engine: Engine, prompts: Sequence[BatchPrompt],
+                      params: Sequence[SamplingParams | None], priorities: Sequence[int],
+                      request_ids: Sequence[str]) -> list[PreparedRequest]:
+    """Prepare every prompt (:meth:`Engine.prepare`) before any runs; the first refusal
+    raises :class:`BatchPromptError` with its index."""
+    if engine.pooler is not None:
+        raise InvalidParamError(f"the model {engine.model_name} is a pooling model "
+                                f"({engine.pooler.task}): use embed, classify or score",
+                                param="model")
+    prepared = []
+    for i, prompt in enumerate(prompts):
+        try:
+            prepared.append(await engine.prepare(
+                prompt.prompt, params[i], request_id=request_ids[i], priority=priorities[i],
+                cache_salt=prompt.cache_salt, chat_options=prompt.chat_options,
+                images=prompt.images))
+        except RequestError as exc:
+            raise BatchPromptError(i, exc) from exc
+    return prepared
+
+
+async def generate(engine: Engine, prompts: Sequence[BatchPrompt],
+                   prepared: Sequence[PreparedRequest], params: Sequence[SamplingParams | None],
+                   *, window: Window, progress: Progress) -> list[GenerationRequestOutput]:
+    """Run prepared requests, enqueued in order under ``window``; their outputs in order."""
+    results: list[GenerationRequestOutput | None] = [None] * len(prepared)
+    decoded: dict[int, str] = {}
+
+    def decode(token: int) -> str:
+        text = decoded.get(token)
+        if text is None:
+            text = decoded[token] = engine.tokenizer.decode([token], skip_special_tokens=False)
+        return text
+
+    async def read(index: int, stream: Any, units: int) -> None:
+        async with stream:  # first, before any checkpoint: a cancel here still aborts it
+            try:
+                prompt = prompts[index]
+                wanted = params[index]
+                ids = prepared[index].prompt_token_ids
+                text = (engine.tokenizer.decode(list(ids), skip_special_tokens=False)
+                        if prompt.render else prompt.text)
+                acc = GenerationAccumulator(
+                    stream.request_id, text, ids,
+                    logprobs=wanted is not None and wanted.logprobs is not None, decode=decode)
+                async for out in stream:
+                    acc.add(out)
+                results[index] = acc.result()
+                progress(len(ids), acc.output_tokens)
+            except EngineError as exc:  # the request failed in the engine, or it died
+                failure.record(index, exc)
+            finally:
+                window.release(units)
+
+    async with trio.open_nursery() as nursery:
+        failure = _Failure(nursery.cancel_scope)
+        for i, request in enumerate(prepared):
+            units = await window.acquire(request.samples)
+            try:
+                stream = engine.enqueue(request)
+            except EngineError as exc:
+                window.release(units)
+                failure.record(i, exc)
+                break
+            nursery.start_soon(read, i, stream, units)
+    failure.raise_if_any()
+    return [r for r in results if r is not None]
+
+
+# -- pooling --------------------------------------------------------------------------------
+
+def pooling_inputs(prompts: Any) -> list[str | tuple[int, ...]]:
+    """vLLM's pooling prompts: a string, token ids, a prompt dict (no images), or a list."""
+    out: list[str | tuple[int, ...]] = []
+    for i, p in enumerate(generation_prompts(prompts)):
+        if p.images:
+            raise _refused(i, "a pooling model takes no images", param="multi_modal_data")
+        out.append(p.prompt)  # type: ignore[arg-type]  # text or ids: never chat here
+    return out
+
+
+def _pooler(engine: Engine, task: str | None, what: str) -> Any:
+    pooler = engine.pooler
+    if pooler is None or (task is not None and pooler.task != task):
+        kind = "a generation model" if pooler is None else f"a {pooler.task} model"
+        raise InvalidParamError(f"the model {engine.model_name} is {kind}: it does not {what}",
+                                param="model")
+    return pooler
+
+
+async def _token_ids(engine: Engine, inputs: Sequence[str | tuple[int, ...]],
+                     truncate: int | None) -> list[tuple[int, ...]]:
+    """Every input tokenized (in a worker thread: a batch may be thousands of texts, and
+    other batches' outputs flow through this trio thread meanwhile); the first bad one
+    raises :class:`BatchPromptError`."""
+
+    def work() -> list[tuple[int, ...]]:
+        out = []
+        for i, item in enumerate(inputs):
+            try:
+                ids = pooling.input_ids(engine.tokenizer, item, truncate=truncate,
+                                        max_model_len=engine.max_model_len, param="prompts")
+                _check_length(ids, engine.max_model_len)
+            except RequestError as exc:
+                raise BatchPromptError(i, exc) from exc
+            out.append(ids)
+        return out
+
+    return await trio.to_thread.run_sync(work, abandon_on_cancel=True)
+
+
+def _check_length(ids: tuple[int, ...], max_model_len: int) -> None:
+    if not ids:
+        raise InvalidParamError("the input is empty", param="prompts")
+    if len(ids) > max_model_len:
+        raise InputTooLongError(prompt_tokens=len(ids), max_model_len=max_model_len,
+                                        param="prompts")
+
+
+async def _pool(engine: Engine, inputs: Sequence[tuple[int, ...]], *, window: Window,
+                progress: Progress) -> list[Pooled]:
+    """Each input as its own request under ``window`` (so a batch of any size runs
+    without meeting the queue's limit); the pooled outputs in order."""
+    results: list[Pooled | None] = [None] * len(inputs)
+
+    async def one(index: int) -> None:
+        try:
+            (results[index],) = await engine.pool([inputs[index]])
+            progress(len(inputs[index]), 0)
+        except EngineError as exc:
+            failure.record(index, exc)
+        finally:
+            window.release(1)
+
+    async with trio.open_nursery() as nursery:
+        failure = _Failure(nursery.cancel_scope)
+        for i in range(len(inputs)):
+            await window.acquire(1)
+            nursery.start_soon(one, i)
+    failure.raise_if_any()
+    return [r for r in results if r is not None]
+
+
+async def embed(engine: Engine, inputs: Sequence[str | tuple[int, ...]], *,
+                truncate: int | None, request_ids: Sequence[str], window: Window,
+                progress: Progress) -> list[EmbeddingRequestOutput]:
+    _pooler(engine, "embed", "embed")
+    ids = await _token_ids(engine, inputs, truncate)
+    pooled = await _pool(engine, ids, window=window, progress=progress)
+    return [EmbeddingRequestOutput(rid, EmbeddingOutput(p.tolist()), list(i))
+            for rid, p, i in zip(request_ids, pooled, ids, strict=True)]
+
+
+async def classify(engine: Engine, inputs: Sequence[str | tuple[int, ...]], *,
+                   truncate: int | None, request_ids: Sequence[str], window: Window,
+                   progress: Progress) -> list[ClassificationRequestOutput]:
+    _pooler(engine, "classify", "classify")
+    ids = await _token_ids(engine, inputs, truncate)
+    pooled = await _pool(engine, ids, window=window, progress=progress)
+    return [ClassificationRequestOutput(rid, ClassificationOutput(_probs(p)), list(i))
+            for rid, p, i in zip(request_ids, pooled, ids, strict=True)]
+
+
+def _probs(pooled: Pooled) -> list[float]:
+    """A classifier's logits as probabilities: sigmoid for one label, else softmax."""
+    logits = pooled.vector().astype(np.float64)
+    if len(logits) == 1:
+        return [pooling.classifier_score(pooled)]
+    shifted = np.exp(logits - logits.max())
+    return (shifted / shifted.sum()).tolist()
+
+
+async def score(engine: Engine, firsts: Sequence[str], seconds: Sequence[str], *,
+                truncate: int | None, request_ids: Sequence[str], window: Window,
+                progress: Progress) -> list[ScoringRequestOutput]:
+    """Score each pair: a cross-encoder reads the two together (the sigmoid of its
+    one logit); an embedding model embeds each distinct text once (cosine similarity)."""
+    pooler = _pooler(engine, None, "score")
+    if pooler.task == "classify":
+        if pooler.size != 1:
+            raise InvalidParamError(f"score needs a cross-encoder with one output label; this "
+                                    f"model has {pooler.size}", param="model")
+
+        def pairs() -> list[tuple[int, ...]]:
+            out = []
+            for i, (a, b) in enumerate(zip(firsts, seconds, strict=True)):
+                try:
+                    ids = pooling.pair_ids(engine.tokenizer, a, b, truncate=truncate,
+                                           max_model_len=engine.max_model_len)
+                    _check_length(ids, engine.max_model_len)
+                except RequestError as exc:
+                    raise BatchPromptError(i, exc) from exc
+                out.append(ids)
+            return out
+
+        ids = await trio.to_thread.run_sync(pairs, abandon_on_cancel=True)
+        pooled = await _pool(engine, ids, window=window, progress=progress)
+        return [ScoringRequestOutput(rid, ScoringOutput(pooling.classifier_score(p)), list(i))
+                for rid, p, i in zip(request_ids, pooled, ids, strict=True)]
+    texts = list(dict.fromkeys([*firsts, *seconds]))
+    ids = await _token_ids(engine, texts, truncate)
+    by_text = dict(zip(texts, zip(ids, await _pool(engine, ids, window=window,
+                                                   progress=lambda _p, _o: None),
+                                  strict=True), strict=True))
+    out = []
+    for rid, a, b in zip(request_ids, firsts, seconds, strict=True):
+        (ids_a, pa), (ids_b, pb) = by_text[a], by_text[b]
+        out.append(ScoringRequestOutput(rid, ScoringOutput(pooling.cosine(pa, pb)),
+                                        [*ids_a, *ids_b]))
+        progress(len(ids_a) + len(ids_b), 0)
+    return out
+
+
+def score_pairs(data_1: Any, data_2: Any) -> tuple[list[str], list[str]]:
+    """vLLM's ``score`` arguments as pairs: one text against each of many, or as many
+    texts on each side, paired in order."""
+    firsts = [data_1] if isinstance(data_1, str) else list(data_1)
+    seconds = [data_2] if isinstance(data_2, str) else list(data_2)
+    for side, texts in (("data_1", firsts), ("data_2", seconds)):
+        if not texts:
+            raise InvalidParamError(f"{side} is empty", param=side)
+        for i, t in enumerate(texts):
+            if not isinstance(t, str):
+                raise _refused(i, f"{side}[{i}] must be a string", param=side)
+    if len(firsts) == 1:
+        firsts = firsts * len(seconds)
+    elif len(firsts) != len(seconds):
+        raise InvalidParamError(f"data_1 has {len(firsts)} texts and data_2 {len(seconds)}: "
+                                "give one data_1 or as many as data_2", param="data_2")
+    return firsts, seconds

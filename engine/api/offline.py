@@ -1,0 +1,324 @@
+"""``engine.LLM``: offline batch inference for scripts and notebooks, shaped like vLLM's
+``LLM`` so that a script ports by changing its import::
+
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model="path/to/model", dtype="float32")
+    outputs = llm.generate(["Hello, my name is", "The capital of France is"],
+                           SamplingParams(temperature=0.8, max_tokens=32))
+    for output in outputs:
+        print(output.prompt, output.outputs[0].text)
+
+It is a synchronous facade over the same engine as the embedded trio API: the engine
+runs on a trio loop in a thread the LLM owns (:mod:`engine.api.engine_thread`); each call
+hands it one batch (:mod:`engine.api.batch`), checked whole before any of it runs, all of
+it submitted at once for the scheduler to batch, its outputs returned in the order given
+(:mod:`engine.api.outputs`: vLLM's shapes). Calls may come from several threads at once,
+and from under a running asyncio loop (Jupyter). Ctrl-C during a call aborts its requests
+and raises ``KeyboardInterrupt``; ``close()`` (or leaving ``with LLM(...) as llm:``)
+stops the engine and its thread, as does the interpreter's exit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from engine.actors.system import EngineStatistics
+from engine.api import batch
+from engine.api.engine import Engine
+from engine.api.engine_thread import EngineThread
+from engine.api.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    GenerationRequestOutput,
+    ScoringRequestOutput,
+)
+from engine.chat.request import TemplateOptions
+from engine.chat.tools import parse_tools
+from engine.errors import ConfigError, InvalidParamError
+from engine.params import SamplingParams
+
+# vLLM's LLM arguments that are not engine options and change nothing here, with why;
+# any other unknown option is refused (ConfigError) by open_engine.
+VLLM_IGNORED_OPTIONS = {
+    "trust_remote_code": "the engine runs no code from a model's folder",
+    "enforce_eager": "the engine captures no CUDA graphs",
+    "disable_log_stats": "the engine logs no periodic statistics",
+}
+
+
+def engine_options(model: str | Path | None, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` as :func:`engine.open_engine` takes them: vLLM's arguments that change
+    nothing here dropped (:data:`VLLM_IGNORED_OPTIONS`), ``tokenizer`` accepted only as
+    the model's own."""
+    out = {k: v for k, v in options.items() if k not in VLLM_IGNORED_OPTIONS}
+    tokenizer = out.pop("tokenizer", None)
+    if tokenizer is not None and (model is None or Path(tokenizer) != Path(model)):
+        raise ConfigError("tokenizer: the engine reads the tokenizer in the model's folder; "
+                          "another tokenizer is not supported", field="tokenizer")
+    return out
+
+
+class LLM:
+    """A model loaded for offline inference; see the module docstring.
+
+    ``model`` is a Hugging Face folder or a ``.gguf`` file (None: the default SmolLM2);
+    ``options`` are :class:`engine.EngineConfig` fields, as :func:`engine.open_engine`
+    takes them (``dtype="float32"``, ``max_num_seqs=64``, ``max_model_len=2048``,
+    ``runner="pooling"``, ...), plus the vLLM arguments that change nothing here
+    (:data:`VLLM_IGNORED_OPTIONS`). Loading happens in the constructor.
+    """
+
+    def __init__(self, model: str | Path | None = None, **options: Any) -> None:
+        self._thread = EngineThread(model, engine_options(model, options))
+        self._engine: Engine = self._thread.engine
+        # Closed when collected, or at the interpreter's exit at the latest (before its
+        # daemon threads stop), so a script that never calls close() leaves nothing behind.
+        self._finalizer = weakref.finalize(self, self._thread.close)
+        # Every batch of this LLM shares one window on the engine's waiting queue.
+        self._window = self._thread.run_sync(
+            lambda: batch.Window(self._engine.config.max_queued_requests))
+        self._request_ids = itertools.count()
+        self._tokenizer_lock = threading.Lock()
+        self._hf_tokenizer: Any = None
+        self.model_name: str = self._engine.model_name
+
+    # -- generation ----------------------------------------------------------------------
+
+    def generate(
+        self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *, use_tqdm: Any = True, lora_request: Any = None, priority: Sequence[int] | None = None,
+    ) -> list[GenerationRequestOutput]:
+        """Generate for one prompt or a list: strings, token-id lists, or vLLM's prompt
+        dicts (``{"prompt": ..., "multi_modal_data": {"image": ...}}``,
+        ``{"prompt_token_ids": [...]}``). ``sampling_params`` is one
+        :class:`SamplingParams` for all, one per prompt, or None (the model's defaults,
+        as the embedded API's). ``priority`` is one integer per prompt (the scheduler's
+        ``priority`` policy reads it). Returns one output per prompt, in order.
+
+        Raises :class:`engine.errors.BatchPromptError` (naming the prompt's index) for a
+        prompt the engine refuses, before any prompt runs."""
+        _no_lora(lora_request)
+        prompts_ = batch.generation_prompts(prompts)
+        return self._generate(prompts_, sampling_params, priority, use_tqdm)
+
+    def chat(
+        self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: Any = True, lora_request: Any = None, chat_template: str | None = None,
+        chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+        continue_final_message: bool = False, tools: list[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        mm_processor_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[GenerationRequestOutput]:
+        """Generate a reply to one conversation (a list of OpenAI message dicts) or to each
+        of a list of them, through the chat template (``chat_template``: jinja source to
+        use instead of the model's). ``tools`` (OpenAI function tools) go to the template,
+        as in vLLM: the reply is the model's raw text, tool calls and all (a template that
+        never reads tools gets the engine's fallback tool prompt). Outputs as
+        :meth:`generate`'s, whose ``prompt`` is the rendered template."""
+        _no_lora(lora_request)
+        if chat_template_content_format != "auto":
+            raise InvalidParamError("chat_template_content_format: only 'auto' is supported "
+                                    "(the engine reads both string and part contents)",
+                                    param="chat_template_content_format")
+        if mm_processor_kwargs:
+            raise InvalidParamError("mm_processor_kwargs is an engine option here "
+                                    "(LLM(..., mm_processor_kwargs=...))",
+                                    param="mm_processor_kwargs")
+        if chat_template is not None and not (isinstance(chat_template, str) and chat_template):
+            raise InvalidParamError("chat_template must be a template's source text",
+                                    param="chat_template")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+            raise InvalidParamError("chat_template_kwargs must be a dict",
+                                    param="chat_template_kwargs")
+        parsed = parse_tools(list(tools) if tools is not None else None)
+        options = TemplateOptions(
+            tools=tuple(t.to_openai() for t in parsed) or None, chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message)
+        return self._generate(batch.chat_prompts(messages, options), sampling_params, None,
+                              use_tqdm)
+
+    def _generate(self, prompts: list[batch.BatchPrompt], sampling_params: Any,
+                  priority: Sequence[int] | None, use_tqdm: Any) -> list[GenerationRequestOutput]:
+        params = _per_prompt(sampling_params, len(prompts))
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise InvalidParamError(f"priority holds {len(priorities)} values for "
+                                    f"{len(prompts)} prompts", param="priority")
+        ids = self._ids(len(prompts))
+        window = self._window
+
+        async def work(engine: Engine, emit: batch.Progress) -> list[GenerationRequestOutput]:
+            prepared = await batch.prepare_all(engine, prompts, params, priorities, ids)
+            return await batch.generate(engine, prompts, prepared, params, window=window,
+                                        progress=lambda p, o: emit((p, o)))
+
+        return self._run(work, len(prompts), use_tqdm)
+
+    # -- pooling -------------------------------------------------------------------------
+
+    def embed(self, prompts: Any, *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: Any = True, pooling_params: Any = None,
+              lora_request: Any = None) -> list[EmbeddingRequestOutput]:
+        """Embed one input or a list (strings, token ids, prompt dicts) with an embedding
+        model; ``truncate_prompt_tokens`` keeps the last k tokens (-1: the model's limit)."""
+        _no_lora(lora_request)
+        _no_pooling_params(pooling_params)
+        inputs = batch.pooling_inputs(prompts)
+        ids, window = self._ids(len(inputs)), self._window
+
+        async def work(engine: Engine, emit: batch.Progress) -> list[EmbeddingRequestOutput]:
+            return await batch.embed(engine, inputs, truncate=truncate_prompt_tokens,
+                                     request_ids=ids, window=window,
+                                     progress=lambda p, o: emit((p, o)))
+
+        return self._run(work, len(inputs), use_tqdm)
+
+    def classify(self, prompts: Any, *, truncate_prompt_tokens: int | None = None,
+                 use_tqdm: Any = True, pooling_params: Any = None,
+                 lora_request: Any = None) -> list[ClassificationRequestOutput]:
+        """Class probabilities of each input with a classification model (softmax of its
+        logits; the sigmoid of a one-label model's logit)."""
+        _no_lora(lora_request)
+        _no_pooling_params(pooling_params)
+        inputs = batch.pooling_inputs(prompts)
+        ids, window = self._ids(len(inputs)), self._window
+
+        async def work(engine: Engine, emit: batch.Progress) -> list[ClassificationRequestOutput]:
+            return await batch.classify(engine, inputs, truncate=truncate_prompt_tokens,
+                                        request_ids=ids, window=window,
+                                        progress=lambda p, o: emit((p, o)))
+
+        return self._run(work, len(inputs), use_tqdm)
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], /, *,
+              truncate_prompt_tokens: int | None = None, use_tqdm: Any = True,
+              pooling_params: Any = None, lora_request: Any = None) -> list[ScoringRequestOutput]:
+        """Score ``data_1`` against each text of ``data_2`` (or the two lists pairwise): a
+        cross-encoder's score, or the cosine similarity of an embedding model's vectors."""
+        _no_lora(lora_request)
+        _no_pooling_params(pooling_params)
+        firsts, seconds = batch.score_pairs(data_1, data_2)
+        ids, window = self._ids(len(firsts)), self._window
+
+        async def work(engine: Engine, emit: batch.Progress) -> list[ScoringRequestOutput]:
+            return await batch.score(engine, firsts, seconds, truncate=truncate_prompt_tokens,
+                                     request_ids=ids, window=window,
+                                     progress=lambda p, o: emit((p, o)))
+
+        return self._run(work, len(firsts), use_tqdm)
+
+    # -- the rest ------------------------------------------------------------------------
+
+    def get_tokenizer(self) -> Any:
+        """The model's Hugging Face tokenizer (``transformers.AutoTokenizer`` from the
+        model's folder; a GGUF's converted folder), as vLLM's ``get_tokenizer``: the one
+        to call ``apply_chat_template`` on. The engine tokenizes with the same files."""
+        with self._tokenizer_lock:
+            if self._hf_tokenizer is None:
+                from transformers import AutoTokenizer  # heavy: only when asked for
+
+                self._hf_tokenizer = AutoTokenizer.from_pretrained(
+                    str(self._engine.tokenizer.folder))
+            return self._hf_tokenizer
+
+    def statistics(self) -> EngineStatistics:
+        """The engine's counters now (requests running and waiting, KV blocks free)."""
+        return self._thread.run_sync(self._engine.statistics)
+
+    def close(self) -> None:
+        """Stop the engine and its thread; a call running in another thread fails with
+        :class:`engine.EngineDeadError`. Idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _ids(self, count: int) -> list[str]:
+        # Request ids numbered per LLM, as vLLM's ("0", "1", ...).
+        return [str(next(self._request_ids)) for _ in range(count)]
+
+    def _run(self, work: Any, total: int, use_tqdm: Any) -> Any:
+        if total == 0:
+            return []
+        progress = _ProgressBar(total, use_tqdm)
+        try:
+            return self._thread.call(work, progress.update)
+        finally:
+            progress.close()
+
+
+def _per_prompt(sampling_params: Any, count: int) -> list[SamplingParams | None]:
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * count
+    if isinstance(sampling_params, (list, tuple)):
+        if len(sampling_params) != count:
+            raise InvalidParamError(f"sampling_params holds {len(sampling_params)} values for "
+                                    f"{count} prompts", param="sampling_params")
+        if all(isinstance(p, SamplingParams) for p in sampling_params):
+            return list(sampling_params)
+    raise InvalidParamError("sampling_params must be an engine.SamplingParams, a list of them "
+                            "(one per prompt) or None", param="sampling_params")
+
+
+def _no_lora(lora_request: Any) -> None:
+    if lora_request is not None:
+        raise InvalidParamError("LoRA adapters are not supported", param="lora_request")
+
+
+def _no_pooling_params(pooling_params: Any) -> None:
+    if pooling_params is not None:
+        raise InvalidParamError("pooling_params are not supported: an embedding is the "
+                                "model's own (truncate_prompt_tokens is an argument)",
+                                param="pooling_params")
+
+
+class _ProgressBar:
+    """A tqdm bar on the caller's thread: prompts done, input and output tokens per second
+    since the batch started. ``use_tqdm`` is True (tqdm.auto: a widget in Jupyter), False,
+    or a tqdm-like class (called as tqdm is), as in vLLM."""
+
+    def __init__(self, total: int, use_tqdm: Any) -> None:
+        self._bar: Any = None
+        self._start = time.perf_counter()
+        self._input = self._output = 0
+        if use_tqdm is False or use_tqdm is None:
+            return
+        if callable(use_tqdm):
+            make = use_tqdm
+        else:
+            from tqdm.auto import tqdm as make  # imports IPython's hooks where present
+
+        self._bar = make(total=total, desc="Processed prompts", dynamic_ncols=True,
+                         postfix=self._rates(0.0))
+
+    def _rates(self, seconds: float) -> str:
+        if seconds <= 0:
+            return "input: 0 tok/s, output: 0 tok/s"
+        return (f"input: {self._input / seconds:.1f} tok/s, "
+                f"output: {self._output / seconds:.1f} tok/s")
+
+    def update(self, event: tuple[int, int]) -> None:
+        prompt_tokens, output_tokens = event
+        self._input += prompt_tokens
+        self._output += output_tokens
+        if self._bar is not None:
+            self._bar.postfix = self._rates(time.perf_counter() - self._start)
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
