@@ -225,12 +225,11 @@ def test_killing_the_front_end_takes_every_core_down_and_the_next_start_clears_i
 ) -> None:
     """A front end SIGKILLed: its cores exit within 5 s, and its cores' socket, left in
     the runtime folder (no cleanup runs), is removed by the next start, which keeps the
-    files of a live engine process in the same folder; nothing goes to /tmp/engine-core-*."""
+    files of a live engine process in the same folder."""
     import shutil
     import tempfile
 
     root = Path(tempfile.mkdtemp(prefix="rt-"))  # short: a Unix socket's path holds 107 bytes
-    before = set(Path(tempfile.gettempdir()).glob("engine-core-*"))
     script = textwrap.dedent(f"""
         import sys, trio, engine
         async def main():
@@ -279,7 +278,6 @@ def test_killing_the_front_end_takes_every_core_down_and_the_next_start_clears_i
         leftover_kept, held_kept, mine, served = trio.run(next_start)
         assert not leftover_kept and held_kept and served == 2
         assert mine.parent == root and not mine.exists()  # a clean stop leaves nothing
-        assert set(Path(tempfile.gettempdir()).glob("engine-core-*")) <= before
     finally:
         for process in (front, live):
             process.kill()

@@ -214,7 +214,8 @@ async def test_a_grammar_past_the_size_budget_is_refused(model: Path) -> None:
 async def test_a_grammar_lost_while_its_request_waits_compiles_again_through_the_pool(
         model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A cache of one grammar and two structured requests waiting behind a long one: the
-    second compile does not evict the first's grammar (each live request holds its own);
+    second compile does not evict the first's grammar (each live request holds its own,
+    from its compile on; a prepared request dropped before it is queued holds nothing);
     one dropped from the cache anyway is compiled again through the compile pool, its
     limiter and its budget, when the request runs. No compile ever runs on the model
     thread, and both outputs match their patterns."""
@@ -235,6 +236,13 @@ async def test_a_grammar_lost_while_its_request_waits_compiles_again_through_the
         grammar = eng._parts.grammar
         grammar._cache_size = 1
         texts: dict[int, str] = {}
+        # A prepared request holds its grammar until it is queued; one dropped instead
+        # leaves no hold behind.
+        prepared = await eng.prepare([7, 8, 9], SamplingParams(
+            structured_outputs=StructuredOutputs(regex="[0-9]{2}")))
+        assert grammar.statistics().held == 1
+        del prepared
+        assert grammar.statistics().held == 0
 
         async def constrained(i: int) -> None:
             outs = await collect(eng, [7, 8, 9], SamplingParams(
@@ -259,6 +267,6 @@ async def test_a_grammar_lost_while_its_request_waits_compiles_again_through_the
     for i, pattern in enumerate(patterns):
         assert re.fullmatch(pattern, texts[i]), texts[i]
     assert (stats.recompiles, pool.recompiles) == (1, 1)
-    assert len(where) == pool.compiles == 3  # two at admission, one again
+    assert len(where) == pool.compiles == 4  # three at admission, one again
     assert "engine-model" not in where
     assert stats.held == 0 and stats.evictions >= 1  # released once done, back to size

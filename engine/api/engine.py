@@ -9,6 +9,12 @@
             print(out.text, end="")
 
 The contract is written down in ``docs/architecture.md`` ("Actors and the embedded API").
+
+Why this module is one room: :class:`Engine` is the embedded API's one object, and its
+request paths (prepare and enqueue, the pooling calls), its statistics and its restart
+loop share its private state (the actors' handles, the parts, the request serials, the
+compile pool, the counters carried over restarts); split over modules, each part would
+reach into the others' attributes.
 """
 
 from __future__ import annotations
@@ -17,7 +23,6 @@ import itertools
 import logging
 import time
 import uuid
-import weakref
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -47,7 +52,7 @@ from engine.messages import AdmittedRequest
 from engine.models.chat_sandbox import RenderBudget
 from engine.params import SamplingParams, generation_defaults
 from engine.process.workers import WorkerLostError
-from engine.structured import StructuredStatistics
+from engine.structured import GrammarHold, StructuredStatistics
 from engine.structured.pool import CompilePool
 
 logger = logging.getLogger("engine")
@@ -97,15 +102,13 @@ class PreparedRequest:
     ready for :meth:`Engine.enqueue`. ``prompt_token_ids`` is the prompt as the model
     reads it (chat template applied, image tokens widened)."""
 
-    __slots__ = ("__weakref__", "admitted", "enqueued", "grammar_hold", "prompt_token_ids")
+    __slots__ = ("admitted", "enqueued", "grammar_hold", "prompt_token_ids")
 
     def __init__(self, admitted: AdmittedRequest, prompt_token_ids: tuple[int, ...]) -> None:
         self.admitted = admitted
         self.prompt_token_ids = prompt_token_ids
         self.enqueued = False
-        # Its structured-output grammar held in the cache until it is enqueued (then its
-        # samples hold it) or dropped: a weakref.finalize that releases the hold.
-        self.grammar_hold: weakref.finalize | None = None
+        self.grammar_hold: GrammarHold | None = None  # until enqueued (or dropped)
 
     @property
     def samples(self) -> int:
@@ -157,7 +160,8 @@ class Engine:
         if self._compiles is not None and parts.runner is not None:
             # A grammar the runner finds missing compiles through the pool (its budgets and
             # limiter), never on the model thread by itself.
-            parts.grammar.recompile = self._recompile
+            parts.grammar.recompile = lambda spec: trio.from_thread.run(
+                self._compiles.recompile, spec, trio_token=self._token)  # the step waits
         # Numbers every admitted request (across restarts too): its sample ids carry it, so
         # they never collide whatever request ids callers pick (admission.sample_ids).
         self._serials = itertools.count()
@@ -251,17 +255,15 @@ class Engine:
         # holds it there from before its compile until it is enqueued (or dropped), then
         # each sample until the scheduler sees it end (engine.structured.backend), so no
         # other compile evicts it before its matchers are made.
-        held = spec if spec is not None and grammar is not None and self._pool is None else None
-        if held is not None:
-            grammar.hold(held)
+        in_process = grammar is not None and self._pool is None
+        hold = grammar.held(spec) if spec is not None and in_process else None
         try:
             prepared = await self._prepared(submit, params, ids, images_in)
         except BaseException:
-            if held is not None:
-                grammar.release(held)
+            if hold is not None:
+                hold.release()
             raise
-        if held is not None:
-            prepared.grammar_hold = weakref.finalize(prepared, grammar.release, held)
+        prepared.grammar_hold = hold
         return prepared
 
     async def _prepared(self, submit: Any, params: SamplingParams, ids: tuple[int, ...],
@@ -300,12 +302,8 @@ class Engine:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             handles.router.close(mailbox)
             raise self._dead_error() from self.dead_reason
-        hold = prepared.grammar_hold
-        if hold is not None and hold.alive:
-            # One hold per sample, each released by the scheduler; then the prepare's goes.
-            spec = prepared.admitted.samples[0].params.structured_outputs
-            self._parts.grammar.hold(spec, len(prepared.admitted.samples))
-            hold()
+        if prepared.grammar_hold is not None:
+            prepared.grammar_hold.pass_to(len(prepared.admitted.samples))
         return RequestStream(self, mailbox)
 
     async def tokenize_chat(self, messages: Sequence[dict[str, Any]],
@@ -637,12 +635,6 @@ class Engine:
                 logger.error("the engine could not restart: %r", exc, exc_info=exc)
                 self._die(exc)
                 return
-
-    def _recompile(self, spec: Any) -> Any:
-        """``GrammarBackend.recompile`` for the runner: called on the model thread, it
-        waits for the compile pool on the trio thread (the step waits with it)."""
-        assert self._compiles is not None
-        return trio.from_thread.run(self._compiles.recompile, spec, trio_token=self._token)
 
     def _fail_in_flight(self, crash: BaseException) -> None:
         if self._handles is not None:

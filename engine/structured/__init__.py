@@ -15,7 +15,12 @@ The model runner holds the matchers and the sampler applies their token bitmask 
 logits; ``docs/architecture.md`` ("Structured output") tells the whole path.
 """
 
-from engine.structured.backend import BACKENDS, GrammarBackend, StructuredStatistics
+from engine.structured.backend import (
+    BACKENDS,
+    GrammarBackend,
+    GrammarHold,
+    StructuredStatistics,
+)
 from engine.structured.bitmask import apply_bitmask, bitmask_words
 from engine.structured.compiled import CompiledGrammar
 from engine.structured.matcher import Matcher
@@ -25,6 +30,7 @@ __all__ = [
     "BACKENDS",
     "CompiledGrammar",
     "GrammarBackend",
+    "GrammarHold",
     "Matcher",
     "StructuredOutputs",
     "StructuredStatistics",

@@ -32,6 +32,7 @@ import collections
 import dataclasses
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -194,6 +195,11 @@ class GrammarBackend:
                 del self._holds[spec.key]
             self._evict_locked()
 
+    def held(self, spec: StructuredOutputs) -> GrammarHold:
+        """One hold on ``spec``'s grammar, as an object: released by its ``release``, by
+        ``pass_to`` (to the samples of the request that took it), or when it is dropped."""
+        return GrammarHold(self, spec)
+
     def release_all(self) -> None:
         """No request is live any more (the engine's actors restarted): drop every hold."""
         with self._lock:
@@ -313,6 +319,29 @@ class GrammarBackend:
             return exc
         return InvalidParamError(f"the {spec.kind} constraint failed to compile",
                                  param="structured_outputs")
+
+
+class GrammarHold:
+    """One :meth:`GrammarBackend.hold`, released exactly once (see :meth:`GrammarBackend.held`):
+    a request that is prepared but never queued, or dropped, leaves no hold behind."""
+
+    __slots__ = ("__weakref__", "_backend", "_release", "spec")
+
+    def __init__(self, backend: GrammarBackend, spec: StructuredOutputs) -> None:
+        backend.hold(spec)
+        self._backend = backend
+        self.spec = spec
+        self._release = weakref.finalize(self, backend.release, spec)
+
+    def release(self) -> None:
+        self._release()
+
+    def pass_to(self, samples: int) -> None:
+        """The request is queued: one hold per sample (the scheduler releases each as it
+        ends) replaces this one."""
+        if self._release.alive:
+            self._backend.hold(self.spec, samples)
+            self._release()
 
 
 def _hf_tokenizer(tokenizer: Any) -> Any:
