@@ -13,6 +13,7 @@ The contract is written down in ``docs/architecture.md`` ("Actors and the embedd
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -45,6 +46,7 @@ from engine.messages import AdmittedRequest
 from engine.models.chat_sandbox import RenderBudget
 from engine.params import SamplingParams, generation_defaults
 from engine.process.workers import WorkerLostError
+from engine.runner.logits_processors import load_logits_processors, validate_params
 from engine.structured import StructuredStatistics
 from engine.structured.pool import CompilePool
 
@@ -156,6 +158,8 @@ class Engine:
                         "a string" if resolve_content_format(
                             parts.tokenizer.chat_template, option) == "string" else "parts",
                         " (read from the template)" if option == "auto" else "")
+        # The server's logits processor classes: their validate_params sees every request.
+        self._processors = load_logits_processors(config.logits_processor_names)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -232,7 +236,10 @@ class Engine:
             priority=priority, cache_salt=cache_salt, arrival_time=time.monotonic(),
             chat_options=chat_options.to_json() if chat_options is not None else None,
         )
-        ids, images_in = await self._prompt_ids(submit.prompt, raw_images)
+        params = self._request_params(submit.params, images=bool(raw_images))
+        submit = dataclasses.replace(submit, params=params)
+        ids, images_in = await self._prompt_ids(submit.prompt, raw_images,
+                                                truncate=params.truncate_prompt_tokens)
         if params.structured_outputs is not None and self._compiles is not None:
             admission.check_min_tokens(params)
             # In a worker process, under a time budget; leaving (a cancel) kills it.
@@ -280,13 +287,47 @@ class Engine:
             messages, chat_options.to_json() if chat_options is not None else None)
         return (await self._prompt_ids(prompt, raw_images))[0]
 
-    async def _prompt_ids(self, prompt: admission.Prompt,
-                          raw_images: Sequence[Any]) -> tuple[tuple[int, ...], tuple[Any, ...]]:
+    def _request_params(self, params: SamplingParams, *, images: bool) -> SamplingParams:
+        """``params`` as the engine runs them (``bad_words`` as token ids), after the checks
+        only the engine can make: the server's logits processors (``extra_args``), and
+        what their batch or the images cannot take."""
+        if params.extra_args and not self._processors:
+            raise InvalidParamError(
+                "extra_args (vllm_xargs) are arguments of the server's logits processors, and "
+                "this server runs none (--logits-processors)", param="extra_args")
+        if self._processors:
+            if params.prediction:
+                # A prediction is verified as speculative rows, which processors cannot see.
+                raise InvalidParamError("prediction cannot be combined with the server's "
+                                        "logits processors (--logits-processors)",
+                                        param="prediction")
+            try:
+                validate_params(self._processors, params)
+            except Exception as exc:  # the operator's code: any error refuses the request
+                raise InvalidParamError(f"a logits processor refused the request: {exc}",
+                                        param="extra_args") from exc
+        if params.truncate_prompt_tokens is not None and images:
+            # Cutting the prompt could cut an image's placeholder tokens apart.
+            raise InvalidParamError("truncate_prompt_tokens cannot be combined with images",
+                                    param="truncate_prompt_tokens")
+        if params.bad_words:
+            ids = admission.bad_words_token_ids(
+                lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+                params.bad_words)
+            params = params.replace(bad_words_token_ids=tuple(dict.fromkeys(
+                params.bad_words_token_ids + ids)))
+        return params
+
+    async def _prompt_ids(self, prompt: admission.Prompt, raw_images: Sequence[Any],
+                          truncate: int | None = None,
+                          ) -> tuple[tuple[int, ...], tuple[Any, ...]]:
         ids = await tokenize_prompt(
             self.tokenizer, prompt, limiter=self._prompt_limiter,
             template_seconds=self.config.chat_template_timeout,
             max_model_len=self.max_model_len,
             content_format=self.config.chat_template_content_format,
+            truncate=None if truncate is None else admission.truncation_limit(
+                truncate, self.max_model_len),
             special_tokens_in_content=self.config.allow_special_tokens_in_content,
             # The image parts split_images left: a string template gets the model's
             # placeholder text for each.
