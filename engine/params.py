@@ -121,6 +121,8 @@ class SamplingParams:
             isinstance(pair, tuple) for pair in self.logit_bias
         ):
             object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if self.extra_args == {}:  # nothing for a processor to read: as if not given
+            object.__setattr__(self, "extra_args", None)
         if self.bad_words is None:  # vLLM's default
             object.__setattr__(self, "bad_words", ())
         elif isinstance(self.bad_words, str):

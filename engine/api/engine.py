@@ -46,7 +46,7 @@ from engine.messages import AdmittedRequest
 from engine.models.chat_sandbox import RenderBudget
 from engine.params import SamplingParams, generation_defaults
 from engine.process.workers import WorkerLostError
-from engine.runner.logits_processors import load_logits_processors, validate_params
+from engine.runner.logits_processors import load_logits_processors
 from engine.structured import StructuredStatistics
 from engine.structured.pool import CompilePool
 
@@ -236,7 +236,9 @@ class Engine:
             priority=priority, cache_salt=cache_salt, arrival_time=time.monotonic(),
             chat_options=chat_options.to_json() if chat_options is not None else None,
         )
-        params = self._request_params(submit.params, images=bool(raw_images))
+        params = admission.request_params(
+            submit.params, processors=self._processors, images=bool(raw_images),
+            encode=lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         submit = dataclasses.replace(submit, params=params)
         ids, images_in = await self._prompt_ids(submit.prompt, raw_images,
                                                 truncate=params.truncate_prompt_tokens)
@@ -286,37 +288,6 @@ class Engine:
         prompt = admission.prompt_message(
             messages, chat_options.to_json() if chat_options is not None else None)
         return (await self._prompt_ids(prompt, raw_images))[0]
-
-    def _request_params(self, params: SamplingParams, *, images: bool) -> SamplingParams:
-        """``params`` as the engine runs them (``bad_words`` as token ids), after the checks
-        only the engine can make: the server's logits processors (``extra_args``), and
-        what their batch or the images cannot take."""
-        if params.extra_args and not self._processors:
-            raise InvalidParamError(
-                "extra_args (vllm_xargs) are arguments of the server's logits processors, and "
-                "this server runs none (--logits-processors)", param="extra_args")
-        if self._processors:
-            if params.prediction:
-                # A prediction is verified as speculative rows, which processors cannot see.
-                raise InvalidParamError("prediction cannot be combined with the server's "
-                                        "logits processors (--logits-processors)",
-                                        param="prediction")
-            try:
-                validate_params(self._processors, params)
-            except Exception as exc:  # the operator's code: any error refuses the request
-                raise InvalidParamError(f"a logits processor refused the request: {exc}",
-                                        param="extra_args") from exc
-        if params.truncate_prompt_tokens is not None and images:
-            # Cutting the prompt could cut an image's placeholder tokens apart.
-            raise InvalidParamError("truncate_prompt_tokens cannot be combined with images",
-                                    param="truncate_prompt_tokens")
-        if params.bad_words:
-            ids = admission.bad_words_token_ids(
-                lambda text: self.tokenizer.encode(text, add_special_tokens=False),
-                params.bad_words)
-            params = params.replace(bad_words_token_ids=tuple(dict.fromkeys(
-                params.bad_words_token_ids + ids)))
-        return params
 
     async def _prompt_ids(self, prompt: admission.Prompt, raw_images: Sequence[Any],
                           truncate: int | None = None,

@@ -219,6 +219,37 @@ def _truncated(ids: tuple[int, ...], tokenizer: PromptTokenizer, prompt: Prompt,
     return ids[len(ids) - limit:]
 
 
+def request_params(params: SamplingParams, *, processors: Sequence[type], images: bool,
+                   encode: Callable[[str], Sequence[int]]) -> SamplingParams:
+    """``params`` as the engine runs them (``bad_words`` as token ids, through ``encode``:
+    text without special tokens), after the checks only the engine can make: the server's
+    logits processor classes (``extra_args``, each one's ``validate_params``), and what
+    their batch or a request's images cannot take."""
+    if params.extra_args and not processors:
+        raise InvalidParamError(
+            "extra_args (vllm_xargs) are arguments of the server's logits processors, and "
+            "this server runs none (--logits-processors)", param="extra_args")
+    if processors and params.prediction:
+        # A prediction is verified as speculative rows, which processors cannot see.
+        raise InvalidParamError("prediction cannot be combined with the server's logits "
+                                "processors (--logits-processors)", param="prediction")
+    for cls in processors:
+        try:
+            cls.validate_params(params)  # type: ignore[attr-defined]
+        except Exception as exc:  # the operator's code: any error refuses the request
+            raise InvalidParamError(f"a logits processor refused the request: {exc}",
+                                    param="extra_args") from exc
+    if params.truncate_prompt_tokens is not None and images:
+        # Cutting the prompt could cut an image's placeholder tokens apart.
+        raise InvalidParamError("truncate_prompt_tokens cannot be combined with images",
+                                param="truncate_prompt_tokens")
+    if params.bad_words:
+        ids = bad_words_token_ids(encode, params.bad_words)
+        params = params.replace(bad_words_token_ids=tuple(dict.fromkeys(
+            params.bad_words_token_ids + ids)))
+    return params
+
+
 def fim_prompt_ids(tokenizer: Any, prefix: str, suffix: str) -> tuple[int, ...]:
     """A fill-in-the-middle prompt in the tokenizer's convention: its FIM prefix token, the
     text before the gap, the suffix token, the text after it, the middle token (after

@@ -160,7 +160,8 @@ def load_logits_processors(names: Sequence[str]) -> tuple[type, ...]:
         cls = getattr(module, attr, None)
         if not isinstance(cls, type):
             raise _bad(f"{module_name!r} has no class {attr!r}")
-        missing = [m for m in ("apply", "update_state") if not callable(getattr(cls, m, None))]
+        missing = [m for m in ("apply", "update_state", "validate_params")
+                   if not callable(getattr(cls, m, None))]
         if missing:
             raise _bad(f"{name!r} is no logits processor: it lacks {', '.join(missing)} "
                        "(subclass engine.runner.logits_processors.LogitsProcessor)")
@@ -170,15 +171,6 @@ def load_logits_processors(names: Sequence[str]) -> tuple[type, ...]:
 
 def _bad(message: str) -> ConfigError:
     return ConfigError(f"logits_processors: {message}", field="logits_processors")
-
-
-def validate_params(classes: Sequence[type], params: SamplingParams) -> None:
-    """Each processor's ``validate_params`` on a request's parameters (``ValueError`` from
-    one is the request's error)."""
-    for cls in classes:
-        check = getattr(cls, "validate_params", None)
-        if check is not None:
-            check(params)
 
 
 def _describe(processor: object) -> str:
