@@ -464,6 +464,18 @@ class EngineConfig:
         '"num_speculative_tokens": 4}\' (a draft model of the same vocabulary); verified by the '
         "model in one forward, the output distribution unchanged", metavar="JSON", default_text="off")
 
+    # Server-side logits processors (engine.runner.logits_processors): vLLM V1's
+    # batch-level interface, classes imported by name when the engine starts.
+    logits_processors: str = _field(
+        "", "logits processors every request's sampling runs through: comma-separated "
+        "module:Class names (vLLM V1's LogitsProcessor interface; per-request arguments come "
+        "as vllm_xargs). Not with --speculative-config", metavar="NAMES", default_text="none")
+
+    @property
+    def logits_processor_names(self) -> tuple[str, ...]:
+        """``logits_processors`` as a tuple of ``module:Class`` names."""
+        return tuple(n.strip() for n in self.logits_processors.split(",") if n.strip())
+
     @property
     def speculative(self) -> SpeculativeConfig | None:
         """The checked speculative configuration, or ``None`` when off."""
@@ -503,6 +515,21 @@ class EngineConfig:
         """``allowed_media_domains`` as lower-case host names."""
         return tuple(h.strip().lower() for h in self.allowed_media_domains.split(",") if h.strip())
 
+    def _check_logits_processors(self) -> None:
+        names = self.logits_processors
+        if isinstance(names, (list, tuple)):  # open_engine(logits_processors=[...])
+            names = ",".join(names)
+            object.__setattr__(self, "logits_processors", names)
+        if not isinstance(names, str):
+            raise ConfigError("logits_processors must be module:Class names, comma-separated",
+                              field="logits_processors")
+        if self.logits_processor_names and self.speculative_config is not None:
+            # A processor sees one row per request and step (vLLM V1's interface); a
+            # speculative step verifies several. vLLM refuses the pair the same way.
+            raise ConfigError("logits_processors cannot be combined with speculative_config: "
+                              "a processor sees one row per request and step, and speculative "
+                              "verification samples several", field="logits_processors")
+
     def to_json(self) -> str:
         """Every field as JSON: how a config crosses to an engine-core process or a
         tensor-parallel worker (:meth:`from_json` reads it back, checked again)."""
@@ -517,6 +544,7 @@ class EngineConfig:
             spec = parse_speculative_config(self.speculative_config)
             # Canonical text: a dict given to open_engine() becomes JSON too.
             object.__setattr__(self, "speculative_config", spec.to_json())
+        self._check_logits_processors()
         if self.mm_processor_kwargs is not None:
             options = parse_mm_processor_kwargs(self.mm_processor_kwargs)
             object.__setattr__(self, "mm_processor_kwargs", json.dumps(options, sort_keys=True))

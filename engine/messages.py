@@ -366,6 +366,8 @@ class OutputBatch:
 
 # --- msgpack ------------------------------------------------------------------------------
 
+# The key that marks a packed message (engine.params refuses it inside extra_args, the one
+# client-shaped object that travels as a msgpack map).
 _TAG = "__msg__"
 
 

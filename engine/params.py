@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +21,13 @@ _MAX_TOKEN_ID = 2**31 - 1
 # Penalties outside these make logits overflow to inf or vanish (repetition_penalty=1e-320
 # divided logits into +inf); vLLM's useful range is well inside.
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
+# bad_words: each word is banned token by token in every step of its request, so the
+# count and length are bounded like stop strings' (a word is a few tokens in practice).
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 512
+# extra_args (vLLM's, HTTP's vllm_xargs) travel to every rank with the request: a few
+# keys for a logits processor, bounded so one request cannot make every step's message large.
+MAX_EXTRA_ARGS_CHARS = 16_384
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -67,33 +75,37 @@ class SamplingParams:
     thinking_token_budget: int | None = None
     think_start_token_ids: tuple[int, ...] = ()
     think_end_token_ids: tuple[int, ...] = ()
+    # Only these token ids may be sampled (vLLM's allowed_token_ids); None: any.
+    allowed_token_ids: tuple[int, ...] | None = None
+    # Words never to write (vLLM's bad_words): a word of one token is never sampled; a
+    # longer one loses its last token wherever the output already ends with the rest.
+    # The engine tokenizes them at admission into ``bad_words_token_ids`` (each word as
+    # it starts the text and after a space, as vLLM does); ids may also be given directly.
+    bad_words: tuple[str, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # Keep only the last N prompt tokens (-1: max_model_len); a text prompt keeps the
+    # special tokens its tokenizer adds (BOS), as vLLM's left truncation does.
+    truncate_prompt_tokens: int | None = None
+    # With skip_special_tokens false: false writes two adjacent special (added) tokens
+    # with nothing between them, whatever the tokenizer's decoder would put there.
+    spaces_between_special_tokens: bool = True
+    # Per-request arguments of the server's logits processors (--logits-processors), as
+    # vLLM's SamplingParams.extra_args (HTTP: vllm_xargs): JSON values under string keys.
+    extra_args: dict[str, Any] | None = None
     # vLLM's SamplingParams names this engine has no field for (see VLLM_ONLY_FIELDS), so
     # that a script written for vLLM runs unchanged: accepted with a value that asks for
     # nothing beyond what the engine does, refused otherwise. Read once, never stored.
     best_of: dataclasses.InitVar[int | None] = None
     detokenize: dataclasses.InitVar[bool] = True
-    spaces_between_special_tokens: dataclasses.InitVar[bool] = True
     output_kind: dataclasses.InitVar[Any] = None
-    truncate_prompt_tokens: dataclasses.InitVar[int | None] = None
-    bad_words: dataclasses.InitVar[Sequence[str] | None] = None
-    allowed_token_ids: dataclasses.InitVar[Sequence[int] | None] = None
     logits_processors: dataclasses.InitVar[Sequence[Any] | None] = None
-    extra_args: dataclasses.InitVar[dict[str, Any] | None] = None
     guided_decoding: dataclasses.InitVar[StructuredOutputs | None] = None
 
-    def __post_init__(self, best_of: int | None, detokenize: bool,
-                      spaces_between_special_tokens: bool, output_kind: Any,
-                      truncate_prompt_tokens: int | None, bad_words: Sequence[str] | None,
-                      allowed_token_ids: Sequence[int] | None,
+    def __post_init__(self, best_of: int | None, detokenize: bool, output_kind: Any,
                       logits_processors: Sequence[Any] | None,
-                      extra_args: dict[str, Any] | None,
                       guided_decoding: StructuredOutputs | None) -> None:
-        _vllm_only(self, best_of=best_of, detokenize=detokenize,
-                   spaces_between_special_tokens=spaces_between_special_tokens,
-                   output_kind=output_kind, truncate_prompt_tokens=truncate_prompt_tokens,
-                   bad_words=bad_words, allowed_token_ids=allowed_token_ids,
-                   logits_processors=logits_processors, extra_args=extra_args,
-                   guided_decoding=guided_decoding)
+        _vllm_only(self, best_of=best_of, detokenize=detokenize, output_kind=output_kind,
+                   logits_processors=logits_processors, guided_decoding=guided_decoding)
         if self.thinking_token_budget == -1 and not isinstance(self.thinking_token_budget, bool):
             object.__setattr__(self, "thinking_token_budget", None)  # vLLM's -1: no budget
         # Accept lists and dicts from callers; store hashable tuples.
@@ -109,6 +121,21 @@ class SamplingParams:
             isinstance(pair, tuple) for pair in self.logit_bias
         ):
             object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if self.extra_args == {}:  # nothing for a processor to read: as if not given
+            object.__setattr__(self, "extra_args", None)
+        if self.bad_words is None:  # vLLM's default
+            object.__setattr__(self, "bad_words", ())
+        elif isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", (self.bad_words,))
+        elif not isinstance(self.bad_words, tuple):
+            object.__setattr__(self, "bad_words", tuple(_seq(self.bad_words, "bad_words")))
+        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, tuple):
+            object.__setattr__(self, "allowed_token_ids",
+                               tuple(_seq(self.allowed_token_ids, "allowed_token_ids")))
+        words = self.bad_words_token_ids
+        if not (isinstance(words, tuple) and all(isinstance(w, tuple) for w in words)):
+            object.__setattr__(self, "bad_words_token_ids", tuple(
+                tuple(_seq(w, "bad_words_token_ids")) for w in _seq(words, "bad_words_token_ids")))
         self._check()
 
     def _check(self) -> None:
@@ -145,7 +172,8 @@ class SamplingParams:
                 )
         for t in self.stop_token_ids:
             _int(t, "stop_token_ids", lo=0, hi=_MAX_TOKEN_ID)
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParamError(f"{name} must be true or false, got {getattr(self, name)!r}", param=name)
         _float(self.presence_penalty, "presence_penalty", lo=-2.0, hi=2.0)
@@ -171,6 +199,7 @@ class SamplingParams:
             if not self.think_end_token_ids:
                 raise InvalidParamError("thinking_token_budget needs the end-of-reasoning "
                                         "marker's token ids", param="thinking_token_budget")
+        self._check_vocabulary_fields()
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputs):
                 raise InvalidParamError(
@@ -193,6 +222,40 @@ class SamplingParams:
                     "matches; drop `stop`, or express the end in the constraint itself",
                     param="stop")
 
+    def _check_vocabulary_fields(self) -> None:
+        """allowed_token_ids, bad_words, truncate_prompt_tokens and extra_args (their ids
+        against the vocabulary are admission's to check)."""
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                # vLLM refuses it too: an empty list would leave nothing to sample.
+                raise InvalidParamError("allowed_token_ids must not be empty",
+                                        param="allowed_token_ids")
+            for t in self.allowed_token_ids:
+                _int(t, "allowed_token_ids", lo=0, hi=_MAX_TOKEN_ID)
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise InvalidParamError(f"bad_words holds {len(self.bad_words)} words; at most "
+                                    f"{MAX_BAD_WORDS} are allowed", param="bad_words")
+        for word in self.bad_words:
+            if not isinstance(word, str) or not word.strip():
+                raise InvalidParamError("bad_words must hold non-blank strings", param="bad_words")
+            if len(word) > MAX_BAD_WORD_CHARS:
+                raise InvalidParamError(f"a bad word is {len(word)} characters; at most "
+                                        f"{MAX_BAD_WORD_CHARS} are allowed", param="bad_words")
+        for ids in self.bad_words_token_ids:
+            if not ids:
+                raise InvalidParamError("bad_words_token_ids must hold non-empty lists",
+                                        param="bad_words_token_ids")
+            for t in ids:
+                _int(t, "bad_words_token_ids", lo=0, hi=_MAX_TOKEN_ID)
+        if self.truncate_prompt_tokens is not None:
+            _int(self.truncate_prompt_tokens, "truncate_prompt_tokens", lo=-1)
+            if self.truncate_prompt_tokens == 0:
+                raise InvalidParamError("truncate_prompt_tokens must be -1 (the model's "
+                                        "context) or a positive integer",
+                                        param="truncate_prompt_tokens")
+        if self.extra_args is not None:
+            _check_extra_args(self.extra_args)
+
     def replace(self, **changes: Any) -> SamplingParams:
         return dataclasses.replace(self, **changes)
 
@@ -202,15 +265,11 @@ class SamplingParams:
 # ``n`` (vLLM V1 itself samples no extra sequences); ``guided_decoding`` (vLLM's older
 # name for ``structured_outputs``) is taken as the engine's StructuredOutputs.
 VLLM_ONLY_FIELDS: dict[str, Any] = {
-    "best_of": None,
+    "best_of": None,  # OpenAI's best_of is the completions route's (engine.http.completions)
     "detokenize": True,  # the text is always detokenized
-    "spaces_between_special_tokens": True,  # fast tokenizers decode so; vLLM's default
     "output_kind": None,  # the embedded API streams deltas; engine.LLM returns final outputs
-    "truncate_prompt_tokens": None,
-    "bad_words": None,
-    "allowed_token_ids": None,
+    # Code in a request: the server's own processors are --logits-processors.
     "logits_processors": None,
-    "extra_args": None,
 }
 
 
@@ -244,6 +303,38 @@ def _bias_pairs(value: Any) -> tuple[tuple[Any, Any], ...]:
     if not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
         raise InvalidParamError("logit_bias must hold (token id, bias) pairs", param="logit_bias")
     return tuple(tuple(p) for p in pairs)
+
+
+def _check_extra_args(value: Any) -> None:
+    """``extra_args``: an object of JSON values (what crosses to every rank in msgpack)."""
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise InvalidParamError("extra_args must be an object with string keys",
+                                param="extra_args")
+    try:
+        size = len(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError):
+        raise InvalidParamError("extra_args must hold JSON values (strings, numbers, "
+                                "booleans, null, lists and objects)", param="extra_args") from None
+    if size > MAX_EXTRA_ARGS_CHARS:
+        raise InvalidParamError(f"extra_args is {size} characters as JSON; at most "
+                                f"{MAX_EXTRA_ARGS_CHARS} are allowed", param="extra_args")
+    if _has_key(value, _MESSAGE_TAG):
+        # The engine's msgpack frames mark a message by this key (engine.messages): a
+        # client's object holding it would be read back as a message in an engine core.
+        raise InvalidParamError(f"extra_args may not hold the key {_MESSAGE_TAG!r}",
+                                param="extra_args")
+
+
+# engine.messages' tag for a packed message (a lower floor cannot import it).
+_MESSAGE_TAG = "__msg__"
+
+
+def _has_key(value: Any, key: str) -> bool:
+    if isinstance(value, dict):
+        return key in value or any(_has_key(v, key) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_has_key(v, key) for v in value)
+    return False
 
 
 def _seq(value: Any, name: str) -> Sequence[Any]:

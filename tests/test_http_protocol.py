@@ -117,14 +117,16 @@ def test_echo_and_stream_flags():
 def test_unknown_fields_are_ignored_with_one_log_line(caplog):
     caplog.set_level(logging.INFO, logger="engine.http")
     req = protocol.parse_completion({"prompt": "x", "max_tokens": 2, "user": "alice",
-                                     "suffix": "", "best_of": 1})  # their no-op values
+                                     "suffix": "", "best_of": 1, "frobnicate": 3})
     assert req.params.max_tokens == 2
+    assert (req.suffix, req.returned_n) == (None, None)  # suffix "" and best_of 1: no-ops
     lines = [r.getMessage() for r in caplog.records if r.name == "engine.http"]
-    assert lines == ["ignoring unknown request fields: best_of, suffix"]
+    assert lines == ["ignoring unknown request fields: frobnicate"]
 
 
-@pytest.mark.parametrize("field", [{"best_of": 2}, {"use_beam_search": True}, {"suffix": "!"},
-                                   {"functions": [{"name": "f"}]}, {"prompt_embeds": "x"}])
+@pytest.mark.parametrize("field", [{"use_beam_search": True}, {"length_penalty": 0.5},
+                                   {"functions": [{"name": "f"}]}, {"prompt_embeds": "x"},
+                                   {"truncation_side": "right"}])
 def test_fields_that_change_the_answer_and_are_not_implemented_are_refused(field):
     (name,) = field
     for parse, body in ((protocol.parse_completion, {"prompt": "x"}),
@@ -132,6 +134,21 @@ def test_fields_that_change_the_answer_and_are_not_implemented_are_refused(field
         with pytest.raises(APIError) as info:
             parse({**body, **field})
         assert (info.value.status, info.value.param) == (400, name)
+
+
+@pytest.mark.parametrize("field", [{"best_of": 2}, {"suffix": "!"}])
+def test_completions_only_fields_are_refused_by_chat(field):
+    (name,) = field
+    with pytest.raises(APIError) as info:
+        protocol.parse_chat({"messages": CHAT, **field})
+    assert (info.value.status, info.value.param) == (400, name)
+    assert "/v1/completions" in info.value.message
+
+
+def test_include_reasoning_false_is_refused_by_completions():
+    with pytest.raises(APIError) as info:
+        protocol.parse_completion({"prompt": "x", "include_reasoning": False})
+    assert (info.value.status, info.value.param) == (400, "include_reasoning")
 
 
 def test_structured_output_fields_become_one_constraint():

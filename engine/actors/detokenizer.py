@@ -98,6 +98,7 @@ class Detokenizer:
             stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
             min_tokens=params.min_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
         )
         prompt_logprobs: list[TokenLogprob] | None = [] if params.prompt_logprobs is not None else None
         self._samples[spec.sample_id] = _Sample(spec, detokenizer, prompt_logprobs=prompt_logprobs)

@@ -19,6 +19,7 @@ reach into the others' attributes.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -52,6 +53,7 @@ from engine.messages import AdmittedRequest
 from engine.models.chat_sandbox import RenderBudget
 from engine.params import SamplingParams, generation_defaults
 from engine.process.workers import WorkerLostError
+from engine.runner.logits_processors import load_logits_processors
 from engine.structured import GrammarHold, StructuredStatistics
 from engine.structured.pool import CompilePool
 
@@ -172,6 +174,8 @@ class Engine:
                         "a string" if resolve_content_format(
                             parts.tokenizer.chat_template, option) == "string" else "parts",
                         " (read from the template)" if option == "auto" else "")
+        # The server's logits processor classes: their validate_params sees every request.
+        self._processors = load_logits_processors(config.logits_processor_names)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -248,7 +252,12 @@ class Engine:
             priority=priority, cache_salt=cache_salt, arrival_time=time.monotonic(),
             chat_options=chat_options.to_json() if chat_options is not None else None,
         )
-        ids, images_in = await self._prompt_ids(submit.prompt, raw_images)
+        params = admission.request_params(
+            submit.params, processors=self._processors, images=bool(raw_images),
+            encode=lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+        submit = dataclasses.replace(submit, params=params)
+        ids, images_in = await self._prompt_ids(submit.prompt, raw_images,
+                                                truncate=params.truncate_prompt_tokens)
         grammar = self._parts.grammar
         spec = params.structured_outputs
         # In-process the runner reads the grammar from this backend's cache: the request
@@ -318,13 +327,16 @@ class Engine:
             messages, chat_options.to_json() if chat_options is not None else None)
         return (await self._prompt_ids(prompt, raw_images))[0]
 
-    async def _prompt_ids(self, prompt: admission.Prompt,
-                          raw_images: Sequence[Any]) -> tuple[tuple[int, ...], tuple[Any, ...]]:
+    async def _prompt_ids(self, prompt: admission.Prompt, raw_images: Sequence[Any],
+                          truncate: int | None = None,
+                          ) -> tuple[tuple[int, ...], tuple[Any, ...]]:
         ids = await tokenize_prompt(
             self.tokenizer, prompt, limiter=self._prompt_limiter,
             template_seconds=self.config.chat_template_timeout,
             max_model_len=self.max_model_len,
             content_format=self.config.chat_template_content_format,
+            truncate=None if truncate is None else admission.truncation_limit(
+                truncate, self.max_model_len),
             special_tokens_in_content=self.config.allow_special_tokens_in_content,
             # The image parts split_images left: a string template gets the model's
             # placeholder text for each.

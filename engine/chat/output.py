@@ -39,6 +39,9 @@ class ChatOutputOptions:
     tool_choice: ToolChoice = NO_TOOLS
     tool_parser: ToolParser | None = None  # used for tool_choice "auto"
     reasoning_parser: ReasoningParser | None = None
+    # vLLM's include_reasoning: false parses the reasoning off and drops it (no reasoning
+    # deltas, no message.reasoning); the content is the same either way.
+    include_reasoning: bool = True
     # tool_choice "required" was generated in the tool parser's own call syntax (a
     # grammar of its <tool_call> blocks), so the parser reads it; otherwise a forced
     # output is JSON for ForcedCallStreamer.
@@ -157,6 +160,8 @@ class ChatOutputParser:
         return self._after_reasoning(split.reasoning, split.content, final=True)
 
     def _after_reasoning(self, reasoning: str, content: str, *, final: bool) -> ChatDelta:
+        if not self._options.include_reasoning:
+            reasoning = ""
         if self._tools is None:
             self._content.append(content)
             return ChatDelta(reasoning, content)
@@ -175,6 +180,8 @@ class ChatOutputParser:
         be unfinished: such a call and any call markup left as text are dropped (no
         fragment comes back as a call, as vLLM answers)."""
         reasoning = self._reasoning.result().reasoning if self._reasoning else None
+        if not self._options.include_reasoning:
+            reasoning = None
         if self._tools is None:
             content = "".join(self._content)
             # With a reasoning parser, "no answer after thinking" is null, as vLLM sends it.

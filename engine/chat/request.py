@@ -166,6 +166,7 @@ def parse_chat_fields(body: Mapping[str, Any], settings: ChatSettings,
     output = ChatOutputOptions(
         tools=tools, tool_choice=choice, tool_parser=parser,
         reasoning_parser=None if _thinking_off(template, source) else settings.reasoning,
+        include_reasoning=_include_reasoning(body, settings),
         forced_in_parser_syntax=choice.mode == "required" and constraint is not None
         and constraint.kind == "structural_tag")
     if choice.mode != "none":
@@ -330,6 +331,18 @@ def _reasoning_effort(body: Mapping[str, Any], template: TemplateOptions,
             "switches such as enable_thinking)", param="reasoning_effort")
     kwargs = {"reasoning_effort": effort, **(template.chat_template_kwargs or {})}
     return dataclasses.replace(template, chat_template_kwargs=kwargs)
+
+
+def _include_reasoning(body: Mapping[str, Any], settings: ChatSettings) -> bool:
+    """vLLM's ``include_reasoning``: false drops the reasoning the parser splits off.
+    Without a reasoning parser nothing tells reasoning from the answer (it would stay in
+    ``content``): a 400 rather than an answer that still holds it."""
+    include = _bool(body, "include_reasoning", True)
+    if not include and settings.reasoning is None:
+        raise InvalidParamError("include_reasoning: false needs the server started with "
+                                "--reasoning-parser (without one the reasoning cannot be told "
+                                "from the answer)", param="include_reasoning")
+    return include
 
 
 def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:

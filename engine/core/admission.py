@@ -157,6 +157,7 @@ def needs_thread(prompt: Prompt) -> bool:
 def prompt_token_ids(
     tokenizer: PromptTokenizer, prompt: Prompt, *, add_special_tokens: bool = True,
     special_tokens_in_content: bool = False, max_model_len: int | None = None,
+    truncate: int | None = None,
 ) -> tuple[int, ...]:
     """Apply the chat template (whose normalizer checks the messages) and tokenize; safe in
     a worker thread, where the caller bounds the render with
@@ -165,7 +166,15 @@ def prompt_token_ids(
     ``<|im_start|>system`` turn stays text) unless ``special_tokens_in_content``
     (``--allow-special-tokens-in-content``); a plain ``prompt`` is the caller's own text,
     special tokens and all, as in vLLM. With ``max_model_len``, a text too long to fit it (the prompt, or the rendered chat) is
-    refused (:class:`PromptTooLongError`) before it is tokenized."""
+    refused (:class:`PromptTooLongError`) before it is tokenized. ``truncate`` is
+    ``truncate_prompt_tokens`` resolved to a count (:func:`truncation_limit`): the prompt
+    keeps its last that many tokens (a text its tokenizer's special tokens too), and no
+    text is too long."""
+    if truncate is not None:
+        return _truncated(prompt_token_ids(
+            tokenizer, prompt, add_special_tokens=add_special_tokens,
+            special_tokens_in_content=special_tokens_in_content),
+            tokenizer, prompt, truncate, add_special_tokens)
     if isinstance(prompt, TextPrompt):
         text = _fitting(_unicode(prompt.text, "prompt"), tokenizer, max_model_len)
         return tuple(tokenizer.encode(text, add_special_tokens=add_special_tokens))
@@ -179,6 +188,109 @@ def prompt_token_ids(
             check_rendered=lambda text: _fitting(text, tokenizer, max_model_len),
             **options))
     return prompt.token_ids
+
+
+def truncation_limit(truncate: int, max_model_len: int) -> int:
+    """``truncate_prompt_tokens`` as a count of tokens: ``-1`` is ``max_model_len``; more
+    than ``max_model_len`` is refused, as vLLM refuses it."""
+    if truncate > max_model_len:
+        raise InvalidParamError(
+            f"truncate_prompt_tokens ({truncate}) exceeds the model's context "
+            f"({max_model_len}); give a smaller count, or -1 for the whole context",
+            param="truncate_prompt_tokens")
+    return max_model_len if truncate == -1 else truncate
+
+
+def _truncated(ids: tuple[int, ...], tokenizer: PromptTokenizer, prompt: Prompt, limit: int,
+               add_special_tokens: bool) -> tuple[int, ...]:
+    """The last ``limit`` of ``ids``. A text keeps the special tokens its tokenizer put
+    around it (BOS) and loses text tokens from the left, as vLLM's left truncation of a
+    text prompt does; a chat (its template wrote its markers as text) and token ids keep
+    their last ``limit`` tokens."""
+    if len(ids) <= limit:
+        return ids
+    if isinstance(prompt, TextPrompt) and add_special_tokens:
+        plain = tuple(tokenizer.encode(prompt.text, add_special_tokens=False))
+        extra = len(ids) - len(plain)
+        lead = next((k for k in range(extra + 1) if ids[k:k + len(plain)] == plain), None)
+        room = limit - extra
+        if lead is not None and room > 0:
+            return ids[:lead] + plain[len(plain) - room:] + ids[lead + len(plain):]
+    return ids[len(ids) - limit:]
+
+
+def request_params(params: SamplingParams, *, processors: Sequence[type], images: bool,
+                   encode: Callable[[str], Sequence[int]]) -> SamplingParams:
+    """``params`` as the engine runs them (``bad_words`` as token ids, through ``encode``:
+    text without special tokens), after the checks only the engine can make: the server's
+    logits processor classes (``extra_args``, each one's ``validate_params``), and what
+    their batch or a request's images cannot take."""
+    if params.extra_args and not processors:
+        raise InvalidParamError(
+            "extra_args (vllm_xargs) are arguments of the server's logits processors, and "
+            "this server runs none (--logits-processors)", param="extra_args")
+    if processors and params.prediction:
+        # A prediction is verified as speculative rows, which processors cannot see.
+        raise InvalidParamError("prediction cannot be combined with the server's logits "
+                                "processors (--logits-processors)", param="prediction")
+    for cls in processors:
+        try:
+            cls.validate_params(params)  # type: ignore[attr-defined]
+        except Exception as exc:  # the operator's code: any error refuses the request
+            raise InvalidParamError(f"a logits processor refused the request: {exc}",
+                                    param="extra_args") from exc
+    if params.truncate_prompt_tokens is not None and images:
+        # Cutting the prompt could cut an image's placeholder tokens apart.
+        raise InvalidParamError("truncate_prompt_tokens cannot be combined with images",
+                                param="truncate_prompt_tokens")
+    if params.bad_words:
+        ids = bad_words_token_ids(encode, params.bad_words)
+        params = params.replace(bad_words_token_ids=tuple(dict.fromkeys(
+            params.bad_words_token_ids + ids)))
+    return params
+
+
+def fim_prompt_ids(tokenizer: Any, prefix: str, suffix: str) -> tuple[int, ...]:
+    """A fill-in-the-middle prompt in the tokenizer's convention: its FIM prefix token, the
+    text before the gap, the suffix token, the text after it, the middle token (after
+    which the model writes the gap), behind the special tokens the tokenizer starts every
+    prompt with (BOS, for one that adds it). ``tokenizer`` is the model's
+    (:attr:`engine.models.tokenizer.Tokenizer.fim_token_ids`); a model without FIM tokens
+    is refused naming ``suffix``."""
+    fim = tokenizer.fim_token_ids
+    if fim is None:
+        raise InvalidParamError(
+            "suffix (fill-in-the-middle) needs a model trained for it, whose tokenizer has "
+            "FIM tokens (<|fim_prefix|> <|fim_suffix|> <|fim_middle|>, or <fim_prefix> ...); "
+            "this model's has none", param="suffix")
+    fim_prefix, fim_suffix, fim_middle = fim
+    # Each text as any completions prompt is read (its special-token text included), as
+    # the model's own FIM layout written out as one text would be.
+    before = tuple(tokenizer.encode(_unicode(prefix, "prompt"), add_special_tokens=False))
+    after = tuple(tokenizer.encode(_unicode(suffix, "suffix"), add_special_tokens=False))
+    # What the tokenizer puts in front of a text (its BOS): the ids before the text's own.
+    probe = "x"
+    plain = tuple(tokenizer.encode(probe, add_special_tokens=False))
+    full = tuple(tokenizer.encode(probe, add_special_tokens=True))
+    lead = full[:full.index(plain[0])] if plain and plain[0] in full else ()
+    return (*lead, fim_prefix, *before, fim_suffix, *after, fim_middle)
+
+
+def bad_words_token_ids(encode: Callable[[str], Sequence[int]],
+                        words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """``bad_words`` as token sequences, as vLLM reads them: each word (leading spaces
+    stripped) as it starts a text, and after a space where that spells it with another
+    first token in as many tokens (so " Paris" is banned beside "Paris" when the tokenizer
+    has a word token for each). ``encode`` takes text without special tokens."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        bare = tuple(encode(word.lstrip()))
+        spaced = tuple(encode(" " + word.lstrip()))
+        for ids in (bare, spaced):
+            if ids and ids not in out and (ids is bare or (
+                    len(ids) == len(bare) and ids[0] != bare[0])):
+                out.append(ids)
+    return tuple(out)
 
 
 def _fitting(text: str, tokenizer: PromptTokenizer, max_model_len: int | None) -> str:
@@ -266,6 +378,10 @@ def admit(
     # it the engine.
     _check_vocab([t for t, _ in submit.params.logit_bias], limits.vocab_size, "logit_bias",
                  "logit_bias token id")
+    _check_vocab(submit.params.allowed_token_ids or (), limits.vocab_size, "allowed_token_ids",
+                 "allowed_token_ids id")
+    _check_vocab([t for word in submit.params.bad_words_token_ids for t in word],
+                 limits.vocab_size, "bad_words", "bad_words token id")
     _check_model_ranges(submit.params, limits)
     submit = _resolve_logprobs(submit, limits)
     max_tokens = submit.params.max_tokens

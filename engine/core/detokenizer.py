@@ -31,6 +31,12 @@ of some stop string, and searching for stop strings only in that tail plus the n
 The held tail is found without storing the stop strings' prefixes (memory linear in the
 stop strings; ``SamplingParams`` caps their count and length).
 
+``spaces_between_special_tokens=False`` (with special tokens kept in the text) writes an
+added token that follows another added token as its own text, with nothing between them:
+the text is decoded in runs cut before each such token, as vLLM's fast detokenizer does
+(whatever separator the tokenizer's decoder puts between tokens, a WordPiece decoder's
+space for one, then falls away there only).
+
 ``min_tokens`` protects the text of the first ``min_tokens`` outputs, as in vLLM: a stop
 string cannot end inside it (one that starts there and ends later still stops), just as
 EOS and stop token ids cannot end the request that early.
@@ -39,6 +45,7 @@ EOS and stop token ids cannot end the request that early.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
@@ -60,6 +67,7 @@ class _Decoder(Protocol):
     """What the detokenizer needs of :class:`engine.models.tokenizer.Tokenizer`."""
 
     skipped_special_ids: frozenset[int]
+    added_token_ids: frozenset[int]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
@@ -100,9 +108,14 @@ class IncrementalDetokenizer:
         stop: Iterable[str] = (),
         include_stop_str_in_output: bool = False,
         min_tokens: int = 0,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
+        # Adjacent added tokens written with nothing between them (only where special
+        # tokens stay in the text: skipped, they leave no neighbours to space).
+        self._tight: frozenset[int] = frozenset() if (
+            skip_special_tokens or spaces_between_special_tokens) else tokenizer.added_token_ids
         self._stop = tuple(stop)
         if any(not isinstance(s, str) or not s for s in self._stop):
             raise InvalidParamError("stop must hold non-empty strings", param="stop")
@@ -166,7 +179,13 @@ class IncrementalDetokenizer:
         return [i for i in ids if i not in skipped]
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+        if not self._tight:
+            return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+        added = self._tight
+        cuts = [i for i in range(1, len(ids)) if ids[i] in added and ids[i - 1] in added]
+        bounds = [0, *cuts, len(ids)]
+        return "".join(self._tokenizer.decode(ids[a:b], skip_special_tokens=False)
+                       for a, b in itertools.pairwise(bounds))
 
     def _new_text(self, *, flush: bool) -> str:
         """Text of the tokens after read_offset, or "" while it ends mid-character."""

@@ -125,6 +125,20 @@ COMMON: dict[str, Any] = {
     "guided_regex": _nullable({"type": "string"}),
     "guided_choice": _nullable({"type": "array", "items": {"type": "string"}}),
     "guided_grammar": _nullable({"type": "string"}),
+    # vLLM's sampling extras (docs/serving.md, "Sampling extras").
+    "allowed_token_ids": _nullable({"type": "array", "items": _TOKEN_ID, "minItems": 1,
+                                    "description": "only these tokens are sampled"}),
+    "bad_words": _nullable({"type": "array", "maxItems": P.MAX_BAD_WORDS, "items": {
+        "type": "string", "minLength": 1, "maxLength": P.MAX_BAD_WORD_CHARS},
+        "description": "words never written (as vLLM reads them)"}),
+    "truncate_prompt_tokens": _nullable({
+        "type": "integer", "minimum": -1, "not": {"const": 0},
+        "description": "keep the last N prompt tokens (-1: the context)"}),
+    "truncation_side": _nullable({"enum": ["left", "right"],
+                                  "description": '"right" is refused'}),
+    "spaces_between_special_tokens": _LAX_BOOL,
+    "vllm_xargs": _nullable({"type": "object", "description": "arguments of the server's "
+                             "logits processors (--logits-processors)"}),
 }
 
 _TOKEN_IDS = {"type": "array", "items": _TOKEN_ID, "minItems": 1}
@@ -141,6 +155,10 @@ COMPLETION: dict[str, Any] = {
             {"type": "array", "items": _TOKEN_IDS, "minItems": 1},
         ]},
         "echo": _LAX_BOOL,
+        "best_of": _integer(1, 128, "samples drawn per prompt, the n of highest cumulative "
+                            "logprob returned; at least n; not with stream"),
+        "suffix": _nullable({"type": "string", "description": "fill-in-the-middle: the text "
+                             "after the gap (models with FIM tokens)"}),
         "logprobs": _integer(-1, None, "top alternatives per token beside the chosen one "
                              "(and per prompt token with echo); -1: all; at most "
                              "--max-logprobs"),
@@ -188,6 +206,8 @@ CHAT: dict[str, Any] = {
         "chat_template_kwargs": _nullable({"type": "object"}),
         "add_generation_prompt": _LAX_BOOL,
         "continue_final_message": _LAX_BOOL,
+        # false drops the reasoning --reasoning-parser splits off.
+        "include_reasoning": _LAX_BOOL,
     },
 }
 _OBJECT = _nullable({"type": "object"})

@@ -57,6 +57,15 @@ _NAMED_SPECIAL_TOKENS = (
     "mask_token",
 )
 
+# Fill-in-the-middle markers (prefix, suffix, middle), one family per convention: Qwen2.5-
+# Coder's; StarCoder's and SmolLM's; SantaCoder's. A model trained on one of them reads
+# ``<prefix>{before}<suffix>{after}<middle>`` and writes what goes between.
+FIM_TOKEN_FAMILIES = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    ("<fim-prefix>", "<fim-suffix>", "<fim-middle>"),
+)
+
 # Texts longer than this are encoded through the backend's batch call, which releases the
 # GIL while it works: a plain encode holds it throughout (measured: 17 s for 3.7 MB of
 # text, during which no other thread, the event loop's included, ran at all). Shorter
@@ -112,6 +121,8 @@ class Tokenizer:
             i for i, tok in backend.get_added_tokens_decoder().items() if tok.special
         )
         """Ids that ``decode(..., skip_special_tokens=True)`` drops: every special added token."""
+        self.added_token_ids: frozenset[int] = frozenset(backend.get_added_tokens_decoder())
+        """Ids of every added token, special or not (``<|im_start|>``, ``<think>``...)."""
         # The control tokens a message's text must never become (every special added token,
         # <|im_start|>, <|eot_id|>, [INST]...).
         control = {tok.content: i for i, tok in backend.get_added_tokens_decoder().items()
@@ -235,6 +246,16 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         """The id of the vocabulary entry ``token``, or None."""
         return self._backend.token_to_id(token)
+
+    @functools.cached_property
+    def fim_token_ids(self) -> tuple[int, int, int] | None:
+        """The ids of the fill-in-the-middle tokens (prefix, suffix, middle) of the first
+        family the vocabulary holds all three of (:data:`FIM_TOKEN_FAMILIES`), or None."""
+        for family in FIM_TOKEN_FAMILIES:
+            ids = [self._backend.token_to_id(token) for token in family]
+            if None not in ids:
+                return ids[0], ids[1], ids[2]  # type: ignore[return-value]
+        return None
 
     @property
     def backend_tokenizer(self) -> _BackendTokenizer:

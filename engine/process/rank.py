@@ -22,6 +22,7 @@ from engine.models.pooling import pooler_config
 from engine.models.tokenizer import Tokenizer
 from engine.ops import get_ops, resolve_backend
 from engine.parallel import SINGLE
+from engine.runner.logits_processors import load_logits_processors
 from engine.runner.model_runner import ModelRunner
 from engine.structured import GrammarBackend
 
@@ -65,6 +66,9 @@ def load_rank(config: EngineConfig, device: torch.device) -> RankLoad:
     logger.info("tokenizer ready in %.2f s", time.perf_counter() - t1)
     pooler = pooler_config(loaded.config, loaded.folder, runner=config.runner, convert=config.convert,
                            pooling_type=config.pooling_type, normalize=config.pooling_normalize)
+    if pooler is not None and config.logits_processor_names:
+        raise ConfigError("logits_processors: a pooling model samples nothing to process",
+                          field="logits_processors")
     draft = _load_draft(config, loaded, tokenizer, pooler, load_device)
     if loaded.config.is_encoder:
         loaded = _with_sep(loaded, tokenizer)
@@ -95,6 +99,7 @@ def build_rank_runner(config: EngineConfig, load: RankLoad, device: torch.device
         pooler=load.pooler,
         tp=tp if tp is not None else SINGLE,
         draft=load.draft,
+        logits_processors=load_logits_processors(config.logits_processor_names),
     )
 
 

@@ -43,6 +43,7 @@ from engine.params import SamplingParams
 from engine.runner.batch import BatchBuilder
 from engine.runner.draft import DraftModel, Proposal, track_draft
 from engine.runner.kv_cache import allocate_kv_caches
+from engine.runner.logits_processors import ProcessorBatch, ProcessorConfig
 from engine.runner.pooling import pool_outputs
 from engine.runner.prompt_logprobs import collect_prompt_logprobs
 from engine.runner.request_state import RequestState, StepPlanError
@@ -93,6 +94,7 @@ class ModelRunner:
         pooler: PoolerConfig | None = None,
         tp: TensorParallel = SINGLE,
         draft: Any = None,
+        logits_processors: Sequence[type] = (),
     ) -> None:
         self.device = torch.device(device)
         self.tp = tp
@@ -111,7 +113,9 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(
             loaded.config, num_blocks, block_size, loaded.dtype, self.device, kv_cache_dtype=kv_cache_dtype, tp=tp
         ) if self.paged_kv else []
-        self.sampler = Sampler(ops, seed=seed)
+        # The server's logits processors (--logits-processors: classes, built here once).
+        self.sampler = Sampler(ops, seed=seed, processors=ProcessorBatch.build(
+            logits_processors, ProcessorConfig(loaded.config.vocab_size, max_num_seqs), self.device))
         # Speculative decoding's draft model (a LoadedModel given as ``draft``): its KV
         # cache has this pool's blocks, indexed by the same block tables.
         self.drafter = None if draft is None else DraftModel(
@@ -145,6 +149,8 @@ class ModelRunner:
         self._requests.clear()
         self._failed.clear()
         self._encoder_cache.clear()
+        if self.sampler.processors is not None:
+            self.sampler.processors.reset()
 
     @property
     def num_requests(self) -> int:

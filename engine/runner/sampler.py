@@ -3,13 +3,18 @@
 The model runner calls ``Sampler(logits, rows, bitmask)`` once per step with one row per
 request that produces a token. The work, in order (vLLM's order)::
 
-    logits -> grammar bitmask (-inf where structured output forbids) -> + logit_bias
-           -> min_tokens mask -> repetition penalty -> presence/frequency
+    logits -> the server's logits processors (--logits-processors, vLLM V1's interface)
+           -> grammar bitmask (-inf where structured output forbids) -> + logit_bias
+           -> min_tokens mask -> allowed_token_ids -> bad_words
+           -> repetition penalty -> presence/frequency
            -> ops.sample (temperature -> top-k -> top-p -> min-p -> draw)
 
 A forbidden token stays -inf through every later step (a bias or penalty cannot lift it),
 so the draw, whichever ``ops`` does it (torch, C or Triton), only picks allowed tokens; a
-row left with none becomes a :class:`SamplingFailure`.
+row left with none becomes a :class:`SamplingFailure`. The logits processors run first,
+on the raw logits, so no processor can lift a token the grammar, allowed_token_ids or
+bad_words forbid; one that raises fails the rows it was applied to (the step's), not the
+engine.
 
 Logprobs, sampled and top-N, are ``log_softmax`` of the logits after bias and penalties and
 before temperature (what ``ops.sample`` reports for the sampled token).
@@ -32,6 +37,7 @@ import torch
 from engine.ops import Ops
 from engine.ops.sampling_ref import truncate
 from engine.params import SamplingParams
+from engine.runner.logits_processors import ProcessorBatch
 
 _U64 = (1 << 64) - 1
 # splitmix64 constants (Steele, Lea & Flood, "Fast splittable pseudorandom number
@@ -61,6 +67,9 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     # The model's EOS ids; they count as stop tokens for min_tokens unless ignore_eos.
     eos_token_ids: tuple[int, ...]
+    # The request (sample id) the row samples for: the logits processors keep their
+    # per-request state by it. None where no processor runs (the draft model's rows).
+    key: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -93,10 +102,12 @@ class Sampler:
     per-step seeds from. Not thread-safe: one Sampler belongs to one model runner.
     """
 
-    def __init__(self, ops: Ops, *, seed: int = 0) -> None:
+    def __init__(self, ops: Ops, *, seed: int = 0, processors: ProcessorBatch | None = None) -> None:
         self._ops = ops
         self._generator = torch.Generator().manual_seed(seed)
         self.mask_apply_seconds = 0.0  # time spent applying grammar bitmasks
+        # The server's logits processors and their view of the batch (None: none loaded).
+        self.processors = processors
 
     def __call__(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow],
@@ -118,6 +129,9 @@ class Sampler:
         if not rows:
             return []
         logits = logits.float()
+        failures: dict[int, str] = {}
+        if self.processors is not None:
+            logits, failures = self.processors.apply(logits, rows)
         if bitmask is not None:
             t0 = time.perf_counter()
             if logits.dtype != torch.float32 or not logits.is_contiguous():
@@ -132,12 +146,11 @@ class Sampler:
         # batch, and the general path below reports them).
         all_greedy = all(r.params.temperature < _GREEDY_TEMPERATURE for r in rows)
         greedy = getattr(self._ops, "greedy", None)
-        fast = greedy(logits) if greedy is not None and all_greedy else None
+        fast = greedy(logits) if greedy is not None and all_greedy and not failures else None
         if fast is not None:
-            failures: dict[int, str] = {}
             token_list, logprob_list = fast
         else:
-            failures = _unsamplable_rows(logits)
+            failures = {**_unsamplable_rows(logits), **failures}
             if failures:
                 # Neutral logits for the failed rows, so no kernel sees a NaN or an empty row;
                 # their draws are discarded below.
@@ -184,8 +197,12 @@ class Sampler:
 
     def _adjust_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Bias, min_tokens and penalties; returns ``logits`` untouched when no row uses them."""
-        bias = _logit_bias_entries(rows, logits.shape[-1])
-        banned = _min_tokens_entries(rows, logits.shape[-1])
+        vocab = logits.shape[-1]
+        bias = _logit_bias_entries(rows, vocab)
+        banned = _min_tokens_entries(rows, vocab)
+        words = _bad_words_entries(rows, vocab)
+        banned = (banned[0] + words[0], banned[1] + words[1])
+        allowed = [b for b, r in enumerate(rows) if r.params.allowed_token_ids is not None]
         rep_rows = [b for b, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
         pf_rows = [
             b
@@ -193,7 +210,7 @@ class Sampler:
             if (r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0)
             and len(r.output_token_ids) > 0
         ]
-        if not (bias[0] or banned[0] or rep_rows or pf_rows):
+        if not (bias[0] or banned[0] or allowed or rep_rows or pf_rows):
             return logits  # the common case: nothing to do, not even a copy
         # A contiguous copy: the caller's logits stay as the model produced them, and the
         # penalties index the copy as a flat [B * V] view.
@@ -206,6 +223,8 @@ class Sampler:
         if banned[0]:
             index = (torch.tensor(banned[0], device=device), torch.tensor(banned[1], device=device))
             logits[index] = float("-inf")
+        if allowed:
+            _keep_only_allowed(logits, rows, allowed)
         if rep_rows:
             _apply_repetition_penalty(logits, rows, rep_rows)
         if pf_rows:
@@ -300,7 +319,8 @@ def _unsamplable_rows(logits: torch.Tensor) -> dict[int, str]:
         else:
             reasons[b] = (
                 "no token can be sampled: every token is masked (the structured output "
-                "grammar, stop_token_ids or EOS under min_tokens, logit_bias)"
+                "grammar, stop_token_ids or EOS under min_tokens, logit_bias, "
+                "allowed_token_ids, bad_words, a logits processor)"
             )
     return reasons
 
@@ -345,6 +365,47 @@ def _min_tokens_entries(rows: Sequence[SamplingRow], vocab: int) -> tuple[list[i
         row_idx.extend([b] * len(in_vocab))
         tok_idx.extend(in_vocab)
     return row_idx, tok_idx
+
+
+def _bad_words_entries(rows: Sequence[SamplingRow], vocab: int) -> tuple[list[int], list[int]]:
+    """(row, token) pairs to ban for ``bad_words``, as vLLM bans them: a one-token word
+    always; a longer word's last token where the row's output already ends with the rest
+    of the word (a word whose start lies in the prompt is not tracked)."""
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    for b, r in enumerate(rows):
+        words = r.params.bad_words_token_ids
+        if not words:
+            continue
+        outputs = r.output_token_ids
+        for word in words:
+            head = len(word) - 1
+            if head > len(outputs) or word[-1] >= vocab:
+                continue
+            if head == 0 or tuple(outputs[len(outputs) - head:]) == word[:-1]:
+                row_idx.append(b)
+                tok_idx.append(word[-1])
+    return row_idx, tok_idx
+
+
+def _keep_only_allowed(logits: torch.Tensor, rows: Sequence[SamplingRow], which: list[int]) -> None:
+    """-inf for every token outside each row's ``allowed_token_ids`` (ids past the
+    logits, possible only for a padded vocabulary, are nothing to keep)."""
+    vocab = logits.shape[-1]
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    for i, b in enumerate(which):
+        ids = [t for t in rows[b].params.allowed_token_ids or () if t < vocab]
+        row_idx.extend([i] * len(ids))
+        tok_idx.extend(ids)
+    banned = torch.ones((len(which), vocab), dtype=torch.bool)
+    banned[row_idx, tok_idx] = False
+    banned = banned.to(logits.device)
+    if len(which) == logits.shape[0]:  # every row (the samples of one request, say)
+        logits.masked_fill_(banned, float("-inf"))
+        return
+    index = torch.tensor(which, device=logits.device)
+    logits[index] = logits[index].masked_fill(banned, float("-inf"))
 
 
 def _token_counts(

@@ -97,7 +97,8 @@ class Verifier:
         else:
             logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(kept_rows, device=self.device)))
         sampling_rows = [
-            SamplingRow(s.params, s.prompt, s.outputs if not j else [*s.outputs, *d[:j]], s.eos_token_ids)
+            SamplingRow(s.params, s.prompt, s.outputs if not j else [*s.outputs, *d[:j]], s.eos_token_ids,
+                        c.sample_id)
             for c, s, d, j in expanded
         ]
         drawn_rows = self.sampler(logits, sampling_rows, bitmask)

@@ -320,7 +320,10 @@ class Completion:
             if isinstance(content, list):
                 return "\n".join(p["text"] for p in content if p.get("type") == "text")
             return content if isinstance(content, str) else ""
-        return prompt if isinstance(prompt, str) else self._decode(list(prompt))
+        if isinstance(prompt, str) and self.req.params.truncate_prompt_tokens is None:
+            return prompt
+        # Token ids, or a prompt truncate_prompt_tokens may have cut: what the model read.
+        return self._decode(list(self._prompt_of(choice)))
 
     def unfinished(self) -> list[int]:
         return [c.index for c in self.choices if c.finish_reason is None]
@@ -392,12 +395,12 @@ class Completion:
                        for c in self.choices]
         else:
             # vLLM's extra keys are there, null, when not asked for.
-            choices = [{**completion_choice(c.index, c.text, c.finish_reason, c.stop_reason,
+            choices = [{**completion_choice(index, c.text, c.finish_reason, c.stop_reason,
                                             self._all_logprobs(c)),
                         "prompt_logprobs": self._prompt_logprobs(c),
                         "prompt_token_ids": list(self._prompt_of(c)) if ids else None,
                         "token_ids": c.token_ids if ids else None}
-                       for c in self.choices]
+                       for c, index in self._returned()]
         body = response_body(self.req.chat, self.id, self.created, self.model, choices,
                              self.usage())
         if self.req.chat:
@@ -405,6 +408,21 @@ class Completion:
             body["prompt_logprobs"] = self._prompt_logprobs(self.choices[0])
             body["prompt_token_ids"] = list(self._prompt_ids[0]) if ids else None
         return body
+
+    def _returned(self) -> list[tuple[_Choice, int]]:
+        """The choices the answer returns, with their indices: all of them; or, with
+        best_of above n, each prompt's ``n`` of highest cumulative logprob (the sum of its
+        sampled tokens' logprobs; the earlier sample first on a tie), best first, as
+        OpenAI and vLLM rank them. Usage still counts every sample drawn."""
+        keep = self.req.returned_n
+        if keep is None:
+            return [(c, c.index) for c in self.choices]
+        out = []
+        for p in range(len(self._prompt_ids)):
+            drawn = self.choices[p * self._n:(p + 1) * self._n]
+            ranked = sorted(drawn, key=lambda c: (-sum(lp.logprob for lp in c.logprobs), c.index))
+            out.extend((c, p * keep + rank) for rank, c in enumerate(ranked[:keep]))
+        return out
 
     def _chat_choice(self, choice: _Choice) -> dict[str, Any]:
         logprobs = self._all_logprobs(choice)

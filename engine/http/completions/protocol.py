@@ -50,15 +50,17 @@ _COMMON_FIELDS = frozenset(
         # vLLM's answer-shape extras: the prompt's logprobs, the token ids of the prompt
         # and the output, and logprob tokens written as "token_id:N".
         "prompt_logprobs", "return_token_ids", "return_tokens_as_token_ids",
+        # vLLM's sampling extras (SamplingParams fields of the same names; vllm_xargs are
+        # its extra_args, for the server's logits processors).
+        "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "truncation_side",
+        "spaces_between_special_tokens", "vllm_xargs",
     }
 ) | frozenset(STRUCTURED_FIELDS)
 # Fields that change what the answer means and are not implemented: each is a 400 when
 # set to anything but its no-op value (so a client never takes a plain answer for the one
 # it asked for). Any other unknown field is ignored with a log line.
 NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
-    "best_of": lambda v: v not in (None, 1),
     "use_beam_search": lambda v: v not in (None, False),
-    "suffix": lambda v: v not in (None, ""),
     "functions": lambda v: v not in (None, []),
     "function_call": lambda v: v not in (None, "none"),
     "guided_whitespace_pattern": lambda v: v is not None,
@@ -71,14 +73,10 @@ NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     "web_search_options": lambda v: v is not None,
     "verbosity": lambda v: v not in (None, "medium"),
     # vLLM's sampling extras that change the answer and are not built.
-    "truncate_prompt_tokens": lambda v: v is not None,
-    "allowed_token_ids": lambda v: v is not None,
-    "bad_words": lambda v: v not in (None, []),
     "length_penalty": lambda v: v not in (None, 1, 1.0),
-    "spaces_between_special_tokens": lambda v: v not in (None, True),
-    "include_reasoning": lambda v: v not in (None, True),
+    # Left truncation (keep the last tokens) is the one built.
+    "truncation_side": lambda v: v not in (None, "left"),
     "documents": lambda v: v is not None,
-    "vllm_xargs": lambda v: v is not None,
     "kv_transfer_params": lambda v: v is not None,
     # vLLM's per-request image processor options: they change an image's token count, and
     # only the server's --mm-processor-kwargs is taken.
@@ -91,17 +89,31 @@ _NOT_IMPLEMENTED_WHY = {
     "web_search_options": "this server has no web search",
     "verbosity": "only the default verbosity (medium) is supported",
     "documents": "documents for retrieval-augmented chat templates are not supported",
-    "include_reasoning": "false is not supported; leave out --reasoning-parser instead",
+    "use_beam_search": "beam search is not built",
+    "length_penalty": "it applies to beam search, which is not built",
+    "truncation_side": 'only "left" (keep the last truncate_prompt_tokens tokens) is built',
     "mm_processor_kwargs": "per-request image processor options are not supported; "
                            "the server's --mm-processor-kwargs applies to every request",
 }
-COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
+# Fields of one API only, refused by the other when they would change its answer.
+_CHAT_REFUSES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "best_of": (lambda v: v not in (None, 1), "best_of is a /v1/completions field"),
+    "suffix": (lambda v: v not in (None, ""), "suffix is a /v1/completions field"),
+}
+_COMPLETIONS_REFUSE: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "include_reasoning": (lambda v: v not in (None, True),
+                          "include_reasoning applies to /v1/chat/completions (with "
+                          "--reasoning-parser)"),
+}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "echo",
     "tools", "tool_choice", "parallel_tool_calls",
     "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
-    "reasoning_effort", "prediction", "thinking_token_budget",
+    "reasoning_effort", "prediction", "thinking_token_budget", "include_reasoning",
 }
+# The most samples best_of may draw: SamplingParams' own bound on n.
+MAX_BEST_OF = 128
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -135,13 +147,19 @@ class CompletionRequest:
     return_token_ids: bool = False
     tokens_as_ids: bool | None = None
     continuous_usage: bool = False
+    # best_of above n (completions): params.n is best_of, every sample is drawn, and the
+    # answer returns this many per prompt, those of the highest cumulative logprob.
+    returned_n: int | None = None
+    # Fill-in-the-middle (completions): the text after the gap; the prompt is the text
+    # before it. The route lays the prompt out with the tokenizer's FIM tokens.
+    suffix: str | None = None
 
 
 def parse_completion(body: Any, defaults: Mapping[str, Any] | None = None) -> CompletionRequest:
     """Parse a /v1/completions body; raise :class:`APIError`/``InvalidParamError``.
     ``defaults`` are the sampling defaults for fields the body leaves out."""
     body = _require_object(body)
-    _refuse_not_implemented(body)
+    _refuse_not_implemented(body, _COMPLETIONS_REFUSE)
     _log_unknown(body, COMPLETION_FIELDS)
     if "prompt" not in body:
         raise APIError(400, "prompt is required", param="prompt", code="missing_required_parameter")
@@ -157,11 +175,62 @@ def parse_completion(body: Any, defaults: Mapping[str, Any] | None = None) -> Co
     # what evaluation harnesses do); the engine scores it once for both uses.
     params = params.replace(prompt_logprobs=_most(
         prompt_logprobs, logprobs if echo else None))
+    suffix = _suffix(body, prompts, echo, params)
+    params, returned_n = _best_of(body, params, stream)
     return CompletionRequest(
         chat=False, model=_model(body), prompts=prompts, params=params, stream=stream,
         include_usage=include_usage, echo=echo, top_logprobs=logprobs, **_queueing(body),
         structured_param=structured_param, **_shape_fields(body, prompt_logprobs, continuous),
+        returned_n=returned_n, suffix=suffix,
     )
+
+
+def _best_of(body: dict[str, Any], params: SamplingParams,
+             stream: bool) -> tuple[SamplingParams, int | None]:
+    """OpenAI's ``best_of``: ``best_of`` samples per prompt (sample ``i`` seeded ``seed +
+    i``, as for ``n``), the ``n`` of highest cumulative logprob returned. Returns the
+    params that draw them (their sampled tokens' logprobs kept to rank them by) and the
+    ``n`` to return, or ``None`` when best_of changes nothing (absent, or equal to n)."""
+    best_of = _opt_int(body, "best_of")
+    if best_of is None or best_of == params.n:
+        return params, None
+    if not 1 <= best_of <= MAX_BEST_OF:
+        raise APIError(400, f"best_of must be in [1, {MAX_BEST_OF}], got {best_of}",
+                       param="best_of", code="invalid_value")
+    if best_of < params.n:
+        raise APIError(400, f"best_of must be greater than or equal to n, got n={params.n}, "
+                       f"best_of={best_of}", param="best_of", code="invalid_value")
+    if stream:
+        # Which samples are returned is known only once all of them have finished (as
+        # OpenAI and vLLM, a stream cannot carry it).
+        raise APIError(400, "best_of cannot be streamed: the best samples are known only "
+                       "when all have finished; send stream: false, or best_of equal to n",
+                       param="best_of", code="invalid_value")
+    logprobs = 0 if params.logprobs is None else params.logprobs
+    return params.replace(n=best_of, logprobs=logprobs), params.n
+
+
+def _suffix(body: dict[str, Any], prompts: tuple[Any, ...], echo: bool,
+            params: SamplingParams) -> str | None:
+    """OpenAI's ``suffix``: the text after the gap a fill-in-the-middle completion fills
+    (laid out with the model's FIM tokens by the route, which has the tokenizer)."""
+    suffix = body.get("suffix")
+    if suffix is None or suffix == "":
+        return None
+    if not isinstance(suffix, str):
+        raise APIError(400, "suffix must be a string", param="suffix", code="invalid_type")
+    if not all(isinstance(p, str) for p in prompts):
+        raise APIError(400, "suffix needs a text prompt (the text before the gap)",
+                       param="suffix", code="invalid_value")
+    if echo:
+        raise APIError(400, "echo cannot be combined with suffix (the prompt the model reads "
+                       "holds the suffix and the FIM tokens)", param="suffix",
+                       code="invalid_value")
+    if params.truncate_prompt_tokens is not None:
+        raise APIError(400, "truncate_prompt_tokens cannot be combined with suffix (it would "
+                       "cut the fill-in-the-middle layout apart)", param="suffix",
+                       code="invalid_value")
+    return suffix
 
 
 def parse_chat(body: Any, settings: ChatSettings | None = None,
@@ -173,7 +242,7 @@ def parse_chat(body: Any, settings: ChatSettings | None = None,
     template source, ``defaults`` the sampling defaults for fields the body leaves out.
     """
     body = _require_object(body)
-    _refuse_not_implemented(body)
+    _refuse_not_implemented(body, _CHAT_REFUSES)
     _log_unknown(body, CHAT_FIELDS)
     messages = normalize_messages(body.get("messages"), images=True)
     fields = parse_chat_fields(body, settings or ChatSettings(), model_template)
@@ -277,12 +346,17 @@ def _require_object(body: Any) -> dict[str, Any]:
     return body
 
 
-def _refuse_not_implemented(body: dict[str, Any]) -> None:
+def _refuse_not_implemented(body: dict[str, Any],
+                            other_api: dict[str, tuple[Callable[[Any], bool], str]]) -> None:
     for name, is_set in NOT_IMPLEMENTED.items():
         if is_set(body.get(name)):
             why = _NOT_IMPLEMENTED_WHY.get(name)
             raise APIError(400, f"{name} is not supported by this server"
                            + (f": {why}" if why else ""), param=name,
+                           code="unsupported_parameter")
+    for name, (is_set, why) in other_api.items():
+        if is_set(body.get(name)):
+            raise APIError(400, f"{name} is not supported here: {why}", param=name,
                            code="unsupported_parameter")
 
 
@@ -353,9 +427,11 @@ def _opt_int(body: dict[str, Any], name: str) -> int | None:
 # (the booleans read as vLLM reads them, lax_bool).
 _PASSTHROUGH = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "min_tokens",
+    "frequency_penalty", "repetition_penalty", "min_tokens", "allowed_token_ids", "bad_words",
+    "truncate_prompt_tokens",
 )
-_PASSTHROUGH_BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+_PASSTHROUGH_BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                      "spaces_between_special_tokens")
 
 
 def _sampling_params(
@@ -379,7 +455,18 @@ def _sampling_params(
         kwargs["logit_bias"] = parse_logit_bias(body["logit_bias"])
     kwargs["logprobs"] = logprobs
     kwargs["structured_outputs"] = structured
-    return SamplingParams(**kwargs)
+    xargs = body.get("vllm_xargs")
+    if xargs is not None:
+        if not isinstance(xargs, dict):
+            raise APIError(400, "vllm_xargs must be an object", param="vllm_xargs",
+                           code="invalid_type")
+        kwargs["extra_args"] = xargs
+    try:
+        return SamplingParams(**kwargs)
+    except InvalidParamError as exc:
+        if exc.param == "extra_args":
+            exc.param = "vllm_xargs"  # the body's name for it
+        raise
 
 
 def parse_stop(stop: Any) -> tuple[str, ...]:

@@ -61,6 +61,7 @@ class CompletionsRoutes:
     async def completions_body(self, body: Any) -> Response:
         def parse() -> CompletionRequest:
             req = protocol.parse_completion(body, defaults=self.server.sampling_defaults)
+            req = _fill_in_the_middle(req, self.engine.tokenizer)
             _check_token_prompts(req, self.engine.max_model_len)
             return req
 
@@ -111,9 +112,12 @@ class CompletionsRoutes:
         config = self.engine.config
         tokenizer = ChatTokenizer(self.engine.tokenizer,
                                   content_format=config.chat_template_content_format)
+        truncate = req.params.truncate_prompt_tokens
         return json_response(self._rendered(req, 0, list(admission.prompt_token_ids(
             tokenizer, prompt,
-            special_tokens_in_content=config.allow_special_tokens_in_content))), 200)
+            special_tokens_in_content=config.allow_special_tokens_in_content,
+            truncate=None if truncate is None
+            else admission.truncation_limit(truncate, self.engine.max_model_len)))), 200)
 
     async def render_completions(self) -> Response:
         """vLLM's ``/v1/completions/render``: one ``/inference/v1/generate`` request per
@@ -122,10 +126,14 @@ class CompletionsRoutes:
                                         defaults=self.server.sampling_defaults)
         self.server.check_model(req.model)
         tok = self.engine.tokenizer
+        req = _fill_in_the_middle(req, tok)
+        truncate = req.params.truncate_prompt_tokens
+        limit = None if truncate is None else admission.truncation_limit(
+            truncate, self.engine.max_model_len)
         rendered = []
         for i, prompt in enumerate(req.prompts):
-            ids = (list(admission.prompt_token_ids(tok, admission.prompt_message(prompt)))
-                   if isinstance(prompt, str) else list(prompt))
+            ids = list(admission.prompt_token_ids(tok, admission.prompt_message(prompt),
+                                                  truncate=limit))
             rendered.append(self._rendered(req, i, ids))
         return json_response(rendered, 200)
 
@@ -139,6 +147,10 @@ class CompletionsRoutes:
         if req.echo or req.params.prompt_logprobs is not None:
             raise APIError(400, "render does not support echo or prompt_logprobs",
                            param="echo" if req.echo else "prompt_logprobs",
+                           code="unsupported_parameter")
+        if req.returned_n is not None:
+            # /inference/v1/generate returns every sample; none is chosen among them.
+            raise APIError(400, "render does not support best_of", param="best_of",
                            code="unsupported_parameter")
         if len(ids) >= self.engine.max_model_len:
             raise APIError(400, f"The prompt is {len(ids)} tokens; the context is "
@@ -223,9 +235,21 @@ async def _write_generate(stream: StreamLike, answer: tokens.GenerateAnswer,
         await send.send(sse.DONE)
 
 
+def _fill_in_the_middle(req: CompletionRequest, tokenizer: Any) -> CompletionRequest:
+    """A ``suffix`` request with each prompt laid out in the model's FIM tokens (token
+    ids; the texts are tokenized as any completions prompt is)."""
+    if req.suffix is None:
+        return req
+    suffix = req.suffix
+    return dataclasses.replace(req, prompts=tuple(
+        list(admission.fim_prompt_ids(tokenizer, prompt, suffix)) for prompt in req.prompts))
+
+
 def _check_token_prompts(req: CompletionRequest, max_model_len: int) -> None:
     """Refuse a token-id prompt that cannot fit the context here, in the parse thread:
     admission would too, but only after walking its ids on the event loop."""
+    if req.params.truncate_prompt_tokens is not None:
+        return  # cut to fit by admission
     for prompt in req.prompts:
         if isinstance(prompt, list) and len(prompt) >= max_model_len:
             raise APIError(

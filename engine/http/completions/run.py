@@ -81,6 +81,8 @@ class Run:
                     and self.req.structured_param is not None):
                 # The engine compiled the constraint; name the body field that carried it.
                 exc.param = self.req.structured_param
+            elif isinstance(exc, InvalidParamError) and exc.param == "extra_args":
+                exc.param = "vllm_xargs"  # the body's name for the engine's extra_args
             with trio.CancelScope(shield=True):  # cleanup that must finish
                 await self.close()
             raise

@@ -31,7 +31,8 @@ from engine.params import SamplingParams
 _SAMPLING_KEYS = (
     "n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
     "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs",
-    "include_stop_str_in_output", "skip_special_tokens",
+    "include_stop_str_in_output", "skip_special_tokens", "allowed_token_ids", "bad_words",
+    "truncate_prompt_tokens", "spaces_between_special_tokens", "extra_args",
 )
 # Keys of vLLM's SamplingParams this route takes at their no-op values only (a client that
 # serialises a whole SamplingParams sends them); any other value changes the answer and
@@ -42,12 +43,7 @@ _NO_OP_KEYS: dict[str, tuple[Any, ...]] = {
     "detokenize": (True, False),
     "output_kind": (0, 1, 2),  # how vLLM batches its outputs; one answer here
     "best_of": (None, 1),
-    "spaces_between_special_tokens": (True,),
-    "bad_words": (None, []),
-    "allowed_token_ids": (None,),
     "logits_processors": (None, []),
-    "truncate_prompt_tokens": (None,),
-    "extra_args": (None, {}),
     "structured_outputs": (None,),
     "guided_decoding": (None,),
     "prompt_logprobs": (None,),
