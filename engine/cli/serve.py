@@ -48,6 +48,7 @@ from engine.http.serve import (
     serve_app,
 )
 from engine.process.core import run_headless
+from engine.process.malloc import cap_arenas
 from engine.process.runtime import sweep_at_start
 
 logger = logging.getLogger("engine.http")
@@ -243,6 +244,7 @@ def run_serve(args: argparse.Namespace) -> int:
     for note in getattr(args, "vllm_no_ops", ()):
         logger.info("%s", note)
     raise_open_file_limit()
+    cap_arenas()
     edge.quiet_accept_errors()
     try:
         model_from_tag(args)

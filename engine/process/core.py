@@ -51,6 +51,7 @@ from engine.messages import (
     StopStringHit,
     TokenDelta,
 )
+from engine.process.malloc import cap_arenas
 from engine.process.parts import build_parts
 from engine.process.spawn import SECRET_ENV, exit_with_parent
 from engine.process.wire import FrameStream, WireError, answer_challenge, connect
@@ -309,6 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO if args.verbose else logging.WARNING,
                         format=f"%(asctime)s core{args.core_index} %(levelname)s %(message)s")
+    cap_arenas()
     if args.parent_pid:
         exit_with_parent(args.parent_pid)
     secret = os.environ.get(SECRET_ENV, "").encode()
