@@ -243,9 +243,10 @@ def weight_bytes(model) -> int:
             add(getattr(t, "_packed", None))
             add(t.bias)
 
-    # The decoders' top-level weights, and the BERT encoder's (models/bert.py).
+    # The decoders' top-level weights (GPT-2's and OPT's position tables and projections
+    # too), and the BERT encoder's (models/bert.py).
     for name in ("embed", "norm", "lm_head", "word", "position", "token_type", "embed_norm",
-                 "pooler", "classifier"):
+                 "pooler", "classifier", "positions", "project_in", "project_out"):
         add(getattr(model, name, None))
     for layer in model.layers:
         for name in layer.__slots__ if hasattr(layer, "__slots__") else vars(layer):
