@@ -260,12 +260,14 @@ def _absolute_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]
         w = rand(inp, out) if conv1d else rand(out, inp)
         return {prefix + ".weight": w, prefix + ".bias": rand(out, std=0.05)}
 
-    # Tied heads: the embedding small, as _weights explains (else greedy repeats a token).
+    # Tied heads: the token embedding small, as _weights explains; the position rows large
+    # (std 0.3), so the residual stream moves with the position: with them small too,
+    # greedy decoding of these tiny models settles on repeating one token.
     vocab, w = cfg["vocab_size"], {}
     if cfg["model_type"] == "gpt2":
         hidden, inter = cfg["n_embd"], cfg["n_inner"]
         w["transformer.wte.weight"] = rand(vocab, hidden, std=0.02)
-        w["transformer.wpe.weight"] = rand(cfg["n_positions"], hidden, std=0.02)
+        w["transformer.wpe.weight"] = rand(cfg["n_positions"], hidden, std=0.3)
         for i in range(cfg["n_layer"]):
             p = f"transformer.h.{i}."
             w |= norm(p + "ln_1", hidden) | norm(p + "ln_2", hidden)
@@ -278,7 +280,7 @@ def _absolute_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]
     hidden, inter, proj = cfg["hidden_size"], cfg["ffn_dim"], cfg["word_embed_proj_dim"]
     d = "model.decoder."
     w[d + "embed_tokens.weight"] = rand(vocab, proj, std=0.02)
-    w[d + "embed_positions.weight"] = rand(cfg["max_position_embeddings"] + 2, hidden, std=0.02)  # offset 2
+    w[d + "embed_positions.weight"] = rand(cfg["max_position_embeddings"] + 2, hidden, std=0.3)  # offset 2
     if proj != hidden:
         w[d + "project_in.weight"] = rand(hidden, proj, std=0.2)
         w[d + "project_out.weight"] = rand(proj, hidden, std=0.2)
