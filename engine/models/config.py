@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from engine.errors import CorruptModelError, UnsupportedModelError
+from engine.models.absolute_config import ABSOLUTE_ARCHITECTURES, AbsoluteConfig, absolute_fields
 
 # Hugging Face architecture -> family. The Llama family's decoder layer is the Llama layer
 # with small variations: Qwen2 adds q/k/v biases, Qwen3 per-head RMSNorm on q and k,
@@ -27,13 +28,6 @@ SUPPORTED_ARCHITECTURES = {
 
 GEMMA_FAMILY = frozenset({"gemma2", "gemma3"})
 
-# Decoders with learned absolute positions, LayerNorm (with bias) and a plain two-matmul
-# MLP (models/layers/absolute.py): GPT-2 and OPT. Their config.json uses its own field
-# names (GPT-2: n_embd, n_head, ...), read by _absolute_config.
-ABSOLUTE_ARCHITECTURES = {
-    "GPT2LMHeadModel": "gpt2",
-    "OPTForCausalLM": "opt",
-}
 
 # The same decoders saved without their LM head (transformers' base classes), as embedding
 # models such as Qwen3-Embedding are: weights without the "model." prefix, no lm_head.
@@ -58,10 +52,6 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope", "su"
 
 # hidden_act values -> the MLP's gated activation.
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
-# activation_function values of GPT-2 and OPT -> their (ungated) MLP's activation.
-# gelu_new is GPT-2's tanh approximation of GELU, the formula torch's approximate="tanh" computes.
-_PLAIN_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
-                      "gelu": "gelu", "relu": "relu"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -218,25 +208,6 @@ class QwenVisionConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class AbsoluteConfig:
-    """What a learned-absolute-position decoder (GPT-2, OPT) sets apart from the rest of
-    :class:`ModelConfig` (see models/layers/absolute.py)."""
-
-    # OPT's position table starts 2 rows in (transformers' OPTLearnedPositionalEmbedding
-    # adds 2 to every position id); GPT-2's at row 0.
-    position_offset: int
-    # LayerNorm before attention and the MLP (GPT-2, most OPTs), or after each residual
-    # add (OPT-350m: do_layer_norm_before false).
-    pre_norm: bool
-    final_norm: bool  # a LayerNorm after the last layer (OPT-350m has none)
-    # OPT's word_embed_proj_dim: the embedding's width, projected to and from hidden_size
-    # (project_in / project_out) when it differs; hidden_size elsewhere.
-    embed_dim: int
-    # GPT-2's scale_attn_weights: scores divided by sqrt(head_dim) (else unscaled).
-    scale_attention: bool = True
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ModelConfig:
     architecture: str  # one of SUPPORTED_ARCHITECTURES' values
     vocab_size: int
@@ -320,7 +291,7 @@ class ModelConfig:
             return _encoder_config(raw, encoder)
         absolute = next((ABSOLUTE_ARCHITECTURES[a] for a in archs if a in ABSOLUTE_ARCHITECTURES), None)
         if absolute is not None:
-            return _absolute_config(raw, absolute)
+            return cls(**absolute_fields(raw, absolute))
         arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         base = arch is None and any(a in BASE_MODEL_ARCHITECTURES for a in archs)
         if base:
@@ -523,78 +494,6 @@ def _encoder_config(raw: dict[str, Any], arch: str) -> ModelConfig:
             type_vocab_size=int(raw.get("type_vocab_size", 2)),
             num_labels=labels if arch == "bert_classifier" else 0,
             matryoshka_dimensions=_matryoshka(raw, hidden),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CorruptModelError(f"config.json is missing or has a bad field: {exc}") from exc
-
-
-def _absolute_config(raw: dict[str, Any], arch: str) -> ModelConfig:
-    """GPT-2's or OPT's shape in the decoder's terms (RoPE fields neutral); refuses, naming
-    the field, what models/layers/absolute.py does not compute."""
-    gpt2 = arch == "gpt2"
-    refused = (
-        # GPT-2's training-stability options (scores scaled by 1 / (layer index + 1); an
-        # fp32 attention with the scale applied before the matmul) and its encoder-decoder
-        # use: not implemented.
-        ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention")
-        if gpt2 else ()
-    )
-    for key in refused:
-        if raw.get(key):
-            raise UnsupportedModelError(f"{arch}: {key} true is not supported")
-    if not gpt2:
-        for key in ("enable_bias", "layer_norm_elementwise_affine"):
-            if not raw.get(key, True):
-                raise UnsupportedModelError(f"{arch}: {key} false is not supported")
-    act = raw.get("activation_function", "gelu_new" if gpt2 else "relu")
-    if act not in _PLAIN_ACTIVATIONS:
-        raise UnsupportedModelError(
-            f"{arch}: activation_function {act!r} is not supported; supported: {', '.join(_PLAIN_ACTIVATIONS)}")
-    try:
-        if gpt2:
-            hidden, heads, layers = int(raw["n_embd"]), int(raw["n_head"]), int(raw["n_layer"])
-            inter = int(raw.get("n_inner") or 4 * hidden)  # transformers' default: 4 x n_embd
-            positions = int(raw.get("n_positions", 1024))
-            eps = float(raw.get("layer_norm_epsilon", 1e-5))
-            pre_norm, final_norm, embed_dim, offset = True, True, hidden, 0
-        else:
-            hidden, heads, layers = int(raw["hidden_size"]), int(raw["num_attention_heads"]), int(raw["num_hidden_layers"])
-            inter = int(raw["ffn_dim"])
-            positions = int(raw.get("max_position_embeddings", 2048))
-            eps = 1e-5  # OPT's LayerNorms: torch's default eps (the config has no field)
-            pre_norm = bool(raw.get("do_layer_norm_before", True))
-            final_norm = pre_norm and not raw.get("_remove_final_layer_norm", False)
-            embed_dim = int(raw.get("word_embed_proj_dim") or hidden)
-            offset = 2
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        return ModelConfig(
-            architecture=arch,
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=inter,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=heads,
-            head_dim=hidden // heads,
-            rms_norm_eps=eps,  # the LayerNorms' eps here
-            rope_theta=0.0,
-            rope_scaling=None,
-            max_position_embeddings=positions,
-            # transformers ties both heads to the embedding unless config.json says otherwise.
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
-            attention_bias=True,
-            qk_norm=False,
-            sliding_window=None,
-            layer_windows=(0,) * layers,
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=tuple(int(e) for e in eos_ids),
-            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-            activation=_PLAIN_ACTIVATIONS[act],
-            absolute=AbsoluteConfig(
-                position_offset=offset, pre_norm=pre_norm, final_norm=final_norm, embed_dim=embed_dim,
-                scale_attention=bool(raw.get("scale_attn_weights", True)),
-            ),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptModelError(f"config.json is missing or has a bad field: {exc}") from exc
