@@ -559,11 +559,12 @@ def test_bad_config_json(tmp_path: Path) -> None:
 def test_unsupported_architecture(tmp_path: Path) -> None:
     folder = _tiny(tmp_path)
     cfg = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps(cfg | {"architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(UnsupportedModelError, match=r"config\.json.*GPT2LMHeadModel") as caught:
+    (folder / "config.json").write_text(json.dumps(cfg | {"architectures": ["FalconForCausalLM"]}))
+    with pytest.raises(UnsupportedModelError, match=r"config\.json.*FalconForCausalLM") as caught:
         load_model(folder)
     # The message lists what would have loaded.
-    for supported in ("LlamaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"):
+    for supported in ("LlamaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
+                      "GPT2LMHeadModel", "OPTForCausalLM"):
         assert supported in str(caught.value)
 
 
