@@ -232,7 +232,8 @@ def test_what_the_layer_does_not_compute_is_refused_naming_the_field(
 
 def test_a_gguf_of_gpt2_is_refused_naming_its_architecture(tmp_path: Path) -> None:
     """llama.cpp writes GPT-2 as GGUF architecture ``gpt2`` (token_embd, position_embd,
-    fused attn_qkv with biases): its conversion is not implemented, and says so."""
+    fused attn_qkv with biases): its conversion is not implemented, and the refusal says
+    where GPT-2 does load from."""
     path = tmp_path / "gpt2.gguf"
     w = gguf.GGUFWriter(str(path), "gpt2")
     w.add_block_count(1)
@@ -245,7 +246,7 @@ def test_a_gguf_of_gpt2_is_refused_naming_its_architecture(tmp_path: Path) -> No
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(UnsupportedModelError, match="GGUF architecture 'gpt2' is not supported"):
+    with pytest.raises(UnsupportedModelError, match="GGUF architecture 'gpt2' is not supported .GPT-2 loads from a Hugging Face safetensors folder"):
         load_model(path, cache_dir=tmp_path / "cache")
 
 

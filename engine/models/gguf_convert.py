@@ -134,6 +134,11 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     return None
 
 
+# Families the engine loads from a Hugging Face folder only: llama.cpp's GGUF layout of GPT-2
+# (position_embd, fused attn_qkv and LayerNorms with biases, no RoPE) is not converted.
+_FOLDER_ONLY = {"gpt2": "GPT-2"}
+
+
 def convert_gguf(path: Path, out: Path) -> None:
     """Write the Hugging Face folder for GGUF file ``path`` into the existing folder ``out``.
 
@@ -148,8 +153,9 @@ def convert_gguf(path: Path, out: Path) -> None:
     fields = _Fields(reader, path)
     arch = fields.get("general.architecture")
     if arch not in _ARCHITECTURES:
+        hint = f" ({_FOLDER_ONLY[arch]} loads from a Hugging Face safetensors folder)" if arch in _FOLDER_ONLY else ""
         raise UnsupportedModelError(
-            f"{path}: GGUF architecture {arch!r} is not supported; supported: "
+            f"{path}: GGUF architecture {arch!r} is not supported{hint}; supported: "
             f"{', '.join(sorted(_ARCHITECTURES))}"
         )
     config = _hf_config(fields, arch, reader, path)
