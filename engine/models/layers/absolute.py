@@ -101,6 +101,9 @@ class Transposed(StoredTensor):
         self.name, self.dtype, self.layout = stored.name, stored.dtype, stored.layout
         self.shape = tuple(reversed(stored.shape))
 
+    def read(self) -> torch.Tensor:
+        return self.stored.read().t()  # one read of the whole, not one per stored row
+
     def read_rows(self, spans: list[tuple[int, int]]) -> torch.Tensor:
         return torch.cat([self.stored.read_cols(a, b) for a, b in spans], dim=1).t()
 
