@@ -37,7 +37,7 @@ from tp_ranks import greedy_with_logits, run_ranks
 from tp_ranks import prompts as tp_prompts
 
 import engine
-from engine.errors import UnsupportedModelError
+from engine.errors import CorruptModelError, UnsupportedModelError
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model
 from engine.models.testing import TINY_ABSOLUTE_ARCHITECTURES, write_tiny_model
@@ -207,6 +207,18 @@ def test_checkpoints_with_the_original_tensor_names_load(family: Family, tmp_pat
     save_file(renamed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     got = _prefill_logits(_runner(load_model(tmp_path, dtype="float32"), "torch"), family.prompts[3:], None)
     _close(got[0], family.logits[3], "renamed")
+
+
+def test_a_position_table_shorter_than_the_context_is_refused_naming_it(tmp_path: Path) -> None:
+    """The engine serves up to max_position_embeddings positions: a table without a row
+    for each is refused at load, not met by an index error mid-request."""
+    folder = write_tiny_model(tmp_path, "opt")
+    weights = load_file(str(folder / "model.safetensors"))
+    name = "model.decoder.embed_positions.weight"
+    weights[name] = weights[name][:-1].clone()  # one row short of 512 + the offset of 2
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CorruptModelError, match=r"embed_positions\.weight has 513 rows.*needs 514"):
+        _runner(load_model(folder, dtype="float32"), "torch")
 
 
 async def test_the_engine_with_a_draft_model_and_a_cached_prefix_gives_transformers_tokens(

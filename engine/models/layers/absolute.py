@@ -37,7 +37,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from engine.errors import UnsupportedModelError
+from engine.errors import CorruptModelError, UnsupportedModelError
 from engine.models.checkpoint import StoredTensor
 from engine.models.config import ModelConfig
 from engine.models.layers.decoder import Decoder, DecoderLayer
@@ -167,6 +167,11 @@ class AbsoluteDecoder(Decoder):
         get = ShardedWeights(self._stored(weights), dtype, self.device, tp)
         self.embed = get.rows(names.embed + ".weight")
         self.positions = get(names.positions + ".weight")
+        rows = config.max_position_embeddings + self.position_offset  # the last position the engine gives, + 1
+        if self.positions.shape[0] < rows:
+            raise CorruptModelError(
+                f"{names.positions}.weight has {self.positions.shape[0]} rows; max_position_embeddings "
+                f"{config.max_position_embeddings} (+ offset {self.position_offset}) needs {rows}")
         projected = spec.embed_dim != config.hidden_size
         self.project_in = make_linear([get(names.project_in + ".weight")]) if projected else None  # type: ignore[operator]
         self.project_out = make_linear([get(names.project_out + ".weight")]) if projected else None  # type: ignore[operator]
