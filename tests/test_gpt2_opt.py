@@ -209,6 +209,16 @@ def test_checkpoints_with_the_original_tensor_names_load(family: Family, tmp_pat
     _close(got[0], family.logits[3], "renamed")
 
 
+def test_gpt2_without_attention_scaling_matches_transformers(tmp_path: Path) -> None:
+    """``scale_attn_weights: false``: scores are not divided by sqrt(head_dim)."""
+    folder = write_tiny_model(tmp_path, "gpt2", overrides={"scale_attn_weights": False})
+    prompt = torch.randint(3, 384, (23,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.inference_mode():
+        want = _hf(folder)(torch.tensor([prompt])).logits[0]
+    got = _prefill_logits(_runner(load_model(folder, dtype="float32"), "cpu"), [prompt], 5)
+    _close(got[0], want, "unscaled")
+
+
 def test_a_position_table_shorter_than_the_context_is_refused_naming_it(tmp_path: Path) -> None:
     """The engine serves up to max_position_embeddings positions: a table without a row
     for each is refused at load, not met by an index error mid-request."""
