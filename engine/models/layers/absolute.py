@@ -17,7 +17,8 @@ embedding is the one transformers gives the same token.
 
 The family modules (``engine.models.gpt2``, ``engine.models.opt``) only name the
 checkpoint's tensors (:class:`AbsoluteNames`); GPT-2's Conv1D weights, stored ``[in, out]``,
-are presented transposed (:class:`Transposed`), so every weight here is ``[out, in]``.
+are presented transposed (:class:`~engine.models.checkpoint.Transposed`), so every weight
+here is ``[out, in]``.
 
 LayerNorm and the activation run in torch on every op set (``F.layer_norm``, ``F.gelu``,
 ``F.relu``), attention and the KV cache through the op set. The fused CPU decode step
@@ -38,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import CorruptModelError, UnsupportedModelError
-from engine.models.checkpoint import StoredTensor
+from engine.models.checkpoint import StoredTensor, Transposed
 from engine.models.config import ModelConfig
 from engine.models.layers.decoder import Decoder, DecoderLayer
 from engine.models.layers.linear import is_quantized, make_linear
@@ -92,30 +93,14 @@ def absolute_weight_names(config: ModelConfig, names: AbsoluteNames) -> list[str
     return out
 
 
-class Transposed(StoredTensor):
-    """A stored ``[in, out]`` weight (GPT-2's Conv1D) read as ``[out, in]``: a row cut is a
-    column cut of the stored tensor, and the other way round."""
-
-    def __init__(self, stored: StoredTensor) -> None:
-        self.stored = stored
-        self.name, self.dtype, self.layout = stored.name, stored.dtype, stored.layout
-        self.shape = tuple(reversed(stored.shape))
-
-    def read(self) -> torch.Tensor:
-        return self.stored.read().t()  # one read of the whole, not one per stored row
-
-    def read_rows(self, spans: list[tuple[int, int]]) -> torch.Tensor:
-        return torch.cat([self.stored.read_cols(a, b) for a, b in spans], dim=1).t()
-
-    def read_cols(self, start: int, stop: int) -> torch.Tensor:
-        return self.stored.read_rows([(start, stop)]).t()
-
-
 def transposed(w):
-    """``w`` ``[in, out]`` as ``[out, in]``: a tensor's transposed view, a stored tensor's
-    :class:`Transposed`."""
-    if is_quantized(w):
-        raise UnsupportedModelError("GPT-2 weights kept in GGUF blocks are not supported")
+    """``w`` as ``[out, in]``: a checkpoint's Conv1D ``[in, out]`` as a tensor's transposed
+    view or a stored tensor's :class:`Transposed`. Blocks kept from a GGUF (a
+    ``QuantizedWeight``, or a stored tensor read as one) are ``[out, in]`` already, as
+    llama.cpp writes GPT-2's projections (its GGUF reader presents the dense ones as
+    ``[in, out]``, as a Hugging Face checkpoint has them)."""
+    if is_quantized(w) or (isinstance(w, StoredTensor) and w.layout is not None):
+        return w
     return Transposed(w) if isinstance(w, StoredTensor) else w.t()
 
 
@@ -255,4 +240,4 @@ class AbsoluteDecoder(Decoder):
         return None
 
 
-__all__ = ["AbsoluteDecoder", "AbsoluteLayer", "AbsoluteNames", "Transposed", "absolute_weight_names", "transposed"]
+__all__ = ["AbsoluteDecoder", "AbsoluteLayer", "AbsoluteNames", "absolute_weight_names", "transposed"]
