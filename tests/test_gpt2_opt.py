@@ -39,7 +39,7 @@ from tp_ranks import prompts as tp_prompts
 import engine
 from engine.errors import CorruptModelError, UnsupportedModelError
 from engine.models.config import ModelConfig
-from engine.models.loader import load_model
+from engine.models.loader import _converted_gguf, load_model
 from engine.models.testing import TINY_ABSOLUTE_ARCHITECTURES, write_tiny_model
 from engine.ops import AttentionMetadata, get_ops
 from engine.parallel import SINGLE
@@ -173,22 +173,31 @@ def test_a_continuation_over_a_cached_prefix_matches_transformers(family: Family
 
 
 def test_two_tensor_parallel_ranks_give_one_ranks_logits_and_transformers_tokens(
-        tmp_path_factory: pytest.TempPathFactory) -> None:
+        tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each rank holds its heads of q/k/v (GPT-2's fused c_attn cut by columns of the
     stored Conv1D, read lazily), its share of fc1 and their biases, the o / fc2 input
-    columns (biases added once after the all-reduce) and its vocabulary slice."""
+    columns (biases added once after the all-reduce) and its vocabulary slice. A Q8_0 GPT-2
+    GGUF keeps its blocks on both ranks (over the C kernels: o and fc2 by output rows over
+    the gathered input, see layers/shard.py)."""
     root = tmp_path_factory.mktemp("tp")
     models = [(arch, str(write_tiny_model(root / arch, arch)), True) for arch in TINY_ABSOLUTE_ARCHITECTURES]
-    two = run_ranks(greedy_with_logits, 2, models)
-    one = greedy_with_logits(SINGLE, models)
-    for arch, folder, _ in models:
-        hf = _hf(Path(folder))
-        want_tokens = [_hf_greedy(hf, p) for p in tp_prompts(384)]
-        tokens, logits, _ = one[arch]
-        assert tokens == want_tokens, arch
+    gguf_path = write_gpt2_gguf(Path(models[0][1]), root / "gpt2-Q8_0.gguf", Q8_0)
+    # The conversion (config, tokenizer) is made here once; the ranks inherit the variable.
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(root / "cache"))
+    _converted_gguf(gguf_path, None)
+    ggufs = [("gpt2-Q8_0", str(gguf_path), True)]
+    two = run_ranks(greedy_with_logits, 2, models + ggufs)
+    one = greedy_with_logits(SINGLE, models + ggufs)
+    for arch, folder, _ in models + ggufs:
+        tokens, logits, kept = one[arch]
+        if arch != "gpt2-Q8_0":  # the folders: transformers' tokens too
+            hf = _hf(Path(folder))
+            assert tokens == [_hf_greedy(hf, p) for p in tp_prompts(384)], arch
+        else:
+            assert kept == ["Q8_0"]
         for rank, result in enumerate(two):
-            got_tokens, got_logits, _ = result[arch]
-            assert got_tokens == want_tokens, (arch, rank)
+            got_tokens, got_logits, got_kept = result[arch]
+            assert (got_tokens, got_kept) == (tokens, kept), (arch, rank)
             for step, (g, w) in enumerate(zip(got_logits, logits, strict=True)):
                 torch.testing.assert_close(g, w, atol=LOGIT_ATOL, rtol=1e-6,
                                            msg=lambda m, a=arch, r=rank, s=step: f"{a} rank {r} step {s}: {m}")
@@ -269,23 +278,115 @@ def test_what_the_layer_does_not_compute_is_refused_naming_the_field(
         ModelConfig.from_hf(raw)
 
 
-def test_a_gguf_of_gpt2_is_refused_naming_its_architecture(tmp_path: Path) -> None:
-    """llama.cpp writes GPT-2 as GGUF architecture ``gpt2`` (token_embd, position_embd,
-    fused attn_qkv with biases): its conversion is not implemented, and the refusal says
-    where GPT-2 does load from."""
-    path = tmp_path / "gpt2.gguf"
-    w = gguf.GGUFWriter(str(path), "gpt2")
-    w.add_block_count(1)
-    w.add_context_length(64)
-    w.add_embedding_length(8)
-    w.add_head_count(2)
-    w.add_tensor("token_embd.weight", np.zeros((16, 8), dtype=np.float32))
-    w.add_tensor("position_embd.weight", np.zeros((64, 8), dtype=np.float32))
+# --- GGUF: GPT-2 as llama.cpp writes it ------------------------------------------------------
+
+_GGUF_TOP = {"transformer.wte": "token_embd", "transformer.wpe": "position_embd", "transformer.ln_f": "output_norm"}
+_GGUF_BLOCK = {"ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output", "ln_2": "ffn_norm",
+               "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
+_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# Every matrix in Q8_0 but the position table (kept F32, as a small table; the model
+# reads either), the biases and norms in F32.
+F32, Q8_0 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0
+# Over the C kernels activations are rounded to int8 per 32 columns (as llama.cpp does):
+# test_quant_models' bound, each logit within 3% of its row's range.
+KERNEL_LOGIT_SPAN = 0.03
+
+
+def _gguf_name(name: str) -> str:
+    stem, _, suffix = name.rpartition(".")
+    if stem in _GGUF_TOP:
+        return f"{_GGUF_TOP[stem]}.{suffix}"
+    _, _, layer, rest = stem.split(".", 3)  # transformer.h.N.rest
+    return f"blk.{layer}.{_GGUF_BLOCK[rest]}.{suffix}"
+
+
+def write_gpt2_gguf(folder: Path, out: Path, qtype: gguf.GGMLQuantizationType) -> Path:
+    """The tiny GPT-2 of ``folder`` as llama.cpp's converter writes it: ``gpt2.*`` keys, its
+    tensor names, the Conv1D weights transposed to ``[out, in]``, the tied head written
+    out as ``output.weight``."""
+    from gguf.quants import quantize
+    from test_loader import _add_tokenizer
+
+    cfg = json.loads((folder / "config.json").read_text())
+    w = gguf.GGUFWriter(str(out), "gpt2")
+    w.add_block_count(cfg["n_layer"])
+    w.add_context_length(cfg["n_positions"])
+    w.add_embedding_length(cfg["n_embd"])
+    w.add_feed_forward_length(cfg["n_inner"])
+    w.add_head_count(cfg["n_head"])
+    w.add_layer_norm_eps(cfg["layer_norm_epsilon"])
+    _add_tokenizer(w, folder, cfg)
+    weights = {_gguf_name(k): v.numpy() for k, v in load_file(str(folder / "model.safetensors")).items()}
+    weights["output.weight"] = weights["token_embd.weight"]
+    for name, array in weights.items():
+        if name.endswith(tuple(f"{_GGUF_BLOCK[c.removesuffix('.weight')]}.weight" for c in _CONV1D)):
+            array = np.ascontiguousarray(array.T)
+        kind = qtype if array.ndim == 2 and name != "position_embd.weight" else F32
+        if kind == F32:
+            w.add_tensor(name, array.astype(np.float32))
+        else:
+            w.add_tensor(name, quantize(array, kind), raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(UnsupportedModelError, match="GGUF architecture 'gpt2' is not supported .GPT-2 loads from a Hugging Face safetensors folder"):
-        load_model(path, cache_dir=tmp_path / "cache")
+    return out
 
 
+def _hf_over_gguf(folder: Path, path: Path):
+    """transformers' GPT-2 holding the GGUF's weights as gguf's own dequantizer reads them
+    (transformers' GGUF loader maps GPT-2's feed_forward_length and context_length to
+    fields its GPT2Config ignores, so it cannot load a GPT-2 of other sizes itself)."""
+    from gguf.quants import dequantize
+
+    model = _hf(folder)
+    names = {_gguf_name(k): k for k in model.state_dict() if not k.startswith("lm_head")}
+    state = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        if t.name == "output.weight":
+            continue  # the tied head: the embedding's copy
+        value = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type))).reshape(tuple(reversed(t.shape.tolist())))
+        hf_name = names[t.name]
+        state[hf_name] = value.T.contiguous() if hf_name.endswith(_CONV1D) else value
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+@pytest.fixture(scope="module")
+def gpt2_ggufs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("gguf")
+    folder = write_tiny_model(root / "gpt2", "gpt2")
+    out = {}
+    for kind in (F32, Q8_0):
+        path = write_gpt2_gguf(folder, root / f"gpt2-{kind.name}.gguf", kind)
+        hf = _hf_over_gguf(folder, path)
+        g = torch.Generator().manual_seed(99)
+        prompts = [torch.randint(3, 384, (n,), generator=g).tolist() for n in (1, 9, 23)]
+        with torch.inference_mode():
+            logits = [hf(torch.tensor([p])).logits[0] for p in prompts]
+        out[kind.name] = (path, prompts, logits, [_hf_greedy(hf, p) for p in prompts])
+    return out
+
+
+@pytest.mark.parametrize("quantization", ["none", "auto"])
+@pytest.mark.parametrize("kind", ["F32", "Q8_0"])
+def test_a_gpt2_gguf_matches_transformers_over_its_weights(
+        gpt2_ggufs: dict, kind: str, quantization: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Converted (``none``: dequantized into a Hugging Face folder) or with its Q8_0 blocks
+    kept (``auto``; over the torch reference matmul, which dequantizes per call): logits
+    within 1e-5 and the same 32 greedy tokens; kept over the C kernels, within their int8
+    rounding."""
+    from engine.ops.cpu import qmatmul as cq
+
+    path, prompts, want, tokens = gpt2_ggufs[kind]
+    loaded = load_model(path, dtype="float32", quantization=quantization, cache_dir=tmp_path / "cache")
+    assert loaded.quantization == ("gguf" if kind == "Q8_0" and quantization == "auto" else "none")
+    if loaded.quantization == "gguf":
+        for got, w in zip(_prefill_logits(_runner(loaded, "cpu"), prompts, 5), want, strict=True):
+            span = (w.max(-1).values - w.min(-1).values).unsqueeze(-1)
+            assert ((got - w).abs() <= KERNEL_LOGIT_SPAN * span).all()
+        monkeypatch.setattr(cq, "available", lambda: False)  # the reference matmul from here on
+    for p, (got, w) in enumerate(zip(_prefill_logits(_runner(loaded, "cpu"), prompts, 5), want, strict=True)):
+        _close(got, w, f"{kind} {quantization} prompt {p}")
+    runs = run_greedy(_runner(loaded, "cpu"), prompts, NEW_TOKENS, chunk_size=5, block_size=BLOCK)
+    assert [[s.token_id for s in run] for run in runs] == tokens

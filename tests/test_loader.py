@@ -599,8 +599,8 @@ def test_truncated_gguf_is_corrupt(tmp_path: Path) -> None:
 
 
 def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
-    path = write_gguf(_tiny(tmp_path), tmp_path / "g.gguf", arch="gpt2")
-    with pytest.raises(UnsupportedModelError, match=r"g\.gguf.*'gpt2'"):
+    path = write_gguf(_tiny(tmp_path), tmp_path / "g.gguf", arch="falcon")
+    with pytest.raises(UnsupportedModelError, match=r"g\.gguf.*'falcon'"):
         load_model(path)
 
 

@@ -42,7 +42,7 @@ from engine.errors import CorruptModelError, UnsupportedModelError
 from engine.models.checkpoint import StoredTensor, Transposed
 from engine.models.config import ModelConfig
 from engine.models.layers.decoder import Decoder, DecoderLayer
-from engine.models.layers.linear import is_quantized, make_linear
+from engine.models.layers.linear import embed, is_quantized, make_linear
 from engine.models.layers.shard import ShardedWeights, qkv_spans
 from engine.ops import AttentionMetadata, Ops
 from engine.parallel import SINGLE, TensorParallel
@@ -218,7 +218,7 @@ class AbsoluteDecoder(Decoder):
         hidden = self._embed(input_ids)
         if self.project_in is not None:
             hidden = self.project_in(hidden)
-        hidden = hidden + F.embedding(positions + self.position_offset, self.positions)
+        hidden = hidden + embed(self.positions, positions + self.position_offset, self.dtype)  # GGUF: maybe blocks
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             assert isinstance(layer, AbsoluteLayer)
             x = self._ln(hidden, layer.input_norm, layer.input_norm_bias) if self.pre_norm else hidden
