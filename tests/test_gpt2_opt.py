@@ -8,6 +8,8 @@ within 1e-5, and 32 greedy tokens transformers' ``generate``'s, on every op set 
 machine has: the torch reference, the C kernels, Triton (interpreted on CPU); and split
 over two tensor-parallel ranks. The engine end to end (prefix caching, a draft model
 proposing, chunked prefill at its token budget) must give transformers' greedy tokens too.
+A GPT-2 GGUF as llama.cpp writes it (F32, Q8_0) is checked against transformers holding the
+file's weights as gguf's dequantizer reads them.
 
 Tolerance, 1e-5 absolute (the issue's) on logits up to 0.9 in magnitude (tied heads over a
 small embedding): both sides compute in fp32 and differ in summation order only (fused

@@ -218,7 +218,8 @@ class AbsoluteDecoder(Decoder):
         hidden = self._embed(input_ids)
         if self.project_in is not None:
             hidden = self.project_in(hidden)
-        hidden = hidden + embed(self.positions, positions + self.position_offset, self.dtype)  # GGUF: maybe blocks
+        # embed(): the table may be a GGUF's kept blocks, read row by row as the token table.
+        hidden = hidden + embed(self.positions, positions + self.position_offset, self.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             assert isinstance(layer, AbsoluteLayer)
             x = self._ln(hidden, layer.input_norm, layer.input_norm_bias) if self.pre_norm else hidden
