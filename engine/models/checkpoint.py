@@ -177,7 +177,6 @@ class Transposed(StoredTensor):
         return self.stored.read_rows([(start, stop)]).t()
 
 
-
 def read_safetensors_header(file: CheckpointFile) -> dict[str, SafetensorsTensor]:
     """The tensors a safetensors file holds, by stored name (nothing of their data read)."""
     path = file.path

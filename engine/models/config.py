@@ -28,7 +28,6 @@ SUPPORTED_ARCHITECTURES = {
 
 GEMMA_FAMILY = frozenset({"gemma2", "gemma3"})
 
-
 # The same decoders saved without their LM head (transformers' base classes), as embedding
 # models such as Qwen3-Embedding are: weights without the "model." prefix, no lm_head.
 # They pool (engine.models.pooling); they cannot generate.

@@ -11,6 +11,9 @@ module undoes:
 * Gemma's norm weights are stored as ``1 + w`` (llama.cpp's RMSNorm multiplies by the
   weight as is); Phi-3's longrope factors are tensors (``rope_factors_long/short``), not
   metadata, and its q/k/v and gate/up stay fused (``attn_qkv``, ``ffn_up``);
+* GPT-2 (``gpt2``) has names of its own (``position_embd``, ``attn_qkv`` for ``c_attn``,
+  biases beside the weights) and its Conv1D projections stored ``[out, in]``, the
+  transpose of Hugging Face's ``[in, out]``: they are transposed back;
 * for the ``llama`` architecture, llama.cpp's converter permutes the rows of q_proj and
   k_proj so that its interleaved ("GPT-J style") RoPE matches Hugging Face's rotate-half
   RoPE. Within each head it turns the row order ``[first half | second half]`` into
@@ -36,7 +39,7 @@ from tokenizers import pre_tokenizers
 from engine.errors import CorruptModelError, UnsupportedModelError
 
 # Bump when the converter's output changes, so cached conversions are redone.
-CONVERTER_VERSION = 2  # (GPT-2 files were refused before: no cached conversion of one to redo)
+CONVERTER_VERSION = 2
 
 # GGUF architecture -> (Hugging Face architecture, model_type, q/k rows permuted).
 _ARCHITECTURES = {
@@ -155,7 +158,6 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
         layer = f"transformer.h.{int(parts[1])}" if gpt2 else f"model.layers.{int(parts[1])}"
         return f"{layer}.{names[parts[2]]}.{suffix}"
     return None
-
 
 
 def convert_gguf(path: Path, out: Path) -> None:

@@ -11,7 +11,8 @@ norms, F16, or a block format the kernels lack) are dequantized as the converter
 the log names the block formats that were.
 
 The per-tensor fix-ups mirror ``gguf_convert._hf_tensors`` (phi3's RoPE factor tensors
-skipped, Gemma's stored 1 + w norms undone, GPT-2's dense projections read transposed); llama.cpp's q/k row permutation (see
+skipped, Gemma's stored 1 + w norms undone, GPT-2's dense projections read transposed);
+llama.cpp's q/k row permutation (see
 :func:`gguf_convert.unpermute_qk`) acts on whole rows within each head, and each row of a
 block-quantized tensor is its own run of blocks, so it is undone on the block rows without
 dequantizing, on the heads a cut covers. Expert stacks (3-D) are read one expert at a time.
