@@ -30,7 +30,7 @@ from engine.models.pooling import PoolerConfig
 from engine.models.tokenizer import Tokenizer
 from engine.multimodal import ImagePreprocessor, MediaLimits
 from engine.parallel import SINGLE, TensorParallel
-from engine.process.rank import RankLoad, build_rank_runner, load_rank
+from engine.process.rank import RankLoad, build_rank_runner, load_rank, tokenizer_folder
 from engine.process.workers import TensorParallelRunner, WorkerGroup
 from engine.runner.kv_cache import bytes_per_block, free_memory, num_kv_blocks
 from engine.structured import GrammarBackend
@@ -115,7 +115,7 @@ def _build_parts(config: EngineConfig, device: torch.device, load: RankLoad,
         logger.info("pooling model: %s (%s pooling%s, %d values per input)", pooler.task,
                     pooler.pooling, ", normalized" if pooler.normalize else "", pooler.size)
     return EngineParts(config, name, tokenizer, limits, runner, num_blocks, load.grammar, pooler,
-                       tokenizer_folder=loaded.folder,
+                       tokenizer_folder=tokenizer_folder(config, loaded),
                        dtype=str(loaded.dtype).removeprefix("torch."),
                        quantization=loaded.quantization,
                        images=image_preprocessor(config, loaded.config, loaded.folder, tokenizer))
