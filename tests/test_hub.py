@@ -18,10 +18,12 @@ import gguf
 import huggingface_hub
 import pytest
 import torch
+from engine_helpers import collect, greedy, token_ids
 from hub_server import FakeHub
 from test_http_cli import _server
 from test_loader import write_gguf
 
+import engine
 from engine.config import EngineConfig
 from engine.errors import (
     CorruptModelError,
@@ -66,7 +68,12 @@ def repos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def hub(repos: dict[str, Path]):
-    with FakeHub() as fake:
+    with FakeHub() as fake, pytest.MonkeyPatch.context() as patch:
+        # huggingface_hub read HF_ENDPOINT when it was imported: in this process, point what
+        # it read at the fake, so that nothing here ever asks huggingface.co.
+        patch.setattr(huggingface_hub.constants, "ENDPOINT", fake.url)
+        patch.setattr(huggingface_hub.constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                      fake.url + "/{repo_id}/resolve/{revision}/{filename}")
         fake.add_folder("org/tiny-llama", repos["llama"], branch="v1")
         fake.add_folder("org/tiny-llama", repos["llama_v2"])  # main moves on
         fake.add_folder("org/tiny-gpt2", repos["gpt2"])
@@ -146,6 +153,23 @@ def test_a_gguf_id_with_a_tag_serves_that_file_with_another_repos_tokenizer(
         "tokenizer.json", "tokenizer_config.json"]
     fetched = [r for r in hub.requests if r.startswith("GET /org/tiny-GGUF/resolve")]
     assert fetched and all("Q8_0" in r for r in fetched)  # only the chosen file
+
+
+async def test_open_engine_takes_a_gguf_id_and_a_tokenizer_repo(
+        hub: FakeHub, repos: dict[str, Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "engine"))
+    options = dict(dtype="float32", max_num_seqs=4, kv_cache_memory=4 * 2**20)
+    prompt = [5, 6, 7, 8]
+    async with engine.open_engine("org/tiny-GGUF:Q8_0", tokenizer="org/tiny-llama",
+                                  download_dir=str(tmp_path / "hub"), **options) as eng:
+        assert eng.model_name == "org/tiny-GGUF:Q8_0"
+        got = token_ids(await collect(eng, prompt, greedy(6)))
+        folder = Path(eng.tokenizer.folder)
+    assert folder.parent.parent.name == "models--org--tiny-llama"
+    # The oracle: the same file opened by its path.
+    async with engine.open_engine(str(repos["gguf"] / "tiny-llama.Q8_0.gguf"), **options) as eng:
+        assert got == token_ids(await collect(eng, prompt, greedy(6)))
 
 
 # -- what is fetched ---------------------------------------------------------------------
@@ -270,6 +294,16 @@ def test_offline_and_not_cached_names_the_repo_and_the_cache(hub: FakeHub, tmp_p
     with pytest.raises(ModelNotFoundError, match=f"org/tiny-llama.*{tmp_path / 'hub'}.*HF_HUB_OFFLINE"):
         _resolve(hub, tmp_path, "org/tiny-llama", offline=True)
     assert hub.count() == before
+
+
+def test_an_unreachable_hub_falls_back_to_the_cache(hub: FakeHub, tmp_path: Path) -> None:
+    cached = _resolve(hub, tmp_path, "org/tiny-gpt2")
+    # Port 9 (discard) on loopback: nothing listens, the connection is refused at once.
+    away = dict(cache_dir=tmp_path / "hub", endpoint="http://127.0.0.1:9",
+                record_dir=tmp_path / "checked")
+    assert resolve_name("org/tiny-gpt2", **away).path == cached.path
+    with pytest.raises(ModelNotFoundError, match="org/tiny-opt.*could not be reached"):
+        resolve_name("org/tiny-opt", **away)
 
 
 def test_a_local_path_stays_a_path(repos: dict[str, Path]) -> None:

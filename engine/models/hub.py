@@ -170,9 +170,11 @@ def resolve_name(
         return Resolved(Path(os.path.abspath(Path(name).expanduser())))
     if hub.tag is not None and tokenizer_only:
         raise ModelNotFoundError(f"tokenizer {name!r}: a tokenizer is a repo id, not one GGUF file")
+    # huggingface_hub reads HF_ENDPOINT once, at import; its metadata calls and its file
+    # URLs are both given the endpoint, so that they never ask two different hosts.
     fetch = _Fetch(hub, revision or "main", token,
                    Path(cache_dir if cache_dir is not None else constants.HF_HUB_CACHE).expanduser(),
-                   endpoint, tokenizer_only, free_bytes,
+                   endpoint or constants.ENDPOINT, tokenizer_only, free_bytes,
                    record_dir if record_dir is not None else cache.default_cache_dir() / "hub-checked")
     is_offline = constants.HF_HUB_OFFLINE if offline is None else offline
     return fetch.from_cache(None) if is_offline else fetch.online()
@@ -250,7 +252,7 @@ class _Fetch:
     """One resolution of a Hub id: the online path, the cached one, and the checks."""
 
     def __init__(self, hub: HubName, revision: str, token: str | None, cache_dir: Path,
-                 endpoint: str | None, tokenizer_only: bool,
+                 endpoint: str, tokenizer_only: bool,
                  free_bytes: Callable[[Path], int], record_dir: Path) -> None:
         self.hub, self.revision, self.token = hub, revision, token
         self.cache_dir, self.endpoint, self.tokenizer_only = cache_dir, endpoint, tokenizer_only
