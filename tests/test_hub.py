@@ -83,9 +83,28 @@ def hub(repos: dict[str, Path]):
         llama = {p.name: p.read_bytes() for p in repos["llama"].iterdir()}
         pickled = {k: v for k, v in llama.items() if not k.endswith(".safetensors")}
         fake.add_commit("org/pickles", pickled | {"pytorch_model.bin": b"\x80\x04 pickle"})
+        fake.add_commit("org/sharded", _sharded(llama))
         config = json.loads(llama["config.json"]) | {"auto_map": {"AutoModel": "x.Y"}}
         fake.add_commit("org/remote-code", llama | {"config.json": json.dumps(config).encode()})
         yield fake
+
+
+def _sharded(files: dict[str, bytes]) -> dict[str, bytes]:
+    """The Llama repo with its weights in two shards and an index, plus a consolidated
+    copy beside them (as Mistral's repos carry) that nothing should fetch."""
+    from safetensors.torch import load, save
+
+    weights = load(files["model.safetensors"])
+    names = sorted(weights)
+    half = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+            "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    out = {k: v for k, v in files.items() if k != "model.safetensors"}
+    for shard, keys in half.items():
+        out[shard] = save({k: weights[k] for k in keys})
+    out["model.safetensors.index.json"] = json.dumps(
+        {"weight_map": {k: shard for shard, keys in half.items() for k in keys}}).encode()
+    out["consolidated.safetensors"] = files["model.safetensors"]
+    return out
 
 
 def _resolve(hub: FakeHub, tmp: Path, name: str, **kwargs):
@@ -183,6 +202,34 @@ def test_transformers_folders_download_with_only_what_the_engine_reads(
     assert {p.name: p.read_bytes() for p in got.path.iterdir()} == {
         k: v for k, v in files.items() if k in ("config.json", "generation_config.json",
                                                   "model.safetensors")}
+
+
+def test_a_sharded_repo_fetches_the_shards_its_index_names(
+        hub: FakeHub, repos: dict[str, Path], tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from engine.models.loader import load_model
+
+    got = _resolve(hub, tmp_path, "org/sharded")
+    assert sorted(p.name for p in got.path.glob("*.safetensors")) == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    loaded = load_model(got.path, dtype="float32")
+    expected = load_file(repos["llama"] / "model.safetensors")
+    assert loaded.weights.keys() >= expected.keys() - {"lm_head.weight"}
+    for name in expected.keys() & loaded.weights.keys():
+        assert torch.equal(loaded.weights[name], expected[name]), name
+    assert _resolve(hub, tmp_path, "org/sharded", offline=True).path == got.path
+
+
+def test_a_draft_model_and_a_tokenizer_by_id_become_paths(hub: FakeHub, tmp_path: Path) -> None:
+    spec = {"method": "draft_model", "model": "org/tiny-llama", "num_speculative_tokens": 2}
+    config = resolve_config(EngineConfig(
+        model="org/tiny-llama", revision="v1", speculative_config=json.dumps(spec),
+        download_dir=str(tmp_path / "hub")))
+    v1 = hub.repos["org/tiny-llama"].refs["v1"]
+    assert Path(config.model).name == v1
+    draft = Path(config.speculative.model)
+    assert draft.parent.parent.name == "models--org--tiny-llama" and draft.name != v1  # main
 
 
 def test_revision_pins_a_commit_by_branch_or_hash(hub: FakeHub, tmp_path: Path) -> None:

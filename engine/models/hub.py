@@ -181,11 +181,13 @@ def resolve_name(
 
 
 def plan_files(hub: HubName, files: Sequence[RemoteFile], *, tokenizer_only: bool = False,
-               where: str = "") -> list[RemoteFile]:
+               where: str = "",
+               read_index: Callable[[RemoteFile], Any] | None = None) -> list[RemoteFile]:
     """The files of ``files`` (a repo's listing) that the engine reads: for a GGUF repo the
     one file ``hub.tag`` picks; else the configs, the tokenizer and the safetensors (those
-    the index names, when there is one). Refuses a repo it cannot serve (see the module
-    docstring); ``where`` names the listing in messages (the Hub, or a cache folder)."""
+    ``model.safetensors.index.json`` names, read by ``read_index``, when there is one).
+    Refuses a repo it cannot serve (see the module docstring); ``where`` names the listing
+    in messages (the Hub, or a cache folder)."""
     names = {f.name: f for f in files}
     wanted = [f for f in files if _matches(f.name, TOKENIZER_FILES)]
     if tokenizer_only:
@@ -207,11 +209,21 @@ def plan_files(hub: HubName, files: Sequence[RemoteFile], *, tokenizer_only: boo
                 "revision) with *.safetensors")
         raise ModelNotFoundError(f"{hub}{where}: no weights (no *.safetensors and no .gguf)")
     index = names.get("model.safetensors.index.json")
-    if index is not None:
-        wanted.append(index)
+    if index is not None and read_index is not None:
+        # The shards the index names, not every *.safetensors: Mistral's repos carry a
+        # consolidated copy of the same weights beside them (twice the download).
+        data = read_index(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CorruptModelError(f"{hub}{where}: model.safetensors.index.json has no weight_map")
+        shards = sorted(set(map(str, weight_map.values())))
+        absent = [name for name in shards if name not in names]
+        if absent:
+            raise ModelNotFoundError(f"{hub}{where}: the index names shard(s) the repo lacks: "
+                                     f"{', '.join(absent)}")
+        wanted += [index] + [names[name] for name in shards]
     else:
-        # Without an index the loader reads every root *.safetensors; a repo that also
-        # carries a consolidated copy (Mistral's) has an index, which names the shards.
+        # Without an index the loader reads every root *.safetensors.
         wanted += safetensors
     wanted += [f for f in files if _matches(f.name, MODEL_FILES)]
     return wanted
@@ -288,9 +300,17 @@ class _Fetch:
         listing = [RemoteFile(s.rfilename, s.lfs.size if s.lfs else s.size,
                               s.lfs.sha256 if s.lfs else s.blob_id) for s in info.siblings or ()]
         commit = str(info.sha)
-        files = plan_files(self.hub, listing, tokenizer_only=self.tokenizer_only)
-        self._check_space(files)
         snapshot = self.storage / "snapshots" / commit
+
+        def read_index(index: RemoteFile) -> Any:
+            if not (snapshot / index.name).exists():
+                self._hf_download(index.name, commit, force=False, quiet=True)
+            self._verify(snapshot, index, commit, online=True)
+            return _read_json(self.hub, snapshot / index.name)
+
+        files = plan_files(self.hub, listing, tokenizer_only=self.tokenizer_only,
+                           read_index=read_index)
+        self._check_space(files)
         self._download(files, commit, snapshot)
         for f in files:
             self._verify(snapshot, f, commit, online=True)
@@ -354,10 +374,7 @@ class _Fetch:
         config = snapshot / "config.json"
         if self.tokenizer_only or not config.is_file():
             return
-        try:
-            data = json.loads(config.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise CorruptModelError(f"{self.hub}: cannot read {config}: {exc}") from None
+        data = _read_json(self.hub, config)
         if isinstance(data, dict) and data.get("auto_map"):
             raise UnsupportedModelError(
                 f"{self.hub}: its config.json names auto_map (architecture code shipped in the "
@@ -392,9 +409,13 @@ class _Fetch:
                 f"cache {self.cache_dir} and {reason}")
         listing = [RemoteFile(p.relative_to(snapshot).as_posix())
                    for p in sorted(snapshot.rglob("*")) if p.is_file()]
+        def read_index(index: RemoteFile) -> Any:
+            self._verify(snapshot, index, commit, online=False)
+            return _read_json(self.hub, snapshot / index.name)
+
         try:
             files = plan_files(self.hub, listing, tokenizer_only=self.tokenizer_only,
-                               where=f" (cached at {snapshot})")
+                               where=f" (cached at {snapshot})", read_index=read_index)
         except ModelLoadError as exc:
             raise type(exc)(f"{exc}; {reason}") from None
         self._refuse_remote_code(snapshot)
@@ -453,6 +474,13 @@ class _Fetch:
         except OSError as exc:  # a read-only cache still serves, hashing again next time
             logger.debug("cannot record the check of %s: %s", blob, exc)
         return None
+
+
+def _read_json(hub: HubName, path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CorruptModelError(f"{hub}: cannot read {path}: {exc}") from None
 
 
 def _digest(blob: Path, etag: str) -> str | None:
