@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.errors import ConfigError, ModelLoadError
 from engine.models.hub import disk_free, resolve_name
 from engine.models.loader import EMBEDDING_MODEL_NAMES
 
@@ -45,7 +46,11 @@ def resolve_config(config: EngineConfig, *, token: str | None = None,
         changes["tokenizer"] = str(found.path)
     spec = config.speculative
     if spec is not None and spec.model is not None:
-        found = resolve_name(spec.model, **options)
+        try:
+            found = resolve_name(spec.model, **options)
+        except ModelLoadError as exc:  # named as the draft's other refusals are (rank.py)
+            raise ConfigError(f"speculative_config: model {spec.model!r} cannot be loaded as "
+                              f"the draft: {exc}", field="speculative_config") from exc
         if found.name is not None:
             draft = dataclasses.replace(spec, model=str(found.path))
             changes["speculative_config"] = draft.to_json()
