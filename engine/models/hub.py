@@ -284,9 +284,9 @@ class _Fetch:
             raise ModelNotFoundError(
                 f"{self.what} {self.hub}: the Hub has no revision {self.revision!r} "
                 "(a branch, tag or commit)") from None
-        except RepositoryNotFoundError as exc:
-            if exc.response is not None and exc.response.status_code in (401, 403):
-                raise self._no_access(exc) from None
+        except RepositoryNotFoundError:
+            # The Hub answers 401 for a repo it will not name to an anonymous client, so
+            # a typo and a private repo read alike: the message says both.
             raise ModelNotFoundError(
                 f"{self.what} {self.hub!s} not found: no such local file or folder, and the "
                 f"Hugging Face Hub has no repo {self.hub.repo_id!r} (or it is private: set "
