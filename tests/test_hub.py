@@ -259,6 +259,19 @@ def test_a_gated_repo_needs_its_token(hub: FakeHub, tmp_path: Path,
         _files(hub, "org/gated")["model.safetensors"]
 
 
+def test_llm_takes_a_gated_id_with_hf_token(hub: FakeHub, repos: dict[str, Path],
+                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine import LLM, SamplingParams
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "engine"))
+    with LLM("org/gated", hf_token=TOKEN, download_dir=str(tmp_path / "hub"), dtype="float32",
+             max_num_seqs=2, kv_cache_memory=4 * 2**20) as llm:
+        out = llm.generate("hello world", SamplingParams(max_tokens=4, temperature=0.0,
+                                                          ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].text == _greedy_text(repos["llama"], "hello world", 4)
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_a_damaged_cached_file_is_fetched_again_never_loaded(
         hub: FakeHub, tmp_path: Path, damage: str) -> None:
