@@ -84,6 +84,9 @@ def hub(repos: dict[str, Path]):
         pickled = {k: v for k, v in llama.items() if not k.endswith(".safetensors")}
         fake.add_commit("org/pickles", pickled | {"pytorch_model.bin": b"\x80\x04 pickle"})
         fake.add_commit("org/sharded", _sharded(llama))
+        sampling = json.loads(llama["generation_config.json"]) | {"temperature": 0.5, "top_k": 7}
+        fake.add_commit("org/sampling", llama | {
+            "generation_config.json": json.dumps(sampling).encode()})
         config = json.loads(llama["config.json"]) | {"auto_map": {"AutoModel": "x.Y"}}
         fake.add_commit("org/remote-code", llama | {"config.json": json.dumps(config).encode()})
         yield fake
@@ -189,6 +192,21 @@ async def test_open_engine_takes_a_gguf_id_and_a_tokenizer_repo(
     # The oracle: the same file opened by its path.
     async with engine.open_engine(str(repos["gguf"] / "tiny-llama.Q8_0.gguf"), **options) as eng:
         assert got == token_ids(await collect(eng, prompt, greedy(6)))
+
+
+@pytest.mark.parametrize("engine_core", ["inprocess", "process"])
+async def test_another_tokenizer_keeps_the_models_sampling_defaults(
+        hub: FakeHub, repos: dict[str, Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, engine_core: str) -> None:
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "engine"))
+    # The tokenizer's folder has a generation_config.json without sampling fields; the
+    # model's (org/sampling) has two.
+    async with engine.open_engine("org/sampling", tokenizer=str(repos["llama_v2"]),
+                                  download_dir=str(tmp_path / "hub"), dtype="float32",
+                                  max_num_seqs=2, kv_cache_memory=4 * 2**20,
+                                  engine_core=engine_core) as eng:
+        assert eng.sampling_defaults == {"temperature": 0.5, "top_k": 7}
+        assert Path(eng.tokenizer.folder) == repos["llama_v2"]
 
 
 # -- what is fetched ---------------------------------------------------------------------

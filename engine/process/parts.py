@@ -30,7 +30,7 @@ from engine.models.pooling import PoolerConfig
 from engine.models.tokenizer import Tokenizer
 from engine.multimodal import ImagePreprocessor, MediaLimits
 from engine.parallel import SINGLE, TensorParallel
-from engine.process.rank import RankLoad, build_rank_runner, load_rank, tokenizer_folder
+from engine.process.rank import RankLoad, build_rank_runner, load_rank
 from engine.process.workers import TensorParallelRunner, WorkerGroup
 from engine.runner.kv_cache import bytes_per_block, free_memory, num_kv_blocks
 from engine.structured import GrammarBackend
@@ -115,7 +115,7 @@ def _build_parts(config: EngineConfig, device: torch.device, load: RankLoad,
         logger.info("pooling model: %s (%s pooling%s, %d values per input)", pooler.task,
                     pooler.pooling, ", normalized" if pooler.normalize else "", pooler.size)
     return EngineParts(config, name, tokenizer, limits, runner, num_blocks, load.grammar, pooler,
-                       tokenizer_folder=tokenizer_folder(config, loaded),
+                       tokenizer_folder=loaded.folder,
                        dtype=str(loaded.dtype).removeprefix("torch."),
                        quantization=loaded.quantization,
                        images=image_preprocessor(config, loaded.config, loaded.folder, tokenizer))
@@ -201,7 +201,10 @@ def build_front_parts(config: EngineConfig, hello: Any) -> EngineParts:
         pooler = PoolerConfig(**fields)
     config = dataclasses.replace(config, max_model_len=core_config.max_model_len,
                                  async_scheduling=core_config.async_scheduling)
-    tokenizer = Tokenizer.from_folder(Path(hello.tokenizer_folder))
+    # The core's folder is the model's (its config and processors); --tokenizer's folder,
+    # a path in the core's resolved config, gives the tokenizer and chat template.
+    tokenizer = Tokenizer.from_folder(Path(core_config.tokenizer or hello.tokenizer_folder),
+                                      generation_folder=Path(hello.tokenizer_folder))
     eos_ids = tuple(hello.eos_token_ids)
     grammar = None if pooler is not None else GrammarBackend(
         tokenizer, vocab_size=hello.vocab_size, stop_token_ids=eos_ids,

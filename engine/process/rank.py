@@ -63,7 +63,8 @@ def load_rank(config: EngineConfig, device: torch.device) -> RankLoad:
     t1 = time.perf_counter()
     logger.info("loaded %s (%s, %s) in %.2f s", path, loaded.config.architecture, loaded.dtype, t1 - t0)
     # --tokenizer: another folder's tokenizer and chat template (a GGUF's own otherwise).
-    tokenizer = Tokenizer.from_folder(tokenizer_folder(config, loaded))
+    tokenizer = Tokenizer.from_folder(tokenizer_folder(config, loaded),
+                                      generation_folder=loaded.folder)
     logger.info("tokenizer ready in %.2f s", time.perf_counter() - t1)
     pooler = pooler_config(loaded.config, loaded.folder, runner=config.runner, convert=config.convert,
                            pooling_type=config.pooling_type, normalize=config.pooling_normalize)
