@@ -247,11 +247,29 @@ class EngineConfig:
     """
 
     model: str | None = _field(
-        None, "a Hugging Face folder or a .gguf file", metavar="PATH",
+        None, "a Hugging Face folder, a .gguf file, or a Hugging Face Hub id (ORG/NAME; "
+        "ORG/NAME-GGUF:Q4_K_M for one quantization of a GGUF repo), fetched into the Hugging "
+        "Face cache", metavar="MODEL",
         default_text="the bundled SmolLM2-135M-Instruct GGUF")
     served_model_name: str | None = _field(
         None, "the model name clients send and see", metavar="NAME",
-        default_text="SmolLM2-135M-Instruct for the default model, else the folder or file name")
+        default_text="SmolLM2-135M-Instruct for the default model, the Hub id for a model "
+        "named by id, else the folder or file name")
+    # Hub resolution (engine.models.hub) turns ids into local paths before anything loads;
+    # these say which revision and where. After resolution ``model`` and ``tokenizer`` are
+    # paths, and the engine cores and tensor-parallel workers see only those.
+    revision: str | None = _field(
+        None, "the model's Hub revision: a branch, tag or commit", metavar="REV",
+        default_text="main")
+    tokenizer: str | None = _field(
+        None, "read the tokenizer (and its chat template) from this folder or Hub id instead "
+        "of the model's", metavar="TOKENIZER", default_text="the model's; a GGUF's own")
+    tokenizer_revision: str | None = _field(
+        None, "the tokenizer's Hub revision", metavar="REV", default_text="main")
+    download_dir: str | None = _field(
+        None, "the Hugging Face cache folder models are looked up in and fetched to",
+        metavar="DIR", default_text="$HF_HUB_CACHE, else $HF_HOME/hub, else "
+        "~/.cache/huggingface/hub")
     dtype: str = _field("auto", "weight and activation dtype", choices=DTYPES)
     quantization: str = _field(
         "auto", "auto/gguf: a GGUF's block-quantized matrices stay in their blocks (CPU; "

@@ -629,7 +629,7 @@ def test_resolve_none_is_the_smollm2_gguf() -> None:
 
 
 def test_resolve_a_missing_path(tmp_path: Path) -> None:
-    with pytest.raises(ModelNotFoundError, match="nothing is downloaded"):
+    with pytest.raises(ModelNotFoundError, match="no such file or folder"):
         resolve_model(str(tmp_path / "HuggingFaceTB/SmolLM2"))
 
 

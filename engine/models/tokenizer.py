@@ -143,12 +143,16 @@ class Tokenizer:
     # -- construction -------------------------------------------------------------------
 
     @classmethod
-    def from_folder(cls, path: str | Path) -> Tokenizer:
+    def from_folder(cls, path: str | Path, *,
+                    generation_folder: str | Path | None = None) -> Tokenizer:
         """Load the tokenizer of the Hugging Face model folder ``path``.
 
         Needs ``tokenizer.json`` (or a byte-level BPE's ``vocab.json`` and ``merges.txt``,
         GPT-2's and OPT's slow format); ``tokenizer_config.json``, ``generation_config.json`` and
-        the chat template files are optional. Raises :class:`ModelNotFoundError` when the
+        the chat template files are optional. ``generation_folder`` (default ``path``) is
+        where ``generation_config.json`` is read: the model's folder when the tokenizer
+        comes from another (``--tokenizer``), whose sampling defaults are not the model's.
+        Raises :class:`ModelNotFoundError` when the
         folder or ``tokenizer.json`` is missing and :class:`CorruptModelError` naming the
         file when one cannot be parsed.
         """
@@ -180,7 +184,9 @@ class Tokenizer:
         return cls(
             backend,
             config=config,
-            generation_config=_read_json(folder / GENERATION_CONFIG_FILE),
+            generation_config=_read_json(
+                Path(generation_folder if generation_folder is not None else folder)
+                / GENERATION_CONFIG_FILE),
             chat_template=_find_chat_template(folder, config),
             source=folder,
         )

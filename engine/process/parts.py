@@ -201,7 +201,10 @@ def build_front_parts(config: EngineConfig, hello: Any) -> EngineParts:
         pooler = PoolerConfig(**fields)
     config = dataclasses.replace(config, max_model_len=core_config.max_model_len,
                                  async_scheduling=core_config.async_scheduling)
-    tokenizer = Tokenizer.from_folder(Path(hello.tokenizer_folder))
+    # The core's folder is the model's (its config and processors); --tokenizer's folder,
+    # a path in the core's resolved config, gives the tokenizer and chat template.
+    tokenizer = Tokenizer.from_folder(Path(core_config.tokenizer or hello.tokenizer_folder),
+                                      generation_folder=Path(hello.tokenizer_folder))
     eos_ids = tuple(hello.eos_token_ids)
     grammar = None if pooler is not None else GrammarBackend(
         tokenizer, vocab_size=hello.vocab_size, stop_token_ids=eos_ids,

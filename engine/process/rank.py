@@ -62,7 +62,9 @@ def load_rank(config: EngineConfig, device: torch.device) -> RankLoad:
                         ops_backend=ops_backend, lazy=config.tensor_parallel_size > 1)
     t1 = time.perf_counter()
     logger.info("loaded %s (%s, %s) in %.2f s", path, loaded.config.architecture, loaded.dtype, t1 - t0)
-    tokenizer = Tokenizer.from_folder(loaded.folder)
+    # --tokenizer: another folder's tokenizer and chat template (a GGUF's own otherwise).
+    tokenizer = Tokenizer.from_folder(tokenizer_folder(config, loaded),
+                                      generation_folder=loaded.folder)
     logger.info("tokenizer ready in %.2f s", time.perf_counter() - t1)
     pooler = pooler_config(loaded.config, loaded.folder, runner=config.runner, convert=config.convert,
                            pooling_type=config.pooling_type, normalize=config.pooling_normalize)
@@ -79,6 +81,12 @@ def load_rank(config: EngineConfig, device: torch.device) -> RankLoad:
         tokenizer, vocab_size=loaded.config.vocab_size, stop_token_ids=eos_ids,
         backend=config.structured_outputs_backend)
     return RankLoad(path, loaded, tokenizer, pooler, eos_ids, grammar, draft)
+
+
+def tokenizer_folder(config: EngineConfig, loaded: Any) -> Path:
+    """Where the tokenizer's files lie: ``--tokenizer`` (a path by now: Hub ids were
+    resolved by engine.process.names), else the model's folder."""
+    return Path(config.tokenizer) if config.tokenizer else loaded.folder
 
 
 def build_rank_runner(config: EngineConfig, load: RankLoad, device: torch.device,
