@@ -41,23 +41,27 @@ TOKEN = "hf_test_token"
 
 @pytest.fixture(scope="module")
 def repos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The folders the repos are made of: Llama (two commits' worth), GPT-2, OPT (written
-    by transformers' save_pretrained), and a GGUF repo's two quantizations."""
-    from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM
-
+    """The folders the repos are made of: Llama (two commits' worth), GPT-2 and OPT (OPT's
+    tokenizer in the slow vocab.json + merges.txt form, as facebook/opt-* ship it), and a
+    GGUF repo's two quantizations. GPT-2 and OPT carry files the engine never reads."""
     root = tmp_path_factory.mktemp("repos")
     out = {"llama": write_tiny_model(root / "llama", seed=0),
            "llama_v2": write_tiny_model(root / "llama_v2", seed=1)}
-    torch.manual_seed(0)
-    for name, model in (
-            ("gpt2", GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64,
-                                                n_positions=64))),
-            ("opt", OPTForCausalLM(OPTConfig(hidden_size=32, num_hidden_layers=2,
-                                             num_attention_heads=2, ffn_dim=64, vocab_size=64,
-                                             word_embed_proj_dim=32,
-                                             max_position_embeddings=64)))):
-        model.save_pretrained(root / name)
-        out[name] = root / name
+    for name in ("gpt2", "opt"):
+        folder = write_tiny_model(root / name, name)
+        (folder / "README.md").write_text("# tiny\n")
+        (folder / "flax_model.msgpack").write_bytes(b"\x00" * 64)
+        (folder / "pytorch_model.bin").write_bytes(b"\x80\x04 pickle")
+        out[name] = folder
+    opt = out["opt"]
+    fast = json.loads((opt / "tokenizer.json").read_text())
+    (opt / "tokenizer.json").unlink()
+    (opt / "vocab.json").write_text(json.dumps(fast["model"]["vocab"]))
+    merges = [m if isinstance(m, str) else " ".join(m) for m in fast["model"]["merges"]]
+    (opt / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    config = json.loads((opt / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="GPT2Tokenizer", add_bos_token=True)
+    (opt / "tokenizer_config.json").write_text(json.dumps(config))
     gg = root / "gguf"
     gg.mkdir()
     write_gguf(out["llama"], gg / "tiny-llama.F32.gguf")
@@ -217,9 +221,30 @@ def test_transformers_folders_download_with_only_what_the_engine_reads(
         hub: FakeHub, tmp_path: Path, repo: str) -> None:
     got = _resolve(hub, tmp_path, repo)
     files = _files(hub, repo)
-    assert {p.name: p.read_bytes() for p in got.path.iterdir()} == {
-        k: v for k, v in files.items() if k in ("config.json", "generation_config.json",
-                                                  "model.safetensors")}
+    fetched = {p.name: p.read_bytes() for p in got.path.iterdir()}
+    assert fetched == {k: v for k, v in fetched.items() if files.get(k) == v}
+    assert not {"README.md", "flax_model.msgpack", "pytorch_model.bin"} & fetched.keys()
+    assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= fetched.keys()
+
+
+@pytest.mark.parametrize("repo", ["org/tiny-gpt2", "org/tiny-opt"])
+async def test_gpt2_and_opt_by_id_answer_as_transformers(
+        hub: FakeHub, repos: dict[str, Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, repo: str) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "engine"))
+    folder = repos[repo.removeprefix("org/tiny-")]
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    prompt = "the engine serves tokens"
+    ids = tok(prompt, return_tensors="pt").input_ids
+    ref = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    async with engine.open_engine(repo, download_dir=str(tmp_path / "hub"), dtype="float32",
+                                  max_num_seqs=2, kv_cache_memory=4 * 2**20) as eng:
+        assert eng.model_name == repo
+        got = token_ids(await collect(eng, prompt, greedy(8)))
+    assert got == ref[0, ids.shape[1]:].tolist()
 
 
 def test_a_sharded_repo_fetches_the_shards_its_index_names(
