@@ -688,6 +688,9 @@ class RankDone:
     step_id: int
     sampled: tuple[tuple[str, int], ...]  # (sample_id, token_id), in the result's order
     failed: tuple[str, ...]
+    # The step as the worker ran it, for the pipeline's step trace (bench/pp.py): wall-clock
+    # start and end of its execute, and the seconds of that spent in recv and in send.
+    trace: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -696,6 +699,7 @@ class StageResult:
     whole result, which rank 0 hands to the scheduler."""
 
     result: StepResult
+    trace: tuple[float, ...] = ()  # as RankDone's
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

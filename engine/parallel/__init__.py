@@ -14,6 +14,7 @@ identity, so the one-rank path pays nothing.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import torch
@@ -96,6 +97,17 @@ def stage_layers(num_layers: int, num_stages: int,
     return bounds
 
 
+@dataclasses.dataclass(slots=True)
+class StageTimes:
+    """What a stage spent passing tensors (the benchmark reads it): in ``recv`` (waiting for
+    the previous stage included) and in ``send`` (queueing, and waiting for the previous
+    send to be taken), and the bytes sent."""
+
+    recv_seconds: float = 0.0
+    send_seconds: float = 0.0
+    bytes_sent: int = 0
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineStage:
     """This process's pipeline stage: decoder layers ``[start, stop)`` of the model (``stop``
@@ -117,6 +129,7 @@ class PipelineStage:
     next_rank: int = -1
     # The isend in flight (mutable state of a frozen description: compared by nobody).
     _pending: list = dataclasses.field(default_factory=list, compare=False, repr=False)
+    times: StageTimes = dataclasses.field(default_factory=StageTimes, compare=False, repr=False)
 
     @property
     def enabled(self) -> bool:
@@ -137,10 +150,13 @@ class PipelineStage:
         """Send ``tensors`` to the next stage (returns once queued)."""
         import torch.distributed as dist
 
+        t0 = time.perf_counter()
         self.wait_sent()
         for t in tensors:
             t = t.contiguous()
             self._pending.append((t, dist.isend(t, self.next_rank)))
+            self.times.bytes_sent += t.numel() * t.element_size()
+        self.times.send_seconds += time.perf_counter() - t0
 
     def wait_sent(self) -> None:
         """Wait until the last batch's tensors have been taken by the next stage."""
@@ -157,9 +173,11 @@ class PipelineStage:
         """``count`` tensors of ``shape`` from the previous stage, in the order sent."""
         import torch.distributed as dist
 
+        t0 = time.perf_counter()
         out = [torch.empty(shape, dtype=dtype, device=device) for _ in range(count)]
         for t in out:
             dist.recv(t, self.prev_rank)
+        self.times.recv_seconds += time.perf_counter() - t0
         return out
 
 

@@ -12,6 +12,7 @@ import logging
 import multiprocessing.connection as mpc
 import os
 import sys
+import time
 from typing import Any
 
 import torch
@@ -156,12 +157,15 @@ def _serve_rank(rank: int, world_size: int, address: tuple[str, int], authkey: b
                     runner.accept([(t.sample_id, t.token_id) for t in earlier.sampled],
                                   [f.sample_id for f in earlier.failed])
             grammars.before_step(message.plan, message.grammars)
+            times = place.stage.times
+            start, recv, send = time.time(), times.recv_seconds, times.send_seconds
             result = runner.execute(message.plan)
+            trace = (start, time.time(), times.recv_seconds - recv, times.send_seconds - send)
             answer: object = RankDone(
                 result.step_id, tuple((t.sample_id, t.token_id) for t in result.sampled),
-                tuple(f.sample_id for f in result.failed))
+                tuple(f.sample_id for f in result.failed), trace)
             if place.stage.enabled and place.stage.last and place.rank == 0:
-                answer = StageResult(result)
+                answer = StageResult(result, trace)
         elif isinstance(message, RankWarmUp):
             try:
                 runner.warm_up()
