@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -219,14 +220,12 @@ def _draft_model_config(value: dict[str, Any], k: int, bad: Callable[[str], Conf
     return SpeculativeConfig("draft_model", k, 4, 1, model, dtype, quantization)
 
 
-def parse_partition(value: str) -> tuple[int, ...]:
-    """``"4,4"``: each pipeline stage's layer count."""
-    try:
-        counts = tuple(int(part) for part in value.split(","))
-    except ValueError:
+def parse_partition(value: Any) -> tuple[int, ...]:
+    """``"4,4"`` (or the counts, through JSON): each pipeline stage's layer count."""
+    if isinstance(value, str) and not re.fullmatch(r"\d+(,\d+)*", value.replace(" ", "")):
         raise ConfigError(f"pipeline_layer_partition must be comma-separated layer counts, "
-                          f"got {value!r}", field="pipeline_layer_partition") from None
-    return counts
+                          f"got {value!r}", field="pipeline_layer_partition")
+    return tuple(int(part) for part in (value.split(",") if isinstance(value, str) else value))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -385,21 +384,19 @@ class EngineConfig:
         1, "split every layer of the model over N ranks (torch.distributed: NCCL on CUDA, "
         "gloo on CPU); rank 0 runs in the engine, ranks 1..N-1 in worker processes",
         type=int, metavar="N")
-    # Pipeline parallelism (engine.parallel.PipelineStage): the decoder's layers in N
-    # contiguous stages, each a rank (or tensor-parallel group) of its own; rank 0 is the
-    # first stage, in the engine.
+    # Pipeline parallelism (engine.parallel.PipelineStage): N contiguous stages of layers,
+    # each a rank (or tensor-parallel group); rank 0, in the engine, is the first.
     pipeline_parallel_size: int = _field(
         1, "split the model's layers into N pipeline stages, each a process (or Ray actor) "
-        "holding only its layers and their KV cache; hidden states pass stage to stage, and "
-        "up to N batches are in flight at once", type=int, metavar="N")
+        "holding only its layers and their KV cache, with up to N batches in flight",
+        type=int, metavar="N")
     pipeline_layer_partition: tuple[int, ...] | None = _field(
-        None, "each pipeline stage's layer count, comma-separated (vLLM's "
-        "VLLM_PP_LAYER_PARTITION, which sets it too)", type=lambda v: parse_partition(v),
-        metavar="N,N,...", default_text="an even split, the remainder to the stages before the last")
+        None, "each pipeline stage's layer count (vLLM's VLLM_PP_LAYER_PARTITION sets it too)",
+        type=parse_partition, metavar="N,N,...", default_text="an even split")
     distributed_executor_backend: str = _field(
-        "mp", "where the tensor-parallel and pipeline workers run: mp (processes on this machine) or ray "
-        "(Ray actors in a placement group, on the cluster at $RAY_ADDRESS or a local Ray "
-        "started and stopped by the engine)", choices=DISTRIBUTED_EXECUTOR_BACKENDS)
+        "mp", "where the tensor-parallel and pipeline workers run: mp (processes on this "
+        "machine) or ray (Ray actors in a placement group, on the cluster at $RAY_ADDRESS or "
+        "a local Ray started and stopped by the engine)", choices=DISTRIBUTED_EXECUTOR_BACKENDS)
     # engine.process.runtime: files that live as long as their process (the engine cores'
     # socket, a local Ray's temp dir), swept of dead processes' leftovers at each start.
     runtime_dir: str | None = _field(
@@ -610,23 +607,15 @@ class EngineConfig:
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ConfigError(f"tensor_parallel_size must be a positive integer, got {tp!r}",
                               field="tensor_parallel_size")
-        pp = self.pipeline_parallel_size
+        pp, partition = self.pipeline_parallel_size, self.pipeline_layer_partition
         if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
             raise ConfigError(f"pipeline_parallel_size must be a positive integer, got {pp!r}",
                               field="pipeline_parallel_size")
-        partition = self.pipeline_layer_partition
-        if isinstance(partition, str):
-            partition = parse_partition(partition)
-        if isinstance(partition, list):  # through JSON (to_json / from_json)
-            partition = tuple(partition)
-        object.__setattr__(self, "pipeline_layer_partition", partition)
+        if partition is not None:  # "4,4" from open_engine, a list through JSON
+            object.__setattr__(self, "pipeline_layer_partition", partition := parse_partition(partition))
         if partition is not None and (len(partition) != pp or min(partition) < 1):
-            raise ConfigError(f"pipeline_layer_partition must give each of the {pp} stages at "
-                              f"least one layer, got {partition!r}", field="pipeline_layer_partition")
-        if pp > 1 and self.speculative is not None:
-            raise ConfigError("speculative decoding is not supported with pipeline_parallel_size "
-                              "above 1 (a proposal needs the token the last stage has not yet "
-                              "returned)", field="speculative_config")
+            raise ConfigError(f"pipeline_layer_partition must give each of the {pp} stages a "
+                              f"layer or more, got {partition!r}", field="pipeline_layer_partition")
         if tp * pp > 1 and (self.data_parallel_size > 1 or self.data_parallel_address is not None):
             raise ConfigError("tensor or pipeline parallelism with data parallelism is not "
                               "supported yet: each engine core would need its own group of "

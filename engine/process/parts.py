@@ -30,8 +30,9 @@ from engine.models.pooling import PoolerConfig
 from engine.models.tokenizer import Tokenizer
 from engine.multimodal import ImagePreprocessor, MediaLimits
 from engine.parallel import SINGLE, PipelineStage, stage_layers
+from engine.process.pipeline import PipelineRunner
 from engine.process.rank import RankLoad, build_rank_runner, load_rank
-from engine.process.workers import PipelineRunner, TensorParallelRunner, WorkerGroup
+from engine.process.workers import TensorParallelRunner, WorkerGroup
 from engine.runner.kv_cache import bytes_per_block, free_memory, num_kv_blocks
 from engine.structured import GrammarBackend
 
@@ -65,6 +66,9 @@ def build_parts(config: EngineConfig) -> EngineParts:
         # Refused before any worker starts; the workers load the model while rank 0
         # sizes its pool and builds its runner.
         _refuse_unsplittable(load.loaded.config, config)
+        if load.pooler is not None and config.pipeline_parallel_size > 1:
+            raise ConfigError("pipeline parallelism is not supported for pooling models",
+                              field="pipeline_parallel_size")
         group = WorkerGroup(config, device)
     try:
         return _build_parts(config, device, load, group)
@@ -135,6 +139,11 @@ def _refuse_unsplittable(model_config: Any, config: EngineConfig) -> None:
                                        config.pipeline_layer_partition)
     if reason:
         raise ConfigError(reason, field="pipeline_parallel_size")
+    if config.pipeline_parallel_size > 1 and config.speculative is not None:
+        # A proposal is built from the request's last token, which only the last stage
+        # has until the step comes back: refused rather than planned a step behind.
+        raise ConfigError("speculative decoding is not supported with pipeline_parallel_size "
+                          "above 1", field="speculative_config")
 
 
 def _widest_stage(config: EngineConfig, loaded: Any, tp: Any) -> Any:
