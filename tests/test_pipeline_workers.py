@@ -152,3 +152,32 @@ def test_the_flags_are_checked() -> None:
                 dict(pipeline_parallel_size=2, data_parallel_size=2)):
         with pytest.raises(ConfigError):
             EngineConfig(**bad)
+
+
+@pytest.mark.slow
+async def test_smollm2_in_two_stages_through_serve_gives_the_one_rank_text() -> None:
+    """SmolLM2 (30 layers: 15 a stage) in two stages behind ``python -m engine serve``, asked
+    through the official client: its GGUF kept in blocks, each stage reading its layers."""
+    import openai
+    from test_http_serve_options import _serve
+
+    from engine.models.loader import default_model_path
+    from engine.params import SamplingParams
+
+    gguf = str(default_model_path())
+    flags = dict(dtype="float32", kv_cache_memory=16 * 2**20, max_model_len=256)
+    prompt = [1, 504, 3575, 282, 4649, 314, 253]  # token ids: both sides encode nothing
+    async with engine.open_engine(gguf, **flags) as eng:
+        outputs = await collect(eng, prompt, SamplingParams(temperature=0.0, max_tokens=24))
+    want = "".join(out.text for out in outputs)
+    assert len(token_ids(outputs)) > 8
+    with _serve(gguf, "--port", "0", "-pp", "2", "--dtype", "float32") as (proc, where, log):
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        assert sum("engine.process.worker_rank" in " ".join(w.cmdline()) for w in workers) == 1
+        with openai.OpenAI(base_url=f"{where}/v1", api_key="x", max_retries=0) as client:
+            reply = client.completions.create(model=client.models.list().data[0].id, prompt=prompt,
+                                              max_tokens=24, temperature=0)
+        assert reply.choices[0].text == want
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, "".join(log)
+    assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
