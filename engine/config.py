@@ -1,4 +1,7 @@
-"""One frozen engine configuration, checked once when built and passed explicitly."""
+"""One frozen engine configuration, checked once when built and passed explicitly.
+
+One room: every field of :class:`EngineConfig` carries its flag's help and is checked in
+one ``__post_init__``, so that a flag, its meaning and its check are read in one place."""
 
 from __future__ import annotations
 
@@ -371,6 +374,10 @@ class EngineConfig:
         "machines with --headless (and where a --headless server connects); the link is "
         "authenticated with the secret in $ENGINE_DP_SECRET or --data-parallel-secret-file",
         metavar="HOST:PORT", default_text="none: every core is local")
+    data_parallel_backend: str = _field(
+        "mp", "where the data-parallel engine cores run: mp (processes this front end spawns) "
+        "or ray (Ray actors, on the cluster at $RAY_ADDRESS or a local Ray started and "
+        "stopped by the engine; they connect back over TCP)", choices=("mp", "ray"))
     data_parallel_size_local: int | None = _field(
         None, "engine cores this machine starts (the rest of --data-parallel-size connect "
         "from other machines)", type=int, metavar="N", default_text="all of them")
