@@ -1,7 +1,8 @@
 """One frozen engine configuration, checked once when built and passed explicitly.
 
-One room: every field of :class:`EngineConfig` carries its flag's help and is checked in
-one ``__post_init__``, so that a flag, its meaning and its check are read in one place."""
+This module is one room: every field of :class:`EngineConfig` carries its flag's help and
+is checked in one ``__post_init__``, so that a flag, its meaning and its check are read in
+one place."""
 
 from __future__ import annotations
 
