@@ -86,6 +86,27 @@ async def test_two_by_two_ranks_give_the_one_rank_tokens(model: Path) -> None:
     assert got == want
 
 
+async def test_stages_placed_by_ray_give_the_one_rank_tokens(model: Path) -> None:
+    ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
+    import tempfile
+
+    async with engine.open_engine(str(model), **OPTIONS) as eng:
+        want = [token_ids(await collect(eng, p, greedy(12))) for p in PROMPTS[:2]]
+    env_address = os.environ.pop("RAY_ADDRESS", None)
+    root = tempfile.mkdtemp(prefix="rt-")  # short: Ray's socket paths must fit 107 bytes
+    try:
+        async with engine.open_engine(str(model), pipeline_parallel_size=2, runtime_dir=root,
+                                      distributed_executor_backend="ray", **OPTIONS) as eng:
+            assert ray.util.placement_group_table(eng._parts.runner.group._placement)["bundles"] \
+                == {0: {"CPU": 1.0}}  # stage 1; stage 0 is rank 0, in the engine
+            got = [token_ids(await collect(eng, p, greedy(12))) for p in PROMPTS[:2]]
+    finally:
+        if env_address is not None:
+            os.environ["RAY_ADDRESS"] = env_address
+    assert got == want
+    assert not ray.is_initialized()
+
+
 async def _fail_mid_stream(eng: Any, sig: signal.Signals) -> tuple[int, str]:
     (victim,) = eng._parts.runner.worker_pids()
     stream = await eng.submit(PROMPTS[0], greedy(400))
