@@ -86,6 +86,41 @@ async def test_two_by_two_ranks_give_the_one_rank_tokens(model: Path) -> None:
     assert got == want
 
 
+async def test_preemption_and_abort_under_the_batch_queue(model: Path) -> None:
+    """A pool too small for the requests in flight preempts (recomputed from the start,
+    while their last step may still be in a later stage) and the tokens stay one rank's;
+    a stream closed early is aborted, and every block comes back."""
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(20 + i)] for i in range(8)]
+
+    async def run(eng: Any) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in prompts]
+
+        async def one(i: int) -> None:
+            out[i] = token_ids(await collect(eng, prompts[i], greedy(40)))
+
+        async def aborted() -> None:
+            async for _ in eng.generate(prompts[0], greedy(100)):
+                break  # closing the stream aborts the request
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(aborted)
+            for i in range(len(prompts)):
+                nursery.start_soon(one, i)
+        return out
+
+    async with engine.open_engine(str(model), **OPTIONS) as eng:
+        want = await run(eng)
+        assert eng.statistics().preemptions == 0
+    # 10 blocks of 16 tokens (16 KiB each on a 2-layer stage) for 8 requests of ~60 tokens.
+    async with engine.open_engine(str(model), pipeline_parallel_size=2,
+                                  **{**OPTIONS, "kv_cache_memory": 10 * 16384}) as eng:
+        assert eng.statistics().kv_blocks_total == 10
+        got = await run(eng)
+        assert eng.statistics().preemptions > 0
+        await wait_idle(eng)
+    assert got == want
+
+
 async def test_stages_placed_by_ray_give_the_one_rank_tokens(model: Path) -> None:
     ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
     import tempfile
