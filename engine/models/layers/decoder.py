@@ -89,7 +89,7 @@ class DecoderLayer:
     gate_up: Any  # Linear | QuantLinear [2 * intermediate, hidden]; None in a sparse (MoE) layer
     down: Any
     window: int  # sliding window (last N positions), 0 for full attention
-    rope: torch.Tensor  # this layer's cos/sin table (shared by layers with the same RoPE)
+    rope: torch.Tensor | None  # this layer's cos/sin table (shared by layers with the same RoPE); None: no RoPE
     # The routed-expert MLP of a sparse layer (keyword-only, so subclasses may add fields).
     moe: SparseMoeBlock | None = dataclasses.field(default=None, kw_only=True)
 
@@ -287,7 +287,9 @@ class Decoder:
         if layer.q_norm is not None and layer.k_norm is not None:
             q = self._head_norm(q, layer.q_norm)
             k = self._head_norm(k, layer.k_norm)
-        q, k = ops.rotary_embedding(positions, q, k, layer.rope if rope is None else rope)
+        table = layer.rope if rope is None else rope
+        if table is not None:  # None: positions are learned embeddings (layers/absolute.py)
+            q, k = ops.rotary_embedding(positions, q, k, table)
         ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.decode_only:
             o = ops.paged_attention_decode(
