@@ -28,7 +28,12 @@ from engine.errors import UnsupportedModelError
 from engine.models.config import ModelConfig
 from engine.models.layers.shard import pipeline_parallel_problem
 from engine.models.loader import _converted_gguf
-from engine.models.testing import TINY_ARCHITECTURES, TINY_MOE_ARCHITECTURES, write_tiny_model
+from engine.models.testing import (
+    TINY_ABSOLUTE_ARCHITECTURES,
+    TINY_ARCHITECTURES,
+    TINY_MOE_ARCHITECTURES,
+    write_tiny_model,
+)
 from engine.parallel import SINGLE, PipelineStage, TensorParallel, place_rank, stage_layers
 
 LOGIT_ATOL = 1e-5
@@ -39,7 +44,7 @@ LOGIT_RTOL = 1e-6  # as test_tensor_parallel: a part in a million of the logit
 # layouts take twice the bound. The pipeline alone changes no sum.
 TP_LOGIT_ATOL = 2e-5
 LAYERS = 4  # the floor: 2 stages of 2 layers, or 3 stages of 2, 1, 1
-FAMILIES = TINY_ARCHITECTURES + TINY_MOE_ARCHITECTURES
+FAMILIES = TINY_ARCHITECTURES + TINY_MOE_ARCHITECTURES + TINY_ABSOLUTE_ARCHITECTURES
 GGUFS = [("llama", "Q4_0"), ("qwen2", "Q8_0")]  # blocks kept: a tied head, q/k/v biases
 LAYOUTS = [(1, 2), (1, 3), (2, 2)]  # (tp, pp)
 
@@ -48,7 +53,9 @@ LAYOUTS = [(1, 2), (1, 3), (2, 2)]  # (tp, pp)
 def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple[str, str, bool]]]:
     root = tmp_path_factory.mktemp("pp-models")
     layers = {"num_hidden_layers": LAYERS}
-    out = [(arch, str(write_tiny_model(root / arch, arch, overrides=layers)), True) for arch in FAMILIES]
+    # GPT-2 and OPT's tiny models have LAYERS layers already (GPT-2 names the count n_layer).
+    out = [(arch, str(write_tiny_model(root / arch, arch, overrides=None if arch in TINY_ABSOLUTE_ARCHITECTURES
+                                       else layers)), True) for arch in FAMILIES]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ENGINE_CACHE_DIR", str(root / "cache"))  # the ranks inherit it
         for arch, quant in GGUFS:
