@@ -1,10 +1,15 @@
-"""One frozen engine configuration, checked once when built and passed explicitly."""
+"""One frozen engine configuration, checked once when built and passed explicitly.
+
+This module is one room: every field of :class:`EngineConfig` carries its flag's help and
+is checked in one ``__post_init__``, so that a flag, its meaning and its check are read in
+one place."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -219,6 +224,14 @@ def _draft_model_config(value: dict[str, Any], k: int, bad: Callable[[str], Conf
     return SpeculativeConfig("draft_model", k, 4, 1, model, dtype, quantization)
 
 
+def parse_partition(value: Any) -> tuple[int, ...]:
+    """``"4,4"`` (or the counts, through JSON): each pipeline stage's layer count."""
+    if isinstance(value, str) and not re.fullmatch(r"\d+(,\d+)*", value.replace(" ", "")):
+        raise ConfigError(f"pipeline_layer_partition must be comma-separated layer counts, "
+                          f"got {value!r}", field="pipeline_layer_partition")
+    return tuple(int(part) for part in (value.split(",") if isinstance(value, str) else value))
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Flag:
     """How an :class:`EngineConfig` field appears on the command line (see
@@ -380,6 +393,10 @@ class EngineConfig:
         "machines with --headless (and where a --headless server connects); the link is "
         "authenticated with the secret in $ENGINE_DP_SECRET or --data-parallel-secret-file",
         metavar="HOST:PORT", default_text="none: every core is local")
+    data_parallel_backend: str = _field(
+        "mp", "where the data-parallel engine cores run: mp (processes this front end spawns) "
+        "or ray (Ray actors, on the cluster at $RAY_ADDRESS or a local Ray started and "
+        "stopped by the engine; they connect back over TCP)", choices=("mp", "ray"))
     data_parallel_size_local: int | None = _field(
         None, "engine cores this machine starts (the rest of --data-parallel-size connect "
         "from other machines)", type=int, metavar="N", default_text="all of them")
@@ -393,10 +410,19 @@ class EngineConfig:
         1, "split every layer of the model over N ranks (torch.distributed: NCCL on CUDA, "
         "gloo on CPU); rank 0 runs in the engine, ranks 1..N-1 in worker processes",
         type=int, metavar="N")
+    # Pipeline parallelism (engine.parallel.PipelineStage): N contiguous stages of layers,
+    # each a rank (or tensor-parallel group); rank 0, in the engine, is the first.
+    pipeline_parallel_size: int = _field(
+        1, "split the model's layers into N pipeline stages, each a process (or Ray actor) "
+        "holding only its layers and their KV cache, with up to N batches in flight",
+        type=int, metavar="N")
+    pipeline_layer_partition: tuple[int, ...] | None = _field(
+        None, "each pipeline stage's layer count (vLLM's VLLM_PP_LAYER_PARTITION sets it too)",
+        type=parse_partition, metavar="N,N,...", default_text="an even split")
     distributed_executor_backend: str = _field(
-        "mp", "where the tensor-parallel workers run: mp (processes on this machine) or ray "
-        "(Ray actors in a placement group, on the cluster at $RAY_ADDRESS or a local Ray "
-        "started and stopped by the engine)", choices=DISTRIBUTED_EXECUTOR_BACKENDS)
+        "mp", "where the tensor-parallel and pipeline workers run: mp (processes on this "
+        "machine) or ray (Ray actors in a placement group, on the cluster at $RAY_ADDRESS or "
+        "a local Ray started and stopped by the engine)", choices=DISTRIBUTED_EXECUTOR_BACKENDS)
     # engine.process.runtime: files that live as long as their process (the engine cores'
     # socket, a local Ray's temp dir), swept of dead processes' leftovers at each start.
     runtime_dir: str | None = _field(
@@ -607,10 +633,19 @@ class EngineConfig:
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ConfigError(f"tensor_parallel_size must be a positive integer, got {tp!r}",
                               field="tensor_parallel_size")
-        if tp > 1 and (self.data_parallel_size > 1 or self.data_parallel_address is not None):
-            raise ConfigError("tensor_parallel_size above 1 with data parallelism is not "
+        pp, partition = self.pipeline_parallel_size, self.pipeline_layer_partition
+        if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+            raise ConfigError(f"pipeline_parallel_size must be a positive integer, got {pp!r}",
+                              field="pipeline_parallel_size")
+        if partition is not None:  # "4,4" from open_engine, a list through JSON
+            object.__setattr__(self, "pipeline_layer_partition", partition := parse_partition(partition))
+        if partition is not None and (len(partition) != pp or min(partition) < 1):
+            raise ConfigError(f"pipeline_layer_partition must give each of the {pp} stages a "
+                              f"layer or more, got {partition!r}", field="pipeline_layer_partition")
+        if tp * pp > 1 and (self.data_parallel_size > 1 or self.data_parallel_address is not None):
+            raise ConfigError("tensor or pipeline parallelism with data parallelism is not "
                               "supported yet: each engine core would need its own group of "
-                              "devices", field="tensor_parallel_size")
+                              "devices", field="tensor_parallel_size" if tp > 1 else "pipeline_parallel_size")
         restarts = self.max_engine_restarts
         if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
             raise ConfigError(f"max_engine_restarts must be a non-negative integer, got {restarts!r}", field="max_engine_restarts")

@@ -53,7 +53,11 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     token = getattr(args, "hf_token", None)
     if token:
         os.environ["HF_TOKEN"] = token
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    if values["pipeline_layer_partition"] is None and os.environ.get("VLLM_PP_LAYER_PARTITION"):
+        # vLLM's variable for the stages' layer counts, read here at the edge.
+        values["pipeline_layer_partition"] = os.environ["VLLM_PP_LAYER_PARTITION"]
+    return EngineConfig(**values)
 
 
 # -- vLLM's serve flags ---------------------------------------------------------------------
@@ -76,8 +80,8 @@ class VllmFlag:
     allowed: tuple[str, ...] | None = None
 
 
-_ONE_DEVICE = ("this server splits a model over devices by tensor parallelism only "
-               "(--tensor-parallel-size)")
+_ONE_DEVICE = ("this server splits a model over devices by tensor and pipeline parallelism "
+               "only (--tensor-parallel-size, --pipeline-parallel-size)")
 
 # The ``vllm serve`` flags users are likely to pass that this server does not define under
 # the same name (those it shares, --max-model-len, --max-num-seqs, --dtype, ..., are its
@@ -86,8 +90,7 @@ VLLM_SERVE_FLAGS: dict[str, VllmFlag] = {
     "--guided-decoding-backend": VllmFlag("alias", target="--structured-outputs-backend"),
     "--uvicorn-log-level": VllmFlag("alias", target="--log-level"),
     "-tp": VllmFlag("alias", target="--tensor-parallel-size"),
-    "--pipeline-parallel-size": VllmFlag("no_op", _ONE_DEVICE, allowed=("1",)),
-    "-pp": VllmFlag("no_op", _ONE_DEVICE, allowed=("1",)),
+    "-pp": VllmFlag("alias", target="--pipeline-parallel-size"),
     "-dp": VllmFlag("alias", target="--data-parallel-size"),
     "--trust-remote-code": VllmFlag(
         "no_op", "this server never runs a model's own Python code", takes_value=False),

@@ -150,22 +150,25 @@ class AbsoluteDecoder(Decoder):
         self.act = _ACTIVATIONS[config.activation]
         names = self.NAMES
         get = ShardedWeights(self._stored(weights), dtype, self.device, tp)
-        self.embed = get.rows(names.embed + ".weight")
-        self.positions = get(names.positions + ".weight")
+        # A pipeline stage holds its layers; the first also the token and position tables
+        # (and OPT's project_in), the last the final norm, project_out and the head.
+        first, last = tp.stage.first, tp.stage.last
+        tied = config.tie_word_embeddings
+        self.embed = get.rows(names.embed + ".weight") if first or (last and tied) else None
+        self.positions = get(names.positions + ".weight") if first else None
         rows = config.max_position_embeddings + self.position_offset  # the last position the engine gives, + 1
-        if self.positions.shape[0] < rows:
+        if self.positions is not None and self.positions.shape[0] < rows:
             raise CorruptModelError(
                 f"{names.positions}.weight has {self.positions.shape[0]} rows; max_position_embeddings "
                 f"{config.max_position_embeddings} (+ offset {self.position_offset}) needs {rows}")
         projected = spec.embed_dim != config.hidden_size
-        self.project_in = make_linear([get(names.project_in + ".weight")]) if projected else None  # type: ignore[operator]
-        self.project_out = make_linear([get(names.project_out + ".weight")]) if projected else None  # type: ignore[operator]
-        self.layers = [self._layer(get, i) for i in range(config.num_hidden_layers)]
-        self.norm = (get(names.final_norm + ".weight"), get(names.final_norm + ".bias")) if spec.final_norm else None
-        if config.tie_word_embeddings:
-            self.lm_head = make_linear([self.embed])
-        else:
-            self.lm_head = make_linear([get.rows("lm_head.weight")])
+        self.project_in = make_linear([get(names.project_in + ".weight")]) if projected and first else None  # type: ignore[operator]
+        self.project_out = make_linear([get(names.project_out + ".weight")]) if projected and last else None  # type: ignore[operator]
+        self.layers = [self._layer(get, i) for i in tp.stage.layer_range(config.num_hidden_layers)]
+        self.norm = (get(names.final_norm + ".weight"), get(names.final_norm + ".bias")) if spec.final_norm and last else None
+        self.lm_head = None
+        if last:
+            self.lm_head = make_linear([self.embed] if tied else [get.rows("lm_head.weight")])
 
     def _stored(self, weights: Mapping) -> Mapping:
         """The checkpoint's tensors as ``[out, in]`` weights (GPT-2 transposes its Conv1Ds)."""
@@ -215,11 +218,16 @@ class AbsoluteDecoder(Decoder):
         this step's K/V."""
         if mm_embeds is not None:
             raise UnsupportedModelError(f"{self.config.architecture} takes no image embeddings")
-        hidden = self._embed(input_ids)
-        if self.project_in is not None:
-            hidden = self.project_in(hidden)
-        # embed(): the table may be a GGUF's kept blocks, read row by row as the token table.
-        hidden = hidden + embed(self.positions, positions + self.position_offset, self.dtype)
+        stage = self.tp.stage
+        if stage.first:
+            hidden = self._embed(input_ids)
+            if self.project_in is not None:
+                hidden = self.project_in(hidden)
+            # embed(): the table may be a GGUF's kept blocks, read row by row as the token table.
+            hidden = hidden + embed(self.positions, positions + self.position_offset, self.dtype)
+        else:  # a later pipeline stage: the stream is the hidden states alone
+            (hidden,) = stage.recv(1, (positions.shape[-1], self.config.hidden_size), self.dtype,
+                                   self.device)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             assert isinstance(layer, AbsoluteLayer)
             x = self._ln(hidden, layer.input_norm, layer.input_norm_bias) if self.pre_norm else hidden
@@ -230,6 +238,9 @@ class AbsoluteDecoder(Decoder):
             hidden = hidden + (layer.down(self.act(layer.gate_up(x))) + layer.down_bias)  # down: row-parallel, whole
             if not self.pre_norm:
                 hidden = self._ln(hidden, layer.post_norm, layer.post_norm_bias)
+        if not stage.last:
+            stage.send([hidden])
+            return None  # type: ignore[return-value]
         if self.norm is not None:
             hidden = self._ln(hidden, *self.norm)
         if self.project_out is not None:
