@@ -201,7 +201,8 @@ class SchedulerActor:
             self._planned_ahead += 1
         now = time.monotonic()
         for new in plan.new_requests:
-            self._scheduled_at[new.sample_id] = now
+            if self._core.get_request(new.sample_id) is not None:  # not a beam's row
+                self._scheduled_at[new.sample_id] = now
         self._in_flight.append(plan)
         self._in_flight_prompt.append(self._prompt_tokens(plan))
         self._steps += 1

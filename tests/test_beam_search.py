@@ -1,0 +1,116 @@
+"""Beam search against transformers' ``generate(num_beams=...)`` (issue 38).
+
+The oracle is transformers' own beam search on the same weights in fp32: the same
+hypotheses in the same order, their scores (``sequences_scores``) and cumulative logprobs
+within 1e-4. The EOS of the "with EOS" cases is a token of the model's own greedy output,
+so the search meets it inside the horizon.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import trio
+from engine_helpers import collect, tiny_model, wait_idle
+
+import engine
+from engine.params import SamplingParams
+
+# 16-token blocks; a pool of 4 MiB (8192 tokens of the tiny model) leaves every width room.
+OPTIONS: dict[str, Any] = dict(dtype="float32", max_num_seqs=16, max_num_batched_tokens=64,
+                               block_size=16, kv_cache_memory=4 * 1024 * 1024)
+PROMPT = [5, 77, 123, 9, 201, 45, 300, 17, 88, 140, 66, 250, 31]  # 13 tokens: a partial block
+MAX_TOKENS = 12
+TOLERANCE = 1e-4  # the issue's bound on scores and cumulative logprobs
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def hf(model: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+
+
+def hf_beams(hf: Any, prompt: list[int], *, width: int, max_tokens: int, eos: int | None,
+             length_penalty: float = 1.0, early_stopping: bool | str = False,
+             min_tokens: int = 0) -> list[tuple[list[int], float, float]]:
+    """transformers' hypotheses, best first: (generated ids, score, cumulative logprob).
+    One beam is greedy search there (``num_beams=1`` takes that path): its scores are
+    summed from the step logits it returns."""
+    ids = torch.tensor([prompt])
+    if width == 1:
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                              min_new_tokens=min_tokens or None, do_sample=False, eos_token_id=eos,
+                              pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+                              top_k=None, top_p=None, temperature=None)
+        tokens = out.sequences[0, len(prompt):].tolist()
+        if eos is not None and eos in tokens:
+            tokens = tokens[: tokens.index(eos) + 1]
+        cum = sum(torch.log_softmax(out.logits[i][0].float(), -1)[t].item() for i, t in enumerate(tokens))
+        return [(tokens, cum / len(tokens) ** length_penalty, cum)]
+    with torch.no_grad():
+        out = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+            min_new_tokens=min_tokens or None, num_beams=width, num_return_sequences=width,
+            length_penalty=length_penalty, early_stopping=early_stopping, do_sample=False,
+            eos_token_id=eos, pad_token_id=0, output_scores=True, return_dict_in_generate=True,
+            top_k=None, top_p=None, temperature=None,
+        )
+    lengths = (out.beam_indices >= 0).sum(dim=1).tolist()
+    result = []
+    for row, length, score in zip(out.sequences.tolist(), lengths, out.sequences_scores.tolist(), strict=True):
+        result.append((row[len(prompt):len(prompt) + length], score, score * length ** length_penalty))
+    return result
+
+
+def hf_greedy(hf: Any, prompt: list[int], max_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                          do_sample=False, eos_token_id=None, pad_token_id=0, top_k=None,
+                          top_p=None, temperature=None)
+    return out[0, len(prompt):].tolist()
+
+
+def beam_params(width: int, eos: int | None, **extra: Any) -> SamplingParams:
+    # The tiny model's own EOS is ignored; the chosen EOS is a stop token (it ends a
+    # hypothesis exactly as EOS does, and transformers is given it as eos_token_id).
+    return SamplingParams(beam_width=width, n=width, max_tokens=extra.pop("max_tokens", MAX_TOKENS),
+                          ignore_eos=True, stop_token_ids=[eos] if eos is not None else [], **extra)
+
+
+async def engine_beams(eng: Any, prompt: list[int], params: SamplingParams) -> list[tuple[list[int], float, float]]:
+    outputs = await collect(eng, prompt, params)
+    final = sorted((o for o in outputs if o.finished), key=lambda o: o.index)
+    return [(list(o.token_ids), o.beam_score, o.cumulative_logprob) for o in final]
+
+
+def assert_same(ours: list[tuple[list[int], float, float]], theirs: list[tuple[list[int], float, float]]) -> None:
+    assert [t for t, _, _ in ours] == [t for t, _, _ in theirs]
+    for (_, s, c), (_, hs, hc) in zip(ours, theirs, strict=True):
+        assert s == pytest.approx(hs, abs=TOLERANCE)
+        assert c == pytest.approx(hc, abs=TOLERANCE)
+
+
+@pytest.fixture(scope="module")
+def eos(hf: Any) -> int:
+    """A token the model's greedy continuation of PROMPT produces early."""
+    return hf_greedy(hf, PROMPT, 4)[2]
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+async def test_beams_match_transformers_with_and_without_eos(model: Path, hf: Any, eos: int, width: int) -> None:
+    async with engine.open_engine(str(model), **OPTIONS) as eng:
+        for end in (None, eos):
+            ours = await engine_beams(eng, PROMPT, beam_params(width, end))
+            assert_same(ours, hf_beams(hf, PROMPT, width=width, max_tokens=MAX_TOKENS, eos=end))
+        await wait_idle(eng)
