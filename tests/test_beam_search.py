@@ -103,14 +103,30 @@ def assert_same(ours: list[tuple[list[int], float, float]], theirs: list[tuple[l
 
 @pytest.fixture(scope="module")
 def eos(hf: Any) -> int:
-    """A token the model's greedy continuation of PROMPT produces early."""
-    return hf_greedy(hf, PROMPT, 4)[2]
+    """The second token of the model's greedy continuation of PROMPT."""
+    return hf_greedy(hf, PROMPT, 4)[1]
+
+
+# (length_penalty, early_stopping, min_tokens): each of transformers' stopping rules; a
+# penalty below 1 favours the short hypotheses EOS ends, "never" with a positive penalty
+# takes the bound over max_tokens, min_tokens masks EOS in the first steps.
+SETTINGS = [(1.0, False, 0), (0.5, True, 0), (2.0, "never", 0), (-1.0, False, 3)]
 
 
 @pytest.mark.parametrize("width", [1, 2, 4, 8])
 async def test_beams_match_transformers_with_and_without_eos(model: Path, hf: Any, eos: int, width: int) -> None:
+    ended = 0
     async with engine.open_engine(str(model), **OPTIONS) as eng:
-        for end in (None, eos):
-            ours = await engine_beams(eng, PROMPT, beam_params(width, end))
-            assert_same(ours, hf_beams(hf, PROMPT, width=width, max_tokens=MAX_TOKENS, eos=end))
+        ours = await engine_beams(eng, PROMPT, beam_params(width, None))
+        assert_same(ours, hf_beams(hf, PROMPT, width=width, max_tokens=MAX_TOKENS, eos=None))
+        for penalty, early, min_tokens in SETTINGS:
+            if width == 1 and early == "never":
+                continue  # transformers runs greedy search for one beam, which never waits
+            ours = await engine_beams(eng, PROMPT, beam_params(
+                width, eos, length_penalty=penalty, early_stopping=early, min_tokens=min_tokens))
+            theirs = hf_beams(hf, PROMPT, width=width, max_tokens=MAX_TOKENS, eos=eos,
+                              length_penalty=penalty, early_stopping=early, min_tokens=min_tokens)
+            assert_same(ours, theirs)
+            ended += sum(1 for t, _, _ in theirs if t[-1] == eos and len(t) < MAX_TOKENS)
         await wait_idle(eng)
+    assert ended, "no hypothesis ended with EOS inside the horizon: the EOS cases test nothing"
