@@ -130,3 +130,43 @@ async def test_beams_match_transformers_with_and_without_eos(model: Path, hf: An
             ended += sum(1 for t, _, _ in theirs if t[-1] == eos and len(t) < MAX_TOKENS)
         await wait_idle(eng)
     assert ended, "no hypothesis ended with EOS inside the horizon: the EOS cases test nothing"
+
+
+# 20 blocks of 16 tokens (the tiny model's KV is 512 bytes a token): one group of 4 beams
+# of up to 33 tokens fits with room for its forks, three at once do not.
+SMALL_POOL = 20 * 16 * 512
+
+
+async def test_groups_preempted_whole_give_the_same_beams(model: Path, hf: Any) -> None:
+    prompts = [PROMPT, PROMPT[::-1], [7, *PROMPT[3:]]]
+    options = dict(OPTIONS, kv_cache_memory=SMALL_POOL, enable_prefix_caching=False)
+    params = beam_params(4, None, max_tokens=20)
+    results: list[Any] = [None] * len(prompts)
+    async with engine.open_engine(str(model), **options) as eng:
+        assert eng.statistics().kv_blocks_total == 20
+
+        async def one(i: int) -> None:
+            results[i] = await engine_beams(eng, prompts[i], params)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(prompts)):
+                nursery.start_soon(one, i)
+        stats = await wait_idle(eng)
+    assert stats.preemptions > 0
+    for prompt, ours in zip(prompts, results, strict=True):
+        assert_same(ours, hf_beams(hf, prompt, width=4, max_tokens=20, eos=None))
+
+
+async def test_aborting_mid_search_leaks_no_block(model: Path) -> None:
+    async with engine.open_engine(str(model), **OPTIONS) as eng:
+        total = eng.statistics().kv_blocks_total
+        stream = await eng.submit(PROMPT, beam_params(8, None, max_tokens=200))
+        async with stream:
+            start = eng.statistics().steps
+            # Several forks in: the beams hold shared and copied blocks of their own.
+            with trio.fail_after(60):
+                while eng.statistics().steps < start + 12:  # noqa: ASYNC110 - no event to wait on
+                    await trio.sleep(0.01)
+            assert eng.statistics().kv_blocks_free < total
+        stats = await wait_idle(eng)  # aborted on leaving the stream
+    assert stats.kv_blocks_free == total
