@@ -170,3 +170,30 @@ async def test_aborting_mid_search_leaks_no_block(model: Path) -> None:
             assert eng.statistics().kv_blocks_free < total
         stats = await wait_idle(eng)  # aborted on leaving the stream
     assert stats.kv_blocks_free == total
+
+
+def test_http_beam_search_through_the_openai_client(model: Path, hf: Any) -> None:
+    import openai
+    from http_server import ServerThread
+
+    with ServerThread(lambda: engine.open_engine(str(model), served_model_name="tiny", **OPTIONS)) as srv, \
+            openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0) as client:
+        answer = client.completions.create(
+            model="tiny", prompt=PROMPT, n=4, max_tokens=MAX_TOKENS, temperature=0.0,
+            extra_body={"use_beam_search": True, "length_penalty": 0.5, "ignore_eos": True,
+                        "return_token_ids": True})
+        theirs = hf_beams(hf, PROMPT, width=4, max_tokens=MAX_TOKENS, eos=None, length_penalty=0.5)
+        assert [c.index for c in answer.choices] == [0, 1, 2, 3]
+        assert [c.token_ids for c in answer.choices] == [t for t, _, _ in theirs]  # type: ignore[attr-defined]
+        assert answer.usage.completion_tokens == sum(len(t) for t, _, _ in theirs)
+        chat = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=6,
+            extra_body={"use_beam_search": True, "ignore_eos": True, "early_stopping": "never"})
+        assert [c.index for c in chat.choices] == [0, 1]
+        assert chat.choices[0].message.content != chat.choices[1].message.content
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                           n=2, stream=True, extra_body={"use_beam_search": True})
+        assert info.value.body["param"] == "use_beam_search"  # type: ignore[index]
+        stats = srv.engine.statistics()
+        assert stats.kv_blocks_free == stats.kv_blocks_total
