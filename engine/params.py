@@ -307,6 +307,33 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)
 
 
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class BeamSearchParams:
+    """vLLM's ``BeamSearchParams`` (``LLM.beam_search``): ``beam_width`` beams, every one
+    returned, best score first; plus transformers' ``early_stopping``. ``temperature``
+    is accepted and, as in a search that draws nothing, changes nothing (the candidates
+    are ranked on the raw log-softmax)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        self.sampling_params()  # every field checked where SamplingParams checks it
+
+    def sampling_params(self) -> SamplingParams:
+        """The same search as :class:`SamplingParams` (``n`` = ``beam_width``)."""
+        return SamplingParams(
+            n=self.beam_width, beam_width=self.beam_width, max_tokens=self.max_tokens,
+            ignore_eos=self.ignore_eos, temperature=self.temperature,
+            length_penalty=self.length_penalty, early_stopping=self.early_stopping,
+            include_stop_str_in_output=self.include_stop_str_in_output)
+
+
 # vLLM's SamplingParams fields without a field here, and the one value of each that asks
 # for nothing more than this engine does (None: only None). ``best_of`` may also equal
 # ``n`` (vLLM V1 itself samples no extra sequences); ``guided_decoding`` (vLLM's older

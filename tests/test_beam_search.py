@@ -197,3 +197,33 @@ def test_http_beam_search_through_the_openai_client(model: Path, hf: Any) -> Non
         assert info.value.body["param"] == "use_beam_search"  # type: ignore[index]
         stats = srv.engine.statistics()
         assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+async def test_engine_beam_search_returns_vllms_beam_shape(model: Path, hf: Any) -> None:
+    async with engine.open_engine(str(model), **OPTIONS) as eng:
+        out = await eng.beam_search(PROMPT, engine.BeamSearchParams(
+            beam_width=2, max_tokens=MAX_TOKENS, ignore_eos=True, early_stopping=True))
+    theirs = hf_beams(hf, PROMPT, width=2, max_tokens=MAX_TOKENS, eos=None, early_stopping=True)
+    assert [s.tokens for s in out.sequences] == [PROMPT + t for t, _, _ in theirs]
+    assert [s.cum_logprob for s in out.sequences] == pytest.approx([c for _, _, c in theirs], abs=TOLERANCE)
+
+
+def test_llm_beam_search_on_smollm2_matches_transformers(tmp_path: Path) -> None:
+    """The one real-model case: SmolLM2-135M's GGUF, dequantized to fp32 on both sides."""
+    from text_fixtures import smollm2_gguf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    prompt = tokenizer("The three primary colors are")["input_ids"]
+    theirs_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                        dtype=torch.float32).eval()
+    theirs = hf_beams(theirs_model, prompt, width=4, max_tokens=8, eos=None, length_penalty=0.5)
+    with engine.LLM(str(gguf), dtype="float32", quantization="none", max_model_len=256,
+                    kv_cache_memory=16 * 2**20) as llm:
+        (out,) = llm.beam_search([{"prompt_token_ids": prompt}], engine.BeamSearchParams(
+            beam_width=4, max_tokens=8, ignore_eos=True, length_penalty=0.5))
+    assert [s.tokens[len(prompt):] for s in out.sequences] == [t for t, _, _ in theirs]
+    assert [s.score for s in out.sequences] == pytest.approx([s for _, s, _ in theirs], abs=TOLERANCE)
+    assert [s.cum_logprob for s in out.sequences] == pytest.approx([c for _, _, c in theirs], abs=TOLERANCE)
+    assert out.sequences[0].text == tokenizer.decode(out.sequences[0].tokens[len(prompt):])

@@ -40,6 +40,7 @@ from engine.actors.system import (
     combined_statistics,
     run_actors,
 )
+from engine.api.outputs import BeamSearchOutput, GenerationAccumulator, beam_search_output
 from engine.api.streams import RequestStream, _Generation
 from engine.chat import session as chat_session
 from engine.chat.request import TemplateOptions
@@ -51,7 +52,7 @@ from engine.core.pooling import Pooled
 from engine.errors import EngineDeadError, InvalidParamError, RequestFailedError
 from engine.messages import AdmittedRequest
 from engine.models.chat_sandbox import RenderBudget
-from engine.params import SamplingParams, generation_defaults
+from engine.params import BeamSearchParams, SamplingParams, generation_defaults
 from engine.process.workers import WorkerLostError
 from engine.runner.logits_processors import load_logits_processors
 from engine.structured import GrammarHold, StructuredStatistics
@@ -369,6 +370,20 @@ class Engine:
         gen:`` to make the abort happen exactly when the block is left.
         """
         return _Generation(self, (prompt, params), kwargs)
+
+    async def beam_search(self, prompt: str | Sequence[int], params: BeamSearchParams,
+                          **kwargs: Any) -> BeamSearchOutput:
+        """A beam search of ``params.beam_width`` beams (see :class:`BeamSearchParams`):
+        every beam, best score first, once the search ends. ``kwargs`` as :meth:`submit`'s."""
+        if not isinstance(params, BeamSearchParams):
+            raise InvalidParamError("params must be an engine.BeamSearchParams", param="params")
+        stream = await self.submit(prompt, params.sampling_params(), **kwargs)
+        acc = GenerationAccumulator(stream.request_id, None, stream.prompt_token_ids,
+                                    logprobs=False, decode=str)
+        async with stream:
+            async for out in stream:
+                acc.add(out)
+        return beam_search_output(acc.result())
 
     async def chat(self, messages: Sequence[dict[str, Any]], params: SamplingParams | None = None,
                    **options: Any) -> ChatResult:
