@@ -17,6 +17,8 @@ import trio
 from engine_helpers import collect, tiny_model, wait_idle
 
 import engine
+from engine.core.block_pool import BlockPool
+from engine.messages import AllocateSlots, AllocationRefused, BlocksForked, ForkBlocks, FreeRequest
 from engine.params import SamplingParams
 
 # 16-token blocks; a pool of 4 MiB (8192 tokens of the tiny model) leaves every width room.
@@ -133,14 +135,17 @@ async def test_beams_match_transformers_with_and_without_eos(model: Path, hf: An
 
 
 # 20 blocks of 16 tokens (the tiny model's KV is 512 bytes a token): one group of 4 beams
-# of up to 33 tokens fits with room for its forks, three at once do not.
+# of up to 62 tokens fits with room for its forks (the cap on max_tokens is 38 here),
+# three at once do not.
 SMALL_POOL = 20 * 16 * 512
 
 
-async def test_groups_preempted_whole_give_the_same_beams(model: Path, hf: Any) -> None:
-    prompts = [PROMPT, PROMPT[::-1], [7, *PROMPT[3:]]]
-    options = dict(OPTIONS, kv_cache_memory=SMALL_POOL, enable_prefix_caching=False)
-    params = beam_params(4, None, max_tokens=20)
+@pytest.mark.parametrize("prefix_caching", [False, True])
+async def test_groups_preempted_whole_give_the_same_beams(model: Path, hf: Any, prefix_caching: bool) -> None:
+    # Recomputed beams take their prompt (and, with the cache, their cached blocks) anew.
+    prompts = [PROMPT * 2, PROMPT[::-1] * 2, [7, *PROMPT[3:]] * 2]  # 20-26 tokens: a full block
+    options = dict(OPTIONS, kv_cache_memory=SMALL_POOL, enable_prefix_caching=prefix_caching)
+    params = beam_params(4, None, max_tokens=36)
     results: list[Any] = [None] * len(prompts)
     async with engine.open_engine(str(model), **options) as eng:
         assert eng.statistics().kv_blocks_total == 20
@@ -154,7 +159,7 @@ async def test_groups_preempted_whole_give_the_same_beams(model: Path, hf: Any) 
         stats = await wait_idle(eng)
     assert stats.preemptions > 0
     for prompt, ours in zip(prompts, results, strict=True):
-        assert_same(ours, hf_beams(hf, prompt, width=4, max_tokens=20, eos=None))
+        assert_same(ours, hf_beams(hf, prompt, width=4, max_tokens=36, eos=None))
 
 
 async def test_aborting_mid_search_leaks_no_block(model: Path) -> None:
@@ -227,3 +232,24 @@ def test_llm_beam_search_on_smollm2_matches_transformers(tmp_path: Path) -> None
     assert [s.score for s in out.sequences] == pytest.approx([s for _, s, _ in theirs], abs=TOLERANCE)
     assert [s.cum_logprob for s in out.sequences] == pytest.approx([c for _, _, c in theirs], abs=TOLERANCE)
     assert out.sequences[0].text == tokenizer.decode(out.sequences[0].tokens[len(prompt):])
+
+
+def test_a_fork_shares_full_blocks_and_copies_only_the_partial_last_one() -> None:
+    pool = BlockPool(6, 16)
+    parent = pool.handle(AllocateSlots("p", 0, 40, 40))  # 40 tokens: 2 full blocks + 8
+    first, second, last = parent.block_ids  # type: ignore[union-attr]
+    taken = pool.handle(ForkBlocks("p", "a", 3, copy_last=False))
+    copied = pool.handle(ForkBlocks("p", "b", 3, copy_last=True))
+    assert isinstance(taken, BlocksForked) and isinstance(copied, BlocksForked)
+    assert taken.block_ids == (first, second, last) and taken.copies == ()
+    fresh = copied.block_ids[2]
+    assert copied.block_ids[:2] == (first, second) and copied.copies == ((last, fresh),)
+    assert [pool.ref_count(b) for b in (first, second, last, fresh)] == [3, 3, 2, 1]
+    pool.handle(FreeRequest("p"))  # the parent goes: each block keeps its children
+    assert [pool.ref_count(b) for b in (first, second, last, fresh)] == [2, 2, 1, 1]
+    pool.handle(AllocateSlots("x", 0, 32, 32))  # the last two free blocks
+    assert isinstance(pool.handle(ForkBlocks("a", "c", 3, copy_last=True)), AllocationRefused)
+    assert pool.block_table("c") == () and pool.ref_count(first) == 2  # nothing changed
+    for table in ("a", "b", "x"):
+        pool.handle(FreeRequest(table))
+    assert pool.num_free_blocks == 6

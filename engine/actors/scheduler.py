@@ -238,7 +238,7 @@ class SchedulerActor:
         """The prompt tokens ``plan``'s chunks compute (a recomputed output is none)."""
         total = 0
         for chunk in plan.chunks:
-            request = self._core.get_request(chunk.sample_id)
+            request = self._core.chunk_request(chunk.sample_id)
             if request is not None:
                 end = min(chunk.start + chunk.num_tokens, request.num_prompt_tokens)
                 total += max(0, end - chunk.start)

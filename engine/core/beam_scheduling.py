@@ -80,13 +80,15 @@ class BeamScheduling:
             raise InvalidParamError(f"the beam width ({width}) exceeds max_num_seqs "
                                     f"({self.config.max_num_seqs}): every beam is a row of "
                                     "the batch", param="n")
-        # Without sharing, W beams of P + max_tokens tokens each: cut max_tokens so the
-        # group alone always fits the pool (it cannot be preempted by itself).
+        # Without sharing, W beams of P + max_tokens tokens each, and while a step forks,
+        # up to W fresh blocks for copies beside the parents' tables: cut max_tokens so
+        # the group alone always fits the pool (nothing but itself to preempt).
         bs, prompt_len = self.config.block_size, len(request.prompt_token_ids)
-        fit = (self.config.num_kv_blocks // width) * bs - prompt_len
+        room = (self.config.num_kv_blocks - width) // width * bs
+        fit = room - prompt_len
         if fit < 1:
             raise PromptTooLongError(prompt_tokens=prompt_len, max_tokens=request.max_tokens,
-                                     max_model_len=(self.config.num_kv_blocks // width) * bs)
+                                     max_model_len=max(room, 0))
         req.max_tokens = min(req.max_tokens, fit)
         ends = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(request.eos_token_ids))
@@ -226,8 +228,7 @@ class BeamScheduling:
 
     def _drop_beam(self, group: Request, beam: Request) -> Generator[AllocatorCall, AllocatorReply, None]:
         """Forget one beam: its table, its runner state, its key."""
-        if beam.block_ids:
-            yield FreeRequest(beam.sample_id)
+        yield FreeRequest(beam.sample_id)  # see _drop_beam_tables
         if beam.seen_by_runner:
             self._finished_ids.append(beam.sample_id)
         self._beam_owner.pop(beam.sample_id, None)
@@ -237,8 +238,10 @@ class BeamScheduling:
         """Free every beam's table; each beam recomputes from the prompt (the runner keeps
         its tokens). Chunks planned before this write to freed blocks and are void."""
         for beam in group.beam.beams:
-            if beam.block_ids:
-                yield FreeRequest(beam.sample_id)
+            # Unconditionally: a beam given its first blocks earlier in the plan that drops
+            # it holds a table in the pool its block_ids do not show yet (they are taken
+            # only once every beam's are); freeing an unknown table is a no-op.
+            yield FreeRequest(beam.sample_id)
             beam.block_ids = []
             beam.num_computed_tokens = 0
             beam.last_chunk_end = 0

@@ -216,6 +216,10 @@ class Scheduler(BeamScheduling):
     def get_request(self, sample_id: str) -> Request | None:
         return self._queue.get(sample_id)
 
+    def chunk_request(self, sample_id: str) -> Request | None:
+        """The live request a chunk's ``sample_id`` computes for: itself, or a beam's group."""
+        return self._queue.get(sample_id) or self._beam_owner.get(sample_id)
+
     @property
     def has_work(self) -> bool:
         """Live requests, or finished ones the runner has not been told about yet. An empty
