@@ -253,3 +253,16 @@ def test_a_fork_shares_full_blocks_and_copies_only_the_partial_last_one() -> Non
     for table in ("a", "b", "x"):
         pool.handle(FreeRequest(table))
     assert pool.num_free_blocks == 6
+
+
+async def test_a_group_that_cannot_fit_is_refused_by_name(model: Path) -> None:
+    async with engine.open_engine(str(model), **dict(OPTIONS, kv_cache_memory=SMALL_POOL)) as eng:
+        with pytest.raises(engine.InvalidParamError) as info:
+            await eng.submit(PROMPT, beam_params(32, None))  # 32 beams, 16 rows a step
+        assert info.value.param == "n"
+        # 4 unshared beams and 4 copies in 20 blocks: 64 tokens each, the prompt included.
+        with pytest.raises(engine.PromptTooLongError):
+            await eng.submit(PROMPT * 5, beam_params(4, None))
+        ours = await engine_beams(eng, PROMPT * 4, beam_params(4, None, max_tokens=100))
+        assert {len(t) for t, _, _ in ours} == {64 - len(PROMPT * 4)}  # max_tokens cut to fit
+        await wait_idle(eng)

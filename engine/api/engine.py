@@ -49,7 +49,7 @@ from engine.chat.template import ChatTokenizer, resolve_content_format
 from engine.config import EngineConfig
 from engine.core import admission, pooling
 from engine.core.pooling import Pooled
-from engine.errors import EngineDeadError, InvalidParamError, RequestFailedError
+from engine.errors import EngineDeadError, InvalidParamError, PromptTooLongError, RequestFailedError
 from engine.messages import AdmittedRequest
 from engine.models.chat_sandbox import RenderBudget
 from engine.params import BeamSearchParams, SamplingParams, generation_defaults
@@ -290,11 +290,27 @@ class Engine:
             text = params.prediction
             prediction = await self._tokenize(len(text), lambda: tuple(
                 self.tokenizer.encode(text, add_special_tokens=False)))
+        if params.beam_width:
+            self._check_beam_group(params.beam_width, len(ids))
         # The queue is checked when the request is enqueued: here, every other check.
         admitted = admission.admit(submit, ids, self._parts.limits, waiting=0,
                                    serial=next(self._serials), images=images_in,
                                    prediction=prediction)
         return PreparedRequest(admitted, ids)
+
+    def _check_beam_group(self, width: int, prompt_len: int) -> None:
+        """The scheduler's own bounds on a beam search, checked here so that they are the
+        caller's 400s (the scheduler would only end the request): every beam is a batch
+        row, and the group's beams must fit one core's KV pool unshared (with a block
+        each for the forks' copies) for at least one token."""
+        if width > self.config.max_num_seqs:
+            raise InvalidParamError(f"the beam width ({width}) exceeds max_num_seqs "
+                                    f"({self.config.max_num_seqs}): every beam is a row of the "
+                                    "batch", param="n")
+        room = (self._parts.num_blocks - width) // width * self.config.block_size
+        if prompt_len >= room:
+            raise PromptTooLongError(prompt_tokens=prompt_len, max_tokens=1,
+                                     max_model_len=max(room, 0))
 
     def enqueue(self, prepared: PreparedRequest) -> RequestStream:
         """Queue a prepared request and return its stream (no await: nothing can cancel
