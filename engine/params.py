@@ -240,15 +240,14 @@ class SamplingParams:
         draws nothing (transformers ignores them without do_sample too)."""
         _int(self.beam_width, "beam_width", lo=0, hi=_MAX_BEAM_WIDTH)
         _float(self.length_penalty, "length_penalty", lo=-_MAX_LENGTH_PENALTY, hi=_MAX_LENGTH_PENALTY)
-        if self.early_stopping not in (True, False, "never") or (
-                not isinstance(self.early_stopping, bool) and self.early_stopping != "never"):
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             raise InvalidParamError('early_stopping must be true, false or "never", got '
                                     f"{self.early_stopping!r}", param="early_stopping")
         if not self.beam_width:
-            for name, default in (("length_penalty", 1.0), ("early_stopping", False)):
-                if getattr(self, name) != default or (name == "early_stopping" and self.early_stopping is not False):
-                    raise InvalidParamError(f"{name} applies to beam search only "
-                                            "(use_beam_search / beam_width)", param=name)
+            if self.length_penalty != 1.0 or self.early_stopping is not False:
+                name = "length_penalty" if self.length_penalty != 1.0 else "early_stopping"
+                raise InvalidParamError(f"{name} applies to beam search only "
+                                        "(use_beam_search / beam_width)", param=name)
             return
         if self.n > self.beam_width:
             raise InvalidParamError(f"n ({self.n}) must be at most the beam width "

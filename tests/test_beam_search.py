@@ -266,3 +266,23 @@ async def test_a_group_that_cannot_fit_is_refused_by_name(model: Path) -> None:
         ours = await engine_beams(eng, PROMPT * 4, beam_params(4, None, max_tokens=100))
         assert {len(t) for t, _, _ in ours} == {64 - len(PROMPT * 4)}  # max_tokens cut to fit
         await wait_idle(eng)
+
+
+@pytest.mark.parametrize("field", [
+    {"logprobs": 1}, {"prompt_logprobs": 0}, {"presence_penalty": 0.5}, {"repetition_penalty": 1.2},
+    {"logit_bias": {3: 1.0}}, {"allowed_token_ids": [3]}, {"bad_words": ["fox"]},
+    {"extra_args": {"k": 1}},
+])
+def test_what_the_ranking_cannot_honour_is_refused_by_name(field: dict[str, Any]) -> None:
+    (name,) = field
+    with pytest.raises(engine.InvalidParamError) as info:
+        SamplingParams(beam_width=2, **field)
+    assert info.value.param == name
+    SamplingParams(**field)  # fine without beam search
+
+
+@pytest.mark.parametrize("field", [{"length_penalty": 0.5}, {"early_stopping": True}])
+def test_beam_fields_without_beam_search_are_refused(field: dict[str, Any]) -> None:
+    with pytest.raises(engine.InvalidParamError) as info:
+        SamplingParams(**field)
+    assert info.value.param == next(iter(field))
