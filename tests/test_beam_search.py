@@ -286,3 +286,15 @@ def test_beam_fields_without_beam_search_are_refused(field: dict[str, Any]) -> N
     with pytest.raises(engine.InvalidParamError) as info:
         SamplingParams(**field)
     assert info.value.param == next(iter(field))
+
+
+def test_the_width_is_best_of_on_completions_and_n_on_chat() -> None:
+    from engine.http.completions import protocol
+
+    req = protocol.parse_completion({"prompt": "x", "use_beam_search": True, "n": 2, "best_of": 4,
+                                     "length_penalty": 0.5, "early_stopping": "never"})
+    assert (req.params.beam_width, req.params.n, req.returned_n) == (4, 2, None)
+    assert (req.params.length_penalty, req.params.early_stopping) == (0.5, "never")
+    chat = protocol.parse_chat({"messages": [{"role": "user", "content": "x"}], "n": 3,
+                                "use_beam_search": True, "early_stopping": True})
+    assert (chat.params.beam_width, chat.params.n, chat.params.early_stopping) == (3, 3, True)
