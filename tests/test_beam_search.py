@@ -298,3 +298,10 @@ def test_the_width_is_best_of_on_completions_and_n_on_chat() -> None:
     chat = protocol.parse_chat({"messages": [{"role": "user", "content": "x"}], "n": 3,
                                 "use_beam_search": True, "early_stopping": True})
     assert (chat.params.beam_width, chat.params.n, chat.params.early_stopping) == (3, 3, True)
+
+
+async def test_beams_through_an_engine_core_process(model: Path, hf: Any, eos: int) -> None:
+    """The answers (scores and all) cross the engine core's wire (msgpack) intact."""
+    async with engine.open_engine(str(model), **dict(OPTIONS, engine_core="process")) as eng:
+        ours = await engine_beams(eng, PROMPT, beam_params(4, eos, length_penalty=0.5))
+    assert_same(ours, hf_beams(hf, PROMPT, width=4, max_tokens=MAX_TOKENS, eos=eos, length_penalty=0.5))
