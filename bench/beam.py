@@ -12,8 +12,11 @@ samples share the prompt through it) and off (each sample holds its own prompt b
 alternated run by run. Printed per row: rows/s (W tokens per step, over the request's
 wall time), the peak of KV blocks held during the request (sampled every millisecond from
 the engine's statistics: blocks no request holds, cached ones included, are free), and
-the ratios beam / samples (targets: rows/s >= 0.9x, peak blocks <= 0.5x). Time it on an
-idle machine only.
+the ratios beam / samples (targets: rows/s >= 0.9x, peak blocks <= 0.5x). With the prefix
+cache on, the W samples already share the prompt's full blocks (a sample after the first
+waits for them), so the beams can save only what their common history shares beyond the
+prompt: the 0.5x target is the prefix-cache-off comparison (W private prompts). Time it on
+an idle machine only.
 """
 
 from __future__ import annotations
