@@ -54,8 +54,6 @@ if TYPE_CHECKING:
 _BEAM_ROW = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
 
 
-
-
 class BeamScheduling:
     """The :class:`~engine.core.scheduler.Scheduler`'s beam group methods (a base class,
     so the policy of one step still reads in one place; this holds only what groups add).
@@ -66,11 +64,18 @@ class BeamScheduling:
     _finished_ids: list[str]
     _beam_owner: dict[str, Request]
 
-    # Provided by the Scheduler.
-    def _preempt(self, req: Request) -> Generator[AllocatorCall, AllocatorReply, None]: ...
-    def _finish(self, req: Request, status: RequestStatus) -> list[AllocatorCall]: ...
-    def _computed(self, req: Request, end: int) -> list[AllocatorCall]: ...
-    def _prefix_lookup(self, req: Request) -> bool: ...
+    # The Scheduler's, used here (it overrides each).
+    def _preempt(self, req: Request) -> Generator[AllocatorCall, AllocatorReply, None]:
+        raise NotImplementedError
+
+    def _finish(self, req: Request, status: RequestStatus) -> list[AllocatorCall]:
+        raise NotImplementedError
+
+    def _computed(self, req: Request, end: int) -> list[AllocatorCall]:
+        raise NotImplementedError
+
+    def _prefix_lookup(self, req: Request) -> bool:
+        raise NotImplementedError
 
     def _start_beam_group(self, req: Request, request: SchedulerRequest) -> None:
         """Make ``req`` a beam group with its first beam (the prompt alone)."""
