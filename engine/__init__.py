@@ -20,7 +20,7 @@ from engine.errors import (
     RequestError,
 )
 from engine.messages import RequestOutput, TokenLogprob, Usage
-from engine.params import SamplingParams
+from engine.params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from engine.api import Engine, EngineStatistics, RequestStream, open_engine
@@ -49,6 +49,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "LLM",
     "BatchPromptError",
+    "BeamSearchParams",
     "ConfigError",
     "Engine",
     "EngineConfig",

@@ -93,6 +93,10 @@ class StepPlan:
     new_requests: tuple[NewRequest, ...]
     chunks: tuple[ScheduledChunk, ...]
     finished_ids: tuple[str, ...]  # runner state to drop before running the chunks
+    # Beam search's copy-on-write: (source, destination) block pairs the runner copies in
+    # every layer's KV cache after learning new_requests and before running the chunks
+    # (a forked beam's own copy of its parent's partly filled last block).
+    block_copies: tuple[tuple[int, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -229,6 +233,9 @@ class SchedulerRequest:
     # Predicted Outputs: the prediction's token ids, the request's speculative proposals.
     prediction_token_ids: tuple[int, ...] = ()
     images: tuple[ImageInput, ...] = ()  # in prompt order (ImageInput)
+    # Beam search (params.beam_width > 0): this one scheduler request is the whole beam
+    # group, and these are the sample ids its best hypotheses are returned on, best first.
+    beam_output_ids: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -243,7 +250,10 @@ class AdmittedRequest:
 
     @property
     def sample_ids(self) -> tuple[str, ...]:
-        return tuple(s.sample_id for s in self.samples)
+        """The ids callers receive outputs on (and abort by): one per output. They are the
+        samples' ids, except for a beam search, whose one sample (the group, under the
+        first output's id) returns several outputs."""
+        return tuple(o.sample_id for o in self.outputs)
 
 
 # --- callers / detokenizer -> scheduler (control) -----------------------------------------
@@ -281,6 +291,10 @@ class TokenDelta:
     pooled: bytes | None = None  # a pooling request's output (float32 bytes), on its last delta
     # A Predicted Outputs request's (accepted, rejected) prediction tokens, on its last delta.
     prediction_tokens: tuple[int, int] | None = None
+    # A beam search hypothesis (its one, finished delta): the sum of its tokens' logprobs
+    # and its score, that sum over (generated length ** length_penalty).
+    cumulative_logprob: float | None = None
+    beam_score: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -351,6 +365,9 @@ class RequestOutput:
     # A pooling request's output: little-endian float32 bytes (the embedding, or a
     # classifier's logits), on its one, finished output.
     pooled: bytes | None = None
+    # A beam search hypothesis's cumulative logprob and length-penalised score.
+    cumulative_logprob: float | None = None
+    beam_score: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -542,6 +559,28 @@ NULL_BLOCK = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class ForkBlocks:
+    """Beam search: start table ``dst_id`` from the first ``num_blocks`` blocks of table
+    ``src_id``, sharing them (reference counts). With ``copy_last`` the last of them is
+    not shared but replaced by a fresh block, whose contents the runner copies from the
+    source's (copy-on-write of a partly filled block another child writes into).
+    Answered with :class:`BlocksForked`, or :class:`AllocationRefused` with nothing
+    changed when no block is free for the copy."""
+
+    src_id: str
+    dst_id: str
+    num_blocks: int
+    copy_last: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlocksForked:
+    dst_id: str
+    block_ids: tuple[int, ...]  # the new table
+    copies: tuple[tuple[int, int], ...]  # (source, destination) block to copy; at most one
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ReadAllocatorStats:
     """Ask for an :class:`AllocatorStats` snapshot."""
 
@@ -559,9 +598,11 @@ class AllocatorStats:
     prefix_cache_hits: int
 
 
-AllocatorCall = AllocateSlots | CacheBlocks | ReleaseBlocks | FreeRequest | ReadAllocatorStats
+AllocatorCall = (
+    AllocateSlots | CacheBlocks | ReleaseBlocks | FreeRequest | ForkBlocks | ReadAllocatorStats)
 AllocatorReply = (
-    SlotsAllocated | AllocationRefused | BlocksCached | BlocksReleased | RequestFreed | AllocatorStats
+    SlotsAllocated | AllocationRefused | BlocksCached | BlocksReleased | RequestFreed | BlocksForked
+    | AllocatorStats
 )
 
 

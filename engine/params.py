@@ -28,6 +28,10 @@ MAX_BAD_WORD_CHARS = 512
 # extra_args (vLLM's, HTTP's vllm_xargs) travel to every rank with the request: a few
 # keys for a logits processor, bounded so one request cannot make every step's message large.
 MAX_EXTRA_ARGS_CHARS = 16_384
+# Beam search: the width is bounded like n (every beam is a sequence of the batch); a
+# length penalty this large already makes the score any power of the length one wants.
+_MAX_BEAM_WIDTH = 128
+_MAX_LENGTH_PENALTY = 100.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,6 +96,11 @@ class SamplingParams:
     # Per-request arguments of the server's logits processors (--logits-processors), as
     # vLLM's SamplingParams.extra_args (HTTP: vllm_xargs): JSON values under string keys.
     extra_args: dict[str, Any] | None = None
+    # Beam search (transformers' num_beams, length_penalty, early_stopping): 0 samples;
+    # W > 0 keeps W beams and returns the n best finished hypotheses (n <= W).
+    beam_width: int = 0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
     # vLLM's SamplingParams names this engine has no field for (see VLLM_ONLY_FIELDS), so
     # that a script written for vLLM runs unchanged: accepted with a value that asks for
     # nothing beyond what the engine does, refused otherwise. Read once, never stored.
@@ -200,6 +209,7 @@ class SamplingParams:
                 raise InvalidParamError("thinking_token_budget needs the end-of-reasoning "
                                         "marker's token ids", param="thinking_token_budget")
         self._check_vocabulary_fields()
+        self._check_beam()
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputs):
                 raise InvalidParamError(
@@ -221,6 +231,42 @@ class SamplingParams:
                     "the tools' grammar): a stop string could end the output before it "
                     "matches; drop `stop`, or express the end in the constraint itself",
                     param="stop")
+
+    def _check_beam(self) -> None:
+        """Beam search's fields, and the sampling fields it cannot honour refused by name:
+        a beam's candidates are ranked on the raw log-softmax (transformers' beam search
+        without sampling), so logits adjustments would silently change nothing or
+        everything. temperature, top_p, top_k, min_p and seed do not enter a search that
+        draws nothing (transformers ignores them without do_sample too)."""
+        _int(self.beam_width, "beam_width", lo=0, hi=_MAX_BEAM_WIDTH)
+        _float(self.length_penalty, "length_penalty", lo=-_MAX_LENGTH_PENALTY, hi=_MAX_LENGTH_PENALTY)
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise InvalidParamError('early_stopping must be true, false or "never", got '
+                                    f"{self.early_stopping!r}", param="early_stopping")
+        if not self.beam_width:
+            if self.length_penalty != 1.0 or self.early_stopping is not False:
+                name = "length_penalty" if self.length_penalty != 1.0 else "early_stopping"
+                raise InvalidParamError(f"{name} applies to beam search only "
+                                        "(use_beam_search / beam_width)", param=name)
+            return
+        if self.n > self.beam_width:
+            raise InvalidParamError(f"n ({self.n}) must be at most the beam width "
+                                    f"({self.beam_width})", param="n")
+        refused = {
+            "logprobs": self.logprobs is not None, "prompt_logprobs": self.prompt_logprobs is not None,
+            "presence_penalty": self.presence_penalty != 0.0,
+            "frequency_penalty": self.frequency_penalty != 0.0,
+            "repetition_penalty": self.repetition_penalty != 1.0, "logit_bias": bool(self.logit_bias),
+            "allowed_token_ids": self.allowed_token_ids is not None,
+            "bad_words": bool(self.bad_words or self.bad_words_token_ids),
+            "structured_outputs": self.structured_outputs is not None,
+            "prediction": self.prediction is not None,
+            "thinking_token_budget": self.thinking_token_budget is not None,
+            "extra_args": self.extra_args is not None,
+        }
+        for name, set_ in refused.items():
+            if set_:
+                raise InvalidParamError(f"{name} cannot be combined with beam search", param=name)
 
     def _check_vocabulary_fields(self) -> None:
         """allowed_token_ids, bad_words, truncate_prompt_tokens and extra_args (their ids
@@ -258,6 +304,33 @@ class SamplingParams:
 
     def replace(self, **changes: Any) -> SamplingParams:
         return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class BeamSearchParams:
+    """vLLM's ``BeamSearchParams`` (``LLM.beam_search``): ``beam_width`` beams, every one
+    returned, best score first; plus transformers' ``early_stopping``. ``temperature``
+    is accepted and, as in a search that draws nothing, changes nothing (the candidates
+    are ranked on the raw log-softmax)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        self.sampling_params()  # every field checked where SamplingParams checks it
+
+    def sampling_params(self) -> SamplingParams:
+        """The same search as :class:`SamplingParams` (``n`` = ``beam_width``)."""
+        return SamplingParams(
+            n=self.beam_width, beam_width=self.beam_width, max_tokens=self.max_tokens,
+            ignore_eos=self.ignore_eos, temperature=self.temperature,
+            length_penalty=self.length_penalty, early_stopping=self.early_stopping,
+            include_stop_str_in_output=self.include_stop_str_in_output)
 
 
 # vLLM's SamplingParams fields without a field here, and the one value of each that asks

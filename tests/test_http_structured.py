@@ -155,7 +155,8 @@ BAD = [
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs.choice"),
     ({"structured_outputs": {"regex": "a"}, "ignore_eos": True}, "ignore_eos"),
-    ({"use_beam_search": True}, "use_beam_search"),
+    # Beam search ranks on the raw logprobs: a constraint would be silently dropped.
+    ({"use_beam_search": True, "guided_regex": "a+"}, "structured_outputs"),
     # The tiny model's tokenizer has no FIM tokens (completions), and chat has no suffix.
     ({"suffix": "!"}, "suffix"),
     ({"functions": [{"name": "f"}]}, "functions"),

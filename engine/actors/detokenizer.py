@@ -188,6 +188,8 @@ class Detokenizer:
                 usage=Usage(len(spec.prompt_token_ids), sample.completion_tokens,
                             delta.num_cached_tokens, delta.prediction_tokens) if finished else None,
                 pooled=delta.pooled,
+                cumulative_logprob=delta.cumulative_logprob,
+                beam_score=delta.beam_score,
             ),
             hit,
         )

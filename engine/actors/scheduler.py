@@ -203,7 +203,8 @@ class SchedulerActor:
             self._planned_ahead += 1
         now = time.monotonic()
         for new in plan.new_requests:
-            self._scheduled_at[new.sample_id] = now
+            if self._core.get_request(new.sample_id) is not None:  # not a beam's row
+                self._scheduled_at[new.sample_id] = now
         self._in_flight.append(plan)
         self._in_flight_prompt.append(self._prompt_tokens(plan))
         self._steps += 1
@@ -239,7 +240,7 @@ class SchedulerActor:
         """The prompt tokens ``plan``'s chunks compute (a recomputed output is none)."""
         total = 0
         for chunk in plan.chunks:
-            request = self._core.get_request(chunk.sample_id)
+            request = self._core.chunk_request(chunk.sample_id)
             if request is not None:
                 end = min(chunk.start + chunk.num_tokens, request.num_prompt_tokens)
                 total += max(0, end - chunk.start)

@@ -40,6 +40,7 @@ from engine.actors.system import (
     combined_statistics,
     run_actors,
 )
+from engine.api.outputs import BeamSearchOutput, GenerationAccumulator, beam_search_output
 from engine.api.streams import RequestStream, _Generation
 from engine.chat import session as chat_session
 from engine.chat.request import TemplateOptions
@@ -48,10 +49,10 @@ from engine.chat.template import ChatTokenizer, resolve_content_format
 from engine.config import EngineConfig
 from engine.core import admission, pooling
 from engine.core.pooling import Pooled
-from engine.errors import EngineDeadError, InvalidParamError, RequestFailedError
+from engine.errors import EngineDeadError, InvalidParamError, PromptTooLongError, RequestFailedError
 from engine.messages import AdmittedRequest
 from engine.models.chat_sandbox import RenderBudget
-from engine.params import SamplingParams, generation_defaults
+from engine.params import BeamSearchParams, SamplingParams, generation_defaults
 from engine.process.workers import WorkerLostError
 from engine.runner.logits_processors import load_logits_processors
 from engine.structured import GrammarHold, StructuredStatistics
@@ -289,11 +290,27 @@ class Engine:
             text = params.prediction
             prediction = await self._tokenize(len(text), lambda: tuple(
                 self.tokenizer.encode(text, add_special_tokens=False)))
+        if params.beam_width:
+            self._check_beam_group(params.beam_width, len(ids))
         # The queue is checked when the request is enqueued: here, every other check.
         admitted = admission.admit(submit, ids, self._parts.limits, waiting=0,
                                    serial=next(self._serials), images=images_in,
                                    prediction=prediction)
         return PreparedRequest(admitted, ids)
+
+    def _check_beam_group(self, width: int, prompt_len: int) -> None:
+        """The scheduler's own bounds on a beam search, checked here so that they are the
+        caller's 400s (the scheduler would only end the request): every beam is a batch
+        row, and the group's beams must fit one core's KV pool unshared (with a block
+        each for the forks' copies) for at least one token."""
+        if width > self.config.max_num_seqs:
+            raise InvalidParamError(f"the beam width ({width}) exceeds max_num_seqs "
+                                    f"({self.config.max_num_seqs}): every beam is a row of the "
+                                    "batch", param="n")
+        room = (self._parts.num_blocks - width) // width * self.config.block_size
+        if prompt_len >= room:
+            raise PromptTooLongError(prompt_tokens=prompt_len, max_tokens=1,
+                                     max_model_len=max(room, 0))
 
     def enqueue(self, prepared: PreparedRequest) -> RequestStream:
         """Queue a prepared request and return its stream (no await: nothing can cancel
@@ -369,6 +386,20 @@ class Engine:
         gen:`` to make the abort happen exactly when the block is left.
         """
         return _Generation(self, (prompt, params), kwargs)
+
+    async def beam_search(self, prompt: str | Sequence[int], params: BeamSearchParams,
+                          **kwargs: Any) -> BeamSearchOutput:
+        """A beam search of ``params.beam_width`` beams (see :class:`BeamSearchParams`):
+        every beam, best score first, once the search ends. ``kwargs`` as :meth:`submit`'s."""
+        if not isinstance(params, BeamSearchParams):
+            raise InvalidParamError("params must be an engine.BeamSearchParams", param="params")
+        stream = await self.submit(prompt, params.sampling_params(), **kwargs)
+        acc = GenerationAccumulator(stream.request_id, None, stream.prompt_token_ids,
+                                    logprobs=False, decode=str)
+        async with stream:
+            async for out in stream:
+                acc.add(out)
+        return beam_search_output(acc.result())
 
     async def chat(self, messages: Sequence[dict[str, Any]], params: SamplingParams | None = None,
                    **options: Any) -> ChatResult:

@@ -34,15 +34,17 @@ from engine.api import batch
 from engine.api.engine import Engine
 from engine.api.engine_thread import EngineThread
 from engine.api.outputs import (
+    BeamSearchOutput,
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
     GenerationRequestOutput,
     ScoringRequestOutput,
+    beam_search_output,
 )
 from engine.chat.request import TemplateOptions
 from engine.chat.tools import parse_tools
 from engine.errors import InvalidParamError
-from engine.params import SamplingParams
+from engine.params import BeamSearchParams, SamplingParams
 
 # vLLM's LLM arguments that are not engine options and change nothing here, with why;
 # any other unknown option is refused (ConfigError) by open_engine.
@@ -161,6 +163,21 @@ class LLM:
                                         progress=lambda p, o: emit((p, o)))
 
         return self._run(work, len(prompts), use_tqdm)
+
+    def beam_search(
+        self, prompts: Any, params: BeamSearchParams, *, use_tqdm: Any = False,
+        lora_request: Any = None, concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: a beam search of ``params.beam_width`` beams for each
+        prompt (strings, token-id lists or vLLM's prompt dicts), every beam returned, best
+        score first. The prompts run side by side (``concurrency_limit`` is vLLM's bound on
+        that; here the engine's queue window bounds it)."""
+        _no_lora(lora_request)
+        if not isinstance(params, BeamSearchParams):
+            raise InvalidParamError("params must be an engine.BeamSearchParams", param="params")
+        prompts_ = batch.generation_prompts(prompts)
+        results = self._generate(prompts_, params.sampling_params(), None, use_tqdm)
+        return [beam_search_output(r) for r in results]
 
     # -- pooling -------------------------------------------------------------------------
 

@@ -41,7 +41,8 @@ class CompletionOutput:
     """One sample of a generation request (vLLM's ``CompletionOutput``).
 
     ``cumulative_logprob`` is the sum of the sampled tokens' logprobs, set where the
-    request asked for ``logprobs`` (None otherwise, as vLLM). ``finish_reason`` is
+    request asked for ``logprobs`` (None otherwise, as vLLM) and for a beam search's
+    hypotheses (with ``beam_score``, the score they are ranked by). ``finish_reason`` is
     ``"stop"`` (EOS, a stop string or stop token: ``stop_reason`` says which, None for EOS),
     ``"length"`` or ``"abort"``."""
 
@@ -52,6 +53,7 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    beam_score: float | None = None  # a beam search hypothesis's length-penalised score
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -128,10 +130,43 @@ class ScoringRequestOutput:
     finished: bool = True
 
 
+@dataclasses.dataclass(slots=True)
+class BeamSearchSequence:
+    """One hypothesis of :meth:`engine.LLM.beam_search` (vLLM's ``BeamSearchSequence``):
+    ``tokens`` the prompt's and the hypothesis's, ``cum_logprob`` the sum of its tokens'
+    logprobs, ``text`` the hypothesis's text (the prompt's left out), ``score`` the
+    length-penalised score it was ranked by."""
+
+    tokens: list[int]
+    cum_logprob: float
+    text: str
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    score: float | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class BeamSearchOutput:
+    """One prompt's beam search: its hypotheses, best score first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+def beam_search_output(result: GenerationRequestOutput) -> BeamSearchOutput:
+    """A beam search request's :class:`GenerationRequestOutput` in vLLM's beam shape."""
+    return BeamSearchOutput([
+        BeamSearchSequence(result.prompt_token_ids + o.token_ids, o.cumulative_logprob or 0.0,
+                           o.text, o.finish_reason, o.stop_reason, o.beam_score)
+        for o in result.outputs])
+
+
 class _Sample:
-    __slots__ = ("finish_reason", "logprobs", "stop_reason", "text", "token_ids")
+    __slots__ = ("beam_score", "cumulative_logprob", "finish_reason", "logprobs",
+                 "stop_reason", "text", "token_ids")
 
     def __init__(self) -> None:
+        self.cumulative_logprob: float | None = None  # a beam search hypothesis's
+        self.beam_score: float | None = None
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
@@ -168,6 +203,8 @@ class GenerationAccumulator:
             sample.logprobs.extend(out.logprobs)
         if out.prompt_logprobs is not None and self._prompt_logprobs is None:
             self._prompt_logprobs = out.prompt_logprobs
+        if out.cumulative_logprob is not None:
+            sample.cumulative_logprob, sample.beam_score = out.cumulative_logprob, out.beam_score
         if out.finished:
             sample.finish_reason = out.finish_reason
             sample.stop_reason = out.stop_reason
@@ -183,9 +220,9 @@ class GenerationAccumulator:
             outputs.append(CompletionOutput(
                 index=index, text="".join(sample.text), token_ids=sample.token_ids,
                 cumulative_logprob=(sum(lp.logprob for lp in sample.logprobs)
-                                    if self._want_logprobs else None),
+                                    if self._want_logprobs else sample.cumulative_logprob),
                 logprobs=logprobs, finish_reason=sample.finish_reason,
-                stop_reason=sample.stop_reason))
+                stop_reason=sample.stop_reason, beam_score=sample.beam_score))
         prompt_logprobs = (None if self._prompt_logprobs is None else
                            [None if lp is None else self._position(lp)
                             for lp in self._prompt_logprobs])

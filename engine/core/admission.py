@@ -470,6 +470,8 @@ def _expand(
     serial: int, images: tuple[ImageInput, ...] = (), prediction: tuple[int, ...] = (),
 ) -> AdmittedRequest:
     names = sample_ids(submit.request_id, submit.params.n, serial)
+    if submit.params.beam_width:
+        return _beam_group(submit, ids, max_tokens, limits, names, images)
     # Samples after the first wait until the first has computed (and cached) the prompt's
     # full blocks, then take them from the prefix cache; with prompt_logprobs each computes
     # (and scores) the prompt itself.
@@ -486,6 +488,27 @@ def _expand(
         ))
         outputs.append(DetokenizerRequest(name, submit.request_id, index, ids, params))
     return AdmittedRequest(submit.request_id, tuple(samples), tuple(outputs))
+
+
+def _beam_group(
+    submit: SubmitRequest, ids: tuple[int, ...], max_tokens: int, limits: AdmissionLimits,
+    names: tuple[str, ...], images: tuple[ImageInput, ...],
+) -> AdmittedRequest:
+    """A beam search: one scheduler request (the group, under the first sample's id) and
+    one output sample per returned hypothesis."""
+    if images:
+        raise InvalidParamError("beam search over image inputs is not supported", param="n")
+    group = SchedulerRequest(
+        sample_id=names[0], prompt_token_ids=ids, params=submit.params,
+        eos_token_ids=limits.eos_token_ids, max_tokens=max_tokens, priority=submit.priority,
+        arrival_time=submit.arrival_time, cache_salt=submit.cache_salt, wait_for=None,
+        beam_output_ids=names,
+    )
+    outputs = tuple(DetokenizerRequest(name, submit.request_id, index, ids,
+                                       submit.params.replace(n=1, beam_width=0, length_penalty=1.0,
+                                                             early_stopping=False))
+                    for index, name in enumerate(names))
+    return AdmittedRequest(submit.request_id, (group,), outputs)
 
 
 def _check_vocab(ids: Sequence[int], vocab_size: int, param: str, what: str) -> None:

@@ -43,8 +43,10 @@ from engine.messages import (
     AllocatorReply,
     AllocatorStats,
     BlocksCached,
+    BlocksForked,
     BlocksReleased,
     CacheBlocks,
+    ForkBlocks,
     FreeRequest,
     ReadAllocatorStats,
     ReleaseBlocks,
@@ -126,6 +128,8 @@ class BlockPool:
                 return self.release_blocks(sample_id, num_blocks)
             case FreeRequest(sample_id):
                 return self.free_request(sample_id)
+            case ForkBlocks():
+                return self.fork_blocks(call)
             case ReadAllocatorStats():
                 return self.statistics()
         raise ProtocolError(f"the block pool cannot handle {type(call).__name__}")
@@ -222,6 +226,32 @@ class BlockPool:
         for block_id in reversed(table[released:]):
             self._unref(block_id, sample_id)
         return RequestFreed(sample_id, len(table))
+
+    def fork_blocks(self, call: ForkBlocks) -> BlocksForked | AllocationRefused:
+        """Beam search: a child table sharing its parent's first blocks (see
+        :class:`ForkBlocks`). The child takes no part in the prefix cache: its blocks are
+        its parent's, already cached or not, and what it computes later is its own."""
+        src = self._tables.get(call.src_id)
+        if src is None or call.dst_id in self._tables or not 0 < call.num_blocks <= len(src):
+            raise ProtocolError(f"cannot fork {call.num_blocks} blocks of {call.src_id!r} "
+                                f"into {call.dst_id!r}")
+        if self._released.get(call.src_id):
+            raise ProtocolError(f"cannot fork {call.src_id!r}: it released blocks")
+        if call.copy_last and not self._free:
+            return AllocationRefused(call.dst_id, 1, 0)
+        shared = src[: call.num_blocks - 1] if call.copy_last else src[: call.num_blocks]
+        for block_id in shared:
+            self._take(self._blocks[block_id])
+        table = list(shared)
+        copies: tuple[tuple[int, int], ...] = ()
+        if call.copy_last:
+            table.append(self._allocate_one())
+            copies = ((src[call.num_blocks - 1], table[-1]),)
+        self._tables[call.dst_id] = table
+        self._chains[call.dst_id] = []
+        self._salts[call.dst_id] = self._salts[call.src_id]
+        self._uncacheable.add(call.dst_id)
+        return BlocksForked(call.dst_id, tuple(table), copies)
 
     def _unref(self, block_id: int, sample_id: str) -> None:
         block = self._blocks[block_id]

@@ -39,10 +39,11 @@ class StepDraft:
     new_requests: list[NewRequest] = dataclasses.field(default_factory=list)
     chunks: list[ScheduledChunk] = dataclasses.field(default_factory=list)
     epochs: dict[str, int] = dataclasses.field(default_factory=dict)
+    block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     def plan(self, finished_ids: list[str]) -> StepPlan:
         return StepPlan(self.step_id, tuple(self.new_requests), tuple(self.chunks),
-                        tuple(finished_ids))
+                        tuple(finished_ids), tuple(self.block_copies))
 
 
 def release_out_of_window(

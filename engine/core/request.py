@@ -66,7 +66,7 @@ class Request:
         "num_released_blocks",
         "num_preemptions", "seen_by_runner", "num_cached_tokens", "prediction",
         "draft_token_ids", "num_model_drafts", "num_draft_tokens", "num_accepted_tokens", "images",
-        "cache_prompt_ids", "prediction_pos", "last_chunk_end",
+        "cache_prompt_ids", "prediction_pos", "last_chunk_end", "beam",
     )  # fmt: skip
 
     def __init__(
@@ -125,6 +125,9 @@ class Request:
         self.num_model_drafts = 0  # the same, when the runner's draft model proposes
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        # Beam search: the group's state (engine.core.beam.BeamGroup) on the request the
+        # queue holds; its beams are requests of their own, outside the queue.
+        self.beam: Any = None
 
     def __repr__(self) -> str:
         return (
@@ -132,6 +135,12 @@ class Request:
             f"{self.num_computed_tokens}/{self.num_known_tokens}, out={len(self.output_token_ids)}"
             f"+{self.num_pending_tokens}/{self.max_tokens})"
         )
+
+    @property
+    def num_seats(self) -> int:
+        """The batch rows it may take in one step (``max_num_seqs`` counts rows): a beam
+        group's width, else one."""
+        return self.beam.search.width if self.beam is not None else 1
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Awaitable, Callable, Generator, Iterable
 
+from engine.core.beam_scheduling import BeamScheduling
 from engine.core.block_pool import BlockPool
 from engine.core.encoder_budget import EncoderBudget
 from engine.core.planning import (
@@ -124,7 +125,7 @@ class _Outcome:
                    {p.sample_id: p.data for p in result.pooled})
 
 
-class Scheduler:
+class Scheduler(BeamScheduling):
     """Continuous batching with chunked prefill, preemption by recompute and async
     scheduling; FCFS or priority queues. Pure: no I/O, no trio.
 
@@ -145,6 +146,7 @@ class Scheduler:
         self._scheduled_tokens = 0
         self._finished = 0
         self._spec = SpecCounters([0] * max(config.num_speculative_tokens, config.num_prediction_tokens))
+        self._beam_owner: dict[str, Request] = {}  # beam key -> its group's request
 
     # -- requests in and out ----------------------------------------------------------------
 
@@ -167,6 +169,8 @@ class Scheduler:
             images=request.images,
         )
         self._next_arrival += 1
+        if request.params.beam_width:
+            self._start_beam_group(req, request)
         self._queue.add(req)
         return req
 
@@ -212,6 +216,10 @@ class Scheduler:
 
     def get_request(self, sample_id: str) -> Request | None:
         return self._queue.get(sample_id)
+
+    def chunk_request(self, sample_id: str) -> Request | None:
+        """The live request a chunk's ``sample_id`` computes for: itself, or a beam's group."""
+        return self._queue.get(sample_id) or self._beam_owner.get(sample_id)
 
     @property
     def has_work(self) -> bool:
@@ -260,6 +268,13 @@ class Scheduler:
         i = 0
         while i < len(running) and step.budget > 0:
             req = running[i]
+            if req.beam is not None:
+                outcome = yield from self._schedule_group(step, req, preempt=True)
+                preempted = preempted or outcome is not None
+                if outcome == "self":
+                    return preempted  # it was the last one; nothing after it is running
+                i += 1
+                continue
             if not req.can_sample:
                 i += 1  # every output is drawn; its last results are in flight
                 continue
@@ -330,10 +345,17 @@ class Scheduler:
         """Start waiting requests, in queue order, while the step has room and the
         allocator gives blocks (no overtaking)."""
         for req in tuple(self._queue.waiting):
-            if (step.budget == 0 or len(self._queue.running) >= self.config.max_num_seqs
+            seats = sum(r.num_seats for r in self._queue.running)
+            if (step.budget == 0 or seats + req.num_seats > self.config.max_num_seqs
                     or len(step.chunks) >= self._step_cap):
                 return
             if req.wait_for is not None or not req.can_sample or self._busy(req):
+                continue
+            if req.beam is not None:
+                self._queue.start(req)
+                req.status = RequestStatus.RUNNING
+                if (yield from self._schedule_group(step, req, preempt=False)) == "refused":
+                    return  # no overtaking: later requests wait for blocks too
                 continue
             lookup = self._prefix_lookup(req)
             budget = step.budget
@@ -375,6 +397,8 @@ class Scheduler:
         add_chunk(step, req, reply, (), 0, self.config.block_size)
 
     def _preempt(self, req: Request) -> Generator[AllocatorCall, AllocatorReply, None]:
+        if req.beam is not None:
+            yield from self._drop_beam_tables(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.last_chunk_end = 0
@@ -407,6 +431,10 @@ class Scheduler:
         for chunk in plan.chunks:
             req = self._queue.get(chunk.sample_id)
             if req is None:
+                group = self._beam_owner.get(chunk.sample_id)
+                if group is not None:
+                    deltas.extend(self._apply_beam_chunk(group, chunk, epochs, outcome.sampled,
+                                                          outcome.failed, calls))
                 continue
             delta = self._apply_chunk(plan.step_id, req, chunk, epochs, outcome, calls)
             if delta is not None:
@@ -499,6 +527,11 @@ class Scheduler:
         return _delta(req, [token], status)
 
     def _finish(self, req: Request, status: RequestStatus) -> list[AllocatorCall]:
+        calls: list[AllocatorCall] = []
+        if req.beam is not None:
+            for beam in req.beam.beams:
+                calls.extend(self._drop_beam(req, beam))  # yields only FreeRequest
+            req.beam.beams = []
         req.status = status
         self._queue.remove(req)
         if req.seen_by_runner:
@@ -507,7 +540,7 @@ class Scheduler:
         had_blocks = bool(req.block_ids)
         req.block_ids = []
         req.num_released_blocks = 0
-        return [FreeRequest(req.sample_id)] if had_blocks else []
+        return calls + ([FreeRequest(req.sample_id)] if had_blocks else [])
 
 
 async def drive(

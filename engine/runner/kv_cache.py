@@ -154,3 +154,19 @@ def resident_bytes() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024  # the file counts kB
     raise OSError("/proc/self/status has no VmRSS line")
+
+
+def copy_blocks(kv_caches: list[tuple[KVCache, KVCache]], copies: tuple[tuple[int, int], ...],
+                device: torch.device) -> None:
+    """Copy whole blocks ``src -> dst`` in every layer's K and V (scales included): beam
+    search's copy-on-write of a forked beam's partly filled last block. One indexed copy
+    per tensor, so a step's copies cost one pass whatever their number."""
+    if not copies:
+        return
+    src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=device)
+    dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=device)
+    for layer in kv_caches:
+        for cache in layer:
+            tensors = (cache.data, cache.scale) if isinstance(cache, QuantizedKV) else (cache,)
+            for t in tensors:
+                t.index_copy_(0, dst, t.index_select(0, src))

@@ -42,7 +42,7 @@ from engine.parallel import SINGLE, TensorParallel
 from engine.params import SamplingParams
 from engine.runner.batch import BatchBuilder
 from engine.runner.draft import DraftModel, Proposal, track_draft
-from engine.runner.kv_cache import allocate_kv_caches
+from engine.runner.kv_cache import allocate_kv_caches, copy_blocks
 from engine.runner.logits_processors import ProcessorBatch, ProcessorConfig
 from engine.runner.pooling import pool_outputs
 from engine.runner.prompt_logprobs import collect_prompt_logprobs
@@ -180,6 +180,11 @@ class ModelRunner:
             self._failed.discard(rid)
         for new in plan.new_requests:
             self._add(new)
+        # Before any chunk writes: a copy's source may be the block a sibling beam writes
+        # into this very step.
+        copy_blocks(self.kv_caches, plan.block_copies, self.device)
+        if self.drafter is not None and plan.block_copies:
+            copy_blocks(self.drafter.kv_caches, plan.block_copies, self.device)
         chunks = tuple(c for c in plan.chunks if c.sample_id not in self._failed)
         if not chunks:
             return StepResult(plan.step_id, (), 0.0)

@@ -54,13 +54,14 @@ _COMMON_FIELDS = frozenset(
         # its extra_args, for the server's logits processors).
         "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "truncation_side",
         "spaces_between_special_tokens", "vllm_xargs",
+        # vLLM's beam search (transformers' length_penalty and early_stopping).
+        "use_beam_search", "length_penalty", "early_stopping",
     }
 ) | frozenset(STRUCTURED_FIELDS)
 # Fields that change what the answer means and are not implemented: each is a 400 when
 # set to anything but its no-op value (so a client never takes a plain answer for the one
 # it asked for). Any other unknown field is ignored with a log line.
 NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
-    "use_beam_search": lambda v: v not in (None, False),
     "functions": lambda v: v not in (None, []),
     "function_call": lambda v: v not in (None, "none"),
     "guided_whitespace_pattern": lambda v: v is not None,
@@ -72,8 +73,6 @@ NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     "modalities": lambda v: v not in (None, ["text"]),
     "web_search_options": lambda v: v is not None,
     "verbosity": lambda v: v not in (None, "medium"),
-    # vLLM's sampling extras that change the answer and are not built.
-    "length_penalty": lambda v: v not in (None, 1, 1.0),
     # Left truncation (keep the last tokens) is the one built.
     "truncation_side": lambda v: v not in (None, "left"),
     "documents": lambda v: v is not None,
@@ -89,8 +88,6 @@ _NOT_IMPLEMENTED_WHY = {
     "web_search_options": "this server has no web search",
     "verbosity": "only the default verbosity (medium) is supported",
     "documents": "documents for retrieval-augmented chat templates are not supported",
-    "use_beam_search": "beam search is not built",
-    "length_penalty": "it applies to beam search, which is not built",
     "truncation_side": 'only "left" (keep the last truncate_prompt_tokens tokens) is built',
     "mm_processor_kwargs": "per-request image processor options are not supported; "
                            "the server's --mm-processor-kwargs applies to every request",
@@ -176,7 +173,8 @@ def parse_completion(body: Any, defaults: Mapping[str, Any] | None = None) -> Co
     params = params.replace(prompt_logprobs=_most(
         prompt_logprobs, logprobs if echo else None))
     suffix = _suffix(body, prompts, echo, params)
-    params, returned_n = _best_of(body, params, stream)
+    beam = _beam_search(body, params, stream, best_of=_opt_int(body, "best_of"))
+    params, returned_n = (beam, None) if beam is not None else _best_of(body, params, stream)
     return CompletionRequest(
         chat=False, model=_model(body), prompts=prompts, params=params, stream=stream,
         include_usage=include_usage, echo=echo, top_logprobs=logprobs, **_queueing(body),
@@ -208,6 +206,36 @@ def _best_of(body: dict[str, Any], params: SamplingParams,
                        param="best_of", code="invalid_value")
     logprobs = 0 if params.logprobs is None else params.logprobs
     return params.replace(n=best_of, logprobs=logprobs), params.n
+
+
+def _beam_search(body: dict[str, Any], params: SamplingParams, stream: bool, *,
+                 best_of: int | None) -> SamplingParams | None:
+    """vLLM's ``use_beam_search``: a beam search of width ``best_of`` (completions) or
+    ``n``, returning the ``n`` best hypotheses, with transformers' ``length_penalty`` and
+    ``early_stopping``; None when not asked (those two then must keep their defaults)."""
+    if not lax_bool(body.get("use_beam_search"), "use_beam_search"):
+        for name, default in (("length_penalty", 1.0), ("early_stopping", False)):
+            if body.get(name) is not None and body[name] != default:
+                raise APIError(400, f"{name} applies to beam search only (use_beam_search: true)",
+                               param=name, code="invalid_value")
+        return None
+    width = params.n if best_of is None else best_of
+    changes: dict[str, Any] = {"beam_width": width}
+    if body.get("length_penalty") is not None:
+        changes["length_penalty"] = body["length_penalty"]
+    if body.get("early_stopping") is not None:
+        early = body["early_stopping"]
+        changes["early_stopping"] = early if early == "never" else lax_bool(early, "early_stopping")
+    if width < params.n:
+        raise APIError(400, f"best_of must be greater than or equal to n, got n={params.n}, "
+                       f"best_of={width}", param="best_of", code="invalid_value")
+    beam = params.replace(**changes)  # a field beam search cannot honour is refused here
+    if stream:
+        # The beams are ranked until the search ends: no token is final before that.
+        raise APIError(400, "use_beam_search cannot be streamed: the best hypotheses are "
+                       "known only when the search ends; send stream: false",
+                       param="use_beam_search", code="invalid_value")
+    return beam
 
 
 def _suffix(body: dict[str, Any], prompts: tuple[Any, ...], echo: bool,
@@ -272,6 +300,8 @@ def parse_chat(body: Any, settings: ChatSettings | None = None,
     params = _sampling_params(body, None, logprobs, max_tokens=max_tokens, defaults=defaults,
                               structured=structured)
     params = _chat_output_params(body, params, fields)
+    stream = _opt_bool(body, "stream", False)
+    params = _beam_search(body, params, stream, best_of=None) or params
     prediction = _prediction(body.get("prediction"))
     if prediction is not None:
         params = params.replace(prediction=prediction)
