@@ -824,3 +824,63 @@ int eng_greedy(const float *logits, int64_t stride, int64_t rows, int64_t vocab,
         bad |= greedy_row(logits + r * stride, vocab, ids + r, lp + r) != 0;
     return bad ? -1 : 0;
 }
+
+
+/* ---- LoRA: shrink then expand, each token with its adapter slot's A and B ---------- */
+
+/* The largest padded rank (R) a call takes: the shrunk row lives on the stack. A fused
+ * q/k/v projection stacks three slices of --max-lora-rank (at most 512 in the config). */
+#define LORA_MAX_R 2048
+
+/* out[t] += B[slot] @ (A[slot] @ x[t]) for one token, in fp32, rounded once into out's
+ * dtype (the reference's order of rounding: engine/ops/reference.py lora_add_reference).
+ * x and out share the activation dtype (bx); A and B share the adapters' dtype (bw). */
+INLINE void lora_token(void *out, const void *x, int64_t K, int64_t N, int64_t R, const void *a,
+                       const void *b, int64_t t, int64_t slot, int bx, int bw) {
+    float tmp[LORA_MAX_R];
+    const int64_t xo = t * K, ao = slot * R * K, bo = slot * N * R;
+    for (int64_t r = 0; r < R; r++) {
+        float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t k = 0; k < K; k++)
+            acc += ld(x, xo + k, bx) * ld(a, ao + r * K + k, bw);
+        tmp[r] = acc;
+    }
+    for (int64_t n = 0; n < N; n++) {
+        float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t r = 0; r < R; r++)
+            acc += tmp[r] * ld(b, bo + n * R + r, bw);
+        st(out, t * N + n, ld(out, t * N + n, bx) + acc, bx);
+    }
+}
+
+CLONES void eng_lora_token_ff(void *o, const void *x, int64_t K, int64_t N, int64_t R, const void *a,
+                              const void *b, int64_t t, int64_t s) { lora_token(o, x, K, N, R, a, b, t, s, 0, 0); }
+CLONES void eng_lora_token_fb(void *o, const void *x, int64_t K, int64_t N, int64_t R, const void *a,
+                              const void *b, int64_t t, int64_t s) { lora_token(o, x, K, N, R, a, b, t, s, 0, 1); }
+CLONES void eng_lora_token_bf(void *o, const void *x, int64_t K, int64_t N, int64_t R, const void *a,
+                              const void *b, int64_t t, int64_t s) { lora_token(o, x, K, N, R, a, b, t, s, 1, 0); }
+CLONES void eng_lora_token_bb(void *o, const void *x, int64_t K, int64_t N, int64_t R, const void *a,
+                              const void *b, int64_t t, int64_t s) { lora_token(o, x, K, N, R, a, b, t, s, 1, 1); }
+
+/* Every token of slot >= 0 (slots[t], -1 for the base model); x [T, K] and out [T, N]
+ * contiguous, A [S, R, K] and B [S, N, R] contiguous. Returns -1 for a dtype or a rank it
+ * does not take, -2 for a slot outside [0, S). */
+int eng_lora_add(int dtype, int wdtype, void *out, const void *x, int64_t T, int64_t K, int64_t N,
+                 int64_t R, int64_t S, const void *a, const void *b, const int32_t *slots, int nthreads) {
+    if ((dtype != DT_F32 && dtype != DT_BF16) || (wdtype != DT_F32 && wdtype != DT_BF16) || R > LORA_MAX_R)
+        return -1;
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] >= S)
+            return -2;
+    void (*fn)(void *, const void *, int64_t, int64_t, int64_t, const void *, const void *, int64_t, int64_t) =
+        dtype == DT_F32 ? (wdtype == DT_F32 ? eng_lora_token_ff : eng_lora_token_fb)
+                        : (wdtype == DT_F32 ? eng_lora_token_bf : eng_lora_token_bb);
+#pragma omp parallel for schedule(static) num_threads(nthreads) \
+    if (nthreads > 1 && T > 1 && T * R * (K + N) >= PARALLEL_MIN_WORK)
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] >= 0)
+            fn(out, x, K, N, R, a, b, t, slots[t]);
+    return 0;
+}
