@@ -15,6 +15,7 @@ the vision encoder's cache and the order of a step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -35,6 +36,7 @@ from engine.messages import (
     StepPlan,
     StepResult,
 )
+from engine.models.lora import LoraAdapterError
 from engine.models.pooling import PoolerConfig
 from engine.models.registry import build_model
 from engine.ops import Ops
@@ -44,6 +46,7 @@ from engine.runner.batch import BatchBuilder
 from engine.runner.draft import DraftModel, Proposal, track_draft
 from engine.runner.kv_cache import allocate_kv_caches
 from engine.runner.logits_processors import ProcessorBatch, ProcessorConfig
+from engine.runner.lora import LoraManager, LoraSettings
 from engine.runner.pooling import pool_outputs
 from engine.runner.prompt_logprobs import collect_prompt_logprobs
 from engine.runner.request_state import RequestState, StepPlanError
@@ -95,6 +98,7 @@ class ModelRunner:
         tp: TensorParallel = SINGLE,
         draft: Any = None,
         logits_processors: Sequence[type] = (),
+        lora: LoraSettings | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.tp = tp
@@ -116,6 +120,9 @@ class ModelRunner:
         # The server's logits processors (--logits-processors: classes, built here once).
         self.sampler = Sampler(ops, seed=seed, processors=ProcessorBatch.build(
             logits_processors, ProcessorConfig(loaded.config.vocab_size, max_num_seqs), self.device))
+        # LoRA adapters (--enable-lora): slots beside the model's projections, filled from
+        # the adapters' folders as requests name them.
+        self.lora = None if lora is None else LoraManager(self.model, loaded.config, lora)
         # Speculative decoding's draft model (a LoadedModel given as ``draft``): its KV
         # cache has this pool's blocks, indexed by the same block tables.
         self.drafter = None if draft is None else DraftModel(
@@ -178,11 +185,16 @@ class ModelRunner:
         for rid in plan.finished_ids:
             self._requests.pop(rid, None)
             self._failed.discard(rid)
+        refused: list[RequestFailure] = []
         for new in plan.new_requests:
-            self._add(new)
+            try:
+                self._add(new)
+            except LoraAdapterError as exc:  # its adapter's folder changed since it was checked
+                refused.append(RequestFailure(new.sample_id, str(exc)))
+                self._failed.add(new.sample_id)
         chunks = tuple(c for c in plan.chunks if c.sample_id not in self._failed)
         if not chunks:
-            return StepResult(plan.step_id, (), 0.0)
+            return StepResult(plan.step_id, (), 0.0, failed=tuple(refused))
         sampled: tuple[SampledToken, ...] = ()
         failed: tuple[RequestFailure, ...] = ()
         prompt_logprobs: tuple[PromptLogprobs, ...] = ()
@@ -196,6 +208,7 @@ class ModelRunner:
             logger.exception("model step %d failed; failing its %d requests", plan.step_id, len(chunks))
             failed = tuple(RequestFailure(c.sample_id, STEP_FAILED) for c in chunks)
             sampled, prompt_logprobs, pooled = (), (), ()
+        failed = (*refused, *failed)
         for failure in failed:
             self._requests.pop(failure.sample_id, None)
             self._failed.add(failure.sample_id)
@@ -219,10 +232,11 @@ class ModelRunner:
                          and s.params.structured_outputs is None}
         input_ids, positions, meta, sample_rows = self._batch.prepare(chunks, states)
         mm = self._image_embeds(chunks, states)
-        if mm is not None:
-            hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, mm_embeds=mm)
-        else:
-            hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
+        with self._lora_step(chunks, states):
+            if mm is not None:
+                hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, mm_embeds=mm)
+            else:
+                hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
         prompt_logprobs = collect_prompt_logprobs(self.model, hidden, chunks, states, self.device)
         before = [len(s.outputs) for s in states]
         sampled: tuple[SampledToken, ...] = ()
@@ -233,6 +247,12 @@ class ModelRunner:
             track_draft(chunks, states, before, model_drafted={
                 c.sample_id for c, d in zip(chunks, drafted, strict=True) if d is not None})
         return sampled, failed, prompt_logprobs
+
+    def _lora_step(self, chunks: Sequence[ScheduledChunk], states: Sequence[RequestState]):
+        """The forward's adapters: each token's slot for the step (a no-op without LoRA)."""
+        if self.lora is None:
+            return contextlib.nullcontext()
+        return self.lora.slots.step(self.lora.segments(chunks, states))
 
     def warm_up(self, prompt_len: int = 16) -> None:
         """One prefill and one decode step of a throwaway greedy request in the pool's
@@ -266,6 +286,11 @@ class ModelRunner:
         state = RequestState(
             prompt, [], list(prompt), new.params, tuple(new.eos_token_ids), images=tuple(new.images)
         )
+        if new.lora is not None:
+            if self.lora is None:
+                raise LoraAdapterError(new.lora.name, "this engine was started without --enable-lora")
+            self.lora.load(new.lora)
+            state.lora = new.lora
         if self.config.mrope:
             state.mrope, state.mrope_delta = self.model.prompt_positions(len(prompt), state.images)  # type: ignore[attr-defined]
         self._requests[new.sample_id] = state
