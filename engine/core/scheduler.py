@@ -164,6 +164,7 @@ class Scheduler:
             wait_for=self._waitable(request.wait_for),
             prediction=request.prediction_token_ids,
             images=request.images,
+            lora=request.lora,
         )
         self._next_arrival += 1
         self._queue.add(req)
@@ -308,6 +309,8 @@ class Scheduler:
                 return
             if req.wait_for is not None or not req.can_sample:
                 continue
+            if not self._lora_fits(req):
+                continue  # its adapter would be one too many this step; others may start
             lookup = self._prefix_lookup(req)
             budget = step.budget
             if req.images and not lookup:  # its start is known: cut before allocating
@@ -326,6 +329,15 @@ class Scheduler:
                 return  # no overtaking: later requests wait for blocks too
             self._start(step, req, reply)
 
+    def _lora_fits(self, req: Request) -> bool:
+        """Whether starting ``req`` keeps the running requests within ``max_loras`` distinct
+        LoRA adapters (every running request may be in a step: their adapters must all
+        have a slot at once)."""
+        if req.lora is None or not self.config.max_loras:
+            return True
+        running = {r.lora.id for r in self._queue.running if r.lora is not None}
+        return req.lora.id in running or len(running) < self.config.max_loras
+
     def _prefix_lookup(self, req: Request) -> bool:
         """Whether a waiting request's first table may start from the prefix cache."""
         # A prompt_logprobs request computes every prompt position: a cached block's
@@ -343,7 +355,7 @@ class Scheduler:
             req.seen_by_runner = True
             step.new_requests.append(
                 NewRequest(req.sample_id, req.prompt_token_ids, req.params, req.eos_token_ids,
-                           req.images)
+                           req.images, req.lora)
             )
         add_chunk(step, req, reply, (), 0, self.config.block_size)
 

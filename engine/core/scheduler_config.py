@@ -47,6 +47,9 @@ class SchedulerConfig:
     # draft_model: the runner's draft model proposes num_speculative_tokens tokens for a
     # speculating decode step (the chunk reserves the positions; the runner fills them).
     draft_model: bool = False
+    # Distinct LoRA adapters among the running requests (the runner's slots); 0: no limit
+    # (no adapters are served).
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         # A plain ValueError: EngineConfig has checked the user's options and the KV sizing
@@ -80,6 +83,7 @@ class SchedulerConfig:
             pooling=pooling,
             paged_kv=paged_kv,
             max_num_encoder_input_tokens=config.max_num_encoder_input_tokens or 0,
+            max_loras=config.max_loras if config.enable_lora else 0,
             **_speculative_fields(config),
         )
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from engine.errors import EngineError
+from engine.errors import LoraAdapterError
 from engine.models.config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
@@ -42,14 +42,6 @@ _KEY = re.compile(r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(self_attn|ml
 # Targets that add tokens or replace whole modules: the adapter carries its own vocabulary
 # rows, which a shared base model's embedding cannot hold per request.
 _VOCAB_TARGETS = ("embed_tokens", "lm_head", "wte", "word_embeddings")
-
-
-class LoraAdapterError(EngineError, ValueError):
-    """An adapter that cannot be served: the message names it and the problem."""
-
-    def __init__(self, name: str, message: str) -> None:
-        super().__init__(f"LoRA adapter {name!r}: {message}")
-        self.name = name
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

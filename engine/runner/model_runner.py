@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from engine.errors import EngineError
+from engine.errors import EngineError, LoraAdapterError
 from engine.messages import (
     ImageInput,
     NewRequest,
@@ -36,7 +36,6 @@ from engine.messages import (
     StepPlan,
     StepResult,
 )
-from engine.models.lora import LoraAdapterError
 from engine.models.pooling import PoolerConfig
 from engine.models.registry import build_model
 from engine.ops import Ops
