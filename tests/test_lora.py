@@ -31,13 +31,18 @@ import pytest
 import torch
 from greedy_driver import run_greedy
 from safetensors.torch import load_file, save_file
+from test_parity import LOGIT_ATOL_FP32
+from test_quant_models import KERNEL_LOGIT_SPAN, write_quantized
 
 from engine.errors import LoraAdapterError
 from engine.messages import LoraAdapter, NewRequest, ScheduledChunk, StepPlan
 from engine.models.config import ModelConfig
+from engine.models.layers.linear import QuantLinear
+from engine.models.loader import load_model
 from engine.models.lora import read_lora_adapter
 from engine.models.testing import write_tiny_model
 from engine.ops import get_ops
+from engine.ops.cpu import qmatmul as cq
 from engine.params import SamplingParams
 from engine.runner.lora import LoraSettings
 from engine.runner.model_runner import ModelRunner
@@ -312,3 +317,37 @@ def test_a_request_whose_adapter_is_gone_fails_alone(one, tmp_path) -> None:
                                       ScheduledChunk("good", 0, 2, (1,), True)), ()))
     assert [f.sample_id for f in result.failed] == ["bad"] and "gone" in result.failed[0].reason
     assert [s.sample_id for s in result.sampled] == ["good"]
+
+
+# -- a GGUF base --------------------------------------------------------------------------
+
+
+def test_a_gguf_base_with_an_adapter_matches_peft_on_the_dequantized_model(tmp_path, monkeypatch) -> None:
+    """The base's Q8_0 blocks stay blocks (the adapter runs beside the quantized matmul, in
+    the activations' dtype); peft runs over the same file dequantized (the loader's
+    converted folder). Tolerances are tests/test_quant_models.py's: over the torch reference
+    matmul, fp32 summation order (LOGIT_ATOL_FP32); over the C kernels, which round
+    activations to int8 per 32 columns as llama.cpp does, KERNEL_LOGIT_SPAN of each row's
+    range."""
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_quantized(tmp_path, "llama", "Q8_0")
+    kept = load_model(path, dtype="float32")
+    dense = load_model(path, dtype="float32", quantization="none")
+    peft_model = write_peft_adapters(dense.folder, tmp_path, {"ad": dict(r=8, lora_alpha=16)}, seed=5)
+    adapter = LoraAdapter("ad", str(tmp_path / "ad"), 1)
+    prompts = _prompts(kept.config.vocab_size)
+    with torch.inference_mode():
+        want = [peft_model(torch.tensor([p])).logits[0] for p in prompts]
+        with peft_model.disable_adapter():
+            base = [peft_model(torch.tensor([p])).logits[0] for p in prompts]
+    assert max((w - b).abs().max() for w, b in zip(want, base, strict=True)) > 0.1
+    runner = _runner(kept, "cpu")
+    assert all(isinstance(layer.qkv.base, QuantLinear) for layer in runner.model.layers)
+    got = prefill_logits(runner, prompts, [adapter] * len(prompts))
+    for g, w in zip(got, want, strict=True):
+        span = (w.amax(-1) - w.amin(-1)).unsqueeze(-1)
+        assert float(((g - w).abs() / span).max()) <= KERNEL_LOGIT_SPAN
+    monkeypatch.setattr(cq, "available", lambda: False)  # the torch reference matmul
+    got = prefill_logits(_runner(kept, "cpu"), prompts, [adapter] * len(prompts))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=LOGIT_ATOL_FP32, rtol=0)
