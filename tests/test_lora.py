@@ -34,8 +34,11 @@ from safetensors.torch import load_file, save_file
 from test_parity import LOGIT_ATOL_FP32
 from test_quant_models import KERNEL_LOGIT_SPAN, write_quantized
 
+import engine
+from engine.core import BlockPool, Scheduler, SchedulerConfig, run_with_pool
+from engine.core.admission import prefix_salt
 from engine.errors import LoraAdapterError
-from engine.messages import LoraAdapter, NewRequest, ScheduledChunk, StepPlan
+from engine.messages import LoraAdapter, NewRequest, ScheduledChunk, SchedulerRequest, StepPlan
 from engine.models.config import ModelConfig
 from engine.models.layers.linear import QuantLinear
 from engine.models.loader import load_model
@@ -351,3 +354,44 @@ def test_a_gguf_base_with_an_adapter_matches_peft_on_the_dequantized_model(tmp_p
     got = prefill_logits(_runner(kept, "cpu"), prompts, [adapter] * len(prompts))
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=LOGIT_ATOL_FP32, rtol=0)
+
+
+# -- the scheduler and the embedded API ----------------------------------------------------
+
+
+def test_the_scheduler_keeps_the_running_adapters_within_max_loras() -> None:
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, block_size=4, max_model_len=128,
+                                      num_kv_blocks=64, max_loras=2))
+    pool = BlockPool(64, 4)
+    a, b, c = (LoraAdapter(n, "/nowhere", i) for i, n in enumerate("abc", 1))
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    for rid, lora in (("r-a", a), ("r-b", b), ("r-c", c), ("r-a2", a), ("r-base", None)):
+        sched.add_request(SchedulerRequest(rid, (5, 6, 7), params, (), 4, 0, 0.0, prefix_salt(None, lora), None,
+                                           lora=lora))
+    plan = run_with_pool(sched.schedule(), pool)
+    started = {n.sample_id: n.lora for n in plan.new_requests}
+    # c would be a third adapter: it waits; a's second request and the base request start.
+    assert set(started) == {"r-a", "r-b", "r-a2", "r-base"}
+    assert started["r-a"] == a and started["r-base"] is None
+    # The same prompt under a and b shares no prefix-cache block: their keys differ.
+    assert prefix_salt(None, a) != prefix_salt(None, b) != prefix_salt(None, None)
+    assert prefix_salt("\0l1\x1f", None) != prefix_salt(None, a)  # no client salt spells an adapter's
+
+
+async def test_the_embedded_api_runs_adapters_and_speculation_keeps_their_tokens(one) -> None:
+    root, _ = one
+    prompt = "the quick brown fox the quick brown fox the quick"
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    answers = []
+    for spec in (None, json.dumps({"method": "ngram", "num_speculative_tokens": 3})):
+        async with engine.open_engine(root / "base", dtype="float32", enable_lora=True,
+                                      lora_modules=[f"ok={root / 'ok'}"], kv_cache_memory=2**24,
+                                      speculative_config=spec) as eng:
+            got = {}
+            for lora in (None, "ok"):
+                got[lora] = [t async for out in eng.generate(prompt, params, lora=lora) for t in out.token_ids]
+            with pytest.raises(LoraAdapterError, match="no adapter of that name"):
+                await eng.submit(prompt, params, lora="missing")
+            answers.append(got)
+    assert answers[0][None] != answers[0]["ok"]
+    assert answers[0] == answers[1]  # prompt lookup verified under the adapter: its own tokens
