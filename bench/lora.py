@@ -93,7 +93,7 @@ def kernel_rows(config: Any, dtype: torch.dtype, rank: int, tokens: int, counts:
         shapes = [(t.in_features, t.out_features, len(t.slices) * rank)
                   for i in range(config.num_hidden_layers) for t in lora_targets(config, i)]
         data = [(torch.randn(tokens, k).to(dtype), torch.zeros(tokens, m, dtype=dtype),
-                 (torch.randn(n, r, k) * 0.02).to(dtype), (torch.randn(n, m, r) * 0.02).to(dtype)) for k, m, r in shapes]
+                 (torch.randn(n, r, k) * 0.02).to(dtype), (torch.randn(n, r, m) * 0.02).to(dtype)) for k, m, r in shapes]
         groups = [torch.tensor([t for t in range(tokens) if slots[t] == s]) for s in range(n)]
 
         def batched(data=data, segments=segments) -> None:
@@ -103,7 +103,7 @@ def kernel_rows(config: Any, dtype: torch.dtype, rank: int, tokens: int, counts:
         def separately(data=data, groups=groups) -> None:
             for x, out, a, b in data:
                 for s, rows_of in enumerate(groups):
-                    out.index_add_(0, rows_of, (x[rows_of] @ a[s].T) @ b[s].T)
+                    out.index_add_(0, rows_of, (x[rows_of] @ a[s].T) @ b[s])
 
         timing = {}
         for label, fn in (("batched", batched), ("separately", separately)):

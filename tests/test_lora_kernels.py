@@ -51,7 +51,7 @@ def _case(slots, k, n, r, dtype, device):
     x = torch.randn(len(slots), k, generator=g).to(dtype)
     out = torch.randn(len(slots), n, generator=g).to(dtype)
     a = (torch.randn(s, r, k, generator=g) * 0.2).to(dtype)
-    b = (torch.randn(s, n, r, generator=g) * 0.2).to(dtype)
+    b = (torch.randn(s, r, n, generator=g) * 0.2).to(dtype)
     return [t.to(device) for t in (x, out, a, b)]
 
 
@@ -89,3 +89,25 @@ def test_lora_add_cpu_mixed_dtypes():
     lora_add_reference(expected, x, a, b, segments)
     get_ops("cpu").lora_add(got, x, a, b, segments)
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2**-7)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_lora_add_over_a_fused_projection_skips_only_zeros(backend) -> None:
+    """A fused q/k/v slot: B's rows in three groups, each zero outside its slice's columns
+    (block diagonal, as the slots hold them); ``slices`` lets a kernel skip the zeros. The
+    result must be the reference's over the whole B."""
+    device = _DEVICE if backend == "triton" else "cpu"
+    bounds = (0, 40, 56, 72)  # q 40 columns, k and v 16 each; the tile edge inside none
+    slots = [0, 1, -1, 1, 0, 2]
+    x, out, a, _ = _case(slots, 64, 72, 24, torch.float32, "cpu")
+    b = torch.zeros(4, 24, 72)
+    g = torch.Generator().manual_seed(5)
+    for j in range(3):
+        b[:, j * 8 : (j + 1) * 8, bounds[j] : bounds[j + 1]] = torch.randn(4, 8, bounds[j + 1] - bounds[j], generator=g) * 0.2
+    a[:, 5:8] = 0  # a padded rank inside the first slice
+    x, out, a, b = (t.to(device) for t in (x, out, a, b))
+    segments = _segments(slots, device)
+    expected, got = out.clone(), out.clone()
+    lora_add_reference(expected, x, a, b, segments)
+    get_ops(backend).lora_add(got, x, a, b, segments, bounds)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

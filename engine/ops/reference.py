@@ -222,7 +222,8 @@ class TorchOps:
         return _attend_decode(query, k_cache, v_cache, plan.single, scale, window, softcap)
 
     def lora_add(
-        self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, segments: LoraSegments
+        self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, segments: LoraSegments,
+        slices: tuple[int, ...] = (),
     ) -> None:
         """Each run of a slot's tokens as two fp32 matmuls (the oracle of the kernels)."""
         lora_add_reference(out, x, a, b, segments)
@@ -249,7 +250,7 @@ def lora_add_reference(
     """:meth:`Ops.lora_add` in plain torch: shrink and expand in fp32 per run of a slot."""
     for start, end, slot in segments.host:
         shrunk = x[start:end].float() @ a[slot].float().T
-        out[start:end] = (out[start:end].float() + shrunk @ b[slot].float().T).to(out.dtype)
+        out[start:end] = (out[start:end].float() + shrunk @ b[slot].float()).to(out.dtype)
 
 
 def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -112,7 +112,8 @@ class TritonOps:
         return fused_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
 
     def lora_add(
-        self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, segments: LoraSegments
+        self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, segments: LoraSegments,
+        slices: tuple[int, ...] = (),
     ) -> None:
         if segments.active:
             lora.lora_add(out, x, a, b, segments.token_slots)

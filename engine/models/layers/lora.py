@@ -2,13 +2,13 @@
 adds an adapter's delta to a projection's output.
 
 :class:`LoraSlots` is built once per model (``Decoder.enable_lora``): for every targeted
-projection of every layer it preallocates ``a`` [S, n * R, in] and ``b`` [S, out, n * R]
+projection of every layer it preallocates ``a`` [S, n * R, in] and ``b`` [S, n * R, out]
 (``S`` = ``--max-loras`` slots, ``R`` = ``--max-lora-rank``, ``n`` the projection's fused
 slices; layout in ``engine.models.lora``), so loading an adapter into a slot copies into
 memory that is already there and a step never allocates. The base weights are untouched:
 a dense ``Linear`` or a GGUF ``QuantLinear`` computes its output as before, and
 :class:`LoraLinear` adds ``B[slot] @ (A[slot] @ x)`` per token in the activation dtype (the
-kernel's ``Ops.lora_add``), as llama.cpp applies adapters beside quantized weights.
+kernel's ``Ops.lora_add``; ``b`` holds B transposed), as llama.cpp applies adapters beside quantized weights.
 
 Which slot each token uses is the step's :class:`LoraSegments`, which the runner sets on
 the slots before the forward and clears after it (:meth:`LoraSlots.step`): the model owns
@@ -19,6 +19,7 @@ built with, so no forward signature changes for a per-step table.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,20 +33,23 @@ from engine.ops import LoraSegments, Ops
 class LoraLinear:
     """A projection plus the LoRA delta of each token's slot (none for base-model tokens)."""
 
-    __slots__ = ("base", "target", "a", "b", "slots")
+    __slots__ = ("base", "target", "a", "b", "slots", "bounds")
 
     def __init__(self, base: Any, target: LoraTarget, a: torch.Tensor, b: torch.Tensor, slots: LoraSlots) -> None:
         self.base = base
         self.target = target
         self.a = a  # [S, n * R, in]
-        self.b = b  # [S, out, n * R]
+        self.b = b  # [S, n * R, out]: B transposed
         self.slots = slots
+        # The fused slices' column bounds: b is block diagonal, which the kernel may skip.
+        self.bounds = (0, *itertools.accumulate(rows for _, rows in target.slices))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         segments = self.slots.segments
         if segments is not None:
-            self.slots.ops.lora_add(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]), self.a, self.b, segments)
+            self.slots.ops.lora_add(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]), self.a, self.b, segments,
+                                   self.bounds)
         return out
 
     def describe(self) -> Any:
@@ -74,7 +78,7 @@ class LoraSlots:
             for target in lora_targets(config, i):
                 n = len(target.slices)
                 a = torch.zeros((max_loras, n * max_rank, target.in_features), dtype=dtype, device=device)
-                b = torch.zeros((max_loras, target.out_features, n * max_rank), dtype=dtype, device=device)
+                b = torch.zeros((max_loras, n * max_rank, target.out_features), dtype=dtype, device=device)
                 lin = LoraLinear(getattr(layer, target.key), target, a, b, self)
                 setattr(layer, target.key, lin)
                 wrapped[target.key] = lin
@@ -98,7 +102,7 @@ class LoraSlots:
                     if pair is not None:
                         a, b = pair
                         lin.a[slot, j * big_r : j * big_r + r].copy_(a)
-                        lin.b[slot, row : row + rows, j * big_r : j * big_r + r].copy_(b)
+                        lin.b[slot, j * big_r : j * big_r + r, row : row + rows].copy_(b.T)
                     row += rows
 
     @contextlib.contextmanager

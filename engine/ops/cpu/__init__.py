@@ -96,7 +96,8 @@ class CpuOps(TorchOps):
         return out
 
     def lora_add(
-        self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, segments: LoraSegments
+        self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, segments: LoraSegments,
+        slices: tuple[int, ...] = (),
     ) -> None:
         """One C call for the step's tokens (each with its slot's A then B, in fp32); the
         reference for another dtype or a strided view. torch would run two small matmuls
@@ -110,13 +111,15 @@ class CpuOps(TorchOps):
             return super().lora_add(out, x, a, b, segments)
         if not segments.active:
             return None
+        bounds = slices if len(slices) >= 2 and a.shape[1] % (len(slices) - 1) == 0 else (0, out.shape[1])
+        cols = _ffi.new("int64_t[]", list(bounds))
         rc = _lib.eng_lora_add(code, wcode, _ptr(out), _ptr(x), x.shape[0], x.shape[1], out.shape[1],
                                a.shape[1], a.shape[0], _ptr(a), _ptr(b), _ptr(slots, "int32_t *"),
-                               torch.get_num_threads())
+                               len(bounds) - 1, cols, torch.get_num_threads())
         if rc == -2:
             raise CpuKernelError(f"lora_add: a slot is outside the pool of {a.shape[0]}")
         if rc != 0:
-            return super().lora_add(out, x, a, b, segments)
+            return super().lora_add(out, x, a, b, segments, slices)
         return None
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:

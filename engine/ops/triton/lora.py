@@ -1,7 +1,7 @@
 """LoRA's shrink and expand (BGMV: each token reads its own adapter slot's A and B).
 
 A step's tokens carry their slot (-1: the base model, left as it is). ``shrink`` writes
-``A[slot] @ x`` [T, R] in fp32; ``expand`` adds ``B[slot] @ shrunk`` into the base
+``A[slot] @ x`` [T, R] in fp32; ``expand`` adds ``shrunk @ Bt[slot]`` into the base
 projection's output, in fp32 and rounded once, as the torch reference does
 (``engine.ops.reference.lora_add_reference``). Per token rather than per segment: at
 decode every token is its own request, and a prefill segment re-reads one slot's A and B,
@@ -49,7 +49,7 @@ def _expand_kernel(tmp_ptr, b_ptr, slots_ptr, out_ptr, N, R, BLOCK_N: tl.constex
         rs = r0 + tl.arange(0, BLOCK_R)
         rmask = rs < R
         s = tl.load(tmp_ptr + t * R + rs, mask=rmask, other=0.0)
-        b = tl.load(b_ptr + slot[:, None] * N * R + cols[:, None] * R + rs[None, :],
+        b = tl.load(b_ptr + slot[:, None] * R * N + rs[None, :] * N + cols[:, None],
                     mask=nmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(b * s[None, :], axis=1)
     base = tl.load(out_ptr + t * N + cols, mask=nmask, other=0.0).to(tl.float32)
@@ -57,7 +57,8 @@ def _expand_kernel(tmp_ptr, b_ptr, slots_ptr, out_ptr, N, R, BLOCK_N: tl.constex
 
 
 def lora_add(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor) -> None:
-    """``out[t] += b[s] @ (a[s] @ x[t])`` for every token ``t`` whose slot ``s >= 0``."""
+    """``out[t] += (a[s] @ x[t]) @ b[s]`` for every token ``t`` whose slot ``s >= 0``
+    (``b`` [S, R, out]: B transposed)."""
     T, K = x.shape
     N, R = out.shape[1], a.shape[1]
     if T == 0:
