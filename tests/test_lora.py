@@ -72,7 +72,7 @@ def _hf(folder: Path):
     return model
 
 
-def write_peft_adapters(base: Path, out: Path, specs: dict[str, dict], seed: int = 0):
+def write_peft_adapters(base: Path, out: Path, specs: dict[str, dict], seed: int = 0, targets: str = TARGETS):
     """peft adapters over the transformers model in ``base``, with random A and B (peft
     starts B at zero: an adapter that changes nothing), saved to ``out/<name>``; returns the
     PeftModel holding them all."""
@@ -81,7 +81,7 @@ def write_peft_adapters(base: Path, out: Path, specs: dict[str, dict], seed: int
     model = None
     g = torch.Generator().manual_seed(seed)
     for name, spec in specs.items():
-        config = LoraConfig(target_modules=TARGETS, lora_dropout=0.0, **spec)
+        config = LoraConfig(target_modules=targets, lora_dropout=0.0, **spec)
         if model is None:
             model = get_peft_model(_hf(base), config, adapter_name=name)
         else:
@@ -395,3 +395,24 @@ async def test_the_embedded_api_runs_adapters_and_speculation_keeps_their_tokens
             answers.append(got)
     assert answers[0][None] != answers[0]["ok"]
     assert answers[0] == answers[1]  # prompt lookup verified under the adapter: its own tokens
+
+
+def test_phi3s_fused_projections_take_adapters_as_peft_does(tmp_path) -> None:
+    """Phi-3 stores q/k/v and gate/up fused (qkv_proj, gate_up_proj), and so do its
+    adapters: one slice each. Its logits run larger (~20), and transformers' own Phi-3
+    parity in tests/test_parity.py holds to LOGIT_ATOL_FP32 (1e-4); measured up to 3.7e-5."""
+    folder = write_tiny_model(tmp_path / "base", "phi3")
+    targets = r".*\.layers\.\d+\.(self_attn\.(qkv|o)_proj|mlp\.(gate_up|down)_proj)"
+    peft_model = write_peft_adapters(folder, tmp_path, {"r16": dict(r=16, lora_alpha=32, use_rslora=True)},
+                                     seed=2, targets=targets)
+    loaded = _loaded(folder)
+    prompts = _prompts(loaded.config.vocab_size)
+    with torch.inference_mode():
+        want = [peft_model(torch.tensor([p])).logits[0] for p in prompts]
+        with peft_model.disable_adapter():
+            assert max((peft_model(torch.tensor([p])).logits[0] - w).abs().max() for p, w in zip(prompts, want)) > 0.1
+    adapter = LoraAdapter("r16", str(tmp_path / "r16"), 1)
+    for ops in ("torch", "cpu"):
+        got = prefill_logits(_runner(loaded, ops), prompts, [adapter] * len(prompts))
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, atol=LOGIT_ATOL_FP32, rtol=0)
