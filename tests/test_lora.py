@@ -37,7 +37,7 @@ from test_quant_models import KERNEL_LOGIT_SPAN, write_quantized
 import engine
 from engine.core import BlockPool, Scheduler, SchedulerConfig, run_with_pool
 from engine.core.admission import prefix_salt
-from engine.errors import LoraAdapterError
+from engine.errors import InvalidParamError, LoraAdapterError
 from engine.messages import LoraAdapter, NewRequest, ScheduledChunk, SchedulerRequest, StepPlan
 from engine.models.config import ModelConfig
 from engine.models.layers.linear import QuantLinear
@@ -410,9 +410,25 @@ def test_phi3s_fused_projections_take_adapters_as_peft_does(tmp_path) -> None:
     with torch.inference_mode():
         want = [peft_model(torch.tensor([p])).logits[0] for p in prompts]
         with peft_model.disable_adapter():
-            assert max((peft_model(torch.tensor([p])).logits[0] - w).abs().max() for p, w in zip(prompts, want)) > 0.1
+            assert max((peft_model(torch.tensor([p])).logits[0] - w).abs().max() for p, w in zip(prompts, want, strict=True)) > 0.1
     adapter = LoraAdapter("r16", str(tmp_path / "r16"), 1)
     for ops in ("torch", "cpu"):
         got = prefill_logits(_runner(loaded, ops), prompts, [adapter] * len(prompts))
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, atol=LOGIT_ATOL_FP32, rtol=0)
+
+
+def test_the_offline_llm_takes_vllms_lora_request(one) -> None:
+    root, _ = one
+    request = types.SimpleNamespace(lora_name="ok", lora_int_id=1, lora_path=str(root / "ok"))  # vLLM's LoRARequest
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm = engine.LLM(str(root / "base"), dtype="float32", enable_lora=True, kv_cache_memory=2**24)
+    try:
+        both = llm.generate(["hello world", "hello world"], params, lora_request=[request, None], use_tqdm=False)
+        alone = llm.generate("hello world", params, lora_request=request, use_tqdm=False)
+        with pytest.raises(InvalidParamError, match="lora_request holds 1 values for 2 prompts"):
+            llm.generate(["a", "b"], params, lora_request=[request], use_tqdm=False)
+    finally:
+        llm.close()
+    assert both[0].outputs[0].token_ids != both[1].outputs[0].token_ids
+    assert both[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
