@@ -637,6 +637,10 @@ class CoreStatistics:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # LoRA adapters (names, sorted) of the running and of the waiting requests (vLLM's
+    # lora_requests_info).
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
 
 
 # --- rank 0 <-> tensor-parallel workers (engine.process.workers) -------------------------

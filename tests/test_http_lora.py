@@ -115,6 +115,8 @@ def test_adapters_load_serve_and_unload_at_runtime(server, adapters) -> None:
                                                 stream=True, extra_body={"ignore_eos": True})
     chunks = iter(stream)
     first = next(chunks)
+    metrics = httpx.get(server + "/metrics").text  # vLLM's lora_requests_info names it running
+    assert 'engine:lora_requests_info{max_lora="2",running_lora_adapters="c"' in metrics
     reply = httpx.post(server + "/v1/unload_lora_adapter", json={"lora_name": "c"}, headers=headers)
     assert reply.status_code == 200, reply.text
     rest = list(chunks)

@@ -96,6 +96,10 @@ class SchedulerStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # LoRA adapters (names, sorted) of the running and of the waiting requests (vLLM's
+    # lora_requests_info).
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -231,6 +235,8 @@ class Scheduler:
             spec_draft_tokens=self._spec.draft_tokens,
             spec_accepted_tokens=self._spec.accepted,
             spec_accepted_per_pos=tuple(self._spec.per_pos),
+            running_loras=_lora_names(self._queue.running),
+            waiting_loras=_lora_names(self._queue.waiting),
         )
 
     # -- planning -------------------------------------------------------------------------
@@ -523,6 +529,10 @@ def run_with_pool(gen: ScheduleGenerator, pool: BlockPool) -> StepPlan:
         return done.value  # type: ignore[no-any-return]
     coroutine.close()
     raise ProtocolError("drive() suspended without an event loop")
+
+
+def _lora_names(requests: Iterable[Request]) -> tuple[str, ...]:
+    return tuple(sorted({r.lora.name for r in requests if r.lora is not None}))
 
 
 def _delta(req: Request, tokens: list[SampledToken], status: RequestStatus | None) -> TokenDelta:
