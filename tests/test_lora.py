@@ -392,8 +392,12 @@ async def test_the_embedded_api_runs_adapters_and_speculation_keeps_their_tokens
                 got[lora] = [t async for out in eng.generate(prompt, params, lora=lora) for t in out.token_ids]
             with pytest.raises(LoraAdapterError, match="no adapter of that name"):
                 await eng.submit(prompt, params, lora="missing")
+            for lora in (None, "ok"):  # chat turns too
+                result = await eng.chat([{"role": "user", "content": prompt}], params, lora=lora)
+                got[f"chat-{lora}"] = result.choices[0].message.content
             answers.append(got)
     assert answers[0][None] != answers[0]["ok"]
+    assert answers[0]["chat-None"] != answers[0]["chat-ok"]
     assert answers[0] == answers[1]  # prompt lookup verified under the adapter: its own tokens
 
 
