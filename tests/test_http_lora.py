@@ -89,6 +89,13 @@ def test_each_adapter_answers_differently_and_as_it_does_alone(server) -> None:
     for name, reply in together:
         assert reply.choices[0].text == alone[name]
         assert reply.model == name  # the answer names the adapter it ran
+    chats = {n: _client(server).chat.completions.create(
+        model=n, messages=[{"role": "user", "content": PROMPT}], max_tokens=8, temperature=0.0,
+        extra_body={"ignore_eos": True}).choices[0].message.content for n in names}
+    assert len(set(chats.values())) == 3, chats
+    # A route that would run the base model refuses an adapter's name.
+    with pytest.raises(openai.BadRequestError, match="LoRA adapter"):
+        _client(server).responses.create(model="a", input="hello", max_output_tokens=4)
 
 
 def test_an_unknown_model_is_a_404_in_openais_shape(server) -> None:
