@@ -29,16 +29,25 @@ from pathlib import Path
 
 import pytest
 import torch
+import trio
 from greedy_driver import run_greedy
 from safetensors.torch import load_file, save_file
 from test_parity import LOGIT_ATOL_FP32
 from test_quant_models import KERNEL_LOGIT_SPAN, write_quantized
 
 import engine
+from engine.config import EngineConfig
 from engine.core import BlockPool, Scheduler, SchedulerConfig, run_with_pool
 from engine.core.admission import prefix_salt
 from engine.errors import InvalidParamError, LoraAdapterError
-from engine.messages import LoraAdapter, NewRequest, ScheduledChunk, SchedulerRequest, StepPlan
+from engine.messages import (
+    AdmittedRequest,
+    LoraAdapter,
+    NewRequest,
+    ScheduledChunk,
+    SchedulerRequest,
+    StepPlan,
+)
 from engine.models.config import ModelConfig
 from engine.models.layers.linear import QuantLinear
 from engine.models.loader import load_model
@@ -47,6 +56,7 @@ from engine.models.testing import write_tiny_model
 from engine.ops import get_ops
 from engine.ops.cpu import qmatmul as cq
 from engine.params import SamplingParams
+from engine.process.cores import CorePool, CoreState
 from engine.runner.lora import LoraSettings
 from engine.runner.model_runner import ModelRunner
 
@@ -436,3 +446,32 @@ def test_the_offline_llm_takes_vllms_lora_request(one) -> None:
         llm.close()
     assert both[0].outputs[0].token_ids != both[1].outputs[0].token_ids
     assert both[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
+
+
+def test_data_parallel_routing_sends_an_adapters_requests_to_the_core_holding_it() -> None:
+    send, _ = trio.open_memory_channel(0)
+    pool = CorePool(EngineConfig(data_parallel_size=2), to_detokenizer=send, data_parallel_size=2)
+    for core in pool._cores:
+        core.state = CoreState.SERVING
+    a, b = LoraAdapter("a", "/a", 1), LoraAdapter("b", "/b", 2)
+    params = SamplingParams(max_tokens=4)
+    serial = iter(range(100))
+
+    def request(lora):  # a prompt of its own: no cached prefix to follow
+        n = next(serial)
+        rid = f"r{n}"
+        sample = SchedulerRequest(rid, (n, n + 1), params, (), 4, 0, 0.0, prefix_salt(None, lora), None, lora=lora)
+        return AdmittedRequest(rid, (sample,), ())
+
+    def route(lora):
+        req = request(lora)
+        core = pool._route(req)
+        pool._assign(core, req)
+        return core.index
+
+    first = route(a)
+    assert route(a) == first  # it holds a (one request more is not "much busier")
+    assert route(b) != first  # b goes to the least loaded
+    for _ in range(6):
+        pool._assign(pool._cores[first], request(None))  # now much busier
+    assert route(a) != first
