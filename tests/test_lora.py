@@ -475,3 +475,32 @@ def test_data_parallel_routing_sends_an_adapters_requests_to_the_core_holding_it
     for _ in range(6):
         pool._assign(pool._cores[first], request(None))  # now much busier
     assert route(a) != first
+
+
+def test_a_running_requests_adapter_stays_read_when_its_folder_goes(four, tmp_path) -> None:
+    """One slot and one host copy: a's request and b's take turns in the slot; a's folder
+    is gone (unloaded and deleted) before a needs the slot again: its copy, held while the
+    request lives, is written back, and the request runs on with a's weights."""
+    loaded, adapters = four
+    folder = tmp_path / "a"
+    shutil.copytree(adapters[0].path, folder)
+    a, b = LoraAdapter("a", str(folder), 10), adapters[1]
+    runner = ModelRunner(loaded, device="cpu", ops=get_ops("cpu"), num_blocks=32, block_size=4,
+                         max_num_batched_tokens=64, max_num_seqs=4, lora=LoraSettings(1, 16, 1, loaded.dtype))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = (5, 6, 7)
+    steps = [StepPlan(0, (NewRequest("ra", prompt, params, (), lora=a), NewRequest("rb", prompt, params, (), lora=b)),
+                      (ScheduledChunk("ra", 0, 3, (0,), True),), ()),
+             StepPlan(1, (), (ScheduledChunk("rb", 0, 3, (4,), True),), ())]
+    tokens = [runner.execute(plan).sampled[0].token_id for plan in steps]
+    shutil.rmtree(folder)
+    result = runner.execute(StepPlan(2, (), (ScheduledChunk("ra", 3, 1, (0,), True),), ()))
+    assert not result.failed and len(result.sampled) == 1
+    # The same token as a fresh runner gives a's request with the folder there.
+    shutil.copytree(adapters[0].path, folder)
+    fresh = _runner(loaded, "cpu")
+    first = fresh.execute(StepPlan(0, (NewRequest("ra", prompt, params, (), lora=a),),
+                                   (ScheduledChunk("ra", 0, 3, (0,), True),), ()))
+    assert first.sampled[0].token_id == tokens[0]
+    second = fresh.execute(StepPlan(1, (), (ScheduledChunk("ra", 3, 1, (0,), True),), ()))
+    assert second.sampled[0].token_id == result.sampled[0].token_id

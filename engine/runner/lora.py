@@ -47,8 +47,32 @@ class LoraManager:
         self.device = next(iter(self.slots.wrappers[0].values())).a.device
         self._host: OrderedDict[int, LoraWeights] = OrderedDict()  # adapter id -> weights, LRU first
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
+        # Live requests per adapter id: their adapters stay read (a slot may need them again
+        # after an eviction, and their folders may be gone by then: an unloaded adapter).
+        self._pins: dict[int, int] = {}
         self.loads = 0  # adapters read from their folders (tests read it)
         self.slot_writes = 0  # adapters copied into a slot
+
+    def acquire(self, adapter: LoraAdapter) -> None:
+        """A request starts with ``adapter``: read it (unless held) and keep it read until
+        :meth:`release`; raises :class:`engine.errors.LoraAdapterError`."""
+        self.load(adapter)
+        self._pins[adapter.id] = self._pins.get(adapter.id, 0) + 1
+
+    def release(self, adapter: LoraAdapter) -> None:
+        left = self._pins.get(adapter.id, 0) - 1
+        if left > 0:
+            self._pins[adapter.id] = left
+        else:
+            self._pins.pop(adapter.id, None)
+            self._trim()
+
+    def _trim(self, keep: int | None = None) -> None:
+        """Past --max-cpu-loras, drop the least recently used adapters no live request holds
+        (those held stay: a step may need them in a slot again), and never ``keep``."""
+        excess = len(self._host) - self.settings.max_cpu_loras
+        for aid in [aid for aid in self._host if aid not in self._pins and aid != keep][:max(0, excess)]:
+            del self._host[aid]
 
     def load(self, adapter: LoraAdapter) -> LoraWeights:
         """``adapter``'s weights, read from its folder unless held; raises
@@ -60,8 +84,7 @@ class LoraManager:
         weights = read_lora_adapter(adapter.path, adapter.name, self.config, self.settings.max_rank)
         self.loads += 1
         self._host[adapter.id] = weights
-        while len(self._host) > self.settings.max_cpu_loras:
-            self._host.popitem(last=False)
+        self._trim(keep=adapter.id)
         return weights
 
     def segments(self, chunks: Sequence[ScheduledChunk], states: Sequence[RequestState]) -> LoraSegments | None:

@@ -152,7 +152,8 @@ class ModelRunner:
         """Forget every request (the engine restarts its actors after a crash). The KV
         tensors are kept: the new block pool shares no cached block, so no stale entry is
         ever read before it is written."""
-        self._requests.clear()
+        for rid in list(self._requests):
+            self._forget(rid)
         self._failed.clear()
         self._encoder_cache.clear()
         if self.sampler.processors is not None:
@@ -182,7 +183,7 @@ class ModelRunner:
         """
         t0 = time.perf_counter()
         for rid in plan.finished_ids:
-            self._requests.pop(rid, None)
+            self._forget(rid)
             self._failed.discard(rid)
         refused: list[RequestFailure] = []
         for new in plan.new_requests:
@@ -209,7 +210,7 @@ class ModelRunner:
             sampled, prompt_logprobs, pooled = (), (), ()
         failed = (*refused, *failed)
         for failure in failed:
-            self._requests.pop(failure.sample_id, None)
+            self._forget(failure.sample_id)
             self._failed.add(failure.sample_id)
         if self._encoder_cache:
             self._evict_encoder_outputs()
@@ -288,11 +289,16 @@ class ModelRunner:
         if new.lora is not None:
             if self.lora is None:
                 raise LoraAdapterError(new.lora.name, "this engine was started without --enable-lora")
-            self.lora.load(new.lora)
+            self.lora.acquire(new.lora)  # held read until the request ends
             state.lora = new.lora
         if self.config.mrope:
             state.mrope, state.mrope_delta = self.model.prompt_positions(len(prompt), state.images)  # type: ignore[attr-defined]
         self._requests[new.sample_id] = state
+
+    def _forget(self, sample_id: str) -> None:
+        state = self._requests.pop(sample_id, None)
+        if state is not None and state.lora is not None and self.lora is not None:
+            self.lora.release(state.lora)
 
     # -- images --------------------------------------------------------------------------
 
