@@ -22,6 +22,7 @@ tolerances (tests/test_quant_models.py); bad adapters are refused with their rea
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import types
@@ -36,10 +37,11 @@ from test_parity import LOGIT_ATOL_FP32
 from test_quant_models import KERNEL_LOGIT_SPAN, write_quantized
 
 import engine
+from engine.cli.args import add_engine_arguments, config_from_args
 from engine.config import EngineConfig
 from engine.core import BlockPool, Scheduler, SchedulerConfig, run_with_pool
 from engine.core.admission import prefix_salt
-from engine.errors import InvalidParamError, LoraAdapterError
+from engine.errors import ConfigError, InvalidParamError, LoraAdapterError
 from engine.messages import (
     AdmittedRequest,
     LoraAdapter,
@@ -504,3 +506,24 @@ def test_a_running_requests_adapter_stays_read_when_its_folder_goes(four, tmp_pa
     assert first.sampled[0].token_id == tokens[0]
     second = fresh.execute(StepPlan(1, (), (ScheduledChunk("ra", 3, 1, (0,), True),), ()))
     assert second.sampled[0].token_id == result.sampled[0].token_id
+
+
+def test_lora_flags_read_as_vllms() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--enable-lora", "--lora-modules", "sql=/a/sql", '{"name": "chat", "path": "/a/chat", '
+                              '"base_model_name": "llama"}', "--lora-modules", "x=/a/x", "--max-loras", "4",
+                              "--max-cpu-loras", "8", "--lora-dtype", "float32"])
+    config = config_from_args(args)
+    assert [(m.name, m.path, m.base_model_name) for m in config.lora_module_specs] == [
+        ("sql", "/a/sql", None), ("chat", "/a/chat", "llama"), ("x", "/a/x", None)]
+    # Across the process boundary (an engine core's config) unchanged.
+    assert EngineConfig.from_json(config.to_json()).lora_module_specs == config.lora_module_specs
+    for bad, field in ((dict(lora_modules=["a=/p"]), "lora_modules"),  # without enable_lora
+                       (dict(enable_lora=True, lora_modules=["a=/p", "a=/q"]), "lora_modules"),
+                       (dict(enable_lora=True, lora_modules=["nonsense"]), "lora_modules"),
+                       (dict(enable_lora=True, max_loras=4, max_cpu_loras=2), "max_cpu_loras"),
+                       (dict(enable_lora=True, max_lora_rank=0), "max_lora_rank")):
+        with pytest.raises(ConfigError) as info:
+            EngineConfig(**bad)
+        assert info.value.field == field
