@@ -23,6 +23,7 @@ tolerances (tests/test_quant_models.py); bad adapters are refused with their rea
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import types
@@ -41,7 +42,7 @@ from engine.cli.args import add_engine_arguments, config_from_args
 from engine.config import EngineConfig
 from engine.core import BlockPool, Scheduler, SchedulerConfig, run_with_pool
 from engine.core.admission import prefix_salt
-from engine.errors import ConfigError, InvalidParamError, LoraAdapterError
+from engine.errors import ConfigError, InvalidParamError, LoraAdapterError, UnsupportedModelError
 from engine.messages import (
     AdmittedRequest,
     LoraAdapter,
@@ -53,7 +54,7 @@ from engine.messages import (
 from engine.models.config import ModelConfig
 from engine.models.layers.linear import QuantLinear
 from engine.models.loader import load_model
-from engine.models.lora import read_lora_adapter
+from engine.models.lora import check_lora_model, read_lora_adapter
 from engine.models.testing import write_tiny_model
 from engine.ops import get_ops
 from engine.ops.cpu import qmatmul as cq
@@ -527,3 +528,11 @@ def test_lora_flags_read_as_vllms() -> None:
         with pytest.raises(ConfigError) as info:
             EngineConfig(**bad)
         assert info.value.field == field
+
+
+def test_a_family_whose_projections_adapters_do_not_name_is_refused_at_startup(one) -> None:
+    _, config = one
+    check_lora_model(config)  # Llama: served
+    for other in (dataclasses.replace(config, architecture="bert"), dataclasses.replace(config, base_model=True)):
+        with pytest.raises(UnsupportedModelError, match="LoRA adapters are not supported"):
+            check_lora_model(other)

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from engine.errors import LoraAdapterError
+from engine.errors import LoraAdapterError, UnsupportedModelError
 from engine.models.config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
@@ -42,6 +42,20 @@ _KEY = re.compile(r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(self_attn|ml
 # Targets that add tokens or replace whole modules: the adapter carries its own vocabulary
 # rows, which a shared base model's embedding cannot hold per request.
 _VOCAB_TARGETS = ("embed_tokens", "lm_head", "wte", "word_embeddings")
+
+
+# The families whose layers lora_targets describes (the Llama-like decoder and Gemma's,
+# text only): another family's projections, or a vision model's nested names, are not these.
+LORA_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral",
+                                "qwen2_moe", "qwen3_moe"})
+
+
+def check_lora_model(config: ModelConfig) -> None:
+    """Refuse (:class:`UnsupportedModelError`) a base model adapters cannot be served on."""
+    if config.architecture not in LORA_ARCHITECTURES or config.vision is not None or config.base_model:
+        what = f"{config.architecture} with a vision tower" if config.vision is not None else config.architecture
+        raise UnsupportedModelError(f"LoRA adapters are not supported for {what} models (supported: "
+                                    f"{', '.join(sorted(LORA_ARCHITECTURES))}, text only)")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -204,5 +218,5 @@ def _modules(tensors: dict[str, torch.Tensor], config: ModelConfig, name: str, r
     return modules
 
 
-__all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "LoraAdapterError", "LoraTarget", "LoraWeights", "lora_targets",
+__all__ = ["CONFIG_FILE", "LORA_ARCHITECTURES", "WEIGHTS_FILE", "LoraAdapterError", "check_lora_model", "LoraTarget", "LoraWeights", "lora_targets",
            "read_lora_adapter"]

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.errors import UnsupportedModelError
 from engine.messages import LoraAdapter, ScheduledChunk
 from engine.models.config import ModelConfig
 from engine.models.lora import LoraWeights, read_lora_adapter
@@ -40,7 +41,7 @@ class LoraManager:
     def __init__(self, model, config: ModelConfig, settings: LoraSettings) -> None:
         enable = getattr(model, "enable_lora", None)
         if enable is None:
-            raise NotImplementedError(f"LoRA adapters are not supported for {config.architecture} models")
+            raise UnsupportedModelError(f"LoRA adapters are not supported for {config.architecture} models")
         self.config = config
         self.settings = settings
         self.slots = enable(max_loras=settings.max_loras, max_rank=settings.max_rank, dtype=settings.dtype)

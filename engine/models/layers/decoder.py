@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from engine.errors import UnsupportedModelError
 from engine.models.config import ModelConfig
 from engine.models.layers.linear import Linear, embed, make_linear
 from engine.models.layers.lora import LoraSlots
@@ -38,6 +39,7 @@ from engine.models.layers.shard import (
     qkv_spans,
     vocab_range,
 )
+from engine.models.lora import check_lora_model
 from engine.ops import AttentionMetadata, Ops
 from engine.ops.cpu import fused as fused_decode
 from engine.ops.cpu.fused_spec import FusedLayer, FusedModel
@@ -156,9 +158,10 @@ class Decoder:
     def enable_lora(self, *, max_loras: int, max_rank: int, dtype: torch.dtype) -> LoraSlots:
         """Wrap every projection adapters may target (engine.models.lora) with ``max_loras``
         preallocated adapter slots of rank up to ``max_rank`` in ``dtype``; returns them."""
+        check_lora_model(self.config)
         if self.tp.enabled:
             # A and B would be cut to each rank's share of the base layer; not built yet.
-            raise NotImplementedError("LoRA adapters with tensor parallelism are not supported yet")
+            raise UnsupportedModelError("LoRA adapters with tensor parallelism are not supported yet")
         self.lora = LoraSlots(self.config, self.layers, self.ops, max_loras=max_loras, max_rank=max_rank,
                               dtype=dtype, device=self.device)
         return self.lora
