@@ -26,6 +26,7 @@ Do not time on a loaded machine.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import tempfile
 import time
@@ -90,15 +91,18 @@ def kernel_rows(config: Any, dtype: torch.dtype, rank: int, tokens: int, counts:
     for n in counts:
         slots = [i % n for i in range(tokens)]
         segments = LoraSegments(tuple((t, t + 1, s) for t, s in enumerate(slots)), torch.tensor(slots, dtype=torch.int32))
-        shapes = [(t.in_features, t.out_features, len(t.slices) * rank)
-                  for i in range(config.num_hidden_layers) for t in lora_targets(config, i)]
-        data = [(torch.randn(tokens, k).to(dtype), torch.zeros(tokens, m, dtype=dtype),
-                 (torch.randn(n, r, k) * 0.02).to(dtype), (torch.randn(n, r, m) * 0.02).to(dtype)) for k, m, r in shapes]
+        targets = [t for i in range(config.num_hidden_layers) for t in lora_targets(config, i)]
+        # The fused slices' column bounds, as the engine passes them (the kernel skips B's
+        # block-diagonal zeros); the separate loop multiplies the whole B.
+        bounds = [(0, *itertools.accumulate(rows for _, rows in t.slices)) for t in targets]
+        data = [(torch.randn(tokens, t.in_features).to(dtype), torch.zeros(tokens, t.out_features, dtype=dtype),
+                 (torch.randn(n, len(t.slices) * rank, t.in_features) * 0.02).to(dtype),
+                 (torch.randn(n, len(t.slices) * rank, t.out_features) * 0.02).to(dtype)) for t in targets]
         groups = [torch.tensor([t for t in range(tokens) if slots[t] == s]) for s in range(n)]
 
-        def batched(data=data, segments=segments) -> None:
-            for x, out, a, b in data:
-                ops.lora_add(out, x, a, b, segments)
+        def batched(data=data, segments=segments, bounds=bounds) -> None:
+            for (x, out, a, b), cols in zip(data, bounds, strict=True):
+                ops.lora_add(out, x, a, b, segments, cols)
 
         def separately(data=data, groups=groups) -> None:
             for x, out, a, b in data:
