@@ -8,8 +8,9 @@ preempted request be recomputed from position 0 with nothing resent.
 
 Its parts, one module each: the request state (``request_state``), the step's flat batch
 (``batch``, whose docstring has the layout), sampling and speculative verification
-(``verify``), a draft model's proposals (``draft``), prompt logprobs (``prompt_logprobs``)
-and a pooling model's outputs (``pooling``). The runner itself keeps the request table,
+(``verify``), a draft model's proposals (``draft``), prompt logprobs (``prompt_logprobs``),
+a pooling model's outputs (``pooling``) and LoRA adapters (``lora``: each request's
+adapter held read, the step's adapters in the model's slots, each token's slot). The runner itself keeps the request table,
 the vision encoder's cache and the order of a step.
 """
 
