@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -224,6 +225,14 @@ def _draft_model_config(value: dict[str, Any], k: int, bad: Callable[[str], Conf
     return SpeculativeConfig("draft_model", k, 4, 1, model, dtype, quantization)
 
 
+def parse_partition(value: Any) -> tuple[int, ...]:
+    """``"4,4"`` (or the counts, through JSON): each pipeline stage's layer count."""
+    if isinstance(value, str) and not re.fullmatch(r"\d+(,\d+)*", value.replace(" ", "")):
+        raise ConfigError(f"pipeline_layer_partition must be comma-separated layer counts, "
+                          f"got {value!r}", field="pipeline_layer_partition")
+    return tuple(int(part) for part in (value.split(",") if isinstance(value, str) else value))
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class LoraModule:
     """An adapter served from the start (``--lora-modules``): its name, folder and the base
@@ -295,11 +304,29 @@ class EngineConfig:
     """
 
     model: str | None = _field(
-        None, "a Hugging Face folder or a .gguf file", metavar="PATH",
+        None, "a Hugging Face folder, a .gguf file, or a Hugging Face Hub id (ORG/NAME; "
+        "ORG/NAME-GGUF:Q4_K_M for one quantization of a GGUF repo), fetched into the Hugging "
+        "Face cache", metavar="MODEL",
         default_text="the bundled SmolLM2-135M-Instruct GGUF")
     served_model_name: str | None = _field(
         None, "the model name clients send and see", metavar="NAME",
-        default_text="SmolLM2-135M-Instruct for the default model, else the folder or file name")
+        default_text="SmolLM2-135M-Instruct for the default model, the Hub id for a model "
+        "named by id, else the folder or file name")
+    # Hub resolution (engine.models.hub) turns ids into local paths before anything loads;
+    # these say which revision and where. After resolution ``model`` and ``tokenizer`` are
+    # paths, and the engine cores and tensor-parallel workers see only those.
+    revision: str | None = _field(
+        None, "the model's Hub revision: a branch, tag or commit", metavar="REV",
+        default_text="main")
+    tokenizer: str | None = _field(
+        None, "read the tokenizer (and its chat template) from this folder or Hub id instead "
+        "of the model's", metavar="TOKENIZER", default_text="the model's; a GGUF's own")
+    tokenizer_revision: str | None = _field(
+        None, "the tokenizer's Hub revision", metavar="REV", default_text="main")
+    download_dir: str | None = _field(
+        None, "the Hugging Face cache folder models are looked up in and fetched to",
+        metavar="DIR", default_text="$HF_HUB_CACHE, else $HF_HOME/hub, else "
+        "~/.cache/huggingface/hub")
     dtype: str = _field("auto", "weight and activation dtype", choices=DTYPES)
     quantization: str = _field(
         "auto", "auto/gguf: a GGUF's block-quantized matrices stay in their blocks (CPU; "
@@ -410,6 +437,10 @@ class EngineConfig:
         "machines with --headless (and where a --headless server connects); the link is "
         "authenticated with the secret in $ENGINE_DP_SECRET or --data-parallel-secret-file",
         metavar="HOST:PORT", default_text="none: every core is local")
+    data_parallel_backend: str = _field(
+        "mp", "where the data-parallel engine cores run: mp (processes this front end spawns) "
+        "or ray (Ray actors, on the cluster at $RAY_ADDRESS or a local Ray started and "
+        "stopped by the engine; they connect back over TCP)", choices=("mp", "ray"))
     data_parallel_size_local: int | None = _field(
         None, "engine cores this machine starts (the rest of --data-parallel-size connect "
         "from other machines)", type=int, metavar="N", default_text="all of them")
@@ -423,10 +454,19 @@ class EngineConfig:
         1, "split every layer of the model over N ranks (torch.distributed: NCCL on CUDA, "
         "gloo on CPU); rank 0 runs in the engine, ranks 1..N-1 in worker processes",
         type=int, metavar="N")
+    # Pipeline parallelism (engine.parallel.PipelineStage): N contiguous stages of layers,
+    # each a rank (or tensor-parallel group); rank 0, in the engine, is the first.
+    pipeline_parallel_size: int = _field(
+        1, "split the model's layers into N pipeline stages, each a process (or Ray actor) "
+        "holding only its layers and their KV cache, with up to N batches in flight",
+        type=int, metavar="N")
+    pipeline_layer_partition: tuple[int, ...] | None = _field(
+        None, "each pipeline stage's layer count (vLLM's VLLM_PP_LAYER_PARTITION sets it too)",
+        type=parse_partition, metavar="N,N,...", default_text="an even split")
     distributed_executor_backend: str = _field(
-        "mp", "where the tensor-parallel workers run: mp (processes on this machine) or ray "
-        "(Ray actors in a placement group, on the cluster at $RAY_ADDRESS or a local Ray "
-        "started and stopped by the engine)", choices=DISTRIBUTED_EXECUTOR_BACKENDS)
+        "mp", "where the tensor-parallel and pipeline workers run: mp (processes on this "
+        "machine) or ray (Ray actors in a placement group, on the cluster at $RAY_ADDRESS or "
+        "a local Ray started and stopped by the engine)", choices=DISTRIBUTED_EXECUTOR_BACKENDS)
     # engine.process.runtime: files that live as long as their process (the engine cores'
     # socket, a local Ray's temp dir), swept of dead processes' leftovers at each start.
     runtime_dir: str | None = _field(
@@ -614,8 +654,9 @@ class EngineConfig:
         if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < self.max_loras):
             raise ConfigError(f"max_cpu_loras must be an integer of at least max_loras ({self.max_loras}), "
                               f"got {cpu!r}", field="max_cpu_loras")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ConfigError("LoRA adapters with tensor parallelism are not supported yet",
+        parallel = [n for n in (self.tensor_parallel_size, self.pipeline_parallel_size) if isinstance(n, int)]
+        if self.enable_lora and any(n > 1 for n in parallel):
+            raise ConfigError("LoRA adapters with tensor or pipeline parallelism are not supported yet",
                               field="enable_lora")
 
     def to_json(self) -> str:
@@ -678,10 +719,19 @@ class EngineConfig:
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ConfigError(f"tensor_parallel_size must be a positive integer, got {tp!r}",
                               field="tensor_parallel_size")
-        if tp > 1 and (self.data_parallel_size > 1 or self.data_parallel_address is not None):
-            raise ConfigError("tensor_parallel_size above 1 with data parallelism is not "
+        pp, partition = self.pipeline_parallel_size, self.pipeline_layer_partition
+        if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+            raise ConfigError(f"pipeline_parallel_size must be a positive integer, got {pp!r}",
+                              field="pipeline_parallel_size")
+        if partition is not None:  # "4,4" from open_engine, a list through JSON
+            object.__setattr__(self, "pipeline_layer_partition", partition := parse_partition(partition))
+        if partition is not None and (len(partition) != pp or min(partition) < 1):
+            raise ConfigError(f"pipeline_layer_partition must give each of the {pp} stages a "
+                              f"layer or more, got {partition!r}", field="pipeline_layer_partition")
+        if tp * pp > 1 and (self.data_parallel_size > 1 or self.data_parallel_address is not None):
+            raise ConfigError("tensor or pipeline parallelism with data parallelism is not "
                               "supported yet: each engine core would need its own group of "
-                              "devices", field="tensor_parallel_size")
+                              "devices", field="tensor_parallel_size" if tp > 1 else "pipeline_parallel_size")
         restarts = self.max_engine_restarts
         if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
             raise ConfigError(f"max_engine_restarts must be a non-negative integer, got {restarts!r}", field="max_engine_restarts")

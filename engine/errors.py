@@ -129,6 +129,11 @@ class ModelNotFoundError(ModelLoadError, FileNotFoundError):
     """The model path does not exist or lacks a required file."""
 
 
+class ModelAccessError(ModelLoadError, PermissionError):
+    """The Hugging Face Hub refused access to a gated or private repo (no token, or one
+    without access)."""
+
+
 class CorruptModelError(ModelLoadError):
     """A weight, config or tokenizer file exists but cannot be parsed."""
 

@@ -647,7 +647,8 @@ class CoreStatistics:
 #
 # One msgpack frame (a tuple of messages, as engine.process.wire) per message, over an
 # authenticated multiprocessing connection. Rank 0 sends, every worker answers each with
-# one reply: RankBuilt to RankBuild, RankDone to RankStep, RankWarmUp and RankReset.
+# one reply: RankBuilt to RankBuild, RankDone to RankStep, RankWarmUp and RankReset (a last
+# pipeline stage's tensor-parallel rank 0 answers a RankStep with a StageResult).
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -683,6 +684,10 @@ class RankStep:
 
     plan: StepPlan
     grammars: tuple[RankGrammar, ...] = ()
+    # Pipeline parallelism: the results of earlier steps that rank 0 has received from the
+    # last stage since its previous RankStep; a stage before the last takes their tokens
+    # (ModelRunner.accept) before it runs ``plan``.
+    results: tuple[StepResult, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -703,6 +708,18 @@ class RankDone:
     step_id: int
     sampled: tuple[tuple[str, int], ...]  # (sample_id, token_id), in the result's order
     failed: tuple[str, ...]
+    # The step as the worker ran it, for the pipeline's step trace (bench/pp.py): wall-clock
+    # start and end of its execute, and the seconds of that spent in recv and in send.
+    trace: tuple[float, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageResult:
+    """The last pipeline stage's answer to a step (its tensor-parallel rank 0's): the
+    whole result, which rank 0 hands to the scheduler."""
+
+    result: StepResult
+    trace: tuple[float, ...] = ()  # as RankDone's
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -67,8 +67,8 @@ def test_vllm_flags_that_map_or_do_nothing_are_taken(capsys) -> None:
             args.tensor_parallel_size) == ("some/model", "guidance", "warning", 3)
     assert [n.split(":")[0] for n in args.vllm_no_ops] == \
         ["--trust-remote-code", "--enforce-eager", "--disable-log-requests"]
-    err = _usage_error(capsys, "--pipeline-parallel-size", "2")
-    assert "--pipeline-parallel-size 2 (a vLLM flag) is not supported" in err
+    # -pp is vLLM's short name of the pipeline's stage count.
+    assert _serve_parser().parse_args(["serve", "m", "-pp", "3"]).pipeline_parallel_size == 3
     # An unknown flag is still argparse's own error, naming it.
     assert "--frobnicate" in _usage_error(capsys, "--frobnicate")
 

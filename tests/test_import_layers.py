@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "engine"
@@ -256,3 +258,14 @@ def test_the_floor_picture_lists_the_floors_in_order() -> None:
     for sources, target in _picture_arrows():
         for source in sources:
             assert _floor(_package(target)) >= _floor(_package(source)), (source, target)
+
+
+
+def test_import_engine_stays_light() -> None:
+    # engine/__init__.py promises that ``import engine`` (errors, params, messages) does
+    # not import torch; a fresh interpreter is the only honest place to check it.
+    code = ("import sys, engine, engine.messages; "
+            "print(sorted({'torch', 'transformers'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "[]", f"import engine pulled in {out}"

@@ -487,3 +487,44 @@ def test_tool_message_without_call_id_is_refused(tiny_dir: Path) -> None:
         apply_chat_template(Tokenizer.from_folder(tiny_dir),
             [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}])
     assert info.value.param == "messages[1].tool_call_id"
+
+
+# -- the slow byte-level BPE format (vocab.json + merges.txt, no tokenizer.json) ----------
+
+_SLOW_CONFIGS = {
+    # OPT's shape: BOS added on encode, BOS and EOS the same kind of marker, a pad token.
+    "opt": {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "pad_token": "<|im_start|>",
+            "unk_token": "<|endoftext|>", "add_bos_token": True, "add_prefix_space": False,
+            "errors": "replace", "tokenizer_class": "GPT2Tokenizer"},
+    # GPT-2's: nothing added on encode; the special tokens come from special_tokens_map.json.
+    "gpt2": {"add_prefix_space": False, "tokenizer_class": "GPT2Tokenizer",
+             "model_max_length": 1024},
+}
+
+
+@pytest.mark.parametrize("shape", sorted(_SLOW_CONFIGS))
+def test_vocab_and_merges_alone_tokenize_as_transformers(tmp_path: Path, shape: str) -> None:
+    import transformers
+
+    fast = json.loads((tiny_folder(tmp_path / "src") / "tokenizer.json").read_text())
+    tmp_path = tmp_path / "slow"
+    tmp_path.mkdir()
+    (tmp_path / "vocab.json").write_text(json.dumps(fast["model"]["vocab"]))
+    merges = [m if isinstance(m, str) else " ".join(m) for m in fast["model"]["merges"]]
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(_SLOW_CONFIGS[shape]))
+    if shape == "gpt2":
+        (tmp_path / "special_tokens_map.json").write_text(json.dumps(
+            {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
+             "unk_token": "<|endoftext|>"}))
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    tok = Tokenizer.from_folder(tmp_path)
+    assert tok.vocab_size == len(ref)
+    assert tok.eos_token_id == ref.eos_token_id and tok.bos_token_id == ref.bos_token_id
+    assert sorted(tok.all_special_ids) == sorted(ref.all_special_ids)
+    for text in [*TEXTS, "a <|im_end|> inside", ""]:
+        ids = ref(text)["input_ids"]
+        assert tok.encode(text) == ids, text
+        for skip in (True, False):
+            assert tok.decode(ids, skip_special_tokens=skip) == ref.decode(
+                ids, skip_special_tokens=skip), text

@@ -4,8 +4,9 @@ thread (:mod:`engine.actors.model_thread`)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 import trio
 
@@ -57,6 +58,9 @@ class Executor:
         return ExecutorStatistics(self._steps, self._forward, self._execute, self._busy)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        if getattr(self._runner, "batches_in_flight", 1) > 1:
+            await self._run_pipelined(task_status)
+            return
         with self._plans, self._results:
             task_status.started()
             async for plan in self._plans:
@@ -69,3 +73,35 @@ class Executor:
                 self._forward += result.forward_seconds
                 self._execute += t1 - t0
                 self._busy += time.perf_counter() - t0
+
+    async def _run_pipelined(self, task_status: trio.TaskStatus[None]) -> None:
+        """Pipeline parallelism: a step's first stage runs in the model thread
+        (``runner.submit``) and the executor takes the next plan as soon as that returns;
+        a second task waits for each step's result (``runner.collect``, in a thread of its
+        own: it only reads the workers' answers) and hands it back, in plan order. The
+        scheduler bounds the steps in flight (one per stage)."""
+        runner: Any = self._runner
+        # math.inf: bounded by the scheduler's steps in flight (batches_in_flight).
+        submitted_send, submitted_recv = trio.open_memory_channel[tuple[StepPlan, float]](math.inf)
+
+        async def collect_all() -> None:
+            with submitted_recv, self._results:
+                async for plan, t0 in submitted_recv:
+                    # Not abandoned on cancel: the answers must be read in order.
+                    result = await trio.to_thread.run_sync(runner.collect, plan)
+                    await self._results.send(result)
+                    self._steps += 1
+                    self._forward += result.forward_seconds
+                    self._busy += time.perf_counter() - t0
+
+        with self._plans:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(collect_all)
+                task_status.started()
+                with submitted_send:
+                    async for plan in self._plans:
+                        t0 = time.perf_counter()
+                        async with self._limiter:
+                            await run_in_model_thread(runner.submit, plan)
+                        self._execute += time.perf_counter() - t0
+                        await submitted_send.send((plan, t0))

@@ -94,6 +94,7 @@ class SchedulerActor:
         to_detokenizer: trio.MemorySendChannel[DetokenizerRequest | StepOutputs | SamplesAborted],
         async_scheduling: bool = True,
         release_grammar: Callable[[Any], None] | None = None,
+        max_in_flight: int | None = None,
     ) -> None:
         self._core = core
         # Each structured sample holds its grammar in the grammar backend's cache (taken
@@ -105,8 +106,9 @@ class SchedulerActor:
         self._from_allocator = from_allocator
         self._to_executor = to_executor
         self._to_detokenizer = to_detokenizer
-        # One step running plus one planned ahead; without async scheduling, one at a time.
-        self._max_in_flight = 2 if async_scheduling else 1
+        # One step running plus one planned ahead; without async scheduling, one at a time;
+        # with a pipeline of N stages, N (``max_in_flight``: one batch per stage).
+        self._max_in_flight = max_in_flight or (2 if async_scheduling else 1)
         self._in_flight: collections.deque[StepPlan] = collections.deque()
         # Beside each step in flight: the prompt tokens its chunks compute (counted with
         # the tokens it gives out when its result comes back).

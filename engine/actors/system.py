@@ -114,6 +114,7 @@ async def run_actors(parts: EngineParts, *, ready: Callable[[ActorHandles], None
             to_detokenizer=detok_send,
             async_scheduling=bool(config.async_scheduling),
             release_grammar=parts.grammar.release if parts.grammar is not None else None,
+            max_in_flight=getattr(parts.runner, "batches_in_flight", None),
         )
         detokenizer = Detokenizer(
             parts.tokenizer, inbox=detok_recv, to_router=router_send,

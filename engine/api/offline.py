@@ -41,7 +41,7 @@ from engine.api.outputs import (
 )
 from engine.chat.request import TemplateOptions
 from engine.chat.tools import parse_tools
-from engine.errors import ConfigError, InvalidParamError
+from engine.errors import InvalidParamError
 from engine.params import SamplingParams
 
 # vLLM's LLM arguments that are not engine options and change nothing here, with why;
@@ -55,13 +55,12 @@ VLLM_IGNORED_OPTIONS = {
 
 def engine_options(model: str | Path | None, options: dict[str, Any]) -> dict[str, Any]:
     """``options`` as :func:`engine.open_engine` takes them: vLLM's arguments that change
-    nothing here dropped (:data:`VLLM_IGNORED_OPTIONS`), ``tokenizer`` accepted only as
-    the model's own."""
+    nothing here dropped (:data:`VLLM_IGNORED_OPTIONS`), ``tokenizer`` dropped when it
+    names the model itself (vLLM's default)."""
     out = {k: v for k, v in options.items() if k not in VLLM_IGNORED_OPTIONS}
-    tokenizer = out.pop("tokenizer", None)
-    if tokenizer is not None and (model is None or Path(tokenizer) != Path(model)):
-        raise ConfigError("tokenizer: the engine reads the tokenizer in the model's folder; "
-                          "another tokenizer is not supported", field="tokenizer")
+    tokenizer = out.get("tokenizer")
+    if tokenizer is not None and model is not None and str(tokenizer) == str(model):
+        del out["tokenizer"]
     return out
 
 

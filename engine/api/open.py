@@ -5,6 +5,7 @@ nursery and restarts them in place within ``max_engine_restarts``."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -22,6 +23,7 @@ from engine.api.engine import Engine
 from engine.config import EngineConfig, parse_address
 from engine.errors import ConfigError, EngineDeadError
 from engine.process.cores import CorePool
+from engine.process.names import resolve_config
 from engine.process.parts import build_front_parts, build_parts
 
 
@@ -95,11 +97,14 @@ def _config(model: str | None, config: EngineConfig | None, options: dict[str, A
 @asynccontextmanager
 async def open_engine(
     model: str | Path | None = None, *, config: EngineConfig | None = None,
-    core_secret: bytes | None = None, **options: Any
+    core_secret: bytes | None = None, hf_token: str | None = None, **options: Any
 ) -> AsyncIterator[Engine]:
     """Load a model, start the engine's actors, and yield the :class:`Engine`.
 
-    ``model`` is a Hugging Face folder or a ``.gguf`` file (None: the default SmolLM2);
+    ``model`` is a Hugging Face folder, a ``.gguf`` file or a Hugging Face Hub id
+    (``ORG/NAME``, ``ORG/NAME-GGUF:Q4_K_M``: fetched into the Hugging Face cache first, see
+    :mod:`engine.models.hub`; ``hf_token`` for a gated repo, else ``HF_TOKEN``) (None: the
+    default SmolLM2);
     ``options`` are :class:`EngineConfig` fields (``dtype="float32"``, ``max_num_seqs=8``,
     ``kv_cache_memory=...``). Loading runs in a worker thread. Leaving the block stops every
     actor; streams still open then raise ``EngineDeadError("engine closed")``.
@@ -110,6 +115,9 @@ async def open_engine(
     other machines (``data_parallel_address``) must prove they know.
     """
     resolved = _config(str(model) if model is not None else None, config, options)
+    # Hub ids become local paths here, before any process or thread loads them.
+    resolved = await trio.to_thread.run_sync(
+        functools.partial(resolve_config, resolved, token=hf_token))
     parts: EngineParts | None = None
     try:
         async with trio.open_nursery() as nursery:

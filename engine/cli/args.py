@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from typing import Any
 
 from engine.config import EngineConfig, Flag
@@ -37,13 +38,29 @@ def add_engine_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> No
         else:
             group.add_argument(option, dest=f.name, type=flag.type or str, choices=flag.choices,
                                default=f.default, metavar=flag.metavar, help=help)
+    # Not a config field: a secret that must not travel in the config's JSON to engine
+    # cores or appear in its log lines; config_from_args hands it to huggingface_hub.
+    group.add_argument("--hf-token", dest="hf_token", default=None, metavar="TOKEN",
+                       help="the Hugging Face token for gated or private repos (default: "
+                       "$HF_TOKEN, else the token `hf auth login` saved)")
     parser.set_defaults(**defaults)
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The :class:`EngineConfig` of parsed :func:`add_engine_arguments` flags; raises
-    :class:`ConfigError` for a bad value, before anything loads."""
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+    :class:`ConfigError` for a bad value, before anything loads.
+
+    ``--hf-token`` becomes ``HF_TOKEN`` in this process's environment, where
+    huggingface_hub reads it at each request (this is the command line's edge, where the
+    environment is the engine's to read and write)."""
+    token = getattr(args, "hf_token", None)
+    if token:
+        os.environ["HF_TOKEN"] = token
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    if values["pipeline_layer_partition"] is None and os.environ.get("VLLM_PP_LAYER_PARTITION"):
+        # vLLM's variable for the stages' layer counts, read here at the edge.
+        values["pipeline_layer_partition"] = os.environ["VLLM_PP_LAYER_PARTITION"]
+    return EngineConfig(**values)
 
 
 # -- vLLM's serve flags ---------------------------------------------------------------------
@@ -66,9 +83,8 @@ class VllmFlag:
     allowed: tuple[str, ...] | None = None
 
 
-_ONE_DEVICE = ("this server splits a model over devices by tensor parallelism only "
-               "(--tensor-parallel-size)")
-_NO_HUB = "this server loads local folders and GGUF files only (no Hugging Face Hub download)"
+_ONE_DEVICE = ("this server splits a model over devices by tensor and pipeline parallelism "
+               "only (--tensor-parallel-size, --pipeline-parallel-size)")
 
 # The ``vllm serve`` flags users are likely to pass that this server does not define under
 # the same name (those it shares, --max-model-len, --max-num-seqs, --dtype, ..., are its
@@ -77,8 +93,7 @@ VLLM_SERVE_FLAGS: dict[str, VllmFlag] = {
     "--guided-decoding-backend": VllmFlag("alias", target="--structured-outputs-backend"),
     "--uvicorn-log-level": VllmFlag("alias", target="--log-level"),
     "-tp": VllmFlag("alias", target="--tensor-parallel-size"),
-    "--pipeline-parallel-size": VllmFlag("no_op", _ONE_DEVICE, allowed=("1",)),
-    "-pp": VllmFlag("no_op", _ONE_DEVICE, allowed=("1",)),
+    "-pp": VllmFlag("alias", target="--pipeline-parallel-size"),
     "-dp": VllmFlag("alias", target="--data-parallel-size"),
     "--trust-remote-code": VllmFlag(
         "no_op", "this server never runs a model's own Python code", takes_value=False),
@@ -107,14 +122,10 @@ VLLM_SERVE_FLAGS: dict[str, VllmFlag] = {
         "fraction of the memory free after the weights load)"),
     "--swap-space": VllmFlag("refuse", "there is no CPU swap space for KV blocks here"),
     "--cpu-offload-gb": VllmFlag("refuse", "weights are not offloaded to the CPU here"),
-    "--download-dir": VllmFlag("refuse", _NO_HUB),
     "--load-format": VllmFlag("refuse", "the format follows --model: a folder of "
                               "safetensors, or a .gguf file"),
-    "--tokenizer": VllmFlag("refuse", "the tokenizer is read from the model's folder"),
-    "--tokenizer-mode": VllmFlag("refuse", "the tokenizer is read from the model's folder"),
-    "--revision": VllmFlag("refuse", _NO_HUB),
-    "--tokenizer-revision": VllmFlag("refuse", _NO_HUB),
-    "--hf-token": VllmFlag("refuse", _NO_HUB),
+    "--tokenizer-mode": VllmFlag("refuse", "the tokenizer is always the fast one "
+                                 "(tokenizer.json, or a GGUF's own)"),
     "--hf-overrides": VllmFlag("refuse", "config.json is read as written"),
     "--rope-scaling": VllmFlag("refuse", "rope scaling is read from config.json"),
     "--quantization-param-path": VllmFlag("refuse", "not supported"),

@@ -49,6 +49,7 @@ from engine.http.serve import (
 )
 from engine.process.core import run_headless
 from engine.process.malloc import cap_arenas
+from engine.process.names import resolve_config
 from engine.process.runtime import sweep_at_start
 
 logger = logging.getLogger("engine.http")
@@ -252,6 +253,7 @@ def run_serve(args: argparse.Namespace) -> int:
     edge.quiet_accept_errors()
     try:
         model_from_tag(args)
+        resolve_models(args)
         if getattr(args, "headless", False):
             return trio.run(_headless, args)
         status = trio.run(_serve, args)
@@ -278,6 +280,16 @@ def model_from_tag(args: argparse.Namespace) -> None:
         raise ConfigError(f"the model is given twice: {tag!r} and --model {args.model!r}",
                           field="model")
     args.model = tag
+
+
+def resolve_models(args: argparse.Namespace) -> None:
+    """Hub ids in ``--model``, ``--tokenizer`` and the draft's ``model`` become local paths
+    (fetched if not cached; engine.process.names), before the trio run: a download is
+    interrupted by Ctrl-C as any blocking call is, and refusals come before anything loads.
+    ``--served-model-name`` defaults to the id."""
+    resolved = resolve_config(config_from_args(args))
+    for name in ("model", "served_model_name", "tokenizer", "speculative_config"):
+        setattr(args, name, getattr(resolved, name))
 
 
 def raise_open_file_limit() -> None:

@@ -143,6 +143,7 @@ class Scheduler:
         self._finished_ids: list[str] = []  # for the next plan: runner state to drop
         self._in_flight: dict[int, dict[str, int]] = {}  # step id -> request id -> epoch
         self._next_step_id = 0
+        self._step_cap = config.max_num_seqs  # this step's chunks at most (see _batch_cap)
         self._next_arrival = 0
         self._preemptions = 0
         self._scheduled_tokens = 0
@@ -246,6 +247,7 @@ class Scheduler:
         encoder = EncoderBudget.for_step(self.config.encoder_budget, self._queue.running)
         step = StepDraft(self._next_step_id, self.config.max_num_batched_tokens, encoder)
         self._next_step_id += 1
+        self._step_cap = self._batch_cap()
         preempted = yield from self._schedule_running(step)
         # Like vLLM: after a preemption this step, admitting new work would only thrash.
         if not preempted:
@@ -268,6 +270,11 @@ class Scheduler:
             if not req.can_sample:
                 i += 1  # every output is drawn; its last results are in flight
                 continue
+            if self._busy(req):
+                i += 1  # pipeline: its step in flight has not come back
+                continue
+            if len(step.chunks) >= self._step_cap:
+                return preempted  # pipeline: the rest go in the next batch
             if req.num_pending_tokens and speculates(config, req):
                 i += 1  # not planned ahead: its proposal needs its last token (async scheduling)
                 continue
@@ -286,6 +293,25 @@ class Scheduler:
             add_chunk(step, req, reply, drafts, n_drafts, config.block_size)
             i += 1
         return preempted
+
+    def _batch_cap(self) -> int:
+        """The most chunks one step takes. Under pipeline parallelism the live requests are
+        spread over ``pipeline_parallel_size`` batches (a step takes a share of them), so
+        that while one batch is in a later stage the next fills the first: one batch of
+        every request would leave all stages but one idle. Otherwise no cap beyond
+        ``max_num_seqs``."""
+        if not self.config.one_step_per_request:
+            return self.config.max_num_seqs
+        live = min(self.config.max_num_seqs, len(self._queue.running) + len(self._queue.waiting))
+        return max(1, -(-live // self.config.pipeline_stages))
+
+    def _busy(self, req: Request) -> bool:
+        """Whether ``req`` must sit this step out: under pipeline parallelism a request
+        belongs to one step in flight at a time (vLLM's batch queue), since its next chunk
+        reads tokens and KV that the stages hold only once that step has come back. A step
+        in flight is one of at most ``pipeline_parallel_size``."""
+        return self.config.one_step_per_request and any(
+            req.sample_id in epochs for epochs in self._in_flight.values())
 
     def _allocate_or_preempt(
         self, req: Request, budget: int, n_drafts: int,
@@ -311,9 +337,10 @@ class Scheduler:
         """Start waiting requests, in queue order, while the step has room and the
         allocator gives blocks (no overtaking)."""
         for req in tuple(self._queue.waiting):
-            if step.budget == 0 or len(self._queue.running) >= self.config.max_num_seqs:
+            if (step.budget == 0 or len(self._queue.running) >= self.config.max_num_seqs
+                    or len(step.chunks) >= self._step_cap):
                 return
-            if req.wait_for is not None or not req.can_sample:
+            if req.wait_for is not None or not req.can_sample or self._busy(req):
                 continue
             if not self._lora_fits(req):
                 continue  # its adapter would be one too many this step; others may start

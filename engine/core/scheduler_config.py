@@ -44,12 +44,20 @@ class SchedulerConfig:
     # A vision model's encoder budget: image placeholder tokens whose encoder output a
     # step may compute (0: max_num_batched_tokens). See engine/core/encoder_budget.py.
     max_num_encoder_input_tokens: int = 0
+    # Pipeline parallelism: this many steps in flight, a request in at most one of them
+    # (its next chunk needs every stage to hold its last token; see Scheduler._busy), the
+    # live requests spread over that many batches (Scheduler._batch_cap).
+    pipeline_stages: int = 1
     # draft_model: the runner's draft model proposes num_speculative_tokens tokens for a
     # speculating decode step (the chunk reserves the positions; the runner fills them).
     draft_model: bool = False
     # Distinct LoRA adapters among the running requests (the runner's slots); 0: no limit
     # (no adapters are served).
     max_loras: int = 0
+
+    @property
+    def one_step_per_request(self) -> bool:
+        return self.pipeline_stages > 1
 
     def __post_init__(self) -> None:
         # A plain ValueError: EngineConfig has checked the user's options and the KV sizing
@@ -83,6 +91,7 @@ class SchedulerConfig:
             pooling=pooling,
             paged_kv=paged_kv,
             max_num_encoder_input_tokens=config.max_num_encoder_input_tokens or 0,
+            pipeline_stages=config.pipeline_parallel_size,
             max_loras=config.max_loras if config.enable_lora else 0,
             **_speculative_fields(config),
         )

@@ -157,6 +157,26 @@ class SafetensorsTensor(StoredTensor):
         return self._tensor(raw, (self.shape[0], stop - start))
 
 
+class Transposed(StoredTensor):
+    """A stored 2-D tensor read transposed (GPT-2's Conv1D weights, stored ``[in, out]``,
+    read as ``[out, in]``): a row cut is a column cut of the stored tensor, and the other
+    way round."""
+
+    def __init__(self, stored: StoredTensor) -> None:
+        self.stored = stored
+        self.name, self.dtype, self.layout = stored.name, stored.dtype, stored.layout
+        self.shape = tuple(reversed(stored.shape))
+
+    def read(self) -> torch.Tensor:
+        return self.stored.read().t()  # one read of the whole, not one per stored row
+
+    def read_rows(self, spans: list[tuple[int, int]]) -> torch.Tensor:
+        return torch.cat([self.stored.read_cols(a, b) for a, b in spans], dim=1).t()
+
+    def read_cols(self, start: int, stop: int) -> torch.Tensor:
+        return self.stored.read_rows([(start, stop)]).t()
+
+
 def read_safetensors_header(file: CheckpointFile) -> dict[str, SafetensorsTensor]:
     """The tensors a safetensors file holds, by stored name (nothing of their data read)."""
     path = file.path
@@ -226,6 +246,7 @@ __all__ = [
     "LazyWeights",
     "SafetensorsTensor",
     "StoredTensor",
+    "Transposed",
     "read_safetensors_header",
     "read_stored",
 ]

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from engine.errors import CorruptModelError, UnsupportedModelError
+from engine.models.absolute_config import ABSOLUTE_ARCHITECTURES, AbsoluteConfig, absolute_fields
 
 # Hugging Face architecture -> family. The Llama family's decoder layer is the Llama layer
 # with small variations: Qwen2 adds q/k/v biases, Qwen3 per-head RMSNorm on q and k,
@@ -229,7 +230,9 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None  # as written in config.json, e.g. "bfloat16"
-    activation: str = "silu"  # the gated MLP's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    # The gated MLP's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU); GPT-2's and OPT's plain MLP's:
+    # "gelu_tanh", "gelu" or "relu".
+    activation: str = "silu"
     # Gemma: attention scale is query_pre_attn_scalar ** -0.5 (else head_dim ** -0.5);
     # soft-capping cap * tanh(x / cap) of attention scores and of final logits (0: none).
     query_pre_attn_scalar: float | None = None
@@ -253,6 +256,8 @@ class ModelConfig:
     base_model: bool = False
     # A vision-language model's vision tower (LLaVA, Qwen-VL); None for a text-only model.
     vision: VisionConfig | QwenVisionConfig | None = None
+    # GPT-2 and OPT (ABSOLUTE_ARCHITECTURES): learned positions, LayerNorm; None otherwise.
+    absolute: AbsoluteConfig | None = None
 
     @property
     def mrope(self) -> bool:
@@ -283,6 +288,9 @@ class ModelConfig:
         encoder = next((ENCODER_ARCHITECTURES[a] for a in archs if a in ENCODER_ARCHITECTURES), None)
         if encoder is not None:
             return _encoder_config(raw, encoder)
+        absolute = next((ABSOLUTE_ARCHITECTURES[a] for a in archs if a in ABSOLUTE_ARCHITECTURES), None)
+        if absolute is not None:
+            return cls(**absolute_fields(raw, absolute))
         arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         base = arch is None and any(a in BASE_MODEL_ARCHITECTURES for a in archs)
         if base:
@@ -290,7 +298,7 @@ class ModelConfig:
         if arch is None:
             raise UnsupportedModelError(
                 f"unsupported architecture {archs or raw.get('model_type')!r}; supported: "
-                f"{', '.join(sorted({**SUPPORTED_ARCHITECTURES, **BASE_MODEL_ARCHITECTURES, **ENCODER_ARCHITECTURES}))}"
+                f"{', '.join(sorted({**SUPPORTED_ARCHITECTURES, **ABSOLUTE_ARCHITECTURES, **BASE_MODEL_ARCHITECTURES, **ENCODER_ARCHITECTURES}))}"
             )
         try:
             heads = int(raw["num_attention_heads"])

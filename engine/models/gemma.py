@@ -83,15 +83,8 @@ class GemmaModel(Decoder):
         # casts it; both round sqrt(hidden) to the dtype before the multiply.
         self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=torch.float32).to(dtype)
         get = ShardedWeights(weights, dtype, self.device, tp)
-        self.embed = get.rows("model.embed_tokens.weight")
-        self.layers = [self._layer(get, i) for i in range(config.num_hidden_layers)]
-        self.norm = self._norm_weight(weights, "model.norm.weight")
-        # As in Decoder: a quantized table stays one copy, rows read for the embedding
-        # and the same blocks multiplied for a tied head.
-        if config.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = make_linear([self.embed])
-        else:
-            self.lm_head = make_linear([get.rows("lm_head.weight")])
+        self._build_ends(get, weights, lambda: self._norm_weight(weights, "model.norm.weight"))
+        self.layers = [self._layer(get, i) for i in tp.stage.layer_range(config.num_hidden_layers)]
 
     def _norm_weight(self, weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         return gemma_norm_weight(weights, name, self.device)
@@ -133,10 +126,16 @@ class GemmaModel(Decoder):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; writes this step's K/V."""
         ops = self.ops
-        hidden = self._embed(input_ids) * self.embed_scale
-        out = self._run_fused(hidden, positions, meta, kv_caches)  # small CPU steps: one C call
-        if out is not None:
-            return out
+        stage = self.tp.stage
+        if stage.first:
+            hidden = self._embed(input_ids) * self.embed_scale
+        else:  # a later pipeline stage: Gemma's stream is the hidden states alone
+            (hidden,) = stage.recv(1, (positions.shape[-1], self.config.hidden_size), self.dtype,
+                                   self.device)
+        if not stage.enabled:
+            out = self._run_fused(hidden, positions, meta, kv_caches)  # small CPU steps: one C call
+            if out is not None:
+                return out
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             assert isinstance(layer, GemmaLayer)
             x = self._rms(hidden, layer.input_norm)
@@ -145,6 +144,9 @@ class GemmaModel(Decoder):
             x = self._rms(hidden, layer.pre_ffn_norm)
             x = layer.down(ops.gelu_tanh_and_mul(layer.gate_up(x)))  # row-parallel: the whole output
             hidden = hidden + self._rms(x, layer.post_ffn_norm)
+        if not stage.last:
+            stage.send([hidden])
+            return None  # type: ignore[return-value]
         return self._rms(hidden, self.norm)
 
     @torch.inference_mode()

@@ -11,6 +11,9 @@ module undoes:
 * Gemma's norm weights are stored as ``1 + w`` (llama.cpp's RMSNorm multiplies by the
   weight as is); Phi-3's longrope factors are tensors (``rope_factors_long/short``), not
   metadata, and its q/k/v and gate/up stay fused (``attn_qkv``, ``ffn_up``);
+* GPT-2 (``gpt2``) has names of its own (``position_embd``, ``attn_qkv`` for ``c_attn``,
+  biases beside the weights) and its Conv1D projections stored ``[out, in]``, the
+  transpose of Hugging Face's ``[in, out]``: they are transposed back;
 * for the ``llama`` architecture, llama.cpp's converter permutes the rows of q_proj and
   k_proj so that its interleaved ("GPT-J style") RoPE matches Hugging Face's rotate-half
   RoPE. Within each head it turns the row order ``[first half | second half]`` into
@@ -48,6 +51,7 @@ _ARCHITECTURES = {
     "phi3": ("Phi3ForCausalLM", "phi3", False),
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe", False),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
+    "gpt2": ("GPT2LMHeadModel", "gpt2", False),
 }
 
 # Mixture-of-experts tensors. llama.cpp stacks each layer's experts into one tensor per
@@ -97,6 +101,25 @@ _ARCH_BLOCK_NAMES = {
 }
 _ARCH_BLOCK_NAMES["gemma3"] = _ARCH_BLOCK_NAMES["gemma2"]
 
+# GPT-2 as llama.cpp writes it: its own tensor names (a learned position table, LayerNorms
+# with biases, q/k/v fused in attn_qkv), and its four Conv1D projections transposed to
+# [out, in] (Hugging Face stores them [in, out]: the converter transposes them back).
+_GPT2_TOP_LEVEL_NAMES = {
+    "token_embd": "transformer.wte",
+    "position_embd": "transformer.wpe",
+    "output_norm": "transformer.ln_f",
+    "output": "lm_head",
+}
+_GPT2_BLOCK_NAMES = {
+    "attn_norm": "ln_1",
+    "attn_qkv": "attn.c_attn",
+    "attn_output": "attn.c_proj",
+    "ffn_norm": "ln_2",
+    "ffn_up": "mlp.c_fc",
+    "ffn_down": "mlp.c_proj",
+}
+GPT2_CONV1D = tuple(f".{n}.weight" for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"))
+
 # Tensors that are configuration, not weights: Phi-3's longrope factors.
 _ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
@@ -125,12 +148,15 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     stem, dot, suffix = gguf_name.rpartition(".")
     if not dot or suffix not in ("weight", "bias"):
         return None
-    if stem in _TOP_LEVEL_NAMES:
-        return f"{_TOP_LEVEL_NAMES[stem]}.{suffix}"
+    gpt2 = arch == "gpt2"
+    top = _GPT2_TOP_LEVEL_NAMES if gpt2 else _TOP_LEVEL_NAMES
+    if stem in top:
+        return f"{top[stem]}.{suffix}"
     parts = stem.split(".")
-    names = _BLOCK_NAMES | _ARCH_BLOCK_NAMES.get(arch, {})
+    names = _GPT2_BLOCK_NAMES if gpt2 else _BLOCK_NAMES | _ARCH_BLOCK_NAMES.get(arch, {})
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
-        return f"model.layers.{int(parts[1])}.{names[parts[2]]}.{suffix}"
+        layer = f"transformer.h.{int(parts[1])}" if gpt2 else f"model.layers.{int(parts[1])}"
+        return f"{layer}.{names[parts[2]]}.{suffix}"
     return None
 
 
@@ -158,7 +184,7 @@ def convert_gguf(path: Path, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2))
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    _write_tokenizer(path, out, model_max_length=config["max_position_embeddings"])
+    _write_tokenizer(path, out, model_max_length=config.get("max_position_embeddings", config.get("n_positions")))
 
 
 def _reader_class() -> type:
@@ -219,6 +245,8 @@ class _Fields:
 def _hf_config(fields: _Fields, arch: str, reader: Any, path: Path) -> dict[str, Any]:
     hf_arch, model_type, _ = _ARCHITECTURES[arch]
     names = {t.name: t for t in reader.tensors}
+    if arch == "gpt2":
+        return _gpt2_config(fields, reader, names)
     if "rope_freqs.weight" in names:
         # Llama 3.1-style scaling is stored as per-frequency factors, not as the four
         # parameters Hugging Face's config wants; recovering them is not implemented.
@@ -268,6 +296,30 @@ def _hf_config(fields: _Fields, arch: str, reader: Any, path: Path) -> dict[str,
     if int(fields.get(f"{arch}.expert_count", 0)):
         config.update(_moe_config(fields, arch, names))
     return config
+
+
+def _gpt2_config(fields: _Fields, reader: Any, names: dict[str, Any]) -> dict[str, Any]:
+    """A GPT2Config's fields from llama.cpp's ``gpt2.*`` keys."""
+    bos = fields.get("tokenizer.ggml.bos_token_id", None)
+    eos = int(fields.get("tokenizer.ggml.eos_token_id"))
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": int(names["token_embd.weight"].shape[1]),  # ggml shape [hidden, vocab]
+        "n_embd": int(fields.get("gpt2.embedding_length")),
+        "n_inner": int(fields.get("gpt2.feed_forward_length")),
+        "n_layer": int(fields.get("gpt2.block_count")),
+        "n_head": int(fields.get("gpt2.attention.head_count")),
+        "n_positions": int(fields.get("gpt2.context_length")),
+        "layer_norm_epsilon": float(fields.get("gpt2.attention.layer_norm_epsilon")),
+        "activation_function": "gelu_new",
+        # llama.cpp's converter writes the tied head out as output.weight (a copy of the
+        # embedding); a file without it ties.
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": None if bos is None else int(bos),
+        "eos_token_id": eos,
+        "torch_dtype": _natural_dtype_name(reader),
+    }
 
 
 def _moe_config(fields: _Fields, arch: str, names: dict[str, Any]) -> dict[str, Any]:
@@ -401,6 +453,8 @@ def _hf_tensors(reader: Any, config: dict[str, Any], *, arch: str, path: Path) -
             value = unpermute_qk(value, config["num_attention_heads"])
         elif permuted and name.endswith("self_attn.k_proj.weight"):
             value = unpermute_qk(value, config["num_key_value_heads"])
+        elif arch == "gpt2" and name.endswith(GPT2_CONV1D):
+            value = value.t()  # llama.cpp's [out, in] back to Conv1D's [in, out]
         elif arch in _GEMMA and name.endswith("norm.weight"):
             # llama.cpp's converter stores Gemma's norm weights as 1 + w (its RMSNorm
             # multiplies by the weight as is); Hugging Face's Gemma adds the 1 itself.

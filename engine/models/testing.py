@@ -20,6 +20,11 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from engine.models.config import ModelConfig, MoeConfig
 from engine.models.layers.moe import expert_weight_names, layer_prefix
+from engine.models.testing_absolute import (
+    TINY_ABSOLUTE_ARCHITECTURES,
+    absolute_hf_config,
+    absolute_weights,
+)
 
 TINY_ARCHITECTURES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 # Mixture-of-experts models (kept apart so the dense suites do not grow by their cost):
@@ -28,6 +33,7 @@ TINY_ARCHITECTURES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", 
 # not renormalised, a gated shared expert and every second layer sparse
 # (decoder_sparse_step 2).
 TINY_MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "qwen2_moe")
+# GPT-2 and OPT: TINY_ABSOLUTE_ARCHITECTURES (engine.models.testing_absolute), kept apart too.
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -314,9 +320,11 @@ def write_tiny_model(
     path.mkdir(parents=True, exist_ok=True)
     tokenizer_json = _tokenizer_json()
     vocab_size = len(json.loads(tokenizer_json)["model"]["vocab"])
-    cfg = _hf_config(arch, vocab_size) | (overrides or {})
+    absolute = arch in TINY_ABSOLUTE_ARCHITECTURES
+    cfg = (absolute_hf_config if absolute else _hf_config)(arch, vocab_size) | (overrides or {})
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
-    save_file(_weights(cfg, seed), str(path / "model.safetensors"), metadata={"format": "pt"})
+    weights = (absolute_weights if absolute else _weights)(cfg, seed)
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "tokenizer.json").write_text(tokenizer_json)
     (path / "tokenizer_config.json").write_text(
         json.dumps(
@@ -328,7 +336,7 @@ def write_tiny_model(
                 "unk_token": None,
                 "add_bos_token": False,
                 "chat_template": chat_template if chat_template is not None else CHATML_TEMPLATE,
-                "model_max_length": cfg["max_position_embeddings"],
+                "model_max_length": cfg.get("max_position_embeddings", cfg.get("n_positions")),
             },
             indent=2,
         )

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-from tokenizers import AddedToken, processors
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _BackendTokenizer
 
 from engine.errors import CorruptModelError, InvalidParamError, ModelNotFoundError
@@ -42,6 +42,10 @@ from engine.models.chat_template import compile_model_template
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+# The slow GPT-2/RoBERTa format some repositories still ship alone (facebook/opt-*).
+VOCAB_FILE = "vocab.json"
+MERGES_FILE = "merges.txt"
+SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 CHAT_TEMPLATE_JSON_FILE = "chat_template.json"
@@ -139,11 +143,16 @@ class Tokenizer:
     # -- construction -------------------------------------------------------------------
 
     @classmethod
-    def from_folder(cls, path: str | Path) -> Tokenizer:
+    def from_folder(cls, path: str | Path, *,
+                    generation_folder: str | Path | None = None) -> Tokenizer:
         """Load the tokenizer of the Hugging Face model folder ``path``.
 
-        Needs ``tokenizer.json``; ``tokenizer_config.json``, ``generation_config.json`` and
-        the chat template files are optional. Raises :class:`ModelNotFoundError` when the
+        Needs ``tokenizer.json`` (or a byte-level BPE's ``vocab.json`` and ``merges.txt``,
+        GPT-2's and OPT's slow format); ``tokenizer_config.json``, ``generation_config.json`` and
+        the chat template files are optional. ``generation_folder`` (default ``path``) is
+        where ``generation_config.json`` is read: the model's folder when the tokenizer
+        comes from another (``--tokenizer``), whose sampling defaults are not the model's.
+        Raises :class:`ModelNotFoundError` when the
         folder or ``tokenizer.json`` is missing and :class:`CorruptModelError` naming the
         file when one cannot be parsed.
         """
@@ -151,26 +160,33 @@ class Tokenizer:
         if not folder.is_dir():
             raise ModelNotFoundError(f"tokenizer folder {str(folder)!r} does not exist")
         tokenizer_file = folder / TOKENIZER_FILE
-        if not tokenizer_file.is_file():
+        config = _read_json(folder / TOKENIZER_CONFIG_FILE)
+        if tokenizer_file.is_file():
+            try:
+                backend = _BackendTokenizer.from_file(str(tokenizer_file))
+            except Exception as exc:  # tokenizers raises a bare Exception on bad JSON or schema
+                raise CorruptModelError(f"cannot parse {str(tokenizer_file)!r}: {exc}") from exc
+        elif (folder / VOCAB_FILE).is_file() and (folder / MERGES_FILE).is_file():
+            config = {**_read_json(folder / SPECIAL_TOKENS_MAP_FILE), **config}
+            backend = _byte_level_bpe(folder, config)
+        else:
             raise ModelNotFoundError(
-                f"{str(tokenizer_file)!r} is missing: a fast tokenizer (tokenizer.json) is required"
+                f"{str(tokenizer_file)!r} is missing: a fast tokenizer (tokenizer.json), or a "
+                f"byte-level BPE's {VOCAB_FILE} and {MERGES_FILE}, is required"
             )
-        try:
-            backend = _BackendTokenizer.from_file(str(tokenizer_file))
-        except Exception as exc:  # tokenizers raises a bare Exception on bad JSON or schema
-            raise CorruptModelError(f"cannot parse {str(tokenizer_file)!r}: {exc}") from exc
         # A tokenizer.json may carry truncation and padding settings (sentence-transformers
         # folders pad to a fixed 128): transformers drops them at load, and so does this;
         # lengths are the engine's to check, not the tokenizer's to cut.
         backend.no_truncation()
         backend.no_padding()
-        config = _read_json(folder / TOKENIZER_CONFIG_FILE)
         if config.get("split_special_tokens"):
             backend.encode_special_tokens = True
         return cls(
             backend,
             config=config,
-            generation_config=_read_json(folder / GENERATION_CONFIG_FILE),
+            generation_config=_read_json(
+                Path(generation_folder if generation_folder is not None else folder)
+                / GENERATION_CONFIG_FILE),
             chat_template=_find_chat_template(folder, config),
             source=folder,
         )
@@ -357,6 +373,40 @@ def _encode(backend: _BackendTokenizer, text: str, *, add_special_tokens: bool) 
 
 
 # -- reading the folder -----------------------------------------------------------------
+
+
+def _byte_level_bpe(folder: Path, config: Mapping[str, Any]) -> _BackendTokenizer:
+    """The fast tokenizer transformers builds from a byte-level BPE's ``vocab.json`` and
+    ``merges.txt`` (GPT-2's and OPT's slow format): the same model, pre-tokenizer, decoder
+    and post-processor, the config's added tokens and every named special token registered
+    as special (so decoding with ``skip_special_tokens`` drops them even where the
+    vocabulary has them)."""
+    try:
+        model = models.BPE.from_file(str(folder / VOCAB_FILE), str(folder / MERGES_FILE),
+                                     continuing_subword_prefix="", end_of_word_suffix="",
+                                     fuse_unk=False)
+    except Exception as exc:  # tokenizers raises a bare Exception on a bad file
+        raise CorruptModelError(
+            f"cannot read {str(folder / VOCAB_FILE)!r} and {MERGES_FILE}: {exc}") from exc
+    backend = _BackendTokenizer(model)
+    prefix_space = bool(config.get("add_prefix_space", False))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=prefix_space)
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    added = config.get("added_tokens_decoder") or {}
+    for _, entry in sorted(added.items(), key=lambda item: int(item[0])):
+        if isinstance(entry, Mapping) and isinstance(entry.get("content"), str):
+            token = AddedToken(entry["content"], special=bool(entry.get("special")),
+                               normalized=bool(entry.get("normalized", False)),
+                               lstrip=bool(entry.get("lstrip")), rstrip=bool(entry.get("rstrip")),
+                               single_word=bool(entry.get("single_word")))
+            if token.special:
+                backend.add_special_tokens([token])
+            else:
+                backend.add_tokens([token])
+    named = [t for t in _named_special_tokens(config).values() if t]
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in named])
+    return backend
 
 
 def _read_json(path: Path) -> dict[str, Any]:

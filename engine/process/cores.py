@@ -55,6 +55,7 @@ from engine.messages import (
     StepOutputs,
     StopStringHit,
 )
+from engine.process.ray_cores import RayCluster
 from engine.process.runtime import runtime_folder
 from engine.process.spawn import SECRET_ENV
 from engine.process.wire import (
@@ -83,6 +84,15 @@ AFFINITY_LORAS = 64
 # 32 blocks of 16 tokens).
 AFFINITY_DEPTH = 32
 ROUTING_POLICIES = ("affinity", "least-loaded", "round-robin")
+
+
+def _wants_cuda(config: Any) -> bool:
+    device = getattr(config, "device", "cpu")
+    if device == "auto":
+        import torch
+
+        return bool(torch.cuda.is_available())
+    return str(device).startswith("cuda")
 
 
 class CoreState(enum.Enum):
@@ -115,6 +125,7 @@ class _Core:
     outbox: list[Any] = dataclasses.field(default_factory=list)
     wake: trio.Event = dataclasses.field(default_factory=trio.Event)
     arrived: trio.MemorySendChannel[FrameStream] | None = None
+    process: Any = None  # the local core's process (or Ray actor handle) while it runs
 
     def load(self) -> int:
         stats = self.stats
@@ -177,6 +188,8 @@ class CorePool:
         self._round_robin = itertools.count()
         self._stopping = False
         self._gone_frames = [0, 0, 0, 0]  # of connections closed since: sent, received, bytes
+        self._ray: RayCluster | None = None  # --data-parallel-backend ray: where cores run
+        self._ray_address = ""  # tcp:HOST:PORT the core actors connect to
 
     # -- what the front end's actors call -----------------------------------------------------
 
@@ -343,19 +356,37 @@ class CorePool:
                 tcp = await trio.open_tcp_listeners(self.listen_tcp[1], host=self.listen_tcp[0])
                 self.tcp_address = tcp[0].socket.getsockname()[:2]
                 listeners.extend(tcp)
-            async with trio.open_nursery() as nursery:
-                for listener in listeners:
-                    nursery.start_soon(self._accept_loop, listener)
-                for core in self._cores:
-                    send, receive = trio.open_memory_channel[FrameStream](1)
-                    core.arrived = send
-                    local = core.index < self.local
-                    if not local:
-                        logger.info("waiting for engine core %d to connect at %s:%d",
-                                    core.index, *(self.tcp_address or ("?", 0)))
-                    await nursery.start(self._supervise, core, receive, f"unix:{path}", local)
-                assert self.reference is not None  # set by the first core's acceptance
-                task_status.started(self.reference)
+            if getattr(self.config, "data_parallel_backend", "mp") == "ray":
+                # Core actors may run on other nodes: they connect over TCP, to the
+                # address Ray reports for this node, on a port of the pool's own.
+                self._ray = RayCluster(getattr(self.config, "runtime_dir", None), self.local,
+                                       _wants_cuda(self.config))
+                host = await trio.to_thread.run_sync(self._ray.start)
+                (tcp_ray,) = await trio.open_tcp_listeners(0, host=host)
+                self._ray_address = "tcp:{}:{}".format(*tcp_ray.socket.getsockname()[:2])
+                listeners.append(tcp_ray)
+            try:
+                await self._run_cores(listeners, path, task_status)
+            finally:
+                if self._ray is not None:
+                    with trio.CancelScope(shield=True):
+                        await trio.to_thread.run_sync(self._ray.close)
+
+    async def _run_cores(self, listeners: list[trio.SocketListener], path: str,
+                         task_status: trio.TaskStatus[CoreHello]) -> None:
+        async with trio.open_nursery() as nursery:
+            for listener in listeners:
+                nursery.start_soon(self._accept_loop, listener)
+            for core in self._cores:
+                send, receive = trio.open_memory_channel[FrameStream](1)
+                core.arrived = send
+                local = core.index < self.local
+                if not local:
+                    logger.info("waiting for engine core %d to connect at %s:%d",
+                                core.index, *(self.tcp_address or ("?", 0)))
+                await nursery.start(self._supervise, core, receive, f"unix:{path}", local)
+            assert self.reference is not None  # set by the first core's acceptance
+            task_status.started(self.reference)
 
     async def _accept_loop(self, listener: trio.SocketListener) -> None:
         async with listener, trio.open_nursery() as nursery:
@@ -394,7 +425,7 @@ class CorePool:
                          task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         first = True
         while True:
-            process = await self._spawn(core, address) if local else None
+            process = core.process = await self._spawn(core, address) if local else None
             try:
                 frames = await self._wait_connected(core, arrived, process)
                 if frames is None:
@@ -431,15 +462,26 @@ class CorePool:
             core.state = CoreState.RESTARTING
             logger.error("engine core %d lost; restarting it", core.index)
 
-    async def _spawn(self, core: _Core, address: str) -> trio.Process:
-        cmd = [sys.executable, "-m", "engine.process.core", "--connect", address,
-               "--core-index", str(core.index), "--local-index", str(core.index),
-               "--local-size", str(self.local),
-               "--config-json", self.config.to_json(), "--parent-pid", str(os.getpid())]
+    async def _spawn(self, core: _Core, address: str) -> Any:
+        """A local core: a child process, or with the Ray backend a Ray actor (its
+        handle waits, is killed and reports its exit as a process does)."""
+        ray = self._ray is not None
+        local_index, local_size = core.index, self.local
+        if ray and _wants_cuda(self.config):
+            local_index, local_size = 0, 1  # Ray shows the actor its one GPU: cuda:0
+        argv = ["--connect", self._ray_address if ray else address,
+                "--core-index", str(core.index), "--local-index", str(local_index),
+                "--local-size", str(local_size), "--config-json", self.config.to_json(),
+                # An actor may run on another machine: it exits when its connection
+                # closes, not by watching a pid.
+                "--parent-pid", "0" if ray else str(os.getpid())]
         if self.verbose or logger.isEnabledFor(logging.INFO):
-            cmd.append("--verbose")
+            argv.append("--verbose")
+        if self._ray is not None:
+            return self._ray.spawn(argv, self.secret)
         env = {**os.environ, SECRET_ENV: self.secret.decode()}
-        return await trio.lowlevel.open_process(cmd, env=env)
+        return await trio.lowlevel.open_process([sys.executable, "-m", "engine.process.core", *argv],
+                                                env=env)
 
     async def _wait_connected(self, core: _Core, arrived: trio.MemoryReceiveChannel[FrameStream],
                               process: trio.Process | None) -> FrameStream | None:

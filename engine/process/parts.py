@@ -24,12 +24,13 @@ from engine.config import EngineConfig
 from engine.core.admission import AdmissionLimits
 from engine.errors import ConfigError
 from engine.models.layers.linear import weight_bytes
-from engine.models.layers.shard import tensor_parallel_problem
+from engine.models.layers.shard import pipeline_parallel_problem, tensor_parallel_problem
 from engine.models.loader import EMBEDDING_MODEL_NAMES, _model_config
 from engine.models.pooling import PoolerConfig
 from engine.models.tokenizer import Tokenizer
 from engine.multimodal import ImagePreprocessor, MediaLimits
-from engine.parallel import SINGLE, TensorParallel
+from engine.parallel import SINGLE, PipelineStage, stage_layers
+from engine.process.pipeline import PipelineRunner
 from engine.process.rank import RankLoad, build_rank_runner, load_rank
 from engine.process.workers import TensorParallelRunner, WorkerGroup
 from engine.runner.kv_cache import bytes_per_block, free_memory, num_kv_blocks
@@ -61,10 +62,13 @@ def build_parts(config: EngineConfig) -> EngineParts:
         logger.info("speculative decoding: %s", config.speculative.describe())
     group = None
     load = load_rank(config, device)
-    if config.tensor_parallel_size > 1:
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
         # Refused before any worker starts; the workers load the model while rank 0
         # sizes its pool and builds its runner.
-        _refuse_unsplittable(load.loaded.config, config.tensor_parallel_size)
+        _refuse_unsplittable(load.loaded.config, config)
+        if load.pooler is not None and config.pipeline_parallel_size > 1:
+            raise ConfigError("pipeline parallelism is not supported for pooling models",
+                              field="pipeline_parallel_size")
         group = WorkerGroup(config, device)
     try:
         return _build_parts(config, device, load, group)
@@ -80,19 +84,23 @@ def _build_parts(config: EngineConfig, device: torch.device, load: RankLoad,
     t2 = time.perf_counter()
     tp = SINGLE
     if group is not None:
-        group.init_rank0()
-        tp = TensorParallel(0, config.tensor_parallel_size)
+        group.init_rank0(loaded.config.num_hidden_layers)
+        tp = group.place
     if loaded.config.is_encoder:
         config, num_blocks = _size_encoder(config, loaded, pooler)
     else:
-        config, num_blocks = _size_kv_pool(config, loaded, device, num_kv_blocks, pooler, tp, load.draft)
+        # Every stage holds as many blocks (the block ids are the scheduler's): sized for
+        # the stage with the most layers, so that each fits the per-rank budget.
+        config, num_blocks = _size_kv_pool(config, loaded, device, num_kv_blocks, pooler,
+                                           _widest_stage(config, loaded, tp), load.draft)
     if group is not None:
         # Every rank reads its own slices of the checkpoint at once (load_rank's lazy load).
         group.start_build(config.to_json(), num_blocks)
     runner = build_rank_runner(config, load, device, num_blocks, tp)
     if group is not None:
         group.wait_built()
-        runner = TensorParallelRunner(runner, group)
+        runner = (PipelineRunner(runner, group) if config.pipeline_parallel_size > 1
+                  else TensorParallelRunner(runner, group))
     t3 = time.perf_counter()
     _log_weight_bytes(loaded, runner)
     if not runner.paged_kv:
@@ -122,12 +130,32 @@ def _build_parts(config: EngineConfig, device: torch.device, load: RankLoad,
                        model_config=loaded.config)
 
 
-def _refuse_unsplittable(model_config: Any, world_size: int) -> None:
-    """A model whose layers cannot be split over ``world_size`` ranks is refused here, at
-    startup, with the tensor-parallel model code's reason."""
-    reason = tensor_parallel_problem(model_config, world_size)
+def _refuse_unsplittable(model_config: Any, config: EngineConfig) -> None:
+    """A model whose layers cannot be split over the tensor-parallel ranks or into the
+    pipeline's stages is refused here, at startup, with the model code's reason."""
+    reason = tensor_parallel_problem(model_config, config.tensor_parallel_size)
     if reason:
         raise ConfigError(reason, field="tensor_parallel_size")
+    reason = pipeline_parallel_problem(model_config, config.pipeline_parallel_size,
+                                       config.pipeline_layer_partition)
+    if reason:
+        raise ConfigError(reason, field="pipeline_parallel_size")
+    if config.pipeline_parallel_size > 1 and config.speculative is not None:
+        # A proposal is built from the request's last token, which only the last stage
+        # has until the step comes back: refused rather than planned a step behind.
+        raise ConfigError("speculative decoding is not supported with pipeline_parallel_size "
+                          "above 1", field="speculative_config")
+
+
+def _widest_stage(config: EngineConfig, loaded: Any, tp: Any) -> Any:
+    """``tp`` with the pipeline stage that holds the most layers (``tp`` itself without
+    pipeline parallelism)."""
+    if not tp.stage.enabled:
+        return tp
+    bounds = stage_layers(loaded.config.num_hidden_layers, config.pipeline_parallel_size,
+                          config.pipeline_layer_partition)
+    start, stop = max(bounds, key=lambda b: b[1] - b[0])
+    return dataclasses.replace(tp, stage=PipelineStage(start=start, stop=stop))
 
 
 def image_preprocessor(config: EngineConfig, model_config: Any, folder: Path, tokenizer: Any) -> Any:
@@ -202,7 +230,10 @@ def build_front_parts(config: EngineConfig, hello: Any) -> EngineParts:
         pooler = PoolerConfig(**fields)
     config = dataclasses.replace(config, max_model_len=core_config.max_model_len,
                                  async_scheduling=core_config.async_scheduling)
-    tokenizer = Tokenizer.from_folder(Path(hello.tokenizer_folder))
+    # The core's folder is the model's (its config and processors); --tokenizer's folder,
+    # a path in the core's resolved config, gives the tokenizer and chat template.
+    tokenizer = Tokenizer.from_folder(Path(core_config.tokenizer or hello.tokenizer_folder),
+                                      generation_folder=Path(hello.tokenizer_folder))
     eos_ids = tuple(hello.eos_token_ids)
     grammar = None if pooler is not None else GrammarBackend(
         tokenizer, vocab_size=hello.vocab_size, stop_token_ids=eos_ids,

@@ -51,19 +51,23 @@ def load_rank(config: EngineConfig, device: torch.device) -> RankLoad:
     t0 = time.perf_counter()
     path = resolve_model(config.model)
     load_device, dtype, ops_backend = device, config.dtype, config.ops_backend
-    if config.tensor_parallel_size > 1 and device.type == "cuda":
+    split = config.tensor_parallel_size * config.pipeline_parallel_size > 1
+    if split and device.type == "cuda":
         # The whole model may not fit one device: load on the host, in the layout and
         # dtype of the rank's device; the runner moves only the rank's cut there.
         load_device, ops_backend = torch.device("cpu"), resolve_backend(config.ops_backend, device)
         if dtype == "auto" and path.suffix == ".gguf":
             dtype = "bfloat16"  # what a GGUF loads as on CUDA
-    # A tensor-parallel rank reads only its slices of each tensor, when its runner builds
-    # the model (engine/models/checkpoint.py): no rank holds the whole checkpoint.
+    # A tensor-parallel rank reads only its slices of each tensor, and a pipeline stage only
+    # its layers, when its runner builds the model (engine/models/checkpoint.py): no rank
+    # holds the whole checkpoint.
     loaded = load_model(path, dtype=dtype, device=load_device, quantization=config.quantization,
-                        ops_backend=ops_backend, lazy=config.tensor_parallel_size > 1)
+                        ops_backend=ops_backend, lazy=split)
     t1 = time.perf_counter()
     logger.info("loaded %s (%s, %s) in %.2f s", path, loaded.config.architecture, loaded.dtype, t1 - t0)
-    tokenizer = Tokenizer.from_folder(loaded.folder)
+    # --tokenizer: another folder's tokenizer and chat template (a GGUF's own otherwise).
+    tokenizer = Tokenizer.from_folder(tokenizer_folder(config, loaded),
+                                      generation_folder=loaded.folder)
     logger.info("tokenizer ready in %.2f s", time.perf_counter() - t1)
     pooler = pooler_config(loaded.config, loaded.folder, runner=config.runner, convert=config.convert,
                            pooling_type=config.pooling_type, normalize=config.pooling_normalize)
@@ -83,6 +87,12 @@ def load_rank(config: EngineConfig, device: torch.device) -> RankLoad:
         tokenizer, vocab_size=loaded.config.vocab_size, stop_token_ids=eos_ids,
         backend=config.structured_outputs_backend)
     return RankLoad(path, loaded, tokenizer, pooler, eos_ids, grammar, draft)
+
+
+def tokenizer_folder(config: EngineConfig, loaded: Any) -> Path:
+    """Where the tokenizer's files lie: ``--tokenizer`` (a path by now: Hub ids were
+    resolved by engine.process.names), else the model's folder."""
+    return Path(config.tokenizer) if config.tokenizer else loaded.folder
 
 
 def build_rank_runner(config: EngineConfig, load: RankLoad, device: torch.device,

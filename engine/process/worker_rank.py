@@ -12,6 +12,7 @@ import logging
 import multiprocessing.connection as mpc
 import os
 import sys
+import time
 from typing import Any
 
 import torch
@@ -27,8 +28,9 @@ from engine.messages import (
     RankReset,
     RankStep,
     RankWarmUp,
+    StageResult,
 )
-from engine.parallel import TensorParallel
+from engine.parallel import TensorParallel, pipeline_ranks, place_rank
 from engine.process.grammars import WorkerGrammars
 from engine.process.rank import build_rank_runner, load_rank
 from engine.process.spawn import exit_with_parent
@@ -124,11 +126,12 @@ def _serve_rank(rank: int, world_size: int, address: tuple[str, int], authkey: b
         dist.init_process_group(dist_backend(device), store=tcp_store, rank=rank,
                                 world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
+        place = rank_place(config, rank, loaded.loaded.config.num_hidden_layers)
         build = _receive(conn)
         if not isinstance(build, RankBuild):
             raise EngineError(f"expected RankBuild, got {type(build).__name__}")
         runner = build_rank_runner(EngineConfig.from_json(build.config_json), loaded, device,
-                                   build.num_blocks, TensorParallel(rank, world_size))
+                                   build.num_blocks, place)
         grammars = WorkerGrammars(loaded.grammar)  # sent by rank 0, never compiled here
         _send(conn, RankBuilt(rank, os.getpid()))
     except Exception as exc:
@@ -149,11 +152,20 @@ def _serve_rank(rank: int, world_size: int, address: tuple[str, int], authkey: b
         except (EOFError, OSError):
             return  # rank 0 closed the connection (or is gone): stop
         if isinstance(message, RankStep):
+            if not place.stage.last:
+                for earlier in message.results:  # the last stage's tokens, for the next chunks
+                    runner.accept([(t.sample_id, t.token_id) for t in earlier.sampled],
+                                  [f.sample_id for f in earlier.failed])
             grammars.before_step(message.plan, message.grammars)
+            times = place.stage.times
+            start, recv, send = time.time(), times.recv_seconds, times.send_seconds
             result = runner.execute(message.plan)
+            trace = (start, time.time(), times.recv_seconds - recv, times.send_seconds - send)
             answer: object = RankDone(
                 result.step_id, tuple((t.sample_id, t.token_id) for t in result.sampled),
-                tuple(f.sample_id for f in result.failed))
+                tuple(f.sample_id for f in result.failed), trace)
+            if place.stage.enabled and place.stage.last and place.rank == 0:
+                answer = StageResult(result, trace)
         elif isinstance(message, RankWarmUp):
             try:
                 runner.warm_up()
@@ -162,6 +174,7 @@ def _serve_rank(rank: int, world_size: int, address: tuple[str, int], authkey: b
                 answer = RankError(rank, f"warm-up failed: {exc}")
         elif isinstance(message, RankReset):
             runner.reset()
+            place.stage.drop_sent()
             grammars.reset()
             answer = RankDone(-1, (), ())
         else:
@@ -170,6 +183,21 @@ def _serve_rank(rank: int, world_size: int, address: tuple[str, int], authkey: b
             _send(conn, answer)
         except OSError:
             return
+
+
+def rank_place(config: EngineConfig, rank: int, num_layers: int) -> TensorParallel:
+    """Global rank ``rank``'s place: its tensor-parallel slice and, with pipeline
+    parallelism, its stage. Called by every rank (rank 0 included) once the default process
+    group is up: each makes every stage's tensor-parallel group, in the same order, as
+    ``torch.distributed.new_group`` asks of all ranks alike."""
+    import torch.distributed as dist
+
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    if pp == 1:
+        return TensorParallel(rank, tp)  # the default group is the tensor-parallel group
+    groups = [dist.new_group(ranks) for ranks in pipeline_ranks(tp, pp)] if tp > 1 else None
+    group = groups[rank // tp] if groups is not None else None
+    return place_rank(rank, tp, pp, num_layers, config.pipeline_layer_partition, group)
 
 
 def _resolve_device(device: str) -> str:

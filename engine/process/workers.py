@@ -61,6 +61,7 @@ from engine.messages import (
     RankReset,
     RankStep,
     RankWarmUp,
+    StageResult,
     StepPlan,
     StepResult,
 )
@@ -72,6 +73,7 @@ from engine.process.worker_rank import (
     RayRank,
     _receive,
     dist_backend,
+    rank_place,
     share_cpu_threads,
 )
 
@@ -123,11 +125,16 @@ class WorkerGroup:
 
     def __init__(self, config: Any, device: torch.device, *,
                  timeout: float | None = None) -> None:
-        self.world_size = int(config.tensor_parallel_size)
+        self.tp_size = int(config.tensor_parallel_size)
+        self.pp_size = int(getattr(config, "pipeline_parallel_size", 1))
+        self.world_size = self.tp_size * self.pp_size
         self.backend = config.distributed_executor_backend
         self.device = device
         self.timeout = timeout if timeout is not None else COLLECTIVE_TIMEOUT_SECONDS
         self._config_json = config.to_json()
+        self._config = config
+        self._num_layers = 0  # the model's layers, for rank 0's pipeline stage (init_rank0)
+        self.place: Any = None  # rank 0's TensorParallel (with its stage), from init_rank0
         self._build: RankBuild | None = None
         self._peers: list[_Peer] = []
         self._store: Any = None
@@ -230,6 +237,14 @@ class WorkerGroup:
             ref = actor.run.remote(**{**common, "rank": rank, "parent_pid": 0})
             self._peers.append(_Peer(rank, actor, None, run_ref=ref))
 
+    def name(self, rank: int) -> str:
+        """How the messages name global rank ``rank``: its pipeline stage, if any."""
+        if self.pp_size == 1:
+            return f"tensor-parallel worker rank {rank}"
+        stage, tp_rank = divmod(rank, self.tp_size)
+        inside = f", tensor-parallel rank {tp_rank}" if self.tp_size > 1 else ""
+        return f"pipeline stage {stage} (rank {rank}{inside})"
+
     def _dead(self, peer: _Peer) -> str | None:
         """Why ``peer`` is gone, or None while it lives."""
         if peer.sentinel is not None:
@@ -237,7 +252,7 @@ class WorkerGroup:
             if code is None:
                 return None
             how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
-            return f"tensor-parallel worker rank {peer.rank} (pid {peer.pid}) died ({how})"
+            return f"{self.name(peer.rank)} (pid {peer.pid}) died ({how})"
         import ray
 
         done, _ = ray.wait([peer.run_ref], timeout=0)
@@ -248,12 +263,15 @@ class WorkerGroup:
             why = "returned"
         except Exception as exc:  # the actor died, or its run() raised
             why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        return f"tensor-parallel worker rank {peer.rank} (Ray actor) stopped ({why})"
+        return f"{self.name(peer.rank)} (Ray actor) stopped ({why})"
 
-    def init_rank0(self) -> None:
+    def init_rank0(self, num_layers: int = 0) -> None:
         """Take every worker's connection, then join the process group as rank 0 (blocks
-        until every worker joins; a worker that dies first raises)."""
+        until every worker joins; a worker that dies first raises). ``num_layers``: the
+        model's, to place rank 0's pipeline stage (:attr:`place`)."""
         import torch.distributed as dist
+
+        self._num_layers = num_layers or self._num_layers
 
         assert self._server is not None
         deadline = time.monotonic() + START_TIMEOUT_SECONDS
@@ -281,8 +299,7 @@ class WorkerGroup:
                 conn.close()
                 continue  # not one of ours
             if isinstance(hello, RankError):
-                raise WorkerLostError(f"tensor-parallel worker rank {hello.rank} failed to start: "
-                                      f"{hello.message}")
+                raise WorkerLostError(f"{self.name(hello.rank)} failed to start: {hello.message}")
             if not isinstance(hello, RankBuilt) or hello.rank not in waiting:
                 conn.close()
                 continue
@@ -295,6 +312,15 @@ class WorkerGroup:
         dist.init_process_group(dist_backend(self.device), store=self._store, rank=0,
                                 world_size=self.world_size,
                                 timeout=datetime.timedelta(seconds=self.timeout))
+        # Rank 0's place (its stage's groups made as every worker makes them).
+        place = rank_place(self._config, 0, self._num_layers)
+        if self.place is None:
+            self.place = place
+        else:
+            # A restarted group: rank 0's model was built on the first place and holds it
+            # (frozen, shared by every layer); its stage's new process group replaces the
+            # old one there (the default group's ranks keep their numbers).
+            object.__setattr__(self.place, "group", place.group)
 
     def build(self, config_json: str, num_blocks: int) -> None:
         """Every worker builds its runner with rank 0's resolved config and pool size."""
@@ -321,12 +347,14 @@ class WorkerGroup:
                 peer.conn.send_bytes(payload)
             except OSError:
                 self.broken = True
-                raise WorkerLostError(self._dead(peer) or f"tensor-parallel worker rank "
-                                      f"{peer.rank} closed its connection") from None
+                raise WorkerLostError(self._dead(peer) or f"{self.name(peer.rank)} closed its "
+                                      "connection") from None
         return len(payload)
 
-    def _answers(self, kind: type, *, deadline: float) -> list[Any]:
-        """Each worker's answer (of type ``kind``), in rank order."""
+    def _answers(self, kind: type | tuple[type, ...], *, deadline: float,
+                 patience: float = 0.0) -> list[Any]:
+        """Each worker's answer (of type ``kind``), in rank order; ``patience``: the wait
+        a worker that did not answer is said to have had (the collective timeout if 0)."""
         out = []
         for peer in self._peers:
             waitables = [peer.conn] + ([peer.sentinel] if peer.sentinel is not None else [])
@@ -341,25 +369,54 @@ class WorkerGroup:
                 self.broken = True
                 if not ready:
                     peer.stuck = True
-                    raise WorkerLostError(f"tensor-parallel worker rank {peer.rank} did not "
-                                          f"answer within {self.timeout:.0f} s")
+                    raise WorkerLostError(f"{self.name(peer.rank)} did not answer within "
+                                          f"{patience or self.timeout:.0f} s")
                 time.sleep(0.05)  # let the process's exit status settle
-                raise WorkerLostError(self._dead(peer) or f"tensor-parallel worker rank "
-                                      f"{peer.rank} closed its connection")
+                raise WorkerLostError(self._dead(peer) or f"{self.name(peer.rank)} closed its "
+                                      "connection")
             if isinstance(answer, RankError):
                 self.broken = True
-                raise WorkerLostError(f"tensor-parallel worker rank {answer.rank}: {answer.message}")
+                raise WorkerLostError(f"{self.name(answer.rank)}: {answer.message}")
             if not isinstance(answer, kind):
                 self.broken = True
-                raise WorkerLostError(f"tensor-parallel worker rank {peer.rank} answered "
-                                      f"{type(answer).__name__}, not {kind.__name__}")
+                raise WorkerLostError(f"{self.name(peer.rank)} answered "
+                                      f"{type(answer).__name__}, not the step's answer")
             out.append(answer)
         return out
 
-    def send_step(self, plan: StepPlan, grammars: tuple[RankGrammar, ...] = ()) -> None:
+    def send_step(self, plan: StepPlan, grammars: tuple[RankGrammar, ...] = (),
+                  results: tuple[StepResult, ...] = ()) -> None:
         t0 = time.perf_counter()
-        self.stats.broadcast_bytes += self._broadcast(RankStep(plan, grammars))
+        self.stats.broadcast_bytes += self._broadcast(RankStep(plan, grammars, results))
         self.stats.broadcast_seconds += time.perf_counter() - t0
+
+    def collect_step(self, step_id: int) -> tuple[StepResult, list[tuple[float, ...]]]:
+        """Pipeline parallelism: every worker's answer to step ``step_id`` (the workers
+        answer their steps in order); returns the last stage's result, checked against its
+        tensor-parallel peers', and each worker's trace (rank order)."""
+        t0 = time.perf_counter()
+        # A step in flight waits behind at most pipeline_parallel_size - 1 others; each
+        # stage's part of one is bounded by the collective timeout.
+        patience = self.pp_size * self.timeout + min(5.0, self.timeout)
+        answers = self._answers((RankDone, StageResult), deadline=time.monotonic() + patience,
+                                patience=patience)
+        self.stats.wait_seconds += time.perf_counter() - t0
+        self.stats.steps += 1
+        last = (self.pp_size - 1) * self.tp_size
+        final = next(a.result for p, a in zip(self._peers, answers, strict=True) if p.rank == last
+                     and isinstance(a, StageResult))
+        sampled = tuple((t.sample_id, t.token_id) for t in final.sampled)
+        failed = tuple(f.sample_id for f in final.failed)
+        for peer, answer in zip(self._peers, answers, strict=True):
+            got = answer.result.step_id if isinstance(answer, StageResult) else answer.step_id
+            if got != step_id:
+                self.broken = True
+                raise WorkerLostError(f"{self.name(peer.rank)} answered step {got}, expected {step_id}")
+            if peer.rank > last and (answer.sampled != sampled or answer.failed != failed):
+                self.broken = True
+                raise WorkerLostError(
+                    f"{self.name(peer.rank)} diverged from its stage's rank 0 at step {step_id}")
+        return final, [a.trace for a in answers]
 
     def check_step(self, result: StepResult) -> None:
         """Wait for every worker's answer to the step and check it against rank 0's."""
@@ -376,7 +433,7 @@ class WorkerGroup:
             if answer.sampled != sampled or answer.failed != failed:
                 self.broken = True
                 raise WorkerLostError(
-                    f"tensor-parallel worker rank {peer.rank} diverged from rank 0 at step "
+                    f"{self.name(peer.rank)} diverged from rank 0 at step "
                     f"{result.step_id}: sampled {answer.sampled[:4]} failed {answer.failed[:4]}, "
                     f"rank 0 sampled {sampled[:4]} failed {failed[:4]}")
 
@@ -456,6 +513,8 @@ class WorkerGroup:
         self.init_rank0()
         if build is not None:
             self.build(build.config_json, build.num_blocks)
+        if self.place is not None:
+            self.place.stage.drop_sent()
 
     def close(self) -> None:
         """Stop every worker (and a local Ray the group started)."""

@@ -43,7 +43,7 @@ def bytes_per_block(
         per_token = heads * (dim * KV_CODE_DTYPES[kv_cache_dtype].itemsize + SCALE_BYTES)
     else:
         per_token = heads * dim * dtype.itemsize
-    return 2 * model_config.num_hidden_layers * block_size * per_token
+    return 2 * len(tp.stage.layer_range(model_config.num_hidden_layers)) * block_size * per_token
 
 
 def free_memory(device: torch.device | str) -> int:
@@ -115,7 +115,7 @@ def allocate_kv_caches(
     first touch, so a page is resident only once a block on it has been written or read
     (``torch.zeros`` would write every byte at startup and keep the whole budget resident).
     """
-    layers = model_config.num_hidden_layers
+    layers = len(tp.stage.layer_range(model_config.num_hidden_layers))  # a pipeline stage's own
     shape = (num_blocks, block_size, local_heads(model_config, tp)[1], model_config.head_dim)
     code_dtype = KV_CODE_DTYPES.get(kv_cache_dtype)
     # Codes (or values) of every layer's K and V first, then the scales: each region is

@@ -238,6 +238,10 @@ class ModelRunner:
                 hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, mm_embeds=mm)
             else:
                 hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
+        if hidden is None:
+            # A pipeline stage before the last: its hidden states went to the next stage;
+            # the last stage samples, and its tokens come back through accept().
+            return (), (), ()
         prompt_logprobs = collect_prompt_logprobs(self.model, hidden, chunks, states, self.device)
         before = [len(s.outputs) for s in states]
         sampled: tuple[SampledToken, ...] = ()
@@ -248,6 +252,20 @@ class ModelRunner:
             track_draft(chunks, states, before, model_drafted={
                 c.sample_id for c, d in zip(chunks, drafted, strict=True) if d is not None})
         return sampled, failed, prompt_logprobs
+
+    def accept(self, sampled: Sequence[tuple[str, int]], failed: Sequence[str]) -> None:
+        """A pipeline stage before the last: take the tokens the last stage sampled (and
+        forget the requests it failed), so that the next chunks of those requests find
+        their tokens here. Each request's step must be accepted before its next chunk
+        runs (the scheduler plans a request's next step only after its tokens return)."""
+        for sample_id, token_id in sampled:
+            state = self._requests.get(sample_id)
+            if state is not None:
+                state.outputs.append(token_id)
+                state.tokens.append(token_id)
+        for sample_id in failed:
+            self._forget(sample_id)
+            self._failed.add(sample_id)
 
     def _lora_step(self, chunks: Sequence[ScheduledChunk], states: Sequence[RequestState]):
         """The forward's adapters: each token's slot for the step (a no-op without LoRA)."""
@@ -278,6 +296,10 @@ class ModelRunner:
             if result.failed:
                 # execute() logged the cause and dropped the request; fail loudly, not spin.
                 raise StepFailedError(f"warm-up step {plan.step_id} failed: {result.failed[0].reason}")
+            if not self.tp.stage.last:
+                # The last stage samples; a throwaway request's token value does not matter
+                # here, only that the next chunk finds a token.
+                self.accept([(rid, 0)], ())
         self.execute(StepPlan(2, (), (), (rid,)))
 
     # -- request state ------------------------------------------------------------------

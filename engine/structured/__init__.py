@@ -15,16 +15,43 @@ The model runner holds the matchers and the sampler applies their token bitmask 
 logits; ``docs/architecture.md`` ("Structured output") tells the whole path.
 """
 
-from engine.structured.backend import (
-    BACKENDS,
-    GrammarBackend,
-    GrammarHold,
-    StructuredStatistics,
-)
-from engine.structured.bitmask import apply_bitmask, bitmask_words
-from engine.structured.compiled import CompiledGrammar
-from engine.structured.matcher import Matcher
-from engine.structured.spec import StructuredOutputs
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.structured.backend import (
+        BACKENDS,
+        GrammarBackend,
+        GrammarHold,
+        StructuredStatistics,
+    )
+    from engine.structured.bitmask import apply_bitmask, bitmask_words
+    from engine.structured.compiled import CompiledGrammar
+    from engine.structured.matcher import Matcher
+    from engine.structured.spec import StructuredOutputs
+
+# Imported on first use: ``engine.messages`` needs only ``spec`` (and through it
+# ``engine.params`` and ``import engine``), and the backend and bitmask pull in torch.
+_LAZY = {
+    "BACKENDS": "engine.structured.backend",
+    "GrammarBackend": "engine.structured.backend",
+    "GrammarHold": "engine.structured.backend",
+    "StructuredStatistics": "engine.structured.backend",
+    "apply_bitmask": "engine.structured.bitmask",
+    "bitmask_words": "engine.structured.bitmask",
+    "CompiledGrammar": "engine.structured.compiled",
+    "Matcher": "engine.structured.matcher",
+    "StructuredOutputs": "engine.structured.spec",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine.structured' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = [
     "BACKENDS",

@@ -92,7 +92,7 @@ class DecoderLayer:
     gate_up: Any  # Linear | QuantLinear [2 * intermediate, hidden]; None in a sparse (MoE) layer
     down: Any
     window: int  # sliding window (last N positions), 0 for full attention
-    rope: torch.Tensor  # this layer's cos/sin table (shared by layers with the same RoPE)
+    rope: torch.Tensor | None  # this layer's cos/sin table (shared by layers with the same RoPE); None: no RoPE
     # The routed-expert MLP of a sparse layer (keyword-only, so subclasses may add fields).
     moe: SparseMoeBlock | None = dataclasses.field(default=None, kw_only=True)
 
@@ -145,15 +145,22 @@ class Decoder:
         self.eps = config.rms_norm_eps
         self.cos_sin_cache = rope_cos_sin_cache(config, dtype, self.device)
         get = ShardedWeights(weights, dtype, self.device, tp)
-        self.embed = get.rows("model.embed_tokens.weight")
-        self.layers = [self._layer(get, i) for i in range(config.num_hidden_layers)]
-        self.norm = get("model.norm.weight")
-        # A quantized table stays one copy: rows read for the embedding, the same blocks
-        # multiplied for a tied head.
-        if config.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = make_linear([self.embed])
-        else:
-            self.lm_head = make_linear([get.rows("lm_head.weight")])
+        self._build_ends(get, weights, lambda: get("model.norm.weight"))
+        self.layers = [self._layer(get, i) for i in tp.stage.layer_range(config.num_hidden_layers)]
+
+    def _build_ends(self, get: ShardedWeights, weights: Any, final_norm: Any) -> None:
+        """The embedding (first pipeline stage), the final norm and the LM head (last
+        stage; a tied head reads the embedding there too). A stage reads nothing else of
+        the checkpoint but its layers. A quantized table stays one copy: rows read for the
+        embedding, the same blocks multiplied for a tied head."""
+        stage = self.tp.stage
+        tied = self.config.tie_word_embeddings or "lm_head.weight" not in weights
+        self.embed = (get.rows("model.embed_tokens.weight")
+                      if stage.first or (stage.last and tied) else None)
+        self.norm = final_norm() if stage.last else None
+        self.lm_head = None
+        if stage.last:
+            self.lm_head = make_linear([self.embed] if tied else [get.rows("lm_head.weight")])
 
     def enable_lora(self, *, max_loras: int, max_rank: int, dtype: torch.dtype) -> LoraSlots:
         """Wrap every projection adapters may target (engine.models.lora) with ``max_loras``
@@ -223,7 +230,13 @@ class Decoder:
 
         ``mm_embeds`` ``(rows [R] int64, embeddings [R, hidden])`` replace the token
         embeddings of those rows (a vision model's image placeholders)."""
-        return self._decode(self._embed(input_ids), positions, meta, kv_caches, mm_embeds)
+        stage = self.tp.stage
+        if stage.first:
+            return self._decode(self._embed(input_ids), positions, meta, kv_caches, mm_embeds)
+        # A later pipeline stage: the previous stage's hidden states and residual stream.
+        hidden, residual = stage.recv(2, (positions.shape[-1], self.config.hidden_size),
+                                      self.dtype, self.device)
+        return self._decode(hidden, positions, meta, kv_caches, residual=residual)
 
     def _decode(
         self,
@@ -233,19 +246,24 @@ class Decoder:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
         rope: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
         """:meth:`forward` from the token embeddings ``hidden`` [T, hidden]. ``rope``: a
         table every layer rotates by this step instead of its own (row ``positions[i]`` for
-        token ``i``; Qwen-VL's per-token M-RoPE rows)."""
+        token ``i``; Qwen-VL's per-token M-RoPE rows). A later pipeline stage passes the
+        ``residual`` stream it received; a stage before the last sends its hidden states
+        and residual on and returns None."""
         ops = self.ops
+        stage = self.tp.stage
         if mm_embeds is not None:
             rows, values = mm_embeds
             hidden = hidden.index_copy(0, rows, values.to(hidden.dtype))
-        else:
+        elif not stage.enabled:
+            # The fused step runs every layer and the final norm in one call: a stage's
+            # share of the layers is not a step it knows.
             out = self._run_fused(hidden, positions, meta, kv_caches, rope)
             if out is not None:
                 return out
-        residual: torch.Tensor | None = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             if residual is None:
                 residual = hidden
@@ -260,6 +278,9 @@ class Decoder:
                 assert layer.gate_up is not None and layer.down is not None
                 hidden = layer.down(ops.silu_and_mul(layer.gate_up(x)))  # row-parallel: whole
         assert residual is not None  # num_hidden_layers >= 1 is checked at build time
+        if not stage.last:
+            stage.send([hidden, residual])
+            return None
         out, _ = ops.fused_add_rms_norm(hidden, residual, self.norm, self.eps)
         return out
 
@@ -282,7 +303,9 @@ class Decoder:
         if layer.q_norm is not None and layer.k_norm is not None:
             q = self._head_norm(q, layer.q_norm)
             k = self._head_norm(k, layer.k_norm)
-        q, k = ops.rotary_embedding(positions, q, k, layer.rope if rope is None else rope)
+        table = layer.rope if rope is None else rope
+        if table is not None:  # None: positions are learned embeddings (layers/absolute.py)
+            q, k = ops.rotary_embedding(positions, q, k, table)
         ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.decode_only:
             o = ops.paged_attention_decode(

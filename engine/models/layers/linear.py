@@ -19,6 +19,7 @@ Each projection also describes itself to the fused CPU decode step (:meth:`Linea
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -245,12 +246,17 @@ def weight_bytes(model) -> int:
             add(getattr(t, "_packed", None))
             add(t.bias)
 
-    # The decoders' top-level weights, and the BERT encoder's (models/bert.py).
+    # The decoders' top-level weights (GPT-2's and OPT's position tables and projections
+    # too), and the BERT encoder's (models/bert.py).
     for name in ("embed", "norm", "lm_head", "word", "position", "token_type", "embed_norm",
-                 "pooler", "classifier"):
+                 "pooler", "classifier", "positions", "project_in", "project_out"):
         add(getattr(model, name, None))
     for layer in model.layers:
-        for name in layer.__slots__ if hasattr(layer, "__slots__") else vars(layer):
+        # A slotted dataclass subclass's __slots__ names only its own fields (GemmaLayer's
+        # two norms, AbsoluteLayer's biases): the dataclass's fields name them all.
+        names = [f.name for f in dataclasses.fields(layer)] if dataclasses.is_dataclass(layer) else (
+            layer.__slots__ if hasattr(layer, "__slots__") else vars(layer))
+        for name in names:
             if name != "rope":  # the RoPE table is not a weight (and is shared)
                 add(getattr(layer, name))
     return total

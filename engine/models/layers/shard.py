@@ -44,7 +44,7 @@ from engine.models.config import ModelConfig
 from engine.models.gguf_quant import cut_inside_blocks
 from engine.models.layers.linear import make_linear
 from engine.ops.quant import PANEL, Decoded, QuantizedWeight, pack_panels, unpack_panels
-from engine.parallel import SINGLE, TensorParallel, shard_range
+from engine.parallel import SINGLE, TensorParallel, shard_range, stage_layers
 
 
 def tensor_parallel_problem(config: ModelConfig, n: int) -> str | None:
@@ -86,9 +86,29 @@ def tensor_parallel_problem(config: ModelConfig, n: int) -> str | None:
     return f"the model cannot be split over tensor-parallel size {n}: " + "; ".join(problems)
 
 
+def pipeline_parallel_problem(config: ModelConfig, n: int,
+                              partition: tuple[int, ...] | None = None) -> str | None:
+    """Why ``config``'s model cannot be split into ``n`` pipeline stages (``partition``: each
+    stage's layer count), or ``None`` when it can."""
+    if n == 1 and partition is None:
+        return None
+    if config.is_encoder:
+        return "pipeline parallelism is not supported for encoder (BERT) models"
+    if config.vision is not None:
+        return "pipeline parallelism is not supported for vision-language models (LLaVA, Qwen-VL)"
+    try:
+        stage_layers(config.num_hidden_layers, n, partition)
+    except ValueError as exc:
+        return f"the model cannot be split into {n} pipeline stages: {exc}"
+    return None
+
+
 def check_tensor_parallel(config: ModelConfig, tp: TensorParallel) -> None:
-    """Raise :class:`UnsupportedModelError` with :func:`tensor_parallel_problem`'s message."""
+    """Raise :class:`UnsupportedModelError` with :func:`tensor_parallel_problem`'s message
+    (or :func:`pipeline_parallel_problem`'s, for the pipeline stage ``tp`` belongs to)."""
     problem = tensor_parallel_problem(config, tp.world_size)
+    if problem is None and tp.stage.enabled:
+        problem = pipeline_parallel_problem(config, tp.stage.count)
     if problem is not None:
         raise UnsupportedModelError(problem)
 
