@@ -1,8 +1,9 @@
 """One frozen engine configuration, checked once when built and passed explicitly.
 
-This module is one room: every field of :class:`EngineConfig` carries its flag's help and
-is checked in one ``__post_init__``, so that a flag, its meaning and its check are read in
-one place."""
+It is one room: every field, its flag's help and its check belong together (the flags are made
+from this class), with the small parsers of the fields given as text (memory sizes,
+speculative and LoRA module specs) beside them.
+"""
 
 from __future__ import annotations
 
@@ -233,6 +234,48 @@ def parse_partition(value: Any) -> tuple[int, ...]:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class LoraModule:
+    """An adapter served from the start (``--lora-modules``): its name, folder and the base
+    model it names as its parent in /v1/models (None: the served model)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def parse_lora_modules(value: Any) -> tuple[LoraModule, ...]:
+    """``--lora-modules`` as vLLM takes it: each item ``name=path`` or a JSON object
+    ``{"name", "path", "base_model_name"}`` (a list of either, or their canonical JSON)."""
+    def bad(message: str) -> ConfigError:
+        return ConfigError(f"lora_modules: {message}", field="lora_modules")
+
+    if value is None:
+        return ()
+    items = json.loads(value) if isinstance(value, str) else list(value)
+    modules = []
+    for item in items:
+        if isinstance(item, str) and not item.lstrip().startswith("{"):
+            name, eq, path = item.partition("=")
+            item = {"name": name.strip(), "path": path.strip()} if eq else item
+        if isinstance(item, str):
+            try:
+                item = json.loads(item)
+            except json.JSONDecodeError as exc:
+                raise bad(f"{item!r} is neither name=path nor JSON ({exc})") from None
+        if not isinstance(item, dict) or set(item) - {"name", "path", "base_model_name"}:
+            raise bad(f"{item!r}: expected name=path or {{\"name\", \"path\", \"base_model_name\"}}")
+        name, path, parent = item.get("name"), item.get("path"), item.get("base_model_name")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise bad(f"{item!r}: name and path must be non-empty strings")
+        if parent is not None and not isinstance(parent, str):
+            raise bad(f"{item!r}: base_model_name must be a string")
+        modules.append(LoraModule(name, path, parent))
+    if len({m.name for m in modules}) != len(modules):
+        raise bad("two adapters share a name")
+    return tuple(modules)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Flag:
     """How an :class:`EngineConfig` field appears on the command line (see
     :func:`add_engine_arguments`): its help, parsing and, where the default is ``None``,
@@ -244,6 +287,7 @@ class Flag:
     default_text: str | None = None
     metavar: str | None = None
     aliases: tuple[str, ...] = ()  # more option strings that set a bool field to False
+    nargs: str | None = None  # "+": one or more values, and the flag may repeat (a list)
 
 
 def _field(default: Any, help: str, **flag: Any) -> Any:
@@ -515,6 +559,24 @@ class EngineConfig:
         "module:Class names (vLLM V1's LogitsProcessor interface; per-request arguments come "
         "as vllm_xargs). Not with --speculative-config", metavar="NAMES", default_text="none")
 
+    # LoRA adapters (vLLM's flags): slots of --max-lora-rank for --max-loras adapters in one
+    # step beside the model's projections; adapters read from their folders on first use.
+    enable_lora: bool = _field(False, "serve LoRA adapters over the base model: a request whose "
+                               "model names one runs with it")
+    lora_modules: str | None = _field(
+        None, "adapters served from the start: name=path, or JSON {\"name\", \"path\", "
+        "\"base_model_name\"}; several may follow", nargs="+", metavar="SPEC", default_text="none")
+    max_loras: int = _field(1, "most distinct LoRA adapters in one step", type=int, metavar="N")
+    max_lora_rank: int = _field(16, "largest LoRA rank served", type=int, metavar="N")
+    max_cpu_loras: int | None = _field(
+        None, "LoRA adapters kept in host memory (the least recently used is dropped)", type=int,
+        metavar="N", default_text="--max-loras")
+    lora_dtype: str = _field("auto", "the LoRA slots' dtype (auto: the activations')", choices=DTYPES)
+
+    @property
+    def lora_module_specs(self) -> tuple[LoraModule, ...]:
+        return parse_lora_modules(self.lora_modules)
+
     @property
     def logits_processor_names(self) -> tuple[str, ...]:
         """``logits_processors`` as a tuple of ``module:Class`` names."""
@@ -574,6 +636,29 @@ class EngineConfig:
                               "a processor sees one row per request and step, and speculative "
                               "verification samples several", field="logits_processors")
 
+    def _check_lora(self) -> None:
+        modules = parse_lora_modules(self.lora_modules)
+        if self.lora_modules is not None:
+            # Canonical text: a list given to open_engine() or by the flags becomes JSON too.
+            object.__setattr__(self, "lora_modules", json.dumps([dataclasses.asdict(m) for m in modules]))
+        if modules and not self.enable_lora:
+            raise ConfigError("lora_modules needs --enable-lora", field="lora_modules")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}", field=name)
+        # The C kernel's stack row holds three slices (fused q/k/v) of the largest rank.
+        if self.max_lora_rank > 512:
+            raise ConfigError(f"max_lora_rank must be at most 512, got {self.max_lora_rank}", field="max_lora_rank")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < self.max_loras):
+            raise ConfigError(f"max_cpu_loras must be an integer of at least max_loras ({self.max_loras}), "
+                              f"got {cpu!r}", field="max_cpu_loras")
+        parallel = [n for n in (self.tensor_parallel_size, self.pipeline_parallel_size) if isinstance(n, int)]
+        if self.enable_lora and any(n > 1 for n in parallel):
+            raise ConfigError("LoRA adapters with tensor or pipeline parallelism are not supported yet",
+                              field="enable_lora")
+
     def to_json(self) -> str:
         """Every field as JSON: how a config crosses to an engine-core process or a
         tensor-parallel worker (:meth:`from_json` reads it back, checked again)."""
@@ -589,6 +674,7 @@ class EngineConfig:
             # Canonical text: a dict given to open_engine() becomes JSON too.
             object.__setattr__(self, "speculative_config", spec.to_json())
         self._check_logits_processors()
+        self._check_lora()
         if self.mm_processor_kwargs is not None:
             options = parse_mm_processor_kwargs(self.mm_processor_kwargs)
             object.__setattr__(self, "mm_processor_kwargs", json.dumps(options, sort_keys=True))

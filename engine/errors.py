@@ -140,3 +140,16 @@ class CorruptModelError(ModelLoadError):
 
 class UnsupportedModelError(ModelLoadError):
     """The architecture, quantization type or configuration is not implemented."""
+
+
+class LoraAdapterError(RequestError):
+    """A LoRA adapter that cannot be served (loaded or used): the message names it and the
+    problem (HTTP 400)."""
+
+    def __init__(self, name: str, message: str, *, param: str | None = "lora_path") -> None:
+        super().__init__(f"LoRA adapter {name!r}: {message}", param=param)
+        self.name = name
+
+
+class UnknownLoraAdapterError(LoraAdapterError):
+    """No adapter of that name is served (HTTP 404)."""

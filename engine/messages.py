@@ -43,6 +43,19 @@ class ImageInput:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class LoraAdapter:
+    """The LoRA adapter a request runs with (vLLM's ``LoRARequest``): its served name, the
+    folder the runner reads it from (peft's adapter_config.json and
+    adapter_model.safetensors), and an id unique to this load of it, which keys the
+    runner's copies and the prefix cache (a name loaded again from another folder gets a
+    new id, so no block computed under the old weights is reused)."""
+
+    name: str
+    path: str
+    id: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class NewRequest:
     """A request the model runner has not seen: it keeps its tokens and sampling state."""
 
@@ -51,6 +64,7 @@ class NewRequest:
     params: SamplingParams
     eos_token_ids: tuple[int, ...]  # for min_tokens: EOS is masked until min_tokens is reached
     images: tuple[ImageInput, ...] = ()  # in prompt order, not overlapping
+    lora: LoraAdapter | None = None  # None: the base model
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -199,6 +213,7 @@ class SubmitRequest:
     priority: int
     cache_salt: str | None
     arrival_time: float
+    lora: LoraAdapter | None = None  # None: the base model
 
 
 # --- caller -> scheduler (-> detokenizer) ------------------------------------------------
@@ -236,6 +251,7 @@ class SchedulerRequest:
     # Beam search (params.beam_width > 0): this one scheduler request is the whole beam
     # group, and these are the sample ids its best hypotheses are returned on, best first.
     beam_output_ids: tuple[str, ...] = ()
+    lora: LoraAdapter | None = None  # None: the base model
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -662,6 +678,10 @@ class CoreStatistics:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # LoRA adapters (names, sorted) of the running and of the waiting requests (vLLM's
+    # lora_requests_info).
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
 
 
 # --- rank 0 <-> tensor-parallel workers (engine.process.workers) -------------------------

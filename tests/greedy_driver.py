@@ -34,8 +34,10 @@ def run_greedy(
     *,
     chunk_size: int | None = None,
     block_size: int,
+    loras: list[Any] | None = None,
 ) -> list[list[SampledToken]]:
-    """:func:`generate_greedy`, returning each token with its logprob."""
+    """:func:`generate_greedy`, returning each token with its logprob; ``loras`` gives
+    each prompt's LoRA adapter (an ``engine.messages.LoraAdapter``, None for the base)."""
     if block_size != runner.block_size:
         raise ValueError(f"block_size {block_size} differs from the runner's {runner.block_size}")
     if any(len(p) == 0 for p in prompts):
@@ -49,7 +51,8 @@ def run_greedy(
         offset += n
     if offset > runner.num_blocks:
         raise ValueError(f"the prompts need {offset} KV blocks; the runner has {runner.num_blocks}")
-    new = tuple(NewRequest(r, tuple(p), params, ()) for r, p in zip(ids, prompts, strict=True))
+    loras = loras or [None] * len(prompts)
+    new = tuple(NewRequest(r, tuple(p), params, (), lora=a) for r, p, a in zip(ids, prompts, loras, strict=True))
     outputs: list[list[SampledToken]] = [[] for _ in prompts]
     computed = [0] * len(prompts)
     step = 0

@@ -18,6 +18,7 @@ from typing import Any
 import trio
 
 from engine.actors.system import EngineStatistics
+from engine.api.lora import LoraRegistry
 from engine.chat.template import apply_chat_template
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, InvalidParamError, PromptTooLongError, QueueFullError
@@ -88,6 +89,7 @@ class FakeEngine:
         test sets it to play a model's output (tool calls, reasoning)."""
         self.sampling_defaults: dict[str, Any] = {}
         self.pooler = None  # it generates: the pooling routes answer 400, as a real one's
+        self.loras = LoraRegistry(config, None, self.model_name)  # none served
 
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(running=self._running, waiting=self._waiting,
@@ -126,8 +128,10 @@ class FakeEngine:
 
     async def submit(self, prompt: Any, params: SamplingParams | None = None, *,
                      request_id: str | None = None, priority: int = 0,
-                     cache_salt: str | None = None, chat_options: Any = None) -> RequestStream:
+                     cache_salt: str | None = None, chat_options: Any = None,
+                     lora: str | None = None) -> RequestStream:
         await trio.lowlevel.checkpoint()
+        self.loras.resolve(lora)  # the fake serves no adapter: a name is refused
         if self.dead:
             raise EngineDeadError("engine is dead") from self.dead_reason
         params = params or SamplingParams()

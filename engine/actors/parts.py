@@ -29,3 +29,6 @@ class EngineParts:
     quantization: str = "none"  # "gguf" when weights stay in their blocks
     # A vision-language model's engine.multimodal.ImagePreprocessor; None: text only.
     images: Any = None
+    # The model's engine.models.config.ModelConfig (LoRA adapters are checked against it);
+    # None where the front end could not read it.
+    model_config: Any = None

@@ -68,6 +68,10 @@ class SchedulerActorStatistics:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # LoRA adapters (names, sorted) of the running and of the waiting requests (vLLM's
+    # lora_requests_info).
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
 
 
 class SchedulerActor:
@@ -133,6 +137,7 @@ class SchedulerActor:
             spec_draft_tokens=core.spec_draft_tokens,
             spec_accepted_tokens=core.spec_accepted_tokens,
             spec_accepted_per_pos=core.spec_accepted_per_pos,
+            running_loras=core.running_loras, waiting_loras=core.waiting_loras,
         )
 
     def queue_depth(self) -> int:

@@ -55,6 +55,10 @@ class EngineStatistics:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # LoRA adapters (names, sorted) of the running and of the waiting requests (vLLM's
+    # lora_requests_info).
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -150,6 +154,7 @@ async def run_actors(parts: EngineParts, *, ready: Callable[[ActorHandles], None
                 spec_drafts=sched.spec_drafts, spec_draft_tokens=sched.spec_draft_tokens,
                 spec_accepted_tokens=sched.spec_accepted_tokens,
                 spec_accepted_per_pos=sched.spec_accepted_per_pos,
+                running_loras=sched.running_loras, waiting_loras=sched.waiting_loras,
             )
 
         with callers:
@@ -236,6 +241,8 @@ def combined_statistics(cores: list[Any], *, waiting: int, idle_blocks: int) -> 
         spec_draft_tokens=sum(s.spec_draft_tokens for s in cores),
         spec_accepted_tokens=sum(s.spec_accepted_tokens for s in cores),
         spec_accepted_per_pos=_sum_lists([s.spec_accepted_per_pos for s in cores]),
+        running_loras=tuple(sorted({n for s in cores for n in s.running_loras})),
+        waiting_loras=tuple(sorted({n for s in cores for n in s.waiting_loras})),
     )
 
 

@@ -212,9 +212,10 @@ class _Failure:
 
 async def prepare_all(engine: Engine, prompts: Sequence[BatchPrompt],
                       params: Sequence[SamplingParams | None], priorities: Sequence[int],
-                      request_ids: Sequence[str]) -> list[PreparedRequest]:
-    """Prepare every prompt (:meth:`Engine.prepare`) before any runs; the first refusal
-    raises :class:`BatchPromptError` with its index."""
+                      request_ids: Sequence[str], loras: Sequence[str | None] = ()) -> list[PreparedRequest]:
+    """Prepare every prompt (:meth:`Engine.prepare`) before any runs, prompt ``i`` with the
+    LoRA adapter named ``loras[i]`` (none: the base model); the first refusal raises
+    :class:`BatchPromptError` with its index."""
     if engine.pooler is not None:
         raise InvalidParamError(f"the model {engine.model_name} is a pooling model "
                                 f"({engine.pooler.task}): use embed, classify or score",
@@ -225,7 +226,7 @@ async def prepare_all(engine: Engine, prompts: Sequence[BatchPrompt],
             prepared.append(await engine.prepare(
                 prompt.prompt, params[i], request_id=request_ids[i], priority=priorities[i],
                 cache_salt=prompt.cache_salt, chat_options=prompt.chat_options,
-                images=prompt.images))
+                images=prompt.images, lora=loras[i] if loras else None))
         except RequestError as exc:
             raise BatchPromptError(i, exc) from exc
     return prepared

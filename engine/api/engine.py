@@ -40,6 +40,7 @@ from engine.actors.system import (
     combined_statistics,
     run_actors,
 )
+from engine.api.lora import LoraRegistry
 from engine.api.outputs import BeamSearchOutput, GenerationAccumulator, beam_search_output
 from engine.api.streams import RequestStream, _Generation
 from engine.chat import session as chat_session
@@ -149,6 +150,9 @@ class Engine:
         self.restarts = 0
         self._dead_event = trio.Event()
         self._parts = parts
+        # LoRA adapters by name (--lora-modules, and those loaded at runtime): open_engine
+        # reads the startup ones before the engine serves.
+        self.loras = LoraRegistry(parts.config, parts.model_config, parts.model_name)
         self._handles: ActorHandles | None = None
         # What the actors before the last in-place restart had counted (a fresh scheduler
         # and KV pool count from zero): added to every snapshot, so counters never go back.
@@ -189,21 +193,22 @@ class Engine:
         priority: int = 0,
         cache_salt: str | None = None,
         chat_options: TemplateOptions | None = None,
+        lora: str | None = None,
     ) -> RequestStream:
         """Validate, tokenize and queue a request; returns its stream once admitted.
 
         ``prompt`` is a string (tokenized with special tokens), a list of token ids, or a
         list of chat messages (``{"role", "content"}`` dicts; the chat template applies,
         with ``chat_options``: tools, template, template kwargs, generation prompt or
-        prefill).
-        Raises :class:`InvalidParamError`, :class:`PromptTooLongError`,
+        prefill). ``lora`` names a served LoRA adapter to run with (None: the base model).
+        Raises :class:`InvalidParamError`, :class:`UnknownLoraAdapterError`, :class:`PromptTooLongError`,
         :class:`QueueFullError` (the request is not queued) or :class:`EngineDeadError`.
         Admission runs here, in the caller's task; a cancellation before it returns leaves
         nothing behind (nothing is sent before the last await). It is :meth:`prepare`
         then :meth:`enqueue`.
         """
         prepared = await self.prepare(prompt, params, request_id=request_id, priority=priority,
-                                      cache_salt=cache_salt, chat_options=chat_options)
+                                      cache_salt=cache_salt, chat_options=chat_options, lora=lora)
         return self.enqueue(prepared)
 
     async def prepare(
@@ -216,6 +221,7 @@ class Engine:
         cache_salt: str | None = None,
         chat_options: TemplateOptions | None = None,
         images: Sequence[Any] = (),
+        lora: str | None = None,
     ) -> PreparedRequest:
         """Everything :meth:`submit` does short of queueing: check, tokenize (chat template,
         images), compile a structured output's grammar, and pass every admission check but
@@ -252,6 +258,7 @@ class Engine:
             prompt, params, request_id=request_id if request_id is not None else uuid.uuid4().hex,
             priority=priority, cache_salt=cache_salt, arrival_time=time.monotonic(),
             chat_options=chat_options.to_json() if chat_options is not None else None,
+            lora=self.loras.resolve(lora),
         )
         params = admission.request_params(
             submit.params, processors=self._processors, images=bool(raw_images),

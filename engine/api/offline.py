@@ -105,9 +105,8 @@ class LLM:
 
         Raises :class:`engine.errors.BatchPromptError` (naming the prompt's index) for a
         prompt the engine refuses, before any prompt runs."""
-        _no_lora(lora_request)
         prompts_ = batch.generation_prompts(prompts)
-        return self._generate(prompts_, sampling_params, priority, use_tqdm)
+        return self._generate(prompts_, sampling_params, priority, use_tqdm, lora_request)
 
     def chat(
         self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -148,8 +147,10 @@ class LLM:
                               use_tqdm)
 
     def _generate(self, prompts: list[batch.BatchPrompt], sampling_params: Any,
-                  priority: Sequence[int] | None, use_tqdm: Any) -> list[GenerationRequestOutput]:
+                  priority: Sequence[int] | None, use_tqdm: Any,
+                  lora_request: Any = None) -> list[GenerationRequestOutput]:
         params = _per_prompt(sampling_params, len(prompts))
+        adapters = _lora_requests(lora_request, len(prompts))
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise InvalidParamError(f"priority holds {len(priorities)} values for "
@@ -158,7 +159,13 @@ class LLM:
         window = self._window
 
         async def work(engine: Engine, emit: batch.Progress) -> list[GenerationRequestOutput]:
-            prepared = await batch.prepare_all(engine, prompts, params, priorities, ids)
+            # vLLM's LoRARequest names an adapter and its folder: one not served yet is
+            # loaded (checked) under its name first.
+            for name, path in dict.fromkeys(a for a in adapters if a is not None):
+                if name not in engine.loras:
+                    await engine.loras.load(name, path)
+            names = [None if a is None else a[0] for a in adapters]
+            prepared = await batch.prepare_all(engine, prompts, params, priorities, ids, names)
             return await batch.generate(engine, prompts, prepared, params, window=window,
                                         progress=lambda p, o: emit((p, o)))
 
@@ -288,6 +295,26 @@ def _per_prompt(sampling_params: Any, count: int) -> list[SamplingParams | None]
             return list(sampling_params)
     raise InvalidParamError("sampling_params must be an engine.SamplingParams, a list of them "
                             "(one per prompt) or None", param="sampling_params")
+
+
+def _lora_requests(lora_request: Any, count: int) -> list[tuple[str, str] | None]:
+    """vLLM's ``lora_request``: None, one for every prompt, or one per prompt (None: the
+    base model); each anything with ``lora_name`` and ``lora_path`` (vLLM's LoRARequest)."""
+    requests = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * count
+    if len(requests) != count:
+        raise InvalidParamError(f"lora_request holds {len(requests)} values for {count} prompts",
+                                param="lora_request")
+    out: list[tuple[str, str] | None] = []
+    for r in requests:
+        if r is None:
+            out.append(None)
+            continue
+        name, path = getattr(r, "lora_name", None), getattr(r, "lora_path", None) or getattr(r, "lora_local_path", None)
+        if not isinstance(name, str) or not isinstance(path, str):
+            raise InvalidParamError("lora_request must be a LoRARequest (lora_name, lora_int_id, lora_path)",
+                                    param="lora_request")
+        out.append((name, path))
+    return out
 
 
 def _no_lora(lora_request: Any) -> None:

@@ -46,6 +46,7 @@ async def _start_front_end(nursery: trio.Nursery, config: EngineConfig,
     hello = await nursery.start(pool.run)
     parts = await trio.to_thread.run_sync(build_front_parts, config, hello)
     engine = Engine(parts)
+    await engine.loras.open()
     engine._pool = pool
 
     def allow_restart() -> bool:
@@ -123,6 +124,7 @@ async def open_engine(
             if resolved.core_in_process:
                 parts = await run_in_model_thread(build_parts, resolved)
                 engine = Engine(parts)
+                await engine.loras.open()
                 await nursery.start(engine._run)
             else:
                 engine = await _start_front_end(nursery, resolved, core_secret)

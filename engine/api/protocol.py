@@ -47,6 +47,7 @@ class EngineLike(Protocol):
     restarts: int  # in-place restarts so far (engine:engine_restarts_total)
     # A pooling model's PoolerConfig (task "embed" or "classify"); None: it generates.
     pooler: Any
+    loras: Any  # engine.api.lora.LoraRegistry: the LoRA adapters served by name
 
     async def submit(
         self,
@@ -57,6 +58,7 @@ class EngineLike(Protocol):
         priority: int = 0,
         cache_salt: str | None = None,
         chat_options: TemplateOptions | None = None,
+        lora: str | None = None,
     ) -> StreamLike: ...
 
     def abort(self, request_id: str) -> None: ...

@@ -116,7 +116,7 @@ async def chat_stream(
     engine: Any, messages: Sequence[MessageLike], params: SamplingParams | None = None,
     *, tools: Sequence[ToolLike] | None = None, tool_choice: Any = None,
     parallel_tool_calls: bool = True, settings: ChatSettings | None = None,
-    **template_fields: Any,
+    lora: str | None = None, **template_fields: Any,
 ) -> AsyncIterator[ChatChunk]:
     """Stream the assistant's reply as :class:`ChatChunk` values (see :func:`chat`)."""
     fields, params = prepare_chat(
@@ -126,7 +126,7 @@ async def chat_stream(
     parsers: dict[int, ChatOutputParser] = {}
     constrained = calls_constrained(fields, params)
     stream = await engine.submit(_openai_messages(messages), params,
-                                 chat_options=fields.template)
+                                 chat_options=fields.template, lora=lora)
     async with stream:
         async for out in stream:
             parser = parsers.get(out.index)
@@ -147,7 +147,7 @@ async def chat(
     engine: Any, messages: Sequence[MessageLike], params: SamplingParams | None = None,
     *, tools: Sequence[ToolLike] | None = None, tool_choice: Any = None,
     parallel_tool_calls: bool = True, settings: ChatSettings | None = None,
-    **template_fields: Any,
+    lora: str | None = None, **template_fields: Any,
 ) -> ChatResult:
     """Run one chat request to the end and return its messages.
 
@@ -158,7 +158,8 @@ async def chat(
     ``settings`` names the tool-call and reasoning parsers (as the server's flags);
     ``template_fields`` are the chat-template fields of the HTTP API
     (``chat_template_kwargs``, ``add_generation_prompt``, ``continue_final_message``,
-    ``chat_template``). With ``params`` None, the model's sampling defaults apply and the
+    ``chat_template``). ``lora`` names a served LoRA adapter to reply with. With ``params``
+    None, the model's sampling defaults apply and the
     reply may run to the end of the context.
     """
     fields, params = prepare_chat(
@@ -170,7 +171,7 @@ async def chat(
     reasons: dict[int, str | None] = {}
     tokens = 0
     stream = await engine.submit(_openai_messages(messages), params,
-                                 chat_options=fields.template)
+                                 chat_options=fields.template, lora=lora)
     async with stream:
         async for out in stream:
             parser = parsers.get(out.index)

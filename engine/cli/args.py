@@ -32,6 +32,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> No
                 # default=SUPPRESS: the flag above already set the field's default.
                 group.add_argument(alias, dest=f.name, action="store_false",
                                    default=argparse.SUPPRESS, help=f"same as --no-{option[2:]}")
+        elif flag.nargs is not None:  # a list; the flag may repeat (vLLM's --lora-modules)
+            group.add_argument(option, dest=f.name, nargs=flag.nargs, action="extend",
+                               default=f.default, metavar=flag.metavar, help=help)
         else:
             group.add_argument(option, dest=f.name, type=flag.type or str, choices=flag.choices,
                                default=f.default, metavar=flag.metavar, help=help)
@@ -126,10 +129,6 @@ VLLM_SERVE_FLAGS: dict[str, VllmFlag] = {
     "--hf-overrides": VllmFlag("refuse", "config.json is read as written"),
     "--rope-scaling": VllmFlag("refuse", "rope scaling is read from config.json"),
     "--quantization-param-path": VllmFlag("refuse", "not supported"),
-    "--enable-lora": VllmFlag("refuse", "LoRA adapters are not supported", takes_value=False),
-    "--lora-modules": VllmFlag("refuse", "LoRA adapters are not supported"),
-    "--max-loras": VllmFlag("refuse", "LoRA adapters are not supported"),
-    "--max-lora-rank": VllmFlag("refuse", "LoRA adapters are not supported"),
     "--kv-transfer-config": VllmFlag("refuse", "disaggregated prefill is not supported"),
     "--override-generation-config": VllmFlag(
         "refuse", "use --generation-config none, and send the sampling fields per request"),

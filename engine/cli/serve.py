@@ -121,6 +121,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--metrics-prefix", choices=METRIC_PREFIXES, default="engine",
         help="the prefix of the /metrics series: engine, or vllm for vLLM's names (its "
              "Grafana dashboard and alerts read them)")
+    add("--allow-runtime-lora-updating", action="store_true",
+        default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true"),
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with --enable-lora; "
+             "the API key applies) (default: $VLLM_ALLOW_RUNTIME_LORA_UPDATING, else off)")
     add("model_tag", nargs="?", default=None, metavar="MODEL",
         help="the model, as `vllm serve MODEL` takes it (same as --model)")
     add_engine_arguments(parser, max_engine_restarts=DEFAULT_MAX_ENGINE_RESTARTS,
@@ -362,7 +366,9 @@ async def _serve(args: argparse.Namespace) -> int:
                                  enable_request_id_headers=getattr(
                                      args, "enable_request_id_headers", False),
                                  metrics_prefix=getattr(args, "metrics_prefix", "engine"),
-                                 send_timeout=args.send_timeout)
+                                 send_timeout=args.send_timeout,
+                                 allow_runtime_lora_updating=getattr(
+                                     args, "allow_runtime_lora_updating", False))
                 died = await _serve_until_signal(app, args, listener, signals, eng)
         return EXIT_ENGINE_DEAD if died else 0
 

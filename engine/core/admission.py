@@ -28,6 +28,7 @@ from engine.messages import (
     ChatPrompt,
     DetokenizerRequest,
     ImageInput,
+    LoraAdapter,
     SchedulerRequest,
     SubmitRequest,
     TextPrompt,
@@ -100,6 +101,7 @@ def submit_request(
     cache_salt: Any,
     arrival_time: float,
     chat_options: str | None = None,
+    lora: LoraAdapter | None = None,
 ) -> SubmitRequest:
     """The caller's arguments as a :class:`SubmitRequest`, or the error naming the bad one.
 
@@ -114,7 +116,7 @@ def submit_request(
         raise InvalidParamError("cache_salt must be a string", param="cache_salt")
     return SubmitRequest(
         request_id, prompt_message(prompt, chat_options), params, priority, cache_salt,
-        arrival_time,
+        arrival_time, lora,
     )
 
 
@@ -483,8 +485,9 @@ def _expand(
             sample_id=name, prompt_token_ids=ids, params=params,
             eos_token_ids=limits.eos_token_ids, max_tokens=max_tokens,
             priority=submit.priority, arrival_time=submit.arrival_time,
-            cache_salt=submit.cache_salt, wait_for=wait_for if index > 0 else None,
-            images=images, prediction_token_ids=prediction,
+            cache_salt=prefix_salt(submit.cache_salt, submit.lora),
+            wait_for=wait_for if index > 0 else None,
+            images=images, prediction_token_ids=prediction, lora=submit.lora,
         ))
         outputs.append(DetokenizerRequest(name, submit.request_id, index, ids, params))
     return AdmittedRequest(submit.request_id, tuple(samples), tuple(outputs))
@@ -498,17 +501,38 @@ def _beam_group(
     one output sample per returned hypothesis."""
     if images:
         raise InvalidParamError("beam search over image inputs is not supported", param="n")
+    if submit.lora is not None:
+        # The runner applies an adapter by request, and a group's beams are rows it forks
+        # inside one request: not built, so refused rather than run on the base model.
+        raise InvalidParamError("beam search with a LoRA adapter is not supported",
+                                param="use_beam_search")
     group = SchedulerRequest(
         sample_id=names[0], prompt_token_ids=ids, params=submit.params,
         eos_token_ids=limits.eos_token_ids, max_tokens=max_tokens, priority=submit.priority,
-        arrival_time=submit.arrival_time, cache_salt=submit.cache_salt, wait_for=None,
-        beam_output_ids=names,
+        arrival_time=submit.arrival_time,
+        cache_salt=submit.cache_salt, wait_for=None, beam_output_ids=names,
     )
     outputs = tuple(DetokenizerRequest(name, submit.request_id, index, ids,
                                        submit.params.replace(n=1, beam_width=0, length_penalty=1.0,
                                                              early_stopping=False))
                     for index, name in enumerate(names))
     return AdmittedRequest(submit.request_id, (group,), outputs)
+
+
+def prefix_salt(cache_salt: str | None, lora: LoraAdapter | None) -> str | None:
+    """The prefix cache's salt of a request: its own ``cache_salt``, and its adapter's id.
+
+    The KV of a prompt under an adapter is not the base model's (q/k/v carry the adapter's
+    delta), so blocks are shared only between requests of one adapter load. An adapter's
+    requests get ``"\\0l<id>\\x1f<salt>"``; a base request keeps its salt, escaped as
+    ``"\\0b<salt>"`` only when it starts with NUL itself, so no client salt spells an
+    adapter's key.
+    """
+    if lora is not None:
+        return f"\0l{lora.id}\x1f{cache_salt or ''}"
+    if cache_salt is not None and cache_salt.startswith("\0"):
+        return f"\0b{cache_salt}"
+    return cache_salt
 
 
 def _check_vocab(ids: Sequence[int], vocab_size: int, param: str, what: str) -> None:

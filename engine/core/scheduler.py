@@ -97,6 +97,10 @@ class SchedulerStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # LoRA adapters (names, sorted) of the running and of the waiting requests (vLLM's
+    # lora_requests_info).
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -167,6 +171,7 @@ class Scheduler(BeamScheduling):
             wait_for=self._waitable(request.wait_for),
             prediction=request.prediction_token_ids,
             images=request.images,
+            lora=request.lora,
         )
         self._next_arrival += 1
         if request.params.beam_width:
@@ -239,6 +244,8 @@ class Scheduler(BeamScheduling):
             spec_draft_tokens=self._spec.draft_tokens,
             spec_accepted_tokens=self._spec.accepted,
             spec_accepted_per_pos=tuple(self._spec.per_pos),
+            running_loras=_lora_names(self._queue.running),
+            waiting_loras=_lora_names(self._queue.waiting),
         )
 
     # -- planning -------------------------------------------------------------------------
@@ -351,6 +358,8 @@ class Scheduler(BeamScheduling):
                 return
             if req.wait_for is not None or not req.can_sample or self._busy(req):
                 continue
+            if not self._lora_fits(req):
+                continue  # its adapter would be one too many this step; others may start
             if req.beam is not None:
                 self._queue.start(req)
                 req.status = RequestStatus.RUNNING
@@ -375,6 +384,15 @@ class Scheduler(BeamScheduling):
                 return  # no overtaking: later requests wait for blocks too
             self._start(step, req, reply)
 
+    def _lora_fits(self, req: Request) -> bool:
+        """Whether starting ``req`` keeps the running requests within ``max_loras`` distinct
+        LoRA adapters (every running request may be in a step: their adapters must all
+        have a slot at once)."""
+        if req.lora is None or not self.config.max_loras:
+            return True
+        running = {r.lora.id for r in self._queue.running if r.lora is not None}
+        return req.lora.id in running or len(running) < self.config.max_loras
+
     def _prefix_lookup(self, req: Request) -> bool:
         """Whether a waiting request's first table may start from the prefix cache."""
         # A prompt_logprobs request computes every prompt position: a cached block's
@@ -392,7 +410,7 @@ class Scheduler(BeamScheduling):
             req.seen_by_runner = True
             step.new_requests.append(
                 NewRequest(req.sample_id, req.prompt_token_ids, req.params, req.eos_token_ids,
-                           req.images)
+                           req.images, req.lora)
             )
         add_chunk(step, req, reply, (), 0, self.config.block_size)
 
@@ -571,6 +589,10 @@ def run_with_pool(gen: ScheduleGenerator, pool: BlockPool) -> StepPlan:
         return done.value  # type: ignore[no-any-return]
     coroutine.close()
     raise ProtocolError("drive() suspended without an event loop")
+
+
+def _lora_names(requests: Iterable[Request]) -> tuple[str, ...]:
+    return tuple(sorted({r.lora.name for r in requests if r.lora is not None}))
 
 
 def _delta(req: Request, tokens: list[SampledToken], status: RequestStatus | None) -> TokenDelta:

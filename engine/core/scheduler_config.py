@@ -51,6 +51,9 @@ class SchedulerConfig:
     # draft_model: the runner's draft model proposes num_speculative_tokens tokens for a
     # speculating decode step (the chunk reserves the positions; the runner fills them).
     draft_model: bool = False
+    # Distinct LoRA adapters among the running requests (the runner's slots); 0: no limit
+    # (no adapters are served).
+    max_loras: int = 0
 
     @property
     def one_step_per_request(self) -> bool:
@@ -89,6 +92,7 @@ class SchedulerConfig:
             paged_kv=paged_kv,
             max_num_encoder_input_tokens=config.max_num_encoder_input_tokens or 0,
             pipeline_stages=config.pipeline_parallel_size,
+            max_loras=config.max_loras if config.enable_lora else 0,
             **_speculative_fields(config),
         )
 

@@ -1,6 +1,7 @@
 """The operational routes: ``/health`` and ``/ping``, ``/version``, ``/metrics``,
-``/v1/models``, ``/load``, ``/openapi.json``, ``/tokenize``, ``/detokenize`` and (with
-``--enable-tokenizer-info-endpoint``) ``/tokenizer_info``.
+``/v1/models``, ``/load``, ``/openapi.json``, ``/tokenize``, ``/detokenize``, (with
+``--enable-tokenizer-info-endpoint``) ``/tokenizer_info`` and (with
+``--allow-runtime-lora-updating``) ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``.
 
 ``/health``, ``/ping``, ``/metrics`` and ``/load`` answer without the API key
 (:data:`engine.http.auth.OPEN_PATHS`).
@@ -49,6 +50,9 @@ class AdminRoutes:
         if self.engine.config.enable_tokenizer_info_endpoint:
             app.add_url_rule("/tokenizer_info", view_func=self.tokenizer_info, methods=["GET"])
         app.add_url_rule("/load", view_func=self.load, methods=["GET"])
+        if self.server.allow_runtime_lora_updating:
+            app.add_url_rule("/v1/load_lora_adapter", view_func=self.load_lora, methods=["POST"])
+            app.add_url_rule("/v1/unload_lora_adapter", view_func=self.unload_lora, methods=["POST"])
 
     async def health(self) -> Response:
         # 503 while the actors restart after a crash, and once the engine is dead.
@@ -72,15 +76,39 @@ class AdminRoutes:
             "max_model_len": eng.max_model_len,
         }
 
+    def _adapter_cards(self) -> list[dict[str, Any]]:
+        """Each LoRA adapter served, as vLLM lists them: its folder as root, the base model
+        (or its --lora-modules base_model_name) as parent."""
+        return [{"id": s.adapter.name, "object": "model", "created": now(), "owned_by": "engine",
+                 "root": s.adapter.path, "parent": s.parent, "max_model_len": self.engine.max_model_len}
+                for s in self.engine.loras]
+
     async def models(self) -> Response:
-        return json_response({"object": "list", "data": [self._card()]}, 200)
+        return json_response({"object": "list", "data": [self._card(), *self._adapter_cards()]}, 200)
 
     async def model_card(self, model_id: str) -> Response:
-        if model_id != self.engine.model_name:
-            raise APIError(404, f"The model `{model_id}` does not exist; this server serves "
-                           f"`{self.engine.model_name}`.", param="model",
-                           code="model_not_found")
+        if self.server.check_model(model_id) is not None:  # a 404 for a name not served
+            return json_response(next(c for c in self._adapter_cards() if c["id"] == model_id), 200)
         return json_response(self._card(), 200)
+
+    async def load_lora(self) -> Response:
+        """vLLM's ``POST /v1/load_lora_adapter`` {lora_name, lora_path}: the adapter is read
+        and checked in a worker thread (steps go on), then served; a bad one is a 400
+        naming it, and nothing changes."""
+        body = await self.server.read_json()
+        name, path = _lora_fields(body, "lora_name", "lora_path")
+        await self.engine.loras.load(name, path)
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", 200,
+                        content_type="text/plain; charset=utf-8")
+
+    async def unload_lora(self) -> Response:
+        """vLLM's ``POST /v1/unload_lora_adapter`` {lora_name}: new requests may no longer
+        name it; those running with it finish. 404 for a name not loaded."""
+        body = await self.server.read_json()
+        (name,) = _lora_fields(body, "lora_name")
+        self.engine.loras.unload(name)
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", 200,
+                        content_type="text/plain; charset=utf-8")
 
     async def openapi(self) -> Response:
         return json_response(schema.openapi(
@@ -152,3 +180,15 @@ class AdminRoutes:
 
     async def load(self) -> Response:
         return json_response({"server_load": self.server.in_flight}, 200)
+
+
+def _lora_fields(body: Any, *names: str) -> tuple[str, ...]:
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object", code="invalid_type")
+    values = []
+    for name in names:
+        value = body.get(name)
+        if not isinstance(value, str) or not value:
+            raise APIError(400, f"{name} must be a non-empty string", param=name, code="invalid_value")
+        values.append(value)
+    return tuple(values)

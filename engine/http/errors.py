@@ -15,6 +15,7 @@ from engine.errors import (
     QueueFullError,
     RequestError,
     RequestFailedError,
+    UnknownLoraAdapterError,
 )
 
 # Error codes whose cause the engine has already logged (a crash, a failed step).
@@ -60,6 +61,8 @@ def error_from_exception(exc: BaseException) -> APIError:
     """
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, UnknownLoraAdapterError):
+        return APIError(404, exc.message, param=exc.param, code="model_not_found")
     if isinstance(exc, PromptTooLongError):
         return APIError(400, exc.message, param=exc.param, code="context_length_exceeded")
     if isinstance(exc, RequestError):

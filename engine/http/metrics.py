@@ -81,6 +81,7 @@ METRIC_NAMES = (
     "engine:spec_decode_num_accepted_tokens_per_pos_total",
     "engine:spec_decode_draft_acceptance_rate",
     "engine:spec_decode_mean_acceptance_length",
+    "engine:lora_requests_info",
 )
 # --metrics-prefix: "engine" (the default) or "vllm", the prefix vLLM's own series, its
 # Grafana dashboard and its metric tests use.
@@ -141,6 +142,7 @@ class _EngineCollector(Collector):
         yield from self._iteration_tokens(stats)
         yield from self._spec_decode(stats)
         yield self._cache_config(stats)
+        yield self._lora_info(stats)
         yield self._counter("engine:engine_restarts",
                             "Times the engine's actors restarted in place after a crash.",
                             self._engine.restarts)
@@ -195,6 +197,18 @@ class _EngineCollector(Collector):
         family = GaugeMetricFamily("engine:cache_config_info", "The KV cache's configuration.",
                                    labels=["model_name", *labels])
         family.add_metric([*self._labels, *labels.values()], 1.0)
+        return family
+
+    def _lora_info(self, stats: EngineStatistics) -> Metric:
+        """vLLM's lora_requests_info: the adapters of the running and of the waiting
+        requests (comma-separated names) and --max-loras as labels; the value is the time
+        of the scrape (vLLM's: the time of the last change)."""
+        config = self._engine.config
+        family = GaugeMetricFamily(
+            "engine:lora_requests_info", "LoRA adapters of the running and waiting requests.",
+            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        family.add_metric([str(config.max_loras if config.enable_lora else 0), ",".join(stats.running_loras),
+                           ",".join(stats.waiting_loras)], time.time())
         return family
 
     def _gauge(self, name: str, doc: str, value: float) -> Metric:

@@ -57,8 +57,11 @@ class Server:
 
     def __init__(self, engine: EngineLike, *, api_key: str | None, max_request_bytes: int,
                  chat: ChatSettings, enable_request_id_headers: bool = False,
-                 metrics_prefix: str = "engine") -> None:
+                 metrics_prefix: str = "engine", allow_runtime_lora_updating: bool = False) -> None:
         self.engine = engine
+        # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off by default, as vLLM's
+        # VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+        self.allow_runtime_lora_updating = allow_runtime_lora_updating
         self.enable_request_id_headers = enable_request_id_headers
         # Generation requests in flight (submitted, not yet answered or streamed to the
         # end): GET /load, as vLLM's server-load tracking counts them.
@@ -131,11 +134,25 @@ class Server:
 
     # -- the request --------------------------------------------------------------------
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.engine.model_name:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves "
-                           f"`{self.engine.model_name}`.", param="model",
-                           code="model_not_found")
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter a body's ``model`` names (None: the base model, or no model);
+        a 404 for a name this server does not serve."""
+        if model is None or model == self.engine.model_name:
+            return None
+        if model in self.engine.loras:
+            return model
+        raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                       f"`{self.engine.model_name}`" + (" and its LoRA adapters" if self.engine.loras.enabled
+                                                        else "") + ".", param="model",
+                       code="model_not_found")
+
+    def check_base_model(self, model: str | None) -> None:
+        """:meth:`check_model` for a route that runs the base model only: an adapter's name
+        is a 400 (the request would otherwise run without its adapter)."""
+        if self.check_model(model) is not None:
+            raise APIError(400, f"`{model}` is a LoRA adapter; adapters are served on "
+                           "/v1/completions, /v1/chat/completions and /inference/v1/generate",
+                           param="model", code="unsupported_parameter")
 
     def token_text(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -17,12 +17,13 @@ from __future__ import annotations
 import torch
 
 from engine.ops import cpu
-from engine.ops.base import AttentionMetadata, KVCache, Ops, QuantizedKV
+from engine.ops.base import AttentionMetadata, KVCache, LoraSegments, Ops, QuantizedKV
 from engine.ops.reference import TorchOps
 
 __all__ = [
     "AttentionMetadata",
     "KVCache",
+    "LoraSegments",
     "Ops",
     "QuantizedKV",
     "get_ops",

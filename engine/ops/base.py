@@ -102,6 +102,26 @@ class QuantizedKV:
 KVCache = torch.Tensor | QuantizedKV
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoraSegments:
+    """Which LoRA adapter slot each token of a step's flat batch runs with.
+
+    The runner lays a step out request by request, so a slot's tokens come in runs:
+    ``host`` lists them as ``(start, end, slot)`` (base-model tokens are in no run), and
+    ``token_slots`` [T] int32 gives each token's slot, -1 for the base model (the
+    per-token form the Triton kernels read). A pool of ``S`` slots holds, for each
+    projection, ``a`` [S, R, in] and ``b`` [S, R, out] (B transposed, so the expand reads
+    rows of ``out`` contiguously; the scale folded into ``b``).
+    """
+
+    host: tuple[tuple[int, int, int], ...]
+    token_slots: torch.Tensor  # [T] int32 on the model's device
+
+    @property
+    def active(self) -> bool:
+        return bool(self.host)
+
+
 class Ops(Protocol):
     """The op set a model and the sampler use; every backend provides all of it."""
 
@@ -194,6 +214,24 @@ class Ops(Protocol):
 
         Reads only the weights of experts that received a token (see ``engine.ops.moe``).
         """
+        ...
+
+    def lora_add(
+        self,
+        out: torch.Tensor,  # [T, out]: the base projection's output, updated in place
+        x: torch.Tensor,  # [T, in]: the projection's input
+        a: torch.Tensor,  # [S, R, in]: each slot's A (shrink), rank padded to R with zeros
+        b: torch.Tensor,  # [S, R, out]: each slot's B transposed (expand), times the adapter's scale
+        segments: LoraSegments,
+        slices: tuple[int, ...] = (),
+    ) -> None:
+        """``out[t] += (a[s] @ x[t]) @ b[s]`` for each token ``t`` of slot ``s >= 0``
+        (SGMV: shrink then expand, a segment per adapter), accumulated in fp32 and rounded
+        once into ``out``'s dtype; base-model rows are left as they are.
+
+        ``slices`` (a fused projection's ``n + 1`` column bounds): ``b``'s rows come in
+        ``n`` equal groups, group ``j`` zero outside columns ``slices[j]:slices[j + 1]``
+        (block diagonal); a kernel may skip the zeros. Empty: no such promise."""
         ...
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:

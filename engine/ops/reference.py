@@ -14,7 +14,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from engine.ops.base import KV_CODE_MAX, AttentionMetadata, KVCache, QuantizedKV
+from engine.ops.base import KV_CODE_MAX, AttentionMetadata, KVCache, LoraSegments, QuantizedKV
 from engine.ops.moe import fused_moe_reference
 from engine.ops.sampling_ref import sample as sample_reference
 from engine.structured.bitmask import apply_bitmask
@@ -221,6 +221,13 @@ class TorchOps:
         assert plan.single is not None
         return _attend_decode(query, k_cache, v_cache, plan.single, scale, window, softcap)
 
+    def lora_add(
+        self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, segments: LoraSegments,
+        slices: tuple[int, ...] = (),
+    ) -> None:
+        """Each run of a slot's tokens as two fp32 matmuls (the oracle of the kernels)."""
+        lora_add_reference(out, x, a, b, segments)
+
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         """xgrammar's kernel (C++ on the CPU, CUDA on a GPU)."""
         apply_bitmask(logits, bitmask, rows)
@@ -235,6 +242,15 @@ class TorchOps:
         seeds: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return sample_reference(logits, temperature, top_k, top_p, min_p, seeds)
+
+
+def lora_add_reference(
+    out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, segments: LoraSegments
+) -> None:
+    """:meth:`Ops.lora_add` in plain torch: shrink and expand in fp32 per run of a slot."""
+    for start, end, slot in segments.host:
+        shrunk = x[start:end].float() @ a[slot].float().T
+        out[start:end] = (out[start:end].float() + shrunk @ b[slot].float()).to(out.dtype)
 
 
 def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

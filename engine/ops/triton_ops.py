@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from engine.ops.base import AttentionMetadata, KVCache
+from engine.ops.base import AttentionMetadata, KVCache, LoraSegments
 from engine.ops.triton import (
     attention_decode,
     attention_prefill,
     fused_moe,
     kv_cache,
+    lora,
     norm_rope,
     sampling,
 )
@@ -109,6 +110,13 @@ class TritonOps:
     ) -> torch.Tensor:
         """Two grouped GEMMs over expert-sorted (token, slot) tiles (see ``fused_moe``)."""
         return fused_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
+
+    def lora_add(
+        self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, segments: LoraSegments,
+        slices: tuple[int, ...] = (),
+    ) -> None:
+        if segments.active:
+            lora.lora_add(out, x, a, b, segments.token_slots)
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         """xgrammar's kernel (C++ on the CPU, CUDA on a GPU)."""

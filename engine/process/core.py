@@ -179,6 +179,7 @@ async def _run_core_actors(parts: Any, frames: FrameStream, compiles: CompilePoo
             spec_drafts=sched.spec_drafts, spec_draft_tokens=sched.spec_draft_tokens,
             spec_accepted_tokens=sched.spec_accepted_tokens,
             spec_accepted_per_pos=sched.spec_accepted_per_pos,
+            running_loras=sched.running_loras, waiting_loras=sched.waiting_loras,
         )
 
     async def compiled(message: AdmittedRequest) -> bool:

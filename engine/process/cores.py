@@ -77,6 +77,9 @@ STOP_GRACE_SECONDS = 5.0
 # Prompt blocks remembered per core for cache-affinity routing: enough for thousands of
 # distinct prefixes, small beside the core's own cache.
 AFFINITY_BLOCKS = 8192
+# LoRA adapters remembered per core for affinity routing: a few times --max-cpu-loras' usual
+# sizes (each core keeps that many read; a request finds its adapter there).
+AFFINITY_LORAS = 64
 # The leading blocks of a prompt that affinity looks at (a shared system prompt of up to
 # 32 blocks of 16 tokens).
 AFFINITY_DEPTH = 32
@@ -116,6 +119,9 @@ class _Core:
     quiet: dict[str, AdmittedRequest] = dataclasses.field(default_factory=dict)
     blocks: collections.OrderedDict[bytes, None] = dataclasses.field(
         default_factory=collections.OrderedDict)
+    # The LoRA adapters (ids) of the requests last sent here, most recent last: the core
+    # holds them read (and likely in a slot), so their next requests go here (affinity).
+    loras: collections.OrderedDict[int, None] = dataclasses.field(default_factory=collections.OrderedDict)
     outbox: list[Any] = dataclasses.field(default_factory=list)
     wake: trio.Event = dataclasses.field(default_factory=trio.Event)
     arrived: trio.MemorySendChannel[FrameStream] | None = None
@@ -265,6 +271,12 @@ class CorePool:
             core.quiet[sample_id] = request
         core.sent_samples += len(request.samples)
         self._remember_blocks(core, request)
+        lora = request.samples[0].lora
+        if lora is not None:
+            core.loras[lora.id] = None
+            core.loras.move_to_end(lora.id)
+            while len(core.loras) > AFFINITY_LORAS:
+                core.loras.popitem(last=False)
         self._queue(core, request)
 
     # -- routing -------------------------------------------------------------------------------
@@ -292,6 +304,13 @@ class CorePool:
         # waiting behind a few more requests, not behind twice the work.
         if best_hits and best.load() <= 2 * least.load() + 4:
             return best
+        lora = request.samples[0].lora
+        if lora is not None:  # no cached prefix: a core that holds its adapter, unless much busier
+            holders = [c for c in serving if lora.id in c.loras]
+            if holders:
+                holder = min(holders, key=_Core.load)
+                if holder.load() <= 2 * least.load() + 4:
+                    return holder
         return least
 
     def _block_hashes(self, request: AdmittedRequest) -> list[bytes]:

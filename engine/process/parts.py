@@ -126,7 +126,8 @@ def _build_parts(config: EngineConfig, device: torch.device, load: RankLoad,
                        tokenizer_folder=loaded.folder,
                        dtype=str(loaded.dtype).removeprefix("torch."),
                        quantization=loaded.quantization,
-                       images=image_preprocessor(config, loaded.config, loaded.folder, tokenizer))
+                       images=image_preprocessor(config, loaded.config, loaded.folder, tokenizer),
+                       model_config=loaded.config)
 
 
 def _refuse_unsplittable(model_config: Any, config: EngineConfig) -> None:
@@ -245,7 +246,8 @@ def build_front_parts(config: EngineConfig, hello: Any) -> EngineParts:
     images = image_preprocessor(config, model_config, folder, tokenizer) if model_config else None
     return EngineParts(config, hello.served_model_name, tokenizer, limits, None,
                        hello.num_blocks, grammar, pooler, tokenizer_folder=folder,
-                       dtype=hello.dtype, quantization=hello.quantization, images=images)
+                       dtype=hello.dtype, quantization=hello.quantization, images=images,
+                       model_config=model_config)
 
 
 def _log_weight_bytes(loaded: Any, runner: Any) -> None:

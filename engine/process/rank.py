@@ -23,6 +23,7 @@ from engine.models.tokenizer import Tokenizer
 from engine.ops import get_ops, resolve_backend
 from engine.parallel import SINGLE
 from engine.runner.logits_processors import load_logits_processors
+from engine.runner.lora import LoraSettings
 from engine.runner.model_runner import ModelRunner
 from engine.structured import GrammarBackend
 
@@ -73,6 +74,9 @@ def load_rank(config: EngineConfig, device: torch.device) -> RankLoad:
     if pooler is not None and config.logits_processor_names:
         raise ConfigError("logits_processors: a pooling model samples nothing to process",
                           field="logits_processors")
+    if pooler is not None and config.enable_lora:
+        raise ConfigError("enable_lora: adapters are served for generation, not for a pooling "
+                          "model", field="enable_lora")
     draft = _load_draft(config, loaded, tokenizer, pooler, load_device)
     if loaded.config.is_encoder:
         loaded = _with_sep(loaded, tokenizer)
@@ -110,7 +114,16 @@ def build_rank_runner(config: EngineConfig, load: RankLoad, device: torch.device
         tp=tp if tp is not None else SINGLE,
         draft=load.draft,
         logits_processors=load_logits_processors(config.logits_processor_names),
+        lora=lora_settings(config, load.loaded.dtype),
     )
+
+
+def lora_settings(config: EngineConfig, model_dtype: torch.dtype) -> LoraSettings | None:
+    """The runner's LoRA limits of ``config`` (None without --enable-lora)."""
+    if not config.enable_lora:
+        return None
+    dtype = model_dtype if config.lora_dtype == "auto" else getattr(torch, config.lora_dtype)
+    return LoraSettings(config.max_loras, config.max_lora_rank, config.max_cpu_loras or config.max_loras, dtype)
 
 
 def _load_draft(config: EngineConfig, loaded: Any, tokenizer: Any, pooler: Any,

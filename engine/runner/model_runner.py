@@ -8,13 +8,15 @@ preempted request be recomputed from position 0 with nothing resent.
 
 Its parts, one module each: the request state (``request_state``), the step's flat batch
 (``batch``, whose docstring has the layout), sampling and speculative verification
-(``verify``), a draft model's proposals (``draft``), prompt logprobs (``prompt_logprobs``)
-and a pooling model's outputs (``pooling``). The runner itself keeps the request table,
+(``verify``), a draft model's proposals (``draft``), prompt logprobs (``prompt_logprobs``),
+a pooling model's outputs (``pooling``) and LoRA adapters (``lora``: each request's
+adapter held read, the step's adapters in the model's slots, each token's slot). The runner itself keeps the request table,
 the vision encoder's cache and the order of a step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -23,7 +25,7 @@ from typing import Any
 
 import torch
 
-from engine.errors import EngineError
+from engine.errors import EngineError, LoraAdapterError
 from engine.messages import (
     ImageInput,
     NewRequest,
@@ -44,6 +46,7 @@ from engine.runner.batch import BatchBuilder
 from engine.runner.draft import DraftModel, Proposal, track_draft
 from engine.runner.kv_cache import allocate_kv_caches, copy_blocks
 from engine.runner.logits_processors import ProcessorBatch, ProcessorConfig
+from engine.runner.lora import LoraManager, LoraSettings
 from engine.runner.pooling import pool_outputs
 from engine.runner.prompt_logprobs import collect_prompt_logprobs
 from engine.runner.request_state import RequestState, StepPlanError
@@ -95,6 +98,7 @@ class ModelRunner:
         tp: TensorParallel = SINGLE,
         draft: Any = None,
         logits_processors: Sequence[type] = (),
+        lora: LoraSettings | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.tp = tp
@@ -116,6 +120,9 @@ class ModelRunner:
         # The server's logits processors (--logits-processors: classes, built here once).
         self.sampler = Sampler(ops, seed=seed, processors=ProcessorBatch.build(
             logits_processors, ProcessorConfig(loaded.config.vocab_size, max_num_seqs), self.device))
+        # LoRA adapters (--enable-lora): slots beside the model's projections, filled from
+        # the adapters' folders as requests name them.
+        self.lora = None if lora is None else LoraManager(self.model, loaded.config, lora)
         # Speculative decoding's draft model (a LoadedModel given as ``draft``): its KV
         # cache has this pool's blocks, indexed by the same block tables.
         self.drafter = None if draft is None else DraftModel(
@@ -146,7 +153,8 @@ class ModelRunner:
         """Forget every request (the engine restarts its actors after a crash). The KV
         tensors are kept: the new block pool shares no cached block, so no stale entry is
         ever read before it is written."""
-        self._requests.clear()
+        for rid in list(self._requests):
+            self._forget(rid)
         self._failed.clear()
         self._encoder_cache.clear()
         if self.sampler.processors is not None:
@@ -176,10 +184,15 @@ class ModelRunner:
         """
         t0 = time.perf_counter()
         for rid in plan.finished_ids:
-            self._requests.pop(rid, None)
+            self._forget(rid)
             self._failed.discard(rid)
+        refused: list[RequestFailure] = []
         for new in plan.new_requests:
-            self._add(new)
+            try:
+                self._add(new)
+            except LoraAdapterError as exc:  # its adapter's folder changed since it was checked
+                refused.append(RequestFailure(new.sample_id, str(exc)))
+                self._failed.add(new.sample_id)
         # Before any chunk writes: a copy's source may be the block a sibling beam writes
         # into this very step.
         copy_blocks(self.kv_caches, plan.block_copies, self.device)
@@ -187,7 +200,7 @@ class ModelRunner:
             copy_blocks(self.drafter.kv_caches, plan.block_copies, self.device)
         chunks = tuple(c for c in plan.chunks if c.sample_id not in self._failed)
         if not chunks:
-            return StepResult(plan.step_id, (), 0.0)
+            return StepResult(plan.step_id, (), 0.0, failed=tuple(refused))
         sampled: tuple[SampledToken, ...] = ()
         failed: tuple[RequestFailure, ...] = ()
         prompt_logprobs: tuple[PromptLogprobs, ...] = ()
@@ -201,8 +214,9 @@ class ModelRunner:
             logger.exception("model step %d failed; failing its %d requests", plan.step_id, len(chunks))
             failed = tuple(RequestFailure(c.sample_id, STEP_FAILED) for c in chunks)
             sampled, prompt_logprobs, pooled = (), (), ()
+        failed = (*refused, *failed)
         for failure in failed:
-            self._requests.pop(failure.sample_id, None)
+            self._forget(failure.sample_id)
             self._failed.add(failure.sample_id)
         if self._encoder_cache:
             self._evict_encoder_outputs()
@@ -224,10 +238,11 @@ class ModelRunner:
                          and s.params.structured_outputs is None}
         input_ids, positions, meta, sample_rows = self._batch.prepare(chunks, states)
         mm = self._image_embeds(chunks, states)
-        if mm is not None:
-            hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, mm_embeds=mm)
-        else:
-            hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
+        with self._lora_step(chunks, states):
+            if mm is not None:
+                hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, mm_embeds=mm)
+            else:
+                hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
         if hidden is None:
             # A pipeline stage before the last: its hidden states went to the next stage;
             # the last stage samples, and its tokens come back through accept().
@@ -254,8 +269,14 @@ class ModelRunner:
                 state.outputs.append(token_id)
                 state.tokens.append(token_id)
         for sample_id in failed:
-            self._requests.pop(sample_id, None)
+            self._forget(sample_id)
             self._failed.add(sample_id)
+
+    def _lora_step(self, chunks: Sequence[ScheduledChunk], states: Sequence[RequestState]):
+        """The forward's adapters: each token's slot for the step (a no-op without LoRA)."""
+        if self.lora is None:
+            return contextlib.nullcontext()
+        return self.lora.slots.step(self.lora.segments(chunks, states))
 
     def warm_up(self, prompt_len: int = 16) -> None:
         """One prefill and one decode step of a throwaway greedy request in the pool's
@@ -293,9 +314,19 @@ class ModelRunner:
         state = RequestState(
             prompt, [], list(prompt), new.params, tuple(new.eos_token_ids), images=tuple(new.images)
         )
+        if new.lora is not None:
+            if self.lora is None:
+                raise LoraAdapterError(new.lora.name, "this engine was started without --enable-lora")
+            self.lora.acquire(new.lora)  # held read until the request ends
+            state.lora = new.lora
         if self.config.mrope:
             state.mrope, state.mrope_delta = self.model.prompt_positions(len(prompt), state.images)  # type: ignore[attr-defined]
         self._requests[new.sample_id] = state
+
+    def _forget(self, sample_id: str) -> None:
+        state = self._requests.pop(sample_id, None)
+        if state is not None and state.lora is not None and self.lora is not None:
+            self.lora.release(state.lora)
 
     # -- images --------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import dataclasses
 import torch
 
 from engine.errors import EngineError
-from engine.messages import ImageInput
+from engine.messages import ImageInput, LoraAdapter
 from engine.params import SamplingParams
 from engine.structured import Matcher
 
@@ -57,3 +57,5 @@ class RequestState:
     # positions between are run by the draft at the start of the next chunk).
     target_end: int = 0
     draft_end: int = 0
+    # The LoRA adapter the request runs with (engine.messages.LoraAdapter); None: the base.
+    lora: LoraAdapter | None = None

@@ -56,7 +56,7 @@ class AnthropicRoutes:
             req = await self.server.off_loop(lambda: parse_chat(
                 chat, self.server.chat_settings, self.engine.tokenizer.chat_template,
                 defaults=self.server.sampling_defaults))
-            self.server.check_model(req.model)
+            self.server.check_base_model(req.model)
             run = Run(self.engine, req, self.server.metrics.timer(),
                       self.server.answer_options, self.server.load_tracker())
             await run.submit_all(self.server.request_id())
@@ -75,7 +75,7 @@ class AnthropicRoutes:
         origins: dict[str, str] = {}
         chat = chat_body(await self.server.read_json(), count_only=True, origins=origins,
                          reasoning=self.server.chat_settings.reasoning_parser is not None)
-        self.server.check_model(chat["model"])
+        self.server.check_base_model(chat["model"])
         tok = self.engine.tokenizer
 
         def parse() -> Any:

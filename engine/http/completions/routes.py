@@ -82,9 +82,9 @@ class CompletionsRoutes:
         return await self._generate(await self.server.off_loop(parse))
 
     async def _generate(self, req: CompletionRequest) -> Response:
-        self.server.check_model(req.model)
+        lora = self.server.check_model(req.model)
         run = Run(self.engine, req, self.server.metrics.timer(), self.server.answer_options,
-                  self.server.load_tracker())
+                  self.server.load_tracker(), lora=lora)
         await run.submit_all(self.server.request_id())
         if req.stream:
             return sse_response(run.write_sse, run.close)
@@ -101,7 +101,7 @@ class CompletionsRoutes:
         req = protocol.parse_chat(body, self.server.chat_settings,
                                   self.engine.tokenizer.chat_template,
                                   defaults=self.server.sampling_defaults)
-        self.server.check_model(req.model)
+        self.server.check_base_model(req.model)
         if body.get("thinking_token_budget") is not None:
             raise APIError(400, "render does not support thinking_token_budget (the "
                            "generate request cannot carry it)", param="thinking_token_budget",
@@ -124,7 +124,7 @@ class CompletionsRoutes:
         prompt of a completions body, without running them."""
         req = protocol.parse_completion(await self.server.read_checked("completion"),
                                         defaults=self.server.sampling_defaults)
-        self.server.check_model(req.model)
+        self.server.check_base_model(req.model)
         tok = self.engine.tokenizer
         req = _fill_in_the_middle(req, tok)
         truncate = req.params.truncate_prompt_tokens
@@ -177,13 +177,13 @@ class CompletionsRoutes:
         ``stream``."""
         req = tokens.parse_generate(await self.server.read_json(),
                                     defaults=self.server.sampling_defaults)
-        self.server.check_model(req.model)
+        lora = self.server.check_model(req.model)
         base_id = self.server.request_id() if req.request_id is None else req.request_id
         finish = self.server.load_tracker()
         try:
             stream = await self.engine.submit(list(req.token_ids), req.params,
                                               request_id=base_id, priority=req.priority,
-                                              cache_salt=req.cache_salt)
+                                              cache_salt=req.cache_salt, lora=lora)
         except BaseException:
             finish()
             raise

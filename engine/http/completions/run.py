@@ -38,8 +38,9 @@ class Run:
 
     def __init__(self, engine: EngineLike, req: CompletionRequest, timer: RequestTimer,
                  options: AnswerOptions,
-                 on_close: Callable[[], None] = lambda: None) -> None:
+                 on_close: Callable[[], None] = lambda: None, lora: str | None = None) -> None:
         self.engine = engine
+        self.lora = lora  # the LoRA adapter the body's model names; None: the base model
         self.req = req
         self.options = options
         self.timer = timer
@@ -59,6 +60,8 @@ class Run:
         ``base_id`` is the client's request id: the engine's id for its one prompt, or
         ``{base_id}-{i}`` for prompt ``i`` of several."""
         extra: dict[str, Any] = {}
+        if self.lora is not None:
+            extra["lora"] = self.lora
         if self.req.chat_fields is not None:
             extra["chat_options"] = self.req.chat_fields.template
         try:
@@ -88,7 +91,7 @@ class Run:
             raise
         tok = self.engine.tokenizer
         self._answer = Completion(
-            self.req, self.engine.model_name, [s.prompt_token_ids for s in self.streams],
+            self.req, self.lora or self.engine.model_name, [s.prompt_token_ids for s in self.streams],
             lambda token_id: tok.decode([token_id], skip_special_tokens=False),
             # An echoed token-id prompt shows its special tokens, as the model read them.
             lambda ids: tok.decode(ids, skip_special_tokens=False), base_id, self.options,

@@ -38,7 +38,7 @@ class PoolingRoutes:
 
     async def embeddings_body(self, body: Any) -> Response:
         req = protocol.parse_embedding(body)
-        self.server.check_model(req.model)
+        self.server.check_base_model(req.model)
         timer = self.server.metrics.timer()
         pooled = await self.engine.embed(
             req.input, dimensions=req.dimensions, truncate_prompt_tokens=req.truncate_prompt_tokens,
@@ -49,7 +49,7 @@ class PoolingRoutes:
 
     async def score(self) -> Response:
         req = protocol.parse_score(await self.server.read_checked("score"))
-        self.server.check_model(req.model)
+        self.server.check_base_model(req.model)
         timer = self.server.metrics.timer()
         scores = await self.engine.score(
             req.first, req.second, truncate_prompt_tokens=req.truncate_prompt_tokens,
@@ -59,7 +59,7 @@ class PoolingRoutes:
 
     async def rerank(self) -> Response:
         req = protocol.parse_rerank(await self.server.read_checked("rerank"))
-        self.server.check_model(req.model)
+        self.server.check_base_model(req.model)
         timer = self.server.metrics.timer()
         scores = await self.engine.score(
             req.first, req.second, truncate_prompt_tokens=req.truncate_prompt_tokens,

@@ -64,7 +64,7 @@ class ResponsesRoutes:
             body, history=self.store.history, settings=self.server.chat_settings,
             model_template=self.engine.tokenizer.chat_template,
             defaults=self.server.sampling_defaults))
-        self.server.check_model(req.chat.model)
+        self.server.check_base_model(req.chat.model)
         run = ResponsesRun(self.engine, req, self.server.metrics.timer(),
                            self.server.answer_options, self.store)
         try:

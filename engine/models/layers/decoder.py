@@ -25,8 +25,10 @@ from typing import Any
 
 import torch
 
+from engine.errors import UnsupportedModelError
 from engine.models.config import ModelConfig
 from engine.models.layers.linear import Linear, embed, make_linear
+from engine.models.layers.lora import LoraSlots
 from engine.models.layers.moe import SparseMoeBlock, sparse_layer_weight_names
 from engine.models.layers.norm import head_norm
 from engine.models.layers.rope import rope_cos_sin_cache
@@ -37,6 +39,7 @@ from engine.models.layers.shard import (
     qkv_spans,
     vocab_range,
 )
+from engine.models.lora import check_lora_model
 from engine.ops import AttentionMetadata, Ops
 from engine.ops.cpu import fused as fused_decode
 from engine.ops.cpu.fused_spec import FusedLayer, FusedModel
@@ -107,6 +110,8 @@ class Decoder:
     # The fused CPU decode step's plans over the KV pools this model has run over (made on
     # the first small step; see plan_fused_step).
     _fused: fused_decode.Planner | None = None
+    # LoRA adapter slots beside the projections (enable_lora); None: the base model only.
+    lora: LoraSlots | None = None
 
     @classmethod
     def weight_names(cls, config: ModelConfig) -> list[str]:
@@ -156,6 +161,17 @@ class Decoder:
         self.lm_head = None
         if stage.last:
             self.lm_head = make_linear([self.embed] if tied else [get.rows("lm_head.weight")])
+
+    def enable_lora(self, *, max_loras: int, max_rank: int, dtype: torch.dtype) -> LoraSlots:
+        """Wrap every projection adapters may target (engine.models.lora) with ``max_loras``
+        preallocated adapter slots of rank up to ``max_rank`` in ``dtype``; returns them."""
+        check_lora_model(self.config)
+        if self.tp.enabled:
+            # A and B would be cut to each rank's share of the base layer; not built yet.
+            raise UnsupportedModelError("LoRA adapters with tensor parallelism are not supported yet")
+        self.lora = LoraSlots(self.config, self.layers, self.ops, max_loras=max_loras, max_rank=max_rank,
+                              dtype=dtype, device=self.device)
+        return self.lora
 
     def _init_parallel(self, config: ModelConfig, tp: TensorParallel) -> None:
         """This rank's head counts and vocabulary slice; refuses a model that does not
@@ -348,6 +364,8 @@ class Decoder:
         the step is not the fused step's, and the layers run one by one."""
         if hidden.shape[0] > fused_decode.MAX_TOKENS:
             return None
+        if self.lora is not None and self.lora.segments is not None:
+            return None  # a token runs with an adapter: the fused step has no LoRA deltas
         step = self.plan_fused_step(kv_caches)
         return None if step is None else step.run(hidden, positions, meta, rope=rope)
 

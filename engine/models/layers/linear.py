@@ -228,6 +228,8 @@ def weight_bytes(model) -> int:
         seen.add(id(t))
         if isinstance(t, QuantizedWeight):
             total += t.nbytes
+        elif hasattr(t, "slots") and hasattr(t, "base"):  # LoraLinear: the base (its slots are not weights)
+            add(t.base)
         elif isinstance(t, QuantLinear):
             for p in t.parts:
                 add(p)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.ops.base import AttentionMetadata, KVCache, QuantizedKV
+from engine.ops.base import AttentionMetadata, KVCache, LoraSegments, QuantizedKV
 from engine.ops.reference import TorchOps, _adjacent_heads, _PrefillPlan
 
 try:  # built at install time; absent in a source tree nobody installed
@@ -94,6 +94,33 @@ class CpuOps(TorchOps):
             torch.get_num_threads(),
         )
         return out
+
+    def lora_add(
+        self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, segments: LoraSegments,
+        slices: tuple[int, ...] = (),
+    ) -> None:
+        """One C call for the step's tokens (each with its slot's A then B, in fp32); the
+        reference for another dtype or a strided view. torch would run two small matmuls
+        per adapter run plus the gathers around them: tens of microseconds each at decode
+        sizes, for every targeted projection of every layer."""
+        code, wcode = _DTYPE_CODES.get(x.dtype), _DTYPE_CODES.get(a.dtype)
+        slots = segments.token_slots
+        if (code is None or wcode is None or out.dtype != x.dtype or b.dtype != a.dtype
+                or not (x.is_contiguous() and out.is_contiguous() and a.is_contiguous() and b.is_contiguous())
+                or x.dim() != 2 or slots.dtype != torch.int32 or slots.device.type != "cpu"):
+            return super().lora_add(out, x, a, b, segments)
+        if not segments.active:
+            return None
+        bounds = slices if len(slices) >= 2 and a.shape[1] % (len(slices) - 1) == 0 else (0, out.shape[1])
+        cols = _ffi.new("int64_t[]", list(bounds))
+        rc = _lib.eng_lora_add(code, wcode, _ptr(out), _ptr(x), x.shape[0], x.shape[1], out.shape[1],
+                               a.shape[1], a.shape[0], _ptr(a), _ptr(b), _ptr(slots, "int32_t *"),
+                               len(bounds) - 1, cols, torch.get_num_threads())
+        if rc == -2:
+            raise CpuKernelError(f"lora_add: a slot is outside the pool of {a.shape[0]}")
+        if rc != 0:
+            return super().lora_add(out, x, a, b, segments, slices)
+        return None
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         """One C pass over the masked rows: xgrammar's CPU kernel spends ~150 us on a row of

@@ -824,3 +824,103 @@ int eng_greedy(const float *logits, int64_t stride, int64_t rows, int64_t vocab,
         bad |= greedy_row(logits + r * stride, vocab, ids + r, lp + r) != 0;
     return bad ? -1 : 0;
 }
+
+
+/* ---- LoRA: shrink then expand, each token with its adapter slot's A and B ---------- */
+
+/* The largest padded rank (R) a call takes: the shrunk row lives on the stack. A fused
+ * q/k/v projection stacks three slices of --max-lora-rank (at most 512 in the config). */
+#define LORA_MAX_R 2048
+/* Output columns accumulated at once in the expand: a tile of fp32 sums on the stack,
+ * added over the R rows of B transposed (contiguous in the output), then rounded once. */
+#define LORA_TILE 256
+
+/* out[t] += (A[slot] @ x[t]) @ Bt[slot] for one token, in fp32, rounded once into out's
+ * dtype (the reference's order of rounding: engine/ops/reference.py lora_add_reference).
+ * A is [R, K] (rows contiguous: the shrink is R dot products), Bt is B transposed [R, N]
+ * (the expand is R scaled row additions, which vectorize over the output). x and out share
+ * the activation dtype (bx); A and Bt the adapters' dtype (bw). */
+INLINE void lora_token(void *out, const void *x, int64_t K, int64_t N, int64_t R, const void *a,
+                       const void *b, int64_t t, int64_t slot, int64_t nsl, const int64_t *cols, int bx, int bw) {
+    float tmp[LORA_MAX_R];
+    float acc[LORA_TILE];
+    const int64_t xo = t * K, ao = slot * R * K, bo = slot * R * N;
+    int64_t nz = 0; /* rows of A past the rank padding shrink to zero: the expand skips them */
+    for (int64_t r = 0; r < R; r++) {
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t k = 0; k < K; k++)
+            sum += ld(x, xo + k, bx) * ld(a, ao + r * K + k, bw);
+        tmp[r] = sum;
+        nz += sum != 0.0f;
+    }
+    if (nz == 0)
+        return;
+    for (int64_t n0 = 0; n0 < N; n0 += LORA_TILE) {
+        const int64_t w = N - n0 < LORA_TILE ? N - n0 : LORA_TILE;
+        for (int64_t i = 0; i < w; i++)
+            acc[i] = 0.0f;
+        const int64_t per = R / nsl; /* rows of B per fused slice */
+        for (int64_t r = 0; r < R; r++) {
+            const float s = tmp[r];
+            const int64_t j = r / per;
+            /* A padded rank row, or a slice whose columns miss this tile: zeros. */
+            if (s == 0.0f || cols[j] >= n0 + w || cols[j + 1] <= n0)
+                continue;
+            const int64_t row = bo + r * N + n0;
+            const int64_t lo = cols[j] > n0 ? cols[j] - n0 : 0;
+            const int64_t hi = cols[j + 1] < n0 + w ? cols[j + 1] - n0 : w;
+#pragma omp simd
+            for (int64_t i = lo; i < hi; i++)
+                acc[i] += s * ld(b, row + i, bw);
+        }
+        for (int64_t i = 0; i < w; i++)
+            st(out, t * N + n0 + i, ld(out, t * N + n0 + i, bx) + acc[i], bx);
+    }
+}
+
+CLONES void eng_lora_token_ff(void *o, const void *x, int64_t K, int64_t N, int64_t R, const void *a,
+                              const void *b, int64_t t, int64_t s, int64_t nsl, const int64_t *cols) {
+    lora_token(o, x, K, N, R, a, b, t, s, nsl, cols, 0, 0);
+}
+CLONES void eng_lora_token_fb(void *o, const void *x, int64_t K, int64_t N, int64_t R, const void *a,
+                              const void *b, int64_t t, int64_t s, int64_t nsl, const int64_t *cols) {
+    lora_token(o, x, K, N, R, a, b, t, s, nsl, cols, 0, 1);
+}
+CLONES void eng_lora_token_bf(void *o, const void *x, int64_t K, int64_t N, int64_t R, const void *a,
+                              const void *b, int64_t t, int64_t s, int64_t nsl, const int64_t *cols) {
+    lora_token(o, x, K, N, R, a, b, t, s, nsl, cols, 1, 0);
+}
+CLONES void eng_lora_token_bb(void *o, const void *x, int64_t K, int64_t N, int64_t R, const void *a,
+                              const void *b, int64_t t, int64_t s, int64_t nsl, const int64_t *cols) {
+    lora_token(o, x, K, N, R, a, b, t, s, nsl, cols, 1, 1);
+}
+
+/* Every token of slot >= 0 (slots[t], -1 for the base model); x [T, K] and out [T, N]
+ * contiguous, A [S, R, K] and Bt [S, R, N] contiguous. A fused projection's Bt is block
+ * diagonal: its R rows in nslices equal groups, group j nonzero only in columns
+ * slice_cols[j] .. slice_cols[j + 1] (nslices 1, bounds {0, N}: no such structure). Returns
+ * -1 for a dtype, rank or bounds it does not take, -2 for a slot outside [0, S). */
+int eng_lora_add(int dtype, int wdtype, void *out, const void *x, int64_t T, int64_t K, int64_t N,
+                 int64_t R, int64_t S, const void *a, const void *b, const int32_t *slots, int64_t nslices,
+                 const int64_t *slice_cols, int nthreads) {
+    if ((dtype != DT_F32 && dtype != DT_BF16) || (wdtype != DT_F32 && wdtype != DT_BF16) || R > LORA_MAX_R
+        || nslices < 1 || R % nslices != 0 || slice_cols[0] != 0 || slice_cols[nslices] != N)
+        return -1;
+    for (int64_t j = 0; j < nslices; j++)
+        if (slice_cols[j] > slice_cols[j + 1])
+            return -1;
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] >= S)
+            return -2;
+    void (*fn)(void *, const void *, int64_t, int64_t, int64_t, const void *, const void *, int64_t, int64_t, int64_t,
+               const int64_t *) =
+        dtype == DT_F32 ? (wdtype == DT_F32 ? eng_lora_token_ff : eng_lora_token_fb)
+                        : (wdtype == DT_F32 ? eng_lora_token_bf : eng_lora_token_bb);
+#pragma omp parallel for schedule(static) num_threads(nthreads) \
+    if (nthreads > 1 && T > 1 && T * R * (K + N) >= PARALLEL_MIN_WORK)
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] >= 0)
+            fn(out, x, K, N, R, a, b, t, slots[t], nslices, slice_cols);
+    return 0;
+}

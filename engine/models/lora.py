@@ -1,0 +1,222 @@
+"""LoRA adapters as peft writes them: reading, checking against the base model, slot layout.
+
+A folder holds ``adapter_config.json`` and ``adapter_model.safetensors`` (or the older
+``adapter_model.bin``, refused: a pickle). Each targeted linear ``W`` of the base gets
+``W x + scale * B (A x)`` with ``A`` [r, in] and ``B`` [out, r], ``scale = lora_alpha / r``
+(``lora_alpha / sqrt(r)`` with ``use_rslora``). Targets are the attention's q/k/v/o and
+the dense MLP's gate/up/down (Phi-3's fused qkv_proj and gate_up_proj as they are stored).
+
+What is refused, with a message naming the adapter and the reason: a folder or file that
+is missing; an extra vocabulary (``added_tokens.json``, ``new_embeddings.safetensors``,
+``trainable_token_indices``, embedding or LM-head targets); ``modules_to_save``; DoRA,
+LoRA biases, per-module ``rank_pattern``/``alpha_pattern``; a target other than the above
+(the experts of a mixture-of-experts layer included); a rank above ``--max-lora-rank``; a
+tensor whose shape does not fit the base model; NaN or infinite values.
+
+The engine fuses q/k/v and gate/up into one matmul each (``models/layers/decoder.py``); an
+adapter's slices of one fused projection are laid side by side in its slot: ``A`` stacks
+each slice's rows (``n_slices * R`` rows, each slice's rank padded to ``R`` with zeros) and
+``B`` is block diagonal (each slice's rows read only its own columns), so one
+shrink-then-expand pair computes every slice's delta. The scale is folded into ``B``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from engine.errors import LoraAdapterError, UnsupportedModelError
+from engine.models.config import ModelConfig
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+# A peft key: base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight
+_KEY = re.compile(r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+# Targets that add tokens or replace whole modules: the adapter carries its own vocabulary
+# rows, which a shared base model's embedding cannot hold per request.
+_VOCAB_TARGETS = ("embed_tokens", "lm_head", "wte", "word_embeddings")
+
+
+# The families whose layers lora_targets describes (the Llama-like decoder and Gemma's,
+# text only): another family's projections, or a vision model's nested names, are not these.
+LORA_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral",
+                                "qwen2_moe", "qwen3_moe"})
+
+
+def check_lora_model(config: ModelConfig) -> None:
+    """Refuse (:class:`UnsupportedModelError`) a base model adapters cannot be served on."""
+    if config.architecture not in LORA_ARCHITECTURES or config.vision is not None or config.base_model:
+        what = f"{config.architecture} with a vision tower" if config.vision is not None else config.architecture
+        raise UnsupportedModelError(f"LoRA adapters are not supported for {what} models (supported: "
+                                    f"{', '.join(sorted(LORA_ARCHITECTURES))}, text only)")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoraTarget:
+    """One fused projection of a decoder layer as adapters see it: the peft module names of
+    its slices (in the order of its output rows) and their output widths."""
+
+    key: str  # the DecoderLayer field: "qkv", "o_proj", "gate_up", "down"
+    in_features: int
+    slices: tuple[tuple[str, int], ...]  # (peft module name, rows of the output)
+
+    @property
+    def out_features(self) -> int:
+        return sum(rows for _, rows in self.slices)
+
+
+def lora_targets(config: ModelConfig, layer: int) -> tuple[LoraTarget, ...]:
+    """The projections of ``layer`` an adapter may target (the MLP's only in a dense layer)."""
+    h, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    hidden, inter = config.hidden_size, config.intermediate_size
+    phi3 = config.architecture == "phi3"
+    qkv = (("qkv_proj", (h + 2 * hkv) * d),) if phi3 else (("q_proj", h * d), ("k_proj", hkv * d), ("v_proj", hkv * d))
+    targets = [LoraTarget("qkv", hidden, qkv), LoraTarget("o_proj", h * d, (("o_proj", hidden),))]
+    if config.moe is None or layer not in config.moe.sparse_layers:
+        gate_up = (("gate_up_proj", 2 * inter),) if phi3 else (("gate_proj", inter), ("up_proj", inter))
+        targets += [LoraTarget("gate_up", hidden, gate_up), LoraTarget("down", inter, (("down_proj", hidden),))]
+    return tuple(targets)
+
+
+def _module_names(config: ModelConfig) -> frozenset[str]:
+    return frozenset(name for i in range(config.num_hidden_layers) for t in lora_targets(config, i)
+                     for name, _ in t.slices)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoraWeights:
+    """An adapter read and checked: per ``(layer, peft module)``, ``A`` [r, in] and
+    ``scale * B`` [out, r], fp32 on the host."""
+
+    name: str
+    rank: int
+    scale: float
+    modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.numel() * 4 + b.numel() * 4 for a, b in self.modules.values())
+
+
+def read_lora_adapter(path: str | Path, name: str, config: ModelConfig, max_rank: int) -> LoraWeights:
+    """The adapter in folder ``path`` served as ``name``, checked against the base model
+    ``config`` and the rank limit; raises :class:`LoraAdapterError`."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise LoraAdapterError(name, f"{folder} is not a folder (an adapter is a local folder "
+                               f"holding {CONFIG_FILE} and {WEIGHTS_FILE})")
+    cfg = _read_config(folder, name)
+    rank, scale = _rank_and_scale(cfg, name, max_rank)
+    for extra in ("added_tokens.json", "new_embeddings.safetensors"):
+        if (folder / extra).exists():
+            raise LoraAdapterError(name, f"it adds vocabulary ({extra}); adapters with extra "
+                                   "tokens are not supported")
+    weights = folder / WEIGHTS_FILE
+    if not weights.is_file():
+        hint = " (adapter_model.bin is a pickle: convert it to safetensors)" if (folder / "adapter_model.bin").exists() else ""
+        raise LoraAdapterError(name, f"{weights} is missing{hint}")
+    try:
+        tensors = load_file(str(weights))
+    except Exception as exc:  # safetensors raises several kinds for a damaged file
+        raise LoraAdapterError(name, f"{weights} cannot be read: {exc}") from None
+    return LoraWeights(name, rank, scale, _modules(tensors, config, name, rank, scale))
+
+
+def _read_config(folder: Path, name: str) -> dict:
+    file = folder / CONFIG_FILE
+    try:
+        cfg = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise LoraAdapterError(name, f"{file} is missing") from None
+    except (OSError, ValueError) as exc:
+        raise LoraAdapterError(name, f"{file} cannot be read: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise LoraAdapterError(name, f"{file} is not a JSON object")
+    peft_type = cfg.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise LoraAdapterError(name, f"peft_type is {peft_type!r}; only LORA adapters are served")
+    refusals = (
+        ("modules_to_save", "it replaces whole modules (modules_to_save)"),
+        ("trainable_token_indices", "it trains token embeddings (extra vocabulary)"),
+        ("rank_pattern", "per-module ranks (rank_pattern) are not supported"),
+        ("alpha_pattern", "per-module alphas (alpha_pattern) are not supported"),
+    )
+    for key, why in refusals:
+        if cfg.get(key):
+            raise LoraAdapterError(name, why)
+    if cfg.get("use_dora"):
+        raise LoraAdapterError(name, "DoRA adapters (use_dora) are not supported")
+    if cfg.get("bias", "none") != "none":
+        raise LoraAdapterError(name, f"LoRA biases (bias={cfg['bias']!r}) are not supported")
+    if cfg.get("fan_in_fan_out"):
+        raise LoraAdapterError(name, "fan_in_fan_out (GPT-2 style Conv1D weights) is not supported")
+    targets = cfg.get("target_modules")
+    if isinstance(targets, list):
+        vocab = [t for t in targets if str(t).split(".")[-1] in _VOCAB_TARGETS]
+        if vocab:
+            raise LoraAdapterError(name, f"it targets {', '.join(map(str, vocab))} (extra "
+                                   "vocabulary); only the attention and MLP projections are supported")
+    return cfg
+
+
+def _rank_and_scale(cfg: dict, name: str, max_rank: int) -> tuple[int, float]:
+    rank, alpha = cfg.get("r"), cfg.get("lora_alpha", 8)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise LoraAdapterError(name, f"r must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise LoraAdapterError(name, f"its rank {rank} is above --max-lora-rank {max_rank}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise LoraAdapterError(name, f"lora_alpha must be a number, got {alpha!r}")
+    # peft's scaling: alpha / r, or alpha / sqrt(r) with rank-stabilized LoRA.
+    scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    return rank, float(scale)
+
+
+def _modules(tensors: dict[str, torch.Tensor], config: ModelConfig, name: str, rank: int,
+             scale: float) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        m = _KEY.match(key)
+        if m is None:
+            what = "extra vocabulary" if any(v in key for v in _VOCAB_TARGETS) else "an unsupported target"
+            raise LoraAdapterError(name, f"tensor {key} is {what}; only the attention (q/k/v/o) "
+                                   "and MLP (gate/up/down) projections are supported")
+        layer, module, ab = int(m.group(1)), m.group(3), m.group(4)
+        parts.setdefault((layer, module), {})[ab] = tensor
+    if not parts:
+        raise LoraAdapterError(name, "it holds no LoRA weights")
+    shapes = {(i, n): (t.in_features, rows) for i in range(config.num_hidden_layers)
+              for t in lora_targets(config, i) for n, rows in t.slices}
+    known = _module_names(config)
+    modules = {}
+    for (layer, module), pair in sorted(parts.items()):
+        where = f"layers.{layer}.{module}"
+        if (layer, module) not in shapes:
+            if layer >= config.num_hidden_layers:
+                raise LoraAdapterError(name, f"{where}: the base model has {config.num_hidden_layers} layers")
+            why = "a mixture-of-experts layer's MLP" if module in known else "not a supported target"
+            raise LoraAdapterError(name, f"{where} is {why}; supported: {', '.join(sorted(known))}")
+        if set(pair) != {"A", "B"}:
+            raise LoraAdapterError(name, f"{where} has lora_{'A' if 'A' in pair else 'B'} without its pair")
+        a, b = pair["A"], pair["B"]
+        fan_in, fan_out = shapes[(layer, module)]
+        if tuple(a.shape) != (rank, fan_in) or tuple(b.shape) != (fan_out, rank):
+            raise LoraAdapterError(
+                name, f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the "
+                f"base model (expected ({rank}, {fan_in}) and ({fan_out}, {rank}))")
+        a, b = a.float(), b.float()
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise LoraAdapterError(name, f"{where} holds NaN or infinite values")
+        modules[(layer, module)] = (a.contiguous(), (b * scale).contiguous())
+    return modules
+
+
+__all__ = ["CONFIG_FILE", "LORA_ARCHITECTURES", "WEIGHTS_FILE", "LoraAdapterError", "check_lora_model", "LoraTarget", "LoraWeights", "lora_targets",
+           "read_lora_adapter"]

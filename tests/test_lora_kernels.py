@@ -1,0 +1,113 @@
+"""The LoRA kernels (the CPU path's C kernel, Triton) against the torch reference.
+
+The reference (``engine.ops.reference.lora_add_reference``) shrinks and expands each run
+of a slot's tokens with two fp32 matmuls; the kernels go token by token. Both accumulate
+in fp32 and round once into the output's dtype, so they differ by summation order only:
+fp32 within 1e-5 on O(1) outputs (a wrong slot, a transposed B or a missed token moves
+them by O(0.1)); bf16 within one rounding step of the output (2 ** -7 relative), since a
+last-bit difference in the fp32 sum can flip the rounding.
+
+Triton runs on CUDA where there is one, else interpreted on CPU (conftest sets
+``TRITON_INTERPRET`` before triton is imported).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.ops import LoraSegments, get_ops
+from engine.ops.reference import lora_add_reference
+
+_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _segments(slots: list[int], device: str) -> LoraSegments:
+    runs: list[tuple[int, int, int]] = []
+    for t, s in enumerate(slots):
+        if s < 0:
+            continue
+        if runs and runs[-1][2] == s and runs[-1][1] == t:
+            runs[-1] = (runs[-1][0], t + 1, s)
+        else:
+            runs.append((t, t + 1, s))
+    return LoraSegments(tuple(runs), torch.tensor(slots, dtype=torch.int32, device=device))
+
+
+# Edges: one token; an all-base step; a mixed step with runs of four slots, base rows
+# between them and a slot repeated after another; a prefill-sized run; ranks that are not
+# a power of two (padded ranks) and an input width that is not a multiple of the blocks.
+CASES = [
+    ([2], 64, 96, 16),
+    ([-1, -1, -1], 64, 96, 16),
+    ([0, 0, -1, 1, 1, 1, 3, -1, 2, 0], 72, 40, 24),
+    ([1] * 37 + [-1] * 3 + [2] * 5, 64, 200, 48),
+]
+
+
+def _case(slots, k, n, r, dtype, device):
+    g = torch.Generator().manual_seed(len(slots) * 1000 + r)
+    s = 4
+    x = torch.randn(len(slots), k, generator=g).to(dtype)
+    out = torch.randn(len(slots), n, generator=g).to(dtype)
+    a = (torch.randn(s, r, k, generator=g) * 0.2).to(dtype)
+    b = (torch.randn(s, r, n, generator=g) * 0.2).to(dtype)
+    return [t.to(device) for t in (x, out, a, b)]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("slots", "k", "n", "r"), CASES)
+def test_lora_add_matches_reference(backend, dtype, slots, k, n, r):
+    device = _DEVICE if backend == "triton" else "cpu"
+    x, out, a, b = _case(slots, k, n, r, dtype, device)
+    segments = _segments(slots, device)
+    expected = out.clone()
+    lora_add_reference(expected, x, a, b, segments)
+    got = out.clone()
+    get_ops(backend).lora_add(got, x, a, b, segments)
+    base_rows = [t for t, s in enumerate(slots) if s < 0]
+    # Base-model rows are left bit for bit as they were.
+    assert torch.equal(got[base_rows], out[base_rows])
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2**-7)
+    # Each adapter row took its own slot: the delta is not zero where the slot is used.
+    lora_rows = [t for t, s in enumerate(slots) if s >= 0]
+    if lora_rows:
+        assert (got[lora_rows].float() - out[lora_rows].float()).abs().max() > 0.05
+
+
+def test_lora_add_cpu_mixed_dtypes():
+    # fp32 adapters (--lora-dtype float32) beside bf16 activations.
+    slots = [0, 1, -1, 1]
+    x, out, _, _ = _case(slots, 64, 48, 8, torch.bfloat16, "cpu")
+    _, _, a, b = _case(slots, 64, 48, 8, torch.float32, "cpu")
+    segments = _segments(slots, "cpu")
+    expected, got = out.clone(), out.clone()
+    lora_add_reference(expected, x, a, b, segments)
+    get_ops("cpu").lora_add(got, x, a, b, segments)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2**-7)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_lora_add_over_a_fused_projection_skips_only_zeros(backend) -> None:
+    """A fused q/k/v slot: B's rows in three groups, each zero outside its slice's columns
+    (block diagonal, as the slots hold them); ``slices`` lets a kernel skip the zeros. The
+    result must be the reference's over the whole B."""
+    device = _DEVICE if backend == "triton" else "cpu"
+    bounds = (0, 40, 56, 72)  # q 40 columns, k and v 16 each; the tile edge inside none
+    slots = [0, 1, -1, 1, 0, 2]
+    x, out, a, _ = _case(slots, 64, 72, 24, torch.float32, "cpu")
+    b = torch.zeros(4, 24, 72)
+    g = torch.Generator().manual_seed(5)
+    for j in range(3):
+        b[:, j * 8 : (j + 1) * 8, bounds[j] : bounds[j + 1]] = torch.randn(4, 8, bounds[j + 1] - bounds[j], generator=g) * 0.2
+    a[:, 5:8] = 0  # a padded rank inside the first slice
+    x, out, a, b = (t.to(device) for t in (x, out, a, b))
+    segments = _segments(slots, device)
+    expected, got = out.clone(), out.clone()
+    lora_add_reference(expected, x, a, b, segments)
+    get_ops(backend).lora_add(got, x, a, b, segments, bounds)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
