@@ -39,18 +39,21 @@ def corpus(count: int) -> list[str]:
 
 
 async def run_load(base_url: str, sentences: list[str], concurrency: int,
-                   per_request: int = 1) -> tuple[float, np.ndarray]:
+                   per_request: int = 1, new_connection: bool = False) -> tuple[float, np.ndarray]:
     """Seconds to embed every sentence, ``per_request`` sentences a request (a string, or a
-    list of strings), from ``concurrency`` clients."""
+    list of strings), from ``concurrency`` clients; with ``new_connection`` each request
+    asks the server to close its connection (``Connection: close``), so the next one opens
+    a new one, as a script calling ``requests.post`` in a loop does."""
     vectors: list[list[float]] = [[] for _ in sentences]
     queue = iter(range(0, len(sentences), per_request))
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    headers = {"Connection": "close"} if new_connection else {}
     async with httpx.AsyncClient(base_url=base_url, timeout=600.0, limits=limits) as http:
 
         async def client() -> None:
             for start in queue:
                 batch = sentences[start:start + per_request]
-                response = await http.post("/v1/embeddings", json={
+                response = await http.post("/v1/embeddings", headers=headers, json={
                     "model": MODEL, "input": batch[0] if per_request == 1 else batch,
                     "encoding_format": "float"})
                 response.raise_for_status()

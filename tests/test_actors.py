@@ -21,12 +21,25 @@ from engine_helpers import (
 )
 
 import engine
+from engine.actors.allocator import KVAllocator
 from engine.actors.executor import Executor
 from engine.actors.router import MailboxState, OutputMailbox
+from engine.actors.scheduler import SchedulerActor
 from engine.core import admission
 from engine.core.admission import AdmissionLimits, admit, submit_request
+from engine.core.block_pool import BlockPool
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_config import SchedulerConfig
 from engine.errors import EngineDeadError, InvalidParamError, QueueFullError
-from engine.messages import RequestOutput, StepPlan, StepResult, TokenLogprob
+from engine.messages import (
+    DetokenizerRequest,
+    RequestOutput,
+    SampledToken,
+    StepOutputs,
+    StepPlan,
+    StepResult,
+    TokenLogprob,
+)
 from engine.runner.model_runner import ModelRunner
 
 # 16-token step budget: a 100-token prompt is prefilled over 7 steps, so there is a
@@ -316,3 +329,36 @@ async def test_a_cancelled_executor_waits_for_the_step_its_thread_is_running() -
         with trio.fail_after(WAIT_LIMIT_SECONDS):
             await stopped.wait()
     assert finished == [0]
+
+
+async def test_a_step_is_handed_over_before_the_previous_steps_outputs_are_detokenized() -> None:
+    # Without async scheduling, step 2 must reach the executor while the detokenizer has
+    # not yet taken step 1's tokens: the front end's work then runs beside step 2. The
+    # channels are unbuffered and this test plays executor and detokenizer, so a scheduler
+    # that sent the outputs first would wait on the detokenizer for ever.
+    inbox_send, inbox = trio.open_memory_channel[Any](float("inf"))
+    call_send, call_recv = trio.open_memory_channel[Any](0)
+    reply_send, reply_recv = trio.open_memory_channel[Any](0)
+    plan_send, plans = trio.open_memory_channel[Any](0)
+    detok_send, detok = trio.open_memory_channel[Any](0)
+    actor = SchedulerActor(
+        Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=16,
+                                  max_model_len=300, num_kv_blocks=8)),
+        inbox=inbox, to_allocator=call_send, from_allocator=reply_recv, to_executor=plan_send,
+        to_detokenizer=detok_send, async_scheduling=False)
+    admitted = _admitted("r", 1)
+    sample_id = admitted.samples[0].sample_id
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(KVAllocator(BlockPool(8, 16), call_recv, reply_send).run)
+        nursery.start_soon(actor.run)
+        with trio.fail_after(WAIT_LIMIT_SECONDS):
+            inbox_send.send_nowait(admitted)
+            assert isinstance(await detok.receive(), DetokenizerRequest)
+            first = await plans.receive()
+            inbox_send.send_nowait(StepResult(first.step_id, (SampledToken(sample_id, 9, 0.0, ()),), 0.0))
+            second = await plans.receive()
+            assert [c.sample_id for c in second.chunks] == [sample_id]
+            outputs = await detok.receive()
+            assert isinstance(outputs, StepOutputs) and outputs.step_id == first.step_id
+            assert [d.token_ids for d in outputs.deltas] == [(9,)]
+        nursery.cancel_scope.cancel()

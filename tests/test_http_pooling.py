@@ -190,3 +190,7 @@ def test_base64_is_little_endian_float32(server) -> None:
     decoded = np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), dtype="<f4")
     assert decoded.shape == (384,)
     assert np.array_equal(decoded, np.array(floats["data"][0]["embedding"], dtype="<f4"))
+    # The float text is each float32 value exactly, widened to a double: read as doubles
+    # (as json and the openai client read it), the floats equal the base64's values.
+    assert np.array_equal(decoded.astype(np.float64),
+                          np.array(floats["data"][0]["embedding"], dtype=np.float64))

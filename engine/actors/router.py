@@ -113,19 +113,27 @@ class OutputMailbox:
 
     async def receive(self) -> RequestOutput:
         """The next output; raises ``StopAsyncIteration`` after the last one."""
+        # One checkpoint per call, as trio's own receives: a wait that blocked was one, so
+        # what it woke for is returned at once (a second one was a scheduler round per
+        # streamed output, at 32 streams a step).
+        waited = False
         while True:
             if self._pending:
-                await trio.lowlevel.checkpoint()
+                if not waited:
+                    await trio.lowlevel.checkpoint()
                 return self._pending.pop(next(iter(self._pending)))
             if self.state is MailboxState.FAILED:
-                await trio.lowlevel.checkpoint()
+                if not waited:
+                    await trio.lowlevel.checkpoint()
                 assert self._failure is not None  # set with the state
                 raise self._failure
             if self.state is not MailboxState.OPEN:
-                await trio.lowlevel.checkpoint()
+                if not waited:
+                    await trio.lowlevel.checkpoint()
                 raise StopAsyncIteration
             self._wakeup = trio.Event()
             await self._wakeup.wait()
+            waited = True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

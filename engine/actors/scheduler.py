@@ -9,6 +9,14 @@ has been handed to the executor, and hands it over as soon as the executor is fr
 worker thread goes from one forward to the next without waiting for Python. The pure
 scheduler counts a placeholder token for each sample in flight, so N+1 can be planned
 before N's tokens are known; a request that N finishes wastes at most one planned token.
+
+Without it, a step's token deltas go to the detokenizer only after the next step has been
+planned and handed over: detokenizing, routing and the HTTP writes of step N (32 SSE
+frames at concurrency 32) then run while step N+1 computes, instead of in the gap between
+the two, where every trio task that became runnable ran before the plan was sent. A stop
+string found in step N's text therefore ends its sample one step later (the detokenizer
+drops what comes after it), as it already could when the detokenizer's stop hit raced the
+next plan.
 """
 
 from __future__ import annotations
@@ -119,6 +127,9 @@ class SchedulerActor:
         self._iteration_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
         self._iteration_sum = 0
         self._arriving = 0  # samples sent to the inbox, not yet added
+        # Step outputs handled but not yet sent to the detokenizer: they go once the next
+        # step is planned (see the module docstring), or before anything else goes there.
+        self._undelivered: collections.deque[StepOutputs] = collections.deque()
 
     def statistics(self) -> SchedulerActorStatistics:
         core = self._core.statistics()
@@ -162,7 +173,13 @@ class SchedulerActor:
             try:
                 while True:
                     await self._handle_delivered()
-                    if await self._plan_step():
+                    if self._max_in_flight > 1:
+                        # Async: the next step already runs, and handing over the one
+                        # after waits for it; the outputs must not wait with it.
+                        await self._deliver_outputs()
+                    planned = await self._plan_step()
+                    await self._deliver_outputs()
+                    if planned:
                         continue
                     try:
                         message = await self._inbox.receive()
@@ -231,15 +248,19 @@ class SchedulerActor:
                     (d.sample_id, self._scheduled_at.pop(d.sample_id))
                     for d in update.deltas if d.sample_id in self._scheduled_at
                 )
-                await self._to_detokenizer.send(
-                    StepOutputs(plan.step_id, update.deltas, message.prompt_logprobs, scheduled)
-                )
+                self._undelivered.append(
+                    StepOutputs(plan.step_id, update.deltas, message.prompt_logprobs, scheduled))
         elif isinstance(message, AdmittedRequest):
             await self._add(message)
         elif isinstance(message, AbortSamples):
             await self._finish(message.sample_ids, RequestStatus.FINISHED_ABORTED)
         else:
             await self._finish((message.sample_id,), RequestStatus.FINISHED_STOPPED)
+
+    async def _deliver_outputs(self) -> None:
+        """Send the step outputs held back, oldest first."""
+        while self._undelivered:
+            await self._to_detokenizer.send(self._undelivered.popleft())
 
     def _prompt_tokens(self, plan: StepPlan) -> int:
         """The prompt tokens ``plan``'s chunks compute (a recomputed output is none)."""
@@ -257,7 +278,9 @@ class SchedulerActor:
             self._iteration_sum += tokens
 
     async def _add(self, request: AdmittedRequest) -> None:
-        # The detokenizer hears of each sample before any of its tokens: same channel, sent first.
+        # The detokenizer hears of each sample before any of its tokens: same channel, sent
+        # first (after the outputs held back, which keep their order with what follows).
+        await self._deliver_outputs()
         for spec in request.outputs:
             await self._to_detokenizer.send(spec)
         refused = []
@@ -284,6 +307,7 @@ class SchedulerActor:
             self._release(sample_id)
         await self._call_all(self._core.finish_requests(live, status))
         if live and status is RequestStatus.FINISHED_ABORTED:
+            await self._deliver_outputs()
             await self._to_detokenizer.send(SamplesAborted(live))
 
     def _release(self, sample_id: str) -> None:

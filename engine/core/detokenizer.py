@@ -155,7 +155,9 @@ class IncrementalDetokenizer:
                 return DetokenizerUpdate(text)
         self._tokens.extend(self._kept(ids[split:]))
         update = self._emit(self._new_text(flush=False), final=False)
-        return dataclasses.replace(update, text=text + update.text)
+        # Once past min_tokens (nearly every push) there is no protected text to prepend;
+        # the copy was 1.5% of the event loop's CPU at concurrency 32 (issue 42).
+        return dataclasses.replace(update, text=text + update.text) if text else update
 
     def finish(self) -> DetokenizerUpdate:
         """Release everything held back, at the end of the request.

@@ -178,7 +178,7 @@ def shield_hypercorn_close() -> None:
     """
     if getattr(TCPServer.protocol_send, "shielded_by_engine", False):
         return
-    TCPServer.protocol_send = _shielded(_timed_protocol_send(TCPServer.protocol_send))
+    TCPServer.protocol_send = _timed_protocol_send(TCPServer.protocol_send)
     TCPServer._close = _shielded(TCPServer._close)
     TCPServer._read_data = _stop_timer_after(TCPServer._read_data)
 
@@ -194,26 +194,35 @@ def _stop_timer_after(read_data: Any) -> Any:
 
 
 def _timed_protocol_send(protocol_send: Any) -> Any:
+    shielded_send = _shielded(protocol_send)
+
     async def timed(self: Any, event: Any) -> None:
         if not isinstance(event, RawData):
-            await protocol_send(self, event)
+            await shielded_send(self, event)
             return
         seconds = getattr(self.config, "engine_send_timeout", None) or math.inf
-        async with self.send_lock:
-            try:
-                # hypercorn shields the write (a cancelled half-write would corrupt the
-                # connection); a stalled one ends the connection instead.
-                with trio.move_on_after(seconds) as stalled:
+        # One scope both shields the write (hypercorn's: a cancelled half-write would
+        # corrupt the connection) and bounds it, lock included: a stalled write ends the
+        # connection instead. One scope, not a shield around a timer: every streamed
+        # token passes here, and each cancel scope was about a twentieth of the event
+        # loop's CPU time at concurrency 32 (docs/benchmarks.md, issue 42).
+        broken = False
+        with trio.CancelScope(shield=True, deadline=trio.current_time() + seconds) as stalled:
+            async with self.send_lock:
+                try:
                     await self.stream.send_all(event.data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    broken = True
+        if broken:
+            with trio.CancelScope(shield=True):  # bookkeeping that must finish, untimed
                 await self.protocol.handle(Closed())
-                return
-        if stalled.cancelled_caught:
+        elif stalled.cancelled_caught:
             # Forcefully: a TLS close would write again. The reading task then fails on
             # the closed stream and closes the protocol, which tells the application the
             # client has gone.
             await trio.aclose_forcefully(self.stream)
 
+    timed.shielded_by_engine = True  # type: ignore[attr-defined]
     return timed
 
 

@@ -14,6 +14,9 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+import orjson
+
 from engine.core.pooling import Pooled
 from engine.http.completions.answer import now
 from engine.http.errors import APIError
@@ -88,19 +91,30 @@ def parse_rerank(body: dict[str, Any]) -> ScoreRequest:
     )
 
 
-def embedding_response(model: str, pooled: Sequence[Pooled], encoding_format: str) -> dict[str, Any]:
-    """OpenAI's answer: one ``embedding`` per input, in order, as floats or as the base64
-    of their little-endian float32 bytes (what the openai client decodes)."""
+def embedding_response(model: str, pooled: Sequence[Pooled], encoding_format: str) -> bytes:
+    """OpenAI's answer as JSON bytes: one ``embedding`` per input, in order, as floats or
+    as the base64 of their little-endian float32 bytes (what the openai client decodes).
+
+    The floats are written by orjson straight from a float64 copy of each vector: the
+    standard library's ``json`` on a Python float list took 0.9 ms a 384-float vector
+    (``tolist`` and ``dumps``), about a quarter of a core at 300 sentences/s, and orjson
+    from numpy a twentieth of that. The float64 copy keeps the text what ``json`` wrote:
+    the shortest repr of each float32 value widened to a double, so a client reading the
+    floats gets the same numbers as one decoding the base64. A non-finite value (none
+    comes from a normalised embedding) is ``null``, as :func:`engine.http.sse.dumps` made
+    it."""
     data = [
         {"object": "embedding", "index": i,
          "embedding": (base64.b64encode(p.data).decode("ascii") if encoding_format == "base64"
-                       else p.tolist())}
+                       else p.vector().astype(np.float64))}
         for i, p in enumerate(pooled)
     ]
     tokens = sum(p.prompt_tokens for p in pooled)
-    return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": now(),
-            "model": model, "data": data,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    return orjson.dumps(
+        {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": now(),
+         "model": model, "data": data,
+         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
+        option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 def score_response(model: str, scores: Sequence[tuple[float, int]]) -> dict[str, Any]:

@@ -44,8 +44,9 @@ class PoolingRoutes:
             req.input, dimensions=req.dimensions, truncate_prompt_tokens=req.truncate_prompt_tokens,
             request_id=self.server.request_id(), priority=req.priority)
         self._observe(timer, [p.prompt_tokens for p in pooled])
-        return json_response(protocol.embedding_response(self.engine.model_name, pooled,
-                                                         req.encoding_format), 200)
+        return Response(protocol.embedding_response(self.engine.model_name, pooled,
+                                                    req.encoding_format),
+                        200, content_type="application/json")
 
     async def score(self) -> Response:
         req = protocol.parse_score(await self.server.read_checked("score"))
