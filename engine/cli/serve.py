@@ -253,6 +253,8 @@ def run_serve(args: argparse.Namespace) -> int:
     edge.quiet_accept_errors()
     try:
         model_from_tag(args)
+        if not getattr(args, "headless", False):
+            preflight(args)
         resolve_models(args)
         if getattr(args, "headless", False):
             return trio.run(_headless, args)
@@ -280,6 +282,21 @@ def model_from_tag(args: argparse.Namespace) -> None:
         raise ConfigError(f"the model is given twice: {tag!r} and --model {args.model!r}",
                           field="model")
     args.model = tag
+
+
+def preflight(args: argparse.Namespace) -> None:
+    """What the flags alone decide, the port included, checked before a Hub download as
+    before a load: a clash or a bad option is one line at once, not after minutes of
+    fetching. ``_serve`` checks them again and binds for real (a port taken in between
+    is the same one-line error then)."""
+    config_from_args(args)
+    chat_settings(args)
+    api_key(args)
+    check_tls(args.ssl_keyfile, args.ssl_certfile)
+    check_edge_limits(args.send_timeout, args.h2_max_concurrent_streams)
+    uds = getattr(args, "uds", None)
+    if not uds:
+        bind_socket(args.host, args.port).close()
 
 
 def resolve_models(args: argparse.Namespace) -> None:
