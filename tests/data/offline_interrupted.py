@@ -30,11 +30,9 @@ class FirstDone:
         self.postfix = ""
 
     def update(self, count: int) -> None:
-        # One update may count several prompts done at once (outputs of one step are
-        # delivered together): say it on the first update, whatever its count.
-        if self.n == 0 and count > 0:
-            print("running", flush=True)
         self.n += count
+        if self.n == 1:
+            print("running", flush=True)
 
     def close(self) -> None:
         pass
