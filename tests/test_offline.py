@@ -404,7 +404,7 @@ def test_ctrl_c_mid_batch_leaves_no_thread_process_or_kv_block(model: Path) -> N
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == -signal.SIGINT, err  # KeyboardInterrupt ended it, as any script
+    assert proc.returncode == -signal.SIGINT, (out, err)  # KeyboardInterrupt ended it, as any script
     assert "KeyboardInterrupt" in err and "finished" not in out.splitlines()
     stats, closed = (json.loads(line) for line in out.splitlines() if line.startswith("{"))
     # Every request left the engine and gave back its blocks; the batch (2 prefill steps
