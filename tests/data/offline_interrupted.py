@@ -41,7 +41,10 @@ class FirstDone:
 def children() -> list[int]:
     pids = []
     for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        pids += [int(p) for p in (task / "children").read_text().split()]
+        try:
+            pids += [int(p) for p in (task / "children").read_text().split()]
+        except FileNotFoundError:  # the thread ended since the listing
+            continue
     return pids
 
 
