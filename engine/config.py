@@ -466,7 +466,9 @@ class EngineConfig:
     distributed_executor_backend: str = _field(
         "mp", "where the tensor-parallel and pipeline workers run: mp (processes on this "
         "machine) or ray (Ray actors in a placement group, on the cluster at $RAY_ADDRESS or "
-        "a local Ray started and stopped by the engine)", choices=DISTRIBUTED_EXECUTOR_BACKENDS)
+        "a local Ray started and stopped by the engine; always ray with "
+        "--data-parallel-backend ray, each core's workers placed with it)",
+        choices=DISTRIBUTED_EXECUTOR_BACKENDS)
     # engine.process.runtime: files that live as long as their process (the engine cores'
     # socket, a local Ray's temp dir), swept of dead processes' leftovers at each start.
     runtime_dir: str | None = _field(
@@ -728,10 +730,11 @@ class EngineConfig:
         if partition is not None and (len(partition) != pp or min(partition) < 1):
             raise ConfigError(f"pipeline_layer_partition must give each of the {pp} stages a "
                               f"layer or more, got {partition!r}", field="pipeline_layer_partition")
-        if tp * pp > 1 and (self.data_parallel_size > 1 or self.data_parallel_address is not None):
-            raise ConfigError("tensor or pipeline parallelism with data parallelism is not "
-                              "supported yet: each engine core would need its own group of "
-                              "devices", field="tensor_parallel_size" if tp > 1 else "pipeline_parallel_size")
+        if tp * pp > 1 and self.data_parallel_backend == "ray":
+            # Ray places each data-parallel core with its workers (one placement group a
+            # core: engine.process.ray_cores), so the workers are Ray actors too, as
+            # vLLM's Ray data parallelism makes them.
+            object.__setattr__(self, "distributed_executor_backend", "ray")
         restarts = self.max_engine_restarts
         if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
             raise ConfigError(f"max_engine_restarts must be a non-negative integer, got {restarts!r}", field="max_engine_restarts")

@@ -646,11 +646,23 @@ class CoreHello:
     quantization: str
     config_json: str  # the core's resolved EngineConfig as JSON
     pooler_json: str = ""  # a pooling model's PoolerConfig as JSON ("" for a generator)
+    # The core's tensor-parallel / pipeline worker processes (rank order; none with one
+    # rank): for the front end's log, and for whoever must find a core's workers.
+    worker_pids: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class CoreAccepted:
     """The front end took the core: frames of requests follow."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CoreFailed:
+    """A core's last frame before it exits after a crash (a tensor-parallel or pipeline
+    worker lost, say): why, so that the front end fails the requests the core was serving
+    with the cause rather than only "the core died"."""
+
+    reason: str
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

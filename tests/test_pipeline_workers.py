@@ -209,8 +209,7 @@ def test_the_flags_are_checked() -> None:
     assert EngineConfig.from_json(EngineConfig(pipeline_parallel_size=2, pipeline_layer_partition="3,1")
                                   .to_json()).pipeline_layer_partition == (3, 1)
     for bad in (dict(pipeline_parallel_size=0), dict(pipeline_parallel_size=2, pipeline_layer_partition="4"),
-                dict(pipeline_parallel_size=2, pipeline_layer_partition="a,b"),
-                dict(pipeline_parallel_size=2, data_parallel_size=2)):
+                dict(pipeline_parallel_size=2, pipeline_layer_partition="a,b")):
         with pytest.raises(ConfigError):
             EngineConfig(**bad)
 

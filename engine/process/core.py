@@ -44,6 +44,7 @@ from engine.messages import (
     AbortSamples,
     AdmittedRequest,
     CoreAccepted,
+    CoreFailed,
     CoreHello,
     CoreStatistics,
     DetokenizerRequest,
@@ -59,17 +60,24 @@ from engine.structured.pool import CompilePool
 
 logger = logging.getLogger("engine")
 
+# What a crashing core waits to hand its front end the reason (CoreFailed) before it exits:
+# one small frame to a peer that reads continuously.
+CRASH_REPORT_SECONDS = 2.0
+
 def core_placement(config: Any, local_index: int, local_size: int) -> Any:
     """The config a core runs with, the ``local_index``-th of ``local_size`` cores on this
-    machine: on CUDA each takes its own device (``cuda:i``); on CPU each takes an equal
-    share of this process's CPUs (and as many torch threads)."""
+    machine: on CUDA each takes its own devices (``cuda:i``, or with N tensor-parallel /
+    pipeline ranks a core, ``cuda:i*N`` for rank 0 and the next N-1 for its workers); on CPU
+    each takes an equal share of this process's CPUs (and as many torch threads), which
+    its worker processes inherit and share."""
     import torch
 
     if local_size <= 1:
         return config
     wants_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
     if wants_cuda:
-        return dataclasses.replace(config, device=f"cuda:{local_index}")
+        ranks = config.tensor_parallel_size * config.pipeline_parallel_size
+        return dataclasses.replace(config, device=f"cuda:{local_index * ranks}")
     cpus = sorted(os.sched_getaffinity(0))
     share = max(1, len(cpus) // local_size)
     mine = cpus[local_index * share:(local_index + 1) * share] or cpus[-share:]
@@ -90,7 +98,15 @@ def hello_for(parts: Any, core_index: int) -> CoreHello:
         dtype=parts.dtype, quantization=parts.quantization,
         config_json=config.to_json(),
         pooler_json=json.dumps(dataclasses.asdict(parts.pooler)) if parts.pooler else "",
+        worker_pids=tuple(getattr(parts.runner, "worker_pids", list)()),
     )
+
+
+def crash_cause(exc: BaseException) -> BaseException:
+    """The exception inside the nurseries' groups that ``exc`` arrived in (the first)."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
 
 
 async def serve_core(config: Any, address: str, secret: bytes, core_index: int) -> None:
@@ -105,7 +121,19 @@ async def serve_core(config: Any, address: str, secret: bytes, core_index: int) 
             if not any(isinstance(m, CoreAccepted) for m in reply):
                 raise WireError(f"the front end did not accept this core: {reply!r}")
             logger.info("core %d connected to %s", core_index, address)
-            await run_core_actors(parts, frames)
+            try:
+                await run_core_actors(parts, frames)
+            except Exception as exc:
+                # A crash (a tensor-parallel or pipeline worker lost): the core exits and
+                # its front end restarts it within the engine's budget; it first says why,
+                # so that the requests it fails name the cause (the stage, the rank).
+                with trio.CancelScope(shield=True), trio.move_on_after(CRASH_REPORT_SECONDS):
+                    try:
+                        await frames.send((CoreFailed(str(crash_cause(exc))),))
+                    except (trio.BrokenResourceError, trio.ClosedResourceError,
+                            trio.BusyResourceError, OSError):
+                        pass  # the front end is gone: nobody to tell
+                raise
     finally:
         # The actors have stopped: stop the tensor-parallel workers the runner drives.
         close = getattr(parts.runner, "close", None)
@@ -325,6 +353,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         trio.run(serve_core, config, args.connect, secret, args.core_index)
     except (OSError, EOFError, WireError) as exc:
         logger.error("core %d: %s", args.core_index, exc)
+        status = 1
+    except Exception as exc:  # a crash: logged, and the process exits as below
+        logger.error("core %d crashed: %s", args.core_index, crash_cause(exc), exc_info=exc)
         status = 1
     # Skip the interpreter's teardown (torch's and the model's objects take seconds to
     # finalize, and a daemon thread cannot run once it starts): nothing of a core needs

@@ -49,6 +49,7 @@ from engine.messages import (
     AbortSamples,
     AdmittedRequest,
     CoreAccepted,
+    CoreFailed,
     CoreHello,
     CoreStatistics,
     SamplesAborted,
@@ -95,6 +96,12 @@ def _wants_cuda(config: Any) -> bool:
     return str(device).startswith("cuda")
 
 
+def _group_size(config: Any) -> int:
+    """The ranks of one core: itself (rank 0) and its tensor-parallel / pipeline workers."""
+    return (int(getattr(config, "tensor_parallel_size", 1))
+            * int(getattr(config, "pipeline_parallel_size", 1)))
+
+
 class CoreState(enum.Enum):
     STARTING = "starting"
     SERVING = "serving"
@@ -126,6 +133,9 @@ class _Core:
     wake: trio.Event = dataclasses.field(default_factory=trio.Event)
     arrived: trio.MemorySendChannel[FrameStream] | None = None
     process: Any = None  # the local core's process (or Ray actor handle) while it runs
+    # Why the core said it is exiting (its CoreFailed: a worker of its group lost, say),
+    # for the errors of the requests it fails; "" when it just went.
+    failure: str = ""
 
     def load(self) -> int:
         stats = self.stats
@@ -360,7 +370,7 @@ class CorePool:
                 # Core actors may run on other nodes: they connect over TCP, to the
                 # address Ray reports for this node, on a port of the pool's own.
                 self._ray = RayCluster(getattr(self.config, "runtime_dir", None), self.local,
-                                       _wants_cuda(self.config))
+                                       _wants_cuda(self.config), _group_size(self.config))
                 host = await trio.to_thread.run_sync(self._ray.start)
                 (tcp_ray,) = await trio.open_tcp_listeners(0, host=host)
                 self._ray_address = "tcp:{}:{}".format(*tcp_ray.socket.getsockname()[:2])
@@ -441,8 +451,10 @@ class CorePool:
                     if first:
                         first = False
                         task_status.started()
-                    logger.info("engine core %d serving (pid %d)", core.index,
-                                core.hello.pid if core.hello else -1)
+                    workers = core.hello.worker_pids if core.hello else ()
+                    logger.info("engine core %d serving (pid %d%s)", core.index,
+                                core.hello.pid if core.hello else -1,
+                                f", workers {', '.join(map(str, workers))}" if workers else "")
                     await self._serve(core, frames)
             finally:
                 with trio.CancelScope(shield=True):
@@ -478,7 +490,9 @@ class CorePool:
         if self.verbose or logger.isEnabledFor(logging.INFO):
             argv.append("--verbose")
         if self._ray is not None:
-            return self._ray.spawn(argv, self.secret)
+            # Blocking: Ray places the core's bundle group (seconds on a busy cluster).
+            return await trio.to_thread.run_sync(self._ray.spawn, argv, self.secret,
+                                                 core.index)
         env = {**os.environ, SECRET_ENV: self.secret.decode()}
         return await trio.lowlevel.open_process([sys.executable, "-m", "engine.process.core", *argv],
                                                 env=env)
@@ -531,6 +545,10 @@ class CorePool:
         if isinstance(message, CoreStatistics):
             core.stats = message
             return
+        if isinstance(message, CoreFailed):
+            core.failure = message.reason
+            logger.error("engine core %d failed: %s", core.index, message.reason)
+            return
         if isinstance(message, StepOutputs):
             for scored in message.prompt_logprobs:
                 core.quiet.pop(scored.sample_id, None)
@@ -573,9 +591,11 @@ class CorePool:
             core.carried = carry_counters(core.carried, core.stats)
         core.stats, core.sent_samples, core.outbox = None, 0, []
         core.blocks.clear()
+        failure, core.failure = core.failure, ""
         if lost and not self._stopping:
             self.on_lost(lost, EngineDeadError(
-                f"engine core {core.index} died while serving this request"))
+                f"engine core {core.index} died while serving this request"
+                + (f": {failure}" if failure else "")))
             # The detokenizer holds their state until it hears they ended; their "abort"
             # outputs find no mailbox (on_lost failed them) and are dropped.
             try:

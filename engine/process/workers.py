@@ -144,6 +144,10 @@ class WorkerGroup:
         self._ray_dir: Path | None = None  # a local Ray's temp dir, in the runtime folder
         self._runtime_dir = getattr(config, "runtime_dir", None)
         self._placement: Any = None
+        # Whether this group made the placement group (and removes it), or runs in its
+        # core's (a data-parallel core placed by engine.process.ray_cores: bundle 0 is
+        # the core, 1..N-1 its workers), which the front end removes.
+        self._owns_placement = True
         self.broken = False
         self.stats = GroupStatistics()
         # Rank 0's share of the CPU threads while the group lives (restored by close()).
@@ -219,10 +223,17 @@ class WorkerGroup:
 
         gpu = self.device.type == "cuda"
         bundle = {"CPU": 1.0, "GPU": 1.0} if gpu else {"CPU": 1.0}
-        # One bundle per worker rank (rank 0 is this process, outside the group), packed
-        # onto as few nodes as hold them.
-        self._placement = placement_group([dict(bundle) for _ in range(1, self.world_size)],
-                                          strategy="PACK")
+        current = ray.util.get_current_placement_group()
+        if current is not None and len(current.bundle_specs) == self.world_size:
+            # A data-parallel core's actor: its placement group holds a bundle for each
+            # of its ranks, this one (rank 0) in bundle 0.
+            self._placement, self._owns_placement, first = current, False, 1
+        else:
+            # One bundle per worker rank (rank 0 is this process, outside the group),
+            # packed onto as few nodes as hold them.
+            self._placement = placement_group(
+                [dict(bundle) for _ in range(1, self.world_size)], strategy="PACK")
+            self._owns_placement, first = True, 0
         ready, _ = ray.wait([self._placement.ready()], timeout=START_TIMEOUT_SECONDS)
         if not ready:
             raise WorkerLostError(f"Ray could not place {self.world_size - 1} tensor-parallel "
@@ -232,7 +243,7 @@ class WorkerGroup:
             actor = actor_class.options(
                 name=None, max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self._placement, placement_group_bundle_index=rank - 1),
+                    self._placement, placement_group_bundle_index=rank - 1 + first),
             ).remote()
             ref = actor.run.remote(**{**common, "rank": rank, "parent_pid": 0})
             self._peers.append(_Peer(rank, actor, None, run_ref=ref))
@@ -475,7 +486,7 @@ class WorkerGroup:
                     ray.kill(peer.handle, no_restart=True)
                 except Exception:  # already gone
                     pass
-            if self._placement is not None:
+            if self._placement is not None and self._owns_placement:
                 from ray.util.placement_group import remove_placement_group
 
                 try:
