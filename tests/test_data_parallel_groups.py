@@ -67,6 +67,13 @@ def _finished(eng: Any) -> list[int]:
     return [stats.requests_finished if stats else 0 for _, stats in eng._pool.core_statistics()]
 
 
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 @pytest.fixture
 def local_ray() -> Any:
     """A local Ray started by the engine, its session in a short runtime folder."""
@@ -117,6 +124,7 @@ async def test_two_ray_cores_of_two_tensor_ranks_answer_as_one_rank_and_survive_
                 await got_tokens.wait()
                 owner = next(c for c in cores if c.live)
                 (victim,) = owner.hello.worker_pids
+                lost_core, lost_group = owner.hello.pid, owner.process.group
                 os.kill(victim, signal.SIGKILL)
         (error,) = errors
         assert f"engine core {owner.index} died while serving this request" in str(error)
@@ -129,6 +137,10 @@ async def test_two_ray_cores_of_two_tensor_ranks_answer_as_one_rank_and_survive_
         with trio.fail_after(120):
             await wait_until(lambda: eng._pool.serving == 2)
         assert eng.restarts == 1 and victim not in owner.hello.worker_pids
+        # The lost core's actor exited and its placement group was given back.
+        assert ray.util.placement_group_table(lost_group)["state"] == "REMOVED"
+        assert owner.hello.pid != lost_core
+        await wait_until(lambda: _gone(lost_core))
         assert await _greedy_all(eng) == want
 
 
