@@ -82,7 +82,8 @@ class LoraManager:
         if held is not None:
             self._host.move_to_end(adapter.id)
             return held
-        weights = read_lora_adapter(adapter.path, adapter.name, self.config, self.settings.max_rank)
+        # Checked whole, then kept as this rank holds it: its stage's layers, its cut of each.
+        weights = self.slots.cut(read_lora_adapter(adapter.path, adapter.name, self.config, self.settings.max_rank))
         self.loads += 1
         self._host[adapter.id] = weights
         self._trim(keep=adapter.id)
