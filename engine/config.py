@@ -656,10 +656,6 @@ class EngineConfig:
         if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < self.max_loras):
             raise ConfigError(f"max_cpu_loras must be an integer of at least max_loras ({self.max_loras}), "
                               f"got {cpu!r}", field="max_cpu_loras")
-        parallel = [n for n in (self.tensor_parallel_size, self.pipeline_parallel_size) if isinstance(n, int)]
-        if self.enable_lora and any(n > 1 for n in parallel):
-            raise ConfigError("LoRA adapters with tensor or pipeline parallelism are not supported yet",
-                              field="enable_lora")
 
     def to_json(self) -> str:
         """Every field as JSON: how a config crosses to an engine-core process or a

@@ -6,6 +6,12 @@ A request names its adapter by :class:`engine.messages.LoraAdapter` (name, folde
 the runner reads the folder itself, so a core in another process needs nothing but the
 request. The scheduler keeps the adapters of one step within the slots; a step asking for
 more is a :class:`StepPlanError` (a bug, not a bad request).
+
+With tensor or pipeline parallelism every rank runs its own manager over the same step
+plans: it reads each adapter from its folder itself, keeps only its cut of it
+(:meth:`LoraSlots.cut`: its stage's layers, its share of each), and fills its slots in the
+same order, so every rank computes the same token-to-slot table from the plan (the
+workers' answers are checked against rank 0's each step, as for sampled tokens).
 """
 
 from __future__ import annotations
@@ -82,7 +88,8 @@ class LoraManager:
         if held is not None:
             self._host.move_to_end(adapter.id)
             return held
-        weights = read_lora_adapter(adapter.path, adapter.name, self.config, self.settings.max_rank)
+        # Checked whole, then kept as this rank holds it: its stage's layers, its cut of each.
+        weights = self.slots.cut(read_lora_adapter(adapter.path, adapter.name, self.config, self.settings.max_rank))
         self.loads += 1
         self._host[adapter.id] = weights
         self._trim(keep=adapter.id)

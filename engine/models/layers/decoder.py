@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from engine.errors import UnsupportedModelError
 from engine.models.config import ModelConfig
 from engine.models.layers.linear import Linear, embed, make_linear
 from engine.models.layers.lora import LoraSlots
@@ -166,11 +165,10 @@ class Decoder:
         """Wrap every projection adapters may target (engine.models.lora) with ``max_loras``
         preallocated adapter slots of rank up to ``max_rank`` in ``dtype``; returns them."""
         check_lora_model(self.config)
-        if self.tp.enabled:
-            # A and B would be cut to each rank's share of the base layer; not built yet.
-            raise UnsupportedModelError("LoRA adapters with tensor parallelism are not supported yet")
+        # A tensor-parallel rank's slots hold its cut of each adapter, a pipeline stage's
+        # its layers' (engine.models.layers.lora).
         self.lora = LoraSlots(self.config, self.layers, self.ops, max_loras=max_loras, max_rank=max_rank,
-                              dtype=dtype, device=self.device)
+                              dtype=dtype, device=self.device, tp=self.tp)
         return self.lora
 
     def _init_parallel(self, config: ModelConfig, tp: TensorParallel) -> None:

@@ -10,6 +10,20 @@ a dense ``Linear`` or a GGUF ``QuantLinear`` computes its output as before, and
 :class:`LoraLinear` adds ``B[slot] @ (A[slot] @ x)`` per token in the activation dtype (the
 kernel's ``Ops.lora_add``; ``b`` holds B transposed), as llama.cpp applies adapters beside quantized weights.
 
+Tensor and pipeline parallelism: the slots hold this rank's cut of each adapter, cut as the
+base layer is (``engine.models.layers.shard``). A column-parallel projection (q/k/v by heads,
+KV heads copied where there are fewer than ranks, gate/up by intermediate rows, Phi-3's
+fused parts each cut so) keeps ``A`` whole and the rows of ``B`` that are its output rows;
+its delta is this rank's output rows of the whole delta. A row-parallel projection (o,
+down) keeps the columns of ``A`` that are its input features and ``B`` whole: its delta
+``B (A_r x_r)`` is a partial sum, added to the rank's partial product before the base
+layer's all-reduce sums both (the maths is linear: no collective of its own). Where a
+row-parallel weight is gathered (GGUF panels on CPU, ``shard.RowParallel``) the rank
+multiplies the whole input for its output rows, so it keeps ``A`` whole and ``B``'s rows of
+those outputs. The scale is folded into ``B`` before the cut, so each part carries it once.
+A pipeline stage builds slots for its own layers only, and keeps only those layers' part of
+each adapter it reads (:meth:`LoraSlots.cut`).
+
 Which slot each token uses is the step's :class:`LoraSegments`, which the runner sets on
 the slots before the forward and clears after it (:meth:`LoraSlots.step`): the model owns
 this state, and every wrapper of the model reads it from the one :class:`LoraSlots` it was
@@ -19,6 +33,7 @@ built with, so no forward signature changes for a per-step table.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 from collections.abc import Iterator
 from typing import Any
@@ -26,23 +41,72 @@ from typing import Any
 import torch
 
 from engine.models.config import ModelConfig
+from engine.models.layers.shard import RowParallel, qkv_spans
 from engine.models.lora import LoraTarget, LoraWeights, lora_targets
 from engine.ops import LoraSegments, Ops
+from engine.parallel import SINGLE, TensorParallel, shard_range
+
+Spans = tuple[tuple[int, int], ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoraCut:
+    """This rank's part of an adapter for one projection: ``A``'s input columns
+    ``[start, stop)`` and, per fused slice, the rows of ``B`` it keeps (spans within the
+    slice's own rows, joined in order)."""
+
+    cols: tuple[int, int]
+    rows: tuple[Spans, ...]
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return tuple(sum(b - a for a, b in spans) for spans in self.rows)
+
+
+def lora_cut(config: ModelConfig, target: LoraTarget, tp: TensorParallel, *, row_parallel: bool,
+             gathered: bool = False) -> LoraCut:
+    """How rank ``tp.rank`` cuts an adapter for ``target``, as the base layer is cut
+    (module docstring): the whole adapter on one rank."""
+    whole = tuple(((0, rows),) for _, rows in target.slices)
+    if not tp.enabled:
+        return LoraCut((0, target.in_features), whole)
+    if row_parallel:
+        if gathered:  # the rank's output rows of the whole input
+            ((_, out),) = target.slices
+            return LoraCut((0, target.in_features), ((shard_range(out, tp.rank, tp.world_size),),))
+        return LoraCut(shard_range(target.in_features, tp.rank, tp.world_size), whole)
+    if target.key == "qkv":
+        sizes, spans = qkv_spans(config, tp)  # q by heads, k and v by KV heads (copied below N)
+        per_part = [tuple(part) for part in spans]
+    else:  # gate/up: each its equal share of the intermediate rows
+        inter = target.slices[0][1] if len(target.slices) == 2 else target.slices[0][1] // 2
+        sizes = (inter, inter)
+        per_part = [(shard_range(inter, tp.rank, tp.world_size),)] * 2
+    if len(target.slices) == len(sizes):
+        return LoraCut((0, target.in_features), tuple(per_part))
+    # Phi-3's one fused slice: every part's cut, offset by the parts before it.
+    joined, start = [], 0
+    for size, part in zip(sizes, per_part, strict=True):
+        joined += [(start + a, start + b) for a, b in part]
+        start += size
+    return LoraCut((0, target.in_features), (tuple(joined),))
 
 
 class LoraLinear:
     """A projection plus the LoRA delta of each token's slot (none for base-model tokens)."""
 
-    __slots__ = ("base", "target", "a", "b", "slots", "bounds")
+    __slots__ = ("base", "target", "cut", "a", "b", "slots", "bounds")
 
-    def __init__(self, base: Any, target: LoraTarget, a: torch.Tensor, b: torch.Tensor, slots: LoraSlots) -> None:
+    def __init__(self, base: Any, target: LoraTarget, cut: LoraCut, a: torch.Tensor, b: torch.Tensor,
+                 slots: LoraSlots) -> None:
         self.base = base
         self.target = target
-        self.a = a  # [S, n * R, in]
-        self.b = b  # [S, n * R, out]: B transposed
+        self.cut = cut  # this rank's part of each adapter (the whole on one rank)
+        self.a = a  # [S, n * R, in]: in = this rank's input columns
+        self.b = b  # [S, n * R, out]: B transposed, out = this rank's output rows
         self.slots = slots
         # The fused slices' column bounds: b is block diagonal, which the kernel may skip.
-        self.bounds = (0, *itertools.accumulate(rows for _, rows in target.slices))
+        self.bounds = (0, *itertools.accumulate(cut.widths))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
@@ -63,26 +127,59 @@ class LoraLinear:
 
 class LoraSlots:
     """The adapter slots of one model: every targeted projection's A and B buffers, which
-    adapter each slot holds, and the current step's token-to-slot table."""
+    adapter each slot holds, and the current step's token-to-slot table.
+
+    ``layers`` are this rank's: a pipeline stage's, numbered from ``tp.stage``'s first
+    layer, each cut for ``tp``'s rank."""
 
     def __init__(self, config: ModelConfig, layers: list[Any], ops: Ops, *, max_loras: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE) -> None:
         self.ops = ops
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.dtype = dtype
         self.segments: LoraSegments | None = None
+        self.layer_ids = list(tp.stage.layer_range(config.num_hidden_layers))
+        if len(self.layer_ids) != len(layers):
+            raise ValueError(f"{len(layers)} layers for a stage of {len(self.layer_ids)}")
         self.wrappers: list[dict[str, LoraLinear]] = []
-        for i, layer in enumerate(layers):
+        for i, layer in zip(self.layer_ids, layers, strict=True):
             wrapped = {}
             for target in lora_targets(config, i):
+                base = getattr(layer, target.key)
+                # A row-parallel projection's delta joins its partial product, before the
+                # all-reduce (or the gather) that RowParallel adds: wrap its inner projection.
+                row = isinstance(base, RowParallel)
+                cut = lora_cut(config, target, tp, row_parallel=row, gathered=row and base.gathered)
                 n = len(target.slices)
-                a = torch.zeros((max_loras, n * max_rank, target.in_features), dtype=dtype, device=device)
-                b = torch.zeros((max_loras, n * max_rank, target.out_features), dtype=dtype, device=device)
-                lin = LoraLinear(getattr(layer, target.key), target, a, b, self)
-                setattr(layer, target.key, lin)
+                a = torch.zeros((max_loras, n * max_rank, cut.cols[1] - cut.cols[0]), dtype=dtype, device=device)
+                b = torch.zeros((max_loras, n * max_rank, sum(cut.widths)), dtype=dtype, device=device)
+                lin = LoraLinear(base.linear if row else base, target, cut, a, b, self)
+                if row:
+                    base.linear = lin
+                else:
+                    setattr(layer, target.key, lin)
                 wrapped[target.key] = lin
             self.wrappers.append(wrapped)
+
+    def cut(self, adapter: LoraWeights) -> LoraWeights:
+        """``adapter`` as this rank keeps it: its modules of this stage's layers only, each
+        cut as the rank's slots are (the whole adapter on one rank of one stage)."""
+        modules = {}
+        for i, wrapped in zip(self.layer_ids, self.wrappers, strict=True):
+            for lin in wrapped.values():
+                (c0, c1), rows = lin.cut.cols, lin.cut.rows
+                for (module, _), spans in zip(lin.target.slices, rows, strict=True):
+                    pair = adapter.modules.get((i, module))
+                    if pair is None:
+                        continue
+                    a, b = pair
+                    if (c0, c1) != (0, a.shape[1]):
+                        a = a[:, c0:c1].contiguous()
+                    if spans != ((0, b.shape[0]),):
+                        b = torch.cat([b[s:e] for s, e in spans])
+                    modules[(i, module)] = (a, b)
+        return dataclasses.replace(adapter, modules=modules)
 
     @property
     def nbytes(self) -> int:
@@ -90,14 +187,15 @@ class LoraSlots:
                    for layer in self.wrappers for w in layer.values())
 
     def write(self, slot: int, adapter: LoraWeights) -> None:
-        """Copy ``adapter`` into ``slot`` (its untargeted slices, and the rank padding, zero)."""
+        """Copy ``adapter`` (as :meth:`cut` gives it) into ``slot`` (its untargeted slices,
+        and the rank padding, zero)."""
         r, big_r = adapter.rank, self.max_rank
-        for i, wrapped in enumerate(self.wrappers):
+        for i, wrapped in zip(self.layer_ids, self.wrappers, strict=True):
             for lin in wrapped.values():
                 lin.a[slot].zero_()
                 lin.b[slot].zero_()
                 row = 0
-                for j, (module, rows) in enumerate(lin.target.slices):
+                for j, ((module, _), rows) in enumerate(zip(lin.target.slices, lin.cut.widths, strict=True)):
                     pair = adapter.modules.get((i, module))
                     if pair is not None:
                         a, b = pair
@@ -115,4 +213,4 @@ class LoraSlots:
             self.segments = None
 
 
-__all__ = ["LoraLinear", "LoraSlots"]
+__all__ = ["LoraCut", "LoraLinear", "LoraSlots", "lora_cut"]
