@@ -85,10 +85,11 @@ def _hf(folder: Path):
     return model
 
 
-def write_peft_adapters(base: Path, out: Path, specs: dict[str, dict], seed: int = 0, targets: str = TARGETS):
-    """peft adapters over the transformers model in ``base``, with random A and B (peft
-    starts B at zero: an adapter that changes nothing), saved to ``out/<name>``; returns the
-    PeftModel holding them all."""
+def write_peft_adapters(base: Path, out: Path, specs: dict[str, dict], seed: int = 0, targets: str = TARGETS,
+                        std: float = 0.1):
+    """peft adapters over the transformers model in ``base``, with random A and B of
+    standard deviation ``std`` (peft starts B at zero: an adapter that changes nothing),
+    saved to ``out/<name>``; returns the PeftModel holding them all."""
     from peft import LoraConfig, get_peft_model
 
     model = None
@@ -102,7 +103,7 @@ def write_peft_adapters(base: Path, out: Path, specs: dict[str, dict], seed: int
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if ".lora_" in pname:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+                p.copy_(torch.randn(p.shape, generator=g) * std)
     for name in specs:
         model.save_pretrained(out / "tmp", selected_adapters=[name])
         saved = out / "tmp" / name if (out / "tmp" / name).is_dir() else out / "tmp"

@@ -10,6 +10,13 @@ a dense ``Linear`` or a GGUF ``QuantLinear`` computes its output as before, and
 :class:`LoraLinear` adds ``B[slot] @ (A[slot] @ x)`` per token in the activation dtype (the
 kernel's ``Ops.lora_add``; ``b`` holds B transposed), as llama.cpp applies adapters beside quantized weights.
 
+A mixture-of-experts layer's routed experts get :class:`LoraExperts`: per expert and slot
+an ``A`` and ``B`` for the fused gate/up and for the down projection, applied inside the
+expert MLP (the gate/up delta before the activation), which the fused MoE kernel cannot
+take: a step where a token's adapter adapts the experts runs that layer's experts as the
+torch reference does, a loop over the experts that received tokens, with ``Ops.lora_add``
+per expert over its rows grouped by slot. Steps without such tokens keep ``Ops.fused_moe``.
+
 Which slot each token uses is the step's :class:`LoraSegments`, which the runner sets on
 the slots before the forward and clears after it (:meth:`LoraSlots.step`): the model owns
 this state, and every wrapper of the model reads it from the one :class:`LoraSlots` it was
@@ -24,10 +31,19 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from engine.models.config import ModelConfig
-from engine.models.lora import LoraTarget, LoraWeights, lora_targets
+from engine.models.lora import (
+    EXPERT_DOWN,
+    EXPERT_GATE_UP,
+    LoraTarget,
+    LoraWeights,
+    lora_expert_targets,
+    lora_targets,
+)
 from engine.ops import LoraSegments, Ops
+from engine.ops.moe import combine
 
 
 class LoraLinear:
@@ -61,6 +77,89 @@ class LoraLinear:
         return getattr(self.base, name)
 
 
+class LoraExperts:
+    """The LoRA deltas of one MoE layer's routed experts, per expert and slot."""
+
+    __slots__ = ("slots", "a13", "b13", "a2", "b2", "adapted", "adapted_host")
+
+    def __init__(self, slots: LoraSlots, num_experts: int, hidden: int, inter: int, device: torch.device) -> None:
+        self.slots = slots
+        s, r, dtype = slots.max_loras, slots.max_rank, slots.dtype
+        # [E, S, R, ...]: one expert's slots are contiguous, the [S, R, in] pool lora_add reads.
+        self.a13 = torch.zeros((num_experts, s, r, hidden), dtype=dtype, device=device)
+        self.b13 = torch.zeros((num_experts, s, r, 2 * inter), dtype=dtype, device=device)
+        self.a2 = torch.zeros((num_experts, s, r, inter), dtype=dtype, device=device)
+        self.b2 = torch.zeros((num_experts, s, r, hidden), dtype=dtype, device=device)
+        # Which slots hold an adapter that adapts these experts (index slot + 1; 0: the base).
+        self.adapted = torch.zeros(s + 1, dtype=torch.bool, device=device)
+        self.adapted_host = [False] * s  # the same per slot, read without a device sync
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.a13, self.b13, self.a2, self.b2))
+
+    def write(self, slot: int, layer: int, adapter: LoraWeights) -> None:
+        r = adapter.rank
+        for a_pool, b_pool, target in ((self.a13, self.b13, EXPERT_GATE_UP), (self.a2, self.b2, EXPERT_DOWN)):
+            a_pool[:, slot].zero_()
+            b_pool[:, slot].zero_()
+            pair = adapter.modules.get((layer, target))
+            if pair is not None:
+                a, b = pair  # [E, r, in], [E, out, r]
+                a_pool[:, slot, :r].copy_(a)
+                b_pool[:, slot, :r].copy_(b.transpose(1, 2))
+        adapted = any((layer, t) in adapter.modules for t in (EXPERT_GATE_UP, EXPERT_DOWN))
+        self.adapted[slot + 1] = adapted
+        self.adapted_host[slot] = adapted
+
+    def active(self) -> torch.Tensor | None:
+        """Each token's slot where its adapter adapts these experts, else -1 (int64 [T]);
+        None when no token's does (the step keeps the fused kernel)."""
+        segments = self.slots.segments
+        if segments is None or not any(self.adapted_host[run[2]] for run in segments.host):
+            return None
+        slots = segments.token_slots.long()
+        return torch.where(self.adapted[slots + 1], slots, -1)
+
+    def __call__(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output with each token's adapter deltas (engine.ops.moe's
+        sorted layout, the pairs sorted by expert and, within an expert, by slot)."""
+        ops = self.slots.ops
+        tokens, k = topk_ids.shape
+        num_experts, num_slots = self.a13.shape[:2]
+        inter = w2.shape[-1]
+        pair_slots = token_slots.repeat_interleave(k)  # pair t * k + j is token t's
+        key = topk_ids.reshape(-1) * (num_slots + 1) + (pair_slots + 1)
+        order = torch.argsort(key, stable=True)
+        counts = torch.bincount(key, minlength=num_experts * (num_slots + 1)).view(num_experts, -1).tolist()
+        rows = x.index_select(0, order // k)
+        sorted_slots = pair_slots.index_select(0, order).to(torch.int32)
+        out_sorted = torch.empty((tokens * k, x.shape[-1]), dtype=x.dtype, device=x.device)
+        start = 0
+        for e, per_slot in enumerate(counts):
+            n = sum(per_slot)
+            if n == 0:
+                continue  # an expert that received no token: its weights are never read
+            end = start + n
+            runs, pos = [], per_slot[0]  # the base model's rows come first
+            for slot, c in enumerate(per_slot[1:]):
+                if c:
+                    runs.append((pos, pos + c, slot))
+                    pos += c
+            segments = LoraSegments(tuple(runs), sorted_slots[start:end]) if runs else None
+            h = F.linear(rows[start:end], w13[e])
+            if segments is not None:
+                ops.lora_add(h, rows[start:end], self.a13[e], self.b13[e], segments)
+            act = F.silu(h[:, :inter]) * h[:, inter:]
+            out = F.linear(act, w2[e])
+            if segments is not None:
+                ops.lora_add(out, act, self.a2[e], self.b2[e], segments)
+            out_sorted[start:end] = out
+            start = end
+        return combine(out_sorted, order, topk_weights)
+
+
 class LoraSlots:
     """The adapter slots of one model: every targeted projection's A and B buffers, which
     adapter each slot holds, and the current step's token-to-slot table."""
@@ -73,21 +172,33 @@ class LoraSlots:
         self.dtype = dtype
         self.segments: LoraSegments | None = None
         self.wrappers: list[dict[str, LoraLinear]] = []
+        self.experts: list[LoraExperts | None] = []
         for i, layer in enumerate(layers):
             wrapped = {}
             for target in lora_targets(config, i):
                 n = len(target.slices)
                 a = torch.zeros((max_loras, n * max_rank, target.in_features), dtype=dtype, device=device)
                 b = torch.zeros((max_loras, n * max_rank, target.out_features), dtype=dtype, device=device)
-                lin = LoraLinear(getattr(layer, target.key), target, a, b, self)
-                setattr(layer, target.key, lin)
+                # "moe.shared_down": a field of the layer's SparseMoeBlock.
+                owner, _, field = target.key.rpartition(".")
+                holder = getattr(layer, owner) if owner else layer
+                lin = LoraLinear(getattr(holder, field), target, a, b, self)
+                setattr(holder, field, lin)
                 wrapped[target.key] = lin
             self.wrappers.append(wrapped)
+            experts = None
+            if lora_expert_targets(config, i):
+                assert config.moe is not None
+                experts = LoraExperts(self, config.moe.num_experts, config.hidden_size, config.moe.intermediate_size,
+                                      device)
+                layer.moe.lora = experts
+            self.experts.append(experts)
 
     @property
     def nbytes(self) -> int:
-        return sum(w.a.numel() * w.a.element_size() + w.b.numel() * w.b.element_size()
-                   for layer in self.wrappers for w in layer.values())
+        return (sum(w.a.numel() * w.a.element_size() + w.b.numel() * w.b.element_size()
+                    for layer in self.wrappers for w in layer.values())
+                + sum(e.nbytes for e in self.experts if e is not None))
 
     def write(self, slot: int, adapter: LoraWeights) -> None:
         """Copy ``adapter`` into ``slot`` (its untargeted slices, and the rank padding, zero)."""
@@ -104,6 +215,9 @@ class LoraSlots:
                         lin.a[slot, j * big_r : j * big_r + r].copy_(a)
                         lin.b[slot, j * big_r : j * big_r + r, row : row + rows].copy_(b.T)
                     row += rows
+            experts = self.experts[i]
+            if experts is not None:
+                experts.write(slot, i, adapter)
 
     @contextlib.contextmanager
     def step(self, segments: LoraSegments | None) -> Iterator[None]:
@@ -115,4 +229,4 @@ class LoraSlots:
             self.segments = None
 
 
-__all__ = ["LoraLinear", "LoraSlots"]
+__all__ = ["LoraExperts", "LoraLinear", "LoraSlots"]
