@@ -3,8 +3,8 @@
 For tiny random Llama, Qwen2, Gemma 2 and Qwen2-MoE models, two adapters per model are
 written by peft itself (``save_pretrained``) with random A and B: rank 8 (alpha 16) and
 rank 16 with rsLoRA scaling (alpha 32), on every target the model has: q/k/v/o and the
-dense MLP's gate/up/down (the MoE's sparse layers have no dense MLP; their experts are no
-target). Each adapter and the base model then run in one step of the engine's runner:
+dense MLP's gate/up/down (the MoE's sparse layers have no dense MLP; their experts and
+shared expert are tests/test_lora_moe.py's). Each adapter and the base model then run in one step of the engine's runner:
 
 * fp32 logits at every prompt position within 1e-5 of peft's: both sides compute in fp32
   and differ in summation order only (fused q/k/v and gate/up, the scale folded into B,
