@@ -115,6 +115,8 @@ def test_serve_an_adapter_by_id_at_start_and_at_runtime(hub: FakeHub, folders, t
     with _server(base, "--dtype", "float32", "--enable-lora", "--lora-modules", "hub=org/tiny-lora",
                  f"local={adapter}", "--allow-runtime-lora-updating", "--api-key", KEY,
                  "--served-model-name", "tiny") as (proc, url, log):
+        cards = {m.id: m for m in openai.OpenAI(base_url=url + "/v1", api_key=KEY).models.list().data}
+        assert cards["hub"].root == "org/tiny-lora" and cards["local"].root == str(adapter)  # as vLLM lists them
         local = _complete(url, "local")
         assert _complete(url, "hub") == local  # the same tokens and logprobs
         assert _complete(url, "tiny")[0] != local[0]  # and the adapter is not the base

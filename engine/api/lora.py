@@ -48,6 +48,7 @@ def adapter_folder(name: str, path: str, *, cache_dir: str | None = None, token:
 class ServedAdapter:
     adapter: LoraAdapter
     parent: str  # the model /v1/models names as its parent
+    source: str = ""  # the path or Hub id as given (/v1/models' root); the adapter's folder if empty
 
 
 class LoraRegistry:
@@ -113,7 +114,7 @@ class LoraRegistry:
         finally:
             self._loading.discard(name)
         adapter = LoraAdapter(name, folder, next(self._ids))
-        self._adapters[name] = ServedAdapter(adapter, module.base_model_name or self._served_name)
+        self._adapters[name] = ServedAdapter(adapter, module.base_model_name or self._served_name, module.path)
         return adapter
 
     def _read(self, module: LoraModule) -> str:
