@@ -3,8 +3,8 @@
 For tiny random Llama, Qwen2, Gemma 2 and Qwen2-MoE models, two adapters per model are
 written by peft itself (``save_pretrained``) with random A and B: rank 8 (alpha 16) and
 rank 16 with rsLoRA scaling (alpha 32), on every target the model has: q/k/v/o and the
-dense MLP's gate/up/down (the MoE's sparse layers have no dense MLP; their experts are no
-target). Each adapter and the base model then run in one step of the engine's runner:
+dense MLP's gate/up/down (the MoE's sparse layers have no dense MLP; their experts and
+shared expert are tests/test_lora_moe.py's). Each adapter and the base model then run in one step of the engine's runner:
 
 * fp32 logits at every prompt position within 1e-5 of peft's: both sides compute in fp32
   and differ in summation order only (fused q/k/v and gate/up, the scale folded into B,
@@ -85,10 +85,11 @@ def _hf(folder: Path):
     return model
 
 
-def write_peft_adapters(base: Path, out: Path, specs: dict[str, dict], seed: int = 0, targets: str = TARGETS):
-    """peft adapters over the transformers model in ``base``, with random A and B (peft
-    starts B at zero: an adapter that changes nothing), saved to ``out/<name>``; returns the
-    PeftModel holding them all."""
+def write_peft_adapters(base: Path, out: Path, specs: dict[str, dict], seed: int = 0, targets: str = TARGETS,
+                        std: float = 0.1):
+    """peft adapters over the transformers model in ``base``, with random A and B of
+    standard deviation ``std`` (peft starts B at zero: an adapter that changes nothing),
+    saved to ``out/<name>``; returns the PeftModel holding them all."""
     from peft import LoraConfig, get_peft_model
 
     model = None
@@ -102,7 +103,7 @@ def write_peft_adapters(base: Path, out: Path, specs: dict[str, dict], seed: int
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if ".lora_" in pname:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+                p.copy_(torch.randn(p.shape, generator=g) * std)
     for name in specs:
         model.save_pretrained(out / "tmp", selected_adapters=[name])
         saved = out / "tmp" / name if (out / "tmp" / name).is_dir() else out / "tmp"

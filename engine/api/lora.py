@@ -1,6 +1,11 @@
 """The LoRA adapters an engine serves by name: those of ``--lora-modules`` (checked when the
 engine opens) and those loaded and unloaded at runtime.
 
+An adapter is a local folder or a Hugging Face Hub id (``ORG/NAME``): an id is fetched
+into the Hub cache (:func:`engine.models.hub.resolve_name` with ``adapter=True``: the
+adapter's two files only, the cache first when offline) in the same worker thread that
+reads the adapter, and the request then carries the cached folder.
+
 A request names an adapter; admission turns the name into the
 :class:`engine.messages.LoraAdapter` (name, folder, id) that travels with it to the runner,
 which reads the folder itself. Unloading takes the name away from new requests only: the
@@ -18,15 +23,32 @@ from typing import Any
 import trio
 
 from engine.config import EngineConfig, LoraModule
-from engine.errors import LoraAdapterError, UnknownLoraAdapterError
+from engine.errors import LoraAdapterError, ModelLoadError, UnknownLoraAdapterError
 from engine.messages import LoraAdapter
+from engine.models.hub import parse_name, resolve_name
 from engine.models.lora import read_lora_adapter
+
+
+def adapter_folder(name: str, path: str, *, cache_dir: str | None = None, token: str | None = None) -> str:
+    """The local folder of adapter ``name`` given as ``path``: itself, or where the Hub id
+    ``path`` is cached (fetched first unless offline). Blocking; raises
+    :class:`LoraAdapterError` naming the adapter and the reason."""
+    try:
+        if parse_name(path) is None:
+            return path  # an existing local path
+    except ModelLoadError:
+        return path  # neither a path nor a Hub id: read_lora_adapter says it is no folder
+    try:
+        return str(resolve_name(path, cache_dir=cache_dir, token=token, adapter=True).path)
+    except ModelLoadError as exc:
+        raise LoraAdapterError(name, str(exc)) from None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ServedAdapter:
     adapter: LoraAdapter
     parent: str  # the model /v1/models names as its parent
+    source: str = ""  # the path or Hub id as given (/v1/models' root); the adapter's folder if empty
 
 
 class LoraRegistry:
@@ -41,6 +63,9 @@ class LoraRegistry:
         self._adapters: dict[str, ServedAdapter] = {}
         self._ids = itertools.count(1)
         self._loading: set[str] = set()
+        self._cache_dir = config.download_dir
+        # open_engine's hf_token (the command line's --hf-token is HF_TOKEN already).
+        self.hub_token: str | None = None
 
     async def open(self) -> None:
         """Serve ``--lora-modules``, each read and checked in a worker thread; raises
@@ -67,8 +92,8 @@ class LoraRegistry:
         return served.adapter
 
     async def load(self, name: str, path: str) -> LoraAdapter:
-        """Read and check the adapter in ``path`` in a worker thread (the event loop and
-        the running steps go on), then serve it as ``name``. Raises
+        """Read and check the adapter in ``path`` (a folder or a Hub id) in a worker thread
+        (the event loop and the running steps go on), then serve it as ``name``. Raises
         :class:`LoraAdapterError` (nothing changes)."""
         if not self.enabled:
             raise LoraAdapterError(name, "the engine runs without --enable-lora", param="lora_name")
@@ -85,12 +110,17 @@ class LoraRegistry:
             raise LoraAdapterError(name, "an adapter of that name is already loaded", param="lora_name")
         self._loading.add(name)
         try:
-            await trio.to_thread.run_sync(read_lora_adapter, module.path, name, self._model_config, self._max_rank)
+            folder = await trio.to_thread.run_sync(self._read, module)
         finally:
             self._loading.discard(name)
-        adapter = LoraAdapter(name, module.path, next(self._ids))
-        self._adapters[name] = ServedAdapter(adapter, module.base_model_name or self._served_name)
+        adapter = LoraAdapter(name, folder, next(self._ids))
+        self._adapters[name] = ServedAdapter(adapter, module.base_model_name or self._served_name, module.path)
         return adapter
+
+    def _read(self, module: LoraModule) -> str:
+        folder = adapter_folder(module.name, module.path, cache_dir=self._cache_dir, token=self.hub_token)
+        read_lora_adapter(folder, module.name, self._model_config, self._max_rank)
+        return folder
 
     def unload(self, name: str) -> None:
         """Stop serving ``name`` to new requests (those running with it finish); raises
@@ -99,4 +129,4 @@ class LoraRegistry:
             raise UnknownLoraAdapterError(name, "no adapter of that name is loaded", param="lora_name")
 
 
-__all__ = ["LoraRegistry", "ServedAdapter"]
+__all__ = ["LoraRegistry", "ServedAdapter", "adapter_folder"]

@@ -120,9 +120,9 @@ class LLM:
         of a list of them, through the chat template (``chat_template``: jinja source to
         use instead of the model's). ``tools`` (OpenAI function tools) go to the template,
         as in vLLM: the reply is the model's raw text, tool calls and all (a template that
-        never reads tools gets the engine's fallback tool prompt). Outputs as
+        never reads tools gets the engine's fallback tool prompt). ``lora_request`` as
+        :meth:`generate` takes it (one for all conversations or one each). Outputs as
         :meth:`generate`'s, whose ``prompt`` is the rendered template."""
-        _no_lora(lora_request)
         if chat_template_content_format != "auto":
             raise InvalidParamError("chat_template_content_format: only 'auto' is supported "
                                     "(the engine reads both string and part contents)",
@@ -144,7 +144,7 @@ class LLM:
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message)
         return self._generate(batch.chat_prompts(messages, options), sampling_params, None,
-                              use_tqdm)
+                              use_tqdm, lora_request)
 
     def _generate(self, prompts: list[batch.BatchPrompt], sampling_params: Any,
                   priority: Sequence[int] | None, use_tqdm: Any,
@@ -179,7 +179,7 @@ class LLM:
         prompt (strings, token-id lists or vLLM's prompt dicts), every beam returned, best
         score first. The prompts run side by side (``concurrency_limit`` is vLLM's bound on
         that; here the engine's queue window bounds it)."""
-        _no_lora(lora_request)
+        _no_lora(lora_request, "beam search")
         if not isinstance(params, BeamSearchParams):
             raise InvalidParamError("params must be an engine.BeamSearchParams", param="params")
         prompts_ = batch.generation_prompts(prompts)
@@ -317,9 +317,11 @@ def _lora_requests(lora_request: Any, count: int) -> list[tuple[str, str] | None
     return out
 
 
-def _no_lora(lora_request: Any) -> None:
+def _no_lora(lora_request: Any, what: str = "pooling models") -> None:
+    # Pooling models never take adapters: --enable-lora is refused for them
+    # (engine.process.rank), so an embed/classify/score request cannot run with one.
     if lora_request is not None:
-        raise InvalidParamError("LoRA adapters are not supported", param="lora_request")
+        raise InvalidParamError(f"lora_request: LoRA adapters are not supported for {what}", param="lora_request")
 
 
 def _no_pooling_params(pooling_params: Any) -> None:

@@ -28,7 +28,7 @@ from engine.process.parts import build_front_parts, build_parts
 
 
 async def _start_front_end(nursery: trio.Nursery, config: EngineConfig,
-                           core_secret: bytes | None) -> Engine:
+                           core_secret: bytes | None, hf_token: str | None = None) -> Engine:
     """Start the engine cores (processes of their own), then the front end's actors."""
     listen = None
     if config.data_parallel_address is not None:
@@ -46,6 +46,7 @@ async def _start_front_end(nursery: trio.Nursery, config: EngineConfig,
     hello = await nursery.start(pool.run)
     parts = await trio.to_thread.run_sync(build_front_parts, config, hello)
     engine = Engine(parts)
+    engine.loras.hub_token = hf_token  # for adapters by Hub id
     await engine.loras.open()
     engine._pool = pool
 
@@ -124,10 +125,11 @@ async def open_engine(
             if resolved.core_in_process:
                 parts = await run_in_model_thread(build_parts, resolved)
                 engine = Engine(parts)
+                engine.loras.hub_token = hf_token  # for adapters by Hub id
                 await engine.loras.open()
                 await nursery.start(engine._run)
             else:
-                engine = await _start_front_end(nursery, resolved, core_secret)
+                engine = await _start_front_end(nursery, resolved, core_secret, hf_token)
             try:
                 yield engine
             finally:

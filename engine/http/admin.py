@@ -77,10 +77,10 @@ class AdminRoutes:
         }
 
     def _adapter_cards(self) -> list[dict[str, Any]]:
-        """Each LoRA adapter served, as vLLM lists them: its folder as root, the base model
-        (or its --lora-modules base_model_name) as parent."""
+        """Each LoRA adapter served, as vLLM lists them: its folder (or Hub id) as given as
+        root, the base model (or its --lora-modules base_model_name) as parent."""
         return [{"id": s.adapter.name, "object": "model", "created": now(), "owned_by": "engine",
-                 "root": s.adapter.path, "parent": s.parent, "max_model_len": self.engine.max_model_len}
+                 "root": s.source or s.adapter.path, "parent": s.parent, "max_model_len": self.engine.max_model_len}
                 for s in self.engine.loras]
 
     async def models(self) -> Response:

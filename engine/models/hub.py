@@ -24,6 +24,12 @@ recorded with its size and mtime (under the engine's cache folder, not inside th
 a later start re-hashes only a blob whose size or mtime changed. A blob that fails is
 fetched again (online) or refused (offline): a truncated or corrupted file never loads.
 
+A LoRA adapter by Hub id (``--lora-modules name=ORG/NAME``, ``/v1/load_lora_adapter``)
+goes the same way with ``adapter=True``: only ``adapter_config.json`` and
+``adapter_model.safetensors`` are fetched (an adapter repo's README, training arguments and
+checkpoints stay on the Hub); a repo with the weights as ``adapter_model.bin`` only, or one
+that adds vocabulary, is refused before its weights are fetched.
+
 Refusals, each before any weight is fetched: an id that is neither a path nor a Hub id; a
 repo or revision the Hub does not have; a gated or private repo without a token; not
 cached while offline; weights only as pickles (``*.bin``, ``*.pt``: the engine reads
@@ -92,6 +98,10 @@ TOKENIZER_FILES = (
     "vocab.json", "merges.txt",
 )
 PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+# A peft LoRA adapter's files (engine.models.lora reads these two), and those of an adapter
+# that adds tokens (refused there, and here before anything is fetched).
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+ADAPTER_VOCAB_FILES = ("added_tokens.json", "new_embeddings.safetensors")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -153,7 +163,7 @@ def disk_free(path: Path) -> int:
 def resolve_name(
     name: str, *, revision: str | None = None, token: str | None = None,
     cache_dir: str | Path | None = None, endpoint: str | None = None,
-    offline: bool | None = None, tokenizer_only: bool = False,
+    offline: bool | None = None, tokenizer_only: bool = False, adapter: bool = False,
     free_bytes: Callable[[Path], int] = disk_free, record_dir: Path | None = None,
 ) -> Resolved:
     """The local :class:`Resolved` of ``name`` (see the module docstring).
@@ -162,7 +172,8 @@ def resolve_name(
     ``HF_TOKEN`` or the saved login, as huggingface_hub does. ``cache_dir``: None is
     ``HF_HUB_CACHE`` (``HF_HOME/hub``). ``endpoint``: None is ``HF_ENDPOINT``.
     ``offline``: None is ``HF_HUB_OFFLINE``. ``tokenizer_only``: fetch the tokenizer's
-    files only (``--tokenizer``). ``free_bytes`` measures the cache's free space (tests
+    files only (``--tokenizer``). ``adapter``: a peft LoRA adapter's files only.
+    ``free_bytes`` measures the cache's free space (tests
     give their own); ``record_dir`` keeps which blobs were hashed (None: the engine's cache).
     Raises :class:`ModelNotFoundError`, :class:`ModelAccessError`,
     :class:`UnsupportedModelError`, :class:`CorruptModelError` or :class:`ModelLoadError`
@@ -170,20 +181,22 @@ def resolve_name(
     hub = parse_name(name)
     if hub is None:
         return Resolved(Path(os.path.abspath(Path(name).expanduser())))
-    if hub.tag is not None and tokenizer_only:
-        raise ModelNotFoundError(f"tokenizer {name!r}: a tokenizer is a repo id, not one GGUF file")
+    if hub.tag is not None and (tokenizer_only or adapter):
+        what = "tokenizer" if tokenizer_only else "adapter"
+        raise ModelNotFoundError(f"{what} {name!r}: a {what} is a repo id, not one GGUF file")
     # huggingface_hub reads HF_ENDPOINT once, at import; its metadata calls and its file
     # URLs are both given the endpoint, so that they never ask two different hosts.
     fetch = _Fetch(hub, revision or "main", token,
                    Path(cache_dir if cache_dir is not None else constants.HF_HUB_CACHE).expanduser(),
                    endpoint or constants.ENDPOINT, tokenizer_only, free_bytes,
-                   record_dir if record_dir is not None else cache.default_cache_dir() / "hub-checked")
+                   record_dir if record_dir is not None else cache.default_cache_dir() / "hub-checked",
+                   adapter=adapter)
     is_offline = constants.HF_HUB_OFFLINE if offline is None else offline
     return fetch.from_cache(None) if is_offline else fetch.online()
 
 
 def plan_files(hub: HubName, files: Sequence[RemoteFile], *, tokenizer_only: bool = False,
-               where: str = "",
+               where: str = "", adapter: bool = False,
                read_index: Callable[[RemoteFile], Any] | None = None) -> list[RemoteFile]:
     """The files of ``files`` (a repo's listing) that the engine reads: for a GGUF repo the
     one file ``hub.tag`` picks; else the configs, the tokenizer and the safetensors (those
@@ -191,6 +204,8 @@ def plan_files(hub: HubName, files: Sequence[RemoteFile], *, tokenizer_only: boo
     Refuses a repo it cannot serve (see the module docstring); ``where`` names the listing
     in messages (the Hub, or a cache folder)."""
     names = {f.name: f for f in files}
+    if adapter:
+        return _plan_adapter(hub, names, where)
     wanted = [f for f in files if _matches(f.name, TOKENIZER_FILES)]
     if tokenizer_only:
         if "tokenizer.json" not in names and not {"vocab.json", "merges.txt"} <= names.keys():
@@ -232,6 +247,23 @@ def plan_files(hub: HubName, files: Sequence[RemoteFile], *, tokenizer_only: boo
     return wanted
 
 
+def _plan_adapter(hub: HubName, names: dict[str, RemoteFile], where: str) -> list[RemoteFile]:
+    if ADAPTER_FILES[0] not in names:
+        raise ModelNotFoundError(f"{hub}{where}: no {ADAPTER_FILES[0]} (not a peft LoRA adapter repo)")
+    vocab = [n for n in ADAPTER_VOCAB_FILES if n in names]
+    if vocab:
+        raise UnsupportedModelError(f"{hub}{where}: it adds vocabulary ({', '.join(vocab)}); adapters "
+                                    "with extra tokens are not supported")
+    if ADAPTER_FILES[1] not in names:
+        pickles = sorted(n for n in names if _matches(n, PICKLED) and "/" not in n)
+        if pickles:
+            raise UnsupportedModelError(
+                f"{hub}{where}: its weights are pickles only ({', '.join(pickles[:4])}); the "
+                "engine reads adapter_model.safetensors and never unpickles a download")
+        raise ModelNotFoundError(f"{hub}{where}: no {ADAPTER_FILES[1]}")
+    return [names[n] for n in ADAPTER_FILES]
+
+
 def _matches(name: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
@@ -268,12 +300,13 @@ class _Fetch:
 
     def __init__(self, hub: HubName, revision: str, token: str | None, cache_dir: Path,
                  endpoint: str, tokenizer_only: bool,
-                 free_bytes: Callable[[Path], int], record_dir: Path) -> None:
+                 free_bytes: Callable[[Path], int], record_dir: Path, *, adapter: bool = False) -> None:
         self.hub, self.revision, self.token = hub, revision, token
         self.cache_dir, self.endpoint, self.tokenizer_only = cache_dir, endpoint, tokenizer_only
+        self.adapter = adapter
         self.free_bytes, self.record_dir = free_bytes, record_dir
         self.storage = cache_dir / ("models--" + hub.repo_id.replace("/", "--"))
-        self.what = "tokenizer" if tokenizer_only else "model"
+        self.what = "tokenizer" if tokenizer_only else "adapter" if adapter else "model"
 
     # -- online -------------------------------------------------------------------------
 
@@ -311,7 +344,7 @@ class _Fetch:
             self._verify(snapshot, index, commit, online=True)
             return _read_json(self.hub, snapshot / index.name)
 
-        files = plan_files(self.hub, listing, tokenizer_only=self.tokenizer_only,
+        files = plan_files(self.hub, listing, tokenizer_only=self.tokenizer_only, adapter=self.adapter,
                            read_index=read_index)
         self._check_space(files)
         self._download(files, commit, snapshot)
@@ -375,7 +408,7 @@ class _Fetch:
 
     def _refuse_remote_code(self, snapshot: Path) -> None:
         config = snapshot / "config.json"
-        if self.tokenizer_only or not config.is_file():
+        if self.tokenizer_only or self.adapter or not config.is_file():
             return
         data = _read_json(self.hub, config)
         if isinstance(data, dict) and data.get("auto_map"):
@@ -417,7 +450,7 @@ class _Fetch:
             return _read_json(self.hub, snapshot / index.name)
 
         try:
-            files = plan_files(self.hub, listing, tokenizer_only=self.tokenizer_only,
+            files = plan_files(self.hub, listing, tokenizer_only=self.tokenizer_only, adapter=self.adapter,
                                where=f" (cached at {snapshot})", read_index=read_index)
         except ModelLoadError as exc:
             raise type(exc)(f"{exc}; {reason}") from None
@@ -428,7 +461,7 @@ class _Fetch:
         return self._result(snapshot, files, commit)
 
     def _result(self, snapshot: Path, files: list[RemoteFile], commit: str) -> Resolved:
-        if not self.tokenizer_only and len(files) == 1 and files[0].name.lower().endswith(".gguf"):
+        if not self.tokenizer_only and not self.adapter and len(files) == 1 and files[0].name.lower().endswith(".gguf"):
             return Resolved(snapshot / files[0].name, self.hub, commit)
         return Resolved(snapshot, self.hub, commit)
 

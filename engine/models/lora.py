@@ -6,11 +6,24 @@ A folder holds ``adapter_config.json`` and ``adapter_model.safetensors`` (or the
 (``lora_alpha / sqrt(r)`` with ``use_rslora``). Targets are the attention's q/k/v/o and
 the dense MLP's gate/up/down (Phi-3's fused qkv_proj and gate_up_proj as they are stored).
 
+In a mixture-of-experts layer the targets are the routed experts, the shared expert's
+gate/up/down and its gate (Qwen2-MoE). transformers keeps each layer's experts as two 3-D
+parameters, ``gate_up_proj`` [E, 2 * inter, hidden] and ``down_proj`` [E, hidden, inter],
+which peft adapts through ``target_parameters`` (its ``ParamWrapper``): one pair per
+parameter with ``A`` [E * r, in] (expert-major rows: expert ``e``'s are ``A[e*r:(e+1)*r]``)
+and ``B`` [out, E * r] (rank-major columns: expert ``e``'s are ``B[:, e::E]``), so expert
+``e``'s weight becomes ``W_e + scale * B_e A_e``. Both parameters of one module nest, and
+their keys read ``mlp.experts.lora_A.weight`` and ``mlp.experts.base_layer.lora_A.weight``;
+which is which is told by shape (``A``'s input and ``B``'s output are (hidden, 2 * inter)
+for gate_up and (inter, hidden) for down, never equal). Read here as ``A`` [E, r, in] and
+``scale * B`` [E, out, r]. Adapters written with transformers 4 (an ``nn.Linear`` per expert,
+``experts.N.gate_proj``) are refused with a message.
+
 What is refused, with a message naming the adapter and the reason: a folder or file that
 is missing; an extra vocabulary (``added_tokens.json``, ``new_embeddings.safetensors``,
 ``trainable_token_indices``, embedding or LM-head targets); ``modules_to_save``; DoRA,
 LoRA biases, per-module ``rank_pattern``/``alpha_pattern``; a target other than the above
-(the experts of a mixture-of-experts layer included); a rank above ``--max-lora-rank``; a
+(the MoE router, per-expert module keys); a rank above ``--max-lora-rank``; a
 tensor whose shape does not fit the base model; NaN or infinite values.
 
 The engine fuses q/k/v and gate/up into one matmul each (``models/layers/decoder.py``); an
@@ -38,7 +51,12 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
 # A peft key: base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight
-_KEY = re.compile(r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_KEY = re.compile(r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.([\w.]+?)\.lora_([AB])\.weight$")
+# peft's ParamWrapper over a MoE layer's 3-D expert parameters: one pair per parameter,
+# nested (the inner one's key has a base_layer per level).
+_EXPERTS = re.compile(r"^experts(?:\.base_layer)*$")
+EXPERT_GATE_UP = "experts.gate_up_proj"
+EXPERT_DOWN = "experts.down_proj"
 # Targets that add tokens or replace whole modules: the adapter carries its own vocabulary
 # rows, which a shared base model's embedding cannot hold per request.
 _VOCAB_TARGETS = ("embed_tokens", "lm_head", "wte", "word_embeddings")
@@ -82,18 +100,40 @@ def lora_targets(config: ModelConfig, layer: int) -> tuple[LoraTarget, ...]:
     if config.moe is None or layer not in config.moe.sparse_layers:
         gate_up = (("gate_up_proj", 2 * inter),) if phi3 else (("gate_proj", inter), ("up_proj", inter))
         targets += [LoraTarget("gate_up", hidden, gate_up), LoraTarget("down", inter, (("down_proj", hidden),))]
+    elif config.moe.shared_expert_intermediate_size:
+        # Qwen2-MoE's shared expert (a dense MLP inside the sparse block) and its gate; the
+        # keys name SparseMoeBlock's fields.
+        shared = config.moe.shared_expert_intermediate_size
+        targets += [
+            LoraTarget("moe.shared_gate_up", hidden,
+                       (("shared_expert.gate_proj", shared), ("shared_expert.up_proj", shared))),
+            LoraTarget("moe.shared_down", shared, (("shared_expert.down_proj", hidden),)),
+            LoraTarget("moe.shared_gate", hidden, (("shared_expert_gate", 1),)),
+        ]
     return tuple(targets)
 
 
+def lora_expert_targets(config: ModelConfig, layer: int) -> dict[str, tuple[int, int]]:
+    """The routed experts' parameters of ``layer`` an adapter may target, with each one's
+    (in, out) features per expert; empty for a dense layer."""
+    moe = config.moe
+    if moe is None or layer not in moe.sparse_layers:
+        return {}
+    hidden, inter = config.hidden_size, moe.intermediate_size
+    return {EXPERT_GATE_UP: (hidden, 2 * inter), EXPERT_DOWN: (inter, hidden)}
+
+
 def _module_names(config: ModelConfig) -> frozenset[str]:
-    return frozenset(name for i in range(config.num_hidden_layers) for t in lora_targets(config, i)
-                     for name, _ in t.slices)
+    return frozenset([name for i in range(config.num_hidden_layers) for t in lora_targets(config, i)
+                      for name, _ in t.slices]
+                     + [name for i in range(config.num_hidden_layers) for name in lora_expert_targets(config, i)])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LoraWeights:
     """An adapter read and checked: per ``(layer, peft module)``, ``A`` [r, in] and
-    ``scale * B`` [out, r], fp32 on the host."""
+    ``scale * B`` [out, r], fp32 on the host (a MoE layer's experts: ``A`` [E, r, in] and
+    ``scale * B`` [E, out, r] under ``EXPERT_GATE_UP`` / ``EXPERT_DOWN``)."""
 
     name: str
     rank: int
@@ -189,22 +229,34 @@ def _modules(tensors: dict[str, torch.Tensor], config: ModelConfig, name: str, r
             raise LoraAdapterError(name, f"tensor {key} is {what}; only the attention (q/k/v/o) "
                                    "and MLP (gate/up/down) projections are supported")
         layer, module, ab = int(m.group(1)), m.group(3), m.group(4)
+        if re.match(r"^experts\.\d+\.", module):
+            raise LoraAdapterError(name, f"tensor {key} adapts one expert's own module (the per-expert "
+                                   "layout of transformers 4); only peft's target_parameters over the fused "
+                                   "experts.gate_up_proj / experts.down_proj are supported")
         parts.setdefault((layer, module), {})[ab] = tensor
     if not parts:
         raise LoraAdapterError(name, "it holds no LoRA weights")
     shapes = {(i, n): (t.in_features, rows) for i in range(config.num_hidden_layers)
               for t in lora_targets(config, i) for n, rows in t.slices}
+    experts = {i: lora_expert_targets(config, i) for i in range(config.num_hidden_layers)}
     known = _module_names(config)
     modules = {}
     for (layer, module), pair in sorted(parts.items()):
         where = f"layers.{layer}.{module}"
-        if (layer, module) not in shapes:
-            if layer >= config.num_hidden_layers:
-                raise LoraAdapterError(name, f"{where}: the base model has {config.num_hidden_layers} layers")
-            why = "a mixture-of-experts layer's MLP" if module in known else "not a supported target"
-            raise LoraAdapterError(name, f"{where} is {why}; supported: {', '.join(sorted(known))}")
+        if layer >= config.num_hidden_layers:
+            raise LoraAdapterError(name, f"{where}: the base model has {config.num_hidden_layers} layers")
         if set(pair) != {"A", "B"}:
             raise LoraAdapterError(name, f"{where} has lora_{'A' if 'A' in pair else 'B'} without its pair")
+        if _EXPERTS.match(module) and experts[layer]:
+            target, a, b = _expert_pair(pair["A"], pair["B"], experts[layer], config, name, where, rank, scale)
+            if (layer, target) in modules:
+                raise LoraAdapterError(name, f"{where}: two pairs fit {target}")
+            modules[(layer, target)] = (a, b)
+            continue
+        if (layer, module) not in shapes:
+            why = ("a target of another layer kind (dense or mixture-of-experts)" if module in known
+                   or _EXPERTS.match(module) else "not a supported target")
+            raise LoraAdapterError(name, f"{where} is {why}; supported: {', '.join(sorted(known))}")
         a, b = pair["A"], pair["B"]
         fan_in, fan_out = shapes[(layer, module)]
         if tuple(a.shape) != (rank, fan_in) or tuple(b.shape) != (fan_out, rank):
@@ -218,5 +270,26 @@ def _modules(tensors: dict[str, torch.Tensor], config: ModelConfig, name: str, r
     return modules
 
 
-__all__ = ["CONFIG_FILE", "LORA_ARCHITECTURES", "WEIGHTS_FILE", "LoraAdapterError", "check_lora_model", "LoraTarget", "LoraWeights", "lora_targets",
-           "read_lora_adapter"]
+def _expert_pair(a: torch.Tensor, b: torch.Tensor, targets: dict[str, tuple[int, int]], config: ModelConfig,
+                 name: str, where: str, rank: int, scale: float) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """One ParamWrapper pair over a layer's fused experts: which parameter it adapts (by
+    shape) and its per-expert ``A`` [E, r, in] and ``scale * B`` [E, out, r]."""
+    assert config.moe is not None
+    e = config.moe.num_experts
+    fits = [(t, i, o) for t, (i, o) in targets.items() if tuple(a.shape) == (e * rank, i) and tuple(b.shape) == (o, e * rank)]
+    if not fits:
+        want = " or ".join(f"({e * rank}, {i}) and ({o}, {e * rank}) for {t}" for t, (i, o) in targets.items())
+        raise LoraAdapterError(name, f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the "
+                               f"base model's {e} experts (expected {want})")
+    target, fan_in, fan_out = fits[0]
+    a, b = a.float(), b.float()
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        raise LoraAdapterError(name, f"{where} ({target}) holds NaN or infinite values")
+    # peft's layout (module docstring): A's rows expert-major, B's columns rank-major.
+    a_e = a.reshape(e, rank, fan_in)
+    b_e = b.reshape(fan_out, rank, e).permute(2, 0, 1)
+    return target, a_e.contiguous(), (b_e * scale).contiguous()
+
+
+__all__ = ["CONFIG_FILE", "EXPERT_DOWN", "EXPERT_GATE_UP", "LORA_ARCHITECTURES", "WEIGHTS_FILE", "LoraAdapterError",
+           "check_lora_model", "LoraTarget", "LoraWeights", "lora_expert_targets", "lora_targets", "read_lora_adapter"]

@@ -24,6 +24,13 @@ those outputs. The scale is folded into ``B`` before the cut, so each part carri
 A pipeline stage builds slots for its own layers only, and keeps only those layers' part of
 each adapter it reads (:meth:`LoraSlots.cut`).
 
+A mixture-of-experts layer's routed experts get :class:`LoraExperts`: per expert and slot
+an ``A`` and ``B`` for the fused gate/up and for the down projection, applied inside the
+expert MLP (the gate/up delta before the activation), which the fused MoE kernel cannot
+take: a step where a token's adapter adapts the experts runs that layer's experts as the
+torch reference does, a loop over the experts that received tokens, with ``Ops.lora_add``
+per expert over its rows grouped by slot. Steps without such tokens keep ``Ops.fused_moe``.
+
 Which slot each token uses is the step's :class:`LoraSegments`, which the runner sets on
 the slots before the forward and clears after it (:meth:`LoraSlots.step`): the model owns
 this state, and every wrapper of the model reads it from the one :class:`LoraSlots` it was
@@ -39,11 +46,21 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
+from engine.errors import UnsupportedModelError
 from engine.models.config import ModelConfig
 from engine.models.layers.shard import RowParallel, qkv_spans
-from engine.models.lora import LoraTarget, LoraWeights, lora_targets
+from engine.models.lora import (
+    EXPERT_DOWN,
+    EXPERT_GATE_UP,
+    LoraTarget,
+    LoraWeights,
+    lora_expert_targets,
+    lora_targets,
+)
 from engine.ops import LoraSegments, Ops
+from engine.ops.moe import combine
 from engine.parallel import SINGLE, TensorParallel, shard_range
 
 Spans = tuple[tuple[int, int], ...]
@@ -125,6 +142,89 @@ class LoraLinear:
         return getattr(self.base, name)
 
 
+class LoraExperts:
+    """The LoRA deltas of one MoE layer's routed experts, per expert and slot."""
+
+    __slots__ = ("slots", "a13", "b13", "a2", "b2", "adapted", "adapted_host")
+
+    def __init__(self, slots: LoraSlots, num_experts: int, hidden: int, inter: int, device: torch.device) -> None:
+        self.slots = slots
+        s, r, dtype = slots.max_loras, slots.max_rank, slots.dtype
+        # [E, S, R, ...]: one expert's slots are contiguous, the [S, R, in] pool lora_add reads.
+        self.a13 = torch.zeros((num_experts, s, r, hidden), dtype=dtype, device=device)
+        self.b13 = torch.zeros((num_experts, s, r, 2 * inter), dtype=dtype, device=device)
+        self.a2 = torch.zeros((num_experts, s, r, inter), dtype=dtype, device=device)
+        self.b2 = torch.zeros((num_experts, s, r, hidden), dtype=dtype, device=device)
+        # Which slots hold an adapter that adapts these experts (index slot + 1; 0: the base).
+        self.adapted = torch.zeros(s + 1, dtype=torch.bool, device=device)
+        self.adapted_host = [False] * s  # the same per slot, read without a device sync
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.a13, self.b13, self.a2, self.b2))
+
+    def write(self, slot: int, layer: int, adapter: LoraWeights) -> None:
+        r = adapter.rank
+        for a_pool, b_pool, target in ((self.a13, self.b13, EXPERT_GATE_UP), (self.a2, self.b2, EXPERT_DOWN)):
+            a_pool[:, slot].zero_()
+            b_pool[:, slot].zero_()
+            pair = adapter.modules.get((layer, target))
+            if pair is not None:
+                a, b = pair  # [E, r, in], [E, out, r]
+                a_pool[:, slot, :r].copy_(a)
+                b_pool[:, slot, :r].copy_(b.transpose(1, 2))
+        adapted = any((layer, t) in adapter.modules for t in (EXPERT_GATE_UP, EXPERT_DOWN))
+        self.adapted[slot + 1] = adapted
+        self.adapted_host[slot] = adapted
+
+    def active(self) -> torch.Tensor | None:
+        """Each token's slot where its adapter adapts these experts, else -1 (int64 [T]);
+        None when no token's does (the step keeps the fused kernel)."""
+        segments = self.slots.segments
+        if segments is None or not any(self.adapted_host[run[2]] for run in segments.host):
+            return None
+        slots = segments.token_slots.long()
+        return torch.where(self.adapted[slots + 1], slots, -1)
+
+    def __call__(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output with each token's adapter deltas (engine.ops.moe's
+        sorted layout, the pairs sorted by expert and, within an expert, by slot)."""
+        ops = self.slots.ops
+        tokens, k = topk_ids.shape
+        num_experts, num_slots = self.a13.shape[:2]
+        inter = w2.shape[-1]
+        pair_slots = token_slots.repeat_interleave(k)  # pair t * k + j is token t's
+        key = topk_ids.reshape(-1) * (num_slots + 1) + (pair_slots + 1)
+        order = torch.argsort(key, stable=True)
+        counts = torch.bincount(key, minlength=num_experts * (num_slots + 1)).view(num_experts, -1).tolist()
+        rows = x.index_select(0, order // k)
+        sorted_slots = pair_slots.index_select(0, order).to(torch.int32)
+        out_sorted = torch.empty((tokens * k, x.shape[-1]), dtype=x.dtype, device=x.device)
+        start = 0
+        for e, per_slot in enumerate(counts):
+            n = sum(per_slot)
+            if n == 0:
+                continue  # an expert that received no token: its weights are never read
+            end = start + n
+            runs, pos = [], per_slot[0]  # the base model's rows come first
+            for slot, c in enumerate(per_slot[1:]):
+                if c:
+                    runs.append((pos, pos + c, slot))
+                    pos += c
+            segments = LoraSegments(tuple(runs), sorted_slots[start:end]) if runs else None
+            h = F.linear(rows[start:end], w13[e])
+            if segments is not None:
+                ops.lora_add(h, rows[start:end], self.a13[e], self.b13[e], segments)
+            act = F.silu(h[:, :inter]) * h[:, inter:]
+            out = F.linear(act, w2[e])
+            if segments is not None:
+                ops.lora_add(out, act, self.a2[e], self.b2[e], segments)
+            out_sorted[start:end] = out
+            start = end
+        return combine(out_sorted, order, topk_weights)
+
+
 class LoraSlots:
     """The adapter slots of one model: every targeted projection's A and B buffers, which
     adapter each slot holds, and the current step's token-to-slot table.
@@ -143,10 +243,19 @@ class LoraSlots:
         if len(self.layer_ids) != len(layers):
             raise ValueError(f"{len(layers)} layers for a stage of {len(self.layer_ids)}")
         self.wrappers: list[dict[str, LoraLinear]] = []
+        if tp.enabled and config.moe is not None:
+            # The experts' pools (LoraExperts) and the shared expert's targets are sized for
+            # a whole expert; their cut to match w13/w2's split is not built.
+            raise UnsupportedModelError("LoRA adapters on a mixture-of-experts model with tensor "
+                                        "parallelism are not supported yet (pipeline parallelism is)")
+        self.experts: list[LoraExperts | None] = []
         for i, layer in zip(self.layer_ids, layers, strict=True):
             wrapped = {}
             for target in lora_targets(config, i):
-                base = getattr(layer, target.key)
+                # "moe.shared_down": a field of the layer's SparseMoeBlock.
+                owner, _, field = target.key.rpartition(".")
+                holder = getattr(layer, owner) if owner else layer
+                base = getattr(holder, field)
                 # A row-parallel projection's delta joins its partial product, before the
                 # all-reduce (or the gather) that RowParallel adds: wrap its inner projection.
                 row = isinstance(base, RowParallel)
@@ -158,9 +267,16 @@ class LoraSlots:
                 if row:
                     base.linear = lin
                 else:
-                    setattr(layer, target.key, lin)
+                    setattr(holder, field, lin)
                 wrapped[target.key] = lin
             self.wrappers.append(wrapped)
+            experts = None
+            if lora_expert_targets(config, i):
+                assert config.moe is not None
+                experts = LoraExperts(self, config.moe.num_experts, config.hidden_size, config.moe.intermediate_size,
+                                      device)
+                layer.moe.lora = experts
+            self.experts.append(experts)
 
     def cut(self, adapter: LoraWeights) -> LoraWeights:
         """``adapter`` as this rank keeps it: its modules of this stage's layers only, each
@@ -179,18 +295,23 @@ class LoraSlots:
                     if spans != ((0, b.shape[0]),):
                         b = torch.cat([b[s:e] for s, e in spans])
                     modules[(i, module)] = (a, b)
+            # The routed experts' pairs are kept whole (no tensor parallelism with them).
+            for module in (EXPERT_GATE_UP, EXPERT_DOWN):
+                if (i, module) in adapter.modules:
+                    modules[(i, module)] = adapter.modules[(i, module)]
         return dataclasses.replace(adapter, modules=modules)
 
     @property
     def nbytes(self) -> int:
-        return sum(w.a.numel() * w.a.element_size() + w.b.numel() * w.b.element_size()
-                   for layer in self.wrappers for w in layer.values())
+        return (sum(w.a.numel() * w.a.element_size() + w.b.numel() * w.b.element_size()
+                    for layer in self.wrappers for w in layer.values())
+                + sum(e.nbytes for e in self.experts if e is not None))
 
     def write(self, slot: int, adapter: LoraWeights) -> None:
         """Copy ``adapter`` (as :meth:`cut` gives it) into ``slot`` (its untargeted slices,
         and the rank padding, zero)."""
         r, big_r = adapter.rank, self.max_rank
-        for i, wrapped in zip(self.layer_ids, self.wrappers, strict=True):
+        for i, wrapped, experts in zip(self.layer_ids, self.wrappers, self.experts, strict=True):
             for lin in wrapped.values():
                 lin.a[slot].zero_()
                 lin.b[slot].zero_()
@@ -202,6 +323,8 @@ class LoraSlots:
                         lin.a[slot, j * big_r : j * big_r + r].copy_(a)
                         lin.b[slot, j * big_r : j * big_r + r, row : row + rows].copy_(b.T)
                     row += rows
+            if experts is not None:
+                experts.write(slot, i, adapter)
 
     @contextlib.contextmanager
     def step(self, segments: LoraSegments | None) -> Iterator[None]:
@@ -213,4 +336,4 @@ class LoraSlots:
             self.segments = None
 
 
-__all__ = ["LoraCut", "LoraLinear", "LoraSlots", "lora_cut"]
+__all__ = ["LoraCut", "LoraExperts", "LoraLinear", "LoraSlots", "lora_cut"]

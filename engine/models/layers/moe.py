@@ -74,7 +74,7 @@ def select_experts(
 class SparseMoeBlock:
     """One layer's router, stacked expert weights and optional shared expert."""
 
-    __slots__ = ("top_k", "renormalize", "router", "w13", "w2", "shared_gate_up", "shared_down", "shared_gate")
+    __slots__ = ("top_k", "renormalize", "router", "w13", "w2", "shared_gate_up", "shared_down", "shared_gate", "lora")
 
     def __init__(
         self,
@@ -104,6 +104,8 @@ class SparseMoeBlock:
         self.w13 = torch.stack(gate_up)
         self.w2 = torch.stack(down)
         self.shared_gate_up = self.shared_down = self.shared_gate = None
+        # The experts' LoRA deltas (engine.models.layers.lora.LoraExperts), once enabled.
+        self.lora = None
         if moe.shared_expert_intermediate_size:
             s = p + "shared_expert."
             self.shared_gate_up = linear(torch.cat([rows(s + "gate_proj.weight"), rows(s + "up_proj.weight")]))
@@ -114,7 +116,11 @@ class SparseMoeBlock:
         """The block's output; with tensor parallelism this rank's part of it (the gated
         shared expert's too: the gate scales each rank's partial sum alike)."""
         weights, ids = select_experts(self.router(x), self.top_k, self.renormalize)
-        out = ops.fused_moe(x, self.w13, self.w2, weights, ids)
+        token_slots = None if self.lora is None else self.lora.active()
+        if token_slots is None:
+            out = ops.fused_moe(x, self.w13, self.w2, weights, ids)
+        else:  # a token's adapter adapts the experts: the deltas go inside each expert's MLP
+            out = self.lora(x, self.w13, self.w2, weights, ids, token_slots)
         if self.shared_gate_up is not None:
             assert self.shared_down is not None and self.shared_gate is not None
             shared = self.shared_down(ops.silu_and_mul(self.shared_gate_up(x)))

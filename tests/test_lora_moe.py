@@ -1,0 +1,146 @@
+"""LoRA on a mixture-of-experts model's experts, against peft's ``PeftModel`` (unmerged).
+
+Tiny random Qwen2-MoE (6 experts, top 2, a gated shared expert, every second layer
+sparse) and Mixtral (8 experts, top 2, every layer sparse), each with two adapters that
+peft writes itself with random A and B: rank 8 (alpha 16) and rank 16 with rsLoRA
+(alpha 32), on the attention's q/k/v/o, the dense layers' gate/up/down, Qwen2-MoE's shared
+expert and its gate, and the routed experts (peft's ``target_parameters`` over the fused
+``experts.gate_up_proj`` and ``experts.down_proj``). Both adapters and the base run in one
+step of the engine's runner:
+
+* fp32 logits at every prompt position within 5e-5 of peft's, the tolerance
+  tests/test_lora.py holds its MoE model to (logits reach ~17 there; the routed experts
+  sum in their own order); an adapter's expert deltas left out, or an expert's A read
+  against another expert's B, move logits by O(0.1), which the test checks they do;
+* the same 32 greedy tokens as peft's ``generate``.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from greedy_driver import run_greedy
+from test_lora import (
+    NEW_TOKENS,
+    _generate,
+    _loaded,
+    _prompts,
+    _runner,
+    prefill_logits,
+    write_peft_adapters,
+)
+
+from engine.errors import LoraAdapterError
+from engine.messages import LoraAdapter
+from engine.models.lora import EXPERT_DOWN, EXPERT_GATE_UP, read_lora_adapter
+from engine.models.testing import write_tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LOGIT_ATOL_MOE = 5e-5  # see the module docstring
+# Every linear an adapter may target in these models (the router is not one: transformers
+# keeps it as a bare parameter), and the routed experts' two fused parameters.
+TARGETS = (r".*\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj"
+           r"|mlp\.shared_expert\.(gate|up|down)_proj|mlp\.shared_expert_gate)")
+EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
+ADAPTERS = {"r8": dict(r=8, lora_alpha=16, target_parameters=EXPERTS),
+            "r16": dict(r=16, lora_alpha=32, use_rslora=True, target_parameters=EXPERTS)}
+# A and B drawn at half tests/test_lora.py's 0.1: with the experts adapted too, the rank-16
+# rsLoRA adapter (scale 8) at 0.1 outweighs the base weights about fourfold, and the C
+# kernels' fp32 rounding, amplified through such a model, reached 1.1e-4 (the torch ops
+# 2.5e-5); at 0.05 the adapters still move logits by O(1) (checked below).
+ADAPTER_STD = 0.05
+
+
+@pytest.fixture(scope="module", params=["qwen2_moe", "mixtral"])
+def tiny(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    folder = write_tiny_model(root / "base", request.param)
+    peft_model = write_peft_adapters(folder, root, ADAPTERS, seed=3, targets=TARGETS, std=ADAPTER_STD)
+    adapters = {name: LoraAdapter(name, str(root / name), i + 1) for i, name in enumerate(ADAPTERS)}
+    loaded = _loaded(folder)
+    prompts = _prompts(loaded.config.vocab_size)
+    want, tokens = {}, {}
+    with torch.inference_mode():
+        with peft_model.disable_adapter():
+            want[None] = [peft_model(torch.tensor([p])).logits[0] for p in prompts]
+            tokens[None] = [_generate(peft_model, p) for p in prompts]
+        for name in ADAPTERS:
+            peft_model.set_adapter(name)
+            want[name] = [peft_model(torch.tensor([p])).logits[0] for p in prompts]
+            tokens[name] = [_generate(peft_model, p) for p in prompts]
+    return types.SimpleNamespace(arch=request.param, loaded=loaded, adapters=adapters, prompts=prompts, want=want,
+                                 tokens=tokens, root=root)
+
+
+def test_the_adapters_adapt_every_expert_and_the_shared_expert(tiny) -> None:
+    config = tiny.loaded.config
+    for name in ADAPTERS:
+        weights = read_lora_adapter(tiny.adapters[name].path, name, config, 16)
+        for layer in config.moe.sparse_layers:
+            a, b = weights.modules[(layer, EXPERT_GATE_UP)]
+            assert a.shape[0] == b.shape[0] == config.moe.num_experts
+            assert (layer, EXPERT_DOWN) in weights.modules
+            if config.moe.shared_expert_intermediate_size:
+                assert {(layer, "shared_expert.down_proj"), (layer, "shared_expert_gate")} <= weights.modules.keys()
+
+
+@pytest.mark.parametrize("ops", ["torch", "cpu"])
+def test_logits_at_every_position_match_peft(tiny, ops) -> None:
+    runner = _runner(tiny.loaded, ops)
+    names = [None, "r8", "r16"]
+    prompts = [p for p in tiny.prompts for _ in names]
+    loras = [None if n is None else tiny.adapters[n] for _ in tiny.prompts for n in names]
+    got = prefill_logits(runner, prompts, loras)
+    worst = 0.0
+    for i, g in enumerate(got):
+        name, p = names[i % len(names)], i // len(names)
+        worst = max(worst, (g - tiny.want[name][p]).abs().max().item())
+        torch.testing.assert_close(g, tiny.want[name][p], atol=LOGIT_ATOL_MOE, rtol=0,
+                                   msg=lambda m, n=name: f"adapter {n}: {m}")
+    print(f"{tiny.arch} {ops}: max |logit - peft| {worst:.2e}")
+    for name in ADAPTERS:  # the adapters change the model (else the check above could not fail)
+        assert (tiny.want[name][2] - tiny.want[None][2]).abs().max() > 0.1
+    # The experts' deltas matter: the same adapter with its expert pairs zeroed is far off.
+    for name in ADAPTERS:
+        weights = runner.lora.load(tiny.adapters[name])
+        saved = {k: v for k, v in weights.modules.items() if k[1] in (EXPERT_GATE_UP, EXPERT_DOWN)}
+        try:
+            for key, (a, b) in saved.items():
+                weights.modules[key] = (a, torch.zeros_like(b))
+            fresh = _runner(tiny.loaded, ops)
+            fresh.lora._host[tiny.adapters[name].id] = weights
+            (off,) = prefill_logits(fresh, [tiny.prompts[2]], [tiny.adapters[name]])
+        finally:
+            weights.modules.update(saved)
+        assert (off - tiny.want[name][2]).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("ops", ["torch", "cpu"])
+def test_greedy_tokens_match_peft(tiny, ops) -> None:
+    runner = _runner(tiny.loaded, ops)
+    names = [None, "r8", "r16"]
+    prompts = [p for p in tiny.prompts for _ in names]
+    loras = [None if n is None else tiny.adapters[n] for _ in tiny.prompts for n in names]
+    runs = run_greedy(runner, prompts, NEW_TOKENS, chunk_size=5, block_size=4, loras=loras)
+    for i, run in enumerate(runs):
+        name, p = names[i % len(names)], i // len(names)
+        assert [s.token_id for s in run] == tiny.tokens[name][p], f"adapter {name}, prompt {p}"
+
+
+def test_per_expert_module_keys_are_refused(tiny, tmp_path) -> None:
+    """transformers 4's layout (an nn.Linear per expert) is named in the refusal."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tiny.root / "r8"
+    shutil.copytree(src, tmp_path / "old")
+    tensors = load_file(str(src / "adapter_model.safetensors"))
+    layer = tiny.loaded.config.moe.sparse_layers[0]
+    tensors[f"base_model.model.model.layers.{layer}.mlp.experts.0.gate_proj.lora_A.weight"] = torch.zeros(8, 64)
+    save_file(tensors, str(tmp_path / "old" / "adapter_model.safetensors"))
+    with pytest.raises(LoraAdapterError, match="per-expert layout"):
+        read_lora_adapter(tmp_path / "old", "old", tiny.loaded.config, 16)
