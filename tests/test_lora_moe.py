@@ -32,10 +32,13 @@ from test_lora import (
     write_peft_adapters,
 )
 
-from engine.errors import LoraAdapterError
+from engine.errors import LoraAdapterError, UnsupportedModelError
 from engine.messages import LoraAdapter
+from engine.models.layers.lora import LoraSlots
 from engine.models.lora import EXPERT_DOWN, EXPERT_GATE_UP, read_lora_adapter
 from engine.models.testing import write_tiny_model
+from engine.ops import get_ops
+from engine.parallel import TensorParallel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -144,3 +147,12 @@ def test_per_expert_module_keys_are_refused(tiny, tmp_path) -> None:
     save_file(tensors, str(tmp_path / "old" / "adapter_model.safetensors"))
     with pytest.raises(LoraAdapterError, match="per-expert layout"):
         read_lora_adapter(tmp_path / "old", "old", tiny.loaded.config, 16)
+
+
+def test_tensor_parallel_with_an_moe_model_is_refused(tiny) -> None:
+    """The experts' pools hold whole experts: under tensor parallelism the slots are refused
+    when built, naming what is missing, rather than run against a rank's cut of w13/w2."""
+    config = tiny.loaded.config
+    with pytest.raises(UnsupportedModelError, match="mixture-of-experts.*tensor parallelism"):
+        LoraSlots(config, [None] * config.num_hidden_layers, get_ops("torch"), max_loras=2, max_rank=16,
+                  dtype=torch.float32, device=torch.device("cpu"), tp=TensorParallel(rank=0, world_size=2))
