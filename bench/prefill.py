@@ -13,7 +13,8 @@ N / TTFT (the sampled token included, as llama-bench's pp includes the last logi
 
 The llama.cpp side is ``llama-bench -m FILE -t THREADS -p N -n 0 -r 1`` (its own warm-up
 run first, as llama-bench always does), from a build of
-``../shared/anchors/build_llama_cpp.sh``. The two sides never run at once: in each round
+``../shared/anchors/build_llama_cpp.sh`` (``--no-repack`` adds ``--repack 0``: on the Xeon
+dev host, llama.cpp's repacked weights crash its prompt path; see docs/benchmarks.md). The two sides never run at once: in each round
 every length runs on the engine (idle between requests), then on llama-bench. The end
 prints the median of each over the rounds and engine / llama.cpp (the issue's target:
 at least 1.5x at every length). A prompt of the model's whole context (8,192 for SmolLM2)
@@ -42,12 +43,13 @@ from engine.models.loader import default_model_path  # noqa: E402
 from engine.params import SamplingParams  # noqa: E402
 
 
-def llama_bench_pp(llama_cpp: Path, model: Path, threads: int, n: int) -> float:
+def llama_bench_pp(llama_cpp: Path, model: Path, threads: int, n: int, repack: bool) -> float:
     """llama-bench's prompt-processing tok/s for an ``n``-token prompt (one timed run)."""
     exe = llama_cpp / "bin" / "llama-bench"
     out = subprocess.run(
         [str(exe), "-m", str(model), "-t", str(threads), "-p", str(n), "-n", "0", "-r", "1",
-         "-o", "json"], capture_output=True, text=True, check=True).stdout
+         "-o", "json", *([] if repack else ["--repack", "0"])],
+        capture_output=True, text=True, check=True).stdout
     runs = [r for r in json.loads(out) if r.get("n_prompt") == n and r.get("n_gen") == 0]
     if not runs:
         raise SystemExit(f"llama-bench gave no pp{n} row: {out[:400]}")
@@ -80,7 +82,7 @@ async def engine_rounds(args: argparse.Namespace, model: Path, lengths: list[int
                 if args.llama_cpp is not None:
                     # The engine sits idle (no request) while llama-bench runs.
                     tps = await trio.to_thread.run_sync(
-                        llama_bench_pp, args.llama_cpp, model, args.threads, n)
+                        llama_bench_pp, args.llama_cpp, model, args.threads, n, args.repack)
                     results[f"llama.cpp {n}"].append(tps)
                     print(f"round {r + 1}: llama.cpp  pp{n}: {tps:8.1f} tok/s", flush=True)
 
@@ -91,6 +93,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2, help="llama-bench -t (the engine uses torch's threads)")
     ap.add_argument("--llama-cpp", type=Path, default=None, help="a build of build_llama_cpp.sh (DIR/bin/llama-bench)")
+    ap.add_argument("--no-repack", dest="repack", action="store_false",
+                    help="llama-bench --repack 0: its repacked (AMX) weights crash prompt "
+                         "processing on the Xeon dev host (docs/benchmarks.md)")
     ap.add_argument("--model", type=Path, default=None, help="a GGUF file (default: the bundled SmolLM2)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)

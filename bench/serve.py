@@ -268,7 +268,8 @@ def _server_command(kind: str, port: int, args: argparse.Namespace) -> list[str]
             return None
         # The anchors' fair settings for this 2-core machine (../shared/anchors/).
         return [str(exe), "-m", str(model), "-t", "2", "-tb", "2", "-c", "16384", "-np", "32",
-                "-b", "512", "-ub", "512", "--host", "127.0.0.1", "--port", str(port)]
+                "-b", "512", "-ub", "512", "--host", "127.0.0.1", "--port", str(port),
+                *([] if args.llama_repack else ["--no-repack"])]
     raise SystemExit(f"unknown server {kind!r}: engine-gguf, engine-none or llama")
 
 
@@ -391,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrencies", default="1,32", help="with --launch: the loads to run")
     p.add_argument("--llama-cpp", type=Path, default=None,
                    help="with --launch llama: a llama.cpp build (DIR/bin/llama-server)")
+    p.add_argument("--llama-no-repack", dest="llama_repack", action="store_false",
+                   help="llama-server --no-repack: its repacked (AMX) weights crashed prompt "
+                        "processing on the Xeon dev host (docs/benchmarks.md)")
     args = p.parse_args(argv)
     if args.launch:
         return launch_and_compare(args)
