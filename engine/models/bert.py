@@ -11,7 +11,7 @@ mask, as transformers does, cost 2.5x as much at 32 sentences of 10-59 tokens (t
 CPU flash kernel with a mask, plus the scatter into and gather out of the padded rows):
 one SDPA call per sequence is cheap at these lengths, and does no work on padding.
 The GELU and the residual adds run in the matmuls' epilogues (:meth:`Linear.gelu`,
-:meth:`Linear.add`).
+:meth:`Linear.add`); the small ops run on one intra-op thread (:func:`_one_thread`).
 
 Token types (segment A / B of a pair) are not sent by the runner: a pair is tokenized as
 ``[CLS] A [SEP] B [SEP]``, so a token is of type 1 iff a ``[SEP]`` comes before it in its
@@ -130,15 +130,18 @@ class BertModel:
     ) -> torch.Tensor:
         """The last hidden states [T, hidden] of whole sequences (each starts at 0)."""
         lens = meta.query_lens_host
-        types = self._token_types(input_ids, meta)
-        x = self.word[input_ids] + self.position[positions] + self.token_type[types]
-        width = (x.shape[-1],)
-        x = F.layer_norm(x, width, *self.embed_norm, self.eps)
+        width = (self.word.shape[1],)
+        with _one_thread(input_ids):
+            types = self._token_types(input_ids, meta)
+            x = self.word[input_ids] + self.position[positions] + self.token_type[types]
+            x = F.layer_norm(x, width, *self.embed_norm, self.eps)
         for layer in self.layers:
             attn = layer.attn_out.add(self._attention(layer, x, lens), x)
-            x = F.layer_norm(attn, width, *layer.attn_norm, self.eps)
+            with _one_thread(x):
+                x = F.layer_norm(attn, width, *layer.attn_norm, self.eps)
             h = layer.output.add(layer.intermediate.gelu(x), x)
-            x = F.layer_norm(h, width, *layer.out_norm, self.eps)
+            with _one_thread(x):
+                x = F.layer_norm(h, width, *layer.out_norm, self.eps)
         return x
 
     def _token_types(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -182,12 +185,15 @@ class BertModel:
 
 @contextlib.contextmanager
 def _one_thread(x: torch.Tensor) -> Iterator[None]:
-    """torch's CPU ops on this thread with one intra-op thread, for the per-sequence
-    attention calls: each is a few tens of microseconds of work, and on two cores shared
-    with the HTTP front end, every parallel region stalls until the other OpenMP thread
-    gets a core back. At 32 sentences a step, 2 threads, on a busy 2-core host, the forward
-    took 9-19 s for 512 sentences with the calls run in parallel and 4.5-7 s with them
-    run on one thread (the matmuls keep both). Nothing changes on another device."""
+    """torch's CPU ops on this thread with one intra-op thread, for everything but the
+    matmuls: the per-sequence attention calls (a few tens of microseconds each), the
+    layer norms and the embedding sums. On two cores shared with the HTTP front end and
+    its clients, every OpenMP parallel region stalls until the other thread gets a core
+    back, and a step has six such small calls per sequence per layer. 512 sentences at 32
+    a step, 2 threads, on a busy 2-core host (docs/benchmarks.md, issue 42): 8-19 s with
+    every op parallel (the padded encoder this replaced: 4.6-15 s), 2.9-5.7 s with these on
+    one thread; only the matmuls, most of the work, gain from a second thread. Nothing
+    changes on another device."""
     threads = torch.get_num_threads()
     if x.device.type != "cpu" or threads == 1:
         yield
