@@ -352,3 +352,17 @@ def test_the_dense_kernel_matches_f_linear_and_not_its_batch(dtype: torch.dtype,
             assert torch.equal(cq.dense_matmul(w, bias, x[:m].contiguous()), full[:m])
         lin = Linear(w, bias, pack=False)
         assert lin.small_batch and torch.equal(lin(x[:3]), full[:3])
+
+
+@pytest.mark.parametrize("rows", [3, 37, 300])  # the small-batch kernel, and oneDNN's packed path
+def test_linear_gelu_and_residual_epilogues_match_torch(rows: int, threads: int) -> None:
+    """``Linear.gelu`` and ``Linear.add`` (BERT's fused epilogues) against F.gelu and a
+    plain add on fp32 F.linear, at row counts each path takes."""
+    from engine.models.layers.linear import Linear
+
+    w, b = _rand(96, 64, seed=40, dtype=torch.float32), _rand(96, seed=41, dtype=torch.float32)
+    x, res = _rand(rows, 64, seed=42, dtype=torch.float32), _rand(rows, 96, seed=43, dtype=torch.float32)
+    lin = Linear(w, b)
+    want = torch.nn.functional.linear(x, w, b)
+    torch.testing.assert_close(lin.gelu(x), torch.nn.functional.gelu(want), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lin.add(x, res), want + res, atol=1e-5, rtol=1e-5)

@@ -194,3 +194,37 @@ def test_base64_is_little_endian_float32(server) -> None:
     # (as json and the openai client read it), the floats equal the base64's values.
     assert np.array_equal(decoded.astype(np.float64),
                           np.array(floats["data"][0]["embedding"], dtype=np.float64))
+
+
+def _steps(server) -> float:
+    """Engine steps so far: the count of the per-step token histogram."""
+    text = httpx.get(server.base_url + "/metrics", timeout=30).text
+    line = next(x for x in text.splitlines()
+                if x.startswith("engine:iteration_tokens_total_count"))
+    return float(line.split()[-1])
+
+
+def test_concurrent_requests_share_steps_and_get_the_vectors_they_get_alone(
+    server, st_embeddings: np.ndarray
+) -> None:
+    # Requests from different connections that arrive together are batched into one
+    # encoder step (up to the token budget); each must still get its own sentence's vector,
+    # whatever the lengths beside it (the encoder attends within each sequence only).
+    corpus = sentences()
+    picks = list(range(0, 96, 4))  # 24 sentences of 2 to ~60 tokens
+
+    def post(i: int) -> np.ndarray:
+        body = httpx.post(server.base_url + "/v1/embeddings", timeout=60,
+                          json={"input": corpus[i], "encoding_format": "base64"}).json()
+        return np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), dtype="<f4")
+
+    alone = np.stack([post(i) for i in picks])
+    before = _steps(server)
+    with ThreadPoolExecutor(len(picks)) as pool:
+        together = np.stack(list(pool.map(post, picks)))
+    steps = _steps(server) - before
+    assert steps < len(picks)  # some requests shared a step
+    assert cosines(together, st_embeddings[picks]).min() >= 0.9999
+    assert cosines(alone, st_embeddings[picks]).min() >= 0.9999
+    # The same vectors, to float32 rounding of a matmul run over a different number of rows.
+    assert np.abs(together - alone).max() <= 1e-6
