@@ -1093,11 +1093,14 @@ AVX512K INLINE void lora_expand512(void *out, const float *tmp, const void *b, i
     for (int64_t i = 0; i < m; i += 4) {
         const int64_t nb = m - i < 4 ? m - i : 4;
         const float *t = tmp + i * R;
-        for (int64_t r = 0; r < R; r++) {
-            int nz = 0;
-            for (int64_t q = 0; q < nb; q++)
-                nz |= t[q * R + r] != 0.0f;
-            live[r] = (unsigned char)nz; /* zero: a padded rank row */
+        /* Token by token over all rows (vectorized), not row by row over the tokens: this
+         * runs for every column tile, and the scalar form cost as much as the FMAs. */
+        for (int64_t r = 0; r < R; r++)
+            live[r] = 0; /* stays zero: a padded rank row */
+        for (int64_t q = 0; q < nb; q++) {
+#pragma omp simd
+            for (int64_t r = 0; r < R; r++)
+                live[r] |= (unsigned char)(t[q * R + r] != 0.0f);
         }
         switch (nb) {
         case 1: lora_expand512_block(out, t, b, bo, tok + i, N, R, n0, w, nsl, cols, live, 1, bx, bw); break;
