@@ -1053,35 +1053,38 @@ AVX512K INLINE void lora_expand512_block(void *out, const float *tmp, const void
                                          int64_t nsl, const int64_t *cols, const unsigned char *live, const int nb,
                                          int bx, int bw) {
     const int64_t per = R / nsl;
-    for (int64_t c0 = 0; c0 < w; c0 += 64) {
+    /* Vectors of columns per pass: 4 (64 columns); 2 for bf16 B, whose widening temporaries
+     * otherwise push GCC to spill the sums inside the loop. */
+    const int nv = bw ? 2 : 4;
+    for (int64_t c0 = 0; c0 < w; c0 += 16 * nv) {
         __mmask16 mc[4];
-        for (int c = 0; c < 4; c++)
+        for (int c = 0; c < nv; c++)
             mc[c] = lora_mask(w - c0 - 16 * c);
         __m512 acc[16];
         for (int v = 0; v < 16; v++)
             acc[v] = _mm512_setzero_ps();
         for (int64_t j = 0; j < nsl; j++) {
-            if (cols[j] >= n0 + c0 + 64 || cols[j + 1] <= n0 + c0 || cols[j] == cols[j + 1])
+            if (cols[j] >= n0 + c0 + 16 * nv || cols[j + 1] <= n0 + c0 || cols[j] == cols[j + 1])
                 continue;
             for (int64_t r = j * per; r < (j + 1) * per; r++) {
                 if (!live[r])
                     continue;
                 const int64_t row = bo + r * N + n0 + c0;
                 __m512 bv[4];
-                for (int c = 0; c < 4; c++)
+                for (int c = 0; c < nv; c++)
                     bv[c] = lora_ld16(b, row + 16 * c, mc[c], bw);
                 for (int i = 0; i < nb; i++) {
                     const __m512 sv = _mm512_set1_ps(tmp[i * R + r]);
-                    for (int c = 0; c < 4; c++)
-                        acc[4 * i + c] = _mm512_fmadd_ps(sv, bv[c], acc[4 * i + c]);
+                    for (int c = 0; c < nv; c++)
+                        acc[nv * i + c] = _mm512_fmadd_ps(sv, bv[c], acc[nv * i + c]);
                 }
             }
         }
         for (int i = 0; i < nb; i++) {
             const int64_t o = (int64_t)tok[i] * N + n0 + c0;
-            for (int c = 0; c < 4; c++)
+            for (int c = 0; c < nv; c++)
                 if (mc[c])
-                    lora_add16(out, o + 16 * c, mc[c], acc[4 * i + c], bx);
+                    lora_add16(out, o + 16 * c, mc[c], acc[nv * i + c], bx);
         }
     }
 }
