@@ -15,8 +15,9 @@ in flight at once, and prints output tokens/s and its ratio to the base row (the
 targets: 4 adapters at least 0.8x, 16 at least 0.6x).
 
 The kernel rows time, for a decode step of ``--concurrency`` tokens spread over N adapters,
-every targeted projection of every layer: ``Ops.lora_add`` (one call per projection, each
-token its slot's A and B: what the engine runs) against applying each adapter separately
+every targeted projection of every layer: ``Ops.lora_add`` (one call per projection, the
+tokens grouped by slot, each group's A and B read once: what the engine runs; the requests'
+slots interleaved, as a decode step's are) against applying each adapter separately
 (per adapter, its tokens gathered, two matmuls, scattered back: the loop SGMV replaces).
 
 ``--tiny``: a tiny random model instead (a smoke run: its figures mean nothing).

@@ -240,6 +240,40 @@ def test_a_step_of_four_adapters_and_the_base_gives_each_request_its_solo_logits
         assert [s.token_id for s in run] == [s.token_id for s in solo]
 
 
+@pytest.mark.parametrize("ops", ["torch", "cpu"])
+def test_a_step_verifying_proposals_gives_each_request_its_adapter(four, ops) -> None:
+    """A chunk verifying a proposal holds it within ``num_tokens`` (the rows past the
+    request's known tokens): the step's LoRA table counts the flat batch's rows as the batch
+    lays them out, or every later request's rows take a neighbour's slot. Each request's
+    logits in a mixed step with proposals are those it gets alone."""
+    loaded, adapters = four
+    prompts = _prompts(loaded.config.vocab_size)
+    loras = [adapters[0], None, adapters[1]]
+    proposal = (5, 6)
+
+    def logits(which: list[int]) -> list[torch.Tensor]:
+        runner = _runner(loaded, ops, max_loras=4)
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        runner.execute(StepPlan(0, tuple(NewRequest(f"p{i}", tuple(prompts[i]), params, (), lora=loras[i])
+                                         for i in which), (), ()))
+        chunks, start = [], 0
+        for i in which:
+            rows = len(prompts[i]) + len(proposal)
+            n = -(-rows // runner.block_size)
+            chunks.append(ScheduledChunk(f"p{i}", 0, rows, tuple(range(start, start + n)), True,
+                                         draft_token_ids=proposal))
+            start += n
+        states = [runner._state(c) for c in chunks]
+        input_ids, positions, meta, _ = runner._batch.prepare(chunks, states)
+        with runner._lora_step(chunks, states):
+            hidden = runner.model.forward(input_ids, positions, meta, runner.kv_caches)
+        return list(runner.model.compute_logits(hidden).split([len(prompts[i]) + len(proposal) for i in which]))
+
+    mixed = logits([0, 1, 2])
+    for i, m in enumerate(mixed):
+        torch.testing.assert_close(m, logits([i])[0], atol=1e-6, rtol=0)
+
+
 def test_slots_are_reused_least_recently_used_first(four) -> None:
     loaded, adapters = four
     runner = _runner(loaded, "cpu", max_loras=2)

@@ -1,7 +1,8 @@
 """The LoRA kernels (the CPU path's C kernel, Triton) against the torch reference.
 
 The reference (``engine.ops.reference.lora_add_reference``) shrinks and expands each run
-of a slot's tokens with two fp32 matmuls; the kernels go token by token. Both accumulate
+of a slot's tokens with two fp32 matmuls; the kernels take the step's tokens grouped by
+slot (SGMV: ``LoraSegments.order`` and its groups), in blocks of a few tokens. Both accumulate
 in fp32 and round once into the output's dtype, so they differ by summation order only:
 fp32 within 1e-5 on O(1) outputs (a wrong slot, a transposed B or a missed token moves
 them by O(0.1)); bf16 within one rounding step of the output (2 ** -7 relative), since a
@@ -37,17 +38,24 @@ def _segments(slots: list[int], device: str) -> LoraSegments:
 # Edges: one token; an all-base step; a mixed step with runs of four slots, base rows
 # between them and a slot repeated after another; a prefill-sized run; ranks that are not
 # a power of two (padded ranks) and an input width that is not a multiple of the blocks.
+# Then decode-shaped steps, one token per request, the slots interleaved (so a group
+# gathers tokens from all over the step): 32 tokens over 4 slots, over 16 slots beside base
+# tokens, and groups of 1, 2, 3, 5 and 9 tokens in a shuffled order (every short block of
+# the kernels' 4-token blocks), at ranks 8 and 16, with output widths off the column tiles.
+_SHUFFLED = [3, -1, 0, 2, 4, 1, 4, 3, -1, 2, 4, 3, 1, 4, 0, 3, 4, 2, -1, 4, 3, 4, 1, 4, 3]
 CASES = [
     ([2], 64, 96, 16),
     ([-1, -1, -1], 64, 96, 16),
     ([0, 0, -1, 1, 1, 1, 3, -1, 2, 0], 72, 40, 24),
     ([1] * 37 + [-1] * 3 + [2] * 5, 64, 200, 48),
+    ([t % 4 for t in range(32)], 96, 160, 16),
+    ([t % 17 - 1 for t in range(34)], 80, 136, 8),
+    (_SHUFFLED, 88, 72, 16),
+    (_SHUFFLED, 40, 264, 8),
 ]
-
-
 def _case(slots, k, n, r, dtype, device):
     g = torch.Generator().manual_seed(len(slots) * 1000 + r)
-    s = 4
+    s = max(4, max(slots) + 1)
     x = torch.randn(len(slots), k, generator=g).to(dtype)
     out = torch.randn(len(slots), n, generator=g).to(dtype)
     a = (torch.randn(s, r, k, generator=g) * 0.2).to(dtype)
@@ -111,3 +119,29 @@ def test_lora_add_over_a_fused_projection_skips_only_zeros(backend) -> None:
     lora_add_reference(expected, x, a, b, segments)
     get_ops(backend).lora_add(got, x, a, b, segments, bounds)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_segments_group_tokens_by_slot() -> None:
+    """The grouped layout the kernels read, against a stable argsort of the per-token
+    slots: every adapter token once, sorted by slot, a slot's tokens in step order; one
+    group per slot in use, bounded where the slot changes."""
+    slots = _SHUFFLED + [5, 5, -1]
+    segments = _segments(slots, "cpu")
+    table = torch.tensor(slots)
+    adapter_tokens = torch.nonzero(table >= 0).flatten()
+    expected_order = adapter_tokens[torch.argsort(table[adapter_tokens], stable=True)]
+    assert torch.equal(segments.order.long(), expected_order)
+    used, counts = torch.unique(table[adapter_tokens], return_counts=True)
+    assert torch.equal(segments.group_slots.long(), used)
+    assert torch.equal(segments.group_bounds.long(), torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]))
+    assert [g[2] for g in segments.groups] == used.tolist()
+    assert [g[1] for g in segments.groups] == counts.cumsum(0).tolist()
+
+
+def test_lora_add_cpu_refuses_a_slot_outside_the_pool() -> None:
+    from engine.ops.cpu import CpuKernelError
+
+    slots = [0, 4, -1]  # a pool of 4 slots: 4 is outside it
+    x, out, a, b = _case(slots, 32, 16, 8, torch.float32, "cpu")
+    with pytest.raises(CpuKernelError, match="outside the pool of 4"):
+        get_ops("cpu").lora_add(out, x, a[:4], b[:4], _segments(slots, "cpu"))

@@ -108,14 +108,47 @@ class LoraSegments:
 
     The runner lays a step out request by request, so a slot's tokens come in runs:
     ``host`` lists them as ``(start, end, slot)`` (base-model tokens are in no run), and
-    ``token_slots`` [T] int32 gives each token's slot, -1 for the base model (the
-    per-token form the Triton kernels read). A pool of ``S`` slots holds, for each
-    projection, ``a`` [S, R, in] and ``b`` [S, R, out] (B transposed, so the expand reads
-    rows of ``out`` contiguously; the scale folded into ``b``).
+    ``token_slots`` [T] int32 gives each token's slot, -1 for the base model. A pool of
+    ``S`` slots holds, for each projection, ``a`` [S, R, in] and ``b`` [S, R, out] (B
+    transposed, so the expand reads rows of ``out`` contiguously; the scale folded into
+    ``b``).
+
+    The grouped form the SGMV kernels read is derived once here, when the runner builds a
+    step's segments, and reused by every projection of every layer: ``order`` [M] int32
+    lists the adapter tokens sorted by slot (stable: a slot's tokens keep their order),
+    ``group_bounds`` [G + 1] int32 cuts ``order`` into one group per slot in use and
+    ``group_slots`` [G] int32 names each group's slot (``groups`` is the same on the host:
+    ``(start, end, slot)`` over ``order``). A group reads its slot's A and B once for all
+    its tokens, where a run (a request) would read them once per request.
     """
 
     host: tuple[tuple[int, int, int], ...]
     token_slots: torch.Tensor  # [T] int32 on the model's device
+    groups: tuple[tuple[int, int, int], ...] = dataclasses.field(init=False)
+    order: torch.Tensor = dataclasses.field(init=False)  # [M] int32, token_slots' device
+    group_bounds: torch.Tensor = dataclasses.field(init=False)  # [G + 1] int32
+    group_slots: torch.Tensor = dataclasses.field(init=False)  # [G] int32
+
+    def __post_init__(self) -> None:
+        runs_of: dict[int, list[tuple[int, int]]] = {}
+        for start, end, slot in self.host:
+            runs_of.setdefault(slot, []).append((start, end))
+        order: list[int] = []
+        groups = []
+        for slot in sorted(runs_of):
+            first = len(order)
+            for start, end in runs_of[slot]:
+                order.extend(range(start, end))
+            groups.append((first, len(order), slot))
+        device = self.token_slots.device
+        # One host tensor, then one copy (a GPU step pays a single transfer), split in views.
+        packed = torch.tensor([*order, 0, *(g[1] for g in groups), *(g[2] for g in groups)], dtype=torch.int32)
+        packed = packed if device.type == "cpu" else packed.to(device)
+        m, g = len(order), len(groups)
+        object.__setattr__(self, "groups", tuple(groups))
+        object.__setattr__(self, "order", packed[:m])
+        object.__setattr__(self, "group_bounds", packed[m : m + g + 1])
+        object.__setattr__(self, "group_slots", packed[m + g + 1 :])
 
     @property
     def active(self) -> bool:

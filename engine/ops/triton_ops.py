@@ -116,7 +116,7 @@ class TritonOps:
         slices: tuple[int, ...] = (),
     ) -> None:
         if segments.active:
-            lora.lora_add(out, x, a, b, segments.token_slots)
+            lora.lora_add(out, x, a, b, segments.groups, segments.order, segments.group_bounds, segments.group_slots)
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         """xgrammar's kernel (C++ on the CPU, CUDA on a GPU)."""

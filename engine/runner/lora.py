@@ -108,7 +108,10 @@ class LoraManager:
         token_slots: list[int] = []
         start = 0
         for c, s in zip(chunks, states, strict=True):
-            n = c.num_tokens + len(c.draft_token_ids)
+            # The chunk's rows in the flat batch: a proposal's positions are within
+            # num_tokens (ScheduledChunk), as Batch.prepare lays them out. Not counted from
+            # the request's tokens: a tensor- or pipeline-parallel worker's may lag.
+            n = c.num_tokens
             slot = -1 if s.lora is None else slot_of[s.lora.id]
             token_slots.extend((slot,) * n)
             if slot >= 0:

@@ -78,6 +78,10 @@ class CpuOps(TorchOps):
                 "package (pip install -e .) with a C compiler present, or use the torch ops"
             )
         super().__init__()
+        # lora_add's per-step group pointers (the segments they point into kept alive with
+        # them) and its cffi column bounds, by (slices, out features, R).
+        self._lora_step: tuple | None = None
+        self._lora_cols: dict[tuple, tuple] = {}
 
     # --- pointwise -------------------------------------------------------------------------
     # The checks below run ~5 times per layer per step: each is a cheap attribute read, in
@@ -99,25 +103,38 @@ class CpuOps(TorchOps):
         self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, segments: LoraSegments,
         slices: tuple[int, ...] = (),
     ) -> None:
-        """One C call for the step's tokens (each with its slot's A then B, in fp32); the
-        reference for another dtype or a strided view. torch would run two small matmuls
-        per adapter run plus the gathers around them: tens of microseconds each at decode
-        sizes, for every targeted projection of every layer."""
+        """One C call for the step's tokens, grouped by slot (SGMV: each group's A and B read
+        once for all its tokens, in fp32); the reference for another dtype or a strided view.
+        torch would run two small matmuls per adapter plus the gathers around them: tens of
+        microseconds each at decode sizes, for every targeted projection of every layer.
+
+        A step makes this call for every targeted projection of every layer (~120 a step
+        for SmolLM2) with one ``segments``: its group pointers are made once (the last
+        step's kept), and each fused projection's column bounds once per engine."""
         code, wcode = _DTYPE_CODES.get(x.dtype), _DTYPE_CODES.get(a.dtype)
-        slots = segments.token_slots
         if (code is None or wcode is None or out.dtype != x.dtype or b.dtype != a.dtype
                 or not (x.is_contiguous() and out.is_contiguous() and a.is_contiguous() and b.is_contiguous())
-                or x.dim() != 2 or slots.dtype != torch.int32 or slots.device.type != "cpu"):
+                or x.dim() != 2 or segments.order.device.type != "cpu"):
             return super().lora_add(out, x, a, b, segments)
         if not segments.active:
             return None
-        bounds = slices if len(slices) >= 2 and a.shape[1] % (len(slices) - 1) == 0 else (0, out.shape[1])
-        cols = _ffi.new("int64_t[]", list(bounds))
-        rc = _lib.eng_lora_add(code, wcode, _ptr(out), _ptr(x), x.shape[0], x.shape[1], out.shape[1],
-                               a.shape[1], a.shape[0], _ptr(a), _ptr(b), _ptr(slots, "int32_t *"),
-                               len(bounds) - 1, cols, torch.get_num_threads())
+        step = self._lora_step
+        if step is None or step[0] is not segments:
+            step = self._lora_step = (segments, _ptr(segments.order, "int32_t *"),
+                                      _ptr(segments.group_bounds, "int32_t *"),
+                                      _ptr(segments.group_slots, "int32_t *"), len(segments.groups))
+        n = out.shape[1]
+        key = (slices, n, a.shape[1])
+        cols = self._lora_cols.get(key)
+        if cols is None:
+            bounds = slices if len(slices) >= 2 and a.shape[1] % (len(slices) - 1) == 0 else (0, n)
+            cols = self._lora_cols[key] = (_ffi.new("int64_t[]", bounds), len(bounds) - 1)
+        rc = _lib.eng_lora_sgmv(code, wcode, _ptr(out), _ptr(x), x.shape[0], x.shape[1], n, a.shape[1],
+                                a.shape[0], _ptr(a), _ptr(b), step[1], step[2], step[3], step[4], cols[1], cols[0],
+                                torch.get_num_threads())
         if rc == -2:
-            raise CpuKernelError(f"lora_add: a slot is outside the pool of {a.shape[0]}")
+            raise CpuKernelError(f"lora_add: a slot outside the pool of {a.shape[0]} or a token outside the "
+                                 f"{x.shape[0]} of the step")
         if rc != 0:
             return super().lora_add(out, x, a, b, segments, slices)
         return None

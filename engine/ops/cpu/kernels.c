@@ -19,6 +19,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -826,101 +827,327 @@ int eng_greedy(const float *logits, int64_t stride, int64_t rows, int64_t vocab,
 }
 
 
-/* ---- LoRA: shrink then expand, each token with its adapter slot's A and B ---------- */
+/* ---- LoRA (SGMV): per group of tokens sharing a slot, shrink then expand ------------ */
 
-/* The largest padded rank (R) a call takes: the shrunk row lives on the stack. A fused
- * q/k/v projection stacks three slices of --max-lora-rank (at most 512 in the config). */
-#define LORA_MAX_R 2048
-/* Output columns accumulated at once in the expand: a tile of fp32 sums on the stack,
- * added over the R rows of B transposed (contiguous in the output), then rounded once. */
-#define LORA_TILE 256
+/* The caller groups the step's adapter tokens by slot once per step (LoraSegments: order,
+ * group_bounds, group_slots) and every projection of every layer reuses that: a group
+ * reads its slot's A and B once for all its tokens, where going token by token read them
+ * once per token (32 decode tokens over 4 adapters: 8x fewer reads, and A and B, ~1 MB
+ * per layer at rank 16, are what a LoRA step spends its time loading).
+ *
+ * Work is split in two phases inside one parallel region: the shrink over (group, block of
+ * LORA_RB rows of A), the expand over (group, tile of LORA_TILE output columns), so each
+ * byte of A and B is read by one thread; the barrier between them is the one the shrunk
+ * rows need. Within an item, tokens go LORA_TB at a time (a register block): each row of
+ * A or B loaded once serves LORA_TB tokens. */
+#define LORA_TB 4    /* tokens per block: 4 fp32 sums per loaded weight */
+#define LORA_RB 8    /* rows of A per shrink item: a 16-rank projection gives 2 per group */
+#define LORA_TILE 128 /* output columns per expand item: 4 x 128 fp32 sums (2 KB) stay in L1 */
+/* The largest R the AVX-512 expand takes (its per-row flags live on the stack); a larger
+ * one (no configuration reaches it: 3 slices x --max-lora-rank 512) runs the portable loops. */
+#define LORA_LIVE_MAX 4096
 
-/* out[t] += (A[slot] @ x[t]) @ Bt[slot] for one token, in fp32, rounded once into out's
- * dtype (the reference's order of rounding: engine/ops/reference.py lora_add_reference).
- * A is [R, K] (rows contiguous: the shrink is R dot products), Bt is B transposed [R, N]
- * (the expand is R scaled row additions, which vectorize over the output). x and out share
- * the activation dtype (bx); A and Bt the adapters' dtype (bw). */
-INLINE void lora_token(void *out, const void *x, int64_t K, int64_t N, int64_t R, const void *a,
-                       const void *b, int64_t t, int64_t slot, int64_t nsl, const int64_t *cols, int bx, int bw) {
-    float tmp[LORA_MAX_R];
-    float acc[LORA_TILE];
-    const int64_t xo = t * K, ao = slot * R * K, bo = slot * R * N;
-    int64_t nz = 0; /* rows of A past the rank padding shrink to zero: the expand skips them */
-    for (int64_t r = 0; r < R; r++) {
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t k = 0; k < K; k++)
-            sum += ld(x, xo + k, bx) * ld(a, ao + r * K + k, bw);
-        tmp[r] = sum;
-        nz += sum != 0.0f;
+/* tmp[i * R + r] = x[tok[i]] . A[r] for the nb (a constant at each call site) tokens of a
+ * block and rows r0 .. r1 of A (whose first element is at ao). */
+INLINE void lora_shrink_block(float *tmp, const void *x, const void *a, int64_t ao, const int32_t *tok,
+                              int64_t K, int64_t R, int64_t r0, int64_t r1, const int nb, int bx, int bw) {
+    const int64_t x0 = (int64_t)tok[0] * K, x1 = (int64_t)tok[nb > 1 ? 1 : 0] * K;
+    const int64_t x2 = (int64_t)tok[nb > 2 ? 2 : 0] * K, x3 = (int64_t)tok[nb > 3 ? 3 : 0] * K;
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t row = ao + r * K;
+        float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+        for (int64_t k = 0; k < K; k++) {
+            const float w = ld(a, row + k, bw);
+            s0 += ld(x, x0 + k, bx) * w;
+            if (nb > 1)
+                s1 += ld(x, x1 + k, bx) * w;
+            if (nb > 2)
+                s2 += ld(x, x2 + k, bx) * w;
+            if (nb > 3)
+                s3 += ld(x, x3 + k, bx) * w;
+        }
+        tmp[r] = s0;
+        if (nb > 1)
+            tmp[R + r] = s1;
+        if (nb > 2)
+            tmp[2 * R + r] = s2;
+        if (nb > 3)
+            tmp[3 * R + r] = s3;
     }
-    if (nz == 0)
-        return;
-    for (int64_t n0 = 0; n0 < N; n0 += LORA_TILE) {
-        const int64_t w = N - n0 < LORA_TILE ? N - n0 : LORA_TILE;
-        for (int64_t i = 0; i < w; i++)
-            acc[i] = 0.0f;
-        const int64_t per = R / nsl; /* rows of B per fused slice */
-        for (int64_t r = 0; r < R; r++) {
-            const float s = tmp[r];
-            const int64_t j = r / per;
-            /* A padded rank row, or a slice whose columns miss this tile: zeros. */
-            if (s == 0.0f || cols[j] >= n0 + w || cols[j + 1] <= n0)
+}
+
+INLINE void lora_shrink(float *tmp, const void *x, const void *a, int64_t ao, const int32_t *tok, int64_t m,
+                        int64_t K, int64_t R, int64_t r0, int64_t r1, int bx, int bw) {
+    for (int64_t i = 0; i < m; i += LORA_TB) {
+        switch (m - i < LORA_TB ? m - i : LORA_TB) {
+        case 1: lora_shrink_block(tmp + i * R, x, a, ao, tok + i, K, R, r0, r1, 1, bx, bw); break;
+        case 2: lora_shrink_block(tmp + i * R, x, a, ao, tok + i, K, R, r0, r1, 2, bx, bw); break;
+        case 3: lora_shrink_block(tmp + i * R, x, a, ao, tok + i, K, R, r0, r1, 3, bx, bw); break;
+        default: lora_shrink_block(tmp + i * R, x, a, ao, tok + i, K, R, r0, r1, 4, bx, bw); break;
+        }
+    }
+}
+
+/* out[tok[i], n0 .. n0 + w] += tmp[i] @ Bt[:, n0 .. n0 + w] for the nb tokens of a block,
+ * summed in fp32 and rounded once into out (the reference's order of rounding:
+ * engine/ops/reference.py lora_add_reference). Bt's rows come in nsl equal groups, group
+ * j nonzero only in columns cols[j] .. cols[j + 1]: the others are skipped, as are rows
+ * whose shrunk values are all zero (the rank padding of a smaller adapter). */
+INLINE void lora_expand_block(void *out, const float *tmp, const void *b, int64_t bo, const int32_t *tok,
+                              int64_t N, int64_t R, int64_t n0, int64_t w, int64_t nsl, const int64_t *cols,
+                              const int nb, int bx, int bw) {
+    float acc[LORA_TB][LORA_TILE];
+    for (int i = 0; i < nb; i++)
+        for (int64_t c = 0; c < w; c++)
+            acc[i][c] = 0.0f;
+    const int64_t per = R / nsl;
+    for (int64_t j = 0; j < nsl; j++) {
+        if (cols[j] >= n0 + w || cols[j + 1] <= n0)
+            continue;
+        const int64_t lo = cols[j] > n0 ? cols[j] - n0 : 0;
+        const int64_t hi = cols[j + 1] < n0 + w ? cols[j + 1] - n0 : w;
+        for (int64_t r = j * per; r < (j + 1) * per; r++) {
+            const float s0 = tmp[r], s1 = nb > 1 ? tmp[R + r] : 0.0f;
+            const float s2 = nb > 2 ? tmp[2 * R + r] : 0.0f, s3 = nb > 3 ? tmp[3 * R + r] : 0.0f;
+            if (s0 == 0.0f && s1 == 0.0f && s2 == 0.0f && s3 == 0.0f)
                 continue;
             const int64_t row = bo + r * N + n0;
-            const int64_t lo = cols[j] > n0 ? cols[j] - n0 : 0;
-            const int64_t hi = cols[j + 1] < n0 + w ? cols[j + 1] - n0 : w;
 #pragma omp simd
-            for (int64_t i = lo; i < hi; i++)
-                acc[i] += s * ld(b, row + i, bw);
+            for (int64_t c = lo; c < hi; c++) {
+                const float v = ld(b, row + c, bw);
+                acc[0][c] += s0 * v;
+                if (nb > 1)
+                    acc[1][c] += s1 * v;
+                if (nb > 2)
+                    acc[2][c] += s2 * v;
+                if (nb > 3)
+                    acc[3][c] += s3 * v;
+            }
         }
-        for (int64_t i = 0; i < w; i++)
-            st(out, t * N + n0 + i, ld(out, t * N + n0 + i, bx) + acc[i], bx);
+    }
+    for (int i = 0; i < nb; i++) {
+        const int64_t o = (int64_t)tok[i] * N + n0;
+#pragma omp simd
+        for (int64_t c = 0; c < w; c++)
+            st(out, o + c, ld(out, o + c, bx) + acc[i][c], bx);
     }
 }
 
-CLONES void eng_lora_token_ff(void *o, const void *x, int64_t K, int64_t N, int64_t R, const void *a,
-                              const void *b, int64_t t, int64_t s, int64_t nsl, const int64_t *cols) {
-    lora_token(o, x, K, N, R, a, b, t, s, nsl, cols, 0, 0);
-}
-CLONES void eng_lora_token_fb(void *o, const void *x, int64_t K, int64_t N, int64_t R, const void *a,
-                              const void *b, int64_t t, int64_t s, int64_t nsl, const int64_t *cols) {
-    lora_token(o, x, K, N, R, a, b, t, s, nsl, cols, 0, 1);
-}
-CLONES void eng_lora_token_bf(void *o, const void *x, int64_t K, int64_t N, int64_t R, const void *a,
-                              const void *b, int64_t t, int64_t s, int64_t nsl, const int64_t *cols) {
-    lora_token(o, x, K, N, R, a, b, t, s, nsl, cols, 1, 0);
-}
-CLONES void eng_lora_token_bb(void *o, const void *x, int64_t K, int64_t N, int64_t R, const void *a,
-                              const void *b, int64_t t, int64_t s, int64_t nsl, const int64_t *cols) {
-    lora_token(o, x, K, N, R, a, b, t, s, nsl, cols, 1, 1);
+INLINE void lora_expand(void *out, const float *tmp, const void *b, int64_t bo, const int32_t *tok, int64_t m,
+                        int64_t N, int64_t R, int64_t n0, int64_t w, int64_t nsl, const int64_t *cols, int bx,
+                        int bw) {
+    for (int64_t i = 0; i < m; i += LORA_TB) {
+        const float *t = tmp + i * R;
+        switch (m - i < LORA_TB ? m - i : LORA_TB) {
+        case 1: lora_expand_block(out, t, b, bo, tok + i, N, R, n0, w, nsl, cols, 1, bx, bw); break;
+        case 2: lora_expand_block(out, t, b, bo, tok + i, N, R, n0, w, nsl, cols, 2, bx, bw); break;
+        case 3: lora_expand_block(out, t, b, bo, tok + i, N, R, n0, w, nsl, cols, 3, bx, bw); break;
+        default: lora_expand_block(out, t, b, bo, tok + i, N, R, n0, w, nsl, cols, 4, bx, bw); break;
+        }
+    }
 }
 
-/* Every token of slot >= 0 (slots[t], -1 for the base model); x [T, K] and out [T, N]
- * contiguous, A [S, R, K] and Bt [S, R, N] contiguous. A fused projection's Bt is block
- * diagonal: its R rows in nslices equal groups, group j nonzero only in columns
- * slice_cols[j] .. slice_cols[j + 1] (nslices 1, bounds {0, N}: no such structure). Returns
- * -1 for a dtype, rank or bounds it does not take, -2 for a slot outside [0, S). */
-int eng_lora_add(int dtype, int wdtype, void *out, const void *x, int64_t T, int64_t K, int64_t N,
-                 int64_t R, int64_t S, const void *a, const void *b, const int32_t *slots, int64_t nslices,
-                 const int64_t *slice_cols, int nthreads) {
-    if ((dtype != DT_F32 && dtype != DT_BF16) || (wdtype != DT_F32 && wdtype != DT_BF16) || R > LORA_MAX_R
-        || nslices < 1 || R % nslices != 0 || slice_cols[0] != 0 || slice_cols[nslices] != N)
+/* One clone per (activation dtype, adapter dtype): f = fp32, b = bf16. */
+#define LORA_CLONES(sfx, bx, bw)                                                                               \
+    CLONES void eng_lora_shrink_##sfx(float *tmp, const void *x, const void *a, int64_t ao, const int32_t *tok, \
+                                      int64_t m, int64_t K, int64_t R, int64_t r0, int64_t r1) {              \
+        lora_shrink(tmp, x, a, ao, tok, m, K, R, r0, r1, bx, bw);                                              \
+    }                                                                                                          \
+    CLONES void eng_lora_expand_##sfx(void *out, const float *tmp, const void *b, int64_t bo, const int32_t *tok, \
+                                      int64_t m, int64_t N, int64_t R, int64_t n0, int64_t w, int64_t nsl,    \
+                                      const int64_t *cols) {                                                   \
+        lora_expand(out, tmp, b, bo, tok, m, N, R, n0, w, nsl, cols, bx, bw);                                  \
+    }
+LORA_CLONES(ff, 0, 0)
+LORA_CLONES(fb, 0, 1)
+LORA_CLONES(bf, 1, 0)
+LORA_CLONES(bb, 1, 1)
+
+#if HAVE_ATTN_AVX512
+/* The expand with AVX-512, its sums held in registers (the portable loop above keeps them
+ * in an L1 array and is bound by those loads and stores: ~2x slower). Products rounded
+ * then added, as the portable loops under -ffp-contract=off. The shrink stays portable: an
+ * AVX-512 shrink (4 tokens x 4 rows of A, one transposing reduction of the 16 sums) was
+ * faster but moved the tensor/pipeline-parallel peft parity of Qwen2 and Phi-3
+ * (tests/test_lora_parallel.py) ~40x further from peft than the portable loop, past its
+ * bounds, for a reason not found in the time: not landed. */
+
+/* The first lanes of 16 values at element offset o (mask m; the rest zero), as fp32. */
+AVX512K INLINE __m512 lora_ld16(const void *p, int64_t o, __mmask16 m, int bf) {
+    if (bf)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)p + o)), 16));
+    return _mm512_maskz_loadu_ps(m, (const float *)p + o);
+}
+
+INLINE __mmask16 lora_mask(int64_t left) {
+    return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+}
+
+/* 16 lanes of out (mask m) += v, rounded once into out's dtype (for bf16 to nearest even,
+ * a NaN to 0x7FC0, as f32_to_bf16). */
+AVX512K INLINE void lora_add16(void *out, int64_t o, __mmask16 m, __m512 v, int bx) {
+    v = _mm512_add_ps(lora_ld16(out, o, m, bx), v);
+    if (!bx) {
+        _mm512_mask_storeu_ps((float *)out + o, m, v);
+        return;
+    }
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm256_mask_storeu_epi16((uint16_t *)out + o, m, _mm512_cvtepi32_epi16(r));
+}
+
+/* The nb tokens of a block x 64 columns per pass over B's rows: up to 16 sums in
+ * registers, each loaded B vector used nb times and each broadcast shrunk value 4 times,
+ * added into out from there. A slice's rows are read over the whole 64 columns where its
+ * bounds cut them: B is zero outside the slice (the block-diagonal promise), so that adds
+ * zeros. */
+AVX512K INLINE void lora_expand512_block(void *out, const float *tmp, const void *b, int64_t bo,
+                                         const int32_t *tok, int64_t N, int64_t R, int64_t n0, int64_t w,
+                                         int64_t nsl, const int64_t *cols, const unsigned char *live, const int nb,
+                                         int bx, int bw) {
+    const int64_t per = R / nsl;
+    /* Vectors of columns per pass: 4 (64 columns); 2 for bf16 B, whose widening temporaries
+     * otherwise push GCC to spill the sums inside the loop. */
+    const int nv = bw ? 2 : 4;
+    for (int64_t c0 = 0; c0 < w; c0 += 16 * nv) {
+        __mmask16 mc[4];
+        for (int c = 0; c < nv; c++)
+            mc[c] = lora_mask(w - c0 - 16 * c);
+        __m512 acc[16];
+        for (int v = 0; v < 16; v++)
+            acc[v] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < nsl; j++) {
+            if (cols[j] >= n0 + c0 + 16 * nv || cols[j + 1] <= n0 + c0 || cols[j] == cols[j + 1])
+                continue;
+            for (int64_t r = j * per; r < (j + 1) * per; r++) {
+                if (!live[r])
+                    continue;
+                const int64_t row = bo + r * N + n0 + c0;
+                __m512 bv[4];
+                for (int c = 0; c < nv; c++)
+                    bv[c] = lora_ld16(b, row + 16 * c, mc[c], bw);
+                for (int i = 0; i < nb; i++) {
+                    const __m512 sv = _mm512_set1_ps(tmp[i * R + r]);
+                    for (int c = 0; c < nv; c++)
+                        acc[nv * i + c] = _mm512_add_ps(acc[nv * i + c], _mm512_mul_ps(sv, bv[c]));
+                }
+            }
+        }
+        for (int i = 0; i < nb; i++) {
+            const int64_t o = (int64_t)tok[i] * N + n0 + c0;
+            for (int c = 0; c < nv; c++)
+                if (mc[c])
+                    lora_add16(out, o + 16 * c, mc[c], acc[nv * i + c], bx);
+        }
+    }
+}
+
+AVX512K INLINE void lora_expand512(void *out, const float *tmp, const void *b, int64_t bo, const int32_t *tok,
+                                   int64_t m, int64_t N, int64_t R, int64_t n0, int64_t w, int64_t nsl,
+                                   const int64_t *cols, int bx, int bw) {
+    unsigned char live[LORA_LIVE_MAX]; /* B's rows some token of the block shrank to nonzero */
+    for (int64_t i = 0; i < m; i += 4) {
+        const int64_t nb = m - i < 4 ? m - i : 4;
+        const float *t = tmp + i * R;
+        /* Token by token over all rows (vectorized), not row by row over the tokens: this
+         * runs for every column tile, and the scalar form cost as much as the FMAs. */
+        for (int64_t r = 0; r < R; r++)
+            live[r] = 0; /* stays zero: a padded rank row */
+        for (int64_t q = 0; q < nb; q++) {
+#pragma omp simd
+            for (int64_t r = 0; r < R; r++)
+                live[r] |= (unsigned char)(t[q * R + r] != 0.0f);
+        }
+        switch (nb) {
+        case 1: lora_expand512_block(out, t, b, bo, tok + i, N, R, n0, w, nsl, cols, live, 1, bx, bw); break;
+        case 2: lora_expand512_block(out, t, b, bo, tok + i, N, R, n0, w, nsl, cols, live, 2, bx, bw); break;
+        case 3: lora_expand512_block(out, t, b, bo, tok + i, N, R, n0, w, nsl, cols, live, 3, bx, bw); break;
+        default: lora_expand512_block(out, t, b, bo, tok + i, N, R, n0, w, nsl, cols, live, 4, bx, bw); break;
+        }
+    }
+}
+
+#define LORA_AVX512(sfx, bx, bw)                                                                               \
+    AVX512K static void eng_lora_expand512_##sfx(void *out, const float *tmp, const void *b, int64_t bo,        \
+                                                 const int32_t *tok, int64_t m, int64_t N, int64_t R,          \
+                                                 int64_t n0, int64_t w, int64_t nsl, const int64_t *cols) {    \
+        lora_expand512(out, tmp, b, bo, tok, m, N, R, n0, w, nsl, cols, bx, bw);                               \
+    }
+LORA_AVX512(ff, 0, 0)
+LORA_AVX512(fb, 0, 1)
+LORA_AVX512(bf, 1, 0)
+LORA_AVX512(bb, 1, 1)
+#endif
+
+/* out[t] += (A[s] @ x[t]) @ Bt[s] for every token t = order[i] of group g (i in
+ * bounds[g] .. bounds[g + 1], s = gslots[g]); tokens in no group (the base model's) are
+ * left as they are. x [T, K] and out [T, N] contiguous, A [S, R, K] and Bt [S, R, N]
+ * contiguous. A fused projection's Bt is block diagonal: its R rows in nslices equal
+ * groups, group j nonzero only in columns slice_cols[j] .. slice_cols[j + 1] (nslices 1,
+ * bounds {0, N}: no such structure). Returns -1 for a dtype, rank or bounds it does not
+ * take (or no memory for the shrunk rows), -2 for a slot outside [0, S) or a token
+ * outside [0, T). */
+int eng_lora_sgmv(int dtype, int wdtype, void *out, const void *x, int64_t T, int64_t K, int64_t N, int64_t R,
+                  int64_t S, const void *a, const void *b, const int32_t *order, const int32_t *bounds,
+                  const int32_t *gslots, int64_t G, int64_t nslices, const int64_t *slice_cols, int nthreads) {
+    if ((dtype != DT_F32 && dtype != DT_BF16) || (wdtype != DT_F32 && wdtype != DT_BF16) || R < 1
+        || nslices < 1 || R % nslices != 0 || slice_cols[0] != 0 || slice_cols[nslices] != N || G < 0
+        || (G > 0 && bounds[0] != 0))
         return -1;
     for (int64_t j = 0; j < nslices; j++)
         if (slice_cols[j] > slice_cols[j + 1])
             return -1;
-    for (int64_t t = 0; t < T; t++)
-        if (slots[t] >= S)
+    for (int64_t g = 0; g < G; g++)
+        if (bounds[g] > bounds[g + 1] || gslots[g] < 0 || gslots[g] >= S)
             return -2;
-    void (*fn)(void *, const void *, int64_t, int64_t, int64_t, const void *, const void *, int64_t, int64_t, int64_t,
-               const int64_t *) =
-        dtype == DT_F32 ? (wdtype == DT_F32 ? eng_lora_token_ff : eng_lora_token_fb)
-                        : (wdtype == DT_F32 ? eng_lora_token_bf : eng_lora_token_bb);
-#pragma omp parallel for schedule(static) num_threads(nthreads) \
-    if (nthreads > 1 && T > 1 && T * R * (K + N) >= PARALLEL_MIN_WORK)
-    for (int64_t t = 0; t < T; t++)
-        if (slots[t] >= 0)
-            fn(out, x, K, N, R, a, b, t, slots[t], nslices, slice_cols);
+    const int64_t M = G > 0 ? bounds[G] : 0;
+    for (int64_t i = 0; i < M; i++)
+        if (order[i] < 0 || order[i] >= T)
+            return -2;
+    if (M == 0)
+        return 0;
+    float *tmp = malloc((size_t)(M * R) * sizeof(float)); /* shrunk rows, in order's order */
+    if (!tmp)
+        return -1;
+    void (*shrink)(float *, const void *, const void *, int64_t, const int32_t *, int64_t, int64_t, int64_t,
+                   int64_t, int64_t) =
+        dtype == DT_F32 ? (wdtype == DT_F32 ? eng_lora_shrink_ff : eng_lora_shrink_fb)
+                        : (wdtype == DT_F32 ? eng_lora_shrink_bf : eng_lora_shrink_bb);
+    void (*expand)(void *, const float *, const void *, int64_t, const int32_t *, int64_t, int64_t, int64_t,
+                   int64_t, int64_t, int64_t, const int64_t *) =
+        dtype == DT_F32 ? (wdtype == DT_F32 ? eng_lora_expand_ff : eng_lora_expand_fb)
+                        : (wdtype == DT_F32 ? eng_lora_expand_bf : eng_lora_expand_bb);
+#if HAVE_ATTN_AVX512
+    if (attn_avx512() && R <= LORA_LIVE_MAX) {
+        expand = dtype == DT_F32 ? (wdtype == DT_F32 ? eng_lora_expand512_ff : eng_lora_expand512_fb)
+                                 : (wdtype == DT_F32 ? eng_lora_expand512_bf : eng_lora_expand512_bb);
+    }
+#endif
+    const int64_t nrb = (R + LORA_RB - 1) / LORA_RB, ntile = (N + LORA_TILE - 1) / LORA_TILE;
+    /* dynamic: groups differ in size (a prefill's hundreds of tokens beside decodes' one). */
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && M * R * (K + N) >= PARALLEL_MIN_WORK)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < G * nrb; it++) {
+            const int64_t g = it / nrb, r0 = it % nrb * LORA_RB, r1 = r0 + LORA_RB < R ? r0 + LORA_RB : R;
+            const int64_t s = bounds[g], e = bounds[g + 1];
+            if (e > s)
+                shrink(tmp + s * R, x, a, (int64_t)gslots[g] * R * K, order + s, e - s, K, R, r0, r1);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < G * ntile; it++) {
+            const int64_t g = it / ntile, n0 = it % ntile * LORA_TILE;
+            const int64_t w = N - n0 < LORA_TILE ? N - n0 : LORA_TILE;
+            const int64_t s = bounds[g], e = bounds[g + 1];
+            if (e > s)
+                expand(out, tmp + s * R, b, (int64_t)gslots[g] * R * N, order + s, e - s, N, R, n0, w, nslices,
+                       slice_cols);
+        }
+    }
+    free(tmp);
     return 0;
 }
