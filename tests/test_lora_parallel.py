@@ -49,7 +49,7 @@ import pytest
 import torch
 from lora_ranks import lora_layouts, one_rank
 from test_http_cli import _server
-from test_lora import _generate, _prompts, write_peft_adapters
+from test_lora import SMALL_ADAPTER_STD, _generate, _prompts, write_peft_adapters
 from test_parity import LOGIT_ATOL_FP32
 from test_quant_models import write_quantized
 from tp_ranks import run_ranks
@@ -70,7 +70,8 @@ LAYOUTS = [(2, 1), (1, 2), (2, 2)]  # (tp, pp)
 MODELS = {"llama": ("llama", {}), "llama-1kv": ("llama", {"num_key_value_heads": 1}), "qwen2": ("qwen2", {}),
           "phi3": ("phi3", {})}
 # Phi-3 stores q/k/v and gate/up fused, and so do its adapters (one slice each, cut part by
-# part); its logits run to ~20, where tests/test_lora.py holds it to LOGIT_ATOL_FP32.
+# part); its logits run to ~20, where tests/test_lora.py holds it to LOGIT_ATOL_FP32, and its
+# adapters are drawn small (SMALL_ADAPTER_STD: tests/test_lora.py says why).
 PHI3_TARGETS = r".*\.layers\.\d+\.(self_attn\.(qkv|o)_proj|mlp\.(gate_up|down)_proj)"
 ARCHS = tuple(MODELS)
 GGUF = "llama-Q8_0"
@@ -89,7 +90,7 @@ def tiny(tmp_path_factory):
         root = tmp_path_factory.mktemp(f"lora-par-{key}")
         folder = write_tiny_model(root / "base", arch, overrides={"num_hidden_layers": LAYERS, **overrides})
         peft_model = write_peft_adapters(folder, root, ADAPTERS, seed=3,
-                                         **({"targets": PHI3_TARGETS} if arch == "phi3" else {}))
+                                         **({"targets": PHI3_TARGETS, "std": SMALL_ADAPTER_STD} if arch == "phi3" else {}))
         adapters = {name: LoraAdapter(name, str(root / name), i + 1) for i, name in enumerate(ADAPTERS)}
         config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
         runs = [(p, None if n is None else adapters[n]) for p in _prompts(config.vocab_size) for n in NAMES]

@@ -967,11 +967,11 @@ LORA_CLONES(bb, 1, 1)
 #if HAVE_ATTN_AVX512
 /* The expand with AVX-512, its sums held in registers (the portable loop above keeps them
  * in an L1 array and is bound by those loads and stores: ~2x slower). Products rounded
- * then added, as the portable loops under -ffp-contract=off. The shrink stays portable: an
- * AVX-512 shrink (4 tokens x 4 rows of A, one transposing reduction of the 16 sums) was
- * faster but moved the tensor/pipeline-parallel peft parity of Qwen2 and Phi-3
- * (tests/test_lora_parallel.py) ~40x further from peft than the portable loop, past its
- * bounds, for a reason not found in the time: not landed. */
+ * then added, as the portable loops under -ffp-contract=off. The shrink below likewise
+ * (4 rows of A x 4 tokens in registers), or with AVX512-BF16 dot products for bf16 on
+ * both sides; either sums in another order than the portable loop, which tiny random
+ * models whose adapters outweigh their base weights (rsLoRA scale 8, A and B drawn at 0.1)
+ * amplify to ~5e-5 in logits: tests/test_lora.py draws those adapters smaller. */
 
 /* The first lanes of 16 values at element offset o (mask m; the rest zero), as fp32. */
 AVX512K INLINE __m512 lora_ld16(const void *p, int64_t o, __mmask16 m, int bf) {
@@ -1071,11 +1071,142 @@ AVX512K INLINE void lora_expand512(void *out, const float *tmp, const void *b, i
     }
 }
 
+/* The shrink with AVX-512: a tile of RR (<= 4) rows of A against the nb (<= 4) tokens of a
+ * block, RR x nb sums in registers (each loaded row vector of A used nb times, each x
+ * vector RR times), then one transposing reduction of the sums (eng_hsum16, whose tree
+ * for one sum does not depend on the others). Lanes past K are masked to zero on both
+ * sides. tmp[t * R + r] for token t of the block and row r of A. */
+AVX512K INLINE void lora_shrink512_store(float *tmp, int64_t R, int64_t r, const __m512 (*acc)[4], const int RR,
+                                         const int nb) {
+    __m512 v[16];
+    for (int i = 0; i < 16; i++)
+        v[i] = i < RR * nb ? acc[i / nb][i % nb] : _mm512_setzero_ps();
+    float res[16];
+    _mm512_storeu_ps(res, eng_hsum16(v));
+    for (int i = 0; i < RR; i++)
+        for (int t = 0; t < nb; t++)
+            tmp[t * R + r + i] = res[i * nb + t];
+}
+
+AVX512K INLINE void lora_shrink512_tile(float *tmp, const void *x, const void *a, int64_t ao, const int32_t *tok,
+                                        int64_t K, int64_t R, int64_t r, const int RR, const int nb, int bx,
+                                        int bw) {
+    __m512 acc[4][4];
+    for (int i = 0; i < 4; i++)
+        for (int t = 0; t < 4; t++)
+            acc[i][t] = _mm512_setzero_ps();
+    int64_t xo[4];
+    for (int t = 0; t < nb; t++)
+        xo[t] = (int64_t)tok[t] * K;
+    for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 m = lora_mask(K - k);
+        __m512 xv[4];
+        for (int t = 0; t < nb; t++)
+            xv[t] = lora_ld16(x, xo[t] + k, m, bx);
+        for (int i = 0; i < RR; i++) {
+            const __m512 w = lora_ld16(a, ao + (r + i) * K + k, m, bw);
+            for (int t = 0; t < nb; t++)  /* products rounded, then added: as the portable loop */
+                acc[i][t] = _mm512_add_ps(acc[i][t], _mm512_mul_ps(w, xv[t]));
+        }
+    }
+    lora_shrink512_store(tmp, R, r, (const __m512(*)[4])acc, RR, nb);
+}
+
+/* Every (RR, nb) pair as compile-time constants, so the sums stay in registers. */
+#define LORA_SHRINK_TILES(TILE, ...)                                                                          \
+    switch (RR * 8 + nb) {                                                                                    \
+    case 9: TILE(__VA_ARGS__, 1, 1); break;                                                                   \
+    case 10: TILE(__VA_ARGS__, 1, 2); break;                                                                  \
+    case 11: TILE(__VA_ARGS__, 1, 3); break;                                                                  \
+    case 12: TILE(__VA_ARGS__, 1, 4); break;                                                                  \
+    case 17: TILE(__VA_ARGS__, 2, 1); break;                                                                  \
+    case 18: TILE(__VA_ARGS__, 2, 2); break;                                                                  \
+    case 19: TILE(__VA_ARGS__, 2, 3); break;                                                                  \
+    case 20: TILE(__VA_ARGS__, 2, 4); break;                                                                  \
+    case 25: TILE(__VA_ARGS__, 3, 1); break;                                                                  \
+    case 26: TILE(__VA_ARGS__, 3, 2); break;                                                                  \
+    case 27: TILE(__VA_ARGS__, 3, 3); break;                                                                  \
+    case 28: TILE(__VA_ARGS__, 3, 4); break;                                                                  \
+    case 33: TILE(__VA_ARGS__, 4, 1); break;                                                                  \
+    case 34: TILE(__VA_ARGS__, 4, 2); break;                                                                  \
+    case 35: TILE(__VA_ARGS__, 4, 3); break;                                                                  \
+    default: TILE(__VA_ARGS__, 4, 4); break;                                                                  \
+    }
+
+#define LORA_SHRINK_F32(tmp, x, a, ao, tok, K, R, r, bx, bw, RR_, NB_)                                       \
+    lora_shrink512_tile(tmp, x, a, ao, tok, K, R, r, RR_, NB_, bx, bw)
+
+AVX512K INLINE void lora_shrink512(float *tmp, const void *x, const void *a, int64_t ao, const int32_t *tok,
+                                   int64_t m, int64_t K, int64_t R, int64_t r0, int64_t r1, int bx, int bw) {
+    for (int64_t i = 0; i < m; i += 4) {
+        const int nb = m - i < 4 ? (int)(m - i) : 4;
+        for (int64_t r = r0; r < r1; r += 4) {
+            const int RR = r1 - r < 4 ? (int)(r1 - r) : 4;
+            LORA_SHRINK_TILES(LORA_SHRINK_F32, tmp + i * R, x, a, ao, tok + i, K, R, r, bx, bw)
+        }
+    }
+}
+
+/* bf16 activations and bf16 A with AVX512-BF16: each dot-product instruction multiplies 32
+ * pairs exactly and adds them into 16 fp32 lanes (half the instructions of widening
+ * both sides to fp32, and no widening). */
+#define LORA_BF16DP __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma")))
+LORA_BF16DP INLINE void lora_shrink512dp_tile(float *tmp, const uint16_t *x, const uint16_t *a, int64_t ao,
+                                              const int32_t *tok, int64_t K, int64_t R, int64_t r, const int RR,
+                                              const int nb) {
+    __m512 acc[4][4];
+    for (int i = 0; i < 4; i++)
+        for (int t = 0; t < 4; t++)
+            acc[i][t] = _mm512_setzero_ps();
+    const uint16_t *xr[4];
+    for (int t = 0; t < nb; t++)
+        xr[t] = x + (int64_t)tok[t] * K;
+    for (int64_t k = 0; k < K; k += 32) {
+        const __mmask32 m = K - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1);
+        __m512i xv[4];
+        for (int t = 0; t < nb; t++)
+            xv[t] = _mm512_maskz_loadu_epi16(m, xr[t] + k);
+        for (int i = 0; i < RR; i++) {
+            const __m512i w = _mm512_maskz_loadu_epi16(m, a + ao + (r + i) * K + k);
+            for (int t = 0; t < nb; t++)
+                acc[i][t] = _mm512_dpbf16_ps(acc[i][t], (__m512bh)w, (__m512bh)xv[t]);
+        }
+    }
+    lora_shrink512_store(tmp, R, r, (const __m512(*)[4])acc, RR, nb);
+}
+
+#define LORA_SHRINK_DP(tmp, x, a, ao, tok, K, R, r, RR_, NB_) lora_shrink512dp_tile(tmp, x, a, ao, tok, K, R, r, RR_, NB_)
+
+LORA_BF16DP static void eng_lora_shrink512dp_bb(float *tmp, const void *x, const void *a, int64_t ao,
+                                                const int32_t *tok, int64_t m, int64_t K, int64_t R, int64_t r0,
+                                                int64_t r1) {
+    for (int64_t i = 0; i < m; i += 4) {
+        const int nb = m - i < 4 ? (int)(m - i) : 4;
+        for (int64_t r = r0; r < r1; r += 4) {
+            const int RR = r1 - r < 4 ? (int)(r1 - r) : 4;
+            LORA_SHRINK_TILES(LORA_SHRINK_DP, tmp + i * R, (const uint16_t *)x, (const uint16_t *)a, ao, tok + i, K,
+                              R, r)
+        }
+    }
+}
+
+static int lora_has_bf16dp(void) {
+    static int state = -1;
+    if (state < 0)
+        state = attn_avx512() && __builtin_cpu_supports("avx512bf16");
+    return state;
+}
+
 #define LORA_AVX512(sfx, bx, bw)                                                                               \
     AVX512K static void eng_lora_expand512_##sfx(void *out, const float *tmp, const void *b, int64_t bo,        \
                                                  const int32_t *tok, int64_t m, int64_t N, int64_t R,          \
                                                  int64_t n0, int64_t w, int64_t nsl, const int64_t *cols) {    \
         lora_expand512(out, tmp, b, bo, tok, m, N, R, n0, w, nsl, cols, bx, bw);                               \
+    }                                                                                                          \
+    AVX512K static void eng_lora_shrink512_##sfx(float *tmp, const void *x, const void *a, int64_t ao,         \
+                                                 const int32_t *tok, int64_t m, int64_t K, int64_t R,          \
+                                                 int64_t r0, int64_t r1) {                                     \
+        lora_shrink512(tmp, x, a, ao, tok, m, K, R, r0, r1, bx, bw);                                           \
     }
 LORA_AVX512(ff, 0, 0)
 LORA_AVX512(fb, 0, 1)
@@ -1125,6 +1256,10 @@ int eng_lora_sgmv(int dtype, int wdtype, void *out, const void *x, int64_t T, in
     if (attn_avx512() && R <= LORA_LIVE_MAX) {
         expand = dtype == DT_F32 ? (wdtype == DT_F32 ? eng_lora_expand512_ff : eng_lora_expand512_fb)
                                  : (wdtype == DT_F32 ? eng_lora_expand512_bf : eng_lora_expand512_bb);
+        shrink = dtype == DT_F32 ? (wdtype == DT_F32 ? eng_lora_shrink512_ff : eng_lora_shrink512_fb)
+                                 : (wdtype == DT_F32 ? eng_lora_shrink512_bf
+                                                     : lora_has_bf16dp() ? eng_lora_shrink512dp_bb
+                                                                         : eng_lora_shrink512_bb);
     }
 #endif
     const int64_t nrb = (R + LORA_RB - 1) / LORA_RB, ntile = (N + LORA_TILE - 1) / LORA_TILE;
