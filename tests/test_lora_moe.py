@@ -22,6 +22,7 @@ import types
 import pytest
 import torch
 from greedy_driver import run_greedy
+from lora_ranks import lora_layouts
 from test_lora import (
     NEW_TOKENS,
     _generate,
@@ -31,6 +32,7 @@ from test_lora import (
     prefill_logits,
     write_peft_adapters,
 )
+from tp_ranks import run_ranks
 
 from engine.errors import LoraAdapterError, UnsupportedModelError
 from engine.messages import LoraAdapter
@@ -156,3 +158,24 @@ def test_tensor_parallel_with_an_moe_model_is_refused(tiny) -> None:
     with pytest.raises(UnsupportedModelError, match="mixture-of-experts.*tensor parallelism"):
         LoraSlots(config, [None] * config.num_hidden_layers, get_ops("torch"), max_loras=2, max_rank=16,
                   dtype=torch.float32, device=torch.device("cpu"), tp=TensorParallel(rank=0, world_size=2))
+
+
+def test_two_pipeline_stages_match_peft(tiny) -> None:
+    """At ``-pp 2`` each stage holds its own layers' expert pools (the routed experts' pairs
+    kept whole, ``LoraSlots.cut``): the last stage's logits and every stage's greedy tokens
+    are peft's, for the base and both adapters in the same steps."""
+    names = [None, "r8", "r16"]
+    runs = [(p, None if n is None else tiny.adapters[n]) for p in tiny.prompts for n in names]
+    layers = tiny.loaded.config.num_hidden_layers
+    ranks = run_ranks(lora_layouts, 2, [(1, 2)], [(tiny.arch, str(tiny.root / "base"), runs)], layers)
+    for rank, result in enumerate(ranks):
+        logits, tokens, held = result[(1, 2)][tiny.arch]
+        assert held["layers"] == list(range(rank * layers // 2, (rank + 1) * layers // 2))
+        assert tokens == [tiny.tokens[n][i // len(names)] for i, n in enumerate(names * len(tiny.prompts))]
+        if rank == 0:
+            assert logits is None
+            continue
+        for i, got in enumerate(logits):
+            name = names[i % len(names)]
+            torch.testing.assert_close(got, tiny.want[name][i // len(names)], atol=LOGIT_ATOL_MOE, rtol=0,
+                                       msg=lambda m, n=name: f"adapter {n}: {m}")
