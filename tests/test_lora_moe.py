@@ -5,7 +5,8 @@ sparse) and Mixtral (8 experts, top 2, every layer sparse), each with two adapte
 peft writes itself with random A and B: rank 8 (alpha 16) and rank 16 with rsLoRA
 (alpha 32), on the attention's q/k/v/o, the dense layers' gate/up/down, Qwen2-MoE's shared
 expert and its gate, and the routed experts (peft's ``target_parameters`` over the fused
-``experts.gate_up_proj`` and ``experts.down_proj``). Both adapters and the base run in one
+``experts.gate_up_proj`` and ``experts.down_proj``), A and B drawn at
+``SMALL_ADAPTER_STD`` (tests/test_lora.py says why). Both adapters and the base run in one
 step of the engine's runner:
 
 * fp32 logits at every prompt position within 5e-5 of peft's, the tolerance
@@ -24,7 +25,9 @@ import torch
 from greedy_driver import run_greedy
 from lora_ranks import lora_layouts
 from test_lora import (
+    LOGIT_ATOL_MOE,
     NEW_TOKENS,
+    SMALL_ADAPTER_STD,
     _generate,
     _loaded,
     _prompts,
@@ -44,7 +47,6 @@ from engine.parallel import TensorParallel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-LOGIT_ATOL_MOE = 5e-5  # see the module docstring
 # Every linear an adapter may target in these models (the router is not one: transformers
 # keeps it as a bare parameter), and the routed experts' two fused parameters.
 TARGETS = (r".*\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj"
@@ -52,18 +54,13 @@ TARGETS = (r".*\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_pro
 EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
 ADAPTERS = {"r8": dict(r=8, lora_alpha=16, target_parameters=EXPERTS),
             "r16": dict(r=16, lora_alpha=32, use_rslora=True, target_parameters=EXPERTS)}
-# A and B drawn at half tests/test_lora.py's 0.1: with the experts adapted too, the rank-16
-# rsLoRA adapter (scale 8) at 0.1 outweighs the base weights about fourfold, and the C
-# kernels' fp32 rounding, amplified through such a model, reached 1.1e-4 (the torch ops
-# 2.5e-5); at 0.05 the adapters still move logits by O(1) (checked below).
-ADAPTER_STD = 0.05
 
 
 @pytest.fixture(scope="module", params=["qwen2_moe", "mixtral"])
 def tiny(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     folder = write_tiny_model(root / "base", request.param)
-    peft_model = write_peft_adapters(folder, root, ADAPTERS, seed=3, targets=TARGETS, std=ADAPTER_STD)
+    peft_model = write_peft_adapters(folder, root, ADAPTERS, seed=3, targets=TARGETS, std=SMALL_ADAPTER_STD)
     adapters = {name: LoraAdapter(name, str(root / name), i + 1) for i, name in enumerate(ADAPTERS)}
     loaded = _loaded(folder)
     prompts = _prompts(loaded.config.vocab_size)
