@@ -215,14 +215,13 @@ async def test_engine_beam_search_returns_vllms_beam_shape(model: Path, hf: Any)
 
 def test_llm_beam_search_on_smollm2_matches_transformers(tmp_path: Path) -> None:
     """The one real-model case: SmolLM2-135M's GGUF, dequantized to fp32 on both sides."""
-    from text_fixtures import smollm2_gguf
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from text_fixtures import smollm2_gguf, smollm2_transformers
+    from transformers import AutoTokenizer
 
     gguf = smollm2_gguf()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     prompt = tokenizer("The three primary colors are")["input_ids"]
-    theirs_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                        dtype=torch.float32).eval()
+    theirs_model = smollm2_transformers()
     theirs = hf_beams(theirs_model, prompt, width=4, max_tokens=8, eos=None, length_penalty=0.5)
     with engine.LLM(str(gguf), dtype="float32", quantization="none", max_model_len=256,
                     kv_cache_memory=16 * 2**20) as llm:

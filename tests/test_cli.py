@@ -29,21 +29,29 @@ def _run_generate(*args: str, timeout: float = 300) -> subprocess.CompletedProce
 
 def _transformers_greedy(folder: Path, prompt: str, max_new_tokens: int, gguf_file: str | None = None) -> str:
     import torch
+    from text_fixtures import smollm2_gguf, smollm2_transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
+    if gguf_file and folder / gguf_file == smollm2_gguf():
+        hf = smollm2_transformers()  # read once per process (test_beam_search's too)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     # --ignore-eos: EOS is an ordinary token that does not stop generation. (min_new_tokens
     # would mask it instead, which changes the text.)
     pad = hf.generation_config.pad_token_id or tokenizer.pad_token_id or 0
-    hf.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = hf.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-            do_sample=False, pad_token_id=pad,
-        )
+    eos = hf.generation_config.eos_token_id
+    hf.generation_config.eos_token_id = None  # put back below: the model may be shared
+    try:
+        with torch.no_grad():
+            out = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                do_sample=False, pad_token_id=pad,
+            )
+    finally:
+        hf.generation_config.eos_token_id = eos
     assert out.shape[1] == ids.shape[1] + max_new_tokens
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 

