@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.ops import LoraSegments, get_ops
+from engine.ops import LoraSegments, get_ops, lora_rows_paired, lora_rows_unpaired
 from engine.ops.reference import lora_add_reference
 
 _DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -86,6 +86,28 @@ def test_lora_add_matches_reference(backend, dtype, slots, k, n, r):
     lora_rows = [t for t, s in enumerate(slots) if s >= 0]
     if lora_rows:
         assert (got[lora_rows].float() - out[lora_rows].float()).abs().max() > 0.05
+
+
+@pytest.mark.parametrize(("slots", "k", "n", "r"), [c for c in CASES if c[3] % 2 == 0])
+def test_lora_add_cpu_takes_b_as_row_pairs(slots, k, n, r):
+    """B held as row pairs (``lora_rows_paired``: what the adapter slots hold where
+    ``lora_pairs`` asks for it) gives the reference's result on the unpaired B."""
+    ops = get_ops("cpu")
+    x, out, a, b = _case(slots, k, n, r, torch.bfloat16, "cpu")
+    segments = _segments(slots, "cpu")
+    expected, got = out.clone(), out.clone()
+    lora_add_reference(expected, x, a, b, segments)
+    paired = lora_rows_paired(b).contiguous()
+    assert paired.shape == (b.shape[0], r // 2, n, 2) and torch.equal(lora_rows_unpaired(paired), b)
+    ops.lora_add(got, x, a, paired, segments)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2**-7)
+    lora_rows = [t for t, s in enumerate(slots) if s >= 0]
+    if lora_rows:
+        assert (got[lora_rows].float() - out[lora_rows].float()).abs().max() > 0.05
+    # The reference takes the pairs too (the CPU op's fallback for what its kernel refuses).
+    again = out.clone()
+    lora_add_reference(again, x, a, paired, segments)
+    assert torch.equal(again, expected)
 
 
 def test_lora_add_cpu_mixed_dtypes():

@@ -1214,7 +1214,7 @@ LORA_BF16DP INLINE void lora_add16dp(uint16_t *out, int64_t o, __mmask16 m, __m5
 LORA_BF16DP INLINE void lora_expand512dp_block(uint16_t *out, const uint32_t *tp, const uint16_t *b, int64_t bo,
                                                const int32_t *tok, int64_t N, int64_t R, int64_t n0, int64_t w,
                                                int64_t nsl, const int64_t *cols, const unsigned char *live,
-                                               const int nb, const int nv) {
+                                               const int nb, const int nv, const int pairs) {
     const int64_t per = R / nsl, R2 = R / 2;
     for (int64_t c0 = 0; c0 < w; c0 += 16 * nv) {
         __mmask16 mc[4];
@@ -1235,7 +1235,8 @@ LORA_BF16DP INLINE void lora_expand512dp_block(uint16_t *out, const uint32_t *tp
                 __m512i bv[4];
 #pragma GCC unroll 4
                 for (int c = 0; c < nv; c++)
-                    bv[c] = lora_pair16(b, row + 16 * c, N, mc[c]);
+                    bv[c] = pairs ? _mm512_maskz_loadu_epi32(mc[c], (const uint32_t *)b + (bo + r * N) / 2 + n0 + c0 + 16 * c)
+                                  : lora_pair16(b, row + 16 * c, N, mc[c]);
 #pragma GCC unroll 8
                 for (int i = 0; i < nb; i++) {
                     const __m512i sv = _mm512_set1_epi32((int)tp[i * R2 + r / 2]);
@@ -1256,11 +1257,22 @@ LORA_BF16DP INLINE void lora_expand512dp_block(uint16_t *out, const uint32_t *tp
     }
 }
 
-/* Blocks of 8 tokens x 32 columns (each interleaved pair of B's rows used by 8 tokens),
- * the last block's 1-7 tokens x 64 columns (4 x 4) or fewer. */
+/* Blocks of 8 tokens x 32 columns (each pair of B's rows used by 8 tokens), the last
+ * block's 1-7 tokens x 64 columns (4 x 4) or fewer. ``pairs``: B is held as row pairs
+ * ([S, R / 2, N, 2]: B[r][n] at ((r / 2) * N + n) * 2 + r % 2), loaded as they are;
+ * otherwise [S, R, N], each two rows interleaved on the fly. */
+#define LORA_DP_BLOCKS(P)                                                                                      \
+    switch (nb) {                                                                                              \
+    case 1: lora_expand512dp_block(o, t, bb, bo, tok + i, N, R, n0, w, nsl, cols, live, 1, 4, P); break;     \
+    case 2: lora_expand512dp_block(o, t, bb, bo, tok + i, N, R, n0, w, nsl, cols, live, 2, 4, P); break;     \
+    case 3: lora_expand512dp_block(o, t, bb, bo, tok + i, N, R, n0, w, nsl, cols, live, 3, 4, P); break;     \
+    case 4: lora_expand512dp_block(o, t, bb, bo, tok + i, N, R, n0, w, nsl, cols, live, 4, 4, P); break;     \
+    default: lora_expand512dp_block(o, t, bb, bo, tok + i, N, R, n0, w, nsl, cols, live, 8, 2, P); break;    \
+    }
+
 LORA_BF16DP static void eng_lora_expand512dp_bb(void *out, const uint32_t *tp, const void *b, int64_t bo,
                                                 const int32_t *tok, int64_t m, int64_t N, int64_t R, int64_t n0,
-                                                int64_t w, int64_t nsl, const int64_t *cols) {
+                                                int64_t w, int64_t nsl, const int64_t *cols, int pairs) {
     unsigned char live[LORA_LIVE_MAX / 2]; /* row pairs some token of the block shrank to nonzero */
     const int64_t R2 = R / 2;
     uint16_t *o = (uint16_t *)out;
@@ -1274,13 +1286,10 @@ LORA_BF16DP static void eng_lora_expand512dp_bb(void *out, const uint32_t *tp, c
                 any |= t[q * R2 + r] & 0x7FFF7FFFu;
             live[r] = any != 0;
         }
-        switch (nb) {
-        case 1: lora_expand512dp_block(o, t, bb, bo, tok + i, N, R, n0, w, nsl, cols, live, 1, 4); break;
-        case 2: lora_expand512dp_block(o, t, bb, bo, tok + i, N, R, n0, w, nsl, cols, live, 2, 4); break;
-        case 3: lora_expand512dp_block(o, t, bb, bo, tok + i, N, R, n0, w, nsl, cols, live, 3, 4); break;
-        case 4: lora_expand512dp_block(o, t, bb, bo, tok + i, N, R, n0, w, nsl, cols, live, 4, 4); break;
-        default: lora_expand512dp_block(o, t, bb, bo, tok + i, N, R, n0, w, nsl, cols, live, 8, 2); break;
-        }
+        if (pairs)
+            LORA_DP_BLOCKS(1)
+        else
+            LORA_DP_BLOCKS(0)
         i += nb;
     }
 }
@@ -1309,17 +1318,30 @@ LORA_AVX512(bf, 1, 0)
 LORA_AVX512(bb, 1, 1)
 #endif
 
+/* Whether eng_lora_sgmv takes B as row pairs (b_pairs) for bf16 activations and weights:
+ * where AVX512-BF16 dot products run. */
+int eng_lora_pairs(void) {
+#if HAVE_ATTN_AVX512
+    return lora_has_bf16dp();
+#else
+    return 0;
+#endif
+}
+
 /* out[t] += (A[s] @ x[t]) @ Bt[s] for every token t = order[i] of group g (i in
  * bounds[g] .. bounds[g + 1], s = gslots[g]); tokens in no group (the base model's) are
  * left as they are. x [T, K] and out [T, N] contiguous, A [S, R, K] and Bt [S, R, N]
  * contiguous. A fused projection's Bt is block diagonal: its R rows in nslices equal
  * groups, group j nonzero only in columns slice_cols[j] .. slice_cols[j + 1] (nslices 1,
- * bounds {0, N}: no such structure). Returns -1 for a dtype, rank or bounds it does not
+ * bounds {0, N}: no such structure). b_pairs: Bt is held as row pairs ([S, R / 2, N, 2],
+ * for bf16 on both sides where eng_lora_pairs() says the dot-product expand runs; -1
+ * otherwise). Returns -1 for a dtype, rank or bounds it does not
  * take (or no memory for the shrunk rows), -2 for a slot outside [0, S) or a token
  * outside [0, T). */
 int eng_lora_sgmv(int dtype, int wdtype, void *out, const void *x, int64_t T, int64_t K, int64_t N, int64_t R,
                   int64_t S, const void *a, const void *b, const int32_t *order, const int32_t *bounds,
-                  const int32_t *gslots, int64_t G, int64_t nslices, const int64_t *slice_cols, int nthreads) {
+                  const int32_t *gslots, int64_t G, int64_t nslices, const int64_t *slice_cols, int b_pairs,
+                  int nthreads) {
     if ((dtype != DT_F32 && dtype != DT_BF16) || (wdtype != DT_F32 && wdtype != DT_BF16) || R < 1
         || nslices < 1 || R % nslices != 0 || slice_cols[0] != 0 || slice_cols[nslices] != N || G < 0
         || (G > 0 && bounds[0] != 0))
@@ -1365,6 +1387,10 @@ int eng_lora_sgmv(int dtype, int wdtype, void *out, const void *x, int64_t T, in
         }
     }
 #endif
+    if (b_pairs && !tp) { /* row pairs are the dot-product expand's layout only */
+        free(tmp);
+        return -1;
+    }
     const int64_t nrb = (R + LORA_RB - 1) / LORA_RB;
     /* Column tiles: the dot-product expand takes wide ones (a group's rows of B read in long
      * runs, which the prefetchers follow), as many as keep every thread busy. */
@@ -1401,7 +1427,7 @@ int eng_lora_sgmv(int dtype, int wdtype, void *out, const void *x, int64_t T, in
 #if HAVE_ATTN_AVX512
             if (tp) {
                 eng_lora_expand512dp_bb(out, tp + s * R / 2, b, (int64_t)gslots[g] * R * N, order + s, e - s, N, R,
-                                        n0, w, nslices, slice_cols);
+                                        n0, w, nslices, slice_cols, b_pairs);
                 continue;
             }
 #endif
