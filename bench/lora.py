@@ -40,7 +40,7 @@ from safetensors.torch import save_file
 
 import engine
 from engine.models.lora import lora_targets
-from engine.ops import LoraSegments, get_ops
+from engine.ops import LoraSegments, get_ops, lora_rows_paired
 from engine.params import SamplingParams
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -101,7 +101,11 @@ def kernel_rows(config: Any, dtype: torch.dtype, rank: int, tokens: int, counts:
                  (torch.randn(n, len(t.slices) * rank, t.out_features) * 0.02).to(dtype)) for t in targets]
         groups = [torch.tensor([t for t in range(tokens) if slots[t] == s]) for s in range(n)]
 
-        def batched(data=data, segments=segments, bounds=bounds) -> None:
+        # B as the adapter slots hold it for this backend (row pairs for the bf16 dot products).
+        paired = [(x, out, a, lora_rows_paired(b).contiguous() if ops.lora_pairs(dtype) and rank % 2 == 0 else b)
+                  for x, out, a, b in data]
+
+        def batched(data=paired, segments=segments, bounds=bounds) -> None:
             for (x, out, a, b), cols in zip(data, bounds, strict=True):
                 ops.lora_add(out, x, a, b, segments, cols)
 

@@ -246,6 +246,28 @@ def test_a_step_of_four_adapters_and_the_base_gives_each_request_its_solo_logits
         assert [s.token_id for s in run] == [s.token_id for s in solo]
 
 
+def test_bf16_slots_hold_b_as_row_pairs_and_give_the_unpaired_logits(four, monkeypatch) -> None:
+    """In bf16 on a CPU with AVX512-BF16 the adapter slots hold B as row pairs, which the
+    kernel's dot products load as they are; with the pairs turned off, the kernel
+    interleaves each two rows itself at every step. The same mixed step (four adapters and
+    the base) must give the same logits to the bit either way."""
+    loaded, adapters = four
+    loaded = types.SimpleNamespace(**{**vars(loaded), "dtype": torch.bfloat16})
+    prompts = _prompts(loaded.config.vocab_size)
+    prompts = [prompts[i % 3] for i in range(5)]
+    loras = [*adapters, None]
+    paired = _runner(loaded, "cpu", max_loras=4)
+    assert paired.model.lora.pairs  # the dev and CI CPUs have AVX512-BF16
+    got = prefill_logits(paired, prompts, loras)
+    monkeypatch.setattr(type(get_ops("cpu")), "lora_pairs", lambda self, dtype: False)
+    plain = _runner(loaded, "cpu", max_loras=4)
+    assert not plain.model.lora.pairs and plain.model.lora.wrappers[0]["qkv"].b.dim() == 3
+    want = prefill_logits(plain, prompts, loras)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    assert (got[1][-1] - got[4][-1]).abs().max() > 0.01  # same prompt: adapter a1 against the base
+
+
 @pytest.mark.parametrize("ops", ["torch", "cpu"])
 def test_a_step_verifying_proposals_gives_each_request_its_adapter(four, ops) -> None:
     """A chunk verifying a proposal holds it within ``num_tokens`` (the rows past the

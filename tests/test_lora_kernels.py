@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.ops import LoraSegments, get_ops
+from engine.ops import LoraSegments, get_ops, lora_rows_paired, lora_rows_unpaired
 from engine.ops.reference import lora_add_reference
 
 _DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -52,6 +52,7 @@ CASES = [
     ([t % 17 - 1 for t in range(34)], 80, 136, 8),
     (_SHUFFLED, 88, 72, 16),
     (_SHUFFLED, 40, 264, 8),
+    ([0, 1, -1, 1, 2], 64, 48, 9),  # an odd rank: no bf16 row pairs (the dot-product expand's)
 ]
 def _case(slots, k, n, r, dtype, device):
     g = torch.Generator().manual_seed(len(slots) * 1000 + r)
@@ -87,6 +88,28 @@ def test_lora_add_matches_reference(backend, dtype, slots, k, n, r):
         assert (got[lora_rows].float() - out[lora_rows].float()).abs().max() > 0.05
 
 
+@pytest.mark.parametrize(("slots", "k", "n", "r"), [c for c in CASES if c[3] % 2 == 0])
+def test_lora_add_cpu_takes_b_as_row_pairs(slots, k, n, r):
+    """B held as row pairs (``lora_rows_paired``: what the adapter slots hold where
+    ``lora_pairs`` asks for it) gives the reference's result on the unpaired B."""
+    ops = get_ops("cpu")
+    x, out, a, b = _case(slots, k, n, r, torch.bfloat16, "cpu")
+    segments = _segments(slots, "cpu")
+    expected, got = out.clone(), out.clone()
+    lora_add_reference(expected, x, a, b, segments)
+    paired = lora_rows_paired(b).contiguous()
+    assert paired.shape == (b.shape[0], r // 2, n, 2) and torch.equal(lora_rows_unpaired(paired), b)
+    ops.lora_add(got, x, a, paired, segments)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2**-7)
+    lora_rows = [t for t, s in enumerate(slots) if s >= 0]
+    if lora_rows:
+        assert (got[lora_rows].float() - out[lora_rows].float()).abs().max() > 0.05
+    # The reference takes the pairs too (the CPU op's fallback for what its kernel refuses).
+    again = out.clone()
+    lora_add_reference(again, x, a, paired, segments)
+    assert torch.equal(again, expected)
+
+
 def test_lora_add_cpu_mixed_dtypes():
     # fp32 adapters (--lora-dtype float32) beside bf16 activations.
     slots = [0, 1, -1, 1]
@@ -100,7 +123,8 @@ def test_lora_add_cpu_mixed_dtypes():
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
-def test_lora_add_over_a_fused_projection_skips_only_zeros(backend) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_add_over_a_fused_projection_skips_only_zeros(backend, dtype) -> None:
     """A fused q/k/v slot: B's rows in three groups, each zero outside its slice's columns
     (block diagonal, as the slots hold them); ``slices`` lets a kernel skip the zeros. The
     result must be the reference's over the whole B."""
@@ -113,12 +137,16 @@ def test_lora_add_over_a_fused_projection_skips_only_zeros(backend) -> None:
     for j in range(3):
         b[:, j * 8 : (j + 1) * 8, bounds[j] : bounds[j + 1]] = torch.randn(4, 8, bounds[j + 1] - bounds[j], generator=g) * 0.2
     a[:, 5:8] = 0  # a padded rank inside the first slice
-    x, out, a, b = (t.to(device) for t in (x, out, a, b))
+    x, out, a, b = (t.to(device=device, dtype=dtype) for t in (x, out, a, b))
     segments = _segments(slots, device)
     expected, got = out.clone(), out.clone()
     lora_add_reference(expected, x, a, b, segments)
     get_ops(backend).lora_add(got, x, a, b, segments, bounds)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    else:  # bf16: one rounding step of the output, as above
+        torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2**-7)
+    assert (got.float() - out.float()).abs().max() > 0.05
 
 
 def test_segments_group_tokens_by_slot() -> None:

@@ -17,7 +17,15 @@ from __future__ import annotations
 import torch
 
 from engine.ops import cpu
-from engine.ops.base import AttentionMetadata, KVCache, LoraSegments, Ops, QuantizedKV
+from engine.ops.base import (
+    AttentionMetadata,
+    KVCache,
+    LoraSegments,
+    Ops,
+    QuantizedKV,
+    lora_rows_paired,
+    lora_rows_unpaired,
+)
 from engine.ops.reference import TorchOps
 
 __all__ = [
@@ -27,6 +35,8 @@ __all__ = [
     "Ops",
     "QuantizedKV",
     "get_ops",
+    "lora_rows_paired",
+    "lora_rows_unpaired",
     "resolve_backend",
 ]
 

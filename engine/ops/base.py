@@ -155,6 +155,18 @@ class LoraSegments:
         return bool(self.host)
 
 
+def lora_rows_paired(b: torch.Tensor) -> torch.Tensor:
+    """B [..., R, out] as row pairs [..., R / 2, out, 2] (a view: copy it into the pairs'
+    storage): B[r][n] at [r // 2, n, r % 2], the layout :meth:`Ops.lora_pairs` asks for."""
+    return b.unflatten(-2, (b.shape[-2] // 2, 2)).transpose(-1, -2)
+
+
+def lora_rows_unpaired(b: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`lora_rows_paired`: row pairs [..., R / 2, out, 2] back to
+    [..., R, out] (a copy)."""
+    return b.transpose(-1, -2).flatten(-3, -2)
+
+
 class Ops(Protocol):
     """The op set a model and the sampler use; every backend provides all of it."""
 
@@ -260,11 +272,19 @@ class Ops(Protocol):
     ) -> None:
         """``out[t] += (a[s] @ x[t]) @ b[s]`` for each token ``t`` of slot ``s >= 0``
         (SGMV: shrink then expand, a segment per adapter), accumulated in fp32 and rounded
-        once into ``out``'s dtype; base-model rows are left as they are.
+        once into ``out``'s dtype; base-model rows are left as they are. ``b`` may come as
+        row pairs ([S, R / 2, out, 2], :func:`lora_rows_paired`) where :meth:`lora_pairs`
+        asks for them.
 
         ``slices`` (a fused projection's ``n + 1`` column bounds): ``b``'s rows come in
         ``n`` equal groups, group ``j`` zero outside columns ``slices[j]:slices[j + 1]``
         (block diagonal); a kernel may skip the zeros. Empty: no such promise."""
+        ...
+
+    def lora_pairs(self, dtype: torch.dtype) -> bool:
+        """Whether :meth:`lora_add` runs fastest with B held as row pairs in ``dtype`` (the
+        CPU kernel's bf16 dot products take two of B's rows a product); the adapter slots
+        then hold B so."""
         ...
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:

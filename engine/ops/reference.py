@@ -14,7 +14,14 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from engine.ops.base import KV_CODE_MAX, AttentionMetadata, KVCache, LoraSegments, QuantizedKV
+from engine.ops.base import (
+    KV_CODE_MAX,
+    AttentionMetadata,
+    KVCache,
+    LoraSegments,
+    QuantizedKV,
+    lora_rows_unpaired,
+)
 from engine.ops.moe import fused_moe_reference
 from engine.ops.sampling_ref import sample as sample_reference
 from engine.structured.bitmask import apply_bitmask
@@ -228,6 +235,9 @@ class TorchOps:
         """Each run of a slot's tokens as two fp32 matmuls (the oracle of the kernels)."""
         lora_add_reference(out, x, a, b, segments)
 
+    def lora_pairs(self, dtype: torch.dtype) -> bool:
+        return False
+
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         """xgrammar's kernel (C++ on the CPU, CUDA on a GPU)."""
         apply_bitmask(logits, bitmask, rows)
@@ -248,6 +258,8 @@ def lora_add_reference(
     out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, segments: LoraSegments
 ) -> None:
     """:meth:`Ops.lora_add` in plain torch: shrink and expand in fp32 per run of a slot."""
+    if b.dim() == 4:  # row pairs
+        b = lora_rows_unpaired(b)
     for start, end, slot in segments.host:
         shrunk = x[start:end].float() @ a[slot].float().T
         out[start:end] = (out[start:end].float() + shrunk @ b[slot].float()).to(out.dtype)

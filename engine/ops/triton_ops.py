@@ -118,6 +118,9 @@ class TritonOps:
         if segments.active:
             lora.lora_add(out, x, a, b, segments.groups, segments.order, segments.group_bounds, segments.group_slots)
 
+    def lora_pairs(self, dtype: torch.dtype) -> bool:
+        return False
+
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         """xgrammar's kernel (C++ on the CPU, CUDA on a GPU)."""
         apply_bitmask(logits, bitmask, rows)

@@ -59,7 +59,7 @@ from engine.models.lora import (
     lora_expert_targets,
     lora_targets,
 )
-from engine.ops import LoraSegments, Ops
+from engine.ops import LoraSegments, Ops, lora_rows_paired
 from engine.ops.moe import combine
 from engine.parallel import SINGLE, TensorParallel, shard_range
 
@@ -120,7 +120,7 @@ class LoraLinear:
         self.target = target
         self.cut = cut  # this rank's part of each adapter (the whole on one rank)
         self.a = a  # [S, n * R, in]: in = this rank's input columns
-        self.b = b  # [S, n * R, out]: B transposed, out = this rank's output rows
+        self.b = b  # [S, n * R, out]: B transposed, out = this rank's output rows (or its row pairs)
         self.slots = slots
         # The fused slices' column bounds: b is block diagonal, which the kernel may skip.
         self.bounds = (0, *itertools.accumulate(cut.widths))
@@ -249,6 +249,9 @@ class LoraSlots:
             raise UnsupportedModelError("LoRA adapters on a mixture-of-experts model with tensor "
                                         "parallelism are not supported yet (pipeline parallelism is)")
         self.experts: list[LoraExperts | None] = []
+        # B as row pairs where the backend's kernel takes them so (lora_rows_paired): a
+        # pair never straddles two slices when the padded rank is even.
+        self.pairs = max_rank % 2 == 0 and ops.lora_pairs(dtype)
         for i, layer in zip(self.layer_ids, layers, strict=True):
             wrapped = {}
             for target in lora_targets(config, i):
@@ -262,7 +265,9 @@ class LoraSlots:
                 cut = lora_cut(config, target, tp, row_parallel=row, gathered=row and base.gathered)
                 n = len(target.slices)
                 a = torch.zeros((max_loras, n * max_rank, cut.cols[1] - cut.cols[0]), dtype=dtype, device=device)
-                b = torch.zeros((max_loras, n * max_rank, sum(cut.widths)), dtype=dtype, device=device)
+                width = sum(cut.widths)
+                b = torch.zeros((max_loras, n * max_rank // 2, width, 2) if self.pairs else
+                                (max_loras, n * max_rank, width), dtype=dtype, device=device)
                 lin = LoraLinear(base.linear if row else base, target, cut, a, b, self)
                 if row:
                     base.linear = lin
@@ -314,15 +319,20 @@ class LoraSlots:
         for i, wrapped, experts in zip(self.layer_ids, self.wrappers, self.experts, strict=True):
             for lin in wrapped.values():
                 lin.a[slot].zero_()
-                lin.b[slot].zero_()
+                # B is written as [n * R, out], then into the slot (as row pairs, or as is).
+                b_slot = torch.zeros((lin.a.shape[1], lin.b.shape[2]), dtype=lin.b.dtype, device=lin.b.device) \
+                    if self.pairs else lin.b[slot]
+                b_slot.zero_()
                 row = 0
                 for j, ((module, _), rows) in enumerate(zip(lin.target.slices, lin.cut.widths, strict=True)):
                     pair = adapter.modules.get((i, module))
                     if pair is not None:
                         a, b = pair
                         lin.a[slot, j * big_r : j * big_r + r].copy_(a)
-                        lin.b[slot, j * big_r : j * big_r + r, row : row + rows].copy_(b.T)
+                        b_slot[j * big_r : j * big_r + r, row : row + rows].copy_(b.T)
                     row += rows
+                if self.pairs:
+                    lin.b[slot].copy_(lora_rows_paired(b_slot))
             if experts is not None:
                 experts.write(slot, i, adapter)
 

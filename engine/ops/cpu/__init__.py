@@ -116,6 +116,7 @@ class CpuOps(TorchOps):
                 or not (x.is_contiguous() and out.is_contiguous() and a.is_contiguous() and b.is_contiguous())
                 or x.dim() != 2 or segments.order.device.type != "cpu"):
             return super().lora_add(out, x, a, b, segments)
+        pairs = b.dim() == 4  # B as row pairs (lora_pairs): the bf16 dot-product expand's layout
         if not segments.active:
             return None
         step = self._lora_step
@@ -131,13 +132,18 @@ class CpuOps(TorchOps):
             cols = self._lora_cols[key] = (_ffi.new("int64_t[]", bounds), len(bounds) - 1)
         rc = _lib.eng_lora_sgmv(code, wcode, _ptr(out), _ptr(x), x.shape[0], x.shape[1], n, a.shape[1],
                                 a.shape[0], _ptr(a), _ptr(b), step[1], step[2], step[3], step[4], cols[1], cols[0],
-                                torch.get_num_threads())
+                                int(pairs), torch.get_num_threads())
         if rc == -2:
             raise CpuKernelError(f"lora_add: a slot outside the pool of {a.shape[0]} or a token outside the "
                                  f"{x.shape[0]} of the step")
         if rc != 0:
             return super().lora_add(out, x, a, b, segments, slices)
         return None
+
+    def lora_pairs(self, dtype: torch.dtype) -> bool:
+        """bf16 where the CPU has AVX512-BF16: the expand's dot products take two of B's rows
+        at once, and loading them as pairs saves interleaving them at every step."""
+        return dtype == torch.bfloat16 and bool(_lib.eng_lora_pairs())
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         """One C pass over the masked rows: xgrammar's CPU kernel spends ~150 us on a row of

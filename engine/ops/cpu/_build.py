@@ -38,7 +38,9 @@ int eng_greedy(const float *logits, int64_t stride, int64_t rows, int64_t vocab,
                float *lp, int nthreads);
 int eng_lora_sgmv(int dtype, int wdtype, void *out, const void *x, int64_t T, int64_t K, int64_t N, int64_t R,
                   int64_t S, const void *a, const void *b, const int32_t *order, const int32_t *bounds,
-                  const int32_t *gslots, int64_t G, int64_t nslices, const int64_t *slice_cols, int nthreads);
+                  const int32_t *gslots, int64_t G, int64_t nslices, const int64_t *slice_cols, int b_pairs,
+                  int nthreads);
+int eng_lora_pairs(void);
 """
 
 # Quantized-weight matmuls (quant.c, a translation unit of its own; see engine/ops/quant.py).

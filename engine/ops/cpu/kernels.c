@@ -1190,6 +1190,110 @@ LORA_BF16DP static void eng_lora_shrink512dp_bb(float *tmp, const void *x, const
     }
 }
 
+/* The expand for bf16 out and bf16 B with AVX512-BF16 dot products: each instruction takes
+ * two of B's rows (r, r + 1) over 16 columns, interleaved on the fly into (B[r][n],
+ * B[r + 1][n]) pairs, against the token's two shrunk values rounded to bf16 (as vLLM's
+ * expand casts them to B's dtype) and broadcast as one pair: two rows a product with no
+ * widening of B, against the fp32 path's widen, multiply and add per row. tp[t * R / 2 + j]
+ * holds token t's shrunk rows 2j (low half) and 2j + 1 (high half) as bf16. A slice's rows
+ * per slice are even (checked by the caller), so a pair never straddles two slices. */
+LORA_BF16DP INLINE __m512i lora_pair16(const uint16_t *b, int64_t row, int64_t N, __mmask16 m) {
+    const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, b + row));
+    const __m512i hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, b + row + N));
+    return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+
+/* 16 lanes of bf16 out (mask m) += v, rounded to nearest even by the BF16 extension's one
+ * instruction (as lora_add16; a NaN stays a NaN, its payload quieted rather than 0x7FC0). */
+LORA_BF16DP INLINE void lora_add16dp(uint16_t *out, int64_t o, __mmask16 m, __m512 v) {
+    const __m512 old = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, out + o)), 16));
+    const __m256bh r = _mm512_cvtneps_pbh(_mm512_add_ps(old, v));
+    _mm256_mask_storeu_epi16(out + o, m, (__m256i)r);
+}
+
+LORA_BF16DP INLINE void lora_expand512dp_block(uint16_t *out, const uint32_t *tp, const uint16_t *b, int64_t bo,
+                                               const int32_t *tok, int64_t N, int64_t R, int64_t n0, int64_t w,
+                                               int64_t nsl, const int64_t *cols, const unsigned char *live,
+                                               const int nb, const int nv, const int pairs) {
+    const int64_t per = R / nsl, R2 = R / 2;
+    for (int64_t c0 = 0; c0 < w; c0 += 16 * nv) {
+        __mmask16 mc[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < nv; c++)
+            mc[c] = lora_mask(w - c0 - 16 * c);
+        __m512 acc[16];
+#pragma GCC unroll 16
+        for (int v = 0; v < 16; v++)
+            acc[v] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < nsl; j++) {
+            if (cols[j] >= n0 + c0 + 16 * nv || cols[j + 1] <= n0 + c0 || cols[j] == cols[j + 1])
+                continue;
+            for (int64_t r = j * per; r < (j + 1) * per; r += 2) {
+                if (!live[r / 2])
+                    continue;
+                const int64_t row = bo + r * N + n0 + c0;
+                __m512i bv[4];
+#pragma GCC unroll 4
+                for (int c = 0; c < nv; c++)
+                    bv[c] = pairs ? _mm512_maskz_loadu_epi32(mc[c], (const uint32_t *)b + (bo + r * N) / 2 + n0 + c0 + 16 * c)
+                                  : lora_pair16(b, row + 16 * c, N, mc[c]);
+#pragma GCC unroll 8
+                for (int i = 0; i < nb; i++) {
+                    const __m512i sv = _mm512_set1_epi32((int)tp[i * R2 + r / 2]);
+#pragma GCC unroll 4
+                    for (int c = 0; c < nv; c++)
+                        acc[nv * i + c] = _mm512_dpbf16_ps(acc[nv * i + c], (__m512bh)bv[c], (__m512bh)sv);
+                }
+            }
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < nb; i++) {
+            const int64_t o = (int64_t)tok[i] * N + n0 + c0;
+#pragma GCC unroll 4
+            for (int c = 0; c < nv; c++)
+                if (mc[c])
+                    lora_add16dp(out, o + 16 * c, mc[c], acc[nv * i + c]);
+        }
+    }
+}
+
+/* Blocks of 8 tokens x 32 columns (each pair of B's rows used by 8 tokens), the last
+ * block's 1-7 tokens x 64 columns (4 x 4) or fewer. ``pairs``: B is held as row pairs
+ * ([S, R / 2, N, 2]: B[r][n] at ((r / 2) * N + n) * 2 + r % 2), loaded as they are;
+ * otherwise [S, R, N], each two rows interleaved on the fly. */
+#define LORA_DP_BLOCKS(P)                                                                                      \
+    switch (nb) {                                                                                              \
+    case 1: lora_expand512dp_block(o, t, bb, bo, tok + i, N, R, n0, w, nsl, cols, live, 1, 4, P); break;     \
+    case 2: lora_expand512dp_block(o, t, bb, bo, tok + i, N, R, n0, w, nsl, cols, live, 2, 4, P); break;     \
+    case 3: lora_expand512dp_block(o, t, bb, bo, tok + i, N, R, n0, w, nsl, cols, live, 3, 4, P); break;     \
+    case 4: lora_expand512dp_block(o, t, bb, bo, tok + i, N, R, n0, w, nsl, cols, live, 4, 4, P); break;     \
+    default: lora_expand512dp_block(o, t, bb, bo, tok + i, N, R, n0, w, nsl, cols, live, 8, 2, P); break;    \
+    }
+
+LORA_BF16DP static void eng_lora_expand512dp_bb(void *out, const uint32_t *tp, const void *b, int64_t bo,
+                                                const int32_t *tok, int64_t m, int64_t N, int64_t R, int64_t n0,
+                                                int64_t w, int64_t nsl, const int64_t *cols, int pairs) {
+    unsigned char live[LORA_LIVE_MAX / 2]; /* row pairs some token of the block shrank to nonzero */
+    const int64_t R2 = R / 2;
+    uint16_t *o = (uint16_t *)out;
+    const uint16_t *bb = (const uint16_t *)b;
+    for (int64_t i = 0; i < m;) {
+        const int64_t nb = m - i >= 8 ? 8 : m - i < 4 ? m - i : 4;
+        const uint32_t *t = tp + i * R2;
+        for (int64_t r = 0; r < R2; r++) {
+            uint32_t any = 0;
+            for (int64_t q = 0; q < nb; q++)
+                any |= t[q * R2 + r] & 0x7FFF7FFFu;
+            live[r] = any != 0;
+        }
+        if (pairs)
+            LORA_DP_BLOCKS(1)
+        else
+            LORA_DP_BLOCKS(0)
+        i += nb;
+    }
+}
+
 static int lora_has_bf16dp(void) {
     static int state = -1;
     if (state < 0)
@@ -1214,17 +1318,30 @@ LORA_AVX512(bf, 1, 0)
 LORA_AVX512(bb, 1, 1)
 #endif
 
+/* Whether eng_lora_sgmv takes B as row pairs (b_pairs) for bf16 activations and weights:
+ * where AVX512-BF16 dot products run. */
+int eng_lora_pairs(void) {
+#if HAVE_ATTN_AVX512
+    return lora_has_bf16dp();
+#else
+    return 0;
+#endif
+}
+
 /* out[t] += (A[s] @ x[t]) @ Bt[s] for every token t = order[i] of group g (i in
  * bounds[g] .. bounds[g + 1], s = gslots[g]); tokens in no group (the base model's) are
  * left as they are. x [T, K] and out [T, N] contiguous, A [S, R, K] and Bt [S, R, N]
  * contiguous. A fused projection's Bt is block diagonal: its R rows in nslices equal
  * groups, group j nonzero only in columns slice_cols[j] .. slice_cols[j + 1] (nslices 1,
- * bounds {0, N}: no such structure). Returns -1 for a dtype, rank or bounds it does not
+ * bounds {0, N}: no such structure). b_pairs: Bt is held as row pairs ([S, R / 2, N, 2],
+ * for bf16 on both sides where eng_lora_pairs() says the dot-product expand runs; -1
+ * otherwise). Returns -1 for a dtype, rank or bounds it does not
  * take (or no memory for the shrunk rows), -2 for a slot outside [0, S) or a token
  * outside [0, T). */
 int eng_lora_sgmv(int dtype, int wdtype, void *out, const void *x, int64_t T, int64_t K, int64_t N, int64_t R,
                   int64_t S, const void *a, const void *b, const int32_t *order, const int32_t *bounds,
-                  const int32_t *gslots, int64_t G, int64_t nslices, const int64_t *slice_cols, int nthreads) {
+                  const int32_t *gslots, int64_t G, int64_t nslices, const int64_t *slice_cols, int b_pairs,
+                  int nthreads) {
     if ((dtype != DT_F32 && dtype != DT_BF16) || (wdtype != DT_F32 && wdtype != DT_BF16) || R < 1
         || nslices < 1 || R % nslices != 0 || slice_cols[0] != 0 || slice_cols[nslices] != N || G < 0
         || (G > 0 && bounds[0] != 0))
@@ -1244,6 +1361,7 @@ int eng_lora_sgmv(int dtype, int wdtype, void *out, const void *x, int64_t T, in
     float *tmp = malloc((size_t)(M * R) * sizeof(float)); /* shrunk rows, in order's order */
     if (!tmp)
         return -1;
+    uint32_t *tp = NULL; /* the same rows as bf16 pairs, for the dot-product expand */
     void (*shrink)(float *, const void *, const void *, int64_t, const int32_t *, int64_t, int64_t, int64_t,
                    int64_t, int64_t) =
         dtype == DT_F32 ? (wdtype == DT_F32 ? eng_lora_shrink_ff : eng_lora_shrink_fb)
@@ -1260,9 +1378,30 @@ int eng_lora_sgmv(int dtype, int wdtype, void *out, const void *x, int64_t T, in
                                  : (wdtype == DT_F32 ? eng_lora_shrink512_bf
                                                      : lora_has_bf16dp() ? eng_lora_shrink512dp_bb
                                                                          : eng_lora_shrink512_bb);
+        if (dtype == DT_BF16 && wdtype == DT_BF16 && lora_has_bf16dp() && R % (2 * nslices) == 0) {
+            tp = malloc((size_t)(M * R / 2) * sizeof(uint32_t));
+            if (!tp) {
+                free(tmp);
+                return -1;
+            }
+        }
     }
 #endif
-    const int64_t nrb = (R + LORA_RB - 1) / LORA_RB, ntile = (N + LORA_TILE - 1) / LORA_TILE;
+    if (b_pairs && !tp) { /* row pairs are the dot-product expand's layout only */
+        free(tmp);
+        return -1;
+    }
+    const int64_t nrb = (R + LORA_RB - 1) / LORA_RB;
+    /* Column tiles: the dot-product expand takes wide ones (a group's rows of B read in long
+     * runs, which the prefetchers follow), as many as keep every thread busy. */
+    int64_t tile = LORA_TILE;
+    if (tp) {
+        const int64_t want = (2 * (int64_t)nthreads + G - 1) / (G > 0 ? G : 1);
+        tile = ((N + want - 1) / want + 63) / 64 * 64;
+        if (tile < LORA_TILE)
+            tile = LORA_TILE;
+    }
+    const int64_t ntile = (N + tile - 1) / tile;
     /* dynamic: groups differ in size (a prefill's hundreds of tokens beside decodes' one). */
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && M * R * (K + N) >= PARALLEL_MIN_WORK)
     {
@@ -1273,16 +1412,30 @@ int eng_lora_sgmv(int dtype, int wdtype, void *out, const void *x, int64_t T, in
             if (e > s)
                 shrink(tmp + s * R, x, a, (int64_t)gslots[g] * R * K, order + s, e - s, K, R, r0, r1);
         }
+        if (tp) {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < M * R / 2; i++)
+                tp[i] = (uint32_t)f32_to_bf16(tmp[2 * i]) | (uint32_t)f32_to_bf16(tmp[2 * i + 1]) << 16;
+        }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < G * ntile; it++) {
-            const int64_t g = it / ntile, n0 = it % ntile * LORA_TILE;
-            const int64_t w = N - n0 < LORA_TILE ? N - n0 : LORA_TILE;
+            const int64_t g = it / ntile, n0 = it % ntile * tile;
+            const int64_t w = N - n0 < tile ? N - n0 : tile;
             const int64_t s = bounds[g], e = bounds[g + 1];
-            if (e > s)
-                expand(out, tmp + s * R, b, (int64_t)gslots[g] * R * N, order + s, e - s, N, R, n0, w, nslices,
-                       slice_cols);
+            if (e <= s)
+                continue;
+#if HAVE_ATTN_AVX512
+            if (tp) {
+                eng_lora_expand512dp_bb(out, tp + s * R / 2, b, (int64_t)gslots[g] * R * N, order + s, e - s, N, R,
+                                        n0, w, nslices, slice_cols, b_pairs);
+                continue;
+            }
+#endif
+            expand(out, tmp + s * R, b, (int64_t)gslots[g] * R * N, order + s, e - s, N, R, n0, w, nslices,
+                   slice_cols);
         }
     }
+    free(tp);
     free(tmp);
     return 0;
 }
