@@ -35,27 +35,29 @@ ROUND_MAGIC: tl.constexpr = tl.constexpr(12582912.0)  # 1.5 * 2**23
 @triton.jit
 def _write_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
+    n_tokens, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cache_block, stride_cache_off, stride_cache_head,
     block_size, n_heads, head_dim,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, TOKS: tl.constexpr,
 ):
-    tok = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + tok).to(tl.int64)
-    if slot >= 0:
-        h = tl.arange(0, BLOCK_H)
-        d = tl.arange(0, BLOCK_D)
-        mask = (h[:, None] < n_heads) & (d[None, :] < head_dim)
-        dst = (
-            (slot // block_size) * stride_cache_block
-            + (slot % block_size) * stride_cache_off
-            + h[:, None] * stride_cache_head
-            + d[None, :]
-        )
-        k = tl.load(k_ptr + tok * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        v = tl.load(v_ptr + tok * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    # [TOKS, heads, head_dim] tiles: TOKS tokens a program (one on a GPU); a slot < 0 (a
+    # padded row) is written nowhere.
+    tok = (tl.program_id(0) * TOKS + tl.arange(0, TOKS)).to(tl.int64)
+    slot = tl.load(slot_ptr + tok, mask=tok < n_tokens, other=-1).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[None, :, None]
+    d = tl.arange(0, BLOCK_D)[None, None, :]
+    mask = (slot >= 0)[:, None, None] & (h < n_heads) & (d < head_dim)
+    dst = (
+        (slot // block_size)[:, None, None] * stride_cache_block
+        + (slot % block_size)[:, None, None] * stride_cache_off
+        + h * stride_cache_head
+        + d
+    )
+    t = tok[:, None, None]
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -143,13 +145,16 @@ def write_kv_cache(
         raise ValueError("k_cache and v_cache must share one layout with unit head_dim stride")
     if n_tokens == 0:
         return
-    _write_kv_kernel[(n_tokens,)](
+    # One token a program on a GPU; in the CPU interpreter (programs run one by one at a
+    # fixed cost each) up to 64 as one block.
+    toks = 1 if key.is_cuda else min(triton.next_power_of_2(n_tokens), 64)
+    _write_kv_kernel[(triton.cdiv(n_tokens, toks),)](
         key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        n_tokens, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_cache.shape[1], n_heads, head_dim,
         BLOCK_H=triton.next_power_of_2(n_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=triton.next_power_of_2(head_dim), TOKS=toks,
         num_warps=2,  # a few KB per token; many small programs fill the GPU
     )
 
