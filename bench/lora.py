@@ -39,6 +39,7 @@ import trio
 from safetensors.torch import save_file
 
 import engine
+from engine.actors.model_thread import run_in_model_thread
 from engine.models.lora import lora_targets
 from engine.ops import LoraSegments, get_ops, lora_rows_paired
 from engine.params import SamplingParams
@@ -160,7 +161,11 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     print(f"\nLoRA kernel per decode step ({args.concurrency} tokens, every targeted projection, "
           f"rank {args.rank}):")
     print(f"{'adapters':>9} {'batched us':>11} {'separately us':>14}")
-    for row in kernel_rows(config, dtype, args.rank, args.concurrency, counts, args.reps):
+    # On the process's model thread, where the engine ran its steps: OpenMP gives each
+    # calling thread a team of its own, and a second team beside the first slows every
+    # parallel region several times over (engine/actors/model_thread.py).
+    rows = await run_in_model_thread(kernel_rows, config, dtype, args.rank, args.concurrency, counts, args.reps)
+    for row in rows:
         print(f"{row['adapters']:>9} {row['batched_us']:11.0f} {row['separately_us']:14.0f}")
         report["kernel"].append(row)
     return report
