@@ -157,20 +157,28 @@ def rotary_embedding(
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, n_rows, d, stride_x, stride_out, BLOCK: tl.constexpr,
-                         ROWS: tl.constexpr):
+def _act_and_mul_kernel(x_ptr, out_ptr, n_rows, d, stride_x, stride_out, BLOCK: tl.constexpr,
+                        ROWS: tl.constexpr, GELU_TANH: tl.constexpr):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
     cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
     mask = (rows < n_rows) & (cols < d)
     gate = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + rows * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
-    # Round the SiLU to the activation dtype before the multiply, as torch computes it.
-    act = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    if GELU_TANH:
+        # gelu_tanh(g) = g / 2 * (1 + tanh(u)), u = sqrt(2/pi) (g + 0.044715 g^3); with
+        # 1 + tanh(u) = 2 sigmoid(2u) that is g * sigmoid(2u). The sigmoid takes exp of a
+        # non-positive argument only, so it never overflows at either tail.
+        two_u = 1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)
+        e = tl.exp(-tl.abs(two_u))
+        act = gate * tl.where(two_u >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+    else:
+        act = gate * tl.sigmoid(gate)
+    # Round the activation to the activation dtype before the multiply, as torch computes it.
+    act = act.to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + rows * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``silu(x[..., :d]) * x[..., d:]`` in one pass (torch needs three kernels and two temps)."""
+def _act_and_mul(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     x2 = _rows(x)
     n_rows, two_d = x2.shape
     d = two_d // 2
@@ -178,40 +186,19 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = 1024  # columns per program: 4 KB of fp32 per operand, enough to hide latency
     if n_rows:
         rows = _rows_per_program(x2, n_rows)
-        _silu_and_mul_kernel[(triton.cdiv(n_rows, rows), triton.cdiv(d, block))](
-            x2, out, n_rows, d, x2.stride(0), out.stride(0), BLOCK=block, ROWS=rows, num_warps=4
+        _act_and_mul_kernel[(triton.cdiv(n_rows, rows), triton.cdiv(d, block))](
+            x2, out, n_rows, d, x2.stride(0), out.stride(0), BLOCK=block, ROWS=rows, GELU_TANH=gelu_tanh,
+            num_warps=4,
         )
     return out.view(*x.shape[:-1], d)
 
 
-@triton.jit
-def _gelu_tanh_and_mul_kernel(x_ptr, out_ptr, n_rows, d, stride_x, stride_out, BLOCK: tl.constexpr,
-                              ROWS: tl.constexpr):
-    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
-    cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
-    mask = (rows < n_rows) & (cols < d)
-    gate = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + rows * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
-    # gelu_tanh(g) = g / 2 * (1 + tanh(u)), u = sqrt(2/pi) (g + 0.044715 g^3); with
-    # 1 + tanh(u) = 2 sigmoid(2u) that is g * sigmoid(2u). The sigmoid takes exp of a
-    # non-positive argument only, so it never overflows at either tail.
-    two_u = 1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)
-    e = tl.exp(-tl.abs(two_u))
-    sig = tl.where(two_u >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
-    act = (gate * sig).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + rows * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :d]) * x[..., d:]`` in one pass (torch needs three kernels and two temps)."""
+    return _act_and_mul(x, gelu_tanh=False)
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``gelu(x[..., :d], approximate="tanh") * x[..., d:]`` in one pass (Gemma's GeGLU)."""
-    x2 = _rows(x)
-    n_rows, two_d = x2.shape
-    d = two_d // 2
-    out = torch.empty((n_rows, d), dtype=x.dtype, device=x.device)
-    block = 1024  # as silu_and_mul
-    if n_rows:
-        rows = _rows_per_program(x2, n_rows)
-        _gelu_tanh_and_mul_kernel[(triton.cdiv(n_rows, rows), triton.cdiv(d, block))](
-            x2, out, n_rows, d, x2.stride(0), out.stride(0), BLOCK=block, ROWS=rows, num_warps=4
-        )
-    return out.view(*x.shape[:-1], d)
+    return _act_and_mul(x, gelu_tanh=True)
+
