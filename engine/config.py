@@ -354,9 +354,19 @@ class EngineConfig:
     # token in fp32), i.e. ~46k tokens, without taking a shared CPU machine's memory.
     # An int is bytes, a float in (0, 1] a fraction of the device's free memory (on CPU, of
     # the available system memory).
-    kv_cache_memory: int | float = _field(
-        2 * 1024**3, "KV pool budget: bytes (2GiB, 512MB) or a fraction of free memory (0.5)",
-        type=parse_memory, metavar="SIZE", default_text="2GiB")
+    # None: 2 GiB on CPU; on CUDA what --gpu-memory-utilization leaves of the device once
+    # the weights are loaded and the step's activations are set aside (vLLM's default).
+    kv_cache_memory: int | float | None = _field(
+        None, "KV pool budget: bytes (2GiB, 512MB) or a fraction of free memory (0.5)",
+        type=parse_memory, metavar="SIZE",
+        default_text="2GiB on CPU; on CUDA, --gpu-memory-utilization of the device")
+    gpu_memory_utilization: float = _field(
+        0.9, "on CUDA, the share of the device's memory the engine may hold (weights, "
+        "activations, CUDA graphs and the KV pool, whose size it sets when --kv-cache-memory "
+        "is not given)", type=float, metavar="FRACTION")
+    # vLLM's switch: decode steps replay CUDA graphs captured at startup unless this is set.
+    enforce_eager: bool = _field(
+        False, "on CUDA, capture no CUDA graphs: every step runs its kernels eagerly")
     kv_cache_dtype: str = _field(
         "auto", "K/V storage: auto (the model dtype), int8 or fp8 (8-bit codes with a scale "
         "per token and KV head: about half of bf16's memory)", choices=KV_CACHE_DTYPES)
@@ -743,8 +753,14 @@ class EngineConfig:
                               f"got {timeout!r}", field="chat_template_timeout")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}", field="max_model_len")
+        util = self.gpu_memory_utilization
+        if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0.0 < util <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {util!r}",
+                              field="gpu_memory_utilization")
         mem = self.kv_cache_memory
-        if isinstance(mem, bool) or not isinstance(mem, (int, float)):
+        if mem is None:
+            pass
+        elif isinstance(mem, bool) or not isinstance(mem, (int, float)):
             raise ConfigError(f"kv_cache_memory must be bytes or a fraction, got {mem!r}", field="kv_cache_memory")
         if isinstance(mem, float) and not 0.0 < mem <= 1.0:
             raise ConfigError(f"kv_cache_memory as a fraction must be in (0, 1], got {mem}", field="kv_cache_memory")

@@ -64,9 +64,8 @@ def test_vllm_flags_that_map_or_do_nothing_are_taken(capsys) -> None:
         "-tp", "3", "--enforce-eager", "--uvicorn-log-level", "warning",
         "--disable-log-requests"])
     assert (args.model_tag, args.structured_outputs_backend, args.log_level,
-            args.tensor_parallel_size) == ("some/model", "guidance", "warning", 3)
-    assert [n.split(":")[0] for n in args.vllm_no_ops] == \
-        ["--trust-remote-code", "--enforce-eager", "--disable-log-requests"]
+            args.tensor_parallel_size, args.enforce_eager) == ("some/model", "guidance", "warning", 3, True)
+    assert [n.split(":")[0] for n in args.vllm_no_ops] == ["--trust-remote-code", "--disable-log-requests"]
     # -pp is vLLM's short name of the pipeline's stage count.
     assert _serve_parser().parse_args(["serve", "m", "-pp", "3"]).pipeline_parallel_size == 3
     # An unknown flag is still argparse's own error, naming it.

@@ -50,7 +50,6 @@ from engine.params import BeamSearchParams, SamplingParams
 # any other unknown option is refused (ConfigError) by open_engine.
 VLLM_IGNORED_OPTIONS = {
     "trust_remote_code": "the engine runs no code from a model's folder",
-    "enforce_eager": "the engine captures no CUDA graphs",
     "disable_log_stats": "the engine logs no periodic statistics",
 }
 

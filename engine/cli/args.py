@@ -97,8 +97,6 @@ VLLM_SERVE_FLAGS: dict[str, VllmFlag] = {
     "-dp": VllmFlag("alias", target="--data-parallel-size"),
     "--trust-remote-code": VllmFlag(
         "no_op", "this server never runs a model's own Python code", takes_value=False),
-    "--enforce-eager": VllmFlag("no_op", "this server always runs eagerly (no CUDA graphs)",
-                                takes_value=False),
     "--enable-chunked-prefill": VllmFlag("no_op", "prefill is always chunked here",
                                          takes_value=False),
     "--disable-log-requests": VllmFlag("no_op", "requests are not logged one by one here",
@@ -117,9 +115,6 @@ VLLM_SERVE_FLAGS: dict[str, VllmFlag] = {
     "--no-enable-chunked-prefill": VllmFlag(
         "refuse", "prefill is always chunked here (by --max-num-batched-tokens)",
         takes_value=False),
-    "--gpu-memory-utilization": VllmFlag(
-        "refuse", "give the KV cache's budget with --kv-cache-memory instead (bytes, or a "
-        "fraction of the memory free after the weights load)"),
     "--swap-space": VllmFlag("refuse", "there is no CPU swap space for KV blocks here"),
     "--cpu-offload-gb": VllmFlag("refuse", "weights are not offloaded to the CPU here"),
     "--load-format": VllmFlag("refuse", "the format follows --model: a folder of "
@@ -142,7 +137,8 @@ VLLM_SERVE_FLAGS: dict[str, VllmFlag] = {
     "--tool-parser-plugin": VllmFlag("refuse", "tool parsers are built in (--tool-call-parser)"),
     "--middleware": VllmFlag("refuse", "ASGI middleware is not loaded from the command line"),
     "--num-gpu-blocks-override": VllmFlag("refuse", "size the KV pool with --kv-cache-memory"),
-    "--max-seq-len-to-capture": VllmFlag("refuse", "there are no CUDA graphs here"),
+    "--max-seq-len-to-capture": VllmFlag("refuse", "the decode graphs are captured for "
+                                         "--max-model-len"),
     "--otlp-traces-endpoint": VllmFlag("refuse", "OpenTelemetry tracing is not supported"),
     "--enable-expert-parallel": VllmFlag("refuse", _ONE_DEVICE, takes_value=False),
     "--task": VllmFlag("refuse", "give --runner (generate, pooling) and --convert instead"),

@@ -33,7 +33,7 @@ from engine.parallel import SINGLE, PipelineStage, stage_layers
 from engine.process.pipeline import PipelineRunner
 from engine.process.rank import RankLoad, build_rank_runner, load_rank
 from engine.process.workers import TensorParallelRunner, WorkerGroup
-from engine.runner.kv_cache import bytes_per_block, free_memory, num_kv_blocks
+from engine.runner.kv_cache import bytes_per_block, default_kv_budget, free_memory, num_kv_blocks
 from engine.structured import GrammarBackend
 
 logger = logging.getLogger("engine")
@@ -310,6 +310,10 @@ def _size_kv_pool(
     # With no explicit length, any pool of at least one block is fine: the length shrinks
     # to fit it. An explicit length must fit whole (num_kv_blocks raises otherwise).
     budget = config.kv_cache_memory
+    if budget is None:
+        budget = default_kv_budget(
+            loaded.config, device, gpu_memory_utilization=config.gpu_memory_utilization,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs)
     if draft is not None:
         mine, theirs = (bytes_per_block(m.config, m.dtype, config.block_size,
                                         kv_cache_dtype=config.kv_cache_dtype) for m in (loaded, draft))

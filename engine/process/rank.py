@@ -115,6 +115,8 @@ def build_rank_runner(config: EngineConfig, load: RankLoad, device: torch.device
         draft=load.draft,
         logits_processors=load_logits_processors(config.logits_processor_names),
         lora=lora_settings(config, load.loaded.dtype),
+        decode_graphs=device.type == "cuda" and not config.enforce_eager,
+        max_model_len=config.max_model_len,
     )
 
 

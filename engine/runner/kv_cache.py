@@ -59,6 +59,50 @@ def free_memory(device: torch.device | str) -> int:
     raise OSError("/proc/meminfo has no MemAvailable line")
 
 
+# The pool's budget on CPU when --kv-cache-memory is not given: ample for SmolLM2's 30
+# layers x 3 KV heads x 64 dims (about 46 KB a token in fp32), i.e. ~46k tokens, without
+# taking a shared CPU machine's memory.
+CPU_DEFAULT_BUDGET = 2 * 1024**3
+# Set aside on CUDA beside the step's activations: the CUDA graphs' pool, the kernels'
+# workspaces and the allocator's fragmentation.
+CUDA_HEADROOM = 512 * 1024**2
+
+
+def activation_bytes(model_config: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """A bound on one step's transient device memory, counted in fp32: a full step's
+    hidden states, MLP and attention projections a few times over, and the logits of
+    every sampled row with the sampler's working copies."""
+    per_token = (4 * model_config.hidden_size + 3 * model_config.intermediate_size
+                 + 2 * (model_config.num_attention_heads + 2 * model_config.num_key_value_heads)
+                 * model_config.head_dim)
+    return 4 * (max_num_batched_tokens * per_token + 4 * max_num_seqs * model_config.vocab_size)
+
+
+def default_kv_budget(
+    model_config: ModelConfig, device: torch.device | str, *, gpu_memory_utilization: float,
+    max_num_batched_tokens: int, max_num_seqs: int,
+) -> int:
+    """The pool's budget in bytes when --kv-cache-memory is not given: on CPU
+    :data:`CPU_DEFAULT_BUDGET`; on CUDA, as vLLM's ``--gpu-memory-utilization``, that
+    share of the device's whole memory less what is in use already (the weights, and any
+    other process's) and less the step's activations (:func:`activation_bytes`) and
+    :data:`CUDA_HEADROOM`. Raises :class:`ConfigError` when that leaves nothing."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return CPU_DEFAULT_BUDGET
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    reserve = activation_bytes(model_config, max_num_batched_tokens, max_num_seqs) + CUDA_HEADROOM
+    budget = int(total * gpu_memory_utilization) - (total - free) - reserve
+    if budget <= 0:
+        raise ConfigError(
+            f"gpu_memory_utilization {gpu_memory_utilization} of {total / 2**30:.1f} GiB leaves "
+            f"no KV cache: {(total - free) / 2**30:.1f} GiB are in use and a step's activations "
+            f"take {reserve / 2**30:.1f} GiB. Raise it, or give --kv-cache-memory.",
+            field="gpu_memory_utilization")
+    return budget
+
+
 def num_kv_blocks(
     model_config: ModelConfig,
     dtype: torch.dtype,

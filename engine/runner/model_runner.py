@@ -43,6 +43,7 @@ from engine.ops import Ops
 from engine.parallel import SINGLE, TensorParallel
 from engine.params import SamplingParams
 from engine.runner.batch import BatchBuilder
+from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes, describe
 from engine.runner.draft import DraftModel, Proposal, track_draft
 from engine.runner.kv_cache import allocate_kv_caches, copy_blocks
 from engine.runner.logits_processors import ProcessorBatch, ProcessorConfig
@@ -99,6 +100,8 @@ class ModelRunner:
         draft: Any = None,
         logits_processors: Sequence[type] = (),
         lora: LoraSettings | None = None,
+        decode_graphs: bool = False,
+        max_model_len: int | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.tp = tp
@@ -108,6 +111,7 @@ class ModelRunner:
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self._ops = ops
         self.model = build_model(loaded.config, loaded.weights, ops, dtype=loaded.dtype, device=self.device, tp=tp)
         # A pooling model's requests end with their prompt: the step of the last chunk
         # pools the hidden states (see _run_pooling) instead of sampling.
@@ -148,6 +152,31 @@ class ModelRunner:
         self._batch = BatchBuilder(
             block_size=block_size, device=self.device, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, mrope=bool(loaded.config.mrope))
+        # CUDA graphs of the decode forward (captured at the end of warm_up); None: eager.
+        self.graphs: DecodeGraphs | None = None
+        if decode_graphs and self._graphs_apply():
+            self.graphs = DecodeGraphs(
+                lambda ids, pos, meta: self.model.forward(ids, pos, meta, self.kv_caches),
+                device=self.device, sizes=capture_sizes(max_num_seqs), block_size=block_size,
+                max_model_len=max_model_len or self.config.max_position_embeddings)
+
+    def _graphs_apply(self) -> bool:
+        """Whether this runner's decode steps can replay graphs, with the reason logged
+        when not: a single-rank decoder on Triton kernels, without adapters."""
+        why = None
+        if not self.paged_kv or self.pooler is not None:
+            why = "a pooling or encoder model has no decode steps"
+        elif self.config.mrope:
+            why = "M-RoPE positions are computed per step"
+        elif self.lora is not None:
+            why = "LoRA steps set each token's adapter slot per step"
+        elif self.tp.enabled or self.tp.stage.enabled:
+            why = "tensor- and pipeline-parallel ranks run eagerly"
+        elif type(self._ops).__name__ != "TritonOps":
+            why = "only the Triton kernels take a replayed step's metadata from device buffers"
+        if why is not None:
+            logger.info("CUDA graphs off: %s", why)
+        return why is None
 
     def reset(self) -> None:
         """Forget every request (the engine restarts its actors after a crash). The KV
@@ -241,7 +270,7 @@ class ModelRunner:
         with self._lora_step(chunks, states):
             if mm is not None:
                 hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, mm_embeds=mm)
-            else:
+            elif self.graphs is None or (hidden := self.graphs.run(input_ids, positions, meta)) is None:
                 hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
         if hidden is None:
             # A pipeline stage before the last: its hidden states went to the next stage;
@@ -306,6 +335,21 @@ class ModelRunner:
                 # here, only that the next chunk finds a token.
                 self.accept([(rid, 0)], ())
         self.execute(StepPlan(2, (), (), (rid,)))
+        if self.graphs is not None:
+            self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        """Capture the decode graphs (after the warm-up compiled the kernels); a capture
+        that fails leaves the runner eager, with the cause logged."""
+        assert self.graphs is not None
+        try:
+            self.graphs.capture()
+        except Exception:
+            logger.exception("CUDA graph capture failed; decode steps run eagerly")
+            self.graphs = None
+            return
+        if self.graphs.captured:
+            logger.info(describe(self.graphs))
 
     # -- request state ------------------------------------------------------------------
 
