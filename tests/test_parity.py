@@ -193,18 +193,22 @@ def _prefill_logits(
             query_lens.append(n)
             seq_lens.append(span.stop)
         width = max(len(tables[i]) for i in active)
+        dev = runner.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots),
-            query_start_loc=torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=torch.tensor([tables[i] + [0] * (width - len(tables[i])) for i in active], dtype=torch.int32),
+            slot_mapping=torch.tensor(slots, device=dev),
+            query_start_loc=torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor([tables[i] + [0] * (width - len(tables[i])) for i in active],
+                                      dtype=torch.int32, device=dev),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             query_lens_host=tuple(query_lens),
             seq_lens_host=tuple(seq_lens),
         )
-        hidden = runner.model.forward(torch.tensor(ids), torch.tensor(positions), meta, runner.kv_caches)
-        for i, rows in zip(active, runner.model.compute_logits(hidden).split(query_lens), strict=True):
+        hidden = runner.model.forward(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta,
+                                      runner.kv_caches)
+        # Compared on the host, with transformers' CPU logits.
+        for i, rows in zip(active, runner.model.compute_logits(hidden).cpu().split(query_lens), strict=True):
             logits[i].append(rows)
             done[i] += rows.shape[0]
     return [torch.cat(rows) for rows in logits]

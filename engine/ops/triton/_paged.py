@@ -24,6 +24,8 @@ import triton.language as tl
 from engine.ops.base import QuantizedKV
 
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)); exp2 is the native instruction
+# The same inside kernels: a compiled kernel reads only globals that are constexpr objects.
+LOG2E_C: tl.constexpr = tl.constexpr(LOG2E)
 
 
 @triton.jit
@@ -54,8 +56,8 @@ def paged_attend_tile(
     if SOFTCAP:
         # Gemma 2: cap * tanh(x / cap) on the scaled score x (s is x * log2(e) here);
         # tanh(y) = 1 - 2 / (e^(2y) + 1), exact at both tails (the exp overflows to 1).
-        y = s / (softcap * LOG2E)
-        s = (1.0 - 2.0 / (tl.math.exp2(y * (2.0 * LOG2E)) + 1.0)) * (softcap * LOG2E)
+        y = s / (softcap * LOG2E_C)
+        s = (1.0 - 2.0 / (tl.math.exp2(y * (2.0 * LOG2E_C)) + 1.0)) * (softcap * LOG2E_C)
     valid = t_mask[None, :]
     if CAUSAL:
         valid = valid & (toks[None, :] <= q_pos[:, None])

@@ -49,7 +49,7 @@ def _radix_threshold(row_ptr, vocab, temp, m_scaled, target, USE_MASS: tl.conste
     digits = tl.arange(0, 1 << 4)
     prefix = tl.zeros([], dtype=tl.int64)  # T + 2^31, in [0, 2^32)
     for step in tl.static_range(32 // 4):
-        shift: tl.constexpr = 28 - 4 * step
+        shift = 28 - 4 * step  # a constexpr: step is static_range's
         cand = (prefix + (digits.to(tl.int64) << shift) - 2147483648).to(tl.int32)
         total = tl.zeros([1 << 4], dtype=tl.float32)
         for v0 in range(0, vocab, BLOCK_V):
