@@ -190,6 +190,23 @@ def hf_decode_seconds(folder: Path, device: torch.device, prompts: list[list[int
     return out
 
 
+def replay_ms(graphs, size: int) -> float:
+    """Device time of one replay of the captured forward of ``size`` rows (median of 50,
+    CUDA events), on the buffers as the last step left them."""
+    graph, _ = graphs._graphs[size]
+    times = []
+    for i in range(60):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 10:
+            times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
 def step_bytes(config: ModelConfig, ctx: int) -> int:
     """What a batch-1 decode step must read: every weight once (bf16; the tied head's
     matrix is read by the head, the embedding row is negligible) and the K/V of ``ctx``."""
@@ -287,6 +304,11 @@ def main() -> None:
                     floor = step_bytes(dec.runner.config, args.prompt_len + steps // 2) / (bw * 1e9)
                     print(f"  roofline B=1: {floor * 1e3:.3f} ms/step floor; measured {sec / steps / floor:.2f}x it",
                           flush=True)
+                    if graphs and dec.runner.graphs is not None and dec.runner.graphs.captured:
+                        ms = replay_ms(dec.runner.graphs, 1)
+                        print(f"  B=1 forward alone (graph replay, device time): {ms:.3f} ms = {ms / 1e3 / floor:.2f}x "
+                              f"the floor; the rest of the step (head, sampling, host) "
+                              f"{sec / steps * 1e3 - ms:.3f} ms", flush=True)
             del dec
             if cuda:
                 torch.cuda.empty_cache()

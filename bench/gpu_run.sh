@@ -1,6 +1,6 @@
 #!/bin/bash
 # The GPU pass of issue 40, as one call of the device tool (docs/benchmarks.md, "On a GPU"):
-#   bash bench/gpu_run.sh [tests] [kernels] [e2e]     (no argument: all three)
+#   bash bench/gpu_run.sh [tests] [kernels] [e2e] [some]    (no argument: the first three)
 # The image there lacks trio, hypercorn, quart-trio, gguf, xgrammar and the rest of the
 # engine's pure-Python stack: they travel as Python 3.12 wheels in .whl (carry: [".whl"]).
 # Logs land in $OUT (the device tool brings them back).
@@ -29,6 +29,16 @@ for stage in $stages; do
           tests/test_lora_kernels.py tests/test_cuda_graphs.py tests/test_engine_e2e.py \
           "tests/test_parity.py" "tests/test_gpt2_opt.py" "tests/test_moe.py" \
           -k "triton or not (test_parity or test_gpt2_opt or test_moe)" 2>&1 | tee "$OUT/tests.log" | tail -60 ;;
+    some)
+      # A rerun of chosen tests: PYTEST_ARGS; with INTERPRET=1 on the CPU in Triton's
+      # interpreter instead (the same machine's transformers, without the GPU).
+      if [ "${INTERPRET:-0}" = 1 ]; then
+        CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 timeout 200 python3 -m pytest -q -p no:cacheprovider \
+            -W default $PYTEST_ARGS 2>&1 | tee "$OUT/tests_cpu.log" | tail -30
+      else
+        timeout 200 python3 -m pytest -q -p no:cacheprovider -W default $PYTEST_ARGS 2>&1 \
+            | tee "$OUT/tests_some.log" | tail -30
+      fi ;;
     kernels) timeout 90 python3 bench/kernels.py 2>&1 | tee "$OUT/kernels.txt" ;;
     e2e) timeout 200 python3 bench/gpu.py --serve 2>&1 | tee "$OUT/gpu.txt" ;;
   esac

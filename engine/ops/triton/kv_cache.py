@@ -64,10 +64,13 @@ def _write_kv_kernel(
 def _quantize_rows(x, mask, CODE_MAX: tl.constexpr, INT8: tl.constexpr):
     """[H, D] rows -> (int8 codes as fp32 values, or fp8 codes as bytes; [H] scales)."""
     x = tl.where(mask, x.to(tl.float32), 0.0)
-    scale = tl.max(tl.abs(x), axis=1) / CODE_MAX
+    # IEEE divisions (div_rn), as torch's: a GPU's plain `/` is approximate (2 ulp), which
+    # moves a code across a rounding tie (common with bf16 inputs) away from the reference.
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.math.div_rn(amax, tl.zeros_like(amax) + CODE_MAX)
     # An all-zero row (or a padded head) has scale 0 and x == 0: dividing by 1 keeps it 0
     # without computing 0/0.
-    y = x / tl.where(scale > 0, scale, 1.0)[:, None]
+    y = tl.math.div_rn(x, tl.zeros_like(x) + tl.where(scale > 0, scale, 1.0)[:, None])
     if INT8:
         # Round half to even as torch.round: adding and subtracting 1.5 * 2**23 leaves no
         # fraction bits for |y| < 2**22, and fp32 addition rounds to nearest even (the
