@@ -185,9 +185,7 @@ def hf_decode_seconds(folder: Path, device: torch.device, prompts: list[list[int
         return time.perf_counter() - t0
 
     timed(2)  # warm-up
-    out = timed(steps + 1) - timed(1)
-    del hf
-    return out
+    return timed(steps + 1) - timed(1)
 
 
 def replay_ms(graphs, size: int) -> float:

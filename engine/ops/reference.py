@@ -389,7 +389,10 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
     """
     xf = x.float()
     code_max = KV_CODE_MAX[dtype]
-    scale = xf.abs().amax(-1) / code_max
+    # Divided by a tensor, not a Python number: on CUDA torch turns division by a host
+    # scalar into a product with its reciprocal, which can differ from the IEEE quotient
+    # (what the C and Triton writes compute) in the last bit.
+    scale = xf.abs().amax(-1) / torch.full((), code_max, device=xf.device)
     y = torch.where(scale.unsqueeze(-1) > 0, xf / scale.unsqueeze(-1), 0.0)
     if dtype == torch.int8:
         return y.round_().clamp_(-code_max, code_max).to(torch.int8), scale
