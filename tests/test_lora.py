@@ -36,6 +36,7 @@ from greedy_driver import run_greedy
 from safetensors.torch import load_file, save_file
 from test_parity import LOGIT_ATOL_FP32
 from test_quant_models import KERNEL_LOGIT_SPAN, write_quantized
+from text_fixtures import hf_causal_lm
 
 import engine
 from engine.cli.args import add_engine_arguments, config_from_args
@@ -83,9 +84,7 @@ ADAPTERS = {"r8": dict(r=8, lora_alpha=16), "r16": dict(r=16, lora_alpha=32, use
 
 
 def _hf(folder: Path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = hf_causal_lm(folder)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model

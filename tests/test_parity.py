@@ -38,6 +38,7 @@ import pytest
 import torch
 from greedy_driver import run_greedy
 from safetensors.torch import load_file
+from text_fixtures import hf_causal_lm
 
 from engine.models.config import ModelConfig
 from engine.models.loader import default_model_path, load_model
@@ -103,9 +104,7 @@ def _hf_greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[int], li
 
 
 def _hf_model(folder: Path, dtype: torch.dtype = torch.float32):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    model = hf_causal_lm(folder, dtype)
     # Generate exactly NEW_TOKENS: the engine side ignores EOS too.
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0

@@ -71,3 +71,19 @@ def smollm2_folder(root: Path) -> Path:
 def tiny_folder(root: Path) -> Path:
     """The tiny test model's folder (ChatML template in tokenizer_config.json)."""
     return write_tiny_model(root / "tiny-llama", "llama")
+
+
+def hf_causal_lm(folder: str | Path, dtype: Any = None) -> Any:
+    """transformers' model of a test folder, in eval mode, the oracle of the parity tests.
+
+    Gemma 2's attention soft-cap exists only in transformers' eager attention (SDPA drops
+    it), and some transformers releases (5.17, seen on the GPU machine) default Gemma 2 to
+    SDPA: where the config caps attention scores, eager is named."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    capped = json.loads((Path(folder) / "config.json").read_text()).get("attn_logit_softcapping")
+    extra = {"attn_implementation": "eager"} if capped else {}
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or torch.float32, **extra).eval()

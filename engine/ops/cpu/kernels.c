@@ -1409,13 +1409,14 @@ int eng_lora_sgmv(int dtype, int wdtype, void *out, const void *x, int64_t T, in
         for (int64_t it = 0; it < G * nrb; it++) {
             const int64_t g = it / nrb, r0 = it % nrb * LORA_RB, r1 = r0 + LORA_RB < R ? r0 + LORA_RB : R;
             const int64_t s = bounds[g], e = bounds[g + 1];
-            if (e > s)
-                shrink(tmp + s * R, x, a, (int64_t)gslots[g] * R * K, order + s, e - s, K, R, r0, r1);
-        }
-        if (tp) {
-#pragma omp for schedule(static)
-            for (int64_t i = 0; i < M * R / 2; i++)
-                tp[i] = (uint32_t)f32_to_bf16(tmp[2 * i]) | (uint32_t)f32_to_bf16(tmp[2 * i + 1]) << 16;
+            if (e <= s)
+                continue;
+            shrink(tmp + s * R, x, a, (int64_t)gslots[g] * R * K, order + s, e - s, K, R, r0, r1);
+            if (tp) /* the item's rows as bf16 pairs too (r0 and R are even): no pass of its own */
+                for (int64_t i = s; i < e; i++)
+                    for (int64_t r = r0; r < r1; r += 2)
+                        tp[(i * R + r) / 2] = (uint32_t)f32_to_bf16(tmp[i * R + r])
+                                              | (uint32_t)f32_to_bf16(tmp[i * R + r + 1]) << 16;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < G * ntile; it++) {
