@@ -49,7 +49,10 @@ def _run(place: TensorParallel, path: str, runs: list[tuple[list[int], Any]], la
     slots = runner.lora.slots
     held = {"layers": slots.layer_ids, "loads": runner.lora.loads,
             "shapes": {key: (tuple(w.a.shape), tuple(w.b.shape)) for key, w in slots.wrappers[0].items()},
-            "modules": sorted({i for a in runner.lora._host.values() for i, _ in a.modules})}
+            "modules": sorted({i for a in runner.lora._host.values() for i, _ in a.modules}),
+            # The first MoE layer's expert pools (a13, b13, a2, b2), where the model has one.
+            "experts": next((tuple(tuple(t.shape) for t in (e.a13, e.b13, e.a2, e.b2))
+                             for e in slots.experts if e is not None), None)}
     dist.barrier(group=group)
     return logits, tokens, held
 

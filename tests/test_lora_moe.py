@@ -37,13 +37,10 @@ from test_lora import (
 )
 from tp_ranks import run_ranks
 
-from engine.errors import LoraAdapterError, UnsupportedModelError
+from engine.errors import LoraAdapterError
 from engine.messages import LoraAdapter
-from engine.models.layers.lora import LoraSlots
 from engine.models.lora import EXPERT_DOWN, EXPERT_GATE_UP, read_lora_adapter
 from engine.models.testing import write_tiny_model
-from engine.ops import get_ops
-from engine.parallel import TensorParallel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -148,18 +145,32 @@ def test_per_expert_module_keys_are_refused(tiny, tmp_path) -> None:
         read_lora_adapter(tmp_path / "old", "old", tiny.loaded.config, 16)
 
 
-def test_tensor_parallel_with_an_moe_model_is_refused(tiny) -> None:
-    """The experts' pools hold whole experts: under tensor parallelism the slots are refused
-    when built, naming what is missing, rather than run against a rank's cut of w13/w2."""
+def test_two_tensor_parallel_ranks_match_peft(tiny) -> None:
+    """At ``-tp 2`` each rank's expert pools hold its half of every expert's intermediate
+    rows (B's gate and up rows, A's down columns) and the shared expert is cut as a dense
+    MLP, its gate whole: both ranks' logits and greedy tokens are peft's, for the base and
+    both adapters in the same steps."""
+    names = [None, "r8", "r16"]
+    runs = [(p, None if n is None else tiny.adapters[n]) for p in tiny.prompts for n in names]
     config = tiny.loaded.config
-    with pytest.raises(UnsupportedModelError, match="mixture-of-experts.*tensor parallelism"):
-        LoraSlots(config, [None] * config.num_hidden_layers, get_ops("torch"), max_loras=2, max_rank=16,
-                  dtype=torch.float32, device=torch.device("cpu"), tp=TensorParallel(rank=0, world_size=2))
+    ranks = run_ranks(lora_layouts, 2, [(2, 1)], [(tiny.arch, str(tiny.root / "base"), runs)],
+                      config.num_hidden_layers)
+    inter, hidden, experts = config.moe.intermediate_size, config.hidden_size, config.moe.num_experts
+    for rank, result in enumerate(ranks):
+        logits, tokens, held = result[(2, 1)][tiny.arch]
+        a13, b13, a2, b2 = held["experts"]
+        assert (a13[0], a13[-1], b13[-1]) == (experts, hidden, inter)  # gate/up: B's rows of half of each
+        assert (a2[-1], b2[-1]) == (inter // 2, hidden)  # down: A's columns of half, B whole
+        assert tokens == [tiny.tokens[n][i // len(names)] for i, n in enumerate(names * len(tiny.prompts))]
+        for i, got in enumerate(logits):
+            name = names[i % len(names)]
+            torch.testing.assert_close(got, tiny.want[name][i // len(names)], atol=LOGIT_ATOL_MOE, rtol=0,
+                                       msg=lambda m, n=name, r=rank: f"rank {r}, adapter {n}: {m}")
 
 
 def test_two_pipeline_stages_match_peft(tiny) -> None:
     """At ``-pp 2`` each stage holds its own layers' expert pools (the routed experts' pairs
-    kept whole, ``LoraSlots.cut``): the last stage's logits and every stage's greedy tokens
+    kept whole on one rank, ``LoraSlots.cut``): the last stage's logits and every stage's greedy tokens
     are peft's, for the base and both adapters in the same steps."""
     names = [None, "r8", "r16"]
     runs = [(p, None if n is None else tiny.adapters[n]) for p in tiny.prompts for n in names]

@@ -30,6 +30,10 @@ expert MLP (the gate/up delta before the activation), which the fused MoE kernel
 take: a step where a token's adapter adapts the experts runs that layer's experts as the
 torch reference does, a loop over the experts that received tokens, with ``Ops.lora_add``
 per expert over its rows grouped by slot. Steps without such tokens keep ``Ops.fused_moe``.
+Under tensor parallelism a rank's experts hold their share of the intermediate rows (gate
+and up rows, down columns: engine/models/layers/moe.py), and their pools hold the same cut
+of each adapter (:meth:`LoraExperts.cut`); Qwen2-MoE's shared expert is cut as a dense MLP
+and its gate kept whole.
 
 Which slot each token uses is the step's :class:`LoraSegments`, which the runner sets on
 the slots before the forward and clears after it (:meth:`LoraSlots.step`): the model owns
@@ -48,7 +52,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.errors import UnsupportedModelError
 from engine.models.config import ModelConfig
 from engine.models.layers.shard import RowParallel, qkv_spans
 from engine.models.lora import (
@@ -64,6 +67,13 @@ from engine.ops.moe import combine
 from engine.parallel import SINGLE, TensorParallel, shard_range
 
 Spans = tuple[tuple[int, int], ...]
+
+# Under tensor parallelism: Qwen2-MoE's shared-expert gate is whole on every rank (its one
+# output scales each rank's partial sum alike), and the shared expert's down is a bare
+# linear over the rank's intermediate columns (row-parallel: the decoder all-reduces the
+# block's partial output, no RowParallel wrapper of its own).
+REPLICATED_TARGETS = frozenset({"moe.shared_gate"})
+ROW_PARALLEL_TARGETS = frozenset({"moe.shared_down"})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -85,7 +95,7 @@ def lora_cut(config: ModelConfig, target: LoraTarget, tp: TensorParallel, *, row
     """How rank ``tp.rank`` cuts an adapter for ``target``, as the base layer is cut
     (module docstring): the whole adapter on one rank."""
     whole = tuple(((0, rows),) for _, rows in target.slices)
-    if not tp.enabled:
+    if not tp.enabled or target.key in REPLICATED_TARGETS:
         return LoraCut((0, target.in_features), whole)
     if row_parallel:
         if gathered:  # the rank's output rows of the whole input
@@ -145,10 +155,19 @@ class LoraLinear:
 class LoraExperts:
     """The LoRA deltas of one MoE layer's routed experts, per expert and slot."""
 
-    __slots__ = ("slots", "a13", "b13", "a2", "b2", "adapted", "adapted_host")
+    __slots__ = ("slots", "span", "inter", "a13", "b13", "a2", "b2", "adapted", "adapted_host")
 
-    def __init__(self, slots: LoraSlots, num_experts: int, hidden: int, inter: int, device: torch.device) -> None:
+    def __init__(self, slots: LoraSlots, num_experts: int, hidden: int, inter: int, device: torch.device,
+                 span: tuple[int, int] | None = None) -> None:
+        """``inter``: an expert's whole intermediate size; ``span``: this rank's share of it
+        (tensor parallelism cuts each expert's gate/up rows and down columns so; the
+        whole by default). The pools hold the rank's cut: B's gate and up rows of the span
+        for gate/up, A's columns of the span for down (whose partial delta joins the
+        block's partial sum before the decoder's all-reduce)."""
         self.slots = slots
+        self.inter = inter
+        self.span = span or (0, inter)
+        inter = self.span[1] - self.span[0]
         s, r, dtype = slots.max_loras, slots.max_rank, slots.dtype
         # [E, S, R, ...]: one expert's slots are contiguous, the [S, R, in] pool lora_add reads.
         self.a13 = torch.zeros((num_experts, s, r, hidden), dtype=dtype, device=device)
@@ -162,6 +181,15 @@ class LoraExperts:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.a13, self.b13, self.a2, self.b2))
+
+    def cut(self, module: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """An expert pair (``A`` [E, r, in], ``B`` [E, out, r]) as this rank's pools hold it."""
+        (g0, g1), inter = self.span, self.inter
+        if (g0, g1) == (0, inter):
+            return a, b
+        if module == EXPERT_GATE_UP:  # B's gate rows then up rows, each the span's
+            return a, torch.cat([b[:, g0:g1], b[:, inter + g0 : inter + g1]], dim=1)
+        return a[:, :, g0:g1].contiguous(), b  # down: A's columns of the span
 
     def write(self, slot: int, layer: int, adapter: LoraWeights) -> None:
         r = adapter.rank
@@ -243,11 +271,6 @@ class LoraSlots:
         if len(self.layer_ids) != len(layers):
             raise ValueError(f"{len(layers)} layers for a stage of {len(self.layer_ids)}")
         self.wrappers: list[dict[str, LoraLinear]] = []
-        if tp.enabled and config.moe is not None:
-            # The experts' pools (LoraExperts) and the shared expert's targets are sized for
-            # a whole expert; their cut to match w13/w2's split is not built.
-            raise UnsupportedModelError("LoRA adapters on a mixture-of-experts model with tensor "
-                                        "parallelism are not supported yet (pipeline parallelism is)")
         self.experts: list[LoraExperts | None] = []
         # B as row pairs where the backend's kernel takes them so (lora_rows_paired): a
         # pair never straddles two slices when the padded rank is even.
@@ -261,15 +284,16 @@ class LoraSlots:
                 base = getattr(holder, field)
                 # A row-parallel projection's delta joins its partial product, before the
                 # all-reduce (or the gather) that RowParallel adds: wrap its inner projection.
-                row = isinstance(base, RowParallel)
-                cut = lora_cut(config, target, tp, row_parallel=row, gathered=row and base.gathered)
+                wrapped_row = isinstance(base, RowParallel)
+                row = wrapped_row or target.key in ROW_PARALLEL_TARGETS
+                cut = lora_cut(config, target, tp, row_parallel=row, gathered=wrapped_row and base.gathered)
                 n = len(target.slices)
                 a = torch.zeros((max_loras, n * max_rank, cut.cols[1] - cut.cols[0]), dtype=dtype, device=device)
                 width = sum(cut.widths)
                 b = torch.zeros((max_loras, n * max_rank // 2, width, 2) if self.pairs else
                                 (max_loras, n * max_rank, width), dtype=dtype, device=device)
-                lin = LoraLinear(base.linear if row else base, target, cut, a, b, self)
-                if row:
+                lin = LoraLinear(base.linear if wrapped_row else base, target, cut, a, b, self)
+                if wrapped_row:
                     base.linear = lin
                 else:
                     setattr(holder, field, lin)
@@ -278,8 +302,9 @@ class LoraSlots:
             experts = None
             if lora_expert_targets(config, i):
                 assert config.moe is not None
-                experts = LoraExperts(self, config.moe.num_experts, config.hidden_size, config.moe.intermediate_size,
-                                      device)
+                inter = config.moe.intermediate_size
+                experts = LoraExperts(self, config.moe.num_experts, config.hidden_size, inter, device,
+                                      shard_range(inter, tp.rank, tp.world_size) if tp.enabled else None)
                 layer.moe.lora = experts
             self.experts.append(experts)
 
@@ -287,7 +312,7 @@ class LoraSlots:
         """``adapter`` as this rank keeps it: its modules of this stage's layers only, each
         cut as the rank's slots are (the whole adapter on one rank of one stage)."""
         modules = {}
-        for i, wrapped in zip(self.layer_ids, self.wrappers, strict=True):
+        for i, wrapped, experts in zip(self.layer_ids, self.wrappers, self.experts, strict=True):
             for lin in wrapped.values():
                 (c0, c1), rows = lin.cut.cols, lin.cut.rows
                 for (module, _), spans in zip(lin.target.slices, rows, strict=True):
@@ -300,10 +325,11 @@ class LoraSlots:
                     if spans != ((0, b.shape[0]),):
                         b = torch.cat([b[s:e] for s, e in spans])
                     modules[(i, module)] = (a, b)
-            # The routed experts' pairs are kept whole (no tensor parallelism with them).
+            # The routed experts' pairs, cut as the rank's expert pools are.
             for module in (EXPERT_GATE_UP, EXPERT_DOWN):
-                if (i, module) in adapter.modules:
-                    modules[(i, module)] = adapter.modules[(i, module)]
+                pair = adapter.modules.get((i, module))
+                if pair is not None and experts is not None:
+                    modules[(i, module)] = experts.cut(module, *pair)
         return dataclasses.replace(adapter, modules=modules)
 
     @property
