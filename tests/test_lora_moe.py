@@ -18,12 +18,16 @@ step of the engine's runner:
 
 from __future__ import annotations
 
+import json
+import shutil
 import types
+from pathlib import Path
 
 import pytest
 import torch
 from greedy_driver import run_greedy
 from lora_ranks import lora_layouts
+from safetensors.torch import load_file, save_file
 from test_lora import (
     LOGIT_ATOL_MOE,
     NEW_TOKENS,
@@ -35,10 +39,12 @@ from test_lora import (
     prefill_logits,
     write_peft_adapters,
 )
+from text_fixtures import hf_causal_lm
 from tp_ranks import run_ranks
 
 from engine.errors import LoraAdapterError
 from engine.messages import LoraAdapter
+from engine.models.layers.moe import expert_weight_names
 from engine.models.lora import EXPERT_DOWN, EXPERT_GATE_UP, read_lora_adapter
 from engine.models.testing import write_tiny_model
 
@@ -129,20 +135,64 @@ def test_greedy_tokens_match_peft(tiny, ops) -> None:
         assert [s.token_id for s in run] == tiny.tokens[name][p], f"adapter {name}, prompt {p}"
 
 
-def test_per_expert_module_keys_are_refused(tiny, tmp_path) -> None:
-    """transformers 4's layout (an nn.Linear per expert) is named in the refusal."""
-    import shutil
+PER_EXPERT_RANK = 4  # gate and up take twice that in the fused experts' slots (16)
 
-    from safetensors.torch import load_file, save_file
 
-    src = tiny.root / "r8"
-    shutil.copytree(src, tmp_path / "old")
-    tensors = load_file(str(src / "adapter_model.safetensors"))
+def _write_per_expert_adapter(tiny, out: Path) -> tuple[Path, float]:
+    """An adapter in transformers 4's layout (an nn.Linear per expert: Qwen's
+    ``mlp.experts.N.gate_proj/up_proj/down_proj``, Mixtral's ``block_sparse_moe.experts.N.
+    w1/w3/w2``) over every expert of every sparse layer, expert 1's up projection left out;
+    then the base model with each ``scale * B @ A`` merged into its expert weights, the
+    oracle (transformers over merged weights: no peft involved)."""
+    config = tiny.loaded.config
+    moe, r, alpha = config.moe, PER_EXPERT_RANK, 8
+    hidden, inter = config.hidden_size, moe.intermediate_size
+    weights = load_file(str(tiny.root / "base" / "model.safetensors"))
+    g = torch.Generator().manual_seed(7)
+    tensors = {}
+    for layer in moe.sparse_layers:
+        for e in range(moe.num_experts):
+            for name, (fan_in, fan_out) in zip(expert_weight_names(moe, layer, e),
+                                               ((hidden, inter), (hidden, inter), (inter, hidden)), strict=True):
+                if e == 1 and name.endswith(("up_proj.weight", "w3.weight")):
+                    continue
+                a = torch.randn(r, fan_in, generator=g) * SMALL_ADAPTER_STD
+                b = torch.randn(fan_out, r, generator=g) * SMALL_ADAPTER_STD
+                stem = "base_model.model." + name.removesuffix(".weight")
+                tensors[stem + ".lora_A.weight"], tensors[stem + ".lora_B.weight"] = a, b
+                weights[name] = weights[name] + (alpha / r) * b @ a
+    (out / "adapter").mkdir(parents=True)
+    save_file(tensors, str(out / "adapter" / "adapter_model.safetensors"))
+    (out / "adapter" / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": ["gate_proj", "up_proj", "down_proj",
+                                                                            "w1", "w3", "w2"]}))
+    merged = out / "merged"
+    shutil.copytree(tiny.root / "base", merged)
+    save_file(weights, str(merged / "model.safetensors"), metadata={"format": "pt"})
+    return out / "adapter", merged
+
+
+def test_per_expert_adapters_of_transformers_4_match_the_merged_experts(tiny, tmp_path) -> None:
+    adapter, merged = _write_per_expert_adapter(tiny, tmp_path)
+    hf = hf_causal_lm(merged)
+    with torch.inference_mode():
+        want = [hf(torch.tensor([p])).logits[0] for p in tiny.prompts]
+    lora = LoraAdapter("old", str(adapter), 1)
+    got = prefill_logits(_runner(tiny.loaded, "cpu"), tiny.prompts, [lora] * len(tiny.prompts))
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(g, w, atol=LOGIT_ATOL_MOE, rtol=0, msg=lambda m, i=i: f"prompt {i}: {m}")
+    # The adapter changes the model (else the check above could not fail).
+    assert (want[2] - tiny.want[None][2]).abs().max() > 0.05
+
+
+def test_per_expert_gate_and_up_take_twice_the_rank(tiny, tmp_path) -> None:
+    adapter, _ = _write_per_expert_adapter(tiny, tmp_path)
+    weights = read_lora_adapter(adapter, "old", tiny.loaded.config, 2 * PER_EXPERT_RANK)
     layer = tiny.loaded.config.moe.sparse_layers[0]
-    tensors[f"base_model.model.model.layers.{layer}.mlp.experts.0.gate_proj.lora_A.weight"] = torch.zeros(8, 64)
-    save_file(tensors, str(tmp_path / "old" / "adapter_model.safetensors"))
-    with pytest.raises(LoraAdapterError, match="per-expert layout"):
-        read_lora_adapter(tmp_path / "old", "old", tiny.loaded.config, 16)
+    a, b = weights.modules[(layer, EXPERT_GATE_UP)]
+    assert a.shape[1] == b.shape[2] == 2 * PER_EXPERT_RANK
+    with pytest.raises(LoraAdapterError, match="max-lora-rank"):
+        read_lora_adapter(adapter, "old", tiny.loaded.config, 2 * PER_EXPERT_RANK - 1)
 
 
 def test_two_tensor_parallel_ranks_match_peft(tiny) -> None:

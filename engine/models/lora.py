@@ -16,14 +16,17 @@ and ``B`` [out, E * r] (rank-major columns: expert ``e``'s are ``B[:, e::E]``), 
 their keys read ``mlp.experts.lora_A.weight`` and ``mlp.experts.base_layer.lora_A.weight``;
 which is which is told by shape (``A``'s input and ``B``'s output are (hidden, 2 * inter)
 for gate_up and (inter, hidden) for down, never equal). Read here as ``A`` [E, r, in] and
-``scale * B`` [E, out, r]. Adapters written with transformers 4 (an ``nn.Linear`` per expert,
-``experts.N.gate_proj``) are refused with a message.
+``scale * B`` [E, out, r]. Adapters written with transformers 4, an ``nn.Linear`` per expert
+(``experts.N.gate_proj``/``up_proj``/``down_proj``, Mixtral's ``block_sparse_moe.experts.N.w1``
+/``w3``/``w2``), are read into the same pairs: gate and up, each with its own ``A``, become one
+pair of rank ``2r`` (``_per_expert_pairs``), which ``--max-lora-rank`` must hold.
 
 What is refused, with a message naming the adapter and the reason: a folder or file that
 is missing; an extra vocabulary (``added_tokens.json``, ``new_embeddings.safetensors``,
 ``trainable_token_indices``, embedding or LM-head targets); ``modules_to_save``; DoRA,
 LoRA biases, per-module ``rank_pattern``/``alpha_pattern``; a target other than the above
-(the MoE router, per-expert module keys); a rank above ``--max-lora-rank``; a
+(the MoE router); a rank above ``--max-lora-rank`` (twice the rank for transformers 4's
+per-expert gate/up); a
 tensor whose shape does not fit the base model; NaN or infinite values.
 
 The engine fuses q/k/v and gate/up into one matmul each (``models/layers/decoder.py``); an
@@ -51,7 +54,12 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
 # A peft key: base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight
-_KEY = re.compile(r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.([\w.]+?)\.lora_([AB])\.weight$")
+_KEY = re.compile(r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(self_attn|mlp|block_sparse_moe)\.([\w.]+?)"
+                  r"\.lora_([AB])\.weight$")
+# transformers 4's experts, an nn.Linear each (Qwen's gate/up/down_proj, Mixtral's w1/w3/w2):
+# experts.N.<projection>, read into the fused experts' pairs (_per_expert_pairs).
+_PER_EXPERT = re.compile(r"^experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)$")
+_PER_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 # peft's ParamWrapper over a MoE layer's 3-D expert parameters: one pair per parameter,
 # nested (the inner one's key has a base_layer per level).
 _EXPERTS = re.compile(r"^experts(?:\.base_layer)*$")
@@ -166,7 +174,7 @@ def read_lora_adapter(path: str | Path, name: str, config: ModelConfig, max_rank
         tensors = load_file(str(weights))
     except Exception as exc:  # safetensors raises several kinds for a damaged file
         raise LoraAdapterError(name, f"{weights} cannot be read: {exc}") from None
-    return LoraWeights(name, rank, scale, _modules(tensors, config, name, rank, scale))
+    return LoraWeights(name, rank, scale, _modules(tensors, config, name, rank, scale, max_rank))
 
 
 def _read_config(folder: Path, name: str) -> dict:
@@ -220,7 +228,7 @@ def _rank_and_scale(cfg: dict, name: str, max_rank: int) -> tuple[int, float]:
 
 
 def _modules(tensors: dict[str, torch.Tensor], config: ModelConfig, name: str, rank: int,
-             scale: float) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+             scale: float, max_rank: int) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         m = _KEY.match(key)
@@ -229,10 +237,9 @@ def _modules(tensors: dict[str, torch.Tensor], config: ModelConfig, name: str, r
             raise LoraAdapterError(name, f"tensor {key} is {what}; only the attention (q/k/v/o) "
                                    "and MLP (gate/up/down) projections are supported")
         layer, module, ab = int(m.group(1)), m.group(3), m.group(4)
-        if re.match(r"^experts\.\d+\.", module):
-            raise LoraAdapterError(name, f"tensor {key} adapts one expert's own module (the per-expert "
-                                   "layout of transformers 4); only peft's target_parameters over the fused "
-                                   "experts.gate_up_proj / experts.down_proj are supported")
+        if m.group(2) == "block_sparse_moe" and not _PER_EXPERT.match(module):
+            raise LoraAdapterError(name, f"tensor {key} is an unsupported target; only the attention "
+                                   "(q/k/v/o) and MLP (gate/up/down) projections are supported")
         parts.setdefault((layer, module), {})[ab] = tensor
     if not parts:
         raise LoraAdapterError(name, "it holds no LoRA weights")
@@ -241,12 +248,21 @@ def _modules(tensors: dict[str, torch.Tensor], config: ModelConfig, name: str, r
     experts = {i: lora_expert_targets(config, i) for i in range(config.num_hidden_layers)}
     known = _module_names(config)
     modules = {}
+    per_expert: dict[int, dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]] = {}
     for (layer, module), pair in sorted(parts.items()):
         where = f"layers.{layer}.{module}"
         if layer >= config.num_hidden_layers:
             raise LoraAdapterError(name, f"{where}: the base model has {config.num_hidden_layers} layers")
         if set(pair) != {"A", "B"}:
             raise LoraAdapterError(name, f"{where} has lora_{'A' if 'A' in pair else 'B'} without its pair")
+        m = _PER_EXPERT.match(module)
+        if m is not None:
+            if not experts[layer]:
+                raise LoraAdapterError(name, f"{where} adapts an expert, but layer {layer} of the base "
+                                       "model has no experts")
+            per_expert.setdefault(layer, {})[(int(m.group(1)), _PER_EXPERT_PART[m.group(2)])] = \
+                (pair["A"], pair["B"])
+            continue
         if _EXPERTS.match(module) and experts[layer]:
             target, a, b = _expert_pair(pair["A"], pair["B"], experts[layer], config, name, where, rank, scale)
             if (layer, target) in modules:
@@ -267,7 +283,62 @@ def _modules(tensors: dict[str, torch.Tensor], config: ModelConfig, name: str, r
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise LoraAdapterError(name, f"{where} holds NaN or infinite values")
         modules[(layer, module)] = (a.contiguous(), (b * scale).contiguous())
+    for layer, pairs in per_expert.items():
+        if 2 * rank > max_rank and any(part != "down" for _, part in pairs):
+            raise LoraAdapterError(name, f"its per-expert gate and up modules (transformers 4's layout) of "
+                                   f"rank {rank} take rank {2 * rank} in the fused experts' slots, above "
+                                   f"--max-lora-rank {max_rank}")
+        for target, (a, b) in _per_expert_pairs(pairs, config, name, layer, rank, scale).items():
+            if (layer, target) in modules:
+                raise LoraAdapterError(name, f"layers.{layer}: both per-expert modules and a fused pair fit {target}")
+            modules[(layer, target)] = (a, b)
     return modules
+
+
+def _per_expert_pairs(pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], config: ModelConfig,
+                      name: str, layer: int, rank: int, scale: float) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """transformers 4's per-expert pairs of one layer (``(expert, "gate"|"up"|"down")`` ->
+    ``(A [r, in], B [out, r])``) as the fused experts' pairs: ``A`` [E, r', in] and
+    ``scale * B`` [E, out, r'].
+
+    The fused gate/up shares one ``A`` between gate and up; separate gate and up adapters
+    are the same as one of rank ``2r`` whose ``A`` stacks both (gate's rows, then up's) and
+    whose ``B`` is block diagonal (gate's rows read gate's ``A`` rows only), so that is how
+    they are kept: the pool's rank (``--max-lora-rank``) must hold ``2r``. An expert or a
+    projection the adapter leaves out gets zeros (no delta)."""
+    assert config.moe is not None
+    e_count, hidden, inter = config.moe.num_experts, config.hidden_size, config.moe.intermediate_size
+    fits = {"gate": (hidden, inter), "up": (hidden, inter), "down": (inter, hidden)}
+    for (expert, part), (a, b) in pairs.items():
+        where = f"layers.{layer}.experts.{expert} ({part})"
+        if expert >= e_count:
+            raise LoraAdapterError(name, f"{where}: the base model has {e_count} experts")
+        fan_in, fan_out = fits[part]
+        if tuple(a.shape) != (rank, fan_in) or tuple(b.shape) != (fan_out, rank):
+            raise LoraAdapterError(
+                name, f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the "
+                f"base model (expected ({rank}, {fan_in}) and ({fan_out}, {rank}))")
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise LoraAdapterError(name, f"{where} holds NaN or infinite values")
+    out = {}
+    parts = {part for _, part in pairs}
+    if parts & {"gate", "up"}:
+        a13 = torch.zeros((e_count, 2 * rank, hidden))
+        b13 = torch.zeros((e_count, 2 * inter, 2 * rank))
+        for (expert, part), (a, b) in pairs.items():
+            if part == "down":
+                continue
+            k = 0 if part == "gate" else 1
+            a13[expert, k * rank : (k + 1) * rank] = a.float()
+            b13[expert, k * inter : (k + 1) * inter, k * rank : (k + 1) * rank] = b.float() * scale
+        out[EXPERT_GATE_UP] = (a13, b13)
+    if "down" in parts:
+        a2, b2 = torch.zeros((e_count, rank, inter)), torch.zeros((e_count, hidden, rank))
+        for (expert, part), (a, b) in pairs.items():
+            if part == "down":
+                a2[expert], b2[expert] = a.float(), b.float() * scale
+        out[EXPERT_DOWN] = (a2, b2)
+    return out
 
 
 def _expert_pair(a: torch.Tensor, b: torch.Tensor, targets: dict[str, tuple[int, int]], config: ModelConfig,

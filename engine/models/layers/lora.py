@@ -192,13 +192,13 @@ class LoraExperts:
         return a[:, :, g0:g1].contiguous(), b  # down: A's columns of the span
 
     def write(self, slot: int, layer: int, adapter: LoraWeights) -> None:
-        r = adapter.rank
         for a_pool, b_pool, target in ((self.a13, self.b13, EXPERT_GATE_UP), (self.a2, self.b2, EXPERT_DOWN)):
             a_pool[:, slot].zero_()
             b_pool[:, slot].zero_()
             pair = adapter.modules.get((layer, target))
             if pair is not None:
-                a, b = pair  # [E, r, in], [E, out, r]
+                a, b = pair  # [E, r, in], [E, out, r]; r twice the adapter's for per-expert gate/up
+                r = a.shape[1]
                 a_pool[:, slot, :r].copy_(a)
                 b_pool[:, slot, :r].copy_(b.transpose(1, 2))
         adapted = any((layer, t) in adapter.modules for t in (EXPERT_GATE_UP, EXPERT_DOWN))
