@@ -113,13 +113,16 @@ def _grouped_gemm(
     *, by_token: bool,
 ) -> None:
     n_out, k_in = w.shape[1], w.shape[2]
-    grid = (tile_expert.shape[0], triton.cdiv(n_out, BLOCK_N))
+    # Under the CPU interpreter, which pays a fixed cost per program, a program takes up
+    # to 256 columns (the same sums: a column's value does not depend on its tile's width).
+    block_n = BLOCK_N if a.device.type == "cuda" else min(256, max(BLOCK_N, triton.next_power_of_2(n_out)))
+    grid = (tile_expert.shape[0], triton.cdiv(n_out, block_n))
     _grouped_gemm_kernel[grid](
         a, w, out, pairs, tile_expert, weights if weights is not None else out,
         out.shape[0], n_out, k_in, top_k,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         A_BY_TOKEN=by_token, SCALE=weights is not None,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         DOT_PRECISION=dot_precision(a.dtype), DOT_UPCAST=dot_upcast(a.dtype, a.device),
         num_warps=4,
     )
