@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 from pathlib import Path
 from typing import Any
 
@@ -79,8 +80,6 @@ def hf_causal_lm(folder: str | Path, dtype: Any = None) -> Any:
     Gemma 2's attention soft-cap exists only in transformers' eager attention (SDPA drops
     it), and some transformers releases (5.17, seen on the GPU machine) default Gemma 2 to
     SDPA: where the config caps attention scores, eager is named."""
-    import json
-
     import torch
     from transformers import AutoModelForCausalLM
 
