@@ -25,9 +25,12 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import trio
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from engine.cli.loadclient import JSONExchange, LoadClient  # noqa: E402
+
 CORPUS = REPO / "tests" / "data" / "perplexity_en.txt"
 MODEL = "all-MiniLM-L6-v2"
 
@@ -38,33 +41,32 @@ def corpus(count: int) -> list[str]:
     return [base[i % len(base)] for i in range(count)]
 
 
-async def run_load(base_url: str, sentences: list[str], concurrency: int,
-                   per_request: int = 1, new_connection: bool = False) -> tuple[float, np.ndarray]:
+class _Embed(JSONExchange):
+    def __init__(self, start: int, batch: list[str], headers: dict[str, str]) -> None:
+        super().__init__("POST", "/v1/embeddings", {
+            "model": MODEL, "input": batch[0] if len(batch) == 1 else batch,
+            "encoding_format": "float"}, headers)
+        self.start = start
+
+
+def run_load(base_url: str, sentences: list[str], concurrency: int,
+             per_request: int = 1, new_connection: bool = False) -> tuple[float, np.ndarray]:
     """Seconds to embed every sentence, ``per_request`` sentences a request (a string, or a
     list of strings), from ``concurrency`` clients; with ``new_connection`` each request
     asks the server to close its connection (``Connection: close``), so the next one opens
     a new one, as a script calling ``requests.post`` in a loop does."""
-    vectors: list[list[float]] = [[] for _ in sentences]
-    queue = iter(range(0, len(sentences), per_request))
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     headers = {"Connection": "close"} if new_connection else {}
-    async with httpx.AsyncClient(base_url=base_url, timeout=600.0, limits=limits) as http:
-
-        async def client() -> None:
-            for start in queue:
-                batch = sentences[start:start + per_request]
-                response = await http.post("/v1/embeddings", headers=headers, json={
-                    "model": MODEL, "input": batch[0] if per_request == 1 else batch,
-                    "encoding_format": "float"})
-                response.raise_for_status()
-                for item in response.json()["data"]:
-                    vectors[start + item["index"]] = item["embedding"]
-
-        start = time.perf_counter()
-        async with trio.open_nursery() as nursery:
-            for _ in range(concurrency):
-                nursery.start_soon(client)
-        return time.perf_counter() - start, np.array(vectors)
+    exchanges = [_Embed(start, sentences[start:start + per_request], headers)
+                 for start in range(0, len(sentences), per_request)]
+    with LoadClient(base_url, timeout=600.0) as http:
+        seconds = http.run(exchanges, max_concurrency=concurrency)
+    vectors: list[list[float]] = [[] for _ in sentences]
+    for e in exchanges:
+        if e.error or e.status != 200:
+            raise SystemExit(f"/v1/embeddings: {e.error or f'HTTP {e.status}: {e.result}'}")
+        for item in e.result["data"]:
+            vectors[e.start + item["index"]] = item["embedding"]
+    return seconds, np.array(vectors)
 
 
 def offline(sentences: list[str], batch_size: int) -> tuple[float, np.ndarray]:
@@ -124,10 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if proc is not None:
             _wait_ready(base_url, proc)
-        trio.run(run_load, base_url, sentences[:32], 4)  # warm-up
+        run_load(base_url, sentences[:32], 4)  # warm-up
         for per in (int(p) for p in args.per_request.split(",")):
             for n in (int(c) for c in args.concurrencies.split(",")):
-                seconds, vectors = trio.run(run_load, base_url, sentences, n, per)
+                seconds, vectors = run_load(base_url, sentences, n, per)
                 label = f"server, concurrency {n}" + (f", {per} a request" if per > 1 else "")
                 rows.append((label, seconds, vectors))
     finally:

@@ -55,7 +55,6 @@ import time
 from pathlib import Path
 
 import httpx
-import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -72,14 +71,9 @@ from engine.cli.bench import (  # noqa: E402
     summarize,
 )
 from engine.cli.bench import print_summary as print_report  # noqa: E402
+from engine.cli.loadclient import Exchange, LoadClient  # noqa: E402
 
 Result = RequestResult
-
-
-async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], output_len: int
-                      ) -> Result:
-    """Stream one completion (``ignore_eos``); time its first token and the gaps between chunks."""
-    return await stream_completion(http, model, prompt, output_len, ignore_eos=True)
 
 
 # The tool-calling workload's tools: small, typical agent functions.
@@ -103,58 +97,64 @@ BENCH_TOOLS = [
 _CITIES = ["Paris", "Lima", "Osaka", "Nairobi", "Oslo", "Quito", "Hanoi", "Perth"]
 
 
-async def one_chat(http: httpx.AsyncClient, model: str, body: dict) -> Result:
-    """Stream one chat completion; count its calls' arguments that fail their schema as
+class ChatExchange(Exchange):
+    """One streamed chat completion; its calls' arguments failing their schema count as
     an error."""
-    import jsonschema
 
-    body = {**body, "model": model, "stream": True, "stream_options": {"include_usage": True}}
-    result = Result()
-    args: dict[int, str] = {}
-    start = last = time.perf_counter()
-    try:
-        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    result.error = chunk["error"]["message"]
-                    return result
-                if chunk.get("usage"):
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
-                if not chunk["choices"]:
-                    continue
-                delta = chunk["choices"][0]["delta"]
-                for part in delta.get("tool_calls", ()):
-                    args[part["index"]] = args.get(part["index"], "") + part["function"][
-                        "arguments"]
-                if not (delta.get("content") or delta.get("tool_calls")):
-                    continue
-                now = time.perf_counter()
-                if result.ttft == 0.0:
-                    result.ttft = now - start
-                else:
-                    result.itls.append(now - last)
-                last = now
-    except httpx.HTTPError as exc:
-        result.error = repr(exc)
-        return result
-    if "tool_choice" in body:
-        name = body["tool_choice"]["function"]["name"]
-        schema = next(t["function"]["parameters"] for t in BENCH_TOOLS
-                      if t["function"]["name"] == name)
-        try:
-            jsonschema.validate(json.loads(args.get(0, "")), schema)
-        except (ValueError, jsonschema.ValidationError) as exc:
-            result.error = f"invalid call: {exc}"[:200]
-            return result
-    result.latency = time.perf_counter() - start
-    result.ok = True
-    return result
+    def __init__(self, model: str, body: dict) -> None:
+        body = {**body, "model": model, "stream": True,
+                "stream_options": {"include_usage": True}}
+        super().__init__("POST", "/v1/chat/completions", body)
+        self.request = body
+        self.result = Result()
+        self.args: dict[int, str] = {}
+        self.last = 0.0
+
+    def on_event(self, data: bytes, now: float) -> None:
+        result = self.result
+        if data == b"[DONE]" or result.error:
+            return
+        chunk = json.loads(data)
+        if "error" in chunk:
+            result.error = chunk["error"]["message"]
+            return
+        if chunk.get("usage"):
+            result.output_tokens = chunk["usage"]["completion_tokens"]
+        if not chunk["choices"]:
+            return
+        delta = chunk["choices"][0]["delta"]
+        for part in delta.get("tool_calls", ()):
+            self.args[part["index"]] = self.args.get(part["index"], "") + part["function"][
+                "arguments"]
+        if not (delta.get("content") or delta.get("tool_calls")):
+            return
+        if result.ttft == 0.0:
+            result.ttft = now - self.started
+        else:
+            result.itls.append(now - self.last)
+        self.last = now
+
+    def on_body(self, body: bytes) -> None:
+        self.result.error = f"HTTP {self.status}: {body[:200]!r}"
+
+    def on_end(self, now: float, error: str) -> None:
+        import jsonschema
+
+        result = self.result
+        result.error = result.error or error
+        if result.error:
+            return
+        if "tool_choice" in self.request:
+            name = self.request["tool_choice"]["function"]["name"]
+            schema = next(t["function"]["parameters"] for t in BENCH_TOOLS
+                          if t["function"]["name"] == name)
+            try:
+                jsonschema.validate(json.loads(self.args.get(0, "")), schema)
+            except (ValueError, jsonschema.ValidationError) as exc:
+                result.error = f"invalid call: {exc}"[:200]
+                return
+        result.latency = now - self.started
+        result.ok = True
 
 
 def tool_jobs(args: argparse.Namespace, rng: random.Random) -> list[tuple[dict, dict]]:
@@ -177,26 +177,16 @@ def tool_jobs(args: argparse.Namespace, rng: random.Random) -> list[tuple[dict, 
     return jobs
 
 
-async def run_tools(args: argparse.Namespace, jobs: list[tuple[dict, dict]]) -> dict:
-    async with httpx.AsyncClient(base_url=args.base_url, timeout=None,
-                                 limits=httpx.Limits(max_connections=None)) as http:
-        model = args.model or (await http.get("/v1/models")).json()["data"][0]["id"]
+def run_tools(args: argparse.Namespace, jobs: list[tuple[dict, dict]]) -> dict:
+    with LoadClient(args.base_url) as http:
+        model = args.model or first_model(http)
         if args.warmup:
-            await one_chat(http, model, {**jobs[0][1], "max_tokens": 8})
+            http.run([ChatExchange(model, {**jobs[0][1], "max_tokens": 8})])
         rows = {}
         for label, which in (("free chat", 0), ("forced tool call", 1)):
-            results: list[Result] = []
-            queue = iter([job[which] for job in jobs])
-
-            async def client(results: list[Result] = results, queue=queue) -> None:
-                for body in queue:
-                    results.append(await one_chat(http, model, body))
-
-            start = time.perf_counter()
-            async with trio.open_nursery() as nursery:
-                for _ in range(args.concurrency):
-                    nursery.start_soon(client)
-            rows[label] = _summary(results, time.perf_counter() - start, args)
+            exchanges = [ChatExchange(model, job[which]) for job in jobs]
+            duration = http.run(exchanges, max_concurrency=args.concurrency)
+            rows[label] = _summary([e.result for e in exchanges], duration, args)
     return rows
 
 
@@ -210,15 +200,14 @@ def make_jobs(args: argparse.Namespace, rng: random.Random) -> list[tuple[list[i
         num_prefixes=args.shared_prefixes)
 
 
-async def run(args: argparse.Namespace, jobs: list[tuple[list[int], int]], rng: random.Random) -> dict:
-    async with httpx.AsyncClient(base_url=args.base_url, timeout=None,
-                                 limits=httpx.Limits(max_connections=None)) as http:
-        model = args.model or await first_model(http)
+def run(args: argparse.Namespace, jobs: list[tuple[list[int], int]], rng: random.Random) -> dict:
+    with LoadClient(args.base_url) as http:
+        model = args.model or first_model(http)
         if args.warmup:
-            await one_request(http, model, jobs[0][0], 4)
+            stream_completion(http, model, jobs[0][0], 4, ignore_eos=True)
         # --request-rate: Poisson arrivals, no cap; else --concurrency clients in a closed
         # loop, which is every request at once with that many in flight.
-        results, duration = await run_load(
+        results, duration = run_load(
             http, model, jobs, request_rate=args.request_rate or math.inf,
             max_concurrency=None if args.request_rate else args.concurrency, rng=rng)
     return _summary(results, duration, args)
@@ -333,7 +322,7 @@ def launch_and_compare(args: argparse.Namespace) -> int:
                                                  "request_rate": 0.0})
                 rng = random.Random(args.seed)
                 hits0, queries0 = _prefix_cache(url)
-                summary = trio.run(run, run_args, make_jobs(run_args, rng), rng)
+                summary = run(run_args, make_jobs(run_args, rng), rng)
                 hits1, queries1 = _prefix_cache(url)
                 summary["prefix_cache_hit_rate"] = (
                     (hits1 - hits0) / (queries1 - queries0) if queries1 > queries0 else 0.0)
@@ -400,14 +389,14 @@ def main(argv: list[str] | None = None) -> int:
         return launch_and_compare(args)
     rng = random.Random(args.seed)
     if args.workload == "tools":
-        rows = trio.run(run_tools, args, tool_jobs(args, rng))
+        rows = run_tools(args, tool_jobs(args, rng))
         for label, row in rows.items():
             print(json.dumps({"workload": label, **row}) if args.json else f"== {label}")
             if not args.json:
                 print_summary(row)
         return 0 if all(row["failed"] == 0 for row in rows.values()) else 1
     jobs = make_jobs(args, rng)
-    summary = trio.run(run, args, jobs, rng)
+    summary = run(args, jobs, rng)
     if args.baseline == "transformers":
         summary["baseline"] = run_transformers(args, jobs)
     print(json.dumps(summary) if args.json else "", end="\n" if args.json else "")

@@ -105,7 +105,7 @@ def load_args(args: argparse.Namespace, url: str, concurrency: int) -> argparse.
 def http_load(url: str, args: argparse.Namespace, concurrency: int) -> dict[str, float]:
     run_args = load_args(args, url, concurrency)
     rng = random.Random(args.seed)
-    s = trio.run(serve_bench.run, run_args, serve_bench.make_jobs(run_args, rng), rng)
+    s = serve_bench.run(run_args, serve_bench.make_jobs(run_args, rng), rng)
     if s["failed"]:
         raise SystemExit(f"{s['failed']} requests failed: {s.get('errors')}")
     return {"tok_s": s["output_tokens_per_s"], "tpot_ms": s["mean_tpot_s"] * 1e3}
@@ -168,11 +168,11 @@ def section_embed(args: argparse.Namespace) -> dict[str, float]:
     sentences = embed_bench.corpus(args.num_sentences)
     out, vectors = {}, {}
     with served(args, model_args=("--model", embed_bench.MODEL, "--dtype", "float32")) as url:
-        trio.run(embed_bench.run_load, url, sentences[:32], 4)  # warm-up
+        embed_bench.run_load(url, sentences[:32], 4)  # warm-up
         for label, per, fresh in (("1/request keep-alive", 1, False),
                                   ("1/request new connection", 1, True),
                                   ("16/request", 16, False)):
-            secs, vecs = trio.run(embed_bench.run_load, url, sentences, 32, per, fresh)
+            secs, vecs = embed_bench.run_load(url, sentences, 32, per, fresh)
             out[f"embed c=32 {label} sentences/s"] = len(sentences) / secs
             vectors[label] = vecs
     secs, reference = embed_bench.offline(sentences, 32)

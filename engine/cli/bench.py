@@ -34,14 +34,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import httpx
 import numpy as np
+import orjson
 import trio
 from tqdm import tqdm
 
 from engine.api import open_engine
 from engine.cli.args import add_engine_arguments, config_from_args
 from engine.cli.help import HelpFormatter
+from engine.cli.loadclient import Exchange, LoadClient, LoadClientError, request_json
 from engine.config import EngineConfig
 from engine.params import SamplingParams
 
@@ -112,84 +113,86 @@ class RequestResult:
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 
 
-async def stream_completion(http: httpx.AsyncClient, model: str, prompt: list[int],
-                            output_len: int, *, ignore_eos: bool = True) -> RequestResult:
-    """Stream one ``/v1/completions`` request; time its first text and the gaps between
-    the chunks that carry text."""
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "stream": True,
+class CompletionExchange(Exchange):
+    """One streamed ``/v1/completions`` request (``ignore_eos``, greedy), timed as it
+    arrives: its first text and the gaps between the chunks that carry text, in
+    ``result``."""
+
+    def __init__(self, model: str, prompt: list[int], output_len: int, *,
+                 ignore_eos: bool = True) -> None:
+        super().__init__("POST", "/v1/completions", {
+            "model": model, "prompt": prompt, "max_tokens": output_len, "stream": True,
             "ignore_eos": ignore_eos, "temperature": 0,
-            "stream_options": {"include_usage": True}}
-    result = RequestResult(prompt_tokens=len(prompt))
-    start = last = time.perf_counter()
-    usage_tokens, chunks = None, 0  # a server without streamed usage: one token a chunk
-    try:
-        async with http.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    result.error = chunk["error"]["message"]
-                    return result
-                if chunk.get("usage"):
-                    usage_tokens = chunk["usage"]["completion_tokens"]
-                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                if not chunk["choices"] or not chunk["choices"][0]["text"]:
-                    continue
-                chunks += 1
-                now = time.perf_counter()
-                if result.ttft == 0.0:
-                    result.ttft = now - start
-                else:
-                    result.itls.append(now - last)
-                last = now
-    except httpx.HTTPError as exc:
-        result.error = repr(exc)
-        return result
-    result.latency = time.perf_counter() - start
-    result.output_tokens = usage_tokens if usage_tokens is not None else chunks
-    result.ok = True
-    return result
+            "stream_options": {"include_usage": True}})
+        self.result = RequestResult(prompt_tokens=len(prompt))
+        self.usage_tokens: int | None = None  # a server without streamed usage: a token a chunk
+        self.chunks = 0
+        self.last = 0.0
+
+    def on_event(self, data: bytes, now: float) -> None:
+        result = self.result
+        if data == b"[DONE]" or result.error:
+            return
+        chunk = orjson.loads(data)
+        if "error" in chunk:
+            result.error = chunk["error"]["message"]
+            return
+        if chunk.get("usage"):
+            self.usage_tokens = chunk["usage"]["completion_tokens"]
+            result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+        if not chunk["choices"] or not chunk["choices"][0]["text"]:
+            return
+        self.chunks += 1
+        if result.ttft == 0.0:
+            result.ttft = now - self.started
+        else:
+            result.itls.append(now - self.last)
+        self.last = now
+
+    def on_body(self, body: bytes) -> None:
+        if self.status != 200:
+            self.result.error = f"HTTP {self.status}: {body[:200]!r}"
+        else:
+            self.result.error = f"not a stream of events: {body[:200]!r}"
+
+    def on_end(self, now: float, error: str) -> None:
+        result = self.result
+        if error:
+            result.error = error
+        if result.error:
+            return
+        result.latency = now - self.started
+        result.output_tokens = self.usage_tokens if self.usage_tokens is not None else self.chunks
+        result.ok = True
 
 
-async def first_model(http: httpx.AsyncClient) -> str:
+def stream_completion(http: LoadClient, model: str, prompt: list[int], output_len: int, *,
+                      ignore_eos: bool = True) -> RequestResult:
+    """Stream one ``/v1/completions`` request on its own (see :class:`CompletionExchange`)."""
+    exchange = CompletionExchange(model, prompt, output_len, ignore_eos=ignore_eos)
+    http.run([exchange])
+    return exchange.result
+
+
+def first_model(http: LoadClient) -> str:
     """The first model the server lists (GET /v1/models)."""
-    response = await http.get("/v1/models")
-    response.raise_for_status()
-    return str(response.json()["data"][0]["id"])
+    status, body = request_json(http, "GET", "/v1/models")
+    if status != 200:
+        raise RuntimeError(f"GET /v1/models: HTTP {status}: {body!r}"[:300])
+    return str(body["data"][0]["id"])
 
 
-async def run_load(http: httpx.AsyncClient, model: str, jobs: Sequence[tuple[list[int], int]],
-                   *, request_rate: float = math.inf, max_concurrency: int | None = None,
-                   rng: random.Random, ignore_eos: bool = True, progress: Any = None
-                   ) -> tuple[list[RequestResult], float]:
+def run_load(http: LoadClient, model: str, jobs: Sequence[tuple[list[int], int]], *,
+             request_rate: float = math.inf, max_concurrency: int | None = None,
+             rng: random.Random, ignore_eos: bool = True, progress: Any = None
+             ) -> tuple[list[RequestResult], float]:
     """Send ``jobs`` (Poisson arrivals at ``request_rate`` a second, at most
     ``max_concurrency`` in flight); every result, and the seconds it took."""
-    results: list[RequestResult] = []
-    slots = trio.Semaphore(max_concurrency) if max_concurrency else None
-
-    async def one(prompt: list[int], output_len: int) -> None:
-        try:
-            results.append(await stream_completion(http, model, prompt, output_len,
-                                                   ignore_eos=ignore_eos))
-        finally:
-            if slots is not None:
-                slots.release()
-            if progress is not None:
-                progress.update(1)
-
-    start = time.perf_counter()
-    async with trio.open_nursery() as nursery:
-        for index, (prompt, output_len) in enumerate(jobs):
-            if index and math.isfinite(request_rate):
-                await trio.sleep(rng.expovariate(request_rate))
-            if slots is not None:
-                await slots.acquire()
-            nursery.start_soon(one, prompt, output_len)
-    return results, time.perf_counter() - start
+    exchanges = [CompletionExchange(model, prompt, n, ignore_eos=ignore_eos)
+                 for prompt, n in jobs]
+    duration = http.run(exchanges, max_concurrency=max_concurrency, request_rate=request_rate,
+                        rng=rng, on_done=None if progress is None else lambda _: progress.update(1))
+    return [e.result for e in exchanges], duration
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -253,24 +256,23 @@ def print_summary(summary: dict[str, Any], metrics: Sequence[str] = ("ttft", "tp
         print("error:", error, file=sys.stderr)
 
 
-async def _bench_serve(args: argparse.Namespace) -> dict[str, Any]:
+def _bench_serve(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     jobs = random_requests(rng, num_prompts=args.num_prompts, input_len=args.random_input_len,
                            output_len=args.random_output_len, range_ratio=args.random_range_ratio,
                            tokens=args.random_token_range, prefix_len=args.random_prefix_len)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     url = args.base_url or f"http://{args.host}:{args.port}"
-    async with httpx.AsyncClient(base_url=url, timeout=None, headers=headers,
-                                 limits=httpx.Limits(max_connections=None)) as http:
-        model = args.model or await first_model(http)
+    with LoadClient(url, headers) as http:
+        model = args.model or first_model(http)
         if args.warmup:
-            warm = await stream_completion(http, model, jobs[0][0], 4, ignore_eos=True)
+            warm = stream_completion(http, model, jobs[0][0], 4, ignore_eos=True)
             if not warm.ok:
                 raise RuntimeError(f"the warm-up request failed: {warm.error}")
         print(f"Traffic request rate: {args.request_rate}\nMaximum request concurrency: "
               f"{args.max_concurrency}", file=sys.stderr)
         with tqdm(total=len(jobs), disable=args.disable_tqdm or None, file=sys.stderr) as bar:
-            results, duration = await run_load(
+            results, duration = run_load(
                 http, model, jobs, request_rate=args.request_rate,
                 max_concurrency=args.max_concurrency, rng=rng, ignore_eos=args.ignore_eos,
                 progress=bar)
@@ -357,8 +359,8 @@ def run_bench(args: argparse.Namespace) -> int:
     """The ``bench`` command; returns the exit status."""
     if args.bench_command == "serve":
         try:
-            result = trio.run(_bench_serve, args)
-        except (httpx.HTTPError, RuntimeError) as exc:
+            result = _bench_serve(args)
+        except (LoadClientError, RuntimeError, ValueError) as exc:
             print(f"error: {args.base_url or f'http://{args.host}:{args.port}'}: {exc}",
                   file=sys.stderr)
             return EXIT_FAILED
