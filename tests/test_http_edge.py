@@ -328,3 +328,63 @@ def test_an_h2_stream_the_client_never_lets_the_server_write_to_is_cut_after_the
         assert stats.kv_blocks_free == stats.kv_blocks_total
     finally:
         client.close()
+
+
+async def test_a_write_the_socket_takes_in_part_is_finished_in_order_by_the_slow_path() -> None:
+    """The HTTP/1 write's fast path (``os.write`` while nobody else writes) hands what the
+    socket did not take to trio's ``send_all``: a reader that starts late, behind a small
+    buffer, still gets every byte in order, and two writers' payloads never interleave."""
+    import os
+    from types import SimpleNamespace
+
+    import trio
+    from hypercorn.events import RawData
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    server_side, _ = listener.accept()
+    listener.close()
+    # A small send buffer (set after the handshake: a receive buffer shrunk then stalls
+    # TCP's window instead).
+    server_side.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    closed: list[object] = []
+
+    async def handle(event: object) -> None:
+        closed.append(event)
+
+    server = SimpleNamespace(
+        stream=trio.SocketStream(trio.socket.from_stdlib_socket(server_side)),
+        send_lock=trio.Lock(), config=SimpleNamespace(engine_send_timeout=READ_LIMIT),
+        protocol=SimpleNamespace(handle=handle))
+    timed = edge._timed_protocol_send(None)
+    writers = {w: [os.urandom(400_000), w * 7, os.urandom(300_000)] for w in (b"a", b"b")}
+    total = sum(len(p) for payloads in writers.values() for p in payloads)
+    received = bytearray()
+    reader = trio.socket.from_stdlib_socket(client)
+
+    async def read_late() -> None:
+        await trio.sleep(0.2)  # the first write has filled both buffers by now
+        while len(received) < total:
+            received.extend(await reader.recv(65536))
+
+    async def write_all(payloads: list[bytes]) -> None:
+        for payload in payloads:
+            await timed(server, RawData(data=payload))
+
+    with trio.fail_after(READ_LIMIT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_late)
+            for payloads in writers.values():  # the second writer meets the held lock
+                nursery.start_soon(write_all, payloads)
+    # Whole payloads, each writer's in its order: no write went out cut in two.
+    rest, order = bytes(received), []
+    queues = {w: list(p) for w, p in writers.items()}
+    while rest:
+        w = next(w for w, q in queues.items() if q and rest.startswith(q[0]))
+        rest = rest[len(queues[w].pop(0)):]
+        order.append(w)
+    assert all(not q for q in queues.values())
+    assert sorted(order) == [b"a"] * 3 + [b"b"] * 3
+    assert closed == []
+    reader.close()
+    await server.stream.aclose()

@@ -167,10 +167,14 @@ class LoadClient:
                                          headers=head))
         data += conn.h11.send(h11.Data(data=exchange.body)) or b""
         data += conn.h11.send(h11.EndOfMessage()) or b""
-        conn.sock.setblocking(True)
-        conn.sock.settimeout(self._timeout)
-        conn.sock.sendall(data)
-        conn.sock.setblocking(False)
+        if self._tls is None:
+            conn.sock.sendall(data)  # a blocking socket (with the client's timeout)
+        else:
+            # TLS sockets wait non-blocking in the selector: a readable socket may hold
+            # only part of a record, which a blocking read would wait out.
+            conn.sock.settimeout(self._timeout)
+            conn.sock.sendall(data)
+            conn.sock.setblocking(False)
         exchange.started = time.perf_counter()
 
     def run(self, exchanges: Iterable[Exchange], *, max_concurrency: int | None = None,
@@ -253,24 +257,29 @@ class LoadClient:
                         next_arrival = now + rng.expovariate(request_rate)
                 if exhausted and not active:
                     return time.perf_counter() - start
-                wait = self._timeout
-                if not exhausted and math.isfinite(request_rate) and (
-                        max_concurrency is None or len(active) < max_concurrency):
-                    wait = max(0.0, next_arrival - time.perf_counter())
+                arrival = not exhausted and math.isfinite(request_rate) and (
+                    max_concurrency is None or len(active) < max_concurrency)
+                if len(active) == 1 and not arrival and self._tls is None:
+                    # One answer to wait for and nothing to send meanwhile: a blocking read
+                    # on its socket, one system call instead of a poll and a read.
+                    (conn,) = active.values()
+                    self._readable(conn, finish)
+                    continue
+                wait = max(0.0, next_arrival - time.perf_counter()) if arrival else self._timeout
                 ready = selector.select(wait)
-                now = time.perf_counter()
-                if not ready and active and wait == self._timeout:
+                if not ready and active and not arrival:
+                    now = time.perf_counter()
                     for conn in list(active.values()):
                         finish(conn, now, f"no answer in {self._timeout} s", False)
                     continue
                 for key, _ in ready:
-                    self._readable(key.data, now, finish)
+                    self._readable(key.data, finish)
         finally:
             for conn in list(active.values()):
                 conn.sock.close()
             selector.close()
 
-    def _readable(self, conn: _Connection, now: float, finish: Callable[..., None]) -> None:
+    def _readable(self, conn: _Connection, finish: Callable[..., None]) -> None:
         exchange = conn.exchange
         assert exchange is not None
         try:
@@ -280,10 +289,15 @@ class LoadClient:
                     data += conn.sock.recv(_READ)
         except (BlockingIOError, ssl.SSLWantReadError):
             return
+        except TimeoutError:
+            finish(conn, time.perf_counter(), f"no answer in {self._timeout} s", False)
+            return
         except OSError as exc:
+            now = time.perf_counter()
             finish(conn, now, f"{exchange.method} {exchange.path}: {exc}", False,
                    stale=conn.reused and not exchange.status)
             return
+        now = time.perf_counter()
         h = conn.h11
         try:
             h.receive_data(data)

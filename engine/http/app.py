@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any
 import quart_cors
 import trio
 from quart import Response, g, request
+from quart.utils import encode_headers
 from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
@@ -173,7 +174,11 @@ class _Connection(TrioASGIHTTPConnection):
                 await send(message)
 
         try:
-            await self._send_response(send_after_drain, response)
+            body = getattr(response, "response", None)
+            if isinstance(body, TaskBody):
+                await self._send_task_body(send_after_drain, response, body)
+            else:
+                await self._send_response(send_after_drain, response)
         except* edge.SlowReaderError as group:
             # The client stopped reading: leave the response unfinished (hypercorn then
             # closes the HTTP/1 connection, or resets the HTTP/2 stream); a streamed body's
@@ -186,6 +191,19 @@ class _Connection(TrioASGIHTTPConnection):
                 with trio.CancelScope(shield=True):  # cleanup that must finish
                     await body.close_unsent()
         nursery.cancel_scope.cancel()
+
+    @staticmethod
+    async def _send_task_body(send: Any, response: Any, body: TaskBody) -> None:
+        """quart's ``_send_response`` for a streamed body, its frames written by the
+        producer's own task (:meth:`TaskBody.write_into`): the same ASGI messages."""
+        await send({"type": "http.response.start", "status": response.status_code,
+                    "headers": encode_headers(response.headers)})
+
+        async def write(data: bytes) -> None:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+
+        await body.write_into(write)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _root_prefix(root_path: str) -> str:

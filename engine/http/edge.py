@@ -200,6 +200,17 @@ def _timed_protocol_send(protocol_send: Any) -> Any:
         if not isinstance(event, RawData):
             await shielded_send(self, event)
             return
+        data = event.data
+        if type(self.stream) is trio.SocketStream and not self.send_lock.locked():
+            # Nobody else is writing: hand the bytes to the kernel now, without the
+            # lock's and trio's send checkpoints (each a pass of the run loop, per streamed
+            # frame). What the socket does not take, or an error, goes the usual way.
+            try:
+                data = data[os.write(self.stream.socket.fileno(), data):]
+            except OSError:
+                pass
+            if not data:
+                return
         seconds = getattr(self.config, "engine_send_timeout", None) or math.inf
         # One scope both shields the write (hypercorn's: a cancelled half-write would
         # corrupt the connection) and bounds it, lock included: a stalled write ends the
@@ -210,7 +221,7 @@ def _timed_protocol_send(protocol_send: Any) -> Any:
         with trio.CancelScope(shield=True, deadline=trio.current_time() + seconds) as stalled:
             async with self.send_lock:
                 try:
-                    await self.stream.send_all(event.data)
+                    await self.stream.send_all(data)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     broken = True
         if broken:
