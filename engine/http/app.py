@@ -36,8 +36,9 @@ nursery is cancelled. So:
 * a non-streamed request waits for the engine inside the handler: a disconnect cancels the
   wait, ``async with stream`` aborts the request and the engine frees its KV blocks;
 * a streamed request is submitted in the handler (so bad input is still a 4xx), and its
-  outputs are pumped by tasks in a nursery that :class:`engine.http.bodies.TaskBody` opens
-  while quart sends the body; a disconnect cancels those tasks the same way.
+  outputs are pumped, in the task that sends the response, by the producer of its
+  :class:`engine.http.bodies.TaskBody`, which writes each frame to the connection itself;
+  a disconnect cancels that task the same way.
 * A disconnect after the handler returned but before the body was entered would leave the
   submitted streams open; :class:`_Connection` aborts them in that case.
 * A client that stops reading is treated as gone once one write to it has waited

@@ -1,9 +1,12 @@
-"""Response bodies: a JSON answer, and an SSE stream written by a task while quart sends it.
+"""Response bodies: a JSON answer, and an SSE stream written by a producer task.
 
 :class:`TaskBody` is how every streamed route answers. The route submits its engine
 requests in the handler (so bad input is still a 4xx) and returns a body whose producer
-runs in a nursery that entering the body opens in quart's sending task, so a disconnect
-cancels it (the request lifetime is told in :mod:`engine.http.app`).
+runs in the task that sends the response, so a disconnect cancels it (the request
+lifetime is told in :mod:`engine.http.app`). The server runs it with
+:meth:`TaskBody.write_into`, its frames going straight to the connection; entered as
+quart's async iterable instead (any other ASGI path), it runs in a nursery and feeds
+quart's send loop through a channel.
 """
 
 from __future__ import annotations
