@@ -275,6 +275,29 @@ def test_response_json_never_holds_nan_or_infinity() -> None:
         "logprob": sse.NO_LOGPROB, "top": [None, 1.5], "ok": 2}
 
 
+def test_a_floatless_chunk_is_written_byte_for_byte_as_the_standard_encoder_writes_it() -> None:
+    """The orjson path of token chunks without logprobs against the standard library's
+    encoder (``sse.dumps``) on text of every kind a detokenizer can produce."""
+    import random
+
+    from engine.http import sse
+
+    rng = random.Random(1)
+    pieces = ["a", " ", '"', "\\", "/", "\n", "\r", "\t", "\x00", "\x1f", "\x7f", "\u00e9",
+              "\u2028", "\u2029", "\ufeff", "\U0001f600", "\u4e2d", "</script>", "\\u0041"]
+    for _ in range(300):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(8)))
+        chunk = {"id": "cmpl-" + text[:3], "object": "text_completion", "created": 1_700_000_000,
+                 "model": "m", "choices": [{"index": rng.randrange(4), "text": text,
+                                            "logprobs": None, "finish_reason": None,
+                                            "token_ids": [rng.randrange(2**31) for _ in range(3)]}],
+                 "usage": {"prompt_tokens": 5, "total_tokens": 9}, "ok": True}
+        assert sse.event(chunk, floats=False) == sse.event(chunk)
+    # What orjson refuses goes the standard way: an integer past 64 bits.
+    big = {"n": 2**70}
+    assert sse.event(big, floats=False) == sse.event(big)
+
+
 # -- one request's choices (Completion) ------------------------------------------
 
 

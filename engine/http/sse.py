@@ -6,6 +6,8 @@ import json
 import math
 from typing import Any
 
+import orjson
+
 DONE = b"data: [DONE]\n\n"
 CONTENT_TYPE = "text/event-stream; charset=utf-8"
 # Proxies (nginx) buffer responses by default; these headers keep tokens flowing.
@@ -41,9 +43,22 @@ def _finite(obj: Any) -> Any:
     return obj
 
 
-def event(obj: Any) -> bytes:
-    """One SSE event carrying ``obj`` as JSON."""
-    return b"data: " + dumps(obj) + b"\n\n"
+def dumps_floatless(obj: Any) -> bytes:
+    """:func:`dumps` of an ``obj`` the caller knows holds no float (a token chunk without
+    logprobs), by ``orjson``: the same bytes at a fraction of the CPU (about a tenth of
+    the event loop's work per streamed token was the standard library's encoder). orjson
+    would write a non-finite float as ``null``, hence the caller's promise; what orjson
+    refuses (an integer past 64 bits, a lone surrogate) goes the standard way."""
+    try:
+        return orjson.dumps(obj)
+    except TypeError:  # orjson.JSONEncodeError
+        return dumps(obj)
+
+
+def event(obj: Any, floats: bool = True) -> bytes:
+    """One SSE event carrying ``obj`` as JSON; ``floats=False`` promises it holds none
+    (:func:`dumps_floatless`)."""
+    return b"data: " + (dumps(obj) if floats else dumps_floatless(obj)) + b"\n\n"
 
 
 def typed_event(obj: Any) -> bytes:

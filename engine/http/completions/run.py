@@ -121,9 +121,12 @@ class Run:
             for chunk in self.answer.opening_chunks():
                 await send.send(sse.event(chunk))
 
+            # Token chunks hold floats only as logprobs.
+            floats = self.req.top_logprobs is not None or self.req.prompt_logprobs is not None
+
             async def on_output(prompt_index: int, out: RequestOutput) -> None:
                 for chunk in self.answer.stream_output(prompt_index, out):
-                    await send.send(sse.event(chunk))
+                    await send.send(sse.event(chunk, floats))
 
             await self.pump_all(on_output)
             if self.error is not None:
