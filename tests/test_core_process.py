@@ -366,6 +366,44 @@ def test_the_frame_decoder_builds_only_message_types() -> None:
             corewire.decode_frame(bad)
 
 
+async def test_frames_the_socket_takes_in_part_arrive_whole_and_never_interleaved() -> None:
+    """FrameStream.send's fast path (``os.write`` while the lock is free) finishes what the
+    socket did not take under the lock: two senders' large frames, a small send buffer and
+    a reader that starts late still give every frame whole, each sender's in its order."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    server_side, _ = listener.accept()
+    listener.close()
+    server_side.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    sender = corewire.FrameStream(trio.SocketStream(trio.socket.from_stdlib_socket(server_side)))
+    receiver = corewire.FrameStream(trio.SocketStream(trio.socket.from_stdlib_socket(client)))
+    frames = {who: [(messages.StopStringHit(f"{who}{i}", "x" * (300_000 if i % 2 else 10)),)
+                    for i in range(4)] for who in "ab"}
+    got: list[tuple[object, ...]] = []
+
+    async def send_all(who: str) -> None:
+        for frame in frames[who]:
+            await sender.send(frame)
+
+    async def read_late() -> None:
+        await trio.sleep(0.2)  # the first large frame has filled both buffers by now
+        for _ in range(8):
+            got.append(await receiver.receive())
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_late)
+            nursery.start_soon(send_all, "a")
+            nursery.start_soon(send_all, "b")
+    for who in "ab":
+        assert [f for f in got if f[0].sample_id.startswith(who)] == frames[who]
+    assert sender.frames_sent == 8
+    await sender.aclose()
+    await receiver.aclose()
+
+
 def test_hello_mismatch_names_what_differs() -> None:
     hello = messages.CoreHello(
         version="1", core_index=0, pid=1, model="m", served_model_name="m",

@@ -388,3 +388,56 @@ async def test_a_write_the_socket_takes_in_part_is_finished_in_order_by_the_slow
     assert closed == []
     reader.close()
     await server.stream.aclose()
+
+
+async def test_a_chunked_body_frame_is_the_bytes_h11_writes_and_others_go_through_h11() -> None:
+    """``edge.frame_h11_body_chunks``: a body chunk of a chunked response is framed without
+    h11, byte for byte as h11 frames it (the oracle: a twin h11 connection given the same
+    events); a Content-Length body and the end of a body still go through h11."""
+    from types import SimpleNamespace
+
+    import h11
+    from hypercorn.events import RawData
+    from hypercorn.protocol.events import Body, EndBody
+    from hypercorn.protocol.h11 import H11Protocol
+
+    edge.frame_h11_body_chunks()
+
+    def connection(headers: list[tuple[bytes, bytes]]) -> h11.Connection:
+        conn = h11.Connection(h11.SERVER)
+        conn.receive_data(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert type(conn.next_event()) is h11.Request
+        conn.next_event()  # EndOfMessage
+        conn.send(h11.Response(status_code=200, headers=headers))
+        return conn
+
+    pieces = (b"data: {\"a\": 1}\n\n", b"\xc3\xa9" * 3, b"")
+    length = str(sum(map(len, pieces))).encode()
+    for headers in ([(b"content-type", b"text/event-stream")], [(b"content-length", length)]):
+        sent: list[bytes] = []
+
+        async def send(event: object, sent: list[bytes] = sent) -> None:
+            assert isinstance(event, RawData)
+            sent.append(event.data)
+
+        protocol = SimpleNamespace(connection=connection(headers), send=send)
+        through_h11: list[object] = []
+
+        def via_h11(event: object, p: SimpleNamespace = protocol,
+                    through_h11: list[object] = through_h11) -> object:
+            through_h11.append(event)
+            return H11Protocol._send_h11_event(p, event)
+
+        protocol._send_h11_event = via_h11
+        twin = connection(headers)
+        expected = []
+        for data in pieces:
+            await H11Protocol.stream_send(protocol, Body(stream_id=1, data=data))
+            expected.append(twin.send(h11.Data(data=data)))
+        await H11Protocol.stream_send(protocol, EndBody(stream_id=1))
+        expected.append(twin.send(h11.EndOfMessage()))
+        assert b"".join(sent) == b"".join(expected)
+        assert protocol.connection.our_state is twin.our_state is h11.DONE
+        # Chunked: the two non-empty chunks skipped h11; the empty one and the end did not.
+        chunked = headers[0][0] == b"content-type"
+        assert len(through_h11) == (2 if chunked else 4)

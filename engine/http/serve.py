@@ -124,6 +124,7 @@ async def serve_app(
     config.engine_send_timeout = getattr(app, "config", {}).get(
         edge.SEND_TIMEOUT_CONFIG, edge.SEND_TIMEOUT_SECONDS)
     edge.shield_hypercorn_close()
+    edge.frame_h11_body_chunks()
     h2c.configure(config, enable_h2c=enable_h2c)
     edge.patch_hypercorn_h2()
     # Hypercorn's own "Running on" line duplicates ours; its errors still reach the log.
