@@ -63,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.cli.bench import (  # noqa: E402
     DEFAULT_TOKEN_RANGE,
     RequestResult,
+    StreamExchange,
     first_model,
     parse_token_range,
     random_requests,
@@ -71,7 +72,7 @@ from engine.cli.bench import (  # noqa: E402
     summarize,
 )
 from engine.cli.bench import print_summary as print_report  # noqa: E402
-from engine.cli.loadclient import Exchange, LoadClient  # noqa: E402
+from engine.cli.loadclient import LoadClient  # noqa: E402
 
 Result = RequestResult
 
@@ -97,45 +98,31 @@ BENCH_TOOLS = [
 _CITIES = ["Paris", "Lima", "Osaka", "Nairobi", "Oslo", "Quito", "Hanoi", "Perth"]
 
 
-class ChatExchange(Exchange):
+class ChatExchange(StreamExchange):
     """One streamed chat completion; its calls' arguments failing their schema count as
     an error."""
 
     def __init__(self, model: str, body: dict) -> None:
         body = {**body, "model": model, "stream": True,
                 "stream_options": {"include_usage": True}}
-        super().__init__("POST", "/v1/chat/completions", body)
+        super().__init__("/v1/chat/completions", body)
         self.request = body
-        self.result = Result()
         self.args: dict[int, str] = {}
-        self.last = 0.0
 
     def on_event(self, data: bytes, now: float) -> None:
-        result = self.result
-        if data == b"[DONE]" or result.error:
-            return
-        chunk = json.loads(data)
-        if "error" in chunk:
-            result.error = chunk["error"]["message"]
+        chunk = self.chunk(data)
+        if chunk is None:
             return
         if chunk.get("usage"):
-            result.output_tokens = chunk["usage"]["completion_tokens"]
+            self.result.output_tokens = chunk["usage"]["completion_tokens"]
         if not chunk["choices"]:
             return
         delta = chunk["choices"][0]["delta"]
         for part in delta.get("tool_calls", ()):
             self.args[part["index"]] = self.args.get(part["index"], "") + part["function"][
                 "arguments"]
-        if not (delta.get("content") or delta.get("tool_calls")):
-            return
-        if result.ttft == 0.0:
-            result.ttft = now - self.started
-        else:
-            result.itls.append(now - self.last)
-        self.last = now
-
-    def on_body(self, body: bytes) -> None:
-        self.result.error = f"HTTP {self.status}: {body[:200]!r}"
+        if delta.get("content") or delta.get("tool_calls"):
+            self.tick(now)
 
     def on_end(self, now: float, error: str) -> None:
         import jsonschema

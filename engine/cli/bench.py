@@ -113,36 +113,29 @@ class RequestResult:
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 
 
-class CompletionExchange(Exchange):
-    """One streamed ``/v1/completions`` request (``ignore_eos``, greedy), timed as it
-    arrives: its first text and the gaps between the chunks that carry text, in
-    ``result``."""
+class StreamExchange(Exchange):
+    """A streamed request timed as it arrives: ``result`` gets the time of its first
+    chunk with output and the gaps between the later ones."""
 
-    def __init__(self, model: str, prompt: list[int], output_len: int, *,
-                 ignore_eos: bool = True) -> None:
-        super().__init__("POST", "/v1/completions", {
-            "model": model, "prompt": prompt, "max_tokens": output_len, "stream": True,
-            "ignore_eos": ignore_eos, "temperature": 0,
-            "stream_options": {"include_usage": True}})
-        self.result = RequestResult(prompt_tokens=len(prompt))
-        self.usage_tokens: int | None = None  # a server without streamed usage: a token a chunk
-        self.chunks = 0
+    def __init__(self, path: str, body: dict[str, Any], prompt_tokens: int = 0) -> None:
+        super().__init__("POST", path, body)
+        self.result = RequestResult(prompt_tokens=prompt_tokens)
         self.last = 0.0
 
-    def on_event(self, data: bytes, now: float) -> None:
-        result = self.result
-        if data == b"[DONE]" or result.error:
-            return
+    def chunk(self, data: bytes) -> dict[str, Any] | None:
+        """An event's JSON; None for ``[DONE]``, for an error chunk (recorded) and for
+        anything after an error."""
+        if data == b"[DONE]" or self.result.error:
+            return None
         chunk = orjson.loads(data)
         if "error" in chunk:
-            result.error = chunk["error"]["message"]
-            return
-        if chunk.get("usage"):
-            self.usage_tokens = chunk["usage"]["completion_tokens"]
-            result.prompt_tokens = chunk["usage"]["prompt_tokens"]
-        if not chunk["choices"] or not chunk["choices"][0]["text"]:
-            return
-        self.chunks += 1
+            self.result.error = chunk["error"]["message"]
+            return None
+        return chunk
+
+    def tick(self, now: float) -> None:
+        """A chunk with output arrived at ``now``."""
+        result = self.result
         if result.ttft == 0.0:
             result.ttft = now - self.started
         else:
@@ -154,6 +147,32 @@ class CompletionExchange(Exchange):
             self.result.error = f"HTTP {self.status}: {body[:200]!r}"
         else:
             self.result.error = f"not a stream of events: {body[:200]!r}"
+
+
+class CompletionExchange(StreamExchange):
+    """One streamed ``/v1/completions`` request (``ignore_eos``, greedy); a chunk with
+    text is one with output."""
+
+    def __init__(self, model: str, prompt: list[int], output_len: int, *,
+                 ignore_eos: bool = True) -> None:
+        super().__init__("/v1/completions", {
+            "model": model, "prompt": prompt, "max_tokens": output_len, "stream": True,
+            "ignore_eos": ignore_eos, "temperature": 0,
+            "stream_options": {"include_usage": True}}, prompt_tokens=len(prompt))
+        self.usage_tokens: int | None = None  # a server without streamed usage: a token a chunk
+        self.chunks = 0
+
+    def on_event(self, data: bytes, now: float) -> None:
+        chunk = self.chunk(data)
+        if chunk is None:
+            return
+        if chunk.get("usage"):
+            self.usage_tokens = chunk["usage"]["completion_tokens"]
+            self.result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+        if not chunk["choices"] or not chunk["choices"][0]["text"]:
+            return
+        self.chunks += 1
+        self.tick(now)
 
     def on_end(self, now: float, error: str) -> None:
         result = self.result
