@@ -7,21 +7,28 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import socket
 import time
+from types import SimpleNamespace
 
 import h2.connection
 import h2.errors
 import h2.events
 import h2.settings
+import h11
 import httpx
 import pytest
+import trio
 import wsproto
 import wsproto.events
 from h2_client import H2Client
 from http_fake_engine import open_fake_engine
 from http_server import ServerThread
+from hypercorn.events import RawData
+from hypercorn.protocol.events import Body, EndBody
+from hypercorn.protocol.h11 import H11Protocol
 
 from engine.http import edge
 from engine.models.testing import write_tiny_model
@@ -334,12 +341,6 @@ async def test_a_write_the_socket_takes_in_part_is_finished_in_order_by_the_slow
     """The HTTP/1 write's fast path (``os.write`` while nobody else writes) hands what the
     socket did not take to trio's ``send_all``: a reader that starts late, behind a small
     buffer, still gets every byte in order, and two writers' payloads never interleave."""
-    import os
-    from types import SimpleNamespace
-
-    import trio
-    from hypercorn.events import RawData
-
     listener = socket.create_server(("127.0.0.1", 0))
     client = socket.create_connection(listener.getsockname())
     server_side, _ = listener.accept()
@@ -394,13 +395,6 @@ async def test_a_chunked_body_frame_is_the_bytes_h11_writes_and_others_go_throug
     """``edge.frame_h11_body_chunks``: a body chunk of a chunked response is framed without
     h11, byte for byte as h11 frames it (the oracle: a twin h11 connection given the same
     events); a Content-Length body and the end of a body still go through h11."""
-    from types import SimpleNamespace
-
-    import h11
-    from hypercorn.events import RawData
-    from hypercorn.protocol.events import Body, EndBody
-    from hypercorn.protocol.h11 import H11Protocol
-
     edge.frame_h11_body_chunks()
 
     def connection(headers: list[tuple[bytes, bytes]]) -> h11.Connection:

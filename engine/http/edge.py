@@ -72,9 +72,11 @@ import h2.errors
 import h2.exceptions
 import h11
 import trio
+from h11 import _writers
 from hypercorn.events import Closed, RawData, Updated
 from hypercorn.protocol import h2 as hyper_h2
 from hypercorn.protocol.events import Body, Data, StreamClosed
+from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.tcp_server import TCPServer
 from quart_trio.wrappers.request import TrioBody, TrioRequest
 
@@ -192,9 +194,6 @@ def frame_h11_body_chunks() -> None:
     compares them); any other event, a body with a Content-Length, or an h11 whose
     internals differ goes through hypercorn and h11 as before. Idempotent; checked
     against hypercorn 0.18.0 and h11 0.16.0."""
-    from h11 import _writers
-    from hypercorn.protocol.h11 import H11Protocol
-
     if getattr(H11Protocol.stream_send, "patched_by_engine", False):
         return
     stream_send = H11Protocol.stream_send
