@@ -173,3 +173,26 @@ def test_lora_add_cpu_refuses_a_slot_outside_the_pool() -> None:
     x, out, a, b = _case(slots, 32, 16, 8, torch.float32, "cpu")
     with pytest.raises(CpuKernelError, match="outside the pool of 4"):
         get_ops("cpu").lora_add(out, x, a[:4], b[:4], _segments(slots, "cpu"))
+
+
+def test_lora_add_cpu_strided_inputs_and_a_new_b_for_the_same_a() -> None:
+    """CpuOps checks a pool's A and B once and keeps their pointers under A: a strided x
+    or out must still take the reference (not the pointers of a contiguous layout), and a
+    new B for the same A must be read, not the B first seen beside that A."""
+    slots = [0, 1, -1, 1, 2, 0]
+    x, out, a, b = _case(slots, 64, 48, 8, torch.float32, "cpu")
+    ops, segments = get_ops("cpu"), _segments(slots, "cpu")
+    wide = torch.randn(len(slots), 128)
+    strided_x = wide[:, ::2]  # [T, 64], not contiguous
+    strided_x.copy_(x)
+    for xs, outs in ((x, out.clone()), (strided_x, out.clone()), (x, torch.randn(48, len(slots)).T.copy_(out))):
+        expected = outs.clone()
+        lora_add_reference(expected, xs, a, b, segments)
+        ops.lora_add(outs, xs, a, b, segments)
+        torch.testing.assert_close(outs, expected, atol=1e-5, rtol=1e-5)
+    other_b = b.flip(0).clone()  # another B beside the same A
+    expected, got = out.clone(), out.clone()
+    lora_add_reference(expected, x, a, other_b, segments)
+    ops.lora_add(got, x, a, other_b, segments)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert (got - out).abs().max() > 0.05

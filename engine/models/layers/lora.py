@@ -139,8 +139,11 @@ class LoraLinear:
         out = self.base(x)
         segments = self.slots.segments
         if segments is not None:
-            self.slots.ops.lora_add(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]), self.a, self.b, segments,
-                                   self.bounds)
+            if x.dim() == 2:  # the decoder's flat batch: no views to make
+                self.slots.ops.lora_add(out, x, self.a, self.b, segments, self.bounds)
+            else:
+                self.slots.ops.lora_add(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]), self.a, self.b,
+                                       segments, self.bounds)
         return out
 
     def describe(self) -> Any:
@@ -155,7 +158,7 @@ class LoraLinear:
 class LoraExperts:
     """The LoRA deltas of one MoE layer's routed experts, per expert and slot."""
 
-    __slots__ = ("slots", "span", "inter", "a13", "b13", "a2", "b2", "adapted", "adapted_host")
+    __slots__ = ("slots", "span", "inter", "a13", "b13", "a2", "b2", "adapted", "adapted_host", "per_expert")
 
     def __init__(self, slots: LoraSlots, num_experts: int, hidden: int, inter: int, device: torch.device,
                  span: tuple[int, int] | None = None) -> None:
@@ -177,6 +180,10 @@ class LoraExperts:
         # Which slots hold an adapter that adapts these experts (index slot + 1; 0: the base).
         self.adapted = torch.zeros(s + 1, dtype=torch.bool, device=device)
         self.adapted_host = [False] * s  # the same per slot, read without a device sync
+        # Each expert's four [S, R, ...] pools as views made once: the same objects every
+        # step, so a backend may keep what it checked about them (CpuOps.lora_add).
+        self.per_expert = list(zip(self.a13.unbind(0), self.b13.unbind(0), self.a2.unbind(0), self.b2.unbind(0),
+                                   strict=True))
 
     @property
     def nbytes(self) -> int:
@@ -242,12 +249,13 @@ class LoraExperts:
                     pos += c
             segments = LoraSegments(tuple(runs), sorted_slots[start:end]) if runs else None
             h = F.linear(rows[start:end], w13[e])
+            a13, b13, a2, b2 = self.per_expert[e]
             if segments is not None:
-                ops.lora_add(h, rows[start:end], self.a13[e], self.b13[e], segments)
+                ops.lora_add(h, rows[start:end], a13, b13, segments)
             act = F.silu(h[:, :inter]) * h[:, inter:]
             out = F.linear(act, w2[e])
             if segments is not None:
-                ops.lora_add(out, act, self.a2[e], self.b2[e], segments)
+                ops.lora_add(out, act, a2, b2, segments)
             out_sorted[start:end] = out
             start = end
         return combine(out_sorted, order, topk_weights)

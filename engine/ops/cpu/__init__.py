@@ -22,6 +22,8 @@ missing, :func:`available` is false and ``get_ops("auto")`` falls back to ``Torc
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from engine.ops.base import AttentionMetadata, KVCache, LoraSegments, QuantizedKV
@@ -57,6 +59,46 @@ class CpuKernelError(RuntimeError):
     """A C kernel refused its arguments (a position or block id out of range)."""
 
 
+class _LoraStep:
+    """A step's :class:`LoraSegments` as ``eng_lora_sgmv`` takes them (``order`` None where
+    they are not on the CPU), and the thread count of the step."""
+
+    __slots__ = ("segments", "order", "bounds", "slots", "groups", "threads")
+
+    def __init__(self, segments: LoraSegments) -> None:
+        self.segments = segments
+        self.order = self.bounds = self.slots = None
+        self.groups = self.threads = 0
+        if segments.order.device.type == "cpu":
+            self.order = _ptr(segments.order, "int32_t *")
+            self.bounds = _ptr(segments.group_bounds, "int32_t *")
+            self.slots = _ptr(segments.group_slots, "int32_t *")
+            self.groups = len(segments.groups)
+            self.threads = torch.get_num_threads()
+
+
+class _LoraPool:
+    """One projection's adapter slots (``a`` [S, R, in]; ``b`` [S, R, out] or as row pairs
+    [S, R / 2, out, 2]) as the C calls take them: ``a`` None where they do not (a dtype or
+    layout the kernel has no path for). ``b`` is held weakly, to tell a new one apart."""
+
+    __slots__ = ("b_ref", "slices", "a", "b", "k", "n", "wcode", "r", "s", "cols", "nslices", "pairs")
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, slices: tuple[int, ...]) -> None:
+        self.b_ref, self.slices, self.a = weakref.ref(b), slices, None
+        wcode = _DTYPE_CODES.get(a.dtype)
+        pairs = b.dim() == 4  # B as row pairs (lora_pairs): the bf16 dot-product expand's layout
+        if (wcode is None or b.dtype != a.dtype or a.dim() != 3 or b.dim() != (4 if pairs else 3)
+                or not (a.is_contiguous() and b.is_contiguous()) or a.device.type != "cpu"):
+            return
+        self.a, self.b = _ptr(a), _ptr(b)
+        self.k, self.n, self.r, self.s = a.shape[2], b.shape[2], a.shape[1], a.shape[0]
+        self.wcode, self.pairs = wcode, int(pairs)
+        # A fused projection's slices: B is block diagonal and the kernels read only its blocks.
+        bounds = slices if len(slices) >= 2 and self.r % (len(slices) - 1) == 0 else (0, self.n)
+        self.cols, self.nslices = _ffi.new("int64_t[]", bounds), len(bounds) - 1
+
+
 class CpuOps(TorchOps):
     """C kernels for RMSNorm, RoPE, SiLU-and-mul and single-query paged attention; the
     torch reference for the rest. Raises ``RuntimeError`` at construction if the kernels
@@ -78,10 +120,10 @@ class CpuOps(TorchOps):
                 "package (pip install -e .) with a C compiler present, or use the torch ops"
             )
         super().__init__()
-        # lora_add's per-step group pointers (the segments they point into kept alive with
-        # them) and its cffi column bounds, by (slices, out features, R).
-        self._lora_step: tuple | None = None
-        self._lora_cols: dict[tuple, tuple] = {}
+        # The LoRA calls' step (the segments their pointers point into kept alive with
+        # them), and each slot pool's checked arguments by id(a) (an entry leaves with a).
+        self._lora_step: _LoraStep | None = None
+        self._lora_pools: dict[int, _LoraPool] = {}
 
     # --- pointwise -------------------------------------------------------------------------
     # The checks below run ~5 times per layer per step: each is a cheap attribute read, in
@@ -111,34 +153,47 @@ class CpuOps(TorchOps):
         A step makes this call for every targeted projection of every layer (~120 a step
         for SmolLM2) with one ``segments``: its group pointers are made once (the last
         step's kept), and each fused projection's column bounds once per engine."""
-        code, wcode = _DTYPE_CODES.get(x.dtype), _DTYPE_CODES.get(a.dtype)
-        if (code is None or wcode is None or out.dtype != x.dtype or b.dtype != a.dtype
-                or not (x.is_contiguous() and out.is_contiguous() and a.is_contiguous() and b.is_contiguous())
-                or x.dim() != 2 or segments.order.device.type != "cpu"):
+        # Each torch attribute read costs microseconds once the base matmul before it has
+        # streamed its weights through the caches, and a step makes ~120 of these calls:
+        # what holds for the whole step (the segments' device, their pointers, the thread
+        # count) is read once a step, what holds for a pool once, and the call reads only
+        # x's and out's shapes, dtypes, layout and pointers.
+        step = self._lora_segments(segments)
+        pool = self._lora_pool(a, b, slices)
+        shape, dtype = x.shape, x.dtype
+        if (step.order is None or pool.a is None or len(shape) != 2 or shape[1] != pool.k
+                or dtype not in _DTYPE_CODES or out.dtype != dtype or out.shape != (shape[0], pool.n)
+                or not (x.is_contiguous() and out.is_contiguous())):
             return super().lora_add(out, x, a, b, segments)
-        pairs = b.dim() == 4  # B as row pairs (lora_pairs): the bf16 dot-product expand's layout
-        if not segments.active:
+        if not step.groups:
             return None
-        step = self._lora_step
-        if step is None or step[0] is not segments:
-            step = self._lora_step = (segments, _ptr(segments.order, "int32_t *"),
-                                      _ptr(segments.group_bounds, "int32_t *"),
-                                      _ptr(segments.group_slots, "int32_t *"), len(segments.groups))
-        n = out.shape[1]
-        key = (slices, n, a.shape[1])
-        cols = self._lora_cols.get(key)
-        if cols is None:
-            bounds = slices if len(slices) >= 2 and a.shape[1] % (len(slices) - 1) == 0 else (0, n)
-            cols = self._lora_cols[key] = (_ffi.new("int64_t[]", bounds), len(bounds) - 1)
-        rc = _lib.eng_lora_sgmv(code, wcode, _ptr(out), _ptr(x), x.shape[0], x.shape[1], n, a.shape[1],
-                                a.shape[0], _ptr(a), _ptr(b), step[1], step[2], step[3], step[4], cols[1], cols[0],
-                                int(pairs), torch.get_num_threads())
+        rc = _lib.eng_lora_sgmv(_DTYPE_CODES[dtype], pool.wcode, _ptr(out), _ptr(x), shape[0], pool.k, pool.n,
+                                pool.r, pool.s, pool.a, pool.b, step.order, step.bounds, step.slots, step.groups,
+                                pool.nslices, pool.cols, pool.pairs, step.threads)
         if rc == -2:
             raise CpuKernelError(f"lora_add: a slot outside the pool of {a.shape[0]} or a token outside the "
                                  f"{x.shape[0]} of the step")
         if rc != 0:
             return super().lora_add(out, x, a, b, segments, slices)
         return None
+
+    def _lora_segments(self, segments: LoraSegments) -> _LoraStep:
+        """What every LoRA call of a step shares, made at its first call."""
+        step = self._lora_step
+        if step is None or step.segments is not segments:
+            step = self._lora_step = _LoraStep(segments)
+        return step
+
+    def _lora_pool(self, a: torch.Tensor, b: torch.Tensor, slices: tuple[int, ...]) -> _LoraPool:
+        """One projection's slot pool ``a`` [S, R, in] and ``b`` as the C calls take them,
+        checked once and kept under id(a) until ``a`` is freed."""
+        pool = self._lora_pools.get(id(a))
+        if pool is not None and pool.b_ref() is b and pool.slices == slices:
+            return pool
+        if pool is None:
+            weakref.finalize(a, self._lora_pools.pop, id(a), None)
+        pool = self._lora_pools[id(a)] = _LoraPool(a, b, slices)
+        return pool
 
     def lora_pairs(self, dtype: torch.dtype) -> bool:
         """bf16 where the CPU has AVX512-BF16: the expand's dot products take two of B's rows
