@@ -431,6 +431,46 @@ def test_a_gguf_base_with_an_adapter_matches_peft_on_the_dequantized_model(tmp_p
         torch.testing.assert_close(g, w, atol=LOGIT_ATOL_FP32, rtol=0)
 
 
+# The fused CPU decode step with adapters: dense fp32, a GGUF base in bf16 whose q/k/v carry
+# biases (the adapter's delta goes on after the quantized matmul's bias, as LoraLinear adds
+# it to QuantLinear's output), and Gemma 2's layer.
+FUSED_CASES = [("llama", "dense", "float32"), ("qwen2", "Q4_1", "bfloat16"), ("gemma2", "Q8_0", "bfloat16")]
+
+
+@pytest.mark.parametrize(("arch", "quant", "dtype"), FUSED_CASES, ids=["-".join(c) for c in FUSED_CASES])
+def test_decode_steps_with_adapters_run_fused_and_match_the_unfused_forward(tmp_path, monkeypatch, arch, quant,
+                                                                           dtype) -> None:
+    """The fused step adds each targeted projection's delta where LoraLinear does, with the
+    same kernel, so a mixed batch of two adapters and the base decodes the same tokens with
+    the same logprobs, to the bit, fused and unfused; and the fused step did run."""
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "cache"))
+    if quant == "dense":
+        folder = write_tiny_model(tmp_path / "base", arch)
+        loaded = _loaded(folder, getattr(torch, dtype))
+    else:
+        path = write_quantized(tmp_path, arch, quant)
+        loaded = load_model(path, dtype=dtype)
+        folder = load_model(path, dtype="float32", quantization="none").folder
+    specs = {"a0": dict(r=8, lora_alpha=16), "a1": dict(r=16, lora_alpha=32, use_rslora=True)}
+    write_peft_adapters(folder, tmp_path, specs, seed=11)
+    a0, a1 = (LoraAdapter(n, str(tmp_path / n), i + 1) for i, n in enumerate(specs))
+    prompts = [p for p in _prompts(loaded.config.vocab_size) for _ in range(3)]
+    loras = [a0, None, a1] * 3
+    runs = {}
+    for fuse in ("0", "1"):
+        monkeypatch.setenv("ENGINE_FUSED_DECODE", fuse)
+        runner = _runner(loaded, "cpu")
+        runs[fuse] = run_greedy(runner, prompts, 8, block_size=4, loras=loras)
+        step = runner.model.fused_step
+        assert (step is not None and step.steps >= 7) == (fuse == "1")
+    assert [[(s.token_id, s.logprob) for s in r] for r in runs["1"]] == \
+        [[(s.token_id, s.logprob) for s in r] for r in runs["0"]]
+    # The adapters changed the tokens (else a step that dropped the deltas could pass).
+    tokens = [[s.token_id for s in r] for r in runs["1"]]
+    assert any(tokens[i] != tokens[i + 1] for i in range(0, 9, 3))
+    assert any(tokens[i + 2] != tokens[i + 1] for i in range(0, 9, 3))
+
+
 # -- the scheduler and the embedded API ----------------------------------------------------
 
 

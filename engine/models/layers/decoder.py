@@ -27,7 +27,7 @@ import torch
 
 from engine.models.config import ModelConfig
 from engine.models.layers.linear import Linear, embed, make_linear
-from engine.models.layers.lora import LoraSlots
+from engine.models.layers.lora import LoraLinear, LoraSlots
 from engine.models.layers.moe import SparseMoeBlock, sparse_layer_weight_names
 from engine.models.layers.norm import head_norm
 from engine.models.layers.rope import rope_cos_sin_cache
@@ -169,6 +169,7 @@ class Decoder:
         # its layers' (engine.models.layers.lora).
         self.lora = LoraSlots(self.config, self.layers, self.ops, max_loras=max_loras, max_rank=max_rank,
                               dtype=dtype, device=self.device, tp=self.tp)
+        self._fused = None  # planned again, with the slots
         return self.lora
 
     def _init_parallel(self, config: ModelConfig, tp: TensorParallel) -> None:
@@ -362,10 +363,12 @@ class Decoder:
         the step is not the fused step's, and the layers run one by one."""
         if hidden.shape[0] > fused_decode.MAX_TOKENS:
             return None
-        if self.lora is not None and self.lora.segments is not None:
-            return None  # a token runs with an adapter: the fused step has no LoRA deltas
         step = self.plan_fused_step(kv_caches)
-        return None if step is None else step.run(hidden, positions, meta, rope=rope)
+        if step is None:
+            return None
+        # A step with adapter tokens: their deltas go on inside the step, after each
+        # targeted projection.
+        return step.run(hidden, positions, meta, rope=rope, lora=None if self.lora is None else self.lora.segments)
 
     def plan_fused_step(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> fused_decode.FusedDecode | None:
         """The fused CPU decode step of this model over ``kv_caches`` (planned once per KV
@@ -392,11 +395,16 @@ class Decoder:
         def describe(lin):
             return None if lin is None else lin.describe()
 
+        def adapter(lin):  # a LoraLinear's slots (with --enable-lora), else None
+            return lin.describe_lora() if isinstance(lin, LoraLinear) else None
+
         return FusedLayer(
             input_norm=layer.input_norm, post_norm=layer.post_norm, q_norm=layer.q_norm, k_norm=layer.k_norm,
             qkv=describe(layer.qkv), o=describe(layer.o_proj), gate_up=describe(layer.gate_up),
             down=describe(layer.down), rope=layer.rope, window=layer.window,
             external_mlp=None if layer.moe is None else functools.partial(layer.moe, ops=self.ops),
+            lora_qkv=adapter(layer.qkv), lora_o=adapter(layer.o_proj), lora_gate_up=adapter(layer.gate_up),
+            lora_down=adapter(layer.down),
         )
 
 

@@ -63,6 +63,7 @@ from engine.models.lora import (
     lora_targets,
 )
 from engine.ops import LoraSegments, Ops, lora_rows_paired
+from engine.ops.cpu.fused_spec import LoraProjection
 from engine.ops.moe import combine
 from engine.parallel import SINGLE, TensorParallel, shard_range
 
@@ -147,9 +148,13 @@ class LoraLinear:
         return out
 
     def describe(self) -> Any:
-        """The base projection as the fused CPU decode step reads it (that step runs only
-        when no token of the step has an adapter)."""
+        """The base projection as the fused CPU decode step reads it."""
         return self.base.describe()
+
+    def describe_lora(self) -> LoraProjection:
+        """The adapter slots as the fused CPU decode step reads them (it adds the deltas
+        after the base projection, as :meth:`__call__` does)."""
+        return LoraProjection(self.a, self.b, self.bounds)
 
     def __getattr__(self, name: str) -> Any:  # widened, nbytes, ... of the base projection
         return getattr(self.base, name)

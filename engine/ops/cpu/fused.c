@@ -21,7 +21,9 @@
  * Per layer: RMSNorm (after the residual add) -> quantize -> q/k/v matmul -> bias,
  * per-head q/k RMSNorm (Qwen3), RoPE, KV write -> paged attention -> quantize -> o_proj
  * -> residual add + RMSNorm -> quantize -> gate/up matmul -> SiLU-and-mul -> quantize ->
- * down matmul. The residual stream alternates between two buffers (no copies).
+ * down matmul. The residual stream alternates between two buffers (no copies). With LoRA
+ * adapters in the step (EngFusedModel's lora_* fields), each targeted projection's delta is
+ * added right after it by kernels.c's eng_lora_team, as LoraLinear adds it unfused.
  *
  * Gemma 2/3 (m->gemma): the same phases with Gemma's layer around them. Its norms are
  * x / rms(x) * (1 + w) in fp32 (kernels.c's gemma_norm_row), four a layer: the attention
@@ -50,6 +52,11 @@ void eng_gemma_add_norm_row_f32(void *, const void *, const float *, void *, con
 void eng_gemma_add_norm_row_bf16(void *, const void *, const float *, void *, const float *, int64_t, float);
 void eng_kv_write_i8_token(int, const void *, int64_t, int64_t, int64_t, int8_t *, float *, int64_t);
 int64_t eng_decode_split(int64_t, int64_t, int);
+int eng_lora_check(int, int, int64_t, int64_t, int64_t, const int32_t *, const int32_t *, const int32_t *, int64_t,
+                   int64_t, const int64_t *, int);
+void eng_lora_team(int, int, void *, const void *, int64_t, int64_t, int64_t, const void *, const void *,
+                   const int32_t *, const int32_t *, const int32_t *, int64_t, int64_t, const int64_t *, int, float *,
+                   uint32_t *);
 /* One (row, KV head) attention item over query heads j0 .. j0 + nj - 1 of the group. */
 typedef void eng_decode_item_t(void *out, const void *q, int64_t qs, const void *kc, const void *vc,
                                const float *ksc, const float *vsc, const int32_t *bt, int64_t bts,
@@ -119,6 +126,46 @@ static void linear(const EngFusedModel *m, const EngQLinear *l, const void *src,
         eng_q_team_matmul(l->parts, l->nparts, l->K, m->dtype, out, l->N, m->xq, m->dx, m->xs, T);
 }
 
+/* out [T, N] += this step's LoRA deltas of projection p over src [T, K] (kernels.c's
+ * eng_lora_team, its phases shared out like the step's), after the base matmul and its
+ * bias, as LoraLinear adds them. Every thread of the region calls it. */
+static void lora(const EngFusedModel *m, const EngLoraProj *p, const void *src, void *out, int64_t K, int64_t N) {
+    if (!m->lora_groups || !p->a)
+        return;
+    eng_lora_team(m->dtype, p->wdtype, out, src, K, N, p->R, p->a, p->b, m->lora_order, m->lora_bounds,
+                  m->lora_slots, m->lora_groups, p->nslices, p->cols, p->pairs, m->lora_tmp, m->lora_tp);
+}
+
+/* row[i] += bias[i] for i in [i0, i1), in the activation dtype (bf16 rounded to nearest
+ * even, as torch's add). */
+static void add_bias(int bf, char *row, const void *bias, int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; i++) {
+        if (bf) {
+            uint16_t *o = (uint16_t *)row;
+            const uint16_t *b = (const uint16_t *)bias;
+            uint32_t ua = (uint32_t)o[i] << 16, ub = (uint32_t)b[i] << 16, us;
+            float fa, fb;
+            memcpy(&fa, &ua, 4), memcpy(&fb, &ub, 4);
+            float sum = fa + fb;
+            memcpy(&us, &sum, 4);
+            o[i] = sum != sum ? (uint16_t)0x7FC0 : (uint16_t)((us + 0x7FFFu + ((us >> 16) & 1u)) >> 16);
+        } else {
+            ((float *)row)[i] += ((const float *)bias)[i];
+        }
+    }
+}
+
+/* The step's LoRA groups against one projection's slots: 0 where they fit, else
+ * eng_lora_check's code (-2: a slot or token out of range). */
+static int lora_ok(const EngFusedModel *m, const EngLoraProj *p, int64_t T, int64_t N) {
+    if (!p->a)
+        return 0;
+    if (p->R > m->lora_max_rank || p->cols[p->nslices] != N)
+        return -1;
+    return eng_lora_check(m->dtype, p->wdtype, T, p->R, p->S, m->lora_order, m->lora_bounds, m->lora_slots,
+                          m->lora_groups, p->nslices, p->cols, p->pairs);
+}
+
 /* Quantize row t of x [T, K] for the next matmul (the buffers hold one row per token). */
 static void quantize(const EngFusedModel *m, const void *x, int64_t K, int64_t t, int es) {
     if (m->quantized)
@@ -161,6 +208,19 @@ int eng_fused_decode(const EngFusedModel *m, EngFusedState *st, int64_t T, void 
     const int bf = m->dtype == 1, es = bf ? 2 : 4;
     const int64_t H = m->hidden, h = m->heads, hkv = m->kv_heads, d = m->head_dim, I = m->inter;
     const int64_t HD = h * d;
+    if (m->lora_groups) { /* every projection's slots against the step's groups, before anything is written */
+        if (m->lora_groups < 0 || !m->lora_tmp || !m->lora_tp)
+            return -1;
+        for (int64_t l = st->layer; l < m->n_layers; l++) {
+            const EngFusedLayer *L = m->layers + l;
+            const int rc[4] = {lora_ok(m, &L->lora_qkv, T, L->qkv.N), lora_ok(m, &L->lora_o, T, H),
+                               L->external_mlp ? 0 : lora_ok(m, &L->lora_gate_up, T, 2 * I),
+                               L->external_mlp ? 0 : lora_ok(m, &L->lora_down, T, H)};
+            for (int i = 0; i < 4; i++)
+                if (rc[i])
+                    return rc[i];
+        }
+    }
     eng_decode_item_t *item = bf ? (m->kv_int8 ? eng_decode_item_bf16_q8 : eng_decode_item_bf16)
                                  : (m->kv_int8 ? eng_decode_item_f32_q8 : eng_decode_item_f32);
     const int64_t group = h / hkv, split = eng_decode_split(T * hkv, group, nthreads), nj = group / split;
@@ -194,6 +254,16 @@ int eng_fused_decode(const EngFusedModel *m, EngFusedState *st, int64_t T, void 
                 R = D, D = s;
             }
             linear(m, &L->qkv, m->x, m->qkv, T);
+            /* With an adapter on q/k/v its delta goes on after a quantized matmul's bias, as
+             * LoraLinear adds it to QuantLinear's output: the bias first, here. */
+            const int lora_qkv = m->lora_groups && L->lora_qkv.a;
+            if (lora_qkv && L->qkv.bias && !L->qkv.dense) {
+#pragma omp for schedule(static)
+                for (int64_t t = 0; t < T; t++)
+                    add_bias(bf, (char *)m->qkv + (size_t)(t * NQ) * es, L->qkv.bias, 0, NQ);
+            }
+            if (lora_qkv)
+                lora(m, &L->lora_qkv, m->x, m->qkv, H, NQ);
             PROF(1);
             /* One stream: q (part 0) and k/v with the cache write (part 1) on two threads. */
 #pragma omp for schedule(static)
@@ -203,22 +273,8 @@ int eng_fused_decode(const EngFusedModel *m, EngFusedState *st, int64_t T, void 
                 if (!do_q && !do_kv)
                     continue;
                 char *row = (char *)m->qkv + (size_t)(t * NQ) * es;
-                if (L->qkv.bias && !L->qkv.dense) { /* a dense matmul added it */
-                    for (int64_t i = do_q ? 0 : HD; i < (do_kv ? NQ : HD); i++) {
-                        if (bf) {
-                            uint16_t *o = (uint16_t *)row;
-                            const uint16_t *b = (const uint16_t *)L->qkv.bias;
-                            uint32_t ua = (uint32_t)o[i] << 16, ub = (uint32_t)b[i] << 16, us;
-                            float fa, fb;
-                            memcpy(&fa, &ua, 4), memcpy(&fb, &ub, 4);
-                            float s = fa + fb;
-                            memcpy(&us, &s, 4);
-                            o[i] = s != s ? (uint16_t)0x7FC0 : (uint16_t)((us + 0x7FFFu + ((us >> 16) & 1u)) >> 16);
-                        } else {
-                            ((float *)row)[i] += ((const float *)L->qkv.bias)[i];
-                        }
-                    }
-                }
+                if (L->qkv.bias && !L->qkv.dense && !lora_qkv) /* a dense matmul added it */
+                    add_bias(bf, row, L->qkv.bias, do_q ? 0 : HD, do_kv ? NQ : HD);
                 if (L->q_norm) {
                     for (int64_t j = 0; do_q && j < h; j++)
                         head_norm(m, row + j * d * es, L->q_norm);
@@ -264,6 +320,7 @@ int eng_fused_decode(const EngFusedModel *m, EngFusedState *st, int64_t T, void 
             }
             PROF(4);
             linear(m, &L->o, m->attn, D, T);
+            lora(m, &L->lora_o, m->attn, D, HD, H);
             PROF(5);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
@@ -284,6 +341,7 @@ int eng_fused_decode(const EngFusedModel *m, EngFusedState *st, int64_t T, void 
                 break;
             }
             linear(m, &L->gate_up, m->x, m->gate_up, T);
+            lora(m, &L->lora_gate_up, m->x, m->gate_up, H, 2 * I);
             PROF(7);
 #pragma omp for schedule(static)
             for (int64_t it = 0; it < T * S; it++) {
@@ -300,6 +358,7 @@ int eng_fused_decode(const EngFusedModel *m, EngFusedState *st, int64_t T, void 
             }
             PROF(8);
             linear(m, &L->down, m->act, D, T);
+            lora(m, &L->lora_down, m->act, D, I, H);
             PROF(9);
         }
         if (stop < 0) {

@@ -26,6 +26,17 @@ typedef struct {
     const void *dense; /* NULL for quantized parts */
 } EngQLinear;
 
+/* One projection's LoRA adapter slots (engine/models/layers/lora.py's pools): A [S, R, K]
+ * and B transposed [S, R, N] (or as row pairs [S, R / 2, N, 2], pairs = 1), R the slices'
+ * padded ranks side by side, B block diagonal over the nslices column bounds `cols`. wdtype
+ * as the activations' codes (0 fp32, 1 bf16). a NULL: the projection has no slots. */
+typedef struct {
+    const void *a, *b;
+    int64_t R, S, nslices;
+    const int64_t *cols;
+    int wdtype, pairs;
+} EngLoraProj;
+
 typedef struct {
     /* Llama: input_norm before attention, post_norm before the MLP, in the activation dtype.
      * Gemma: input_norm and post_norm around attention, pre_ffn_norm and post_ffn_norm
@@ -38,6 +49,7 @@ typedef struct {
     float *k_scale, *v_scale;  /* int8 cache: [num_blocks, block_size, kv_heads]; else NULL */
     const void *rope;          /* [max_pos, d] cos | sin in the activation dtype */
     int64_t max_pos, window;
+    EngLoraProj lora_qkv, lora_o, lora_gate_up, lora_down; /* a NULL where LoRA is not enabled */
 } EngFusedLayer;
 
 typedef struct {
@@ -54,6 +66,13 @@ typedef struct {
     const void *rope_step;
     int64_t rope_step_rows;
     const void *final_norm;
+    /* Set per call: the step's LoRA groups (LoraSegments' order, group bounds and slots,
+     * lora_groups 0 for none), and scratch for the shrunk rows (max_tokens * lora_max_rank
+     * floats, and as many bf16 halves). A slot must be below every pool's S. */
+    const int32_t *lora_order, *lora_bounds, *lora_slots;
+    int64_t lora_groups, lora_max_rank;
+    float *lora_tmp;
+    uint32_t *lora_tp;
     /* scratch, in the activation dtype unless said: each sized for max_tokens rows */
     void *delta, *x, *qkv, *attn, *gate_up, *act; /* [T, hidden], [T, hidden], [T, qkv.N], [T, H*d], [T, 2I], [T, I] */
     int8_t *xq;   /* [T, max K] */

@@ -19,10 +19,10 @@ import os
 
 import torch
 
-from engine.ops import QuantizedKV
+from engine.ops import LoraSegments, QuantizedKV
 from engine.ops.cpu import CpuKernelError
 from engine.ops.cpu import qmatmul as cq
-from engine.ops.cpu.fused_spec import DenseProjection, FusedModel, QuantProjection
+from engine.ops.cpu.fused_spec import DenseProjection, FusedModel, LoraProjection, QuantProjection
 from engine.ops.cpu.qpack import pointers
 from engine.ops.quant import FORMAT_CODES, QuantizedWeight
 
@@ -84,7 +84,8 @@ def unfusable(model: FusedModel, kv_caches) -> str | None:
     its own table: :meth:`FusedDecode.run`'s ``rope``), Gemma's layer (Gemma 2 with its
     attention soft-cap, Gemma 3 with its q/k norms and local RoPE); every projection
     quantized over CPU panels (GGUF blocks kept) or dense in the activation dtype; fp32 or
-    bf16 activations, a KV cache in the activation dtype or int8, sliding windows. Not
+    bf16 activations, a KV cache in the activation dtype or int8, sliding windows, LoRA
+    adapter slots beside the projections (the step's segments given to each run). Not
     covered: tensor parallelism, fp16, fp8 KV, partial rotary tables. A vision model's
     image embeddings come in prefill steps, which the fused step never runs.
     """
@@ -129,6 +130,13 @@ def unfusable(model: FusedModel, kv_caches) -> str | None:
         norm_dtype = torch.float32 if gemma else dtype
         if any(t is None or t.dtype != norm_dtype or not t.is_contiguous() for t in [*norms, model.final_norm]):
             return "a norm weight is not in the dtype the decoder keeps it in"
+        for lora in _loras(layer):
+            if lora is not None and (
+                lora.a.dtype not in _DTYPES or lora.b.dtype != lora.a.dtype or lora.a.dim() != 3
+                or lora.b.dim() not in (3, 4) or not (lora.a.is_contiguous() and lora.b.is_contiguous())
+                or lora.a.device.type != "cpu"
+            ):
+                return "LoRA slots the C kernel does not take"
         if layer.rope.dtype != dtype or not layer.rope.is_contiguous():
             return "a RoPE table is not in the activation dtype"
         if layer.rope.shape[-1] != d:
@@ -143,6 +151,10 @@ def unfusable(model: FusedModel, kv_caches) -> str | None:
             elif isinstance(c, QuantizedKV) or c.dtype != dtype or not c.is_contiguous() or not c.is_cpu:
                 return "a KV cache is neither the activation dtype nor int8"
     return None
+
+
+def _loras(layer) -> tuple[LoraProjection | None, ...]:
+    return (layer.lora_qkv, layer.lora_o, layer.lora_gate_up, layer.lora_down)
 
 
 def _inter(model: FusedModel) -> int:
@@ -162,6 +174,7 @@ class FusedDecode:
         self.head_dim = d
         inter = _inter(model)
         self._keep: list = []  # every buffer a C pointer points into
+        self._max_rank = 0  # the widest LoRA projection's R (0: no LoRA slots)
         self.quantized = False  # some projection has quantized parts
         self.dense = False  # some projection is dense (steps up to cq.DENSE_MAX_ROWS rows)
         n = len(model.layers)
@@ -179,6 +192,9 @@ class FusedDecode:
                 if lin is not None:
                     self._linear(getattr(L, field), lin)
             L.external_mlp = int(layer.external_mlp is not None)
+            for field, lora in zip(("lora_qkv", "lora_o", "lora_gate_up", "lora_down"), _loras(layer), strict=True):
+                if lora is not None:
+                    self._lora(getattr(L, field), lora)
             if int8:
                 L.k_cache, L.v_cache = _ptr(kc.data), _ptr(vc.data)
                 L.k_scale, L.v_scale = _ptr(kc.scale, "float *"), _ptr(vc.scale, "float *")
@@ -199,6 +215,10 @@ class FusedDecode:
             "xq": torch.empty(T, max_k, dtype=torch.int8), "dx": torch.empty(T, max_k // 32),
             "xs": torch.empty(T, max_k // 16),
         }
+        # The shrunk rows of a LoRA projection (fp32, and as bf16 pairs), for the widest one.
+        rank = max(self._max_rank, 2)
+        bufs["lora_tmp"] = torch.empty(T * rank, dtype=torch.float32)
+        bufs["lora_tp"] = torch.empty(T * rank // 2 + 1, dtype=torch.int32)
         self._keep += list(bufs.values()) + [model.final_norm]
         self._x, self._delta = bufs["x"], bufs["delta"]
         # The sparse layers' MLPs, by layer index (run in torch between C calls).
@@ -214,12 +234,26 @@ class FusedDecode:
         for name in ("delta", "x", "qkv", "attn", "gate_up", "act"):
             setattr(m, name, _ptr(bufs[name]))
         m.xq, m.dx, m.xs = _ptr(bufs["xq"], "int8_t *"), _ptr(bufs["dx"], "float *"), _ptr(bufs["xs"], "float *")
+        m.lora_tmp, m.lora_tp = _ptr(bufs["lora_tmp"], "float *"), _ptr(bufs["lora_tp"], "uint32_t *")
+        m.lora_max_rank, m.lora_groups = rank, 0
+        self._segments = None  # the last step's LoRA segments (their tensors, which m points into)
         # The unfused path attends a request's query rows one by one with the decode kernel
         # only up to the op set's rowwise_max_query_len (read each step: tests change it);
         # past it they take the padded prefill attention, which the fused step does not run.
         self._ops = model.ops
         self.steps = 0  # fused steps run (tests check the fused path was taken)
         self.chunk_steps = 0  # of which steps with a request of several query rows
+
+    def _lora(self, dst, lora: LoraProjection) -> None:
+        a, b = lora.a, lora.b
+        r, n = a.shape[1], b.shape[2]
+        bounds = lora.bounds if len(lora.bounds) >= 2 and r % (len(lora.bounds) - 1) == 0 else (0, n)
+        cols = _ffi.new("int64_t[]", bounds)
+        dst.a, dst.b, dst.cols = _ptr(a), _ptr(b), cols
+        dst.R, dst.S, dst.nslices = r, a.shape[0], len(bounds) - 1
+        dst.wdtype, dst.pairs = _DTYPES[a.dtype], int(b.dim() == 4)
+        self._keep += [a, b, cols]
+        self._max_rank = max(self._max_rank, r)
 
     def _linear(self, dst, lin: DenseProjection | QuantProjection) -> None:
         if isinstance(lin, DenseProjection):
@@ -243,7 +277,8 @@ class FusedDecode:
             self._keep.append(lin.bias)
 
     def run(
-        self, hidden: torch.Tensor, positions: torch.Tensor, meta, *, rope: torch.Tensor | None = None
+        self, hidden: torch.Tensor, positions: torch.Tensor, meta, *, rope: torch.Tensor | None = None,
+        lora: LoraSegments | None = None,
     ) -> torch.Tensor | None:
         """The final normed hidden states [T, hidden] of one step (writes its K/V), or None
         where the step's inputs are not the fused step's (the caller runs the unfused path).
@@ -257,7 +292,11 @@ class FusedDecode:
         with ``q`` query tokens and ``s`` tokens of context sees its request's table and
         ``s - q + i + 1`` keys. The C step writes every row's K/V before any row attends,
         so each row sees the rows before it in its chunk, and is the decode step of its
-        position bit for bit."""
+        position bit for bit.
+
+        ``lora``: the step's adapter segments (None or inactive: no adapter token); each
+        targeted projection's delta is added after it, as the unfused path's LoraLinear
+        does, bit for bit."""
         t = hidden.shape[0]
         bt, lens, slots = meta.block_tables, meta.seq_lens, meta.slot_mapping
         if t > MAX_TOKENS:
@@ -283,6 +322,15 @@ class FusedDecode:
             self._rope_step = rope  # alive for the call
         else:
             return None
+        m = self.model
+        if lora is not None and lora.active:
+            if not self._max_rank or lora.order.device.type != "cpu":
+                return None  # no slots described (planned before --enable-lora), or not on the CPU
+            m.lora_order, m.lora_bounds = _ptr(lora.order, "int32_t *"), _ptr(lora.group_bounds, "int32_t *")
+            m.lora_slots, m.lora_groups = _ptr(lora.group_slots, "int32_t *"), len(lora.groups)
+            self._segments = lora  # alive for the call
+        else:
+            m.lora_groups = 0
         out = torch.empty_like(hidden)
         st = self._state
         st.R, st.D, st.layer = _ptr(hidden), _ptr(self._delta), 0

@@ -14,6 +14,7 @@ copies): the step points into them.
         qkv, o, gate_up, down       DenseProjection | QuantProjection (None: no dense MLP)
         rope, window                the layer's cos|sin table, its sliding window (0: none)
         external_mlp                a sparse (MoE) MLP the step stops before and calls
+        lora_qkv, lora_o, ...       LoraProjection | None: adapter slots beside a projection
 """
 
 from __future__ import annotations
@@ -63,6 +64,17 @@ class QuantProjection:
 Projection = DenseProjection | QuantProjection
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoraProjection:
+    """A projection's LoRA adapter slots (engine/models/layers/lora.py's pools): ``a``
+    [S, R, in] and ``b`` [S, R, out] (B transposed) or as row pairs [S, R / 2, out, 2];
+    ``bounds`` the fused slices' output columns, where ``b`` is block diagonal."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    bounds: tuple[int, ...]
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class FusedLayer:
     """One decoder layer's weights, as the fused step reads them."""
@@ -82,6 +94,12 @@ class FusedLayer:
     # A sparse (mixture-of-experts) layer's MLP: ``x [T, hidden] -> out [T, hidden]``, run
     # between two C calls; None: the dense gate_up/down MLP runs inside the step.
     external_mlp: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # With --enable-lora, each targeted projection's adapter slots (None: not targeted),
+    # whose deltas the step adds after the projection for the tokens of an adapter.
+    lora_qkv: LoraProjection | None = None
+    lora_o: LoraProjection | None = None
+    lora_gate_up: LoraProjection | None = None
+    lora_down: LoraProjection | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -108,4 +126,4 @@ class FusedModel:
     layers: tuple[FusedLayer, ...]
 
 
-__all__ = ["DenseProjection", "FusedLayer", "FusedModel", "Projection", "QuantProjection"]
+__all__ = ["DenseProjection", "FusedLayer", "FusedModel", "LoraProjection", "Projection", "QuantProjection"]

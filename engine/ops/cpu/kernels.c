@@ -1328,6 +1328,118 @@ int eng_lora_pairs(void) {
 #endif
 }
 
+/* Whether the bf16 dot-product expand runs for these dtypes, rank and slices: it takes
+ * the shrunk rows as bf16 pairs (lora_team's tp) and, with b_pairs, B as row pairs. */
+static int lora_dp(int dtype, int wdtype, int64_t R, int64_t nslices) {
+#if HAVE_ATTN_AVX512
+    return attn_avx512() && R <= LORA_LIVE_MAX && dtype == DT_BF16 && wdtype == DT_BF16 && lora_has_bf16dp()
+           && R % (2 * nslices) == 0;
+#else
+    (void)dtype, (void)wdtype, (void)R, (void)nslices;
+    return 0;
+#endif
+}
+
+/* The arguments eng_lora_sgmv documents, checked: 0, -1 (not taken) or -2 (out of range). */
+static int lora_check(int dtype, int wdtype, int64_t T, int64_t R, int64_t S, const int32_t *order,
+                      const int32_t *bounds, const int32_t *gslots, int64_t G, int64_t nslices,
+                      const int64_t *slice_cols, int b_pairs) {
+    if ((dtype != DT_F32 && dtype != DT_BF16) || (wdtype != DT_F32 && wdtype != DT_BF16) || R < 1
+        || nslices < 1 || R % nslices != 0 || slice_cols[0] != 0 || G < 0 || (G > 0 && bounds[0] != 0))
+        return -1;
+    if (b_pairs && !lora_dp(dtype, wdtype, R, nslices)) /* row pairs are the dot-product expand's layout only */
+        return -1;
+    for (int64_t j = 0; j < nslices; j++)
+        if (slice_cols[j] > slice_cols[j + 1])
+            return -1;
+    for (int64_t g = 0; g < G; g++)
+        if (bounds[g] > bounds[g + 1] || gslots[g] < 0 || gslots[g] >= S)
+            return -2;
+    const int64_t M = G > 0 ? bounds[G] : 0;
+    for (int64_t i = 0; i < M; i++)
+        if (order[i] < 0 || order[i] >= T)
+            return -2;
+    return 0;
+}
+
+/* lora_check for other translation units (fused.c). */
+int eng_lora_check(int dtype, int wdtype, int64_t T, int64_t R, int64_t S, const int32_t *order,
+                   const int32_t *bounds, const int32_t *gslots, int64_t G, int64_t nslices, const int64_t *slice_cols,
+                   int b_pairs) {
+    return lora_check(dtype, wdtype, T, R, S, order, bounds, gslots, G, nslices, slice_cols, b_pairs);
+}
+
+/* eng_lora_sgmv's two phases as worksharing loops: called by every thread of a parallel
+ * region (the fused decode step's, or eng_lora_sgmv's own), or by one thread outside any.
+ * tmp: M * R floats; tp: M * R / 2 words where lora_dp() holds (else unused). The
+ * arguments are lora_check's, already checked. */
+void eng_lora_team(int dtype, int wdtype, void *out, const void *x, int64_t K, int64_t N, int64_t R,
+                   const void *a, const void *b, const int32_t *order, const int32_t *bounds, const int32_t *gslots,
+                   int64_t G, int64_t nslices, const int64_t *slice_cols, int b_pairs, float *tmp, uint32_t *tp) {
+    void (*shrink)(float *, const void *, const void *, int64_t, const int32_t *, int64_t, int64_t, int64_t,
+                   int64_t, int64_t) =
+        dtype == DT_F32 ? (wdtype == DT_F32 ? eng_lora_shrink_ff : eng_lora_shrink_fb)
+                        : (wdtype == DT_F32 ? eng_lora_shrink_bf : eng_lora_shrink_bb);
+    void (*expand)(void *, const float *, const void *, int64_t, const int32_t *, int64_t, int64_t, int64_t,
+                   int64_t, int64_t, int64_t, const int64_t *) =
+        dtype == DT_F32 ? (wdtype == DT_F32 ? eng_lora_expand_ff : eng_lora_expand_fb)
+                        : (wdtype == DT_F32 ? eng_lora_expand_bf : eng_lora_expand_bb);
+    const int dp = lora_dp(dtype, wdtype, R, nslices);
+    if (!dp)
+        tp = NULL;
+#if HAVE_ATTN_AVX512
+    if (attn_avx512() && R <= LORA_LIVE_MAX) {
+        expand = dtype == DT_F32 ? (wdtype == DT_F32 ? eng_lora_expand512_ff : eng_lora_expand512_fb)
+                                 : (wdtype == DT_F32 ? eng_lora_expand512_bf : eng_lora_expand512_bb);
+        shrink = dtype == DT_F32 ? (wdtype == DT_F32 ? eng_lora_shrink512_ff : eng_lora_shrink512_fb)
+                                 : (wdtype == DT_F32 ? eng_lora_shrink512_bf
+                                                     : lora_has_bf16dp() ? eng_lora_shrink512dp_bb
+                                                                         : eng_lora_shrink512_bb);
+    }
+#endif
+    const int64_t nrb = (R + LORA_RB - 1) / LORA_RB;
+    /* Column tiles: the dot-product expand takes wide ones (a group's rows of B read in long
+     * runs, which the prefetchers follow), as many as keep every thread busy. */
+    int64_t tile = LORA_TILE;
+    if (tp) {
+        const int64_t want = (2 * (int64_t)omp_get_num_threads() + G - 1) / (G > 0 ? G : 1);
+        tile = ((N + want - 1) / want + 63) / 64 * 64;
+        if (tile < LORA_TILE)
+            tile = LORA_TILE;
+    }
+    const int64_t ntile = (N + tile - 1) / tile;
+    /* dynamic: groups differ in size (a prefill's hundreds of tokens beside decodes' one). */
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < G * nrb; it++) {
+        const int64_t g = it / nrb, r0 = it % nrb * LORA_RB, r1 = r0 + LORA_RB < R ? r0 + LORA_RB : R;
+        const int64_t s = bounds[g], e = bounds[g + 1];
+        if (e <= s)
+            continue;
+        shrink(tmp + s * R, x, a, (int64_t)gslots[g] * R * K, order + s, e - s, K, R, r0, r1);
+        if (tp) /* the item's rows as bf16 pairs too (r0 and R are even): no pass of its own */
+            for (int64_t i = s; i < e; i++)
+                for (int64_t r = r0; r < r1; r += 2)
+                    tp[(i * R + r) / 2] = (uint32_t)f32_to_bf16(tmp[i * R + r])
+                                          | (uint32_t)f32_to_bf16(tmp[i * R + r + 1]) << 16;
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < G * ntile; it++) {
+        const int64_t g = it / ntile, n0 = it % ntile * tile;
+        const int64_t w = N - n0 < tile ? N - n0 : tile;
+        const int64_t s = bounds[g], e = bounds[g + 1];
+        if (e <= s)
+            continue;
+#if HAVE_ATTN_AVX512
+        if (tp) {
+            eng_lora_expand512dp_bb(out, tp + s * R / 2, b, (int64_t)gslots[g] * R * N, order + s, e - s, N, R, n0,
+                                    w, nslices, slice_cols, b_pairs);
+            continue;
+        }
+#endif
+        expand(out, tmp + s * R, b, (int64_t)gslots[g] * R * N, order + s, e - s, N, R, n0, w, nslices, slice_cols);
+    }
+}
+
 /* out[t] += (A[s] @ x[t]) @ Bt[s] for every token t = order[i] of group g (i in
  * bounds[g] .. bounds[g + 1], s = gslots[g]); tokens in no group (the base model's) are
  * left as they are. x [T, K] and out [T, N] contiguous, A [S, R, K] and Bt [S, R, N]
@@ -1342,100 +1454,21 @@ int eng_lora_sgmv(int dtype, int wdtype, void *out, const void *x, int64_t T, in
                   int64_t S, const void *a, const void *b, const int32_t *order, const int32_t *bounds,
                   const int32_t *gslots, int64_t G, int64_t nslices, const int64_t *slice_cols, int b_pairs,
                   int nthreads) {
-    if ((dtype != DT_F32 && dtype != DT_BF16) || (wdtype != DT_F32 && wdtype != DT_BF16) || R < 1
-        || nslices < 1 || R % nslices != 0 || slice_cols[0] != 0 || slice_cols[nslices] != N || G < 0
-        || (G > 0 && bounds[0] != 0))
-        return -1;
-    for (int64_t j = 0; j < nslices; j++)
-        if (slice_cols[j] > slice_cols[j + 1])
-            return -1;
-    for (int64_t g = 0; g < G; g++)
-        if (bounds[g] > bounds[g + 1] || gslots[g] < 0 || gslots[g] >= S)
-            return -2;
+    const int rc = lora_check(dtype, wdtype, T, R, S, order, bounds, gslots, G, nslices, slice_cols, b_pairs);
+    if (rc || slice_cols[nslices] != N)
+        return rc ? rc : -1;
     const int64_t M = G > 0 ? bounds[G] : 0;
-    for (int64_t i = 0; i < M; i++)
-        if (order[i] < 0 || order[i] >= T)
-            return -2;
     if (M == 0)
         return 0;
     float *tmp = malloc((size_t)(M * R) * sizeof(float)); /* shrunk rows, in order's order */
-    if (!tmp)
-        return -1;
-    uint32_t *tp = NULL; /* the same rows as bf16 pairs, for the dot-product expand */
-    void (*shrink)(float *, const void *, const void *, int64_t, const int32_t *, int64_t, int64_t, int64_t,
-                   int64_t, int64_t) =
-        dtype == DT_F32 ? (wdtype == DT_F32 ? eng_lora_shrink_ff : eng_lora_shrink_fb)
-                        : (wdtype == DT_F32 ? eng_lora_shrink_bf : eng_lora_shrink_bb);
-    void (*expand)(void *, const float *, const void *, int64_t, const int32_t *, int64_t, int64_t, int64_t,
-                   int64_t, int64_t, int64_t, const int64_t *) =
-        dtype == DT_F32 ? (wdtype == DT_F32 ? eng_lora_expand_ff : eng_lora_expand_fb)
-                        : (wdtype == DT_F32 ? eng_lora_expand_bf : eng_lora_expand_bb);
-#if HAVE_ATTN_AVX512
-    if (attn_avx512() && R <= LORA_LIVE_MAX) {
-        expand = dtype == DT_F32 ? (wdtype == DT_F32 ? eng_lora_expand512_ff : eng_lora_expand512_fb)
-                                 : (wdtype == DT_F32 ? eng_lora_expand512_bf : eng_lora_expand512_bb);
-        shrink = dtype == DT_F32 ? (wdtype == DT_F32 ? eng_lora_shrink512_ff : eng_lora_shrink512_fb)
-                                 : (wdtype == DT_F32 ? eng_lora_shrink512_bf
-                                                     : lora_has_bf16dp() ? eng_lora_shrink512dp_bb
-                                                                         : eng_lora_shrink512_bb);
-        if (dtype == DT_BF16 && wdtype == DT_BF16 && lora_has_bf16dp() && R % (2 * nslices) == 0) {
-            tp = malloc((size_t)(M * R / 2) * sizeof(uint32_t));
-            if (!tp) {
-                free(tmp);
-                return -1;
-            }
-        }
-    }
-#endif
-    if (b_pairs && !tp) { /* row pairs are the dot-product expand's layout only */
-        free(tmp);
+    uint32_t *tp = lora_dp(dtype, wdtype, R, nslices) ? malloc((size_t)(M * R / 2) * sizeof(uint32_t)) : NULL;
+    if (!tmp || (lora_dp(dtype, wdtype, R, nslices) && !tp)) {
+        free(tmp), free(tp);
         return -1;
     }
-    const int64_t nrb = (R + LORA_RB - 1) / LORA_RB;
-    /* Column tiles: the dot-product expand takes wide ones (a group's rows of B read in long
-     * runs, which the prefetchers follow), as many as keep every thread busy. */
-    int64_t tile = LORA_TILE;
-    if (tp) {
-        const int64_t want = (2 * (int64_t)nthreads + G - 1) / (G > 0 ? G : 1);
-        tile = ((N + want - 1) / want + 63) / 64 * 64;
-        if (tile < LORA_TILE)
-            tile = LORA_TILE;
-    }
-    const int64_t ntile = (N + tile - 1) / tile;
-    /* dynamic: groups differ in size (a prefill's hundreds of tokens beside decodes' one). */
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && M * R * (K + N) >= PARALLEL_MIN_WORK)
-    {
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < G * nrb; it++) {
-            const int64_t g = it / nrb, r0 = it % nrb * LORA_RB, r1 = r0 + LORA_RB < R ? r0 + LORA_RB : R;
-            const int64_t s = bounds[g], e = bounds[g + 1];
-            if (e <= s)
-                continue;
-            shrink(tmp + s * R, x, a, (int64_t)gslots[g] * R * K, order + s, e - s, K, R, r0, r1);
-            if (tp) /* the item's rows as bf16 pairs too (r0 and R are even): no pass of its own */
-                for (int64_t i = s; i < e; i++)
-                    for (int64_t r = r0; r < r1; r += 2)
-                        tp[(i * R + r) / 2] = (uint32_t)f32_to_bf16(tmp[i * R + r])
-                                              | (uint32_t)f32_to_bf16(tmp[i * R + r + 1]) << 16;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < G * ntile; it++) {
-            const int64_t g = it / ntile, n0 = it % ntile * tile;
-            const int64_t w = N - n0 < tile ? N - n0 : tile;
-            const int64_t s = bounds[g], e = bounds[g + 1];
-            if (e <= s)
-                continue;
-#if HAVE_ATTN_AVX512
-            if (tp) {
-                eng_lora_expand512dp_bb(out, tp + s * R / 2, b, (int64_t)gslots[g] * R * N, order + s, e - s, N, R,
-                                        n0, w, nslices, slice_cols, b_pairs);
-                continue;
-            }
-#endif
-            expand(out, tmp + s * R, b, (int64_t)gslots[g] * R * N, order + s, e - s, N, R, n0, w, nslices,
-                   slice_cols);
-        }
-    }
+    eng_lora_team(dtype, wdtype, out, x, K, N, R, a, b, order, bounds, gslots, G, nslices, slice_cols, b_pairs, tmp,
+                  tp);
     free(tp);
     free(tmp);
     return 0;
