@@ -433,8 +433,9 @@ def test_a_gguf_base_with_an_adapter_matches_peft_on_the_dequantized_model(tmp_p
 
 # The fused CPU decode step with adapters: dense fp32, a GGUF base in bf16 whose q/k/v carry
 # biases (the adapter's delta goes on after the quantized matmul's bias, as LoraLinear adds
-# it to QuantLinear's output), and Gemma 2's layer.
-FUSED_CASES = [("llama", "dense", "float32"), ("qwen2", "Q4_1", "bfloat16"), ("gemma2", "Q8_0", "bfloat16")]
+# it to QuantLinear's output), Gemma 2's layer, and a MoE whose sparse MLPs run between C calls.
+FUSED_CASES = [("llama", "dense", "float32"), ("qwen2", "Q4_1", "bfloat16"), ("gemma2", "Q8_0", "bfloat16"),
+               ("qwen2_moe", "dense", "float32")]
 
 
 @pytest.mark.parametrize(("arch", "quant", "dtype"), FUSED_CASES, ids=["-".join(c) for c in FUSED_CASES])
