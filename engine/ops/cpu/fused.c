@@ -211,6 +211,8 @@ int eng_fused_decode(const EngFusedModel *m, EngFusedState *st, int64_t T, void 
     if (m->lora_groups) { /* every projection's slots against the step's groups, before anything is written */
         if (m->lora_groups < 0 || !m->lora_tmp || !m->lora_tp)
             return -1;
+        if (m->lora_bounds[m->lora_groups] > T) /* more adapter rows than the step's: the scratch holds T */
+            return -2;
         for (int64_t l = st->layer; l < m->n_layers; l++) {
             const EngFusedLayer *L = m->layers + l;
             const int rc[4] = {lora_ok(m, &L->lora_qkv, T, L->qkv.N), lora_ok(m, &L->lora_o, T, H),

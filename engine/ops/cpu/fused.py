@@ -346,7 +346,8 @@ class FusedDecode:
         if status == -1:
             return None
         if status:
-            raise CpuKernelError("fused decode: a position, slot, sequence length or block id is out of range")
+            raise CpuKernelError("fused decode: a position, slot, sequence length, block id or LoRA group is out "
+                                 "of range")
         self.steps += 1
         self.chunk_steps += chunked
         return out
