@@ -59,6 +59,13 @@ class CpuKernelError(RuntimeError):
     """A C kernel refused its arguments (a position or block id out of range)."""
 
 
+def lora_slice_bounds(slices: tuple[int, ...], rank: int, out_features: int) -> tuple[int, ...]:
+    """The output-column bounds of a fused projection's slices, where its B is block
+    diagonal and the kernels read only the blocks: ``slices`` when they cut the rank rows
+    evenly, else the whole width as one slice."""
+    return slices if len(slices) >= 2 and rank % (len(slices) - 1) == 0 else (0, out_features)
+
+
 class _LoraStep:
     """A step's :class:`LoraSegments` as ``eng_lora_sgmv`` takes them (``order`` None where
     they are not on the CPU), and the thread count of the step."""
@@ -95,7 +102,7 @@ class _LoraPool:
         self.k, self.n, self.r, self.s = a.shape[2], b.shape[2], a.shape[1], a.shape[0]
         self.wcode, self.pairs = wcode, int(pairs)
         # A fused projection's slices: B is block diagonal and the kernels read only its blocks.
-        bounds = slices if len(slices) >= 2 and self.r % (len(slices) - 1) == 0 else (0, self.n)
+        bounds = lora_slice_bounds(slices, self.r, self.n)
         self.cols, self.nslices = _ffi.new("int64_t[]", bounds), len(bounds) - 1
 
 

@@ -20,7 +20,7 @@ import os
 import torch
 
 from engine.ops import LoraSegments, QuantizedKV
-from engine.ops.cpu import CpuKernelError
+from engine.ops.cpu import CpuKernelError, lora_slice_bounds
 from engine.ops.cpu import qmatmul as cq
 from engine.ops.cpu.fused_spec import DenseProjection, FusedModel, LoraProjection, QuantProjection
 from engine.ops.cpu.qpack import pointers
@@ -247,7 +247,7 @@ class FusedDecode:
     def _lora(self, dst, lora: LoraProjection) -> None:
         a, b = lora.a, lora.b
         r, n = a.shape[1], b.shape[2]
-        bounds = lora.bounds if len(lora.bounds) >= 2 and r % (len(lora.bounds) - 1) == 0 else (0, n)
+        bounds = lora_slice_bounds(lora.bounds, r, n)
         cols = _ffi.new("int64_t[]", bounds)
         dst.a, dst.b, dst.cols = _ptr(a), _ptr(b), cols
         dst.R, dst.S, dst.nslices = r, a.shape[0], len(bounds) - 1
