@@ -295,6 +295,46 @@ def test_a_mixed_step_sends_its_one_token_rows_through_the_kernel() -> None:
         assert torch.equal(got[row : row + 1], alone)
 
 
+# --- an encoder's attention (BERT) ----------------------------------------------------------
+
+ENC_LENS = (25, 1, 16, 17, 300, 7)  # one row, whole vectors of 16 and one past, a long one
+
+
+@pytest.mark.parametrize("heads,dim", [(12, 32), (4, 64), (3, 20)])  # 20: a head past whole vectors
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_encoder_attention_matches_the_reference(dtype: torch.dtype, heads: int, dim: int, threads: int) -> None:
+    qkv = _rand(sum(ENC_LENS), 3 * heads * dim, seed=60, dtype=dtype)
+    got = CpuOps().encoder_attention(qkv, ENC_LENS, heads, dim)
+    assert got.shape == (sum(ENC_LENS), heads * dim) and got.dtype == dtype
+    torch.testing.assert_close(got, TorchOps().encoder_attention(qkv, ENC_LENS, heads, dim), **TOL[dtype])
+
+
+def test_an_encoder_sequence_gets_the_same_rows_alone_as_in_its_batch() -> None:
+    qkv = _rand(sum(ENC_LENS), 3 * 6 * 32, seed=61)
+    ops = CpuOps()
+    together = ops.encoder_attention(qkv, ENC_LENS, 6, 32)
+    start = 0
+    for n in ENC_LENS:
+        alone = ops.encoder_attention(qkv[start:start + n].contiguous(), (n,), 6, 32)
+        assert torch.equal(together[start:start + n], alone)
+        start += n
+
+
+def test_encoder_attention_refuses_lengths_that_do_not_cover_the_rows() -> None:
+    qkv = _rand(10, 3 * 2 * 16, seed=62)
+    with pytest.raises(ValueError, match="cover"):
+        CpuOps().encoder_attention(qkv, (4, 5), 2, 16)
+    with pytest.raises(ValueError, match="row"):
+        CpuOps().encoder_attention(qkv, (10, 0), 2, 16)
+
+
+def test_a_strided_qkv_takes_the_reference_path() -> None:
+    wide = _rand(20, 4 * 2 * 16, seed=63)
+    qkv = wide[:, : 3 * 2 * 16]  # rows 128 apart, 96 wide: not a plain array
+    assert torch.equal(CpuOps().encoder_attention(qkv, (12, 8), 2, 16),
+                       TorchOps().encoder_attention(qkv, (12, 8), 2, 16))
+
+
 # --- greedy sampling ----------------------------------------------------------------------
 
 

@@ -5,13 +5,15 @@ Unlike the decoders, every token attends to every token of its own sequence, so 
 sequence's hidden states depend on all of it: a prompt cannot be split over steps, and
 nothing is kept between steps (no KV cache). A step's flat varlen batch (the runner's
 layout: sequences back to back, ``[T, H]`` with T the sum of lengths) stays flat: the
-matmuls run on all its rows, and attention runs sequence by sequence on each one's rows
-of the fused q/k/v, unpadded and unmasked. Padding the batch to ``[B, L]`` with a key
-mask, as transformers does, cost 2.5x as much at 32 sentences of 10-59 tokens (torch's
-CPU flash kernel with a mask, plus the scatter into and gather out of the padded rows):
-one SDPA call per sequence is cheap at these lengths, and does no work on padding.
-The GELU and the residual adds run in the matmuls' epilogues (:meth:`Linear.gelu`,
-:meth:`Linear.add`); the small ops run on one intra-op thread (:func:`_one_thread`).
+matmuls run on all its rows, and attention (:meth:`Ops.encoder_attention`) runs each
+sequence over its own rows of the fused q/k/v, unpadded and unmasked: one C call for the
+whole batch on CPU, one SDPA call per sequence in the torch reference. Padding the batch
+to ``[B, L]`` with a key mask, as transformers does, cost 2.5x as much as the SDPA loop at
+32 sentences of 10-59 tokens (torch's CPU flash kernel with a mask, plus the scatter into
+and gather out of the padded rows); the C kernel then took the loop's 60 us a sequence
+per layer, mostly dispatch, down to a few. The GELU and the residual adds run in the
+matmuls' epilogues (:meth:`Linear.gelu`, :meth:`Linear.add`); the small ops run on one
+intra-op thread (:func:`engine.ops.reference.one_intra_op_thread`).
 
 Token types (segment A / B of a pair) are not sent by the runner: a pair is tokenized as
 ``[CLS] A [SEP] B [SEP]``, so a token is of type 1 iff a ``[SEP]`` comes before it in its
@@ -21,9 +23,7 @@ all their tokens are type 0, as the tokenizer would say.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from engine.models.config import ModelConfig
 from engine.models.layers.linear import Linear
 from engine.models.layers.shard import ShardedWeights
 from engine.ops import AttentionMetadata, Ops
+from engine.ops.reference import one_intra_op_thread
 
 
 @dataclasses.dataclass(slots=True)
@@ -131,16 +132,16 @@ class BertModel:
         """The last hidden states [T, hidden] of whole sequences (each starts at 0)."""
         lens = meta.query_lens_host
         width = (self.word.shape[1],)
-        with _one_thread(input_ids):
+        with one_intra_op_thread(input_ids):
             types = self._token_types(input_ids, meta)
             x = self.word[input_ids] + self.position[positions] + self.token_type[types]
             x = F.layer_norm(x, width, *self.embed_norm, self.eps)
         for layer in self.layers:
             attn = layer.attn_out.add(self._attention(layer, x, lens), x)
-            with _one_thread(x):
+            with one_intra_op_thread(x):
                 x = F.layer_norm(attn, width, *layer.attn_norm, self.eps)
             h = layer.output.add(layer.intermediate.gelu(x), x)
-            with _one_thread(x):
+            with one_intra_op_thread(x):
                 x = F.layer_norm(h, width, *layer.out_norm, self.eps)
         return x
 
@@ -160,46 +161,10 @@ class BertModel:
 
     def _attention(self, layer: _EncoderLayer, x: torch.Tensor, lens: tuple[int, ...]) -> torch.Tensor:
         """Each sequence's bidirectional attention over its own rows, ``[T, hidden]``."""
-        t, hidden = x.shape
-        h, d = self.num_heads, self.head_dim
-        qkv = layer.qkv(x)
-        if len(lens) == 1:
-            q, k, v = qkv.view(1, t, 3, h, d).permute(2, 0, 3, 1, 4)
-            return F.scaled_dot_product_attention(q, k, v).permute(0, 2, 1, 3).reshape(t, hidden)
-        out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
-        start = 0
-        with _one_thread(x):
-            for n, rows in zip(lens, qkv.split(lens), strict=True):
-                q, k, v = rows.view(1, n, 3, h, d).permute(2, 0, 3, 1, 4)
-                o = F.scaled_dot_product_attention(q, k, v)  # [1, h, n, d]
-                out[start:start + n].view(n, h, d).copy_(o[0].transpose(0, 1))
-                start += n
-        return out
+        return self.ops.encoder_attention(layer.qkv(x), lens, self.num_heads, self.head_dim)
 
     @torch.inference_mode()
     def classify(self, first_rows: torch.Tensor) -> torch.Tensor:
         """A cross-encoder's logits [B, num_labels] (fp32) from each sequence's [CLS] row."""
         assert self.pooler is not None and self.classifier is not None  # bert_classifier only
         return self.classifier(torch.tanh(self.pooler(first_rows))).float()
-
-
-@contextlib.contextmanager
-def _one_thread(x: torch.Tensor) -> Iterator[None]:
-    """torch's CPU ops on this thread with one intra-op thread, for everything but the
-    matmuls: the per-sequence attention calls (a few tens of microseconds each), the
-    layer norms and the embedding sums. On two cores shared with the HTTP front end and
-    its clients, every OpenMP parallel region stalls until the other thread gets a core
-    back, and a step has six such small calls per sequence per layer. 512 sentences at 32
-    a step, 2 threads, on a busy 2-core host (docs/benchmarks.md, issue 42): 8-19 s with
-    every op parallel (the padded encoder this replaced: 4.6-15 s), 2.9-5.7 s with these on
-    one thread; only the matmuls, most of the work, gain from a second thread. Nothing
-    changes on another device."""
-    threads = torch.get_num_threads()
-    if x.device.type != "cpu" or threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)

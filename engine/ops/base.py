@@ -247,6 +247,15 @@ class Ops(Protocol):
         (or to its last ``window`` positions); ``window`` and ``softcap`` as in decode."""
         ...
 
+    def encoder_attention(self, qkv: torch.Tensor, lens: tuple[int, ...], num_heads: int,
+                          head_dim: int) -> torch.Tensor:
+        """An encoder layer's attention over a packed batch of whole sequences: ``qkv``
+        ``[T, 3 * num_heads * head_dim]`` (one fused projection's rows, each row's q, k
+        and v heads back to back), sequences of ``lens`` rows back to back; each row
+        attends to every row of its own sequence, both ways, at scale
+        ``head_dim ** -0.5``. Returns ``[T, num_heads * head_dim]``."""
+        ...
+
     def fused_moe(
         self,
         x: torch.Tensor,  # [T, hidden]

@@ -9,7 +9,9 @@ and reused by every layer.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +27,47 @@ from engine.ops.base import (
 from engine.ops.moe import fused_moe_reference
 from engine.ops.sampling_ref import sample as sample_reference
 from engine.structured.bitmask import apply_bitmask
+
+
+@contextlib.contextmanager
+def one_intra_op_thread(x: torch.Tensor) -> Iterator[None]:
+    """torch's CPU ops on this thread with one intra-op thread, for small ops called many
+    times a step (an encoder's per-sequence attention, its layer norms). On two cores
+    shared with the HTTP front end and its clients, every OpenMP parallel region stalls
+    until the other thread gets a core back, and an encoder step has several such calls
+    per sequence per layer. 512 sentences at 32 a step, 2 threads, on a busy 2-core host
+    (docs/benchmarks.md, issue 42): 8-19 s with every op parallel, 2.9-5.7 s with these
+    on one thread; only the matmuls, most of the work, gain from a second thread. Nothing
+    changes on another device."""
+    threads = torch.get_num_threads()
+    if x.device.type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def encoder_attention_reference(qkv: torch.Tensor, lens: tuple[int, ...], num_heads: int,
+                                head_dim: int) -> torch.Tensor:
+    """An encoder layer's attention (see :meth:`engine.ops.Ops.encoder_attention`): one
+    unmasked ``scaled_dot_product_attention`` per sequence on its own rows, unpadded."""
+    t = qkv.shape[0]
+    h, d = num_heads, head_dim
+    if len(lens) == 1:
+        q, k, v = qkv.view(1, t, 3, h, d).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v).permute(0, 2, 1, 3).reshape(t, h * d)
+    out = torch.empty(t, h * d, dtype=qkv.dtype, device=qkv.device)
+    start = 0
+    with one_intra_op_thread(qkv):
+        for n, rows in zip(lens, qkv.split(lens), strict=True):
+            q, k, v = rows.view(1, n, 3, h, d).permute(2, 0, 3, 1, 4)
+            o = F.scaled_dot_product_attention(q, k, v)  # [1, h, n, d]
+            out[start:start + n].view(n, h, d).copy_(o[0].transpose(0, 1))
+            start += n
+    return out
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -178,6 +221,10 @@ class TorchOps:
             self._decode_plan = _decode_gather(block_tables, seq_lens_host, block_size)
             self._decode_key = key
         return _attend_decode(query, k_cache, v_cache, self._decode_plan, scale, window, softcap)
+
+    def encoder_attention(self, qkv: torch.Tensor, lens: tuple[int, ...], num_heads: int,
+                          head_dim: int) -> torch.Tensor:
+        return encoder_attention_reference(qkv, lens, num_heads, head_dim)
 
     def paged_attention_prefill(
         self,

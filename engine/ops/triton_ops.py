@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from engine.ops.base import AttentionMetadata, KVCache, LoraSegments
+from engine.ops.reference import encoder_attention_reference
 from engine.ops.triton import (
     attention_decode,
     attention_prefill,
@@ -84,6 +85,11 @@ class TritonOps:
             query, k_cache, v_cache, block_tables, seq_lens, scale, seq_lens_host,
             window=window, softcap=softcap,
         )
+
+    def encoder_attention(self, qkv: torch.Tensor, lens: tuple[int, ...], num_heads: int,
+                          head_dim: int) -> torch.Tensor:
+        """torch's SDPA per sequence (its flash kernel on CUDA): no Triton kernel of its own."""
+        return encoder_attention_reference(qkv, lens, num_heads, head_dim)
 
     def paged_attention_prefill(
         self,

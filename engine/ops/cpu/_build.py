@@ -41,6 +41,8 @@ int eng_lora_sgmv(int dtype, int wdtype, void *out, const void *x, int64_t T, in
                   const int32_t *gslots, int64_t G, int64_t nslices, const int64_t *slice_cols, int b_pairs,
                   int nthreads);
 int eng_lora_pairs(void);
+int eng_encoder_attention(int dtype, void *out, const void *qkv, const int64_t *starts, int64_t nseq,
+                          int64_t heads, int64_t d, float scale, int nthreads);
 """
 
 # Quantized-weight matmuls (quant.c, a translation unit of its own; see engine/ops/quant.py).

@@ -685,6 +685,246 @@ int eng_paged_decode(int dtype, void *out, const void *q, int64_t q_stride, cons
     return 0;
 }
 
+/* ---- An encoder's attention: each sequence over all of its own rows ------------------- */
+
+/* One (sequence, head) item of eng_encoder_attention: the sequence's n rows as queries
+ * against its n rows as keys, no mask (an encoder attends both ways). K is first copied
+ * transposed and V as it is, into fp32 scratch padded with zeros to whole vectors of 16
+ * (kt [d][np], v [n][dp]), so every inner loop is 16 wide with a fixed trip count. Then,
+ * ENC_QB queries at a time: their scaled scores against 16 keys at a time (each key vector
+ * read once for all of them, ENC_QB independent sums so the FMAs' latency is hidden), each
+ * query's softmax taken whole over its n scores, and their outputs 16 columns at a time as
+ * the weighted sums of V's rows, divided by the weights' sums. qkv rows are [3, heads, d]
+ * (one projection's output), out rows [heads, d]. `scratch` holds ENC_SCRATCH(n, d)
+ * floats. */
+#define ENC_QB 8
+#define ENC_PAD(x) (((x) + 15) / 16 * 16)
+#define ENC_SCRATCH(n, d) (ENC_PAD(n) * ENC_PAD(d) * 2 + ENC_QB * ENC_PAD(n) + ENC_QB * ENC_PAD(d))
+
+typedef struct {
+    int64_t stride, qo, n, np, dp, row0;
+    float *kt, *v, *sc, *qf;
+} EncItem;
+
+INLINE EncItem encoder_load(const void *qkv, int64_t row0, int64_t n, int64_t h, int64_t heads, int64_t d,
+                            float *scratch, int bf) {
+    EncItem e = {3 * heads * d, h * d, n, ENC_PAD(n), ENC_PAD(d), row0, scratch, NULL, NULL, NULL};
+    e.v = e.kt + e.dp * e.np;
+    e.sc = e.v + e.np * e.dp;
+    e.qf = e.sc + ENC_QB * e.np;
+    const int64_t ko = (heads + h) * d, vo = (2 * heads + h) * d;
+    memset(e.kt, 0, (size_t)(2 * e.dp * e.np) * sizeof(float));
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t r = (row0 + j) * e.stride;
+        for (int64_t c = 0; c < d; c++) {
+            e.kt[c * e.np + j] = ld(qkv, r + ko + c, bf);
+            e.v[j * e.dp + c] = ld(qkv, r + vo + c, bf);
+        }
+    }
+    return e;
+}
+
+/* Queries i0 .. i0 + nq - 1, times `scale`, into qf (ENC_QB rows of dp; the rest zero). */
+INLINE void encoder_queries(const EncItem *e, const void *qkv, int64_t i0, int64_t nq, int64_t d, float scale,
+                            int bf) {
+    for (int64_t q = 0; q < ENC_QB; q++)
+        for (int64_t c = 0; c < d; c++)
+            e->qf[q * e->dp + c] = q < nq ? ld(qkv, (e->row0 + i0 + q) * e->stride + e->qo + c, bf) * scale : 0.0f;
+}
+
+/* The scores of sc's first nq rows to softmax weights (unnormalised), their sums' inverses
+ * in inv; the padding rows' weights zero. The loops run over the padded width np, a
+ * multiple of 16 (no scalar remainder): the padding keys' scores are set to -inf first,
+ * and exp_nonpos gives them weight 0. */
+INLINE void encoder_softmax(const EncItem *e, int64_t nq, float *inv) {
+    for (int64_t q = 0; q < ENC_QB; q++) {
+        float *row = e->sc + q * e->np, m = -INFINITY, s = 0.0f;
+        if (q >= nq) {
+            for (int64_t j = 0; j < e->np; j++)
+                row[j] = 0.0f;
+            inv[q] = 0.0f;
+            continue;
+        }
+        for (int64_t j = e->n; j < e->np; j++)
+            row[j] = -INFINITY;
+#pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < e->np; j++)
+            m = row[j] > m ? row[j] : m;
+#pragma omp simd reduction(+ : s)
+        for (int64_t j = 0; j < e->np; j++) {
+            const float p = exp_nonpos(row[j] - m);
+            row[j] = p;
+            s += p;
+        }
+        inv[q] = 1.0f / s;
+    }
+}
+
+INLINE void encoder_store(void *out, const EncItem *e, int64_t i0, int64_t q, int64_t h, int64_t heads,
+                          int64_t d, int64_t c0, const float *o, float inv, int bf) {
+    const int64_t oo = ((e->row0 + i0 + q) * heads + h) * d + c0;
+    for (int64_t cc = 0; cc < 16 && c0 + cc < d; cc++)
+        st(out, oo + cc, o[cc] * inv, bf);
+}
+
+INLINE void encoder_item(void *out, const void *qkv, int64_t row0, int64_t n, int64_t h,
+                         int64_t heads, int64_t d, float scale, float *scratch, int bf) {
+    const EncItem e = encoder_load(qkv, row0, n, h, heads, d, scratch, bf);
+    for (int64_t i0 = 0; i0 < n; i0 += ENC_QB) {
+        const int64_t nq = n - i0 < ENC_QB ? n - i0 : ENC_QB;
+        float inv[ENC_QB];
+        encoder_queries(&e, qkv, i0, nq, d, scale, bf);
+        for (int64_t j0 = 0; j0 < e.np; j0 += 16) {
+            float acc[ENC_QB][16];
+            for (int64_t q = 0; q < ENC_QB; q++)
+                for (int jj = 0; jj < 16; jj++)
+                    acc[q][jj] = 0.0f;
+            for (int64_t c = 0; c < d; c++) {
+                const float *kc = e.kt + c * e.np + j0;
+                for (int64_t q = 0; q < ENC_QB; q++) {
+                    const float qc = e.qf[q * e.dp + c];
+#pragma omp simd
+                    for (int jj = 0; jj < 16; jj++)
+                        acc[q][jj] = fmaf(qc, kc[jj], acc[q][jj]);
+                }
+            }
+            for (int64_t q = 0; q < ENC_QB; q++)
+                for (int jj = 0; jj < 16; jj++)
+                    e.sc[q * e.np + j0 + jj] = acc[q][jj];
+        }
+        encoder_softmax(&e, nq, inv);
+        for (int64_t c0 = 0; c0 < e.dp; c0 += 16) {
+            float o[ENC_QB][16];
+            for (int64_t q = 0; q < ENC_QB; q++)
+                for (int cc = 0; cc < 16; cc++)
+                    o[q][cc] = 0.0f;
+            for (int64_t j = 0; j < n; j++) {
+                const float *vj = e.v + j * e.dp + c0;
+                for (int64_t q = 0; q < ENC_QB; q++) {
+                    const float p = e.sc[q * e.np + j];
+#pragma omp simd
+                    for (int cc = 0; cc < 16; cc++)
+                        o[q][cc] = fmaf(p, vj[cc], o[q][cc]);
+                }
+            }
+            for (int64_t q = 0; q < nq; q++)
+                encoder_store(out, &e, i0, q, h, heads, d, c0, o[q], inv[q], bf);
+        }
+    }
+}
+
+CLONES static void encoder_item_f32(void *out, const void *qkv, int64_t row0, int64_t n, int64_t h,
+                                    int64_t heads, int64_t d, float scale, float *scratch) {
+    encoder_item(out, qkv, row0, n, h, heads, d, scale, scratch, 0);
+}
+
+CLONES static void encoder_item_bf16(void *out, const void *qkv, int64_t row0, int64_t n, int64_t h,
+                                     int64_t heads, int64_t d, float scale, float *scratch) {
+    encoder_item(out, qkv, row0, n, h, heads, d, scale, scratch, 1);
+}
+
+#if HAVE_ATTN_AVX512
+/* encoder_item with its two products spelled in AVX-512: the same sums in the same order
+ * (one fused multiply-add per term, keys or values in index order), each kept in a
+ * register of its own. */
+AVX512K INLINE void encoder_item_avx512(void *out, const void *qkv, int64_t row0, int64_t n, int64_t h,
+                                        int64_t heads, int64_t d, float scale, float *scratch, int bf) {
+    const EncItem e = encoder_load(qkv, row0, n, h, heads, d, scratch, bf);
+    for (int64_t i0 = 0; i0 < n; i0 += ENC_QB) {
+        const int64_t nq = n - i0 < ENC_QB ? n - i0 : ENC_QB;
+        float inv[ENC_QB];
+        encoder_queries(&e, qkv, i0, nq, d, scale, bf);
+        for (int64_t j0 = 0; j0 < e.np; j0 += 16) {
+            __m512 acc[ENC_QB];
+            for (int q = 0; q < ENC_QB; q++)
+                acc[q] = _mm512_setzero_ps();
+            for (int64_t c = 0; c < d; c++) {
+                const __m512 kc = _mm512_loadu_ps(e.kt + c * e.np + j0);
+                for (int q = 0; q < ENC_QB; q++)
+                    acc[q] = _mm512_fmadd_ps(_mm512_set1_ps(e.qf[q * e.dp + c]), kc, acc[q]);
+            }
+            for (int q = 0; q < ENC_QB; q++)
+                _mm512_storeu_ps(e.sc + q * e.np + j0, acc[q]);
+        }
+        encoder_softmax(&e, nq, inv);
+        for (int64_t c0 = 0; c0 < e.dp; c0 += 16) {
+            __m512 o[ENC_QB];
+            for (int q = 0; q < ENC_QB; q++)
+                o[q] = _mm512_setzero_ps();
+            for (int64_t j = 0; j < n; j++) {
+                const __m512 vj = _mm512_loadu_ps(e.v + j * e.dp + c0);
+                for (int q = 0; q < ENC_QB; q++)
+                    o[q] = _mm512_fmadd_ps(_mm512_set1_ps(e.sc[q * e.np + j]), vj, o[q]);
+            }
+            float row[16] __attribute__((aligned(64)));
+            for (int64_t q = 0; q < nq; q++) {
+                _mm512_store_ps(row, o[q]);
+                encoder_store(out, &e, i0, q, h, heads, d, c0, row, inv[q], bf);
+            }
+        }
+    }
+}
+
+AVX512K static void encoder_item_avx512_f32(void *out, const void *qkv, int64_t row0, int64_t n, int64_t h,
+                                            int64_t heads, int64_t d, float scale, float *scratch) {
+    encoder_item_avx512(out, qkv, row0, n, h, heads, d, scale, scratch, 0);
+}
+
+AVX512K static void encoder_item_avx512_bf16(void *out, const void *qkv, int64_t row0, int64_t n, int64_t h,
+                                             int64_t heads, int64_t d, float scale, float *scratch) {
+    encoder_item_avx512(out, qkv, row0, n, h, heads, d, scale, scratch, 1);
+}
+#endif
+
+typedef void (*encoder_item_fn)(void *, const void *, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                                float *);
+
+/* An encoder layer's attention over a packed batch: sequence s owns rows starts[s] ..
+ * starts[s + 1] - 1 of qkv ([rows, 3 * heads * d], contiguous) and of out ([rows, heads *
+ * d]). Items are (sequence, head) pairs, shared dynamically (lengths differ). Returns -1
+ * for a dtype or shape it does not take, -2 (writing nothing) if the starts do not rise
+ * from 0, -3 if a thread's scratch could not be allocated. */
+int eng_encoder_attention(int dtype, void *out, const void *qkv, const int64_t *starts, int64_t nseq,
+                          int64_t heads, int64_t d, float scale, int nthreads) {
+    if ((dtype != DT_F32 && dtype != DT_BF16) || heads < 1 || d < 1 || nseq < 0)
+        return -1;
+    if (nseq == 0)
+        return 0;
+    int64_t longest = 0, work = 0;
+    if (starts[0] != 0)
+        return -2;
+    for (int64_t s = 0; s < nseq; s++) {
+        const int64_t n = starts[s + 1] - starts[s];
+        if (n < 1)
+            return -2;
+        longest = n > longest ? n : longest;
+        work += n * n * heads * d * 2;
+    }
+    const int64_t items = nseq * heads;
+    encoder_item_fn item = dtype == DT_BF16 ? encoder_item_bf16 : encoder_item_f32;
+#if HAVE_ATTN_AVX512
+    if (attn_avx512())
+        item = dtype == DT_BF16 ? encoder_item_avx512_bf16 : encoder_item_avx512_f32;
+#endif
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && items > 1 && work >= PARALLEL_MIN_WORK)
+    {
+        float *scratch = malloc((size_t)ENC_SCRATCH(longest, d) * sizeof(float));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            if (!scratch) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            const int64_t s = it / heads;
+            item(out, qkv, starts[s], starts[s + 1] - starts[s], it % heads, heads, d, scale, scratch);
+        }
+        free(scratch);
+    }
+    return failed ? -3 : 0;
+}
+
 /* ---- int8 KV-cache write -------------------------------------------------------------- */
 
 /* Quantize one token's row of d values (fp32 or bf16 at x) into int8 codes and a scale:
