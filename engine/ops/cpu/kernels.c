@@ -358,6 +358,7 @@ INLINE void load_kv_row(float *dst, const void *c, const float *sc, int64_t o, i
  * accumulators must be scaled by comes back (0 on the first tile, whose *mx is -inf). */
 INLINE float softmax_tile(float *sc, int64_t n, float *mx, float *sum) {
     float m = *mx;
+#pragma omp simd reduction(max : m)
     for (int64_t k = 0; k < n; k++)
         m = sc[k] > m ? sc[k] : m;
     const float alpha = exp_nonpos(*mx - m);
