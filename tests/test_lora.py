@@ -11,7 +11,9 @@ shared expert are tests/test_lora_moe.py's). Each adapter and the base model the
   paged attention); measured at most ~4e-6 on logits up to ~10. The tiny Qwen2-MoE is held
   to 5e-5: its logits reach 17 (fp32 spacing 2e-6 there) and its routed experts sum in
   their own order; its base model alone is 8e-6 from transformers, and with the rank-16
-  adapter up to 3.2e-5 was measured (C kernels). A missed slice, a wrong scale
+  adapter up to 3.2e-5 was measured (C kernels). peft's own fp32 logits are 1.3e-5 from
+  its float64 ones on this model, so 1e-5 is below what fp32 can hold here
+  (tests/test_lora_moe.py measures both against float64). A missed slice, a wrong scale
   (alpha / r against alpha / sqrt(r)) or another slot's weights move logits by O(0.1);
 * the same 32 greedy tokens as peft's ``generate``.
 
