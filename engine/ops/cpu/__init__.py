@@ -107,8 +107,8 @@ class _LoraPool:
 
 
 class CpuOps(TorchOps):
-    """C kernels for RMSNorm, RoPE, SiLU-and-mul and single-query paged attention; the
-    torch reference for the rest. Raises ``RuntimeError`` at construction if the kernels
+    """C kernels for RMSNorm, RoPE, SiLU-and-mul, single-query paged attention, an
+    encoder's attention, MoE experts and LoRA; the torch reference for the rest. Raises ``RuntimeError`` at construction if the kernels
     are not built."""
 
     name = "cpu"
