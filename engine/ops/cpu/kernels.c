@@ -768,48 +768,44 @@ INLINE void encoder_store(void *out, const EncItem *e, int64_t i0, int64_t q, in
         st(out, oo + cc, o[cc] * inv, bf);
 }
 
+/* acc[q][0 .. 15] = the sum over i < len of w[q * ws + i] * v[i * vs + 0 .. 15], for the
+ * ENC_QB rows q: both products of an item (the scores: w the queries, v K's transposed
+ * rows; the outputs: w the softmax weights, v V's rows). Each v vector is read once for all
+ * the rows, and their ENC_QB sums, kept apart, hide the multiply-adds' latency. */
+INLINE void encoder_products(float acc[ENC_QB][16], const float *w, int64_t ws, const float *v, int64_t vs,
+                             int64_t len) {
+    for (int64_t q = 0; q < ENC_QB; q++)
+        for (int jj = 0; jj < 16; jj++)
+            acc[q][jj] = 0.0f;
+    for (int64_t i = 0; i < len; i++) {
+        const float *vi = v + i * vs;
+        for (int64_t q = 0; q < ENC_QB; q++) {
+            const float wq = w[q * ws + i];
+#pragma omp simd
+            for (int jj = 0; jj < 16; jj++)
+                acc[q][jj] = fmaf(wq, vi[jj], acc[q][jj]);
+        }
+    }
+}
+
 INLINE void encoder_item(void *out, const void *qkv, int64_t row0, int64_t n, int64_t h,
                          int64_t heads, int64_t d, float scale, float *scratch, int bf) {
     const EncItem e = encoder_load(qkv, row0, n, h, heads, d, scratch, bf);
     for (int64_t i0 = 0; i0 < n; i0 += ENC_QB) {
         const int64_t nq = n - i0 < ENC_QB ? n - i0 : ENC_QB;
-        float inv[ENC_QB];
+        float inv[ENC_QB], acc[ENC_QB][16];
         encoder_queries(&e, qkv, i0, nq, d, scale, bf);
         for (int64_t j0 = 0; j0 < e.np; j0 += 16) {
-            float acc[ENC_QB][16];
-            for (int64_t q = 0; q < ENC_QB; q++)
-                for (int jj = 0; jj < 16; jj++)
-                    acc[q][jj] = 0.0f;
-            for (int64_t c = 0; c < d; c++) {
-                const float *kc = e.kt + c * e.np + j0;
-                for (int64_t q = 0; q < ENC_QB; q++) {
-                    const float qc = e.qf[q * e.dp + c];
-#pragma omp simd
-                    for (int jj = 0; jj < 16; jj++)
-                        acc[q][jj] = fmaf(qc, kc[jj], acc[q][jj]);
-                }
-            }
+            encoder_products(acc, e.qf, e.dp, e.kt + j0, e.np, d);
             for (int64_t q = 0; q < ENC_QB; q++)
                 for (int jj = 0; jj < 16; jj++)
                     e.sc[q * e.np + j0 + jj] = acc[q][jj];
         }
         encoder_softmax(&e, nq, inv);
         for (int64_t c0 = 0; c0 < e.dp; c0 += 16) {
-            float o[ENC_QB][16];
-            for (int64_t q = 0; q < ENC_QB; q++)
-                for (int cc = 0; cc < 16; cc++)
-                    o[q][cc] = 0.0f;
-            for (int64_t j = 0; j < n; j++) {
-                const float *vj = e.v + j * e.dp + c0;
-                for (int64_t q = 0; q < ENC_QB; q++) {
-                    const float p = e.sc[q * e.np + j];
-#pragma omp simd
-                    for (int cc = 0; cc < 16; cc++)
-                        o[q][cc] = fmaf(p, vj[cc], o[q][cc]);
-                }
-            }
+            encoder_products(acc, e.sc, e.np, e.v + c0, e.dp, n);
             for (int64_t q = 0; q < nq; q++)
-                encoder_store(out, &e, i0, q, h, heads, d, c0, o[q], inv[q], bf);
+                encoder_store(out, &e, i0, q, h, heads, d, c0, acc[q], inv[q], bf);
         }
     }
 }
@@ -823,59 +819,6 @@ CLONES static void encoder_item_bf16(void *out, const void *qkv, int64_t row0, i
                                      int64_t heads, int64_t d, float scale, float *scratch) {
     encoder_item(out, qkv, row0, n, h, heads, d, scale, scratch, 1);
 }
-
-#if HAVE_ATTN_AVX512
-/* encoder_item with its two products spelled in AVX-512: the same sums in the same order
- * (one fused multiply-add per term, keys or values in index order), each kept in a
- * register of its own. */
-AVX512K INLINE void encoder_item_avx512(void *out, const void *qkv, int64_t row0, int64_t n, int64_t h,
-                                        int64_t heads, int64_t d, float scale, float *scratch, int bf) {
-    const EncItem e = encoder_load(qkv, row0, n, h, heads, d, scratch, bf);
-    for (int64_t i0 = 0; i0 < n; i0 += ENC_QB) {
-        const int64_t nq = n - i0 < ENC_QB ? n - i0 : ENC_QB;
-        float inv[ENC_QB];
-        encoder_queries(&e, qkv, i0, nq, d, scale, bf);
-        for (int64_t j0 = 0; j0 < e.np; j0 += 16) {
-            __m512 acc[ENC_QB];
-            for (int q = 0; q < ENC_QB; q++)
-                acc[q] = _mm512_setzero_ps();
-            for (int64_t c = 0; c < d; c++) {
-                const __m512 kc = _mm512_loadu_ps(e.kt + c * e.np + j0);
-                for (int q = 0; q < ENC_QB; q++)
-                    acc[q] = _mm512_fmadd_ps(_mm512_set1_ps(e.qf[q * e.dp + c]), kc, acc[q]);
-            }
-            for (int q = 0; q < ENC_QB; q++)
-                _mm512_storeu_ps(e.sc + q * e.np + j0, acc[q]);
-        }
-        encoder_softmax(&e, nq, inv);
-        for (int64_t c0 = 0; c0 < e.dp; c0 += 16) {
-            __m512 o[ENC_QB];
-            for (int q = 0; q < ENC_QB; q++)
-                o[q] = _mm512_setzero_ps();
-            for (int64_t j = 0; j < n; j++) {
-                const __m512 vj = _mm512_loadu_ps(e.v + j * e.dp + c0);
-                for (int q = 0; q < ENC_QB; q++)
-                    o[q] = _mm512_fmadd_ps(_mm512_set1_ps(e.sc[q * e.np + j]), vj, o[q]);
-            }
-            float row[16] __attribute__((aligned(64)));
-            for (int64_t q = 0; q < nq; q++) {
-                _mm512_store_ps(row, o[q]);
-                encoder_store(out, &e, i0, q, h, heads, d, c0, row, inv[q], bf);
-            }
-        }
-    }
-}
-
-AVX512K static void encoder_item_avx512_f32(void *out, const void *qkv, int64_t row0, int64_t n, int64_t h,
-                                            int64_t heads, int64_t d, float scale, float *scratch) {
-    encoder_item_avx512(out, qkv, row0, n, h, heads, d, scale, scratch, 0);
-}
-
-AVX512K static void encoder_item_avx512_bf16(void *out, const void *qkv, int64_t row0, int64_t n, int64_t h,
-                                             int64_t heads, int64_t d, float scale, float *scratch) {
-    encoder_item_avx512(out, qkv, row0, n, h, heads, d, scale, scratch, 1);
-}
-#endif
 
 typedef void (*encoder_item_fn)(void *, const void *, int64_t, int64_t, int64_t, int64_t, int64_t, float,
                                 float *);
@@ -903,10 +846,6 @@ int eng_encoder_attention(int dtype, void *out, const void *qkv, const int64_t *
     }
     const int64_t items = nseq * heads;
     encoder_item_fn item = dtype == DT_BF16 ? encoder_item_bf16 : encoder_item_f32;
-#if HAVE_ATTN_AVX512
-    if (attn_avx512())
-        item = dtype == DT_BF16 ? encoder_item_avx512_bf16 : encoder_item_avx512_f32;
-#endif
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && items > 1 && work >= PARALLEL_MIN_WORK)
     {
