@@ -108,8 +108,8 @@ class _LoraPool:
 
 class CpuOps(TorchOps):
     """C kernels for RMSNorm, RoPE, SiLU-and-mul, single-query paged attention, an
-    encoder's attention, MoE experts and LoRA; the torch reference for the rest. Raises ``RuntimeError`` at construction if the kernels
-    are not built."""
+    encoder's attention, MoE experts and LoRA; the torch reference for the rest. Raises
+    ``RuntimeError`` at construction if the kernels are not built."""
 
     name = "cpu"
     # Each query row of a request with at most this many query tokens in a step goes
