@@ -140,7 +140,7 @@ def test_logits_at_every_position_match_peft(tiny, ops) -> None:
     for name in names:
         ours = max((g - tiny.want64[name][i // len(names)]).abs().max().item()
                    for i, g in enumerate(got) if names[i % len(names)] == name)
-        peft_fp32 = max((w - w64).abs().max().item() for w, w64 in zip(tiny.want[name], tiny.want64[name]))
+        peft_fp32 = max((w - w64).abs().max().item() for w, w64 in zip(tiny.want[name], tiny.want64[name], strict=True))
         assert 0.0 < ours <= 2 * peft_fp32, f"adapter {name}: {ours:.2e} from float64, peft's fp32 {peft_fp32:.2e}"
     for name in ADAPTERS:  # the adapters change the model (else the check above could not fail)
         assert (tiny.want[name][2] - tiny.want[None][2]).abs().max() > 0.1
