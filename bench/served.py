@@ -13,7 +13,9 @@ Sections (``--sections``, comma-separated; default all):
   closed-loop tasks: ``--num-prompts`` prompts of ``--input-len`` (128) random token ids,
   ``--output-len`` (256) tokens each, EOS ignored. Reported: output tokens/s and mean time
   between tokens (TPOT) for both, and served / embedded.
-* ``embed``: ``serve --model all-MiniLM-L6-v2 --dtype float32``, ``--num-sentences`` (512)
+* ``embed``: ``serve --model all-MiniLM-L6-v2 --dtype float32`` (``--embed-dtype``:
+  bfloat16 runs the encoder's matmuls in bf16 against sentence-transformers' fp32, the
+  cosine check below still at 0.999), ``--num-sentences`` (512)
   sentences from 32 clients: one sentence a request with keep-alive, one a request on a new
   connection each (``Connection: close``), and 16 a request; then, with the server
   stopped, sentence-transformers' ``encode`` of the same sentences at batch 32. Reported:
@@ -167,7 +169,7 @@ def section_chat(args: argparse.Namespace) -> dict[str, float]:
 def section_embed(args: argparse.Namespace) -> dict[str, float]:
     sentences = embed_bench.corpus(args.num_sentences)
     out, vectors = {}, {}
-    with served(args, model_args=("--model", embed_bench.MODEL, "--dtype", "float32")) as url:
+    with served(args, model_args=("--model", embed_bench.MODEL, "--dtype", args.embed_dtype)) as url:
         embed_bench.run_load(url, sentences[:32], 4)  # warm-up
         for label, per, fresh in (("1/request keep-alive", 1, False),
                                   ("1/request new connection", 1, True),
@@ -240,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--num-sentences", type=int, default=512)
+    p.add_argument("--embed-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the embeddings server's --dtype")
     p.add_argument("--spec-repeat", type=int, default=3)
     p.add_argument("--spec-max-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
