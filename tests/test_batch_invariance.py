@@ -15,9 +15,9 @@ are bitwise (``torch.equal``), not within a tolerance:
   context, so its rows depend on their neighbours: it is not batch-invariant);
 * quantized matmul: an M-row call equals M one-row calls on every path, for every GGUF
   format, fp32 and bf16 activations, one and two threads. "auto" switches from the int8
-  paths to AMX-BF16 at ``AMX_BF16_MIN_TOKENS`` (16) rows (bf16 activations cannot equal
-  int8 ones), so its rows equal one-row calls below 16 rows, and the path's own one-row
-  calls from 16 on.
+  paths to AMX-BF16 at ``AMX_BF16_MIN_TOKENS`` (49) rows, past the fused decode step's 48
+  (bf16 activations cannot equal int8 ones), so its rows equal one-row calls below 49
+  rows, and the path's own one-row calls from 49 on.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from engine.ops.cpu import qmatmul as cq
 from engine.ops.quant import FORMATS, QuantizedWeight
 from engine.ops.reference import quantize_kv
 
-AMX_BF16_MIN_TOKENS = 16  # quant.c
+AMX_BF16_MIN_TOKENS = 49  # quant.c
 ROWWISE_MAX_QUERY_LEN = CpuOps.rowwise_max_query_len
 
 
@@ -110,7 +110,7 @@ def test_a_quantized_matmul_row_does_not_depend_on_the_other_rows(name, dtype) -
         for m in (2, 5, 9, AMX_BF16_MIN_TOKENS - 1, len(x)):
             for threads in (1, 2):
                 assert torch.equal(cq.qmatmul(x[:m], w, path=path, threads=threads), one[:m]), (path, m)
-    # "auto": the best int8 path below 16 rows, AMX-BF16 (where the CPU has it) from 16.
+    # "auto": the best int8 path below 49 rows, AMX-BF16 (where the CPU has it) from 49.
     int8 = next(p for p in ("avx512", "avx2", "portable") if p in cq.paths())
     one = torch.cat([cq.qmatmul(x[i : i + 1], w, path=int8, threads=1) for i in range(len(x))])
     for m in range(1, AMX_BF16_MIN_TOKENS):

@@ -169,6 +169,9 @@ def test_verification_chunks_are_fused_and_match_the_unfused_forward(models, mon
     by_len = {len(p): p for p in _prompts(loaded.config.vocab_size)}
     prompts = [by_len[n] for n in tails]
     plans = [[len(p) - sum(tail), *tail] for p, tail in zip(prompts, tails.values(), strict=True)]
+    # The fused step capped at the largest verification step here (10 rows), below these
+    # prompts' prefill step (13 rows and up), which then runs unfused.
+    monkeypatch.setattr(fused, "MAX_TOKENS", 10)
     assert sum(plan[0] for plan in plans) > fused.MAX_TOKENS  # the prefill step is unfused
 
     def run(fuse: bool):
@@ -217,6 +220,25 @@ def test_a_rows_result_does_not_depend_on_its_batch(models, monkeypatch) -> None
         together, _ = _logits(loaded, "auto", None, prompts, fuse=fuse, monkeypatch=monkeypatch)
         alone, _ = _logits(loaded, "auto", None, prompts[-1:], fuse=fuse, monkeypatch=monkeypatch)
         assert torch.equal(together[-1], alone[0])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_step_of_max_tokens_decode_rows_is_fused_and_matches_the_unfused_forward(models, monkeypatch,
+                                                                                  dtype) -> None:
+    """The widest fused step (``fused.MAX_TOKENS`` rows): the unfused path's matmuls stay
+    on the int8 kernels up to there (AMX-BF16, where the CPU has it, only from the next
+    row), so both give the same bits."""
+    loaded = models("llama", "Q4_1", dtype)
+    prompts = [[5 + i, 7, 9 + i] for i in range(fused.MAX_TOKENS)]
+    runs, steps = {}, {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("ENGINE_FUSED_DECODE", flag)
+        runner = _runner(loaded, "auto")
+        runs[flag] = _prefill_logits(runner, prompts, None, plans=[[2, 1]] * len(prompts))
+        steps[flag] = runner.model.fused_step
+    assert steps["1"] is not None and steps["1"].steps == 1  # the decode step (the prefill's 96 rows are not)
+    assert steps["0"] is None
+    _compare(runs["1"], runs["0"])
 
 
 def test_what_the_fused_step_does_not_cover_runs_unfused(models, tmp_path: Path, monkeypatch) -> None:

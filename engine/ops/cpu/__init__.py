@@ -38,7 +38,7 @@ except ImportError:  # pragma: no cover - depends on the install
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # enum in kernels.c
 _DT_I8 = 2  # an int8 KV cache with fp32 scales (enum in kernels.c)
 # Tokens up to which CpuOps.fused_moe takes the C kernel (MOE_MAX_PAIRS / k in quant.c
-# bounds the pairs; the fused decode step's 10 rows at most 8 experts a token fit).
+# bounds the pairs: 16 tokens at 8 experts a token fit); more take the torch path.
 MOE_MAX_TOKENS = 16
 
 

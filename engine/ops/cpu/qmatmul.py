@@ -73,7 +73,7 @@ def qmatmul(
     """``x @ w.T`` for ``x`` [..., K] (fp32 or bf16, CPU): the result in ``x``'s dtype.
 
     ``out`` [tokens, N] (rows of any stride, columns contiguous: a column slice of a wider
-    output) receives the result. ``path`` "auto" picks by CPU and batch (AMX-BF16 from 16
+    output) receives the result. ``path`` "auto" picks by CPU and batch (AMX-BF16 from 49
     tokens, else AVX-512 VNNI, else AVX2, else portable C); "portable", "avx2", "avx512",
     "amx" and "amx-bf16" force one (tests; a path the CPU lacks falls back to the int8 one
     below it). ``threads`` defaults to

@@ -1010,8 +1010,13 @@ static void q_store(void *out, int dtype, int64_t out_stride, int64_t t, int64_t
  * tokens, no per-group epilogue). Measured on the dev machine (1 thread, SmolLM2 shapes):
  * at 1-8 tokens AVX-512 VNNI is fastest (its weight reads are 4-bit), at 32 AMX-BF16 runs
  * 1.6-1.8x faster than either int8 path. AMX-INT8 measured no faster than VNNI at any
- * batch (its per-group fp32 epilogue dominates), so "auto" never picks it. */
-#define AMX_BF16_MIN_TOKENS 16
+ * batch (its per-group fp32 epilogue dominates), so "auto" never picks it.
+ * Steps of up to 48 rows run in the fused decode step (fused.c, engine/ops/cpu/fused.py's
+ * MAX_TOKENS), whose int8 micro-kernels with one C call a step outrun the unfused layers
+ * with AMX-BF16 matmuls up to there (docs/benchmarks.md, "Eighth pass"); the unfused path
+ * takes the same int8 kernels to the same row count, so both give the same bits, and
+ * AMX-BF16 from the next row. */
+#define AMX_BF16_MIN_TOKENS 49
 
 /* out[t, n] (row stride out_stride elements) = x[t, :] . w[n, :] for t < M, n < N. x rows
  * have stride x_stride; x and out are fp32 (dtype 0) or bf16 (1), or x bf16 and out fp32 (2). `isa`: 0 the best path
