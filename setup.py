@@ -4,8 +4,8 @@ Everything else about the package is in pyproject.toml. The extension is optiona
 it does not compile, the package installs without it and the engine runs the torch
 reference ops instead (engine.ops.get_ops says which). Two things keep that from hiding a
 broken build: a failed build removes the library an earlier build left beside the source
-(an editable install's), so an edited kernel that no longer compiles is not replaced by
-the old binary; and with ``ENGINE_REQUIRE_KERNELS=1`` in the environment (the Makefile
+(an editable install's), so the old binary does not go on running in place of an edited
+kernel that no longer compiles; and with ``ENGINE_REQUIRE_KERNELS=1`` in the environment (the Makefile
 sets it) the failure stops the install.
 """
 
