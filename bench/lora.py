@@ -3,7 +3,7 @@ base model alone, and the per-step cost of the LoRA kernel against one adapter a
 
     .venv/bin/python bench/lora.py [--model PATH] [--dtype auto] [--rank 16]
                                    [--adapters 1,4,16] [--requests 128] [--concurrency 32]
-                                   [--max-tokens 64] [--tiny] [--json out.json]
+                                   [--max-tokens 64] [--rounds 3] [--tiny] [--json out.json]
 
 One engine (``--enable-lora --max-loras 16``, the bundled SmolLM2 GGUF by default) serves
 every row, so the rows differ only in the adapters their requests name: ``base`` (no
@@ -12,7 +12,9 @@ adapter: no step runs a LoRA kernel), then ``N adapters`` (request ``i`` names a
 gate/up/down), written as peft writes them and loaded at runtime. Each row runs
 ``--requests`` greedy completions of ``--max-tokens`` tokens (EOS ignored), ``--concurrency``
 in flight at once, and prints output tokens/s and its ratio to the base row (the issue's
-targets: 4 adapters at least 0.8x, 16 at least 0.6x).
+targets: 4 adapters at least 0.8x, 16 at least 0.6x). The rows run ``--rounds`` times,
+alternated (base, 1, 4, 16, base, ...); each ratio is against the base row of its own
+round, and the medians of those ratios close the table.
 
 The kernel rows time, for a decode step of ``--concurrency`` tokens spread over N adapters,
 every targeted projection of every layer: ``Ops.lora_add`` (one call per projection, the
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -148,15 +151,29 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         # adapter is read into host memory once.
         await _row(eng, [None, *names], argparse.Namespace(**{**vars(args), "requests": len(names) + 1,
                                                              "max_tokens": 2}))
-        base = await _row(eng, [None], args)
-        print(f"{'row':>12} {'tok/s':>9} {'x base':>7}")
-        print(f"{'base':>12} {base['tokens_per_s']:9.1f} {1.0:7.2f}")
-        report["rows"].append({"adapters": 0, **base})
-        for n in counts:
-            row = await _row(eng, names[:n], args)
-            ratio = row["tokens_per_s"] / base["tokens_per_s"]
-            print(f"{f'{n} adapters':>12} {row['tokens_per_s']:9.1f} {ratio:7.2f}")
-            report["rows"].append({"adapters": n, **row, "ratio": ratio})
+        ratios: dict[int, list[float]] = {n: [] for n in counts}
+        for r in range(args.rounds):
+            # Each round runs the base row, then every adapter row, so a ratio compares rows
+            # from the same minute: the shared host's speed drifts more between rounds than
+            # the rows differ.
+            base = await _row(eng, [None], args)
+            if args.rounds > 1:
+                print(f"round {r + 1}")
+            print(f"{'row':>12} {'tok/s':>9} {'x base':>7}")
+            print(f"{'base':>12} {base['tokens_per_s']:9.1f} {1.0:7.2f}")
+            report["rows"].append({"round": r, "adapters": 0, **base})
+            for n in counts:
+                row = await _row(eng, names[:n], args)
+                ratio = row["tokens_per_s"] / base["tokens_per_s"]
+                ratios[n].append(ratio)
+                print(f"{f'{n} adapters':>12} {row['tokens_per_s']:9.1f} {ratio:7.2f}")
+                report["rows"].append({"round": r, "adapters": n, **row, "ratio": ratio})
+        if args.rounds > 1:
+            print(f"\nmedian of {args.rounds} rounds (each ratio against its round's base row):")
+            for n in counts:
+                rounds = ", ".join(f"{x:.2f}" for x in ratios[n])
+                print(f"{f'{n} adapters':>12} {statistics.median(ratios[n]):7.2f}   ({rounds})")
+            report["median_ratio"] = {n: statistics.median(ratios[n]) for n in counts}
         dtype = getattr(torch, eng._parts.dtype) if eng._parts.dtype else torch.float32
     print(f"\nLoRA kernel per decode step ({args.concurrency} tokens, every targeted projection, "
           f"rank {args.rank}):")
@@ -181,6 +198,7 @@ if __name__ == "__main__":
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3, help="the rows run this many times, alternated")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
