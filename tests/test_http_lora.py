@@ -118,7 +118,7 @@ def test_adapters_load_serve_and_unload_at_runtime(server, adapters) -> None:
     again = httpx.post(server + "/v1/load_lora_adapter", json=body, headers=headers, timeout=60)
     assert again.status_code == 400 and "already loaded" in again.json()["error"]["message"]
     # Unloaded while one of its requests streams: that request finishes, new ones are 404s.
-    stream = _client(server).completions.create(model="c", prompt=PROMPT, max_tokens=64, temperature=0.0,
+    stream = _client(server).completions.create(model="c", prompt=PROMPT, max_tokens=448, temperature=0.0,
                                                 stream=True, extra_body={"ignore_eos": True})
     chunks = iter(stream)
     first = next(chunks)
