@@ -48,6 +48,7 @@ from engine.http.serve import (
     serve_app,
 )
 from engine.process.core import run_headless
+from engine.process.heap import frozen_startup_heap
 from engine.process.malloc import cap_arenas
 from engine.process.names import resolve_config
 from engine.process.runtime import sweep_at_start
@@ -386,7 +387,8 @@ async def _serve(args: argparse.Namespace) -> int:
                                  send_timeout=args.send_timeout,
                                  allow_runtime_lora_updating=getattr(
                                      args, "allow_runtime_lora_updating", False))
-                died = await _serve_until_signal(app, args, listener, signals, eng)
+                with frozen_startup_heap():  # out of the full collections (process/heap.py)
+                    died = await _serve_until_signal(app, args, listener, signals, eng)
         return EXIT_ENGINE_DEAD if died else 0
 
 

@@ -52,6 +52,7 @@ from engine.messages import (
     StopStringHit,
     TokenDelta,
 )
+from engine.process.heap import frozen_startup_heap
 from engine.process.malloc import cap_arenas
 from engine.process.parts import build_parts
 from engine.process.spawn import SECRET_ENV, exit_with_parent
@@ -273,7 +274,8 @@ async def _run_core_actors(parts: Any, frames: FrameStream, compiles: CompilePoo
                 if out:
                     await frames.send((*out, statistics()))
 
-    with sched_send:
+    # The model is loaded: its heap leaves the full collections (process/heap.py).
+    with sched_send, frozen_startup_heap():
         async with trio.open_nursery() as nursery:
             for actor in (allocator, executor):
                 await nursery.start(actor.run)
