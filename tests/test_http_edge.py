@@ -21,6 +21,7 @@ import h11
 import httpx
 import pytest
 import trio
+import trio.testing
 import wsproto
 import wsproto.events
 from h2_client import H2Client
@@ -29,6 +30,7 @@ from http_server import ServerThread
 from hypercorn.events import RawData
 from hypercorn.protocol.events import Body, EndBody
 from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.trio import tcp_server
 
 from engine.http import edge
 from engine.models.testing import write_tiny_model
@@ -117,6 +119,36 @@ def test_an_idle_keep_alive_connection_is_closed(server) -> None:
         t0 = time.monotonic()
         assert sock.recv(1) == b""
         assert time.monotonic() - t0 < READ_LIMIT
+
+
+async def test_the_idle_timer_runs_its_latest_action_and_never_waits() -> None:
+    ran: list[str] = []
+
+    def action(name: str):
+        async def wait_then_close() -> None:  # hypercorn's _idle_timeout, shortened
+            await trio.sleep(0.05)
+            ran.append(name)
+        return wait_then_close
+
+    async with trio.open_nursery() as nursery:
+        group = SimpleNamespace(_nursery=nursery)
+        timer = edge.IdleTimer()
+        with trio.testing.assert_no_checkpoints():
+            await timer.restart(group, action("replaced before it ran"))
+            await timer.restart(group, action("timed out"))
+        await trio.sleep(0.2)
+        await timer.restart(group, action("stopped while waiting"))
+        await trio.sleep(0.01)
+        with trio.testing.assert_no_checkpoints():
+            await timer.stop()
+            await timer.restart(group, action("stopped before it ran"))
+            await timer.stop()
+            await timer.stop()  # twice, as hypercorn may
+        await trio.sleep(0.2)
+    assert ran == ["timed out"]
+    # serve_app installs it for every connection.
+    edge.use_idle_timer()
+    assert tcp_server.TrioSingleTask is edge.IdleTimer
 
 
 def test_a_413_sent_before_the_body_drains_it_and_the_connection_goes_on(server) -> None:

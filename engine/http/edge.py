@@ -77,6 +77,7 @@ from hypercorn.events import Closed, RawData, Updated
 from hypercorn.protocol import h2 as hyper_h2
 from hypercorn.protocol.events import Body, Data, StreamClosed
 from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.trio import tcp_server
 from hypercorn.trio.tcp_server import TCPServer
 from quart_trio.wrappers.request import TrioBody, TrioRequest
 
@@ -184,6 +185,41 @@ def shield_hypercorn_close() -> None:
     TCPServer.protocol_send = _timed_protocol_send(TCPServer.protocol_send)
     TCPServer._close = _shielded(TCPServer._close)
     TCPServer._read_data = _stop_timer_after(TCPServer._read_data)
+
+
+class IdleTimer:
+    """hypercorn's keep-alive timer (``TrioSingleTask``: one task a connection, restarted
+    when the connection goes idle, stopped when a request arrives), without its lock and
+    ``nursery.start``: each restart took the lock and waited a run-loop pass for the new
+    task to report its cancel scope, twice a keep-alive request. Here the scope is made
+    before the task, so ``stop`` and ``restart`` never wait; a scope cancelled before its
+    task enters it cancels the task on entry. The same calls, the same timing."""
+
+    def __init__(self) -> None:
+        self._scope: trio.CancelScope | None = None
+
+    async def restart(self, task_group: Any, action: Any) -> None:
+        if self._scope is not None:
+            self._scope.cancel()
+        scope = self._scope = trio.CancelScope()
+
+        async def run() -> None:
+            with scope:
+                await action()
+
+        task_group._nursery.start_soon(run)
+
+    async def stop(self) -> None:
+        if self._scope is not None:
+            self._scope.cancel()
+            self._scope = None
+
+
+def use_idle_timer() -> None:
+    """hypercorn's trio connections take :class:`IdleTimer` as their keep-alive timer.
+    Idempotent; checked against hypercorn 0.18.0 (``TCPServer.__init__`` makes its
+    ``idle_task`` from the module's ``TrioSingleTask``)."""
+    tcp_server.TrioSingleTask = IdleTimer  # type: ignore[misc]
 
 
 def frame_h11_body_chunks() -> None:

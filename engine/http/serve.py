@@ -125,6 +125,7 @@ async def serve_app(
         edge.SEND_TIMEOUT_CONFIG, edge.SEND_TIMEOUT_SECONDS)
     edge.shield_hypercorn_close()
     edge.frame_h11_body_chunks()
+    edge.use_idle_timer()
     h2c.configure(config, enable_h2c=enable_h2c)
     edge.patch_hypercorn_h2()
     # Hypercorn's own "Running on" line duplicates ours; its errors still reach the log.
