@@ -21,6 +21,10 @@ Sections (``--sections``, comma-separated; default all):
   stopped, sentence-transformers' ``encode`` of the same sentences at batch 32. Reported:
   sentences/s and each row / sentence-transformers, and the smallest cosine between the
   server's vectors and sentence-transformers' (a check, not a figure).
+* ``requests``: what a request that does nothing costs: ``--num-requests`` (3,000)
+  ``GET /health`` from 32 clients to the embeddings server, with keep-alive and with a
+  new connection each; the server process's CPU a request (every thread, from
+  ``/proc/PID/task/*/stat``) and the load generator's. Linux only.
 * ``core``: serve with the engine core in its process (``--engine-core process``) against
   in-process at each of ``--core-concurrencies`` (1, 8, 32), the chat section's load.
 * ``spec``: a chat request asking to rename one variable in a 15-line function (bench/spec.py's
@@ -63,6 +67,7 @@ import serve as serve_bench  # noqa: E402
 import spec as spec_bench  # noqa: E402
 
 import engine  # noqa: E402
+from engine.cli.loadclient import Exchange, LoadClient  # noqa: E402
 from engine.params import SamplingParams  # noqa: E402
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
@@ -73,6 +78,14 @@ NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_look
 def served(args: argparse.Namespace, kind: str = "engine-gguf", extra: tuple[str, ...] = (),
            model_args: tuple[str, ...] | None = None) -> Iterator[str]:
     """A server of ``kind`` (bench/serve.py's names) on a free port; its URL once ready."""
+    with served_process(args, kind, extra, model_args) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def served_process(args: argparse.Namespace, kind: str = "engine-gguf", extra: tuple[str, ...] = (),
+                   model_args: tuple[str, ...] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """:func:`served`, with the server's process."""
     port = serve_bench._free_port()
     if model_args is None:
         cmd = serve_bench._server_command(kind, port, args)
@@ -85,7 +98,7 @@ def served(args: argparse.Namespace, kind: str = "engine-gguf", extra: tuple[str
     url = f"http://127.0.0.1:{port}"
     try:
         serve_bench._wait_ready(url, proc)
-        yield url
+        yield url, proc
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -188,6 +201,33 @@ def section_embed(args: argparse.Namespace) -> dict[str, float]:
     return out
 
 
+def _process_cpu_seconds(pid: int) -> float:
+    """User and system CPU of every thread of ``pid`` so far (``/proc/PID/task/*/stat``)."""
+    ticks = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def section_requests(args: argparse.Namespace) -> dict[str, float]:
+    out = {}
+    model = ("--model", embed_bench.MODEL, "--dtype", args.embed_dtype)
+    with served_process(args, model_args=model) as (url, proc):
+        for label, headers in (("keep-alive", {}), ("new connection", {"Connection": "close"})):
+            exchanges = [Exchange("GET", "/health", headers=headers) for _ in range(args.num_requests)]
+            server0, client0 = _process_cpu_seconds(proc.pid), time.process_time()
+            with LoadClient(url, timeout=60.0) as http:
+                http.run(exchanges, max_concurrency=32)
+            server, client = _process_cpu_seconds(proc.pid) - server0, time.process_time() - client0
+            if failed := [e for e in exchanges if e.status != 200]:
+                raise SystemExit(f"GET /health: {len(failed)} requests failed")
+            out[f"requests {label} server CPU us"] = server / len(exchanges) * 1e6
+            out[f"requests {label} load generator CPU us"] = client / len(exchanges) * 1e6
+    return out
+
+
 def section_core(args: argparse.Namespace) -> dict[str, float]:
     out = {}
     for mode in ("inproc", "core"):
@@ -217,8 +257,8 @@ def section_spec(args: argparse.Namespace) -> dict[str, float]:
     return out
 
 
-SECTIONS = {"chat": section_chat, "embed": section_embed, "core": section_core,
-            "spec": section_spec}
+SECTIONS = {"chat": section_chat, "embed": section_embed, "requests": section_requests,
+            "core": section_core, "spec": section_spec}
 # Each row's pair: (numerator, denominator) of the ratio printed at the end.
 RATIOS = [
     ("chat c={c} served tok/s", "chat c={c} embedded tok/s"),
@@ -226,6 +266,7 @@ RATIOS = [
     ("embed c=32 1/request keep-alive sentences/s", "embed sentence-transformers batch 32 sentences/s"),
     ("embed c=32 1/request new connection sentences/s", "embed sentence-transformers batch 32 sentences/s"),
     ("embed c=32 16/request sentences/s", "embed sentence-transformers batch 32 sentences/s"),
+    ("requests new connection server CPU us", "requests keep-alive server CPU us"),
     ("core c={c} core tok/s", "core c={c} inproc tok/s"),
     ("spec plain warm s (median)", "spec ngram warm s (median)"),
     ("spec plain first s", "spec ngram first s"),
@@ -234,7 +275,7 @@ RATIOS = [
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sections", default="chat,embed,core,spec")
+    p.add_argument("--sections", default="chat,embed,requests,core,spec")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrencies", default="1,32")
     p.add_argument("--core-concurrencies", default="1,8,32")
@@ -242,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--num-sentences", type=int, default=512)
+    p.add_argument("--num-requests", type=int, default=3000,
+                   help="the requests section's GET /health requests per row")
     p.add_argument("--embed-dtype", default="float32", choices=("float32", "bfloat16"),
                    help="the embeddings server's --dtype")
     p.add_argument("--spec-repeat", type=int, default=3)
@@ -256,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.num_prompts, args.input_len, args.output_len = 8, 16, 8
         args.num_sentences, args.spec_repeat, args.spec_max_tokens = 64, 2, 64
+        args.num_requests = 200
     args.concurrencies = [int(c) for c in args.concurrencies.split(",")]
     args.core_concurrencies = [int(c) for c in args.core_concurrencies.split(",")]
     names = args.sections.split(",")
