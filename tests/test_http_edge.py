@@ -151,6 +151,51 @@ async def test_the_idle_timer_runs_its_latest_action_and_never_waits() -> None:
     assert tcp_server.TrioSingleTask is edge.IdleTimer
 
 
+class _CountingStream:
+    """What hypercorn's ``TCPServer._close`` touches of a trio stream, counted."""
+
+    def __init__(self) -> None:
+        self.eofs = self.closes = 0
+        self.cancelled_inside = False
+
+    async def send_eof(self) -> None:
+        self.eofs += 1
+        try:
+            await trio.sleep(0.01)  # a checkpoint: a cancelled caller would stop here
+        except trio.Cancelled:
+            self.cancelled_inside = True
+            raise
+
+    async def aclose(self) -> None:
+        self.closes += 1
+        await trio.lowlevel.checkpoint()
+
+
+async def test_hypercorn_closes_a_connection_once_and_shielded() -> None:
+    # hypercorn calls TCPServer._close from every path that sees a connection end;
+    # the patched one runs it once, to the end, whoever calls and whether or not the
+    # caller is cancelled.
+    edge.shield_hypercorn_close()
+    edge.shield_hypercorn_close()  # idempotent: not wrapped twice
+    conn = tcp_server.TCPServer.__new__(tcp_server.TCPServer)
+    conn.stream = _CountingStream()
+    with trio.CancelScope() as scope:
+        scope.cancel()  # quart-trio's cancelled application task
+        await tcp_server.TCPServer._close(conn)
+    assert (conn.stream.eofs, conn.stream.closes, conn.stream.cancelled_inside) == (1, 1, False)
+    async with trio.open_nursery() as nursery:
+        for _ in range(3):
+            nursery.start_soon(tcp_server.TCPServer._close, conn)
+    with trio.testing.assert_no_checkpoints():
+        await tcp_server.TCPServer._close(conn)
+    assert (conn.stream.eofs, conn.stream.closes) == (1, 1)
+    # Another connection closes on its own.
+    other = tcp_server.TCPServer.__new__(tcp_server.TCPServer)
+    other.stream = _CountingStream()
+    await tcp_server.TCPServer._close(other)
+    assert (other.stream.eofs, other.stream.closes) == (1, 1)
+
+
 def test_a_413_sent_before_the_body_drains_it_and_the_connection_goes_on(server) -> None:
     # Regression: after an early 413 the next request on the keep-alive connection never
     # got an answer (the unread body stayed in the way).

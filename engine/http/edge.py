@@ -183,7 +183,7 @@ def shield_hypercorn_close() -> None:
     if getattr(TCPServer.protocol_send, "shielded_by_engine", False):
         return
     TCPServer.protocol_send = _timed_protocol_send(TCPServer.protocol_send)
-    TCPServer._close = _shielded(TCPServer._close)
+    TCPServer._close = _close_once(TCPServer._close)
     TCPServer._read_data = _stop_timer_after(TCPServer._read_data)
 
 
@@ -301,6 +301,24 @@ def _timed_protocol_send(protocol_send: Any) -> Any:
 
     timed.shielded_by_engine = True  # type: ignore[attr-defined]
     return timed
+
+
+def _close_once(close: Any) -> Any:
+    """hypercorn's ``TCPServer._close``, shielded, and run once a connection: hypercorn
+    calls it from every path that sees the end (the response's ``Closed``, the protocol's,
+    the read loop's, ``run``'s ``finally``), six times a ``Connection: close`` request,
+    and each repeat paid a cancel scope, a ``send_eof`` that raised on the closed stream
+    and two passes of the run loop for nothing. A repeat while the first is still
+    closing returns at once: the first finishes the close."""
+
+    async def close_once(self: Any) -> None:
+        if getattr(self, "_engine_closing", False):
+            return
+        self._engine_closing = True
+        with trio.CancelScope(shield=True):
+            await close(self)
+
+    return close_once
 
 
 def _shielded(method: Any) -> Any:
