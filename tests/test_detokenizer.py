@@ -170,6 +170,66 @@ def test_each_push_decodes_a_bounded_window(smol: Tokenizer) -> None:
     assert max(counting.lengths) <= 10  # prompt context (5) + an emoji's byte tokens
 
 
+
+class _CountingSet(frozenset):
+    """A frozenset that counts its membership tests."""
+
+    lookups = 0
+
+    def __contains__(self, item: object) -> bool:
+        type(self).lookups += 1
+        return super().__contains__(item)
+
+
+class _RecordingTokenizer:
+    """Wraps a Tokenizer: records each decode call's ids, counts special-id lookups."""
+
+    def __init__(self, inner: Tokenizer) -> None:
+        self._inner = inner
+        self.skipped_special_ids = _CountingSet(inner.skipped_special_ids)
+        self.calls: list[list[int]] = []
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        self.calls.append(list(ids))
+        return self._inner.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_a_request_that_ends_without_tokens_never_decodes(smol: Tokenizer) -> None:
+    # A pooling request's one delta carries no token; nor does a request aborted before
+    # its first: neither has text, so neither should pay for decoding the prompt.
+    recording = _RecordingTokenizer(smol)
+    detok = IncrementalDetokenizer(recording, _prompt(smol))  # type: ignore[arg-type]
+    assert detok.push([]) == DetokenizerUpdate("")
+    assert detok.finish() == DetokenizerUpdate("")
+    assert recording.calls == []
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_prompt_context_is_its_last_kept_tokens_read_from_the_end(
+    smol: Tokenizer, skip: bool
+) -> None:
+    rng = random.Random(7)
+    special = sorted(smol.skipped_special_ids)
+    words = smol.encode(" the cat sat on a mat", add_special_tokens=False)
+    # 100,000 prompt ids ending in a run of special tokens between words.
+    prompt = [rng.choice(words) for _ in range(100_000)]
+    prompt[-12:] = [words[0], special[0], words[1], special[0], special[-1], words[2],
+                    special[0], words[3], special[-1], special[-1], words[4], special[0]]
+    recording = _RecordingTokenizer(smol)
+    _CountingSet.lookups = 0
+    detok = IncrementalDetokenizer(recording, prompt, skip_special_tokens=skip)  # type: ignore[arg-type]
+    out = smol.encode(" and slept", add_special_tokens=False)
+    assert _text(_stream(detok, out)) == smol.decode(out, skip_special_tokens=skip)
+    # The oracle: the prompt with skipped specials dropped, its last five ids (all of the
+    # prompt's ids kept when specials are not skipped).
+    kept = [i for i in prompt if not (skip and i in set(special))]
+    # The window decoded alone (the prefix text), and under the first output token.
+    assert kept[-5:] in recording.calls
+    assert recording.calls[0][:5] == kept[-5:]
+    # Reading from the end: a dozen lookups for the prompt, not one for each of its ids.
+    assert _CountingSet.lookups < 100
+
+
 # -- stop strings -----------------------------------------------------------------------
 
 

@@ -121,11 +121,14 @@ class IncrementalDetokenizer:
             raise InvalidParamError("stop must hold non-empty strings", param="stop")
         self._include_stop = include_stop_str_in_output
 
-        context = self._kept(prompt_token_ids)[-PROMPT_CONTEXT_TOKENS:]
-        self._tokens: list[int] = list(context)
+        context = self._kept_tail(prompt_token_ids, PROMPT_CONTEXT_TOKENS)
+        self._tokens: list[int] = context
         self._prefix_offset = 0
         self._read_offset = len(context)
-        self._prefix_text = self._decode(self._tokens)
+        # The prefix window's text, decoded when the first token needs it: a request that
+        # ends before any token has text (a pooling request, an early abort) never pays
+        # for the decode.
+        self._prefix: str | None = None
         self._held = ""  # decoded text not yet returned: a possible stop-string start
         self._stop_reason: str | None = None
         self._min_tokens = min_tokens
@@ -180,6 +183,27 @@ class IncrementalDetokenizer:
         skipped = self._tokenizer.skipped_special_ids
         return [i for i in ids if i not in skipped]
 
+    def _kept_tail(self, ids: Sequence[int], count: int) -> list[int]:
+        """The last ``count`` of ``_kept(ids)``, reading ``ids`` from the end only as far
+        as they reach (a long prompt is not walked whole for its last few tokens)."""
+        if not self._skip_special:
+            return list(ids[-count:])
+        skipped = self._tokenizer.skipped_special_ids
+        tail: list[int] = []
+        for i in reversed(range(len(ids))):
+            if len(tail) == count:
+                break
+            if ids[i] not in skipped:
+                tail.append(ids[i])
+        tail.reverse()
+        return tail
+
+    @property
+    def _prefix_text(self) -> str:
+        if self._prefix is None:
+            self._prefix = self._decode(self._tokens[self._prefix_offset : self._read_offset])
+        return self._prefix
+
     def _decode(self, ids: Sequence[int]) -> str:
         if not self._tight:
             return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
@@ -199,7 +223,7 @@ class IncrementalDetokenizer:
         new = full[len(self._prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._tokens)
-        self._prefix_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])
+        self._prefix = self._decode(self._tokens[self._prefix_offset : self._read_offset])
         self._compact()
         return new
 
