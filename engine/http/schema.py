@@ -18,6 +18,7 @@ import functools
 from typing import Any
 
 import jsonschema
+import jsonschema_rs
 
 from engine import params as P
 from engine.http.errors import APIError
@@ -326,12 +327,30 @@ RERANK: dict[str, Any] = {
 }
 
 
+def _schema(name: str) -> dict[str, Any]:
+    return {"completion": COMPLETION, "chat": CHAT, "tokenize": TOKENIZE,
+            "detokenize": DETOKENIZE, "embeddings": EMBEDDINGS, "score": SCORE,
+            "rerank": RERANK, "responses": RESPONSES}[name]
+
+
 @functools.cache
 def _validator(name: str) -> Any:
-    schema = {"completion": COMPLETION, "chat": CHAT, "tokenize": TOKENIZE,
-              "detokenize": DETOKENIZE, "embeddings": EMBEDDINGS, "score": SCORE,
-              "rerank": RERANK, "responses": RESPONSES}[name]
-    return jsonschema.Draft202012Validator(schema)
+    return jsonschema.Draft202012Validator(_schema(name))
+
+
+@functools.cache
+def _fast_validator(name: str) -> Any:
+    return jsonschema_rs.Draft202012Validator(_schema(name))
+
+
+def _passes(body: dict[str, Any], name: str) -> bool:
+    """Whether the compiled validator finds ``body`` valid. ``jsonschema`` is the judge:
+    a body this passes is one it passes too (``tests/test_http_schema.py`` holds the two
+    to that), and anything else, or anything the compiled one cannot read, goes to it."""
+    try:
+        return bool(_fast_validator(name).is_valid(body))
+    except (ValueError, TypeError, OverflowError):
+        return False
 
 
 def check_body(body: Any, name: str) -> None:
@@ -341,6 +360,10 @@ def check_body(body: Any, name: str) -> None:
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object", code="invalid_json")
     body = _token_lists_checked(body, name)
+    if _passes(body, name):
+        # The common case, in a microsecond: jsonschema took 20-65 us a body (embeddings
+        # to chat), about 2% of a one-sentence embeddings request's event-loop time.
+        return
     error = jsonschema.exceptions.best_match(_validator(name).iter_errors(body))
     if error is None:
         return
