@@ -54,11 +54,15 @@ def input_ids(
     if isinstance(item, str):
         text = _unicode(item, param)
         backend = tokenizer.backend_tokenizer
-        encoding = backend.encode(text, add_special_tokens=False)
-        if limit is not None:
-            room = max(limit - backend.num_special_tokens_to_add(False), 0)
-            if len(encoding.ids) > room:
-                encoding.truncate(room, direction="left")
+        # encode_batch_fast: the same ids without the character offsets, which nothing
+        # here reads (35 against 43 us a 25-token sentence, of a one-sentence embeddings
+        # request's event-loop time).
+        if limit is None:
+            return tuple(backend.encode_batch_fast([text])[0].ids)
+        encoding = backend.encode_batch_fast([text], add_special_tokens=False)[0]
+        room = max(limit - backend.num_special_tokens_to_add(False), 0)
+        if len(encoding.ids) > room:
+            encoding.truncate(room, direction="left")
         return tuple(backend.post_process(encoding).ids)
     ids = tuple(item)
     return ids[-limit:] if limit is not None and len(ids) > limit else ids
