@@ -5,6 +5,7 @@ hypercorn server (fake engine)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -194,6 +195,44 @@ async def test_hypercorn_closes_a_connection_once_and_shielded() -> None:
     other.stream = _CountingStream()
     await tcp_server.TCPServer._close(other)
     assert (other.stream.eofs, other.stream.closes) == (1, 1)
+
+
+
+async def test_trio_closes_only_the_streams_a_handler_left_open(monkeypatch) -> None:
+    # trio.serve_listeners closes each stream after its handler; hypercorn's handler has
+    # closed it already, and the second close was a cancelled scope and a run-loop pass
+    # a connection. A handler that leaves its stream open still has it closed.
+    edge.shield_hypercorn_close()
+    closes: list[trio.SocketStream] = []
+    forceful = trio.aclose_forcefully
+
+    both_closed = trio.Event()
+
+    async def counting(stream: trio.SocketStream) -> None:
+        closes.append(stream)
+        await forceful(stream)
+        if len(closes) == 2:
+            both_closed.set()
+
+    monkeypatch.setattr(trio, "aclose_forcefully", counting)
+    handled: list[trio.SocketStream] = []
+
+    async def handler(stream: trio.SocketStream) -> None:
+        handled.append(stream)
+        if len(handled) % 2:  # the first and third: closed by the handler, as hypercorn does
+            await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        for _ in range(4):
+            client = await trio.open_tcp_stream("127.0.0.1", port)
+            assert await client.receive_some(1) == b""  # the server closed it
+            await client.aclose()
+        await both_closed.wait()  # the last one's close may still be finishing
+        nursery.cancel_scope.cancel()
+    assert closes == [handled[1], handled[3]]
+    assert all(stream.socket.fileno() == -1 for stream in handled)
 
 
 def test_a_413_sent_before_the_body_drains_it_and_the_connection_goes_on(server) -> None:

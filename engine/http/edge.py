@@ -72,6 +72,7 @@ import h2.errors
 import h2.exceptions
 import h11
 import trio
+import trio._highlevel_serve_listeners as trio_serve_listeners
 from h11 import _writers
 from hypercorn.events import Closed, RawData, Updated
 from hypercorn.protocol import h2 as hyper_h2
@@ -185,6 +186,28 @@ def shield_hypercorn_close() -> None:
     TCPServer.protocol_send = _timed_protocol_send(TCPServer.protocol_send)
     TCPServer._close = _close_once(TCPServer._close)
     TCPServer._read_data = _stop_timer_after(TCPServer._read_data)
+    _close_handled_streams_once()
+
+
+def _close_handled_streams_once() -> None:
+    """``trio.serve_listeners`` closes each connection's stream once its handler returns
+    (``aclose_forcefully``: a cancelled scope, a checkpoint and a pass of the run loop,
+    about 25 us), though hypercorn's handler has always closed it by then (``_close``).
+    A stream whose socket is already closed is left as it is; any other is closed as trio
+    does. Checked against trio 0.35.0 (``trio/_highlevel_serve_listeners.py``, whose
+    accept loop starts ``_run_handler`` by its module name for each connection)."""
+    if getattr(trio_serve_listeners._run_handler, "patched_by_engine", False):
+        return
+
+    async def run_handler(stream: Any, handler: Any) -> None:
+        try:
+            await handler(stream)
+        finally:
+            if not (type(stream) is trio.SocketStream and stream.socket.fileno() == -1):
+                await trio.aclose_forcefully(stream)
+
+    run_handler.patched_by_engine = True  # type: ignore[attr-defined]
+    trio_serve_listeners._run_handler = run_handler  # type: ignore[assignment]
 
 
 class IdleTimer:
