@@ -281,6 +281,8 @@ class _Hooks:
         if request.method == "OPTIONS":
             return  # a CORS preflight carries no credentials; the request it announces does
         api_key = self.server.api_key
+        if api_key is None:
+            return  # no --api-key: nothing to compare (two header lookups a request saved)
         if not (auth.authorized(api_key, request.path, request.headers.get("Authorization"))
                 or auth.key_matches(api_key, request.headers.get("x-api-key"))):
             raise APIError(401, "Invalid or missing API key (Authorization: Bearer <key>, "
