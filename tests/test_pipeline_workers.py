@@ -78,6 +78,20 @@ async def test_two_stages_give_the_one_rank_outputs_with_batches_in_flight(model
     assert not psutil.pid_exists(pid)
 
 
+async def test_two_stages_behind_an_engine_core_process_keep_batches_in_flight(model: Path) -> None:
+    # Regression: a core in its own process scheduled one batch at a time whatever its
+    # pipeline, so a stage always waited for the other.
+    async with engine.open_engine(str(model), **OPTIONS) as eng:
+        want = await _outputs(eng)
+    async with engine.open_engine(str(model), pipeline_parallel_size=2, engine_core="process",
+                                  **OPTIONS) as eng:
+        got = await _outputs(eng)
+        await wait_idle(eng)
+        assert eng.statistics().planned_ahead > 0
+    for key, outputs in want.items():
+        assert _same(got[key], outputs), key
+
+
 async def test_two_by_two_ranks_give_the_one_rank_tokens(model: Path) -> None:
     async with engine.open_engine(str(model), **OPTIONS) as eng:
         want = [token_ids(await collect(eng, p, greedy(16))) for p in PROMPTS]

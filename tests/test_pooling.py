@@ -45,6 +45,32 @@ async def test_minilm_matches_sentence_transformers_single_batched_and_concurren
     assert np.allclose(np.linalg.norm(batched, axis=1), 1.0, atol=1e-5)
 
 
+async def test_embeddings_and_scores_through_an_engine_core_process(
+    minilm: Path, st_embeddings: np.ndarray, cross_encoder: Path
+) -> None:
+    # Regression: a core in its own process scheduled a pooling model's requests as
+    # generations, and its first embedding request killed it ("drew no token").
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    corpus = sentences()
+    async with engine.open_engine(minilm, dtype="float32", max_num_seqs=32,
+                                  engine_core="process") as eng:
+        batched = np.stack([p.vector() for p in await eng.embed(corpus)])
+        single = (await eng.embed(corpus[3]))[0].vector()
+        assert eng.statistics().requests_finished == len(corpus) + 1
+    assert cosines(batched, st_embeddings).min() >= 0.9999
+    assert cosines(single[None], st_embeddings[3:4]).min() >= 0.9999
+    query, docs = "Where is Berlin?", ["Berlin is the capital of Germany.", "A cat sat."]
+    async with engine.open_engine(cross_encoder, dtype="float32", engine_core="process") as eng:
+        scores = [s for s, _ in await eng.score(query, docs)]
+    tok = AutoTokenizer.from_pretrained(str(cross_encoder))
+    model = BertForSequenceClassification.from_pretrained(str(cross_encoder)).eval()
+    with torch.no_grad():
+        batch = tok([query] * len(docs), docs, padding=True, return_tensors="pt")
+        want = torch.sigmoid(model(**batch).logits[:, 0]).tolist()
+    assert np.allclose(scores, want, atol=1e-5)
+
+
 async def test_minilm_refuses_long_inputs_generation_and_dimensions(minilm: Path) -> None:
     async with engine.open_engine(minilm, dtype="float32", max_num_seqs=4,
                                   max_queued_requests=64) as eng:

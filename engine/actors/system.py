@@ -74,6 +74,35 @@ class ActorHandles:
     actors: dict[str, Any]  # name -> actor, for their statistics() (tests, benchmarks)
 
 
+def scheduler_actor(
+    parts: Any, *, inbox: Any, to_allocator: Any, from_allocator: Any, to_executor: Any,
+    to_detokenizer: Any,
+) -> SchedulerActor:
+    """The scheduler actor for ``parts`` (:class:`EngineParts`, or an engine core process's
+    parts), wired to the given channels. One place builds it for both, so a core in its
+    own process schedules as the in-process engine does: a pooling model's requests end
+    at their prompt, a model without paged KV is scheduled as such, and a pipeline keeps
+    one batch a stage in flight."""
+    config = parts.config
+    return SchedulerActor(
+        Scheduler(
+            SchedulerConfig.from_engine_config(
+                config, max_model_len=parts.limits.max_model_len, num_kv_blocks=parts.num_blocks,
+                sliding_window=parts.runner.config.released_window,
+                pooling=parts.pooler is not None, paged_kv=parts.runner.paged_kv,
+            )
+        ),
+        inbox=inbox,
+        to_allocator=to_allocator,
+        from_allocator=from_allocator,
+        to_executor=to_executor,
+        to_detokenizer=to_detokenizer,
+        async_scheduling=bool(config.async_scheduling),
+        release_grammar=parts.grammar.release if parts.grammar is not None else None,
+        max_in_flight=getattr(parts.runner, "batches_in_flight", None),
+    )
+
+
 async def run_actors(parts: EngineParts, *, ready: Callable[[ActorHandles], None]) -> None:
     """Open every channel, start every actor in dependency order, then call ``ready``.
 
@@ -99,22 +128,9 @@ async def run_actors(parts: EngineParts, *, ready: Callable[[ActorHandles], None
         )
         allocator = KVAllocator(pool, call_recv, reply_send)
         executor = Executor(parts.runner, plan_recv, sched_send.clone())
-        scheduler = SchedulerActor(
-            Scheduler(
-                SchedulerConfig.from_engine_config(
-                    config, max_model_len=parts.limits.max_model_len, num_kv_blocks=parts.num_blocks,
-                    sliding_window=parts.runner.config.released_window,
-                    pooling=parts.pooler is not None, paged_kv=parts.runner.paged_kv,
-                )
-            ),
-            inbox=sched_recv,
-            to_allocator=call_send,
-            from_allocator=reply_recv,
-            to_executor=plan_send,
-            to_detokenizer=detok_send,
-            async_scheduling=bool(config.async_scheduling),
-            release_grammar=parts.grammar.release if parts.grammar is not None else None,
-            max_in_flight=getattr(parts.runner, "batches_in_flight", None),
+        scheduler = scheduler_actor(
+            parts, inbox=sched_recv, to_allocator=call_send, from_allocator=reply_recv,
+            to_executor=plan_send, to_detokenizer=detok_send,
         )
         detokenizer = Detokenizer(
             parts.tokenizer, inbox=detok_recv, to_router=router_send,

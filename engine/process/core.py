@@ -35,10 +35,9 @@ from engine._version import VERSION
 from engine.actors.allocator import KVAllocator
 from engine.actors.executor import Executor
 from engine.actors.model_thread import run_in_model_thread
-from engine.actors.scheduler import SchedulerActor
+from engine.actors.system import scheduler_actor
 from engine.config import EngineConfig, parse_address
 from engine.core.block_pool import BlockPool
-from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.errors import InvalidParamError
 from engine.messages import (
     AbortSamples,
@@ -181,14 +180,9 @@ async def _run_core_actors(parts: Any, frames: FrameStream, compiles: CompilePoo
                      enable_prefix_caching=config.enable_prefix_caching)
     allocator = KVAllocator(pool, call_recv, reply_send)
     executor = Executor(parts.runner, plan_recv, sched_send.clone())
-    scheduler = SchedulerActor(
-        Scheduler(SchedulerConfig.from_engine_config(
-            config, max_model_len=parts.limits.max_model_len, num_kv_blocks=parts.num_blocks,
-            sliding_window=parts.runner.config.released_window)),
-        inbox=sched_recv, to_allocator=call_send, from_allocator=reply_recv,
+    scheduler = scheduler_actor(
+        parts, inbox=sched_recv, to_allocator=call_send, from_allocator=reply_recv,
         to_executor=plan_send, to_detokenizer=out_send,
-        async_scheduling=bool(config.async_scheduling),
-        release_grammar=parts.grammar.release if parts.grammar is not None else None,
     )
     refusals = out_send.clone()  # bridge_in's answer to a request whose grammar it refused
     received = 0
