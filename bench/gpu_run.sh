@@ -1,8 +1,9 @@
 #!/bin/bash
 # The GPU pass of issue 40, as one call of the device tool (docs/benchmarks.md, "On a GPU"):
 #   bash bench/gpu_run.sh [tests] [kernels] [e2e] [some]    (no argument: the first three)
-# The image there lacks trio, hypercorn, quart-trio, gguf, xgrammar and the rest of the
-# engine's pure-Python stack: they travel as Python 3.12 wheels in .whl (carry: [".whl"]).
+# The image there lacks trio, hypercorn, quart-trio, gguf, xgrammar, jsonschema-rs (the HTTP
+# schema check imports it) and the rest of the engine's pure-Python stack: they travel as
+# Python 3.12 wheels in .whl (carry: [".whl"]).
 # Logs land in $OUT (the device tool brings them back).
 set -u
 OUT=${OUT:-/tmp/gpu-out}
