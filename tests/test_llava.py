@@ -206,6 +206,21 @@ async def test_prefix_cache_keys_blocks_by_image(llava, hf) -> None:
     assert runs == 2
 
 
+async def test_images_through_an_engine_core_process_give_transformers_tokens(llava, hf) -> None:
+    from PIL import Image
+
+    # The core process gets each image's pixels in the request's frame and encodes them
+    # there: the answers are still transformers', and differ by image (the two images
+    # test_prefix_cache_keys_blocks_by_image found this random model tells apart).
+    a, b = _image(1), Image.new("RGB", (30, 20), (255, 255, 255))
+    async with _open(llava, engine_core="process") as eng:
+        got = [token_ids(await collect(eng, _messages(images), greedy(NEW_TOKENS)))
+               for images in ([a], [b], [a, b])]
+    want = [_hf_run(hf, images)[2] for images in ([a], [b], [a, b])]
+    assert got == want
+    assert got[0] != got[1]
+
+
 async def test_bad_images_are_refused_and_the_engine_keeps_serving(llava) -> None:
     from PIL import Image
 
