@@ -144,30 +144,17 @@ def test_empty_prompt_and_empty_pushes(tok: Tokenizer) -> None:
     assert _text(_stream(detok, ids)) == " leading space kept"
 
 
-class _CountingTokenizer:
-    """Wraps a Tokenizer and records how many ids each decode call was given."""
-
-    def __init__(self, inner: Tokenizer) -> None:
-        self._inner = inner
-        self.skipped_special_ids = inner.skipped_special_ids
-        self.lengths: list[int] = []
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        self.lengths.append(len(ids))
-        return self._inner.decode(ids, skip_special_tokens=skip_special_tokens)
-
-
 def test_each_push_decodes_a_bounded_window(smol: Tokenizer) -> None:
     # A long output with emoji and runs of skipped special tokens: if any step decoded
     # the whole output so far, the longest window would grow with the output.
     piece = smol.encode("Some text 😀 with emoji 🎉 and more words. ")
     specials = [2] * 20  # <|im_end|>, dropped when skipping special tokens
     ids = (piece + specials) * 40
-    counting = _CountingTokenizer(smol)
-    detok = IncrementalDetokenizer(counting, list(range(100)))  # type: ignore[arg-type]
+    recording = _RecordingTokenizer(smol)
+    detok = IncrementalDetokenizer(recording, list(range(100)))  # type: ignore[arg-type]
     assert _text(_stream(detok, ids)) == smol.decode(ids)
     assert len(ids) > 1000
-    assert max(counting.lengths) <= 10  # prompt context (5) + an emoji's byte tokens
+    assert max(map(len, recording.calls)) <= 10  # prompt context (5) + an emoji's byte tokens
 
 
 

@@ -3,7 +3,8 @@
 
 Every field's type and range is written once here (the ranges come from
 :mod:`engine.params`, which checks them again in the engine); :func:`check_body` validates
-a body with the ``jsonschema`` library before the family's parser (such as
+a body (compiled by ``jsonschema-rs`` for the common valid body; the ``jsonschema`` library
+judges and words the rest) before the family's parser (such as
 :mod:`engine.http.completions.protocol`) turns it into engine parameters, and
 :func:`openapi` builds the OpenAPI 3.1 document from the same dictionaries. Checks that
 need the model (token ids below the vocabulary size, ``top_k`` up to it, lengths within
