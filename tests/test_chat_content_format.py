@@ -82,12 +82,17 @@ TOOL_CHAT = [
 
 def as_vllm_hands_them(messages: list[dict], fmt: str) -> list[dict]:
     """``messages`` as vLLM gives them to a template of content format ``fmt`` (its
-    documented rule): a tool result's text parts, and for a string template every content
-    list's, joined with a newline; tool-call arguments as objects (transformers' form)."""
+    documented rule): an assistant's refusal part as a text part of its refusal; a tool
+    result's text parts, and for a string template every content list's, joined with a
+    newline; tool-call arguments as objects (transformers' form)."""
     out = []
     for message in messages:
         m = dict(message)
         content = m.get("content")
+        if isinstance(content, list):
+            content = m["content"] = [
+                {"type": "text", "text": p["refusal"]} if p.get("type") == "refusal" else p
+                for p in content]
         if isinstance(content, list) and (fmt == "string" or m["role"] == "tool"):
             m["content"] = "\n".join(p["text"] for p in content)
         if m.get("tool_calls"):
@@ -166,6 +171,25 @@ def test_text_parts_reach_the_template_as_transformers_renders_them(tokenizers, 
     if FORMATS[name] == "openai":  # the two ways differ: the test can tell them apart
         assert _hf_ids(hf, as_vllm_hands_them(TEXT_CHAT, "string")) != _hf_ids(
             hf, as_vllm_hands_them(TEXT_CHAT, "openai"))
+
+
+# A conversation replayed from OpenAI, whose assistant declined in a refusal part.
+REFUSAL_CHAT = [
+    {"role": "user", "content": "Tell me a secret."},
+    {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot share that."}]},
+    {"role": "user", "content": [{"type": "text", "text": "Then a joke."}]},
+]
+
+
+@pytest.mark.parametrize("name", [QWEN2_VL, QWEN3])
+def test_an_assistant_refusal_part_reaches_the_template_as_its_text(tokenizers, name) -> None:
+    """OpenAI's assistant turns may hold refusal parts; vLLM reads one as the turn's
+    text. One template of each content format."""
+    ours, hf = tokenizers(name)
+    ids = chat_prompt_ids(ours, REFUSAL_CHAT)
+    assert ids == _hf_ids(hf, as_vllm_hands_them(REFUSAL_CHAT, FORMATS[name]))
+    silent = [REFUSAL_CHAT[0], {"role": "assistant", "content": ""}, REFUSAL_CHAT[2]]
+    assert ids != chat_prompt_ids(ours, silent)  # the refusal's text is in the prompt
 
 
 @pytest.mark.parametrize("name", [MISTRAL_SMALL_3_1, QWEN3])
@@ -315,6 +339,34 @@ def test_every_route_renders_the_parts_as_the_template_reads_them(qwen_vl_text,
             count = claude.messages.count_tokens(
                 model="m", messages=[{"role": "user", "content": blocks}])
             assert count.input_tokens == len(want)
+
+
+def test_content_parts_the_server_does_not_read_are_a_400_naming_them(qwen_vl_text) -> None:
+    """Audio and file parts are refused (this server reads neither), naming the part's
+    type; a refusal part outside an assistant turn too. An assistant's refusal part is
+    the prompt transformers renders from its text (what the openai client replays)."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(qwen_vl_text)
+    want = _hf_ids(hf, as_vllm_hands_them(REFUSAL_CHAT, "openai"))
+    with ServerThread(lambda: engine.open_engine(
+            str(qwen_vl_text), served_model_name="m", kv_cache_memory=8 * 2**20)) as server, \
+            openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused",
+                          max_retries=0) as client:
+        chat = client.chat.completions.create(model="m", messages=REFUSAL_CHAT, max_tokens=2,
+                                              extra_body={"return_token_ids": True})
+        assert chat.model_extra["prompt_token_ids"] == want
+        for part, param in (
+                ({"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+                 "messages[0].content[0].type"),
+                ({"type": "file", "file": {"file_id": "file-1"}}, "messages[0].content[0].type"),
+                ({"type": "refusal", "refusal": "no"}, "messages[0].content")):
+            with pytest.raises(openai.BadRequestError) as info:
+                client.chat.completions.create(
+                    model="m", max_tokens=2, messages=[{"role": "user", "content": [part]}])
+            assert info.value.body["param"] == param
+            assert part["type"] in info.value.body["message"]
+        assert httpx.get(server.base_url + "/health").status_code == 200
 
 
 @pytest.mark.parametrize("option", ["auto", "string"])

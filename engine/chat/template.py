@@ -113,7 +113,7 @@ def _normalize_message(index: int, message: Any, images: bool = False) -> dict[s
         out["content"] = ""  # OpenAI clients send null content; only assistants may omit it
     out.update(check_tool_fields({**message, "role": role}, where))
     if "content" in out:
-        out["content"] = _content(where, out["content"], images and role != "tool")
+        out["content"] = _content(where, out["content"], images and role != "tool", role)
         if role == "tool" and isinstance(out["content"], list):
             out["content"] = _CONTENT_PART_SEPARATOR.join(p["text"] for p in out["content"])
     elif role != "assistant":  # an assistant turn may carry only tool_calls
@@ -127,10 +127,13 @@ def _normalize_message(index: int, message: Any, images: bool = False) -> dict[s
 _IMAGE_PARTS = ("image_url", "image")
 
 
-def _content(where: str, content: Any, images: bool = False) -> str | list[dict[str, Any]]:
+def _content(where: str, content: Any, images: bool = False,
+             role: str = "user") -> str | list[dict[str, Any]]:
     """A message's content checked: a string, or a list of text parts (copies holding
     ``type`` and ``text`` only) and, with ``images``, image parts (copied whole: the engine
-    reads their data later)."""
+    reads their data later). An assistant turn's refusal part (OpenAI's shape for what it
+    declined) becomes a text part of its refusal, as vLLM reads it; in any other turn it
+    is refused."""
     if isinstance(content, str):
         return content
     if isinstance(content, (bytes, Mapping)) or not isinstance(content, Sequence):
@@ -143,8 +146,16 @@ def _content(where: str, content: Any, images: bool = False) -> str | list[dict[
         if images and kind in _IMAGE_PARTS:
             parts.append(dict(part))  # checked when the engine takes the image out
             continue
+        if kind == "refusal" and role == "assistant":
+            if not isinstance(part.get("refusal"), str):
+                raise InvalidParamError(f"{where}.content[{j}].refusal must be a string",
+                                        param=f"{where}.content")
+            parts.append({"type": "text", "text": part["refusal"]})
+            continue
         if kind != "text":
             what = "a text or image part" if images else "a text part"
+            if kind == "refusal":
+                what += " (a refusal part belongs to an assistant turn)"
             raise InvalidParamError(f"{where}.content[{j}] must be {what}, got {kind!r}",
                                     param=f"{where}.content")
         if not isinstance(part.get("text"), str):

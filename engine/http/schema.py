@@ -167,15 +167,25 @@ COMPLETION: dict[str, Any] = {
     },
 }
 
-_TEXT_PART = {"type": "object", "required": ["type", "text"], "properties": {
-    "type": {"const": "text"}, "text": {"type": "string"}}}
-# An image for a vision-language model: a base64 data: URL (http(s) only for hosts in
-# --allowed-media-domains); a text-only model refuses it with a 400 naming the part.
-_IMAGE_PART = {"type": "object", "required": ["type", "image_url"], "properties": {
-    "type": {"const": "image_url"},
-    "image_url": {"anyOf": [{"type": "string"}, {"type": "object", "required": ["url"],
-                  "properties": {"url": {"type": "string"},
-                                 "detail": {"enum": ["auto", "low", "high"]}}}]}}}
+# A message's content part. Its type is one of the three below; what each must hold
+# (text's and refusal's string, an image's data) the chat normalizer checks
+# (engine.chat.template), which also takes a refusal part only in an assistant turn, as
+# text (vLLM's reading). An image is for a vision-language model: a base64 data: URL
+# (http(s) only for hosts in --allowed-media-domains); a text-only model refuses it with a
+# 400 naming the part.
+_CONTENT_PART = {
+    "type": "object", "required": ["type"],
+    "properties": {
+        "type": {"enum": ["text", "image_url", "refusal"],
+                 "description": "text (any turn), image_url (vision models), refusal "
+                                "(an assistant turn: what it declined, read as its text)"},
+        "text": {"type": "string"},
+        "refusal": {"type": "string"},
+        "image_url": {"anyOf": [{"type": "string"}, {"type": "object", "required": ["url"],
+                      "properties": {"url": {"type": "string"},
+                                     "detail": {"enum": ["auto", "low", "high"]}}}]},
+    },
+}
 _MESSAGE = {
     "type": "object",
     "required": ["role"],
@@ -184,7 +194,7 @@ _MESSAGE = {
                  "description": "system, developer, user, assistant, tool, or a custom role "
                                 "the chat template reads (vLLM passes those on too)"},
         "content": {"anyOf": [{"type": "string"}, {"type": "null"},
-                              {"type": "array", "items": {"anyOf": [_TEXT_PART, _IMAGE_PART]}}]},
+                              {"type": "array", "items": _CONTENT_PART}]},
     },
 }
 _MESSAGES = {"type": "array", "items": _MESSAGE, "minItems": 1}
