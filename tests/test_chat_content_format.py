@@ -192,6 +192,22 @@ def test_an_assistant_refusal_part_reaches_the_template_as_its_text(tokenizers, 
     assert ids != chat_prompt_ids(ours, silent)  # the refusal's text is in the prompt
 
 
+@pytest.mark.parametrize("name", [QWEN2_VL, QWEN3])
+def test_an_assistant_turn_as_the_openai_client_replays_it(tokenizers, name) -> None:
+    """``messages.append(response.choices[0].message)``: content null beside a refusal
+    (the turn said the refusal), or null with nothing else (an empty turn), and the
+    other fields null."""
+    ours, hf = tokenizers(name)
+    nulls = {"annotations": [], "audio": None, "function_call": None, "tool_calls": None}
+    for turn, said in (({"content": None, "refusal": "I cannot share that."},
+                        "I cannot share that."),
+                       ({"content": None, "refusal": None}, "")):
+        chat = [REFUSAL_CHAT[0], {"role": "assistant", **turn, **nulls}, REFUSAL_CHAT[2]]
+        plain = [REFUSAL_CHAT[0], {"role": "assistant", "content": said}, REFUSAL_CHAT[2]]
+        assert chat_prompt_ids(ours, chat) == _hf_ids(hf, as_vllm_hands_them(plain,
+                                                                          FORMATS[name]))
+
+
 @pytest.mark.parametrize("name", [MISTRAL_SMALL_3_1, QWEN3])
 def test_tool_calls_and_results_reach_the_template_as_transformers_renders_them(
         tokenizers, name) -> None:
@@ -366,6 +382,15 @@ def test_content_parts_the_server_does_not_read_are_a_400_naming_them(qwen_vl_te
                     model="m", max_tokens=2, messages=[{"role": "user", "content": [part]}])
             assert info.value.body["param"] == param
             assert part["type"] in info.value.body["message"]
+        # History this server cannot render: an assistant's audio, and the deprecated
+        # function call.
+        for field, value in (("audio", {"id": "audio_1"}),
+                             ("function_call", {"name": "f", "arguments": "{}"})):
+            with pytest.raises(openai.BadRequestError) as info:
+                client.chat.completions.create(model="m", max_tokens=2, messages=[
+                    REFUSAL_CHAT[0], {"role": "assistant", "content": None, field: value},
+                    REFUSAL_CHAT[2]])
+            assert info.value.body["param"] == f"messages[1].{field}"
         assert httpx.get(server.base_url + "/health").status_code == 200
 
 

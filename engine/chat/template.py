@@ -112,16 +112,39 @@ def _normalize_message(index: int, message: Any, images: bool = False) -> dict[s
     if role != "assistant" and "content" in message and message["content"] is None:
         out["content"] = ""  # OpenAI clients send null content; only assistants may omit it
     out.update(check_tool_fields({**message, "role": role}, where))
+    if role == "assistant":
+        _assistant_fields(where, out)
     if "content" in out:
         out["content"] = _content(where, out["content"], images and role != "tool", role)
         if role == "tool" and isinstance(out["content"], list):
             out["content"] = _CONTENT_PART_SEPARATOR.join(p["text"] for p in out["content"])
-    elif role != "assistant":  # an assistant turn may carry only tool_calls
+    elif role != "assistant":  # an assistant turn may carry only tool_calls (no content)
         raise InvalidParamError(f"{where} has no content", param=f"{where}.content")
     reasoning = next((out[k] for k in _REASONING_FIELDS if k in out), None)
     if reasoning is not None:
         out = {"thinking": reasoning, **out, "reasoning_content": reasoning}
     return out
+
+
+def _assistant_fields(where: str, out: dict[str, Any]) -> None:
+    """An assistant turn as OpenAI's client replays it (``messages.append(message)``). Its
+    ``refusal`` (content null) is what it said, read as its content, as a refusal part is;
+    a turn without content, refusal or tool calls has empty content (vLLM's reading: every
+    template gets a content). Audio and the deprecated ``function_call`` would be history
+    this server cannot render: refused, naming the field."""
+    for field, why in (("audio", "this server does not read audio turns; send the "
+                                 "turn's transcript as its content"),
+                       ("function_call", "the deprecated function calls are not supported "
+                                         "by this server; send them as tool_calls")):
+        if field in out:
+            raise InvalidParamError(f"{where}.{field}: {why}", param=f"{where}.{field}")
+    if "content" in out:
+        return
+    refusal = out.get("refusal")
+    if refusal is not None and not isinstance(refusal, str):
+        raise InvalidParamError(f"{where}.refusal must be a string", param=f"{where}.refusal")
+    if refusal is not None or "tool_calls" not in out:
+        out["content"] = refusal or ""
 
 
 _IMAGE_PARTS = ("image_url", "image")
