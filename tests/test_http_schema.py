@@ -11,6 +11,7 @@ or at a bound's edge: near-valid bodies, where two validators would disagree if 
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Any
 
@@ -114,3 +115,33 @@ def test_a_body_the_compiled_validator_passes_is_one_jsonschema_passes(name: str
             assert caught.value.status == 400
     # The generator reaches both verdicts often, or the property above says little.
     assert passed > 100 and refused > 100, (passed, refused)
+
+
+def _enum_fields(node: dict[str, Any]) -> dict[str, list[Any]]:
+    """Top-level fields of ``node`` that take one of listed values (or null)."""
+    out = {}
+    for field, sub in node.get("properties", {}).items():
+        for branch in sub.get("anyOf", [sub]):
+            if "enum" in branch:
+                out[field] = branch["enum"]
+    return out
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if _enum_fields(schema._schema(n))])
+def test_a_value_outside_a_fields_list_is_a_400_listing_the_values(name: str) -> None:
+    """The refusal of a listed-values field ("encoding_format": "hex") names the field and
+    says which values it takes, read from the published schema."""
+    node = schema._schema(name)
+    fields = _enum_fields(node)
+    rng = random.Random(name)
+    reference = jsonschema.Draft202012Validator(node)
+    base = next(b for b in ({n: _value(node["properties"][n], rng, 1, 0.0)
+                             for n in node.get("required", [])} for _ in range(100))
+                if reference.is_valid(b))
+    for field, values in fields.items():
+        with pytest.raises(APIError) as caught:
+            schema.check_body({**base, field: "__none_of_them__"}, name)
+        error = caught.value.body()["error"]
+        assert caught.value.status == 400 and error["param"] == field
+        for value in values:
+            assert json.dumps(value) in error["message"] or repr(value) in error["message"]

@@ -16,6 +16,7 @@ the context) happen at admission and are described here in words. ``null`` means
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any
 
 import jsonschema
@@ -454,6 +455,16 @@ def _param(path: list[Any]) -> str | None:
     return out
 
 
+def _kind(schema: dict[str, Any]) -> str:
+    """What one branch of an ``anyOf`` takes, for an error: its values when it lists
+    them (``"float" or "base64"``), else its type."""
+    if "enum" in schema:
+        return " or ".join(json.dumps(v) for v in schema["enum"])
+    if "const" in schema:
+        return json.dumps(schema["const"])
+    return str(schema.get("type", "a value"))
+
+
 def _expected(error: Any) -> str:
     schema = error.schema
     if error.validator in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
@@ -464,7 +475,7 @@ def _expected(error: Any) -> str:
     if error.validator == "anyOf":
         if "description" in schema:
             return f"must be {schema['description']}"
-        kinds = [sub.get("type", "a value") for sub in schema["anyOf"]]
+        kinds = [_kind(sub) for sub in schema["anyOf"]]
         inner = [k for sub in schema["anyOf"] for k in
                  ([sub["anyOf"][0].get("type")] if "anyOf" in sub else [])]
         return "must be " + " or ".join(str(k) for k in inner + kinds if k)
