@@ -86,6 +86,17 @@ def test_tokenize_checks_chat_messages_as_generation_does(server):
     assert ids[0] == ids[1]
 
 
+def test_tokenize_given_both_a_prompt_and_messages_is_400(server):
+    """Either could be counted, and the counts differ: neither is guessed."""
+    messages = [{"role": "user", "content": "hi"}]
+    both = httpx.post(server.base_url + "/tokenize", json={"prompt": "hi", "messages": messages},
+                      headers=_headers())
+    assert _assert_error_body(both, 400, "messages")["code"] == "invalid_value"
+    counts = [httpx.post(server.base_url + "/tokenize", json=body, headers=_headers()).json()[
+        "count"] for body in ({"prompt": "hi"}, {"messages": messages})]
+    assert counts[0] != counts[1]
+
+
 def test_malformed_json_is_400(server):
     r = httpx.post(server.base_url + "/v1/completions", content=b'{"prompt": ',
                    headers={**_headers(), "Content-Type": "application/json"})

@@ -119,6 +119,10 @@ class AdminRoutes:
         tok = self.engine.tokenizer
 
         def parse(body: dict[str, Any]) -> tuple[Any, Any, bool]:
+            if body.get("messages") is not None and body.get("prompt") is not None:
+                # Which one to count would change the answer: neither is guessed.
+                raise APIError(400, "tokenize takes a `prompt` or `messages`, not both",
+                               param="messages", code="invalid_value")
             if "messages" in body:
                 fields = parse_chat_fields(body, self.server.chat_settings, tok.chat_template)
                 messages = normalize_messages(body["messages"], images=True)
