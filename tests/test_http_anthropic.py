@@ -165,8 +165,9 @@ def _events(server, body):
 
 
 def test_stream_events_come_in_anthropics_order(server):
-    body = {"model": MODEL, "messages": ASK, "max_tokens": 10, "stream": True,
-            "tools": [WEATHER], "tool_choice": {"type": "any"}, "temperature": 0}
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 200, "stream": True,
+            "tools": [WEATHER], "temperature": 0,
+            "tool_choice": {"type": "any", "disable_parallel_tool_use": True}}
     pairs = _events(server, body)
     assert all(name == data["type"] for name, data in pairs)
     names = [name for name, _ in pairs]
@@ -185,8 +186,22 @@ def test_stream_events_come_in_anthropics_order(server):
                 open_index = None
     assert open_index is None and starts >= 1
     delta = pairs[-2][1]
-    assert delta["usage"]["output_tokens"] <= 10
+    assert delta["usage"]["output_tokens"] <= 200
     assert pairs[0][1]["message"]["usage"]["input_tokens"] > 0
+
+
+def test_a_forced_call_cut_short_streams_the_blocks_the_whole_answer_has(server, clients):
+    """tool_choice any cut by max_tokens: the unfinished call is no block, streamed or
+    not (the stream sent its markup as a text block)."""
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 10, "tools": [WEATHER],
+            "tool_choice": {"type": "any"}}
+    whole = clients().messages.create(**body, extra_body=GREEDY)
+    assert whole.stop_reason == "max_tokens"
+    pairs = _events(server, {**body, **GREEDY, "stream": True})
+    started = [data["content_block"]["type"] for name, data in pairs
+               if name == "content_block_start"]
+    assert started == [block.type for block in whole.content]
+    assert pairs[-2][1]["delta"]["stop_reason"] == "max_tokens"
 
 
 def test_tool_round_trip_through_the_fallback_prompt(server, clients):

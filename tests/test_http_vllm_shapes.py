@@ -483,6 +483,28 @@ def test_a_forced_call_cut_short_is_no_call(scripted):
         assert answer.message.tool_calls == []  # no fragment of the markup as a call
 
 
+def test_a_forced_call_cut_short_streams_what_the_message_says(scripted):
+    """Streamed, a required list cut anywhere by max_tokens sends no call markup as
+    content (it sent '<tool_call>' text at the end): its content adds up to the whole
+    answer's, and its calls' names to the whole answer's finished calls."""
+    scripted.engine.script = CALL + "\n" + CALL
+    client = _client(scripted)
+    first = len(scripted.engine.tokenizer.encode(CALL + "\n", add_special_tokens=False))
+    # Inside the first call, and at the second's opening markup and its name.
+    for limit in (3, first + 1, first + 3, first + 8):
+        args = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                    max_completion_tokens=limit)
+        (whole,) = client.chat.completions.create(**args).choices
+        assert whole.finish_reason == "length"
+        chunks = [c.choices[0] for c in client.chat.completions.create(**args, stream=True)
+                  if c.choices]
+        assert "".join(c.delta.content or "" for c in chunks) == whole.message.content == ""
+        names = [t.function.name for c in chunks for t in c.delta.tool_calls or ()
+                 if t.function and t.function.name]
+        assert names[:len(whole.message.tool_calls)] == [
+            t.function.name for t in whole.message.tool_calls]
+
+
 def test_a_named_call_ends_with_stop_and_required_with_tool_calls(scripted):
     """OpenAI's and vLLM's finish for a call that ended on its own: "stop" under a named
     tool_choice, "tool_calls" under required; streamed or not."""

@@ -15,7 +15,8 @@ which then goes through one tool stage:
 
 ``feed`` and ``finish`` return what to stream; :meth:`message` is the complete message,
 equal to what the streamed deltas add up to (but for a forced call cut short by
-``max_tokens``: its fragment was streamed, and the message drops it). A choice that
+``max_tokens``: the fragment of it already streamed as call pieces stays sent, and the
+message drops it; markup still held back is dropped from both). A choice that
 produced calls and stopped on its own reports ``finish_reason: "tool_calls"``, as OpenAI
 does, except under a named ``tool_choice``: ``"stop"``, as OpenAI and vLLM send it.
 """
@@ -150,16 +151,21 @@ class ChatOutputParser:
         split = self._reasoning.feed(text)
         return self._after_reasoning(split.reasoning, split.content, final=False)
 
-    def finish(self) -> ChatDelta:
+    def finish(self, *, cut_short: bool = False) -> ChatDelta:
+        """What the end of the output adds. ``cut_short`` (it hit max_tokens): under a
+        forced call, the call markup still held back is dropped, not sent as content, as
+        :meth:`message` drops it."""
         if self._finished:
             return ChatDelta()
         self._finished = True
         if self._reasoning is None:
-            return self._after_reasoning("", "", final=True)
+            return self._after_reasoning("", "", final=True, cut_short=cut_short)
         split = self._reasoning.finish()
-        return self._after_reasoning(split.reasoning, split.content, final=True)
+        return self._after_reasoning(split.reasoning, split.content, final=True,
+                                     cut_short=cut_short)
 
-    def _after_reasoning(self, reasoning: str, content: str, *, final: bool) -> ChatDelta:
+    def _after_reasoning(self, reasoning: str, content: str, *, final: bool,
+                         cut_short: bool = False) -> ChatDelta:
         if not self._options.include_reasoning:
             reasoning = ""
         if self._tools is None:
@@ -170,7 +176,8 @@ class ChatOutputParser:
         calls = delta.tool_calls if delta else ()
         if final:
             end = self._tools.finish()
-            text += end.content
+            if not (cut_short and self._options.forced):
+                text += end.content
             calls += end.tool_calls
         return ChatDelta(reasoning, text, calls)
 

@@ -135,7 +135,7 @@ async def chat_stream(
                     fields.output, constrained=constrained)
             delta = parser.feed(out.text)
             if out.finished:
-                end = parser.finish()
+                end = parser.finish(cut_short=out.finish_reason == "length")
                 delta = ChatDelta(delta.reasoning + end.reasoning, delta.content + end.content,
                                   delta.tool_calls + end.tool_calls)
                 yield ChatChunk(out.index, delta, parser.finish_reason(out.finish_reason))

@@ -501,7 +501,7 @@ class Completion:
             return chunks
         delta = choice.parser.feed(out.text)
         if out.finished:
-            end = choice.parser.finish()
+            end = choice.parser.finish(cut_short=out.finish_reason == "length")
             delta = ChatDelta(delta.reasoning + end.reasoning, delta.content + end.content,
                               delta.tool_calls + end.tool_calls)
             finish = choice.parser.finish_reason(finish)

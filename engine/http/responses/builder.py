@@ -113,7 +113,7 @@ class ResponseBuilder:
 
     def finish(self, engine_reason: str | None, prompt_tokens: int, output_tokens: int,
                cached_tokens: int) -> list[dict[str, Any]]:
-        events = self._delta(self._parser.finish())
+        events = self._delta(self._parser.finish(cut_short=engine_reason == "length"))
         incomplete = self._parser.finish_reason(engine_reason) == "length"
         if self._pending_space and not self.output:  # an answer of whitespace alone
             events += self._ensure("message")
