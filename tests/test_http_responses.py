@@ -281,6 +281,14 @@ INVALID = [
                 {"type": "function_call", "call_id": "c1", "name": "get_weather",
                  "arguments": "{not json"}]}, "input[1].arguments"),
     ({"input": [{"type": "function_call_output", "output": "9C"}]}, "input[0].call_id"),
+    # An output that answers no call before it (OpenAI: "No tool call found ...").
+    ({"input": [{"role": "user", "content": "Hi"},
+                {"type": "function_call_output", "call_id": "c9", "output": "9C"}]},
+     "input[1].call_id"),
+    ({"input": [{"role": "user", "content": "Hi"},
+                {"type": "function_call_output", "call_id": "c1", "output": "9C"},
+                {"type": "function_call", "call_id": "c1", "name": "get_weather",
+                 "arguments": "{}"}]}, "input[1].call_id"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "wrong"}}}}]}, "tools[0].parameters"),
     ({"tools": [{"type": "function", "name": "has space"}]}, "tools[0].name"),

@@ -171,6 +171,7 @@ def parse_responses(
         for key, origin in origins[k].items():
             where[f"messages[{len(messages)}]{key}"] = origin
         messages.append(message)
+    _check_outputs_answer_calls(messages, where)
     tools = _tools(body.get("tools"))
     chat_body: dict[str, Any] = {
         "model": body.get("model"), "messages": messages,
@@ -318,6 +319,20 @@ def _input(value: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
                                "reasoning)", f"{where}.type")
     flush()
     return messages, items, origins
+
+
+def _check_outputs_answer_calls(messages: list[dict[str, Any]], where: dict[str, str]) -> None:
+    """Every function_call_output answers a function_call before it (of this input or of
+    the previous responses), as OpenAI requires: one that answers none is a 400 naming
+    its call_id, not a tool result the model reads as the answer to some other call."""
+    calls: set[str] = set()
+    for i, message in enumerate(messages):
+        if message.get("role") == "assistant":
+            calls.update(c.get("id") for c in message.get("tool_calls") or ())
+        elif message.get("role") == "tool" and message.get("tool_call_id") not in calls:
+            origin = where.get(f"messages[{i}]", "input")
+            raise _bad(f"No tool call found for function call output with call_id "
+                       f"{message.get('tool_call_id')!r}", f"{origin}.call_id")
 
 
 def _message(item: dict[str, Any], where: str) -> tuple[str, str | list[dict[str, Any]]]:
