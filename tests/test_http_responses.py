@@ -235,9 +235,15 @@ def test_retrieve_delete_and_input_items(scripted, client):
     assert [i.content[0].text for i in rest.data] == ["message 2", "message 3", "message 4"]
     newest = client.responses.input_items.list(reply.id)  # desc by default, as OpenAI's
     assert newest.data[0].content[0].text == "message 4"
+    # Only a background response can be cancelled, and this server runs none.
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.cancel(reply.id)
+    assert info.value.body["param"] == "response_id"
+    assert client.responses.retrieve(reply.id).status == "completed"
     client.responses.delete(reply.id)
     for call in (lambda: client.responses.retrieve(reply.id),
                  lambda: client.responses.delete(reply.id),
+                 lambda: client.responses.cancel(reply.id),
                  lambda: client.responses.create(model=MODEL, input="more",
                                                  previous_response_id=reply.id)):
         with pytest.raises(openai.NotFoundError):

@@ -12,7 +12,8 @@ family                                      routes
                                             ``/inference/v1/generate``
 :mod:`engine.http.anthropic.routes`         ``/v1/messages``, ``/v1/messages/count_tokens``
 :mod:`engine.http.responses.routes`         ``/v1/responses`` and a stored response's
-                                            ``GET``, ``DELETE`` and ``/input_items``
+                                            ``GET``, ``DELETE``, ``/input_items`` and
+                                            ``/cancel``
 :mod:`engine.http.pooling.routes`           ``/v1/embeddings``, ``/v1/score``,
                                             ``/v1/rerank`` (and vLLM's other paths)
 :mod:`engine.http.admin`                    ``/health``, ``/ping``, ``/version``,

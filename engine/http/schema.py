@@ -168,25 +168,16 @@ COMPLETION: dict[str, Any] = {
     },
 }
 
-# A message's content part. Its type is one of the three below; what each must hold
-# (text's and refusal's string, an image's data) the chat normalizer checks
-# (engine.chat.template), which also takes a refusal part only in an assistant turn, as
-# text (vLLM's reading). An image is for a vision-language model: a base64 data: URL
-# (http(s) only for hosts in --allowed-media-domains); a text-only model refuses it with a
-# 400 naming the part.
-_CONTENT_PART = {
-    "type": "object", "required": ["type"],
-    "properties": {
-        "type": {"enum": ["text", "image_url", "refusal"],
-                 "description": "text (any turn), image_url (vision models), refusal "
-                                "(an assistant turn: what it declined, read as its text)"},
-        "text": {"type": "string"},
-        "refusal": {"type": "string"},
-        "image_url": {"anyOf": [{"type": "string"}, {"type": "object", "required": ["url"],
-                      "properties": {"url": {"type": "string"},
-                                     "detail": {"enum": ["auto", "low", "high"]}}}]},
-    },
-}
+# A content part; the chat normalizer (engine.chat.template) checks what each type must
+# hold. An image (vision models) is a data: URL, or http(s) from --allowed-media-domains.
+_CONTENT_PART = {"type": "object", "required": ["type"], "properties": {
+    "type": {"enum": ["text", "image_url", "refusal"],
+             "description": "text, image_url (vision models), refusal (an assistant turn's, "
+                            "read as its text)"},
+    "text": {"type": "string"}, "refusal": {"type": "string"},
+    "image_url": {"anyOf": [{"type": "string"}, {"type": "object", "required": ["url"],
+                  "properties": {"url": {"type": "string"},
+                                 "detail": {"enum": ["auto", "low", "high"]}}}]}}}
 _MESSAGE = {
     "type": "object",
     "required": ["role"],
@@ -587,6 +578,9 @@ def openapi(version: str, *, api_key: bool, tokenizer_info: bool = False) -> dic
                 "type": "object", "required": ["object", "data", "has_more"]}, api_key,
             query=(("limit", {"type": "integer", "minimum": 1, "maximum": 100}),
                    ("order", {"enum": ["asc", "desc"]}), ("after", {"type": "string"}))),
+        "/v1/responses/{response_id}/cancel": _stored_route(
+            "post", "Cancel a background response: this server runs none, so a stored "
+            "response is a 400 (it is complete)", _RESPONSE, api_key),
         "/tokenize": _post("Token ids of a prompt or chat", "TokenizeRequest", _json({
             "type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {
                 "count": {"type": "integer"}, "max_model_len": {"type": "integer"},

@@ -57,6 +57,8 @@ class ResponsesRoutes:
                          methods=["DELETE"])
         app.add_url_rule("/v1/responses/<response_id>/input_items",
                          view_func=self.response_input_items, methods=["GET"])
+        app.add_url_rule("/v1/responses/<response_id>/cancel",
+                         view_func=self.cancel_response, methods=["POST"])
 
     async def create_response(self) -> Response:
         body = await self.server.read_checked("responses")
@@ -96,6 +98,16 @@ class ResponsesRoutes:
         self.store.delete(response_id)
         return json_response({"id": response_id, "object": "response.deleted", "deleted": True},
                              200)
+
+    async def cancel_response(self, response_id: str) -> Response:
+        """OpenAI's cancel is for a response running in the background; this server runs
+        none (``background`` is refused), so a stored response was answered already: a
+        400 saying so (a 404 for one it does not hold)."""
+        self._stored(response_id)
+        raise APIError(400, f"Response {response_id!r} cannot be cancelled: only responses "
+                       "created with background: true can be, and this server runs every "
+                       "response in the foreground (it is already complete).",
+                       param="response_id", code="invalid_value")
 
     async def response_input_items(self, response_id: str) -> Response:
         args = request.args
