@@ -354,9 +354,10 @@ def _vllm_only(params: SamplingParams, *, guided_decoding: Any, **values: Any) -
             continue
         if name == "best_of" and value == params.n:
             continue
+        accepted = f"{neutral!r}, or n ({params.n})" if name == "best_of" else repr(neutral)
         raise InvalidParamError(
             f"{name}={value!r} is a vLLM sampling parameter this engine does not implement "
-            f"(only {neutral!r} is accepted)", param=name)
+            f"(only {accepted} is accepted)", param=name)
     if guided_decoding is not None:
         if params.structured_outputs is not None:
             raise InvalidParamError("guided_decoding is vLLM's older name for "

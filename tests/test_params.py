@@ -140,6 +140,9 @@ def test_vllms_other_field_names_are_taken_at_their_neutral_values_and_refused_o
         with pytest.raises(InvalidParamError) as info:
             SamplingParams(**{name: value})
         assert info.value.param == name
+    with pytest.raises(InvalidParamError) as info:
+        SamplingParams(n=2, best_of=3)
+    assert "or n (2)" in str(info.value)  # what it does take
     spec = StructuredOutputs(regex="[ab]+")
     assert SamplingParams(guided_decoding=spec).structured_outputs == spec
     assert SamplingParams(guided_decoding=spec).replace(max_tokens=3).structured_outputs == spec
