@@ -276,6 +276,15 @@ def test_a_named_tool_is_called(server, clients):
     ({"messages": ASK, "max_tokens": 5, "mcp_servers": [{"type": "url", "url": "x"}]},
      "mcp_servers"),
     ({"messages": [{"role": "system", "content": "hi"}], "max_tokens": 5}, "messages[0].role"),
+    # A tool_result must answer a tool_use of the message before it (Anthropic's rule).
+    ({"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "9C"}]}],
+      "max_tokens": 5}, "messages[0].content[0].tool_use_id"),
+    ({"messages": [*ASK, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_2", "content": "9C"}]}],
+      "max_tokens": 5, "tools": [WEATHER]}, "messages[2].content[0].tool_use_id"),
     # The chat path refuses stop strings beside a forced call; the error says the
     # Messages name.
     ({"messages": ASK, "max_tokens": 5, "stop_sequences": ["}"], "tools": [WEATHER],

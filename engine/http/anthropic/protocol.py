@@ -181,11 +181,14 @@ def _messages(body: Mapping[str, Any], first: int,
             raise _bad(f"{where}.role must be \"user\" or \"assistant\", got {role!r}",
                        f"{where}.role")
         content = message.get("content")
+        # The tool_use ids of the message before this one: what its tool_results answer.
+        previous = out[-1] if out and out[-1]["role"] == "assistant" else {}
+        asked = {c["id"] for c in previous.get("tool_calls") or ()}
         if isinstance(content, str):
             out.append({"role": role, "content": content})
         elif isinstance(content, list):
             if role == "user":
-                turn = _user(content, where)
+                turn = _user(content, where, asked)
                 if origins is not None and turn and isinstance(turn[-1]["content"], list):
                     at = f"messages[{first + len(out) + len(turn) - 1}].content"
                     origins.update({f"{at}[{k}]": part.pop("origin")
@@ -202,15 +205,22 @@ def _messages(body: Mapping[str, Any], first: int,
     return out
 
 
-def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
-    """A user turn's blocks: its tool results as ``tool`` messages, then its text."""
+def _user(blocks: list[Any], where: str, asked: set[str]) -> list[dict[str, Any]]:
+    """A user turn's blocks: its tool results as ``tool`` messages, then its text. Each
+    tool result answers a tool_use of the message before (``asked``), as Anthropic's API
+    requires: one that answers none is refused, not read as some other call's result."""
     results: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
     for j, block in enumerate(blocks):
         at = f"{where}.content[{j}]"
         kind = block.get("type") if isinstance(block, Mapping) else None
         if kind == "tool_result":
-            results.append(_tool_result(block, at))
+            result = _tool_result(block, at)
+            if result["tool_call_id"] not in asked:
+                raise _bad(f"{at}.tool_use_id {result['tool_call_id']!r} answers no tool_use "
+                           "block of the previous message: each tool_result must answer one",
+                           f"{at}.tool_use_id")
+            results.append(result)
         elif kind == "image":
             parts.append({"type": "image_url", "image_url": {"url": _image_url(block, at)},
                           "origin": at})
