@@ -333,6 +333,33 @@ class BeamSearchParams:
             include_stop_str_in_output=self.include_stop_str_in_output)
 
 
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class PoolingParams:
+    """vLLM's ``PoolingParams`` (``LLM.embed`` and ``LLM.classify``): what a pooling
+    model's answer to one input holds. ``dimensions`` keeps the first N values of a
+    Matryoshka model's embedding; ``normalize`` L2-normalises the embedding (None: as the
+    model's sentence-transformers pipeline does); ``use_activation`` false gives a
+    classifier's logits instead of its probabilities; ``truncate_prompt_tokens`` keeps the
+    last k tokens of the input (-1: the model's limit)."""
+
+    dimensions: int | None = None
+    normalize: bool | None = None
+    use_activation: bool | None = None
+    truncate_prompt_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dimensions is not None and (
+                type(self.dimensions) is not int or self.dimensions < 1):
+            raise InvalidParamError("dimensions must be a positive integer", param="dimensions")
+        for name in ("normalize", "use_activation"):
+            if getattr(self, name) not in (None, True, False):
+                raise InvalidParamError(f"{name} must be a bool or None", param=name)
+        t = self.truncate_prompt_tokens
+        if t is not None and (type(t) is not int or (t < 1 and t != -1)):
+            raise InvalidParamError("truncate_prompt_tokens must be -1 or a positive integer",
+                                    param="truncate_prompt_tokens")
+
 # vLLM's SamplingParams fields without a field here, and the one value of each that asks
 # for nothing more than this engine does (None: only None). ``best_of`` may also equal
 # ``n`` (vLLM V1 itself samples no extra sequences); ``guided_decoding`` (vLLM's older

@@ -54,3 +54,36 @@ def cross_encoder(tmp_path_factory: pytest.TempPathFactory, minilm: Path) -> Pat
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (path / name).write_bytes((minilm / name).read_bytes())
     return path
+
+
+@pytest.fixture(scope="session")
+def classifier(tmp_path_factory: pytest.TempPathFactory, minilm: Path) -> Path:
+    """A tiny random BertForSequenceClassification with three named labels whose head is
+    set so that three texts (``CLASSIFIER_TEXTS``) each get a different label: its rows
+    point from the texts' mean pooled vector towards each text's."""
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    path = tmp_path_factory.mktemp("classifier")
+    torch.manual_seed(0)
+    names = {0: "negative", 1: "neutral", 2: "positive"}
+    # A wide initialisation: at the default 0.02 every text's [CLS] row is nearly the same.
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=64, num_labels=3,
+                        id2label=names, label2id={v: k for k, v in names.items()},
+                        max_position_embeddings=128, initializer_range=0.2)
+    model = BertForSequenceClassification(config).eval()
+    tok = AutoTokenizer.from_pretrained(str(minilm))
+    with torch.no_grad():
+        pooled = model.bert(**tok(CLASSIFIER_TEXTS, padding=True, return_tensors="pt")).pooler_output
+        mean = pooled.mean(0)
+        rows = pooled - mean
+        rows = 4.0 * rows / rows.norm(dim=1, keepdim=True)
+        model.classifier.weight.copy_(rows)
+        model.classifier.bias.copy_(-(rows @ mean))
+    model.save_pretrained(str(path))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (path / name).write_bytes((minilm / name).read_bytes())
+    return path
+
+
+CLASSIFIER_TEXTS = ["Dreadful.", "It was fine, I suppose.", "I loved every minute of it."]

@@ -15,7 +15,7 @@ import pytest
 import torch
 from engine_helpers import tiny_model
 from http_server import ServerThread
-from pooling_fixtures import cosines, sentences
+from pooling_fixtures import CLASSIFIER_TEXTS, cosines, sentences
 
 import engine
 
@@ -90,7 +90,9 @@ def test_embedding_refusals_name_their_field(server) -> None:
     too_long = error({"input": "word " * 300})
     assert "maximum input length is 256" in too_long["message"]
     assert too_long["code"] == "context_length_exceeded"
-    assert error({"input": "hi", "normalize": False})["param"] == "normalize"
+    assert error({"input": "hi", "embed_dtype": "float16"})["param"] == "embed_dtype"
+    assert error({"input": "hi", "use_activation": False})["param"] == "use_activation"
+    assert error({"input": "hi", "normalize": "no"})["param"] == "normalize"
     assert error({"input": "hi", "encoding_format": "int8"})["param"] == "encoding_format"
     assert error({"input": []})["param"] == "input"
     assert error({"input": [5, 10**6]})["param"] == "input"  # past the vocabulary
@@ -100,6 +102,119 @@ def test_embedding_refusals_name_their_field(server) -> None:
     chat = httpx.post(server.base_url + "/v1/chat/completions", timeout=30,
                       json={"messages": [{"role": "user", "content": "hi"}]})
     assert chat.status_code == 400 and "pooling model" in chat.json()["error"]["message"]
+
+
+def test_normalize_false_gives_the_pipeline_without_its_normalize_module(
+    client: openai.OpenAI, minilm: Path, st_embeddings: np.ndarray
+) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    corpus = sentences()[:12]
+    full = SentenceTransformer(str(minilm), device="cpu")
+    assert type(full[-1]).__name__ == "Normalize"
+    # The same pipeline without its last module: the mean-pooled vectors as they come.
+    raw_model = SentenceTransformer(modules=[full[0], full[1]], device="cpu")
+    want = raw_model.encode(corpus, convert_to_numpy=True)
+    assert not np.allclose(np.linalg.norm(want, axis=1), 1.0, atol=1e-3)
+    raw = client.embeddings.create(model="all-MiniLM-L6-v2", input=corpus,
+                                   encoding_format="float", extra_body={"normalize": False})
+    got = np.array([d.embedding for d in raw.data])
+    assert np.allclose(got, want, rtol=1e-4, atol=1e-5)
+    normalized = client.embeddings.create(model="all-MiniLM-L6-v2", input=corpus,
+                                          encoding_format="float", extra_body={"normalize": True})
+    assert np.allclose([d.embedding for d in normalized.data], st_embeddings[:12], atol=1e-5)
+    assert np.allclose(np.linalg.norm([d.embedding for d in normalized.data], axis=1), 1.0,
+                       atol=1e-6)
+
+
+def test_add_special_tokens_false_embeds_the_text_without_cls_and_sep(
+    client: openai.OpenAI, minilm: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    texts = ["A short sentence to embed.", "Another one, with a comma."]
+    tok = AutoTokenizer.from_pretrained(str(minilm))
+    bare_ids = tok(texts, add_special_tokens=False)["input_ids"]
+    assert all(tok.cls_token_id not in ids for ids in bare_ids)
+    bare = client.embeddings.create(model="all-MiniLM-L6-v2", input=texts, encoding_format="float",
+                                    extra_body={"add_special_tokens": False})
+    by_ids = client.embeddings.create(model="all-MiniLM-L6-v2", input=bare_ids,
+                                      encoding_format="float")
+    default = client.embeddings.create(model="all-MiniLM-L6-v2", input=texts,
+                                       encoding_format="float")
+    assert bare.usage.prompt_tokens == sum(map(len, bare_ids))
+    assert default.usage.prompt_tokens == sum(map(len, tok(texts)["input_ids"]))
+    got = np.array([d.embedding for d in bare.data])
+    assert np.allclose(got, [d.embedding for d in by_ids.data], atol=1e-6)
+    assert cosines(got, np.array([d.embedding for d in default.data])).max() < 0.999
+    # With truncation the text keeps its last tokens, and no special token comes back.
+    cut = client.embeddings.create(model="all-MiniLM-L6-v2", input=texts[0], encoding_format="float",
+                                   extra_body={"add_special_tokens": False,
+                                               "truncate_prompt_tokens": 3})
+    tail = client.embeddings.create(model="all-MiniLM-L6-v2", input=bare_ids[0][-3:],
+                                    encoding_format="float")
+    assert cut.usage.prompt_tokens == 3
+    assert np.allclose(cut.data[0].embedding, tail.data[0].embedding, atol=1e-6)
+
+
+def test_classify_matches_transformers_probabilities_and_labels(classifier: Path) -> None:
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    texts = [*CLASSIFIER_TEXTS, "The train leaves at nine.", "x"]
+    tok = AutoTokenizer.from_pretrained(str(classifier))
+    hf = BertForSequenceClassification.from_pretrained(str(classifier)).eval()
+    with torch.no_grad():
+        logits = hf(**tok(texts, padding=True, return_tensors="pt")).logits.double()
+    want = torch.softmax(logits, dim=-1).numpy()
+    want_labels = [hf.config.id2label[int(i)] for i in logits.argmax(-1)]
+    assert len(set(want_labels)) == 3  # the head tells these texts apart
+    opener = lambda: engine.open_engine(str(classifier), dtype="float32")  # noqa: E731
+    with ServerThread(opener) as srv:
+        url = srv.base_url + "/classify"
+        answer = httpx.post(url, json={"input": texts}, timeout=30).json()
+        raw = httpx.post(srv.base_url + "/v1/classify", timeout=30,
+                         json={"input": texts[:2], "use_activation": False}).json()
+        ids = tok(texts[2])["input_ids"]
+        by_ids = httpx.post(url, json={"input": ids}, timeout=30).json()
+        refused = {field: httpx.post(url, json={"input": "hi", field: value}, timeout=30)
+                   for field, value in (("dimensions", 2), ("normalize", True),
+                                        ("encoding_format", "base64"), ("embed_dtype", "float16"))}
+        embed = httpx.post(srv.base_url + "/v1/embeddings", json={"input": "hi"}, timeout=30)
+        spec = httpx.get(srv.base_url + "/openapi.json", timeout=30).json()
+    assert answer["object"] == "list" and answer["id"].startswith("classify-")
+    assert [d["index"] for d in answer["data"]] == list(range(len(texts)))
+    assert [d["label"] for d in answer["data"]] == want_labels
+    assert all(d["num_classes"] == 3 for d in answer["data"])
+    assert np.allclose([d["probs"] for d in answer["data"]], want, atol=1e-5)
+    tokens = sum(len(t) for t in tok(texts)["input_ids"])
+    assert answer["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens,
+                               "completion_tokens": 0, "prompt_tokens_details": None}
+    assert np.allclose([d["probs"] for d in raw["data"]], logits[:2].numpy(), atol=1e-4)
+    assert np.allclose(by_ids["data"][0]["probs"], want[2], atol=1e-5)
+    for field, response in refused.items():
+        assert response.status_code == 400, field
+        assert response.json()["error"]["param"] == field
+    assert embed.status_code == 400 and embed.json()["error"]["param"] == "model"
+    assert "/classify" in spec["paths"]
+    assert "use_activation" in spec["components"]["schemas"]["ClassificationRequest"]["properties"]
+
+
+def test_classify_with_a_cross_encoder_and_an_embedder(server, cross_encoder: Path) -> None:
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    texts = ["Berlin is the capital of Germany.", "A cat sat on the mat."]
+    tok = AutoTokenizer.from_pretrained(str(cross_encoder))
+    hf = BertForSequenceClassification.from_pretrained(str(cross_encoder)).eval()
+    with torch.no_grad():
+        want = torch.sigmoid(hf(**tok(texts, padding=True, return_tensors="pt")).logits[:, 0])
+    opener = lambda: engine.open_engine(str(cross_encoder), dtype="float32")  # noqa: E731
+    with ServerThread(opener) as srv:
+        one_label = httpx.post(srv.base_url + "/classify", json={"input": texts}, timeout=30).json()
+    assert [d["label"] for d in one_label["data"]] == [hf.config.id2label[0]] * 2
+    assert np.allclose([d["probs"][0] for d in one_label["data"]], want.numpy(), atol=1e-5)
+    # An embedding model has no classes to give.
+    refused = httpx.post(server.base_url + "/classify", json={"input": "hi"}, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
 
 
 def test_langchain_openai_embeddings(server, st_embeddings: np.ndarray) -> None:

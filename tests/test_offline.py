@@ -384,6 +384,60 @@ def test_classify_and_score_with_a_cross_encoder_match_transformers(cross_encode
     assert np.allclose([s.outputs.score for s in scored], pairs.tolist(), atol=1e-5)
 
 
+def test_pooling_params_shape_embeddings_and_classifications(
+    minilm: Path, classifier: Path
+) -> None:
+    """vLLM's PoolingParams: normalize and truncation per prompt on an embedder, the
+    logits of a classifier; fields that mean nothing for the task are refused."""
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    texts = ["A first sentence to embed.", "And a second, a little longer than the first."]
+    full = SentenceTransformer(str(minilm), device="cpu")
+    raw_model = SentenceTransformer(modules=[full[0], full[1]], device="cpu")
+    want_raw = raw_model.encode(texts, convert_to_numpy=True)
+    want = full.encode(texts, convert_to_numpy=True)
+    tok = AutoTokenizer.from_pretrained(str(minilm))
+    with LLM(str(minilm), dtype="float32") as llm:
+        raw = llm.embed(texts, pooling_params=engine.PoolingParams(normalize=False), use_tqdm=False)
+        mixed = llm.embed(texts, use_tqdm=False, pooling_params=[
+            engine.PoolingParams(normalize=False), engine.PoolingParams(truncate_prompt_tokens=5)])
+        for bad, param in ((engine.PoolingParams(use_activation=False), "pooling_params.use_activation"),
+                           (engine.PoolingParams(dimensions=8), "dimensions"),
+                           ([engine.PoolingParams()], "pooling_params")):
+            with pytest.raises((InvalidParamError, BatchPromptError)) as info:
+                llm.embed(texts, pooling_params=bad, use_tqdm=False)
+            assert getattr(info.value, "param", None) == param
+        with pytest.raises(InvalidParamError, match="disagree"):
+            llm.embed(texts, truncate_prompt_tokens=4, use_tqdm=False,
+                      pooling_params=engine.PoolingParams(truncate_prompt_tokens=5))
+        cut_ids = tok(texts[1])["input_ids"]
+        cut_ids = [cut_ids[0], *cut_ids[-4:]]  # [CLS] and the last four: [SEP] at the end
+        cut_want = llm.embed([cut_ids], use_tqdm=False)[0].outputs.embedding
+    assert np.allclose([o.outputs.embedding for o in raw], want_raw, rtol=1e-4, atol=1e-5)
+    assert np.allclose(mixed[0].outputs.embedding, want_raw[0], rtol=1e-4, atol=1e-5)
+    assert mixed[1].prompt_token_ids == cut_ids
+    assert np.allclose(mixed[1].outputs.embedding, cut_want, atol=1e-6)
+    assert not np.allclose(mixed[1].outputs.embedding, want[1], atol=1e-3)
+    with pytest.raises(InvalidParamError):
+        engine.PoolingParams(dimensions=0)
+
+    hf = BertForSequenceClassification.from_pretrained(str(classifier)).eval()
+    with torch.no_grad():
+        logits = hf(**tok(texts, padding=True, return_tensors="pt")).logits
+    with LLM(str(classifier), dtype="float32") as llm:
+        probs = llm.classify(texts, use_tqdm=False)
+        raw_logits = llm.classify(texts, use_tqdm=False,
+                                  pooling_params=engine.PoolingParams(use_activation=False))
+        with pytest.raises(BatchPromptError) as info:
+            llm.classify(texts, pooling_params=engine.PoolingParams(normalize=True),
+                         use_tqdm=False)
+        assert info.value.param == "pooling_params.normalize"
+    assert np.allclose([o.outputs.probs for o in probs], torch.softmax(logits, -1).numpy(),
+                       atol=1e-5)
+    assert np.allclose([o.outputs.probs for o in raw_logits], logits.numpy(), atol=1e-4)
+
+
 # -- Ctrl-C --------------------------------------------------------------------------------
 
 def _sigint_as_a_shell_leaves_it() -> None:

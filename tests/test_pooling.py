@@ -59,16 +59,23 @@ async def test_embeddings_and_scores_through_an_engine_core_process(
         single = (await eng.embed(corpus[3]))[0].vector()
         assert eng.statistics().requests_finished == len(corpus) + 1
     assert cosines(batched, st_embeddings).min() >= 0.9999
+    assert np.allclose(batched, st_embeddings, atol=1e-5)  # normalised, as the pipeline does
     assert cosines(single[None], st_embeddings[3:4]).min() >= 0.9999
     query, docs = "Where is Berlin?", ["Berlin is the capital of Germany.", "A cat sat."]
     async with engine.open_engine(cross_encoder, dtype="float32", engine_core="process") as eng:
         scores = [s for s, _ in await eng.score(query, docs)]
+        classified = [probs for probs, _ in await eng.classify(docs)]
+        # The label names cross the process boundary with the pooler.
+        assert eng.pooler.labels == tuple(BertForSequenceClassification.from_pretrained(
+            str(cross_encoder)).config.id2label.values())
     tok = AutoTokenizer.from_pretrained(str(cross_encoder))
     model = BertForSequenceClassification.from_pretrained(str(cross_encoder)).eval()
     with torch.no_grad():
         batch = tok([query] * len(docs), docs, padding=True, return_tensors="pt")
         want = torch.sigmoid(model(**batch).logits[:, 0]).tolist()
+        alone = torch.sigmoid(model(**tok(docs, padding=True, return_tensors="pt")).logits)
     assert np.allclose(scores, want, atol=1e-5)
+    assert np.allclose(classified, alone.numpy(), atol=1e-5)
 
 
 async def test_minilm_refuses_long_inputs_generation_and_dimensions(minilm: Path) -> None:

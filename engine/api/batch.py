@@ -19,7 +19,6 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import trio
 
 from engine.api.engine import Engine, PreparedRequest
@@ -43,7 +42,7 @@ from engine.errors import (
     InvalidParamError,
     RequestError,
 )
-from engine.params import SamplingParams
+from engine.params import PoolingParams, SamplingParams
 
 # What a batch reports per finished prompt: (prompt tokens, output tokens).
 Progress = Callable[[int, int], None]
@@ -302,16 +301,18 @@ def _pooler(engine: Engine, task: str | None, what: str) -> Any:
 
 
 async def _token_ids(engine: Engine, inputs: Sequence[str | tuple[int, ...]],
-                     truncate: int | None) -> list[tuple[int, ...]]:
+                     truncate: int | None | Sequence[int | None]) -> list[tuple[int, ...]]:
     """Every input tokenized (in a worker thread: a batch may be thousands of texts, and
-    other batches' outputs flow through this trio thread meanwhile); the first bad one
-    raises :class:`BatchPromptError`."""
+    other batches' outputs flow through this trio thread meanwhile), with ``truncate``'s
+    ``truncate_prompt_tokens`` (one for all, or one per input); the first bad one raises
+    :class:`BatchPromptError`."""
+    limits = truncate if isinstance(truncate, Sequence) else [truncate] * len(inputs)
 
     def work() -> list[tuple[int, ...]]:
         out = []
         for i, item in enumerate(inputs):
             try:
-                ids = pooling.input_ids(engine.tokenizer, item, truncate=truncate,
+                ids = pooling.input_ids(engine.tokenizer, item, truncate=limits[i],
                                         max_model_len=engine.max_model_len, param="prompts")
                 _check_length(ids, engine.max_model_len)
             except RequestError as exc:
@@ -355,32 +356,50 @@ async def _pool(engine: Engine, inputs: Sequence[tuple[int, ...]], *, window: Wi
 
 
 async def embed(engine: Engine, inputs: Sequence[str | tuple[int, ...]], *,
-                truncate: int | None, request_ids: Sequence[str], window: Window,
+                params: Sequence[PoolingParams], request_ids: Sequence[str], window: Window,
                 progress: Progress) -> list[EmbeddingRequestOutput]:
-    _pooler(engine, "embed", "embed")
-    ids = await _token_ids(engine, inputs, truncate)
+    """Embed each input with its :class:`PoolingParams` (``dimensions``, ``normalize``)."""
+    pooler = _pooler(engine, "embed", "embed")
+    for i, p in enumerate(params):
+        try:
+            _only(p, "embed", ("use_activation",))
+            pooling.check_dimensions(p.dimensions, pooler.matryoshka_dimensions, pooler.size)
+        except RequestError as exc:
+            raise BatchPromptError(i, exc) from exc
+    ids = await _token_ids(engine, inputs, [p.truncate_prompt_tokens for p in params])
     pooled = await _pool(engine, ids, window=window, progress=progress)
-    return [EmbeddingRequestOutput(rid, EmbeddingOutput(p.tolist()), list(i))
-            for rid, p, i in zip(request_ids, pooled, ids, strict=True)]
+    out = []
+    for rid, p, i, pp in zip(request_ids, pooled, ids, params, strict=True):
+        keep = pooler.normalize if pp.normalize is None else pp.normalize
+        vector = pooling.embedding(p, pp.dimensions, keep)
+        out.append(EmbeddingRequestOutput(rid, EmbeddingOutput(vector.tolist()), list(i)))
+    return out
 
 
 async def classify(engine: Engine, inputs: Sequence[str | tuple[int, ...]], *,
-                   truncate: int | None, request_ids: Sequence[str], window: Window,
-                   progress: Progress) -> list[ClassificationRequestOutput]:
+                   params: Sequence[PoolingParams], request_ids: Sequence[str],
+                   window: Window, progress: Progress) -> list[ClassificationRequestOutput]:
+    """Classify each input with its :class:`PoolingParams` (``use_activation``)."""
     _pooler(engine, "classify", "classify")
-    ids = await _token_ids(engine, inputs, truncate)
+    for i, p in enumerate(params):
+        try:
+            _only(p, "classify", ("dimensions", "normalize"))
+        except RequestError as exc:
+            raise BatchPromptError(i, exc) from exc
+    ids = await _token_ids(engine, inputs, [p.truncate_prompt_tokens for p in params])
     pooled = await _pool(engine, ids, window=window, progress=progress)
-    return [ClassificationRequestOutput(rid, ClassificationOutput(_probs(p)), list(i))
-            for rid, p, i in zip(request_ids, pooled, ids, strict=True)]
+    return [ClassificationRequestOutput(
+                rid, ClassificationOutput(pooling.class_probs(p, pp.use_activation is not False)),
+                list(i))
+            for rid, p, i, pp in zip(request_ids, pooled, ids, params, strict=True)]
 
 
-def _probs(pooled: Pooled) -> list[float]:
-    """A classifier's logits as probabilities: sigmoid for one label, else softmax."""
-    logits = pooled.vector().astype(np.float64)
-    if len(logits) == 1:
-        return [pooling.classifier_score(pooled)]
-    shifted = np.exp(logits - logits.max())
-    return (shifted / shifted.sum()).tolist()
+def _only(params: PoolingParams, task: str, refused: tuple[str, ...]) -> None:
+    """Fail closed on a PoolingParams field that means nothing for ``task``."""
+    for name in refused:
+        if getattr(params, name) is not None:
+            raise InvalidParamError(f"pooling_params.{name} does not apply to {task}",
+                                    param=f"pooling_params.{name}")
 
 
 async def score(engine: Engine, firsts: Sequence[str], seconds: Sequence[str], *,

@@ -423,25 +423,50 @@ class Engine:
 
     async def embed(
         self, input: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]], *,
-        dimensions: int | None = None, truncate_prompt_tokens: int | None = None,
+        dimensions: int | None = None, normalize: bool | None = None,
+        truncate_prompt_tokens: int | None = None, add_special_tokens: bool = True,
         request_id: str | None = None, priority: int = 0,
     ) -> list[Pooled]:
         """Embed a string, a list of token ids, or a list of either (one embedding each,
         in order). The inputs run as separate requests batched into the same steps.
 
-        ``dimensions`` keeps the first N values (normalised again) where the model is a
-        Matryoshka model, else :class:`InvalidParamError`; ``truncate_prompt_tokens`` as
-        vLLM's (keep the last k tokens; -1: the model's limit). An input longer than the
-        model takes raises :class:`InputTooLongError` naming the limit."""
+        ``dimensions`` keeps the first N values where the model is a Matryoshka model,
+        else :class:`InvalidParamError`; ``normalize`` L2-normalises each embedding (None:
+        as the model does); ``truncate_prompt_tokens`` as vLLM's (keep the last k tokens;
+        -1: the model's limit); ``add_special_tokens`` false tokenizes text without the
+        tokenizer's [CLS] and [SEP]. An input longer than the model takes raises
+        :class:`InputTooLongError` naming the limit."""
         pooler = self._pooler("embed", "embed")
         pooling.check_dimensions(dimensions, pooler.matryoshka_dimensions, pooler.size)
+        pooled = await self._pool_inputs(input, truncate_prompt_tokens, add_special_tokens,
+                                         request_id, priority)
+        keep = pooler.normalize if normalize is None else normalize
+        return [pooling.embedding(p, dimensions, keep) for p in pooled]
+
+    async def classify(
+        self, input: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]], *,
+        use_activation: bool = True, truncate_prompt_tokens: int | None = None,
+        add_special_tokens: bool = True, request_id: str | None = None, priority: int = 0,
+    ) -> list[tuple[list[float], int]]:
+        """``(probabilities, input tokens)`` of each input with a classification model,
+        in order: the softmax of its logits (the sigmoid of a one-label model's logit), or
+        with ``use_activation`` false the logits. Inputs and the other options as
+        :meth:`embed`'s; the label names are ``self.pooler.labels``."""
+        self._pooler("classify", "classify")
+        pooled = await self._pool_inputs(input, truncate_prompt_tokens, add_special_tokens,
+                                         request_id, priority)
+        return [(pooling.class_probs(p, use_activation), p.prompt_tokens) for p in pooled]
+
+    async def _pool_inputs(self, input: Any, truncate: int | None, add_special_tokens: bool,
+                           request_id: str | None, priority: int) -> list[Pooled]:
         items = _inputs(input)
         ids = await self._tokenize(
             sum(len(i) for i in items if isinstance(i, str)),
-            lambda: [pooling.input_ids(self.tokenizer, item, truncate=truncate_prompt_tokens,
-                                       max_model_len=self.max_model_len) for item in items])
-        pooled = await self.pool(ids, request_id=request_id, priority=priority)
-        return [pooling.shorten(p, dimensions, pooler.normalize) for p in pooled]
+            lambda: [pooling.input_ids(self.tokenizer, item, truncate=truncate,
+                                       max_model_len=self.max_model_len,
+                                       add_special_tokens=add_special_tokens)
+                     for item in items])
+        return await self.pool(ids, request_id=request_id, priority=priority)
 
     async def score(
         self, first: str | Sequence[str], second: str | Sequence[str], *,

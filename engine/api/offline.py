@@ -21,6 +21,7 @@ stops the engine and its thread, as does the interpreter's exit.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -44,7 +45,7 @@ from engine.api.outputs import (
 from engine.chat.request import TemplateOptions
 from engine.chat.tools import parse_tools
 from engine.errors import InvalidParamError
-from engine.params import BeamSearchParams, SamplingParams
+from engine.params import BeamSearchParams, PoolingParams, SamplingParams
 
 # vLLM's LLM arguments that are not engine options and change nothing here, with why;
 # any other unknown option is refused (ConfigError) by open_engine.
@@ -191,14 +192,16 @@ class LLM:
               use_tqdm: Any = True, pooling_params: Any = None,
               lora_request: Any = None) -> list[EmbeddingRequestOutput]:
         """Embed one input or a list (strings, token ids, prompt dicts) with an embedding
-        model; ``truncate_prompt_tokens`` keeps the last k tokens (-1: the model's limit)."""
+        model; ``truncate_prompt_tokens`` keeps the last k tokens (-1: the model's limit);
+        ``pooling_params``: an :class:`engine.PoolingParams` (``dimensions``,
+        ``normalize``, ``truncate_prompt_tokens``) or a list of one per prompt."""
         _no_lora(lora_request)
-        _no_pooling_params(pooling_params)
         inputs = batch.pooling_inputs(prompts)
+        params = _pooling_params(pooling_params, truncate_prompt_tokens, len(inputs))
         ids, window = self._ids(len(inputs)), self._window
 
         async def work(engine: Engine, emit: batch.Progress) -> list[EmbeddingRequestOutput]:
-            return await batch.embed(engine, inputs, truncate=truncate_prompt_tokens,
+            return await batch.embed(engine, inputs, params=params,
                                      request_ids=ids, window=window,
                                      progress=lambda p, o: emit((p, o)))
 
@@ -208,14 +211,15 @@ class LLM:
                  use_tqdm: Any = True, pooling_params: Any = None,
                  lora_request: Any = None) -> list[ClassificationRequestOutput]:
         """Class probabilities of each input with a classification model (softmax of its
-        logits; the sigmoid of a one-label model's logit)."""
+        logits; the sigmoid of a one-label model's logit); ``pooling_params`` with
+        ``use_activation=False`` gives the logits (one, or a list of one per prompt)."""
         _no_lora(lora_request)
-        _no_pooling_params(pooling_params)
         inputs = batch.pooling_inputs(prompts)
+        params = _pooling_params(pooling_params, truncate_prompt_tokens, len(inputs))
         ids, window = self._ids(len(inputs)), self._window
 
         async def work(engine: Engine, emit: batch.Progress) -> list[ClassificationRequestOutput]:
-            return await batch.classify(engine, inputs, truncate=truncate_prompt_tokens,
+            return await batch.classify(engine, inputs, params=params,
                                         request_ids=ids, window=window,
                                         progress=lambda p, o: emit((p, o)))
 
@@ -325,9 +329,33 @@ def _no_lora(lora_request: Any, what: str = "pooling models") -> None:
 
 def _no_pooling_params(pooling_params: Any) -> None:
     if pooling_params is not None:
-        raise InvalidParamError("pooling_params are not supported: an embedding is the "
+        raise InvalidParamError("pooling_params are not supported by score: a score is the "
                                 "model's own (truncate_prompt_tokens is an argument)",
                                 param="pooling_params")
+
+
+def _pooling_params(pooling_params: Any, truncate: int | None, count: int) -> list[PoolingParams]:
+    """One :class:`PoolingParams` per prompt, from vLLM's ``pooling_params`` argument (one
+    for all, or a list) with the ``truncate_prompt_tokens`` argument where they leave it
+    unset; the two set to different values is a refusal, not a guess."""
+    if pooling_params is None or isinstance(pooling_params, PoolingParams):
+        params = [pooling_params or PoolingParams()] * count
+    elif (isinstance(pooling_params, (list, tuple)) and len(pooling_params) == count
+          and all(isinstance(p, PoolingParams) for p in pooling_params)):
+        params = list(pooling_params)
+    else:
+        raise InvalidParamError(f"pooling_params must be an engine.PoolingParams or a list of "
+                                f"{count} (one per prompt)", param="pooling_params")
+    if truncate is None:
+        return params
+    out = []
+    for p in params:
+        if p.truncate_prompt_tokens not in (None, truncate):
+            raise InvalidParamError(
+                f"truncate_prompt_tokens={truncate} and pooling_params.truncate_prompt_tokens="
+                f"{p.truncate_prompt_tokens} disagree", param="truncate_prompt_tokens")
+        out.append(dataclasses.replace(p, truncate_prompt_tokens=truncate))
+    return out
 
 
 class _ProgressBar:

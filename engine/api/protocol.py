@@ -68,9 +68,16 @@ class EngineLike(Protocol):
 
     async def embed(
         self, input: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]], *,
-        dimensions: int | None = None, truncate_prompt_tokens: int | None = None,
+        dimensions: int | None = None, normalize: bool | None = None,
+        truncate_prompt_tokens: int | None = None, add_special_tokens: bool = True,
         request_id: str | None = None, priority: int = 0,
     ) -> list[Pooled]: ...
+
+    async def classify(
+        self, input: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]], *,
+        use_activation: bool = True, truncate_prompt_tokens: int | None = None,
+        add_special_tokens: bool = True, request_id: str | None = None, priority: int = 0,
+    ) -> list[tuple[list[float], int]]: ...
 
     async def score(
         self, first: str | Sequence[str], second: str | Sequence[str], *,

@@ -4,7 +4,8 @@ A pooling request is one prompt that ends once its prompt is computed: the model
 pools its hidden states in the step of its last chunk (see ``ModelRunner._run_pooling``),
 and the scheduler frees its blocks then. Here: turning a caller's inputs into token ids
 (with ``truncate_prompt_tokens``), the admission checks, and what is done to the pooled
-vector afterwards (Matryoshka ``dimensions``, cosine similarity, a classifier's score).
+vector afterwards (Matryoshka ``dimensions`` and normalisation, cosine similarity, a
+classifier's probabilities).
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ class Pooled:
 
 def input_ids(
     tokenizer: Any, item: str | Sequence[int], *, truncate: int | None, max_model_len: int,
-    param: str = "input",
+    param: str = "input", add_special_tokens: bool = True,
 ) -> tuple[int, ...]:
-    """Token ids of one input (text with the tokenizer's special tokens, or ids as given).
+    """Token ids of one input (text with the tokenizer's special tokens unless
+    ``add_special_tokens`` is false, or ids as given).
 
     ``truncate`` is vLLM's ``truncate_prompt_tokens``: keep only the last ``k`` tokens
     (``-1``: the model's ``max_model_len``); text keeps its special tokens ([CLS] ...
@@ -58,12 +60,13 @@ def input_ids(
         # here reads (35 against 43 us a 25-token sentence, of a one-sentence embeddings
         # request's event-loop time).
         if limit is None:
-            return tuple(backend.encode_batch_fast([text])[0].ids)
+            return tuple(backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids)
         encoding = backend.encode_batch_fast([text], add_special_tokens=False)[0]
-        room = max(limit - backend.num_special_tokens_to_add(False), 0)
+        specials = backend.num_special_tokens_to_add(False) if add_special_tokens else 0
+        room = max(limit - specials, 0)
         if len(encoding.ids) > room:
             encoding.truncate(room, direction="left")
-        return tuple(backend.post_process(encoding).ids)
+        return tuple(backend.post_process(encoding).ids if add_special_tokens else encoding.ids)
     ids = tuple(item)
     return ids[-limit:] if limit is not None and len(ids) > limit else ids
 
@@ -142,14 +145,17 @@ def check_dimensions(dimensions: int | None, matryoshka: tuple[int, ...] | None,
                                 f"supports {shown}", param="dimensions")
 
 
-def shorten(pooled: Pooled, dimensions: int | None, normalize: bool) -> Pooled:
-    """The first ``dimensions`` values, normalised again when the model normalises."""
-    if dimensions is None:
+def embedding(pooled: Pooled, dimensions: int | None, normalize: bool) -> Pooled:
+    """What a request gets from the runner's pooled vector (which is never normalised):
+    its first ``dimensions`` values (all of them for None), L2-normalised in float64 when
+    ``normalize`` (the model's own choice, or the request's ``normalize``)."""
+    if dimensions is None and not normalize:
         return pooled
-    cut = pooled.vector()[:dimensions].astype(np.float64)
+    vector = pooled.vector()[:dimensions]
     if normalize:
-        cut = cut / max(float(np.linalg.norm(cut)), 1e-12)  # torch's F.normalize eps
-    return Pooled(cut.astype("<f4").tobytes(), pooled.prompt_tokens)
+        wide = vector.astype(np.float64)
+        vector = wide / max(float(np.linalg.norm(wide)), 1e-12)  # torch's F.normalize eps
+    return Pooled(vector.astype("<f4").tobytes(), pooled.prompt_tokens)
 
 
 def cosine(a: Pooled, b: Pooled) -> float:
@@ -157,6 +163,19 @@ def cosine(a: Pooled, b: Pooled) -> float:
     x, y = a.vector().astype(np.float64), b.vector().astype(np.float64)
     denom = max(float(np.linalg.norm(x)) * float(np.linalg.norm(y)), 1e-12)
     return float(np.dot(x, y) / denom)
+
+
+def class_probs(pooled: Pooled, activation: bool = True) -> list[float]:
+    """A classifier's answer: the probability of each label (the sigmoid of a one-label
+    model's logit, else the softmax of the logits, as vLLM's classify), or with
+    ``activation`` false the logits themselves (vLLM's ``use_activation``)."""
+    logits = pooled.vector().astype(np.float64)
+    if not activation:
+        return logits.tolist()
+    if len(logits) == 1:
+        return [classifier_score(pooled)]
+    shifted = np.exp(logits - logits.max())
+    return (shifted / shifted.sum()).tolist()
 
 
 def classifier_score(pooled: Pooled) -> float:

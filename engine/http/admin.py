@@ -19,12 +19,12 @@ from engine.chat.request import lax_bool, parse_chat_fields
 from engine.chat.template import normalize_messages
 from engine.core import admission
 from engine.errors import EngineDeadError
-from engine.http import schema
 from engine.http.bodies import json_response
 from engine.http.completions.answer import now
 from engine.http.completions.protocol import is_token_id
 from engine.http.errors import APIError, error_from_exception
 from engine.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from engine.http.openapi import openapi as openapi_document
 from engine.http.server import Server
 from engine.multimodal import has_images
 
@@ -111,7 +111,7 @@ class AdminRoutes:
                         content_type="text/plain; charset=utf-8")
 
     async def openapi(self) -> Response:
-        return json_response(schema.openapi(
+        return json_response(openapi_document(
             self.server.version, api_key=self.server.api_key is not None,
             tokenizer_info=self.engine.config.enable_tokenizer_info_endpoint), 200)
 

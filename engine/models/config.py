@@ -246,6 +246,8 @@ class ModelConfig:
     type_vocab_size: int = 0
     # Output classes of a sequence classifier (cross-encoder); 0 for other models.
     num_labels: int = 0
+    # Their names, by index (config.json's id2label; transformers' LABEL_i where it has none).
+    labels: tuple[str, ...] = ()
     # The [SEP] id that closes segment A of a BERT pair: token types are 1 after it. Set by
     # the loader from the tokenizer (config.json does not name it); None: single segments.
     sep_token_id: int | None = None
@@ -442,6 +444,18 @@ def _activation(raw: dict[str, Any], arch: str) -> str:
     return _ACTIVATIONS[name]
 
 
+def _labels(raw: dict[str, Any]) -> tuple[str, ...]:
+    """A classifier's label names by index: config.json's ``id2label`` (string keys "0",
+    "1", ...), else ``num_labels`` of transformers' default names ``LABEL_i``."""
+    id2label = raw.get("id2label")
+    if id2label:
+        by_index = {int(k): str(v) for k, v in id2label.items()}
+        if sorted(by_index) != list(range(len(by_index))):
+            raise ValueError(f"id2label keys {sorted(by_index)} are not 0..{len(by_index) - 1}")
+        return tuple(by_index[i] for i in range(len(by_index)))
+    return tuple(f"LABEL_{i}" for i in range(int(raw.get("num_labels", 2))))
+
+
 def _matryoshka(raw: dict[str, Any], hidden: int) -> tuple[int, ...] | None:
     """The dimensions an embedding may be cut to: config.json's ``matryoshka_dimensions``,
     or any up to ``hidden_size`` with ``is_matryoshka`` (vLLM reads the same two fields)."""
@@ -467,7 +481,7 @@ def _encoder_config(raw: dict[str, Any], arch: str) -> ModelConfig:
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         layers = int(raw["num_hidden_layers"])
-        labels = len(raw["id2label"]) if raw.get("id2label") else int(raw.get("num_labels", 2))
+        names = _labels(raw) if arch == "bert_classifier" else ()
         return ModelConfig(
             architecture=arch,
             vocab_size=int(raw["vocab_size"]),
@@ -491,7 +505,8 @@ def _encoder_config(raw: dict[str, Any], arch: str) -> ModelConfig:
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             activation="gelu",
             type_vocab_size=int(raw.get("type_vocab_size", 2)),
-            num_labels=labels if arch == "bert_classifier" else 0,
+            num_labels=len(names),
+            labels=names,
             matryoshka_dimensions=_matryoshka(raw, hidden),
         )
     except (KeyError, TypeError, ValueError) as exc:

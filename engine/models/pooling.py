@@ -57,6 +57,8 @@ class PoolerConfig:
     max_seq_length: int | None = None
     # Dimensions a request may cut the embedding to (Matryoshka); None: refused.
     matryoshka_dimensions: tuple[int, ...] | None = None
+    # A classifier's label names by index (``size`` of them); () for an embedder.
+    labels: tuple[str, ...] = ()
 
 
 def pooler_config(
@@ -82,7 +84,7 @@ def pooler_config(
             raise ConfigError(f"a sequence classifier pools its [CLS] token; pooling_type "
                               f"{pooling_type!r} does not apply", field="pooling_type")
         return PoolerConfig(task="classify", pooling="cls", normalize=False,
-                            size=config.num_labels)
+                            size=config.num_labels, labels=config.labels)
     if config.base_model and (runner == "generate" or convert == "none"):
         raise ConfigError(f"{folder}: a decoder saved without its LM head can only pool; it "
                           "cannot generate", field="runner" if runner == "generate" else "convert")

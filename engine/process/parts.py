@@ -227,6 +227,7 @@ def build_front_parts(config: EngineConfig, hello: Any) -> EngineParts:
         fields = json.loads(hello.pooler_json)
         if fields.get("matryoshka_dimensions") is not None:
             fields["matryoshka_dimensions"] = tuple(fields["matryoshka_dimensions"])
+        fields["labels"] = tuple(fields.get("labels", ()))
         pooler = PoolerConfig(**fields)
     config = dataclasses.replace(config, max_model_len=core_config.max_model_len,
                                  async_scheduling=core_config.async_scheduling)

@@ -2,8 +2,9 @@
 
 A pooling request ends with its prompt: each of its chunks adds its rows to the request's
 pool (``RequestState.pool``), and the step of its last chunk turns the pool into the
-request's :class:`~engine.messages.PooledOutput` (classified or normalised as the pooler
-says) instead of sampling.
+request's :class:`~engine.messages.PooledOutput` (a classifier's logits, or the embedding
+as pooled: the front end normalises it, as the model or the request asks, in
+:func:`engine.core.pooling.embedding`) instead of sampling.
 """
 
 from __future__ import annotations
@@ -42,8 +43,6 @@ def pool_outputs(
     if pooler.task == "classify":
         # Only a BertModel (models/bert.py) is built for a classify pooler.
         vectors = model.classify(vectors.to(dtype))
-    elif pooler.normalize:
-        vectors = torch.nn.functional.normalize(vectors, p=2.0, dim=-1)
     host = vectors.float().cpu().numpy().astype("<f4")
     return tuple(PooledOutput(sid, host[i].tobytes()) for i, (sid, _) in enumerate(done))
 

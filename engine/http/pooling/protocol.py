@@ -1,9 +1,9 @@
-"""The pooling routes' bodies: ``/v1/embeddings`` (OpenAI), ``/v1/score`` and
-``/v1/rerank`` (vLLM's; the rerank body and answer are Jina's and Cohere's). Pure: parse a
-checked body into the engine call's arguments, and build the answer from its results.
+"""The pooling routes' bodies: ``/v1/embeddings`` (OpenAI), ``/v1/score``, ``/v1/rerank``
+and ``/classify`` (vLLM's; the rerank body and answer are Jina's and Cohere's). Pure: parse
+a checked body into the engine call's arguments, and build the answer from its results.
 
-Fields that would change an answer and that the engine does not honour are refused with a
-400 naming them, never ignored (vLLM's ``normalize``, ``add_special_tokens``, ...).
+Fields that would change an answer and that a route does not honour are refused with a
+400 naming them, never ignored (vLLM's ``embed_dtype``, a score's ``normalize``, ...).
 """
 
 from __future__ import annotations
@@ -23,9 +23,15 @@ from engine.http.errors import APIError
 
 ENCODING_FORMATS = ("float", "base64")
 
-# vLLM's extras that change what comes back; honoured nowhere here, so refused.
-_REFUSED = ("normalize", "add_special_tokens", "embed_dtype", "endianness", "softmax",
-            "activation", "use_activation", "mm_processor_kwargs", "instruction")
+# vLLM's extras that change what comes back, refused where a route does not honour them.
+_REFUSED = ("embed_dtype", "endianness", "softmax", "activation", "mm_processor_kwargs",
+            "instruction")
+_REFUSED_BY_ROUTE = {
+    "embeddings": (*_REFUSED, "use_activation"),
+    # An embeddings field on /classify would be silently meaningless: refused by name.
+    "classify": (*_REFUSED, "encoding_format", "dimensions", "normalize"),
+    "score": (*_REFUSED, "use_activation", "normalize", "add_special_tokens"),
+}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -36,6 +42,18 @@ class EmbeddingRequest:
     dimensions: int | None
     truncate_prompt_tokens: int | None
     priority: int
+    normalize: bool | None = None  # None: as the model's pipeline does
+    add_special_tokens: bool = True
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClassifyRequest:
+    model: str | None
+    input: Any  # as EmbeddingRequest's
+    truncate_prompt_tokens: int | None
+    priority: int
+    use_activation: bool
+    add_special_tokens: bool
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -50,15 +68,15 @@ class ScoreRequest:
     return_documents: bool = True
 
 
-def _refuse_unsupported(body: dict[str, Any]) -> None:
-    for name in _REFUSED:
+def _refuse_unsupported(body: dict[str, Any], route: str = "score") -> None:
+    for name in _REFUSED_BY_ROUTE[route]:
         if body.get(name) is not None:
-            raise APIError(400, f"{name} is not supported by this server", param=name,
+            raise APIError(400, f"{name} is not supported on this route", param=name,
                            code="unsupported_parameter")
 
 
 def parse_embedding(body: dict[str, Any]) -> EmbeddingRequest:
-    _refuse_unsupported(body)
+    _refuse_unsupported(body, "embeddings")
     return EmbeddingRequest(
         model=body.get("model"),
         input=body["input"],
@@ -66,6 +84,19 @@ def parse_embedding(body: dict[str, Any]) -> EmbeddingRequest:
         dimensions=body.get("dimensions"),
         truncate_prompt_tokens=body.get("truncate_prompt_tokens"),
         priority=body.get("priority") or 0,
+        normalize=body.get("normalize"),
+        add_special_tokens=body.get("add_special_tokens") is not False,
+    )
+
+
+def parse_classify(body: dict[str, Any]) -> ClassifyRequest:
+    _refuse_unsupported(body, "classify")
+    return ClassifyRequest(
+        model=body.get("model"), input=body["input"],
+        truncate_prompt_tokens=body.get("truncate_prompt_tokens"),
+        priority=body.get("priority") or 0,
+        use_activation=body.get("use_activation") is not False,
+        add_special_tokens=body.get("add_special_tokens") is not False,
     )
 
 
@@ -115,6 +146,19 @@ def embedding_response(model: str, pooled: Sequence[Pooled], encoding_format: st
          "model": model, "data": data,
          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
         option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def classify_response(model: str, labels: Sequence[str],
+                      results: Sequence[tuple[list[float], int]]) -> dict[str, Any]:
+    """vLLM's classification answer: each input's probabilities (or logits), its most
+    likely label (the first of a tie) and the number of classes."""
+    tokens = sum(n for _, n in results)
+    data = [{"index": i, "label": labels[int(np.argmax(probs))], "probs": probs,
+             "num_classes": len(probs)} for i, (probs, _) in enumerate(results)]
+    return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": now(),
+            "model": model, "data": data,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
+                      "prompt_tokens_details": None}}
 
 
 def score_response(model: str, scores: Sequence[tuple[float, int]]) -> dict[str, Any]:

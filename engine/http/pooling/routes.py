@@ -1,5 +1,5 @@
-"""The pooling routes: ``/v1/embeddings``, ``/v1/score`` (also ``/score``) and
-``/v1/rerank`` (also ``/rerank``, ``/v2/rerank``).
+"""The pooling routes: ``/v1/embeddings``, ``/v1/score`` (also ``/score``),
+``/v1/rerank`` (also ``/rerank``, ``/v2/rerank``) and ``/classify`` (also ``/v1/classify``).
 
 Each waits for its answer in the handler: a disconnect cancels the wait, and
 ``Engine.pool``'s cleanup aborts the inputs still running and frees their blocks.
@@ -32,6 +32,8 @@ class PoolingRoutes:
             app.add_url_rule(path, view_func=self.score, methods=["POST"])
         for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
             app.add_url_rule(path, view_func=self.rerank, methods=["POST"])
+        for path in ("/classify", "/v1/classify"):  # vLLM's, and SGLang's
+            app.add_url_rule(path, view_func=self.classify, methods=["POST"])
 
     async def embeddings(self) -> Response:
         return await self.embeddings_body(await self.server.read_checked("embeddings"))
@@ -41,12 +43,28 @@ class PoolingRoutes:
         self.server.check_base_model(req.model)
         timer = self.server.metrics.timer()
         pooled = await self.engine.embed(
-            req.input, dimensions=req.dimensions, truncate_prompt_tokens=req.truncate_prompt_tokens,
-            request_id=self.server.request_id(), priority=req.priority)
+            req.input, dimensions=req.dimensions, normalize=req.normalize,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
+            add_special_tokens=req.add_special_tokens, request_id=self.server.request_id(),
+            priority=req.priority)
         self._observe(timer, [p.prompt_tokens for p in pooled])
         return Response(protocol.embedding_response(self.engine.model_name, pooled,
                                                     req.encoding_format),
                         200, content_type="application/json")
+
+    async def classify(self) -> Response:
+        req = protocol.parse_classify(await self.server.read_checked("classify"))
+        self.server.check_base_model(req.model)
+        timer = self.server.metrics.timer()
+        results = await self.engine.classify(
+            req.input, use_activation=req.use_activation,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
+            add_special_tokens=req.add_special_tokens, request_id=self.server.request_id(),
+            priority=req.priority)
+        self._observe(timer, [n for _, n in results])
+        assert self.engine.pooler is not None  # classify refuses a generation model
+        return json_response(protocol.classify_response(
+            self.engine.model_name, self.engine.pooler.labels, results), 200)
 
     async def score(self) -> Response:
         req = protocol.parse_score(await self.server.read_checked("score"))
