@@ -152,9 +152,9 @@ def embedding(pooled: Pooled, dimensions: int | None, normalize: bool) -> Pooled
     if dimensions is None and not normalize:
         return pooled
     vector = pooled.vector()[:dimensions]
-    if normalize:
+    if normalize:  # 3 us a 384-value vector
         wide = vector.astype(np.float64)
-        vector = wide / max(float(np.linalg.norm(wide)), 1e-12)  # torch's F.normalize eps
+        vector = wide * (1.0 / max(math.sqrt(wide @ wide), 1e-12))  # torch's F.normalize eps
     return Pooled(vector.astype("<f4").tobytes(), pooled.prompt_tokens)
 
 
