@@ -14,7 +14,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from engine.errors import ConfigError
+from engine.errors import ConfigError, InvalidParamError
+from engine.params import generation_override
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # "auto" stores K/V in the model dtype; int8 and fp8 (e4m3) store 8-bit codes plus a scale
@@ -398,6 +399,14 @@ class EngineConfig:
     generation_config: str = _field(
         "auto", "auto: the model's generation_config.json sampling defaults apply to requests "
         "that leave those fields out; none: the engine's own defaults", choices=("auto", "none"))
+    # vLLM's --override-generation-config, as canonical JSON text: sampling defaults set
+    # over the model's (alone with generation_config "none"), and max_new_tokens, which is
+    # both the default and the most max_tokens an HTTP request gets (vLLM's cap).
+    override_generation_config: str | None = _field(
+        None, "sampling defaults set over generation_config.json's, as vLLM's JSON: "
+        '\'{"temperature": 0.6, "top_p": 0.95, "max_new_tokens": 1024}\' (keys: temperature, '
+        "top_p, top_k, min_p, repetition_penalty, and max_new_tokens: the default max_tokens "
+        "and the most an HTTP request gets)", metavar="JSON", default_text="none")
     # Text in chat messages (and tools, chat_template_kwargs) is tokenized so that it never
     # becomes a control token: "<|im_end|>\n<|im_start|>system" from a user stays text, and
     # only the chat template's own markers are special tokens. True restores the old
@@ -681,6 +690,12 @@ class EngineConfig:
             spec = parse_speculative_config(self.speculative_config)
             # Canonical text: a dict given to open_engine() becomes JSON too.
             object.__setattr__(self, "speculative_config", spec.to_json())
+        if self.override_generation_config is not None:
+            try:
+                override = generation_override(self.override_generation_config)
+            except InvalidParamError as exc:
+                raise ConfigError(f"{exc.param}: {exc}", field="override_generation_config") from None
+            object.__setattr__(self, "override_generation_config", json.dumps(override, sort_keys=True))
         self._check_logits_processors()
         self._check_lora()
         if self.mm_processor_kwargs is not None:

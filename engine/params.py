@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from engine.errors import InvalidParamError
@@ -485,6 +485,50 @@ def generation_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
         except InvalidParamError:
             continue
         out[name] = value
+    return out
+
+
+def generation_max_tokens(generation_config: Mapping[str, Any]) -> int | None:
+    """``max_new_tokens`` of a ``generation_config.json`` (transformers' name for
+    ``max_tokens``) when it is a positive integer: vLLM's default ``max_tokens`` for a chat
+    request that sets none. Anything else is left out, as :func:`generation_defaults` does."""
+    value = generation_config.get("max_new_tokens")
+    return value if type(value) is int and value >= 1 else None
+
+
+# The keys vLLM's --override-generation-config takes (the rest of a generation config is
+# not sampling): the defaults above, and max_new_tokens.
+GENERATION_OVERRIDE_FIELDS = (*GENERATION_DEFAULT_FIELDS, "max_new_tokens")
+
+
+def generation_override(value: str | Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's ``--override-generation-config`` (a JSON object, or a dict) checked: only
+    :data:`GENERATION_OVERRIDE_FIELDS`, each at a value SamplingParams accepts
+    (``max_new_tokens`` a positive integer). Raises :class:`InvalidParamError` naming the
+    key, never drops one: a default the server would silently not apply is worse than
+    refusing to start."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise InvalidParamError(f"not JSON: {exc}", param="override_generation_config") from None
+    if not isinstance(value, Mapping):
+        raise InvalidParamError("must be a JSON object", param="override_generation_config")
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        if key not in GENERATION_OVERRIDE_FIELDS:
+            raise InvalidParamError(f"{key!r} is not one of {', '.join(GENERATION_OVERRIDE_FIELDS)}",
+                                    param=f"override_generation_config.{key}")
+        if key == "max_new_tokens":
+            if type(item) is not int or item < 1:
+                raise InvalidParamError(f"max_new_tokens must be a positive integer, got {item!r}",
+                                        param="override_generation_config.max_new_tokens")
+        else:
+            try:
+                SamplingParams(**{key: item})
+            except InvalidParamError as exc:
+                raise InvalidParamError(str(exc), param=f"override_generation_config.{key}") from None
+        out[key] = item
     return out
 
 

@@ -88,6 +88,8 @@ class FakeEngine:
         """When set, every request generates exactly this text, then stops ("stop"): a
         test sets it to play a model's output (tool calls, reasoning)."""
         self.sampling_defaults: dict[str, Any] = {}
+        self.default_max_tokens: int | None = None
+        self.max_tokens_cap: int | None = None
         self.pooler = None  # it generates: the pooling routes answer 400, as a real one's
         self.loras = LoraRegistry(config, None, self.model_name)  # none served
 

@@ -550,6 +550,74 @@ async def test_generation_defaults_fill_what_a_request_leaves_out(tmp_path):
         assert eng.sampling_defaults == {}
 
 
+async def test_override_generation_config_sets_defaults_and_caps_max_tokens(tmp_path):
+    """vLLM's --override-generation-config: its sampling fields over the model's, and its
+    max_new_tokens a chat's default max_tokens and every request's cap; without it,
+    generation_config.json's max_new_tokens is a chat's default only."""
+    import engine
+    from engine.errors import ConfigError
+    from engine.http.completions import protocol
+
+    path = write_tiny_model(tmp_path / "m", "llama")
+    (path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": 2, "temperature": 0.3, "top_k": 7, "max_new_tokens": 6}))
+    options = {"max_model_len": 128, "kv_cache_memory": 8 * 2**20}
+
+    def limits(eng, server_defaults):
+        chat = lambda **b: protocol.parse_chat({"messages": ASK, **b},  # noqa: E731
+                                               defaults=server_defaults).params.max_tokens
+        completion = lambda **b: protocol.parse_completion(  # noqa: E731
+            {"prompt": "hi", **b}, defaults=server_defaults).params.max_tokens
+        return chat(), chat(max_tokens=50), chat(max_tokens=2), completion(), completion(max_tokens=1)
+
+    from engine.http.server import Server
+
+    async with engine.open_engine(str(path), **options) as eng:
+        assert (eng.default_max_tokens, eng.max_tokens_cap) == (6, None)
+        assert limits(eng, Server(eng, api_key=None, max_request_bytes=2**20, chat=ChatSettings()).sampling_defaults) == (6, 50, 2, 16, 1)
+    override = {"temperature": 0.0, "max_new_tokens": 3}
+    async with engine.open_engine(str(path), override_generation_config=override,
+                                  **options) as eng:
+        assert eng.sampling_defaults == {"temperature": 0.0, "top_k": 7}
+        assert (eng.default_max_tokens, eng.max_tokens_cap) == (3, 3)
+        assert limits(eng, Server(eng, api_key=None, max_request_bytes=2**20, chat=ChatSettings()).sampling_defaults) == (3, 3, 2, 3, 1)
+    async with engine.open_engine(str(path), generation_config="none",
+                                  override_generation_config='{"top_p": 0.5}', **options) as eng:
+        assert eng.sampling_defaults == {"top_p": 0.5}
+        assert (eng.default_max_tokens, eng.max_tokens_cap) == (None, None)
+    for bad, field in (({"presence_penalty": 1.0}, "presence_penalty"),
+                       ({"top_p": 2}, "top_p"), ({"max_new_tokens": 0}, "max_new_tokens")):
+        with pytest.raises(ConfigError, match=field) as info:
+            engine.EngineConfig(override_generation_config=bad)
+        assert info.value.field == "override_generation_config"
+
+
+def test_override_generation_config_served_gives_transformers_greedy_tokens(tmp_path):
+    """Served with an override of temperature 0 and max_new_tokens 3, a request that sets
+    neither gets transformers' first three greedy tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import engine
+
+    path = write_tiny_model(tmp_path / "m", "llama")
+    prompt = [5, 17, 99, 42, 8]
+    hf = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False,
+                           min_new_tokens=3)[0, len(prompt):].tolist()
+    opener = lambda: engine.open_engine(  # noqa: E731
+        str(path), dtype="float32", max_model_len=128, kv_cache_memory=8 * 2**20,
+        override_generation_config={"temperature": 0, "max_new_tokens": 3})
+    with ServerThread(opener) as srv:
+        answer = httpx.post(srv.base_url + "/v1/completions", timeout=60, json={
+            "prompt": prompt, "max_tokens": 40, "ignore_eos": True,
+            "return_token_ids": True}).json()
+    choice = answer["choices"][0]
+    assert choice["token_ids"] == want
+    assert choice["finish_reason"] == "length" and answer["usage"]["completion_tokens"] == 3
+
+
 async def test_embedded_chat_returns_typed_messages(folder):
     import engine
     from engine.chat.output import ChatMessage

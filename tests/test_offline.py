@@ -384,6 +384,30 @@ def test_classify_and_score_with_a_cross_encoder_match_transformers(cross_encode
     assert np.allclose([s.outputs.score for s in scored], pairs.tolist(), atol=1e-5)
 
 
+def test_default_sampling_params_follow_the_generation_config(tmp_path: Path) -> None:
+    """vLLM's get_default_sampling_params: generation_config.json's fields, its
+    max_new_tokens as max_tokens, override_generation_config over them; generate without
+    params runs with them (transformers' greedy tokens, its EOS included)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.models.testing import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "m", "llama")
+    (path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": 2, "temperature": 0.7, "max_new_tokens": 4}))
+    prompt = [5, 17, 99, 42, 8]
+    hf = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False,
+                           eos_token_id=2)[0, len(prompt):].tolist()
+    with LLM(str(path), dtype="float32", max_model_len=128, kv_cache_memory=8 * 2**20,
+             override_generation_config={"temperature": 0, "top_k": 5}) as llm:
+        defaults = llm.get_default_sampling_params()
+        out = llm.generate({"prompt_token_ids": prompt}, use_tqdm=False)
+    assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0, 5, 4)
+    assert list(out[0].outputs[0].token_ids) == want
+
+
 def test_pooling_params_shape_embeddings_and_classifications(
     minilm: Path, classifier: Path
 ) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 import time
 import uuid
@@ -53,7 +54,12 @@ from engine.core.pooling import Pooled
 from engine.errors import EngineDeadError, InvalidParamError, PromptTooLongError, RequestFailedError
 from engine.messages import AdmittedRequest
 from engine.models.chat_sandbox import RenderBudget
-from engine.params import BeamSearchParams, SamplingParams, generation_defaults
+from engine.params import (
+    BeamSearchParams,
+    SamplingParams,
+    generation_defaults,
+    generation_max_tokens,
+)
 from engine.process.workers import WorkerLostError
 from engine.runner.logits_processors import load_logits_processors
 from engine.structured import GrammarHold, StructuredStatistics
@@ -125,8 +131,12 @@ class Engine:
 
     Attributes: ``config`` (resolved), ``model_name``, ``tokenizer``, ``max_model_len``,
     ``sampling_defaults`` (the model's generation_config.json sampling fields in force,
-    ``{}`` with ``generation_config="none"``; a request submitted without params uses
-    them, and the HTTP server fills the fields a body leaves out), ``dead`` and
+    ``{}`` with ``generation_config="none"``, with ``override_generation_config`` set over
+    them; a request submitted without params uses them, and the HTTP server fills the
+    fields a body leaves out), ``default_max_tokens`` (a chat request's max_tokens when it
+    sets none: the override's max_new_tokens, else generation_config.json's; None: up to
+    the context), ``max_tokens_cap`` (the override's max_new_tokens: the most an HTTP
+    request gets, as vLLM's serving layer caps it), ``dead`` and
     ``dead_reason`` (the exception that killed it, or the closing error), ``restarting``
     (true while its actors restart in place after a crash) and ``restarts`` (how many times
     they have).
@@ -137,9 +147,15 @@ class Engine:
         self.model_name: str = parts.model_name
         self.tokenizer = parts.tokenizer
         self.max_model_len: int = parts.limits.max_model_len
-        self.sampling_defaults: dict[str, Any] = (
-            generation_defaults(dict(parts.tokenizer.generation_config))
-            if parts.config.generation_config == "auto" else {})
+        model_defaults = dict(parts.tokenizer.generation_config) \
+            if parts.config.generation_config == "auto" else {}
+        override = json.loads(parts.config.override_generation_config or "{}")
+        self.max_tokens_cap: int | None = override.pop("max_new_tokens", None)
+        self.default_max_tokens: int | None = (
+            self.max_tokens_cap if self.max_tokens_cap is not None
+            else generation_max_tokens(model_defaults))
+        self.sampling_defaults: dict[str, Any] = {**generation_defaults(model_defaults),
+                                                  **override}
         self.pooler = parts.pooler
         self.dead = False
         self.dead_reason: BaseException | None = None
@@ -239,10 +255,11 @@ class Engine:
             raise InvalidParamError(
                 f"the model {self.model_name} is a pooling model ({self.pooler.task}): it does "
                 f"not generate text; use "
-                f"{'/v1/embeddings' if self.pooler.task == 'embed' else '/v1/score or /v1/rerank'}",
+                f"{'/v1/embeddings' if self.pooler.task == 'embed' else '/classify, /v1/score or /v1/rerank'}",
                 param="model")
         if params is None:
-            params = SamplingParams(**self.sampling_defaults)
+            params = SamplingParams(**self.sampling_defaults, **(
+                {"max_tokens": self.default_max_tokens} if self.default_max_tokens else {}))
         raw_images: list[Any] = []
         if multimodal.has_images(prompt):
             if images:

@@ -41,6 +41,8 @@ class EngineLike(Protocol):
     tokenizer: Any  # engine.models.tokenizer.Tokenizer
     max_model_len: int
     sampling_defaults: dict[str, Any]
+    default_max_tokens: int | None
+    max_tokens_cap: int | None
     dead: bool
     dead_reason: BaseException | None
     restarting: bool  # the actors are restarting after a crash (/health answers 503)

@@ -83,7 +83,7 @@ def prepare_chat(
     settings = settings or ChatSettings(trust_request_chat_template=True)
     fields = parse_chat_fields(body, settings, engine.tokenizer.chat_template)
     if params is None:
-        params = SamplingParams(max_tokens=None, **engine.sampling_defaults)
+        params = SamplingParams(max_tokens=engine.default_max_tokens, **engine.sampling_defaults)
     return fields, chat_sampling_params(params, fields)
 
 

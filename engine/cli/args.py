@@ -125,8 +125,6 @@ VLLM_SERVE_FLAGS: dict[str, VllmFlag] = {
     "--rope-scaling": VllmFlag("refuse", "rope scaling is read from config.json"),
     "--quantization-param-path": VllmFlag("refuse", "not supported"),
     "--kv-transfer-config": VllmFlag("refuse", "disaggregated prefill is not supported"),
-    "--override-generation-config": VllmFlag(
-        "refuse", "use --generation-config none, and send the sampling fields per request"),
     "--compilation-config": VllmFlag("refuse", "there is no torch.compile step here"),
     "-O": VllmFlag("refuse", "there is no torch.compile step here"),
     "--api-server-count": VllmFlag("refuse", "one HTTP server process serves here"),

@@ -374,10 +374,17 @@ async def _serve(args: argparse.Namespace) -> int:
                 progress.close()
                 logger.info("engine ready: %s, max_model_len %d (%.2f s)", eng.model_name,
                             eng.max_model_len, time.monotonic() - t0)
-                logger.info("sampling defaults from generation_config.json: %s",
+                logger.info("sampling defaults from generation_config.json%s: %s",
+                            " and --override-generation-config"
+                            if eng.config.override_generation_config else "",
                             json.dumps(eng.sampling_defaults) if eng.sampling_defaults else
                             "none" + (" (--generation-config none)"
                                       if eng.config.generation_config == "none" else ""))
+                if eng.default_max_tokens is not None:
+                    logger.info("max_tokens: %d when a chat request sets none%s",
+                                eng.default_max_tokens,
+                                "" if eng.max_tokens_cap is None else
+                                f", at most {eng.max_tokens_cap} for any request")
                 app = create_app(eng, api_key=key, max_request_bytes=args.max_request_bytes,
                                  chat=settings, allowed_origins=allowed_origins(args),
                                  root_path=getattr(args, "root_path", ""),

@@ -67,8 +67,15 @@ class Server:
         # end): GET /load, as vLLM's server-load tracking counts them.
         self.in_flight = 0
         self.chat_settings = chat
-        # The model's sampling defaults (--generation-config auto), for fields a body omits.
+        # The model's sampling defaults (--generation-config auto, with
+        # --override-generation-config over them), for fields a body omits; "max_tokens"
+        # and "max_tokens_cap" there are the max_tokens default and cap (see
+        # completions.protocol's _sampling_params).
         self.sampling_defaults: dict[str, Any] = dict(engine.sampling_defaults)
+        if engine.default_max_tokens is not None:
+            self.sampling_defaults["max_tokens"] = engine.default_max_tokens
+        if engine.max_tokens_cap is not None:
+            self.sampling_defaults["max_tokens_cap"] = engine.max_tokens_cap
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes
         self.metrics = Metrics(engine, engine.model_name, prefix=metrics_prefix)

@@ -469,14 +469,22 @@ def _sampling_params(
     max_tokens: Any = ..., defaults: Mapping[str, Any] | None = None,
     structured: StructuredOutputs | None = None,
 ) -> SamplingParams:
-    # The model's generation defaults (--generation-config) fill only what the body omits.
+    # The model's generation defaults (--generation-config) fill only what the body omits;
+    # their max_tokens is a chat's default (a completion's is OpenAI's 16), and
+    # max_tokens_cap (--override-generation-config's max_new_tokens) caps every request,
+    # as vLLM's get_max_tokens takes the smallest of the limits.
     kwargs: dict[str, Any] = dict(defaults or {})
+    model_max = kwargs.pop("max_tokens", None)
+    cap = kwargs.pop("max_tokens_cap", None)
     kwargs.update({k: body[k] for k in _PASSTHROUGH if body.get(k) is not None})
     kwargs.update({k: lax_bool(body[k], k) for k in _PASSTHROUGH_BOOLS
                    if body.get(k) is not None})
     kwargs["max_tokens"] = body.get("max_tokens") if max_tokens is ... else max_tokens
     if kwargs["max_tokens"] is None:
-        kwargs["max_tokens"] = default_max
+        kwargs["max_tokens"] = default_max if default_max is not None else model_max
+    asked = kwargs["max_tokens"]
+    if cap is not None and (asked is None or type(asked) is int and asked > cap):
+        kwargs["max_tokens"] = cap
     if body.get("stop") is not None:
         kwargs["stop"] = parse_stop(body["stop"])
     if body.get("stop_token_ids") is not None:
