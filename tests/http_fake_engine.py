@@ -105,6 +105,11 @@ class FakeEngine:
         raise InvalidParamError(f"the model {self.model_name} is a generation model: it does "
                                 "not embed", param="model")
 
+    async def classify(self, input: Any, **options: Any) -> Any:
+        await trio.lowlevel.checkpoint()
+        raise InvalidParamError(f"the model {self.model_name} is a generation model: it does "
+                                "not classify", param="model")
+
     async def score(self, first: Any, second: Any, **options: Any) -> Any:
         await trio.lowlevel.checkpoint()
         raise InvalidParamError(f"the model {self.model_name} is a generation model: it does "

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -615,8 +616,60 @@ def test_serve_with_generation_config_none_logs_no_defaults_and_trusts_request_t
 
     frozen: list[int] = []
     messages = _run_serve(["--model", str(chat_model), "--generation-config", "none",
-                           "--trust-request-chat-template"], caplog, while_serving)
+                           "--trust-request-chat-template", "--disable-log-stats",
+                           "--log-stats-interval", "0.05"], caplog, while_serving)
+    assert not [m for m in messages if "Avg generation throughput" in m]
     assert "sampling defaults from generation_config.json: none (--generation-config none)" \
         in messages
     # Frozen while serving (the model among it), given back to the collector on exit.
     assert frozen and frozen[0] > 10_000 and gc.get_freeze_count() == 0
+
+
+def test_serve_logs_the_stats_line_while_busy_then_goes_quiet(
+    chat_model: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """vLLM's periodic stats line: the request's tokens show as throughput, and once idle
+    one line of zeros is logged at info level, then the lines drop to debug."""
+    def while_serving(url: str) -> None:
+        reply = _chat(url, max_tokens=12, ignore_eos=True)
+        assert reply.status_code == 200, reply.text
+        time.sleep(1.5)  # several intervals: the busy one, then idle ones
+
+    messages = _run_serve(["--model", str(chat_model), "--log-stats-interval", "0.2"],
+                          caplog, while_serving)
+    pattern = re.compile(r"Avg prompt throughput: ([\d.]+) tokens/s, Avg generation throughput: "
+                         r"([\d.]+) tokens/s, Running: (\d+) reqs, Waiting: (\d+) reqs, KV cache "
+                         r"usage: ([\d.]+)%, Prefix cache hit rate: ([\d.]+)%")
+    parsed = [tuple(map(float, pattern.fullmatch(m).groups())) for m in messages
+              if m.startswith("Avg prompt throughput")]
+    assert any(p[0] > 0 for p in parsed) and any(p[1] > 0 for p in parsed), parsed
+    assert parsed[-1][:5] == (0.0, 0.0, 0.0, 0.0, 0.0), parsed
+    assert sum(1 for p in parsed if p[:2] == (0.0, 0.0)) == 1, parsed
+
+
+def test_stats_line_rates_are_the_tokens_over_the_seconds_between_lines() -> None:
+    from engine.actors.system import EngineStatistics
+    from engine.http.metrics import Metrics
+    from engine.http.stats_log import StatsLog
+
+    class Idle:
+        def statistics(self) -> EngineStatistics:
+            return EngineStatistics(running=0, waiting=0, kv_blocks_total=8, kv_blocks_free=6,
+                                    prefix_cache_hits=1, prefix_cache_queries=4, preemptions=0,
+                                    steps=0, requests_finished=0)
+
+    eng = Idle()
+    metrics = Metrics(eng, "m")  # type: ignore[arg-type]
+    now = [100.0]
+    log = StatsLog(eng, metrics, clock=lambda: now[0])
+    metrics.prompt_token_count += 300
+    metrics.generation_token_count += 50
+    now[0] += 2.0
+    text, busy = log.line()
+    assert busy and text == ("Avg prompt throughput: 150.0 tokens/s, Avg generation throughput: "
+                             "25.0 tokens/s, Running: 0 reqs, Waiting: 0 reqs, KV cache usage: "
+                             "25.0%, Prefix cache hit rate: 25.0%")
+    now[0] += 4.0
+    assert log.line() == (text.replace("150.0 tokens", "0.0 tokens").replace("25.0 tokens", "0.0 tokens"), True)
+    now[0] += 4.0
+    assert log.line()[1] is False  # idle twice: debug level

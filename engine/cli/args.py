@@ -101,8 +101,6 @@ VLLM_SERVE_FLAGS: dict[str, VllmFlag] = {
                                          takes_value=False),
     "--disable-log-requests": VllmFlag("no_op", "requests are not logged one by one here",
                                        takes_value=False),
-    "--disable-log-stats": VllmFlag("no_op", "no periodic stats lines are logged here",
-                                    takes_value=False),
     "--disable-uvicorn-access-log": VllmFlag("no_op", "there is no access log here",
                                              takes_value=False),
     "--disable-fastapi-docs": VllmFlag("no_op", "there are no docs pages here (only "

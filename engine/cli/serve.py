@@ -47,6 +47,7 @@ from engine.http.serve import (
     check_tls,
     serve_app,
 )
+from engine.http.stats_log import DEFAULT_INTERVAL_SECONDS, StatsLog
 from engine.process.core import run_headless
 from engine.process.heap import frozen_startup_heap
 from engine.process.malloc import cap_arenas
@@ -112,6 +113,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
              "line) (default: $ENGINE_DP_SECRET)")
     add("--log-level", default=os.environ.get("ENGINE_LOG_LEVEL", "info"),
         choices=["debug", "info", "warning", "error"], help="logging level ($ENGINE_LOG_LEVEL)")
+    add("--disable-log-stats", action="store_true",
+        help="log no periodic stats line (throughput, requests running and waiting, KV "
+             "cache usage), as vLLM's")
+    add("--log-stats-interval", type=float, default=DEFAULT_INTERVAL_SECONDS, metavar="S",
+        help="seconds between stats lines (vLLM's VLLM_LOG_STATS_INTERVAL)")
     add("--root-path", default="", metavar="PREFIX",
         help="the path prefix a proxy serves this server under (/llm): routes answer with "
              "and without it")
@@ -295,9 +301,17 @@ def preflight(args: argparse.Namespace) -> None:
     api_key(args)
     check_tls(args.ssl_keyfile, args.ssl_certfile)
     check_edge_limits(args.send_timeout, args.h2_max_concurrent_streams)
+    _check_stats_interval(args)
     uds = getattr(args, "uds", None)
     if not uds:
         bind_socket(args.host, args.port).close()
+
+
+def _check_stats_interval(args: argparse.Namespace) -> None:
+    interval = getattr(args, "log_stats_interval", DEFAULT_INTERVAL_SECONDS)
+    if not interval > 0 or interval == float("inf"):
+        raise ConfigError(f"--log-stats-interval must be a positive number of seconds, got "
+                          f"{interval}", field="log_stats_interval")
 
 
 def resolve_models(args: argparse.Namespace) -> None:
@@ -365,6 +379,7 @@ async def _serve(args: argparse.Namespace) -> int:
     secret = data_parallel_secret(args)
     check_tls(args.ssl_keyfile, args.ssl_certfile)
     check_edge_limits(args.send_timeout, args.h2_max_concurrent_streams)
+    _check_stats_interval(args)
     uds = getattr(args, "uds", None)
     with (bind_unix_socket(uds) if uds else bind_socket(args.host, args.port)) as listener, \
             trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -442,6 +457,9 @@ async def _serve_until_signal(
         t1 = time.monotonic()
         binds = await nursery.start(run_server)
         logger.info("listening on %s (%.2f s)", ", ".join(binds), time.monotonic() - t1)
+        if not getattr(args, "disable_log_stats", False):
+            stats = StatsLog(eng, app.extensions["metrics"])
+            nursery.start_soon(stats.run, args.log_stats_interval)
     return died
 
 

@@ -138,6 +138,8 @@ def create_app(
         routes.register(app)
     # The /v1/responses store, for tests and operators' introspection (statistics()).
     app.extensions["responses_store"] = responses.store
+    # The server's metrics, which the periodic stats line (stats_log.StatsLog) reads.
+    app.extensions["metrics"] = server.metrics
     if allowed_origins:
         quart_cors.cors(
             app, allow_origin=list(allowed_origins),

@@ -303,6 +303,9 @@ class Metrics:
                                      labels, registry=reg).labels(model_name)
         self.generation_tokens = Counter("engine:generation_tokens", "Output tokens generated.",
                                          labels, registry=reg).labels(model_name)
+        # The same two counts as plain numbers, for the periodic stats line (stats_log.py).
+        self.prompt_token_count = 0
+        self.generation_token_count = 0
         self._success = Counter("engine:request_success",
                                 "Finished samples by finish reason (stop, length, abort).",
                                 ["model_name", "finished_reason"], registry=reg)
@@ -350,6 +353,7 @@ class RequestTimer:
 
     def prompt(self, num_tokens: int) -> None:
         self._metrics.prompt_tokens.inc(num_tokens)
+        self._metrics.prompt_token_count += num_tokens
         self._prompt_tokens += num_tokens
 
     def output(self, index: int, num_tokens: int, finish_reason: str | None,
@@ -359,6 +363,7 @@ class RequestTimer:
             self._scheduled = scheduled_time
         if num_tokens:
             self._metrics.generation_tokens.inc(num_tokens)
+            self._metrics.generation_token_count += num_tokens
             self._generated += num_tokens
             if self._first:
                 self._metrics.ttft.observe(t - self._arrival)
