@@ -521,6 +521,16 @@ class EngineConfig:
     max_logprobs: int = _field(
         20, "most logprobs, top_logprobs or prompt_logprobs a request may ask for; -1: the "
         "whole vocabulary (and lets requests send -1 for it)", type=int, metavar="N")
+    # vLLM's request log: one info line per request as it is queued (its id, the prompt's
+    # text and token ids, cut to max_log_len, its sampling parameters, its LoRA adapter).
+    # Off by default, as in vLLM: prompts are users' data. --disable-log-requests (vLLM's
+    # older flag) is the default here.
+    enable_log_requests: bool = _field(
+        False, "log each request as it is queued: its id, prompt (text and token ids), "
+        "sampling parameters and LoRA adapter", aliases=("--disable-log-requests",))
+    max_log_len: int | None = _field(
+        None, "most prompt characters and token ids a request's log line shows",
+        type=int, metavar="N", default_text="all")
     # Answer shapes, named as vLLM's serve flags (engine.http.completions.answer.AnswerOptions).
     enable_prompt_tokens_details: bool = _field(
         False, "report usage.prompt_tokens_details.cached_tokens (the prefix-cache hit)")
@@ -756,6 +766,11 @@ class EngineConfig:
             # core: engine.process.ray_cores), so the workers are Ray actors too, as
             # vLLM's Ray data parallelism makes them.
             object.__setattr__(self, "distributed_executor_backend", "ray")
+        log_len = self.max_log_len
+        if log_len is not None and (isinstance(log_len, bool) or not isinstance(log_len, int)
+                                    or log_len < 0):
+            raise ConfigError(f"max_log_len must be a non-negative integer, got {log_len!r}",
+                              field="max_log_len")
         restarts = self.max_engine_restarts
         if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
             raise ConfigError(f"max_engine_restarts must be a non-negative integer, got {restarts!r}", field="max_engine_restarts")

@@ -629,14 +629,31 @@ def test_serve_logs_the_stats_line_while_busy_then_goes_quiet(
     chat_model: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
     """vLLM's periodic stats line: the request's tokens show as throughput, and once idle
-    one line of zeros is logged at info level, then the lines drop to debug."""
+    one line of zeros is logged at info level, then the lines drop to debug. With
+    --enable-log-requests each request is logged as the model reads it, cut to
+    --max-log-len (transformers' tokenizer is the oracle of its ids)."""
+    from transformers import AutoTokenizer
+
+    prompt = "Hello there, how are the cats and the dogs today?"
+    ids: list[int] = []
+
     def while_serving(url: str) -> None:
         reply = _chat(url, max_tokens=12, ignore_eos=True)
         assert reply.status_code == 200, reply.text
+        done = httpx.post(url + "/v1/completions", timeout=60, json={
+            "prompt": prompt, "max_tokens": 2, "temperature": 0, "request_id": "logged-1"})
+        assert done.status_code == 200, done.text
+        ids.extend(done.json().get("prompt_token_ids") or [])
         time.sleep(1.5)  # several intervals: the busy one, then idle ones
 
-    messages = _run_serve(["--model", str(chat_model), "--log-stats-interval", "0.2"],
+    messages = _run_serve(["--model", str(chat_model), "--log-stats-interval", "0.2",
+                           "--enable-log-requests", "--max-log-len", "6"],
                           caplog, while_serving)
+    want = AutoTokenizer.from_pretrained(str(chat_model))(prompt)["input_ids"][:6]
+    logged = [m for m in messages if m.startswith("Received request logged-1:")]
+    assert len(logged) == 1, [m for m in messages if m.startswith("Received")]
+    assert f"prompt_token_ids: {want}, lora: None" in logged[0]
+    assert "temperature=0" in logged[0] and "max_tokens=2" in logged[0]
     pattern = re.compile(r"Avg prompt throughput: ([\d.]+) tokens/s, Avg generation throughput: "
                          r"([\d.]+) tokens/s, Running: (\d+) reqs, Waiting: (\d+) reqs, KV cache "
                          r"usage: ([\d.]+)%, Prefix cache hit rate: ([\d.]+)%")

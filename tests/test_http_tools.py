@@ -523,6 +523,17 @@ def test_request_id_header_model_card_and_ping(real):
     bad = httpx.post(base + "/v1/chat/completions", headers={"X-Request-Id": "x" * 300},
                      json={"model": MODEL, "messages": ASK, "max_tokens": 2})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Request-Id"
+    # vLLM's body field: the engine's id when no header names one; the header wins.
+    body_id = httpx.post(base + "/v1/completions", json={
+        "model": MODEL, "prompt": "hi", "max_tokens": 2, "request_id": "batch-7"}).json()
+    assert body_id["id"] == "cmpl-batch-7"
+    both = httpx.post(base + "/v1/chat/completions", headers={"X-Request-Id": "trace-43"},
+                      json={"model": MODEL, "messages": ASK, "max_tokens": 2,
+                            "request_id": "ignored"})
+    assert both.json()["id"] == "chatcmpl-trace-43"
+    bad = httpx.post(base + "/v1/chat/completions", json={
+        "model": MODEL, "messages": ASK, "max_tokens": 2, "request_id": "a\nb"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_id"
 
 
 def test_weather_tool_fixture_is_a_valid_tool():

@@ -354,7 +354,21 @@ class Engine:
             raise self._dead_error() from self.dead_reason
         if prepared.grammar_hold is not None:
             prepared.grammar_hold.pass_to(len(prepared.admitted.samples))
+        if self.config.enable_log_requests:
+            self._log_request(prepared)
         return RequestStream(self, mailbox)
+
+    def _log_request(self, prepared: PreparedRequest) -> None:
+        """vLLM's request log line (``enable_log_requests``): the prompt as the model reads
+        it (decoded from its ids, special tokens shown), cut to ``max_log_len``."""
+        limit = self.config.max_log_len
+        ids = list(prepared.prompt_token_ids[:limit] if limit is not None else prepared.prompt_token_ids)
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        sample = prepared.admitted.samples[0]
+        logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s, "
+                    "lora: %s", prepared.admitted.request_id,
+                    text if limit is None else text[:limit], sample.params, ids,
+                    sample.lora.name if sample.lora is not None else None)
 
     async def tokenize_chat(self, messages: Sequence[dict[str, Any]],
                             chat_options: TemplateOptions | None = None) -> tuple[int, ...]:

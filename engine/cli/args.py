@@ -99,8 +99,6 @@ VLLM_SERVE_FLAGS: dict[str, VllmFlag] = {
         "no_op", "this server never runs a model's own Python code", takes_value=False),
     "--enable-chunked-prefill": VllmFlag("no_op", "prefill is always chunked here",
                                          takes_value=False),
-    "--disable-log-requests": VllmFlag("no_op", "requests are not logged one by one here",
-                                       takes_value=False),
     "--disable-uvicorn-access-log": VllmFlag("no_op", "there is no access log here",
                                              takes_value=False),
     "--disable-fastapi-docs": VllmFlag("no_op", "there are no docs pages here (only "

@@ -115,6 +115,10 @@ COMMON: dict[str, Any] = {
     "cache_salt": _nullable({"type": "string", "minLength": 1,
                              "description": "prefix-cache entries are shared only "
                                             "between requests with the same salt"}),
+    "request_id": _nullable({"type": "string", "minLength": 1, "maxLength": 256,
+                             "description": "vLLM's: the engine's id for the request (the "
+                                            "answer's id is cmpl- or chatcmpl- and it); an "
+                                            "X-Request-Id header wins"}),
     # Structured output (engine.structured.openai checks the insides and names the field).
     "response_format": _nullable({
         "type": "object", "required": ["type"],

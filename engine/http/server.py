@@ -164,13 +164,18 @@ class Server:
     def token_text(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def request_id(self) -> str | None:
+    def request_id(self, body_id: str | None = None) -> str | None:
         """The client's ``X-Request-Id``, used as the engine's request id (checked: ids
-        show up in logs and metrics labels-free, so printable ASCII only). With
-        ``--enable-request-id-headers`` a request without one gets a fresh id, which the
-        response's header then carries."""
+        show up in logs and metrics labels-free, so printable ASCII only); without one,
+        the body's ``request_id`` (vLLM's field, checked by the parser). With
+        ``--enable-request-id-headers`` a request without either gets a fresh id, which
+        the response's header then carries."""
         value = request.headers.get(REQUEST_ID_HEADER)
         if value is None:
+            if body_id is not None:
+                if self.enable_request_id_headers:
+                    g.request_id = body_id
+                return body_id
             if self.enable_request_id_headers:
                 g.request_id = uuid.uuid4().hex
                 return str(g.request_id)

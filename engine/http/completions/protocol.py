@@ -43,7 +43,7 @@ _COMMON_FIELDS = frozenset(
         "stream_options", "user", "include_stop_str_in_output", "skip_special_tokens",
         # vLLM's extras: the queue priority (with --scheduling-policy priority, smaller
         # first) and a salt that keeps this request's prefix-cache entries private.
-        "priority", "cache_salt",
+        "priority", "cache_salt", "request_id",
         # OpenAI's bookkeeping fields: they change nothing in the answer.
         "service_tier", "store", "metadata", "safety_identifier", "prompt_cache_key",
         "prompt_cache_retention",
@@ -131,6 +131,7 @@ class CompletionRequest:
     top_logprobs: int | None  # how many alternatives to print per token; None: no logprobs
     priority: int = 0
     cache_salt: str | None = None
+    request_id: str | None = None  # vLLM's body field; the X-Request-Id header wins
     # Chat only: template options, how outputs are read (tools, reasoning), echo.
     chat_fields: ChatFields | None = None
     # The body field that carried params.structured_outputs (response_format.json_schema.schema,
@@ -356,8 +357,17 @@ def _chat_output_params(body: dict[str, Any], params: SamplingParams,
 
 
 def _queueing(body: dict[str, Any]) -> dict[str, Any]:
-    """``priority`` and ``cache_salt``, type-checked; absent ones keep their defaults."""
+    """``priority``, ``cache_salt`` and ``request_id``, type-checked; absent ones keep
+    their defaults."""
     out: dict[str, Any] = {}
+    request_id = body.get("request_id")
+    if request_id is not None:
+        # The X-Request-Id header's rule: ids show up in logs, printable ASCII only.
+        if not isinstance(request_id, str) or not 0 < len(request_id) <= 256 \
+                or not request_id.isascii() or not request_id.isprintable():
+            raise APIError(400, "request_id must be 1-256 printable ASCII characters",
+                           param="request_id", code="invalid_value")
+        out["request_id"] = request_id
     priority = _opt_int(body, "priority")
     if priority is not None:
         out["priority"] = priority

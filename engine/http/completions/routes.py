@@ -85,7 +85,7 @@ class CompletionsRoutes:
         lora = self.server.check_model(req.model)
         run = Run(self.engine, req, self.server.metrics.timer(), self.server.answer_options,
                   self.server.load_tracker(), lora=lora)
-        await run.submit_all(self.server.request_id())
+        await run.submit_all(self.server.request_id(req.request_id))
         if req.stream:
             return sse_response(run.write_sse, run.close)
         response = json_response(await run.collect(), 200)
@@ -159,7 +159,7 @@ class CompletionsRoutes:
         # The id the chat or completions answer would carry (chatcmpl-/cmpl-, as vLLM's
         # render writes it), one per prompt.
         base = ("chatcmpl-" if req.chat else "cmpl-") + (
-            self.server.request_id() or uuid.uuid4().hex)
+            self.server.request_id(req.request_id) or uuid.uuid4().hex)
         request_id = base if len(req.prompts) == 1 else f"{base}-{index}"
         options = ({"include_usage": req.include_usage,
                     "continuous_usage_stats": req.continuous_usage}
