@@ -216,6 +216,39 @@ def test_echo_with_logprobs_scores_the_prompt_then_the_completion(server, client
     assert streamed == pytest.approx(lp.token_logprobs[n:], abs=1e-5)
 
 
+def test_echo_with_max_tokens_zero_is_the_prompt_scored_by_transformers(
+    server, client, model_folder
+):
+    # OpenAI's and vLLM's way to score a text without generating: echo, max_tokens 0.
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = "The quick brown fox jumps"
+    ids = httpx.post(server.base_url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+    hf = AutoModelForCausalLM.from_pretrained(str(model_folder), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        scores = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), dim=-1)
+    want = [scores[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    answer = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1,
+                                       max_tokens=0)
+    choice = answer.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert answer.usage.completion_tokens == 0 and answer.usage.prompt_tokens == len(ids)
+    assert choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1,
+                                            max_tokens=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == prompt
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    streamed = [v for c in chunks if c.choices and c.choices[0].logprobs
+                for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed[1:] == pytest.approx(want, abs=1e-4)
+    # Without echo there is nothing to return: max_tokens 0 stays a 400.
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
+    assert refused.value.body["param"] == "max_tokens"
+
+
 def test_logit_bias_stop_token_ids_and_min_tokens_are_honoured(server, client):
     token = _single_token(server, ".")
     base = {"model": MODEL, "prompt": "Hello", "temperature": 0, "max_tokens": 6}

@@ -161,6 +161,10 @@ COMPLETION: dict[str, Any] = {
             _TOKEN_IDS,
             {"type": "array", "items": _TOKEN_IDS, "minItems": 1},
         ]},
+        # 0 with echo: the prompt scored, nothing generated (the parser refuses 0 alone).
+        "max_tokens": _integer(0, None, "tokens to generate at most (default 16); prompt + "
+                               "max_tokens must fit the context; 0 with echo: the prompt "
+                               "and its logprobs only"),
         "echo": _LAX_BOOL,
         "best_of": _integer(1, 128, "samples drawn per prompt, the n of highest cumulative "
                             "logprob returned; at least n; not with stream"),

@@ -145,6 +145,9 @@ class CompletionRequest:
     return_token_ids: bool = False
     tokens_as_ids: bool | None = None
     continuous_usage: bool = False
+    # echo with max_tokens 0 (completions): the answer is the prompt alone, its one
+    # generated token dropped, finish_reason "length", no completion tokens.
+    echo_only: bool = False
     # best_of above n (completions): params.n is best_of, every sample is drawn, and the
     # answer returns this many per prompt, those of the highest cumulative logprob.
     returned_n: int | None = None
@@ -164,9 +167,13 @@ def parse_completion(body: Any, defaults: Mapping[str, Any] | None = None) -> Co
     prompts = _completion_prompts(body["prompt"])
     logprobs = _opt_int(body, "logprobs")
     echo = _opt_bool(body, "echo", False)
+    # echo with max_tokens 0 (OpenAI's and vLLM's way to score a text, as evaluation
+    # harnesses do): the prompt and its logprobs, nothing generated. The engine runs one
+    # token, which the answer leaves out (Run drops it).
+    echo_only = echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0
     structured, structured_param = structured_from_body(body)
     params = _sampling_params(body, COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs, defaults=defaults,
-                              structured=structured)
+                              structured=structured, max_tokens=1 if echo_only else ...)
     stream, include_usage, continuous = _stream_flags(body)
     prompt_logprobs = _prompt_logprobs(body, stream)
     # The echoed prompt gets logprobs too, as OpenAI gives them (scoring a text this way is
@@ -180,7 +187,7 @@ def parse_completion(body: Any, defaults: Mapping[str, Any] | None = None) -> Co
         chat=False, model=_model(body), prompts=prompts, params=params, stream=stream,
         include_usage=include_usage, echo=echo, top_logprobs=logprobs, **_queueing(body),
         structured_param=structured_param, **_shape_fields(body, prompt_logprobs, continuous),
-        returned_n=returned_n, suffix=suffix,
+        returned_n=returned_n, suffix=suffix, echo_only=echo_only,
     )
 
 

@@ -9,6 +9,7 @@ writers of their own, over :meth:`Run.pump_all`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
@@ -156,6 +157,8 @@ class Run:
                     cancel: trio.CancelScope) -> None:
         try:
             async for out in stream:
+                if self.req.echo_only:
+                    out = _prompt_only(out)
                 self.timer.output(prompt_index * self.req.params.n + out.index,
                                   len(out.token_ids), out.finish_reason,
                                   out.scheduled_time)
@@ -166,3 +169,15 @@ class Run:
                 if self.error.status >= 500 and self.error.code not in LOGGED_ELSEWHERE:
                     logger.error("request %s failed", stream.request_id, exc_info=exc)
             cancel.cancel()
+
+
+def _prompt_only(out: RequestOutput) -> RequestOutput:
+    """An output of an echo-only request (``max_tokens`` 0) as the answer says it: the
+    token the engine ran to score the prompt left out, the sample ended by its length."""
+    usage = out.usage
+    if usage is not None:
+        usage = dataclasses.replace(usage, completion_tokens=0)
+    return dataclasses.replace(
+        out, text="", token_ids=(), logprobs=() if out.logprobs is not None else None,
+        finish_reason="length" if out.finished else None, stop_reason=None, usage=usage)
+
