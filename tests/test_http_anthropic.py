@@ -248,6 +248,33 @@ def test_tool_round_trip_through_the_fallback_prompt(server, clients):
     assert counted.input_tokens == _openai_count(server, openai_history, [WEATHER_OPENAI])
 
 
+def test_consecutive_turns_of_one_role_are_combined_into_one(server, clients):
+    """Anthropic's rule: consecutive user (or assistant) turns are one turn. Counted on the
+    OpenAI side as that one turn: its tool results first, then its blocks in order."""
+    from engine.http.anthropic.protocol import chat_body
+
+    client = clients()
+    split = [{"role": "user", "content": "Weather in Paris?"},
+             {"role": "user", "content": [{"type": "text", "text": "And in Rome?"}]}]
+    counted = client.messages.count_tokens(model=MODEL, messages=split)
+    assert counted.input_tokens == _openai_count(server, [{"role": "user", "content": [
+        {"type": "text", "text": "Weather in Paris?"}, {"type": "text", "text": "And in Rome?"}]}])
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
+    body = chat_body({"model": MODEL, "max_tokens": 5, "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Let me look."},
+        {"role": "assistant", "content": [call]},
+        {"role": "user", "content": "(a note)"},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                      "content": "9C"}]},
+    ]}, reasoning=False)
+    assert [m["role"] for m in body["messages"]] == ["user", "assistant", "tool", "user"]
+    assert body["messages"][1]["content"] == "Let me look."
+    assert [c["id"] for c in body["messages"][1]["tool_calls"]] == ["toolu_1"]
+    assert body["messages"][2] == {"role": "tool", "tool_call_id": "toolu_1", "content": "9C"}
+    assert body["messages"][3] == {"role": "user", "content": "(a note)"}
+
+
 def test_a_named_tool_is_called(server, clients):
     message = clients().messages.create(
         model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=200, extra_body=GREEDY,

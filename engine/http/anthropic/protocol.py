@@ -168,10 +168,15 @@ def _text_block(block: Any, where: str) -> str:
 
 def _messages(body: Mapping[str, Any], first: int,
               origins: dict[str, str] | None) -> list[dict[str, Any]]:
+    """The chat messages of a Messages body. Consecutive turns of one role are combined
+    into one turn, as Anthropic's API combines them: their tool results first, then their
+    content blocks in order (an assistant's tool calls after its text)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages must be a non-empty list", "messages")
     out: list[dict[str, Any]] = []
+    run = 0  # where the messages of the current run of one role start in ``out``
+    last_role = None
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, Mapping):
@@ -181,28 +186,62 @@ def _messages(body: Mapping[str, Any], first: int,
             raise _bad(f"{where}.role must be \"user\" or \"assistant\", got {role!r}",
                        f"{where}.role")
         content = message.get("content")
-        # The tool_use ids of the message before this one: what its tool_results answer.
-        previous = out[-1] if out and out[-1]["role"] == "assistant" else {}
-        asked = {c["id"] for c in previous.get("tool_calls") or ()}
-        if isinstance(content, str):
-            out.append({"role": role, "content": content})
-        elif isinstance(content, list):
-            if role == "user":
-                turn = _user(content, where, asked)
-                if origins is not None and turn and isinstance(turn[-1]["content"], list):
-                    at = f"messages[{first + len(out) + len(turn) - 1}].content"
-                    origins.update({f"{at}[{k}]": part.pop("origin")
-                                    for k, part in enumerate(turn[-1]["content"]) if "origin" in part})
-                for message in turn:
-                    for part in message["content"] if isinstance(message["content"], list) else ():
-                        part.pop("origin", None)
-                out += turn
-            else:
-                out.append(_assistant(content, where))
-        else:
+        if not isinstance(content, (str, list)):
             raise _bad(f"{where}.content must be a string or a list of content blocks",
                        f"{where}.content")
+        if role != last_role:
+            run, last_role = len(out), role
+        if role == "user":
+            # The tool_use ids of the assistant turn before this run: what its results answer.
+            previous = out[run - 1] if run and out[run - 1]["role"] == "assistant" else {}
+            asked = {c["id"] for c in previous.get("tool_calls") or ()}
+            turn = ([{"role": "user", "content": content}] if isinstance(content, str)
+                    else _user(content, where, asked))
+            out[run:] = _combined_user(out[run:], turn)
+        else:
+            turn_message = ({"role": "assistant", "content": content} if isinstance(content, str)
+                            else _assistant(content, where))
+            out[run:] = [_combined_assistant(out[run], turn_message) if len(out) > run
+                         else turn_message]
+    for k, message in enumerate(out):
+        for j, part in enumerate(message["content"] if isinstance(message["content"], list) else ()):
+            origin = part.pop("origin", None)
+            if origin is not None and origins is not None:
+                origins[f"messages[{first + k}].content[{j}]"] = origin
     return out
+
+
+def _parts(content: Any) -> list[dict[str, Any]]:
+    """A chat message's content as a list of parts (a string is one text part)."""
+    if content is None or content == "":
+        return []
+    return [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
+
+
+def _joined(parts: list[dict[str, Any]]) -> Any:
+    """Content parts as a message's content: one text part as a string, as vLLM gives it."""
+    if len(parts) == 1 and parts[0]["type"] == "text":
+        return parts[0]["text"]
+    return parts or None
+
+
+def _combined_user(run: list[dict[str, Any]], turn: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Two user turns as one: every tool result, then every content part."""
+    messages = run + turn
+    tools = [m for m in messages if m["role"] == "tool"]
+    parts = [p for m in messages if m["role"] == "user" for p in _parts(m["content"])]
+    has_user = any(m["role"] == "user" for m in messages)
+    return tools + ([{"role": "user", "content": _joined(parts) or ""}] if has_user else [])
+
+
+def _combined_assistant(before: dict[str, Any], turn: dict[str, Any]) -> dict[str, Any]:
+    """Two assistant turns as one: the text of both, then the tool calls of both."""
+    message: dict[str, Any] = {
+        "role": "assistant", "content": _joined(_parts(before["content"]) + _parts(turn["content"]))}
+    calls = [*before.get("tool_calls", ()), *turn.get("tool_calls", ())]
+    if calls:
+        message["tool_calls"] = calls
+    return message
 
 
 def _user(blocks: list[Any], where: str, asked: set[str]) -> list[dict[str, Any]]:
