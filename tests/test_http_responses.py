@@ -263,12 +263,14 @@ REFUSED = [
     ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}},
      "tool_choice.type"),
     ({"background": True}, "background"),
-    ({"include": ["file_search_call.results"]}, "include"),
-    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"include": ["file_search_call.results"]}, "include[0]"),
+    ({"include": ["message.output_text.logprobs", "reasoning.encrypted_content"]}, "include[1]"),
+    # Logprobs of text alone: this server splits reasoning out (its tokens would not line
+    # up with the output text).
+    ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"truncation": "auto"}, "truncation"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
-    ({"top_logprobs": 3}, "top_logprobs"),
     ({"n": 2}, "n"),
     ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
@@ -303,6 +305,7 @@ INVALID = [
      "text.format.schema"),
     ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"top_logprobs": 21}, "top_logprobs"),
     ({"input": 7}, "input"),
     ({"previous_response_id": "resp_never"}, "previous_response_id"),
 ]
@@ -426,6 +429,42 @@ def test_text_format_json_schema_is_held_by_the_grammar(real):
     assert replies[0].text.format.type == "json_schema"
     assert isinstance(parsed.output_parsed, Cat)
     assert parsed.output_parsed == Cat.model_validate_json(parsed.output_text)
+
+
+def test_output_text_logprobs_are_transformers_log_softmax(real, folder):
+    """include message.output_text.logprobs: each output token's logprob and its
+    alternatives, whole and streamed (each delta with its tokens'), as transformers scores
+    the tokens the chat route says the same greedy request writes."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ask = "Say something."
+    request = {"model": MODEL, "input": ask, "max_output_tokens": 6, "temperature": 0,
+               "include": ["message.output_text.logprobs"], "top_logprobs": 3,
+               "tool_choice": "none"}
+    with _client(real) as client:
+        answer = client.responses.create(**request)
+        streamed = list(client.responses.create(**request, stream=True))
+    chat = httpx.post(real.base_url + "/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": ask}], "max_tokens": 6,
+        "temperature": 0, "return_token_ids": True}).json()
+    prompt = chat["prompt_token_ids"]
+    output = chat["choices"][0]["token_ids"]
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        scores = torch.log_softmax(hf(torch.tensor([prompt + output])).logits[0].double(), -1)
+    want = [scores[len(prompt) + i - 1, t].item() for i, t in enumerate(output)]
+    part = answer.output[0].content[0]
+    assert part.text == chat["choices"][0]["message"]["content"]
+    assert [lp.logprob for lp in part.logprobs] == pytest.approx(want, abs=1e-4)
+    assert all(len(lp.top_logprobs) == 3 and lp.top_logprobs[0].token == lp.token
+               for lp in part.logprobs)
+    assert answer.top_logprobs == 3
+    deltas = [e for e in streamed if e.type == "response.output_text.delta"]
+    assert "".join(e.delta for e in deltas) == part.text
+    assert [lp.logprob for e in deltas for lp in e.logprobs] == pytest.approx(want, abs=1e-4)
+    done = next(e for e in streamed if e.type == "response.output_text.done")
+    assert [lp.logprob for lp in done.logprobs] == pytest.approx(want, abs=1e-4)
 
 
 def test_forced_call_round_trip_through_previous_response_id_frees_every_block(real):

@@ -374,6 +374,14 @@ class Completion:
             choice.offset = body["text_offset"][-1] + len(body["tokens"][-1])
         return body
 
+    def logprob_entries(self, logprobs: Sequence[Any] | None) -> list[dict[str, Any]]:
+        """Output tokens' logprobs as chat entries (``{token, logprob, bytes,
+        top_logprobs}``, the request's ``top_logprobs`` alternatives each); [] when the
+        request asked for none."""
+        if not logprobs or self.req.top_logprobs is None:
+            return []
+        return chat_logprobs(logprobs, self._token_text, self.req.top_logprobs)["content"]
+
     def _prompt_logprobs(self, choice: _Choice) -> list[dict[str, Any] | None] | None:
         if self.req.prompt_logprobs is None or choice.prompt_scores is None:
             return None

@@ -62,6 +62,9 @@ class ResponseBuilder:
         self._error: dict[str, Any] | None = None
         self._incomplete: dict[str, Any] | None = None
         self._completed_at: int | None = None
+        # Output tokens' logprobs not yet given to a text delta (include logprobs): they go
+        # with the next text the message shows.
+        self._pending_logprobs: list[dict[str, Any]] = []
 
     # -- the response object
 
@@ -79,6 +82,7 @@ class ResponseBuilder:
             "reasoning": {"effort": None, "summary": None}, "service_tier": "default",
             "store": self.req.store, "temperature": echo["temperature"], "text": echo["text"],
             "tool_choice": echo["tool_choice"], "tools": echo["tools"], "top_p": echo["top_p"],
+            "top_logprobs": echo["top_logprobs"],
             "truncation": "disabled", "usage": self._usage, "user": echo["user"],
         }
 
@@ -104,8 +108,11 @@ class ResponseBuilder:
         return [self._event("response.created", response=self.response()),
                 self._event("response.in_progress", response=self.response())]
 
-    def feed(self, text: str, tokens: int = 0) -> list[dict[str, Any]]:
-        """The events one engine output's ``text`` (of ``tokens`` tokens) adds."""
+    def feed(self, text: str, tokens: int = 0,
+             logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+        """The events one engine output's ``text`` (of ``tokens`` tokens, with their
+        ``logprobs`` entries when the request includes them) adds."""
+        self._pending_logprobs += logprobs or ()
         events = self._delta(self._parser.feed(text))
         if self._thinking:
             self._thinking_tokens += tokens
@@ -118,6 +125,10 @@ class ResponseBuilder:
         if self._pending_space and not self.output:  # an answer of whitespace alone
             events += self._ensure("message")
             events += self._text(self._pending_space)
+        if self._pending_logprobs and self._kind() == "message":
+            # Tokens that showed no text (the end of text): still the message's tokens.
+            self._item()["content"][0]["logprobs"] += self._pending_logprobs
+            self._pending_logprobs = []
         events += self._close("incomplete" if incomplete else "completed")
         thought = any(i["type"] == "reasoning" for i in self.output)
         self._usage = usage(prompt_tokens, output_tokens, cached_tokens,
@@ -183,8 +194,11 @@ class ResponseBuilder:
     def _text(self, text: str) -> list[dict[str, Any]]:
         item = self._item()
         item["content"][0]["text"] += text
+        logprobs, self._pending_logprobs = self._pending_logprobs, []
+        item["content"][0]["logprobs"] += logprobs
         return [self._event("response.output_text.delta", item_id=item["id"],
-                            output_index=self._open, content_index=0, delta=text, logprobs=[])]
+                            output_index=self._open, content_index=0, delta=text,
+                            logprobs=logprobs)]
 
     def _item(self) -> dict[str, Any]:
         assert self._open is not None  # callers open an item first
@@ -232,7 +246,7 @@ class ResponseBuilder:
             part = item["content"][0]
             done = ("response.output_text.done" if item["type"] == "message"
                     else "response.reasoning_text.done")
-            extra = {"logprobs": []} if item["type"] == "message" else {}
+            extra = {"logprobs": part["logprobs"]} if item["type"] == "message" else {}
             events.append(self._event(done, item_id=item["id"], output_index=index,
                                       content_index=0, text=part["text"], **extra))
             events.append(self._event("response.content_part.done", item_id=item["id"],

@@ -27,7 +27,8 @@ Responses                        chat
 
 An error found by the chat layer names the Responses field (``tools[0].parameters``,
 ``input[2].arguments``, ``text.format.schema``). What this server cannot honour
-(:data:`REFUSED`: built-in tools, ``background``, ``include``, ...) is a 400 naming it.
+(:data:`REFUSED`: built-in tools, ``background``, an ``include`` other than the output
+text's logprobs, ...) is a 400 naming it.
 
 The answer is :mod:`engine.http.responses.builder`'s; the store that ``store`` and
 ``previous_response_id`` use is :mod:`engine.http.responses.store`.
@@ -65,20 +66,21 @@ REFUSED: dict[str, Callable[[Any], bool]] = {
     "context_management": lambda v: v not in (None, []),
     "moderation": _set,
     "truncation": lambda v: v not in (None, "disabled"),
-    "top_logprobs": lambda v: v not in (None, 0),
     # Not a Responses field, but vLLM's chat one: one response is one sample.
     "n": lambda v: v not in (None, 1),
-    # Every include value asks for something this server does not produce (built-in tool
-    # results, logprobs, encrypted reasoning).
-    "include": lambda v: v not in (None, []),
 }
+# The one include value this server produces: the output text's token logprobs (the
+# others ask for built-in tool results or encrypted reasoning).
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
+# OpenAI's bound on top_logprobs.
+MAX_TOP_LOGPROBS = 20
 # Read here (the others in REFUSED are refused, the vLLM sampling extras passed through).
 KNOWN = frozenset({
     "model", "input", "instructions", "previous_response_id", "store", "stream",
     "stream_options", "tools", "tool_choice", "parallel_tool_calls", "text", "reasoning",
     "max_output_tokens", "temperature", "top_p", "metadata", "user", "safety_identifier",
     "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options", "service_tier",
-    "max_tool_calls", "image", "access_programs",
+    "max_tool_calls", "image", "access_programs", "include", "top_logprobs",
 })
 # vLLM's sampling extras a client may add (extra_body), passed to the chat request as is.
 SAMPLING_EXTRAS = ("top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
@@ -173,8 +175,10 @@ def parse_responses(
         messages.append(message)
     _check_outputs_answer_calls(messages, where)
     tools = _tools(body.get("tools"))
+    logprobs, top_logprobs = _logprobs(body, tools, settings)
     chat_body: dict[str, Any] = {
         "model": body.get("model"), "messages": messages,
+        **({"logprobs": True, "top_logprobs": top_logprobs} if logprobs else {}),
         "max_tokens": body.get("max_output_tokens"),
         "temperature": body.get("temperature"), "top_p": body.get("top_p"),
         "tools": tools or None, "tool_choice": _tool_choice(body.get("tool_choice")),
@@ -206,6 +210,7 @@ def parse_responses(
                                         or {"type": "text"}},
         "tool_choice": body.get("tool_choice") or ("auto" if tools else "none"),
         "tools": body.get("tools") or [], "user": body.get("user"),
+        "top_logprobs": top_logprobs,
     }
     return ResponsesRequest(chat=chat, stream=stream, store=_bool(body, "store", True),
                             previous_response_id=previous_id, input_items=tuple(items),
@@ -219,6 +224,35 @@ def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
     if not isinstance(value, bool):
         raise _bad(f"{name} must be a boolean", name, "invalid_type")
     return value
+
+
+def _logprobs(body: Mapping[str, Any], tools: list[Any],
+              settings: ChatSettings | None) -> tuple[bool, int]:
+    """``include`` and ``top_logprobs``: whether the output text carries its tokens'
+    logprobs (``include`` holds :data:`INCLUDE_LOGPROBS`), with how many alternatives
+    each. Any other include value is refused, and so are logprobs on an answer that is
+    not text alone (tools, or a server that splits reasoning out): its tokens would not
+    line up with the output text."""
+    top = body.get("top_logprobs")
+    if top is not None and (type(top) is not int or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise _bad(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
+    include = body.get("include")
+    if include is None:
+        return False, top or 0
+    if not isinstance(include, list) or not all(isinstance(v, str) for v in include):
+        raise _bad("include must be a list of strings", "include", "invalid_type")
+    for k, value in enumerate(include):
+        if value != INCLUDE_LOGPROBS:
+            raise _unsupported(f"include[{k}] {value!r} is not supported by this server (only "
+                               f"{INCLUDE_LOGPROBS!r})", f"include[{k}]")
+    if not include:
+        return False, top or 0
+    choice = body.get("tool_choice")
+    if (tools and choice != "none") or (settings is not None and settings.reasoning_parser):
+        raise _unsupported("message.output_text.logprobs is supported for text answers only: "
+                           "not with tools, nor on a server with a reasoning parser",
+                           "include")
+    return True, top or 0
 
 
 def _check_reasoning(value: Any) -> None:

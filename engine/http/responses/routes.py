@@ -150,7 +150,7 @@ class ResponsesRun(Run):
     def _events(self, builder: ResponseBuilder,
                 out: RequestOutput) -> list[dict[str, Any]]:
         self.answer.record(0, out)
-        events = builder.feed(out.text, len(out.token_ids))
+        events = builder.feed(out.text, len(out.token_ids), self.answer.logprob_entries(out.logprobs))
         if out.finished:
             usage = self.answer.usage()
             # Responses' usage always has cached_tokens (the prefix cache's hit).
