@@ -24,7 +24,9 @@ Sections (``--sections``, comma-separated; default all):
 * ``requests``: what a request that does nothing costs: ``--num-requests`` (3,000)
   ``GET /health`` from 32 clients to the embeddings server, with keep-alive and with a
   new connection each; the server process's CPU a request (every thread, from
-  ``/proc/PID/task/*/stat``) and the load generator's. Linux only.
+  ``/proc/PID/task/*/stat``) and the load generator's; then the same loads against
+  bench/bare_app.py (quart-trio on hypercorn, one route: the stack alone), the baseline
+  of what the server adds. Linux only.
 * ``core``: serve with the engine core in its process (``--engine-core process``) against
   in-process at each of ``--core-concurrencies`` (1, 8, 32), the chat section's load.
 * ``spec``: a chat request asking to rename one variable in a 15-line function (bench/spec.py's
@@ -215,17 +217,53 @@ def section_requests(args: argparse.Namespace) -> dict[str, float]:
     out = {}
     model = ("--model", embed_bench.MODEL, "--dtype", args.embed_dtype)
     with served_process(args, model_args=model) as (url, proc):
-        for label, headers in (("keep-alive", {}), ("new connection", {"Connection": "close"})):
-            exchanges = [Exchange("GET", "/health", headers=headers) for _ in range(args.num_requests)]
-            server0, client0 = _process_cpu_seconds(proc.pid), time.process_time()
-            with LoadClient(url, timeout=60.0) as http:
-                http.run(exchanges, max_concurrency=32)
-            server, client = _process_cpu_seconds(proc.pid) - server0, time.process_time() - client0
-            if failed := [e for e in exchanges if e.status != 200]:
-                raise SystemExit(f"GET /health: {len(failed)} requests failed")
-            out[f"requests {label} server CPU us"] = server / len(exchanges) * 1e6
-            out[f"requests {label} load generator CPU us"] = client / len(exchanges) * 1e6
+        out |= _health_load(args, url, proc.pid, "requests")
+    with bare_app() as (url, pid):
+        out |= _health_load(args, url, pid, "requests bare stack")
     return out
+
+
+def _health_load(args: argparse.Namespace, url: str, pid: int, prefix: str) -> dict[str, float]:
+    out = {}
+    for label, headers in (("keep-alive", {}), ("new connection", {"Connection": "close"})):
+        exchanges = [Exchange("GET", "/health", headers=headers) for _ in range(args.num_requests)]
+        server0, client0 = _process_cpu_seconds(pid), time.process_time()
+        with LoadClient(url, timeout=60.0) as http:
+            http.run(exchanges, max_concurrency=32)
+        server, client = _process_cpu_seconds(pid) - server0, time.process_time() - client0
+        if failed := [e for e in exchanges if e.status != 200]:
+            raise SystemExit(f"GET /health ({prefix}): {len(failed)} requests failed")
+        out[f"{prefix} {label} server CPU us"] = server / len(exchanges) * 1e6
+        out[f"{prefix} {label} load generator CPU us"] = client / len(exchanges) * 1e6
+    return out
+
+
+@contextlib.contextmanager
+def bare_app() -> Iterator[tuple[str, int]]:
+    """bench/bare_app.py (quart-trio and hypercorn, one route) on a free port."""
+    port = serve_bench._free_port()
+    proc = subprocess.Popen([sys.executable, str(REPO / "bench" / "bare_app.py"), str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("bench/bare_app.py did not start")
+            time.sleep(0.2)
+        yield url, proc.pid
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def section_core(args: argparse.Namespace) -> dict[str, float]:
@@ -267,6 +305,8 @@ RATIOS = [
     ("embed c=32 1/request new connection sentences/s", "embed sentence-transformers batch 32 sentences/s"),
     ("embed c=32 16/request sentences/s", "embed sentence-transformers batch 32 sentences/s"),
     ("requests new connection server CPU us", "requests keep-alive server CPU us"),
+    ("requests keep-alive server CPU us", "requests bare stack keep-alive server CPU us"),
+    ("requests new connection server CPU us", "requests bare stack new connection server CPU us"),
     ("core c={c} core tok/s", "core c={c} inproc tok/s"),
     ("spec plain warm s (median)", "spec ngram warm s (median)"),
     ("spec plain first s", "spec ngram first s"),

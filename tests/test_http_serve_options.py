@@ -65,7 +65,10 @@ def test_vllm_flags_that_map_or_do_nothing_are_taken(capsys) -> None:
         "--disable-log-requests"])
     assert (args.model_tag, args.structured_outputs_backend, args.log_level,
             args.tensor_parallel_size, args.enforce_eager) == ("some/model", "guidance", "warning", 3, True)
-    assert [n.split(":")[0] for n in args.vllm_no_ops] == ["--trust-remote-code", "--disable-log-requests"]
+    assert [n.split(":")[0] for n in args.vllm_no_ops] == ["--trust-remote-code"]
+    # vLLM's older --disable-log-requests is the request log's default: off.
+    assert args.enable_log_requests is False
+    assert _serve_parser().parse_args(["serve", "m", "--enable-log-requests"]).enable_log_requests
     # -pp is vLLM's short name of the pipeline's stage count.
     assert _serve_parser().parse_args(["serve", "m", "-pp", "3"]).pipeline_parallel_size == 3
     # An unknown flag is still argparse's own error, naming it.
