@@ -145,3 +145,19 @@ def test_a_value_outside_a_fields_list_is_a_400_listing_the_values(name: str) ->
         assert caught.value.status == 400 and error["param"] == field
         for value in values:
             assert json.dumps(value) in error["message"] or repr(value) in error["message"]
+
+
+def test_a_nullable_objects_inner_rule_is_named_not_its_type() -> None:
+    """A value of the right type that breaks a rule inside it (a logit_bias key that is no
+    token id) is refused with that rule, not "must be object or null"."""
+    base = {"messages": [{"role": "user", "content": "hi"}]}
+    pattern = schema.COMMON["logit_bias"]["anyOf"][0]["propertyNames"]["pattern"]
+    with pytest.raises(APIError) as caught:
+        schema.check_body({**base, "logit_bias": {"abc": 1}}, "chat")
+    error = caught.value.body()["error"]
+    assert error["param"] == "logit_bias" and pattern in error["message"] and "'abc'" in error["message"]
+    assert jsonschema.Draft202012Validator(schema.COMMON["logit_bias"]).is_valid({"12": 1})
+    # The wrong type altogether still says which types the field takes.
+    with pytest.raises(APIError) as caught:
+        schema.check_body({**base, "logit_bias": ["12"]}, "chat")
+    assert "object" in caught.value.body()["error"]["message"]

@@ -393,6 +393,12 @@ def check_body(body: Any, name: str) -> None:
     error = jsonschema.exceptions.best_match(_validator(name).iter_errors(body))
     if error is None:
         return
+    if error.validator == "anyOf" and error.context:
+        # A value of the right type that breaks a rule inside its branch (a logit_bias
+        # key that is no token id): name that rule, not "must be object or null".
+        inner = [e for e in error.context if e.validator != "type"]
+        if inner:
+            error = jsonschema.exceptions.best_match(inner)
     path = list(error.absolute_path)
     if error.validator == "required" and not path:
         missing = error.message.split("'")[1] if "'" in error.message else None
