@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from collections.abc import Mapping, Sequence
@@ -304,6 +305,29 @@ class SamplingParams:
 
     def replace(self, **changes: Any) -> SamplingParams:
         return dataclasses.replace(self, **changes)
+
+    def clone(self) -> SamplingParams:
+        """A copy (vLLM's ``clone``): setting a field of one leaves the other as it was."""
+        return copy.copy(self)
+
+
+def _checked_setattr(self: SamplingParams, name: str, value: Any) -> None:
+    """``params.max_tokens = 64``, as vLLM's mutable SamplingParams takes it: the change is
+    checked as the constructor checks every field (a bad value raises
+    :class:`InvalidParamError` and changes nothing), then the params take the checked
+    values. The class is otherwise a frozen dataclass, whose ``__init__`` writes its slots
+    directly, so construction pays nothing for this. The engine copies a request's params
+    when it is submitted (:meth:`engine.api.Engine.prepare`): a change after that reaches
+    only later requests."""
+    if name not in _SAMPLING_FIELDS:
+        raise AttributeError(f"SamplingParams has no field {name!r}")
+    checked = dataclasses.replace(self, **{name: value})
+    for field in _SAMPLING_FIELDS:
+        object.__setattr__(self, field, getattr(checked, field))
+
+
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+SamplingParams.__setattr__ = _checked_setattr  # type: ignore[method-assign,assignment]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -406,6 +406,16 @@ def test_default_sampling_params_follow_the_generation_config(tmp_path: Path) ->
         out = llm.generate({"prompt_token_ids": prompt}, use_tqdm=False)
     assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0, 5, 4)
     assert list(out[0].outputs[0].token_ids) == want
+    # vLLM's idiom: take the defaults and set a field; each request keeps the values it
+    # was submitted with.
+    with LLM(str(path), dtype="float32", max_model_len=128, kv_cache_memory=8 * 2**20,
+             override_generation_config={"temperature": 0}) as llm:
+        params = llm.get_default_sampling_params()
+        params.max_tokens, params.ignore_eos = 2, True
+        two = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+        params.max_tokens = 3
+        three = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    assert len(two[0].outputs[0].token_ids) == 2 and len(three[0].outputs[0].token_ids) == 3
 
 
 def test_pooling_params_shape_embeddings_and_classifications(
@@ -508,3 +518,19 @@ def test_ctrl_c_mid_batch_leaves_no_thread_process_or_kv_block(model: Path) -> N
     # What stays are idle daemon pools: trio's thread cache (they exit after 10 s idle)
     # and the process's model thread; nothing keeps the process alive.
     assert all(daemon for name, daemon in closed["threads"] if name != "MainThread")
+
+
+async def test_a_request_keeps_the_params_it_was_submitted_with(tmp_path_factory) -> None:
+    """Setting a field of the params after submit (vLLM's params are mutable, and so are
+    these) changes only what is submitted later, not the request in flight."""
+    model = tiny_model(tmp_path_factory)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    async with engine.open_engine(str(model), dtype="float32", max_model_len=128,
+                                  kv_cache_memory=8 * 2**20) as eng:
+        stream = await eng.submit([5, 6, 7], params)
+        params.max_tokens = 1
+        async with stream:
+            outputs = [out async for out in stream]
+        later = await collect(eng, [5, 6, 7], params)
+    assert sum(len(o.token_ids) for o in outputs) == 5
+    assert sum(len(o.token_ids) for o in later) == 1

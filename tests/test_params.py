@@ -93,15 +93,26 @@ def test_min_tokens_may_not_exceed_max_tokens() -> None:
     assert SamplingParams(min_tokens=50, max_tokens=None).min_tokens == 50
 
 
-def test_lists_and_dicts_are_stored_as_tuples_and_params_are_frozen() -> None:
+def test_lists_and_dicts_are_stored_as_tuples_and_a_set_field_is_checked() -> None:
     params = SamplingParams(stop="END", stop_token_ids=[2, 3], logit_bias={"7": -1})
     assert params.stop == ("END",)
     assert params.stop_token_ids == (2, 3)
     assert params.logit_bias == ((7, -1.0),)
     assert SamplingParams(logit_bias=[[7, -1.0]]).logit_bias == ((7, -1.0),)
-    hash(params)  # usable as a key: every field is immutable
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        params.temperature = 0.0  # type: ignore[misc]
+    hash(params)  # every field is immutable
+    # vLLM's SamplingParams is mutable, and scripts set fields: a set field is checked and
+    # stored as the constructor stores it; a bad one raises and changes nothing.
+    params.stop = ["A", "B"]  # type: ignore[assignment]
+    params.max_tokens = 7
+    assert (params.stop, params.max_tokens) == (("A", "B"), 7)
+    with pytest.raises(InvalidParamError) as caught:
+        params.temperature = -1.0
+    assert caught.value.param == "temperature" and params.temperature == 1.0
+    with pytest.raises(AttributeError):
+        params.temprature = 0.5  # type: ignore[attr-defined]
+    copy = params.clone()
+    copy.max_tokens = 1
+    assert (params.max_tokens, copy.max_tokens) == (7, 1)
 
 
 def test_boundary_values_are_accepted() -> None:

@@ -260,6 +260,10 @@ class Engine:
         if params is None:
             params = SamplingParams(**self.sampling_defaults, **(
                 {"max_tokens": self.default_max_tokens} if self.default_max_tokens else {}))
+        else:
+            # The caller's object may change after this (vLLM's SamplingParams is mutable,
+            # and so is this one): the request keeps the values it was submitted with.
+            params = params.clone()
         raw_images: list[Any] = []
         if multimodal.has_images(prompt):
             if images:
