@@ -263,7 +263,7 @@ class Engine:
         else:
             # The caller's object may change after this (vLLM's SamplingParams is mutable,
             # and so is this one): the request keeps the values it was submitted with.
-            params = params.clone()
+            params = params.clone() if isinstance(params, SamplingParams) else params
         raw_images: list[Any] = []
         if multimodal.has_images(prompt):
             if images:
