@@ -263,6 +263,16 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> Non
     raise SystemExit(f"server at {url} not ready after {timeout} s")
 
 
+def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """SIGINT (a server's graceful shutdown), then SIGKILL after ``timeout`` seconds."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def _rss_mib(pid: int) -> float:
     """Resident memory of ``pid`` and its descendants (engine cores, compile workers)."""
     total = 0.0
@@ -318,12 +328,7 @@ def launch_and_compare(args: argparse.Namespace) -> int:
                 for error in summary.get("errors", []):  # the first few, as a single run prints them
                     print(f"{kind} c={concurrency} error: {error}", file=sys.stderr)
         finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_server(proc)
     print("| server | concurrency | output tok/s | TTFT p50 / p90 ms | ITL p50 / p90 ms | failed "
           "| prefix-cache hit rate | RSS after MiB |")
     print("|---|---|---|---|---|---|---|---|")

@@ -48,7 +48,6 @@ import contextlib
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -95,19 +94,22 @@ def served_process(args: argparse.Namespace, kind: str = "engine-gguf", extra: t
     else:
         cmd = [sys.executable, "-m", "engine", "serve", "--port", str(port), "--log-level",
                "warning", *model_args]
-    proc = subprocess.Popen([*cmd, *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    with _running([*cmd, *extra], port) as running:
+        yield running
+
+
+@contextlib.contextmanager
+def _running(cmd: list[str], port: int) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``cmd`` (a server on ``port``) started, its URL once ``/health`` answers; stopped
+    on exit."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     url = f"http://127.0.0.1:{port}"
     try:
         serve_bench._wait_ready(url, proc)
         yield url, proc
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        serve_bench.stop_server(proc)
 
 
 def load_args(args: argparse.Namespace, url: str, concurrency: int) -> argparse.Namespace:
@@ -242,28 +244,9 @@ def _health_load(args: argparse.Namespace, url: str, pid: int, prefix: str) -> d
 def bare_app() -> Iterator[tuple[str, int]]:
     """bench/bare_app.py (quart-trio and hypercorn, one route) on a free port."""
     port = serve_bench._free_port()
-    proc = subprocess.Popen([sys.executable, str(REPO / "bench" / "bare_app.py"), str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("bench/bare_app.py did not start")
-            time.sleep(0.2)
+    with _running([sys.executable, str(REPO / "bench" / "bare_app.py"), str(port)],
+                  port) as (url, proc):
         yield url, proc.pid
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def section_core(args: argparse.Namespace) -> dict[str, float]:
