@@ -104,6 +104,16 @@ async def test_minilm_refuses_long_inputs_generation_and_dimensions(minilm: Path
         assert info.value.param == "model"
         with pytest.raises(InvalidParamError, match="non-empty"):
             await eng.score("a", [])
+        # The switches are bools, refused by name otherwise (never read as a truth value);
+        # the engine serves on.
+        for call, name in ((lambda: eng.embed("hi", normalize="no"), "normalize"),
+                           (lambda: eng.embed("hi", add_special_tokens=0), "add_special_tokens"),
+                           (lambda: eng.classify("hi"), "model")):
+            with pytest.raises(InvalidParamError) as info:
+                await call()
+            assert info.value.param == name
+        assert len(await eng.embed(["still", "serving"])) == 2
+        assert eng.statistics().running == 0 and eng.statistics().waiting == 0
 
 
 def test_left_truncation_matches_the_tokenizers_own(minilm: Path) -> None:

@@ -370,8 +370,7 @@ async def embed(engine: Engine, inputs: Sequence[str | tuple[int, ...]], *,
     pooled = await _pool(engine, ids, window=window, progress=progress)
     out = []
     for rid, p, i, pp in zip(request_ids, pooled, ids, params, strict=True):
-        keep = pooler.normalize if pp.normalize is None else pp.normalize
-        vector = pooling.embedding(p, pp.dimensions, keep)
+        vector = pooling.embedding(p, pp.dimensions, pooler.normalizes(pp.normalize))
         out.append(EmbeddingRequestOutput(rid, EmbeddingOutput(vector.tolist()), list(i)))
     return out
 

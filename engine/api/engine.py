@@ -227,6 +227,12 @@ class Engine:
                                       cache_salt=cache_salt, chat_options=chat_options, lora=lora)
         return self.enqueue(prepared)
 
+    def default_sampling_params(self) -> SamplingParams:
+        """What a request submitted without params runs with: ``sampling_defaults`` and
+        ``default_max_tokens`` (the engine's own max_tokens without one)."""
+        extra = {"max_tokens": self.default_max_tokens} if self.default_max_tokens else {}
+        return SamplingParams(**self.sampling_defaults, **extra)
+
     async def prepare(
         self,
         prompt: str | Sequence[int] | Sequence[dict[str, Any]],
@@ -258,8 +264,7 @@ class Engine:
                 f"{'/v1/embeddings' if self.pooler.task == 'embed' else '/classify, /v1/score or /v1/rerank'}",
                 param="model")
         if params is None:
-            params = SamplingParams(**self.sampling_defaults, **(
-                {"max_tokens": self.default_max_tokens} if self.default_max_tokens else {}))
+            params = self.default_sampling_params()
         else:
             # The caller's object may change after this (vLLM's SamplingParams is mutable,
             # and so is this one): the request keeps the values it was submitted with.
@@ -473,9 +478,10 @@ class Engine:
         :class:`InputTooLongError` naming the limit."""
         pooler = self._pooler("embed", "embed")
         pooling.check_dimensions(dimensions, pooler.matryoshka_dimensions, pooler.size)
+        _check_flags(normalize=normalize, add_special_tokens=add_special_tokens)
         pooled = await self._pool_inputs(input, truncate_prompt_tokens, add_special_tokens,
                                          request_id, priority)
-        keep = pooler.normalize if normalize is None else normalize
+        keep = pooler.normalizes(normalize)
         return [pooling.embedding(p, dimensions, keep) for p in pooled]
 
     async def classify(
@@ -488,6 +494,7 @@ class Engine:
         with ``use_activation`` false the logits. Inputs and the other options as
         :meth:`embed`'s; the label names are ``self.pooler.labels``."""
         self._pooler("classify", "classify")
+        _check_flags(use_activation=use_activation, add_special_tokens=add_special_tokens)
         pooled = await self._pool_inputs(input, truncate_prompt_tokens, add_special_tokens,
                                          request_id, priority)
         return [(pooling.class_probs(p, use_activation), p.prompt_tokens) for p in pooled]
@@ -759,6 +766,14 @@ class Engine:
 # An actor that crashes closes its channel ends on the way out, so a neighbour blocked on
 # one of them fails too; those failures are consequences, not the cause.
 _CONSEQUENCES = (trio.BrokenResourceError, trio.ClosedResourceError, trio.EndOfChannel)
+
+
+def _check_flags(**flags: Any) -> None:
+    """A pooling call's switches are bools (``normalize`` may also be None: the model's
+    choice); anything else is an :class:`InvalidParamError` naming it, never a truth value."""
+    for name, value in flags.items():
+        if not (isinstance(value, bool) or value is None and name == "normalize"):
+            raise InvalidParamError(f"{name} must be true or false, got {value!r}", param=name)
 
 
 def _inputs(input: Any) -> list[str | Sequence[int]]:

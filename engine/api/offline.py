@@ -260,9 +260,7 @@ class LLM:
         """What ``generate`` uses for a prompt given no sampling params, as vLLM's: the
         model's generation_config.json sampling fields and ``max_new_tokens`` (with
         ``override_generation_config`` over them), else the engine's own defaults."""
-        engine = self._engine
-        extra = {"max_tokens": engine.default_max_tokens} if engine.default_max_tokens else {}
-        return SamplingParams(**engine.sampling_defaults, **extra)
+        return self._engine.default_sampling_params()
 
     def statistics(self) -> EngineStatistics:
         """The engine's counters now (requests running and waiting, KV blocks free)."""

@@ -60,6 +60,11 @@ class PoolerConfig:
     # A classifier's label names by index (``size`` of them); () for an embedder.
     labels: tuple[str, ...] = ()
 
+    def normalizes(self, asked: bool | None) -> bool:
+        """Whether an embedding is L2-normalised: as a request asks (vLLM's ``normalize``),
+        else as the model's pipeline does."""
+        return self.normalize if asked is None else asked
+
 
 def pooler_config(
     config: ModelConfig,
