@@ -27,8 +27,9 @@ setup: $(STAMP)
 serve: setup
 	$(PY) -m engine serve
 
+# Two workers, a test file each (tests/conftest.py says why and how they share the cores).
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
 
 # ruff, and the package's floors (no import cycle, none up a floor: tests/test_import_layers.py).
 lint: setup

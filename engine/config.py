@@ -291,6 +291,23 @@ class Flag:
     nargs: str | None = None  # "+": one or more values, and the flag may repeat (a list)
 
 
+def _hf_overrides_text(value: Any) -> str:
+    """``hf_overrides`` (a dict, or its JSON text from the command line) as canonical JSON
+    text; :class:`ConfigError` for anything but an object."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"hf_overrides is not JSON: {exc}", field="hf_overrides") from None
+    if not isinstance(value, dict) or not value:
+        raise ConfigError(f"hf_overrides must be a non-empty JSON object of config.json keys, "
+                          f"got {value!r}", field="hf_overrides")
+    try:
+        return json.dumps(value, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"hf_overrides: {exc}", field="hf_overrides") from None
+
+
 def _field(default: Any, help: str, **flag: Any) -> Any:
     return dataclasses.field(default=default, metadata={"flag": Flag(help, **flag)})
 
@@ -361,6 +378,12 @@ class EngineConfig:
         None, "KV pool budget: bytes (2GiB, 512MB) or a fraction of free memory (0.5)",
         type=parse_memory, metavar="SIZE",
         default_text="2GiB on CPU; on CUDA, --gpu-memory-utilization of the device")
+    # vLLM's --num-gpu-blocks-override: the pool's size in blocks, whatever the budget
+    # would buy (vLLM: "used for testing preemption"); on CPU as on CUDA here.
+    num_gpu_blocks_override: int | None = _field(
+        None, "exactly this many KV blocks, in place of what --kv-cache-memory would buy "
+        "(vLLM's flag; e.g. a small pool to test preemption)", type=int, metavar="N",
+        default_text="none")
     gpu_memory_utilization: float = _field(
         0.9, "on CUDA, the share of the device's memory the engine may hold (weights, "
         "activations, CUDA graphs and the KV pool, whose size it sets when --kv-cache-memory "
@@ -399,6 +422,13 @@ class EngineConfig:
     generation_config: str = _field(
         "auto", "auto: the model's generation_config.json sampling defaults apply to requests "
         "that leave those fields out; none: the engine's own defaults", choices=("auto", "none"))
+    # vLLM's --hf-overrides, as canonical JSON text: keys set over the model's config.json
+    # before anything reads it (engine.models.loader.apply_hf_overrides says how).
+    hf_overrides: str | None = _field(
+        None, "JSON object set over the model's config.json before it is read, as vLLM's "
+        '\'{"max_position_embeddings": 4096}\'; a key ending in _config (text_config, '
+        "vision_config) is merged into that sub-config, any other key replaced whole",
+        metavar="JSON", default_text="none")
     # vLLM's --override-generation-config, as canonical JSON text: sampling defaults set
     # over the model's (alone with generation_config "none"), and max_new_tokens, which is
     # both the default and the most max_tokens an HTTP request gets (vLLM's cap).
@@ -700,6 +730,8 @@ class EngineConfig:
             spec = parse_speculative_config(self.speculative_config)
             # Canonical text: a dict given to open_engine() becomes JSON too.
             object.__setattr__(self, "speculative_config", spec.to_json())
+        if self.hf_overrides is not None:
+            object.__setattr__(self, "hf_overrides", _hf_overrides_text(self.hf_overrides))
         if self.override_generation_config is not None:
             try:
                 override = generation_override(self.override_generation_config)
@@ -796,6 +828,10 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_memory as a fraction must be in (0, 1], got {mem}", field="kv_cache_memory")
         if isinstance(mem, int) and mem < 1:
             raise ConfigError(f"kv_cache_memory must be positive, got {mem}", field="kv_cache_memory")
+        blocks = self.num_gpu_blocks_override
+        if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1):
+            raise ConfigError(f"num_gpu_blocks_override must be a positive number of blocks, got "
+                              f"{blocks!r}", field="num_gpu_blocks_override")
         size = self.responses_store_bytes
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ConfigError(f"responses_store_bytes must be a positive number of bytes, got "

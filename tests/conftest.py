@@ -5,8 +5,20 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# `make test` runs the suite in two pytest-xdist workers, one test file each at a time
+# (`-n 2 --dist loadfile`): most tests keep one core busy, so two workers halve the wall
+# time on the 2-core CI machine. Each worker then computes on one thread, and so do the
+# servers and ranks its tests spawn (they inherit the variable): two workers of two OpenMP
+# threads each would meet at barriers held by a descheduled thread. Tests of the 2-thread
+# kernel paths set their thread count themselves.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 # Triton reads TRITON_INTERPRET when it is first imported. Without a GPU, the kernel tests
 # run the kernels in its interpreter on CPU tensors; set it here, before any test module

@@ -75,6 +75,27 @@ def test_vllm_flags_that_map_or_do_nothing_are_taken(capsys) -> None:
     assert "--frobnicate" in _usage_error(capsys, "--frobnicate")
 
 
+def test_vllm_flags_taken_at_the_value_that_is_this_servers_and_refused_at_others(capsys) -> None:
+    from engine.cli.args import config_from_args
+
+    args = _serve_parser().parse_args([
+        "serve", "m", "--swap-space", "16", "--tokenizer-mode", "auto", "--load-format", "auto",
+        "--hf-overrides", '{"rope_theta": 500.0}', "--num-gpu-blocks-override", "64"])
+    assert [n.split(":")[0] for n in args.vllm_no_ops] == ["--swap-space", "--tokenizer-mode",
+                                                           "--load-format"]
+    config = config_from_args(args)
+    assert (json.loads(config.hf_overrides), config.num_gpu_blocks_override) == ({"rope_theta": 500.0}, 64)
+    for option, value in (("--tokenizer-mode", "mistral"), ("--load-format", "pt")):
+        err = _usage_error(capsys, option, value)
+        assert f"{option} {value} (a vLLM flag) is not supported" in err and "only auto" in err
+    err = _usage_error(capsys, "--rope-scaling", '{"rope_type": "linear", "factor": 2}')
+    assert "--hf-overrides" in err
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="hf_overrides must be a non-empty JSON object"):
+        config_from_args(_serve_parser().parse_args(["serve", "m", "--hf-overrides", "[1, 2]"]))
+
+
 def test_every_vllm_flag_is_in_the_docs() -> None:
     rows = [line for line in DOCS.read_text().splitlines() if line.startswith("| `")]
     for option in VLLM_SERVE_FLAGS:

@@ -52,6 +52,8 @@ from engine.params import BeamSearchParams, PoolingParams, SamplingParams
 VLLM_IGNORED_OPTIONS = {
     "trust_remote_code": "the engine runs no code from a model's folder",
     "disable_log_stats": "the engine logs no periodic statistics",
+    "swap_space": "preempted requests are recomputed, as in vLLM V1 (which ignored it, "
+                  "then removed it)",
 }
 
 

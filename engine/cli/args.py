@@ -111,14 +111,15 @@ VLLM_SERVE_FLAGS: dict[str, VllmFlag] = {
     "--no-enable-chunked-prefill": VllmFlag(
         "refuse", "prefill is always chunked here (by --max-num-batched-tokens)",
         takes_value=False),
-    "--swap-space": VllmFlag("refuse", "there is no CPU swap space for KV blocks here"),
+    "--swap-space": VllmFlag("no_op", "preempted requests are recomputed here, as in vLLM V1, "
+                             "which ignored this flag and has since removed it"),
     "--cpu-offload-gb": VllmFlag("refuse", "weights are not offloaded to the CPU here"),
-    "--load-format": VllmFlag("refuse", "the format follows --model: a folder of "
-                              "safetensors, or a .gguf file"),
-    "--tokenizer-mode": VllmFlag("refuse", "the tokenizer is always the fast one "
-                                 "(tokenizer.json, or a GGUF's own)"),
-    "--hf-overrides": VllmFlag("refuse", "config.json is read as written"),
-    "--rope-scaling": VllmFlag("refuse", "rope scaling is read from config.json"),
+    "--load-format": VllmFlag("no_op", "the format follows --model: a folder of "
+                              "safetensors, or a .gguf file", allowed=("auto",)),
+    "--tokenizer-mode": VllmFlag("no_op", "the tokenizer is always the fast one "
+                                 "(tokenizer.json, or a GGUF's own)", allowed=("auto",)),
+    "--rope-scaling": VllmFlag("refuse", "give it as --hf-overrides "
+                               "'{\"rope_scaling\": {...}}', as vLLM now does"),
     "--quantization-param-path": VllmFlag("refuse", "not supported"),
     "--kv-transfer-config": VllmFlag("refuse", "disaggregated prefill is not supported"),
     "--compilation-config": VllmFlag("refuse", "there is no torch.compile step here"),
@@ -130,7 +131,6 @@ VLLM_SERVE_FLAGS: dict[str, VllmFlag] = {
     "--logits-processor-pattern": VllmFlag("refuse", "request logits processors are refused"),
     "--tool-parser-plugin": VllmFlag("refuse", "tool parsers are built in (--tool-call-parser)"),
     "--middleware": VllmFlag("refuse", "ASGI middleware is not loaded from the command line"),
-    "--num-gpu-blocks-override": VllmFlag("refuse", "size the KV pool with --kv-cache-memory"),
     "--max-seq-len-to-capture": VllmFlag("refuse", "the decode graphs are captured for "
                                          "--max-model-len"),
     "--otlp-traces-endpoint": VllmFlag("refuse", "OpenTelemetry tracing is not supported"),

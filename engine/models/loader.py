@@ -170,6 +170,7 @@ def load_model(
     quantization: str = "auto",
     ops_backend: str = "auto",
     lazy: bool = False,
+    hf_overrides: str | Mapping[str, Any] | None = None,
 ) -> LoadedModel:
     """Load a Hugging Face folder or a GGUF file (see the module docstring for ``dtype``,
     ``quantization`` and ``ops_backend``, the backend the model will run on).
@@ -179,6 +180,7 @@ def load_model(
     when it is built, in a tensor-parallel rank's slices (:mod:`engine.models.checkpoint`).
 
     ``cache_dir`` holds converted GGUFs; ``None`` is :func:`cache.default_cache_dir`.
+    ``hf_overrides``: keys set over config.json as it is read (:func:`apply_hf_overrides`).
     Raises :class:`ModelNotFoundError`, :class:`CorruptModelError` or
     :class:`UnsupportedModelError`, each naming the file; :class:`InvalidParamError` for a
     dtype or device that does not exist.
@@ -209,7 +211,7 @@ def load_model(
         raise UnsupportedModelError(
             f"{source}: a model is a Hugging Face folder (config.json + *.safetensors) or a .gguf file"
         )
-    config = _model_config(folder / "config.json")
+    config = _model_config(folder / "config.json", hf_overrides)
     layout = _quant_layout(ops_backend, target)
     keep_blocks = from_gguf and quantization != "none" and layout is not None
     file_bytes = None
@@ -310,8 +312,27 @@ def _generation_config(folder: Path) -> dict[str, Any]:
     return _read_json(path) if path.is_file() else {}
 
 
-def _model_config(path: Path) -> ModelConfig:
-    raw = _read_json(path)
+def apply_hf_overrides(raw: dict[str, Any], overrides: str | Mapping[str, Any] | None) -> dict[str, Any]:
+    """config.json's object with vLLM's ``hf_overrides`` set over it (a new dict): a key
+    ending in ``_config`` whose value is an object on both sides (``text_config``,
+    ``vision_config``) is merged into that sub-config, key by key, the same way; any other
+    key replaces the value whole (``rope_scaling`` is replaced, not merged), as vLLM sets
+    each override on transformers' config object."""
+    if overrides is None:
+        return raw
+    if isinstance(overrides, str):
+        overrides = json.loads(overrides)
+    out = dict(raw)
+    for key, value in overrides.items():
+        if key.endswith("_config") and isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = apply_hf_overrides(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _model_config(path: Path, hf_overrides: str | Mapping[str, Any] | None = None) -> ModelConfig:
+    raw = apply_hf_overrides(_read_json(path), hf_overrides)
     try:
         return ModelConfig.from_hf(raw)
     except ModelLoadError as exc:

@@ -243,7 +243,8 @@ def build_front_parts(config: EngineConfig, hello: Any) -> EngineParts:
                              max_queued_requests=config.max_queued_requests, eos_token_ids=eos_ids,
                              special_token_ids=frozenset(tokenizer.skipped_special_ids))
     folder = Path(hello.tokenizer_folder)
-    model_config = _model_config(folder / "config.json") if (folder / "config.json").is_file() else None
+    model_config = (_model_config(folder / "config.json", config.hf_overrides)
+                    if (folder / "config.json").is_file() else None)
     images = image_preprocessor(config, model_config, folder, tokenizer) if model_config else None
     return EngineParts(config, hello.served_model_name, tokenizer, limits, None,
                        hello.num_blocks, grammar, pooler, tokenizer_folder=folder,
@@ -320,11 +321,21 @@ def _size_kv_pool(
                                         kv_cache_dtype=config.kv_cache_dtype) for m in (loaded, draft))
         total = int(free_memory(device) * budget) if isinstance(budget, float) else int(budget)
         budget = total * mine // (mine + theirs)
-    blocks = num_kv_blocks(
-        loaded.config, loaded.dtype, config.block_size, budget, device,
-        max_model_len=wanted if wanted is not None else config.block_size,
-        kv_cache_dtype=config.kv_cache_dtype, **({"tp": tp} if tp is not None else {}),
-    )
+    if config.num_gpu_blocks_override is not None:
+        # vLLM's override: the count as given, whatever the budget buys.
+        blocks = config.num_gpu_blocks_override
+        needed = -(-(wanted or config.block_size) // config.block_size)
+        if blocks < needed:
+            raise ConfigError(
+                f"num_gpu_blocks_override {blocks} blocks of {config.block_size} tokens cannot "
+                f"hold one request of max_model_len {wanted} tokens ({needed} blocks)",
+                field="num_gpu_blocks_override")
+    else:
+        blocks = num_kv_blocks(
+            loaded.config, loaded.dtype, config.block_size, budget, device,
+            max_model_len=wanted if wanted is not None else config.block_size,
+            kv_cache_dtype=config.kv_cache_dtype, **({"tp": tp} if tp is not None else {}),
+        )
     max_len = min(wanted or model_max, blocks * config.block_size)
     return dataclasses.replace(config, max_model_len=max_len), blocks
 
