@@ -331,6 +331,24 @@ class SamplesAborted:
     sample_ids: tuple[str, ...]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ResetPrefixCache:
+    """Caller -> scheduler (each engine core's): drop every cached prefix block, between
+    two steps (vLLM's ``reset_prefix_cache``). ``token`` names the call its answer,
+    :class:`PrefixCacheReset`, goes back to (through the detokenizer and the router)."""
+
+    token: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefixCacheReset:
+    """A scheduler's answer to :class:`ResetPrefixCache`: ``done`` false when a request
+    held KV blocks, which vLLM's reset refuses too (the cache is then left as it was)."""
+
+    token: str
+    done: bool
+
+
 # --- detokenizer -> router -> caller ------------------------------------------------------
 
 
@@ -597,6 +615,16 @@ class BlocksForked:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class ClearPrefixCache:
+    """Drop every cached block's tokens, if no request holds a block."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefixCacheCleared:
+    done: bool  # false: a request held blocks, and nothing was dropped
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ReadAllocatorStats:
     """Ask for an :class:`AllocatorStats` snapshot."""
 
@@ -615,10 +643,11 @@ class AllocatorStats:
 
 
 AllocatorCall = (
-    AllocateSlots | CacheBlocks | ReleaseBlocks | FreeRequest | ForkBlocks | ReadAllocatorStats)
+    AllocateSlots | CacheBlocks | ReleaseBlocks | FreeRequest | ForkBlocks | ClearPrefixCache
+    | ReadAllocatorStats)
 AllocatorReply = (
     SlotsAllocated | AllocationRefused | BlocksCached | BlocksReleased | RequestFreed | BlocksForked
-    | AllocatorStats
+    | PrefixCacheCleared | AllocatorStats
 )
 
 

@@ -11,6 +11,7 @@ from engine.core.detokenizer import IncrementalDetokenizer
 from engine.messages import (
     DetokenizerRequest,
     OutputBatch,
+    PrefixCacheReset,
     RequestOutput,
     SamplesAborted,
     StepOutputs,
@@ -75,6 +76,9 @@ class Detokenizer:
             async for message in self._inbox:
                 if isinstance(message, DetokenizerRequest):
                     self._add(message)
+                    continue
+                if isinstance(message, PrefixCacheReset):
+                    await self._to_router.send(message)  # the caller's answer, in order
                     continue
                 if isinstance(message, SamplesAborted):
                     # A stop string may already have ended a sample: it is gone from here.

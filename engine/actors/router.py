@@ -22,7 +22,7 @@ from collections.abc import Callable
 import trio
 
 from engine.errors import InvalidParamError, RequestFailedError
-from engine.messages import AdmittedRequest, OutputBatch, RequestOutput
+from engine.messages import AdmittedRequest, OutputBatch, PrefixCacheReset, RequestOutput
 
 
 def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
@@ -163,6 +163,16 @@ class OutputRouter:
         self._by_sample: dict[str, OutputMailbox] = {}
         self._mailboxes: set[OutputMailbox] = set()
         self._merged_gone = 0
+        # Callers of Engine.reset_prefix_cache waiting for the cores' answers, by token.
+        self._resets: dict[str, trio.MemorySendChannel[bool]] = {}
+
+    def listen_reset(self, token: str, answers: trio.MemorySendChannel[bool] | None) -> None:
+        """Deliver each :class:`PrefixCacheReset` answer for ``token`` into ``answers``
+        (an unbounded channel); None stops."""
+        if answers is None:
+            self._resets.pop(token, None)
+        else:
+            self._resets[token] = answers
 
     def open(self, admitted: AdmittedRequest) -> OutputMailbox:
         """Register a new request's mailbox under its sample ids (unique by construction)."""
@@ -220,6 +230,11 @@ class OutputRouter:
         with self._inbox:
             task_status.started()
             async for batch in self._inbox:
+                if isinstance(batch, PrefixCacheReset):
+                    answers = self._resets.get(batch.token)
+                    if answers is not None:
+                        answers.send_nowait(batch.done)
+                    continue
                 for sample_id, output in zip(batch.sample_ids, batch.outputs, strict=True):
                     mailbox = self._by_sample.get(sample_id)
                     if mailbox is None:

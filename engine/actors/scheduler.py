@@ -38,7 +38,11 @@ from engine.messages import (
     AdmittedRequest,
     AllocatorCall,
     AllocatorReply,
+    ClearPrefixCache,
     DetokenizerRequest,
+    PrefixCacheCleared,
+    PrefixCacheReset,
+    ResetPrefixCache,
     SamplesAborted,
     StepOutputs,
     StepPlan,
@@ -53,7 +57,7 @@ from engine.messages import (
 # computed no prompt (one that only dropped finished requests) is not counted.
 ITERATION_TOKEN_BUCKETS = tuple(2**i for i in range(15))
 
-SchedulerInbox = AdmittedRequest | StepResult | AbortSamples | StopStringHit
+SchedulerInbox = AdmittedRequest | StepResult | AbortSamples | StopStringHit | ResetPrefixCache
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -254,6 +258,11 @@ class SchedulerActor:
             await self._add(message)
         elif isinstance(message, AbortSamples):
             await self._finish(message.sample_ids, RequestStatus.FINISHED_ABORTED)
+        elif isinstance(message, ResetPrefixCache):
+            reply = await self._call(ClearPrefixCache())
+            assert isinstance(reply, PrefixCacheCleared)  # the allocator's protocol
+            await self._deliver_outputs()
+            await self._to_detokenizer.send(PrefixCacheReset(message.token, reply.done))
         else:
             await self._finish((message.sample_id,), RequestStatus.FINISHED_STOPPED)
 

@@ -23,6 +23,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -52,7 +53,7 @@ from engine.config import EngineConfig
 from engine.core import admission, pooling
 from engine.core.pooling import Pooled
 from engine.errors import EngineDeadError, InvalidParamError, PromptTooLongError, RequestFailedError
-from engine.messages import AdmittedRequest
+from engine.messages import AdmittedRequest, ResetPrefixCache
 from engine.models.chat_sandbox import RenderBudget
 from engine.params import (
     BeamSearchParams,
@@ -72,6 +73,9 @@ logger = logging.getLogger("engine")
 # --chat-template-timeout and the context's length) queue behind each other instead of
 # taking every thread. A chat render is Python, so more threads would not render faster.
 PROMPT_THREADS = 4
+# How long reset_prefix_cache waits for every engine core's answer (a core lost meanwhile
+# never answers): one step and a frame each way, with room for a slow step.
+RESET_ANSWER_SECONDS = 30.0
 
 
 async def tokenize_prompt(
@@ -624,6 +628,31 @@ class Engine:
         if self._handles is not None:
             for mailbox in self._handles.router.find(request_id):
                 self._handles.abort(mailbox.abort())
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block, in each engine core (vLLM's
+        ``reset_prefix_cache``): later prompts compute their prefixes afresh. Refused, as
+        vLLM refuses it, while a request holds KV blocks: then nothing is dropped and the
+        answer is False; True once every core has dropped its cache. The hit and query
+        counters keep counting. Raises :class:`EngineDeadError` if the engine is not
+        serving."""
+        handles = self._alive()
+        expected = self._pool.serving if self._pool is not None else 1
+        if expected == 0:
+            return False
+        answers_in, answers = trio.open_memory_channel[bool](math.inf)
+        token = uuid.uuid4().hex
+        handles.router.listen_reset(token, answers_in)
+        try:
+            handles.send(ResetPrefixCache(token))
+            done = True
+            # A core lost before it answers never will: past the bound, not reset everywhere.
+            with trio.move_on_after(RESET_ANSWER_SECONDS) as waited:
+                for _ in range(expected):
+                    done = await answers.receive() and done
+            return done and not waited.cancelled_caught
+        finally:
+            handles.router.listen_reset(token, None)
 
     def structured_statistics(self) -> StructuredStatistics | None:
         """Structured output counters (requests by kind, grammar compiles, cache hits,

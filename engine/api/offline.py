@@ -264,6 +264,16 @@ class LLM:
         ``override_generation_config`` over them), else the engine's own defaults."""
         return self._engine.default_sampling_params()
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block (vLLM's): later prompts compute their prefixes
+        afresh. False, with nothing dropped, while a request holds KV blocks (between
+        ``generate`` calls none does)."""
+
+        async def work(engine: Engine, emit: Any) -> bool:
+            return await engine.reset_prefix_cache()
+
+        return self._thread.call(work)
+
     def statistics(self) -> EngineStatistics:
         """The engine's counters now (requests running and waiting, KV blocks free)."""
         return self._thread.run_sync(self._engine.statistics)

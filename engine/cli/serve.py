@@ -132,6 +132,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true"),
         help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with --enable-lora; "
              "the API key applies) (default: $VLLM_ALLOW_RUNTIME_LORA_UPDATING, else off)")
+    add("--server-dev-mode", action="store_true",
+        default=os.environ.get("VLLM_SERVER_DEV_MODE", "").strip().lower() in ("1", "true"),
+        help="serve vLLM's development route POST /reset_prefix_cache (the API key applies) "
+             "(default: $VLLM_SERVER_DEV_MODE, else off)")
     add("model_tag", nargs="?", default=None, metavar="MODEL",
         help="the model, as `vllm serve MODEL` takes it (same as --model)")
     add_engine_arguments(parser, max_engine_restarts=DEFAULT_MAX_ENGINE_RESTARTS,
@@ -408,7 +412,8 @@ async def _serve(args: argparse.Namespace) -> int:
                                  metrics_prefix=getattr(args, "metrics_prefix", "engine"),
                                  send_timeout=args.send_timeout,
                                  allow_runtime_lora_updating=getattr(
-                                     args, "allow_runtime_lora_updating", False))
+                                     args, "allow_runtime_lora_updating", False),
+                                 server_dev_mode=getattr(args, "server_dev_mode", False))
                 with frozen_startup_heap():  # out of the full collections (process/heap.py)
                     died = await _serve_until_signal(app, args, listener, signals, eng)
         return EXIT_ENGINE_DEAD if died else 0

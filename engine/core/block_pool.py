@@ -46,8 +46,10 @@ from engine.messages import (
     BlocksForked,
     BlocksReleased,
     CacheBlocks,
+    ClearPrefixCache,
     ForkBlocks,
     FreeRequest,
+    PrefixCacheCleared,
     ReadAllocatorStats,
     ReleaseBlocks,
     RequestFreed,
@@ -130,6 +132,8 @@ class BlockPool:
                 return self.free_request(sample_id)
             case ForkBlocks():
                 return self.fork_blocks(call)
+            case ClearPrefixCache():
+                return PrefixCacheCleared(self.clear_prefix_cache())
             case ReadAllocatorStats():
                 return self.statistics()
         raise ProtocolError(f"the block pool cannot handle {type(call).__name__}")
@@ -252,6 +256,18 @@ class BlockPool:
         self._salts[call.dst_id] = self._salts[call.src_id]
         self._uncacheable.add(call.dst_id)
         return BlocksForked(call.dst_id, tuple(table), copies)
+
+    def clear_prefix_cache(self) -> bool:
+        """Forget every cached block's tokens, as vLLM's ``reset_prefix_cache``: only while
+        no request holds a block (else nothing changes and the answer is false), so no
+        request's chain of cached blocks is cut under it. The hit and query counters go on
+        counting (they are monotonic counters)."""
+        if self._tables:
+            return False
+        for bucket in list(self._buckets.values()):
+            for block in list(bucket):
+                self._evict(block)
+        return True
 
     def _unref(self, block_id: int, sample_id: str) -> None:
         block = self._blocks[block_id]

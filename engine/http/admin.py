@@ -53,6 +53,9 @@ class AdminRoutes:
         if self.server.allow_runtime_lora_updating:
             app.add_url_rule("/v1/load_lora_adapter", view_func=self.load_lora, methods=["POST"])
             app.add_url_rule("/v1/unload_lora_adapter", view_func=self.unload_lora, methods=["POST"])
+        if self.server.server_dev_mode:
+            app.add_url_rule("/reset_prefix_cache", view_func=self.reset_prefix_cache,
+                             methods=["POST"])
 
     async def health(self) -> Response:
         # 503 while the actors restart after a crash, and once the engine is dead.
@@ -109,6 +112,23 @@ class AdminRoutes:
         self.engine.loras.unload(name)
         return Response(f"Success: LoRA adapter '{name}' removed successfully.", 200,
                         content_type="text/plain; charset=utf-8")
+
+    async def reset_prefix_cache(self) -> Response:
+        """vLLM's dev-mode ``POST /reset_prefix_cache``: 200 with no body once every
+        engine core dropped its cached prefixes. While requests hold KV blocks vLLM
+        declines the reset yet answers 200; here the client is told: 409, nothing
+        dropped. vLLM's ``reset_running_requests=true`` (preempting them first) is a 400."""
+        from quart import request
+
+        running = request.args.get("reset_running_requests", "false")
+        if running.lower() not in ("false", "0"):
+            raise APIError(400, "reset_running_requests is not supported: the cache is reset "
+                           "only when no request holds KV blocks", param="reset_running_requests",
+                           code="unsupported_parameter")
+        if not await self.engine.reset_prefix_cache():
+            raise APIError(409, "the prefix cache was not reset: requests hold KV blocks; "
+                           "retry when they have finished", code="prefix_cache_in_use")
+        return Response("", 200)
 
     async def openapi(self) -> Response:
         return json_response(openapi_document(

@@ -99,7 +99,7 @@ def create_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, chat: ChatSettings | None = None,
     allowed_origins: tuple[str, ...] = (), root_path: str = "",
     enable_request_id_headers: bool = False, metrics_prefix: str = "engine", send_timeout: float = edge.SEND_TIMEOUT_SECONDS,
-    allow_runtime_lora_updating: bool = False,
+    allow_runtime_lora_updating: bool = False, server_dev_mode: bool = False,
 ) -> QuartTrio:
     """Build the OpenAI-compatible app serving ``engine`` (an open :class:`engine.api.Engine`).
 
@@ -115,7 +115,8 @@ def create_app(
     ``metrics_prefix`` names the Prometheus series ``engine:*`` or, as vLLM's, ``vllm:*``.
     A response one of whose writes waits ``send_timeout`` seconds for the client to
     read is abandoned (its requests aborted). ``allow_runtime_lora_updating`` serves
-    ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``.
+    ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``; ``server_dev_mode``
+    ``POST /reset_prefix_cache``.
     """
     app = _App(__name__)
     app.root_prefix = _root_prefix(root_path)
@@ -128,7 +129,8 @@ def create_app(
                     chat=chat or ChatSettings(),
                     enable_request_id_headers=enable_request_id_headers,
                     metrics_prefix=metrics_prefix,
-                    allow_runtime_lora_updating=allow_runtime_lora_updating)
+                    allow_runtime_lora_updating=allow_runtime_lora_updating,
+                    server_dev_mode=server_dev_mode)
     _Hooks(server).register(app)
     completions = CompletionsRoutes(server)
     pooling = PoolingRoutes(server)

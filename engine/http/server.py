@@ -57,8 +57,12 @@ class Server:
 
     def __init__(self, engine: EngineLike, *, api_key: str | None, max_request_bytes: int,
                  chat: ChatSettings, enable_request_id_headers: bool = False,
-                 metrics_prefix: str = "engine", allow_runtime_lora_updating: bool = False) -> None:
+                 metrics_prefix: str = "engine", allow_runtime_lora_updating: bool = False,
+                 server_dev_mode: bool = False) -> None:
         self.engine = engine
+        # vLLM's development routes (POST /reset_prefix_cache), off by default as behind
+        # its VLLM_SERVER_DEV_MODE.
+        self.server_dev_mode = server_dev_mode
         # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off by default, as vLLM's
         # VLLM_ALLOW_RUNTIME_LORA_UPDATING).
         self.allow_runtime_lora_updating = allow_runtime_lora_updating

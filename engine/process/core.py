@@ -47,6 +47,7 @@ from engine.messages import (
     CoreHello,
     CoreStatistics,
     DetokenizerRequest,
+    ResetPrefixCache,
     StepOutputs,
     StopStringHit,
     TokenDelta,
@@ -246,7 +247,7 @@ async def _run_core_actors(parts: Any, frames: FrameStream, compiles: CompilePoo
                         scheduler.arriving(message)
                         received += len(message.samples)
                         sched_send.send_nowait(message)
-                    elif isinstance(message, (AbortSamples, StopStringHit)):
+                    elif isinstance(message, (AbortSamples, StopStringHit, ResetPrefixCache)):
                         sched_send.send_nowait(message)
                     else:
                         raise WireError(f"unexpected message from the front end: "

@@ -52,6 +52,8 @@ from engine.messages import (
     CoreFailed,
     CoreHello,
     CoreStatistics,
+    PrefixCacheReset,
+    ResetPrefixCache,
     SamplesAborted,
     StepOutputs,
     StopStringHit,
@@ -271,6 +273,9 @@ class CorePool:
             owner = self._owner.get(message.sample_id)
             if owner is not None:
                 self._queue(owner, message)
+        elif isinstance(message, ResetPrefixCache):  # each serving core resets and answers
+            for core in (c for c in self._cores if c.state is CoreState.SERVING):
+                self._queue(core, message)
         else:
             raise TypeError(f"the core pool cannot route {type(message).__name__}")
 
@@ -559,6 +564,9 @@ class CorePool:
         elif isinstance(message, SamplesAborted):
             for sample_id in message.sample_ids:
                 self._forget(core, sample_id)
+        elif isinstance(message, PrefixCacheReset):
+            if message.done:
+                core.blocks.clear()  # what routing by cached prefix knew of it is gone
         else:
             raise WireError(f"unexpected message from a core: {type(message).__name__}")
         await self._to_detokenizer.send(message)
