@@ -343,3 +343,53 @@ def test_concurrent_requests_share_steps_and_get_the_vectors_they_get_alone(
     assert cosines(alone, st_embeddings[picks]).min() >= 0.9999
     # The same vectors, to float32 rounding of a matmul run over a different number of rows.
     assert np.abs(together - alone).max() <= 1e-6
+
+
+# -- chat-style embeddings (vLLM's `messages` on /v1/embeddings) ----------------------------
+
+CHAT = [{"role": "system", "content": "You embed support tickets."},
+        {"role": "user", "content": "My order arrived broken; I want a refund."}]
+
+
+@pytest.fixture(scope="module")
+def chat_embedder(tmp_path_factory: pytest.TempPathFactory):
+    """A decoder with a chat template, served as an embedding model (last-token pooling)."""
+    from engine.models.testing import write_tiny_model
+
+    folder = write_tiny_model(tmp_path_factory.mktemp("chat-embed") / "llama", "llama")
+    opener = lambda: engine.open_engine(model=str(folder), runner="pooling", convert="embed")  # noqa: E731
+    with ServerThread(opener) as srv:
+        yield srv, folder
+
+
+@pytest.mark.parametrize("generation_prompt", [None, True])
+def test_chat_messages_embed_as_the_templates_tokens_do(chat_embedder, generation_prompt) -> None:
+    from transformers import AutoTokenizer
+
+    server, folder = chat_embedder
+    extra = {} if generation_prompt is None else {"add_generation_prompt": generation_prompt}
+    # transformers renders the messages (vLLM's default for embeddings: no generation
+    # prompt), and the same server embeds those ids given as input.
+    ids = AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(
+        CHAT, tokenize=True, add_generation_prompt=bool(generation_prompt), return_dict=False)
+    url = f"{server.base_url}/v1/embeddings"
+    by_chat = httpx.post(url, json={"messages": CHAT, **extra}, timeout=60).json()
+    by_ids = httpx.post(url, json={"input": [list(ids)]}, timeout=60).json()
+    assert by_chat["usage"]["prompt_tokens"] == len(ids)
+    assert by_chat["data"][0]["embedding"] == by_ids["data"][0]["embedding"]
+
+
+def test_chat_embeddings_refuse_what_they_cannot_render(chat_embedder, server) -> None:
+    chat_server, _ = chat_embedder
+    url = f"{chat_server.base_url}/v1/embeddings"
+    for body, param in (({"messages": CHAT, "input": "both"}, "messages"),
+                        ({"encoding_format": "float"}, "input"),
+                        ({"messages": CHAT, "continue_final_message": True,
+                          "add_generation_prompt": True}, "continue_final_message")):
+        reply = httpx.post(url, json=body, timeout=60)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+    # MiniLM has no chat template: a 400, and the server embeds on.
+    reply = httpx.post(f"{server.base_url}/v1/embeddings", json={"messages": CHAT}, timeout=60)
+    assert reply.status_code == 400, reply.text
+    assert httpx.post(f"{server.base_url}/v1/embeddings", json={"input": "ok"},
+                      timeout=60).status_code == 200

@@ -143,7 +143,7 @@ def parse_chat_fields(body: Mapping[str, Any], settings: ChatSettings,
                       model_template: str | None) -> ChatFields:
     """The chat-only fields of ``body``; ``model_template`` is the model's template
     source (to tell whether it reads ``tools``)."""
-    template = _template_options(body, settings)
+    template = template_options(body, settings)
     check_tool_limits(body.get("tools"), settings)
     tools = parse_tools(body.get("tools"))
     choice = parse_tool_choice(body.get("tool_choice"), tools)
@@ -278,7 +278,11 @@ def constraint_param(fields: ChatFields, params: SamplingParams) -> str | None:
     return "tools" if spec.structural_tag == fields.constraint.structural_tag else None
 
 
-def _template_options(body: Mapping[str, Any], settings: ChatSettings) -> TemplateOptions:
+def template_options(body: Mapping[str, Any], settings: ChatSettings, *,
+                     generation_prompt: bool = True) -> TemplateOptions:
+    """The chat template's options a body asks for (``chat_template``,
+    ``chat_template_kwargs``, ``add_generation_prompt``, whose default is
+    ``generation_prompt``, and ``continue_final_message``), checked."""
     source = body.get("chat_template")
     if source is not None:
         if not settings.trust_request_chat_template:
@@ -302,7 +306,7 @@ def _template_options(body: Mapping[str, Any], settings: ChatSettings) -> Templa
         except (TypeError, ValueError):
             raise InvalidParamError("chat_template_kwargs must be JSON",
                                     param="chat_template_kwargs") from None
-    add_generation_prompt = _bool(body, "add_generation_prompt", True)
+    add_generation_prompt = _bool(body, "add_generation_prompt", generation_prompt)
     continue_final = _bool(body, "continue_final_message", False)
     if continue_final and add_generation_prompt:
         raise InvalidParamError(

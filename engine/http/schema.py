@@ -294,8 +294,9 @@ _TRUNCATE = _nullable({"type": "integer", "minimum": -1, "not": {"const": 0},
                        "model's maximum input length)"})
 _STRINGS = {"type": "array", "items": {"type": "string"}, "minItems": 1}
 EMBEDDINGS: dict[str, Any] = {
+    # `input`, or vLLM's chat-style `messages` (rendered by the chat template; one of the
+    # two is required, checked by the route, which names the one missing).
     "type": "object",
-    "required": ["input"],
     "properties": {
         "model": COMMON["model"],
         "input": {"anyOf": [{"type": "string"}, _TOKEN_IDS, _STRINGS,
@@ -310,15 +311,25 @@ EMBEDDINGS: dict[str, Any] = {
         "add_special_tokens": _nullable({"type": "boolean", "description": "tokenize text "
                                          "with the tokenizer's special tokens (default true)"}),
         "priority": COMMON["priority"],
+        "messages": {"type": "array", "items": {"type": "object"}, "minItems": 1,
+                     "description": "chat messages in place of input, rendered by the chat "
+                                    "template and embedded as one text (vLLM's)"},
+        "add_generation_prompt": _nullable({"type": "boolean", "description": "with messages: "
+                                            "end with the assistant's header (default false)"}),
+        "continue_final_message": _nullable({"type": "boolean"}),
+        "chat_template": _nullable({"type": "string"}),
+        "chat_template_kwargs": _nullable({"type": "object"}),
     },
 }
+_CHAT_EMBEDDING_FIELDS = ("messages", "add_generation_prompt", "continue_final_message",
+                          "chat_template", "chat_template_kwargs")
 # vLLM's /classify: the embeddings body's inputs, a classifier's probabilities (or logits).
 CLASSIFY: dict[str, Any] = {
     "type": "object",
     "required": ["input"],
     "properties": {
         **{k: v for k, v in EMBEDDINGS["properties"].items()
-           if k not in ("encoding_format", "dimensions", "normalize")},
+           if k not in ("encoding_format", "dimensions", "normalize", *_CHAT_EMBEDDING_FIELDS)},
         "use_activation": _nullable({"type": "boolean", "description": "probabilities "
                                      "(default true), or with false the logits"}),
     },

@@ -76,16 +76,26 @@ def _refuse_unsupported(body: dict[str, Any], route: str = "score") -> None:
 
 
 def parse_embedding(body: dict[str, Any]) -> EmbeddingRequest:
+    """``input``, or vLLM's ``messages`` (``input`` None: the route renders them, and
+    ``add_special_tokens`` defaults to false, as the template writes the model's markers)."""
     _refuse_unsupported(body, "embeddings")
+    chat = body.get("messages") is not None
+    if chat and body.get("input") is not None:
+        raise APIError(400, "send `input` or `messages`, not both", param="messages",
+                       code="invalid_value")
+    if not chat and body.get("input") is None:
+        raise APIError(400, "`input` is required (or chat `messages`)", param="input",
+                       code="missing_required_parameter")
     return EmbeddingRequest(
         model=body.get("model"),
-        input=body["input"],
+        input=None if chat else body["input"],
         encoding_format=body.get("encoding_format") or "float",
         dimensions=body.get("dimensions"),
         truncate_prompt_tokens=body.get("truncate_prompt_tokens"),
         priority=body.get("priority") or 0,
         normalize=body.get("normalize"),
-        add_special_tokens=body.get("add_special_tokens") is not False,
+        add_special_tokens=(body.get("add_special_tokens") is True if chat
+                            else body.get("add_special_tokens") is not False),
     )
 
 

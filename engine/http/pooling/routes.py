@@ -12,6 +12,10 @@ from typing import Any
 from quart import Response
 from quart_trio import QuartTrio
 
+from engine.api import tokenize_prompt
+from engine.chat.request import template_options
+from engine.chat.template import normalize_messages
+from engine.core import admission
 from engine.http.bodies import json_response
 from engine.http.metrics import RequestTimer
 from engine.http.pooling import protocol
@@ -42,8 +46,9 @@ class PoolingRoutes:
         req = protocol.parse_embedding(body)
         self.server.check_base_model(req.model)
         timer = self.server.metrics.timer()
+        source = req.input if req.input is not None else [await self._chat_ids(body, req)]
         pooled = await self.engine.embed(
-            req.input, dimensions=req.dimensions, normalize=req.normalize,
+            source, dimensions=req.dimensions, normalize=req.normalize,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
             add_special_tokens=req.add_special_tokens, request_id=self.server.request_id(),
             priority=req.priority)
@@ -51,6 +56,27 @@ class PoolingRoutes:
         return Response(protocol.embedding_response(self.engine.model_name, pooled,
                                                     req.encoding_format),
                         200, content_type="application/json")
+
+    async def _chat_ids(self, body: dict[str, Any], req: protocol.EmbeddingRequest) -> list[int]:
+        """vLLM's chat embeddings: ``messages`` rendered by the chat template (as a chat
+        request renders them, with its guards, but no generation prompt unless asked),
+        tokenized."""
+        tok = self.engine.tokenizer
+
+        def render() -> Any:
+            template = template_options(body, self.server.chat_settings, generation_prompt=False)
+            messages = normalize_messages(body["messages"])
+            return admission.prompt_message(messages, template.to_json())
+
+        prompt = await self.server.off_loop(render)
+        config = self.engine.config
+        ids = await tokenize_prompt(
+            tok, prompt, limiter=self.server.prompt_limiter,
+            add_special_tokens=req.add_special_tokens,
+            template_seconds=config.chat_template_timeout, max_model_len=self.engine.max_model_len,
+            content_format=config.chat_template_content_format,
+            special_tokens_in_content=config.allow_special_tokens_in_content)
+        return list(ids)
 
     async def classify(self) -> Response:
         req = protocol.parse_classify(await self.server.read_checked("classify"))
