@@ -510,9 +510,6 @@ async def test_the_embedded_api_runs_adapters_and_speculation_keeps_their_tokens
                 got[lora] = [t async for out in eng.generate(prompt, params, lora=lora) for t in out.token_ids]
             with pytest.raises(LoraAdapterError, match="no adapter of that name"):
                 await eng.submit(prompt, params, lora="missing")
-            beams = SamplingParams(beam_width=2, n=2, max_tokens=4)
-            with pytest.raises(InvalidParamError, match="beam search with a LoRA adapter"):
-                await eng.submit(prompt, beams, lora="ok")
             for lora in (None, "ok"):  # chat turns too
                 result = await eng.chat([{"role": "user", "content": prompt}], params, lora=lora)
                 got[f"chat-{lora}"] = result.choices[0].message.content

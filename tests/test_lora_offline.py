@@ -1,9 +1,11 @@
 """The offline ``engine.LLM`` with LoRA adapters beyond ``generate`` (tests/test_lora.py
-has that one): ``chat`` takes vLLM's ``lora_request``; the pooling methods, whose models
-never take adapters (``--enable-lora`` is refused for them), refuse it by name.
+has that one): ``chat`` and ``beam_search`` take vLLM's ``lora_request``; the pooling
+methods, whose models never take adapters (``--enable-lora`` is refused for them), refuse
+it by name.
 
 The oracle for ``chat``: transformers' own rendering of the model's chat template
-(``apply_chat_template``), generated from as token ids with the same adapter.
+(``apply_chat_template``), generated from as token ids with the same adapter; for
+``beam_search``, peft's ``PeftModel`` searching with transformers' ``generate(num_beams=...)``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import types
 
 import pytest
+import torch
 from test_lora import write_peft_adapters
 
 import engine
@@ -53,14 +56,31 @@ def test_chat_with_an_adapter_is_generate_on_the_templated_prompt(llm) -> None:
     assert mixed[1].outputs[0].token_ids == base_chat[1].outputs[0].token_ids
 
 
-@pytest.mark.parametrize("method", ["embed", "classify", "score", "beam_search"])
-def test_the_pooling_methods_and_beam_search_refuse_lora_request_by_name(llm, method) -> None:
+@pytest.mark.parametrize("method", ["embed", "classify", "score"])
+def test_the_pooling_methods_refuse_lora_request_by_name(llm, method) -> None:
     model, _, request = llm
     call = {"embed": lambda: model.embed("hello", lora_request=request),
             "classify": lambda: model.classify("hello", lora_request=request),
-            "score": lambda: model.score("hello", "world", lora_request=request),
-            "beam_search": lambda: model.beam_search(["hello"], engine.BeamSearchParams(beam_width=2, max_tokens=2),
-                                                     lora_request=request)}[method]
+            "score": lambda: model.score("hello", "world", lora_request=request)}[method]
     with pytest.raises(InvalidParamError, match="lora_request") as info:
         call()
     assert info.value.param == "lora_request"
+
+
+def test_beam_search_with_an_adapter_finds_peft_beams(llm, tmp_path_factory) -> None:
+    from peft import PeftModel
+    from test_beam_search import TOLERANCE, hf_beams
+    from transformers import AutoModelForCausalLM
+
+    model, base, request = llm
+    prompt = [5, 77, 123, 9, 201, 45, 300, 17, 88, 140, 66, 250, 31]
+    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    peft = PeftModel.from_pretrained(hf, request.lora_path).eval()
+    theirs = hf_beams(peft, prompt, width=3, max_tokens=8, eos=None, length_penalty=0.5)
+    params = engine.BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True, length_penalty=0.5)
+    (ours,) = model.beam_search([{"prompt_token_ids": prompt}], params, lora_request=request)
+    assert [s.tokens[len(prompt):] for s in ours.sequences] == [t for t, _, _ in theirs]
+    assert [s.score for s in ours.sequences] == pytest.approx([s for _, s, _ in theirs], abs=TOLERANCE)
+    # The adapter made the difference: the base model's beams are others.
+    (plain,) = model.beam_search([{"prompt_token_ids": prompt}], params)
+    assert [s.tokens for s in plain.sequences] != [s.tokens for s in ours.sequences]

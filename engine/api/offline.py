@@ -180,12 +180,12 @@ class LLM:
         """vLLM's ``LLM.beam_search``: a beam search of ``params.beam_width`` beams for each
         prompt (strings, token-id lists or vLLM's prompt dicts), every beam returned, best
         score first. The prompts run side by side (``concurrency_limit`` is vLLM's bound on
-        that; here the engine's queue window bounds it)."""
-        _no_lora(lora_request, "beam search")
+        that; here the engine's queue window bounds it). ``lora_request`` as
+        :meth:`generate` takes it: every beam runs the adapter."""
         if not isinstance(params, BeamSearchParams):
             raise InvalidParamError("params must be an engine.BeamSearchParams", param="params")
         prompts_ = batch.generation_prompts(prompts)
-        results = self._generate(prompts_, params.sampling_params(), None, use_tqdm)
+        results = self._generate(prompts_, params.sampling_params(), None, use_tqdm, lora_request)
         return [beam_search_output(r) for r in results]
 
     # -- pooling -------------------------------------------------------------------------

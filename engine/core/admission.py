@@ -501,16 +501,14 @@ def _beam_group(
     one output sample per returned hypothesis."""
     if images:
         raise InvalidParamError("beam search over image inputs is not supported", param="n")
-    if submit.lora is not None:
-        # The runner applies an adapter by request, and a group's beams are rows it forks
-        # inside one request: not built, so refused rather than run on the base model.
-        raise InvalidParamError("beam search with a LoRA adapter is not supported",
-                                param="use_beam_search")
+    # With a LoRA adapter every beam's row runs it (the group hands it to each beam), and
+    # the group's prefix blocks are the adapter's own, as a sample's are.
     group = SchedulerRequest(
         sample_id=names[0], prompt_token_ids=ids, params=submit.params,
         eos_token_ids=limits.eos_token_ids, max_tokens=max_tokens, priority=submit.priority,
         arrival_time=submit.arrival_time,
-        cache_salt=submit.cache_salt, wait_for=None, beam_output_ids=names,
+        cache_salt=prefix_salt(submit.cache_salt, submit.lora), wait_for=None,
+        beam_output_ids=names, lora=submit.lora,
     )
     outputs = tuple(DetokenizerRequest(name, submit.request_id, index, ids,
                                        submit.params.replace(n=1, beam_width=0, length_penalty=1.0,

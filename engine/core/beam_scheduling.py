@@ -110,7 +110,7 @@ class BeamScheduling:
         runner_params = _BEAM_ROW.replace(logprobs=group.beam.search.logprobs_needed)
         beam = Request(group.beam.key(group.sample_id, index), group.prompt_token_ids,
                        runner_params, max_tokens=group.max_tokens, priority=group.priority,
-                       arrival=group.arrival, cache_salt=group.cache_salt)
+                       arrival=group.arrival, cache_salt=group.cache_salt, lora=group.lora)
         beam.output_token_ids = outputs
         self._beam_owner[beam.sample_id] = group
         return beam
@@ -158,7 +158,7 @@ class BeamScheduling:
                 beam.seen_by_runner = True
                 step.new_requests.append(NewRequest(
                     beam.sample_id, beam.prompt_token_ids + tuple(beam.output_token_ids),
-                    beam.params, ()))
+                    beam.params, (), lora=beam.lora))
             add_chunk(step, beam, reply, (), 0, bs)
             if group.num_cached_tokens < 0:
                 group.num_cached_tokens = beam.num_cached_tokens
