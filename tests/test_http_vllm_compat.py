@@ -199,7 +199,6 @@ def test_a_request_template_that_raises_is_a_400_naming_the_error(fake, expressi
     ("verbosity", "low"),
     # Without --reasoning-parser (chat); a chat field (completions).
     ("include_reasoning", False),
-    ("documents", [{"title": "a", "text": "b"}]),
     ("kv_transfer_params", {"do_remote_decode": True}),
     ("mm_processor_kwargs", {"max_pixels": 3136}),
 ])
@@ -244,6 +243,32 @@ def test_reasoning_effort_reaches_a_template_that_reads_it_and_is_refused_otherw
             client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1,
                                            reasoning_effort="high")
     assert info.value.body["param"] == "reasoning_effort"
+
+
+def test_documents_reach_a_retrieval_augmented_template_as_transformers_renders_them(fake, folder):
+    from transformers import AutoTokenizer
+
+    template = ("{% for d in documents %}[{{ d.title }}] {{ d.text }}\n{% endfor %}"
+                "{% for m in messages %}{{ m.content }}{% endfor %}")
+    docs = [{"title": "Paris", "text": "Paris is the capital of France."},
+            {"title": "Lyon", "text": "Lyon lies where the Rhone meets the Saone."}]
+    want = AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(
+        ASK, documents=docs, chat_template=template, tokenize=True, add_generation_prompt=True,
+        return_dict=False)
+    got = _tokenize(fake, messages=ASK, documents=docs, chat_template=template).json()
+    assert got["tokens"] == list(want)
+    with _client(fake) as client:
+        reply = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1, extra_body={
+            "documents": docs, "chat_template": template})
+        assert reply.usage.prompt_tokens == len(want)
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1,
+                                           extra_body={"documents": ["not an object"]})
+        assert info.value.body["param"] == "documents[0]"
+    # A completions prompt has no template to read them: refused by name.
+    r = httpx.post(fake.base_url + "/v1/completions",
+                   json={"model": MODEL, "prompt": "x", "max_tokens": 1, "documents": docs})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "documents")
 
 
 # -- a forced call with a response_format ---------------------------------------------------

@@ -102,6 +102,7 @@ class TemplateOptions:
     chat_template_kwargs: Mapping[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    documents: tuple[Mapping[str, Any], ...] | None = None  # a RAG template's sources
 
     def to_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of :func:`engine.chat.template.apply_chat_template`."""
@@ -111,6 +112,7 @@ class TemplateOptions:
             "chat_template_kwargs": dict(self.chat_template_kwargs or {}),
             "add_generation_prompt": self.add_generation_prompt,
             "continue_final_message": self.continue_final_message,
+            "documents": list(self.documents) if self.documents is not None else None,
         }
 
     def to_json(self) -> str:
@@ -315,7 +317,26 @@ def template_options(body: Mapping[str, Any], settings: ChatSettings, *,
     return TemplateOptions(
         chat_template=source if source is not None else settings.chat_template,
         chat_template_kwargs=kwargs, add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final)
+        continue_final_message=continue_final, documents=_documents(body.get("documents")))
+
+
+def _documents(value: Any) -> tuple[Mapping[str, Any], ...] | None:
+    """vLLM's ``documents`` (the sources a retrieval-augmented chat template cites, as
+    transformers' ``apply_chat_template(documents=...)`` takes them): objects of JSON
+    values, typically ``{"title", "text"}``."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise InvalidParamError("documents must be a list of objects", param="documents")
+    for i, doc in enumerate(value):
+        if not isinstance(doc, Mapping):
+            raise InvalidParamError("each document must be an object (e.g. {\"title\", "
+                                    "\"text\"})", param=f"documents[{i}]")
+        try:
+            json.dumps(doc)
+        except (TypeError, ValueError):
+            raise InvalidParamError("a document must be JSON", param=f"documents[{i}]") from None
+    return tuple(value)
 
 
 def _reasoning_effort(body: Mapping[str, Any], template: TemplateOptions,

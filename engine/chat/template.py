@@ -292,6 +292,7 @@ def apply_chat_template(
     chat_template_kwargs: Mapping[str, Any] | None = None,
     content_format: str = "auto",
     image_text: str | None = None,
+    documents: Sequence[Mapping[str, Any]] | None = None,
     **template_kwargs: Any,
 ) -> str:
     """Render ``messages`` with ``tokenizer``'s chat template into one prompt string.
@@ -321,7 +322,9 @@ def apply_chat_template(
     ``continue_final_message`` leaves the last message open, so the model continues
     it (an assistant prefill): the text is cut right after that message's content, as
     transformers does. ``chat_template_kwargs`` (a request's) and ``template_kwargs``
-    become template variables (``enable_thinking=False``, ...).
+    become template variables (``enable_thinking=False``, ...). ``documents`` (a
+    retrieval-augmented template's sources, ``[{"title", "text"}]``) is the template's
+    ``documents`` variable, as transformers passes it.
     """
     template = _template(tokenizer, chat_template)
     if continue_final_message and add_generation_prompt:
@@ -351,7 +354,7 @@ def apply_chat_template(
             template,
             messages=chat,
             tools=list(tools) if tools is not None else None,
-            documents=None,
+            documents=list(documents) if documents is not None else None,
             add_generation_prompt=add_generation_prompt,
             **variables,
         )
@@ -460,7 +463,7 @@ def chat_prompt_ids(
         nonce = str(secrets.randbelow(10**8))
         marked = _Marker(texts, _control_pattern(texts), nonce)
         chat = marked(chat)
-        for name in ("tools", "chat_template_kwargs"):
+        for name in ("tools", "chat_template_kwargs", "documents"):
             if options.get(name) is not None:
                 options = {**options, name: marked(options[name])}
         if marked.count:

@@ -218,6 +218,9 @@ CHAT: dict[str, Any] = {
         "chat_template_kwargs": _nullable({"type": "object"}),
         "add_generation_prompt": _LAX_BOOL,
         "continue_final_message": _LAX_BOOL,
+        "documents": _nullable({"type": "array", "items": {"type": "object"},
+                                "description": "sources for a retrieval-augmented chat "
+                                               "template (its documents variable)"}),
         # false drops the reasoning --reasoning-parser splits off.
         "include_reasoning": _LAX_BOOL,
     },

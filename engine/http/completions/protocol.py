@@ -75,7 +75,6 @@ NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     "verbosity": lambda v: v not in (None, "medium"),
     # Left truncation (keep the last tokens) is the one built.
     "truncation_side": lambda v: v not in (None, "left"),
-    "documents": lambda v: v is not None,
     "kv_transfer_params": lambda v: v is not None,
     # vLLM's per-request image processor options: they change an image's token count, and
     # only the server's --mm-processor-kwargs is taken.
@@ -87,7 +86,6 @@ _NOT_IMPLEMENTED_WHY = {
     "modalities": 'only ["text"] output is supported',
     "web_search_options": "this server has no web search",
     "verbosity": "only the default verbosity (medium) is supported",
-    "documents": "documents for retrieval-augmented chat templates are not supported",
     "truncation_side": 'only "left" (keep the last truncate_prompt_tokens tokens) is built',
     "mm_processor_kwargs": "per-request image processor options are not supported; "
                            "the server's --mm-processor-kwargs applies to every request",
@@ -98,6 +96,8 @@ _CHAT_REFUSES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "suffix": (lambda v: v not in (None, ""), "suffix is a /v1/completions field"),
 }
 _COMPLETIONS_REFUSE: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "documents": (lambda v: v is not None, "documents go to a chat template "
+                  "(/v1/chat/completions)"),
     "include_reasoning": (lambda v: v not in (None, True),
                           "include_reasoning applies to /v1/chat/completions (with "
                           "--reasoning-parser)"),
@@ -107,6 +107,7 @@ CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "echo",
     "tools", "tool_choice", "parallel_tool_calls",
     "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+    "documents",
     "reasoning_effort", "prediction", "thinking_token_budget", "include_reasoning",
 }
 # The most samples best_of may draw: SamplingParams' own bound on n.
