@@ -417,11 +417,14 @@ class EngineConfig:
         None, "plan step N+1 while step N runs", default_text="on with CUDA, off on CPU")
     seed: int = _field(0, "seed of the engine's sampling generator", type=int, metavar="N")
     # "auto": generation_config.json's sampling defaults (temperature, top_p, top_k, min_p,
-    # repetition_penalty) apply to requests that leave them out, as in vLLM; "none": the
-    # engine's own defaults (temperature 1, no truncation).
+    # repetition_penalty) apply to requests that leave them out, as in vLLM; "none" (or
+    # vLLM's "vllm"): the engine's own defaults (temperature 1, no truncation); a folder:
+    # the generation_config.json in it (read by the front end, Engine.__init__).
     generation_config: str = _field(
         "auto", "auto: the model's generation_config.json sampling defaults apply to requests "
-        "that leave those fields out; none: the engine's own defaults", choices=("auto", "none"))
+        "that leave those fields out; none (or vLLM's vllm): the engine's own defaults; a "
+        "folder: the generation_config.json in it instead of the model's",
+        metavar="auto|none|vllm|FOLDER")
     # vLLM's --hf-overrides, as canonical JSON text: keys set over the model's config.json
     # before anything reads it (engine.models.loader.apply_hf_overrides says how).
     hf_overrides: str | None = _field(

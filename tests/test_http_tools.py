@@ -559,6 +559,25 @@ async def test_generation_defaults_fill_what_a_request_leaves_out(tmp_path):
         assert (params.temperature, params.top_k) == (0.3, 3)
     async with engine.open_engine(str(path), generation_config="none", **options) as eng:
         assert eng.sampling_defaults == {}
+    # vLLM's other two forms: "vllm" (none), and a folder whose generation_config.json is
+    # read instead of the model's (transformers reads the same file as the oracle).
+    from transformers import GenerationConfig
+
+    from engine.errors import ConfigError
+
+    other = tmp_path / "generation"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.9, "do_sample": True}))
+    want = GenerationConfig.from_pretrained(other)
+    async with engine.open_engine(str(path), generation_config=str(other), **options) as eng:
+        assert eng.sampling_defaults == {"temperature": want.temperature, "top_p": want.top_p}
+    async with engine.open_engine(str(path), generation_config="vllm", **options) as eng:
+        assert eng.sampling_defaults == {}
+    with pytest.raises(ConfigError, match="generation_config"):
+        async with engine.open_engine(str(path), generation_config=str(tmp_path / "nowhere"),
+                                      **options):
+            pass
 
 
 async def test_override_generation_config_sets_defaults_and_caps_max_tokens(tmp_path):

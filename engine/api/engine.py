@@ -27,6 +27,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -52,7 +53,13 @@ from engine.chat.template import ChatTokenizer, resolve_content_format
 from engine.config import EngineConfig
 from engine.core import admission, pooling
 from engine.core.pooling import Pooled
-from engine.errors import EngineDeadError, InvalidParamError, PromptTooLongError, RequestFailedError
+from engine.errors import (
+    ConfigError,
+    EngineDeadError,
+    InvalidParamError,
+    PromptTooLongError,
+    RequestFailedError,
+)
 from engine.messages import AdmittedRequest, ResetPrefixCache
 from engine.models.chat_sandbox import RenderBudget
 from engine.params import (
@@ -130,6 +137,27 @@ class PreparedRequest:
         return len(self.admitted.samples)
 
 
+def generation_source(setting: str, tokenizer: Any) -> dict[str, Any]:
+    """The generation_config.json whose sampling fields are the defaults:
+    ``--generation-config`` auto (the model's), none or vllm (none), or a folder holding
+    one (vLLM's three forms). :class:`ConfigError` for a folder without one."""
+    if setting == "auto":
+        return dict(tokenizer.generation_config)
+    if setting in ("none", "vllm"):
+        return {}
+    path = Path(setting).expanduser() / "generation_config.json"
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"generation_config: {setting!r} is auto, none, vllm or a folder "
+                          f"holding a readable generation_config.json ({exc})",
+                          field="generation_config") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"generation_config: {path} holds no JSON object",
+                          field="generation_config")
+    return value
+
+
 class Engine:
     """A running engine: submit requests, read statistics, abort. Made by :func:`open_engine`.
 
@@ -151,8 +179,7 @@ class Engine:
         self.model_name: str = parts.model_name
         self.tokenizer = parts.tokenizer
         self.max_model_len: int = parts.limits.max_model_len
-        model_defaults = dict(parts.tokenizer.generation_config) \
-            if parts.config.generation_config == "auto" else {}
+        model_defaults = generation_source(parts.config.generation_config, parts.tokenizer)
         override = json.loads(parts.config.override_generation_config or "{}")
         self.max_tokens_cap: int | None = override.pop("max_new_tokens", None)
         self.default_max_tokens: int | None = (

@@ -393,12 +393,16 @@ async def _serve(args: argparse.Namespace) -> int:
                 progress.close()
                 logger.info("engine ready: %s, max_model_len %d (%.2f s)", eng.model_name,
                             eng.max_model_len, time.monotonic() - t0)
-                logger.info("sampling defaults from generation_config.json%s: %s",
+                logger.info("sampling defaults from %s%s: %s",
+                            "generation_config.json" if eng.config.generation_config
+                            in ("auto", "none", "vllm") else
+                            f"{eng.config.generation_config}/generation_config.json",
                             " and --override-generation-config"
                             if eng.config.override_generation_config else "",
                             json.dumps(eng.sampling_defaults) if eng.sampling_defaults else
                             "none" + (" (--generation-config none)"
-                                      if eng.config.generation_config == "none" else ""))
+                                      if eng.config.generation_config in ("none", "vllm")
+                                      else ""))
                 if eng.default_max_tokens is not None:
                     logger.info("max_tokens: %d when a chat request sets none%s",
                                 eng.default_max_tokens,
