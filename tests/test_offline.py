@@ -448,6 +448,16 @@ def test_pooling_params_shape_embeddings_and_classifications(
         cut_ids = tok(texts[1])["input_ids"]
         cut_ids = [cut_ids[0], *cut_ids[-4:]]  # [CLS] and the last four: [SEP] at the end
         cut_want = llm.embed([cut_ids], use_tqdm=False)[0].outputs.embedding
+        # vLLM's generic call: the embedding as a tensor; the per-token tasks, and no task,
+        # are refused by name.
+        encoded = llm.encode(texts, pooling_task="embed", use_tqdm=False)
+        for task in (None, "token_embed"):
+            with pytest.raises(InvalidParamError) as info:
+                llm.encode(texts, pooling_task=task, use_tqdm=False)
+            assert info.value.param == "pooling_task"
+    assert all(isinstance(o.outputs.data, torch.Tensor) for o in encoded)
+    assert np.allclose(torch.stack([o.outputs.data for o in encoded]).numpy(), want,
+                       rtol=1e-4, atol=1e-5)
     assert np.allclose([o.outputs.embedding for o in raw], want_raw, rtol=1e-4, atol=1e-5)
     assert np.allclose(mixed[0].outputs.embedding, want_raw[0], rtol=1e-4, atol=1e-5)
     assert mixed[1].prompt_token_ids == cut_ids
@@ -467,8 +477,11 @@ def test_pooling_params_shape_embeddings_and_classifications(
             llm.classify(texts, pooling_params=engine.PoolingParams(normalize=True),
                          use_tqdm=False)
         assert info.value.param == "pooling_params.normalize"
+        encoded = llm.encode(texts, pooling_task="classify", use_tqdm=False)
     assert np.allclose([o.outputs.probs for o in probs], torch.softmax(logits, -1).numpy(),
                        atol=1e-5)
+    assert np.allclose(torch.stack([o.outputs.data for o in encoded]).numpy(),
+                       torch.softmax(logits, -1).numpy(), atol=1e-5)
     assert np.allclose([o.outputs.probs for o in raw_logits], logits.numpy(), atol=1e-4)
 
 

@@ -39,6 +39,8 @@ from engine.api.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
     GenerationRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
     ScoringRequestOutput,
     beam_search_output,
 )
@@ -226,6 +228,29 @@ class LLM:
                                         progress=lambda p, o: emit((p, o)))
 
         return self._run(work, len(inputs), use_tqdm)
+
+    def encode(self, prompts: Any, pooling_params: Any = None, *,
+               truncate_prompt_tokens: int | None = None, use_tqdm: Any = True,
+               lora_request: Any = None, pooling_task: str | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's generic pooling call: ``pooling_task`` ``"embed"`` (what :meth:`embed`
+        gives) or ``"classify"`` (what :meth:`classify` gives), as ``outputs.data``, a
+        float32 tensor. The per-token tasks (``token_embed``, ``token_classify``), which
+        vLLM runs when no task is given, are refused by name, and so is no task."""
+        import torch
+
+        if pooling_task not in ("embed", "classify"):
+            raise InvalidParamError(
+                f"pooling_task {pooling_task!r}: give 'embed' or 'classify' (per-token "
+                "outputs, vLLM's token_embed and token_classify, are not built)",
+                param="pooling_task")
+        call = self.embed if pooling_task == "embed" else self.classify
+        results = call(prompts, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                       pooling_params=pooling_params, lora_request=lora_request)
+        return [PoolingRequestOutput(
+            r.request_id, PoolingOutput(torch.tensor(
+                r.outputs.embedding if pooling_task == "embed" else r.outputs.probs,  # type: ignore[union-attr]
+                dtype=torch.float32)),
+            r.prompt_token_ids, r.finished) for r in results]
 
     def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], /, *,
               truncate_prompt_tokens: int | None = None, use_tqdm: Any = True,

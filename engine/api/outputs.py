@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from engine.messages import RequestOutput, TokenLogprob
 
@@ -114,6 +115,22 @@ class EmbeddingRequestOutput:
 class ClassificationRequestOutput:
     request_id: str
     outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclasses.dataclass(slots=True)
+class PoolingOutput:
+    """vLLM's generic pooled output (``LLM.encode``): ``data`` a float32 tensor, the
+    embedding (task ``embed``) or the class probabilities (``classify``)."""
+
+    data: Any
+
+
+@dataclasses.dataclass(slots=True)
+class PoolingRequestOutput:
+    request_id: str
+    outputs: PoolingOutput
     prompt_token_ids: list[int]
     finished: bool = True
 
