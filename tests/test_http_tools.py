@@ -771,3 +771,49 @@ def test_auto_calls_with_a_stop_string_come_back_as_json_or_as_text(real):
         assert choice.finish_reason in ("stop", "length", "tool_calls"), choice
         for call in choice.message.tool_calls or []:
             assert isinstance(json.loads(call.function.arguments), dict), choice
+
+
+def test_the_legacy_function_api_is_read_as_tools_and_answered_in_its_shape(real):
+    """OpenAI's deprecated functions/function_call: the named call comes back as
+    message.function_call (no tool_calls), validated against the function's schema; its
+    stream's function_call pieces add up to it; a history in the legacy shape (an
+    assistant function_call, a function turn) renders as the same history in tools form."""
+    client = _client(real)
+    functions = [t["function"] for t in TOOLS]
+    request = dict(model=MODEL, messages=ASK, functions=functions,
+                   function_call={"name": "get_weather"}, seed=1, temperature=1.0, max_tokens=200)
+    whole = client.chat.completions.create(**request).choices[0]
+    assert whole.finish_reason == "stop" and whole.message.tool_calls is None
+    call = whole.message.function_call
+    assert call.name == "get_weather"
+    VALIDATORS["get_weather"].validate(json.loads(call.arguments))
+    name, arguments = "", ""
+    for chunk in client.chat.completions.create(**request, stream=True):
+        for choice in chunk.choices:
+            assert not choice.delta.tool_calls
+            if choice.delta.function_call is not None:
+                name += choice.delta.function_call.name or ""
+                arguments += choice.delta.function_call.arguments or ""
+    assert (name, arguments) == (call.name, call.arguments)
+    # The round trip in the legacy shape and in tools form: the same prompt.
+    legacy = [*ASK, {"role": "assistant", "content": None, "function_call": {
+        "name": call.name, "arguments": call.arguments}},
+        {"role": "function", "name": call.name, "content": "9 degrees, rain"}]
+    tools_form = [*ASK, {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "call_fn_1", "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": "call_fn_1", "content": "9 degrees, rain"}]
+    answers = [client.chat.completions.create(
+        model=MODEL, messages=history, max_tokens=1, **extra).usage.prompt_tokens
+        for history, extra in ((legacy, {"functions": functions, "function_call": "none"}),
+                               (tools_form, {"tools": TOOLS, "tool_choice": "none"}))]
+    assert answers[0] == answers[1]
+    for body, param in (({"functions": functions, "tools": TOOLS}, "functions"),
+                        ({"function_call": {"name": "get_weather"}}, "function_call")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1, extra_body=body)
+        assert info.value.body["param"] == param
+    r = httpx.post(real.base_url + "/v1/completions", json={
+        "model": MODEL, "prompt": "x", "max_tokens": 1, "functions": functions})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "functions")
+    stats = real.engine.statistics()
+    assert stats.kv_blocks_free == stats.kv_blocks_total

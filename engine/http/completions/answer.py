@@ -17,6 +17,7 @@ from typing import Any
 
 from engine.chat.output import ChatDelta, ChatOutputParser
 from engine.chat.request import calls_constrained
+from engine.http.completions.legacy import legacy_delta, legacy_finish, legacy_message
 from engine.http.completions.protocol import CompletionRequest
 
 
@@ -450,8 +451,11 @@ class Completion:
         if echo:
             message["content"] = echo + (message["content"] or "")
         message.setdefault("reasoning", None)  # vLLM's key, null without reasoning
-        return chat_choice(choice.index, choice.text, parser.finish_reason(choice.finish_reason),
-                           choice.stop_reason, logprobs, message=message)
+        finish = parser.finish_reason(choice.finish_reason)
+        if self.req.legacy_functions:
+            message, finish = legacy_message(message, finish)
+        return chat_choice(choice.index, choice.text, finish, choice.stop_reason, logprobs,
+                           message=message)
 
     def _all_logprobs(self, choice: _Choice) -> dict[str, Any] | None:
         if self.req.top_logprobs is None:
@@ -513,10 +517,14 @@ class Completion:
             delta = ChatDelta(delta.reasoning + end.reasoning, delta.content + end.content,
                               delta.tool_calls + end.tool_calls)
             finish = choice.parser.finish_reason(finish)
+            if self.req.legacy_functions:
+                finish = legacy_finish(finish)
         if (not delta and not out.finished and logprobs is None
                 and not self.req.return_token_ids):
             return chunks  # held back (a possible call marker): nothing to send yet
         parts = delta.to_openai_chunks()
+        if self.req.legacy_functions:
+            parts = [legacy_delta(fields) for fields in parts]
         for k, fields in enumerate(parts):
             last = k == len(parts) - 1
             chunks.append(self._chunk(chunk_choice(

@@ -24,6 +24,7 @@ from engine.chat.request import (
 )
 from engine.chat.template import normalize_messages
 from engine.errors import InvalidParamError
+from engine.http.completions.legacy import legacy_body
 from engine.http.errors import APIError
 from engine.params import SamplingParams
 from engine.structured import StructuredOutputs
@@ -62,8 +63,6 @@ _COMMON_FIELDS = frozenset(
 # set to anything but its no-op value (so a client never takes a plain answer for the one
 # it asked for). Any other unknown field is ignored with a log line.
 NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
-    "functions": lambda v: v not in (None, []),
-    "function_call": lambda v: v not in (None, "none"),
     "guided_whitespace_pattern": lambda v: v is not None,
     "prompt_embeds": lambda v: v is not None,
     "logits_processors": lambda v: v not in (None, []),
@@ -96,6 +95,9 @@ _CHAT_REFUSES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "suffix": (lambda v: v not in (None, ""), "suffix is a /v1/completions field"),
 }
 _COMPLETIONS_REFUSE: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "functions": (lambda v: v not in (None, []), "functions are a /v1/chat/completions field"),
+    "function_call": (lambda v: v not in (None, "none"),
+                      "function_call is a /v1/chat/completions field"),
     "documents": (lambda v: v is not None, "documents go to a chat template "
                   "(/v1/chat/completions)"),
     "include_reasoning": (lambda v: v not in (None, True),
@@ -155,6 +157,8 @@ class CompletionRequest:
     # Fill-in-the-middle (completions): the text after the gap; the prompt is the text
     # before it. The route lays the prompt out with the tokenizer's FIM tokens.
     suffix: str | None = None
+    # OpenAI's deprecated functions (chat): the answer's call as function_call (legacy.py).
+    legacy_functions: bool = False
 
 
 def parse_completion(body: Any, defaults: Mapping[str, Any] | None = None) -> CompletionRequest:
@@ -278,7 +282,7 @@ def parse_chat(body: Any, settings: ChatSettings | None = None,
     ``settings`` are the server's chat flags, ``model_template`` the model's chat
     template source, ``defaults`` the sampling defaults for fields the body leaves out.
     """
-    body = _require_object(body)
+    body, legacy = legacy_body(_require_object(body))
     _refuse_not_implemented(body, _CHAT_REFUSES)
     _log_unknown(body, CHAT_FIELDS)
     messages = normalize_messages(body.get("messages"), images=True)
@@ -320,7 +324,7 @@ def parse_chat(body: Any, settings: ChatSettings | None = None,
     return CompletionRequest(
         chat=True, model=_model(body), prompts=(messages,), params=params, stream=stream,
         include_usage=include_usage, echo=fields.echo, top_logprobs=logprobs,
-        chat_fields=fields, **_queueing(body),
+        chat_fields=fields, legacy_functions=legacy, **_queueing(body),
         structured_param=structured_param or constraint_param(fields, params),
         **_shape_fields(body, prompt_logprobs, continuous),
     )
