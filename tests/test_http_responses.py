@@ -268,7 +268,6 @@ REFUSED = [
     # Logprobs of text alone: this server splits reasoning out (its tokens would not line
     # up with the output text).
     ({"include": ["message.output_text.logprobs"]}, "include"),
-    ({"truncation": "auto"}, "truncation"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"n": 2}, "n"),
@@ -285,6 +284,7 @@ REFUSED = [
                  "encrypted_content": "gAAA"}]}, "input[0].encrypted_content"),
 ]
 INVALID = [
+    ({"truncation": "middle"}, "truncation"),
     ({"input": [{"role": "user", "content": "Hi"},
                 {"type": "function_call", "call_id": "c1", "name": "get_weather",
                  "arguments": "{not json"}]}, "input[1].arguments"),
@@ -670,3 +670,38 @@ def test_store_drops_least_recently_used_first_and_refuses_what_cannot_fit():
         r for r in ("a____", "c____", "d____") if r in store}
     assert not store.put("huge", {"text": "x" * (4 * one)}, [], [], None)
     assert "huge" not in store and store.statistics().bytes <= 3 * one
+
+
+def test_truncation_auto_drops_the_oldest_items_until_the_prompt_fits(real, folder):
+    """OpenAI's truncation "auto": a conversation longer than the context drops its oldest
+    input items (the instructions stay) until it fits. The oracle: transformers' rendering
+    of the instructions and of each suffix of the items, the longest that fits."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    def word(n):  # letters only: the fixture's tokenizer.json and transformers' rebuilt
+        return "".join(chr(97 + (n // 26 ** k) % 26) for k in range(3))  # pre-tokenizer split digits apart
+
+    items = [{"role": "user" if i % 2 == 0 else "assistant",
+              "content": " ".join(word(i * 40 + j) for j in range(40))} for i in range(21)]
+    system = [{"role": "system", "content": "Be brief."}]
+    limit, out = 1536, 8
+
+    def tokens(kept):
+        return len(tok.apply_chat_template(system + kept, add_generation_prompt=True,
+                                           tokenize=True, return_dict=False))
+
+    assert tokens(items) + out > limit  # too long whole
+    first = next(k for k in range(len(items)) if tokens(items[k:]) + out <= limit)
+    assert first > 0
+    body = dict(model=MODEL, instructions="Be brief.", input=items, max_output_tokens=out,
+                store=False)
+    with _client(real) as client:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.responses.create(**body)
+        assert info.value.body["code"] == "context_length_exceeded"
+        answer = client.responses.create(**body, truncation="auto")
+    assert answer.truncation == "auto" and answer.status in ("completed", "incomplete")
+    assert answer.usage.input_tokens == tokens(items[first:])
+    stats = real.engine.statistics()
+    assert stats.kv_blocks_free == stats.kv_blocks_total

@@ -83,7 +83,7 @@ class ResponseBuilder:
             "store": self.req.store, "temperature": echo["temperature"], "text": echo["text"],
             "tool_choice": echo["tool_choice"], "tools": echo["tools"], "top_p": echo["top_p"],
             "top_logprobs": echo["top_logprobs"],
-            "truncation": "disabled", "usage": self._usage, "user": echo["user"],
+            "truncation": echo["truncation"], "usage": self._usage, "user": echo["user"],
         }
 
     def turn_message(self) -> dict[str, Any]:

@@ -65,7 +65,6 @@ REFUSED: dict[str, Callable[[Any], bool]] = {
     "prompt": _set,  # stored prompt templates
     "context_management": lambda v: v not in (None, []),
     "moderation": _set,
-    "truncation": lambda v: v not in (None, "disabled"),
     # Not a Responses field, but vLLM's chat one: one response is one sample.
     "n": lambda v: v not in (None, 1),
 }
@@ -80,7 +79,7 @@ KNOWN = frozenset({
     "stream_options", "tools", "tool_choice", "parallel_tool_calls", "text", "reasoning",
     "max_output_tokens", "temperature", "top_p", "metadata", "user", "safety_identifier",
     "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options", "service_tier",
-    "max_tool_calls", "image", "access_programs", "include", "top_logprobs",
+    "max_tool_calls", "image", "access_programs", "include", "top_logprobs", "truncation",
 })
 # vLLM's sampling extras a client may add (extra_body), passed to the chat request as is.
 SAMPLING_EXTRAS = ("top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
@@ -210,11 +209,48 @@ def parse_responses(
                                         or {"type": "text"}},
         "tool_choice": body.get("tool_choice") or ("auto" if tools else "none"),
         "tools": body.get("tools") or [], "user": body.get("user"),
-        "top_logprobs": top_logprobs,
+        "top_logprobs": top_logprobs, "truncation": _truncation(body.get("truncation")),
     }
     return ResponsesRequest(chat=chat, stream=stream, store=_bool(body, "store", True),
                             previous_response_id=previous_id, input_items=tuple(items),
                             turn=tuple(turn), echo=echo, where=where)
+
+
+def _truncation(value: Any) -> str:
+    if value is None:
+        return "disabled"
+    if value not in ("auto", "disabled"):
+        raise _bad('truncation must be "auto" or "disabled"', "truncation", "invalid_value")
+    return value
+
+
+def truncated(req: ResponsesRequest) -> ResponsesRequest | None:
+    """``truncation: "auto"``: the request with the oldest droppable input item's chat
+    turn dropped (None: nothing left to drop). The instructions (system turns) and the
+    last turn stay; a dropped assistant turn takes the tool results answering its calls
+    with it, and a tool result left first loses its call, so it goes too. The
+    conversation stored for later turns is not cut: only this request's prompt is."""
+    (messages,) = req.chat.prompts
+    droppable = [i for i, m in enumerate(messages[:-1]) if m.get("role") not in ("system", "developer")]
+    if not droppable:
+        return None
+    gone = {droppable[0]}
+    calls = {c.get("id") for c in messages[droppable[0]].get("tool_calls") or []}
+    for i in range(droppable[0] + 1, len(messages) - 1):
+        if messages[i].get("role") == "tool" and (messages[i].get("tool_call_id") in calls
+                                                   or i - 1 in gone):
+            gone.add(i)
+        else:
+            break
+    kept = [m for i, m in enumerate(messages) if i not in gone]
+    where = {}
+    for key, origin in req.where.items():
+        index = int(key[len("messages["):key.index("]")])
+        if index not in gone:
+            shift = sum(g < index for g in gone)
+            where[f"messages[{index - shift}]{key[key.index(']') + 1:]}"] = origin
+    chat = dataclasses.replace(req.chat, prompts=(kept,))
+    return dataclasses.replace(req, chat=chat, where=where)
 
 
 def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:

@@ -19,7 +19,7 @@ from quart_trio import QuartTrio
 
 from engine.chat.output import ChatOutputParser
 from engine.chat.request import calls_constrained
-from engine.errors import InvalidParamError
+from engine.errors import InvalidParamError, PromptTooLongError
 from engine.http import sse
 from engine.http.bodies import json_response, sse_response
 from engine.http.completions.answer import AnswerOptions
@@ -27,7 +27,7 @@ from engine.http.completions.run import Run
 from engine.http.errors import APIError
 from engine.http.metrics import RequestTimer
 from engine.http.responses.builder import ResponseBuilder, input_items_page
-from engine.http.responses.protocol import ResponsesRequest, parse_responses, rename
+from engine.http.responses.protocol import ResponsesRequest, parse_responses, rename, truncated
 from engine.http.responses.store import MissingResponse, ResponseStore
 from engine.http.server import Server
 from engine.messages import RequestOutput
@@ -67,13 +67,22 @@ class ResponsesRoutes:
             model_template=self.engine.tokenizer.chat_template,
             defaults=self.server.sampling_defaults))
         self.server.check_base_model(req.chat.model)
-        run = ResponsesRun(self.engine, req, self.server.metrics.timer(),
-                           self.server.answer_options, self.store)
-        try:
-            await run.submit_all(self.server.request_id())
-        except (APIError, InvalidParamError) as exc:
-            rename(exc, req)  # a bad image: its input part
-            raise
+        request_id = self.server.request_id()
+        while True:
+            run = ResponsesRun(self.engine, req, self.server.metrics.timer(),
+                               self.server.answer_options, self.store)
+            try:
+                await run.submit_all(request_id)
+                break
+            except PromptTooLongError:
+                # truncation "auto": drop the oldest input item and try again.
+                shorter = truncated(req) if req.echo["truncation"] == "auto" else None
+                if shorter is None:
+                    raise
+                req = shorter
+            except (APIError, InvalidParamError) as exc:
+                rename(exc, req)  # a bad image: its input part
+                raise
         if req.stream:
             return sse_response(run.write_response_events, run.close)
         return json_response(await run.collect_response(), 200)
