@@ -104,22 +104,6 @@ class ScoringOutput:
 
 
 @dataclasses.dataclass(slots=True)
-class EmbeddingRequestOutput:
-    request_id: str
-    outputs: EmbeddingOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
-
-
-@dataclasses.dataclass(slots=True)
-class ClassificationRequestOutput:
-    request_id: str
-    outputs: ClassificationOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
-
-
-@dataclasses.dataclass(slots=True)
 class PoolingOutput:
     """vLLM's generic pooled output (``LLM.encode``): ``data`` a float32 tensor, the
     embedding (task ``embed``) or the class probabilities (``classify``)."""
@@ -129,22 +113,32 @@ class PoolingOutput:
 
 @dataclasses.dataclass(slots=True)
 class PoolingRequestOutput:
+    """One input's pooled result; as in vLLM, the embedding, classification and score
+    outputs below are pooling outputs whose ``outputs`` is of their own kind."""
+
     request_id: str
-    outputs: PoolingOutput
+    outputs: Any
     prompt_token_ids: list[int]
     finished: bool = True
 
 
 @dataclasses.dataclass(slots=True)
-class ScoringRequestOutput:
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    outputs: EmbeddingOutput
+
+
+@dataclasses.dataclass(slots=True)
+class ClassificationRequestOutput(PoolingRequestOutput):
+    outputs: ClassificationOutput
+
+
+@dataclasses.dataclass(slots=True)
+class ScoringRequestOutput(PoolingRequestOutput):
     """One pair's score. ``prompt_token_ids`` is the pair as the model read it: both
     texts together for a cross-encoder, the first's tokens then the second's for an
     embedding model (which embeds each on its own)."""
 
-    request_id: str
     outputs: ScoringOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
 
 
 @dataclasses.dataclass(slots=True)
