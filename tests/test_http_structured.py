@@ -159,7 +159,6 @@ BAD = [
     ({"use_beam_search": True, "guided_regex": "a+"}, "structured_outputs"),
     # The tiny model's tokenizer has no FIM tokens (completions), and chat has no suffix.
     ({"suffix": "!"}, "suffix"),
-    ({"functions": [{"name": "f"}]}, "functions"),
 ]
 
 
