@@ -30,6 +30,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from engine.actors.system import EngineStatistics
 from engine.api import batch
 from engine.api.engine import Engine
@@ -236,8 +238,6 @@ class LLM:
         gives) or ``"classify"`` (what :meth:`classify` gives), as ``outputs.data``, a
         float32 tensor. The per-token tasks (``token_embed``, ``token_classify``), which
         vLLM runs when no task is given, are refused by name, and so is no task."""
-        import torch
-
         if pooling_task not in ("embed", "classify"):
             raise InvalidParamError(
                 f"pooling_task {pooling_task!r}: give 'embed' or 'classify' (per-token "
