@@ -807,8 +807,17 @@ def test_the_legacy_function_api_is_read_as_tools_and_answered_in_its_shape(real
         for history, extra in ((legacy, {"functions": functions, "function_call": "none"}),
                                (tools_form, {"tools": TOOLS, "tool_choice": "none"}))]
     assert answers[0] == answers[1]
+    # /tokenize reads them as chat does: the same count as the answer's prompt.
+    counted = httpx.post(real.base_url + "/tokenize", json={
+        "messages": legacy, "functions": functions, "function_call": "none"}).json()["count"]
+    assert counted == answers[0]
+    bad_schema = [{"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "wrong"}}}}]
     for body, param in (({"functions": functions, "tools": TOOLS}, "functions"),
-                        ({"function_call": {"name": "get_weather"}}, "function_call")):
+                        ({"function_call": {"name": "get_weather"}}, "function_call"),
+                        # Errors in what the fields became name the legacy fields.
+                        ({"functions": functions, "function_call": {"name": "nope"}}, "function_call"),
+                        ({"functions": bad_schema, "function_call": {"name": "f"}},
+                         "functions[0].parameters")):
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1, extra_body=body)
         assert info.value.body["param"] == param

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from quart import Response
+from quart import Response, request
 from quart_trio import QuartTrio
 
 from engine.api import tokenize_prompt
@@ -21,6 +21,7 @@ from engine.core import admission
 from engine.errors import EngineDeadError
 from engine.http.bodies import json_response
 from engine.http.completions.answer import now
+from engine.http.completions.legacy import legacy_body
 from engine.http.completions.protocol import is_token_id
 from engine.http.errors import APIError, error_from_exception
 from engine.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -118,8 +119,6 @@ class AdminRoutes:
         engine core dropped its cached prefixes. While requests hold KV blocks vLLM
         declines the reset yet answers 200; here the client is told: 409, nothing
         dropped. vLLM's ``reset_running_requests=true`` (preempting them first) is a 400."""
-        from quart import request
-
         running = request.args.get("reset_running_requests", "false")
         if running.lower() not in ("false", "0"):
             raise APIError(400, "reset_running_requests is not supported: the cache is reset "
@@ -144,6 +143,7 @@ class AdminRoutes:
                 raise APIError(400, "tokenize takes a `prompt` or `messages`, not both",
                                param="messages", code="invalid_value")
             if "messages" in body:
+                body, _ = legacy_body(body)  # functions, function_call: as chat reads them
                 fields = parse_chat_fields(body, self.server.chat_settings, tok.chat_template)
                 messages = normalize_messages(body["messages"], images=True)
                 if has_images(messages):  # the engine widens each image to its placeholders

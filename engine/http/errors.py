@@ -53,6 +53,17 @@ class APIError(Exception):
         }
 
 
+def rename_param(exc: APIError | RequestError, new: str) -> None:
+    """Name the request field ``new`` in an error found under another name (a field the
+    route rewrote before the chat layer read it): its ``param`` and its message."""
+    old = exc.param
+    if old is None or old == new:
+        return
+    exc.param = new
+    exc.message = exc.message.replace(old, new)
+    exc.args = (exc.message,)
+
+
 def error_from_exception(exc: BaseException) -> APIError:
     """Map an engine error to its HTTP status and OpenAI error body.
 

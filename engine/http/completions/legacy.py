@@ -19,6 +19,7 @@ off), as ``message.function_call`` (``{"name", "arguments"}``) in place of
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from engine.errors import InvalidParamError
@@ -118,6 +119,19 @@ def legacy_delta(fields: dict[str, Any]) -> dict[str, Any]:
     function = calls[0].get("function") or {}
     out["function_call"] = {k: function[k] for k in ("name", "arguments") if k in function}
     return out
+
+
+def legacy_param(param: str) -> str:
+    """The legacy request's name for a field of the tools it became: ``functions[i]...``
+    for ``tools[i].function...``, ``function_call`` for ``tool_choice``."""
+    match = re.fullmatch(r"tools\[(\d+)\](?:\.function)?(.*)", param)
+    if match:
+        return f"functions[{match[1]}]{match[2]}"
+    if param == "tools":
+        return "functions"
+    if param.startswith("tool_choice"):
+        return "function_call" + param[len("tool_choice"):]
+    return param
 
 
 def legacy_finish(finish_reason: str | None) -> str | None:

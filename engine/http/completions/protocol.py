@@ -24,8 +24,8 @@ from engine.chat.request import (
 )
 from engine.chat.template import normalize_messages
 from engine.errors import InvalidParamError
-from engine.http.completions.legacy import legacy_body
-from engine.http.errors import APIError
+from engine.http.completions.legacy import legacy_body, legacy_param
+from engine.http.errors import APIError, rename_param
 from engine.params import SamplingParams
 from engine.structured import StructuredOutputs
 from engine.structured.openai import FIELDS as STRUCTURED_FIELDS
@@ -283,6 +283,18 @@ def parse_chat(body: Any, settings: ChatSettings | None = None,
     template source, ``defaults`` the sampling defaults for fields the body leaves out.
     """
     body, legacy = legacy_body(_require_object(body))
+    if not legacy:
+        return _parse_chat(body, settings, model_template, defaults, legacy=False)
+    try:
+        return _parse_chat(body, settings, model_template, defaults, legacy=True)
+    except (APIError, InvalidParamError) as exc:
+        if exc.param is not None:  # named as the legacy field it came from
+            rename_param(exc, legacy_param(exc.param))
+        raise
+
+
+def _parse_chat(body: dict[str, Any], settings: ChatSettings | None, model_template: str | None,
+                defaults: Mapping[str, Any] | None, *, legacy: bool) -> CompletionRequest:
     _refuse_not_implemented(body, _CHAT_REFUSES)
     _log_unknown(body, CHAT_FIELDS)
     messages = normalize_messages(body.get("messages"), images=True)

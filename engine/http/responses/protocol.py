@@ -46,7 +46,7 @@ from typing import Any
 from engine.chat.request import ChatSettings
 from engine.errors import InvalidParamError
 from engine.http.completions.protocol import CompletionRequest, parse_chat
-from engine.http.errors import APIError
+from engine.http.errors import APIError, rename_param
 from engine.http.responses.store import MissingResponse
 
 logger = logging.getLogger("engine.http")
@@ -622,14 +622,5 @@ def rename(exc: APIError | InvalidParamError, req: ResponsesRequest) -> None:
 
 def _rename(exc: APIError | InvalidParamError, where: Mapping[str, str]) -> None:
     """Name the Responses field in a chat-layer error (its param and its message)."""
-    old = exc.param
-    if old is None:
-        return
-    new = _renamed(old, where)
-    exc.param = new
-    if isinstance(exc, APIError):
-        exc.message = exc.message.replace(old, new)
-        exc.args = (exc.message,)
-    else:
-        exc.message = exc.message.replace(old, new)
-        exc.args = (exc.message,)
+    if exc.param is not None:
+        rename_param(exc, _renamed(exc.param, where))
