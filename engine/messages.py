@@ -65,6 +65,9 @@ class NewRequest:
     eos_token_ids: tuple[int, ...]  # for min_tokens: EOS is masked until min_tokens is reached
     images: tuple[ImageInput, ...] = ()  # in prompt order, not overlapping
     lora: LoraAdapter | None = None  # None: the base model
+    # A pooling request whose output is every prompt token's hidden state (vLLM's
+    # token_embed), not the model's one pooled vector (see SchedulerRequest.pool_tokens).
+    pool_tokens: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -149,7 +152,8 @@ class RequestFailure:
 class PooledOutput:
     """A pooling model's output for one request whose prompt this step finished: its
     embedding (or a classifier's logits) as little-endian float32 bytes (compact to pack,
-    and what base64 ``encoding_format`` sends as is)."""
+    and what base64 ``encoding_format`` sends as is); for a ``pool_tokens`` request, its
+    prompt tokens' hidden states, one row after another."""
 
     sample_id: str
     data: bytes
@@ -252,6 +256,9 @@ class SchedulerRequest:
     # group, and these are the sample ids its best hypotheses are returned on, best first.
     beam_output_ids: tuple[str, ...] = ()
     lora: LoraAdapter | None = None  # None: the base model
+    # Pooling models: the output is the hidden state of every prompt token, in order
+    # (rows of the model's width), rather than the model's pooled vector.
+    pool_tokens: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

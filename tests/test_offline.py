@@ -431,6 +431,7 @@ def test_pooling_params_shape_embeddings_and_classifications(
     raw_model = SentenceTransformer(modules=[full[0], full[1]], device="cpu")
     want_raw = raw_model.encode(texts, convert_to_numpy=True)
     want = full.encode(texts, convert_to_numpy=True)
+    want_tokens = full.encode(texts, output_value="token_embeddings")
     tok = AutoTokenizer.from_pretrained(str(minilm))
     with LLM(str(minilm), dtype="float32") as llm:
         raw = llm.embed(texts, pooling_params=engine.PoolingParams(normalize=False), use_tqdm=False)
@@ -448,13 +449,26 @@ def test_pooling_params_shape_embeddings_and_classifications(
         cut_ids = tok(texts[1])["input_ids"]
         cut_ids = [cut_ids[0], *cut_ids[-4:]]  # [CLS] and the last four: [SEP] at the end
         cut_want = llm.embed([cut_ids], use_tqdm=False)[0].outputs.embedding
-        # vLLM's generic call: the embedding as a tensor; the per-token tasks, and no task,
-        # are refused by name.
+        # vLLM's generic call: the embedding as a tensor; every token's hidden state with
+        # token_embed (no task means it for an embedder, as in vLLM), normalised as the
+        # model's embeddings are unless asked not to; token_classify is refused by name.
         encoded = llm.encode(texts, pooling_task="embed", use_tqdm=False)
-        for task in (None, "token_embed"):
-            with pytest.raises(InvalidParamError) as info:
-                llm.encode(texts, pooling_task=task, use_tqdm=False)
-            assert info.value.param == "pooling_task"
+        per_token = llm.encode(texts, use_tqdm=False)
+        per_token_raw = llm.encode(texts, engine.PoolingParams(normalize=False),
+                                   pooling_task="token_embed", use_tqdm=False)
+        with pytest.raises(InvalidParamError) as info:
+            llm.encode(texts, pooling_task="token_classify", use_tqdm=False)
+        assert info.value.param == "pooling_task"
+        with pytest.raises(BatchPromptError) as info:
+            llm.encode(texts, engine.PoolingParams(dimensions=8), pooling_task="token_embed",
+                       use_tqdm=False)
+        assert info.value.param == "pooling_params.dimensions"
+    for got, got_raw, ref, prompt in zip(per_token, per_token_raw, want_tokens, texts, strict=True):
+        assert got.prompt_token_ids == tok(prompt)["input_ids"]
+        assert got_raw.outputs.data.shape == ref.shape == (len(got.prompt_token_ids), 384)
+        assert np.allclose(got_raw.outputs.data.numpy(), ref.numpy(), atol=1e-4)
+        unit = torch.nn.functional.normalize(ref, dim=1).numpy()
+        assert np.allclose(got.outputs.data.numpy(), unit, atol=1e-5)
     assert all(isinstance(o.outputs.data, torch.Tensor) for o in encoded)
     assert np.allclose(torch.stack([o.outputs.data for o in encoded]).numpy(), want,
                        rtol=1e-4, atol=1e-5)
@@ -478,6 +492,10 @@ def test_pooling_params_shape_embeddings_and_classifications(
                          use_tqdm=False)
         assert info.value.param == "pooling_params.normalize"
         encoded = llm.encode(texts, pooling_task="classify", use_tqdm=False)
+        for task in (None, "token_embed"):  # a classifier has no per-token task here
+            with pytest.raises(InvalidParamError) as info:
+                llm.encode(texts, pooling_task=task, use_tqdm=False)
+            assert info.value.param in ("pooling_task", "model")
     assert np.allclose([o.outputs.probs for o in probs], torch.softmax(logits, -1).numpy(),
                        atol=1e-5)
     assert np.allclose(torch.stack([o.outputs.data for o in encoded]).numpy(),

@@ -162,13 +162,22 @@ async def test_decoder_embedder_matches_transformers_hidden_states_across_chunks
         assert eng.pooler.task == "embed" and eng.pooler.normalize
         got = [p.vector() for p in await eng.embed(prompts)]
         cut = [p.vector() for p in await eng.embed(prompts[:3], dimensions=8)]
+        # vLLM's token_embed: every token's row, gathered over the prompt's chunks.
+        rows = [p.matrix() for p in await eng.embed_tokens(prompts, normalize=False)]
+        unit_rows = [p.matrix() for p in await eng.embed_tokens(prompts[:2])]
         await wait_idle(eng)
         stats = eng.statistics()
         assert stats.kv_blocks_free == stats.kv_blocks_total  # nothing held once done
-    for vector, hidden in zip(got, _hf_hidden(decoder, prompts), strict=True):
+    hf = _hf_hidden(decoder, prompts)
+    for vector, hidden in zip(got, hf, strict=True):
         pooled = hidden[-1] if pooling_type == "last" else hidden.mean(0)
         want = torch.nn.functional.normalize(pooled, dim=0).numpy()
         assert np.allclose(vector, want, atol=1e-5)
+    for matrix, hidden in zip(rows, hf, strict=True):
+        assert matrix.shape == tuple(hidden.shape) and np.allclose(matrix, hidden.numpy(), atol=1e-4)
+    for matrix, hidden in zip(unit_rows, hf[:2], strict=True):
+        want = torch.nn.functional.normalize(hidden, dim=1).numpy()
+        assert np.allclose(matrix, want, atol=1e-5)
     for vector, full in zip(cut, got[:3], strict=True):
         want = full[:8] / np.linalg.norm(full[:8])
         assert vector.shape == (8,) and np.allclose(vector, want, atol=1e-6)

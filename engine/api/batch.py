@@ -332,14 +332,15 @@ def _check_length(ids: tuple[int, ...], max_model_len: int) -> None:
 
 
 async def _pool(engine: Engine, inputs: Sequence[tuple[int, ...]], *, window: Window,
-                progress: Progress) -> list[Pooled]:
+                progress: Progress, tokens: bool = False) -> list[Pooled]:
     """Each input as its own request under ``window`` (so a batch of any size runs
-    without meeting the queue's limit); the pooled outputs in order."""
+    without meeting the queue's limit); the pooled outputs in order (``tokens``: each
+    prompt token's hidden state)."""
     results: list[Pooled | None] = [None] * len(inputs)
 
     async def one(index: int) -> None:
         try:
-            (results[index],) = await engine.pool([inputs[index]])
+            (results[index],) = await engine.pool([inputs[index]], tokens=tokens)
             progress(len(inputs[index]), 0)
         except EngineError as exc:
             failure.record(index, exc)
@@ -373,6 +374,23 @@ async def embed(engine: Engine, inputs: Sequence[str | tuple[int, ...]], *,
         vector = pooling.embedding(p, pp.dimensions, pooler.normalizes(pp.normalize))
         out.append(EmbeddingRequestOutput(rid, EmbeddingOutput(vector.tolist()), list(i)))
     return out
+
+
+async def embed_tokens(engine: Engine, inputs: Sequence[str | tuple[int, ...]], *,
+                       params: Sequence[PoolingParams], request_ids: Sequence[str],
+                       window: Window, progress: Progress) -> list[tuple[Pooled, list[int]]]:
+    """vLLM's ``token_embed`` of each input with its :class:`PoolingParams`
+    (``normalize``, row by row): each input's per-token output and its ids."""
+    pooler = _pooler(engine, "embed", "embed tokens")
+    for i, p in enumerate(params):
+        try:
+            _only(p, "token_embed", ("use_activation", "dimensions"))
+        except RequestError as exc:
+            raise BatchPromptError(i, exc) from exc
+    ids = await _token_ids(engine, inputs, [p.truncate_prompt_tokens for p in params])
+    pooled = await _pool(engine, ids, window=window, progress=progress, tokens=True)
+    return [(pooling.token_embeddings(p, pooler.normalizes(pp.normalize)), list(i))
+            for p, i, pp in zip(pooled, ids, params, strict=True)]
 
 
 async def classify(engine: Engine, inputs: Sequence[str | tuple[int, ...]], *,

@@ -515,6 +515,22 @@ class Engine:
         keep = pooler.normalizes(normalize)
         return [pooling.embedding(p, dimensions, keep) for p in pooled]
 
+    async def embed_tokens(
+        self, input: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]], *,
+        normalize: bool | None = None, truncate_prompt_tokens: int | None = None,
+        add_special_tokens: bool = True, request_id: str | None = None, priority: int = 0,
+    ) -> list[Pooled]:
+        """vLLM's ``token_embed``: for each input, the last hidden state of every one of
+        its tokens (``Pooled.matrix()``: a row a token, the model's width), L2-normalised
+        row by row as :meth:`embed` normalises (``normalize``; None: as the model's
+        pipeline does). Inputs and the other options as :meth:`embed`'s."""
+        pooler = self._pooler("embed tokens", "embed")
+        _check_flags(normalize=normalize, add_special_tokens=add_special_tokens)
+        pooled = await self._pool_inputs(input, truncate_prompt_tokens, add_special_tokens,
+                                         request_id, priority, tokens=True)
+        keep = pooler.normalizes(normalize)
+        return [pooling.token_embeddings(p, keep) for p in pooled]
+
     async def classify(
         self, input: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]], *,
         use_activation: bool = True, truncate_prompt_tokens: int | None = None,
@@ -531,7 +547,8 @@ class Engine:
         return [(pooling.class_probs(p, use_activation), p.prompt_tokens) for p in pooled]
 
     async def _pool_inputs(self, input: Any, truncate: int | None, add_special_tokens: bool,
-                           request_id: str | None, priority: int) -> list[Pooled]:
+                           request_id: str | None, priority: int, *,
+                           tokens: bool = False) -> list[Pooled]:
         items = _inputs(input)
         ids = await self._tokenize(
             sum(len(i) for i in items if isinstance(i, str)),
@@ -539,7 +556,7 @@ class Engine:
                                        max_model_len=self.max_model_len,
                                        add_special_tokens=add_special_tokens)
                      for item in items])
-        return await self.pool(ids, request_id=request_id, priority=priority)
+        return await self.pool(ids, request_id=request_id, priority=priority, tokens=tokens)
 
     async def score(
         self, first: str | Sequence[str], second: str | Sequence[str], *,
@@ -586,9 +603,10 @@ class Engine:
 
     async def pool(
         self, prompts: Sequence[tuple[int, ...]], *, request_id: str | None = None,
-        priority: int = 0,
+        priority: int = 0, tokens: bool = False,
     ) -> list[Pooled]:
-        """Run token-id prompts through a pooling model; their pooled outputs in order.
+        """Run token-id prompts through a pooling model; their pooled outputs in order
+        (with ``tokens``, every prompt token's hidden state: ``Pooled.matrix()``).
         All are admitted before any is awaited, so they share steps; leaving early (a
         cancellation, one failing) aborts the rest and frees their blocks."""
         await trio.lowlevel.checkpoint()
@@ -607,7 +625,8 @@ class Engine:
                 handles = self._alive()
                 admitted = pooling.admit(
                     base if len(prompts) == 1 else f"{base}-{i}", tuple(ids), self._parts.limits,
-                    waiting=handles.queue_depth(), priority=priority, arrival_time=time.monotonic())
+                    waiting=handles.queue_depth(), priority=priority, arrival_time=time.monotonic(),
+                    tokens=tokens)
                 mailbox = handles.router.open(admitted)
                 try:
                     handles.send(admitted)
@@ -642,7 +661,7 @@ class Engine:
         if self.pooler is None or (task is not None and self.pooler.task != task):
             kind = "a generation model" if self.pooler is None else f"a {self.pooler.task} model"
             hint = ("; serve it with --convert embed to use it as an embedder"
-                    if self.pooler is None and what == "embed" else "")
+                    if self.pooler is None and what.startswith("embed") else "")
             raise InvalidParamError(f"the model {self.model_name} is {kind}: it does not "
                                     f"{what}{hint}", param="model")
         return self.pooler

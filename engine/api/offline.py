@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import threading
 import time
 import weakref
@@ -50,6 +51,8 @@ from engine.chat.request import TemplateOptions
 from engine.chat.tools import parse_tools
 from engine.errors import InvalidParamError
 from engine.params import BeamSearchParams, PoolingParams, SamplingParams
+
+logger = logging.getLogger("engine")
 
 # vLLM's LLM arguments that are not engine options and change nothing here, with why;
 # any other unknown option is refused (ConfigError) by open_engine.
@@ -234,15 +237,26 @@ class LLM:
     def encode(self, prompts: Any, pooling_params: Any = None, *,
                truncate_prompt_tokens: int | None = None, use_tqdm: Any = True,
                lora_request: Any = None, pooling_task: str | None = None) -> list[PoolingRequestOutput]:
-        """vLLM's generic pooling call: ``pooling_task`` ``"embed"`` (what :meth:`embed`
-        gives) or ``"classify"`` (what :meth:`classify` gives), as ``outputs.data``, a
-        float32 tensor. The per-token tasks (``token_embed``, ``token_classify``), which
-        vLLM runs when no task is given, are refused by name, and so is no task."""
-        if pooling_task not in ("embed", "classify"):
+        """vLLM's generic pooling call, each input's result as ``outputs.data``, a float32
+        tensor: ``pooling_task`` ``"embed"`` (what :meth:`embed` gives), ``"classify"``
+        (what :meth:`classify` gives) or ``"token_embed"`` (every prompt token's hidden
+        state, ``[tokens, width]``, each row normalised as the model's embeddings are, or
+        as ``pooling_params.normalize`` asks). Without a task an embedding model runs
+        ``token_embed``, as vLLM's does (with a warning, as vLLM's); vLLM's
+        ``token_classify`` (a per-token classification head) is refused by name."""
+        if pooling_task is None and self._engine_pooler_task() == "embed":
+            logger.warning("LLM.encode without pooling_task runs 'token_embed' (every "
+                           "token's hidden state); use embed() or pooling_task='embed' for "
+                           "one vector per input")
+            pooling_task = "token_embed"
+        if pooling_task not in ("embed", "classify", "token_embed"):
             raise InvalidParamError(
-                f"pooling_task {pooling_task!r}: give 'embed' or 'classify' (per-token "
-                "outputs, vLLM's token_embed and token_classify, are not built)",
+                f"pooling_task {pooling_task!r}: give 'embed', 'classify' or 'token_embed' "
+                "(vLLM's token_classify, a per-token classification head, is not built)",
                 param="pooling_task")
+        if pooling_task == "token_embed":
+            return self._encode_tokens(prompts, pooling_params, truncate_prompt_tokens,
+                                       use_tqdm, lora_request)
         call = self.embed if pooling_task == "embed" else self.classify
         results = call(prompts, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
                        pooling_params=pooling_params, lora_request=lora_request)
@@ -251,6 +265,26 @@ class LLM:
                 r.outputs.embedding if pooling_task == "embed" else r.outputs.probs,  # type: ignore[union-attr]
                 dtype=torch.float32)),
             r.prompt_token_ids, r.finished) for r in results]
+
+    def _engine_pooler_task(self) -> str | None:
+        pooler = self._engine.pooler
+        return None if pooler is None else str(pooler.task)
+
+    def _encode_tokens(self, prompts: Any, pooling_params: Any, truncate: int | None,
+                       use_tqdm: Any, lora_request: Any) -> list[PoolingRequestOutput]:
+        _no_lora(lora_request)
+        inputs = batch.pooling_inputs(prompts)
+        params = _pooling_params(pooling_params, truncate, len(inputs))
+        ids, window = self._ids(len(inputs)), self._window
+
+        async def work(engine: Engine, emit: batch.Progress) -> list[tuple[Any, list[int]]]:
+            return await batch.embed_tokens(engine, inputs, params=params, request_ids=ids,
+                                            window=window, progress=lambda p, o: emit((p, o)))
+
+        results = self._run(work, len(inputs), use_tqdm)
+        return [PoolingRequestOutput(rid, PoolingOutput(torch.from_numpy(p.matrix().copy())),
+                                     prompt_ids)
+                for rid, (p, prompt_ids) in zip(ids, results, strict=True)]
 
     def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], /, *,
               truncate_prompt_tokens: int | None = None, use_tqdm: Any = True,

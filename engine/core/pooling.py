@@ -41,6 +41,10 @@ class Pooled:
     def tolist(self) -> list[float]:
         return self.vector().astype(np.float64).tolist()
 
+    def matrix(self) -> np.ndarray:
+        """Per-token output (``token_embed``): one row a prompt token."""
+        return self.vector().reshape(self.prompt_tokens, -1)
+
 
 def input_ids(
     tokenizer: Any, item: str | Sequence[int], *, truncate: int | None, max_model_len: int,
@@ -104,11 +108,11 @@ def _truncation(truncate: int | None, max_model_len: int) -> int | None:
 
 def admit(
     request_id: str, ids: tuple[int, ...], limits: AdmissionLimits, *, waiting: int,
-    priority: int, arrival_time: float, param: str = "input",
+    priority: int, arrival_time: float, param: str = "input", tokens: bool = False,
 ) -> AdmittedRequest:
     """One pooling input past admission: queue room, a non-empty prompt inside the
     vocabulary and no longer than the model takes (an :class:`InputTooLongError` naming
-    the limit)."""
+    the limit). ``tokens``: its output is every prompt token's hidden state."""
     if waiting >= limits.max_queued_requests:
         raise QueueFullError(
             f"{limits.max_queued_requests} requests are already waiting; try again later")
@@ -122,7 +126,7 @@ def admit(
     sample = SchedulerRequest(
         sample_id=request_id, prompt_token_ids=ids, params=params, eos_token_ids=(),
         max_tokens=1, priority=priority, arrival_time=arrival_time, cache_salt=None,
-        wait_for=None,
+        wait_for=None, pool_tokens=tokens,
     )
     return AdmittedRequest(request_id, (sample,),
                            (DetokenizerRequest(request_id, request_id, 0, ids, params),))
@@ -156,6 +160,16 @@ def embedding(pooled: Pooled, dimensions: int | None, normalize: bool) -> Pooled
         wide = vector.astype(np.float64)
         vector = wide * (1.0 / max(math.sqrt(wide @ wide), 1e-12))  # torch's F.normalize eps
     return Pooled(vector.astype("<f4").tobytes(), pooled.prompt_tokens)
+
+
+def token_embeddings(pooled: Pooled, normalize: bool) -> Pooled:
+    """A per-token output with each row L2-normalised in float64 when ``normalize``, as
+    :func:`embedding` normalises one vector."""
+    if not normalize:
+        return pooled
+    rows = pooled.matrix().astype(np.float64)
+    norms = np.maximum(np.sqrt((rows * rows).sum(1, keepdims=True)), 1e-12)
+    return Pooled((rows / norms).astype("<f4").tobytes(), pooled.prompt_tokens)
 
 
 def cosine(a: Pooled, b: Pooled) -> float:

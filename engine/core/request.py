@@ -66,7 +66,7 @@ class Request:
         "num_released_blocks",
         "num_preemptions", "seen_by_runner", "num_cached_tokens", "prediction",
         "draft_token_ids", "num_model_drafts", "num_draft_tokens", "num_accepted_tokens", "images",
-        "cache_prompt_ids", "prediction_pos", "last_chunk_end", "beam", "lora",
+        "cache_prompt_ids", "prediction_pos", "last_chunk_end", "beam", "lora", "pool_tokens",
     )  # fmt: skip
 
     def __init__(
@@ -84,9 +84,11 @@ class Request:
         prediction: tuple[int, ...] = (),
         images: tuple[Any, ...] = (),
         lora: Any = None,
+        pool_tokens: bool = False,
     ) -> None:
         self.sample_id = sample_id
         self.lora = lora  # its LoRA adapter (engine.messages.LoraAdapter), None: the base model
+        self.pool_tokens = pool_tokens  # pooling: every prompt token's row (NewRequest's)
         self.prompt_token_ids = tuple(prompt_token_ids)
         # Image inputs (engine.messages.ImageInput) travel to the runner with the request;
         # the prefix cache keys the prompt with each image's placeholders replaced by its

@@ -172,6 +172,7 @@ class Scheduler(BeamScheduling):
             prediction=request.prediction_token_ids,
             images=request.images,
             lora=request.lora,
+            pool_tokens=request.pool_tokens,
         )
         self._next_arrival += 1
         if request.params.beam_width:
@@ -410,7 +411,7 @@ class Scheduler(BeamScheduling):
             req.seen_by_runner = True
             step.new_requests.append(
                 NewRequest(req.sample_id, req.prompt_token_ids, req.params, req.eos_token_ids,
-                           req.images, req.lora)
+                           req.images, req.lora, req.pool_tokens)
             )
         add_chunk(step, req, reply, (), 0, self.config.block_size)
 

@@ -356,7 +356,8 @@ class ModelRunner:
     def _add(self, new: NewRequest) -> None:
         prompt = tuple(new.prompt_token_ids)
         state = RequestState(
-            prompt, [], list(prompt), new.params, tuple(new.eos_token_ids), images=tuple(new.images)
+            prompt, [], list(prompt), new.params, tuple(new.eos_token_ids), images=tuple(new.images),
+            pool_tokens=new.pool_tokens,
         )
         if new.lora is not None:
             if self.lora is None:

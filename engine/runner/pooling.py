@@ -5,6 +5,9 @@ pool (``RequestState.pool``), and the step of its last chunk turns the pool into
 request's :class:`~engine.messages.PooledOutput` (a classifier's logits, or the embedding
 as pooled: the front end normalises it, as the model or the request asks, in
 :func:`engine.core.pooling.embedding`) instead of sampling.
+
+A ``pool_tokens`` request (vLLM's ``token_embed``) keeps every row instead: its output is
+the last hidden state of each prompt token, in order, as the model's pooler would read it.
 """
 
 from __future__ import annotations
@@ -26,25 +29,36 @@ def pool_outputs(
     """Each chunk's rows of ``hidden`` add to its request's pool, and each chunk that ends
     its prompt (``sample``) gives the request's output."""
     done: list[tuple[str, torch.Tensor]] = []
+    rows_done: list[PooledOutput] = []
     row = 0
     for c, s in zip(chunks, states, strict=True):
         rows = hidden[row : row + c.num_tokens]
         row += c.num_tokens
-        s.pool = _pool_rows(pooler.pooling, s.pool, rows, c)
+        s.pool = _pool_rows("all" if s.pool_tokens else pooler.pooling, s.pool, rows, c)
         if c.sample:
             assert s.pool is not None  # the last chunk always sets it
             pooled = s.pool
+            if s.pool_tokens:
+                # Every prompt token's row: its own output, not stacked with the vectors.
+                assert len(pooled) == len(s.prompt)
+                rows_done.append(PooledOutput(c.sample_id, _host_bytes(pooled)))
+                continue
             if pooler.pooling == "mean":
                 pooled = pooled / len(s.prompt)
             done.append((c.sample_id, pooled))
     if not done:
-        return ()
+        return tuple(rows_done)
     vectors = torch.stack([v for _, v in done])
     if pooler.task == "classify":
         # Only a BertModel (models/bert.py) is built for a classify pooler.
         vectors = model.classify(vectors.to(dtype))
     host = vectors.float().cpu().numpy().astype("<f4")
-    return tuple(PooledOutput(sid, host[i].tobytes()) for i, (sid, _) in enumerate(done))
+    return (*rows_done,
+            *(PooledOutput(sid, host[i].tobytes()) for i, (sid, _) in enumerate(done)))
+
+
+def _host_bytes(rows: torch.Tensor) -> bytes:
+    return rows.float().cpu().numpy().astype("<f4").tobytes()
 
 
 def _pool_rows(
@@ -55,6 +69,8 @@ def _pool_rows(
     if chunk.start == 0:
         pool = None
     rows = rows.float()
+    if pooling == "all":
+        return rows.clone() if pool is None else torch.cat((pool, rows))
     if pooling == "cls":
         return rows[0] if chunk.start == 0 else pool
     if pooling == "last":

@@ -41,8 +41,10 @@ class RequestState:
     # Structured output: the sample's place in its grammar, having accepted every token of
     # ``outputs`` (built at its first sampling step; see Verifier._matcher).
     matcher: Matcher | None = None
-    # Pooling: what the chunks so far add up to (fp32: a sum, a max or a chosen row).
+    # Pooling: what the chunks so far add up to (fp32: a sum, a max or a chosen row; with
+    # ``pool_tokens``, every row so far).
     pool: torch.Tensor | None = None
+    pool_tokens: bool = False
     # A vision model's images (ImageInput, prompt order) and how far its prompt has been
     # run (the end of its last chunk): an image whose placeholders all lie below it no
     # longer needs its encoder output.
