@@ -90,7 +90,8 @@ def test_embedding_refusals_name_their_field(server) -> None:
     too_long = error({"input": "word " * 300})
     assert "maximum input length is 256" in too_long["message"]
     assert too_long["code"] == "context_length_exceeded"
-    assert error({"input": "hi", "embed_dtype": "float16"})["param"] == "embed_dtype"
+    assert error({"input": "hi", "embed_dtype": "int8"})["param"] == "embed_dtype"
+    assert error({"input": "hi", "endianness": "middle"})["param"] == "endianness"
     assert error({"input": "hi", "use_activation": False})["param"] == "use_activation"
     assert error({"input": "hi", "normalize": "no"})["param"] == "normalize"
     assert error({"input": "hi", "encoding_format": "int8"})["param"] == "encoding_format"
@@ -181,6 +182,13 @@ def test_classify_matches_transformers_probabilities_and_labels(classifier: Path
                                         ("encoding_format", "base64"), ("embed_dtype", "float16"))}
         embed = httpx.post(srv.base_url + "/v1/embeddings", json={"input": "hi"}, timeout=30)
         spec = httpx.get(srv.base_url + "/openapi.json", timeout=30).json()
+        # vLLM's /pooling: task classify gives the probabilities as float32; a classifier
+        # has no per-token task here, so no task is a 400 naming it.
+        pooled = httpx.post(srv.base_url + "/pooling", timeout=30,
+                            json={"input": texts, "task": "classify"}).json()
+        pooled_raw = httpx.post(srv.base_url + "/pooling", timeout=30, json={
+            "input": texts[:2], "task": "classify", "use_activation": False}).json()
+        untasked = httpx.post(srv.base_url + "/pooling", json={"input": "hi"}, timeout=30)
     assert answer["object"] == "list" and answer["id"].startswith("classify-")
     assert [d["index"] for d in answer["data"]] == list(range(len(texts)))
     assert [d["label"] for d in answer["data"]] == want_labels
@@ -195,6 +203,10 @@ def test_classify_matches_transformers_probabilities_and_labels(classifier: Path
         assert response.status_code == 400, field
         assert response.json()["error"]["param"] == field
     assert embed.status_code == 400 and embed.json()["error"]["param"] == "model"
+    assert [d["object"] for d in pooled["data"]] == ["pooling"] * len(texts)
+    assert np.allclose([d["data"] for d in pooled["data"]], want, atol=1e-5)
+    assert np.allclose([d["data"] for d in pooled_raw["data"]], logits[:2].numpy(), atol=1e-4)
+    assert untasked.status_code == 400 and untasked.json()["error"]["param"] == "task"
     assert "/classify" in spec["paths"]
     assert "use_activation" in spec["components"]["schemas"]["ClassificationRequest"]["properties"]
 
@@ -393,3 +405,81 @@ def test_chat_embeddings_refuse_what_they_cannot_render(chat_embedder, server) -
     assert reply.status_code == 400, reply.text
     assert httpx.post(f"{server.base_url}/v1/embeddings", json={"input": "ok"},
                       timeout=60).status_code == 200
+
+
+# -- vLLM's /pooling and the base64 encodings ---------------------------------------------
+
+def test_pooling_route_gives_sentence_transformers_token_embeddings(server, minilm: Path) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    texts = sentences()[:3]
+    st = SentenceTransformer(str(minilm), device="cpu")
+    rows = st.encode(texts, output_value="token_embeddings")
+    url = server.base_url + "/pooling"
+    # No task: an embedding model's per-token task, each row normalised as the model's
+    # embeddings are (MiniLM's pipeline ends with Normalize).
+    default = httpx.post(url, json={"input": texts}, timeout=30).json()
+    raw = httpx.post(url, json={"input": texts, "task": "token_embed", "normalize": False},
+                     timeout=30).json()
+    packed = httpx.post(url, json={"input": texts, "encoding_format": "base64"}, timeout=30).json()
+    assert default["object"] == "list" and default["id"].startswith("pool-")
+    assert default["usage"]["prompt_tokens"] == sum(len(r) for r in rows)
+    for i, want in enumerate(rows):
+        got = np.array(default["data"][i]["data"])
+        assert default["data"][i]["object"] == "pooling" and got.shape == tuple(want.shape)
+        assert np.allclose(got, torch.nn.functional.normalize(want, dim=1).numpy(), atol=1e-5)
+        assert np.allclose(raw["data"][i]["data"], want.numpy(), atol=1e-4)
+        unpacked = np.frombuffer(base64.b64decode(packed["data"][i]["data"]), dtype="<f4")
+        assert np.array_equal(unpacked.reshape(got.shape), got.astype("<f4"))
+    # task embed: what /v1/embeddings gives.
+    one = httpx.post(url, json={"input": texts[0], "task": "embed"}, timeout=30).json()
+    same = httpx.post(server.base_url + "/v1/embeddings", json={"input": texts[0]}, timeout=30).json()
+    assert one["data"][0]["data"] == same["data"][0]["embedding"]
+    for body, param in (({"input": "hi", "task": "token_classify"}, "task"),
+                        ({"input": "hi", "task": "score"}, "task"),
+                        ({"input": "hi", "task": "classify"}, "task"),
+                        ({"input": "hi", "dimensions": 8}, "dimensions"),
+                        ({"input": "hi", "task": "embed", "use_activation": True}, "use_activation"),
+                        ({"input": "hi", "encoding_format": "bytes"}, "encoding_format"),
+                        ({"input": "hi", "softmax": True}, "softmax")):
+        reply = httpx.post(url, json=body, timeout=30)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+    spec = httpx.get(server.base_url + "/openapi.json", timeout=30).json()
+    assert "/pooling" in spec["paths"]
+    assert "task" in spec["components"]["schemas"]["PoolingRequest"]["properties"]
+
+
+@pytest.mark.parametrize("endianness", ["native", "little", "big"])
+def test_embed_dtype_and_endianness_write_each_value_as_asked(server, endianness: str) -> None:
+    """vLLM's base64 options, decoded as a client decodes them: numpy's float16 and
+    torch's bfloat16 and fp8 casts of the float32 values the float format gives."""
+    import sys
+
+    url = server.base_url + "/v1/embeddings"
+    floats = np.array(httpx.post(url, json={"input": "hello there"}, timeout=30)
+                      .json()["data"][0]["embedding"], dtype=np.float32)
+    order = {"native": "<" if sys.byteorder == "little" else ">", "little": "<", "big": ">"}[endianness]
+
+    def fetch(dtype: str) -> bytes:
+        body = {"input": "hello there", "encoding_format": "base64", "embed_dtype": dtype,
+                "endianness": endianness}
+        return base64.b64decode(httpx.post(url, json=body, timeout=30).json()["data"][0]["embedding"])
+
+    assert np.array_equal(np.frombuffer(fetch("float32"), dtype=order + "f4"), floats)
+    half = np.frombuffer(fetch("float16"), dtype=order + "f2")
+    assert np.array_equal(half, floats.astype(np.float16))
+    # bfloat16: the top half of each float32's bits.
+    top = np.frombuffer(fetch("bfloat16"), dtype=order + "u2").astype(np.uint32) << 16
+    want = torch.from_numpy(floats).to(torch.bfloat16).float().numpy()
+    assert np.array_equal(top.view(np.float32), want)
+    for name, dtype in (("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)):
+        raw = torch.from_numpy(np.frombuffer(fetch(name), dtype=np.uint8).copy())
+        assert torch.equal(raw.view(dtype).float(), torch.from_numpy(floats).to(dtype).float())
+    # The same options on /pooling's per-token rows.
+    rows = httpx.post(server.base_url + "/pooling", timeout=30,
+                      json={"input": "hello there"}).json()["data"][0]["data"]
+    packed = httpx.post(server.base_url + "/pooling", timeout=30, json={
+        "input": "hello there", "encoding_format": "base64", "embed_dtype": "float16",
+        "endianness": endianness}).json()["data"][0]["data"]
+    got = np.frombuffer(base64.b64decode(packed), dtype=order + "f2").reshape(len(rows), -1)
+    assert np.array_equal(got, np.array(rows, dtype=np.float32).astype(np.float16))

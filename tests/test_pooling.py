@@ -58,6 +58,13 @@ async def test_embeddings_and_scores_through_an_engine_core_process(
         batched = np.stack([p.vector() for p in await eng.embed(corpus)])
         single = (await eng.embed(corpus[3]))[0].vector()
         assert eng.statistics().requests_finished == len(corpus) + 1
+        # token_embed's flag crosses the wire with the request.
+        rows = (await eng.embed_tokens(corpus[3], normalize=False))[0].matrix()
+    from sentence_transformers import SentenceTransformer
+
+    want_rows = SentenceTransformer(str(minilm), device="cpu").encode(
+        corpus[3], output_value="token_embeddings").numpy()
+    assert rows.shape == want_rows.shape and np.allclose(rows, want_rows, atol=1e-4)
     assert cosines(batched, st_embeddings).min() >= 0.9999
     assert np.allclose(batched, st_embeddings, atol=1e-5)  # normalised, as the pipeline does
     assert cosines(single[None], st_embeddings[3:4]).min() >= 0.9999

@@ -12,6 +12,7 @@ from engine.http.schema import (
     COMPLETION,
     DETOKENIZE,
     EMBEDDINGS,
+    POOLING,
     RERANK,
     RESPONSES,
     SCORE,
@@ -159,6 +160,12 @@ def openapi(version: str, *, api_key: bool, tokenizer_info: bool = False) -> dic
                                    "type": "object",
                                    "required": ["index", "label", "probs", "num_classes"]}}}}),
                            *gen_errors),
+        "/pooling": _post("vLLM's generic pooling: embeddings, class probabilities or every "
+                          "token's hidden state (pooling models)", "PoolingRequest", _json({
+                              "type": "object", "required": ["object", "data", "model", "usage"],
+                              "properties": {"data": {"type": "array", "items": {
+                                  "type": "object", "required": ["index", "object", "data"]}}}}),
+                          *gen_errors),
         "/v1/models": _get("The served model", _json({
             "type": "object", "required": ["object", "data"], "properties": {
                 "object": {"const": "list"}, "data": {"type": "array", "items": {
@@ -183,7 +190,7 @@ def openapi(version: str, *, api_key: bool, tokenizer_info: bool = False) -> dic
             "CompletionRequest": COMPLETION, "ChatCompletionRequest": CHAT,
             "TokenizeRequest": TOKENIZE, "DetokenizeRequest": DETOKENIZE,
             "EmbeddingRequest": EMBEDDINGS, "ScoreRequest": SCORE, "RerankRequest": RERANK,
-            "ClassificationRequest": CLASSIFY,
+            "ClassificationRequest": CLASSIFY, "PoolingRequest": POOLING,
             "CompletionResponse": _COMPLETION_RESPONSE, "Error": _ERROR,
             "ResponsesRequest": RESPONSES,
         }},

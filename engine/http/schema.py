@@ -306,6 +306,13 @@ EMBEDDINGS: dict[str, Any] = {
                             {"type": "array", "items": _TOKEN_IDS, "minItems": 1}],
                   "description": "a string, token ids, or a list of strings or of token-id lists"},
         "encoding_format": _nullable({"enum": ["float", "base64"]}),
+        "embed_dtype": _nullable({"enum": ["float32", "float16", "bfloat16", "fp8_e4m3",
+                                           "fp8_e5m2"],
+                                  "description": "base64: each value as this type (vLLM's; "
+                                  "default float32)"}),
+        "endianness": _nullable({"enum": ["native", "big", "little"],
+                                 "description": "base64: the values' byte order (vLLM's; "
+                                 "default native, this server's)"}),
         "dimensions": _integer(1, None, "keep the first N dimensions (Matryoshka models only)"),
         "normalize": _nullable({"type": "boolean", "description": "L2-normalise each "
                                 "embedding (default: as the model's pipeline does)"}),
@@ -332,9 +339,22 @@ CLASSIFY: dict[str, Any] = {
     "required": ["input"],
     "properties": {
         **{k: v for k, v in EMBEDDINGS["properties"].items()
-           if k not in ("encoding_format", "dimensions", "normalize", *_CHAT_EMBEDDING_FIELDS)},
+           if k not in ("encoding_format", "embed_dtype", "endianness", "dimensions", "normalize",
+                        *_CHAT_EMBEDDING_FIELDS)},
         "use_activation": _nullable({"type": "boolean", "description": "probabilities "
                                      "(default true), or with false the logits"}),
+    },
+}
+# vLLM's /pooling: the embeddings body with a task (and a classifier's use_activation).
+POOLING: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        **EMBEDDINGS["properties"],
+        "task": _nullable({"enum": ["embed", "classify", "token_embed", "token_classify",
+                                    "score", "plugin"],
+                           "description": "embed, classify or token_embed (the default for "
+                           "an embedding model); the others are refused"}),
+        "use_activation": CLASSIFY["properties"]["use_activation"],
     },
 }
 _TEXTS = {"anyOf": [{"type": "string"}, _STRINGS]}
@@ -370,7 +390,8 @@ RERANK: dict[str, Any] = {
 def _schema(name: str) -> dict[str, Any]:
     return {"completion": COMPLETION, "chat": CHAT, "tokenize": TOKENIZE,
             "detokenize": DETOKENIZE, "embeddings": EMBEDDINGS, "score": SCORE,
-            "rerank": RERANK, "classify": CLASSIFY, "responses": RESPONSES}[name]
+            "rerank": RERANK, "classify": CLASSIFY, "pooling": POOLING,
+            "responses": RESPONSES}[name]
 
 
 @functools.cache
@@ -396,7 +417,7 @@ def _passes(body: dict[str, Any], name: str) -> bool:
 def check_body(body: Any, name: str) -> None:
     """Raise a 400 :class:`APIError` naming the field if ``body`` breaks schema ``name``
     (``completion``, ``chat``, ``responses``, ``tokenize``, ``detokenize``, ``embeddings``,
-    ``score``, ``rerank`` or ``classify``)."""
+    ``score``, ``rerank``, ``classify`` or ``pooling``)."""
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object", code="invalid_json")
     body = _token_lists_checked(body, name)

@@ -1,15 +1,17 @@
-"""The pooling routes' bodies: ``/v1/embeddings`` (OpenAI), ``/v1/score``, ``/v1/rerank``
-and ``/classify`` (vLLM's; the rerank body and answer are Jina's and Cohere's). Pure: parse
-a checked body into the engine call's arguments, and build the answer from its results.
+"""The pooling routes' bodies: ``/v1/embeddings`` (OpenAI), ``/v1/score``, ``/v1/rerank``,
+``/classify`` and ``/pooling`` (vLLM's; the rerank body and answer are Jina's and Cohere's).
+Pure: parse a checked body into the engine call's arguments, and build the answer from its
+results.
 
 Fields that would change an answer and that a route does not honour are refused with a
-400 naming them, never ignored (vLLM's ``embed_dtype``, a score's ``normalize``, ...).
+400 naming them, never ignored (a score's ``normalize``, ``dimensions`` on ``/classify``, ...).
 """
 
 from __future__ import annotations
 
 import base64
 import dataclasses
+import sys
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -21,29 +23,53 @@ from engine.core.pooling import Pooled
 from engine.http.completions.answer import now
 from engine.http.errors import APIError
 
-ENCODING_FORMATS = ("float", "base64")
+# vLLM's embed_dtype and endianness: how base64 writes each value (the floats of the
+# "float" format are float32 values, whatever they say, as in vLLM).
+EMBED_DTYPES = ("float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
+ENDIANNESS = ("native", "big", "little")
+# vLLM's pooling tasks, and those /pooling runs here (the others are a 400 naming task).
+POOLING_TASKS = ("embed", "classify", "token_embed", "token_classify", "score", "plugin")
+POOLING_TASKS_BUILT = ("embed", "classify", "token_embed")
 
 # vLLM's extras that change what comes back, refused where a route does not honour them.
-_REFUSED = ("embed_dtype", "endianness", "softmax", "activation", "mm_processor_kwargs",
-            "instruction")
+_REFUSED = ("softmax", "activation", "mm_processor_kwargs", "instruction")
+_ENCODING = ("encoding_format", "embed_dtype", "endianness")
 _REFUSED_BY_ROUTE = {
     "embeddings": (*_REFUSED, "use_activation"),
     # An embeddings field on /classify would be silently meaningless: refused by name.
-    "classify": (*_REFUSED, "encoding_format", "dimensions", "normalize"),
-    "score": (*_REFUSED, "use_activation", "normalize", "add_special_tokens"),
+    "classify": (*_REFUSED, *_ENCODING, "dimensions", "normalize"),
+    "score": (*_REFUSED, *_ENCODING, "use_activation", "normalize", "add_special_tokens"),
+    "pooling": _REFUSED,
 }
+# On /pooling, the fields each task does not read (vLLM's PoolingParams refuses them too).
+_REFUSED_BY_TASK = {
+    "embed": ("use_activation",),
+    "token_embed": ("use_activation", "dimensions"),
+    "classify": ("dimensions", "normalize"),
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Encoding:
+    """How a route writes its vectors: ``float`` (JSON numbers) or ``base64`` (of each
+    value as ``embed_dtype`` in ``endianness`` byte order)."""
+
+    format: str = "float"
+    embed_dtype: str = "float32"
+    endianness: str = "native"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class EmbeddingRequest:
     model: str | None
     input: Any  # str, token ids, or a list of either (checked by the schema and the engine)
-    encoding_format: str
     dimensions: int | None
     truncate_prompt_tokens: int | None
     priority: int
     normalize: bool | None = None  # None: as the model's pipeline does
     add_special_tokens: bool = True
+    encoding: Encoding = Encoding()
+    use_activation: bool = True  # /pooling's, for task classify
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -75,10 +101,11 @@ def _refuse_unsupported(body: dict[str, Any], route: str = "score") -> None:
                            code="unsupported_parameter")
 
 
-def parse_embedding(body: dict[str, Any]) -> EmbeddingRequest:
+def parse_embedding(body: dict[str, Any], route: str = "embeddings") -> EmbeddingRequest:
     """``input``, or vLLM's ``messages`` (``input`` None: the route renders them, and
-    ``add_special_tokens`` defaults to false, as the template writes the model's markers)."""
-    _refuse_unsupported(body, "embeddings")
+    ``add_special_tokens`` defaults to false, as the template writes the model's markers).
+    Also /pooling's body, which adds ``task`` and ``use_activation``."""
+    _refuse_unsupported(body, route)
     chat = body.get("messages") is not None
     if chat and body.get("input") is not None:
         raise APIError(400, "send `input` or `messages`, not both", param="messages",
@@ -89,14 +116,45 @@ def parse_embedding(body: dict[str, Any]) -> EmbeddingRequest:
     return EmbeddingRequest(
         model=body.get("model"),
         input=None if chat else body["input"],
-        encoding_format=body.get("encoding_format") or "float",
         dimensions=body.get("dimensions"),
         truncate_prompt_tokens=body.get("truncate_prompt_tokens"),
         priority=body.get("priority") or 0,
         normalize=body.get("normalize"),
         add_special_tokens=(body.get("add_special_tokens") is True if chat
                             else body.get("add_special_tokens") is not False),
+        encoding=Encoding(body.get("encoding_format") or "float",
+                          body.get("embed_dtype") or "float32", body.get("endianness") or "native"),
+        use_activation=body.get("use_activation") is not False,
     )
+
+
+def pooling_task(body: dict[str, Any], model_task: str) -> str:
+    """The task a /pooling body runs on a model whose pooler does ``model_task``
+    (``embed``, ``classify``): its ``task``, or as vLLM picks one, the model's per-token
+    task (``token_embed`` for an embedding model; a classifier's, ``token_classify``, is
+    not built). A task not built here or not this model's, or a field the task does not
+    read, is a 400 naming it."""
+    task = body.get("task")
+    if task is None:
+        if model_task != "embed":
+            raise APIError(400, "give a task: this model's per-token task (token_classify) "
+                           "is not supported; task 'classify' gives each input's class "
+                           "probabilities", param="task", code="invalid_value")
+        task = "token_embed"
+    if task not in POOLING_TASKS_BUILT:
+        raise APIError(400, f"task {task!r} is not supported; this server runs "
+                       f"{', '.join(POOLING_TASKS_BUILT)}", param="task",
+                       code="unsupported_parameter")
+    runs = ("embed", "token_embed") if model_task == "embed" else (model_task,)
+    if task not in runs:
+        raise APIError(400, f"task {task!r} needs a{'n' if task[0] in 'aeiou' else ''} "
+                       f"{task.removeprefix('token_')} model; this one runs "
+                       f"{', '.join(runs)}", param="task", code="invalid_value")
+    for name in _REFUSED_BY_TASK[task]:
+        if body.get(name) is not None:
+            raise APIError(400, f"{name} does not apply to task {task!r}", param=name,
+                           code="unsupported_parameter")
+    return task
 
 
 def parse_classify(body: dict[str, Any]) -> ClassifyRequest:
@@ -132,7 +190,49 @@ def parse_rerank(body: dict[str, Any]) -> ScoreRequest:
     )
 
 
-def embedding_response(model: str, pooled: Sequence[Pooled], encoding_format: str) -> bytes:
+def encode_base64(data: bytes, encoding: Encoding) -> str:
+    """A vector's base64 (``data``: little-endian float32, as the runner writes it) with
+    vLLM's ``embed_dtype`` and ``endianness``: each value cast as torch casts it
+    (round to nearest even; fp8 saturates nothing, as torch's cast), its bytes in that
+    order ("native": this server's). float32 little-endian is ``data`` as it is."""
+    order = sys.byteorder if encoding.endianness == "native" else encoding.endianness
+    if encoding.embed_dtype == "float32" and order == "little":
+        return base64.b64encode(data).decode("ascii")
+    import torch
+
+    dtype, view = {"float32": (torch.float32, torch.int32), "float16": (torch.float16, torch.int16),
+                   "bfloat16": (torch.bfloat16, torch.int16),
+                   "fp8_e4m3": (torch.float8_e4m3fn, torch.uint8),
+                   "fp8_e5m2": (torch.float8_e5m2, torch.uint8)}[encoding.embed_dtype]
+    values = torch.from_numpy(np.frombuffer(data, dtype="<f4").astype(np.float32))
+    raw = values.to(dtype).view(view).numpy()  # this machine's byte order
+    if raw.itemsize > 1 and order != sys.byteorder:
+        raw = raw.byteswap()
+    return base64.b64encode(raw.tobytes()).decode("ascii")
+
+
+def pooling_response(model: str, pooled: Sequence[Pooled], task: str,
+                     encoding: Encoding) -> bytes:
+    """vLLM's /pooling answer: each input's ``data``, a vector (an embedding, or a
+    classifier's probabilities as float32) or a row a token (``token_embed``), as floats or
+    as the base64 of the values one after another."""
+    data = []
+    for i, p in enumerate(pooled):
+        out: Any
+        if encoding.format == "base64":
+            out = encode_base64(p.data, encoding)
+        else:
+            out = (p.matrix() if task == "token_embed" else p.vector()).astype(np.float64)
+        data.append({"index": i, "object": "pooling", "data": out})
+    tokens = sum(p.prompt_tokens for p in pooled)
+    return orjson.dumps(
+        {"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": now(),
+         "model": model, "data": data,
+         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
+        option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def embedding_response(model: str, pooled: Sequence[Pooled], encoding: Encoding) -> bytes:
     """OpenAI's answer as JSON bytes: one ``embedding`` per input, in order, as floats or
     as the base64 of their little-endian float32 bytes (what the openai client decodes).
 
@@ -146,7 +246,7 @@ def embedding_response(model: str, pooled: Sequence[Pooled], encoding_format: st
     it."""
     data = [
         {"object": "embedding", "index": i,
-         "embedding": (base64.b64encode(p.data).decode("ascii") if encoding_format == "base64"
+         "embedding": (encode_base64(p.data, encoding) if encoding.format == "base64"
                        else p.vector().astype(np.float64))}
         for i, p in enumerate(pooled)
     ]

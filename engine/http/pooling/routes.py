@@ -1,5 +1,6 @@
 """The pooling routes: ``/v1/embeddings``, ``/v1/score`` (also ``/score``),
-``/v1/rerank`` (also ``/rerank``, ``/v2/rerank``) and ``/classify`` (also ``/v1/classify``).
+``/v1/rerank`` (also ``/rerank``, ``/v2/rerank``), ``/classify`` (also ``/v1/classify``) and
+vLLM's generic ``/pooling``.
 
 Each waits for its answer in the handler: a disconnect cancels the wait, and
 ``Engine.pool``'s cleanup aborts the inputs still running and frees their blocks.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from quart import Response
 from quart_trio import QuartTrio
 
@@ -16,7 +18,9 @@ from engine.api import tokenize_prompt
 from engine.chat.request import template_options
 from engine.chat.template import normalize_messages
 from engine.core import admission
+from engine.core.pooling import Pooled
 from engine.http.bodies import json_response
+from engine.http.errors import APIError
 from engine.http.metrics import RequestTimer
 from engine.http.pooling import protocol
 from engine.http.server import Server
@@ -38,6 +42,7 @@ class PoolingRoutes:
             app.add_url_rule(path, view_func=self.rerank, methods=["POST"])
         for path in ("/classify", "/v1/classify"):  # vLLM's, and SGLang's
             app.add_url_rule(path, view_func=self.classify, methods=["POST"])
+        app.add_url_rule("/pooling", view_func=self.pooling, methods=["POST"])
 
     async def embeddings(self) -> Response:
         return await self.embeddings_body(await self.server.read_checked("embeddings"))
@@ -54,7 +59,39 @@ class PoolingRoutes:
             priority=req.priority)
         self._observe(timer, [p.prompt_tokens for p in pooled])
         return Response(protocol.embedding_response(self.engine.model_name, pooled,
-                                                    req.encoding_format),
+                                                    req.encoding),
+                        200, content_type="application/json")
+
+    async def pooling(self) -> Response:
+        """vLLM's generic pooling route: the embeddings body (``input`` or ``messages``)
+        with a ``task``: ``embed`` (as /v1/embeddings), ``classify`` (as /classify's
+        probabilities) or ``token_embed`` (every token's hidden state, its default for an
+        embedding model)."""
+        body = await self.server.read_checked("pooling")
+        req = protocol.parse_embedding(body, "pooling")
+        self.server.check_base_model(req.model)
+        if self.engine.pooler is None:
+            raise APIError(400, f"the model {self.engine.model_name} generates; it has no "
+                           "pooler (serve it with --convert embed to pool with it)",
+                           param="model", code="invalid_value")
+        task = protocol.pooling_task(body, self.engine.pooler.task)
+        timer = self.server.metrics.timer()
+        source = req.input if req.input is not None else [await self._chat_ids(body, req)]
+        common = dict(truncate_prompt_tokens=req.truncate_prompt_tokens,
+                      add_special_tokens=req.add_special_tokens,
+                      request_id=self.server.request_id(), priority=req.priority)
+        if task == "embed":
+            pooled = await self.engine.embed(source, dimensions=req.dimensions,
+                                             normalize=req.normalize, **common)
+        elif task == "token_embed":
+            pooled = await self.engine.embed_tokens(source, normalize=req.normalize, **common)
+        else:
+            results = await self.engine.classify(source, use_activation=req.use_activation,
+                                                 **common)
+            pooled = [Pooled(np.asarray(probs, dtype="<f4").tobytes(), n) for probs, n in results]
+        self._observe(timer, [p.prompt_tokens for p in pooled])
+        return Response(protocol.pooling_response(self.engine.model_name, pooled, task,
+                                                  req.encoding),
                         200, content_type="application/json")
 
     async def _chat_ids(self, body: dict[str, Any], req: protocol.EmbeddingRequest) -> list[int]:
