@@ -564,6 +564,11 @@ class EngineConfig:
     max_log_len: int | None = _field(
         None, "most prompt characters and token ids a request's log line shows",
         type=int, metavar="N", default_text="all")
+    # vLLM's prompt_embeds (engine/api/prompt_embeds.py): off by default, as in vLLM (a
+    # request may then send a serialized tensor, read with torch's weights-only loader).
+    enable_prompt_embeds: bool = _field(
+        False, "take prompt_embeds (a prompt as its input embeddings) on /v1/completions and "
+        "in the embedded API")
     # Answer shapes, named as vLLM's serve flags (engine.http.completions.answer.AnswerOptions).
     enable_prompt_tokens_details: bool = _field(
         False, "report usage.prompt_tokens_details.cached_tokens (the prefix-cache hit)")

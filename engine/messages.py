@@ -40,6 +40,10 @@ class ImageInput:
     # ``(t * h * w, C * T * P * P)``, or ``C * P * P`` for a still image whose temporal
     # frames are one frame repeated); empty for a fixed-size tower (LLaVA).
     grid: tuple[int, ...] = ()
+    # vLLM's prompt_embeds: ``pixels`` are the prompt's input embeddings themselves
+    # (float32, ``shape`` ``(length, hidden)``), taken in place of its placeholder tokens'
+    # embeddings with no encoder run.
+    embeds: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -233,6 +237,9 @@ class DetokenizerRequest:
     index: int
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
+    # False: the prompt's ids are placeholders (prompt_embeds), not text the output
+    # continues; the first output token is decoded without them, as vLLM decodes it.
+    prompt_is_text: bool = True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

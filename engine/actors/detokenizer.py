@@ -97,7 +97,7 @@ class Detokenizer:
         params = spec.params
         detokenizer = IncrementalDetokenizer(
             self._tokenizer,  # type: ignore[arg-type]
-            spec.prompt_token_ids,
+            spec.prompt_token_ids if spec.prompt_is_text else (),
             skip_special_tokens=params.skip_special_tokens,
             stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,

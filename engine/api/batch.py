@@ -49,7 +49,8 @@ Progress = Callable[[int, int], None]
 
 # The keys of a vLLM prompt dict this engine reads; any other is refused rather than
 # silently ignored (it would change what the prompt asks for).
-_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "multi_modal_data", "cache_salt"})
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "prompt_embeds", "multi_modal_data",
+                          "cache_salt"})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -59,12 +60,13 @@ class BatchPrompt:
     output reports as its ``prompt`` (None: the token ids were given; ``render``: the
     rendered chat template, decoded from the prompt's ids)."""
 
-    prompt: str | tuple[int, ...] | list[Any]
+    prompt: str | tuple[int, ...] | list[Any] | None
     text: str | None
     images: tuple[Any, ...] = ()
     cache_salt: str | None = None
     chat_options: TemplateOptions | None = None
     render: bool = False
+    embeds: Any = None  # vLLM's {"prompt_embeds": tensor}; ``prompt`` is then None
 
 
 def _refused(index: int, message: str, param: str = "prompts") -> BatchPromptError:
@@ -100,6 +102,15 @@ def _generation_prompt(index: int, prompt: Any) -> BatchPrompt:
         raise _refused(index, f"unknown prompt key {unknown[0]!r} (this engine reads "
                               f"{', '.join(sorted(_PROMPT_KEYS))})", param=unknown[0])
     text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+    salt = prompt.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise _refused(index, "cache_salt must be a string", param="cache_salt")
+    if prompt.get("prompt_embeds") is not None:
+        if text is not None or ids is not None:
+            raise _refused(index, "a prompt dict gives prompt_embeds, or prompt / "
+                                  "prompt_token_ids, not both", param="prompt_embeds")
+        return BatchPrompt(None, None, _images(index, prompt.get("multi_modal_data")),
+                           salt, embeds=prompt["prompt_embeds"])
     if ids is not None:
         if not _is_ids(ids):
             raise _refused(index, "prompt_token_ids must be a non-empty list of integers",
@@ -108,10 +119,8 @@ def _generation_prompt(index: int, prompt: Any) -> BatchPrompt:
     elif isinstance(text, str):
         body = text
     else:
-        raise _refused(index, "a prompt dict needs 'prompt' (a string) or 'prompt_token_ids'")
-    salt = prompt.get("cache_salt")
-    if salt is not None and not isinstance(salt, str):
-        raise _refused(index, "cache_salt must be a string", param="cache_salt")
+        raise _refused(index, "a prompt dict needs 'prompt' (a string), 'prompt_token_ids' "
+                              "or 'prompt_embeds'")
     return BatchPrompt(body, text if isinstance(text, str) else None,
                        _images(index, prompt.get("multi_modal_data")), salt)
 
@@ -225,7 +234,8 @@ async def prepare_all(engine: Engine, prompts: Sequence[BatchPrompt],
             prepared.append(await engine.prepare(
                 prompt.prompt, params[i], request_id=request_ids[i], priority=priorities[i],
                 cache_salt=prompt.cache_salt, chat_options=prompt.chat_options,
-                images=prompt.images, lora=loras[i] if loras else None))
+                images=prompt.images, lora=loras[i] if loras else None,
+                prompt_embeds=prompt.embeds))
         except RequestError as exc:
             raise BatchPromptError(i, exc) from exc
     return prepared

@@ -43,6 +43,7 @@ from engine.actors.system import (
     combined_statistics,
     run_actors,
 )
+from engine.api import prompt_embeds as embeds_input
 from engine.api.lora import LoraRegistry
 from engine.api.outputs import BeamSearchOutput, GenerationAccumulator, beam_search_output
 from engine.api.streams import RequestStream, _Generation
@@ -241,6 +242,7 @@ class Engine:
         cache_salt: str | None = None,
         chat_options: TemplateOptions | None = None,
         lora: str | None = None,
+        prompt_embeds: Any = None,
     ) -> RequestStream:
         """Validate, tokenize and queue a request; returns its stream once admitted.
 
@@ -255,7 +257,8 @@ class Engine:
         then :meth:`enqueue`.
         """
         prepared = await self.prepare(prompt, params, request_id=request_id, priority=priority,
-                                      cache_salt=cache_salt, chat_options=chat_options, lora=lora)
+                                      cache_salt=cache_salt, chat_options=chat_options, lora=lora,
+                                      prompt_embeds=prompt_embeds)
         return self.enqueue(prepared)
 
     def default_sampling_params(self) -> SamplingParams:
@@ -275,6 +278,7 @@ class Engine:
         chat_options: TemplateOptions | None = None,
         images: Sequence[Any] = (),
         lora: str | None = None,
+        prompt_embeds: Any = None,
     ) -> PreparedRequest:
         """Everything :meth:`submit` does short of queueing: check, tokenize (chat template,
         images), compile a structured output's grammar, and pass every admission check but
@@ -285,6 +289,10 @@ class Engine:
         ``images`` go with a text or token-id ``prompt`` that holds the model's image token
         once per image, in order (vLLM's ``multi_modal_data``): bytes or PIL images. Chat
         messages carry theirs in their content parts instead.
+
+        ``prompt_embeds`` (with ``prompt`` None, and ``enable_prompt_embeds``): the prompt
+        as its input embeddings, a ``[tokens, hidden]`` torch tensor (vLLM's; see
+        :mod:`engine.api.prompt_embeds`).
         """
         await trio.lowlevel.checkpoint()
         self._alive()
@@ -300,6 +308,9 @@ class Engine:
             # The caller's object may change after this (vLLM's SamplingParams is mutable,
             # and so is this one): the request keeps the values it was submitted with.
             params = params.clone() if isinstance(params, SamplingParams) else params
+        embeds = None
+        if prompt_embeds is not None:
+            prompt, embeds = self._embeds_prompt(prompt, prompt_embeds, params, images)
         raw_images: list[Any] = []
         if multimodal.has_images(prompt):
             if images:
@@ -323,6 +334,8 @@ class Engine:
         submit = dataclasses.replace(submit, params=params)
         ids, images_in = await self._prompt_ids(submit.prompt, raw_images,
                                                 truncate=params.truncate_prompt_tokens)
+        if embeds is not None:
+            images_in = (embeds,)
         grammar = self._parts.grammar
         spec = params.structured_outputs
         # In-process the runner reads the grammar from this backend's cache: the request
@@ -360,7 +373,40 @@ class Engine:
         admitted = admission.admit(submit, ids, self._parts.limits, waiting=0,
                                    serial=next(self._serials), images=images_in,
                                    prediction=prediction)
+        if any(image.embeds for image in images_in):
+            # No text for the detokenizer to continue from (placeholders).
+            admitted = dataclasses.replace(admitted, outputs=tuple(
+                dataclasses.replace(o, prompt_is_text=False) for o in admitted.outputs))
         return PreparedRequest(admitted, ids)
+
+    def _embeds_prompt(self, prompt: Any, tensor: Any, params: SamplingParams,
+                       images: Sequence[Any]) -> tuple[list[int], Any]:
+        """``prepare``'s prompt for ``prompt_embeds``: the placeholder ids and the
+        embeddings' input, after the checks of :mod:`engine.api.prompt_embeds`."""
+        param = embeds_input.PARAM
+        if not self.config.enable_prompt_embeds:
+            raise InvalidParamError("prompt_embeds needs a server started with "
+                                    "--enable-prompt-embeds", param=param)
+        if prompt is not None or images:
+            raise InvalidParamError("give prompt or prompt_embeds, not both", param=param)
+        embeds_input.check_model(self._parts.model_config, self.pooler is not None,
+                                  self.config.pipeline_parallel_size)
+        for name, refused in (("prompt_logprobs", params.prompt_logprobs is not None),
+                              ("repetition_penalty", params.repetition_penalty != 1.0),
+                              ("use_beam_search", params.beam_width > 0)):
+            if refused:
+                raise InvalidParamError(f"{name} cannot be combined with prompt_embeds (the "
+                                        "prompt has no token ids)", param=name)
+        truncate = params.truncate_prompt_tokens
+        ids, embeds = embeds_input.embeds_input(
+            tensor, hidden_size=self._parts.model_config.hidden_size,
+            truncate=None if truncate is None else admission.truncation_limit(
+                truncate, self.max_model_len))
+        if len(embeds.pixels) * params.n > admission.MAX_IMAGE_BYTES:
+            raise InvalidParamError(
+                f"prompt_embeds is {len(embeds.pixels)} bytes as float32 for each of {params.n} "
+                f"sample(s); at most {admission.MAX_IMAGE_BYTES} are taken", param=param)
+        return list(ids), embeds
 
     def _check_beam_group(self, width: int, prompt_len: int) -> None:
         """The scheduler's own bounds on a beam search, checked here so that they are the

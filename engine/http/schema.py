@@ -173,6 +173,11 @@ COMPLETION: dict[str, Any] = {
         "logprobs": _integer(-1, None, "top alternatives per token beside the chosen one "
                              "(and per prompt token with echo); -1: all; at most "
                              "--max-logprobs"),
+        # vLLM's: in place of prompt (which may then be null), with --enable-prompt-embeds.
+        "prompt_embeds": {"description": "base64 of torch.save'd [tokens, hidden] tensors, "
+                          "one per prompt, in place of prompt (needs --enable-prompt-embeds)",
+                          "anyOf": [{"type": "string"},
+                                    {"type": "array", "items": {"type": "string"}, "minItems": 1}]},
     },
 }
 
@@ -456,6 +461,8 @@ def _token_lists_checked(body: dict[str, Any], name: str) -> dict[str, Any]:
     for a prompt's ``anyOf`` keeps an error per id for each shape that fails (a 1.9 M-id
     prompt took 6 GB and a minute). The check here is the schema's, in one pass.
     """
+    if name == "completion" and body.get("prompt") is None and body.get("prompt_embeds") is not None:
+        return {**body, "prompt": ""}  # prompt_embeds in its place (the parser checks both)
     if name == "completion" and "prompt" in body:
         if not _valid_prompt(body["prompt"]):
             raise APIError(400, f"prompt is invalid ({_shown(body['prompt'])}): must be "

@@ -393,6 +393,11 @@ class ModelRunner:
         if not spans:
             return None
         missing = {image.key: image for _, image, _, _ in spans if image.key not in self._encoder_cache}
+        for key in [k for k, image in missing.items() if image.embeds]:
+            # prompt_embeds: the "encoder output" is given.
+            image = missing.pop(key)
+            self._encoder_cache[key] = torch.frombuffer(
+                bytearray(image.pixels), dtype=torch.float32).view(image.shape).to(self.device)
         if missing:
             encoded: Sequence[torch.Tensor]
             if self.config.mrope:  # Qwen-VL: images of their own sizes, one list

@@ -407,7 +407,8 @@ class Completion:
             choices = [{**completion_choice(index, c.text, c.finish_reason, c.stop_reason,
                                             self._all_logprobs(c)),
                         "prompt_logprobs": self._prompt_logprobs(c),
-                        "prompt_token_ids": list(self._prompt_of(c)) if ids else None,
+                        "prompt_token_ids": (list(self._prompt_of(c)) if ids and not
+                                             self.req.prompt_embeds else None),
                         "token_ids": c.token_ids if ids else None}
                        for c, index in self._returned()]
         body = response_body(self.req.chat, self.id, self.created, self.model, choices,
@@ -548,7 +549,9 @@ class Completion:
         first time, a completion choice's prompt ids); ``top``: chunk-level fields."""
         if self.req.return_token_ids:
             if not self.req.chat and not choice.ids_sent:
-                body_choice["prompt_token_ids"] = list(self._prompt_of(choice))
+                # A prompt given as embeddings has no ids (vLLM's null).
+                body_choice["prompt_token_ids"] = (None if self.req.prompt_embeds
+                                                   else list(self._prompt_of(choice)))
                 choice.ids_sent = True
             body_choice["token_ids"], choice.held_ids = choice.held_ids, []
         body = chunk_body(self.req.chat, self.id, self.created, self.model, [body_choice],

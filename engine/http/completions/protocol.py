@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from engine.api import prompt_embeds
 from engine.chat.request import (
     ChatFields,
     ChatSettings,
@@ -64,7 +65,6 @@ _COMMON_FIELDS = frozenset(
 # it asked for). Any other unknown field is ignored with a log line.
 NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     "guided_whitespace_pattern": lambda v: v is not None,
-    "prompt_embeds": lambda v: v is not None,
     "logits_processors": lambda v: v not in (None, []),
     # OpenAI's chat fields for what this server cannot do: speech out, a web search, a
     # verbosity other than the default for models trained to follow it.
@@ -93,6 +93,7 @@ _NOT_IMPLEMENTED_WHY = {
 _CHAT_REFUSES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "best_of": (lambda v: v not in (None, 1), "best_of is a /v1/completions field"),
     "suffix": (lambda v: v not in (None, ""), "suffix is a /v1/completions field"),
+    "prompt_embeds": (lambda v: v is not None, "prompt_embeds is a /v1/completions field"),
 }
 _COMPLETIONS_REFUSE: dict[str, tuple[Callable[[Any], bool], str]] = {
     "functions": (lambda v: v not in (None, []), "functions are a /v1/chat/completions field"),
@@ -104,7 +105,7 @@ _COMPLETIONS_REFUSE: dict[str, tuple[Callable[[Any], bool], str]] = {
                           "include_reasoning applies to /v1/chat/completions (with "
                           "--reasoning-parser)"),
 }
-COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix", "prompt_embeds"}
 CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "echo",
     "tools", "tool_choice", "parallel_tool_calls",
@@ -159,6 +160,8 @@ class CompletionRequest:
     suffix: str | None = None
     # OpenAI's deprecated functions (chat): the answer's call as function_call (legacy.py).
     legacy_functions: bool = False
+    # vLLM's prompt_embeds (completions): ``prompts`` are [tokens, hidden] tensors.
+    prompt_embeds: bool = False
 
 
 def parse_completion(body: Any, defaults: Mapping[str, Any] | None = None) -> CompletionRequest:
@@ -167,9 +170,13 @@ def parse_completion(body: Any, defaults: Mapping[str, Any] | None = None) -> Co
     body = _require_object(body)
     _refuse_not_implemented(body, _COMPLETIONS_REFUSE)
     _log_unknown(body, COMPLETION_FIELDS)
-    if "prompt" not in body:
+    embeds = body.get("prompt_embeds") is not None
+    if embeds:
+        prompts = _embeds_prompts(body)
+    elif body.get("prompt") is None:
         raise APIError(400, "prompt is required", param="prompt", code="missing_required_parameter")
-    prompts = _completion_prompts(body["prompt"])
+    else:
+        prompts = _completion_prompts(body["prompt"])
     logprobs = _opt_int(body, "logprobs")
     echo = _opt_bool(body, "echo", False)
     # echo with max_tokens 0 (OpenAI's and vLLM's way to score a text, as evaluation
@@ -192,8 +199,24 @@ def parse_completion(body: Any, defaults: Mapping[str, Any] | None = None) -> Co
         chat=False, model=_model(body), prompts=prompts, params=params, stream=stream,
         include_usage=include_usage, echo=echo, top_logprobs=logprobs, **_queueing(body),
         structured_param=structured_param, **_shape_fields(body, prompt_logprobs, continuous),
-        returned_n=returned_n, suffix=suffix, echo_only=echo_only,
+        returned_n=returned_n, suffix=suffix, echo_only=echo_only, prompt_embeds=embeds,
     )
+
+
+def _embeds_prompts(body: dict[str, Any]) -> tuple[Any, ...]:
+    """vLLM's ``prompt_embeds``: one tensor per base64 string (decoded with torch's
+    weights-only loader); with ``prompt`` as well, or with a field that reads the prompt's
+    text or ids (``echo``, ``suffix``), a 400 naming it."""
+    if body.get("prompt") is not None:
+        raise APIError(400, "send prompt or prompt_embeds, not both", param="prompt_embeds",
+                       code="invalid_value")
+    for name, value in (("echo", body.get("echo") not in (None, False)),
+                        ("suffix", body.get("suffix") not in (None, ""))):
+        if value:
+            raise APIError(400, f"{name} cannot be combined with prompt_embeds (the prompt has "
+                           "no text)", param=name, code="invalid_value")
+    embeds = body["prompt_embeds"]
+    return tuple(prompt_embeds.decode_base64(e) for e in (embeds if isinstance(embeds, list) else [embeds]))
 
 
 def _best_of(body: dict[str, Any], params: SamplingParams,

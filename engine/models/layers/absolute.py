@@ -216,11 +216,12 @@ class AbsoluteDecoder(Decoder):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] (after the final norm and OPT's project_out); writes
         this step's K/V."""
-        if mm_embeds is not None:
-            raise UnsupportedModelError(f"{self.config.architecture} takes no image embeddings")
         stage = self.tp.stage
         if stage.first:
             hidden = self._embed(input_ids)
+            if mm_embeds is not None:  # prompt_embeds: in place of the token embeddings
+                rows, values = mm_embeds
+                hidden = hidden.index_copy(0, rows, values.to(hidden.dtype))
             if self.project_in is not None:
                 hidden = self.project_in(hidden)
             # embed(): the table may be a GGUF's kept blocks, read row by row as the token table.
