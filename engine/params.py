@@ -91,6 +91,9 @@ class SamplingParams:
     # Keep only the last N prompt tokens (-1: max_model_len); a text prompt keeps the
     # special tokens its tokenizer adds (BOS), as vLLM's left truncation does.
     truncate_prompt_tokens: int | None = None
+    # Which end truncate_prompt_tokens cuts (vLLM's request field truncation_side): "left"
+    # keeps the last N tokens, "right" the first N (a text keeps its special tokens either way).
+    truncation_side: str = "left"
     # With skip_special_tokens false: false writes two adjacent special (added) tokens
     # with nothing between them, whatever the tokenizer's decoder would put there.
     spaces_between_special_tokens: bool = True
@@ -294,6 +297,9 @@ class SamplingParams:
                                         param="bad_words_token_ids")
             for t in ids:
                 _int(t, "bad_words_token_ids", lo=0, hi=_MAX_TOKEN_ID)
+        if self.truncation_side not in ("left", "right"):
+            raise InvalidParamError('truncation_side must be "left" or "right"',
+                                    param="truncation_side")
         if self.truncate_prompt_tokens is not None:
             _int(self.truncate_prompt_tokens, "truncate_prompt_tokens", lo=-1)
             if self.truncate_prompt_tokens == 0:

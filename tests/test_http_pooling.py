@@ -92,6 +92,7 @@ def test_embedding_refusals_name_their_field(server) -> None:
     assert too_long["code"] == "context_length_exceeded"
     assert error({"input": "hi", "embed_dtype": "int8"})["param"] == "embed_dtype"
     assert error({"input": "hi", "endianness": "middle"})["param"] == "endianness"
+    assert error({"input": "hi", "truncation_side": "right"})["param"] == "truncation_side"
     assert error({"input": "hi", "use_activation": False})["param"] == "use_activation"
     assert error({"input": "hi", "normalize": "no"})["param"] == "normalize"
     assert error({"input": "hi", "encoding_format": "int8"})["param"] == "encoding_format"

@@ -125,8 +125,7 @@ def test_unknown_fields_are_ignored_with_one_log_line(caplog):
 
 
 @pytest.mark.parametrize("field", [{"length_penalty": 0.5}, {"early_stopping": True},
-                                   {"prompt_embeds": "x"},
-                                   {"truncation_side": "right"}])
+                                   {"prompt_embeds": "x"}])
 def test_fields_that_change_the_answer_and_are_not_implemented_are_refused(field):
     (name,) = field
     for parse, body in ((protocol.parse_completion, {"prompt": "x"}),

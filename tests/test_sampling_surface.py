@@ -198,6 +198,36 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens_as_vllm_truncates(client, 
     assert info.value.body["param"] == "truncate_prompt_tokens"
 
 
+def test_truncation_side_right_keeps_the_first_tokens_as_the_tokenizer_does(client, hf):
+    text = PROMPT + " while others are decoding, in fixed size blocks."
+    side = hf.truncation_side
+    hf.truncation_side = "right"
+    try:
+        kept = hf(text, truncation=True, max_length=6)["input_ids"]
+    finally:
+        hf.truncation_side = side
+    assert kept != hf(text)["input_ids"][-6:]  # the two sides differ on this text
+    for prompt in (text, hf.encode(text)):
+        reply = _complete(client, prompt=prompt, max_tokens=4, temperature=0, extra_body={
+            "truncate_prompt_tokens": 6, "truncation_side": "right"})
+        assert reply.choices[0].prompt_token_ids == kept
+        alone = _complete(client, prompt=kept, max_tokens=4, temperature=0)
+        assert reply.choices[0].token_ids == alone.choices[0].token_ids
+    messages = [{"role": "user", "content": text}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                          extra_body={"truncate_prompt_tokens": 9,
+                                                      "truncation_side": "right",
+                                                      "return_token_ids": True})
+    rendered = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                      return_dict=False)
+    assert chat.model_extra["prompt_token_ids"] == rendered[:9]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=text, max_tokens=1,
+                                  extra_body={"truncate_prompt_tokens": 6,
+                                              "truncation_side": "middle"})
+    assert info.value.body["param"] == "truncation_side"
+
+
 # -- include_reasoning ------------------------------------------------------------------------
 
 

@@ -333,7 +333,8 @@ class Engine:
             encode=lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         submit = dataclasses.replace(submit, params=params)
         ids, images_in = await self._prompt_ids(submit.prompt, raw_images,
-                                                truncate=params.truncate_prompt_tokens)
+                                                truncate=params.truncate_prompt_tokens,
+                                                side=params.truncation_side)
         if embeds is not None:
             images_in = (embeds,)
         grammar = self._parts.grammar
@@ -398,6 +399,9 @@ class Engine:
                 raise InvalidParamError(f"{name} cannot be combined with prompt_embeds (the "
                                         "prompt has no token ids)", param=name)
         truncate = params.truncate_prompt_tokens
+        if truncate is not None and params.truncation_side != "left":
+            raise InvalidParamError("prompt_embeds keep their last rows: truncation_side "
+                                    "must be left", param="truncation_side")
         ids, embeds = embeds_input.embeds_input(
             tensor, hidden_size=self._parts.model_config.hidden_size,
             truncate=None if truncate is None else admission.truncation_limit(
@@ -469,7 +473,7 @@ class Engine:
         return (await self._prompt_ids(prompt, raw_images))[0]
 
     async def _prompt_ids(self, prompt: admission.Prompt, raw_images: Sequence[Any],
-                          truncate: int | None = None,
+                          truncate: int | None = None, side: str = "left",
                           ) -> tuple[tuple[int, ...], tuple[Any, ...]]:
         ids = await tokenize_prompt(
             self.tokenizer, prompt, limiter=self._prompt_limiter,
@@ -477,7 +481,7 @@ class Engine:
             max_model_len=self.max_model_len,
             content_format=self.config.chat_template_content_format,
             truncate=None if truncate is None else admission.truncation_limit(
-                truncate, self.max_model_len),
+                truncate, self.max_model_len), truncation_side=side,
             special_tokens_in_content=self.config.allow_special_tokens_in_content,
             # The image parts split_images left: a string template gets the model's
             # placeholder text for each.

@@ -159,7 +159,7 @@ def needs_thread(prompt: Prompt) -> bool:
 def prompt_token_ids(
     tokenizer: PromptTokenizer, prompt: Prompt, *, add_special_tokens: bool = True,
     special_tokens_in_content: bool = False, max_model_len: int | None = None,
-    truncate: int | None = None,
+    truncate: int | None = None, truncation_side: str = "left",
 ) -> tuple[int, ...]:
     """Apply the chat template (whose normalizer checks the messages) and tokenize; safe in
     a worker thread, where the caller bounds the render with
@@ -170,13 +170,13 @@ def prompt_token_ids(
     special tokens and all, as in vLLM. With ``max_model_len``, a text too long to fit it (the prompt, or the rendered chat) is
     refused (:class:`PromptTooLongError`) before it is tokenized. ``truncate`` is
     ``truncate_prompt_tokens`` resolved to a count (:func:`truncation_limit`): the prompt
-    keeps its last that many tokens (a text its tokenizer's special tokens too), and no
-    text is too long."""
+    keeps its last that many tokens (``truncation_side`` "right": its first; a text its
+    tokenizer's special tokens too), and no text is too long."""
     if truncate is not None:
         return _truncated(prompt_token_ids(
             tokenizer, prompt, add_special_tokens=add_special_tokens,
             special_tokens_in_content=special_tokens_in_content),
-            tokenizer, prompt, truncate, add_special_tokens)
+            tokenizer, prompt, truncate, add_special_tokens, right=truncation_side == "right")
     if isinstance(prompt, TextPrompt):
         text = _fitting(_unicode(prompt.text, "prompt"), tokenizer, max_model_len)
         return tuple(tokenizer.encode(text, add_special_tokens=add_special_tokens))
@@ -204,11 +204,11 @@ def truncation_limit(truncate: int, max_model_len: int) -> int:
 
 
 def _truncated(ids: tuple[int, ...], tokenizer: PromptTokenizer, prompt: Prompt, limit: int,
-               add_special_tokens: bool) -> tuple[int, ...]:
-    """The last ``limit`` of ``ids``. A text keeps the special tokens its tokenizer put
-    around it (BOS) and loses text tokens from the left, as vLLM's left truncation of a
-    text prompt does; a chat (its template wrote its markers as text) and token ids keep
-    their last ``limit`` tokens."""
+               add_special_tokens: bool, *, right: bool = False) -> tuple[int, ...]:
+    """The last ``limit`` of ``ids`` (``right``: the first). A text keeps the special
+    tokens its tokenizer put around it (BOS) and loses text tokens from that end, as a
+    tokenizer's own truncation of a text does; a chat (its template wrote its markers as
+    text) and token ids keep their last (first) ``limit`` tokens."""
     if len(ids) <= limit:
         return ids
     if isinstance(prompt, TextPrompt) and add_special_tokens:
@@ -217,8 +217,9 @@ def _truncated(ids: tuple[int, ...], tokenizer: PromptTokenizer, prompt: Prompt,
         lead = next((k for k in range(extra + 1) if ids[k:k + len(plain)] == plain), None)
         room = limit - extra
         if lead is not None and room > 0:
-            return ids[:lead] + plain[len(plain) - room:] + ids[lead + len(plain):]
-    return ids[len(ids) - limit:]
+            kept = plain[:room] if right else plain[len(plain) - room:]
+            return ids[:lead] + kept + ids[lead + len(plain):]
+    return ids[:limit] if right else ids[len(ids) - limit:]
 
 
 def request_params(params: SamplingParams, *, processors: Sequence[type], images: bool,

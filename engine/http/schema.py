@@ -142,7 +142,8 @@ COMMON: dict[str, Any] = {
         "type": "integer", "minimum": -1, "not": {"const": 0},
         "description": "keep the last N prompt tokens (-1: the context)"}),
     "truncation_side": _nullable({"enum": ["left", "right"],
-                                  "description": '"right" is refused'}),
+                                  "description": "which end truncate_prompt_tokens cuts: "
+                                  "left (default) keeps the last tokens, right the first"}),
     "spaces_between_special_tokens": _LAX_BOOL,
     "vllm_xargs": _nullable({"type": "object", "description": "arguments of the server's "
                              "logits processors (--logits-processors)"}),

@@ -73,7 +73,6 @@ NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     "web_search_options": lambda v: v is not None,
     "verbosity": lambda v: v not in (None, "medium"),
     # Left truncation (keep the last tokens) is the one built.
-    "truncation_side": lambda v: v not in (None, "left"),
     "kv_transfer_params": lambda v: v is not None,
     # vLLM's per-request image processor options: they change an image's token count, and
     # only the server's --mm-processor-kwargs is taken.
@@ -85,7 +84,6 @@ _NOT_IMPLEMENTED_WHY = {
     "modalities": 'only ["text"] output is supported',
     "web_search_options": "this server has no web search",
     "verbosity": "only the default verbosity (medium) is supported",
-    "truncation_side": 'only "left" (keep the last truncate_prompt_tokens tokens) is built',
     "mm_processor_kwargs": "per-request image processor options are not supported; "
                            "the server's --mm-processor-kwargs applies to every request",
 }
@@ -515,7 +513,7 @@ def _opt_int(body: dict[str, Any], name: str) -> int | None:
 _PASSTHROUGH = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "min_tokens", "allowed_token_ids", "bad_words",
-    "truncate_prompt_tokens",
+    "truncate_prompt_tokens", "truncation_side",
 )
 _PASSTHROUGH_BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
                       "spaces_between_special_tokens")

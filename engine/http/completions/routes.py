@@ -117,7 +117,8 @@ class CompletionsRoutes:
             tokenizer, prompt,
             special_tokens_in_content=config.allow_special_tokens_in_content,
             truncate=None if truncate is None
-            else admission.truncation_limit(truncate, self.engine.max_model_len)))), 200)
+            else admission.truncation_limit(truncate, self.engine.max_model_len),
+            truncation_side=req.params.truncation_side))), 200)
 
     async def render_completions(self) -> Response:
         """vLLM's ``/v1/completions/render``: one ``/inference/v1/generate`` request per
@@ -133,7 +134,8 @@ class CompletionsRoutes:
         rendered = []
         for i, prompt in enumerate(req.prompts):
             ids = list(admission.prompt_token_ids(tok, admission.prompt_message(prompt),
-                                                  truncate=limit))
+                                                  truncate=limit,
+                                                  truncation_side=req.params.truncation_side))
             rendered.append(self._rendered(req, i, ids))
         return json_response(rendered, 200)
 

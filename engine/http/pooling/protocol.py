@@ -99,6 +99,11 @@ def _refuse_unsupported(body: dict[str, Any], route: str = "score") -> None:
         if body.get(name) is not None:
             raise APIError(400, f"{name} is not supported on this route", param=name,
                            code="unsupported_parameter")
+    if body.get("truncation_side") not in (None, "left"):
+        # vLLM's generation field: the pooling routes truncate from the left only.
+        raise APIError(400, 'truncation_side: the pooling routes keep the last '
+                       'truncate_prompt_tokens tokens ("left") only', param="truncation_side",
+                       code="unsupported_parameter")
 
 
 def parse_embedding(body: dict[str, Any], route: str = "embeddings") -> EmbeddingRequest:
