@@ -27,6 +27,7 @@ import binascii
 import dataclasses
 import hashlib
 import io
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -36,10 +37,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.errors import InvalidParamError
+from engine.config import parse_mm_processor_kwargs
+from engine.errors import ConfigError, InvalidParamError
 from engine.messages import ImageInput
 
 # The formats accepted, by their leading bytes (WebP: "RIFF", size, "WEBP").
+# Image processors kept for requests' own mm_processor_kwargs (one per distinct set).
+PROCESSORS_KEPT = 8
 _FORMATS = {"PNG": (b"\x89PNG\r\n\x1a\n",), "JPEG": (b"\xff\xd8\xff",)}
 
 
@@ -302,7 +306,13 @@ class ImagePreprocessor:
 
         # processor_options: --mm-processor-kwargs (Qwen-VL's min_pixels / max_pixels),
         # over the folder's preprocessor_config.json.
-        self.processor = AutoImageProcessor.from_pretrained(str(folder), **(processor_options or {}))
+        self.folder = str(folder)
+        self.options = dict(processor_options or {})
+        self.processor = AutoImageProcessor.from_pretrained(self.folder, **self.options)
+        # A request's own mm_processor_kwargs over the server's: a processor built for each
+        # set seen (a few, kept; building one reads the folder's JSON).
+        self._by_options: dict[tuple[tuple[str, int], ...], Any] = {}
+        self._lock = threading.Lock()
         self.image_token_id = image_token_id
         self.image_token = image_token
         self.num_image_tokens = num_image_tokens
@@ -319,12 +329,46 @@ class ImagePreprocessor:
         pixels, shape, _ = self.preprocess(raw)
         return pixels, shape
 
-    def preprocess(self, raw: RawImage) -> tuple[bytes, tuple[int, ...], tuple[int, ...]]:
-        """``(float32 bytes, shape, grid)`` of one image; ``grid`` is ``(t, h, w)`` patches
-        for Qwen-VL, empty otherwise."""
-        image = decode_image(raw.data, raw.where, self.limits.max_image_pixels)
+    def processor_for(self, options: Mapping[str, Any] | None) -> Any:
+        """The image processor for a request's ``mm_processor_kwargs`` (checked as
+        ``--mm-processor-kwargs`` is, a 400 naming the field; set over the server's):
+        Qwen-VL's pixel budget. A fixed-size tower (LLaVA) takes none."""
+        if not options:
+            return self.processor
         try:
-            out = self.processor(images=[image], return_tensors="np")
+            asked = parse_mm_processor_kwargs(dict(options))
+        except ConfigError as exc:
+            raise InvalidParamError(str(exc), param="mm_processor_kwargs") from None
+        if self.merge_size is None:
+            raise InvalidParamError("mm_processor_kwargs: this model's image processor takes "
+                                    "no pixel budget (it resizes every image to one size)",
+                                    param="mm_processor_kwargs")
+        merged = {**self.options, **asked}
+        try:
+            merged = parse_mm_processor_kwargs(merged)  # min_pixels <= max_pixels, together
+        except ConfigError as exc:
+            raise InvalidParamError(f"{exc} (with the server's --mm-processor-kwargs)",
+                                    param="mm_processor_kwargs") from None
+        key = tuple(sorted(merged.items()))
+        with self._lock:
+            found = self._by_options.get(key)
+        if found is None:
+            from transformers import AutoImageProcessor
+
+            found = AutoImageProcessor.from_pretrained(self.folder, **merged)
+            with self._lock:
+                if len(self._by_options) >= PROCESSORS_KEPT:
+                    self._by_options.pop(next(iter(self._by_options)))
+                self._by_options[key] = found
+        return found
+
+    def preprocess(self, raw: RawImage, processor: Any = None) -> tuple[bytes, tuple[int, ...], tuple[int, ...]]:
+        """``(float32 bytes, shape, grid)`` of one image; ``grid`` is ``(t, h, w)`` patches
+        for Qwen-VL, empty otherwise. ``processor``: a request's (:meth:`processor_for`)."""
+        image = decode_image(raw.data, raw.where, self.limits.max_image_pixels)
+        processor = processor if processor is not None else self.processor
+        try:
+            out = processor(images=[image], return_tensors="np")
         except ValueError as exc:  # e.g. Qwen-VL's: an aspect ratio over 200
             raise InvalidParamError(f"{raw.where}: the model's image processor refused the "
                                     f"image ({exc})", param=raw.where) from None
@@ -334,8 +378,8 @@ class ImagePreprocessor:
             grid = tuple(int(d) for d in out["image_grid_thw"][0])
             # A still image's temporal patch is its one frame repeated (C, T, P, P): keep
             # one copy, half the bytes to carry (the tower repeats it back).
-            frames = pixels.reshape(len(pixels), -1, int(self.processor.temporal_patch_size),
-                                    int(self.processor.patch_size) ** 2)
+            frames = pixels.reshape(len(pixels), -1, int(processor.temporal_patch_size),
+                                    int(processor.patch_size) ** 2)
             if (frames == frames[:, :, :1]).all():
                 pixels = frames[:, :, 0].reshape(len(pixels), -1)
         else:
@@ -343,9 +387,12 @@ class ImagePreprocessor:
         pixels = pixels.astype("<f4", copy=False)
         return pixels.tobytes(), tuple(int(d) for d in pixels.shape), grid
 
-    def expand(self, ids: Sequence[int], images: Sequence[RawImage]) -> tuple[tuple[int, ...], tuple[ImageInput, ...]]:
+    def expand(self, ids: Sequence[int], images: Sequence[RawImage],
+               options: Mapping[str, Any] | None = None) -> tuple[tuple[int, ...], tuple[ImageInput, ...]]:
         """The prompt with each image token widened to the image's placeholder tokens,
-        and the images. Safe in a worker thread (decoding and preprocessing are slow)."""
+        and the images (processed with a request's ``options``, its mm_processor_kwargs).
+        Safe in a worker thread (decoding and preprocessing are slow)."""
+        processor = self.processor_for(options)
         at = [i for i, t in enumerate(ids) if t == self.image_token_id]
         if len(at) != len(images):
             # Text never becomes the token (it is marked as the client's), so the chat
@@ -362,7 +409,7 @@ class ImagePreprocessor:
         prev = 0
         for pos, raw in zip(at, images, strict=True):
             out.extend(ids[prev:pos])
-            pixels, shape, grid = self.preprocess(raw)
+            pixels, shape, grid = self.preprocess(raw, processor)
             if grid:
                 assert self.merge_size is not None
                 t, h, w = grid

@@ -136,9 +136,14 @@ class FakeEngine:
     async def submit(self, prompt: Any, params: SamplingParams | None = None, *,
                      request_id: str | None = None, priority: int = 0,
                      cache_salt: str | None = None, chat_options: Any = None,
-                     lora: str | None = None) -> RequestStream:
+                     lora: str | None = None, prompt_embeds: Any = None,
+                     mm_processor_kwargs: Any = None) -> RequestStream:
         await trio.lowlevel.checkpoint()
         self.loras.resolve(lora)  # the fake serves no adapter: a name is refused
+        if prompt_embeds is not None:  # as an engine without --enable-prompt-embeds
+            raise InvalidParamError("prompt_embeds needs --enable-prompt-embeds",
+                                    param="prompt_embeds")
+        # mm_processor_kwargs: a text-only model has no images for them to shape.
         if self.dead:
             raise EngineDeadError("engine is dead") from self.dead_reason
         params = params or SamplingParams()
@@ -157,7 +162,8 @@ class FakeEngine:
         self._nursery.start_soon(self._run, rid, ids, params, max_tokens, send)
         return RequestStream(self, rid, ids, receive)
 
-    async def tokenize_chat(self, messages: Any, chat_options: Any = None) -> tuple[int, ...]:
+    async def tokenize_chat(self, messages: Any, chat_options: Any = None,
+                            mm_processor_kwargs: Any = None) -> tuple[int, ...]:
         """A text-only model's: image parts refused as the real engine refuses them."""
         from engine import multimodal
 

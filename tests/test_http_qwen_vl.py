@@ -87,3 +87,27 @@ def test_tokenize_and_responses_take_qwen_images(folder, server, client) -> None
                                      extra_body={"ignore_eos": True})
     assert answer.output_text == hf[1].tokenizer.decode(new, skip_special_tokens=True)
     assert answer.usage.input_tokens == len(ids)
+
+
+def test_a_requests_mm_processor_kwargs_reach_the_image_processor(folder, server, client) -> None:
+    """vLLM's per-request mm_processor_kwargs over HTTP: the answer and the count are
+    transformers' with a processor built with the same pixel budget."""
+    from transformers import AutoImageProcessor
+
+    model, processor = hf_model(folder)
+    budget = {"min_pixels": 64, "max_pixels": 16 * 16}
+    small = type(processor)(image_processor=AutoImageProcessor.from_pretrained(folder, **budget),
+                            tokenizer=processor.tokenizer, chat_template=processor.chat_template)
+    ids, _, new, _ = hf_run((model, small), IMAGES[:1], new_tokens=MAX_TOKENS)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=_messages(IMAGES[:1]), temperature=0, max_tokens=MAX_TOKENS,
+        extra_body={"ignore_eos": True, "mm_processor_kwargs": budget})
+    assert reply.usage.prompt_tokens == len(ids)
+    assert reply.choices[0].message.content == processor.tokenizer.decode(new, skip_special_tokens=True)
+    counted = httpx.post(server.base_url + "/tokenize", json={
+        "model": MODEL, "messages": _messages(IMAGES[:1]), "mm_processor_kwargs": budget}).json()
+    assert counted["tokens"] == ids
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=_messages(IMAGES[:1]), max_tokens=1,
+                                       extra_body={"mm_processor_kwargs": {"size": 3}})
+    assert info.value.body["param"] == "mm_processor_kwargs"

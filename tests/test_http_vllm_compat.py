@@ -200,7 +200,6 @@ def test_a_request_template_that_raises_is_a_400_naming_the_error(fake, expressi
     # Without --reasoning-parser (chat); a chat field (completions).
     ("include_reasoning", False),
     ("kv_transfer_params", {"do_remote_decode": True}),
-    ("mm_processor_kwargs", {"max_pixels": 3136}),
 ])
 def test_a_field_that_changes_the_answer_and_is_not_built_is_a_400_naming_it(fake, field, value):
     with _client(fake) as client:

@@ -269,6 +269,47 @@ async def test_mm_processor_kwargs_sets_the_pixel_budget(qwen_vl, tmp_path) -> N
             pass
 
 
+@pytest.mark.parametrize("qwen_vl", ["qwen2_vl"], indirect=True)
+async def test_a_requests_mm_processor_kwargs_set_its_own_pixel_budget(qwen_vl, hf, tmp_path) -> None:
+    """vLLM's per-request mm_processor_kwargs: transformers' processor built with the same
+    budget gives the prompt and the tokens; the server's own budget stays the others'."""
+    from transformers import AutoImageProcessor
+
+    from engine.errors import InvalidParamError
+    from engine.models.testing import write_tiny_llava
+
+    model, processor = hf
+    budget = {"min_pixels": 64, "max_pixels": 16 * 16}
+    small = type(processor)(image_processor=AutoImageProcessor.from_pretrained(qwen_vl, **budget),
+                            tokenizer=processor.tokenizer, chat_template=processor.chat_template)
+    ids, _, new, _ = hf_run((model, small), IMAGES[:1], new_tokens=8)
+    full_ids, _, _, _ = hf_run(hf, IMAGES[:1], new_tokens=1)
+    assert len(ids) < len(full_ids)
+    async with _open(qwen_vl, max_num_batched_tokens=2048) as eng:
+        stream = await eng.submit(messages(IMAGES[:1]), greedy(8), mm_processor_kwargs=budget)
+        async with stream:
+            outs = [o async for o in stream]
+        assert stream.prompt_token_ids == tuple(ids)
+        assert token_ids(outs) == new
+        # The next request, without them: the server's budget (the same image is another
+        # input at another size: its own key, no cache hit across the two).
+        assert tuple(await eng.tokenize_chat(messages(IMAGES[:1]))) == tuple(full_ids)
+        assert tuple(await eng.tokenize_chat(messages(IMAGES[:1]),
+                                             mm_processor_kwargs=budget)) == tuple(ids)
+        for bad in ({"size": 3}, {"max_pixels": 0}, {"min_pixels": 4096, "max_pixels": 256},
+                    {"max_pixels": "256"}):
+            with pytest.raises(InvalidParamError) as info:
+                await eng.submit(messages(IMAGES[:1]), greedy(1), mm_processor_kwargs=bad)
+            assert info.value.param == "mm_processor_kwargs"
+        await wait_idle(eng)
+    # LLaVA's processor resizes every image to one size: it takes no budget.
+    llava = write_tiny_llava(tmp_path / "llava")
+    async with _open(llava) as eng:
+        with pytest.raises(InvalidParamError, match="no pixel budget") as info:
+            await eng.submit(messages(IMAGES[:1]), greedy(1), mm_processor_kwargs=budget)
+        assert info.value.param == "mm_processor_kwargs"
+
+
 @pytest.mark.parametrize("qwen_vl", ["qwen2_5_vl"], indirect=True)
 async def test_requests_batched_together_each_get_their_own_positions(qwen_vl, hf) -> None:
     """Three requests (two images, one image, text only) prefill and decode in the same

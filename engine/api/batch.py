@@ -50,7 +50,7 @@ Progress = Callable[[int, int], None]
 # The keys of a vLLM prompt dict this engine reads; any other is refused rather than
 # silently ignored (it would change what the prompt asks for).
 _PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "prompt_embeds", "multi_modal_data",
-                          "cache_salt"})
+                          "mm_processor_kwargs", "cache_salt"})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -67,6 +67,7 @@ class BatchPrompt:
     chat_options: TemplateOptions | None = None
     render: bool = False
     embeds: Any = None  # vLLM's {"prompt_embeds": tensor}; ``prompt`` is then None
+    mm_options: dict[str, Any] | None = None  # the prompt dict's mm_processor_kwargs
 
 
 def _refused(index: int, message: str, param: str = "prompts") -> BatchPromptError:
@@ -105,12 +106,16 @@ def _generation_prompt(index: int, prompt: Any) -> BatchPrompt:
     salt = prompt.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise _refused(index, "cache_salt must be a string", param="cache_salt")
+    options = prompt.get("mm_processor_kwargs")
+    if options is not None and not isinstance(options, Mapping):
+        raise _refused(index, "mm_processor_kwargs must be a dict", param="mm_processor_kwargs")
+    options = dict(options) if options else None
     if prompt.get("prompt_embeds") is not None:
         if text is not None or ids is not None:
             raise _refused(index, "a prompt dict gives prompt_embeds, or prompt / "
                                   "prompt_token_ids, not both", param="prompt_embeds")
         return BatchPrompt(None, None, _images(index, prompt.get("multi_modal_data")),
-                           salt, embeds=prompt["prompt_embeds"])
+                           salt, embeds=prompt["prompt_embeds"], mm_options=options)
     if ids is not None:
         if not _is_ids(ids):
             raise _refused(index, "prompt_token_ids must be a non-empty list of integers",
@@ -122,7 +127,7 @@ def _generation_prompt(index: int, prompt: Any) -> BatchPrompt:
         raise _refused(index, "a prompt dict needs 'prompt' (a string), 'prompt_token_ids' "
                               "or 'prompt_embeds'")
     return BatchPrompt(body, text if isinstance(text, str) else None,
-                       _images(index, prompt.get("multi_modal_data")), salt)
+                       _images(index, prompt.get("multi_modal_data")), salt, mm_options=options)
 
 
 def _images(index: int, data: Any) -> tuple[Any, ...]:
@@ -235,7 +240,7 @@ async def prepare_all(engine: Engine, prompts: Sequence[BatchPrompt],
                 prompt.prompt, params[i], request_id=request_ids[i], priority=priorities[i],
                 cache_salt=prompt.cache_salt, chat_options=prompt.chat_options,
                 images=prompt.images, lora=loras[i] if loras else None,
-                prompt_embeds=prompt.embeds))
+                prompt_embeds=prompt.embeds, mm_processor_kwargs=prompt.mm_options))
         except RequestError as exc:
             raise BatchPromptError(i, exc) from exc
     return prepared

@@ -243,6 +243,7 @@ class Engine:
         chat_options: TemplateOptions | None = None,
         lora: str | None = None,
         prompt_embeds: Any = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> RequestStream:
         """Validate, tokenize and queue a request; returns its stream once admitted.
 
@@ -258,7 +259,8 @@ class Engine:
         """
         prepared = await self.prepare(prompt, params, request_id=request_id, priority=priority,
                                       cache_salt=cache_salt, chat_options=chat_options, lora=lora,
-                                      prompt_embeds=prompt_embeds)
+                                      prompt_embeds=prompt_embeds,
+                                      mm_processor_kwargs=mm_processor_kwargs)
         return self.enqueue(prepared)
 
     def default_sampling_params(self) -> SamplingParams:
@@ -279,6 +281,7 @@ class Engine:
         images: Sequence[Any] = (),
         lora: str | None = None,
         prompt_embeds: Any = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> PreparedRequest:
         """Everything :meth:`submit` does short of queueing: check, tokenize (chat template,
         images), compile a structured output's grammar, and pass every admission check but
@@ -292,7 +295,8 @@ class Engine:
 
         ``prompt_embeds`` (with ``prompt`` None, and ``enable_prompt_embeds``): the prompt
         as its input embeddings, a ``[tokens, hidden]`` torch tensor (vLLM's; see
-        :mod:`engine.api.prompt_embeds`).
+        :mod:`engine.api.prompt_embeds`). ``mm_processor_kwargs``: this request's image
+        processor options over the server's (Qwen-VL's ``min_pixels`` / ``max_pixels``).
         """
         await trio.lowlevel.checkpoint()
         self._alive()
@@ -334,7 +338,8 @@ class Engine:
         submit = dataclasses.replace(submit, params=params)
         ids, images_in = await self._prompt_ids(submit.prompt, raw_images,
                                                 truncate=params.truncate_prompt_tokens,
-                                                side=params.truncation_side)
+                                                side=params.truncation_side,
+                                                mm_options=mm_processor_kwargs)
         if embeds is not None:
             images_in = (embeds,)
         grammar = self._parts.grammar
@@ -461,19 +466,22 @@ class Engine:
                     sample.lora.name if sample.lora is not None else None)
 
     async def tokenize_chat(self, messages: Sequence[dict[str, Any]],
-                            chat_options: TemplateOptions | None = None) -> tuple[int, ...]:
+                            chat_options: TemplateOptions | None = None,
+                            mm_processor_kwargs: dict[str, Any] | None = None) -> tuple[int, ...]:
         """The prompt token ids ``submit`` would run chat ``messages`` as, each image part
-        widened to its placeholder tokens (``/tokenize``, ``count_tokens``). Refuses what
-        ``submit`` refuses of the images (:class:`InvalidParamError` naming the part)."""
+        widened to its placeholder tokens (``/tokenize``, ``count_tokens``; with the
+        request's ``mm_processor_kwargs``). Refuses what ``submit`` refuses of the images
+        (:class:`InvalidParamError` naming the part)."""
         raw_images: list[Any] = []
         if multimodal.has_images(messages):
             messages, raw_images = self._split_images(messages)
         prompt = admission.prompt_message(
             messages, chat_options.to_json() if chat_options is not None else None)
-        return (await self._prompt_ids(prompt, raw_images))[0]
+        return (await self._prompt_ids(prompt, raw_images, mm_options=mm_processor_kwargs))[0]
 
     async def _prompt_ids(self, prompt: admission.Prompt, raw_images: Sequence[Any],
                           truncate: int | None = None, side: str = "left",
+                          mm_options: dict[str, Any] | None = None,
                           ) -> tuple[tuple[int, ...], tuple[Any, ...]]:
         ids = await tokenize_prompt(
             self.tokenizer, prompt, limiter=self._prompt_limiter,
@@ -491,7 +499,8 @@ class Engine:
             # Decoding and the image processor take milliseconds per image: off the trio
             # thread, abandoned (pure) on cancel.
             ids, images = await trio.to_thread.run_sync(
-                self._parts.images.expand, ids, list(raw_images), abandon_on_cancel=True)
+                self._parts.images.expand, ids, list(raw_images), mm_options,
+                abandon_on_cancel=True)
         return ids, images
 
     def _split_images(self, prompt: Any) -> tuple[list[Any], list[Any]]:

@@ -66,7 +66,8 @@ class EngineLike(Protocol):
     def abort(self, request_id: str) -> None: ...
 
     async def tokenize_chat(self, messages: Sequence[dict[str, Any]],
-                            chat_options: TemplateOptions | None = None) -> tuple[int, ...]: ...
+                            chat_options: TemplateOptions | None = None,
+                            mm_processor_kwargs: dict[str, Any] | None = None) -> tuple[int, ...]: ...
 
     async def embed(
         self, input: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]], *,

@@ -161,7 +161,11 @@ class AdminRoutes:
         prompt, add_special_tokens = await self.server.off_loop(lambda: parse(body))
         # Generation's own path (admission), with its guards.
         if isinstance(prompt, tuple):  # chat messages with images: as vLLM, the count
-            ids = await self.engine.tokenize_chat(*prompt)  # holds their placeholders
+            options = body.get("mm_processor_kwargs")  # holds their placeholders
+            if options is not None and not isinstance(options, dict):
+                raise APIError(400, "mm_processor_kwargs must be an object",
+                               param="mm_processor_kwargs", code="invalid_type")
+            ids = await self.engine.tokenize_chat(*prompt, mm_processor_kwargs=options or None)
         else:
             ids = await tokenize_prompt(
                 tok, prompt, limiter=self.server.prompt_limiter, add_special_tokens=add_special_tokens,

@@ -46,6 +46,8 @@ _COMMON_FIELDS = frozenset(
         # vLLM's extras: the queue priority (with --scheduling-policy priority, smaller
         # first) and a salt that keeps this request's prefix-cache entries private.
         "priority", "cache_salt", "request_id",
+        # vLLM's per-request image processor options (Qwen-VL's pixel budget).
+        "mm_processor_kwargs",
         # OpenAI's bookkeeping fields: they change nothing in the answer.
         "service_tier", "store", "metadata", "safety_identifier", "prompt_cache_key",
         "prompt_cache_retention",
@@ -74,9 +76,6 @@ NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     "verbosity": lambda v: v not in (None, "medium"),
     # Left truncation (keep the last tokens) is the one built.
     "kv_transfer_params": lambda v: v is not None,
-    # vLLM's per-request image processor options: they change an image's token count, and
-    # only the server's --mm-processor-kwargs is taken.
-    "mm_processor_kwargs": lambda v: v not in (None, {}),
 }
 # Why each refused field is refused, for the 400's message.
 _NOT_IMPLEMENTED_WHY = {
@@ -84,8 +83,6 @@ _NOT_IMPLEMENTED_WHY = {
     "modalities": 'only ["text"] output is supported',
     "web_search_options": "this server has no web search",
     "verbosity": "only the default verbosity (medium) is supported",
-    "mm_processor_kwargs": "per-request image processor options are not supported; "
-                           "the server's --mm-processor-kwargs applies to every request",
 }
 # Fields of one API only, refused by the other when they would change its answer.
 _CHAT_REFUSES: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -160,6 +157,9 @@ class CompletionRequest:
     legacy_functions: bool = False
     # vLLM's prompt_embeds (completions): ``prompts`` are [tokens, hidden] tensors.
     prompt_embeds: bool = False
+    # vLLM's mm_processor_kwargs: this request's image processor options (checked by the
+    # engine's image preprocessor).
+    mm_processor_kwargs: dict[str, Any] | None = None
 
 
 def parse_completion(body: Any, defaults: Mapping[str, Any] | None = None) -> CompletionRequest:
@@ -402,9 +402,15 @@ def _chat_output_params(body: dict[str, Any], params: SamplingParams,
 
 
 def _queueing(body: dict[str, Any]) -> dict[str, Any]:
-    """``priority``, ``cache_salt`` and ``request_id``, type-checked; absent ones keep
-    their defaults."""
+    """``priority``, ``cache_salt``, ``request_id`` and ``mm_processor_kwargs``,
+    type-checked; absent ones keep their defaults."""
     out: dict[str, Any] = {}
+    options = body.get("mm_processor_kwargs")
+    if options not in (None, {}):
+        if not isinstance(options, dict):
+            raise APIError(400, "mm_processor_kwargs must be an object", param="mm_processor_kwargs",
+                           code="invalid_type")
+        out["mm_processor_kwargs"] = options
     request_id = body.get("request_id")
     if request_id is not None:
         # The X-Request-Id header's rule: ids show up in logs, printable ASCII only.

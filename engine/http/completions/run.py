@@ -65,6 +65,8 @@ class Run:
             extra["lora"] = self.lora
         if self.req.chat_fields is not None:
             extra["chat_options"] = self.req.chat_fields.template
+        if self.req.mm_processor_kwargs is not None:
+            extra["mm_processor_kwargs"] = self.req.mm_processor_kwargs
         try:
             for i, prompt in enumerate(self.req.prompts):
                 if base_id is not None:
