@@ -28,7 +28,7 @@ if not torch.cuda.is_available():
 
 # The pooling tests' models and oracle outputs, built once per session (test_pooling.py
 # and test_http_pooling.py both use them; sentence-transformers' encode takes seconds).
-from pooling_fixtures import classifier, cross_encoder, minilm, st_embeddings  # noqa: E402, F401
+from pooling_fixtures import classifier, cross_encoder, minilm, st_embeddings, tagger  # noqa: E402, F401
 
 
 @pytest.fixture(scope="module")

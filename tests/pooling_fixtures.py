@@ -87,3 +87,22 @@ def classifier(tmp_path_factory: pytest.TempPathFactory, minilm: Path) -> Path:
 
 
 CLASSIFIER_TEXTS = ["Dreadful.", "It was fine, I suppose.", "I loved every minute of it."]
+
+
+@pytest.fixture(scope="session")
+def tagger(tmp_path_factory: pytest.TempPathFactory, minilm: Path) -> Path:
+    """A tiny random BertForTokenClassification (an NER-style tagger, five named labels)
+    with MiniLM's tokenizer; a wide initialisation so that its tokens get different labels."""
+    from transformers import BertConfig, BertForTokenClassification
+
+    path = tmp_path_factory.mktemp("tagger")
+    torch.manual_seed(0)
+    names = {0: "O", 1: "B-PER", 2: "I-PER", 3: "B-LOC", 4: "I-LOC"}
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=64, num_labels=5,
+                        id2label=names, label2id={v: k for k, v in names.items()},
+                        max_position_embeddings=128, initializer_range=0.2)
+    BertForTokenClassification(config).save_pretrained(str(path))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (path / name).write_bytes((minilm / name).read_bytes())
+    return path

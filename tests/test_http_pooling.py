@@ -484,3 +484,43 @@ def test_embed_dtype_and_endianness_write_each_value_as_asked(server, endianness
         "endianness": endianness}).json()["data"][0]["data"]
     got = np.frombuffer(base64.b64decode(packed), dtype=order + "f2").reshape(len(rows), -1)
     assert np.array_equal(got, np.array(rows, dtype=np.float32).astype(np.float16))
+
+
+def test_pooling_route_runs_a_token_classifier_as_transformers(tagger: Path) -> None:
+    """vLLM's token_classify: the default task of /pooling for a token classifier, and of
+    LLM.encode; every token's probabilities against transformers' softmax."""
+    from transformers import AutoTokenizer, BertForTokenClassification
+
+    texts = ["Ada Lovelace was born in London.", "Paris"]
+    tok = AutoTokenizer.from_pretrained(str(tagger))
+    hf = BertForTokenClassification.from_pretrained(str(tagger)).eval()
+    with torch.no_grad():
+        logits = [hf(**tok(t, return_tensors="pt")).logits[0] for t in texts]
+    opener = lambda: engine.open_engine(str(tagger), dtype="float32")  # noqa: E731
+    with ServerThread(opener) as srv:
+        url = srv.base_url + "/pooling"
+        default = httpx.post(url, json={"input": texts}, timeout=30).json()
+        raw = httpx.post(url, json={"input": texts[0], "task": "token_classify",
+                                    "use_activation": False, "encoding_format": "base64"},
+                         timeout=30).json()
+        refused = [(httpx.post(url, json=body, timeout=30), param) for body, param in (
+            ({"input": "hi", "task": "classify"}, "task"),
+            ({"input": "hi", "normalize": True}, "normalize"),
+            ({"input": "hi", "dimensions": 2}, "dimensions"))]
+        classify = httpx.post(srv.base_url + "/classify", json={"input": "hi"}, timeout=30)
+    for item, want in zip(default["data"], logits, strict=True):
+        assert np.allclose(item["data"], torch.softmax(want.double(), -1).numpy(), atol=1e-5)
+    unpacked = np.frombuffer(base64.b64decode(raw["data"][0]["data"]), dtype="<f4")
+    assert np.allclose(unpacked.reshape(logits[0].shape), logits[0].numpy(), atol=1e-4)
+    assert default["usage"]["prompt_tokens"] == sum(len(w) for w in logits)
+    for reply, param in refused:
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+    assert classify.status_code == 400 and classify.json()["error"]["param"] == "model"
+    with engine.LLM(str(tagger), dtype="float32") as llm:
+        encoded = llm.encode(texts, use_tqdm=False)
+        raw_encoded = llm.encode(texts, engine.PoolingParams(use_activation=False),
+                                 pooling_task="token_classify", use_tqdm=False)
+    for out, out_raw, want in zip(encoded, raw_encoded, logits, strict=True):
+        assert np.allclose(out.outputs.data.numpy(), torch.softmax(want.double(), -1).numpy(),
+                           atol=1e-5)
+        assert np.allclose(out_raw.outputs.data.numpy(), want.numpy(), atol=1e-4)

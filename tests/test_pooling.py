@@ -270,3 +270,35 @@ async def test_cross_encoder_scores_match_transformers(cross_encoder: Path) -> N
     # The random token-type embeddings make segment B's tokens count: the match above
     # holds only if the engine types them as the tokenizer does.
     assert [n for _, n in scores] == batch["attention_mask"][: len(docs)].sum(1).tolist()
+
+
+# -- a token classifier (vLLM's token_classify) --------------------------------------------
+
+async def test_a_token_classifier_gives_transformers_probabilities_for_every_token(
+    tagger: Path
+) -> None:
+    from transformers import AutoTokenizer, BertForTokenClassification
+
+    texts = ["Ada Lovelace was born in London.", "Paris", "No names here at all, only words."]
+    tok = AutoTokenizer.from_pretrained(str(tagger))
+    hf = BertForTokenClassification.from_pretrained(str(tagger)).eval()
+    async with engine.open_engine(tagger, dtype="float32") as eng:
+        assert eng.pooler.task == "token_classify"
+        assert eng.pooler.labels == ("O", "B-PER", "I-PER", "B-LOC", "I-LOC")
+        probs = [p.matrix() for p in await eng.classify_tokens(texts)]
+        logits = [p.matrix() for p in await eng.classify_tokens(texts[:1], use_activation=False)]
+        # A sequence's routes are not a tagger's.
+        for call in (eng.classify(texts[0]), eng.embed(texts[0]), eng.score(texts[0], texts[1])):
+            with pytest.raises(InvalidParamError) as info:
+                await call
+            assert info.value.param == "model"
+    for got, text in zip(probs, texts, strict=True):
+        with torch.no_grad():
+            want = hf(**tok(text, return_tensors="pt")).logits[0].double()
+        assert got.shape == tuple(want.shape)
+        assert np.allclose(got, torch.softmax(want, -1).numpy(), atol=1e-5)
+    with torch.no_grad():
+        want = hf(**tok(texts[0], return_tensors="pt")).logits[0]
+    assert np.allclose(logits[0], want.numpy(), atol=1e-4)
+    # Each token has its own row (one row copied to all would not match above).
+    assert not np.allclose(probs[0][0], probs[0][1:], atol=1e-3)

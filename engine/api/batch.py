@@ -306,9 +306,10 @@ def pooling_inputs(prompts: Any) -> list[str | tuple[int, ...]]:
     return out
 
 
-def _pooler(engine: Engine, task: str | None, what: str) -> Any:
+def _pooler(engine: Engine, task: str | tuple[str, ...] | None, what: str) -> Any:
     pooler = engine.pooler
-    if pooler is None or (task is not None and pooler.task != task):
+    tasks = (task,) if isinstance(task, str) else task
+    if pooler is None or (tasks is not None and pooler.task not in tasks):
         kind = "a generation model" if pooler is None else f"a {pooler.task} model"
         raise InvalidParamError(f"the model {engine.model_name} is {kind}: it does not {what}",
                                 param="model")
@@ -408,6 +409,23 @@ async def embed_tokens(engine: Engine, inputs: Sequence[str | tuple[int, ...]], 
             for p, i, pp in zip(pooled, ids, params, strict=True)]
 
 
+async def classify_tokens(engine: Engine, inputs: Sequence[str | tuple[int, ...]], *,
+                          params: Sequence[PoolingParams], request_ids: Sequence[str],
+                          window: Window, progress: Progress) -> list[tuple[Pooled, list[int]]]:
+    """vLLM's ``token_classify`` of each input with its :class:`PoolingParams`
+    (``use_activation``): each input's per-token probabilities (or logits) and its ids."""
+    _pooler(engine, "token_classify", "classify tokens")
+    for i, p in enumerate(params):
+        try:
+            _only(p, "token_classify", ("dimensions", "normalize"))
+        except RequestError as exc:
+            raise BatchPromptError(i, exc) from exc
+    ids = await _token_ids(engine, inputs, [p.truncate_prompt_tokens for p in params])
+    pooled = await _pool(engine, ids, window=window, progress=progress, tokens=True)
+    return [(pooling.token_class_probs(p, pp.use_activation is not False), list(i))
+            for p, i, pp in zip(pooled, ids, params, strict=True)]
+
+
 async def classify(engine: Engine, inputs: Sequence[str | tuple[int, ...]], *,
                    params: Sequence[PoolingParams], request_ids: Sequence[str],
                    window: Window, progress: Progress) -> list[ClassificationRequestOutput]:
@@ -439,7 +457,7 @@ async def score(engine: Engine, firsts: Sequence[str], seconds: Sequence[str], *
                 progress: Progress) -> list[ScoringRequestOutput]:
     """Score each pair: a cross-encoder reads the two together (the sigmoid of its
     one logit); an embedding model embeds each distinct text once (cosine similarity)."""
-    pooler = _pooler(engine, None, "score")
+    pooler = _pooler(engine, ("embed", "classify"), "score")
     if pooler.task == "classify":
         if pooler.size != 1:
             raise InvalidParamError(f"score needs a cross-encoder with one output label; this "

@@ -76,6 +76,10 @@ from engine.structured.pool import CompilePool
 
 logger = logging.getLogger("engine")
 
+# Where a pooling model's requests go, by its task (a generation route's 400 names them).
+_POOLING_ROUTES = {"embed": "/v1/embeddings (or /pooling)",
+                   "classify": "/classify, /v1/score or /v1/rerank"}
+
 # Worker threads for prompt work (chat templates, long tokenizations) at once, apart from
 # trio's default pool (grammar compiles and the rest): a few slow prompts (each bounded by
 # --chat-template-timeout and the context's length) queue behind each other instead of
@@ -304,7 +308,7 @@ class Engine:
             raise InvalidParamError(
                 f"the model {self.model_name} is a pooling model ({self.pooler.task}): it does "
                 f"not generate text; use "
-                f"{'/v1/embeddings' if self.pooler.task == 'embed' else '/classify, /v1/score or /v1/rerank'}",
+                f"{_POOLING_ROUTES.get(self.pooler.task, '/pooling')}",
                 param="model")
         if params is None:
             params = self.default_sampling_params()
@@ -605,6 +609,21 @@ class Engine:
                                          request_id, priority)
         return [(pooling.class_probs(p, use_activation), p.prompt_tokens) for p in pooled]
 
+    async def classify_tokens(
+        self, input: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]], *,
+        use_activation: bool = True, truncate_prompt_tokens: int | None = None,
+        add_special_tokens: bool = True, request_id: str | None = None, priority: int = 0,
+    ) -> list[Pooled]:
+        """vLLM's ``token_classify`` with a token classifier (``BertForTokenClassification``):
+        for each input, every token's class probabilities (``Pooled.matrix()``: a row a
+        token, one column a label of ``self.pooler.labels``), or with ``use_activation``
+        false its logits. Inputs and the other options as :meth:`embed`'s."""
+        self._pooler("classify tokens", "token_classify")
+        _check_flags(use_activation=use_activation, add_special_tokens=add_special_tokens)
+        pooled = await self._pool_inputs(input, truncate_prompt_tokens, add_special_tokens,
+                                         request_id, priority, tokens=True)
+        return [pooling.token_class_probs(p, use_activation) for p in pooled]
+
     async def _pool_inputs(self, input: Any, truncate: int | None, add_special_tokens: bool,
                            request_id: str | None, priority: int, *,
                            tokens: bool = False) -> list[Pooled]:
@@ -626,7 +645,7 @@ class Engine:
         ``first`` is one text, else pairwise (equal lengths). An embedding model scores
         by cosine similarity; a cross-encoder reads each pair together and scores it by the
         sigmoid of its logit, as sentence-transformers' CrossEncoder."""
-        pooler = self._pooler("score", None)
+        pooler = self._pooler("score", ("embed", "classify"))
         firsts = [first] if isinstance(first, str) else list(first)
         seconds = [second] if isinstance(second, str) else list(second)
         if not seconds or not firsts or not all(isinstance(t, str) for t in firsts + seconds):
@@ -714,10 +733,12 @@ class Engine:
             return await trio.to_thread.run_sync(work, abandon_on_cancel=True)
         return work()
 
-    def _pooler(self, what: str, task: str | None) -> Any:
-        """The pooler, if this model can ``what`` (``task``: the task it needs, None: any)."""
+    def _pooler(self, what: str, task: str | tuple[str, ...] | None) -> Any:
+        """The pooler, if this model can ``what`` (``task``: the task it needs, or one of
+        them; None: any)."""
         self._alive()
-        if self.pooler is None or (task is not None and self.pooler.task != task):
+        tasks = (task,) if isinstance(task, str) else task
+        if self.pooler is None or (tasks is not None and self.pooler.task not in tasks):
             kind = "a generation model" if self.pooler is None else f"a {self.pooler.task} model"
             hint = ("; serve it with --convert embed to use it as an embedder"
                     if self.pooler is None and what.startswith("embed") else "")

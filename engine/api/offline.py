@@ -239,24 +239,25 @@ class LLM:
                lora_request: Any = None, pooling_task: str | None = None) -> list[PoolingRequestOutput]:
         """vLLM's generic pooling call, each input's result as ``outputs.data``, a float32
         tensor: ``pooling_task`` ``"embed"`` (what :meth:`embed` gives), ``"classify"``
-        (what :meth:`classify` gives) or ``"token_embed"`` (every prompt token's hidden
+        (what :meth:`classify` gives), ``"token_embed"`` (every prompt token's hidden
         state, ``[tokens, width]``, each row normalised as the model's embeddings are, or
-        as ``pooling_params.normalize`` asks). Without a task an embedding model runs
-        ``token_embed``, as vLLM's does (with a warning, as vLLM's); vLLM's
-        ``token_classify`` (a per-token classification head) is refused by name."""
-        if pooling_task is None and self._engine_pooler_task() == "embed":
-            logger.warning("LLM.encode without pooling_task runs 'token_embed' (every "
-                           "token's hidden state); use embed() or pooling_task='embed' for "
-                           "one vector per input")
-            pooling_task = "token_embed"
-        if pooling_task not in ("embed", "classify", "token_embed"):
+        as ``pooling_params.normalize`` asks) or, with a token classifier,
+        ``"token_classify"`` (every token's class probabilities, ``[tokens, labels]``, or
+        its logits with ``use_activation=False``). Without a task the model's per-token
+        task runs, as vLLM's does (with a warning, as vLLM's)."""
+        model_task = self._engine_pooler_task()
+        if pooling_task is None and model_task in ("embed", "token_classify"):
+            pooling_task = "token_embed" if model_task == "embed" else "token_classify"
+            logger.warning("LLM.encode without pooling_task runs %r (an output for every "
+                           "token); give pooling_task to choose", pooling_task)
+        if pooling_task not in ("embed", "classify", "token_embed", "token_classify"):
             raise InvalidParamError(
-                f"pooling_task {pooling_task!r}: give 'embed', 'classify' or 'token_embed' "
-                "(vLLM's token_classify, a per-token classification head, is not built)",
-                param="pooling_task")
-        if pooling_task == "token_embed":
+                f"pooling_task {pooling_task!r}: give 'embed', 'classify', 'token_embed' or "
+                "'token_classify' (the model's: "
+                f"{model_task})", param="pooling_task")
+        if pooling_task.startswith("token_"):
             return self._encode_tokens(prompts, pooling_params, truncate_prompt_tokens,
-                                       use_tqdm, lora_request)
+                                       use_tqdm, lora_request, pooling_task)
         call = self.embed if pooling_task == "embed" else self.classify
         results = call(prompts, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
                        pooling_params=pooling_params, lora_request=lora_request)
@@ -271,15 +272,16 @@ class LLM:
         return None if pooler is None else str(pooler.task)
 
     def _encode_tokens(self, prompts: Any, pooling_params: Any, truncate: int | None,
-                       use_tqdm: Any, lora_request: Any) -> list[PoolingRequestOutput]:
+                       use_tqdm: Any, lora_request: Any, task: str) -> list[PoolingRequestOutput]:
         _no_lora(lora_request)
         inputs = batch.pooling_inputs(prompts)
         params = _pooling_params(pooling_params, truncate, len(inputs))
         ids, window = self._ids(len(inputs)), self._window
+        call = batch.embed_tokens if task == "token_embed" else batch.classify_tokens
 
         async def work(engine: Engine, emit: batch.Progress) -> list[tuple[Any, list[int]]]:
-            return await batch.embed_tokens(engine, inputs, params=params, request_ids=ids,
-                                            window=window, progress=lambda p, o: emit((p, o)))
+            return await call(engine, inputs, params=params, request_ids=ids, window=window,
+                              progress=lambda p, o: emit((p, o)))
 
         results = self._run(work, len(inputs), use_tqdm)
         return [PoolingRequestOutput(rid, PoolingOutput(torch.from_numpy(p.matrix().copy())),

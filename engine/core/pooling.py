@@ -172,6 +172,20 @@ def token_embeddings(pooled: Pooled, normalize: bool) -> Pooled:
     return Pooled((rows / norms).astype("<f4").tobytes(), pooled.prompt_tokens)
 
 
+def token_class_probs(pooled: Pooled, activation: bool = True) -> Pooled:
+    """A token classifier's answer: each token's row of :func:`class_probs` (float32),
+    or with ``activation`` false its logits."""
+    if not activation:
+        return pooled
+    logits = pooled.matrix().astype(np.float64)
+    if logits.shape[1] == 1:
+        probs = 1.0 / (1.0 + np.exp(-logits))
+    else:
+        shifted = np.exp(logits - logits.max(1, keepdims=True))
+        probs = shifted / shifted.sum(1, keepdims=True)
+    return Pooled(probs.astype("<f4").tobytes(), pooled.prompt_tokens)
+
+
 def cosine(a: Pooled, b: Pooled) -> float:
     """Cosine similarity of two embeddings, in float64."""
     x, y = a.vector().astype(np.float64), b.vector().astype(np.float64)

@@ -358,8 +358,9 @@ POOLING: dict[str, Any] = {
         **EMBEDDINGS["properties"],
         "task": _nullable({"enum": ["embed", "classify", "token_embed", "token_classify",
                                     "score", "plugin"],
-                           "description": "embed, classify or token_embed (the default for "
-                           "an embedding model); the others are refused"}),
+                           "description": "embed, classify, token_embed or token_classify "
+                           "(default: the model's per-token task); score and plugin are "
+                           "refused"}),
         "use_activation": CLASSIFY["properties"]["use_activation"],
     },
 }

@@ -1,5 +1,6 @@
-"""BERT: the bidirectional encoder of sentence-transformers embedders (``BertModel``) and of
-cross-encoder rerankers (``BertForSequenceClassification``).
+"""BERT: the bidirectional encoder of sentence-transformers embedders (``BertModel``), of
+cross-encoder rerankers (``BertForSequenceClassification``) and of token taggers
+(``BertForTokenClassification``: a classifier on every token's hidden state).
 
 Unlike the decoders, every token attends to every token of its own sequence, so a
 sequence's hidden states depend on all of it: a prompt cannot be split over steps, and
@@ -63,6 +64,8 @@ def encoder_weight_names(config: ModelConfig) -> list[str]:
             names += [p + part + ".weight", p + part + ".bias"]
     if config.architecture == "bert_classifier":
         names += ["pooler.dense.weight", "pooler.dense.bias", "classifier.weight", "classifier.bias"]
+    elif config.architecture == "bert_token_classifier":
+        names += ["classifier.weight", "classifier.bias"]  # no pooler (add_pooling_layer=False)
     return names
 
 
@@ -106,6 +109,8 @@ class BertModel:
         self.classifier: Linear | None = None
         if config.architecture == "bert_classifier":
             self.pooler = Linear(get("pooler.dense.weight"), get("pooler.dense.bias"))
+            self.classifier = Linear(get("classifier.weight"), get("classifier.bias"))
+        elif config.architecture == "bert_token_classifier":
             self.classifier = Linear(get("classifier.weight"), get("classifier.bias"))
 
     def _layer(self, get: ShardedWeights, i: int) -> _EncoderLayer:
@@ -168,3 +173,9 @@ class BertModel:
         """A cross-encoder's logits [B, num_labels] (fp32) from each sequence's [CLS] row."""
         assert self.pooler is not None and self.classifier is not None  # bert_classifier only
         return self.classifier(torch.tanh(self.pooler(first_rows))).float()
+
+    @torch.inference_mode()
+    def classify_tokens(self, rows: torch.Tensor) -> torch.Tensor:
+        """A token classifier's logits [T, num_labels] (fp32), one row a token."""
+        assert self.pooler is None and self.classifier is not None  # bert_token_classifier only
+        return self.classifier(rows).float()

@@ -44,6 +44,8 @@ BASE_MODEL_ARCHITECTURES = {
 ENCODER_ARCHITECTURES = {
     "BertModel": "bert",
     "BertForSequenceClassification": "bert_classifier",
+    # A classifier head on every token's hidden state (NER taggers): vLLM's token_classify.
+    "BertForTokenClassification": "bert_token_classifier",
 }
 
 # The rope_scaling types models/layers/rope.py computes (``su`` is Phi-3's older name of longrope).
@@ -481,7 +483,7 @@ def _encoder_config(raw: dict[str, Any], arch: str) -> ModelConfig:
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         layers = int(raw["num_hidden_layers"])
-        names = _labels(raw) if arch == "bert_classifier" else ()
+        names = _labels(raw) if arch in ("bert_classifier", "bert_token_classifier") else ()
         return ModelConfig(
             architecture=arch,
             vocab_size=int(raw["vocab_size"]),

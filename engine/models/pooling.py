@@ -49,8 +49,10 @@ _ST_MODULES = ("Transformer", "Pooling", "Normalize")
 class PoolerConfig:
     """How a pooling model turns a prompt's hidden states into its one output vector."""
 
-    task: str  # "embed" (a vector per input) or "classify" (one logit per label)
-    pooling: str  # "cls", "mean", "max" or "last" (classify: "cls")
+    # "embed" (a vector per input), "classify" (one logit per label) or "token_classify"
+    # (one logit per label for every token)
+    task: str
+    pooling: str  # "cls", "mean", "max" or "last" (classify: "cls"; token_classify: "all")
     normalize: bool  # L2-normalise the embedding
     size: int  # the output's length: hidden size, or num_labels
     # sentence_bert_config.json's max_seq_length (None: the model's positions)
@@ -78,12 +80,18 @@ def pooler_config(
     """The model's pooler, or ``None`` for a model that generates. Raises
     :class:`ConfigError` for flags that contradict the model, and
     :class:`UnsupportedModelError` for a sentence-transformers pipeline it cannot run."""
-    classifier = config.architecture == "bert_classifier"
+    classifier = config.architecture in ("bert_classifier", "bert_token_classifier")
     if config.is_encoder and (runner == "generate" or convert == "embed" and classifier):
         raise ConfigError(
             f"{folder}: a {config.architecture} encoder is a pooling model; it cannot "
             f"{'generate' if runner == 'generate' else 'be converted to embed'}",
             field="runner" if runner == "generate" else "convert")
+    if config.architecture == "bert_token_classifier":
+        if pooling_type != "auto":
+            raise ConfigError(f"a token classifier classifies every token; pooling_type "
+                              f"{pooling_type!r} does not apply", field="pooling_type")
+        return PoolerConfig(task="token_classify", pooling="all", normalize=False,
+                            size=config.num_labels, labels=config.labels)
     if classifier:
         if pooling_type not in ("auto", "cls"):
             raise ConfigError(f"a sequence classifier pools its [CLS] token; pooling_type "

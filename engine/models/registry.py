@@ -45,6 +45,7 @@ MODEL_CLASSES: dict[str, type] = {
     "opt": OPTModel,
     "bert": BertModel,
     "bert_classifier": BertModel,
+    "bert_token_classifier": BertModel,
     "llava": LlavaModel,
     "qwen2_vl": QwenVLModel,
     "qwen2_5_vl": QwenVLModel,

@@ -8,6 +8,8 @@ as pooled: the front end normalises it, as the model or the request asks, in
 
 A ``pool_tokens`` request (vLLM's ``token_embed``) keeps every row instead: its output is
 the last hidden state of each prompt token, in order, as the model's pooler would read it.
+So does every request of a token classifier (``token_classify``), whose rows then go
+through its classifier head: one row of logits a token.
 """
 
 from __future__ import annotations
@@ -34,13 +36,16 @@ def pool_outputs(
     for c, s in zip(chunks, states, strict=True):
         rows = hidden[row : row + c.num_tokens]
         row += c.num_tokens
-        s.pool = _pool_rows("all" if s.pool_tokens else pooler.pooling, s.pool, rows, c)
+        per_token = s.pool_tokens or pooler.pooling == "all"
+        s.pool = _pool_rows("all" if per_token else pooler.pooling, s.pool, rows, c)
         if c.sample:
             assert s.pool is not None  # the last chunk always sets it
             pooled = s.pool
-            if s.pool_tokens:
+            if per_token:
                 # Every prompt token's row: its own output, not stacked with the vectors.
                 assert len(pooled) == len(s.prompt)
+                if pooler.task == "token_classify":
+                    pooled = model.classify_tokens(pooled.to(dtype))
                 rows_done.append(PooledOutput(c.sample_id, _host_bytes(pooled)))
                 continue
             if pooler.pooling == "mean":

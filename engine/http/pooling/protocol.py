@@ -29,7 +29,7 @@ EMBED_DTYPES = ("float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 ENDIANNESS = ("native", "big", "little")
 # vLLM's pooling tasks, and those /pooling runs here (the others are a 400 naming task).
 POOLING_TASKS = ("embed", "classify", "token_embed", "token_classify", "score", "plugin")
-POOLING_TASKS_BUILT = ("embed", "classify", "token_embed")
+POOLING_TASKS_BUILT = ("embed", "classify", "token_embed", "token_classify")
 
 # vLLM's extras that change what comes back, refused where a route does not honour them.
 _REFUSED = ("softmax", "activation", "mm_processor_kwargs", "instruction")
@@ -46,7 +46,12 @@ _REFUSED_BY_TASK = {
     "embed": ("use_activation",),
     "token_embed": ("use_activation", "dimensions"),
     "classify": ("dimensions", "normalize"),
+    "token_classify": ("dimensions", "normalize"),
 }
+# The tasks a model runs, by its pooler's task; the first is /pooling's default (vLLM's
+# per-token one where the model has it).
+_MODEL_TASKS = {"embed": ("token_embed", "embed"), "classify": ("classify",),
+                "token_classify": ("token_classify",)}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -135,25 +140,24 @@ def parse_embedding(body: dict[str, Any], route: str = "embeddings") -> Embeddin
 
 def pooling_task(body: dict[str, Any], model_task: str) -> str:
     """The task a /pooling body runs on a model whose pooler does ``model_task``
-    (``embed``, ``classify``): its ``task``, or as vLLM picks one, the model's per-token
-    task (``token_embed`` for an embedding model; a classifier's, ``token_classify``, is
-    not built). A task not built here or not this model's, or a field the task does not
-    read, is a 400 naming it."""
+    (``embed``, ``classify``, ``token_classify``): its ``task``, or as vLLM picks one, the
+    model's per-token task (``token_embed`` for an embedding model, ``token_classify`` for
+    a token classifier; a sequence classifier has none: a 400). A task not built here or
+    not this model's, or a field the task does not read, is a 400 naming it."""
+    runs = _MODEL_TASKS[model_task]
     task = body.get("task")
     if task is None:
-        if model_task != "embed":
-            raise APIError(400, "give a task: this model's per-token task (token_classify) "
-                           "is not supported; task 'classify' gives each input's class "
+        if not runs[0].startswith("token_"):
+            raise APIError(400, "give a task: a sequence classifier has no per-token task "
+                           "(vLLM's default); task 'classify' gives each input's class "
                            "probabilities", param="task", code="invalid_value")
-        task = "token_embed"
+        task = runs[0]
     if task not in POOLING_TASKS_BUILT:
         raise APIError(400, f"task {task!r} is not supported; this server runs "
                        f"{', '.join(POOLING_TASKS_BUILT)}", param="task",
                        code="unsupported_parameter")
-    runs = ("embed", "token_embed") if model_task == "embed" else (model_task,)
     if task not in runs:
-        raise APIError(400, f"task {task!r} needs a{'n' if task[0] in 'aeiou' else ''} "
-                       f"{task.removeprefix('token_')} model; this one runs "
+        raise APIError(400, f"task {task!r} is not this model's; it runs "
                        f"{', '.join(runs)}", param="task", code="invalid_value")
     for name in _REFUSED_BY_TASK[task]:
         if body.get(name) is not None:
@@ -219,15 +223,15 @@ def encode_base64(data: bytes, encoding: Encoding) -> str:
 def pooling_response(model: str, pooled: Sequence[Pooled], task: str,
                      encoding: Encoding) -> bytes:
     """vLLM's /pooling answer: each input's ``data``, a vector (an embedding, or a
-    classifier's probabilities as float32) or a row a token (``token_embed``), as floats or
-    as the base64 of the values one after another."""
+    classifier's probabilities as float32) or a row a token (``token_embed``,
+    ``token_classify``), as floats or as the base64 of the values one after another."""
     data = []
     for i, p in enumerate(pooled):
         out: Any
         if encoding.format == "base64":
             out = encode_base64(p.data, encoding)
         else:
-            out = (p.matrix() if task == "token_embed" else p.vector()).astype(np.float64)
+            out = (p.matrix() if task.startswith("token_") else p.vector()).astype(np.float64)
         data.append({"index": i, "object": "pooling", "data": out})
     tokens = sum(p.prompt_tokens for p in pooled)
     return orjson.dumps(

@@ -65,8 +65,9 @@ class PoolingRoutes:
     async def pooling(self) -> Response:
         """vLLM's generic pooling route: the embeddings body (``input`` or ``messages``)
         with a ``task``: ``embed`` (as /v1/embeddings), ``classify`` (as /classify's
-        probabilities) or ``token_embed`` (every token's hidden state, its default for an
-        embedding model)."""
+        probabilities), ``token_embed`` (every token's hidden state, the default for an
+        embedding model) or ``token_classify`` (a token classifier's probabilities for
+        every token, its default)."""
         body = await self.server.read_checked("pooling")
         req = protocol.parse_embedding(body, "pooling")
         self.server.check_base_model(req.model)
@@ -85,6 +86,9 @@ class PoolingRoutes:
                                              normalize=req.normalize, **common)
         elif task == "token_embed":
             pooled = await self.engine.embed_tokens(source, normalize=req.normalize, **common)
+        elif task == "token_classify":
+            pooled = await self.engine.classify_tokens(source, use_activation=req.use_activation,
+                                                       **common)
         else:
             results = await self.engine.classify(source, use_activation=req.use_activation,
                                                  **common)
