@@ -404,6 +404,50 @@ async def test_frames_the_socket_takes_in_part_arrive_whole_and_never_interleave
     await receiver.aclose()
 
 
+async def test_a_step_of_large_per_token_outputs_crosses_the_wire_in_frames() -> None:
+    """Three per-token outputs of 30 MB in one step are more than a frame holds (64 MiB):
+    as one StepOutputs the frame writer refuses them; split a request each
+    (``core.frame_sized``) they go in two frames and arrive whole, in order, each with
+    its own scheduled time."""
+    from engine.process.core import frame_sized
+
+    rows = [bytes([i]) * (30 * 2**20) for i in range(3)]
+    step = messages.StepOutputs(7, tuple(
+        messages.TokenDelta(f"s{i}", (), (), "stop", None, pooled=rows[i]) for i in range(3)),
+        scheduled=tuple((f"s{i}", float(i)) for i in range(3)))
+    small = messages.StepOutputs(8, step.deltas[:1])
+    assert frame_sized([small]) == [small]
+    left, right = _socket_streams()
+    sender, receiver = corewire.FrameStream(left), corewire.FrameStream(right)
+    with pytest.raises(corewire.WireError):
+        await sender.send((step,))
+    got: list[object] = []
+
+    async def read() -> None:
+        while len(got) < 4:
+            got.extend(await receiver.receive())
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            await sender.send((*frame_sized([step]), messages.StopStringHit("x", "y")))
+    assert sender.frames_sent == 2  # the batch halved: 60 MB, then 30 MB and the hit
+    parts = got[:3]
+    assert [m.deltas[0].pooled for m in parts] == rows
+    assert [m.scheduled for m in parts] == [((f"s{i}", float(i)),) for i in range(3)]
+    assert all(m.step_id == 7 for m in parts) and got[3] == messages.StopStringHit("x", "y")
+    await sender.aclose()
+    await receiver.aclose()
+
+
+def _socket_streams() -> tuple[trio.SocketStream, trio.SocketStream]:
+    import socket
+
+    a, b = socket.socketpair()
+    return (trio.SocketStream(trio.socket.from_stdlib_socket(a)),
+            trio.SocketStream(trio.socket.from_stdlib_socket(b)))
+
+
 def test_hello_mismatch_names_what_differs() -> None:
     hello = messages.CoreHello(
         version="1", core_index=0, pid=1, model="m", served_model_name="m",

@@ -302,3 +302,13 @@ async def test_a_token_classifier_gives_transformers_probabilities_for_every_tok
     assert np.allclose(logits[0], want.numpy(), atol=1e-4)
     # Each token has its own row (one row copied to all would not match above).
     assert not np.allclose(probs[0][0], probs[0][1:], atol=1e-3)
+
+
+def test_a_per_token_output_past_the_bound_is_refused_naming_the_input() -> None:
+    from engine.core.pooling import MAX_TOKEN_OUTPUT_BYTES, check_token_output
+
+    width = 4096  # Qwen3-Embedding-8B's hidden size: 2,048 tokens fill the bound
+    check_token_output(MAX_TOKEN_OUTPUT_BYTES // (4 * width), width)
+    with pytest.raises(InvalidParamError, match="at most 2048 tokens") as info:
+        check_token_output(MAX_TOKEN_OUTPUT_BYTES // (4 * width) + 1, width)
+    assert info.value.param == "input"

@@ -701,6 +701,8 @@ class Engine:
         try:
             for i, ids in enumerate(prompts):
                 handles = self._alive()
+                if tokens or self.pooler.pooling == "all":  # a row a token comes back
+                    pooling.check_token_output(len(ids), self.pooler.size)
                 admitted = pooling.admit(
                     base if len(prompts) == 1 else f"{base}-{i}", tuple(ids), self._parts.limits,
                     waiting=handles.queue_depth(), priority=priority, arrival_time=time.monotonic(),

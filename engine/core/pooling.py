@@ -132,6 +132,23 @@ def admit(
                            (DetokenizerRequest(request_id, request_id, 0, ids, params),))
 
 
+# The most bytes one per-token output (token_embed, token_classify: float32 rows of the
+# model's width, a token each) may take: it crosses an engine core's wire as one message,
+# whose frame is bounded (engine.process.wire, 64 MiB), and comes back as JSON.
+MAX_TOKEN_OUTPUT_BYTES = 32 * 2**20
+
+
+def check_token_output(tokens: int, width: int) -> None:
+    """Refuse a per-token request whose output would exceed :data:`MAX_TOKEN_OUTPUT_BYTES`."""
+    size = tokens * width * 4
+    if size > MAX_TOKEN_OUTPUT_BYTES:
+        raise InvalidParamError(
+            f"an input of {tokens} tokens gives {size} bytes of per-token output ({width} "
+            f"values a token); at most {MAX_TOKEN_OUTPUT_BYTES} bytes are returned: send a "
+            f"shorter input (at most {MAX_TOKEN_OUTPUT_BYTES // (4 * width)} tokens) or set "
+            "truncate_prompt_tokens", param="input")
+
+
 def check_dimensions(dimensions: int | None, matryoshka: tuple[int, ...] | None, size: int) -> None:
     """``dimensions`` is honoured only where the model was trained to be cut there."""
     if dimensions is None:

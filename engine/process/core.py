@@ -64,6 +64,26 @@ logger = logging.getLogger("engine")
 # What a crashing core waits to hand its front end the reason (CoreFailed) before it exits:
 # one small frame to a peer that reads continuously.
 CRASH_REPORT_SECONDS = 2.0
+# A step's outputs past this many pooled bytes (per-token outputs: a row a token) go as one
+# StepOutputs a request, so that the frame writer can spread them over frames
+# (FrameStream.send splits a batch of messages, never one message).
+SPLIT_POOLED_BYTES = 8 * 2**20
+
+
+def frame_sized(messages: list[Any]) -> list[Any]:
+    """``messages`` with each StepOutputs whose pooled outputs are large split into one
+    StepOutputs a delta (same step; each with its own scheduled times), in order."""
+    out: list[Any] = []
+    for message in messages:
+        if not isinstance(message, StepOutputs) or len(message.deltas) < 2 or sum(
+                len(d.pooled or b"") for d in message.deltas) <= SPLIT_POOLED_BYTES:
+            out.append(message)
+            continue
+        for i, delta in enumerate(message.deltas):
+            out.append(StepOutputs(
+                message.step_id, (delta,), message.prompt_logprobs if i == 0 else (),
+                tuple(s for s in message.scheduled if s[0] == delta.sample_id)))
+    return out
 
 def core_placement(config: Any, local_index: int, local_size: int) -> Any:
     """The config a core runs with, the ``local_index``-th of ``local_size`` cores on this
@@ -265,7 +285,7 @@ async def _run_core_actors(parts: Any, frames: FrameStream, compiles: CompilePoo
                         break
                 # The front end hands its detokenizer each sample's spec itself, before
                 # the request leaves it; the scheduler's copy has nowhere to go.
-                out = [m for m in batch if not isinstance(m, DetokenizerRequest)]
+                out = frame_sized([m for m in batch if not isinstance(m, DetokenizerRequest)])
                 if out:
                     await frames.send((*out, statistics()))
 
