@@ -372,19 +372,34 @@ async def _pool(engine: Engine, inputs: Sequence[tuple[int, ...]], *, window: Wi
     return [r for r in results if r is not None]
 
 
+async def _checked_pool(engine: Engine, inputs: Sequence[str | tuple[int, ...]],
+                        params: Sequence[PoolingParams], *, task: str, refused: tuple[str, ...],
+                        window: Window, progress: Progress, tokens: bool = False,
+                        check: Callable[[PoolingParams], None] | None = None,
+                        ) -> tuple[list[tuple[int, ...]], list[Pooled]]:
+    """A pooling batch's common path: each input's params checked for ``task`` (the
+    first bad one a :class:`BatchPromptError`), the inputs tokenized and pooled (``tokens``:
+    a row a token)."""
+    for i, p in enumerate(params):
+        try:
+            _only(p, task, refused)
+            if check is not None:
+                check(p)
+        except RequestError as exc:
+            raise BatchPromptError(i, exc) from exc
+    ids = await _token_ids(engine, inputs, [p.truncate_prompt_tokens for p in params])
+    return ids, await _pool(engine, ids, window=window, progress=progress, tokens=tokens)
+
+
 async def embed(engine: Engine, inputs: Sequence[str | tuple[int, ...]], *,
                 params: Sequence[PoolingParams], request_ids: Sequence[str], window: Window,
                 progress: Progress) -> list[EmbeddingRequestOutput]:
     """Embed each input with its :class:`PoolingParams` (``dimensions``, ``normalize``)."""
     pooler = _pooler(engine, "embed", "embed")
-    for i, p in enumerate(params):
-        try:
-            _only(p, "embed", ("use_activation",))
-            pooling.check_dimensions(p.dimensions, pooler.matryoshka_dimensions, pooler.size)
-        except RequestError as exc:
-            raise BatchPromptError(i, exc) from exc
-    ids = await _token_ids(engine, inputs, [p.truncate_prompt_tokens for p in params])
-    pooled = await _pool(engine, ids, window=window, progress=progress)
+    ids, pooled = await _checked_pool(
+        engine, inputs, params, task="embed", refused=("use_activation",), window=window,
+        progress=progress, check=lambda p: pooling.check_dimensions(
+            p.dimensions, pooler.matryoshka_dimensions, pooler.size))
     out = []
     for rid, p, i, pp in zip(request_ids, pooled, ids, params, strict=True):
         vector = pooling.embedding(p, pp.dimensions, pooler.normalizes(pp.normalize))
@@ -398,13 +413,9 @@ async def embed_tokens(engine: Engine, inputs: Sequence[str | tuple[int, ...]], 
     """vLLM's ``token_embed`` of each input with its :class:`PoolingParams`
     (``normalize``, row by row): each input's per-token output and its ids."""
     pooler = _pooler(engine, "embed", "embed tokens")
-    for i, p in enumerate(params):
-        try:
-            _only(p, "token_embed", ("use_activation", "dimensions"))
-        except RequestError as exc:
-            raise BatchPromptError(i, exc) from exc
-    ids = await _token_ids(engine, inputs, [p.truncate_prompt_tokens for p in params])
-    pooled = await _pool(engine, ids, window=window, progress=progress, tokens=True)
+    ids, pooled = await _checked_pool(
+        engine, inputs, params, task="token_embed", refused=("use_activation", "dimensions"),
+        window=window, progress=progress, tokens=True)
     return [(pooling.token_embeddings(p, pooler.normalizes(pp.normalize)), list(i))
             for p, i, pp in zip(pooled, ids, params, strict=True)]
 
@@ -415,13 +426,9 @@ async def classify_tokens(engine: Engine, inputs: Sequence[str | tuple[int, ...]
     """vLLM's ``token_classify`` of each input with its :class:`PoolingParams`
     (``use_activation``): each input's per-token probabilities (or logits) and its ids."""
     _pooler(engine, "token_classify", "classify tokens")
-    for i, p in enumerate(params):
-        try:
-            _only(p, "token_classify", ("dimensions", "normalize"))
-        except RequestError as exc:
-            raise BatchPromptError(i, exc) from exc
-    ids = await _token_ids(engine, inputs, [p.truncate_prompt_tokens for p in params])
-    pooled = await _pool(engine, ids, window=window, progress=progress, tokens=True)
+    ids, pooled = await _checked_pool(
+        engine, inputs, params, task="token_classify", refused=("dimensions", "normalize"),
+        window=window, progress=progress, tokens=True)
     return [(pooling.token_class_probs(p, pp.use_activation is not False), list(i))
             for p, i, pp in zip(pooled, ids, params, strict=True)]
 
@@ -431,13 +438,9 @@ async def classify(engine: Engine, inputs: Sequence[str | tuple[int, ...]], *,
                    window: Window, progress: Progress) -> list[ClassificationRequestOutput]:
     """Classify each input with its :class:`PoolingParams` (``use_activation``)."""
     _pooler(engine, "classify", "classify")
-    for i, p in enumerate(params):
-        try:
-            _only(p, "classify", ("dimensions", "normalize"))
-        except RequestError as exc:
-            raise BatchPromptError(i, exc) from exc
-    ids = await _token_ids(engine, inputs, [p.truncate_prompt_tokens for p in params])
-    pooled = await _pool(engine, ids, window=window, progress=progress)
+    ids, pooled = await _checked_pool(
+        engine, inputs, params, task="classify", refused=("dimensions", "normalize"),
+        window=window, progress=progress)
     return [ClassificationRequestOutput(
                 rid, ClassificationOutput(pooling.class_probs(p, pp.use_activation is not False)),
                 list(i))

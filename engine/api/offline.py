@@ -250,11 +250,13 @@ class LLM:
             pooling_task = "token_embed" if model_task == "embed" else "token_classify"
             logger.warning("LLM.encode without pooling_task runs %r (an output for every "
                            "token); give pooling_task to choose", pooling_task)
-        if pooling_task not in ("embed", "classify", "token_embed", "token_classify"):
+        runs = {"embed": ("embed", "token_embed"), "classify": ("classify",),
+                "token_classify": ("token_classify",)}.get(model_task or "", ())
+        if pooling_task not in runs:
             raise InvalidParamError(
-                f"pooling_task {pooling_task!r}: give 'embed', 'classify', 'token_embed' or "
-                "'token_classify' (the model's: "
-                f"{model_task})", param="pooling_task")
+                f"pooling_task {pooling_task!r}: this model runs "
+                f"{', '.join(repr(t) for t in runs) or 'no pooling task (it generates)'}",
+                param="pooling_task")
         if pooling_task.startswith("token_"):
             return self._encode_tokens(prompts, pooling_params, truncate_prompt_tokens,
                                        use_tqdm, lora_request, pooling_task)

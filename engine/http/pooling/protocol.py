@@ -233,9 +233,16 @@ def pooling_response(model: str, pooled: Sequence[Pooled], task: str,
         else:
             out = (p.matrix() if task.startswith("token_") else p.vector()).astype(np.float64)
         data.append({"index": i, "object": "pooling", "data": out})
+    return _list_json("pool", model, data, pooled)
+
+
+def _list_json(prefix: str, model: str, data: list[dict[str, Any]],
+               pooled: Sequence[Pooled]) -> bytes:
+    """A pooling answer's list body as JSON bytes (orjson, numpy arrays written as
+    they are), with its inputs' tokens as the usage."""
     tokens = sum(p.prompt_tokens for p in pooled)
     return orjson.dumps(
-        {"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": now(),
+        {"id": f"{prefix}-{uuid.uuid4().hex}", "object": "list", "created": now(),
          "model": model, "data": data,
          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
         option=orjson.OPT_SERIALIZE_NUMPY)
@@ -259,12 +266,7 @@ def embedding_response(model: str, pooled: Sequence[Pooled], encoding: Encoding)
                        else p.vector().astype(np.float64))}
         for i, p in enumerate(pooled)
     ]
-    tokens = sum(p.prompt_tokens for p in pooled)
-    return orjson.dumps(
-        {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": now(),
-         "model": model, "data": data,
-         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
-        option=orjson.OPT_SERIALIZE_NUMPY)
+    return _list_json("embd", model, data, pooled)
 
 
 def classify_response(model: str, labels: Sequence[str],
