@@ -310,6 +310,26 @@ async def test_a_requests_mm_processor_kwargs_set_its_own_pixel_budget(qwen_vl, 
         assert info.value.param == "mm_processor_kwargs"
 
 
+@pytest.mark.parametrize("qwen_vl", ["qwen2_vl"], indirect=True)
+def test_llm_chat_and_prompt_dicts_take_mm_processor_kwargs(qwen_vl, hf) -> None:
+    from transformers import AutoImageProcessor
+
+    model, processor = hf
+    budget = {"min_pixels": 64, "max_pixels": 16 * 16}
+    small = type(processor)(image_processor=AutoImageProcessor.from_pretrained(qwen_vl, **budget),
+                            tokenizer=processor.tokenizer, chat_template=processor.chat_template)
+    ids, _, new, _ = hf_run((model, small), IMAGES[:1], new_tokens=4)
+    with engine.LLM(qwen_vl, dtype="float32", kv_cache_memory=8 * 2**20) as llm:
+        chat = llm.chat(messages(IMAGES[:1]), greedy(4), mm_processor_kwargs=budget,
+                        use_tqdm=False)
+        prompt = {"prompt": hf_text(processor, 1), "multi_modal_data": {"image": IMAGES[0]},
+                  "mm_processor_kwargs": budget}
+        generated = llm.generate(prompt, greedy(4), use_tqdm=False)
+    for out in (chat[0], generated[0]):
+        assert out.prompt_token_ids == ids
+        assert list(out.outputs[0].token_ids) == new
+
+
 @pytest.mark.parametrize("qwen_vl", ["qwen2_5_vl"], indirect=True)
 async def test_requests_batched_together_each_get_their_own_positions(qwen_vl, hf) -> None:
     """Three requests (two images, one image, text only) prefill and decode in the same

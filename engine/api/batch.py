@@ -143,10 +143,11 @@ def _images(index: int, data: Any) -> tuple[Any, ...]:
     return tuple(images) if isinstance(images, (list, tuple)) else (images,)
 
 
-def chat_prompts(messages: Any, options: TemplateOptions) -> list[BatchPrompt]:
+def chat_prompts(messages: Any, options: TemplateOptions,
+                 mm_options: dict[str, Any] | None = None) -> list[BatchPrompt]:
     """vLLM's ``chat`` messages as a list of conversations: one conversation (a list of
     message dicts) or a list of them. vLLM's ``image_pil`` parts become the engine's
-    ``image`` parts."""
+    ``image`` parts; ``mm_options`` (``mm_processor_kwargs``) shape every one's images."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InvalidParamError("messages must be a conversation (a list of message dicts) "
                                 "or a list of conversations", param="messages")
@@ -158,7 +159,7 @@ def chat_prompts(messages: Any, options: TemplateOptions) -> list[BatchPrompt]:
             raise _refused(i, "a conversation must be a non-empty list of message dicts",
                            param="messages")
         out.append(BatchPrompt([_message(m) for m in conversation], None,
-                               chat_options=options, render=True))
+                               chat_options=options, render=True, mm_options=mm_options))
     return out
 
 

@@ -130,15 +130,16 @@ class LLM:
         use instead of the model's). ``tools`` (OpenAI function tools) go to the template,
         as in vLLM: the reply is the model's raw text, tool calls and all (a template that
         never reads tools gets the engine's fallback tool prompt). ``lora_request`` as
-        :meth:`generate` takes it (one for all conversations or one each). Outputs as
-        :meth:`generate`'s, whose ``prompt`` is the rendered template."""
+        :meth:`generate` takes it (one for all conversations or one each);
+        ``mm_processor_kwargs`` (Qwen-VL's ``min_pixels`` / ``max_pixels``) shape the
+        conversations' images, over the engine's. Outputs as :meth:`generate`'s, whose
+        ``prompt`` is the rendered template."""
         if chat_template_content_format != "auto":
             raise InvalidParamError("chat_template_content_format: only 'auto' is supported "
                                     "(the engine reads both string and part contents)",
                                     param="chat_template_content_format")
-        if mm_processor_kwargs:
-            raise InvalidParamError("mm_processor_kwargs is an engine option here "
-                                    "(LLM(..., mm_processor_kwargs=...))",
+        if mm_processor_kwargs is not None and not isinstance(mm_processor_kwargs, Mapping):
+            raise InvalidParamError("mm_processor_kwargs must be a dict",
                                     param="mm_processor_kwargs")
         if chat_template is not None and not (isinstance(chat_template, str) and chat_template):
             raise InvalidParamError("chat_template must be a template's source text",
@@ -152,8 +153,9 @@ class LLM:
             chat_template_kwargs=chat_template_kwargs,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message)
-        return self._generate(batch.chat_prompts(messages, options), sampling_params, None,
-                              use_tqdm, lora_request)
+        return self._generate(
+            batch.chat_prompts(messages, options, dict(mm_processor_kwargs or {}) or None),
+            sampling_params, None, use_tqdm, lora_request)
 
     def _generate(self, prompts: list[batch.BatchPrompt], sampling_params: Any,
                   priority: Sequence[int] | None, use_tqdm: Any,
