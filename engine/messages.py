@@ -349,9 +349,12 @@ class SamplesAborted:
 class ResetPrefixCache:
     """Caller -> scheduler (each engine core's): drop every cached prefix block, between
     two steps (vLLM's ``reset_prefix_cache``). ``token`` names the call its answer,
-    :class:`PrefixCacheReset`, goes back to (through the detokenizer and the router)."""
+    :class:`PrefixCacheReset`, goes back to (through the detokenizer and the router).
+    ``reset_running`` (vLLM's ``reset_running_requests``): first preempt every running
+    request (its blocks freed; it recomputes when it is scheduled again)."""
 
     token: str
+    reset_running: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

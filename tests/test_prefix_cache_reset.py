@@ -123,11 +123,44 @@ def test_the_dev_mode_route_resets_and_says_when_it_cannot(folder: Path) -> None
             assert busy.json()["error"]["code"] == "prefix_cache_in_use"
             finished = [json.loads(line[6:]) for line in lines if '"finish_reason":"length"' in line]
             assert len(finished) == 8  # every sample ran to its end
-        refused = httpx.post(f"{url}/reset_prefix_cache?reset_running_requests=true", timeout=60)
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
+                          json=body | {"prompt": [3] * 40, "max_tokens": 200, "n": 4,
+                                       "stream": True, "ignore_eos": True}) as streaming:
+            lines = streaming.iter_lines()
+            next(lines)
+            # vLLM's reset_running_requests: the samples are preempted, the reset happens.
+            reset = httpx.post(f"{url}/reset_prefix_cache?reset_running_requests=true",
+                               timeout=60)
+            assert (reset.status_code, reset.content) == (200, b"")
+            finished = [json.loads(line[6:]) for line in lines if '"finish_reason":"length"' in line]
+            assert len(finished) == 4
+        refused = httpx.post(f"{url}/reset_prefix_cache?reset_running_requests=maybe", timeout=60)
         assert refused.status_code == 400
         assert refused.json()["error"]["param"] == "reset_running_requests"
     with ServerThread(opened) as server:  # vLLM's default: no development routes
         assert httpx.post(f"{server.base_url}/reset_prefix_cache", timeout=60).status_code == 404
+
+
+@pytest.mark.parametrize("layout", ["in-process", "process"])
+async def test_reset_running_requests_preempts_them_and_they_finish_as_they_would_have(
+    folder: Path, layout: str
+) -> None:
+    """vLLM's reset_running_requests: the running request is preempted (its blocks
+    freed), the cache is dropped, and the request recomputes and ends with the tokens it
+    gives when nothing interrupts it."""
+    async with engine.open_engine(model=str(folder), block_size=BLOCK, **LAYOUTS[layout]) as eng:
+        alone = token_ids(await collect(eng, PROMPT, greedy(120)))
+        await collect(eng, PROMPT, greedy(2))  # PROMPT's blocks are cached
+        before = eng.statistics()
+        stream = await eng.submit(PROMPT, greedy(120))
+        async with stream:
+            outs = [await stream.__anext__() for _ in range(3)]  # it runs: it holds blocks
+            assert await eng.reset_prefix_cache(reset_running_requests=True) is True
+            outs += [out async for out in stream]
+        after = eng.statistics()
+        assert token_ids(outs) == alone
+        assert after.preemptions == before.preemptions + 1
+        assert after.kv_blocks_free == after.kv_blocks_total  # nothing held afterwards
 
 
 async def test_an_engine_that_is_gone_refuses_the_reset(folder: Path) -> None:

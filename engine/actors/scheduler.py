@@ -259,6 +259,8 @@ class SchedulerActor:
         elif isinstance(message, AbortSamples):
             await self._finish(message.sample_ids, RequestStatus.FINISHED_ABORTED)
         elif isinstance(message, ResetPrefixCache):
+            if message.reset_running:
+                await drive(self._core.preempt_running(), self._call)
             reply = await self._call(ClearPrefixCache())
             assert isinstance(reply, PrefixCacheCleared)  # the allocator's protocol
             await self._deliver_outputs()

@@ -757,13 +757,15 @@ class Engine:
             for mailbox in self._handles.router.find(request_id):
                 self._handles.abort(mailbox.abort())
 
-    async def reset_prefix_cache(self) -> bool:
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Drop every cached prefix block, in each engine core (vLLM's
         ``reset_prefix_cache``): later prompts compute their prefixes afresh. Refused, as
         vLLM refuses it, while a request holds KV blocks: then nothing is dropped and the
-        answer is False; True once every core has dropped its cache. The hit and query
-        counters keep counting. Raises :class:`EngineDeadError` if the engine is not
-        serving."""
+        answer is False; True once every core has dropped its cache. With
+        ``reset_running_requests`` (vLLM's) each core first preempts its running requests:
+        their blocks are freed, and they recompute their prompts and outputs when they run
+        again, giving the tokens they would have. The hit and query counters keep counting.
+        Raises :class:`EngineDeadError` if the engine is not serving."""
         handles = self._alive()
         expected = self._pool.serving if self._pool is not None else 1
         if expected == 0:
@@ -772,7 +774,7 @@ class Engine:
         token = uuid.uuid4().hex
         handles.router.listen_reset(token, answers_in)
         try:
-            handles.send(ResetPrefixCache(token))
+            handles.send(ResetPrefixCache(token, reset_running=reset_running_requests))
             done = True
             # A core lost before it answers never will: past the bound, not reset everywhere.
             with trio.move_on_after(RESET_ANSWER_SECONDS) as waited:

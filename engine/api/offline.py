@@ -329,13 +329,14 @@ class LLM:
         ``override_generation_config`` over them), else the engine's own defaults."""
         return self._engine.default_sampling_params()
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Drop every cached prefix block (vLLM's): later prompts compute their prefixes
         afresh. False, with nothing dropped, while a request holds KV blocks (between
-        ``generate`` calls none does)."""
+        ``generate`` calls none does), unless ``reset_running_requests`` preempts them
+        first (they recompute when they run again)."""
 
         async def work(engine: Engine, emit: Any) -> bool:
-            return await engine.reset_prefix_cache()
+            return await engine.reset_prefix_cache(reset_running_requests)
 
         return self._thread.call(work)
 

@@ -415,6 +415,15 @@ class Scheduler(BeamScheduling):
             )
         add_chunk(step, req, reply, (), 0, self.config.block_size)
 
+    def preempt_running(self) -> Generator[AllocatorCall, AllocatorReply, int]:
+        """Preempt every running request, last first, so that they wait again in their
+        order ahead of the rest (vLLM's ``reset_running_requests``); how many were. Their
+        blocks are freed; each recomputes its prompt and outputs when it runs again."""
+        victims = list(self._queue.running)
+        for req in reversed(victims):
+            yield from self._preempt(req)
+        return len(victims)
+
     def _preempt(self, req: Request) -> Generator[AllocatorCall, AllocatorReply, None]:
         if req.beam is not None:
             yield from self._drop_beam_tables(req)

@@ -118,13 +118,13 @@ class AdminRoutes:
         """vLLM's dev-mode ``POST /reset_prefix_cache``: 200 with no body once every
         engine core dropped its cached prefixes. While requests hold KV blocks vLLM
         declines the reset yet answers 200; here the client is told: 409, nothing
-        dropped. vLLM's ``reset_running_requests=true`` (preempting them first) is a 400."""
-        running = request.args.get("reset_running_requests", "false")
-        if running.lower() not in ("false", "0"):
-            raise APIError(400, "reset_running_requests is not supported: the cache is reset "
-                           "only when no request holds KV blocks", param="reset_running_requests",
-                           code="unsupported_parameter")
-        if not await self.engine.reset_prefix_cache():
+        dropped. vLLM's ``reset_running_requests=true`` preempts the running requests
+        first (they recompute later), so the reset happens."""
+        running = request.args.get("reset_running_requests", "false").lower()
+        if running not in ("true", "1", "false", "0"):
+            raise APIError(400, "reset_running_requests must be true or false",
+                           param="reset_running_requests", code="invalid_value")
+        if not await self.engine.reset_prefix_cache(running in ("true", "1")):
             raise APIError(409, "the prefix cache was not reset: requests hold KV blocks; "
                            "retry when they have finished", code="prefix_cache_in_use")
         return Response("", 200)
