@@ -20,7 +20,7 @@ from engine.errors import (
     RequestError,
 )
 from engine.messages import RequestOutput, TokenLogprob, Usage
-from engine.params import BeamSearchParams, PoolingParams, SamplingParams
+from engine.params import BeamSearchParams, LoRARequest, PoolingParams, SamplingParams
 
 if TYPE_CHECKING:
     from engine.api import Engine, EngineStatistics, RequestStream, open_engine
@@ -50,6 +50,7 @@ __all__ = [
     "LLM",
     "BatchPromptError",
     "BeamSearchParams",
+    "LoRARequest",
     "PoolingParams",
     "ConfigError",
     "Engine",

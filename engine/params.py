@@ -364,6 +364,19 @@ class BeamSearchParams:
 
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoRARequest:
+    """vLLM's ``LoRARequest`` (``vllm.lora.request``), for ``engine.LLM``'s
+    ``lora_request``: an adapter's name, vLLM's integer id (unused here: the name is the
+    key), and its folder (peft's ``save_pretrained`` layout) or Hub id. Any object with
+    ``lora_name`` and ``lora_path`` is taken the same way."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    base_model_name: str | None = None
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class PoolingParams:
     """vLLM's ``PoolingParams`` (``LLM.embed`` and ``LLM.classify``): what a pooling

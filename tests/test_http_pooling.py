@@ -524,3 +524,34 @@ def test_pooling_route_runs_a_token_classifier_as_transformers(tagger: Path) -> 
         assert np.allclose(out.outputs.data.numpy(), torch.softmax(want.double(), -1).numpy(),
                            atol=1e-5)
         assert np.allclose(out_raw.outputs.data.numpy(), want.numpy(), atol=1e-4)
+
+
+def test_embeddings_with_a_lora_adapter_name_match_peft(tmp_path: Path) -> None:
+    """A decoder embedder with --enable-lora: /v1/embeddings and /pooling answer an
+    adapter's name with its embeddings (peft's hidden states), named for it."""
+    from engine.models.testing import write_tiny_model
+    from test_lora import write_peft_adapters
+
+    base = write_tiny_model(tmp_path / "base", "llama")
+    peft = write_peft_adapters(base, tmp_path, {"aa": dict(r=8, lora_alpha=16)}, seed=4)
+    ids = [5, 17, 42, 99, 123, 7, 64]
+    with torch.no_grad():
+        rows = peft.base_model.model.model(torch.tensor([ids])).last_hidden_state[0]
+    want = torch.nn.functional.normalize(rows[-1], dim=0).numpy()
+    opener = lambda: engine.open_engine(  # noqa: E731
+        str(base), dtype="float32", runner="pooling", enable_lora=True,
+        lora_modules=[f"aa={tmp_path / 'aa'}"], kv_cache_memory=4 * 2**20)
+    with ServerThread(opener) as srv:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0)
+        got = client.embeddings.create(model="aa", input=[ids], encoding_format="float")
+        plain = client.embeddings.create(model=srv.engine.model_name, input=[ids],
+                                         encoding_format="float")
+        tokens = httpx.post(srv.base_url + "/pooling", timeout=30, json={
+            "model": "aa", "input": [ids], "normalize": False}).json()
+        unknown = httpx.post(srv.base_url + "/v1/embeddings", json={"model": "zz", "input": "x"},
+                             timeout=30)
+    assert got.model == "aa" and tokens["model"] == "aa"
+    assert np.allclose(got.data[0].embedding, want, atol=1e-5)
+    assert not np.allclose(plain.data[0].embedding, want, atol=1e-3)
+    assert np.allclose(tokens["data"][0]["data"], rows.numpy(), atol=1e-4)
+    assert unknown.status_code == 404

@@ -15,7 +15,7 @@ from engine_helpers import random_prompts, tiny_model, wait_idle, wait_until
 from pooling_fixtures import cosines, sentences
 
 import engine
-from engine.errors import InputTooLongError, InvalidParamError
+from engine.errors import InputTooLongError, InvalidParamError, UnknownLoraAdapterError
 from engine.params import SamplingParams
 
 
@@ -312,3 +312,84 @@ def test_a_per_token_output_past_the_bound_is_refused_naming_the_input() -> None
     with pytest.raises(InvalidParamError, match="at most 2048 tokens") as info:
         check_token_output(MAX_TOKEN_OUTPUT_BYTES // (4 * width) + 1, width)
     assert info.value.param == "input"
+
+
+# -- LoRA adapters on a decoder embedder -----------------------------------------------------
+
+async def test_a_decoder_embedder_runs_lora_adapters_as_peft_does(tmp_path: Path) -> None:
+    from engine.models.testing import write_tiny_model
+    from test_lora import write_peft_adapters
+
+    base = write_tiny_model(tmp_path / "base", "llama")
+    peft = write_peft_adapters(base, tmp_path, {"aa": dict(r=8, lora_alpha=16)}, seed=3)
+    prompts = random_prompts(5, vocab=300, lo=3, hi=40, seed=9)
+
+    def hidden(adapter: bool) -> list[torch.Tensor]:
+        with torch.no_grad():
+            if adapter:
+                return [peft.base_model.model.model(torch.tensor([p])).last_hidden_state[0]
+                        for p in prompts]
+            with peft.disable_adapter():
+                return [peft.base_model.model.model(torch.tensor([p])).last_hidden_state[0]
+                        for p in prompts]
+
+    async with engine.open_engine(
+        base, dtype="float32", runner="pooling", enable_lora=True,
+        lora_modules=[f"aa={tmp_path / 'aa'}"], max_num_batched_tokens=16, block_size=16,
+        kv_cache_memory=4 * 1024 * 1024,
+    ) as eng:
+        # Adapter and base requests side by side, over several chunks each.
+        with_adapter, plain = await _both(eng.embed(prompts, lora="aa"), eng.embed(prompts))
+        rows = [p.matrix() for p in await eng.embed_tokens(prompts[:2], lora="aa", normalize=False)]
+        with pytest.raises(UnknownLoraAdapterError):
+            await eng.embed(prompts[0], lora="zz")
+        await wait_idle(eng)
+    for got, want in zip(with_adapter, hidden(adapter=True), strict=True):
+        assert np.allclose(got.vector(), torch.nn.functional.normalize(want[-1], dim=0).numpy(),
+                           atol=1e-5)
+    for got, want in zip(plain, hidden(adapter=False), strict=True):
+        assert np.allclose(got.vector(), torch.nn.functional.normalize(want[-1], dim=0).numpy(),
+                           atol=1e-5)
+    assert not np.allclose(with_adapter[0].vector(), plain[0].vector(), atol=1e-3)
+    for got, want in zip(rows, hidden(adapter=True)[:2], strict=False):
+        assert np.allclose(got, want.numpy(), atol=1e-4)
+
+
+def test_llm_embed_takes_a_lora_request_as_generate_does(tmp_path: Path) -> None:
+    """LLM.embed and LLM.encode(token_embed) with vLLM's LoRARequest (loaded on first
+    use): peft's hidden states; a list gives each prompt its own (None: the base)."""
+    from engine.models.testing import write_tiny_model
+    from test_lora import write_peft_adapters
+
+    base = write_tiny_model(tmp_path / "base", "llama")
+    peft = write_peft_adapters(base, tmp_path, {"aa": dict(r=8, lora_alpha=16)}, seed=5)
+    prompts = random_prompts(2, vocab=300, lo=4, hi=20, seed=2)
+    with torch.no_grad():
+        tuned = [peft.base_model.model.model(torch.tensor([p])).last_hidden_state[0] for p in prompts]
+        with peft.disable_adapter():
+            plain = [peft.base_model.model.model(torch.tensor([p])).last_hidden_state[0]
+                     for p in prompts]
+    request = engine.LoRARequest("aa", 1, str(tmp_path / "aa"))
+    with engine.LLM(str(base), dtype="float32", runner="pooling", enable_lora=True,
+                    kv_cache_memory=4 * 2**20) as llm:
+        mixed = llm.embed([{"prompt_token_ids": p} for p in prompts],
+                          lora_request=[request, None], use_tqdm=False)
+        rows = llm.encode([{"prompt_token_ids": prompts[0]}], engine.PoolingParams(normalize=False),
+                          pooling_task="token_embed", lora_request=request, use_tqdm=False)
+    unit = [torch.nn.functional.normalize(h[-1], dim=0).numpy() for h in (tuned[0], plain[1])]
+    assert np.allclose(mixed[0].outputs.embedding, unit[0], atol=1e-5)
+    assert np.allclose(mixed[1].outputs.embedding, unit[1], atol=1e-5)
+    assert np.allclose(rows[0].outputs.data.numpy(), tuned[0].numpy(), atol=1e-4)
+
+
+async def _both(first, second) -> tuple:
+    """Two coroutines run side by side; their results."""
+    results: list = [None, None]
+
+    async def run(i: int, coro) -> None:
+        results[i] = await coro
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run, 0, first)
+        nursery.start_soon(run, 1, second)
+    return tuple(results)

@@ -349,7 +349,8 @@ def _check_length(ids: tuple[int, ...], max_model_len: int) -> None:
 
 
 async def _pool(engine: Engine, inputs: Sequence[tuple[int, ...]], *, window: Window,
-                progress: Progress, tokens: bool = False) -> list[Pooled]:
+                progress: Progress, tokens: bool = False,
+                loras: Sequence[str | None] | None = None) -> list[Pooled]:
     """Each input as its own request under ``window`` (so a batch of any size runs
     without meeting the queue's limit); the pooled outputs in order (``tokens``: each
     prompt token's hidden state)."""
@@ -357,7 +358,8 @@ async def _pool(engine: Engine, inputs: Sequence[tuple[int, ...]], *, window: Wi
 
     async def one(index: int) -> None:
         try:
-            (results[index],) = await engine.pool([inputs[index]], tokens=tokens)
+            (results[index],) = await engine.pool(
+                [inputs[index]], tokens=tokens, lora=loras[index] if loras else None)
             progress(len(inputs[index]), 0)
         except EngineError as exc:
             failure.record(index, exc)
@@ -377,6 +379,7 @@ async def _checked_pool(engine: Engine, inputs: Sequence[str | tuple[int, ...]],
                         params: Sequence[PoolingParams], *, task: str, refused: tuple[str, ...],
                         window: Window, progress: Progress, tokens: bool = False,
                         check: Callable[[PoolingParams], None] | None = None,
+                        loras: Sequence[str | None] | None = None,
                         ) -> tuple[list[tuple[int, ...]], list[Pooled]]:
     """A pooling batch's common path: each input's params checked for ``task`` (the
     first bad one a :class:`BatchPromptError`), the inputs tokenized and pooled (``tokens``:
@@ -389,18 +392,21 @@ async def _checked_pool(engine: Engine, inputs: Sequence[str | tuple[int, ...]],
         except RequestError as exc:
             raise BatchPromptError(i, exc) from exc
     ids = await _token_ids(engine, inputs, [p.truncate_prompt_tokens for p in params])
-    return ids, await _pool(engine, ids, window=window, progress=progress, tokens=tokens)
+    return ids, await _pool(engine, ids, window=window, progress=progress, tokens=tokens,
+                            loras=loras)
 
 
 async def embed(engine: Engine, inputs: Sequence[str | tuple[int, ...]], *,
                 params: Sequence[PoolingParams], request_ids: Sequence[str], window: Window,
-                progress: Progress) -> list[EmbeddingRequestOutput]:
-    """Embed each input with its :class:`PoolingParams` (``dimensions``, ``normalize``)."""
+                progress: Progress,
+                loras: Sequence[str | None] | None = None) -> list[EmbeddingRequestOutput]:
+    """Embed each input with its :class:`PoolingParams` (``dimensions``, ``normalize``)
+    and its LoRA adapter (``loras``: a name each, None: the base model)."""
     pooler = _pooler(engine, "embed", "embed")
     ids, pooled = await _checked_pool(
         engine, inputs, params, task="embed", refused=("use_activation",), window=window,
         progress=progress, check=lambda p: pooling.check_dimensions(
-            p.dimensions, pooler.matryoshka_dimensions, pooler.size))
+            p.dimensions, pooler.matryoshka_dimensions, pooler.size), loras=loras)
     out = []
     for rid, p, i, pp in zip(request_ids, pooled, ids, params, strict=True):
         vector = pooling.embedding(p, pp.dimensions, pooler.normalizes(pp.normalize))
@@ -410,13 +416,14 @@ async def embed(engine: Engine, inputs: Sequence[str | tuple[int, ...]], *,
 
 async def embed_tokens(engine: Engine, inputs: Sequence[str | tuple[int, ...]], *,
                        params: Sequence[PoolingParams], request_ids: Sequence[str],
-                       window: Window, progress: Progress) -> list[tuple[Pooled, list[int]]]:
+                       window: Window, progress: Progress,
+                       loras: Sequence[str | None] | None = None) -> list[tuple[Pooled, list[int]]]:
     """vLLM's ``token_embed`` of each input with its :class:`PoolingParams`
-    (``normalize``, row by row): each input's per-token output and its ids."""
+    (``normalize``, row by row) and adapter: each input's per-token output and its ids."""
     pooler = _pooler(engine, "embed", "embed tokens")
     ids, pooled = await _checked_pool(
         engine, inputs, params, task="token_embed", refused=("use_activation", "dimensions"),
-        window=window, progress=progress, tokens=True)
+        window=window, progress=progress, tokens=True, loras=loras)
     return [(pooling.token_embeddings(p, pooler.normalizes(pp.normalize)), list(i))
             for p, i, pp in zip(pooled, ids, params, strict=True)]
 

@@ -559,10 +559,11 @@ class Engine:
         self, input: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]], *,
         dimensions: int | None = None, normalize: bool | None = None,
         truncate_prompt_tokens: int | None = None, add_special_tokens: bool = True,
-        request_id: str | None = None, priority: int = 0,
+        request_id: str | None = None, priority: int = 0, lora: str | None = None,
     ) -> list[Pooled]:
         """Embed a string, a list of token ids, or a list of either (one embedding each,
-        in order). The inputs run as separate requests batched into the same steps.
+        in order). The inputs run as separate requests batched into the same steps;
+        ``lora`` names a served adapter they run with (a decoder embedder's).
 
         ``dimensions`` keeps the first N values where the model is a Matryoshka model,
         else :class:`InvalidParamError`; ``normalize`` L2-normalises each embedding (None:
@@ -574,7 +575,7 @@ class Engine:
         pooling.check_dimensions(dimensions, pooler.matryoshka_dimensions, pooler.size)
         _check_flags(normalize=normalize, add_special_tokens=add_special_tokens)
         pooled = await self._pool_inputs(input, truncate_prompt_tokens, add_special_tokens,
-                                         request_id, priority)
+                                         request_id, priority, lora=lora)
         keep = pooler.normalizes(normalize)
         return [pooling.embedding(p, dimensions, keep) for p in pooled]
 
@@ -582,6 +583,7 @@ class Engine:
         self, input: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]], *,
         normalize: bool | None = None, truncate_prompt_tokens: int | None = None,
         add_special_tokens: bool = True, request_id: str | None = None, priority: int = 0,
+        lora: str | None = None,
     ) -> list[Pooled]:
         """vLLM's ``token_embed``: for each input, the last hidden state of every one of
         its tokens (``Pooled.matrix()``: a row a token, the model's width), L2-normalised
@@ -590,7 +592,7 @@ class Engine:
         pooler = self._pooler("embed tokens", "embed")
         _check_flags(normalize=normalize, add_special_tokens=add_special_tokens)
         pooled = await self._pool_inputs(input, truncate_prompt_tokens, add_special_tokens,
-                                         request_id, priority, tokens=True)
+                                         request_id, priority, tokens=True, lora=lora)
         keep = pooler.normalizes(normalize)
         return [pooling.token_embeddings(p, keep) for p in pooled]
 
@@ -626,7 +628,7 @@ class Engine:
 
     async def _pool_inputs(self, input: Any, truncate: int | None, add_special_tokens: bool,
                            request_id: str | None, priority: int, *,
-                           tokens: bool = False) -> list[Pooled]:
+                           tokens: bool = False, lora: str | None = None) -> list[Pooled]:
         items = _inputs(input)
         ids = await self._tokenize(
             sum(len(i) for i in items if isinstance(i, str)),
@@ -634,7 +636,8 @@ class Engine:
                                        max_model_len=self.max_model_len,
                                        add_special_tokens=add_special_tokens)
                      for item in items])
-        return await self.pool(ids, request_id=request_id, priority=priority, tokens=tokens)
+        return await self.pool(ids, request_id=request_id, priority=priority, tokens=tokens,
+                               lora=lora)
 
     async def score(
         self, first: str | Sequence[str], second: str | Sequence[str], *,
@@ -681,10 +684,11 @@ class Engine:
 
     async def pool(
         self, prompts: Sequence[tuple[int, ...]], *, request_id: str | None = None,
-        priority: int = 0, tokens: bool = False,
+        priority: int = 0, tokens: bool = False, lora: str | None = None,
     ) -> list[Pooled]:
         """Run token-id prompts through a pooling model; their pooled outputs in order
-        (with ``tokens``, every prompt token's hidden state: ``Pooled.matrix()``).
+        (with ``tokens``, every prompt token's hidden state: ``Pooled.matrix()``), with the
+        served LoRA adapter ``lora`` names (None: the base model).
         All are admitted before any is awaited, so they share steps; leaving early (a
         cancellation, one failing) aborts the rest and frees their blocks."""
         await trio.lowlevel.checkpoint()
@@ -696,6 +700,7 @@ class Engine:
             # Each input is a request in the queue: more than it ever holds could not run.
             raise InvalidParamError(f"{len(prompts)} inputs in one request; at most {limit} "
                                     "(--max-queued-requests)", param="input")
+        adapter = self.loras.resolve(lora)
         base = request_id if request_id is not None else uuid.uuid4().hex
         streams: list[RequestStream] = []
         try:
@@ -706,7 +711,7 @@ class Engine:
                 admitted = pooling.admit(
                     base if len(prompts) == 1 else f"{base}-{i}", tuple(ids), self._parts.limits,
                     waiting=handles.queue_depth(), priority=priority, arrival_time=time.monotonic(),
-                    tokens=tokens)
+                    tokens=tokens, lora=adapter)
                 mailbox = handles.router.open(admitted)
                 try:
                     handles.send(admitted)

@@ -170,12 +170,7 @@ class LLM:
         window = self._window
 
         async def work(engine: Engine, emit: batch.Progress) -> list[GenerationRequestOutput]:
-            # vLLM's LoRARequest names an adapter and its folder: one not served yet is
-            # loaded (checked) under its name first.
-            for name, path in dict.fromkeys(a for a in adapters if a is not None):
-                if name not in engine.loras:
-                    await engine.loras.load(name, path)
-            names = [None if a is None else a[0] for a in adapters]
+            names = await _served(engine, adapters)
             prepared = await batch.prepare_all(engine, prompts, params, priorities, ids, names)
             return await batch.generate(engine, prompts, prepared, params, window=window,
                                         progress=lambda p, o: emit((p, o)))
@@ -206,15 +201,16 @@ class LLM:
         model; ``truncate_prompt_tokens`` keeps the last k tokens (-1: the model's limit);
         ``pooling_params``: an :class:`engine.PoolingParams` (``dimensions``,
         ``normalize``, ``truncate_prompt_tokens``) or a list of one per prompt."""
-        _no_lora(lora_request)
         inputs = batch.pooling_inputs(prompts)
         params = _pooling_params(pooling_params, truncate_prompt_tokens, len(inputs))
+        adapters = _lora_requests(lora_request, len(inputs))
         ids, window = self._ids(len(inputs)), self._window
 
         async def work(engine: Engine, emit: batch.Progress) -> list[EmbeddingRequestOutput]:
             return await batch.embed(engine, inputs, params=params,
                                      request_ids=ids, window=window,
-                                     progress=lambda p, o: emit((p, o)))
+                                     progress=lambda p, o: emit((p, o)),
+                                     loras=await _served(engine, adapters))
 
         return self._run(work, len(inputs), use_tqdm)
 
@@ -277,15 +273,21 @@ class LLM:
 
     def _encode_tokens(self, prompts: Any, pooling_params: Any, truncate: int | None,
                        use_tqdm: Any, lora_request: Any, task: str) -> list[PoolingRequestOutput]:
-        _no_lora(lora_request)
+        if task == "token_classify":
+            _no_lora(lora_request)
         inputs = batch.pooling_inputs(prompts)
         params = _pooling_params(pooling_params, truncate, len(inputs))
+        adapters = _lora_requests(lora_request, len(inputs))
         ids, window = self._ids(len(inputs)), self._window
-        call = batch.embed_tokens if task == "token_embed" else batch.classify_tokens
 
         async def work(engine: Engine, emit: batch.Progress) -> list[tuple[Any, list[int]]]:
-            return await call(engine, inputs, params=params, request_ids=ids, window=window,
-                              progress=lambda p, o: emit((p, o)))
+            loras = await _served(engine, adapters)
+            if task == "token_embed":
+                return await batch.embed_tokens(engine, inputs, params=params, request_ids=ids,
+                                                window=window, progress=lambda p, o: emit((p, o)),
+                                                loras=loras)
+            return await batch.classify_tokens(engine, inputs, params=params, request_ids=ids,
+                                               window=window, progress=lambda p, o: emit((p, o)))
 
         results = self._run(work, len(inputs), use_tqdm)
         return [PoolingRequestOutput(rid, PoolingOutput(torch.from_numpy(p.matrix().copy())),
@@ -404,9 +406,18 @@ def _lora_requests(lora_request: Any, count: int) -> list[tuple[str, str] | None
     return out
 
 
-def _no_lora(lora_request: Any, what: str = "pooling models") -> None:
-    # Pooling models never take adapters: --enable-lora is refused for them
-    # (engine.process.rank), so an embed/classify/score request cannot run with one.
+async def _served(engine: Engine, adapters: Sequence[tuple[str, str] | None]) -> list[str | None]:
+    """vLLM's LoRARequests name an adapter and its folder: one not served yet is loaded
+    (checked) under its name first. Each prompt's adapter name (None: the base model)."""
+    for name, path in dict.fromkeys(a for a in adapters if a is not None):
+        if name not in engine.loras:
+            await engine.loras.load(name, path)
+    return [None if a is None else a[0] for a in adapters]
+
+
+def _no_lora(lora_request: Any, what: str = "classifiers and score") -> None:
+    # Adapters run on decoders only (--enable-lora is refused for a BERT encoder, the only
+    # classifier here); score is the base model's.
     if lora_request is not None:
         raise InvalidParamError(f"lora_request: LoRA adapters are not supported for {what}", param="lora_request")
 

@@ -73,7 +73,7 @@ class EngineLike(Protocol):
         self, input: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]], *,
         dimensions: int | None = None, normalize: bool | None = None,
         truncate_prompt_tokens: int | None = None, add_special_tokens: bool = True,
-        request_id: str | None = None, priority: int = 0,
+        request_id: str | None = None, priority: int = 0, lora: str | None = None,
     ) -> list[Pooled]: ...
 
     async def classify(

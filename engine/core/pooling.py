@@ -19,7 +19,7 @@ import numpy as np
 
 from engine.core.admission import AdmissionLimits, _check_vocab, _unicode
 from engine.errors import InputTooLongError, InvalidParamError, QueueFullError
-from engine.messages import AdmittedRequest, DetokenizerRequest, SchedulerRequest
+from engine.messages import AdmittedRequest, DetokenizerRequest, LoraAdapter, SchedulerRequest
 from engine.params import SamplingParams
 
 # What a pooling request carries through the engine's sampling-shaped path: one "sample"
@@ -109,10 +109,12 @@ def _truncation(truncate: int | None, max_model_len: int) -> int | None:
 def admit(
     request_id: str, ids: tuple[int, ...], limits: AdmissionLimits, *, waiting: int,
     priority: int, arrival_time: float, param: str = "input", tokens: bool = False,
+    lora: LoraAdapter | None = None,
 ) -> AdmittedRequest:
     """One pooling input past admission: queue room, a non-empty prompt inside the
     vocabulary and no longer than the model takes (an :class:`InputTooLongError` naming
-    the limit). ``tokens``: its output is every prompt token's hidden state."""
+    the limit). ``tokens``: its output is every prompt token's hidden state; ``lora``:
+    the adapter it runs with (a decoder embedder's)."""
     if waiting >= limits.max_queued_requests:
         raise QueueFullError(
             f"{limits.max_queued_requests} requests are already waiting; try again later")
@@ -126,7 +128,7 @@ def admit(
     sample = SchedulerRequest(
         sample_id=request_id, prompt_token_ids=ids, params=params, eos_token_ids=(),
         max_tokens=1, priority=priority, arrival_time=arrival_time, cache_salt=None,
-        wait_for=None, pool_tokens=tokens,
+        wait_for=None, pool_tokens=tokens, lora=lora,
     )
     return AdmittedRequest(request_id, (sample,),
                            (DetokenizerRequest(request_id, request_id, 0, ids, params),))

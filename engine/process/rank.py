@@ -74,9 +74,10 @@ def load_rank(config: EngineConfig, device: torch.device) -> RankLoad:
     if pooler is not None and config.logits_processor_names:
         raise ConfigError("logits_processors: a pooling model samples nothing to process",
                           field="logits_processors")
-    if pooler is not None and config.enable_lora:
-        raise ConfigError("enable_lora: adapters are served for generation, not for a pooling "
-                          "model", field="enable_lora")
+    if pooler is not None and config.enable_lora and loaded.config.is_encoder:
+        raise ConfigError("enable_lora: adapters are served for decoder models (generating, or "
+                          "embedding with --convert embed), not for a BERT encoder",
+                          field="enable_lora")
     draft = _load_draft(config, loaded, tokenizer, pooler, load_device)
     if loaded.config.is_encoder:
         loaded = _with_sep(loaded, tokenizer)

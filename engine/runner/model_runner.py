@@ -462,5 +462,6 @@ class ModelRunner:
         assert self.pooler is not None
         states = [self._state(c) for c in chunks]
         input_ids, positions, meta, _ = self._batch.prepare(chunks, states)
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
+        with self._lora_step(chunks, states):  # a decoder embedder's adapters
+            hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
         return pool_outputs(self.pooler, self.model, self.dtype, hidden, chunks, states)

@@ -49,16 +49,16 @@ class PoolingRoutes:
 
     async def embeddings_body(self, body: Any) -> Response:
         req = protocol.parse_embedding(body)
-        self.server.check_base_model(req.model)
+        lora = self.server.check_model(req.model)  # a decoder embedder's adapter, or None
         timer = self.server.metrics.timer()
         source = req.input if req.input is not None else [await self._chat_ids(body, req)]
         pooled = await self.engine.embed(
             source, dimensions=req.dimensions, normalize=req.normalize,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
             add_special_tokens=req.add_special_tokens, request_id=self.server.request_id(),
-            priority=req.priority)
+            priority=req.priority, lora=lora)
         self._observe(timer, [p.prompt_tokens for p in pooled])
-        return Response(protocol.embedding_response(self.engine.model_name, pooled,
+        return Response(protocol.embedding_response(lora or self.engine.model_name, pooled,
                                                     req.encoding),
                         200, content_type="application/json")
 
@@ -70,7 +70,7 @@ class PoolingRoutes:
         every token, its default)."""
         body = await self.server.read_checked("pooling")
         req = protocol.parse_embedding(body, "pooling")
-        self.server.check_base_model(req.model)
+        lora = self.server.check_model(req.model)  # adapters exist for decoder embedders only
         if self.engine.pooler is None:
             raise APIError(400, f"the model {self.engine.model_name} generates; it has no "
                            "pooler (serve it with --convert embed to pool with it)",
@@ -83,9 +83,10 @@ class PoolingRoutes:
                       request_id=self.server.request_id(), priority=req.priority)
         if task == "embed":
             pooled = await self.engine.embed(source, dimensions=req.dimensions,
-                                             normalize=req.normalize, **common)
+                                             normalize=req.normalize, lora=lora, **common)
         elif task == "token_embed":
-            pooled = await self.engine.embed_tokens(source, normalize=req.normalize, **common)
+            pooled = await self.engine.embed_tokens(source, normalize=req.normalize, lora=lora,
+                                                    **common)
         elif task == "token_classify":
             pooled = await self.engine.classify_tokens(source, use_activation=req.use_activation,
                                                        **common)
@@ -94,7 +95,7 @@ class PoolingRoutes:
                                                  **common)
             pooled = [Pooled(np.asarray(probs, dtype="<f4").tobytes(), n) for probs, n in results]
         self._observe(timer, [p.prompt_tokens for p in pooled])
-        return Response(protocol.pooling_response(self.engine.model_name, pooled, task,
+        return Response(protocol.pooling_response(lora or self.engine.model_name, pooled, task,
                                                   req.encoding),
                         200, content_type="application/json")
 
