@@ -100,6 +100,9 @@ class SamplingParams:
     # Per-request arguments of the server's logits processors (--logits-processors), as
     # vLLM's SamplingParams.extra_args (HTTP: vllm_xargs): JSON values under string keys.
     extra_args: dict[str, Any] | None = None
+    # vLLM's detokenize: False returns token ids only (the text and logprobs' decoded tokens
+    # stay empty, the detokenizer does no work for the request); stop strings need text.
+    detokenize: bool = True
     # Beam search (transformers' num_beams, length_penalty, early_stopping): 0 samples;
     # W > 0 keeps W beams and returns the n best finished hypotheses (n <= W).
     beam_width: int = 0
@@ -109,15 +112,14 @@ class SamplingParams:
     # that a script written for vLLM runs unchanged: accepted with a value that asks for
     # nothing beyond what the engine does, refused otherwise. Read once, never stored.
     best_of: dataclasses.InitVar[int | None] = None
-    detokenize: dataclasses.InitVar[bool] = True
     output_kind: dataclasses.InitVar[Any] = None
     logits_processors: dataclasses.InitVar[Sequence[Any] | None] = None
     guided_decoding: dataclasses.InitVar[StructuredOutputs | None] = None
 
-    def __post_init__(self, best_of: int | None, detokenize: bool, output_kind: Any,
+    def __post_init__(self, best_of: int | None, output_kind: Any,
                       logits_processors: Sequence[Any] | None,
                       guided_decoding: StructuredOutputs | None) -> None:
-        _vllm_only(self, best_of=best_of, detokenize=detokenize, output_kind=output_kind,
+        _vllm_only(self, best_of=best_of, output_kind=output_kind,
                    logits_processors=logits_processors, guided_decoding=guided_decoding)
         if self.thinking_token_budget == -1 and not isinstance(self.thinking_token_budget, bool):
             object.__setattr__(self, "thinking_token_budget", None)  # vLLM's -1: no budget
@@ -297,6 +299,12 @@ class SamplingParams:
                                         param="bad_words_token_ids")
             for t in ids:
                 _int(t, "bad_words_token_ids", lo=0, hi=_MAX_TOKEN_ID)
+        if not isinstance(self.detokenize, bool):
+            raise InvalidParamError("detokenize must be true or false", param="detokenize")
+        if not self.detokenize and self.stop:
+            raise InvalidParamError("stop strings need detokenize=True (without text there "
+                                    "is nothing to match them in); use stop_token_ids",
+                                    param="stop")
         if self.truncation_side not in ("left", "right"):
             raise InvalidParamError('truncation_side must be "left" or "right"',
                                     param="truncation_side")
@@ -409,7 +417,6 @@ class PoolingParams:
 # name for ``structured_outputs``) is taken as the engine's StructuredOutputs.
 VLLM_ONLY_FIELDS: dict[str, Any] = {
     "best_of": None,  # OpenAI's best_of is the completions route's (engine.http.completions)
-    "detokenize": True,  # the text is always detokenized
     "output_kind": None,  # the embedded API streams deltas; engine.LLM returns final outputs
     # Code in a request: the server's own processors are --logits-processors.
     "logits_processors": None,

@@ -529,8 +529,9 @@ def test_pooling_route_runs_a_token_classifier_as_transformers(tagger: Path) -> 
 def test_embeddings_with_a_lora_adapter_name_match_peft(tmp_path: Path) -> None:
     """A decoder embedder with --enable-lora: /v1/embeddings and /pooling answer an
     adapter's name with its embeddings (peft's hidden states), named for it."""
-    from engine.models.testing import write_tiny_model
     from test_lora import write_peft_adapters
+
+    from engine.models.testing import write_tiny_model
 
     base = write_tiny_model(tmp_path / "base", "llama")
     peft = write_peft_adapters(base, tmp_path, {"aa": dict(r=8, lora_alpha=16)}, seed=4)

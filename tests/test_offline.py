@@ -173,6 +173,13 @@ def test_logprobs_and_samples_take_vllms_shape_with_transformers_values(
         assert entry[prompt[i]].logprob == pytest.approx(want[i - 1, prompt[i]].item(), abs=1e-4)
     (plain,) = llm.generate(prompt, greedy(2), use_tqdm=False)  # a bare token-id list: one prompt
     assert plain.outputs[0].logprobs is None and plain.outputs[0].cumulative_logprob is None
+    # vLLM's detokenize=False: the same tokens and logprobs, no text, no decoded tokens.
+    (bare,) = llm.generate({"prompt_token_ids": prompt}, params.replace(detokenize=False),
+                           use_tqdm=False)
+    assert out.outputs[0].text and bare.outputs[0].text == ""
+    assert bare.outputs[0].token_ids == tokens
+    assert [list(p) for p in bare.outputs[0].logprobs] == [list(p) for p in out.outputs[0].logprobs]
+    assert all(v.decoded_token is None for p in bare.outputs[0].logprobs for v in p.values())
 
 
 def test_a_bad_prompt_is_refused_by_its_index_before_any_prompt_runs(llm: Any) -> None:

@@ -146,11 +146,15 @@ def test_vllms_other_field_names_are_taken_at_their_neutral_values_and_refused_o
                             thinking_token_budget=-1, max_tokens=8)
     assert params == SamplingParams(n=2, max_tokens=8)  # nothing stored, -1 is no budget
     # best_of above n is the completions route's (OpenAI's); code in a request is refused.
-    for name, value in [("best_of", 3), ("detokenize", False),
-                        ("logits_processors", [lambda ids, logits: logits])]:
+    for name, value in [("best_of", 3), ("logits_processors", [lambda ids, logits: logits])]:
         with pytest.raises(InvalidParamError) as info:
             SamplingParams(**{name: value})
         assert info.value.param == name
+    # detokenize=False is built (token ids only); stop strings need the text.
+    assert SamplingParams(detokenize=False).detokenize is False
+    with pytest.raises(InvalidParamError) as info:
+        SamplingParams(detokenize=False, stop=["."])
+    assert info.value.param == "stop"
     with pytest.raises(InvalidParamError) as info:
         SamplingParams(n=2, best_of=3)
     assert "or n (2)" in str(info.value)  # what it does take

@@ -317,8 +317,9 @@ def test_a_per_token_output_past_the_bound_is_refused_naming_the_input() -> None
 # -- LoRA adapters on a decoder embedder -----------------------------------------------------
 
 async def test_a_decoder_embedder_runs_lora_adapters_as_peft_does(tmp_path: Path) -> None:
-    from engine.models.testing import write_tiny_model
     from test_lora import write_peft_adapters
+
+    from engine.models.testing import write_tiny_model
 
     base = write_tiny_model(tmp_path / "base", "llama")
     peft = write_peft_adapters(base, tmp_path, {"aa": dict(r=8, lora_alpha=16)}, seed=3)
@@ -358,8 +359,9 @@ async def test_a_decoder_embedder_runs_lora_adapters_as_peft_does(tmp_path: Path
 def test_llm_embed_takes_a_lora_request_as_generate_does(tmp_path: Path) -> None:
     """LLM.embed and LLM.encode(token_embed) with vLLM's LoRARequest (loaded on first
     use): peft's hidden states; a list gives each prompt its own (None: the base)."""
-    from engine.models.testing import write_tiny_model
     from test_lora import write_peft_adapters
+
+    from engine.models.testing import write_tiny_model
 
     base = write_tiny_model(tmp_path / "base", "llama")
     peft = write_peft_adapters(base, tmp_path, {"aa": dict(r=8, lora_alpha=16)}, seed=5)

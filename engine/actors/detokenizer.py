@@ -25,7 +25,7 @@ from engine.messages import (
 @dataclasses.dataclass(slots=True)
 class _Sample:
     spec: DetokenizerRequest
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None: detokenize=False, token ids only
     completion_tokens: int = 0
     # prompt_logprobs requests: the prompt tokens' logprobs gathered so far (they arrive
     # chunk by chunk, all before or with the first token), until the first output takes them.
@@ -95,7 +95,7 @@ class Detokenizer:
 
     def _add(self, spec: DetokenizerRequest) -> None:
         params = spec.params
-        detokenizer = IncrementalDetokenizer(
+        detokenizer = None if not params.detokenize else IncrementalDetokenizer(
             self._tokenizer,  # type: ignore[arg-type]
             spec.prompt_token_ids if spec.prompt_is_text else (),
             skip_special_tokens=params.skip_special_tokens,
@@ -163,20 +163,22 @@ class Detokenizer:
             # The scheduler stops on a token (EOS or one of stop_token_ids). As in vLLM, that
             # token's text is left out like a stop string's, unless asked for; its id stays.
             ids = ids[:-1]
-        update = sample.detokenizer.push(ids)
-        text = update.text
+        text = ""
         finish_reason = delta.finish_reason
         stop_reason: str | int | None = delta.stop_reason
         hit = None
-        if update.stopped:
-            finish_reason, stop_reason = "stop", update.stop_reason
-            if delta.finish_reason is None:
-                hit = StopStringHit(delta.sample_id, update.stop_reason or "")
-        elif finish_reason is not None:
-            final = sample.detokenizer.finish()
-            text += final.text
-            if final.stopped:
-                finish_reason, stop_reason = "stop", final.stop_reason
+        if sample.detokenizer is not None:
+            update = sample.detokenizer.push(ids)
+            text = update.text
+            if update.stopped:
+                finish_reason, stop_reason = "stop", update.stop_reason
+                if delta.finish_reason is None:
+                    hit = StopStringHit(delta.sample_id, update.stop_reason or "")
+            elif finish_reason is not None:
+                final = sample.detokenizer.finish()
+                text += final.text
+                if final.stopped:
+                    finish_reason, stop_reason = "stop", final.stop_reason
         spec = sample.spec
         finished = finish_reason is not None
         return (

@@ -247,6 +247,10 @@ async def prepare_all(engine: Engine, prompts: Sequence[BatchPrompt],
     return prepared
 
 
+def _no_text(token: int) -> None:
+    return None
+
+
 async def generate(engine: Engine, prompts: Sequence[BatchPrompt],
                    prepared: Sequence[PreparedRequest], params: Sequence[SamplingParams | None],
                    *, window: Window, progress: Progress) -> list[GenerationRequestOutput]:
@@ -270,7 +274,9 @@ async def generate(engine: Engine, prompts: Sequence[BatchPrompt],
                         if prompt.render else prompt.text)
                 acc = GenerationAccumulator(
                     stream.request_id, text, ids,
-                    logprobs=wanted is not None and wanted.logprobs is not None, decode=decode)
+                    logprobs=wanted is not None and wanted.logprobs is not None,
+                    # detokenize=False: no decoded tokens either, as vLLM's.
+                    decode=decode if wanted is None or wanted.detokenize else _no_text)
                 async for out in stream:
                     acc.add(out)
                 results[index] = acc.result()

@@ -192,7 +192,7 @@ class GenerationAccumulator:
     called only where the request asked for logprobs."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: Sequence[int],
-                 *, logprobs: bool, decode: Callable[[int], str]) -> None:
+                 *, logprobs: bool, decode: Callable[[int], str | None]) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)

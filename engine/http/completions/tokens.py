@@ -32,15 +32,12 @@ _SAMPLING_KEYS = (
     "n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
     "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs",
     "include_stop_str_in_output", "skip_special_tokens", "allowed_token_ids", "bad_words",
-    "truncate_prompt_tokens", "spaces_between_special_tokens", "extra_args",
+    "truncate_prompt_tokens", "spaces_between_special_tokens", "extra_args", "detokenize",
 )
 # Keys of vLLM's SamplingParams this route takes at their no-op values only (a client that
 # serialises a whole SamplingParams sends them); any other value changes the answer and
 # is refused.
 _NO_OP_KEYS: dict[str, tuple[Any, ...]] = {
-    # Token ids come back either way and the text is not sent; but without text there is
-    # nothing to match stop strings in, so detokenize: false with stop is a 400 (vLLM's).
-    "detokenize": (True, False),
     "output_kind": (0, 1, 2),  # how vLLM batches its outputs; one answer here
     "best_of": (None, 1),
     "logits_processors": (None, []),
