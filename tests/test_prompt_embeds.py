@@ -198,3 +198,22 @@ def test_completions_take_base64_prompt_embeds_from_the_openai_client(llama: Pat
         reply = httpx.post(srv.base_url + "/v1/completions", timeout=30,
                            json={"prompt_embeds": _b64(first)})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt_embeds"
+
+
+async def test_n_samples_of_prompt_embeds_share_the_prompts_blocks(llama: Path) -> None:
+    rows = _embeds(llama, 40, seed=10)
+    async with engine.open_engine(llama, dtype="float32", enable_prompt_embeds=True,
+                                  block_size=16, kv_cache_memory=4 * 1024 * 1024) as eng:
+        stream = await eng.submit(None, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, n=3),
+                                  prompt_embeds=rows)
+        async with stream:
+            outs = [out async for out in stream]
+        stats = await wait_idle(eng)
+    by_sample: dict[int, list[int]] = {}
+    for out in outs:
+        by_sample.setdefault(out.index, []).extend(out.token_ids)
+    want = _hf_greedy(llama, rows)
+    assert [by_sample[i] for i in range(3)] == [want] * 3
+    # The second and third samples took the first's two full blocks from the cache.
+    assert sum(o.usage.cached_tokens for o in outs if o.finished) == 2 * 32
+    assert stats.kv_blocks_free == stats.kv_blocks_total
