@@ -441,7 +441,7 @@ def test_pooling_route_gives_sentence_transformers_token_embeddings(server, mini
                         ({"input": "hi", "task": "classify"}, "task"),
                         ({"input": "hi", "dimensions": 8}, "dimensions"),
                         ({"input": "hi", "task": "embed", "use_activation": True}, "use_activation"),
-                        ({"input": "hi", "encoding_format": "bytes"}, "encoding_format"),
+                        ({"input": "hi", "encoding_format": "hex"}, "encoding_format"),
                         ({"input": "hi", "softmax": True}, "softmax")):
         reply = httpx.post(url, json=body, timeout=30)
         assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
@@ -556,3 +556,35 @@ def test_embeddings_with_a_lora_adapter_name_match_peft(tmp_path: Path) -> None:
     assert not np.allclose(plain.data[0].embedding, want, atol=1e-3)
     assert np.allclose(tokens["data"][0]["data"], rows.numpy(), atol=1e-4)
     assert unknown.status_code == 404
+
+
+def test_bytes_encoding_sends_the_values_as_the_body_with_their_metadata(server) -> None:
+    """vLLM's encoding_format "bytes": the body is every input's values back to back, the
+    metadata header says where each one lies and its shape; "bytes_only" leaves it out."""
+    import json
+
+    texts = ["hello there", "a second, longer input to embed"]
+    url = server.base_url + "/v1/embeddings"
+    floats = [np.array(d["embedding"], dtype=np.float32) for d in
+              httpx.post(url, json={"input": texts}, timeout=30).json()["data"]]
+    reply = httpx.post(url, timeout=30, json={"input": texts, "encoding_format": "bytes",
+                                              "embed_dtype": "float16", "endianness": "big"})
+    assert reply.status_code == 200
+    assert reply.headers["content-type"] == "application/octet-stream"
+    meta = json.loads(reply.headers["metadata"])
+    assert meta["usage"]["prompt_tokens"] > 0 and meta["id"].startswith("embd-")
+    for item, want in zip(meta["data"], floats, strict=True):
+        assert (item["embed_dtype"], item["endianness"], item["shape"]) == ("float16", "big", [384])
+        got = np.frombuffer(reply.content[item["start"]:item["end"]], dtype=">f2")
+        assert np.array_equal(got, want.astype(np.float16))
+    bare = httpx.post(url, timeout=30, json={"input": texts, "encoding_format": "bytes_only",
+                                             "embed_dtype": "float16", "endianness": "big"})
+    assert "metadata" not in bare.headers and bare.content == reply.content
+    # /pooling's per-token rows: a [tokens, width] shape each.
+    rows = httpx.post(server.base_url + "/pooling", json={"input": texts[0]}, timeout=30).json()
+    packed = httpx.post(server.base_url + "/pooling", timeout=30,
+                        json={"input": texts[0], "encoding_format": "bytes"})
+    (item,) = json.loads(packed.headers["metadata"])["data"]
+    matrix = np.array(rows["data"][0]["data"], dtype=np.float32)
+    assert item["shape"] == list(matrix.shape)
+    assert np.array_equal(np.frombuffer(packed.content, dtype="<f4").reshape(matrix.shape), matrix)

@@ -91,6 +91,15 @@ def _json(schema: dict[str, Any], description: str = "OK") -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
+def _json_or_bytes(schema: dict[str, Any]) -> dict[str, Any]:
+    """A pooling answer: JSON, or with encoding_format bytes / bytes_only the values as
+    the body (a metadata header for bytes)."""
+    ok = _json(schema, "OK: JSON, or the values themselves with encoding_format bytes")
+    ok["content"]["application/octet-stream"] = {"schema": {"type": "string",
+                                                            "format": "binary"}}
+    return ok
+
+
 def openapi(version: str, *, api_key: bool, tokenizer_info: bool = False) -> dict[str, Any]:
     """The server's OpenAPI 3.1 document (``GET /openapi.json``); ``tokenizer_info``: the
     server has ``GET /tokenizer_info`` (--enable-tokenizer-info-endpoint)."""
@@ -135,7 +144,7 @@ def openapi(version: str, *, api_key: bool, tokenizer_info: bool = False) -> dic
             "type": "object", "required": ["prompt"], "properties": {
                 "prompt": {"type": "string"}}}),
             *(c for c in gen_errors if c not in ("429", "500", "503"))),
-        "/v1/embeddings": _post("Embeddings (pooling models)", "EmbeddingRequest", _json({
+        "/v1/embeddings": _post("Embeddings (pooling models)", "EmbeddingRequest", _json_or_bytes({
             "type": "object", "required": ["object", "data", "model", "usage"], "properties": {
                 "object": {"const": "list"}, "model": {"type": "string"},
                 "usage": {"type": "object"},
@@ -161,7 +170,7 @@ def openapi(version: str, *, api_key: bool, tokenizer_info: bool = False) -> dic
                                    "required": ["index", "label", "probs", "num_classes"]}}}}),
                            *gen_errors),
         "/pooling": _post("vLLM's generic pooling: embeddings, class probabilities or every "
-                          "token's hidden state (pooling models)", "PoolingRequest", _json({
+                          "token's hidden state (pooling models)", "PoolingRequest", _json_or_bytes({
                               "type": "object", "required": ["object", "data", "model", "usage"],
                               "properties": {"data": {"type": "array", "items": {
                                   "type": "object", "required": ["index", "object", "data"]}}}}),

@@ -311,7 +311,10 @@ EMBEDDINGS: dict[str, Any] = {
         "input": {"anyOf": [{"type": "string"}, _TOKEN_IDS, _STRINGS,
                             {"type": "array", "items": _TOKEN_IDS, "minItems": 1}],
                   "description": "a string, token ids, or a list of strings or of token-id lists"},
-        "encoding_format": _nullable({"enum": ["float", "base64"]}),
+        "encoding_format": _nullable({"enum": ["float", "base64", "bytes", "bytes_only"],
+                                      "description": "bytes, bytes_only (vLLM's): the values "
+                                      "as the body (application/octet-stream), with a "
+                                      "metadata header for bytes"}),
         "embed_dtype": _nullable({"enum": ["float32", "float16", "bfloat16", "fp8_e4m3",
                                            "fp8_e5m2"],
                                   "description": "base64: each value as this type (vLLM's; "

@@ -200,13 +200,19 @@ def parse_rerank(body: dict[str, Any]) -> ScoreRequest:
 
 
 def encode_base64(data: bytes, encoding: Encoding) -> str:
-    """A vector's base64 (``data``: little-endian float32, as the runner writes it) with
-    vLLM's ``embed_dtype`` and ``endianness``: each value cast as torch casts it
-    (round to nearest even; fp8 saturates nothing, as torch's cast), its bytes in that
-    order ("native": this server's). float32 little-endian is ``data`` as it is."""
+    """A vector's base64 (``data``: little-endian float32, as the runner writes it) of
+    :func:`encode_values`' bytes."""
+    return base64.b64encode(encode_values(data, encoding)).decode("ascii")
+
+
+def encode_values(data: bytes, encoding: Encoding) -> bytes:
+    """A vector's bytes (``data``: little-endian float32) with vLLM's ``embed_dtype`` and
+    ``endianness``: each value cast as torch casts it (round to nearest even; fp8
+    saturates nothing, as torch's cast), its bytes in that order ("native": this
+    server's). float32 little-endian is ``data`` as it is."""
     order = sys.byteorder if encoding.endianness == "native" else encoding.endianness
     if encoding.embed_dtype == "float32" and order == "little":
-        return base64.b64encode(data).decode("ascii")
+        return data
     import torch
 
     dtype, view = {"float32": (torch.float32, torch.int32), "float16": (torch.float16, torch.int16),
@@ -217,7 +223,31 @@ def encode_base64(data: bytes, encoding: Encoding) -> str:
     raw = values.to(dtype).view(view).numpy()  # this machine's byte order
     if raw.itemsize > 1 and order != sys.byteorder:
         raw = raw.byteswap()
-    return base64.b64encode(raw.tobytes()).decode("ascii")
+    return raw.tobytes()
+
+
+def binary_response(prefix: str, model: str, pooled: Sequence[Pooled], per_token: bool,
+                    encoding: Encoding) -> tuple[bytes, dict[str, str]]:
+    """vLLM's ``encoding_format`` ``"bytes"`` / ``"bytes_only"``: every input's values one
+    after another as :func:`encode_values` writes them (the body), and, for ``bytes``, a
+    ``metadata`` header (JSON: ``id``, ``created``, ``model``, ``data`` with each input's
+    ``index``, ``embed_dtype``, ``endianness``, ``start`` and ``end`` bytes and ``shape``,
+    and ``usage``)."""
+    body, items, offset = [], [], 0
+    for i, p in enumerate(pooled):
+        raw = encode_values(p.data, encoding)
+        shape = list(p.matrix().shape) if per_token else [len(p.data) // 4]
+        items.append({"index": i, "embed_dtype": encoding.embed_dtype,
+                      "endianness": encoding.endianness, "start": offset,
+                      "end": offset + len(raw), "shape": shape})
+        body.append(raw)
+        offset += len(raw)
+    if encoding.format == "bytes_only":
+        return b"".join(body), {}
+    tokens = sum(p.prompt_tokens for p in pooled)
+    metadata = {"id": f"{prefix}-{uuid.uuid4().hex}", "created": now(), "model": model,
+                "data": items, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    return b"".join(body), {"metadata": orjson.dumps(metadata).decode()}
 
 
 def pooling_response(model: str, pooled: Sequence[Pooled], task: str,

@@ -58,9 +58,17 @@ class PoolingRoutes:
             add_special_tokens=req.add_special_tokens, request_id=self.server.request_id(),
             priority=req.priority, lora=lora)
         self._observe(timer, [p.prompt_tokens for p in pooled])
+        if req.encoding.format.startswith("bytes"):
+            return self._binary("embd", lora or self.engine.model_name, pooled, False, req.encoding)
         return Response(protocol.embedding_response(lora or self.engine.model_name, pooled,
                                                     req.encoding),
                         200, content_type="application/json")
+
+    @staticmethod
+    def _binary(prefix: str, model: str, pooled: list[Pooled], per_token: bool,
+                encoding: protocol.Encoding) -> Response:
+        body, headers = protocol.binary_response(prefix, model, pooled, per_token, encoding)
+        return Response(body, 200, content_type="application/octet-stream", headers=headers)
 
     async def pooling(self) -> Response:
         """vLLM's generic pooling route: the embeddings body (``input`` or ``messages``)
@@ -95,6 +103,9 @@ class PoolingRoutes:
                                                  **common)
             pooled = [Pooled(np.asarray(probs, dtype="<f4").tobytes(), n) for probs, n in results]
         self._observe(timer, [p.prompt_tokens for p in pooled])
+        if req.encoding.format.startswith("bytes"):
+            return self._binary("pool", lora or self.engine.model_name, pooled,
+                                task.startswith("token_"), req.encoding)
         return Response(protocol.pooling_response(lora or self.engine.model_name, pooled, task,
                                                   req.encoding),
                         200, content_type="application/json")
