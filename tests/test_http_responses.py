@@ -271,7 +271,7 @@ REFUSED = [
     ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"n": 2}, "n"),
-    ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
+    ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ({"context_management": [{"type": "compaction"}]}, "context_management"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]},
@@ -285,6 +285,8 @@ REFUSED = [
 ]
 INVALID = [
     ({"truncation": "middle"}, "truncation"),
+    # This model's template never reads reasoning_effort: refused, not dropped.
+    ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
     ({"input": [{"role": "user", "content": "Hi"},
                 {"type": "function_call", "call_id": "c1", "name": "get_weather",
                  "arguments": "{not json"}]}, "input[1].arguments"),
@@ -705,3 +707,30 @@ def test_truncation_auto_drops_the_oldest_items_until_the_prompt_fits(real, fold
     assert answer.usage.input_tokens == tokens(items[first:])
     stats = real.engine.statistics()
     assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+def test_reasoning_effort_reaches_a_template_that_reads_it(tmp_path) -> None:
+    """reasoning.effort goes to the chat template as reasoning_effort (chat's field, and
+    vLLM's Responses route): the prompt is transformers' rendering with the same value."""
+    from transformers import AutoTokenizer
+
+    template = ("{% if reasoning_effort is defined %}Effort: {{ reasoning_effort }}. "
+                "{% endif %}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                "{% endfor %}assistant:")
+    folder = write_marker_model(tmp_path / "m", template)
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    ask = [{"role": "user", "content": "Hi there"}]
+    with ServerThread(lambda: open_fake_engine(Tokenizer.from_folder(folder),
+                                               served_model_name=MODEL, max_model_len=1024)) as srv:
+        with _client(srv) as client:
+            answers = {effort: client.responses.create(
+                model=MODEL, input=ask, max_output_tokens=2, store=False,
+                reasoning={"effort": effort}) for effort in ("low", "high")}
+    for effort, answer in answers.items():
+        want = tok.apply_chat_template(ask, tokenize=True, add_generation_prompt=True,
+                                       reasoning_effort=effort, return_dict=False)
+        assert answer.usage.input_tokens == len(want)
+        assert answer.reasoning.effort == effort
+        # Without the effort the template writes no "Effort: ..." line.
+        assert len(want) > len(tok.apply_chat_template(ask, tokenize=True, return_dict=False,
+                                                       add_generation_prompt=True))

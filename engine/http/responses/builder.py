@@ -79,7 +79,7 @@ class ResponseBuilder:
             "output": copy.deepcopy(self.output),
             "parallel_tool_calls": echo["parallel_tool_calls"],
             "previous_response_id": echo["previous_response_id"],
-            "reasoning": {"effort": None, "summary": None}, "service_tier": "default",
+            "reasoning": echo["reasoning"], "service_tier": "default",
             "store": self.req.store, "temperature": echo["temperature"], "text": echo["text"],
             "tool_choice": echo["tool_choice"], "tools": echo["tools"], "top_p": echo["top_p"],
             "top_logprobs": echo["top_logprobs"],

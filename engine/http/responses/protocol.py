@@ -140,7 +140,7 @@ def parse_responses(
     unknown = sorted(set(body) - KNOWN - set(REFUSED) - set(SAMPLING_EXTRAS))
     if unknown:
         logger.info("ignoring unknown request fields: %s", ", ".join(unknown))
-    _check_reasoning(body.get("reasoning"))
+    effort = _reasoning_effort(body.get("reasoning"))
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise _bad("instructions must be a string", "instructions", "invalid_type")
@@ -184,6 +184,9 @@ def parse_responses(
         "parallel_tool_calls": body.get("parallel_tool_calls"),
         "response_format": _text_format(body.get("text")),
         **{k: body[k] for k in SAMPLING_EXTRAS if body.get(k) is not None},
+        # The chat template's reasoning_effort (chat's own field; a template that never
+        # reads it refuses it, named reasoning.effort here).
+        **({"reasoning_effort": effort} if effort is not None else {}),
     }
     try:
         chat = parse_chat(chat_body, settings, model_template, defaults)
@@ -210,6 +213,7 @@ def parse_responses(
         "tool_choice": body.get("tool_choice") or ("auto" if tools else "none"),
         "tools": body.get("tools") or [], "user": body.get("user"),
         "top_logprobs": top_logprobs, "truncation": _truncation(body.get("truncation")),
+        "reasoning": {"effort": effort, "summary": None},
     }
     return ResponsesRequest(chat=chat, stream=stream, store=_bool(body, "store", True),
                             previous_response_id=previous_id, input_items=tuple(items),
@@ -291,19 +295,24 @@ def _logprobs(body: Mapping[str, Any], tools: list[Any],
     return True, top or 0
 
 
-def _check_reasoning(value: Any) -> None:
-    """``reasoning``: effort and summaries cannot be honoured (the model thinks as its
-    template and ``chat_template_kwargs`` say); null values are the no-op."""
+def _reasoning_effort(value: Any) -> str | None:
+    """``reasoning``: its ``effort`` goes to the chat template as ``reasoning_effort`` (as
+    chat's field of that name, and as vLLM's Responses route passes it; a template that
+    never reads it refuses it); summaries cannot be honoured (the model's thinking comes
+    back as reasoning items, whole). Null values are the no-op."""
     if value is None:
-        return
+        return None
     if not isinstance(value, dict):
         raise _bad("reasoning must be an object", "reasoning", "invalid_type")
     for key, item in value.items():
-        if item is not None:
-            raise _unsupported(f"reasoning.{key} is not supported by this server (the "
-                               "model reasons as its chat template says; reasoning "
-                               "models' thinking comes back as reasoning items)",
+        if item is not None and key != "effort":
+            raise _unsupported(f"reasoning.{key} is not supported by this server (reasoning "
+                               "models' thinking comes back as reasoning items, whole)",
                                f"reasoning.{key}")
+    effort = value.get("effort")
+    if effort is not None and not isinstance(effort, str):
+        raise _bad("reasoning.effort must be a string", "reasoning.effort", "invalid_type")
+    return effort
 
 
 # -- input ------------------------------------------------------------------------------
@@ -594,7 +603,8 @@ _SUFFIXES = ((".function.arguments", ".arguments"), (".function.name", ".name"),
              (".tool_call_id", ".call_id"), (".function.parameters", ".parameters"),
              (".function.description", ".description"), (".function", ""))
 _FIELDS = (("response_format.json_schema.", "text.format."), ("response_format", "text.format"),
-           ("max_tokens", "max_output_tokens"), ("messages", "input"))
+           ("max_tokens", "max_output_tokens"), ("messages", "input"),
+           ("reasoning_effort", "reasoning.effort"))
 
 
 def _renamed(param: str, where: Mapping[str, str]) -> str:
