@@ -717,3 +717,28 @@ def test_a_named_call_with_thinking_off_is_the_call_not_reasoning(hybrid):
             model=MODEL, messages=ASK, max_completion_tokens=4, temperature=0,
             logit_bias={str(think): 100}, extra_body={"ignore_eos": True})
         assert thinking.choices[0].message.model_extra["reasoning"] is not None
+
+
+def test_anthropic_thinking_budget_tokens_bounds_the_reasoning_as_the_chat_budget(thinker, folder):
+    """Anthropic's thinking.budget_tokens is the chat route's thinking_token_budget: the
+    reasoning ends within it, and the two routes give the same reasoning and text."""
+    from chat_fixtures import marker_id
+
+    end = marker_id(Tokenizer.from_folder(folder), "</think>")
+    chat = httpx.post(thinker.base_url + "/v1/chat/completions", json={
+        "model": MODEL, "messages": ASK, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+        "chat_template_kwargs": {"enable_thinking": True}, "thinking_token_budget": 3,
+        "return_token_ids": True}).json()
+    (choice,) = chat["choices"]
+    assert choice["token_ids"].index(end) <= 3
+    message = httpx.post(thinker.base_url + "/v1/messages", json={
+        "model": MODEL, "messages": ASK, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+        "thinking": {"type": "enabled", "budget_tokens": 3}}).json()
+    blocks = {b["type"]: b for b in message["content"]}
+    assert blocks["thinking"]["thinking"] == choice["message"]["reasoning"]
+    assert blocks["text"]["text"] == choice["message"]["content"]
+    bad = httpx.post(thinker.base_url + "/v1/messages", json={
+        "model": MODEL, "messages": ASK, "max_tokens": 12,
+        "thinking": {"type": "enabled", "budget_tokens": 0}})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    assert "thinking.budget_tokens" in bad.json()["error"]["message"]

@@ -416,7 +416,16 @@ def _thinking(thinking: Any, reasoning: bool) -> dict[str, Any]:
         raise APIError(400, "thinking needs the server started with --reasoning-parser "
                        "(this model's reasoning cannot be told apart from its answer)",
                        param="thinking", code="unsupported_parameter")
-    return {"chat_template_kwargs": {"enable_thinking": True}}
+    out: dict[str, Any] = {"chat_template_kwargs": {"enable_thinking": True}}
+    budget = thinking.get("budget_tokens")
+    if budget is not None:
+        # vLLM's thinking_token_budget: the reasoning's end marker is forced once the
+        # reasoning holds that many tokens (Anthropic's budget is the same bound).
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise _bad("thinking.budget_tokens must be a positive integer",
+                       "thinking.budget_tokens")
+        out["thinking_token_budget"] = budget
+    return out
 
 
 def _output_config(config: Any) -> dict[str, Any]:
@@ -440,7 +449,8 @@ def _output_config(config: Any) -> dict[str, Any]:
 # The chat fields a Messages field became, for errors the chat path finds (the rest keep
 # their names: model, max_tokens, temperature, tools, tool_choice, ...).
 _MESSAGES_NAMES = (("stop", "stop_sequences"), ("response_format", "output_config.format"),
-                   ("parallel_tool_calls", "tool_choice.disable_parallel_tool_use"))
+                   ("parallel_tool_calls", "tool_choice.disable_parallel_tool_use"),
+                   ("thinking_token_budget", "thinking.budget_tokens"))
 
 
 def rename_param(err: APIError, origins: Mapping[str, str] | None = None) -> APIError:

@@ -8,6 +8,7 @@ app's error handler asks :func:`engine.http.anthropic.protocol.error_body`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import trio
@@ -15,7 +16,7 @@ from quart import Response
 from quart_trio import QuartTrio
 
 from engine.api import tokenize_prompt
-from engine.chat.request import parse_chat_fields
+from engine.chat.request import parse_chat_fields, thinking_budget_params
 from engine.chat.template import normalize_messages
 from engine.core import admission
 from engine.errors import InvalidParamError
@@ -56,6 +57,11 @@ class AnthropicRoutes:
             req = await self.server.off_loop(lambda: parse_chat(
                 chat, self.server.chat_settings, self.engine.tokenizer.chat_template,
                 defaults=self.server.sampling_defaults))
+            if chat.get("thinking_token_budget") is not None:  # thinking.budget_tokens
+                tok = self.engine.tokenizer
+                req = dataclasses.replace(req, params=thinking_budget_params(
+                    chat, req.params, self.server.chat_settings,
+                    lambda text: tok.encode(text, add_special_tokens=False)))
             self.server.check_base_model(req.model)
             run = Run(self.engine, req, self.server.metrics.timer(),
                       self.server.answer_options, self.server.load_tracker())
