@@ -742,3 +742,49 @@ def test_anthropic_thinking_budget_tokens_bounds_the_reasoning_as_the_chat_budge
         "thinking": {"type": "enabled", "budget_tokens": 0}})
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
     assert "thinking.budget_tokens" in bad.json()["error"]["message"]
+
+
+# -- --default-chat-template-kwargs --------------------------------------------------------
+
+
+def test_default_chat_template_kwargs_render_under_the_requests_own(tmp_path):
+    """vLLM's --default-chat-template-kwargs: every chat renders with them unless the
+    request sets the key itself; the prompts are transformers' renderings with the same
+    kwargs."""
+    from transformers import AutoTokenizer
+
+    folder = write_marker_model(tmp_path / "m", THINK_TEMPLATE)
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    settings = ChatSettings(default_chat_template_kwargs={"enable_thinking": False})
+
+    def rendered(**kwargs):
+        return tok.apply_chat_template(ASK, tokenize=True, add_generation_prompt=True,
+                                       return_dict=False, **kwargs)
+
+    assert rendered(enable_thinking=False) != rendered(enable_thinking=True)
+    with ServerThread(lambda: open_fake_engine(Tokenizer.from_folder(folder),
+                                               served_model_name=MODEL, max_model_len=1024),
+                      chat=settings) as srv:
+        default = _tokenize(srv, messages=ASK).json()["tokens"]
+        own = _tokenize(srv, messages=ASK,
+                        chat_template_kwargs={"enable_thinking": True}).json()["tokens"]
+        reply = httpx.post(srv.base_url + "/v1/chat/completions", json={
+            "model": MODEL, "messages": ASK, "max_tokens": 1}).json()
+    assert default == rendered(enable_thinking=False)
+    assert own == rendered(enable_thinking=True)
+    assert reply["usage"]["prompt_tokens"] == len(default)
+
+
+def test_the_cli_reads_default_chat_template_kwargs_and_vllms_tool_exclusion_flag():
+    from engine.cli import build_parser
+    from engine.cli.serve import chat_settings
+
+    def parse(*flags: str):
+        return build_parser(["serve"]).parse_args(["serve", *flags])
+
+    args = parse("--default-chat-template-kwargs", '{"enable_thinking": false}',
+                 "--exclude-tools-when-tool-choice-none")
+    assert chat_settings(args).default_chat_template_kwargs == {"enable_thinking": False}
+    for bad in ("{", "[1]"):
+        with pytest.raises(ValueError, match="default-chat-template-kwargs"):
+            chat_settings(parse("--default-chat-template-kwargs", bad))

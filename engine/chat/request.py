@@ -58,6 +58,7 @@ class ChatSettings:
     thinking from the answer. ``chat_template`` (jinja source) replaces the model's.
     ``trust_request_chat_template`` lets requests send their own template (it runs in
     the jinja sandbox, but can still cost CPU: off by default, as in vLLM).
+    ``default_chat_template_kwargs`` go under every request's ``chat_template_kwargs``.
     ``max_tools`` and ``max_tool_schema_bytes`` bound a request's ``tools`` (their count,
     and their size as JSON).
     """
@@ -69,6 +70,9 @@ class ChatSettings:
     trust_request_chat_template: bool = False
     max_tools: int = DEFAULT_MAX_TOOLS
     max_tool_schema_bytes: int = DEFAULT_MAX_TOOL_SCHEMA_BYTES
+    # vLLM's --default-chat-template-kwargs: under every request's chat_template_kwargs
+    # (a key the request sets wins).
+    default_chat_template_kwargs: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_tools", "max_tool_schema_bytes"):
@@ -308,6 +312,8 @@ def template_options(body: Mapping[str, Any], settings: ChatSettings, *,
         except (TypeError, ValueError):
             raise InvalidParamError("chat_template_kwargs must be JSON",
                                     param="chat_template_kwargs") from None
+    if settings.default_chat_template_kwargs:
+        kwargs = {**settings.default_chat_template_kwargs, **(kwargs or {})}
     add_generation_prompt = _bool(body, "add_generation_prompt", generation_prompt)
     continue_final = _bool(body, "continue_final_message", False)
     if continue_final and add_generation_prompt:

@@ -108,6 +108,9 @@ VLLM_SERVE_FLAGS: dict[str, VllmFlag] = {
         takes_value=False),
     "--enable-server-load-tracking": VllmFlag("no_op", "GET /load is always served",
                                               takes_value=False),
+    "--exclude-tools-when-tool-choice-none": VllmFlag(
+        "no_op", 'tool_choice "none" always keeps the tools out of the prompt here',
+        takes_value=False),
     "--no-enable-chunked-prefill": VllmFlag(
         "refuse", "prefill is always chunked here (by --max-num-batched-tokens)",
         takes_value=False),

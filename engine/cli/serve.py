@@ -155,6 +155,9 @@ def add_chat_arguments(group: Any) -> None:
         help="a jinja chat template (a file, or the template itself) replacing the model's")
     add("--trust-request-chat-template", action="store_true",
         help="let requests send their own chat_template")
+    add("--default-chat-template-kwargs", default=None, metavar="JSON",
+        help="chat_template_kwargs every chat request renders with unless it sets the key "
+             "itself, e.g. '{\"enable_thinking\": false}'")
     add("--enable-auto-tool-choice", action="store_true",
         help='read tool calls from free text for tool_choice "auto" (needs --tool-call-parser)')
     add("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None, metavar="NAME",
@@ -357,10 +360,25 @@ def chat_settings(args: argparse.Namespace) -> ChatSettings:
         reasoning_parser=getattr(args, "reasoning_parser", None),
         chat_template=load_chat_template(template) if template is not None else None,
         trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
+        default_chat_template_kwargs=_template_kwargs(
+            getattr(args, "default_chat_template_kwargs", None)),
         max_tools=getattr(args, "max_tools", DEFAULT_MAX_TOOLS),
         max_tool_schema_bytes=getattr(args, "max_tool_schema_bytes",
                                       DEFAULT_MAX_TOOL_SCHEMA_BYTES),
     )
+
+
+def _template_kwargs(text: str | None) -> dict[str, Any] | None:
+    """``--default-chat-template-kwargs``: a JSON object, else ``ValueError``."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--default-chat-template-kwargs is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError("--default-chat-template-kwargs must be a JSON object")
+    return value
 
 
 async def _headless(args: argparse.Namespace) -> int:
