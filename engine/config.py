@@ -561,6 +561,9 @@ class EngineConfig:
     enable_log_requests: bool = _field(
         False, "log each request as it is queued: its id, prompt (text and token ids), "
         "sampling parameters and LoRA adapter", aliases=("--disable-log-requests",))
+    enable_log_outputs: bool = _field(
+        False, "log each request's generated text and token ids as it finishes (cut to "
+        "--max-log-len), as vLLM's flag")
     max_log_len: int | None = _field(
         None, "most prompt characters and token ids a request's log line shows",
         type=int, metavar="N", default_text="all")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -342,3 +343,26 @@ async def test_a_request_far_longer_than_the_window_holds_few_blocks_and_matches
     # A 64-token chunk sees its 7 keys before it: 71 tokens, at most 6 blocks of 16 (one
     # more while the next step's chunk is planned ahead); without release 27.
     assert 0 < most_held <= 7
+
+
+async def test_enable_log_outputs_logs_each_samples_text_and_ids_as_it_finishes(
+    model: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """vLLM's --enable-log-outputs: one line per finished sample, its ids the tokens it
+    gave and its text what transformers' tokenizer decodes of them, cut to max_log_len."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    caplog.set_level(logging.INFO, logger="engine")
+    async with engine.open_engine(model, **ENGINE_OPTIONS, enable_log_outputs=True,
+                                  max_log_len=5) as eng:
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, n=2)
+        stream = await eng.submit([5, 17, 42, 99], params, request_id="logged")
+        async with stream:
+            outs = [out async for out in stream]
+    ids = [t for o in outs if o.index == 0 for t in o.token_ids]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Generated response logged")]
+    assert len(lines) == 2  # a line per sample
+    first = next(line for line in lines if "(sample" not in line)
+    assert f"output: {tok.decode(ids, skip_special_tokens=True)[:5]!r}" in first
+    assert f"output_token_ids: {ids[:5]}, finish_reason: length" in first

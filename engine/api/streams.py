@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -14,6 +15,8 @@ from engine.messages import RequestOutput
 
 if TYPE_CHECKING:  # the engine owns its streams; a stream only names its engine's type
     from engine.api.engine import Engine
+
+logger = logging.getLogger("engine")
 
 
 class RequestStream:
@@ -33,6 +36,9 @@ class RequestStream:
         self._closed = False
         self.request_id = mailbox.request_id
         self.prompt_token_ids: tuple[int, ...] = mailbox.prompt_token_ids
+        # enable_log_outputs: each sample's text pieces and ids until it finishes.
+        self._outputs: dict[int, tuple[list[str], list[int]]] | None = (
+            {} if engine.config.enable_log_outputs else None)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -41,10 +47,29 @@ class RequestStream:
         if self._closed:
             raise StopAsyncIteration
         try:
-            return await self._mailbox.receive()
+            out = await self._mailbox.receive()
         except (StopAsyncIteration, EngineDeadError, RequestFailedError):
             self._closed = True
             raise
+        if self._outputs is not None:
+            self._log_output(out, self._outputs)
+        return out
+
+    def _log_output(self, out: RequestOutput, seen: dict[int, tuple[list[str], list[int]]]) -> None:
+        """vLLM's output log line (``enable_log_outputs``), once a sample finishes."""
+        text, ids = seen.setdefault(out.index, ([], []))
+        text.append(out.text)
+        ids.extend(out.token_ids)
+        if not out.finished:
+            return
+        del seen[out.index]
+        limit = self._engine.config.max_log_len
+        whole = "".join(text)
+        sample = f" (sample {out.index})" if out.index else ""
+        logger.info("Generated response %s%s: output: %r, output_token_ids: %s, "
+                    "finish_reason: %s", self.request_id, sample,
+                    whole if limit is None else whole[:limit],
+                    ids if limit is None else ids[:limit], out.finish_reason)
 
     async def aclose(self) -> None:
         """Stop reading; aborts the request if it has not finished."""
