@@ -308,6 +308,19 @@ def _hf_overrides_text(value: Any) -> str:
         raise ConfigError(f"hf_overrides: {exc}", field="hf_overrides") from None
 
 
+def _served_names(config: Any) -> None:
+    """``served_model_name`` as one name (a string) or several (a tuple, the first the one
+    answers carry): non-empty and distinct, else :class:`ConfigError`."""
+    names = config.served_model_name
+    if names is None:
+        return
+    names = [names] if isinstance(names, str) else list(names)
+    if not names or not all(isinstance(n, str) and n for n in names) or len(set(names)) < len(names):
+        raise ConfigError(f"served_model_name must be one or more distinct non-empty names, "
+                          f"got {config.served_model_name!r}", field="served_model_name")
+    object.__setattr__(config, "served_model_name", names[0] if len(names) == 1 else tuple(names))
+
+
 def _field(default: Any, help: str, **flag: Any) -> Any:
     return dataclasses.field(default=default, metadata={"flag": Flag(help, **flag)})
 
@@ -326,8 +339,10 @@ class EngineConfig:
         "ORG/NAME-GGUF:Q4_K_M for one quantization of a GGUF repo), fetched into the Hugging "
         "Face cache", metavar="MODEL",
         default_text="the bundled SmolLM2-135M-Instruct GGUF")
-    served_model_name: str | None = _field(
-        None, "the model name clients send and see", metavar="NAME",
+    # One name, or several (vLLM's): requests may send any; answers carry the first.
+    served_model_name: str | tuple[str, ...] | None = _field(
+        None, "the model name clients send and see; several names: requests may use any, "
+        "answers carry the first", metavar="NAME", nargs="+",
         default_text="SmolLM2-135M-Instruct for the default model, the Hub id for a model "
         "named by id, else the folder or file name")
     # Hub resolution (engine.models.hub) turns ids into local paths before anything loads;
@@ -736,7 +751,17 @@ class EngineConfig:
     def from_json(cls, text: str) -> EngineConfig:
         return cls(**json.loads(text))
 
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """Every name the model is served under, the first the one answers carry (empty
+        when none was given)."""
+        name = self.served_model_name
+        if name is None:
+            return ()
+        return (name,) if isinstance(name, str) else tuple(name)
+
     def __post_init__(self) -> None:
+        _served_names(self)
         if self.speculative_config is not None:
             spec = parse_speculative_config(self.speculative_config)
             # Canonical text: a dict given to open_engine() becomes JSON too.

@@ -65,7 +65,7 @@ class FakeEngine:
         self._nursery = nursery
         self.tokenizer = tokenizer
         self.config = config
-        self.model_name = config.served_model_name or "fake-model"
+        self.model_name = (config.served_model_names or ("fake-model",))[0]
         self.max_model_len = config.max_model_len or 512
         self.dead = False
         self.dead_reason: BaseException | None = None

@@ -788,3 +788,39 @@ def test_the_cli_reads_default_chat_template_kwargs_and_vllms_tool_exclusion_fla
     for bad in ("{", "[1]"):
         with pytest.raises(ValueError, match="default-chat-template-kwargs"):
             chat_settings(parse("--default-chat-template-kwargs", bad))
+
+
+# -- several served model names -----------------------------------------------------------
+
+
+def test_several_served_model_names_are_each_taken_and_answers_carry_the_first(folder):
+    """vLLM's --served-model-name with several names: a request may send any of them;
+    /v1/models lists each; answers name the first."""
+    from engine.config import EngineConfig
+    from engine.errors import ConfigError
+
+    tokenizer = Tokenizer.from_folder(folder)
+    with ServerThread(lambda: open_fake_engine(tokenizer, served_model_name=("tiny", "gpt-4o"),
+                                               max_model_len=1024)) as srv:
+        listed = [m["id"] for m in httpx.get(srv.base_url + "/v1/models").json()["data"]]
+        reply = httpx.post(srv.base_url + "/v1/completions",
+                           json={"model": "gpt-4o", "prompt": "hi", "max_tokens": 1})
+        card = httpx.get(srv.base_url + "/v1/models/gpt-4o")
+        unknown = httpx.post(srv.base_url + "/v1/completions",
+                             json={"model": "gpt-5", "prompt": "hi", "max_tokens": 1})
+    assert listed == ["tiny", "gpt-4o"]
+    assert reply.status_code == 200 and reply.json()["model"] == "tiny"
+    assert card.json()["id"] == "gpt-4o"
+    assert unknown.status_code == 404
+    from engine.cli import build_parser
+    from engine.cli.args import config_from_args
+
+    args = build_parser(["serve"]).parse_args(["serve", "--served-model-name", "a", "b"])
+    assert config_from_args(args).served_model_name == ("a", "b")
+    config = EngineConfig(served_model_name=["a", "b"])
+    assert config.served_model_names == ("a", "b")
+    assert EngineConfig.from_json(config.to_json()) == config  # as it crosses to a core
+    assert EngineConfig(served_model_name=["a"]).served_model_name == "a"
+    with pytest.raises(ConfigError) as info:
+        EngineConfig(served_model_name=["a", "a"])
+    assert info.value.field == "served_model_name"

@@ -60,6 +60,7 @@ class LoraRegistry:
         self._max_rank = config.max_lora_rank
         self._model_config = model_config
         self._served_name = served_name
+        self._base_names = {served_name, *config.served_model_names}  # the base model's
         self._adapters: dict[str, ServedAdapter] = {}
         self._ids = itertools.count(1)
         self._loading: set[str] = set()
@@ -82,7 +83,7 @@ class LoraRegistry:
     def resolve(self, name: str | None) -> LoraAdapter | None:
         """The adapter a request names (None: the base model); raises
         :class:`UnknownLoraAdapterError`."""
-        if name is None or name == self._served_name:
+        if name is None or name in self._base_names:
             return None
         served = self._adapters.get(name)
         if served is None:
@@ -104,7 +105,7 @@ class LoraRegistry:
 
     async def _add(self, module: LoraModule) -> LoraAdapter:
         name = module.name
-        if name == self._served_name:
+        if name in self._base_names:
             raise LoraAdapterError(name, "the name is the base model's", param="lora_name")
         if name in self._adapters or name in self._loading:
             raise LoraAdapterError(name, "an adapter of that name is already loaded", param="lora_name")

@@ -72,13 +72,19 @@ class AdminRoutes:
     async def metrics_route(self) -> Response:
         return Response(self.server.metrics.render(), 200, content_type=METRICS_CONTENT_TYPE)
 
-    def _card(self) -> dict[str, Any]:
+    def _card(self, name: str | None = None) -> dict[str, Any]:
         eng = self.engine
         return {
-            "id": eng.model_name, "object": "model", "created": now(),
+            "id": name or eng.model_name, "object": "model", "created": now(),
             "owned_by": "engine", "root": eng.config.model or eng.model_name, "parent": None,
             "max_model_len": eng.max_model_len,
         }
+
+    def _base_cards(self) -> list[dict[str, Any]]:
+        """The base model under each of its served names, as vLLM lists them (the first is
+        the one answers carry)."""
+        names = self.engine.config.served_model_names or (self.engine.model_name,)
+        return [self._card(name) for name in names]
 
     def _adapter_cards(self) -> list[dict[str, Any]]:
         """Each LoRA adapter served, as vLLM lists them: its folder (or Hub id) as given as
@@ -88,12 +94,12 @@ class AdminRoutes:
                 for s in self.engine.loras]
 
     async def models(self) -> Response:
-        return json_response({"object": "list", "data": [self._card(), *self._adapter_cards()]}, 200)
+        return json_response({"object": "list", "data": [*self._base_cards(), *self._adapter_cards()]}, 200)
 
     async def model_card(self, model_id: str) -> Response:
         if self.server.check_model(model_id) is not None:  # a 404 for a name not served
             return json_response(next(c for c in self._adapter_cards() if c["id"] == model_id), 200)
-        return json_response(self._card(), 200)
+        return json_response(self._card(model_id), 200)
 
     async def load_lora(self) -> Response:
         """vLLM's ``POST /v1/load_lora_adapter`` {lora_name, lora_path}: the adapter is read

@@ -148,8 +148,8 @@ class Server:
     def check_model(self, model: str | None) -> str | None:
         """The LoRA adapter a body's ``model`` names (None: the base model, or no model);
         a 404 for a name this server does not serve."""
-        if model is None or model == self.engine.model_name:
-            return None
+        if model is None or model == self.engine.model_name or model in self.engine.config.served_model_names:
+            return None  # the base model, under any of its served names
         if model in self.engine.loras:
             return model
         raise APIError(404, f"The model `{model}` does not exist; this server serves "
@@ -162,7 +162,8 @@ class Server:
         is a 400 (the request would otherwise run without its adapter)."""
         if self.check_model(model) is not None:
             raise APIError(400, f"`{model}` is a LoRA adapter; adapters are served on "
-                           "/v1/completions, /v1/chat/completions and /inference/v1/generate",
+                           "/v1/completions, /v1/chat/completions, /inference/v1/generate "
+                           "and, with a decoder embedder, /v1/embeddings and /pooling",
                            param="model", code="unsupported_parameter")
 
     def token_text(self, token_id: int) -> str:

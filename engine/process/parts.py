@@ -118,7 +118,8 @@ def _build_parts(config: EngineConfig, device: torch.device, load: RankLoad,
         max_logprobs=config.max_logprobs,
         special_token_ids=frozenset(tokenizer.skipped_special_ids),
     )
-    name = config.served_model_name or _model_name(config.model, load.path)
+    names = config.served_model_names
+    name = names[0] if names else _model_name(config.model, load.path)
     if pooler is not None:
         logger.info("pooling model: %s (%s pooling%s, %d values per input)", pooler.task,
                     pooler.pooling, ", normalized" if pooler.normalize else "", pooler.size)
