@@ -824,3 +824,25 @@ def test_several_served_model_names_are_each_taken_and_answers_carry_the_first(f
     with pytest.raises(ConfigError) as info:
         EngineConfig(served_model_name=["a", "a"])
     assert info.value.field == "served_model_name"
+
+
+def test_response_role_names_the_answers_role_as_vllms_flag(folder):
+    tokenizer = Tokenizer.from_folder(folder)
+    settings = ChatSettings(response_role="bot")
+    with ServerThread(lambda: open_fake_engine(tokenizer, served_model_name=MODEL,
+                                               max_model_len=1024), chat=settings) as srv:
+        url = srv.base_url + "/v1/chat/completions"
+        plain = httpx.post(url, json={"model": MODEL, "messages": ASK, "max_tokens": 2}).json()
+        with _client(srv) as client:
+            first = next(iter(client.chat.completions.create(
+                model=MODEL, messages=ASK, max_tokens=2, stream=True)))
+        # No generation prompt: the answer continues the last message, in its role.
+        continued = httpx.post(url, json={
+            "model": MODEL, "max_tokens": 2, "add_generation_prompt": False,
+            "continue_final_message": True,
+            "messages": [*ASK, {"role": "assistant", "content": "It is"}]}).json()
+    assert plain["choices"][0]["message"]["role"] == "bot"
+    assert first.choices[0].delta.role == "bot"
+    assert continued["choices"][0]["message"]["role"] == "assistant"
+    with pytest.raises(ValueError, match="response-role"):
+        ChatSettings(response_role="")

@@ -99,8 +99,8 @@ class ChatMessage:
     reasoning_content: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()
 
-    def to_openai(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"role": "assistant", "content": self.content}
+    def to_openai(self, role: str = "assistant") -> dict[str, Any]:
+        out: dict[str, Any] = {"role": role, "content": self.content}
         if self.reasoning_content is not None:
             # vLLM's current name, and its older one that DeepSeek-style clients read.
             out["reasoning"] = out["reasoning_content"] = self.reasoning_content

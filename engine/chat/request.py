@@ -73,6 +73,8 @@ class ChatSettings:
     # vLLM's --default-chat-template-kwargs: under every request's chat_template_kwargs
     # (a key the request sets wins).
     default_chat_template_kwargs: Mapping[str, Any] | None = None
+    # vLLM's --response-role: the role a chat answer's message carries.
+    response_role: str = "assistant"
 
     def __post_init__(self) -> None:
         for name in ("max_tools", "max_tool_schema_bytes"):
@@ -80,6 +82,8 @@ class ChatSettings:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be a non-negative integer, "
                                  f"got {value!r}")
+        if not isinstance(self.response_role, str) or not self.response_role:
+            raise ValueError("--response-role must be a non-empty role name")
         if self.tool_call_parser is not None:
             get_tool_parser(self.tool_call_parser)
         if self.reasoning_parser is not None:
@@ -138,6 +142,9 @@ class ChatFields:
     #   mistral): free text, but a call the model opens is held to the tools' schemas.
     constraint: StructuredOutputs | None
     echo: bool
+    # The answer message's role (vLLM's): --response-role with a generation prompt, else
+    # the role of the message being continued.
+    role: str = "assistant"
 
     @property
     def forced(self) -> bool:
@@ -180,7 +187,19 @@ def parse_chat_fields(body: Mapping[str, Any], settings: ChatSettings,
         # to write calls that would then come back as text.
         template = dataclasses.replace(template, tools=tuple(t.to_openai() for t in tools))
     return ChatFields(template=template, output=output, constraint=constraint,
-                      echo=_bool(body, "echo", False))
+                      echo=_bool(body, "echo", False), role=_answer_role(body, template, settings))
+
+
+def _answer_role(body: Mapping[str, Any], template: TemplateOptions,
+                 settings: ChatSettings) -> str:
+    """vLLM's role of a chat answer: ``--response-role`` when the template opened a reply
+    (``add_generation_prompt``), else the last message's role (the turn being continued)."""
+    if template.add_generation_prompt:
+        return settings.response_role
+    messages = body.get("messages")
+    last = messages[-1] if isinstance(messages, list) and messages else None
+    role = last.get("role") if isinstance(last, Mapping) else None
+    return role if isinstance(role, str) and role else settings.response_role
 
 
 def _thinking_off(template: TemplateOptions, source: str | None) -> bool:

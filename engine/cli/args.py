@@ -130,7 +130,6 @@ VLLM_SERVE_FLAGS: dict[str, VllmFlag] = {
     "--api-server-count": VllmFlag("refuse", "one HTTP server process serves here"),
     "--enable-sleep-mode": VllmFlag("refuse", "sleep mode is not supported",
                                     takes_value=False),
-    "--response-role": VllmFlag("refuse", "replies always carry the role assistant"),
     "--logits-processor-pattern": VllmFlag("refuse", "request logits processors are refused"),
     "--tool-parser-plugin": VllmFlag("refuse", "tool parsers are built in (--tool-call-parser)"),
     "--middleware": VllmFlag("refuse", "ASGI middleware is not loaded from the command line"),

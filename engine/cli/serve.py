@@ -155,6 +155,9 @@ def add_chat_arguments(group: Any) -> None:
         help="a jinja chat template (a file, or the template itself) replacing the model's")
     add("--trust-request-chat-template", action="store_true",
         help="let requests send their own chat_template")
+    add("--response-role", default="assistant", metavar="ROLE",
+        help="the role a chat answer's message carries when the template opened a reply "
+             "(vLLM's; default: assistant)")
     add("--default-chat-template-kwargs", default=None, metavar="JSON",
         help="chat_template_kwargs every chat request renders with unless it sets the key "
              "itself, e.g. '{\"enable_thinking\": false}'")
@@ -362,6 +365,7 @@ def chat_settings(args: argparse.Namespace) -> ChatSettings:
         trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
         default_chat_template_kwargs=_template_kwargs(
             getattr(args, "default_chat_template_kwargs", None)),
+        response_role=getattr(args, "response_role", "assistant"),
         max_tools=getattr(args, "max_tools", DEFAULT_MAX_TOOLS),
         max_tool_schema_bytes=getattr(args, "max_tool_schema_bytes",
                                       DEFAULT_MAX_TOOL_SCHEMA_BYTES),

@@ -174,12 +174,13 @@ def completion_choice(
 def chat_choice(
     index: int, text: str, finish_reason: str | None, stop_reason: Any,
     logprobs: dict[str, Any] | None, message: dict[str, Any] | None = None,
+    role: str = "assistant",
 ) -> dict[str, Any]:
     """A chat choice; ``message`` (from a chat output parser: reasoning, tool calls)
     replaces the plain ``{"role": "assistant", "content": text}``."""
     return {
         "index": index,
-        "message": message or {"role": "assistant", "content": text, "reasoning": None},
+        "message": message or {"role": role, "content": text, "reasoning": None},
         "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason,
     }
 
@@ -213,7 +214,7 @@ def chunk_body(
 
 def chunk_choice(
     chat: bool, index: int, text: str | None, finish_reason: str | None, stop_reason: Any,
-    logprobs: dict[str, Any] | None, role: bool = False,
+    logprobs: dict[str, Any] | None, role: bool | str = False,
     delta_fields: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One choice of a stream chunk; ``delta_fields`` (reasoning, tool_calls, content
@@ -222,7 +223,7 @@ def chunk_choice(
         return completion_choice(index, text or "", finish_reason, stop_reason, logprobs)
     delta: dict[str, Any] = {}
     if role:
-        delta["role"] = "assistant"
+        delta["role"] = role if isinstance(role, str) else "assistant"
     if delta_fields is not None:
         delta.update(delta_fields)
     elif text is not None:
@@ -437,13 +438,14 @@ class Completion:
     def _chat_choice(self, choice: _Choice) -> dict[str, Any]:
         logprobs = self._all_logprobs(choice)
         parser = choice.parser
+        role = self.req.chat_fields.role if self.req.chat_fields is not None else "assistant"
         if parser is None:
             return chat_choice(choice.index, choice.text, choice.finish_reason,
-                               choice.stop_reason, logprobs)
+                               choice.stop_reason, logprobs, role=role)
         echo = self.echo_text(choice) if self.req.echo else ""
         parser.feed(choice.text[len(echo):])
         parser.finish()
-        message = parser.message(cut_short=choice.finish_reason == "length").to_openai()
+        message = parser.message(cut_short=choice.finish_reason == "length").to_openai(role)
         if self._forced:
             # A forced call's answer has empty content and a list of calls (empty when
             # max_tokens cut the only call short), as vLLM sends it.
@@ -479,9 +481,10 @@ class Completion:
         if self.req.chat:
             top = ({"prompt_token_ids": list(self._prompt_ids[0])}
                    if self.req.return_token_ids else {})
+            role = self.req.chat_fields.role if self.req.chat_fields is not None else True
             return [self._chunk(chunk_choice(
                 True, c.index, self.echo_text(c) if self.req.echo else "", None, None, None,
-                role=True), c, top) for c in self.choices]
+                role=role), c, top) for c in self.choices]
         if self.req.echo and not self._echo_later:
             return [self._echo_chunk(c, None) for c in self.choices]
         return []
