@@ -551,6 +551,17 @@ def test_embeddings_with_a_lora_adapter_name_match_peft(tmp_path: Path) -> None:
             "model": "aa", "input": [ids], "normalize": False}).json()
         unknown = httpx.post(srv.base_url + "/v1/embeddings", json={"model": "zz", "input": "x"},
                              timeout=30)
+        texts = ["the cat sat", "a dog ran off"]
+        score = httpx.post(srv.base_url + "/score", timeout=30, json={
+            "model": "aa", "text_1": texts[0], "text_2": texts[1]}).json()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(base))
+    with torch.no_grad():
+        vectors = [torch.nn.functional.normalize(peft.base_model.model.model(
+            torch.tensor([tok(t)["input_ids"]])).last_hidden_state[0, -1], dim=0) for t in texts]
+    assert score["model"] == "aa"
+    assert score["data"][0]["score"] == pytest.approx(float(vectors[0] @ vectors[1]), abs=1e-5)
     assert got.model == "aa" and tokens["model"] == "aa"
     assert np.allclose(got.data[0].embedding, want, atol=1e-5)
     assert not np.allclose(plain.data[0].embedding, want, atol=1e-3)

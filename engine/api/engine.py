@@ -642,12 +642,13 @@ class Engine:
     async def score(
         self, first: str | Sequence[str], second: str | Sequence[str], *,
         truncate_prompt_tokens: int | None = None, request_id: str | None = None,
-        priority: int = 0,
+        priority: int = 0, lora: str | None = None,
     ) -> list[tuple[float, int]]:
         """``(score, input tokens)`` of each pair: ``first`` against every ``second`` when
         ``first`` is one text, else pairwise (equal lengths). An embedding model scores
-        by cosine similarity; a cross-encoder reads each pair together and scores it by the
-        sigmoid of its logit, as sentence-transformers' CrossEncoder."""
+        by cosine similarity (of the embeddings ``lora``'s adapter gives, for a decoder
+        embedder); a cross-encoder reads each pair together and scores it by the sigmoid
+        of its logit, as sentence-transformers' CrossEncoder."""
         pooler = self._pooler("score", ("embed", "classify"))
         firsts = [first] if isinstance(first, str) else list(first)
         seconds = [second] if isinstance(second, str) else list(second)
@@ -676,8 +677,8 @@ class Engine:
             sum(map(len, texts)),
             lambda: [pooling.input_ids(self.tokenizer, t, truncate=truncate_prompt_tokens,
                                        max_model_len=self.max_model_len) for t in texts])
-        by_text = dict(zip(texts, await self.pool(ids, request_id=request_id, priority=priority),
-                           strict=True))
+        by_text = dict(zip(texts, await self.pool(ids, request_id=request_id, priority=priority,
+                                                  lora=lora), strict=True))
         return [(pooling.cosine(by_text[a], by_text[b]),
                  by_text[a].prompt_tokens + by_text[b].prompt_tokens)
                 for a, b in zip(firsts, seconds, strict=True)]

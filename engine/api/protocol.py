@@ -85,7 +85,7 @@ class EngineLike(Protocol):
     async def score(
         self, first: str | Sequence[str], second: str | Sequence[str], *,
         truncate_prompt_tokens: int | None = None, request_id: str | None = None,
-        priority: int = 0,
+        priority: int = 0, lora: str | None = None,
     ) -> list[tuple[float, int]]: ...
 
     async def reset_prefix_cache(self) -> bool: ...

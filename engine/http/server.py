@@ -163,7 +163,7 @@ class Server:
         if self.check_model(model) is not None:
             raise APIError(400, f"`{model}` is a LoRA adapter; adapters are served on "
                            "/v1/completions, /v1/chat/completions, /inference/v1/generate "
-                           "and, with a decoder embedder, /v1/embeddings and /pooling",
+                           "and, with a decoder embedder, the embedding and score routes",
                            param="model", code="unsupported_parameter")
 
     def token_text(self, token_id: int) -> str:

@@ -147,23 +147,24 @@ class PoolingRoutes:
 
     async def score(self) -> Response:
         req = protocol.parse_score(await self.server.read_checked("score"))
-        self.server.check_base_model(req.model)
+        lora = self.server.check_model(req.model)  # a decoder embedder's adapter, or None
         timer = self.server.metrics.timer()
         scores = await self.engine.score(
             req.first, req.second, truncate_prompt_tokens=req.truncate_prompt_tokens,
-            request_id=self.server.request_id(), priority=req.priority)
+            request_id=self.server.request_id(), priority=req.priority, lora=lora)
         self._observe(timer, [n for _, n in scores])
-        return json_response(protocol.score_response(self.engine.model_name, scores), 200)
+        return json_response(protocol.score_response(lora or self.engine.model_name, scores), 200)
 
     async def rerank(self) -> Response:
         req = protocol.parse_rerank(await self.server.read_checked("rerank"))
-        self.server.check_base_model(req.model)
+        lora = self.server.check_model(req.model)
         timer = self.server.metrics.timer()
         scores = await self.engine.score(
             req.first, req.second, truncate_prompt_tokens=req.truncate_prompt_tokens,
-            request_id=self.server.request_id(), priority=req.priority)
+            request_id=self.server.request_id(), priority=req.priority, lora=lora)
         self._observe(timer, [n for _, n in scores])
-        return json_response(protocol.rerank_response(self.engine.model_name, req, scores), 200)
+        return json_response(protocol.rerank_response(lora or self.engine.model_name, req,
+                                                      scores), 200)
 
     @staticmethod
     def _observe(timer: RequestTimer, prompt_tokens: list[int]) -> None:
