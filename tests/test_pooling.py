@@ -395,3 +395,23 @@ async def _both(first, second) -> tuple:
         nursery.start_soon(run, 0, first)
         nursery.start_soon(run, 1, second)
     return tuple(results)
+
+
+async def test_a_preempting_reset_leaves_an_encoders_requests_running(
+    minilm: Path, st_embeddings: np.ndarray
+) -> None:
+    """reset_running_requests on an encoder (no KV blocks to free): nothing is preempted,
+    the reset happens, and the embeddings in flight come back as they would have."""
+    corpus = sentences()
+    async with engine.open_engine(minilm, dtype="float32", max_num_seqs=8) as eng:
+        results: list = []
+
+        async def embed_all() -> None:
+            results.extend(await eng.embed(corpus))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(embed_all)
+            await wait_until(lambda: eng.statistics().steps >= 2)
+            assert await eng.reset_prefix_cache(reset_running_requests=True) is True
+        assert eng.statistics().preemptions == 0
+    assert cosines(np.stack([p.vector() for p in results]), st_embeddings).min() >= 0.9999

@@ -418,7 +418,10 @@ class Scheduler(BeamScheduling):
     def preempt_running(self) -> Generator[AllocatorCall, AllocatorReply, int]:
         """Preempt every running request, last first, so that they wait again in their
         order ahead of the rest (vLLM's ``reset_running_requests``); how many were. Their
-        blocks are freed; each recomputes its prompt and outputs when it runs again."""
+        blocks are freed; each recomputes its prompt and outputs when it runs again. An
+        encoder's requests hold no block (each runs whole in one step): none is preempted."""
+        if not self.config.paged_kv:
+            return 0
         victims = list(self._queue.running)
         for req in reversed(victims):
             yield from self._preempt(req)
