@@ -28,7 +28,10 @@ Sections (``--sections``, comma-separated; default all):
   bench/bare_app.py (quart-trio on hypercorn, one route: the stack alone), the baseline
   of what the server adds. Linux only.
 * ``core``: serve with the engine core in its process (``--engine-core process``) against
-  in-process at each of ``--core-concurrencies`` (1, 8, 32), the chat section's load.
+  in-process at each of ``--core-concurrencies`` (1, 8, 32), the chat section's load; odd
+  rounds start with in-process, even rounds with the core process. Both servers inherit
+  ``OMP_NUM_THREADS``: with fewer threads than CPUs, serve's default (``auto``) is the
+  core process.
 * ``spec``: a chat request asking to rename one variable in a 15-line function (bench/spec.py's
   ``code`` workload), through ``/v1/chat/completions`` without streaming, greedy, against
   a server with ``--speculative-config`` ngram and one without; end-to-end seconds of each
@@ -251,7 +254,8 @@ def bare_app() -> Iterator[tuple[str, int]]:
 
 def section_core(args: argparse.Namespace) -> dict[str, float]:
     out = {}
-    for mode in ("inproc", "core"):
+    # Odd rounds serve in-process first, even rounds the core process first.
+    for mode in ("inproc", "core")[::1 if args.round % 2 else -1]:
         with served(args, f"engine-gguf:{mode}") as url:
             for c in args.core_concurrencies:
                 out[f"core c={c} {mode} tok/s"] = http_load(url, args, c)["tok_s"]
@@ -330,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown sections {sorted(unknown)}: {', '.join(SECTIONS)}")
     rounds: list[dict[str, float]] = []
     for i in range(1, args.rounds + 1):
+        args.round = i
         row: dict[str, float] = {}
         for name in names:
             row.update(SECTIONS[name](args))

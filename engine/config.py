@@ -24,7 +24,7 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 QUANTIZATIONS = ("auto", "gguf", "none")  # see engine.models.loader
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")  # see engine.structured
 OPS_BACKENDS = ("auto", "torch", "cpu", "triton")  # see engine.ops.get_ops
-ENGINE_CORE_MODES = ("inprocess", "process")  # see engine.process.cores
+ENGINE_CORE_MODES = ("auto", "inprocess", "process")  # see engine.process.cores
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")  # see engine.process.workers
 # How chat message content reaches the chat template (engine.chat.template): "auto" reads
 # the template, "string" joins text parts, "openai" gives the parts (vLLM's option).
@@ -485,12 +485,16 @@ class EngineConfig:
         "the JSON schemas xgrammar refuses), xgrammar or guidance (llguidance)",
         choices=STRUCTURED_OUTPUTS_BACKENDS)
     # Where the scheduler, KV allocator and executor run: "inprocess" (the embedded API's
-    # default: one trio run) or "process" (an engine-core process of their own, talking to
-    # this front end over a Unix socket; see engine/actors/cores.py).
+    # default: one trio run), "process" (an engine-core process of their own, talking to
+    # this front end over a Unix socket; see engine/process/cores.py) or "auto" (serve's
+    # default: a process where a model step leaves a CPU free for the front end, decided
+    # by engine.process.core.resolve_engine_core when the engine opens).
     engine_core: str = _field(
-        "inprocess", "run the scheduler, KV allocator and executor in this process or in an "
-        "engine-core process of their own (msgpack frames over a Unix socket)",
-        choices=ENGINE_CORE_MODES)
+        "inprocess", "run the scheduler, KV allocator and executor in this process, in an "
+        "engine-core process of their own (msgpack frames over a Unix socket), or auto: a "
+        "process where a model step leaves a CPU free for the HTTP front end (on CUDA; on "
+        "CPU when the torch threads are fewer than the CPUs), else this one",
+        choices=ENGINE_CORE_MODES, default_text="auto for serve, else inprocess")
     data_parallel_size: int = _field(
         1, "engine-core processes behind this front end, each with its own KV pool (cuda:i "
            "each on CUDA, an equal share of the CPUs on CPU); above 1 implies "
@@ -545,7 +549,10 @@ class EngineConfig:
 
     @property
     def core_in_process(self) -> bool:
-        """Whether the engine core runs in the caller's process."""
+        """Whether the engine core runs in the caller's process (``engine_core`` decided:
+        "auto" is resolved when the engine opens)."""
+        if self.engine_core == "auto":
+            raise ValueError("engine_core='auto' is decided by resolve_engine_core first")
         return (self.engine_core == "inprocess" and self.data_parallel_size == 1
                 and self.data_parallel_address is None)
 

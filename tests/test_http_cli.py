@@ -72,13 +72,14 @@ def test_engine_flags_become_engine_config_fields() -> None:
         EngineConfig(), enable_prefix_caching=False, scheduling_policy="priority",
         async_scheduling=False, ops_backend="torch", max_num_seqs=8,
         kv_cache_memory=64 * 2**20, max_engine_restarts=5, structured_outputs_backend="guidance",
-        grammar_compile_workers=2,
+        grammar_compile_workers=2, engine_core="auto",
     )
     # Unset flags keep the config's defaults, but for serve's own restart default (the
-    # embedded API's is 0: a crash there is the caller's to see) and its grammar compile
-    # processes (the embedded API compiles in threads).
-    assert config_from_args(parser.parse_args([])) == EngineConfig(max_engine_restarts=5,
-                                                                   grammar_compile_workers=2)
+    # embedded API's is 0: a crash there is the caller's to see), its grammar compile
+    # processes (the embedded API compiles in threads) and its engine core's place (the
+    # embedded API's stays in the caller's process).
+    assert config_from_args(parser.parse_args([])) == EngineConfig(
+        max_engine_restarts=5, grammar_compile_workers=2, engine_core="auto")
 
 
 def test_every_metric_is_documented() -> None:
@@ -109,8 +110,9 @@ def test_every_engine_config_field_is_a_flag_of_generate_and_serve(command: str)
     argv = ["--prompt", "Hi"] if command == "generate" else []
     restarts = 5 if command == "serve" else 0  # serve restarts a crashed engine
     workers = 2 if command == "serve" else 0  # serve compiles grammars in processes
+    core = "auto" if command == "serve" else "inprocess"  # serve's core may run apart
     assert config_from_args(parser.parse_args(argv)) == EngineConfig(
-        max_engine_restarts=restarts, grammar_compile_workers=workers)
+        max_engine_restarts=restarts, grammar_compile_workers=workers, engine_core=core)
     config = config_from_args(parser.parse_args([*argv, "--structured-outputs-backend", "xgrammar",
                                                   "--seed", "7", "--no-enable-prefix-caching"]))
     assert (config.structured_outputs_backend, config.seed, config.enable_prefix_caching) == \
@@ -318,10 +320,12 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @contextmanager
 def _server(model: Path | None, *flags: str, launch: tuple[str, ...] = ("-m", "engine"),
+            env: dict[str, str] | None = None,
             ) -> Iterator[tuple[subprocess.Popen[str], str, list[str]]]:
     """Start `python -m engine serve` on a free port (``model`` None: the default model);
-    yield it, its URL and its log lines. ``launch`` replaces ``-m engine``."""
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    yield it, its URL and its log lines. ``launch`` replaces ``-m engine``; ``env`` adds
+    to the environment."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
     model_flags = [] if model is None else ["--model", str(model)]
     proc = subprocess.Popen(
         [sys.executable, *launch, "serve", *model_flags, "--port", "0",
@@ -359,6 +363,35 @@ def _server(model: Path | None, *flags: str, launch: tuple[str, ...] = ("-m", "e
         reader.join(START_TIMEOUT)
         assert proc.stderr is not None
         proc.stderr.close()
+
+
+def _parent_pid(pid: int) -> int:
+    # /proc/PID/stat: "PID (COMM) STATE PPID ..."; COMM may hold spaces, so split after ")".
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+
+
+def test_serve_runs_its_engine_core_apart_where_a_step_leaves_a_cpu_free(model: Path) -> None:
+    # serve's default (--engine-core auto): an engine-core process when the model's torch
+    # threads are fewer than the CPUs (the front end then works beside a step, not inside
+    # it), one process when they fill every CPU. Both answer alike.
+    cpus = len(os.sched_getaffinity(0))
+    body = {"prompt": "Hello", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    texts = []
+    for threads in (1, cpus):
+        apart = threads < cpus
+        with _server(model, env={"OMP_NUM_THREADS": str(threads)}) as (proc, url, log):
+            reply = httpx.post(url + "/v1/completions", json=body, timeout=120)
+            assert reply.status_code == 200, reply.text
+            texts.append(reply.json()["choices"][0]["text"])
+            served = re.search(r"engine core 0 serving \(pid (\d+)", "".join(log))
+            assert (served is not None) == apart, "".join(log)
+            if served:  # a child of the server, alive while it serves
+                assert _parent_pid(int(served.group(1))) == proc.pid
+            proc.send_signal(signal.SIGINT)
+        assert proc.returncode == 0, "".join(log)
+        mode = "process" if apart else "inprocess"
+        assert f"engine core: {mode} (auto: {cpus} CPUs" in "".join(log), "".join(log)
+    assert texts[0] == texts[1] and len(texts[0]) > 0
 
 
 def _stream_body(max_tokens: int) -> dict[str, object]:

@@ -22,6 +22,7 @@ from engine.actors.system import (
 from engine.api.engine import Engine
 from engine.config import EngineConfig, parse_address
 from engine.errors import ConfigError, EngineDeadError
+from engine.process.core import resolve_engine_core
 from engine.process.cores import CorePool
 from engine.process.names import resolve_config
 from engine.process.parts import build_front_parts, build_parts
@@ -110,12 +111,16 @@ async def open_engine(
     ``kv_cache_memory=...``). Loading runs in a worker thread. Leaving the block stops every
     actor; streams still open then raise ``EngineDeadError("engine closed")``.
 
+    With ``engine_core="auto"`` (serve's default) the engine core runs in a process of its
+    own where a model step leaves a CPU free, else here
+    (:func:`engine.process.core.resolve_engine_core`).
     With ``engine_core="process"`` or ``data_parallel_size > 1`` the scheduler, KV pool
     and executor run in engine-core processes this block owns (see
     :mod:`engine.process.cores`); ``core_secret`` is the shared secret that cores started on
     other machines (``data_parallel_address``) must prove they know.
     """
-    resolved = _config(str(model) if model is not None else None, config, options)
+    resolved = resolve_engine_core(
+        _config(str(model) if model is not None else None, config, options))
     # Hub ids become local paths here, before any process or thread loads them.
     resolved = await trio.to_thread.run_sync(
         functools.partial(resolve_config, resolved, token=hf_token))

@@ -104,7 +104,8 @@ VLLM_SERVE_FLAGS: dict[str, VllmFlag] = {
     "--disable-fastapi-docs": VllmFlag("no_op", "there are no docs pages here (only "
                                        "/openapi.json)", takes_value=False),
     "--disable-frontend-multiprocessing": VllmFlag(
-        "no_op", "the HTTP front end and the engine share one process here",
+        "no_op", "the HTTP front end always runs in serve's own process here; "
+        "--engine-core decides where the engine core runs",
         takes_value=False),
     "--enable-server-load-tracking": VllmFlag("no_op", "GET /load is always served",
                                               takes_value=False),

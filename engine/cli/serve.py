@@ -139,7 +139,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("model_tag", nargs="?", default=None, metavar="MODEL",
         help="the model, as `vllm serve MODEL` takes it (same as --model)")
     add_engine_arguments(parser, max_engine_restarts=DEFAULT_MAX_ENGINE_RESTARTS,
-                         grammar_compile_workers=SERVE_GRAMMAR_COMPILE_WORKERS)
+                         grammar_compile_workers=SERVE_GRAMMAR_COMPILE_WORKERS,
+                         engine_core="auto")
     _add_vllm_flags(parser)
 
 

@@ -85,6 +85,47 @@ def frame_sized(messages: list[Any]) -> list[Any]:
                 tuple(s for s in message.scheduled if s[0] == delta.sample_id)))
     return out
 
+def auto_engine_core(*, cuda: bool, cpus: int, threads: int, ranks: int) -> str:
+    """What ``engine_core="auto"`` (``serve``'s default) is on a machine whose process may
+    run on ``cpus`` CPUs: ``"process"`` when a model step leaves at least one of them free,
+    ``"inprocess"`` when it keeps them all busy.
+
+    Split, the front end's work for a step (its frame, detokenizing, the HTTP writes) runs
+    while the core computes the next one; with a CPU free it costs the step nothing, with
+    none it preempts one of the step's threads and their team waits for it at a barrier
+    (docs/benchmarks.md, seventeenth pass: on two cores the core process gave 1.03-1.05x
+    of one process at every concurrency with one torch thread, 0.92-0.96x at one stream
+    with two). A step keeps busy, on CUDA, the one thread that launches each rank's
+    kernels; on CPU, each of ``ranks`` tensor-parallel or pipeline ranks' torch threads
+    (``threads`` with one rank; an equal share of the CPUs each with several, as
+    :func:`engine.process.worker_rank.share_cpu_threads` gives them)."""
+    if cuda:
+        busy = ranks
+    elif ranks > 1:
+        busy = ranks * max(1, cpus // ranks)
+    else:
+        busy = threads
+    return "process" if cpus > busy else "inprocess"
+
+
+def resolve_engine_core(config: EngineConfig) -> EngineConfig:
+    """``config`` with ``engine_core="auto"`` decided (:func:`auto_engine_core`) for this
+    process's CPUs and torch threads, which a core it spawns inherits; logged."""
+    if config.engine_core != "auto":
+        return config
+    import torch
+
+    cuda = config.device.startswith("cuda") or (config.device == "auto"
+                                                 and torch.cuda.is_available())
+    cpus, threads = len(os.sched_getaffinity(0)), torch.get_num_threads()
+    ranks = config.tensor_parallel_size * config.pipeline_parallel_size
+    mode = auto_engine_core(cuda=cuda, cpus=cpus, threads=threads, ranks=ranks)
+    logger.info("engine core: %s (auto: %d CPUs, a step keeps %s busy)", mode, cpus,
+                f"{ranks} launching thread(s) on CUDA" if cuda else
+                f"{ranks} rank(s) of threads" if ranks > 1 else f"{threads} torch thread(s)")
+    return dataclasses.replace(config, engine_core=mode)
+
+
 def core_placement(config: Any, local_index: int, local_size: int) -> Any:
     """The config a core runs with, the ``local_index``-th of ``local_size`` cores on this
     machine: on CUDA each takes its own devices (``cuda:i``, or with N tensor-parallel /
