@@ -32,7 +32,8 @@ memory (VmRSS) after the load, stops it, and prints one table:
         --concurrencies 1,32 --num-prompts 64
 
 An engine kind takes a mode after a colon: ``engine-gguf:inproc`` and ``engine-gguf:core``
-(the engine core in the server's process, or in one of its own), ``engine-gguf:dp2`` and
+(the engine core in the server's process, or in one of its own; ``engine-gguf:coreasync``
+plans step N+1 while step N runs there), ``engine-gguf:dp2`` and
 ``engine-gguf:dp2rr`` (two data-parallel cores, routed by cache affinity or round-robin):
 
     python bench/serve.py --launch engine-gguf:inproc,engine-gguf:core --concurrencies 1,8,32
@@ -226,15 +227,17 @@ def _server_command(kind: str, port: int, args: argparse.Namespace) -> list[str]
 
     model = resolve_model(args.baseline_model)
     if kind.startswith("engine-"):
-        # engine-QUANT[:MODE]: MODE "core" runs the engine core in a process of its own,
+        # engine-QUANT[:MODE]: MODE "core" runs the engine core in a process of its own
+        # ("coreasync": planning step N+1 while step N runs),
         # "dp2" two data-parallel cores, "dp2rr" two cores routed round-robin.
         quant, _, mode = kind.removeprefix("engine-").partition(":")
         extra = {"": [], "inproc": ["--engine-core", "inprocess"],
                  "core": ["--engine-core", "process"],
+                 "coreasync": ["--engine-core", "process", "--async-scheduling"],
                  "dp2": ["--data-parallel-size", "2"],
                  "dp2rr": ["--data-parallel-size", "2", "--data-parallel-routing", "round-robin"]}
         if mode not in extra:
-            raise SystemExit(f"unknown engine mode {mode!r}: inproc, core, dp2 or dp2rr")
+            raise SystemExit(f"unknown engine mode {mode!r}: inproc, core, coreasync, dp2 or dp2rr")
         return [sys.executable, "-m", "engine", "serve", "--model", str(model), "--port", str(port),
                 "--quantization", quant, "--log-level", "warning", *extra[mode]]
     if kind == "llama":

@@ -28,8 +28,9 @@ Sections (``--sections``, comma-separated; default all):
   bench/bare_app.py (quart-trio on hypercorn, one route: the stack alone), the baseline
   of what the server adds. Linux only.
 * ``core``: serve with the engine core in its process (``--engine-core process``) against
-  in-process at each of ``--core-concurrencies`` (1, 8, 32), the chat section's load; odd
-  rounds start with in-process, even rounds with the core process. Both servers inherit
+  in-process at each of ``--core-concurrencies`` (1, 8, 32), the chat section's load
+  (``--core-modes`` adds ``coreasync``, the core process planning step N+1 while step N
+  runs); odd rounds serve the modes in order, even rounds in reverse. Both servers inherit
   ``OMP_NUM_THREADS``: with fewer threads than CPUs, serve's default (``auto``) is the
   core process.
 * ``spec``: a chat request asking to rename one variable in a 15-line function (bench/spec.py's
@@ -189,7 +190,8 @@ def section_chat(args: argparse.Namespace) -> dict[str, float]:
 def section_embed(args: argparse.Namespace) -> dict[str, float]:
     sentences = embed_bench.corpus(args.num_sentences)
     out, vectors = {}, {}
-    with served(args, model_args=("--model", embed_bench.MODEL, "--dtype", args.embed_dtype)) as url:
+    with served(args, model_args=("--model", embed_bench.MODEL, "--dtype", args.embed_dtype,
+                                  "--engine-core", args.embed_engine_core)) as url:
         embed_bench.run_load(url, sentences[:32], 4)  # warm-up
         for label, per, fresh in (("1/request keep-alive", 1, False),
                                   ("1/request new connection", 1, True),
@@ -254,8 +256,8 @@ def bare_app() -> Iterator[tuple[str, int]]:
 
 def section_core(args: argparse.Namespace) -> dict[str, float]:
     out = {}
-    # Odd rounds serve in-process first, even rounds the core process first.
-    for mode in ("inproc", "core")[::1 if args.round % 2 else -1]:
+    # Odd rounds serve the modes in the order given, even rounds in reverse.
+    for mode in args.core_modes[::1 if args.round % 2 else -1]:
         with served(args, f"engine-gguf:{mode}") as url:
             for c in args.core_concurrencies:
                 out[f"core c={c} {mode} tok/s"] = http_load(url, args, c)["tok_s"]
@@ -295,6 +297,7 @@ RATIOS = [
     ("requests keep-alive server CPU us", "requests bare stack keep-alive server CPU us"),
     ("requests new connection server CPU us", "requests bare stack new connection server CPU us"),
     ("core c={c} core tok/s", "core c={c} inproc tok/s"),
+    ("core c={c} coreasync tok/s", "core c={c} inproc tok/s"),
     ("spec plain warm s (median)", "spec ngram warm s (median)"),
     ("spec plain first s", "spec ngram first s"),
 ]
@@ -306,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrencies", default="1,32")
     p.add_argument("--core-concurrencies", default="1,8,32")
+    p.add_argument("--core-modes", default="inproc,core",
+                   help="the core section's servers (bench/serve.py's engine modes: inproc, "
+                   "core, coreasync)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
@@ -314,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the requests section's GET /health requests per row")
     p.add_argument("--embed-dtype", default="float32", choices=("float32", "bfloat16"),
                    help="the embeddings server's --dtype")
+    p.add_argument("--embed-engine-core", default="auto", choices=("auto", "inprocess", "process"),
+                   help="the embeddings server's --engine-core")
     p.add_argument("--spec-repeat", type=int, default=3)
     p.add_argument("--spec-max-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
@@ -329,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         args.num_requests = 200
     args.concurrencies = [int(c) for c in args.concurrencies.split(",")]
     args.core_concurrencies = [int(c) for c in args.core_concurrencies.split(",")]
+    args.core_modes = args.core_modes.split(",")
     names = args.sections.split(",")
     if unknown := set(names) - set(SECTIONS):
         p.error(f"unknown sections {sorted(unknown)}: {', '.join(SECTIONS)}")

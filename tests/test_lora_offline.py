@@ -56,21 +56,22 @@ def test_chat_with_an_adapter_is_generate_on_the_templated_prompt(llm) -> None:
     assert mixed[1].outputs[0].token_ids == base_chat[1].outputs[0].token_ids
 
 
-@pytest.mark.parametrize("method", ["classify", "score"])
-def test_classify_and_score_refuse_lora_request_by_name(llm, method) -> None:
+def test_classify_refuses_lora_request_by_name(llm) -> None:
     model, _, request = llm
-    call = {"classify": lambda: model.classify("hello", lora_request=request),
-            "score": lambda: model.score("hello", "world", lora_request=request)}[method]
     with pytest.raises(InvalidParamError, match="lora_request") as info:
-        call()
+        model.classify("hello", lora_request=request)
     assert info.value.param == "lora_request"
 
 
-def test_embed_with_an_adapter_on_a_generation_model_names_the_model(llm) -> None:
-    # Adapters embed with a decoder embedder (tests/test_pooling.py); this model generates.
+@pytest.mark.parametrize("method", ["embed", "score"])
+def test_embed_or_score_with_an_adapter_on_a_generation_model_names_the_model(llm, method) -> None:
+    # Adapters embed and score with a decoder embedder (tests/test_pooling.py); this
+    # model generates.
     model, _, request = llm
-    with pytest.raises(InvalidParamError, match="does not embed") as info:
-        model.embed("hello", lora_request=request)
+    call = {"embed": lambda: model.embed("hello", lora_request=request),
+            "score": lambda: model.score("hello", "world", lora_request=request)}[method]
+    with pytest.raises(InvalidParamError, match="does not") as info:
+        call()
     assert info.value.param == "model"
 
 

@@ -4,6 +4,7 @@ hidden states, a tiny random cross-encoder against transformers' logits."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -358,8 +359,10 @@ async def test_a_decoder_embedder_runs_lora_adapters_as_peft_does(tmp_path: Path
 
 def test_llm_embed_takes_a_lora_request_as_generate_does(tmp_path: Path) -> None:
     """LLM.embed and LLM.encode(token_embed) with vLLM's LoRARequest (loaded on first
-    use): peft's hidden states; a list gives each prompt its own (None: the base)."""
+    use): peft's hidden states; a list gives each prompt its own (None: the base). LLM.score
+    with adapters: the cosines of peft's hidden states of each pair."""
     from test_lora import write_peft_adapters
+    from transformers import AutoTokenizer
 
     from engine.models.testing import write_tiny_model
 
@@ -378,10 +381,24 @@ def test_llm_embed_takes_a_lora_request_as_generate_does(tmp_path: Path) -> None
                           lora_request=[request, None], use_tqdm=False)
         rows = llm.encode([{"prompt_token_ids": prompts[0]}], engine.PoolingParams(normalize=False),
                           pooling_task="token_embed", lora_request=request, use_tqdm=False)
+        # score: each pair's two texts embedded with the pair's adapter (None: the base).
+        texts = sentences()[:3]
+        scores = llm.score(texts[0], texts[1:3], lora_request=[request, None], use_tqdm=False)
     unit = [torch.nn.functional.normalize(h[-1], dim=0).numpy() for h in (tuned[0], plain[1])]
     assert np.allclose(mixed[0].outputs.embedding, unit[0], atol=1e-5)
     assert np.allclose(mixed[1].outputs.embedding, unit[1], atol=1e-5)
     assert np.allclose(rows[0].outputs.data.numpy(), tuned[0].numpy(), atol=1e-4)
+    tok = AutoTokenizer.from_pretrained(str(base))
+    for got, second, adapter in zip(scores, texts[1:3], (True, False), strict=True):
+        pair = [tok(t).input_ids for t in (texts[0], second)]
+        assert got.prompt_token_ids == pair[0] + pair[1]
+        with torch.no_grad(), contextlib.ExitStack() as stack:
+            if not adapter:
+                stack.enter_context(peft.disable_adapter())
+            a, b = (peft.base_model.model.model(torch.tensor([i])).last_hidden_state[0, -1]
+                    for i in pair)
+        assert abs(got.outputs.score - torch.nn.functional.cosine_similarity(a, b, dim=0).item()) < 1e-5
+    assert abs(scores[0].outputs.score - scores[1].outputs.score) > 1e-4  # the adapter counts
 
 
 async def _both(first, second) -> tuple:

@@ -56,6 +56,16 @@ def _hf_greedy(folder: Path, rows: torch.Tensor, new_tokens: int = NEW_TOKENS) -
     return out[0].tolist()[-new_tokens:]
 
 
+def _hf_greedy_ids(folder: Path, ids: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False,
+                             attention_mask=torch.ones(1, len(ids), dtype=torch.long), pad_token_id=0)
+    return out[0].tolist()[len(ids):]
+
+
 def _b64(rows: torch.Tensor) -> str:
     buffer = io.BytesIO()
     torch.save(rows, buffer)
@@ -155,11 +165,15 @@ def test_llm_generate_takes_prompt_embeds_dicts(llama: Path) -> None:
                                use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == [
         _hf_greedy(llama, first), _hf_greedy(llama, second)]
+    # vLLM's RequestOutput of an embeddings prompt has no prompt ids (nor text).
+    assert [(o.prompt, o.prompt_token_ids) for o in outputs] == [(None, None)] * 2
 
 
 def test_completions_take_base64_prompt_embeds_from_the_openai_client(llama: Path) -> None:
     first, second = _embeds(llama, 11, seed=8), _embeds(llama, 7, seed=9)
     want = [_hf_greedy(llama, first), _hf_greedy(llama, second)]
+    ids = torch.randint(3, 200, (9,), generator=torch.Generator().manual_seed(10)).tolist()
+    want_ids = _hf_greedy_ids(llama, ids)
     opener = lambda: engine.open_engine(str(llama), dtype="float32", enable_prompt_embeds=True)  # noqa: E731
     with ServerThread(opener) as srv:
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0)
@@ -174,9 +188,14 @@ def test_completions_take_base64_prompt_embeds_from_the_openai_client(llama: Pat
         streamed = [c.choices[0].text for c in client.completions.create(
             model=model, prompt=None, max_tokens=NEW_TOKENS, temperature=0, stream=True,
             extra_body={"prompt_embeds": _b64(second)})]
+        # Embeddings and token prompts in one request: the embeddings' choices first, as
+        # vLLM answers them, each prompt's tokens its own.
+        mixed = client.completions.create(model=model, prompt=[ids], max_tokens=NEW_TOKENS,
+                                          temperature=0, extra_body={
+                                              "prompt_embeds": [_b64(second)],
+                                              "return_token_ids": True})
         url = srv.base_url + "/v1/completions"
         refusals = [
-            (httpx.post(url, json={"prompt": "hi", "prompt_embeds": _b64(first)}, timeout=30), "prompt_embeds"),
             (httpx.post(url, json={"prompt_embeds": "not base64!"}, timeout=30), "prompt_embeds"),
             (httpx.post(url, json={"prompt_embeds": base64.b64encode(b"junk").decode()}, timeout=30),
              "prompt_embeds"),
@@ -190,6 +209,10 @@ def test_completions_take_base64_prompt_embeds_from_the_openai_client(llama: Pat
     assert one.usage.prompt_tokens == 11 and one.choices[0].prompt_token_ids is None
     assert [c.token_ids for c in sorted(two.choices, key=lambda c: c.index)] == want
     assert "".join(streamed) == srv.engine.tokenizer.decode(want[1])
+    by_index = sorted(mixed.choices, key=lambda c: c.index)
+    assert [c.token_ids for c in by_index] == [want[1], want_ids]
+    assert [c.prompt_token_ids for c in by_index] == [None, ids]
+    assert mixed.usage.prompt_tokens == len(second) + len(ids)
     for reply, param in refusals:
         assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
     assert alive.status_code == 200

@@ -273,7 +273,8 @@ async def generate(engine: Engine, prompts: Sequence[BatchPrompt],
                 text = (engine.tokenizer.decode(list(ids), skip_special_tokens=False)
                         if prompt.render else prompt.text)
                 acc = GenerationAccumulator(
-                    stream.request_id, text, ids,
+                    # An embeddings prompt's ids are placeholders: None, as vLLM gives.
+                    stream.request_id, text, None if prompt.embeds is not None else ids,
                     logprobs=wanted is not None and wanted.logprobs is not None,
                     # detokenize=False: no decoded tokens either, as vLLM's.
                     decode=decode if wanted is None or wanted.detokenize else _no_text)
@@ -471,11 +472,17 @@ def _only(params: PoolingParams, task: str, refused: tuple[str, ...]) -> None:
 
 async def score(engine: Engine, firsts: Sequence[str], seconds: Sequence[str], *,
                 truncate: int | None, request_ids: Sequence[str], window: Window,
-                progress: Progress) -> list[ScoringRequestOutput]:
+                progress: Progress,
+                loras: Sequence[str | None] | None = None) -> list[ScoringRequestOutput]:
     """Score each pair: a cross-encoder reads the two together (the sigmoid of its
-    one logit); an embedding model embeds each distinct text once (cosine similarity)."""
+    one logit); an embedding model embeds each distinct text once per adapter (``loras``:
+    pair ``i``'s adapter name, None: the base model) and scores by cosine similarity."""
     pooler = _pooler(engine, ("embed", "classify"), "score")
+    adapters = list(loras) if loras else [None] * len(firsts)
     if pooler.task == "classify":
+        if any(adapters):  # adapters run on decoders; a cross-encoder here is BERT
+            raise InvalidParamError("lora_request: a cross-encoder takes no LoRA adapter",
+                                    param="lora_request")
         if pooler.size != 1:
             raise InvalidParamError(f"score needs a cross-encoder with one output label; this "
                                     f"model has {pooler.size}", param="model")
@@ -496,14 +503,16 @@ async def score(engine: Engine, firsts: Sequence[str], seconds: Sequence[str], *
         pooled = await _pool(engine, ids, window=window, progress=progress)
         return [ScoringRequestOutput(rid, ScoringOutput(pooling.classifier_score(p)), list(i))
                 for rid, p, i in zip(request_ids, pooled, ids, strict=True)]
-    texts = list(dict.fromkeys([*firsts, *seconds]))
-    ids = await _token_ids(engine, texts, truncate)
-    by_text = dict(zip(texts, zip(ids, await _pool(engine, ids, window=window,
-                                                   progress=lambda _p, _o: None),
-                                  strict=True), strict=True))
+    keys = list(dict.fromkeys([*zip(firsts, adapters, strict=True),
+                               *zip(seconds, adapters, strict=True)]))
+    ids = await _token_ids(engine, [text for text, _ in keys], truncate)
+    by_text = dict(zip(keys, zip(ids, await _pool(engine, ids, window=window,
+                                                  progress=lambda _p, _o: None,
+                                                  loras=[lora for _, lora in keys]),
+                                 strict=True), strict=True))
     out = []
-    for rid, a, b in zip(request_ids, firsts, seconds, strict=True):
-        (ids_a, pa), (ids_b, pb) = by_text[a], by_text[b]
+    for rid, a, b, lora in zip(request_ids, firsts, seconds, adapters, strict=True):
+        (ids_a, pa), (ids_b, pb) = by_text[a, lora], by_text[b, lora]
         out.append(ScoringRequestOutput(rid, ScoringOutput(pooling.cosine(pa, pb)),
                                         [*ids_a, *ids_b]))
         progress(len(ids_a) + len(ids_b), 0)

@@ -298,16 +298,19 @@ class LLM:
               truncate_prompt_tokens: int | None = None, use_tqdm: Any = True,
               pooling_params: Any = None, lora_request: Any = None) -> list[ScoringRequestOutput]:
         """Score ``data_1`` against each text of ``data_2`` (or the two lists pairwise): a
-        cross-encoder's score, or the cosine similarity of an embedding model's vectors."""
-        _no_lora(lora_request)
+        cross-encoder's score, or the cosine similarity of an embedding model's vectors
+        (``lora_request``: one adapter for every pair, or one per pair, as for ``embed``;
+        a pair's two texts are embedded with its adapter)."""
         _no_pooling_params(pooling_params)
         firsts, seconds = batch.score_pairs(data_1, data_2)
+        adapters = _lora_requests(lora_request, len(firsts))
         ids, window = self._ids(len(firsts)), self._window
 
         async def work(engine: Engine, emit: batch.Progress) -> list[ScoringRequestOutput]:
             return await batch.score(engine, firsts, seconds, truncate=truncate_prompt_tokens,
                                      request_ids=ids, window=window,
-                                     progress=lambda p, o: emit((p, o)))
+                                     progress=lambda p, o: emit((p, o)),
+                                     loras=await _served(engine, adapters))
 
         return self._run(work, len(firsts), use_tqdm)
 
@@ -415,9 +418,9 @@ async def _served(engine: Engine, adapters: Sequence[tuple[str, str] | None]) ->
     return [None if a is None else a[0] for a in adapters]
 
 
-def _no_lora(lora_request: Any, what: str = "classifiers and score") -> None:
+def _no_lora(lora_request: Any, what: str = "classifiers") -> None:
     # Adapters run on decoders only (--enable-lora is refused for a BERT encoder, the only
-    # classifier here); score is the base model's.
+    # classifier here).
     if lora_request is not None:
         raise InvalidParamError(f"lora_request: LoRA adapters are not supported for {what}", param="lora_request")
 

@@ -64,13 +64,14 @@ class CompletionOutput:
 class GenerationRequestOutput:
     """One prompt's result (vLLM's ``RequestOutput``). ``prompt`` is the prompt's text
     (the rendered chat template for :meth:`engine.LLM.chat`; None for token ids);
+    ``prompt_token_ids`` None for a prompt given as embeddings, as vLLM's;
     ``prompt_logprobs`` one entry per prompt token (None for the first) where asked for;
     ``outputs`` the samples in index order; ``num_cached_tokens`` the prompt tokens
     served from the prefix cache."""
 
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None
     prompt_logprobs: list[PositionLogprobs | None] | None
     outputs: list[CompletionOutput]
     finished: bool = True
@@ -191,11 +192,11 @@ class GenerationAccumulator:
     ``decode`` turns one token id into its text (for logprobs' ``decoded_token``); it is
     called only where the request asked for logprobs."""
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: Sequence[int],
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: Sequence[int] | None,
                  *, logprobs: bool, decode: Callable[[int], str | None]) -> None:
         self.request_id = request_id
         self.prompt = prompt
-        self.prompt_token_ids = list(prompt_token_ids)
+        self.prompt_token_ids = None if prompt_token_ids is None else list(prompt_token_ids)
         self._want_logprobs = logprobs
         self._decode = decode
         self._samples: dict[int, _Sample] = {}

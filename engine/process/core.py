@@ -93,9 +93,9 @@ def auto_engine_core(*, cuda: bool, cpus: int, threads: int, ranks: int) -> str:
     Split, the front end's work for a step (its frame, detokenizing, the HTTP writes) runs
     while the core computes the next one; with a CPU free it costs the step nothing, with
     none it preempts one of the step's threads and their team waits for it at a barrier
-    (docs/benchmarks.md, seventeenth pass: on two cores the core process gave 1.03-1.05x
-    of one process at every concurrency with one torch thread, 0.92-0.96x at one stream
-    with two). A step keeps busy, on CUDA, the one thread that launches each rank's
+    (docs/benchmarks.md, seventeenth pass: on two cores with one torch thread the core
+    process gave 1.00-1.05x of one process for chat at 1 to 32 streams and 1.15-1.24x for
+    one-sentence embeddings; with two threads, 0.95x at one stream). A step keeps busy, on CUDA, the one thread that launches each rank's
     kernels; on CPU, each of ``ranks`` tensor-parallel or pipeline ranks' torch threads
     (``threads`` with one rank; an equal share of the CPUs each with several, as
     :func:`engine.process.worker_rank.share_cpu_threads` gives them)."""

@@ -333,6 +333,10 @@ class Completion:
     def _prompt_of(self, choice: _Choice) -> Sequence[int]:
         return self._prompt_ids[choice.index // self._n]
 
+    def _embedded(self, choice: _Choice) -> bool:
+        """Whether the choice's prompt was given as embeddings (it has no ids to show)."""
+        return choice.index // self._n < self.req.prompt_embeds
+
     def usage(self) -> dict[str, Any]:
         prompt = sum(len(ids) for ids in self._prompt_ids)
         # One prompt's cached tokens: its samples share the prompt, so the most any of them
@@ -409,7 +413,7 @@ class Completion:
                                             self._all_logprobs(c)),
                         "prompt_logprobs": self._prompt_logprobs(c),
                         "prompt_token_ids": (list(self._prompt_of(c)) if ids and not
-                                             self.req.prompt_embeds else None),
+                                             self._embedded(c) else None),
                         "token_ids": c.token_ids if ids else None}
                        for c, index in self._returned()]
         body = response_body(self.req.chat, self.id, self.created, self.model, choices,
@@ -553,7 +557,7 @@ class Completion:
         if self.req.return_token_ids:
             if not self.req.chat and not choice.ids_sent:
                 # A prompt given as embeddings has no ids (vLLM's null).
-                body_choice["prompt_token_ids"] = (None if self.req.prompt_embeds
+                body_choice["prompt_token_ids"] = (None if self._embedded(choice)
                                                    else list(self._prompt_of(choice)))
                 choice.ids_sent = True
             body_choice["token_ids"], choice.held_ids = choice.held_ids, []

@@ -155,8 +155,10 @@ class CompletionRequest:
     suffix: str | None = None
     # OpenAI's deprecated functions (chat): the answer's call as function_call (legacy.py).
     legacy_functions: bool = False
-    # vLLM's prompt_embeds (completions): ``prompts`` are [tokens, hidden] tensors.
-    prompt_embeds: bool = False
+    # vLLM's prompt_embeds (completions): the first ``prompt_embeds`` of ``prompts`` are
+    # [tokens, hidden] tensors; text prompts sent beside them follow (vLLM answers the
+    # embeddings first).
+    prompt_embeds: int = 0
     # vLLM's mm_processor_kwargs: this request's image processor options (checked by the
     # engine's image preprocessor).
     mm_processor_kwargs: dict[str, Any] | None = None
@@ -168,13 +170,12 @@ def parse_completion(body: Any, defaults: Mapping[str, Any] | None = None) -> Co
     body = _require_object(body)
     _refuse_not_implemented(body, _COMPLETIONS_REFUSE)
     _log_unknown(body, COMPLETION_FIELDS)
-    embeds = body.get("prompt_embeds") is not None
-    if embeds:
-        prompts = _embeds_prompts(body)
+    embeds: tuple[Any, ...] = ()
+    if body.get("prompt_embeds") is not None:
+        embeds = _embeds_prompts(body)
     elif body.get("prompt") is None:
         raise APIError(400, "prompt is required", param="prompt", code="missing_required_parameter")
-    else:
-        prompts = _completion_prompts(body["prompt"])
+    prompts = embeds + (() if body.get("prompt") is None else _completion_prompts(body["prompt"]))
     logprobs = _opt_int(body, "logprobs")
     echo = _opt_bool(body, "echo", False)
     # echo with max_tokens 0 (OpenAI's and vLLM's way to score a text, as evaluation
@@ -197,17 +198,14 @@ def parse_completion(body: Any, defaults: Mapping[str, Any] | None = None) -> Co
         chat=False, model=_model(body), prompts=prompts, params=params, stream=stream,
         include_usage=include_usage, echo=echo, top_logprobs=logprobs, **_queueing(body),
         structured_param=structured_param, **_shape_fields(body, prompt_logprobs, continuous),
-        returned_n=returned_n, suffix=suffix, echo_only=echo_only, prompt_embeds=embeds,
+        returned_n=returned_n, suffix=suffix, echo_only=echo_only, prompt_embeds=len(embeds),
     )
 
 
 def _embeds_prompts(body: dict[str, Any]) -> tuple[Any, ...]:
     """vLLM's ``prompt_embeds``: one tensor per base64 string (decoded with torch's
-    weights-only loader); with ``prompt`` as well, or with a field that reads the prompt's
-    text or ids (``echo``, ``suffix``), a 400 naming it."""
-    if body.get("prompt") is not None:
-        raise APIError(400, "send prompt or prompt_embeds, not both", param="prompt_embeds",
-                       code="invalid_value")
+    weights-only loader); with a field that reads the prompts' text or ids (``echo``,
+    ``suffix``), a 400 naming it."""
     for name, value in (("echo", body.get("echo") not in (None, False)),
                         ("suffix", body.get("suffix") not in (None, ""))):
         if value:

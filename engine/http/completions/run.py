@@ -71,7 +71,8 @@ class Run:
             for i, prompt in enumerate(self.req.prompts):
                 if base_id is not None:
                     extra["request_id"] = base_id if len(self.req.prompts) == 1 else f"{base_id}-{i}"
-                if self.req.prompt_embeds:
+                extra.pop("prompt_embeds", None)
+                if i < self.req.prompt_embeds:
                     prompt, extra["prompt_embeds"] = None, prompt
                 stream = await self.engine.submit(
                     prompt, self.req.params, priority=self.req.priority,
