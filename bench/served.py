@@ -258,7 +258,7 @@ def section_core(args: argparse.Namespace) -> dict[str, float]:
     out = {}
     # Odd rounds serve the modes in the order given, even rounds in reverse.
     for mode in args.core_modes[::1 if args.round % 2 else -1]:
-        with served(args, f"engine-gguf:{mode}") as url:
+        with served(args, f"engine-gguf:{mode}", extra=tuple(args.core_server_args.split())) as url:
             for c in args.core_concurrencies:
                 out[f"core c={c} {mode} tok/s"] = http_load(url, args, c)["tok_s"]
     return out
@@ -309,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrencies", default="1,32")
     p.add_argument("--core-concurrencies", default="1,8,32")
+    p.add_argument("--core-server-args", default="",
+                   help="more serve flags for the core section's servers (--stream-interval 4)")
     p.add_argument("--core-modes", default="inproc,core",
                    help="the core section's servers (bench/serve.py's engine modes: inproc, "
                    "core, coreasync)")

@@ -576,6 +576,11 @@ class EngineConfig:
     max_logprobs: int = _field(
         20, "most logprobs, top_logprobs or prompt_logprobs a request may ask for; -1: the "
         "whole vocabulary (and lets requests send -1 for it)", type=int, metavar="N")
+    # vLLM's --stream-interval (engine.actors.detokenizer): a sample's outputs are held
+    # until this many new tokens have come, its first and last output going at once.
+    stream_interval: int = _field(
+        1, "hand a sample's new tokens to its caller (a streamed chunk) once this many have "
+        "come; its first token and its end go at once (1: every step)", type=int, metavar="N")
     # vLLM's request log: one info line per request as it is queued (its id, the prompt's
     # text and token ids, cut to max_log_len, its sampling parameters, its LoRA adapter).
     # Off by default, as in vLLM: prompts are users' data. --disable-log-requests (vLLM's
@@ -794,7 +799,8 @@ class EngineConfig:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be auto, cpu or cuda[:N], got {self.device!r}", field="device")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_queued_requests",
-                     "data_parallel_size", "limit_mm_per_prompt", "max_image_pixels"):
+                     "data_parallel_size", "limit_mm_per_prompt", "max_image_pixels",
+                     "stream_interval"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}", field=name)

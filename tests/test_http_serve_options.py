@@ -80,14 +80,16 @@ def test_vllm_flags_taken_at_the_value_that_is_this_servers_and_refused_at_other
 
     args = _serve_parser().parse_args([
         "serve", "m", "--swap-space", "16", "--tokenizer-mode", "auto", "--load-format", "auto",
+        "--api-server-count", "1",
         "--hf-overrides", '{"rope_theta": 500.0}', "--num-gpu-blocks-override", "64"])
     assert [n.split(":")[0] for n in args.vllm_no_ops] == ["--swap-space", "--tokenizer-mode",
-                                                           "--load-format"]
+                                                           "--load-format", "--api-server-count"]
     config = config_from_args(args)
     assert (json.loads(config.hf_overrides), config.num_gpu_blocks_override) == ({"rope_theta": 500.0}, 64)
-    for option, value in (("--tokenizer-mode", "mistral"), ("--load-format", "pt")):
+    for option, value, only in (("--tokenizer-mode", "mistral", "auto"), ("--load-format", "pt", "auto"),
+                                ("--api-server-count", "4", "1")):
         err = _usage_error(capsys, option, value)
-        assert f"{option} {value} (a vLLM flag) is not supported" in err and "only auto" in err
+        assert f"{option} {value} (a vLLM flag) is not supported" in err and f"only {only}" in err
     err = _usage_error(capsys, "--rope-scaling", '{"rope_type": "linear", "factor": 2}')
     assert "--hf-overrides" in err
     from engine.errors import ConfigError

@@ -31,6 +31,10 @@ class _Sample:
     # chunk by chunk, all before or with the first token), until the first output takes them.
     prompt_logprobs: list[TokenLogprob] | None = None
     scheduled_time: float | None = None  # until the first output carries it
+    # stream_interval above 1: the completion tokens handed on so far, and the output held
+    # back since (merged with the next until the interval's tokens have come).
+    sent_tokens: int = 0
+    held: RequestOutput | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -49,6 +53,11 @@ class Detokenizer:
     :class:`OutputBatch` for the router. When a stop string matches, the sample's final
     output goes out at once and :class:`StopStringHit` tells the scheduler to finish it, so
     its blocks are freed; tokens the scheduler still reports for it are ignored.
+
+    ``stream_interval`` (vLLM's ``--stream-interval``): above 1, a sample's outputs are
+    merged and handed on once that many completion tokens have come since the last, so a
+    streamed answer is written in fewer, larger chunks; its first output and its last go
+    at once.
     """
 
     def __init__(
@@ -58,8 +67,10 @@ class Detokenizer:
         inbox: trio.MemoryReceiveChannel[DetokenizerRequest | StepOutputs | SamplesAborted],
         to_router: trio.MemorySendChannel[OutputBatch],
         to_scheduler: trio.MemorySendChannel[StopStringHit],
+        stream_interval: int = 1,
     ) -> None:
         self._tokenizer = tokenizer
+        self._interval = stream_interval
         self._inbox = inbox
         self._to_router = to_router
         self._to_scheduler = to_scheduler
@@ -151,8 +162,24 @@ class Detokenizer:
                     # The first output a caller sees carries them; None scores token 0.
                     output = dataclasses.replace(output, prompt_logprobs=(None, *sample.prompt_logprobs))
                     sample.prompt_logprobs = None
-                outputs.append((delta.sample_id, output))
+                if self._interval > 1:
+                    output = self._paced(sample, output)
+                if output is not None:
+                    outputs.append((delta.sample_id, output))
         return tuple(outputs), hits
+
+    def _paced(self, sample: _Sample, output: RequestOutput) -> RequestOutput | None:
+        """``output`` merged after what the sample holds; handed on (returned) when it is
+        the sample's first or last, or the interval's tokens have come since the last one
+        handed on; else held (None)."""
+        if sample.held is not None:
+            output, sample.held = _merged(sample.held, output), None
+        due = sample.sent_tokens == 0 or sample.completion_tokens - sample.sent_tokens >= self._interval
+        if output.finished or due:
+            sample.sent_tokens = sample.completion_tokens
+            return output
+        sample.held = output
+        return None
 
     def _output(
         self, sample: _Sample, delta: TokenDelta
@@ -199,6 +226,18 @@ class Detokenizer:
             ),
             hit,
         )
+
+
+def _merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one sample as one: the text, ids and logprobs of both,
+    the rest the later one's (what only a first output carries, the earlier one's)."""
+    logprobs = (None if first.logprobs is None and then.logprobs is None
+                else (*(first.logprobs or ()), *(then.logprobs or ())))
+    return dataclasses.replace(
+        then, text=first.text + then.text, token_ids=first.token_ids + then.token_ids,
+        logprobs=logprobs,
+        prompt_logprobs=then.prompt_logprobs if first.prompt_logprobs is None else first.prompt_logprobs,
+        scheduled_time=then.scheduled_time if first.scheduled_time is None else first.scheduled_time)
 
 
 def _failed_output(sample: _Sample, delta: TokenDelta) -> RequestOutput:

@@ -134,7 +134,7 @@ async def run_actors(parts: EngineParts, *, ready: Callable[[ActorHandles], None
         )
         detokenizer = Detokenizer(
             parts.tokenizer, inbox=detok_recv, to_router=router_send,
-            to_scheduler=sched_send.clone(),
+            to_scheduler=sched_send.clone(), stream_interval=config.stream_interval,
         )
 
         def send(message: AdmittedRequest | AbortSamples) -> None:
@@ -196,7 +196,8 @@ async def run_front_actors(
     with front_send:
         callers = front_send.clone()
         detokenizer = Detokenizer(parts.tokenizer, inbox=detok_recv, to_router=router_send,
-                                  to_scheduler=front_send.clone())
+                                  to_scheduler=front_send.clone(),
+                                  stream_interval=parts.config.stream_interval)
 
         def send(message: AdmittedRequest | AbortSamples) -> None:
             callers.send_nowait(message)
