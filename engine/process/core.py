@@ -85,6 +85,7 @@ def frame_sized(messages: list[Any]) -> list[Any]:
                 tuple(s for s in message.scheduled if s[0] == delta.sample_id)))
     return out
 
+
 def auto_engine_core(*, cuda: bool, cpus: int, threads: int, ranks: int) -> str:
     """What ``engine_core="auto"`` (``serve``'s default) is on a machine whose process may
     run on ``cpus`` CPUs: ``"process"`` when a model step leaves at least one of them free,
@@ -95,9 +96,10 @@ def auto_engine_core(*, cuda: bool, cpus: int, threads: int, ranks: int) -> str:
     none it preempts one of the step's threads and their team waits for it at a barrier
     (docs/benchmarks.md, seventeenth pass: on two cores with one torch thread the core
     process gave 1.00-1.05x of one process for chat at 1 to 32 streams and 1.15-1.24x for
-    one-sentence embeddings; with two threads, 0.95x at one stream). A step keeps busy, on CUDA, the one thread that launches each rank's
-    kernels; on CPU, each of ``ranks`` tensor-parallel or pipeline ranks' torch threads
-    (``threads`` with one rank; an equal share of the CPUs each with several, as
+    one-sentence embeddings; with two threads, 0.95x at one stream). A step keeps busy, on
+    CUDA, the one thread that launches each rank's kernels; on CPU, each of ``ranks``
+    tensor-parallel or pipeline ranks' torch threads (``threads`` with one rank; an equal
+    share of the CPUs each with several, as
     :func:`engine.process.worker_rank.share_cpu_threads` gives them)."""
     if cuda:
         busy = ranks
