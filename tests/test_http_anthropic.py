@@ -430,3 +430,45 @@ def test_an_error_mid_stream_ends_it_with_an_error_event(tmp_path):
                 client.messages.create(model=MODEL, messages=ASK, max_tokens=5)
         assert info.value.status_code == 503
         assert info.value.body["error"]["type"] == "overloaded_error"
+
+
+def test_output_config_effort_reaches_a_template_that_reads_it(tmp_path, server, clients):
+    """output_config.effort is the chat template's reasoning_effort where the template
+    reads one: the prompt is transformers' rendering with the same value. A template
+    that reads none (this module's server) ignores it: the same prompt as without."""
+    from http_fake_engine import open_fake_engine
+    from transformers import AutoTokenizer
+
+    from engine.models.tokenizer import Tokenizer
+
+    template = ("{% if reasoning_effort is defined %}Effort: {{ reasoning_effort }}. "
+                "{% endif %}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                "{% endfor %}assistant:")
+    folder = write_marker_model(tmp_path / "m", template)
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    ask = [{"role": "user", "content": "Hi there"}]
+    with ServerThread(lambda: open_fake_engine(Tokenizer.from_folder(folder),
+                                               served_model_name=MODEL, max_model_len=1024)) as srv:
+        client = anthropic.Anthropic(base_url=srv.base_url, api_key="unused", max_retries=0)
+        with client:
+            counted = {effort: client.messages.count_tokens(
+                model=MODEL, messages=ask, extra_body={"output_config": {"effort": effort}})
+                for effort in ("low", "high")}
+            answered = client.messages.create(model=MODEL, messages=ask, max_tokens=2,
+                                              extra_body={"output_config": {"effort": "high"}})
+            with pytest.raises(anthropic.BadRequestError) as info:
+                client.messages.create(model=MODEL, messages=ask, max_tokens=2,
+                                       extra_body={"output_config": {"effort": 3}})
+    for effort, count in counted.items():
+        want = tok.apply_chat_template(ask, tokenize=True, add_generation_prompt=True,
+                                       reasoning_effort=effort, return_dict=False)
+        assert count.input_tokens == len(want)
+    assert answered.usage.input_tokens == counted["high"].input_tokens
+    assert "output_config.effort" in info.value.body["error"]["message"]
+    # Without the effort this template writes no "Effort: ..." line.
+    assert counted["low"].input_tokens > len(tok.apply_chat_template(
+        ask, tokenize=True, add_generation_prompt=True, return_dict=False))
+    plain = clients().messages.count_tokens(model=MODEL, messages=ASK)
+    hinted = clients().messages.count_tokens(model=MODEL, messages=ASK,
+                                             extra_body={"output_config": {"effort": "low"}})
+    assert hinted.input_tokens == plain.input_tokens

@@ -29,6 +29,9 @@ a final assistant message    a prefill the model continues (``continue_final_mes
 ``temperature``, ``top_p``,  the same
 ``top_k``, ``ignore_eos``
 ``output_config.format``     ``response_format`` (``json_schema``)
+``output_config.effort``     the chat template's ``reasoning_effort``, where it reads one
+                             (else ignored: an effort hint, which such a model has no
+                             knob for)
 ===========================  ==============================================================
 
 Refused with a 400 naming the field (each would change the answer): document and other
@@ -91,10 +94,12 @@ def _bad(message: str, param: str) -> APIError:
 
 
 def chat_body(body: Any, *, reasoning: bool, count_only: bool = False,
-              origins: dict[str, str] | None = None) -> dict[str, Any]:
+              origins: dict[str, str] | None = None, effort: bool = False) -> dict[str, Any]:
     """The OpenAI chat body a Messages body means; :class:`APIError` naming the field
     otherwise. ``reasoning``: the server has a reasoning parser (``thinking`` is then
     allowed). ``count_only``: for ``count_tokens``, which takes no ``max_tokens``.
+    ``effort``: the chat template reads ``reasoning_effort`` (``output_config.effort``
+    then becomes it).
     ``origins`` is filled with the chat path of each image part and its block's path, for
     :func:`rename_param` (a bad image is found later, by the engine)."""
     if not isinstance(body, dict):
@@ -134,7 +139,7 @@ def chat_body(body: Any, *, reasoning: bool, count_only: bool = False,
         out |= {"stream": True, "stream_options": {"include_usage": True}}
     out |= _tools(body.get("tools"), body.get("tool_choice"))
     out |= _thinking(body.get("thinking"), reasoning)
-    out |= _output_config(body.get("output_config"))
+    out |= _output_config(body.get("output_config"), effort)
     last = out["messages"][-1] if out["messages"] else None
     if last is not None and last["role"] == "assistant" and not last.get("tool_calls"):
         # A prefill: the answer continues the assistant's text.
@@ -428,21 +433,30 @@ def _thinking(thinking: Any, reasoning: bool) -> dict[str, Any]:
     return out
 
 
-def _output_config(config: Any) -> dict[str, Any]:
-    """``output_config.format`` (a JSON schema) is a ``response_format``; ``effort`` is a
-    hint about how long to think, which a local model has no knob for (ignored)."""
+def _output_config(config: Any, reads_effort: bool) -> dict[str, Any]:
+    """``output_config.format`` (a JSON schema) is a ``response_format``; ``effort`` is
+    the template's ``reasoning_effort`` where it reads one (as chat's and the Responses
+    route's efforts are), else ignored: a hint about how hard to think, which a model
+    whose template takes no effort has no knob for."""
     if config is None:
         return {}
     if not isinstance(config, Mapping):
         raise _bad("output_config must be an object", "output_config")
+    out: dict[str, Any] = {}
+    effort = config.get("effort")
+    if effort is not None:
+        if not isinstance(effort, str):
+            raise _bad("output_config.effort must be a string", "output_config.effort")
+        if reads_effort:
+            out["reasoning_effort"] = effort
     fmt = config.get("format")
     if fmt is None:
-        return {}
+        return out
     if not isinstance(fmt, Mapping) or fmt.get("type") != "json_schema" or not isinstance(
             fmt.get("schema"), Mapping):
         raise _bad('output_config.format must be {"type": "json_schema", "schema": {...}}',
                    "output_config.format")
-    return {"response_format": {"type": "json_schema", "json_schema": {
+    return out | {"response_format": {"type": "json_schema", "json_schema": {
         "name": "output", "schema": dict(fmt["schema"])}}}
 
 
@@ -450,7 +464,8 @@ def _output_config(config: Any) -> dict[str, Any]:
 # their names: model, max_tokens, temperature, tools, tool_choice, ...).
 _MESSAGES_NAMES = (("stop", "stop_sequences"), ("response_format", "output_config.format"),
                    ("parallel_tool_calls", "tool_choice.disable_parallel_tool_use"),
-                   ("thinking_token_budget", "thinking.budget_tokens"))
+                   ("thinking_token_budget", "thinking.budget_tokens"),
+                   ("reasoning_effort", "output_config.effort"))
 
 
 def rename_param(err: APIError, origins: Mapping[str, str] | None = None) -> APIError:

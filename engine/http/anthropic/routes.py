@@ -33,6 +33,7 @@ from engine.http.completions.run import Run
 from engine.http.errors import APIError, error_from_exception
 from engine.http.server import Server
 from engine.messages import RequestOutput
+from engine.models.chat_template import template_reads
 from engine.multimodal import has_images
 
 
@@ -48,11 +49,17 @@ class AnthropicRoutes:
         app.add_url_rule("/v1/messages/count_tokens", view_func=self.count_tokens,
                          methods=["POST"])
 
+    def _reads_effort(self) -> bool:
+        """Whether the chat template reads ``reasoning_effort`` (``output_config.effort``
+        reaches it then)."""
+        return template_reads(self.engine.tokenizer.chat_template, "reasoning_effort")
+
     async def messages(self) -> Response:
         """``POST /v1/messages``: the chat path, said in Anthropic's shapes."""
         origins: dict[str, str] = {}  # chat paths of image blocks -> their Messages paths
         chat = chat_body(await self.server.read_json(), origins=origins,
-                         reasoning=self.server.chat_settings.reasoning_parser is not None)
+                         reasoning=self.server.chat_settings.reasoning_parser is not None,
+                         effort=self._reads_effort())
         try:
             req = await self.server.off_loop(lambda: parse_chat(
                 chat, self.server.chat_settings, self.engine.tokenizer.chat_template,
@@ -80,7 +87,8 @@ class AnthropicRoutes:
         template it."""
         origins: dict[str, str] = {}
         chat = chat_body(await self.server.read_json(), count_only=True, origins=origins,
-                         reasoning=self.server.chat_settings.reasoning_parser is not None)
+                         reasoning=self.server.chat_settings.reasoning_parser is not None,
+                         effort=self._reads_effort())
         self.server.check_base_model(chat["model"])
         tok = self.engine.tokenizer
 
