@@ -115,6 +115,8 @@ def resolve_engine_core(config: EngineConfig) -> EngineConfig:
     process's CPUs and torch threads, which a core it spawns inherits; logged."""
     if config.engine_core != "auto":
         return config
+    if config.data_parallel_size > 1 or config.data_parallel_address is not None:
+        return dataclasses.replace(config, engine_core="process")  # cores apart, always
     import torch
 
     cuda = config.device.startswith("cuda") or (config.device == "auto"
