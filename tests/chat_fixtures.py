@@ -93,6 +93,12 @@ ROUND_TRIP = [
 # model learns none of them from its corpus (each is ~10 byte tokens there), so a random
 # model would all but never write one; as single tokens a logit_bias on one makes the
 # model open calls and close its reasoning, which the tests need to see.
+# A template that reads reasoning_effort (as gpt-oss's does): the Responses and Messages
+# routes' effort fields reach it.
+EFFORT_TEMPLATE = ("{% if reasoning_effort is defined %}Effort: {{ reasoning_effort }}. "
+                   "{% endif %}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                   "{% endfor %}assistant:")
+
 MARKER_TOKENS = ("<tool_call>", "</tool_call>", "<think>", "</think>")
 
 

@@ -17,7 +17,7 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
-from chat_fixtures import WEATHER_TOOL, write_marker_model
+from chat_fixtures import EFFORT_TEMPLATE, WEATHER_TOOL, write_marker_model
 from http_server import ServerThread
 
 from engine.chat.request import ChatSettings
@@ -441,10 +441,7 @@ def test_output_config_effort_reaches_a_template_that_reads_it(tmp_path, server,
 
     from engine.models.tokenizer import Tokenizer
 
-    template = ("{% if reasoning_effort is defined %}Effort: {{ reasoning_effort }}. "
-                "{% endif %}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
-                "{% endfor %}assistant:")
-    folder = write_marker_model(tmp_path / "m", template)
+    folder = write_marker_model(tmp_path / "m", EFFORT_TEMPLATE)
     tok = AutoTokenizer.from_pretrained(str(folder))
     ask = [{"role": "user", "content": "Hi there"}]
     with ServerThread(lambda: open_fake_engine(Tokenizer.from_folder(folder),

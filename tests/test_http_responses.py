@@ -27,7 +27,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from chat_fixtures import TOOL_TEMPLATE, TOOLS, write_marker_model
+from chat_fixtures import EFFORT_TEMPLATE, TOOL_TEMPLATE, TOOLS, write_marker_model
 from http_fake_engine import open_fake_engine
 from http_server import ServerThread
 
@@ -714,10 +714,7 @@ def test_reasoning_effort_reaches_a_template_that_reads_it(tmp_path) -> None:
     vLLM's Responses route): the prompt is transformers' rendering with the same value."""
     from transformers import AutoTokenizer
 
-    template = ("{% if reasoning_effort is defined %}Effort: {{ reasoning_effort }}. "
-                "{% endif %}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
-                "{% endfor %}assistant:")
-    folder = write_marker_model(tmp_path / "m", template)
+    folder = write_marker_model(tmp_path / "m", EFFORT_TEMPLATE)
     tok = AutoTokenizer.from_pretrained(str(folder))
     ask = [{"role": "user", "content": "Hi there"}]
     with ServerThread(lambda: open_fake_engine(Tokenizer.from_folder(folder),

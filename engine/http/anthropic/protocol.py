@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from engine.chat.request import lax_bool
@@ -94,12 +94,13 @@ def _bad(message: str, param: str) -> APIError:
 
 
 def chat_body(body: Any, *, reasoning: bool, count_only: bool = False,
-              origins: dict[str, str] | None = None, effort: bool = False) -> dict[str, Any]:
+              origins: dict[str, str] | None = None,
+              reads_effort: Callable[[], bool] = lambda: False) -> dict[str, Any]:
     """The OpenAI chat body a Messages body means; :class:`APIError` naming the field
     otherwise. ``reasoning``: the server has a reasoning parser (``thinking`` is then
     allowed). ``count_only``: for ``count_tokens``, which takes no ``max_tokens``.
-    ``effort``: the chat template reads ``reasoning_effort`` (``output_config.effort``
-    then becomes it).
+    ``reads_effort``: whether the chat template reads ``reasoning_effort``
+    (``output_config.effort`` then becomes it), asked only of a body that sends one.
     ``origins`` is filled with the chat path of each image part and its block's path, for
     :func:`rename_param` (a bad image is found later, by the engine)."""
     if not isinstance(body, dict):
@@ -139,7 +140,7 @@ def chat_body(body: Any, *, reasoning: bool, count_only: bool = False,
         out |= {"stream": True, "stream_options": {"include_usage": True}}
     out |= _tools(body.get("tools"), body.get("tool_choice"))
     out |= _thinking(body.get("thinking"), reasoning)
-    out |= _output_config(body.get("output_config"), effort)
+    out |= _output_config(body.get("output_config"), reads_effort)
     last = out["messages"][-1] if out["messages"] else None
     if last is not None and last["role"] == "assistant" and not last.get("tool_calls"):
         # A prefill: the answer continues the assistant's text.
@@ -433,7 +434,7 @@ def _thinking(thinking: Any, reasoning: bool) -> dict[str, Any]:
     return out
 
 
-def _output_config(config: Any, reads_effort: bool) -> dict[str, Any]:
+def _output_config(config: Any, reads_effort: Callable[[], bool]) -> dict[str, Any]:
     """``output_config.format`` (a JSON schema) is a ``response_format``; ``effort`` is
     the template's ``reasoning_effort`` where it reads one (as chat's and the Responses
     route's efforts are), else ignored: a hint about how hard to think, which a model
@@ -447,7 +448,7 @@ def _output_config(config: Any, reads_effort: bool) -> dict[str, Any]:
     if effort is not None:
         if not isinstance(effort, str):
             raise _bad("output_config.effort must be a string", "output_config.effort")
-        if reads_effort:
+        if reads_effort():
             out["reasoning_effort"] = effort
     fmt = config.get("format")
     if fmt is None:

@@ -43,6 +43,7 @@ class AnthropicRoutes:
     def __init__(self, server: Server) -> None:
         self.server = server
         self.engine = server.engine
+        self._effort_read: bool | None = None  # see _reads_effort
 
     def register(self, app: QuartTrio) -> None:
         app.add_url_rule("/v1/messages", view_func=self.messages, methods=["POST"])
@@ -51,15 +52,18 @@ class AnthropicRoutes:
 
     def _reads_effort(self) -> bool:
         """Whether the chat template reads ``reasoning_effort`` (``output_config.effort``
-        reaches it then)."""
-        return template_reads(self.engine.tokenizer.chat_template, "reasoning_effort")
+        reaches it then): the template is parsed once, on the first request that asks."""
+        if self._effort_read is None:
+            self._effort_read = template_reads(self.engine.tokenizer.chat_template,
+                                               "reasoning_effort")
+        return self._effort_read
 
     async def messages(self) -> Response:
         """``POST /v1/messages``: the chat path, said in Anthropic's shapes."""
         origins: dict[str, str] = {}  # chat paths of image blocks -> their Messages paths
         chat = chat_body(await self.server.read_json(), origins=origins,
                          reasoning=self.server.chat_settings.reasoning_parser is not None,
-                         effort=self._reads_effort())
+                         reads_effort=self._reads_effort)
         try:
             req = await self.server.off_loop(lambda: parse_chat(
                 chat, self.server.chat_settings, self.engine.tokenizer.chat_template,
@@ -88,7 +92,7 @@ class AnthropicRoutes:
         origins: dict[str, str] = {}
         chat = chat_body(await self.server.read_json(), count_only=True, origins=origins,
                          reasoning=self.server.chat_settings.reasoning_parser is not None,
-                         effort=self._reads_effort())
+                         reads_effort=self._reads_effort)
         self.server.check_base_model(chat["model"])
         tok = self.engine.tokenizer
 
