@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 from collections.abc import Callable
 from typing import Any
@@ -133,6 +134,101 @@ _SPECULATIVE_KEYS = {
     "ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"},
     "draft_model": {"method", "num_speculative_tokens", "model", "dtype", "quantization"},
 }
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ProfilerConfig:
+    """``--profiler-config``, as vLLM's JSON (its field names and defaults). ``profiler``
+    "torch" traces each step's work on the model thread with ``torch.profiler`` between a
+    start and a stop (``POST /start_profile``, ``LLM.start_profile``), writing one trace a
+    start to ``torch_profiler_dir`` (engine.runner.profiler); "cuda" brackets the same
+    steps with ``cudaProfilerStart``/``Stop`` for Nsight Systems (CUDA devices only)."""
+
+    profiler: str
+    torch_profiler_dir: str = ""
+    torch_profiler_with_stack: bool = True
+    torch_profiler_with_flops: bool = False
+    torch_profiler_use_gzip: bool = True
+    # CUDA only: a table of the ops by self CUDA time beside the trace (no CUDA time on CPU).
+    torch_profiler_dump_cuda_time_total: bool = True
+    torch_profiler_record_shapes: bool = False
+    torch_profiler_with_memory: bool = False
+    # vLLM's front end can trace itself too; this server's front end is never traced, so
+    # either value leaves the traces as they are.
+    ignore_frontend: bool = False
+    delay_iterations: int = 0  # steps skipped after a start before the trace begins
+    max_iterations: int = 0  # steps traced before the trace ends by itself (0: until stop)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+# vLLM's keys that ask for what is not built here: accepted at their default only.
+_PROFILER_REFUSED = {"capture_torch_profiler": False, "detailed_trace_annotation": False,
+                     "warmup_iterations": 0, "wait_iterations": 0}
+_PROFILER_IGNORED = {"active_iterations"}  # vLLM reads it only with warmup_iterations
+
+
+def parse_profiler_config(value: str | dict[str, Any]) -> ProfilerConfig | None:
+    """A checked :class:`ProfilerConfig` from vLLM's JSON object (text or dict); None when
+    it names no profiler. Anything else raises :class:`ConfigError` naming
+    ``profiler_config``."""
+
+    def bad(message: str) -> ConfigError:
+        return ConfigError(f"profiler_config: {message}", field="profiler_config")
+
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise bad(f"not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise bad(f"must be a JSON object, got {value!r}")
+    fields = {f.name: f for f in dataclasses.fields(ProfilerConfig)}
+    unknown = sorted(set(value) - set(fields) - set(_PROFILER_REFUSED) - _PROFILER_IGNORED)
+    if unknown:
+        raise bad(f"unknown key(s) {', '.join(unknown)}")
+    for key, default in _PROFILER_REFUSED.items():
+        if key in value and value[key] != default:
+            raise bad(f"{key}={value[key]!r} is not supported by this engine (only {default!r})")
+    options = {k: v for k, v in value.items() if k in fields}
+    kind = options.get("profiler")
+    folder = options.get("torch_profiler_dir", "")
+    if kind is None:
+        if folder:
+            raise bad("torch_profiler_dir is only read with profiler 'torch'")
+        return None
+    if kind not in ("torch", "cuda"):
+        raise bad(f"profiler must be 'torch' or 'cuda', got {kind!r}")
+    for name, f in fields.items():
+        if name in options and name not in ("profiler", "torch_profiler_dir"):
+            ok = (isinstance(options[name], bool) if f.type == "bool"
+                  else not isinstance(options[name], bool) and isinstance(options[name], int)
+                  and options[name] >= 0)
+            if not ok:
+                raise bad(f"{name} must be {'true or false' if f.type == 'bool' else 'an integer >= 0'}, "
+                          f"got {options[name]!r}")
+    if not isinstance(folder, str):
+        raise bad(f"torch_profiler_dir must be a path, got {folder!r}")
+    if kind == "torch":
+        if not folder:
+            raise bad("torch_profiler_dir must be set when profiler is 'torch'")
+        if re.match(r"^[A-Za-z][A-Za-z0-9+.-]+://", folder):
+            raise bad(f"torch_profiler_dir must be a local folder, got {folder!r}")
+        options["torch_profiler_dir"] = os.path.abspath(os.path.expanduser(folder))
+    elif folder:
+        raise bad("torch_profiler_dir is only read with profiler 'torch'")
+    return ProfilerConfig(**options)
+
+
+def profiler_from_environment(profiler_config: Any) -> Any:
+    """``profiler_config``, or where none is given and vLLM's older variable
+    ``VLLM_TORCH_PROFILER_DIR`` is set, the torch profiler writing there (as vLLM reads
+    it); read at the edges (the command line, ``LLM``)."""
+    folder = os.environ.get("VLLM_TORCH_PROFILER_DIR")
+    if profiler_config is None and folder:
+        return json.dumps({"profiler": "torch", "torch_profiler_dir": folder})
+    return profiler_config
 
 
 # The image processor options --mm-processor-kwargs may set: Qwen-VL's pixel budget.
@@ -651,6 +747,15 @@ class EngineConfig:
         '"num_speculative_tokens": 4}\' (a draft model of the same vocabulary); verified by the '
         "model in one forward, the output distribution unchanged", metavar="JSON", default_text="off")
 
+    # vLLM's --profiler-config (engine.runner.profiler): canonical JSON text, as
+    # speculative_config; ``profiler`` is the checked form. Off by default.
+    profiler_config: str | None = _field(
+        None, "trace the engine's steps between POST /start_profile and /stop_profile "
+        "(LLM.start_profile/stop_profile), as vLLM's JSON: '{\"profiler\": \"torch\", "
+        "\"torch_profiler_dir\": DIR}' (torch.profiler traces, for Perfetto) or "
+        "'{\"profiler\": \"cuda\"}' (Nsight Systems' capture range, CUDA only)",
+        metavar="JSON", default_text="off")
+
     # Server-side logits processors (engine.runner.logits_processors): vLLM V1's
     # batch-level interface, classes imported by name when the engine starts.
     logits_processors: str = _field(
@@ -680,6 +785,13 @@ class EngineConfig:
     def logits_processor_names(self) -> tuple[str, ...]:
         """``logits_processors`` as a tuple of ``module:Class`` names."""
         return tuple(n.strip() for n in self.logits_processors.split(",") if n.strip())
+
+    @property
+    def profiler(self) -> ProfilerConfig | None:
+        """The checked profiler configuration, or ``None`` when off."""
+        if self.profiler_config is None:
+            return None
+        return parse_profiler_config(self.profiler_config)
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -778,6 +890,9 @@ class EngineConfig:
             spec = parse_speculative_config(self.speculative_config)
             # Canonical text: a dict given to open_engine() becomes JSON too.
             object.__setattr__(self, "speculative_config", spec.to_json())
+        if self.profiler_config is not None:
+            profiler = parse_profiler_config(self.profiler_config)
+            object.__setattr__(self, "profiler_config", profiler.to_json() if profiler else None)
         if self.hf_overrides is not None:
             object.__setattr__(self, "hf_overrides", _hf_overrides_text(self.hf_overrides))
         if self.override_generation_config is not None:
@@ -839,6 +954,10 @@ class EngineConfig:
                               field="pipeline_parallel_size")
         if partition is not None:  # "4,4" from open_engine, a list through JSON
             object.__setattr__(self, "pipeline_layer_partition", partition := parse_partition(partition))
+        if self.profiler_config is not None and (tp > 1 or pp > 1):
+            raise ConfigError("profiler_config: tracing the ranks of a tensor- or pipeline-"
+                              "parallel model (each in its own process) is not supported",
+                              field="profiler_config")
         if partition is not None and (len(partition) != pp or min(partition) < 1):
             raise ConfigError(f"pipeline_layer_partition must give each of the {pp} stages a "
                               f"layer or more, got {partition!r}", field="pipeline_layer_partition")

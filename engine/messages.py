@@ -366,6 +366,27 @@ class PrefixCacheReset:
     done: bool
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ControlProfiler:
+    """Caller -> scheduler (each engine core's): start (``start`` true) or stop the
+    ``--profiler-config`` profiler, on the model thread between two steps (vLLM's
+    ``start_profile`` / ``stop_profile``). Answered with :class:`ProfilerControlled`
+    under ``token``, as :class:`ResetPrefixCache` is."""
+
+    token: str
+    start: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ProfilerControlled:
+    """A scheduler's answer to :class:`ControlProfiler`: the trace files a stop wrote,
+    or ``error`` (the core runs no profiler, or it failed)."""
+
+    token: str
+    traces: tuple[str, ...] = ()
+    error: str | None = None
+
+
 # --- detokenizer -> router -> caller ------------------------------------------------------
 
 

@@ -12,6 +12,7 @@ from engine.messages import (
     DetokenizerRequest,
     OutputBatch,
     PrefixCacheReset,
+    ProfilerControlled,
     RequestOutput,
     SamplesAborted,
     StepOutputs,
@@ -88,7 +89,7 @@ class Detokenizer:
                 if isinstance(message, DetokenizerRequest):
                     self._add(message)
                     continue
-                if isinstance(message, PrefixCacheReset):
+                if isinstance(message, (PrefixCacheReset, ProfilerControlled)):
                     await self._to_router.send(message)  # the caller's answer, in order
                     continue
                 if isinstance(message, SamplesAborted):

@@ -44,8 +44,12 @@ class Executor:
         results: trio.MemorySendChannel[StepResult],
         *,
         limiter: trio.CapacityLimiter | None = None,
+        profiler: Any = None,
     ) -> None:
         self._runner = runner
+        # engine.runner.profiler.StepProfiler (--profiler-config), or None: each step runs
+        # inside its step() on the model thread.
+        self._profiler = profiler
         self._plans = plans
         self._results = results
         self._limiter = limiter if limiter is not None else trio.CapacityLimiter(1)
@@ -66,13 +70,20 @@ class Executor:
             async for plan in self._plans:
                 t0 = time.perf_counter()
                 async with self._limiter:
-                    result = await run_in_model_thread(self._runner.execute, plan)
+                    if self._profiler is None:
+                        result = await run_in_model_thread(self._runner.execute, plan)
+                    else:
+                        result = await run_in_model_thread(self._profiled, plan)
                 t1 = time.perf_counter()
                 await self._results.send(result)
                 self._steps += 1
                 self._forward += result.forward_seconds
                 self._execute += t1 - t0
                 self._busy += time.perf_counter() - t0
+
+    def _profiled(self, plan: StepPlan) -> StepResult:
+        with self._profiler.step(sum(c.num_tokens for c in plan.chunks)):
+            return self._runner.execute(plan)
 
     async def _run_pipelined(self, task_status: trio.TaskStatus[None]) -> None:
         """Pipeline parallelism: a step's first stage runs in the model thread

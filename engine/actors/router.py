@@ -22,7 +22,13 @@ from collections.abc import Callable
 import trio
 
 from engine.errors import InvalidParamError, RequestFailedError
-from engine.messages import AdmittedRequest, OutputBatch, PrefixCacheReset, RequestOutput
+from engine.messages import (
+    AdmittedRequest,
+    OutputBatch,
+    PrefixCacheReset,
+    ProfilerControlled,
+    RequestOutput,
+)
 
 
 def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
@@ -163,16 +169,19 @@ class OutputRouter:
         self._by_sample: dict[str, OutputMailbox] = {}
         self._mailboxes: set[OutputMailbox] = set()
         self._merged_gone = 0
-        # Callers of Engine.reset_prefix_cache waiting for the cores' answers, by token.
-        self._resets: dict[str, trio.MemorySendChannel[bool]] = {}
+        # Callers of Engine.reset_prefix_cache and start/stop_profile waiting for the
+        # cores' answers, by token.
+        self._answers: dict[str, trio.MemorySendChannel[PrefixCacheReset | ProfilerControlled]] = {}
 
-    def listen_reset(self, token: str, answers: trio.MemorySendChannel[bool] | None) -> None:
-        """Deliver each :class:`PrefixCacheReset` answer for ``token`` into ``answers``
-        (an unbounded channel); None stops."""
+    def listen_answers(
+        self, token: str, answers: trio.MemorySendChannel[PrefixCacheReset | ProfilerControlled] | None,
+    ) -> None:
+        """Deliver each core's :class:`PrefixCacheReset` or :class:`ProfilerControlled`
+        for ``token`` into ``answers`` (an unbounded channel); None stops."""
         if answers is None:
-            self._resets.pop(token, None)
+            self._answers.pop(token, None)
         else:
-            self._resets[token] = answers
+            self._answers[token] = answers
 
     def open(self, admitted: AdmittedRequest) -> OutputMailbox:
         """Register a new request's mailbox under its sample ids (unique by construction)."""
@@ -230,10 +239,10 @@ class OutputRouter:
         with self._inbox:
             task_status.started()
             async for batch in self._inbox:
-                if isinstance(batch, PrefixCacheReset):
-                    answers = self._resets.get(batch.token)
+                if isinstance(batch, (PrefixCacheReset, ProfilerControlled)):
+                    answers = self._answers.get(batch.token)
                     if answers is not None:
-                        answers.send_nowait(batch.done)
+                        answers.send_nowait(batch)
                     continue
                 for sample_id, output in zip(batch.sample_ids, batch.outputs, strict=True):
                     mailbox = self._by_sample.get(sample_id)

@@ -24,12 +24,14 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import trio
 
+from engine.actors.model_thread import run_in_model_thread
 from engine.core.request import RequestStatus
 from engine.core.scheduler import Scheduler, drive
 from engine.errors import RequestError
@@ -39,9 +41,11 @@ from engine.messages import (
     AllocatorCall,
     AllocatorReply,
     ClearPrefixCache,
+    ControlProfiler,
     DetokenizerRequest,
     PrefixCacheCleared,
     PrefixCacheReset,
+    ProfilerControlled,
     ResetPrefixCache,
     SamplesAborted,
     StepOutputs,
@@ -50,6 +54,8 @@ from engine.messages import (
     StopStringHit,
 )
 
+logger = logging.getLogger(__name__)
+
 # Bucket edges of the tokens-per-step histogram (vLLM's iteration_tokens_total): powers of
 # two up to a large step budget. A step counts as vLLM counts an iteration: the prompt
 # tokens it computed plus the tokens it gave out (a prefill that samples counts its prompt
@@ -57,7 +63,8 @@ from engine.messages import (
 # computed no prompt (one that only dropped finished requests) is not counted.
 ITERATION_TOKEN_BUCKETS = tuple(2**i for i in range(15))
 
-SchedulerInbox = AdmittedRequest | StepResult | AbortSamples | StopStringHit | ResetPrefixCache
+SchedulerInbox = (AdmittedRequest | StepResult | AbortSamples | StopStringHit | ResetPrefixCache
+                  | ControlProfiler)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -107,8 +114,12 @@ class SchedulerActor:
         async_scheduling: bool = True,
         release_grammar: Callable[[Any], None] | None = None,
         max_in_flight: int | None = None,
+        profiler: Any = None,
     ) -> None:
         self._core = core
+        # engine.runner.profiler.StepProfiler (--profiler-config), driven on the model
+        # thread between steps; None: ControlProfiler is answered with an error.
+        self._profiler = profiler
         # Each structured sample holds its grammar in the grammar backend's cache (taken
         # at admission: engine.structured.backend); released here when the sample ends.
         self._release_grammar = release_grammar
@@ -192,6 +203,11 @@ class SchedulerActor:
                     await self._handle(message)
             finally:
                 self._release_all()
+                if self._profiler is not None and self._profiler.active:
+                    # A trace still running as the engine stops is written, and the
+                    # process's model thread (which outlives this engine) traces no more.
+                    with trio.CancelScope(shield=True):
+                        await run_in_model_thread(self._profiler.stop)
 
     def _release_all(self) -> None:
         """The actor stops (the engine closes, or restarts after a crash): its samples, and
@@ -265,8 +281,28 @@ class SchedulerActor:
             assert isinstance(reply, PrefixCacheCleared)  # the allocator's protocol
             await self._deliver_outputs()
             await self._to_detokenizer.send(PrefixCacheReset(message.token, reply.done))
+        elif isinstance(message, ControlProfiler):
+            answer = await self._control_profiler(message)
+            await self._deliver_outputs()
+            await self._to_detokenizer.send(answer)
         else:
             await self._finish((message.sample_id,), RequestStatus.FINISHED_STOPPED)
+
+    async def _control_profiler(self, message: ControlProfiler) -> ProfilerControlled:
+        """Start or stop the profiler on the model thread, after the steps handed over
+        before it (its jobs run in order)."""
+        if self._profiler is None:
+            return ProfilerControlled(message.token, error="profiling is off: the engine was "
+                                      "started without --profiler-config")
+        try:
+            if message.start:
+                await run_in_model_thread(self._profiler.start)
+                return ProfilerControlled(message.token)
+            traces = await run_in_model_thread(self._profiler.stop)
+        except Exception as exc:  # a folder it cannot write, say: the caller is told
+            logger.exception("profiler: the %s failed", "start" if message.start else "stop")
+            return ProfilerControlled(message.token, error=f"the profiler failed: {exc}")
+        return ProfilerControlled(message.token, tuple(traces))
 
     async def _deliver_outputs(self) -> None:
         """Send the step outputs held back, oldest first."""

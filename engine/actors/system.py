@@ -29,6 +29,7 @@ from engine.actors.scheduler import SchedulerActor
 from engine.core.block_pool import BlockPool
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.messages import AbortSamples, AdmittedRequest
+from engine.runner.profiler import StepProfiler
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -74,9 +75,16 @@ class ActorHandles:
     actors: dict[str, Any]  # name -> actor, for their statistics() (tests, benchmarks)
 
 
+def step_profiler(parts: Any, name: str) -> StepProfiler | None:
+    """The ``--profiler-config`` profiler of the steps ``parts`` runs (its traces named
+    ``name``), or None when off."""
+    spec = parts.config.profiler
+    return StepProfiler(spec, name, parts.runner.device) if spec is not None else None
+
+
 def scheduler_actor(
     parts: Any, *, inbox: Any, to_allocator: Any, from_allocator: Any, to_executor: Any,
-    to_detokenizer: Any,
+    to_detokenizer: Any, profiler: StepProfiler | None = None,
 ) -> SchedulerActor:
     """The scheduler actor for ``parts`` (:class:`EngineParts`, or an engine core process's
     parts), wired to the given channels. One place builds it for both, so a core in its
@@ -100,6 +108,7 @@ def scheduler_actor(
         async_scheduling=bool(config.async_scheduling),
         release_grammar=parts.grammar.release if parts.grammar is not None else None,
         max_in_flight=getattr(parts.runner, "batches_in_flight", None),
+        profiler=profiler,
     )
 
 
@@ -127,10 +136,11 @@ async def run_actors(parts: EngineParts, *, ready: Callable[[ActorHandles], None
             parts.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
         allocator = KVAllocator(pool, call_recv, reply_send)
-        executor = Executor(parts.runner, plan_recv, sched_send.clone())
+        profiler = step_profiler(parts, "engine")
+        executor = Executor(parts.runner, plan_recv, sched_send.clone(), profiler=profiler)
         scheduler = scheduler_actor(
             parts, inbox=sched_recv, to_allocator=call_send, from_allocator=reply_recv,
-            to_executor=plan_send, to_detokenizer=detok_send,
+            to_executor=plan_send, to_detokenizer=detok_send, profiler=profiler,
         )
         detokenizer = Detokenizer(
             parts.tokenizer, inbox=detok_recv, to_router=router_send,

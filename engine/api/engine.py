@@ -61,7 +61,7 @@ from engine.errors import (
     PromptTooLongError,
     RequestFailedError,
 )
-from engine.messages import AdmittedRequest, ResetPrefixCache
+from engine.messages import AdmittedRequest, ControlProfiler, ResetPrefixCache
 from engine.models.chat_sandbox import RenderBudget
 from engine.params import (
     BeamSearchParams,
@@ -88,6 +88,9 @@ PROMPT_THREADS = 4
 # How long reset_prefix_cache waits for every engine core's answer (a core lost meanwhile
 # never answers): one step and a frame each way, with room for a slow step.
 RESET_ANSWER_SECONDS = 30.0
+# How long start_profile / stop_profile wait: a stop writes the trace first (vLLM's guide
+# warns of minutes for large traces).
+PROFILE_ANSWER_SECONDS = 600.0
 
 
 async def tokenize_prompt(
@@ -772,23 +775,57 @@ class Engine:
         their blocks are freed, and they recompute their prompts and outputs when they run
         again, giving the tokens they would have. The hit and query counters keep counting.
         Raises :class:`EngineDeadError` if the engine is not serving."""
+        answers, complete = await self._ask_cores(
+            lambda token: ResetPrefixCache(token, reset_running=reset_running_requests),
+            RESET_ANSWER_SECONDS)
+        # A core lost before it answers never will: past the bound, not reset everywhere.
+        return complete and all(answer.done for answer in answers)
+
+    async def start_profile(self) -> None:
+        """Start tracing the engine's steps (vLLM's ``start_profile``), in every engine
+        core, with the engine's ``profiler_config``: torch.profiler on the model thread
+        (engine.runner.profiler), or CUDA's capture range. A second start while a trace
+        runs changes nothing. Raises :class:`ConfigError` when the engine was opened
+        without ``profiler_config``."""
+        await self._control_profiler(start=True)
+
+    async def stop_profile(self) -> list[str]:
+        """Stop tracing and write the traces (vLLM's ``stop_profile``); the files written,
+        one a core (none when nothing was traced)."""
+        return await self._control_profiler(start=False)
+
+    async def _control_profiler(self, *, start: bool) -> list[str]:
+        if self.config.profiler is None:
+            raise ConfigError("profiling is off: open the engine with profiler_config "
+                              "(vLLM's --profiler-config)", field="profiler_config")
+        answers, complete = await self._ask_cores(lambda token: ControlProfiler(token, start),
+                                                  PROFILE_ANSWER_SECONDS)
+        errors = [answer.error for answer in answers if answer.error]
+        if errors or not complete:
+            raise RequestFailedError(errors[0] if errors else "an engine core did not answer "
+                                     f"the profiler's {'start' if start else 'stop'}")
+        return [path for answer in answers for path in answer.traces]
+
+    async def _ask_cores(self, make: Any, seconds: float) -> tuple[list[Any], bool]:
+        """Send ``make(token)`` to every serving engine core and gather their answers
+        (:class:`PrefixCacheReset`, :class:`ProfilerControlled`) for up to ``seconds``;
+        the answers, and whether every core answered."""
         handles = self._alive()
         expected = self._pool.serving if self._pool is not None else 1
         if expected == 0:
-            return False
-        answers_in, answers = trio.open_memory_channel[bool](math.inf)
+            return [], False
+        answers_in, answers = trio.open_memory_channel[Any](math.inf)
         token = uuid.uuid4().hex
-        handles.router.listen_reset(token, answers_in)
+        handles.router.listen_answers(token, answers_in)
         try:
-            handles.send(ResetPrefixCache(token, reset_running=reset_running_requests))
-            done = True
-            # A core lost before it answers never will: past the bound, not reset everywhere.
-            with trio.move_on_after(RESET_ANSWER_SECONDS) as waited:
+            handles.send(make(token))
+            got: list[Any] = []
+            with trio.move_on_after(seconds):
                 for _ in range(expected):
-                    done = await answers.receive() and done
-            return done and not waited.cancelled_caught
+                    got.append(await answers.receive())
+            return got, len(got) == expected
         finally:
-            handles.router.listen_reset(token, None)
+            handles.router.listen_answers(token, None)
 
     def structured_statistics(self) -> StructuredStatistics | None:
         """Structured output counters (requests by kind, grammar compiles, cache hits,

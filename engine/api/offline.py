@@ -49,6 +49,7 @@ from engine.api.outputs import (
 )
 from engine.chat.request import TemplateOptions
 from engine.chat.tools import parse_tools
+from engine.config import profiler_from_environment
 from engine.errors import InvalidParamError
 from engine.params import BeamSearchParams, PoolingParams, SamplingParams
 
@@ -67,8 +68,12 @@ VLLM_IGNORED_OPTIONS = {
 def engine_options(model: str | Path | None, options: dict[str, Any]) -> dict[str, Any]:
     """``options`` as :func:`engine.open_engine` takes them: vLLM's arguments that change
     nothing here dropped (:data:`VLLM_IGNORED_OPTIONS`), ``tokenizer`` dropped when it
-    names the model itself (vLLM's default)."""
+    names the model itself (vLLM's default), and ``VLLM_TORCH_PROFILER_DIR`` read into
+    ``profiler_config`` where none is given (as vLLM's ``LLM`` reads it)."""
     out = {k: v for k, v in options.items() if k not in VLLM_IGNORED_OPTIONS}
+    profiler = profiler_from_environment(out.get("profiler_config"))
+    if profiler is not None:
+        out["profiler_config"] = profiler
     tokenizer = out.get("tokenizer")
     if tokenizer is not None and model is not None and str(tokenizer) == str(model):
         del out["tokenizer"]
@@ -342,6 +347,24 @@ class LLM:
 
         async def work(engine: Engine, emit: Any) -> bool:
             return await engine.reset_prefix_cache(reset_running_requests)
+
+        return self._thread.call(work)
+
+    def start_profile(self) -> None:
+        """Start tracing the engine's steps (vLLM's): the LLM needs ``profiler_config``
+        (or ``VLLM_TORCH_PROFILER_DIR`` in the environment); :meth:`stop_profile` writes
+        the trace."""
+
+        async def work(engine: Engine, emit: Any) -> None:
+            await engine.start_profile()
+
+        self._thread.call(work)
+
+    def stop_profile(self) -> list[str]:
+        """Stop tracing and write the trace (vLLM's); the files written."""
+
+        async def work(engine: Engine, emit: Any) -> list[str]:
+            return await engine.stop_profile()
 
         return self._thread.call(work)
 

@@ -12,7 +12,7 @@ import dataclasses
 import os
 from typing import Any
 
-from engine.config import EngineConfig, Flag
+from engine.config import EngineConfig, Flag, profiler_from_environment
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
@@ -60,7 +60,9 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     if values["pipeline_layer_partition"] is None and os.environ.get("VLLM_PP_LAYER_PARTITION"):
         # vLLM's variable for the stages' layer counts, read here at the edge.
         values["pipeline_layer_partition"] = os.environ["VLLM_PP_LAYER_PARTITION"]
+    values["profiler_config"] = profiler_from_environment(values["profiler_config"])
     return EngineConfig(**values)
+
 
 
 # -- vLLM's serve flags ---------------------------------------------------------------------

@@ -57,6 +57,9 @@ class AdminRoutes:
         if self.server.server_dev_mode:
             app.add_url_rule("/reset_prefix_cache", view_func=self.reset_prefix_cache,
                              methods=["POST"])
+        if self.engine.config.profiler is not None:  # vLLM's, there only with a profiler
+            app.add_url_rule("/start_profile", view_func=self.start_profile, methods=["POST"])
+            app.add_url_rule("/stop_profile", view_func=self.stop_profile, methods=["POST"])
 
     async def health(self) -> Response:
         # 503 while the actors restart after a crash, and once the engine is dead.
@@ -133,6 +136,18 @@ class AdminRoutes:
         if not await self.engine.reset_prefix_cache(running in ("true", "1")):
             raise APIError(409, "the prefix cache was not reset: requests hold KV blocks; "
                            "retry when they have finished", code="prefix_cache_in_use")
+        return Response("", 200)
+
+    async def start_profile(self) -> Response:
+        """vLLM's ``POST /start_profile`` (with ``--profiler-config``): 200 with no body
+        once every engine core traces its steps."""
+        await self.engine.start_profile()
+        return Response("", 200)
+
+    async def stop_profile(self) -> Response:
+        """vLLM's ``POST /stop_profile``: 200 with no body once every engine core has
+        written its trace to the profiler's folder."""
+        await self.engine.stop_profile()
         return Response("", 200)
 
     async def openapi(self) -> Response:

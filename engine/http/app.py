@@ -116,7 +116,8 @@ def create_app(
     A response one of whose writes waits ``send_timeout`` seconds for the client to
     read is abandoned (its requests aborted). ``allow_runtime_lora_updating`` serves
     ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``; ``server_dev_mode``
-    ``POST /reset_prefix_cache``.
+    ``POST /reset_prefix_cache``. An engine with a ``profiler_config`` gets vLLM's
+    ``POST /start_profile`` and ``/stop_profile``.
     """
     app = _App(__name__)
     app.root_prefix = _root_prefix(root_path)

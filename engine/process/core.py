@@ -35,13 +35,14 @@ from engine._version import VERSION
 from engine.actors.allocator import KVAllocator
 from engine.actors.executor import Executor
 from engine.actors.model_thread import run_in_model_thread
-from engine.actors.system import scheduler_actor
+from engine.actors.system import scheduler_actor, step_profiler
 from engine.config import EngineConfig, parse_address
 from engine.core.block_pool import BlockPool
 from engine.errors import InvalidParamError
 from engine.messages import (
     AbortSamples,
     AdmittedRequest,
+    ControlProfiler,
     CoreAccepted,
     CoreFailed,
     CoreHello,
@@ -188,7 +189,7 @@ async def serve_core(config: Any, address: str, secret: bytes, core_index: int) 
                 raise WireError(f"the front end did not accept this core: {reply!r}")
             logger.info("core %d connected to %s", core_index, address)
             try:
-                await run_core_actors(parts, frames)
+                await run_core_actors(parts, frames, core_index)
             except Exception as exc:
                 # A crash (a tensor-parallel or pipeline worker lost): the core exits and
                 # its front end restarts it within the engine's budget; it first says why,
@@ -207,7 +208,7 @@ async def serve_core(config: Any, address: str, secret: bytes, core_index: int) 
             close()
 
 
-async def run_core_actors(parts: Any, frames: FrameStream) -> None:
+async def run_core_actors(parts: Any, frames: FrameStream, core_index: int = 0) -> None:
     """The scheduler, KV-allocator and executor actors of :func:`engine.actors.system.run_actors`,
     fed from and answering to ``frames``. Returns when the peer closes the connection.
 
@@ -226,14 +227,15 @@ async def run_core_actors(parts: Any, frames: FrameStream) -> None:
         parts.grammar.recompile = lambda spec: trio.from_thread.run(
             compiles.recompile, spec, trio_token=token)
     try:
-        await _run_core_actors(parts, frames, compiles)
+        await _run_core_actors(parts, frames, compiles, core_index)
     finally:
         if compiles is not None:
             with trio.CancelScope(shield=True):
                 await compiles.aclose()  # kills compiles still running
 
 
-async def _run_core_actors(parts: Any, frames: FrameStream, compiles: CompilePool | None) -> None:
+async def _run_core_actors(parts: Any, frames: FrameStream, compiles: CompilePool | None,
+                           core_index: int) -> None:
     config = parts.config
     # math.inf: as in run_actors, the inbox closes the executor's cycle and takes the
     # bridge's messages without blocking; admission control in the front end bounds it.
@@ -245,10 +247,11 @@ async def _run_core_actors(parts: Any, frames: FrameStream, compiles: CompilePoo
     pool = BlockPool(parts.num_blocks, config.block_size,
                      enable_prefix_caching=config.enable_prefix_caching)
     allocator = KVAllocator(pool, call_recv, reply_send)
-    executor = Executor(parts.runner, plan_recv, sched_send.clone())
+    profiler = step_profiler(parts, f"engine-core{core_index}")
+    executor = Executor(parts.runner, plan_recv, sched_send.clone(), profiler=profiler)
     scheduler = scheduler_actor(
         parts, inbox=sched_recv, to_allocator=call_send, from_allocator=reply_recv,
-        to_executor=plan_send, to_detokenizer=out_send,
+        to_executor=plan_send, to_detokenizer=out_send, profiler=profiler,
     )
     refusals = out_send.clone()  # bridge_in's answer to a request whose grammar it refused
     received = 0
@@ -312,7 +315,7 @@ async def _run_core_actors(parts: Any, frames: FrameStream, compiles: CompilePoo
                         scheduler.arriving(message)
                         received += len(message.samples)
                         sched_send.send_nowait(message)
-                    elif isinstance(message, (AbortSamples, StopStringHit, ResetPrefixCache)):
+                    elif isinstance(message, (AbortSamples, StopStringHit, ResetPrefixCache, ControlProfiler)):
                         sched_send.send_nowait(message)
                     else:
                         raise WireError(f"unexpected message from the front end: "

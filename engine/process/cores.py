@@ -48,11 +48,13 @@ from engine.errors import ConfigError, EngineDeadError
 from engine.messages import (
     AbortSamples,
     AdmittedRequest,
+    ControlProfiler,
     CoreAccepted,
     CoreFailed,
     CoreHello,
     CoreStatistics,
     PrefixCacheReset,
+    ProfilerControlled,
     ResetPrefixCache,
     SamplesAborted,
     StepOutputs,
@@ -273,7 +275,7 @@ class CorePool:
             owner = self._owner.get(message.sample_id)
             if owner is not None:
                 self._queue(owner, message)
-        elif isinstance(message, ResetPrefixCache):  # each serving core resets and answers
+        elif isinstance(message, (ResetPrefixCache, ControlProfiler)):  # each serving core answers
             for core in (c for c in self._cores if c.state is CoreState.SERVING):
                 self._queue(core, message)
         else:
@@ -567,7 +569,7 @@ class CorePool:
         elif isinstance(message, PrefixCacheReset):
             if message.done:
                 core.blocks.clear()  # what routing by cached prefix knew of it is gone
-        else:
+        elif not isinstance(message, ProfilerControlled):  # that one: the caller's answer
             raise WireError(f"unexpected message from a core: {type(message).__name__}")
         await self._to_detokenizer.send(message)
 

@@ -52,6 +52,10 @@ def build_parts(config: EngineConfig) -> EngineParts:
     model while this process does.
     """
     device = _device(config.device)
+    profiler = config.profiler
+    if profiler is not None and profiler.profiler == "cuda" and device.type != "cuda":
+        raise ConfigError(f"profiler_config: profiler 'cuda' needs a CUDA device; this engine "
+                          f"runs on {device}", field="profiler_config")
     if config.async_scheduling is None:
         # On with CUDA, where the GPU runs a step while the host plans the next; off on CPU,
         # where both share the cores (see EngineConfig.async_scheduling).
