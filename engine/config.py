@@ -136,6 +136,19 @@ _SPECULATIVE_KEYS = {
 }
 
 
+def _json_object(value: Any, bad: Callable[[str], ConfigError]) -> dict[str, Any]:
+    """``value`` (a flag's JSON text, or the dict given in code) as a dict; ``bad`` makes
+    the error naming the flag."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise bad(f"not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise bad(f"must be a JSON object, got {value!r}")
+    return value
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ProfilerConfig:
     """``--profiler-config``, as vLLM's JSON (its field names and defaults). ``profiler``
@@ -177,13 +190,7 @@ def parse_profiler_config(value: str | dict[str, Any]) -> ProfilerConfig | None:
     def bad(message: str) -> ConfigError:
         return ConfigError(f"profiler_config: {message}", field="profiler_config")
 
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise bad(f"not JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise bad(f"must be a JSON object, got {value!r}")
+    value = _json_object(value, bad)
     fields = {f.name: f for f in dataclasses.fields(ProfilerConfig)}
     unknown = sorted(set(value) - set(fields) - set(_PROFILER_REFUSED) - _PROFILER_IGNORED)
     if unknown:
@@ -243,13 +250,7 @@ def parse_mm_processor_kwargs(value: str | dict[str, Any]) -> dict[str, int]:
     def bad(message: str) -> ConfigError:
         return ConfigError(f"mm_processor_kwargs: {message}", field="mm_processor_kwargs")
 
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise bad(f"not JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise bad(f"must be a JSON object, got {value!r}")
+    value = _json_object(value, bad)
     unknown = sorted(set(value) - set(MM_PROCESSOR_KEYS))
     if unknown:
         raise bad(f"unknown key(s) {', '.join(unknown)} (this engine takes "
@@ -273,13 +274,7 @@ def parse_speculative_config(value: str | dict[str, Any]) -> SpeculativeConfig:
     def bad(message: str) -> ConfigError:
         return ConfigError(f"speculative_config: {message}", field="speculative_config")
 
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise bad(f"not JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise bad(f"must be a JSON object, got {value!r}")
+    value = _json_object(value, bad)
     method = value.get("method")
     if method not in SPECULATIVE_METHODS:
         raise bad(f"method must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
