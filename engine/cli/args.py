@@ -136,7 +136,6 @@ VLLM_SERVE_FLAGS: dict[str, VllmFlag] = {
                                     takes_value=False),
     "--logits-processor-pattern": VllmFlag("refuse", "request logits processors are refused"),
     "--tool-parser-plugin": VllmFlag("refuse", "tool parsers are built in (--tool-call-parser)"),
-    "--middleware": VllmFlag("refuse", "ASGI middleware is not loaded from the command line"),
     "--max-seq-len-to-capture": VllmFlag("refuse", "the decode graphs are captured for "
                                          "--max-model-len"),
     "--otlp-traces-endpoint": VllmFlag("refuse", "OpenTelemetry tracing is not supported"),

@@ -40,6 +40,7 @@ from engine.errors import ConfigError, EngineError
 from engine.http import edge
 from engine.http.app import DEFAULT_MAX_REQUEST_BYTES, create_app
 from engine.http.metrics import METRIC_PREFIXES
+from engine.http.middleware import load_middleware
 from engine.http.serve import (
     bind_socket,
     bind_unix_socket,
@@ -125,6 +126,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve on this Unix domain socket instead of --host/--port")
     add("--enable-request-id-headers", action="store_true",
         help="put X-Request-Id on every response (a fresh id where the request had none)")
+    add("--middleware", action="append", default=None, metavar="PATH",
+        help="ASGI middleware around the app, as vLLM's: package.module.Name of a class "
+             "(called with the app) or of an async function (request, call_next), run as "
+             "Starlette's BaseHTTPMiddleware; repeat for more, the last outermost")
     add("--metrics-prefix", choices=METRIC_PREFIXES, default="engine",
         help="the prefix of the /metrics series: engine, or vllm for vLLM's names (its "
              "Grafana dashboard and alerts read them)")
@@ -313,6 +318,7 @@ def preflight(args: argparse.Namespace) -> None:
     check_tls(args.ssl_keyfile, args.ssl_certfile)
     check_edge_limits(args.send_timeout, args.h2_max_concurrent_streams)
     _check_stats_interval(args)
+    load_middleware(getattr(args, "middleware", None) or ())
     uds = getattr(args, "uds", None)
     if not uds:
         bind_socket(args.host, args.port).close()
@@ -407,6 +413,7 @@ async def _serve(args: argparse.Namespace) -> int:
     check_tls(args.ssl_keyfile, args.ssl_certfile)
     check_edge_limits(args.send_timeout, args.h2_max_concurrent_streams)
     _check_stats_interval(args)
+    middleware = load_middleware(getattr(args, "middleware", None) or ())
     uds = getattr(args, "uds", None)
     with (bind_unix_socket(uds) if uds else bind_socket(args.host, args.port)) as listener, \
             trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -440,7 +447,8 @@ async def _serve(args: argparse.Namespace) -> int:
                                  send_timeout=args.send_timeout,
                                  allow_runtime_lora_updating=getattr(
                                      args, "allow_runtime_lora_updating", False),
-                                 server_dev_mode=getattr(args, "server_dev_mode", False))
+                                 server_dev_mode=getattr(args, "server_dev_mode", False),
+                                 middleware=middleware)
                 with frozen_startup_heap():  # out of the full collections (process/heap.py)
                     died = await _serve_until_signal(app, args, listener, signals, eng)
         return EXIT_ENGINE_DEAD if died else 0

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import quart_cors
@@ -75,6 +76,7 @@ from engine.http.bodies import TaskBody, json_response
 from engine.http.completions.routes import CompletionsRoutes
 from engine.http.errors import LOGGED_ELSEWHERE, APIError, error_from_exception
 from engine.http.invocations import InvocationsRoute
+from engine.http.middleware import Wrap, wrap_app
 from engine.http.pooling.routes import PoolingRoutes
 from engine.http.responses.routes import ResponsesRoutes
 from engine.http.server import REQUEST_ID_HEADER, Server
@@ -100,6 +102,7 @@ def create_app(
     allowed_origins: tuple[str, ...] = (), root_path: str = "",
     enable_request_id_headers: bool = False, metrics_prefix: str = "engine", send_timeout: float = edge.SEND_TIMEOUT_SECONDS,
     allow_runtime_lora_updating: bool = False, server_dev_mode: bool = False,
+    middleware: Sequence[Wrap] = (),
 ) -> QuartTrio:
     """Build the OpenAI-compatible app serving ``engine`` (an open :class:`engine.api.Engine`).
 
@@ -117,7 +120,9 @@ def create_app(
     read is abandoned (its requests aborted). ``allow_runtime_lora_updating`` serves
     ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``; ``server_dev_mode``
     ``POST /reset_prefix_cache``. An engine with a ``profiler_config`` gets vLLM's
-    ``POST /start_profile`` and ``/stop_profile``.
+    ``POST /start_profile`` and ``/stop_profile``. ``middleware`` (from
+    :func:`engine.http.middleware.load_middleware`, vLLM's ``--middleware``) goes around
+    everything, the last outermost.
     """
     app = _App(__name__)
     app.root_prefix = _root_prefix(root_path)
@@ -150,6 +155,7 @@ def create_app(
             # x-api-key and anthropic-version: what Anthropic's clients send.
             allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"],
         )
+    wrap_app(app, middleware)
     return app
 
 
