@@ -126,7 +126,7 @@ def _counters(eng: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     parser reads the text the server would send."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from engine.http.metrics import Metrics
+    from engine.api.metrics import Metrics
 
     text = Metrics(eng, eng.model_name).render().decode()
     return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value

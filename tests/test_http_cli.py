@@ -26,8 +26,8 @@ import httpx
 import pytest
 from engine_helpers import tiny_model
 
+from engine.api.metrics import METRIC_NAMES
 from engine.cli.serve import add_serve_arguments
-from engine.http.metrics import METRIC_NAMES
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs" / "serving.md"
@@ -699,7 +699,7 @@ def test_serve_logs_the_stats_line_while_busy_then_goes_quiet(
 
 def test_stats_line_rates_are_the_tokens_over_the_seconds_between_lines() -> None:
     from engine.actors.system import EngineStatistics
-    from engine.http.metrics import Metrics
+    from engine.api.metrics import Metrics
     from engine.http.stats_log import StatsLog
 
     class Idle:

@@ -389,7 +389,7 @@ async def test_disconnect_aborts_and_frees_kv_blocks(server, stream):
 
 
 def test_metrics_exports_every_documented_name(server, client):
-    from engine.http.metrics import METRIC_NAMES
+    from engine.api.metrics import METRIC_NAMES
 
     client.completions.create(model=MODEL, prompt="Hello", **GREEDY)
     text = httpx.get(server.base_url + "/metrics").text

@@ -496,7 +496,7 @@ def _sample(family, suffix, **labels):
 
 
 def test_metrics_under_vllms_names_with_the_request_params(real):
-    from engine.http.metrics import METRIC_NAMES
+    from engine.api.metrics import METRIC_NAMES
 
     _, before = _families(real)
     with _client(real) as client:

@@ -22,6 +22,7 @@ from typing import Any
 import trio
 
 from engine.api.engine import Engine, PreparedRequest
+from engine.api.metrics import Metrics, RequestTimer
 from engine.api.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -253,8 +254,10 @@ def _no_text(token: int) -> None:
 
 async def generate(engine: Engine, prompts: Sequence[BatchPrompt],
                    prepared: Sequence[PreparedRequest], params: Sequence[SamplingParams | None],
-                   *, window: Window, progress: Progress) -> list[GenerationRequestOutput]:
-    """Run prepared requests, enqueued in order under ``window``; their outputs in order."""
+                   *, window: Window, progress: Progress,
+                   metrics: Metrics | None = None) -> list[GenerationRequestOutput]:
+    """Run prepared requests, enqueued in order under ``window``; their outputs in order,
+    each request timed into ``metrics`` (``LLM.get_metrics``) from its enqueueing."""
     results: list[GenerationRequestOutput | None] = [None] * len(prepared)
     decoded: dict[int, str] = {}
 
@@ -264,7 +267,7 @@ async def generate(engine: Engine, prompts: Sequence[BatchPrompt],
             text = decoded[token] = engine.tokenizer.decode([token], skip_special_tokens=False)
         return text
 
-    async def read(index: int, stream: Any, units: int) -> None:
+    async def read(index: int, stream: Any, units: int, timer: RequestTimer | None) -> None:
         async with stream:  # first, before any checkpoint: a cancel here still aborts it
             try:
                 prompt = prompts[index]
@@ -278,26 +281,37 @@ async def generate(engine: Engine, prompts: Sequence[BatchPrompt],
                     logprobs=wanted is not None and wanted.logprobs is not None,
                     # detokenize=False: no decoded tokens either, as vLLM's.
                     decode=decode if wanted is None or wanted.detokenize else _no_text)
+                if timer is not None:
+                    timer.prompt(len(ids))
+                    first = prepared[index].admitted.samples[0].params
+                    timer.params(prepared[index].samples, engine.max_model_len - len(ids)
+                                 if first.max_tokens is None else first.max_tokens)
                 async for out in stream:
                     acc.add(out)
+                    if timer is not None:
+                        timer.output(out.index, len(out.token_ids), out.finish_reason,
+                                     out.scheduled_time)
                 results[index] = acc.result()
                 progress(len(ids), acc.output_tokens)
             except EngineError as exc:  # the request failed in the engine, or it died
                 failure.record(index, exc)
             finally:
                 window.release(units)
+                if timer is not None:
+                    timer.done()
 
     async with trio.open_nursery() as nursery:
         failure = _Failure(nursery.cancel_scope)
         for i, request in enumerate(prepared):
             units = await window.acquire(request.samples)
+            timer = metrics.timer() if metrics is not None else None
             try:
                 stream = engine.enqueue(request)
             except EngineError as exc:
                 window.release(units)
                 failure.record(i, exc)
                 break
-            nursery.start_soon(read, i, stream, units)
+            nursery.start_soon(read, i, stream, units, timer)
     failure.raise_if_any()
     return [r for r in results if r is not None]
 

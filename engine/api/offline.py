@@ -37,6 +37,7 @@ from engine.actors.system import EngineStatistics
 from engine.api import batch
 from engine.api.engine import Engine
 from engine.api.engine_thread import EngineThread
+from engine.api.metrics import Metrics, ReadMetric, snapshot
 from engine.api.outputs import (
     BeamSearchOutput,
     ClassificationRequestOutput,
@@ -103,6 +104,9 @@ class LLM:
         self._tokenizer_lock = threading.Lock()
         self._hf_tokenizer: Any = None
         self.model_name: str = self._engine.model_name
+        # vLLM's get_metrics(): the series a server's /metrics gives, under vLLM's names,
+        # with this LLM's generate and chat requests timed into them.
+        self._metrics = self._thread.run_sync(lambda: Metrics(self._engine, self.model_name, "vllm"))
 
     # -- generation ----------------------------------------------------------------------
 
@@ -172,13 +176,13 @@ class LLM:
             raise InvalidParamError(f"priority holds {len(priorities)} values for "
                                     f"{len(prompts)} prompts", param="priority")
         ids = self._ids(len(prompts))
-        window = self._window
+        window, metrics = self._window, self._metrics  # (the job must not hold self)
 
         async def work(engine: Engine, emit: batch.Progress) -> list[GenerationRequestOutput]:
             names = await _served(engine, adapters)
             prepared = await batch.prepare_all(engine, prompts, params, priorities, ids, names)
             return await batch.generate(engine, prompts, prepared, params, window=window,
-                                        progress=lambda p, o: emit((p, o)))
+                                        progress=lambda p, o: emit((p, o)), metrics=metrics)
 
         return self._run(work, len(prompts), use_tqdm)
 
@@ -349,6 +353,15 @@ class LLM:
             return await engine.reset_prefix_cache(reset_running_requests)
 
         return self._thread.call(work)
+
+    def get_metrics(self) -> list[ReadMetric]:
+        """The engine's Prometheus series now, as vLLM's ``LLM.get_metrics()`` gives them
+        (``vllm:`` names; ``CounterValue``, ``GaugeValue``, ``HistogramValue``,
+        ``VectorValue`` with vLLM's fields): the gauges and counters of the engine, and the
+        request histograms (time to first token, inter-token and end-to-end latency,
+        tokens per request, ...) of this LLM's ``generate`` and ``chat`` calls."""
+        metrics = self._metrics
+        return self._thread.run_sync(lambda: snapshot(metrics))
 
     def start_profile(self) -> None:
         """Start tracing the engine's steps (vLLM's): the LLM needs ``profiler_config``

@@ -27,6 +27,7 @@ from typing import Any
 import trio
 
 from engine.api import open_engine
+from engine.api.metrics import METRIC_PREFIXES
 from engine.chat.reasoning import REASONING_PARSERS
 from engine.chat.request import (
     DEFAULT_MAX_TOOL_SCHEMA_BYTES,
@@ -39,7 +40,6 @@ from engine.cli.args import VLLM_SERVE_FLAGS, add_engine_arguments, config_from_
 from engine.errors import ConfigError, EngineError
 from engine.http import edge
 from engine.http.app import DEFAULT_MAX_REQUEST_BYTES, create_app
-from engine.http.metrics import METRIC_PREFIXES
 from engine.http.middleware import load_middleware
 from engine.http.serve import (
     bind_socket,

@@ -15,6 +15,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from engine.api import tokenize_prompt
+from engine.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.chat.request import lax_bool, parse_chat_fields
 from engine.chat.template import normalize_messages
 from engine.core import admission
@@ -24,7 +25,6 @@ from engine.http.completions.answer import now
 from engine.http.completions.legacy import legacy_body
 from engine.http.completions.protocol import is_token_id
 from engine.http.errors import APIError, error_from_exception
-from engine.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.http.openapi import openapi as openapi_document
 from engine.http.server import Server
 from engine.multimodal import has_images

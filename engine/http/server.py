@@ -20,11 +20,11 @@ from werkzeug.exceptions import RequestEntityTooLarge
 
 from engine._version import VERSION
 from engine.api import PROMPT_THREADS
+from engine.api.metrics import Metrics
 from engine.chat.request import ChatSettings, check_tool_limits
 from engine.http import schema, sse
 from engine.http.completions.answer import AnswerOptions
 from engine.http.errors import APIError
-from engine.http.metrics import Metrics
 from engine.http.strict_json import loads_body
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ import trio
 
 if TYPE_CHECKING:
     from engine.api import EngineLike
-    from engine.http.metrics import Metrics
+    from engine.api.metrics import Metrics
 
 logger = logging.getLogger("engine.stats")
 

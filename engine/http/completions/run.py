@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from engine.api.metrics import RequestTimer
 from engine.errors import InvalidParamError
 from engine.http import sse
 from engine.http.completions.answer import AnswerOptions, Completion
 from engine.http.completions.protocol import CompletionRequest
 from engine.http.errors import LOGGED_ELSEWHERE, APIError, error_from_exception
-from engine.http.metrics import RequestTimer
 from engine.messages import RequestOutput
 
 if TYPE_CHECKING:

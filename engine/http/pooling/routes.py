@@ -15,13 +15,13 @@ from quart import Response
 from quart_trio import QuartTrio
 
 from engine.api import tokenize_prompt
+from engine.api.metrics import RequestTimer
 from engine.chat.request import template_options
 from engine.chat.template import normalize_messages
 from engine.core import admission
 from engine.core.pooling import Pooled
 from engine.http.bodies import json_response
 from engine.http.errors import APIError
-from engine.http.metrics import RequestTimer
 from engine.http.pooling import protocol
 from engine.http.server import Server
 

@@ -17,6 +17,7 @@ import trio
 from quart import Response, request
 from quart_trio import QuartTrio
 
+from engine.api.metrics import RequestTimer
 from engine.chat.output import ChatOutputParser
 from engine.chat.request import calls_constrained
 from engine.errors import InvalidParamError, PromptTooLongError
@@ -25,7 +26,6 @@ from engine.http.bodies import json_response, sse_response
 from engine.http.completions.answer import AnswerOptions
 from engine.http.completions.run import Run
 from engine.http.errors import APIError
-from engine.http.metrics import RequestTimer
 from engine.http.responses.builder import ResponseBuilder, input_items_page
 from engine.http.responses.protocol import ResponsesRequest, parse_responses, rename, truncated
 from engine.http.responses.store import MissingResponse, ResponseStore

@@ -1,14 +1,17 @@
 """Prometheus metrics under vLLM's names with the prefix ``engine:``.
 
-Each app owns a :class:`prometheus_client.CollectorRegistry`, so two servers in one process
-(tests) never share counters. Gauges and the engine's cumulative counters (preemptions,
-prefix-cache queries and hits) are read from ``engine.statistics()`` at scrape time; the
-latency histograms and the token and success counters are fed by the HTTP handlers through
-one :class:`RequestTimer` per request.
+Each app (and each ``LLM``) owns a :class:`prometheus_client.CollectorRegistry`, so two
+servers in one process (tests) never share counters. Gauges and the engine's cumulative
+counters (preemptions, prefix-cache queries and hits) are read from
+``engine.statistics()`` at scrape time; the latency histograms and the token and success
+counters are fed by the HTTP handlers (and ``LLM``'s batches) through one
+:class:`RequestTimer` per request. :func:`snapshot` reads them as vLLM's
+``LLM.get_metrics()`` gives them (``vllm.v1.metrics.reader``'s classes).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from collections.abc import Iterator
@@ -394,3 +397,81 @@ class RequestTimer:
         if scheduled is not None:
             m.prefill_time.observe(max(0.0, first - scheduled))
             m.inference_time.observe(max(0.0, last - scheduled))
+
+
+# -- vLLM's reader (LLM.get_metrics) ---------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ReadMetric:
+    """One series as ``LLM.get_metrics()`` gives it (vLLM's ``Metric``): its name and labels."""
+
+    name: str
+    labels: dict[str, str]
+
+
+@dataclasses.dataclass
+class CounterValue(ReadMetric):
+    """vLLM's ``Counter``: a count that only grows."""
+
+    value: int
+
+
+@dataclasses.dataclass
+class GaugeValue(ReadMetric):
+    """vLLM's ``Gauge``."""
+
+    value: float
+
+
+@dataclasses.dataclass
+class HistogramValue(ReadMetric):
+    """vLLM's ``Histogram``: ``buckets`` maps each upper bound (as Prometheus writes it,
+    ``"+Inf"`` last) to the observations at or below it; ``count`` and ``sum`` of all."""
+
+    count: int
+    sum: float
+    buckets: dict[str, int]
+
+
+@dataclasses.dataclass
+class VectorValue(ReadMetric):
+    """vLLM's ``Vector``: the accepted speculative tokens by position (0 first)."""
+
+    values: list[int]
+
+
+_PER_POSITION = "engine:spec_decode_num_accepted_tokens_per_pos"
+
+
+def snapshot(metrics: Metrics) -> list[ReadMetric]:
+    """Every series of ``metrics`` now, named with its prefix, as vLLM's reader gives
+    them: gauges, counters (the accepted-per-position counter as one vector),
+    histograms."""
+    out: list[ReadMetric] = []
+    for family in metrics.registry.collect():
+        name = metrics.prefix + family.name[family.name.index(":"):]
+
+        def samples(suffix: str, family: Any = family) -> list[Any]:
+            return [s for s in family.samples if s.name == family.name + suffix]
+
+        if family.type == "gauge":
+            out.extend(GaugeValue(name, dict(s.labels), s.value) for s in samples(""))
+        elif family.type == "counter" and family.name == _PER_POSITION:
+            by_labels: dict[tuple[tuple[str, str], ...], dict[int, int]] = {}
+            for s in samples("_total"):
+                rest = tuple(sorted((k, v) for k, v in s.labels.items() if k != "position"))
+                by_labels.setdefault(rest, {})[int(s.labels["position"])] = int(s.value)
+            for rest, counts in by_labels.items():
+                values = [counts.get(i, 0) for i in range(max(counts) + 1)]
+                out.append(VectorValue(name, dict(rest), values))
+        elif family.type == "counter":
+            out.extend(CounterValue(name, dict(s.labels), int(s.value)) for s in samples("_total"))
+        elif family.type == "histogram":
+            for total in samples("_count"):
+                labels = dict(total.labels)
+                buckets = {s.labels["le"]: int(s.value) for s in samples("_bucket")
+                           if {k: v for k, v in s.labels.items() if k != "le"} == labels}
+                (summed,) = (s.value for s in samples("_sum") if dict(s.labels) == labels)
+                out.append(HistogramValue(name, labels, int(total.value), summed, buckets))
+    return out
