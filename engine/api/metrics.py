@@ -268,17 +268,16 @@ class Metrics:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         reg = self.registry
-        self.ttft = Histogram("engine:time_to_first_token_seconds",
-                              "Time from request arrival to its first output token.",
-                              labels, registry=reg, buckets=_TTFT_BUCKETS).labels(model_name)
-        self.itl = Histogram("engine:inter_token_latency_seconds",
-                             "Time between successive output tokens of one sample.",
-                             labels, registry=reg, buckets=_ITL_BUCKETS).labels(model_name)
-        self.e2e = Histogram("engine:e2e_request_latency_seconds",
-                             "Time from request arrival to its last output token.",
-                             labels, registry=reg, buckets=_E2E_BUCKETS).labels(model_name)
+
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
             return Histogram(name, doc, labels, registry=reg, buckets=buckets).labels(model_name)
+
+        self.ttft = histogram("engine:time_to_first_token_seconds",
+                              "Time from request arrival to its first output token.", _TTFT_BUCKETS)
+        self.itl = histogram("engine:inter_token_latency_seconds",
+                             "Time between successive output tokens of one sample.", _ITL_BUCKETS)
+        self.e2e = histogram("engine:e2e_request_latency_seconds",
+                             "Time from request arrival to its last output token.", _E2E_BUCKETS)
 
         self.tpot = histogram("engine:time_per_output_token_seconds",
                               "Per request: (last token - first token) / (tokens - 1).",
