@@ -742,6 +742,12 @@ class EngineConfig:
         '"num_speculative_tokens": 4}\' (a draft model of the same vocabulary); verified by the '
         "model in one forward, the output distribution unchanged", metavar="JSON", default_text="off")
 
+    # vLLM's --otlp-traces-endpoint (engine.api.tracing): a span per finished request.
+    otlp_traces_endpoint: str | None = _field(
+        None, "export a span per finished request (vLLM's llm_request, gen_ai.* attributes) "
+        "to this OpenTelemetry collector, over $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL (grpc, "
+        "the default, or http/protobuf); needs opentelemetry-sdk and "
+        "opentelemetry-exporter-otlp", metavar="URL", default_text="off")
     # vLLM's --profiler-config (engine.runner.profiler): canonical JSON text, as
     # speculative_config; ``profiler`` is the checked form. Off by default.
     profiler_config: str | None = _field(

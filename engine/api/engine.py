@@ -26,7 +26,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ from engine.api import prompt_embeds as embeds_input
 from engine.api.lora import LoraRegistry
 from engine.api.outputs import BeamSearchOutput, GenerationAccumulator, beam_search_output
 from engine.api.streams import RequestStream, _Generation
+from engine.api.tracing import Tracer
 from engine.chat import session as chat_session
 from engine.chat.request import TemplateOptions
 from engine.chat.session import ChatChunk, ChatResult
@@ -131,13 +132,15 @@ class PreparedRequest:
     ready for :meth:`Engine.enqueue`. ``prompt_token_ids`` is the prompt as the model
     reads it (chat template applied, image tokens widened)."""
 
-    __slots__ = ("admitted", "enqueued", "grammar_hold", "prompt_token_ids")
+    __slots__ = ("admitted", "enqueued", "grammar_hold", "prompt_token_ids", "trace_headers")
 
     def __init__(self, admitted: AdmittedRequest, prompt_token_ids: tuple[int, ...]) -> None:
         self.admitted = admitted
         self.prompt_token_ids = prompt_token_ids
         self.enqueued = False
         self.grammar_hold: GrammarHold | None = None  # until enqueued (or dropped)
+        # The caller's W3C trace context, for the request's span (otlp_traces_endpoint).
+        self.trace_headers: Mapping[str, str] | None = None
 
     @property
     def samples(self) -> int:
@@ -185,6 +188,9 @@ class Engine:
     def __init__(self, parts: EngineParts) -> None:
         self.config: EngineConfig = parts.config
         self.model_name: str = parts.model_name
+        # otlp_traces_endpoint (vLLM's): a span per finished request (api/tracing.py).
+        self.tracer: Tracer | None = (Tracer(parts.config.otlp_traces_endpoint, parts.model_name)
+                                      if parts.config.otlp_traces_endpoint else None)
         self.tokenizer = parts.tokenizer
         self.max_model_len: int = parts.limits.max_model_len
         model_defaults = generation_source(parts.config.generation_config, parts.tokenizer)
@@ -251,6 +257,7 @@ class Engine:
         lora: str | None = None,
         prompt_embeds: Any = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> RequestStream:
         """Validate, tokenize and queue a request; returns its stream once admitted.
 
@@ -258,6 +265,8 @@ class Engine:
         list of chat messages (``{"role", "content"}`` dicts; the chat template applies,
         with ``chat_options``: tools, template, template kwargs, generation prompt or
         prefill). ``lora`` names a served LoRA adapter to run with (None: the base model).
+        ``trace_headers`` (``traceparent``, ``tracestate``) make the request's span (with
+        ``otlp_traces_endpoint``) a child of the caller's trace.
         Raises :class:`InvalidParamError`, :class:`UnknownLoraAdapterError`, :class:`PromptTooLongError`,
         :class:`QueueFullError` (the request is not queued) or :class:`EngineDeadError`.
         Admission runs here, in the caller's task; a cancellation before it returns leaves
@@ -268,6 +277,7 @@ class Engine:
                                       cache_salt=cache_salt, chat_options=chat_options, lora=lora,
                                       prompt_embeds=prompt_embeds,
                                       mm_processor_kwargs=mm_processor_kwargs)
+        prepared.trace_headers = trace_headers
         return self.enqueue(prepared)
 
     def default_sampling_params(self) -> SamplingParams:
@@ -458,7 +468,10 @@ class Engine:
             prepared.grammar_hold.pass_to(len(prepared.admitted.samples))
         if self.config.enable_log_requests:
             self._log_request(prepared)
-        return RequestStream(self, mailbox)
+        trace = None if self.tracer is None else self.tracer.request(
+            mailbox.request_id, len(prepared.prompt_token_ids), len(mailbox.sample_ids),
+            prepared.admitted.samples[0].params, prepared.trace_headers)
+        return RequestStream(self, mailbox, trace)
 
     def _log_request(self, prepared: PreparedRequest) -> None:
         """vLLM's request log line (``enable_log_requests``): the prompt as the model reads

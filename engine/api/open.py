@@ -142,6 +142,9 @@ async def open_engine(
                 nursery.cancel_scope.cancel()
                 if engine._compiles is not None:
                     await engine._compiles.aclose()  # kills compiles still running
+                if engine.tracer is not None:  # the spans still batched go out
+                    with trio.CancelScope(shield=True):
+                        await trio.to_thread.run_sync(engine.tracer.close)
     except BaseExceptionGroup as group:
         # The actors never raise into this nursery (a crash marks the engine dead), so a
         # group of one holds what the caller's own block raised (or a startup failure):

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from engine.actors.router import OutputMailbox
+from engine.api.tracing import RequestTrace
 from engine.errors import EngineDeadError, RequestFailedError
 from engine.messages import RequestOutput
 
@@ -30,9 +31,10 @@ class RequestStream:
     :class:`RequestFailedError` and the engine goes on.
     """
 
-    def __init__(self, engine: Engine, mailbox: OutputMailbox) -> None:
+    def __init__(self, engine: Engine, mailbox: OutputMailbox, trace: RequestTrace | None = None) -> None:
         self._engine = engine
         self._mailbox = mailbox
+        self._trace = trace  # its span's times and counts (otlp_traces_endpoint)
         self._closed = False
         self.request_id = mailbox.request_id
         self.prompt_token_ids: tuple[int, ...] = mailbox.prompt_token_ids
@@ -53,6 +55,8 @@ class RequestStream:
             raise
         if self._outputs is not None:
             self._log_output(out, self._outputs)
+        if self._trace is not None:
+            self._trace.seen(out)
         return out
 
     def _log_output(self, out: RequestOutput, seen: dict[int, tuple[list[str], list[int]]]) -> None:

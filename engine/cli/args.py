@@ -138,7 +138,6 @@ VLLM_SERVE_FLAGS: dict[str, VllmFlag] = {
     "--tool-parser-plugin": VllmFlag("refuse", "tool parsers are built in (--tool-call-parser)"),
     "--max-seq-len-to-capture": VllmFlag("refuse", "the decode graphs are captured for "
                                          "--max-model-len"),
-    "--otlp-traces-endpoint": VllmFlag("refuse", "OpenTelemetry tracing is not supported"),
     "--enable-expert-parallel": VllmFlag("refuse", _ONE_DEVICE, takes_value=False),
     "--task": VllmFlag("refuse", "give --runner (generate, pooling) and --convert instead"),
     "--calculate-kv-scales": VllmFlag("refuse", "--kv-cache-dtype int8/fp8 keep a scale per "

@@ -16,8 +16,10 @@ from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any
 
 import trio
+from quart import request
 
 from engine.api.metrics import RequestTimer
+from engine.api.tracing import trace_headers
 from engine.errors import InvalidParamError
 from engine.http import sse
 from engine.http.completions.answer import AnswerOptions, Completion
@@ -67,6 +69,8 @@ class Run:
             extra["chat_options"] = self.req.chat_fields.template
         if self.req.mm_processor_kwargs is not None:
             extra["mm_processor_kwargs"] = self.req.mm_processor_kwargs
+        if self.engine.config.otlp_traces_endpoint:  # the caller's trace, for the spans
+            extra["trace_headers"] = trace_headers(request.headers)
         try:
             for i, prompt in enumerate(self.req.prompts):
                 if base_id is not None:
