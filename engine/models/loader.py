@@ -51,6 +51,7 @@ from engine.errors import (
 from engine.models import cache, gguf_convert
 from engine.models.checkpoint import CheckpointFile, LazyWeights, read_safetensors_header
 from engine.models.config import ModelConfig
+from engine.models.fp8 import dequantize_fp8, fp8_block_size
 from engine.models.gguf_quant import read_gguf_weights
 from engine.models.registry import model_class
 from engine.ops import resolve_backend
@@ -212,6 +213,13 @@ def load_model(
             f"{source}: a model is a Hugging Face folder (config.json + *.safetensors) or a .gguf file"
         )
     config = _model_config(folder / "config.json", hf_overrides)
+    # A quantization_config: block-scaled fp8 is dequantized as it is read (fp8.py); any
+    # other method is refused here, by name.
+    fp8_block = None if from_gguf else fp8_block_size(
+        apply_hf_overrides(_read_json(folder / "config.json"), hf_overrides), str(folder / "config.json"))
+    if fp8_block is not None and lazy:
+        raise UnsupportedModelError(f"{folder}: an fp8 checkpoint is read whole and dequantized; "
+                                    "tensor- and pipeline-parallel ranks read theirs in slices")
     layout = _quant_layout(ops_backend, target)
     keep_blocks = from_gguf and quantization != "none" and layout is not None
     file_bytes = None
@@ -223,7 +231,7 @@ def load_model(
     elif lazy:
         weights = _stored_weights(folder, config)
     else:
-        weights = _read_weights(folder, config)
+        weights = _read_weights(folder, config, fp8_block)
     try:
         torch_dtype = _target_dtype(dtype, config, weights, from_gguf=from_gguf, device=target)
     except UnsupportedModelError as exc:
@@ -340,11 +348,15 @@ def _model_config(path: Path, hf_overrides: str | Mapping[str, Any] | None = Non
         raise type(exc)(f"{path}: {exc}") from exc
 
 
-def _read_weights(folder: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Every expected tensor from the folder's safetensors (sharded or not), as stored."""
+def _read_weights(folder: Path, config: ModelConfig,
+                  fp8_block: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+    """Every expected tensor from the folder's safetensors (sharded or not), as stored, or
+    with ``fp8_block`` an fp8 checkpoint's weights dequantized (fp8.py)."""
     loaded: dict[str, torch.Tensor] = {}
     for shard in _weight_files(folder):
         loaded.update(_read_safetensors(shard))
+    if fp8_block is not None:
+        loaded = dequantize_fp8(loaded, fp8_block, str(folder))
     return _expected_in_folder(loaded, folder, config)
 
 
