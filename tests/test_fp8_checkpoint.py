@@ -1,24 +1,26 @@
-"""Block-scaled FP8 checkpoints (``quantization_config`` quant_method "fp8", Qwen3-FP8's
-and DeepSeek-V3's format) load dequantized; other quantization methods are refused by
-name.
+"""FP8 checkpoints load dequantized: DeepSeek-V3's and Qwen3-FP8's block-scaled layout
+(``quant_method`` "fp8", ``weight_scale_inv``) and llm-compressor's (``compressed-tensors``
+"float-quantized": one ``weight_scale`` per tensor, per output channel or per block).
+Other quantization methods are refused by name.
 
-The checkpoint is written here from a tiny random model: each projection's weight as
-``float8_e4m3fn`` codes and a ``weight_scale_inv`` per block of 64 rows x 32 columns
-(transformers' loader needs blocks that divide the matrix). The oracle is transformers
-loading the same folder with ``FineGrainedFP8Config(dequantize=True)``: its dequantized
+The checkpoints are written here from one tiny random model: each projection's weight as
+``float8_e4m3fn`` codes and its scales (blocks of 32 rows x 16 columns, not square, so a
+swap of the two would show; transformers' loader needs blocks that divide the matrix).
+The oracle is transformers loading the same folder and dequantizing it
+(``FineGrainedFP8Config`` / ``CompressedTensorsConfig`` with ``dequantize=True``): its
 weights, and its greedy tokens."""
 
 from __future__ import annotations
 
 import json
-import math
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+from transformers import AutoModelForCausalLM, CompressedTensorsConfig, FineGrainedFP8Config
 
 from engine import LLM, SamplingParams
 from engine.errors import UnsupportedModelError
@@ -27,45 +29,80 @@ from engine.models.testing import write_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-BLOCK = (64, 32)  # rows x columns: not square, so a swap of the two would show
+BLOCK = (32, 16)
+LAYOUTS = ("fp8-block", "ct-tensor", "ct-channel", "ct-block")
 
 
-def write_fp8(dense: Path, out: Path, block: tuple[int, int] = BLOCK) -> Path:
-    """``dense``'s checkpoint with every projection stored as fp8 codes and block scales."""
+def _scales(w: torch.Tensor, layout: str) -> torch.Tensor:
+    """One scale per tensor, per row or per block of ``w``, so its largest value is
+    e4m3's largest (448)."""
+    a = w.float().abs()
+    if layout == "ct-tensor":
+        return a.max().clamp(min=1e-12).reshape(1) / 448.0
+    if layout == "ct-channel":
+        return a.amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0
+    rows, cols = w.shape
+    blocks = a.reshape(rows // BLOCK[0], BLOCK[0], cols // BLOCK[1], BLOCK[1])
+    return blocks.amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+
+
+def _quantization_config(layout: str) -> dict:
+    if layout == "fp8-block":
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": list(BLOCK)}
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+               "strategy": layout.removeprefix("ct-")}
+    if layout == "ct-block":
+        weights["block_structure"] = list(BLOCK)
+    return {"quant_method": "compressed-tensors", "format": "float-quantized",
+            "quantization_status": "compressed", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": {"num_bits": 8, "type": "float",
+                                                                "strategy": "token", "dynamic": True,
+                                                                "symmetric": True}}}}
+
+
+def write_fp8(dense: Path, out: Path, layout: str) -> Path:
+    """``dense``'s checkpoint with every projection stored as fp8 codes and scales."""
     shutil.copytree(dense, out)
-    weights = load_file(str(dense / "model.safetensors"))
     stored = {}
-    for name, w in weights.items():
+    for name, w in load_file(str(dense / "model.safetensors")).items():
         if not name.endswith("proj.weight"):
             stored[name] = w
             continue
-        rows, cols = w.shape
-        scale = torch.empty(math.ceil(rows / block[0]), math.ceil(cols / block[1]))
-        codes = torch.empty(rows, cols)
-        for i in range(scale.shape[0]):
-            for j in range(scale.shape[1]):
-                part = w[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]].float()
-                scale[i, j] = part.abs().max().clamp(min=1e-12) / 448.0  # e4m3's largest
-                codes[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]] = part / scale[i, j]
-        stored[name] = codes.to(torch.float8_e4m3fn)
-        stored[name.removesuffix("weight") + "weight_scale_inv"] = scale
+        scale = _scales(w, layout)
+        per_element = (scale.repeat_interleave(BLOCK[0], 0).repeat_interleave(BLOCK[1], 1)
+                       if scale.dim() == 2 and scale.shape[1] > 1 else scale)
+        stored[name] = (w.float() / per_element).to(torch.float8_e4m3fn)
+        suffix = "weight_scale_inv" if layout == "fp8-block" else "weight_scale"
+        stored[name.removesuffix("weight") + suffix] = scale
     save_file(stored, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(block)}
+    config["quantization_config"] = _quantization_config(layout)
     (out / "config.json").write_text(json.dumps(config))
     return out
 
 
 @pytest.fixture(scope="module")
-def fp8_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    base = tmp_path_factory.mktemp("fp8")
-    return write_fp8(write_tiny_model(base / "dense", "llama"), base / "fp8")
+def dense(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("fp8") / "dense", "llama")
+
+
+@pytest.fixture(scope="module", params=LAYOUTS)
+def fp8_folder(request: pytest.FixtureRequest, dense: Path) -> Path:
+    return write_fp8(dense, dense.parent / request.param, request.param)
 
 
 def transformers_model(folder: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(
-        str(folder), quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.float32).eval()
+    method = json.loads((folder / "config.json").read_text())["quantization_config"]["quant_method"]
+    config = (FineGrainedFP8Config(dequantize=True) if method == "fp8"
+              else CompressedTensorsConfig(dequantize=True))
+    with warnings.catch_warnings():
+        # transformers warns that the folder's own quantization_config is used (with the
+        # dequantize flag passed here), which is what is wanted.
+        warnings.simplefilter("ignore", UserWarning)
+        return AutoModelForCausalLM.from_pretrained(str(folder), quantization_config=config,
+                                                    dtype=torch.float32).eval()
 
 
 def test_the_weights_are_transformers_dequantized_ones(fp8_folder: Path) -> None:
@@ -92,12 +129,15 @@ def test_greedy_tokens_match_transformers(fp8_folder: Path) -> None:
 @pytest.mark.parametrize("quant, words", [
     ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not supported"),
     ({"quant_method": "awq"}, "quant_method 'awq' is not supported"),
-    ({"quant_method": "fp8", "activation_scheme": "static"}, "without a weight_block_size"),
+    ({"quant_method": "fp8", "activation_scheme": "static"}, "weight_block_size must be two"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "format 'pack-quantized'"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+        "g": {"weights": {"type": "int", "num_bits": 4, "strategy": "group"}}}}, "type 'int' and 4 bits"),
 ])
-def test_other_quantization_methods_are_refused_by_name(fp8_folder: Path, tmp_path: Path,
+def test_other_quantization_methods_are_refused_by_name(dense: Path, tmp_path: Path,
                                                         quant: dict, words: str) -> None:
     folder = tmp_path / "m"
-    shutil.copytree(fp8_folder, folder)
+    shutil.copytree(dense, folder)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(config | {"quantization_config": quant}))
     with pytest.raises(UnsupportedModelError, match=words):

@@ -1,24 +1,33 @@
-"""Checkpoints whose config.json names a ``quantization_config``: block-scaled FP8 read
-and dequantized as it loads, every other method refused by name.
+"""Checkpoints whose config.json names a ``quantization_config``: FP8 weights read and
+dequantized as they load, every other method refused by name.
 
-The FP8 checkpoints on the Hub (DeepSeek-V3's format, Qwen3's ``-FP8`` releases:
-``quant_method`` "fp8", ``fmt`` "e4m3", ``weight_block_size`` ``[128, 128]``) store a
-linear layer's weight as ``float8_e4m3fn`` codes beside ``weight_scale_inv``, one fp32
-scale per block of rows x columns: weight = codes x the scale of its block. Here each such
-weight becomes that product in fp32 when the folder is read, then takes the model's
-dtype as any dense weight does (``--dtype``; ``auto``: config.json's ``torch_dtype``),
-and the scales are dropped: the model runs dense, as vLLM runs an FP8 checkpoint on a
-device without FP8 matmuls. Tensors stored in another dtype (norms, embeddings, a
-``modules_to_not_convert`` layer) pass as they are.
+Two FP8 layouts are on the Hub:
 
-Other methods (GPTQ, AWQ, bitsandbytes, compressed-tensors, ...) would need their own
-kernels or dequantizers: a folder naming one is refused with an error that names it,
-rather than failing later on a tensor it lacks. A GGUF file is this engine's quantized
-format (``--quantization``).
+* ``quant_method`` "fp8" with a ``weight_block_size`` (DeepSeek-V3's format, Qwen3's
+  ``-FP8`` releases): a linear layer's weight is ``float8_e4m3fn`` codes beside
+  ``weight_scale_inv``, one fp32 scale per block of rows x columns.
+* ``quant_method`` "compressed-tensors" with ``format`` "float-quantized" (llm-compressor's
+  ``FP8``/``FP8-dynamic`` models): the codes beside ``weight_scale``, one scale for the
+  tensor, one per output channel, or one per block (``strategy`` tensor, channel,
+  block), as each config group's ``weights`` says.
+
+Either way weight = codes x the scale that covers it. Each such weight becomes that
+product in fp32 when the folder is read, then takes the model's dtype as any dense weight
+does (``--dtype``; ``auto``: config.json's ``torch_dtype``), and the scales are dropped:
+the model runs dense with 16-bit activations, as vLLM runs an FP8 checkpoint (weight-only)
+on a device without FP8 matmuls; activation scales (``input_scale``) are not read.
+Tensors stored in another dtype (norms, embeddings, an ignored ``lm_head``) pass as they
+are.
+
+Other methods and formats (GPTQ, AWQ, bitsandbytes, compressed-tensors' integer and
+packed formats, ...) would need their own kernels or dequantizers: a folder naming one is
+refused with an error that names it, rather than failing later on a tensor it lacks. A
+GGUF file is this engine's quantized format (``--quantization``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,54 +35,110 @@ import torch
 
 from engine.errors import CorruptModelError, UnsupportedModelError
 
-SCALE_SUFFIX = "weight_scale_inv"
+_STRATEGIES = ("tensor", "channel", "block")
 
 
-def fp8_block_size(raw_config: Mapping[str, Any], where: str) -> tuple[int, int] | None:
-    """The ``(rows, columns)`` of a block-scaled FP8 checkpoint's scale blocks, or None for
-    a checkpoint without a ``quantization_config``; :class:`UnsupportedModelError`, naming
-    ``where`` (the config's path) and the method, for any other."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fp8Layout:
+    """Where an FP8 checkpoint keeps its scales: the name each weight's scale takes in
+    place of ``weight``, and the block (rows, columns) one scale covers (None: one scale
+    for the tensor, or one per output row, read from the scale's shape)."""
+
+    scale_name: str
+    block: tuple[int, int] | None
+
+
+def fp8_layout(raw_config: Mapping[str, Any], where: str) -> Fp8Layout | None:
+    """The FP8 layout a config.json names, or None without a ``quantization_config``;
+    :class:`UnsupportedModelError`, naming ``where`` (the config's path) and the method,
+    for anything else."""
     quant = raw_config.get("quantization_config")
     if quant is None:
         return None
     method = quant.get("quant_method") if isinstance(quant, Mapping) else None
-    if method != "fp8":
-        raise UnsupportedModelError(
-            f"{where}: quantization_config's quant_method {method!r} is not supported (this "
-            "engine reads block-scaled fp8 checkpoints, dense ones and GGUF files)")
-    block = quant.get("weight_block_size")
-    if (not isinstance(block, (list, tuple)) or len(block) != 2
-            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-        raise UnsupportedModelError(
-            f"{where}: an fp8 checkpoint without a weight_block_size of two positive integers "
-            f"(per-tensor fp8 scales) is not supported, got {block!r}")
-    if quant.get("fmt", "e4m3") != "e4m3":
-        raise UnsupportedModelError(f"{where}: fp8 format {quant.get('fmt')!r} is not supported "
-                                    "(e4m3 is)")
-    return int(block[0]), int(block[1])
+    if method == "fp8":
+        block = _block(quant.get("weight_block_size"), where, "weight_block_size")
+        if quant.get("fmt", "e4m3") != "e4m3":
+            raise UnsupportedModelError(f"{where}: fp8 format {quant.get('fmt')!r} is not "
+                                        "supported (e4m3 is)")
+        return Fp8Layout("weight_scale_inv", block)
+    if method == "compressed-tensors":
+        return _compressed_tensors(quant, where)
+    raise UnsupportedModelError(
+        f"{where}: quantization_config's quant_method {method!r} is not supported (this engine "
+        "reads fp8 checkpoints, dense ones and GGUF files)")
 
 
-def dequantize_fp8(weights: dict[str, torch.Tensor], block: tuple[int, int],
+def _block(value: Any, where: str, field: str) -> tuple[int, int]:
+    if (not isinstance(value, (list, tuple)) or len(value) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in value)):
+        raise UnsupportedModelError(f"{where}: an fp8 checkpoint's {field} must be two positive "
+                                    f"integers, got {value!r}")
+    return int(value[0]), int(value[1])
+
+
+def _compressed_tensors(quant: Mapping[str, Any], where: str) -> Fp8Layout:
+    fmt = quant.get("format")
+    if fmt != "float-quantized":
+        raise UnsupportedModelError(f"{where}: compressed-tensors format {fmt!r} is not "
+                                    "supported (float-quantized, fp8 weights, is)")
+    groups = quant.get("config_groups") or {}
+    schemes = [g.get("weights") for g in groups.values() if isinstance(g, Mapping)]
+    if not schemes or not all(isinstance(s, Mapping) for s in schemes):
+        raise UnsupportedModelError(f"{where}: compressed-tensors config_groups without weights")
+    blocks = set()
+    for scheme in schemes:
+        if (scheme.get("type"), scheme.get("num_bits")) != ("float", 8):
+            raise UnsupportedModelError(f"{where}: compressed-tensors weights of type "
+                                        f"{scheme.get('type')!r} and {scheme.get('num_bits')} bits "
+                                        "are not supported (8-bit float is)")
+        strategy = scheme.get("strategy")
+        if strategy not in _STRATEGIES:
+            raise UnsupportedModelError(f"{where}: compressed-tensors strategy {strategy!r} is not "
+                                        f"supported ({', '.join(_STRATEGIES)} are)")
+        blocks.add(_block(scheme.get("block_structure"), where, "block_structure")
+                   if strategy == "block" else None)
+    if len(blocks) != 1:
+        raise UnsupportedModelError(f"{where}: compressed-tensors groups with different weight "
+                                    "scale layouts are not supported")
+    return Fp8Layout("weight_scale", blocks.pop())
+
+
+def dequantize_fp8(weights: dict[str, torch.Tensor], layout: Fp8Layout,
                    where: str) -> dict[str, torch.Tensor]:
-    """``weights`` with each ``float8_e4m3fn`` weight multiplied out by its
-    ``weight_scale_inv`` blocks (fp32), the scales dropped."""
+    """``weights`` with each ``float8_e4m3fn`` weight multiplied out by its scales (fp32),
+    the scales dropped."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in weights.items():
-        if name.endswith(SCALE_SUFFIX):
+        if name.endswith(layout.scale_name):
             continue
         if tensor.dtype != torch.float8_e4m3fn:
             out[name] = tensor
             continue
-        scale_name = name.removesuffix("weight") + SCALE_SUFFIX
+        scale_name = name.removesuffix("weight") + layout.scale_name
         scale = weights.get(scale_name)
         if scale is None or tensor.dim() != 2:
             raise CorruptModelError(f"{where}: the fp8 tensor {name} has no {scale_name} "
                                     "(or is not a matrix)")
-        rows, cols = tensor.shape
+        out[name] = tensor.float() * _expanded(scale.float(), tensor.shape, layout.block,
+                                               f"{where}: {scale_name}")
+    return out
+
+
+def _expanded(scale: torch.Tensor, shape: torch.Size, block: tuple[int, int] | None,
+              what: str) -> torch.Tensor:
+    """``scale`` in a shape that broadcasts over a weight of ``shape``."""
+    rows, cols = shape
+    if block is not None:
         want = (-(-rows // block[0]), -(-cols // block[1]))
         if tuple(scale.shape) != want:
-            raise CorruptModelError(f"{where}: {scale_name} is {tuple(scale.shape)}, not {want} "
-                                    f"blocks of {block[0]} x {block[1]} over {name}'s {rows} x {cols}")
-        full = scale.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
-        out[name] = tensor.float() * full[:rows, :cols]
-    return out
+            raise CorruptModelError(f"{what} is {tuple(scale.shape)}, not {want} blocks of "
+                                    f"{block[0]} x {block[1]} over {rows} x {cols}")
+        full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+        return full[:rows, :cols]
+    if scale.numel() == 1:
+        return scale.reshape(())
+    if scale.numel() == rows and scale.dim() <= 2 and (scale.dim() < 2 or scale.shape[1] == 1):
+        return scale.reshape(rows, 1)
+    raise CorruptModelError(f"{what} is {tuple(scale.shape)}: neither one scale nor one per "
+                            f"row of {rows}")

@@ -51,7 +51,7 @@ from engine.errors import (
 from engine.models import cache, gguf_convert
 from engine.models.checkpoint import CheckpointFile, LazyWeights, read_safetensors_header
 from engine.models.config import ModelConfig
-from engine.models.fp8 import dequantize_fp8, fp8_block_size
+from engine.models.fp8 import Fp8Layout, dequantize_fp8, fp8_layout
 from engine.models.gguf_quant import read_gguf_weights
 from engine.models.registry import model_class
 from engine.ops import resolve_backend
@@ -213,11 +213,11 @@ def load_model(
             f"{source}: a model is a Hugging Face folder (config.json + *.safetensors) or a .gguf file"
         )
     config = _model_config(folder / "config.json", hf_overrides)
-    # A quantization_config: block-scaled fp8 is dequantized as it is read (fp8.py); any
+    # A quantization_config: fp8 weights are dequantized as they are read (fp8.py); any
     # other method is refused here, by name.
-    fp8_block = None if from_gguf else fp8_block_size(
+    fp8 = None if from_gguf else fp8_layout(
         apply_hf_overrides(_read_json(folder / "config.json"), hf_overrides), str(folder / "config.json"))
-    if fp8_block is not None and lazy:
+    if fp8 is not None and lazy:
         raise UnsupportedModelError(f"{folder}: an fp8 checkpoint is read whole and dequantized; "
                                     "tensor- and pipeline-parallel ranks read theirs in slices")
     layout = _quant_layout(ops_backend, target)
@@ -231,7 +231,7 @@ def load_model(
     elif lazy:
         weights = _stored_weights(folder, config)
     else:
-        weights = _read_weights(folder, config, fp8_block)
+        weights = _read_weights(folder, config, fp8)
     try:
         torch_dtype = _target_dtype(dtype, config, weights, from_gguf=from_gguf, device=target)
     except UnsupportedModelError as exc:
@@ -349,14 +349,14 @@ def _model_config(path: Path, hf_overrides: str | Mapping[str, Any] | None = Non
 
 
 def _read_weights(folder: Path, config: ModelConfig,
-                  fp8_block: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+                  fp8: Fp8Layout | None = None) -> dict[str, torch.Tensor]:
     """Every expected tensor from the folder's safetensors (sharded or not), as stored, or
-    with ``fp8_block`` an fp8 checkpoint's weights dequantized (fp8.py)."""
+    with ``fp8`` an fp8 checkpoint's weights dequantized (fp8.py)."""
     loaded: dict[str, torch.Tensor] = {}
     for shard in _weight_files(folder):
         loaded.update(_read_safetensors(shard))
-    if fp8_block is not None:
-        loaded = dequantize_fp8(loaded, fp8_block, str(folder))
+    if fp8 is not None:
+        loaded = dequantize_fp8(loaded, fp8, str(folder))
     return _expected_in_folder(loaded, folder, config)
 
 
