@@ -1,5 +1,6 @@
 """vLLM's ``reset_prefix_cache``: ``LLM.reset_prefix_cache()``, ``Engine.reset_prefix_cache()``
-and the dev-mode route ``POST /reset_prefix_cache``.
+and the dev-mode route ``POST /reset_prefix_cache`` (with vLLM's other dev-mode routes
+built here, ``GET /server_info`` and ``GET /is_sleeping``).
 
 After a reset a prompt seen before finds no cached block (the pool's hit counter stays
 where it was while its query counter grows) and still gives the tokens it gave with the
@@ -137,8 +138,15 @@ def test_the_dev_mode_route_resets_and_says_when_it_cannot(folder: Path) -> None
         refused = httpx.post(f"{url}/reset_prefix_cache?reset_running_requests=maybe", timeout=60)
         assert refused.status_code == 400
         assert refused.json()["error"]["param"] == "reset_running_requests"
+        # vLLM's other development routes built here: the configuration, and no sleep.
+        info = httpx.get(f"{url}/server_info", timeout=60).json()
+        assert info["engine_config"] == json.loads(server.engine.config.to_json())
+        assert json.loads(info["vllm_config"]) == info["engine_config"]
+        assert info["engine_config"]["block_size"] == BLOCK
+        assert httpx.get(f"{url}/is_sleeping", timeout=60).json() == {"is_sleeping": False}
     with ServerThread(opened) as server:  # vLLM's default: no development routes
         assert httpx.post(f"{server.base_url}/reset_prefix_cache", timeout=60).status_code == 404
+        assert httpx.get(f"{server.base_url}/server_info", timeout=60).status_code == 404
 
 
 @pytest.mark.parametrize("layout", ["in-process", "process"])

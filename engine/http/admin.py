@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from quart import Response, request
@@ -57,6 +58,8 @@ class AdminRoutes:
         if self.server.server_dev_mode:
             app.add_url_rule("/reset_prefix_cache", view_func=self.reset_prefix_cache,
                              methods=["POST"])
+            app.add_url_rule("/server_info", view_func=self.server_info, methods=["GET"])
+            app.add_url_rule("/is_sleeping", view_func=self.is_sleeping, methods=["GET"])
         if self.engine.config.profiler is not None:  # vLLM's, there only with a profiler
             app.add_url_rule("/start_profile", view_func=self.start_profile, methods=["POST"])
             app.add_url_rule("/stop_profile", view_func=self.stop_profile, methods=["POST"])
@@ -137,6 +140,18 @@ class AdminRoutes:
             raise APIError(409, "the prefix cache was not reset: requests hold KV blocks; "
                            "retry when they have finished", code="prefix_cache_in_use")
         return Response("", 200)
+
+    async def server_info(self) -> Response:
+        """vLLM's dev-mode ``GET /server_info``: the engine's configuration, every field
+        (``engine_config``; under vLLM's key ``vllm_config`` as its one-line text)."""
+        fields = json.loads(self.engine.config.to_json())
+        return json_response({"vllm_config": self.engine.config.to_json(),
+                              "engine_config": fields}, 200)
+
+    async def is_sleeping(self) -> Response:
+        """vLLM's dev-mode ``GET /is_sleeping``: never, here (no sleep mode: vLLM's
+        ``--enable-sleep-mode`` is refused)."""
+        return json_response({"is_sleeping": False}, 200)
 
     async def start_profile(self) -> Response:
         """vLLM's ``POST /start_profile`` (with ``--profiler-config``): 200 with no body
