@@ -142,3 +142,20 @@ def test_other_quantization_methods_are_refused_by_name(dense: Path, tmp_path: P
     (folder / "config.json").write_text(json.dumps(config | {"quantization_config": quant}))
     with pytest.raises(UnsupportedModelError, match=words):
         load_model(folder)
+
+
+@pytest.mark.parametrize("layout", ["fp8-block", "ct-channel"])
+def test_tensor_parallel_ranks_read_their_cuts_dequantized(dense: Path, layout: str) -> None:
+    """Two ranks read their rows and columns of each fp8 weight (lazily, the codes and
+    the scales that cover them): the tokens of transformers' dequantized model."""
+    folder = dense.parent / layout
+    if not folder.exists():
+        write_fp8(dense, folder, layout)
+    model = transformers_model(folder)
+    prompt = [4, 9, 16, 25]
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):]
+    with LLM(str(folder), dtype="float32", tensor_parallel_size=2) as llm:
+        (out,) = llm.generate({"prompt_token_ids": prompt},
+                              SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert list(out.outputs[0].token_ids) == want.tolist()

@@ -43,6 +43,8 @@ SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
+    # fp8 checkpoints' weight codes (engine/models/fp8.py reads them dequantized).
+    "F8_E4M3": torch.float8_e4m3fn,
 }
 # A header larger than this is not a safetensors file (the format's own readers cap it at
 # 100 MB: a table of tens of thousands of tensors is a few MB).

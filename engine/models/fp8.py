@@ -12,7 +12,8 @@ Two FP8 layouts are on the Hub:
   block), as each config group's ``weights`` says.
 
 Either way weight = codes x the scale that covers it. Each such weight becomes that
-product in fp32 when the folder is read, then takes the model's dtype as any dense weight
+product in fp32 when the folder is read (a tensor-parallel or pipeline rank, which reads
+its cut of each tensor lazily, multiplies each cut as it reads it), then takes the model's dtype as any dense weight
 does (``--dtype``; ``auto``: config.json's ``torch_dtype``), and the scales are dropped:
 the model runs dense with 16-bit activations, as vLLM runs an FP8 checkpoint (weight-only)
 on a device without FP8 matmuls; activation scales (``input_scale``) are not read.
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 
 from engine.errors import CorruptModelError, UnsupportedModelError
+from engine.models.checkpoint import StoredTensor
 
 _STRATEGIES = ("tensor", "channel", "block")
 
@@ -104,11 +106,12 @@ def _compressed_tensors(quant: Mapping[str, Any], where: str) -> Fp8Layout:
     return Fp8Layout("weight_scale", blocks.pop())
 
 
-def dequantize_fp8(weights: dict[str, torch.Tensor], layout: Fp8Layout,
-                   where: str) -> dict[str, torch.Tensor]:
+def dequantize_fp8(weights: dict[str, Any], layout: Fp8Layout, where: str) -> dict[str, Any]:
     """``weights`` with each ``float8_e4m3fn`` weight multiplied out by its scales (fp32),
-    the scales dropped."""
-    out: dict[str, torch.Tensor] = {}
+    the scales dropped. Tensors read (a whole load) are multiplied now; stored ones (a
+    tensor-parallel rank's lazy load, engine/models/checkpoint.py) become
+    :class:`DequantizedTensor` s, which multiply each cut as it is read."""
+    out: dict[str, Any] = {}
     for name, tensor in weights.items():
         if name.endswith(layout.scale_name):
             continue
@@ -117,12 +120,42 @@ def dequantize_fp8(weights: dict[str, torch.Tensor], layout: Fp8Layout,
             continue
         scale_name = name.removesuffix("weight") + layout.scale_name
         scale = weights.get(scale_name)
-        if scale is None or tensor.dim() != 2:
+        if scale is None or len(tensor.shape) != 2:
             raise CorruptModelError(f"{where}: the fp8 tensor {name} has no {scale_name} "
                                     "(or is not a matrix)")
-        out[name] = tensor.float() * _expanded(scale.float(), tensor.shape, layout.block,
-                                               f"{where}: {scale_name}")
+        what = f"{where}: {scale_name}"
+        if isinstance(tensor, StoredTensor):
+            out[name] = DequantizedTensor(tensor, scale, layout.block, what)
+        else:
+            out[name] = tensor.float() * _expanded(scale.float(), tensor.shape, layout.block, what)
     return out
+
+
+class DequantizedTensor(StoredTensor):
+    """A stored fp8 weight read dequantized: each cut of its codes (rows, or input
+    columns) times the same cut of its scales, expanded over the whole matrix (a scale
+    table is the weight's size over a block's, small enough to read whole each time)."""
+
+    def __init__(self, codes: StoredTensor, scale: Any, block: tuple[int, int] | None,
+                 what: str) -> None:
+        self.codes, self.scale, self.block, self.what = codes, scale, block, what
+        self.name, self.shape, self.dtype, self.layout = codes.name, codes.shape, torch.float32, None
+
+    def _scales(self) -> torch.Tensor:
+        scale = self.scale.read() if isinstance(self.scale, StoredTensor) else self.scale
+        return _expanded(scale.float(), torch.Size(self.shape), self.block, self.what)
+
+    def read_rows(self, spans: list[tuple[int, int]]) -> torch.Tensor:
+        scale = self._scales()
+        if scale.dim() == 2:  # one a row (or block): the spans' rows of it
+            scale = torch.cat([scale[a:b] for a, b in spans])
+        return self.codes.read_rows(spans).float() * scale
+
+    def read_cols(self, start: int, stop: int) -> torch.Tensor:
+        scale = self._scales()
+        if scale.dim() == 2 and scale.shape[1] > 1:  # blocks: the columns' scales
+            scale = scale[:, start:stop]
+        return self.codes.read_cols(start, stop).float() * scale
 
 
 def _expanded(scale: torch.Tensor, shape: torch.Size, block: tuple[int, int] | None,

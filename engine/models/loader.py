@@ -217,9 +217,6 @@ def load_model(
     # other method is refused here, by name.
     fp8 = None if from_gguf else fp8_layout(
         apply_hf_overrides(_read_json(folder / "config.json"), hf_overrides), str(folder / "config.json"))
-    if fp8 is not None and lazy:
-        raise UnsupportedModelError(f"{folder}: an fp8 checkpoint is read whole and dequantized; "
-                                    "tensor- and pipeline-parallel ranks read theirs in slices")
     layout = _quant_layout(ops_backend, target)
     keep_blocks = from_gguf and quantization != "none" and layout is not None
     file_bytes = None
@@ -229,7 +226,7 @@ def load_model(
         file_bytes = read.file_tensor_bytes
         keep_blocks = bool(read.kept)
     elif lazy:
-        weights = _stored_weights(folder, config)
+        weights = _stored_weights(folder, config, fp8)
     else:
         weights = _read_weights(folder, config, fp8)
     try:
@@ -360,12 +357,15 @@ def _read_weights(folder: Path, config: ModelConfig,
     return _expected_in_folder(loaded, folder, config)
 
 
-def _stored_weights(folder: Path, config: ModelConfig) -> LazyWeights:
-    """:func:`_read_weights` with nothing read: each tensor's place in its file."""
+def _stored_weights(folder: Path, config: ModelConfig, fp8: Fp8Layout | None = None) -> LazyWeights:
+    """:func:`_read_weights` with nothing read: each tensor's place in its file (an fp8
+    weight's codes and scales, read dequantized cut by cut)."""
     files = [CheckpointFile(shard) for shard in _weight_files(folder)]
     stored: dict[str, Any] = {}
     for file in files:
         stored.update(read_safetensors_header(file))
+    if fp8 is not None:
+        stored = dequantize_fp8(stored, fp8, str(folder))
     return LazyWeights(_expected_in_folder(stored, folder, config), files)
 
 
