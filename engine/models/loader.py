@@ -51,8 +51,8 @@ from engine.errors import (
 from engine.models import cache, gguf_convert
 from engine.models.checkpoint import CheckpointFile, LazyWeights, read_safetensors_header
 from engine.models.config import ModelConfig
-from engine.models.fp8 import Fp8Layout, dequantize_fp8, fp8_layout
 from engine.models.gguf_quant import read_gguf_weights
+from engine.models.hf_quant import QuantLayout, checkpoint_quantization, dequantize
 from engine.models.registry import model_class
 from engine.ops import resolve_backend
 
@@ -213,9 +213,9 @@ def load_model(
             f"{source}: a model is a Hugging Face folder (config.json + *.safetensors) or a .gguf file"
         )
     config = _model_config(folder / "config.json", hf_overrides)
-    # A quantization_config: fp8 weights are dequantized as they are read (fp8.py); any
-    # other method is refused here, by name.
-    fp8 = None if from_gguf else fp8_layout(
+    # A quantization_config: fp8 and packed-integer weights are dequantized as they are
+    # read (hf_quant.py); any other method is refused here, by name.
+    quant = None if from_gguf else checkpoint_quantization(
         apply_hf_overrides(_read_json(folder / "config.json"), hf_overrides), str(folder / "config.json"))
     layout = _quant_layout(ops_backend, target)
     keep_blocks = from_gguf and quantization != "none" and layout is not None
@@ -226,9 +226,9 @@ def load_model(
         file_bytes = read.file_tensor_bytes
         keep_blocks = bool(read.kept)
     elif lazy:
-        weights = _stored_weights(folder, config, fp8)
+        weights = _stored_weights(folder, config, quant)
     else:
-        weights = _read_weights(folder, config, fp8)
+        weights = _read_weights(folder, config, quant)
     try:
         torch_dtype = _target_dtype(dtype, config, weights, from_gguf=from_gguf, device=target)
     except UnsupportedModelError as exc:
@@ -346,26 +346,26 @@ def _model_config(path: Path, hf_overrides: str | Mapping[str, Any] | None = Non
 
 
 def _read_weights(folder: Path, config: ModelConfig,
-                  fp8: Fp8Layout | None = None) -> dict[str, torch.Tensor]:
+                  quant: QuantLayout | None = None) -> dict[str, torch.Tensor]:
     """Every expected tensor from the folder's safetensors (sharded or not), as stored, or
-    with ``fp8`` an fp8 checkpoint's weights dequantized (fp8.py)."""
+    with ``quant`` a quantized checkpoint's weights dequantized (hf_quant.py)."""
     loaded: dict[str, torch.Tensor] = {}
     for shard in _weight_files(folder):
         loaded.update(_read_safetensors(shard))
-    if fp8 is not None:
-        loaded = dequantize_fp8(loaded, fp8, str(folder))
+    if quant is not None:
+        loaded = dequantize(loaded, quant, str(folder))
     return _expected_in_folder(loaded, folder, config)
 
 
-def _stored_weights(folder: Path, config: ModelConfig, fp8: Fp8Layout | None = None) -> LazyWeights:
-    """:func:`_read_weights` with nothing read: each tensor's place in its file (an fp8
+def _stored_weights(folder: Path, config: ModelConfig, quant: QuantLayout | None = None) -> LazyWeights:
+    """:func:`_read_weights` with nothing read: each tensor's place in its file (a quantized
     weight's codes and scales, read dequantized cut by cut)."""
     files = [CheckpointFile(shard) for shard in _weight_files(folder)]
     stored: dict[str, Any] = {}
     for file in files:
         stored.update(read_safetensors_header(file))
-    if fp8 is not None:
-        stored = dequantize_fp8(stored, fp8, str(folder))
+    if quant is not None:
+        stored = dequantize(stored, quant, str(folder))
     return LazyWeights(_expected_in_folder(stored, folder, config), files)
 
 

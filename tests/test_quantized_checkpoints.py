@@ -1,14 +1,17 @@
-"""FP8 checkpoints load dequantized: DeepSeek-V3's and Qwen3-FP8's block-scaled layout
-(``quant_method`` "fp8", ``weight_scale_inv``) and llm-compressor's (``compressed-tensors``
-"float-quantized": one ``weight_scale`` per tensor, per output channel or per block).
-Other quantization methods are refused by name.
+"""Quantized Hugging Face checkpoints load dequantized: DeepSeek-V3's and Qwen3-FP8's
+block-scaled fp8 (``quant_method`` "fp8", ``weight_scale_inv``), llm-compressor's fp8
+(``compressed-tensors`` "float-quantized": one ``weight_scale`` per tensor, per output
+channel or per block) and its packed integers (``compressed-tensors`` "pack-quantized":
+W4A16 in groups of columns, W8A16 per channel). Other quantization methods are refused
+by name.
 
 The checkpoints are written here from one tiny random model: each projection's weight as
-``float8_e4m3fn`` codes and its scales (blocks of 32 rows x 16 columns, not square, so a
-swap of the two would show; transformers' loader needs blocks that divide the matrix).
-The oracle is transformers loading the same folder and dequantizing it
-(``FineGrainedFP8Config`` / ``CompressedTensorsConfig`` with ``dequantize=True``): its
-weights, and its greedy tokens."""
+codes and scales (fp8 blocks of 32 rows x 16 columns, not square, so a swap of the two
+would show; transformers' loader needs blocks that divide the matrix; integers packed
+into int32 words). The oracle is transformers loading the same folder and dequantizing
+it (``FineGrainedFP8Config`` / ``CompressedTensorsConfig`` with ``dequantize=True``, the
+latter through the compressed-tensors package's own decompressors): its weights, and its
+greedy tokens."""
 
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ from engine.models.testing import write_tiny_model
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 BLOCK = (32, 16)
-LAYOUTS = ("fp8-block", "ct-tensor", "ct-channel", "ct-block")
+LAYOUTS = ("fp8-block", "ct-tensor", "ct-channel", "ct-block", "ct-w4-group", "ct-w8-channel")
+GROUP = 32  # W4A16's columns per scale
 
 
 def _scales(w: torch.Tensor, layout: str) -> torch.Tensor:
@@ -50,6 +54,14 @@ def _quantization_config(layout: str) -> dict:
     if layout == "fp8-block":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": list(BLOCK)}
+    if layout.startswith("ct-w"):
+        bits = 4 if layout == "ct-w4-group" else 8
+        weights = {"num_bits": bits, "type": "int", "symmetric": True, "dynamic": False,
+                   "strategy": "group" if bits == 4 else "channel",
+                   "group_size": GROUP if bits == 4 else None}
+        return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                "quantization_status": "compressed", "ignore": ["lm_head"],
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}
     weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
                "strategy": layout.removeprefix("ct-")}
     if layout == "ct-block":
@@ -62,20 +74,43 @@ def _quantization_config(layout: str) -> dict:
                                                                 "symmetric": True}}}}
 
 
+def _packed(w: torch.Tensor, bits: int, group: int) -> dict[str, torch.Tensor]:
+    """compressed-tensors' pack-quantized tensors of ``w``: symmetric ``bits``-bit integers,
+    a scale per ``group`` columns, each value plus 2 ** (bits - 1) in int32 words, lowest
+    bits first."""
+    rows, cols = w.shape
+    top = 2 ** (bits - 1) - 1
+    scale = (w.float().reshape(rows, cols // group, group).abs().amax(-1) / top).clamp(min=1e-8)
+    scale = scale.to(torch.float16)
+    q = torch.round(w.float().reshape(rows, cols // group, group) / scale.float()[..., None])
+    u = (q.clamp(-top - 1, top).reshape(rows, cols) + 2 ** (bits - 1)).to(torch.int64)
+    per_word = 32 // bits
+    words = torch.zeros(rows, cols // per_word, dtype=torch.int64)
+    for j in range(per_word):
+        words |= u[:, j::per_word] << (bits * j)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return {"weight_packed": words, "weight_scale": scale,
+            "weight_shape": torch.tensor([rows, cols], dtype=torch.int64)}
+
+
 def write_fp8(dense: Path, out: Path, layout: str) -> Path:
-    """``dense``'s checkpoint with every projection stored as fp8 codes and scales."""
+    """``dense``'s checkpoint with every projection stored quantized in ``layout``."""
     shutil.copytree(dense, out)
     stored = {}
     for name, w in load_file(str(dense / "model.safetensors")).items():
         if not name.endswith("proj.weight"):
             stored[name] = w
             continue
+        base = name.removesuffix("weight")
+        if layout in ("ct-w4-group", "ct-w8-channel"):
+            bits, group = (4, GROUP) if layout == "ct-w4-group" else (8, w.shape[1])
+            stored |= {base + k: v for k, v in _packed(w, bits, group).items()}
+            continue
         scale = _scales(w, layout)
         per_element = (scale.repeat_interleave(BLOCK[0], 0).repeat_interleave(BLOCK[1], 1)
                        if scale.dim() == 2 and scale.shape[1] > 1 else scale)
         stored[name] = (w.float() / per_element).to(torch.float8_e4m3fn)
-        suffix = "weight_scale_inv" if layout == "fp8-block" else "weight_scale"
-        stored[name.removesuffix("weight") + suffix] = scale
+        stored[base + ("weight_scale_inv" if layout == "fp8-block" else "weight_scale")] = scale
     save_file(stored, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((out / "config.json").read_text())
     config["quantization_config"] = _quantization_config(layout)
@@ -130,9 +165,15 @@ def test_greedy_tokens_match_transformers(fp8_folder: Path) -> None:
     ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not supported"),
     ({"quant_method": "awq"}, "quant_method 'awq' is not supported"),
     ({"quant_method": "fp8", "activation_scheme": "static"}, "weight_block_size must be two"),
-    ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "format 'pack-quantized'"),
+    ({"quant_method": "compressed-tensors", "format": "marlin-24"}, "format 'marlin-24'"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
         "g": {"weights": {"type": "int", "num_bits": 4, "strategy": "group"}}}}, "type 'int' and 4 bits"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+        "g": {"weights": {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 32,
+                          "symmetric": False}}}}, "asymmetric"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+        "g": {"weights": {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 32,
+                          "actorder": "group"}}}}, "actorder 'group'"),
 ])
 def test_other_quantization_methods_are_refused_by_name(dense: Path, tmp_path: Path,
                                                         quant: dict, words: str) -> None:
@@ -144,10 +185,10 @@ def test_other_quantization_methods_are_refused_by_name(dense: Path, tmp_path: P
         load_model(folder)
 
 
-@pytest.mark.parametrize("layout", ["fp8-block", "ct-channel"])
+@pytest.mark.parametrize("layout", ["fp8-block", "ct-channel", "ct-w4-group"])
 def test_tensor_parallel_ranks_read_their_cuts_dequantized(dense: Path, layout: str) -> None:
-    """Two ranks read their rows and columns of each fp8 weight (lazily, the codes and
-    the scales that cover them): the tokens of transformers' dequantized model."""
+    """Two ranks read their rows and columns of each quantized weight (lazily, the codes
+    and the scales that cover them): the tokens of transformers' dequantized model."""
     folder = dense.parent / layout
     if not folder.exists():
         write_fp8(dense, folder, layout)

@@ -1,0 +1,249 @@
+"""Checkpoints whose config.json names a ``quantization_config``: FP8 and packed-integer
+weights read and dequantized as they load, every other method refused by name.
+
+Three layouts are read:
+
+* ``quant_method`` "fp8" with a ``weight_block_size`` (DeepSeek-V3's format, Qwen3's
+  ``-FP8`` releases): a linear layer's weight is ``float8_e4m3fn`` codes beside
+  ``weight_scale_inv``, one fp32 scale per block of rows x columns.
+* ``quant_method`` "compressed-tensors", ``format`` "float-quantized" (llm-compressor's
+  ``FP8`` / ``FP8-dynamic`` models): the codes beside ``weight_scale``, one scale for the
+  tensor, one per output channel, or one per block (``strategy`` tensor, channel, block).
+* ``quant_method`` "compressed-tensors", ``format`` "pack-quantized" (llm-compressor's
+  ``W4A16`` / ``W8A16`` models, GPTQ- or RTN-made): symmetric integers of ``num_bits``
+  packed into int32 words along each row (``weight_packed``, the lowest bits first, each
+  value stored plus ``2 ** (num_bits - 1)``), ``weight_shape``, and ``weight_scale``, one
+  per ``group_size`` columns of a row (``strategy`` group) or per row (channel).
+
+Each weight becomes codes x the scale that covers it (integers: multiplied in the
+scale's dtype, as the format's own decompressor does) when the folder is read, or, for
+a tensor-parallel or pipeline rank that reads its cut of each tensor lazily, cut by cut
+as it reads them; then it takes the model's dtype as any dense weight does (``--dtype``;
+``auto``: config.json's ``torch_dtype``), and the scales are dropped. The model runs
+dense with 16-bit activations, as vLLM runs such a checkpoint (weight-only) where it has
+no kernel for its format; activation scales (``input_scale``) are not read. Tensors stored
+in another dtype (norms, embeddings, an ignored ``lm_head``) pass as they are.
+
+Other methods and formats (GPTQ's and AWQ's own, bitsandbytes, asymmetric or act-order
+integers, ...) would need their own dequantizers: a folder naming one is refused with an
+error that names it, rather than failing later on a tensor it lacks. A GGUF file is this
+engine's own quantized format (``--quantization``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from engine.errors import CorruptModelError, UnsupportedModelError
+from engine.models.checkpoint import StoredTensor
+
+_FLOAT_STRATEGIES = ("tensor", "channel", "block")
+_INT_STRATEGIES = ("group", "channel")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class QuantLayout:
+    """How a checkpoint stores its quantized weights. ``kind`` "fp8": ``float8_e4m3fn``
+    codes in ``weight``, scales in ``scale_name``, each covering a ``block`` of rows x
+    columns (None: one for the tensor, or one per row, read from the scale's shape).
+    ``kind`` "packed": ``bits``-bit integers in ``weight_packed``, a scale per ``group``
+    columns of a row (None: per row)."""
+
+    kind: str
+    scale_name: str
+    block: tuple[int, int] | None = None
+    bits: int = 8
+    group: int | None = None
+
+
+def checkpoint_quantization(raw_config: Mapping[str, Any], where: str) -> QuantLayout | None:
+    """The layout a config.json's ``quantization_config`` names, or None without one;
+    :class:`UnsupportedModelError`, naming ``where`` (the config's path) and the method,
+    for anything else."""
+    quant = raw_config.get("quantization_config")
+    if quant is None:
+        return None
+    method = quant.get("quant_method") if isinstance(quant, Mapping) else None
+    if method == "fp8":
+        block = _pair(quant.get("weight_block_size"), where, "weight_block_size")
+        if quant.get("fmt", "e4m3") != "e4m3":
+            raise UnsupportedModelError(f"{where}: fp8 format {quant.get('fmt')!r} is not "
+                                        "supported (e4m3 is)")
+        return QuantLayout("fp8", "weight_scale_inv", block)
+    if method == "compressed-tensors":
+        return _compressed_tensors(quant, where)
+    raise UnsupportedModelError(
+        f"{where}: quantization_config's quant_method {method!r} is not supported (this engine "
+        "reads fp8 and compressed-tensors checkpoints, dense ones and GGUF files)")
+
+
+def _pair(value: Any, where: str, field: str) -> tuple[int, int]:
+    if (not isinstance(value, (list, tuple)) or len(value) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in value)):
+        raise UnsupportedModelError(f"{where}: a quantized checkpoint's {field} must be two "
+                                    f"positive integers, got {value!r}")
+    return int(value[0]), int(value[1])
+
+
+def _compressed_tensors(quant: Mapping[str, Any], where: str) -> QuantLayout:
+    fmt = quant.get("format")
+    if fmt not in ("float-quantized", "pack-quantized"):
+        raise UnsupportedModelError(f"{where}: compressed-tensors format {fmt!r} is not "
+                                    "supported (float-quantized and pack-quantized are)")
+    groups = quant.get("config_groups") or {}
+    schemes = [g.get("weights") for g in groups.values() if isinstance(g, Mapping)]
+    if not schemes or not all(isinstance(s, Mapping) for s in schemes):
+        raise UnsupportedModelError(f"{where}: compressed-tensors config_groups without weights")
+    layouts = {_scheme(scheme, fmt, where) for scheme in schemes}
+    if len(layouts) != 1:
+        raise UnsupportedModelError(f"{where}: compressed-tensors groups with different weight "
+                                    "layouts are not supported")
+    return layouts.pop()
+
+
+def _scheme(scheme: Mapping[str, Any], fmt: str, where: str) -> QuantLayout:
+    kind, bits, strategy = scheme.get("type"), scheme.get("num_bits"), scheme.get("strategy")
+    if fmt == "float-quantized":
+        if (kind, bits) != ("float", 8):
+            raise UnsupportedModelError(f"{where}: compressed-tensors float-quantized weights of "
+                                        f"type {kind!r} and {bits} bits are not supported "
+                                        "(8-bit float is)")
+        if strategy not in _FLOAT_STRATEGIES:
+            raise UnsupportedModelError(f"{where}: compressed-tensors strategy {strategy!r} is not "
+                                        f"supported for fp8 ({', '.join(_FLOAT_STRATEGIES)} are)")
+        block = (_pair(scheme.get("block_structure"), where, "block_structure")
+                 if strategy == "block" else None)
+        return QuantLayout("fp8", "weight_scale", block)
+    if kind != "int" or bits not in (4, 8):
+        raise UnsupportedModelError(f"{where}: compressed-tensors pack-quantized weights of type "
+                                    f"{kind!r} and {bits} bits are not supported (4- and 8-bit "
+                                    "int are)")
+    if strategy not in _INT_STRATEGIES:
+        raise UnsupportedModelError(f"{where}: compressed-tensors strategy {strategy!r} is not "
+                                    f"supported for integers ({', '.join(_INT_STRATEGIES)} are)")
+    if scheme.get("symmetric") is False:
+        raise UnsupportedModelError(f"{where}: asymmetric compressed-tensors integers (zero "
+                                    "points) are not supported")
+    if scheme.get("actorder") not in (None, False):
+        raise UnsupportedModelError(f"{where}: compressed-tensors actorder "
+                                    f"{scheme.get('actorder')!r} is not supported")
+    group = scheme.get("group_size") if strategy == "group" else None
+    if strategy == "group" and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
+        raise UnsupportedModelError(f"{where}: compressed-tensors group_size must be a positive "
+                                    f"integer, got {group!r}")
+    return QuantLayout("packed", "weight_scale", bits=int(bits), group=group)
+
+
+def dequantize(weights: dict[str, Any], layout: QuantLayout, where: str) -> dict[str, Any]:
+    """``weights`` with each quantized weight dequantized under its own name
+    (``...weight``), its scales (and packing's tensors) dropped. Tensors read (a whole
+    load) are multiplied now; stored ones (a rank's lazy load,
+    engine/models/checkpoint.py) become :class:`DequantizedTensor` s, which multiply each
+    cut as it is read."""
+    packed = layout.kind == "packed"
+    extras = (layout.scale_name, "weight_shape") if packed else (layout.scale_name,)
+    out: dict[str, Any] = {}
+    for name, tensor in weights.items():
+        if name.endswith(extras):
+            continue
+        if packed and name.endswith("weight_packed"):
+            base = name.removesuffix("weight_packed")
+        elif not packed and tensor.dtype == torch.float8_e4m3fn:
+            base = name.removesuffix("weight")
+        else:
+            out[name] = tensor
+            continue
+        scale = weights.get(base + layout.scale_name)
+        shape = weights.get(base + "weight_shape") if packed else None
+        if scale is None or len(tensor.shape) != 2 or (packed and shape is None):
+            raise CorruptModelError(f"{where}: the quantized tensor {name} lacks its "
+                                    f"{base + layout.scale_name}" + (" or weight_shape" if packed else ""))
+        stored = DequantizedTensor(tensor, scale, shape, layout, f"{where}: {name}")
+        out[base + "weight"] = stored if isinstance(tensor, StoredTensor) else stored.read()
+    return out
+
+
+def _whole(t: Any) -> torch.Tensor:
+    return t.read() if isinstance(t, StoredTensor) else t
+
+
+class DequantizedTensor(StoredTensor):
+    """A quantized weight read dequantized, whole or by rows or input columns."""
+
+    def __init__(self, codes: Any, scale: Any, shape: Any, layout: QuantLayout, what: str) -> None:
+        self.codes, self.scale, self.layout_, self.what = codes, scale, layout, what
+        if layout.kind == "packed":
+            rows, cols = (int(v) for v in _whole(shape).tolist())
+            if codes.shape[0] != rows or codes.shape[1] * (32 // layout.bits) < cols:
+                raise CorruptModelError(f"{what} is {tuple(codes.shape)} int32 words, too few "
+                                        f"for {rows} x {cols} {layout.bits}-bit values")
+            self.shape: tuple[int, ...] = (rows, cols)
+        else:
+            self.shape = tuple(codes.shape)
+        self.name, self.dtype, self.layout = codes.name if isinstance(codes, StoredTensor) else what, torch.float32, None
+
+    def read(self) -> torch.Tensor:
+        return self.read_rows([(0, self.shape[0])])
+
+    def read_rows(self, spans: list[tuple[int, int]]) -> torch.Tensor:
+        codes = (self.codes.read_rows(spans) if isinstance(self.codes, StoredTensor)
+                 else torch.cat([self.codes[a:b] for a, b in spans]))
+        scale = self._scales()
+        if self.layout_.kind == "fp8":
+            if scale.dim() == 2:  # one a row (or block): the spans' rows of it
+                scale = torch.cat([scale[a:b] for a, b in spans])
+            return codes.float() * scale
+        scale = torch.cat([scale[a:b] for a, b in spans])
+        return self._ints(codes, scale)
+
+    def read_cols(self, start: int, stop: int) -> torch.Tensor:
+        if self.layout_.kind == "packed":  # words hold 32 / bits columns: read the rows whole
+            return self.read()[:, start:stop]
+        scale = self._scales()
+        if scale.dim() == 2 and scale.shape[1] > 1:  # blocks: the columns' scales
+            scale = scale[:, start:stop]
+        return self.codes.read_cols(start, stop).float() * scale
+
+    def _scales(self) -> torch.Tensor:
+        scale = _whole(self.scale)
+        if self.layout_.kind == "packed":
+            return scale
+        return _expanded(scale.float(), self.shape, self.layout_.block, self.what)
+
+    def _ints(self, words: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Rows of packed words, and their scales, as float32 values."""
+        bits, cols = self.layout_.bits, self.shape[1]
+        per_word, mask = 32 // bits, (1 << bits) - 1
+        words = words.to(torch.int64)  # no sign to carry down by the shifts
+        values = torch.stack([(words >> (bits * j)) & mask for j in range(per_word)], dim=-1)
+        values = values.reshape(words.shape[0], -1)[:, :cols] - (1 << (bits - 1))
+        group = self.layout_.group or cols
+        if scale.shape != (words.shape[0], -(-cols // group)):
+            raise CorruptModelError(f"{self.what}: its weight_scale is {tuple(scale.shape)}, not "
+                                    f"one per {group} columns of {cols}")
+        per_value = scale.repeat_interleave(group, dim=1)[:, :cols]
+        # In the scale's dtype, as the format's decompressor multiplies.
+        return (values.to(scale.dtype) * per_value).float()
+
+
+def _expanded(scale: torch.Tensor, shape: tuple[int, ...], block: tuple[int, int] | None,
+              what: str) -> torch.Tensor:
+    """An fp8 weight's ``scale`` in a shape that broadcasts over the weight."""
+    rows, cols = shape
+    if block is not None:
+        want = (-(-rows // block[0]), -(-cols // block[1]))
+        if tuple(scale.shape) != want:
+            raise CorruptModelError(f"{what}: its scale is {tuple(scale.shape)}, not {want} blocks "
+                                    f"of {block[0]} x {block[1]} over {rows} x {cols}")
+        full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+        return full[:rows, :cols]
+    if scale.numel() == 1:
+        return scale.reshape(())
+    if scale.numel() == rows and scale.dim() <= 2 and (scale.dim() < 2 or scale.shape[1] == 1):
+        return scale.reshape(rows, 1)
+    raise CorruptModelError(f"{what}: its scale is {tuple(scale.shape)}: neither one scale nor "
+                            f"one per row of {rows}")
