@@ -1,8 +1,9 @@
 """Quantized Hugging Face checkpoints load dequantized: DeepSeek-V3's and Qwen3-FP8's
 block-scaled fp8 (``quant_method`` "fp8", ``weight_scale_inv``), llm-compressor's fp8
 (``compressed-tensors`` "float-quantized": one ``weight_scale`` per tensor, per output
-channel or per block) and its packed integers (``compressed-tensors`` "pack-quantized":
-W4A16 in groups of columns, W8A16 per channel). Other quantization methods are refused
+channel or per block), its int8 (``compressed-tensors`` "int-quantized": W8A8's weights,
+per channel or per group of columns) and its packed integers (``compressed-tensors``
+"pack-quantized": W4A16 in groups of columns, W8A16 per channel). Other quantization methods are refused
 by name.
 
 The checkpoints are written here from one tiny random model: each projection's weight as
@@ -33,7 +34,8 @@ from engine.models.testing import write_tiny_model
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 BLOCK = (32, 16)
-LAYOUTS = ("fp8-block", "ct-tensor", "ct-channel", "ct-block", "ct-w4-group", "ct-w8-channel")
+LAYOUTS = ("fp8-block", "ct-tensor", "ct-channel", "ct-block", "ct-w4-group", "ct-w8-channel",
+           "ct-int8-channel", "ct-int8-group")
 GROUP = 32  # W4A16's columns per scale
 
 
@@ -50,28 +52,30 @@ def _scales(w: torch.Tensor, layout: str) -> torch.Tensor:
     return blocks.amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
 
 
+def _compressed_tensors(fmt: str, weights: dict, activations: str | None) -> dict:
+    group = {"targets": ["Linear"], "weights": {"symmetric": True, "dynamic": False, **weights}}
+    if activations is not None:  # W8A8's and FP8-dynamic's: quantized per token as they run
+        group["input_activations"] = {"num_bits": 8, "type": activations, "strategy": "token",
+                                      "dynamic": True, "symmetric": True}
+    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+            "ignore": ["lm_head"], "config_groups": {"group_0": group}}
+
+
 def _quantization_config(layout: str) -> dict:
     if layout == "fp8-block":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": list(BLOCK)}
+    grouped = layout in ("ct-int8-group", "ct-w4-group")
+    ints = {"type": "int", "strategy": "group" if grouped else "channel",
+            "group_size": GROUP if grouped else None}
+    if layout.startswith("ct-int8"):
+        return _compressed_tensors("int-quantized", {"num_bits": 8, **ints}, "int")
     if layout.startswith("ct-w"):
-        bits = 4 if layout == "ct-w4-group" else 8
-        weights = {"num_bits": bits, "type": "int", "symmetric": True, "dynamic": False,
-                   "strategy": "group" if bits == 4 else "channel",
-                   "group_size": GROUP if bits == 4 else None}
-        return {"quant_method": "compressed-tensors", "format": "pack-quantized",
-                "quantization_status": "compressed", "ignore": ["lm_head"],
-                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}
-    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
-               "strategy": layout.removeprefix("ct-")}
+        return _compressed_tensors("pack-quantized", {"num_bits": 4 if grouped else 8, **ints}, None)
+    weights = {"num_bits": 8, "type": "float", "strategy": layout.removeprefix("ct-")}
     if layout == "ct-block":
         weights["block_structure"] = list(BLOCK)
-    return {"quant_method": "compressed-tensors", "format": "float-quantized",
-            "quantization_status": "compressed", "ignore": ["lm_head"],
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                          "input_activations": {"num_bits": 8, "type": "float",
-                                                                "strategy": "token", "dynamic": True,
-                                                                "symmetric": True}}}}
+    return _compressed_tensors("float-quantized", weights, "float")
 
 
 def _packed(w: torch.Tensor, bits: int, group: int) -> dict[str, torch.Tensor]:
@@ -102,6 +106,13 @@ def write_fp8(dense: Path, out: Path, layout: str) -> Path:
             stored[name] = w
             continue
         base = name.removesuffix("weight")
+        if layout.startswith("ct-int8"):
+            group = GROUP if layout == "ct-int8-group" else w.shape[1]
+            scale = (w.float().reshape(w.shape[0], -1, group).abs().amax(-1) / 127).to(torch.float16)
+            codes = torch.round(w.float().reshape(w.shape[0], -1, group) / scale.float()[..., None])
+            stored[name] = codes.clamp(-128, 127).reshape(w.shape).to(torch.int8)
+            stored[base + "weight_scale"] = scale
+            continue
         if layout in ("ct-w4-group", "ct-w8-channel"):
             bits, group = (4, GROUP) if layout == "ct-w4-group" else (8, w.shape[1])
             stored |= {base + k: v for k, v in _packed(w, bits, group).items()}
@@ -185,7 +196,7 @@ def test_other_quantization_methods_are_refused_by_name(dense: Path, tmp_path: P
         load_model(folder)
 
 
-@pytest.mark.parametrize("layout", ["fp8-block", "ct-channel", "ct-w4-group"])
+@pytest.mark.parametrize("layout", ["fp8-block", "ct-channel", "ct-w4-group", "ct-int8-group"])
 def test_tensor_parallel_ranks_read_their_cuts_dequantized(dense: Path, layout: str) -> None:
     """Two ranks read their rows and columns of each quantized weight (lazily, the codes
     and the scales that cover them): the tokens of transformers' dequantized model."""

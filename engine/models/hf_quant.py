@@ -1,7 +1,7 @@
-"""Checkpoints whose config.json names a ``quantization_config``: FP8 and packed-integer
+"""Checkpoints whose config.json names a ``quantization_config``: FP8, int8 and packed-integer
 weights read and dequantized as they load, every other method refused by name.
 
-Three layouts are read:
+Four layouts are read:
 
 * ``quant_method`` "fp8" with a ``weight_block_size`` (DeepSeek-V3's format, Qwen3's
   ``-FP8`` releases): a linear layer's weight is ``float8_e4m3fn`` codes beside
@@ -9,6 +9,9 @@ Three layouts are read:
 * ``quant_method`` "compressed-tensors", ``format`` "float-quantized" (llm-compressor's
   ``FP8`` / ``FP8-dynamic`` models): the codes beside ``weight_scale``, one scale for the
   tensor, one per output channel, or one per block (``strategy`` tensor, channel, block).
+* ``quant_method`` "compressed-tensors", ``format`` "int-quantized" (llm-compressor's
+  ``W8A8`` int8 models): symmetric int8 codes in ``weight`` beside ``weight_scale``, one
+  for the tensor, one per output channel, or one per ``group_size`` columns of a row.
 * ``quant_method`` "compressed-tensors", ``format`` "pack-quantized" (llm-compressor's
   ``W4A16`` / ``W8A16`` models, GPTQ- or RTN-made): symmetric integers of ``num_bits``
   packed into int32 words along each row (``weight_packed``, the lowest bits first, each
@@ -50,8 +53,9 @@ class QuantLayout:
     """How a checkpoint stores its quantized weights. ``kind`` "fp8": ``float8_e4m3fn``
     codes in ``weight``, scales in ``scale_name``, each covering a ``block`` of rows x
     columns (None: one for the tensor, or one per row, read from the scale's shape).
-    ``kind`` "packed": ``bits``-bit integers in ``weight_packed``, a scale per ``group``
-    columns of a row (None: per row)."""
+    ``kind`` "int8": int8 codes in ``weight``, a scale per ``group`` columns of a row
+    (None: per row, or one for the tensor). ``kind`` "packed": ``bits``-bit integers in
+    ``weight_packed``, a scale per ``group`` columns of a row (None: per row)."""
 
     kind: str
     scale_name: str
@@ -91,9 +95,10 @@ def _pair(value: Any, where: str, field: str) -> tuple[int, int]:
 
 def _compressed_tensors(quant: Mapping[str, Any], where: str) -> QuantLayout:
     fmt = quant.get("format")
-    if fmt not in ("float-quantized", "pack-quantized"):
+    if fmt not in ("float-quantized", "int-quantized", "pack-quantized"):
         raise UnsupportedModelError(f"{where}: compressed-tensors format {fmt!r} is not "
-                                    "supported (float-quantized and pack-quantized are)")
+                                    "supported (float-quantized, int-quantized and "
+                                    "pack-quantized are)")
     groups = quant.get("config_groups") or {}
     schemes = [g.get("weights") for g in groups.values() if isinstance(g, Mapping)]
     if not schemes or not all(isinstance(s, Mapping) for s in schemes):
@@ -118,11 +123,12 @@ def _scheme(scheme: Mapping[str, Any], fmt: str, where: str) -> QuantLayout:
         block = (_pair(scheme.get("block_structure"), where, "block_structure")
                  if strategy == "block" else None)
         return QuantLayout("fp8", "weight_scale", block)
-    if kind != "int" or bits not in (4, 8):
-        raise UnsupportedModelError(f"{where}: compressed-tensors pack-quantized weights of type "
-                                    f"{kind!r} and {bits} bits are not supported (4- and 8-bit "
-                                    "int are)")
-    if strategy not in _INT_STRATEGIES:
+    widths = (8,) if fmt == "int-quantized" else (4, 8)
+    if kind != "int" or bits not in widths:
+        raise UnsupportedModelError(f"{where}: compressed-tensors {fmt} weights of type {kind!r} "
+                                    f"and {bits} bits are not supported "
+                                    f"({' and '.join(map(str, widths))}-bit int are)")
+    if strategy not in _INT_STRATEGIES + (("tensor",) if fmt == "int-quantized" else ()):
         raise UnsupportedModelError(f"{where}: compressed-tensors strategy {strategy!r} is not "
                                     f"supported for integers ({', '.join(_INT_STRATEGIES)} are)")
     if scheme.get("symmetric") is False:
@@ -135,7 +141,8 @@ def _scheme(scheme: Mapping[str, Any], fmt: str, where: str) -> QuantLayout:
     if strategy == "group" and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
         raise UnsupportedModelError(f"{where}: compressed-tensors group_size must be a positive "
                                     f"integer, got {group!r}")
-    return QuantLayout("packed", "weight_scale", bits=int(bits), group=group)
+    return QuantLayout("packed" if fmt == "pack-quantized" else "int8", "weight_scale",
+                       bits=int(bits), group=group)
 
 
 def dequantize(weights: dict[str, Any], layout: QuantLayout, where: str) -> dict[str, Any]:
@@ -152,7 +159,7 @@ def dequantize(weights: dict[str, Any], layout: QuantLayout, where: str) -> dict
             continue
         if packed and name.endswith("weight_packed"):
             base = name.removesuffix("weight_packed")
-        elif not packed and tensor.dtype == torch.float8_e4m3fn:
+        elif not packed and tensor.dtype == (torch.int8 if layout.kind == "int8" else torch.float8_e4m3fn):
             base = name.removesuffix("weight")
         else:
             out[name] = tensor
@@ -193,26 +200,38 @@ class DequantizedTensor(StoredTensor):
         codes = (self.codes.read_rows(spans) if isinstance(self.codes, StoredTensor)
                  else torch.cat([self.codes[a:b] for a, b in spans]))
         scale = self._scales()
+        if scale.dim() == 2:  # one a row (or block, or group): the spans' rows of it
+            scale = torch.cat([scale[a:b] for a, b in spans])
         if self.layout_.kind == "fp8":
-            if scale.dim() == 2:  # one a row (or block): the spans' rows of it
-                scale = torch.cat([scale[a:b] for a, b in spans])
             return codes.float() * scale
-        scale = torch.cat([scale[a:b] for a, b in spans])
+        if self.layout_.kind == "int8":  # in the scale's dtype, as the format's decompressor
+            return (codes.to(scale.dtype) * scale).float()
         return self._ints(codes, scale)
 
     def read_cols(self, start: int, stop: int) -> torch.Tensor:
         if self.layout_.kind == "packed":  # words hold 32 / bits columns: read the rows whole
             return self.read()[:, start:stop]
         scale = self._scales()
-        if scale.dim() == 2 and scale.shape[1] > 1:  # blocks: the columns' scales
+        if scale.dim() == 2 and scale.shape[1] > 1:  # blocks or groups: the columns' scales
             scale = scale[:, start:stop]
-        return self.codes.read_cols(start, stop).float() * scale
+        codes = self.codes.read_cols(start, stop)
+        if self.layout_.kind == "int8":
+            return (codes.to(scale.dtype) * scale).float()
+        return codes.float() * scale
 
     def _scales(self) -> torch.Tensor:
         scale = _whole(self.scale)
         if self.layout_.kind == "packed":
             return scale
-        return _expanded(scale.float(), self.shape, self.layout_.block, self.what)
+        if self.layout_.kind == "int8" and self.layout_.group is not None:
+            rows, cols = self.shape
+            group = self.layout_.group
+            if tuple(scale.shape) != (rows, -(-cols // group)):
+                raise CorruptModelError(f"{self.what}: its weight_scale is {tuple(scale.shape)}, "
+                                        f"not one per {group} columns of {cols}")
+            return scale.repeat_interleave(group, dim=1)[:, :cols]
+        return _expanded(scale if self.layout_.kind == "int8" else scale.float(), self.shape,
+                         self.layout_.block, self.what)
 
     def _ints(self, words: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """Rows of packed words, and their scales, as float32 values."""
@@ -232,7 +251,7 @@ class DequantizedTensor(StoredTensor):
 
 def _expanded(scale: torch.Tensor, shape: tuple[int, ...], block: tuple[int, int] | None,
               what: str) -> torch.Tensor:
-    """An fp8 weight's ``scale`` in a shape that broadcasts over the weight."""
+    """A weight's ``scale`` (per tensor, row or block) in a shape that broadcasts over it."""
     rows, cols = shape
     if block is not None:
         want = (-(-rows // block[0]), -(-cols // block[1]))
