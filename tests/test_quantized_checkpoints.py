@@ -23,110 +23,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, CompressedTensorsConfig, FineGrainedFP8Config
 
 from engine import LLM, SamplingParams
 from engine.errors import UnsupportedModelError
 from engine.models.loader import load_model
 from engine.models.testing import write_tiny_model
+from engine.models.testing_quant import LAYOUTS, write_quantized
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 BLOCK = (32, 16)
-LAYOUTS = ("fp8-block", "ct-tensor", "ct-channel", "ct-block", "ct-w4-group", "ct-w8-channel",
-           "ct-int8-channel", "ct-int8-group")
 GROUP = 32  # W4A16's columns per scale
-
-
-def _scales(w: torch.Tensor, layout: str) -> torch.Tensor:
-    """One scale per tensor, per row or per block of ``w``, so its largest value is
-    e4m3's largest (448)."""
-    a = w.float().abs()
-    if layout == "ct-tensor":
-        return a.max().clamp(min=1e-12).reshape(1) / 448.0
-    if layout == "ct-channel":
-        return a.amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0
-    rows, cols = w.shape
-    blocks = a.reshape(rows // BLOCK[0], BLOCK[0], cols // BLOCK[1], BLOCK[1])
-    return blocks.amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
-
-
-def _compressed_tensors(fmt: str, weights: dict, activations: str | None) -> dict:
-    group = {"targets": ["Linear"], "weights": {"symmetric": True, "dynamic": False, **weights}}
-    if activations is not None:  # W8A8's and FP8-dynamic's: quantized per token as they run
-        group["input_activations"] = {"num_bits": 8, "type": activations, "strategy": "token",
-                                      "dynamic": True, "symmetric": True}
-    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
-            "ignore": ["lm_head"], "config_groups": {"group_0": group}}
-
-
-def _quantization_config(layout: str) -> dict:
-    if layout == "fp8-block":
-        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                "weight_block_size": list(BLOCK)}
-    grouped = layout in ("ct-int8-group", "ct-w4-group")
-    ints = {"type": "int", "strategy": "group" if grouped else "channel",
-            "group_size": GROUP if grouped else None}
-    if layout.startswith("ct-int8"):
-        return _compressed_tensors("int-quantized", {"num_bits": 8, **ints}, "int")
-    if layout.startswith("ct-w"):
-        return _compressed_tensors("pack-quantized", {"num_bits": 4 if grouped else 8, **ints}, None)
-    weights = {"num_bits": 8, "type": "float", "strategy": layout.removeprefix("ct-")}
-    if layout == "ct-block":
-        weights["block_structure"] = list(BLOCK)
-    return _compressed_tensors("float-quantized", weights, "float")
-
-
-def _packed(w: torch.Tensor, bits: int, group: int) -> dict[str, torch.Tensor]:
-    """compressed-tensors' pack-quantized tensors of ``w``: symmetric ``bits``-bit integers,
-    a scale per ``group`` columns, each value plus 2 ** (bits - 1) in int32 words, lowest
-    bits first."""
-    rows, cols = w.shape
-    top = 2 ** (bits - 1) - 1
-    scale = (w.float().reshape(rows, cols // group, group).abs().amax(-1) / top).clamp(min=1e-8)
-    scale = scale.to(torch.float16)
-    q = torch.round(w.float().reshape(rows, cols // group, group) / scale.float()[..., None])
-    u = (q.clamp(-top - 1, top).reshape(rows, cols) + 2 ** (bits - 1)).to(torch.int64)
-    per_word = 32 // bits
-    words = torch.zeros(rows, cols // per_word, dtype=torch.int64)
-    for j in range(per_word):
-        words |= u[:, j::per_word] << (bits * j)
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    return {"weight_packed": words, "weight_scale": scale,
-            "weight_shape": torch.tensor([rows, cols], dtype=torch.int64)}
-
-
-def write_fp8(dense: Path, out: Path, layout: str) -> Path:
-    """``dense``'s checkpoint with every projection stored quantized in ``layout``."""
-    shutil.copytree(dense, out)
-    stored = {}
-    for name, w in load_file(str(dense / "model.safetensors")).items():
-        if not name.endswith("proj.weight"):
-            stored[name] = w
-            continue
-        base = name.removesuffix("weight")
-        if layout.startswith("ct-int8"):
-            group = GROUP if layout == "ct-int8-group" else w.shape[1]
-            scale = (w.float().reshape(w.shape[0], -1, group).abs().amax(-1) / 127).to(torch.float16)
-            codes = torch.round(w.float().reshape(w.shape[0], -1, group) / scale.float()[..., None])
-            stored[name] = codes.clamp(-128, 127).reshape(w.shape).to(torch.int8)
-            stored[base + "weight_scale"] = scale
-            continue
-        if layout in ("ct-w4-group", "ct-w8-channel"):
-            bits, group = (4, GROUP) if layout == "ct-w4-group" else (8, w.shape[1])
-            stored |= {base + k: v for k, v in _packed(w, bits, group).items()}
-            continue
-        scale = _scales(w, layout)
-        per_element = (scale.repeat_interleave(BLOCK[0], 0).repeat_interleave(BLOCK[1], 1)
-                       if scale.dim() == 2 and scale.shape[1] > 1 else scale)
-        stored[name] = (w.float() / per_element).to(torch.float8_e4m3fn)
-        stored[base + ("weight_scale_inv" if layout == "fp8-block" else "weight_scale")] = scale
-    save_file(stored, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = _quantization_config(layout)
-    (out / "config.json").write_text(json.dumps(config))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +44,7 @@ def dense(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module", params=LAYOUTS)
 def fp8_folder(request: pytest.FixtureRequest, dense: Path) -> Path:
-    return write_fp8(dense, dense.parent / request.param, request.param)
+    return write_quantized(dense, dense.parent / request.param, request.param, block=BLOCK, group=GROUP)
 
 
 def transformers_model(folder: Path) -> torch.nn.Module:
@@ -202,7 +110,7 @@ def test_tensor_parallel_ranks_read_their_cuts_dequantized(dense: Path, layout: 
     and the scales that cover them): the tokens of transformers' dequantized model."""
     folder = dense.parent / layout
     if not folder.exists():
-        write_fp8(dense, folder, layout)
+        write_quantized(dense, folder, layout, block=BLOCK, group=GROUP)
     model = transformers_model(folder)
     prompt = [4, 9, 16, 25]
     with torch.no_grad():

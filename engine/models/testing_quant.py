@@ -1,0 +1,119 @@
+"""Quantized Hugging Face checkpoints written from a dense one, for the tests and
+benchmarks of engine/models/hf_quant.py: every projection (``*proj.weight``) stored in one
+of the layouts that module reads, with scales chosen so each block's, row's or group's
+largest magnitude is the format's largest code; the other tensors as they are.
+
+``LAYOUTS``: "fp8-block" (``quant_method`` fp8, ``weight_scale_inv`` per ``block``),
+"ct-tensor" / "ct-channel" / "ct-block" (compressed-tensors float-quantized),
+"ct-int8-channel" / "ct-int8-group" (int-quantized), "ct-w4-group" / "ct-w8-channel"
+(pack-quantized, symmetric). Blocks and groups must divide the matrices (transformers'
+loaders, the oracle, require it).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+LAYOUTS = ("fp8-block", "ct-tensor", "ct-channel", "ct-block", "ct-w4-group", "ct-w8-channel",
+           "ct-int8-channel", "ct-int8-group")
+
+
+def _scales(w: torch.Tensor, layout: str, block: tuple[int, int]) -> torch.Tensor:
+    """One scale per tensor, per row or per block of ``w``, so its largest value is
+    e4m3's largest (448)."""
+    a = w.float().abs()
+    if layout == "ct-tensor":
+        return a.max().clamp(min=1e-12).reshape(1) / 448.0
+    if layout == "ct-channel":
+        return a.amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0
+    rows, cols = w.shape
+    blocks = a.reshape(rows // block[0], block[0], cols // block[1], block[1])
+    return blocks.amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+
+
+def _compressed_tensors(fmt: str, weights: dict[str, Any], activations: str | None) -> dict[str, Any]:
+    group = {"targets": ["Linear"], "weights": {"symmetric": True, "dynamic": False, **weights}}
+    if activations is not None:  # W8A8's and FP8-dynamic's: quantized per token as they run
+        group["input_activations"] = {"num_bits": 8, "type": activations, "strategy": "token",
+                                      "dynamic": True, "symmetric": True}
+    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+            "ignore": ["lm_head"], "config_groups": {"group_0": group}}
+
+
+def _quantization_config(layout: str, block: tuple[int, int], group: int) -> dict[str, Any]:
+    if layout == "fp8-block":
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": list(block)}
+    grouped = layout in ("ct-int8-group", "ct-w4-group")
+    ints = {"type": "int", "strategy": "group" if grouped else "channel",
+            "group_size": group if grouped else None}
+    if layout.startswith("ct-int8"):
+        return _compressed_tensors("int-quantized", {"num_bits": 8, **ints}, "int")
+    if layout.startswith("ct-w"):
+        return _compressed_tensors("pack-quantized", {"num_bits": 4 if grouped else 8, **ints}, None)
+    weights = {"num_bits": 8, "type": "float", "strategy": layout.removeprefix("ct-")}
+    if layout == "ct-block":
+        weights["block_structure"] = list(block)
+    return _compressed_tensors("float-quantized", weights, "float")
+
+
+def _packed(w: torch.Tensor, bits: int, group: int) -> dict[str, torch.Tensor]:
+    """compressed-tensors' pack-quantized tensors of ``w``: symmetric ``bits``-bit integers,
+    a scale per ``group`` columns, each value plus 2 ** (bits - 1) in int32 words, lowest
+    bits first."""
+    rows, cols = w.shape
+    top = 2 ** (bits - 1) - 1
+    scale = (w.float().reshape(rows, cols // group, group).abs().amax(-1) / top).clamp(min=1e-8)
+    scale = scale.to(torch.float16)
+    q = torch.round(w.float().reshape(rows, cols // group, group) / scale.float()[..., None])
+    u = (q.clamp(-top - 1, top).reshape(rows, cols) + 2 ** (bits - 1)).to(torch.int64)
+    per_word = 32 // bits
+    words = torch.zeros(rows, cols // per_word, dtype=torch.int64)
+    for j in range(per_word):
+        words |= u[:, j::per_word] << (bits * j)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return {"weight_packed": words, "weight_scale": scale,
+            "weight_shape": torch.tensor([rows, cols], dtype=torch.int64)}
+
+
+def write_quantized(dense: str | Path, out: str | Path, layout: str, *, block: tuple[int, int] = (128, 128),
+                    group: int = 128) -> Path:
+    """``dense``'s folder copied to ``out`` with every projection stored quantized in
+    ``layout`` (fp8 ``block`` of rows x columns; integer scales per ``group`` columns)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    dense, out = Path(dense), Path(out)
+    shutil.copytree(dense, out)
+    stored = {}
+    for name, w in load_file(str(dense / "model.safetensors")).items():
+        if not name.endswith("proj.weight"):
+            stored[name] = w
+            continue
+        base = name.removesuffix("weight")
+        if layout.startswith("ct-int8"):
+            cols = group if layout == "ct-int8-group" else w.shape[1]
+            scale = (w.float().reshape(w.shape[0], -1, cols).abs().amax(-1) / 127).to(torch.float16)
+            codes = torch.round(w.float().reshape(w.shape[0], -1, cols) / scale.float()[..., None])
+            stored[name] = codes.clamp(-128, 127).reshape(w.shape).to(torch.int8)
+            stored[base + "weight_scale"] = scale
+            continue
+        if layout in ("ct-w4-group", "ct-w8-channel"):
+            bits, cols = (4, group) if layout == "ct-w4-group" else (8, w.shape[1])
+            stored |= {base + k: v for k, v in _packed(w, bits, cols).items()}
+            continue
+        scale = _scales(w, layout, block)
+        per_element = (scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+                       if scale.dim() == 2 and scale.shape[1] > 1 else scale)
+        stored[name] = (w.float() / per_element).to(torch.float8_e4m3fn)
+        stored[base + ("weight_scale_inv" if layout == "fp8-block" else "weight_scale")] = scale
+    save_file(stored, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = _quantization_config(layout, block, group)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
