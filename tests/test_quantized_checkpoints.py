@@ -3,7 +3,8 @@ block-scaled fp8 (``quant_method`` "fp8", ``weight_scale_inv``), llm-compressor'
 (``compressed-tensors`` "float-quantized": one ``weight_scale`` per tensor, per output
 channel or per block), its int8 (``compressed-tensors`` "int-quantized": W8A8's weights,
 per channel or per group of columns) and its packed integers (``compressed-tensors``
-"pack-quantized": W4A16 in groups of columns, W8A16 per channel). Other quantization methods are refused
+"pack-quantized": W4A16 in groups of columns, symmetric or with zero points, W8A16 per
+channel). Other quantization methods are refused
 by name.
 
 The checkpoints are written here from one tiny random model: each projection's weight as
@@ -87,8 +88,8 @@ def test_greedy_tokens_match_transformers(fp8_folder: Path) -> None:
     ({"quant_method": "compressed-tensors", "format": "marlin-24"}, "format 'marlin-24'"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
         "g": {"weights": {"type": "int", "num_bits": 4, "strategy": "group"}}}}, "type 'int' and 4 bits"),
-    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
-        "g": {"weights": {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 32,
+    ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {
+        "g": {"weights": {"type": "int", "num_bits": 8, "strategy": "channel",
                           "symmetric": False}}}}, "asymmetric"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
         "g": {"weights": {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 32,
@@ -104,7 +105,7 @@ def test_other_quantization_methods_are_refused_by_name(dense: Path, tmp_path: P
         load_model(folder)
 
 
-@pytest.mark.parametrize("layout", ["fp8-block", "ct-channel", "ct-w4-group", "ct-int8-group"])
+@pytest.mark.parametrize("layout", ["fp8-block", "ct-channel", "ct-w4-group", "ct-w4-asym", "ct-int8-group"])
 def test_tensor_parallel_ranks_read_their_cuts_dequantized(dense: Path, layout: str) -> None:
     """Two ranks read their rows and columns of each quantized weight (lazily, the codes
     and the scales that cover them): the tokens of transformers' dequantized model."""

@@ -13,10 +13,11 @@ Four layouts are read:
   ``W8A8`` int8 models): symmetric int8 codes in ``weight`` beside ``weight_scale``, one
   for the tensor, one per output channel, or one per ``group_size`` columns of a row.
 * ``quant_method`` "compressed-tensors", ``format`` "pack-quantized" (llm-compressor's
-  ``W4A16`` / ``W8A16`` models, GPTQ- or RTN-made): symmetric integers of ``num_bits``
+  ``W4A16`` / ``W8A16`` models, GPTQ- or RTN-made): integers of ``num_bits``
   packed into int32 words along each row (``weight_packed``, the lowest bits first, each
   value stored plus ``2 ** (num_bits - 1)``), ``weight_shape``, and ``weight_scale``, one
-  per ``group_size`` columns of a row (``strategy`` group) or per row (channel).
+  per ``group_size`` columns of a row (``strategy`` group) or per row (channel); an
+  asymmetric one adds ``weight_zero_point``, as many, packed the same way down the rows.
 
 Each weight becomes codes x the scale that covers it (integers: multiplied in the
 scale's dtype, as the format's own decompressor does) when the folder is read, or, for
@@ -27,10 +28,10 @@ dense with 16-bit activations, as vLLM runs such a checkpoint (weight-only) wher
 no kernel for its format; activation scales (``input_scale``) are not read. Tensors stored
 in another dtype (norms, embeddings, an ignored ``lm_head``) pass as they are.
 
-Other methods and formats (GPTQ's and AWQ's own, bitsandbytes, asymmetric or act-order
-integers, ...) would need their own dequantizers: a folder naming one is refused with an
-error that names it, rather than failing later on a tensor it lacks. A GGUF file is this
-engine's own quantized format (``--quantization``).
+Other methods and formats (GPTQ's and AWQ's own, bitsandbytes, act-order integers,
+asymmetric int8, ...) would need their own dequantizers: a folder naming one is refused
+with an error that names it, rather than failing later on a tensor it lacks. A GGUF file
+is this engine's own quantized format (``--quantization``).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class QuantLayout:
     block: tuple[int, int] | None = None
     bits: int = 8
     group: int | None = None
+    zero_points: bool = False  # packed, asymmetric: ``weight_zero_point`` beside the scales
 
 
 def checkpoint_quantization(raw_config: Mapping[str, Any], where: str) -> QuantLayout | None:
@@ -131,9 +133,10 @@ def _scheme(scheme: Mapping[str, Any], fmt: str, where: str) -> QuantLayout:
     if strategy not in _INT_STRATEGIES + (("tensor",) if fmt == "int-quantized" else ()):
         raise UnsupportedModelError(f"{where}: compressed-tensors strategy {strategy!r} is not "
                                     f"supported for integers ({', '.join(_INT_STRATEGIES)} are)")
-    if scheme.get("symmetric") is False:
-        raise UnsupportedModelError(f"{where}: asymmetric compressed-tensors integers (zero "
-                                    "points) are not supported")
+    asymmetric = scheme.get("symmetric") is False
+    if asymmetric and fmt != "pack-quantized":
+        raise UnsupportedModelError(f"{where}: asymmetric compressed-tensors {fmt} integers (zero "
+                                    "points) are not supported (pack-quantized ones are)")
     if scheme.get("actorder") not in (None, False):
         raise UnsupportedModelError(f"{where}: compressed-tensors actorder "
                                     f"{scheme.get('actorder')!r} is not supported")
@@ -142,7 +145,7 @@ def _scheme(scheme: Mapping[str, Any], fmt: str, where: str) -> QuantLayout:
         raise UnsupportedModelError(f"{where}: compressed-tensors group_size must be a positive "
                                     f"integer, got {group!r}")
     return QuantLayout("packed" if fmt == "pack-quantized" else "int8", "weight_scale",
-                       bits=int(bits), group=group)
+                       bits=int(bits), group=group, zero_points=asymmetric)
 
 
 def dequantize(weights: dict[str, Any], layout: QuantLayout, where: str) -> dict[str, Any]:
@@ -152,7 +155,7 @@ def dequantize(weights: dict[str, Any], layout: QuantLayout, where: str) -> dict
     engine/models/checkpoint.py) become :class:`DequantizedTensor` s, which multiply each
     cut as it is read."""
     packed = layout.kind == "packed"
-    extras = (layout.scale_name, "weight_shape") if packed else (layout.scale_name,)
+    extras = (layout.scale_name, "weight_shape", "weight_zero_point") if packed else (layout.scale_name,)
     out: dict[str, Any] = {}
     for name, tensor in weights.items():
         if name.endswith(extras):
@@ -166,10 +169,13 @@ def dequantize(weights: dict[str, Any], layout: QuantLayout, where: str) -> dict
             continue
         scale = weights.get(base + layout.scale_name)
         shape = weights.get(base + "weight_shape") if packed else None
-        if scale is None or len(tensor.shape) != 2 or (packed and shape is None):
+        zero = weights.get(base + "weight_zero_point") if layout.zero_points else None
+        if (scale is None or len(tensor.shape) != 2 or (packed and shape is None)
+                or (layout.zero_points and zero is None)):
             raise CorruptModelError(f"{where}: the quantized tensor {name} lacks its "
-                                    f"{base + layout.scale_name}" + (" or weight_shape" if packed else ""))
-        stored = DequantizedTensor(tensor, scale, shape, layout, f"{where}: {name}")
+                                    f"{base + layout.scale_name}" + (" or weight_shape" if packed else "")
+                                    + (" or weight_zero_point" if layout.zero_points else ""))
+        stored = DequantizedTensor(tensor, scale, shape, layout, f"{where}: {name}", zero)
         out[base + "weight"] = stored if isinstance(tensor, StoredTensor) else stored.read()
     return out
 
@@ -181,8 +187,9 @@ def _whole(t: Any) -> torch.Tensor:
 class DequantizedTensor(StoredTensor):
     """A quantized weight read dequantized, whole or by rows or input columns."""
 
-    def __init__(self, codes: Any, scale: Any, shape: Any, layout: QuantLayout, what: str) -> None:
-        self.codes, self.scale, self.layout_, self.what = codes, scale, layout, what
+    def __init__(self, codes: Any, scale: Any, shape: Any, layout: QuantLayout, what: str,
+                 zero: Any = None) -> None:
+        self.codes, self.scale, self.layout_, self.what, self.zero = codes, scale, layout, what, zero
         if layout.kind == "packed":
             rows, cols = (int(v) for v in _whole(shape).tolist())
             if codes.shape[0] != rows or codes.shape[1] * (32 // layout.bits) < cols:
@@ -206,7 +213,11 @@ class DequantizedTensor(StoredTensor):
             return codes.float() * scale
         if self.layout_.kind == "int8":  # in the scale's dtype, as the format's decompressor
             return (codes.to(scale.dtype) * scale).float()
-        return self._ints(codes, scale)
+        zero = None
+        if self.zero is not None:  # packed down the rows, a value per row and group
+            zero = self._unpack(_whole(self.zero).to(torch.int64), 0, self.shape[0])
+            zero = torch.cat([zero[a:b] for a, b in spans])
+        return self._ints(codes, scale, zero)
 
     def read_cols(self, start: int, stop: int) -> torch.Tensor:
         if self.layout_.kind == "packed":  # words hold 32 / bits columns: read the rows whole
@@ -233,18 +244,32 @@ class DequantizedTensor(StoredTensor):
         return _expanded(scale if self.layout_.kind == "int8" else scale.float(), self.shape,
                          self.layout_.block, self.what)
 
-    def _ints(self, words: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """Rows of packed words, and their scales, as float32 values."""
-        bits, cols = self.layout_.bits, self.shape[1]
+    def _unpack(self, words: torch.Tensor, dim: int, count: int) -> torch.Tensor:
+        """The signed ``bits``-bit values of int64 ``words`` packed along ``dim`` (the
+        lowest bits first, each stored plus 2 ** (bits - 1)), the first ``count`` of them."""
+        bits = self.layout_.bits
         per_word, mask = 32 // bits, (1 << bits) - 1
-        words = words.to(torch.int64)  # no sign to carry down by the shifts
-        values = torch.stack([(words >> (bits * j)) & mask for j in range(per_word)], dim=-1)
-        values = values.reshape(words.shape[0], -1)[:, :cols] - (1 << (bits - 1))
+        values = torch.stack([(words >> (bits * j)) & mask for j in range(per_word)], dim=dim + 1)
+        if dim == 0:
+            values = values.reshape(-1, words.shape[1])[:count]
+        else:
+            values = values.reshape(words.shape[0], -1)[:, :count]
+        return values - (1 << (bits - 1))
+
+    def _ints(self, words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+        """Rows of packed words, and their scales (and zero points), as float32 values."""
+        cols = self.shape[1]
+        values = self._unpack(words.to(torch.int64), 1, cols)  # int64: no sign carried down
         group = self.layout_.group or cols
         if scale.shape != (words.shape[0], -(-cols // group)):
             raise CorruptModelError(f"{self.what}: its weight_scale is {tuple(scale.shape)}, not "
                                     f"one per {group} columns of {cols}")
         per_value = scale.repeat_interleave(group, dim=1)[:, :cols]
+        if zero is not None:
+            if zero.shape != scale.shape:
+                raise CorruptModelError(f"{self.what}: its weight_zero_point unpacks to "
+                                        f"{tuple(zero.shape)}, not its scales' {tuple(scale.shape)}")
+            values = values - zero.repeat_interleave(group, dim=1)[:, :cols]
         # In the scale's dtype, as the format's decompressor multiplies.
         return (values.to(scale.dtype) * per_value).float()
 

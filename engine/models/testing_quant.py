@@ -6,7 +6,7 @@ largest magnitude is the format's largest code; the other tensors as they are.
 ``LAYOUTS``: "fp8-block" (``quant_method`` fp8, ``weight_scale_inv`` per ``block``),
 "ct-tensor" / "ct-channel" / "ct-block" (compressed-tensors float-quantized),
 "ct-int8-channel" / "ct-int8-group" (int-quantized), "ct-w4-group" / "ct-w8-channel"
-(pack-quantized, symmetric). Blocks and groups must divide the matrices (transformers'
+(pack-quantized, symmetric) and "ct-w4-asym" (pack-quantized with zero points). Blocks and groups must divide the matrices (transformers'
 loaders, the oracle, require it).
 """
 
@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-LAYOUTS = ("fp8-block", "ct-tensor", "ct-channel", "ct-block", "ct-w4-group", "ct-w8-channel",
-           "ct-int8-channel", "ct-int8-group")
+LAYOUTS = ("fp8-block", "ct-tensor", "ct-channel", "ct-block", "ct-w4-group", "ct-w4-asym",
+           "ct-w8-channel", "ct-int8-channel", "ct-int8-group")
 
 
 def _scales(w: torch.Tensor, layout: str, block: tuple[int, int]) -> torch.Tensor:
@@ -50,36 +50,56 @@ def _quantization_config(layout: str, block: tuple[int, int], group: int) -> dic
     if layout == "fp8-block":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": list(block)}
-    grouped = layout in ("ct-int8-group", "ct-w4-group")
+    grouped = layout in ("ct-int8-group", "ct-w4-group", "ct-w4-asym")
     ints = {"type": "int", "strategy": "group" if grouped else "channel",
             "group_size": group if grouped else None}
     if layout.startswith("ct-int8"):
         return _compressed_tensors("int-quantized", {"num_bits": 8, **ints}, "int")
     if layout.startswith("ct-w"):
-        return _compressed_tensors("pack-quantized", {"num_bits": 4 if grouped else 8, **ints}, None)
+        weights = {"num_bits": 4 if grouped else 8, **ints}
+        if layout == "ct-w4-asym":
+            weights["symmetric"] = False
+        return _compressed_tensors("pack-quantized", weights, None)
     weights = {"num_bits": 8, "type": "float", "strategy": layout.removeprefix("ct-")}
     if layout == "ct-block":
         weights["block_structure"] = list(block)
     return _compressed_tensors("float-quantized", weights, "float")
 
 
-def _packed(w: torch.Tensor, bits: int, group: int) -> dict[str, torch.Tensor]:
-    """compressed-tensors' pack-quantized tensors of ``w``: symmetric ``bits``-bit integers,
-    a scale per ``group`` columns, each value plus 2 ** (bits - 1) in int32 words, lowest
-    bits first."""
-    rows, cols = w.shape
-    top = 2 ** (bits - 1) - 1
-    scale = (w.float().reshape(rows, cols // group, group).abs().amax(-1) / top).clamp(min=1e-8)
-    scale = scale.to(torch.float16)
-    q = torch.round(w.float().reshape(rows, cols // group, group) / scale.float()[..., None])
-    u = (q.clamp(-top - 1, top).reshape(rows, cols) + 2 ** (bits - 1)).to(torch.int64)
+def _pack(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Signed ``bits``-bit ``values`` packed into int32 words along ``dim``: each plus
+    2 ** (bits - 1), the lowest bits first (compressed-tensors' packing)."""
     per_word = 32 // bits
-    words = torch.zeros(rows, cols // per_word, dtype=torch.int64)
+    if dim == 0:  # the rows padded to whole words, packed as the columns of the transpose
+        pad = -values.shape[0] % per_word
+        padded = torch.cat([values, torch.zeros(pad, values.shape[1])]) if pad else values
+        return _pack(padded.t(), bits, 1).t().contiguous()
+    u = (values + 2 ** (bits - 1)).to(torch.int64)
+    words = torch.zeros(u.shape[0], u.shape[1] // per_word, dtype=torch.int64)
     for j in range(per_word):
         words |= u[:, j::per_word] << (bits * j)
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    return {"weight_packed": words, "weight_scale": scale,
-            "weight_shape": torch.tensor([rows, cols], dtype=torch.int64)}
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _packed(w: torch.Tensor, bits: int, group: int, symmetric: bool = True) -> dict[str, torch.Tensor]:
+    """compressed-tensors' pack-quantized tensors of ``w``: ``bits``-bit integers, a scale
+    (and, not ``symmetric``, a zero point) per ``group`` columns."""
+    rows, cols = w.shape
+    top = 2 ** (bits - 1) - 1
+    grouped = w.float().reshape(rows, cols // group, group)
+    if symmetric:
+        scale = (grouped.abs().amax(-1) / top).clamp(min=1e-8).to(torch.float16)
+        zero = torch.zeros(rows, cols // group)
+    else:  # the group's range onto [-2 ** (bits - 1), top]
+        lo, hi = grouped.amin(-1), grouped.amax(-1)
+        scale = ((hi - lo) / (2 * top + 1)).clamp(min=1e-8).to(torch.float16)
+        zero = torch.round(-top - 1 - lo / scale.float()).clamp(-top - 1, top)
+    q = torch.round(grouped / scale.float()[..., None] + zero[..., None]).clamp(-top - 1, top)
+    out = {"weight_packed": _pack(q.reshape(rows, cols), bits, 1), "weight_scale": scale,
+           "weight_shape": torch.tensor([rows, cols], dtype=torch.int64)}
+    if not symmetric:
+        out["weight_zero_point"] = _pack(zero, bits, 0)
+    return out
 
 
 def write_quantized(dense: str | Path, out: str | Path, layout: str, *, block: tuple[int, int] = (128, 128),
@@ -103,9 +123,10 @@ def write_quantized(dense: str | Path, out: str | Path, layout: str, *, block: t
             stored[name] = codes.clamp(-128, 127).reshape(w.shape).to(torch.int8)
             stored[base + "weight_scale"] = scale
             continue
-        if layout in ("ct-w4-group", "ct-w8-channel"):
-            bits, cols = (4, group) if layout == "ct-w4-group" else (8, w.shape[1])
-            stored |= {base + k: v for k, v in _packed(w, bits, cols).items()}
+        if layout in ("ct-w4-group", "ct-w4-asym", "ct-w8-channel"):
+            bits, cols = (8, w.shape[1]) if layout == "ct-w8-channel" else (4, group)
+            packed = _packed(w, bits, cols, symmetric=layout != "ct-w4-asym")
+            stored |= {base + k: v for k, v in packed.items()}
             continue
         scale = _scales(w, layout, block)
         per_element = (scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
