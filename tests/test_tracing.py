@@ -64,6 +64,13 @@ def attributes(span: Any) -> dict[str, Any]:
     return out
 
 
+def pooled_usage(base_url: str, model: str) -> int:
+    """The prompt tokens of one embeddings request (token ids) to the server at ``base_url``."""
+    answer = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none").embeddings.create(
+        model=model, input=[11, 12, 13, 14, 15, 16])
+    return answer.usage.prompt_tokens
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tracing") / "llama", "llama")
@@ -83,11 +90,19 @@ def test_each_request_is_a_span_in_the_callers_trace(folder: Path, monkeypatch: 
                                                  temperature=0, stream=True,
                                                  stream_options={"include_usage": True})
             usage = [c.usage for c in streamed if c.usage is not None][0]
-        # The engine's close flushed the batched spans.
+
+        # A pooling request is a span too (no completion tokens): the same model served
+        # as an embedder.
+        with ServerThread(lambda: engine.open_engine(model=str(folder), runner="pooling",
+                                                     otlp_traces_endpoint=collector.url)) as server:
+            embedded = pooled_usage(server.base_url, server.engine.model_name)
+        # Each engine's close flushed its batched spans.
     finally:
         collector.server.shutdown()
         collector.server.server_close()
-    first, second = sorted(collector.spans, key=lambda s: s.start_time_unix_nano)
+    first, second, third = sorted(collector.spans, key=lambda s: s.start_time_unix_nano)
+    c = attributes(third)
+    assert (c["gen_ai.usage.prompt_tokens"], c["gen_ai.usage.completion_tokens"]) == (embedded, 0)
     assert first.name == second.name == "llm_request"
     assert first.kind == second.kind == 2  # SPAN_KIND_SERVER
     assert (first.trace_id.hex(), first.parent_span_id.hex()) == (TRACE_ID, PARENT_ID)

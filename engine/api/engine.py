@@ -735,7 +735,9 @@ class Engine:
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     handles.router.close(mailbox)
                     raise self._dead_error() from self.dead_reason
-                streams.append(RequestStream(self, mailbox))
+                trace = None if self.tracer is None else self.tracer.request(
+                    mailbox.request_id, len(ids), len(mailbox.sample_ids), None, None)
+                streams.append(RequestStream(self, mailbox, trace))
             results = []
             for stream in streams:
                 data = None

@@ -1,5 +1,6 @@
-"""vLLM's ``--otlp-traces-endpoint``: one OpenTelemetry span per finished request,
-exported over OTLP, with vLLM's span name and attributes.
+"""vLLM's ``--otlp-traces-endpoint``: one OpenTelemetry span per finished request
+(generating, or each input of a pooling call), exported over OTLP, with vLLM's span name
+and attributes.
 
 Each request's span is ``llm_request`` (kind SERVER), from the request's arrival at the
 engine to its last output, a child of the caller's trace where the HTTP request carried
