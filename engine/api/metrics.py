@@ -278,7 +278,6 @@ class Metrics:
                              "Time between successive output tokens of one sample.", _ITL_BUCKETS)
         self.e2e = histogram("engine:e2e_request_latency_seconds",
                              "Time from request arrival to its last output token.", _E2E_BUCKETS)
-
         self.tpot = histogram("engine:time_per_output_token_seconds",
                               "Per request: (last token - first token) / (tokens - 1).",
                               _TPOT_BUCKETS)

@@ -125,6 +125,7 @@ async def open_engine(
     resolved = await trio.to_thread.run_sync(
         functools.partial(resolve_config, resolved, token=hf_token))
     parts: EngineParts | None = None
+    engine: Engine | None = None
     try:
         async with trio.open_nursery() as nursery:
             if resolved.core_in_process:
@@ -142,9 +143,6 @@ async def open_engine(
                 nursery.cancel_scope.cancel()
                 if engine._compiles is not None:
                     await engine._compiles.aclose()  # kills compiles still running
-                if engine.tracer is not None:  # the spans still batched go out
-                    with trio.CancelScope(shield=True):
-                        await trio.to_thread.run_sync(engine.tracer.close)
     except BaseExceptionGroup as group:
         # The actors never raise into this nursery (a crash marks the engine dead), so a
         # group of one holds what the caller's own block raised (or a startup failure):
@@ -160,3 +158,8 @@ async def open_engine(
         if close is not None:
             with trio.CancelScope(shield=True):
                 await run_in_model_thread(close)
+        if engine is not None and engine.tracer is not None:
+            # The spans still batched go out (a start that failed after the engine was
+            # built stops the exporter's thread too).
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(engine.tracer.close)
