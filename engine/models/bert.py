@@ -1,6 +1,8 @@
 """BERT: the bidirectional encoder of sentence-transformers embedders (``BertModel``), of
 cross-encoder rerankers (``BertForSequenceClassification``) and of token taggers
-(``BertForTokenClassification``: a classifier on every token's hidden state).
+(``BertForTokenClassification``: a classifier on every token's hidden state). RoBERTa and
+XLM-RoBERTa (``ModelConfig.encoder_kind`` "roberta") are the same layers with positions
+counted from the pad id, a single token type, and a classifier head of their own.
 
 Unlike the decoders, every token attends to every token of its own sequence, so a
 sequence's hidden states depend on all of it: a prompt cannot be split over steps, and
@@ -62,7 +64,10 @@ def encoder_weight_names(config: ModelConfig) -> list[str]:
                      "attention.output.dense", "attention.output.LayerNorm",
                      "intermediate.dense", "output.dense", "output.LayerNorm"):
             names += [p + part + ".weight", p + part + ".bias"]
-    if config.architecture == "bert_classifier":
+    if config.architecture == "bert_classifier" and config.encoder_kind == "roberta":
+        names += ["classifier.dense.weight", "classifier.dense.bias",
+                  "classifier.out_proj.weight", "classifier.out_proj.bias"]
+    elif config.architecture == "bert_classifier":
         names += ["pooler.dense.weight", "pooler.dense.bias", "classifier.weight", "classifier.bias"]
     elif config.architecture == "bert_token_classifier":
         names += ["classifier.weight", "classifier.bias"]  # no pooler (add_pooling_layer=False)
@@ -80,8 +85,9 @@ class BertModel:
     @staticmethod
     def checkpoint_name(name: str) -> str:
         """A stored tensor's name under :meth:`weight_names`' names:
-        BertForSequenceClassification names the encoder ``bert.*``, BertModel has no prefix."""
-        return name.removeprefix("bert.")
+        BertForSequenceClassification names the encoder ``bert.*`` (RoBERTa's heads
+        ``roberta.*``), BertModel has no prefix."""
+        return name.removeprefix("bert.").removeprefix("roberta.")
 
     def __init__(
         self,
@@ -107,7 +113,11 @@ class BertModel:
         self.layers = [self._layer(get, i) for i in range(config.num_hidden_layers)]
         self.pooler: Linear | None = None
         self.classifier: Linear | None = None
-        if config.architecture == "bert_classifier":
+        if config.architecture == "bert_classifier" and config.encoder_kind == "roberta":
+            # RobertaClassificationHead: dense + tanh + out_proj, the first token's row.
+            self.pooler = Linear(get("classifier.dense.weight"), get("classifier.dense.bias"))
+            self.classifier = Linear(get("classifier.out_proj.weight"), get("classifier.out_proj.bias"))
+        elif config.architecture == "bert_classifier":
             self.pooler = Linear(get("pooler.dense.weight"), get("pooler.dense.bias"))
             self.classifier = Linear(get("classifier.weight"), get("classifier.bias"))
         elif config.architecture == "bert_token_classifier":
@@ -139,6 +149,8 @@ class BertModel:
         width = (self.word.shape[1],)
         with one_intra_op_thread(input_ids):
             types = self._token_types(input_ids, meta)
+            if self.config.encoder_kind == "roberta":
+                positions = self._roberta_positions(input_ids, positions, meta)
             x = self.word[input_ids] + self.position[positions] + self.token_type[types]
             x = F.layer_norm(x, width, *self.embed_norm, self.eps)
         for layer in self.layers:
@@ -156,13 +168,19 @@ class BertModel:
             return torch.zeros_like(input_ids)
         seps = (input_ids == sep).to(torch.int64)
         before = seps.cumsum(0) - seps  # [SEP]s strictly before each row, over the flat batch
-        starts = meta.query_start_loc[:-1].to(torch.int64)
-        seq = torch.repeat_interleave(
-            torch.arange(len(meta.query_lens_host), device=input_ids.device),
-            torch.tensor(meta.query_lens_host, device=input_ids.device), output_size=input_ids.shape[0])
-        # Those of earlier sequences do not count: subtract the count at the row's sequence start.
-        within = before - before[starts][seq]
-        return (within > 0).to(torch.int64)
+        return (_within_sequence(before, meta) > 0).to(torch.int64)
+
+    def _roberta_positions(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                           meta: AttentionMetadata) -> torch.Tensor:
+        """RoBERTa's position rows: pad + 1 + the row's index among its sequence's non-pad
+        tokens, pad for a pad token (transformers' create_position_ids_from_input_ids)."""
+        pad = self.config.pad_token_id
+        assert pad is not None  # set for every RoBERTa config
+        real = input_ids != pad
+        if bool(real.all()):
+            return positions + (pad + 1)
+        counted = _within_sequence(real.to(torch.int64).cumsum(0), meta, inclusive=True)
+        return torch.where(real, counted + pad, pad)
 
     def _attention(self, layer: _EncoderLayer, x: torch.Tensor, lens: tuple[int, ...]) -> torch.Tensor:
         """Each sequence's bidirectional attention over its own rows, ``[T, hidden]``."""
@@ -170,7 +188,8 @@ class BertModel:
 
     @torch.inference_mode()
     def classify(self, first_rows: torch.Tensor) -> torch.Tensor:
-        """A cross-encoder's logits [B, num_labels] (fp32) from each sequence's [CLS] row."""
+        """A cross-encoder's logits [B, num_labels] (fp32) from each sequence's [CLS] row
+        (RoBERTa's head computes the same two linears around its tanh)."""
         assert self.pooler is not None and self.classifier is not None  # bert_classifier only
         return self.classifier(torch.tanh(self.pooler(first_rows))).float()
 
@@ -179,3 +198,17 @@ class BertModel:
         """A token classifier's logits [T, num_labels] (fp32), one row a token."""
         assert self.pooler is None and self.classifier is not None  # bert_token_classifier only
         return self.classifier(rows).float()
+
+
+def _within_sequence(counts: torch.Tensor, meta: AttentionMetadata, *, inclusive: bool = False) -> torch.Tensor:
+    """A running count over the step's flat batch made per sequence: each row's count less
+    the count before its sequence's first row. ``counts`` counts strictly before each row
+    (``inclusive``: up to and including it)."""
+    lens = meta.query_lens_host
+    seq = torch.repeat_interleave(
+        torch.arange(len(lens), device=counts.device),
+        torch.tensor(lens, device=counts.device), output_size=counts.shape[0])
+    starts = meta.query_start_loc[:-1].to(torch.int64)
+    # The count before each sequence's first row (an inclusive count shifted by one row).
+    before = torch.cat([counts.new_zeros(1), counts]) if inclusive else counts
+    return counts - before[starts][seq]

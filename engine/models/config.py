@@ -46,7 +46,17 @@ ENCODER_ARCHITECTURES = {
     "BertForSequenceClassification": "bert_classifier",
     # A classifier head on every token's hidden state (NER taggers): vLLM's token_classify.
     "BertForTokenClassification": "bert_token_classifier",
+    # RoBERTa and XLM-RoBERTa (multilingual-e5, bge-m3, bge-reranker-v2-m3) are BERT's layers
+    # with positions counted from the pad id, one token type and their own classifier head
+    # (ModelConfig.encoder_kind "roberta").
+    "RobertaModel": "bert",
+    "XLMRobertaModel": "bert",
+    "RobertaForSequenceClassification": "bert_classifier",
+    "XLMRobertaForSequenceClassification": "bert_classifier",
+    "RobertaForTokenClassification": "bert_token_classifier",
+    "XLMRobertaForTokenClassification": "bert_token_classifier",
 }
+_ROBERTA_ARCHITECTURES = frozenset(a for a in ENCODER_ARCHITECTURES if "Roberta" in a)
 
 # The rope_scaling types models/layers/rope.py computes (``su`` is Phi-3's older name of longrope).
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope", "su")
@@ -246,6 +256,12 @@ class ModelConfig:
     moe: MoeConfig | None = None  # the sparse MLP of a mixture-of-experts model
     # Encoders (ENCODER_ARCHITECTURES): learned absolute positions, token types, LayerNorm.
     type_vocab_size: int = 0
+    # "bert", or "roberta" (RoBERTa, XLM-RoBERTa): a token's position row is pad_token_id + 1
+    # + its index among the sequence's non-pad tokens (a pad token's is pad_token_id), the
+    # weights sit under "roberta." in a head's checkpoint, and a sequence classifier's head
+    # is classifier.dense + tanh + classifier.out_proj on the first token (no pooler).
+    encoder_kind: str = "bert"
+    pad_token_id: int | None = None
     # Output classes of a sequence classifier (cross-encoder); 0 for other models.
     num_labels: int = 0
     # Their names, by index (config.json's id2label; transformers' LABEL_i where it has none).
@@ -289,7 +305,7 @@ class ModelConfig:
         qwen_vl = next((QWEN_VL_ARCHITECTURES[a] for a in archs if a in QWEN_VL_ARCHITECTURES), None)
         if qwen_vl is not None:
             return _qwen_vl_config(raw, qwen_vl)
-        encoder = next((ENCODER_ARCHITECTURES[a] for a in archs if a in ENCODER_ARCHITECTURES), None)
+        encoder = next((a for a in archs if a in ENCODER_ARCHITECTURES), None)
         if encoder is not None:
             return _encoder_config(raw, encoder)
         absolute = next((ABSOLUTE_ARCHITECTURES[a] for a in archs if a in ABSOLUTE_ARCHITECTURES), None)
@@ -469,9 +485,10 @@ def _matryoshka(raw: dict[str, Any], hidden: int) -> tuple[int, ...] | None:
     return None
 
 
-def _encoder_config(raw: dict[str, Any], arch: str) -> ModelConfig:
-    """A BERT encoder's shape in the decoder's terms (the fields that mean nothing to it,
-    RoPE and windows, stay neutral)."""
+def _encoder_config(raw: dict[str, Any], hf_arch: str) -> ModelConfig:
+    """A BERT (or RoBERTa) encoder's shape in the decoder's terms (the fields that mean
+    nothing to it, RoPE and windows, stay neutral)."""
+    arch = ENCODER_ARCHITECTURES[hf_arch]
     if raw.get("position_embedding_type", "absolute") != "absolute":
         raise UnsupportedModelError(
             f"position_embedding_type {raw['position_embedding_type']!r} is not supported; "
@@ -479,11 +496,21 @@ def _encoder_config(raw: dict[str, Any], arch: str) -> ModelConfig:
     act = raw.get("hidden_act", "gelu")
     if act != "gelu":
         raise UnsupportedModelError(f"hidden_act {act!r} is not supported for BERT; gelu is")
+    if raw.get("is_decoder") or raw.get("add_cross_attention"):
+        raise UnsupportedModelError(f"{hf_arch} as a decoder (is_decoder, add_cross_attention) "
+                                    "is not supported; as a bidirectional encoder it is")
+    roberta = hf_arch in _ROBERTA_ARCHITECTURES
     try:
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         layers = int(raw["num_hidden_layers"])
         names = _labels(raw) if arch in ("bert_classifier", "bert_token_classifier") else ()
+        positions = int(raw.get("max_position_embeddings", 512))
+        pad = int(raw.get("pad_token_id", 1)) if roberta else None
+        if pad is not None:
+            # Rows 0..pad are the pad's and those below it: a sequence's first token reads
+            # row pad + 1, so pad + 1 fewer positions are usable (514 rows: 512 tokens).
+            positions -= pad + 1
         return ModelConfig(
             architecture=arch,
             vocab_size=int(raw["vocab_size"]),
@@ -496,7 +523,7 @@ def _encoder_config(raw: dict[str, Any], arch: str) -> ModelConfig:
             rms_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),  # LayerNorm's eps here
             rope_theta=0.0,
             rope_scaling=None,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 512)),
+            max_position_embeddings=positions,
             tie_word_embeddings=False,
             attention_bias=True,
             qk_norm=False,
@@ -507,6 +534,8 @@ def _encoder_config(raw: dict[str, Any], arch: str) -> ModelConfig:
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             activation="gelu",
             type_vocab_size=int(raw.get("type_vocab_size", 2)),
+            encoder_kind="roberta" if roberta else "bert",
+            pad_token_id=pad,
             num_labels=len(names),
             labels=names,
             matryoshka_dimensions=_matryoshka(raw, hidden),
