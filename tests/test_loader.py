@@ -72,6 +72,7 @@ _GGUF_ARCH = {
     "llama3": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "gemma": "gemma",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
     "phi3": "phi3",
@@ -159,7 +160,7 @@ def write_gguf(
             array = _llama_cpp_permute(array, heads)
         elif gguf_arch == "llama" and name.endswith("k_proj.weight"):
             array = _llama_cpp_permute(array, kv_heads)
-        elif gguf_arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+        elif gguf_arch in ("gemma", "gemma2", "gemma3") and name.endswith("norm.weight"):
             array = array + 1  # llama.cpp's converter stores Gemma's norms as 1 + w
         gname = _gguf_name(name, gguf_arch)
         qtype = quant if array.ndim == 2 else F32
@@ -337,13 +338,13 @@ def _assert_config_matches(gguf_config: ModelConfig, hf_config: ModelConfig) -> 
     )  # stored as f32
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3", "phi3"])
 def test_gemma_and_phi3_ggufs_load_as_their_hf_folders(tmp_path: Path, arch: str) -> None:
     """llama.cpp's layouts: Gemma's sandwich norms stored as 1 + w, its windows, soft-caps
     and local RoPE base; Phi-3's fused attn_qkv / ffn_up and its longrope factor tensors."""
     folder = _tiny(tmp_path, arch)
     cfg = json.loads((folder / "config.json").read_text())
-    if arch != "phi3":
+    if arch in ("gemma2", "gemma3"):
         # A GGUF has no query_pre_attn_scalar: llama.cpp uses head_dim (but for 27B).
         (folder / "config.json").write_text(json.dumps(cfg | {"query_pre_attn_scalar": cfg["head_dim"]}))
     path = write_gguf(folder, tmp_path / f"{arch}.gguf")

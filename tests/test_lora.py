@@ -1,6 +1,6 @@
 """LoRA adapters in the model and the runner, against peft's ``PeftModel`` (unmerged).
 
-For tiny random Llama, Qwen2, Gemma 2 and Qwen2-MoE models, two adapters per model are
+For tiny random Llama, Qwen2, Gemma, Gemma 2 and Qwen2-MoE models, two adapters per model are
 written by peft itself (``save_pretrained``) with random A and B: rank 8 (alpha 16) and
 rank 16 with rsLoRA scaling (alpha 32), on every target the model has: q/k/v/o and the
 dense MLP's gate/up/down (the MoE's sparse layers have no dense MLP; their experts and
@@ -70,14 +70,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 LOGIT_ATOL = 1e-5  # see the module docstring
 LOGIT_ATOL_MOE = 5e-5
-# The MoE model's (and, in tests/test_lora_parallel.py, Phi-3's) random A and B are drawn at
-# half the others' 0.1: there the rank-16 rsLoRA adapter (scale 8) at 0.1 outweighs the base
+# The MoE model's and the tiny Gemma 1's (its q/k/v twice as wide, head_dim 32) random A
+# and B (and, in tests/test_lora_parallel.py, Phi-3's) are drawn at half the others' 0.1: there the rank-16 rsLoRA adapter (scale 8) at 0.1 outweighs the base
 # weights about fourfold, and the model amplifies any change in the order of fp32 sums (the
 # AVX-512 shrink's lane tree against the portable loop's) to ~5e-5 in logits of ~17; at 0.05
 # the adapters still move logits by O(1) (the checks below).
 SMALL_ADAPTER_STD = 0.05
 NEW_TOKENS = 32
-ARCHS = ("llama", "qwen2", "gemma2", "qwen2_moe")
+ARCHS = ("llama", "qwen2", "gemma", "gemma2", "qwen2_moe")
 # Every projection an adapter may target, as a regex peft matches against full module
 # names: the MLP's only where it sits right under ``mlp`` (a dense layer), so a MoE's
 # experts and shared expert are left out.
@@ -160,7 +160,7 @@ def prefill_logits(runner: ModelRunner, prompts: list[list[int]], loras: list) -
 def tiny(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     folder = write_tiny_model(root / "base", request.param)
-    peft_model = write_peft_adapters(folder, root, ADAPTERS, std=SMALL_ADAPTER_STD if request.param == "qwen2_moe" else 0.1)
+    peft_model = write_peft_adapters(folder, root, ADAPTERS, std=SMALL_ADAPTER_STD if request.param in ("qwen2_moe", "gemma") else 0.1)
     adapters = {name: LoraAdapter(name, str(root / name), i + 1) for i, name in enumerate(ADAPTERS)}
     loaded = _loaded(folder)
     prompts = _prompts(loaded.config.vocab_size)

@@ -11,14 +11,16 @@ from engine.models.encoder_config import ENCODER_ARCHITECTURES, encoder_fields, 
 
 # Hugging Face architecture -> family. The Llama family's decoder layer is the Llama layer
 # with small variations: Qwen2 adds q/k/v biases, Qwen3 per-head RMSNorm on q and k,
-# Mistral a sliding window, Phi-3 stores q/k/v and gate/up fused. Gemma 2/3 have their own
-# layer (models/gemma.py): four norms per layer, GeGLU, soft-capping, local/global layers.
+# Mistral a sliding window, Phi-3 stores q/k/v and gate/up fused. Gemma has its own layer
+# (models/gemma.py): "1 + w" norms in fp32, GeGLU, scaled embeddings; Gemma 2/3 add four
+# norms per layer, soft-capping and local/global layers.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     # Mixture of experts (engine/models/layers/moe.py): the Llama layer with a routed expert MLP.
@@ -27,7 +29,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
-GEMMA_FAMILY = frozenset({"gemma2", "gemma3"})
+GEMMA_FAMILY = frozenset({"gemma", "gemma2", "gemma3"})
 
 # The same decoders saved without their LM head (transformers' base classes), as embedding
 # models such as Qwen3-Embedding are: weights without the "model." prefix, no lm_head.
@@ -312,6 +314,7 @@ class ModelConfig:
             rope_theta, rope_scaling, local_theta = _rope(raw, arch)
             activation = _activation(raw, arch)
             gemma = arch in GEMMA_FAMILY
+            head_dim = int(raw.get("head_dim") or hidden // heads)
             return cls(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
@@ -320,7 +323,7 @@ class ModelConfig:
                 num_hidden_layers=layers,
                 num_attention_heads=heads,
                 num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-                head_dim=int(raw.get("head_dim") or hidden // heads),
+                head_dim=head_dim,
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
@@ -337,7 +340,9 @@ class ModelConfig:
                 eos_token_ids=tuple(int(e) for e in eos_ids),
                 torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
                 activation=activation,
-                query_pre_attn_scalar=float(raw["query_pre_attn_scalar"]) if gemma else None,
+                # Gemma 1 scales by head_dim ** -0.5; Gemma 2 and 3 name their scalar.
+                query_pre_attn_scalar=(float(head_dim if arch == "gemma" else raw["query_pre_attn_scalar"])
+                                       if gemma else None),
                 attn_logit_softcapping=float(raw.get("attn_logit_softcapping") or 0.0) if gemma else 0.0,
                 final_logit_softcapping=float(raw.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
                 rope_local_theta=local_theta,
@@ -435,6 +440,10 @@ def _activation(raw: dict[str, Any], arch: str) -> str:
     name = raw.get("hidden_activation") or raw.get("hidden_act")
     if arch in GEMMA_FAMILY:
         name = name or "gelu_pytorch_tanh"
+        if arch == "gemma" and name == "gelu":
+            # Gemma 1's releases say "gelu" and mean the tanh approximation (transformers'
+            # GemmaConfig and vLLM both read it so).
+            name = "gelu_pytorch_tanh"
     name = name or "silu"
     if name not in _ACTIVATIONS:
         raise UnsupportedModelError(

@@ -1,14 +1,16 @@
-"""Gemma 2 and Gemma 3 (text): the Llama decoder's attention with Gemma's layer around it.
+"""Gemma, Gemma 2 and Gemma 3 (text): the Llama decoder's attention with Gemma's layer
+around it.
 
 What differs from the generic decoder (:class:`~engine.models.layers.decoder.Decoder`, the
 Llama family's), each as transformers computes it:
 
-* four RMSNorms per layer: before and after attention, before and after the MLP (the
-  "sandwich"), each ``x / rms(x) * (1 + weight)`` computed in fp32 and rounded once (Llama
-  rounds ``x / rms(x)`` first, then multiplies by a weight stored without the 1);
+* RMSNorms ``x / rms(x) * (1 + weight)`` computed in fp32 and rounded once (Llama rounds
+  ``x / rms(x)`` first, then multiplies by a weight stored without the 1). Gemma 1 has
+  Llama's two a layer (before attention, before the MLP); Gemma 2 and 3 four: before and
+  after attention, before and after the MLP (the "sandwich");
 * the MLP is GeGLU: ``down(gelu_tanh(gate(x)) * up(x))``;
 * embeddings are scaled by ``sqrt(hidden_size)`` (rounded to the model dtype first);
-* attention scale ``query_pre_attn_scalar ** -0.5``; Gemma 2 soft-caps attention scores
+* attention scale ``query_pre_attn_scalar ** -0.5`` (Gemma 1: ``head_dim ** -0.5``); Gemma 2 soft-caps attention scores
   (``attn_logit_softcapping``) and final logits (``final_logit_softcapping``);
 * local (sliding-window) and global layers alternate (``ModelConfig.layer_windows``);
   Gemma 3's local layers rotate with their own base (``rope_local_base_freq``, no scaling)
@@ -41,17 +43,18 @@ GEMMA_LAYER_NORMS = (*LAYER_NORMS, "pre_feedforward_layernorm", "post_feedforwar
 
 @dataclasses.dataclass(slots=True)
 class GemmaLayer(DecoderLayer):
-    # input_norm: before attention; post_norm: after it (post_attention_layernorm).
-    pre_ffn_norm: torch.Tensor
-    post_ffn_norm: torch.Tensor
+    # input_norm: before attention; post_norm: after it (Gemma 2/3's post_attention_layernorm;
+    # None in Gemma 1, which adds attention's output as it is).
+    pre_ffn_norm: torch.Tensor  # before the MLP (Gemma 1's post_attention_layernorm)
+    post_ffn_norm: torch.Tensor | None  # after it; None in Gemma 1
 
 
 class GemmaModel(Decoder):
-    """Gemma 2 / Gemma 3 decoder stack plus (tied) LM head over Hugging Face weights."""
+    """Gemma / Gemma 2 / Gemma 3 decoder stack plus (tied) LM head over Hugging Face weights."""
 
     @classmethod
     def weight_names(cls, config: ModelConfig) -> list[str]:
-        return decoder_weight_names(config, GEMMA_LAYER_NORMS)
+        return decoder_weight_names(config, LAYER_NORMS if config.architecture == "gemma" else GEMMA_LAYER_NORMS)
 
     def __init__(
         self,
@@ -94,12 +97,13 @@ class GemmaModel(Decoder):
         attn, mlp = p + "self_attn.", p + "mlp."
         norm = lambda name: self._norm_weight(get.weights, p + name)  # noqa: E731
         qk_norm = self.config.qk_norm
+        sandwich = self.config.architecture != "gemma"
         _, spans = qkv_spans(self.config, self.tp)
         return GemmaLayer(
             input_norm=norm("input_layernorm.weight"),
-            post_norm=norm("post_attention_layernorm.weight"),
-            pre_ffn_norm=norm("pre_feedforward_layernorm.weight"),
-            post_ffn_norm=norm("post_feedforward_layernorm.weight"),
+            post_norm=norm("post_attention_layernorm.weight") if sandwich else None,
+            pre_ffn_norm=norm("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight"),
+            post_ffn_norm=norm("post_feedforward_layernorm.weight") if sandwich else None,
             qkv=make_linear([get.rows(attn + f"{n}_proj.weight", spans=[span]) for n, span in zip("qkv", spans, strict=True)]),
             o_proj=get.row_parallel(attn + "o_proj.weight"),
             q_norm=norm("self_attn.q_norm.weight") if qk_norm else None,
@@ -140,10 +144,10 @@ class GemmaModel(Decoder):
             assert isinstance(layer, GemmaLayer)
             x = self._rms(hidden, layer.input_norm)
             x = self._attention(layer, x, positions, meta, k_cache, v_cache)
-            hidden = hidden + self._rms(x, layer.post_norm)
+            hidden = hidden + (x if layer.post_norm is None else self._rms(x, layer.post_norm))
             x = self._rms(hidden, layer.pre_ffn_norm)
             x = layer.down(ops.gelu_tanh_and_mul(layer.gate_up(x)))  # row-parallel: the whole output
-            hidden = hidden + self._rms(x, layer.post_ffn_norm)
+            hidden = hidden + (x if layer.post_ffn_norm is None else self._rms(x, layer.post_ffn_norm))
         if not stage.last:
             stage.send([hidden])
             return None  # type: ignore[return-value]

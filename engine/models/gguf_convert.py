@@ -46,6 +46,7 @@ _ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama", True),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
+    "gemma": ("GemmaForCausalLM", "gemma", False),
     "gemma2": ("Gemma2ForCausalLM", "gemma2", False),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
     "phi3": ("Phi3ForCausalLM", "phi3", False),
@@ -67,7 +68,7 @@ _MOE_BLOCK_NAMES = {
     "ffn_gate_inp_shexp": "shared_expert_gate",  # 1-D [hidden] in GGUF, [1, hidden] in HF
 }
 
-_GEMMA = frozenset({"gemma2", "gemma3"})
+_GEMMA = frozenset({"gemma", "gemma2", "gemma3"})
 
 _TOP_LEVEL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -373,6 +374,8 @@ def _layer_types(fields: _Fields, arch: str, layers: int, default_pattern: int) 
 
 
 def _gemma_config(fields: _Fields, arch: str, config: dict[str, Any]) -> dict[str, Any]:
+    if arch == "gemma":  # Gemma 1: GeGLU; no windows, caps or scalar (it scales by head_dim)
+        return {"hidden_act": "gelu_pytorch_tanh"}
     layers, hidden, heads = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
     # GGUF has no query_pre_attn_scalar: llama.cpp scales by head_dim ** -0.5 except for
     # the 27B models (46 layers for Gemma 2, 62 for Gemma 3), scaled by (hidden/heads) ** -0.5.

@@ -39,6 +39,7 @@ MODEL_CLASSES: dict[str, type] = {
     "mixtral": LlamaModel,
     "qwen2_moe": LlamaModel,
     "qwen3_moe": LlamaModel,
+    "gemma": GemmaModel,
     "gemma2": GemmaModel,
     "gemma3": GemmaModel,
     "gpt2": GPT2Model,

@@ -26,7 +26,7 @@ from engine.models.testing_absolute import (
     absolute_weights,
 )
 
-TINY_ARCHITECTURES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+TINY_ARCHITECTURES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3")
 # Mixture-of-experts models (kept apart so the dense suites do not grow by their cost):
 # Mixtral with 8 experts, top 2, every layer sparse; Qwen3-MoE with 8 experts, top 3,
 # renormalised, its middle layer dense (mlp_only_layers); Qwen2-MoE with 6 experts, top 2,
@@ -128,6 +128,16 @@ def _hf_config(arch: str, vocab_size: int) -> dict[str, Any]:
             head_dim=32,  # Qwen3 decouples head_dim from hidden_size / heads
             attention_bias=False,
             use_sliding_window=False,
+        )
+    elif arch == "gemma":
+        base.update(
+            architectures=["GemmaForCausalLM"],
+            model_type="gemma",
+            head_dim=32,  # apart from hidden / heads (16): Gemma 1 scales by head_dim ** -0.5
+            # The releases' legacy value, which means the tanh approximation.
+            hidden_act="gelu",
+            tie_word_embeddings=False,  # as below
+            pad_token_id=0,
         )
     elif arch in ("gemma2", "gemma3"):
         base.update(
@@ -231,7 +241,7 @@ def _weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     vocab = cfg["vocab_size"]
     qwen2 = cfg["model_type"] in ("qwen2", "qwen2_moe")
     qwen3 = cfg["model_type"] in ("qwen3", "qwen3_moe")
-    gemma = cfg["model_type"] in ("gemma2", "gemma3_text")
+    gemma = cfg["model_type"] in ("gemma", "gemma2", "gemma3_text")
     phi3 = cfg["model_type"] == "phi3"
     moe = ModelConfig.from_hf(cfg).moe
 
@@ -263,7 +273,7 @@ def _weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
         if qwen3 or cfg["model_type"] == "gemma3_text":
             w[p + "self_attn.q_norm.weight"] = norm(head_dim)
             w[p + "self_attn.k_norm.weight"] = norm(head_dim)
-        if gemma:
+        if gemma and cfg["model_type"] != "gemma":  # Gemma 2/3's sandwich norms
             w[p + "pre_feedforward_layernorm.weight"] = norm(hidden)
             w[p + "post_feedforward_layernorm.weight"] = norm(hidden)
         if moe is not None and i in moe.sparse_layers:

@@ -25,10 +25,11 @@
  * adapters in the step (EngFusedModel's lora_* fields), each targeted projection's delta is
  * added right after it by kernels.c's eng_lora_team, as LoraLinear adds it unfused.
  *
- * Gemma 2/3 (m->gemma): the same phases with Gemma's layer around them. Its norms are
- * x / rms(x) * (1 + w) in fp32 (kernels.c's gemma_norm_row), four a layer: the attention
- * and MLP outputs are normed before they are added to the residual stream, which stays in
- * `hidden`; the MLP is GeGLU (gelu-tanh-and-mul); Gemma 2 soft-caps attention scores.
+ * Gemma (m->gemma): the same phases with Gemma's layer around them. Its norms are
+ * x / rms(x) * (1 + w) in fp32 (kernels.c's gemma_norm_row), four a layer in Gemma 2/3:
+ * the attention and MLP outputs are normed before they are added to the residual stream,
+ * which stays in `hidden` (Gemma 1 has no such post-norms: NULL, a plain add); the MLP is
+ * GeGLU (gelu-tanh-and-mul); Gemma 2 soft-caps attention scores.
  * The caller scales the embeddings by sqrt(hidden) and soft-caps the logits.
  */
 #include <omp.h>

@@ -40,7 +40,8 @@ typedef struct {
 typedef struct {
     /* Llama: input_norm before attention, post_norm before the MLP, in the activation dtype.
      * Gemma: input_norm and post_norm around attention, pre_ffn_norm and post_ffn_norm
-     * around the MLP, each 1 + w in fp32 (q_norm and k_norm too). */
+     * around the MLP, each 1 + w in fp32 (q_norm and k_norm too); Gemma 1 has no post_norm
+     * nor post_ffn_norm (NULL). */
     const void *input_norm, *post_norm, *q_norm, *k_norm; /* q_norm, k_norm: NULL unless qk-norm */
     const void *pre_ffn_norm, *post_ffn_norm;             /* Gemma only */
     int external_mlp; /* a mixture-of-experts MLP: the step stops before it (see EngFusedState) */
@@ -55,7 +56,7 @@ typedef struct {
 typedef struct {
     int dtype;    /* 0 fp32, 1 bf16 (activations, norms, biases, RoPE tables) */
     int kv_int8;  /* the caches hold int8 codes with fp32 scales */
-    int gemma;    /* Gemma's layer: four fp32 "1 + w" norms a layer, GeGLU, a soft-cap */
+    int gemma;    /* Gemma's layer: fp32 "1 + w" norms (four a layer, or Gemma 1's two), GeGLU, a soft-cap */
     int quantized; /* some projection has quantized parts (its inputs are quantized for it) */
     float softcap; /* attention score soft-cap (Gemma 2), 0 for none */
     int64_t n_layers, hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size, max_tokens;

@@ -125,6 +125,8 @@ def unfusable(model: FusedModel, kv_caches) -> str | None:
         norms = [layer.input_norm, layer.post_norm]
         if gemma:
             norms += [layer.pre_ffn_norm, layer.post_ffn_norm]
+            if layer.post_norm is None and layer.post_ffn_norm is None:
+                norms = [layer.input_norm, layer.pre_ffn_norm]  # Gemma 1: no norm after a block
         if layer.q_norm is not None:
             norms += [layer.q_norm, layer.k_norm]
         # Gemma keeps its norms as 1 + w in fp32, Llama in the dtype.

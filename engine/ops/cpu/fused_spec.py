@@ -83,7 +83,7 @@ class FusedLayer:
     post_norm: torch.Tensor  # after attention (Llama: before the MLP too)
     q_norm: torch.Tensor | None  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
     k_norm: torch.Tensor | None
-    pre_ffn_norm: torch.Tensor | None = None  # Gemma's sandwich: before and after the MLP
+    pre_ffn_norm: torch.Tensor | None = None  # Gemma: before the MLP, and (2/3, not 1) after it
     post_ffn_norm: torch.Tensor | None = None
     qkv: Projection | None  # [(H + 2 * Hkv) * D, hidden], q/k/v biases included
     o: Projection | None

@@ -283,10 +283,15 @@ INLINE void gemma_norm_row(void *out, const void *x, int64_t n, const float *w, 
 
 /* Gemma's sandwich step on one row: with `d`, r += norm(d) * w_post (each rounded to the
  * dtype, as transformers' `hidden + post_norm(x)`), then out = norm(r) * w_next. Without
- * `d`, only the second norm (the first layer's input norm). */
+ * `d`, only the second norm (the first layer's input norm). Without `w_post` (Gemma 1,
+ * no norm after attention or the MLP), r += d. */
 INLINE void gemma_add_norm_row(void *r, const void *d, const float *w_post, void *out, const float *w_next,
                                int64_t n, float eps, int bf) {
-    if (d) {
+    if (d && !w_post) {
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++)
+            st(r, i, ld(r, i, bf) + ld(d, i, bf), bf);
+    } else if (d) {
         const float rstd = rms_rstd(d, n, eps, bf);
 #pragma omp simd
         for (int64_t i = 0; i < n; i++)
