@@ -107,6 +107,8 @@ CASES = [
     ("gemma3", "Q8_0", "bfloat16", "auto", 3),   # q/k norms, local RoPE base
     ("gemma3", "Q4_1", "float32", "int8", None),
     ("gemma", "Q8_0", "bfloat16", "auto", 3),    # Gemma 1: no norm after attention or the MLP
+    ("smollm3", "dense", "bfloat16", "int8", 3),  # a layer without RoPE
+    ("smollm3", "dense", "float32", "auto", None),
     ("gemma", "Q4_1", "float32", "int8", None),
     # Mixture of experts: the C step stops before each sparse MLP (run in torch) and goes on
     ("mixtral", "Q8_0", "float32", "auto", 3),

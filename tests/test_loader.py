@@ -585,6 +585,43 @@ def test_an_unsupported_feature_is_named(tmp_path: Path, extra: dict, match: str
         load_model(folder)
 
 
+@pytest.mark.parametrize("arch", [*TINY_ARCHITECTURES, "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("flag", ["attention_bias", "mlp_bias"])
+def test_a_bias_the_decoder_would_leave_out_is_refused(tmp_path: Path, arch: str, flag: str) -> None:
+    """With attention_bias (or Llama's mlp_bias) set, transformers builds biases that some
+    families put on o_proj or the MLP, which the decoder has no place for: the engine loads
+    such a checkpoint only where the weights it reads are all the checkpoint holds."""
+    import transformers
+
+    from engine.models.registry import model_class
+
+    folder = write_tiny_model(tmp_path / arch, arch)
+    cfg = json.loads((folder / "config.json").read_text()) | {flag: True}
+    model = getattr(transformers, cfg["architectures"][0])(transformers.AutoConfig.for_model(**cfg))
+    stored = {n for n in model.state_dict() if n.endswith(".bias")}
+    beyond_qkv = {n for n in stored if not n.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias"))}
+    try:
+        config = ModelConfig.from_hf(cfg)
+    except UnsupportedModelError as exc:
+        assert beyond_qkv, f"refused, yet transformers adds only q/k/v biases: {exc}"
+        assert flag in str(exc)
+        return
+    assert stored <= set(model_class(config).weight_names(config)), sorted(stored - set(model_class(config).weight_names(config)))
+
+
+@pytest.mark.parametrize("keys", [{}, {"no_rope_layer_interval": 3},
+                                  {"no_rope_layers": [1, 0, 0, 1, 1, 1, 0, 1]},
+                                  {"use_sliding_window": True, "sliding_window": 16}])
+def test_smollm3s_layers_without_rope_and_windows_are_transformers(keys: dict) -> None:
+    from transformers import SmolLM3Config
+
+    hf = SmolLM3Config(num_hidden_layers=8, **keys)
+    config = ModelConfig.from_hf(hf.to_dict() | {"architectures": ["SmolLM3ForCausalLM"]})
+    assert config.nope_layers == tuple(i for i, rope in enumerate(hf.no_rope_layers) if not rope)
+    want = [hf.sliding_window if hf.use_sliding_window and t == "sliding_attention" else 0 for t in hf.layer_types]
+    assert list(config.layer_windows) == want
+
+
 def test_random_bytes_are_a_corrupt_gguf(tmp_path: Path) -> None:
     path = tmp_path / "junk.gguf"
     path.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())

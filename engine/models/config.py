@@ -11,7 +11,8 @@ from engine.models.encoder_config import ENCODER_ARCHITECTURES, encoder_fields, 
 
 # Hugging Face architecture -> family. The Llama family's decoder layer is the Llama layer
 # with small variations: Qwen2 adds q/k/v biases, Qwen3 per-head RMSNorm on q and k,
-# Mistral a sliding window, Phi-3 stores q/k/v and gate/up fused. Gemma has its own layer
+# Mistral a sliding window, Phi-3 stores q/k/v and gate/up fused, SmolLM3 leaves RoPE out of
+# every fourth layer (ModelConfig.nope_layers). Gemma has its own layer
 # (models/gemma.py): "1 + w" norms in fp32, GeGLU, scaled embeddings; Gemma 2/3 add four
 # norms per layer, soft-capping and local/global layers.
 SUPPORTED_ARCHITECTURES = {
@@ -20,6 +21,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "SmolLM3ForCausalLM": "smollm3",
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
@@ -30,6 +32,12 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 GEMMA_FAMILY = frozenset({"gemma", "gemma2", "gemma3"})
+# Families whose attention_bias puts a bias on o_proj too (transformers' classes), which the
+# decoder does not add: such a checkpoint is refused rather than run without it. (Qwen2's
+# attention_bias is its q/k/v biases alone.)
+_O_PROJ_BIAS_FAMILIES = frozenset({"llama", "qwen3", "qwen3_moe", "smollm3", *GEMMA_FAMILY})
+# Families whose mlp_bias puts biases on gate/up/down (the others ignore the key).
+_MLP_BIAS_FAMILIES = frozenset({"llama", "smollm3"})
 
 # The same decoders saved without their LM head (transformers' base classes), as embedding
 # models such as Qwen3-Embedding are: weights without the "model." prefix, no lm_head.
@@ -237,6 +245,8 @@ class ModelConfig:
     # None: every layer uses rope_theta and rope_scaling.
     rope_local_theta: float | None = None
     moe: MoeConfig | None = None  # the sparse MLP of a mixture-of-experts model
+    # Layers that attend without RoPE (SmolLM3's NoPE layers: every fourth by default).
+    nope_layers: tuple[int, ...] = ()
     # Encoders (ENCODER_ARCHITECTURES): learned absolute positions, token types, LayerNorm.
     type_vocab_size: int = 0
     # "bert", or "roberta" (RoBERTa, XLM-RoBERTa): a token's position row is pad_token_id + 1
@@ -315,6 +325,9 @@ class ModelConfig:
             activation = _activation(raw, arch)
             gemma = arch in GEMMA_FAMILY
             head_dim = int(raw.get("head_dim") or hidden // heads)
+            attention_bias = bool(raw.get("attention_bias", raw.get("qkv_bias", arch in ("qwen2", "qwen2_moe"))))
+            _check_biases(raw, arch, attention_bias)
+            nope = _nope_layers(raw, arch, layers)
             return cls(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
@@ -330,12 +343,10 @@ class ModelConfig:
                 max_position_embeddings=_max_positions(max_positions, rope_scaling),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 # Qwen2-MoE names its q/k/v bias switch qkv_bias (default on).
-                attention_bias=bool(
-                    raw.get("attention_bias", raw.get("qkv_bias", arch in ("qwen2", "qwen2_moe")))
-                ),
+                attention_bias=attention_bias,
                 qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3"),
                 sliding_window=int(window) if window else None,
-                layer_windows=_layer_windows(raw, arch, int(window) if window else 0, layers),
+                layer_windows=_layer_windows(raw, arch, int(window) if window else 0, layers, nope),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=tuple(int(e) for e in eos_ids),
                 torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
@@ -347,6 +358,7 @@ class ModelConfig:
                 final_logit_softcapping=float(raw.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
                 rope_local_theta=local_theta,
                 moe=MoeConfig.from_hf(raw, arch, int(raw["num_hidden_layers"])),
+                nope_layers=nope,
                 matryoshka_dimensions=matryoshka(raw, hidden),
                 base_model=base,
             )
@@ -354,7 +366,32 @@ class ModelConfig:
             raise CorruptModelError(f"config.json is missing or has a bad field: {exc}") from exc
 
 
-def _layer_windows(raw: dict[str, Any], arch: str, window: int, layers: int) -> tuple[int, ...]:
+def _check_biases(raw: dict[str, Any], arch: str, attention_bias: bool) -> None:
+    """Refuse the biases the decoder would leave out (fail closed): the MLP's (Llama's
+    ``mlp_bias``) and o_proj's (``attention_bias`` in the families that put one there)."""
+    if raw.get("mlp_bias") and arch in _MLP_BIAS_FAMILIES:
+        raise UnsupportedModelError("mlp_bias (biases on gate_proj, up_proj and down_proj) is not supported")
+    if attention_bias and arch in _O_PROJ_BIAS_FAMILIES:
+        raise UnsupportedModelError(
+            f"attention_bias on a {arch} model (a bias on o_proj as well as q/k/v) is not supported")
+
+
+def _nope_layers(raw: dict[str, Any], arch: str, layers: int) -> tuple[int, ...]:
+    """SmolLM3's layers without RoPE: config.json's ``no_rope_layers`` (1: RoPE, 0: none),
+    else every ``no_rope_layer_interval``-th (transformers' default 4)."""
+    if arch != "smollm3":
+        return ()
+    flags = raw.get("no_rope_layers")
+    if flags is None:
+        interval = int(raw.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(flags) != layers:
+        raise ValueError(f"no_rope_layers lists {len(flags)} layers, the model has {layers}")
+    return tuple(i for i, rope in enumerate(flags) if not rope)
+
+
+def _layer_windows(raw: dict[str, Any], arch: str, window: int, layers: int,
+                   nope: tuple[int, ...] = ()) -> tuple[int, ...]:
     """Each layer's sliding window (0: full attention), as transformers assigns them."""
     if not window:
         return (0,) * layers
@@ -363,6 +400,8 @@ def _layer_windows(raw: dict[str, Any], arch: str, window: int, layers: int) -> 
         if len(types) != layers:
             raise ValueError(f"layer_types lists {len(types)} layers, the model has {layers}")
         return tuple(window if t == "sliding_attention" else 0 for t in types)
+    if arch == "smollm3":  # transformers' default: the NoPE layers slide
+        return tuple(window if i in nope else 0 for i in range(layers))
     if arch == "gemma2":  # transformers' default: even layers slide, odd ones see all
         return tuple(window if (i + 1) % 2 else 0 for i in range(layers))
     if arch == "gemma3":  # every sliding_window_pattern-th layer is global

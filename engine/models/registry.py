@@ -36,6 +36,7 @@ MODEL_CLASSES: dict[str, type] = {
     "qwen2": LlamaModel,
     "qwen3": LlamaModel,
     "phi3": LlamaModel,
+    "smollm3": LlamaModel,
     "mixtral": LlamaModel,
     "qwen2_moe": LlamaModel,
     "qwen3_moe": LlamaModel,

@@ -26,7 +26,8 @@ from engine.models.testing_absolute import (
     absolute_weights,
 )
 
-TINY_ARCHITECTURES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3")
+TINY_ARCHITECTURES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
+                      "smollm3")
 # Mixture-of-experts models (kept apart so the dense suites do not grow by their cost):
 # Mixtral with 8 experts, top 2, every layer sparse; Qwen3-MoE with 8 experts, top 3,
 # renormalised, its middle layer dense (mlp_only_layers); Qwen2-MoE with 6 experts, top 2,
@@ -128,6 +129,16 @@ def _hf_config(arch: str, vocab_size: int) -> dict[str, Any]:
             head_dim=32,  # Qwen3 decouples head_dim from hidden_size / heads
             attention_bias=False,
             use_sliding_window=False,
+        )
+    elif arch == "smollm3":
+        base.update(
+            architectures=["SmolLM3ForCausalLM"],
+            model_type="smollm3",
+            # Every second layer attends without RoPE (SmolLM3-3B: every fourth, listed in
+            # no_rope_layers; transformers derives the list from the interval).
+            no_rope_layer_interval=2,
+            rope_theta=5_000_000.0,
+            pad_token_id=0,  # transformers' default (128004) is past the tiny vocabulary
         )
     elif arch == "gemma":
         base.update(

@@ -212,7 +212,7 @@ class Decoder:
             gate_up=None if gate_up is None else make_linear(gate_up),
             down=None if sparse else get.row_parallel(mlp + "down_proj.weight"),
             window=self.config.layer_windows[i],
-            rope=self.cos_sin_cache,
+            rope=None if i in self.config.nope_layers else self.cos_sin_cache,
             moe=SparseMoeBlock(self.config, i, get, Linear, self.tp) if sparse else None,
         )
 

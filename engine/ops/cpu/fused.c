@@ -288,7 +288,9 @@ int eng_fused_decode(const EngFusedModel *m, EngFusedState *st, int64_t T, void 
                  * has both, else each part its own (each head is rotated on its own) */
                 void *first = do_q ? m->qkv : (char *)m->qkv + HD * es;
                 const int64_t heads = (do_q ? h : 0) + (do_kv ? hkv : 0);
-                if (bf)
+                if (!L->rope) /* a NoPE layer (SmolLM3): q and k as projected */
+                    ;
+                else if (bf)
                     eng_rope_token_bf16(first, NQ, heads, d, positions, m->rope_step ? m->rope_step : L->rope, t);
                 else
                     eng_rope_token_f32(first, NQ, heads, d, positions, m->rope_step ? m->rope_step : L->rope, t);

@@ -41,6 +41,7 @@ except ImportError:  # pragma: no cover - depends on the install
 MAX_TOKENS = 48
 _MAX_PARTS = 3  # ENG_MAX_PARTS in fused.h
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_NO_ROPE_MAX_POS = 1 << 62  # a NoPE layer's bound on positions: none
 
 
 def available() -> bool:
@@ -140,9 +141,11 @@ def unfusable(model: FusedModel, kv_caches) -> str | None:
                 or lora.a.device.type != "cpu"
             ):
                 return "LoRA slots the C kernel does not take"
-        if layer.rope.dtype != dtype or not layer.rope.is_contiguous():
+        if layer.rope is None:  # a NoPE layer (SmolLM3): the step skips its rotation
+            pass
+        elif layer.rope.dtype != dtype or not layer.rope.is_contiguous():
             return "a RoPE table is not in the activation dtype"
-        if layer.rope.shape[-1] != d:
+        elif layer.rope.shape[-1] != d:
             return "partial rotary embedding"
     int8 = isinstance(kv_caches[0][0], QuantizedKV)
     for k, v in kv_caches:
@@ -203,7 +206,9 @@ class FusedDecode:
                 L.k_scale, L.v_scale = _ptr(kc.scale, "float *"), _ptr(vc.scale, "float *")
             else:
                 L.k_cache, L.v_cache = _ptr(kc), _ptr(vc)
-            L.rope, L.max_pos, L.window = _ptr(layer.rope), layer.rope.shape[0], layer.window
+            # A NoPE layer: no table (the step skips the rotation) and no bound on positions.
+            L.rope, L.window = _ptr(layer.rope), layer.window
+            L.max_pos = _NO_ROPE_MAX_POS if layer.rope is None else layer.rope.shape[0]
             self._keep += [layer.rope, kc, vc]
         kc0 = kv_caches[0][0]
         num_blocks, block_size = kc0.shape[0], kc0.shape[1]

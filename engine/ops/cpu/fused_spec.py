@@ -12,7 +12,7 @@ copies): the step points into them.
       layers: FusedLayer, ...       one per decoder layer
         norms                       input/post (+ Gemma's pre/post-FFN), q/k head norms
         qkv, o, gate_up, down       DenseProjection | QuantProjection (None: no dense MLP)
-        rope, window                the layer's cos|sin table, its sliding window (0: none)
+        rope, window                the layer's cos|sin table (None: no RoPE), its sliding window (0: none)
         external_mlp                a sparse (MoE) MLP the step stops before and calls
         lora_qkv, lora_o, ...       LoraProjection | None: adapter slots beside a projection
 """
@@ -89,7 +89,7 @@ class FusedLayer:
     o: Projection | None
     gate_up: Projection | None  # [2 * intermediate, hidden]; None in a sparse layer
     down: Projection | None
-    rope: torch.Tensor  # [max_pos, head_dim]: cos | sin of every position
+    rope: torch.Tensor | None  # [max_pos, head_dim]: cos | sin of every position; None: a NoPE layer
     window: int  # sliding window (the last N positions), 0 for full attention
     # A sparse (mixture-of-experts) layer's MLP: ``x [T, hidden] -> out [T, hidden]``, run
     # between two C calls; None: the dense gate_up/down MLP runs inside the step.
