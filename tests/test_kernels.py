@@ -88,11 +88,12 @@ def test_rms_norm_and_fused_add(dtype: torch.dtype) -> None:
     torch.testing.assert_close(got_out, want_out, **TOL[dtype])
 
 
+@pytest.mark.parametrize("rot", [32, 24], ids=["whole-head", "partial"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rope_in_place_on_views_of_a_fused_qkv(dtype: torch.dtype) -> None:
+def test_rope_in_place_on_views_of_a_fused_qkv(dtype: torch.dtype, rot: int) -> None:
     t, h, hkv, d = 6, 4, 2, 32
     qkv = _rand(t, (h + 2 * hkv) * d, seed=3, dtype=dtype)
-    cache = _rand(64, d, seed=4, dtype=dtype)
+    cache = _rand(64, rot, seed=4, dtype=dtype)
     positions = torch.tensor([0, 1, 7, 8, 31, 63], device=DEVICE)
     q, k, _ = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
     want_q, want_k = TorchOps().rotary_embedding(positions, q.reshape(t, h, d), k.reshape(t, hkv, d), cache)

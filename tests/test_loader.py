@@ -197,8 +197,9 @@ def _add_family_metadata(w: gguf.GGUFWriter, gguf_arch: str, cfg: dict) -> None:
             assert scaling["rope_type"] == "linear"
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(scaling["factor"])
-    if gguf_arch == "phi3":
-        w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
+    if gguf_arch == "phi3":  # llama.cpp's n_rot: the rotated share of a head (Phi-4-mini's 3/4)
+        w.add_rope_dimension_count(int(cfg["hidden_size"] // cfg["num_attention_heads"]
+                                       * cfg.get("partial_rotary_factor", 1.0)))
         w.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
 
 
@@ -338,7 +339,7 @@ def _assert_config_matches(gguf_config: ModelConfig, hf_config: ModelConfig) -> 
     )  # stored as f32
 
 
-@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3", "phi3", "phi4"])
 def test_gemma_and_phi3_ggufs_load_as_their_hf_folders(tmp_path: Path, arch: str) -> None:
     """llama.cpp's layouts: Gemma's sandwich norms stored as 1 + w, its windows, soft-caps
     and local RoPE base; Phi-3's fused attn_qkv / ffn_up and its longrope factor tensors."""
@@ -353,7 +354,7 @@ def test_gemma_and_phi3_ggufs_load_as_their_hf_folders(tmp_path: Path, arch: str
     _assert_config_matches(model.config, hf.config)
     for field in (
         "architecture", "layer_windows", "sliding_window", "activation", "query_pre_attn_scalar",
-        "rope_local_theta",
+        "rope_local_theta", "rotary_dim",
     ):  # fmt: skip
         assert getattr(model.config, field) == getattr(hf.config, field), field
     got_scaling, want_scaling = model.config.rope_scaling or {}, hf.config.rope_scaling or {}

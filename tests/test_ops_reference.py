@@ -60,12 +60,15 @@ def test_fused_add_rms_norm_returns_norm_and_sum(ops: TorchOps, dtype: torch.dty
     torch.testing.assert_close(normed.double(), want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("rot", [16, 12], ids=["whole-head", "partial"])
 @pytest.mark.parametrize("fused", [False, True], ids=["separate", "views-of-one-qkv"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_embedding_rotates_each_half_pair(ops: TorchOps, dtype: torch.dtype, fused: bool) -> None:
+def test_rotary_embedding_rotates_each_half_pair(ops: TorchOps, dtype: torch.dtype, fused: bool, rot: int) -> None:
+    """``rot`` < the head's 16 values: a partial rotary (Phi-4-mini's), the cache as wide
+    as the rotated share, the rest of each head left as it was."""
     t, heads, kv_heads, dim, base = 6, 4, 2, 16, 10000.0
     positions = torch.tensor([0, 1, 7, 3, 31, 2])
-    inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    inv_freq = 1.0 / base ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot)
     angles = torch.outer(torch.arange(32, dtype=torch.float64), inv_freq)
     cache = torch.cat((angles.cos(), angles.sin()), -1).to(dtype)
     q, k = _rand(t, heads, dim, seed=0, dtype=dtype), _rand(t, kv_heads, dim, seed=1, dtype=dtype)
@@ -79,11 +82,11 @@ def test_rotary_embedding_rotates_each_half_pair(ops: TorchOps, dtype: torch.dty
         q_in, k_in = q.clone(), k.clone()
 
     def oracle(x: torch.Tensor) -> torch.Tensor:
-        # Element i and i + dim/2 form a 2-vector rotated by angle pos * inv_freq[i].
+        # Element i and i + rot/2 form a 2-vector rotated by angle pos * inv_freq[i].
         x = x.double()
         a = angles[positions].unsqueeze(1)
-        x1, x2 = x[..., : dim // 2], x[..., dim // 2 :]
-        return torch.cat((x1 * a.cos() - x2 * a.sin(), x1 * a.sin() + x2 * a.cos()), -1)
+        x1, x2, rest = x[..., : rot // 2], x[..., rot // 2 : rot], x[..., rot:]
+        return torch.cat((x1 * a.cos() - x2 * a.sin(), x1 * a.sin() + x2 * a.cos(), rest), -1)
 
     got_q, got_k = ops.rotary_embedding(positions, q_in, k_in, cache)
     torch.testing.assert_close(got_q.double(), oracle(q), **TOL[dtype])

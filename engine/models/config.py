@@ -247,6 +247,14 @@ class ModelConfig:
     moe: MoeConfig | None = None  # the sparse MLP of a mixture-of-experts model
     # Layers that attend without RoPE (SmolLM3's NoPE layers: every fourth by default).
     nope_layers: tuple[int, ...] = ()
+    # The share of each head RoPE rotates (its first values); 0: all head_dim of them. Below
+    # head_dim: a partial rotary (Phi-4-mini's partial_rotary_factor 0.75).
+    rotary_dim: int = 0
+
+    @property
+    def rope_dim(self) -> int:
+        """The values of each head that RoPE rotates (a cos/sin table's width)."""
+        return self.rotary_dim or self.head_dim
     # Encoders (ENCODER_ARCHITECTURES): learned absolute positions, token types, LayerNorm.
     type_vocab_size: int = 0
     # "bert", or "roberta" (RoBERTa, XLM-RoBERTa): a token's position row is pad_token_id + 1
@@ -328,6 +336,7 @@ class ModelConfig:
             attention_bias = bool(raw.get("attention_bias", raw.get("qkv_bias", arch in ("qwen2", "qwen2_moe"))))
             _check_biases(raw, arch, attention_bias)
             nope = _nope_layers(raw, arch, layers)
+            rotary = _rotary_dim(raw, arch, head_dim)
             return cls(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
@@ -359,11 +368,38 @@ class ModelConfig:
                 rope_local_theta=local_theta,
                 moe=MoeConfig.from_hf(raw, arch, int(raw["num_hidden_layers"])),
                 nope_layers=nope,
+                rotary_dim=rotary,
                 matryoshka_dimensions=matryoshka(raw, hidden),
                 base_model=base,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptModelError(f"config.json is missing or has a bad field: {exc}") from exc
+
+
+# Families whose attention rotates only the first partial_rotary_factor of each head
+# (transformers' Phi-3 slices q and k so); the others refuse a factor below 1.
+_PARTIAL_ROTARY_FAMILIES = frozenset({"phi3"})
+
+
+def _rotary_dim(raw: dict[str, Any], arch: str, head_dim: int) -> int:
+    """The rotated share of each head (``ModelConfig.rotary_dim``, 0 for all of it), from
+    ``partial_rotary_factor`` wherever the config keeps it (top level, rope_scaling, or
+    transformers 5's rope_parameters), as ``int(head_dim * factor)``."""
+    factor = 1.0
+    for where in (raw.get("rope_scaling"), raw.get("rope_parameters"), raw):
+        if isinstance(where, dict) and where.get("partial_rotary_factor") is not None:
+            factor = float(where["partial_rotary_factor"])
+            break
+    if factor == 1.0:
+        return 0
+    if arch not in _PARTIAL_ROTARY_FAMILIES:
+        raise UnsupportedModelError(
+            f"partial_rotary_factor below 1 (partial RoPE) is not supported for {arch}; it is for "
+            f"{', '.join(sorted(_PARTIAL_ROTARY_FAMILIES))}")
+    dim = int(head_dim * factor)
+    if not 0 < dim <= head_dim or dim % 2:
+        raise ValueError(f"partial_rotary_factor {factor} gives {dim} rotated values of a {head_dim}-wide head")
+    return dim
 
 
 def _check_biases(raw: dict[str, Any], arch: str, attention_bias: bool) -> None:
@@ -442,8 +478,6 @@ def _rope(raw: dict[str, Any], arch: str) -> tuple[float, dict[str, Any] | None,
             raise UnsupportedModelError(
                 f"rope_scaling type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
             )
-        if float(scaling.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))) != 1.0:
-            raise UnsupportedModelError("partial_rotary_factor below 1 (partial RoPE) is not supported")
         if kind == "su" or (arch == "phi3" and kind == "yarn"):
             kind = "longrope"  # Phi-3's older names, as transformers renames them
         scaling = {k: v for k, v in scaling.items() if k != "type"} | {"rope_type": kind}
@@ -456,8 +490,6 @@ def _rope(raw: dict[str, Any], arch: str) -> tuple[float, dict[str, Any] | None,
             scaling.setdefault("original_max_position_embeddings", int(raw.get("max_position_embeddings", 2048)))
         # The trained length, which longrope's and dynamic NTK's formulas read.
         scaling.setdefault("max_position_embeddings", int(raw.get("max_position_embeddings", 2048)))
-    elif float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise UnsupportedModelError("partial_rotary_factor below 1 (partial RoPE) is not supported")
     return float(theta), scaling, None if local is None else float(local)
 
 

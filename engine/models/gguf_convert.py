@@ -398,10 +398,12 @@ def _gemma_config(fields: _Fields, arch: str, config: dict[str, Any]) -> dict[st
 
 
 def _phi3_config(fields: _Fields, names: dict[str, Any], config: dict[str, Any], path: Path) -> dict[str, Any]:
-    rotary = fields.get("phi3.rope.dimension_count", config["head_dim"])
-    if int(rotary) != config["head_dim"]:
-        raise UnsupportedModelError(f"{path}: partial RoPE ({rotary} of {config['head_dim']} dims) is not supported")
+    rotary = int(fields.get("phi3.rope.dimension_count", config["head_dim"]))
+    if not 0 < rotary <= config["head_dim"]:
+        raise CorruptModelError(f"{path}: phi3.rope.dimension_count {rotary} is not within head_dim {config['head_dim']}")
     extra: dict[str, Any] = {
+        # Phi-4-mini rotates 96 of 128 values a head (llama.cpp's n_rot, NeoX-style as HF's).
+        "partial_rotary_factor": rotary / config["head_dim"],
         "original_max_position_embeddings": int(
             fields.get("phi3.rope.scaling.original_context_length", config["max_position_embeddings"])
         ),

@@ -27,7 +27,7 @@ from engine.models.testing_absolute import (
 )
 
 TINY_ARCHITECTURES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
-                      "smollm3")
+                      "phi4", "smollm3")
 # Mixture-of-experts models (kept apart so the dense suites do not grow by their cost):
 # Mixtral with 8 experts, top 2, every layer sparse; Qwen3-MoE with 8 experts, top 3,
 # renormalised, its middle layer dense (mlp_only_layers); Qwen2-MoE with 6 experts, top 2,
@@ -183,9 +183,12 @@ def _hf_config(arch: str, vocab_size: int) -> dict[str, Any]:
                 rope_local_base_freq=10_000.0,
                 rope_scaling={"rope_type": "linear", "factor": 2.0},
             )
-    elif arch == "phi3":
-        half = base["hidden_size"] // base["num_attention_heads"] // 2
+    elif arch in ("phi3", "phi4"):
+        # "phi4": Phi-4-mini's layout, Phi-3's class with RoPE on 3/4 of each head (12 of 16).
+        partial = 0.75 if arch == "phi4" else 1.0
+        half = int(base["hidden_size"] // base["num_attention_heads"] * partial) // 2
         base.update(
+            **({"partial_rotary_factor": partial} if arch == "phi4" else {}),
             architectures=["Phi3ForCausalLM"],
             model_type="phi3",
             pad_token_id=0,

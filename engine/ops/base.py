@@ -187,9 +187,11 @@ class Ops(Protocol):
         positions: torch.Tensor,  # [T] int64
         query: torch.Tensor,  # [T, num_heads, head_dim]
         key: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        cos_sin_cache: torch.Tensor,  # [max_pos, head_dim]: cos in [:, :d/2], sin in [:, d/2:]
+        cos_sin_cache: torch.Tensor,  # [max_pos, R]: cos in [:, :R/2], sin in [:, R/2:]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Neox-style (rotate-half) RoPE as in HF Llama; may work in place."""
+        """Neox-style (rotate-half) RoPE as in HF Llama on the first ``R`` values of each
+        head (``R`` = head_dim, or less for a partial rotary: the rest pass unchanged, as
+        HF Phi-3 does); may work in place."""
         ...
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:

@@ -146,12 +146,16 @@ class TorchOps:
         cos_sin_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+        rd = cos_sin_cache.shape[-1]  # the rotated share of each head (partial rotary: < D)
         both = _adjacent_heads(query, key)
         if both is not None:
             # q and k are neighbouring slices of one fused qkv row: rotate them together.
-            _rotate_(both, cos, sin)
+            _rotate_(both[..., :rd], cos, sin)
             return query, key
-        return _rotate_(query.clone(), cos, sin), _rotate_(key.clone(), cos, sin)
+        query, key = query.clone(), key.clone()
+        _rotate_(query[..., :rd], cos, sin)
+        _rotate_(key[..., :rd], cos, sin)
+        return query, key
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2

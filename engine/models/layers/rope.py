@@ -159,7 +159,7 @@ def _longrope_freqs(
 def rope_cos_sin_cache(
     config: ModelConfig, dtype: torch.dtype, device: torch.device, *, local: bool = False
 ) -> torch.Tensor:
-    """[max_pos, head_dim]: ``config``'s table (:func:`cos_sin_cache`), cast to ``dtype``.
+    """[max_pos, rope_dim]: ``config``'s table (:func:`cos_sin_cache`), cast to ``dtype``.
 
     ``local``: the table of Gemma 3's sliding layers (their own base, no scaling). Computed
     in fp32 and cast once, as HF does per call, so both round identically.
@@ -168,6 +168,6 @@ def rope_cos_sin_cache(
     if local and config.rope_local_theta is not None:
         theta, scaling = config.rope_local_theta, None
     return cos_sin_cache(
-        theta=theta, scaling=scaling, head_dim=config.head_dim,
+        theta=theta, scaling=scaling, head_dim=config.rope_dim,
         max_positions=config.max_position_embeddings, dtype=dtype, device=device,
     )

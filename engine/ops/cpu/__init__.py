@@ -292,14 +292,14 @@ class CpuOps(TorchOps):
             or not _plain(positions, cos_sin_cache)
             or not (key.dtype == cos_sin_cache.dtype == query.dtype)
             or positions.dtype != torch.int64
-            or cos_sin_cache.shape[-1] != query.shape[-1]
+            or cos_sin_cache.shape[-1] > query.shape[-1]
         ):
             return super().rotary_embedding(positions, query, key, cos_sin_cache)
         both = _adjacent_heads(query, key)
         for x in (query, key) if both is None else (both,):
             tokens, heads, dim = x.shape
             status = _lib.eng_rope(
-                code, _ptr(x), x.stride(0), heads, dim, _ptr(positions, "int64_t *"), tokens,
+                code, _ptr(x), x.stride(0), heads, dim, cos_sin_cache.shape[-1], _ptr(positions, "int64_t *"), tokens,
                 _ptr(cos_sin_cache), cos_sin_cache.shape[0], torch.get_num_threads(),
             )
             if status:

@@ -15,7 +15,7 @@ CDEF = """
 int eng_rms_norm(int dtype, void *out, void *x, int64_t x_stride, const void *res,
                  int64_t res_stride, const void *w, int64_t rows, int64_t n, float eps,
                  int nthreads);
-int eng_rope(int dtype, void *x, int64_t token_stride, int64_t heads, int64_t d,
+int eng_rope(int dtype, void *x, int64_t token_stride, int64_t heads, int64_t d, int64_t rd,
              const int64_t *positions, int64_t tokens, const void *cos_sin, int64_t max_pos,
              int nthreads);
 int eng_silu_mul(int dtype, void *out, const void *x, int64_t rows, int64_t n, int nthreads);

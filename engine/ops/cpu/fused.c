@@ -41,8 +41,8 @@
 /* kernels.c (the same extension) */
 void eng_rms_norm_row_f32(void *, void *, int64_t, const void *, int64_t, const void *, int64_t, int64_t, float);
 void eng_rms_norm_row_bf16(void *, void *, int64_t, const void *, int64_t, const void *, int64_t, int64_t, float);
-void eng_rope_token_f32(void *, int64_t, int64_t, int64_t, const int64_t *, const void *, int64_t);
-void eng_rope_token_bf16(void *, int64_t, int64_t, int64_t, const int64_t *, const void *, int64_t);
+void eng_rope_token_f32(void *, int64_t, int64_t, int64_t, int64_t, const int64_t *, const void *, int64_t);
+void eng_rope_token_bf16(void *, int64_t, int64_t, int64_t, int64_t, const int64_t *, const void *, int64_t);
 void eng_silu_mul_row_f32(void *, const void *, int64_t, int64_t, int64_t, int64_t);
 void eng_silu_mul_row_bf16(void *, const void *, int64_t, int64_t, int64_t, int64_t);
 void eng_gelu_tanh_mul_row_f32(void *, const void *, int64_t, int64_t, int64_t, int64_t);
@@ -291,9 +291,11 @@ int eng_fused_decode(const EngFusedModel *m, EngFusedState *st, int64_t T, void 
                 if (!L->rope) /* a NoPE layer (SmolLM3): q and k as projected */
                     ;
                 else if (bf)
-                    eng_rope_token_bf16(first, NQ, heads, d, positions, m->rope_step ? m->rope_step : L->rope, t);
+                    eng_rope_token_bf16(first, NQ, heads, d, m->rope_step ? d : L->rope_dim, positions,
+                                        m->rope_step ? m->rope_step : L->rope, t);
                 else
-                    eng_rope_token_f32(first, NQ, heads, d, positions, m->rope_step ? m->rope_step : L->rope, t);
+                    eng_rope_token_f32(first, NQ, heads, d, m->rope_step ? d : L->rope_dim, positions,
+                                       m->rope_step ? m->rope_step : L->rope, t);
                 if (!do_kv)
                     continue;
                 const int64_t slot = slots[t];

@@ -48,7 +48,8 @@ typedef struct {
     EngQLinear qkv, o, gate_up, down;
     void *k_cache, *v_cache;   /* [num_blocks, block_size, kv_heads, d]: activation dtype or int8 */
     float *k_scale, *v_scale;  /* int8 cache: [num_blocks, block_size, kv_heads]; else NULL */
-    const void *rope;          /* [max_pos, d] cos | sin in the activation dtype; NULL: no RoPE (NoPE layer) */
+    const void *rope;          /* [max_pos, rope_dim] cos | sin in the activation dtype; NULL: no RoPE (NoPE layer) */
+    int64_t rope_dim;          /* the rotated share of each head: d, or less (partial rotary) */
     int64_t max_pos, window;
     EngLoraProj lora_qkv, lora_o, lora_gate_up, lora_down; /* a NULL where LoRA is not enabled */
 } EngFusedLayer;

@@ -81,14 +81,16 @@ def unfusable(model: FusedModel, kv_caches) -> str | None:
     """Why the fused step cannot run the described model over these caches, or None if it can.
 
     Covered: the generic decoder (Llama, Mistral, Qwen2 with its q/k/v biases, Qwen3 with
-    its q/k norms, Phi-3, SmolLM2; Mixtral and Qwen-MoE, whose sparse MLPs run in torch
+    its q/k norms, Phi-3 and Phi-4-mini's partial rotary, SmolLM2 and SmolLM3's layers
+    without RoPE; Mixtral and Qwen-MoE, whose sparse MLPs run in torch
     between C calls, and the decoders of LLaVA and Qwen-VL, whose M-RoPE turns each step by
     its own table: :meth:`FusedDecode.run`'s ``rope``), Gemma's layer (Gemma 2 with its
-    attention soft-cap, Gemma 3 with its q/k norms and local RoPE); every projection
+    attention soft-cap, Gemma 3 with its q/k norms and local RoPE, Gemma 1 without the
+    post-norms); every projection
     quantized over CPU panels (GGUF blocks kept) or dense in the activation dtype; fp32 or
     bf16 activations, a KV cache in the activation dtype or int8, sliding windows, LoRA
     adapter slots beside the projections (the step's segments given to each run). Not
-    covered: tensor parallelism, fp16, fp8 KV, partial rotary tables. A vision model's
+    covered: tensor parallelism, fp16, fp8 KV. A vision model's
     image embeddings come in prefill steps, which the fused step never runs.
     """
     if not (available() and enabled()):
@@ -145,8 +147,8 @@ def unfusable(model: FusedModel, kv_caches) -> str | None:
             pass
         elif layer.rope.dtype != dtype or not layer.rope.is_contiguous():
             return "a RoPE table is not in the activation dtype"
-        elif layer.rope.shape[-1] != d:
-            return "partial rotary embedding"
+        elif layer.rope.shape[-1] > d or layer.rope.shape[-1] % 2:
+            return "a RoPE table wider than a head"
     int8 = isinstance(kv_caches[0][0], QuantizedKV)
     for k, v in kv_caches:
         for c in (k, v):
@@ -208,6 +210,7 @@ class FusedDecode:
                 L.k_cache, L.v_cache = _ptr(kc), _ptr(vc)
             # A NoPE layer: no table (the step skips the rotation) and no bound on positions.
             L.rope, L.window = _ptr(layer.rope), layer.window
+            L.rope_dim = d if layer.rope is None else layer.rope.shape[-1]  # < d: a partial rotary
             L.max_pos = _NO_ROPE_MAX_POS if layer.rope is None else layer.rope.shape[0]
             self._keep += [layer.rope, kc, vc]
         kc0 = kv_caches[0][0]

@@ -151,12 +151,13 @@ int eng_rms_norm(int dtype, void *out, void *x, int64_t x_stride, const void *re
 
 /* ---- RoPE (rotate-half), in place --------------------------------------------------- */
 
-/* Token t's `heads` heads of `d` values each (heads contiguous, tokens `ts` apart) are
- * rotated by the cos/sin row of its position: cs[pos] = cos[0:d/2] | sin[0:d/2]. As in
- * HF, each product is rounded to the dtype before the sum is. */
-INLINE void rope_token(void *x, int64_t ts, int64_t heads, int64_t d, const int64_t *pos,
+/* Token t's `heads` heads of `d` values each (heads contiguous, tokens `ts` apart) have
+ * their first `rd` values (all `d`, or a partial rotary's share) rotated by the cos/sin
+ * row of its position: cs[pos] = cos[0:rd/2] | sin[0:rd/2]; the rest pass as they are. As
+ * in HF, each product is rounded to the dtype before the sum is. */
+INLINE void rope_token(void *x, int64_t ts, int64_t heads, int64_t d, int64_t rd, const int64_t *pos,
                        const void *cs, int64_t t, int bf) {
-    int64_t half = d / 2, c0 = pos[t] * d;
+    int64_t half = rd / 2, c0 = pos[t] * rd;
     for (int64_t h = 0; h < heads; h++) {
         int64_t base = t * ts + h * d;
 #pragma omp simd
@@ -169,20 +170,20 @@ INLINE void rope_token(void *x, int64_t ts, int64_t heads, int64_t d, const int6
     }
 }
 
-CLONES void eng_rope_token_f32(void *x, int64_t ts, int64_t heads, int64_t d,
+CLONES void eng_rope_token_f32(void *x, int64_t ts, int64_t heads, int64_t d, int64_t rd,
                                const int64_t *pos, const void *cs, int64_t t) {
-    rope_token(x, ts, heads, d, pos, cs, t, 0);
+    rope_token(x, ts, heads, d, rd, pos, cs, t, 0);
 }
 
-CLONES void eng_rope_token_bf16(void *x, int64_t ts, int64_t heads, int64_t d,
+CLONES void eng_rope_token_bf16(void *x, int64_t ts, int64_t heads, int64_t d, int64_t rd,
                                 const int64_t *pos, const void *cs, int64_t t) {
-    rope_token(x, ts, heads, d, pos, cs, t, 1);
+    rope_token(x, ts, heads, d, rd, pos, cs, t, 1);
 }
 
-int eng_rope(int dtype, void *x, int64_t token_stride, int64_t heads, int64_t d,
+int eng_rope(int dtype, void *x, int64_t token_stride, int64_t heads, int64_t d, int64_t rd,
              const int64_t *positions, int64_t tokens, const void *cos_sin, int64_t max_pos,
              int nthreads) {
-    if ((dtype != DT_F32 && dtype != DT_BF16) || d % 2)
+    if ((dtype != DT_F32 && dtype != DT_BF16) || rd % 2 || rd < 2 || rd > d)
         return -1;
     for (int64_t t = 0; t < tokens; t++)
         if (positions[t] < 0 || positions[t] >= max_pos)
@@ -191,9 +192,9 @@ int eng_rope(int dtype, void *x, int64_t token_stride, int64_t heads, int64_t d,
     if (nthreads > 1 && tokens * heads * d >= PARALLEL_MIN_WORK)
     for (int64_t t = 0; t < tokens; t++) {
         if (dtype == DT_BF16)
-            eng_rope_token_bf16(x, token_stride, heads, d, positions, cos_sin, t);
+            eng_rope_token_bf16(x, token_stride, heads, d, rd, positions, cos_sin, t);
         else
-            eng_rope_token_f32(x, token_stride, heads, d, positions, cos_sin, t);
+            eng_rope_token_f32(x, token_stride, heads, d, rd, positions, cos_sin, t);
     }
     return 0;
 }

@@ -131,7 +131,9 @@ def _rope_kernel(
 def rotary_embedding(
     positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox (rotate-half) RoPE applied in place on ``query`` [T, H, D] and ``key`` [T, Hkv, D].
+    """Neox (rotate-half) RoPE applied in place on ``query`` [T, H, D] and ``key`` [T, Hkv, D]:
+    the first ``R`` values of each head, for a cache of ``[max_pos, R]`` (``R`` < D: a
+    partial rotary; the rest pass as they are).
 
     Either may be a strided view (e.g. slices of a fused QKV output); only the head-dim
     stride must be 1.
@@ -140,7 +142,9 @@ def rotary_embedding(
     n_k_heads = key.shape[1]
     if query.stride(-1) != 1 or key.stride(-1) != 1:
         raise ValueError("rotary_embedding needs a unit stride over head_dim")
-    half = head_dim // 2
+    half = cos_sin_cache.shape[-1] // 2
+    if 2 * half > head_dim:
+        raise ValueError(f"a cos/sin cache of {cos_sin_cache.shape[-1]} is wider than head_dim {head_dim}")
     cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     if n_tokens:
         toks = _rows_per_program(query, n_tokens)
