@@ -22,9 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import CorruptModelError
-from engine.models.config import ModelConfig, VisionConfig
+from engine.models.config import ModelConfig
 from engine.models.layers.decoder import Decoder, decoder_weight_names
 from engine.models.layers.shard import ShardedWeights
+from engine.models.vision_config import VisionConfig
 from engine.ops import Ops
 
 

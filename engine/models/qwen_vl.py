@@ -42,9 +42,10 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import CorruptModelError
-from engine.models.config import ModelConfig, QwenVisionConfig
+from engine.models.config import ModelConfig
 from engine.models.layers.decoder import Decoder, decoder_weight_names
 from engine.models.layers.shard import ShardedWeights
+from engine.models.vision_config import QwenVisionConfig
 from engine.ops import AttentionMetadata, Ops
 
 
