@@ -76,6 +76,7 @@ _GGUF_ARCH = {
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
     "phi3": "phi3",
+    "granite": "granite",
 }
 
 _HF_TO_GGUF = {
@@ -156,9 +157,9 @@ def write_gguf(
     _add_tokenizer(w, folder, cfg)
     for name, tensor in load_file(str(folder / "model.safetensors")).items():
         array = tensor.numpy()
-        if gguf_arch == "llama" and name.endswith("q_proj.weight"):
+        if gguf_arch in ("llama", "granite") and name.endswith("q_proj.weight"):
             array = _llama_cpp_permute(array, heads)
-        elif gguf_arch == "llama" and name.endswith("k_proj.weight"):
+        elif gguf_arch in ("llama", "granite") and name.endswith("k_proj.weight"):
             array = _llama_cpp_permute(array, kv_heads)
         elif gguf_arch in ("gemma", "gemma2", "gemma3") and name.endswith("norm.weight"):
             array = array + 1  # llama.cpp's converter stores Gemma's norms as 1 + w
@@ -197,6 +198,11 @@ def _add_family_metadata(w: gguf.GGUFWriter, gguf_arch: str, cfg: dict) -> None:
             assert scaling["rope_type"] == "linear"
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(scaling["factor"])
+    if gguf_arch == "granite":  # convert_hf_to_gguf.py's GraniteModel keys
+        w.add_embedding_scale(cfg["embedding_multiplier"])
+        w.add_residual_scale(cfg["residual_multiplier"])
+        w.add_attention_scale(cfg["attention_multiplier"])
+        w.add_logit_scale(cfg["logits_scaling"])
     if gguf_arch == "phi3":  # llama.cpp's n_rot: the rotated share of a head (Phi-4-mini's 3/4)
         w.add_rope_dimension_count(int(cfg["hidden_size"] // cfg["num_attention_heads"]
                                        * cfg.get("partial_rotary_factor", 1.0)))
@@ -339,7 +345,7 @@ def _assert_config_matches(gguf_config: ModelConfig, hf_config: ModelConfig) -> 
     )  # stored as f32
 
 
-@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3", "phi3", "phi4"])
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3", "phi3", "phi4", "granite"])
 def test_gemma_and_phi3_ggufs_load_as_their_hf_folders(tmp_path: Path, arch: str) -> None:
     """llama.cpp's layouts: Gemma's sandwich norms stored as 1 + w, its windows, soft-caps
     and local RoPE base; Phi-3's fused attn_qkv / ffn_up and its longrope factor tensors."""
@@ -357,6 +363,9 @@ def test_gemma_and_phi3_ggufs_load_as_their_hf_folders(tmp_path: Path, arch: str
         "rope_local_theta", "rotary_dim",
     ):  # fmt: skip
         assert getattr(model.config, field) == getattr(hf.config, field), field
+    for field in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+        want = getattr(hf.config, field)  # Granite's, stored as f32 in a GGUF
+        assert getattr(model.config, field) == (want if want is None else pytest.approx(want, rel=1e-7)), field
     got_scaling, want_scaling = model.config.rope_scaling or {}, hf.config.rope_scaling or {}
     assert got_scaling.keys() == want_scaling.keys()
     for key, want in want_scaling.items():  # longrope's factors went through f32

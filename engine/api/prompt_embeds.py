@@ -57,7 +57,7 @@ def check_model(model_config: Any, pooling: bool, pipeline_stages: int) -> None:
     """Refuse prompt_embeds where this engine cannot put them in the model's input."""
     if model_config is None or pooling or model_config.is_encoder:
         raise InvalidParamError("prompt_embeds needs a generating decoder model", param=PARAM)
-    if model_config.architecture in GEMMA_FAMILY or model_config.mrope:
+    if model_config.architecture in GEMMA_FAMILY or model_config.embedding_multiplier != 1 or model_config.mrope:
         raise InvalidParamError(f"prompt_embeds is not supported for {model_config.architecture} "
                                 "models (their input scaling / M-RoPE positions)", param=PARAM)
     if pipeline_stages > 1:

@@ -18,7 +18,8 @@ from engine.models.vision_config import (
 # Hugging Face architecture -> family. The Llama family's decoder layer is the Llama layer
 # with small variations: Qwen2 adds q/k/v biases, Qwen3 per-head RMSNorm on q and k,
 # Mistral a sliding window, Phi-3 stores q/k/v and gate/up fused, SmolLM3 leaves RoPE out of
-# every fourth layer (ModelConfig.nope_layers). Gemma has its own layer
+# every fourth layer (ModelConfig.nope_layers), Granite scales embeddings, block outputs,
+# attention scores and logits by its multipliers. Gemma has its own layer
 # (models/gemma.py): "1 + w" norms in fp32, GeGLU, scaled embeddings; Gemma 2/3 add four
 # norms per layer, soft-capping and local/global layers.
 SUPPORTED_ARCHITECTURES = {
@@ -28,6 +29,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
+    "GraniteForCausalLM": "granite",
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
@@ -41,9 +43,9 @@ GEMMA_FAMILY = frozenset({"gemma", "gemma2", "gemma3"})
 # Families whose attention_bias puts a bias on o_proj too (transformers' classes), which the
 # decoder does not add: such a checkpoint is refused rather than run without it. (Qwen2's
 # attention_bias is its q/k/v biases alone.)
-_O_PROJ_BIAS_FAMILIES = frozenset({"llama", "qwen3", "qwen3_moe", "smollm3", *GEMMA_FAMILY})
+_O_PROJ_BIAS_FAMILIES = frozenset({"llama", "qwen3", "qwen3_moe", "smollm3", "granite", *GEMMA_FAMILY})
 # Families whose mlp_bias puts biases on gate/up/down (the others ignore the key).
-_MLP_BIAS_FAMILIES = frozenset({"llama", "smollm3"})
+_MLP_BIAS_FAMILIES = frozenset({"llama", "smollm3", "granite"})
 
 # The same decoders saved without their LM head (transformers' base classes), as embedding
 # models such as Qwen3-Embedding are: weights without the "model." prefix, no lm_head.
@@ -169,6 +171,13 @@ class ModelConfig:
     # The share of each head RoPE rotates (its first values); 0: all head_dim of them. Below
     # head_dim: a partial rotary (Phi-4-mini's partial_rotary_factor 0.75).
     rotary_dim: int = 0
+    # Granite's multipliers (1 elsewhere): embeddings x embedding_multiplier, each block's
+    # output x residual_multiplier before it joins the residual stream, logits / logits_scaling;
+    # attention_multiplier is the attention scale in place of head_dim ** -0.5 (None: that).
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    attention_multiplier: float | None = None
 
     @property
     def rope_dim(self) -> int:
@@ -288,6 +297,7 @@ class ModelConfig:
                 moe=MoeConfig.from_hf(raw, arch, int(raw["num_hidden_layers"])),
                 nope_layers=nope,
                 rotary_dim=rotary,
+                **_granite_multipliers(raw, arch),
                 matryoshka_dimensions=matryoshka(raw, hidden),
                 base_model=base,
             )
@@ -319,6 +329,18 @@ def _rotary_dim(raw: dict[str, Any], arch: str, head_dim: int) -> int:
     if not 0 < dim <= head_dim or dim % 2:
         raise ValueError(f"partial_rotary_factor {factor} gives {dim} rotated values of a {head_dim}-wide head")
     return dim
+
+
+def _granite_multipliers(raw: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Granite's four multipliers (transformers' GraniteConfig defaults: 1 each)."""
+    if arch != "granite":
+        return {}
+    return {
+        "embedding_multiplier": float(raw.get("embedding_multiplier", 1.0)),
+        "residual_multiplier": float(raw.get("residual_multiplier", 1.0)),
+        "logits_scaling": float(raw.get("logits_scaling", 1.0)),
+        "attention_multiplier": float(raw.get("attention_multiplier", 1.0)),
+    }
 
 
 def _check_biases(raw: dict[str, Any], arch: str, attention_bias: bool) -> None:

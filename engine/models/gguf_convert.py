@@ -50,6 +50,8 @@ _ARCHITECTURES = {
     "gemma2": ("Gemma2ForCausalLM", "gemma2", False),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
     "phi3": ("Phi3ForCausalLM", "phi3", False),
+    # llama.cpp's converter permutes Granite's q/k rows as Llama's (its GraniteModel is one).
+    "granite": ("GraniteForCausalLM", "granite", True),
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe", False),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
     "gpt2": ("GPT2LMHeadModel", "gpt2", False),
@@ -294,6 +296,14 @@ def _hf_config(fields: _Fields, arch: str, reader: Any, path: Path) -> dict[str,
         config.update(_gemma_config(fields, arch, config))
     if arch == "phi3":
         config.update(_phi3_config(fields, names, config, path))
+    if arch == "granite":  # its four multipliers, under llama.cpp's names
+        for hf_key, key, default in (("embedding_multiplier", "embedding_scale", 1.0),
+                                     ("residual_multiplier", "residual_scale", 1.0),
+                                     ("attention_multiplier", "attention.scale", None),
+                                     ("logits_scaling", "logit_scale", 1.0)):
+            value = fields.get(f"granite.{key}", default)
+            if value is not None:
+                config[hf_key] = float(value)
     if int(fields.get(f"{arch}.expert_count", 0)):
         config.update(_moe_config(fields, arch, names))
     return config

@@ -72,7 +72,7 @@ _VOCAB_TARGETS = ("embed_tokens", "lm_head", "wte", "word_embeddings")
 
 # The families whose layers lora_targets describes (the Llama-like decoder and Gemma's,
 # text only): another family's projections, or a vision model's nested names, are not these.
-LORA_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "gemma", "gemma2", "gemma3", "mixtral",
+LORA_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma", "gemma2", "gemma3", "mixtral",
                                 "qwen2_moe", "qwen3_moe"})
 
 

@@ -37,6 +37,7 @@ MODEL_CLASSES: dict[str, type] = {
     "qwen3": LlamaModel,
     "phi3": LlamaModel,
     "smollm3": LlamaModel,
+    "granite": LlamaModel,
     "mixtral": LlamaModel,
     "qwen2_moe": LlamaModel,
     "qwen3_moe": LlamaModel,

@@ -27,7 +27,7 @@ from engine.models.testing_absolute import (
 )
 
 TINY_ARCHITECTURES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
-                      "phi4", "smollm3")
+                      "phi4", "smollm3", "granite")
 # Mixture-of-experts models (kept apart so the dense suites do not grow by their cost):
 # Mixtral with 8 experts, top 2, every layer sparse; Qwen3-MoE with 8 experts, top 3,
 # renormalised, its middle layer dense (mlp_only_layers); Qwen2-MoE with 6 experts, top 2,
@@ -129,6 +129,17 @@ def _hf_config(arch: str, vocab_size: int) -> dict[str, Any]:
             head_dim=32,  # Qwen3 decouples head_dim from hidden_size / heads
             attention_bias=False,
             use_sliding_window=False,
+        )
+    elif arch == "granite":
+        base.update(
+            architectures=["GraniteForCausalLM"],
+            model_type="granite",
+            # Granite 3's kinds of values: embeddings scaled up, block outputs down, logits
+            # divided; the attention scale apart from head_dim ** -0.5 (0.25 here).
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=0.2,
+            logits_scaling=8.0,
         )
     elif arch == "smollm3":
         base.update(

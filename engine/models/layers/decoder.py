@@ -7,7 +7,10 @@ The variations are switches on :class:`ModelConfig`: Qwen2 has q/k/v biases
 (``attention_bias``), Qwen3 normalises each head of q and k before RoPE (``qk_norm``) and
 may set ``head_dim`` apart from ``hidden_size / heads``, SmolLM2 and small Qwen2 tie the
 LM head to the embedding, Phi-3 stores q/k/v and gate/up fused, Mistral and Qwen2 may slide
-a window over some layers (``ModelConfig.layer_windows``). Weights arrive under Hugging
+a window over some layers (``ModelConfig.layer_windows``), SmolLM3 leaves RoPE out of
+some (``nope_layers``), Phi-4-mini rotates part of each head (``rotary_dim``), Granite
+scales by its multipliers (``embedding_multiplier``, ``residual_multiplier``,
+``attention_multiplier``, ``logits_scaling``). Weights arrive under Hugging
 Face names; q/k/v and gate/up are concatenated once at build time so a layer runs two
 fused matmuls instead of five.
 
@@ -139,7 +142,7 @@ class Decoder:
         self.device = torch.device(device)
         self._init_parallel(config, tp)
         self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_multiplier or config.head_dim**-0.5
         self.attn_softcap = 0.0  # Gemma 2 soft-caps attention scores; the Llama family does not
         self.eps = config.rms_norm_eps
         self.cos_sin_cache = rope_cos_sin_cache(config, dtype, self.device)
@@ -231,7 +234,10 @@ class Decoder:
         embeddings of those rows (a vision model's image placeholders)."""
         stage = self.tp.stage
         if stage.first:
-            return self._decode(self._embed(input_ids), positions, meta, kv_caches, mm_embeds)
+            hidden = self._embed(input_ids)
+            if self.config.embedding_multiplier != 1.0:  # Granite's, in the dtype as transformers
+                hidden = hidden * self.config.embedding_multiplier
+            return self._decode(hidden, positions, meta, kv_caches, mm_embeds)
         # A later pipeline stage: the previous stage's hidden states and residual stream.
         hidden, residual = stage.recv(2, (positions.shape[-1], self.config.hidden_size),
                                       self.dtype, self.device)
@@ -263,14 +269,15 @@ class Decoder:
             out = self._run_fused(hidden, positions, meta, kv_caches, rope)
             if out is not None:
                 return out
+        scaled = self._scaled_block_output
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             if residual is None:
                 residual = hidden
                 x = ops.rms_norm(hidden, layer.input_norm, self.eps)
             else:
-                x, residual = ops.fused_add_rms_norm(hidden, residual, layer.input_norm, self.eps)
+                x, residual = ops.fused_add_rms_norm(scaled(hidden), residual, layer.input_norm, self.eps)
             attn = self._attention(layer, x, positions, meta, k_cache, v_cache, rope)
-            x, residual = ops.fused_add_rms_norm(attn, residual, layer.post_norm, self.eps)
+            x, residual = ops.fused_add_rms_norm(scaled(attn), residual, layer.post_norm, self.eps)
             if layer.moe is not None:
                 hidden = self.tp.all_reduce(layer.moe(x, ops))  # the experts' row-parallel downs
             else:
@@ -280,8 +287,14 @@ class Decoder:
         if not stage.last:
             stage.send([hidden, residual])
             return None
-        out, _ = ops.fused_add_rms_norm(hidden, residual, self.norm, self.eps)
+        out, _ = ops.fused_add_rms_norm(scaled(hidden), residual, self.norm, self.eps)
         return out
+
+    def _scaled_block_output(self, x: torch.Tensor) -> torch.Tensor:
+        """A block's output as it joins the residual stream: times Granite's
+        residual_multiplier (rounded to the dtype first, as transformers), else as it is."""
+        m = self.config.residual_multiplier
+        return x if m == 1.0 else x * m
 
     def _attention(
         self,
@@ -338,7 +351,10 @@ class Decoder:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [N, vocab] in fp32 for the rows of ``hidden`` [N, hidden]."""
+        """Logits [N, vocab] in fp32 for the rows of ``hidden`` [N, hidden] (Granite's
+        divided by its logits_scaling in the model dtype, as transformers)."""
+        if self.config.logits_scaling != 1.0:
+            return (self._logits(hidden) / self.config.logits_scaling).float()
         if not self.tp.enabled:
             # A quantized head on CPU writes the widened logits itself (the same values as
             # its bf16 output then ``.float()``, without a second pass over the vocabulary).
@@ -389,6 +405,7 @@ class Decoder:
             hidden=self.config.hidden_size, heads=self.num_heads, kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, eps=self.eps, scale=self.scale, softcap=self.attn_softcap,
             gemma=False, final_norm=self.norm, layers=tuple(map(self._fused_layer, self.layers)),
+            residual_scale=self.config.residual_multiplier,
         )
 
     def _fused_layer(self, layer: DecoderLayer) -> FusedLayer:

@@ -42,6 +42,8 @@
 void eng_rms_norm_row_f32(void *, void *, int64_t, const void *, int64_t, const void *, int64_t, int64_t, float);
 void eng_rms_norm_row_bf16(void *, void *, int64_t, const void *, int64_t, const void *, int64_t, int64_t, float);
 void eng_rope_token_f32(void *, int64_t, int64_t, int64_t, int64_t, const int64_t *, const void *, int64_t);
+void eng_scale_row_f32(void *, int64_t, float);
+void eng_scale_row_bf16(void *, int64_t, float);
 void eng_rope_token_bf16(void *, int64_t, int64_t, int64_t, int64_t, const int64_t *, const void *, int64_t);
 void eng_silu_mul_row_f32(void *, const void *, int64_t, int64_t, int64_t, int64_t);
 void eng_silu_mul_row_bf16(void *, const void *, int64_t, int64_t, int64_t, int64_t);
@@ -93,6 +95,18 @@ static void norm_row(int bf, void *out, void *x, int64_t n, const void *res, con
         eng_rms_norm_row_bf16(out, x, n, res, n, w, t, n, eps);
     else
         eng_rms_norm_row_f32(out, x, n, res, n, w, t, n, eps);
+}
+
+/* Row t of a block's output d times the model's residual_scale (Granite's residual_multiplier),
+ * rounded to the dtype as transformers' `hidden * multiplier`; nothing at 1. */
+static void scale_block_row(const EngFusedModel *m, void *d, int64_t t, int64_t n) {
+    if (m->residual_scale == 1.0f)
+        return;
+    char *row = (char *)d + (size_t)(t * n) * (m->dtype == 1 ? 2 : 4);
+    if (m->dtype == 1)
+        eng_scale_row_bf16(row, n, m->residual_scale);
+    else
+        eng_scale_row_f32(row, n, m->residual_scale);
 }
 
 /* Gemma: with d, r += norm(d) * w_post; then out = norm(r) * w_next (row t of each). */
@@ -247,8 +261,10 @@ int eng_fused_decode(const EngFusedModel *m, EngFusedState *st, int64_t T, void 
                                    H, m->eps);
                 else if (li == 0)
                     norm_row(bf, m->x, R, H, NULL, L->input_norm, t, m->eps);
-                else
+                else {
+                    scale_block_row(m, D, t, H);
                     norm_row(bf, m->x, D, H, R, L->input_norm, t, m->eps); /* D += R */
+                }
                 quantize(m, m->x, H, t, es);
             }
             PROF(0);
@@ -333,8 +349,10 @@ int eng_fused_decode(const EngFusedModel *m, EngFusedState *st, int64_t T, void 
             for (int64_t t = 0; t < T; t++) {
                 if (m->gemma) /* R += norm(D); x = norm(R) */
                     gemma_add_norm(bf, R, D, L->post_norm, m->x, L->pre_ffn_norm, t, H, m->eps);
-                else
+                else {
+                    scale_block_row(m, D, t, H);
                     norm_row(bf, m->x, D, H, R, L->post_norm, t, m->eps); /* D += R */
+                }
                 quantize(m, m->x, H, t, es);
             }
             PROF(6);
@@ -374,8 +392,10 @@ int eng_fused_decode(const EngFusedModel *m, EngFusedState *st, int64_t T, void 
             if (m->gemma)
                 gemma_add_norm(bf, R, D, m->layers[m->n_layers - 1].post_ffn_norm, out, m->final_norm, t, H,
                                m->eps);
-            else
+            else {
+                scale_block_row(m, D, t, H);
                 norm_row(bf, out, D, H, R, m->final_norm, t, m->eps);
+            }
         }
         }
         PROF(10);

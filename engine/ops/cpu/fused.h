@@ -60,6 +60,7 @@ typedef struct {
     int gemma;    /* Gemma's layer: fp32 "1 + w" norms (four a layer, or Gemma 1's two), GeGLU, a soft-cap */
     int quantized; /* some projection has quantized parts (its inputs are quantized for it) */
     float softcap; /* attention score soft-cap (Gemma 2), 0 for none */
+    float residual_scale; /* a block's output times this before it joins the stream (Granite); 1: none */
     int64_t n_layers, hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size, max_tokens;
     float eps, scale;
     const EngFusedLayer *layers;

@@ -237,6 +237,7 @@ class FusedDecode:
         self._state = _ffi.new("EngFusedState *")
         self.model = m = _ffi.new("EngFusedModel *")
         m.dtype, m.kv_int8, m.gemma, m.softcap = _DTYPES[dtype], int(int8), int(gemma), model.softcap
+        m.residual_scale = model.residual_scale
         m.quantized = int(self.quantized)
         m.n_layers, m.hidden, m.heads, m.kv_heads, m.head_dim, m.inter = n, self.hidden, h, hkv, d, inter
         m.num_blocks, m.block_size, m.max_tokens = num_blocks, block_size, T

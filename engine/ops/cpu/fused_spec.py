@@ -124,6 +124,9 @@ class FusedModel:
     gemma: bool
     final_norm: torch.Tensor
     layers: tuple[FusedLayer, ...]
+    # Granite's residual_multiplier: each block output times it (rounded to the dtype)
+    # before it joins the residual stream; 1 elsewhere.
+    residual_scale: float = 1.0
 
 
 __all__ = ["DenseProjection", "FusedLayer", "FusedModel", "LoraProjection", "Projection", "QuantProjection"]

@@ -149,6 +149,20 @@ int eng_rms_norm(int dtype, void *out, void *x, int64_t x_stride, const void *re
     return 0;
 }
 
+/* x[0:n] *= s in place, each product rounded to the dtype (Granite's residual_multiplier
+ * on a block's output, as torch's `hidden * multiplier`). */
+CLONES void eng_scale_row_f32(void *x, int64_t n, float s) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++)
+        st(x, i, ld(x, i, 0) * s, 0);
+}
+
+CLONES void eng_scale_row_bf16(void *x, int64_t n, float s) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++)
+        st(x, i, ld(x, i, 1) * s, 1);
+}
+
 /* ---- RoPE (rotate-half), in place --------------------------------------------------- */
 
 /* Token t's `heads` heads of `d` values each (heads contiguous, tokens `ts` apart) have
