@@ -7,7 +7,13 @@ from typing import Any
 
 from engine.errors import CorruptModelError, UnsupportedModelError
 from engine.models.absolute_config import ABSOLUTE_ARCHITECTURES, AbsoluteConfig, absolute_fields
-from engine.models.encoder_config import ENCODER_ARCHITECTURES, encoder_fields, matryoshka
+from engine.models.encoder_config import (
+    DECODER_CLASSIFIER_ARCHITECTURES,
+    ENCODER_ARCHITECTURES,
+    decoder_classifier_fields,
+    encoder_fields,
+    matryoshka,
+)
 from engine.models.vision_config import (
     QWEN_VL_ARCHITECTURES,
     VISION_ARCHITECTURES,
@@ -178,6 +184,13 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     attention_multiplier: float | None = None
+    # A decoder with a sequence classifier head (DECODER_CLASSIFIER_ARCHITECTURES): it pools
+    # its last token through ``score`` (num_labels, labels). Converted from a causal LM's two
+    # tokens (classifier_from_tokens: [false, true]), its head is the true token's LM-head row
+    # less the false one's; the loader reads their ids from the tokenizer.
+    seq_classifier: bool = False
+    classifier_from_tokens: tuple[str, str] | None = None
+    classifier_token_ids: tuple[int, int] | None = None
 
     @property
     def rope_dim(self) -> int:
@@ -244,10 +257,14 @@ class ModelConfig:
         base = arch is None and any(a in BASE_MODEL_ARCHITECTURES for a in archs)
         if base:
             arch = next(BASE_MODEL_ARCHITECTURES[a] for a in archs if a in BASE_MODEL_ARCHITECTURES)
+        classifier = {}
+        if arch is None and any(a in DECODER_CLASSIFIER_ARCHITECTURES for a in archs):
+            arch = next(DECODER_CLASSIFIER_ARCHITECTURES[a] for a in archs if a in DECODER_CLASSIFIER_ARCHITECTURES)
+            classifier = decoder_classifier_fields(raw)
         if arch is None:
             raise UnsupportedModelError(
                 f"unsupported architecture {archs or raw.get('model_type')!r}; supported: "
-                f"{', '.join(sorted({**SUPPORTED_ARCHITECTURES, **ABSOLUTE_ARCHITECTURES, **BASE_MODEL_ARCHITECTURES, **ENCODER_ARCHITECTURES}))}"
+                f"{', '.join(sorted({**SUPPORTED_ARCHITECTURES, **ABSOLUTE_ARCHITECTURES, **BASE_MODEL_ARCHITECTURES, **DECODER_CLASSIFIER_ARCHITECTURES, **ENCODER_ARCHITECTURES}))}"
             )
         try:
             heads = int(raw["num_attention_heads"])
@@ -298,6 +315,7 @@ class ModelConfig:
                 nope_layers=nope,
                 rotary_dim=rotary,
                 **_granite_multipliers(raw, arch),
+                **classifier,
                 matryoshka_dimensions=matryoshka(raw, hidden),
                 base_model=base,
             )

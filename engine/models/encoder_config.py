@@ -30,6 +30,36 @@ ENCODER_ARCHITECTURES = {
 _ROBERTA_ARCHITECTURES = frozenset(a for a in ENCODER_ARCHITECTURES if "Roberta" in a)
 
 
+# Decoders with a sequence classifier head (transformers' *ForSequenceClassification: the
+# last token's final hidden state through ``score``, no LM head) -> family.
+DECODER_CLASSIFIER_ARCHITECTURES = {
+    "LlamaForSequenceClassification": "llama",
+    "MistralForSequenceClassification": "mistral",
+    "Qwen2ForSequenceClassification": "qwen2",
+    "Qwen3ForSequenceClassification": "qwen3",
+}
+
+
+def decoder_classifier_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """``ModelConfig``'s classifier fields for a decoder classifier's ``config.json``: its
+    labels, or vLLM's conversion of a causal LM by hf_overrides (Qwen3-Reranker's
+    ``classifier_from_token: [false token, true token]`` with ``is_original_qwen3_reranker``
+    or ``method: "from_2_way_softmax"``): one label whose logit is the difference of the two
+    tokens' LM-head logits, so its sigmoid is the true token's probability of the two."""
+    tokens = raw.get("classifier_from_token")
+    if tokens is None:
+        names = _labels(raw)
+        return {"seq_classifier": True, "num_labels": len(names), "labels": names}
+    two_way = raw.get("is_original_qwen3_reranker") or raw.get("method") == "from_2_way_softmax"
+    if not (isinstance(tokens, list) and len(tokens) == 2 and all(isinstance(t, str) for t in tokens)
+            and two_way):
+        raise UnsupportedModelError(
+            "classifier_from_token is supported as two tokens [false, true] with "
+            "is_original_qwen3_reranker (or method from_2_way_softmax), as Qwen3-Reranker is served")
+    return {"seq_classifier": True, "num_labels": 1, "labels": ("LABEL_0",),
+            "classifier_from_tokens": (tokens[0], tokens[1])}
+
+
 def _labels(raw: dict[str, Any]) -> tuple[str, ...]:
     """A classifier's label names by index: config.json's ``id2label`` (string keys "0",
     "1", ...), else ``num_labels`` of transformers' default names ``LABEL_i``."""

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
+from tokenizers import Tokenizer
 
 from engine.errors import (
     CorruptModelError,
@@ -213,6 +214,8 @@ def load_model(
             f"{source}: a model is a Hugging Face folder (config.json + *.safetensors) or a .gguf file"
         )
     config = _model_config(folder / "config.json", hf_overrides)
+    if config.classifier_from_tokens is not None:
+        config = _classifier_token_ids(config, folder)
     # A quantization_config: fp8 and packed-integer weights are dequantized as they are
     # read (hf_quant.py); any other method is refused here, by name.
     quant = None if from_gguf else checkpoint_quantization(
@@ -343,6 +346,21 @@ def _model_config(path: Path, hf_overrides: str | Mapping[str, Any] | None = Non
     except ModelLoadError as exc:
         # ModelConfig does not know which file it read; say so here.
         raise type(exc)(f"{path}: {exc}") from exc
+
+
+def _classifier_token_ids(config: ModelConfig, folder: Path) -> ModelConfig:
+    """``config`` with the ids of its classifier_from_token tokens, as the folder's
+    tokenizer.json has them (each must be one token of its vocabulary)."""
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise UnsupportedModelError(f"{folder}: classifier_from_token needs the model's tokenizer.json")
+    tokenizer = Tokenizer.from_file(str(path))
+    assert config.classifier_from_tokens is not None
+    ids = [tokenizer.token_to_id(t) for t in config.classifier_from_tokens]
+    for token, i in zip(config.classifier_from_tokens, ids, strict=True):
+        if i is None or i >= config.vocab_size:
+            raise UnsupportedModelError(f"{folder}: classifier_from_token {token!r} is not a token of the model's vocabulary")
+    return dataclasses.replace(config, classifier_token_ids=(ids[0], ids[1]))
 
 
 def _read_weights(folder: Path, config: ModelConfig,

@@ -5,7 +5,10 @@
 
 * ``BertModel`` embeds, ``BertForSequenceClassification`` classifies (a cross-encoder:
   one logit per label from the [CLS] row through the pooler and classifier);
-* a decoder saved without its LM head (``Qwen3Model``, ``LlamaModel``, ...) embeds;
+* a decoder saved without its LM head (``Qwen3Model``, ``LlamaModel``, ...) embeds; one
+  with a classifier head (``Qwen3ForSequenceClassification``, ...; or Qwen3-Reranker, a
+  causal LM converted by ``hf_overrides``' ``classifier_from_token``) classifies its last
+  token;
 * a causal LM generates, unless its folder is a sentence-transformers model (a
   ``modules.json`` with a Pooling module, as Qwen3-Embedding ships) or the engine is told
   ``runner="pooling"`` / ``convert="embed"``: then it embeds its last hidden states (after
@@ -81,6 +84,16 @@ def pooler_config(
     :class:`ConfigError` for flags that contradict the model, and
     :class:`UnsupportedModelError` for a sentence-transformers pipeline it cannot run."""
     classifier = config.architecture in ("bert_classifier", "bert_token_classifier")
+    if config.seq_classifier:  # a decoder's *ForSequenceClassification: its last token scored
+        if runner == "generate" or convert in ("embed", "none"):
+            raise ConfigError(f"{folder}: a sequence classifier is a pooling model; it cannot "
+                              f"{'generate' if runner == 'generate' or convert == 'none' else 'be converted to embed'}",
+                              field="runner" if runner == "generate" else "convert")
+        if pooling_type not in ("auto", "last"):
+            raise ConfigError(f"a decoder's sequence classifier pools its last token; pooling_type "
+                              f"{pooling_type!r} does not apply", field="pooling_type")
+        return PoolerConfig(task="classify", pooling="last", normalize=False,
+                            size=config.num_labels, labels=config.labels)
     if config.is_encoder and (runner == "generate" or convert == "embed" and classifier):
         raise ConfigError(
             f"{folder}: a {config.architecture} encoder is a pooling model; it cannot "

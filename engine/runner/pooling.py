@@ -55,7 +55,7 @@ def pool_outputs(
         return tuple(rows_done)
     vectors = torch.stack([v for _, v in done])
     if pooler.task == "classify":
-        # Only a BertModel (models/bert.py) is built for a classify pooler.
+        # A BERT cross-encoder's [CLS] rows, or a decoder classifier's last rows.
         vectors = model.classify(vectors.to(dtype))
     host = vectors.float().cpu().numpy().astype("<f4")
     return (*rows_done,

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from engine.errors import UnsupportedModelError
 from engine.models.config import ModelConfig
 from engine.models.layers.linear import Linear, embed, make_linear
 from engine.models.layers.lora import LoraLinear, LoraSlots
@@ -76,7 +77,9 @@ def decoder_weight_names(config: ModelConfig, layer_norms: tuple[str, ...] = LAY
         else:
             names += [p + f"mlp.{proj}.weight" for proj in ("gate_proj", "up_proj", "down_proj")]
     names.append("model.norm.weight")
-    if not config.tie_word_embeddings and not config.base_model:
+    if config.seq_classifier and config.classifier_from_tokens is None:
+        names.append("score.weight")  # a *ForSequenceClassification checkpoint has no LM head
+    elif not config.tie_word_embeddings and not config.base_model:
         names.append("lm_head.weight")
     return names
 
@@ -163,6 +166,22 @@ class Decoder:
         self.lm_head = None
         if stage.last:
             self.lm_head = make_linear([self.embed] if tied else [get.rows("lm_head.weight")])
+        self.score = self._score_head(get, tied) if self.config.seq_classifier and stage.last else None
+
+    def _score_head(self, get: ShardedWeights, tied: bool) -> Linear:
+        """A sequence classifier's head [num_labels, hidden], whole on every rank: the
+        checkpoint's ``score``, or for a causal LM converted by its two tokens the true
+        token's LM-head row less the false one's (in the dtype, as vLLM builds it)."""
+        ids = self.config.classifier_token_ids
+        if self.config.classifier_from_tokens is None:
+            return Linear(get("score.weight"))
+        assert ids is not None  # the loader reads them from the tokenizer
+        table = get("model.embed_tokens.weight" if tied else "lm_head.weight")
+        if not isinstance(table, torch.Tensor):
+            raise UnsupportedModelError("classifier_from_token needs the LM head's rows dense; "
+                                        "this one is kept in quantized blocks (--quantization none)")
+        false, true = ids
+        return Linear((table[true] - table[false]).unsqueeze(0).contiguous())
 
     def enable_lora(self, *, max_loras: int, max_rank: int, dtype: torch.dtype) -> LoraSlots:
         """Wrap every projection adapters may target (engine.models.lora) with ``max_loras``
@@ -348,6 +367,13 @@ class Decoder:
         """Full-vocabulary logits [N, vocab] in the model dtype: this rank's slice of the
         LM head, gathered from every rank in vocabulary order."""
         return self.tp.all_gather_last(self.lm_head(hidden))
+
+    @torch.inference_mode()
+    def classify(self, last_rows: torch.Tensor) -> torch.Tensor:
+        """A sequence classifier's logits [B, num_labels] (fp32) from each sequence's last
+        final-norm row (transformers' *ForSequenceClassification pools the same row)."""
+        assert self.score is not None  # config.seq_classifier only
+        return self.score(last_rows).float()
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
