@@ -106,8 +106,11 @@ def _check(key: str, layout: tuple[int, int], ranks: list[dict], one_rank: dict)
                                        msg=lambda m, rank=rank, step=step: f"rank {rank} step {step}: {m}")
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=[f"tp{t}-pp{p}" for t, p in LAYOUTS])
-@pytest.mark.parametrize("arch", FAMILIES)
+# OLMo over tensor-parallel ranks is refused (its q/k norms span every head).
+CASES = [(arch, layout) for arch in FAMILIES for layout in LAYOUTS if layout[0] == 1 or not arch.startswith("olmo")]
+
+
+@pytest.mark.parametrize(("arch", "layout"), CASES, ids=[f"{a}-tp{t}-pp{p}" for a, (t, p) in CASES])
 def test_stages_give_the_one_rank_logits_and_tokens(arch: str, layout: tuple[int, int], ranks: list[dict],
                                                     one_rank: dict) -> None:
     _check(arch, layout, ranks, one_rank)

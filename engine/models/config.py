@@ -36,6 +36,9 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
+    # OLMo (models/olmo.py): norms after each block, q/k normed across all heads.
+    "Olmo2ForCausalLM": "olmo2",
+    "Olmo3ForCausalLM": "olmo3",
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
@@ -49,7 +52,8 @@ GEMMA_FAMILY = frozenset({"gemma", "gemma2", "gemma3"})
 # Families whose attention_bias puts a bias on o_proj too (transformers' classes), which the
 # decoder does not add: such a checkpoint is refused rather than run without it. (Qwen2's
 # attention_bias is its q/k/v biases alone.)
-_O_PROJ_BIAS_FAMILIES = frozenset({"llama", "qwen3", "qwen3_moe", "smollm3", "granite", *GEMMA_FAMILY})
+_O_PROJ_BIAS_FAMILIES = frozenset({"llama", "qwen3", "qwen3_moe", "smollm3", "granite", "olmo2", "olmo3",
+                                   *GEMMA_FAMILY})
 # Families whose mlp_bias puts biases on gate/up/down (the others ignore the key).
 _MLP_BIAS_FAMILIES = frozenset({"llama", "smollm3", "granite"})
 
@@ -298,7 +302,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 # Qwen2-MoE names its q/k/v bias switch qkv_bias (default on).
                 attention_bias=attention_bias,
-                qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3"),
+                qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3"),
                 sliding_window=int(window) if window else None,
                 layer_windows=_layer_windows(raw, arch, int(window) if window else 0, layers, nope),
                 bos_token_id=raw.get("bos_token_id"),
@@ -395,6 +399,8 @@ def _layer_windows(raw: dict[str, Any], arch: str, window: int, layers: int,
         if len(types) != layers:
             raise ValueError(f"layer_types lists {len(types)} layers, the model has {layers}")
         return tuple(window if t == "sliding_attention" else 0 for t in types)
+    if arch == "olmo3":  # transformers' default: every fourth layer global, the rest slide
+        return tuple(window if (i + 1) % 4 else 0 for i in range(layers))
     if arch == "smollm3":  # transformers' default: the NoPE layers slide
         return tuple(window if i in nope else 0 for i in range(layers))
     if arch == "gemma2":  # transformers' default: even layers slide, odd ones see all
@@ -431,6 +437,8 @@ def _rope(raw: dict[str, Any], arch: str) -> tuple[float, dict[str, Any] | None,
         local = 10000.0  # transformers' default local base for Gemma 3
     if theta is None:
         theta = 1_000_000.0 if arch == "gemma3" else 10000.0  # transformers' defaults
+    if arch == "olmo3" and local is None:
+        local = theta  # OLMo 3's sliding layers: the same base, without the full layers' scaling
     if scaling is not None:
         kind = scaling.get("rope_type", scaling.get("type", "default"))
         if kind not in ROPE_TYPES:
@@ -475,11 +483,15 @@ def _activation(raw: dict[str, Any], arch: str) -> str:
             # GemmaConfig and vLLM both read it so).
             name = "gelu_pytorch_tanh"
     name = name or "silu"
-    if name not in _ACTIVATIONS:
+    # Gemma's layer computes GeGLU, every other family's SwiGLU: another activation would
+    # run as the wrong one, so it is refused (fail closed).
+    computed = "gelu_tanh" if arch in GEMMA_FAMILY else "silu"
+    if _ACTIVATIONS.get(name) != computed:
+        names = [n for n, a in _ACTIVATIONS.items() if a == computed]
         raise UnsupportedModelError(
-            f"hidden activation {name!r} is not supported; supported: {', '.join(_ACTIVATIONS)}"
+            f"hidden activation {name!r} is not supported for {arch}; supported: {', '.join(names)}"
         )
-    return _ACTIVATIONS[name]
+    return computed
 
 
 _VISION_ACTIVATIONS = ("quick_gelu", "gelu", "gelu_pytorch_tanh")

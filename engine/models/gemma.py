@@ -164,7 +164,7 @@ class GemmaModel(Decoder):
         return logits.float()
 
     def fused_description(self) -> FusedModel:
-        return dataclasses.replace(super().fused_description(), gemma=True)
+        return dataclasses.replace(super().fused_description(), gemma=True, activation="gelu_tanh")
 
     def _fused_layer(self, layer: DecoderLayer) -> FusedLayer:
         assert isinstance(layer, GemmaLayer)

@@ -22,6 +22,7 @@ from engine.models.layers.decoder import Decoder
 from engine.models.layers.shard import check_tensor_parallel
 from engine.models.llama import LlamaModel
 from engine.models.llava import LlavaModel
+from engine.models.olmo import OlmoModel
 from engine.models.opt import OPTModel
 from engine.models.qwen_vl import QwenVLModel
 from engine.ops import Ops
@@ -38,6 +39,8 @@ MODEL_CLASSES: dict[str, type] = {
     "phi3": LlamaModel,
     "smollm3": LlamaModel,
     "granite": LlamaModel,
+    "olmo2": OlmoModel,
+    "olmo3": OlmoModel,
     "mixtral": LlamaModel,
     "qwen2_moe": LlamaModel,
     "qwen3_moe": LlamaModel,

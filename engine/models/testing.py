@@ -27,7 +27,7 @@ from engine.models.testing_absolute import (
 )
 
 TINY_ARCHITECTURES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
-                      "phi4", "smollm3", "granite")
+                      "phi4", "smollm3", "granite", "olmo2", "olmo3")
 # Mixture-of-experts models (kept apart so the dense suites do not grow by their cost):
 # Mixtral with 8 experts, top 2, every layer sparse; Qwen3-MoE with 8 experts, top 3,
 # renormalised, its middle layer dense (mlp_only_layers); Qwen2-MoE with 6 experts, top 2,
@@ -141,6 +141,20 @@ def _hf_config(arch: str, vocab_size: int) -> dict[str, Any]:
             attention_multiplier=0.2,
             logits_scaling=8.0,
         )
+    elif arch in ("olmo2", "olmo3"):
+        base.update(
+            architectures=["Olmo2ForCausalLM" if arch == "olmo2" else "Olmo3ForCausalLM"],
+            model_type=arch,
+            pad_token_id=0,
+        )
+        if arch == "olmo3":
+            # Sliding and full layers alternate (write_tiny_model lays them out; OLMo 3 has
+            # three sliding to one full), YaRN on the full layers only.
+            # OLMo 3's base (500000): transformers gives it to the sliding layers whatever
+            # rope_theta says, as the released configs do both.
+            base.update(sliding_window=GEMMA_WINDOW, rope_theta=500_000.0,
+                        rope_scaling={"rope_type": "yarn", "factor": 2.0,
+                                      "original_max_position_embeddings": 256})
     elif arch == "smollm3":
         base.update(
             architectures=["SmolLM3ForCausalLM"],
@@ -266,6 +280,7 @@ def _weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     vocab = cfg["vocab_size"]
     qwen2 = cfg["model_type"] in ("qwen2", "qwen2_moe")
     qwen3 = cfg["model_type"] in ("qwen3", "qwen3_moe")
+    olmo = cfg["model_type"] in ("olmo2", "olmo3")
     gemma = cfg["model_type"] in ("gemma", "gemma2", "gemma3_text")
     phi3 = cfg["model_type"] == "phi3"
     moe = ModelConfig.from_hf(cfg).moe
@@ -285,7 +300,8 @@ def _weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rand(vocab, hidden, std=embed_std)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = norm(hidden)
+        if not olmo:  # OLMo norms after each block only
+            w[p + "input_layernorm.weight"] = norm(hidden)
         w[p + "post_attention_layernorm.weight"] = norm(hidden)
         w[p + "self_attn.q_proj.weight"] = rand(heads * head_dim, hidden)
         w[p + "self_attn.k_proj.weight"] = rand(kv_heads * head_dim, hidden)
@@ -300,6 +316,10 @@ def _weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
             w[p + "self_attn.k_norm.weight"] = norm(head_dim)
         if gemma and cfg["model_type"] != "gemma":  # Gemma 2/3's sandwich norms
             w[p + "pre_feedforward_layernorm.weight"] = norm(hidden)
+            w[p + "post_feedforward_layernorm.weight"] = norm(hidden)
+        if olmo:  # q and k normed across all their heads; a norm after the MLP
+            w[p + "self_attn.q_norm.weight"] = norm(heads * head_dim)
+            w[p + "self_attn.k_norm.weight"] = norm(kv_heads * head_dim)
             w[p + "post_feedforward_layernorm.weight"] = norm(hidden)
         if moe is not None and i in moe.sparse_layers:
             w.update(_moe_weights(moe, i, hidden, rand))
@@ -357,6 +377,9 @@ def write_tiny_model(
     vocab_size = len(json.loads(tokenizer_json)["model"]["vocab"])
     absolute = arch in TINY_ABSOLUTE_ARCHITECTURES
     cfg = (absolute_hf_config if absolute else _hf_config)(arch, vocab_size) | (overrides or {})
+    if arch == "olmo3" and "layer_types" not in (overrides or {}):
+        # Alternate sliding and full layers over however many the overrides ask for.
+        cfg["layer_types"] = [("sliding_attention", "full_attention")[i % 2] for i in range(cfg["num_hidden_layers"])]
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     weights = (absolute_weights if absolute else _weights)(cfg, seed)
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})

@@ -58,6 +58,9 @@ def tensor_parallel_problem(config: ModelConfig, n: int) -> str | None:
         return "tensor parallelism is not supported for encoder (BERT) models"
     if config.vision is not None:
         return "tensor parallelism is not supported for vision-language models (LLaVA, Qwen-VL)"
+    if config.architecture in ("olmo2", "olmo3"):
+        return (f"tensor parallelism is not supported for {config.architecture}: its q/k norms "
+                "span every head, which the ranks split")
     problems = []
     h, hkv = config.num_attention_heads, config.num_key_value_heads
     if h % n:

@@ -29,7 +29,10 @@
  * x / rms(x) * (1 + w) in fp32 (kernels.c's gemma_norm_row), four a layer in Gemma 2/3:
  * the attention and MLP outputs are normed before they are added to the residual stream,
  * which stays in `hidden` (Gemma 1 has no such post-norms: NULL, a plain add); the MLP is
- * GeGLU (gelu-tanh-and-mul); Gemma 2 soft-caps attention scores.
+ * GeGLU (gelu-tanh-and-mul); Gemma 2 soft-caps attention scores. OLMo 2/3 run in this mode
+ * too: the weights as stored multiply in fp32 as Gemma's 1 + w do, its blocks read the
+ * stream unnormed (input and pre-FFN norms NULL: a copy), its MLP is SwiGLU (m->gelu 0)
+ * and its q/k norms span all the heads (m->qk_norm_full).
  * The caller scales the embeddings by sqrt(hidden) and soft-caps the logits.
  */
 #include <omp.h>
@@ -119,6 +122,15 @@ static void gemma_add_norm(int bf, void *r, const void *d, const void *w_post, v
         eng_gemma_add_norm_row_bf16(rt, dt, (const float *)w_post, ot, (const float *)w_next, n, eps);
     else
         eng_gemma_add_norm_row_f32(rt, dt, (const float *)w_post, ot, (const float *)w_next, n, eps);
+}
+
+/* OLMo's q or k norm in place: over all `n` values of the row's heads, Gemma's arithmetic
+ * (the fp32 weight as stored). */
+static void full_norm(const EngFusedModel *m, void *x, int64_t n, const void *w) {
+    if (m->dtype == 1)
+        eng_gemma_norm_row_bf16(x, x, n, (const float *)w, m->eps);
+    else
+        eng_gemma_norm_row_f32(x, x, n, (const float *)w, m->eps);
 }
 
 /* A per-head q or k norm in place: Llama's (Qwen3) or Gemma's (Gemma 3). */
@@ -294,7 +306,12 @@ int eng_fused_decode(const EngFusedModel *m, EngFusedState *st, int64_t T, void 
                 char *row = (char *)m->qkv + (size_t)(t * NQ) * es;
                 if (L->qkv.bias && !L->qkv.dense && !lora_qkv) /* a dense matmul added it */
                     add_bias(bf, row, L->qkv.bias, do_q ? 0 : HD, do_kv ? NQ : HD);
-                if (L->q_norm) {
+                if (L->q_norm && m->qk_norm_full) { /* OLMo: q across its heads, k across its own */
+                    if (do_q)
+                        full_norm(m, row, h * d, L->q_norm);
+                    if (do_kv)
+                        full_norm(m, row + HD * es, hkv * d, L->k_norm);
+                } else if (L->q_norm) {
                     for (int64_t j = 0; do_q && j < h; j++)
                         head_norm(m, row + j * d * es, L->q_norm);
                     for (int64_t j = 0; do_kv && j < hkv; j++)
@@ -371,9 +388,9 @@ int eng_fused_decode(const EngFusedModel *m, EngFusedState *st, int64_t T, void 
 #pragma omp for schedule(static)
             for (int64_t it = 0; it < T * S; it++) {
                 const int64_t t = it / S, b0 = I / 32 * (it % S) / S, b1 = I / 32 * (it % S + 1) / S;
-                if (m->gemma && bf)
+                if (m->gelu && bf)
                     eng_gelu_tanh_mul_row_bf16(m->act, m->gate_up, t, I, 32 * b0, 32 * b1);
-                else if (m->gemma)
+                else if (m->gelu)
                     eng_gelu_tanh_mul_row_f32(m->act, m->gate_up, t, I, 32 * b0, 32 * b1);
                 else if (bf)
                     eng_silu_mul_row_bf16(m->act, m->gate_up, t, I, 32 * b0, 32 * b1);

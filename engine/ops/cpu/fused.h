@@ -57,7 +57,9 @@ typedef struct {
 typedef struct {
     int dtype;    /* 0 fp32, 1 bf16 (activations, norms, biases, RoPE tables) */
     int kv_int8;  /* the caches hold int8 codes with fp32 scales */
-    int gemma;    /* Gemma's layer: fp32 "1 + w" norms (four a layer, or Gemma 1's two), GeGLU, a soft-cap */
+    int gemma;    /* Gemma's layer: fp32 "1 + w" norms (four a layer, or Gemma 1's two), a soft-cap; OLMo's */
+    int gelu;     /* the MLP is GeGLU (Gemma), else SwiGLU */
+    int qk_norm_full; /* q_norm / k_norm span all of q's / k's heads (OLMo), else one head each */
     int quantized; /* some projection has quantized parts (its inputs are quantized for it) */
     float softcap; /* attention score soft-cap (Gemma 2), 0 for none */
     float residual_scale; /* a block's output times this before it joins the stream (Granite); 1: none */

@@ -127,9 +127,11 @@ def unfusable(model: FusedModel, kv_caches) -> str | None:
             return "unexpected MLP width"
         norms = [layer.input_norm, layer.post_norm]
         if gemma:
-            norms += [layer.pre_ffn_norm, layer.post_ffn_norm]
-            if layer.post_norm is None and layer.post_ffn_norm is None:
-                norms = [layer.input_norm, layer.pre_ffn_norm]  # Gemma 1: no norm after a block
+            # Gemma 2/3 norm before and after each block, Gemma 1 before only, OLMo after only.
+            pre, post = (layer.input_norm, layer.pre_ffn_norm), (layer.post_norm, layer.post_ffn_norm)
+            norms = [*(pre if pre[0] is not None else ()), *(post if post[0] is not None else ())]
+            if not norms or (pre[0] is None) != (pre[1] is None) or (post[0] is None) != (post[1] is None):
+                return "a Gemma-style layer's norms are not in pairs around its blocks"
         if layer.q_norm is not None:
             norms += [layer.q_norm, layer.k_norm]
         # Gemma keeps its norms as 1 + w in fp32, Llama in the dtype.
@@ -238,6 +240,7 @@ class FusedDecode:
         self.model = m = _ffi.new("EngFusedModel *")
         m.dtype, m.kv_int8, m.gemma, m.softcap = _DTYPES[dtype], int(int8), int(gemma), model.softcap
         m.residual_scale = model.residual_scale
+        m.gelu, m.qk_norm_full = int(model.activation == "gelu_tanh"), int(model.qk_norm_full)
         m.quantized = int(self.quantized)
         m.n_layers, m.hidden, m.heads, m.kv_heads, m.head_dim, m.inter = n, self.hidden, h, hkv, d, inter
         m.num_blocks, m.block_size, m.max_tokens = num_blocks, block_size, T

@@ -127,6 +127,10 @@ class FusedModel:
     # Granite's residual_multiplier: each block output times it (rounded to the dtype)
     # before it joins the residual stream; 1 elsewhere.
     residual_scale: float = 1.0
+    # The gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU: Gemma's).
+    activation: str = "silu"
+    # q_norm / k_norm span all of q's / k's heads (OLMo), else they norm each head.
+    qk_norm_full: bool = False
 
 
 __all__ = ["DenseProjection", "FusedLayer", "FusedModel", "LoraProjection", "Projection", "QuantProjection"]

@@ -299,7 +299,8 @@ INLINE void gemma_norm_row(void *out, const void *x, int64_t n, const float *w, 
 /* Gemma's sandwich step on one row: with `d`, r += norm(d) * w_post (each rounded to the
  * dtype, as transformers' `hidden + post_norm(x)`), then out = norm(r) * w_next. Without
  * `d`, only the second norm (the first layer's input norm). Without `w_post` (Gemma 1,
- * no norm after attention or the MLP), r += d. */
+ * no norm after attention or the MLP), r += d. Without `w_next` (OLMo, no norm before a
+ * block), out = r. */
 INLINE void gemma_add_norm_row(void *r, const void *d, const float *w_post, void *out, const float *w_next,
                                int64_t n, float eps, int bf) {
     if (d && !w_post) {
@@ -312,7 +313,10 @@ INLINE void gemma_add_norm_row(void *r, const void *d, const float *w_post, void
         for (int64_t i = 0; i < n; i++)
             st(r, i, ld(r, i, bf) + rnd(ld(d, i, bf) * rstd * w_post[i], bf), bf);
     }
-    gemma_norm_row(out, r, n, w_next, eps, bf);
+    if (w_next)
+        gemma_norm_row(out, r, n, w_next, eps, bf);
+    else
+        memcpy(out, r, (size_t)n * (bf ? 2 : 4));
 }
 
 CLONES void eng_gemma_norm_row_f32(void *out, const void *x, int64_t n, const float *w, float eps) {

@@ -1,0 +1,161 @@
+"""OLMo 2 and OLMo 3: the Llama decoder's attention and MLP in a layer normed after each
+block instead of before it.
+
+What differs from the generic decoder (:class:`~engine.models.layers.decoder.Decoder`), each
+as transformers computes it:
+
+* no norm before attention or the MLP: each block reads the residual stream itself, and its
+  output is normed (``post_attention_layernorm``, ``post_feedforward_layernorm``) before it
+  is added back;
+* q and k are each normed over all their heads at once (``q_norm`` over
+  ``heads * head_dim`` values, ``k_norm`` over the KV heads'), before RoPE;
+* every norm multiplies ``x / rms(x)`` by its weight in fp32 and rounds once, Gemma's
+  arithmetic with the weight as stored (no ``1 +``): :func:`gemma_rms_norm` over the fp32
+  weight;
+* OLMo 3 slides a window over three layers in four, its full layers alone taking the rope
+  scaling (``ModelConfig.rope_local_theta`` gives the sliding layers' table).
+
+Projections, the embedding and the head are the generic decoder's (GGUF-free: OLMo loads
+from Hugging Face folders). The fused CPU decode step runs this layer in its Gemma mode
+(fp32 norm weights multiplied as stored, no norms before the blocks, SwiGLU, q/k norms
+across the heads: :meth:`OlmoModel.fused_description`). q/k norms across all heads do not
+split over tensor-parallel ranks (engine.models.layers.shard refuses it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from engine.models.config import ModelConfig
+from engine.models.layers.decoder import Decoder, DecoderLayer, decoder_weight_names
+from engine.models.layers.linear import make_linear
+from engine.models.layers.norm import gemma_rms_norm
+from engine.models.layers.rope import rope_cos_sin_cache
+from engine.models.layers.shard import ShardedWeights, qkv_spans
+from engine.ops import AttentionMetadata, Ops
+from engine.ops.cpu.fused_spec import FusedLayer, FusedModel
+from engine.parallel import SINGLE, TensorParallel
+
+OLMO_LAYER_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
+
+
+@dataclasses.dataclass(slots=True)
+class OlmoLayer(DecoderLayer):
+    # input_norm: None (OLMo has none); post_norm: after attention; q_norm / k_norm: over
+    # all of q's and k's heads.
+    post_ffn_norm: torch.Tensor  # after the MLP
+
+
+class OlmoModel(Decoder):
+    """OLMo 2 / OLMo 3 decoder stack plus LM head over Hugging Face weights."""
+
+    @classmethod
+    def weight_names(cls, config: ModelConfig) -> list[str]:
+        return decoder_weight_names(config, OLMO_LAYER_NORMS)
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        ops: Ops,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        tp: TensorParallel = SINGLE,
+    ) -> None:
+        self.config = config
+        self.ops = ops
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self._init_parallel(config, tp)
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.attn_softcap = 0.0
+        self.eps = config.rms_norm_eps
+        self.cos_sin_cache = rope_cos_sin_cache(config, dtype, self.device)
+        self.local_cos_sin_cache = (
+            rope_cos_sin_cache(config, dtype, self.device, local=True)
+            if config.rope_local_theta is not None
+            else self.cos_sin_cache
+        )
+        get = ShardedWeights(weights, dtype, self.device, tp)
+        self._build_ends(get, weights, lambda: self._norm_weight(weights, "model.norm.weight"))
+        self.layers = [self._layer(get, i) for i in tp.stage.layer_range(config.num_hidden_layers)]
+
+    def _norm_weight(self, weights: Any, name: str) -> torch.Tensor:
+        """A norm's weight in fp32, as stored: the norm multiplies by it in fp32."""
+        return ShardedWeights(weights, torch.float32, self.device)(name).contiguous()
+
+    def _layer(self, get: ShardedWeights, i: int) -> OlmoLayer:  # type: ignore[override]
+        p = f"model.layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        norm = lambda name: self._norm_weight(get.weights, p + name)  # noqa: E731
+        _, spans = qkv_spans(self.config, self.tp)
+        window = self.config.layer_windows[i]
+        return OlmoLayer(
+            input_norm=None,  # type: ignore[arg-type]  # OLMo norms after each block
+            post_norm=norm("post_attention_layernorm.weight"),
+            post_ffn_norm=norm("post_feedforward_layernorm.weight"),
+            qkv=make_linear([get.rows(attn + f"{n}_proj.weight", spans=[span]) for n, span in zip("qkv", spans, strict=True)]),
+            o_proj=get.row_parallel(attn + "o_proj.weight"),
+            q_norm=norm("self_attn.q_norm.weight"),
+            k_norm=norm("self_attn.k_norm.weight"),
+            gate_up=make_linear([get.rows(mlp + "gate_proj.weight"), get.rows(mlp + "up_proj.weight")]),
+            down=get.row_parallel(mlp + "down_proj.weight"),
+            window=window,
+            rope=self.local_cos_sin_cache if window else self.cos_sin_cache,
+        )
+
+    def _head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """q or k [T, heads, D] normed over all its heads at once (the weight is as wide)."""
+        t = x.shape[0]
+        return self._rms(x.reshape(t, -1), weight).view(x.shape)
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return gemma_rms_norm(self.ops, x, weight, self.eps)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm; writes this step's K/V."""
+        ops = self.ops
+        stage = self.tp.stage
+        if stage.first:
+            hidden = self._embed(input_ids)
+        else:  # a later pipeline stage: OLMo's stream is the hidden states alone
+            (hidden,) = stage.recv(1, (positions.shape[-1], self.config.hidden_size), self.dtype,
+                                   self.device)
+        if not stage.enabled:
+            out = self._run_fused(hidden, positions, meta, kv_caches)  # small CPU steps: one C call
+            if out is not None:
+                return out
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            assert isinstance(layer, OlmoLayer)
+            x = self._attention(layer, hidden, positions, meta, k_cache, v_cache)
+            hidden = hidden + self._rms(x, layer.post_norm)
+            x = layer.down(ops.silu_and_mul(layer.gate_up(hidden)))  # row-parallel: the whole output
+            hidden = hidden + self._rms(x, layer.post_ffn_norm)
+        if not stage.last:
+            stage.send([hidden])
+            return None  # type: ignore[return-value]
+        return self._rms(hidden, self.norm)
+
+    def fused_description(self) -> FusedModel:
+        return dataclasses.replace(super().fused_description(), gemma=True, qk_norm_full=True)
+
+    def _fused_layer(self, layer: DecoderLayer) -> FusedLayer:
+        assert isinstance(layer, OlmoLayer)
+        # No norm before either block (input_norm and pre_ffn_norm None); both after.
+        return dataclasses.replace(super()._fused_layer(layer), pre_ffn_norm=None,
+                                   post_ffn_norm=layer.post_ffn_norm)
+
+
+__all__ = ["OLMO_LAYER_NORMS", "OlmoLayer", "OlmoModel"]
