@@ -106,6 +106,7 @@ CASES = [
     ("granite", "dense", "float32", "int8", None),
     ("olmo2", "dense", "bfloat16", "auto", 3),  # norms after the blocks only, q/k normed across heads
     ("olmo3", "dense", "float32", "int8", None),  # and sliding layers with their own RoPE table
+    ("olmo2", "Q4_1", "float32", "auto", 3),  # from llama.cpp's olmo2 GGUF
     # Gemma's sandwich norms (1 + w in fp32), GeGLU, alternating sliding-window layers
     ("gemma2", "Q8_0", "float32", "auto", 3),    # attention soft-cap
     ("gemma2", "Q4_1", "bfloat16", "int8", None),

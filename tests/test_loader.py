@@ -77,6 +77,8 @@ _GGUF_ARCH = {
     "gemma3_text": "gemma3",
     "phi3": "phi3",
     "granite": "granite",
+    "smollm3": "smollm3",
+    "olmo2": "olmo2",
 }
 
 _HF_TO_GGUF = {
@@ -106,6 +108,8 @@ _ARCH_HF_TO_GGUF = {
     "phi3": {"self_attn.qkv_proj": _T.ATTN_QKV, "mlp.gate_up_proj": _T.FFN_UP},
 }
 _ARCH_HF_TO_GGUF["gemma3"] = _ARCH_HF_TO_GGUF["gemma2"]
+_ARCH_HF_TO_GGUF["olmo2"] = {"post_attention_layernorm": _T.ATTN_POST_NORM,
+                             "post_feedforward_layernorm": _T.FFN_POST_NORM}
 
 
 def _gguf_name(hf: str, gguf_arch: str = "llama") -> str:
@@ -157,9 +161,9 @@ def write_gguf(
     _add_tokenizer(w, folder, cfg)
     for name, tensor in load_file(str(folder / "model.safetensors")).items():
         array = tensor.numpy()
-        if gguf_arch in ("llama", "granite") and name.endswith("q_proj.weight"):
+        if gguf_arch in ("llama", "granite", "smollm3") and name.endswith("q_proj.weight"):
             array = _llama_cpp_permute(array, heads)
-        elif gguf_arch in ("llama", "granite") and name.endswith("k_proj.weight"):
+        elif gguf_arch in ("llama", "granite", "smollm3") and name.endswith("k_proj.weight"):
             array = _llama_cpp_permute(array, kv_heads)
         elif gguf_arch in ("gemma", "gemma2", "gemma3") and name.endswith("norm.weight"):
             array = array + 1  # llama.cpp's converter stores Gemma's norms as 1 + w
@@ -345,11 +349,17 @@ def _assert_config_matches(gguf_config: ModelConfig, hf_config: ModelConfig) -> 
     )  # stored as f32
 
 
-@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3", "phi3", "phi4", "granite"])
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3", "phi3", "phi4", "granite", "smollm3", "olmo2"])
 def test_gemma_and_phi3_ggufs_load_as_their_hf_folders(tmp_path: Path, arch: str) -> None:
     """llama.cpp's layouts: Gemma's sandwich norms stored as 1 + w, its windows, soft-caps
-    and local RoPE base; Phi-3's fused attn_qkv / ffn_up and its longrope factor tensors."""
-    folder = _tiny(tmp_path, arch)
+    and local RoPE base; Phi-3's fused attn_qkv / ffn_up and its longrope factor tensors;
+    Granite's multipliers; SmolLM3's fourth layer without RoPE (a rule, not a key: the
+    tiny SmolLM3 here has four layers and transformers' default interval); OLMo 2's
+    post-norms."""
+    if arch == "smollm3":
+        folder = write_tiny_model(tmp_path / arch, arch, overrides={"num_hidden_layers": 4, "no_rope_layer_interval": 4})
+    else:
+        folder = _tiny(tmp_path, arch)
     cfg = json.loads((folder / "config.json").read_text())
     if arch in ("gemma2", "gemma3"):
         # A GGUF has no query_pre_attn_scalar: llama.cpp uses head_dim (but for 27B).
@@ -360,7 +370,7 @@ def test_gemma_and_phi3_ggufs_load_as_their_hf_folders(tmp_path: Path, arch: str
     _assert_config_matches(model.config, hf.config)
     for field in (
         "architecture", "layer_windows", "sliding_window", "activation", "query_pre_attn_scalar",
-        "rope_local_theta", "rotary_dim",
+        "rope_local_theta", "rotary_dim", "nope_layers", "qk_norm",
     ):  # fmt: skip
         assert getattr(model.config, field) == getattr(hf.config, field), field
     for field in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):

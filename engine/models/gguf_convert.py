@@ -52,6 +52,10 @@ _ARCHITECTURES = {
     "phi3": ("Phi3ForCausalLM", "phi3", False),
     # llama.cpp's converter permutes Granite's q/k rows as Llama's (its GraniteModel is one).
     "granite": ("GraniteForCausalLM", "granite", True),
+    # SmolLM3 too (llama.cpp rotates it as Llama); its RoPE-less layers are every fourth,
+    # a rule llama.cpp fixes (no GGUF key), as transformers' default no_rope_layer_interval.
+    "smollm3": ("SmolLM3ForCausalLM", "smollm3", True),
+    "olmo2": ("Olmo2ForCausalLM", "olmo2", False),
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe", False),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
     "gpt2": ("GPT2LMHeadModel", "gpt2", False),
@@ -101,6 +105,8 @@ _ARCH_BLOCK_NAMES = {
         "post_ffw_norm": "post_feedforward_layernorm",
     },
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    # OLMo 2: norms after each block only (its q/k norms are attn_q_norm / attn_k_norm).
+    "olmo2": {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
 }
 _ARCH_BLOCK_NAMES["gemma3"] = _ARCH_BLOCK_NAMES["gemma2"]
 
