@@ -29,12 +29,8 @@ from engine.errors import (
 from engine.models import gguf_convert, loader
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model, resolve_model
-from engine.models.testing import (
-    CHATML_TEMPLATE,
-    TINY_ARCHITECTURES,
-    quantize_q4_k,
-    write_tiny_model,
-)
+from engine.models.testing import CHATML_TEMPLATE, TINY_ARCHITECTURES, write_tiny_model
+from engine.models.testing_quant import quantize_q4_k
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 Q4_K = gguf.GGMLQuantizationType.Q4_K

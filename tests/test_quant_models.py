@@ -43,7 +43,8 @@ import engine
 from engine.models.layers.linear import QuantLinear, weight_bytes
 from engine.models.llama import LlamaModel
 from engine.models.loader import load_model
-from engine.models.testing import TINY_MOE_ARCHITECTURES, quantize_q4_k, write_tiny_model
+from engine.models.testing import TINY_MOE_ARCHITECTURES, write_tiny_model
+from engine.models.testing_quant import quantize_q4_k
 from engine.ops.cpu import qmatmul as cq
 from engine.ops.quant import QuantizedWeight
 

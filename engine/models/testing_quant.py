@@ -8,6 +8,9 @@ largest magnitude is the format's largest code; the other tensors as they are.
 "ct-int8-channel" / "ct-int8-group" (int-quantized), "ct-w4-group" / "ct-w8-channel"
 (pack-quantized, symmetric) and "ct-w4-asym" (pack-quantized with zero points). Blocks and groups must divide the matrices (transformers'
 loaders, the oracle, require it).
+
+Also :func:`quantize_q4_k`, GGUF Q4_K rows for the tests that write a k-quant GGUF (the
+gguf package quantizes only the 32-column formats).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -138,3 +142,47 @@ def write_quantized(dense: str | Path, out: str | Path, layout: str, *, block: t
     config["quantization_config"] = _quantization_config(layout, block, group)
     (out / "config.json").write_text(json.dumps(config))
     return out
+
+
+def quantize_q4_k(weight: np.ndarray) -> np.ndarray:
+    """GGUF Q4_K rows ``[N, K / 256 * 144]`` uint8 of an fp32 ``weight [N, K]``.
+
+    The gguf package quantizes only the 32-column formats, so tests that need a k-quant
+    file write one with this. Each 256-column super-block holds an fp16 ``d`` and ``dmin``,
+    eight 6-bit scales and mins (one per 32 columns, packed into 12 bytes) and 4-bit
+    codes: ``w = d * sc * q - dmin * mn``. Scales and codes are rounded to nearest (not
+    llama.cpp's error-minimising search): a valid file whose weights are close to
+    ``weight``, which is all a test of the kept blocks against their own dequantization
+    needs.
+    """
+    n, k = weight.shape
+    if k % 256:
+        raise ValueError(f"Q4_K needs K to be a multiple of 256, got {k}")
+    x = weight.astype(np.float32).reshape(n, k // 256, 8, 32)
+    lo = np.minimum(x.min(-1), 0.0)  # a sub-block's min, stored negated (mn >= 0)
+    scale, mins = (x.max(-1) - lo) / 15, -lo  # [n, blocks, 8]
+    d = (scale.max(-1) / 63).astype(np.float16)
+    dmin = (mins.max(-1) / 63).astype(np.float16)
+
+    def six_bits(v: np.ndarray, unit: np.ndarray) -> np.ndarray:
+        u = unit.astype(np.float32)[..., None]
+        q = np.divide(v, u, out=np.zeros_like(v), where=u > 0)
+        return np.clip(np.rint(q), 0, 63).astype(np.uint8)
+
+    sc, mn = six_bits(scale, d), six_bits(mins, dmin)
+    step = (d.astype(np.float32)[..., None] * sc)[..., None]
+    offset = (dmin.astype(np.float32)[..., None] * mn)[..., None]
+    q = np.divide(x + offset, step, out=np.zeros_like(x), where=step > 0)
+    q = np.clip(np.rint(q), 0, 15).astype(np.uint8)
+    packed = np.empty((n, k // 256, 12), dtype=np.uint8)
+    # Sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); sub-blocks
+    # 4-7 in the nibbles of bytes 8-11, their top 2 bits in the top bits of bytes 0-7.
+    packed[..., 0:4] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+    packed[..., 4:8] = mn[..., :4] | ((mn[..., 4:] >> 4) << 6)
+    packed[..., 8:12] = (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)
+    codes = q[:, :, 0::2] | (q[:, :, 1::2] << 4)  # 32 bytes per 64 columns: low, high nibble
+    blocks = np.concatenate(
+        [d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), packed, codes.reshape(n, k // 256, 128)],
+        axis=-1,
+    )
+    return blocks.reshape(n, k // 256 * 144)
