@@ -166,3 +166,28 @@ async def test_a_roberta_classifier_and_tagger_give_transformers_probabilities(t
             rows = torch.softmax(hf_tag(**tok(text, return_tensors="pt")).logits[0], -1)
             assert got.shape == tuple(rows.shape)
             assert np.allclose(got, rows.numpy(), atol=1e-5)
+
+
+async def test_an_encoder_longer_than_the_step_budget_takes_a_step_its_size(tmp_path: Path) -> None:
+    """bge-m3 reads 8,192 tokens, past the default step budget (2,048): left at its default
+    the budget grows to a whole input, as vLLM sizes an encoder's; set lower, it is refused."""
+    from transformers import XLMRobertaModel
+
+    from engine.errors import ConfigError
+
+    path = tmp_path / "long"
+    torch.manual_seed(0)
+    config = _config("XLMRobertaModel")
+    config.max_position_embeddings = 4096 + 2
+    XLMRobertaModel(config).eval().save_pretrained(str(path))
+    _write_tokenizer(path)
+    ids = [0] + [5 + i % 300 for i in range(4094)] + [2]
+    async with engine.open_engine(path, dtype="float32") as eng:
+        assert eng.max_model_len == 4096 and eng.pooler.pooling == "cls"
+        got = (await eng.embed([ids]))[0].vector()
+    with torch.no_grad():
+        first = XLMRobertaModel.from_pretrained(str(path)).eval()(torch.tensor([ids])).last_hidden_state[0, 0]
+    assert np.allclose(got, torch.nn.functional.normalize(first, dim=0).numpy(), atol=1e-5)
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+        async with engine.open_engine(path, dtype="float32", max_num_batched_tokens=1024):
+            pass

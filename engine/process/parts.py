@@ -281,6 +281,10 @@ def _model_max_len(loaded: Any, pooler: Any) -> int:
     return int(model_max)
 
 
+_DEFAULT_BATCHED_TOKENS = next(f.default for f in dataclasses.fields(EngineConfig)
+                               if f.name == "max_num_batched_tokens")
+
+
 def _size_encoder(config: EngineConfig, loaded: Any, pooler: Any) -> tuple[EngineConfig, int]:
     """An encoder's max_model_len; it has no KV pool (the block count stays a nominal 1
     for the allocator, which no request calls)."""
@@ -290,6 +294,12 @@ def _size_encoder(config: EngineConfig, loaded: Any, pooler: Any) -> tuple[Engin
         raise ConfigError(f"max_model_len {wanted} exceeds the model's {model_max} tokens",
                           field="max_model_len")
     max_len = wanted or model_max
+    if max_len > config.max_num_batched_tokens == _DEFAULT_BATCHED_TOKENS:
+        # Left at its default, the step budget grows to take a whole input, as vLLM sizes
+        # it for an encoder (bge-m3 and ModernBERT read 8,192 tokens).
+        logger.info("max_num_batched_tokens raised from %d to %d: an encoder runs each input whole "
+                    "in one step", config.max_num_batched_tokens, max_len)
+        config = dataclasses.replace(config, max_num_batched_tokens=max_len)
     if max_len > config.max_num_batched_tokens:
         # Every token attends to every token of its input: no chunking, one step each.
         raise ConfigError(
