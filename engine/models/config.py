@@ -10,6 +10,7 @@ from engine.models.absolute_config import ABSOLUTE_ARCHITECTURES, AbsoluteConfig
 from engine.models.encoder_config import (
     DECODER_CLASSIFIER_ARCHITECTURES,
     ENCODER_ARCHITECTURES,
+    ModernBertConfig,
     decoder_classifier_fields,
     encoder_fields,
     matryoshka,
@@ -224,6 +225,9 @@ class ModelConfig:
     vision: VisionConfig | QwenVisionConfig | None = None
     # GPT-2 and OPT (ABSOLUTE_ARCHITECTURES): learned positions, LayerNorm; None otherwise.
     absolute: AbsoluteConfig | None = None
+    # ModernBERT (models/modernbert.py): its local layers, their window and RoPE base, its
+    # biases and classifier pooling; None for every other model.
+    modernbert: ModernBertConfig | None = None
 
     @property
     def mrope(self) -> bool:

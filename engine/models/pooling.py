@@ -4,7 +4,10 @@
 ``--convert`` resolve it:
 
 * ``BertModel`` embeds, ``BertForSequenceClassification`` classifies (a cross-encoder:
-  one logit per label from the [CLS] row through the pooler and classifier);
+  one logit per label from the [CLS] row through the pooler and classifier), and so do
+  RoBERTa's and ModernBERT's (whose classifier pools the [CLS] row or the mean of all
+  rows, as its ``classifier_pooling`` says); their ``*ForTokenClassification`` classify
+  every token;
 * a decoder saved without its LM head (``Qwen3Model``, ``LlamaModel``, ...) embeds; one
   with a classifier head (``Qwen3ForSequenceClassification``, ...; or Qwen3-Reranker, a
   causal LM converted by ``hf_overrides``' ``classifier_from_token``) classifies its last
@@ -32,6 +35,7 @@ from typing import Any
 
 from engine.errors import ConfigError, CorruptModelError, UnsupportedModelError
 from engine.models.config import ModelConfig
+from engine.models.encoder_config import SEQUENCE_CLASSIFIERS, TOKEN_CLASSIFIERS
 
 RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed")
@@ -83,7 +87,7 @@ def pooler_config(
     """The model's pooler, or ``None`` for a model that generates. Raises
     :class:`ConfigError` for flags that contradict the model, and
     :class:`UnsupportedModelError` for a sentence-transformers pipeline it cannot run."""
-    classifier = config.architecture in ("bert_classifier", "bert_token_classifier")
+    classifier = config.architecture in SEQUENCE_CLASSIFIERS | TOKEN_CLASSIFIERS
     if config.seq_classifier:  # a decoder's *ForSequenceClassification: its last token scored
         if runner == "generate" or convert in ("embed", "none"):
             raise ConfigError(f"{folder}: a sequence classifier is a pooling model; it cannot "
@@ -99,17 +103,20 @@ def pooler_config(
             f"{folder}: a {config.architecture} encoder is a pooling model; it cannot "
             f"{'generate' if runner == 'generate' else 'be converted to embed'}",
             field="runner" if runner == "generate" else "convert")
-    if config.architecture == "bert_token_classifier":
+    if config.architecture in TOKEN_CLASSIFIERS:
         if pooling_type != "auto":
             raise ConfigError(f"a token classifier classifies every token; pooling_type "
                               f"{pooling_type!r} does not apply", field="pooling_type")
         return PoolerConfig(task="token_classify", pooling="all", normalize=False,
                             size=config.num_labels, labels=config.labels)
     if classifier:
-        if pooling_type not in ("auto", "cls"):
-            raise ConfigError(f"a sequence classifier pools its [CLS] token; pooling_type "
+        # BERT's head reads the [CLS] row; ModernBERT's the row its classifier_pooling says.
+        own = config.modernbert.classifier_pooling if config.modernbert is not None else "cls"
+        if pooling_type not in ("auto", own):
+            what = "its [CLS] token" if own == "cls" else "the mean of its tokens"
+            raise ConfigError(f"this sequence classifier pools {what}; pooling_type "
                               f"{pooling_type!r} does not apply", field="pooling_type")
-        return PoolerConfig(task="classify", pooling="cls", normalize=False,
+        return PoolerConfig(task="classify", pooling=own, normalize=False,
                             size=config.num_labels, labels=config.labels)
     if config.base_model and (runner == "generate" or convert == "none"):
         raise ConfigError(f"{folder}: a decoder saved without its LM head can only pool; it "

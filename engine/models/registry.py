@@ -22,6 +22,7 @@ from engine.models.layers.decoder import Decoder
 from engine.models.layers.shard import check_tensor_parallel
 from engine.models.llama import LlamaModel
 from engine.models.llava import LlavaModel
+from engine.models.modernbert import ModernBertModel
 from engine.models.olmo import OlmoModel
 from engine.models.opt import OPTModel
 from engine.models.qwen_vl import QwenVLModel
@@ -52,6 +53,9 @@ MODEL_CLASSES: dict[str, type] = {
     "bert": BertModel,
     "bert_classifier": BertModel,
     "bert_token_classifier": BertModel,
+    "modernbert": ModernBertModel,
+    "modernbert_classifier": ModernBertModel,
+    "modernbert_token_classifier": ModernBertModel,
     "llava": LlavaModel,
     "qwen2_vl": QwenVLModel,
     "qwen2_5_vl": QwenVLModel,
@@ -84,7 +88,7 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     tp: TensorParallel = SINGLE,
-) -> Decoder | BertModel:
+) -> Decoder | BertModel | ModernBertModel:
     """Build the decoder (or encoder) for ``config``, or with ``tp`` rank ``tp.rank``'s
     slice of it; raises a typed error for an unusable config (one that cannot be split
     over ``tp.world_size`` ranks included)."""
