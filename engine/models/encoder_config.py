@@ -73,6 +73,23 @@ def decoder_classifier_fields(raw: dict[str, Any]) -> dict[str, Any]:
             "classifier_from_tokens": (tokens[0], tokens[1])}
 
 
+def _encoder_shape(raw: dict[str, Any], arch: str, names: tuple[str, ...], **fields: Any) -> dict[str, Any]:
+    """The ``ModelConfig`` fields every encoder sets alike (its width, depth and heads from
+    config.json; the decoders' RoPE scaling, windows and EOS neutral: an encoder keeps no
+    paged KV, and a local layer's bidirectional window is its own family's), with
+    ``fields`` (eps, RoPE base, position count, biases, the family's own) over them."""
+    hidden, heads, layers = int(raw["hidden_size"]), int(raw["num_attention_heads"]), int(raw["num_hidden_layers"])
+    return dict(
+        architecture=arch, vocab_size=int(raw["vocab_size"]), hidden_size=hidden,
+        intermediate_size=int(raw["intermediate_size"]), num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads,
+        rope_scaling=None, tie_word_embeddings=False, qk_norm=False, sliding_window=None,
+        layer_windows=(0,) * layers, bos_token_id=None, eos_token_ids=(),
+        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"), activation="gelu",
+        num_labels=len(names), labels=names, matryoshka_dimensions=matryoshka(raw, hidden),
+    ) | fields
+
+
 def _labels(raw: dict[str, Any]) -> tuple[str, ...]:
     """A classifier's label names by index: config.json's ``id2label`` (string keys "0",
     "1", ...), else ``num_labels`` of transformers' default names ``LABEL_i``."""
@@ -114,9 +131,6 @@ def encoder_fields(raw: dict[str, Any], hf_arch: str) -> dict[str, Any]:
                                     "is not supported; as a bidirectional encoder it is")
     roberta = hf_arch in _ROBERTA_ARCHITECTURES
     try:
-        heads = int(raw["num_attention_heads"])
-        hidden = int(raw["hidden_size"])
-        layers = int(raw["num_hidden_layers"])
         names = _labels(raw) if arch in SEQUENCE_CLASSIFIERS | TOKEN_CLASSIFIERS else ()
         positions = int(raw.get("max_position_embeddings", 512))
         pad = int(raw.get("pad_token_id", 1)) if roberta else None
@@ -124,34 +138,15 @@ def encoder_fields(raw: dict[str, Any], hf_arch: str) -> dict[str, Any]:
             # Rows 0..pad are the pad's and those below it: a sequence's first token reads
             # row pad + 1, so pad + 1 fewer positions are usable (514 rows: 512 tokens).
             positions -= pad + 1
-        return dict(
-            architecture=arch,
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=heads,
-            head_dim=hidden // heads,
+        return _encoder_shape(
+            raw, arch, names,
             rms_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),  # LayerNorm's eps here
             rope_theta=0.0,
-            rope_scaling=None,
             max_position_embeddings=positions,
-            tie_word_embeddings=False,
             attention_bias=True,
-            qk_norm=False,
-            sliding_window=None,
-            layer_windows=(0,) * layers,
-            bos_token_id=None,
-            eos_token_ids=(),
-            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-            activation="gelu",
             type_vocab_size=int(raw.get("type_vocab_size", 2)),
             encoder_kind="roberta" if roberta else "bert",
             pad_token_id=pad,
-            num_labels=len(names),
-            labels=names,
-            matryoshka_dimensions=matryoshka(raw, hidden),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptModelError(f"config.json is missing or has a bad field: {exc}") from exc
@@ -209,33 +204,12 @@ def modernbert_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
         # transformers: sliding_window, when written, sets local_attention to twice it.
         window = raw.get("sliding_window")
         half = int(window) if window is not None else int(raw.get("local_attention", 128)) // 2
-        return dict(
-            architecture=arch,
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=heads,
-            head_dim=hidden // heads,
+        return _encoder_shape(
+            raw, arch, names,
             rms_norm_eps=float(raw.get("norm_eps", 1e-5)),  # LayerNorm's eps here
             rope_theta=global_theta,
-            rope_scaling=None,
             max_position_embeddings=int(raw.get("max_position_embeddings", 8192)),
-            tie_word_embeddings=False,
             attention_bias=bool(raw.get("attention_bias", False)),
-            qk_norm=False,
-            # No paged KV: the decoders' windows (last N positions) stay off; the local
-            # layers' bidirectional window is modernbert.local_window.
-            sliding_window=None,
-            layer_windows=(0,) * layers,
-            bos_token_id=None,
-            eos_token_ids=(),
-            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-            activation="gelu",
-            num_labels=len(names),
-            labels=names,
-            matryoshka_dimensions=matryoshka(raw, hidden),
             modernbert=ModernBertConfig(
                 local_layers=_modernbert_local_layers(raw, layers),
                 local_window=half,

@@ -29,10 +29,8 @@ import torch
 
 from engine.models.config import ModelConfig
 from engine.models.layers.decoder import LAYER_NORMS, Decoder, DecoderLayer, decoder_weight_names
-from engine.models.layers.linear import make_linear
 from engine.models.layers.norm import gemma_norm_weight, gemma_rms_norm
-from engine.models.layers.rope import rope_cos_sin_cache
-from engine.models.layers.shard import ShardedWeights, qkv_spans
+from engine.models.layers.shard import ShardedWeights
 from engine.ops import AttentionMetadata, Ops
 from engine.ops.cpu.fused_spec import FusedLayer, FusedModel
 from engine.parallel import SINGLE, TensorParallel
@@ -66,22 +64,10 @@ class GemmaModel(Decoder):
         device: torch.device | str = "cpu",
         tp: TensorParallel = SINGLE,
     ) -> None:
-        self.config = config
-        self.ops = ops
-        self.dtype = dtype
-        self.device = torch.device(device)
-        self._init_parallel(config, tp)
-        self.head_dim = config.head_dim
         assert config.query_pre_attn_scalar is not None  # from_hf requires it for Gemma
-        self.scale = config.query_pre_attn_scalar**-0.5
-        self.attn_softcap = config.attn_logit_softcapping
-        self.eps = config.rms_norm_eps
-        self.cos_sin_cache = rope_cos_sin_cache(config, dtype, self.device)
-        self.local_cos_sin_cache = (
-            rope_cos_sin_cache(config, dtype, self.device, local=True)
-            if config.rope_local_theta is not None
-            else self.cos_sin_cache
-        )
+        self._init_common(config, ops, dtype, device, tp, scale=config.query_pre_attn_scalar**-0.5,
+                          softcap=config.attn_logit_softcapping)
+        self._init_rope_tables()
         # transformers: Gemma 2 builds the scale in the model dtype, Gemma 3 in fp32 and
         # casts it; both round sqrt(hidden) to the dtype before the multiply.
         self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=torch.float32).to(dtype)
@@ -94,24 +80,17 @@ class GemmaModel(Decoder):
 
     def _layer(self, get: ShardedWeights, i: int) -> GemmaLayer:  # type: ignore[override]
         p = f"model.layers.{i}."
-        attn, mlp = p + "self_attn.", p + "mlp."
         norm = lambda name: self._norm_weight(get.weights, p + name)  # noqa: E731
         qk_norm = self.config.qk_norm
         sandwich = self.config.architecture != "gemma"
-        _, spans = qkv_spans(self.config, self.tp)
         return GemmaLayer(
             input_norm=norm("input_layernorm.weight"),
             post_norm=norm("post_attention_layernorm.weight") if sandwich else None,
             pre_ffn_norm=norm("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight"),
             post_ffn_norm=norm("post_feedforward_layernorm.weight") if sandwich else None,
-            qkv=make_linear([get.rows(attn + f"{n}_proj.weight", spans=[span]) for n, span in zip("qkv", spans, strict=True)]),
-            o_proj=get.row_parallel(attn + "o_proj.weight"),
             q_norm=norm("self_attn.q_norm.weight") if qk_norm else None,
             k_norm=norm("self_attn.k_norm.weight") if qk_norm else None,
-            gate_up=make_linear([get.rows(mlp + "gate_proj.weight"), get.rows(mlp + "up_proj.weight")]),
-            down=get.row_parallel(mlp + "down_proj.weight"),
-            window=self.config.layer_windows[i],
-            rope=self.local_cos_sin_cache if self.config.layer_windows[i] else self.cos_sin_cache,
+            **self._plain_layer_parts(get, i),
         )
 
     def _head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

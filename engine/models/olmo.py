@@ -31,10 +31,8 @@ import torch
 
 from engine.models.config import ModelConfig
 from engine.models.layers.decoder import Decoder, DecoderLayer, decoder_weight_names
-from engine.models.layers.linear import make_linear
 from engine.models.layers.norm import gemma_rms_norm
-from engine.models.layers.rope import rope_cos_sin_cache
-from engine.models.layers.shard import ShardedWeights, qkv_spans
+from engine.models.layers.shard import ShardedWeights
 from engine.ops import AttentionMetadata, Ops
 from engine.ops.cpu.fused_spec import FusedLayer, FusedModel
 from engine.parallel import SINGLE, TensorParallel
@@ -66,21 +64,8 @@ class OlmoModel(Decoder):
         device: torch.device | str = "cpu",
         tp: TensorParallel = SINGLE,
     ) -> None:
-        self.config = config
-        self.ops = ops
-        self.dtype = dtype
-        self.device = torch.device(device)
-        self._init_parallel(config, tp)
-        self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
-        self.attn_softcap = 0.0
-        self.eps = config.rms_norm_eps
-        self.cos_sin_cache = rope_cos_sin_cache(config, dtype, self.device)
-        self.local_cos_sin_cache = (
-            rope_cos_sin_cache(config, dtype, self.device, local=True)
-            if config.rope_local_theta is not None
-            else self.cos_sin_cache
-        )
+        self._init_common(config, ops, dtype, device, tp, scale=config.head_dim**-0.5)
+        self._init_rope_tables()
         get = ShardedWeights(weights, dtype, self.device, tp)
         self._build_ends(get, weights, lambda: self._norm_weight(weights, "model.norm.weight"))
         self.layers = [self._layer(get, i) for i in tp.stage.layer_range(config.num_hidden_layers)]
@@ -91,22 +76,14 @@ class OlmoModel(Decoder):
 
     def _layer(self, get: ShardedWeights, i: int) -> OlmoLayer:  # type: ignore[override]
         p = f"model.layers.{i}."
-        attn, mlp = p + "self_attn.", p + "mlp."
         norm = lambda name: self._norm_weight(get.weights, p + name)  # noqa: E731
-        _, spans = qkv_spans(self.config, self.tp)
-        window = self.config.layer_windows[i]
         return OlmoLayer(
             input_norm=None,  # type: ignore[arg-type]  # OLMo norms after each block
             post_norm=norm("post_attention_layernorm.weight"),
             post_ffn_norm=norm("post_feedforward_layernorm.weight"),
-            qkv=make_linear([get.rows(attn + f"{n}_proj.weight", spans=[span]) for n, span in zip("qkv", spans, strict=True)]),
-            o_proj=get.row_parallel(attn + "o_proj.weight"),
             q_norm=norm("self_attn.q_norm.weight"),
             k_norm=norm("self_attn.k_norm.weight"),
-            gate_up=make_linear([get.rows(mlp + "gate_proj.weight"), get.rows(mlp + "up_proj.weight")]),
-            down=get.row_parallel(mlp + "down_proj.weight"),
-            window=window,
-            rope=self.local_cos_sin_cache if window else self.cos_sin_cache,
+            **self._plain_layer_parts(get, i),
         )
 
     def _head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -136,15 +136,8 @@ class AbsoluteDecoder(Decoder):
     ) -> None:
         spec = config.absolute
         assert spec is not None  # the registry files only ABSOLUTE_ARCHITECTURES here
-        self.config = config
-        self.ops = ops
-        self.dtype = dtype
-        self.device = torch.device(device)
-        self._init_parallel(config, tp)
-        self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5 if spec.scale_attention else 1.0
-        self.attn_softcap = 0.0
-        self.eps = config.rms_norm_eps  # the LayerNorms'
+        # eps: the LayerNorms'
+        self._init_common(config, ops, dtype, device, tp, scale=config.head_dim**-0.5 if spec.scale_attention else 1.0)
         self.pre_norm = spec.pre_norm
         self.position_offset = spec.position_offset
         self.act = _ACTIVATIONS[config.activation]

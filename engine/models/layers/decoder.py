@@ -139,19 +139,55 @@ class Decoder:
         device: torch.device | str = "cpu",
         tp: TensorParallel = SINGLE,
     ) -> None:
+        # Gemma 2 soft-caps attention scores; the Llama family does not.
+        self._init_common(config, ops, dtype, device, tp, scale=config.attention_multiplier or config.head_dim**-0.5)
+        self.cos_sin_cache = rope_cos_sin_cache(config, dtype, self.device)
+        get = ShardedWeights(weights, dtype, self.device, tp)
+        self._build_ends(get, weights, lambda: get("model.norm.weight"))
+        self.layers = [self._layer(get, i) for i in tp.stage.layer_range(config.num_hidden_layers)]
+
+    def _init_common(self, config: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device | str,
+                     tp: TensorParallel, *, scale: float, softcap: float = 0.0) -> None:
+        """What every family's constructor sets alike: the config, op set, dtype and device,
+        this rank's share (:meth:`_init_parallel`), the attention scale and soft-cap, the
+        norms' eps."""
         self.config = config
         self.ops = ops
         self.dtype = dtype
         self.device = torch.device(device)
         self._init_parallel(config, tp)
         self.head_dim = config.head_dim
-        self.scale = config.attention_multiplier or config.head_dim**-0.5
-        self.attn_softcap = 0.0  # Gemma 2 soft-caps attention scores; the Llama family does not
+        self.scale = scale
+        self.attn_softcap = softcap
         self.eps = config.rms_norm_eps
-        self.cos_sin_cache = rope_cos_sin_cache(config, dtype, self.device)
-        get = ShardedWeights(weights, dtype, self.device, tp)
-        self._build_ends(get, weights, lambda: get("model.norm.weight"))
-        self.layers = [self._layer(get, i) for i in tp.stage.layer_range(config.num_hidden_layers)]
+
+    def _init_rope_tables(self) -> None:
+        """The cos/sin table of the full-attention layers and, where the config gives the
+        sliding layers a base of their own (Gemma 3, OLMo 3), theirs (else the same one)."""
+        config = self.config
+        self.cos_sin_cache = rope_cos_sin_cache(config, self.dtype, self.device)
+        self.local_cos_sin_cache = (
+            rope_cos_sin_cache(config, self.dtype, self.device, local=True)
+            if config.rope_local_theta is not None
+            else self.cos_sin_cache
+        )
+
+    def _plain_layer_parts(self, get: ShardedWeights, i: int) -> dict[str, Any]:
+        """Layer ``i``'s projections with no bias (q/k/v fused, gate/up fused, this rank's
+        share of each), its window and RoPE table (a sliding layer's own where the config
+        gives one): the fields Gemma's and OLMo's layers take as they are."""
+        p = f"model.layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        _, spans = qkv_spans(self.config, self.tp)
+        window = self.config.layer_windows[i]
+        return dict(
+            qkv=make_linear([get.rows(attn + f"{n}_proj.weight", spans=[span]) for n, span in zip("qkv", spans, strict=True)]),
+            o_proj=get.row_parallel(attn + "o_proj.weight"),
+            gate_up=make_linear([get.rows(mlp + "gate_proj.weight"), get.rows(mlp + "up_proj.weight")]),
+            down=get.row_parallel(mlp + "down_proj.weight"),
+            window=window,
+            rope=self.local_cos_sin_cache if window else self.cos_sin_cache,
+        )
 
     def _build_ends(self, get: ShardedWeights, weights: Any, final_norm: Any) -> None:
         """The embedding (first pipeline stage), the final norm and the LM head (last
