@@ -1,6 +1,7 @@
 """The fused CPU decode step on each decoder family, against the unfused layers.
 
-    .venv/bin/python bench/fused_families.py [--archs gemma2,gemma3,qwen3_moe,mixtral,qwen2_moe,llama]
+    .venv/bin/python bench/fused_families.py [--archs gemma2,gemma3,qwen3_moe,mixtral,qwen2_moe,llama,
+                                                       gemma,phi4,smollm3,granite,olmo2,olmo3]
                                              [--dtype bfloat16] [--batches 1,4] [--new-tokens 64]
 
 SmolLM2 (``bench/decode.py``) is the only real model on this machine, and it is a Llama. For
@@ -41,6 +42,15 @@ OVERRIDES = {
     "qwen3_moe": SIZE | MOE | dict(mlp_only_layers=[]),
     "qwen2_moe": SIZE | MOE | dict(shared_expert_intermediate_size=1024),
     "mixtral": SIZE | dict(intermediate_size=512, num_local_experts=8, num_experts_per_tok=2),
+    # Session 20's families: Gemma 1's two norms, Phi-4-mini's partial rotary (48 of 64; no
+    # longrope, whose factors the tiny model sizes for its own heads), SmolLM3's fourth layer
+    # without RoPE, Granite's multipliers, OLMo's post-norms and full-width q/k norms.
+    "gemma": SIZE,
+    "phi4": SIZE | dict(rope_scaling=None),
+    "smollm3": SIZE | dict(no_rope_layer_interval=4),
+    "granite": SIZE,
+    "olmo2": SIZE,
+    "olmo3": SIZE | dict(sliding_window=4096),
 }
 
 
