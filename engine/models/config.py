@@ -50,6 +50,14 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 GEMMA_FAMILY = frozenset({"gemma", "gemma2", "gemma3"})
+# Vision-language checkpoints served as their text model (ModelConfig.text_of): the
+# language model's config (text_config, which must be of the named model_type) and weights
+# only. The vision tower is not loaded, so a request's image is refused as for any
+# text-only model (a 400), never dropped.
+TEXT_PART_ARCHITECTURES = {
+    "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "gemma3_text"),
+    "Mistral3ForConditionalGeneration": ("MistralForCausalLM", "mistral"),
+}
 # Families whose attention_bias puts a bias on o_proj too (transformers' classes), which the
 # decoder does not add: such a checkpoint is refused rather than run without it. (Qwen2's
 # attention_bias is its q/k/v biases alone.)
@@ -193,6 +201,9 @@ class ModelConfig:
     # its last token through ``score`` (num_labels, labels). Converted from a causal LM's two
     # tokens (classifier_from_tokens: [false, true]), its head is the true token's LM-head row
     # less the false one's; the loader reads their ids from the tokenizer.
+    # A vision-language checkpoint served as its text model (TEXT_PART_ARCHITECTURES): its
+    # architecture name; the loader reads the language model's weights out of it.
+    text_of: str | None = None
     seq_classifier: bool = False
     classifier_from_tokens: tuple[str, str] | None = None
     classifier_token_ids: tuple[int, int] | None = None
@@ -250,6 +261,9 @@ class ModelConfig:
     def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
         """Build from a parsed ``config.json``; raises a typed error naming the problem."""
         archs = raw.get("architectures") or []
+        text_part = next((a for a in archs if a in TEXT_PART_ARCHITECTURES), None)
+        if text_part is not None:
+            return _text_part_config(raw, text_part)
         if any(a in VISION_ARCHITECTURES for a in archs):
             return _llava_config(raw)
         qwen_vl = next((QWEN_VL_ARCHITECTURES[a] for a in archs if a in QWEN_VL_ARCHITECTURES), None)
@@ -499,6 +513,24 @@ def _activation(raw: dict[str, Any], arch: str) -> str:
 
 
 _VISION_ACTIVATIONS = ("quick_gelu", "gelu", "gelu_pytorch_tanh")
+
+
+def _text_part_config(raw: dict[str, Any], arch: str) -> ModelConfig:
+    """The text model of a vision-language checkpoint (TEXT_PART_ARCHITECTURES)."""
+    causal, model_type = TEXT_PART_ARCHITECTURES[arch]
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise CorruptModelError(f"{arch}: config.json has no text_config")
+    if text.get("model_type", model_type) != model_type:
+        raise UnsupportedModelError(f"{arch} with a {text['model_type']!r} language model is not supported "
+                                    f"({model_type!r} is)")
+    text = dict(text, architectures=[causal])
+    if "tie_word_embeddings" in raw:  # transformers ties the head by the outer config's flag
+        text["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    for key in ("torch_dtype", "dtype", "eos_token_id", "bos_token_id"):
+        if key in raw and key not in text:
+            text[key] = raw[key]
+    return dataclasses.replace(ModelConfig.from_hf(text), text_of=arch)
 
 
 def _llava_config(raw: dict[str, Any]) -> ModelConfig:

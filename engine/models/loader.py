@@ -363,6 +363,18 @@ def _classifier_token_ids(config: ModelConfig, folder: Path) -> ModelConfig:
     return dataclasses.replace(config, classifier_token_ids=(ids[0], ids[1]))
 
 
+def _text_part_name(name: str) -> str:
+    """A vision-language checkpoint's language-model tensor under a text decoder's name:
+    transformers 5 nests it as ``model.language_model.X``, transformers 4 as
+    ``language_model.model.X`` (and ``language_model.lm_head``). The tower's tensors keep
+    names no decoder reads."""
+    for old, new in (("model.language_model.", "model."), ("language_model.model.", "model."),
+                     ("language_model.lm_head.", "lm_head.")):
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
 def _read_weights(folder: Path, config: ModelConfig,
                   quant: QuantLayout | None = None) -> dict[str, torch.Tensor]:
     """Every expected tensor from the folder's safetensors (sharded or not), as stored, or
@@ -396,6 +408,8 @@ def _expected_in_folder(loaded: dict[str, Any], folder: Path, config: ModelConfi
         loaded = {f"model.{name}": w for name, w in loaded.items()}
     # Under the model's own names: a BERT classifier's bert.* prefix dropped, a vision
     # model's nested decoder and tower moved to model.* and its tower's prefix.
+    if config.text_of is not None:  # a vision-language checkpoint: its language model's tensors
+        loaded = {_text_part_name(name): w for name, w in loaded.items()}
     checkpoint_name = model_class(config).checkpoint_name
     loaded = {checkpoint_name(name): w for name, w in loaded.items()}
     missing = [name for name in expected if name not in loaded]
