@@ -94,6 +94,15 @@ CASES: list[tuple[str, str, str | None, list[tuple[str, dict[str, Any]]]]] = [
     ("granite", '<tool_call>[{"name": "get_weather", "arg', '<tool_call>[{"name": '
      '"get_weather", "arg', []),
     ("granite", "<|tool_call|>", "<|tool_call|>", []),
+    # phi4_mini_json: Phi-4-mini opens the output with "functools" and a JSON list.
+    ("phi4_mini_json", 'functools[{"name": "get_weather", "arguments": {"city": "Paris", '
+     f'"unit": "celsius"}}}}, {{"name": "search", "parameters": {json.dumps(NESTED)}}}]',
+     None, [("get_weather", WEATHER), ("search", NESTED)]),
+    ("phi4_mini_json", "The functools module is in the standard library.",
+     "The functools module is in the standard library.", []),
+    ("phi4_mini_json", 'functools[{"name": "get_weather", "arguments": [1]}]',
+     'functools[{"name": "get_weather", "arguments": [1]}]', []),
+    ("phi4_mini_json", 'functools[{"name": "get_weather", "argu', 'functools[{"name": "get_weather", "argu', []),
     # granite4: hermes' blocks, with Granite 4's layout.
     ("granite4", 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": '
      '"Paris", "unit": "celsius"}}\n</tool_call>', "Checking.", [("get_weather", WEATHER)]),
@@ -307,7 +316,7 @@ def test_constrained_call_sends_arguments_as_they_arrive() -> None:
 
 def test_unknown_parser_names_the_choices() -> None:
     with pytest.raises(ValueError, match="deepseek_v3, granite, granite4, hermes, internlm, "
-                       "llama3_json, mistral, pythonic, qwen3_coder"):
+                       "llama3_json, mistral, phi4_mini_json, pythonic, qwen3_coder"):
         get_tool_parser("nope")
 
 

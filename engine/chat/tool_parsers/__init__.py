@@ -16,6 +16,8 @@ name             what the model writes                                       mod
                  ``<|python_start|>...<|python_end|>``)                      ToolACE
 ``granite``      ``<|tool_call|>`` or ``<tool_call>``, then a JSON list of     Granite 3.0-3.3
                  ``{"name", "arguments"}`` (the whole output)
+``phi4_mini_``   ``functools[{"name", "arguments"}, ...]`` (the whole output)  Phi-4-mini
+``json``
 ``internlm``     ``<|action_start|><|plugin|>{"name", "parameters"}``         InternLM 2/2.5
                  ``<|action_end|>``
 ``qwen3_coder``  ``<tool_call><function=NAME><parameter=P>value</parameter>``  Qwen3-Coder
@@ -63,6 +65,7 @@ from engine.chat.tool_parsers import (  # noqa: F401
     internlm,
     llama3_json,
     mistral,
+    phi4_mini,
     pythonic,
     qwen3_coder,
 )

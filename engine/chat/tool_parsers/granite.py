@@ -7,12 +7,12 @@ from engine.chat.tool_parsers.base import Format, Piece, Text, ToolParser, regis
 from engine.chat.tool_parsers.scan import bracket_end, json_call, loads
 
 
-class _Granite(Format):
-    """Granite 3.x: the whole output is ``<|tool_call|>`` (3.0's special token) or
-    ``<tool_call>`` (3.1+) and a JSON list of ``{"name", "arguments"}`` objects. Text
-    after the list is content; an output that does not open this way is all content."""
+class ListAfterMarker(Format):
+    """An output that is one of ``MARKS`` and a JSON list of ``{"name", "arguments"}``
+    objects (Granite 3's layout, Phi-4-mini's). Text after the list is content; an output
+    that does not open this way is all content."""
 
-    MARKS = ("<|tool_call|>", "<tool_call>")
+    MARKS: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         self._mode = "start"  # start -> list -> text
@@ -62,6 +62,12 @@ class _Granite(Format):
     def close(self) -> list[Piece]:
         # A marker and nothing after it.
         return [Text(self._prefix)] if self._mode == "list" and self._prefix else []
+
+
+class _Granite(ListAfterMarker):
+    """Granite 3.x: ``<|tool_call|>`` (3.0's special token) or ``<tool_call>`` (3.1+)."""
+
+    MARKS = ("<|tool_call|>", "<tool_call>")
 
 
 register_tool_parser(ToolParser("granite", _Granite, needs_special_tokens=True))
