@@ -7,6 +7,13 @@ from typing import Any
 
 from engine.errors import CorruptModelError, UnsupportedModelError
 from engine.models.absolute_config import ABSOLUTE_ARCHITECTURES, AbsoluteConfig, absolute_fields
+from engine.models.decoder_fields import (
+    GEMMA_FAMILY,
+    check_biases,
+    granite_multipliers,
+    nope_layers,
+    rotary_dim,
+)
 from engine.models.encoder_config import (
     DECODER_CLASSIFIER_ARCHITECTURES,
     ENCODER_ARCHITECTURES,
@@ -37,6 +44,7 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
+    "GraniteMoeForCausalLM": "granite_moe",  # Granite's multipliers, MoE on every layer
     # OLMo (models/olmo.py): norms after each block, q/k normed across all heads.
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
@@ -49,7 +57,6 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
-GEMMA_FAMILY = frozenset({"gemma", "gemma2", "gemma3"})
 # Vision-language checkpoints served as their text model (ModelConfig.text_of): the
 # language model's config (text_config, which must be of the named model_type) and weights
 # only. The vision tower is not loaded, so a request's image is refused as for any
@@ -58,14 +65,6 @@ TEXT_PART_ARCHITECTURES = {
     "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "gemma3_text"),
     "Mistral3ForConditionalGeneration": ("MistralForCausalLM", "mistral"),
 }
-# Families whose attention_bias puts a bias on o_proj too (transformers' classes), which the
-# decoder does not add: such a checkpoint is refused rather than run without it. (Qwen2's
-# attention_bias is its q/k/v biases alone.)
-_O_PROJ_BIAS_FAMILIES = frozenset({"llama", "qwen3", "qwen3_moe", "smollm3", "granite", "olmo2", "olmo3",
-                                   *GEMMA_FAMILY})
-# Families whose mlp_bias puts biases on gate/up/down (the others ignore the key).
-_MLP_BIAS_FAMILIES = frozenset({"llama", "smollm3", "granite"})
-
 # The same decoders saved without their LM head (transformers' base classes), as embedding
 # models such as Qwen3-Embedding are: weights without the "model." prefix, no lm_head.
 # They pool (engine.models.pooling); they cannot generate.
@@ -98,12 +97,18 @@ class MoeConfig:
     # Layers whose MLP is the sparse block; the others keep a dense MLP of the model's
     # intermediate_size (Qwen's decoder_sparse_step and mlp_only_layers).
     sparse_layers: tuple[int, ...]
-    # Checkpoint naming: Mixtral's block_sparse_moe.experts.N.w1/w3/w2, or Qwen's
-    # mlp.experts.N.gate_proj/up_proj/down_proj.
-    naming: str  # "mixtral" or "qwen"
+    # Checkpoint naming: Mixtral's block_sparse_moe.experts.N.w1/w3/w2, Qwen's
+    # mlp.experts.N.gate_proj/up_proj/down_proj, or Granite's stacked
+    # block_sparse_moe.input_linear [E, 2 * inter, hidden] / output_linear / router.layer.
+    naming: str  # "mixtral", "qwen" or "granite"
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], arch: str, num_layers: int) -> MoeConfig | None:
+        if arch == "granite_moe":  # softmax over the top-k logits: renormalised top-k
+            return cls(num_experts=_num_experts(raw, 0), top_k=int(raw["num_experts_per_tok"]),
+                       intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=True,
+                       shared_expert_intermediate_size=0, sparse_layers=tuple(range(num_layers)),
+                       naming="granite")
         if arch == "mixtral":
             experts = _num_experts(raw, 8)
             return cls(
@@ -301,9 +306,9 @@ class ModelConfig:
             gemma = arch in GEMMA_FAMILY
             head_dim = int(raw.get("head_dim") or hidden // heads)
             attention_bias = bool(raw.get("attention_bias", raw.get("qkv_bias", arch in ("qwen2", "qwen2_moe"))))
-            _check_biases(raw, arch, attention_bias)
-            nope = _nope_layers(raw, arch, layers)
-            rotary = _rotary_dim(raw, arch, head_dim)
+            check_biases(raw, arch, attention_bias)
+            nope = nope_layers(raw, arch, layers)
+            rotary = rotary_dim(raw, arch, head_dim)
             return cls(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
@@ -336,75 +341,13 @@ class ModelConfig:
                 moe=MoeConfig.from_hf(raw, arch, int(raw["num_hidden_layers"])),
                 nope_layers=nope,
                 rotary_dim=rotary,
-                **_granite_multipliers(raw, arch),
+                **granite_multipliers(raw, arch),
                 **classifier,
                 matryoshka_dimensions=matryoshka(raw, hidden),
                 base_model=base,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptModelError(f"config.json is missing or has a bad field: {exc}") from exc
-
-
-# Families whose attention rotates only the first partial_rotary_factor of each head
-# (transformers' Phi-3 slices q and k so); the others refuse a factor below 1.
-_PARTIAL_ROTARY_FAMILIES = frozenset({"phi3"})
-
-
-def _rotary_dim(raw: dict[str, Any], arch: str, head_dim: int) -> int:
-    """The rotated share of each head (``ModelConfig.rotary_dim``, 0 for all of it), from
-    ``partial_rotary_factor`` wherever the config keeps it (top level, rope_scaling, or
-    transformers 5's rope_parameters), as ``int(head_dim * factor)``."""
-    factor = 1.0
-    for where in (raw.get("rope_scaling"), raw.get("rope_parameters"), raw):
-        if isinstance(where, dict) and where.get("partial_rotary_factor") is not None:
-            factor = float(where["partial_rotary_factor"])
-            break
-    if factor == 1.0:
-        return 0
-    if arch not in _PARTIAL_ROTARY_FAMILIES:
-        raise UnsupportedModelError(
-            f"partial_rotary_factor below 1 (partial RoPE) is not supported for {arch}; it is for "
-            f"{', '.join(sorted(_PARTIAL_ROTARY_FAMILIES))}")
-    dim = int(head_dim * factor)
-    if not 0 < dim <= head_dim or dim % 2:
-        raise ValueError(f"partial_rotary_factor {factor} gives {dim} rotated values of a {head_dim}-wide head")
-    return dim
-
-
-def _granite_multipliers(raw: dict[str, Any], arch: str) -> dict[str, Any]:
-    """Granite's four multipliers (transformers' GraniteConfig defaults: 1 each)."""
-    if arch != "granite":
-        return {}
-    return {
-        "embedding_multiplier": float(raw.get("embedding_multiplier", 1.0)),
-        "residual_multiplier": float(raw.get("residual_multiplier", 1.0)),
-        "logits_scaling": float(raw.get("logits_scaling", 1.0)),
-        "attention_multiplier": float(raw.get("attention_multiplier", 1.0)),
-    }
-
-
-def _check_biases(raw: dict[str, Any], arch: str, attention_bias: bool) -> None:
-    """Refuse the biases the decoder would leave out (fail closed): the MLP's (Llama's
-    ``mlp_bias``) and o_proj's (``attention_bias`` in the families that put one there)."""
-    if raw.get("mlp_bias") and arch in _MLP_BIAS_FAMILIES:
-        raise UnsupportedModelError("mlp_bias (biases on gate_proj, up_proj and down_proj) is not supported")
-    if attention_bias and arch in _O_PROJ_BIAS_FAMILIES:
-        raise UnsupportedModelError(
-            f"attention_bias on a {arch} model (a bias on o_proj as well as q/k/v) is not supported")
-
-
-def _nope_layers(raw: dict[str, Any], arch: str, layers: int) -> tuple[int, ...]:
-    """SmolLM3's layers without RoPE: config.json's ``no_rope_layers`` (1: RoPE, 0: none),
-    else every ``no_rope_layer_interval``-th (transformers' default 4)."""
-    if arch != "smollm3":
-        return ()
-    flags = raw.get("no_rope_layers")
-    if flags is None:
-        interval = int(raw.get("no_rope_layer_interval", 4))
-        flags = [int((i + 1) % interval != 0) for i in range(layers)]
-    if len(flags) != layers:
-        raise ValueError(f"no_rope_layers lists {len(flags)} layers, the model has {layers}")
-    return tuple(i for i, rope in enumerate(flags) if not rope)
 
 
 def _layer_windows(raw: dict[str, Any], arch: str, window: int, layers: int,

@@ -40,6 +40,7 @@ MODEL_CLASSES: dict[str, type] = {
     "phi3": LlamaModel,
     "smollm3": LlamaModel,
     "granite": LlamaModel,
+    "granite_moe": LlamaModel,
     "olmo2": OlmoModel,
     "olmo3": OlmoModel,
     "mixtral": LlamaModel,

@@ -1,4 +1,4 @@
-"""The sparse MLP of Mixtral, Qwen2-MoE and Qwen3-MoE: a router, routed experts and an
+"""The sparse MLP of Mixtral, Qwen2-MoE, Qwen3-MoE and Granite-MoE: a router, routed experts and an
 optional shared expert, replacing the dense MLP in the layers ``MoeConfig.sparse_layers``
 names.
 
@@ -13,7 +13,8 @@ output is scaled by ``sigmoid(shared_expert_gate(x))``.
 The checkpoint stores each expert's projections apart (Hugging Face hub layout); they are
 stacked once at build time into ``w13 [E, 2 * inter, hidden]`` (gate rows, then up rows)
 and ``w2 [E, hidden, inter]``, the layout of GGUF's ``ffn_*_exps`` tensors and of the
-fused kernels.
+fused kernels. Granite-MoE's checkpoints hold them stacked so already (``input_linear``,
+``output_linear``); they are taken as they are (and not split over tensor-parallel ranks).
 
 Tensor parallelism splits inside each expert: a rank keeps ``inter / N`` of every expert's
 gate and up rows and the matching columns of its down, the shared expert likewise, and the
@@ -36,7 +37,7 @@ from engine.parallel import SINGLE, TensorParallel
 
 def layer_prefix(moe: MoeConfig, layer: int) -> str:
     """Where a sparse layer's MLP weights live: Mixtral says block_sparse_moe, Qwen mlp."""
-    block = "block_sparse_moe" if moe.naming == "mixtral" else "mlp"
+    block = "block_sparse_moe" if moe.naming in ("mixtral", "granite") else "mlp"
     return f"model.layers.{layer}.{block}."
 
 
@@ -51,6 +52,8 @@ def expert_weight_names(moe: MoeConfig, layer: int, expert: int) -> tuple[str, s
 def sparse_layer_weight_names(moe: MoeConfig, layer: int) -> list[str]:
     """Every weight name of a sparse layer's MLP, in checkpoint order."""
     p = layer_prefix(moe, layer)
+    if moe.naming == "granite":
+        return [p + "router.layer.weight", p + "input_linear.weight", p + "output_linear.weight"]
     names = [p + "gate.weight"]
     for e in range(moe.num_experts):
         names += expert_weight_names(moe, layer, e)
@@ -92,6 +95,14 @@ class SparseMoeBlock:
         self.top_k = moe.top_k
         self.renormalize = moe.norm_topk_prob
         p = layer_prefix(moe, layer)
+        self.shared_gate_up = self.shared_down = self.shared_gate = None
+        # The experts' LoRA deltas (engine.models.layers.lora.LoraExperts), once enabled.
+        self.lora = None
+        if moe.naming == "granite":  # stacked as the kernels take them; one rank only
+            self.router = linear(get(p + "router.layer.weight"))
+            self.w13 = get(p + "input_linear.weight").contiguous()
+            self.w2 = get(p + "output_linear.weight").contiguous()
+            return
         self.router = linear(get(p + "gate.weight"))  # [E, hidden]
         # Column-parallel gate/up rows, row-parallel down columns (whole with one rank).
         rows = get.rows if tp.enabled else get  # type: ignore[attr-defined]
@@ -103,9 +114,6 @@ class SparseMoeBlock:
             down.append(cols(d))
         self.w13 = torch.stack(gate_up)
         self.w2 = torch.stack(down)
-        self.shared_gate_up = self.shared_down = self.shared_gate = None
-        # The experts' LoRA deltas (engine.models.layers.lora.LoraExperts), once enabled.
-        self.lora = None
         if moe.shared_expert_intermediate_size:
             s = p + "shared_expert."
             self.shared_gate_up = linear(torch.cat([rows(s + "gate_proj.weight"), rows(s + "up_proj.weight")]))

@@ -58,6 +58,8 @@ def tensor_parallel_problem(config: ModelConfig, n: int) -> str | None:
         return "tensor parallelism is not supported for encoder (BERT) models"
     if config.vision is not None:
         return "tensor parallelism is not supported for vision-language models (LLaVA, Qwen-VL)"
+    if config.moe is not None and config.moe.naming == "granite":
+        return "tensor parallelism is not supported for granite_moe (its experts are stored stacked)"
     if config.architecture in ("olmo2", "olmo3"):
         return (f"tensor parallelism is not supported for {config.architecture}: its q/k norms "
                 "span every head, which the ranks split")

@@ -1,0 +1,82 @@
+"""Per-family fields of a decoder's ``config.json`` that ``ModelConfig.from_hf``
+(engine.models.config) reads beside the common ones: which biases a family would need
+beyond q/k/v (refused: the decoder has no place for them), Phi-4-mini's partial rotary,
+SmolLM3's layers without RoPE, Granite's multipliers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.errors import UnsupportedModelError
+
+GEMMA_FAMILY = frozenset({"gemma", "gemma2", "gemma3"})
+
+# Families whose attention_bias puts a bias on o_proj too (transformers' classes), which the
+# decoder does not add: such a checkpoint is refused rather than run without it. (Qwen2's
+# attention_bias is its q/k/v biases alone.)
+_O_PROJ_BIAS_FAMILIES = frozenset({"llama", "qwen3", "qwen3_moe", "smollm3", "granite", "granite_moe", "olmo2", "olmo3",
+                                   *GEMMA_FAMILY})
+# Families whose mlp_bias puts biases on gate/up/down (the others ignore the key).
+_MLP_BIAS_FAMILIES = frozenset({"llama", "smollm3", "granite"})
+
+
+# Families whose attention rotates only the first partial_rotary_factor of each head
+# (transformers' Phi-3 slices q and k so); the others refuse a factor below 1.
+_PARTIAL_ROTARY_FAMILIES = frozenset({"phi3"})
+
+
+def rotary_dim(raw: dict[str, Any], arch: str, head_dim: int) -> int:
+    """The rotated share of each head (``ModelConfig.rotary_dim``, 0 for all of it), from
+    ``partial_rotary_factor`` wherever the config keeps it (top level, rope_scaling, or
+    transformers 5's rope_parameters), as ``int(head_dim * factor)``."""
+    factor = 1.0
+    for where in (raw.get("rope_scaling"), raw.get("rope_parameters"), raw):
+        if isinstance(where, dict) and where.get("partial_rotary_factor") is not None:
+            factor = float(where["partial_rotary_factor"])
+            break
+    if factor == 1.0:
+        return 0
+    if arch not in _PARTIAL_ROTARY_FAMILIES:
+        raise UnsupportedModelError(
+            f"partial_rotary_factor below 1 (partial RoPE) is not supported for {arch}; it is for "
+            f"{', '.join(sorted(_PARTIAL_ROTARY_FAMILIES))}")
+    dim = int(head_dim * factor)
+    if not 0 < dim <= head_dim or dim % 2:
+        raise ValueError(f"partial_rotary_factor {factor} gives {dim} rotated values of a {head_dim}-wide head")
+    return dim
+
+
+def granite_multipliers(raw: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Granite's four multipliers (transformers' GraniteConfig defaults: 1 each)."""
+    if arch not in ("granite", "granite_moe"):
+        return {}
+    return {
+        "embedding_multiplier": float(raw.get("embedding_multiplier", 1.0)),
+        "residual_multiplier": float(raw.get("residual_multiplier", 1.0)),
+        "logits_scaling": float(raw.get("logits_scaling", 1.0)),
+        "attention_multiplier": float(raw.get("attention_multiplier", 1.0)),
+    }
+
+
+def check_biases(raw: dict[str, Any], arch: str, attention_bias: bool) -> None:
+    """Refuse the biases the decoder would leave out (fail closed): the MLP's (Llama's
+    ``mlp_bias``) and o_proj's (``attention_bias`` in the families that put one there)."""
+    if raw.get("mlp_bias") and arch in _MLP_BIAS_FAMILIES:
+        raise UnsupportedModelError("mlp_bias (biases on gate_proj, up_proj and down_proj) is not supported")
+    if attention_bias and arch in _O_PROJ_BIAS_FAMILIES:
+        raise UnsupportedModelError(
+            f"attention_bias on a {arch} model (a bias on o_proj as well as q/k/v) is not supported")
+
+
+def nope_layers(raw: dict[str, Any], arch: str, layers: int) -> tuple[int, ...]:
+    """SmolLM3's layers without RoPE: config.json's ``no_rope_layers`` (1: RoPE, 0: none),
+    else every ``no_rope_layer_interval``-th (transformers' default 4)."""
+    if arch != "smollm3":
+        return ()
+    flags = raw.get("no_rope_layers")
+    if flags is None:
+        interval = int(raw.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(flags) != layers:
+        raise ValueError(f"no_rope_layers lists {len(flags)} layers, the model has {layers}")
+    return tuple(i for i, rope in enumerate(flags) if not rope)
