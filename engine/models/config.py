@@ -48,6 +48,9 @@ SUPPORTED_ARCHITECTURES = {
     # OLMo (models/olmo.py): norms after each block, q/k normed across all heads.
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
+    # EXAONE 4 (models/olmo.py too): OLMo's layout with Llama's norms, per-head q/k norms,
+    # and global layers without RoPE between sliding ones.
+    "Exaone4ForCausalLM": "exaone4",
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
@@ -308,6 +311,9 @@ class ModelConfig:
             attention_bias = bool(raw.get("attention_bias", raw.get("qkv_bias", arch in ("qwen2", "qwen2_moe"))))
             check_biases(raw, arch, attention_bias)
             nope = nope_layers(raw, arch, layers)
+            windows = _layer_windows(raw, arch, int(window) if window else 0, layers, nope)
+            if arch == "exaone4" and window:  # its global layers take no RoPE in a hybrid model
+                nope = tuple(i for i, w in enumerate(windows) if not w)
             rotary = rotary_dim(raw, arch, head_dim)
             return cls(
                 architecture=arch,
@@ -325,9 +331,9 @@ class ModelConfig:
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 # Qwen2-MoE names its q/k/v bias switch qkv_bias (default on).
                 attention_bias=attention_bias,
-                qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3"),
+                qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "exaone4"),
                 sliding_window=int(window) if window else None,
-                layer_windows=_layer_windows(raw, arch, int(window) if window else 0, layers, nope),
+                layer_windows=windows,
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=tuple(int(e) for e in eos_ids),
                 torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
@@ -360,6 +366,8 @@ def _layer_windows(raw: dict[str, Any], arch: str, window: int, layers: int,
         if len(types) != layers:
             raise ValueError(f"layer_types lists {len(types)} layers, the model has {layers}")
         return tuple(window if t == "sliding_attention" else 0 for t in types)
+    if arch == "exaone4":  # transformers' default: every sliding_window_pattern-th layer global
+        return tuple(window if (i + 1) % int(raw.get("sliding_window_pattern", 4)) else 0 for i in range(layers))
     if arch == "olmo3":  # transformers' default: every fourth layer global, the rest slide
         return tuple(window if (i + 1) % 4 else 0 for i in range(layers))
     if arch == "smollm3":  # transformers' default: the NoPE layers slide

@@ -1,5 +1,5 @@
-"""OLMo 2 and OLMo 3: the Llama decoder's attention and MLP in a layer normed after each
-block instead of before it.
+"""OLMo 2 and OLMo 3 (and EXAONE 4): the Llama decoder's attention and MLP in a layer
+normed after each block instead of before it.
 
 What differs from the generic decoder (:class:`~engine.models.layers.decoder.Decoder`), each
 as transformers computes it:
@@ -14,6 +14,11 @@ as transformers computes it:
   weight;
 * OLMo 3 slides a window over three layers in four, its full layers alone taking the rope
   scaling (``ModelConfig.rope_local_theta`` gives the sliding layers' table).
+
+EXAONE 4 (``exaone4``) is the same layer with Llama's norms (``x / rms(x)`` rounded to the
+dtype, then times the weight: :meth:`Ops.rms_norm`), q and k normed per head, and, in its
+hybrid models, RoPE only on the sliding layers (``ModelConfig.nope_layers``: the global
+ones). It runs the unfused layers only (:meth:`OlmoModel.plan_fused_step` is None for it).
 
 Projections, the embedding and the head are the generic decoder's (GGUF-free: OLMo loads
 from Hugging Face folders). The fused CPU decode step runs this layer in its Gemma mode
@@ -70,9 +75,15 @@ class OlmoModel(Decoder):
         self._build_ends(get, weights, lambda: self._norm_weight(weights, "model.norm.weight"))
         self.layers = [self._layer(get, i) for i in tp.stage.layer_range(config.num_hidden_layers)]
 
+    @property
+    def _exaone(self) -> bool:
+        return self.config.architecture == "exaone4"
+
     def _norm_weight(self, weights: Any, name: str) -> torch.Tensor:
-        """A norm's weight in fp32, as stored: the norm multiplies by it in fp32."""
-        return ShardedWeights(weights, torch.float32, self.device)(name).contiguous()
+        """A norm's weight in fp32, as stored: OLMo's norm multiplies by it in fp32
+        (EXAONE's in the model dtype, as Llama's)."""
+        dtype = self.dtype if self._exaone else torch.float32
+        return ShardedWeights(weights, dtype, self.device)(name).contiguous()
 
     def _layer(self, get: ShardedWeights, i: int) -> OlmoLayer:  # type: ignore[override]
         p = f"model.layers.{i}."
@@ -83,16 +94,26 @@ class OlmoModel(Decoder):
             post_ffn_norm=norm("post_feedforward_layernorm.weight"),
             q_norm=norm("self_attn.q_norm.weight"),
             k_norm=norm("self_attn.k_norm.weight"),
-            **self._plain_layer_parts(get, i),
+            **self._plain_layer_parts(get, i) | ({"rope": None} if i in self.config.nope_layers else {}),
         )
 
     def _head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """q or k [T, heads, D] normed over all its heads at once (the weight is as wide)."""
+        """q or k [T, heads, D] normed over all its heads at once (the weight is as wide);
+        EXAONE's each head on its own, as the Llama family's."""
+        if self._exaone:
+            return super()._head_norm(x, weight)
         t = x.shape[0]
         return self._rms(x.reshape(t, -1), weight).view(x.shape)
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self._exaone:
+            return self.ops.rms_norm(x, weight, self.eps)
         return gemma_rms_norm(self.ops, x, weight, self.eps)
+
+    def plan_fused_step(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        """OLMo's fused step (its Gemma mode); None for EXAONE, whose Llama-rounded norms
+        after each block the fused step does not compute."""
+        return None if self._exaone else super().plan_fused_step(kv_caches)
 
     @torch.inference_mode()
     def forward(

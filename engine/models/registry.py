@@ -43,6 +43,7 @@ MODEL_CLASSES: dict[str, type] = {
     "granite_moe": LlamaModel,
     "olmo2": OlmoModel,
     "olmo3": OlmoModel,
+    "exaone4": OlmoModel,
     "mixtral": LlamaModel,
     "qwen2_moe": LlamaModel,
     "qwen3_moe": LlamaModel,

@@ -63,6 +63,8 @@ def tensor_parallel_problem(config: ModelConfig, n: int) -> str | None:
     if config.architecture in ("olmo2", "olmo3"):
         return (f"tensor parallelism is not supported for {config.architecture}: its q/k norms "
                 "span every head, which the ranks split")
+    if config.architecture == "exaone4":
+        return "tensor parallelism is not supported for exaone4"
     problems = []
     h, hkv = config.num_attention_heads, config.num_key_value_heads
     if h % n:
