@@ -108,3 +108,33 @@ async def test_a_token_classifier_conversion_it_cannot_build_is_refused(
     with pytest.raises(UnsupportedModelError, match=match):
         async with engine.open_engine(folder, dtype="float32", hf_overrides=overrides):
             pass
+
+
+def test_the_reranker_recipe_over_http_in_an_engine_core_process(tmp_path: Path) -> None:
+    """vLLM's Qwen3-Reranker recipe end to end: the hf_overrides through an engine core in
+    its own process (which reads the tokens' ids itself), then /rerank and /score, against
+    the causal LM's two-token softmax."""
+    import httpx
+    from http_server import ServerThread
+    from transformers import AutoModelForCausalLM
+
+    folder = write_tiny_model(tmp_path / "lm", "qwen3")
+    vocab = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"],
+                 "classifier_from_token": [vocab.id_to_token(100), vocab.id_to_token(200)],
+                 "method": "from_2_way_softmax"}
+    query, docs = "Which text is about the day?", TEXTS
+    opener = lambda: engine.open_engine(folder, dtype="float32", hf_overrides=overrides,  # noqa: E731
+                                        engine_core="process")
+    with ServerThread(opener) as srv:
+        rerank = httpx.post(srv.base_url + "/rerank", timeout=60, json={
+            "query": query, "documents": docs}).json()
+        score = httpx.post(srv.base_url + "/score", timeout=60, json={"text_1": query, "text_2": docs[0]}).json()
+    lm = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    with torch.no_grad():
+        want = np.array([torch.softmax(lm(torch.tensor([_ids(folder, query) + _ids(folder, d)])).logits[0, -1, [100, 200]],
+                                       -1)[1].item() for d in docs])
+    order = list(np.argsort(-want, kind="stable"))
+    assert [r["index"] for r in rerank["results"]] == order
+    assert np.allclose([r["relevance_score"] for r in rerank["results"]], want[order], atol=1e-5)
+    assert np.allclose([score["data"][0]["score"]], want[:1], atol=1e-5)
