@@ -10,6 +10,7 @@ from engine.models.absolute_config import ABSOLUTE_ARCHITECTURES, AbsoluteConfig
 from engine.models.decoder_fields import (
     GEMMA_FAMILY,
     check_biases,
+    granite_hybrid_raw,
     granite_multipliers,
     nope_layers,
     rotary_dim,
@@ -45,6 +46,9 @@ SUPPORTED_ARCHITECTURES = {
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
     "GraniteMoeForCausalLM": "granite_moe",  # Granite's multipliers, MoE on every layer
+    # Granite 4's dense attention models (granite-4.0-micro): Granite's layer with its MLP
+    # named shared_mlp; the hybrid ones' Mamba layers and experts are refused.
+    "GraniteMoeHybridForCausalLM": "granite_hybrid",
     # OLMo (models/olmo.py): norms after each block, q/k normed across all heads.
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
@@ -287,6 +291,8 @@ class ModelConfig:
         base = arch is None and any(a in BASE_MODEL_ARCHITECTURES for a in archs)
         if base:
             arch = next(BASE_MODEL_ARCHITECTURES[a] for a in archs if a in BASE_MODEL_ARCHITECTURES)
+        if arch == "granite_hybrid":
+            raw = granite_hybrid_raw(raw)
         classifier = {}
         if arch is None and any(a in DECODER_CLASSIFIER_ARCHITECTURES for a in archs):
             arch = next(DECODER_CLASSIFIER_ARCHITECTURES[a] for a in archs if a in DECODER_CLASSIFIER_ARCHITECTURES)

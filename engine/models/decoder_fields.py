@@ -14,7 +14,8 @@ GEMMA_FAMILY = frozenset({"gemma", "gemma2", "gemma3"})
 # Families whose attention_bias puts a bias on o_proj too (transformers' classes), which the
 # decoder does not add: such a checkpoint is refused rather than run without it. (Qwen2's
 # attention_bias is its q/k/v biases alone.)
-_O_PROJ_BIAS_FAMILIES = frozenset({"llama", "qwen3", "qwen3_moe", "smollm3", "granite", "granite_moe", "olmo2", "olmo3",
+_O_PROJ_BIAS_FAMILIES = frozenset({"llama", "qwen3", "qwen3_moe", "smollm3", "granite", "granite_moe",
+                                   "granite_hybrid", "olmo2", "olmo3",
                                    *GEMMA_FAMILY})
 # Families whose mlp_bias puts biases on gate/up/down (the others ignore the key).
 _MLP_BIAS_FAMILIES = frozenset({"llama", "smollm3", "granite"})
@@ -48,7 +49,7 @@ def rotary_dim(raw: dict[str, Any], arch: str, head_dim: int) -> int:
 
 def granite_multipliers(raw: dict[str, Any], arch: str) -> dict[str, Any]:
     """Granite's four multipliers (transformers' GraniteConfig defaults: 1 each)."""
-    if arch not in ("granite", "granite_moe"):
+    if arch not in ("granite", "granite_moe", "granite_hybrid"):
         return {}
     return {
         "embedding_multiplier": float(raw.get("embedding_multiplier", 1.0)),
@@ -68,9 +69,29 @@ def check_biases(raw: dict[str, Any], arch: str, attention_bias: bool) -> None:
             f"attention_bias on a {arch} model (a bias on o_proj as well as q/k/v) is not supported")
 
 
+def granite_hybrid_raw(raw: dict[str, Any]) -> dict[str, Any]:
+    """A Granite 4 (``GraniteMoeHybridForCausalLM``) config.json as the decoder reads it: its
+    dense MLP's width (``shared_intermediate_size``) as ``intermediate_size``. Served when
+    every layer is attention and there are no experts (granite-4.0-micro); the Mamba layers
+    of the hybrid ("h") models and the experts are refused by name."""
+    types = raw.get("layer_types") or raw.get("layers_block_type") or ["mamba"]
+    # "attention" as released; transformers 5 writes "full_attention" (and a Mamba layer
+    # "mamba" / "linear_attention").
+    if any(t not in ("attention", "full_attention") for t in types):
+        raise UnsupportedModelError("GraniteMoeHybrid with Mamba layers (layer_types other than "
+                                    "attention) is not supported; its attention-only models are")
+    if int(raw.get("num_local_experts") or 0):
+        raise UnsupportedModelError("GraniteMoeHybrid with experts (num_local_experts > 0) is not "
+                                    "supported; its dense models are")
+    return dict(raw, intermediate_size=int(raw.get("shared_intermediate_size", 1024)))
+
+
 def nope_layers(raw: dict[str, Any], arch: str, layers: int) -> tuple[int, ...]:
     """SmolLM3's layers without RoPE: config.json's ``no_rope_layers`` (1: RoPE, 0: none),
-    else every ``no_rope_layer_interval``-th (transformers' default 4)."""
+    else every ``no_rope_layer_interval``-th (transformers' default 4). Granite 4's, all of
+    them unless its ``position_embedding_type`` is "rope"."""
+    if arch == "granite_hybrid":
+        return () if raw.get("position_embedding_type") == "rope" else tuple(range(layers))
     if arch != "smollm3":
         return ()
     flags = raw.get("no_rope_layers")

@@ -41,6 +41,7 @@ MODEL_CLASSES: dict[str, type] = {
     "smollm3": LlamaModel,
     "granite": LlamaModel,
     "granite_moe": LlamaModel,
+    "granite_hybrid": LlamaModel,
     "olmo2": OlmoModel,
     "olmo3": OlmoModel,
     "exaone4": OlmoModel,

@@ -72,6 +72,8 @@ def decoder_weight_names(config: ModelConfig, layer_norms: tuple[str, ...] = LAY
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         if config.moe is not None and i in config.moe.sparse_layers:
             names += sparse_layer_weight_names(config.moe, i)
+        elif config.architecture == "granite_hybrid":  # Granite 4's shared_mlp, gate/up fused
+            names += [p + "shared_mlp.input_linear.weight", p + "shared_mlp.output_linear.weight"]
         elif fused:
             names += [p + "mlp.gate_up_proj.weight", p + "mlp.down_proj.weight"]
         else:
@@ -256,7 +258,9 @@ class Decoder:
             gate_up = [get.rows(mlp + "gate_up_proj.weight", (inter, inter))]
         else:
             qkv = [get.rows(attn + f"{n}_proj.weight", spans=[span]) for n, span in zip("qkv", spans, strict=True)]
-            if not sparse:
+            if self.config.architecture == "granite_hybrid":  # [gate; up] in one, as Phi-3's
+                gate_up = [get.rows(p + "shared_mlp.input_linear.weight", (inter, inter))]
+            elif not sparse:
                 gate_up = [get.rows(mlp + "gate_proj.weight"), get.rows(mlp + "up_proj.weight")]
         # make_linear: a dense Linear over the parts concatenated, or a QuantLinear over
         # weights kept in their GGUF blocks.
@@ -268,7 +272,9 @@ class Decoder:
             q_norm=get(attn + "q_norm.weight") if self.config.qk_norm else None,
             k_norm=get(attn + "k_norm.weight") if self.config.qk_norm else None,
             gate_up=None if gate_up is None else make_linear(gate_up),
-            down=None if sparse else get.row_parallel(mlp + "down_proj.weight"),
+            down=None if sparse else get.row_parallel(
+                p + "shared_mlp.output_linear.weight" if self.config.architecture == "granite_hybrid"
+                else mlp + "down_proj.weight"),
             window=self.config.layer_windows[i],
             rope=None if i in self.config.nope_layers else self.cos_sin_cache,
             moe=SparseMoeBlock(self.config, i, get, Linear, self.tp) if sparse else None,
