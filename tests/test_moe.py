@@ -544,36 +544,15 @@ def test_a_granite_moe_saved_by_transformers_matches_its_greedy_tokens(tmp_path,
     ``output_linear``, ``router.layer``); softmax over the top-k router logits. Built and
     written by transformers; on the C kernels the decode steps run fused, the sparse MLPs
     between C calls (Granite's residual scale applied to their output there too)."""
-    import shutil
-
+    from hf_written import assert_greedy_matches, write_hf_model
     from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
 
-    tokenizer_folder = write_tiny_model(tmp_path / "tok", "llama")
     config = GraniteMoeConfig(
         vocab_size=384, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
         embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.3, logits_scaling=4.0,
         tie_word_embeddings=False)
     torch.manual_seed(0)
-    hf = GraniteMoeForCausalLM(config).eval()
-    with torch.no_grad():  # wider than transformers' 0.02, so the greedy tokens vary
-        for p in hf.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.3)
-    folder = tmp_path / "granitemoe"
-    hf.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_folder / name, folder / name)
-    loaded = load_model(folder, dtype="float32")
+    hf = write_hf_model(GraniteMoeForCausalLM(config), tmp_path / "granitemoe")
+    loaded = assert_greedy_matches(hf, tmp_path / "granitemoe", ops, fused=True)
     assert loaded.config.moe is not None and loaded.config.moe.naming == "granite"
-    prompts = _prompts(loaded.config.vocab_size)[:3]
-    expected = [_hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-    assert all(len(set(tokens)) > 1 for tokens, _ in expected)
-    runner = _runner(loaded, 4, ops)
-    runs = run_greedy(runner, prompts, NEW_TOKENS, block_size=4)
-    fused = runner.model.fused_step
-    assert (fused is not None and fused.steps > 0) == (ops == "cpu")
-    for run, (want_tokens, want_logprobs) in zip(runs, expected, strict=True):
-        assert [s.token_id for s in run] == want_tokens
-        got = torch.tensor([s.logprob for s in run], dtype=torch.float64)
-        torch.testing.assert_close(got, torch.tensor(want_logprobs, dtype=torch.float64), atol=LOGPROB_ATOL, rtol=0)

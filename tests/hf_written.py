@@ -1,0 +1,55 @@
+"""Tiny models built by transformers' own classes and written by its ``save_pretrained``
+(the families the tiny-model helpers do not write), and the greedy check the tests run on
+them against transformers."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from greedy_driver import run_greedy
+from test_parity import LOGPROB_ATOL, NEW_TOKENS, _hf_greedy, _prompts, _runner
+
+from engine.models.loader import load_model
+from engine.models.testing import write_tiny_model
+
+
+def write_hf_model(hf: Any, folder: Path, *, norms: bool = False) -> Any:
+    """``hf`` with wider weights than transformers' 0.02 (so greedy tokens vary; with
+    ``norms``, norm weights drawn around 1 so a skipped one shows), saved into ``folder``
+    with the tiny models' tokenizer; returns the model, in eval mode and never stopping
+    at an EOS (as the runner generates every token)."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3)
+            elif norms and "norm" in name:
+                p.normal_(1.0, 0.1)
+    hf.save_pretrained(folder)
+    tokenizer_folder = write_tiny_model(folder.parent / f"{folder.name}-tokenizer", "llama")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_folder / name, folder / name)
+    hf.generation_config.eos_token_id = None
+    return hf.eval()
+
+
+def assert_greedy_matches(hf: Any, folder: Path, ops: str, *, fused: bool, prompts: int = 3) -> Any:
+    """The engine's runner on ``ops`` gives transformers' greedy tokens and their logprobs
+    for the first ``prompts`` test prompts; on the C kernels the decode steps ran fused iff
+    ``fused``. Returns the loaded model."""
+    loaded = load_model(folder, dtype="float32")
+    chosen = _prompts(loaded.config.vocab_size)[:prompts]
+    expected = [_hf_greedy(hf, p, NEW_TOKENS) for p in chosen]
+    assert all(len(set(tokens)) > 1 for tokens, _ in expected)
+    runner = _runner(loaded, 4, ops)
+    runs = run_greedy(runner, chosen, NEW_TOKENS, block_size=4)
+    step = runner.model.fused_step
+    assert (step is not None and step.steps > 0) == (fused and ops == "cpu")
+    for run, (want_tokens, want_logprobs) in zip(runs, expected, strict=True):
+        assert [s.token_id for s in run] == want_tokens
+        got = torch.tensor([s.logprob for s in run], dtype=torch.float64)
+        torch.testing.assert_close(got, torch.tensor(want_logprobs, dtype=torch.float64), atol=LOGPROB_ATOL, rtol=0)
+    return loaded
