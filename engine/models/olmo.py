@@ -126,11 +126,7 @@ class OlmoModel(Decoder):
         """Hidden states [T, hidden] after the final norm; writes this step's K/V."""
         ops = self.ops
         stage = self.tp.stage
-        if stage.first:
-            hidden = self._embed(input_ids)
-        else:  # a later pipeline stage: OLMo's stream is the hidden states alone
-            (hidden,) = stage.recv(1, (positions.shape[-1], self.config.hidden_size), self.dtype,
-                                   self.device)
+        hidden = self._hidden_stream_in(input_ids, positions)
         if not stage.enabled:
             out = self._run_fused(hidden, positions, meta, kv_caches)  # small CPU steps: one C call
             if out is not None:

@@ -174,6 +174,18 @@ class Decoder:
             else self.cos_sin_cache
         )
 
+    def _hidden_stream_in(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                          scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Where a step of a family whose stream is the hidden states alone (Gemma, OLMo)
+        starts: the token embeddings (times ``scale``) on the first pipeline stage, the
+        previous stage's hidden states on a later one."""
+        stage = self.tp.stage
+        if stage.first:
+            hidden = self._embed(input_ids)
+            return hidden if scale is None else hidden * scale
+        (hidden,) = stage.recv(1, (positions.shape[-1], self.config.hidden_size), self.dtype, self.device)
+        return hidden
+
     def _plain_layer_parts(self, get: ShardedWeights, i: int) -> dict[str, Any]:
         """Layer ``i``'s projections with no bias (q/k/v fused, gate/up fused, this rank's
         share of each), its window and RoPE table (a sliding layer's own where the config
