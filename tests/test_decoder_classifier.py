@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 import engine
@@ -20,18 +21,31 @@ from engine.models.testing import write_tiny_model
 TEXTS = ["The first request of the day.", "A second one, somewhat longer than the first one.", "x"]
 
 
-def _classifier(tmp_path: Path, labels: int) -> Path:
-    """The tiny Qwen3 rewritten by transformers as a Qwen3ForSequenceClassification."""
-    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+# Tiny family -> transformers' classifier class (the scored row is the final norm's,
+# before any of the LM head's own soft-cap).
+CLASSIFIERS = {"qwen3": "Qwen3ForSequenceClassification", "gemma2": "Gemma2ForSequenceClassification",
+               "phi3": "Phi3ForSequenceClassification", "smollm3": "SmolLM3ForSequenceClassification",
+               "olmo2": "Olmo2ForSequenceClassification"}
 
-    folder = write_tiny_model(tmp_path / f"cls{labels}", "qwen3")
+
+def _classifier(tmp_path: Path, labels: int, arch: str = "qwen3") -> Path:
+    """The tiny ``arch`` model rewritten by transformers as its *ForSequenceClassification."""
+    import transformers
+
+    folder = write_tiny_model(tmp_path / f"{arch}-cls{labels}", arch)
     raw = json.loads((folder / "config.json").read_text())
-    raw = {k: v for k, v in raw.items() if k not in ("architectures", "model_type")}
     names = {i: f"class-{i}" for i in range(labels)}
-    config = Qwen3Config(**raw, num_labels=labels, id2label=names, label2id={v: k for k, v in names.items()})
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in raw.items() if k != "architectures"},
+                                               num_labels=labels, id2label=names,
+                                               label2id={v: k for k, v in names.items()})
     torch.manual_seed(0)
-    model = Qwen3ForSequenceClassification(config)
-    with torch.no_grad():  # transformers' 0.02 head would score every text alike
+    model = getattr(transformers, CLASSIFIERS[arch])(config)
+    # The decoder's weights as the tiny model drew them (transformers' 0.02 init makes every
+    # text look alike); a wide head, so the texts score apart.
+    weights = {k: v for k, v in load_file(str(folder / "model.safetensors")).items() if k != "lm_head.weight"}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert set(missing) == {"score.weight"} and not unexpected, (missing, unexpected)
+    with torch.no_grad():
         model.score.weight.normal_(0.0, 0.5)
     (folder / "model.safetensors").unlink()
     model.save_pretrained(str(folder))
@@ -42,12 +56,14 @@ def _ids(folder: Path, text: str) -> list[int]:
     return Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text).ids
 
 
-@pytest.mark.parametrize("labels", [1, 3])
-async def test_a_qwen3_sequence_classifier_gives_transformers_logits(tmp_path: Path, labels: int) -> None:
-    from transformers import Qwen3ForSequenceClassification
+@pytest.mark.parametrize(("arch", "labels"), [("qwen3", 1), ("qwen3", 3), ("gemma2", 1), ("phi3", 3),
+                                             ("smollm3", 1), ("olmo2", 1)])
+async def test_a_decoder_sequence_classifier_gives_transformers_logits(tmp_path: Path, arch: str,
+                                                                      labels: int) -> None:
+    import transformers
 
-    folder = _classifier(tmp_path, labels)
-    hf = Qwen3ForSequenceClassification.from_pretrained(str(folder)).eval()
+    folder = _classifier(tmp_path, labels, arch)
+    hf = getattr(transformers, CLASSIFIERS[arch]).from_pretrained(str(folder)).eval()
     async with engine.open_engine(folder, dtype="float32") as eng:
         assert eng.pooler.task == "classify" and eng.pooler.pooling == "last"
         assert eng.pooler.labels == tuple(hf.config.id2label[i] for i in range(labels))

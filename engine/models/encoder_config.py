@@ -46,10 +46,17 @@ TOKEN_CLASSIFIERS = frozenset({"bert_token_classifier", "modernbert_token_classi
 # Decoders with a sequence classifier head (transformers' *ForSequenceClassification: the
 # last token's final hidden state through ``score``, no LM head) -> family.
 DECODER_CLASSIFIER_ARCHITECTURES = {
-    "LlamaForSequenceClassification": "llama",
+    "LlamaForSequenceClassification": "llama",  # Skywork-Reward-Llama-3.1 and the like
     "MistralForSequenceClassification": "mistral",
     "Qwen2ForSequenceClassification": "qwen2",
     "Qwen3ForSequenceClassification": "qwen3",
+    "Phi3ForSequenceClassification": "phi3",
+    "SmolLM3ForSequenceClassification": "smollm3",
+    "GemmaForSequenceClassification": "gemma",
+    "Gemma2ForSequenceClassification": "gemma2",  # Skywork-Reward-Gemma-2
+    "Gemma3TextForSequenceClassification": "gemma3",
+    "Olmo2ForSequenceClassification": "olmo2",
+    "Olmo3ForSequenceClassification": "olmo3",
 }
 
 
