@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+import engine
 from engine.models.loader import default_embedding_model_path
 
 CORPUS = Path(__file__).parent / "data" / "perplexity_en.txt"
@@ -106,3 +108,29 @@ def tagger(tmp_path_factory: pytest.TempPathFactory, minilm: Path) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (path / name).write_bytes((minilm / name).read_bytes())
     return path
+
+
+async def check_classifier_and_tagger(classifier: Path, tagger: Path, texts: list[str],
+                                      hf_classifier: type, hf_tagger: type) -> Any:
+    """An encoder's sequence classifier and token tagger (folders written by transformers)
+    give transformers' probabilities: softmax of the classifier's logits for each text,
+    and of the tagger's for every token. Returns the classifier's pooler (labels, pooling)."""
+    from transformers import AutoTokenizer
+
+    async with engine.open_engine(classifier, dtype="float32") as eng:
+        pooler = eng.pooler
+        classes = [probs for probs, _ in await eng.classify(texts)]
+    async with engine.open_engine(tagger, dtype="float32") as eng:
+        assert eng.pooler.task == "token_classify"
+        tags = [p.matrix() for p in await eng.classify_tokens(texts)]
+    tok = AutoTokenizer.from_pretrained(str(classifier))
+    hf_cls = hf_classifier.from_pretrained(str(classifier)).eval()
+    hf_tag = hf_tagger.from_pretrained(str(tagger)).eval()
+    with torch.no_grad():
+        want = torch.softmax(hf_cls(**tok(texts, padding=True, return_tensors="pt")).logits, -1)
+        assert np.allclose(np.array(classes), want.numpy(), atol=1e-5)
+        for got, text in zip(tags, texts, strict=True):
+            rows = torch.softmax(hf_tag(**tok(text, return_tensors="pt")).logits[0], -1)
+            assert got.shape == tuple(rows.shape)
+            assert np.allclose(got, rows.numpy(), atol=1e-5)
+    return pooler

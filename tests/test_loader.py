@@ -29,6 +29,7 @@ from engine.errors import (
 from engine.models import gguf_convert, loader
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model, resolve_model
+from engine.models.registry import model_class
 from engine.models.testing import CHATML_TEMPLATE, TINY_ARCHITECTURES, write_tiny_model
 from engine.models.testing_quant import quantize_q4_k
 
@@ -608,8 +609,6 @@ def test_a_bias_the_decoder_would_leave_out_is_refused(tmp_path: Path, arch: str
     families put on o_proj or the MLP, which the decoder has no place for: the engine loads
     such a checkpoint only where the weights it reads are all the checkpoint holds."""
     import transformers
-
-    from engine.models.registry import model_class
 
     folder = write_tiny_model(tmp_path / arch, arch)
     cfg = json.loads((folder / "config.json").read_text()) | {flag: True}

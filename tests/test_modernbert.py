@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from pooling_fixtures import cosines, sentences
+from pooling_fixtures import check_classifier_and_tagger, cosines, sentences
 
 import engine
 from engine.errors import ConfigError, UnsupportedModelError
@@ -162,33 +162,16 @@ async def test_a_modernbert_cross_encoder_scores_as_transformers(tmp_path: Path,
 
 
 async def test_a_modernbert_classifier_and_tagger_give_transformers_probabilities(tmp_path: Path) -> None:
-    from transformers import (
-        AutoTokenizer,
-        ModernBertForSequenceClassification,
-        ModernBertForTokenClassification,
-    )
+    from transformers import ModernBertForSequenceClassification, ModernBertForTokenClassification
 
     texts = sentences()[10:14] + [" ".join(sentences()[60:65])]
     labels = {"id2label": {0: "neg", 1: "neu", 2: "pos"}, "label2id": {"neg": 0, "neu": 1, "pos": 2}}
     classifier = _write(tmp_path / "cls", "ModernBertForSequenceClassification", **labels)
     tagger = _write(tmp_path / "tag", "ModernBertForTokenClassification", norm_bias=True,
                     classifier_bias=True, **labels)
-    async with engine.open_engine(classifier, dtype="float32") as eng:
-        assert eng.pooler.labels == ("neg", "neu", "pos") and eng.pooler.pooling == "cls"
-        classes = [probs for probs, _ in await eng.classify(texts)]
-    async with engine.open_engine(tagger, dtype="float32") as eng:
-        assert eng.pooler.task == "token_classify"
-        tags = [p.matrix() for p in await eng.classify_tokens(texts)]
-    tok = AutoTokenizer.from_pretrained(str(classifier))
-    hf_cls = ModernBertForSequenceClassification.from_pretrained(str(classifier)).eval()
-    hf_tag = ModernBertForTokenClassification.from_pretrained(str(tagger)).eval()
-    with torch.no_grad():
-        want = torch.softmax(hf_cls(**tok(texts, padding=True, return_tensors="pt")).logits, -1)
-        assert np.allclose(np.array(classes), want.numpy(), atol=1e-5)
-        for got, text in zip(tags, texts, strict=True):
-            rows = torch.softmax(hf_tag(**tok(text, return_tensors="pt")).logits[0], -1)
-            assert got.shape == tuple(rows.shape)
-            assert np.allclose(got, rows.numpy(), atol=1e-5)
+    pooler = await check_classifier_and_tagger(classifier, tagger, texts, ModernBertForSequenceClassification,
+                                               ModernBertForTokenClassification)
+    assert pooler.labels == ("neg", "neu", "pos") and pooler.pooling == "cls"
 
 
 async def test_an_activation_the_model_does_not_compute_is_refused_naming_it(embedder: Path) -> None:

@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from pooling_fixtures import cosines, sentences
+from pooling_fixtures import check_classifier_and_tagger, cosines, sentences
 
 import engine
-from engine.errors import InputTooLongError
+from engine.errors import ConfigError, InputTooLongError
 
 SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]  # XLM-R's order: <pad> is id 1
 
@@ -140,40 +140,21 @@ async def test_a_roberta_cross_encoder_scores_as_transformers(tmp_path: Path, cl
 
 
 async def test_a_roberta_classifier_and_tagger_give_transformers_probabilities(tmp_path: Path) -> None:
-    from transformers import (
-        AutoTokenizer,
-        XLMRobertaForSequenceClassification,
-        XLMRobertaForTokenClassification,
-    )
+    from transformers import XLMRobertaForSequenceClassification, XLMRobertaForTokenClassification
 
     texts = sentences()[10:14]
     labels = {"id2label": {0: "neg", 1: "neu", 2: "pos"}, "label2id": {"neg": 0, "neu": 1, "pos": 2}}
     classifier = _write(tmp_path / "cls", "XLMRobertaForSequenceClassification", **labels)
     tagger = _write(tmp_path / "tag", "XLMRobertaForTokenClassification", **labels)
-    async with engine.open_engine(classifier, dtype="float32") as eng:
-        assert eng.pooler.labels == ("neg", "neu", "pos")
-        classes = [probs for probs, _ in await eng.classify(texts)]
-    async with engine.open_engine(tagger, dtype="float32") as eng:
-        assert eng.pooler.task == "token_classify"
-        tags = [p.matrix() for p in await eng.classify_tokens(texts)]
-    tok = AutoTokenizer.from_pretrained(str(classifier))
-    hf_cls = XLMRobertaForSequenceClassification.from_pretrained(str(classifier)).eval()
-    hf_tag = XLMRobertaForTokenClassification.from_pretrained(str(tagger)).eval()
-    with torch.no_grad():
-        want = torch.softmax(hf_cls(**tok(texts, padding=True, return_tensors="pt")).logits, -1)
-        assert np.allclose(np.array(classes), want.numpy(), atol=1e-5)
-        for got, text in zip(tags, texts, strict=True):
-            rows = torch.softmax(hf_tag(**tok(text, return_tensors="pt")).logits[0], -1)
-            assert got.shape == tuple(rows.shape)
-            assert np.allclose(got, rows.numpy(), atol=1e-5)
+    pooler = await check_classifier_and_tagger(classifier, tagger, texts, XLMRobertaForSequenceClassification,
+                                               XLMRobertaForTokenClassification)
+    assert pooler.labels == ("neg", "neu", "pos")
 
 
 async def test_an_encoder_longer_than_the_step_budget_takes_a_step_its_size(tmp_path: Path) -> None:
     """bge-m3 reads 8,192 tokens, past the default step budget (2,048): left at its default
     the budget grows to a whole input, as vLLM sizes an encoder's; set lower, it is refused."""
     from transformers import XLMRobertaModel
-
-    from engine.errors import ConfigError
 
     path = tmp_path / "long"
     torch.manual_seed(0)

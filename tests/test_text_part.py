@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 import engine
 from engine.errors import InvalidParamError, UnsupportedModelError
+from engine.models.config import ModelConfig
 from engine.models.loader import load_model
 from engine.models.testing import write_tiny_model
 from engine.params import SamplingParams
@@ -98,8 +99,6 @@ async def test_a_vision_language_checkpoint_serves_its_text_model_as_transformer
 
 
 def test_a_text_model_the_engine_does_not_compute_is_refused_by_name(tmp_path: Path) -> None:
-    from engine.models.config import ModelConfig
-
     raw = {"architectures": ["Mistral3ForConditionalGeneration"],
            "text_config": {"model_type": "ministral3", "vocab_size": 10}}
     with pytest.raises(UnsupportedModelError, match="'ministral3'"):
