@@ -105,6 +105,8 @@ MARKER_TOKENS = ("<tool_call>", "</tool_call>", "<think>", "</think>")
 # Mistral's call markers, special tokens in its tokenizers (the server then keeps special
 # tokens in the text for the mistral parser).
 MISTRAL_MARKER_TOKENS = ("[TOOL_CALLS]", "[ARGS]")
+# Magistral's reasoning markers, special tokens too (the mistral reasoning parser).
+MAGISTRAL_MARKER_TOKENS = ("[THINK]", "[/THINK]", "[TOOL_CALLS]")
 
 
 def write_marker_model(path: Any, chat_template: str,

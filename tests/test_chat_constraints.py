@@ -14,8 +14,10 @@ from typing import Any
 
 import jsonschema
 import pytest
+import torch
 import trio
 from chat_fixtures import (
+    MAGISTRAL_MARKER_TOKENS,
     MARKER_TOKENS,
     MISTRAL_MARKER_TOKENS,
     THINK_TEMPLATE,
@@ -505,3 +507,103 @@ def test_every_kind_of_constraint_waits_for_the_reasoning_to_end(grammar: Any, k
     assert _accepts(grammar, optional, f"<think>{reasoning}k>\n{good}")
     assert _accepts(grammar, optional, good)
     assert not _accepts(grammar, optional, f"<think>{reasoning}k>{bad}", end=False)
+
+
+# -- reasoning formats other than <think> tags --------------------------------------------
+
+@pytest.fixture(scope="module")
+def magistral_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_marker_model(tmp_path_factory.mktemp("magistral") / "m", TOOL_TEMPLATE,
+                              MAGISTRAL_MARKER_TOKENS, special=True)
+
+
+@pytest.fixture(scope="module", params=["xgrammar", "guidance"])
+def magistral_grammar(request: pytest.FixtureRequest,
+                      magistral_model: Path) -> tuple[str, GrammarBackend, Any]:
+    return _grammar_backend(request.param, magistral_model)
+
+
+STRING_SCHEMA = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 8}},
+                 "required": ["s"], "additionalProperties": False}
+
+
+def test_granite_reasoning_is_free_text_up_to_either_response_marker(grammar: Any) -> None:
+    """Granite's markers are text in two spellings: the constraint starts after
+    "Here is my response:" or "Here's my response:", and applies at once to an output
+    that does not open with a thought-process marker."""
+    spec = StructuredOutputs(json=STRING_SCHEMA, think=get_reasoning_parser("granite").think)
+    good, bad = _args(grammar, {"s": "ok"}), '{"t"'
+    thought = 'Maybe {"s": 1}, or Here is my resp... no.'
+    for start in ("Here is my thought process:", "Here's my thought process:"):
+        for end in ("Here is my response:", "Here's my response:"):
+            assert _accepts(grammar, spec, f"{start}{thought}{end}\n{good}"), (start, end)
+            assert not _accepts(grammar, spec, f"{start}{thought}{end}{bad}", end=False)
+    assert _accepts(grammar, spec, good)
+    assert not _accepts(grammar, spec, f"Here is my response:{good}", end=False)
+    assert not _accepts(grammar, spec, f"Here is my thought process:{thought}")
+
+
+def test_mistral_reasoning_markers_are_special_tokens_the_grammar_lets_through(
+    magistral_grammar: Any,
+) -> None:
+    """[THINK] and [/THINK] are special tokens: under a JSON constraint the reasoning
+    prefix takes them as tokens, while other special tokens stay out of the JSON."""
+    _, _, tokenizer = magistral_grammar
+    spec = StructuredOutputs(json=STRING_SCHEMA, think=get_reasoning_parser("mistral").think)
+    good = _args(magistral_grammar, {"s": "ok"})
+    opened = "[THINK]Two and two, {\"s\"[/THINK]"
+    assert len(tokenizer.encode("[THINK][/THINK]", add_special_tokens=False)) == 2
+    assert _accepts(magistral_grammar, spec, f"{opened}{good}")
+    assert _accepts(magistral_grammar, spec, good)
+    assert not _accepts(magistral_grammar, spec, f"{opened}[TOOL_CALLS]", end=False)
+    assert not _accepts(magistral_grammar, spec, '{"s": "[TOOL_CALLS]"}', end=False)
+    assert not _accepts(magistral_grammar, spec, f"{opened}{{\"t\"", end=False)
+    # What the sampler may pick: [/THINK] inside the reasoning, no special token inside
+    # the JSON string after it (xgrammar would match one as its text).
+    think, end_think, calls = (marker_id(tokenizer, m) for m in MAGISTRAL_MARKER_TOKENS)
+    assert _allowed(magistral_grammar, spec, "[THINK]Two and")[end_think]
+    string = _args(magistral_grammar, {"s": "a"})
+    after = _allowed(magistral_grammar, spec, opened + string[:string.index('a"}')])
+    assert after[tokenizer.encode("a", add_special_tokens=False)[0]]
+    assert not any(after[t] for t in (think, end_think, calls))
+
+
+def _allowed(grammar: tuple[str, GrammarBackend, Any], spec: StructuredOutputs,
+             text: str) -> list[bool]:
+    """Which tokens the matcher's mask allows after ``text``."""
+    from engine.structured.bitmask import bitmask_words
+
+    _, backend, tokenizer = grammar
+    matcher = backend.matcher(spec)
+    assert all(matcher.accept(t) for t in tokenizer.encode(text, add_special_tokens=False))
+    row = torch.zeros((1, bitmask_words(backend.vocab_size)), dtype=torch.int32)
+    matcher.fill(row, 0)
+    words = row[0].numpy().view("uint32")
+    return [bool(words[t // 32] >> (t % 32) & 1) for t in range(backend.vocab_size)]
+
+
+async def test_a_mistral_reasoning_answer_under_a_schema_comes_back_split(
+    magistral_model: Path,
+) -> None:
+    """Through the embedded chat API with the mistral reasoning parser: the special
+    markers stay in the text for the parser (skip_special_tokens is turned off), the
+    reasoning comes back apart and the answer validates against the schema."""
+    settings = ChatSettings(reasoning_parser="mistral")
+    validator = jsonschema.Draft202012Validator(STRING_SCHEMA)
+    async with engine.open_engine(str(magistral_model), **ENGINE_OPTIONS) as eng:
+        biases = {marker_id(eng.tokenizer, "[THINK]"): 4.0,
+                  marker_id(eng.tokenizer, "[/THINK]"): 3.0}
+        thought = 0
+        for seed in range(8):
+            params = SamplingParams(temperature=1.0, seed=seed, max_tokens=120,
+                                    logit_bias=biases,
+                                    structured_outputs=StructuredOutputs(json=STRING_SCHEMA))
+            (reply,) = (await eng.chat([{"role": "user", "content": "Say ok."}], params,
+                                       settings=settings)).choices
+            if reply.finish_reason == "length":
+                continue
+            assert "[THINK]" not in (reply.message.content or ""), reply
+            validator.validate(json.loads(reply.message.content))
+            thought += reply.message.reasoning_content is not None
+        assert thought >= 2
+        await wait_idle(eng)

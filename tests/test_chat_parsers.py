@@ -334,6 +334,21 @@ REASONING_CASES = [
      "It is 4, and <think> here is just text."),
     ("qwen3", "<think>cut off", "cut off", None),
     ("qwen3", "<thin", None, "<thin"),
+    ("olmo3", "<think>Two and two.</think>Four.", "Two and two.", "Four."),
+    ("olmo3", "Two and two.</think>Four.", "Two and two.", "Four."),
+    ("exaone4", "\nhmm\n</think>\n\nFour.", "\nhmm\n", "\n\nFour."),
+    ("granite", "Here is my thought process:\nAdd them.\nHere is my response:\nFour.",
+     "\nAdd them.\n", "\nFour."),
+    ("granite", "Here's my thought process: add. Here's my response: 4", " add. ", " 4"),
+    ("granite", "Here is my thought process: add. Here's my response: 4", " add. ", " 4"),
+    ("granite", "Here is my thought process: cut off at Here is my resp",
+     " cut off at Here is my resp", None),
+    ("granite", "Four. Here is my thought process: none.", None,
+     "Four. Here is my thought process: none."),
+    ("granite", "Here", None, "Here"),
+    ("mistral", "[THINK]2+2[/THINK]4", "2+2", "4"),
+    ("mistral", "4, no [THINK] here", None, "4, no [THINK] here"),
+    ("mistral", "[THINK]cut off [/THI", "cut off [/THI", None),
 ]
 
 
@@ -351,9 +366,64 @@ def test_reasoning_split_exact_complete_and_streamed(
 
 
 def test_reasoning_parsers_are_registered() -> None:
-    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3"}
-    with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
+    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3", "olmo3", "exaone4", "granite",
+                                      "mistral"}
+    with pytest.raises(ValueError, match="deepseek_r1, exaone4, granite, mistral, olmo3, qwen3"):
         get_reasoning_parser("nope")
+
+
+_REASONING_FRAGMENTS = ["<think>", "</think>", "</thi", "Here is my", " thought process:",
+                        "Here's my response:", " response:", "Here", "[THINK]", "[/THINK]",
+                        "[/TH", "text", " ", "\n", "4"]
+
+
+@settings(max_examples=80, deadline=None)
+@given(reasoning=st.lists(st.sampled_from(_REASONING_FRAGMENTS), max_size=8),
+       content=st.lists(st.sampled_from(_REASONING_FRAGMENTS), max_size=8),
+       opened=st.booleans(), which=st.integers(0, 1), cut=st.integers(0, 200))
+def test_a_reasoning_block_round_trips_through_every_parser(
+    reasoning: list[str], content: list[str], opened: bool, which: int, cut: int
+) -> None:
+    """An output written as the format says (the opening marker, unless the prompt opened
+    it; reasoning free of closing markers; a closing marker; any content) splits back
+    into the reasoning and the content it was made of, whole and streamed."""
+    for parser in REASONING_PARSERS.values():
+        thought = "".join(reasoning)
+        while _first_marker(thought, parser.ends) is not None:
+            thought = thought.replace(_first_marker(thought, parser.ends), "")
+        start = parser.starts[which % len(parser.starts)]
+        head = start if not parser.starts_in_reasoning or opened else ""
+        if not head and any(thought.startswith(m) for m in parser.starts):
+            continue  # a leading opening marker is taken as the marker
+        answer = "".join(content)
+        text = head + thought + parser.ends[which % len(parser.ends)] + answer
+        split = parser.parse(text)
+        assert (split.reasoning, split.content) == (thought or None, answer or None), (
+            parser.name, text)
+        at = min(cut, len(text))
+        streamer = parser.streamer()
+        deltas = [streamer.feed(text[:at]), streamer.feed(text[at:]), streamer.finish()]
+        assert "".join(d.reasoning for d in deltas) == thought, (parser.name, text)
+        assert "".join(d.content for d in deltas) == answer, (parser.name, text)
+
+
+def _first_marker(text: str, markers: tuple[str, ...]) -> str | None:
+    return next((m for m in markers if m in text), None)
+
+
+def test_thinking_switches_follow_each_template_kwarg() -> None:
+    """Qwen3 thinks unless the request turns its switch off on a template that reads it;
+    Granite and EXAONE think only when the request turns theirs on."""
+    reads = {"enable_thinking", "thinking"}.__contains__
+    qwen3, granite, exaone = (get_reasoning_parser(n) for n in ("qwen3", "granite", "exaone4"))
+    assert not qwen3.thinking_off({}, reads)
+    assert qwen3.thinking_off({"enable_thinking": False}, reads)
+    assert not qwen3.thinking_off({"enable_thinking": False}, lambda name: False)
+    assert granite.thinking_off({}, reads) and not granite.thinking_off({"thinking": True}, reads)
+    assert granite.thinking_off({"enable_thinking": True}, reads)
+    assert exaone.thinking_off({}, reads)
+    assert not exaone.thinking_off({"enable_thinking": True}, reads)
+    assert not get_reasoning_parser("deepseek_r1").thinking_off({"enable_thinking": False}, reads)
 
 
 # Pieces of every parser's syntax, so random texts hit partial markers, markers in odd

@@ -744,6 +744,45 @@ def test_anthropic_thinking_budget_tokens_bounds_the_reasoning_as_the_chat_budge
     assert "thinking.budget_tokens" in bad.json()["error"]["message"]
 
 
+# -- Granite's reasoning: text markers, off unless the request turns it on -----------------
+
+GRANITE_TEMPLATE = ("{% if thinking is defined and thinking %}Think, then answer. {% endif %}"
+                    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                    "assistant:")
+
+
+@pytest.fixture(scope="module")
+def granite(tmp_path_factory):
+    import engine.api
+
+    folder = write_marker_model(tmp_path_factory.mktemp("granite") / "m", GRANITE_TEMPLATE)
+    with ServerThread(lambda: engine.api.open_engine(
+            str(folder), served_model_name=MODEL, max_model_len=1024,
+            kv_cache_memory=16 * 2**20), chat=ChatSettings(reasoning_parser="granite")) as srv:
+        yield srv, folder
+
+
+def test_granite_thinking_is_its_templates_switch_and_refuses_a_token_budget(granite):
+    """Anthropic's thinking turns Granite's own switch (``thinking``) on and off: the
+    prompts are transformers' renderings with it. A thinking_token_budget is a 400: the
+    reasoning ends in two spellings, which no token budget can watch for."""
+    from transformers import AutoTokenizer
+
+    server, folder = granite
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    for kind, on in (("enabled", True), ("disabled", False)):
+        counted = httpx.post(server.base_url + "/v1/messages/count_tokens", json={
+            "model": MODEL, "messages": ASK, "thinking": {"type": kind}}).json()
+        rendered = tok.apply_chat_template(ASK, tokenize=False, add_generation_prompt=True,
+                                           thinking=on)
+        assert counted["input_tokens"] == len(tok.encode(rendered, add_special_tokens=False)), kind
+    r = httpx.post(server.base_url + "/v1/chat/completions", json={
+        "model": MODEL, "messages": ASK, "thinking_token_budget": 4,
+        "chat_template_kwargs": {"thinking": True}})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "thinking_token_budget")
+    assert "granite" in r.json()["error"]["message"]
+
+
 # -- --default-chat-template-kwargs --------------------------------------------------------
 
 

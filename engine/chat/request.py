@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.chat.output import ChatOutputOptions
-from engine.chat.reasoning import THINK_END, THINK_START, ReasoningParser, get_reasoning_parser
+from engine.chat.reasoning import ReasoningParser, get_reasoning_parser
 from engine.chat.tool_parsers import ToolParser, get_tool_parser
 from engine.chat.tools import (
     Tool,
@@ -178,7 +178,8 @@ def parse_chat_fields(body: Mapping[str, Any], settings: ChatSettings,
     constraint = _tools_constraint(tools, choice, parser, parallel)
     output = ChatOutputOptions(
         tools=tools, tool_choice=choice, tool_parser=parser,
-        reasoning_parser=None if _thinking_off(template, source) else settings.reasoning,
+        reasoning_parser=None if _thinking_off(template, source, settings.reasoning)
+        else settings.reasoning,
         include_reasoning=_include_reasoning(body, settings),
         forced_in_parser_syntax=choice.mode == "required" and constraint is not None
         and constraint.kind == "structural_tag")
@@ -202,16 +203,19 @@ def _answer_role(body: Mapping[str, Any], template: TemplateOptions,
     return role if isinstance(role, str) and role else settings.response_role
 
 
-def _thinking_off(template: TemplateOptions, source: str | None) -> bool:
-    """Whether the request turned a hybrid model's thinking off (``chat_template_kwargs``
-    ``enable_thinking: false``, Qwen3's switch) on a template that reads the switch: such a
-    template closes the reasoning in the prompt (``<think></think>``), so the output holds
-    none. It is then all content and a constraint (a forced call, a response_format)
-    starts at once, where an optional reasoning block would let the model open one again
-    and spend the output on it (vLLM's qwen3 parser reads the same switch)."""
-    kwargs = template.chat_template_kwargs or {}
-    return ("enable_thinking" in kwargs and not kwargs["enable_thinking"]
-            and template_reads(source, "enable_thinking"))
+def _thinking_off(template: TemplateOptions, source: str | None,
+                  reasoning: ReasoningParser | None) -> bool:
+    """Whether the request turned the model's thinking off through the reasoning
+    format's switch in ``chat_template_kwargs`` (:meth:`ReasoningParser.thinking_off`:
+    Qwen3's ``enable_thinking: false`` on a template that reads it, Granite's ``thinking``
+    left unset). The output then holds no reasoning: it is all content and a constraint
+    (a forced call, a response_format) starts at once, where an optional reasoning block
+    would let the model open one again and spend the output on it (vLLM's parsers read the
+    same switches)."""
+    if reasoning is None:
+        return False
+    return reasoning.thinking_off(template.chat_template_kwargs or {},
+                                  lambda name: template_reads(source, name))
 
 
 def check_tool_limits(tools: Any, settings: ChatSettings) -> None:
@@ -277,8 +281,9 @@ def chat_sampling_params(params: SamplingParams, fields: ChatFields, *,
     reasoning = fields.output.reasoning_parser
     spec = params.structured_outputs
     if reasoning is not None and spec is not None:
-        think = "open" if reasoning.starts_in_reasoning else "optional"
-        params = params.replace(structured_outputs=dataclasses.replace(spec, think=think))
+        params = params.replace(structured_outputs=dataclasses.replace(spec, think=reasoning.think))
+    if reasoning is not None and reasoning.special_markers and not keep_skip_special_tokens:
+        params = params.replace(skip_special_tokens=False)  # Mistral's [THINK] stays in the text
     return params
 
 
@@ -435,11 +440,14 @@ def load_chat_template(value: str) -> str:
 
 
 def thinking_budget_params(body: Mapping[str, Any], params: SamplingParams,
-                           settings: ChatSettings,
+                           settings: ChatSettings, fields: ChatFields | None,
                            encode: Callable[[str], list[int]]) -> SamplingParams:
     """vLLM's ``thinking_token_budget``: with a reasoning parser, the reasoning's end marker
     is forced once the reasoning holds that many tokens (``encode`` tokenizes the markers).
-    Without a reasoning parser there is no reasoning to bound: a 400."""
+    Without a reasoning parser there is no reasoning to bound: a 400. A request whose
+    thinking is off (``fields``' parser is None) has none either: the budget bounds
+    nothing. A format whose reasoning ends in more than one spelling (Granite's "Here
+    is" and "Here's") cannot be watched by token: a 400."""
     budget = body.get("thinking_token_budget")
     if budget is None:
         return params
@@ -450,6 +458,13 @@ def thinking_budget_params(body: Mapping[str, Any], params: SamplingParams,
     if reasoning is None:
         raise InvalidParamError("thinking_token_budget needs the server started with "
                                 "--reasoning-parser", param="thinking_token_budget")
-    start = () if reasoning.starts_in_reasoning else tuple(encode(THINK_START))
+    if len(reasoning.starts) > 1 or len(reasoning.ends) > 1:
+        raise InvalidParamError(
+            f"thinking_token_budget is not supported with the {reasoning.name} reasoning "
+            f"parser: its reasoning ends with any of {', '.join(map(repr, reasoning.ends))}, "
+            "which a token budget cannot watch for", param="thinking_token_budget")
+    if fields is not None and fields.output.reasoning_parser is None:
+        return params  # thinking is off for this request
+    start = () if reasoning.starts_in_reasoning else tuple(encode(reasoning.starts[0]))
     return params.replace(thinking_token_budget=budget, think_start_token_ids=start,
-                          think_end_token_ids=tuple(encode(THINK_END)))
+                          think_end_token_ids=tuple(encode(reasoning.ends[0])))

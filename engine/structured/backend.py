@@ -41,8 +41,8 @@ from engine.structured.bitmask import bitmask_words, clear_bits
 from engine.structured.check import check_choice
 from engine.structured.compiled import CompiledGrammar, Refused
 from engine.structured.guidance import GuidanceCompiler
-from engine.structured.matcher import Matcher
-from engine.structured.spec import StructuredOutputs
+from engine.structured.matcher import Matcher, ThinkKeep
+from engine.structured.spec import StructuredOutputs, think_prefix
 from engine.structured.xgrammar_compiler import XGrammarCompiler
 
 BACKENDS = ("auto", "xgrammar", "guidance")
@@ -99,6 +99,7 @@ class GrammarBackend:
         self._skipped = skipped
         special = [i for i in skipped if i not in self._stop_set]
         self._no_special = clear_bits(bitmask_words(vocab_size), special) if special else None
+        self._think_keeps: dict[str, ThinkKeep | None] = {}  # per reasoning format
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[tuple[str, str, str], CompiledGrammar] = (
             collections.OrderedDict())
@@ -271,9 +272,29 @@ class GrammarBackend:
         tok = self._guidance.tokenizer() if compiled.backend == "guidance" else None
         # llguidance never writes a special token for text; xgrammar does, unless masked.
         # A structural tag or an EBNF grammar may name one on purpose (a tool-call marker).
-        keep = (self._no_special if compiled.backend == "xgrammar"
-                and spec.kind in ("json", "json_object", "regex", "choice") else None)
-        return Matcher(compiled, self._stop_set, tok, keep)
+        strict = (compiled.backend == "xgrammar"
+                  and spec.kind in ("json", "json_object", "regex", "choice"))
+        keep = self._no_special if strict else None
+        think = self._think_keep(spec.think) if strict else None
+        return Matcher(compiled, self._stop_set, tok, keep, think)
+
+    def _think_keep(self, think: str | None) -> ThinkKeep | None:
+        """Where ``think``'s reasoning markers include special tokens (Mistral's
+        ``[THINK]``), the mask that lets them through inside the reasoning (the matcher
+        masks special tokens again once it ends); None otherwise."""
+        if self._no_special is None or think is None:
+            return None
+        if think not in self._think_keeps:
+            mode, starts, ends = think_prefix(think)
+            skipped = set(self._skipped)
+            start_ids = frozenset(self._hf.convert_tokens_to_ids(m) for m in starts) & skipped
+            end_ids = frozenset(self._hf.convert_tokens_to_ids(m) for m in ends) & skipped
+            self._think_keeps[think] = None if not (start_ids or end_ids) else ThinkKeep(
+                clear_bits(bitmask_words(self.vocab_size),
+                           [i for i in self._skipped if i not in self._stop_set
+                            and i not in start_ids and i not in end_ids]),
+                start_ids, end_ids, mode == "optional")
+        return self._think_keeps[think]
 
     def statistics(self) -> StructuredStatistics:
         with self._lock:

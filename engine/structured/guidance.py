@@ -17,7 +17,7 @@ from typing import Any
 
 from engine.errors import InvalidParamError
 from engine.structured.compiled import THINK_GAP, Refused, first_line
-from engine.structured.spec import StructuredOutputs
+from engine.structured.spec import StructuredOutputs, think_prefix
 
 logger = logging.getLogger("engine")
 
@@ -100,36 +100,42 @@ class GuidanceCompiler:
         return grammar
 
 
-def _guidance_think(mode: str, grammar: str, literal: Callable[[str], str]) -> str:
-    """llguidance's ``grammar`` behind the reasoning prefix of ``think`` ``mode``: free text
-    up to the first </think> (a lazy lexeme, or text then the </think> token), then the
-    constraint as a sub-grammar. ``literal`` writes a marker as a lark literal."""
+def _guidance_think(think: str, grammar: str, literal: Callable[[str], str]) -> str:
+    """llguidance's ``grammar`` behind the reasoning prefix of ``think``
+    (:func:`think_prefix`): free text up to the first closing marker (a lazy lexeme, or
+    text then the marker's token), then the constraint as a sub-grammar. ``literal``
+    writes a marker as a lark literal."""
+    mode, starts, ends = think_prefix(think)
     # grammar_from_lark gives the lark text back; the others a JSON list of grammars.
     top = (json.loads(grammar) if grammar.lstrip().startswith("{")
            else {"grammars": [{"lark_grammar": grammar}]})
     inner = top["grammars"]
     name = inner[0].get("name") or "constraint"
     inner[0] = {**inner[0], "name": name}
-    # "open" takes a leading <think> too (as the deepseek_r1 parser does); the free text
-    # would, but not when <think> is a special token.
-    opening = literal("<think>")
+    # "open" takes a leading opening marker too (as the deepseek_r1 parser does); the free
+    # text would, but not when the marker is a special token.
+    opening = " | ".join(literal(m) for m in starts)
+    opening = f"({opening})" if len(starts) > 1 else opening
     start = f"{opening}? think GAP" if mode == "open" else f"({opening} think GAP)?"
     lark = "\n".join([
-        "%llguidance {}", f"start: {start} @{name}", *_until("think", "</think>", literal),
+        "%llguidance {}", f"start: {start} @{name}", *_until("think", ends, literal),
         f"GAP: /{THINK_GAP}/", "TEXT: /(.|\\n)*/"]) + "\n"
     return json.dumps({**top, "grammars": [{"lark_grammar": lark}, *inner]})
 
 
-def _until(rule: str, marker: str, literal: Callable[[str], str]) -> list[str]:
-    """Lark rules for ``rule``: any text up to and including the first ``marker``. The
-    spelled-out marker ends a lazy lexeme (the shortest match); a marker that is a special
-    token follows free text, which cannot contain it."""
-    spelled = json.dumps(marker)
-    written = literal(marker)
-    if written == spelled:
-        return [f"{rule}[lazy]: TEXT {spelled}"]
-    token = written[len(spelled) + 4:-1]  # "(<spelled> | <[id]>)" -> "<[id]>"
-    return [f"{rule}: {rule}_text | TEXT {token}", f"{rule}_text[lazy]: TEXT {spelled}"]
+def _until(rule: str, markers: str | tuple[str, ...], literal: Callable[[str], str]) -> list[str]:
+    """Lark rules for ``rule``: any text up to and including the first of ``markers``.
+    A spelled-out marker ends a lazy lexeme (the shortest match); a marker that is a
+    special token follows free text, which cannot contain it."""
+    markers = (markers,) if isinstance(markers, str) else markers
+    spelled = [json.dumps(m) for m in markers]
+    tokens = [w[len(s) + 4:-1] for w, s in zip((literal(m) for m in markers), spelled, strict=True)
+              if w != s]  # "(<spelled> | <[id]>)" -> "<[id]>"
+    ending = spelled[0] if len(spelled) == 1 else f"({' | '.join(spelled)})"
+    if not tokens:
+        return [f"{rule}[lazy]: TEXT {ending}"]
+    return [f"{rule}: {rule}_text | " + " | ".join(f"TEXT {t}" for t in tokens),
+            f"{rule}_text[lazy]: TEXT {ending}"]
 
 
 def _tag_lark(node: dict[str, Any], literal: Callable[[str], str]) -> str:

@@ -6,6 +6,7 @@ bitmask (``bitmask.py``) with the tokens allowed next.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,18 +15,36 @@ import torch
 from engine.structured.compiled import CompiledGrammar
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ThinkKeep:
+    """The mask of a reasoning prefix whose markers are special tokens (Mistral's
+    ``[THINK]``): ``keep`` lets those through while the output is reasoning; the
+    matcher's own mask applies once one of ``ends`` is accepted, or, when the block is
+    ``optional``, once the first token is not one of ``starts``."""
+
+    keep: torch.Tensor
+    starts: frozenset[int]
+    ends: frozenset[int]
+    optional: bool
+
+
 class Matcher:
     """One sample's position in its grammar. ``accept`` each sampled token in order;
     ``fill`` writes the tokens allowed next into a bitmask row. EOS is allowed only where
     the grammar accepts; accepting it terminates the matcher."""
 
-    __slots__ = ("_m", "_guidance", "_stop_ids", "_keep", "accepted", "ended")
+    __slots__ = ("_m", "_guidance", "_stop_ids", "_keep", "_think", "_past", "accepted",
+                 "ended")
 
     def __init__(self, compiled: CompiledGrammar, stop_ids: frozenset[int],
-                 guidance_tokenizer: Any = None, keep: torch.Tensor | None = None) -> None:
+                 guidance_tokenizer: Any = None, keep: torch.Tensor | None = None,
+                 think: ThinkKeep | None = None) -> None:
         self._guidance = compiled.backend == "guidance"
         self._stop_ids = stop_ids
         self._keep = keep  # int32 words ANDed into each mask row (None: all tokens kept)
+        self._think = think
+        # How many tokens in the reasoning prefix ended (``think``'s mask applies before).
+        self._past: int | None = None if think is not None else 0
         self._m: Any  # llguidance.LLMatcher or xgrammar.GrammarMatcher
         # Lazy imports: heavy optional libraries (seconds to import); a compiled grammar
         # of a backend means that backend was imported already.
@@ -49,6 +68,11 @@ class Matcher:
         if ok:
             self.accepted += 1
             self.ended = token in self._stop_ids
+            think = self._think
+            if think is not None and self._past is None and (
+                    token in think.ends or (think.optional and self.accepted == 1
+                                            and token not in think.starts)):
+                self._past = self.accepted
         return ok
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
@@ -75,6 +99,8 @@ class Matcher:
             self._m.rollback(n)
             self.accepted -= n
             self.ended = False
+            if self._think is not None and self._past is not None and self.accepted < self._past:
+                self._past = None  # back inside the reasoning
 
     def complete(self) -> bool:
         """Whether the tokens accepted so far form a whole output (EOS may follow)."""
@@ -88,5 +114,6 @@ class Matcher:
             llguidance.torch.fill_next_token_bitmask(self._m, bitmask, row)
         else:
             self._m.fill_next_token_bitmask(bitmask, row)
-        if self._keep is not None:
-            bitmask[row] &= self._keep
+        keep = self._keep if self._past is not None else self._think.keep  # type: ignore[union-attr]
+        if keep is not None:
+            bitmask[row] &= keep

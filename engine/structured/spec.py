@@ -28,6 +28,36 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 # leading <think> allowed); "optional", the output may start with a whole
 # <think>...</think> block. Whitespace after </think> is free too.
 THINK_MODES = ("open", "optional")
+# The markers of a reasoning block when ``think`` names only a mode.
+DEFAULT_THINK_MARKERS = (("<think>",), ("</think>",))
+
+
+def think_value(mode: str, starts: tuple[str, ...], ends: tuple[str, ...]) -> str:
+    """A ``think`` for ``mode`` with a reasoning format's opening and closing markers (any
+    one of each): the mode alone for ``<think>``/``</think>``, else the JSON text
+    ``[mode, starts, ends]`` (Granite's "Here is my thought process:", Mistral's
+    ``[THINK]``)."""
+    if (starts, ends) == DEFAULT_THINK_MARKERS:
+        return mode
+    return json.dumps([mode, list(starts), list(ends)])
+
+
+def think_prefix(think: str) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    """``think``'s mode, opening markers and closing markers (:func:`think_value`'s
+    inverse); ``ValueError`` when it is neither a mode nor such a list."""
+    if think in THINK_MODES:
+        return think, *DEFAULT_THINK_MARKERS
+    try:
+        mode, starts, ends = json.loads(think)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"think must be one of {', '.join(THINK_MODES)} or "
+                         f"[mode, starts, ends], got {think!r}") from exc
+    if (mode not in THINK_MODES or not all(
+            isinstance(group, list) and group and all(isinstance(m, str) and m for m in group)
+            for group in (starts, ends))):
+        raise ValueError(f"think must be one of {', '.join(THINK_MODES)} or [mode, starts, "
+                         f"ends] with non-empty lists of markers, got {think!r}")
+    return mode, tuple(starts), tuple(ends)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -102,8 +132,13 @@ class StructuredOutputs:
             if rewritten_tag is not None:
                 object.__setattr__(self, "structural_tag", rewritten_tag)
             _check_structural_tag(self.structural_tag)
-        if self.think is not None and self.think not in THINK_MODES:
-            raise _error(f"think must be one of {', '.join(THINK_MODES)}, got {self.think!r}")
+        if self.think is not None:
+            if not isinstance(self.think, str):
+                raise _error(f"think must be a string, got {self.think!r}")
+            try:
+                think_prefix(self.think)
+            except ValueError as exc:
+                raise _error(str(exc)) from None
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

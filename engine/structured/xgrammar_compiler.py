@@ -18,7 +18,7 @@ from typing import Any
 
 from engine.structured.check import xgrammar_gap
 from engine.structured.compiled import THINK_GAP, Refused, first_line
-from engine.structured.spec import StructuredOutputs, tag_schemas
+from engine.structured.spec import StructuredOutputs, tag_schemas, think_prefix
 
 logger = logging.getLogger("engine")
 
@@ -125,16 +125,21 @@ def _schemas_as_grammars(node: Any) -> Any:
     return {k: _schemas_as_grammars(v) for k, v in node.items()}
 
 
-def _xgrammar_think(mode: str) -> Any:
-    """The reasoning prefix of ``think`` ``mode`` as an xgrammar grammar."""
+def _xgrammar_think(think: str) -> Any:
+    """The reasoning prefix of ``think`` (:func:`think_prefix`) as an xgrammar grammar:
+    any text up to the first closing marker, opened by one of the opening markers where
+    the mode is "optional" (the block is then optional as a whole)."""
     import xgrammar  # lazy: see the module docstring
 
+    mode, starts, ends = think_prefix(think)
     block: dict[str, Any] = {"type": "tag", "begin": "", "content": {"type": "any_text"},
-                             "end": "</think>"}
+                             "end": ends[0] if len(ends) == 1 else list(ends)}
+    elements: list[dict[str, Any]] = [block, {"type": "regex", "pattern": THINK_GAP}]
     if mode == "optional":
-        block["begin"] = "<think>"
-    prefix: dict[str, Any] = {"type": "sequence",
-                              "elements": [block, {"type": "regex", "pattern": THINK_GAP}]}
+        opening = [{"type": "const_string", "value": m} for m in starts]
+        elements.insert(0, opening[0] if len(opening) == 1 else {"type": "or",
+                                                                 "elements": opening})
+    prefix: dict[str, Any] = {"type": "sequence", "elements": elements}
     if mode == "optional":
         prefix = {"type": "optional", "content": prefix}
     return xgrammar.Grammar.from_structural_tag(

@@ -94,11 +94,12 @@ def _bad(message: str, param: str) -> APIError:
 
 
 def chat_body(body: Any, *, reasoning: bool, count_only: bool = False,
-              origins: dict[str, str] | None = None,
+              origins: dict[str, str] | None = None, switch: str = "enable_thinking",
               reads_effort: Callable[[], bool] = lambda: False) -> dict[str, Any]:
     """The OpenAI chat body a Messages body means; :class:`APIError` naming the field
     otherwise. ``reasoning``: the server has a reasoning parser (``thinking`` is then
-    allowed). ``count_only``: for ``count_tokens``, which takes no ``max_tokens``.
+    allowed; ``switch``, its ``chat_template_kwargs`` key that turns thinking on and off).
+    ``count_only``: for ``count_tokens``, which takes no ``max_tokens``.
     ``reads_effort``: whether the chat template reads ``reasoning_effort``
     (``output_config.effort`` then becomes it), asked only of a body that sends one.
     ``origins`` is filled with the chat path of each image part and its block's path, for
@@ -139,7 +140,7 @@ def chat_body(body: Any, *, reasoning: bool, count_only: bool = False,
         # The usage that ends the stream (message_delta's output_tokens).
         out |= {"stream": True, "stream_options": {"include_usage": True}}
     out |= _tools(body.get("tools"), body.get("tool_choice"))
-    out |= _thinking(body.get("thinking"), reasoning)
+    out |= _thinking(body.get("thinking"), reasoning, switch)
     out |= _output_config(body.get("output_config"), reads_effort)
     last = out["messages"][-1] if out["messages"] else None
     if last is not None and last["role"] == "assistant" and not last.get("tool_calls"):
@@ -408,7 +409,7 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
-def _thinking(thinking: Any, reasoning: bool) -> dict[str, Any]:
+def _thinking(thinking: Any, reasoning: bool, switch: str) -> dict[str, Any]:
     if thinking is None:
         return {}
     kind = thinking.get("type") if isinstance(thinking, Mapping) else None
@@ -416,13 +417,13 @@ def _thinking(thinking: Any, reasoning: bool) -> dict[str, Any]:
         raise _bad('thinking.type must be "enabled", "disabled", "adaptive" or '
                    '"between_tools"', "thinking.type")
     if kind == "disabled":
-        # Templates with a thinking switch (Qwen3's) read it; others ignore it.
-        return {"chat_template_kwargs": {"enable_thinking": False}} if reasoning else {}
+        # Templates with a thinking switch (Qwen3's, Granite's) read it; others ignore it.
+        return {"chat_template_kwargs": {switch: False}} if reasoning else {}
     if not reasoning:
         raise APIError(400, "thinking needs the server started with --reasoning-parser "
                        "(this model's reasoning cannot be told apart from its answer)",
                        param="thinking", code="unsupported_parameter")
-    out: dict[str, Any] = {"chat_template_kwargs": {"enable_thinking": True}}
+    out: dict[str, Any] = {"chat_template_kwargs": {switch: True}}
     budget = thinking.get("budget_tokens")
     if budget is not None:
         # vLLM's thinking_token_budget: the reasoning's end marker is forced once the

@@ -58,11 +58,19 @@ class AnthropicRoutes:
                                                "reasoning_effort")
         return self._effort_read
 
+    @property
+    def _switch(self) -> str:
+        """The ``chat_template_kwargs`` key that ``thinking`` sets: the reasoning format's
+        own switch (Granite's ``thinking``), else Qwen3's ``enable_thinking``."""
+        parser = self.server.chat_settings.reasoning
+        return parser.switch if parser is not None and parser.switch else "enable_thinking"
+
     async def messages(self) -> Response:
         """``POST /v1/messages``: the chat path, said in Anthropic's shapes."""
         origins: dict[str, str] = {}  # chat paths of image blocks -> their Messages paths
         chat = chat_body(await self.server.read_json(), origins=origins,
                          reasoning=self.server.chat_settings.reasoning_parser is not None,
+                         switch=self._switch,
                          reads_effort=self._reads_effort)
         try:
             req = await self.server.off_loop(lambda: parse_chat(
@@ -71,7 +79,7 @@ class AnthropicRoutes:
             if chat.get("thinking_token_budget") is not None:  # thinking.budget_tokens
                 tok = self.engine.tokenizer
                 req = dataclasses.replace(req, params=thinking_budget_params(
-                    chat, req.params, self.server.chat_settings,
+                    chat, req.params, self.server.chat_settings, req.chat_fields,
                     lambda text: tok.encode(text, add_special_tokens=False)))
             self.server.check_base_model(req.model)
             run = Run(self.engine, req, self.server.metrics.timer(),
@@ -92,6 +100,7 @@ class AnthropicRoutes:
         origins: dict[str, str] = {}
         chat = chat_body(await self.server.read_json(), count_only=True, origins=origins,
                          reasoning=self.server.chat_settings.reasoning_parser is not None,
+                         switch=self._switch,
                          reads_effort=self._reads_effort)
         self.server.check_base_model(chat["model"])
         tok = self.engine.tokenizer

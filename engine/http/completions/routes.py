@@ -75,7 +75,7 @@ class CompletionsRoutes:
             if body.get("thinking_token_budget") is not None:
                 tok = self.engine.tokenizer
                 req = dataclasses.replace(req, params=thinking_budget_params(
-                    body, req.params, self.server.chat_settings,
+                    body, req.params, self.server.chat_settings, req.chat_fields,
                     lambda text: tok.encode(text, add_special_tokens=False)))
             return req
 
