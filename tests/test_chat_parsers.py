@@ -22,6 +22,12 @@ from engine.chat.tools import parse_tools
 WEATHER = {"city": "Paris", "unit": "celsius"}
 NESTED = {"q": "a } tricky ] \"string\" {", "filters": [{"k": 1}, {"k": [2, 3]}], "x": None}
 
+
+def _kwargs(args: dict[str, Any]) -> str:
+    """``args`` as Python keyword arguments, each value in Python's own repr."""
+    return ", ".join(f"{k}={v!r}" for k, v in args.items())
+
+
 # (parser, model text, expected content, expected [(name, arguments object)])
 CASES: list[tuple[str, str, str | None, list[tuple[str, dict[str, Any]]]]] = [
     # hermes: Qwen2.5 / Qwen3 / Hermes write one <tool_call> block per call.
@@ -103,6 +109,18 @@ CASES: list[tuple[str, str, str | None, list[tuple[str, dict[str, Any]]]]] = [
     ("phi4_mini_json", 'functools[{"name": "get_weather", "arguments": [1]}]',
      'functools[{"name": "get_weather", "arguments": [1]}]', []),
     ("phi4_mini_json", 'functools[{"name": "get_weather", "argu', 'functools[{"name": "get_weather", "argu', []),
+    # olmo3: a <function_calls> block of Python calls, one a line (Python's own repr of
+    # the values, and JSON's literals, which OLMo 3 also writes).
+    ("olmo3", f"<function_calls>\nget_weather({_kwargs(WEATHER)})\nsearch({_kwargs(NESTED)})\n"
+     "</function_calls>", None, [("get_weather", WEATHER), ("search", NESTED)]),
+    ("olmo3", "<function_calls>set_alarm(on=true, label=null, days=[1, 2])</function_calls>"
+     " Done.", "Done.", [("set_alarm", {"on": True, "label": None, "days": [1, 2]})]),
+    ("olmo3", "I would call get_weather(city='Paris').", "I would call get_weather(city='Paris').",
+     []),
+    ("olmo3", "<function_calls>\nget_weather(city=Paris)\n</function_calls>",
+     "<function_calls>\nget_weather(city=Paris)\n</function_calls>", []),
+    ("olmo3", "<function_calls>\nget_weather(city='Par", "<function_calls>\nget_weather(city='Par",
+     []),
     # granite4: hermes' blocks, with Granite 4's layout.
     ("granite4", 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": '
      '"Paris", "unit": "celsius"}}\n</tool_call>', "Checking.", [("get_weather", WEATHER)]),
@@ -316,7 +334,7 @@ def test_constrained_call_sends_arguments_as_they_arrive() -> None:
 
 def test_unknown_parser_names_the_choices() -> None:
     with pytest.raises(ValueError, match="deepseek_v3, granite, granite4, hermes, internlm, "
-                       "llama3_json, mistral, phi4_mini_json, pythonic, qwen3_coder"):
+                       "llama3_json, mistral, olmo3, phi4_mini_json, pythonic, qwen3_coder"):
         get_tool_parser("nope")
 
 
@@ -436,6 +454,7 @@ _FRAGMENTS = [
     "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "function<｜tool▁sep｜>", "```json\n",
     "\n```", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>", "[TOOL_CALLS]", "[ARGS]",
     "<|python_tag|>", "get_weather(city='Paris')", ";", "text", "<", "\\",
+    "<function_calls>", "</function_calls>", "get_time(zone=null)",
 ]
 
 

@@ -22,6 +22,8 @@ name             what the model writes                                       mod
                  ``<|action_end|>``
 ``qwen3_coder``  ``<tool_call><function=NAME><parameter=P>value</parameter>``  Qwen3-Coder
                  ``</function></tool_call>``, values typed by the schema
+``olmo3``        ``<function_calls>`` + one ``name(key=value)`` a line +         OLMo 3
+                 ``</function_calls>``
 ``deepseek_v3``  ``<｜tool▁calls▁begin｜>``, per call ``<｜tool▁call▁begin｜>``       DeepSeek V3
                  ``function<｜tool▁sep｜>NAME`` + a ```json block +
                  ``<｜tool▁call▁end｜>``, then ``<｜tool▁calls▁end｜>``
@@ -65,6 +67,7 @@ from engine.chat.tool_parsers import (  # noqa: F401
     internlm,
     llama3_json,
     mistral,
+    olmo3,
     phi4_mini,
     pythonic,
     qwen3_coder,

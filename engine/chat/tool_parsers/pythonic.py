@@ -64,7 +64,7 @@ class _Pythonic(Format):
         end = bracket_end(buf, lead, quotes="\"'")
         if end is None:
             return None if not final else self._fail(buf, len(buf))
-        calls = _python_calls(buf[lead:end])
+        calls = python_calls(buf[lead:end])
         if calls is None:
             return self._fail(buf, end)
         self._mode = "end" if self._prefix else "text"
@@ -84,7 +84,7 @@ class _Pythonic(Format):
 _PY_CONSTANTS = {"true": True, "false": False, "null": None}
 
 
-def _python_calls(source: str) -> list[Call] | None:
+def python_calls(source: str) -> list[Call] | None:
     try:
         tree = ast.parse(source, mode="eval").body
     except (SyntaxError, ValueError):
