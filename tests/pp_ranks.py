@@ -58,10 +58,7 @@ def pipeline_greedy(world: TensorParallel, layouts: list[tuple[int, int]],
         group = stage_groups[world.rank // tp_size] if stage_groups else None
         place = place_rank(world.rank, tp_size, pp_size, num_layers, group=group)
         last = (pp_size - 1) * tp_size
-        # OLMo's q/k norms span every head: refused over tensor-parallel ranks
-        # (tests/test_tensor_parallel.py), run in stages of one rank each.
-        here = [m for m in models if tp_size == 1 or not m[0].startswith("olmo")]
-        out[(tp_size, pp_size)] = _greedy_all(place, here, last, subset)
+        out[(tp_size, pp_size)] = _greedy_all(place, models, last, subset)
     return out
 
 

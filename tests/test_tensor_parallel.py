@@ -32,15 +32,14 @@ from tp_ranks import BLOCK_SIZE, greedy_with_logits, run_ranks
 from engine.errors import UnsupportedModelError
 from engine.models.config import ModelConfig
 from engine.models.layers.shard import kv_head_range, tensor_parallel_problem
-from engine.models.loader import _converted_gguf, load_model
+from engine.models.loader import _converted_gguf
 from engine.models.testing import TINY_ARCHITECTURES, TINY_MOE_ARCHITECTURES, write_tiny_model
 from engine.ops.quant import LAYOUT_FORMATS
 from engine.parallel import SINGLE, TensorParallel
 
 LOGIT_ATOL = 1e-5
 LOGIT_RTOL = 1e-6  # a part in a million of the logit: ~8 fp32 steps (see the docstring)
-# OLMo's q/k norms span every head: refused over ranks (test_olmo_is_refused_over_ranks).
-FAMILIES = tuple(a for a in TINY_ARCHITECTURES if not a.startswith("olmo")) + TINY_MOE_ARCHITECTURES
+FAMILIES = TINY_ARCHITECTURES + TINY_MOE_ARCHITECTURES
 # (tiny family, block format): a tied head (the embedding's blocks, cut by vocabulary), one
 # KV head copied to both ranks, q/k/v biases, Phi-3's fused projections.
 GGUFS = [("llama", "Q4_0"), ("llama3", "Q8_0"), ("qwen2", "Q4_0"), ("phi3", "Q8_0")]
@@ -50,6 +49,10 @@ GGUFS = [("llama", "Q4_0"), ("llama3", "Q8_0"), ("qwen2", "Q4_0"), ("phi3", "Q8_
 def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple[str, str, bool]]]:
     root = tmp_path_factory.mktemp("tp-models")
     out = [(arch, str(write_tiny_model(root / arch, arch)), True) for arch in FAMILIES]
+    out.append(("exaone4", str(_write_exaone4(root / "exaone4")), True))
+    # OLMo's k norm over one KV head copied to both ranks (counted once, not twice).
+    out.append(("olmo2-mqa", str(write_tiny_model(root / "olmo2-mqa", "olmo2",
+                                                  overrides={"num_key_value_heads": 1})), True))
     with pytest.MonkeyPatch.context() as mp:
         # GGUF conversions go into this module's own cache, made here once; the ranks
         # inherit the variable and only read it.
@@ -59,6 +62,21 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple[str,
             _converted_gguf(path, None)
             out += [(f"{arch}-{quant}", str(path), False), (f"{arch}-{quant}-kernels", str(path), True)]
         yield out
+
+
+def _write_exaone4(folder: Path) -> Path:
+    """EXAONE 4's hybrid layout, written by transformers: sliding layers with RoPE, a
+    global one without, per-head q/k norms (tests/test_exaone.py's model)."""
+    from hf_written import write_hf_model
+    from transformers import Exaone4Config, Exaone4ForCausalLM
+
+    config = Exaone4Config(vocab_size=384, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
+                           sliding_window=8, sliding_window_pattern=2)
+    torch.manual_seed(0)
+    write_hf_model(Exaone4ForCausalLM(config), folder, norms=True)
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +115,13 @@ def test_two_ranks_give_the_one_rank_logits_and_tokens(arch: str, two_ranks: lis
     _check(arch, two_ranks, one_rank, _exact)
 
 
+@pytest.mark.parametrize("key", ["exaone4", "olmo2-mqa"])
+def test_transformers_written_and_copied_kv_head_models_over_two_ranks(
+    key: str, two_ranks: list[dict], one_rank: dict,
+) -> None:
+    _check(key, two_ranks, one_rank, _exact)
+
+
 @pytest.mark.parametrize(("arch", "quant"), GGUFS, ids=[f"{a}-{q}" for a, q in GGUFS])
 def test_a_gguf_split_in_its_blocks_gives_the_one_rank_logits(arch: str, quant: str, two_ranks: list[dict], one_rank: dict) -> None:
     key = f"{arch}-{quant}"
@@ -112,12 +137,6 @@ def _config(**overrides) -> ModelConfig:
         "num_key_value_heads": 3,
     }
     return ModelConfig.from_hf(raw | overrides)
-
-
-def test_olmo_is_refused_over_ranks(tmp_path: Path) -> None:
-    config = load_model(write_tiny_model(tmp_path / "olmo", "olmo2")).config
-    assert "q/k norms span every head" in (tensor_parallel_problem(config, 2) or "")
-    assert tensor_parallel_problem(config, 1) is None
 
 
 def test_a_model_whose_heads_do_not_divide_is_refused_naming_the_counts() -> None:

@@ -23,8 +23,9 @@ ones). It runs the unfused layers only (:meth:`OlmoModel.plan_fused_step` is Non
 Projections, the embedding and the head are the generic decoder's (GGUF-free: OLMo loads
 from Hugging Face folders). The fused CPU decode step runs this layer in its Gemma mode
 (fp32 norm weights multiplied as stored, no norms before the blocks, SwiGLU, q/k norms
-across the heads: :meth:`OlmoModel.fused_description`). q/k norms across all heads do not
-split over tensor-parallel ranks (engine.models.layers.shard refuses it).
+across the heads: :meth:`OlmoModel.fused_description`). q/k norms across all heads
+split with the heads over tensor-parallel ranks: each rank normalizes its heads by the
+sum of squares of all of them (one all-reduce of a value a token, :meth:`OlmoModel._split_head_norm`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch
 from engine.models.config import ModelConfig
 from engine.models.layers.decoder import Decoder, DecoderLayer, decoder_weight_names
 from engine.models.layers.norm import gemma_rms_norm
-from engine.models.layers.shard import ShardedWeights
+from engine.models.layers.shard import ShardedWeights, qkv_spans, take_rows
 from engine.ops import AttentionMetadata, Ops
 from engine.ops.cpu.fused_spec import FusedLayer, FusedModel
 from engine.parallel import SINGLE, TensorParallel
@@ -88,22 +89,45 @@ class OlmoModel(Decoder):
     def _layer(self, get: ShardedWeights, i: int) -> OlmoLayer:  # type: ignore[override]
         p = f"model.layers.{i}."
         norm = lambda name: self._norm_weight(get.weights, p + name)  # noqa: E731
+        q_norm, k_norm = norm("self_attn.q_norm.weight"), norm("self_attn.k_norm.weight")
+        if self.tp.enabled and not self._exaone:
+            # Norms across all heads: each rank keeps its heads' share of the weights.
+            (sq, _, sk), (q_span, k_span, _) = qkv_spans(self.config, self.tp)
+            q_norm = take_rows(q_norm, q_span).contiguous()
+            k_norm = take_rows(k_norm, k_span).contiguous()
         return OlmoLayer(
             input_norm=None,  # type: ignore[arg-type]  # OLMo norms after each block
             post_norm=norm("post_attention_layernorm.weight"),
             post_ffn_norm=norm("post_feedforward_layernorm.weight"),
-            q_norm=norm("self_attn.q_norm.weight"),
-            k_norm=norm("self_attn.k_norm.weight"),
+            q_norm=q_norm,
+            k_norm=k_norm,
             **self._plain_layer_parts(get, i) | ({"rope": None} if i in self.config.nope_layers else {}),
         )
 
     def _head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """q or k [T, heads, D] normed over all its heads at once (the weight is as wide);
-        EXAONE's each head on its own, as the Llama family's."""
+        EXAONE's each head on its own, as the Llama family's. Over tensor-parallel ranks
+        each holds some of the heads: :meth:`_split_head_norm`."""
         if self._exaone:
             return super()._head_norm(x, weight)
         t = x.shape[0]
+        if self.tp.enabled:
+            return self._split_head_norm(x.reshape(t, -1), weight).view(x.shape)
         return self._rms(x.reshape(t, -1), weight).view(x.shape)
+
+    def _split_head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """This rank's q or k heads [T, local width] normed over every rank's: the sums of
+        squares are summed over the ranks (one value a token), as transformers' norm sums
+        them over the whole width, in fp32. KV heads copied to several ranks (fewer KV
+        heads than ranks) are counted once each."""
+        c = self.config
+        d, n = c.head_dim, self.tp.world_size
+        is_q = x.shape[1] == c.num_attention_heads * d // n
+        width = (c.num_attention_heads if is_q else c.num_key_value_heads) * d
+        copies = 1 if is_q else max(1, n // c.num_key_value_heads)
+        xf = x.float()
+        squares = self.tp.all_reduce(xf.square().sum(-1, keepdim=True)) / copies
+        return (xf * torch.rsqrt(squares / width + self.eps) * weight).to(x.dtype)
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self._exaone:

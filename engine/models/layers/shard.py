@@ -60,11 +60,6 @@ def tensor_parallel_problem(config: ModelConfig, n: int) -> str | None:
         return "tensor parallelism is not supported for vision-language models (LLaVA, Qwen-VL)"
     if config.moe is not None and config.moe.naming == "granite":
         return "tensor parallelism is not supported for granite_moe (its experts are stored stacked)"
-    if config.architecture in ("olmo2", "olmo3"):
-        return (f"tensor parallelism is not supported for {config.architecture}: its q/k norms "
-                "span every head, which the ranks split")
-    if config.architecture == "exaone4":
-        return "tensor parallelism is not supported for exaone4"
     problems = []
     h, hkv = config.num_attention_heads, config.num_key_value_heads
     if h % n:
