@@ -50,6 +50,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple[str,
     root = tmp_path_factory.mktemp("tp-models")
     out = [(arch, str(write_tiny_model(root / arch, arch)), True) for arch in FAMILIES]
     out.append(("exaone4", str(_write_exaone4(root / "exaone4")), True))
+    out.append(("granite_moe", str(_write_granite_moe(root / "granite_moe")), True))
     # OLMo's k norm over one KV head copied to both ranks (counted once, not twice).
     out.append(("olmo2-mqa", str(write_tiny_model(root / "olmo2-mqa", "olmo2",
                                                   overrides={"num_key_value_heads": 1})), True))
@@ -76,6 +77,23 @@ def _write_exaone4(folder: Path) -> Path:
                            sliding_window=8, sliding_window_pattern=2)
     torch.manual_seed(0)
     write_hf_model(Exaone4ForCausalLM(config), folder, norms=True)
+    return folder
+
+
+def _write_granite_moe(folder: Path) -> Path:
+    """Granite-MoE, written by transformers: experts stored stacked (``input_linear``,
+    ``output_linear``), which each rank cuts (tests/test_moe.py's model)."""
+    from hf_written import write_hf_model
+    from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
+
+    config = GraniteMoeConfig(
+        vocab_size=384, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=256, embedding_multiplier=12.0,
+        residual_multiplier=0.22, attention_multiplier=0.3, logits_scaling=4.0,
+        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    write_hf_model(GraniteMoeForCausalLM(config), folder)
     return folder
 
 
@@ -115,7 +133,7 @@ def test_two_ranks_give_the_one_rank_logits_and_tokens(arch: str, two_ranks: lis
     _check(arch, two_ranks, one_rank, _exact)
 
 
-@pytest.mark.parametrize("key", ["exaone4", "olmo2-mqa"])
+@pytest.mark.parametrize("key", ["exaone4", "granite_moe", "olmo2-mqa"])
 def test_transformers_written_and_copied_kv_head_models_over_two_ranks(
     key: str, two_ranks: list[dict], one_rank: dict,
 ) -> None:

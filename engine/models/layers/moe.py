@@ -14,7 +14,8 @@ The checkpoint stores each expert's projections apart (Hugging Face hub layout);
 stacked once at build time into ``w13 [E, 2 * inter, hidden]`` (gate rows, then up rows)
 and ``w2 [E, hidden, inter]``, the layout of GGUF's ``ffn_*_exps`` tensors and of the
 fused kernels. Granite-MoE's checkpoints hold them stacked so already (``input_linear``,
-``output_linear``); they are taken as they are (and not split over tensor-parallel ranks).
+``output_linear``); they are taken as they are, each rank cutting its share of every
+expert from the stacks.
 
 Tensor parallelism splits inside each expert: a rank keeps ``inter / N`` of every expert's
 gate and up rows and the matching columns of its down, the shared expert likewise, and the
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 
 from engine.models.config import ModelConfig, MoeConfig
 from engine.ops import Ops
-from engine.parallel import SINGLE, TensorParallel
+from engine.parallel import SINGLE, TensorParallel, shard_range
 
 
 def layer_prefix(moe: MoeConfig, layer: int) -> str:
@@ -74,6 +75,18 @@ def select_experts(
     return weights, ids
 
 
+def _granite_experts(w13: torch.Tensor, w2: torch.Tensor, inter: int,
+                     tp: TensorParallel) -> tuple[torch.Tensor, torch.Tensor]:
+    """Granite-MoE's stacked experts (``input_linear`` [E, 2 * inter, hidden]: gate rows,
+    then up rows; ``output_linear`` [E, hidden, inter]) cut to this rank's share of every
+    expert, as the other families' experts are cut when they are stacked."""
+    if not tp.enabled:
+        return w13.contiguous(), w2.contiguous()
+    a, b = shard_range(inter, tp.rank, tp.world_size)
+    gate_up = torch.cat([w13[:, a:b], w13[:, inter + a:inter + b]], dim=1)
+    return gate_up.contiguous(), w2[:, :, a:b].contiguous()
+
+
 class SparseMoeBlock:
     """One layer's router, stacked expert weights and optional shared expert."""
 
@@ -98,10 +111,11 @@ class SparseMoeBlock:
         self.shared_gate_up = self.shared_down = self.shared_gate = None
         # The experts' LoRA deltas (engine.models.layers.lora.LoraExperts), once enabled.
         self.lora = None
-        if moe.naming == "granite":  # stacked as the kernels take them; one rank only
+        if moe.naming == "granite":  # stacked as the kernels take them
             self.router = linear(get(p + "router.layer.weight"))
-            self.w13 = get(p + "input_linear.weight").contiguous()
-            self.w2 = get(p + "output_linear.weight").contiguous()
+            self.w13, self.w2 = _granite_experts(get(p + "input_linear.weight"),
+                                                 get(p + "output_linear.weight"),
+                                                 moe.intermediate_size, tp)
             return
         self.router = linear(get(p + "gate.weight"))  # [E, hidden]
         # Column-parallel gate/up rows, row-parallel down columns (whole with one rank).

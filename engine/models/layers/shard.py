@@ -58,8 +58,6 @@ def tensor_parallel_problem(config: ModelConfig, n: int) -> str | None:
         return "tensor parallelism is not supported for encoder (BERT) models"
     if config.vision is not None:
         return "tensor parallelism is not supported for vision-language models (LLaVA, Qwen-VL)"
-    if config.moe is not None and config.moe.naming == "granite":
-        return "tensor parallelism is not supported for granite_moe (its experts are stored stacked)"
     problems = []
     h, hkv = config.num_attention_heads, config.num_key_value_heads
     if h % n:
