@@ -33,7 +33,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -295,13 +295,16 @@ class ImagePreprocessor:
     token; Qwen-VL: ``<|vision_start|><|image_pad|><|vision_end|>``, what Qwen-VL's own
     template writes); the image token is then widened to the image's placeholders:
     ``num_image_tokens`` for a fixed-size tower, or, with ``merge_size`` (Qwen-VL's
-    dynamic resolution), ``t * h * w / merge_size**2`` of the image's own patch grid."""
+    dynamic resolution), ``t * h * w / merge_size**2`` of the image's own patch grid.
+    With a ``frame`` (Gemma 3) the image token is widened to the frame's tokens around the
+    placeholders instead (:class:`ImageFrame`)."""
 
     def __init__(self, folder: str | Path, *, image_token_id: int, image_token: str,
                  num_image_tokens: int | None, limits: MediaLimits, merge_size: int | None = None,
                  image_text: str | None = None,
                  processor_options: Mapping[str, Any] | None = None,
-                 marker_ids: Mapping[str, int] | None = None) -> None:
+                 marker_ids: Mapping[str, int] | None = None,
+                 frame: ImageFrame | None = None) -> None:
         from transformers import AutoImageProcessor
 
         # processor_options: --mm-processor-kwargs (Qwen-VL's min_pixels / max_pixels),
@@ -322,6 +325,7 @@ class ImagePreprocessor:
         # prompt must hold exactly one of each per image, none typed by the client.
         self.marker_ids = dict(marker_ids or {})
         self.limits = limits
+        self.frame = frame
 
     def pixels(self, raw: RawImage) -> tuple[bytes, tuple[int, ...]]:
         """Float32 pixel bytes and their shape for one image: ``(C, H, W)``, or Qwen-VL's
@@ -404,11 +408,15 @@ class ImagePreprocessor:
             if sum(1 for t in ids if t == token_id) != len(images):
                 raise InvalidParamError(f"the prompt holds {text} tokens that are not an "
                                         f"image's (do not write {text} in text)", param="messages")
+        frame = self.frame
+        if frame is not None and any(t == frame.placeholder_id or t in frame.after for t in ids):
+            raise InvalidParamError("the prompt holds image placeholder or end-of-image tokens "
+                                    "that are not an image's", param="messages")
         out: list[int] = []
         inputs: list[ImageInput] = []
         prev = 0
         for pos, raw in zip(at, images, strict=True):
-            out.extend(ids[prev:pos])
+            _join(out, ids[prev:pos], frame)
             pixels, shape, grid = self.preprocess(raw, processor)
             if grid:
                 assert self.merge_size is not None
@@ -419,11 +427,52 @@ class ImagePreprocessor:
                 n = self.num_image_tokens
             digest = hashlib.sha256(repr((shape, grid)).encode() + pixels).digest()
             key = int.from_bytes(digest[:8], "little") >> 1
+            if frame is not None:
+                _join(out, frame.before, frame)
             inputs.append(ImageInput(len(out), n, key, pixels, shape, grid))
-            out.extend([self.image_token_id] * n)
+            out.extend([self.image_token_id if frame is None else frame.placeholder_id] * n)
+            if frame is not None:
+                out.extend(frame.after)
             prev = pos + 1
-        out.extend(ids[prev:])
+        _join(out, ids[prev:], frame)
         return tuple(out), tuple(inputs)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ImageFrame:
+    """How Gemma 3's processor writes an image in the prompt: the template's image token
+    becomes ``before`` (two newlines and ``<start_of_image>``), ``placeholder_id``
+    (``<image_soft_token>``) once per placeholder, and ``after`` (``<end_of_image>`` and
+    two newlines). The processor edits the text and tokenizes it again, so newlines that
+    meet the text's own newlines make one token of the run: ``merges`` maps each such
+    pair of newline tokens to the one token of their run (:func:`newline_merges`)."""
+
+    before: tuple[int, ...]
+    placeholder_id: int
+    after: tuple[int, ...]
+    merges: Mapping[tuple[int, int], int]
+
+
+def _join(out: list[int], tokens: Sequence[int], frame: ImageFrame | None) -> None:
+    """``out`` extended by ``tokens``, a newline token at the seam merged with the one
+    before it where the tokenizer writes their run as one token."""
+    if frame is not None and out and tokens:
+        merged = frame.merges.get((out[-1], tokens[0]))
+        if merged is not None:
+            out[-1] = merged
+            tokens = tokens[1:]
+    out.extend(tokens)
+
+
+def newline_merges(encode: Callable[[str], list[int]], longest: int = 32) -> dict[tuple[int, int], int]:
+    """For a tokenizer that writes runs of newlines as single tokens (Gemma's), each pair
+    of such tokens whose joined run is one token too, mapped to it."""
+    runs: dict[int, int] = {}  # run length -> its one token
+    for n in range(1, longest + 1):
+        ids = encode("\n" * n)
+        if len(ids) == 1:
+            runs[n] = ids[0]
+    return {(runs[a], runs[b]): runs[a + b] for a in runs for b in runs if a + b in runs}
 
 
 def cache_token_ids(prompt: Sequence[int], images: Sequence[ImageInput]) -> tuple[int, ...]:

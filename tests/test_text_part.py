@@ -1,8 +1,9 @@
-"""Vision-language checkpoints served as their text model (Gemma 3 4B+'s
-``Gemma3ForConditionalGeneration``, Mistral Small 3.x's ``Mistral3ForConditionalGeneration``):
-tiny ones written by transformers around the tiny text models' weights, their greedy
-tokens on text prompts against transformers' own vision-language class, and an image in a
-chat request refused (the tower is not loaded)."""
+"""Vision-language checkpoints on text prompts (Gemma 3 4B+'s
+``Gemma3ForConditionalGeneration``, whose images tests/test_gemma3_vision.py checks, and
+Mistral Small 3.x's ``Mistral3ForConditionalGeneration``, served as its text model): tiny
+ones written by transformers around the tiny text models' weights, their greedy tokens on
+text prompts against transformers' own vision-language class, and for Mistral 3 an image in
+a chat request refused (its tower is not loaded)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from engine.errors import InvalidParamError, UnsupportedModelError
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model
 from engine.models.testing import write_tiny_model
+from engine.models.vision_config import Gemma3VisionConfig
 from engine.params import SamplingParams
 
 NEW_TOKENS = 16
@@ -57,6 +59,8 @@ def _vlm(tmp_path: Path, kind: str) -> Path:
     (folder / "model.safetensors").unlink()
     (folder / "config.json").unlink()
     model.save_pretrained(str(folder))
+    if kind == "gemma3":  # its image processor, which the engine loads with the tower
+        transformers.Gemma3ImageProcessor(size={"height": 28, "width": 28}).save_pretrained(str(folder))
     return folder
 
 
@@ -82,13 +86,15 @@ async def test_a_vision_language_checkpoint_serves_its_text_model_as_transformer
     prompts = [[5, 17, 33, 101, 7, 9, 250], [44, 3, 12]]
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     config = load_model(folder).config
-    assert config.text_of == saved and config.vision is None
+    assert config.text_of == saved
+    assert isinstance(config.vision, Gemma3VisionConfig) if kind == "gemma3" else config.vision is None
     async with engine.open_engine(folder, dtype="float32") as eng:
         got = [token_ids(await collect(eng, p, params)) for p in prompts]
-        with pytest.raises(InvalidParamError, match="takes text only, not images"):
-            await eng.chat([{"role": "user", "content": [
-                {"type": "text", "text": "What is this?"},
-                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}], params)
+        if kind == "mistral3":
+            with pytest.raises(InvalidParamError, match="takes text only, not images"):
+                await eng.chat([{"role": "user", "content": [
+                    {"type": "text", "text": "What is this?"},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}], params)
     with torch.no_grad():
         for p, tokens in zip(prompts, got, strict=True):
             ids = torch.tensor([p])

@@ -98,6 +98,7 @@ def scheduler_actor(
                 config, max_model_len=parts.limits.max_model_len, num_kv_blocks=parts.num_blocks,
                 sliding_window=parts.runner.config.released_window,
                 pooling=parts.pooler is not None, paged_kv=parts.runner.paged_kv,
+                whole_images=getattr(parts.runner.config.vision, "bidirectional_images", False),
             )
         ),
         inbox=inbox,

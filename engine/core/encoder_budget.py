@@ -4,7 +4,9 @@ A vision model's chunk that reaches an image's placeholder tokens needs that ima
 encoder output. The runner keeps an output while some running request's last chunk ended
 inside the image; otherwise the image is encoded in the step, whole. One step may encode
 at most ``SchedulerConfig.encoder_budget`` placeholder tokens' worth of images, so a
-chunk is cut before the first image that does not fit.
+chunk is cut before the first image that does not fit. With ``whole_images`` (Gemma 3,
+whose image tokens attend to each other both ways) a chunk never ends inside an image's
+placeholders.
 """
 
 from __future__ import annotations
@@ -37,10 +39,12 @@ class EncoderBudget:
     left: int
     held: frozenset[int] = frozenset()
     encoding: set[int] = dataclasses.field(default_factory=set)
+    # SchedulerConfig.whole_images: no chunk ends inside an image's placeholders.
+    whole: bool = False
 
     @classmethod
-    def for_step(cls, total: int, running: Iterable[Request]) -> EncoderBudget:
-        return cls(total, total, held_images(running))
+    def for_step(cls, total: int, running: Iterable[Request], *, whole: bool = False) -> EncoderBudget:
+        return cls(total, total, held_images(running), whole=whole)
 
     def cut(self, req: Request, start: int, count: int, *, commit: bool = False) -> int:
         """How many of the ``count`` tokens from ``start`` of ``req`` fit the budget: every
@@ -64,7 +68,19 @@ class EncoderBudget:
                 break
             budget -= min(image.length, budget)
             encoding.add(image.key)
+        if self.whole:
+            end = _whole_images(req, start, end)
         if commit:
             self.left = budget
             self.encoding |= encoding
         return end - start
+
+
+def _whole_images(req: Request, start: int, end: int) -> int:
+    """``end`` moved back to the start of an image the chunk ``[start, end)`` would end
+    inside of, or to ``start`` (no chunk this step) when the chunk begins inside that
+    image: it waits for a step whose budget holds the rest of the image."""
+    for image in req.images:
+        if image.offset < end < image.offset + image.length:
+            return image.offset if image.offset > start else start
+    return end

@@ -253,7 +253,8 @@ class Scheduler(BeamScheduling):
 
     def schedule(self) -> ScheduleGenerator:
         """Plan one step; yields allocator calls, receives their replies, returns the plan."""
-        encoder = EncoderBudget.for_step(self.config.encoder_budget, self._queue.running)
+        encoder = EncoderBudget.for_step(self.config.encoder_budget, self._queue.running,
+                                         whole=self.config.whole_images)
         step = StepDraft(self._next_step_id, self.config.max_num_batched_tokens, encoder)
         self._next_step_id += 1
         self._step_cap = self._batch_cap()

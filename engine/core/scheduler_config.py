@@ -44,6 +44,9 @@ class SchedulerConfig:
     # A vision model's encoder budget: image placeholder tokens whose encoder output a
     # step may compute (0: max_num_batched_tokens). See engine/core/encoder_budget.py.
     max_num_encoder_input_tokens: int = 0
+    # Each image's placeholders prefill in one chunk (Gemma 3: they attend to each other
+    # both ways, so the first reads the last's keys). See engine/core/encoder_budget.py.
+    whole_images: bool = False
     # Pipeline parallelism: this many steps in flight, a request in at most one of them
     # (its next chunk needs every stage to hold its last token; see Scheduler._busy), the
     # live requests spread over that many batches (Scheduler._batch_cap).
@@ -75,7 +78,7 @@ class SchedulerConfig:
     @classmethod
     def from_engine_config(
         cls, config: EngineConfig, *, max_model_len: int, num_kv_blocks: int, sliding_window: int = 0,
-        pooling: bool = False, paged_kv: bool = True,
+        pooling: bool = False, paged_kv: bool = True, whole_images: bool = False,
     ) -> SchedulerConfig:
         """Take the scheduling fields of ``config``; the context length, the pool size and
         the window are resolved elsewhere (from the model and the memory budget)."""
@@ -91,6 +94,7 @@ class SchedulerConfig:
             pooling=pooling,
             paged_kv=paged_kv,
             max_num_encoder_input_tokens=config.max_num_encoder_input_tokens or 0,
+            whole_images=whole_images,
             pipeline_stages=config.pipeline_parallel_size,
             max_loras=config.max_loras if config.enable_lora else 0,
             **_speculative_fields(config),

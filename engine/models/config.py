@@ -26,8 +26,10 @@ from engine.models.encoder_config import (
 from engine.models.vision_config import (
     QWEN_VL_ARCHITECTURES,
     VISION_ARCHITECTURES,
+    Gemma3VisionConfig,
     QwenVisionConfig,
     VisionConfig,
+    gemma3_vision_config,
 )
 
 # Hugging Face architecture -> family. The Llama family's decoder layer is the Llama layer
@@ -244,8 +246,9 @@ class ModelConfig:
     matryoshka_dimensions: tuple[int, ...] | None = None
     # A decoder saved without its LM head (BASE_MODEL_ARCHITECTURES): it only pools.
     base_model: bool = False
-    # A vision-language model's vision tower (LLaVA, Qwen-VL); None for a text-only model.
-    vision: VisionConfig | QwenVisionConfig | None = None
+    # A vision-language model's vision tower (LLaVA, Qwen-VL, Gemma 3); None for a
+    # text-only model.
+    vision: VisionConfig | QwenVisionConfig | Gemma3VisionConfig | None = None
     # GPT-2 and OPT (ABSOLUTE_ARCHITECTURES): learned positions, LayerNorm; None otherwise.
     absolute: AbsoluteConfig | None = None
     # ModernBERT (models/modernbert.py): its local layers, their window and RoPE base, its
@@ -487,7 +490,21 @@ def _text_part_config(raw: dict[str, Any], arch: str) -> ModelConfig:
     for key in ("torch_dtype", "dtype", "eos_token_id", "bos_token_id"):
         if key in raw and key not in text:
             text[key] = raw[key]
-    return dataclasses.replace(ModelConfig.from_hf(text), text_of=arch)
+    config = dataclasses.replace(ModelConfig.from_hf(text), text_of=arch)
+    if arch == "Gemma3ForConditionalGeneration" and raw.get("vision_config") is not None:
+        # Its SigLIP tower and projector serve images (models/gemma3_vision.py).
+        vision = gemma3_vision_config(raw)
+        if not 0 <= vision.image_token_id < config.vocab_size:
+            raise UnsupportedModelError(
+                f"Gemma 3: the image token ({vision.image_token_id}) is outside the language "
+                f"model's vocabulary ({config.vocab_size})")
+        windows = [w for w in config.layer_windows if w]
+        if windows and min(windows) <= vision.mm_tokens_per_image:
+            raise UnsupportedModelError(
+                f"Gemma 3: an image's {vision.mm_tokens_per_image} tokens do not fit the "
+                f"sliding window ({min(windows)})")
+        config = dataclasses.replace(config, vision=vision)
+    return config
 
 
 def _llava_config(raw: dict[str, Any]) -> ModelConfig:

@@ -16,7 +16,7 @@ import torch
 from engine.errors import CorruptModelError, UnsupportedModelError
 from engine.models.bert import BertModel
 from engine.models.config import ModelConfig
-from engine.models.gemma import GemmaModel
+from engine.models.gemma import Gemma3VisionModel, GemmaModel
 from engine.models.gpt2 import GPT2Model
 from engine.models.layers.decoder import Decoder
 from engine.models.layers.shard import check_tensor_parallel
@@ -26,6 +26,7 @@ from engine.models.modernbert import ModernBertModel
 from engine.models.olmo import OlmoModel
 from engine.models.opt import OPTModel
 from engine.models.qwen_vl import QwenVLModel
+from engine.models.vision_config import Gemma3VisionConfig
 from engine.ops import Ops
 from engine.parallel import SINGLE, TensorParallel
 
@@ -60,6 +61,7 @@ MODEL_CLASSES: dict[str, type] = {
     "modernbert_classifier": ModernBertModel,
     "modernbert_token_classifier": ModernBertModel,
     "llava": LlavaModel,
+    "gemma3_vision": Gemma3VisionModel,
     "qwen2_vl": QwenVLModel,
     "qwen2_5_vl": QwenVLModel,
 }
@@ -69,6 +71,8 @@ def architecture_name(config: ModelConfig) -> str:
     """The name :data:`MODEL_CLASSES` files ``config``'s model under."""
     if config.mrope:
         return config.vision.kind  # type: ignore[union-attr]  # QwenVisionConfig: "qwen2_vl" | "qwen2_5_vl"
+    if isinstance(config.vision, Gemma3VisionConfig):
+        return "gemma3_vision"
     if config.vision is not None:
         return "llava"
     return config.architecture

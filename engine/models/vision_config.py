@@ -1,10 +1,14 @@
 """The vision towers' shapes a vision-language model's ``config.json`` gives
-(:class:`VisionConfig` for LLaVA, :class:`QwenVisionConfig` for Qwen2-VL / Qwen2.5-VL);
-``ModelConfig.from_hf`` (engine.models.config) reads them into ``ModelConfig.vision``."""
+(:class:`VisionConfig` for LLaVA, :class:`QwenVisionConfig` for Qwen2-VL / Qwen2.5-VL,
+:class:`Gemma3VisionConfig` for Gemma 3); ``ModelConfig.from_hf`` (engine.models.config)
+reads them into ``ModelConfig.vision``."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
+
+from engine.errors import CorruptModelError, UnsupportedModelError
 
 # Vision-language models: a vision tower and projector in front of a decoder of the
 # families above (models/llava.py). The language model's config is their text_config.
@@ -91,3 +95,76 @@ class QwenVisionConfig:
     def num_image_tokens(self) -> None:
         """Placeholder tokens per image: none fixed (each image's own grid decides)."""
         return None
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Gemma3VisionConfig:
+    """Gemma 3's vision tower (SigLIP, every layer and its post-norm: ``tower``), the
+    projector that pools its patches to ``mm_tokens_per_image`` and projects them, and
+    the tokens around an image: the chat template writes ``boi_token_id``
+    (``<start_of_image>``), which the engine widens, as Gemma 3's processor does, to two
+    newlines, itself, ``mm_tokens_per_image`` placeholders (``image_token_id``,
+    ``<image_soft_token>``), ``eoi_token_id`` and two newlines. The placeholders of one
+    image attend to each other both ways (prefill only)."""
+
+    tower: VisionConfig
+    mm_tokens_per_image: int
+    image_token_id: int
+    boi_token_id: int
+    eoi_token_id: int
+    kind: str = "gemma3"
+    # An image's placeholders attend to each other both ways: the scheduler prefills them
+    # in one chunk (SchedulerConfig.whole_images).
+    bidirectional_images: bool = True
+
+    @property
+    def num_image_tokens(self) -> int:
+        return self.mm_tokens_per_image
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.tower.image_size // self.tower.patch_size
+
+    @property
+    def pool(self) -> int:
+        """The side of the average pool from the patch grid to the placeholders' grid."""
+        return self.patches_per_side // int(round(self.mm_tokens_per_image ** 0.5))
+
+
+def gemma3_vision_config(raw: dict[str, Any]) -> Gemma3VisionConfig:
+    """Gemma 3's ``vision_config`` and image tokens from its outer config.json (the
+    defaults are transformers' ``Gemma3Config``'s)."""
+    try:
+        vis = dict(raw["vision_config"])
+        if vis.get("model_type", "siglip_vision_model") != "siglip_vision_model":
+            raise UnsupportedModelError(f"Gemma 3 with a {vis['model_type']!r} vision tower is "
+                                        "not supported (SigLIP is)")
+        layers = int(vis.get("num_hidden_layers", 27))
+        tower = VisionConfig(
+            hidden_size=int(vis.get("hidden_size", 1152)),
+            intermediate_size=int(vis.get("intermediate_size", 4304)),
+            num_hidden_layers=layers,
+            num_attention_heads=int(vis.get("num_attention_heads", 16)),
+            image_size=int(vis.get("image_size", 896)),
+            patch_size=int(vis.get("patch_size", 14)),
+            num_channels=int(vis.get("num_channels", 3)),
+            layer_norm_eps=float(vis.get("layer_norm_eps", 1e-6)),
+            hidden_act=str(vis.get("hidden_act", "gelu_pytorch_tanh")),
+            feature_layers=(layers,), select_strategy="full", projector_act="none",
+            projector_bias=False, image_token_id=int(raw.get("image_token_index", 262144)),
+            tower="siglip")
+        vision = Gemma3VisionConfig(
+            tower=tower, mm_tokens_per_image=int(raw.get("mm_tokens_per_image", 256)),
+            image_token_id=tower.image_token_id,
+            boi_token_id=int(raw.get("boi_token_index", 255999)),
+            eoi_token_id=int(raw.get("eoi_token_index", 256000)))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptModelError(f"config.json is missing or has a bad Gemma 3 vision field: {exc}") from exc
+    side = int(round(vision.mm_tokens_per_image ** 0.5))
+    if side * side != vision.mm_tokens_per_image or vision.patches_per_side % side:
+        raise CorruptModelError(
+            f"Gemma 3: mm_tokens_per_image ({vision.mm_tokens_per_image}) is not a square grid "
+            f"that divides the {vision.patches_per_side} x {vision.patches_per_side} patches")
+    if tower.hidden_act not in ("gelu_pytorch_tanh", "gelu"):
+        raise UnsupportedModelError(f"Gemma 3 vision activation {tower.hidden_act!r} is not supported")
+    return vision

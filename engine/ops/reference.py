@@ -431,6 +431,37 @@ def _multi_gather(
     return _Gather(blocks, mask.unsqueeze(1), len(rows), length, distance.unsqueeze(1))
 
 
+def paged_attention_block(
+    query: torch.Tensor,
+    k_cache: KVCache,
+    v_cache: KVCache,
+    block_table: torch.Tensor,
+    start: int,
+    end: int,
+    scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """Attention of one request's queries at positions ``start..end-1`` [end - start, H, D]
+    over its keys at positions ``0..end-1`` in the paged cache (``block_table``, its row of
+    the step's tables): every query of the block sees every key of it, those after it
+    included (Gemma 3's image tokens), and the keys before the block; with ``window``,
+    none fewer than ``window`` positions before it. The keys are written already. Any
+    backend's caches (a quantized one dequantized), SDPA as the torch reference's."""
+    block_size = k_cache.shape[1]
+    num_blocks = -(-end // block_size)
+    length = num_blocks * block_size
+    device = query.device
+    kpos = torch.arange(length, device=device).view(1, 1, 1, -1)
+    qpos = torch.arange(start, end, device=device).view(1, 1, -1, 1)
+    mask = (kpos < end) & (qpos >= 0)  # [1, 1, Q, L]
+    blocks = block_table[:num_blocks].to(torch.int64)
+    g = _Gather(blocks, mask, 1, length, qpos - kpos)
+    out = _attend(query.unsqueeze(0).transpose(1, 2), k_cache, v_cache, g, scale, window, softcap)
+    return out.transpose(1, 2)[0]
+
+
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [..., D] as 8-bit codes of ``dtype`` and one fp32 scale per row of D values.
 

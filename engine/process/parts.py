@@ -28,7 +28,8 @@ from engine.models.layers.shard import pipeline_parallel_problem, tensor_paralle
 from engine.models.loader import EMBEDDING_MODEL_NAMES, _model_config
 from engine.models.pooling import PoolerConfig
 from engine.models.tokenizer import Tokenizer
-from engine.multimodal import ImagePreprocessor, MediaLimits
+from engine.models.vision_config import Gemma3VisionConfig
+from engine.multimodal import ImageFrame, ImagePreprocessor, MediaLimits, newline_merges
 from engine.parallel import SINGLE, PipelineStage, stage_layers
 from engine.process.pipeline import PipelineRunner
 from engine.process.rank import RankLoad, build_rank_runner, load_rank
@@ -192,8 +193,36 @@ def image_preprocessor(config: EngineConfig, model_config: Any, folder: Path, to
                                  processor_options=options,
                                  marker_ids={start: vision.vision_start_token_id,
                                              end: vision.vision_end_token_id})
+    if isinstance(vision, Gemma3VisionConfig):
+        if config.max_num_batched_tokens < vision.num_image_tokens:
+            raise ConfigError(
+                f"max_num_batched_tokens ({config.max_num_batched_tokens}) must hold one image's "
+                f"{vision.num_image_tokens} tokens: Gemma 3 prefills an image in one chunk",
+                field="max_num_batched_tokens")
+        return _gemma3_images(folder, vision, tokenizer, limits)
     return ImagePreprocessor(folder, image_token_id=vision.image_token_id, image_token=token,
                              num_image_tokens=vision.num_image_tokens, limits=limits)
+
+
+def _gemma3_images(folder: Path, vision: Gemma3VisionConfig, tokenizer: Any,
+                   limits: MediaLimits) -> ImagePreprocessor:
+    """Gemma 3's: its template writes ``<start_of_image>`` for an image, which becomes the
+    processor's frame (two newlines, itself, the placeholders, ``<end_of_image>``, two
+    newlines). Pan-and-scan crops (more images and text per image) are refused."""
+    boi, eoi = tokenizer.convert_ids_to_tokens([vision.boi_token_id, vision.eoi_token_id])
+    if boi is None or eoi is None:
+        raise ConfigError("the tokenizer lacks Gemma 3's image start/end tokens (ids "
+                          f"{vision.boi_token_id}, {vision.eoi_token_id})", field="model")
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    newlines = tuple(encode("\n\n"))
+    frame = ImageFrame(before=(*newlines, vision.boi_token_id), placeholder_id=vision.image_token_id,
+                       after=(vision.eoi_token_id, *newlines), merges=newline_merges(encode))
+    prep = ImagePreprocessor(folder, image_token_id=vision.boi_token_id, image_token=boi,
+                             num_image_tokens=vision.num_image_tokens, limits=limits, frame=frame)
+    if getattr(prep.processor, "do_pan_and_scan", False):
+        raise ConfigError("Gemma 3's pan-and-scan (do_pan_and_scan in preprocessor_config.json) "
+                          "is not supported", field="model")
+    return prep
 
 
 def _log_kv_pool(config: EngineConfig, loaded: Any, device: torch.device, num_blocks: int,

@@ -392,16 +392,21 @@ class Decoder:
         if table is not None:  # None: positions are learned embeddings (layers/absolute.py)
             q, k = ops.rotary_embedding(positions, q, k, table)
         ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = self._attend(layer, q, k_cache, v_cache, meta)
+        return layer.o_proj(o.reshape(t, h * d))  # row-parallel: the whole output on every rank
+
+    def _attend(self, layer: DecoderLayer, q: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The attention of this step's queries [T, heads, D] over the paged cache (their
+        own K/V written already): causal, within the layer's window."""
         if meta.decode_only:
-            o = ops.paged_attention_decode(
+            return self.ops.paged_attention_decode(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale,
                 meta.seq_lens_host, window=layer.window, softcap=self.attn_softcap,
             )
-        else:
-            o = ops.paged_attention_prefill(
-                q, k_cache, v_cache, meta, self.scale, window=layer.window, softcap=self.attn_softcap
-            )
-        return layer.o_proj(o.reshape(t, h * d))  # row-parallel: the whole output on every rank
+        return self.ops.paged_attention_prefill(
+            q, k_cache, v_cache, meta, self.scale, window=layer.window, softcap=self.attn_softcap
+        )
 
     def _head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return head_norm(self.ops, x, weight, self.eps)
