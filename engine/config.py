@@ -802,7 +802,8 @@ class EngineConfig:
         return parse_speculative_config(self.speculative_config)
     # Image inputs of vision-language models (engine.multimodal).
     limit_mm_per_prompt: int = _field(
-        4, "most images in one request (more: HTTP 400): N, or vLLM's JSON '{\"image\": N}'",
+        4, "most images in one request (more: HTTP 400): N, or vLLM's JSON '{\"image\": N}'; "
+        "0: text only (Gemma 3's vision tower is then not loaded)",
         type=parse_mm_limit, metavar="N")
     max_image_pixels: int = _field(
         4096 * 4096, "most pixels (width x height, read from the header before decoding) of "
@@ -915,11 +916,14 @@ class EngineConfig:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be auto, cpu or cuda[:N], got {self.device!r}", field="device")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_queued_requests",
-                     "data_parallel_size", "limit_mm_per_prompt", "max_image_pixels",
-                     "stream_interval"):
+                     "data_parallel_size", "max_image_pixels", "stream_interval"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}", field=name)
+        limit = self.limit_mm_per_prompt  # 0: text only (a vision model's tower not loaded)
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ConfigError(f"limit_mm_per_prompt must be a non-negative integer, got {limit!r}",
+                              field="limit_mm_per_prompt")
         budget = self.max_num_encoder_input_tokens
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise ConfigError(f"max_num_encoder_input_tokens must be a positive integer, got "

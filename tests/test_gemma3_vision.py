@@ -19,7 +19,7 @@ from gemma3_written import IMAGE_MARKERS, MM_TOKENS, hf_gemma3_vision, write_tin
 
 import engine
 from engine.core.encoder_budget import EncoderBudget
-from engine.errors import ConfigError
+from engine.errors import ConfigError, InvalidParamError
 from engine.messages import ImageInput
 
 NEW_TOKENS = 12
@@ -174,4 +174,30 @@ async def test_image_tokens_typed_in_text_stay_text(gemma3) -> None:
             [o async for o in stream]
         ids = stream.prompt_token_ids
         assert not {eng.tokenizer.token_to_id(m) for m in IMAGE_MARKERS} & set(ids)
+        await wait_idle(eng)
+
+
+async def test_two_tensor_parallel_ranks_give_transformers_tokens(gemma3, hf) -> None:
+    """Each rank encodes the step's images with the whole tower and attends its share of
+    the heads, the image blocks included."""
+    images = [_image(0), _image(1)]
+    async with _open(gemma3, tensor_parallel_size=2, max_num_batched_tokens=6) as eng:
+        got = token_ids(await collect(eng, _messages(images, url=True), greedy(NEW_TOKENS)))
+    assert got == _hf_run(hf, images)[2]
+
+
+async def test_limit_mm_per_prompt_zero_serves_the_language_model_alone(gemma3, hf) -> None:
+    """vLLM's text-only mode: no tower is loaded, an image is a 400, and text prompts are
+    transformers' (its vision-language class on text alone); pipeline stages are allowed
+    then, as for any Gemma 3 text model."""
+    model, _ = hf
+    prompt = [5, 17, 33, 101, 7, 9, 250]
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                              do_sample=False)[0, len(prompt):].tolist()
+    async with _open(gemma3, limit_mm_per_prompt=0, pipeline_parallel_size=2) as eng:
+        assert token_ids(await collect(eng, prompt, greedy(NEW_TOKENS))) == want
+        with pytest.raises(InvalidParamError):
+            await eng.submit(_messages([_image(0)], url=True), greedy(2))
         await wait_idle(eng)

@@ -268,8 +268,11 @@ class Gemma3VisionModel(GemmaModel):
         return gemma3_checkpoint_name(name)
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], ops: Ops, *,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
-        super().__init__(config, weights, ops, dtype=dtype, device=device)
+                 dtype: torch.dtype, device: torch.device | str = "cpu",
+                 tp: TensorParallel = SINGLE) -> None:
+        # Over tensor-parallel ranks each holds the whole tower (it encodes every image of
+        # a step, as the one rank would) and its share of the decoder's heads.
+        super().__init__(config, weights, ops, dtype=dtype, device=device, tp=tp)
         assert isinstance(config.vision, Gemma3VisionConfig)
         norm = ShardedWeights(weights, torch.float32, self.device)(_PROJECTOR + "mm_soft_emb_norm.weight")
         self.vision = Gemma3VisionTower(config.vision, ShardedWeights(weights, dtype, self.device), norm)

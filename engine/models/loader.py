@@ -173,6 +173,7 @@ def load_model(
     ops_backend: str = "auto",
     lazy: bool = False,
     hf_overrides: str | Mapping[str, Any] | None = None,
+    language_model_only: bool = False,
 ) -> LoadedModel:
     """Load a Hugging Face folder or a GGUF file (see the module docstring for ``dtype``,
     ``quantization`` and ``ops_backend``, the backend the model will run on).
@@ -183,6 +184,8 @@ def load_model(
 
     ``cache_dir`` holds converted GGUFs; ``None`` is :func:`cache.default_cache_dir`.
     ``hf_overrides``: keys set over config.json as it is read (:func:`apply_hf_overrides`).
+    ``language_model_only``: a vision-language checkpoint served as its text model loads
+    without its tower (vLLM's text-only mode: ``--limit-mm-per-prompt 0``).
     Raises :class:`ModelNotFoundError`, :class:`CorruptModelError` or
     :class:`UnsupportedModelError`, each naming the file; :class:`InvalidParamError` for a
     dtype or device that does not exist.
@@ -213,7 +216,7 @@ def load_model(
         raise UnsupportedModelError(
             f"{source}: a model is a Hugging Face folder (config.json + *.safetensors) or a .gguf file"
         )
-    config = _model_config(folder / "config.json", hf_overrides)
+    config = _model_config(folder / "config.json", hf_overrides, language_model_only)
     if config.classifier_from_tokens is not None:
         config = _classifier_token_ids(config, folder)
     # A quantization_config: fp8 and packed-integer weights are dequantized as they are
@@ -339,13 +342,20 @@ def apply_hf_overrides(raw: dict[str, Any], overrides: str | Mapping[str, Any] |
     return out
 
 
-def _model_config(path: Path, hf_overrides: str | Mapping[str, Any] | None = None) -> ModelConfig:
+def _model_config(path: Path, hf_overrides: str | Mapping[str, Any] | None = None,
+                  language_model_only: bool = False) -> ModelConfig:
+    """The folder's config.json read (with ``hf_overrides``); ``language_model_only``: a
+    checkpoint whose language model can be served alone (``ModelConfig.text_of``: Gemma 3's)
+    without its vision tower."""
     raw = apply_hf_overrides(_read_json(path), hf_overrides)
     try:
-        return ModelConfig.from_hf(raw)
+        config = ModelConfig.from_hf(raw)
     except ModelLoadError as exc:
         # ModelConfig does not know which file it read; say so here.
         raise type(exc)(f"{path}: {exc}") from exc
+    if language_model_only and config.text_of is not None and config.vision is not None:
+        config = dataclasses.replace(config, vision=None)
+    return config
 
 
 def _classifier_token_ids(config: ModelConfig, folder: Path) -> ModelConfig:

@@ -110,7 +110,8 @@ def build_model(
             f"config.json: num_attention_heads ({config.num_attention_heads}) is not a multiple "
             f"of num_key_value_heads ({config.num_key_value_heads})"
         )
-    if config.vision is not None:  # tensor parallelism is refused for them (check_tensor_parallel)
+    if config.vision is not None and not isinstance(config.vision, Gemma3VisionConfig):
+        # LLaVA and Qwen-VL: one rank only (check_tensor_parallel refuses more).
         return cls(config, weights, ops, dtype=dtype, device=device)
     return cls(config, weights, ops, dtype=dtype, device=device, tp=tp)
 

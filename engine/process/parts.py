@@ -277,7 +277,8 @@ def build_front_parts(config: EngineConfig, hello: Any) -> EngineParts:
                              max_queued_requests=config.max_queued_requests, eos_token_ids=eos_ids,
                              special_token_ids=frozenset(tokenizer.skipped_special_ids))
     folder = Path(hello.tokenizer_folder)
-    model_config = (_model_config(folder / "config.json", config.hf_overrides)
+    model_config = (_model_config(folder / "config.json", config.hf_overrides,
+                                  config.limit_mm_per_prompt == 0)
                     if (folder / "config.json").is_file() else None)
     images = image_preprocessor(config, model_config, folder, tokenizer) if model_config else None
     return EngineParts(config, hello.served_model_name, tokenizer, limits, None,

@@ -62,7 +62,8 @@ def load_rank(config: EngineConfig, device: torch.device) -> RankLoad:
     # its layers, when its runner builds the model (engine/models/checkpoint.py): no rank
     # holds the whole checkpoint.
     loaded = load_model(path, dtype=dtype, device=load_device, quantization=config.quantization,
-                        ops_backend=ops_backend, lazy=split, hf_overrides=config.hf_overrides)
+                        ops_backend=ops_backend, lazy=split, hf_overrides=config.hf_overrides,
+                        language_model_only=config.limit_mm_per_prompt == 0)
     t1 = time.perf_counter()
     logger.info("loaded %s (%s, %s) in %.2f s", path, loaded.config.architecture, loaded.dtype, t1 - t0)
     # --tokenizer: another folder's tokenizer and chat template (a GGUF's own otherwise).

@@ -43,6 +43,7 @@ from engine.models.checkpoint import StoredTensor, read_stored
 from engine.models.config import ModelConfig
 from engine.models.gguf_quant import cut_inside_blocks
 from engine.models.layers.linear import make_linear
+from engine.models.vision_config import Gemma3VisionConfig
 from engine.ops.quant import PANEL, Decoded, QuantizedWeight, pack_panels, unpack_panels
 from engine.parallel import SINGLE, TensorParallel, shard_range, stage_layers
 
@@ -56,7 +57,7 @@ def tensor_parallel_problem(config: ModelConfig, n: int) -> str | None:
         return None
     if config.is_encoder:
         return "tensor parallelism is not supported for encoder (BERT) models"
-    if config.vision is not None:
+    if config.vision is not None and not isinstance(config.vision, Gemma3VisionConfig):
         return "tensor parallelism is not supported for vision-language models (LLaVA, Qwen-VL)"
     problems = []
     h, hkv = config.num_attention_heads, config.num_key_value_heads
@@ -95,7 +96,8 @@ def pipeline_parallel_problem(config: ModelConfig, n: int,
     if config.is_encoder:
         return "pipeline parallelism is not supported for encoder (BERT) models"
     if config.vision is not None:
-        return "pipeline parallelism is not supported for vision-language models (LLaVA, Qwen-VL)"
+        return ("pipeline parallelism is not supported for vision-language models (LLaVA, "
+                "Qwen-VL, Gemma 3 with images; --limit-mm-per-prompt 0 serves Gemma 3 as text)")
     try:
         stage_layers(config.num_hidden_layers, n, partition)
     except ValueError as exc:
