@@ -16,10 +16,11 @@ import pytest
 import torch
 from engine_helpers import collect, greedy, token_ids, wait_idle
 from gemma3_written import IMAGE_MARKERS, MM_TOKENS, hf_gemma3_vision, write_tiny_gemma3_vision
+from vlm_lora import write_vlm_adapter
 
 import engine
 from engine.core.encoder_budget import EncoderBudget
-from engine.errors import ConfigError, InvalidParamError
+from engine.errors import ConfigError, InvalidParamError, LoraAdapterError
 from engine.messages import ImageInput
 
 NEW_TOKENS = 12
@@ -201,3 +202,25 @@ async def test_limit_mm_per_prompt_zero_serves_the_language_model_alone(gemma3, 
         with pytest.raises(InvalidParamError):
             await eng.submit(_messages([_image(0)], url=True), greedy(2))
         await wait_idle(eng)
+
+
+async def test_a_lora_adapter_on_the_language_model_answers_images_as_peft(gemma3, tmp_path) -> None:
+    """vLLM adapts a vision-language model's language model: an adapter peft wrote over
+    Gemma 3's language model gives peft's greedy tokens on an image prompt, the base model
+    the base's; an adapter that also targets the tower is refused by name."""
+    hf = hf_gemma3_vision(gemma3)  # a copy of its own: peft wraps it in place
+    images = [_image(0)]
+    base_tokens = _hf_run(hf, images)[2]
+    peft_model = write_vlm_adapter(hf[0], tmp_path / "lm")
+    want = _hf_run((peft_model, hf[1]), images)[2]
+    assert want != base_tokens
+    async with _open(gemma3, enable_lora=True, lora_modules=[f"lm={tmp_path / 'lm'}"]) as eng:
+        got = {lora: token_ids(await collect(eng, _messages(images, url=True), greedy(NEW_TOKENS),
+                                             lora=lora))
+               for lora in (None, "lm")}
+        write_vlm_adapter(hf_gemma3_vision(gemma3)[0], tmp_path / "tower",
+                          targets=r".*layers\.\d+\.self_attn\.q_proj")
+        with pytest.raises(LoraAdapterError, match="unsupported target"):
+            await eng.loras.load("tower", str(tmp_path / "tower"))
+        await wait_idle(eng)
+    assert got == {None: base_tokens, "lm": want}

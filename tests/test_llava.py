@@ -25,6 +25,7 @@ from engine.errors import InvalidParamError
 from engine.models.testing import IMAGE_TOKEN, write_tiny_llava
 from tests.engine_helpers import collect, greedy, token_ids, wait_idle
 from tests.template_data import LLAVA_1_5, checkpoint_template
+from tests.vlm_lora import write_vlm_adapter
 
 NEW_TOKENS = 24
 QUESTION = "What is in the picture? Describe it."
@@ -388,3 +389,18 @@ async def test_an_allowed_hosts_image_url_is_fetched_without_redirects(
         with pytest.raises(InvalidParamError, match="not allowed"):
             await eng.submit(ask(base.replace("127.0.0.1", "localhost") + "/cat.png"), greedy(2))
         await wait_idle(eng)
+
+
+async def test_a_lora_adapter_on_the_language_model_answers_images_as_peft(llava, tmp_path) -> None:
+    """An adapter peft wrote over LLaVA's Llama gives peft's greedy tokens on an image
+    prompt (the tower and projector are not targets)."""
+    hf = _hf_model(llava)  # a copy of its own: peft wraps it in place
+    images = [_image(0)]
+    base = _hf_run(hf, images)[2]
+    want = _hf_run((write_vlm_adapter(hf[0], tmp_path / "lm"), hf[1]), images)[2]
+    assert want != base
+    async with _open(llava, enable_lora=True, lora_modules=[f"lm={tmp_path / 'lm'}"]) as eng:
+        got = {lora: token_ids(await collect(eng, _messages(images), greedy(NEW_TOKENS), lora=lora))
+               for lora in (None, "lm")}
+        await wait_idle(eng)
+    assert got == {None: base, "lm": want}

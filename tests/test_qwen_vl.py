@@ -21,9 +21,10 @@ import torch
 
 import engine
 from engine.models.testing import TINY_QWEN_VL_MAX_PIXELS, write_tiny_qwen_vl
-from tests.engine_helpers import greedy, token_ids, wait_idle
+from tests.engine_helpers import collect, greedy, token_ids, wait_idle
 from tests.template_data import QWEN2_VL, checkpoint_template
 from tests.test_llava import _dense, data_url
+from tests.vlm_lora import write_vlm_adapter
 
 NEW_TOKENS = 24
 QUESTION = "What is in the picture? Describe it."
@@ -399,3 +400,18 @@ async def test_interleaved_image_and_text_parts_are_the_templates_own_rendering(
         async with stream:
             assert stream.prompt_token_ids == tuple(ids)
         await wait_idle(eng)
+
+
+async def test_a_lora_adapter_on_the_language_model_answers_images_as_peft(qwen_vl, tmp_path) -> None:
+    """An adapter peft wrote over the Qwen2 language model (M-RoPE positions and all)
+    gives peft's greedy tokens on an image prompt."""
+    hf = hf_model(qwen_vl)  # a copy of its own: peft wraps it in place
+    images = [_image(0)]
+    base = hf_run(hf, images)[2]
+    want = hf_run((write_vlm_adapter(hf[0], tmp_path / "lm"), hf[1]), images)[2]
+    assert want != base
+    async with _open(qwen_vl, enable_lora=True, lora_modules=[f"lm={tmp_path / 'lm'}"]) as eng:
+        got = {lora: token_ids(await collect(eng, messages(images), greedy(NEW_TOKENS), lora=lora))
+               for lora in (None, "lm")}
+        await wait_idle(eng)
+    assert got == {None: base, "lm": want}

@@ -53,9 +53,12 @@ from engine.models.config import ModelConfig
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
-# A peft key: base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight
-_KEY = re.compile(r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(self_attn|mlp|block_sparse_moe)\.([\w.]+?)"
-                  r"\.lora_([AB])\.weight$")
+# A peft key: base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight;
+# over a vision-language model the language model's layers nest as transformers 5 saves
+# them (model.language_model.layers) or 4 did (language_model.model.layers). A key of the
+# vision tower or projector matches none of these: refused as an unsupported target.
+_KEY = re.compile(r"^base_model\.model\.(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\."
+                  r"(self_attn|mlp|block_sparse_moe)\.([\w.]+?)\.lora_([AB])\.weight$")
 # transformers 4's experts, an nn.Linear each (Qwen's gate/up/down_proj, Mixtral's w1/w3/w2):
 # experts.N.<projection>, read into the fused experts' pairs (_per_expert_pairs).
 _PER_EXPERT = re.compile(r"^experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)$")
@@ -70,18 +73,18 @@ EXPERT_DOWN = "experts.down_proj"
 _VOCAB_TARGETS = ("embed_tokens", "lm_head", "wte", "word_embeddings")
 
 
-# The families whose layers lora_targets describes (the Llama-like decoder and Gemma's,
-# text only): another family's projections, or a vision model's nested names, are not these.
+# The families whose layers lora_targets describes (the Llama-like decoder and Gemma's): a
+# vision-language model's language model is one of them (LLaVA's, Qwen-VL's Qwen2, Gemma
+# 3's), adapted as vLLM adapts it (its tower and projector are not targets).
 LORA_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma", "gemma2", "gemma3", "mixtral",
                                 "qwen2_moe", "qwen3_moe"})
 
 
 def check_lora_model(config: ModelConfig) -> None:
     """Refuse (:class:`UnsupportedModelError`) a base model adapters cannot be served on."""
-    if config.architecture not in LORA_ARCHITECTURES or config.vision is not None or config.base_model:
-        what = f"{config.architecture} with a vision tower" if config.vision is not None else config.architecture
-        raise UnsupportedModelError(f"LoRA adapters are not supported for {what} models (supported: "
-                                    f"{', '.join(sorted(LORA_ARCHITECTURES))}, text only)")
+    if config.architecture not in LORA_ARCHITECTURES or config.base_model:
+        raise UnsupportedModelError(f"LoRA adapters are not supported for {config.architecture} models "
+                                    f"(supported: {', '.join(sorted(LORA_ARCHITECTURES))})")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
