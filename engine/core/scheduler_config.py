@@ -47,6 +47,8 @@ class SchedulerConfig:
     # Each image's placeholders prefill in one chunk (Gemma 3: they attend to each other
     # both ways, so the first reads the last's keys). See engine/core/encoder_budget.py.
     whole_images: bool = False
+    # Each prompt prefills in one chunk (a bidirectional decoder: EmbeddingGemma).
+    whole_prompts: bool = False
     # Pipeline parallelism: this many steps in flight, a request in at most one of them
     # (its next chunk needs every stage to hold its last token; see Scheduler._busy), the
     # live requests spread over that many batches (Scheduler._batch_cap).
@@ -79,6 +81,7 @@ class SchedulerConfig:
     def from_engine_config(
         cls, config: EngineConfig, *, max_model_len: int, num_kv_blocks: int, sliding_window: int = 0,
         pooling: bool = False, paged_kv: bool = True, whole_images: bool = False,
+        whole_prompts: bool = False,
     ) -> SchedulerConfig:
         """Take the scheduling fields of ``config``; the context length, the pool size and
         the window are resolved elsewhere (from the model and the memory budget)."""
@@ -95,6 +98,7 @@ class SchedulerConfig:
             paged_kv=paged_kv,
             max_num_encoder_input_tokens=config.max_num_encoder_input_tokens or 0,
             whole_images=whole_images,
+            whole_prompts=whole_prompts,
             pipeline_stages=config.pipeline_parallel_size,
             max_loras=config.max_loras if config.enable_lora else 0,
             **_speculative_fields(config),

@@ -9,6 +9,7 @@ from engine.errors import CorruptModelError, UnsupportedModelError
 from engine.models.absolute_config import ABSOLUTE_ARCHITECTURES, AbsoluteConfig, absolute_fields
 from engine.models.decoder_fields import (
     GEMMA_FAMILY,
+    bidirectional_window,
     check_biases,
     granite_hybrid_raw,
     granite_multipliers,
@@ -82,6 +83,7 @@ BASE_MODEL_ARCHITECTURES = {
     "MistralModel": "mistral",
     "Qwen2Model": "qwen2",
     "Qwen3Model": "qwen3",
+    "Gemma3TextModel": "gemma3",  # EmbeddingGemma
 }
 
 # The rope_scaling types models/layers/rope.py computes (``su`` is Phi-3's older name of longrope).
@@ -246,6 +248,9 @@ class ModelConfig:
     matryoshka_dimensions: tuple[int, ...] | None = None
     # A decoder saved without its LM head (BASE_MODEL_ARCHITECTURES): it only pools.
     base_model: bool = False
+    # Every token attends to every other (EmbeddingGemma's use_bidirectional_attention;
+    # sliding layers within the window either side): prompts prefill whole, uncached.
+    bidirectional: bool = False
     # A vision-language model's vision tower (LLaVA, Qwen-VL, Gemma 3); None for a
     # text-only model.
     vision: VisionConfig | QwenVisionConfig | Gemma3VisionConfig | None = None
@@ -311,6 +316,7 @@ class ModelConfig:
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+            bidirectional, window = bidirectional_window(raw, arch, int(window) if window else 0)
             max_positions = int(raw.get("max_position_embeddings", 2048))
             layers = int(raw["num_hidden_layers"])
             rope_theta, rope_scaling, local_theta = _rope(raw, arch)
@@ -356,6 +362,7 @@ class ModelConfig:
                 moe=MoeConfig.from_hf(raw, arch, int(raw["num_hidden_layers"])),
                 nope_layers=nope,
                 rotary_dim=rotary,
+                bidirectional=bidirectional,
                 **granite_multipliers(raw, arch),
                 **classifier,
                 matryoshka_dimensions=matryoshka(raw, hidden),

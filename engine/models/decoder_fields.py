@@ -101,3 +101,16 @@ def nope_layers(raw: dict[str, Any], arch: str, layers: int) -> tuple[int, ...]:
     if len(flags) != layers:
         raise ValueError(f"no_rope_layers lists {len(flags)} layers, the model has {layers}")
     return tuple(i for i, rope in enumerate(flags) if not rope)
+
+
+def bidirectional_window(raw: dict[str, Any], arch: str, window: int) -> tuple[bool, int]:
+    """``(bidirectional, window)``: Gemma 3's ``use_bidirectional_attention`` (EmbeddingGemma:
+    every token sees every other, the sliding layers those fewer than the window positions
+    away either side). transformers then narrows the window it reads to ``window // 2 + 1``
+    (``Gemma3TextConfig``, and its config.json keeps the wide one); other families do not
+    take the flag and are refused with it."""
+    if not raw.get("use_bidirectional_attention"):
+        return False, window
+    if arch != "gemma3":
+        raise UnsupportedModelError(f"use_bidirectional_attention is not supported for {arch}")
+    return True, window // 2 + 1 if window else 0

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -122,6 +123,29 @@ class GemmaModel(Decoder):
 
     def _head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self._rms(x, weight)
+
+    def _attend(self, layer: DecoderLayer, q: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Causal attention, or for a bidirectional model (EmbeddingGemma) each request's
+        whole prompt attending to all of itself (a sliding layer within the window either
+        side); the scheduler gives such a model whole prompts only, uncached."""
+        if not self.config.bidirectional:
+            return super()._attend(layer, q, k_cache, v_cache, meta)
+        out = torch.empty_like(q)
+        row = 0
+        for b, (n, context) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
+            if n != context:
+                raise ValueError(f"a bidirectional model's chunk must be its whole prompt: "
+                                 f"{n} of {context} tokens")
+            out[row:row + n] = paged_attention_block(
+                q[row:row + n], k_cache, v_cache, meta.block_tables[b], 0, n, self.scale,
+                window=layer.window, softcap=self.attn_softcap, symmetric=True)
+            row += n
+        return out
+
+    def plan_fused_step(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        """The fused decode step, which attends causally: none for a bidirectional model."""
+        return None if self.config.bidirectional else super().plan_fused_step(kv_caches)
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return gemma_rms_norm(self.ops, x, weight, self.eps)

@@ -21,7 +21,8 @@ The pooling of an embedder comes from sentence-transformers' ``1_Pooling/config.
 when there is one (cls, mean, max or last token), else the flag ``pooling_type``, else
 vLLM's defaults (CLS for BERT, the last token for a decoder). Normalisation is on when
 ``modules.json`` lists a Normalize module; a folder without ``modules.json`` normalises,
-as vLLM's embed default. ``sentence_bert_config.json``'s ``max_seq_length`` caps the
+as vLLM's embed default. Dense modules between the pooling and the normalisation
+(EmbeddingGemma's two projections) run on the pooled vector, in fp32. ``sentence_bert_config.json``'s ``max_seq_length`` caps the
 context (sentence-transformers truncates there; the engine refuses longer inputs unless
 the request asks for truncation).
 """
@@ -49,7 +50,10 @@ _ST_MODES = {
     "pooling_mode_max_tokens": "max",
     "pooling_mode_lasttoken": "last",
 }
-_ST_MODULES = ("Transformer", "Pooling", "Normalize")
+_ST_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
+# sentence-transformers' Dense activations (its config's activation_function) -> ours.
+_ST_DENSE_ACTIVATIONS = {"torch.nn.modules.linear.Identity": "identity",
+                         "torch.nn.modules.activation.Tanh": "tanh"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -66,6 +70,10 @@ class PoolerConfig:
     max_seq_length: int | None = None
     # Dimensions a request may cut the embedding to (Matryoshka); None: refused.
     matryoshka_dimensions: tuple[int, ...] | None = None
+    # sentence-transformers' Dense modules after the pooling (EmbeddingGemma's 768 -> 3072
+    # -> 768), in order: their folders under the model's (:func:`read_dense`); ``size`` is
+    # the last one's output.
+    dense: tuple[str, ...] = ()
     # A classifier's label names by index (``size`` of them); () for an embedder.
     labels: tuple[str, ...] = ()
 
@@ -138,11 +146,61 @@ def pooler_config(
         pooling = (st or {}).get("pooling") or ("cls" if config.is_encoder else "last")
     if normalize is None:
         normalize = st["normalize"] if st is not None else True
+    dense = (st or {}).get("dense", ())
+    size = config.hidden_size
+    for path in dense:
+        layer = read_dense(folder, path, weights=False)
+        if layer.in_features != size:
+            raise CorruptModelError(f"{folder / path}: in_features {layer.in_features} does not "
+                                    f"follow the {size} values before it")
+        size = layer.out_features
     return PoolerConfig(
-        task="embed", pooling=pooling, normalize=normalize, size=config.hidden_size,
+        task="embed", pooling=pooling, normalize=normalize, size=size,
         max_seq_length=(st or {}).get("max_seq_length"),
-        matryoshka_dimensions=config.matryoshka_dimensions,
+        matryoshka_dimensions=config.matryoshka_dimensions, dense=tuple(dense),
     )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DenseLayer:
+    """One sentence-transformers Dense module: ``activation(x @ weight.T + bias)``."""
+
+    in_features: int
+    out_features: int
+    activation: str  # "identity" or "tanh"
+    weight: Any = None  # torch.Tensor [out, in], fp32 (None: not read)
+    bias: Any = None  # torch.Tensor [out] or None
+
+
+def read_dense(folder: Path, path: str, *, weights: bool = True) -> DenseLayer:
+    """The Dense module in ``folder / path`` (its config.json, and with ``weights`` its
+    model.safetensors' ``linear.weight`` / ``linear.bias`` in fp32)."""
+    where = folder / path
+    raw = _json(where / "config.json")
+    activation = _ST_DENSE_ACTIVATIONS.get(str(raw.get("activation_function", "")))
+    if activation is None:
+        raise UnsupportedModelError(f"{where}: Dense activation {raw.get('activation_function')!r} "
+                                    f"is not supported; {', '.join(_ST_DENSE_ACTIVATIONS)} are")
+    try:
+        layer = DenseLayer(int(raw["in_features"]), int(raw["out_features"]), activation)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptModelError(f"{where}/config.json: {exc}") from exc
+    if not weights:
+        return layer
+    file = where / "model.safetensors"
+    if not file.is_file():
+        raise CorruptModelError(f"{where}: no model.safetensors (a pickled pytorch_model.bin is "
+                                "not read)")
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(file))
+    weight = tensors.get("linear.weight")
+    if weight is None or tuple(weight.shape) != (layer.out_features, layer.in_features):
+        raise CorruptModelError(f"{file}: linear.weight is not [{layer.out_features}, {layer.in_features}]")
+    bias = tensors.get("linear.bias")
+    if bool(raw.get("bias", True)) != (bias is not None):
+        raise CorruptModelError(f"{file}: the bias does not match config.json's")
+    return dataclasses.replace(layer, weight=weight.float(), bias=None if bias is None else bias.float())
 
 
 def _sentence_transformers(folder: Path) -> dict[str, Any] | None:
@@ -161,6 +219,14 @@ def _sentence_transformers(folder: Path) -> dict[str, Any] | None:
             f"{modules_file}: sentence-transformers module(s) {', '.join(unknown)} are not "
             f"supported; supported: {', '.join(_ST_MODULES)}")
     out: dict[str, Any] = {"pooling": None, "normalize": "Normalize" in kinds}
+    order = [k for k in kinds if k in ("Pooling", "Dense", "Normalize")]
+    dense_at = [i for i, k in enumerate(order) if k == "Dense"]
+    if dense_at and (order[:dense_at[0]] != ["Pooling"] or "Pooling" in order[dense_at[0]:]
+                     or order[dense_at[-1] + 1:] not in ([], ["Normalize"])):
+        raise UnsupportedModelError(f"{modules_file}: Dense modules are supported between the "
+                                    f"Pooling and the Normalize module only, got {order}")
+    out["dense"] = tuple(str(m.get("path", "")) for m in modules
+                         if str(m.get("type", "")).endswith("Dense"))
     pooling_module = next((m for m in modules if str(m.get("type", "")).endswith("Pooling")), None)
     if pooling_module is not None:
         out["pooling"] = _st_pooling(folder / str(pooling_module.get("path", "")) / "config.json")
@@ -171,10 +237,20 @@ def _sentence_transformers(folder: Path) -> dict[str, Any] | None:
     return out
 
 
+# sentence-transformers 6's one "pooling_mode" string -> ours.
+_ST_MODE_NAMES = {"cls": "cls", "mean": "mean", "max": "max", "lasttoken": "last"}
+
+
 def _st_pooling(path: Path) -> str:
     raw = _json(path)
     if raw.get("include_prompt") is False:
         raise UnsupportedModelError(f"{path}: include_prompt false is not supported")
+    mode = raw.get("pooling_mode")
+    if isinstance(mode, str):  # sentence-transformers 6 writes one mode by name
+        if mode not in _ST_MODE_NAMES:
+            raise UnsupportedModelError(f"{path}: pooling {mode!r} is not supported; one of "
+                                        f"{', '.join(_ST_MODE_NAMES)} is")
+        return _ST_MODE_NAMES[mode]
     modes = [name for name, on in raw.items() if name.startswith("pooling_mode_") and on]
     if len(modes) != 1 or modes[0] not in _ST_MODES:
         raise UnsupportedModelError(

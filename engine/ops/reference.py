@@ -442,12 +442,14 @@ def paged_attention_block(
     *,
     window: int = 0,
     softcap: float = 0.0,
+    symmetric: bool = False,
 ) -> torch.Tensor:
     """Attention of one request's queries at positions ``start..end-1`` [end - start, H, D]
     over its keys at positions ``0..end-1`` in the paged cache (``block_table``, its row of
     the step's tables): every query of the block sees every key of it, those after it
     included (Gemma 3's image tokens), and the keys before the block; with ``window``,
-    none fewer than ``window`` positions before it. The keys are written already. Any
+    none ``window`` or more positions before it (``symmetric``: nor after it, as
+    EmbeddingGemma's bidirectional sliding layers). The keys are written already. Any
     backend's caches (a quantized one dequantized), SDPA as the torch reference's."""
     block_size = k_cache.shape[1]
     num_blocks = -(-end // block_size)
@@ -457,6 +459,8 @@ def paged_attention_block(
     qpos = torch.arange(start, end, device=device).view(1, 1, -1, 1)
     mask = (kpos < end) & (qpos >= 0)  # [1, 1, Q, L]
     blocks = block_table[:num_blocks].to(torch.int64)
+    if symmetric and window:
+        mask = mask & (kpos - qpos < window)
     g = _Gather(blocks, mask, 1, length, qpos - kpos)
     out = _attend(query.unsqueeze(0).transpose(1, 2), k_cache, v_cache, g, scale, window, softcap)
     return out.transpose(1, 2)[0]

@@ -98,6 +98,11 @@ def _build_parts(config: EngineConfig, device: torch.device, load: RankLoad,
         # the stage with the most layers, so that each fits the per-rank budget.
         config, num_blocks = _size_kv_pool(config, loaded, device, num_kv_blocks, pooler,
                                            _widest_stage(config, loaded, tp), load.draft)
+        if loaded.config.bidirectional:  # EmbeddingGemma: whole prompts, one step each
+            if pooler is None:
+                raise ConfigError("a bidirectional decoder (use_bidirectional_attention) only "
+                                  "embeds: serve it with --runner pooling", field="runner")
+            config = _whole_input_budget(config, config.max_model_len, "decoder")
     if group is not None:
         # Every rank reads its own slices of the checkpoint at once (load_rank's lazy load).
         group.start_build(config.to_json(), num_blocks)
@@ -262,6 +267,7 @@ def build_front_parts(config: EngineConfig, hello: Any) -> EngineParts:
         if fields.get("matryoshka_dimensions") is not None:
             fields["matryoshka_dimensions"] = tuple(fields["matryoshka_dimensions"])
         fields["labels"] = tuple(fields.get("labels", ()))
+        fields["dense"] = tuple(fields.get("dense", ()))
         pooler = PoolerConfig(**fields)
     config = dataclasses.replace(config, max_model_len=core_config.max_model_len,
                                  async_scheduling=core_config.async_scheduling)
@@ -324,19 +330,24 @@ def _size_encoder(config: EngineConfig, loaded: Any, pooler: Any) -> tuple[Engin
         raise ConfigError(f"max_model_len {wanted} exceeds the model's {model_max} tokens",
                           field="max_model_len")
     max_len = wanted or model_max
+    return dataclasses.replace(_whole_input_budget(config, max_len, "encoder"), max_model_len=max_len), 1
+
+
+def _whole_input_budget(config: EngineConfig, max_len: int, what: str) -> EngineConfig:
+    """``config`` whose step budget holds a whole input of ``max_len`` tokens, for a model
+    whose every token attends to every token of its input (no chunking, one step each)."""
     if max_len > config.max_num_batched_tokens == _DEFAULT_BATCHED_TOKENS:
         # Left at its default, the step budget grows to take a whole input, as vLLM sizes
         # it for an encoder (bge-m3 and ModernBERT read 8,192 tokens).
-        logger.info("max_num_batched_tokens raised from %d to %d: an encoder runs each input whole "
-                    "in one step", config.max_num_batched_tokens, max_len)
+        logger.info("max_num_batched_tokens raised from %d to %d: a bidirectional %s runs each "
+                    "input whole in one step", config.max_num_batched_tokens, max_len, what)
         config = dataclasses.replace(config, max_num_batched_tokens=max_len)
     if max_len > config.max_num_batched_tokens:
-        # Every token attends to every token of its input: no chunking, one step each.
         raise ConfigError(
-            f"a bidirectional encoder runs each input whole in one step: max_num_batched_tokens "
+            f"a bidirectional {what} runs each input whole in one step: max_num_batched_tokens "
             f"({config.max_num_batched_tokens}) must be at least max_model_len ({max_len})",
             field="max_num_batched_tokens")
-    return dataclasses.replace(config, max_model_len=max_len), 1
+    return config
 
 
 def _size_kv_pool(

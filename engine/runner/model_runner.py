@@ -37,7 +37,7 @@ from engine.messages import (
     StepPlan,
     StepResult,
 )
-from engine.models.pooling import PoolerConfig
+from engine.models.pooling import PoolerConfig, read_dense
 from engine.models.registry import build_model
 from engine.ops import Ops
 from engine.parallel import SINGLE, TensorParallel
@@ -116,6 +116,10 @@ class ModelRunner:
         # A pooling model's requests end with their prompt: the step of the last chunk
         # pools the hidden states (see _run_pooling) instead of sampling.
         self.pooler = pooler
+        # sentence-transformers' Dense modules after the pooling, fp32 on the device.
+        self._dense = [dataclasses.replace(d, weight=d.weight.to(self.device),
+                                           bias=None if d.bias is None else d.bias.to(self.device))
+                       for d in (read_dense(loaded.folder, p) for p in (pooler.dense if pooler else ()))]
         # An encoder keeps nothing between steps: no KV cache (its chunks carry no blocks).
         self.paged_kv = not loaded.config.is_encoder
         self.kv_caches = allocate_kv_caches(
@@ -464,4 +468,4 @@ class ModelRunner:
         input_ids, positions, meta, _ = self._batch.prepare(chunks, states)
         with self._lora_step(chunks, states):  # a decoder embedder's adapters
             hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
-        return pool_outputs(self.pooler, self.model, self.dtype, hidden, chunks, states)
+        return pool_outputs(self.pooler, self.model, self.dtype, hidden, chunks, states, self._dense)

@@ -18,18 +18,21 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from engine.messages import PooledOutput, ScheduledChunk
-from engine.models.pooling import PoolerConfig
+from engine.models.pooling import DenseLayer, PoolerConfig
 from engine.runner.request_state import RequestState
 
 
 def pool_outputs(
     pooler: PoolerConfig, model: Any, dtype: torch.dtype, hidden: torch.Tensor,
     chunks: Sequence[ScheduledChunk], states: Sequence[RequestState],
+    dense: Sequence[DenseLayer] = (),
 ) -> tuple[PooledOutput, ...]:
     """Each chunk's rows of ``hidden`` add to its request's pool, and each chunk that ends
-    its prompt (``sample``) gives the request's output."""
+    its prompt (``sample``) gives the request's output (an embedding through ``dense``,
+    sentence-transformers' Dense modules, in fp32)."""
     done: list[tuple[str, torch.Tensor]] = []
     rows_done: list[PooledOutput] = []
     row = 0
@@ -57,6 +60,10 @@ def pool_outputs(
     if pooler.task == "classify":
         # A BERT cross-encoder's [CLS] rows, or a decoder classifier's last rows.
         vectors = model.classify(vectors.to(dtype))
+    for layer in dense:
+        vectors = F.linear(vectors.float(), layer.weight, layer.bias)
+        if layer.activation == "tanh":
+            vectors = torch.tanh(vectors)
     host = vectors.float().cpu().numpy().astype("<f4")
     return (*rows_done,
             *(PooledOutput(sid, host[i].tobytes()) for i, (sid, _) in enumerate(done)))
