@@ -15,7 +15,6 @@ two sides' vectors. fp32, the host's torch threads.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -32,40 +31,12 @@ sys.path.insert(0, str(REPO / "bench"))
 import embed as embed_bench  # noqa: E402
 
 import engine  # noqa: E402
-from engine.models.testing import write_tiny_model  # noqa: E402
+from engine.models.testing_gemma3 import write_embedding_gemma  # noqa: E402
 
 SHAPE = dict(vocab_size=32000, hidden_size=768, intermediate_size=1152, num_attention_heads=3,
              num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
              max_position_embeddings=2048, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
-             tie_word_embeddings=True, use_bidirectional_attention=True)
-
-
-def write_folder(root: Path, layers: int) -> Path:
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer import modules
-    from transformers import AutoTokenizer, Gemma3TextConfig, Gemma3TextModel
-
-    text = write_tiny_model(root / "text", "gemma3")
-    config = Gemma3TextConfig(**SHAPE, num_hidden_layers=layers)
-    torch.manual_seed(0)
-    model = Gemma3TextModel(config)
-    hf = root / "hf"
-    model.save_pretrained(hf)
-    AutoTokenizer.from_pretrained(text).save_pretrained(hf)
-    (hf / "chat_template.jinja").unlink(missing_ok=True)
-    tok = json.loads((hf / "tokenizer_config.json").read_text())
-    tok.pop("chat_template", None)
-    (hf / "tokenizer_config.json").write_text(json.dumps(tok))
-    word = modules.Transformer(str(hf))
-    dim = word.get_embedding_dimension()
-    identity = torch.nn.Identity()
-    st = SentenceTransformer(modules=[
-        word, modules.Pooling(dim, "mean"),
-        modules.Dense(dim, 4 * dim, bias=False, activation_function=identity),
-        modules.Dense(4 * dim, dim, bias=False, activation_function=identity),
-        modules.Normalize()], device="cpu")
-    st.save(str(root / "st"))
-    return root / "st"
+             tie_word_embeddings=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
 
     sentences = embed_bench.corpus(args.sentences)
     with tempfile.TemporaryDirectory() as tmp:
-        folder = write_folder(Path(tmp), args.layers)
+        folder = write_embedding_gemma(Path(tmp), text={**SHAPE, "num_hidden_layers": args.layers},
+                                       dense_mult=4, std=None)
         st = SentenceTransformer(str(folder), device="cpu")
         llm = engine.LLM(str(folder), dtype="float32")
         tokens = sum(len(ids) for ids in st.tokenize(sentences)["input_ids"])

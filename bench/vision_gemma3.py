@@ -4,7 +4,7 @@ tokens' two-way attention costs the engine's prefill.
 
     python bench/vision_gemma3.py [--repeats 5] [--question-tokens 64]
 
-The model (written to a temp dir by engine.models.testing_vision): Gemma 3's layer at
+The model (written to a temp dir by engine.models.testing_gemma3): Gemma 3's layer at
 hidden 1024, 8 layers (five sliding of 512 to one global), 8 query and 4 KV heads of 128,
 MLP 2816; a 6-layer SigLIP of 768 at 448 pixels (32 x 32 patches) pooled to 256
 placeholders, as Gemma 3 4B places them. TTFT: a chat request with a new image each time
@@ -25,17 +25,18 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import trio
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+import vision as vision_bench  # noqa: E402
 
 from engine.models.gemma import Gemma3VisionModel  # noqa: E402
-from engine.models.testing_vision import write_gemma3_vision  # noqa: E402
+from engine.models.testing_gemma3 import write_gemma3_vision  # noqa: E402
 from tests.template_data import GEMMA_3, checkpoint_template  # noqa: E402
-from tests.test_llava import data_url  # noqa: E402
 
 TEXT = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
             num_key_value_heads=4, head_dim=128, query_pre_attn_scalar=128, sliding_window=512,
@@ -43,35 +44,8 @@ TEXT = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_a
 TOWER = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=6, num_attention_heads=12)
 
 
-def _image(seed: int, size: int):
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
-
-
 def _question(tokens: int) -> str:
     return " ".join(["describe the colours and shapes you see"] * (tokens // 6 + 1))
-
-
-async def engine_ttft(folder: Path, question: str, repeats: int, seed: int) -> list[float]:
-    import engine
-
-    times = []
-    async with engine.open_engine(str(folder), dtype="float32", kv_cache_memory=256 * 2**20) as eng:
-        params = engine.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        for i in range(repeats + 1):
-            messages = [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": data_url(_image(seed + i, 480))}},
-                {"type": "text", "text": question}]}]
-            t0 = time.perf_counter()
-            stream = await eng.submit(messages, params)
-            async with stream:
-                async for _ in stream:
-                    break
-            if i:  # the first is a warm-up
-                times.append(time.perf_counter() - t0)
-    return times
 
 
 def main() -> None:
@@ -90,11 +64,12 @@ def main() -> None:
         folder = write_gemma3_vision(Path(tmp) / "gemma3", checkpoint_template(GEMMA_3),
                                      image_size=448, mm_tokens=256, text=TEXT, vision=TOWER)
         question = _question(args.question_tokens)
-        ours = trio.run(engine_ttft, folder, question, args.repeats, 1000)
+        run = argparse.Namespace(dtype="float32", device="cpu", repeats=args.repeats)
+        ours, _ = trio.run(vision_bench.engine_ttft, run, folder, question, 480)
         attend = Gemma3VisionModel._attend
         Gemma3VisionModel._attend = lambda self, *a: super(Gemma3VisionModel, self)._attend(*a)
         try:
-            causal = trio.run(engine_ttft, folder, question, args.repeats, 3000)
+            causal, _ = trio.run(vision_bench.engine_ttft, run, folder, question, 480)
         finally:
             Gemma3VisionModel._attend = attend
         hf = Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
@@ -107,7 +82,7 @@ def main() -> None:
         theirs = []
         for i in range(args.repeats + 1):
             t0 = time.perf_counter()
-            inputs = processor(text=text, images=[_image(2000 + i, 480)], return_tensors="pt")
+            inputs = processor(text=text, images=[vision_bench._image(2000 + i, 480)], return_tensors="pt")
             with torch.no_grad():
                 hf.generate(**inputs, max_new_tokens=1, do_sample=False)
             if i:

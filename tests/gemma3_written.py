@@ -1,6 +1,6 @@
 """A tiny Gemma 3 vision-language model written by transformers
 (``Gemma3ForConditionalGeneration`` with random weights, a 2-layer SigLIP at 56 pixels, 4
-placeholders an image: engine.models.testing_vision), and transformers' own processor and
+placeholders an image: engine.models.testing_gemma3), and transformers' own processor and
 model for it: the oracle of tests/test_gemma3_vision.py."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from template_data import GEMMA_3, checkpoint_template
 
-from engine.models.testing_vision import GEMMA3_IMAGE_MARKERS, write_gemma3_vision
+from engine.models.testing_gemma3 import GEMMA3_IMAGE_MARKERS, write_gemma3_vision
 
 IMAGE_MARKERS = GEMMA3_IMAGE_MARKERS
 MM_TOKENS = 4

@@ -16,56 +16,17 @@ import torch
 
 import engine
 from engine.errors import ConfigError
-from engine.models.testing import write_tiny_model
+from engine.models.testing_gemma3 import write_embedding_gemma
 
 SENTENCES = ["The quick brown fox jumps over the lazy dog near the river bank today.",
              "Paris is the capital of France.", "a", "Embeddings map text to vectors, "
              "and a bidirectional model reads every word before it writes one vector."]
 
 
-def write_tiny_embedding_gemma(root: Path) -> Path:
-    """A sentence-transformers folder: the tiny Gemma 3's weights as a bidirectional
-    ``Gemma3TextModel`` (its 8-token window: 5 either side), mean pooling, Dense 64 -> 192
-    -> 64 without bias (EmbeddingGemma's 768 -> 3072 -> 768), Normalize."""
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer import modules as models
-    from transformers import AutoTokenizer, Gemma3TextConfig, Gemma3TextModel
-
-    text = write_tiny_model(root / "text", "gemma3")
-    raw = json.loads((text / "config.json").read_text())
-    config = Gemma3TextConfig(**{k: v for k, v in raw.items()
-                                 if k not in ("architectures", "model_type", "transformers_version")},
-                              use_bidirectional_attention=True)
-    torch.manual_seed(0)
-    model = Gemma3TextModel(config)
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            p.normal_(0.0, 0.3) if p.dim() > 1 else p.normal_(0.0, 0.1)
-    hf = root / "hf"
-    model.save_pretrained(hf)
-    AutoTokenizer.from_pretrained(text).save_pretrained(hf)
-    # Without a chat template, as EmbeddingGemma's sentence-transformers folder reads its
-    # texts (sentence-transformers 6 would wrap each text in the tiny model's ChatML).
-    (hf / "chat_template.jinja").unlink(missing_ok=True)
-    tok_config = json.loads((hf / "tokenizer_config.json").read_text())
-    tok_config.pop("chat_template", None)
-    (hf / "tokenizer_config.json").write_text(json.dumps(tok_config))
-    word = models.Transformer(str(hf))
-    dim = word.get_embedding_dimension()
-    identity = torch.nn.Identity()
-    dense = [models.Dense(dim, 3 * dim, bias=False, activation_function=identity),
-             models.Dense(3 * dim, dim, bias=False, activation_function=identity)]
-    for layer in dense:
-        torch.nn.init.normal_(layer.linear.weight, 0.0, 0.2)
-    st = SentenceTransformer(modules=[word, models.Pooling(dim, "mean"), *dense, models.Normalize()],
-                             device="cpu")
-    st.save(str(root / "st"))
-    return root / "st"
-
-
 @pytest.fixture(scope="module")
 def embedding_gemma(tmp_path_factory) -> Path:
-    return write_tiny_embedding_gemma(tmp_path_factory.mktemp("embedding-gemma"))
+    # The tiny Gemma 3's 8-token window reads as 5 either side: the sentences cross it.
+    return write_embedding_gemma(tmp_path_factory.mktemp("embedding-gemma"))
 
 
 def _oracle(folder: Path, sentences: list[str]) -> torch.Tensor:

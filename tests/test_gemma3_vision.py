@@ -16,7 +16,7 @@ import pytest
 import torch
 from engine_helpers import collect, greedy, token_ids, wait_idle
 from gemma3_written import IMAGE_MARKERS, MM_TOKENS, hf_gemma3_vision, write_tiny_gemma3_vision
-from vlm_lora import write_vlm_adapter
+from vlm_checks import assert_matches_transformers, tokens_with_adapter, write_vlm_adapter
 
 import engine
 from engine.core.encoder_budget import EncoderBudget
@@ -75,13 +75,6 @@ def _hf_run(hf, images: list, *, causal: bool = False):
             torch.log_softmax(steps.float(), -1))
 
 
-def _dense(entry, vocab: int) -> torch.Tensor:
-    row = torch.full((vocab,), float("nan"))
-    for token, logprob in entry.top:
-        row[token] = logprob
-    return row
-
-
 def _open(folder, **options):
     defaults = dict(dtype="float32", max_logprobs=-1, block_size=4, kv_cache_memory=8 * 2**20,
                     max_num_seqs=4)
@@ -97,7 +90,6 @@ async def test_logits_and_greedy_tokens_match_transformers(gemma3, hf, ops, num_
     images = [_image(i) for i in range(num_images)]
     ids, hf_logprobs, hf_new, hf_steps = _hf_run(hf, images)
     causal = _hf_run(hf, images, causal=True)
-    vocab = hf_logprobs.shape[-1]
     soft = hf[0].config.image_token_id
     first_image = ids.index(soft)
     # The bidirectional image block changes what transformers computes after the image.
@@ -109,12 +101,7 @@ async def test_logits_and_greedy_tokens_match_transformers(gemma3, hf, ops, num_
             outs = [o async for o in stream]
         # The processor's frame, newline runs merged where they meet the template's.
         assert stream.prompt_token_ids == tuple(ids)
-        prompt = outs[0].prompt_logprobs
-        got = torch.stack([_dense(e, vocab) for e in prompt[1:]])
-        torch.testing.assert_close(got, hf_logprobs[:-1], atol=2e-4, rtol=0)
-        assert token_ids(outs) == hf_new
-        sampled = torch.stack([_dense(e, vocab) for o in outs for e in o.logprobs])
-        torch.testing.assert_close(sampled, hf_steps, atol=2e-4, rtol=0)
+        assert_matches_transformers(outs, hf_logprobs, hf_new, hf_steps)
         assert eng._parts.runner.encoder_runs == num_images
         await wait_idle(eng)
 
@@ -214,13 +201,11 @@ async def test_a_lora_adapter_on_the_language_model_answers_images_as_peft(gemma
     peft_model = write_vlm_adapter(hf[0], tmp_path / "lm")
     want = _hf_run((peft_model, hf[1]), images)[2]
     assert want != base_tokens
-    async with _open(gemma3, enable_lora=True, lora_modules=[f"lm={tmp_path / 'lm'}"]) as eng:
-        got = {lora: token_ids(await collect(eng, _messages(images, url=True), greedy(NEW_TOKENS),
-                                             lora=lora))
-               for lora in (None, "lm")}
-        write_vlm_adapter(hf_gemma3_vision(gemma3)[0], tmp_path / "tower",
-                          targets=r".*layers\.\d+\.self_attn\.q_proj")
+    got = await tokens_with_adapter(_open(gemma3, enable_lora=True, lora_modules=[f"lm={tmp_path / 'lm'}"]),
+                                    _messages(images, url=True), NEW_TOKENS)
+    assert got == {None: base_tokens, "lm": want}
+    write_vlm_adapter(hf_gemma3_vision(gemma3)[0], tmp_path / "tower",
+                      targets=r".*layers\.\d+\.self_attn\.q_proj")
+    async with _open(gemma3, enable_lora=True) as eng:
         with pytest.raises(LoraAdapterError, match="unsupported target"):
             await eng.loras.load("tower", str(tmp_path / "tower"))
-        await wait_idle(eng)
-    assert got == {None: base_tokens, "lm": want}

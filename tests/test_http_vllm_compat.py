@@ -685,12 +685,18 @@ def test_the_forced_token_follows_the_markers():
 def hybrid(tmp_path_factory):
     """Qwen3's shape: a template that writes an empty <think></think> when enable_thinking
     is false, read by the qwen3 reasoning parser."""
+    yield from _parser_server(tmp_path_factory.mktemp("hybrid") / "m", THINK_TEMPLATE, "qwen3")
+
+
+def _parser_server(folder, template: str, parser: str):
+    """A server over a marker model with ``template``, reading ``parser``'s reasoning;
+    yields it and the folder."""
     import engine.api
 
-    folder = write_marker_model(tmp_path_factory.mktemp("hybrid") / "m", THINK_TEMPLATE)
+    folder = write_marker_model(folder, template)
     with ServerThread(lambda: engine.api.open_engine(
             str(folder), served_model_name=MODEL, max_model_len=1024,
-            kv_cache_memory=16 * 2**20), chat=ChatSettings(reasoning_parser="qwen3")) as srv:
+            kv_cache_memory=16 * 2**20), chat=ChatSettings(reasoning_parser=parser)) as srv:
         yield srv, folder
 
 
@@ -753,13 +759,7 @@ GRANITE_TEMPLATE = ("{% if thinking is defined and thinking %}Think, then answer
 
 @pytest.fixture(scope="module")
 def granite(tmp_path_factory):
-    import engine.api
-
-    folder = write_marker_model(tmp_path_factory.mktemp("granite") / "m", GRANITE_TEMPLATE)
-    with ServerThread(lambda: engine.api.open_engine(
-            str(folder), served_model_name=MODEL, max_model_len=1024,
-            kv_cache_memory=16 * 2**20), chat=ChatSettings(reasoning_parser="granite")) as srv:
-        yield srv, folder
+    yield from _parser_server(tmp_path_factory.mktemp("granite") / "m", GRANITE_TEMPLATE, "granite")
 
 
 def test_granite_thinking_is_its_templates_switch_and_refuses_a_token_budget(granite):

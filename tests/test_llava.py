@@ -25,7 +25,7 @@ from engine.errors import InvalidParamError
 from engine.models.testing import IMAGE_TOKEN, write_tiny_llava
 from tests.engine_helpers import collect, greedy, token_ids, wait_idle
 from tests.template_data import LLAVA_1_5, checkpoint_template
-from tests.vlm_lora import write_vlm_adapter
+from tests.vlm_checks import assert_matches_transformers, tokens_with_adapter, write_vlm_adapter
 
 NEW_TOKENS = 24
 QUESTION = "What is in the picture? Describe it."
@@ -119,13 +119,6 @@ def _hf_run(hf, images: list, question: str = QUESTION):
     return ids, torch.log_softmax(logits.float(), -1), new, torch.log_softmax(steps.float(), -1)
 
 
-def _dense(entry, vocab: int) -> torch.Tensor:
-    row = torch.full((vocab,), float("nan"))
-    for token, logprob in entry.top:
-        row[token] = logprob
-    return row
-
-
 def _open(llava, **options):
     defaults = dict(dtype="float32", max_logprobs=-1, block_size=4, kv_cache_memory=8 * 2**20,
                     max_num_seqs=4)
@@ -147,7 +140,6 @@ async def test_logits_and_greedy_tokens_match_transformers(request, tower, num_i
         ("llava", "hf") if tower == "clip" else ("siglip_llava", "hf_siglip")))
     images = [_image(i) for i in range(num_images)]
     ids, hf_logprobs, hf_new, hf_steps = _hf_run(hf, images)
-    vocab = hf_logprobs.shape[-1]
     async with _open(llava, max_num_batched_tokens=batched,
                      max_num_encoder_input_tokens=encoder) as eng:
         model = eng._parts.runner.model
@@ -165,12 +157,7 @@ async def test_logits_and_greedy_tokens_match_transformers(request, tower, num_i
         if batched < len(ids):  # the chunks really cut an image's placeholders
             first = ids.index(eng.tokenizer.token_to_id(IMAGE_TOKEN))
             assert first < batched < first + 4
-        prompt = outs[0].prompt_logprobs
-        got = torch.stack([_dense(e, vocab) for e in prompt[1:]])
-        torch.testing.assert_close(got, hf_logprobs[:-1], atol=2e-4, rtol=0)
-        assert token_ids(outs) == hf_new
-        sampled = torch.stack([_dense(e, vocab) for o in outs for e in o.logprobs])
-        torch.testing.assert_close(sampled, hf_steps, atol=2e-4, rtol=0)
+        assert_matches_transformers(outs, hf_logprobs, hf_new, hf_steps)
         # Each image ran through the encoder exactly once, chunk boundary or not.
         assert eng._parts.runner.encoder_runs == num_images
         # The decode steps ran fused (ops/cpu/fused.c), so transformers checks that path too.
@@ -399,8 +386,6 @@ async def test_a_lora_adapter_on_the_language_model_answers_images_as_peft(llava
     base = _hf_run(hf, images)[2]
     want = _hf_run((write_vlm_adapter(hf[0], tmp_path / "lm"), hf[1]), images)[2]
     assert want != base
-    async with _open(llava, enable_lora=True, lora_modules=[f"lm={tmp_path / 'lm'}"]) as eng:
-        got = {lora: token_ids(await collect(eng, _messages(images), greedy(NEW_TOKENS), lora=lora))
-               for lora in (None, "lm")}
-        await wait_idle(eng)
+    got = await tokens_with_adapter(_open(llava, enable_lora=True, lora_modules=[f"lm={tmp_path / 'lm'}"]),
+                                    _messages(images), NEW_TOKENS)
     assert got == {None: base, "lm": want}

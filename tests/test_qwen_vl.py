@@ -21,10 +21,10 @@ import torch
 
 import engine
 from engine.models.testing import TINY_QWEN_VL_MAX_PIXELS, write_tiny_qwen_vl
-from tests.engine_helpers import collect, greedy, token_ids, wait_idle
+from tests.engine_helpers import greedy, token_ids, wait_idle
 from tests.template_data import QWEN2_VL, checkpoint_template
-from tests.test_llava import _dense, data_url
-from tests.vlm_lora import write_vlm_adapter
+from tests.test_llava import data_url
+from tests.vlm_checks import assert_matches_transformers, tokens_with_adapter, write_vlm_adapter
 
 NEW_TOKENS = 24
 QUESTION = "What is in the picture? Describe it."
@@ -125,7 +125,6 @@ def _open(folder, **options):
 async def test_logits_and_greedy_tokens_match_transformers(qwen_vl, hf, num_images, batched) -> None:
     images = IMAGES[:num_images]
     ids, hf_logprobs, hf_new, hf_steps = hf_run(hf, images)
-    vocab = hf_logprobs.shape[-1]
     pad = hf[0].config.image_token_id
     if num_images == 2:  # dynamic resolution: the grids differ, the large one was shrunk
         counts = [len(run) for run in "".join("x" if t == pad else " " for t in ids).split()]
@@ -138,12 +137,7 @@ async def test_logits_and_greedy_tokens_match_transformers(qwen_vl, hf, num_imag
         if batched < len(ids):  # the chunks really cut the image's placeholders
             first = ids.index(pad)
             assert first < batched < first + ids.count(pad)
-        prompt = outs[0].prompt_logprobs
-        got = torch.stack([_dense(e, vocab) for e in prompt[1:]])
-        torch.testing.assert_close(got, hf_logprobs[:-1], atol=2e-4, rtol=0)
-        assert token_ids(outs) == hf_new
-        sampled = torch.stack([_dense(e, vocab) for o in outs for e in o.logprobs])
-        torch.testing.assert_close(sampled, hf_steps, atol=2e-4, rtol=0)
+        assert_matches_transformers(outs, hf_logprobs, hf_new, hf_steps)
         # Each image ran through the encoder exactly once, chunk boundary or not.
         assert eng._parts.runner.encoder_runs == num_images
         # The decode steps ran fused (each with its M-RoPE rows), checked by transformers too.
@@ -410,8 +404,6 @@ async def test_a_lora_adapter_on_the_language_model_answers_images_as_peft(qwen_
     base = hf_run(hf, images)[2]
     want = hf_run((write_vlm_adapter(hf[0], tmp_path / "lm"), hf[1]), images)[2]
     assert want != base
-    async with _open(qwen_vl, enable_lora=True, lora_modules=[f"lm={tmp_path / 'lm'}"]) as eng:
-        got = {lora: token_ids(await collect(eng, messages(images), greedy(NEW_TOKENS), lora=lora))
-               for lora in (None, "lm")}
-        await wait_idle(eng)
+    got = await tokens_with_adapter(_open(qwen_vl, enable_lora=True, lora_modules=[f"lm={tmp_path / 'lm'}"]),
+                                    messages(images), NEW_TOKENS)
     assert got == {None: base, "lm": want}

@@ -1,8 +1,14 @@
-"""Gemma 3 vision-language checkpoints written by transformers, for the tests
-(tests/test_gemma3_vision.py: a tiny one) and benchmarks (bench/vision_gemma3.py: larger
-shapes): ``Gemma3ForConditionalGeneration`` with random weights over the tiny models'
-tokenizer, Gemma 3's image tokens and runs of newlines added to it (single tokens, as
-Gemma's tokenizer writes them), Gemma 3's chat template and image processor."""
+"""Gemma 3 checkpoints written by transformers (and sentence-transformers), with random
+weights over the tiny models' tokenizer, for the tests (tiny shapes) and benchmarks (real
+ones):
+
+* :func:`write_gemma3_vision`: ``Gemma3ForConditionalGeneration``, with Gemma 3's image
+  tokens and runs of newlines added to the tokenizer (single tokens, as Gemma's tokenizer
+  writes them), Gemma 3's chat template and image processor (tests/test_gemma3_vision.py,
+  bench/vision_gemma3.py);
+* :func:`write_embedding_gemma`: EmbeddingGemma's sentence-transformers folder, a
+  bidirectional ``Gemma3TextModel``, mean pooling, two Dense modules and Normalize
+  (tests/test_embedding_gemma.py, bench/embedding_gemma.py)."""
 
 from __future__ import annotations
 
@@ -75,4 +81,50 @@ def write_gemma3_vision(folder: Path, chat_template: str, *, image_size: int = 5
     return folder
 
 
-__all__ = ["GEMMA3_IMAGE_MARKERS", "NEWLINE_RUNS", "write_gemma3_vision"]
+def write_embedding_gemma(root: Path, *, text: dict[str, Any] | None = None, dense_mult: int = 3,
+                          std: float | None = 0.3) -> Path:
+    """A sentence-transformers folder under ``root`` (``root / "st"``, returned): the tiny
+    Gemma 3's text config with ``text`` over it as a bidirectional ``Gemma3TextModel``, mean
+    pooling, Dense ``hidden -> dense_mult * hidden -> hidden`` without bias (EmbeddingGemma's
+    768 -> 3072 -> 768), Normalize. ``std``: the matrices' spread (None: transformers' own
+    init). The tokenizer carries no chat template, as EmbeddingGemma's folder reads its
+    texts (sentence-transformers 6 would wrap each text in the tiny model's ChatML)."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules
+    from transformers import AutoTokenizer, Gemma3TextConfig, Gemma3TextModel
+
+    root = Path(root)
+    text_folder = write_tiny_model(root / "text", "gemma3")
+    raw = json.loads((text_folder / "config.json").read_text())
+    raw.update(text or {})
+    config = Gemma3TextConfig(**{k: v for k, v in raw.items()
+                                 if k not in ("architectures", "model_type", "transformers_version")},
+                              use_bidirectional_attention=True)
+    torch.manual_seed(0)
+    model = Gemma3TextModel(config)
+    if std is not None:
+        with torch.no_grad():
+            for _, p in model.named_parameters():
+                p.normal_(0.0, std) if p.dim() > 1 else p.normal_(0.0, 0.1)
+    hf = root / "hf"
+    model.save_pretrained(hf)
+    AutoTokenizer.from_pretrained(text_folder).save_pretrained(hf)
+    (hf / "chat_template.jinja").unlink(missing_ok=True)
+    tok_config = json.loads((hf / "tokenizer_config.json").read_text())
+    tok_config.pop("chat_template", None)
+    (hf / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    word = modules.Transformer(str(hf))
+    dim = word.get_embedding_dimension()
+    identity = torch.nn.Identity()
+    dense = [modules.Dense(dim, dense_mult * dim, bias=False, activation_function=identity),
+             modules.Dense(dense_mult * dim, dim, bias=False, activation_function=identity)]
+    if std is not None:
+        for layer in dense:
+            torch.nn.init.normal_(layer.linear.weight, 0.0, 0.2)
+    st = SentenceTransformer(modules=[word, modules.Pooling(dim, "mean"), *dense, modules.Normalize()],
+                             device="cpu")
+    st.save(str(root / "st"))
+    return root / "st"
+
+
+__all__ = ["GEMMA3_IMAGE_MARKERS", "NEWLINE_RUNS", "write_embedding_gemma", "write_gemma3_vision"]

@@ -1,0 +1,62 @@
+"""What the vision-language tests (tests/test_llava.py, test_qwen_vl.py,
+test_gemma3_vision.py) check alike: a request's logprobs and tokens against transformers',
+and peft adapters over the language model (as vLLM serves them) against peft's tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.engine_helpers import collect, greedy, token_ids, wait_idle
+
+# The language model's projections only: the towers' layers are named alike.
+LM_TARGETS = r".*language_model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
+
+
+def write_vlm_adapter(model: Any, out: Path, targets: str = LM_TARGETS, seed: int = 5) -> Any:
+    """A rank-8 peft adapter over transformers' ``model`` (wrapped in place) with random A
+    and B (peft starts B at zero, an adapter that changes nothing), saved to ``out``;
+    the PeftModel, in eval mode."""
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(target_modules=targets, r=8, lora_alpha=16,
+                                                  lora_dropout=0.0))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    peft_model.save_pretrained(out)
+    return peft_model.eval()
+
+
+def dense(entry: Any, vocab: int) -> torch.Tensor:
+    """A logprobs entry's alternatives as a vocabulary-wide row (NaN where absent)."""
+    row = torch.full((vocab,), float("nan"))
+    for token, logprob in entry.top:
+        row[token] = logprob
+    return row
+
+
+def assert_matches_transformers(outs: list[Any], hf_logprobs: torch.Tensor, hf_new: list[int],
+                                hf_steps: torch.Tensor) -> None:
+    """One request's outputs (with ``prompt_logprobs`` and ``logprobs`` of the whole
+    vocabulary) against transformers' prompt logprobs, greedy tokens and their logprobs."""
+    vocab = hf_logprobs.shape[-1]
+    got = torch.stack([dense(e, vocab) for e in outs[0].prompt_logprobs[1:]])
+    torch.testing.assert_close(got, hf_logprobs[:-1], atol=2e-4, rtol=0)
+    assert token_ids(outs) == hf_new
+    sampled = torch.stack([dense(e, vocab) for o in outs for e in o.logprobs])
+    torch.testing.assert_close(sampled, hf_steps, atol=2e-4, rtol=0)
+
+
+async def tokens_with_adapter(opened: Any, messages: list[dict], new_tokens: int) -> dict:
+    """Greedy tokens of ``messages`` through the engine ``opened`` (an ``open_engine``
+    context serving adapter ``lm``): ``{None: the base's, "lm": the adapter's}``."""
+    async with opened as eng:
+        got = {lora: token_ids(await collect(eng, messages, greedy(new_tokens), lora=lora))
+               for lora in (None, "lm")}
+        await wait_idle(eng)
+    return got
