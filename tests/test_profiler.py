@@ -39,7 +39,11 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def torch_profiler(folder: Path, **extra: Any) -> dict[str, Any]:
-    return {"profiler": "torch", "torch_profiler_dir": str(folder), **extra}
+    # Python stacks off: torch's Python tracer hooks every thread of the process, and its
+    # stop raced a call on the server's event loop thread once (a SIGFPE inside torch,
+    # session 21's fresh-clone run). No test here reads the stacks.
+    return {"profiler": "torch", "torch_profiler_dir": str(folder), "torch_profiler_with_stack": False,
+            **extra}
 
 
 def files(folder: Path) -> list[Path]:
@@ -158,7 +162,8 @@ def test_the_configuration_is_vllms_json_checked(tmp_path: Path, monkeypatch: py
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
     flag = config_from_args(parser.parse_args(["--profiler-config", json.dumps(torch_profiler(tmp_path))]))
-    assert flag.profiler == spec.__class__(profiler="torch", torch_profiler_dir=str(tmp_path))
+    assert flag.profiler == spec.__class__(profiler="torch", torch_profiler_dir=str(tmp_path),
+                                           torch_profiler_with_stack=False)
     monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", "old")
     from_env = config_from_args(parser.parse_args([])).profiler
     assert from_env is not None and from_env.torch_profiler_dir == str(tmp_path / "old")
