@@ -135,8 +135,21 @@ def test_sentence_transformers_files_give_pooling_normalisation_and_length(tmp_p
 
 
 def test_pipelines_and_flags_the_engine_cannot_honour_are_refused(tmp_path: Path) -> None:
-    with pytest.raises(UnsupportedModelError, match="Dense"):
-        pooler_config(_bert(), _st_folder(tmp_path, ["Transformer", "Pooling", "Dense"]))
+    with pytest.raises(UnsupportedModelError, match="LayerNorm"):
+        pooler_config(_bert(), _st_folder(tmp_path, ["Transformer", "Pooling", "LayerNorm"]))
+    # Dense modules run on the pooled vector only, and with the activations read here.
+    with pytest.raises(UnsupportedModelError, match="between the Pooling and the Normalize"):
+        pooler_config(_bert(), _st_folder(tmp_path, ["Transformer", "Dense", "Pooling"]))
+    dense = _st_folder(tmp_path, ["Transformer", "Pooling", "Dense"])
+    (dense / "2_Dense").mkdir()
+    (dense / "modules.json").write_text(json.dumps(
+        [*json.loads((dense / "modules.json").read_text())[:2],
+         {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}]))
+    (dense / "2_Dense" / "config.json").write_text(json.dumps({
+        "in_features": 32, "out_features": 8, "bias": True,
+        "activation_function": "torch.nn.modules.activation.ReLU"}))
+    with pytest.raises(UnsupportedModelError, match="ReLU"):
+        pooler_config(_bert(), dense)
     with pytest.raises(UnsupportedModelError, match="weightedmean"):
         pooler_config(_bert(), _st_folder(tmp_path, ["Transformer", "Pooling"], {
             "pooling_mode_weightedmean_tokens": True}))
