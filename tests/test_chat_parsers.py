@@ -355,6 +355,7 @@ REASONING_CASES = [
     ("olmo3", "<think>Two and two.</think>Four.", "Two and two.", "Four."),
     ("olmo3", "Two and two.</think>Four.", "Two and two.", "Four."),
     ("exaone4", "\nhmm\n</think>\n\nFour.", "\nhmm\n", "\n\nFour."),
+    ("deepseek_v3", "hmm</think>Four.", "hmm", "Four."),
     ("granite", "Here is my thought process:\nAdd them.\nHere is my response:\nFour.",
      "\nAdd them.\n", "\nFour."),
     ("granite", "Here's my thought process: add. Here's my response: 4", " add. ", " 4"),
@@ -384,9 +385,9 @@ def test_reasoning_split_exact_complete_and_streamed(
 
 
 def test_reasoning_parsers_are_registered() -> None:
-    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3", "olmo3", "exaone4", "granite",
-                                      "mistral"}
-    with pytest.raises(ValueError, match="deepseek_r1, exaone4, granite, mistral, olmo3, qwen3"):
+    assert set(REASONING_PARSERS) == {"deepseek_r1", "deepseek_v3", "qwen3", "olmo3", "exaone4",
+                                      "granite", "mistral"}
+    with pytest.raises(ValueError, match="deepseek_r1, deepseek_v3, exaone4, granite, mistral, olmo3, qwen3"):
         get_reasoning_parser("nope")
 
 
@@ -441,6 +442,8 @@ def test_thinking_switches_follow_each_template_kwarg() -> None:
     assert granite.thinking_off({"enable_thinking": True}, reads)
     assert exaone.thinking_off({}, reads)
     assert not exaone.thinking_off({"enable_thinking": True}, reads)
+    deepseek_v3 = get_reasoning_parser("deepseek_v3")  # vLLM's: DeepSeek-R1's split with thinking on
+    assert deepseek_v3.thinking_off({}, reads) and not deepseek_v3.thinking_off({"thinking": True}, reads)
     assert not get_reasoning_parser("deepseek_r1").thinking_off({"enable_thinking": False}, reads)
 
 

@@ -13,6 +13,8 @@ name                the output looks like                         model families
 ``exaone4``         as ``deepseek_r1``, only when the request sets  EXAONE 4.0
                     ``chat_template_kwargs`` ``enable_thinking:
                     true`` (off by default, as the template is)
+``deepseek_v3``     as ``deepseek_r1``, only with ``chat_template_  DeepSeek V3.1-style hybrid
+                    kwargs`` ``thinking: true``                     templates
 ``granite``         ``Here is my thought process: reasoning Here    Granite 3.2 and 3.3, with
                     is my response: answer`` ("Here's" too); an      ``chat_template_kwargs``
                     output that opens otherwise is all answer        ``thinking: true`` (else off)
@@ -189,6 +191,8 @@ REASONING_PARSERS: dict[str, ReasoningParser] = {p.name: p for p in (
     ReasoningParser("qwen3", starts_in_reasoning=False, switch="enable_thinking"),
     ReasoningParser("olmo3", starts_in_reasoning=True),
     ReasoningParser("exaone4", starts_in_reasoning=True, switch="enable_thinking",
+                    thinks_by_default=False),
+    ReasoningParser("deepseek_v3", starts_in_reasoning=True, switch="thinking",
                     thinks_by_default=False),
     ReasoningParser("granite", starts_in_reasoning=False, starts=_GRANITE_STARTS,
                     ends=_GRANITE_ENDS, switch="thinking", thinks_by_default=False),
