@@ -36,6 +36,7 @@ from engine.chat.tool_parsers import get_tool_parser
 from engine.chat.tools import Tool, auto_structural_tag, parse_tools, required_structural_tag
 from engine.params import SamplingParams
 from engine.structured import GrammarBackend, StructuredOutputs
+from engine.structured.bitmask import bitmask_words
 
 ENGINE_OPTIONS: dict[str, Any] = dict(
     dtype="float32", max_num_seqs=32, max_num_batched_tokens=512, block_size=16,
@@ -571,8 +572,6 @@ def test_mistral_reasoning_markers_are_special_tokens_the_grammar_lets_through(
 def _allowed(grammar: tuple[str, GrammarBackend, Any], spec: StructuredOutputs,
              text: str) -> list[bool]:
     """Which tokens the matcher's mask allows after ``text``."""
-    from engine.structured.bitmask import bitmask_words
-
     _, backend, tokenizer = grammar
     matcher = backend.matcher(spec)
     assert all(matcher.accept(t) for t in tokenizer.encode(text, add_special_tokens=False))

@@ -18,6 +18,7 @@ from chat_fixtures import THINK_TEMPLATE, TIME_TOOL, TOOL_TEMPLATE, marker_id, w
 from http_fake_engine import open_fake_engine
 from http_server import ServerThread
 
+import engine.api
 from engine.chat.request import ChatSettings
 from engine.models.tokenizer import Tokenizer
 
@@ -691,8 +692,6 @@ def hybrid(tmp_path_factory):
 def _parser_server(folder, template: str, parser: str):
     """A server over a marker model with ``template``, reading ``parser``'s reasoning;
     yields it and the folder."""
-    import engine.api
-
     folder = write_marker_model(folder, template)
     with ServerThread(lambda: engine.api.open_engine(
             str(folder), served_model_name=MODEL, max_model_len=1024,
