@@ -228,6 +228,21 @@ def test_sliding_window_and_softcap_decode_match_the_reference(
     assert (got - CpuOps().paged_attention_decode(*args)).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("window", [0, 20])
+@pytest.mark.parametrize("dim", [64, 80])  # the AVX-512 item and the generic loop
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_sinks_decode_match_the_reference(dtype: torch.dtype, dim: int, window: int, threads: int) -> None:
+    # gpt-oss's sinks: the softmax starts from one more logit a head (some above the
+    # scores, some below), with and without a window.
+    q, kc, vc, tables, lens = _paged_batch(LENS, 8, 2, dim, 16, dtype, seed=26)
+    sinks = _rand(8, seed=27) * 3
+    args = (q, kc, vc, tables, lens, dim**-0.5, tuple(LENS))
+    got = CpuOps().paged_attention_decode(*args, window=window, sinks=sinks)
+    want = TorchOps().paged_attention_decode(*args, window=window, sinks=sinks)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    assert (got.float() - CpuOps().paged_attention_decode(*args, window=window).float()).abs().max() > 1e-2
+
+
 def test_a_query_view_with_row_stride_reads_the_right_rows() -> None:
     # As the model passes q: [B, H, D] rows of a wider fused qkv tensor.
     heads, kv_heads, dim = 4, 2, 64

@@ -269,6 +269,34 @@ def test_windowed_and_softcapped_attention_match_reference(window: int, softcap:
         torch.testing.assert_close(got, want, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("window", [0, 12])
+def test_attention_sinks_match_reference(window: int) -> None:
+    """gpt-oss's attention sinks in prefill (tiles crossing the window) and in decode,
+    one split (the kernel starts from the sink) and three (the reduce adds it once)."""
+    bs, heads, kv_heads, head_dim = 8, 4, 2, 32
+    num_blocks = sum(math.ceil(n / bs) for n in PREFILL_SEQ) + 1
+    kc, vc = _paged_cache(num_blocks, bs, kv_heads, head_dim, torch.float32, seed=50)
+    tables = _tables(PREFILL_SEQ, bs, num_blocks, seed=51)
+    meta = _meta(PREFILL_QUERY, PREFILL_SEQ, tables, bs)
+    q = _rand(sum(PREFILL_QUERY), heads, head_dim, seed=52)
+    sinks = _rand(heads, seed=53) * 2
+    scale = head_dim**-0.5
+    kw = dict(window=window, sinks=sinks)
+    want = TorchOps().paged_attention_prefill(q, kc, vc, meta, scale, **kw)
+    got = attention_prefill.paged_attention_prefill(q, kc, vc, meta, scale, block_m=16, **kw)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    assert (got - TorchOps().paged_attention_prefill(q, kc, vc, meta, scale, window=window)).abs().max() > 1e-2
+    lens = tuple(DECODE_LENS)
+    dkc, dvc = _paged_cache(sum(math.ceil(n / 16) for n in lens) + 2, 16, kv_heads, head_dim, torch.float32, seed=54)
+    dtables = _tables(list(lens), 16, dkc.shape[0], seed=55)
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    dq = _rand(len(lens), heads, head_dim, seed=56)
+    want = TorchOps().paged_attention_decode(dq, dkc, dvc, dtables, seq, scale, lens, **kw)
+    for splits in (1, 3):
+        got = attention_decode.paged_attention_decode(dq, dkc, dvc, dtables, seq, scale, lens, splits, **kw)
+        torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
 def test_prefill_after_kv_write_through_triton_ops() -> None:
     """The op pair a layer runs: write this step's K/V, then attend (default tiling)."""
     bs, hkv, d = 8, 2, 32

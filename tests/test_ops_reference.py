@@ -8,10 +8,12 @@ mistake in the reference shows up as a numeric mismatch.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
 from engine.ops import AttentionMetadata
 from engine.ops.reference import TorchOps
@@ -302,3 +304,39 @@ def test_packed_linear_agrees_with_f_linear_at_every_batch_size(dtype: torch.dty
             torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
         else:
             assert torch.equal(lin(x), F.linear(x, w, b)), rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [0, 5])
+def test_attention_sinks_match_transformers_gpt_oss(ops: TorchOps, dtype: torch.dtype, window: int) -> None:
+    """gpt-oss's attention sinks (one more logit a head, with no value), against
+    transformers' own eager attention of that model over each request's dense K/V, in
+    prefill (chunks after a cached past) and decode; with and without a sliding window."""
+    bs, heads, kv_heads = 4, 8, 2
+    query_lens = [7, 3, 1, 2 * bs + 1]
+    seq_lens = [7, 12, 19, 2 * bs + 1]
+    k_cache, v_cache, tables, ks, vs = _paged_setup(seq_lens, heads, kv_heads, bs, dtype, 23)
+    q = _rand(sum(query_lens), heads, 16, seed=8, dtype=dtype)
+    sinks = _rand(heads, seed=9) * 2  # some above the scores, some below
+    scale = 0.4
+    meta = _meta(query_lens, seq_lens, tables)
+    got = ops.paged_attention_prefill(q, k_cache, v_cache, meta, scale, window=window, sinks=sinks)
+    module = SimpleNamespace(sinks=sinks.double(), num_key_value_groups=heads // kv_heads, training=False)
+    start = 0
+    for b, n in enumerate(query_lens):
+        s = seq_lens[b]
+        qpos = torch.arange(s - n, s).unsqueeze(1)
+        kpos = torch.arange(s).unsqueeze(0)
+        visible = (kpos <= qpos) & ((qpos - kpos < window) if window else True)
+        mask = torch.zeros(n, s, dtype=torch.float64).masked_fill(~visible, float("-inf"))
+        want, _ = eager_attention_forward(
+            module, q[start : start + n].double().transpose(0, 1)[None], ks[b].double().transpose(0, 1)[None],
+            vs[b].double().transpose(0, 1)[None], mask[None, None], scale)
+        torch.testing.assert_close(got[start : start + n].double(), want[0], **TOL[dtype])
+        start += n
+    rows = torch.tensor([sum(query_lens[: b + 1]) - 1 for b in range(len(query_lens))])
+    dec = ops.paged_attention_decode(q[rows], k_cache, v_cache, tables, meta.seq_lens, scale,
+                                     meta.seq_lens_host, window=window, sinks=sinks)
+    torch.testing.assert_close(dec, got[rows], **TOL[dtype])
+    plain = ops.paged_attention_prefill(q, k_cache, v_cache, meta, scale, window=window)
+    assert (plain - got).abs().max() > 1e-2  # the sinks changed the answer

@@ -225,12 +225,16 @@ class Ops(Protocol):
         *,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of each request's one new token to its context (GQA aware).
 
         ``window`` > 0 is a sliding window: the token at position ``i`` sees only keys
         ``j`` with ``i - j < window`` (transformers' convention). ``softcap`` > 0 caps the
         scaled scores as ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2).
+        ``sinks`` [num_heads] fp32 (gpt-oss's attention sinks): each head's softmax takes
+        one more logit, ``sinks[h]``, with no value, so its weights over the keys sum to
+        ``1 - exp(sink) / (exp(sink) + sum(exp(scores)))``.
         """
         ...
 
@@ -244,9 +248,11 @@ class Ops(Protocol):
         *,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Varlen attention: causal within each request's new tokens, full to its cached past
-        (or to its last ``window`` positions); ``window`` and ``softcap`` as in decode."""
+        (or to its last ``window`` positions); ``window``, ``softcap`` and ``sinks`` as in
+        decode."""
         ...
 
     def encoder_attention(self, qkv: torch.Tensor, lens: tuple[int, ...], num_heads: int,

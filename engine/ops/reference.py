@@ -209,6 +209,7 @@ class TorchOps:
         *,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         block_size = k_cache.shape[1]
         # Every layer of a step passes the same objects; a new step builds new ones. The
@@ -224,7 +225,7 @@ class TorchOps:
         ):
             self._decode_plan = _decode_gather(block_tables, seq_lens_host, block_size)
             self._decode_key = key
-        return _attend_decode(query, k_cache, v_cache, self._decode_plan, scale, window, softcap)
+        return _attend_decode(query, k_cache, v_cache, self._decode_plan, scale, window, softcap, sinks)
 
     def encoder_attention(self, qkv: torch.Tensor, lens: tuple[int, ...], num_heads: int,
                           head_dim: int) -> torch.Tensor:
@@ -240,6 +241,7 @@ class TorchOps:
         *,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # Same metadata object for every layer of a step: plan once, hold it so the id
         # cannot be reused by a later step's object.
@@ -253,13 +255,13 @@ class TorchOps:
             out.index_copy_(
                 0,
                 plan.single_rows,
-                self._attend_single_rows(q, k_cache, v_cache, meta, plan, scale, window, softcap),
+                self._attend_single_rows(q, k_cache, v_cache, meta, plan, scale, window, softcap, sinks),
             )
         if plan.multi is not None:
             g = plan.multi
             heads, dim = query.shape[1:]
             q = query.index_select(0, plan.multi_src).view(g.batch, plan.max_query_len, heads, dim)
-            o = _attend(q.transpose(1, 2), k_cache, v_cache, g, scale, window, softcap)  # [Bm, H, Q, D]
+            o = _attend(q.transpose(1, 2), k_cache, v_cache, g, scale, window, softcap, sinks)  # [Bm, H, Q, D]
             o = o.transpose(1, 2).reshape(-1, heads, dim).index_select(0, plan.multi_keep)
             out.index_copy_(0, plan.multi_dst, o)
         return out
@@ -274,10 +276,11 @@ class TorchOps:
         scale: float,
         window: int,
         softcap: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of the one-token requests of a mixed step (a subclass's decode path)."""
         assert plan.single is not None
-        return _attend_decode(query, k_cache, v_cache, plan.single, scale, window, softcap)
+        return _attend_decode(query, k_cache, v_cache, plan.single, scale, window, softcap, sinks)
 
     def lora_add(
         self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, segments: LoraSegments,
@@ -512,31 +515,43 @@ def _attend(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SDPA of q [B, H, Q, D] over the gathered context, GQA by head grouping."""
     k = _gathered_kv(k_cache, g).to(q.dtype)
     v = _gathered_kv(v_cache, g).to(q.dtype)
     mask = g.mask_for(window)
-    if softcap:
+    if softcap or sinks is not None:
         group = q.shape[1] // k.shape[1]
         if group > 1:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        return _softcapped_attention(q, k, v, mask, scale, softcap)
+        sink = None if sinks is None else sinks.view(1, -1, 1, 1)
+        return _explicit_attention(q, k, v, mask, scale, softcap, sink)
     # The CPU and CUDA SDPA kernels accumulate the softmax in fp32 for bf16/fp16 inputs.
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
 
 
-def _softcapped_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+def _explicit_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention with Gemma 2's logit soft-capping, ``cap * tanh(s / cap)`` on the scaled
-    scores before the mask; SDPA has no hook for it. Scores and softmax in fp32."""
+    """Attention SDPA has no hook for, scores and softmax in fp32: Gemma 2's logit
+    soft-capping (``cap * tanh(s / cap)`` on the scaled scores, before the mask), and
+    gpt-oss's attention sinks (``sink`` broadcast to [B, H, Q, 1]: one more logit a head
+    in the softmax's denominator, with no value: the weights of the real keys sum to less
+    than 1)."""
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+    if sink is not None:
+        column = sink.float().expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v.float()).to(q.dtype)
 
 
 def _attend_decode(
@@ -547,6 +562,7 @@ def _attend_decode(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     batch, heads, dim = query.shape
     kv_heads = k_cache.shape[2]
@@ -556,8 +572,9 @@ def _attend_decode(
     k = _gathered_kv(k_cache, g).to(query.dtype)
     v = _gathered_kv(v_cache, g).to(query.dtype)
     mask = g.mask_for(window)
-    if softcap:
-        o = _softcapped_attention(q, k, v, mask, scale, softcap)
+    if softcap or sinks is not None:
+        sink = None if sinks is None else sinks.view(1, kv_heads, heads // kv_heads, 1)
+        o = _explicit_attention(q, k, v, mask, scale, softcap, sink)
     else:
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return o.reshape(batch, heads, dim)

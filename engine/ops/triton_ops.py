@@ -79,11 +79,12 @@ class TritonOps:
         *,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Flash-decoding: the context is split across programs when the batch is small."""
         return attention_decode.paged_attention_decode(
             query, k_cache, v_cache, block_tables, seq_lens, scale, seq_lens_host,
-            window=window, softcap=softcap,
+            window=window, softcap=softcap, sinks=sinks,
         )
 
     def encoder_attention(self, qkv: torch.Tensor, lens: tuple[int, ...], num_heads: int,
@@ -101,9 +102,10 @@ class TritonOps:
         *,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return attention_prefill.paged_attention_prefill(
-            query, k_cache, v_cache, meta, scale, window=window, softcap=softcap
+            query, k_cache, v_cache, meta, scale, window=window, softcap=softcap, sinks=sinks
         )
 
     def fused_moe(

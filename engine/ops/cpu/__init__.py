@@ -450,12 +450,13 @@ class CpuOps(TorchOps):
         *,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        out = self._decode(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
+        out = self._decode(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, sinks)
         if out is None:
             return super().paged_attention_decode(
                 query, k_cache, v_cache, block_tables, seq_lens, scale, seq_lens_host,
-                window=window, softcap=softcap,
+                window=window, softcap=softcap, sinks=sinks,
             )
         return out
 
@@ -469,13 +470,14 @@ class CpuOps(TorchOps):
         scale: float,
         window: int,
         softcap: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         out = self._decode(
             query, k_cache, v_cache, meta.block_tables.index_select(0, plan.single_requests),
-            plan.single_seq_lens, scale, window, softcap,
+            plan.single_seq_lens, scale, window, softcap, sinks,
         )
         if out is None:
-            return super()._attend_single_rows(query, k_cache, v_cache, meta, plan, scale, window, softcap)
+            return super()._attend_single_rows(query, k_cache, v_cache, meta, plan, scale, window, softcap, sinks)
         return out
 
     def _decode(
@@ -488,6 +490,7 @@ class CpuOps(TorchOps):
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,  # [heads] fp32
     ) -> torch.Tensor | None:
         """The C kernel's answer, or None where it does not take these inputs."""
         code = _DTYPE_CODES.get(query.dtype)
@@ -509,6 +512,8 @@ class CpuOps(TorchOps):
             or seq_lens.dtype != torch.int32
             or not block_tables.is_cpu
             or block_tables.stride(-1) != 1
+            or not (sinks is None or (sinks.dtype == torch.float32 and sinks.is_contiguous()
+                                      and sinks.numel() == query.shape[1]))
         ):
             return None
         batch, heads, dim = query.shape
@@ -518,7 +523,7 @@ class CpuOps(TorchOps):
             code, _ptr(out), _ptr(query), query.stride(0), _ptr(k_data), _ptr(v_data), kv_code,
             k_scale, v_scale, num_blocks, _ptr(block_tables, "int32_t *"), block_tables.stride(0),
             _ptr(seq_lens, "int32_t *"), batch, heads, kv_heads, dim, block_size, scale,
-            window, softcap, torch.get_num_threads(),
+            window, softcap, _ffi.NULL if sinks is None else _ptr(sinks, "float *"), torch.get_num_threads(),
         )
         if status == -1:
             return None  # a shape past the kernel's buffers: the reference handles it

@@ -27,7 +27,7 @@ int eng_paged_decode(int dtype, void *out, const void *q, int64_t q_stride,
                      const float *k_scale, const float *v_scale, int64_t num_blocks,
                      const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, int64_t batch, int64_t heads,
                      int64_t kv_heads, int64_t d, int64_t block_size, float scale,
-                     int64_t window, float softcap, int nthreads);
+                     int64_t window, float softcap, const float *sinks, int nthreads);
 int eng_kv_write_i8(int dtype, const void *x, int64_t x_stride, int64_t tokens, int64_t heads,
                     int64_t d, int8_t *codes, float *scales, const int64_t *slots,
                     int64_t num_slots, int nthreads);

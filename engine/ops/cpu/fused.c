@@ -67,7 +67,8 @@ void eng_lora_team(int, int, void *, const void *, int64_t, int64_t, int64_t, co
 typedef void eng_decode_item_t(void *out, const void *q, int64_t qs, const void *kc, const void *vc,
                                const float *ksc, const float *vsc, const int32_t *bt, int64_t bts,
                                const int32_t *lens, int64_t b, int64_t g, int64_t j0, int64_t nj, int64_t heads,
-                               int64_t kv_heads, int64_t d, int64_t bs, float scale, int64_t window, float softcap);
+                               int64_t kv_heads, int64_t d, int64_t bs, float scale, int64_t window, float softcap,
+                               const float *sinks);
 eng_decode_item_t eng_decode_item_f32, eng_decode_item_bf16, eng_decode_item_f32_q8, eng_decode_item_bf16_q8;
 
 /* Built with -DENG_FUSED_PROFILE (CFLAGS=-DENG_FUSED_PROFILE setup.py build_ext), the step
@@ -348,7 +349,7 @@ int eng_fused_decode(const EngFusedModel *m, EngFusedState *st, int64_t T, void 
             for (int64_t it = 0; it < T * hkv * split; it++) {
                 const int64_t t = it / (hkv * split), g = it / split % hkv, j0 = it % split * nj;
                 item(m->attn, m->qkv, NQ, L->k_cache, L->v_cache, L->k_scale, L->v_scale, block_tables, bt_stride,
-                     seq_lens, t, g, j0, nj, h, hkv, d, m->block_size, m->scale, L->window, m->softcap);
+                     seq_lens, t, g, j0, nj, h, hkv, d, m->block_size, m->scale, L->window, m->softcap, L->sinks);
                 if (d % 32 == 0) /* the item's heads are whole 32-column blocks: quantized here */
                     quantize_part(m, m->attn, HD, t, es, (g * group + j0) * d / 32, (g * group + j0 + nj) * d / 32);
             }

@@ -51,6 +51,7 @@ typedef struct {
     const void *rope;          /* [max_pos, rope_dim] cos | sin in the activation dtype; NULL: no RoPE (NoPE layer) */
     int64_t rope_dim;          /* the rotated share of each head: d, or less (partial rotary) */
     int64_t max_pos, window;
+    const float *sinks;        /* [heads] attention sinks (gpt-oss), fp32; NULL: none */
     EngLoraProj lora_qkv, lora_o, lora_gate_up, lora_down; /* a NULL where LoRA is not enabled */
 } EngFusedLayer;
 

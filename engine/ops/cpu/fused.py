@@ -212,9 +212,10 @@ class FusedDecode:
                 L.k_cache, L.v_cache = _ptr(kc), _ptr(vc)
             # A NoPE layer: no table (the step skips the rotation) and no bound on positions.
             L.rope, L.window = _ptr(layer.rope), layer.window
+            L.sinks = _ptr(layer.sinks, "float *")  # gpt-oss's attention sinks, else NULL
             L.rope_dim = d if layer.rope is None else layer.rope.shape[-1]  # < d: a partial rotary
             L.max_pos = _NO_ROPE_MAX_POS if layer.rope is None else layer.rope.shape[0]
-            self._keep += [layer.rope, kc, vc]
+            self._keep += [layer.rope, layer.sinks, kc, vc]
         kc0 = kv_caches[0][0]
         num_blocks, block_size = kc0.shape[0], kc0.shape[1]
         T = MAX_TOKENS

@@ -13,6 +13,7 @@ copies): the step points into them.
         norms                       input/post (+ Gemma's pre/post-FFN), q/k head norms
         qkv, o, gate_up, down       DenseProjection | QuantProjection (None: no dense MLP)
         rope, window                the layer's cos|sin table (None: no RoPE), its sliding window (0: none)
+        sinks                       gpt-oss's attention sinks, one logit a head (None: none)
         external_mlp                a sparse (MoE) MLP the step stops before and calls
         lora_qkv, lora_o, ...       LoraProjection | None: adapter slots beside a projection
 """
@@ -91,6 +92,7 @@ class FusedLayer:
     down: Projection | None
     rope: torch.Tensor | None  # [max_pos, head_dim]: cos | sin of every position; None: a NoPE layer
     window: int  # sliding window (the last N positions), 0 for full attention
+    sinks: torch.Tensor | None = None  # [heads] fp32 attention sinks (gpt-oss); None: none
     # A sparse (mixture-of-experts) layer's MLP: ``x [T, hidden] -> out [T, hidden]``, run
     # between two C calls; None: the dense gate_up/down MLP runs inside the step.
     external_mlp: Callable[[torch.Tensor], torch.Tensor] | None = None

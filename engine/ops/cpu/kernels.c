@@ -408,7 +408,8 @@ INLINE void decode_item(void *out, const void *q, int64_t qs, const void *kc, co
                         const float *ksc, const float *vsc, int q8, const int32_t *bt,
                         int64_t bts, const int32_t *lens, int64_t b,
                         int64_t g, int64_t j0, int64_t nj, int64_t heads, int64_t kv_heads,
-                        int64_t d, int64_t bs, float scale, int64_t window, float softcap, int bf) {
+                        int64_t d, int64_t bs, float scale, int64_t window, float softcap,
+                        const float *sinks, int bf) {
     const int64_t group = heads / kv_heads, len = lens[b], h0 = g * group + j0;
     /* A sliding window sees only the last `window` keys: i - j < window for query i. */
     const int64_t first = window > 0 && len > window ? len - window : 0;
@@ -422,8 +423,10 @@ INLINE void decode_item(void *out, const void *q, int64_t qs, const void *kc, co
             qf[j][i] = ld(q, qo + i, bf);
             acc[j][i] = 0.0f;
         }
-        mx[j] = -INFINITY;
-        sum[j] = 0.0f;
+        /* An attention sink (gpt-oss) is one more score with no value: the softmax starts
+         * from it, its exp(sink - sink) = 1 in the sum and nothing in the accumulators. */
+        mx[j] = sinks ? sinks[h0 + j] : -INFINITY;
+        sum[j] = sinks ? 1.0f : 0.0f;
     }
     /* Walk the block table with a running (block, offset) pair: no division per key. */
     int64_t blk = first / bs, off = first % bs;
@@ -500,7 +503,7 @@ AVX512K INLINE void decode_item_avx512(void *out, const void *q, int64_t qs, con
                                        const float *ksc, const float *vsc, int q8, const int32_t *bt,
                                        int64_t bts, const int32_t *lens, int64_t b, int64_t g, int64_t j0,
                                        int64_t nj, int64_t heads, int64_t kv_heads, const int64_t D, int64_t bs,
-                                       float scale, int64_t window, float softcap, int bf) {
+                                       float scale, int64_t window, float softcap, const float *sinks, int bf) {
     enum { C_MAX = 8 }; /* 16-lane chunks of a row: D / 16 */
     const int64_t C = D / 16, group = heads / kv_heads, len = lens[b], h0 = g * group + j0;
     const int64_t first = window > 0 && len > window ? len - window : 0;
@@ -512,8 +515,8 @@ AVX512K INLINE void decode_item_avx512(void *out, const void *q, int64_t qs, con
     for (int64_t j = 0; j < nj; j++) {
         for (int64_t i = 0; i < D; i++)
             acc[j][i] = 0.0f;
-        mx[j] = -INFINITY;
-        sum[j] = 0.0f;
+        mx[j] = sinks ? sinks[h0 + j] : -INFINITY; /* as decode_item */
+        sum[j] = sinks ? 1.0f : 0.0f;
     }
     int64_t blk = first / bs, off = first % bs;
     for (int64_t t0 = first; t0 < len; t0 += TILE) {
@@ -586,9 +589,10 @@ AVX512K INLINE void decode_item_avx512(void *out, const void *q, int64_t qs, con
     AVX512K static void NAME(void *out, const void *q, int64_t qs, const void *kc, const void *vc,             \
                              const float *ksc, const float *vsc, const int32_t *bt, int64_t bts,               \
                              const int32_t *lens, int64_t b, int64_t g, int64_t j0, int64_t nj, int64_t heads, \
-                             int64_t kv_heads, int64_t bs, float scale, int64_t window, float softcap) {       \
+                             int64_t kv_heads, int64_t bs, float scale, int64_t window, float softcap,         \
+                             const float *sinks) {                                                             \
         decode_item_avx512(out, q, qs, kc, vc, ksc, vsc, Q8, bt, bts, lens, b, g, j0, nj, heads, kv_heads, D,  \
-                           bs, scale, window, softcap, BF);                                                    \
+                           bs, scale, window, softcap, sinks, BF);                                             \
     }
 ATTN_FAST(attn64_f32, 64, 0, 0)
 ATTN_FAST(attn64_bf16, 64, 1, 0)
@@ -616,12 +620,12 @@ static int attn_avx512(void) {
 #define ATTN_DISPATCH(SUFFIX)                                                                                \
     if (d == 64 && attn_avx512()) {                                                                           \
         attn64_##SUFFIX(out, q, qs, kc, vc, ksc, vsc, bt, bts, lens, b, g, j0, nj, heads, kv_heads, bs, scale, \
-                        window, softcap);                                                                     \
+                        window, softcap, sinks);                                                              \
         return;                                                                                               \
     }                                                                                                         \
     if (d == 128 && attn_avx512()) {                                                                          \
         attn128_##SUFFIX(out, q, qs, kc, vc, ksc, vsc, bt, bts, lens, b, g, j0, nj, heads, kv_heads, bs,      \
-                         scale, window, softcap);                                                             \
+                         scale, window, softcap, sinks);                                                      \
         return;                                                                                               \
     }
 #else
@@ -638,17 +642,17 @@ static int attn_avx512(void) {
                                          int64_t j0, int64_t nj,                              \
                                          int64_t heads, int64_t kv_heads, int64_t d,          \
                                          int64_t bs, float scale, int64_t window,             \
-                                         float softcap) {                                     \
+                                         float softcap, const float *sinks) {                 \
         ATTN_DISPATCH(SUFFIX)                                                                 \
         if (d == 64)                                                                          \
             decode_item(out, q, qs, kc, vc, ksc, vsc, Q8, bt, bts, lens, b, g, j0, nj, heads, \
-                        kv_heads, 64, bs, scale, window, softcap, BF);                        \
+                        kv_heads, 64, bs, scale, window, softcap, sinks, BF);                 \
         else if (d == 128)                                                                    \
             decode_item(out, q, qs, kc, vc, ksc, vsc, Q8, bt, bts, lens, b, g, j0, nj, heads, \
-                        kv_heads, 128, bs, scale, window, softcap, BF);                       \
+                        kv_heads, 128, bs, scale, window, softcap, sinks, BF);                \
         else                                                                                  \
             decode_item(out, q, qs, kc, vc, ksc, vsc, Q8, bt, bts, lens, b, g, j0, nj, heads, \
-                        kv_heads, d, bs, scale, window, softcap, BF);                         \
+                        kv_heads, d, bs, scale, window, softcap, sinks, BF);                  \
     }
 
 DECODE_ITEM(f32, 0, 0)
@@ -659,7 +663,7 @@ DECODE_ITEM(bf16_q8, 1, 1)
 typedef void (*decode_item_fn)(void *, const void *, int64_t, const void *, const void *,
                                const float *, const float *, const int32_t *, int64_t,
                                const int32_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
-                               int64_t, int64_t, int64_t, float, int64_t, float);
+                               int64_t, int64_t, int64_t, float, int64_t, float, const float *);
 
 /* Pieces each KV head's query heads are attended in: the whole group, or one head per
  * item where (request, KV head) pairs are fewer than two per thread. Each head's result is
@@ -675,7 +679,7 @@ int eng_paged_decode(int dtype, void *out, const void *q, int64_t q_stride, cons
                      const float *v_scale, int64_t num_blocks, const int32_t *block_tables,
                      int64_t bt_stride, const int32_t *seq_lens, int64_t batch, int64_t heads,
                      int64_t kv_heads, int64_t d, int64_t block_size, float scale,
-                     int64_t window, float softcap, int nthreads) {
+                     int64_t window, float softcap, const float *sinks, int nthreads) {
     if ((dtype != DT_F32 && dtype != DT_BF16) || (kv_dtype != dtype && kv_dtype != DT_I8) ||
         (kv_dtype == DT_I8 && (!k_scale || !v_scale)) || kv_heads < 1 || heads % kv_heads ||
         heads / kv_heads > MAX_GROUP || d > MAX_DIM || block_size < 1)
@@ -705,7 +709,7 @@ int eng_paged_decode(int dtype, void *out, const void *q, int64_t q_stride, cons
     for (int64_t it = 0; it < items; it++) {
         int64_t b = it / (kv_heads * split), g = it / split % kv_heads, j0 = it % split * nj;
         item(out, q, q_stride, k_cache, v_cache, k_scale, v_scale, block_tables, bt_stride,
-             seq_lens, b, g, j0, nj, heads, kv_heads, d, block_size, scale, window, softcap);
+             seq_lens, b, g, j0, nj, heads, kv_heads, d, block_size, scale, window, softcap, sinks);
     }
     return 0;
 }

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from engine.ops.base import KVCache
-from engine.ops.triton._paged import LOG2E, cache_args, dot_precision, dot_upcast, paged_attend_tile
+from engine.ops.triton._paged import LOG2E, LOG2E_C, cache_args, dot_precision, dot_upcast, paged_attend_tile
 
 BLOCK_N = 64  # context tokens per tile: 16 KB of fp16 K at head_dim 128
 MIN_PARTITION = 256  # tokens per split at least, so a split's work outweighs its reduce share
@@ -32,7 +32,7 @@ _CPU_SMS = 1  # the interpreter has no SMs; one keeps the CPU heuristic minimal
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_acc_ptr, part_ml_ptr,
+    out_ptr, part_acc_ptr, part_ml_ptr, sinks_ptr,
     qk_scale_log2,
     stride_qb, stride_qh, stride_kb, stride_ko, stride_kh, stride_sb, stride_so, stride_bt,
     stride_ob, stride_oh,
@@ -40,7 +40,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
-    QUANT: tl.constexpr,
+    QUANT: tl.constexpr, SINKS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -62,6 +62,11 @@ def _decode_split_kernel(
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    if SINKS and SINGLE_SPLIT:
+        # gpt-oss's attention sink, one more logit with no value: the online softmax
+        # starts from it (with splits, the reduce adds it once instead).
+        m_i = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32) * LOG2E_C
+        l_i += 1.0
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     q_pos = tl.zeros([BLOCK_G], dtype=tl.int32)  # unused: decode is never causal-masked
     for n0 in range(start, end, BLOCK_N):
@@ -89,9 +94,9 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_acc_ptr, part_ml_ptr, out_ptr,
+    part_acc_ptr, part_ml_ptr, out_ptr, sinks_ptr,
     stride_ob, stride_oh, num_heads, head_dim, num_splits,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, SINKS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -102,9 +107,14 @@ def _decode_reduce_kernel(
     m = tl.load(part_ml_ptr + row * 2, mask=s_mask, other=float("-inf"))
     l_part = tl.load(part_ml_ptr + row * 2 + 1, mask=s_mask, other=0.0)
     m_max = tl.max(m, axis=0)
+    if SINKS:  # the sink's logit, counted once over the splits (see the split kernel)
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * LOG2E_C
+        m_max = tl.maximum(m_max, sink)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.math.exp2(m - m_max)  # an empty split has m = -inf and weighs 0
     l_tot = tl.sum(l_part * w, axis=0)
+    if SINKS:
+        l_tot += tl.math.exp2(sink - m_max)
     acc = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + d[None, :], mask=s_mask[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.where(l_tot > 0, l_tot, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < head_dim)
@@ -134,6 +144,7 @@ def paged_attention_decode(
     *,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per request attends its whole paged context; returns [B, H, D].
 
@@ -163,7 +174,7 @@ def paged_attention_decode(
         part_ml = torch.empty((batch, num_heads, splits, 2), dtype=torch.float32, device=query.device)
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         query, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, out, part_acc, part_ml,
-        scale * LOG2E,
+        out if sinks is None else sinks, scale * LOG2E,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_sb, stride_so,
         block_tables.stride(0),
@@ -172,12 +183,13 @@ def paged_attention_decode(
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),  # dot needs M >= 16
         BLOCK_D=block_d, BLOCK_N=BLOCK_N, SINGLE_SPLIT=single,
         DOT_PRECISION=dot_precision(query.dtype), DOT_UPCAST=dot_upcast(query.dtype, query.device),
-        SLIDING=window > 0, SOFTCAP=softcap > 0, QUANT=quant,
+        SLIDING=window > 0, SOFTCAP=softcap > 0, QUANT=quant, SINKS=sinks is not None,
         num_warps=4, num_stages=3,  # memory bound: 3 stages keep two tiles' loads in flight
     )
     if not single:
         _decode_reduce_kernel[(batch, num_heads)](
-            part_acc, part_ml, out, out.stride(0), out.stride(1), num_heads, head_dim, splits,
-            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
+            part_acc, part_ml, out, out if sinks is None else sinks, out.stride(0), out.stride(1), num_heads,
+            head_dim, splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, SINKS=sinks is not None,
+            num_warps=4,
         )
     return out

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from engine.ops.base import AttentionMetadata, KVCache
-from engine.ops.triton._paged import LOG2E, cache_args, dot_precision, dot_upcast, paged_attend_tile
+from engine.ops.triton._paged import LOG2E, LOG2E_C, cache_args, dot_precision, dot_upcast, paged_attend_tile
 
 # Query rows x key columns per tile. 64 x 64 keeps the interpreter and small GPUs happy;
 # on sm_80+ with head_dim <= 128 a 128-row query tile doubles the reuse of each K/V tile.
@@ -32,14 +32,14 @@ BLOCK_N = 64
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr,
-    query_start_ptr, out_ptr,
+    query_start_ptr, out_ptr, sinks_ptr,
     qk_scale_log2,
     stride_qt, stride_qh, stride_kb, stride_ko, stride_kh, stride_sb, stride_so, stride_bt,
     stride_ot, stride_oh,
     block_size, head_dim, window, softcap,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, SLIDING: tl.constexpr,
-    SOFTCAP: tl.constexpr, QUANT: tl.constexpr,
+    SOFTCAP: tl.constexpr, QUANT: tl.constexpr, SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -64,6 +64,11 @@ def _prefill_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if SINKS:
+        # gpt-oss's attention sink: one more logit with no value. The online softmax starts
+        # from it (its max in log2 units, exp2(0) = 1 in the sum, nothing in acc).
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(sinks_ptr + head).to(tl.float32) * LOG2E_C
+        l_i += 1.0
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     table = block_tables_ptr + b * stride_bt
     diag = ctx + m0  # the first key that some query of this tile must not see
@@ -110,6 +115,7 @@ def paged_attention_prefill(
     *,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of ``query`` [T, H, D] over the paged cache; returns [T, H, D].
 
@@ -129,7 +135,7 @@ def paged_attention_prefill(
     grid = (triton.cdiv(meta.max_query_len, bm), batch, num_heads)
     _prefill_kernel[grid](
         query, k_cache, v_cache, k_scale, v_scale, meta.block_tables, meta.seq_lens,
-        meta.query_start_loc, out,
+        meta.query_start_loc, out, out if sinks is None else sinks,
         scale * LOG2E,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_sb, stride_so,
@@ -138,7 +144,7 @@ def paged_attention_prefill(
         k_cache.shape[1], head_dim, window, softcap,
         GROUP=num_heads // num_kv_heads, BLOCK_M=bm, BLOCK_N=min(BLOCK_N, bm), BLOCK_D=block_d,
         DOT_PRECISION=dot_precision(query.dtype), DOT_UPCAST=dot_upcast(query.dtype, query.device),
-        SLIDING=window > 0, SOFTCAP=softcap > 0, QUANT=quant,
+        SLIDING=window > 0, SOFTCAP=softcap > 0, QUANT=quant, SINKS=sinks is not None,
         # 8 warps for the 128-row tile (two warpgroups of MMA), 4 for 64 rows.
         num_warps=8 if bm >= 128 else 4, num_stages=3,
     )
