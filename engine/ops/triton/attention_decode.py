@@ -21,7 +21,14 @@ import triton
 import triton.language as tl
 
 from engine.ops.base import KVCache
-from engine.ops.triton._paged import LOG2E, LOG2E_C, cache_args, dot_precision, dot_upcast, paged_attend_tile
+from engine.ops.triton._paged import (
+    LOG2E,
+    LOG2E_C,
+    cache_args,
+    dot_precision,
+    dot_upcast,
+    paged_attend_tile,
+)
 
 BLOCK_N = 64  # context tokens per tile: 16 KB of fp16 K at head_dim 128
 MIN_PARTITION = 256  # tokens per split at least, so a split's work outweighs its reduce share

@@ -21,7 +21,14 @@ import triton
 import triton.language as tl
 
 from engine.ops.base import AttentionMetadata, KVCache
-from engine.ops.triton._paged import LOG2E, LOG2E_C, cache_args, dot_precision, dot_upcast, paged_attend_tile
+from engine.ops.triton._paged import (
+    LOG2E,
+    LOG2E_C,
+    cache_args,
+    dot_precision,
+    dot_upcast,
+    paged_attend_tile,
+)
 
 # Query rows x key columns per tile. 64 x 64 keeps the interpreter and small GPUs happy;
 # on sm_80+ with head_dim <= 128 a 128-row query tile doubles the reuse of each K/V tile.
