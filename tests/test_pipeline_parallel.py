@@ -34,6 +34,7 @@ from engine.models.testing import (
     TINY_MOE_ARCHITECTURES,
     write_tiny_model,
 )
+from engine.models.testing_gpt_oss import write_gpt_oss
 from engine.parallel import SINGLE, PipelineStage, TensorParallel, place_rank, stage_layers
 
 LOGIT_ATOL = 1e-5
@@ -65,6 +66,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple[str,
     # GPT-2 and OPT's tiny models have LAYERS layers already (GPT-2 names the count n_layer).
     out = [(arch, str(write_tiny_model(root / arch, arch, overrides=None if arch in TINY_ABSOLUTE_ARCHITECTURES
                                        else layers)), True) for arch in FAMILIES]
+    write_gpt_oss(root / "gpt_oss", config=layers, spread=0.2)  # as test_tensor_parallel's
+    out.append(("gpt_oss", str(root / "gpt_oss"), True))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ENGINE_CACHE_DIR", str(root / "cache"))  # the ranks inherit it
         for arch, quant in GGUFS:
@@ -87,7 +90,7 @@ def one_rank(models: list[tuple[str, str, bool]], one_thread: None) -> dict:
 def _check(key: str, layout: tuple[int, int], ranks: list[dict], one_rank: dict) -> None:
     tp, pp = layout
     want_tokens, want_logits, _ = one_rank[key]
-    atol = LOGIT_ATOL if tp == 1 else TP_MOE_LOGIT_ATOL if key in TINY_MOE_ARCHITECTURES else TP_LOGIT_ATOL
+    atol = LOGIT_ATOL if tp == 1 else TP_MOE_LOGIT_ATOL if key in (*TINY_MOE_ARCHITECTURES, "gpt_oss") else TP_LOGIT_ATOL
     bounds = stage_layers(LAYERS, pp)
     for rank in range(tp * pp):
         tokens, logits, held = ranks[rank][layout][key]
@@ -107,7 +110,7 @@ def _check(key: str, layout: tuple[int, int], ranks: list[dict], one_rank: dict)
 
 
 # OLMo over tensor-parallel ranks is refused (its q/k norms span every head).
-CASES = [(arch, layout) for arch in FAMILIES for layout in LAYOUTS]
+CASES = [(arch, layout) for arch in (*FAMILIES, "gpt_oss") for layout in LAYOUTS]
 
 
 @pytest.mark.parametrize(("arch", "layout"), CASES, ids=[f"{a}-tp{t}-pp{p}" for a, (t, p) in CASES])

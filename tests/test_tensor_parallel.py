@@ -34,6 +34,7 @@ from engine.models.config import ModelConfig
 from engine.models.layers.shard import kv_head_range, tensor_parallel_problem
 from engine.models.loader import _converted_gguf
 from engine.models.testing import TINY_ARCHITECTURES, TINY_MOE_ARCHITECTURES, write_tiny_model
+from engine.models.testing_gpt_oss import write_gpt_oss
 from engine.ops.quant import LAYOUT_FORMATS
 from engine.parallel import SINGLE, TensorParallel
 
@@ -51,6 +52,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple[str,
     out = [(arch, str(write_tiny_model(root / arch, arch)), True) for arch in FAMILIES]
     out.append(("exaone4", str(_write_exaone4(root / "exaone4")), True))
     out.append(("granite_moe", str(_write_granite_moe(root / "granite_moe")), True))
+    # gpt-oss: sinks cut with the heads, interleaved biased experts, o and down biases added
+    # once after the all-reduce.
+    write_gpt_oss(root / "gpt_oss", spread=0.2)  # at 0.3 the order of sums moved a logit 1.5e-5
+    out.append(("gpt_oss", str(root / "gpt_oss"), True))
     # OLMo's k norm over one KV head copied to both ranks (counted once, not twice).
     out.append(("olmo2-mqa", str(write_tiny_model(root / "olmo2-mqa", "olmo2",
                                                   overrides={"num_key_value_heads": 1})), True))
@@ -133,7 +138,7 @@ def test_two_ranks_give_the_one_rank_logits_and_tokens(arch: str, two_ranks: lis
     _check(arch, two_ranks, one_rank, _exact)
 
 
-@pytest.mark.parametrize("key", ["exaone4", "granite_moe", "olmo2-mqa"])
+@pytest.mark.parametrize("key", ["exaone4", "granite_moe", "olmo2-mqa", "gpt_oss"])
 def test_transformers_written_and_copied_kv_head_models_over_two_ranks(
     key: str, two_ranks: list[dict], one_rank: dict,
 ) -> None:

@@ -65,6 +65,9 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    # gpt-oss (models/gpt_oss.py): biased attention with sinks, every layer a biased MoE
+    # with a clamped SwiGLU, sliding and full layers alternating.
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 # Vision-language checkpoints served as their text model (ModelConfig.text_of): the
@@ -111,10 +114,23 @@ class MoeConfig:
     # Checkpoint naming: Mixtral's block_sparse_moe.experts.N.w1/w3/w2, Qwen's
     # mlp.experts.N.gate_proj/up_proj/down_proj, or Granite's stacked
     # block_sparse_moe.input_linear [E, 2 * inter, hidden] / output_linear / router.layer.
-    naming: str  # "mixtral", "qwen" or "granite"
+    # gpt-oss's experts (naming "gpt_oss"): stacked and interleaved
+    # (mlp.experts.gate_up_proj [E, hidden, 2 * inter], gate and up columns alternating),
+    # with biases, the router's too, and the clamped SwiGLU (engine.ops.moe.ClampedSwiglu)
+    # of this limit and sigmoid gain; 0: the plain SwiGLU.
+    naming: str  # "mixtral", "qwen", "granite" or "gpt_oss"
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.0
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], arch: str, num_layers: int) -> MoeConfig | None:
+        if arch == "gpt_oss":  # softmax over the top-k logits: renormalised top-k
+            return cls(num_experts=_num_experts(raw, 128),
+                       top_k=int(raw.get("num_experts_per_tok") or raw.get("experts_per_token") or 4),
+                       intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=True,
+                       shared_expert_intermediate_size=0, sparse_layers=tuple(range(num_layers)),
+                       naming="gpt_oss", swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+                       swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)))
         if arch == "granite_moe":  # softmax over the top-k logits: renormalised top-k
             return cls(num_experts=_num_experts(raw, 0), top_k=int(raw["num_experts_per_tok"]),
                        intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=True,
@@ -323,7 +339,7 @@ class ModelConfig:
             activation = _activation(raw, arch)
             gemma = arch in GEMMA_FAMILY
             head_dim = int(raw.get("head_dim") or hidden // heads)
-            attention_bias = bool(raw.get("attention_bias", raw.get("qkv_bias", arch in ("qwen2", "qwen2_moe"))))
+            attention_bias = bool(raw.get("attention_bias", raw.get("qkv_bias", arch in ("qwen2", "qwen2_moe", "gpt_oss"))))
             check_biases(raw, arch, attention_bias)
             nope = nope_layers(raw, arch, layers)
             windows = _layer_windows(raw, arch, int(window) if window else 0, layers, nope)
@@ -388,7 +404,7 @@ def _layer_windows(raw: dict[str, Any], arch: str, window: int, layers: int,
         return tuple(window if (i + 1) % 4 else 0 for i in range(layers))
     if arch == "smollm3":  # transformers' default: the NoPE layers slide
         return tuple(window if i in nope else 0 for i in range(layers))
-    if arch == "gemma2":  # transformers' default: even layers slide, odd ones see all
+    if arch in ("gemma2", "gpt_oss"):  # transformers' default: even layers slide, odd ones see all
         return tuple(window if (i + 1) % 2 else 0 for i in range(layers))
     if arch == "gemma3":  # every sliding_window_pattern-th layer is global
         pattern = int(raw.get("sliding_window_pattern", 6))
@@ -420,6 +436,11 @@ def _rope(raw: dict[str, Any], arch: str) -> tuple[float, dict[str, Any] | None,
             scaling = dict(params)
     if arch == "gemma3" and local is None:
         local = 10000.0  # transformers' default local base for Gemma 3
+    if arch == "gpt_oss":  # GptOssConfig's defaults: base 150000, YaRN x32 of 4096 untruncated
+        theta = 150000.0 if theta is None else theta
+        if scaling is None and not (isinstance(params, dict) and params.get("rope_type")):
+            scaling = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                       "truncate": False, "original_max_position_embeddings": 4096}
     if theta is None:
         theta = 1_000_000.0 if arch == "gemma3" else 10000.0  # transformers' defaults
     if arch == "olmo3" and local is None:

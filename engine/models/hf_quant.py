@@ -82,9 +82,11 @@ def checkpoint_quantization(raw_config: Mapping[str, Any], where: str) -> QuantL
         return QuantLayout("fp8", "weight_scale_inv", block)
     if method == "compressed-tensors":
         return _compressed_tensors(quant, where)
+    if method == "mxfp4":
+        return QuantLayout("mxfp4", "_scales")
     raise UnsupportedModelError(
         f"{where}: quantization_config's quant_method {method!r} is not supported (this engine "
-        "reads fp8 and compressed-tensors checkpoints, dense ones and GGUF files)")
+        "reads fp8, mxfp4 and compressed-tensors checkpoints, dense ones and GGUF files)")
 
 
 def _pair(value: Any, where: str, field: str) -> tuple[int, int]:
@@ -154,6 +156,8 @@ def dequantize(weights: dict[str, Any], layout: QuantLayout, where: str) -> dict
     load) are multiplied now; stored ones (a rank's lazy load,
     engine/models/checkpoint.py) become :class:`DequantizedTensor` s, which multiply each
     cut as it is read."""
+    if layout.kind == "mxfp4":
+        return _dequantize_mxfp4(weights, where)
     packed = layout.kind == "packed"
     extras = (layout.scale_name, "weight_shape", "weight_zero_point") if packed else (layout.scale_name,)
     out: dict[str, Any] = {}
@@ -178,6 +182,60 @@ def dequantize(weights: dict[str, Any], layout: QuantLayout, where: str) -> dict
         stored = DequantizedTensor(tensor, scale, shape, layout, f"{where}: {name}", zero)
         out[base + "weight"] = stored if isinstance(tensor, StoredTensor) else stored.read()
     return out
+
+
+# The 16 values of an FP4 (E2M1) code, by its 4 bits: sign, two exponent bits, one mantissa bit.
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def _dequantize_mxfp4(weights: dict[str, Any], where: str) -> dict[str, Any]:
+    """gpt-oss's MXFP4 experts (OCP microscaling): ``X_blocks`` [E, rows, cols / 32, 16]
+    bytes, two FP4 codes each (the low nibble first), and ``X_scales`` [E, rows, cols / 32],
+    one E8M0 power of two (stored + 127) per 32 values; read as ``X`` [E, cols, rows], the
+    dense checkpoint's layout (transformers' ``gate_up_proj`` [E, hidden, 2 * inter],
+    ``down_proj`` [E, inter, hidden]). Every other tensor passes as it is."""
+    out: dict[str, Any] = {}
+    for name, tensor in weights.items():
+        if name.endswith("_scales") and name.removesuffix("_scales") + "_blocks" in weights:
+            continue
+        if not name.endswith("_blocks"):
+            out[name] = tensor
+            continue
+        base = name.removesuffix("_blocks")
+        scales = weights.get(base + "_scales")
+        if scales is None or len(tensor.shape) != 4 or tuple(scales.shape) != tuple(tensor.shape[:3]):
+            raise CorruptModelError(f"{where}: the MXFP4 tensor {name} {tuple(tensor.shape)} lacks "
+                                    f"its {base}_scales of shape {tuple(tensor.shape[:3])}")
+        stored = Mxfp4Tensor(tensor, scales, f"{where}: {name}")
+        out[base] = stored if isinstance(tensor, StoredTensor) else stored.read()
+    return out
+
+
+class Mxfp4Tensor(StoredTensor):
+    """An MXFP4 weight read dequantized (fp32, exact: every value is a code times a power
+    of two), in the dense layout (see :func:`_dequantize_mxfp4`); read whole."""
+
+    def __init__(self, blocks: Any, scales: Any, what: str) -> None:
+        self.blocks, self.scales, self.what = blocks, scales, what
+        experts, rows, groups, _ = blocks.shape
+        self.shape = (experts, groups * 32, rows)
+        self.name, self.dtype, self.layout = what, torch.float32, None
+
+    def read(self) -> torch.Tensor:
+        codes = _whole(self.blocks).to(torch.uint8)
+        table = torch.tensor(FP4_E2M1, dtype=torch.float32)
+        values = torch.stack([table[(codes & 0x0F).long()], table[(codes >> 4).long()]], dim=-1)
+        exponents = _whole(self.scales).to(torch.int32) - 127
+        experts, rows, groups, _ = codes.shape
+        dense = torch.ldexp(values.reshape(experts, rows, groups, 32), exponents.unsqueeze(-1))
+        return dense.reshape(experts, rows, groups * 32).transpose(1, 2).contiguous()
+
+    def read_rows(self, spans: list[tuple[int, int]]) -> torch.Tensor:
+        whole = self.read()
+        return torch.cat([whole[a:b] for a, b in spans])
+
+    def read_cols(self, start: int, stop: int) -> torch.Tensor:
+        return self.read()[..., start:stop]
 
 
 def _whole(t: Any) -> torch.Tensor:

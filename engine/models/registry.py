@@ -18,6 +18,7 @@ from engine.models.bert import BertModel
 from engine.models.config import ModelConfig
 from engine.models.gemma import Gemma3VisionModel, GemmaModel
 from engine.models.gpt2 import GPT2Model
+from engine.models.gpt_oss import GptOssModel
 from engine.models.layers.decoder import Decoder
 from engine.models.layers.shard import check_tensor_parallel
 from engine.models.llama import LlamaModel
@@ -49,6 +50,7 @@ MODEL_CLASSES: dict[str, type] = {
     "mixtral": LlamaModel,
     "qwen2_moe": LlamaModel,
     "qwen3_moe": LlamaModel,
+    "gpt_oss": GptOssModel,
     "gemma": GemmaModel,
     "gemma2": GemmaModel,
     "gemma3": GemmaModel,

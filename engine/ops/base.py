@@ -36,6 +36,8 @@ from typing import Protocol
 
 import torch
 
+from engine.ops.moe import ClampedSwiglu
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class AttentionMetadata:
@@ -271,6 +273,7 @@ class Ops(Protocol):
         w2: torch.Tensor,  # [E, hidden, inter]
         topk_weights: torch.Tensor,  # [T, k] fp32 routing weights
         topk_ids: torch.Tensor,  # [T, k] int64 expert of each slot
+        swiglu: ClampedSwiglu | None = None,  # gpt-oss's biased, clamped gate
     ) -> torch.Tensor:
         """The routed experts' SiLU-gated MLPs, weighted and summed per token: [T, hidden].
 

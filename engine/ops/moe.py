@@ -22,6 +22,8 @@ the same sorted layout as one grouped GEMM launch per projection.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -35,15 +37,35 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     return order, counts.tolist()
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClampedSwiglu:
+    """gpt-oss's expert activation, in place of ``silu(gate) * up``: the gate clamped
+    above and the up projection both ways at ``limit``, then
+    ``(up + 1) * gate * sigmoid(alpha * gate)``; with the gate/up biases ``b13``
+    [E, 2 * inter] (gate's then up's, as the weight rows) added to each expert's first
+    projection."""
+
+    b13: torch.Tensor
+    alpha: float
+    limit: float
+
+    def __call__(self, h: torch.Tensor, inter: int) -> torch.Tensor:
+        gate = h[:, :inter].clamp(max=self.limit)
+        up = h[:, inter:].clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
 def fused_moe_reference(
     x: torch.Tensor,  # [T, hidden]
     w13: torch.Tensor,  # [E, 2 * inter, hidden]: each expert's gate rows then up rows
     w2: torch.Tensor,  # [E, hidden, inter]
     topk_weights: torch.Tensor,  # [T, k] fp32
     topk_ids: torch.Tensor,  # [T, k] int64
+    swiglu: ClampedSwiglu | None = None,
 ) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with
-    ``e = topk_ids[t, j]``, for every token ``t``; returned in ``x.dtype``."""
+    ``e = topk_ids[t, j]``, for every token ``t``; returned in ``x.dtype``. ``swiglu``:
+    gpt-oss's biased, clamped activation instead (:class:`ClampedSwiglu`)."""
     tokens, k = topk_ids.shape
     hidden = x.shape[-1]
     inter = w2.shape[-1]
@@ -54,8 +76,11 @@ def fused_moe_reference(
     for expert, n in enumerate(counts):
         if n == 0:
             continue  # an expert that received no token: its weights are never read
-        h = F.linear(rows[start : start + n], w13[expert])
-        act = F.silu(h[:, :inter]) * h[:, inter:]
+        if swiglu is None:
+            h = F.linear(rows[start : start + n], w13[expert])
+            act = F.silu(h[:, :inter]) * h[:, inter:]
+        else:
+            act = swiglu(F.linear(rows[start : start + n], w13[expert], swiglu.b13[expert]), inter)
         out_sorted[start : start + n] = F.linear(act, w2[expert])
         start += n
     return combine(out_sorted, order, topk_weights)
@@ -70,4 +95,4 @@ def combine(out_sorted: torch.Tensor, order: torch.Tensor, topk_weights: torch.T
     return weighted.sum(1).to(out_sorted.dtype)
 
 
-__all__ = ["combine", "fused_moe_reference", "sort_by_expert"]
+__all__ = ["ClampedSwiglu", "combine", "fused_moe_reference", "sort_by_expert"]

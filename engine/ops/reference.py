@@ -24,7 +24,7 @@ from engine.ops.base import (
     QuantizedKV,
     lora_rows_unpaired,
 )
-from engine.ops.moe import fused_moe_reference
+from engine.ops.moe import ClampedSwiglu, fused_moe_reference
 from engine.ops.sampling_ref import sample as sample_reference
 from engine.structured.bitmask import apply_bitmask
 
@@ -192,8 +192,9 @@ class TorchOps:
         w2: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
+        swiglu: ClampedSwiglu | None = None,
     ) -> torch.Tensor:
-        return fused_moe_reference(x, w13, w2, topk_weights, topk_ids)
+        return fused_moe_reference(x, w13, w2, topk_weights, topk_ids, swiglu)
 
     # --- attention -------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ import weakref
 import torch
 
 from engine.ops.base import AttentionMetadata, KVCache, LoraSegments, QuantizedKV
+from engine.ops.moe import ClampedSwiglu
 from engine.ops.reference import TorchOps, _adjacent_heads, _PrefillPlan
 
 try:  # built at install time; absent in a source tree nobody installed
@@ -375,13 +376,16 @@ class CpuOps(TorchOps):
         w2: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
+        swiglu: ClampedSwiglu | None = None,
     ) -> torch.Tensor:
         """Up to ``MOE_MAX_TOKENS`` tokens (decode steps, verification chunks): one C call
         over the routed experts (quant.c's ``eng_moe_small``: the reference's sorted pairs,
         its roundings, the dense small-batch kernel for the expert matmuls); more tokens,
-        or other inputs, the torch reference."""
+        or other inputs (gpt-oss's clamped activation among them), the torch reference."""
         code = _DTYPE_CODES.get(x.dtype)
         t, k = topk_ids.shape
+        if swiglu is not None:
+            return super().fused_moe(x, w13, w2, topk_weights, topk_ids, swiglu)
         if (code is None or t > MOE_MAX_TOKENS or not t or x.dim() != 2 or not _plain(x, w13, w2)
                 or not (w13.dtype == w2.dtype == x.dtype) or w13.dim() != 3 or w2.dim() != 3
                 or w13.shape[2] != x.shape[1] or w2.shape[1] != x.shape[1] or w13.shape[1] != 2 * w2.shape[2]
