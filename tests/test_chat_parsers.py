@@ -77,6 +77,20 @@ CASES: list[tuple[str, str, str | None, list[tuple[str, dict[str, Any]]]]] = [
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": 5}]',
      '[TOOL_CALLS][{"name": "get_weather", "arguments": 5}]', []),
     ("mistral", "A list [1, 2] is fine.", "A list [1, 2] is fine.", []),
+    # openai (harmony): the recipient after the channel or before it; a preamble to the
+    # user is content; <|call|> (a stop token) ends a call when the text has it.
+    ("openai", '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+     '{"city": "Paris", "unit": "celsius"}', None, [("get_weather", WEATHER)]),
+    ("openai", '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>'
+     '{"city": "Paris", "unit": "celsius"}<|call|>', None, [("get_weather", WEATHER)]),
+    ("openai", '<|channel|>commentary to=functions.get_weather json<|message|>{"city": "Paris", "unit": "celsius"}',
+     None, [("get_weather", WEATHER)]),
+    ("openai", '<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant '
+     'to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris", "unit": "celsius"}',
+     "Checking.", [("get_weather", WEATHER)]),
+    ("openai", "Paris is sunny today.", "Paris is sunny today.", []),
+    ("openai", '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Par',
+     '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Par', []),
     # pythonic: Llama 3.2 / Llama 4 / ToolACE write a Python list of calls.
     ("pythonic", '[get_weather(city="Paris", unit=\'celsius\')]', None,
      [("get_weather", WEATHER)]),
@@ -334,7 +348,7 @@ def test_constrained_call_sends_arguments_as_they_arrive() -> None:
 
 def test_unknown_parser_names_the_choices() -> None:
     with pytest.raises(ValueError, match="deepseek_v3, granite, granite4, hermes, internlm, "
-                       "llama3_json, mistral, olmo3, phi4_mini_json, pythonic, qwen3_coder"):
+                       "llama3_json, mistral, olmo3, openai, phi4_mini_json, pythonic, qwen3_coder"):
         get_tool_parser("nope")
 
 
@@ -368,6 +382,15 @@ REASONING_CASES = [
     ("mistral", "[THINK]2+2[/THINK]4", "2+2", "4"),
     ("mistral", "4, no [THINK] here", None, "4, no [THINK] here"),
     ("mistral", "[THINK]cut off [/THI", "cut off [/THI", None),
+    ("openai_gptoss", "<|channel|>analysis<|message|>2+2<|end|><|start|>assistant<|channel|>final<|message|>4",
+     "2+2", "4"),
+    ("openai_gptoss", "<|channel|>final<|message|>4", None, "4"),
+    ("openai_gptoss", "<|channel|>analysis<|message|>cut off <|en", "cut off <|en", None),
+    ("openai_gptoss", "<|channel|>analysis<|message|>x<|end|><|start|>assist", "x", "<|start|>assist"),
+    # A call's header stays in the content, for the openai tool parser.
+    ("openai_gptoss", "<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>commentary "
+     "to=functions.f <|constrain|>json<|message|>{}", "x",
+     "<|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}"),
 ]
 
 
@@ -386,14 +409,16 @@ def test_reasoning_split_exact_complete_and_streamed(
 
 def test_reasoning_parsers_are_registered() -> None:
     assert set(REASONING_PARSERS) == {"deepseek_r1", "deepseek_v3", "qwen3", "olmo3", "exaone4",
-                                      "granite", "mistral"}
-    with pytest.raises(ValueError, match="deepseek_r1, deepseek_v3, exaone4, granite, mistral, olmo3, qwen3"):
+                                      "granite", "mistral", "openai_gptoss"}
+    with pytest.raises(ValueError, match="deepseek_r1, deepseek_v3, exaone4, granite, mistral, olmo3, "
+                       "openai_gptoss, qwen3"):
         get_reasoning_parser("nope")
 
 
 _REASONING_FRAGMENTS = ["<think>", "</think>", "</thi", "Here is my", " thought process:",
                         "Here's my response:", " response:", "Here", "[THINK]", "[/THINK]",
-                        "[/TH", "text", " ", "\n", "4"]
+                        "[/TH", "<|channel|>analysis<|message|>", "<|end|>", "<|en", "<|start|>",
+                        "<|channel|>", "final<|message|>", "text", " ", "\n", "4"]
 
 
 @settings(max_examples=80, deadline=None)
@@ -415,6 +440,8 @@ def test_a_reasoning_block_round_trips_through_every_parser(
         if not head and any(thought.startswith(m) for m in parser.starts):
             continue  # a leading opening marker is taken as the marker
         answer = "".join(content)
+        if any(answer.startswith(h) for h in parser.content_starts):
+            continue  # a header the format drops (harmony's final channel)
         text = head + thought + parser.ends[which % len(parser.ends)] + answer
         split = parser.parse(text)
         assert (split.reasoning, split.content) == (thought or None, answer or None), (

@@ -21,10 +21,17 @@ name                the output looks like                         model families
 ``mistral``         ``[THINK]reasoning[/THINK]answer``, the         Magistral, Mistral Small 3.2+
                     markers special tokens (kept in the text);      with a thinking prompt
                     no ``[THINK]``: all answer
+``openai_gptoss``   harmony's channels: ``<|channel|>analysis        gpt-oss
+                    <|message|>reasoning<|end|>``, then ``<|start|>
+                    assistant<|channel|>final<|message|>answer``
+                    (the final header dropped); special tokens
+                    kept in the text
 ==================  ============================================  =============================
 
 The split is exact: the opening marker (when the output has it) + reasoning + the closing
-marker + content is the model's text, character for character. Streaming holds back only
+marker + content is the model's text, character for character (but for harmony's header
+of the final answer, which is dropped from the content; a tool call's header is not: the
+``openai`` tool parser reads it). Streaming holds back only
 what could be the start of a marker, so the streamed pieces join to the complete split.
 A parser whose thinking has a switch (``enable_thinking``, ``thinking``) reads it from the
 request's ``chat_template_kwargs`` (:meth:`ReasoningParser.thinking_off`); off, the output
@@ -41,6 +48,11 @@ from engine.structured.spec import think_value
 
 THINK_START = "<think>"
 THINK_END = "</think>"
+# OpenAI's harmony format (gpt-oss): messages <|start|>ROLE<|channel|>CHANNEL<|message|>...<|end|>.
+HARMONY_START = "<|start|>"
+HARMONY_END = "<|end|>"
+HARMONY_ANALYSIS = "<|channel|>analysis<|message|>"
+HARMONY_FINAL = "<|channel|>final<|message|>"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -78,6 +90,13 @@ class ReasoningParser:
     switch: str | None = None
     thinks_by_default: bool = True
     special_markers: bool = False
+    # Headers that open the answer after the reasoning, dropped from the content
+    # (harmony's "<|start|>assistant<|channel|>final<|message|>").
+    content_starts: tuple[str, ...] = ()
+    # A grammar can start after this format's reasoning (structured outputs, forced tool
+    # calls); False where it cannot follow the markers (harmony's are several special
+    # tokens, which the grammars' masks exclude): such requests are refused.
+    constrains_after: bool = True
 
     def streamer(self) -> ReasoningStreamer:
         return ReasoningStreamer(self)
@@ -115,6 +134,8 @@ class ReasoningStreamer:
     def __init__(self, parser: ReasoningParser) -> None:
         self._starts = parser.starts
         self._ends = parser.ends
+        self._content_starts = parser.content_starts
+        self._header_done = not parser.content_starts
         self._default = "reasoning" if parser.starts_in_reasoning else "content"
         self._state = "start"  # start -> reasoning -> content, or start -> content
         self._buf = ""
@@ -162,6 +183,14 @@ class ReasoningStreamer:
                 reasoning = self._buf[:end]
                 self._buf = self._buf[end + len(marker):]
                 self._state = "content"
+        if self._state == "content" and not self._header_done:
+            header = next((m for m in self._content_starts if self._buf.startswith(m)), None)
+            if header is not None:
+                self._buf = self._buf[len(header):]
+            elif not final and any(m.startswith(self._buf) for m in self._content_starts):
+                self._reasoning.append(reasoning)
+                return ReasoningDelta(reasoning, "")
+            self._header_done = True
         if self._state == "content":
             content, self._buf = self._buf, ""
         self._reasoning.append(reasoning)
@@ -198,6 +227,10 @@ REASONING_PARSERS: dict[str, ReasoningParser] = {p.name: p for p in (
                     ends=_GRANITE_ENDS, switch="thinking", thinks_by_default=False),
     ReasoningParser("mistral", starts_in_reasoning=False, starts=("[THINK]",),
                     ends=("[/THINK]",), special_markers=True),
+    ReasoningParser("openai_gptoss", starts_in_reasoning=False, starts=(HARMONY_ANALYSIS,),
+                    ends=(HARMONY_END,), special_markers=True,
+                    content_starts=(HARMONY_START + "assistant" + HARMONY_FINAL, HARMONY_FINAL),
+                    constrains_after=False),
 )}
 
 

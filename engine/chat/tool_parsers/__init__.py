@@ -24,6 +24,9 @@ name             what the model writes                                       mod
                  ``</function></tool_call>``, values typed by the schema
 ``olmo3``        ``<function_calls>`` + one ``name(key=value)`` a line +         OLMo 3
                  ``</function_calls>``
+``openai``       harmony: ``<|channel|>commentary to=functions.NAME``          gpt-oss
+                 ``<|constrain|>json<|message|>{...}`` (the recipient
+                 before or after the channel), ended by ``<|call|>``
 ``deepseek_v3``  ``<｜tool▁calls▁begin｜>``, per call ``<｜tool▁call▁begin｜>``       DeepSeek V3
                  ``function<｜tool▁sep｜>NAME`` + a ```json block +
                  ``<｜tool▁call▁end｜>``, then ``<｜tool▁calls▁end｜>``
@@ -68,6 +71,7 @@ from engine.chat.tool_parsers import (  # noqa: F401
     llama3_json,
     mistral,
     olmo3,
+    openai,
     phi4_mini,
     pythonic,
     qwen3_coder,
