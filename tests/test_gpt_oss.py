@@ -124,3 +124,44 @@ def test_lora_on_gpt_oss_is_refused_by_name(written) -> None:
 
     with pytest.raises(UnsupportedModelError, match="gpt_oss"):
         check_lora_model(load_model(folder, dtype="float32").config)
+
+
+@pytest.mark.parametrize("ops", ["torch", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_the_experts_match_transformers_gpt_oss_mlp(monkeypatch, ops: str, dtype: torch.dtype, tokens: int) -> None:
+    """One layer's router and experts (stacked, interleaved, biased, clamped) against
+    transformers' ``GptOssMLP`` on the same weights. On the C kernels up to MOE_MAX_TOKENS
+    tokens take quant.c's eng_moe_small (the torch reference is not called), more the
+    reference."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    from engine.models.gpt_oss import GptOssExperts
+    from engine.ops import get_ops
+    from engine.ops.cpu import MOE_MAX_TOKENS
+    from engine.ops.reference import TorchOps
+
+    raw = TINY_GPT_OSS | {"num_local_experts": 8, "num_experts_per_tok": 4}
+    torch.manual_seed(tokens)
+    mlp = GptOssMLP(GptOssConfig(**raw))
+    with torch.no_grad():
+        for name, p in mlp.named_parameters():
+            p.normal_(0.0, 1.0 if name.endswith("bias") else 0.3)
+    mlp = mlp.to(dtype)
+    x = torch.randn(tokens, raw["hidden_size"]).to(dtype)
+    with torch.inference_mode():
+        want = mlp(x[None])[0][0].float()
+    state = {f"model.layers.0.mlp.{k}": v for k, v in mlp.state_dict().items()}
+    config = ModelConfig.from_hf({"architectures": ["GptOssForCausalLM"], **raw})
+    experts = GptOssExperts(config, 0, state.__getitem__)
+    calls = []
+    reference = TorchOps.fused_moe
+    monkeypatch.setattr(TorchOps, "fused_moe", lambda self, *a: calls.append(1) or reference(self, *a))
+    weights, ids = experts.route(x)
+    got = experts(x, weights, ids, get_ops(ops)).float() + experts.down_bias(weights, ids)
+    assert len(calls) == int(ops == "torch" or tokens > MOE_MAX_TOKENS)
+    # fp32: the order of sums. bf16: transformers rounds its routing weights and each
+    # expert's weighted output to bf16 and sums in bf16; the engine sums in fp32.
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.25, rtol=2e-2)
+    torch.testing.assert_close(got, want, **tol)

@@ -233,6 +233,26 @@ INLINE void act_mul_row(void *out, const void *x, int64_t row, int64_t n, int64_
     }
 }
 
+/* gpt-oss's clamped SwiGLU of row `row` of x [rows, 2n] (gate, then up) into out [rows, n]:
+ * (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit), rounded to
+ * the dtype after each operation as the torch reference's bf16 ops round. */
+INLINE void clamp_swiglu_row(void *out, const void *x, int64_t row, int64_t n, float alpha, float limit, int bf) {
+    int64_t xo = row * 2 * n, oo = row * n;
+    for (int64_t i = 0; i < n; i++) {
+        float g = ld(x, xo + i, bf), u = ld(x, xo + n + i, bf);
+        g = g > limit ? limit : g;
+        u = u > limit ? limit : (u < -limit ? -limit : u);
+        float z = rnd(g * alpha, bf);
+        float e = exp_nonpos(z < 0.0f ? z : -z);
+        float sig = rnd((z < 0.0f ? e : 1.0f) / (1.0f + e), bf);
+        st(out, oo + i, rnd(u + 1.0f, bf) * rnd(g * sig, bf), bf);
+    }
+}
+
+void eng_clamp_swiglu_row(void *out, const void *x, int64_t row, int64_t n, float alpha, float limit, int bf) {
+    clamp_swiglu_row(out, x, row, n, alpha, limit, bf);
+}
+
 /* Columns [i0, i1) of row `row` (the fused step gives each thread a slice of one row). */
 CLONES void eng_silu_mul_row_f32(void *out, const void *x, int64_t row, int64_t n, int64_t i0, int64_t i1) {
     act_mul_row(out, x, row, n, i0, i1, 0, 0);

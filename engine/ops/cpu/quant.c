@@ -1523,16 +1523,19 @@ int eng_dense_matmul(int dtype, void *out, const void *x, int64_t M, int64_t K, 
  * token's k outputs scaled by their routing weights and summed in fp32, rounded once. The
  * torch reference runs ~30 dispatched ops for this at decode sizes. Work items of all
  * experts share each phase's worksharing loop. Scratch (the caller's): xg [T*k, H],
- * h [T*k, 2I], a [T*k, I], y [T*k, H] in the dtype. Returns -1 for arguments it does not
- * take, -2 for an expert id out of range (nothing written). */
+ * h [T*k, 2I], a [T*k, I], y [T*k, H] in the dtype. gpt-oss's experts (limit > 0): the
+ * gate/up biases bias13 [E, 2I] (the dtype's) added in the first matmul, and the clamped
+ * SwiGLU of that limit and gain instead of the SiLU-and-mul. Returns -1 for arguments it
+ * does not take, -2 for an expert id out of range (nothing written). */
 void eng_silu_mul_row_f32(void *, const void *, int64_t, int64_t, int64_t, int64_t);
 void eng_silu_mul_row_bf16(void *, const void *, int64_t, int64_t, int64_t, int64_t);
+void eng_clamp_swiglu_row(void *, const void *, int64_t, int64_t, float, float, int);
 
 #define MOE_MAX_PAIRS 256
 
 int eng_moe_small(int dtype, void *out, const void *x, int64_t T, int64_t H, int64_t I, int64_t k, int64_t E,
-                  const void *w13, const void *w2, const float *topw, const int64_t *topi, void *xg, void *h,
-                  void *a, void *y, int nthreads) {
+                  const void *w13, const void *w2, const void *bias13, float alpha, float limit,
+                  const float *topw, const int64_t *topi, void *xg, void *h, void *a, void *y, int nthreads) {
     const int64_t P = T * k;
     if ((dtype != 0 && dtype != 1) || T < 1 || k < 1 || P > MOE_MAX_PAIRS || H < 1 || I < 1 || E < 1)
         return -1;
@@ -1584,13 +1587,16 @@ int eng_moe_small(int dtype, void *out, const void *x, int64_t T, int64_t H, int
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < groups * b13; it++) {
             const int64_t g = it / b13, n0 = it % b13 * DENSE_BLOCK, n1 = n0 + DENSE_BLOCK < 2 * I ? n0 + DENSE_BLOCK : 2 * I;
-            dense_block(bf, (const char *)w13 + (size_t)(gexp[g] * 2 * I * H) * es, NULL,
+            dense_block(bf, (const char *)w13 + (size_t)(gexp[g] * 2 * I * H) * es,
+                        bias13 ? (const char *)bias13 + (size_t)(gexp[g] * 2 * I) * es : NULL,
                         (const char *)xg + (size_t)(gstart[g] * H) * es, (char *)h + (size_t)(gstart[g] * 2 * I) * es,
                         2 * I, H, gstart[g + 1] - gstart[g], n0, n1);
         }
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < P; i++) {
-            if (bf)
+            if (limit > 0.0f) /* gpt-oss's experts */
+                eng_clamp_swiglu_row(a, h, i, I, alpha, limit, bf);
+            else if (bf)
                 eng_silu_mul_row_bf16(a, h, i, I, 0, I);
             else
                 eng_silu_mul_row_f32(a, h, i, I, 0, I);
