@@ -12,14 +12,16 @@ sliding (128) and full layers alternating. ``SHAPE``: hidden 1024, 8 layers, 16 
 weights decode as fast as trained ones: only the shapes matter here.
 
 Both sides load the same folder in ``--dtype``; each round times the engine's decode steps
-(one prefill step, then ``new_tokens - 1`` steps, as bench/decode.py) and transformers'
-(``generate(n) - generate(1)`` on the same prompts), alternating, and the table keeps each
-side's best round. The model is written to a temporary folder and removed.
+(one prefill step, then ``new_tokens - 1`` steps, as bench/decode.py) with the fused CPU
+decode step (the default) and without it (``ENGINE_FUSED_DECODE=0``: the layers one by
+one), and transformers' (``generate(n) - generate(1)`` on the same prompts), alternating,
+and the table keeps each arm's best round. The model is written to a temporary folder and removed.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -67,16 +69,22 @@ def main() -> None:
         print(f"random gpt-oss, {params / 1e6:.0f}M parameters in {args.dtype}; torch threads "
               f"{torch.get_num_threads()}; {args.new_tokens - 1} decode steps after a {args.prompt_len}-token "
               f"prompt; best of {args.rounds} alternated rounds")
-        print("| batch | engine tok/s | transformers tok/s | engine / transformers |")
-        print("|---|---|---|---|")
+        print("| batch | engine tok/s | engine unfused tok/s | transformers tok/s | engine / transformers |")
+        print("|---|---|---|---|---|")
         for b in batches:
             ps = prompts(b, args.prompt_len, hf.config.vocab_size)
             engine.run(ps[:1], 4)  # warm-up
-            ours, theirs = [], []
+            rates: dict[str, list[float]] = {"1": [], "0": [], "hf": []}
             for _ in range(args.rounds):
-                ours.append(b * (args.new_tokens - 1) / engine.run(ps, args.new_tokens))
-                theirs.append(b * (args.new_tokens - 1) / hf_decode_seconds(hf, ps, args.new_tokens))
-            print(f"| {b} | {max(ours):.1f} | {max(theirs):.1f} | {max(ours) / max(theirs):.2f}x |", flush=True)
+                for flag in ("1", "0"):
+                    os.environ["ENGINE_FUSED_DECODE"] = flag
+                    rates[flag].append(b * (args.new_tokens - 1) / engine.run(ps, args.new_tokens))
+                rates["hf"].append(b * (args.new_tokens - 1) / hf_decode_seconds(hf, ps, args.new_tokens))
+            os.environ.pop("ENGINE_FUSED_DECODE")
+            fused, unfused, theirs = (max(rates[k]) for k in ("1", "0", "hf"))
+            print(f"| {b} | {fused:.1f} | {unfused:.1f} | {theirs:.1f} | {fused / theirs:.2f}x |", flush=True)
+        step = engine.runner.model.fused_step
+        assert step is not None and step.steps > 0, "the fused step did not run"
 
 
 if __name__ == "__main__":

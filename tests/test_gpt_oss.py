@@ -5,8 +5,8 @@ SwiGLU on every layer; its experts dense or in MXFP4 blocks (the released checkp
 Written by transformers (engine.models.testing_gpt_oss) with biases and sinks drawn wide
 enough that each moves the answer; the oracle is transformers' model loaded back from the
 same folder (its own MXFP4 dequantization for the blocks). Greedy tokens and their
-logprobs on both op sets, whole prompts and 5-token chunks after a cached past, and the
-Triton kernels in the interpreter."""
+logprobs on both op sets (the C kernels' decode steps fused), whole prompts and 5-token
+chunks after a cached past, and the Triton kernels in the interpreter."""
 
 from __future__ import annotations
 
@@ -56,8 +56,12 @@ def _check(runs: list, expected: list, n: int = NEW_TOKENS) -> None:
 def test_gpt_oss_greedy_tokens_and_logprobs_match_transformers(written, ops: str, chunk_size) -> None:
     folder, prompts, expected = written
     loaded = load_model(folder, dtype="float32")
-    runs = run_greedy(_runner(loaded, 4, ops), prompts, NEW_TOKENS, chunk_size=chunk_size, block_size=4)
+    runner = _runner(loaded, 4, ops)
+    runs = run_greedy(runner, prompts, NEW_TOKENS, chunk_size=chunk_size, block_size=4)
     _check(runs, expected)
+    # On the C kernels the decode steps ran fused (its Gemma mode, the experts between calls).
+    step = runner.model.fused_step
+    assert (step is not None and step.steps > 0) == (ops == "cpu")
 
 
 @pytest.mark.kernels

@@ -20,7 +20,9 @@ as transformers computes it:
   the clamped SwiGLU ``(clamp(up) + 1) * g * sigmoid(1.702 g)``, ``g = min(gate, 7)``
   (:class:`~engine.ops.moe.ClampedSwiglu`).
 
-The released checkpoints keep the experts in MXFP4 blocks; the loader dequantizes them
+Small CPU steps run in the fused decode step's Gemma mode (fp32 norm weights multiplied as
+stored, norms before the blocks only, the sinks in its attention), each layer's experts in
+between its C calls (quant.c's MoE kernel). The released checkpoints keep the experts in MXFP4 blocks; the loader dequantizes them
 (engine.models.hf_quant) and they run dense. Over tensor-parallel ranks each rank keeps
 its heads (their sinks too) and its share of every expert, as for the other MoE families;
 the down projections' biases, like o's, join after the all-reduce.
@@ -29,6 +31,7 @@ the down projections' biases, like o's, join after the all-reduce.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +44,7 @@ from engine.models.layers.moe import select_experts
 from engine.models.layers.norm import gemma_rms_norm
 from engine.models.layers.shard import ShardedWeights, qkv_spans
 from engine.ops import AttentionMetadata, Ops
+from engine.ops.cpu.fused_spec import FusedLayer, FusedModel
 from engine.ops.moe import ClampedSwiglu
 from engine.parallel import SINGLE, TensorParallel, shard_range
 
@@ -115,9 +119,16 @@ class GptOssExperts:
 @dataclasses.dataclass(slots=True)
 class GptOssLayer(DecoderLayer):
     # input_norm / post_norm: fp32 weights (before attention, before the MLP); moe: None.
-    o_bias: torch.Tensor  # added after o's all-reduce
+    # o_proj's bias: in o_proj on one rank, else added after o's all-reduce (o_bias).
+    o_bias: torch.Tensor | None
     sinks: torch.Tensor  # [this rank's heads] fp32
     experts: GptOssExperts
+
+    def mlp(self, x: torch.Tensor, ops: Ops, tp: TensorParallel) -> torch.Tensor:
+        """The experts' output for ``x`` [T, hidden], whole (all-reduced), in x's dtype."""
+        weights, ids = self.experts.route(x)
+        out = tp.all_reduce(self.experts(x, weights, ids, ops))
+        return (out.float() + self.experts.down_bias(weights, ids)).to(x.dtype)
 
 
 class GptOssModel(Decoder):
@@ -155,28 +166,29 @@ class GptOssModel(Decoder):
         (q0, q1), = spans[0]
         d = self.head_dim
         window = self.config.layer_windows[i]
+        o_bias = get(attn + "o_proj.bias")
+        if self.tp.enabled:  # the bias joins once, after the ranks' partial sums
+            o_proj = get.row_parallel(attn + "o_proj.weight")
+        else:
+            o_proj, o_bias = make_linear([get(attn + "o_proj.weight")], o_bias), None
         return GptOssLayer(
             input_norm=self._fp32(get.weights, p + "input_layernorm.weight"),
             post_norm=self._fp32(get.weights, p + "post_attention_layernorm.weight"),
             qkv=make_linear([w for w, _ in parts], torch.cat([b for _, b in parts])),
-            o_proj=get.row_parallel(attn + "o_proj.weight"),
+            o_proj=o_proj,
             q_norm=None,
             k_norm=None,
             gate_up=None,
             down=None,
             window=window,
             rope=self.local_cos_sin_cache if window else self.cos_sin_cache,
-            o_bias=get(attn + "o_proj.bias"),
+            o_bias=o_bias,
             sinks=self._fp32(get.weights, attn + "sinks")[q0 // d:q1 // d].contiguous(),
             experts=GptOssExperts(self.config, i, get, self.tp),
         )
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return gemma_rms_norm(self.ops, x, weight, self.eps)
-
-    def plan_fused_step(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-        """None: the fused CPU step does not run gpt-oss's biased experts."""
-        return None
 
     @torch.inference_mode()
     def forward(
@@ -190,14 +202,15 @@ class GptOssModel(Decoder):
         ops = self.ops
         stage = self.tp.stage
         hidden = self._hidden_stream_in(input_ids, positions)
+        if not stage.enabled:
+            out = self._run_fused(hidden, positions, meta, kv_caches)  # small CPU steps: one C call
+            if out is not None:
+                return out
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             assert isinstance(layer, GptOssLayer)
             x = self._attention(layer, self._rms(hidden, layer.input_norm), positions, meta, k_cache, v_cache)
-            hidden = hidden + (x + layer.o_bias)
-            x = self._rms(hidden, layer.post_norm)
-            weights, ids = layer.experts.route(x)
-            out = self.tp.all_reduce(layer.experts(x, weights, ids, ops))
-            hidden = hidden + (out.float() + layer.experts.down_bias(weights, ids)).to(hidden.dtype)
+            hidden = hidden + (x if layer.o_bias is None else x + layer.o_bias)
+            hidden = hidden + layer.mlp(self._rms(hidden, layer.post_norm), ops, self.tp)
         if not stage.last:
             stage.send([hidden])
             return None  # type: ignore[return-value]
@@ -214,6 +227,20 @@ class GptOssModel(Decoder):
             )
         return self.ops.paged_attention_prefill(q, k_cache, v_cache, meta, self.scale,
                                                 window=layer.window, sinks=layer.sinks)
+
+
+    def fused_description(self) -> FusedModel:
+        """The fused CPU step's Gemma mode (fp32 norm weights multiplied as stored), each
+        layer's experts run in torch between C calls."""
+        return dataclasses.replace(super().fused_description(), gemma=True)
+
+    def _fused_layer(self, layer: DecoderLayer) -> FusedLayer:
+        assert isinstance(layer, GptOssLayer)
+        # Norms before each block (the pre-MLP one in the pre-FFN place), none after; the
+        # sinks in the decode items; the biases in the projections.
+        return dataclasses.replace(
+            super()._fused_layer(layer), post_norm=None, pre_ffn_norm=layer.post_norm, post_ffn_norm=None,
+            sinks=layer.sinks, external_mlp=functools.partial(layer.mlp, ops=self.ops, tp=self.tp))
 
 
 __all__ = ["GptOssExperts", "GptOssLayer", "GptOssModel", "gpt_oss_weight_names"]

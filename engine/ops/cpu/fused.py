@@ -111,8 +111,6 @@ def unfusable(model: FusedModel, kv_caches) -> str | None:
     hidden = model.hidden
     inter = _inter(model)
     for layer in model.layers:
-        if layer.external_mlp is not None and gemma:
-            return "a mixture-of-experts layer in a Gemma decoder"
         projections = [(layer.qkv, hidden), (layer.o, h * d)]
         if layer.external_mlp is None:  # a sparse layer's MLP runs in torch between two C calls
             projections += [(layer.gate_up, hidden), (layer.down, inter)]
