@@ -53,3 +53,27 @@ def assert_greedy_matches(hf: Any, folder: Path, ops: str, *, fused: bool, promp
         got = torch.tensor([s.logprob for s in run], dtype=torch.float64)
         torch.testing.assert_close(got, torch.tensor(want_logprobs, dtype=torch.float64), atol=LOGPROB_ATOL, rtol=0)
     return loaded
+
+
+# 8 experts in 4 groups, 2 groups kept, 3 routed a token, scaled by 2.5; one dense layer first.
+TINY_GLM = dict(vocab_size=384, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+                routed_scaling_factor=2.5, first_k_dense_replace=1, attention_bias=True,
+                max_position_embeddings=256, tie_word_embeddings=False)
+
+
+def write_glm(folder: Path, **extra: Any) -> Any:
+    """A tiny GLM-4.5 (:data:`TINY_GLM` with ``extra`` over it) written into ``folder``,
+    its selection biases and biases drawn so each moves the routing and the answer."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    torch.manual_seed(0)
+    hf = Glm4MoeForCausalLM(Glm4MoeConfig(**(TINY_GLM | extra)))
+    with torch.no_grad():
+        for layer in hf.model.layers[TINY_GLM["first_k_dense_replace"]:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.5)  # a buffer: set by hand
+        for name, p in hf.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+    return write_hf_model(hf, folder, norms=True)

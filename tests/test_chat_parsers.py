@@ -77,6 +77,18 @@ CASES: list[tuple[str, str, str | None, list[tuple[str, dict[str, Any]]]]] = [
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": 5}]',
      '[TOOL_CALLS][{"name": "get_weather", "arguments": 5}]', []),
     ("mistral", "A list [1, 2] is fine.", "A list [1, 2] is fine.", []),
+    # glm45: the name on the block's first line, key/value pairs typed by the schema.
+    ("glm45", "Let me check.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+     "<arg_key>unit</arg_key>\n<arg_value>celsius</arg_value>\n</tool_call>", "Let me check.",
+     [("get_weather", WEATHER)]),
+    ("glm45", "<tool_call>set_alarm\n<arg_key>hour</arg_key>\n<arg_value>7</arg_value>\n<arg_key>loud</arg_key>\n"
+     "<arg_value>true</arg_value>\n<arg_key>tags</arg_key>\n<arg_value>[\"a\", \"b\"]</arg_value>\n</tool_call>"
+     "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>unit</arg_key>\n"
+     "<arg_value>celsius</arg_value>\n</tool_call>", None,
+     [("set_alarm", {"hour": 7, "loud": True, "tags": ["a", "b"]}), ("get_weather", WEATHER)]),
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par",
+     "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par", []),
+    ("glm45", "No calls here.", "No calls here.", []),
     # openai (harmony): the recipient after the channel or before it; a preamble to the
     # user is content; <|call|> (a stop token) ends a call when the text has it.
     ("openai", '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
@@ -347,7 +359,7 @@ def test_constrained_call_sends_arguments_as_they_arrive() -> None:
 
 
 def test_unknown_parser_names_the_choices() -> None:
-    with pytest.raises(ValueError, match="deepseek_v3, granite, granite4, hermes, internlm, "
+    with pytest.raises(ValueError, match="deepseek_v3, glm45, granite, granite4, hermes, internlm, "
                        "llama3_json, mistral, olmo3, openai, phi4_mini_json, pythonic, qwen3_coder"):
         get_tool_parser("nope")
 
@@ -385,6 +397,8 @@ REASONING_CASES = [
     ("openai_gptoss", "<|channel|>analysis<|message|>2+2<|end|><|start|>assistant<|channel|>final<|message|>4",
      "2+2", "4"),
     ("openai_gptoss", "<|channel|>final<|message|>4", None, "4"),
+    ("glm45", "<think>Two and two.</think>Four.", "Two and two.", "Four."),
+    ("glm45", "Four, no thinking.", None, "Four, no thinking."),
     ("openai_gptoss", "<|channel|>analysis<|message|>cut off <|en", "cut off <|en", None),
     ("openai_gptoss", "<|channel|>analysis<|message|>x<|end|><|start|>assist", "x", "<|start|>assist"),
     # A call's header stays in the content, for the openai tool parser.
@@ -409,8 +423,8 @@ def test_reasoning_split_exact_complete_and_streamed(
 
 def test_reasoning_parsers_are_registered() -> None:
     assert set(REASONING_PARSERS) == {"deepseek_r1", "deepseek_v3", "qwen3", "olmo3", "exaone4",
-                                      "granite", "mistral", "openai_gptoss"}
-    with pytest.raises(ValueError, match="deepseek_r1, deepseek_v3, exaone4, granite, mistral, olmo3, "
+                                      "granite", "mistral", "openai_gptoss", "glm45"}
+    with pytest.raises(ValueError, match="deepseek_r1, deepseek_v3, exaone4, glm45, granite, mistral, olmo3, "
                        "openai_gptoss, qwen3"):
         get_reasoning_parser("nope")
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
+from hf_written import write_glm
 from pp_ranks import pipeline_greedy
 from test_loader import write_gguf
 from tp_ranks import greedy_with_logits, run_ranks
@@ -57,6 +58,7 @@ LAYERS = 4  # the issue's floor: 2 stages of 2 layers, or 3 stages of 2, 1, 1
 FAMILIES = TINY_ARCHITECTURES + TINY_MOE_ARCHITECTURES + TINY_ABSOLUTE_ARCHITECTURES
 GGUFS = [("llama", "Q4_0"), ("qwen2", "Q8_0")]  # blocks kept: a tied head, q/k/v biases
 LAYOUTS = [(1, 2), (1, 3), (2, 2)]  # (tp, pp)
+WRITTEN_MOE = ("gpt_oss", "glm4_moe")  # written by transformers (engine.models.testing_gpt_oss, hf_written)
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +70,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple[str,
                                        else layers)), True) for arch in FAMILIES]
     write_gpt_oss(root / "gpt_oss", config=layers, spread=0.2)  # as test_tensor_parallel's
     out.append(("gpt_oss", str(root / "gpt_oss"), True))
+    write_glm(root / "glm4_moe", num_hidden_layers=LAYERS)  # a dense layer, then three MoE
+    out.append(("glm4_moe", str(root / "glm4_moe"), True))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ENGINE_CACHE_DIR", str(root / "cache"))  # the ranks inherit it
         for arch, quant in GGUFS:
@@ -90,7 +94,8 @@ def one_rank(models: list[tuple[str, str, bool]], one_thread: None) -> dict:
 def _check(key: str, layout: tuple[int, int], ranks: list[dict], one_rank: dict) -> None:
     tp, pp = layout
     want_tokens, want_logits, _ = one_rank[key]
-    atol = LOGIT_ATOL if tp == 1 else TP_MOE_LOGIT_ATOL if key in (*TINY_MOE_ARCHITECTURES, "gpt_oss") else TP_LOGIT_ATOL
+    atol = (LOGIT_ATOL if tp == 1 else TP_MOE_LOGIT_ATOL if key in (*TINY_MOE_ARCHITECTURES, *WRITTEN_MOE)
+            else TP_LOGIT_ATOL)
     bounds = stage_layers(LAYERS, pp)
     for rank in range(tp * pp):
         tokens, logits, held = ranks[rank][layout][key]
@@ -110,7 +115,7 @@ def _check(key: str, layout: tuple[int, int], ranks: list[dict], one_rank: dict)
 
 
 # OLMo over tensor-parallel ranks is refused (its q/k norms span every head).
-CASES = [(arch, layout) for arch in (*FAMILIES, "gpt_oss") for layout in LAYOUTS]
+CASES = [(arch, layout) for arch in (*FAMILIES, *WRITTEN_MOE) for layout in LAYOUTS]
 
 
 @pytest.mark.parametrize(("arch", "layout"), CASES, ids=[f"{a}-tp{t}-pp{p}" for a, (t, p) in CASES])

@@ -26,6 +26,7 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
+from hf_written import write_glm
 from test_loader import write_gguf
 from tp_ranks import BLOCK_SIZE, greedy_with_logits, run_ranks
 
@@ -56,6 +57,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple[str,
     # once after the all-reduce.
     write_gpt_oss(root / "gpt_oss", spread=0.2)  # at 0.3 the order of sums moved a logit 1.5e-5
     out.append(("gpt_oss", str(root / "gpt_oss"), True))
+    # GLM-4.5: the fp32 router and its selection bias whole on every rank, the ungated
+    # shared expert cut as the experts are.
+    write_glm(root / "glm4_moe")
+    out.append(("glm4_moe", str(root / "glm4_moe"), True))
     # OLMo's k norm over one KV head copied to both ranks (counted once, not twice).
     out.append(("olmo2-mqa", str(write_tiny_model(root / "olmo2-mqa", "olmo2",
                                                   overrides={"num_key_value_heads": 1})), True))
@@ -121,8 +126,7 @@ def _check(key: str, two_ranks: list[dict], one_rank: dict, close) -> None:
         for step, (got, want) in enumerate(zip(logits, want_logits, strict=True)):
             assert got.shape == want.shape  # the full vocabulary, gathered
             close(got, want, f"rank {rank} step {step}")
-        if close is _exact:
-            assert tokens == want_tokens
+        assert tokens == want_tokens
     # Every rank gathers the same logits, so every rank samples the same tokens.
     assert two_ranks[0][key][0] == two_ranks[1][key][0]
     assert all(torch.equal(a, b) for a, b in zip(two_ranks[0][key][1], two_ranks[1][key][1], strict=True))
@@ -138,11 +142,21 @@ def test_two_ranks_give_the_one_rank_logits_and_tokens(arch: str, two_ranks: lis
     _check(arch, two_ranks, one_rank, _exact)
 
 
-@pytest.mark.parametrize("key", ["exaone4", "granite_moe", "olmo2-mqa", "gpt_oss"])
+# GLM-4.5's sigmoid router scaled by 2.5 carries the reordered sums into its routing
+# weights: measured 2.05e-5 at a logit of 0.17 (one step of 32, 22 values of 1152) on an AMD
+# EPYC. test_pipeline_parallel's bound for MoE models under tensor parallelism holds it.
+MOE_LOGIT_ATOL = 5e-5
+
+
+def _moe(got: torch.Tensor, want: torch.Tensor, where: str) -> None:
+    torch.testing.assert_close(got, want, atol=MOE_LOGIT_ATOL, rtol=LOGIT_RTOL, msg=lambda m: f"{where}: {m}")
+
+
+@pytest.mark.parametrize("key", ["exaone4", "granite_moe", "olmo2-mqa", "gpt_oss", "glm4_moe"])
 def test_transformers_written_and_copied_kv_head_models_over_two_ranks(
     key: str, two_ranks: list[dict], one_rank: dict,
 ) -> None:
-    _check(key, two_ranks, one_rank, _exact)
+    _check(key, two_ranks, one_rank, _moe if key == "glm4_moe" else _exact)
 
 
 @pytest.mark.parametrize(("arch", "quant"), GGUFS, ids=[f"{a}-{q}" for a, q in GGUFS])

@@ -9,6 +9,7 @@ name                the output looks like                         model families
 ``qwen3``           ``<think>reasoning</think>answer``. An output   Qwen3, SmolLM3 (hybrid;
                     that does not open with ``<think>`` is all       ``enable_thinking: false``
                     answer.                                          turns it off)
+``glm45``           as ``qwen3``                                     GLM-4.5, 4.6
 ``olmo3``           as ``deepseek_r1``; the markers are plain text  OLMo 3 Think
 ``exaone4``         as ``deepseek_r1``, only when the request sets  EXAONE 4.0
                     ``chat_template_kwargs`` ``enable_thinking:
@@ -218,6 +219,7 @@ _GRANITE_ENDS = ("Here is my response:", "Here's my response:")
 REASONING_PARSERS: dict[str, ReasoningParser] = {p.name: p for p in (
     ReasoningParser("deepseek_r1", starts_in_reasoning=True),
     ReasoningParser("qwen3", starts_in_reasoning=False, switch="enable_thinking"),
+    ReasoningParser("glm45", starts_in_reasoning=False, switch="enable_thinking"),
     ReasoningParser("olmo3", starts_in_reasoning=True),
     ReasoningParser("exaone4", starts_in_reasoning=True, switch="enable_thinking",
                     thinks_by_default=False),

@@ -24,6 +24,7 @@ from engine.models.encoder_config import (
     encoder_fields,
     matryoshka,
 )
+from engine.models.moe_config import MoeConfig
 from engine.models.vision_config import (
     QWEN_VL_ARCHITECTURES,
     VISION_ARCHITECTURES,
@@ -65,6 +66,11 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    # GLM-4.5 / 4.6 (and -Air): the Llama layer with a partial rotary (half of each head by
+    # default), optional q/k norms, and DeepSeek-V3's MoE routing (sigmoid scores, a
+    # selection bias, expert groups, a scaling factor) with an ungated shared expert, after
+    # first_k_dense_replace dense layers.
+    "Glm4MoeForCausalLM": "glm4_moe",
     # gpt-oss (models/gpt_oss.py): biased attention with sinks, every layer a biased MoE
     # with a clamped SwiGLU, sliding and full layers alternating.
     "GptOssForCausalLM": "gpt_oss",
@@ -94,91 +100,6 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope", "su"
 
 # hidden_act values -> the MLP's gated activation.
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class MoeConfig:
-    """The sparse MLP of a mixture-of-experts model, as its config.json describes it."""
-
-    num_experts: int
-    top_k: int  # experts each token is routed to
-    intermediate_size: int  # of each expert
-    # Renormalise the top-k routing probabilities to sum to 1 (Mixtral always does; the
-    # Qwen MoE configs say so with norm_topk_prob).
-    norm_topk_prob: bool
-    # Qwen2-MoE's always-on expert, scaled by sigmoid(shared_expert_gate(x)); 0: none.
-    shared_expert_intermediate_size: int
-    # Layers whose MLP is the sparse block; the others keep a dense MLP of the model's
-    # intermediate_size (Qwen's decoder_sparse_step and mlp_only_layers).
-    sparse_layers: tuple[int, ...]
-    # Checkpoint naming: Mixtral's block_sparse_moe.experts.N.w1/w3/w2, Qwen's
-    # mlp.experts.N.gate_proj/up_proj/down_proj, or Granite's stacked
-    # block_sparse_moe.input_linear [E, 2 * inter, hidden] / output_linear / router.layer.
-    # gpt-oss's experts (naming "gpt_oss"): stacked and interleaved
-    # (mlp.experts.gate_up_proj [E, hidden, 2 * inter], gate and up columns alternating),
-    # with biases, the router's too, and the clamped SwiGLU (engine.ops.moe.ClampedSwiglu)
-    # of this limit and sigmoid gain; 0: the plain SwiGLU.
-    naming: str  # "mixtral", "qwen", "granite" or "gpt_oss"
-    swiglu_limit: float = 0.0
-    swiglu_alpha: float = 1.0
-
-    @classmethod
-    def from_hf(cls, raw: dict[str, Any], arch: str, num_layers: int) -> MoeConfig | None:
-        if arch == "gpt_oss":  # softmax over the top-k logits: renormalised top-k
-            return cls(num_experts=_num_experts(raw, 128),
-                       top_k=int(raw.get("num_experts_per_tok") or raw.get("experts_per_token") or 4),
-                       intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=True,
-                       shared_expert_intermediate_size=0, sparse_layers=tuple(range(num_layers)),
-                       naming="gpt_oss", swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
-                       swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)))
-        if arch == "granite_moe":  # softmax over the top-k logits: renormalised top-k
-            return cls(num_experts=_num_experts(raw, 0), top_k=int(raw["num_experts_per_tok"]),
-                       intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=True,
-                       shared_expert_intermediate_size=0, sparse_layers=tuple(range(num_layers)),
-                       naming="granite")
-        if arch == "mixtral":
-            experts = _num_experts(raw, 8)
-            return cls(
-                num_experts=experts,
-                top_k=int(raw.get("num_experts_per_tok", 2)),
-                intermediate_size=int(raw["intermediate_size"]),
-                norm_topk_prob=True,
-                shared_expert_intermediate_size=0,
-                sparse_layers=tuple(range(num_layers)),
-                naming="mixtral",
-            )
-        if arch not in ("qwen2_moe", "qwen3_moe"):
-            return None
-        experts = _num_experts(raw, 0)
-        step = int(raw.get("decoder_sparse_step", 1))
-        dense_only = {int(i) for i in raw.get("mlp_only_layers") or ()}
-        # transformers: layer i is sparse iff it is not in mlp_only_layers, the model has
-        # experts and (i + 1) % decoder_sparse_step == 0.
-        sparse = tuple(
-            i for i in range(num_layers)
-            if i not in dense_only and experts > 0 and step > 0 and (i + 1) % step == 0
-        )
-        return cls(
-            num_experts=experts,
-            top_k=int(raw["num_experts_per_tok"]),
-            intermediate_size=int(raw["moe_intermediate_size"]),
-            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-            shared_expert_intermediate_size=(
-                int(raw.get("shared_expert_intermediate_size") or 0) if arch == "qwen2_moe" else 0
-            ),
-            sparse_layers=sparse,
-            naming="qwen",
-        )
-
-
-def _num_experts(raw: dict[str, Any], default: int) -> int:
-    """The expert count under either name: transformers 4 wrote ``num_experts`` for the
-    Qwen MoE families and ``num_local_experts`` for Mixtral; transformers 5 writes
-    ``num_local_experts`` for Qwen3-MoE too (``num_experts`` is an alias there)."""
-    for key in ("num_local_experts", "num_experts"):
-        if raw.get(key) is not None:
-            return int(raw[key])
-    return default
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -362,7 +283,8 @@ class ModelConfig:
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 # Qwen2-MoE names its q/k/v bias switch qkv_bias (default on).
                 attention_bias=attention_bias,
-                qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "exaone4"),
+                qk_norm=(arch in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "exaone4")
+                         or (arch == "glm4_moe" and bool(raw.get("use_qk_norm")))),
                 sliding_window=int(window) if window else None,
                 layer_windows=windows,
                 bos_token_id=raw.get("bos_token_id"),

@@ -23,14 +23,16 @@ _MLP_BIAS_FAMILIES = frozenset({"llama", "smollm3", "granite"})
 
 # Families whose attention rotates only the first partial_rotary_factor of each head
 # (transformers' Phi-3 slices q and k so); the others refuse a factor below 1.
-_PARTIAL_ROTARY_FAMILIES = frozenset({"phi3"})
+_PARTIAL_ROTARY_FAMILIES = frozenset({"phi3", "glm4_moe"})
+# Families whose config means a partial rotary when it names none (transformers' default).
+_DEFAULT_ROTARY_FACTOR = {"glm4_moe": 0.5}
 
 
 def rotary_dim(raw: dict[str, Any], arch: str, head_dim: int) -> int:
     """The rotated share of each head (``ModelConfig.rotary_dim``, 0 for all of it), from
     ``partial_rotary_factor`` wherever the config keeps it (top level, rope_scaling, or
     transformers 5's rope_parameters), as ``int(head_dim * factor)``."""
-    factor = 1.0
+    factor = _DEFAULT_ROTARY_FACTOR.get(arch, 1.0)
     for where in (raw.get("rope_scaling"), raw.get("rope_parameters"), raw):
         if isinstance(where, dict) and where.get("partial_rotary_factor") is not None:
             factor = float(where["partial_rotary_factor"])

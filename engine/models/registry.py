@@ -50,6 +50,7 @@ MODEL_CLASSES: dict[str, type] = {
     "mixtral": LlamaModel,
     "qwen2_moe": LlamaModel,
     "qwen3_moe": LlamaModel,
+    "glm4_moe": LlamaModel,
     "gpt_oss": GptOssModel,
     "gemma": GemmaModel,
     "gemma2": GemmaModel,

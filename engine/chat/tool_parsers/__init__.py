@@ -24,6 +24,9 @@ name             what the model writes                                       mod
                  ``</function></tool_call>``, values typed by the schema
 ``olmo3``        ``<function_calls>`` + one ``name(key=value)`` a line +         OLMo 3
                  ``</function_calls>``
+``glm45``        ``<tool_call>NAME`` + per argument ``<arg_key>K</arg_key>``       GLM-4.5, 4.6
+                 ``<arg_value>V</arg_value>`` + ``</tool_call>``, values
+                 typed by the schema
 ``openai``       harmony: ``<|channel|>commentary to=functions.NAME``          gpt-oss
                  ``<|constrain|>json<|message|>{...}`` (the recipient
                  before or after the channel), ended by ``<|call|>``
@@ -65,6 +68,7 @@ from __future__ import annotations
 # Each family's module registers its parsers on import.
 from engine.chat.tool_parsers import (  # noqa: F401
     deepseek_v3,
+    glm45,
     granite,
     hermes,
     internlm,

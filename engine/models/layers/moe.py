@@ -1,6 +1,8 @@
-"""The sparse MLP of Mixtral, Qwen2-MoE, Qwen3-MoE and Granite-MoE: a router, routed experts and an
-optional shared expert, replacing the dense MLP in the layers ``MoeConfig.sparse_layers``
-names.
+"""The sparse MLP of Mixtral, Qwen2-MoE, Qwen3-MoE, Granite-MoE and GLM-4.5: a router, routed
+experts and an optional shared expert, replacing the dense MLP in the layers
+``MoeConfig.sparse_layers`` names. GLM-4.5 routes as DeepSeek-V3 does
+(:func:`select_experts_grouped`: sigmoid scores, a selection bias, expert groups, a scale)
+with its router in fp32 and its shared expert ungated.
 
 Routing, as transformers computes it for each of these models: router logits in the model
 dtype, a softmax over all experts in fp32, the ``top_k`` largest probabilities, and (when
@@ -32,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.config import ModelConfig, MoeConfig
+from engine.models.layers.shard import ShardedWeights
 from engine.ops import Ops
 from engine.parallel import SINGLE, TensorParallel, shard_range
 
@@ -56,12 +59,19 @@ def sparse_layer_weight_names(moe: MoeConfig, layer: int) -> list[str]:
     if moe.naming == "granite":
         return [p + "router.layer.weight", p + "input_linear.weight", p + "output_linear.weight"]
     names = [p + "gate.weight"]
+    if moe.scoring == "sigmoid":
+        names.append(p + "gate.e_score_correction_bias")
     for e in range(moe.num_experts):
         names += expert_weight_names(moe, layer, e)
     if moe.shared_expert_intermediate_size:
-        names += [p + f"shared_expert.{n}_proj.weight" for n in ("gate", "up", "down")]
-        names.append(p + "shared_expert_gate.weight")
+        names += [p + f"{_shared_name(moe)}.{n}_proj.weight" for n in ("gate", "up", "down")]
+        if moe.naming != "glm4_moe":  # GLM's shared experts are not gated
+            names.append(p + "shared_expert_gate.weight")
     return names
+
+
+def _shared_name(moe: MoeConfig) -> str:
+    return "shared_experts" if moe.naming == "glm4_moe" else "shared_expert"
 
 
 def select_experts(
@@ -73,6 +83,25 @@ def select_experts(
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def select_experts_grouped(router_logits: torch.Tensor, bias: torch.Tensor, moe: MoeConfig
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing (``MoeConfig.scoring`` "sigmoid"), as transformers computes
+    GLM-4.5's in fp32: ``(weights [T, k] fp32, ids [T, k] int64)``."""
+    scores = router_logits.float().sigmoid()
+    choice = scores + bias
+    if moe.topk_group < moe.n_group:  # only the best groups' experts may be chosen
+        t = choice.shape[0]
+        grouped = choice.view(t, moe.n_group, -1)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(moe.topk_group, dim=-1).indices, 1.0)
+        choice = choice.masked_fill(~keep.bool().unsqueeze(-1).expand_as(grouped).reshape(t, -1), float("-inf"))
+    ids = choice.topk(moe.top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if moe.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * moe.routed_scaling_factor, ids
 
 
 def _granite_experts(w13: torch.Tensor, w2: torch.Tensor, inter: int,
@@ -90,7 +119,8 @@ def _granite_experts(w13: torch.Tensor, w2: torch.Tensor, inter: int,
 class SparseMoeBlock:
     """One layer's router, stacked expert weights and optional shared expert."""
 
-    __slots__ = ("top_k", "renormalize", "router", "w13", "w2", "shared_gate_up", "shared_down", "shared_gate", "lora")
+    __slots__ = ("top_k", "renormalize", "router", "w13", "w2", "shared_gate_up", "shared_down", "shared_gate", "lora",
+                 "moe", "score_bias")
 
     def __init__(
         self,
@@ -111,13 +141,19 @@ class SparseMoeBlock:
         self.shared_gate_up = self.shared_down = self.shared_gate = None
         # The experts' LoRA deltas (engine.models.layers.lora.LoraExperts), once enabled.
         self.lora = None
+        self.moe, self.score_bias = moe, None  # score_bias: DeepSeek-V3 routing's (GLM-4.5)
         if moe.naming == "granite":  # stacked as the kernels take them
             self.router = linear(get(p + "router.layer.weight"))
             self.w13, self.w2 = _granite_experts(get(p + "input_linear.weight"),
                                                  get(p + "output_linear.weight"),
                                                  moe.intermediate_size, tp)
             return
-        self.router = linear(get(p + "gate.weight"))  # [E, hidden]
+        if moe.scoring == "sigmoid":  # GLM-4.5: the router and its selection bias in fp32
+            fp32 = ShardedWeights(get.weights, torch.float32, get.device)  # type: ignore[attr-defined]
+            self.router = _Fp32Router(fp32(p + "gate.weight"))
+            self.score_bias = fp32(p + "gate.e_score_correction_bias")
+        else:
+            self.router = linear(get(p + "gate.weight"))  # [E, hidden]
         # Column-parallel gate/up rows, row-parallel down columns (whole with one rank).
         rows = get.rows if tp.enabled else get  # type: ignore[attr-defined]
         cols = get.cols if tp.enabled else get  # type: ignore[attr-defined]
@@ -129,25 +165,41 @@ class SparseMoeBlock:
         self.w13 = torch.stack(gate_up)
         self.w2 = torch.stack(down)
         if moe.shared_expert_intermediate_size:
-            s = p + "shared_expert."
+            s = p + _shared_name(moe) + "."
             self.shared_gate_up = linear(torch.cat([rows(s + "gate_proj.weight"), rows(s + "up_proj.weight")]))
             self.shared_down = linear(cols(s + "down_proj.weight"))
-            self.shared_gate = linear(get(p + "shared_expert_gate.weight"))  # [1, hidden]
+            if moe.naming != "glm4_moe":
+                self.shared_gate = linear(get(p + "shared_expert_gate.weight"))  # [1, hidden]
 
     def __call__(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         """The block's output; with tensor parallelism this rank's part of it (the gated
         shared expert's too: the gate scales each rank's partial sum alike)."""
-        weights, ids = select_experts(self.router(x), self.top_k, self.renormalize)
+        if self.score_bias is not None:
+            weights, ids = select_experts_grouped(self.router(x), self.score_bias, self.moe)
+        else:
+            weights, ids = select_experts(self.router(x), self.top_k, self.renormalize)
         token_slots = None if self.lora is None else self.lora.active()
         if token_slots is None:
             out = ops.fused_moe(x, self.w13, self.w2, weights, ids)
         else:  # a token's adapter adapts the experts: the deltas go inside each expert's MLP
             out = self.lora(x, self.w13, self.w2, weights, ids, token_slots)
         if self.shared_gate_up is not None:
-            assert self.shared_down is not None and self.shared_gate is not None
+            assert self.shared_down is not None
             shared = self.shared_down(ops.silu_and_mul(self.shared_gate_up(x)))
-            out = out + F.sigmoid(self.shared_gate(x)) * shared
+            out = out + (shared if self.shared_gate is None else F.sigmoid(self.shared_gate(x)) * shared)
         return out
+
+
+class _Fp32Router:
+    """A router computed in fp32 (GLM-4.5's: transformers keeps it so): ``x @ w.T``."""
+
+    __slots__ = ("weight",)
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight)
 
 
 __all__ = [
@@ -155,5 +207,6 @@ __all__ = [
     "expert_weight_names",
     "layer_prefix",
     "select_experts",
+    "select_experts_grouped",
     "sparse_layer_weight_names",
 ]

@@ -1,0 +1,118 @@
+"""The sparse MLP of a mixture-of-experts decoder, read from its ``config.json``
+(``ModelConfig.moe``; engine.models.layers.moe builds it): Mixtral, Qwen2-MoE, Qwen3-MoE,
+Granite-MoE, GLM-4.5 and gpt-oss."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class MoeConfig:
+    """The sparse MLP of a mixture-of-experts model, as its config.json describes it."""
+
+    num_experts: int
+    top_k: int  # experts each token is routed to
+    intermediate_size: int  # of each expert
+    # Renormalise the top-k routing probabilities to sum to 1 (Mixtral always does; the
+    # Qwen MoE configs say so with norm_topk_prob).
+    norm_topk_prob: bool
+    # Qwen2-MoE's always-on expert, scaled by sigmoid(shared_expert_gate(x)); 0: none.
+    shared_expert_intermediate_size: int
+    # Layers whose MLP is the sparse block; the others keep a dense MLP of the model's
+    # intermediate_size (Qwen's decoder_sparse_step and mlp_only_layers).
+    sparse_layers: tuple[int, ...]
+    # Checkpoint naming: Mixtral's block_sparse_moe.experts.N.w1/w3/w2, Qwen's
+    # mlp.experts.N.gate_proj/up_proj/down_proj, or Granite's stacked
+    # block_sparse_moe.input_linear [E, 2 * inter, hidden] / output_linear / router.layer.
+    # gpt-oss's experts (naming "gpt_oss"): stacked and interleaved
+    # (mlp.experts.gate_up_proj [E, hidden, 2 * inter], gate and up columns alternating),
+    # with biases, the router's too, and the clamped SwiGLU (engine.ops.moe.ClampedSwiglu)
+    # of this limit and sigmoid gain; 0: the plain SwiGLU.
+    naming: str  # "mixtral", "qwen", "granite", "glm4_moe" or "gpt_oss"
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.0
+    # DeepSeek-V3's routing (GLM-4.5's, naming "glm4_moe"; "softmax": the others'): sigmoid
+    # scores, the top-k chosen by score + the router's e_score_correction_bias among the
+    # topk_group best of n_group expert groups (a group ranked by its two best), weighted by
+    # the scores alone (renormalised with norm_topk_prob), times routed_scaling_factor. Its
+    # shared expert (shared_experts, n_shared_experts of moe_intermediate_size) is added
+    # ungated.
+    scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], arch: str, num_layers: int) -> MoeConfig | None:
+        if arch == "glm4_moe":
+            experts = int(raw.get("n_routed_experts") or _num_experts(raw, 128))
+            inter = int(raw["moe_intermediate_size"])
+            groups, topk_groups = int(raw.get("n_group") or 1), int(raw.get("topk_group") or 1)
+            if experts % groups or not 0 < topk_groups <= groups:
+                raise ValueError(f"n_group {groups} / topk_group {topk_groups} do not fit {experts} experts")
+            return cls(num_experts=experts, top_k=int(raw.get("num_experts_per_tok", 8)), intermediate_size=inter,
+                       norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+                       shared_expert_intermediate_size=inter * int(raw.get("n_shared_experts", 1) or 0),
+                       sparse_layers=tuple(range(int(raw.get("first_k_dense_replace", 1)), num_layers)),
+                       naming="glm4_moe", scoring="sigmoid", n_group=groups, topk_group=topk_groups,
+                       routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)))
+        if arch == "gpt_oss":  # softmax over the top-k logits: renormalised top-k
+            return cls(num_experts=_num_experts(raw, 128),
+                       top_k=int(raw.get("num_experts_per_tok") or raw.get("experts_per_token") or 4),
+                       intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=True,
+                       shared_expert_intermediate_size=0, sparse_layers=tuple(range(num_layers)),
+                       naming="gpt_oss", swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+                       swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)))
+        if arch == "granite_moe":  # softmax over the top-k logits: renormalised top-k
+            return cls(num_experts=_num_experts(raw, 0), top_k=int(raw["num_experts_per_tok"]),
+                       intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=True,
+                       shared_expert_intermediate_size=0, sparse_layers=tuple(range(num_layers)),
+                       naming="granite")
+        if arch == "mixtral":
+            experts = _num_experts(raw, 8)
+            return cls(
+                num_experts=experts,
+                top_k=int(raw.get("num_experts_per_tok", 2)),
+                intermediate_size=int(raw["intermediate_size"]),
+                norm_topk_prob=True,
+                shared_expert_intermediate_size=0,
+                sparse_layers=tuple(range(num_layers)),
+                naming="mixtral",
+            )
+        if arch not in ("qwen2_moe", "qwen3_moe"):
+            return None
+        experts = _num_experts(raw, 0)
+        step = int(raw.get("decoder_sparse_step", 1))
+        dense_only = {int(i) for i in raw.get("mlp_only_layers") or ()}
+        # transformers: layer i is sparse iff it is not in mlp_only_layers, the model has
+        # experts and (i + 1) % decoder_sparse_step == 0.
+        sparse = tuple(
+            i for i in range(num_layers)
+            if i not in dense_only and experts > 0 and step > 0 and (i + 1) % step == 0
+        )
+        return cls(
+            num_experts=experts,
+            top_k=int(raw["num_experts_per_tok"]),
+            intermediate_size=int(raw["moe_intermediate_size"]),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            shared_expert_intermediate_size=(
+                int(raw.get("shared_expert_intermediate_size") or 0) if arch == "qwen2_moe" else 0
+            ),
+            sparse_layers=sparse,
+            naming="qwen",
+        )
+
+
+def _num_experts(raw: dict[str, Any], default: int) -> int:
+    """The expert count under either name: transformers 4 wrote ``num_experts`` for the
+    Qwen MoE families and ``num_local_experts`` for Mixtral; transformers 5 writes
+    ``num_local_experts`` for Qwen3-MoE too (``num_experts`` is an alias there)."""
+    for key in ("num_local_experts", "num_experts"):
+        if raw.get(key) is not None:
+            return int(raw[key])
+    return default
+
+
+__all__ = ["MoeConfig"]
