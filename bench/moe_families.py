@@ -1,0 +1,123 @@
+"""Decode of the MoE families transformers writes (gpt-oss, GLM-4.5) on the engine's model
+runner beside transformers' ``generate``.
+
+    .venv/bin/python bench/moe_families.py [--families gpt_oss,glm4_moe] [--dtype bfloat16]
+                                           [--batches 1,8] [--new-tokens 64] [--prompt-len 64] [--rounds 2]
+
+No checkpoint of either fits this machine (gpt-oss-20b's experts are 12 GB in MXFP4 and
+40 GB dense; GLM-4.5-Air is 106B), so this writes random-weight models with transformers
+at reduced shapes that keep what sets each family apart (``SHAPES``):
+
+* gpt-oss: every layer a mixture of 32 experts with 4 routed a token, biased attention
+  with sinks, sliding (128) and full layers alternating. Hidden 1024, 8 layers, 16 query
+  and 4 KV heads of 64, experts 512 wide: about 420M parameters.
+* GLM-4.5: GLM-4.5-Air's routing (128 experts, 8 routed a token by sigmoid scores and a
+  selection bias, one shared expert; here 64 experts), half of each head rotated, q/k/v
+  biases, a dense first layer. Hidden 1024, 8 layers, 16 query and 4 KV heads of 64,
+  experts 256 wide: about 390M parameters.
+
+Random weights decode as fast as trained ones: only the shapes matter here. Both sides
+load the same folder in ``--dtype``; each round times the engine's decode steps (one
+prefill step, then ``new_tokens - 1`` steps, as bench/decode.py) with the fused CPU
+decode step (the default) and without it (``ENGINE_FUSED_DECODE=0``: the layers one by
+one), and transformers' (``generate(n) - generate(1)`` on the same prompts), alternating,
+and the table keeps each arm's best round. The models are written to a temporary folder
+and removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import EngineDecode, hf_decode_seconds, prompts  # noqa: E402
+
+from engine.models.loader import load_model  # noqa: E402
+from engine.models.testing import write_tiny_model  # noqa: E402
+from engine.models.testing_gpt_oss import write_gpt_oss  # noqa: E402
+
+ATTENTION = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                 max_position_embeddings=4096)
+SHAPES = {
+    "gpt_oss": ATTENTION | dict(
+        intermediate_size=512, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+        rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096, "rope_theta": 150000.0}),
+    "glm4_moe": ATTENTION | dict(
+        intermediate_size=2816, moe_intermediate_size=256, n_routed_experts=64, num_experts_per_tok=8,
+        n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, attention_bias=True,
+        vocab_size=384, tie_word_embeddings=False),
+}
+
+
+def write(family: str, folder: Path) -> None:
+    if family == "gpt_oss":
+        write_gpt_oss(folder, config=SHAPES[family], spread=0.02)
+        return
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    torch.manual_seed(0)
+    Glm4MoeForCausalLM(Glm4MoeConfig(**SHAPES[family])).save_pretrained(folder)
+    tokenizer = write_tiny_model(folder.parent / "tokenizer", "llama")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer / name, folder / name)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--families", default=",".join(SHAPES))
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    batches = [int(b) for b in args.batches.split(",")]
+    from transformers import AutoModelForCausalLM
+
+    print(f"random weights in {args.dtype}; torch threads {torch.get_num_threads()}; {args.new_tokens - 1} decode "
+          f"steps after a {args.prompt_len}-token prompt; best of {args.rounds} alternated rounds")
+    print("| family | parameters | batch | engine tok/s | engine unfused tok/s | transformers tok/s | "
+          "engine / transformers |")
+    print("|---|---|---|---|---|---|---|")
+    for family in args.families.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = Path(tmp) / family
+            write(family, folder)
+            base = load_model(folder, dtype="float32")
+            params = sum(w.numel() for w in base.weights.values())
+            engine = EngineDecode(base, dtype, max(batches), args.prompt_len + args.new_tokens)
+            del base
+            hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+            hf.generation_config.eos_token_id = None
+            hf.generation_config.pad_token_id = 0
+            for b in batches:
+                ps = prompts(b, args.prompt_len, hf.config.vocab_size)
+                engine.run(ps[:1], 4)  # warm-up
+                rates: dict[str, list[float]] = {"1": [], "0": [], "hf": []}
+                for _ in range(args.rounds):
+                    for flag in ("1", "0"):
+                        os.environ["ENGINE_FUSED_DECODE"] = flag
+                        rates[flag].append(b * (args.new_tokens - 1) / engine.run(ps, args.new_tokens))
+                    rates["hf"].append(b * (args.new_tokens - 1) / hf_decode_seconds(hf, ps, args.new_tokens))
+                os.environ.pop("ENGINE_FUSED_DECODE")
+                fused, unfused, theirs = (max(rates[k]) for k in ("1", "0", "hf"))
+                print(f"| {family} | {params / 1e6:.0f}M | {b} | {fused:.1f} | {unfused:.1f} | {theirs:.1f} | "
+                      f"{fused / theirs:.2f}x |", flush=True)
+            step = engine.runner.model.fused_step
+            assert step is not None and step.steps > 0, f"{family}: the fused step did not run"
+            del engine, hf
+
+
+if __name__ == "__main__":
+    main()
