@@ -107,6 +107,16 @@ MARKER_TOKENS = ("<tool_call>", "</tool_call>", "<think>", "</think>")
 MISTRAL_MARKER_TOKENS = ("[TOOL_CALLS]", "[ARGS]")
 # Magistral's reasoning markers, special tokens too (the mistral reasoning parser).
 MAGISTRAL_MARKER_TOKENS = ("[THINK]", "[/THINK]", "[TOOL_CALLS]")
+# gpt-oss's harmony format: its markers (special tokens), and a template of the tests' own
+# (a subset of gpt-oss's): each turn a message, the assistant's on the final channel, the
+# generation prompt <|start|>assistant.
+HARMONY_MARKER_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>",
+                         "<|call|>")
+HARMONY_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>"
+    "{%- else -%}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{%- endif -%}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}")
 
 
 def write_marker_model(path: Any, chat_template: str,

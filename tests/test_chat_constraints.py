@@ -17,6 +17,8 @@ import pytest
 import torch
 import trio
 from chat_fixtures import (
+    HARMONY_MARKER_TOKENS,
+    HARMONY_TEMPLATE,
     MAGISTRAL_MARKER_TOKENS,
     MARKER_TOKENS,
     MISTRAL_MARKER_TOKENS,
@@ -567,6 +569,43 @@ def test_mistral_reasoning_markers_are_special_tokens_the_grammar_lets_through(
     after = _allowed(magistral_grammar, spec, opened + string[:string.index('a"}')])
     assert after[tokenizer.encode("a", add_special_tokens=False)[0]]
     assert not any(after[t] for t in (think, end_think, calls))
+
+
+@pytest.fixture(scope="module", params=["xgrammar", "guidance"])
+def harmony_grammar(request: pytest.FixtureRequest,
+                    tmp_path_factory: pytest.TempPathFactory) -> tuple[str, GrammarBackend, Any]:
+    folder = write_marker_model(tmp_path_factory.mktemp("harmony") / "m", HARMONY_TEMPLATE,
+                                HARMONY_MARKER_TOKENS, special=True)
+    return _grammar_backend(request.param, folder)
+
+
+def test_a_schema_after_harmony_reasoning_starts_after_the_final_channel_header(
+    harmony_grammar: Any,
+) -> None:
+    """gpt-oss's analysis channel, then the final channel's header, are runs of special
+    tokens and text: under a JSON constraint the reasoning prefix takes them as written
+    (the special tokens as tokens) and the schema starts after <|message|>; other special
+    tokens stay out of the reasoning's end and of the JSON; an answer without reasoning is
+    the JSON alone."""
+    _, _, tokenizer = harmony_grammar
+    spec = StructuredOutputs(json=STRING_SCHEMA, think=get_reasoning_parser("openai_gptoss").think)
+    good = _args(harmony_grammar, {"s": "ok"})
+    analysis = "<|channel|>analysis<|message|>Two and two, {\"s\" is the key.<|end|>"
+    final = "<|start|>assistant<|channel|>final<|message|>"
+    assert _accepts(harmony_grammar, spec, f"{analysis}{final}{good}")
+    assert _accepts(harmony_grammar, spec, good)
+    # Another channel's header does not end the reasoning: the answer after it cannot end.
+    assert not _accepts(harmony_grammar, spec, f"{analysis}<|start|>assistant<|channel|>commentary<|message|>{good}")
+    assert not _accepts(harmony_grammar, spec, f"{analysis}{final}{{\"t\"", end=False)
+    assert not _accepts(harmony_grammar, spec, f"{analysis}{final}<|call|>", end=False)
+    start, end, message, channel = (marker_id(tokenizer, m) for m in
+                                    ("<|start|>", "<|end|>", "<|message|>", "<|channel|>"))
+    assert _allowed(harmony_grammar, spec, "<|channel|>analysis<|message|>Two and")[end]
+    assert _allowed(harmony_grammar, spec, f"{analysis}<|start|>assistant")[channel]
+    string = _args(harmony_grammar, {"s": "a"})
+    after = _allowed(harmony_grammar, spec, analysis + final + string[:string.index('a"}')])
+    assert after[tokenizer.encode("a", add_special_tokens=False)[0]]
+    assert not any(after[t] for t in (start, end, message, channel))
 
 
 def _allowed(grammar: tuple[str, GrammarBackend, Any], spec: StructuredOutputs,

@@ -4,7 +4,7 @@ and the ``openai`` tool-call parser, served (``--reasoning-parser openai_gptoss
 client. The fake engine plays a gpt-oss reply token by token over a tokenizer that holds
 harmony's markers as special tokens; what comes back is the reply's analysis channel as
 the reasoning, its final channel as the content, its commentary message to a function as
-the call, streamed and not, and a grammar request refused by name."""
+the call, streamed and not, and a structured answer's JSON."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import json
 
 import openai
 import pytest
-from chat_fixtures import TOOLS, write_marker_model
+from chat_fixtures import HARMONY_MARKER_TOKENS, HARMONY_TEMPLATE, TOOLS, write_marker_model
 from http_fake_engine import open_fake_engine
 from http_server import ServerThread
 
@@ -20,15 +20,6 @@ from engine.chat.request import ChatSettings
 from engine.models.tokenizer import Tokenizer
 
 MODEL = "tiny-harmony"
-HARMONY_MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>",
-                   "<|call|>")
-# A harmony template (the test's own, a subset of gpt-oss's): each turn a message, the
-# assistant's on the final channel, the generation prompt <|start|>assistant.
-HARMONY_TEMPLATE = (
-    "{%- for m in messages -%}"
-    "{%- if m.role == 'assistant' -%}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>"
-    "{%- else -%}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{%- endif -%}"
-    "{%- endfor -%}{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}")
 SETTINGS = ChatSettings(reasoning_parser="openai_gptoss", tool_call_parser="openai",
                         enable_auto_tool_choice=True)
 PARIS = {"city": "Paris", "unit": "celsius"}
@@ -41,7 +32,7 @@ CALL = ("<|start|>assistant<|channel|>commentary to=functions.get_weather <|cons
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     folder = write_marker_model(tmp_path_factory.mktemp("harmony") / "m", HARMONY_TEMPLATE,
-                                HARMONY_MARKERS, special=True)
+                                HARMONY_MARKER_TOKENS, special=True)
     tokenizer = Tokenizer.from_folder(folder)
     with ServerThread(lambda: open_fake_engine(tokenizer, served_model_name=MODEL, max_model_len=1024),
                       chat=SETTINGS) as srv:
@@ -98,12 +89,13 @@ def test_a_commentary_message_to_a_function_is_a_tool_call(server, client):
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", PARIS)]
 
 
-@pytest.mark.parametrize(("extra", "param"), [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-])
-def test_a_grammar_after_harmony_reasoning_is_refused_by_name(client, extra: dict, param: str):
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], **extra)
-    assert caught.value.body["param"] == param
-    assert "openai_gptoss" in caught.value.body["message"]
+def test_a_structured_answer_comes_back_from_the_final_channel(server, client):
+    """With a response_format the grammar starts after the final channel's header
+    (tests/test_chat_constraints.py holds it to that); here the reply's parts come back
+    split: the analysis as the reasoning, the final channel's JSON as the content."""
+    server.engine.script = ANALYSIS + "<|start|>assistant<|channel|>final<|message|>" + json.dumps(PARIS)
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather?"}],
+                                           response_format={"type": "json_object"})
+    message = reply.choices[0].message.model_dump()
+    assert json.loads(message["content"]) == PARIS
+    assert message["reasoning_content"] == "The user wants the weather in Paris."

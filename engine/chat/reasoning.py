@@ -92,12 +92,9 @@ class ReasoningParser:
     thinks_by_default: bool = True
     special_markers: bool = False
     # Headers that open the answer after the reasoning, dropped from the content
-    # (harmony's "<|start|>assistant<|channel|>final<|message|>").
+    # (harmony's "<|start|>assistant<|channel|>final<|message|>"). A constraint after the
+    # reasoning starts after the first of them.
     content_starts: tuple[str, ...] = ()
-    # A grammar can start after this format's reasoning (structured outputs, forced tool
-    # calls); False where it cannot follow the markers (harmony's are several special
-    # tokens, which the grammars' masks exclude): such requests are refused.
-    constrains_after: bool = True
 
     def streamer(self) -> ReasoningStreamer:
         return ReasoningStreamer(self)
@@ -112,8 +109,8 @@ class ReasoningParser:
     def think(self) -> str:
         """The ``think`` of a constraint that starts after this format's reasoning
         (:func:`engine.structured.spec.think_value`)."""
-        return think_value("open" if self.starts_in_reasoning else "optional",
-                           self.starts, self.ends)
+        ends = self.ends if not self.content_starts else tuple(e + self.content_starts[0] for e in self.ends)
+        return think_value("open" if self.starts_in_reasoning else "optional", self.starts, ends)
 
     def thinking_off(self, kwargs: Mapping[str, Any], reads_switch: Callable[[str], bool]) -> bool:
         """Whether a request's ``chat_template_kwargs`` turn this model's thinking off.
@@ -231,8 +228,7 @@ REASONING_PARSERS: dict[str, ReasoningParser] = {p.name: p for p in (
                     ends=("[/THINK]",), special_markers=True),
     ReasoningParser("openai_gptoss", starts_in_reasoning=False, starts=(HARMONY_ANALYSIS,),
                     ends=(HARMONY_END,), special_markers=True,
-                    content_starts=(HARMONY_START + "assistant" + HARMONY_FINAL, HARMONY_FINAL),
-                    constrains_after=False),
+                    content_starts=(HARMONY_START + "assistant" + HARMONY_FINAL, HARMONY_FINAL)),
 )}
 
 

@@ -280,13 +280,6 @@ def chat_sampling_params(params: SamplingParams, fields: ChatFields, *,
         params = params.replace(structured_outputs=fields.constraint)
     reasoning = fields.output.reasoning_parser
     spec = params.structured_outputs
-    if reasoning is not None and spec is not None and not reasoning.constrains_after:
-        # A grammar cannot start after this format's reasoning (harmony's channel
-        # headers are special tokens the grammars mask): refused, not run unconstrained.
-        param = "tool_choice" if fields.forced else "response_format"
-        raise InvalidParamError(
-            f"structured outputs ({param}) are not supported with the {reasoning.name} reasoning "
-            "parser: a grammar cannot follow its channel headers", param=param)
     if reasoning is not None and spec is not None:
         params = params.replace(structured_outputs=dataclasses.replace(spec, think=reasoning.think))
     if reasoning is not None and reasoning.special_markers and not keep_skip_special_tokens:

@@ -280,20 +280,25 @@ class GrammarBackend:
 
     def _think_keep(self, think: str | None) -> ThinkKeep | None:
         """Where ``think``'s reasoning markers include special tokens (Mistral's
-        ``[THINK]``), the mask that lets them through inside the reasoning (the matcher
-        masks special tokens again once it ends); None otherwise."""
+        ``[THINK]``, harmony's channel headers), the mask that lets them through inside the
+        reasoning (the matcher masks special tokens again once it ends); None otherwise."""
         if self._no_special is None or think is None:
             return None
         if think not in self._think_keeps:
             mode, starts, ends = think_prefix(think)
             skipped = set(self._skipped)
-            start_ids = frozenset(self._hf.convert_tokens_to_ids(m) for m in starts) & skipped
-            end_ids = frozenset(self._hf.convert_tokens_to_ids(m) for m in ends) & skipped
-            self._think_keeps[think] = None if not (start_ids or end_ids) else ThinkKeep(
+
+            def special_ids(marker: str) -> tuple[int, ...]:  # the marker's special tokens, in order
+                return tuple(i for i in self._hf.encode(marker, add_special_tokens=False) if i in skipped)
+
+            start_runs = [special_ids(m) for m in starts]
+            end_runs = tuple(r for r in (special_ids(m) for m in ends) if r)
+            marked = {i for run in (*start_runs, *end_runs) for i in run}
+            self._think_keeps[think] = None if not marked else ThinkKeep(
                 clear_bits(bitmask_words(self.vocab_size),
-                           [i for i in self._skipped if i not in self._stop_set
-                            and i not in start_ids and i not in end_ids]),
-                start_ids, end_ids, mode == "optional")
+                           [i for i in self._skipped if i not in self._stop_set and i not in marked]),
+                frozenset(r[0] for r in start_runs if r), end_runs, mode == "optional",
+                frozenset(marked))
         return self._think_keeps[think]
 
     def statistics(self) -> StructuredStatistics:

@@ -57,6 +57,21 @@ class GuidanceCompiler:
         ids = tok.tokenize_str(text)
         if len(ids) == 1 and tok.is_special_token(ids[0]):
             return f"({json.dumps(text)} | <[{ids[0]}]>)"
+        if any(tok.is_special_token(i) for i in ids):
+            # Special tokens and text (harmony's "<|end|><|start|>assistant..."): each
+            # special token as itself, the text between as written.
+            parts: list[str] = []
+            run: list[int] = []
+            for i in [*ids, -1]:
+                if i != -1 and not tok.is_special_token(i):
+                    run.append(i)
+                    continue
+                if run:
+                    parts.append(json.dumps(self._hf.decode(run)))
+                    run = []
+                if i != -1:
+                    parts.append(f"<[{i}]>")
+            return "(" + " ".join(parts) + ")"
         return json.dumps(text)
 
     def compile(self, spec: StructuredOutputs) -> str:
@@ -129,8 +144,12 @@ def _until(rule: str, markers: str | tuple[str, ...], literal: Callable[[str], s
     special token follows free text, which cannot contain it."""
     markers = (markers,) if isinstance(markers, str) else markers
     spelled = [json.dumps(m) for m in markers]
-    tokens = [w[len(s) + 4:-1] for w, s in zip((literal(m) for m in markers), spelled, strict=True)
-              if w != s]  # "(<spelled> | <[id]>)" -> "<[id]>"
+    tokens = []
+    for w, s in zip((literal(m) for m in markers), spelled, strict=True):
+        if w.startswith(f"({s} | "):
+            tokens.append(w[len(s) + 4:-1])  # "(<spelled> | <[id]>)" -> "<[id]>"
+        elif w != s:
+            tokens.append(w)  # special tokens and text: as they are
     ending = spelled[0] if len(spelled) == 1 else f"({' | '.join(spelled)})"
     if not tokens:
         return [f"{rule}[lazy]: TEXT {ending}"]

@@ -17,15 +17,19 @@ from engine.structured.compiled import CompiledGrammar
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ThinkKeep:
-    """The mask of a reasoning prefix whose markers are special tokens (Mistral's
-    ``[THINK]``): ``keep`` lets those through while the output is reasoning; the
-    matcher's own mask applies once one of ``ends`` is accepted, or, when the block is
-    ``optional``, once the first token is not one of ``starts``."""
+    """The mask of a reasoning prefix whose markers hold special tokens (Mistral's
+    ``[THINK]``, harmony's ``<|end|><|start|>assistant<|channel|>final<|message|>``):
+    ``keep`` lets those through while the output is reasoning; the matcher's own mask
+    applies once the special tokens accepted end with one of ``ends`` (each end marker's
+    special tokens, in order: the grammar holds the text between them), or, when the
+    block is ``optional``, once the first token is not one of ``starts``. ``marked``:
+    every special token of the markers."""
 
     keep: torch.Tensor
     starts: frozenset[int]
-    ends: frozenset[int]
+    ends: tuple[tuple[int, ...], ...]
     optional: bool
+    marked: frozenset[int]
 
 
 class Matcher:
@@ -33,7 +37,7 @@ class Matcher:
     ``fill`` writes the tokens allowed next into a bitmask row. EOS is allowed only where
     the grammar accepts; accepting it terminates the matcher."""
 
-    __slots__ = ("_m", "_guidance", "_stop_ids", "_keep", "_think", "_past", "accepted",
+    __slots__ = ("_m", "_guidance", "_stop_ids", "_keep", "_think", "_past", "_marks", "accepted",
                  "ended")
 
     def __init__(self, compiled: CompiledGrammar, stop_ids: frozenset[int],
@@ -45,6 +49,8 @@ class Matcher:
         self._think = think
         # How many tokens in the reasoning prefix ended (``think``'s mask applies before).
         self._past: int | None = None if think is not None else 0
+        # The reasoning's marker tokens accepted so far: (position, token).
+        self._marks: list[tuple[int, int]] = []
         self._m: Any  # llguidance.LLMatcher or xgrammar.GrammarMatcher
         # Lazy imports: heavy optional libraries (seconds to import); a compiled grammar
         # of a backend means that backend was imported already.
@@ -69,10 +75,14 @@ class Matcher:
             self.accepted += 1
             self.ended = token in self._stop_ids
             think = self._think
-            if think is not None and self._past is None and (
-                    token in think.ends or (think.optional and self.accepted == 1
-                                            and token not in think.starts)):
-                self._past = self.accepted
+            if think is not None and self._past is None:
+                if token in think.marked:
+                    self._marks.append((self.accepted, token))
+                    tail = tuple(t for _, t in self._marks[-max(map(len, think.ends), default=1):])
+                    if any(tail[len(tail) - len(end):] == end for end in think.ends if len(end) <= len(tail)):
+                        self._past = self.accepted
+                if think.optional and self.accepted == 1 and token not in think.starts:
+                    self._past = self.accepted
         return ok
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
@@ -101,6 +111,8 @@ class Matcher:
             self.ended = False
             if self._think is not None and self._past is not None and self.accepted < self._past:
                 self._past = None  # back inside the reasoning
+            while self._marks and self._marks[-1][0] > self.accepted:
+                self._marks.pop()
 
     def complete(self) -> bool:
         """Whether the tokens accepted so far form a whole output (EOS may follow)."""
