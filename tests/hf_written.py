@@ -77,3 +77,26 @@ def write_glm(folder: Path, **extra: Any) -> Any:
             if name.endswith("bias"):
                 p.normal_(0.0, 0.5)
     return write_hf_model(hf, folder, norms=True)
+
+
+# DeepSeek-V3's shape at test size: 8 experts in 2 groups, 1 kept, 2 routed a token, a
+# dense first layer; latent 16, keys 8 + 8 rotated, values 12 (q through a rank-24 bottleneck).
+TINY_DEEPSEEK = dict(vocab_size=384, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                     num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                     num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
+                     qk_nope_head_dim=8, qk_rope_head_dim=8, q_lora_rank=24, v_head_dim=12,
+                     routed_scaling_factor=2.5, max_position_embeddings=256, tie_word_embeddings=False)
+
+
+def write_deepseek_v3(folder: Path, **extra: Any) -> Any:
+    """A tiny DeepSeek-V3 (:data:`TINY_DEEPSEEK` with ``extra`` over it) written into
+    ``folder``, its experts' selection biases drawn so they move the routing."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    config = TINY_DEEPSEEK | extra
+    hf = DeepseekV3ForCausalLM(DeepseekV3Config(**config))
+    with torch.no_grad():
+        for layer in hf.model.layers[config["first_k_dense_replace"]:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.5)  # a buffer: set by hand
+    return write_hf_model(hf, folder, norms=True)

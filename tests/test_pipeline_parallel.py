@@ -20,7 +20,7 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from hf_written import write_glm
+from hf_written import write_deepseek_v3, write_glm
 from pp_ranks import pipeline_greedy
 from test_loader import write_gguf
 from tp_ranks import greedy_with_logits, run_ranks
@@ -72,6 +72,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple[str,
     out.append(("gpt_oss", str(root / "gpt_oss"), True))
     write_glm(root / "glm4_moe", num_hidden_layers=LAYERS)  # a dense layer, then three MoE
     out.append(("glm4_moe", str(root / "glm4_moe"), True))
+    write_deepseek_v3(root / "deepseek_v3", num_hidden_layers=LAYERS)  # no tensor parallelism: stages only
+    out.append(("deepseek_v3", str(root / "deepseek_v3"), True))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ENGINE_CACHE_DIR", str(root / "cache"))  # the ranks inherit it
         for arch, quant in GGUFS:
@@ -115,7 +117,8 @@ def _check(key: str, layout: tuple[int, int], ranks: list[dict], one_rank: dict)
 
 
 # OLMo over tensor-parallel ranks is refused (its q/k norms span every head).
-CASES = [(arch, layout) for arch in (*FAMILIES, *WRITTEN_MOE) for layout in LAYOUTS]
+CASES = [(arch, layout) for arch in (*FAMILIES, *WRITTEN_MOE) for layout in LAYOUTS] + [
+    ("deepseek_v3", layout) for layout in LAYOUTS if layout[0] == 1]
 
 
 @pytest.mark.parametrize(("arch", "layout"), CASES, ids=[f"{a}-tp{t}-pp{p}" for a, (t, p) in CASES])

@@ -9,10 +9,12 @@ from engine.errors import CorruptModelError, UnsupportedModelError
 from engine.models.absolute_config import ABSOLUTE_ARCHITECTURES, AbsoluteConfig, absolute_fields
 from engine.models.decoder_fields import (
     GEMMA_FAMILY,
+    MlaConfig,
     bidirectional_window,
     check_biases,
     granite_hybrid_raw,
     granite_multipliers,
+    mla_fields,
     nope_layers,
     rotary_dim,
 )
@@ -71,6 +73,9 @@ SUPPORTED_ARCHITECTURES = {
     # selection bias, expert groups, a scaling factor) with an ungated shared expert, after
     # first_k_dense_replace dense layers.
     "Glm4MoeForCausalLM": "glm4_moe",
+    # DeepSeek-V3 and R1, Kimi K2 (models/deepseek.py): multi-head latent attention, GLM-4.5's
+    # routing (which is DeepSeek-V3's) with ungated shared experts.
+    "DeepseekV3ForCausalLM": "deepseek_v3",
     # gpt-oss (models/gpt_oss.py): biased attention with sinks, every layer a biased MoE
     # with a clamped SwiGLU, sliding and full layers alternating.
     "GptOssForCausalLM": "gpt_oss",
@@ -188,6 +193,8 @@ class ModelConfig:
     # Every token attends to every other (EmbeddingGemma's use_bidirectional_attention;
     # sliding layers within the window either side): prompts prefill whole, uncached.
     bidirectional: bool = False
+    # DeepSeek-V3's multi-head latent attention (decoder_fields.MlaConfig); None elsewhere.
+    mla: MlaConfig | None = None
     # A vision-language model's vision tower (LLaVA, Qwen-VL, Gemma 3); None for a
     # text-only model.
     vision: VisionConfig | QwenVisionConfig | Gemma3VisionConfig | None = None
@@ -266,7 +273,9 @@ class ModelConfig:
             windows = _layer_windows(raw, arch, int(window) if window else 0, layers, nope)
             if arch == "exaone4" and window:  # its global layers take no RoPE in a hybrid model
                 nope = tuple(i for i, w in enumerate(windows) if not w)
-            rotary = rotary_dim(raw, arch, head_dim)
+            mla = mla_fields(raw, arch)  # DeepSeek-V3's key width, KV heads and rotated share
+            head_dim = mla.get("head_dim", head_dim)
+            rotary = mla.get("rotary_dim") or rotary_dim(raw, arch, head_dim)
             return cls(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
@@ -274,7 +283,7 @@ class ModelConfig:
                 intermediate_size=int(raw["intermediate_size"]),
                 num_hidden_layers=layers,
                 num_attention_heads=heads,
-                num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+                num_key_value_heads=int(mla.get("num_key_value_heads") or raw.get("num_key_value_heads") or heads),
                 head_dim=head_dim,
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=rope_theta,
@@ -305,6 +314,7 @@ class ModelConfig:
                 **classifier,
                 matryoshka_dimensions=matryoshka(raw, hidden),
                 base_model=base,
+                mla=mla.get("mla"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptModelError(f"config.json is missing or has a bad field: {exc}") from exc

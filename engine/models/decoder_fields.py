@@ -5,6 +5,7 @@ SmolLM3's layers without RoPE, Granite's multipliers."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from engine.errors import UnsupportedModelError
@@ -116,3 +117,38 @@ def bidirectional_window(raw: dict[str, Any], arch: str, window: int) -> tuple[b
     if arch != "gemma3":
         raise UnsupportedModelError(f"use_bidirectional_attention is not supported for {arch}")
     return True, window // 2 + 1 if window else 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class MlaConfig:
+    """DeepSeek-V3's multi-head latent attention (``ModelConfig.mla``): q through a rank
+    ``q_lora_rank`` bottleneck (0: one q_proj), k and v through a shared ``kv_lora_rank``
+    latent and ``kv_b_proj``, each head's key ``qk_nope_head_dim`` values from the latent
+    and ``qk_rope_head_dim`` rotated ones shared by every head, its value
+    ``v_head_dim`` wide (engine.models.deepseek)."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
+def mla_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
+    """DeepSeek-V3's attention shape as ``ModelConfig`` fields: each head's key is
+    ``qk_nope + qk_rope`` wide (the engine lays it out rotated part first) and its value
+    ``v_head_dim`` (``head_dim`` the wider, the cache's), one KV head a query head (the
+    latent expanded), RoPE on the ``qk_rope`` part only; {} elsewhere."""
+    if arch != "deepseek_v3":
+        return {}
+    if raw.get("rope_interleave", True) is not True:
+        raise UnsupportedModelError("DeepSeek-V3 with rope_interleave false is not supported")
+    mla = MlaConfig(q_lora_rank=int(raw.get("q_lora_rank") or 0), kv_lora_rank=int(raw["kv_lora_rank"]),
+                    qk_nope_head_dim=int(raw["qk_nope_head_dim"]), qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
+                    v_head_dim=int(raw["v_head_dim"]))
+    heads = int(raw["num_attention_heads"])
+    if raw.get("attention_bias"):
+        raise UnsupportedModelError("DeepSeek-V3 with attention_bias is not supported")
+    # The cache holds keys and values of one width: the wider of the two (the other padded).
+    width = max(mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim)
+    return {"mla": mla, "head_dim": width, "num_key_value_heads": heads, "rotary_dim": mla.qk_rope_head_dim}

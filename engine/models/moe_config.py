@@ -30,10 +30,10 @@ class MoeConfig:
     # (mlp.experts.gate_up_proj [E, hidden, 2 * inter], gate and up columns alternating),
     # with biases, the router's too, and the clamped SwiGLU (engine.ops.moe.ClampedSwiglu)
     # of this limit and sigmoid gain; 0: the plain SwiGLU.
-    naming: str  # "mixtral", "qwen", "granite", "glm4_moe" or "gpt_oss"
+    naming: str  # "mixtral", "qwen", "granite", "deepseek" (GLM-4.5's too) or "gpt_oss"
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.0
-    # DeepSeek-V3's routing (GLM-4.5's, naming "glm4_moe"; "softmax": the others'): sigmoid
+    # DeepSeek-V3's routing (GLM-4.5's, naming "deepseek"; "softmax": the others'): sigmoid
     # scores, the top-k chosen by score + the router's e_score_correction_bias among the
     # topk_group best of n_group expert groups (a group ranked by its two best), weighted by
     # the scores alone (renormalised with norm_topk_prob), times routed_scaling_factor. Its
@@ -46,18 +46,21 @@ class MoeConfig:
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], arch: str, num_layers: int) -> MoeConfig | None:
-        if arch == "glm4_moe":
-            experts = int(raw.get("n_routed_experts") or _num_experts(raw, 128))
+        if arch in ("glm4_moe", "deepseek_v3"):
+            # transformers' defaults where the config is silent: (routed experts, groups,
+            # groups kept, scale, dense layers first)
+            d = {"glm4_moe": (128, 1, 1, 1.0, 1), "deepseek_v3": (256, 8, 4, 2.5, 3)}[arch]
+            experts = int(raw.get("n_routed_experts") or _num_experts(raw, d[0]))
             inter = int(raw["moe_intermediate_size"])
-            groups, topk_groups = int(raw.get("n_group") or 1), int(raw.get("topk_group") or 1)
+            groups, topk_groups = int(raw.get("n_group") or d[1]), int(raw.get("topk_group") or d[2])
             if experts % groups or not 0 < topk_groups <= groups:
                 raise ValueError(f"n_group {groups} / topk_group {topk_groups} do not fit {experts} experts")
             return cls(num_experts=experts, top_k=int(raw.get("num_experts_per_tok", 8)), intermediate_size=inter,
                        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
                        shared_expert_intermediate_size=inter * int(raw.get("n_shared_experts", 1) or 0),
-                       sparse_layers=tuple(range(int(raw.get("first_k_dense_replace", 1)), num_layers)),
-                       naming="glm4_moe", scoring="sigmoid", n_group=groups, topk_group=topk_groups,
-                       routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)))
+                       sparse_layers=tuple(range(int(raw.get("first_k_dense_replace", d[4])), num_layers)),
+                       naming="deepseek", scoring="sigmoid", n_group=groups, topk_group=topk_groups,
+                       routed_scaling_factor=float(raw.get("routed_scaling_factor", d[3])))
         if arch == "gpt_oss":  # softmax over the top-k logits: renormalised top-k
             return cls(num_experts=_num_experts(raw, 128),
                        top_k=int(raw.get("num_experts_per_tok") or raw.get("experts_per_token") or 4),

@@ -16,6 +16,7 @@ import torch
 from engine.errors import CorruptModelError, UnsupportedModelError
 from engine.models.bert import BertModel
 from engine.models.config import ModelConfig
+from engine.models.deepseek import DeepseekModel
 from engine.models.gemma import Gemma3VisionModel, GemmaModel
 from engine.models.gpt2 import GPT2Model
 from engine.models.gpt_oss import GptOssModel
@@ -51,6 +52,7 @@ MODEL_CLASSES: dict[str, type] = {
     "qwen2_moe": LlamaModel,
     "qwen3_moe": LlamaModel,
     "glm4_moe": LlamaModel,
+    "deepseek_v3": DeepseekModel,
     "gpt_oss": GptOssModel,
     "gemma": GemmaModel,
     "gemma2": GemmaModel,

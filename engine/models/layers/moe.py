@@ -65,13 +65,13 @@ def sparse_layer_weight_names(moe: MoeConfig, layer: int) -> list[str]:
         names += expert_weight_names(moe, layer, e)
     if moe.shared_expert_intermediate_size:
         names += [p + f"{_shared_name(moe)}.{n}_proj.weight" for n in ("gate", "up", "down")]
-        if moe.naming != "glm4_moe":  # GLM's shared experts are not gated
+        if moe.naming != "deepseek":  # GLM's shared experts are not gated
             names.append(p + "shared_expert_gate.weight")
     return names
 
 
 def _shared_name(moe: MoeConfig) -> str:
-    return "shared_experts" if moe.naming == "glm4_moe" else "shared_expert"
+    return "shared_experts" if moe.naming == "deepseek" else "shared_expert"
 
 
 def select_experts(
@@ -168,7 +168,7 @@ class SparseMoeBlock:
             s = p + _shared_name(moe) + "."
             self.shared_gate_up = linear(torch.cat([rows(s + "gate_proj.weight"), rows(s + "up_proj.weight")]))
             self.shared_down = linear(cols(s + "down_proj.weight"))
-            if moe.naming != "glm4_moe":
+            if moe.naming != "deepseek":
                 self.shared_gate = linear(get(p + "shared_expert_gate.weight"))  # [1, hidden]
 
     def __call__(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
