@@ -89,6 +89,15 @@ CASES: list[tuple[str, str, str | None, list[tuple[str, dict[str, Any]]]]] = [
     ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par",
      "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par", []),
     ("glm45", "No calls here.", "No calls here.", []),
+    # kimi_k2: calls in one section, each with the model's own id (kept as the call's).
+    ("kimi_k2", "Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+     '<|tool_call_argument_begin|>{"city": "Paris", "unit": "celsius"}<|tool_call_end|><|tool_call_begin|>'
+     f"functions.search:1<|tool_call_argument_begin|>{json.dumps(NESTED)}<|tool_call_end|><|tool_calls_section_end|>",
+     "Let me check.", [("get_weather", WEATHER), ("search", NESTED)]),
+    ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+     '{"city": "Par', "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+     '<|tool_call_argument_begin|>{"city": "Par', []),
+    ("kimi_k2", "No calls here.", "No calls here.", []),
     # openai (harmony): the recipient after the channel or before it; a preamble to the
     # user is content; <|call|> (a stop token) ends a call when the text has it.
     ("openai", '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
@@ -263,7 +272,9 @@ def test_tool_parser_complete_and_streamed(
     parsed = get_tool_parser(parser).parse(text, _ids(), tools=TYPED)
     assert parsed.content == content
     assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == calls
-    assert [c.id for c in parsed.tool_calls] == [f"call_{i}" for i in range(len(calls))]
+    # Kimi K2 writes each call's id (functions.NAME:INDEX); the others' are made here.
+    assert [c.id for c in parsed.tool_calls] == [
+        f"functions.{name}:{i}" if parser == "kimi_k2" else f"call_{i}" for i, (name, _) in enumerate(calls)]
     expected = [c.to_openai()["function"] | {"id": c.id} for c in parsed.tool_calls]
     splits = [[text[:k], text[k:]] for k in range(len(text) + 1)] + [list(text)]
     for pieces in splits:
@@ -360,7 +371,7 @@ def test_constrained_call_sends_arguments_as_they_arrive() -> None:
 
 def test_unknown_parser_names_the_choices() -> None:
     with pytest.raises(ValueError, match="deepseek_v3, glm45, granite, granite4, hermes, internlm, "
-                       "llama3_json, mistral, olmo3, openai, phi4_mini_json, pythonic, qwen3_coder"):
+                       "kimi_k2, llama3_json, mistral, olmo3, openai, phi4_mini_json, pythonic, qwen3_coder"):
         get_tool_parser("nope")
 
 

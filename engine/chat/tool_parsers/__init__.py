@@ -27,6 +27,10 @@ name             what the model writes                                       mod
 ``glm45``        ``<tool_call>NAME`` + per argument ``<arg_key>K</arg_key>``       GLM-4.5, 4.6
                  ``<arg_value>V</arg_value>`` + ``</tool_call>``, values
                  typed by the schema
+``kimi_k2``      ``<|tool_calls_section_begin|>``, per call                    Kimi K2
+                 ``<|tool_call_begin|>functions.NAME:I<|tool_call_argument_``
+                 ``begin|>{...}<|tool_call_end|>`` (its id kept), then
+                 ``<|tool_calls_section_end|>``
 ``openai``       harmony: ``<|channel|>commentary to=functions.NAME``          gpt-oss
                  ``<|constrain|>json<|message|>{...}`` (the recipient
                  before or after the channel), ended by ``<|call|>``
@@ -72,6 +76,7 @@ from engine.chat.tool_parsers import (  # noqa: F401
     granite,
     hermes,
     internlm,
+    kimi_k2,
     llama3_json,
     mistral,
     olmo3,

@@ -91,6 +91,7 @@ class Text:
 class Call:
     name: str
     arguments: str
+    id: str | None = None  # the model's own call id (Kimi K2 writes one), else a new one
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -253,7 +254,7 @@ class ToolCallStreamer:
         self._held_space = ""
         self._after_call = True
         index = len(self._calls)
-        parsed = ToolCall(self._new_id(), call.name, call.arguments)
+        parsed = ToolCall(call.id or self._new_id(), call.name, call.arguments)
         self._calls.append(parsed)
         yield ToolCallDelta(index, id=parsed.id, name=parsed.name)
         yield ToolCallDelta(index, arguments=parsed.arguments)
