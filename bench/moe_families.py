@@ -15,6 +15,10 @@ at reduced shapes that keep what sets each family apart (``SHAPES``):
   selection bias, one shared expert; here 64 experts), half of each head rotated, q/k/v
   biases, a dense first layer. Hidden 1024, 8 layers, 16 query and 4 KV heads of 64,
   experts 256 wide: about 390M parameters.
+* DeepSeek-V3: its latent attention (q through a 384 bottleneck, a 256 latent, keys 64 +
+  32 rotated, values 64) and routing (64 experts in 8 groups, 4 kept, 8 routed a token,
+  one shared); hidden 1024, 8 layers, 16 heads. It runs unfused (the fused column is
+  the same path).
 
 Random weights decode as fast as trained ones: only the shapes matter here. Both sides
 load the same folder in ``--dtype``; each round times the engine's decode steps (one
@@ -50,6 +54,11 @@ SHAPES = {
         intermediate_size=512, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
         rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                          "original_max_position_embeddings": 4096, "rope_theta": 150000.0}),
+    "deepseek_v3": ATTENTION | dict(
+        num_key_value_heads=16, head_dim=32, q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
+        v_head_dim=64, intermediate_size=2816, moe_intermediate_size=256, n_routed_experts=64, num_experts_per_tok=8,
+        n_shared_experts=1, n_group=8, topk_group=4, first_k_dense_replace=1, vocab_size=384,
+        tie_word_embeddings=False),
     "glm4_moe": ATTENTION | dict(
         intermediate_size=2816, moe_intermediate_size=256, n_routed_experts=64, num_experts_per_tok=8,
         n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, attention_bias=True,
@@ -61,10 +70,12 @@ def write(family: str, folder: Path) -> None:
     if family == "gpt_oss":
         write_gpt_oss(folder, config=SHAPES[family], spread=0.02)
         return
-    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+    import transformers
 
+    name = {"glm4_moe": "Glm4Moe", "deepseek_v3": "DeepseekV3"}[family]
+    config = getattr(transformers, f"{name}Config")(**SHAPES[family])
     torch.manual_seed(0)
-    Glm4MoeForCausalLM(Glm4MoeConfig(**SHAPES[family])).save_pretrained(folder)
+    getattr(transformers, f"{name}ForCausalLM")(config).save_pretrained(folder)
     tokenizer = write_tiny_model(folder.parent / "tokenizer", "llama")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer / name, folder / name)
@@ -115,7 +126,8 @@ def main() -> None:
                 print(f"| {family} | {params / 1e6:.0f}M | {b} | {fused:.1f} | {unfused:.1f} | {theirs:.1f} | "
                       f"{fused / theirs:.2f}x |", flush=True)
             step = engine.runner.model.fused_step
-            assert step is not None and step.steps > 0, f"{family}: the fused step did not run"
+            fuses = family != "deepseek_v3"  # the latent attention runs unfused
+            assert (step is not None and step.steps > 0) == fuses, f"{family}: the fused step ran or not"
             del engine, hf
 
 
