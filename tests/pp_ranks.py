@@ -69,28 +69,12 @@ def _greedy_all(place: TensorParallel, models: list[tuple[str, str, bool]], last
     out = {}
     try:
         for key, path, c_kernels in models:
-            if _split_refused(path, place.world_size):
-                continue  # (DeepSeek-V3's latent attention: stages, no tensor parallelism)
             cq.available = available if c_kernels else (lambda: False)
             out[key] = _greedy(place, path, last, subset)
             dist.barrier(group=subset)
     finally:
         cq.available = available
     return out
-
-
-def _split_refused(path: str, ranks: int) -> bool:
-    """Whether the model at ``path`` is refused over ``ranks`` tensor-parallel ranks."""
-    import json
-    from pathlib import Path
-
-    from engine.models.config import ModelConfig
-    from engine.models.layers.shard import tensor_parallel_problem
-
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        return False  # a GGUF file: its families all split
-    return tensor_parallel_problem(ModelConfig.from_hf(json.loads((folder / "config.json").read_text())), ranks) is not None
 
 
 def _greedy(place: TensorParallel, path: str, last: int, group: Any) -> tuple:

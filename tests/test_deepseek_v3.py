@@ -3,7 +3,8 @@ and DeepSeek-V3's routed and shared experts. Built and written by transformers (
 selection biases drawn so they move the routing); greedy tokens and their logprobs
 against transformers' on both op sets, whole and in chunks, with and without the q
 bottleneck, values narrower and wider than the keys, and YaRN with DeepSeek's
-``mscale_all_dim`` (which scales the attention's softmax)."""
+``mscale_all_dim`` (which scales the attention's softmax). Over tensor-parallel ranks and
+pipeline stages: tests/test_tensor_parallel.py, tests/test_pipeline_parallel.py."""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def test_the_config_reads_the_latent_attention_and_refuses_what_it_does_not_run(
     config = ModelConfig.from_hf(raw)
     assert (config.head_dim, config.num_key_value_heads, config.rotary_dim) == (16, 4, 8)
     assert config.moe.sparse_layers == (1, 2) and config.moe.scoring == "sigmoid"
-    assert "latent attention" in tensor_parallel_problem(config, 2)
+    assert tensor_parallel_problem(config, 2) is None  # 4 heads: two a rank
     for extra in ({"rope_interleave": False}, {"attention_bias": True}):
         with pytest.raises(UnsupportedModelError):
             ModelConfig.from_hf(raw | extra)

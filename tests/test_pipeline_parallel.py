@@ -58,7 +58,7 @@ LAYERS = 4  # the issue's floor: 2 stages of 2 layers, or 3 stages of 2, 1, 1
 FAMILIES = TINY_ARCHITECTURES + TINY_MOE_ARCHITECTURES + TINY_ABSOLUTE_ARCHITECTURES
 GGUFS = [("llama", "Q4_0"), ("qwen2", "Q8_0")]  # blocks kept: a tied head, q/k/v biases
 LAYOUTS = [(1, 2), (1, 3), (2, 2)]  # (tp, pp)
-WRITTEN_MOE = ("gpt_oss", "glm4_moe")  # written by transformers (engine.models.testing_gpt_oss, hf_written)
+WRITTEN_MOE = ("gpt_oss", "glm4_moe", "deepseek_v3")  # written by transformers (engine.models.testing_gpt_oss, hf_written)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple[str,
     out.append(("gpt_oss", str(root / "gpt_oss"), True))
     write_glm(root / "glm4_moe", num_hidden_layers=LAYERS)  # a dense layer, then three MoE
     out.append(("glm4_moe", str(root / "glm4_moe"), True))
-    write_deepseek_v3(root / "deepseek_v3", num_hidden_layers=LAYERS)  # no tensor parallelism: stages only
+    write_deepseek_v3(root / "deepseek_v3", num_hidden_layers=LAYERS)
     out.append(("deepseek_v3", str(root / "deepseek_v3"), True))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ENGINE_CACHE_DIR", str(root / "cache"))  # the ranks inherit it
@@ -117,8 +117,7 @@ def _check(key: str, layout: tuple[int, int], ranks: list[dict], one_rank: dict)
 
 
 # OLMo over tensor-parallel ranks is refused (its q/k norms span every head).
-CASES = [(arch, layout) for arch in (*FAMILIES, *WRITTEN_MOE) for layout in LAYOUTS] + [
-    ("deepseek_v3", layout) for layout in LAYOUTS if layout[0] == 1]
+CASES = [(arch, layout) for arch in (*FAMILIES, *WRITTEN_MOE) for layout in LAYOUTS]
 
 
 @pytest.mark.parametrize(("arch", "layout"), CASES, ids=[f"{a}-tp{t}-pp{p}" for a, (t, p) in CASES])

@@ -26,7 +26,7 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from hf_written import write_glm
+from hf_written import write_deepseek_v3, write_glm
 from test_loader import write_gguf
 from tp_ranks import BLOCK_SIZE, greedy_with_logits, run_ranks
 
@@ -61,6 +61,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple[str,
     # shared expert cut as the experts are.
     write_glm(root / "glm4_moe")
     out.append(("glm4_moe", str(root / "glm4_moe"), True))
+    # DeepSeek-V3: each rank its heads of q and kv_b_proj, the latent whole.
+    write_deepseek_v3(root / "deepseek_v3")
+    out.append(("deepseek_v3", str(root / "deepseek_v3"), True))
     # OLMo's k norm over one KV head copied to both ranks (counted once, not twice).
     out.append(("olmo2-mqa", str(write_tiny_model(root / "olmo2-mqa", "olmo2",
                                                   overrides={"num_key_value_heads": 1})), True))
@@ -142,9 +145,10 @@ def test_two_ranks_give_the_one_rank_logits_and_tokens(arch: str, two_ranks: lis
     _check(arch, two_ranks, one_rank, _exact)
 
 
-# GLM-4.5's sigmoid router scaled by 2.5 carries the reordered sums into its routing
-# weights: measured 2.05e-5 at a logit of 0.17 (one step of 32, 22 values of 1152) on an AMD
-# EPYC. test_pipeline_parallel's bound for MoE models under tensor parallelism holds it.
+# GLM-4.5's and DeepSeek-V3's sigmoid routers scaled by 2.5 carry the reordered sums into
+# their routing weights: measured on GLM-4.5 2.05e-5 at a logit of 0.17 (one step of 32, 22
+# values of 1152) on an AMD EPYC. test_pipeline_parallel's bound for MoE models under tensor
+# parallelism holds it.
 MOE_LOGIT_ATOL = 5e-5
 
 
@@ -152,11 +156,11 @@ def _moe(got: torch.Tensor, want: torch.Tensor, where: str) -> None:
     torch.testing.assert_close(got, want, atol=MOE_LOGIT_ATOL, rtol=LOGIT_RTOL, msg=lambda m: f"{where}: {m}")
 
 
-@pytest.mark.parametrize("key", ["exaone4", "granite_moe", "olmo2-mqa", "gpt_oss", "glm4_moe"])
+@pytest.mark.parametrize("key", ["exaone4", "granite_moe", "olmo2-mqa", "gpt_oss", "glm4_moe", "deepseek_v3"])
 def test_transformers_written_and_copied_kv_head_models_over_two_ranks(
     key: str, two_ranks: list[dict], one_rank: dict,
 ) -> None:
-    _check(key, two_ranks, one_rank, _moe if key == "glm4_moe" else _exact)
+    _check(key, two_ranks, one_rank, _moe if key in ("glm4_moe", "deepseek_v3") else _exact)
 
 
 @pytest.mark.parametrize(("arch", "quant"), GGUFS, ids=[f"{a}-{q}" for a, q in GGUFS])

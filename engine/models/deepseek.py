@@ -18,8 +18,10 @@ op set's rotate-half RoPE, and each head's rotated part goes first (the op set's
 rotary turns a head's first values). The paged cache holds the expanded per-head keys and
 values (the value zero-padded to the key's width, or the key to the value's), not the
 latent: every op set's paged attention serves it as it is, at the cost of
-``heads x width`` values a token where the latent is ``kv_lora_rank + qk_rope``. One rank
-only; the fused CPU step does not run this layer.
+``heads x width`` values a token where the latent is ``kv_lora_rank + qk_rope``. Over
+tensor-parallel ranks each keeps its heads (their rows of q and ``kv_b_proj``, their
+columns of ``o_proj``) and computes the bottlenecks and the latent whole; the fused CPU
+step does not run this layer.
 """
 
 from __future__ import annotations
@@ -132,24 +134,29 @@ class DeepseekModel(Decoder):
         kv_a = get(a + "kv_a_proj_with_mqa.weight")
         kv_rot = kv_a[lat:]
         sparse = c.moe is not None and i in c.moe.sparse_layers
+        # This rank's heads (every head on one rank): their rows of q and kv_b, their
+        # columns of o; the bottlenecks and the latent whole on every rank.
+        h0 = self.tp.rank * self.num_heads
+        heads_of = lambda w: w.view(heads, -1, w.shape[-1])[h0:h0 + self.num_heads].reshape(-1, w.shape[-1])  # noqa: E731
         return DeepseekLayer(
             input_norm=get(p + "input_layernorm.weight"),
             post_norm=get(p + "post_attention_layernorm.weight"),
             qkv=None,
-            o_proj=make_linear([get(a + "o_proj.weight")]),
+            o_proj=get.row_parallel(a + "o_proj.weight"),
             q_norm=None,
             k_norm=None,
-            gate_up=None if sparse else make_linear([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
-            down=None if sparse else make_linear([get(p + "mlp.down_proj.weight")]),
+            gate_up=None if sparse else make_linear([get.rows(p + "mlp.gate_proj.weight"),
+                                                     get.rows(p + "mlp.up_proj.weight")]),
+            down=None if sparse else get.row_parallel(p + "mlp.down_proj.weight"),
             window=0,
             rope=self.cos_sin_cache,
             moe=SparseMoeBlock(c, i, get, Linear, self.tp) if sparse else None,
             q_a=make_linear([get(a + "q_a_proj.weight")]) if mla.q_lora_rank else None,
             q_a_norm=get(a + "q_a_layernorm.weight") if mla.q_lora_rank else None,
-            q_b=make_linear([_rope_first(get(q_name), heads, nope, rope).contiguous()]),
+            q_b=make_linear([heads_of(_rope_first(get(q_name), heads, nope, rope)).contiguous()]),
             kv_a=make_linear([torch.cat([kv_a[:lat], kv_rot[0::2], kv_rot[1::2]]).contiguous()]),
             kv_a_norm=get(a + "kv_a_layernorm.weight"),
-            kv_b=make_linear([get(a + "kv_b_proj.weight")]),
+            kv_b=make_linear([heads_of(get(a + "kv_b_proj.weight")).contiguous()]),
         )
 
     def plan_fused_step(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
@@ -174,7 +181,7 @@ class DeepseekModel(Decoder):
                                                      meta, k_cache, v_cache)
             x = ops.rms_norm(hidden, layer.post_norm, eps)
             if layer.moe is not None:
-                hidden = hidden + layer.moe(x, ops)
+                hidden = hidden + self.tp.all_reduce(layer.moe(x, ops))  # the experts' row-parallel downs
             else:
                 hidden = hidden + layer.down(ops.silu_and_mul(layer.gate_up(x)))
         if not stage.last:

@@ -59,8 +59,6 @@ def tensor_parallel_problem(config: ModelConfig, n: int) -> str | None:
         return "tensor parallelism is not supported for encoder (BERT) models"
     if config.vision is not None and not isinstance(config.vision, Gemma3VisionConfig):
         return "tensor parallelism is not supported for vision-language models (LLaVA, Qwen-VL)"
-    if config.mla is not None:
-        return "tensor parallelism is not supported for DeepSeek-V3's latent attention models"
     problems = []
     h, hkv = config.num_attention_heads, config.num_key_value_heads
     if h % n:
