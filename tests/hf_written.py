@@ -88,15 +88,18 @@ TINY_DEEPSEEK = dict(vocab_size=384, hidden_size=64, intermediate_size=96, moe_i
                      routed_scaling_factor=2.5, max_position_embeddings=256, tie_word_embeddings=False)
 
 
-def write_deepseek_v3(folder: Path, **extra: Any) -> Any:
-    """A tiny DeepSeek-V3 (:data:`TINY_DEEPSEEK` with ``extra`` over it) written into
-    ``folder``, its experts' selection biases drawn so they move the routing."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+def write_deepseek_v3(folder: Path, *, version: int = 3, **extra: Any) -> Any:
+    """A tiny DeepSeek-V3 (or, with ``version`` 2, DeepSeek-V2: softmax routing, no selection
+    bias) of :data:`TINY_DEEPSEEK` with ``extra`` over it, written into ``folder``; V3's
+    experts' selection biases drawn so they move the routing."""
+    import transformers
 
     torch.manual_seed(0)
     config = TINY_DEEPSEEK | extra
-    hf = DeepseekV3ForCausalLM(DeepseekV3Config(**config))
-    with torch.no_grad():
-        for layer in hf.model.layers[config["first_k_dense_replace"]:]:
-            layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.5)  # a buffer: set by hand
+    name = f"DeepseekV{version}"
+    hf = getattr(transformers, f"{name}ForCausalLM")(getattr(transformers, f"{name}Config")(**config))
+    if version == 3:
+        with torch.no_grad():
+            for layer in hf.model.layers[config["first_k_dense_replace"]:]:
+                layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.5)  # a buffer: set by hand
     return write_hf_model(hf, folder, norms=True)

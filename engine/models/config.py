@@ -76,6 +76,8 @@ SUPPORTED_ARCHITECTURES = {
     # DeepSeek-V3 and R1, Kimi K2 (models/deepseek.py): multi-head latent attention, GLM-4.5's
     # routing (which is DeepSeek-V3's) with ungated shared experts.
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    # DeepSeek-V2 (V2-Lite, Coder-V2): the same attention, softmax routing with groups.
+    "DeepseekV2ForCausalLM": "deepseek_v2",
     # gpt-oss (models/gpt_oss.py): biased attention with sinks, every layer a biased MoE
     # with a clamped SwiGLU, sliding and full layers alternating.
     "GptOssForCausalLM": "gpt_oss",

@@ -33,10 +33,12 @@ class MoeConfig:
     naming: str  # "mixtral", "qwen", "granite", "deepseek" (GLM-4.5's too) or "gpt_oss"
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.0
-    # DeepSeek-V3's routing (GLM-4.5's, naming "deepseek"; "softmax": the others'): sigmoid
-    # scores, the top-k chosen by score + the router's e_score_correction_bias among the
-    # topk_group best of n_group expert groups (a group ranked by its two best), weighted by
-    # the scores alone (renormalised with norm_topk_prob), times routed_scaling_factor. Its
+    # DeepSeek-V3's routing ("sigmoid", GLM-4.5's too, naming "deepseek"; "softmax": the
+    # others'): sigmoid scores, the top-k chosen by score + the router's
+    # e_score_correction_bias among the topk_group best of n_group expert groups (a group
+    # ranked by its two best), weighted by the scores alone (renormalised with
+    # norm_topk_prob), times routed_scaling_factor. DeepSeek-V2's ("softmax_groups"):
+    # softmax scores, the groups ranked by their best, no bias, no renormalising. The
     # shared expert (shared_experts, n_shared_experts of moe_intermediate_size) is added
     # ungated.
     scoring: str = "softmax"
@@ -46,21 +48,31 @@ class MoeConfig:
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], arch: str, num_layers: int) -> MoeConfig | None:
-        if arch in ("glm4_moe", "deepseek_v3"):
+        if arch in ("glm4_moe", "deepseek_v3", "deepseek_v2"):
             # transformers' defaults where the config is silent: (routed experts, groups,
             # groups kept, scale, dense layers first)
-            d = {"glm4_moe": (128, 1, 1, 1.0, 1), "deepseek_v3": (256, 8, 4, 2.5, 3)}[arch]
+            d = {"glm4_moe": (128, 1, 1, 1.0, 1), "deepseek_v3": (256, 8, 4, 2.5, 3),
+                 "deepseek_v2": (64, 1, 1, 1.0, 0)}[arch]
+            v2 = arch == "deepseek_v2"
+            if v2 and raw.get("topk_method", "greedy") not in ("greedy", "group_limited_greedy"):
+                raise ValueError(f"DeepSeek-V2 topk_method {raw.get('topk_method')!r} is not greedy or "
+                                 "group_limited_greedy")
             experts = int(raw.get("n_routed_experts") or _num_experts(raw, d[0]))
             inter = int(raw["moe_intermediate_size"])
-            groups, topk_groups = int(raw.get("n_group") or d[1]), int(raw.get("topk_group") or d[2])
+            # DeepSeek-V2 limits the choice to the best groups only with "group_limited_greedy".
+            grouped = not v2 or raw.get("topk_method") == "group_limited_greedy"
+            groups = int(raw.get("n_group") or d[1]) if grouped else 1
+            topk_groups = int(raw.get("topk_group") or d[2]) if grouped else 1
             if experts % groups or not 0 < topk_groups <= groups:
                 raise ValueError(f"n_group {groups} / topk_group {topk_groups} do not fit {experts} experts")
-            return cls(num_experts=experts, top_k=int(raw.get("num_experts_per_tok", 8)), intermediate_size=inter,
-                       norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
-                       shared_expert_intermediate_size=inter * int(raw.get("n_shared_experts", 1) or 0),
+            return cls(num_experts=experts, top_k=int(raw.get("num_experts_per_tok", 8 if not v2 else 6)),
+                       intermediate_size=inter,
+                       # DeepSeek-V2's router never renormalises (transformers reads no flag)
+                       norm_topk_prob=not v2 and bool(raw.get("norm_topk_prob", True)),
+                       shared_expert_intermediate_size=inter * int(raw.get("n_shared_experts", 2 if v2 else 1) or 0),
                        sparse_layers=tuple(range(int(raw.get("first_k_dense_replace", d[4])), num_layers)),
-                       naming="deepseek", scoring="sigmoid", n_group=groups, topk_group=topk_groups,
-                       routed_scaling_factor=float(raw.get("routed_scaling_factor", d[3])))
+                       naming="deepseek", scoring="softmax_groups" if v2 else "sigmoid", n_group=groups,
+                       topk_group=topk_groups, routed_scaling_factor=float(raw.get("routed_scaling_factor", d[3])))
         if arch == "gpt_oss":  # softmax over the top-k logits: renormalised top-k
             return cls(num_experts=_num_experts(raw, 128),
                        top_k=int(raw.get("num_experts_per_tok") or raw.get("experts_per_token") or 4),

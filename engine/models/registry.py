@@ -53,6 +53,7 @@ MODEL_CLASSES: dict[str, type] = {
     "qwen3_moe": LlamaModel,
     "glm4_moe": LlamaModel,
     "deepseek_v3": DeepseekModel,
+    "deepseek_v2": DeepseekModel,
     "gpt_oss": GptOssModel,
     "gemma": GemmaModel,
     "gemma2": GemmaModel,

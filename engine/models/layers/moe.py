@@ -85,18 +85,22 @@ def select_experts(
     return weights, ids
 
 
-def select_experts_grouped(router_logits: torch.Tensor, bias: torch.Tensor, moe: MoeConfig
+def select_experts_grouped(router_logits: torch.Tensor, bias: torch.Tensor | None, moe: MoeConfig
                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3's routing (``MoeConfig.scoring`` "sigmoid"), as transformers computes
-    GLM-4.5's in fp32: ``(weights [T, k] fp32, ids [T, k] int64)``."""
-    scores = router_logits.float().sigmoid()
-    choice = scores + bias
+    """DeepSeek-V3's routing (``MoeConfig.scoring`` "sigmoid", with the selection ``bias``)
+    or DeepSeek-V2's ("softmax_groups", no bias), in fp32 as transformers computes them:
+    ``(weights [T, k] fp32, ids [T, k] int64)``."""
+    v3 = moe.scoring == "sigmoid"
+    scores = router_logits.float().sigmoid() if v3 else router_logits.float().softmax(dim=-1)
+    choice = scores + bias if bias is not None else scores
     if moe.topk_group < moe.n_group:  # only the best groups' experts may be chosen
         t = choice.shape[0]
         grouped = choice.view(t, moe.n_group, -1)
-        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        # V3 ranks a group by its two best scores, V2 by its best
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1) if v3 else grouped.amax(dim=-1)
         keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(moe.topk_group, dim=-1).indices, 1.0)
-        choice = choice.masked_fill(~keep.bool().unsqueeze(-1).expand_as(grouped).reshape(t, -1), float("-inf"))
+        dropped = ~keep.bool().unsqueeze(-1).expand_as(grouped).reshape(t, -1)
+        choice = choice.masked_fill(dropped, float("-inf") if v3 else 0.0)
     ids = choice.topk(moe.top_k, dim=-1).indices
     weights = scores.gather(1, ids)
     if moe.norm_topk_prob:
@@ -141,17 +145,18 @@ class SparseMoeBlock:
         self.shared_gate_up = self.shared_down = self.shared_gate = None
         # The experts' LoRA deltas (engine.models.layers.lora.LoraExperts), once enabled.
         self.lora = None
-        self.moe, self.score_bias = moe, None  # score_bias: DeepSeek-V3 routing's (GLM-4.5)
+        self.moe, self.score_bias = moe, None  # score_bias: DeepSeek-V3's routing's (GLM-4.5's)
         if moe.naming == "granite":  # stacked as the kernels take them
             self.router = linear(get(p + "router.layer.weight"))
             self.w13, self.w2 = _granite_experts(get(p + "input_linear.weight"),
                                                  get(p + "output_linear.weight"),
                                                  moe.intermediate_size, tp)
             return
-        if moe.scoring == "sigmoid":  # GLM-4.5: the router and its selection bias in fp32
+        if moe.scoring != "softmax":  # DeepSeek's: the router (and its selection bias) in fp32
             fp32 = ShardedWeights(get.weights, torch.float32, get.device)  # type: ignore[attr-defined]
             self.router = _Fp32Router(fp32(p + "gate.weight"))
-            self.score_bias = fp32(p + "gate.e_score_correction_bias")
+            if moe.scoring == "sigmoid":
+                self.score_bias = fp32(p + "gate.e_score_correction_bias")
         else:
             self.router = linear(get(p + "gate.weight"))  # [E, hidden]
         # Column-parallel gate/up rows, row-parallel down columns (whole with one rank).
@@ -174,7 +179,7 @@ class SparseMoeBlock:
     def __call__(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         """The block's output; with tensor parallelism this rank's part of it (the gated
         shared expert's too: the gate scales each rank's partial sum alike)."""
-        if self.score_bias is not None:
+        if self.moe.scoring != "softmax":
             weights, ids = select_experts_grouped(self.router(x), self.score_bias, self.moe)
         else:
             weights, ids = select_experts(self.router(x), self.top_k, self.renormalize)

@@ -1,5 +1,6 @@
-"""DeepSeek-V3 (``DeepseekV3ForCausalLM``: V3, R1, Kimi K2): multi-head latent attention
-and DeepSeek-V3's routed and shared experts. Built and written by transformers (the
+"""DeepSeek-V3 (``DeepseekV3ForCausalLM``: V3, R1, Kimi K2) and DeepSeek-V2
+(``DeepseekV2ForCausalLM``: V2-Lite, Coder-V2): multi-head latent attention and their
+routed and shared experts. Built and written by transformers (the
 selection biases drawn so they move the routing); greedy tokens and their logprobs
 against transformers' on both op sets, whole and in chunks, with and without the q
 bottleneck, values narrower and wider than the keys, and YaRN with DeepSeek's
@@ -13,9 +14,9 @@ import torch
 from greedy_driver import run_greedy
 from hf_written import TINY_DEEPSEEK, write_deepseek_v3
 from test_parity import LOGPROB_ATOL, NEW_TOKENS, _hf_greedy, _prompts, _runner
-from transformers import DeepseekV3ForCausalLM
+from transformers import AutoModelForCausalLM
 
-from engine.errors import UnsupportedModelError
+from engine.errors import CorruptModelError, UnsupportedModelError
 from engine.models.config import ModelConfig
 from engine.models.layers.shard import tensor_parallel_problem
 from engine.models.loader import load_model
@@ -30,6 +31,10 @@ VARIANTS = {
     # one q_proj, values wider than the keys (the keys padded in the cache)
     "q-proj": dict(q_lora_rank=None, v_head_dim=20),
     "yarn": dict(q_lora_rank=24, v_head_dim=12, rope_parameters=YARN),
+    # DeepSeek-V2 (V2-Lite's one q_proj): softmax scores, top-k over all experts...
+    "v2-greedy": dict(version=2, q_lora_rank=None, topk_method="greedy"),
+    # ... or among the best groups (ranked by their best score)
+    "v2-groups": dict(version=2, q_lora_rank=24, topk_method="group_limited_greedy", n_group=4, topk_group=2),
 }
 
 
@@ -37,7 +42,7 @@ VARIANTS = {
 def written(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp("deepseek") / request.param
     write_deepseek_v3(folder, **VARIANTS[request.param])
-    hf = DeepseekV3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
     prompts = _prompts(TINY_DEEPSEEK["vocab_size"])[:3]
     expected = [_hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
@@ -66,3 +71,7 @@ def test_the_config_reads_the_latent_attention_and_refuses_what_it_does_not_run(
     for extra in ({"rope_interleave": False}, {"attention_bias": True}):
         with pytest.raises(UnsupportedModelError):
             ModelConfig.from_hf(raw | extra)
+    v2 = ModelConfig.from_hf(raw | {"architectures": ["DeepseekV2ForCausalLM"], "topk_method": "greedy"}).moe
+    assert (v2.scoring, v2.n_group, v2.norm_topk_prob) == ("softmax_groups", 1, False)
+    with pytest.raises(CorruptModelError, match="topk_method"):
+        ModelConfig.from_hf(raw | {"architectures": ["DeepseekV2ForCausalLM"], "topk_method": "noaux_tc"})
