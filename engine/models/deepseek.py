@@ -173,21 +173,17 @@ class DeepseekModel(Decoder):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; writes this step's K/V."""
         ops, eps = self.ops, self.eps
-        stage = self.tp.stage
-        hidden = self._hidden_stream_in(input_ids, positions)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            assert isinstance(layer, DeepseekLayer)
-            hidden = hidden + self._latent_attention(layer, ops.rms_norm(hidden, layer.input_norm, eps), positions,
-                                                     meta, k_cache, v_cache)
+
+        def block(layer: DeepseekLayer, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+            x = ops.rms_norm(hidden, layer.input_norm, eps)
+            hidden = hidden + self._latent_attention(layer, x, positions, meta, k_cache, v_cache)
             x = ops.rms_norm(hidden, layer.post_norm, eps)
             if layer.moe is not None:
-                hidden = hidden + self.tp.all_reduce(layer.moe(x, ops))  # the experts' row-parallel downs
-            else:
-                hidden = hidden + layer.down(ops.silu_and_mul(layer.gate_up(x)))
-        if not stage.last:
-            stage.send([hidden])
-            return None  # type: ignore[return-value]
-        return ops.rms_norm(hidden, self.norm, eps)
+                return hidden + self.tp.all_reduce(layer.moe(x, ops))  # the experts' row-parallel downs
+            return hidden + layer.down(ops.silu_and_mul(layer.gate_up(x)))
+
+        return self._run_stream(input_ids, positions, kv_caches, block,  # type: ignore[return-value]
+                                lambda h: ops.rms_norm(h, self.norm, eps))
 
     def _latent_attention(self, layer: DeepseekLayer, x: torch.Tensor, positions: torch.Tensor,
                           meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:

@@ -200,21 +200,14 @@ class GptOssModel(Decoder):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; writes this step's K/V."""
         ops = self.ops
-        stage = self.tp.stage
-        hidden = self._hidden_stream_in(input_ids, positions)
-        if not stage.enabled:
-            out = self._run_fused(hidden, positions, meta, kv_caches)  # small CPU steps: one C call
-            if out is not None:
-                return out
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            assert isinstance(layer, GptOssLayer)
+
+        def block(layer: GptOssLayer, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
             x = self._attention(layer, self._rms(hidden, layer.input_norm), positions, meta, k_cache, v_cache)
             hidden = hidden + (x if layer.o_bias is None else x + layer.o_bias)
-            hidden = hidden + layer.mlp(self._rms(hidden, layer.post_norm), ops, self.tp)
-        if not stage.last:
-            stage.send([hidden])
-            return None  # type: ignore[return-value]
-        return self._rms(hidden, self.norm)
+            return hidden + layer.mlp(self._rms(hidden, layer.post_norm), ops, self.tp)
+
+        return self._run_stream(input_ids, positions, kv_caches, block, lambda h: self._rms(h, self.norm),  # type: ignore[return-value]
+                                lambda h: self._run_fused(h, positions, meta, kv_caches))  # small CPU steps: one C call
 
     def _attend(self, layer: DecoderLayer, q: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -149,22 +149,15 @@ class OlmoModel(Decoder):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; writes this step's K/V."""
         ops = self.ops
-        stage = self.tp.stage
-        hidden = self._hidden_stream_in(input_ids, positions)
-        if not stage.enabled:
-            out = self._run_fused(hidden, positions, meta, kv_caches)  # small CPU steps: one C call
-            if out is not None:
-                return out
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            assert isinstance(layer, OlmoLayer)
+
+        def block(layer: OlmoLayer, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
             x = self._attention(layer, hidden, positions, meta, k_cache, v_cache)
             hidden = hidden + self._rms(x, layer.post_norm)
             x = layer.down(ops.silu_and_mul(layer.gate_up(hidden)))  # row-parallel: the whole output
-            hidden = hidden + self._rms(x, layer.post_ffn_norm)
-        if not stage.last:
-            stage.send([hidden])
-            return None  # type: ignore[return-value]
-        return self._rms(hidden, self.norm)
+            return hidden + self._rms(x, layer.post_ffn_norm)
+
+        return self._run_stream(input_ids, positions, kv_caches, block, lambda h: self._rms(h, self.norm),  # type: ignore[return-value]
+                                lambda h: self._run_fused(h, positions, meta, kv_caches))  # small CPU steps: one C call
 
     def fused_description(self) -> FusedModel:
         return dataclasses.replace(super().fused_description(), gemma=True, qk_norm_full=True)

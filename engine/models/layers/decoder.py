@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -185,6 +186,29 @@ class Decoder:
             return hidden if scale is None else hidden * scale
         (hidden,) = stage.recv(1, (positions.shape[-1], self.config.hidden_size), self.dtype, self.device)
         return hidden
+
+    def _run_stream(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                    block: Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                    final: Callable[[torch.Tensor], torch.Tensor],
+                    fused: Callable[[torch.Tensor], torch.Tensor | None] | None = None) -> torch.Tensor | None:
+        """A step of a family whose stream is the hidden states alone (OLMo, gpt-oss,
+        DeepSeek): :meth:`_hidden_stream_in`, then ``fused(hidden)`` where it answers (the
+        fused CPU step; not over pipeline stages), else ``hidden = block(layer, hidden,
+        k_cache, v_cache)`` for each of this stage's layers, then ``final(hidden)`` on the
+        last stage; a stage before it sends its hidden states on and returns None."""
+        stage = self.tp.stage
+        hidden = self._hidden_stream_in(input_ids, positions)
+        if fused is not None and not stage.enabled:
+            out = fused(hidden)
+            if out is not None:
+                return out
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            hidden = block(layer, hidden, k_cache, v_cache)
+        if not stage.last:
+            stage.send([hidden])
+            return None
+        return final(hidden)
 
     def _plain_layer_parts(self, get: ShardedWeights, i: int) -> dict[str, Any]:
         """Layer ``i``'s projections with no bias (q/k/v fused, gate/up fused, this rank's
