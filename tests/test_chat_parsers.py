@@ -89,6 +89,14 @@ CASES: list[tuple[str, str, str | None, list[tuple[str, dict[str, Any]]]]] = [
     ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par",
      "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par", []),
     ("glm45", "No calls here.", "No calls here.", []),
+    # deepseek_v31: the frames hold the name, the separator, then the JSON arguments.
+    ("deepseek_v31", "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+     '{"city": "Paris", "unit": "celsius"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>'
+     f"{json.dumps(NESTED)}<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "Checking.",
+     [("get_weather", WEATHER), ("search", NESTED)]),
+    ("deepseek_v31", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Par',
+     '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Par', []),
+    ("deepseek_v31", "No calls here.", "No calls here.", []),
     # kimi_k2: calls in one section, each with the model's own id (kept as the call's).
     ("kimi_k2", "Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
      '<|tool_call_argument_begin|>{"city": "Paris", "unit": "celsius"}<|tool_call_end|><|tool_call_begin|>'
@@ -370,7 +378,7 @@ def test_constrained_call_sends_arguments_as_they_arrive() -> None:
 
 
 def test_unknown_parser_names_the_choices() -> None:
-    with pytest.raises(ValueError, match="deepseek_v3, glm45, granite, granite4, hermes, internlm, "
+    with pytest.raises(ValueError, match="deepseek_v3, deepseek_v31, glm45, granite, granite4, hermes, internlm, "
                        "kimi_k2, llama3_json, mistral, olmo3, openai, phi4_mini_json, pythonic, qwen3_coder"):
         get_tool_parser("nope")
 

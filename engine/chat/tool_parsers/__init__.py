@@ -31,6 +31,8 @@ name             what the model writes                                       mod
                  ``<|tool_call_begin|>functions.NAME:I<|tool_call_argument_``
                  ``begin|>{...}<|tool_call_end|>`` (its id kept), then
                  ``<|tool_calls_section_end|>``
+``deepseek_v31`` the same section, per call ``<｜tool▁call▁begin｜>NAME``         DeepSeek V3.1
+                 ``<｜tool▁sep｜>{...}<｜tool▁call▁end｜>``
 ``openai``       harmony: ``<|channel|>commentary to=functions.NAME``          gpt-oss
                  ``<|constrain|>json<|message|>{...}`` (the recipient
                  before or after the channel), ended by ``<|call|>``

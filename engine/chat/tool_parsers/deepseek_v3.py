@@ -1,5 +1,6 @@
 """``deepseek_v3``: DeepSeek V3's special-token frames around a fenced JSON block per call,
-in one ``<｜tool▁calls▁begin｜>`` ... ``<｜tool▁calls▁end｜>`` section."""
+in one ``<｜tool▁calls▁begin｜>`` ... ``<｜tool▁calls▁end｜>`` section; ``deepseek_v31``:
+DeepSeek V3.1's, the name then the JSON arguments in each frame."""
 
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ class _DeepSeekV3(Format):
     CALL = "<｜tool▁call▁begin｜>"
     CALL_END = "<｜tool▁call▁end｜>"
     SEP = "<｜tool▁sep｜>"
-    _BODY = re.compile(r"\s*function" + re.escape(SEP) + r"([^\n`<]+?)[ \t]*\n\s*```(?:json)?\s*"
-                       r"(\{.*\})\s*```\s*", re.DOTALL)
+    _BODY = re.compile(r"\s*function" + re.escape(SEP) + r"(?P<name>[^\n`<]+?)[ \t]*\n\s*```(?:json)?\s*"
+                       r"(?P<args>\{.*\})\s*```\s*", re.DOTALL)
 
     def __init__(self) -> None:
         self._mode = "text"  # text -> calls -> text
@@ -65,12 +66,12 @@ class _DeepSeekV3(Format):
         if end == -1:
             return None if not final else self._fail(buf)
         match = self._BODY.fullmatch(rest, len(self.CALL), end)
-        args = loads(match.group(2)) if match else None
+        args = loads(match.group("args")) if match else None
         if match is None or not isinstance(args, dict):
             return self._fail(buf)
         self._calls += 1
         self._prefix = ""
-        call = Call(match.group(1).strip(), json.dumps(args, ensure_ascii=False))
+        call = Call(match.group("name").strip(), json.dumps(args, ensure_ascii=False))
         return [call], lead + end + len(self.CALL_END)
 
     def _fail(self, buf: str) -> tuple[list[Piece], int]:
@@ -83,4 +84,16 @@ class _DeepSeekV3(Format):
         return [Text(self._prefix)] if self._mode == "calls" and self._prefix else []
 
 
+class _DeepSeekV31(_DeepSeekV3):
+    """DeepSeek V3.1's calls: the same section and frames, each the function's name, the
+    separator, then its JSON arguments (no "function" word, no fence)::
+
+        <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+    """
+
+    _BODY = re.compile(r"\s*(?P<name>[^\s<`]+?)\s*" + re.escape(_DeepSeekV3.SEP) + r"\s*(?P<args>\{.*\})\s*",
+                       re.DOTALL)
+
+
 register_tool_parser(ToolParser("deepseek_v3", _DeepSeekV3, needs_special_tokens=True))
+register_tool_parser(ToolParser("deepseek_v31", _DeepSeekV31, needs_special_tokens=True))
