@@ -73,7 +73,7 @@ SUPPORTED_ARCHITECTURES = {
     # selection bias, expert groups, a scaling factor) with an ungated shared expert, after
     # first_k_dense_replace dense layers.
     "Glm4MoeForCausalLM": "glm4_moe",
-    # DeepSeek-V3 and R1, Kimi K2 (models/deepseek.py): multi-head latent attention, GLM-4.5's
+    # DeepSeek-V3 and R1 (and Kimi K2's layers; models/deepseek.py): multi-head latent attention, GLM-4.5's
     # routing (which is DeepSeek-V3's) with ungated shared experts.
     "DeepseekV3ForCausalLM": "deepseek_v3",
     # DeepSeek-V2 (V2-Lite, Coder-V2): the same attention, softmax routing with groups.

@@ -1,4 +1,4 @@
-"""DeepSeek-V3 (``DeepseekV3ForCausalLM``: DeepSeek-V3, R1, Kimi K2): multi-head latent
+"""DeepSeek-V3 (``DeepseekV3ForCausalLM``: DeepSeek-V3, R1, Kimi K2's layers): multi-head latent
 attention (MLA) in the Llama layer, with GLM-4.5's mixture of experts (DeepSeek-V3's
 routing, ungated shared experts; engine.models.layers.moe) after the first dense layers.
 
