@@ -4,8 +4,8 @@ biased attention that has sinks, and a mixture of experts on every layer.
 What differs from the generic decoder (:class:`~engine.models.layers.decoder.Decoder`), each
 as transformers computes it:
 
-* q, k, v and o all carry biases (``attention_bias``); o's is added once, after the
-  ranks' partial sums are all-reduced;
+* q, k, v and o all carry biases (``attention_bias``); over tensor-parallel ranks o's is
+  added once, after the ranks' partial sums are all-reduced (inside o on one rank);
 * every head has an attention *sink* (``self_attn.sinks``): one more logit in its softmax,
   with no value, so a head may attend to nothing much (``Ops.paged_attention_*``'s
   ``sinks``);
@@ -22,8 +22,8 @@ as transformers computes it:
 
 Small CPU steps run in the fused decode step's Gemma mode (fp32 norm weights multiplied as
 stored, norms before the blocks only, the sinks in its attention), each layer's experts in
-between its C calls (quant.c's MoE kernel). The released checkpoints keep the experts in MXFP4 blocks; the loader dequantizes them
-(engine.models.hf_quant) and they run dense. Over tensor-parallel ranks each rank keeps
+between its C calls (quant.c's MoE kernel). The released checkpoints keep the experts in
+MXFP4 blocks; the loader dequantizes them (engine.models.hf_quant) and they run dense. Over tensor-parallel ranks each rank keeps
 its heads (their sinks too) and its share of every expert, as for the other MoE families;
 the down projections' biases, like o's, join after the all-reduce.
 """

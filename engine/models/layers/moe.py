@@ -1,8 +1,8 @@
-"""The sparse MLP of Mixtral, Qwen2-MoE, Qwen3-MoE, Granite-MoE and GLM-4.5: a router, routed
-experts and an optional shared expert, replacing the dense MLP in the layers
-``MoeConfig.sparse_layers`` names. GLM-4.5 routes as DeepSeek-V3 does
-(:func:`select_experts_grouped`: sigmoid scores, a selection bias, expert groups, a scale)
-with its router in fp32 and its shared expert ungated.
+"""The sparse MLP of Mixtral, Qwen2-MoE, Qwen3-MoE, Granite-MoE, GLM-4.5 and DeepSeek-V2/V3: a
+router, routed experts and an optional shared expert, replacing the dense MLP in the layers
+``MoeConfig.sparse_layers`` names. GLM-4.5 and DeepSeek-V3 route by sigmoid scores with a
+selection bias, expert groups and a scale, DeepSeek-V2 by softmax scores with groups
+(:func:`select_experts_grouped`), their routers in fp32 and their shared experts ungated.
 
 Routing, as transformers computes it for each of these models: router logits in the model
 dtype, a softmax over all experts in fp32, the ``top_k`` largest probabilities, and (when
