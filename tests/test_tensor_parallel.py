@@ -61,6 +61,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple[str,
     # shared expert cut as the experts are.
     write_glm(root / "glm4_moe")
     out.append(("glm4_moe", str(root / "glm4_moe"), True))
+    # ERNIE 4.5: q and k reordered for its interleaved RoPE before each rank cuts its heads.
+    out.append(("ernie4_5", str(_write_ernie(root / "ernie4_5")), True))
     # DeepSeek-V3: each rank its heads of q and kv_b_proj, the latent whole.
     write_deepseek_v3(root / "deepseek_v3")
     out.append(("deepseek_v3", str(root / "deepseek_v3"), True))
@@ -90,6 +92,17 @@ def _write_exaone4(folder: Path) -> Path:
                            sliding_window=8, sliding_window_pattern=2)
     torch.manual_seed(0)
     write_hf_model(Exaone4ForCausalLM(config), folder, norms=True)
+    return folder
+
+
+def _write_ernie(folder: Path) -> Path:
+    """ERNIE 4.5, written by transformers (tests/test_ernie.py's model, its head untied)."""
+    from hf_written import write_hf_model
+    from test_ernie import TINY
+    from transformers import Ernie4_5Config, Ernie4_5ForCausalLM
+
+    torch.manual_seed(0)
+    write_hf_model(Ernie4_5ForCausalLM(Ernie4_5Config(**TINY, tie_word_embeddings=False)), folder, norms=True)
     return folder
 
 
@@ -156,7 +169,8 @@ def _moe(got: torch.Tensor, want: torch.Tensor, where: str) -> None:
     torch.testing.assert_close(got, want, atol=MOE_LOGIT_ATOL, rtol=LOGIT_RTOL, msg=lambda m: f"{where}: {m}")
 
 
-@pytest.mark.parametrize("key", ["exaone4", "granite_moe", "olmo2-mqa", "gpt_oss", "glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("key", ["exaone4", "granite_moe", "olmo2-mqa", "gpt_oss", "glm4_moe", "deepseek_v3",
+                                 "ernie4_5"])
 def test_transformers_written_and_copied_kv_head_models_over_two_ranks(
     key: str, two_ranks: list[dict], one_rank: dict,
 ) -> None:

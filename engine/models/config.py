@@ -50,6 +50,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
+    # ERNIE 4.5's dense models (models/ernie.py): the Llama layer, RoPE on interleaved pairs.
+    "Ernie4_5ForCausalLM": "ernie4_5",
     "GraniteForCausalLM": "granite",
     "GraniteMoeForCausalLM": "granite_moe",  # Granite's multipliers, MoE on every layer
     # Granite 4's dense attention models (granite-4.0-micro): Granite's layer with its MLP

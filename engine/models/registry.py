@@ -17,6 +17,7 @@ from engine.errors import CorruptModelError, UnsupportedModelError
 from engine.models.bert import BertModel
 from engine.models.config import ModelConfig
 from engine.models.deepseek import DeepseekModel
+from engine.models.ernie import ErnieModel
 from engine.models.gemma import Gemma3VisionModel, GemmaModel
 from engine.models.gpt2 import GPT2Model
 from engine.models.gpt_oss import GptOssModel
@@ -42,6 +43,7 @@ MODEL_CLASSES: dict[str, type] = {
     "qwen3": LlamaModel,
     "phi3": LlamaModel,
     "smollm3": LlamaModel,
+    "ernie4_5": ErnieModel,
     "granite": LlamaModel,
     "granite_moe": LlamaModel,
     "granite_hybrid": LlamaModel,
