@@ -31,6 +31,23 @@ def test_ernie4_5_greedy_tokens_and_logprobs_match_transformers(tmp_path, ops: s
     assert loaded.config.architecture == "ernie4_5" and loaded.config.tie_word_embeddings == tied
 
 
+@pytest.mark.parametrize("ops", ["torch", "cpu"])
+def test_ernie4_5_moe_greedy_tokens_and_logprobs_match_transformers(tmp_path, ops: str) -> None:
+    """The MoE models: softmax scores chosen with a selection bias (moe_statics), an
+    ungated shared expert, sparse layers from moe_layer_start_index to the end index."""
+    from transformers import Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM
+
+    torch.manual_seed(0)
+    hf = Ernie4_5_MoeForCausalLM(Ernie4_5_MoeConfig(
+        **TINY, moe_intermediate_size=32, moe_num_experts=8, moe_k=2, moe_num_shared_experts=1,
+        moe_layer_start_index=1, moe_layer_end_index=1, tie_word_embeddings=False))
+    with torch.no_grad():  # a selection bias large enough to move the choice
+        hf.model.layers[1].mlp.gate.moe_statics.e_score_correction_bias.normal_(0.0, 0.5)
+    hf = write_hf_model(hf, tmp_path / "ernie-moe", norms=True)
+    loaded = assert_greedy_matches(hf, tmp_path / "ernie-moe", ops, fused=True)
+    assert loaded.config.moe.sparse_layers == (1,) and loaded.config.moe.scoring == "softmax_bias"
+
+
 def test_biases_on_the_projections_are_refused_by_name() -> None:
     raw = {"architectures": ["Ernie4_5ForCausalLM"], **TINY, "use_bias": True}
     with pytest.raises(UnsupportedModelError, match="use_bias"):

@@ -52,6 +52,8 @@ SUPPORTED_ARCHITECTURES = {
     "SmolLM3ForCausalLM": "smollm3",
     # ERNIE 4.5's dense models (models/ernie.py): the Llama layer, RoPE on interleaved pairs.
     "Ernie4_5ForCausalLM": "ernie4_5",
+    # ... and its MoE models: softmax routing with a selection bias, ungated shared experts.
+    "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
     "GraniteForCausalLM": "granite",
     "GraniteMoeForCausalLM": "granite_moe",  # Granite's multipliers, MoE on every layer
     # Granite 4's dense attention models (granite-4.0-micro): Granite's layer with its MLP

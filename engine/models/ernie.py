@@ -1,5 +1,6 @@
-"""ERNIE 4.5's dense models (``Ernie4_5ForCausalLM``: ERNIE-4.5-0.3B): the Llama layer with
-RoPE on interleaved pairs.
+"""ERNIE 4.5 (``Ernie4_5ForCausalLM``: ERNIE-4.5-0.3B; ``Ernie4_5_MoeForCausalLM``: its MoE
+models, whose sparse MLPs are engine.models.layers.moe's): the Llama layer with RoPE on
+interleaved pairs.
 
 ERNIE rotates each head's pairs ``(x0, x1), (x2, x3), ...`` (GPT-J's layout), the Llama
 layer the halves. A query's and a key's values meet only in their dot product, which does

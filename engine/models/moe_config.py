@@ -30,7 +30,7 @@ class MoeConfig:
     # (mlp.experts.gate_up_proj [E, hidden, 2 * inter], gate and up columns alternating),
     # with biases, the router's too, and the clamped SwiGLU (engine.ops.moe.ClampedSwiglu)
     # of this limit and sigmoid gain; 0: the plain SwiGLU.
-    naming: str  # "mixtral", "qwen", "granite", "deepseek" (GLM-4.5's too) or "gpt_oss"
+    naming: str  # "mixtral", "qwen", "granite", "deepseek" (GLM-4.5's too), "ernie" or "gpt_oss"
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.0
     # DeepSeek-V3's routing ("sigmoid", GLM-4.5's too, naming "deepseek"; "softmax": the
@@ -38,7 +38,8 @@ class MoeConfig:
     # e_score_correction_bias among the topk_group best of n_group expert groups (a group
     # ranked by its two best), weighted by the scores alone (renormalised with
     # norm_topk_prob), times routed_scaling_factor. DeepSeek-V2's ("softmax_groups"):
-    # softmax scores, the groups ranked by their best, no bias, no renormalising. The
+    # softmax scores, the groups ranked by their best, no bias, no renormalising. ERNIE
+    # 4.5's ("softmax_bias"): softmax scores chosen with a selection bias, renormalised. The
     # shared expert (shared_experts, n_shared_experts of moe_intermediate_size) is added
     # ungated.
     scoring: str = "softmax"
@@ -73,6 +74,18 @@ class MoeConfig:
                        sparse_layers=tuple(range(int(raw.get("first_k_dense_replace", d[4])), num_layers)),
                        naming="deepseek", scoring="softmax_groups" if v2 else "sigmoid", n_group=groups,
                        topk_group=topk_groups, routed_scaling_factor=float(raw.get("routed_scaling_factor", d[3])))
+        if arch == "ernie4_5_moe":
+            # ERNIE 4.5's: layers start..end, every interval-th; softmax scores chosen with a
+            # selection bias (moe_statics), renormalised; ungated shared experts.
+            start, interval = int(raw.get("moe_layer_start_index", 1)), int(raw.get("moe_layer_interval", 1))
+            end = int(raw.get("moe_layer_end_index", num_layers - 1))
+            inter = int(raw["moe_intermediate_size"])
+            return cls(num_experts=int(raw.get("moe_num_experts") or _num_experts(raw, 64)),
+                       top_k=int(raw.get("moe_k") or raw.get("num_experts_per_tok") or 6), intermediate_size=inter,
+                       norm_topk_prob=True, shared_expert_intermediate_size=inter * int(raw.get("moe_num_shared_experts", 0)),
+                       sparse_layers=tuple(i for i in range(num_layers)
+                                           if (i + 1) % interval == 0 and start <= i <= end),
+                       naming="ernie", scoring="softmax_bias")
         if arch == "gpt_oss":  # softmax over the top-k logits: renormalised top-k
             return cls(num_experts=_num_experts(raw, 128),
                        top_k=int(raw.get("num_experts_per_tok") or raw.get("experts_per_token") or 4),

@@ -44,6 +44,7 @@ MODEL_CLASSES: dict[str, type] = {
     "phi3": LlamaModel,
     "smollm3": LlamaModel,
     "ernie4_5": ErnieModel,
+    "ernie4_5_moe": ErnieModel,
     "granite": LlamaModel,
     "granite_moe": LlamaModel,
     "granite_hybrid": LlamaModel,

@@ -59,19 +59,27 @@ def sparse_layer_weight_names(moe: MoeConfig, layer: int) -> list[str]:
     if moe.naming == "granite":
         return [p + "router.layer.weight", p + "input_linear.weight", p + "output_linear.weight"]
     names = [p + "gate.weight"]
-    if moe.scoring == "sigmoid":
-        names.append(p + "gate.e_score_correction_bias")
+    if moe.scoring in ("sigmoid", "softmax_bias"):
+        names.append(p + _score_bias_name(moe))
     for e in range(moe.num_experts):
         names += expert_weight_names(moe, layer, e)
     if moe.shared_expert_intermediate_size:
         names += [p + f"{_shared_name(moe)}.{n}_proj.weight" for n in ("gate", "up", "down")]
-        if moe.naming != "deepseek":  # GLM's shared experts are not gated
+        if moe.naming not in _UNGATED:  # DeepSeek's, GLM's and ERNIE's shared experts are not gated
             names.append(p + "shared_expert_gate.weight")
     return names
 
 
+_UNGATED = ("deepseek", "ernie")
+
+
 def _shared_name(moe: MoeConfig) -> str:
-    return "shared_experts" if moe.naming == "deepseek" else "shared_expert"
+    return "shared_experts" if moe.naming in _UNGATED else "shared_expert"
+
+
+def _score_bias_name(moe: MoeConfig) -> str:
+    """Where a router's selection bias lives (DeepSeek's / GLM's, or ERNIE's [1, E])."""
+    return "moe_statics.e_score_correction_bias" if moe.naming == "ernie" else "gate.e_score_correction_bias"
 
 
 def select_experts(
@@ -155,8 +163,8 @@ class SparseMoeBlock:
         if moe.scoring != "softmax":  # DeepSeek's: the router (and its selection bias) in fp32
             fp32 = ShardedWeights(get.weights, torch.float32, get.device)  # type: ignore[attr-defined]
             self.router = _Fp32Router(fp32(p + "gate.weight"))
-            if moe.scoring == "sigmoid":
-                self.score_bias = fp32(p + "gate.e_score_correction_bias")
+            if moe.scoring in ("sigmoid", "softmax_bias"):
+                self.score_bias = fp32(p + _score_bias_name(moe)).reshape(-1)
         else:
             self.router = linear(get(p + "gate.weight"))  # [E, hidden]
         # Column-parallel gate/up rows, row-parallel down columns (whole with one rank).
@@ -173,7 +181,7 @@ class SparseMoeBlock:
             s = p + _shared_name(moe) + "."
             self.shared_gate_up = linear(torch.cat([rows(s + "gate_proj.weight"), rows(s + "up_proj.weight")]))
             self.shared_down = linear(cols(s + "down_proj.weight"))
-            if moe.naming != "deepseek":
+            if moe.naming not in _UNGATED:
                 self.shared_gate = linear(get(p + "shared_expert_gate.weight"))  # [1, hidden]
 
     def __call__(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
