@@ -9,6 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_written import assert_greedy_matches, write_hf_model
+from transformers import (
+    Ernie4_5_MoeConfig,
+    Ernie4_5_MoeForCausalLM,
+    Ernie4_5Config,
+    Ernie4_5ForCausalLM,
+)
 
 from engine.errors import UnsupportedModelError
 from engine.models.config import ModelConfig
@@ -22,8 +28,6 @@ TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_la
 @pytest.mark.parametrize("ops", ["torch", "cpu"])
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_ernie4_5_greedy_tokens_and_logprobs_match_transformers(tmp_path, ops: str, tied: bool) -> None:
-    from transformers import Ernie4_5Config, Ernie4_5ForCausalLM
-
     torch.manual_seed(0)
     hf = write_hf_model(Ernie4_5ForCausalLM(Ernie4_5Config(**TINY, tie_word_embeddings=tied)), tmp_path / "ernie",
                         norms=True)
@@ -35,8 +39,6 @@ def test_ernie4_5_greedy_tokens_and_logprobs_match_transformers(tmp_path, ops: s
 def test_ernie4_5_moe_greedy_tokens_and_logprobs_match_transformers(tmp_path, ops: str) -> None:
     """The MoE models: softmax scores chosen with a selection bias (moe_statics), an
     ungated shared expert, sparse layers from moe_layer_start_index to the end index."""
-    from transformers import Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM
-
     torch.manual_seed(0)
     hf = Ernie4_5_MoeForCausalLM(Ernie4_5_MoeConfig(
         **TINY, moe_intermediate_size=32, moe_num_experts=8, moe_k=2, moe_num_shared_experts=1,

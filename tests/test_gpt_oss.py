@@ -15,15 +15,22 @@ from pathlib import Path
 import pytest
 import torch
 from greedy_driver import run_greedy
+from safetensors.torch import load_file, save_file
 from test_parity import LOGPROB_ATOL, NEW_TOKENS, _hf_greedy, _prompts, _runner
-from transformers import GptOssForCausalLM
+from transformers import GptOssConfig, GptOssForCausalLM
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
-from engine.errors import UnsupportedModelError
+from engine.errors import CorruptModelError, UnsupportedModelError
 from engine.models.config import ModelConfig
+from engine.models.gpt_oss import GptOssExperts
 from engine.models.hf_quant import Mxfp4Tensor
 from engine.models.loader import load_model
+from engine.models.lora import check_lora_model
 from engine.models.testing_gpt_oss import TINY_GPT_OSS, write_gpt_oss
+from engine.ops import get_ops
+from engine.ops.cpu import MOE_MAX_TOKENS
+from engine.ops.reference import TorchOps
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -83,7 +90,6 @@ def test_the_config_reads_layer_kinds_sinks_and_the_experts(written) -> None:
 
 
 def test_a_config_without_layer_types_or_rope_takes_transformers_defaults() -> None:
-    from transformers import GptOssConfig
 
     raw = {"architectures": ["GptOssForCausalLM"], "vocab_size": 384, "hidden_size": 64, "intermediate_size": 64,
            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -108,9 +114,6 @@ def test_mxfp4_blocks_dequantize_as_transformers_does() -> None:
 
 
 def test_an_mxfp4_folder_whose_scales_are_missing_is_refused_by_name(tmp_path) -> None:
-    from safetensors.torch import load_file, save_file
-
-    from engine.errors import CorruptModelError
 
     folder = tmp_path / "m"
     write_gpt_oss(folder, mxfp4=True)
@@ -124,7 +127,6 @@ def test_an_mxfp4_folder_whose_scales_are_missing_is_refused_by_name(tmp_path) -
 
 def test_lora_on_gpt_oss_is_refused_by_name(written) -> None:
     folder, _, _ = written
-    from engine.models.lora import check_lora_model
 
     with pytest.raises(UnsupportedModelError, match="gpt_oss"):
         check_lora_model(load_model(folder, dtype="float32").config)
@@ -138,13 +140,6 @@ def test_the_experts_match_transformers_gpt_oss_mlp(monkeypatch, ops: str, dtype
     transformers' ``GptOssMLP`` on the same weights. On the C kernels up to MOE_MAX_TOKENS
     tokens take quant.c's eng_moe_small (the torch reference is not called), more the
     reference."""
-    from transformers import GptOssConfig
-    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
-
-    from engine.models.gpt_oss import GptOssExperts
-    from engine.ops import get_ops
-    from engine.ops.cpu import MOE_MAX_TOKENS
-    from engine.ops.reference import TorchOps
 
     raw = TINY_GPT_OSS | {"num_local_experts": 8, "num_experts_per_tok": 4}
     torch.manual_seed(tokens)
