@@ -213,6 +213,20 @@ def test_paged_decode_matches_the_reference(dtype: torch.dtype, dim: int, group:
     torch.testing.assert_close(got, TorchOps().paged_attention_decode(*args), **TOL[dtype])
 
 
+@pytest.mark.parametrize(("heads", "dim"), [(40, 24), (16, 576), (20, 576)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_latent_attention_decode_matches_the_reference(dtype: torch.dtype, heads: int, dim: int, threads: int) -> None:
+    """DeepSeek's cache: one KV head (the latent, up to 512 + 64 wide) read as both K and V
+    by every query head; groups past the kernel's 16 heads an item are cut into pieces."""
+    q, kc, _vc, tables, lens = _paged_batch(LENS, heads, 1, dim, 16, dtype, seed=27)
+    args = (q, kc, kc, tables, lens, 0.1, tuple(LENS))
+    got = CpuOps()._decode(*args[:6])
+    assert got is not None  # the C kernel took it
+    torch.testing.assert_close(got, TorchOps().paged_attention_decode(*args), **TOL[dtype])
+    one = CpuOps()._decode(q[3:], kc, kc, tables[3:], lens[3:], 0.1)  # one stream: a head an item
+    torch.testing.assert_close(one, got[3:], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(("window", "softcap"), [(1, 0.0), (16, 0.0), (37, 0.0), (0, 3.0), (20, 3.0)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sliding_window_and_softcap_decode_match_the_reference(

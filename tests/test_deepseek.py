@@ -20,6 +20,7 @@ from engine.errors import CorruptModelError, UnsupportedModelError
 from engine.models.config import ModelConfig
 from engine.models.layers.shard import tensor_parallel_problem
 from engine.models.loader import load_model
+from engine.runner.kv_cache import allocate_kv_caches, bytes_per_block, copy_blocks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -62,10 +63,48 @@ def test_deepseek_v3_greedy_tokens_and_logprobs_match_transformers(written, ops:
         torch.testing.assert_close(got, torch.tensor(want_logprobs, dtype=torch.float64), atol=LOGPROB_ATOL, rtol=0)
 
 
+@pytest.mark.kernels
+def test_deepseek_on_the_triton_kernels_matches_transformers(written) -> None:
+    """The latent cache through the Triton kernels (interpreted on CPU): one KV head read as
+    both K and V, a head width past whole vectors (24)."""
+    folder, prompts, expected = written
+    loaded = load_model(folder, dtype="float32")
+    runs = run_greedy(_runner(loaded, 4, "triton"), prompts[:2], 3, chunk_size=5, block_size=4)
+    for run, (want_tokens, want_logprobs) in zip(runs, expected[:2], strict=True):
+        assert [s.token_id for s in run] == want_tokens[:3]
+        got = torch.tensor([s.logprob for s in run], dtype=torch.float64)
+        torch.testing.assert_close(got, torch.tensor(want_logprobs[:3], dtype=torch.float64), atol=LOGPROB_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_the_cache_keeps_one_latent_tensor_a_layer(kv_cache_dtype: str) -> None:
+    """One tensor a layer serves as K and V, so a block costs each layer ``block_size x
+    (kv_lora_rank + qk_rope_head_dim)`` values where transformers' cache holds every head's
+    key and value; beam search's block copies go through it once."""
+    config = ModelConfig.from_hf({"architectures": ["DeepseekV3ForCausalLM"], **TINY_DEEPSEEK})
+    caches = allocate_kv_caches(config, 6, 4, torch.float32, "cpu", kv_cache_dtype=kv_cache_dtype)
+    assert len(caches) == TINY_DEEPSEEK["num_hidden_layers"] and all(k is v for k, v in caches)
+    width = TINY_DEEPSEEK["kv_lora_rank"] + TINY_DEEPSEEK["qk_rope_head_dim"]
+    assert tuple(caches[0][0].shape) == (6, 4, 1, width)
+    per_value = 4 if kv_cache_dtype == "auto" else 1 + 4 / width  # int8 codes and a scale a token
+    assert bytes_per_block(config, torch.float32, 4, kv_cache_dtype=kv_cache_dtype) == round(
+        TINY_DEEPSEEK["num_hidden_layers"] * 4 * width * per_value)
+    expanded = TINY_DEEPSEEK["num_attention_heads"] * (
+        TINY_DEEPSEEK["qk_nope_head_dim"] + TINY_DEEPSEEK["qk_rope_head_dim"] + TINY_DEEPSEEK["v_head_dim"])
+    assert expanded > 2 * width  # what the latent saves even at this tiny shape
+    k = caches[1][0]
+    data = k.data if kv_cache_dtype == "int8" else k
+    data[2].fill_(1)
+    copy_blocks(caches, ((2, 5),), torch.device("cpu"))
+    assert bool((data[5] == 1).all()) and bool((data[4] == 0).all())
+
+
 def test_the_config_reads_the_latent_attention_and_refuses_what_it_does_not_run() -> None:
     raw = {"architectures": ["DeepseekV3ForCausalLM"], **TINY_DEEPSEEK}
     config = ModelConfig.from_hf(raw)
-    assert (config.head_dim, config.num_key_value_heads, config.rotary_dim) == (16, 4, 8)
+    # The cache's one KV head: the latent and the shared rotated key part (vLLM's MLA cache)
+    latent, rotated = raw["kv_lora_rank"], raw["qk_rope_head_dim"]
+    assert (config.head_dim, config.num_key_value_heads, config.rotary_dim) == (rotated + latent, 1, rotated)
     assert config.moe.sparse_layers == (1, 2) and config.moe.scoring == "sigmoid"
     assert tensor_parallel_problem(config, 2) is None  # 4 heads: two a rank
     for extra in ({"rope_interleave": False}, {"attention_bias": True}):

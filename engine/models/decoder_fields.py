@@ -137,10 +137,11 @@ class MlaConfig:
 
 
 def mla_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
-    """DeepSeek-V3's attention shape as ``ModelConfig`` fields: each head's key is
-    ``qk_nope + qk_rope`` wide (the engine lays it out rotated part first) and its value
-    ``v_head_dim`` (``head_dim`` the wider, the cache's), one KV head a query head (the
-    latent expanded), RoPE on the ``qk_rope`` part only; {} elsewhere."""
+    """DeepSeek-V3's attention shape as ``ModelConfig`` fields, as the paged cache holds it:
+    one KV head (the latent, every query head's) of ``qk_rope + kv_lora_rank`` values, the
+    rotated key part first (RoPE turns the first ``qk_rope`` values); each query head is
+    laid out the same way once ``kv_b_proj``'s key half is folded into it
+    (engine.models.deepseek). {} for other architectures."""
     if arch not in ("deepseek_v3", "deepseek_v2"):
         return {}
     if raw.get("rope_interleave", True) is not True:
@@ -148,9 +149,7 @@ def mla_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
     mla = MlaConfig(q_lora_rank=int(raw.get("q_lora_rank") or 0), kv_lora_rank=int(raw["kv_lora_rank"]),
                     qk_nope_head_dim=int(raw["qk_nope_head_dim"]), qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
                     v_head_dim=int(raw["v_head_dim"]))
-    heads = int(raw["num_attention_heads"])
     if raw.get("attention_bias"):
         raise UnsupportedModelError(f"{arch} with attention_bias is not supported")
-    # The cache holds keys and values of one width: the wider of the two (the other padded).
-    width = max(mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim)
-    return {"mla": mla, "head_dim": width, "num_key_value_heads": heads, "rotary_dim": mla.qk_rope_head_dim}
+    return {"mla": mla, "head_dim": mla.qk_rope_head_dim + mla.kv_lora_rank, "num_key_value_heads": 1,
+            "rotary_dim": mla.qk_rope_head_dim}

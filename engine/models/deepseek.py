@@ -14,14 +14,20 @@ The attention, as transformers computes it (``decoder_fields.MlaConfig`` holds t
 DeepSeek rotates interleaved pairs ``(x0, x1), (x2, x3)...``; a query's and a key's
 rotated values are laid out alike, so their dot product does not depend on the order:
 the rotated rows are de-interleaved at build time (evens, then odds) and turned by the
-op set's rotate-half RoPE, and each head's rotated part goes first (the op set's partial
-rotary turns a head's first values). The paged cache holds the expanded per-head keys and
-values (the value zero-padded to the key's width, or the key to the value's), not the
-latent: every op set's paged attention serves it as it is, at the cost of
-``heads x width`` values a token where the latent is ``kv_lora_rank + qk_rope``. Over
-tensor-parallel ranks each keeps its heads (their rows of q and ``kv_b_proj``, their
-columns of ``o_proj``) and computes the bottlenecks and the latent whole; the fused CPU
-step does not run this layer.
+op set's rotate-half RoPE.
+
+The paged cache holds the latent, as vLLM's MLA does: one KV head a token of
+``qk_rope + kv_lora_rank`` values (the rotated key part first, where the op set's partial
+RoPE turns it), one tensor serving as both K and V (``engine.runner.kv_cache``). Each
+head's key from the latent is ``W_UK latent`` (``kv_b_proj``'s key rows of that head), so
+its score ``q_nope . W_UK latent`` is ``(W_UK^T q_nope) . latent``: the query folds
+``W_UK`` in and becomes ``[q_rope | W_UK^T q_nope]``, as wide as the cache, and every op
+set's paged attention (GQA with one KV head) scores it unchanged. Its output over the
+same rows, less the rotated part, is the weighted latent, and ``W_UV`` (the value rows)
+turns it into the head's value. Over tensor-parallel ranks each keeps its heads (their
+rows of q and ``kv_b_proj``, their columns of ``o_proj``), computes the bottlenecks and
+the latent whole and keeps the whole latent cache; the fused CPU step does not run this
+layer.
 """
 
 from __future__ import annotations
@@ -31,7 +37,6 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from engine.models.config import ModelConfig
 from engine.models.layers.decoder import Decoder, DecoderLayer
@@ -95,7 +100,8 @@ class DeepseekLayer(DecoderLayer):
     q_b: Any
     kv_a: Any  # [kv_lora_rank + rope, hidden], the rope rows de-interleaved
     kv_a_norm: torch.Tensor
-    kv_b: Any  # [heads * (nope + v), kv_lora_rank]
+    w_uk: torch.Tensor  # [heads, qk_nope, kv_lora_rank]: kv_b_proj's key rows, by head
+    w_uv: torch.Tensor  # [heads, kv_lora_rank, v_head_dim]: its value rows, by head, transposed
 
 
 class DeepseekModel(Decoder):
@@ -134,10 +140,12 @@ class DeepseekModel(Decoder):
         kv_a = get(a + "kv_a_proj_with_mqa.weight")
         kv_rot = kv_a[lat:]
         sparse = c.moe is not None and i in c.moe.sparse_layers
+        kv_b = get(a + "kv_b_proj.weight").view(heads, nope + mla.v_head_dim, lat)
         # This rank's heads (every head on one rank): their rows of q and kv_b, their
         # columns of o; the bottlenecks and the latent whole on every rank.
         h0 = self.tp.rank * self.num_heads
         heads_of = lambda w: w.view(heads, -1, w.shape[-1])[h0:h0 + self.num_heads].reshape(-1, w.shape[-1])  # noqa: E731
+        kv_b = kv_b[h0:h0 + self.num_heads]
         return DeepseekLayer(
             input_norm=get(p + "input_layernorm.weight"),
             post_norm=get(p + "post_attention_layernorm.weight"),
@@ -156,7 +164,8 @@ class DeepseekModel(Decoder):
             q_b=make_linear([heads_of(_rope_first(get(q_name), heads, nope, rope)).contiguous()]),
             kv_a=make_linear([torch.cat([kv_a[:lat], kv_rot[0::2], kv_rot[1::2]]).contiguous()]),
             kv_a_norm=get(a + "kv_a_layernorm.weight"),
-            kv_b=make_linear([heads_of(get(a + "kv_b_proj.weight")).contiguous()]),
+            w_uk=kv_b[:, :nope].contiguous(),
+            w_uv=kv_b[:, nope:].transpose(1, 2).contiguous(),
         )
 
     def plan_fused_step(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
@@ -188,27 +197,25 @@ class DeepseekModel(Decoder):
     def _latent_attention(self, layer: DeepseekLayer, x: torch.Tensor, positions: torch.Tensor,
                           meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         ops, mla = self.ops, self.mla
-        t, h, width = x.shape[0], self.num_heads, self.head_dim
-        nope, rope, lat, vd = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.kv_lora_rank, mla.v_head_dim
-        qk = nope + rope
+        t, h = x.shape[0], self.num_heads
+        nope, rope, lat = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.kv_lora_rank
         if layer.q_a is not None:
             x_q = ops.rms_norm(layer.q_a(x).contiguous(), layer.q_a_norm, _LATENT_EPS)
         else:
             x_q = x
-        q = layer.q_b(x_q).view(t, h, qk)  # [rope | nope] per head
+        q = layer.q_b(x_q).view(t, h, rope + nope)  # [rope | nope] per head
+        # W_UK folded into each head's query: [T, H, nope] -> [T, H, latent]
+        q_lat = torch.bmm(q[..., rope:].transpose(0, 1), layer.w_uk).transpose(0, 1)
+        q = torch.cat([q[..., :rope], q_lat], dim=-1)
         kv_a = layer.kv_a(x)
         latent = ops.rms_norm(kv_a[:, :lat].contiguous(), layer.kv_a_norm, _LATENT_EPS)
-        kv = layer.kv_b(latent).view(t, h, nope + vd)
-        k = torch.cat([kv_a[:, lat:].unsqueeze(1).expand(t, h, rope), kv[..., :nope]], dim=-1)
+        k = torch.cat([kv_a[:, lat:], latent], dim=-1).unsqueeze(1)  # one KV head: [rope | latent]
         q, k = ops.rotary_embedding(positions, q.contiguous(), k.contiguous(), layer.rope)
-        v = kv[..., nope:]
-        if width > qk:  # values wider than keys: the keys and queries padded with zeros
-            q, k = F.pad(q, (0, width - qk)), F.pad(k, (0, width - qk))
-        if width > vd:
-            v = F.pad(v, (0, width - vd))
-        ops.write_kv_cache(k, v.contiguous(), k_cache, v_cache, meta.slot_mapping)
-        o = self._attend(layer, q.contiguous(), k_cache, v_cache, meta)
-        return layer.o_proj(o[..., :vd].reshape(t, h * vd))
+        ops.write_kv_cache(k, k, k_cache, v_cache, meta.slot_mapping)  # v_cache is k_cache
+        o = self._attend(layer, q.contiguous(), k_cache, v_cache, meta)  # [T, H, rope + latent]
+        # The weighted latent of each head, through its W_UV: [T, H, latent] -> [T, H, v]
+        o = torch.bmm(o[..., rope:].transpose(0, 1), layer.w_uv).transpose(0, 1)
+        return layer.o_proj(o.reshape(t, h * mla.v_head_dim))
 
 
 __all__ = ["DeepseekLayer", "DeepseekModel", "deepseek_weight_names"]

@@ -212,7 +212,8 @@ class Ops(Protocol):
         v_cache: KVCache,
         slot_mapping: torch.Tensor,  # [T] int64
     ) -> None:
-        """Scatter each new token's K/V into its slot."""
+        """Scatter each new token's K/V into its slot. ``v_cache is k_cache`` where one
+        tensor serves as both (latent attention: ``value`` is ``key``): it is written once."""
         ...
 
     def paged_attention_decode(

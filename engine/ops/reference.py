@@ -173,7 +173,8 @@ class TorchOps:
         v_cache: KVCache,
         slot_mapping: torch.Tensor,
     ) -> None:
-        for x, cache in ((key, k_cache), (value, v_cache)):
+        # v_cache is k_cache: one latent tensor holds both (its value is its key), once.
+        for x, cache in ((key, k_cache),) if v_cache is k_cache else ((key, k_cache), (value, v_cache)):
             heads, dim = cache.shape[-2:]
             if isinstance(cache, QuantizedKV):
                 codes, scale = quantize_kv(x, cache.dtype)
@@ -520,7 +521,7 @@ def _attend(
 ) -> torch.Tensor:
     """SDPA of q [B, H, Q, D] over the gathered context, GQA by head grouping."""
     k = _gathered_kv(k_cache, g).to(q.dtype)
-    v = _gathered_kv(v_cache, g).to(q.dtype)
+    v = k if v_cache is k_cache else _gathered_kv(v_cache, g).to(q.dtype)
     mask = g.mask_for(window)
     if softcap or sinks is not None:
         group = q.shape[1] // k.shape[1]
@@ -571,7 +572,7 @@ def _attend_decode(
     # length, so plain (non-GQA) SDPA serves every group with one K/V read.
     q = query.view(batch, kv_heads, heads // kv_heads, dim)
     k = _gathered_kv(k_cache, g).to(query.dtype)
-    v = _gathered_kv(v_cache, g).to(query.dtype)
+    v = k if v_cache is k_cache else _gathered_kv(v_cache, g).to(query.dtype)
     mask = g.mask_for(window)
     if softcap or sinks is not None:
         sink = None if sinks is None else sinks.view(1, kv_heads, heads // kv_heads, 1)

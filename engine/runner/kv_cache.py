@@ -12,6 +12,10 @@ With tensor parallelism (``tp``) each rank's pool holds only its own KV heads
 there are fewer KV heads than ranks), so a block costs each rank that share and the same
 budget buys each rank ``N`` times the blocks (fewer where heads are copied). Every rank
 must run the same block count: the scheduler's pool is one for all of them.
+
+A model with multi-head latent attention (DeepSeek, ``ModelConfig.mla``) caches one
+tensor a layer, its one KV head being the latent that serves as both K and V: each
+layer's pair is that tensor twice, and a block costs half the formula above.
 """
 
 from __future__ import annotations
@@ -32,6 +36,11 @@ KV_CODE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 SCALE_BYTES = 4  # one fp32 scale per token and KV head
 
 
+def kv_tensors_per_layer(model_config: ModelConfig) -> int:
+    """2 (K and V), or 1 where one latent tensor serves as both (``ModelConfig.mla``)."""
+    return 1 if model_config.mla is not None else 2
+
+
 def bytes_per_block(
     model_config: ModelConfig, dtype: torch.dtype, block_size: int, *, kv_cache_dtype: str = "auto",
     tp: TensorParallel = SINGLE,
@@ -43,7 +52,8 @@ def bytes_per_block(
         per_token = heads * (dim * KV_CODE_DTYPES[kv_cache_dtype].itemsize + SCALE_BYTES)
     else:
         per_token = heads * dim * dtype.itemsize
-    return 2 * len(tp.stage.layer_range(model_config.num_hidden_layers)) * block_size * per_token
+    layers = len(tp.stage.layer_range(model_config.num_hidden_layers))
+    return kv_tensors_per_layer(model_config) * layers * block_size * per_token
 
 
 def free_memory(device: torch.device | str) -> int:
@@ -150,7 +160,8 @@ def allocate_kv_caches(
 ) -> list[tuple[KVCache, KVCache]]:
     """One zeroed ``(k_cache, v_cache)`` pair per layer: tensors of ``dtype``, or with
     ``kv_cache_dtype`` int8/fp8, :class:`QuantizedKV` codes and scales; with ``tp``, of
-    this rank's KV heads only.
+    this rank's KV heads only. Under latent attention each pair is one tensor twice
+    (:func:`kv_tensors_per_layer`).
 
     Zeroed, not empty: attention gathers whole blocks and masks the unused tail, and a
     masked weight of 0 times a NaN left in fresh memory would still be NaN.
@@ -164,14 +175,14 @@ def allocate_kv_caches(
     code_dtype = KV_CODE_DTYPES.get(kv_cache_dtype)
     # Codes (or values) of every layer's K and V first, then the scales: each region is
     # laid out block-major, so low block ids stay on a compact set of pages.
-    data = _zeros((2 * layers, *shape), code_dtype or dtype, device)
+    n = kv_tensors_per_layer(model_config)
+    data = _zeros((n * layers, *shape), code_dtype or dtype, device)
     if code_dtype is None:
-        return [(data[2 * i], data[2 * i + 1]) for i in range(layers)]
-    scales = _zeros((2 * layers, *shape[:-1]), torch.float32, device)
-    return [
-        (QuantizedKV(data[2 * i], scales[2 * i]), QuantizedKV(data[2 * i + 1], scales[2 * i + 1]))
-        for i in range(layers)
-    ]
+        caches: list[KVCache] = [data[i] for i in range(n * layers)]
+    else:
+        scales = _zeros((n * layers, *shape[:-1]), torch.float32, device)
+        caches = [QuantizedKV(data[i], scales[i]) for i in range(n * layers)]
+    return [(caches[n * i], caches[n * i + n - 1]) for i in range(layers)]
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -210,7 +221,7 @@ def copy_blocks(kv_caches: list[tuple[KVCache, KVCache]], copies: tuple[tuple[in
     src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=device)
     dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=device)
     for layer in kv_caches:
-        for cache in layer:
+        for cache in layer[:1] if layer[0] is layer[1] else layer:  # one latent tensor: once
             tensors = (cache.data, cache.scale) if isinstance(cache, QuantizedKV) else (cache,)
             for t in tensors:
                 t.index_copy_(0, dst, t.index_select(0, src))

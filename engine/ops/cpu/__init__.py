@@ -434,7 +434,7 @@ class CpuOps(TorchOps):
         tokens, heads, dim = key.shape
         assert isinstance(k_cache, QuantizedKV) and isinstance(v_cache, QuantizedKV)
         num_slots = k_cache.shape[0] * k_cache.shape[1]
-        for x, cache in ((key, k_cache), (value, v_cache)):
+        for x, cache in ((key, k_cache),) if v_cache is k_cache else ((key, k_cache), (value, v_cache)):
             status = _lib.eng_kv_write_i8(
                 code, _ptr(x), x.stride(0), tokens, heads, dim, _ptr(cache.data, "int8_t *"),
                 _ptr(cache.scale, "float *"), _ptr(slot_mapping, "int64_t *"), num_slots,

@@ -31,9 +31,11 @@
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_I8 = 2 };
 
-/* Attention limits of the stack buffers below; larger shapes fall back to torch. */
-#define MAX_GROUP 16  /* query heads per KV head */
-#define MAX_DIM 256   /* head_dim */
+/* Attention limits of the stack buffers below; larger shapes fall back to torch. A KV
+ * head's group of more than MAX_GROUP query heads is attended in pieces of at most that. */
+#define MAX_GROUP 16  /* query heads of one decode item */
+#define MAX_DIM 576   /* head_dim: DeepSeek's latent (512) and its rotated part (64) */
+#define FAST_DIM 128  /* the widest head_dim of the AVX-512 decode item */
 #define TILE 64       /* keys scored before one softmax rescale */
 
 /* Work (in multiply-adds) below which a call stays on the calling thread: waking the
@@ -528,8 +530,8 @@ AVX512K INLINE void decode_item_avx512(void *out, const void *q, int64_t qs, con
     const int64_t C = D / 16, group = heads / kv_heads, len = lens[b], h0 = g * group + j0;
     const int64_t first = window > 0 && len > window ? len - window : 0;
     const int32_t *table = bt + b * bts;
-    float kv[TILE][MAX_DIM / 2] __attribute__((aligned(64)));
-    float acc[MAX_GROUP][MAX_DIM / 2] __attribute__((aligned(64)));
+    float kv[TILE][FAST_DIM] __attribute__((aligned(64)));
+    float acc[MAX_GROUP][FAST_DIM] __attribute__((aligned(64)));
     float sc[MAX_GROUP][TILE] __attribute__((aligned(64))), mx[MAX_GROUP], sum[MAX_GROUP];
     int64_t rows[TILE];
     for (int64_t j = 0; j < nj; j++) {
@@ -689,7 +691,14 @@ typedef void (*decode_item_fn)(void *, const void *, int64_t, const void *, cons
  * item where (request, KV head) pairs are fewer than two per thread. Each head's result is
  * the same either way (decode_item), so the split is free to follow the batch. */
 int64_t eng_decode_split(int64_t pairs, int64_t group, int nthreads) {
-    return pairs < 2 * (int64_t)nthreads ? group : 1;
+    if (pairs < 2 * (int64_t)nthreads)
+        return group;
+    /* Else as few pieces as hold MAX_GROUP heads each (one unless the group is wider:
+     * latent attention's one KV head serves every query head). */
+    int64_t split = (group + MAX_GROUP - 1) / MAX_GROUP;
+    while (group % split)
+        split++;
+    return split;
 }
 
 /* kv_dtype: DT_I8 for an int8 cache with scales (k_scale, v_scale), else the query's
@@ -702,7 +711,7 @@ int eng_paged_decode(int dtype, void *out, const void *q, int64_t q_stride, cons
                      int64_t window, float softcap, const float *sinks, int nthreads) {
     if ((dtype != DT_F32 && dtype != DT_BF16) || (kv_dtype != dtype && kv_dtype != DT_I8) ||
         (kv_dtype == DT_I8 && (!k_scale || !v_scale)) || kv_heads < 1 || heads % kv_heads ||
-        heads / kv_heads > MAX_GROUP || d > MAX_DIM || block_size < 1)
+        d > MAX_DIM || block_size < 1)
         return -1;
     /* Every block a request will read must exist: a bad table is an error, not a read
      * out of bounds. */
