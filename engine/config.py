@@ -625,6 +625,13 @@ class EngineConfig:
     pipeline_layer_partition: tuple[int, ...] | None = _field(
         None, "each pipeline stage's layer count (vLLM's VLLM_PP_LAYER_PARTITION sets it too)",
         type=parse_partition, metavar="N,N,...", default_text="an even split")
+    # Expert parallelism (engine.models.layers.moe): a MoE layer's routed experts dealt out
+    # whole over the tensor-parallel ranks rather than each cut over all of them.
+    enable_expert_parallel: bool = _field(
+        False, "deal a mixture-of-experts model's routed experts out whole over the "
+        "tensor-parallel ranks (E / N each) instead of keeping a slice of every expert on "
+        "every rank; attention, dense layers and shared experts stay split as tensor "
+        "parallelism splits them (vLLM's flag)")
     distributed_executor_backend: str = _field(
         "mp", "where the tensor-parallel and pipeline workers run: mp (processes on this "
         "machine) or ray (Ray actors in a placement group, on the cluster at $RAY_ADDRESS or "
@@ -856,6 +863,11 @@ class EngineConfig:
             object.__setattr__(self, "lora_modules", json.dumps([dataclasses.asdict(m) for m in modules]))
         if modules and not self.enable_lora:
             raise ConfigError("lora_modules needs --enable-lora", field="lora_modules")
+        if self.enable_lora and self.enable_expert_parallel and self.tensor_parallel_size > 1:
+            # An adapter's expert deltas are cut as tensor parallelism cuts the experts.
+            raise ConfigError("enable_lora cannot be combined with enable_expert_parallel: an "
+                              "adapter's expert deltas are split by tensor parallelism only",
+                              field="enable_expert_parallel")
         for name in ("max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -81,6 +81,14 @@ def greedy_with_logits(tp: TensorParallel, models: list[tuple[str, str, bool]]) 
     return out
 
 
+def expert_parallel_greedy_with_logits(tp: TensorParallel, models: list[tuple[str, str, bool]]) -> dict[str, tuple]:
+    """:func:`greedy_with_logits` with the ranks' routed experts dealt out whole (expert
+    parallelism)."""
+    import dataclasses
+
+    return greedy_with_logits(dataclasses.replace(tp, expert_parallel=True), models)
+
+
 def _greedy(tp: TensorParallel, path: str) -> tuple:
     from greedy_driver import generate_greedy
 

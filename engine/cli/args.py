@@ -85,9 +85,6 @@ class VllmFlag:
     allowed: tuple[str, ...] | None = None
 
 
-_ONE_DEVICE = ("this server splits a model over devices by tensor and pipeline parallelism "
-               "only (--tensor-parallel-size, --pipeline-parallel-size)")
-
 # The ``vllm serve`` flags users are likely to pass that this server does not define under
 # the same name (those it shares, --max-model-len, --max-num-seqs, --dtype, ..., are its
 # own flags and mean the same). docs/serving.md ("Coming from vLLM") lists them all.
@@ -138,7 +135,6 @@ VLLM_SERVE_FLAGS: dict[str, VllmFlag] = {
     "--tool-parser-plugin": VllmFlag("refuse", "tool parsers are built in (--tool-call-parser)"),
     "--max-seq-len-to-capture": VllmFlag("refuse", "the decode graphs are captured for "
                                          "--max-model-len"),
-    "--enable-expert-parallel": VllmFlag("refuse", _ONE_DEVICE, takes_value=False),
     "--task": VllmFlag("refuse", "give --runner (generate, pooling) and --convert instead"),
     "--calculate-kv-scales": VllmFlag("refuse", "--kv-cache-dtype int8/fp8 keep a scale per "
                                       "token and head, computed as they are written",

@@ -40,7 +40,7 @@ import torch
 from engine.models.config import ModelConfig
 from engine.models.layers.decoder import Decoder, DecoderLayer
 from engine.models.layers.linear import Linear, make_linear
-from engine.models.layers.moe import select_experts
+from engine.models.layers.moe import expert_share, local_experts, select_experts
 from engine.models.layers.norm import gemma_rms_norm
 from engine.models.layers.shard import ShardedWeights, qkv_spans
 from engine.ops import AttentionMetadata, Ops
@@ -76,10 +76,10 @@ def _deinterleave(w: torch.Tensor) -> torch.Tensor:
 class GptOssExperts:
     """One layer's router and experts: ``w13`` [E, 2 * inter, hidden] (gate rows, then up
     rows), ``b13`` [E, 2 * inter], ``w2`` [E, hidden, inter] and ``b2`` [E, hidden], each
-    rank's share of every expert's inner width (``b2`` whole: it joins after the
-    all-reduce, :meth:`down_bias`)."""
+    rank's share of every expert's inner width, or under expert parallelism its experts
+    whole (``b2`` whole either way: it joins after the all-reduce, :meth:`down_bias`)."""
 
-    __slots__ = ("top_k", "router", "w13", "w2", "b2", "swiglu")
+    __slots__ = ("top_k", "router", "w13", "w2", "b2", "swiglu", "first_expert")
 
     def __init__(self, config: ModelConfig, layer: int, get: Callable[[str], torch.Tensor],
                  tp: TensorParallel = SINGLE) -> None:
@@ -92,7 +92,11 @@ class GptOssExperts:
         b13 = _deinterleave(get(p + "experts.gate_up_proj_bias"))  # [E, 2 * inter]
         down = get(p + "experts.down_proj")  # [E, inter, hidden]
         inter = moe.intermediate_size
-        if tp.enabled:  # this rank's share of every expert's gate and up columns, down rows
+        self.first_expert: int | None = None
+        if tp.enabled and tp.expert_parallel:  # this rank's experts, whole
+            a, b = expert_share(moe.num_experts, tp)
+            gate_up, b13, down, self.first_expert = gate_up[a:b], b13[a:b], down[a:b], a
+        elif tp.enabled:  # this rank's share of every expert's gate and up columns, down rows
             a, b = shard_range(inter, tp.rank, tp.world_size)
             gate_up = torch.cat([gate_up[..., a:b], gate_up[..., inter + a:inter + b]], dim=-1)
             b13 = torch.cat([b13[:, a:b], b13[:, inter + a:inter + b]], dim=-1)
@@ -107,7 +111,10 @@ class GptOssExperts:
         return select_experts(self.router(x), self.top_k, renormalize=True)
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ops: Ops) -> torch.Tensor:
-        """The routed experts' outputs without their down biases (this rank's part)."""
+        """The routed experts' outputs without their down biases (this rank's part: under
+        expert parallelism, its experts' pairs)."""
+        if self.first_expert is not None:
+            return local_experts(ops, x, self.w13, self.w2, weights, ids, self.first_expert, self.swiglu)
         return ops.fused_moe(x, self.w13, self.w2, weights, ids, self.swiglu)
 
     def down_bias(self, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,11 @@ class TensorParallel:
     # the tensor-parallel description so that everything a rank builds from it (the model,
     # its KV pool, the pool's sizing) sees both cuts.
     stage: PipelineStage = dataclasses.field(default_factory=lambda: WHOLE)
+    # Expert parallelism (vLLM's --enable-expert-parallel): a mixture-of-experts layer's
+    # routed experts are dealt out whole, E / N to a rank, instead of each rank keeping a
+    # slice of every expert (engine.models.layers.moe). Attention, dense layers and shared
+    # experts are cut as tensor parallelism cuts them either way.
+    expert_parallel: bool = False
 
     @property
     def enabled(self) -> bool:

@@ -144,7 +144,8 @@ def _build_parts(config: EngineConfig, device: torch.device, load: RankLoad,
 def _refuse_unsplittable(model_config: Any, config: EngineConfig) -> None:
     """A model whose layers cannot be split over the tensor-parallel ranks or into the
     pipeline's stages is refused here, at startup, with the model code's reason."""
-    reason = tensor_parallel_problem(model_config, config.tensor_parallel_size)
+    reason = tensor_parallel_problem(model_config, config.tensor_parallel_size,
+                                     expert_parallel=config.enable_expert_parallel)
     if reason:
         raise ConfigError(reason, field="tensor_parallel_size")
     reason = pipeline_parallel_problem(model_config, config.pipeline_parallel_size,

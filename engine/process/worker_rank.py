@@ -6,6 +6,7 @@ connection). Rank 0's side is :mod:`engine.process.workers`."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
@@ -193,11 +194,14 @@ def rank_place(config: EngineConfig, rank: int, num_layers: int) -> TensorParall
     import torch.distributed as dist
 
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    ep = config.enable_expert_parallel
     if pp == 1:
-        return TensorParallel(rank, tp)  # the default group is the tensor-parallel group
+        # the default group is the tensor-parallel group
+        return TensorParallel(rank, tp, expert_parallel=ep)
     groups = [dist.new_group(ranks) for ranks in pipeline_ranks(tp, pp)] if tp > 1 else None
     group = groups[rank // tp] if groups is not None else None
-    return place_rank(rank, tp, pp, num_layers, config.pipeline_layer_partition, group)
+    place = place_rank(rank, tp, pp, num_layers, config.pipeline_layer_partition, group)
+    return dataclasses.replace(place, expert_parallel=ep)
 
 
 def _resolve_device(device: str) -> str:

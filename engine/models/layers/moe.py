@@ -24,6 +24,13 @@ gate and up rows and the matching columns of its down, the shared expert likewis
 router and shared-expert gate whole. Every rank routes every token the same way and runs
 the same experts on its slice; the block's output is a partial sum the decoder
 all-reduces with the attention's (see :mod:`engine.models.layers.shard`).
+
+Expert parallelism (``TensorParallel.expert_parallel``, vLLM's ``--enable-expert-parallel``)
+deals the routed experts out whole instead: rank ``r`` keeps experts
+``shard_range(E, r, N)`` (:func:`expert_share`). Every rank still routes every token;
+each runs only the (token, slot) pairs routed to its own experts (:func:`local_experts`),
+and the all-reduce that joins tensor parallelism's partial sums joins these. The shared
+expert is cut as under tensor parallelism.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import torch.nn.functional as F
 from engine.models.config import ModelConfig, MoeConfig
 from engine.models.layers.shard import ShardedWeights
 from engine.ops import Ops
+from engine.ops.moe import ClampedSwiglu
 from engine.parallel import SINGLE, TensorParallel, shard_range
 
 
@@ -116,11 +124,41 @@ def select_experts_grouped(router_logits: torch.Tensor, bias: torch.Tensor | Non
     return weights * moe.routed_scaling_factor, ids
 
 
+def expert_share(num_experts: int, tp: TensorParallel) -> tuple[int, int]:
+    """``[first, stop)`` of the routed experts this rank holds whole: all of them, or under
+    expert parallelism its equal share (the count must divide by the ranks:
+    :func:`engine.models.layers.shard.tensor_parallel_problem` says so first)."""
+    if tp.enabled and tp.expert_parallel:
+        return shard_range(num_experts, tp.rank, tp.world_size)
+    return 0, num_experts
+
+
+def local_experts(ops: Ops, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor, first: int, swiglu: ClampedSwiglu | None = None) -> torch.Tensor:
+    """This rank's part of the routed experts' output under expert parallelism: the
+    (token, slot) pairs routed to its experts ``[first, first + len(w13))``, each run as a
+    row of its own (one slot) through ``Ops.fused_moe``, their weighted outputs summed
+    per token in fp32; a token none of whose experts are here gets zeros."""
+    local = ids - first
+    pairs = ((local >= 0) & (local < w13.shape[0])).view(-1).nonzero().squeeze(1)  # token * k + slot
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    if pairs.numel():
+        tokens = pairs // ids.shape[1]
+        y = ops.fused_moe(x.index_select(0, tokens), w13, w2, weights.reshape(-1, 1)[pairs].contiguous(),
+                          local.reshape(-1, 1)[pairs].contiguous(), swiglu)
+        out.index_add_(0, tokens, y.float())
+    return out.to(x.dtype)
+
+
 def _granite_experts(w13: torch.Tensor, w2: torch.Tensor, inter: int,
                      tp: TensorParallel) -> tuple[torch.Tensor, torch.Tensor]:
     """Granite-MoE's stacked experts (``input_linear`` [E, 2 * inter, hidden]: gate rows,
     then up rows; ``output_linear`` [E, hidden, inter]) cut to this rank's share of every
-    expert, as the other families' experts are cut when they are stacked."""
+    expert, as the other families' experts are cut when they are stacked, or under expert
+    parallelism to this rank's experts, whole."""
+    if tp.enabled and tp.expert_parallel:
+        a, b = expert_share(w13.shape[0], tp)
+        return w13[a:b].contiguous(), w2[a:b].contiguous()
     if not tp.enabled:
         return w13.contiguous(), w2.contiguous()
     a, b = shard_range(inter, tp.rank, tp.world_size)
@@ -132,7 +170,7 @@ class SparseMoeBlock:
     """One layer's router, stacked expert weights and optional shared expert."""
 
     __slots__ = ("top_k", "renormalize", "router", "w13", "w2", "shared_gate_up", "shared_down", "shared_gate", "lora",
-                 "moe", "score_bias")
+                 "moe", "score_bias", "first_expert")
 
     def __init__(
         self,
@@ -154,6 +192,8 @@ class SparseMoeBlock:
         # The experts' LoRA deltas (engine.models.layers.lora.LoraExperts), once enabled.
         self.lora = None
         self.moe, self.score_bias = moe, None  # score_bias: DeepSeek-V3's routing's (GLM-4.5's)
+        # Under expert parallelism the first of this rank's whole experts, else None.
+        self.first_expert = expert_share(moe.num_experts, tp)[0] if tp.enabled and tp.expert_parallel else None
         if moe.naming == "granite":  # stacked as the kernels take them
             self.router = linear(get(p + "router.layer.weight"))
             self.w13, self.w2 = _granite_experts(get(p + "input_linear.weight"),
@@ -171,10 +211,11 @@ class SparseMoeBlock:
         rows = get.rows if tp.enabled else get  # type: ignore[attr-defined]
         cols = get.cols if tp.enabled else get  # type: ignore[attr-defined]
         gate_up, down = [], []
-        for e in range(moe.num_experts):
+        whole = self.first_expert is not None  # expert parallelism: this rank's experts, whole
+        for e in range(*expert_share(moe.num_experts, tp)):
             g, u, d = expert_weight_names(moe, layer, e)
-            gate_up.append(torch.cat([rows(g), rows(u)]))
-            down.append(cols(d))
+            gate_up.append(torch.cat([get(g), get(u)]) if whole else torch.cat([rows(g), rows(u)]))
+            down.append(get(d) if whole else cols(d))
         self.w13 = torch.stack(gate_up)
         self.w2 = torch.stack(down)
         if moe.shared_expert_intermediate_size:
@@ -192,7 +233,9 @@ class SparseMoeBlock:
         else:
             weights, ids = select_experts(self.router(x), self.top_k, self.renormalize)
         token_slots = None if self.lora is None else self.lora.active()
-        if token_slots is None:
+        if self.first_expert is not None:
+            out = local_experts(ops, x, self.w13, self.w2, weights, ids, self.first_expert)
+        elif token_slots is None:
             out = ops.fused_moe(x, self.w13, self.w2, weights, ids)
         else:  # a token's adapter adapts the experts: the deltas go inside each expert's MLP
             out = self.lora(x, self.w13, self.w2, weights, ids, token_slots)

@@ -48,9 +48,10 @@ from engine.ops.quant import PANEL, Decoded, QuantizedWeight, pack_panels, unpac
 from engine.parallel import SINGLE, TensorParallel, shard_range, stage_layers
 
 
-def tensor_parallel_problem(config: ModelConfig, n: int) -> str | None:
+def tensor_parallel_problem(config: ModelConfig, n: int, *, expert_parallel: bool = False) -> str | None:
     """Why ``config``'s model cannot be split over ``n`` ranks (a message naming the counts),
-    or ``None`` when it can. The CLI calls it before starting any worker."""
+    or ``None`` when it can; with ``expert_parallel`` its routed experts dealt out whole.
+    The CLI calls it before starting any worker."""
     if n < 1:
         return f"tensor-parallel size must be at least 1, got {n}"
     if n == 1:
@@ -75,7 +76,9 @@ def tensor_parallel_problem(config: ModelConfig, n: int) -> str | None:
     if dense_layers and config.intermediate_size % n:
         problems.append(f"intermediate_size ({config.intermediate_size}) does not divide by {n}")
     if moe is not None and moe.sparse_layers:
-        if moe.intermediate_size % n:
+        if expert_parallel and moe.num_experts % n:
+            problems.append(f"the {moe.num_experts} routed experts do not divide by {n} (expert parallelism)")
+        elif not expert_parallel and moe.intermediate_size % n:
             problems.append(f"the experts' intermediate size ({moe.intermediate_size}) does not divide by {n}")
         shared = moe.shared_expert_intermediate_size
         if shared and shared % n:
@@ -108,7 +111,7 @@ def pipeline_parallel_problem(config: ModelConfig, n: int,
 def check_tensor_parallel(config: ModelConfig, tp: TensorParallel) -> None:
     """Raise :class:`UnsupportedModelError` with :func:`tensor_parallel_problem`'s message
     (or :func:`pipeline_parallel_problem`'s, for the pipeline stage ``tp`` belongs to)."""
-    problem = tensor_parallel_problem(config, tp.world_size)
+    problem = tensor_parallel_problem(config, tp.world_size, expert_parallel=tp.expert_parallel)
     if problem is None and tp.stage.enabled:
         problem = pipeline_parallel_problem(config, tp.stage.count)
     if problem is not None:
