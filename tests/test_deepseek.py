@@ -17,10 +17,13 @@ from test_parity import LOGPROB_ATOL, NEW_TOKENS, _hf_greedy, _prompts, _runner
 from transformers import AutoModelForCausalLM
 
 from engine.errors import CorruptModelError, UnsupportedModelError
+from engine.models import deepseek
 from engine.models.config import ModelConfig
 from engine.models.layers.shard import tensor_parallel_problem
 from engine.models.loader import load_model
+from engine.ops import get_ops
 from engine.runner.kv_cache import allocate_kv_caches, bytes_per_block, copy_blocks
+from engine.runner.model_runner import ModelRunner
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -61,6 +64,31 @@ def test_deepseek_v3_greedy_tokens_and_logprobs_match_transformers(written, ops:
         assert [s.token_id for s in run] == want_tokens
         got = torch.tensor([s.logprob for s in run], dtype=torch.float64)
         torch.testing.assert_close(got, torch.tensor(want_logprobs, dtype=torch.float64), atol=LOGPROB_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
+def test_prompt_chunks_expanded_from_the_latent_match_the_absorbed_form(written, kv_cache_dtype, monkeypatch) -> None:
+    """vLLM's MLA prefill: a step's prompt chunks attend as multi-head attention over their
+    context's blocks expanded from the latent, its one-token requests over the latent with
+    absorbed queries. The oracle is every row in the absorbed form (the decode path, itself
+    against transformers above), over the same cache: plain, int8 or fp8 codes."""
+    folder, prompts, _ = written
+    loaded = load_model(folder, dtype="float32")
+    splits = []
+    make = deepseek._split_step
+    monkeypatch.setattr(deepseek, "_split_step", lambda meta, bs: splits.append(make(meta, bs)) or splits[-1])
+    runs = []
+    for expanded in (True, False):
+        runner = ModelRunner(loaded, device="cpu", ops=get_ops("cpu"), num_blocks=128, block_size=4,
+                             max_num_batched_tokens=512, max_num_seqs=8, kv_cache_dtype=kv_cache_dtype)
+        runner.model.prefill_expanded = expanded
+        runs.append(run_greedy(runner, prompts, NEW_TOKENS, chunk_size=5, block_size=4))
+    # Steps with prompt chunks were split, one-token requests beside the chunks.
+    assert splits and any(s.decode_rows is not None for s in splits)
+    for got, want in zip(*runs, strict=True):
+        assert [s.token_id for s in got] == [s.token_id for s in want]
+        torch.testing.assert_close(torch.tensor([s.logprob for s in got]), torch.tensor([s.logprob for s in want]),
+                                   atol=1e-4, rtol=0)
 
 
 @pytest.mark.kernels

@@ -24,7 +24,12 @@ its score ``q_nope . W_UK latent`` is ``(W_UK^T q_nope) . latent``: the query fo
 ``W_UK`` in and becomes ``[q_rope | W_UK^T q_nope]``, as wide as the cache, and every op
 set's paged attention (GQA with one KV head) scores it unchanged. Its output over the
 same rows, less the rotated part, is the weighted latent, and ``W_UV`` (the value rows)
-turns it into the head's value. Over tensor-parallel ranks each keeps its heads (their
+turns it into the head's value. That is how decoding steps attend. A step's prompt chunks
+attend as vLLM's MLA prefill does, as plain multi-head attention: the blocks their context
+uses are read from the latent cache and expanded by ``kv_b_proj`` into every head's key and
+value, a paged cache of their own for the step (:class:`_MlaSplit`), which costs a third
+of the absorbed form's attention work a head; one-token requests in the same step keep the
+absorbed form. Over tensor-parallel ranks each keeps its heads (their
 rows of q and ``kv_b_proj``, their columns of ``o_proj``), computes the bottlenecks and
 the latent whole and keeps the whole latent cache; the fused CPU step does not run this
 layer.
@@ -37,13 +42,15 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from engine.models.config import ModelConfig
 from engine.models.layers.decoder import Decoder, DecoderLayer
 from engine.models.layers.linear import Linear, make_linear
 from engine.models.layers.moe import SparseMoeBlock, sparse_layer_weight_names
 from engine.models.layers.shard import ShardedWeights
-from engine.ops import AttentionMetadata, Ops
+from engine.ops import AttentionMetadata, KVCache, Ops, QuantizedKV
+from engine.ops.reference import dequantize_kv
 from engine.parallel import SINGLE, TensorParallel
 
 _LATENT_EPS = 1e-6  # q_a_layernorm's and kv_a_layernorm's (transformers' default, not the config's)
@@ -107,6 +114,11 @@ class DeepseekLayer(DecoderLayer):
 class DeepseekModel(Decoder):
     """DeepSeek-V3's decoder stack plus LM head over Hugging Face weights."""
 
+    # Prompt chunks attend as multi-head attention over their context expanded from the
+    # latent (vLLM's MLA prefill); False: as decoding does, absorbed over the latent cache
+    # (the same answer for three times the attention work a head: tests and benchmarks).
+    prefill_expanded = True
+
     @classmethod
     def weight_names(cls, config: ModelConfig) -> list[str]:
         return deepseek_weight_names(config)
@@ -124,6 +136,8 @@ class DeepseekModel(Decoder):
         mla = config.mla
         assert mla is not None
         self.mla = mla
+        self._split_key: AttentionMetadata | None = None  # the step _split_cache was made for
+        self._split_cache: _MlaSplit | None = None
         qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         self._init_common(config, ops, dtype, device, tp, scale=_yarn_softmax_scale(config, qk))
         self._init_rope_tables()
@@ -195,27 +209,138 @@ class DeepseekModel(Decoder):
                                 lambda h: ops.rms_norm(h, self.norm, eps))
 
     def _latent_attention(self, layer: DeepseekLayer, x: torch.Tensor, positions: torch.Tensor,
-                          meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+                          meta: AttentionMetadata, k_cache: KVCache, v_cache: KVCache) -> torch.Tensor:
         ops, mla = self.ops, self.mla
         t, h = x.shape[0], self.num_heads
-        nope, rope, lat = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.kv_lora_rank
+        rope, lat, vd = mla.qk_rope_head_dim, mla.kv_lora_rank, mla.v_head_dim
         if layer.q_a is not None:
             x_q = ops.rms_norm(layer.q_a(x).contiguous(), layer.q_a_norm, _LATENT_EPS)
         else:
             x_q = x
-        q = layer.q_b(x_q).view(t, h, rope + nope)  # [rope | nope] per head
-        # W_UK folded into each head's query: [T, H, nope] -> [T, H, latent]
-        q_lat = torch.bmm(q[..., rope:].transpose(0, 1), layer.w_uk).transpose(0, 1)
-        q = torch.cat([q[..., :rope], q_lat], dim=-1)
+        q = layer.q_b(x_q).view(t, h, rope + mla.qk_nope_head_dim)  # [rope | nope] per head
         kv_a = layer.kv_a(x)
         latent = ops.rms_norm(kv_a[:, :lat].contiguous(), layer.kv_a_norm, _LATENT_EPS)
         k = torch.cat([kv_a[:, lat:], latent], dim=-1).unsqueeze(1)  # one KV head: [rope | latent]
         q, k = ops.rotary_embedding(positions, q.contiguous(), k.contiguous(), layer.rope)
         ops.write_kv_cache(k, k, k_cache, v_cache, meta.slot_mapping)  # v_cache is k_cache
-        o = self._attend(layer, q.contiguous(), k_cache, v_cache, meta)  # [T, H, rope + latent]
-        # The weighted latent of each head, through its W_UV: [T, H, latent] -> [T, H, v]
-        o = torch.bmm(o[..., rope:].transpose(0, 1), layer.w_uv).transpose(0, 1)
-        return layer.o_proj(o.reshape(t, h * mla.v_head_dim))
+        if meta.decode_only or not self.prefill_expanded:
+            o = self._absorbed(layer, q, k_cache, meta, None)
+        else:
+            split = self._split(meta, k_cache.shape[1])
+            o = torch.empty((t, h, vd), dtype=q.dtype, device=q.device)
+            if split.decode_rows is not None:
+                o.index_copy_(0, split.decode_rows,
+                              self._absorbed(layer, q.index_select(0, split.decode_rows), k_cache, meta, split))
+            o.index_copy_(0, split.prefill_rows,
+                          self._expanded(layer, q.index_select(0, split.prefill_rows), k_cache, split))
+        return layer.o_proj(o.reshape(t, h * vd))
+
+    def _absorbed(self, layer: DeepseekLayer, q: torch.Tensor, k_cache: KVCache, meta: AttentionMetadata,
+                  split: _MlaSplit | None) -> torch.Tensor:
+        """One-token queries over the latent cache, ``W_UK`` folded into each head's query
+        and ``W_UV`` applied to its weighted latent: [T, H, v] (``split``: the decode rows of
+        a step with prompt chunks)."""
+        rope = self.mla.qk_rope_head_dim
+        q_lat = torch.bmm(q[..., rope:].transpose(0, 1), layer.w_uk).transpose(0, 1)  # [T, H, latent]
+        q = torch.cat([q[..., :rope], q_lat], dim=-1)
+        if split is None:
+            o = self._attend(layer, q, k_cache, k_cache, meta)  # [T, H, rope + latent]
+        else:
+            d = split.decode_meta
+            o = self.ops.paged_attention_decode(q, k_cache, k_cache, d.block_tables, d.seq_lens, self.scale,
+                                                d.seq_lens_host)
+        return torch.bmm(o[..., rope:].transpose(0, 1), layer.w_uv).transpose(0, 1)  # [T, H, v]
+
+    def _expanded(self, layer: DeepseekLayer, q: torch.Tensor, k_cache: KVCache, split: _MlaSplit) -> torch.Tensor:
+        """Prompt chunks attended as plain multi-head attention (vLLM's MLA prefill): the
+        blocks their context uses, read from the latent cache and expanded by ``kv_b_proj``
+        into every head's key and value, as a paged cache of their own: [T, H, v]."""
+        mla = self.mla
+        rope, nope, vd = mla.qk_rope_head_dim, mla.qk_nope_head_dim, mla.v_head_dim
+        width = max(rope + nope, vd)
+        blocks = _read_blocks(k_cache, split.prefill_blocks, q.dtype)  # [N, bs, 1, rope + latent]
+        n, bs, h = blocks.shape[0], blocks.shape[1], q.shape[1]
+        rows = blocks.view(n * bs, -1)
+        k = torch.empty((n * bs, h, width), dtype=q.dtype, device=q.device)
+        k[..., :rope] = rows[:, None, :rope]
+        k[..., rope:rope + nope] = torch.einsum("tl,hnl->thn", rows[:, rope:], layer.w_uk)
+        k[..., rope + nope:] = 0
+        v = F.pad(torch.einsum("tl,hlv->thv", rows[:, rope:], layer.w_uv), (0, width - vd))
+        q = F.pad(q, (0, width - rope - nope))
+        o = self.ops.paged_attention_prefill(q.contiguous(), k.view(n, bs, h, width), v.view(n, bs, h, width),
+                                             split.prefill_meta, self.scale)
+        return o[..., :vd]
+
+    def _split(self, meta: AttentionMetadata, block_size: int) -> _MlaSplit:
+        """``meta``'s split (every layer of a step passes the same object: made once a step)."""
+        if self._split_key is not meta:
+            self._split_cache = _split_step(meta, block_size)
+            self._split_key = meta
+        return self._split_cache
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _MlaSplit:
+    """A step with prompt chunks, split as vLLM's MLA splits it: its one-token requests
+    (decoding) read the latent cache with absorbed queries; its prompt chunks attend as
+    multi-head attention over their context's blocks, expanded into a paged cache of their
+    own whose block ids are the blocks' places in ``prefill_blocks``."""
+
+    prefill_rows: torch.Tensor  # [T_p] int64: the step's rows in requests with more than one
+    prefill_blocks: torch.Tensor  # [N] int64: the latent cache blocks their context uses
+    prefill_meta: AttentionMetadata  # over the expanded blocks, renumbered 0..N-1
+    decode_rows: torch.Tensor | None  # [T_d] int64: the rows of one-token requests
+    decode_meta: AttentionMetadata | None
+
+
+def _split_step(meta: AttentionMetadata, block_size: int) -> _MlaSplit:
+    device = meta.slot_mapping.device
+    qlens, slens = meta.query_lens_host, meta.seq_lens_host
+    starts = [0]
+    for n in qlens:
+        starts.append(starts[-1] + n)
+    prefill = [b for b, n in enumerate(qlens) if n > 1]
+    decode = [b for b, n in enumerate(qlens) if n == 1]
+    tables = meta.block_tables.cpu()
+    used = [tables[b, :-(-slens[b] // block_size)].long() for b in prefill]
+    blocks, renumbered = torch.unique(torch.cat(used), return_inverse=True)
+    compact = torch.zeros((len(prefill), max(len(u) for u in used)), dtype=torch.int32)
+    at = 0
+    for i, u in enumerate(used):
+        compact[i, :len(u)] = renumbered[at:at + len(u)].to(torch.int32)
+        at += len(u)
+
+    def rows(requests: list[int]) -> torch.Tensor:
+        return torch.tensor([r for b in requests for r in range(starts[b], starts[b + 1])], dtype=torch.long,
+                            device=device)
+
+    def sub(requests: list[int], block_tables: torch.Tensor) -> AttentionMetadata:
+        q = [qlens[b] for b in requests]
+        s = [slens[b] for b in requests]
+        loc = [0]
+        for n in q:
+            loc.append(loc[-1] + n)
+        return AttentionMetadata(
+            slot_mapping=meta.slot_mapping.index_select(0, rows(requests)),
+            query_start_loc=torch.tensor(loc, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(s, dtype=torch.int32, device=device),
+            block_tables=block_tables, max_query_len=max(q), max_seq_len=max(s),
+            query_lens_host=tuple(q), seq_lens_host=tuple(s))
+
+    decode_meta = None
+    if decode:
+        decode_meta = sub(decode, meta.block_tables.index_select(0, torch.tensor(decode, device=device)))
+    return _MlaSplit(prefill_rows=rows(prefill), prefill_blocks=blocks.to(device),
+                     prefill_meta=sub(prefill, compact.to(device)),
+                     decode_rows=rows(decode) if decode else None, decode_meta=decode_meta)
+
+
+def _read_blocks(cache: KVCache, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Whole blocks of a latent cache in ``dtype`` (an 8-bit cache's codes times their scales)."""
+    if isinstance(cache, QuantizedKV):  # the codes moved as bytes: CPU index_select has no fp8 kernel
+        codes = cache.data.view(torch.uint8).index_select(0, blocks).view(cache.dtype)
+        return dequantize_kv(codes, cache.scale.index_select(0, blocks)).to(dtype)
+    return cache.index_select(0, blocks).to(dtype)
 
 
 __all__ = ["DeepseekLayer", "DeepseekModel", "deepseek_weight_names"]
