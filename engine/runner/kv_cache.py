@@ -38,7 +38,7 @@ SCALE_BYTES = 4  # one fp32 scale per token and KV head
 
 def kv_tensors_per_layer(model_config: ModelConfig) -> int:
     """2 (K and V), or 1 where one latent tensor serves as both (``ModelConfig.mla``)."""
-    return 1 if model_config.mla is not None else 2
+    return 1 if getattr(model_config, "mla", None) is not None else 2
 
 
 def bytes_per_block(

@@ -687,15 +687,17 @@ typedef void (*decode_item_fn)(void *, const void *, int64_t, const void *, cons
                                const int32_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
                                int64_t, int64_t, int64_t, float, int64_t, float, const float *);
 
-/* Pieces each KV head's query heads are attended in: the whole group, or one head per
- * item where (request, KV head) pairs are fewer than two per thread. Each head's result is
- * the same either way (decode_item), so the split is free to follow the batch. */
+/* Pieces each KV head's query heads are attended in: the fewest that give every thread
+ * two items or more (where (request, KV head) pairs are fewer) and hold at most MAX_GROUP
+ * heads each, a divisor of the group. A piece reads its keys and values once for all of
+ * its heads, so a wide group in few pieces (latent attention's one KV head at one stream)
+ * reads the context a few times, not once a head. Each head's result is the same for any
+ * split (decode_item), so the split is free to follow the batch. */
 int64_t eng_decode_split(int64_t pairs, int64_t group, int nthreads) {
-    if (pairs < 2 * (int64_t)nthreads)
-        return group;
-    /* Else as few pieces as hold MAX_GROUP heads each (one unless the group is wider:
-     * latent attention's one KV head serves every query head). */
-    int64_t split = (group + MAX_GROUP - 1) / MAX_GROUP;
+    const int64_t busy = (2 * (int64_t)nthreads + pairs - 1) / pairs, narrow = (group + MAX_GROUP - 1) / MAX_GROUP;
+    int64_t split = busy > narrow ? busy : narrow;
+    if (split > group)
+        split = group;
     while (group % split)
         split++;
     return split;
