@@ -77,6 +77,9 @@ SUPPORTED_ARCHITECTURES = {
     # selection bias, expert groups, a scaling factor) with an ungated shared expert, after
     # first_k_dense_replace dense layers.
     "Glm4MoeForCausalLM": "glm4_moe",
+    # GLM-4 (-0414, GLM-Z1; models/glm4.py): the Llama layer with norms after each block
+    # too, gate/up stored fused, RoPE on interleaved pairs of half of each head.
+    "Glm4ForCausalLM": "glm4",
     # DeepSeek-V3 and R1 (and Kimi K2's layers; models/deepseek.py): multi-head latent attention, GLM-4.5's
     # routing (which is DeepSeek-V3's) with ungated shared experts.
     "DeepseekV3ForCausalLM": "deepseek_v3",

@@ -13,41 +13,13 @@ decoder's o_proj and MLP carry none.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from typing import Any
-
 import torch
 
-from engine.models.checkpoint import read_stored
 from engine.models.config import ModelConfig
 from engine.models.layers.decoder import Decoder
+from engine.models.layers.rope import PairsToHalves
 from engine.ops import Ops
 from engine.parallel import SINGLE, TensorParallel
-
-
-def _pairs_to_halves(w: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Rows [heads * head_dim, in] with each head's even rows first, then its odd ones."""
-    heads = w.view(-1, head_dim, w.shape[-1])
-    return torch.cat([heads[:, 0::2], heads[:, 1::2]], dim=1).reshape(w.shape)
-
-
-class _Reordered(Mapping):
-    """The checkpoint's tensors, q_proj's and k_proj's rows reordered (read on demand)."""
-
-    def __init__(self, weights: Mapping, head_dim: int) -> None:
-        self._weights, self._head_dim = weights, head_dim
-
-    def __getitem__(self, name: str) -> Any:
-        w = self._weights[name]
-        if name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
-            return _pairs_to_halves(read_stored(w), self._head_dim)
-        return w
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._weights)
-
-    def __len__(self) -> int:
-        return len(self._weights)
 
 
 class ErnieModel(Decoder):
@@ -63,7 +35,7 @@ class ErnieModel(Decoder):
         device: torch.device | str = "cpu",
         tp: TensorParallel = SINGLE,
     ) -> None:
-        super().__init__(config, _Reordered(weights, config.head_dim), ops,  # type: ignore[arg-type]
+        super().__init__(config, PairsToHalves(weights, config.head_dim), ops,  # type: ignore[arg-type]
                          dtype=dtype, device=device, tp=tp)
 
 

@@ -19,6 +19,7 @@ from engine.models.config import ModelConfig
 from engine.models.deepseek import DeepseekModel
 from engine.models.ernie import ErnieModel
 from engine.models.gemma import Gemma3VisionModel, GemmaModel
+from engine.models.glm4 import Glm4Model
 from engine.models.gpt2 import GPT2Model
 from engine.models.gpt_oss import GptOssModel
 from engine.models.layers.decoder import Decoder
@@ -55,6 +56,7 @@ MODEL_CLASSES: dict[str, type] = {
     "qwen2_moe": LlamaModel,
     "qwen3_moe": LlamaModel,
     "glm4_moe": LlamaModel,
+    "glm4": Glm4Model,
     "deepseek_v3": DeepseekModel,
     "deepseek_v2": DeepseekModel,
     "gpt_oss": GptOssModel,

@@ -296,6 +296,8 @@ class Decoder:
             qkv = [get.rows(attn + f"{n}_proj.weight", spans=[span]) for n, span in zip("qkv", spans, strict=True)]
             if self.config.architecture == "granite_hybrid":  # [gate; up] in one, as Phi-3's
                 gate_up = [get.rows(p + "shared_mlp.input_linear.weight", (inter, inter))]
+            elif self.config.architecture == "glm4":  # GLM-4's gate_up_proj, as Phi-3's
+                gate_up = [get.rows(mlp + "gate_up_proj.weight", (inter, inter))]
             elif not sparse:
                 gate_up = [get.rows(mlp + "gate_proj.weight"), get.rows(mlp + "up_proj.weight")]
         # make_linear: a dense Linear over the parts concatenated, or a QuantLinear over

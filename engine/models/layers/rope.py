@@ -27,11 +27,13 @@ what transformers computes for a request that grows one token at a time:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 from engine.errors import UnsupportedModelError
+from engine.models.checkpoint import read_stored
 from engine.models.config import ModelConfig
 
 
@@ -171,3 +173,39 @@ def rope_cos_sin_cache(
         theta=theta, scaling=scaling, head_dim=config.rope_dim,
         max_positions=config.max_position_embeddings, dtype=dtype, device=device,
     )
+
+
+def pairs_to_halves(w: torch.Tensor, head_dim: int, rotary: int = 0) -> torch.Tensor:
+    """q's or k's rows ([heads * head_dim, in], or a bias [heads * head_dim]) for a model
+    whose RoPE turns interleaved pairs ``(x0, x1), (x2, x3), ...`` (GPT-J's layout: ERNIE
+    4.5, GLM-4), laid out for the rotate-half RoPE every op set runs: each head's first
+    ``rotary`` rows (all of them when 0) even ones first, then odd ones, the rest as they
+    are. A query's and a key's values meet only in their dot product, which the same order
+    on both leaves unchanged, and the pairs are turned by the same angles."""
+    rotary = rotary or head_dim
+    heads = w.reshape(-1, head_dim, *w.shape[1:])
+    rot = heads[:, :rotary]
+    return torch.cat([rot[:, 0::2], rot[:, 1::2], heads[:, rotary:]], dim=1).reshape(w.shape)
+
+
+class PairsToHalves(Mapping):
+    """A checkpoint's tensors with q_proj's and k_proj's rows (and biases) laid out by
+    :func:`pairs_to_halves`, read on demand; every other tensor as stored."""
+
+    _NAMES = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.bias")
+
+    def __init__(self, weights: Mapping, head_dim: int, rotary: int = 0) -> None:
+        self._weights, self._head_dim, self._rotary = weights, head_dim, rotary
+
+    def __getitem__(self, name: str) -> Any:
+        w = self._weights[name]
+        if name.endswith(self._NAMES):
+            return pairs_to_halves(read_stored(w), self._head_dim, self._rotary)
+        return w
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._weights)
+
+    def __len__(self) -> int:
+        return len(self._weights)
+
