@@ -22,6 +22,8 @@ at reduced shapes that keep what sets each family apart (``SHAPES``):
 * GLM-4 (dense, beside them): q/k/v biases, norms on each block's output, RoPE on
   interleaved pairs of half of each head; hidden 1024, 8 layers, 16 query and 4 KV heads
   of 64, MLP 2816. It runs unfused too.
+* Cohere2 (dense): attention and the MLP side by side on one LayerNorm, sliding layers
+  (128) and every fourth global without RoPE; the same shape as GLM-4. Unfused.
 
 Random weights decode as fast as trained ones: only the shapes matter here. Both sides
 load the same folder in ``--dtype``; each round times the engine's decode steps (one
@@ -65,6 +67,8 @@ SHAPES = {
     # GLM-4 (dense; bench/deepseek_latent.py's neighbour): the same attention, a 2816 MLP.
     "glm4": ATTENTION | dict(intermediate_size=2816, attention_bias=True, vocab_size=384, tie_word_embeddings=False,
                              pad_token_id=0, eos_token_id=2),
+    "cohere2": ATTENTION | dict(intermediate_size=2816, vocab_size=384, sliding_window=128, logit_scale=0.25,
+                                pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "glm4_moe": ATTENTION | dict(
         intermediate_size=2816, moe_intermediate_size=256, n_routed_experts=64, num_experts_per_tok=8,
         n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, attention_bias=True,
@@ -78,7 +82,7 @@ def write(family: str, folder: Path) -> None:
         return
     import transformers
 
-    name = {"glm4_moe": "Glm4Moe", "deepseek_v3": "DeepseekV3", "glm4": "Glm4"}[family]
+    name = {"glm4_moe": "Glm4Moe", "deepseek_v3": "DeepseekV3", "glm4": "Glm4", "cohere2": "Cohere2"}[family]
     config = getattr(transformers, f"{name}Config")(**SHAPES[family])
     torch.manual_seed(0)
     getattr(transformers, f"{name}ForCausalLM")(config).save_pretrained(folder)
@@ -132,7 +136,7 @@ def main() -> None:
                 print(f"| {family} | {params / 1e6:.0f}M | {b} | {fused:.1f} | {unfused:.1f} | {theirs:.1f} | "
                       f"{fused / theirs:.2f}x |", flush=True)
             step = engine.runner.model.fused_step
-            fuses = family not in ("deepseek_v3", "glm4")  # latent attention, GLM-4's post-block norms: unfused
+            fuses = family not in ("deepseek_v3", "glm4", "cohere2")  # latent attention, post-block norms, LayerNorm
             assert (step is not None and step.steps > 0) == fuses, f"{family}: the fused step ran or not"
             del engine, hf
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 from hf_written import write_deepseek_v3, write_glm
 from pp_ranks import pipeline_greedy
+from test_cohere import write_cohere
 from test_glm4 import write_glm4
 from test_loader import write_gguf
 from tp_ranks import greedy_with_logits, run_ranks
@@ -59,9 +60,10 @@ LAYERS = 4  # the issue's floor: 2 stages of 2 layers, or 3 stages of 2, 1, 1
 FAMILIES = TINY_ARCHITECTURES + TINY_MOE_ARCHITECTURES + TINY_ABSOLUTE_ARCHITECTURES
 GGUFS = [("llama", "Q4_0"), ("qwen2", "Q8_0")]  # blocks kept: a tied head, q/k/v biases
 LAYOUTS = [(1, 2), (1, 3), (2, 2)]  # (tp, pp)
-# Written by transformers (engine.models.testing_gpt_oss, hf_written, test_glm4); GLM-4 is
-# dense, held to the MoE models' bound over tensor-parallel ranks for its post-block norms.
-WRITTEN_MOE = ("gpt_oss", "glm4_moe", "deepseek_v3", "glm4")
+# Written by transformers (engine.models.testing_gpt_oss, hf_written, test_glm4,
+# test_cohere); GLM-4 and Cohere2 are dense, held to the MoE models' bound over
+# tensor-parallel ranks (GLM-4 for its post-block norms).
+WRITTEN_MOE = ("gpt_oss", "glm4_moe", "deepseek_v3", "glm4", "cohere2")
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +81,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple[str,
     out.append(("deepseek_v3", str(root / "deepseek_v3"), True))
     write_glm4(root / "glm4", num_hidden_layers=LAYERS)
     out.append(("glm4", str(root / "glm4"), True))
+    write_cohere(root / "cohere2", num_hidden_layers=LAYERS)
+    out.append(("cohere2", str(root / "cohere2"), True))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ENGINE_CACHE_DIR", str(root / "cache"))  # the ranks inherit it
         for arch, quant in GGUFS:

@@ -27,6 +27,7 @@ import gguf
 import pytest
 import torch
 from hf_written import write_deepseek_v3, write_glm
+from test_cohere import write_cohere
 from test_glm4 import write_glm4
 from test_loader import write_gguf
 from tp_ranks import BLOCK_SIZE, greedy_with_logits, run_ranks
@@ -66,6 +67,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple[str,
     # heads; gate_up_proj stored fused, cut per part.
     write_glm4(root / "glm4")
     out.append(("glm4", str(root / "glm4"), True))
+    # Cohere2: attention and the MLP side by side, both row-parallel outputs whole before
+    # they are added; sliding layers and a global one without RoPE.
+    write_cohere(root / "cohere2")
+    out.append(("cohere2", str(root / "cohere2"), True))
     # ERNIE 4.5: q and k reordered for its interleaved RoPE before each rank cuts its heads.
     out.append(("ernie4_5", str(_write_ernie(root / "ernie4_5")), True))
     # DeepSeek-V3: each rank its heads of q and kv_b_proj, the latent whole.
@@ -175,7 +180,7 @@ def _moe(got: torch.Tensor, want: torch.Tensor, where: str) -> None:
 
 
 @pytest.mark.parametrize("key", ["exaone4", "granite_moe", "olmo2-mqa", "gpt_oss", "glm4_moe", "deepseek_v3",
-                                 "ernie4_5", "glm4"])
+                                 "ernie4_5", "glm4", "cohere2"])
 def test_transformers_written_and_copied_kv_head_models_over_two_ranks(
     key: str, two_ranks: list[dict], one_rank: dict,
 ) -> None:

@@ -80,6 +80,11 @@ SUPPORTED_ARCHITECTURES = {
     # GLM-4 (-0414, GLM-Z1; models/glm4.py): the Llama layer with norms after each block
     # too, gate/up stored fused, RoPE on interleaved pairs of half of each head.
     "Glm4ForCausalLM": "glm4",
+    # Cohere's Command R (models/cohere.py): attention and the MLP side by side on one
+    # LayerNorm, RoPE on interleaved pairs, scaled logits; Command R7B and A (Cohere2) add
+    # sliding layers, the global ones without RoPE.
+    "CohereForCausalLM": "cohere",
+    "Cohere2ForCausalLM": "cohere2",
     # DeepSeek-V3 and R1 (and Kimi K2's layers; models/deepseek.py): multi-head latent attention, GLM-4.5's
     # routing (which is DeepSeek-V3's) with ungated shared experts.
     "DeepseekV3ForCausalLM": "deepseek_v3",
@@ -164,6 +169,7 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     attention_multiplier: float | None = None
+    logit_scale: float = 1.0  # Cohere's: logits x logit_scale (in the model dtype)
     # A decoder with a sequence classifier head (DECODER_CLASSIFIER_ARCHITECTURES): it pools
     # its last token through ``score`` (num_labels, labels). Converted from a causal LM's two
     # tokens (classifier_from_tokens: [false, true]), its head is the true token's LM-head row
@@ -280,7 +286,7 @@ class ModelConfig:
             check_biases(raw, arch, attention_bias)
             nope = nope_layers(raw, arch, layers)
             windows = _layer_windows(raw, arch, int(window) if window else 0, layers, nope)
-            if arch == "exaone4" and window:  # its global layers take no RoPE in a hybrid model
+            if arch in ("exaone4", "cohere2") and window:  # its global layers take no RoPE in a hybrid model
                 nope = tuple(i for i, w in enumerate(windows) if not w)
             mla = mla_fields(raw, arch)  # DeepSeek-V3's key width, KV heads and rotated share
             head_dim = mla.get("head_dim", head_dim)
@@ -294,7 +300,6 @@ class ModelConfig:
                 num_attention_heads=heads,
                 num_key_value_heads=int(mla.get("num_key_value_heads") or raw.get("num_key_value_heads") or heads),
                 head_dim=head_dim,
-                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
                 max_position_embeddings=_max_positions(max_positions, rope_scaling),
@@ -319,7 +324,7 @@ class ModelConfig:
                 nope_layers=nope,
                 rotary_dim=rotary,
                 bidirectional=bidirectional,
-                **granite_multipliers(raw, arch),
+                **({"rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6))} | granite_multipliers(raw, arch)),
                 **classifier,
                 matryoshka_dimensions=matryoshka(raw, hidden),
                 base_model=base,
@@ -339,7 +344,7 @@ def _layer_windows(raw: dict[str, Any], arch: str, window: int, layers: int,
         if len(types) != layers:
             raise ValueError(f"layer_types lists {len(types)} layers, the model has {layers}")
         return tuple(window if t == "sliding_attention" else 0 for t in types)
-    if arch == "exaone4":  # transformers' default: every sliding_window_pattern-th layer global
+    if arch in ("exaone4", "cohere2"):  # transformers' default: every sliding_window_pattern-th layer global
         return tuple(window if (i + 1) % int(raw.get("sliding_window_pattern", 4)) else 0 for i in range(layers))
     if arch == "olmo3":  # transformers' default: every fourth layer global, the rest slide
         return tuple(window if (i + 1) % 4 else 0 for i in range(layers))

@@ -16,7 +16,7 @@ GEMMA_FAMILY = frozenset({"gemma", "gemma2", "gemma3"})
 # decoder does not add: such a checkpoint is refused rather than run without it. (Qwen2's
 # attention_bias is its q/k/v biases alone.)
 _O_PROJ_BIAS_FAMILIES = frozenset({"llama", "qwen3", "qwen3_moe", "smollm3", "granite", "granite_moe",
-                                   "granite_hybrid", "olmo2", "olmo3",
+                                   "granite_hybrid", "olmo2", "olmo3", "cohere", "cohere2",
                                    *GEMMA_FAMILY})
 # Families whose mlp_bias puts biases on gate/up/down (the others ignore the key).
 _MLP_BIAS_FAMILIES = frozenset({"llama", "smollm3", "granite"})
@@ -51,7 +51,13 @@ def rotary_dim(raw: dict[str, Any], arch: str, head_dim: int) -> int:
 
 
 def granite_multipliers(raw: dict[str, Any], arch: str) -> dict[str, Any]:
-    """Granite's four multipliers (transformers' GraniteConfig defaults: 1 each)."""
+    """Granite's four multipliers (transformers' GraniteConfig defaults: 1 each); Cohere's
+    logit_scale (its configs' default 0.0625) and LayerNorm eps (1e-5)."""
+    if arch in ("cohere", "cohere2"):
+        if raw.get("use_qk_norm"):
+            raise UnsupportedModelError(f"use_qk_norm (a LayerNorm on each head of q and k) on {arch} is not supported")
+        return {"logit_scale": float(raw.get("logit_scale", 0.0625)),
+                "rms_norm_eps": float(raw.get("layer_norm_eps", 1e-5))}
     if arch not in ("granite", "granite_moe", "granite_hybrid"):
         return {}
     return {

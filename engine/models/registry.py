@@ -15,6 +15,7 @@ import torch
 
 from engine.errors import CorruptModelError, UnsupportedModelError
 from engine.models.bert import BertModel
+from engine.models.cohere import CohereModel
 from engine.models.config import ModelConfig
 from engine.models.deepseek import DeepseekModel
 from engine.models.ernie import ErnieModel
@@ -57,6 +58,8 @@ MODEL_CLASSES: dict[str, type] = {
     "qwen3_moe": LlamaModel,
     "glm4_moe": LlamaModel,
     "glm4": Glm4Model,
+    "cohere": CohereModel,
+    "cohere2": CohereModel,
     "deepseek_v3": DeepseekModel,
     "deepseek_v2": DeepseekModel,
     "gpt_oss": GptOssModel,
