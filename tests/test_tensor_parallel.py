@@ -30,6 +30,7 @@ from hf_written import write_deepseek_v3, write_glm
 from test_cohere import write_cohere
 from test_glm4 import write_glm4
 from test_loader import write_gguf
+from test_olmoe import write_olmoe
 from tp_ranks import BLOCK_SIZE, greedy_with_logits, run_ranks
 
 from engine.errors import UnsupportedModelError
@@ -71,6 +72,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple[str,
     # they are added; sliding layers and a global one without RoPE.
     write_cohere(root / "cohere2")
     out.append(("cohere2", str(root / "cohere2"), True))
+    # OLMoE: q/k norms across all heads, each rank's heads normed by every rank's squares.
+    write_olmoe(root / "olmoe")
+    out.append(("olmoe", str(root / "olmoe"), True))
     # ERNIE 4.5: q and k reordered for its interleaved RoPE before each rank cuts its heads.
     out.append(("ernie4_5", str(_write_ernie(root / "ernie4_5")), True))
     # DeepSeek-V3: each rank its heads of q and kv_b_proj, the latent whole.
@@ -180,14 +184,14 @@ def _moe(got: torch.Tensor, want: torch.Tensor, where: str) -> None:
 
 
 @pytest.mark.parametrize("key", ["exaone4", "granite_moe", "olmo2-mqa", "gpt_oss", "glm4_moe", "deepseek_v3",
-                                 "ernie4_5", "glm4", "cohere2"])
+                                 "ernie4_5", "glm4", "cohere2", "olmoe"])
 def test_transformers_written_and_copied_kv_head_models_over_two_ranks(
     key: str, two_ranks: list[dict], one_rank: dict,
 ) -> None:
     # GLM-4 norms each block's output, attention's included: the rms of a small output
     # scales the reordered sums' last bits up with it (measured 1.36e-5 at a logit of 0.04
     # on an AMD EPYC), so it takes the MoE models' bound.
-    _check(key, two_ranks, one_rank, _moe if key in ("glm4_moe", "deepseek_v3", "glm4") else _exact)
+    _check(key, two_ranks, one_rank, _moe if key in ("glm4_moe", "deepseek_v3", "glm4", "olmoe") else _exact)
 
 
 @pytest.mark.parametrize(("arch", "quant"), GGUFS, ids=[f"{a}-{q}" for a, q in GGUFS])

@@ -72,6 +72,9 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    # OLMoE (models/olmoe.py): the Llama layer with q/k norms across all heads, experts on
+    # every layer.
+    "OlmoeForCausalLM": "olmoe",
     # GLM-4.5 / 4.6 (and -Air): the Llama layer with a partial rotary (half of each head by
     # default), optional q/k norms, and DeepSeek-V3's MoE routing (sigmoid scores, a
     # selection bias, expert groups, a scaling factor) with an ungated shared expert, after
@@ -306,7 +309,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 # Qwen2-MoE names its q/k/v bias switch qkv_bias (default on).
                 attention_bias=attention_bias,
-                qk_norm=(arch in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "exaone4")
+                qk_norm=(arch in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "exaone4", "olmoe")
                          or (arch == "glm4_moe" and bool(raw.get("use_qk_norm")))),
                 sliding_window=int(window) if window else None,
                 layer_windows=windows,

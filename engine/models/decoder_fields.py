@@ -71,6 +71,8 @@ def granite_multipliers(raw: dict[str, Any], arch: str) -> dict[str, Any]:
 def check_biases(raw: dict[str, Any], arch: str, attention_bias: bool) -> None:
     """Refuse the biases the decoder would leave out (fail closed): the MLP's (Llama's
     ``mlp_bias``) and o_proj's (``attention_bias`` in the families that put one there)."""
+    if raw.get("clip_qkv") is not None and arch == "olmoe":
+        raise UnsupportedModelError("clip_qkv (q, k and v clamped) on OLMoE is not supported")
     if raw.get("use_bias") and arch in ("ernie4_5", "ernie4_5_moe"):  # ERNIE's: every projection biased
         raise UnsupportedModelError("use_bias (biases on every projection of ERNIE 4.5) is not supported")
     if raw.get("mlp_bias") and arch in _MLP_BIAS_FAMILIES:

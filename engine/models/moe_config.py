@@ -109,6 +109,11 @@ class MoeConfig:
                 sparse_layers=tuple(range(num_layers)),
                 naming="mixtral",
             )
+        if arch == "olmoe":  # every layer routed, Qwen's names; renormalised only if asked
+            return cls(num_experts=_num_experts(raw, 64), top_k=int(raw.get("num_experts_per_tok", 8)),
+                       intermediate_size=int(raw["intermediate_size"]),
+                       norm_topk_prob=bool(raw.get("norm_topk_prob", False)), shared_expert_intermediate_size=0,
+                       sparse_layers=tuple(range(num_layers)), naming="qwen")
         if arch not in ("qwen2_moe", "qwen3_moe"):
             return None
         experts = _num_experts(raw, 0)

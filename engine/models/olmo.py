@@ -25,7 +25,8 @@ from Hugging Face folders). The fused CPU decode step runs this layer in its Gem
 (fp32 norm weights multiplied as stored, no norms before the blocks, SwiGLU, q/k norms
 across the heads: :meth:`OlmoModel.fused_description`). q/k norms across all heads
 split with the heads over tensor-parallel ranks: each rank normalizes its heads by the
-sum of squares of all of them (one all-reduce of a value a token, :meth:`OlmoModel._split_head_norm`).
+sum of squares of all of them (one all-reduce of a value a token,
+:func:`engine.models.layers.norm.split_heads_norm`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch
 
 from engine.models.config import ModelConfig
 from engine.models.layers.decoder import Decoder, DecoderLayer, decoder_weight_names
-from engine.models.layers.norm import gemma_rms_norm
+from engine.models.layers.norm import gemma_rms_norm, split_heads_norm
 from engine.models.layers.shard import ShardedWeights, qkv_spans, take_rows
 from engine.ops import AttentionMetadata, Ops
 from engine.ops.cpu.fused_spec import FusedLayer, FusedModel
@@ -107,27 +108,13 @@ class OlmoModel(Decoder):
     def _head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """q or k [T, heads, D] normed over all its heads at once (the weight is as wide);
         EXAONE's each head on its own, as the Llama family's. Over tensor-parallel ranks
-        each holds some of the heads: :meth:`_split_head_norm`."""
+        each holds some of the heads: :func:`~engine.models.layers.norm.split_heads_norm`."""
         if self._exaone:
             return super()._head_norm(x, weight)
         t = x.shape[0]
         if self.tp.enabled:
-            return self._split_head_norm(x.reshape(t, -1), weight).view(x.shape)
+            return split_heads_norm(x.reshape(t, -1), weight, self.eps, self.tp, self.config, fp32_weight=True).view(x.shape)
         return self._rms(x.reshape(t, -1), weight).view(x.shape)
-
-    def _split_head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """This rank's q or k heads [T, local width] normed over every rank's: the sums of
-        squares are summed over the ranks (one value a token), as transformers' norm sums
-        them over the whole width, in fp32. KV heads copied to several ranks (fewer KV
-        heads than ranks) are counted once each."""
-        c = self.config
-        d, n = c.head_dim, self.tp.world_size
-        is_q = x.shape[1] == c.num_attention_heads * d // n
-        width = (c.num_attention_heads if is_q else c.num_key_value_heads) * d
-        copies = 1 if is_q else max(1, n // c.num_key_value_heads)
-        xf = x.float()
-        squares = self.tp.all_reduce(xf.square().sum(-1, keepdim=True)) / copies
-        return (xf * torch.rsqrt(squares / width + self.eps) * weight).to(x.dtype)
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self._exaone:

@@ -29,6 +29,7 @@ from engine.models.llama import LlamaModel
 from engine.models.llava import LlavaModel
 from engine.models.modernbert import ModernBertModel
 from engine.models.olmo import OlmoModel
+from engine.models.olmoe import OlmoeModel
 from engine.models.opt import OPTModel
 from engine.models.qwen_vl import QwenVLModel
 from engine.models.vision_config import Gemma3VisionConfig
@@ -56,6 +57,7 @@ MODEL_CLASSES: dict[str, type] = {
     "mixtral": LlamaModel,
     "qwen2_moe": LlamaModel,
     "qwen3_moe": LlamaModel,
+    "olmoe": OlmoeModel,
     "glm4_moe": LlamaModel,
     "glm4": Glm4Model,
     "cohere": CohereModel,
