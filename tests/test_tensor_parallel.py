@@ -29,6 +29,7 @@ import torch
 from hf_written import write_deepseek_v3, write_glm
 from test_cohere import write_cohere
 from test_glm4 import write_glm4
+from test_gpt_bigcode import write_bigcode
 from test_loader import write_gguf
 from test_olmoe import write_olmoe
 from tp_ranks import BLOCK_SIZE, greedy_with_logits, run_ranks
@@ -75,6 +76,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple[str,
     # OLMoE: q/k norms across all heads, each rank's heads normed by every rank's squares.
     write_olmoe(root / "olmoe")
     out.append(("olmoe", str(root / "olmoe"), True))
+    # GPTBigCode: GPT-2's layer with one KV head, copied to both ranks.
+    write_bigcode(root / "gpt_bigcode")
+    out.append(("gpt_bigcode", str(root / "gpt_bigcode"), True))
     # ERNIE 4.5: q and k reordered for its interleaved RoPE before each rank cuts its heads.
     out.append(("ernie4_5", str(_write_ernie(root / "ernie4_5")), True))
     # DeepSeek-V3: each rank its heads of q and kv_b_proj, the latent whole.
@@ -184,7 +188,7 @@ def _moe(got: torch.Tensor, want: torch.Tensor, where: str) -> None:
 
 
 @pytest.mark.parametrize("key", ["exaone4", "granite_moe", "olmo2-mqa", "gpt_oss", "glm4_moe", "deepseek_v3",
-                                 "ernie4_5", "glm4", "cohere2", "olmoe"])
+                                 "ernie4_5", "glm4", "cohere2", "olmoe", "gpt_bigcode"])
 def test_transformers_written_and_copied_kv_head_models_over_two_ranks(
     key: str, two_ranks: list[dict], one_rank: dict,
 ) -> None:

@@ -19,6 +19,9 @@ from engine.errors import CorruptModelError, UnsupportedModelError
 ABSOLUTE_ARCHITECTURES = {
     "GPT2LMHeadModel": "gpt2",
     "OPTForCausalLM": "opt",
+    # GPT-2's layer with one KV head (multi_query) and nn.Linear weights: StarCoder,
+    # SantaCoder, WizardCoder (models/gpt_bigcode.py).
+    "GPTBigCodeForCausalLM": "gpt_bigcode",
 }
 
 # activation_function values -> the MLP's activation. gelu_new (GPT-2's) is the tanh
@@ -54,8 +57,9 @@ class AbsoluteConfig:
 
 
 def absolute_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
-    """``ModelConfig``'s fields for a GPT-2 or OPT ``config.json`` (RoPE fields neutral)."""
-    gpt2 = arch == "gpt2"
+    """``ModelConfig``'s fields for a GPT-2, GPTBigCode or OPT ``config.json`` (RoPE fields
+    neutral)."""
+    gpt2 = arch in ("gpt2", "gpt_bigcode")  # GPTBigCode names its fields as GPT-2
     for key in _GPT2_REFUSED if gpt2 else ():
         if raw.get(key):
             raise UnsupportedModelError(f"{arch}: {key} true is not supported")
@@ -91,7 +95,8 @@ def absolute_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
             intermediate_size=inter,
             num_hidden_layers=layers,
             num_attention_heads=heads,
-            num_key_value_heads=heads,
+            # GPTBigCode's multi_query (its default): one KV head for all the query heads
+            num_key_value_heads=1 if arch == "gpt_bigcode" and raw.get("multi_query", True) else heads,
             head_dim=hidden // heads,
             rms_norm_eps=eps,  # the LayerNorms' eps here
             rope_theta=0.0,

@@ -22,6 +22,7 @@ from engine.models.ernie import ErnieModel
 from engine.models.gemma import Gemma3VisionModel, GemmaModel
 from engine.models.glm4 import Glm4Model
 from engine.models.gpt2 import GPT2Model
+from engine.models.gpt_bigcode import GPTBigCodeModel
 from engine.models.gpt_oss import GptOssModel
 from engine.models.layers.decoder import Decoder
 from engine.models.layers.shard import check_tensor_parallel
@@ -70,6 +71,7 @@ MODEL_CLASSES: dict[str, type] = {
     "gemma3": GemmaModel,
     "gpt2": GPT2Model,
     "opt": OPTModel,
+    "gpt_bigcode": GPTBigCodeModel,
     "bert": BertModel,
     "bert_classifier": BertModel,
     "bert_token_classifier": BertModel,
