@@ -22,6 +22,10 @@ at reduced shapes that keep what sets each family apart (``SHAPES``):
 * GLM-4 (dense, beside them): q/k/v biases, norms on each block's output, RoPE on
   interleaved pairs of half of each head; hidden 1024, 8 layers, 16 query and 4 KV heads
   of 64, MLP 2816. It runs unfused too.
+* OLMoE: q/k norms across all heads, 64 experts with 8 routed a token on every layer (OLMoE-1B-7B's
+  routing), experts 256 wide; the same attention. Unfused.
+* GPTBigCode (dense): StarCoder's layer (learned positions, LayerNorm, one KV head, a
+  4096 GELU MLP); hidden 1024, 8 layers, 16 heads. Unfused (GPT-2's path).
 * Cohere2 (dense): attention and the MLP side by side on one LayerNorm, sliding layers
   (128) and every fourth global without RoPE; the same shape as GLM-4. Unfused.
 
@@ -69,6 +73,11 @@ SHAPES = {
                              pad_token_id=0, eos_token_id=2),
     "cohere2": ATTENTION | dict(intermediate_size=2816, vocab_size=384, sliding_window=128, logit_scale=0.25,
                                 pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "olmoe": ATTENTION | dict(intermediate_size=256, num_experts=64, num_experts_per_tok=8, vocab_size=384,
+                              tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # GPTBigCode (StarCoder's layer: learned positions, LayerNorm, one KV head): its own keys.
+    "gpt_bigcode": dict(n_embd=1024, n_layer=8, n_head=16, n_inner=4096, n_positions=4096, vocab_size=384,
+                        multi_query=True, bos_token_id=1, eos_token_id=2, pad_token_id=0),
     "glm4_moe": ATTENTION | dict(
         intermediate_size=2816, moe_intermediate_size=256, n_routed_experts=64, num_experts_per_tok=8,
         n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, attention_bias=True,
@@ -82,7 +91,8 @@ def write(family: str, folder: Path) -> None:
         return
     import transformers
 
-    name = {"glm4_moe": "Glm4Moe", "deepseek_v3": "DeepseekV3", "glm4": "Glm4", "cohere2": "Cohere2"}[family]
+    name = {"glm4_moe": "Glm4Moe", "deepseek_v3": "DeepseekV3", "glm4": "Glm4", "cohere2": "Cohere2", "olmoe": "Olmoe",
+            "gpt_bigcode": "GPTBigCode"}[family]
     config = getattr(transformers, f"{name}Config")(**SHAPES[family])
     torch.manual_seed(0)
     getattr(transformers, f"{name}ForCausalLM")(config).save_pretrained(folder)
@@ -136,7 +146,8 @@ def main() -> None:
                 print(f"| {family} | {params / 1e6:.0f}M | {b} | {fused:.1f} | {unfused:.1f} | {theirs:.1f} | "
                       f"{fused / theirs:.2f}x |", flush=True)
             step = engine.runner.model.fused_step
-            fuses = family not in ("deepseek_v3", "glm4", "cohere2")  # latent attention, post-block norms, LayerNorm
+            # latent attention, post-block norms, LayerNorm, q/k norms across the heads
+            fuses = family not in ("deepseek_v3", "glm4", "cohere2", "olmoe", "gpt_bigcode")
             assert (step is not None and step.steps > 0) == fuses, f"{family}: the fused step ran or not"
             del engine, hf
 
