@@ -26,6 +26,8 @@ at reduced shapes that keep what sets each family apart (``SHAPES``):
   routing), experts 256 wide; the same attention. Unfused.
 * GPTBigCode (dense): StarCoder's layer (learned positions, LayerNorm, one KV head, a
   4096 GELU MLP); hidden 1024, 8 layers, 16 heads. Unfused (GPT-2's path).
+* StarCoder2 (dense): LayerNorm and biases on every projection, a 4096 GELU MLP, the same
+  attention with a sliding window. Unfused.
 * Cohere2 (dense): attention and the MLP side by side on one LayerNorm, sliding layers
   (128) and every fourth global without RoPE; the same shape as GLM-4. Unfused.
 
@@ -78,6 +80,8 @@ SHAPES = {
     # GPTBigCode (StarCoder's layer: learned positions, LayerNorm, one KV head): its own keys.
     "gpt_bigcode": dict(n_embd=1024, n_layer=8, n_head=16, n_inner=4096, n_positions=4096, vocab_size=384,
                         multi_query=True, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    "starcoder2": ATTENTION | dict(intermediate_size=4096, sliding_window=4096, vocab_size=384, bos_token_id=1,
+                                   eos_token_id=2, pad_token_id=0),
     "glm4_moe": ATTENTION | dict(
         intermediate_size=2816, moe_intermediate_size=256, n_routed_experts=64, num_experts_per_tok=8,
         n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, attention_bias=True,
@@ -92,7 +96,7 @@ def write(family: str, folder: Path) -> None:
     import transformers
 
     name = {"glm4_moe": "Glm4Moe", "deepseek_v3": "DeepseekV3", "glm4": "Glm4", "cohere2": "Cohere2", "olmoe": "Olmoe",
-            "gpt_bigcode": "GPTBigCode"}[family]
+            "gpt_bigcode": "GPTBigCode", "starcoder2": "Starcoder2"}[family]
     config = getattr(transformers, f"{name}Config")(**SHAPES[family])
     torch.manual_seed(0)
     getattr(transformers, f"{name}ForCausalLM")(config).save_pretrained(folder)
@@ -147,7 +151,7 @@ def main() -> None:
                       f"{fused / theirs:.2f}x |", flush=True)
             step = engine.runner.model.fused_step
             # latent attention, post-block norms, LayerNorm, q/k norms across the heads
-            fuses = family not in ("deepseek_v3", "glm4", "cohere2", "olmoe", "gpt_bigcode")
+            fuses = family not in ("deepseek_v3", "glm4", "cohere2", "olmoe", "gpt_bigcode", "starcoder2")
             assert (step is not None and step.steps > 0) == fuses, f"{family}: the fused step ran or not"
             del engine, hf
 

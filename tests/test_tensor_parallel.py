@@ -32,6 +32,7 @@ from test_glm4 import write_glm4
 from test_gpt_bigcode import write_bigcode
 from test_loader import write_gguf
 from test_olmoe import write_olmoe
+from test_starcoder2 import write_starcoder2
 from tp_ranks import BLOCK_SIZE, greedy_with_logits, run_ranks
 
 from engine.errors import UnsupportedModelError
@@ -79,6 +80,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple[str,
     # GPTBigCode: GPT-2's layer with one KV head, copied to both ranks.
     write_bigcode(root / "gpt_bigcode")
     out.append(("gpt_bigcode", str(root / "gpt_bigcode"), True))
+    # StarCoder2: biases on every projection, o's and c_proj's added once after the reduce.
+    write_starcoder2(root / "starcoder2")
+    out.append(("starcoder2", str(root / "starcoder2"), True))
     # ERNIE 4.5: q and k reordered for its interleaved RoPE before each rank cuts its heads.
     out.append(("ernie4_5", str(_write_ernie(root / "ernie4_5")), True))
     # DeepSeek-V3: each rank its heads of q and kv_b_proj, the latent whole.
@@ -188,7 +192,7 @@ def _moe(got: torch.Tensor, want: torch.Tensor, where: str) -> None:
 
 
 @pytest.mark.parametrize("key", ["exaone4", "granite_moe", "olmo2-mqa", "gpt_oss", "glm4_moe", "deepseek_v3",
-                                 "ernie4_5", "glm4", "cohere2", "olmoe", "gpt_bigcode"])
+                                 "ernie4_5", "glm4", "cohere2", "olmoe", "gpt_bigcode", "starcoder2"])
 def test_transformers_written_and_copied_kv_head_models_over_two_ranks(
     key: str, two_ranks: list[dict], one_rank: dict,
 ) -> None:

@@ -86,6 +86,9 @@ SUPPORTED_ARCHITECTURES = {
     # Cohere's Command R (models/cohere.py): attention and the MLP side by side on one
     # LayerNorm, RoPE on interleaved pairs, scaled logits; Command R7B and A (Cohere2) add
     # sliding layers, the global ones without RoPE.
+    # StarCoder2 (models/starcoder2.py): LayerNorm with biases, biases on every projection,
+    # a plain GELU MLP (c_fc, c_proj), a sliding window on every layer.
+    "Starcoder2ForCausalLM": "starcoder2",
     "CohereForCausalLM": "cohere",
     "Cohere2ForCausalLM": "cohere2",
     # DeepSeek-V3 and R1 (and Kimi K2's layers; models/deepseek.py): multi-head latent attention, GLM-4.5's
@@ -286,6 +289,8 @@ class ModelConfig:
             gemma = arch in GEMMA_FAMILY
             head_dim = int(raw.get("head_dim") or hidden // heads)
             attention_bias = bool(raw.get("attention_bias", raw.get("qkv_bias", arch in ("qwen2", "qwen2_moe", "gpt_oss"))))
+            if arch == "starcoder2":  # its use_bias puts biases on every projection
+                attention_bias = bool(raw.get("use_bias", True))
             check_biases(raw, arch, attention_bias)
             nope = nope_layers(raw, arch, layers)
             windows = _layer_windows(raw, arch, int(window) if window else 0, layers, nope)
@@ -437,10 +442,10 @@ def _activation(raw: dict[str, Any], arch: str) -> str:
             # Gemma 1's releases say "gelu" and mean the tanh approximation (transformers'
             # GemmaConfig and vLLM both read it so).
             name = "gelu_pytorch_tanh"
-    name = name or "silu"
+    name = name or ("gelu_pytorch_tanh" if arch == "starcoder2" else "silu")  # transformers' defaults
     # Gemma's layer computes GeGLU, every other family's SwiGLU: another activation would
     # run as the wrong one, so it is refused (fail closed).
-    computed = "gelu_tanh" if arch in GEMMA_FAMILY else "silu"
+    computed = "gelu_tanh" if arch in GEMMA_FAMILY or arch == "starcoder2" else "silu"
     if _ACTIVATIONS.get(name) != computed:
         names = [n for n, a in _ACTIVATIONS.items() if a == computed]
         raise UnsupportedModelError(

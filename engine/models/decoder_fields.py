@@ -52,7 +52,12 @@ def rotary_dim(raw: dict[str, Any], arch: str, head_dim: int) -> int:
 
 def granite_multipliers(raw: dict[str, Any], arch: str) -> dict[str, Any]:
     """Granite's four multipliers (transformers' GraniteConfig defaults: 1 each); Cohere's
-    logit_scale (its configs' default 0.0625) and LayerNorm eps (1e-5)."""
+    logit_scale (its configs' default 0.0625) and LayerNorm eps (1e-5); StarCoder2's
+    LayerNorm eps (``norm_epsilon``)."""
+    if arch == "starcoder2":
+        if not raw.get("use_bias", True):
+            raise UnsupportedModelError("use_bias false on StarCoder2 (projections without biases) is not supported")
+        return {"rms_norm_eps": float(raw.get("norm_epsilon", 1e-5))}
     if arch in ("cohere", "cohere2"):
         if raw.get("use_qk_norm"):
             raise UnsupportedModelError(f"use_qk_norm (a LayerNorm on each head of q and k) on {arch} is not supported")

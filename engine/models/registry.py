@@ -33,6 +33,7 @@ from engine.models.olmo import OlmoModel
 from engine.models.olmoe import OlmoeModel
 from engine.models.opt import OPTModel
 from engine.models.qwen_vl import QwenVLModel
+from engine.models.starcoder2 import Starcoder2Model
 from engine.models.vision_config import Gemma3VisionConfig
 from engine.ops import Ops
 from engine.parallel import SINGLE, TensorParallel
@@ -61,6 +62,7 @@ MODEL_CLASSES: dict[str, type] = {
     "olmoe": OlmoeModel,
     "glm4_moe": LlamaModel,
     "glm4": Glm4Model,
+    "starcoder2": Starcoder2Model,
     "cohere": CohereModel,
     "cohere2": CohereModel,
     "deepseek_v3": DeepseekModel,
