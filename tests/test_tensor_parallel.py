@@ -30,6 +30,7 @@ from hf_written import write_deepseek_v3, write_glm
 from test_cohere import write_cohere
 from test_glm4 import write_glm4
 from test_gpt_bigcode import write_bigcode
+from test_gpt_neox import write_neox
 from test_loader import write_gguf
 from test_olmoe import write_olmoe
 from test_starcoder2 import write_starcoder2
@@ -83,6 +84,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple[str,
     # StarCoder2: biases on every projection, o's and c_proj's added once after the reduce.
     write_starcoder2(root / "starcoder2")
     out.append(("starcoder2", str(root / "starcoder2"), True))
+    # GPT-NeoX: q/k/v stored head by head, regrouped before each rank cuts its heads.
+    write_neox(root / "gpt_neox")
+    out.append(("gpt_neox", str(root / "gpt_neox"), True))
     # ERNIE 4.5: q and k reordered for its interleaved RoPE before each rank cuts its heads.
     out.append(("ernie4_5", str(_write_ernie(root / "ernie4_5")), True))
     # DeepSeek-V3: each rank its heads of q and kv_b_proj, the latent whole.
@@ -192,7 +196,8 @@ def _moe(got: torch.Tensor, want: torch.Tensor, where: str) -> None:
 
 
 @pytest.mark.parametrize("key", ["exaone4", "granite_moe", "olmo2-mqa", "gpt_oss", "glm4_moe", "deepseek_v3",
-                                 "ernie4_5", "glm4", "cohere2", "olmoe", "gpt_bigcode", "starcoder2"])
+                                 "ernie4_5", "glm4", "cohere2", "olmoe", "gpt_bigcode", "starcoder2",
+                                 "gpt_neox"])
 def test_transformers_written_and_copied_kv_head_models_over_two_ranks(
     key: str, two_ranks: list[dict], one_rank: dict,
 ) -> None:

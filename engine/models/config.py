@@ -12,6 +12,7 @@ from engine.models.decoder_fields import (
     MlaConfig,
     bidirectional_window,
     check_biases,
+    gpt_neox_raw,
     granite_hybrid_raw,
     granite_multipliers,
     mla_fields,
@@ -89,6 +90,9 @@ SUPPORTED_ARCHITECTURES = {
     # StarCoder2 (models/starcoder2.py): LayerNorm with biases, biases on every projection,
     # a plain GELU MLP (c_fc, c_proj), a sliding window on every layer.
     "Starcoder2ForCausalLM": "starcoder2",
+    # GPT-NeoX (models/gpt_neox.py: Pythia, Dolly, RedPajama-INCITE): attention and the MLP
+    # side by side on two LayerNorms, a quarter of each head rotated, biases throughout.
+    "GPTNeoXForCausalLM": "gpt_neox",
     "CohereForCausalLM": "cohere",
     "Cohere2ForCausalLM": "cohere2",
     # DeepSeek-V3 and R1 (and Kimi K2's layers; models/deepseek.py): multi-head latent attention, GLM-4.5's
@@ -176,6 +180,7 @@ class ModelConfig:
     logits_scaling: float = 1.0
     attention_multiplier: float | None = None
     logit_scale: float = 1.0  # Cohere's: logits x logit_scale (in the model dtype)
+    parallel_residual: bool = False  # GPT-NeoX's use_parallel_residual: x + attn(ln1(x)) + mlp(ln2(x))
     # A decoder with a sequence classifier head (DECODER_CLASSIFIER_ARCHITECTURES): it pools
     # its last token through ``score`` (num_labels, labels). Converted from a causal LM's two
     # tokens (classifier_from_tokens: [false, true]), its head is the true token's LM-head row
@@ -266,6 +271,8 @@ class ModelConfig:
             arch = next(BASE_MODEL_ARCHITECTURES[a] for a in archs if a in BASE_MODEL_ARCHITECTURES)
         if arch == "granite_hybrid":
             raw = granite_hybrid_raw(raw)
+        elif arch == "gpt_neox":
+            raw = gpt_neox_raw(raw)
         classifier = {}
         if arch is None and any(a in DECODER_CLASSIFIER_ARCHITECTURES for a in archs):
             arch = next(DECODER_CLASSIFIER_ARCHITECTURES[a] for a in archs if a in DECODER_CLASSIFIER_ARCHITECTURES)
@@ -442,6 +449,12 @@ def _activation(raw: dict[str, Any], arch: str) -> str:
             # Gemma 1's releases say "gelu" and mean the tanh approximation (transformers'
             # GemmaConfig and vLLM both read it so).
             name = "gelu_pytorch_tanh"
+    if arch == "gpt_neox":  # a plain MLP: exact GELU (its default) or the tanh one
+        act = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+        if (name or "gelu") not in act:
+            raise UnsupportedModelError(f"hidden activation {name!r} is not supported for gpt_neox; "
+                                        f"supported: {', '.join(act)}")
+        return act[name or "gelu"]
     name = name or ("gelu_pytorch_tanh" if arch == "starcoder2" else "silu")  # transformers' defaults
     # Gemma's layer computes GeGLU, every other family's SwiGLU: another activation would
     # run as the wrong one, so it is refused (fail closed).

@@ -24,7 +24,7 @@ _MLP_BIAS_FAMILIES = frozenset({"llama", "smollm3", "granite"})
 
 # Families whose attention rotates only the first partial_rotary_factor of each head
 # (transformers' Phi-3 slices q and k so); the others refuse a factor below 1.
-_PARTIAL_ROTARY_FAMILIES = frozenset({"phi3", "glm4_moe", "glm4"})
+_PARTIAL_ROTARY_FAMILIES = frozenset({"phi3", "glm4_moe", "glm4", "gpt_neox"})
 # Families whose config means a partial rotary when it names none (transformers' default).
 _DEFAULT_ROTARY_FACTOR = {"glm4_moe": 0.5, "glm4": 0.5}
 
@@ -53,7 +53,12 @@ def rotary_dim(raw: dict[str, Any], arch: str, head_dim: int) -> int:
 def granite_multipliers(raw: dict[str, Any], arch: str) -> dict[str, Any]:
     """Granite's four multipliers (transformers' GraniteConfig defaults: 1 each); Cohere's
     logit_scale (its configs' default 0.0625) and LayerNorm eps (1e-5); StarCoder2's
-    LayerNorm eps (``norm_epsilon``)."""
+    LayerNorm eps (``norm_epsilon``); GPT-NeoX's and its ``use_parallel_residual``."""
+    if arch == "gpt_neox":
+        if not raw.get("attention_bias", True):
+            raise UnsupportedModelError("attention_bias false on GPT-NeoX (q/k/v and o without biases) is not supported")
+        return {"rms_norm_eps": float(raw.get("layer_norm_eps", 1e-5)),
+                "parallel_residual": bool(raw.get("use_parallel_residual", True))}
     if arch == "starcoder2":
         if not raw.get("use_bias", True):
             raise UnsupportedModelError("use_bias false on StarCoder2 (projections without biases) is not supported")
@@ -85,6 +90,20 @@ def check_biases(raw: dict[str, Any], arch: str, attention_bias: bool) -> None:
     if attention_bias and arch in _O_PROJ_BIAS_FAMILIES:
         raise UnsupportedModelError(
             f"attention_bias on a {arch} model (a bias on o_proj as well as q/k/v) is not supported")
+
+
+def gpt_neox_raw(raw: dict[str, Any]) -> dict[str, Any]:
+    """A GPT-NeoX (``GPTNeoXForCausalLM``) config.json under the decoder's keys: the Hub's
+    older files name the rotated share ``rotary_pct`` (default 0.25) and the base
+    ``rotary_emb_base``; q/k/v and o carry biases unless ``attention_bias`` says not."""
+    out = dict(raw)
+    params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    if "partial_rotary_factor" not in params and "partial_rotary_factor" not in raw:
+        out["partial_rotary_factor"] = float(raw.get("rotary_pct", 0.25))
+    if "rope_theta" not in params and "rope_theta" not in raw:
+        out["rope_theta"] = float(raw.get("rotary_emb_base", 10000.0))
+    out.setdefault("attention_bias", True)
+    return out
 
 
 def granite_hybrid_raw(raw: dict[str, Any]) -> dict[str, Any]:

@@ -12,11 +12,9 @@ tensor-parallel rank. Without it each head's q, k and v rows are stored together
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Mapping
 
-from engine.models.checkpoint import read_stored
-from engine.models.layers.absolute import AbsoluteDecoder, AbsoluteNames
+from engine.models.layers.absolute import AbsoluteDecoder, AbsoluteNames, HeadsRegrouped
 
 _NAMES = AbsoluteNames(
     embed="transformer.wte",
@@ -32,27 +30,6 @@ _NAMES = AbsoluteNames(
 )
 
 
-class _HeadsRegrouped(Mapping):
-    """The checkpoint's tensors, each head's q/k/v rows of ``c_attn`` (weight and bias)
-    regrouped as q's, k's, v's (multi-head checkpoints only)."""
-
-    def __init__(self, weights: Mapping, heads: int) -> None:
-        self._weights, self._heads = weights, heads
-
-    def __getitem__(self, name: str) -> Any:
-        w = self._weights[name]
-        if name.endswith((".attn.c_attn.weight", ".attn.c_attn.bias")):
-            w = read_stored(w)
-            return w.reshape(self._heads, 3, -1, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
-        return w
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._weights)
-
-    def __len__(self) -> int:
-        return len(self._weights)
-
-
 class GPTBigCodeModel(AbsoluteDecoder):
     """GPTBigCode's decoder stack plus its tied LM head."""
 
@@ -62,7 +39,7 @@ class GPTBigCodeModel(AbsoluteDecoder):
         c = self.config
         if c.num_key_value_heads == 1 and c.num_attention_heads > 1:  # multi_query: as stored
             return weights
-        return _HeadsRegrouped(weights, c.num_attention_heads)
+        return HeadsRegrouped(weights, c.num_attention_heads, (".attn.c_attn.weight", ".attn.c_attn.bias"))
 
 
 __all__ = ["GPTBigCodeModel"]

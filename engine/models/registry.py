@@ -23,6 +23,7 @@ from engine.models.gemma import Gemma3VisionModel, GemmaModel
 from engine.models.glm4 import Glm4Model
 from engine.models.gpt2 import GPT2Model
 from engine.models.gpt_bigcode import GPTBigCodeModel
+from engine.models.gpt_neox import GPTNeoXModel
 from engine.models.gpt_oss import GptOssModel
 from engine.models.layers.decoder import Decoder
 from engine.models.layers.shard import check_tensor_parallel
@@ -63,6 +64,7 @@ MODEL_CLASSES: dict[str, type] = {
     "glm4_moe": LlamaModel,
     "glm4": Glm4Model,
     "starcoder2": Starcoder2Model,
+    "gpt_neox": GPTNeoXModel,
     "cohere": CohereModel,
     "cohere2": CohereModel,
     "deepseek_v3": DeepseekModel,

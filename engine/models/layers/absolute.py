@@ -33,13 +33,14 @@ the reduce; norms, position table and OPT's projections are replicated.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from engine.errors import CorruptModelError, UnsupportedModelError
-from engine.models.checkpoint import StoredTensor, Transposed
+from engine.models.checkpoint import StoredTensor, Transposed, read_stored
 from engine.models.config import ModelConfig
 from engine.models.layers.decoder import Decoder, DecoderLayer
 from engine.models.layers.linear import embed, is_quantized, make_linear
@@ -102,6 +103,29 @@ def transposed(w):
     if is_quantized(w) or (isinstance(w, StoredTensor) and w.layout is not None):
         return w
     return Transposed(w) if isinstance(w, StoredTensor) else w.t()
+
+
+class HeadsRegrouped(Mapping):
+    """A checkpoint's tensors with a fused q/k/v projection stored head by head (each
+    head's q, k and v rows together: ``[heads, 3, head_dim]``; GPT-NeoX's, multi-head
+    GPTBigCode's) regrouped as q's rows, then k's, then v's, the layout the decoder cuts;
+    the tensors whose names end in ``names`` (weight and bias), read on demand."""
+
+    def __init__(self, weights: Mapping, heads: int, names: tuple[str, ...]) -> None:
+        self._weights, self._heads, self._names = weights, heads, names
+
+    def __getitem__(self, name: str) -> Any:
+        w = self._weights[name]
+        if name.endswith(self._names):
+            w = read_stored(w)
+            return w.reshape(self._heads, 3, -1, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
+        return w
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._weights)
+
+    def __len__(self) -> int:
+        return len(self._weights)
 
 
 @dataclasses.dataclass(slots=True)
@@ -246,4 +270,5 @@ class AbsoluteDecoder(Decoder):
         return None
 
 
-__all__ = ["AbsoluteDecoder", "AbsoluteLayer", "AbsoluteNames", "absolute_weight_names", "transposed"]
+__all__ = ["AbsoluteDecoder", "AbsoluteLayer", "AbsoluteNames", "HeadsRegrouped", "absolute_weight_names",
+           "transposed"]

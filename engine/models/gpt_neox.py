@@ -1,0 +1,144 @@
+"""GPT-NeoX (``GPTNeoXForCausalLM``: Pythia, Dolly, RedPajama-INCITE, GPT-NeoX-20B):
+attention and a plain MLP, each on its own LayerNorm, side by side.
+
+What differs from the generic decoder (:class:`~engine.models.layers.decoder.Decoder`), each
+as transformers computes it:
+
+* ``use_parallel_residual`` (the default): ``x + attn(ln1(x)) + mlp(ln2(x))``; without it
+  the blocks follow each other (``x + attn(ln1(x))``, then ``+ mlp(ln2(...))``);
+  LayerNorms with biases, in the model dtype;
+* q/k/v in one projection stored head by head (each head's q, k, v rows together),
+  regrouped at load (:class:`~engine.models.layers.absolute.HeadsRegrouped`); biases on
+  q/k/v, o and the MLP (``dense_h_to_4h``, ``dense_4h_to_h``; o's and the MLP's second
+  added once after the all-reduce under tensor parallelism);
+* RoPE (rotate-half) on the first ``rotary_pct`` (0.25) of each head;
+* the MLP's activation: exact GELU (``gelu``, the default) or its tanh approximation;
+* the names: ``gpt_neox.embed_in``, ``gpt_neox.layers.N``, ``gpt_neox.final_layer_norm``,
+  and the head ``embed_out``.
+
+The fused CPU decode step does not run this layer, nor do LoRA adapters or GGUF files
+serve it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from engine.models.config import ModelConfig
+from engine.models.layers.absolute import AbsoluteLayer, HeadsRegrouped
+from engine.models.layers.decoder import Decoder
+from engine.models.layers.linear import make_linear
+from engine.models.layers.shard import ShardedWeights, qkv_spans
+from engine.ops import AttentionMetadata, Ops
+from engine.parallel import SINGLE, TensorParallel
+
+_LAYER_TENSORS = ("input_layernorm", "post_attention_layernorm", "attention.query_key_value", "attention.dense",
+                  "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
+# The decoder's names for the ends -> GPT-NeoX's.
+_ENDS = {"model.embed_tokens.weight": "gpt_neox.embed_in.weight", "lm_head.weight": "embed_out.weight"}
+
+
+class _Ends(Mapping):
+    """The checkpoint's tensors, the embedding and head also under the decoder's names."""
+
+    def __init__(self, weights: Mapping) -> None:
+        self._weights = weights
+
+    def __getitem__(self, name: str) -> Any:
+        return self._weights[_ENDS.get(name, name)]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._weights)
+
+    def __len__(self) -> int:
+        return len(self._weights)
+
+
+class GPTNeoXModel(Decoder):
+    """GPT-NeoX's decoder stack plus LM head over Hugging Face weights."""
+
+    @classmethod
+    def weight_names(cls, config: ModelConfig) -> list[str]:
+        names = [_ENDS["model.embed_tokens.weight"]]
+        for i in range(config.num_hidden_layers):
+            names += [f"gpt_neox.layers.{i}.{t}.{kind}" for t in _LAYER_TENSORS for kind in ("weight", "bias")]
+        names += ["gpt_neox.final_layer_norm.weight", "gpt_neox.final_layer_norm.bias"]
+        return names if config.tie_word_embeddings else [*names, _ENDS["lm_head.weight"]]
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        ops: Ops,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        tp: TensorParallel = SINGLE,
+    ) -> None:
+        self._init_common(config, ops, dtype, device, tp, scale=config.head_dim**-0.5)
+        self._init_rope_tables()
+        weights = _Ends(HeadsRegrouped(weights, config.num_attention_heads,  # type: ignore[assignment]
+                                       (".attention.query_key_value.weight", ".attention.query_key_value.bias")))
+        get = ShardedWeights(weights, dtype, self.device, tp)
+        self._build_ends(get, weights, lambda: (get("gpt_neox.final_layer_norm.weight"),
+                                                 get("gpt_neox.final_layer_norm.bias")))
+        self.layers = [self._layer(get, i) for i in tp.stage.layer_range(config.num_hidden_layers)]
+        self.act = (lambda x: F.gelu(x, approximate="tanh")) if config.activation == "gelu_tanh" else F.gelu
+
+    def _layer(self, get: ShardedWeights, i: int) -> AbsoluteLayer:  # type: ignore[override]
+        p = f"gpt_neox.layers.{i}."
+        sizes, spans = qkv_spans(self.config, self.tp)
+        qkv = p + "attention.query_key_value"
+        return AbsoluteLayer(
+            input_norm=get(p + "input_layernorm.weight"),
+            input_norm_bias=get(p + "input_layernorm.bias"),
+            post_norm=get(p + "post_attention_layernorm.weight"),
+            post_norm_bias=get(p + "post_attention_layernorm.bias"),
+            qkv=make_linear([get.rows(qkv + ".weight", sizes, spans)], get.rows(qkv + ".bias", sizes, spans)),
+            o_proj=get.row_parallel(p + "attention.dense.weight"),
+            o_bias=get(p + "attention.dense.bias"),
+            q_norm=None,
+            k_norm=None,
+            gate_up=make_linear([get.rows(p + "mlp.dense_h_to_4h.weight")], get.rows(p + "mlp.dense_h_to_4h.bias")),
+            down=get.row_parallel(p + "mlp.dense_4h_to_h.weight"),
+            down_bias=get(p + "mlp.dense_4h_to_h.bias"),
+            window=0,
+            rope=self.cos_sin_cache,
+        )
+
+    def _ln(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, self.eps)
+
+    def plan_fused_step(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """None: the fused CPU step computes the RMSNorm/gated-MLP layer, not this one."""
+        return None
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm; writes this step's K/V."""
+        parallel = self.config.parallel_residual
+
+        def block(layer: AbsoluteLayer, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+            x = self._ln(hidden, layer.input_norm, layer.input_norm_bias)
+            attn = self._attention(layer, x, positions, meta, k_cache, v_cache) + layer.o_bias
+            if not parallel:
+                hidden = attn + hidden
+            x = self._ln(hidden, layer.post_norm, layer.post_norm_bias)
+            mlp = layer.down(self.act(layer.gate_up(x))) + layer.down_bias
+            return mlp + attn + hidden if parallel else mlp + hidden
+
+        return self._run_stream(input_ids, positions, kv_caches, block,  # type: ignore[return-value]
+                                lambda h: self._ln(h, *self.norm))
+
+
+__all__ = ["GPTNeoXModel"]
