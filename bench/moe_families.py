@@ -30,6 +30,8 @@ at reduced shapes that keep what sets each family apart (``SHAPES``):
   attention with a sliding window. Unfused.
 * GPT-NeoX (dense): Pythia's layer (two LayerNorms, blocks side by side, a quarter of each
   head rotated, 16 heads of 64, a 4096 GELU MLP). Unfused.
+* Phi-2 (dense): its layer (one LayerNorm, blocks side by side, 0.4 of each head rotated,
+  biases, a biased head) at the same shape as GPT-NeoX. Unfused.
 * Cohere2 (dense): attention and the MLP side by side on one LayerNorm, sliding layers
   (128) and every fourth global without RoPE; the same shape as GLM-4. Unfused.
 
@@ -86,6 +88,9 @@ SHAPES = {
                                    eos_token_id=2, pad_token_id=0),
     "gpt_neox": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, intermediate_size=4096,
                      max_position_embeddings=4096, vocab_size=384, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    "phi": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, intermediate_size=4096,
+                partial_rotary_factor=0.4, max_position_embeddings=4096, vocab_size=384, bos_token_id=1,
+                eos_token_id=2, pad_token_id=0),
     "glm4_moe": ATTENTION | dict(
         intermediate_size=2816, moe_intermediate_size=256, n_routed_experts=64, num_experts_per_tok=8,
         n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, attention_bias=True,
@@ -100,7 +105,8 @@ def write(family: str, folder: Path) -> None:
     import transformers
 
     name = {"glm4_moe": "Glm4Moe", "deepseek_v3": "DeepseekV3", "glm4": "Glm4", "cohere2": "Cohere2", "olmoe": "Olmoe",
-            "gpt_bigcode": "GPTBigCode", "starcoder2": "Starcoder2", "gpt_neox": "GPTNeoX"}[family]
+            "gpt_bigcode": "GPTBigCode", "starcoder2": "Starcoder2", "gpt_neox": "GPTNeoX",
+            "phi": "Phi"}[family]
     config = getattr(transformers, f"{name}Config")(**SHAPES[family])
     torch.manual_seed(0)
     getattr(transformers, f"{name}ForCausalLM")(config).save_pretrained(folder)
@@ -155,7 +161,8 @@ def main() -> None:
                       f"{fused / theirs:.2f}x |", flush=True)
             step = engine.runner.model.fused_step
             # latent attention, post-block norms, LayerNorm, q/k norms across the heads
-            fuses = family not in ("deepseek_v3", "glm4", "cohere2", "olmoe", "gpt_bigcode", "starcoder2", "gpt_neox")
+            fuses = family not in ("deepseek_v3", "glm4", "cohere2", "olmoe", "gpt_bigcode", "starcoder2", "gpt_neox",
+                                  "phi")
             assert (step is not None and step.steps > 0) == fuses, f"{family}: the fused step ran or not"
             del engine, hf
 

@@ -33,6 +33,7 @@ from test_gpt_bigcode import write_bigcode
 from test_gpt_neox import write_neox
 from test_loader import write_gguf
 from test_olmoe import write_olmoe
+from test_phi import write_phi
 from test_starcoder2 import write_starcoder2
 from tp_ranks import BLOCK_SIZE, greedy_with_logits, run_ranks
 
@@ -87,6 +88,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple[str,
     # GPT-NeoX: q/k/v stored head by head, regrouped before each rank cuts its heads.
     write_neox(root / "gpt_neox")
     out.append(("gpt_neox", str(root / "gpt_neox"), True))
+    # Phi-2: the head's bias cut with its vocabulary rows; o's and fc2's added once.
+    write_phi(root / "phi")
+    out.append(("phi", str(root / "phi"), True))
     # ERNIE 4.5: q and k reordered for its interleaved RoPE before each rank cuts its heads.
     out.append(("ernie4_5", str(_write_ernie(root / "ernie4_5")), True))
     # DeepSeek-V3: each rank its heads of q and kv_b_proj, the latent whole.
@@ -197,7 +201,7 @@ def _moe(got: torch.Tensor, want: torch.Tensor, where: str) -> None:
 
 @pytest.mark.parametrize("key", ["exaone4", "granite_moe", "olmo2-mqa", "gpt_oss", "glm4_moe", "deepseek_v3",
                                  "ernie4_5", "glm4", "cohere2", "olmoe", "gpt_bigcode", "starcoder2",
-                                 "gpt_neox"])
+                                 "gpt_neox", "phi"])
 def test_transformers_written_and_copied_kv_head_models_over_two_ranks(
     key: str, two_ranks: list[dict], one_rank: dict,
 ) -> None:

@@ -93,6 +93,9 @@ SUPPORTED_ARCHITECTURES = {
     # GPT-NeoX (models/gpt_neox.py: Pythia, Dolly, RedPajama-INCITE): attention and the MLP
     # side by side on two LayerNorms, a quarter of each head rotated, biases throughout.
     "GPTNeoXForCausalLM": "gpt_neox",
+    # Phi-1, 1.5 and 2 (models/phi.py): attention and a plain MLP side by side on one
+    # LayerNorm, part of each head rotated, biases throughout, the head's too.
+    "PhiForCausalLM": "phi",
     "CohereForCausalLM": "cohere",
     "Cohere2ForCausalLM": "cohere2",
     # DeepSeek-V3 and R1 (and Kimi K2's layers; models/deepseek.py): multi-head latent attention, GLM-4.5's
@@ -298,6 +301,8 @@ class ModelConfig:
             attention_bias = bool(raw.get("attention_bias", raw.get("qkv_bias", arch in ("qwen2", "qwen2_moe", "gpt_oss"))))
             if arch == "starcoder2":  # its use_bias puts biases on every projection
                 attention_bias = bool(raw.get("use_bias", True))
+            elif arch == "phi":  # always
+                attention_bias = True
             check_biases(raw, arch, attention_bias)
             nope = nope_layers(raw, arch, layers)
             windows = _layer_windows(raw, arch, int(window) if window else 0, layers, nope)
@@ -449,12 +454,13 @@ def _activation(raw: dict[str, Any], arch: str) -> str:
             # Gemma 1's releases say "gelu" and mean the tanh approximation (transformers'
             # GemmaConfig and vLLM both read it so).
             name = "gelu_pytorch_tanh"
-    if arch == "gpt_neox":  # a plain MLP: exact GELU (its default) or the tanh one
+    if arch in ("gpt_neox", "phi"):  # a plain MLP: exact GELU (NeoX's default) or the tanh one (Phi's)
         act = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
-        if (name or "gelu") not in act:
-            raise UnsupportedModelError(f"hidden activation {name!r} is not supported for gpt_neox; "
+        name = name or ("gelu" if arch == "gpt_neox" else "gelu_new")
+        if name not in act:
+            raise UnsupportedModelError(f"hidden activation {name!r} is not supported for {arch}; "
                                         f"supported: {', '.join(act)}")
-        return act[name or "gelu"]
+        return act[name]
     name = name or ("gelu_pytorch_tanh" if arch == "starcoder2" else "silu")  # transformers' defaults
     # Gemma's layer computes GeGLU, every other family's SwiGLU: another activation would
     # run as the wrong one, so it is refused (fail closed).

@@ -24,9 +24,9 @@ _MLP_BIAS_FAMILIES = frozenset({"llama", "smollm3", "granite"})
 
 # Families whose attention rotates only the first partial_rotary_factor of each head
 # (transformers' Phi-3 slices q and k so); the others refuse a factor below 1.
-_PARTIAL_ROTARY_FAMILIES = frozenset({"phi3", "glm4_moe", "glm4", "gpt_neox"})
+_PARTIAL_ROTARY_FAMILIES = frozenset({"phi3", "glm4_moe", "glm4", "gpt_neox", "phi"})
 # Families whose config means a partial rotary when it names none (transformers' default).
-_DEFAULT_ROTARY_FACTOR = {"glm4_moe": 0.5, "glm4": 0.5}
+_DEFAULT_ROTARY_FACTOR = {"glm4_moe": 0.5, "glm4": 0.5, "phi": 0.5}
 
 
 def rotary_dim(raw: dict[str, Any], arch: str, head_dim: int) -> int:
@@ -53,12 +53,16 @@ def rotary_dim(raw: dict[str, Any], arch: str, head_dim: int) -> int:
 def granite_multipliers(raw: dict[str, Any], arch: str) -> dict[str, Any]:
     """Granite's four multipliers (transformers' GraniteConfig defaults: 1 each); Cohere's
     logit_scale (its configs' default 0.0625) and LayerNorm eps (1e-5); StarCoder2's
-    LayerNorm eps (``norm_epsilon``); GPT-NeoX's and its ``use_parallel_residual``."""
+    LayerNorm eps (``norm_epsilon``); GPT-NeoX's and its ``use_parallel_residual``; Phi's."""
     if arch == "gpt_neox":
         if not raw.get("attention_bias", True):
             raise UnsupportedModelError("attention_bias false on GPT-NeoX (q/k/v and o without biases) is not supported")
         return {"rms_norm_eps": float(raw.get("layer_norm_eps", 1e-5)),
                 "parallel_residual": bool(raw.get("use_parallel_residual", True))}
+    if arch == "phi":
+        if raw.get("qk_layernorm"):
+            raise UnsupportedModelError("qk_layernorm (a LayerNorm on q and k) on Phi is not supported")
+        return {"rms_norm_eps": float(raw.get("layer_norm_eps", 1e-5))}
     if arch == "starcoder2":
         if not raw.get("use_bias", True):
             raise UnsupportedModelError("use_bias false on StarCoder2 (projections without biases) is not supported")

@@ -33,6 +33,7 @@ from engine.models.modernbert import ModernBertModel
 from engine.models.olmo import OlmoModel
 from engine.models.olmoe import OlmoeModel
 from engine.models.opt import OPTModel
+from engine.models.phi import PhiModel
 from engine.models.qwen_vl import QwenVLModel
 from engine.models.starcoder2 import Starcoder2Model
 from engine.models.vision_config import Gemma3VisionConfig
@@ -65,6 +66,7 @@ MODEL_CLASSES: dict[str, type] = {
     "glm4": Glm4Model,
     "starcoder2": Starcoder2Model,
     "gpt_neox": GPTNeoXModel,
+    "phi": PhiModel,
     "cohere": CohereModel,
     "cohere2": CohereModel,
     "deepseek_v3": DeepseekModel,
