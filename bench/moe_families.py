@@ -30,7 +30,7 @@ at reduced shapes that keep what sets each family apart (``SHAPES``):
   attention with a sliding window. Unfused.
 * GPT-NeoX (dense): Pythia's layer (two LayerNorms, blocks side by side, a quarter of each
   head rotated, 16 heads of 64, a 4096 GELU MLP). Unfused.
-* Phi-2 (dense): its layer (one LayerNorm, blocks side by side, 0.4 of each head rotated,
+* Phi-2 (dense): its layer (one LayerNorm, blocks side by side, half of each 64-wide head rotated,
   biases, a biased head) at the same shape as GPT-NeoX. Unfused.
 * Cohere2 (dense): attention and the MLP side by side on one LayerNorm, sliding layers
   (128) and every fourth global without RoPE; the same shape as GLM-4. Unfused.
@@ -89,7 +89,7 @@ SHAPES = {
     "gpt_neox": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, intermediate_size=4096,
                      max_position_embeddings=4096, vocab_size=384, bos_token_id=1, eos_token_id=2, pad_token_id=0),
     "phi": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, intermediate_size=4096,
-                partial_rotary_factor=0.4, max_position_embeddings=4096, vocab_size=384, bos_token_id=1,
+                partial_rotary_factor=0.5, max_position_embeddings=4096, vocab_size=384, bos_token_id=1,
                 eos_token_id=2, pad_token_id=0),
     "glm4_moe": ATTENTION | dict(
         intermediate_size=2816, moe_intermediate_size=256, n_routed_experts=64, num_experts_per_tok=8,
