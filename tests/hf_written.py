@@ -55,6 +55,21 @@ def assert_greedy_matches(hf: Any, folder: Path, ops: str, *, fused: bool, promp
     return loaded
 
 
+def assert_chunked_greedy_matches(hf: Any, folder: Path, ops: str, *, prompts: int = 2, chunk_size: int = 5) -> None:
+    """The first ``prompts`` test prompts prefilled in chunks of ``chunk_size`` through the
+    engine's runner on ``ops`` give transformers' greedy tokens and their logprobs (3 tokens
+    on the Triton interpreter, which is slow)."""
+    loaded = load_model(folder, dtype="float32")
+    chosen = _prompts(loaded.config.vocab_size)[:prompts]
+    new = 3 if ops == "triton" else NEW_TOKENS
+    runs = run_greedy(_runner(loaded, 4, ops), chosen, new, chunk_size=chunk_size, block_size=4)
+    for run, prompt in zip(runs, chosen, strict=True):
+        want_tokens, want_logprobs = _hf_greedy(hf, prompt, new)
+        assert [s.token_id for s in run] == want_tokens
+        got = torch.tensor([s.logprob for s in run], dtype=torch.float64)
+        torch.testing.assert_close(got, torch.tensor(want_logprobs, dtype=torch.float64), atol=LOGPROB_ATOL, rtol=0)
+
+
 # 8 experts in 4 groups, 2 groups kept, 3 routed a token, scaled by 2.5; one dense layer first.
 TINY_GLM = dict(vocab_size=384, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                 num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

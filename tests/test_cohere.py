@@ -11,14 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from greedy_driver import run_greedy
-from hf_written import assert_greedy_matches, write_hf_model
-from test_parity import LOGPROB_ATOL, NEW_TOKENS, _hf_greedy, _prompts, _runner
+from hf_written import assert_chunked_greedy_matches, assert_greedy_matches, write_hf_model
 from transformers import Cohere2Config, Cohere2ForCausalLM, CohereConfig, CohereForCausalLM
 
 from engine.errors import UnsupportedModelError
 from engine.models.config import ModelConfig
-from engine.models.loader import load_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,15 +49,7 @@ def test_cohere_greedy_tokens_and_logprobs_match_transformers(tmp_path, ops: str
 @pytest.mark.parametrize("ops", ["cpu", pytest.param("triton", marks=pytest.mark.kernels)])
 def test_cohere2_in_prompt_chunks_past_the_window_matches_transformers(tmp_path, ops: str) -> None:
     hf = write_cohere(tmp_path / "cohere2")
-    loaded = load_model(tmp_path / "cohere2", dtype="float32")
-    prompts = _prompts(loaded.config.vocab_size)[:2]
-    new = NEW_TOKENS if ops == "cpu" else 3  # the Triton interpreter is slow
-    runs = run_greedy(_runner(loaded, 4, ops), prompts, new, chunk_size=5, block_size=4)
-    for run, prompt in zip(runs, prompts, strict=True):
-        want_tokens, want_logprobs = _hf_greedy(hf, prompt, new)
-        assert [s.token_id for s in run] == want_tokens
-        got = torch.tensor([s.logprob for s in run], dtype=torch.float64)
-        torch.testing.assert_close(got, torch.tensor(want_logprobs, dtype=torch.float64), atol=LOGPROB_ATOL, rtol=0)
+    assert_chunked_greedy_matches(hf, tmp_path / "cohere2", ops)
 
 
 def test_what_the_layer_leaves_out_is_refused_by_name() -> None:

@@ -12,13 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from greedy_driver import run_greedy
-from hf_written import assert_greedy_matches, write_hf_model
-from test_parity import LOGPROB_ATOL, NEW_TOKENS, _hf_greedy, _prompts, _runner
+from hf_written import assert_chunked_greedy_matches, assert_greedy_matches, write_hf_model
 from transformers import Glm4Config, Glm4ForCausalLM
 
 from engine.models.config import ModelConfig
-from engine.models.loader import load_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -51,15 +48,7 @@ def test_glm4_greedy_tokens_and_logprobs_match_transformers(tmp_path, ops: str, 
 @pytest.mark.parametrize("ops", ["cpu", pytest.param("triton", marks=pytest.mark.kernels)])
 def test_glm4_in_prompt_chunks_matches_transformers(tmp_path, ops: str) -> None:
     hf = write_glm4(tmp_path / "glm4")
-    loaded = load_model(tmp_path / "glm4", dtype="float32")
-    prompts = _prompts(loaded.config.vocab_size)[:2]
-    new = NEW_TOKENS if ops == "cpu" else 3  # the Triton interpreter is slow
-    runs = run_greedy(_runner(loaded, 4, ops), prompts, new, chunk_size=5, block_size=4)
-    for run, prompt in zip(runs, prompts, strict=True):
-        want_tokens, want_logprobs = _hf_greedy(hf, prompt, new)
-        assert [s.token_id for s in run] == want_tokens
-        got = torch.tensor([s.logprob for s in run], dtype=torch.float64)
-        torch.testing.assert_close(got, torch.tensor(want_logprobs, dtype=torch.float64), atol=LOGPROB_ATOL, rtol=0)
+    assert_chunked_greedy_matches(hf, tmp_path / "glm4", ops)
 
 
 def test_the_config_reads_half_of_each_head_rotated() -> None:

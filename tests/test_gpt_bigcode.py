@@ -11,12 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from greedy_driver import run_greedy
-from hf_written import assert_greedy_matches, write_hf_model
-from test_parity import LOGPROB_ATOL, NEW_TOKENS, _hf_greedy, _prompts, _runner
+from hf_written import assert_chunked_greedy_matches, assert_greedy_matches, write_hf_model
 from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
-
-from engine.models.loader import load_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -48,11 +44,4 @@ def test_gpt_bigcode_greedy_tokens_and_logprobs_match_transformers(tmp_path, ops
 
 def test_gpt_bigcode_in_prompt_chunks_matches_transformers(tmp_path) -> None:
     hf = write_bigcode(tmp_path / "bigcode")
-    loaded = load_model(tmp_path / "bigcode", dtype="float32")
-    prompts = _prompts(loaded.config.vocab_size)[:2]
-    runs = run_greedy(_runner(loaded, 4, "cpu"), prompts, NEW_TOKENS, chunk_size=5, block_size=4)
-    for run, prompt in zip(runs, prompts, strict=True):
-        want_tokens, want_logprobs = _hf_greedy(hf, prompt, NEW_TOKENS)
-        assert [s.token_id for s in run] == want_tokens
-        got = torch.tensor([s.logprob for s in run], dtype=torch.float64)
-        torch.testing.assert_close(got, torch.tensor(want_logprobs, dtype=torch.float64), atol=LOGPROB_ATOL, rtol=0)
+    assert_chunked_greedy_matches(hf, tmp_path / "bigcode", "cpu")

@@ -11,14 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from greedy_driver import run_greedy
-from hf_written import assert_greedy_matches, write_hf_model
-from test_parity import LOGPROB_ATOL, NEW_TOKENS, _hf_greedy, _prompts, _runner
+from hf_written import assert_chunked_greedy_matches, assert_greedy_matches, write_hf_model
 from transformers import PhiConfig, PhiForCausalLM
 
 from engine.errors import UnsupportedModelError
 from engine.models.config import ModelConfig
-from engine.models.loader import load_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -50,15 +47,7 @@ def test_phi_greedy_tokens_and_logprobs_match_transformers(tmp_path, ops: str) -
 @pytest.mark.parametrize("ops", ["cpu", pytest.param("triton", marks=pytest.mark.kernels)])
 def test_phi_in_prompt_chunks_matches_transformers(tmp_path, ops: str) -> None:
     hf = write_phi(tmp_path / "phi")
-    loaded = load_model(tmp_path / "phi", dtype="float32")
-    prompts = _prompts(loaded.config.vocab_size)[:2]
-    new = NEW_TOKENS if ops == "cpu" else 3  # the Triton interpreter is slow
-    runs = run_greedy(_runner(loaded, 4, ops), prompts, new, chunk_size=5, block_size=4)
-    for run, prompt in zip(runs, prompts, strict=True):
-        want_tokens, want_logprobs = _hf_greedy(hf, prompt, new)
-        assert [s.token_id for s in run] == want_tokens
-        got = torch.tensor([s.logprob for s in run], dtype=torch.float64)
-        torch.testing.assert_close(got, torch.tensor(want_logprobs, dtype=torch.float64), atol=LOGPROB_ATOL, rtol=0)
+    assert_chunked_greedy_matches(hf, tmp_path / "phi", ops)
 
 
 def test_qk_layernorm_is_refused_by_name() -> None:

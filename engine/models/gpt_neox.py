@@ -26,14 +26,16 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from engine.models.config import ModelConfig
-from engine.models.layers.absolute import AbsoluteLayer, HeadsRegrouped
-from engine.models.layers.decoder import Decoder
-from engine.models.layers.linear import make_linear
-from engine.models.layers.shard import ShardedWeights, qkv_spans
-from engine.ops import AttentionMetadata, Ops
+from engine.models.layers.absolute import (
+    AbsoluteLayer,
+    HeadsRegrouped,
+    RotaryLayerNormDecoder,
+    biased_layer,
+)
+from engine.models.layers.shard import ShardedWeights
+from engine.ops import Ops
 from engine.parallel import SINGLE, TensorParallel
 
 _LAYER_TENSORS = ("input_layernorm", "post_attention_layernorm", "attention.query_key_value", "attention.dense",
@@ -58,7 +60,7 @@ class _Ends(Mapping):
         return len(self._weights)
 
 
-class GPTNeoXModel(Decoder):
+class GPTNeoXModel(RotaryLayerNormDecoder):
     """GPT-NeoX's decoder stack plus LM head over Hugging Face weights."""
 
     @classmethod
@@ -87,58 +89,12 @@ class GPTNeoXModel(Decoder):
         self._build_ends(get, weights, lambda: (get("gpt_neox.final_layer_norm.weight"),
                                                  get("gpt_neox.final_layer_norm.bias")))
         self.layers = [self._layer(get, i) for i in tp.stage.layer_range(config.num_hidden_layers)]
-        self.act = (lambda x: F.gelu(x, approximate="tanh")) if config.activation == "gelu_tanh" else F.gelu
+        self.parallel = config.parallel_residual
 
     def _layer(self, get: ShardedWeights, i: int) -> AbsoluteLayer:  # type: ignore[override]
-        p = f"gpt_neox.layers.{i}."
-        sizes, spans = qkv_spans(self.config, self.tp)
-        qkv = p + "attention.query_key_value"
-        return AbsoluteLayer(
-            input_norm=get(p + "input_layernorm.weight"),
-            input_norm_bias=get(p + "input_layernorm.bias"),
-            post_norm=get(p + "post_attention_layernorm.weight"),
-            post_norm_bias=get(p + "post_attention_layernorm.bias"),
-            qkv=make_linear([get.rows(qkv + ".weight", sizes, spans)], get.rows(qkv + ".bias", sizes, spans)),
-            o_proj=get.row_parallel(p + "attention.dense.weight"),
-            o_bias=get(p + "attention.dense.bias"),
-            q_norm=None,
-            k_norm=None,
-            gate_up=make_linear([get.rows(p + "mlp.dense_h_to_4h.weight")], get.rows(p + "mlp.dense_h_to_4h.bias")),
-            down=get.row_parallel(p + "mlp.dense_4h_to_h.weight"),
-            down_bias=get(p + "mlp.dense_4h_to_h.bias"),
-            window=0,
-            rope=self.cos_sin_cache,
-        )
-
-    def _ln(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, (x.shape[-1],), weight, bias, self.eps)
-
-    def plan_fused_step(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """None: the fused CPU step computes the RMSNorm/gated-MLP layer, not this one."""
-        return None
-
-    @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm; writes this step's K/V."""
-        parallel = self.config.parallel_residual
-
-        def block(layer: AbsoluteLayer, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-            x = self._ln(hidden, layer.input_norm, layer.input_norm_bias)
-            attn = self._attention(layer, x, positions, meta, k_cache, v_cache) + layer.o_bias
-            if not parallel:
-                hidden = attn + hidden
-            x = self._ln(hidden, layer.post_norm, layer.post_norm_bias)
-            mlp = layer.down(self.act(layer.gate_up(x))) + layer.down_bias
-            return mlp + attn + hidden if parallel else mlp + hidden
-
-        return self._run_stream(input_ids, positions, kv_caches, block,  # type: ignore[return-value]
-                                lambda h: self._ln(h, *self.norm))
+        return biased_layer(get, self.config, self.tp, f"gpt_neox.layers.{i}.",
+                            norms=("input_layernorm", "post_attention_layernorm"), qkv=("attention.query_key_value",),
+                            o="attention.dense", fc1="mlp.dense_h_to_4h", fc2="mlp.dense_4h_to_h", rope=self.cos_sin_cache)
 
 
 __all__ = ["GPTNeoXModel"]

@@ -18,22 +18,22 @@ files serve it.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from engine.models.config import ModelConfig
-from engine.models.layers.absolute import AbsoluteLayer
-from engine.models.layers.decoder import Decoder
+from engine.models.layers.absolute import AbsoluteLayer, RotaryLayerNormDecoder, biased_layer
 from engine.models.layers.linear import make_linear
-from engine.models.layers.shard import ShardedWeights, qkv_spans
-from engine.ops import AttentionMetadata, Ops
+from engine.models.layers.shard import ShardedWeights
+from engine.ops import Ops
 from engine.parallel import SINGLE, TensorParallel
 
 _LAYER_TENSORS = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.dense",
                   "mlp.fc1", "mlp.fc2")
 
 
-class PhiModel(Decoder):
+class PhiModel(RotaryLayerNormDecoder):
     """Phi-2's decoder stack plus its biased LM head over Hugging Face weights."""
+
+    parallel = True
 
     @classmethod
     def weight_names(cls, config: ModelConfig) -> list[str]:
@@ -62,56 +62,11 @@ class PhiModel(Decoder):
             head = self.embed if tied else get.rows("lm_head.weight")
             self.lm_head = make_linear([head], get.rows("lm_head.bias"))
         self.layers = [self._layer(get, i) for i in tp.stage.layer_range(config.num_hidden_layers)]
-        self.act = (lambda x: F.gelu(x, approximate="tanh")) if config.activation == "gelu_tanh" else F.gelu
 
     def _layer(self, get: ShardedWeights, i: int) -> AbsoluteLayer:  # type: ignore[override]
-        p = f"model.layers.{i}."
-        _, spans = qkv_spans(self.config, self.tp)
-        attn = [(p + f"self_attn.{n}_proj", span) for n, span in zip("qkv", spans, strict=True)]
-        norm, norm_bias = get(p + "input_layernorm.weight"), get(p + "input_layernorm.bias")
-        return AbsoluteLayer(
-            input_norm=norm,
-            input_norm_bias=norm_bias,
-            post_norm=norm,  # one norm a layer, read by both blocks
-            post_norm_bias=norm_bias,
-            qkv=make_linear([get.rows(n + ".weight", spans=[s]) for n, s in attn],
-                            torch.cat([get.rows(n + ".bias", spans=[s]) for n, s in attn])),
-            o_proj=get.row_parallel(p + "self_attn.dense.weight"),
-            o_bias=get(p + "self_attn.dense.bias"),
-            q_norm=None,
-            k_norm=None,
-            gate_up=make_linear([get.rows(p + "mlp.fc1.weight")], get.rows(p + "mlp.fc1.bias")),
-            down=get.row_parallel(p + "mlp.fc2.weight"),
-            down_bias=get(p + "mlp.fc2.bias"),
-            window=0,
-            rope=self.cos_sin_cache,
-        )
-
-    def _ln(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, (x.shape[-1],), weight, bias, self.eps)
-
-    def plan_fused_step(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """None: the fused CPU step computes the RMSNorm/gated-MLP layer, not this one."""
-        return None
-
-    @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm; writes this step's K/V."""
-
-        def block(layer: AbsoluteLayer, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-            x = self._ln(hidden, layer.input_norm, layer.input_norm_bias)
-            attn = self._attention(layer, x, positions, meta, k_cache, v_cache) + layer.o_bias
-            mlp = layer.down(self.act(layer.gate_up(x))) + layer.down_bias
-            return attn + mlp + hidden
-
-        return self._run_stream(input_ids, positions, kv_caches, block,  # type: ignore[return-value]
-                                lambda h: self._ln(h, *self.norm))
+        return biased_layer(get, self.config, self.tp, f"model.layers.{i}.", norms=("input_layernorm",) * 2,
+                            qkv=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), o="self_attn.dense",
+                            fc1="mlp.fc1", fc2="mlp.fc2", rope=self.cos_sin_cache)
 
 
 __all__ = ["PhiModel"]

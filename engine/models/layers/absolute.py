@@ -139,6 +139,81 @@ class AbsoluteLayer(DecoderLayer):
     down_bias: torch.Tensor
 
 
+def biased_layer(get: ShardedWeights, config: ModelConfig, tp: TensorParallel, p: str, *,
+                 norms: tuple[str, str], qkv: tuple[str, ...], o: str, fc1: str, fc2: str, window: int = 0,
+                 rope: torch.Tensor | None = None) -> AbsoluteLayer:
+    """Layer ``p``'s LayerNorms (before attention, before the MLP: the same name twice for
+    one norm read by both) and biased projections under the names given (relative to
+    ``p``; without ``.weight`` / ``.bias``): q/k/v as one fused projection (each part cut
+    to this rank's heads) or three, o and fc2 row-parallel with their biases kept apart
+    (added once, after the all-reduce)."""
+    sizes, spans = qkv_spans(config, tp)
+    if len(qkv) == 1:  # fused q/k/v: each part cut to this rank's heads, fused again
+        fused = p + qkv[0]
+        attn = make_linear([get.rows(fused + ".weight", sizes, spans)], get.rows(fused + ".bias", sizes, spans))
+    else:
+        parts = list(zip(qkv, spans, strict=True))
+        attn = make_linear([get.rows(p + n + ".weight", spans=[s]) for n, s in parts],
+                           torch.cat([get.rows(p + n + ".bias", spans=[s]) for n, s in parts]))
+    (w1, b1), (w2, b2) = ((get(p + n + ".weight"), get(p + n + ".bias")) for n in norms)
+    if norms[0] == norms[1]:
+        w2, b2 = w1, b1  # one norm: the same tensors, so a block can tell
+    return AbsoluteLayer(
+        input_norm=w1, input_norm_bias=b1, post_norm=w2, post_norm_bias=b2, qkv=attn,
+        o_proj=get.row_parallel(p + o + ".weight"), o_bias=get(p + o + ".bias"), q_norm=None, k_norm=None,
+        gate_up=make_linear([get.rows(p + fc1 + ".weight")], get.rows(p + fc1 + ".bias")),
+        down=get.row_parallel(p + fc2 + ".weight"), down_bias=get(p + fc2 + ".bias"), window=window, rope=rope,
+    )
+
+
+class RotaryLayerNormDecoder(Decoder):
+    """The RoPE families on GPT-2's layer (:class:`AbsoluteLayer`: LayerNorms with biases,
+    biased projections, a plain GELU MLP, exact or tanh as ``config.activation`` says):
+    StarCoder2, GPT-NeoX, Phi. A family builds its layers (:func:`biased_layer`) and sets
+    ``parallel`` (attention and the MLP side by side: ``attn(ln1(x)) + mlp(ln2(x)) + x``,
+    else one after the other); the step is this class's. The fused CPU step does not run
+    it."""
+
+    parallel: bool = False
+
+    def act(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x, approximate="tanh" if self.config.activation == "gelu_tanh" else "none")
+
+    def _ln(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, self.eps)
+
+    def plan_fused_step(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """None: the fused CPU step computes the RMSNorm/gated-MLP layer, not this one."""
+        return None
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm (``self.norm``: weight, bias);
+        writes this step's K/V."""
+
+        def mlp(layer: AbsoluteLayer, x: torch.Tensor) -> torch.Tensor:
+            return layer.down(self.act(layer.gate_up(x))) + layer.down_bias  # down: row-parallel, whole
+
+        def block(layer: AbsoluteLayer, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+            x = self._ln(hidden, layer.input_norm, layer.input_norm_bias)
+            attn = self._attention(layer, x, positions, meta, k_cache, v_cache) + layer.o_bias
+            if not self.parallel:
+                hidden = hidden + attn
+                return hidden + mlp(layer, self._ln(hidden, layer.post_norm, layer.post_norm_bias))
+            if layer.post_norm is not layer.input_norm:  # GPT-NeoX's second norm; Phi's one serves both
+                x = self._ln(hidden, layer.post_norm, layer.post_norm_bias)
+            return attn + mlp(layer, x) + hidden
+
+        return self._run_stream(input_ids, positions, kv_caches, block,  # type: ignore[return-value]
+                                lambda h: self._ln(h, *self.norm))
+
+
 class AbsoluteDecoder(Decoder):
     """GPT-2 / OPT over the tensors :attr:`NAMES` names (see the module docstring)."""
 
@@ -193,31 +268,8 @@ class AbsoluteDecoder(Decoder):
 
     def _layer(self, get: ShardedWeights, i: int) -> AbsoluteLayer:  # type: ignore[override]
         names = self.NAMES
-        p = names.layer.format(i=i)
-        sizes, spans = qkv_spans(self.config, self.tp)
-        if len(names.qkv) == 1:  # fused q/k/v: each part cut to this rank's heads, fused again
-            fused = p + names.qkv[0]
-            qkv = make_linear([get.rows(fused + ".weight", sizes, spans)], get.rows(fused + ".bias", sizes, spans))
-        else:
-            parts = list(zip(names.qkv, spans, strict=True))
-            qkv = make_linear([get.rows(p + n + ".weight", spans=[s]) for n, s in parts],
-                              torch.cat([get.rows(p + n + ".bias", spans=[s]) for n, s in parts]))
-        return AbsoluteLayer(
-            input_norm=get(p + names.attn_norm + ".weight"),
-            input_norm_bias=get(p + names.attn_norm + ".bias"),
-            post_norm=get(p + names.mlp_norm + ".weight"),
-            post_norm_bias=get(p + names.mlp_norm + ".bias"),
-            qkv=qkv,
-            o_proj=get.row_parallel(p + names.o + ".weight"),
-            o_bias=get(p + names.o + ".bias"),
-            q_norm=None,
-            k_norm=None,
-            gate_up=make_linear([get.rows(p + names.fc1 + ".weight")], get.rows(p + names.fc1 + ".bias")),
-            down=get.row_parallel(p + names.fc2 + ".weight"),
-            down_bias=get(p + names.fc2 + ".bias"),
-            window=0,
-            rope=None,
-        )
+        return biased_layer(get, self.config, self.tp, names.layer.format(i=i), norms=(names.attn_norm, names.mlp_norm),
+                            qkv=names.qkv, o=names.o, fc1=names.fc1, fc2=names.fc2)
 
     def _ln(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, (x.shape[-1],), weight, bias, self.eps)
@@ -270,5 +322,5 @@ class AbsoluteDecoder(Decoder):
         return None
 
 
-__all__ = ["AbsoluteDecoder", "AbsoluteLayer", "AbsoluteNames", "HeadsRegrouped", "absolute_weight_names",
-           "transposed"]
+__all__ = ["AbsoluteDecoder", "AbsoluteLayer", "AbsoluteNames", "HeadsRegrouped", "RotaryLayerNormDecoder",
+           "absolute_weight_names", "biased_layer", "transposed"]
