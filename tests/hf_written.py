@@ -16,18 +16,23 @@ from engine.models.loader import load_model
 from engine.models.testing import write_tiny_model
 
 
-def write_hf_model(hf: Any, folder: Path, *, norms: bool = False) -> Any:
+def write_hf_model(hf: Any, folder: Path, *, norms: bool = False, biases: float = 0.0) -> Any:
     """``hf`` with wider weights than transformers' 0.02 (so greedy tokens vary; with
-    ``norms``, norm weights drawn around 1 so a skipped one shows), saved into ``folder``
-    with the tiny models' tokenizer; returns the model, in eval mode and never stopping
-    at an EOS (as the runner generates every token)."""
+    ``norms``, norm weights drawn around 1 so a skipped one shows; with ``biases``, every
+    bias (the LayerNorms' too) drawn at that std from a generator of its own, so a
+    misplaced one shows), saved into ``folder`` with the tiny models' tokenizer; returns the model, in
+    eval mode and never stopping at an EOS (as the runner generates every token)."""
     torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.3)
             elif norms and "norm" in name:
                 p.normal_(1.0, 0.1)
+        for name, p in hf.named_parameters():
+            if biases and name.endswith(".bias"):  # LayerNorms' too
+                p.copy_(torch.randn(p.shape, generator=g) * biases)
     hf.save_pretrained(folder)
     tokenizer_folder = write_tiny_model(folder.parent / f"{folder.name}-tokenizer", "llama")
     for name in ("tokenizer.json", "tokenizer_config.json"):

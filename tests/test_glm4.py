@@ -28,13 +28,7 @@ def write_glm4(folder: Path, **extra) -> Glm4ForCausalLM:
     """A tiny GLM-4 written into ``folder``, its q/k/v biases drawn."""
     torch.manual_seed(0)
     hf = Glm4ForCausalLM(Glm4Config(**(TINY_GLM4 | extra)))
-    hf = write_hf_model(hf, folder, norms=True)
-    with torch.no_grad():
-        for layer in hf.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0.0, 0.5)
-    hf.save_pretrained(folder)
-    return hf
+    return write_hf_model(hf, folder, norms=True, biases=0.5)
 
 
 @pytest.mark.parametrize("ops", ["torch", "cpu"])

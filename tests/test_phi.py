@@ -27,14 +27,7 @@ TINY_PHI = dict(vocab_size=384, hidden_size=80, intermediate_size=128, num_hidde
 
 def write_phi(folder: Path, **extra) -> PhiForCausalLM:
     torch.manual_seed(0)
-    hf = write_hf_model(PhiForCausalLM(PhiConfig(**(TINY_PHI | extra))), folder, norms=True)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith(".bias"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    hf.save_pretrained(folder)
-    return hf
+    return write_hf_model(PhiForCausalLM(PhiConfig(**(TINY_PHI | extra))), folder, norms=True, biases=0.3)
 
 
 @pytest.mark.parametrize("ops", ["torch", "cpu"])

@@ -26,13 +26,7 @@ TINY_STARCODER2 = dict(vocab_size=384, hidden_size=64, intermediate_size=128, nu
 
 def write_starcoder2(folder: Path, **extra) -> Starcoder2ForCausalLM:
     torch.manual_seed(0)
-    hf = write_hf_model(Starcoder2ForCausalLM(Starcoder2Config(**(TINY_STARCODER2 | extra))), folder, norms=True)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith(".bias"):
-                p.normal_(0.0, 0.3)
-    hf.save_pretrained(folder)
-    return hf
+    return write_hf_model(Starcoder2ForCausalLM(Starcoder2Config(**(TINY_STARCODER2 | extra))), folder, norms=True, biases=0.3)
 
 
 @pytest.mark.parametrize("ops", ["torch", "cpu"])
