@@ -20,11 +20,18 @@ import openai
 import pytest
 import torch
 from engine_helpers import wait_idle
+from hf_written import write_deepseek_v3
 from http_server import ServerThread
+from test_cohere import write_cohere
+from test_glm4 import write_glm4
+from test_gpt_neox import write_neox
+from test_phi import write_phi
+from test_starcoder2 import write_starcoder2
 
 import engine
 from engine import InvalidParamError, SamplingParams
 from engine.models.testing import write_tiny_model
+from engine.models.testing_gpt_oss import write_gpt_oss
 
 NEW_TOKENS = 8
 
@@ -155,6 +162,29 @@ async def test_prompt_embeds_with_gpt2_and_through_an_engine_core_process(
                                   engine_core="process") as eng:
         got = await _tokens(eng, rows)
     assert got == _hf_greedy(llama, rows)
+
+
+def _write_stream_family(folder: Path, family: str) -> None:
+    """A tiny model of a family whose step is the decoder's hidden-states stream
+    (``Decoder._run_stream``), written by transformers' own classes."""
+    writers = {"olmo2": lambda f: write_tiny_model(f, "olmo2"), "gpt_oss": lambda f: write_gpt_oss(f, spread=0.2),
+               "deepseek_v3": write_deepseek_v3, "glm4": write_glm4, "cohere2": write_cohere,
+               "starcoder2": write_starcoder2, "gpt_neox": write_neox, "phi": write_phi}
+    writers[family](folder)
+
+
+@pytest.mark.parametrize("family", ["olmo2", "gpt_oss", "deepseek_v3", "glm4", "cohere2", "starcoder2", "gpt_neox",
+                                    "phi"])
+async def test_prompt_embeds_on_every_hidden_stream_family(family: str, tmp_path: Path) -> None:
+    """The families whose step starts from the hidden states alone take the rows too
+    (a step with them skips the fused CPU step, as the Llama decoder's does)."""
+    folder = tmp_path / family
+    _write_stream_family(folder, family)
+    rows = _embeds(folder, 9, seed=6)
+    async with engine.open_engine(folder, dtype="float32", enable_prompt_embeds=True,
+                                  kv_cache_memory=2**22) as eng:
+        got = await _tokens(eng, rows)
+    assert got == _hf_greedy(folder, rows)
 
 
 def test_llm_generate_takes_prompt_embeds_dicts(llama: Path) -> None:

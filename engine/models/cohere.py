@@ -83,6 +83,7 @@ class CohereModel(Decoder):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; writes this step's K/V."""
         ops = self.ops
@@ -93,7 +94,7 @@ class CohereModel(Decoder):
             return hidden + attn + layer.down(ops.silu_and_mul(layer.gate_up(x)))
 
         return self._run_stream(input_ids, positions, kv_caches, block,  # type: ignore[return-value]
-                                lambda h: self._layer_norm(h, self.norm))
+                                lambda h: self._layer_norm(h, self.norm), mm_embeds=mm_embeds)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -193,6 +193,7 @@ class DeepseekModel(Decoder):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; writes this step's K/V."""
         ops, eps = self.ops, self.eps
@@ -206,7 +207,7 @@ class DeepseekModel(Decoder):
             return hidden + layer.down(ops.silu_and_mul(layer.gate_up(x)))
 
         return self._run_stream(input_ids, positions, kv_caches, block,  # type: ignore[return-value]
-                                lambda h: ops.rms_norm(h, self.norm, eps))
+                                lambda h: ops.rms_norm(h, self.norm, eps), mm_embeds=mm_embeds)
 
     def _latent_attention(self, layer: DeepseekLayer, x: torch.Tensor, positions: torch.Tensor,
                           meta: AttentionMetadata, k_cache: KVCache, v_cache: KVCache) -> torch.Tensor:

@@ -87,6 +87,7 @@ class Glm4Model(Decoder):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; writes this step's K/V."""
         ops, eps = self.ops, self.eps
@@ -98,7 +99,7 @@ class Glm4Model(Decoder):
             return hidden + ops.rms_norm(x, layer.mlp_out_norm, eps)
 
         return self._run_stream(input_ids, positions, kv_caches, block,  # type: ignore[return-value]
-                                lambda h: ops.rms_norm(h, self.norm, eps))
+                                lambda h: ops.rms_norm(h, self.norm, eps), mm_embeds=mm_embeds)
 
 
 __all__ = ["GLM4_LAYER_NORMS", "Glm4Layer", "Glm4Model"]

@@ -204,6 +204,7 @@ class GptOssModel(Decoder):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; writes this step's K/V."""
         ops = self.ops
@@ -214,7 +215,7 @@ class GptOssModel(Decoder):
             return hidden + layer.mlp(self._rms(hidden, layer.post_norm), ops, self.tp)
 
         return self._run_stream(input_ids, positions, kv_caches, block, lambda h: self._rms(h, self.norm),  # type: ignore[return-value]
-                                lambda h: self._run_fused(h, positions, meta, kv_caches))  # small CPU steps: one C call
+                                lambda h: self._run_fused(h, positions, meta, kv_caches), mm_embeds=mm_embeds)  # small CPU steps: one C call
 
     def _attend(self, layer: DecoderLayer, q: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

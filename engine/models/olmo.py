@@ -133,6 +133,7 @@ class OlmoModel(Decoder):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; writes this step's K/V."""
         ops = self.ops
@@ -144,7 +145,7 @@ class OlmoModel(Decoder):
             return hidden + self._rms(x, layer.post_ffn_norm)
 
         return self._run_stream(input_ids, positions, kv_caches, block, lambda h: self._rms(h, self.norm),  # type: ignore[return-value]
-                                lambda h: self._run_fused(h, positions, meta, kv_caches))  # small CPU steps: one C call
+                                lambda h: self._run_fused(h, positions, meta, kv_caches), mm_embeds=mm_embeds)  # small CPU steps: one C call
 
     def fused_description(self) -> FusedModel:
         return dataclasses.replace(super().fused_description(), gemma=True, qk_norm_full=True)

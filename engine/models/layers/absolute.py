@@ -193,6 +193,7 @@ class RotaryLayerNormDecoder(Decoder):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm (``self.norm``: weight, bias);
         writes this step's K/V."""
@@ -211,7 +212,7 @@ class RotaryLayerNormDecoder(Decoder):
             return attn + mlp(layer, x) + hidden
 
         return self._run_stream(input_ids, positions, kv_caches, block,  # type: ignore[return-value]
-                                lambda h: self._ln(h, *self.norm))
+                                lambda h: self._ln(h, *self.norm), mm_embeds=mm_embeds)
 
 
 class AbsoluteDecoder(Decoder):

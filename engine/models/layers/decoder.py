@@ -176,14 +176,20 @@ class Decoder:
         )
 
     def _hidden_stream_in(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                          scale: torch.Tensor | None = None) -> torch.Tensor:
+                          scale: torch.Tensor | None = None,
+                          mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Where a step of a family whose stream is the hidden states alone (Gemma, OLMo)
-        starts: the token embeddings (times ``scale``) on the first pipeline stage, the
-        previous stage's hidden states on a later one."""
+        starts: the token embeddings (times ``scale``; ``mm_embeds`` ``(rows, embeddings)``
+        in place of those rows, as :meth:`forward` takes them) on the first pipeline stage,
+        the previous stage's hidden states on a later one."""
         stage = self.tp.stage
         if stage.first:
             hidden = self._embed(input_ids)
-            return hidden if scale is None else hidden * scale
+            hidden = hidden if scale is None else hidden * scale
+            if mm_embeds is not None:
+                rows, values = mm_embeds
+                hidden = hidden.index_copy(0, rows, values.to(hidden.dtype))
+            return hidden
         (hidden,) = stage.recv(1, (positions.shape[-1], self.config.hidden_size), self.dtype, self.device)
         return hidden
 
@@ -191,15 +197,18 @@ class Decoder:
                     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                     block: Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
                     final: Callable[[torch.Tensor], torch.Tensor],
-                    fused: Callable[[torch.Tensor], torch.Tensor | None] | None = None) -> torch.Tensor | None:
+                    fused: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+                    mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
         """A step of a family whose stream is the hidden states alone (OLMo, gpt-oss,
-        DeepSeek): :meth:`_hidden_stream_in`, then ``fused(hidden)`` where it answers (the
-        fused CPU step; not over pipeline stages), else ``hidden = block(layer, hidden,
-        k_cache, v_cache)`` for each of this stage's layers, then ``final(hidden)`` on the
-        last stage; a stage before it sends its hidden states on and returns None."""
+        DeepSeek, GLM-4, Cohere, the LayerNorm families): :meth:`_hidden_stream_in` (with
+        ``mm_embeds``: prompt_embeds' rows), then ``fused(hidden)`` where it answers (the
+        fused CPU step; not over pipeline stages, nor with ``mm_embeds``, as
+        :meth:`forward`), else ``hidden = block(layer, hidden, k_cache, v_cache)`` for each
+        of this stage's layers, then ``final(hidden)`` on the last stage; a stage before
+        it sends its hidden states on and returns None."""
         stage = self.tp.stage
-        hidden = self._hidden_stream_in(input_ids, positions)
-        if fused is not None and not stage.enabled:
+        hidden = self._hidden_stream_in(input_ids, positions, mm_embeds=mm_embeds)
+        if fused is not None and not stage.enabled and mm_embeds is None:
             out = fused(hidden)
             if out is not None:
                 return out
