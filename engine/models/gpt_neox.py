@@ -25,8 +25,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import torch
-
 from engine.models.config import ModelConfig
 from engine.models.layers.absolute import (
     AbsoluteLayer,
@@ -35,8 +33,6 @@ from engine.models.layers.absolute import (
     biased_layer,
 )
 from engine.models.layers.shard import ShardedWeights
-from engine.ops import Ops
-from engine.parallel import SINGLE, TensorParallel
 
 _LAYER_TENSORS = ("input_layernorm", "post_attention_layernorm", "attention.query_key_value", "attention.dense",
                   "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
@@ -63,6 +59,16 @@ class _Ends(Mapping):
 class GPTNeoXModel(RotaryLayerNormDecoder):
     """GPT-NeoX's decoder stack plus LM head over Hugging Face weights."""
 
+    FINAL_NORM = "gpt_neox.final_layer_norm"
+
+    @property
+    def parallel(self) -> bool:  # type: ignore[override]
+        return self.config.parallel_residual
+
+    def _stored(self, weights: Mapping) -> Mapping:
+        return _Ends(HeadsRegrouped(weights, self.config.num_attention_heads,
+                                    (".attention.query_key_value.weight", ".attention.query_key_value.bias")))
+
     @classmethod
     def weight_names(cls, config: ModelConfig) -> list[str]:
         names = [_ENDS["model.embed_tokens.weight"]]
@@ -70,26 +76,6 @@ class GPTNeoXModel(RotaryLayerNormDecoder):
             names += [f"gpt_neox.layers.{i}.{t}.{kind}" for t in _LAYER_TENSORS for kind in ("weight", "bias")]
         names += ["gpt_neox.final_layer_norm.weight", "gpt_neox.final_layer_norm.bias"]
         return names if config.tie_word_embeddings else [*names, _ENDS["lm_head.weight"]]
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        weights: dict[str, torch.Tensor],
-        ops: Ops,
-        *,
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-        tp: TensorParallel = SINGLE,
-    ) -> None:
-        self._init_common(config, ops, dtype, device, tp, scale=config.head_dim**-0.5)
-        self._init_rope_tables()
-        weights = _Ends(HeadsRegrouped(weights, config.num_attention_heads,  # type: ignore[assignment]
-                                       (".attention.query_key_value.weight", ".attention.query_key_value.bias")))
-        get = ShardedWeights(weights, dtype, self.device, tp)
-        self._build_ends(get, weights, lambda: (get("gpt_neox.final_layer_norm.weight"),
-                                                 get("gpt_neox.final_layer_norm.bias")))
-        self.layers = [self._layer(get, i) for i in tp.stage.layer_range(config.num_hidden_layers)]
-        self.parallel = config.parallel_residual
 
     def _layer(self, get: ShardedWeights, i: int) -> AbsoluteLayer:  # type: ignore[override]
         return biased_layer(get, self.config, self.tp, f"gpt_neox.layers.{i}.",

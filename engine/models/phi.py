@@ -17,14 +17,12 @@ files serve it.
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
 from engine.models.config import ModelConfig
 from engine.models.layers.absolute import AbsoluteLayer, RotaryLayerNormDecoder, biased_layer
 from engine.models.layers.linear import make_linear
 from engine.models.layers.shard import ShardedWeights
-from engine.ops import Ops
-from engine.parallel import SINGLE, TensorParallel
 
 _LAYER_TENSORS = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.dense",
                   "mlp.fc1", "mlp.fc2")
@@ -34,6 +32,15 @@ class PhiModel(RotaryLayerNormDecoder):
     """Phi-2's decoder stack plus its biased LM head over Hugging Face weights."""
 
     parallel = True
+    FINAL_NORM = "model.final_layernorm"
+
+    def _build_ends(self, get: ShardedWeights, weights: Any, final_norm: Any) -> None:
+        super()._build_ends(get, weights, final_norm)
+        if self.tp.stage.last:  # the head carries a bias, cut with its vocabulary rows
+            tied = self.config.tie_word_embeddings or "lm_head.weight" not in weights
+            head = self.embed if tied else get.rows("lm_head.weight")
+            self.lm_head = make_linear([head], get.rows("lm_head.bias"))
+
 
     @classmethod
     def weight_names(cls, config: ModelConfig) -> list[str]:
@@ -42,26 +49,6 @@ class PhiModel(RotaryLayerNormDecoder):
             names += [f"model.layers.{i}.{t}.{kind}" for t in _LAYER_TENSORS for kind in ("weight", "bias")]
         names += ["model.final_layernorm.weight", "model.final_layernorm.bias", "lm_head.bias"]
         return names if config.tie_word_embeddings else [*names, "lm_head.weight"]
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        weights: dict[str, torch.Tensor],
-        ops: Ops,
-        *,
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-        tp: TensorParallel = SINGLE,
-    ) -> None:
-        self._init_common(config, ops, dtype, device, tp, scale=config.head_dim**-0.5)
-        self._init_rope_tables()
-        get = ShardedWeights(weights, dtype, self.device, tp)
-        self._build_ends(get, weights, lambda: (get("model.final_layernorm.weight"), get("model.final_layernorm.bias")))
-        if tp.stage.last:  # the head carries a bias, cut with its vocabulary rows
-            tied = config.tie_word_embeddings or "lm_head.weight" not in weights
-            head = self.embed if tied else get.rows("lm_head.weight")
-            self.lm_head = make_linear([head], get.rows("lm_head.bias"))
-        self.layers = [self._layer(get, i) for i in tp.stage.layer_range(config.num_hidden_layers)]
 
     def _layer(self, get: ShardedWeights, i: int) -> AbsoluteLayer:  # type: ignore[override]
         return biased_layer(get, self.config, self.tp, f"model.layers.{i}.", norms=("input_layernorm",) * 2,

@@ -19,13 +19,9 @@ run this layer, nor do LoRA adapters or GGUF files serve it.
 
 from __future__ import annotations
 
-import torch
-
 from engine.models.config import ModelConfig
 from engine.models.layers.absolute import AbsoluteLayer, RotaryLayerNormDecoder, biased_layer
 from engine.models.layers.shard import ShardedWeights
-from engine.ops import Ops
-from engine.parallel import SINGLE, TensorParallel
 
 _LAYER_TENSORS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
                   "self_attn.v_proj", "self_attn.o_proj", "mlp.c_fc", "mlp.c_proj")
@@ -41,22 +37,6 @@ class Starcoder2Model(RotaryLayerNormDecoder):
             names += [f"model.layers.{i}.{t}.{kind}" for t in _LAYER_TENSORS for kind in ("weight", "bias")]
         names += ["model.norm.weight", "model.norm.bias"]
         return names if config.tie_word_embeddings else [*names, "lm_head.weight"]
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        weights: dict[str, torch.Tensor],
-        ops: Ops,
-        *,
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-        tp: TensorParallel = SINGLE,
-    ) -> None:
-        self._init_common(config, ops, dtype, device, tp, scale=config.head_dim**-0.5)
-        self._init_rope_tables()
-        get = ShardedWeights(weights, dtype, self.device, tp)
-        self._build_ends(get, weights, lambda: (get("model.norm.weight"), get("model.norm.bias")))
-        self.layers = [self._layer(get, i) for i in tp.stage.layer_range(config.num_hidden_layers)]
 
     def _layer(self, get: ShardedWeights, i: int) -> AbsoluteLayer:  # type: ignore[override]
         return biased_layer(get, self.config, self.tp, f"model.layers.{i}.",

@@ -175,6 +175,28 @@ class RotaryLayerNormDecoder(Decoder):
     it."""
 
     parallel: bool = False
+    FINAL_NORM = "model.norm"  # the final LayerNorm's name (without .weight / .bias)
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Mapping,
+        ops: Ops,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        tp: TensorParallel = SINGLE,
+    ) -> None:
+        self._init_common(config, ops, dtype, device, tp, scale=config.head_dim**-0.5)
+        self._init_rope_tables()
+        weights = self._stored(weights)
+        get = ShardedWeights(weights, dtype, self.device, tp)
+        self._build_ends(get, weights, lambda: (get(self.FINAL_NORM + ".weight"), get(self.FINAL_NORM + ".bias")))
+        self.layers = [self._layer(get, i) for i in tp.stage.layer_range(config.num_hidden_layers)]
+
+    def _stored(self, weights: Mapping) -> Mapping:
+        """The checkpoint's tensors as the layers read them (a family may rename or regroup)."""
+        return weights
 
     def act(self, x: torch.Tensor) -> torch.Tensor:
         return F.gelu(x, approximate="tanh" if self.config.activation == "gelu_tanh" else "none")
