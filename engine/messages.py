@@ -118,6 +118,10 @@ class StepPlan:
     # every layer's KV cache after learning new_requests and before running the chunks
     # (a forked beam's own copy of its parent's partly filled last block).
     block_copies: tuple[tuple[int, int], ...] = ()
+    # Requests preempted since the last plan (recomputed from position 0 when planned
+    # again): the runner drops what it keeps of their computed positions beyond the KV
+    # blocks (a hybrid model's recurrent-state slot); their tokens stay.
+    preempted_ids: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -1,8 +1,8 @@
 """Granite 4's dense attention models (``GraniteMoeHybridForCausalLM`` with attention layers
 only and no experts: granite-4.0-micro): Granite's layer with its MLP stored as
 ``shared_mlp``, with RoPE or without (``position_embedding_type``). Built and written by
-transformers; greedy tokens and logprobs against transformers' on both op sets; the Mamba
-layers and experts of the hybrid models refused by name."""
+transformers; greedy tokens and logprobs against transformers' on both op sets; the experts
+of the MoE models refused by name (the Mamba layers: test_granite4_mamba.py)."""
 
 from __future__ import annotations
 
@@ -39,12 +39,8 @@ def test_granite4_dense_greedy_tokens_and_logprobs_match_transformers(tmp_path, 
     assert loaded.config.nope_layers == (() if rope == "rope" else (0, 1))
 
 
-@pytest.mark.parametrize(("extra", "match"), [
-    ({"layer_types": ["mamba", "attention"]}, "Mamba layers"),
-    ({"num_local_experts": 4}, "experts"),
-])
-def test_granite4_hybrid_and_moe_models_are_refused_by_name(extra: dict, match: str) -> None:
-    raw = _config(position_embedding_type="rope").to_dict() | extra
+def test_granite4_moe_models_are_refused_by_name() -> None:
+    raw = _config(position_embedding_type="rope").to_dict() | {"num_local_experts": 4}
     raw["architectures"] = ["GraniteMoeHybridForCausalLM"]
-    with pytest.raises(UnsupportedModelError, match=match):
+    with pytest.raises(UnsupportedModelError, match="experts"):
         ModelConfig.from_hf(raw)

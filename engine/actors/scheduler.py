@@ -239,7 +239,7 @@ class SchedulerActor:
         if len(self._in_flight) >= self._max_in_flight or not self._core.has_work:
             return False
         plan = await drive(self._core.schedule(), self._call)
-        if not (plan.chunks or plan.finished_ids):
+        if not (plan.chunks or plan.finished_ids or plan.preempted_ids):
             return False  # nothing to run until a step in flight returns
         if self._in_flight:
             self._planned_ahead += 1

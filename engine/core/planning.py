@@ -41,9 +41,9 @@ class StepDraft:
     epochs: dict[str, int] = dataclasses.field(default_factory=dict)
     block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
-    def plan(self, finished_ids: list[str]) -> StepPlan:
+    def plan(self, finished_ids: list[str], preempted_ids: list[str]) -> StepPlan:
         return StepPlan(self.step_id, tuple(self.new_requests), tuple(self.chunks),
-                        tuple(finished_ids), tuple(self.block_copies))
+                        tuple(finished_ids), tuple(self.block_copies), tuple(preempted_ids))
 
 
 def release_out_of_window(

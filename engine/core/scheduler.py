@@ -142,6 +142,7 @@ class Scheduler(BeamScheduling):
         self.config = config
         self._queue = RequestQueue(config.policy)
         self._finished_ids: list[str] = []  # for the next plan: runner state to drop
+        self._preempted_ids: list[str] = []  # for the next plan: recomputed from position 0
         self._in_flight: dict[int, dict[str, int]] = {}  # step id -> request id -> epoch
         self._next_step_id = 0
         self._step_cap = config.max_num_seqs  # this step's chunks at most (see _batch_cap)
@@ -231,7 +232,7 @@ class Scheduler(BeamScheduling):
     def has_work(self) -> bool:
         """Live requests, or finished ones the runner has not been told about yet. An empty
         plan while this is true means: wait for the step in flight."""
-        return bool(len(self._queue) or self._finished_ids)
+        return bool(len(self._queue) or self._finished_ids or self._preempted_ids)
 
     def statistics(self) -> SchedulerStats:
         return SchedulerStats(
@@ -264,8 +265,9 @@ class Scheduler(BeamScheduling):
             yield from self._schedule_waiting(step)
         if step.chunks:
             self._in_flight[step.step_id] = step.epochs
-        plan = step.plan(self._finished_ids)
+        plan = step.plan(self._finished_ids, self._preempted_ids)
         self._finished_ids.clear()
+        self._preempted_ids.clear()
         self._scheduled_tokens += self.config.max_num_batched_tokens - step.budget
         return plan
 
@@ -441,6 +443,8 @@ class Scheduler(BeamScheduling):
         req.num_released_blocks = 0
         req.num_preemptions += 1  # chunks planned before this now write to freed blocks
         self._preemptions += 1
+        if req.seen_by_runner:
+            self._preempted_ids.append(req.sample_id)
         self._queue.requeue(req)
         yield FreeRequest(req.sample_id)
 

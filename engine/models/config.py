@@ -27,6 +27,7 @@ from engine.models.encoder_config import (
     encoder_fields,
     matryoshka,
 )
+from engine.models.mamba_config import MambaConfig, mamba_fields
 from engine.models.moe_config import MoeConfig
 from engine.models.vision_config import (
     QWEN_VL_ARCHITECTURES,
@@ -224,6 +225,8 @@ class ModelConfig:
     bidirectional: bool = False
     # DeepSeek-V3's multi-head latent attention (decoder_fields.MlaConfig); None elsewhere.
     mla: MlaConfig | None = None
+    # Granite 4's Mamba-2 layers (mamba_config.MambaConfig); None: every layer attends.
+    mamba: MambaConfig | None = None
     # A vision-language model's vision tower (LLaVA, Qwen-VL, Gemma 3); None for a
     # text-only model.
     vision: VisionConfig | QwenVisionConfig | Gemma3VisionConfig | None = None
@@ -349,6 +352,7 @@ class ModelConfig:
                 matryoshka_dimensions=matryoshka(raw, hidden),
                 base_model=base,
                 mla=mla.get("mla"),
+                mamba=mamba_fields(raw, arch),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptModelError(f"config.json is missing or has a bad field: {exc}") from exc

@@ -112,15 +112,9 @@ def gpt_neox_raw(raw: dict[str, Any]) -> dict[str, Any]:
 
 def granite_hybrid_raw(raw: dict[str, Any]) -> dict[str, Any]:
     """A Granite 4 (``GraniteMoeHybridForCausalLM``) config.json as the decoder reads it: its
-    dense MLP's width (``shared_intermediate_size``) as ``intermediate_size``. Served when
-    every layer is attention and there are no experts (granite-4.0-micro); the Mamba layers
-    of the hybrid ("h") models and the experts are refused by name."""
-    types = raw.get("layer_types") or raw.get("layers_block_type") or ["mamba"]
-    # "attention" as released; transformers 5 writes "full_attention" (and a Mamba layer
-    # "mamba" / "linear_attention").
-    if any(t not in ("attention", "full_attention") for t in types):
-        raise UnsupportedModelError("GraniteMoeHybrid with Mamba layers (layer_types other than "
-                                    "attention) is not supported; its attention-only models are")
+    dense MLP's width (``shared_intermediate_size``) as ``intermediate_size``. Its Mamba
+    layers are read by engine.models.mamba_config; the experts of the MoE models (tiny,
+    small) are refused by name."""
     if int(raw.get("num_local_experts") or 0):
         raise UnsupportedModelError("GraniteMoeHybrid with experts (num_local_experts > 0) is not "
                                     "supported; its dense models are")

@@ -25,6 +25,7 @@ from engine.models.gpt2 import GPT2Model
 from engine.models.gpt_bigcode import GPTBigCodeModel
 from engine.models.gpt_neox import GPTNeoXModel
 from engine.models.gpt_oss import GptOssModel
+from engine.models.granite4 import GraniteHybridModel
 from engine.models.layers.decoder import Decoder
 from engine.models.layers.shard import check_tensor_parallel
 from engine.models.llama import LlamaModel
@@ -54,7 +55,7 @@ MODEL_CLASSES: dict[str, type] = {
     "ernie4_5_moe": ErnieModel,
     "granite": LlamaModel,
     "granite_moe": LlamaModel,
-    "granite_hybrid": LlamaModel,
+    "granite_hybrid": GraniteHybridModel,
     "olmo2": OlmoModel,
     "olmo3": OlmoModel,
     "exaone4": OlmoModel,

@@ -34,7 +34,13 @@ from engine.parallel import SINGLE, PipelineStage, stage_layers
 from engine.process.pipeline import PipelineRunner
 from engine.process.rank import RankLoad, build_rank_runner, load_rank
 from engine.process.workers import TensorParallelRunner, WorkerGroup
-from engine.runner.kv_cache import bytes_per_block, default_kv_budget, free_memory, num_kv_blocks
+from engine.runner.kv_cache import (
+    bytes_per_block,
+    default_kv_budget,
+    free_memory,
+    num_kv_blocks,
+    state_bytes,
+)
 from engine.structured import GrammarBackend
 
 logger = logging.getLogger("engine")
@@ -86,6 +92,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
 def _build_parts(config: EngineConfig, device: torch.device, load: RankLoad,
                  group: Any) -> EngineParts:
     loaded, tokenizer, pooler = load.loaded, load.tokenizer, load.pooler
+    if loaded.config.mamba is not None:
+        config = _recurrent_state_rules(config)
     t2 = time.perf_counter()
     tp = SINGLE
     if group is not None:
@@ -127,6 +135,7 @@ def _build_parts(config: EngineConfig, device: torch.device, load: RankLoad,
         eos_token_ids=load.eos_ids,
         max_logprobs=config.max_logprobs,
         special_token_ids=frozenset(tokenizer.skipped_special_ids),
+        beam_search=loaded.config.mamba is None,
     )
     names = config.served_model_names
     name = names[0] if names else _model_name(config.model, load.path)
@@ -157,6 +166,22 @@ def _refuse_unsplittable(model_config: Any, config: EngineConfig) -> None:
         # has until the step comes back: refused rather than planned a step behind.
         raise ConfigError("speculative decoding is not supported with pipeline_parallel_size "
                           "above 1", field="speculative_config")
+
+
+def _recurrent_state_rules(config: EngineConfig) -> EngineConfig:
+    """A model with Mamba layers keeps one recurrent state a request, advanced by every
+    token it computes: a cached prefix would skip the tokens the state needs (prefix
+    caching is turned off, as vLLM does for such models), and a speculative step's
+    rejected tokens could not be taken back out of it (refused)."""
+    if config.speculative is not None:
+        raise ConfigError("speculative decoding is not supported for models with Mamba layers: "
+                          "their recurrent state cannot take back rejected tokens",
+                          field="speculative_config")
+    if config.enable_prefix_caching:
+        logger.info("prefix caching off: this model's Mamba layers keep a recurrent state, not "
+                    "per-token KV blocks a prefix could share")
+        config = dataclasses.replace(config, enable_prefix_caching=False)
+    return config
 
 
 def _widest_stage(config: EngineConfig, loaded: Any, tp: Any) -> Any:
@@ -280,13 +305,14 @@ def build_front_parts(config: EngineConfig, hello: Any) -> EngineParts:
     grammar = None if pooler is not None else GrammarBackend(
         tokenizer, vocab_size=hello.vocab_size, stop_token_ids=eos_ids,
         backend=config.structured_outputs_backend)
-    limits = AdmissionLimits(max_model_len=hello.max_model_len, vocab_size=hello.vocab_size,
-                             max_queued_requests=config.max_queued_requests, eos_token_ids=eos_ids,
-                             special_token_ids=frozenset(tokenizer.skipped_special_ids))
     folder = Path(hello.tokenizer_folder)
     model_config = (_model_config(folder / "config.json", config.hf_overrides,
                                   config.limit_mm_per_prompt == 0)
                     if (folder / "config.json").is_file() else None)
+    limits = AdmissionLimits(max_model_len=hello.max_model_len, vocab_size=hello.vocab_size,
+                             max_queued_requests=config.max_queued_requests, eos_token_ids=eos_ids,
+                             special_token_ids=frozenset(tokenizer.skipped_special_ids),
+                             beam_search=model_config is None or model_config.mamba is None)
     images = image_preprocessor(config, model_config, folder, tokenizer) if model_config else None
     return EngineParts(config, hello.served_model_name, tokenizer, limits, None,
                        hello.num_blocks, grammar, pooler, tokenizer_folder=folder,
@@ -378,6 +404,7 @@ def _size_kv_pool(
                                         kv_cache_dtype=config.kv_cache_dtype) for m in (loaded, draft))
         total = int(free_memory(device) * budget) if isinstance(budget, float) else int(budget)
         budget = total * mine // (mine + theirs)
+    budget = _less_recurrent_states(config, loaded, device, budget, tp)
     if config.num_gpu_blocks_override is not None:
         # vLLM's override: the count as given, whatever the budget buys.
         blocks = config.num_gpu_blocks_override
@@ -395,6 +422,25 @@ def _size_kv_pool(
         )
     max_len = min(wanted or model_max, blocks * config.block_size)
     return dataclasses.replace(config, max_model_len=max_len), blocks
+
+
+def _less_recurrent_states(config: EngineConfig, loaded: Any, device: torch.device, budget: int | float,
+                           tp: Any) -> int | float:
+    """The KV pool's budget once a hybrid model's recurrent states (a slot for each of
+    ``max_num_seqs`` requests, every Mamba layer) are set aside; ``budget`` as it is for
+    other models."""
+    states = state_bytes(loaded.config, loaded.dtype, config.max_num_seqs, tp or SINGLE)
+    if not states:
+        return budget
+    total = int(free_memory(device) * budget) if isinstance(budget, float) else int(budget)
+    if states >= total:
+        raise ConfigError(
+            f"the Mamba layers' recurrent states of max_num_seqs={config.max_num_seqs} requests take "
+            f"{states / 2**20:.1f} MiB, the whole KV budget of {total / 2**20:.1f} MiB: lower "
+            f"max_num_seqs or raise kv_cache_memory", field="max_num_seqs")
+    logger.info("recurrent states: %d slots of %.2f MiB (%.0f MiB of the KV budget)", config.max_num_seqs,
+                states / config.max_num_seqs / 2**20, states / 2**20)
+    return total - states
 
 
 def _model_name(model: str | None, path: Path) -> str:

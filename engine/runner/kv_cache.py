@@ -28,6 +28,7 @@ import torch
 from engine.errors import ConfigError
 from engine.models.config import ModelConfig
 from engine.models.layers.shard import local_heads
+from engine.models.mamba_config import MambaConfig, state_bytes_per_slot
 from engine.ops import KVCache, QuantizedKV
 from engine.parallel import SINGLE, TensorParallel
 
@@ -52,8 +53,25 @@ def bytes_per_block(
         per_token = heads * (dim * KV_CODE_DTYPES[kv_cache_dtype].itemsize + SCALE_BYTES)
     else:
         per_token = heads * dim * dtype.itemsize
-    layers = len(tp.stage.layer_range(model_config.num_hidden_layers))
+    layers = len(attention_layers(model_config, tp))
     return kv_tensors_per_layer(model_config) * layers * block_size * per_token
+
+
+def attention_layers(model_config: ModelConfig, tp: TensorParallel = SINGLE) -> list[int]:
+    """This pipeline stage's layers that attend (and so keep K/V): all of them but a hybrid
+    model's Mamba layers, which keep recurrent states instead (:func:`state_bytes`)."""
+    mamba = model_config.mamba.layers if getattr(model_config, "mamba", None) is not None else ()
+    return [i for i in tp.stage.layer_range(model_config.num_hidden_layers) if i not in mamba]
+
+
+def state_bytes(model_config: ModelConfig, dtype: torch.dtype, slots: int, tp: TensorParallel = SINGLE) -> int:
+    """The recurrent states of ``slots`` requests over this stage's Mamba layers (0 for a
+    model without any): allocated beside the KV pool, out of the same budget."""
+    mamba = getattr(model_config, "mamba", None)
+    if mamba is None:
+        return 0
+    layers = [i for i in tp.stage.layer_range(model_config.num_hidden_layers) if i in mamba.layers]
+    return slots * state_bytes_per_slot(mamba, len(layers), dtype.itemsize)
 
 
 def free_memory(device: torch.device | str) -> int:
@@ -157,6 +175,7 @@ def allocate_kv_caches(
     *,
     kv_cache_dtype: str = "auto",
     tp: TensorParallel = SINGLE,
+    state_slots: int = 0,
 ) -> list[tuple[KVCache, KVCache]]:
     """One zeroed ``(k_cache, v_cache)`` pair per layer: tensors of ``dtype``, or with
     ``kv_cache_dtype`` int8/fp8, :class:`QuantizedKV` codes and scales; with ``tp``, of
@@ -169,8 +188,13 @@ def allocate_kv_caches(
     On CPU the pool is anonymous memory maps: the kernel hands out its pages zeroed on
     first touch, so a page is resident only once a block on it has been written or read
     (``torch.zeros`` would write every byte at startup and keep the whole budget resident).
+
+    A hybrid model's Mamba layers get their recurrent states instead: ``state_slots``
+    requests' worth each (engine.models.layers.mamba).
     """
-    layers = len(tp.stage.layer_range(model_config.num_hidden_layers))  # a pipeline stage's own
+    stage = tp.stage.layer_range(model_config.num_hidden_layers)  # a pipeline stage's own
+    attending = attention_layers(model_config, tp)
+    layers = len(attending)
     shape = (num_blocks, block_size, local_heads(model_config, tp)[1], model_config.head_dim)
     code_dtype = KV_CODE_DTYPES.get(kv_cache_dtype)
     # Codes (or values) of every layer's K and V first, then the scales: each region is
@@ -182,7 +206,26 @@ def allocate_kv_caches(
     else:
         scales = _zeros((n * layers, *shape[:-1]), torch.float32, device)
         caches = [QuantizedKV(data[i], scales[i]) for i in range(n * layers)]
-    return [(caches[n * i], caches[n * i + n - 1]) for i in range(layers)]
+    pairs = [(caches[n * i], caches[n * i + n - 1]) for i in range(layers)]
+    if layers == len(stage):
+        return pairs
+    # A hybrid model: its Mamba layers' pairs are their (conv, SSM) states, a slot each.
+    mamba = model_config.mamba
+    states = iter(_state_pairs(mamba, len(stage) - layers, state_slots, dtype, device))
+    kv = iter(pairs)
+    return [next(kv) if i in attending else next(states) for i in stage]
+
+
+def _state_pairs(mamba: MambaConfig, layers: int, slots: int, dtype: torch.dtype,
+                 device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Zeroed ``(conv_state [slots, conv_dim, d_conv - 1], ssm_state [slots, n_heads,
+    head_dim, d_state] fp32)`` for each of ``layers`` Mamba layers."""
+    if slots < 1:
+        raise ConfigError("a model with Mamba layers needs a recurrent state slot per running "
+                          "request (max_num_seqs of them)", field="max_num_seqs")
+    return [(torch.zeros(slots, mamba.conv_dim, mamba.d_conv - 1, dtype=dtype, device=device),
+             torch.zeros(slots, mamba.n_heads, mamba.head_dim, mamba.d_state, dtype=torch.float32, device=device))
+            for _ in range(layers)]
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

@@ -39,7 +39,7 @@ from engine.messages import (
 )
 from engine.models.pooling import PoolerConfig, read_dense
 from engine.models.registry import build_model
-from engine.ops import Ops
+from engine.ops import AttentionMetadata, Ops
 from engine.parallel import SINGLE, TensorParallel
 from engine.params import SamplingParams
 from engine.runner.batch import BatchBuilder
@@ -52,6 +52,7 @@ from engine.runner.pooling import pool_outputs
 from engine.runner.prompt_logprobs import collect_prompt_logprobs
 from engine.runner.request_state import RequestState, StepPlanError
 from engine.runner.sampler import Sampler
+from engine.runner.state_slots import StateSlots
 from engine.runner.verify import Verifier
 from engine.structured import GrammarBackend
 
@@ -123,8 +124,12 @@ class ModelRunner:
         # An encoder keeps nothing between steps: no KV cache (its chunks carry no blocks).
         self.paged_kv = not loaded.config.is_encoder
         self.kv_caches = allocate_kv_caches(
-            loaded.config, num_blocks, block_size, loaded.dtype, self.device, kv_cache_dtype=kv_cache_dtype, tp=tp
+            loaded.config, num_blocks, block_size, loaded.dtype, self.device, kv_cache_dtype=kv_cache_dtype, tp=tp,
+            state_slots=max_num_seqs,
         ) if self.paged_kv else []
+        # A hybrid model's Mamba layers: each running request's recurrent-state slot.
+        self.state_slots = (StateSlots(max_num_seqs, self.device)
+                            if getattr(loaded.config, "mamba", None) is not None else None)
         # The server's logits processors (--logits-processors: classes, built here once).
         self.sampler = Sampler(ops, seed=seed, processors=ProcessorBatch.build(
             logits_processors, ProcessorConfig(loaded.config.vocab_size, max_num_seqs), self.device))
@@ -172,6 +177,8 @@ class ModelRunner:
             why = "a pooling or encoder model has no decode steps"
         elif self.config.mrope:
             why = "M-RoPE positions are computed per step"
+        elif self.state_slots is not None:
+            why = "Mamba layers' recurrent states are read by slot per step"
         elif self.lora is not None:
             why = "LoRA steps set each token's adapter slot per step"
         elif self.tp.enabled or self.tp.stage.enabled:
@@ -219,6 +226,9 @@ class ModelRunner:
         for rid in plan.finished_ids:
             self._forget(rid)
             self._failed.discard(rid)
+        if self.state_slots is not None:
+            for rid in plan.preempted_ids:  # recomputed from position 0: a fresh slot then
+                self.state_slots.release(rid)
         refused: list[RequestFailure] = []
         for new in plan.new_requests:
             try:
@@ -270,6 +280,7 @@ class ModelRunner:
                          if d is not None and d.probs is not None
                          and s.params.structured_outputs is None}
         input_ids, positions, meta, sample_rows = self._batch.prepare(chunks, states)
+        meta = self._with_state_slots(meta, chunks)
         mm = self._image_embeds(chunks, states)
         with self._lora_step(chunks, states):
             if mm is not None:
@@ -372,7 +383,16 @@ class ModelRunner:
             state.mrope, state.mrope_delta = self.model.prompt_positions(len(prompt), state.images)  # type: ignore[attr-defined]
         self._requests[new.sample_id] = state
 
+    def _with_state_slots(self, meta: AttentionMetadata, chunks: Sequence[ScheduledChunk]) -> AttentionMetadata:
+        """``meta`` with each chunk's recurrent-state slot (a hybrid model's), else as is."""
+        if self.state_slots is None:
+            return meta
+        slots, host = self.state_slots.assign(chunks)
+        return dataclasses.replace(meta, state_slots=slots, state_slots_host=host)
+
     def _forget(self, sample_id: str) -> None:
+        if self.state_slots is not None:
+            self.state_slots.release(sample_id)
         state = self._requests.pop(sample_id, None)
         if state is not None and state.lora is not None and self.lora is not None:
             self.lora.release(state.lora)
@@ -466,6 +486,7 @@ class ModelRunner:
         assert self.pooler is not None
         states = [self._state(c) for c in chunks]
         input_ids, positions, meta, _ = self._batch.prepare(chunks, states)
+        meta = self._with_state_slots(meta, chunks)
         with self._lora_step(chunks, states):  # a decoder embedder's adapters
             hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
         return pool_outputs(self.pooler, self.model, self.dtype, hidden, chunks, states, self._dense)

@@ -33,6 +33,7 @@ from engine.errors import UnsupportedModelError
 from engine.models.config import ModelConfig
 from engine.models.layers.linear import Linear, embed, make_linear
 from engine.models.layers.lora import LoraLinear, LoraSlots
+from engine.models.layers.mamba import mamba_weight_names
 from engine.models.layers.moe import SparseMoeBlock, sparse_layer_weight_names
 from engine.models.layers.norm import head_norm
 from engine.models.layers.rope import rope_cos_sin_cache
@@ -61,13 +62,15 @@ def decoder_weight_names(config: ModelConfig, layer_norms: tuple[str, ...] = LAY
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         names += [p + norm + ".weight" for norm in layer_norms]
-        if fused:
+        if config.mamba is not None and i in config.mamba.layers:  # Granite 4's Mamba-2 mixer
+            names += mamba_weight_names(config.mamba, p)
+        elif fused:
             names += [p + "self_attn.qkv_proj.weight", p + "self_attn.o_proj.weight"]
         else:
             names += [
                 p + f"self_attn.{proj}.weight" for proj in ("q_proj", "k_proj", "v_proj", "o_proj")
             ]
-        if config.attention_bias:
+        if config.attention_bias and not (config.mamba is not None and i in config.mamba.layers):
             names += [p + f"self_attn.{proj}.bias" for proj in ("q_proj", "k_proj", "v_proj")]
         if config.qk_norm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]

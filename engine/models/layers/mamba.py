@@ -1,0 +1,202 @@
+"""The Mamba-2 mixer of a hybrid decoder's Mamba layers (Granite 4.0's "h" models), over
+the per-request recurrent states the runner keeps (engine.models.mamba_config).
+
+A step's tokens arrive as the flat varlen batch every layer takes. Each request owns a
+state slot (``AttentionMetadata.state_slots``): row ``slot`` of this layer's two state
+tensors::
+
+    conv_state [slots, conv_dim, d_conv - 1]   the convolution's last inputs (model dtype)
+    ssm_state  [slots, n_heads, head_dim, d_state]   fp32
+
+A request whose chunk starts at position 0 starts from zero states (a new request, or one
+preempted and recomputed); any later chunk continues from its slot. Decode rows (one token
+on a context) are updated together, one batched op each. A prompt chunk runs the
+convolution over its tokens and the SSM as the state-space dual does it: in blocks of
+:data:`SCAN_BLOCK` tokens, within a block as a masked, decayed ``C B^T`` product (an
+attention-like matrix), across blocks through the state carried from one to the next.
+
+The mixer, with ``x``, ``B``, ``C`` the convolved and SiLU'd channels, per head ``h``::
+
+    dt = clamp(softplus(dt_raw + dt_bias))            A = -exp(A_log)
+    state = exp(dt A) state + dt x B^T                 y = state C + D x
+    out = out_proj(rms_norm_grouped(y * silu(z)) * norm_weight)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from engine.models.mamba_config import MambaConfig
+from engine.ops import AttentionMetadata
+
+# Tokens a prompt chunk's scan takes at once: the [block, block, heads] decay and score
+# matrices stay a few MiB.
+SCAN_BLOCK = 128
+
+
+def mamba_weight_names(config: MambaConfig, prefix: str) -> list[str]:
+    """The checkpoint tensors of one Mamba layer's mixer under ``prefix`` ("model.layers.N.")."""
+    p = prefix + "mamba."
+    names = [p + "in_proj.weight"]
+    if config.proj_bias:
+        names.append(p + "in_proj.bias")
+    names.append(p + "conv1d.weight")
+    if config.conv_bias:
+        names.append(p + "conv1d.bias")
+    names += [p + "dt_bias", p + "A_log", p + "D", p + "norm.weight", p + "out_proj.weight"]
+    if config.proj_bias:
+        names.append(p + "out_proj.bias")
+    return names
+
+
+@dataclasses.dataclass(slots=True)
+class MambaMixer:
+    """One Mamba-2 layer's weights (the module docstring's mixer)."""
+
+    config: MambaConfig
+    in_proj: Any  # Linear: [in_proj_size, hidden]
+    conv_weight: torch.Tensor  # [conv_dim, d_conv] fp32
+    conv_bias: torch.Tensor | None  # [conv_dim] fp32
+    dt_bias: torch.Tensor  # [n_heads] fp32
+    a: torch.Tensor  # [n_heads] fp32: -exp(A_log)
+    d: torch.Tensor  # [n_heads] fp32
+    norm: torch.Tensor  # [d_inner], model dtype
+    out_proj: Any  # Linear: [hidden, d_inner]
+    eps: float
+
+    @classmethod
+    def build(cls, config: MambaConfig, get: Any, prefix: str, eps: float, make_linear: Any) -> MambaMixer:
+        """Layer ``prefix``'s mixer from ``get`` (a ShardedWeights over one rank: the
+        Mamba layers are not split over tensor-parallel ranks)."""
+        p = prefix + "mamba."
+
+        def fp32(name: str) -> torch.Tensor:
+            return get(name).float()
+
+        def bias(name: str, on: bool) -> torch.Tensor | None:
+            return get(name) if on else None
+
+        return cls(
+            config=config,
+            in_proj=make_linear([get(p + "in_proj.weight")], bias(p + "in_proj.bias", config.proj_bias)),
+            conv_weight=fp32(p + "conv1d.weight").reshape(config.conv_dim, config.d_conv),
+            conv_bias=fp32(p + "conv1d.bias") if config.conv_bias else None,
+            dt_bias=fp32(p + "dt_bias"),
+            a=-torch.exp(fp32(p + "A_log")),
+            d=fp32(p + "D"),
+            norm=get(p + "norm.weight"),
+            out_proj=make_linear([get(p + "out_proj.weight")], bias(p + "out_proj.bias", config.proj_bias)),
+            eps=eps,
+        )
+
+    def __call__(self, x: torch.Tensor, meta: AttentionMetadata, conv_state: torch.Tensor,
+                 ssm_state: torch.Tensor) -> torch.Tensor:
+        """The mixer's output [T, hidden] for the step's normed hidden states ``x`` [T,
+        hidden]; advances each request's states in its slot."""
+        c = self.config
+        zxbcdt = self.in_proj(x)
+        z, xbc, dt = zxbcdt.split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias).clamp(c.dt_min, c.dt_max)  # [T, H]
+        assert meta.state_slots is not None  # the runner gives a hybrid model's steps slots
+        slots = meta.state_slots_host
+        y = torch.empty(x.shape[0], c.n_heads, c.head_dim, dtype=torch.float32, device=x.device)
+        decode = [b for b, (n, s) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True))
+                  if n == 1 and s > 1]
+        starts = [0]
+        for n in meta.query_lens_host:
+            starts.append(starts[-1] + n)
+        if decode:
+            if len(decode) == len(slots):  # a decode-only step: every row, in order
+                rows, index = None, meta.state_slots
+            else:
+                rows = torch.tensor([starts[b] for b in decode], device=x.device)
+                index = meta.state_slots[decode]
+            pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
+            out = self._decode(pick(xbc), pick(dt), index, conv_state, ssm_state)
+            if rows is None:
+                y.copy_(out)
+            else:
+                y.index_copy_(0, rows, out)
+        for b in range(len(slots)):
+            if b in decode:
+                continue
+            lo, hi = starts[b], starts[b + 1]
+            fresh = meta.seq_lens_host[b] == hi - lo  # the chunk starts the request
+            y[lo:hi] = self._chunk(xbc[lo:hi], dt[lo:hi], slots[b], fresh, conv_state, ssm_state)
+        return self.out_proj(self._gated_norm(y.reshape(x.shape[0], c.d_inner), z).to(x.dtype))
+
+    def _split(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, H, P], B and C [N, H, d_state] (each group's shared by its heads), fp32."""
+        c = self.config
+        xs, b, cc = xbc.float().split([c.d_inner, c.n_groups * c.d_state, c.n_groups * c.d_state], dim=-1)
+        per = c.n_heads // c.n_groups
+        b = b.reshape(-1, c.n_groups, c.d_state).repeat_interleave(per, dim=1)
+        cc = cc.reshape(-1, c.n_groups, c.d_state).repeat_interleave(per, dim=1)
+        return xs.reshape(-1, c.n_heads, c.head_dim), b, cc
+
+    def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, slots: torch.Tensor, conv_state: torch.Tensor,
+                ssm_state: torch.Tensor) -> torch.Tensor:
+        """One token for each of N requests: [N, H, P]."""
+        window = torch.cat([conv_state.index_select(0, slots), xbc.unsqueeze(-1).to(conv_state.dtype)], dim=-1)
+        conv_state.index_copy_(0, slots, window[:, :, 1:])
+        conv = (window.float() * self.conv_weight).sum(-1)
+        if self.conv_bias is not None:
+            conv = conv + self.conv_bias
+        xs, b, cc = self._split(F.silu(conv))
+        state = ssm_state.index_select(0, slots)  # [N, H, P, d_state]
+        decay = torch.exp(dt * self.a)  # [N, H]
+        state = state * decay[:, :, None, None] + (dt[:, :, None] * xs).unsqueeze(-1) * b.unsqueeze(2)
+        ssm_state.index_copy_(0, slots, state)
+        return (state @ cc.unsqueeze(-1)).squeeze(-1) + self.d[:, None] * xs
+
+    def _chunk(self, xbc: torch.Tensor, dt: torch.Tensor, slot: int, fresh: bool, conv_state: torch.Tensor,
+               ssm_state: torch.Tensor) -> torch.Tensor:
+        """A chunk of ``n`` tokens of one request: [n, H, P]."""
+        c = self.config
+        n = xbc.shape[0]
+        prior = torch.zeros_like(conv_state[slot]) if fresh else conv_state[slot]
+        seq = torch.cat([prior, xbc.t().to(conv_state.dtype)], dim=-1)  # [conv_dim, d_conv - 1 + n]
+        conv_state[slot] = seq[:, seq.shape[1] - (c.d_conv - 1):]
+        conv = F.conv1d(seq.float().unsqueeze(0), self.conv_weight.unsqueeze(1), self.conv_bias,
+                        groups=c.conv_dim)[0]  # [conv_dim, n]
+        xs, b, cc = self._split(F.silu(conv.t()))
+        state = torch.zeros_like(ssm_state[slot]) if fresh else ssm_state[slot]  # [H, P, d_state]
+        out = torch.empty_like(xs)
+        for lo in range(0, n, SCAN_BLOCK):
+            hi = min(n, lo + SCAN_BLOCK)
+            out[lo:hi], state = self._scan_block(xs[lo:hi], dt[lo:hi], b[lo:hi], cc[lo:hi], state)
+        ssm_state[slot] = state
+        return out + self.d[:, None] * xs
+
+    def _scan_block(self, xs: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, cc: torch.Tensor,
+                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block of tokens: their SSM outputs [size, H, P] (without the D term) from the state before
+        them [H, P, d_state], and the state after them."""
+        log_decay = torch.cumsum(dt * self.a, dim=0)  # [l, H]: log of the decay from the block start
+        size = xs.shape[0]
+        gap = log_decay[:, None, :] - log_decay[None, :, :]  # [i, j, H]: decay from j to i
+        causal = torch.ones(size, size, dtype=torch.bool, device=xs.device).tril()
+        weights = torch.exp(gap.masked_fill(~causal[:, :, None], float("-inf")))
+        weights = weights * torch.einsum("ihn,jhn->ijh", cc, b)
+        inputs = xs * dt[:, :, None]  # [l, H, P]
+        out = torch.einsum("ijh,jhp->ihp", weights, inputs)
+        out = out + torch.exp(log_decay)[:, :, None] * torch.einsum("ihn,hpn->ihp", cc, state)
+        to_end = torch.exp(log_decay[-1][None, :] - log_decay)  # [l, H]
+        state = (torch.exp(log_decay[-1])[:, None, None] * state
+                 + torch.einsum("jhp,jhn->hpn", inputs * to_end[:, :, None], b))
+        return out, state
+
+    def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """RMS norm over each group's channels of ``y * silu(z)`` (fp32), times the weight
+        in the model dtype (as transformers rounds it)."""
+        c = self.config
+        gated = (y * F.silu(z.float())).reshape(y.shape[0], c.n_groups, -1)
+        normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.norm * normed.reshape(y.shape[0], c.d_inner).to(self.norm.dtype)
+
+
+__all__ = ["SCAN_BLOCK", "MambaMixer", "mamba_weight_names"]
