@@ -1,8 +1,8 @@
 """Granite 4's dense attention models (``GraniteMoeHybridForCausalLM`` with attention layers
 only and no experts: granite-4.0-micro): Granite's layer with its MLP stored as
 ``shared_mlp``, with RoPE or without (``position_embedding_type``). Built and written by
-transformers; greedy tokens and logprobs against transformers' on both op sets; the experts
-of the MoE models refused by name (the Mamba layers: test_granite4_mamba.py)."""
+transformers; greedy tokens and logprobs against transformers' on both op sets (the Mamba
+layers and the experts: test_granite4_mamba.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import pytest
 import torch
 from hf_written import assert_greedy_matches, write_hf_model
 
-from engine.errors import UnsupportedModelError
 from engine.models.config import ModelConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -39,8 +38,9 @@ def test_granite4_dense_greedy_tokens_and_logprobs_match_transformers(tmp_path, 
     assert loaded.config.nope_layers == (() if rope == "rope" else (0, 1))
 
 
-def test_granite4_moe_models_are_refused_by_name() -> None:
-    raw = _config(position_embedding_type="rope").to_dict() | {"num_local_experts": 4}
+def test_granite4_moe_reads_the_experts_width_beside_the_shared_mlp() -> None:
+    raw = _config(position_embedding_type="rope").to_dict() | {"num_local_experts": 4, "num_experts_per_tok": 2}
     raw["architectures"] = ["GraniteMoeHybridForCausalLM"]
-    with pytest.raises(UnsupportedModelError, match="experts"):
-        ModelConfig.from_hf(raw)
+    config = ModelConfig.from_hf(raw)
+    assert config.moe is not None and config.moe.naming == "granite"
+    assert (config.moe.intermediate_size, config.intermediate_size) == (32, 96)

@@ -2,7 +2,7 @@
 between its attention layers. Built and written by transformers (every Mamba parameter
 drawn, B and C in two groups); greedy tokens and logprobs against transformers' on both op
 sets, whole prompts and prompts in chunks (the scan's blocks cut small, so a chunk spans
-several); then through the whole engine, requests batched, prefilled in chunks and
+several), with and without routed experts beside the shared MLP (the MoE models); then through the whole engine, requests batched, prefilled in chunks and
 preempted, against transformers' greedy decoding. The runner's state slots, and what the
 engine refuses for such a model (speculation, beam search, LoRA, tensor parallelism)."""
 
@@ -94,6 +94,16 @@ def test_in_prompt_chunks_and_scan_blocks_matches_transformers(hybrid, ops: str,
     monkeypatch.setattr(mamba, "SCAN_BLOCK", 3)
     hf, folder = hybrid
     assert_chunked_greedy_matches(hf, folder, ops, prompts=5, chunk_size=5)
+
+
+@pytest.mark.parametrize("ops", ["torch", "cpu"])
+def test_the_moe_models_experts_beside_the_shared_mlp_match_transformers(tmp_path, ops: str) -> None:
+    """granite-4.0-h-tiny's layout: 8 routed experts (2 a token) added to the shared MLP
+    in every layer, Mamba and attention alike."""
+    hf = write_hybrid(tmp_path / "m", num_local_experts=8, num_experts_per_tok=2, intermediate_size=32)
+    loaded = assert_greedy_matches(hf, tmp_path / "m", ops, fused=False)
+    assert loaded.config.moe is not None and loaded.config.moe.sparse_layers == (0, 1, 2)
+    assert_chunked_greedy_matches(hf, tmp_path / "m", ops, prompts=3, chunk_size=5)
 
 
 def test_without_rope_and_with_projection_biases(tmp_path) -> None:

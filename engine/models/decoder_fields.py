@@ -112,13 +112,11 @@ def gpt_neox_raw(raw: dict[str, Any]) -> dict[str, Any]:
 
 def granite_hybrid_raw(raw: dict[str, Any]) -> dict[str, Any]:
     """A Granite 4 (``GraniteMoeHybridForCausalLM``) config.json as the decoder reads it: its
-    dense MLP's width (``shared_intermediate_size``) as ``intermediate_size``. Its Mamba
-    layers are read by engine.models.mamba_config; the experts of the MoE models (tiny,
-    small) are refused by name."""
-    if int(raw.get("num_local_experts") or 0):
-        raise UnsupportedModelError("GraniteMoeHybrid with experts (num_local_experts > 0) is not "
-                                    "supported; its dense models are")
-    return dict(raw, intermediate_size=int(raw.get("shared_intermediate_size", 1024)))
+    dense MLP's width (``shared_intermediate_size``) as ``intermediate_size``, and the routed
+    experts' (the MoE models': granite-4.0-h-tiny, -h-small) as ``expert_intermediate_size``.
+    Its Mamba layers are read by engine.models.mamba_config."""
+    return dict(raw, intermediate_size=int(raw.get("shared_intermediate_size", 1024)),
+                expert_intermediate_size=int(raw.get("intermediate_size", 0)))
 
 
 def nope_layers(raw: dict[str, Any], arch: str, layers: int) -> tuple[int, ...]:

@@ -93,9 +93,12 @@ class MoeConfig:
                        shared_expert_intermediate_size=0, sparse_layers=tuple(range(num_layers)),
                        naming="gpt_oss", swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
                        swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)))
-        if arch == "granite_moe":  # softmax over the top-k logits: renormalised top-k
+        if arch in ("granite_moe", "granite_hybrid"):  # softmax over the top-k logits: renormalised top-k
+            if arch == "granite_hybrid" and not int(raw.get("num_local_experts") or 0):
+                return None  # granite-4.0-micro, -h-micro: the shared MLP alone
             return cls(num_experts=_num_experts(raw, 0), top_k=int(raw["num_experts_per_tok"]),
-                       intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=True,
+                       intermediate_size=int(raw.get("expert_intermediate_size") or raw["intermediate_size"]),
+                       norm_topk_prob=True,
                        shared_expert_intermediate_size=0, sparse_layers=tuple(range(num_layers)),
                        naming="granite")
         if arch == "mixtral":

@@ -76,8 +76,10 @@ def decoder_weight_names(config: ModelConfig, layer_norms: tuple[str, ...] = LAY
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         if config.moe is not None and i in config.moe.sparse_layers:
             names += sparse_layer_weight_names(config.moe, i)
-        elif config.architecture == "granite_hybrid":  # Granite 4's shared_mlp, gate/up fused
+        if config.architecture == "granite_hybrid":  # Granite 4's shared_mlp, gate/up fused (beside any experts)
             names += [p + "shared_mlp.input_linear.weight", p + "shared_mlp.output_linear.weight"]
+        elif config.moe is not None and i in config.moe.sparse_layers:
+            pass
         elif fused:
             names += [p + "mlp.gate_up_proj.weight", p + "mlp.down_proj.weight"]
         else:
@@ -389,17 +391,20 @@ class Decoder:
                 x, residual = ops.fused_add_rms_norm(scaled(hidden), residual, layer.input_norm, self.eps)
             attn = self._attention(layer, x, positions, meta, k_cache, v_cache, rope)
             x, residual = ops.fused_add_rms_norm(scaled(attn), residual, layer.post_norm, self.eps)
-            if layer.moe is not None:
-                hidden = self.tp.all_reduce(layer.moe(x, ops))  # the experts' row-parallel downs
-            else:
-                assert layer.gate_up is not None and layer.down is not None
-                hidden = layer.down(ops.silu_and_mul(layer.gate_up(x)))  # row-parallel: whole
+            hidden = self._mlp(layer, x)
         assert residual is not None  # num_hidden_layers >= 1 is checked at build time
         if not stage.last:
             stage.send([hidden, residual])
             return None
         out, _ = ops.fused_add_rms_norm(scaled(hidden), residual, self.norm, self.eps)
         return out
+
+    def _mlp(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+        """A layer's MLP (its routed experts in a sparse layer), whole on every rank."""
+        if layer.moe is not None:
+            return self.tp.all_reduce(layer.moe(x, self.ops))  # the experts' row-parallel downs
+        assert layer.gate_up is not None and layer.down is not None
+        return layer.down(self.ops.silu_and_mul(layer.gate_up(x)))  # row-parallel: whole
 
     def _scaled_block_output(self, x: torch.Tensor) -> torch.Tensor:
         """A block's output as it joins the residual stream: times Granite's

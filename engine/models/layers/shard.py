@@ -75,7 +75,8 @@ def tensor_parallel_problem(config: ModelConfig, n: int, *, expert_parallel: boo
         )
     moe = config.moe
     dense_layers = config.num_hidden_layers if moe is None else config.num_hidden_layers - len(moe.sparse_layers)
-    if dense_layers and config.intermediate_size % n:
+    # Granite 4's shared MLP sits beside the experts of every layer.
+    if (dense_layers or config.architecture == "granite_hybrid") and config.intermediate_size % n:
         problems.append(f"intermediate_size ({config.intermediate_size}) does not divide by {n}")
     if moe is not None and moe.sparse_layers:
         if expert_parallel and moe.num_experts % n:
