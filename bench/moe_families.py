@@ -34,6 +34,9 @@ at reduced shapes that keep what sets each family apart (``SHAPES``):
   biases, a biased head) at the same shape as GPT-NeoX. Unfused.
 * Cohere2 (dense): attention and the MLP side by side on one LayerNorm, sliding layers
   (128) and every fourth global without RoPE; the same shape as GLM-4. Unfused.
+* Granite 4.0 H (hybrid): three Mamba-2 layers to each attention layer (32 heads of 64,
+  a 128-wide state, one group), the shared MLP 2816 wide, no RoPE. Unfused (the Mamba
+  layers run in torch); transformers runs its own torch path for the same layers.
 
 Random weights decode as fast as trained ones: only the shapes matter here. Both sides
 load the same folder in ``--dtype``; each round times the engine's decode steps (one
@@ -91,6 +94,12 @@ SHAPES = {
     "phi": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, intermediate_size=4096,
                 partial_rotary_factor=0.5, max_position_embeddings=4096, vocab_size=384, bos_token_id=1,
                 eos_token_id=2, pad_token_id=0),
+    # Granite 4.0 H (hybrid): three Mamba-2 layers to one attention layer (granite-4.0-h's
+    # ratio is about 9:1), the mixer 32 heads of 64 with a 128-wide state, one group.
+    "granite4h": ATTENTION | dict(
+        shared_intermediate_size=2816, num_local_experts=0, vocab_size=384, tie_word_embeddings=False,
+        layer_types=(["mamba"] * 3 + ["attention"]) * 2, mamba_n_heads=32, mamba_d_head=64, mamba_d_state=128,
+        mamba_n_groups=1, position_embedding_type=None, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "glm4_moe": ATTENTION | dict(
         intermediate_size=2816, moe_intermediate_size=256, n_routed_experts=64, num_experts_per_tok=8,
         n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, attention_bias=True,
@@ -106,7 +115,7 @@ def write(family: str, folder: Path) -> None:
 
     name = {"glm4_moe": "Glm4Moe", "deepseek_v3": "DeepseekV3", "glm4": "Glm4", "cohere2": "Cohere2", "olmoe": "Olmoe",
             "gpt_bigcode": "GPTBigCode", "starcoder2": "Starcoder2", "gpt_neox": "GPTNeoX",
-            "phi": "Phi"}[family]
+            "phi": "Phi", "granite4h": "GraniteMoeHybrid"}[family]
     config = getattr(transformers, f"{name}Config")(**SHAPES[family])
     torch.manual_seed(0)
     getattr(transformers, f"{name}ForCausalLM")(config).save_pretrained(folder)
@@ -162,7 +171,7 @@ def main() -> None:
             step = engine.runner.model.fused_step
             # latent attention, post-block norms, LayerNorm, q/k norms across the heads
             fuses = family not in ("deepseek_v3", "glm4", "cohere2", "olmoe", "gpt_bigcode", "starcoder2", "gpt_neox",
-                                  "phi")
+                                  "phi", "granite4h")
             assert (step is not None and step.steps > 0) == fuses, f"{family}: the fused step ran or not"
             del engine, hf
 

@@ -3,7 +3,8 @@ between its attention layers. Built and written by transformers (every Mamba par
 drawn, B and C in two groups); greedy tokens and logprobs against transformers' on both op
 sets, whole prompts and prompts in chunks (the scan's blocks cut small, so a chunk spans
 several), with and without routed experts beside the shared MLP (the MoE models); then through the whole engine, requests batched, prefilled in chunks and
-preempted, against transformers' greedy decoding. The runner's state slots, and what the
+preempted, on one rank and over two pipeline stages, against transformers' greedy
+decoding. The runner's state slots, and what the
 engine refuses for such a model (speculation, beam search, LoRA, tensor parallelism)."""
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ from typing import Any
 
 import pytest
 import torch
-import trio
-from engine_helpers import collect, greedy, token_ids, wait_idle
+from engine_helpers import collect, greedy, token_ids
 from hf_written import assert_chunked_greedy_matches, assert_greedy_matches, write_hf_model
-from test_parity import _hf_greedy
+from hybrid_helpers import assert_engine_matches, draw_mamba_parameters, prompts_of
 
 import engine
 from engine.errors import UnsupportedModelError
@@ -54,15 +54,7 @@ def write_hybrid(folder: Path, **extra: Any) -> Any:
     from transformers import GraniteMoeHybridForCausalLM
 
     torch.manual_seed(0)
-    hf = GraniteMoeHybridForCausalLM(_config(**extra))
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith(("A_log", "dt_bias")):
-                p.copy_(torch.rand(p.shape, generator=g) * 2.0 - 1.0)
-            elif name.endswith((".D", "conv1d.bias")):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    return write_hf_model(hf, folder, norms=True)
+    return write_hf_model(draw_mamba_parameters(GraniteMoeHybridForCausalLM(_config(**extra))), folder, norms=True)
 
 
 @pytest.fixture(scope="module")
@@ -112,39 +104,22 @@ def test_without_rope_and_with_projection_biases(tmp_path) -> None:
     assert_greedy_matches(hf, tmp_path / "m", "cpu", fused=False)
 
 
-NEW_TOKENS = 8
-# A step budget of 12 tokens (prompts prefill in chunks beside decode rows) and a pool of
-# 12 blocks of 4 tokens: two of these requests (20 to 30 tokens with their outputs) do not
-# fit at once, so the scheduler preempts and recomputes.
-OPTIONS = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=12, block_size=4,
-               num_gpu_blocks_override=12, max_model_len=48)
-
-
 async def test_batched_chunked_and_preempted_requests_match_transformers(hybrid) -> None:
     hf, folder = hybrid
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, 384, (n,), generator=g).tolist() for n in (17, 21, 12, 19, 22, 14)]
-    shared = prompts[0][:12]
-    prompts += [shared + p[:6] for p in prompts[1:3]]  # a common prefix: never served from a cache
-    expected = [_hf_greedy(hf, p, NEW_TOKENS)[0] for p in prompts]
-    async with engine.open_engine(str(folder), **OPTIONS) as eng:
-        results: dict[int, list[int]] = {}
+    prompts = prompts_of((17, 21, 12, 19, 22, 14), 384, seed=7)
+    prompts += [prompts[0][:12] + p[:6] for p in prompts[1:3]]  # a common prefix: never served from a cache
+    # Two rounds: every slot came back after the first (more requests than max_num_seqs).
+    stats = await assert_engine_matches(hf, folder, prompts, rounds=2)
+    assert stats.preemptions > 0
+    assert stats.prefix_cache_hits == 0  # turned off for a model with Mamba layers
 
-        async def one(i: int, prompt: list[int]) -> None:
-            results[i] = token_ids(await collect(eng, prompt, greedy(NEW_TOKENS)))
 
-        async with trio.open_nursery() as nursery:
-            for i, prompt in enumerate(prompts):
-                nursery.start_soon(one, i, prompt)
-        stats = await wait_idle(eng)
-        assert [results[i] for i in range(len(prompts))] == expected
-        assert stats.preemptions > 0
-        assert stats.prefix_cache_hits == 0  # turned off for a model with Mamba layers
-        # Every slot came back: as many requests again, more than max_num_seqs, all served.
-        async with trio.open_nursery() as nursery:
-            for i, prompt in enumerate(prompts):
-                nursery.start_soon(one, i, prompt)
-        assert [results[i] for i in range(len(prompts))] == expected
+async def test_two_pipeline_stages_match_transformers(tmp_path) -> None:
+    """Each stage keeps its layers' states and slots; the preemptions reach both."""
+    hf = write_hybrid(tmp_path / "m", num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "attention"])
+    stats = await assert_engine_matches(hf, tmp_path / "m", prompts_of((17, 21, 12, 19), 384, seed=8),
+                                        pipeline_parallel_size=2)
+    assert stats.preemptions > 0
 
 
 def _runner(folder: Path, max_num_seqs: int) -> Any:

@@ -27,7 +27,7 @@ from engine.models.encoder_config import (
     encoder_fields,
     matryoshka,
 )
-from engine.models.mamba_config import MambaConfig, mamba_fields
+from engine.models.mamba_config import MambaConfig, mamba_fields, nemotron_h_raw
 from engine.models.moe_config import MoeConfig
 from engine.models.vision_config import (
     QWEN_VL_ARCHITECTURES,
@@ -58,9 +58,11 @@ SUPPORTED_ARCHITECTURES = {
     "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
     "GraniteForCausalLM": "granite",
     "GraniteMoeForCausalLM": "granite_moe",  # Granite's multipliers, MoE on every layer
-    # Granite 4's dense attention models (granite-4.0-micro): Granite's layer with its MLP
-    # named shared_mlp; the hybrid ones' Mamba layers and experts are refused.
+    # Granite 4 (models/granite4.py): Granite's layer with its MLP named shared_mlp, Mamba-2
+    # in place of attention in the hybrid ("h") models' layers, experts in the MoE ones.
     "GraniteMoeHybridForCausalLM": "granite_hybrid",
+    # NVIDIA's Nemotron-H (models/nemotron_h.py): Mamba-2, attention and MLP layers, one block each.
+    "NemotronHForCausalLM": "nemotron_h",
     # OLMo (models/olmo.py): norms after each block, q/k normed across all heads.
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
@@ -277,6 +279,8 @@ class ModelConfig:
             arch = next(BASE_MODEL_ARCHITECTURES[a] for a in archs if a in BASE_MODEL_ARCHITECTURES)
         if arch == "granite_hybrid":
             raw = granite_hybrid_raw(raw)
+        elif arch == "nemotron_h":
+            raw = nemotron_h_raw(raw)
         elif arch == "gpt_neox":
             raw = gpt_neox_raw(raw)
         classifier = {}

@@ -125,6 +125,8 @@ def nope_layers(raw: dict[str, Any], arch: str, layers: int) -> tuple[int, ...]:
     them unless its ``position_embedding_type`` is "rope"."""
     if arch == "granite_hybrid":
         return () if raw.get("position_embedding_type") == "rope" else tuple(range(layers))
+    if arch == "nemotron_h":  # its attention layers take no positions
+        return tuple(range(layers))
     if arch != "smollm3":
         return ()
     flags = raw.get("no_rope_layers")

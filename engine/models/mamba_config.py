@@ -1,6 +1,6 @@
 """The Mamba-2 mixers of a hybrid decoder (Granite 4.0's "h" models,
-``GraniteMoeHybridForCausalLM`` with ``mamba`` layers): their shape as config.json gives
-it (``ModelConfig.mamba``).
+``GraniteMoeHybridForCausalLM`` with ``mamba`` layers; NVIDIA's Nemotron-H,
+``NemotronHForCausalLM``): their shape as config.json gives it (``ModelConfig.mamba``).
 
 A Mamba-2 layer keeps no KV cache. Each request carries two recurrent states a layer
 instead, whatever its length: the last ``d_conv - 1`` inputs of the causal convolution
@@ -22,6 +22,8 @@ class MambaConfig:
     """The Mamba-2 layers of a hybrid model and their mixer's shape."""
 
     layers: tuple[int, ...]  # the Mamba layers' indices; the others are attention layers
+    # Nemotron-H's MLP blocks (a layer of their own, no attention, no state): no cache either.
+    mlp_layers: tuple[int, ...] = ()
     n_heads: int
     head_dim: int
     d_state: int
@@ -50,11 +52,48 @@ class MambaConfig:
 
 _MAMBA_TYPES = ("mamba", "linear_attention")  # as released; transformers 5 writes the second
 _ATTENTION_TYPES = ("attention", "full_attention")
+# Nemotron-H's hybrid_override_pattern, a character a layer.
+_PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+
+
+def nemotron_h_raw(raw: dict[str, Any]) -> dict[str, Any]:
+    """A Nemotron-H config.json under the decoder's keys: its layers as ``layer_types``
+    ("mamba", "attention", "mlp"; from ``hybrid_override_pattern`` as released or
+    transformers 5's ``layers_block_type``), its norms' eps; the MLP's squared ReLU and
+    the layers without RoPE are the family's own. MoE layers ("E", Nemotron 3) are refused."""
+    pattern = raw.get("hybrid_override_pattern")
+    if pattern is not None:
+        unknown = sorted(set(pattern) - set(_PATTERN))
+        if unknown:
+            raise UnsupportedModelError(f"hybrid_override_pattern characters {unknown} are not known")
+        types = [_PATTERN[c] for c in pattern]
+    else:
+        names = {"linear_attention": "mamba", "full_attention": "attention"}
+        types = [names.get(t, t) for t in raw.get("layers_block_type") or raw.get("layer_types") or []]
+    if "moe" in types:
+        raise UnsupportedModelError("Nemotron-H with MoE layers (Nemotron 3) is not supported; its "
+                                    "Mamba, attention and MLP layers are")
+    if raw.get("mlp_hidden_act", "relu2") != "relu2":
+        raise UnsupportedModelError(f"Nemotron-H with mlp_hidden_act {raw.get('mlp_hidden_act')!r} is not "
+                                    "supported (relu2 is)")
+    if raw.get("sliding_window"):
+        raise UnsupportedModelError("Nemotron-H with a sliding_window is not supported")
+    for flag in ("attention_bias", "mlp_bias"):
+        if raw.get(flag):
+            raise UnsupportedModelError(f"Nemotron-H with {flag} is not supported")
+    out = {k: v for k, v in raw.items() if k not in ("hybrid_override_pattern", "layers_block_type")}
+    # tie_word_embeddings: transformers' class ties nothing, so a stored lm_head.weight is
+    # the head whatever the flag says (and without one the embedding serves).
+    return out | {"layer_types": types, "num_hidden_layers": len(types), "tie_word_embeddings": False,
+                  "rms_norm_eps": float(raw.get("layer_norm_epsilon", 1e-5)), "hidden_act": "silu"}
 
 
 def mamba_fields(raw: dict[str, Any], arch: str) -> MambaConfig | None:
     """Granite 4's Mamba layers (``layer_types`` "mamba"), or None where every layer is
-    attention (granite-4.0-micro) or for any other architecture."""
+    attention (granite-4.0-micro) or for any other architecture; Nemotron-H's Mamba and
+    MLP layers (its raw config as :func:`nemotron_h_raw` gives it)."""
+    if arch == "nemotron_h":
+        return _nemotron_h(raw)
     if arch != "granite_hybrid":
         return None
     layers = int(raw["num_hidden_layers"])
@@ -97,6 +136,27 @@ def _json_float(value: Any) -> float:
     return float(value)
 
 
+def _nemotron_h(raw: dict[str, Any]) -> MambaConfig:
+    """Nemotron-H's mixers. Its dt is clamped by ``time_step_limit``, as the checkpoint's own
+    modeling code reads it ((0, inf) as released). transformers 5's port clamps its prompt
+    path alone at ``time_step_min`` (0.001) instead, and its decode path not at all."""
+    types = raw["layer_types"]
+    heads, head_dim = int(raw.get("mamba_num_heads", 128)), int(raw.get("mamba_head_dim", 64))
+    groups = int(raw.get("n_groups", 8))
+    if heads % groups:
+        raise ValueError(f"n_groups ({groups}) must divide mamba_num_heads ({heads})")
+    if raw.get("mamba_hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"Nemotron-H with mamba_hidden_act {raw.get('mamba_hidden_act')!r} is "
+                                    "not supported (silu is)")
+    limit = raw.get("time_step_limit") or (0.0, math.inf)
+    return MambaConfig(
+        layers=tuple(i for i, t in enumerate(types) if t == "mamba"),
+        mlp_layers=tuple(i for i, t in enumerate(types) if t == "mlp"),
+        n_heads=heads, head_dim=head_dim, d_state=int(raw.get("ssm_state_size", 128)), n_groups=groups,
+        d_conv=int(raw.get("conv_kernel", 4)), conv_bias=bool(raw.get("use_conv_bias", True)),
+        proj_bias=bool(raw.get("use_bias", False)), dt_min=_json_float(limit[0]), dt_max=_json_float(limit[1]))
+
+
 def state_bytes_per_slot(mamba: MambaConfig, layers: int, dtype_bytes: int) -> int:
     """One request's recurrent state over ``layers`` Mamba layers: the convolution's window
     in the model dtype and the SSM state in fp32."""
@@ -105,4 +165,4 @@ def state_bytes_per_slot(mamba: MambaConfig, layers: int, dtype_bytes: int) -> i
     return layers * (conv + ssm)
 
 
-__all__ = ["MambaConfig", "mamba_fields", "state_bytes_per_slot"]
+__all__ = ["MambaConfig", "mamba_fields", "nemotron_h_raw", "state_bytes_per_slot"]

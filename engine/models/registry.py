@@ -31,6 +31,7 @@ from engine.models.layers.shard import check_tensor_parallel
 from engine.models.llama import LlamaModel
 from engine.models.llava import LlavaModel
 from engine.models.modernbert import ModernBertModel
+from engine.models.nemotron_h import NemotronHModel
 from engine.models.olmo import OlmoModel
 from engine.models.olmoe import OlmoeModel
 from engine.models.opt import OPTModel
@@ -56,6 +57,7 @@ MODEL_CLASSES: dict[str, type] = {
     "granite": LlamaModel,
     "granite_moe": LlamaModel,
     "granite_hybrid": GraniteHybridModel,
+    "nemotron_h": NemotronHModel,
     "olmo2": OlmoModel,
     "olmo3": OlmoModel,
     "exaone4": OlmoModel,

@@ -59,9 +59,11 @@ def bytes_per_block(
 
 def attention_layers(model_config: ModelConfig, tp: TensorParallel = SINGLE) -> list[int]:
     """This pipeline stage's layers that attend (and so keep K/V): all of them but a hybrid
-    model's Mamba layers, which keep recurrent states instead (:func:`state_bytes`)."""
-    mamba = model_config.mamba.layers if getattr(model_config, "mamba", None) is not None else ()
-    return [i for i in tp.stage.layer_range(model_config.num_hidden_layers) if i not in mamba]
+    model's Mamba layers, which keep recurrent states instead (:func:`state_bytes`), and
+    Nemotron-H's MLP layers, which keep nothing."""
+    m = getattr(model_config, "mamba", None)
+    other = () if m is None else (*m.layers, *m.mlp_layers)
+    return [i for i in tp.stage.layer_range(model_config.num_hidden_layers) if i not in other]
 
 
 def state_bytes(model_config: ModelConfig, dtype: torch.dtype, slots: int, tp: TensorParallel = SINGLE) -> int:
@@ -209,18 +211,21 @@ def allocate_kv_caches(
     pairs = [(caches[n * i], caches[n * i + n - 1]) for i in range(layers)]
     if layers == len(stage):
         return pairs
-    # A hybrid model: its Mamba layers' pairs are their (conv, SSM) states, a slot each.
+    # A hybrid model: its Mamba layers' pairs are their (conv, SSM) states, a slot each;
+    # an MLP layer's (Nemotron-H's) two empty tensors.
     mamba = model_config.mamba
-    states = iter(_state_pairs(mamba, len(stage) - layers, state_slots, dtype, device))
+    states = iter(_state_pairs(mamba, sum(i in mamba.layers for i in stage), state_slots, dtype, device))
     kv = iter(pairs)
-    return [next(kv) if i in attending else next(states) for i in stage]
+    empty = torch.empty(0, dtype=dtype, device=device)
+    return [next(kv) if i in attending else next(states) if i in mamba.layers else (empty, empty)
+            for i in stage]
 
 
 def _state_pairs(mamba: MambaConfig, layers: int, slots: int, dtype: torch.dtype,
                  device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Zeroed ``(conv_state [slots, conv_dim, d_conv - 1], ssm_state [slots, n_heads,
     head_dim, d_state] fp32)`` for each of ``layers`` Mamba layers."""
-    if slots < 1:
+    if layers and slots < 1:
         raise ConfigError("a model with Mamba layers needs a recurrent state slot per running "
                           "request (max_num_seqs of them)", field="max_num_seqs")
     return [(torch.zeros(slots, mamba.conv_dim, mamba.d_conv - 1, dtype=dtype, device=device),

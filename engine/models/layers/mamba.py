@@ -38,9 +38,10 @@ from engine.ops import AttentionMetadata
 SCAN_BLOCK = 128
 
 
-def mamba_weight_names(config: MambaConfig, prefix: str) -> list[str]:
-    """The checkpoint tensors of one Mamba layer's mixer under ``prefix`` ("model.layers.N.")."""
-    p = prefix + "mamba."
+def mamba_weight_names(config: MambaConfig, prefix: str, module: str = "mamba") -> list[str]:
+    """The checkpoint tensors of one Mamba layer's mixer under ``prefix`` ("model.layers.N.")
+    and ``module`` (Granite's "mamba", Nemotron-H's "mixer")."""
+    p = prefix + module + "."
     names = [p + "in_proj.weight"]
     if config.proj_bias:
         names.append(p + "in_proj.bias")
@@ -69,10 +70,11 @@ class MambaMixer:
     eps: float
 
     @classmethod
-    def build(cls, config: MambaConfig, get: Any, prefix: str, eps: float, make_linear: Any) -> MambaMixer:
-        """Layer ``prefix``'s mixer from ``get`` (a ShardedWeights over one rank: the
-        Mamba layers are not split over tensor-parallel ranks)."""
-        p = prefix + "mamba."
+    def build(cls, config: MambaConfig, get: Any, prefix: str, eps: float, make_linear: Any,
+              module: str = "mamba") -> MambaMixer:
+        """Layer ``prefix``'s mixer (under ``module``) from ``get`` (a ShardedWeights over
+        one rank: the Mamba layers are not split over tensor-parallel ranks)."""
+        p = prefix + module + "."
 
         def fp32(name: str) -> torch.Tensor:
             return get(name).float()

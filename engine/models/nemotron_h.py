@@ -1,0 +1,148 @@
+"""NVIDIA's Nemotron-H (``NemotronHForCausalLM``: Nemotron-H-8B/47B/56B, NVIDIA-Nemotron-Nano-
+9B-v2 and -12B-v2): a stack of single-mixer blocks, each ``x + mixer(norm(x))``, whose mixer
+is one of
+
+* a Mamba-2 layer ("M" in ``hybrid_override_pattern``; engine.models.layers.mamba, the
+  mixer Granite 4's hybrid layers run, here under ``mixer.``);
+* attention ("*"): GQA with no positions at all (the Mamba layers carry them), no biases;
+* an MLP ("-"): ``down(relu(up(x)) ** 2)``, no gate.
+
+Its RMS norms multiply the fp32 normed row by the weight in fp32 and round once. The
+checkpoint's ``backbone.*`` names are read as the decoder's (``checkpoint_name``). MoE
+blocks ("E", Nemotron 3) are refused at load; the Mamba layers keep one recurrent state
+a request (engine.runner.state_slots), with what that turns off (prefix caching) and
+refuses (speculation, beam search, LoRA, tensor parallelism). Pipeline stages cut the
+blocks as any layers. The fused CPU decode step does not run it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from engine.models.config import ModelConfig
+from engine.models.layers.decoder import Decoder, DecoderLayer
+from engine.models.layers.linear import make_linear
+from engine.models.layers.mamba import MambaMixer, mamba_weight_names
+from engine.models.layers.shard import ShardedWeights
+from engine.ops import AttentionMetadata, Ops
+from engine.parallel import SINGLE, TensorParallel
+
+
+@dataclasses.dataclass(slots=True)
+class NemotronBlock:
+    """One block: its norm (fp32) and exactly one of a Mamba mixer, an attention layer
+    (a DecoderLayer's projections) or an MLP (``up``, ``down``)."""
+
+    norm: torch.Tensor
+    mamba: MambaMixer | None = None
+    attention: DecoderLayer | None = None
+    up: Any = None
+    down: Any = None
+
+
+class NemotronHModel(Decoder):
+    """Nemotron-H's block stack plus LM head (see the module docstring)."""
+
+    @classmethod
+    def weight_names(cls, config: ModelConfig) -> list[str]:
+        m = config.mamba
+        assert m is not None  # mamba_fields always reads Nemotron-H's layers
+        names = ["model.embed_tokens.weight"]
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            names.append(p + "norm.weight")
+            if i in m.layers:
+                names += mamba_weight_names(m, p, "mixer")
+            elif i in m.mlp_layers:
+                names += [p + "mixer.up_proj.weight", p + "mixer.down_proj.weight"]
+            else:
+                names += [p + f"mixer.{n}_proj.weight" for n in "qkvo"]
+        names.append("model.norm.weight")
+        if not config.tie_word_embeddings:
+            names.append("lm_head.weight")
+        return names
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        """The released checkpoints' ``backbone.*`` names as the decoder's."""
+        if name == "backbone.embeddings.weight":
+            return "model.embed_tokens.weight"
+        if name == "backbone.norm_f.weight":
+            return "model.norm.weight"
+        return "model." + name.removeprefix("backbone.") if name.startswith("backbone.") else name
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        ops: Ops,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        tp: TensorParallel = SINGLE,
+    ) -> None:
+        self._init_common(config, ops, dtype, device, tp, scale=config.head_dim**-0.5)
+        self.cos_sin_cache = None
+        get = ShardedWeights(weights, dtype, self.device, tp)
+        norms = ShardedWeights(weights, torch.float32, self.device)  # multiplied in fp32
+        self._build_ends(get, weights, lambda: norms("model.norm.weight"))
+        self.layers = [self._block(get, norms, i) for i in tp.stage.layer_range(config.num_hidden_layers)]
+
+    def _block(self, get: ShardedWeights, norms: ShardedWeights, i: int) -> NemotronBlock:
+        m = self.config.mamba
+        assert m is not None
+        p = f"model.layers.{i}."
+        block = NemotronBlock(norm=norms(p + "norm.weight"))
+        mixer = p + "mixer."
+        if i in m.layers:
+            block.mamba = MambaMixer.build(m, get, p, self.eps, make_linear, module="mixer")
+        elif i in m.mlp_layers:
+            block.up = make_linear([get(mixer + "up_proj.weight")])
+            block.down = make_linear([get(mixer + "down_proj.weight")])
+        else:
+            block.attention = DecoderLayer(
+                input_norm=block.norm, post_norm=None,  # type: ignore[arg-type]  # one norm a block
+                qkv=make_linear([get(mixer + f"{n}_proj.weight") for n in "qkv"]),
+                o_proj=make_linear([get(mixer + "o_proj.weight")]),
+                q_norm=None, k_norm=None, gate_up=None, down=None, window=0, rope=None)
+        return block
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Nemotron-H's RMS norm: the fp32 weight times the fp32 normed row, rounded once."""
+        return F.rms_norm(x.float(), (x.shape[-1],), weight, self.eps).to(x.dtype)
+
+    def plan_fused_step(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """None: the fused CPU step runs no Mamba, positionless or single-mixer block."""
+        return None
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm; writes this step's K/V and
+        advances the Mamba layers' states."""
+
+        def block(layer: NemotronBlock, hidden: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+            x = self._norm(hidden, layer.norm)
+            if layer.mamba is not None:
+                out = layer.mamba(x, meta, first, second)  # the layer's conv and SSM states
+            elif layer.attention is not None:
+                out = self._attention(layer.attention, x, positions, meta, first, second)
+            else:
+                out = layer.down(torch.square(F.relu(layer.up(x))))
+            return hidden + out
+
+        return self._run_stream(input_ids, positions, kv_caches, block,  # type: ignore[return-value]
+                                lambda h: self._norm(h, self.norm), mm_embeds=mm_embeds)
+
+
+__all__ = ["NemotronBlock", "NemotronHModel"]
