@@ -37,6 +37,9 @@ at reduced shapes that keep what sets each family apart (``SHAPES``):
 * Granite 4.0 H (hybrid): three Mamba-2 layers to each attention layer (32 heads of 64,
   a 128-wide state, one group), the shared MLP 2816 wide, no RoPE. Unfused (the Mamba
   layers run in torch); transformers runs its own torch path for the same layers.
+* Nemotron-H: single-mixer blocks (Mamba, MLP, Mamba, attention, MLP, Mamba, MLP, Mamba),
+  the mixer 32 heads of 64 with a 128-wide state in 8 groups, squared-ReLU MLPs 2816 wide.
+  Unfused.
 
 Random weights decode as fast as trained ones: only the shapes matter here. Both sides
 load the same folder in ``--dtype``; each round times the engine's decode steps (one
@@ -100,6 +103,13 @@ SHAPES = {
         shared_intermediate_size=2816, num_local_experts=0, vocab_size=384, tie_word_embeddings=False,
         layer_types=(["mamba"] * 3 + ["attention"]) * 2, mamba_n_heads=32, mamba_d_head=64, mamba_d_state=128,
         mamba_n_groups=1, position_embedding_type=None, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # Nemotron-H (Nano 9B v2's pattern, shortened): Mamba, MLP, Mamba, attention, MLP, Mamba,
+    # MLP, Mamba blocks; the mixer 32 heads of 64, a 128-wide state in 8 groups; squared-ReLU
+    # MLPs 2816 wide.
+    "nemotron_h": dict(hidden_size=1024, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                       max_position_embeddings=4096, intermediate_size=2816, hybrid_override_pattern="M-M*-M-M",
+                       num_hidden_layers=8, mamba_num_heads=32, mamba_head_dim=64, n_groups=8, ssm_state_size=128,
+                       vocab_size=384, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "glm4_moe": ATTENTION | dict(
         intermediate_size=2816, moe_intermediate_size=256, n_routed_experts=64, num_experts_per_tok=8,
         n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, attention_bias=True,
@@ -115,7 +125,7 @@ def write(family: str, folder: Path) -> None:
 
     name = {"glm4_moe": "Glm4Moe", "deepseek_v3": "DeepseekV3", "glm4": "Glm4", "cohere2": "Cohere2", "olmoe": "Olmoe",
             "gpt_bigcode": "GPTBigCode", "starcoder2": "Starcoder2", "gpt_neox": "GPTNeoX",
-            "phi": "Phi", "granite4h": "GraniteMoeHybrid"}[family]
+            "phi": "Phi", "granite4h": "GraniteMoeHybrid", "nemotron_h": "NemotronH"}[family]
     config = getattr(transformers, f"{name}Config")(**SHAPES[family])
     torch.manual_seed(0)
     getattr(transformers, f"{name}ForCausalLM")(config).save_pretrained(folder)
@@ -171,7 +181,7 @@ def main() -> None:
             step = engine.runner.model.fused_step
             # latent attention, post-block norms, LayerNorm, q/k norms across the heads
             fuses = family not in ("deepseek_v3", "glm4", "cohere2", "olmoe", "gpt_bigcode", "starcoder2", "gpt_neox",
-                                  "phi", "granite4h")
+                                  "phi", "granite4h", "nemotron_h")
             assert (step is not None and step.steps > 0) == fuses, f"{family}: the fused step ran or not"
             del engine, hf
 

@@ -113,12 +113,12 @@ class MambaMixer:
             starts.append(starts[-1] + n)
         if decode:
             if len(decode) == len(slots):  # a decode-only step: every row, in order
-                rows, index = None, meta.state_slots
+                rows, index, host = None, meta.state_slots, slots
             else:
                 rows = torch.tensor([starts[b] for b in decode], device=x.device)
-                index = meta.state_slots[decode]
+                index, host = meta.state_slots[decode], tuple(slots[b] for b in decode)
             pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
-            out = self._decode(pick(xbc), pick(dt), index, conv_state, ssm_state)
+            out = self._decode(pick(xbc), pick(dt), index, host, conv_state, ssm_state)
             if rows is None:
                 y.copy_(out)
             else:
@@ -140,19 +140,28 @@ class MambaMixer:
         cc = cc.reshape(-1, c.n_groups, c.d_state).repeat_interleave(per, dim=1)
         return xs.reshape(-1, c.n_heads, c.head_dim), b, cc
 
-    def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, slots: torch.Tensor, conv_state: torch.Tensor,
-                ssm_state: torch.Tensor) -> torch.Tensor:
-        """One token for each of N requests: [N, H, P]."""
-        window = torch.cat([conv_state.index_select(0, slots), xbc.unsqueeze(-1).to(conv_state.dtype)], dim=-1)
-        conv_state.index_copy_(0, slots, window[:, :, 1:])
-        conv = (window.float() * self.conv_weight).sum(-1)
+    def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, slots: torch.Tensor, host: tuple[int, ...],
+                conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
+        """One token for each of N requests (slots ``host``, on the device ``slots``): [N, H,
+        P]. Slots in a run (``k, k+1, ...``: the usual case, slots being handed out lowest
+        first) are updated in place through a view; others are gathered and written back."""
+        n = len(host)
+        run = host == tuple(range(host[0], host[0] + n))
+        conv = conv_state[host[0]:host[0] + n] if run else conv_state.index_select(0, slots)
+        state = ssm_state[host[0]:host[0] + n] if run else ssm_state.index_select(0, slots)  # [N, H, P, d_state]
+        window = torch.cat([conv, xbc.unsqueeze(-1).to(conv_state.dtype)], dim=-1)
+        conv.copy_(window[:, :, 1:])
+        mixed = (window.float() * self.conv_weight).sum(-1)
         if self.conv_bias is not None:
-            conv = conv + self.conv_bias
-        xs, b, cc = self._split(F.silu(conv))
-        state = ssm_state.index_select(0, slots)  # [N, H, P, d_state]
-        decay = torch.exp(dt * self.a)  # [N, H]
-        state = state * decay[:, :, None, None] + (dt[:, :, None] * xs).unsqueeze(-1) * b.unsqueeze(2)
-        ssm_state.index_copy_(0, slots, state)
+            mixed = mixed + self.conv_bias
+        xs, b, cc = self._split(F.silu(mixed))
+        c = self.config
+        state.mul_(torch.exp(dt * self.a)[:, :, None, None])
+        flat = state.view(n * c.n_heads, c.head_dim, c.d_state)  # += (dt x) B^T, one batched outer product
+        flat.baddbmm_((dt[:, :, None] * xs).reshape(n * c.n_heads, c.head_dim, 1), b.reshape(n * c.n_heads, 1, c.d_state))
+        if not run:
+            conv_state.index_copy_(0, slots, conv)
+            ssm_state.index_copy_(0, slots, state)
         return (state @ cc.unsqueeze(-1)).squeeze(-1) + self.d[:, None] * xs
 
     def _chunk(self, xbc: torch.Tensor, dt: torch.Tensor, slot: int, fresh: bool, conv_state: torch.Tensor,
