@@ -10,10 +10,11 @@ tensors::
 
 A request whose chunk starts at position 0 starts from zero states (a new request, or one
 preempted and recomputed); any later chunk continues from its slot. Decode rows (one token
-on a context) are updated together, one batched op each. A prompt chunk runs the
-convolution over its tokens and the SSM as the state-space dual does it: in blocks of
-:data:`SCAN_BLOCK` tokens, within a block as a masked, decayed ``C B^T`` product (an
-attention-like matrix), across blocks through the state carried from one to the next.
+on a context) are updated together, one batched op each, in place where their slots run
+in order. A prompt chunk runs the convolution over its tokens and the SSM as the
+state-space dual does it: in blocks of :data:`SCAN_BLOCK` tokens, all blocks at once,
+within a block as a masked, decayed ``C B^T`` product (an attention-like matrix, one a
+group of heads), across blocks through the state carried from one to the next.
 
 The mixer, with ``x``, ``B``, ``C`` the convolved and SiLU'd channels, per head ``h``::
 
@@ -33,9 +34,10 @@ import torch.nn.functional as F
 from engine.models.mamba_config import MambaConfig
 from engine.ops import AttentionMetadata
 
-# Tokens a prompt chunk's scan takes at once: the [block, block, heads] decay and score
-# matrices stay a few MiB.
-SCAN_BLOCK = 128
+# Tokens of a prompt chunk's scan block: its [heads, block, block] decay matrix is the
+# quadratic part of the work (smaller blocks cost less of it and more of the state's
+# carry from block to block).
+SCAN_BLOCK = 64
 
 
 def mamba_weight_names(config: MambaConfig, prefix: str, module: str = "mamba") -> list[str]:
@@ -131,13 +133,16 @@ class MambaMixer:
             y[lo:hi] = self._chunk(xbc[lo:hi], dt[lo:hi], slots[b], fresh, conv_state, ssm_state)
         return self.out_proj(self._gated_norm(y.reshape(x.shape[0], c.d_inner), z).to(x.dtype))
 
-    def _split(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [N, H, P], B and C [N, H, d_state] (each group's shared by its heads), fp32."""
+    def _split(self, xbc: torch.Tensor, per_head: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, H, P] and B and C, fp32: [N, H, d_state] (each group's repeated for its
+        heads), or with ``per_head`` false [N, groups, d_state]."""
         c = self.config
         xs, b, cc = xbc.float().split([c.d_inner, c.n_groups * c.d_state, c.n_groups * c.d_state], dim=-1)
-        per = c.n_heads // c.n_groups
-        b = b.reshape(-1, c.n_groups, c.d_state).repeat_interleave(per, dim=1)
-        cc = cc.reshape(-1, c.n_groups, c.d_state).repeat_interleave(per, dim=1)
+        b = b.reshape(-1, c.n_groups, c.d_state)
+        cc = cc.reshape(-1, c.n_groups, c.d_state)
+        if per_head:
+            per = c.n_heads // c.n_groups
+            b, cc = b.repeat_interleave(per, dim=1), cc.repeat_interleave(per, dim=1)
         return xs.reshape(-1, c.n_heads, c.head_dim), b, cc
 
     def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, slots: torch.Tensor, host: tuple[int, ...],
@@ -168,38 +173,55 @@ class MambaMixer:
                ssm_state: torch.Tensor) -> torch.Tensor:
         """A chunk of ``n`` tokens of one request: [n, H, P]."""
         c = self.config
-        n = xbc.shape[0]
         prior = torch.zeros_like(conv_state[slot]) if fresh else conv_state[slot]
         seq = torch.cat([prior, xbc.t().to(conv_state.dtype)], dim=-1)  # [conv_dim, d_conv - 1 + n]
         conv_state[slot] = seq[:, seq.shape[1] - (c.d_conv - 1):]
         conv = F.conv1d(seq.float().unsqueeze(0), self.conv_weight.unsqueeze(1), self.conv_bias,
                         groups=c.conv_dim)[0]  # [conv_dim, n]
-        xs, b, cc = self._split(F.silu(conv.t()))
+        xs, b, cc = self._split(F.silu(conv.t()), per_head=False)
         state = torch.zeros_like(ssm_state[slot]) if fresh else ssm_state[slot]  # [H, P, d_state]
-        out = torch.empty_like(xs)
-        for lo in range(0, n, SCAN_BLOCK):
-            hi = min(n, lo + SCAN_BLOCK)
-            out[lo:hi], state = self._scan_block(xs[lo:hi], dt[lo:hi], b[lo:hi], cc[lo:hi], state)
-        ssm_state[slot] = state
+        out, ssm_state[slot] = self._scan(xs, dt, b, cc, state)
         return out + self.d[:, None] * xs
 
-    def _scan_block(self, xs: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, cc: torch.Tensor,
-                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A block of tokens: their SSM outputs [size, H, P] (without the D term) from the state before
-        them [H, P, d_state], and the state after them."""
-        log_decay = torch.cumsum(dt * self.a, dim=0)  # [l, H]: log of the decay from the block start
-        size = xs.shape[0]
-        gap = log_decay[:, None, :] - log_decay[None, :, :]  # [i, j, H]: decay from j to i
+    def _scan(self, xs: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, cc: torch.Tensor,
+              state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The SSM over ``n`` tokens (x [n, H, P], dt [n, H], B and C [n, groups, d_state])
+        from ``state`` [H, P, d_state]: the outputs [n, H, P] without the D term, and the
+        state after them. The tokens go in blocks of ``SCAN_BLOCK`` (the last one padded
+        with tokens of dt 0, which change nothing), every block at once: within a block
+        the masked, decayed ``C B^T`` scores (a group's, shared by its heads) weigh the
+        inputs; each block's own contribution to the state is summed from zero, and a loop
+        over the blocks carries the state through them, which each block's outputs then
+        read."""
+        c = self.config
+        n, size, groups, per = xs.shape[0], SCAN_BLOCK, c.n_groups, c.n_heads // c.n_groups
+        pad = -n % size
+        if pad:
+            xs, dt = F.pad(xs, (0, 0, 0, 0, 0, pad)), F.pad(dt, (0, 0, 0, pad))
+            b, cc = F.pad(b, (0, 0, 0, 0, 0, pad)), F.pad(cc, (0, 0, 0, 0, 0, pad))
+        k = (n + pad) // size
+        h, p, d = c.n_heads, c.head_dim, c.d_state
+        log_decay = (dt * self.a).view(k, size, h).cumsum(1).transpose(1, 2)  # [k, H, l]: from the block start
+        inputs = (xs * dt[:, :, None]).view(k, size, h, p).transpose(1, 2)  # [k, H, l, P]
+        bg = b.view(k, size, groups, d).transpose(1, 2)  # [k, G, l, d]
+        cg = cc.view(k, size, groups, d).transpose(1, 2)
         causal = torch.ones(size, size, dtype=torch.bool, device=xs.device).tril()
-        weights = torch.exp(gap.masked_fill(~causal[:, :, None], float("-inf")))
-        weights = weights * torch.einsum("ihn,jhn->ijh", cc, b)
-        inputs = xs * dt[:, :, None]  # [l, H, P]
-        out = torch.einsum("ijh,jhp->ihp", weights, inputs)
-        out = out + torch.exp(log_decay)[:, :, None] * torch.einsum("ihn,hpn->ihp", cc, state)
-        to_end = torch.exp(log_decay[-1][None, :] - log_decay)  # [l, H]
-        state = (torch.exp(log_decay[-1])[:, None, None] * state
-                 + torch.einsum("jhp,jhn->hpn", inputs * to_end[:, :, None], b))
-        return out, state
+        decay = torch.exp((log_decay[..., :, None] - log_decay[..., None, :]).masked_fill(~causal, float("-inf")))
+        weights = decay.view(k, groups, per, size, size) * (cg @ bg.transpose(-1, -2)).unsqueeze(2)
+        out = weights.view(k, h, size, size) @ inputs  # [k, H, l, P]
+        # Each block's own share of the state, as if it started from zero.
+        to_end = torch.exp(log_decay[..., -1:] - log_decay)  # [k, H, l]
+        own = (inputs * to_end[..., None]).transpose(-1, -2).reshape(k, groups, per, p, size) @ bg.unsqueeze(2)
+        own = own.view(k, h, p, d)
+        through = torch.exp(log_decay[..., -1])  # [k, H]: a whole block's decay
+        starts = []
+        for i in range(k):
+            starts.append(state)
+            state = state * through[i][:, None, None] + own[i]
+        start = torch.stack(starts).view(k, groups, per, p, d)  # each block's incoming state
+        carried = (start @ cg.transpose(-1, -2).unsqueeze(2)).view(k, h, p, size)  # [k, H, P, l]
+        out = out + carried.transpose(-1, -2) * torch.exp(log_decay)[..., None]
+        return out.transpose(1, 2).reshape(k * size, h, p)[:n], state
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMS norm over each group's channels of ``y * silu(z)`` (fp32), times the weight
