@@ -239,6 +239,12 @@ class ModelConfig:
     modernbert: ModernBertConfig | None = None
 
     @property
+    def recurrent(self) -> MambaConfig | None:
+        """The layers that keep a recurrent state a request instead of KV blocks (Mamba-2),
+        or None: what the runner's state slots and the engine's rules read."""
+        return self.mamba
+
+    @property
     def mrope(self) -> bool:
         """Positions are M-RoPE's three streams (Qwen-VL): the runner gives ``[3, T]``."""
         return isinstance(self.vision, QwenVisionConfig)

@@ -82,7 +82,7 @@ LORA_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "s
 
 def check_lora_model(config: ModelConfig) -> None:
     """Refuse (:class:`UnsupportedModelError`) a base model adapters cannot be served on."""
-    if config.mamba is not None:
+    if config.recurrent is not None:
         raise UnsupportedModelError("LoRA adapters are not supported for models with Mamba layers "
                                     "(Granite 4.0 H)")
     if config.architecture not in LORA_ARCHITECTURES or config.base_model:

@@ -49,6 +49,10 @@ class MambaConfig:
         """in_proj's rows: z, then x, B and C, then one dt a head."""
         return self.d_inner + self.conv_dim + self.n_heads
 
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """One request's states in one layer: the convolution's window, the SSM state."""
+        return (self.conv_dim, self.d_conv - 1), (self.n_heads, self.head_dim, self.d_state)
+
 
 _MAMBA_TYPES = ("mamba", "linear_attention")  # as released; transformers 5 writes the second
 _ATTENTION_TYPES = ("attention", "full_attention")
@@ -157,12 +161,12 @@ def _nemotron_h(raw: dict[str, Any]) -> MambaConfig:
         proj_bias=bool(raw.get("use_bias", False)), dt_min=_json_float(limit[0]), dt_max=_json_float(limit[1]))
 
 
-def state_bytes_per_slot(mamba: MambaConfig, layers: int, dtype_bytes: int) -> int:
-    """One request's recurrent state over ``layers`` Mamba layers: the convolution's window
-    in the model dtype and the SSM state in fp32."""
-    conv = mamba.conv_dim * (mamba.d_conv - 1) * dtype_bytes
-    ssm = mamba.n_heads * mamba.head_dim * mamba.d_state * 4
-    return layers * (conv + ssm)
+def state_bytes_per_slot(recurrent: Any, layers: int, dtype_bytes: int) -> int:
+    """One request's recurrent state over ``layers`` of ``recurrent``'s layers (a
+    MambaConfig or a DeltaNetConfig: ``state_shapes()``): the convolution's window in the
+    model dtype and the recurrent state in fp32."""
+    conv, ssm = recurrent.state_shapes()
+    return layers * (math.prod(conv) * dtype_bytes + math.prod(ssm) * 4)
 
 
 __all__ = ["MambaConfig", "mamba_fields", "nemotron_h_raw", "state_bytes_per_slot"]

@@ -92,7 +92,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
 def _build_parts(config: EngineConfig, device: torch.device, load: RankLoad,
                  group: Any) -> EngineParts:
     loaded, tokenizer, pooler = load.loaded, load.tokenizer, load.pooler
-    if loaded.config.mamba is not None:
+    if loaded.config.recurrent is not None:
         config = _recurrent_state_rules(config)
     t2 = time.perf_counter()
     tp = SINGLE
@@ -135,7 +135,7 @@ def _build_parts(config: EngineConfig, device: torch.device, load: RankLoad,
         eos_token_ids=load.eos_ids,
         max_logprobs=config.max_logprobs,
         special_token_ids=frozenset(tokenizer.skipped_special_ids),
-        beam_search=loaded.config.mamba is None,
+        beam_search=loaded.config.recurrent is None,
     )
     names = config.served_model_names
     name = names[0] if names else _model_name(config.model, load.path)
@@ -312,7 +312,7 @@ def build_front_parts(config: EngineConfig, hello: Any) -> EngineParts:
     limits = AdmissionLimits(max_model_len=hello.max_model_len, vocab_size=hello.vocab_size,
                              max_queued_requests=config.max_queued_requests, eos_token_ids=eos_ids,
                              special_token_ids=frozenset(tokenizer.skipped_special_ids),
-                             beam_search=model_config is None or model_config.mamba is None)
+                             beam_search=model_config is None or model_config.recurrent is None)
     images = image_preprocessor(config, model_config, folder, tokenizer) if model_config else None
     return EngineParts(config, hello.served_model_name, tokenizer, limits, None,
                        hello.num_blocks, grammar, pooler, tokenizer_folder=folder,

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import math
 import mmap
+from typing import Any
 
 import torch
 
 from engine.errors import ConfigError
 from engine.models.config import ModelConfig
 from engine.models.layers.shard import local_heads
-from engine.models.mamba_config import MambaConfig, state_bytes_per_slot
+from engine.models.mamba_config import state_bytes_per_slot
 from engine.ops import KVCache, QuantizedKV
 from engine.parallel import SINGLE, TensorParallel
 
@@ -61,7 +62,7 @@ def attention_layers(model_config: ModelConfig, tp: TensorParallel = SINGLE) -> 
     """This pipeline stage's layers that attend (and so keep K/V): all of them but a hybrid
     model's Mamba layers, which keep recurrent states instead (:func:`state_bytes`), and
     Nemotron-H's MLP layers, which keep nothing."""
-    m = getattr(model_config, "mamba", None)
+    m = getattr(model_config, "recurrent", None)
     other = () if m is None else (*m.layers, *m.mlp_layers)
     return [i for i in tp.stage.layer_range(model_config.num_hidden_layers) if i not in other]
 
@@ -69,11 +70,11 @@ def attention_layers(model_config: ModelConfig, tp: TensorParallel = SINGLE) -> 
 def state_bytes(model_config: ModelConfig, dtype: torch.dtype, slots: int, tp: TensorParallel = SINGLE) -> int:
     """The recurrent states of ``slots`` requests over this stage's Mamba layers (0 for a
     model without any): allocated beside the KV pool, out of the same budget."""
-    mamba = getattr(model_config, "mamba", None)
-    if mamba is None:
+    recurrent = getattr(model_config, "recurrent", None)
+    if recurrent is None:
         return 0
-    layers = [i for i in tp.stage.layer_range(model_config.num_hidden_layers) if i in mamba.layers]
-    return slots * state_bytes_per_slot(mamba, len(layers), dtype.itemsize)
+    layers = [i for i in tp.stage.layer_range(model_config.num_hidden_layers) if i in recurrent.layers]
+    return slots * state_bytes_per_slot(recurrent, len(layers), dtype.itemsize)
 
 
 def free_memory(device: torch.device | str) -> int:
@@ -213,23 +214,25 @@ def allocate_kv_caches(
         return pairs
     # A hybrid model: its Mamba layers' pairs are their (conv, SSM) states, a slot each;
     # an MLP layer's (Nemotron-H's) two empty tensors.
-    mamba = model_config.mamba
-    states = iter(_state_pairs(mamba, sum(i in mamba.layers for i in stage), state_slots, dtype, device))
+    recurrent = model_config.recurrent
+    states = iter(_state_pairs(recurrent, sum(i in recurrent.layers for i in stage), state_slots, dtype, device))
     kv = iter(pairs)
     empty = torch.empty(0, dtype=dtype, device=device)
-    return [next(kv) if i in attending else next(states) if i in mamba.layers else (empty, empty)
+    return [next(kv) if i in attending else next(states) if i in recurrent.layers else (empty, empty)
             for i in stage]
 
 
-def _state_pairs(mamba: MambaConfig, layers: int, slots: int, dtype: torch.dtype,
+def _state_pairs(recurrent: Any, layers: int, slots: int, dtype: torch.dtype,
                  device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Zeroed ``(conv_state [slots, conv_dim, d_conv - 1], ssm_state [slots, n_heads,
-    head_dim, d_state] fp32)`` for each of ``layers`` Mamba layers."""
+    """Zeroed ``(conv_state [slots, *conv], state [slots, *ssm] fp32)`` (``recurrent``'s
+    ``state_shapes()``: a Mamba layer's window and SSM state, a Gated DeltaNet layer's
+    window and key-by-value state) for each of ``layers`` recurrent layers."""
     if layers and slots < 1:
         raise ConfigError("a model with Mamba layers needs a recurrent state slot per running "
                           "request (max_num_seqs of them)", field="max_num_seqs")
-    return [(torch.zeros(slots, mamba.conv_dim, mamba.d_conv - 1, dtype=dtype, device=device),
-             torch.zeros(slots, mamba.n_heads, mamba.head_dim, mamba.d_state, dtype=torch.float32, device=device))
+    conv, ssm = recurrent.state_shapes()
+    return [(torch.zeros(slots, *conv, dtype=dtype, device=device),
+             torch.zeros(slots, *ssm, dtype=torch.float32, device=device))
             for _ in range(layers)]
 
 

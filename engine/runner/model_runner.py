@@ -129,7 +129,7 @@ class ModelRunner:
         ) if self.paged_kv else []
         # A hybrid model's Mamba layers: each running request's recurrent-state slot.
         self.state_slots = (StateSlots(max_num_seqs, self.device)
-                            if getattr(loaded.config, "mamba", None) is not None else None)
+                            if getattr(loaded.config, "recurrent", None) is not None else None)
         # The server's logits processors (--logits-processors: classes, built here once).
         self.sampler = Sampler(ops, seed=seed, processors=ProcessorBatch.build(
             logits_processors, ProcessorConfig(loaded.config.vocab_size, max_num_seqs), self.device))
