@@ -31,6 +31,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine.models.layers.recurrent import (
+    conv_decode,
+    conv_prompt,
+    mix_by_request,
+    slot_views,
+    write_back,
+)
 from engine.models.mamba_config import MambaConfig
 from engine.ops import AttentionMetadata
 
@@ -105,32 +112,15 @@ class MambaMixer:
         zxbcdt = self.in_proj(x)
         z, xbc, dt = zxbcdt.split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias).clamp(c.dt_min, c.dt_max)  # [T, H]
-        assert meta.state_slots is not None  # the runner gives a hybrid model's steps slots
-        slots = meta.state_slots_host
         y = torch.empty(x.shape[0], c.n_heads, c.head_dim, dtype=torch.float32, device=x.device)
-        decode = [b for b, (n, s) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True))
-                  if n == 1 and s > 1]
-        starts = [0]
-        for n in meta.query_lens_host:
-            starts.append(starts[-1] + n)
-        if decode:
-            if len(decode) == len(slots):  # a decode-only step: every row, in order
-                rows, index, host = None, meta.state_slots, slots
-            else:
-                rows = torch.tensor([starts[b] for b in decode], device=x.device)
-                index, host = meta.state_slots[decode], tuple(slots[b] for b in decode)
-            pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
-            out = self._decode(pick(xbc), pick(dt), index, host, conv_state, ssm_state)
-            if rows is None:
-                y.copy_(out)
-            else:
-                y.index_copy_(0, rows, out)
-        for b in range(len(slots)):
-            if b in decode:
-                continue
-            lo, hi = starts[b], starts[b + 1]
-            fresh = meta.seq_lens_host[b] == hi - lo  # the chunk starts the request
-            y[lo:hi] = self._chunk(xbc[lo:hi], dt[lo:hi], slots[b], fresh, conv_state, ssm_state)
+
+        def decode(pick, slots: torch.Tensor, host: tuple[int, ...]) -> torch.Tensor:
+            return self._decode(pick(xbc), pick(dt), slots, host, conv_state, ssm_state)
+
+        def chunk(lo: int, hi: int, slot: int, fresh: bool) -> torch.Tensor:
+            return self._chunk(xbc[lo:hi], dt[lo:hi], slot, fresh, conv_state, ssm_state)
+
+        mix_by_request(meta, y, decode, chunk)
         return self.out_proj(self._gated_norm(y.reshape(x.shape[0], c.d_inner), z).to(x.dtype))
 
     def _split(self, xbc: torch.Tensor, per_head: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -147,38 +137,21 @@ class MambaMixer:
 
     def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, slots: torch.Tensor, host: tuple[int, ...],
                 conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
-        """One token for each of N requests (slots ``host``, on the device ``slots``): [N, H,
-        P]. Slots in a run (``k, k+1, ...``: the usual case, slots being handed out lowest
-        first) are updated in place through a view; others are gathered and written back."""
-        n = len(host)
-        run = host == tuple(range(host[0], host[0] + n))
-        conv = conv_state[host[0]:host[0] + n] if run else conv_state.index_select(0, slots)
-        state = ssm_state[host[0]:host[0] + n] if run else ssm_state.index_select(0, slots)  # [N, H, P, d_state]
-        window = torch.cat([conv, xbc.unsqueeze(-1).to(conv_state.dtype)], dim=-1)
-        conv.copy_(window[:, :, 1:])
-        mixed = (window.float() * self.conv_weight).sum(-1)
-        if self.conv_bias is not None:
-            mixed = mixed + self.conv_bias
-        xs, b, cc = self._split(F.silu(mixed))
-        c = self.config
+        """One token for each of N requests (slots ``host``, on the device ``slots``): [N, H, P]."""
+        conv, state, in_place = slot_views(conv_state, ssm_state, slots, host)  # state [N, H, P, d_state]
+        xs, b, cc = self._split(conv_decode(conv, xbc, self.conv_weight, self.conv_bias))
+        c, n = self.config, len(host)
         state.mul_(torch.exp(dt * self.a)[:, :, None, None])
         flat = state.view(n * c.n_heads, c.head_dim, c.d_state)  # += (dt x) B^T, one batched outer product
         flat.baddbmm_((dt[:, :, None] * xs).reshape(n * c.n_heads, c.head_dim, 1), b.reshape(n * c.n_heads, 1, c.d_state))
-        if not run:
-            conv_state.index_copy_(0, slots, conv)
-            ssm_state.index_copy_(0, slots, state)
+        write_back(conv_state, ssm_state, slots, conv, state, in_place)
         return (state @ cc.unsqueeze(-1)).squeeze(-1) + self.d[:, None] * xs
 
     def _chunk(self, xbc: torch.Tensor, dt: torch.Tensor, slot: int, fresh: bool, conv_state: torch.Tensor,
                ssm_state: torch.Tensor) -> torch.Tensor:
         """A chunk of ``n`` tokens of one request: [n, H, P]."""
-        c = self.config
-        prior = torch.zeros_like(conv_state[slot]) if fresh else conv_state[slot]
-        seq = torch.cat([prior, xbc.t().to(conv_state.dtype)], dim=-1)  # [conv_dim, d_conv - 1 + n]
-        conv_state[slot] = seq[:, seq.shape[1] - (c.d_conv - 1):]
-        conv = F.conv1d(seq.float().unsqueeze(0), self.conv_weight.unsqueeze(1), self.conv_bias,
-                        groups=c.conv_dim)[0]  # [conv_dim, n]
-        xs, b, cc = self._split(F.silu(conv.t()), per_head=False)
+        mixed = conv_prompt(conv_state, slot, fresh, xbc, self.conv_weight, self.conv_bias)
+        xs, b, cc = self._split(mixed, per_head=False)
         state = torch.zeros_like(ssm_state[slot]) if fresh else ssm_state[slot]  # [H, P, d_state]
         out, ssm_state[slot] = self._scan(xs, dt, b, cc, state)
         return out + self.d[:, None] * xs
