@@ -78,7 +78,7 @@ class AdmissionLimits:
     # The special tokens (a grammar never lets one be sampled but for EOS): a stop token
     # id outside them and EOS is a text token a constrained output may reach mid-way.
     special_token_ids: frozenset[int] = frozenset()
-    # False for a model whose Mamba layers keep one recurrent state a request: a beam's
+    # False for a model whose recurrent layers keep one state a request: a beam's
     # fork would need its parent's state copied, which is not built.
     beam_search: bool = True
 
@@ -478,8 +478,8 @@ def _expand(
     names = sample_ids(submit.request_id, submit.params.n, serial)
     if submit.params.beam_width:
         if not limits.beam_search:
-            raise InvalidParamError("beam search is not supported for models with Mamba layers "
-                                    "(Granite 4.0 H)", param="use_beam_search")
+            raise InvalidParamError("beam search is not supported for models with "
+                                    "recurrent layers (Mamba-2, Gated DeltaNet)", param="use_beam_search")
         return _beam_group(submit, ids, max_tokens, limits, names, images)
     # Samples after the first wait until the first has computed (and cached) the prompt's
     # full blocks, then take them from the prefix cache; with prompt_logprobs each computes

@@ -19,6 +19,7 @@ from engine.models.decoder_fields import (
     nope_layers,
     rotary_dim,
 )
+from engine.models.deltanet_config import DeltaNetConfig, deltanet_fields
 from engine.models.encoder_config import (
     DECODER_CLASSIFIER_ARCHITECTURES,
     ENCODER_ARCHITECTURES,
@@ -63,6 +64,8 @@ SUPPORTED_ARCHITECTURES = {
     "GraniteMoeHybridForCausalLM": "granite_hybrid",
     # NVIDIA's Nemotron-H (models/nemotron_h.py): Mamba-2, attention and MLP layers, one block each.
     "NemotronHForCausalLM": "nemotron_h",
+    # Qwen3.5 (models/qwen3_5.py): Gated DeltaNet layers between gated attention layers.
+    "Qwen3_5ForCausalLM": "qwen3_5",
     # OLMo (models/olmo.py): norms after each block, q/k normed across all heads.
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
@@ -118,6 +121,7 @@ SUPPORTED_ARCHITECTURES = {
 TEXT_PART_ARCHITECTURES = {
     "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "gemma3_text"),
     "Mistral3ForConditionalGeneration": ("MistralForCausalLM", "mistral"),
+    "Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
 }
 # The same decoders saved without their LM head (transformers' base classes), as embedding
 # models such as Qwen3-Embedding are: weights without the "model." prefix, no lm_head.
@@ -227,8 +231,10 @@ class ModelConfig:
     bidirectional: bool = False
     # DeepSeek-V3's multi-head latent attention (decoder_fields.MlaConfig); None elsewhere.
     mla: MlaConfig | None = None
-    # Granite 4's Mamba-2 layers (mamba_config.MambaConfig); None: every layer attends.
+    # Granite 4's and Nemotron-H's Mamba-2 layers (mamba_config.MambaConfig), Qwen3.5's
+    # Gated DeltaNet layers (deltanet_config.DeltaNetConfig); None: every layer attends.
     mamba: MambaConfig | None = None
+    deltanet: DeltaNetConfig | None = None
     # A vision-language model's vision tower (LLaVA, Qwen-VL, Gemma 3); None for a
     # text-only model.
     vision: VisionConfig | QwenVisionConfig | Gemma3VisionConfig | None = None
@@ -239,10 +245,10 @@ class ModelConfig:
     modernbert: ModernBertConfig | None = None
 
     @property
-    def recurrent(self) -> MambaConfig | None:
-        """The layers that keep a recurrent state a request instead of KV blocks (Mamba-2),
-        or None: what the runner's state slots and the engine's rules read."""
-        return self.mamba
+    def recurrent(self) -> MambaConfig | DeltaNetConfig | None:
+        """The layers that keep a recurrent state a request instead of KV blocks (Mamba-2,
+        Gated DeltaNet), or None: what the runner's state slots and the engine's rules read."""
+        return self.mamba or self.deltanet
 
     @property
     def mrope(self) -> bool:
@@ -339,7 +345,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 # Qwen2-MoE names its q/k/v bias switch qkv_bias (default on).
                 attention_bias=attention_bias,
-                qk_norm=(arch in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "exaone4", "olmoe")
+                qk_norm=(arch in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "exaone4", "olmoe", "qwen3_5")
                          or (arch == "glm4_moe" and bool(raw.get("use_qk_norm")))),
                 sliding_window=int(window) if window else None,
                 layer_windows=windows,
@@ -363,6 +369,7 @@ class ModelConfig:
                 base_model=base,
                 mla=mla.get("mla"),
                 mamba=mamba_fields(raw, arch),
+                deltanet=deltanet_fields(raw, arch),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptModelError(f"config.json is missing or has a bad field: {exc}") from exc

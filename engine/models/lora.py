@@ -83,8 +83,8 @@ LORA_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "s
 def check_lora_model(config: ModelConfig) -> None:
     """Refuse (:class:`UnsupportedModelError`) a base model adapters cannot be served on."""
     if config.recurrent is not None:
-        raise UnsupportedModelError("LoRA adapters are not supported for models with Mamba layers "
-                                    "(Granite 4.0 H)")
+        raise UnsupportedModelError("LoRA adapters are not supported for models with "
+                                    "recurrent layers (Mamba-2, Gated DeltaNet)")
     if config.architecture not in LORA_ARCHITECTURES or config.base_model:
         raise UnsupportedModelError(f"LoRA adapters are not supported for {config.architecture} models "
                                     f"(supported: {', '.join(sorted(LORA_ARCHITECTURES))})")

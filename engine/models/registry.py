@@ -36,6 +36,7 @@ from engine.models.olmo import OlmoModel
 from engine.models.olmoe import OlmoeModel
 from engine.models.opt import OPTModel
 from engine.models.phi import PhiModel
+from engine.models.qwen3_5 import Qwen35Model
 from engine.models.qwen_vl import QwenVLModel
 from engine.models.starcoder2 import Starcoder2Model
 from engine.models.vision_config import Gemma3VisionConfig
@@ -58,6 +59,7 @@ MODEL_CLASSES: dict[str, type] = {
     "granite_moe": LlamaModel,
     "granite_hybrid": GraniteHybridModel,
     "nemotron_h": NemotronHModel,
+    "qwen3_5": Qwen35Model,
     "olmo2": OlmoModel,
     "olmo3": OlmoModel,
     "exaone4": OlmoModel,

@@ -57,7 +57,7 @@ class AttentionMetadata:
     # Host-side copies so the CPU path never syncs a device tensor to read them.
     query_lens_host: tuple[int, ...]
     seq_lens_host: tuple[int, ...]
-    # A hybrid model's Mamba layers (engine.models.layers.mamba): each request's recurrent
+    # A hybrid model's recurrent layers (engine.models.layers.recurrent): each request's recurrent
     # state slot ([B] int64 on the device, and on the host); None for other models.
     state_slots: torch.Tensor | None = None
     state_slots_host: tuple[int, ...] = ()

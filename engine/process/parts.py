@@ -169,16 +169,16 @@ def _refuse_unsplittable(model_config: Any, config: EngineConfig) -> None:
 
 
 def _recurrent_state_rules(config: EngineConfig) -> EngineConfig:
-    """A model with Mamba layers keeps one recurrent state a request, advanced by every
+    """A model with recurrent layers (Mamba-2, Gated DeltaNet) keeps one state a request, advanced by every
     token it computes: a cached prefix would skip the tokens the state needs (prefix
     caching is turned off, as vLLM does for such models), and a speculative step's
     rejected tokens could not be taken back out of it (refused)."""
     if config.speculative is not None:
-        raise ConfigError("speculative decoding is not supported for models with Mamba layers: "
+        raise ConfigError("speculative decoding is not supported for models with recurrent layers (Mamba-2, Gated DeltaNet): "
                           "their recurrent state cannot take back rejected tokens",
                           field="speculative_config")
     if config.enable_prefix_caching:
-        logger.info("prefix caching off: this model's Mamba layers keep a recurrent state, not "
+        logger.info("prefix caching off: this model's recurrent layers keep a state a request, not "
                     "per-token KV blocks a prefix could share")
         config = dataclasses.replace(config, enable_prefix_caching=False)
     return config
@@ -435,7 +435,7 @@ def _less_recurrent_states(config: EngineConfig, loaded: Any, device: torch.devi
     total = int(free_memory(device) * budget) if isinstance(budget, float) else int(budget)
     if states >= total:
         raise ConfigError(
-            f"the Mamba layers' recurrent states of max_num_seqs={config.max_num_seqs} requests take "
+            f"the recurrent layers' states of max_num_seqs={config.max_num_seqs} requests take "
             f"{states / 2**20:.1f} MiB, the whole KV budget of {total / 2**20:.1f} MiB: lower "
             f"max_num_seqs or raise kv_cache_memory", field="max_num_seqs")
     logger.info("recurrent states: %d slots of %.2f MiB (%.0f MiB of the KV budget)", config.max_num_seqs,

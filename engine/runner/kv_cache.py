@@ -60,7 +60,7 @@ def bytes_per_block(
 
 def attention_layers(model_config: ModelConfig, tp: TensorParallel = SINGLE) -> list[int]:
     """This pipeline stage's layers that attend (and so keep K/V): all of them but a hybrid
-    model's Mamba layers, which keep recurrent states instead (:func:`state_bytes`), and
+    model's recurrent (Mamba, Gated DeltaNet) layers, which keep states instead (:func:`state_bytes`), and
     Nemotron-H's MLP layers, which keep nothing."""
     m = getattr(model_config, "recurrent", None)
     other = () if m is None else (*m.layers, *m.mlp_layers)
@@ -68,7 +68,7 @@ def attention_layers(model_config: ModelConfig, tp: TensorParallel = SINGLE) -> 
 
 
 def state_bytes(model_config: ModelConfig, dtype: torch.dtype, slots: int, tp: TensorParallel = SINGLE) -> int:
-    """The recurrent states of ``slots`` requests over this stage's Mamba layers (0 for a
+    """The recurrent states of ``slots`` requests over this stage's recurrent layers (0 for a
     model without any): allocated beside the KV pool, out of the same budget."""
     recurrent = getattr(model_config, "recurrent", None)
     if recurrent is None:
@@ -192,7 +192,7 @@ def allocate_kv_caches(
     first touch, so a page is resident only once a block on it has been written or read
     (``torch.zeros`` would write every byte at startup and keep the whole budget resident).
 
-    A hybrid model's Mamba layers get their recurrent states instead: ``state_slots``
+    A hybrid model's recurrent layers get their states instead: ``state_slots``
     requests' worth each (engine.models.layers.mamba).
     """
     stage = tp.stage.layer_range(model_config.num_hidden_layers)  # a pipeline stage's own
@@ -212,7 +212,7 @@ def allocate_kv_caches(
     pairs = [(caches[n * i], caches[n * i + n - 1]) for i in range(layers)]
     if layers == len(stage):
         return pairs
-    # A hybrid model: its Mamba layers' pairs are their (conv, SSM) states, a slot each;
+    # A hybrid model: its recurrent layers' pairs are their (conv, state) tensors, a slot each;
     # an MLP layer's (Nemotron-H's) two empty tensors.
     recurrent = model_config.recurrent
     states = iter(_state_pairs(recurrent, sum(i in recurrent.layers for i in stage), state_slots, dtype, device))
@@ -228,7 +228,7 @@ def _state_pairs(recurrent: Any, layers: int, slots: int, dtype: torch.dtype,
     ``state_shapes()``: a Mamba layer's window and SSM state, a Gated DeltaNet layer's
     window and key-by-value state) for each of ``layers`` recurrent layers."""
     if layers and slots < 1:
-        raise ConfigError("a model with Mamba layers needs a recurrent state slot per running "
+        raise ConfigError("a model with recurrent layers needs a state slot per running "
                           "request (max_num_seqs of them)", field="max_num_seqs")
     conv, ssm = recurrent.state_shapes()
     return [(torch.zeros(slots, *conv, dtype=dtype, device=device),

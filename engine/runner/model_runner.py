@@ -127,7 +127,7 @@ class ModelRunner:
             loaded.config, num_blocks, block_size, loaded.dtype, self.device, kv_cache_dtype=kv_cache_dtype, tp=tp,
             state_slots=max_num_seqs,
         ) if self.paged_kv else []
-        # A hybrid model's Mamba layers: each running request's recurrent-state slot.
+        # A hybrid model's recurrent layers: each running request's state slot.
         self.state_slots = (StateSlots(max_num_seqs, self.device)
                             if getattr(loaded.config, "recurrent", None) is not None else None)
         # The server's logits processors (--logits-processors: classes, built here once).
@@ -178,7 +178,7 @@ class ModelRunner:
         elif self.config.mrope:
             why = "M-RoPE positions are computed per step"
         elif self.state_slots is not None:
-            why = "Mamba layers' recurrent states are read by slot per step"
+            why = "recurrent layers' states are read by slot per step"
         elif self.lora is not None:
             why = "LoRA steps set each token's adapter slot per step"
         elif self.tp.enabled or self.tp.stage.enabled:

@@ -1,4 +1,4 @@
-"""Which recurrent-state slot each request of a hybrid model holds (its Mamba layers'
+"""Which recurrent-state slot each request of a hybrid model holds (its Mamba or DeltaNet layers'
 conv and SSM states, engine.models.layers.mamba).
 
 A request takes a free slot at its first chunk (position 0) and keeps it until the

@@ -61,7 +61,7 @@ def tensor_parallel_problem(config: ModelConfig, n: int, *, expert_parallel: boo
     if config.vision is not None and not isinstance(config.vision, Gemma3VisionConfig):
         return "tensor parallelism is not supported for vision-language models (LLaVA, Qwen-VL)"
     if config.recurrent is not None:
-        return "tensor parallelism is not supported for models with Mamba layers (Granite 4.0 H)"
+        return "tensor parallelism is not supported for models with recurrent layers (Mamba-2, Gated DeltaNet)"
     problems = []
     h, hkv = config.num_attention_heads, config.num_key_value_heads
     if h % n:
