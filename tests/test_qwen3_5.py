@@ -117,3 +117,20 @@ def test_its_deltanet_layers_are_the_recurrent_ones_the_engine_rules_read(qwen) 
     assert "Gated DeltaNet" in tensor_parallel_problem(config, 2)
     with pytest.raises(UnsupportedModelError, match="Gated DeltaNet"):
         check_lora_model(config)
+
+
+@pytest.mark.parametrize("ops", ["torch", "cpu"])
+def test_the_moe_models_match_transformers(tmp_path, ops: str) -> None:
+    """Qwen3.5-MoE's layout: 8 routed experts (2 a token) and a gated shared expert in
+    every layer, DeltaNet and attention alike."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    torch.manual_seed(0)
+    fields = {k: v for k, v in TINY.items() if k != "intermediate_size"}
+    config = Qwen3_5MoeTextConfig(**fields, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                  shared_expert_intermediate_size=48)
+    hf = write_hf_model(draw_mamba_parameters(Qwen3_5MoeForCausalLM(config)), tmp_path / "m", norms=True)
+    loaded = assert_greedy_matches(hf, tmp_path / "m", ops, fused=False)
+    moe = loaded.config.moe
+    assert moe is not None and moe.sparse_layers == (0, 1, 2, 3) and moe.shared_expert_intermediate_size == 48
+    assert_chunked_greedy_matches(hf, tmp_path / "m", ops, prompts=3, chunk_size=5)

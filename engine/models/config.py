@@ -66,6 +66,7 @@ SUPPORTED_ARCHITECTURES = {
     "NemotronHForCausalLM": "nemotron_h",
     # Qwen3.5 (models/qwen3_5.py): Gated DeltaNet layers between gated attention layers.
     "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",  # its MLPs Qwen2-MoE's routed and gated shared experts
     # OLMo (models/olmo.py): norms after each block, q/k normed across all heads.
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
@@ -122,6 +123,7 @@ TEXT_PART_ARCHITECTURES = {
     "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "gemma3_text"),
     "Mistral3ForConditionalGeneration": ("MistralForCausalLM", "mistral"),
     "Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
+    "Qwen3_5MoeForConditionalGeneration": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
 }
 # The same decoders saved without their LM head (transformers' base classes), as embedding
 # models such as Qwen3-Embedding are: weights without the "model." prefix, no lm_head.
@@ -293,6 +295,8 @@ class ModelConfig:
             raw = granite_hybrid_raw(raw)
         elif arch == "nemotron_h":
             raw = nemotron_h_raw(raw)
+        elif arch == "qwen3_5_moe":  # every MLP is the experts': no dense width
+            raw = {"intermediate_size": raw.get("moe_intermediate_size", 0), **raw}
         elif arch == "gpt_neox":
             raw = gpt_neox_raw(raw)
         classifier = {}
@@ -345,7 +349,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 # Qwen2-MoE names its q/k/v bias switch qkv_bias (default on).
                 attention_bias=attention_bias,
-                qk_norm=(arch in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "exaone4", "olmoe", "qwen3_5")
+                qk_norm=(arch in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "exaone4", "olmoe", "qwen3_5", "qwen3_5_moe")
                          or (arch == "glm4_moe" and bool(raw.get("use_qk_norm")))),
                 sliding_window=int(window) if window else None,
                 layer_windows=windows,

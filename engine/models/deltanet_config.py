@@ -50,7 +50,7 @@ class DeltaNetConfig:
 def deltanet_fields(raw: dict[str, Any], arch: str) -> DeltaNetConfig | None:
     """Qwen3.5's Gated DeltaNet layers (``layer_types`` "linear_attention", else every layer
     but each ``full_attention_interval``-th), or None for any other architecture."""
-    if arch != "qwen3_5":
+    if arch not in ("qwen3_5", "qwen3_5_moe"):
         return None
     layers = int(raw["num_hidden_layers"])
     types = raw.get("layer_types")

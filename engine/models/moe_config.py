@@ -117,6 +117,11 @@ class MoeConfig:
                        intermediate_size=int(raw["intermediate_size"]),
                        norm_topk_prob=bool(raw.get("norm_topk_prob", False)), shared_expert_intermediate_size=0,
                        sparse_layers=tuple(range(num_layers)), naming="qwen")
+        if arch == "qwen3_5_moe":  # every layer: softmax top-k renormalised, a sigmoid-gated shared expert
+            return cls(num_experts=_num_experts(raw, 512), top_k=int(raw.get("num_experts_per_tok", 10)),
+                       intermediate_size=int(raw["moe_intermediate_size"]), norm_topk_prob=True,
+                       shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
+                       sparse_layers=tuple(range(num_layers)), naming="qwen")
         if arch not in ("qwen2_moe", "qwen3_moe"):
             return None
         experts = _num_experts(raw, 0)

@@ -1,6 +1,8 @@
-"""Qwen3.5 (``Qwen3_5ForCausalLM``; the text model of ``Qwen3_5ForConditionalGeneration``):
-three Gated DeltaNet layers to each attention layer, as ``layer_types`` (or
-``full_attention_interval``) lays them out.
+"""Qwen3.5 (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``; the text model of
+``Qwen3_5ForConditionalGeneration`` and ``Qwen3_5MoeForConditionalGeneration``): three
+Gated DeltaNet layers to each attention layer, as ``layer_types`` (or
+``full_attention_interval``) lays them out; the MoE models' MLPs are Qwen2-MoE's routed
+experts (softmax top-k, renormalised) and sigmoid-gated shared expert, in every layer.
 
 * A "linear_attention" layer mixes with Gated DeltaNet (``layers/deltanet.py``), keeping a
   recurrent state a request in the runner's state slots (engine.runner.state_slots).
@@ -27,7 +29,8 @@ import torch
 from engine.models.config import ModelConfig
 from engine.models.layers.decoder import Decoder, DecoderLayer
 from engine.models.layers.deltanet import DeltaNetMixer, deltanet_weight_names
-from engine.models.layers.linear import make_linear
+from engine.models.layers.linear import Linear, make_linear
+from engine.models.layers.moe import SparseMoeBlock, sparse_layer_weight_names
 from engine.models.layers.norm import gemma_norm_weight, gemma_rms_norm
 from engine.models.layers.rope import rope_cos_sin_cache
 from engine.models.layers.shard import ShardedWeights
@@ -44,6 +47,7 @@ class DeltaNetLayer:
     mixer: DeltaNetMixer
     gate_up: Any
     down: Any
+    moe: SparseMoeBlock | None = None
 
 
 class Qwen35Model(Decoder):
@@ -62,7 +66,10 @@ class Qwen35Model(Decoder):
             else:
                 names += [p + f"self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm",
                                                                  "k_norm")]
-            names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+            if config.moe is not None:
+                names += sparse_layer_weight_names(config.moe, i)
+            else:
+                names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
         names.append("model.norm.weight")
         if not config.tie_word_embeddings:
             names.append("lm_head.weight")
@@ -92,8 +99,11 @@ class Qwen35Model(Decoder):
         assert net is not None
         p = f"model.layers.{i}."
         norm = lambda name: self._norm_weight(get.weights, p + name)  # noqa: E731
-        mlp = dict(gate_up=make_linear([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
-                   down=make_linear([get(p + "mlp.down_proj.weight")]))
+        if self.config.moe is not None:  # Qwen3.5-MoE: routed experts and a gated shared expert
+            mlp = dict(gate_up=None, down=None, moe=SparseMoeBlock(self.config, i, get, Linear, self.tp))
+        else:
+            mlp = dict(gate_up=make_linear([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
+                       down=make_linear([get(p + "mlp.down_proj.weight")]))
         if i in net.layers:
             return DeltaNetLayer(input_norm=norm("input_layernorm.weight"), post_norm=norm("post_attention_layernorm.weight"),
                                  mixer=DeltaNetMixer.build(net, get, p, self.eps, make_linear), **mlp)
@@ -140,8 +150,6 @@ class Qwen35Model(Decoder):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; writes this step's K/V and
         advances the DeltaNet layers' states."""
-        ops = self.ops
-
         def block(layer: Any, hidden: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
             x = self._rms(hidden, layer.input_norm)
             if isinstance(layer, DeltaNetLayer):
@@ -149,7 +157,7 @@ class Qwen35Model(Decoder):
             else:
                 mixed = self._gated_attention(layer, x, positions, meta, first, second)
             hidden = hidden + mixed
-            return hidden + layer.down(ops.silu_and_mul(layer.gate_up(self._rms(hidden, layer.post_norm))))
+            return hidden + self._mlp(layer, self._rms(hidden, layer.post_norm))
 
         return self._run_stream(input_ids, positions, kv_caches, block,  # type: ignore[return-value]
                                 lambda h: self._rms(h, self.norm), mm_embeds=mm_embeds)
