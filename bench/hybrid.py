@@ -1,13 +1,14 @@
 """The hybrid (Mamba-2) families at long contexts: prompt processing and decoding of one
 stream on the engine's model runner beside transformers, on bench/moe_families.py's
-random models (``granite4h``, ``nemotron_h``), bf16.
+random models (``granite4h``, ``nemotron_h``, ``qwen3_5``), bf16.
 
-    .venv/bin/python bench/hybrid.py [--families granite4h,nemotron_h] [--contexts 512,2048] [--rounds 2]
+    .venv/bin/python bench/hybrid.py [--families granite4h,nemotron_h,qwen3_5] [--contexts 512,2048] [--rounds 2]
 
 Per family and context, alternated in rounds, best of each: the engine's prefill tok/s
 (the whole prompt in one step, its Mamba layers scanned in blocks of ``SCAN_BLOCK``
-tokens) beside transformers' forward over the same prompt (its torch path for the Mamba
-layers: the chunked scan of ``mamba_chunk_size``), and decode tok/s of one stream after
+tokens, its DeltaNet layers in blocks of ``CHUNK``) beside transformers' forward over the
+same prompt (its torch paths for the same layers: the chunked scan and the chunked delta
+rule), and decode tok/s of one stream after
 the prompt beside transformers' ``generate``. Then what a request's recurrent states cost
 against the KV cache the same model would keep were its Mamba layers attention layers.
 """
@@ -32,7 +33,7 @@ from engine.runner.kv_cache import bytes_per_block, state_bytes  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--families", default="granite4h,nemotron_h")
+    ap.add_argument("--families", default="granite4h,nemotron_h,qwen3_5")
     ap.add_argument("--contexts", default="512,2048")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
@@ -73,7 +74,7 @@ def main() -> None:
                       f"{best['prefill'] / best['hf_prefill']:.2f}x | {best['decode']:.1f} | {best['hf']:.1f} | "
                       f"{best['decode'] / best['hf']:.2f}x |", flush=True)
                 del eng
-            m = c.mamba
+            m = c.recurrent
             per_token = bytes_per_block(c, torch.bfloat16, 1)  # the attention layers' K and V
             layers = len(m.layers)
             attn = c.num_hidden_layers - layers - len(m.mlp_layers)

@@ -37,6 +37,9 @@ at reduced shapes that keep what sets each family apart (``SHAPES``):
 * Granite 4.0 H (hybrid): three Mamba-2 layers to each attention layer (32 heads of 64,
   a 128-wide state, one group), the shared MLP 2816 wide, no RoPE. Unfused (the Mamba
   layers run in torch); transformers runs its own torch path for the same layers.
+* Qwen3.5 (dense): three Gated DeltaNet layers (8 key and 16 value heads of 64) to each
+  gated attention layer (16 query and 4 KV heads of 128, a quarter rotated), a 2816 MLP.
+  Unfused.
 * Nemotron-H: single-mixer blocks (Mamba, MLP, Mamba, attention, MLP, Mamba, MLP, Mamba),
   the mixer 32 heads of 64 with a 128-wide state in 8 groups, squared-ReLU MLPs 2816 wide.
   Unfused.
@@ -110,6 +113,12 @@ SHAPES = {
                        max_position_embeddings=4096, intermediate_size=2816, hybrid_override_pattern="M-M*-M-M",
                        num_hidden_layers=8, mamba_num_heads=32, mamba_head_dim=64, n_groups=8, ssm_state_size=128,
                        vocab_size=384, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # Qwen3.5 (dense): three Gated DeltaNet layers to one gated attention layer, the
+    # DeltaNet 8 key and 16 value heads of 64 (Qwen3.5's ratio), attention heads of 128.
+    "qwen3_5": ATTENTION | dict(
+        head_dim=128, intermediate_size=2816, vocab_size=384, tie_word_embeddings=False, linear_num_key_heads=8,
+        linear_num_value_heads=16, linear_key_head_dim=64, linear_value_head_dim=64, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2),
     "glm4_moe": ATTENTION | dict(
         intermediate_size=2816, moe_intermediate_size=256, n_routed_experts=64, num_experts_per_tok=8,
         n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, attention_bias=True,
@@ -125,8 +134,8 @@ def write(family: str, folder: Path) -> None:
 
     name = {"glm4_moe": "Glm4Moe", "deepseek_v3": "DeepseekV3", "glm4": "Glm4", "cohere2": "Cohere2", "olmoe": "Olmoe",
             "gpt_bigcode": "GPTBigCode", "starcoder2": "Starcoder2", "gpt_neox": "GPTNeoX",
-            "phi": "Phi", "granite4h": "GraniteMoeHybrid", "nemotron_h": "NemotronH"}[family]
-    config = getattr(transformers, f"{name}Config")(**SHAPES[family])
+            "phi": "Phi", "granite4h": "GraniteMoeHybrid", "nemotron_h": "NemotronH", "qwen3_5": "Qwen3_5"}[family]
+    config = getattr(transformers, f"{name}{'TextConfig' if family == 'qwen3_5' else 'Config'}")(**SHAPES[family])
     torch.manual_seed(0)
     getattr(transformers, f"{name}ForCausalLM")(config).save_pretrained(folder)
     tokenizer = write_tiny_model(folder.parent / "tokenizer", "llama")
@@ -181,7 +190,7 @@ def main() -> None:
             step = engine.runner.model.fused_step
             # latent attention, post-block norms, LayerNorm, q/k norms across the heads
             fuses = family not in ("deepseek_v3", "glm4", "cohere2", "olmoe", "gpt_bigcode", "starcoder2", "gpt_neox",
-                                  "phi", "granite4h", "nemotron_h")
+                                  "phi", "granite4h", "nemotron_h", "qwen3_5")
             assert (step is not None and step.steps > 0) == fuses, f"{family}: the fused step ran or not"
             del engine, hf
 
