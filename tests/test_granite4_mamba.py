@@ -2,10 +2,12 @@
 between its attention layers. Built and written by transformers (every Mamba parameter
 drawn, B and C in two groups); greedy tokens and logprobs against transformers' on both op
 sets, whole prompts and prompts in chunks (the scan's blocks cut small, so a chunk spans
-several), with and without routed experts beside the shared MLP (the MoE models); then through the whole engine, requests batched, prefilled in chunks and
-preempted, on one rank and over two pipeline stages, against transformers' greedy
-decoding. The runner's state slots, and what the
-engine refuses for such a model (speculation, beam search, LoRA, tensor parallelism)."""
+several), with and without routed experts beside the shared MLP (the MoE models); then
+through the whole engine, requests batched, prefilled in chunks and preempted, on one rank
+and over two pipeline stages, against transformers' greedy decoding. The runner's state
+slots, and what the engine refuses for such a model (speculation, beam search, LoRA;
+tensor parallelism where the heads or groups do not divide; tests/test_tensor_parallel.py
+splits it over two ranks)."""
 
 from __future__ import annotations
 
@@ -154,7 +156,8 @@ def test_a_preempted_request_gives_its_state_slot_back(hybrid) -> None:
 async def test_what_a_model_with_mamba_layers_refuses(hybrid) -> None:
     _, folder = hybrid
     config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
-    assert "Mamba" in tensor_parallel_problem(config, 2)
+    assert tensor_parallel_problem(config, 2) is None  # a head and a group of B and C a rank
+    assert "Mamba layers' 8 heads do not divide by 3" in tensor_parallel_problem(config, 3)
     with pytest.raises(UnsupportedModelError, match="Mamba"):
         check_lora_model(config)
     with pytest.raises(engine.ConfigError) as info:

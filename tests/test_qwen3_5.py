@@ -114,7 +114,8 @@ def test_its_deltanet_layers_are_the_recurrent_ones_the_engine_rules_read(qwen) 
     _, folder = qwen
     config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
     assert config.recurrent is config.deltanet and config.mamba is None
-    assert "Gated DeltaNet" in tensor_parallel_problem(config, 2)
+    assert tensor_parallel_problem(config, 2) is None
+    assert "Gated DeltaNet layers' 2 key and 4 value heads do not divide by 4" in tensor_parallel_problem(config, 4)
     with pytest.raises(UnsupportedModelError, match="Gated DeltaNet"):
         check_lora_model(config)
 

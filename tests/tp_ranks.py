@@ -114,8 +114,10 @@ def _greedy(tp: TensorParallel, path: str) -> tuple:
     tokens = generate_greedy(runner, prompts(runner.config.vocab_size), NEW_TOKENS, chunk_size=CHUNK,
                              block_size=BLOCK_SIZE)
     model = runner.model
-    linears = [model.lm_head] + [getattr(p, "linear", p) for layer in model.layers  # RowParallel: its projection
-                                 for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+    # RowParallel: its projection; a recurrent layer or an MLP block lacks some of them.
+    linears = [model.lm_head] + [getattr(p, "linear", p) for layer in model.layers
+                                 for p in (getattr(layer, n, None) for n in ("qkv", "o_proj", "gate_up", "down"))
+                                 if p is not None]
     kept = sorted({part.fmt.name for q in linears if isinstance(q, QuantLinear) for part in q.parts})
     return tokens, steps, kept
 

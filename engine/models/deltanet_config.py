@@ -41,6 +41,19 @@ class DeltaNetConfig:
         """The convolution's channels: q, k and v."""
         return 2 * self.key_dim + self.value_dim
 
+    def local(self, world: int) -> DeltaNetConfig:
+        """One of ``world`` tensor-parallel ranks' share: its key and value heads."""
+        if world == 1:
+            return self
+        return dataclasses.replace(self, num_k_heads=self.num_k_heads // world, num_v_heads=self.num_v_heads // world)
+
+    def tensor_parallel_problem(self, world: int) -> str | None:
+        """Why the layers cannot be split over ``world`` ranks, or None."""
+        if self.num_k_heads % world or self.num_v_heads % world:
+            return (f"the Gated DeltaNet layers' {self.num_k_heads} key and {self.num_v_heads} value heads do not "
+                    f"divide by {world}")
+        return None
+
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """One request's states in one layer: the convolution's window, each value head's
         key-by-value state."""

@@ -33,6 +33,9 @@ class MambaConfig:
     proj_bias: bool  # in_proj and out_proj
     dt_min: float  # time_step_limit: dt is clamped into [dt_min, dt_max]
     dt_max: float
+    # Over tensor-parallel ranks (local()): how many ranks one gated-norm group spans (its
+    # groups copied to every rank, n_groups 1: the norm's mean is summed over the ranks).
+    norm_world: int = 1
 
     @property
     def d_inner(self) -> int:
@@ -52,6 +55,26 @@ class MambaConfig:
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """One request's states in one layer: the convolution's window, the SSM state."""
         return (self.conv_dim, self.d_conv - 1), (self.n_heads, self.head_dim, self.d_state)
+
+    def local(self, world: int) -> MambaConfig:
+        """One of ``world`` tensor-parallel ranks' share: its heads, and its groups (a
+        share of them, or with one group, that group copied to every rank)."""
+        if world == 1:
+            return self
+        split = self.n_groups % world == 0
+        return dataclasses.replace(self, n_heads=self.n_heads // world,
+                                   n_groups=self.n_groups // world if split else self.n_groups,
+                                   norm_world=1 if split else world)
+
+    def tensor_parallel_problem(self, world: int) -> str | None:
+        """Why the mixers cannot be split over ``world`` ranks, or None."""
+        if self.n_heads % world:
+            return f"the Mamba layers' {self.n_heads} heads do not divide by {world}"
+        if self.n_groups % world and self.n_groups != 1:
+            return f"the Mamba layers' {self.n_groups} groups neither divide by {world} nor are one"
+        if self.proj_bias:
+            return "Mamba layers with projection biases (mamba_proj_bias) do not split over ranks"
+        return None
 
 
 _MAMBA_TYPES = ("mamba", "linear_attention")  # as released; transformers 5 writes the second

@@ -11,8 +11,9 @@ Its RMS norms multiply the fp32 normed row by the weight in fp32 and round once.
 checkpoint's ``backbone.*`` names are read as the decoder's (``checkpoint_name``). MoE
 blocks ("E", Nemotron 3) are refused at load; the Mamba layers keep one recurrent state
 a request (engine.runner.state_slots), with what that turns off (prefix caching) and
-refuses (speculation, beam search, LoRA, tensor parallelism). Pipeline stages cut the
-blocks as any layers. The fused CPU decode step does not run it.
+refuses (speculation, beam search, LoRA). Tensor-parallel ranks each keep their heads of
+every mixer and their share of every MLP; pipeline stages cut the blocks as any layers.
+The fused CPU decode step does not run it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from engine.models.config import ModelConfig
 from engine.models.layers.decoder import Decoder, DecoderLayer
 from engine.models.layers.linear import make_linear
 from engine.models.layers.mamba import MambaMixer, mamba_weight_names
-from engine.models.layers.shard import ShardedWeights
+from engine.models.layers.shard import ShardedWeights, qkv_spans
 from engine.ops import AttentionMetadata, Ops
 from engine.parallel import SINGLE, TensorParallel
 
@@ -100,14 +101,16 @@ class NemotronHModel(Decoder):
         mixer = p + "mixer."
         if i in m.layers:
             block.mamba = MambaMixer.build(m, get, p, self.eps, make_linear, module="mixer")
-        elif i in m.mlp_layers:
-            block.up = make_linear([get(mixer + "up_proj.weight")])
-            block.down = make_linear([get(mixer + "down_proj.weight")])
+        elif i in m.mlp_layers:  # over tensor-parallel ranks: up's rows, down's columns
+            block.up = make_linear([get.rows(mixer + "up_proj.weight")])
+            block.down = get.row_parallel(mixer + "down_proj.weight")
         else:
+            _, spans = qkv_spans(self.config, self.tp)  # this rank's heads
             block.attention = DecoderLayer(
                 input_norm=block.norm, post_norm=None,  # type: ignore[arg-type]  # one norm a block
-                qkv=make_linear([get(mixer + f"{n}_proj.weight") for n in "qkv"]),
-                o_proj=make_linear([get(mixer + "o_proj.weight")]),
+                qkv=make_linear([get.rows(mixer + f"{n}_proj.weight", spans=[span])
+                                 for n, span in zip("qkv", spans, strict=True)]),
+                o_proj=get.row_parallel(mixer + "o_proj.weight"),
                 q_norm=None, k_norm=None, gate_up=None, down=None, window=0, rope=None)
         return block
 

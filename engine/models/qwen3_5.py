@@ -16,7 +16,9 @@ experts (softmax top-k, renormalised) and sigmoid-gated shared expert, in every 
 Positions: Qwen3.5's M-RoPE gives a text token the same position on its three streams,
 which is the plain RoPE this runs (images are not read: the vision tower is not built).
 What a recurrent layer turns off or refuses (prefix caching; speculation, beam search,
-LoRA, tensor parallelism) applies. The fused CPU decode step does not run it.
+LoRA) applies. Tensor-parallel ranks each keep their heads of every layer (a DeltaNet
+layer's key and value heads) and their share of every MLP. The fused CPU decode step does
+not run it.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from engine.models.layers.linear import Linear, make_linear
 from engine.models.layers.moe import SparseMoeBlock, sparse_layer_weight_names
 from engine.models.layers.norm import gemma_norm_weight, gemma_rms_norm
 from engine.models.layers.rope import rope_cos_sin_cache
-from engine.models.layers.shard import ShardedWeights
+from engine.models.layers.shard import ShardedWeights, qkv_spans
 from engine.ops import AttentionMetadata, Ops
 from engine.parallel import SINGLE, TensorParallel
 
@@ -101,21 +103,24 @@ class Qwen35Model(Decoder):
         norm = lambda name: self._norm_weight(get.weights, p + name)  # noqa: E731
         if self.config.moe is not None:  # Qwen3.5-MoE: routed experts and a gated shared expert
             mlp = dict(gate_up=None, down=None, moe=SparseMoeBlock(self.config, i, get, Linear, self.tp))
-        else:
-            mlp = dict(gate_up=make_linear([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
-                       down=make_linear([get(p + "mlp.down_proj.weight")]))
+        else:  # over tensor-parallel ranks: gate's and up's rows, down's columns
+            mlp = dict(gate_up=make_linear([get.rows(p + "mlp.gate_proj.weight"), get.rows(p + "mlp.up_proj.weight")]),
+                       down=get.row_parallel(p + "mlp.down_proj.weight"))
         if i in net.layers:
             return DeltaNetLayer(input_norm=norm("input_layernorm.weight"), post_norm=norm("post_attention_layernorm.weight"),
                                  mixer=DeltaNetMixer.build(net, get, p, self.eps, make_linear), **mlp)
         attn = p + "self_attn."
-        h, d = self.num_heads, self.head_dim
-        query_gate = get(attn + "q_proj.weight").view(h, 2, d, -1)  # each head's query rows, then its gate's
+        h, d = self.num_heads, self.head_dim  # this rank's heads
+        _, (q_span, k_span, v_span) = qkv_spans(self.config, self.tp)
+        (q0, q1), = q_span
+        # Each head's query rows, then its gate's: this rank's heads are 2 d rows each.
+        query_gate = get.rows(attn + "q_proj.weight", spans=[[(2 * q0, 2 * q1)]]).view(h, 2, d, -1)
         return DecoderLayer(
             input_norm=norm("input_layernorm.weight"), post_norm=norm("post_attention_layernorm.weight"),
             # [q; k; v; gate]: one matmul, split in _gated_attention.
-            qkv=make_linear([query_gate[:, 0].reshape(h * d, -1), get(attn + "k_proj.weight"),
-                             get(attn + "v_proj.weight"), query_gate[:, 1].reshape(h * d, -1)]),
-            o_proj=make_linear([get(attn + "o_proj.weight")]),
+            qkv=make_linear([query_gate[:, 0].reshape(h * d, -1), get.rows(attn + "k_proj.weight", spans=[k_span]),
+                             get.rows(attn + "v_proj.weight", spans=[v_span]), query_gate[:, 1].reshape(h * d, -1)]),
+            o_proj=get.row_parallel(attn + "o_proj.weight"),
             q_norm=norm("self_attn.q_norm.weight"), k_norm=norm("self_attn.k_norm.weight"),
             window=0, rope=self.cos_sin_cache, **mlp)
 

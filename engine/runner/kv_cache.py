@@ -74,7 +74,7 @@ def state_bytes(model_config: ModelConfig, dtype: torch.dtype, slots: int, tp: T
     if recurrent is None:
         return 0
     layers = [i for i in tp.stage.layer_range(model_config.num_hidden_layers) if i in recurrent.layers]
-    return slots * state_bytes_per_slot(recurrent, len(layers), dtype.itemsize)
+    return slots * state_bytes_per_slot(recurrent.local(tp.world_size), len(layers), dtype.itemsize)
 
 
 def free_memory(device: torch.device | str) -> int:
@@ -215,7 +215,8 @@ def allocate_kv_caches(
     # A hybrid model: its recurrent layers' pairs are their (conv, state) tensors, a slot each;
     # an MLP layer's (Nemotron-H's) two empty tensors.
     recurrent = model_config.recurrent
-    states = iter(_state_pairs(recurrent, sum(i in recurrent.layers for i in stage), state_slots, dtype, device))
+    states = iter(_state_pairs(recurrent.local(tp.world_size), sum(i in recurrent.layers for i in stage),
+                               state_slots, dtype, device))
     kv = iter(pairs)
     empty = torch.empty(0, dtype=dtype, device=device)
     return [next(kv) if i in attending else next(states) if i in recurrent.layers else (empty, empty)

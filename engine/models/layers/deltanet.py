@@ -68,15 +68,21 @@ class DeltaNetMixer:
 
     @classmethod
     def build(cls, config: DeltaNetConfig, get: Any, prefix: str, eps: float, make_linear: Any) -> DeltaNetMixer:
+        """Layer ``prefix``'s mixer from ``get`` (a ShardedWeights): over tensor-parallel
+        ranks, this rank's key heads of q and k, value heads of v, z, b and a (the
+        convolution, dt_bias and A_log alike), and out_proj's matching columns."""
         p = prefix + "linear_attn."
+        qkv = dict(sizes=(config.key_dim, config.key_dim, config.value_dim))
+        local = config.local(get.tp.world_size)
         return cls(
-            config=config,
-            in_proj=make_linear([get(p + f"in_proj_{n}.weight") for n in ("qkv", "z", "b", "a")]),
-            conv_weight=get(p + "conv1d.weight").float().reshape(config.conv_dim, config.d_conv),
-            dt_bias=get(p + "dt_bias").float(),
-            a=-torch.exp(get(p + "A_log").float()),
+            config=local,
+            in_proj=make_linear([get.rows(p + "in_proj_qkv.weight", **qkv)]
+                                + [get.rows(p + f"in_proj_{n}.weight") for n in ("z", "b", "a")]),
+            conv_weight=get.rows(p + "conv1d.weight", **qkv).float().reshape(local.conv_dim, config.d_conv),
+            dt_bias=get.rows(p + "dt_bias").float(),
+            a=-torch.exp(get.rows(p + "A_log").float()),
             norm=get(p + "norm.weight"),
-            out_proj=make_linear([get(p + "out_proj.weight")]),
+            out_proj=get.row_parallel(p + "out_proj.weight"),
             eps=eps,
         )
 

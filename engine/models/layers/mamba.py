@@ -38,8 +38,10 @@ from engine.models.layers.recurrent import (
     slot_views,
     write_back,
 )
+from engine.models.layers.shard import shard_range
 from engine.models.mamba_config import MambaConfig
 from engine.ops import AttentionMetadata
+from engine.parallel import SINGLE
 
 # Tokens of a prompt chunk's scan block: its [heads, block, block] decay matrix is the
 # quadratic part of the work (smaller blocks cost less of it and more of the state's
@@ -75,33 +77,51 @@ class MambaMixer:
     a: torch.Tensor  # [n_heads] fp32: -exp(A_log)
     d: torch.Tensor  # [n_heads] fp32
     norm: torch.Tensor  # [d_inner], model dtype
-    out_proj: Any  # Linear: [hidden, d_inner]
+    out_proj: Any  # Linear (a RowParallel over tensor-parallel ranks): [hidden, d_inner]
     eps: float
+    tp: Any = SINGLE  # the rank's group: a norm group spanning ranks sums its squares over them
 
     @classmethod
     def build(cls, config: MambaConfig, get: Any, prefix: str, eps: float, make_linear: Any,
               module: str = "mamba") -> MambaMixer:
-        """Layer ``prefix``'s mixer (under ``module``) from ``get`` (a ShardedWeights over
-        one rank: the Mamba layers are not split over tensor-parallel ranks)."""
+        """Layer ``prefix``'s mixer (under ``module``) from ``get`` (a ShardedWeights): over
+        tensor-parallel ranks, this rank's heads of z, x and dt, of the convolution, dt_bias,
+        A_log, D and the norm, its groups of B and C (or, with one group, all of it), and
+        out_proj's matching columns."""
         p = prefix + module + "."
+        tp = get.tp
+        world, rank = tp.world_size, tp.rank
+        local = config.local(world)
+        d_in, bc, heads = config.d_inner, config.n_groups * config.d_state, config.n_heads
 
-        def fp32(name: str) -> torch.Tensor:
-            return get(name).float()
+        def part(size: int, split: bool = True) -> list[tuple[int, int]]:
+            return [shard_range(size, rank, world)] if split else [(0, size)]
+
+        groups = part(bc, config.n_groups % world == 0)
+        x_b_c = dict(sizes=(d_in, bc, bc), spans=[part(d_in), groups, groups])
+
+        def fp32(name: str, **cut: Any) -> torch.Tensor:
+            return get.rows(name, **cut).float()
 
         def bias(name: str, on: bool) -> torch.Tensor | None:
-            return get(name) if on else None
+            return get.rows(name, sizes=(d_in, d_in, bc, bc, heads),
+                            spans=[part(d_in), part(d_in), groups, groups, part(heads)]) if on else None
 
         return cls(
-            config=config,
-            in_proj=make_linear([get(p + "in_proj.weight")], bias(p + "in_proj.bias", config.proj_bias)),
-            conv_weight=fp32(p + "conv1d.weight").reshape(config.conv_dim, config.d_conv),
-            conv_bias=fp32(p + "conv1d.bias") if config.conv_bias else None,
+            config=local,
+            in_proj=make_linear([get.rows(p + "in_proj.weight", sizes=(d_in, d_in, bc, bc, heads),
+                                          spans=[part(d_in), part(d_in), groups, groups, part(heads)])],
+                                bias(p + "in_proj.bias", config.proj_bias)),
+            conv_weight=fp32(p + "conv1d.weight", **x_b_c).reshape(local.conv_dim, config.d_conv),
+            conv_bias=fp32(p + "conv1d.bias", **x_b_c) if config.conv_bias else None,
             dt_bias=fp32(p + "dt_bias"),
             a=-torch.exp(fp32(p + "A_log")),
             d=fp32(p + "D"),
-            norm=get(p + "norm.weight"),
-            out_proj=make_linear([get(p + "out_proj.weight")], bias(p + "out_proj.bias", config.proj_bias)),
+            norm=get.rows(p + "norm.weight"),
+            out_proj=get.row_parallel(p + "out_proj.weight") if tp.enabled else make_linear(
+                [get(p + "out_proj.weight")], get(p + "out_proj.bias") if config.proj_bias else None),
             eps=eps,
+            tp=tp,
         )
 
     def __call__(self, x: torch.Tensor, meta: AttentionMetadata, conv_state: torch.Tensor,
@@ -201,7 +221,10 @@ class MambaMixer:
         in the model dtype (as transformers rounds it)."""
         c = self.config
         gated = (y * F.silu(z.float())).reshape(y.shape[0], c.n_groups, -1)
-        normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + self.eps)
+        squares = gated.pow(2).sum(-1, keepdim=True)
+        if c.norm_world > 1:  # one group over every rank's heads
+            squares = self.tp.all_reduce(squares)
+        normed = gated * torch.rsqrt(squares / (gated.shape[-1] * c.norm_world) + self.eps)
         return self.norm * normed.reshape(y.shape[0], c.d_inner).to(self.norm.dtype)
 
 

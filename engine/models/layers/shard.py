@@ -60,9 +60,9 @@ def tensor_parallel_problem(config: ModelConfig, n: int, *, expert_parallel: boo
         return "tensor parallelism is not supported for encoder (BERT) models"
     if config.vision is not None and not isinstance(config.vision, Gemma3VisionConfig):
         return "tensor parallelism is not supported for vision-language models (LLaVA, Qwen-VL)"
-    if config.recurrent is not None:
-        return "tensor parallelism is not supported for models with recurrent layers (Mamba-2, Gated DeltaNet)"
     problems = []
+    if config.recurrent is not None and (why := config.recurrent.tensor_parallel_problem(n)):
+        problems.append(why)
     h, hkv = config.num_attention_heads, config.num_key_value_heads
     if h % n:
         problems.append(f"num_attention_heads ({h}) does not divide by {n}")
