@@ -135,3 +135,12 @@ def test_the_moe_models_match_transformers(tmp_path, ops: str) -> None:
     moe = loaded.config.moe
     assert moe is not None and moe.sparse_layers == (0, 1, 2, 3) and moe.shared_expert_intermediate_size == 48
     assert_chunked_greedy_matches(hf, tmp_path / "m", ops, prompts=3, chunk_size=5)
+
+
+async def test_two_tensor_parallel_worker_ranks_match_transformers(qwen) -> None:
+    """Each rank its heads of every layer and of the DeltaNet states; the preemptions reach
+    the worker's slots through the plans it is sent."""
+    hf, folder = qwen
+    stats = await assert_engine_matches(hf, folder, prompts_of((17, 21, 12, 19), 384, seed=13),
+                                        tensor_parallel_size=2)
+    assert stats.preemptions > 0
