@@ -167,8 +167,9 @@ async def test_a_lost_core_hands_the_requests_it_had_not_started_to_the_other_co
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(victim)
                 await streamed.wait()
-                # The second request goes to core 1: the clean run.
-                clean = token_ids(await collect(eng, waiting_prompt, greedy(12)))
+                # The second request goes to core 1: the clean run, read after the kill (the
+                # victim must still be running when core 0 dies, so nothing waits on it here).
+                clean_stream = await eng.submit(waiting_prompt, greedy(12))
                 # The third to core 0, where it waits behind the victim (one sequence).
                 stream = await eng.submit(waiting_prompt, greedy(12))
                 (sample,) = stream._mailbox.sample_ids
@@ -181,6 +182,8 @@ async def test_a_lost_core_hands_the_requests_it_had_not_started_to_the_other_co
             at_kill = _counters(eng)
             async with stream:
                 moved = token_ids([out async for out in stream])
+            async with clean_stream:
+                clean = token_ids([out async for out in clean_stream])
             await wait_until(lambda: pool.serving == 2)
             restarted = _counters(eng)
             again = token_ids(await collect(eng, waiting_prompt, greedy(12)))
