@@ -144,3 +144,24 @@ async def test_two_tensor_parallel_worker_ranks_match_transformers(qwen) -> None
     stats = await assert_engine_matches(hf, folder, prompts_of((17, 21, 12, 19), 384, seed=13),
                                         tensor_parallel_size=2)
     assert stats.preemptions > 0
+
+
+def write_qwen3_next(folder: Path, **extra: Any) -> Any:
+    """Qwen3-Next: Qwen3.5-MoE's layers with its DeltaNet projections stored grouped by key
+    head; a dense MLP on the layers mlp_only_layers names (here the second)."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(0)
+    fields = {k: v for k, v in TINY.items() if k != "intermediate_size"}
+    config = Qwen3NextConfig(**(fields | dict(intermediate_size=80, num_experts=8, num_experts_per_tok=2,
+                                              moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                              mlp_only_layers=[1]) | extra))
+    return write_hf_model(draw_mamba_parameters(Qwen3NextForCausalLM(config)), folder, norms=True)
+
+
+@pytest.mark.parametrize("ops", ["torch", "cpu"])
+def test_qwen3_next_matches_transformers(tmp_path, ops: str) -> None:
+    hf = write_qwen3_next(tmp_path / "m")
+    loaded = assert_greedy_matches(hf, tmp_path / "m", ops, fused=False)
+    assert loaded.config.deltanet.grouped and loaded.config.moe.sparse_layers == (0, 2, 3)
+    assert_chunked_greedy_matches(hf, tmp_path / "m", ops, prompts=3, chunk_size=5)

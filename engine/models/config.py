@@ -67,6 +67,7 @@ SUPPORTED_ARCHITECTURES = {
     # Qwen3.5 (models/qwen3_5.py): Gated DeltaNet layers between gated attention layers.
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",  # its MLPs Qwen2-MoE's routed and gated shared experts
+    "Qwen3NextForCausalLM": "qwen3_next",  # Qwen3.5-MoE's layers, its DeltaNet projections grouped by key head
     # OLMo (models/olmo.py): norms after each block, q/k normed across all heads.
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
@@ -349,7 +350,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 # Qwen2-MoE names its q/k/v bias switch qkv_bias (default on).
                 attention_bias=attention_bias,
-                qk_norm=(arch in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "exaone4", "olmoe", "qwen3_5", "qwen3_5_moe")
+                qk_norm=(arch in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "exaone4", "olmoe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
                          or (arch == "glm4_moe" and bool(raw.get("use_qk_norm")))),
                 sliding_window=int(window) if window else None,
                 layer_windows=windows,

@@ -24,9 +24,10 @@ _MLP_BIAS_FAMILIES = frozenset({"llama", "smollm3", "granite"})
 
 # Families whose attention rotates only the first partial_rotary_factor of each head
 # (transformers' Phi-3 slices q and k so); the others refuse a factor below 1.
-_PARTIAL_ROTARY_FAMILIES = frozenset({"phi3", "glm4_moe", "glm4", "gpt_neox", "phi", "qwen3_5", "qwen3_5_moe"})
+_PARTIAL_ROTARY_FAMILIES = frozenset({"phi3", "glm4_moe", "glm4", "gpt_neox", "phi", "qwen3_5", "qwen3_5_moe", "qwen3_next"})
 # Families whose config means a partial rotary when it names none (transformers' default).
-_DEFAULT_ROTARY_FACTOR = {"glm4_moe": 0.5, "glm4": 0.5, "phi": 0.5, "qwen3_5": 0.25, "qwen3_5_moe": 0.25}
+_DEFAULT_ROTARY_FACTOR = {"glm4_moe": 0.5, "glm4": 0.5, "phi": 0.5, "qwen3_5": 0.25, "qwen3_5_moe": 0.25,
+                          "qwen3_next": 0.25}
 
 
 def rotary_dim(raw: dict[str, Any], arch: str, head_dim: int) -> int:

@@ -27,6 +27,9 @@ class DeltaNetConfig:
     v_head_dim: int
     d_conv: int
     mlp_layers: tuple[int, ...] = ()  # (no layer of its own is an MLP alone)
+    # Qwen3-Next stores its projections grouped by key head (in_proj_qkvz, in_proj_ba);
+    # Qwen3.5 each part whole (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a).
+    grouped: bool = False
 
     @property
     def key_dim(self) -> int:
@@ -63,7 +66,7 @@ class DeltaNetConfig:
 def deltanet_fields(raw: dict[str, Any], arch: str) -> DeltaNetConfig | None:
     """Qwen3.5's Gated DeltaNet layers (``layer_types`` "linear_attention", else every layer
     but each ``full_attention_interval``-th), or None for any other architecture."""
-    if arch not in ("qwen3_5", "qwen3_5_moe"):
+    if arch not in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
         return None
     layers = int(raw["num_hidden_layers"])
     types = raw.get("layer_types")
@@ -84,7 +87,8 @@ def deltanet_fields(raw: dict[str, Any], arch: str) -> DeltaNetConfig | None:
     return DeltaNetConfig(
         layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"), num_k_heads=k_heads,
         num_v_heads=v_heads, k_head_dim=int(raw.get("linear_key_head_dim", 128)),
-        v_head_dim=int(raw.get("linear_value_head_dim", 128)), d_conv=int(raw.get("linear_conv_kernel_dim", 4)))
+        v_head_dim=int(raw.get("linear_value_head_dim", 128)), d_conv=int(raw.get("linear_conv_kernel_dim", 4)),
+        grouped=arch == "qwen3_next")
 
 
 __all__ = ["DeltaNetConfig", "deltanet_fields"]

@@ -122,7 +122,7 @@ class MoeConfig:
                        intermediate_size=int(raw["moe_intermediate_size"]), norm_topk_prob=True,
                        shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
                        sparse_layers=tuple(range(num_layers)), naming="qwen")
-        if arch not in ("qwen2_moe", "qwen3_moe"):
+        if arch not in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
             return None
         experts = _num_experts(raw, 0)
         step = int(raw.get("decoder_sparse_step", 1))
@@ -137,9 +137,9 @@ class MoeConfig:
             num_experts=experts,
             top_k=int(raw["num_experts_per_tok"]),
             intermediate_size=int(raw["moe_intermediate_size"]),
-            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-            shared_expert_intermediate_size=(
-                int(raw.get("shared_expert_intermediate_size") or 0) if arch == "qwen2_moe" else 0
+            norm_topk_prob=bool(raw.get("norm_topk_prob", arch == "qwen3_next")),
+            shared_expert_intermediate_size=(  # Qwen2-MoE's and Qwen3-Next's sigmoid-gated shared expert
+                int(raw.get("shared_expert_intermediate_size") or 0) if arch in ("qwen2_moe", "qwen3_next") else 0
             ),
             sparse_layers=sparse,
             naming="qwen",

@@ -1,8 +1,11 @@
 """Qwen3.5 (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``; the text model of
-``Qwen3_5ForConditionalGeneration`` and ``Qwen3_5MoeForConditionalGeneration``): three
-Gated DeltaNet layers to each attention layer, as ``layer_types`` (or
-``full_attention_interval``) lays them out; the MoE models' MLPs are Qwen2-MoE's routed
-experts (softmax top-k, renormalised) and sigmoid-gated shared expert, in every layer.
+``Qwen3_5ForConditionalGeneration`` and ``Qwen3_5MoeForConditionalGeneration``) and
+Qwen3-Next (``Qwen3NextForCausalLM``): three Gated DeltaNet layers to each attention
+layer, as ``layer_types`` (or ``full_attention_interval``) lays them out; the MoE models'
+MLPs are Qwen2-MoE's routed experts (softmax top-k, renormalised) and sigmoid-gated shared
+expert (Qwen3-Next's on the layers its ``decoder_sparse_step`` / ``mlp_only_layers`` make
+sparse). Qwen3-Next stores its DeltaNet projections grouped by key head, read into
+Qwen3.5's layout at build time (``layers/deltanet.py``).
 
 * A "linear_attention" layer mixes with Gated DeltaNet (``layers/deltanet.py``), keeping a
   recurrent state a request in the runner's state slots (engine.runner.state_slots).
@@ -68,7 +71,7 @@ class Qwen35Model(Decoder):
             else:
                 names += [p + f"self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm",
                                                                  "k_norm")]
-            if config.moe is not None:
+            if config.moe is not None and i in config.moe.sparse_layers:
                 names += sparse_layer_weight_names(config.moe, i)
             else:
                 names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
@@ -101,7 +104,8 @@ class Qwen35Model(Decoder):
         assert net is not None
         p = f"model.layers.{i}."
         norm = lambda name: self._norm_weight(get.weights, p + name)  # noqa: E731
-        if self.config.moe is not None:  # Qwen3.5-MoE: routed experts and a gated shared expert
+        moe = self.config.moe
+        if moe is not None and i in moe.sparse_layers:  # routed experts and a gated shared expert
             mlp = dict(gate_up=None, down=None, moe=SparseMoeBlock(self.config, i, get, Linear, self.tp))
         else:  # over tensor-parallel ranks: gate's and up's rows, down's columns
             mlp = dict(gate_up=make_linear([get.rows(p + "mlp.gate_proj.weight"), get.rows(p + "mlp.up_proj.weight")]),

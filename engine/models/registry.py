@@ -61,6 +61,7 @@ MODEL_CLASSES: dict[str, type] = {
     "nemotron_h": NemotronHModel,
     "qwen3_5": Qwen35Model,
     "qwen3_5_moe": Qwen35Model,
+    "qwen3_next": Qwen35Model,
     "olmo2": OlmoModel,
     "olmo3": OlmoModel,
     "exaone4": OlmoModel,

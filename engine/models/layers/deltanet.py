@@ -36,6 +36,7 @@ from engine.models.layers.recurrent import (
     slot_views,
     write_back,
 )
+from engine.models.layers.shard import shard_range
 from engine.ops import AttentionMetadata
 
 # Tokens of a prompt chunk's block (the triangular solve is block by block).
@@ -45,8 +46,32 @@ CHUNK = 64
 def deltanet_weight_names(config: DeltaNetConfig, prefix: str) -> list[str]:
     """The checkpoint tensors of one Gated DeltaNet layer under ``prefix`` ("model.layers.N.")."""
     p = prefix + "linear_attn."
-    return [p + n for n in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
-                            "conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight")]
+    projections = (("in_proj_qkvz.weight", "in_proj_ba.weight") if config.grouped else
+                   ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"))
+    return [p + n for n in (*projections, "conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight")]
+
+
+def _grouped_projection(config: DeltaNetConfig, get: Any, p: str) -> list[torch.Tensor]:
+    """Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba``, whose rows go by key head (each
+    head's q, k, then its value heads' v and z; its value heads' b, then a), as this rank's
+    ``[q; k; v; z; b; a]`` rows, each part in head order."""
+    tp = get.tp
+    heads = range(*shard_range(config.num_k_heads, tp.rank, tp.world_size))
+    dk, per = config.k_head_dim, config.num_v_heads // config.num_k_heads
+    dv = per * config.v_head_dim  # a key head's value rows
+    block = 2 * dk + 2 * dv
+    qkvz = [(0, dk), (dk, 2 * dk), (2 * dk, 2 * dk + dv), (2 * dk + dv, block)]
+    ba = [(0, per), (per, 2 * per)]
+
+    def rows(name: str, width: int, start: int, stop: int) -> torch.Tensor:
+        spans = [(h * width + start, h * width + stop) for h in heads]
+        if tp.enabled:
+            return get.rows(name, sizes=(config.num_k_heads * width,), spans=[spans])
+        whole = get(name)
+        return torch.cat([whole[a:b] for a, b in spans])
+
+    return ([rows(p + "in_proj_qkvz.weight", block, a, b) for a, b in qkvz]
+            + [rows(p + "in_proj_ba.weight", 2 * per, a, b) for a, b in ba])
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -74,10 +99,11 @@ class DeltaNetMixer:
         p = prefix + "linear_attn."
         qkv = dict(sizes=(config.key_dim, config.key_dim, config.value_dim))
         local = config.local(get.tp.world_size)
+        parts = (_grouped_projection(config, get, p) if config.grouped else
+                 [get.rows(p + "in_proj_qkv.weight", **qkv)] + [get.rows(p + f"in_proj_{n}.weight") for n in "zba"])
         return cls(
             config=local,
-            in_proj=make_linear([get.rows(p + "in_proj_qkv.weight", **qkv)]
-                                + [get.rows(p + f"in_proj_{n}.weight") for n in ("z", "b", "a")]),
+            in_proj=make_linear(parts),
             conv_weight=get.rows(p + "conv1d.weight", **qkv).float().reshape(local.conv_dim, config.d_conv),
             dt_bias=get.rows(p + "dt_bias").float(),
             a=-torch.exp(get.rows(p + "A_log").float()),
