@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 import trio
-from engine_helpers import collect, greedy, token_ids, wait_idle
+from engine_helpers import greedy, token_ids, wait_idle
 from test_parity import _hf_greedy
 
 import engine
@@ -51,11 +51,15 @@ async def assert_engine_matches(hf: Any, folder: Path, prompts: list[list[int]],
         for _ in range(rounds):
             results: dict[int, list[int]] = {}
 
-            async def one(i: int, prompt: list[int], results=results) -> None:
-                results[i] = token_ids(await collect(eng, prompt, greedy(NEW_TOKENS)))
+            async def one(i: int, stream: Any, results=results) -> None:
+                async with stream:
+                    results[i] = token_ids([out async for out in stream])
 
+            # Submitted in order, then read together: which requests the pool preempts
+            # depends on the order they arrive in (trio starts tasks in either order).
+            streams = [await eng.submit(prompt, greedy(NEW_TOKENS)) for prompt in prompts]
             async with trio.open_nursery() as nursery:
-                for i, prompt in enumerate(prompts):
-                    nursery.start_soon(one, i, prompt)
+                for i, stream in enumerate(streams):
+                    nursery.start_soon(one, i, stream)
             assert [results[i] for i in range(len(prompts))] == expected
         return await wait_idle(eng)
