@@ -30,6 +30,10 @@ class DeltaNetConfig:
     # Qwen3-Next stores its projections grouped by key head (in_proj_qkvz, in_proj_ba);
     # Qwen3.5 each part whole (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a).
     grouped: bool = False
+    # A GGUF's value heads, in llama.cpp's tiled order: value head j reads key head
+    # j % num_k_heads (Hugging Face's grouped order: j // (num_v_heads / num_k_heads)). Every
+    # value-head tensor (v's rows, z, b, a, A_log, dt_bias, out_proj's columns) keeps it.
+    tiled: bool = False
 
     @property
     def key_dim(self) -> int:
@@ -55,6 +59,9 @@ class DeltaNetConfig:
         if self.num_k_heads % world or self.num_v_heads % world:
             return (f"the Gated DeltaNet layers' {self.num_k_heads} key and {self.num_v_heads} value heads do not "
                     f"divide by {world}")
+        if self.tiled and world > 1:
+            return ("the GGUF's Gated DeltaNet value heads are in llama.cpp's tiled order, where a rank's key "
+                    "heads' value heads are not one run of rows")
         return None
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -88,7 +95,7 @@ def deltanet_fields(raw: dict[str, Any], arch: str) -> DeltaNetConfig | None:
         layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"), num_k_heads=k_heads,
         num_v_heads=v_heads, k_head_dim=int(raw.get("linear_key_head_dim", 128)),
         v_head_dim=int(raw.get("linear_value_head_dim", 128)), d_conv=int(raw.get("linear_conv_kernel_dim", 4)),
-        grouped=arch == "qwen3_next")
+        grouped=arch == "qwen3_next", tiled=bool(raw.get("linear_value_heads_tiled", False)))
 
 
 __all__ = ["DeltaNetConfig", "deltanet_fields"]

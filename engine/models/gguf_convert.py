@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 from tokenizers import pre_tokenizers
 
 from engine.errors import CorruptModelError, UnsupportedModelError
+from engine.models import gguf_families
 
 # Bump when the converter's output changes, so cached conversions are redone.
 CONVERTER_VERSION = 2
@@ -59,7 +60,11 @@ _ARCHITECTURES = {
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe", False),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
     "gpt2": ("GPT2LMHeadModel", "gpt2", False),
+    # Qwen3.5: Gated DeltaNet layers between gated attention layers (see _qwen35_config).
+    "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text", False),
+    "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", False),
 }
+_QWEN35 = frozenset({"qwen35", "qwen35moe"})
 
 # Mixture-of-experts tensors. llama.cpp stacks each layer's experts into one tensor per
 # projection (ggml shape [hidden, inter, experts] for gate/up, i.e. torch [E, inter,
@@ -107,8 +112,24 @@ _ARCH_BLOCK_NAMES = {
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
     # OLMo 2: norms after each block only (its q/k norms are attn_q_norm / attn_k_norm).
     "olmo2": {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+    # Qwen3.5: a Gated DeltaNet layer's projections, convolution and norm (its A_log and
+    # dt_bias are named in _QWEN35_BARE_NAMES), and the norm before the MLP.
+    "qwen35": {
+        "post_attention_norm": "post_attention_layernorm",
+        "attn_qkv": "linear_attn.in_proj_qkv",
+        "attn_gate": "linear_attn.in_proj_z",
+        "ssm_beta": "linear_attn.in_proj_b",
+        "ssm_alpha": "linear_attn.in_proj_a",
+        "ssm_conv1d": "linear_attn.conv1d",
+        "ssm_norm": "linear_attn.norm",
+        "ssm_out": "linear_attn.out_proj",
+    },
 }
 _ARCH_BLOCK_NAMES["gemma3"] = _ARCH_BLOCK_NAMES["gemma2"]
+_ARCH_BLOCK_NAMES["qwen35moe"] = _ARCH_BLOCK_NAMES["qwen35"]
+# Qwen3.5's tensors whose Hugging Face name has no .weight/.bias suffix, by what follows
+# "blk.N." (llama.cpp names the decay rates ssm_a, without a suffix, as Mamba's).
+_QWEN35_BARE_NAMES = {"ssm_dt.bias": "linear_attn.dt_bias", "ssm_a": "linear_attn.A_log"}
 
 # GPT-2 as llama.cpp writes it: its own tensor names (a learned position table, LayerNorms
 # with biases, q/k/v fused in attn_qkv), and its four Conv1D projections transposed to
@@ -154,6 +175,10 @@ def unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The Hugging Face name of a GGUF tensor of ``arch``, or None when the name is unknown."""
+    if arch in _QWEN35:
+        blk, layer, rest = (gguf_name.split(".", 2) + ["", ""])[:3]
+        if blk == "blk" and layer.isdigit() and rest in _QWEN35_BARE_NAMES:
+            return f"model.layers.{int(layer)}.{_QWEN35_BARE_NAMES[rest]}"
     stem, dot, suffix = gguf_name.rpartition(".")
     if not dot or suffix not in ("weight", "bias"):
         return None
@@ -163,10 +188,43 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
         return f"{top[stem]}.{suffix}"
     parts = stem.split(".")
     names = _GPT2_BLOCK_NAMES if gpt2 else _BLOCK_NAMES | _ARCH_BLOCK_NAMES.get(arch, {})
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
         layer = f"transformer.h.{int(parts[1])}" if gpt2 else f"model.layers.{int(parts[1])}"
-        return f"{layer}.{names[parts[2]]}.{suffix}"
+        if parts[2] in names:
+            return f"{layer}.{names[parts[2]]}.{suffix}"
     return None
+
+
+def past_last_layer(gguf_name: str, layers: int) -> bool:
+    """Whether ``gguf_name`` is a tensor of a block past the decoder's ``layers``: the
+    multi-token-prediction blocks llama.cpp appends (``nextn_predict_layers``)."""
+    parts = gguf_name.split(".")
+    return len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) >= layers
+
+
+def stored_value_fix(arch: str, hf_name: str) -> Any:
+    """How a GGUF tensor's dense values differ from the Hugging Face weight ``hf_name``
+    of ``arch``: a function from the stored values (fp32) to the weight's, or None.
+
+    * llama.cpp's converter stores Gemma's norm weights, and every Qwen3.5 norm but the
+      Gated DeltaNet's gated one, as ``1 + w`` (its RMSNorm multiplies by the weight as
+      is; both Hugging Face families add the 1 themselves);
+    * Qwen3.5's ``A_log`` is stored as the decay rate it gives, ``-exp(A_log)``.
+    """
+    if hf_name.endswith("norm.weight") and (
+            arch in _GEMMA or (arch in _QWEN35 and not hf_name.endswith("linear_attn.norm.weight"))):
+        return _minus_one
+    if arch in _QWEN35 and hf_name.endswith("linear_attn.A_log"):
+        return _log_of_negated
+    return None
+
+
+def _minus_one(value: torch.Tensor) -> torch.Tensor:
+    return value.float() - 1.0
+
+
+def _log_of_negated(value: torch.Tensor) -> torch.Tensor:
+    return torch.log(-value.float())
 
 
 def convert_gguf(path: Path, out: Path) -> None:
@@ -255,7 +313,7 @@ def _hf_config(fields: _Fields, arch: str, reader: Any, path: Path) -> dict[str,
     hf_arch, model_type, _ = _ARCHITECTURES[arch]
     names = {t.name: t for t in reader.tensors}
     if arch == "gpt2":
-        return _gpt2_config(fields, reader, names)
+        return gguf_families.gpt2_config(fields, _natural_dtype_name(reader), names)
     if "rope_freqs.weight" in names:
         # Llama 3.1-style scaling is stored as per-frequency factors, not as the four
         # parameters Hugging Face's config wants; recovering them is not implemented.
@@ -279,15 +337,18 @@ def _hf_config(fields: _Fields, arch: str, reader: Any, path: Path) -> dict[str,
         # ggml shape of the embedding is [hidden, vocab].
         "vocab_size": int(names["token_embd.weight"].shape[1]),
         "hidden_size": hidden,
-        "intermediate_size": int(fields.get(f"{arch}.feed_forward_length")),
-        "num_hidden_layers": int(fields.get(f"{arch}.block_count")),
+        # Qwen3.5-MoE has no dense MLP: its files may leave the dense width out.
+        "intermediate_size": int(fields.get(f"{arch}.feed_forward_length", 0 if arch == "qwen35moe" else ...)),
+        # A multi-token-prediction block (GLM-4.5's, Qwen3.5's) follows the decoder's blocks,
+        # counted in block_count; it is not read (see past_last_layer).
+        "num_hidden_layers": int(fields.get(f"{arch}.block_count")) - int(fields.get(f"{arch}.nextn_predict_layers", 0)),
         "num_attention_heads": heads,
         "num_key_value_heads": int(kv_heads),
         "head_dim": int(fields.get(f"{arch}.attention.key_length", hidden // heads)),
         "rms_norm_eps": float(fields.get(f"{arch}.attention.layer_norm_rms_epsilon")),
         # 10000 is llama.cpp's default when the key is absent.
         "rope_theta": float(fields.get(f"{arch}.rope.freq_base", 10000.0)),
-        "rope_scaling": _rope_scaling(fields, arch, path),
+        "rope_scaling": gguf_families.rope_scaling(fields, arch, path),
         "max_position_embeddings": int(fields.get(f"{arch}.context_length")),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
@@ -299,7 +360,7 @@ def _hf_config(fields: _Fields, arch: str, reader: Any, path: Path) -> dict[str,
     if arch in ("qwen2", "qwen3", "qwen2moe", "qwen3moe"):
         config["use_sliding_window"] = False
     if arch in _GEMMA:
-        config.update(_gemma_config(fields, arch, config))
+        config.update(gguf_families.gemma_config(fields, arch, config))
     if arch == "phi3":
         config.update(_phi3_config(fields, names, config, path))
     if arch == "granite":  # its four multipliers, under llama.cpp's names
@@ -311,106 +372,10 @@ def _hf_config(fields: _Fields, arch: str, reader: Any, path: Path) -> dict[str,
             if value is not None:
                 config[hf_key] = float(value)
     if int(fields.get(f"{arch}.expert_count", 0)):
-        config.update(_moe_config(fields, arch, names))
+        config.update(gguf_families.moe_config(fields, arch, names))
+    if arch in _QWEN35:
+        config.update(gguf_families.qwen35_config(fields, arch, config, path))
     return config
-
-
-def _gpt2_config(fields: _Fields, reader: Any, names: dict[str, Any]) -> dict[str, Any]:
-    """A GPT2Config's fields from llama.cpp's ``gpt2.*`` keys."""
-    bos = fields.get("tokenizer.ggml.bos_token_id", None)
-    eos = int(fields.get("tokenizer.ggml.eos_token_id"))
-    return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": int(names["token_embd.weight"].shape[1]),  # ggml shape [hidden, vocab]
-        "n_embd": int(fields.get("gpt2.embedding_length")),
-        "n_inner": int(fields.get("gpt2.feed_forward_length")),
-        "n_layer": int(fields.get("gpt2.block_count")),
-        "n_head": int(fields.get("gpt2.attention.head_count")),
-        "n_positions": int(fields.get("gpt2.context_length")),
-        "layer_norm_epsilon": float(fields.get("gpt2.attention.layer_norm_epsilon")),
-        "activation_function": "gelu_new",
-        # llama.cpp's converter writes the tied head out as output.weight (a copy of the
-        # embedding); a file without it ties.
-        "tie_word_embeddings": "output.weight" not in names,
-        "bos_token_id": None if bos is None else int(bos),
-        "eos_token_id": eos,
-        "torch_dtype": _natural_dtype_name(reader),
-    }
-
-
-def _moe_config(fields: _Fields, arch: str, names: dict[str, Any]) -> dict[str, Any]:
-    experts = int(fields.get(f"{arch}.expert_count"))
-    used = int(fields.get(f"{arch}.expert_used_count"))
-    if arch == "llama":
-        # Mixtral: every layer sparse, experts of feed_forward_length, top-k renormalised.
-        return {
-            "architectures": ["MixtralForCausalLM"],
-            "model_type": "mixtral",
-            "num_local_experts": experts,
-            "num_experts_per_tok": used,
-        }
-    if arch not in ("qwen2moe", "qwen3moe"):
-        raise UnsupportedModelError(f"GGUF architecture {arch!r} with experts is not supported")
-    layers = int(fields.get(f"{arch}.block_count"))
-    gate = names.get("blk.0.ffn_gate_exps.weight")
-    # llama.cpp renormalises the top-k weights for qwen3moe and not for qwen2moe unless
-    # the file says otherwise (as the Hugging Face configs of those families do).
-    norm = bool(fields.get(f"{arch}.expert_weights_norm", arch == "qwen3moe"))
-    config: dict[str, Any] = {
-        "num_experts": experts,
-        "num_experts_per_tok": used,
-        "moe_intermediate_size": int(
-            fields.get(f"{arch}.expert_feed_forward_length", 0) or (gate.shape[1] if gate is not None else 0)
-        ),
-        "norm_topk_prob": norm,
-        "decoder_sparse_step": 1,
-        # A layer without a router keeps a dense MLP.
-        "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names],
-    }
-    if arch == "qwen2moe":
-        shared = names.get("blk.0.ffn_gate_shexp.weight")
-        config["shared_expert_intermediate_size"] = int(
-            fields.get(f"{arch}.expert_shared_feed_forward_length", 0)
-            or (shared.shape[1] if shared is not None else 0)
-        )
-        config["qkv_bias"] = "blk.0.attn_q.bias" in names
-    return config
-
-
-def _layer_types(fields: _Fields, arch: str, layers: int, default_pattern: int) -> list[str]:
-    """Per-layer attention kinds from ``attention.sliding_window_pattern`` (a period, or
-    one flag per layer, true = sliding), else llama.cpp's built-in period for ``arch``."""
-    pattern = fields.get(f"{arch}.attention.sliding_window_pattern", default_pattern)
-    if isinstance(pattern, list):
-        sliding = [bool(p) for p in pattern]
-    else:
-        sliding = [bool((i + 1) % int(pattern)) for i in range(layers)]
-    return ["sliding_attention" if s else "full_attention" for s in sliding]
-
-
-def _gemma_config(fields: _Fields, arch: str, config: dict[str, Any]) -> dict[str, Any]:
-    if arch == "gemma":  # Gemma 1: GeGLU; no windows, caps or scalar (it scales by head_dim)
-        return {"hidden_act": "gelu_pytorch_tanh"}
-    layers, hidden, heads = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
-    # GGUF has no query_pre_attn_scalar: llama.cpp scales by head_dim ** -0.5 except for
-    # the 27B models (46 layers for Gemma 2, 62 for Gemma 3), scaled by (hidden/heads) ** -0.5.
-    is_27b = layers == (46 if arch == "gemma2" else 62)
-    extra: dict[str, Any] = {
-        "hidden_act": "gelu_pytorch_tanh",
-        "hidden_activation": "gelu_pytorch_tanh",
-        "query_pre_attn_scalar": hidden // heads if is_27b else config["head_dim"],
-        "sliding_window": int(fields.get(f"{arch}.attention.sliding_window")),
-        "layer_types": _layer_types(fields, arch, layers, 2 if arch == "gemma2" else 6),
-    }
-    if arch == "gemma2":
-        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            value = fields.get(f"{arch}.{key}", None)
-            extra[key] = None if value is None else float(value)
-    else:
-        # llama.cpp's local-layer base is 10000 unless the file says otherwise.
-        extra["rope_local_base_freq"] = float(fields.get(f"{arch}.rope.freq_base_swa", 10000.0))
-    return extra
 
 
 def _phi3_config(fields: _Fields, names: dict[str, Any], config: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -434,19 +399,6 @@ def _phi3_config(fields: _Fields, names: dict[str, Any], config: dict[str, Any],
     return extra
 
 
-def _rope_scaling(fields: _Fields, arch: str, path: Path) -> dict[str, Any] | None:
-    kind = fields.get(f"{arch}.rope.scaling.type", "none")
-    if kind == "none":
-        return None
-    factor = float(fields.get(f"{arch}.rope.scaling.factor"))
-    if kind == "linear":
-        return {"rope_type": "linear", "factor": factor}
-    if kind == "yarn":
-        original = int(fields.get(f"{arch}.rope.scaling.original_context_length"))
-        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
-    raise UnsupportedModelError(f"{path}: RoPE scaling type {kind!r} is not supported")
-
-
 def _natural_dtype_name(reader: Any) -> str:
     kinds = {t.tensor_type.name for t in reader.tensors if len(t.shape) > 1}
     if kinds == {"F16"}:
@@ -462,6 +414,8 @@ def _hf_tensors(reader: Any, config: dict[str, Any], *, arch: str, path: Path) -
     for t in reader.tensors:
         if arch == "phi3" and t.name in _ROPE_FACTOR_TENSORS:
             continue  # read into config.json's rope_scaling
+        if past_last_layer(t.name, config["num_hidden_layers"]):
+            continue
         moe = _moe_tensors(t, config, path)
         if moe is not None:
             tensors.update(moe)
@@ -476,10 +430,11 @@ def _hf_tensors(reader: Any, config: dict[str, Any], *, arch: str, path: Path) -
             value = unpermute_qk(value, config["num_key_value_heads"])
         elif arch == "gpt2" and name.endswith(GPT2_CONV1D):
             value = value.t()  # llama.cpp's [out, in] back to Conv1D's [in, out]
-        elif arch in _GEMMA and name.endswith("norm.weight"):
-            # llama.cpp's converter stores Gemma's norm weights as 1 + w (its RMSNorm
-            # multiplies by the weight as is); Hugging Face's Gemma adds the 1 itself.
-            value = value.float() - 1.0
+        elif arch in _QWEN35 and name.endswith("linear_attn.conv1d.weight"):
+            value = value.unsqueeze(1)  # llama.cpp drops the depthwise kernel's middle axis
+        fix = stored_value_fix(arch, name)
+        if fix is not None:
+            value = fix(value)
         tensors[name] = value.contiguous()
     return tensors
 

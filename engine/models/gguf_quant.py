@@ -11,7 +11,9 @@ norms, F16, or a block format the kernels lack) are dequantized as the converter
 the log names the block formats that were.
 
 The per-tensor fix-ups mirror ``gguf_convert._hf_tensors`` (phi3's RoPE factor tensors
-skipped, Gemma's stored 1 + w norms undone, GPT-2's dense projections read transposed);
+skipped, Gemma's and Qwen3.5's stored 1 + w norms undone, Qwen3.5's decay rates read back
+as A_log, GPT-2's dense projections read transposed; Qwen3.5's convolution kernels stay
+[channels, kernel], as its mixer reads them);
 llama.cpp's q/k row permutation (see
 :func:`gguf_convert.unpermute_qk`) acts on whole rows within each head, and each row of a
 block-quantized tensor is its own run of blocks, so it is undone on the block rows without
@@ -24,6 +26,7 @@ import dataclasses
 import logging
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -69,15 +72,16 @@ class GgufTensor(StoredTensor):
     ``offset`` (a 1-D tensor is one row, read whole; ``shape`` [1, n] for the shared-expert
     gate HF stores 2-D). ``keep``: the block format it is kept in (``layout`` then says
     which), else it is dequantized; ``heads``: llama.cpp's q/k permutation to undo over
-    that many heads; ``plus_one``: a Gemma norm stored as ``1 + w``."""
+    that many heads; ``fix``: what turns its dense values into the Hugging Face weight's
+    (``gguf_convert.stored_value_fix``: a norm stored as ``1 + w``, Qwen3.5's decay rate)."""
 
     def __init__(self, file: CheckpointFile, name: str, qtype, shape: tuple[int, ...], offset: int, *,
                  keep: QuantFormat | None, layout: str, device: torch.device, heads: int = 0,
-                 plus_one: bool = False) -> None:
+                 fix: Any = None) -> None:
         from gguf import GGML_QUANT_SIZES
 
         self.file, self.name, self.qtype, self.shape, self.offset = file, name, qtype, shape, offset
-        self.keep, self.device, self.heads, self.plus_one = keep, device, heads, plus_one
+        self.keep, self.device, self.heads, self.fix = keep, device, heads, fix
         self.layout = layout if keep is not None else None
         self.block, self.type_size = GGML_QUANT_SIZES[qtype]
         cols = shape[-1] if len(shape) == 2 else int(np.prod(shape))
@@ -151,8 +155,8 @@ class GgufTensor(StoredTensor):
         if self.keep is not None:
             return QuantizedWeight.from_blocks(value.contiguous(), self.keep, self.shape[1], device=self.device,
                                                layout=self.layout)
-        if self.plus_one:
-            value = value.float() - 1.0  # llama.cpp stores Gemma's norms as 1 + w (as the converter undoes)
+        if self.fix is not None:
+            value = self.fix(value)  # as the converter undoes it
         return value.contiguous()
 
 
@@ -190,6 +194,8 @@ def _gguf_tensors(path: Path, config: ModelConfig, device: torch.device, layout:
     for t in reader.tensors:
         if arch == "phi3" and t.name in gguf_convert._ROPE_FACTOR_TENSORS:
             continue  # read into config.json's rope_scaling by the converter
+        if gguf_convert.past_last_layer(t.name, config.num_hidden_layers):
+            continue  # a multi-token-prediction block: not read
         total += int(t.n_bytes)
         kind = t.tensor_type.name
         dims = tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml lists the fastest first
@@ -216,14 +222,16 @@ def _gguf_tensors(path: Path, config: ModelConfig, device: torch.device, layout:
         if name is None:
             raise UnsupportedModelError(f"{path}: unknown GGUF tensor {t.name!r}")
         proj = name.rsplit(".", 2)[-2] if permuted else ""
-        keep = format_of(kind) if kind in formats and len(dims) == 2 else None
+        # Qwen3.5's convolution kernels are 2-D but no matmul's: read dense whatever their type.
+        matrix = len(dims) == 2 and not name.endswith("conv1d.weight")
+        keep = format_of(kind) if kind in formats and matrix else None
         if keep is not None:
             kept[kind] += 1
         elif kind not in gguf_convert._LOSSLESS_TORCH_DTYPES:
             dequantized[kind] += 1
         tensor = GgufTensor(file, name, t.tensor_type, dims, int(t.data_offset), keep=keep, layout=layout,
                             device=device, heads=heads.get(proj, 0),
-                            plus_one=arch in gguf_convert._GEMMA and name.endswith("norm.weight"))
+                            fix=gguf_convert.stored_value_fix(arch, name))
         # GPT-2's projections: kept blocks stay llama.cpp's [out, in] (the model reads them
         # so); dense ones read as a Hugging Face Conv1D, [in, out], as the converter writes.
         conv1d = arch == "gpt2" and name.endswith(gguf_convert.GPT2_CONV1D) and keep is None

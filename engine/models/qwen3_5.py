@@ -114,16 +114,19 @@ class Qwen35Model(Decoder):
             return DeltaNetLayer(input_norm=norm("input_layernorm.weight"), post_norm=norm("post_attention_layernorm.weight"),
                                  mixer=DeltaNetMixer.build(net, get, p, self.eps, make_linear), **mlp)
         attn = p + "self_attn."
-        h, d = self.num_heads, self.head_dim  # this rank's heads
+        d = self.head_dim
         _, (q_span, k_span, v_span) = qkv_spans(self.config, self.tp)
         (q0, q1), = q_span
-        # Each head's query rows, then its gate's: this rank's heads are 2 d rows each.
-        query_gate = get.rows(attn + "q_proj.weight", spans=[[(2 * q0, 2 * q1)]]).view(h, 2, d, -1)
+        # Each head's query rows, then its gate's (2 d rows a head): this rank's heads' of each
+        # (rows of a GGUF's blocks stay in blocks).
+        heads = range(q0 // d, q1 // d)
+        query, gate = (get.pick_rows(attn + "q_proj.weight", [(2 * d * j + o, 2 * d * j + o + d) for j in heads])
+                       for o in (0, d))
         return DecoderLayer(
             input_norm=norm("input_layernorm.weight"), post_norm=norm("post_attention_layernorm.weight"),
             # [q; k; v; gate]: one matmul, split in _gated_attention.
-            qkv=make_linear([query_gate[:, 0].reshape(h * d, -1), get.rows(attn + "k_proj.weight", spans=[k_span]),
-                             get.rows(attn + "v_proj.weight", spans=[v_span]), query_gate[:, 1].reshape(h * d, -1)]),
+            qkv=make_linear([query, get.rows(attn + "k_proj.weight", spans=[k_span]),
+                             get.rows(attn + "v_proj.weight", spans=[v_span]), gate]),
             o_proj=get.row_parallel(attn + "o_proj.weight"),
             q_norm=norm("self_attn.q_norm.weight"), k_norm=norm("self_attn.k_norm.weight"),
             window=0, rope=self.cos_sin_cache, **mlp)

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.deltanet_config import DeltaNetConfig
+from engine.models.layers.linear import is_quantized
 from engine.models.layers.recurrent import (
     conv_decode,
     conv_prompt,
@@ -64,11 +65,7 @@ def _grouped_projection(config: DeltaNetConfig, get: Any, p: str) -> list[torch.
     ba = [(0, per), (per, 2 * per)]
 
     def rows(name: str, width: int, start: int, stop: int) -> torch.Tensor:
-        spans = [(h * width + start, h * width + stop) for h in heads]
-        if tp.enabled:
-            return get.rows(name, sizes=(config.num_k_heads * width,), spans=[spans])
-        whole = get(name)
-        return torch.cat([whole[a:b] for a, b in spans])
+        return get.pick_rows(name, [(h * width + start, h * width + stop) for h in heads])
 
     return ([rows(p + "in_proj_qkvz.weight", block, a, b) for a, b in qkvz]
             + [rows(p + "in_proj_ba.weight", 2 * per, a, b) for a, b in ba])
@@ -83,13 +80,16 @@ class DeltaNetMixer:
     """One Gated DeltaNet layer's weights (the module docstring's mixer)."""
 
     config: DeltaNetConfig
-    in_proj: Any  # Linear: [qkv; z; b; a] rows, one matmul
+    in_proj: Any  # Linear: [qkv; z; b; a] rows, one matmul ([qkv; z] when ba_proj is set)
     conv_weight: torch.Tensor  # [conv_dim, d_conv] fp32
     dt_bias: torch.Tensor  # [num_v_heads] fp32
     a: torch.Tensor  # [num_v_heads] fp32: -exp(A_log)
     norm: torch.Tensor  # [v_head_dim], model dtype
     out_proj: Any
     eps: float
+    # [b; a] apart, where a GGUF keeps [qkv; z] in blocks and b, a dense (or the other way):
+    # one matmul over both would dequantize the blocks.
+    ba_proj: Any = None
 
     @classmethod
     def build(cls, config: DeltaNetConfig, get: Any, prefix: str, eps: float, make_linear: Any) -> DeltaNetMixer:
@@ -101,9 +101,11 @@ class DeltaNetMixer:
         local = config.local(get.tp.world_size)
         parts = (_grouped_projection(config, get, p) if config.grouped else
                  [get.rows(p + "in_proj_qkv.weight", **qkv)] + [get.rows(p + f"in_proj_{n}.weight") for n in "zba"])
+        apart = len({is_quantized(w) for w in parts[:2]} | {is_quantized(w) for w in parts[2:]}) > 1
         return cls(
             config=local,
-            in_proj=make_linear(parts),
+            in_proj=make_linear(parts[:2] if apart else parts),
+            ba_proj=make_linear(parts[2:]) if apart else None,
             conv_weight=get.rows(p + "conv1d.weight", **qkv).float().reshape(local.conv_dim, config.d_conv),
             dt_bias=get.rows(p + "dt_bias").float(),
             a=-torch.exp(get.rows(p + "A_log").float()),
@@ -117,7 +119,11 @@ class DeltaNetMixer:
         """The mixer's output [T, hidden] for the step's normed hidden states ``x``;
         advances each request's states in its slot."""
         c = self.config
-        qkv, z, b, a = self.in_proj(x).split([c.conv_dim, c.value_dim, c.num_v_heads, c.num_v_heads], dim=-1)
+        if self.ba_proj is None:
+            qkv, z, b, a = self.in_proj(x).split([c.conv_dim, c.value_dim, c.num_v_heads, c.num_v_heads], dim=-1)
+        else:
+            qkv, z = self.in_proj(x).split([c.conv_dim, c.value_dim], dim=-1)
+            b, a = self.ba_proj(x).split([c.num_v_heads, c.num_v_heads], dim=-1)
         beta = torch.sigmoid(b).float()  # [T, Hv]
         g = self.a * F.softplus(a.float() + self.dt_bias)  # [T, Hv]: the log decay
         o = torch.empty(x.shape[0], c.num_v_heads, c.v_head_dim, dtype=torch.float32, device=x.device)
@@ -139,7 +145,9 @@ class DeltaNetMixer:
         per = c.num_v_heads // c.num_k_heads
         q = _l2norm(q.reshape(-1, c.num_k_heads, c.k_head_dim)) * c.k_head_dim**-0.5
         k = _l2norm(k.reshape(-1, c.num_k_heads, c.k_head_dim))
-        if per > 1:
+        if per > 1 and c.tiled:  # value head j reads key head j % num_k_heads
+            q, k = q.repeat(1, per, 1), k.repeat(1, per, 1)
+        elif per > 1:  # value head j reads key head j // per
             q, k = q.repeat_interleave(per, dim=1), k.repeat_interleave(per, dim=1)
         return q, k, v.reshape(-1, c.num_v_heads, c.v_head_dim)
 

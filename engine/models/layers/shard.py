@@ -269,6 +269,12 @@ class ShardedWeights:
             raise CorruptModelError(f"weight {name!r} has {w.shape[0]} rows, expected {start}")
         return self._cast(w.read_rows(cut) if isinstance(w, StoredTensor) else take_rows(w, cut))
 
+    def pick_rows(self, name: str, spans: list[tuple[int, int]]):
+        """Rows ``spans`` of the whole weight, joined in order, whatever the rank (read
+        alone where the weight is stored; a quantized weight's rows stay in blocks)."""
+        w = self._raw(name)
+        return self._cast(w.read_rows(spans) if isinstance(w, StoredTensor) else take_rows(w, spans))
+
     def cols(self, name: str):
         """Row-parallel: this rank's equal share of the input columns."""
         w = self._raw(name)
