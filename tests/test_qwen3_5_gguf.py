@@ -41,8 +41,10 @@ from engine.ops.cpu import qmatmul as cq
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 F32, Q8_0 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0
-# GGUF has no per-layer kinds: llama.cpp makes every full_attention_interval-th layer an
-# attention layer, so the tiny models take that layout (three DeltaNet layers, then one).
+# Without attention.recurrent_layers (which converters before it did not write) a file's
+# layer kinds are full_attention_interval's: every interval-th layer attends. The models
+# written without the list take that layout (three DeltaNet layers, then one); the others
+# keep TINY's (an attention layer second).
 LAYOUT = dict(layer_types=None, full_attention_interval=4)
 
 
@@ -51,19 +53,19 @@ def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def write_dense(folder: Path) -> Any:
+def write_dense(folder: Path, layout: dict[str, Any] | None = None) -> Any:
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch.manual_seed(0)
-    return write_hf_model(draw_mamba_parameters(Qwen3_5ForCausalLM(Qwen3_5TextConfig(**(TINY | LAYOUT)))), folder,
-                          norms=True)
+    config = Qwen3_5TextConfig(**(TINY | (layout or {})))
+    return write_hf_model(draw_mamba_parameters(Qwen3_5ForCausalLM(config)), folder, norms=True)
 
 
 def write_moe(folder: Path) -> Any:
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
     torch.manual_seed(0)
-    fields = {k: v for k, v in (TINY | LAYOUT).items() if k != "intermediate_size"}
+    fields = {k: v for k, v in (TINY | LAYOUT).items() if k != "intermediate_size"}  # the layout by interval
     config = Qwen3_5MoeTextConfig(**fields, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                   shared_expert_intermediate_size=48)
     return write_hf_model(draw_mamba_parameters(Qwen3_5MoeForCausalLM(config)), folder, norms=True)
@@ -117,13 +119,15 @@ def _converted(name: str, array: np.ndarray, cfg: dict[str, Any]) -> np.ndarray:
 
 
 def write_qwen35_gguf(folder: Path, out: Path, *, quant: gguf.GGMLQuantizationType = F32,
-                      dense_ba: bool = False, mtp: bool = False) -> Path:
+                      dense_ba: bool = False, mtp: bool = False, layer_list: bool = True) -> Path:
     """The GGUF llama.cpp's converter makes of the Qwen3.5 folder ``folder``: matrices in
     ``quant`` where their rows are whole blocks (else F32, as llama.cpp's quantizer falls
     back), the convolution kernels and vectors F32; ``dense_ba``: ``ssm_alpha`` and
     ``ssm_beta`` F32 beside quantized ones; ``mtp``: a multi-token-prediction block after
     the decoder's, as the converter appends one (counted in block_count, named by
-    ``nextn_predict_layers``; here the last layer's tensors and nextn's own, drawn)."""
+    ``nextn_predict_layers``; here an attention layer's tensors and nextn's own, drawn);
+    ``layer_list``: the blocks' kinds listed (``attention.recurrent_layers``), as the
+    converter writes them now, else ``full_attention_interval`` alone, as it did before."""
     cfg = json.loads((folder / "config.json").read_text())
     moe = "num_experts" in cfg
     arch = gguf.MODEL_ARCH.QWEN35MOE if moe else gguf.MODEL_ARCH.QWEN35
@@ -149,8 +153,12 @@ def write_qwen35_gguf(folder: Path, out: Path, *, quant: gguf.GGMLQuantizationTy
     w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
     w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
     interval = cfg.get("full_attention_interval", 4)  # the converter's default, as transformers saves none
-    assert cfg["layer_types"] == ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                                  for i in range(cfg["num_hidden_layers"])]
+    if layer_list:
+        w.add_array(f"{w.arch}.attention.recurrent_layers",
+                    [t == "linear_attention" for t in cfg["layer_types"]] + [False] * int(mtp))
+    else:
+        assert cfg["layer_types"] == ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                      for i in range(cfg["num_hidden_layers"])]
     w.add_full_attention_interval(interval)
     w.add_rope_dimension_count(int(cfg["head_dim"] * cfg["rope_parameters"]["partial_rotary_factor"]))
     w.add_rope_dimension_sections([11, 11, 10, 0])
@@ -190,11 +198,13 @@ def write_qwen35_gguf(folder: Path, out: Path, *, quant: gguf.GGMLQuantizationTy
         add(gname + suffix, value, dense=(dense_ba and name.endswith(("in_proj_a.weight", "in_proj_b.weight")))
             or name.endswith("mlp.gate.weight"))
     if mtp:
+        # An attention layer's tensors (as an MTP block has), and nextn's own.
         last, extra = cfg["num_hidden_layers"] - 1, np.random.default_rng(3)
+        source = cfg["layer_types"].index("full_attention")
         for name, array in stored.items():
-            if name.startswith(f"model.layers.{last}.") and ".mlp.experts." not in name:
+            if name.startswith(f"model.layers.{source}.") and ".mlp.experts." not in name:
                 stem = names.get_name(name.removesuffix(".weight"))
-                add(stem.replace(f"blk.{last}.", f"blk.{last + 1}.") + ".weight", _converted(name, array, cfg))
+                add(stem.replace(f"blk.{source}.", f"blk.{last + 1}.") + ".weight", _converted(name, array, cfg))
         hidden = cfg["hidden_size"]
         for nextn, shape in (("eh_proj", (hidden, 2 * hidden)), ("enorm", (hidden,)), ("hnorm", (hidden,)),
                              ("shared_head_norm", (hidden,))):
@@ -218,7 +228,7 @@ def test_an_f32_gguf_matches_transformers(dense, ops: str) -> None:
     hf, path = dense
     loaded = assert_greedy_matches(hf, path, ops, fused=False)
     net = loaded.config.deltanet
-    assert net is not None and net.layers == (0, 1, 2) and net.tiled
+    assert net is not None and net.layers == (0, 2, 3) and net.tiled
     assert (net.num_k_heads, net.num_v_heads, net.k_head_dim, net.v_head_dim) == (2, 4, 16, 16)
     assert loaded.config.rotary_dim == 8 and loaded.config.head_dim == 32
     assert_chunked_greedy_matches(hf, path, ops, prompts=2, chunk_size=5)
@@ -241,7 +251,7 @@ def test_the_moe_gguf_matches_transformers(tmp_path: Path) -> None:
     transformers' by up to 1.1e-4 at one token, from its Hugging Face folder as from the
     GGUF (the summation order of its experts), past the 1e-4 the parity tests hold."""
     hf = write_moe(tmp_path / "hf")
-    path = write_qwen35_gguf(tmp_path / "hf", tmp_path / "m.gguf")
+    path = write_qwen35_gguf(tmp_path / "hf", tmp_path / "m.gguf", layer_list=False)
     as_stored(hf)
     loaded = assert_greedy_matches(hf, path, "torch", fused=False)
     moe = loaded.config.moe

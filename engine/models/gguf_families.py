@@ -16,14 +16,22 @@ from engine.errors import CorruptModelError, UnsupportedModelError
 def qwen35_config(fields: Any, arch: str, config: dict[str, Any], path: Path) -> dict[str, Any]:
     """Qwen3.5's Gated DeltaNet fields from llama.cpp's ``ssm.*`` keys (group count: key
     heads; time-step rank: value heads; state size: the key head's width; inner size: all
-    value heads' width), its layer kinds from ``full_attention_interval`` (every
-    interval-th layer attends, as llama.cpp lays them out), the rotated share of a head
+    value heads' width), its layer kinds from ``attention.recurrent_layers`` where the file
+    lists them, else from ``full_attention_interval`` (every interval-th layer attends, as
+    llama.cpp lays them out then), the rotated share of a head
     from ``rope.dimension_count``. llama.cpp's converter reorders each key head's value
     heads from grouped (a key head's value heads together) to tiled (the i-th value head
     of every key head, then the next), so its binary ops broadcast; the weights stay in
     that order and ``linear_value_heads_tiled`` tells the mixer (engine.models.deltanet_config)."""
     layers, head_dim = config["num_hidden_layers"], config["head_dim"]
     interval = int(fields.get(f"{arch}.full_attention_interval", 4))
+    # Newer converters list each block's kind (true: recurrent; the decoder's come first).
+    recurrent = fields.get(f"{arch}.attention.recurrent_layers", None)
+    if recurrent is None:
+        recurrent = [(i + 1) % interval != 0 for i in range(layers)]
+    elif len(recurrent) < layers:
+        raise CorruptModelError(f"{path}: {arch}.attention.recurrent_layers lists {len(recurrent)} blocks, "
+                                f"the decoder has {layers}")
     k_heads = int(fields.get(f"{arch}.ssm.group_count"))
     v_heads = int(fields.get(f"{arch}.ssm.time_step_rank"))
     inner = int(fields.get(f"{arch}.ssm.inner_size"))
@@ -32,7 +40,7 @@ def qwen35_config(fields: Any, arch: str, config: dict[str, Any], path: Path) ->
                                 f"inner_size {inner} do not describe whole key and value heads")
     rotary = int(fields.get(f"{arch}.rope.dimension_count", head_dim // 4))
     extra: dict[str, Any] = {
-        "layer_types": ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)],
+        "layer_types": ["linear_attention" if recurrent[i] else "full_attention" for i in range(layers)],
         "linear_num_key_heads": k_heads,
         "linear_num_value_heads": v_heads,
         "linear_key_head_dim": int(fields.get(f"{arch}.ssm.state_size")),
