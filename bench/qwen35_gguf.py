@@ -1,0 +1,114 @@
+"""Qwen3.5 from a GGUF: the engine (blocks kept) beside llama.cpp on the same file.
+
+    .venv/bin/python bench/qwen35_gguf.py --llama-cpp /work/llama [--outtype q8_0]
+        [--new-tokens 64] [--prompt-len 512] [--rounds 3] [--dtypes float32,bfloat16]
+
+Writes ``moe_families.SHAPES["qwen3_5"]``'s random-weight Qwen3.5 (110M: 8 layers, three
+Gated DeltaNet layers to each gated attention layer, the tiny 384-token vocabulary, so the
+layers and not the head are what is timed) with transformers, converts it with llama.cpp's
+own ``convert_hf_to_gguf.py`` (the source tree ``../shared/anchors/build_llama_cpp.sh``
+leaves under ``DIR/src``; ``--outtype`` as that script takes it), then times on that one
+file, alternating the two in each round:
+
+* decode: the engine's runner at batch 1 after a 64-token prompt (``bench/decode``'s
+  ``EngineDecode``; activations in each of ``--dtypes``), against ``llama-bench -p 0 -n
+  N`` (tg);
+* prompt processing: the engine's one-step prefill of ``--prompt-len`` tokens, against
+  ``llama-bench -p N -n 0`` (pp).
+
+Both on 2 threads (``build_llama_cpp.sh``'s fair settings). The best of ``--rounds`` for each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import EngineDecode, prompts  # noqa: E402
+from moe_families import write  # noqa: E402
+
+from engine.models.loader import load_model  # noqa: E402
+
+# llama.cpp's converter names each BPE pre-tokenizer by the hash of what it makes of a test
+# text; the tiny tokenizer's is not one it knows, so its name is given (the weights and the
+# layout are the converter's own).
+DRIVER = """
+import runpy, sys
+root = sys.argv.pop(1)
+sys.path[:0] = [root + "/gguf-py", root]
+import conversion.base as base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+sys.argv[0] = root + "/convert_hf_to_gguf.py"
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def convert(llama_cpp: Path, folder: Path, out: Path, outtype: str) -> None:
+    roots = sorted(llama_cpp.glob("src/llama_cpp_python-*/vendor/llama.cpp"))
+    if not roots:
+        raise SystemExit(f"no llama.cpp source under {llama_cpp}/src (run ../shared/anchors/build_llama_cpp.sh)")
+    subprocess.run([sys.executable, "-c", DRIVER, str(roots[-1]), str(folder), "--outfile", str(out),
+                    "--outtype", outtype, "--no-mtp"], check=True, capture_output=True)
+
+
+def llama_bench(llama_cpp: Path, model: Path, prompt: int, gen: int) -> float:
+    out = subprocess.run(
+        [str(llama_cpp / "bin" / "llama-bench"), "-m", str(model), "-t", "2", "-p", str(prompt), "-n", str(gen),
+         "-r", "3", "-o", "json"], capture_output=True, text=True, check=True).stdout
+    return float(json.loads(out)[0]["avg_ts"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--llama-cpp", type=Path, required=True)
+    ap.add_argument("--outtype", default="q8_0")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder, path = Path(tmp) / "qwen3_5", Path(tmp) / f"qwen3_5-{args.outtype}.gguf"
+        write("qwen3_5", folder)
+        convert(args.llama_cpp, folder, path, args.outtype)
+        loaded = load_model(path, dtype="float32")
+        print(f"{path.name}: {path.stat().st_size / 2**20:.1f} MiB, quantization {loaded.quantization}")
+        vocab, n, new = loaded.config.vocab_size, args.prompt_len, args.new_tokens
+        engines = {name: EngineDecode(loaded, getattr(torch, name), 1, n + new) for name in args.dtypes.split(",")}
+        best: dict[str, float] = {}
+
+        def keep(key: str, value: float) -> None:
+            best[key] = max(best.get(key, 0.0), value)
+
+        for _ in range(args.rounds):
+            for name, eng in engines.items():
+                short = prompts(1, 64, vocab)
+                eng.run(short, 4)  # warm-up
+                keep(f"decode {name}", (new - 1) / eng.run(short, new))
+                long = prompts(1, n, vocab)
+                t0 = time.perf_counter()
+                decode = eng.run(long, 2)
+                keep(f"prefill {name}", n / (time.perf_counter() - t0 - decode))
+            keep("decode llama.cpp", llama_bench(args.llama_cpp, path, 0, new))
+            keep("prefill llama.cpp", llama_bench(args.llama_cpp, path, n, 0))
+        print("| | " + " | ".join(f"engine ({d})" for d in engines) + " | llama.cpp | " +
+              " | ".join(f"engine ({d}) / llama.cpp" for d in engines) + " |")
+        print("|---" * (2 + 2 * len(engines)) + "|")
+        for kind, label in (("decode", f"decode tok/s, batch 1 (tg{new})"), ("prefill", f"prompt tok/s (pp{n})")):
+            ref = best[f"{kind} llama.cpp"]
+            ours = [best[f"{kind} {d}"] for d in engines]
+            print(f"| {label} | " + " | ".join(f"{v:.1f}" for v in ours) + f" | {ref:.1f} | " +
+                  " | ".join(f"**{v / ref:.2f}x**" for v in ours) + " |")
+
+
+if __name__ == "__main__":
+    main()
