@@ -3,9 +3,11 @@
     .venv/bin/python bench/qwen35_gguf.py --llama-cpp /work/llama [--outtype q8_0]
         [--new-tokens 64] [--prompt-len 512] [--rounds 3] [--dtypes float32,bfloat16]
 
-Writes ``moe_families.SHAPES["qwen3_5"]``'s random-weight Qwen3.5 (110M: 8 layers, three
-Gated DeltaNet layers to each gated attention layer, the tiny 384-token vocabulary, so the
-layers and not the head are what is timed) with transformers, converts it with llama.cpp's
+Writes a random-weight Qwen3.5 with transformers (``--shape small``:
+``moe_families.SHAPES["qwen3_5"]``, 110M, 8 layers; ``--shape 0.8b``: the layer stack of
+Qwen3.5-0.8B, :data:`SHAPE_0_8B`, 24 layers, 0.5B without the embedding; both three Gated
+DeltaNet layers to each gated attention layer and the tiny 384-token vocabulary, so the
+layers and not the head are what is timed), converts it with llama.cpp's
 own ``convert_hf_to_gguf.py`` (the source tree ``../shared/anchors/build_llama_cpp.sh``
 leaves under ``DIR/src``; ``--outtype`` as that script takes it), then times on that one
 file, alternating the two in each round:
@@ -33,9 +35,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import EngineDecode, prompts  # noqa: E402
-from moe_families import write  # noqa: E402
+from moe_families import SHAPES, write  # noqa: E402
 
 from engine.models.loader import load_model  # noqa: E402
+
+# Qwen3.5-0.8B's layers: hidden 1024, 24 layers (every fourth attends), DeltaNet 16 key
+# and 16 value heads of 128, attention 8 heads of 256 and 2 KV heads, MLP 3584 wide.
+SHAPE_0_8B = dict(hidden_size=1024, num_hidden_layers=24, intermediate_size=3584, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+                  linear_key_head_dim=128, linear_value_head_dim=128, layer_types=None, full_attention_interval=4)
 
 # llama.cpp's converter names each BPE pre-tokenizer by the hash of what it makes of a test
 # text; the tiny tokenizer's is not one it knows, so its name is given (the weights and the
@@ -70,6 +78,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-cpp", type=Path, required=True)
     ap.add_argument("--outtype", default="q8_0")
+    ap.add_argument("--shape", default="small", choices=("small", "0.8b"))
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=512)
@@ -78,6 +87,8 @@ def main() -> None:
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:
         folder, path = Path(tmp) / "qwen3_5", Path(tmp) / f"qwen3_5-{args.outtype}.gguf"
+        if args.shape == "0.8b":
+            SHAPES["qwen3_5"] = SHAPES["qwen3_5"] | SHAPE_0_8B
         write("qwen3_5", folder)
         convert(args.llama_cpp, folder, path, args.outtype)
         loaded = load_model(path, dtype="float32")

@@ -435,3 +435,28 @@ def test_linear_gelu_and_residual_epilogues_match_torch(rows: int, threads: int)
     want = torch.nn.functional.linear(x, w, b)
     torch.testing.assert_close(lin.gelu(x), torch.nn.functional.gelu(want), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lin.add(x, res), want + res, atol=1e-5, rtol=1e-5)
+
+
+# --- Gated DeltaNet's decode step --------------------------------------------------------
+
+
+@pytest.mark.parametrize("k_heads,v_heads", [(4, 4), (2, 4), (2, 8)])
+@pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
+@pytest.mark.parametrize("n,dk,dv", [(1, 16, 16), (3, 64, 128), (2, 128, 64)])
+def test_delta_rule_decode_matches_the_reference(k_heads: int, v_heads: int, tiled: bool, n: int, dk: int, dv: int,
+                                                 threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The output and the state it leaves, for each value head's key head in either order
+    (the C kernel's: the reference it would fall back to is taken away)."""
+    state = _rand(n, v_heads, dk, dv, seed=70) * 0.3
+    q = torch.nn.functional.normalize(_rand(n, k_heads, dk, seed=71), dim=-1) * dk**-0.5
+    k = torch.nn.functional.normalize(_rand(n, k_heads, dk, seed=72), dim=-1)
+    v, g = _rand(n, v_heads, dv, seed=73), -torch.nn.functional.softplus(_rand(n, v_heads, seed=74))
+    beta = torch.sigmoid(_rand(n, v_heads, seed=75))
+    want_state, got_state = state.clone(), state.clone()
+    want = TorchOps().delta_rule_decode(want_state, q, k, v, g, beta, tiled)
+    monkeypatch.delattr(TorchOps, "delta_rule_decode")
+    got = CpuOps().delta_rule_decode(got_state, q, k, v, g, beta, tiled)
+    assert got.shape == (n, v_heads, dv)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    torch.testing.assert_close(got_state, want_state, **TOL[torch.float32])
+    assert not torch.equal(got_state, state)  # it moved, in place

@@ -112,7 +112,7 @@ class Qwen35Model(Decoder):
                        down=get.row_parallel(p + "mlp.down_proj.weight"))
         if i in net.layers:
             return DeltaNetLayer(input_norm=norm("input_layernorm.weight"), post_norm=norm("post_attention_layernorm.weight"),
-                                 mixer=DeltaNetMixer.build(net, get, p, self.eps, make_linear), **mlp)
+                                 mixer=DeltaNetMixer.build(net, get, p, self.eps, make_linear, self.ops), **mlp)
         attn = p + "self_attn."
         d = self.head_dim
         _, (q_span, k_span, v_span) = qkv_spans(self.config, self.tp)

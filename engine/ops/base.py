@@ -271,6 +271,15 @@ class Ops(Protocol):
         ``head_dim ** -0.5``. Returns ``[T, num_heads * head_dim]``."""
         ...
 
+    def delta_rule_decode(self, state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          g: torch.Tensor, beta: torch.Tensor, tiled: bool) -> torch.Tensor:
+        """One decode token of Gated DeltaNet's delta rule for N requests, fp32: ``state``
+        ``[N, Hv, Dk, Dv]`` (updated in place), ``q`` and ``k`` ``[N, Hk, Dk]`` (value head
+        ``h`` reads key head ``h // (Hv / Hk)``, or ``h % Hk`` when ``tiled``), ``v``
+        ``[N, Hv, Dv]``, ``g`` (the log decay) and ``beta`` ``[N, Hv]``. Per value head
+        ``S = exp(g) S; S += k (beta (v - S^T k))^T``; returns ``S^T q`` ``[N, Hv, Dv]``."""
+        ...
+
     def fused_moe(
         self,
         x: torch.Tensor,  # [T, hidden]

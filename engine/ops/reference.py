@@ -70,6 +70,24 @@ def encoder_attention_reference(qkv: torch.Tensor, lens: tuple[int, ...], num_he
     return out
 
 
+def delta_rule_decode_reference(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                g: torch.Tensor, beta: torch.Tensor, tiled: bool) -> torch.Tensor:
+    """One decode token of the gated delta rule for N requests (see
+    :meth:`engine.ops.Ops.delta_rule_decode`), in torch's batched ops: decay, read ``S^T k``,
+    write, read ``S^T q``."""
+    n, hv, dk, dv = state.shape
+    per = hv // k.shape[1]
+    if per > 1:  # each value head its key head's q and k
+        q, k = (t.repeat(1, per, 1) if tiled else t.repeat_interleave(per, dim=1) for t in (q, k))
+    state.mul_(torch.exp(g)[:, :, None, None])
+    flat = state.view(n * hv, dk, dv)
+    keys = k.reshape(n * hv, dk, 1)
+    missed = (flat.transpose(1, 2) @ keys).view(n, hv, dv)  # S^T k
+    delta = (v - missed) * beta[:, :, None]
+    flat.baddbmm_(keys, delta.reshape(n * hv, 1, dv))
+    return (flat.transpose(1, 2) @ q.reshape(n * hv, dk, 1)).view(n, hv, dv)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Gather:
     """Where a padded batch of requests reads its context from the flat cache."""
@@ -232,6 +250,10 @@ class TorchOps:
     def encoder_attention(self, qkv: torch.Tensor, lens: tuple[int, ...], num_heads: int,
                           head_dim: int) -> torch.Tensor:
         return encoder_attention_reference(qkv, lens, num_heads, head_dim)
+
+    def delta_rule_decode(self, state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          g: torch.Tensor, beta: torch.Tensor, tiled: bool) -> torch.Tensor:
+        return delta_rule_decode_reference(state, q, k, v, g, beta, tiled)
 
     def paged_attention_prefill(
         self,

@@ -15,7 +15,7 @@ import torch
 
 from engine.ops.base import AttentionMetadata, KVCache, LoraSegments
 from engine.ops.moe import ClampedSwiglu, fused_moe_reference
-from engine.ops.reference import encoder_attention_reference
+from engine.ops.reference import delta_rule_decode_reference, encoder_attention_reference
 from engine.ops.triton import (
     attention_decode,
     attention_prefill,
@@ -92,6 +92,11 @@ class TritonOps:
                           head_dim: int) -> torch.Tensor:
         """torch's SDPA per sequence (its flash kernel on CUDA): no Triton kernel of its own."""
         return encoder_attention_reference(qkv, lens, num_heads, head_dim)
+
+    def delta_rule_decode(self, state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          g: torch.Tensor, beta: torch.Tensor, tiled: bool) -> torch.Tensor:
+        """torch's batched ops: no Triton kernel of its own."""
+        return delta_rule_decode_reference(state, q, k, v, g, beta, tiled)
 
     def paged_attention_prefill(
         self,

@@ -87,12 +87,14 @@ class DeltaNetMixer:
     norm: torch.Tensor  # [v_head_dim], model dtype
     out_proj: Any
     eps: float
+    ops: Any  # the delta rule's decode step (engine.ops.Ops.delta_rule_decode)
     # [b; a] apart, where a GGUF keeps [qkv; z] in blocks and b, a dense (or the other way):
     # one matmul over both would dequantize the blocks.
     ba_proj: Any = None
 
     @classmethod
-    def build(cls, config: DeltaNetConfig, get: Any, prefix: str, eps: float, make_linear: Any) -> DeltaNetMixer:
+    def build(cls, config: DeltaNetConfig, get: Any, prefix: str, eps: float, make_linear: Any,
+              ops: Any) -> DeltaNetMixer:
         """Layer ``prefix``'s mixer from ``get`` (a ShardedWeights): over tensor-parallel
         ranks, this rank's key heads of q and k, value heads of v, z, b and a (the
         convolution, dt_bias and A_log alike), and out_proj's matching columns."""
@@ -112,6 +114,7 @@ class DeltaNetMixer:
             norm=get(p + "norm.weight"),
             out_proj=get.row_parallel(p + "out_proj.weight"),
             eps=eps,
+            ops=ops,
         )
 
     def __call__(self, x: torch.Tensor, meta: AttentionMetadata, conv_state: torch.Tensor,
@@ -137,12 +140,13 @@ class DeltaNetMixer:
         mix_by_request(meta, o, decode, chunk)
         return self.out_proj(self._gated_norm(o.to(x.dtype), z))
 
-    def _split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _split(self, mixed: torch.Tensor, repeat: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q and k [N, Hv, Dk] (L2-normed, q scaled; a key head's repeated for its value
-        heads) and v [N, Hv, Dv], fp32, from the convolved channels."""
+        heads, or [N, Hk, Dk] without ``repeat``) and v [N, Hv, Dv], fp32, from the
+        convolved channels."""
         c = self.config
         q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
-        per = c.num_v_heads // c.num_k_heads
+        per = c.num_v_heads // c.num_k_heads if repeat else 1
         q = _l2norm(q.reshape(-1, c.num_k_heads, c.k_head_dim)) * c.k_head_dim**-0.5
         k = _l2norm(k.reshape(-1, c.num_k_heads, c.k_head_dim))
         if per > 1 and c.tiled:  # value head j reads key head j % num_k_heads
@@ -155,16 +159,11 @@ class DeltaNetMixer:
                 host: tuple[int, ...], conv_state: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """One token for each of N requests: [N, Hv, Dv]."""
         conv, s, in_place = slot_views(conv_state, state, slots, host)  # s [N, Hv, Dk, Dv]
-        q, k, v = self._split(conv_decode(conv, qkv, self.conv_weight, None))
-        c, n = self.config, len(host)
-        s.mul_(torch.exp(g)[:, :, None, None])
-        flat = s.view(n * c.num_v_heads, c.k_head_dim, c.v_head_dim)
-        keys = k.reshape(n * c.num_v_heads, c.k_head_dim, 1)
-        missed = (flat.transpose(1, 2) @ keys).view(n, c.num_v_heads, c.v_head_dim)  # S^T k
-        delta = (v - missed) * beta[:, :, None]
-        flat.baddbmm_(keys, delta.reshape(n * c.num_v_heads, 1, c.v_head_dim))
+        q, k, v = self._split(conv_decode(conv, qkv, self.conv_weight, None), repeat=False)
+        out = self.ops.delta_rule_decode(s, q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
+                                         beta.contiguous(), self.config.tiled)
         write_back(conv_state, state, slots, conv, s, in_place)
-        return (flat.transpose(1, 2) @ q.reshape(n * c.num_v_heads, c.k_head_dim, 1)).view(n, c.num_v_heads, c.v_head_dim)
+        return out
 
     def _chunk(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slot: int, fresh: bool,
                conv_state: torch.Tensor, state: torch.Tensor) -> torch.Tensor:

@@ -352,6 +352,26 @@ class CpuOps(TorchOps):
             raise CpuKernelError(f"encoder_attention: the kernel failed ({rc})")
         return out
 
+    def delta_rule_decode(self, state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          g: torch.Tensor, beta: torch.Tensor, tiled: bool) -> torch.Tensor:
+        """One C call for every (request, value head): two passes over each state where the
+        reference's batched ops make four, and no copy of q and k per value head."""
+        n, hv, dk, dv = state.shape
+        hk = k.shape[1] if k.dim() == 3 else 0
+        tensors = (state, q, k, v, g, beta)
+        if (any(t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() for t in tensors)
+                or not hk or hv % hk or q.shape != (n, hk, dk) or k.shape != q.shape or v.shape != (n, hv, dv)
+                or g.shape != (n, hv) or beta.shape != g.shape):
+            return super().delta_rule_decode(state, q, k, v, g, beta, tiled)
+        out = torch.empty(n, hv, dv, dtype=torch.float32)
+        rc = _lib.eng_delta_rule_decode(*(_ptr(t, "float *") for t in (state, q, k, v, g, beta, out)), n, hv, hk, dk,
+                                        dv, int(tiled), torch.get_num_threads())
+        if rc == -1:
+            return super().delta_rule_decode(state, q, k, v, g, beta, tiled)  # a head wider than the kernel's
+        if rc:
+            raise CpuKernelError(f"delta_rule_decode: the kernel failed ({rc})")
+        return out
+
     def gemma_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Gemma's RMSNorm: ``x / rms(x) * weight`` in fp32 with ``weight`` (1 + w) in fp32,
         rounded to ``x.dtype`` once, as transformers computes it. Rows may be strided (the

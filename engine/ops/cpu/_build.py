@@ -43,6 +43,9 @@ int eng_lora_sgmv(int dtype, int wdtype, void *out, const void *x, int64_t T, in
 int eng_lora_pairs(void);
 int eng_encoder_attention(int dtype, void *out, const void *qkv, const int64_t *starts, int64_t nseq,
                           int64_t heads, int64_t d, float scale, int nthreads);
+int eng_delta_rule_decode(float *state, const float *q, const float *k, const float *v, const float *g,
+                          const float *beta, float *out, int64_t n, int64_t hv, int64_t hk, int64_t dk,
+                          int64_t dv, int tiled, int nthreads);
 """
 
 # Quantized-weight matmuls (quant.c, a translation unit of its own; see engine/ops/quant.py).

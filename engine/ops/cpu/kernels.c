@@ -924,6 +924,61 @@ int eng_encoder_attention(int dtype, void *out, const void *qkv, const int64_t *
     return failed ? -3 : 0;
 }
 
+/* ---- Gated DeltaNet: one decode step of the delta rule ---------------------------------- */
+
+/* One value head of one request: S [dk, dv] (row i: key coordinate i), with q and k of its
+ * key head (dk each), v and out (dv each), decay d = exp(g) and beta. Two passes over S
+ * where the torch reference makes four: the first reads S^T k and S^T q together, the
+ * second writes S' = d S + k delta^T with delta = beta (v - d S^T k); the output is
+ * S'^T q = d S^T q + delta (k . q). a and c are dv floats of scratch. */
+CLONES void eng_delta_rule_item(float *S, const float *q, const float *k, const float *v, float d, float b,
+                         float *out, int64_t dk, int64_t dv, float *a, float *c) {
+    for (int64_t j = 0; j < dv; j++)
+        a[j] = c[j] = 0.0f;
+    float kq = 0.0f;
+    for (int64_t i = 0; i < dk; i++) {
+        const float ki = k[i], qi = q[i];
+        const float *row = S + i * dv;
+        for (int64_t j = 0; j < dv; j++) {
+            a[j] += row[j] * ki;
+            c[j] += row[j] * qi;
+        }
+        kq += ki * qi;
+    }
+    for (int64_t j = 0; j < dv; j++) {
+        const float delta = b * (v[j] - d * a[j]);
+        out[j] = d * c[j] + delta * kq;
+        a[j] = delta;
+    }
+    for (int64_t i = 0; i < dk; i++) {
+        const float ki = k[i];
+        float *row = S + i * dv;
+        for (int64_t j = 0; j < dv; j++)
+            row[j] = d * row[j] + ki * a[j];
+    }
+}
+
+/* One decode token for each of n requests, every value head: state [n, hv, dk, dv], q and
+ * k [n, hk, dk] (a key head's, shared by hv / hk value heads: head h reads key head h / (hv
+ * / hk), or h % hk when tiled), v and out [n, hv, dv], g (log decay) and beta [n, hv]; all
+ * fp32 and contiguous. The state is updated in place. Returns -1 for a shape it does not
+ * take (dv above MAX_DIM, or hk not dividing hv). */
+int eng_delta_rule_decode(float *state, const float *q, const float *k, const float *v, const float *g,
+                          const float *beta, float *out, int64_t n, int64_t hv, int64_t hk, int64_t dk,
+                          int64_t dv, int tiled, int nthreads) {
+    if (n < 0 || hv < 1 || hk < 1 || hv % hk || dk < 1 || dv < 1 || dv > MAX_DIM)
+        return -1;
+    const int64_t items = n * hv, per = hv / hk;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && items > 1 && items * dk * dv >= PARALLEL_MIN_WORK)
+    for (int64_t it = 0; it < items; it++) {
+        float a[MAX_DIM], c[MAX_DIM];
+        const int64_t r = it / hv, h = it % hv, kh = r * hk + (tiled ? h % hk : h / per);
+        eng_delta_rule_item(state + it * dk * dv, q + kh * dk, k + kh * dk, v + it * dv, expf(g[it]), beta[it],
+                        out + it * dv, dk, dv, a, c);
+    }
+    return 0;
+}
+
 /* ---- int8 KV-cache write -------------------------------------------------------------- */
 
 /* Quantize one token's row of d values (fp32 or bf16 at x) into int8 codes and a scale:
