@@ -460,3 +460,26 @@ def test_delta_rule_decode_matches_the_reference(k_heads: int, v_heads: int, til
     torch.testing.assert_close(got, want, **TOL[torch.float32])
     torch.testing.assert_close(got_state, want_state, **TOL[torch.float32])
     assert not torch.equal(got_state, state)  # it moved, in place
+
+
+# --- Mamba-2's decode step --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("heads,groups", [(4, 4), (8, 2), (8, 1)])
+@pytest.mark.parametrize("n,p,ds", [(1, 16, 16), (3, 64, 128), (2, 32, 64)])
+def test_ssd_decode_matches_the_reference(heads: int, groups: int, n: int, p: int, ds: int, threads: int,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The output and the state it leaves, each head reading its group's B and C (the C
+    kernel's: the reference it would fall back to is taken away)."""
+    state = _rand(n, heads, p, ds, seed=80) * 0.3
+    x, b, c = _rand(n, heads, p, seed=81), _rand(n, groups, ds, seed=82), _rand(n, groups, ds, seed=83)
+    dt = torch.nn.functional.softplus(_rand(n, heads, seed=84))
+    a, d = -torch.exp(_rand(heads, seed=85)), _rand(heads, seed=86)
+    want_state, got_state = state.clone(), state.clone()
+    want = TorchOps().ssd_decode(want_state, x, b, c, dt, a, d)
+    monkeypatch.delattr(TorchOps, "ssd_decode")
+    got = CpuOps().ssd_decode(got_state, x, b, c, dt, a, d)
+    assert got.shape == (n, heads, p)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    torch.testing.assert_close(got_state, want_state, **TOL[torch.float32])
+    assert not torch.equal(got_state, state)  # it moved, in place

@@ -195,11 +195,12 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     return None
 
 
-def past_last_layer(gguf_name: str, layers: int) -> bool:
+def past_last_layer(gguf_name: str, layers: int | None) -> bool:
     """Whether ``gguf_name`` is a tensor of a block past the decoder's ``layers``: the
     multi-token-prediction blocks llama.cpp appends (``nextn_predict_layers``)."""
     parts = gguf_name.split(".")
-    return len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) >= layers
+    return (layers is not None and len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit()
+            and int(parts[1]) >= layers)
 
 
 def stored_value_fix(arch: str, hf_name: str) -> Any:
@@ -414,7 +415,7 @@ def _hf_tensors(reader: Any, config: dict[str, Any], *, arch: str, path: Path) -
     for t in reader.tensors:
         if arch == "phi3" and t.name in _ROPE_FACTOR_TENSORS:
             continue  # read into config.json's rope_scaling
-        if past_last_layer(t.name, config["num_hidden_layers"]):
+        if past_last_layer(t.name, config.get("num_hidden_layers", config.get("n_layer"))):  # GPT-2's n_layer
             continue
         moe = _moe_tensors(t, config, path)
         if moe is not None:

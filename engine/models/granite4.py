@@ -56,7 +56,7 @@ class GraniteHybridModel(Decoder):
         return MambaLayer(
             input_norm=get(p + "input_layernorm.weight"),
             post_norm=get(p + "post_attention_layernorm.weight"),
-            mixer=MambaMixer.build(mamba, get, p, self.eps, make_linear),
+            mixer=MambaMixer.build(mamba, get, p, self.eps, make_linear, self.ops),
             gate_up=make_linear([get.rows(p + "shared_mlp.input_linear.weight", (inter, inter))]),
             down=get.row_parallel(shared),
             moe=SparseMoeBlock(self.config, i, get, Linear, self.tp) if moe is not None else None,

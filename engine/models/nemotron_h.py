@@ -100,7 +100,7 @@ class NemotronHModel(Decoder):
         block = NemotronBlock(norm=norms(p + "norm.weight"))
         mixer = p + "mixer."
         if i in m.layers:
-            block.mamba = MambaMixer.build(m, get, p, self.eps, make_linear, module="mixer")
+            block.mamba = MambaMixer.build(m, get, p, self.eps, make_linear, self.ops, module="mixer")
         elif i in m.mlp_layers:  # over tensor-parallel ranks: up's rows, down's columns
             block.up = make_linear([get.rows(mixer + "up_proj.weight")])
             block.down = get.row_parallel(mixer + "down_proj.weight")

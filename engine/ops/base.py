@@ -280,6 +280,15 @@ class Ops(Protocol):
         ``S = exp(g) S; S += k (beta (v - S^T k))^T``; returns ``S^T q`` ``[N, Hv, Dv]``."""
         ...
 
+    def ssd_decode(self, state: torch.Tensor, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor,
+                   a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """One decode token of Mamba-2's state-space model for N requests, fp32: ``state``
+        ``[N, H, P, Ds]`` (updated in place), ``x`` ``[N, H, P]``, ``b`` and ``c`` ``[N, G,
+        Ds]`` (head ``h`` reads group ``h // (H / G)``), ``dt`` ``[N, H]`` (after softplus and
+        clamp), ``a`` (the decay rates, ``-exp(A_log)``) and ``d`` ``[H]``. Per head ``S =
+        exp(dt a) S + dt x B^T``; returns ``S C + d x`` ``[N, H, P]``."""
+        ...
+
     def fused_moe(
         self,
         x: torch.Tensor,  # [T, hidden]

@@ -88,6 +88,21 @@ def delta_rule_decode_reference(state: torch.Tensor, q: torch.Tensor, k: torch.T
     return (flat.transpose(1, 2) @ q.reshape(n * hv, dk, 1)).view(n, hv, dv)
 
 
+def ssd_decode_reference(state: torch.Tensor, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor,
+                         a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """One decode token of Mamba-2's state-space model for N requests (see
+    :meth:`engine.ops.Ops.ssd_decode`), in torch's batched ops: decay, the ``dt x B^T``
+    outer product, read against C."""
+    n, h, p, ds = state.shape
+    per = h // b.shape[1]
+    if per > 1:  # each head its group's B and C
+        b, c = b.repeat_interleave(per, dim=1), c.repeat_interleave(per, dim=1)
+    state.mul_(torch.exp(dt * a)[:, :, None, None])
+    flat = state.view(n * h, p, ds)
+    flat.baddbmm_((dt[:, :, None] * x).reshape(n * h, p, 1), b.reshape(n * h, 1, ds))
+    return (state @ c.unsqueeze(-1)).squeeze(-1) + d[:, None] * x
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Gather:
     """Where a padded batch of requests reads its context from the flat cache."""
@@ -254,6 +269,10 @@ class TorchOps:
     def delta_rule_decode(self, state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           g: torch.Tensor, beta: torch.Tensor, tiled: bool) -> torch.Tensor:
         return delta_rule_decode_reference(state, q, k, v, g, beta, tiled)
+
+    def ssd_decode(self, state: torch.Tensor, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor,
+                   a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        return ssd_decode_reference(state, x, b, c, dt, a, d)
 
     def paged_attention_prefill(
         self,

@@ -15,7 +15,11 @@ import torch
 
 from engine.ops.base import AttentionMetadata, KVCache, LoraSegments
 from engine.ops.moe import ClampedSwiglu, fused_moe_reference
-from engine.ops.reference import delta_rule_decode_reference, encoder_attention_reference
+from engine.ops.reference import (
+    delta_rule_decode_reference,
+    encoder_attention_reference,
+    ssd_decode_reference,
+)
 from engine.ops.triton import (
     attention_decode,
     attention_prefill,
@@ -97,6 +101,11 @@ class TritonOps:
                           g: torch.Tensor, beta: torch.Tensor, tiled: bool) -> torch.Tensor:
         """torch's batched ops: no Triton kernel of its own."""
         return delta_rule_decode_reference(state, q, k, v, g, beta, tiled)
+
+    def ssd_decode(self, state: torch.Tensor, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor,
+                   a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """torch's batched ops: no Triton kernel of its own."""
+        return ssd_decode_reference(state, x, b, c, dt, a, d)
 
     def paged_attention_prefill(
         self,

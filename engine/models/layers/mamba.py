@@ -79,10 +79,11 @@ class MambaMixer:
     norm: torch.Tensor  # [d_inner], model dtype
     out_proj: Any  # Linear (a RowParallel over tensor-parallel ranks): [hidden, d_inner]
     eps: float
+    ops: Any  # the state-space model's decode step (engine.ops.Ops.ssd_decode)
     tp: Any = SINGLE  # the rank's group: a norm group spanning ranks sums its squares over them
 
     @classmethod
-    def build(cls, config: MambaConfig, get: Any, prefix: str, eps: float, make_linear: Any,
+    def build(cls, config: MambaConfig, get: Any, prefix: str, eps: float, make_linear: Any, ops: Any,
               module: str = "mamba") -> MambaMixer:
         """Layer ``prefix``'s mixer (under ``module``) from ``get`` (a ShardedWeights): over
         tensor-parallel ranks, this rank's heads of z, x and dt, of the convolution, dt_bias,
@@ -121,6 +122,7 @@ class MambaMixer:
             out_proj=get.row_parallel(p + "out_proj.weight") if tp.enabled else make_linear(
                 [get(p + "out_proj.weight")], get(p + "out_proj.bias") if config.proj_bias else None),
             eps=eps,
+            ops=ops,
             tp=tp,
         )
 
@@ -159,13 +161,11 @@ class MambaMixer:
                 conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
         """One token for each of N requests (slots ``host``, on the device ``slots``): [N, H, P]."""
         conv, state, in_place = slot_views(conv_state, ssm_state, slots, host)  # state [N, H, P, d_state]
-        xs, b, cc = self._split(conv_decode(conv, xbc, self.conv_weight, self.conv_bias))
-        c, n = self.config, len(host)
-        state.mul_(torch.exp(dt * self.a)[:, :, None, None])
-        flat = state.view(n * c.n_heads, c.head_dim, c.d_state)  # += (dt x) B^T, one batched outer product
-        flat.baddbmm_((dt[:, :, None] * xs).reshape(n * c.n_heads, c.head_dim, 1), b.reshape(n * c.n_heads, 1, c.d_state))
+        xs, b, cc = self._split(conv_decode(conv, xbc, self.conv_weight, self.conv_bias), per_head=False)
+        y = self.ops.ssd_decode(state, xs.contiguous(), b.contiguous(), cc.contiguous(), dt.contiguous(), self.a,
+                                self.d)
         write_back(conv_state, ssm_state, slots, conv, state, in_place)
-        return (state @ cc.unsqueeze(-1)).squeeze(-1) + self.d[:, None] * xs
+        return y
 
     def _chunk(self, xbc: torch.Tensor, dt: torch.Tensor, slot: int, fresh: bool, conv_state: torch.Tensor,
                ssm_state: torch.Tensor) -> torch.Tensor:

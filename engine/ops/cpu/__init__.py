@@ -372,6 +372,24 @@ class CpuOps(TorchOps):
             raise CpuKernelError(f"delta_rule_decode: the kernel failed ({rc})")
         return out
 
+    def ssd_decode(self, state: torch.Tensor, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor,
+                   a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """One C call for every (request, head): one pass over each state where the
+        reference's batched ops make three, and no copy of B and C per head."""
+        n, h, p, ds = state.shape
+        g = b.shape[1] if b.dim() == 3 else 0
+        tensors = (state, x, b, c, dt, a, d)
+        if (any(t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() for t in tensors)
+                or not g or h % g or x.shape != (n, h, p) or b.shape != (n, g, ds) or c.shape != b.shape
+                or dt.shape != (n, h) or a.shape != (h,) or d.shape != (h,)):
+            return super().ssd_decode(state, x, b, c, dt, a, d)
+        y = torch.empty(n, h, p, dtype=torch.float32)
+        rc = _lib.eng_ssd_decode(*(_ptr(t, "float *") for t in (state, x, b, c, dt, a, d, y)), n, h, g, p, ds,
+                                 torch.get_num_threads())
+        if rc:
+            raise CpuKernelError(f"ssd_decode: the kernel failed ({rc})")
+        return y
+
     def gemma_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Gemma's RMSNorm: ``x / rms(x) * weight`` in fp32 with ``weight`` (1 + w) in fp32,
         rounded to ``x.dtype`` once, as transformers computes it. Rows may be strided (the

@@ -979,6 +979,46 @@ int eng_delta_rule_decode(float *state, const float *q, const float *k, const fl
     return 0;
 }
 
+/* ---- Mamba-2: one decode step of the state-space model ---------------------------------- */
+
+/* One head of one request: state [p, ds] (row i: the head's i-th channel), x (p), its
+ * group's B and C (ds each), dt, the head's decay rate a and skip d. One pass over the
+ * state where the torch reference makes three: each row decays by exp(dt a), takes dt x_i
+ * B, and is read against C at once: y_i = row . C + d x_i. */
+CLONES void eng_ssd_item(float *S, const float *x, const float *B, const float *C, float dt, float a, float d,
+                         float *y, int64_t p, int64_t ds) {
+    const float decay = expf(dt * a);
+    for (int64_t i = 0; i < p; i++) {
+        const float u = dt * x[i];
+        float *row = S + i * ds;
+        float acc = 0.0f;
+        for (int64_t j = 0; j < ds; j++) {
+            const float v = decay * row[j] + u * B[j];
+            row[j] = v;
+            acc += v * C[j];
+        }
+        y[i] = acc + d * x[i];
+    }
+}
+
+/* One decode token for each of n requests, every head: state [n, h, p, ds], x and y [n,
+ * h, p], B and C [n, g, ds] (head k reads group k / (h / g)), dt [n, h] (after softplus
+ * and clamp), a and d [h]; all fp32 and contiguous. The state is updated in place. Returns
+ * -1 for a shape it does not take (g not dividing h). */
+int eng_ssd_decode(float *state, const float *x, const float *B, const float *C, const float *dt, const float *a,
+                   const float *d, float *y, int64_t n, int64_t h, int64_t g, int64_t p, int64_t ds, int nthreads) {
+    if (n < 0 || h < 1 || g < 1 || h % g || p < 1 || ds < 1)
+        return -1;
+    const int64_t items = n * h, per = h / g;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && items > 1 && items * p * ds >= PARALLEL_MIN_WORK)
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t r = it / h, k = it % h, grp = r * g + k / per;
+        eng_ssd_item(state + it * p * ds, x + it * p, B + grp * ds, C + grp * ds, dt[it], a[k], d[k], y + it * p, p,
+                     ds);
+    }
+    return 0;
+}
+
 /* ---- int8 KV-cache write -------------------------------------------------------------- */
 
 /* Quantize one token's row of d values (fp32 or bf16 at x) into int8 codes and a scale:
