@@ -119,7 +119,8 @@ def _converted(name: str, array: np.ndarray, cfg: dict[str, Any]) -> np.ndarray:
 
 
 def write_qwen35_gguf(folder: Path, out: Path, *, quant: gguf.GGMLQuantizationType = F32,
-                      dense_ba: bool = False, mtp: bool = False, layer_list: bool = True) -> Path:
+                      dense_ba: bool = False, mtp: bool = False, layer_list: bool = True,
+                      fuse_gate_up: bool = False) -> Path:
     """The GGUF llama.cpp's converter makes of the Qwen3.5 folder ``folder``: matrices in
     ``quant`` where their rows are whole blocks (else F32, as llama.cpp's quantizer falls
     back), the convolution kernels and vectors F32; ``dense_ba``: ``ssm_alpha`` and
@@ -127,7 +128,9 @@ def write_qwen35_gguf(folder: Path, out: Path, *, quant: gguf.GGMLQuantizationTy
     the decoder's, as the converter appends one (counted in block_count, named by
     ``nextn_predict_layers``; here an attention layer's tensors and nextn's own, drawn);
     ``layer_list``: the blocks' kinds listed (``attention.recurrent_layers``), as the
-    converter writes them now, else ``full_attention_interval`` alone, as it did before."""
+    converter writes them now, else ``full_attention_interval`` alone, as it did before;
+    ``fuse_gate_up``: each layer's expert gate and up stacks as one tensor, each expert's
+    gate rows then its up rows (the converter's ``--fuse-gate-up-exps``)."""
     cfg = json.loads((folder / "config.json").read_text())
     moe = "num_experts" in cfg
     arch = gguf.MODEL_ARCH.QWEN35MOE if moe else gguf.MODEL_ARCH.QWEN35
@@ -181,11 +184,17 @@ def write_qwen35_gguf(folder: Path, out: Path, *, quant: gguf.GGMLQuantizationTy
             continue
         if ".mlp.experts." in name:  # each layer's experts stacked, one tensor a projection
             prefix = name.split(".mlp.experts.")[0]
+            stacks = {}
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 parts = [f"{prefix}.mlp.experts.{e}.{proj}.weight" for e in range(cfg["num_experts"])]
-                add(names.get_name(f"{prefix}.mlp.experts.{proj}") + ".weight", np.stack([stored[p] for p in parts]),
-                    dense=True)
+                stacks[proj] = np.stack([stored[p] for p in parts])
                 done.update(parts)
+            if fuse_gate_up:
+                layer = int(prefix.rsplit(".", 1)[1])
+                fused = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_GATE_UP_EXP].format(bid=layer) + ".weight"
+                add(fused, np.concatenate([stacks.pop("gate_proj"), stacks.pop("up_proj")], axis=1), dense=True)
+            for proj, stack in stacks.items():
+                add(names.get_name(f"{prefix}.mlp.experts.{proj}") + ".weight", stack, dense=True)
             continue
         stem, suffix = (name[:-len(".weight")], ".weight") if name.endswith(".weight") else (name, "")
         if stem.endswith("linear_attn.dt_bias"):  # the converter's rename first
@@ -246,17 +255,25 @@ def test_a_multi_token_prediction_block_is_left_unread(tmp_path: Path) -> None:
     assert kept.quantization == "gguf" and not any(".layers.4." in n for n in kept.weights)
 
 
-def test_the_moe_gguf_matches_transformers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fuse_gate_up", [False, True], ids=["gate-up-apart", "gate-up-fused"])
+def test_the_moe_gguf_matches_transformers(tmp_path: Path, fuse_gate_up: bool) -> None:
     """On the torch reference ops: over the C kernels this model's logprobs part from
     transformers' by up to 1.1e-4 at one token, from its Hugging Face folder as from the
-    GGUF (the summation order of its experts), past the 1e-4 the parity tests hold."""
+    GGUF (the summation order of its experts), past the 1e-4 the parity tests hold. The
+    experts' gate and up stacks apart, or fused into one tensor; read converted and kept."""
     hf = write_moe(tmp_path / "hf")
-    path = write_qwen35_gguf(tmp_path / "hf", tmp_path / "m.gguf", layer_list=False)
+    path = write_qwen35_gguf(tmp_path / "hf", tmp_path / "m.gguf", layer_list=False, fuse_gate_up=fuse_gate_up)
     as_stored(hf)
     loaded = assert_greedy_matches(hf, path, "torch", fused=False)
     moe = loaded.config.moe
     assert moe is not None and moe.sparse_layers == (0, 1, 2, 3) and moe.norm_topk_prob
     assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.shared_expert_intermediate_size) == (8, 2, 32, 48)
+    stored = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    for kept in (load_model(path, dtype="float32"), load_model(path, dtype="float32", quantization="none")):
+        for e in (0, 7):  # each expert's own rows, the gate's before the up's
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                name = f"model.layers.1.mlp.experts.{e}.{proj}.weight"
+                assert torch.equal(kept.weights[name].float(), stored[name]), name
 
 
 async def test_the_engine_serves_it_batched_chunked_and_preempted(dense) -> None:

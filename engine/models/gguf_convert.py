@@ -71,6 +71,9 @@ _QWEN35 = frozenset({"qwen35", "qwen35moe"})
 # hidden]); the Hugging Face folder gets them back one expert at a time. Mixtral is GGUF
 # architecture ``llama`` with ``llama.expert_count`` set.
 _EXPERT_STACKS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}  # -> (gate, up, down)
+# llama.cpp's converter may fuse an expert's gate and up rows (--fuse-gate-up-exps): torch
+# [E, 2 * inter, hidden], each expert's gate rows, then its up rows.
+GATE_UP_STACK = "ffn_gate_up_exps"
 _MOE_BLOCK_NAMES = {
     "ffn_gate_inp": "gate",  # the router, [E, hidden]
     "ffn_gate_shexp": "shared_expert.gate_proj",
@@ -441,8 +444,9 @@ def _hf_tensors(reader: Any, config: dict[str, Any], *, arch: str, path: Path) -
 
 
 def moe_tensor_names(gguf_name: str, model_type: str, experts: int) -> list[str] | None:
-    """The Hugging Face names of a GGUF expert stack (one per expert, in order) or of a
-    router / shared-expert tensor (one); None for any other tensor."""
+    """The Hugging Face names of a GGUF expert stack (one per expert, in order; a fused
+    gate-and-up stack two per expert, gate then up) or of a router / shared-expert tensor
+    (one); None for any other tensor."""
     stem, _, suffix = gguf_name.rpartition(".")
     parts = stem.split(".")
     if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit() or suffix != "weight":
@@ -452,10 +456,12 @@ def moe_tensor_names(gguf_name: str, model_type: str, experts: int) -> list[str]
     prefix = f"model.layers.{int(parts[1])}.{'block_sparse_moe' if mixtral else 'mlp'}."
     if kind in _MOE_BLOCK_NAMES:
         return [f"{prefix}{_MOE_BLOCK_NAMES[kind]}.weight"]
+    projections = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    if kind == GATE_UP_STACK:
+        return [f"{prefix}experts.{e}.{projections[j]}.weight" for e in range(experts) for j in (0, 1)]
     if kind not in _EXPERT_STACKS:
         return None
-    proj = (("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj"))[_EXPERT_STACKS[kind]]
-    return [f"{prefix}experts.{e}.{proj}.weight" for e in range(experts)]
+    return [f"{prefix}experts.{e}.{projections[_EXPERT_STACKS[kind]]}.weight" for e in range(experts)]
 
 
 def _moe_tensors(t: Any, config: dict[str, Any], path: Path) -> dict[str, torch.Tensor] | None:
@@ -466,12 +472,15 @@ def _moe_tensors(t: Any, config: dict[str, Any], path: Path) -> dict[str, torch.
         return None
     value = _dequantize(t, path)
     kind = t.name.split(".")[2]
-    if kind not in _EXPERT_STACKS:
+    if kind not in _EXPERT_STACKS and kind != GATE_UP_STACK:
         if kind == "ffn_gate_inp_shexp":
             value = value.reshape(1, -1)
         return {names[0]: value.contiguous()}
     if value.dim() != 3:
         raise CorruptModelError(f"{path}: expert tensor {t.name!r} is not 3-D ({tuple(value.shape)})")
+    if kind == GATE_UP_STACK:  # each expert's gate rows, then its up rows
+        halves = value.reshape(value.shape[0] * 2, value.shape[1] // 2, value.shape[2])
+        return {name: halves[i].clone() for i, name in enumerate(names)}
     return {name: value[e].clone() for e, name in enumerate(names)}
 
 

@@ -204,13 +204,18 @@ def _gguf_tensors(path: Path, config: ModelConfig, device: torch.device, layout:
         experts = dims[0] if len(dims) == 3 else 1
         moe = gguf_convert.moe_tensor_names(t.name, config.architecture, experts)
         if moe is not None:
-            if len(moe) > 1 or t.name.split(".")[2] in gguf_convert._EXPERT_STACKS:
+            stack = t.name.split(".")[2]
+            if len(moe) > 1 or stack in gguf_convert._EXPERT_STACKS or stack == gguf_convert.GATE_UP_STACK:
                 if len(dims) != 3:
                     raise CorruptModelError(f"{path}: expert tensor {t.name!r} is not 3-D ({dims})")
-                step = int(t.n_bytes) // experts
-                for e, name in enumerate(moe):
-                    weights[name] = GgufTensor(file, name, t.tensor_type, dims[1:], int(t.data_offset) + e * step,
-                                               keep=None, layout=layout, device=device)
+                # A fused gate-and-up stack: each expert's gate half, then its up half.
+                parts = 2 if stack == gguf_convert.GATE_UP_STACK else 1
+                if dims[1] % parts:
+                    raise CorruptModelError(f"{path}: expert tensor {t.name!r} has an odd row count ({dims})")
+                step = int(t.n_bytes) // (experts * parts)
+                for i, name in enumerate(moe):
+                    weights[name] = GgufTensor(file, name, t.tensor_type, (dims[1] // parts, dims[2]),
+                                               int(t.data_offset) + i * step, keep=None, layout=layout, device=device)
             else:  # a router [E, hidden], or the shared expert's gate: [hidden] in GGUF, [1, hidden] in HF
                 shape = (1, dims[0]) if len(dims) == 1 else dims
                 weights[moe[0]] = GgufTensor(file, moe[0], t.tensor_type, shape, int(t.data_offset), keep=None,
