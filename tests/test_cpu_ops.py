@@ -483,3 +483,28 @@ def test_ssd_decode_matches_the_reference(heads: int, groups: int, n: int, p: in
     torch.testing.assert_close(got, want, **TOL[torch.float32])
     torch.testing.assert_close(got_state, want_state, **TOL[torch.float32])
     assert not torch.equal(got_state, state)  # it moved, in place
+
+
+# --- a recurrent layer's causal convolution, one decode token -------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_conv_decode_matches_the_reference(dtype: torch.dtype, bias: bool, n: int, threads: int,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The output and the window it leaves, x a column slice of a wider projection (its rows
+    strided), as a mixer passes it (the C kernel's: the reference it would fall back to is
+    taken away)."""
+    channels, width = 96, 3
+    conv = _rand(n, channels, width, seed=90, dtype=dtype)
+    x = _rand(n, channels + 40, seed=91, dtype=dtype)[:, 8:8 + channels]
+    weight = _rand(channels, width + 1, seed=92)
+    b = _rand(channels, seed=93) if bias else None
+    want_conv, got_conv = conv.clone(), conv.clone()
+    want = TorchOps().conv_decode(want_conv, x, weight, b)
+    monkeypatch.delattr(TorchOps, "conv_decode")
+    got = CpuOps().conv_decode(got_conv, x, weight, b)
+    assert got.dtype == torch.float32 and got.shape == (n, channels)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    assert torch.equal(got_conv, want_conv) and torch.equal(got_conv[:, :, -1], x)  # moved on by x, exactly

@@ -280,6 +280,15 @@ class Ops(Protocol):
         ``S = exp(g) S; S += k (beta (v - S^T k))^T``; returns ``S^T q`` ``[N, Hv, Dv]``."""
         ...
 
+    def conv_decode(self, conv: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        """One decode token a row through a recurrent layer's depthwise causal convolution:
+        ``conv`` ``[N, C, W]`` (each channel's last W inputs, updated in place: the window
+        moves on by ``x``), ``x`` ``[N, C]`` (the same dtype), ``weight`` ``[C, W + 1]`` and
+        ``bias`` ``[C]`` (or None) fp32. Returns ``silu([conv | x] . weight + bias)`` ``[N,
+        C]`` fp32."""
+        ...
+
     def ssd_decode(self, state: torch.Tensor, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor,
                    a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
         """One decode token of Mamba-2's state-space model for N requests, fp32: ``state``

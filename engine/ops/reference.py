@@ -88,6 +88,17 @@ def delta_rule_decode_reference(state: torch.Tensor, q: torch.Tensor, k: torch.T
     return (flat.transpose(1, 2) @ q.reshape(n * hv, dk, 1)).view(n, hv, dv)
 
 
+def conv_decode_reference(conv: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+    """One token a row through a recurrent layer's causal convolution (see
+    :meth:`engine.ops.Ops.conv_decode`): the window ``[conv | x]`` times the weight, summed,
+    SiLU'd, in fp32; the window shifts by one in place."""
+    window = torch.cat([conv, x.unsqueeze(-1).to(conv.dtype)], dim=-1)
+    conv.copy_(window[:, :, 1:])
+    mixed = (window.float() * weight).sum(-1)
+    return F.silu(mixed if bias is None else mixed + bias)
+
+
 def ssd_decode_reference(state: torch.Tensor, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor,
                          a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """One decode token of Mamba-2's state-space model for N requests (see
@@ -273,6 +284,10 @@ class TorchOps:
     def ssd_decode(self, state: torch.Tensor, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor,
                    a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
         return ssd_decode_reference(state, x, b, c, dt, a, d)
+
+    def conv_decode(self, conv: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        return conv_decode_reference(conv, x, weight, bias)
 
     def paged_attention_prefill(
         self,

@@ -16,6 +16,7 @@ import torch
 from engine.ops.base import AttentionMetadata, KVCache, LoraSegments
 from engine.ops.moe import ClampedSwiglu, fused_moe_reference
 from engine.ops.reference import (
+    conv_decode_reference,
     delta_rule_decode_reference,
     encoder_attention_reference,
     ssd_decode_reference,
@@ -101,6 +102,11 @@ class TritonOps:
                           g: torch.Tensor, beta: torch.Tensor, tiled: bool) -> torch.Tensor:
         """torch's batched ops: no Triton kernel of its own."""
         return delta_rule_decode_reference(state, q, k, v, g, beta, tiled)
+
+    def conv_decode(self, conv: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        """torch's ops: no Triton kernel of its own."""
+        return conv_decode_reference(conv, x, weight, bias)
 
     def ssd_decode(self, state: torch.Tensor, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor,
                    a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:

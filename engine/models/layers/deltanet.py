@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from engine.models.deltanet_config import DeltaNetConfig
 from engine.models.layers.linear import is_quantized
 from engine.models.layers.recurrent import (
-    conv_decode,
     conv_prompt,
     mix_by_request,
     slot_views,
@@ -159,7 +158,7 @@ class DeltaNetMixer:
                 host: tuple[int, ...], conv_state: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """One token for each of N requests: [N, Hv, Dv]."""
         conv, s, in_place = slot_views(conv_state, state, slots, host)  # s [N, Hv, Dk, Dv]
-        q, k, v = self._split(conv_decode(conv, qkv, self.conv_weight, None), repeat=False)
+        q, k, v = self._split(self.ops.conv_decode(conv, qkv, self.conv_weight, None), repeat=False)
         out = self.ops.delta_rule_decode(s, q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
                                          beta.contiguous(), self.config.tiled)
         write_back(conv_state, state, slots, conv, s, in_place)

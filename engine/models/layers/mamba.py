@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.layers.recurrent import (
-    conv_decode,
     conv_prompt,
     mix_by_request,
     slot_views,
@@ -161,7 +160,7 @@ class MambaMixer:
                 conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
         """One token for each of N requests (slots ``host``, on the device ``slots``): [N, H, P]."""
         conv, state, in_place = slot_views(conv_state, ssm_state, slots, host)  # state [N, H, P, d_state]
-        xs, b, cc = self._split(conv_decode(conv, xbc, self.conv_weight, self.conv_bias), per_head=False)
+        xs, b, cc = self._split(self.ops.conv_decode(conv, xbc, self.conv_weight, self.conv_bias), per_head=False)
         y = self.ops.ssd_decode(state, xs.contiguous(), b.contiguous(), cc.contiguous(), dt.contiguous(), self.a,
                                 self.d)
         write_back(conv_state, ssm_state, slots, conv, state, in_place)

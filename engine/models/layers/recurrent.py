@@ -69,15 +69,6 @@ def write_back(conv_state: torch.Tensor, state: torch.Tensor, slots: torch.Tenso
         state.index_copy_(0, slots, new)
 
 
-def conv_decode(conv: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """One token a row through the causal convolution: ``x`` [N, channels]; ``conv`` [N,
-    channels, d_conv - 1] shifts by one in place. SiLU'd, fp32."""
-    window = torch.cat([conv, x.unsqueeze(-1).to(conv.dtype)], dim=-1)
-    conv.copy_(window[:, :, 1:])
-    mixed = (window.float() * weight).sum(-1)
-    return F.silu(mixed if bias is None else mixed + bias)
-
-
 def conv_prompt(conv_state: torch.Tensor, slot: int, fresh: bool, x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """A chunk's tokens ``x`` [n, channels] through the causal convolution after the slot's
@@ -91,4 +82,4 @@ def conv_prompt(conv_state: torch.Tensor, slot: int, fresh: bool, x: torch.Tenso
     return F.silu(mixed.t())
 
 
-__all__ = ["conv_decode", "conv_prompt", "mix_by_request", "slot_views", "write_back"]
+__all__ = ["conv_prompt", "mix_by_request", "slot_views", "write_back"]

@@ -372,6 +372,26 @@ class CpuOps(TorchOps):
             raise CpuKernelError(f"delta_rule_decode: the kernel failed ({rc})")
         return out
 
+    def conv_decode(self, conv: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        """One C call for the step's rows: the window's dot product, SiLU and shift per
+        channel, where the reference concatenates, copies, multiplies and sums."""
+        code = _DTYPE_CODES.get(conv.dtype)
+        n, c, w = conv.shape if conv.dim() == 3 else (0, 0, 0)
+        if (code is None or x.dtype != conv.dtype or not conv.is_cpu or not conv.is_contiguous() or x.dim() != 2
+                or x.shape != (n, c) or (n and x.stride(-1) != 1) or weight.dtype != torch.float32
+                or not weight.is_contiguous() or weight.shape != (c, w + 1)
+                or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()
+                                          or bias.shape != (c,)))):
+            return super().conv_decode(conv, x, weight, bias)
+        out = torch.empty(n, c, dtype=torch.float32)
+        rc = _lib.eng_conv_decode(code, _ptr(conv), _ptr(x), x.stride(0) if n else c, _ptr(weight, "float *"),
+                                  _ffi.NULL if bias is None else _ptr(bias, "float *"), _ptr(out, "float *"), n, c, w,
+                                  torch.get_num_threads())
+        if rc:
+            raise CpuKernelError(f"conv_decode: the kernel failed ({rc})")
+        return out
+
     def ssd_decode(self, state: torch.Tensor, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor,
                    a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
         """One C call for every (request, head): one pass over each state where the

@@ -979,6 +979,42 @@ int eng_delta_rule_decode(float *state, const float *q, const float *k, const fl
     return 0;
 }
 
+/* ---- a recurrent layer's causal convolution, one decode token ---------------------------- */
+
+CLONES void eng_conv_decode_row(int bf, void *conv, const void *x, int64_t xo, const float *weight, const float *bias,
+                                float *out, int64_t c, int64_t w, int64_t ro) {
+    const size_t size = bf ? 2 : 4;
+    for (int64_t ch = 0; ch < c; ch++) {
+        char *window = (char *)conv + (size_t)((ro * c + ch) * w) * size;
+        const float *wt = weight + ch * (w + 1);
+        const float xv = ld(x, xo + ch, bf);
+        float acc = 0.0f;
+        for (int64_t k = 0; k < w; k++)
+            acc += ld(window, k, bf) * wt[k];
+        acc += xv * wt[w];
+        if (bias)
+            acc += bias[ch];
+        memmove(window, window + size, (size_t)(w - 1) * size);  /* the window moves on by one */
+        memcpy(window + (size_t)(w - 1) * size, (const char *)x + (size_t)(xo + ch) * size, size);
+        out[ro * c + ch] = acc / (1.0f + expf(-acc));  /* SiLU */
+    }
+}
+
+/* One token a row through a depthwise causal convolution: conv [n, c, w] (the last w
+ * inputs of each channel, fp32 or bf16, contiguous) and x (n rows of c, x_stride elements
+ * apart, the same dtype), weight [c, w + 1] and bias [c] (or NULL) fp32. Writes out [n, c]
+ * fp32 = SiLU(window . weight + bias) over the window [conv | x], and shifts x into conv.
+ * Returns -1 for a dtype or shape it does not take. */
+int eng_conv_decode(int dtype, void *conv, const void *x, int64_t x_stride, const float *weight, const float *bias,
+                    float *out, int64_t n, int64_t c, int64_t w, int nthreads) {
+    if ((dtype != DT_F32 && dtype != DT_BF16) || n < 0 || c < 1 || w < 1)
+        return -1;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && n > 1 && n * c * w >= PARALLEL_MIN_WORK)
+    for (int64_t r = 0; r < n; r++)
+        eng_conv_decode_row(dtype == DT_BF16, conv, x, r * x_stride, weight, bias, out, c, w, r);
+    return 0;
+}
+
 /* ---- Mamba-2: one decode step of the state-space model ---------------------------------- */
 
 /* One head of one request: state [p, ds] (row i: the head's i-th channel), x (p), its
