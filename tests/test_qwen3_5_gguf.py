@@ -237,9 +237,13 @@ def test_an_f32_gguf_matches_transformers(dense, ops: str) -> None:
     hf, path = dense
     loaded = assert_greedy_matches(hf, path, ops, fused=False)
     net = loaded.config.deltanet
-    assert net is not None and net.layers == (0, 2, 3) and net.tiled
-    assert (net.num_k_heads, net.num_v_heads, net.k_head_dim, net.v_head_dim) == (2, 4, 16, 16)
-    assert loaded.config.rotary_dim == 8 and loaded.config.head_dim == 32
+    c = hf.config  # the layout transformers built the model with, read back from the file
+    assert net is not None and net.tiled
+    assert net.layers == tuple(i for i, t in enumerate(c.layer_types) if t == "linear_attention")
+    assert (net.num_k_heads, net.num_v_heads, net.k_head_dim, net.v_head_dim) == (
+        c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+    assert loaded.config.head_dim == c.head_dim
+    assert loaded.config.rotary_dim == int(c.head_dim * c.rope_parameters["partial_rotary_factor"])
     assert_chunked_greedy_matches(hf, path, ops, prompts=2, chunk_size=5)
 
 
@@ -266,8 +270,10 @@ def test_the_moe_gguf_matches_transformers(tmp_path: Path, fuse_gate_up: bool) -
     as_stored(hf)
     loaded = assert_greedy_matches(hf, path, "torch", fused=False)
     moe = loaded.config.moe
-    assert moe is not None and moe.sparse_layers == (0, 1, 2, 3) and moe.norm_topk_prob
-    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.shared_expert_intermediate_size) == (8, 2, 32, 48)
+    c = hf.config
+    assert moe is not None and moe.sparse_layers == tuple(range(c.num_hidden_layers)) and moe.norm_topk_prob
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.shared_expert_intermediate_size) == (
+        c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.shared_expert_intermediate_size)
     stored = load_file(str(tmp_path / "hf" / "model.safetensors"))
     for kept in (load_model(path, dtype="float32"), load_model(path, dtype="float32", quantization="none")):
         for e in (0, 7):  # each expert's own rows, the gate's before the up's
