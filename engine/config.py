@@ -503,6 +503,14 @@ class EngineConfig:
     enable_prefix_caching: bool = _field(
         True, "share the KV blocks of a common prompt prefix between requests",
         aliases=("--no-prefix-caching",))
+    # A hybrid model's prefix cache keeps its recurrent layers' states at block boundaries
+    # (engine.core.block_pool, "state checkpoints"), each as large as a request's states.
+    state_checkpoints: int | None = _field(
+        None, "a model with recurrent layers (Mamba-2, Gated DeltaNet): how many block "
+        "boundaries' states the prefix cache keeps, each a request's states in size, out of "
+        "the KV budget; 0 turns prefix caching off for such a model", type=int, metavar="N",
+        default_text="auto: max_num_seqs, or what a quarter of the KV budget left after "
+        "the running requests' states holds")
     scheduling_policy: str = _field(
         "fcfs", "waiting-queue order: arrival, or the request's priority then arrival",
         choices=("fcfs", "priority"))
@@ -932,6 +940,11 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}", field=name)
+        checkpoints = self.state_checkpoints
+        if checkpoints is not None and (isinstance(checkpoints, bool) or not isinstance(checkpoints, int)
+                                        or checkpoints < 0):
+            raise ConfigError(f"state_checkpoints must be a non-negative integer, got {checkpoints!r}",
+                              field="state_checkpoints")
         limit = self.limit_mm_per_prompt  # 0: text only (a vision model's tower not loaded)
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
             raise ConfigError(f"limit_mm_per_prompt must be a non-negative integer, got {limit!r}",

@@ -99,6 +99,12 @@ class ScheduledChunk:
     # ``num_model_drafts`` positions compute them); the result is as for a proposal given in
     # ``draft_token_ids``, which is then empty.
     num_model_drafts: int = 0
+    # A hybrid model's prefix cache (engine.core.block_pool, "state checkpoints"): the
+    # chunk starts from checkpoint ``state_load``'s recurrent states (-1: from the
+    # request's own, or from zero at position 0), and after its first ``state_save[0]``
+    # tokens copies them into checkpoint ``state_save[1]`` (empty: no copy).
+    state_load: int = -1
+    state_save: tuple[int, int] | tuple[()] = ()
 
     @property
     def num_proposed(self) -> int:
@@ -563,12 +569,16 @@ class AllocateSlots:
 @dataclasses.dataclass(frozen=True, slots=True)
 class SlotsAllocated:
     """``block_ids`` are appended to the request's table (shared prefix blocks first);
-    the chunk is ``num_new_tokens`` tokens after ``num_cached_tokens`` cached ones."""
+    the chunk is ``num_new_tokens`` tokens after ``num_cached_tokens`` cached ones.
+    ``state_load`` and ``state_save`` are the chunk's recurrent-state checkpoints (a hybrid
+    model's, see :class:`ScheduledChunk`)."""
 
     sample_id: str
     num_cached_tokens: int
     num_new_tokens: int
     block_ids: tuple[int, ...]
+    state_load: int = -1
+    state_save: tuple[int, int] | tuple[()] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -353,3 +353,89 @@ TestPool = PoolMachine.TestCase
 TestPool.settings = _SETTINGS
 TestCollidingPool = CollidingPoolMachine.TestCase
 TestCollidingPool.settings = _SETTINGS
+
+
+# -- state checkpoints (a hybrid model's recurrent states at block boundaries) -------------
+
+
+def _run(pool: BlockPool, rid: str, tokens: tuple[int, ...], budget: int = 1000) -> list[SlotsAllocated]:
+    """A request computes ``tokens`` in chunks of ``budget``, caching its full blocks after
+    each; the replies."""
+    replies = [_allocate(pool, rid, tokens, budget)]
+    done = replies[0].num_cached_tokens + replies[0].num_new_tokens
+    cached = replies[0].num_cached_tokens
+    while True:
+        full = done // BS * BS
+        if full > cached:
+            pool.handle(CacheBlocks(rid, tokens[cached:full]))
+            cached = full
+        if done == len(tokens):
+            return replies
+        replies.append(pool.handle(AllocateSlots(rid, done, len(tokens), budget)))
+        done += replies[-1].num_new_tokens
+
+
+def test_a_chunk_keeps_the_states_at_the_last_boundary_it_crosses() -> None:
+    pool = BlockPool(16, BS, state_checkpoints=4)
+    tokens = tuple(range(100, 123))  # 23 tokens
+    first, second = _run(pool, "a", tokens, budget=10)[:2]
+    # 0..10 crosses 4 and 8: kept at 8; 10..20 crosses 12, 16 and 20: kept at 20 (its end).
+    assert first.state_save == (8, first.state_save[1]) and first.state_load == -1
+    assert second.state_save == (10, second.state_save[1])
+    table = pool.block_table("a")
+    assert [pool.checkpoint_of(b) is not None for b in table] == [False, True, False, False, True, False]
+    # A chunk crossing no boundary (20..23) keeps nothing.
+    assert _run(pool, "a2", tokens[:3])[0].state_save == ()
+
+
+def test_a_hit_ends_at_the_deepest_block_whose_states_were_kept() -> None:
+    pool = BlockPool(16, BS, state_checkpoints=4)
+    tokens = tuple(range(100, 123))
+    _run(pool, "a", tokens, budget=10)
+    ckpt = pool.checkpoint_of(pool.block_table("a")[4])
+    pool.handle(FreeRequest("a"))
+    # Six full blocks would match (24 tokens of 30 known), the states were kept at 20.
+    longer = tokens + tuple(range(7))
+    reply = _allocate(pool, "b", longer)
+    assert (reply.num_cached_tokens, reply.state_load) == (20, ckpt)
+    # Without a checkpoint the same cache gives the whole match.
+    plain = BlockPool(16, BS)
+    _run(plain, "a", tokens, budget=10)
+    assert _allocate(plain, "b", longer).num_cached_tokens == 20 and plain.lookup(longer) == plain.block_table("a")[:5]
+    shorter = tokens[:19]  # up to 16: the boundary kept at 8 is the deepest within it
+    reply = _allocate(pool, "c", shorter)
+    assert reply.num_cached_tokens == 8 and reply.state_load == pool.checkpoint_of(pool.block_table("c")[1])
+
+
+def test_reserved_checkpoints_come_back_with_the_request_and_cached_ones_with_their_block() -> None:
+    pool = BlockPool(4, BS, state_checkpoints=2)
+    reply = _allocate(pool, "a", tuple(range(9)))
+    assert reply.state_save and pool.num_free_checkpoints == 1
+    pool.handle(FreeRequest("a"))  # failed or preempted before its blocks were cached
+    assert pool.num_free_checkpoints == 2
+    _run(pool, "b", tuple(range(50, 58)))
+    pool.handle(FreeRequest("b"))
+    assert pool.num_free_checkpoints == 1
+    _run(pool, "c", tuple(range(70, 86)))  # needs all four blocks: b's cached ones are evicted
+    assert pool.num_free_checkpoints == 1  # b's came back, c took one
+    assert pool.handle(ReadAllocatorStats()).num_cached_blocks == 4
+
+
+def test_the_least_recently_used_checkpoint_is_taken_but_never_the_one_resumed_from() -> None:
+    pool = BlockPool(32, BS, state_checkpoints=2)
+    a, b, c = (tuple(range(s, s + 9)) for s in (100, 200, 300))
+    for rid, tokens in (("a", a), ("b", b)):
+        _run(pool, rid, tokens)
+        pool.handle(FreeRequest(rid))
+    assert _allocate(pool, "a2", a).num_cached_tokens == 8  # a's is now the more recent
+    pool.handle(FreeRequest("a2"))
+    _run(pool, "c", c)  # takes b's
+    assert _allocate(pool, "b2", b).num_cached_tokens == 0
+    pool.handle(FreeRequest("b2"))
+    pool.handle(FreeRequest("c"))
+    # One checkpoint: a request resuming from it keeps it, and keeps nothing of its own.
+    one = BlockPool(32, BS, state_checkpoints=1)
+    _run(one, "a", a)
+    one.handle(FreeRequest("a"))
+    reply = _allocate(one, "a2", a + tuple(range(10)))
+    assert reply.num_cached_tokens == 8 and reply.state_save == ()

@@ -109,19 +109,20 @@ def test_without_rope_and_with_projection_biases(tmp_path) -> None:
 async def test_batched_chunked_and_preempted_requests_match_transformers(hybrid) -> None:
     hf, folder = hybrid
     prompts = prompts_of((17, 21, 12, 19, 22, 14), 384, seed=7)
-    prompts += [prompts[0][:12] + p[:6] for p in prompts[1:3]]  # a common prefix: never served from a cache
-    # Two rounds: every slot came back after the first (more requests than max_num_seqs).
+    prompts += [prompts[0][:12] + p[:6] for p in prompts[1:3]]  # a common 12-token prefix
+    # Two rounds: every slot came back after the first (more requests than max_num_seqs),
+    # and the second resumes prompts from the states the first kept at block boundaries.
     stats = await assert_engine_matches(hf, folder, prompts, rounds=2)
-    assert stats.preemptions > 0
-    assert stats.prefix_cache_hits == 0  # turned off for a model with Mamba layers
+    assert stats.preemptions > 0 and stats.prefix_cache_hits > 0
 
 
 async def test_two_pipeline_stages_match_transformers(tmp_path) -> None:
-    """Each stage keeps its layers' states and slots; the preemptions reach both."""
+    """Each stage keeps its layers' states and slots; the preemptions reach both, and the
+    second round resumes from checkpoints each stage copied for its own layers."""
     hf = write_hybrid(tmp_path / "m", num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "attention"])
     stats = await assert_engine_matches(hf, tmp_path / "m", prompts_of((17, 21, 12, 19), 384, seed=8),
-                                        pipeline_parallel_size=2)
-    assert stats.preemptions > 0
+                                        rounds=2, pipeline_parallel_size=2)
+    assert stats.preemptions > 0 and stats.prefix_cache_hits > 0  # each stage its layers' checkpoints
 
 
 def _runner(folder: Path, max_num_seqs: int) -> Any:

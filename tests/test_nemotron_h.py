@@ -71,7 +71,7 @@ def test_attention_first_one_group_and_the_stored_head_whatever_the_tie_flag(tmp
 async def test_batched_chunked_and_preempted_requests_match_transformers(nemotron) -> None:
     hf, folder = nemotron
     stats = await assert_engine_matches(hf, folder, prompts_of((17, 21, 12, 19, 22, 14), 384, seed=9), rounds=2)
-    assert stats.preemptions > 0 and stats.prefix_cache_hits == 0
+    assert stats.preemptions > 0 and stats.prefix_cache_hits > 0  # the second round's from checkpoints
 
 
 async def test_two_pipeline_stages_match_transformers(tmp_path) -> None:

@@ -78,7 +78,7 @@ def test_tied_head_one_value_head_a_key_head_and_the_default_layout(tmp_path) ->
 async def test_batched_chunked_and_preempted_requests_match_transformers(qwen) -> None:
     hf, folder = qwen
     stats = await assert_engine_matches(hf, folder, prompts_of((17, 21, 12, 19, 22, 14), 384, seed=11), rounds=2)
-    assert stats.preemptions > 0 and stats.prefix_cache_hits == 0
+    assert stats.preemptions > 0 and stats.prefix_cache_hits > 0  # the second round's from checkpoints
 
 
 async def test_two_pipeline_stages_match_transformers(qwen) -> None:
@@ -139,11 +139,12 @@ def test_the_moe_models_match_transformers(tmp_path, ops: str) -> None:
 
 async def test_two_tensor_parallel_worker_ranks_match_transformers(qwen) -> None:
     """Each rank its heads of every layer and of the DeltaNet states; the preemptions reach
-    the worker's slots through the plans it is sent."""
+    the worker's slots through the plans it is sent, and the second round resumes from the
+    first's state checkpoints, each rank copying its own heads'."""
     hf, folder = qwen
     stats = await assert_engine_matches(hf, folder, prompts_of((17, 21, 12, 19), 384, seed=13),
-                                        tensor_parallel_size=2)
-    assert stats.preemptions > 0
+                                        rounds=2, tensor_parallel_size=2)
+    assert stats.preemptions > 0 and stats.prefix_cache_hits > 0  # each rank its heads' checkpoints
 
 
 def write_qwen3_next(folder: Path, **extra: Any) -> Any:

@@ -135,7 +135,8 @@ async def run_actors(parts: EngineParts, *, ready: Callable[[ActorHandles], None
     with sched_send:
         callers = sched_send.clone()
         pool = BlockPool(
-            parts.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+            parts.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+            state_checkpoints=config.state_checkpoints or 0,
         )
         allocator = KVAllocator(pool, call_recv, reply_send)
         profiler = step_profiler(parts, "engine")

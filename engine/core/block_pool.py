@@ -28,6 +28,19 @@ requests that computed the same prefix side by side cache both copies as twins u
 generation number, so children stay reachable while either twin lives. By
 induction a hit of ``k`` blocks means the whole ``k * block_size`` token prefix is equal,
 whatever the hash function does.
+
+State checkpoints (a hybrid model's recurrent layers, ``state_checkpoints`` > 0). Such a
+model's Mamba or DeltaNet layers keep one state a request, advanced by every token, so a
+cached prefix is only of use where the states at its end were kept too. The pool hands out
+``state_checkpoints`` checkpoint slots (the runner keeps them beside the running requests'
+state slots): a chunk that crosses a block boundary is told to copy its states at the
+last boundary it crosses into a reserved checkpoint (``SlotsAllocated.state_save``), which
+is tied to that block's cache entry when the block is cached, and a prefix hit ends at the
+deepest hit block whose entry holds a checkpoint, which the new request's first chunk
+starts from (``state_load``). Checkpoints held by cache entries are reused least recently
+used first; one reserved for a chunk still running is never taken. An entry's checkpoint
+goes when the entry is evicted. vLLM keeps a hybrid model's states on its block grid in
+the same way ("align" mode), where a hit resumes only at a block boundary.
 """
 
 from __future__ import annotations
@@ -92,6 +105,7 @@ class BlockPool:
         *,
         enable_prefix_caching: bool = True,
         hasher: BlockHasher = block_hash,
+        state_checkpoints: int = 0,
     ) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -112,6 +126,14 @@ class BlockPool:
         # the requests whose caching a release cut short.
         self._released: dict[str, int] = {}
         self._uncacheable: set[str] = set()
+        # State checkpoints: free ones; those held by cache entries (by generation, least
+        # recently used first) and the block holding each; per request, the ones reserved
+        # for blocks not yet cached (by table index).
+        self.state_checkpoints = state_checkpoints if enable_prefix_caching else 0
+        self._ckpt_free = list(range(self.state_checkpoints - 1, -1, -1))
+        self._ckpt_of: OrderedDict[int, int] = OrderedDict()
+        self._ckpt_block: dict[int, int] = {}
+        self._ckpt_pending: dict[str, dict[int, int]] = {}
         self._next_gen = 1
         self._num_cached = 0
         self._queries = 0
@@ -146,6 +168,10 @@ class BlockPool:
                 f"request {call.sample_id!r}: prefix lookup while it holds blocks or computed tokens"
             )
         hits = self._lookup(call) if call.prefix_token_ids else []
+        if self.state_checkpoints:
+            # The states must be kept where the hit ends: at the deepest entry holding them.
+            depth = max((i + 1 for i, b in enumerate(hits) if b.gen in self._ckpt_of), default=0)
+            hits = hits[:depth]
         start = call.num_computed_tokens + len(hits) * self.block_size
         end = min(call.num_known_tokens, start + call.token_budget)
         if end <= start:
@@ -167,7 +193,14 @@ class BlockPool:
         if call.prefix_token_ids and self.enable_prefix_caching:
             self._queries += len(call.prefix_token_ids)
             self._hits += len(hits) * self.block_size
-        return SlotsAllocated(call.sample_id, len(hits) * self.block_size, end - start, tuple(block_ids))
+        load, save = -1, ()
+        if self.state_checkpoints:
+            if hits:
+                load = self._ckpt_of[hits[-1].gen]
+                self._ckpt_of.move_to_end(hits[-1].gen)
+            save = self._reserve_checkpoint(call.sample_id, start, end, hits[-1].gen if hits else 0)
+        return SlotsAllocated(call.sample_id, len(hits) * self.block_size, end - start, tuple(block_ids),
+                              load, save)
 
     def cache_blocks(self, sample_id: str, token_ids: tuple[int, ...]) -> BlocksCached:
         """Enter the request's next full, computed blocks into the prefix cache."""
@@ -196,6 +229,7 @@ class BlockPool:
             twin = self._find(key, tokens, salt, parent_gen)
             gen = twin.gen if twin is not None else None
             entry = self._enter(self._blocks[table[len(chain)]], key, tokens, salt, parent_gen, gen)
+            self._commit_checkpoint(sample_id, len(chain), entry)
             chain.append((key, entry.gen))
         return BlocksCached(sample_id, len(chain))
 
@@ -225,6 +259,8 @@ class BlockPool:
         if table is None:
             return RequestFreed(sample_id, 0)
         del self._chains[sample_id], self._salts[sample_id]
+        # Reserved for blocks it never cached (it finished, failed or was preempted first).
+        self._ckpt_free.extend(self._ckpt_pending.pop(sample_id, {}).values())
         released = self._released.pop(sample_id, 0)
         self._uncacheable.discard(sample_id)
         for block_id in reversed(table[released:]):
@@ -281,6 +317,51 @@ class BlockPool:
                 # never-used block (whose memory pages may not be resident yet) and before
                 # evicting a cached one.
                 self._free.move_to_end(block_id, last=False)
+
+    def _reserve_checkpoint(self, sample_id: str, start: int, end: int, loaded_gen: int) -> tuple[int, int] | tuple[()]:
+        """A checkpoint for the states at the last block boundary the chunk ``start:end``
+        crosses, as ``(offset in the chunk, checkpoint)``; empty when it crosses none, its
+        request caches nothing more, or every checkpoint is reserved."""
+        boundary = end // self.block_size * self.block_size
+        if boundary <= start or sample_id in self._uncacheable:
+            return ()
+        if self._ckpt_free:
+            ckpt = self._ckpt_free.pop()
+        else:
+            # The least recently used entry's, never the one this chunk starts from.
+            victim = next((g for g in self._ckpt_of if g != loaded_gen), None)
+            if victim is None:
+                return ()
+            ckpt = self._ckpt_of.pop(victim)
+            del self._ckpt_block[victim]
+        pending = self._ckpt_pending.setdefault(sample_id, {})
+        index = boundary // self.block_size - 1
+        if index in pending:  # a chunk before this one ended inside the same block: replaced
+            self._ckpt_free.append(pending[index])
+        pending[index] = ckpt
+        return (boundary - start, ckpt)
+
+    def _commit_checkpoint(self, sample_id: str, index: int, entry: _Block) -> None:
+        """Tie the checkpoint reserved for the request's block ``index`` (if any) to the
+        cache entry it entered as; a twin entry holding one already keeps its own."""
+        pending = self._ckpt_pending.get(sample_id)
+        ckpt = pending.pop(index, None) if pending else None
+        if ckpt is None:
+            return
+        if entry.gen in self._ckpt_of:
+            self._ckpt_free.append(ckpt)
+        else:
+            self._ckpt_of[entry.gen] = ckpt
+            self._ckpt_block[entry.gen] = entry.block_id
+
+    def checkpoint_of(self, block_id: int) -> int | None:
+        """The state checkpoint tied to the cache entry of ``block_id`` (tests)."""
+        gen = self._blocks[block_id].gen
+        return self._ckpt_of.get(gen) if gen and self._ckpt_block.get(gen) == block_id else None
+
+    @property
+    def num_free_checkpoints(self) -> int:
+        return len(self._ckpt_free)
 
     def statistics(self) -> AllocatorStats:
         return AllocatorStats(
@@ -368,6 +449,9 @@ class BlockPool:
         bucket.remove(block)
         if not bucket:
             del self._buckets[block.key]
+        if self._ckpt_block.get(block.gen) == block.block_id:
+            del self._ckpt_block[block.gen]
+            self._ckpt_free.append(self._ckpt_of.pop(block.gen))
         block.gen, block.token_ids, block.salt = 0, (), None
         self._num_cached -= 1
 

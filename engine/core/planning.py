@@ -97,7 +97,8 @@ def add_chunk(
     """Plan ``req``'s chunk: ``n_drafts`` positions past its known tokens verify a
     proposal, ``drafts`` (from prompt lookup or a prediction) or, where that is empty,
     the runner's draft model's."""
-    count = _take_slots(req, reply, block_size).num_new_tokens
+    got = _take_slots(req, reply, block_size)
+    count = got.num_new_tokens
     start = req.num_computed_tokens  # past the cached prefix of a new table
     known = req.num_known_tokens + n_drafts
     if not 0 < count <= step.budget or start + count > known:
@@ -114,8 +115,10 @@ def add_chunk(
     req.draft_token_ids = drafts
     model_drafts = 0 if drafts else n_drafts
     req.num_model_drafts = model_drafts
+    if got.state_save and got.state_save[0] > count:
+        raise ProtocolError(f"{got!r}: the state checkpoint lies past the chunk of {count}")
     step.chunks.append(ScheduledChunk(req.sample_id, start, count, tuple(req.block_ids), sample,
-                                      drafts, model_drafts))
+                                      drafts, model_drafts, got.state_load, got.state_save))
     step.epochs[req.sample_id] = req.num_preemptions
     step.budget -= count
     req.num_computed_tokens += count

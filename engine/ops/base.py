@@ -61,6 +61,11 @@ class AttentionMetadata:
     # state slot ([B] int64 on the device, and on the host); None for other models.
     state_slots: torch.Tensor | None = None
     state_slots_host: tuple[int, ...] = ()
+    # The prefix cache's state checkpoints (slots past the running requests'): request b
+    # first copies slot src into its own ``(b, src)``; after its first ``offset`` tokens it
+    # copies its own into slot dst ``(b, offset, dst)``.
+    state_loads: tuple[tuple[int, int], ...] = ()
+    state_saves: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def decode_only(self) -> bool:

@@ -245,7 +245,8 @@ async def _run_core_actors(parts: Any, frames: FrameStream, compiles: CompilePoo
     plan_send, plan_recv = trio.open_memory_channel[Any](0)
     out_send, out_recv = trio.open_memory_channel[Any](0)
     pool = BlockPool(parts.num_blocks, config.block_size,
-                     enable_prefix_caching=config.enable_prefix_caching)
+                     enable_prefix_caching=config.enable_prefix_caching,
+                     state_checkpoints=config.state_checkpoints or 0)
     allocator = KVAllocator(pool, call_recv, reply_send)
     profiler = step_profiler(parts, f"engine-core{core_index}")
     executor = Executor(parts.runner, plan_recv, sched_send.clone(), profiler=profiler)

@@ -94,6 +94,9 @@ def _build_parts(config: EngineConfig, device: torch.device, load: RankLoad,
     loaded, tokenizer, pooler = load.loaded, load.tokenizer, load.pooler
     if loaded.config.recurrent is not None:
         config = _recurrent_state_rules(config)
+    elif config.state_checkpoints:
+        raise ConfigError("state_checkpoints is for a model with recurrent layers (Mamba-2, Gated DeltaNet); "
+                          "this one keeps KV blocks only", field="state_checkpoints")
     t2 = time.perf_counter()
     tp = SINGLE
     if group is not None:
@@ -170,17 +173,15 @@ def _refuse_unsplittable(model_config: Any, config: EngineConfig) -> None:
 
 def _recurrent_state_rules(config: EngineConfig) -> EngineConfig:
     """A model with recurrent layers (Mamba-2, Gated DeltaNet) keeps one state a request, advanced by every
-    token it computes: a cached prefix would skip the tokens the state needs (prefix
-    caching is turned off, as vLLM does for such models), and a speculative step's
-    rejected tokens could not be taken back out of it (refused)."""
+    token it computes: a speculative step's rejected tokens could not be taken back out of
+    it (refused). A cached prefix needs the states at its end: the prefix cache keeps them
+    at block boundaries (state checkpoints, counted with the KV pool: _less_recurrent_states)."""
     if config.speculative is not None:
         raise ConfigError("speculative decoding is not supported for models with recurrent layers (Mamba-2, Gated DeltaNet): "
                           "their recurrent state cannot take back rejected tokens",
                           field="speculative_config")
-    if config.enable_prefix_caching:
-        logger.info("prefix caching off: this model's recurrent layers keep a state a request, not "
-                    "per-token KV blocks a prefix could share")
-        config = dataclasses.replace(config, enable_prefix_caching=False)
+    if not config.enable_prefix_caching:
+        config = dataclasses.replace(config, state_checkpoints=0)
     return config
 
 
@@ -404,7 +405,7 @@ def _size_kv_pool(
                                         kv_cache_dtype=config.kv_cache_dtype) for m in (loaded, draft))
         total = int(free_memory(device) * budget) if isinstance(budget, float) else int(budget)
         budget = total * mine // (mine + theirs)
-    budget = _less_recurrent_states(config, loaded, device, budget, tp)
+    config, budget = _less_recurrent_states(config, loaded, device, budget, tp)
     if config.num_gpu_blocks_override is not None:
         # vLLM's override: the count as given, whatever the budget buys.
         blocks = config.num_gpu_blocks_override
@@ -425,22 +426,39 @@ def _size_kv_pool(
 
 
 def _less_recurrent_states(config: EngineConfig, loaded: Any, device: torch.device, budget: int | float,
-                           tp: Any) -> int | float:
+                           tp: Any) -> tuple[EngineConfig, int | float]:
     """The KV pool's budget once a hybrid model's recurrent states (a slot for each of
-    ``max_num_seqs`` requests, every Mamba layer) are set aside; ``budget`` as it is for
-    other models."""
-    states = state_bytes(loaded.config, loaded.dtype, config.max_num_seqs, tp or SINGLE)
-    if not states:
-        return budget
+    ``max_num_seqs`` requests, every recurrent layer, then the prefix cache's state
+    checkpoints) are set aside, with ``state_checkpoints`` resolved; ``config`` and
+    ``budget`` as they are for other models."""
+    per = state_bytes(loaded.config, loaded.dtype, 1, tp or SINGLE)
+    if not per:
+        return config, budget
+    states = per * config.max_num_seqs
     total = int(free_memory(device) * budget) if isinstance(budget, float) else int(budget)
     if states >= total:
         raise ConfigError(
             f"the recurrent layers' states of max_num_seqs={config.max_num_seqs} requests take "
             f"{states / 2**20:.1f} MiB, the whole KV budget of {total / 2**20:.1f} MiB: lower "
             f"max_num_seqs or raise kv_cache_memory", field="max_num_seqs")
+    checkpoints = config.state_checkpoints
+    if checkpoints is None:
+        checkpoints = min(config.max_num_seqs, (total - states) // 4 // per)
+    if checkpoints * per >= total - states:
+        raise ConfigError(
+            f"{checkpoints} state checkpoints of {per / 2**20:.2f} MiB leave nothing of the KV budget "
+            f"({total / 2**20:.1f} MiB, {states / 2**20:.1f} MiB of it the running requests' states): "
+            "lower state_checkpoints or raise kv_cache_memory", field="state_checkpoints")
     logger.info("recurrent states: %d slots of %.2f MiB (%.0f MiB of the KV budget)", config.max_num_seqs,
-                states / config.max_num_seqs / 2**20, states / 2**20)
-    return total - states
+                per / 2**20, states / 2**20)
+    if config.enable_prefix_caching and not checkpoints:
+        logger.info("prefix caching off: no state checkpoints for this model's recurrent layers, "
+                    "so no cached prefix could be resumed")
+        config = dataclasses.replace(config, enable_prefix_caching=False)
+    elif checkpoints:
+        logger.info("prefix caching: %d state checkpoints at block boundaries (%.0f MiB of the KV budget)",
+                    checkpoints, checkpoints * per / 2**20)
+    return dataclasses.replace(config, state_checkpoints=checkpoints), total - states - checkpoints * per
 
 
 def _model_name(model: str | None, path: Path) -> str:

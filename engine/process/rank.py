@@ -119,6 +119,7 @@ def build_rank_runner(config: EngineConfig, load: RankLoad, device: torch.device
         lora=lora_settings(config, load.loaded.dtype),
         decode_graphs=device.type == "cuda" and not config.enforce_eager,
         max_model_len=config.max_model_len,
+        state_checkpoints=config.state_checkpoints or 0,
     )
 
 

@@ -103,6 +103,7 @@ class ModelRunner:
         lora: LoraSettings | None = None,
         decode_graphs: bool = False,
         max_model_len: int | None = None,
+        state_checkpoints: int = 0,
     ) -> None:
         self.device = torch.device(device)
         self.tp = tp
@@ -125,10 +126,11 @@ class ModelRunner:
         self.paged_kv = not loaded.config.is_encoder
         self.kv_caches = allocate_kv_caches(
             loaded.config, num_blocks, block_size, loaded.dtype, self.device, kv_cache_dtype=kv_cache_dtype, tp=tp,
-            state_slots=max_num_seqs,
+            state_slots=max_num_seqs + state_checkpoints,
         ) if self.paged_kv else []
-        # A hybrid model's recurrent layers: each running request's state slot.
-        self.state_slots = (StateSlots(max_num_seqs, self.device)
+        # A hybrid model's recurrent layers: each running request's state slot, then the
+        # prefix cache's state checkpoints.
+        self.state_slots = (StateSlots(max_num_seqs, self.device, state_checkpoints)
                             if getattr(loaded.config, "recurrent", None) is not None else None)
         # The server's logits processors (--logits-processors: classes, built here once).
         self.sampler = Sampler(ops, seed=seed, processors=ProcessorBatch.build(
@@ -388,7 +390,9 @@ class ModelRunner:
         if self.state_slots is None:
             return meta
         slots, host = self.state_slots.assign(chunks)
-        return dataclasses.replace(meta, state_slots=slots, state_slots_host=host)
+        loads, saves = self.state_slots.checkpoint_copies(chunks) if self.state_slots.checkpoints else ((), ())
+        return dataclasses.replace(meta, state_slots=slots, state_slots_host=host, state_loads=loads,
+                                   state_saves=saves)
 
     def _forget(self, sample_id: str) -> None:
         if self.state_slots is not None:

@@ -8,6 +8,12 @@ that many slots serve every plan; a plan that would need more, or a chunk past p
 of a request without a slot, is a :class:`StepPlanError` (the scheduler and the runner
 disagree). Every tensor-parallel rank and pipeline stage sees the same plans in the same
 order and so hands out the same slots.
+
+With the prefix cache on, ``checkpoints`` more slots follow the requests' (checkpoint
+``c`` is slot ``count + c``): the block pool (engine.core.block_pool) decides which
+checkpoint a chunk starts from or saves into, and the layers copy the states
+(engine.models.layers.recurrent). A chunk that starts from a checkpoint takes its
+request's slot there, whatever its position.
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ from engine.runner.request_state import StepPlanError
 class StateSlots:
     """``count`` slots, handed out lowest first."""
 
-    def __init__(self, count: int, device: torch.device) -> None:
+    def __init__(self, count: int, device: torch.device, checkpoints: int = 0) -> None:
         self.count = count
+        self.checkpoints = checkpoints
         self.device = device
         self._free = list(range(count - 1, -1, -1))
         self._owner: dict[str, int] = {}
@@ -51,7 +58,7 @@ class StateSlots:
         for c in chunks:
             slot = self._owner.get(c.sample_id)
             if slot is None:
-                if c.start != 0:
+                if c.start != 0 and c.state_load < 0:
                     raise StepPlanError(f"request {c.sample_id!r}: a chunk at position {c.start} "
                                         "but no recurrent state to continue from")
                 if not self._free:
@@ -60,6 +67,27 @@ class StateSlots:
                 slot = self._owner[c.sample_id] = self._free.pop()
             slots.append(slot)
         return torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True), tuple(slots)
+
+    def checkpoint_copies(self, chunks: Sequence[ScheduledChunk]) -> tuple[
+            tuple[tuple[int, int], ...], tuple[tuple[int, int, int], ...]]:
+        """The chunks' checkpoint loads ``(b, slot)`` and saves ``(b, offset, slot)`` by
+        their index in the step."""
+        loads, saves = [], []
+        for b, c in enumerate(chunks):
+            if c.state_load >= 0:
+                loads.append((b, self._checkpoint_slot(c.state_load, c.sample_id)))
+            if c.state_save:
+                offset, ckpt = c.state_save
+                if not 0 < offset <= c.num_tokens:
+                    raise StepPlanError(f"request {c.sample_id!r}: a state checkpoint after {offset} "
+                                        f"of a chunk's {c.num_tokens} tokens")
+                saves.append((b, offset, self._checkpoint_slot(ckpt, c.sample_id)))
+        return tuple(loads), tuple(saves)
+
+    def _checkpoint_slot(self, ckpt: int, sample_id: str) -> int:
+        if not 0 <= ckpt < self.checkpoints:
+            raise StepPlanError(f"request {sample_id!r}: state checkpoint {ckpt} of {self.checkpoints}")
+        return self.count + ckpt
 
 
 __all__ = ["StateSlots"]

@@ -136,7 +136,7 @@ class DeltaNetMixer:
         def chunk(lo: int, hi: int, slot: int, fresh: bool) -> torch.Tensor:
             return self._chunk(qkv[lo:hi], g[lo:hi], beta[lo:hi], slot, fresh, conv_state, state)
 
-        mix_by_request(meta, o, decode, chunk)
+        mix_by_request(meta, o, decode, chunk, (conv_state, state))
         return self.out_proj(self._gated_norm(o.to(x.dtype), z))
 
     def _split(self, mixed: torch.Tensor, repeat: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -141,7 +141,7 @@ class MambaMixer:
         def chunk(lo: int, hi: int, slot: int, fresh: bool) -> torch.Tensor:
             return self._chunk(xbc[lo:hi], dt[lo:hi], slot, fresh, conv_state, ssm_state)
 
-        mix_by_request(meta, y, decode, chunk)
+        mix_by_request(meta, y, decode, chunk, (conv_state, ssm_state))
         return self.out_proj(self._gated_norm(y.reshape(x.shape[0], c.d_inner), z).to(x.dtype))
 
     def _split(self, xbc: torch.Tensor, per_head: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

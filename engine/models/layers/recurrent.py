@@ -9,6 +9,12 @@ A layer's states are two tensors indexed by slot (``AttentionMetadata.state_slot
 where their slots run in order (``k, k+1, ...``: the usual case, slots being handed out
 lowest first) through views of the state tensors, in place, else gathered and written
 back. A prompt chunk at position 0 starts from zero states.
+
+The prefix cache's state checkpoints (``AttentionMetadata.state_loads`` / ``state_saves``,
+engine.runner.state_slots) are more slots of the same tensors: every load of the step is
+copied into its request's slot before any request is mixed (a checkpoint saved later in
+the step may be the one loaded), and a chunk with a save runs in two parts, its states
+copied out between them.
 """
 
 from __future__ import annotations
@@ -25,12 +31,19 @@ def mix_by_request(
     meta: AttentionMetadata, out: torch.Tensor,
     decode: Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor, tuple[int, ...]], torch.Tensor],
     chunk: Callable[[int, int, int, bool], torch.Tensor],
+    states: tuple[torch.Tensor, torch.Tensor],
 ) -> torch.Tensor:
     """Fill ``out`` (the step's T rows) by request: ``decode(pick, slots, host_slots)`` once
     for every decode row (``pick(t)`` gives those rows of a [T, ...] tensor), then
-    ``chunk(lo, hi, slot, fresh)`` for each other request's rows ``lo:hi``."""
+    ``chunk(lo, hi, slot, fresh)`` for each other request's rows ``lo:hi``. ``states`` are
+    the layer's ``(conv_state, state)``, which the checkpoints are copied in and out of."""
     assert meta.state_slots is not None  # the runner gives a hybrid model's steps slots
     slots = meta.state_slots_host
+    loaded = set()
+    for b, src in meta.state_loads:
+        _copy_slot(states, src, slots[b])
+        loaded.add(b)
+    saves = {b: (offset, dst) for b, offset, dst in meta.state_saves}
     rows_of = [b for b, (n, s) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True))
                if n == 1 and s > 1]
     starts = [0]
@@ -46,10 +59,25 @@ def mix_by_request(
             out.index_copy_(0, rows, got)
     decoded = set(rows_of)
     for b in range(len(slots)):
+        lo, hi = starts[b], starts[b + 1]
+        # fresh: the chunk starts the request (and no checkpoint was loaded for it)
+        fresh = meta.seq_lens_host[b] == hi - lo and b not in loaded
+        offset, dst = saves.get(b, (hi - lo, -1))
+        if b not in decoded and offset < hi - lo:
+            out[lo:lo + offset] = chunk(lo, lo + offset, slots[b], fresh)
+            _copy_slot(states, slots[b], dst)
+            out[lo + offset:hi] = chunk(lo + offset, hi, slots[b], False)
+            continue
         if b not in decoded:
-            lo, hi = starts[b], starts[b + 1]
-            out[lo:hi] = chunk(lo, hi, slots[b], meta.seq_lens_host[b] == hi - lo)  # fresh: starts the request
+            out[lo:hi] = chunk(lo, hi, slots[b], fresh)
+        if dst >= 0:
+            _copy_slot(states, slots[b], dst)
     return out
+
+
+def _copy_slot(states: tuple[torch.Tensor, torch.Tensor], src: int, dst: int) -> None:
+    for t in states:
+        t[dst].copy_(t[src])
 
 
 def slot_views(conv_state: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
