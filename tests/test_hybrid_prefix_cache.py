@@ -120,6 +120,17 @@ async def test_requests_sharing_a_prefix_side_by_side(model) -> None:
     assert stats.prefix_cache_hits == sum(len(p) // BLOCK * BLOCK for p in base)
 
 
+async def test_behind_an_engine_core_process(model) -> None:
+    """The core process builds its pool with the checkpoints its runner keeps."""
+    hf, folder = model
+    first = prompts_of((22,), 384, seed=11)[0]
+    second = first + prompts_of((6,), 384, seed=12)[0]
+    async with engine.open_engine(str(folder), **_options(max_num_batched_tokens=64, engine_core="process")) as eng:
+        assert await _answer(eng, hf, first) == 0
+        assert await _answer(eng, hf, second) == len(first) // BLOCK * BLOCK
+        await wait_idle(eng)
+
+
 async def test_no_checkpoints_turns_the_cache_off(model) -> None:
     hf, folder = model
     first = prompts_of((21,), 384, seed=10)[0]
