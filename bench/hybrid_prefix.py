@@ -13,6 +13,11 @@ turn's first token (TTFT: submit to the first output). Printed: the medians of t
 and their ratios (off / on: above 1 is the cache's gain); turn 1 shows what keeping the
 states costs a prompt that finds nothing cached. Each engine's first conversation is a
 warm-up on other tokens and is not counted.
+
+Then what keeping the states costs decoding (each request copies its states into a
+checkpoint at every block boundary it crosses): ``--batch`` requests of 64-token prompts
+decoding ``--decode-len`` tokens each, output tok/s of the batch, on both engines in the
+same alternating rounds.
 """
 
 from __future__ import annotations
@@ -58,7 +63,24 @@ async def _conversation(eng: Any, first: list[int], turn: list[int], answer_len:
     return [(t1, c1), (t2, c2)]
 
 
-async def _rounds(folder: Path, args: Any) -> dict[str, list[list[tuple[float, int]]]]:
+async def _decode_rate(eng: Any, prompts: list[list[int]], n: int) -> float:
+    """Output tokens a second of ``prompts`` decoded together, ``n`` tokens each."""
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    t0 = time.perf_counter()
+    streams = [await eng.submit(p, params) for p in prompts]
+
+    async def drain(stream: Any) -> None:
+        async with stream:
+            async for _ in stream:
+                pass
+
+    async with trio.open_nursery() as nursery:
+        for stream in streams:
+            nursery.start_soon(drain, stream)
+    return len(prompts) * n / (time.perf_counter() - t0)
+
+
+async def _rounds(folder: Path, args: Any) -> dict[str, list[Any]]:
     """Each round's conversation on both engines, in alternating order."""
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     g = torch.Generator().manual_seed(0)
@@ -67,8 +89,9 @@ async def _rounds(folder: Path, args: Any) -> dict[str, list[list[tuple[float, i
         return torch.randint(3, vocab, (n,), generator=g).tolist()
 
     max_len = args.prompt_len + args.answer_len * 2 + args.turn_len + 16
-    options = dict(dtype="bfloat16", max_model_len=max_len, max_num_seqs=4)
-    times: dict[str, list[list[tuple[float, int]]]] = {"on": [], "off": []}
+    max_len = max(max_len, 64 + args.decode_len)
+    options = dict(dtype="bfloat16", max_model_len=max_len, max_num_seqs=max(4, args.batch))
+    times: dict[str, list[Any]] = {"on": [], "off": [], "decode on": [], "decode off": []}
     async with engine.open_engine(str(folder), **options) as on, \
             engine.open_engine(str(folder), enable_prefix_caching=False, **options) as off:
         engines = {"on": on, "off": off}
@@ -77,8 +100,10 @@ async def _rounds(folder: Path, args: Any) -> dict[str, list[list[tuple[float, i
             await _conversation(eng, *warm, args.answer_len)
         for r in range(args.rounds):
             first, turn = tokens(args.prompt_len), tokens(args.turn_len)
+            batch = [tokens(64) for _ in range(args.batch)]
             for name in (("on", "off") if r % 2 == 0 else ("off", "on")):
                 times[name].append(await _conversation(engines[name], first, turn, args.answer_len))
+                times[f"decode {name}"].append(await _decode_rate(engines[name], batch, args.decode_len))
     return times
 
 
@@ -89,10 +114,13 @@ def main() -> None:
     ap.add_argument("--answer-len", type=int, default=32)
     ap.add_argument("--turn-len", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--decode-len", type=int, default=128)
     args = ap.parse_args()
     torch.set_num_threads(2)
     print("| family | turn | TTFT, cache on (s) | cached tokens | TTFT, cache off (s) | off / on |")
     print("|---|---|---|---|---|---|")
+    decode = []
     for family in args.families.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             folder = Path(tmp) / family
@@ -104,6 +132,12 @@ def main() -> None:
                 cached = {c[t][1] for c in times["on"]}
                 print(f"| {family} | {t + 1} | {on:.3f} | {', '.join(map(str, sorted(cached)))} | {off:.3f} | "
                       f"**{off / on:.2f}x** |")
+            on, off = (statistics.median(times[f"decode {k}"]) for k in ("on", "off"))
+            decode.append(f"| {family} | {args.batch} | {on:.1f} | {off:.1f} | {on / off:.3f} |")
+    print()
+    print("| family | batch | decode tok/s, cache on | cache off | on / off |")
+    print("|---|---|---|---|---|")
+    print("\n".join(decode))
 
 
 if __name__ == "__main__":

@@ -564,6 +564,9 @@ class AllocateSlots:
     token_budget: int
     prefix_token_ids: tuple[int, ...] = ()
     cache_salt: str | None = None
+    # The chunk computes the request's outputs (its prompt is computed): a state checkpoint
+    # it keeps replaces the one the request's last such chunk kept (a hybrid model's).
+    past_prompt: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -439,3 +439,25 @@ def test_the_least_recently_used_checkpoint_is_taken_but_never_the_one_resumed_f
     one.handle(FreeRequest("a"))
     reply = _allocate(one, "a2", a + tuple(range(10)))
     assert reply.num_cached_tokens == 8 and reply.state_save == ()
+
+
+def test_past_its_prompt_a_request_keeps_only_its_latest_checkpoint() -> None:
+    pool = BlockPool(32, BS, state_checkpoints=4)
+    tokens = list(range(100, 110))  # a 10-token prompt: its states kept at 8
+    _run(pool, "a", tuple(tokens))
+    assert pool.num_free_checkpoints == 3
+    kept = []
+    for step in range(10):  # ten decode steps, one token each, crossing 12, 16 and 20
+        tokens.append(200 + step)
+        reply = pool.handle(AllocateSlots("a", len(tokens) - 1, len(tokens), 1, past_prompt=True))
+        if reply.state_save:
+            kept.append(len(tokens))
+        if len(tokens) % BS == 0:
+            pool.handle(CacheBlocks("a", tuple(tokens[-BS:])))
+    assert kept == [12, 16, 20]
+    table = pool.block_table("a")
+    # The prompt's and the latest decode boundary's: two held, the two before freed.
+    assert [i for i, b in enumerate(table) if pool.checkpoint_of(b) is not None] == [1, 4]
+    assert pool.num_free_checkpoints == 2
+    pool.handle(FreeRequest("a"))
+    assert pool.num_free_checkpoints == 2  # the latest stays, for a next turn

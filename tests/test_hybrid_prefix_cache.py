@@ -74,23 +74,27 @@ async def test_prompts_in_chunks_resume_from_the_last_boundary_kept(model) -> No
         await wait_idle(eng)
 
 
-async def test_one_checkpoint_goes_to_the_latest_prompt_but_never_from_under_a_resume(model) -> None:
-    """With one checkpoint, each new prompt's states take it over from the last one's,
-    whose cached blocks then resume nothing; a prompt that resumes from it keeps it (its
-    own boundary is not kept)."""
+async def test_the_next_turn_resumes_at_the_answers_last_block(model) -> None:
+    """Decode steps keep the states too, each request its latest boundary only: a
+    conversation's next turn (the prompt, the answer and more) resumes at the last full
+    block of what the first turn computed. With one checkpoint, another prompt in
+    between takes it, and the same turn again resumes nothing."""
     hf, folder = model
     first = prompts_of((23,), 384, seed=5)[0]
-    second = first + prompts_of((9,), 384, seed=6)[0]
     other = prompts_of((14,), 384, seed=7)[0]
-    async with engine.open_engine(str(folder), **_options(max_num_batched_tokens=64, state_checkpoints=1)) as eng:
-        assert await _answer(eng, hf, first) == 0
-        assert await _answer(eng, hf, other) == 0
-        assert await _answer(eng, hf, second) == 0  # first's blocks are cached, its states are not
-        assert await _answer(eng, hf, other) == 0  # second's states took the checkpoint
-        assert await _answer(eng, hf, first) == 0
-        assert await _answer(eng, hf, second) == len(first) // BLOCK * BLOCK
-        assert await _answer(eng, hf, second) == len(first) // BLOCK * BLOCK
-        await wait_idle(eng)
+    more = prompts_of((5,), 384, seed=6)[0]
+    computed = len(first) + NEW_TOKENS - 1  # the last output is drawn, never computed
+    for checkpoints in (4, 1):
+        async with engine.open_engine(str(folder), **_options(max_num_batched_tokens=64,
+                                                              state_checkpoints=checkpoints)) as eng:
+            answer = token_ids(await collect(eng, first, greedy(NEW_TOKENS)))
+            turn = first + answer + more
+            assert await _answer(eng, hf, turn) == computed // BLOCK * BLOCK
+            assert await _answer(eng, hf, other) == 0
+            # With room, the turn's own prompt kept its last boundary (all but its last token).
+            resumed = await _answer(eng, hf, turn)
+            assert resumed == (0 if checkpoints == 1 else (len(turn) - 1) // BLOCK * BLOCK)
+            await wait_idle(eng)
 
 
 async def test_requests_sharing_a_prefix_side_by_side(model) -> None:
@@ -100,7 +104,7 @@ async def test_requests_sharing_a_prefix_side_by_side(model) -> None:
     base = prompts_of((13, 18), 384, seed=8)
     prompts = base + [p + q for p, q in zip(base, prompts_of((7, 5), 384, seed=9), strict=True)]
     expected = [_hf_greedy(hf, p, NEW_TOKENS)[0] for p in prompts]
-    async with engine.open_engine(str(folder), **_options(max_num_batched_tokens=64)) as eng:
+    async with engine.open_engine(str(folder), **_options(max_num_batched_tokens=64, state_checkpoints=8)) as eng:
         for offset in (0, 2):
             got: dict[int, list[int]] = {}
             streams = [await eng.submit(p, greedy(NEW_TOKENS)) for p in prompts[offset:offset + 2]]

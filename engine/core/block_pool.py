@@ -39,7 +39,10 @@ is tied to that block's cache entry when the block is cached, and a prefix hit e
 deepest hit block whose entry holds a checkpoint, which the new request's first chunk
 starts from (``state_load``). Checkpoints held by cache entries are reused least recently
 used first; one reserved for a chunk still running is never taken. An entry's checkpoint
-goes when the entry is evicted. vLLM keeps a hybrid model's states on its block grid in
+goes when the entry is evicted. Past its prompt (``AllocateSlots.past_prompt``: decode
+steps) a request keeps one checkpoint, its latest: each new one frees the one before, so a
+long answer does not take them all, and the next turn of a conversation (the prompt, the
+answer and more) resumes at the answer's last full block. vLLM keeps a hybrid model's states on its block grid in
 the same way ("align" mode), where a hit resumes only at a block boundary.
 """
 
@@ -133,7 +136,8 @@ class BlockPool:
         self._ckpt_free = list(range(self.state_checkpoints - 1, -1, -1))
         self._ckpt_of: OrderedDict[int, int] = OrderedDict()
         self._ckpt_block: dict[int, int] = {}
-        self._ckpt_pending: dict[str, dict[int, int]] = {}
+        self._ckpt_pending: dict[str, dict[int, tuple[int, bool]]] = {}
+        self._ckpt_latest: dict[str, int] = {}  # per request, its checkpoint past its prompt (by gen)
         self._next_gen = 1
         self._num_cached = 0
         self._queries = 0
@@ -198,7 +202,8 @@ class BlockPool:
             if hits:
                 load = self._ckpt_of[hits[-1].gen]
                 self._ckpt_of.move_to_end(hits[-1].gen)
-            save = self._reserve_checkpoint(call.sample_id, start, end, hits[-1].gen if hits else 0)
+            save = self._reserve_checkpoint(call.sample_id, start, end, hits[-1].gen if hits else 0,
+                                            call.past_prompt)
         return SlotsAllocated(call.sample_id, len(hits) * self.block_size, end - start, tuple(block_ids),
                               load, save)
 
@@ -260,7 +265,8 @@ class BlockPool:
             return RequestFreed(sample_id, 0)
         del self._chains[sample_id], self._salts[sample_id]
         # Reserved for blocks it never cached (it finished, failed or was preempted first).
-        self._ckpt_free.extend(self._ckpt_pending.pop(sample_id, {}).values())
+        self._ckpt_free.extend(c for c, _ in self._ckpt_pending.pop(sample_id, {}).values())
+        self._ckpt_latest.pop(sample_id, None)  # its last one stays, for a next turn
         released = self._released.pop(sample_id, 0)
         self._uncacheable.discard(sample_id)
         for block_id in reversed(table[released:]):
@@ -318,7 +324,8 @@ class BlockPool:
                 # evicting a cached one.
                 self._free.move_to_end(block_id, last=False)
 
-    def _reserve_checkpoint(self, sample_id: str, start: int, end: int, loaded_gen: int) -> tuple[int, int] | tuple[()]:
+    def _reserve_checkpoint(self, sample_id: str, start: int, end: int, loaded_gen: int,
+                            past_prompt: bool) -> tuple[int, int] | tuple[()]:
         """A checkpoint for the states at the last block boundary the chunk ``start:end``
         crosses, as ``(offset in the chunk, checkpoint)``; empty when it crosses none, its
         request caches nothing more, or every checkpoint is reserved."""
@@ -337,22 +344,29 @@ class BlockPool:
         pending = self._ckpt_pending.setdefault(sample_id, {})
         index = boundary // self.block_size - 1
         if index in pending:  # a chunk before this one ended inside the same block: replaced
-            self._ckpt_free.append(pending[index])
-        pending[index] = ckpt
+            self._ckpt_free.append(pending[index][0])
+        pending[index] = (ckpt, past_prompt)
         return (boundary - start, ckpt)
 
     def _commit_checkpoint(self, sample_id: str, index: int, entry: _Block) -> None:
         """Tie the checkpoint reserved for the request's block ``index`` (if any) to the
         cache entry it entered as; a twin entry holding one already keeps its own."""
         pending = self._ckpt_pending.get(sample_id)
-        ckpt = pending.pop(index, None) if pending else None
-        if ckpt is None:
+        reserved = pending.pop(index, None) if pending else None
+        if reserved is None:
             return
+        ckpt, past_prompt = reserved
         if entry.gen in self._ckpt_of:
             self._ckpt_free.append(ckpt)
-        else:
-            self._ckpt_of[entry.gen] = ckpt
-            self._ckpt_block[entry.gen] = entry.block_id
+            return
+        self._ckpt_of[entry.gen] = ckpt
+        self._ckpt_block[entry.gen] = entry.block_id
+        if past_prompt:
+            before = self._ckpt_latest.get(sample_id)
+            if before in self._ckpt_of:  # unless another reservation took it since
+                del self._ckpt_block[before]
+                self._ckpt_free.append(self._ckpt_of.pop(before))
+            self._ckpt_latest[sample_id] = entry.gen
 
     def checkpoint_of(self, block_id: int) -> int | None:
         """The state checkpoint tied to the cache entry of ``block_id`` (tests)."""

@@ -67,11 +67,16 @@ def release_out_of_window(
     req.num_released_blocks = releasable
 
 
-def fits_table(req: Request, budget: int, n_drafts: int, block_size: int) -> SlotsAllocated | None:
+def fits_table(req: Request, budget: int, n_drafts: int, block_size: int,
+               state_checkpoints: bool = False) -> SlotsAllocated | None:
     """The chunk when the request's blocks already hold it (most decode steps): no
-    allocator round trip; ``None`` when blocks must be allocated."""
+    allocator round trip; ``None`` when blocks must be allocated, or (``state_checkpoints``)
+    when the chunk crosses a block boundary, where the pool keeps the states."""
     count = min(req.num_known_tokens + n_drafts - req.num_computed_tokens, budget)
-    if req.num_computed_tokens + count > len(req.block_ids) * block_size:
+    end = req.num_computed_tokens + count
+    if end > len(req.block_ids) * block_size:
+        return None
+    if state_checkpoints and end // block_size * block_size > req.num_computed_tokens:
         return None
     return SlotsAllocated(req.sample_id, 0, count, ())
 
@@ -87,6 +92,7 @@ def allocate_call(req: Request, budget: int, *, lookup: bool, n_drafts: int = 0)
         budget,
         req.known_token_ids() if lookup and first else (),
         req.cache_salt if first else None,
+        req.num_computed_tokens >= req.num_prompt_tokens,
     )
 
 

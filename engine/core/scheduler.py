@@ -303,7 +303,7 @@ class Scheduler(BeamScheduling):
                 i += 1  # its next image's encoder does not fit this step's encoder budget
                 continue
             drafts, n_drafts = choose_proposal(config, req, budget)
-            reply = fits_table(req, budget, n_drafts, config.block_size)
+            reply = fits_table(req, budget, n_drafts, config.block_size, config.state_checkpoints)
             if reply is None:
                 reply, preempted_here = yield from self._allocate_or_preempt(req, budget, n_drafts)
                 preempted = preempted or preempted_here

@@ -24,6 +24,10 @@ class SchedulerConfig:
     num_kv_blocks: int
     policy: str = "fcfs"
     enable_prefix_caching: bool = True
+    # A hybrid model's prefix cache keeps its recurrent states at block boundaries (the
+    # block pool's state checkpoints): every chunk that crosses one, decode steps included,
+    # asks the pool (which reserves a checkpoint) even when its table holds the chunk.
+    state_checkpoints: bool = False
     # The window every layer of the model slides (0: some layer attends to everything).
     # Blocks wholly before a request's next window are released to the pool as it grows.
     sliding_window: int = 0
@@ -93,6 +97,7 @@ class SchedulerConfig:
             num_kv_blocks=num_kv_blocks,
             policy=config.scheduling_policy,
             enable_prefix_caching=config.enable_prefix_caching,
+            state_checkpoints=bool(config.enable_prefix_caching and config.state_checkpoints),
             sliding_window=sliding_window,
             pooling=pooling,
             paged_kv=paged_kv,
