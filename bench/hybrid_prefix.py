@@ -14,6 +14,11 @@ and their ratios (off / on: above 1 is the cache's gain); turn 1 shows what keep
 states costs a prompt that finds nothing cached. Each engine's first conversation is a
 warm-up on other tokens and is not counted.
 
+Then a shared system prompt: four requests, one after another, each the same
+``--prompt-len`` tokens then ``--turn-len`` of its own; the first two find no states kept
+in the shared part (the second keeps them at its end, the junction), the third and fourth
+resume there. Printed: each request's TTFT, cache on and off.
+
 Then what keeping the states costs decoding (each request copies its states into a
 checkpoint at every block boundary it crosses): ``--batch`` requests of 64-token prompts
 decoding ``--decode-len`` tokens each, output tok/s of the batch, on both engines in the
@@ -91,7 +96,8 @@ async def _rounds(folder: Path, args: Any) -> dict[str, list[Any]]:
     max_len = args.prompt_len + args.answer_len * 2 + args.turn_len + 16
     max_len = max(max_len, 64 + args.decode_len)
     options = dict(dtype="bfloat16", max_model_len=max_len, max_num_seqs=max(4, args.batch))
-    times: dict[str, list[Any]] = {"on": [], "off": [], "decode on": [], "decode off": []}
+    times: dict[str, list[Any]] = {"on": [], "off": [], "decode on": [], "decode off": [],
+                                   "shared on": [], "shared off": []}
     async with engine.open_engine(str(folder), **options) as on, \
             engine.open_engine(str(folder), enable_prefix_caching=False, **options) as off:
         engines = {"on": on, "off": off}
@@ -101,8 +107,12 @@ async def _rounds(folder: Path, args: Any) -> dict[str, list[Any]]:
         for r in range(args.rounds):
             first, turn = tokens(args.prompt_len), tokens(args.turn_len)
             batch = [tokens(64) for _ in range(args.batch)]
+            system = tokens(args.prompt_len)
+            questions = [tokens(args.turn_len) for _ in range(4)]
             for name in (("on", "off") if r % 2 == 0 else ("off", "on")):
                 times[name].append(await _conversation(engines[name], first, turn, args.answer_len))
+                times[f"shared {name}"].append(
+                    [(await _turn(engines[name], system + q, args.answer_len))[::2] for q in questions])
                 times[f"decode {name}"].append(await _decode_rate(engines[name], batch, args.decode_len))
     return times
 
@@ -120,7 +130,7 @@ def main() -> None:
     torch.set_num_threads(2)
     print("| family | turn | TTFT, cache on (s) | cached tokens | TTFT, cache off (s) | off / on |")
     print("|---|---|---|---|---|---|")
-    decode = []
+    decode, shared = [], []
     for family in args.families.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             folder = Path(tmp) / family
@@ -134,6 +144,16 @@ def main() -> None:
                       f"**{off / on:.2f}x** |")
             on, off = (statistics.median(times[f"decode {k}"]) for k in ("on", "off"))
             decode.append(f"| {family} | {args.batch} | {on:.1f} | {off:.1f} | {on / off:.3f} |")
+            for i in range(4):
+                on = statistics.median(c[i][0] for c in times["shared on"])
+                off = statistics.median(c[i][0] for c in times["shared off"])
+                cached = sorted({c[i][1] for c in times["shared on"]})
+                shared.append(f"| {family} | {i + 1} | {on:.3f} | {', '.join(map(str, cached))} | {off:.3f} | "
+                              f"**{off / on:.2f}x** |")
+    print()
+    print("| family | request (shared prompt) | TTFT, cache on (s) | cached tokens | TTFT, cache off (s) | off / on |")
+    print("|---|---|---|---|---|---|")
+    print("\n".join(shared))
     print()
     print("| family | batch | decode tok/s, cache on | cache off | on / off |")
     print("|---|---|---|---|---|")

@@ -101,10 +101,11 @@ class ScheduledChunk:
     num_model_drafts: int = 0
     # A hybrid model's prefix cache (engine.core.block_pool, "state checkpoints"): the
     # chunk starts from checkpoint ``state_load``'s recurrent states (-1: from the
-    # request's own, or from zero at position 0), and after its first ``state_save[0]``
-    # tokens copies them into checkpoint ``state_save[1]`` (empty: no copy).
+    # request's own, or from zero at position 0), and for each ``(offset, checkpoint)`` of
+    # ``state_save`` (offsets ascending) copies them, after its first ``offset`` tokens,
+    # into that checkpoint.
     state_load: int = -1
-    state_save: tuple[int, int] | tuple[()] = ()
+    state_save: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_proposed(self) -> int:
@@ -581,7 +582,7 @@ class SlotsAllocated:
     num_new_tokens: int
     block_ids: tuple[int, ...]
     state_load: int = -1
-    state_save: tuple[int, int] | tuple[()] = ()
+    state_save: tuple[tuple[int, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -380,8 +380,8 @@ def test_a_chunk_keeps_the_states_at_the_last_boundary_it_crosses() -> None:
     tokens = tuple(range(100, 123))  # 23 tokens
     first, second = _run(pool, "a", tokens, budget=10)[:2]
     # 0..10 crosses 4 and 8: kept at 8; 10..20 crosses 12, 16 and 20: kept at 20 (its end).
-    assert first.state_save == (8, first.state_save[1]) and first.state_load == -1
-    assert second.state_save == (10, second.state_save[1])
+    assert [o for o, _ in first.state_save] == [8] and first.state_load == -1
+    assert [o for o, _ in second.state_save] == [10]
     table = pool.block_table("a")
     assert [pool.checkpoint_of(b) is not None for b in table] == [False, True, False, False, True, False]
     # A chunk crossing no boundary (20..23) keeps nothing.
@@ -461,3 +461,23 @@ def test_past_its_prompt_a_request_keeps_only_its_latest_checkpoint() -> None:
     assert pool.num_free_checkpoints == 2
     pool.handle(FreeRequest("a"))
     assert pool.num_free_checkpoints == 2  # the latest stays, for a next turn
+
+
+def test_a_match_past_the_kept_states_keeps_them_at_its_end_too() -> None:
+    """Two prompts share 13 tokens (a system prompt) and then differ: the second matches
+    the first's three cached blocks but no kept states (the first's were kept at 16,
+    past the shared part), so it recomputes them and keeps its states at the junction,
+    12, as well as at its own last boundary; a third prompt sharing the part resumes at 12."""
+    pool = BlockPool(32, BS, state_checkpoints=8)
+    shared = tuple(range(100, 113))
+    _run(pool, "a", shared + (1, 2, 3, 4, 5))
+    second = _run(pool, "b", shared + (6, 7, 8, 9, 10, 11))[0]
+    assert second.num_cached_tokens == 0
+    assert [o for o, _ in second.state_save] == [12, 16]
+    third = _allocate(pool, "c", shared + (20, 21, 22))
+    assert third.num_cached_tokens == 12 and third.state_load == second.state_save[0][1]
+    # A chunk that stops short of the junction keeps it for the chunk that reaches it.
+    pool2 = BlockPool(32, BS, state_checkpoints=8)
+    _run(pool2, "a", shared + (1, 2, 3, 4, 5))
+    chunks = _run(pool2, "b", shared + (6, 7, 8, 9, 10, 11), budget=10)
+    assert [[o for o, _ in c.state_save] for c in chunks] == [[8], [2, 6]]  # 0..10: 8; 10..19: 12, 16

@@ -11,12 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import trio
 from engine_helpers import collect, greedy, tiny_model, token_ids, wait_idle
 from hybrid_helpers import prompts_of
 from test_granite4_mamba import write_hybrid
 from test_nemotron_h import write_nemotron_h
-from test_parity import _hf_greedy
+from test_parity import LOGPROB_ATOL, _hf_greedy
 from test_qwen3_5 import write_qwen3_5
 
 import engine
@@ -40,9 +41,13 @@ def _options(**extra: Any) -> dict[str, Any]:
 
 
 async def _answer(eng: Any, hf: Any, prompt: list[int]) -> int:
-    """One request's tokens against transformers'; the prompt tokens it took from the cache."""
-    outputs = await collect(eng, prompt, greedy(NEW_TOKENS))
-    assert token_ids(outputs) == _hf_greedy(hf, prompt, NEW_TOKENS)[0]
+    """One request's tokens and their logprobs against transformers'; the prompt tokens it
+    took from the cache."""
+    outputs = await collect(eng, prompt, greedy(NEW_TOKENS, logprobs=0))
+    tokens, logprobs = _hf_greedy(hf, prompt, NEW_TOKENS)
+    assert token_ids(outputs) == tokens
+    got = torch.tensor([lp.logprob for out in outputs for lp in out.logprobs], dtype=torch.float64)
+    torch.testing.assert_close(got, torch.tensor(logprobs, dtype=torch.float64), atol=LOGPROB_ATOL, rtol=0)
     return outputs[-1].usage.cached_tokens
 
 
@@ -95,6 +100,21 @@ async def test_the_next_turn_resumes_at_the_answers_last_block(model) -> None:
             resumed = await _answer(eng, hf, turn)
             assert resumed == (0 if checkpoints == 1 else (len(turn) - 1) // BLOCK * BLOCK)
             await wait_idle(eng)
+
+
+async def test_a_shared_system_prompt_is_resumed_from_the_third_request_on(model) -> None:
+    """Prompts sharing their first 15 tokens, then each its own: the first keeps its
+    states past the shared part only; the second matches its cached blocks but no kept
+    states, so it recomputes them and keeps the states at the junction (12, the shared
+    part's last full block); the third and fourth resume there."""
+    hf, folder = model
+    shared = prompts_of((15,), 384, seed=13)[0]
+    prompts = [shared + q for q in prompts_of((6, 9, 7, 8), 384, seed=14)]
+    async with engine.open_engine(str(folder), **_options(max_num_batched_tokens=64)) as eng:
+        cached = [await _answer(eng, hf, p) for p in prompts]
+        await wait_idle(eng)
+    junction = len(shared) // BLOCK * BLOCK
+    assert cached == [0, 0, junction, junction]
 
 
 async def test_requests_sharing_a_prefix_side_by_side(model) -> None:

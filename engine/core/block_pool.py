@@ -42,8 +42,13 @@ used first; one reserved for a chunk still running is never taken. An entry's ch
 goes when the entry is evicted. Past its prompt (``AllocateSlots.past_prompt``: decode
 steps) a request keeps one checkpoint, its latest: each new one frees the one before, so a
 long answer does not take them all, and the next turn of a conversation (the prompt, the
-answer and more) resumes at the answer's last full block. vLLM keeps a hybrid model's states on its block grid in
-the same way ("align" mode), where a hit resumes only at a block boundary.
+answer and more) resumes at the answer's last full block. And where a new request's
+prompt matches cached blocks past the deepest kept states (the prompts share more than
+was kept: a common system prompt, then each its own question), the chunk that recomputes
+them also keeps the states at the end of that match, the junction, so that the next
+prompt sharing it resumes there. vLLM keeps a hybrid model's states on its block grid in
+the same way ("align" mode, with its shared-prefix checkpoint), where a hit resumes only
+at a block boundary.
 """
 
 from __future__ import annotations
@@ -138,6 +143,7 @@ class BlockPool:
         self._ckpt_block: dict[int, int] = {}
         self._ckpt_pending: dict[str, dict[int, tuple[int, bool]]] = {}
         self._ckpt_latest: dict[str, int] = {}  # per request, its checkpoint past its prompt (by gen)
+        self._junction: dict[str, int] = {}  # per request, where its match outran the kept states
         self._next_gen = 1
         self._num_cached = 0
         self._queries = 0
@@ -175,6 +181,8 @@ class BlockPool:
         if self.state_checkpoints:
             # The states must be kept where the hit ends: at the deepest entry holding them.
             depth = max((i + 1 for i, b in enumerate(hits) if b.gen in self._ckpt_of), default=0)
+            if depth < len(hits):
+                self._junction[call.sample_id] = len(hits) * self.block_size
             hits = hits[:depth]
         start = call.num_computed_tokens + len(hits) * self.block_size
         end = min(call.num_known_tokens, start + call.token_budget)
@@ -267,6 +275,7 @@ class BlockPool:
         # Reserved for blocks it never cached (it finished, failed or was preempted first).
         self._ckpt_free.extend(c for c, _ in self._ckpt_pending.pop(sample_id, {}).values())
         self._ckpt_latest.pop(sample_id, None)  # its last one stays, for a next turn
+        self._junction.pop(sample_id, None)
         released = self._released.pop(sample_id, 0)
         self._uncacheable.discard(sample_id)
         for block_id in reversed(table[released:]):
@@ -325,28 +334,43 @@ class BlockPool:
                 self._free.move_to_end(block_id, last=False)
 
     def _reserve_checkpoint(self, sample_id: str, start: int, end: int, loaded_gen: int,
-                            past_prompt: bool) -> tuple[int, int] | tuple[()]:
-        """A checkpoint for the states at the last block boundary the chunk ``start:end``
-        crosses, as ``(offset in the chunk, checkpoint)``; empty when it crosses none, its
-        request caches nothing more, or every checkpoint is reserved."""
-        boundary = end // self.block_size * self.block_size
-        if boundary <= start or sample_id in self._uncacheable:
+                            past_prompt: bool) -> tuple[tuple[int, int], ...]:
+        """Checkpoints for the states at the request's junction, if the chunk ``start:end``
+        reaches it, and at the last block boundary the chunk crosses, as ``(offset in the
+        chunk, checkpoint)`` pairs; none for a boundary when every checkpoint is reserved,
+        or at all when the chunk crosses none or its request caches nothing more."""
+        last = end // self.block_size * self.block_size
+        if last <= start or sample_id in self._uncacheable:
             return ()
+        boundaries = [last]
+        junction = self._junction.get(sample_id, 0)
+        if junction <= end:
+            self._junction.pop(sample_id, None)
+            if start < junction < last:
+                boundaries.insert(0, junction)
+        saves = []
+        for boundary in boundaries:
+            ckpt = self._take_checkpoint(loaded_gen)
+            if ckpt is None:
+                break
+            pending = self._ckpt_pending.setdefault(sample_id, {})
+            index = boundary // self.block_size - 1
+            if index in pending:  # a chunk before this one ended inside the same block: replaced
+                self._ckpt_free.append(pending[index][0])
+            pending[index] = (ckpt, past_prompt)
+            saves.append((boundary - start, ckpt))
+        return tuple(saves)
+
+    def _take_checkpoint(self, loaded_gen: int) -> int | None:
+        """A free checkpoint, else the least recently used entry's (never ``loaded_gen``'s,
+        which the chunk starts from); None when every one is reserved."""
         if self._ckpt_free:
-            ckpt = self._ckpt_free.pop()
-        else:
-            # The least recently used entry's, never the one this chunk starts from.
-            victim = next((g for g in self._ckpt_of if g != loaded_gen), None)
-            if victim is None:
-                return ()
-            ckpt = self._ckpt_of.pop(victim)
-            del self._ckpt_block[victim]
-        pending = self._ckpt_pending.setdefault(sample_id, {})
-        index = boundary // self.block_size - 1
-        if index in pending:  # a chunk before this one ended inside the same block: replaced
-            self._ckpt_free.append(pending[index][0])
-        pending[index] = (ckpt, past_prompt)
-        return (boundary - start, ckpt)
+            return self._ckpt_free.pop()
+        victim = next((g for g in self._ckpt_of if g != loaded_gen), None)
+        if victim is None:
+            return None
+        del self._ckpt_block[victim]
+        return self._ckpt_of.pop(victim)
 
     def _commit_checkpoint(self, sample_id: str, index: int, entry: _Block) -> None:
         """Tie the checkpoint reserved for the request's block ``index`` (if any) to the

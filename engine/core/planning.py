@@ -121,7 +121,7 @@ def add_chunk(
     req.draft_token_ids = drafts
     model_drafts = 0 if drafts else n_drafts
     req.num_model_drafts = model_drafts
-    if got.state_save and got.state_save[0] > count:
+    if any(offset > count for offset, _ in got.state_save):
         raise ProtocolError(f"{got!r}: the state checkpoint lies past the chunk of {count}")
     step.chunks.append(ScheduledChunk(req.sample_id, start, count, tuple(req.block_ids), sample,
                                       drafts, model_drafts, got.state_load, got.state_save))

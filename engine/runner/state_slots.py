@@ -76,12 +76,13 @@ class StateSlots:
         for b, c in enumerate(chunks):
             if c.state_load >= 0:
                 loads.append((b, self._checkpoint_slot(c.state_load, c.sample_id)))
-            if c.state_save:
-                offset, ckpt = c.state_save
-                if not 0 < offset <= c.num_tokens:
+            last = 0
+            for offset, ckpt in c.state_save:
+                if not last < offset <= c.num_tokens:
                     raise StepPlanError(f"request {c.sample_id!r}: a state checkpoint after {offset} "
-                                        f"of a chunk's {c.num_tokens} tokens")
+                                        f"of a chunk's {c.num_tokens} tokens (after {last})")
                 saves.append((b, offset, self._checkpoint_slot(ckpt, c.sample_id)))
+                last = offset
         return tuple(loads), tuple(saves)
 
     def _checkpoint_slot(self, ckpt: int, sample_id: str) -> int:

@@ -13,8 +13,8 @@ back. A prompt chunk at position 0 starts from zero states.
 The prefix cache's state checkpoints (``AttentionMetadata.state_loads`` / ``state_saves``,
 engine.runner.state_slots) are more slots of the same tensors: every load of the step is
 copied into its request's slot before any request is mixed (a checkpoint saved later in
-the step may be the one loaded), and a chunk with a save runs in two parts, its states
-copied out between them.
+the step may be the one loaded), and a chunk with saves runs in parts, its states copied
+out between them.
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ def mix_by_request(
     for b, src in meta.state_loads:
         _copy_slot(states, src, slots[b])
         loaded.add(b)
-    saves = {b: (offset, dst) for b, offset, dst in meta.state_saves}
+    saves: dict[int, list[tuple[int, int]]] = {}
+    for b, offset, dst in meta.state_saves:  # ascending offsets within a request
+        saves.setdefault(b, []).append((offset, dst))
     rows_of = [b for b, (n, s) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True))
                if n == 1 and s > 1]
     starts = [0]
@@ -62,16 +64,14 @@ def mix_by_request(
         lo, hi = starts[b], starts[b + 1]
         # fresh: the chunk starts the request (and no checkpoint was loaded for it)
         fresh = meta.seq_lens_host[b] == hi - lo and b not in loaded
-        offset, dst = saves.get(b, (hi - lo, -1))
-        if b not in decoded and offset < hi - lo:
-            out[lo:lo + offset] = chunk(lo, lo + offset, slots[b], fresh)
+        done = 0 if b not in decoded else hi - lo
+        for offset, dst in saves.get(b, ()):
+            if offset > done:  # the chunk's part up to the checkpoint
+                out[lo + done:lo + offset] = chunk(lo + done, lo + offset, slots[b], fresh and done == 0)
+                done = offset
             _copy_slot(states, slots[b], dst)
-            out[lo + offset:hi] = chunk(lo + offset, hi, slots[b], False)
-            continue
-        if b not in decoded:
-            out[lo:hi] = chunk(lo, hi, slots[b], fresh)
-        if dst >= 0:
-            _copy_slot(states, slots[b], dst)
+        if done < hi - lo:
+            out[lo + done:hi] = chunk(lo + done, hi, slots[b], fresh and done == 0)
     return out
 
 
