@@ -497,6 +497,11 @@ class EngineConfig:
     # vLLM's switch: decode steps replay CUDA graphs captured at startup unless this is set.
     enforce_eager: bool = _field(
         False, "on CUDA, capture no CUDA graphs: every step runs its kernels eagerly")
+    # vLLM's sleep mode (engine.runner.sleep): Engine.sleep / wake_up, POST /sleep and
+    # /wake_up with --server-dev-mode. Levels 1 and 2 need it; on CPU only.
+    enable_sleep_mode: bool = _field(
+        False, "allow sleep mode: sleep(level=1) gives the KV cache's memory back, level=2 "
+        "the weights' too (read again from the checkpoint on waking); CPU only")
     kv_cache_dtype: str = _field(
         "auto", "K/V storage: auto (the model dtype), int8 or fp8 (8-bit codes with a scale "
         "per token and KV head: about half of bf16's memory)", choices=KV_CACHE_DTYPES)

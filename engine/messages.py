@@ -389,6 +389,48 @@ class ControlProfiler:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class ControlPause:
+    """Caller -> scheduler (each engine core's): pause or resume generation, put the model
+    to sleep or wake it (vLLM's ``pause_generation`` / ``resume_generation`` / ``sleep`` /
+    ``wake_up``). Answered with :class:`PauseControlled` under ``token`` once done.
+
+    ``action``:
+
+    * ``"pause"``: no step runs until a resume. ``mode`` says what becomes of the requests
+      already in the engine: ``"abort"`` ends them (``finish_reason`` abort), ``"wait"``
+      lets them finish first (new ones wait), ``"keep"`` freezes them where they are.
+      ``clear_cache`` then drops the prefix cache (not with ``"keep"``). ``level`` 1 or 2
+      also puts the model to sleep (the KV cache's memory given back; 2: the weights too),
+      after the kept requests are preempted; -1 pauses only (0 is a sleep that releases
+      nothing, as vLLM's level 0).
+    * ``"resume"``: steps run again (the model must be awake).
+    * ``"wake"``: the sleeping ``tags`` ("weights", "kv_cache"; empty: all) are restored;
+      once nothing sleeps, generation resumes as after a resume.
+    """
+
+    token: str
+    action: str
+    mode: str = "abort"
+    clear_cache: bool = True
+    level: int = -1
+    tags: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PauseControlled:
+    """A scheduler's answer to :class:`ControlPause`: where the core stands afterwards
+    (``paused``; ``sleep_level``, -1 awake; the ``sleeping`` tags), whether its prefix
+    cache was dropped, or ``error`` (nothing changed)."""
+
+    token: str
+    paused: bool
+    sleep_level: int = -1
+    sleeping: tuple[str, ...] = ()
+    cache_cleared: bool = False
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ProfilerControlled:
     """A scheduler's answer to :class:`ControlProfiler`: the trace files a stop wrote,
     or ``error`` (the core runs no profiler, or it failed)."""
@@ -836,6 +878,15 @@ class RankWarmUp:
 @dataclasses.dataclass(frozen=True, slots=True)
 class RankReset:
     """Forget every request (the engine restarted its actors)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankSleep:
+    """Sleep mode on every rank (:meth:`ModelRunner.sleep` / :meth:`ModelRunner.wake_up`):
+    ``level`` 1 or 2 puts the rank's model to sleep; -1 wakes ``tags`` (empty: all)."""
+
+    level: int = -1
+    tags: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

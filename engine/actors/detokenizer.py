@@ -11,6 +11,7 @@ from engine.core.detokenizer import IncrementalDetokenizer
 from engine.messages import (
     DetokenizerRequest,
     OutputBatch,
+    PauseControlled,
     PrefixCacheReset,
     ProfilerControlled,
     RequestOutput,
@@ -89,7 +90,7 @@ class Detokenizer:
                 if isinstance(message, DetokenizerRequest):
                     self._add(message)
                     continue
-                if isinstance(message, (PrefixCacheReset, ProfilerControlled)):
+                if isinstance(message, (PrefixCacheReset, ProfilerControlled, PauseControlled)):
                     await self._to_router.send(message)  # the caller's answer, in order
                     continue
                 if isinstance(message, SamplesAborted):

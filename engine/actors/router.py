@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Callable
+from typing import Any
 
 import trio
 
@@ -25,6 +26,7 @@ from engine.errors import InvalidParamError, RequestFailedError
 from engine.messages import (
     AdmittedRequest,
     OutputBatch,
+    PauseControlled,
     PrefixCacheReset,
     ProfilerControlled,
     RequestOutput,
@@ -171,13 +173,14 @@ class OutputRouter:
         self._merged_gone = 0
         # Callers of Engine.reset_prefix_cache and start/stop_profile waiting for the
         # cores' answers, by token.
-        self._answers: dict[str, trio.MemorySendChannel[PrefixCacheReset | ProfilerControlled]] = {}
+        self._answers: dict[str, trio.MemorySendChannel[Any]] = {}
 
     def listen_answers(
-        self, token: str, answers: trio.MemorySendChannel[PrefixCacheReset | ProfilerControlled] | None,
+        self, token: str, answers: trio.MemorySendChannel[Any] | None,
     ) -> None:
-        """Deliver each core's :class:`PrefixCacheReset` or :class:`ProfilerControlled`
-        for ``token`` into ``answers`` (an unbounded channel); None stops."""
+        """Deliver each core's :class:`PrefixCacheReset`, :class:`ProfilerControlled` or
+        :class:`PauseControlled` for ``token`` into ``answers`` (an unbounded channel); None
+        stops."""
         if answers is None:
             self._answers.pop(token, None)
         else:
@@ -239,7 +242,7 @@ class OutputRouter:
         with self._inbox:
             task_status.started()
             async for batch in self._inbox:
-                if isinstance(batch, (PrefixCacheReset, ProfilerControlled)):
+                if isinstance(batch, (PrefixCacheReset, ProfilerControlled, PauseControlled)):
                     answers = self._answers.get(batch.token)
                     if answers is not None:
                         answers.send_nowait(batch)

@@ -41,8 +41,10 @@ from engine.messages import (
     AllocatorCall,
     AllocatorReply,
     ClearPrefixCache,
+    ControlPause,
     ControlProfiler,
     DetokenizerRequest,
+    PauseControlled,
     PrefixCacheCleared,
     PrefixCacheReset,
     ProfilerControlled,
@@ -64,7 +66,7 @@ logger = logging.getLogger(__name__)
 ITERATION_TOKEN_BUCKETS = tuple(2**i for i in range(15))
 
 SchedulerInbox = (AdmittedRequest | StepResult | AbortSamples | StopStringHit | ResetPrefixCache
-                  | ControlProfiler)
+                  | ControlProfiler | ControlPause)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -115,8 +117,22 @@ class SchedulerActor:
         release_grammar: Callable[[Any], None] | None = None,
         max_in_flight: int | None = None,
         profiler: Any = None,
+        runner: Any = None,
     ) -> None:
         self._core = core
+        # The model runner, for sleep mode (its sleep / wake_up run on the model thread
+        # between steps); None: a sleep above level 0 is answered with an error.
+        self._runner = runner
+        # Paused (ControlPause): no step is planned. A pause with mode "wait" holds the
+        # requests that arrive until the ones before it have finished (``_held``); the
+        # pause waiting for its conditions is ``_pausing``. ``_sleep_level``: -1 awake.
+        self._paused = False
+        self._pausing: ControlPause | None = None
+        self._held: list[AdmittedRequest] = []
+        self._sleep_level = -1
+        if self._sleeping():  # restarted (after a crash) while the model sleeps: still asleep
+            self._paused = True
+            self._sleep_level = 2 if "weights" in runner.sleeping else 1
         # engine.runner.profiler.StepProfiler (--profiler-config), driven on the model
         # thread between steps; None: ControlProfiler is answered with an error.
         self._profiler = profiler
@@ -188,6 +204,8 @@ class SchedulerActor:
             try:
                 while True:
                     await self._handle_delivered()
+                    if self._pausing is not None:
+                        await self._settle_pause()
                     if self._max_in_flight > 1:
                         # Async: the next step already runs, and handing over the one
                         # after waits for it; the outputs must not wait with it.
@@ -236,7 +254,7 @@ class SchedulerActor:
 
     async def _plan_step(self) -> bool:
         """Plan and hand over one step if allowed and useful; true if one was sent."""
-        if len(self._in_flight) >= self._max_in_flight or not self._core.has_work:
+        if self._frozen() or len(self._in_flight) >= self._max_in_flight or not self._core.has_work:
             return False
         plan = await drive(self._core.schedule(), self._call)
         if not (plan.chunks or plan.finished_ids or plan.preempted_ids):
@@ -271,9 +289,15 @@ class SchedulerActor:
                 self._undelivered.append(
                     StepOutputs(plan.step_id, update.deltas, message.prompt_logprobs, scheduled))
         elif isinstance(message, AdmittedRequest):
-            await self._add(message)
+            if self._pausing is not None and self._pausing.mode == "wait":
+                self._held.append(message)  # after the requests the pause waits for
+            else:
+                await self._add(message)
         elif isinstance(message, AbortSamples):
+            await self._unhold(message.sample_ids)
             await self._finish(message.sample_ids, RequestStatus.FINISHED_ABORTED)
+        elif isinstance(message, ControlPause):
+            await self._control_pause(message)
         elif isinstance(message, ResetPrefixCache):
             if message.reset_running:
                 await drive(self._core.preempt_running(), self._call)
@@ -287,6 +311,104 @@ class SchedulerActor:
             await self._to_detokenizer.send(answer)
         else:
             await self._finish((message.sample_id,), RequestStatus.FINISHED_STOPPED)
+
+    # -- pause and sleep -------------------------------------------------------------------
+
+    async def _control_pause(self, message: ControlPause) -> None:
+        if message.action == "pause":
+            if self._pausing is not None:
+                await self._answer_pause(message, error="another pause is under way")
+                return
+            if message.level >= 1 and (self._runner is None or not hasattr(self._runner, "sleep")):
+                await self._answer_pause(message, error="this engine's runner cannot sleep")
+                return
+            self._paused = True
+            self._pausing = message
+            if message.mode == "abort":
+                await self._finish(self._core.live_sample_ids(), RequestStatus.FINISHED_ABORTED)
+            await self._settle_pause()
+            return
+        if self._pausing is not None:  # a resume or a wake overtakes a pause still draining
+            pausing, self._pausing = self._pausing, None
+            await self._answer_pause(pausing, error=f"a {message.action} came before the pause "
+                                     "was done")
+        if message.action == "wake" and self._runner is not None and getattr(self._runner, "sleeping", None):
+            try:
+                await run_in_model_thread(self._runner.wake_up, message.tags)
+            except Exception as exc:  # the checkpoint unreadable now, say: still asleep
+                logger.exception("sleep mode: waking %s failed", message.tags or "everything")
+                await self._answer_pause(message, error=f"waking up failed: {exc}")
+                return
+        elif message.action == "resume" and self._sleeping():
+            await self._answer_pause(message, error="the model sleeps: wake it up instead")
+            return
+        if not self._sleeping():
+            self._paused, self._sleep_level = False, -1
+            await self._release_held()
+        await self._answer_pause(message)
+
+    async def _settle_pause(self) -> None:
+        """Finish the pause under way once its conditions hold: no step in flight, and
+        with mode "wait" no request left from before it. Then, by its fields, the running
+        requests are preempted (a sleep keeping them: their KV is forgotten), the prefix
+        cache dropped and the model put to sleep."""
+        message = self._pausing
+        if message is None or self._in_flight:
+            return
+        if message.mode == "wait" and self._core.live_sample_ids():
+            return
+        self._pausing = None
+        await self._release_held()  # in the queue now, frozen with the rest
+        cleared, error = False, None
+        if message.level >= 1 and message.mode == "keep":
+            await drive(self._core.preempt_running(), self._call)
+        if message.level >= 1 or (message.clear_cache and message.mode != "keep"):
+            reply = await self._call(ClearPrefixCache())
+            assert isinstance(reply, PrefixCacheCleared)  # the allocator's protocol
+            cleared = reply.done
+        if message.level >= 1 and not cleared:
+            error = "the prefix cache could not be dropped: requests hold KV blocks"
+        elif message.level >= 1:
+            try:
+                released = await run_in_model_thread(self._runner.sleep, message.level)
+                logger.info("sleep mode: level %d, %.1f MiB given back", message.level, released / 2**20)
+            except Exception as exc:
+                logger.exception("sleep mode: level %d failed", message.level)
+                error = f"sleep failed: {exc}"
+        if error is None and message.level >= 0:
+            self._sleep_level = message.level
+        await self._answer_pause(message, cleared=cleared, error=error)
+
+    def _frozen(self) -> bool:
+        """Paused, and not draining for a pause with mode "wait" (whose requests run on)."""
+        return self._paused and not (self._pausing is not None and self._pausing.mode == "wait")
+
+    def _sleeping(self) -> bool:
+        return bool(self._runner is not None and getattr(self._runner, "sleeping", None))
+
+    async def _answer_pause(self, message: ControlPause, *, cleared: bool = False,
+                            error: str | None = None) -> None:
+        sleeping = tuple(sorted(getattr(self._runner, "sleeping", ()) or ()))
+        await self._deliver_outputs()
+        await self._to_detokenizer.send(PauseControlled(
+            message.token, self._paused, self._sleep_level, sleeping, cleared, error))
+
+    async def _release_held(self) -> None:
+        held, self._held = self._held, []
+        for request in held:
+            await self._add(request)
+
+    async def _unhold(self, sample_ids: Iterable[str]) -> None:
+        """Aborts of requests a pause holds: those requests join the queue first, so the
+        abort finds them (and their streams end as any aborted one's)."""
+        wanted = set(sample_ids)
+        if not self._held or not wanted:
+            return
+        hit = [r for r in self._held if wanted.intersection(s.sample_id for s in r.samples)]
+        if hit:
+            self._held = [r for r in self._held if r not in hit]
+            for request in hit:
+                await self._add(request)
 
     async def _control_profiler(self, message: ControlProfiler) -> ProfilerControlled:
         """Start or stop the profiler on the model thread, after the steps handed over

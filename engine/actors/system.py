@@ -111,6 +111,7 @@ def scheduler_actor(
         release_grammar=parts.grammar.release if parts.grammar is not None else None,
         max_in_flight=getattr(parts.runner, "batches_in_flight", None),
         profiler=profiler,
+        runner=parts.runner,
     )
 
 

@@ -46,6 +46,7 @@ from engine.actors.system import (
 from engine.api import prompt_embeds as embeds_input
 from engine.api.lora import LoraRegistry
 from engine.api.outputs import BeamSearchOutput, GenerationAccumulator, beam_search_output
+from engine.api.sleep_mode import SleepMode
 from engine.api.streams import RequestStream, _Generation
 from engine.api.tracing import Tracer
 from engine.chat import session as chat_session
@@ -169,7 +170,7 @@ def generation_source(setting: str, tokenizer: Any) -> dict[str, Any]:
     return value
 
 
-class Engine:
+class Engine(SleepMode):
     """A running engine: submit requests, read statistics, abort. Made by :func:`open_engine`.
 
     Attributes: ``config`` (resolved), ``model_name``, ``tokenizer``, ``max_model_len``,

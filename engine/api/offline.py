@@ -354,6 +354,36 @@ class LLM:
 
         return self._thread.call(work)
 
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Put the engine to sleep (vLLM's ``LLM.sleep``): level 1 gives back the KV
+        cache's memory, level 2 the weights' too (needs ``enable_sleep_mode=True``). Until
+        :meth:`wake_up`, ``generate`` calls wait."""
+
+        async def work(engine: Engine, emit: Any) -> bool:
+            await engine.sleep(level, mode)
+            return await engine.is_sleeping()
+
+        self._asleep = self._thread.call(work)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Wake what sleeps (vLLM's ``LLM.wake_up``): ``tags`` "weights", "kv_cache"
+        (None: both; the weights are read again from the checkpoint after a level 2
+        sleep)."""
+
+        async def work(engine: Engine, emit: Any) -> bool:
+            await engine.wake_up(tags)
+            return await engine.is_sleeping()
+
+        self._asleep = self._thread.call(work)
+
+    def is_sleeping(self) -> bool:
+        """Whether the engine sleeps (vLLM's ``llm_engine.is_sleeping()``)."""
+
+        async def work(engine: Engine, emit: Any) -> bool:
+            return await engine.is_sleeping()
+
+        return self._thread.call(work)
+
     def get_metrics(self) -> list[ReadMetric]:
         """The engine's Prometheus series now, as vLLM's ``LLM.get_metrics()`` gives them
         (``vllm:`` names; ``CounterValue``, ``GaugeValue``, ``HistogramValue``,
@@ -405,6 +435,10 @@ class LLM:
     def _run(self, work: Any, total: int, use_tqdm: Any) -> Any:
         if total == 0:
             return []
+        if getattr(self, "_asleep", False):
+            # Its requests would wait for a wake-up this thread cannot give while it waits.
+            raise InvalidParamError("the engine sleeps: call wake_up() before generating",
+                                    param="sleep")
         progress = _ProgressBar(total, use_tqdm)
         try:
             return self._thread.call(work, progress.update)

@@ -129,8 +129,6 @@ VLLM_SERVE_FLAGS: dict[str, VllmFlag] = {
     "-O": VllmFlag("refuse", "there is no torch.compile step here"),
     "--api-server-count": VllmFlag("no_op", "one HTTP server process serves here",
                                    allowed=("1",)),
-    "--enable-sleep-mode": VllmFlag("refuse", "sleep mode is not supported",
-                                    takes_value=False),
     "--logits-processor-pattern": VllmFlag("refuse", "request logits processors are refused"),
     "--tool-parser-plugin": VllmFlag("refuse", "tool parsers are built in (--tool-call-parser)"),
     "--max-seq-len-to-capture": VllmFlag("refuse", "the decode graphs are captured for "

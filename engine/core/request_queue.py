@@ -42,6 +42,10 @@ class RequestQueue:
     def get(self, sample_id: str) -> Request | None:
         return self._requests.get(sample_id)
 
+    def ids(self) -> tuple[str, ...]:
+        """Every live request's sample id, waiting and running."""
+        return tuple(self._requests)
+
     def computing_prompt(self, sample_id: str) -> bool:
         """Whether ``sample_id`` is live and its prompt is not all computed yet."""
         return sample_id in self._prompt_pending

@@ -224,6 +224,10 @@ class Scheduler(BeamScheduling):
     def get_request(self, sample_id: str) -> Request | None:
         return self._queue.get(sample_id)
 
+    def live_sample_ids(self) -> tuple[str, ...]:
+        """Every live request (waiting or running), by sample id."""
+        return self._queue.ids()
+
     def chunk_request(self, sample_id: str) -> Request | None:
         """The live request a chunk's ``sample_id`` computes for: itself, or a beam's group."""
         return self._queue.get(sample_id) or self._beam_owner.get(sample_id)

@@ -60,6 +60,11 @@ class AdminRoutes:
                              methods=["POST"])
             app.add_url_rule("/server_info", view_func=self.server_info, methods=["GET"])
             app.add_url_rule("/is_sleeping", view_func=self.is_sleeping, methods=["GET"])
+            app.add_url_rule("/sleep", view_func=self.sleep, methods=["POST"])
+            app.add_url_rule("/wake_up", view_func=self.wake_up, methods=["POST"])
+            app.add_url_rule("/pause", view_func=self.pause, methods=["POST"])
+            app.add_url_rule("/resume", view_func=self.resume, methods=["POST"])
+            app.add_url_rule("/is_paused", view_func=self.is_paused, methods=["GET"])
         if self.engine.config.profiler is not None:  # vLLM's, there only with a profiler
             app.add_url_rule("/start_profile", view_func=self.start_profile, methods=["POST"])
             app.add_url_rule("/stop_profile", view_func=self.stop_profile, methods=["POST"])
@@ -149,9 +154,48 @@ class AdminRoutes:
                               "engine_config": fields}, 200)
 
     async def is_sleeping(self) -> Response:
-        """vLLM's dev-mode ``GET /is_sleeping``: never, here (no sleep mode: vLLM's
-        ``--enable-sleep-mode`` is refused)."""
-        return json_response({"is_sleeping": False}, 200)
+        """vLLM's dev-mode ``GET /is_sleeping``: ``{"is_sleeping": bool}``."""
+        return json_response({"is_sleeping": await self.engine.is_sleeping()}, 200)
+
+    async def sleep(self) -> Response:
+        """vLLM's dev-mode ``POST /sleep?level=1&mode=abort``: 200 with no body once every
+        engine core sleeps (levels 1 and 2 need ``--enable-sleep-mode``; requests that
+        arrive meanwhile wait for the wake-up)."""
+        level = _query_int("level", 1)
+        await self.engine.sleep(level, request.args.get("mode", "abort"))
+        return Response("", 200)
+
+    async def wake_up(self) -> Response:
+        """vLLM's dev-mode ``POST /wake_up`` (``?tags=weights&tags=kv_cache``; none: all):
+        200 with no body once every core is awake (then it schedules again)."""
+        await self.engine.wake_up(request.args.getlist("tags") or None)
+        return Response("", 200)
+
+    async def pause(self) -> Response:
+        """vLLM's dev-mode ``POST /pause?mode=abort&clear_cache=true`` (its older
+        ``wait_for_inflight_requests=true`` is mode "wait"): ``{"status": "paused"}``."""
+        mode = request.args.get("mode")
+        wait = request.args.get("wait_for_inflight_requests", "false").lower()
+        if wait not in ("true", "1", "false", "0"):
+            raise APIError(400, "wait_for_inflight_requests must be true or false",
+                           param="wait_for_inflight_requests", code="invalid_value")
+        clear = request.args.get("clear_cache", "true").lower()
+        if clear not in ("true", "1", "false", "0"):
+            raise APIError(400, "clear_cache must be true or false", param="clear_cache",
+                           code="invalid_value")
+        await self.engine.pause_generation(
+            mode=mode or ("wait" if wait in ("true", "1") else "abort"),
+            clear_cache=clear in ("true", "1"))
+        return json_response({"status": "paused"}, 200)
+
+    async def resume(self) -> Response:
+        """vLLM's dev-mode ``POST /resume``: ``{"status": "resumed"}``."""
+        await self.engine.resume_generation()
+        return json_response({"status": "resumed"}, 200)
+
+    async def is_paused(self) -> Response:
+        """vLLM's dev-mode ``GET /is_paused``: ``{"is_paused": bool}``."""
+        return json_response({"is_paused": await self.engine.is_paused()}, 200)
 
     async def start_profile(self) -> Response:
         """vLLM's ``POST /start_profile`` (with ``--profiler-config``): 200 with no body
@@ -256,3 +300,14 @@ def _lora_fields(body: Any, *names: str) -> tuple[str, ...]:
             raise APIError(400, f"{name} must be a non-empty string", param=name, code="invalid_value")
         values.append(value)
     return tuple(values)
+
+
+def _query_int(name: str, default: int) -> int:
+    """An integer query parameter (a 400 naming it when it is not one)."""
+    raw = request.args.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise APIError(400, f"{name} must be an integer", param=name, code="invalid_value") from None

@@ -42,6 +42,7 @@ from engine.errors import InvalidParamError
 from engine.messages import (
     AbortSamples,
     AdmittedRequest,
+    ControlPause,
     ControlProfiler,
     CoreAccepted,
     CoreFailed,
@@ -316,7 +317,8 @@ async def _run_core_actors(parts: Any, frames: FrameStream, compiles: CompilePoo
                         scheduler.arriving(message)
                         received += len(message.samples)
                         sched_send.send_nowait(message)
-                    elif isinstance(message, (AbortSamples, StopStringHit, ResetPrefixCache, ControlProfiler)):
+                    elif isinstance(message, (AbortSamples, StopStringHit, ResetPrefixCache, ControlProfiler,
+                                              ControlPause)):
                         sched_send.send_nowait(message)
                     else:
                         raise WireError(f"unexpected message from the front end: "

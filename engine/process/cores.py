@@ -48,11 +48,13 @@ from engine.errors import ConfigError, EngineDeadError
 from engine.messages import (
     AbortSamples,
     AdmittedRequest,
+    ControlPause,
     ControlProfiler,
     CoreAccepted,
     CoreFailed,
     CoreHello,
     CoreStatistics,
+    PauseControlled,
     PrefixCacheReset,
     ProfilerControlled,
     ResetPrefixCache,
@@ -275,7 +277,7 @@ class CorePool:
             owner = self._owner.get(message.sample_id)
             if owner is not None:
                 self._queue(owner, message)
-        elif isinstance(message, (ResetPrefixCache, ControlProfiler)):  # each serving core answers
+        elif isinstance(message, (ResetPrefixCache, ControlProfiler, ControlPause)):  # each serving core answers
             for core in (c for c in self._cores if c.state is CoreState.SERVING):
                 self._queue(core, message)
         else:
@@ -569,6 +571,9 @@ class CorePool:
         elif isinstance(message, PrefixCacheReset):
             if message.done:
                 core.blocks.clear()  # what routing by cached prefix knew of it is gone
+        elif isinstance(message, PauseControlled):
+            if message.cache_cleared:
+                core.blocks.clear()
         elif not isinstance(message, ProfilerControlled):  # that one: the caller's answer
             raise WireError(f"unexpected message from a core: {type(message).__name__}")
         await self._to_detokenizer.send(message)

@@ -63,6 +63,10 @@ def build_parts(config: EngineConfig) -> EngineParts:
     if profiler is not None and profiler.profiler == "cuda" and device.type != "cuda":
         raise ConfigError(f"profiler_config: profiler 'cuda' needs a CUDA device; this engine "
                           f"runs on {device}", field="profiler_config")
+    if config.enable_sleep_mode and device.type != "cpu":
+        raise ConfigError("enable_sleep_mode: sleep mode is built for CPU engines only; giving "
+                          f"{device.type} memory back at stable addresses is not built",
+                          field="enable_sleep_mode")
     if config.async_scheduling is None:
         # On with CUDA, where the GPU runs a step while the host plans the next; off on CPU,
         # where both share the cores (see EngineConfig.async_scheduling).

@@ -25,7 +25,7 @@ from typing import Any
 
 from engine.messages import RankReset, RankWarmUp, StepPlan, StepResult
 from engine.process.grammars import GrammarMirror
-from engine.process.workers import WorkerGroup, WorkerLostError
+from engine.process.workers import WorkerGroup, WorkerLostError, sleep_ranks, wake_ranks
 
 # Steps of the pipeline's trace kept (bench/pp.py reads them): a few thousand tuples.
 TRACE_STEPS = 4096
@@ -114,6 +114,12 @@ class PipelineRunner:
         self.group.command(RankWarmUp())
         self._runner.warm_up()
         self.group.finish_command()
+
+    def sleep(self, level: int) -> int:
+        return sleep_ranks(self._runner, self.group, level)
+
+    def wake_up(self, tags: Any = None) -> None:
+        wake_ranks(self._runner, self.group, tags)
 
     def reset(self) -> None:
         """Forget every request on every stage; a broken group is replaced."""

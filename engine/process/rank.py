@@ -8,6 +8,7 @@ runner reads the rank's slices), tokenizer, pooler, grammar backend and draft mo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from pathlib import Path
@@ -50,20 +51,8 @@ def load_rank(config: EngineConfig, device: torch.device) -> RankLoad:
     tensor-parallel rank runs this, so that each builds the same grammar matchers."""
     t0 = time.perf_counter()
     path = resolve_model(config.model)
-    load_device, dtype, ops_backend = device, config.dtype, config.ops_backend
-    split = config.tensor_parallel_size * config.pipeline_parallel_size > 1
-    if split and device.type == "cuda":
-        # The whole model may not fit one device: load on the host, in the layout and
-        # dtype of the rank's device; the runner moves only the rank's cut there.
-        load_device, ops_backend = torch.device("cpu"), resolve_backend(config.ops_backend, device)
-        if dtype == "auto" and path.suffix == ".gguf":
-            dtype = "bfloat16"  # what a GGUF loads as on CUDA
-    # A tensor-parallel rank reads only its slices of each tensor, and a pipeline stage only
-    # its layers, when its runner builds the model (engine/models/checkpoint.py): no rank
-    # holds the whole checkpoint.
-    loaded = load_model(path, dtype=dtype, device=load_device, quantization=config.quantization,
-                        ops_backend=ops_backend, lazy=split, hf_overrides=config.hf_overrides,
-                        language_model_only=config.limit_mm_per_prompt == 0)
+    loaded = _load_model(config, device, path)
+    load_device = _load_device(config, device)
     t1 = time.perf_counter()
     logger.info("loaded %s (%s, %s) in %.2f s", path, loaded.config.architecture, loaded.dtype, t1 - t0)
     # --tokenizer: another folder's tokenizer and chat template (a GGUF's own otherwise).
@@ -89,6 +78,37 @@ def load_rank(config: EngineConfig, device: torch.device) -> RankLoad:
         tokenizer, vocab_size=loaded.config.vocab_size, stop_token_ids=eos_ids,
         backend=config.structured_outputs_backend)
     return RankLoad(path, loaded, tokenizer, pooler, eos_ids, grammar, draft)
+
+
+def _load_device(config: EngineConfig, device: torch.device) -> torch.device:
+    """Where the checkpoint is read to: the rank's device, or the host for a split model on
+    CUDA (the whole model may not fit one device; the runner moves only its cut there)."""
+    split = config.tensor_parallel_size * config.pipeline_parallel_size > 1
+    return torch.device("cpu") if split and device.type == "cuda" else device
+
+
+def _load_model(config: EngineConfig, device: torch.device, path: Path) -> Any:
+    """The checkpoint at ``path`` as this rank builds its model from it."""
+    dtype, ops_backend = config.dtype, config.ops_backend
+    split = config.tensor_parallel_size * config.pipeline_parallel_size > 1
+    if split and device.type == "cuda":
+        # Loaded on the host, in the layout and dtype of the rank's device.
+        ops_backend = resolve_backend(config.ops_backend, device)
+        if dtype == "auto" and path.suffix == ".gguf":
+            dtype = "bfloat16"  # what a GGUF loads as on CUDA
+    # A tensor-parallel rank reads only its slices of each tensor, and a pipeline stage only
+    # its layers, when its runner builds the model (engine/models/checkpoint.py): no rank
+    # holds the whole checkpoint.
+    return load_model(path, dtype=dtype, device=_load_device(config, device),
+                      quantization=config.quantization, ops_backend=ops_backend, lazy=split,
+                      hf_overrides=config.hf_overrides,
+                      language_model_only=config.limit_mm_per_prompt == 0)
+
+
+def reload_weights(config: EngineConfig, device: torch.device) -> Any:
+    """The checkpoint's tensors read again as :func:`load_rank` read them (sleep mode's
+    level 2 wake: ``ModelRunner.wake_up`` rebuilds the model from them)."""
+    return _load_model(config, device, resolve_model(config.model)).weights
 
 
 def tokenizer_folder(config: EngineConfig, loaded: Any) -> Path:
@@ -120,6 +140,7 @@ def build_rank_runner(config: EngineConfig, load: RankLoad, device: torch.device
         decode_graphs=device.type == "cuda" and not config.enforce_eager,
         max_model_len=config.max_model_len,
         state_checkpoints=config.state_checkpoints or 0,
+        reload=functools.partial(reload_weights, config, device) if config.enable_sleep_mode else None,
     )
 
 

@@ -27,6 +27,7 @@ from engine.messages import (
     RankDone,
     RankError,
     RankReset,
+    RankSleep,
     RankStep,
     RankWarmUp,
     StageResult,
@@ -173,6 +174,16 @@ def _serve_rank(rank: int, world_size: int, address: tuple[str, int], authkey: b
                 answer = RankDone(-1, (), ())
             except Exception as exc:
                 answer = RankError(rank, f"warm-up failed: {exc}")
+        elif isinstance(message, RankSleep):
+            try:
+                if message.level >= 0:
+                    runner.sleep(message.level)
+                else:
+                    runner.wake_up(message.tags)
+                answer = RankDone(-1, (), ())
+            except Exception as exc:
+                logger.exception("tensor-parallel worker rank %d: sleep mode failed", rank)
+                answer = RankError(rank, f"sleep mode failed: {exc}")
         elif isinstance(message, RankReset):
             runner.reset()
             place.stage.drop_sent()

@@ -59,6 +59,7 @@ from engine.messages import (
     RankError,
     RankGrammar,
     RankReset,
+    RankSleep,
     RankStep,
     RankWarmUp,
     StageResult,
@@ -448,8 +449,9 @@ class WorkerGroup:
                     f"{result.step_id}: sampled {answer.sampled[:4]} failed {answer.failed[:4]}, "
                     f"rank 0 sampled {sampled[:4]} failed {failed[:4]}")
 
-    def command(self, message: RankWarmUp | RankReset) -> None:
-        """Send a warm-up or reset; :meth:`finish_command` collects the answers."""
+    def command(self, message: RankWarmUp | RankReset | RankSleep) -> None:
+        """Send a warm-up, reset or sleep-mode change; :meth:`finish_command` collects the
+        answers."""
         self._broadcast(message)
 
     def finish_command(self) -> None:
@@ -540,6 +542,22 @@ class WorkerGroup:
         torch.set_num_threads(self._threads_before)
 
 
+def sleep_ranks(runner: Any, group: WorkerGroup, level: int) -> int:
+    """Sleep mode on every rank at once (engine.runner.sleep): each gives back its own
+    slice's memory; the bytes rank 0 let go."""
+    group.command(RankSleep(level))
+    released = runner.sleep(level)
+    group.finish_command()
+    return released
+
+
+def wake_ranks(runner: Any, group: WorkerGroup, tags: Any) -> None:
+    """Wake ``tags`` on every rank (each reads its slices of the checkpoint again)."""
+    group.command(RankSleep(-1, tuple(tags or ())))
+    runner.wake_up(tags)
+    group.finish_command()
+
+
 class TensorParallelRunner:
     """Rank 0's runner with its workers: what the executor drives when
     ``--tensor-parallel-size`` is above 1. Everything but the step-taking methods is rank
@@ -577,6 +595,12 @@ class TensorParallelRunner:
         self.group.command(RankWarmUp())
         self._runner.warm_up()
         self.group.finish_command()
+
+    def sleep(self, level: int) -> int:
+        return sleep_ranks(self._runner, self.group, level)
+
+    def wake_up(self, tags: Any = None) -> None:
+        wake_ranks(self._runner, self.group, tags)
 
     def reset(self) -> None:
         """Forget every request on every rank; a broken group is replaced (blocking:

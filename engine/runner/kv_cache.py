@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import weakref
 from typing import Any
 
 import torch
@@ -232,8 +233,7 @@ def _state_pairs(recurrent: Any, layers: int, slots: int, dtype: torch.dtype,
         raise ConfigError("a model with recurrent layers needs a state slot per running "
                           "request (max_num_seqs of them)", field="max_num_seqs")
     conv, ssm = recurrent.state_shapes()
-    return [(torch.zeros(slots, *conv, dtype=dtype, device=device),
-             torch.zeros(slots, *ssm, dtype=torch.float32, device=device))
+    return [(_zeros((slots, *conv), dtype, device), _zeros((slots, *ssm), torch.float32, device))
             for _ in range(layers)]
 
 
@@ -251,7 +251,36 @@ def _lazy_zeros(nbytes: int) -> torch.Tensor:
     a block is a few KiB, so a request's blocks touch a handful of pages per layer.
     """
     buffer = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(buffer, dtype=torch.uint8)[:nbytes]
+    tensor = torch.frombuffer(buffer, dtype=torch.uint8)[:nbytes]
+    _LAZY_MAPS[tensor.untyped_storage().data_ptr()] = buffer
+    return tensor
+
+
+# The maps of _lazy_zeros by their address, while a tensor keeps them (sleep mode's
+# release_pages gives back their pages).
+_LAZY_MAPS: weakref.WeakValueDictionary[int, mmap.mmap] = weakref.WeakValueDictionary()
+
+
+def release_pages(kv_caches: list[tuple[KVCache, KVCache]]) -> int:
+    """Give back to the OS the memory of every tensor of ``kv_caches`` (the KV pool, its
+    scales, a hybrid model's state slots): sleep mode's "kv_cache". Each is a private
+    anonymous map (:func:`_lazy_zeros`): its address stays, so nothing that points into it
+    goes stale (the fused decode step's plan), and its pages read as zeros again when next
+    touched, as a fresh pool's do. Returns the bytes of the maps released; a tensor not
+    in such a map (a CUDA pool) is left as it is."""
+    released = 0
+    seen: set[int] = set()
+    for layer in kv_caches:
+        for cache in layer:
+            for t in (cache.data, cache.scale) if isinstance(cache, QuantizedKV) else (cache,):
+                address = t.untyped_storage().data_ptr()
+                buffer = _LAZY_MAPS.get(address)
+                if buffer is None or address in seen:
+                    continue
+                seen.add(address)
+                buffer.madvise(mmap.MADV_DONTNEED)
+                released += len(buffer)
+    return released
 
 
 def resident_bytes() -> int:

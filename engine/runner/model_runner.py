@@ -37,6 +37,7 @@ from engine.messages import (
     StepPlan,
     StepResult,
 )
+from engine.models.layers.linear import weight_bytes
 from engine.models.pooling import PoolerConfig, read_dense
 from engine.models.registry import build_model
 from engine.ops import AttentionMetadata, Ops
@@ -45,13 +46,14 @@ from engine.params import SamplingParams
 from engine.runner.batch import BatchBuilder
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes, describe
 from engine.runner.draft import DraftModel, Proposal, track_draft
-from engine.runner.kv_cache import allocate_kv_caches, copy_blocks
+from engine.runner.kv_cache import allocate_kv_caches, copy_blocks, release_pages
 from engine.runner.logits_processors import ProcessorBatch, ProcessorConfig
 from engine.runner.lora import LoraManager, LoraSettings
 from engine.runner.pooling import pool_outputs
 from engine.runner.prompt_logprobs import collect_prompt_logprobs
 from engine.runner.request_state import RequestState, StepPlanError
 from engine.runner.sampler import Sampler
+from engine.runner.sleep import LEVEL_TAGS, check_tags, trim_heap
 from engine.runner.state_slots import StateSlots
 from engine.runner.verify import Verifier
 from engine.structured import GrammarBackend
@@ -104,8 +106,16 @@ class ModelRunner:
         decode_graphs: bool = False,
         max_model_len: int | None = None,
         state_checkpoints: int = 0,
+        reload: Any = None,
     ) -> None:
         self.device = torch.device(device)
+        # Sleep mode: what sleeps now (engine.runner.sleep's tags), and how the weights are
+        # read again after a level 2 sleep (a callable giving the checkpoint's tensors, as
+        # the model was built from; None: level 2 is refused).
+        self._reload = reload
+        self.sleeping: set[str] = set()
+        self._lora_settings = lora
+        self._lora_kept: Any = None  # a level 2 sleep's adapters read (host weights, pins)
         self.tp = tp
         self.config = loaded.config
         self.dtype = loaded.dtype
@@ -191,6 +201,53 @@ class ModelRunner:
             logger.info("CUDA graphs off: %s", why)
         return why is None
 
+    def sleep(self, level: int) -> int:
+        """Sleep mode (engine.runner.sleep): level 1 gives back the KV cache's memory, level
+        2 the weights' too. No step may run until :meth:`wake_up` has woken everything; the
+        scheduler has dropped its prefix cache (the KV contents are forgotten). Returns the
+        bytes let go."""
+        if level not in LEVEL_TAGS:
+            raise ValueError(f"sleep level must be 0, 1 or 2, not {level}")
+        released = 0
+        if "kv_cache" in LEVEL_TAGS[level] and "kv_cache" not in self.sleeping:
+            released += release_pages(self.kv_caches)
+            if self.drafter is not None:
+                released += release_pages(self.drafter.kv_caches)
+            self._encoder_cache.clear()
+            self.sleeping.add("kv_cache")
+        if "weights" in LEVEL_TAGS[level] and "weights" not in self.sleeping:
+            if self._reload is None:
+                raise ValueError("this runner cannot read its weights again: sleep level 2 is "
+                                 "not available")
+            released += weight_bytes(self.model)
+            # The adapters read stay in host memory (and the requests holding them), the
+            # slots go with the model they sit in.
+            self._lora_kept = None if self.lora is None else (self.lora._host, self.lora._pins)
+            self.model = self.verifier.model = self.lora = None
+            self.sleeping.add("weights")
+            trim_heap()
+        return released
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Take back what sleeps of ``tags`` (None: everything): the KV cache's pages come
+        back zeroed as they are touched; the weights are read again and the model rebuilt
+        as startup built it (its adapters' slots empty, filled again as steps need them)."""
+        wanted = check_tags(tuple(tags) if tags else None)
+        if "weights" in wanted and "weights" in self.sleeping:
+            weights = self._reload()
+            self.model = build_model(self.config, weights, self._ops, dtype=self.dtype,
+                                     device=self.device, tp=self.tp)
+            del weights
+            self.verifier.model = self.model
+            if self._lora_settings is not None:
+                self.lora = LoraManager(self.model, self.config, self._lora_settings)
+                if self._lora_kept is not None:
+                    self.lora._host, self.lora._pins = self._lora_kept
+                self._lora_kept = None
+            self.sleeping.discard("weights")
+        if "kv_cache" in wanted:
+            self.sleeping.discard("kv_cache")
+
     def reset(self) -> None:
         """Forget every request (the engine restarts its actors after a crash). The KV
         tensors are kept: the new block pool shares no cached block, so no stale entry is
@@ -244,6 +301,16 @@ class ModelRunner:
         if self.drafter is not None and plan.block_copies:
             copy_blocks(self.drafter.kv_caches, plan.block_copies, self.device)
         chunks = tuple(c for c in plan.chunks if c.sample_id not in self._failed)
+        if chunks and self.sleeping:
+            # The scheduler plans nothing while the engine sleeps; a step that comes anyway
+            # fails its requests rather than read forgotten memory.
+            logger.error("step %d planned while the model sleeps (%s)", plan.step_id,
+                         ", ".join(sorted(self.sleeping)))
+            refused += [RequestFailure(c.sample_id, STEP_FAILED) for c in chunks]
+            for c in chunks:
+                self._forget(c.sample_id)
+                self._failed.add(c.sample_id)
+            chunks = ()
         if not chunks:
             return StepResult(plan.step_id, (), 0.0, failed=tuple(refused))
         sampled: tuple[SampledToken, ...] = ()
