@@ -440,6 +440,12 @@ class ProfilerControlled:
     error: str | None = None
 
 
+# Caller -> every serving engine core's scheduler, and their answers (each under the
+# call's token, through the detokenizer and the router to the caller).
+CORE_CONTROLS = (ResetPrefixCache, ControlProfiler, ControlPause)
+CORE_ANSWERS = (PrefixCacheReset, ProfilerControlled, PauseControlled)
+
+
 # --- detokenizer -> router -> caller ------------------------------------------------------
 
 

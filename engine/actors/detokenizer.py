@@ -9,11 +9,9 @@ import trio
 
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.messages import (
+    CORE_ANSWERS,
     DetokenizerRequest,
     OutputBatch,
-    PauseControlled,
-    PrefixCacheReset,
-    ProfilerControlled,
     RequestOutput,
     SamplesAborted,
     StepOutputs,
@@ -90,7 +88,7 @@ class Detokenizer:
                 if isinstance(message, DetokenizerRequest):
                     self._add(message)
                     continue
-                if isinstance(message, (PrefixCacheReset, ProfilerControlled, PauseControlled)):
+                if isinstance(message, CORE_ANSWERS):
                     await self._to_router.send(message)  # the caller's answer, in order
                     continue
                 if isinstance(message, SamplesAborted):

@@ -24,11 +24,9 @@ import trio
 
 from engine.errors import InvalidParamError, RequestFailedError
 from engine.messages import (
+    CORE_ANSWERS,
     AdmittedRequest,
     OutputBatch,
-    PauseControlled,
-    PrefixCacheReset,
-    ProfilerControlled,
     RequestOutput,
 )
 
@@ -242,7 +240,7 @@ class OutputRouter:
         with self._inbox:
             task_status.started()
             async for batch in self._inbox:
-                if isinstance(batch, (PrefixCacheReset, ProfilerControlled, PauseControlled)):
+                if isinstance(batch, CORE_ANSWERS):
                     answers = self._answers.get(batch.token)
                     if answers is not None:
                         answers.send_nowait(batch)

@@ -40,16 +40,14 @@ from engine.config import EngineConfig, parse_address
 from engine.core.block_pool import BlockPool
 from engine.errors import InvalidParamError
 from engine.messages import (
+    CORE_CONTROLS,
     AbortSamples,
     AdmittedRequest,
-    ControlPause,
-    ControlProfiler,
     CoreAccepted,
     CoreFailed,
     CoreHello,
     CoreStatistics,
     DetokenizerRequest,
-    ResetPrefixCache,
     StepOutputs,
     StopStringHit,
     TokenDelta,
@@ -317,8 +315,7 @@ async def _run_core_actors(parts: Any, frames: FrameStream, compiles: CompilePoo
                         scheduler.arriving(message)
                         received += len(message.samples)
                         sched_send.send_nowait(message)
-                    elif isinstance(message, (AbortSamples, StopStringHit, ResetPrefixCache, ControlProfiler,
-                                              ControlPause)):
+                    elif isinstance(message, (AbortSamples, StopStringHit, *CORE_CONTROLS)):
                         sched_send.send_nowait(message)
                     else:
                         raise WireError(f"unexpected message from the front end: "

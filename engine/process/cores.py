@@ -46,18 +46,16 @@ from engine._version import VERSION
 from engine.actors.system import carry_counters
 from engine.errors import ConfigError, EngineDeadError
 from engine.messages import (
+    CORE_ANSWERS,
+    CORE_CONTROLS,
     AbortSamples,
     AdmittedRequest,
-    ControlPause,
-    ControlProfiler,
     CoreAccepted,
     CoreFailed,
     CoreHello,
     CoreStatistics,
     PauseControlled,
     PrefixCacheReset,
-    ProfilerControlled,
-    ResetPrefixCache,
     SamplesAborted,
     StepOutputs,
     StopStringHit,
@@ -277,7 +275,7 @@ class CorePool:
             owner = self._owner.get(message.sample_id)
             if owner is not None:
                 self._queue(owner, message)
-        elif isinstance(message, (ResetPrefixCache, ControlProfiler, ControlPause)):  # each serving core answers
+        elif isinstance(message, CORE_CONTROLS):  # each serving core answers
             for core in (c for c in self._cores if c.state is CoreState.SERVING):
                 self._queue(core, message)
         else:
@@ -568,13 +566,10 @@ class CorePool:
         elif isinstance(message, SamplesAborted):
             for sample_id in message.sample_ids:
                 self._forget(core, sample_id)
-        elif isinstance(message, PrefixCacheReset):
-            if message.done:
+        elif isinstance(message, PrefixCacheReset | PauseControlled):
+            if message.done if isinstance(message, PrefixCacheReset) else message.cache_cleared:
                 core.blocks.clear()  # what routing by cached prefix knew of it is gone
-        elif isinstance(message, PauseControlled):
-            if message.cache_cleared:
-                core.blocks.clear()
-        elif not isinstance(message, ProfilerControlled):  # that one: the caller's answer
+        elif not isinstance(message, CORE_ANSWERS):  # the others: the caller's answers
             raise WireError(f"unexpected message from a core: {type(message).__name__}")
         await self._to_detokenizer.send(message)
 
