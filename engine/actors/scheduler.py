@@ -371,7 +371,8 @@ class SchedulerActor:
         elif message.level >= 1:
             try:
                 released = await run_in_model_thread(self._runner.sleep, message.level)
-                logger.info("sleep mode: level %d, %.1f MiB given back", message.level, released / 2**20)
+                logger.info("sleep mode: level %d; resident memory fell by %.1f MiB", message.level,
+                            released / 2**20)
             except Exception as exc:
                 logger.exception("sleep mode: level %d failed", message.level)
                 error = f"sleep failed: {exc}"

@@ -37,7 +37,6 @@ from engine.messages import (
     StepPlan,
     StepResult,
 )
-from engine.models.layers.linear import weight_bytes
 from engine.models.pooling import PoolerConfig, read_dense
 from engine.models.registry import build_model
 from engine.ops import AttentionMetadata, Ops
@@ -46,7 +45,7 @@ from engine.params import SamplingParams
 from engine.runner.batch import BatchBuilder
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes, describe
 from engine.runner.draft import DraftModel, Proposal, track_draft
-from engine.runner.kv_cache import allocate_kv_caches, copy_blocks, release_pages
+from engine.runner.kv_cache import allocate_kv_caches, copy_blocks, release_pages, resident_bytes
 from engine.runner.logits_processors import ProcessorBatch, ProcessorConfig
 from engine.runner.lora import LoraManager, LoraSettings
 from engine.runner.pooling import pool_outputs
@@ -204,29 +203,28 @@ class ModelRunner:
     def sleep(self, level: int) -> int:
         """Sleep mode (engine.runner.sleep): level 1 gives back the KV cache's memory, level
         2 the weights' too. No step may run until :meth:`wake_up` has woken everything; the
-        scheduler has dropped its prefix cache (the KV contents are forgotten). Returns the
-        bytes let go."""
+        scheduler has dropped its prefix cache (the KV contents are forgotten). Returns how
+        far this process's resident memory fell."""
         if level not in LEVEL_TAGS:
             raise ValueError(f"sleep level must be 0, 1 or 2, not {level}")
-        released = 0
+        before = resident_bytes()
         if "kv_cache" in LEVEL_TAGS[level] and "kv_cache" not in self.sleeping:
-            released += release_pages(self.kv_caches)
+            release_pages(self.kv_caches)
             if self.drafter is not None:
-                released += release_pages(self.drafter.kv_caches)
+                release_pages(self.drafter.kv_caches)
             self._encoder_cache.clear()
             self.sleeping.add("kv_cache")
         if "weights" in LEVEL_TAGS[level] and "weights" not in self.sleeping:
             if self._reload is None:
                 raise ValueError("this runner cannot read its weights again: sleep level 2 is "
                                  "not available")
-            released += weight_bytes(self.model)
             # The adapters read stay in host memory (and the requests holding them), the
             # slots go with the model they sit in.
             self._lora_kept = None if self.lora is None else (self.lora._host, self.lora._pins)
             self.model = self.verifier.model = self.lora = None
             self.sleeping.add("weights")
             trim_heap()
-        return released
+        return before - resident_bytes()
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Take back what sleeps of ``tags`` (None: everything): the KV cache's pages come
