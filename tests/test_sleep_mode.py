@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import threading
+import types
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import trio
 from engine_helpers import collect, greedy, token_ids
 from http_server import ServerThread
 from test_granite4_mamba import write_hybrid
+from test_lora import write_peft_adapters
 from test_parity import LOGPROB_ATOL, _hf_greedy, _hf_model
 
 import engine
@@ -315,6 +317,27 @@ def test_llm_sleeps_refuses_to_generate_asleep_and_wakes_to_the_same_answer(fold
         assert not llm.is_sleeping()
         (after,) = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)
     assert after.outputs[0].token_ids == before.outputs[0].token_ids
+
+
+def test_adapters_are_served_again_after_a_level_2_sleep(tmp_path: Path) -> None:
+    """The LoRA slots go with the model; the adapters read stay, and fill the rebuilt
+    model's slots again: each answer is the one it gave before the sleep, and differs
+    from the base model's."""
+    base = write_tiny_model(tmp_path / "base", "llama")
+    write_peft_adapters(base, tmp_path, {"aa": dict(r=8, lora_alpha=16)}, seed=9)
+    adapter = types.SimpleNamespace(lora_name="aa", lora_int_id=1, lora_path=str(tmp_path / "aa"))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = {"prompt_token_ids": PROMPT}
+    with LLM(str(base), **_options(enable_lora=True)) as llm:
+        (tuned,) = llm.generate(prompt, params, lora_request=adapter, use_tqdm=False)
+        (plain,) = llm.generate(prompt, params, use_tqdm=False)
+        llm.sleep(level=2)
+        llm.wake_up()
+        (tuned_after,) = llm.generate(prompt, params, lora_request=adapter, use_tqdm=False)
+        (plain_after,) = llm.generate(prompt, params, use_tqdm=False)
+    assert tuned.outputs[0].token_ids != plain.outputs[0].token_ids
+    assert tuned_after.outputs[0].token_ids == tuned.outputs[0].token_ids
+    assert plain_after.outputs[0].token_ids == plain.outputs[0].token_ids
 
 
 def test_the_dev_mode_routes_sleep_wake_pause_and_resume(folder: Path) -> None:
