@@ -319,6 +319,25 @@ def test_llm_sleeps_refuses_to_generate_asleep_and_wakes_to_the_same_answer(fold
     assert after.outputs[0].token_ids == before.outputs[0].token_ids
 
 
+async def test_a_draft_model_proposes_again_after_a_level_2_sleep(folder: Path, tmp_path: Path) -> None:
+    """The draft model's KV cache sleeps with the pool (its weights stay): after the
+    wake-up its proposals are accepted as before (a draft equal to the target: every one),
+    and the answer is the target's own."""
+    spec = {"method": "draft_model", "model": str(folder), "num_speculative_tokens": 3}
+    async with engine.open_engine(model=str(folder), **_options(speculative_config=spec)) as eng:
+        before = await _answer(eng, PROMPT, 24)
+        await eng.sleep(2)
+        assert _runner(eng).drafter is not None and _runner(eng).model is None
+        await eng.wake_up()
+        stats = eng.statistics()
+        after = await _answer(eng, PROMPT, 24)
+        accepted = eng.statistics().spec_accepted_tokens - stats.spec_accepted_tokens
+        drafted = eng.statistics().spec_draft_tokens - stats.spec_draft_tokens
+    assert after[0] == before[0]
+    assert after[1] == pytest.approx(before[1], abs=LOGPROB_ATOL)
+    assert drafted > 0 and accepted == drafted
+
+
 def test_adapters_are_served_again_after_a_level_2_sleep(tmp_path: Path) -> None:
     """The LoRA slots go with the model; the adapters read stay, and fill the rebuilt
     model's slots again: each answer is the one it gave before the sleep, and differs
