@@ -371,6 +371,7 @@ def test_the_dev_mode_routes_sleep_wake_pause_and_resume(folder: Path) -> None:
         reply = httpx.post(f"{url}/sleep?level=2", timeout=60)
         assert (reply.status_code, reply.content) == (200, b"")
         assert httpx.get(f"{url}/is_sleeping", timeout=60).json() == {"is_sleeping": True}
+        assert _sleep_state(url) == "discard_all"
         # A request sent while it sleeps waits for the wake-up, then is answered.
         answered: list[Any] = []
         thread = threading.Thread(target=lambda: answered.append(
@@ -381,11 +382,13 @@ def test_the_dev_mode_routes_sleep_wake_pause_and_resume(folder: Path) -> None:
         assert httpx.post(f"{url}/resume", timeout=60).status_code == 400  # asleep: wake it
         assert httpx.post(f"{url}/wake_up?tags=weights", timeout=60).status_code == 200
         assert httpx.get(f"{url}/is_sleeping", timeout=60).json() == {"is_sleeping": True}
+        assert _sleep_state(url) == "weights_offloaded"  # only the KV cache sleeps now
         assert httpx.post(f"{url}/wake_up?tags=kv_cache", timeout=60).status_code == 200
         thread.join(60)
         assert answered[0].status_code == 200
         assert answered[0].json()["choices"][0]["text"] == awake["choices"][0]["text"]
         assert httpx.get(f"{url}/is_sleeping", timeout=60).json() == {"is_sleeping": False}
+        assert _sleep_state(url) == "awake"
         paused = httpx.post(f"{url}/pause?mode=keep", timeout=60)
         assert paused.json() == {"status": "paused"}
         assert httpx.get(f"{url}/is_paused", timeout=60).json() == {"is_paused": True}
@@ -403,6 +406,18 @@ def test_the_dev_mode_routes_sleep_wake_pause_and_resume(folder: Path) -> None:
         for route in ("/sleep", "/wake_up", "/pause", "/resume"):
             assert httpx.post(f"{server.base_url}{route}", timeout=60).status_code == 404
         assert httpx.get(f"{server.base_url}/is_paused", timeout=60).status_code == 404
+
+
+def _sleep_state(url: str) -> str:
+    """The state vLLM's engine_sleep_state gauge gives 1 (read with prometheus_client's
+    parser); every other state must be 0."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=60).text
+    (family,) = [f for f in text_string_to_metric_families(text) if f.name == "engine:engine_sleep_state"]
+    on = [s.labels["sleep_state"] for s in family.samples if s.value == 1.0]
+    assert len(on) == 1 and len(family.samples) == 3
+    return on[0]
 
 
 def test_serve_takes_enable_sleep_mode() -> None:

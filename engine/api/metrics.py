@@ -85,6 +85,7 @@ METRIC_NAMES = (
     "engine:spec_decode_draft_acceptance_rate",
     "engine:spec_decode_mean_acceptance_length",
     "engine:lora_requests_info",
+    "engine:engine_sleep_state",
 )
 # --metrics-prefix: "engine" (the default) or "vllm", the prefix vLLM's own series, its
 # Grafana dashboard and its metric tests use.
@@ -146,6 +147,7 @@ class _EngineCollector(Collector):
         yield from self._spec_decode(stats)
         yield self._cache_config(stats)
         yield self._lora_info(stats)
+        yield self._sleep_state([index for index, _ in cores])
         yield self._counter("engine:engine_restarts",
                             "Times the engine's actors restarted in place after a crash.",
                             self._engine.restarts)
@@ -212,6 +214,19 @@ class _EngineCollector(Collector):
             labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
         family.add_metric([str(config.max_loras if config.enable_lora else 0), ",".join(stats.running_loras),
                            ",".join(stats.waiting_loras)], time.time())
+        return family
+
+    def _sleep_state(self, cores: list[int]) -> Metric:
+        """vLLM's engine_sleep_state: 1 for the state each core is in, 0 for the others
+        ("weights_offloaded": vLLM's level 1, here the KV cache given back; "discard_all":
+        level 2)."""
+        tags = getattr(self._engine, "sleeping_tags", tuple)()
+        now = "discard_all" if "weights" in tags else "weights_offloaded" if tags else "awake"
+        family = GaugeMetricFamily("engine:engine_sleep_state", "The engine's sleep state.",
+                                   labels=["model_name", "engine", "sleep_state"])
+        for index in cores:
+            for state in ("awake", "weights_offloaded", "discard_all"):
+                family.add_metric([*self._labels, str(index), state], float(state == now))
         return family
 
     def _gauge(self, name: str, doc: str, value: float) -> Metric:
