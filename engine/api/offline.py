@@ -101,6 +101,7 @@ class LLM:
         self._window = self._thread.run_sync(
             lambda: batch.Window(self._engine.config.max_queued_requests))
         self._request_ids = itertools.count()
+        self._asleep = False  # sleep() and wake_up() say; generate refuses while it sleeps
         self._tokenizer_lock = threading.Lock()
         self._hf_tokenizer: Any = None
         self.model_name: str = self._engine.model_name
@@ -435,7 +436,7 @@ class LLM:
     def _run(self, work: Any, total: int, use_tqdm: Any) -> Any:
         if total == 0:
             return []
-        if getattr(self, "_asleep", False):
+        if self._asleep:
             # Its requests would wait for a wake-up this thread cannot give while it waits.
             raise InvalidParamError("the engine sleeps: call wake_up() before generating",
                                     param="sleep")

@@ -111,6 +111,19 @@ def reload_weights(config: EngineConfig, device: torch.device) -> Any:
     return _load_model(config, device, resolve_model(config.model)).weights
 
 
+def _read_draft(config: EngineConfig, device: torch.device) -> Any:
+    """The draft model of ``--speculative-config``, as the target is loaded."""
+    spec = config.speculative
+    return load_model(resolve_model(spec.model), dtype=spec.dtype or config.dtype, device=device,
+                      quantization=spec.quantization or config.quantization,
+                      ops_backend=config.ops_backend)
+
+
+def reload_draft_weights(config: EngineConfig, device: torch.device) -> Any:
+    """The draft model's tensors read again (sleep mode's level 2 wake-up)."""
+    return _read_draft(config, _load_device(config, device)).weights
+
+
 def tokenizer_folder(config: EngineConfig, loaded: Any) -> Path:
     """Where the tokenizer's files lie: ``--tokenizer`` (a path by now: Hub ids were
     resolved by engine.process.names), else the model's folder."""
@@ -141,6 +154,8 @@ def build_rank_runner(config: EngineConfig, load: RankLoad, device: torch.device
         max_model_len=config.max_model_len,
         state_checkpoints=config.state_checkpoints or 0,
         reload=functools.partial(reload_weights, config, device) if config.enable_sleep_mode else None,
+        reload_draft=(functools.partial(reload_draft_weights, config, device)
+                      if config.enable_sleep_mode and load.draft is not None else None),
     )
 
 
@@ -172,10 +187,7 @@ def _load_draft(config: EngineConfig, loaded: Any, tokenizer: Any, pooler: Any,
                   "vision model)")
     t0 = time.perf_counter()
     try:
-        path = resolve_model(spec.model)
-        draft = load_model(path, dtype=spec.dtype or config.dtype, device=device,
-                           quantization=spec.quantization or config.quantization,
-                           ops_backend=config.ops_backend)
+        draft = _read_draft(config, device)
     except (ModelLoadError, ConfigError, ValueError, OSError) as exc:
         raise bad(f"model {spec.model!r} cannot be loaded as the draft: {exc}") from exc
     if draft.config.is_encoder or draft.config.vision is not None:
@@ -199,7 +211,7 @@ def _load_draft(config: EngineConfig, loaded: Any, tokenizer: Any, pooler: Any,
                        and max(draft.config.layer_windows) <= window):
         raise bad(f"model {spec.model!r} attends further back than the target's sliding "
                   f"window of {window} tokens, whose older KV blocks are given back")
-    logger.info("draft model %s (%s, %s) loaded in %.2f s; %d tokens proposed a step", path,
+    logger.info("draft model %s (%s, %s) loaded in %.2f s; %d tokens proposed a step", spec.model,
                 draft.config.architecture, draft.dtype, time.perf_counter() - t0,
                 spec.num_speculative_tokens)
     return draft

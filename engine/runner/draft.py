@@ -80,13 +80,20 @@ class DraftModel:
     ) -> None:
         self.config = loaded.config
         self.device = device
+        self.dtype = loaded.dtype
         self.block_size = block_size
-        self.model = build_model(loaded.config, loaded.weights, ops, dtype=loaded.dtype, device=device)
+        self._ops = ops
+        self.model: Any = build_model(loaded.config, loaded.weights, ops, dtype=loaded.dtype, device=device)
         self.kv_caches = allocate_kv_caches(
             loaded.config, num_blocks, block_size, loaded.dtype, device, kv_cache_dtype=kv_cache_dtype)
         self._sampler = sampler
         # Unseeded requests' draft and verification uniforms.
         self._generator = torch.Generator().manual_seed(seed ^ (DRAFT_SALT >> 1))
+
+    def rebuild(self, weights: Any) -> None:
+        """Build the draft model again from ``weights`` (sleep mode's level 2 wake-up; the
+        model was let go while it slept)."""
+        self.model = build_model(self.config, weights, self._ops, dtype=self.dtype, device=self.device)
 
     def propose(
         self, chunks: Sequence[ScheduledChunk], states: Sequence[RequestState],

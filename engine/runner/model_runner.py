@@ -106,12 +106,13 @@ class ModelRunner:
         max_model_len: int | None = None,
         state_checkpoints: int = 0,
         reload: Any = None,
+        reload_draft: Any = None,
     ) -> None:
         self.device = torch.device(device)
         # Sleep mode: what sleeps now (engine.runner.sleep's tags), and how the weights are
         # read again after a level 2 sleep (a callable giving the checkpoint's tensors, as
         # the model was built from; None: level 2 is refused).
-        self._reload = reload
+        self._reload, self._reload_draft = reload, reload_draft
         self.sleeping: set[str] = set()
         self._lora_settings = lora
         self._lora_kept: Any = None  # a level 2 sleep's adapters read (host weights, pins)
@@ -215,13 +216,15 @@ class ModelRunner:
             self._encoder_cache.clear()
             self.sleeping.add("kv_cache")
         if "weights" in LEVEL_TAGS[level] and "weights" not in self.sleeping:
-            if self._reload is None:
+            if self._reload is None or (self.drafter is not None and self._reload_draft is None):
                 raise ValueError("this runner cannot read its weights again: sleep level 2 is "
                                  "not available")
             # The adapters read stay in host memory (and the requests holding them), the
             # slots go with the model they sit in.
             self._lora_kept = None if self.lora is None else (self.lora._host, self.lora._pins)
             self.model = self.verifier.model = self.lora = None
+            if self.drafter is not None:
+                self.drafter.model = None
             self.sleeping.add("weights")
             trim_heap()
         return before - resident_bytes()
@@ -237,6 +240,8 @@ class ModelRunner:
                                      device=self.device, tp=self.tp)
             del weights
             self.verifier.model = self.model
+            if self.drafter is not None:
+                self.drafter.rebuild(self._reload_draft())
             if self._lora_settings is not None:
                 self.lora = LoraManager(self.model, self.config, self._lora_settings)
                 if self._lora_kept is not None:

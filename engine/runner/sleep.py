@@ -12,8 +12,9 @@ Two tags, as vLLM names them:
 * ``"weights"`` (level 2): the model is let go (every tensor it built, the packed copies
   of its projections included) and rebuilt on waking from the checkpoint, read again as at
   startup (``reload``: the rank's own slices, with tensor or pipeline parallelism), so the
-  rebuilt model is the one startup built. At level 1 the weights stay where they are: on a
-  CPU they are in host memory already, which is where vLLM's level 1 moves a GPU's.
+  rebuilt model is the one startup built; a speculative draft model's likewise. At level
+  1 the weights stay where they are: on a CPU they are in host memory already, which is
+  where vLLM's level 1 moves a GPU's.
 
 Only the CPU path is built: a CUDA engine refuses ``enable_sleep_mode`` at startup (giving
 CUDA memory back while keeping its addresses needs CUDA's virtual memory API, as vLLM's
