@@ -4,8 +4,10 @@ each calling thread its own thread team, and two teams on two cores slow every l
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -81,3 +83,19 @@ async def test_two_engines_in_one_process_share_the_thread_and_both_answer(model
             nursery.start_soon(one, "a", a)
             nursery.start_soon(one, "b", b)
     assert out["a"] == out["b"] and len(out["a"]) == 10
+
+
+def test_a_closed_engine_leaves_nothing_of_itself_on_the_model_thread(model: Path) -> None:
+    """The model thread lets go of each job once it is done: the last step's function held
+    the runner (the model, its KV pool) and its task the engine, which a closed engine in a
+    long-lived process kept resident until another engine's first job."""
+    refs: list[weakref.ref[Any]] = []
+
+    async def serve_once() -> None:
+        async with engine.open_engine(str(model), dtype="float32", kv_cache_memory=2**22) as eng:
+            await collect(eng, [5, 6, 7], greedy(3))
+            refs.extend([weakref.ref(eng._parts.runner), weakref.ref(eng)])
+
+    trio.run(serve_once)
+    gc.collect()
+    assert [ref() for ref in refs] == [None, None]

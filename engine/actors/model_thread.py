@@ -36,6 +36,11 @@ def _serve(jobs: queue.SimpleQueue[tuple[Callable[[], Any], trio.lowlevel.TrioTo
             token.run_sync_soon(trio.lowlevel.reschedule, task, result)
         except trio.RunFinishedError:  # the caller's trio.run is gone; nobody waits
             pass
+        # Let go of the job before waiting for the next: its function holds what it
+        # closed over (the model runner, for a step) and its task the caller's frames (the
+        # engine), which an engine closed in a long-lived process would otherwise keep
+        # resident, model and all, until another engine's first job.
+        del fn, token, task, result
 
 
 def _queue() -> queue.SimpleQueue[tuple[Callable[[], Any], trio.lowlevel.TrioToken, Any]]:
