@@ -19,7 +19,8 @@ it). Each round, per model:
 The resident memory is printed before the sleeps and after each wake-up: a level 2 sleep
 also trims glibc's heap (``malloc_trim``), which gives back what loading left free there,
 so its figure can exceed the weights'; after the wake-up the process should hold no more
-than before it slept.
+than before it slept. Each round trims the heap before it opens its engine, so that what
+the previous round's engine left free is not counted again.
 
 Printed: medians over the rounds of each time, the memory given back next to the KV bytes
 the prompts wrote and the weights' resident bytes, and the cold start over each wake-up
@@ -43,6 +44,7 @@ from engine.models.layers.linear import weight_bytes
 from engine.models.testing import write_tiny_model
 from engine.params import SamplingParams
 from engine.runner.kv_cache import bytes_per_block, resident_bytes
+from engine.runner.sleep import trim_heap
 
 MiB = 2**20
 PROMPTS = [[(7 * i + 3 + j) % 300 + 3 for i in range(1000)] for j in range(4)]
@@ -60,6 +62,7 @@ async def first_token(eng: Any, prompt: list[int]) -> float:
 
 async def one_round(model: str | None, options: dict[str, Any]) -> dict[str, float]:
     out: dict[str, float] = {}
+    trim_heap()  # what earlier rounds' engines left free in the heap goes back first
     t0 = time.perf_counter()
     async with engine.open_engine(model=model, enable_sleep_mode=True, **options) as eng:
         await first_token(eng, SHORT)
