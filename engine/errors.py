@@ -117,6 +117,11 @@ class RequestFailedError(EngineError):
     in the engine's own words (never an internal exception's text)."""
 
 
+class PauseConflictError(EngineError):
+    """A pause or sleep of the engine met another one under way (vLLM answers such a
+    ``/sleep`` or ``/wake_up`` with 409): nothing changed; retry once that one is done."""
+
+
 class EngineDeadError(EngineError):
     """An actor of the engine crashed; no request can be served any more."""
 

@@ -428,6 +428,7 @@ class PauseControlled:
     sleeping: tuple[str, ...] = ()
     cache_cleared: bool = False
     error: str | None = None
+    conflict: bool = False  # the error: another pause under way, or this one overtaken
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

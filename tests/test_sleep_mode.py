@@ -21,7 +21,7 @@ import httpx
 import pytest
 import torch
 import trio
-from engine_helpers import collect, greedy, token_ids
+from engine_helpers import collect, greedy, token_ids, wait_until
 from http_server import ServerThread
 from test_granite4_mamba import write_hybrid
 from test_lora import write_peft_adapters
@@ -32,6 +32,7 @@ from engine import LLM, SamplingParams
 from engine.cli.args import config_from_args
 from engine.cli.serve import add_serve_arguments
 from engine.errors import ConfigError, InvalidParamError, RequestError
+from engine.http.errors import error_from_exception
 from engine.models.config import ModelConfig
 from engine.models.layers.linear import weight_bytes
 from engine.models.testing import write_tiny_model
@@ -276,6 +277,33 @@ async def test_kept_requests_go_on_after_the_resume_with_the_tokens_they_would_h
         # The prompt was cached from the first answer: the same tokens, logprobs to rounding.
         assert token_ids(outs) == alone[0]
         assert [lp.logprob for o in outs for lp in o.logprobs] == pytest.approx(alone[1], abs=LOGPROB_ATOL)
+
+
+async def test_a_pause_meeting_another_under_way_is_a_conflict(folder: Path) -> None:
+    """A second pause while one waits for its requests is refused (409 through HTTP, as
+    vLLM's transition lock answers); a resume overtakes the waiting pause, whose caller
+    hears it as a conflict too, and the request it waited for runs to its end."""
+    async with engine.open_engine(model=str(folder), **_options()) as eng:
+        stream = await eng.submit(PROMPT, greedy(400))
+        got: list[Any] = []
+        async with stream:
+            got.append(await stream.__anext__())
+
+            async def pause_waiting() -> None:
+                with pytest.raises(engine.PauseConflictError, match="resume came before"):
+                    await eng.pause_generation(mode="wait")
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(pause_waiting)
+                scheduler = eng._handles.actors["scheduler"]
+                await wait_until(lambda: scheduler._pausing is not None)  # it drains now
+                with pytest.raises(engine.PauseConflictError, match="another pause") as info:
+                    await eng.sleep(0)
+                assert error_from_exception(info.value).status == 409
+                await eng.resume_generation()
+            got += [out async for out in stream]
+        assert got[-1].finish_reason == "length" and len(token_ids(got)) == 400
+        assert not await eng.is_paused()
 
 
 async def test_wrong_calls_are_refused_and_change_nothing(folder: Path, tmp_path: Path) -> None:

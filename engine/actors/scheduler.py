@@ -317,7 +317,7 @@ class SchedulerActor:
     async def _control_pause(self, message: ControlPause) -> None:
         if message.action == "pause":
             if self._pausing is not None:
-                await self._answer_pause(message, error="another pause is under way")
+                await self._answer_pause(message, error="another pause is under way", conflict=True)
                 return
             if message.level >= 1 and (self._runner is None or not hasattr(self._runner, "sleep")):
                 await self._answer_pause(message, error="this engine's runner cannot sleep")
@@ -331,7 +331,7 @@ class SchedulerActor:
         if self._pausing is not None:  # a resume or a wake overtakes a pause still draining
             pausing, self._pausing = self._pausing, None
             await self._answer_pause(pausing, error=f"a {message.action} came before the pause "
-                                     "was done")
+                                     "was done", conflict=True)
         if message.action == "wake" and self._runner is not None and getattr(self._runner, "sleeping", None):
             try:
                 await run_in_model_thread(self._runner.wake_up, message.tags)
@@ -388,11 +388,11 @@ class SchedulerActor:
         return bool(self._runner is not None and getattr(self._runner, "sleeping", None))
 
     async def _answer_pause(self, message: ControlPause, *, cleared: bool = False,
-                            error: str | None = None) -> None:
+                            error: str | None = None, conflict: bool = False) -> None:
         sleeping = tuple(sorted(getattr(self._runner, "sleeping", ()) or ()))
         await self._deliver_outputs()
         await self._to_detokenizer.send(PauseControlled(
-            message.token, self._paused, self._sleep_level, sleeping, cleared, error))
+            message.token, self._paused, self._sleep_level, sleeping, cleared, error, conflict))
 
     async def _release_held(self) -> None:
         held, self._held = self._held, []

@@ -16,7 +16,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from engine.errors import InvalidParamError, RequestFailedError
+from engine.errors import InvalidParamError, PauseConflictError, RequestFailedError
 from engine.messages import ControlPause, PauseControlled
 from engine.runner.sleep import LEVEL_TAGS, check_tags
 
@@ -100,7 +100,10 @@ class SleepMode:
             lambda token: ControlPause(token, message.action, message.mode, message.clear_cache,
                                        message.level, message.tags), seconds)
         _record(self, answers)
-        errors = [a.error for a in answers if isinstance(a, PauseControlled) and a.error]
+        failed = [a for a in answers if isinstance(a, PauseControlled) and a.error]
+        if any(a.conflict for a in failed):
+            raise PauseConflictError(next(a.error for a in failed if a.conflict))
+        errors = [a.error for a in failed]
         if errors or not complete:
             raise RequestFailedError(errors[0] if errors else f"an engine core did not answer "
                                      f"the {message.action}")

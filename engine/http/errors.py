@@ -11,6 +11,7 @@ from typing import Any
 
 from engine.errors import (
     EngineDeadError,
+    PauseConflictError,
     PromptTooLongError,
     QueueFullError,
     RequestError,
@@ -83,6 +84,8 @@ def error_from_exception(exc: BaseException) -> APIError:
             429, str(exc) or "The server is at capacity; retry later.",
             type="rate_limit_error", code="queue_full",
         )
+    if isinstance(exc, PauseConflictError):  # vLLM's 409 for a sleep or wake-up under way
+        return APIError(409, f"{exc}; retry once it is done", code="transition_in_progress")
     if isinstance(exc, RequestFailedError):
         # The message is the engine's own reason (e.g. NaN logits), never internal text.
         return APIError(500, f"The request failed inside the engine: {exc}",
