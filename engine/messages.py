@@ -406,6 +406,9 @@ class ControlPause:
     * ``"resume"``: steps run again (the model must be awake).
     * ``"wake"``: the sleeping ``tags`` ("weights", "kv_cache"; empty: all) are restored;
       once nothing sleeps, generation resumes as after a resume.
+    * ``"reload"``: the model is built again from its checkpoint read anew, between steps:
+      the running requests are preempted (they recompute with the new weights) and the
+      prefix cache dropped; then generation goes on as it was (paused or not).
     """
 
     token: str
@@ -890,10 +893,13 @@ class RankReset:
 @dataclasses.dataclass(frozen=True, slots=True)
 class RankSleep:
     """Sleep mode on every rank (:meth:`ModelRunner.sleep` / :meth:`ModelRunner.wake_up`):
-    ``level`` 1 or 2 puts the rank's model to sleep; -1 wakes ``tags`` (empty: all)."""
+    ``level`` 1 or 2 puts the rank's model to sleep; -1 wakes ``tags`` (empty: all); with
+    ``reload`` each rank reads its slice of the checkpoint again
+    (:meth:`ModelRunner.reload_weights`)."""
 
     level: int = -1
     tags: tuple[str, ...] = ()
+    reload: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -31,7 +31,7 @@ import engine
 from engine import LLM, SamplingParams
 from engine.cli.args import config_from_args
 from engine.cli.serve import add_serve_arguments
-from engine.errors import ConfigError, InvalidParamError, RequestError
+from engine.errors import ConfigError, InvalidParamError, RequestError, RequestFailedError
 from engine.http.errors import error_from_exception
 from engine.models.config import ModelConfig
 from engine.models.layers.linear import weight_bytes
@@ -175,6 +175,69 @@ async def test_a_level_2_sleep_serves_the_checkpoint_written_while_it_slept(
     torch.testing.assert_close(torch.tensor(new_logprobs, dtype=torch.float64),
                                torch.tensor(expected_logprobs, dtype=torch.float64),
                                atol=LOGPROB_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["in-process", "tp2"])
+async def test_reload_weights_serves_the_checkpoint_rewritten_while_it_served(
+    tmp_path: Path, layout: str
+) -> None:
+    """vLLM's collective_rpc("reload_weights") without a sleep: the trainer rewrites the
+    checkpoint and the engine reads it again between two steps. A request running then is
+    preempted and recomputed with the new weights; it ends with all its tokens."""
+    path = write_tiny_model(tmp_path / "llama", "llama", seed=0)
+    async with engine.open_engine(model=str(path), **_options(**LAYOUTS[layout])) as eng:
+        old = await _answer(eng, PROMPT, 8)
+        write_tiny_model(path, "llama", seed=1)
+        before = eng.statistics()
+        stream = await eng.submit(PROMPT[:40], greedy(300))
+        async with stream:
+            outs = [await stream.__anext__()]
+            assert await eng.collective_rpc("reload_weights") == [None] * (2 if layout == "tp2" else 1)
+            outs += [out async for out in stream]
+        assert len(token_ids(outs)) == 300 and outs[-1].finish_reason == "length"
+        assert eng.statistics().preemptions == before.preemptions + 1
+        assert not await eng.is_paused() and not await eng.is_sleeping()
+        new = await _answer(eng, PROMPT, 8)
+    expected = _hf_greedy(_hf_model(path), PROMPT, 8)
+    assert new[0] == expected[0] != old[0]
+    assert new[1] == pytest.approx(expected[1], abs=LOGPROB_ATOL)
+
+
+def test_vllms_rl_sequence_on_the_llm(tmp_path: Path) -> None:
+    """vLLM's documented RL order: sleep at level 2, wake the weights, reload them, wake
+    the KV cache; the LLM then runs the checkpoint written meanwhile."""
+    path = write_tiny_model(tmp_path / "llama", "llama", seed=0)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(str(path), **_options()) as llm:
+        llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)
+        llm.sleep(level=2)
+        write_tiny_model(path, "llama", seed=2)
+        llm.wake_up(tags=["weights"])
+        assert llm.collective_rpc("reload_weights") == [None]
+        llm.wake_up(tags=["kv_cache"])
+        (out,) = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)
+        with pytest.raises(InvalidParamError, match="reload_weights") as info:
+            llm.collective_rpc("execute_model")
+        assert info.value.param == "method"
+    assert list(out.outputs[0].token_ids) == _hf_greedy(_hf_model(path), PROMPT, 8)[0]
+
+
+async def test_a_checkpoint_that_does_not_load_leaves_the_weights_asleep_until_it_does(
+    tmp_path: Path
+) -> None:
+    path = write_tiny_model(tmp_path / "llama", "llama", seed=0)
+    async with engine.open_engine(model=str(path), **_options()) as eng:
+        before = await _answer(eng, PROMPT)
+        good = (path / "model.safetensors").read_bytes()
+        (path / "model.safetensors").write_bytes(b"not a checkpoint")
+        with pytest.raises(RequestFailedError, match="reloading the weights failed"):
+            await eng.reload_weights()
+        assert await eng.is_sleeping() and eng.sleeping_tags() == ("weights",)
+        assert _runner(eng).model is None
+        (path / "model.safetensors").write_bytes(good)
+        await eng.wake_up()
+        assert not await eng.is_sleeping() and not await eng.is_paused()
+        assert await _answer(eng, PROMPT) == before
 
 
 async def test_a_hybrid_model_forgets_its_state_checkpoints_and_answers_as_transformers(
@@ -429,10 +492,15 @@ def test_the_dev_mode_routes_sleep_wake_pause_and_resume(folder: Path) -> None:
             refused = httpx.post(f"{url}{bad}", timeout=60)
             assert refused.status_code == 400, bad
             assert refused.json()["error"]["param"] == param
+        reloaded = httpx.post(f"{url}/collective_rpc", json={"method": "reload_weights"}, timeout=60)
+        assert reloaded.json() == {"results": [None]}
+        for bad_body in ({"method": "execute_model"}, {"method": "reload_weights", "args": ["x"]}, {}):
+            refused = httpx.post(f"{url}/collective_rpc", json=bad_body, timeout=60)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] in ("method", "args")
         again = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
         assert again["choices"][0]["text"] == awake["choices"][0]["text"]
     with ServerThread(lambda: engine.open_engine(model=str(folder), block_size=BLOCK)) as server:
-        for route in ("/sleep", "/wake_up", "/pause", "/resume"):
+        for route in ("/sleep", "/wake_up", "/pause", "/resume", "/collective_rpc"):
             assert httpx.post(f"{server.base_url}{route}", timeout=60).status_code == 404
         assert httpx.get(f"{server.base_url}/is_paused", timeout=60).status_code == 404
 

@@ -130,6 +130,7 @@ class SchedulerActor:
         self._pausing: ControlPause | None = None
         self._held: list[AdmittedRequest] = []
         self._sleep_level = -1
+        self._reload_then_resume = False  # a reload found generation running
         if self._sleeping():  # restarted (after a crash) while the model sleeps: still asleep
             self._paused = True
             self._sleep_level = 2 if "weights" in runner.sleeping else 1
@@ -315,6 +316,17 @@ class SchedulerActor:
     # -- pause and sleep -------------------------------------------------------------------
 
     async def _control_pause(self, message: ControlPause) -> None:
+        if message.action == "reload":
+            if self._pausing is not None:
+                await self._answer_pause(message, error="a pause is under way", conflict=True)
+                return
+            # Frozen until the steps in flight are back, then reloaded (_settle_pause);
+            # generation goes on afterwards unless it was paused before.
+            self._reload_then_resume = not self._paused
+            self._paused = True
+            self._pausing = message
+            await self._settle_pause()
+            return
         if message.action == "pause":
             if self._pausing is not None:
                 await self._answer_pause(message, error="another pause is under way", conflict=True)
@@ -359,6 +371,9 @@ class SchedulerActor:
             return
         self._pausing = None
         await self._release_held()  # in the queue now, frozen with the rest
+        if message.action == "reload":
+            await self._reload(message)
+            return
         cleared, error = False, None
         if message.level >= 1 and message.mode == "keep":
             await drive(self._core.preempt_running(), self._call)
@@ -379,6 +394,25 @@ class SchedulerActor:
         if error is None and message.level >= 0:
             self._sleep_level = message.level
         await self._answer_pause(message, cleared=cleared, error=error)
+
+    async def _reload(self, message: ControlPause) -> None:
+        """The model rebuilt from its checkpoint read again: the running requests are
+        preempted and the prefix cache dropped first, so no KV computed with the old
+        weights is read with the new."""
+        await drive(self._core.preempt_running(), self._call)
+        reply = await self._call(ClearPrefixCache())
+        assert isinstance(reply, PrefixCacheCleared)  # the allocator's protocol
+        error = None if reply.done else "the prefix cache could not be dropped"
+        if error is None:
+            try:
+                await run_in_model_thread(self._runner.reload_weights)
+                logger.info("reload_weights: the model was built again from its checkpoint")
+            except Exception as exc:  # the checkpoint unreadable, say: the old model stays
+                logger.exception("reload_weights failed")
+                error = f"reloading the weights failed: {exc}"
+        if self._reload_then_resume and not self._sleeping():
+            self._paused = False
+        await self._answer_pause(message, cleared=reply.done, error=error)
 
     def _frozen(self) -> bool:
         """Paused, and not draining for a pause with mode "wait" (whose requests run on)."""

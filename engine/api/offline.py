@@ -377,6 +377,19 @@ class LLM:
 
         self._asleep = self._thread.call(work)
 
+    def collective_rpc(self, method: str, timeout: float | None = None, args: Sequence[Any] = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """vLLM's ``LLM.collective_rpc`` for ``"reload_weights"`` only: every rank reads
+        the model's checkpoint again and rebuilds its model (a trainer wrote new weights);
+        one ``None`` a rank. Any other method is refused (``InvalidParamError``)."""
+
+        async def work(engine: Engine, emit: Any) -> tuple[list[Any], bool]:
+            results = await engine.collective_rpc(method, timeout, args, kwargs)
+            return results, await engine.is_sleeping()
+
+        results, self._asleep = self._thread.call(work)
+        return results
+
     def is_sleeping(self) -> bool:
         """Whether the engine sleeps (vLLM's ``llm_engine.is_sleeping()``)."""
 

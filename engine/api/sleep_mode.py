@@ -16,6 +16,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import trio
+
 from engine.errors import InvalidParamError, PauseConflictError, RequestFailedError
 from engine.messages import ControlPause, PauseControlled
 from engine.runner.sleep import LEVEL_TAGS, check_tags
@@ -87,8 +89,40 @@ class SleepMode:
 
     async def is_sleeping(self) -> bool:
         """Whether anything sleeps (vLLM's ``is_sleeping``); a level 0 sleep counts, as
-        vLLM's does, until :meth:`wake_up`."""
-        return self._pause_state[1] >= 0
+        vLLM's does, until :meth:`wake_up`, and so do weights a failed
+        :meth:`reload_weights` left unbuilt."""
+        return self._pause_state[1] >= 0 or bool(self._pause_state[2])
+
+    async def reload_weights(self) -> None:
+        """Read the checkpoint again and rebuild the model from it, in every engine core and
+        on every rank (vLLM's ``collective_rpc("reload_weights")``): a trainer wrote new
+        weights to the model's folder. Between two steps: the running requests are
+        preempted (each recomputes what it had with the new weights and goes on) and the
+        prefix cache is dropped. Weights asleep are woken by it. Generation goes on as it
+        was, paused or not."""
+        await self._control(ControlPause("", "reload", "keep"))
+
+    async def collective_rpc(self, method: str, timeout: float | None = None,  # noqa: ASYNC109 - vLLM's
+                             args: Sequence[Any] = (),
+                             kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """vLLM's ``collective_rpc`` for the one method it is used for with this engine's
+        workers, ``"reload_weights"`` (no arguments): one ``None`` a rank, as vLLM's
+        workers answer it. Any other method is refused: this engine runs no caller's code
+        on its workers."""
+        if method != "reload_weights":
+            raise InvalidParamError(f"collective_rpc runs only 'reload_weights' here, not {method!r}",
+                                    param="method")
+        if args or kwargs:
+            raise InvalidParamError("reload_weights takes no arguments (it reads the model's own "
+                                    "checkpoint)", param="args")
+        if timeout is None:
+            await self.reload_weights()
+        else:
+            with trio.fail_after(timeout):
+                await self.reload_weights()
+        config = self.config
+        return [None] * (config.tensor_parallel_size * config.pipeline_parallel_size
+                         * config.data_parallel_size)
 
     def sleeping_tags(self) -> tuple[str, ...]:
         """What sleeps now ("weights", "kv_cache")."""

@@ -65,6 +65,7 @@ class AdminRoutes:
             app.add_url_rule("/pause", view_func=self.pause, methods=["POST"])
             app.add_url_rule("/resume", view_func=self.resume, methods=["POST"])
             app.add_url_rule("/is_paused", view_func=self.is_paused, methods=["GET"])
+            app.add_url_rule("/collective_rpc", view_func=self.collective_rpc, methods=["POST"])
         if self.engine.config.profiler is not None:  # vLLM's, there only with a profiler
             app.add_url_rule("/start_profile", view_func=self.start_profile, methods=["POST"])
             app.add_url_rule("/stop_profile", view_func=self.stop_profile, methods=["POST"])
@@ -192,6 +193,23 @@ class AdminRoutes:
         """vLLM's dev-mode ``POST /resume``: ``{"status": "resumed"}``."""
         await self.engine.resume_generation()
         return json_response({"status": "resumed"}, 200)
+
+    async def collective_rpc(self) -> Response:
+        """vLLM's dev-mode ``POST /collective_rpc`` for ``{"method": "reload_weights"}``
+        only (every rank reads the checkpoint again): ``{"results": [null, ...]}``, one a
+        rank. Another method is a 400 naming ``method``: no caller's code runs here."""
+        body = await self.server.read_json()
+        if not isinstance(body, dict) or not isinstance(body.get("method"), str):
+            raise APIError(400, "the body must be a JSON object with a string `method`",
+                           param="method", code="invalid_value")
+        timeout = body.get("timeout")
+        if timeout is not None and (not isinstance(timeout, int | float) or isinstance(timeout, bool)
+                                    or timeout <= 0):
+            raise APIError(400, "timeout must be a positive number of seconds", param="timeout",
+                           code="invalid_value")
+        results = await self.engine.collective_rpc(body["method"], timeout, body.get("args") or (),
+                                                   body.get("kwargs") or None)
+        return json_response({"results": results}, 200)
 
     async def is_paused(self) -> Response:
         """vLLM's dev-mode ``GET /is_paused``: ``{"is_paused": bool}``."""

@@ -25,7 +25,13 @@ from typing import Any
 
 from engine.messages import RankReset, RankWarmUp, StepPlan, StepResult
 from engine.process.grammars import GrammarMirror
-from engine.process.workers import WorkerGroup, WorkerLostError, sleep_ranks, wake_ranks
+from engine.process.workers import (
+    WorkerGroup,
+    WorkerLostError,
+    reload_ranks,
+    sleep_ranks,
+    wake_ranks,
+)
 
 # Steps of the pipeline's trace kept (bench/pp.py reads them): a few thousand tuples.
 TRACE_STEPS = 4096
@@ -120,6 +126,9 @@ class PipelineRunner:
 
     def wake_up(self, tags: Any = None) -> None:
         wake_ranks(self._runner, self.group, tags)
+
+    def reload_weights(self) -> None:
+        reload_ranks(self._runner, self.group)
 
     def reset(self) -> None:
         """Forget every request on every stage; a broken group is replaced."""

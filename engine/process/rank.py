@@ -153,9 +153,8 @@ def build_rank_runner(config: EngineConfig, load: RankLoad, device: torch.device
         decode_graphs=device.type == "cuda" and not config.enforce_eager,
         max_model_len=config.max_model_len,
         state_checkpoints=config.state_checkpoints or 0,
-        reload=functools.partial(reload_weights, config, device) if config.enable_sleep_mode else None,
-        reload_draft=(functools.partial(reload_draft_weights, config, device)
-                      if config.enable_sleep_mode and load.draft is not None else None),
+        reload=functools.partial(reload_weights, config, device),
+        reload_draft=functools.partial(reload_draft_weights, config, device) if load.draft is not None else None,
     )
 
 

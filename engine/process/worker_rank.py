@@ -176,7 +176,9 @@ def _serve_rank(rank: int, world_size: int, address: tuple[str, int], authkey: b
                 answer = RankError(rank, f"warm-up failed: {exc}")
         elif isinstance(message, RankSleep):
             try:
-                if message.level >= 0:
+                if message.reload:
+                    runner.reload_weights()
+                elif message.level >= 0:
                     runner.sleep(message.level)
                 else:
                     runner.wake_up(message.tags)

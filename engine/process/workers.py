@@ -558,6 +558,13 @@ def wake_ranks(runner: Any, group: WorkerGroup, tags: Any) -> None:
     group.finish_command()
 
 
+def reload_ranks(runner: Any, group: WorkerGroup) -> None:
+    """Every rank reads its slice of the checkpoint again and rebuilds its model."""
+    group.command(RankSleep(reload=True))
+    runner.reload_weights()
+    group.finish_command()
+
+
 class TensorParallelRunner:
     """Rank 0's runner with its workers: what the executor drives when
     ``--tensor-parallel-size`` is above 1. Everything but the step-taking methods is rank
@@ -601,6 +608,9 @@ class TensorParallelRunner:
 
     def wake_up(self, tags: Any = None) -> None:
         wake_ranks(self._runner, self.group, tags)
+
+    def reload_weights(self) -> None:
+        reload_ranks(self._runner, self.group)
 
     def reset(self) -> None:
         """Forget every request on every rank; a broken group is replaced (blocking:

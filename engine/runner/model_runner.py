@@ -216,17 +216,8 @@ class ModelRunner:
             self._encoder_cache.clear()
             self.sleeping.add("kv_cache")
         if "weights" in LEVEL_TAGS[level] and "weights" not in self.sleeping:
-            if self._reload is None or (self.drafter is not None and self._reload_draft is None):
-                raise ValueError("this runner cannot read its weights again: sleep level 2 is "
-                                 "not available")
-            # The adapters read stay in host memory (and the requests holding them), the
-            # slots go with the model they sit in.
-            self._lora_kept = None if self.lora is None else (self.lora._host, self.lora._pins)
-            self.model = self.verifier.model = self.lora = None
-            if self.drafter is not None:
-                self.drafter.model = None
+            self._let_go_of_weights()
             self.sleeping.add("weights")
-            trim_heap()
         return before - resident_bytes()
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
@@ -235,21 +226,50 @@ class ModelRunner:
         as startup built it (its adapters' slots empty, filled again as steps need them)."""
         wanted = check_tags(tuple(tags) if tags else None)
         if "weights" in wanted and "weights" in self.sleeping:
-            weights = self._reload()
-            self.model = build_model(self.config, weights, self._ops, dtype=self.dtype,
-                                     device=self.device, tp=self.tp)
-            del weights
-            self.verifier.model = self.model
-            if self.drafter is not None:
-                self.drafter.rebuild(self._reload_draft())
-            if self._lora_settings is not None:
-                self.lora = LoraManager(self.model, self.config, self._lora_settings)
-                if self._lora_kept is not None:
-                    self.lora._host, self.lora._pins = self._lora_kept
-                self._lora_kept = None
+            self._build_weights()
             self.sleeping.discard("weights")
         if "kv_cache" in wanted:
             self.sleeping.discard("kv_cache")
+
+    def reload_weights(self) -> None:
+        """Read the checkpoint again and rebuild the model from it (vLLM's
+        ``reload_weights``: a trainer wrote new weights). The scheduler has preempted the
+        running requests and dropped the prefix cache: KV computed with the old weights is
+        never read again. A model whose weights sleep is woken instead. Should the
+        checkpoint not load, the weights are left asleep (no step runs; a ``wake_up``
+        tries again)."""
+        if "weights" not in self.sleeping:
+            self._let_go_of_weights()  # the old model goes before the new one is built
+            self.sleeping.add("weights")
+        self._build_weights()
+        self.sleeping.discard("weights")
+
+    def _let_go_of_weights(self) -> None:
+        if self._reload is None or (self.drafter is not None and self._reload_draft is None):
+            raise ValueError("this runner cannot read its weights again")
+        # The adapters read stay in host memory (and the requests holding them), the slots
+        # go with the model they sit in.
+        self._lora_kept = None if self.lora is None else (self.lora._host, self.lora._pins)
+        self.model = self.verifier.model = self.lora = None
+        if self.drafter is not None:
+            self.drafter.model = None
+        trim_heap()
+
+    def _build_weights(self) -> None:
+        """The model (and a draft model) built again from the checkpoint, as startup built
+        it, its adapters' slots empty (filled again as steps need them)."""
+        weights = self._reload()
+        self.model = build_model(self.config, weights, self._ops, dtype=self.dtype,
+                                 device=self.device, tp=self.tp)
+        del weights
+        self.verifier.model = self.model
+        if self.drafter is not None:
+            self.drafter.rebuild(self._reload_draft())
+        if self._lora_settings is not None:
+            self.lora = LoraManager(self.model, self.config, self._lora_settings)
+            if self._lora_kept is not None:
+                self.lora._host, self.lora._pins = self._lora_kept
+            self._lora_kept = None
 
     def reset(self) -> None:
         """Forget every request (the engine restarts its actors after a crash). The KV
