@@ -1,6 +1,7 @@
-"""Pausing generation and sleep mode, as vLLM's engine clients offer them to RL trainers
-and to servers sharing a machine between models (``pause_generation``,
-``resume_generation``, ``is_paused``, ``sleep``, ``wake_up``, ``is_sleeping``).
+"""Pausing generation, sleep mode and reloading the weights, as vLLM's engine clients offer
+them to RL trainers and to servers sharing a machine between models
+(``pause_generation``, ``resume_generation``, ``is_paused``, ``sleep``, ``wake_up``,
+``is_sleeping``, and ``collective_rpc("reload_weights")``).
 
 :class:`SleepMode` is mixed into :class:`engine.api.engine.Engine`. Each call goes to every
 serving engine core's scheduler as a :class:`~engine.messages.ControlPause` and returns
