@@ -23,21 +23,15 @@ import threading
 import time
 from typing import Any
 
-from engine.messages import RankReset, RankWarmUp, StepPlan, StepResult
+from engine.messages import RankReset, StepPlan, StepResult
 from engine.process.grammars import GrammarMirror
-from engine.process.workers import (
-    WorkerGroup,
-    WorkerLostError,
-    reload_ranks,
-    sleep_ranks,
-    wake_ranks,
-)
+from engine.process.workers import RankCommands, WorkerGroup, WorkerLostError
 
 # Steps of the pipeline's trace kept (bench/pp.py reads them): a few thousand tuples.
 TRACE_STEPS = 4096
 
 
-class PipelineRunner:
+class PipelineRunner(RankCommands):
     """Rank 0's runner (pipeline stage 0) with the later stages' workers: what the executor
     drives when ``--pipeline-parallel-size`` is above 1. The executor may keep several
     steps in flight (:attr:`batches_in_flight`): :meth:`submit` runs stage 0's part of a
@@ -115,20 +109,6 @@ class PipelineRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         self.submit(plan)
         return self.collect(plan)
-
-    def warm_up(self) -> None:
-        self.group.command(RankWarmUp())
-        self._runner.warm_up()
-        self.group.finish_command()
-
-    def sleep(self, level: int) -> int:
-        return sleep_ranks(self._runner, self.group, level)
-
-    def wake_up(self, tags: Any = None) -> None:
-        wake_ranks(self._runner, self.group, tags)
-
-    def reload_weights(self) -> None:
-        reload_ranks(self._runner, self.group)
 
     def reset(self) -> None:
         """Forget every request on every stage; a broken group is replaced."""

@@ -542,30 +542,41 @@ class WorkerGroup:
         torch.set_num_threads(self._threads_before)
 
 
-def sleep_ranks(runner: Any, group: WorkerGroup, level: int) -> int:
-    """Sleep mode on every rank at once (engine.runner.sleep): each gives back its own
-    slice's memory; the bytes rank 0 let go."""
-    group.command(RankSleep(level))
-    released = runner.sleep(level)
-    group.finish_command()
-    return released
+class RankCommands:
+    """What rank 0 and its workers do together outside steps: each command goes to the
+    workers, rank 0 does it too, then every worker's answer is collected. Shared by
+    :class:`TensorParallelRunner` and the pipeline's runner."""
+
+    _runner: Any
+    group: WorkerGroup
+
+    def warm_up(self) -> None:
+        self.group.command(RankWarmUp())
+        self._runner.warm_up()
+        self.group.finish_command()
+
+    def sleep(self, level: int) -> int:
+        """Sleep mode on every rank (engine.runner.sleep): each gives back its own slice's
+        memory; how far rank 0's resident memory fell."""
+        self.group.command(RankSleep(level))
+        released = self._runner.sleep(level)
+        self.group.finish_command()
+        return released
+
+    def wake_up(self, tags: Any = None) -> None:
+        """Wake ``tags`` on every rank (each reads its slices of the checkpoint again)."""
+        self.group.command(RankSleep(-1, tuple(tags or ())))
+        self._runner.wake_up(tags)
+        self.group.finish_command()
+
+    def reload_weights(self) -> None:
+        """Every rank reads its slice of the checkpoint again and rebuilds its model."""
+        self.group.command(RankSleep(reload=True))
+        self._runner.reload_weights()
+        self.group.finish_command()
 
 
-def wake_ranks(runner: Any, group: WorkerGroup, tags: Any) -> None:
-    """Wake ``tags`` on every rank (each reads its slices of the checkpoint again)."""
-    group.command(RankSleep(-1, tuple(tags or ())))
-    runner.wake_up(tags)
-    group.finish_command()
-
-
-def reload_ranks(runner: Any, group: WorkerGroup) -> None:
-    """Every rank reads its slice of the checkpoint again and rebuilds its model."""
-    group.command(RankSleep(reload=True))
-    runner.reload_weights()
-    group.finish_command()
-
-
-class TensorParallelRunner:
+class TensorParallelRunner(RankCommands):
     """Rank 0's runner with its workers: what the executor drives when
     ``--tensor-parallel-size`` is above 1. Everything but the step-taking methods is rank
     0's runner's (its config, its model, its request count)."""
@@ -597,20 +608,6 @@ class TensorParallelRunner:
         result = self._runner.execute(plan)
         self.group.check_step(result)
         return result
-
-    def warm_up(self) -> None:
-        self.group.command(RankWarmUp())
-        self._runner.warm_up()
-        self.group.finish_command()
-
-    def sleep(self, level: int) -> int:
-        return sleep_ranks(self._runner, self.group, level)
-
-    def wake_up(self, tags: Any = None) -> None:
-        wake_ranks(self._runner, self.group, tags)
-
-    def reload_weights(self) -> None:
-        reload_ranks(self._runner, self.group)
 
     def reset(self) -> None:
         """Forget every request on every rank; a broken group is replaced (blocking:
