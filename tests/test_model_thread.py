@@ -99,3 +99,21 @@ def test_a_closed_engine_leaves_nothing_of_itself_on_the_model_thread(model: Pat
     trio.run(serve_once)
     gc.collect()
     assert [ref() for ref in refs] == [None, None]
+
+
+def test_an_engine_held_after_its_close_lets_its_model_go(model: Path) -> None:
+    """``with LLM(a) as llm`` then ``with LLM(b) as llm`` held both models while b loaded:
+    the stopped actors and the engine's parts kept the runner. They let go of it at the
+    close; the engine's counters stay readable."""
+    held: list[Any] = []
+
+    async def serve_once() -> None:
+        async with engine.open_engine(str(model), dtype="float32", kv_cache_memory=2**22) as eng:
+            await collect(eng, [5, 6, 7], greedy(3))
+            held.extend([eng, weakref.ref(eng._parts.runner)])
+
+    trio.run(serve_once)
+    gc.collect()
+    eng, runner = held
+    assert runner() is None
+    assert eng.statistics().requests_finished == 1

@@ -62,9 +62,17 @@ class Executor:
         return ExecutorStatistics(self._steps, self._forward, self._execute, self._busy)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        if getattr(self._runner, "batches_in_flight", 1) > 1:
-            await self._run_pipelined(task_status)
-            return
+        try:
+            if getattr(self._runner, "batches_in_flight", 1) > 1:
+                await self._run_pipelined(task_status)
+            else:
+                await self._run_steps(task_status)
+        finally:
+            # A stopped executor keeps no model alive: an engine held after its close (its
+            # actors are kept for their counters) lets its runner go.
+            self._runner = None
+
+    async def _run_steps(self, task_status: trio.TaskStatus[None]) -> None:
         with self._plans, self._results:
             task_status.started()
             async for plan in self._plans:

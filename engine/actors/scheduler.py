@@ -222,6 +222,7 @@ class SchedulerActor:
                     await self._handle(message)
             finally:
                 self._release_all()
+                self._runner = None  # as the executor's: a stopped actor keeps no model alive
                 if self._profiler is not None and self._profiler.active:
                     # A trace still running as the engine stops is written, and the
                     # process's model thread (which outlives this engine) traces no more.

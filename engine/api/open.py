@@ -158,6 +158,10 @@ async def open_engine(
         if close is not None:
             with trio.CancelScope(shield=True):
                 await run_in_model_thread(close)
+        if parts is not None:
+            # The model and its KV pool go now, not when the caller lets go of the engine
+            # (``with LLM(a) as llm`` then ``with LLM(b) as llm`` held both at once).
+            parts.runner = None
         if engine is not None and engine.tracer is not None:
             # The spans still batched go out (a start that failed after the engine was
             # built stops the exporter's thread too).
