@@ -383,6 +383,10 @@ async def test_wrong_calls_are_refused_and_change_nothing(folder: Path, tmp_path
         await eng.sleep(1)  # no deeper: nothing to do
         await eng.wake_up()
         assert not await eng.is_paused()
+        before = await _answer(eng, PROMPT)
+        with pytest.raises(RequestFailedError, match="did not finish within"):
+            await eng.collective_rpc("reload_weights", timeout=1e-6)
+        assert await _answer(eng, PROMPT) == before  # the reload went on; the engine serves
     async with engine.open_engine(model=str(folder), block_size=BLOCK) as eng:
         with pytest.raises(InvalidParamError, match="enable_sleep_mode"):
             await eng.sleep(1)
@@ -488,7 +492,8 @@ def test_the_dev_mode_routes_sleep_wake_pause_and_resume(folder: Path) -> None:
         assert httpx.get(f"{url}/is_paused", timeout=60).json() == {"is_paused": False}
         for bad, param in [("/sleep?level=3", "level"), ("/sleep?level=one", "level"),
                            ("/sleep?level=1&mode=soon", "mode"), ("/wake_up?tags=gpu", "tags"),
-                           ("/pause?clear_cache=maybe", "clear_cache")]:
+                           ("/pause?clear_cache=maybe", "clear_cache"),
+                           ("/pause?mode=abort&wait_for_inflight_requests=true", "wait_for_inflight_requests")]:
             refused = httpx.post(f"{url}{bad}", timeout=60)
             assert refused.status_code == 400, bad
             assert refused.json()["error"]["param"] == param

@@ -119,8 +119,12 @@ class SleepMode:
         if timeout is None:
             await self.reload_weights()
         else:
-            with trio.fail_after(timeout):
-                await self.reload_weights()
+            try:
+                with trio.fail_after(timeout):
+                    await self.reload_weights()
+            except trio.TooSlowError:
+                raise RequestFailedError(f"reload_weights did not finish within {timeout} s; it "
+                                         "goes on in the engine") from None
         config = self.config
         return [None] * (config.tensor_parallel_size * config.pipeline_parallel_size
                          * config.data_parallel_size)

@@ -180,6 +180,10 @@ class AdminRoutes:
         if wait not in ("true", "1", "false", "0"):
             raise APIError(400, "wait_for_inflight_requests must be true or false",
                            param="wait_for_inflight_requests", code="invalid_value")
+        if mode is not None and mode != "wait" and wait in ("true", "1"):
+            # Two answers to one question: neither is chosen.
+            raise APIError(400, f"wait_for_inflight_requests=true is mode=wait; it contradicts "
+                           f"mode={mode}", param="wait_for_inflight_requests", code="invalid_value")
         clear = request.args.get("clear_cache", "true").lower()
         if clear not in ("true", "1", "false", "0"):
             raise APIError(400, "clear_cache must be true or false", param="clear_cache",
