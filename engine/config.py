@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.errors import ConfigError, InvalidParamError
+from engine.kv_transfer import KVTransferConfig, parse_kv_transfer_config
 from engine.params import generation_override
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -508,6 +509,15 @@ class EngineConfig:
     enable_prefix_caching: bool = _field(
         True, "share the KV blocks of a common prompt prefix between requests",
         aliases=("--no-prefix-caching",))
+    # vLLM's KV connector (engine.kv_transfer, engine.runner.kv_store): prompt blocks shared
+    # through a folder between engines and restarts. Canonical JSON text, as
+    # speculative_config; ``kv_transfer`` is the checked form.
+    kv_transfer_config: str | None = _field(
+        None, "share computed prompt blocks through a folder, as vLLM's JSON: "
+        '\'{"kv_connector": "ExampleConnector", "kv_role": "kv_both", '
+        '"kv_connector_extra_config": {"shared_storage_path": DIR}}\' (kv_producer writes '
+        "them, kv_consumer reads a new prompt's leading blocks instead of computing them)",
+        metavar="JSON", default_text="off")
     # A hybrid model's prefix cache keeps its recurrent layers' states at block boundaries
     # (engine.core.block_pool, "state checkpoints"), each as large as a request's states.
     state_checkpoints: int | None = _field(
@@ -815,6 +825,13 @@ class EngineConfig:
         return parse_profiler_config(self.profiler_config)
 
     @property
+    def kv_transfer(self) -> KVTransferConfig | None:
+        """The checked KV connector configuration, or ``None`` when off."""
+        if self.kv_transfer_config is None:
+            return None
+        return parse_kv_transfer_config(self.kv_transfer_config)
+
+    @property
     def speculative(self) -> SpeculativeConfig | None:
         """The checked speculative configuration, or ``None`` when off."""
         if self.speculative_config is None:
@@ -917,6 +934,9 @@ class EngineConfig:
             spec = parse_speculative_config(self.speculative_config)
             # Canonical text: a dict given to open_engine() becomes JSON too.
             object.__setattr__(self, "speculative_config", spec.to_json())
+        if self.kv_transfer_config is not None:
+            kv = parse_kv_transfer_config(self.kv_transfer_config)
+            object.__setattr__(self, "kv_transfer_config", kv.to_json())
         if self.profiler_config is not None:
             profiler = parse_profiler_config(self.profiler_config)
             object.__setattr__(self, "profiler_config", profiler.to_json() if profiler else None)

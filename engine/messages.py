@@ -129,6 +129,12 @@ class StepPlan:
     # again): the runner drops what it keeps of their computed positions beyond the KV
     # blocks (a hybrid model's recurrent-state slot); their tokens stay.
     preempted_ids: tuple[str, ...] = ()
+    # The KV store (--kv-transfer-config, engine.runner.kv_store): (block id, payload)
+    # blocks read from the shared folder, copied into the pool before the chunks run; and
+    # (sample id, block id, digest) prompt blocks this step completes, written to the
+    # folder after it (not for a sample the step fails).
+    kv_loads: tuple[tuple[int, bytearray], ...] = ()
+    kv_saves: tuple[tuple[str, int, bytes], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -620,6 +626,10 @@ class AllocateSlots:
     # The chunk computes the request's outputs (its prompt is computed): a state checkpoint
     # it keeps replaces the one the request's last such chunk kept (a hybrid model's).
     past_prompt: bool = False
+    # (first block, count): blocks of the prefix the request read from the KV store (a
+    # first table only). Those the prefix cache does not hold are allocated after its hit
+    # when they follow on from it, and count as cached; see SlotsAllocated.
+    external: tuple[int, int] = (0, 0)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -635,6 +645,9 @@ class SlotsAllocated:
     block_ids: tuple[int, ...]
     state_load: int = -1
     state_save: tuple[tuple[int, int], ...] = ()
+    # Of num_cached_tokens, those in blocks taken from the request's external ones (the
+    # last of block_ids' cached blocks): the runner copies them in before the chunk runs.
+    num_external_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -644,6 +657,21 @@ class AllocationRefused:
     sample_id: str
     num_blocks_needed: int
     num_free_blocks: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LookupPrefix:
+    """How many leading full blocks of ``token_ids`` the prefix cache holds (verified, as a
+    hit would be), changing nothing: the KV store reads only the blocks after them.
+    Answered with :class:`PrefixLookedUp`."""
+
+    token_ids: tuple[int, ...]
+    cache_salt: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefixLookedUp:
+    num_blocks: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -752,11 +780,35 @@ class AllocatorStats:
 
 AllocatorCall = (
     AllocateSlots | CacheBlocks | ReleaseBlocks | FreeRequest | ForkBlocks | ClearPrefixCache
-    | ReadAllocatorStats)
+    | ReadAllocatorStats | LookupPrefix)
 AllocatorReply = (
     SlotsAllocated | AllocationRefused | BlocksCached | BlocksReleased | RequestFreed | BlocksForked
-    | PrefixCacheCleared | AllocatorStats
+    | PrefixCacheCleared | AllocatorStats | PrefixLookedUp
 )
+
+
+# --- scheduler <-> KV store (engine.actors.kv_store) ----------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FetchBlocks:
+    """Read the blocks named by ``digests`` (blocks ``start`` on of ``sample_id``'s prompt)
+    from the shared folder, up to the first missing one. Answered with
+    :class:`BlocksFetched`, in the scheduler's inbox."""
+
+    sample_id: str
+    start: int
+    digests: tuple[bytes, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlocksFetched:
+    """The payloads of blocks ``start`` .. ``start + len(payloads) - 1`` of the sample's
+    prompt (none: not one was found)."""
+
+    sample_id: str
+    start: int
+    payloads: tuple[bytearray, ...]
 
 
 # --- front end <-> engine core (engine.process.wire) ------------------------------------------
@@ -831,6 +883,10 @@ class CoreStatistics:
     # lora_requests_info).
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
+    # The KV store (--kv-transfer-config), cumulative and in tokens (vLLM's
+    # external_prefix_cache_queries / _hits): prompts looked up there, and tokens read.
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
 
 
 # --- rank 0 <-> tensor-parallel workers (engine.process.workers) -------------------------

@@ -35,7 +35,8 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("model runner", ("engine.runner",)),
     ("models", ("engine.models",)),
     ("kernels", ("engine.ops", "engine.parallel")),
-    ("shared types", ("engine.messages", "engine.params", "engine.config", "engine.multimodal")),
+    ("shared types", ("engine.messages", "engine.params", "engine.config", "engine.multimodal",
+                      "engine.kv_transfer")),
     ("structured outputs", ("engine.structured",)),
     ("base", ("engine.errors", "engine._version")),
 )

@@ -32,3 +32,5 @@ class EngineParts:
     # The model's engine.models.config.ModelConfig (LoRA adapters are checked against it);
     # None where the front end could not read it.
     model_config: Any = None
+    # The KV store of --kv-transfer-config (engine.runner.kv_store.KVStore); None: off.
+    kv_store: Any = None

@@ -40,13 +40,16 @@ from engine.messages import (
     AdmittedRequest,
     AllocatorCall,
     AllocatorReply,
+    BlocksFetched,
     ClearPrefixCache,
     ControlPause,
     ControlProfiler,
     DetokenizerRequest,
+    FetchBlocks,
     PauseControlled,
     PrefixCacheCleared,
     PrefixCacheReset,
+    PrefixLookedUp,
     ProfilerControlled,
     ResetPrefixCache,
     SamplesAborted,
@@ -66,7 +69,7 @@ logger = logging.getLogger(__name__)
 ITERATION_TOKEN_BUCKETS = tuple(2**i for i in range(15))
 
 SchedulerInbox = (AdmittedRequest | StepResult | AbortSamples | StopStringHit | ResetPrefixCache
-                  | ControlProfiler | ControlPause)
+                  | ControlProfiler | ControlPause | BlocksFetched)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -93,6 +96,10 @@ class SchedulerActorStatistics:
     # lora_requests_info).
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
+    # The KV store (--kv-transfer-config), cumulative and in tokens (vLLM's
+    # external_prefix_cache_queries / _hits): prompts looked up there, and tokens read.
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
 
 
 class SchedulerActor:
@@ -118,8 +125,12 @@ class SchedulerActor:
         max_in_flight: int | None = None,
         profiler: Any = None,
         runner: Any = None,
+        to_store: trio.MemorySendChannel[FetchBlocks] | None = None,
     ) -> None:
         self._core = core
+        # The KV-store actor (engine.actors.kv_store), with core.kv_tier: reads of prompt
+        # blocks from the shared folder; None when the engine reads none.
+        self._to_store = to_store
         # The model runner, for sleep mode (its sleep / wake_up run on the model thread
         # between steps); None: a sleep above level 0 is answered with an error.
         self._runner = runner
@@ -164,7 +175,7 @@ class SchedulerActor:
         self._undelivered: collections.deque[StepOutputs] = collections.deque()
 
     def statistics(self) -> SchedulerActorStatistics:
-        core = self._core.statistics()
+        core, tier = self._core.statistics(), self._core.kv_tier
         return SchedulerActorStatistics(
             running=core.running,
             waiting=core.waiting + self._arriving,
@@ -181,6 +192,8 @@ class SchedulerActor:
             spec_accepted_tokens=core.spec_accepted_tokens,
             spec_accepted_per_pos=core.spec_accepted_per_pos,
             running_loras=core.running_loras, waiting_loras=core.waiting_loras,
+            external_prefix_cache_queries=tier.queries if tier is not None else 0,
+            external_prefix_cache_hits=tier.hits if tier is not None else 0,
         )
 
     def queue_depth(self) -> int:
@@ -221,6 +234,8 @@ class SchedulerActor:
                         return
                     await self._handle(message)
             finally:
+                if self._to_store is not None:
+                    self._to_store.close()
                 self._release_all()
                 self._runner = None  # as the executor's: a stopped actor keeps no model alive
                 if self._profiler is not None and self._profiler.active:
@@ -259,7 +274,7 @@ class SchedulerActor:
         if self._frozen() or len(self._in_flight) >= self._max_in_flight or not self._core.has_work:
             return False
         plan = await drive(self._core.schedule(), self._call)
-        if not (plan.chunks or plan.finished_ids or plan.preempted_ids):
+        if not (plan.chunks or plan.finished_ids or plan.preempted_ids or plan.kv_loads):
             return False  # nothing to run until a step in flight returns
         if self._in_flight:
             self._planned_ahead += 1
@@ -295,6 +310,10 @@ class SchedulerActor:
                 self._held.append(message)  # after the requests the pause waits for
             else:
                 await self._add(message)
+        elif isinstance(message, BlocksFetched):
+            request = self._core.get_request(message.sample_id)
+            if request is not None and self._core.kv_tier is not None:
+                self._core.kv_tier.fetched(request, message)
         elif isinstance(message, AbortSamples):
             await self._unhold(message.sample_ids)
             await self._finish(message.sample_ids, RequestStatus.FINISHED_ABORTED)
@@ -504,6 +523,22 @@ class SchedulerActor:
         self._arriving -= len(request.samples)  # counted from here on by the core
         if refused:
             await self._to_detokenizer.send(SamplesAborted(tuple(refused)))
+        if self._to_store is not None:
+            for sample in request.samples:
+                await self._fetch(sample.sample_id)
+
+    async def _fetch(self, sample_id: str) -> None:
+        """Have the store actor read the blocks of a new request's prompt past what the
+        prefix cache holds (engine.core.kv_tier); the request waits for them."""
+        tier, request = self._core.kv_tier, self._core.get_request(sample_id)
+        lookup = tier.lookup(request) if tier is not None and request is not None else None
+        if lookup is None:
+            return
+        reply = await self._call(lookup)
+        assert isinstance(reply, PrefixLookedUp)  # the allocator's protocol
+        fetch = tier.fetch(request, reply.num_blocks)
+        if fetch is not None:
+            await self._to_store.send(fetch)
 
     async def _finish(self, sample_ids: Iterable[str], status: RequestStatus) -> None:
         live = tuple(r for r in sample_ids if self._core.get_request(r) is not None)

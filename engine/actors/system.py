@@ -9,6 +9,8 @@ Channel graph (buffer 0 unless noted)::
                                                      KV allocator      SamplesAborted
                                                                        --> detokenizer
     scheduler --StepPlan--> executor                  detokenizer --OutputBatch--> router
+    scheduler --FetchBlocks--> KV store (inf) --BlocksFetched--> scheduler inbox
+                                (only where a --kv-transfer-config engine reads blocks)
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ import trio
 from engine.actors.allocator import KVAllocator
 from engine.actors.detokenizer import Detokenizer
 from engine.actors.executor import Executor
+from engine.actors.kv_store import KVStoreActor
 from engine.actors.parts import EngineParts
 from engine.actors.router import OutputRouter
 from engine.actors.scheduler import SchedulerActor
 from engine.core.block_pool import BlockPool
+from engine.core.kv_tier import KVTier
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.messages import AbortSamples, AdmittedRequest
 from engine.runner.profiler import StepProfiler
@@ -60,6 +64,10 @@ class EngineStatistics:
     # lora_requests_info).
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
+    # The KV store (--kv-transfer-config), cumulative and in tokens (vLLM's
+    # external_prefix_cache_queries / _hits): prompts looked up there, and tokens read.
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -82,9 +90,54 @@ def step_profiler(parts: Any, name: str) -> StepProfiler | None:
     return StepProfiler(spec, name, parts.runner.device) if spec is not None else None
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class CoreActors:
+    """The actors of one engine core (in-process, or in a core process): the KV allocator,
+    the executor, the scheduler and, where the engine reads a KV store, its actor. Each
+    starts after those it sends to (:attr:`start_order`)."""
+
+    allocator: KVAllocator
+    executor: Executor
+    scheduler: SchedulerActor
+    kv_store: KVStoreActor | None
+
+    @property
+    def start_order(self) -> tuple[Any, ...]:
+        before = (self.allocator, self.executor) + ((self.kv_store,) if self.kv_store else ())
+        return (*before, self.scheduler)
+
+
+def core_actors(parts: Any, *, inbox: Any, inbox_send: Any, to_detokenizer: Any,
+                profiler_name: str) -> CoreActors:
+    """Build a core's actors around the scheduler's ``inbox`` (``inbox_send``: its send
+    side, cloned for the executor and the KV-store actor)."""
+    config = parts.config
+    call_send, call_recv = trio.open_memory_channel[Any](0)
+    reply_send, reply_recv = trio.open_memory_channel[Any](0)
+    plan_send, plan_recv = trio.open_memory_channel[Any](0)
+    pool = BlockPool(parts.num_blocks, config.block_size,
+                     enable_prefix_caching=config.enable_prefix_caching,
+                     state_checkpoints=config.state_checkpoints or 0)
+    profiler = step_profiler(parts, profiler_name)
+    store = getattr(parts, "kv_store", None)
+    kv_store, to_store = None, None
+    if store is not None and store.loads:
+        # math.inf: the scheduler never waits on a read; admission bounds the requests.
+        to_store, store_recv = trio.open_memory_channel[Any](math.inf)
+        kv_store = KVStoreActor(store, store_recv, inbox_send.clone())
+    return CoreActors(
+        KVAllocator(pool, call_recv, reply_send),
+        Executor(parts.runner, plan_recv, inbox_send.clone(), profiler=profiler),
+        scheduler_actor(parts, inbox=inbox, to_allocator=call_send, from_allocator=reply_recv,
+                        to_executor=plan_send, to_detokenizer=to_detokenizer, profiler=profiler,
+                        to_store=to_store),
+        kv_store,
+    )
+
+
 def scheduler_actor(
     parts: Any, *, inbox: Any, to_allocator: Any, from_allocator: Any, to_executor: Any,
-    to_detokenizer: Any, profiler: StepProfiler | None = None,
+    to_detokenizer: Any, profiler: StepProfiler | None = None, to_store: Any = None,
 ) -> SchedulerActor:
     """The scheduler actor for ``parts`` (:class:`EngineParts`, or an engine core process's
     parts), wired to the given channels. One place builds it for both, so a core in its
@@ -100,7 +153,8 @@ def scheduler_actor(
                 pooling=parts.pooler is not None, paged_kv=parts.runner.paged_kv,
                 whole_images=getattr(parts.runner.config.vision, "bidirectional_images", False),
                 whole_prompts=parts.runner.config.bidirectional,
-            )
+            ),
+            KVTier(parts.kv_store, config.block_size) if getattr(parts, "kv_store", None) else None,
         ),
         inbox=inbox,
         to_allocator=to_allocator,
@@ -112,6 +166,7 @@ def scheduler_actor(
         max_in_flight=getattr(parts.runner, "batches_in_flight", None),
         profiler=profiler,
         runner=parts.runner,
+        to_store=to_store,
     )
 
 
@@ -127,25 +182,14 @@ async def run_actors(parts: EngineParts, *, ready: Callable[[ActorHandles], None
     # callers' tasks; its depth stays bounded by admission control (max_queued_requests)
     # plus the steps in flight.
     sched_send, sched_recv = trio.open_memory_channel[Any](math.inf)
-    call_send, call_recv = trio.open_memory_channel[Any](0)
-    reply_send, reply_recv = trio.open_memory_channel[Any](0)
-    plan_send, plan_recv = trio.open_memory_channel[Any](0)
     detok_send, detok_recv = trio.open_memory_channel[Any](0)
     router_send, router_recv = trio.open_memory_channel[Any](0)
 
     with sched_send:
         callers = sched_send.clone()
-        pool = BlockPool(
-            parts.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
-            state_checkpoints=config.state_checkpoints or 0,
-        )
-        allocator = KVAllocator(pool, call_recv, reply_send)
-        profiler = step_profiler(parts, "engine")
-        executor = Executor(parts.runner, plan_recv, sched_send.clone(), profiler=profiler)
-        scheduler = scheduler_actor(
-            parts, inbox=sched_recv, to_allocator=call_send, from_allocator=reply_recv,
-            to_executor=plan_send, to_detokenizer=detok_send, profiler=profiler,
-        )
+        core = core_actors(parts, inbox=sched_recv, inbox_send=sched_send, to_detokenizer=detok_send,
+                           profiler_name="engine")
+        allocator, executor, scheduler = core.allocator, core.executor, core.scheduler
         detokenizer = Detokenizer(
             parts.tokenizer, inbox=detok_recv, to_router=router_send,
             to_scheduler=sched_send.clone(), stream_interval=config.stream_interval,
@@ -168,6 +212,8 @@ async def run_actors(parts: EngineParts, *, ready: Callable[[ActorHandles], None
             "allocator": allocator, "executor": executor, "scheduler": scheduler,
             "detokenizer": detokenizer, "router": router,
         }
+        if core.kv_store is not None:
+            actors["kv_store"] = core.kv_store
 
         def statistics() -> EngineStatistics:
             sched = scheduler.statistics()
@@ -185,13 +231,16 @@ async def run_actors(parts: EngineParts, *, ready: Callable[[ActorHandles], None
                 spec_accepted_tokens=sched.spec_accepted_tokens,
                 spec_accepted_per_pos=sched.spec_accepted_per_pos,
                 running_loras=sched.running_loras, waiting_loras=sched.waiting_loras,
+                external_prefix_cache_queries=sched.external_prefix_cache_queries,
+                external_prefix_cache_hits=sched.external_prefix_cache_hits,
             )
 
         with callers:
             async with trio.open_nursery() as nursery:
                 # Dependency order: each actor starts after those it sends to.
-                for name in ("allocator", "executor", "router", "detokenizer", "scheduler"):
-                    await nursery.start(actors[name].run)
+                for name in ("allocator", "executor", "kv_store", "router", "detokenizer", "scheduler"):
+                    if name in actors:
+                        await nursery.start(actors[name].run)
                 ready(ActorHandles(router, send, abort, scheduler.queue_depth, statistics, actors))
 
 
@@ -274,6 +323,8 @@ def combined_statistics(cores: list[Any], *, waiting: int, idle_blocks: int) -> 
         spec_accepted_per_pos=_sum_lists([s.spec_accepted_per_pos for s in cores]),
         running_loras=tuple(sorted({n for s in cores for n in s.running_loras})),
         waiting_loras=tuple(sorted({n for s in cores for n in s.waiting_loras})),
+        external_prefix_cache_queries=sum(s.external_prefix_cache_queries for s in cores),
+        external_prefix_cache_hits=sum(s.external_prefix_cache_hits for s in cores),
     )
 
 
@@ -283,6 +334,7 @@ COUNTER_FIELDS = (
     "prefix_cache_hits", "prefix_cache_queries", "preemptions", "steps", "requests_finished",
     "iteration_token_counts", "iteration_tokens_sum", "scheduled_tokens", "planned_ahead",
     "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_pos",
+    "external_prefix_cache_queries", "external_prefix_cache_hits",
 )
 
 

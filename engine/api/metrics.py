@@ -57,6 +57,8 @@ METRIC_NAMES = (
     "engine:num_preemptions_total",
     "engine:prefix_cache_queries_total",
     "engine:prefix_cache_hits_total",
+    "engine:external_prefix_cache_queries_total",
+    "engine:external_prefix_cache_hits_total",
     "engine:prompt_tokens_total",
     "engine:generation_tokens_total",
     "engine:request_success_total",
@@ -143,6 +145,12 @@ class _EngineCollector(Collector):
                      lambda c: c.prefix_cache_queries)
         yield family(CounterMetricFamily, "engine:prefix_cache_hits",
                      "Prompt tokens found in the prefix cache.", lambda c: c.prefix_cache_hits)
+        yield family(CounterMetricFamily, "engine:external_prefix_cache_queries",
+                     "Prompt tokens of the requests looked up in the KV store (--kv-transfer-config).",
+                     lambda c: c.external_prefix_cache_queries)
+        yield family(CounterMetricFamily, "engine:external_prefix_cache_hits",
+                     "Prompt tokens read from the KV store instead of computed.",
+                     lambda c: c.external_prefix_cache_hits)
         yield from self._iteration_tokens(stats)
         yield from self._spec_decode(stats)
         yield self._cache_config(stats)

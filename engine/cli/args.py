@@ -124,7 +124,6 @@ VLLM_SERVE_FLAGS: dict[str, VllmFlag] = {
     "--rope-scaling": VllmFlag("refuse", "give it as --hf-overrides "
                                "'{\"rope_scaling\": {...}}', as vLLM now does"),
     "--quantization-param-path": VllmFlag("refuse", "not supported"),
-    "--kv-transfer-config": VllmFlag("refuse", "disaggregated prefill is not supported"),
     "--compilation-config": VllmFlag("refuse", "there is no torch.compile step here"),
     "-O": VllmFlag("refuse", "there is no torch.compile step here"),
     "--api-server-count": VllmFlag("no_op", "one HTTP server process serves here",

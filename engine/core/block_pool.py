@@ -70,7 +70,9 @@ from engine.messages import (
     ClearPrefixCache,
     ForkBlocks,
     FreeRequest,
+    LookupPrefix,
     PrefixCacheCleared,
+    PrefixLookedUp,
     ReadAllocatorStats,
     ReleaseBlocks,
     RequestFreed,
@@ -168,6 +170,9 @@ class BlockPool:
                 return PrefixCacheCleared(self.clear_prefix_cache())
             case ReadAllocatorStats():
                 return self.statistics()
+            case LookupPrefix(token_ids, cache_salt):
+                found = self.lookup(token_ids, cache_salt) if self.enable_prefix_caching else ()
+                return PrefixLookedUp(len(found))
         raise ProtocolError(f"the block pool cannot handle {type(call).__name__}")
 
     def allocate_slots(self, call: AllocateSlots) -> SlotsAllocated | AllocationRefused:
@@ -184,7 +189,8 @@ class BlockPool:
             if depth < len(hits):
                 self._junction[call.sample_id] = len(hits) * self.block_size
             hits = hits[:depth]
-        start = call.num_computed_tokens + len(hits) * self.block_size
+        external = self._external(call, len(hits))
+        start = call.num_computed_tokens + (len(hits) + external) * self.block_size
         end = min(call.num_known_tokens, start + call.token_budget)
         if end <= start:
             raise ProtocolError(f"request {call.sample_id!r}: nothing to compute from {start}")
@@ -212,8 +218,17 @@ class BlockPool:
                 self._ckpt_of.move_to_end(hits[-1].gen)
             save = self._reserve_checkpoint(call.sample_id, start, end, hits[-1].gen if hits else 0,
                                             call.past_prompt)
-        return SlotsAllocated(call.sample_id, len(hits) * self.block_size, end - start, tuple(block_ids),
-                              load, save)
+        return SlotsAllocated(call.sample_id, (len(hits) + external) * self.block_size, end - start,
+                              tuple(block_ids), load, save, external * self.block_size)
+
+    def _external(self, call: AllocateSlots, num_hits: int) -> int:
+        """How many of the request's blocks read from the KV store it takes: those past the
+        prefix cache's hit, when they follow on from it, and never the block of the last
+        known token. They are the first new blocks of its table."""
+        first, count = call.external
+        if not count or not first <= num_hits < first + count:
+            return 0
+        return max(0, min(first + count, (call.num_known_tokens - 1) // self.block_size) - num_hits)
 
     def cache_blocks(self, sample_id: str, token_ids: tuple[int, ...]) -> BlocksCached:
         """Enter the request's next full, computed blocks into the prefix cache."""

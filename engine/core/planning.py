@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Generator
+from typing import Any
 
 from engine.core.encoder_budget import EncoderBudget
 from engine.core.request import ProtocolError, Request
@@ -40,10 +41,13 @@ class StepDraft:
     chunks: list[ScheduledChunk] = dataclasses.field(default_factory=list)
     epochs: dict[str, int] = dataclasses.field(default_factory=dict)
     block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    kv_loads: list[tuple[int, Any]] = dataclasses.field(default_factory=list)
+    kv_saves: list[tuple[str, int, bytes]] = dataclasses.field(default_factory=list)
 
     def plan(self, finished_ids: list[str], preempted_ids: list[str]) -> StepPlan:
         return StepPlan(self.step_id, tuple(self.new_requests), tuple(self.chunks),
-                        tuple(finished_ids), tuple(self.block_copies), tuple(preempted_ids))
+                        tuple(finished_ids), tuple(self.block_copies), tuple(preempted_ids),
+                        tuple(self.kv_loads), tuple(self.kv_saves))
 
 
 def release_out_of_window(
@@ -81,9 +85,11 @@ def fits_table(req: Request, budget: int, n_drafts: int, block_size: int,
     return SlotsAllocated(req.sample_id, 0, count, ())
 
 
-def allocate_call(req: Request, budget: int, *, lookup: bool, n_drafts: int = 0) -> AllocateSlots:
+def allocate_call(req: Request, budget: int, *, lookup: bool, n_drafts: int = 0,
+                  external: tuple[int, int] = (0, 0)) -> AllocateSlots:
     """Ask for the slots of ``req``'s next chunk (and ``n_drafts`` proposal positions); a
-    first table looks its known tokens up in the prefix cache when ``lookup``."""
+    first table looks its known tokens up in the prefix cache when ``lookup``, and may
+    take the ``external`` blocks it read from the KV store (engine.core.kv_tier)."""
     first = not req.block_ids
     return AllocateSlots(
         req.sample_id,
@@ -93,6 +99,7 @@ def allocate_call(req: Request, budget: int, *, lookup: bool, n_drafts: int = 0)
         req.known_token_ids() if lookup and first else (),
         req.cache_salt if first else None,
         req.num_computed_tokens >= req.num_prompt_tokens,
+        external if first else (0, 0),
     )
 
 
@@ -142,7 +149,8 @@ def _take_slots(req: Request, reply: AllocatorReply, block_size: int) -> SlotsAl
         req.num_computed_tokens += reply.num_cached_tokens
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = reply.num_cached_tokens
-        req.num_cached_blocks = reply.num_cached_tokens // block_size
+        # Blocks read from the KV store are cached once the step that copies them in is done.
+        req.num_cached_blocks = (reply.num_cached_tokens - reply.num_external_tokens) // block_size
     req.block_ids.extend(reply.block_ids)
     return reply
 

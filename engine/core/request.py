@@ -67,6 +67,7 @@ class Request:
         "num_preemptions", "seen_by_runner", "num_cached_tokens", "prediction",
         "draft_token_ids", "num_model_drafts", "num_draft_tokens", "num_accepted_tokens", "images",
         "cache_prompt_ids", "prediction_pos", "last_chunk_end", "beam", "lora", "pool_tokens",
+        "store",
     )  # fmt: skip
 
     def __init__(
@@ -132,6 +133,8 @@ class Request:
         # Beam search: the group's state (engine.core.beam.BeamGroup) on the request the
         # queue holds; its beams are requests of their own, outside the queue.
         self.beam: Any = None
+        # The KV store's state of it (engine.core.kv_tier.StoreState), None: not concerned.
+        self.store: Any = None
 
     def __repr__(self) -> str:
         return (

@@ -35,6 +35,7 @@ from collections.abc import Awaitable, Callable, Generator, Iterable
 from engine.core.beam_scheduling import BeamScheduling
 from engine.core.block_pool import BlockPool
 from engine.core.encoder_budget import EncoderBudget
+from engine.core.kv_tier import KVTier
 from engine.core.planning import (
     StepDraft,
     add_chunk,
@@ -138,8 +139,9 @@ class Scheduler(BeamScheduling):
     allocator calls every method returns before the next ``schedule()``.
     """
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, kv_tier: KVTier | None = None) -> None:
         self.config = config
+        self.kv_tier = kv_tier  # the KV store's side (--kv-transfer-config), None: off
         self._queue = RequestQueue(config.policy)
         self._finished_ids: list[str] = []  # for the next plan: runner state to drop
         self._preempted_ids: list[str] = []  # for the next plan: recomputed from position 0
@@ -178,6 +180,8 @@ class Scheduler(BeamScheduling):
         self._next_arrival += 1
         if request.params.beam_width:
             self._start_beam_group(req, request)
+        if self.kv_tier is not None:
+            self.kv_tier.track(req, reads=self._prefix_lookup(req))
         self._queue.add(req)
         return req
 
@@ -269,6 +273,8 @@ class Scheduler(BeamScheduling):
             yield from self._schedule_waiting(step)
         if step.chunks:
             self._in_flight[step.step_id] = step.epochs
+            if self.kv_tier is not None:
+                step.kv_saves = self.kv_tier.saves(step.chunks, self._queue.get)
         plan = step.plan(self._finished_ids, self._preempted_ids)
         self._finished_ids.clear()
         self._preempted_ids.clear()
@@ -364,7 +370,7 @@ class Scheduler(BeamScheduling):
             if (step.budget == 0 or seats + req.num_seats > self.config.max_num_seqs
                     or len(step.chunks) >= self._step_cap):
                 return
-            if req.wait_for is not None or not req.can_sample or self._busy(req):
+            if req.wait_for is not None or not req.can_sample or self._busy(req) or KVTier.waiting(req):
                 continue
             if not self._lora_fits(req):
                 continue  # its adapter would be one too many this step; others may start
@@ -387,12 +393,14 @@ class Scheduler(BeamScheduling):
                     return  # whole prompts only; it goes first in the next step
                 reply: AllocatorReply = SlotsAllocated(req.sample_id, 0, req.num_prompt_tokens, ())
             else:
-                reply = yield allocate_call(req, budget, lookup=lookup)
+                reply = yield allocate_call(req, budget, lookup=lookup, external=KVTier.offer(req))
             if not isinstance(reply, SlotsAllocated):
                 if not self._queue.running:
                     raise too_small(req, reply)
                 return  # no overtaking: later requests wait for blocks too
             self._start(step, req, reply)
+            if self.kv_tier is not None:
+                self.kv_tier.took(req, reply, step.kv_loads)
 
     def _lora_fits(self, req: Request) -> bool:
         """Whether starting ``req`` keeps the running requests within ``max_loras`` distinct

@@ -32,12 +32,9 @@ from typing import Any
 import trio
 
 from engine._version import VERSION
-from engine.actors.allocator import KVAllocator
-from engine.actors.executor import Executor
 from engine.actors.model_thread import run_in_model_thread
-from engine.actors.system import scheduler_actor, step_profiler
+from engine.actors.system import core_actors
 from engine.config import EngineConfig, parse_address
-from engine.core.block_pool import BlockPool
 from engine.errors import InvalidParamError
 from engine.messages import (
     CORE_CONTROLS,
@@ -235,24 +232,13 @@ async def run_core_actors(parts: Any, frames: FrameStream, core_index: int = 0) 
 
 async def _run_core_actors(parts: Any, frames: FrameStream, compiles: CompilePool | None,
                            core_index: int) -> None:
-    config = parts.config
     # math.inf: as in run_actors, the inbox closes the executor's cycle and takes the
     # bridge's messages without blocking; admission control in the front end bounds it.
     sched_send, sched_recv = trio.open_memory_channel[Any](math.inf)
-    call_send, call_recv = trio.open_memory_channel[Any](0)
-    reply_send, reply_recv = trio.open_memory_channel[Any](0)
-    plan_send, plan_recv = trio.open_memory_channel[Any](0)
     out_send, out_recv = trio.open_memory_channel[Any](0)
-    pool = BlockPool(parts.num_blocks, config.block_size,
-                     enable_prefix_caching=config.enable_prefix_caching,
-                     state_checkpoints=config.state_checkpoints or 0)
-    allocator = KVAllocator(pool, call_recv, reply_send)
-    profiler = step_profiler(parts, f"engine-core{core_index}")
-    executor = Executor(parts.runner, plan_recv, sched_send.clone(), profiler=profiler)
-    scheduler = scheduler_actor(
-        parts, inbox=sched_recv, to_allocator=call_send, from_allocator=reply_recv,
-        to_executor=plan_send, to_detokenizer=out_send, profiler=profiler,
-    )
+    actors = core_actors(parts, inbox=sched_recv, inbox_send=sched_send, to_detokenizer=out_send,
+                         profiler_name=f"engine-core{core_index}")
+    allocator, scheduler = actors.allocator, actors.scheduler
     refusals = out_send.clone()  # bridge_in's answer to a request whose grammar it refused
     received = 0
 
@@ -272,6 +258,8 @@ async def _run_core_actors(parts: Any, frames: FrameStream, compiles: CompilePoo
             spec_accepted_tokens=sched.spec_accepted_tokens,
             spec_accepted_per_pos=sched.spec_accepted_per_pos,
             running_loras=sched.running_loras, waiting_loras=sched.waiting_loras,
+            external_prefix_cache_queries=sched.external_prefix_cache_queries,
+            external_prefix_cache_hits=sched.external_prefix_cache_hits,
         )
 
     async def compiled(message: AdmittedRequest) -> bool:
@@ -340,7 +328,7 @@ async def _run_core_actors(parts: Any, frames: FrameStream, compiles: CompilePoo
     # The model is loaded: its heap leaves the full collections (process/heap.py).
     with sched_send, frozen_startup_heap():
         async with trio.open_nursery() as nursery:
-            for actor in (allocator, executor):
+            for actor in actors.start_order[:-1]:
                 await nursery.start(actor.run)
             await nursery.start(bridge_out)
             await nursery.start(scheduler.run)

@@ -41,6 +41,7 @@ from engine.runner.kv_cache import (
     num_kv_blocks,
     state_bytes,
 )
+from engine.runner.kv_store import KVStore
 from engine.structured import GrammarBackend
 
 logger = logging.getLogger("engine")
@@ -135,6 +136,7 @@ def _build_parts(config: EngineConfig, device: torch.device, load: RankLoad,
         _log_kv_pool(config, loaded, device, num_blocks, t3 - t2, tp, load.draft)
     runner.warm_up()
     logger.info("warm-up in %.2f s", time.perf_counter() - t3)
+    kv_store = _kv_store(config, load, runner)
     limits = AdmissionLimits(
         max_model_len=config.max_model_len or 0,
         vocab_size=loaded.config.vocab_size,
@@ -154,7 +156,33 @@ def _build_parts(config: EngineConfig, device: torch.device, load: RankLoad,
                        dtype=str(loaded.dtype).removeprefix("torch."),
                        quantization=loaded.quantization,
                        images=image_preprocessor(config, loaded.config, loaded.folder, tokenizer),
-                       model_config=loaded.config)
+                       model_config=loaded.config, kv_store=kv_store)
+
+
+def _kv_store(config: EngineConfig, load: RankLoad, runner: Any) -> KVStore | None:
+    """The KV store of ``--kv-transfer-config`` (None when off), given to the runner, which
+    writes to it; refused where its blocks would not hold a request's whole state."""
+    kv = config.kv_transfer
+    if kv is None:
+        return None
+
+    def refuse(why: str) -> ConfigError:
+        return ConfigError(f"kv_transfer_config: {why}", field="kv_transfer_config")
+
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        raise refuse("the KV store is built for one rank a core (data parallelism shares it); "
+                     "not with tensor or pipeline parallelism")
+    if load.pooler is not None or not runner.paged_kv:
+        raise refuse("a pooling model keeps no prompt KV to share")
+    if load.loaded.config.recurrent is not None:
+        raise refuse("a model with recurrent layers keeps states the KV blocks do not hold")
+    if load.draft is not None:
+        raise refuse("a draft model keeps a KV cache of its own that the store does not hold")
+    store = KVStore.for_engine(kv, runner.kv_caches, model_path=load.path, dtype=str(load.loaded.dtype),
+                               hf_overrides=config.hf_overrides)
+    runner.kv_store = store
+    logger.info("kv_transfer_config: %s, %s, blocks in %s", kv.kv_connector, kv.kv_role, store.folder)
+    return store
 
 
 def _refuse_unsplittable(model_config: Any, config: EngineConfig) -> None:

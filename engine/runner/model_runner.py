@@ -169,6 +169,9 @@ class ModelRunner:
         # Requests that failed in a step: their state is gone, chunks already planned for
         # them (async scheduling) are skipped until the scheduler's finished_ids names them.
         self._failed: set[str] = set()
+        # The KV store (engine.runner.kv_store, --kv-transfer-config): the plans' blocks read
+        # are copied in before a step, its prompt blocks written after it. None: off.
+        self.kv_store: Any = None
         # The flat batch of a step's chunks (its index tensors reused on CPU).
         self._batch = BatchBuilder(
             block_size=block_size, device=self.device, max_num_seqs=max_num_seqs,
@@ -323,6 +326,8 @@ class ModelRunner:
         copy_blocks(self.kv_caches, plan.block_copies, self.device)
         if self.drafter is not None and plan.block_copies:
             copy_blocks(self.drafter.kv_caches, plan.block_copies, self.device)
+        if plan.kv_loads:  # blocks a request holds even where its chunk waits (an image's)
+            self.kv_store.load(self.kv_caches, plan.kv_loads)
         chunks = tuple(c for c in plan.chunks if c.sample_id not in self._failed)
         if chunks and self.sleeping:
             # The scheduler plans nothing while the engine sleeps; a step that comes anyway
@@ -353,10 +358,21 @@ class ModelRunner:
         for failure in failed:
             self._forget(failure.sample_id)
             self._failed.add(failure.sample_id)
+        if plan.kv_saves:
+            self._save_blocks(plan, failed)
         if self._encoder_cache:
             self._evict_encoder_outputs()
         return StepResult(plan.step_id, sampled, time.perf_counter() - t0, prompt_logprobs, failed,
                           pooled)
+
+    def _save_blocks(self, plan: StepPlan, failed: Sequence[RequestFailure]) -> None:
+        """Write the plan's completed prompt blocks to the KV store, but a failed request's;
+        a store that cannot take them costs the sharing, never the step."""
+        bad = {f.sample_id for f in failed}
+        try:
+            self.kv_store.save(self.kv_caches, [(b, d) for s, b, d in plan.kv_saves if s not in bad])
+        except Exception:
+            logger.exception("step %d: writing its KV blocks to the store failed", plan.step_id)
 
     def _run(
         self, chunks: tuple[ScheduledChunk, ...]
