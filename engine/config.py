@@ -886,6 +886,16 @@ class EngineConfig:
                               "a processor sees one row per request and step, and speculative "
                               "verification samples several", field="logits_processors")
 
+    def _check_kv_transfer(self) -> None:
+        """The KV store holds one rank's pool and the target model's KV only."""
+        if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ConfigError("kv_transfer_config: the KV store is built for one rank a core (data "
+                              "parallelism shares it), not with tensor or pipeline parallelism",
+                              field="kv_transfer_config")
+        if self.speculative_config is not None and self.speculative.method == "draft_model":
+            raise ConfigError("kv_transfer_config: a draft model keeps a KV cache of its own that "
+                              "the KV store does not hold", field="kv_transfer_config")
+
     def _check_lora(self) -> None:
         modules = parse_lora_modules(self.lora_modules)
         if self.lora_modules is not None:
@@ -937,6 +947,7 @@ class EngineConfig:
         if self.kv_transfer_config is not None:
             kv = parse_kv_transfer_config(self.kv_transfer_config)
             object.__setattr__(self, "kv_transfer_config", kv.to_json())
+            self._check_kv_transfer()
         if self.profiler_config is not None:
             profiler = parse_profiler_config(self.profiler_config)
             object.__setattr__(self, "profiler_config", profiler.to_json() if profiler else None)

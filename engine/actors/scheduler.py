@@ -367,6 +367,7 @@ class SchedulerActor:
         if message.action == "wake" and self._runner is not None and getattr(self._runner, "sleeping", None):
             try:
                 await run_in_model_thread(self._runner.wake_up, message.tags)
+                self._forget_reads()
             except Exception as exc:  # the checkpoint unreadable now, say: still asleep
                 logger.exception("sleep mode: waking %s failed", message.tags or "everything")
                 await self._answer_pause(message, error=f"waking up failed: {exc}")
@@ -426,6 +427,7 @@ class SchedulerActor:
         if error is None:
             try:
                 await run_in_model_thread(self._runner.reload_weights)
+                self._forget_reads()
                 logger.info("reload_weights: the model was built again from its checkpoint")
             except Exception as exc:  # the checkpoint unreadable, say: the old model stays
                 logger.exception("reload_weights failed")
@@ -433,6 +435,11 @@ class SchedulerActor:
         if self._reload_then_resume and not self._sleeping():
             self._paused = False
         await self._answer_pause(message, cleared=reply.done, error=error)
+
+    def _forget_reads(self) -> None:
+        """The weights may have changed: the KV store's blocks read so far are not taken."""
+        if self._core.kv_tier is not None:
+            self._core.kv_tier.forget_reads()
 
     def _frozen(self) -> bool:
         """Paused, and not draining for a pause with mode "wait" (whose requests run on)."""

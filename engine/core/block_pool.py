@@ -18,6 +18,12 @@ blocks ever written thus stays compact: on CPU the pool's memory pages become re
 only when first touched (``engine.runner.kv_cache``), so resident memory follows the most
 blocks in use at once plus what the prefix cache keeps, not the pool's size.
 
+Blocks read from a KV store (``--kv-transfer-config``, engine.core.kv_tier): a first
+allocation may offer them (``AllocateSlots.external``); those that follow on from the
+prefix cache's hit are allocated as new blocks right after it, counted as cached tokens
+(``SlotsAllocated.num_external_tokens``) and filled by the runner before the chunk runs.
+The request caches them once that step is done, as blocks it computed.
+
 Prefix cache. Only full blocks whose tokens are computed are cached. A block's key chains
 its parent's key, its tokens and the request's ``cache_salt``, so equal keys normally
 mean equal prefixes. The key is only a bucket index: a hit is *verified* by comparing the

@@ -46,6 +46,7 @@ class StoreState:
     reads: bool  # it may start from blocks read (a first table that looks the cache up)
     fetching: bool = False  # waiting for the store actor's answer
     first: int = 0  # the index of the first block read
+    epoch: int = 0  # the tier's epoch when it was read (KVTier.forget_reads)
     payloads: tuple[Any, ...] = ()  # the blocks read, until its first allocation
     saved: int = 0  # leading prompt blocks known to be in the folder
 
@@ -58,6 +59,9 @@ class KVTier:
         self.store = store
         self.block_size = block_size
         self.queries = 0  # prompt tokens of the requests looked up in the folder
+        # Counts the model's rebuilds from its checkpoint: blocks read before one were
+        # computed with the weights before it, and are not taken.
+        self.epoch = 0
         self.hits = 0  # tokens taken from blocks read
 
     def track(self, req: Request, *, reads: bool) -> None:
@@ -88,6 +92,7 @@ class KVTier:
         if state is None or cached_blocks >= end:
             return None
         state.fetching = True
+        state.epoch = self.epoch
         return FetchBlocks(req.sample_id, cached_blocks, state.digests[cached_blocks:end])
 
     def fetched(self, req: Request, answer: BlocksFetched) -> None:
@@ -104,11 +109,15 @@ class KVTier:
         """Whether ``req`` waits for blocks being read."""
         return req.store is not None and req.store.fetching
 
-    @staticmethod
-    def offer(req: Request) -> tuple[int, int]:
+    def forget_reads(self) -> None:
+        """The weights were read again (a level 2 wake-up, ``reload_weights``): blocks read
+        or being read now are of the old weights, and none is taken."""
+        self.epoch += 1
+
+    def offer(self, req: Request) -> tuple[int, int]:
         """``AllocateSlots.external`` for ``req``'s next allocation."""
         state = req.store
-        if state is None or not state.payloads or req.block_ids:
+        if state is None or not state.payloads or req.block_ids or state.epoch != self.epoch:
             return (0, 0)
         return (state.first, len(state.payloads))
 

@@ -393,7 +393,8 @@ class Scheduler(BeamScheduling):
                     return  # whole prompts only; it goes first in the next step
                 reply: AllocatorReply = SlotsAllocated(req.sample_id, 0, req.num_prompt_tokens, ())
             else:
-                reply = yield allocate_call(req, budget, lookup=lookup, external=KVTier.offer(req))
+                external = self.kv_tier.offer(req) if self.kv_tier is not None else (0, 0)
+                reply = yield allocate_call(req, budget, lookup=lookup, external=external)
             if not isinstance(reply, SlotsAllocated):
                 if not self._queue.running:
                     raise too_small(req, reply)

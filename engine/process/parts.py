@@ -169,15 +169,10 @@ def _kv_store(config: EngineConfig, load: RankLoad, runner: Any) -> KVStore | No
     def refuse(why: str) -> ConfigError:
         return ConfigError(f"kv_transfer_config: {why}", field="kv_transfer_config")
 
-    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
-        raise refuse("the KV store is built for one rank a core (data parallelism shares it); "
-                     "not with tensor or pipeline parallelism")
     if load.pooler is not None or not runner.paged_kv:
         raise refuse("a pooling model keeps no prompt KV to share")
     if load.loaded.config.recurrent is not None:
         raise refuse("a model with recurrent layers keeps states the KV blocks do not hold")
-    if load.draft is not None:
-        raise refuse("a draft model keeps a KV cache of its own that the store does not hold")
     store = KVStore.for_engine(kv, runner.kv_caches, model_path=load.path, dtype=str(load.loaded.dtype),
                                hf_overrides=config.hf_overrides)
     runner.kv_store = store

@@ -87,14 +87,15 @@ def model_fingerprint(path: Path) -> list[tuple[str, int, str]]:
 class KVStore:
     """One engine's view of the shared folder: its namespace's blocks."""
 
-    def __init__(self, root: str | Path, namespace: str, block_nbytes: int, *, saves: bool,
-                 loads: bool) -> None:
-        self.folder = Path(root) / namespace
-        self.namespace = namespace
+    def __init__(self, root: str | Path, identity: dict[str, Any], block_nbytes: int, *, saves: bool,
+                 loads: bool, model_path: Path | None = None) -> None:
+        self.root = Path(root)
         self.block_nbytes = block_nbytes
         self.saves = saves
         self.loads = loads
-        self._seed = bytes.fromhex(namespace)
+        self._identity = identity  # what the namespace digests, the model's files but
+        self._model_path = model_path  # read again by refresh()
+        self._name(identity)
         self.blocks_written = 0
         self.blocks_read = 0
         self._write_failed = False
@@ -107,9 +108,22 @@ class KVStore:
         layout = [(str(t.dtype), list(t.shape[1:])) for t in tensors]
         identity = {"format": FORMAT_VERSION, "model": model_fingerprint(model_path), "dtype": dtype,
                     "hf_overrides": hf_overrides, "layout": layout}
-        namespace = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
         nbytes = sum(t[0].numel() for t in tensors)
-        return cls(kv.shared_storage_path, namespace, nbytes, saves=kv.saves, loads=kv.loads)
+        return cls(kv.shared_storage_path, identity, nbytes, saves=kv.saves, loads=kv.loads,
+                   model_path=model_path)
+
+    def _name(self, identity: dict[str, Any]) -> None:
+        self.namespace = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+        self.folder = self.root / self.namespace
+        self._seed = bytes.fromhex(self.namespace)
+
+    def refresh(self) -> None:
+        """The model was read again from its checkpoint (sleep mode's level 2 wake-up,
+        ``reload_weights``): its files are fingerprinted again, so that weights a trainer
+        rewrote share blocks only with engines on the same weights."""
+        if self._model_path is not None:
+            self._identity = {**self._identity, "model": model_fingerprint(self._model_path)}
+            self._name(self._identity)
 
     # -- names -------------------------------------------------------------------------------
 

@@ -266,6 +266,8 @@ class ModelRunner:
                                  device=self.device, tp=self.tp)
         del weights
         self.verifier.model = self.model
+        if self.kv_store is not None:  # new weights: blocks of a folder of their own
+            self.kv_store.refresh()
         if self.drafter is not None:
             self.drafter.rebuild(self._reload_draft())
         if self._lora_settings is not None:
