@@ -300,3 +300,26 @@ def test_served_usage_and_metrics_count_the_blocks_read(model: Path, tmp_path: P
     assert second.choices[0].text == first.choices[0].text
     hits = [line for line in metrics.splitlines() if line.startswith("engine:external_prefix_cache_hits_total")]
     assert hits and float(hits[0].rsplit(" ", 1)[1]) == 5 * BLOCK
+
+
+def test_vllms_offline_disaggregated_prefill_example(model: Path, hf: Any, tmp_path: Path) -> None:
+    """vLLM's offline example, as written: a prefill LLM (kv_producer) generates one token
+    for each prompt, then a decode LLM (kv_consumer) on the same folder generates the
+    answers, reading the prompts' blocks."""
+    prompts = [{"prompt_token_ids": p} for p in (PROMPT, SHARED)]
+    store = tmp_path / "store"
+    with engine.LLM(str(model), **_options(store, "kv_producer")) as llm:
+        llm.generate(prompts, engine.SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    with engine.LLM(str(model), **_options(store, "kv_consumer")) as llm:
+        outputs = llm.generate(prompts, engine.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                               use_tqdm=False)
+        hits = llm.get_metrics()
+    for out, p in zip(outputs, (PROMPT, SHARED), strict=True):
+        assert out.num_cached_tokens == (len(p) - 1) // BLOCK * BLOCK
+        assert list(out.outputs[0].token_ids) == _hf_greedy(hf, p, 6)[0]
+    # Every cached token came from the folder: read there, or (SHARED's first blocks, when
+    # it runs after PROMPT's blocks entered the cache) from the cache that read them.
+    (read,) = [m for m in hits if m.name == "vllm:external_prefix_cache_hits"]
+    (local,) = [m for m in hits if m.name == "vllm:prefix_cache_hits"]
+    assert read.value >= len(PROMPT) // BLOCK * BLOCK
+    assert read.value + local.value == sum((len(p) - 1) // BLOCK * BLOCK for p in (PROMPT, SHARED))

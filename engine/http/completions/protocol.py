@@ -83,6 +83,9 @@ _NOT_IMPLEMENTED_WHY = {
     "modalities": 'only ["text"] output is supported',
     "web_search_options": "this server has no web search",
     "verbosity": "only the default verbosity (medium) is supported",
+    "kv_transfer_params": "per-request KV transfer (a remote prefill or decode, as NIXL's) is "
+                          "not built; --kv-transfer-config's folder shares prompt blocks "
+                          "without it",
 }
 # Fields of one API only, refused by the other when they would change its answer.
 _CHAT_REFUSES: dict[str, tuple[Callable[[Any], bool], str]] = {
