@@ -31,23 +31,13 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import trio
+from sleep_mode import first_token  # bench/'s: submit to the first (and only) token
 
 import engine
-from engine.params import SamplingParams
-
-
-async def first_token(eng: Any, prompt: list[int]) -> float:
-    t0 = time.perf_counter()
-    stream = await eng.submit(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-    async with stream:
-        async for _ in stream:
-            pass
-    return time.perf_counter() - t0
 
 
 def folder_size(folder: Path) -> tuple[int, int]:

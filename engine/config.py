@@ -829,7 +829,7 @@ class EngineConfig:
         """The checked KV connector configuration, or ``None`` when off."""
         if self.kv_transfer_config is None:
             return None
-        return parse_kv_transfer_config(self.kv_transfer_config)
+        return parse_kv_transfer_config(json.loads(self.kv_transfer_config))
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -945,7 +945,9 @@ class EngineConfig:
             # Canonical text: a dict given to open_engine() becomes JSON too.
             object.__setattr__(self, "speculative_config", spec.to_json())
         if self.kv_transfer_config is not None:
-            kv = parse_kv_transfer_config(self.kv_transfer_config)
+            kv = parse_kv_transfer_config(_json_object(
+                self.kv_transfer_config,
+                lambda message: ConfigError(f"kv_transfer_config: {message}", field="kv_transfer_config")))
             object.__setattr__(self, "kv_transfer_config", kv.to_json())
             self._check_kv_transfer()
         if self.profiler_config is not None:

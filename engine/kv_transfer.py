@@ -66,16 +66,10 @@ def _bad(message: str) -> ConfigError:
     return ConfigError(f"{FIELD}: {message}", field=FIELD)
 
 
-def parse_kv_transfer_config(value: str | dict[str, Any]) -> KVTransferConfig:
-    """The checked :class:`KVTransferConfig` of vLLM's JSON object (text or dict); anything
-    this engine cannot honour raises :class:`ConfigError` naming ``kv_transfer_config``."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise _bad(f"not JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise _bad(f"must be a JSON object, got {value!r}")
+def parse_kv_transfer_config(value: dict[str, Any]) -> KVTransferConfig:
+    """The checked :class:`KVTransferConfig` of vLLM's JSON object (decoded: the flag's text
+    is decoded by ``EngineConfig``); anything this engine cannot honour raises
+    :class:`ConfigError` naming ``kv_transfer_config``."""
     known = {"kv_connector", "kv_role", "kv_connector_extra_config", *_TRANSPORT_KEYS, *_DEFAULT_ONLY}
     unknown = sorted(set(value) - known)
     if unknown:

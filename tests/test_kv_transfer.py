@@ -83,7 +83,7 @@ def _assert_transformers(answer: tuple[list[int], list[float]], hf: Any, prompt:
 def test_vllms_json_is_taken_and_what_is_not_built_is_refused(tmp_path: Path) -> None:
     for name in ("ExampleConnector", "SharedStorageConnector"):
         for role in ("kv_producer", "kv_consumer", "kv_both"):
-            kv = parse_kv_transfer_config(json.dumps(_kv(tmp_path, role, name)))
+            kv = EngineConfig(kv_transfer_config=json.dumps(_kv(tmp_path, role, name))).kv_transfer
             assert (kv.kv_connector, kv.kv_role, kv.shared_storage_path) == (name, role, str(tmp_path))
             assert (kv.saves, kv.loads) == (role != "kv_consumer", role != "kv_producer")
     # vLLM's default folder; another connector's transport keys are accepted, unused.
@@ -102,7 +102,7 @@ def test_vllms_json_is_taken_and_what_is_not_built_is_refused(tmp_path: Path) ->
     }
     for words, value in refused.items():
         with pytest.raises(ConfigError, match=words) as info:
-            parse_kv_transfer_config(value)
+            EngineConfig(kv_transfer_config=value)
         assert info.value.field == "kv_transfer_config"
     for layout in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2},
                    {"speculative_config": {"method": "draft_model", "model": str(tmp_path),
