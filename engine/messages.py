@@ -804,11 +804,13 @@ class FetchBlocks:
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlocksFetched:
     """The payloads of blocks ``start`` .. ``start + len(payloads) - 1`` of the sample's
-    prompt (none: not one was found)."""
+    prompt (none: not one was found), and the digests asked for (an answer meant for an
+    earlier request of the same sample id is told apart by them)."""
 
     sample_id: str
     start: int
     payloads: tuple[bytearray, ...]
+    digests: tuple[bytes, ...] = ()
 
 
 # --- front end <-> engine core (engine.process.wire) ------------------------------------------

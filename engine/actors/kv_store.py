@@ -44,6 +44,7 @@ class KVStoreActor:
         self.fetches += 1
         self.blocks_found += len(payloads)
         try:
-            await self._to_scheduler.send(BlocksFetched(message.sample_id, message.start, tuple(payloads)))
+            await self._to_scheduler.send(BlocksFetched(message.sample_id, message.start, tuple(payloads),
+                                                      message.digests))
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             pass  # the engine stops

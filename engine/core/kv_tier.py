@@ -98,8 +98,9 @@ class KVTier:
     def fetched(self, req: Request, answer: BlocksFetched) -> None:
         """The store actor's answer for ``req``: it may be scheduled again."""
         state = req.store
-        if state is None or not state.fetching:
-            return  # a stale answer (the sample id reused after an abort)
+        asked = state.digests[answer.start:answer.start + len(answer.digests)] if state else ()
+        if state is None or not state.fetching or asked != answer.digests:
+            return  # an answer for an earlier request of this sample id (aborted since)
         state.fetching = False
         state.first = answer.start
         state.payloads = tuple(answer.payloads)
