@@ -944,6 +944,8 @@ class EngineConfig:
             spec = parse_speculative_config(self.speculative_config)
             # Canonical text: a dict given to open_engine() becomes JSON too.
             object.__setattr__(self, "speculative_config", spec.to_json())
+        if isinstance(self.kv_transfer_config, KVTransferConfig):  # the checked form, given in code
+            object.__setattr__(self, "kv_transfer_config", self.kv_transfer_config.to_json())
         if self.kv_transfer_config is not None:
             kv = parse_kv_transfer_config(_json_object(
                 self.kv_transfer_config,

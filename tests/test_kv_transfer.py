@@ -91,6 +91,7 @@ def test_vllms_json_is_taken_and_what_is_not_built_is_refused(tmp_path: Path) ->
                                    "kv_ip": "127.0.0.1", "kv_port": 14579, "kv_buffer_size": 1e9,
                                    "kv_load_failure_policy": "recompute"})
     assert kv == KVTransferConfig("ExampleConnector", "kv_both", "/tmp")
+    assert EngineConfig(kv_transfer_config=kv).kv_transfer == kv  # the checked form given back
     refused = {
         "NixlConnector": {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
         "kv_role": {"kv_connector": "ExampleConnector", "kv_role": "kv_sender"},
