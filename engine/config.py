@@ -509,6 +509,12 @@ class EngineConfig:
     enable_prefix_caching: bool = _field(
         True, "share the KV blocks of a common prompt prefix between requests",
         aliases=("--no-prefix-caching",))
+    # vLLM's switch. Off: a prompt prefills whole in one step (SchedulerConfig.whole_prompts),
+    # the step budget raised to hold the longest (engine.process.parts), as vLLM does.
+    enable_chunked_prefill: bool = _field(
+        True, "split a prompt longer than what is left of a step's budget over several steps; "
+        "off, each prompt prefills whole in one step (--max-num-batched-tokens raised to "
+        "--max-model-len where it is lower)")
     # vLLM's KV connector (engine.kv_transfer, engine.runner.kv_store): prompt blocks shared
     # through a folder between engines and restarts. Canonical JSON text, as
     # speculative_config; ``kv_transfer`` is the checked form.

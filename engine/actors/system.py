@@ -152,7 +152,7 @@ def scheduler_actor(
                 sliding_window=parts.runner.config.released_window,
                 pooling=parts.pooler is not None, paged_kv=parts.runner.paged_kv,
                 whole_images=getattr(parts.runner.config.vision, "bidirectional_images", False),
-                whole_prompts=parts.runner.config.bidirectional,
+                whole_prompts=parts.runner.config.bidirectional or not config.enable_chunked_prefill,
             ),
             KVTier(parts.kv_store, config.block_size) if getattr(parts, "kv_store", None) else None,
         ),

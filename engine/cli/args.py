@@ -96,8 +96,6 @@ VLLM_SERVE_FLAGS: dict[str, VllmFlag] = {
     "-dp": VllmFlag("alias", target="--data-parallel-size"),
     "--trust-remote-code": VllmFlag(
         "no_op", "this server never runs a model's own Python code", takes_value=False),
-    "--enable-chunked-prefill": VllmFlag("no_op", "prefill is always chunked here",
-                                         takes_value=False),
     "--disable-uvicorn-access-log": VllmFlag("no_op", "there is no access log here",
                                              takes_value=False),
     "--disable-fastapi-docs": VllmFlag("no_op", "there are no docs pages here (only "
@@ -110,9 +108,6 @@ VLLM_SERVE_FLAGS: dict[str, VllmFlag] = {
                                               takes_value=False),
     "--exclude-tools-when-tool-choice-none": VllmFlag(
         "no_op", 'tool_choice "none" always keeps the tools out of the prompt here',
-        takes_value=False),
-    "--no-enable-chunked-prefill": VllmFlag(
-        "refuse", "prefill is always chunked here (by --max-num-batched-tokens)",
         takes_value=False),
     "--swap-space": VllmFlag("no_op", "preempted requests are recomputed here, as in vLLM V1, "
                              "which ignored this flag and has since removed it"),
@@ -133,7 +128,7 @@ VLLM_SERVE_FLAGS: dict[str, VllmFlag] = {
     "--max-seq-len-to-capture": VllmFlag("refuse", "the decode graphs are captured for "
                                          "--max-model-len"),
     "--task": VllmFlag("refuse", "give --runner (generate, pooling) and --convert instead"),
-    "--calculate-kv-scales": VllmFlag("refuse", "--kv-cache-dtype int8/fp8 keep a scale per "
-                                      "token and head, computed as they are written",
+    "--calculate-kv-scales": VllmFlag("no_op", "--kv-cache-dtype int8/fp8 always compute their "
+                                      "scales (one per token and head) as K and V are written",
                                       takes_value=False),
 }

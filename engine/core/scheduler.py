@@ -386,7 +386,7 @@ class Scheduler(BeamScheduling):
                 budget = step.encoder.cut(req, req.num_computed_tokens, budget)
                 if budget == 0:
                     continue  # its first image's encoder does not fit this step
-            if self.config.whole_prompts and req.num_prompt_tokens > step.budget:
+            if self.config.whole_prompts and req.num_known_tokens - req.num_computed_tokens > step.budget:
                 return  # whole prompts only; it goes first in the next step
             if not self.config.paged_kv:
                 if req.num_prompt_tokens > step.budget:

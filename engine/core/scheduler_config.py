@@ -51,7 +51,8 @@ class SchedulerConfig:
     # Each image's placeholders prefill in one chunk (Gemma 3: they attend to each other
     # both ways, so the first reads the last's keys). See engine/core/encoder_budget.py.
     whole_images: bool = False
-    # Each prompt prefills in one chunk (a bidirectional decoder: EmbeddingGemma).
+    # Each prompt (a preempted request: its prompt and outputs) prefills in one chunk (a
+    # bidirectional decoder, EmbeddingGemma; --no-enable-chunked-prefill).
     whole_prompts: bool = False
     # Pipeline parallelism: this many steps in flight, a request in at most one of them
     # (its next chunk needs every stage to hold its last token; see Scheduler._busy), the

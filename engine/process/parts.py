@@ -118,7 +118,9 @@ def _build_parts(config: EngineConfig, device: torch.device, load: RankLoad,
             if pooler is None:
                 raise ConfigError("a bidirectional decoder (use_bidirectional_attention) only "
                                   "embeds: serve it with --runner pooling", field="runner")
-            config = _whole_input_budget(config, config.max_model_len, "decoder")
+            config = _whole_input_budget(config, config.max_model_len, "a bidirectional decoder")
+        elif not config.enable_chunked_prefill:
+            config = _whole_input_budget(config, config.max_model_len, "--no-enable-chunked-prefill")
     if group is not None:
         # Every rank reads its own slices of the checkpoint at once (load_rank's lazy load).
         group.start_build(config.to_json(), num_blocks)
@@ -385,21 +387,24 @@ def _size_encoder(config: EngineConfig, loaded: Any, pooler: Any) -> tuple[Engin
         raise ConfigError(f"max_model_len {wanted} exceeds the model's {model_max} tokens",
                           field="max_model_len")
     max_len = wanted or model_max
-    return dataclasses.replace(_whole_input_budget(config, max_len, "encoder"), max_model_len=max_len), 1
+    return dataclasses.replace(_whole_input_budget(config, max_len, "a bidirectional encoder"),
+                               max_model_len=max_len), 1
 
 
-def _whole_input_budget(config: EngineConfig, max_len: int, what: str) -> EngineConfig:
+def _whole_input_budget(config: EngineConfig, max_len: int, why: str) -> EngineConfig:
     """``config`` whose step budget holds a whole input of ``max_len`` tokens, for a model
-    whose every token attends to every token of its input (no chunking, one step each)."""
+    whose every token attends to every token of its input, or with chunked prefill off
+    (``why`` says which): no chunking, one step each."""
     if max_len > config.max_num_batched_tokens == _DEFAULT_BATCHED_TOKENS:
         # Left at its default, the step budget grows to take a whole input, as vLLM sizes
-        # it for an encoder (bge-m3 and ModernBERT read 8,192 tokens).
-        logger.info("max_num_batched_tokens raised from %d to %d: a bidirectional %s runs each "
-                    "input whole in one step", config.max_num_batched_tokens, max_len, what)
+        # it for an encoder (bge-m3 and ModernBERT read 8,192 tokens) or without chunked
+        # prefill.
+        logger.info("max_num_batched_tokens raised from %d to %d: with %s each input runs "
+                    "whole in one step", config.max_num_batched_tokens, max_len, why)
         config = dataclasses.replace(config, max_num_batched_tokens=max_len)
     if max_len > config.max_num_batched_tokens:
         raise ConfigError(
-            f"a bidirectional {what} runs each input whole in one step: max_num_batched_tokens "
+            f"with {why} each input runs whole in one step: max_num_batched_tokens "
             f"({config.max_num_batched_tokens}) must be at least max_model_len ({max_len})",
             field="max_num_batched_tokens")
     return config
