@@ -529,3 +529,38 @@ def test_serve_takes_enable_sleep_mode() -> None:
     assert config.enable_sleep_mode is True
     assert config_from_args(parser.parse_args([])).enable_sleep_mode is False
     assert json.loads(config.to_json())["enable_sleep_mode"] is True
+
+
+async def test_a_pause_goes_on_across_an_in_place_restart(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An actor that crashes while the engine is paused restarts paused: a request sent
+    then waits for the resume, as it would have without the crash."""
+    from engine.core.scheduler import Scheduler
+
+    original = Scheduler.add_request
+
+    def add_request(self: Any, request: Any) -> Any:
+        if request.sample_id.startswith("victim"):
+            raise RuntimeError("injected scheduler crash")
+        return original(self, request)
+
+    async with engine.open_engine(model=str(folder), max_engine_restarts=1, **_options()) as eng:
+        before = await _answer(eng, PROMPT)
+        await eng.pause_generation(mode="keep")
+        monkeypatch.setattr(Scheduler, "add_request", add_request)
+        with pytest.raises(engine.EngineDeadError):
+            await collect(eng, PROMPT, greedy(2), request_id="victim")
+        await wait_until(lambda: eng.restarts == 1 and not eng.restarting)
+        assert await eng.is_paused()
+        steps = eng.statistics().steps
+        async with trio.open_nursery() as nursery:
+            answer: list[Any] = []
+
+            async def ask() -> None:
+                answer.append(await _answer(eng, PROMPT))
+
+            nursery.start_soon(ask)
+            await wait_until(lambda: eng.statistics().waiting == 1)
+            await trio.sleep(0.2)  # time for a step, had the new scheduler not been paused
+            assert eng.statistics().steps == steps and not answer
+            await eng.resume_generation()
+        assert answer == [before]

@@ -126,6 +126,7 @@ class SchedulerActor:
         profiler: Any = None,
         runner: Any = None,
         to_store: trio.MemorySendChannel[FetchBlocks] | None = None,
+        paused: tuple[bool, int] = (False, -1),
     ) -> None:
         self._core = core
         # The KV-store actor (engine.actors.kv_store), with core.kv_tier: reads of prompt
@@ -137,12 +138,13 @@ class SchedulerActor:
         # Paused (ControlPause): no step is planned. A pause with mode "wait" holds the
         # requests that arrive until the ones before it have finished (``_held``); the
         # pause waiting for its conditions is ``_pausing``. ``_sleep_level``: -1 awake.
-        self._paused = False
+        # Restarted in place after a crash, a pause (or a level 0 sleep) the engine was in
+        # goes on (``paused``: the engine's pause and sleep level), as does a model asleep.
+        self._paused, self._sleep_level = paused[0], paused[1] if paused[0] else -1
         self._pausing: ControlPause | None = None
         self._held: list[AdmittedRequest] = []
-        self._sleep_level = -1
         self._reload_then_resume = False  # a reload found generation running
-        if self._sleeping():  # restarted (after a crash) while the model sleeps: still asleep
+        if self._sleeping():
             self._paused = True
             self._sleep_level = 2 if "weights" in runner.sleeping else 1
         # engine.runner.profiler.StepProfiler (--profiler-config), driven on the model

@@ -108,9 +108,10 @@ class CoreActors:
 
 
 def core_actors(parts: Any, *, inbox: Any, inbox_send: Any, to_detokenizer: Any,
-                profiler_name: str) -> CoreActors:
+                profiler_name: str, paused: tuple[bool, int] = (False, -1)) -> CoreActors:
     """Build a core's actors around the scheduler's ``inbox`` (``inbox_send``: its send
-    side, cloned for the executor and the KV-store actor)."""
+    side, cloned for the executor and the KV-store actor); ``paused``: the pause and sleep
+    level they start in (an in-place restart's)."""
     config = parts.config
     call_send, call_recv = trio.open_memory_channel[Any](0)
     reply_send, reply_recv = trio.open_memory_channel[Any](0)
@@ -130,7 +131,7 @@ def core_actors(parts: Any, *, inbox: Any, inbox_send: Any, to_detokenizer: Any,
         Executor(parts.runner, plan_recv, inbox_send.clone(), profiler=profiler),
         scheduler_actor(parts, inbox=inbox, to_allocator=call_send, from_allocator=reply_recv,
                         to_executor=plan_send, to_detokenizer=to_detokenizer, profiler=profiler,
-                        to_store=to_store),
+                        to_store=to_store, paused=paused),
         kv_store,
     )
 
@@ -138,6 +139,7 @@ def core_actors(parts: Any, *, inbox: Any, inbox_send: Any, to_detokenizer: Any,
 def scheduler_actor(
     parts: Any, *, inbox: Any, to_allocator: Any, from_allocator: Any, to_executor: Any,
     to_detokenizer: Any, profiler: StepProfiler | None = None, to_store: Any = None,
+    paused: tuple[bool, int] = (False, -1),
 ) -> SchedulerActor:
     """The scheduler actor for ``parts`` (:class:`EngineParts`, or an engine core process's
     parts), wired to the given channels. One place builds it for both, so a core in its
@@ -167,11 +169,14 @@ def scheduler_actor(
         profiler=profiler,
         runner=parts.runner,
         to_store=to_store,
+        paused=paused,
     )
 
 
-async def run_actors(parts: EngineParts, *, ready: Callable[[ActorHandles], None]) -> None:
+async def run_actors(parts: EngineParts, *, ready: Callable[[ActorHandles], None],
+                     paused: tuple[bool, int] = (False, -1)) -> None:
     """Open every channel, start every actor in dependency order, then call ``ready``.
+    ``paused``: the pause and sleep level to start in (an in-place restart's).
 
     Returns when all actors have stopped; raises what they raise (an actor's crash cancels
     the others). Cancel the caller's scope to stop the engine.
@@ -188,7 +193,7 @@ async def run_actors(parts: EngineParts, *, ready: Callable[[ActorHandles], None
     with sched_send:
         callers = sched_send.clone()
         core = core_actors(parts, inbox=sched_recv, inbox_send=sched_send, to_detokenizer=detok_send,
-                           profiler_name="engine")
+                           profiler_name="engine", paused=paused)
         allocator, executor, scheduler = core.allocator, core.executor, core.scheduler
         detokenizer = Detokenizer(
             parts.tokenizer, inbox=detok_recv, to_router=router_send,

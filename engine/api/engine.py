@@ -942,7 +942,8 @@ class Engine(SleepMode):
         while True:
             crash: BaseException | None = None
             try:
-                await run_actors(self._parts, ready=ready)
+                # A pause the engine is in survives the restart (its sleeping model does anyway).
+                await run_actors(self._parts, ready=ready, paused=self._pause_state[:2])
             except* Exception as group:
                 if not started:
                     raise
