@@ -509,6 +509,13 @@ class EngineConfig:
     enable_prefix_caching: bool = _field(
         True, "share the KV blocks of a common prompt prefix between requests",
         aliases=("--no-prefix-caching",))
+    # vLLM's: the most tokens one request's prefill chunk takes in a step (0: what the
+    # budget leaves), so long prompts arriving leave room for the decodes (planning.prefill_cap).
+    long_prefill_token_threshold: int = _field(
+        0, "the most prompt tokens one request computes in a step (its prefill is chunked that "
+        "finely even where the step's budget has room), so a long prompt arriving stretches the "
+        "running requests' steps less; 0: no limit beyond --max-num-batched-tokens",
+        type=int, metavar="N", default_text="0")
     # vLLM's switch. Off: a prompt prefills whole in one step (SchedulerConfig.whole_prompts),
     # the step budget raised to hold the longest (engine.process.parts), as vLLM does.
     enable_chunked_prefill: bool = _field(
@@ -986,6 +993,13 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}", field=name)
+        threshold = self.long_prefill_token_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ConfigError(f"long_prefill_token_threshold must be a non-negative integer, got "
+                              f"{threshold!r}", field="long_prefill_token_threshold")
+        if threshold and not self.enable_chunked_prefill:
+            raise ConfigError("long_prefill_token_threshold chunks prefills: not with "
+                              "--no-enable-chunked-prefill", field="long_prefill_token_threshold")
         checkpoints = self.state_checkpoints
         if checkpoints is not None and (isinstance(checkpoints, bool) or not isinstance(checkpoints, int)
                                         or checkpoints < 0):

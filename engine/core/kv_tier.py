@@ -38,6 +38,11 @@ from engine.messages import (
 )
 
 
+def offer(tier: KVTier | None, req: Request) -> tuple[int, int]:
+    """``AllocateSlots.external`` for ``req``'s next allocation ((0, 0) without a store)."""
+    return (0, 0) if tier is None else tier.offer(req)
+
+
 @dataclasses.dataclass(slots=True)
 class StoreState:
     """One request's part in the KV store."""

@@ -85,6 +85,15 @@ def fits_table(req: Request, budget: int, n_drafts: int, block_size: int,
     return SlotsAllocated(req.sample_id, 0, count, ())
 
 
+def prefill_cap(req: Request, budget: int, threshold: int) -> int:
+    """What of ``budget`` ``req``'s chunk may take: at most ``threshold`` tokens (vLLM's
+    ``long_prefill_token_threshold``; 0: all) where it has more than that to compute (a
+    prefill; a decode, a speculative step's few tokens, are never cut)."""
+    if threshold and req.num_known_tokens - req.num_computed_tokens > threshold:
+        return min(budget, threshold)
+    return budget
+
+
 def allocate_call(req: Request, budget: int, *, lookup: bool, n_drafts: int = 0,
                   external: tuple[int, int] = (0, 0)) -> AllocateSlots:
     """Ask for the slots of ``req``'s next chunk (and ``n_drafts`` proposal positions); a

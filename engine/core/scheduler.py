@@ -35,12 +35,13 @@ from collections.abc import Awaitable, Callable, Generator, Iterable
 from engine.core.beam_scheduling import BeamScheduling
 from engine.core.block_pool import BlockPool
 from engine.core.encoder_budget import EncoderBudget
-from engine.core.kv_tier import KVTier
+from engine.core.kv_tier import KVTier, offer
 from engine.core.planning import (
     StepDraft,
     add_chunk,
     allocate_call,
     fits_table,
+    prefill_cap,
     release_out_of_window,
     too_small,
 )
@@ -308,7 +309,7 @@ class Scheduler(BeamScheduling):
                 i += 1  # not planned ahead: its proposal needs its last token (async scheduling)
                 continue
             yield from release_out_of_window(req, config.sliding_window, config.block_size)
-            budget = step.encoder.cut(req, req.num_computed_tokens, step.budget)
+            budget = step.encoder.cut(req, req.num_computed_tokens, prefill_cap(req, step.budget, config.long_prefill_token_threshold))
             if budget == 0:
                 i += 1  # its next image's encoder does not fit this step's encoder budget
                 continue
@@ -381,7 +382,7 @@ class Scheduler(BeamScheduling):
                     return  # no overtaking: later requests wait for blocks too
                 continue
             lookup = self._prefix_lookup(req)
-            budget = step.budget
+            budget = prefill_cap(req, step.budget, self.config.long_prefill_token_threshold)
             if req.images and not lookup:  # its start is known: cut before allocating
                 budget = step.encoder.cut(req, req.num_computed_tokens, budget)
                 if budget == 0:
@@ -393,8 +394,7 @@ class Scheduler(BeamScheduling):
                     return  # whole prompts only; it goes first in the next step
                 reply: AllocatorReply = SlotsAllocated(req.sample_id, 0, req.num_prompt_tokens, ())
             else:
-                external = self.kv_tier.offer(req) if self.kv_tier is not None else (0, 0)
-                reply = yield allocate_call(req, budget, lookup=lookup, external=external)
+                reply = yield allocate_call(req, budget, lookup=lookup, external=offer(self.kv_tier, req))
             if not isinstance(reply, SlotsAllocated):
                 if not self._queue.running:
                     raise too_small(req, reply)

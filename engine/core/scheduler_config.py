@@ -51,6 +51,9 @@ class SchedulerConfig:
     # Each image's placeholders prefill in one chunk (Gemma 3: they attend to each other
     # both ways, so the first reads the last's keys). See engine/core/encoder_budget.py.
     whole_images: bool = False
+    # The most tokens a prefill chunk of one request takes (0: no cap but the budget; see
+    # planning.prefill_cap).
+    long_prefill_token_threshold: int = 0
     # Each prompt (a preempted request: its prompt and outputs) prefills in one chunk (a
     # bidirectional decoder, EmbeddingGemma; --no-enable-chunked-prefill).
     whole_prompts: bool = False
@@ -105,6 +108,7 @@ class SchedulerConfig:
             max_num_encoder_input_tokens=config.max_num_encoder_input_tokens or 0,
             whole_images=whole_images,
             whole_prompts=whole_prompts,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
             pipeline_stages=config.pipeline_parallel_size,
             max_loras=config.max_loras if config.enable_lora else 0,
             **_speculative_fields(config),

@@ -1,9 +1,13 @@
-"""``--no-enable-chunked-prefill`` (vLLM's switch): every prompt prefills whole in one step.
+"""How prompts are cut into prefill chunks: vLLM's ``--no-enable-chunked-prefill`` (every
+prompt whole in one step) and ``--long-prefill-token-threshold`` (no request's chunk past
+N tokens).
 
-The policy (a prompt that does not fit what is left of a step waits for the next, where it
-goes first; a preempted request recomputes its prompt and outputs whole) against the same
-requests with chunking on; the engine's answers against transformers'; the step budget
-raised to hold the longest input, or a budget set lower refused; and the flag itself."""
+Whole prompts: the policy (a prompt that does not fit what is left of a step waits for
+the next, where it goes first; a preempted request recomputes its prompt and outputs
+whole) against the same requests with chunking on; the engine's answers against
+transformers'; the step budget raised to hold the longest input, or a budget set lower
+refused. The threshold: each prefill chunk capped, decodes never; the answers against
+transformers'. And the flags."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from test_scheduler import _add, _chunks, _plan, _update
 import engine
 from engine.cli.args import config_from_args
 from engine.cli.serve import add_serve_arguments
+from engine.config import EngineConfig
 from engine.core import BlockPool, Scheduler, SchedulerConfig
 from engine.errors import ConfigError
 from engine.models.testing import write_tiny_model
@@ -26,10 +31,10 @@ from engine.models.testing import write_tiny_model
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _scheduler(whole: bool, caching: bool = True) -> tuple[Scheduler, BlockPool]:
+def _scheduler(whole: bool, caching: bool = True, threshold: int = 0) -> tuple[Scheduler, BlockPool]:
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, block_size=4,
                              max_model_len=16, num_kv_blocks=64, whole_prompts=whole,
-                             enable_prefix_caching=caching)
+                             enable_prefix_caching=caching, long_prefill_token_threshold=threshold)
     return Scheduler(config), BlockPool(64, 4, enable_prefix_caching=caching)
 
 
@@ -69,6 +74,22 @@ def test_a_preempted_request_recomputes_its_prompt_and_outputs_whole() -> None:
     assert _chunks(_plan(sched, pool)) == [("a", 11, 1, True), ("b", 0, 6, True)]
 
 
+def test_the_threshold_caps_each_prefill_chunk_and_never_a_decode() -> None:
+    sched, pool = _scheduler(False, threshold=4)
+    _add(sched, "a", 10, max_tokens=4)
+    plans = []
+    for _ in range(3):
+        plan = _plan(sched, pool)
+        plans.append(_chunks(plan))
+        _update(sched, pool, plan)
+        if len(plans) == 1:
+            _add(sched, "b", 7, max_tokens=4)  # arrives while a prefills
+    assert plans == [[("a", 0, 4, False)],
+                     [("a", 4, 4, False), ("b", 0, 4, False)],
+                     [("a", 8, 2, True), ("b", 4, 3, True)]]  # 2 and 3 left: under the cap
+    assert _chunks(_plan(sched, pool)) == [("a", 10, 1, True), ("b", 7, 1, True)]
+
+
 async def test_answers_match_transformers_and_the_budget_holds_the_longest_input(tmp_path: Path) -> None:
     folder = write_tiny_model(tmp_path / "llama", "llama")
     hf = _hf_model(folder)
@@ -83,6 +104,13 @@ async def test_answers_match_transformers_and_the_budget_holds_the_longest_input
                 nursery.start_soon(one)
     for j, prompt in enumerate(prompts):
         assert answers[j] == _hf_greedy(hf, prompt, 6)[0]
+    # Prefill chunks of at most 16 tokens (prompts of 90 to 100): the same answers.
+    async with engine.open_engine(model=str(folder), dtype="float32",
+                                  long_prefill_token_threshold=16) as eng:
+        before = eng.statistics().steps
+        assert token_ids(await collect(eng, prompts[2], greedy(6))) == _hf_greedy(hf, prompts[2], 6)[0]
+        # 7 prefill steps (one without the threshold), then 5 decodes.
+        assert eng.statistics().steps - before >= -(-len(prompts[2]) // 16) + 5
     # Left at its default (2048), the budget grows to the context (as vLLM's).
     async with engine.open_engine(model=str(folder), max_model_len=3000, enable_chunked_prefill=False,
                                   hf_overrides={"max_position_embeddings": 4096}) as eng:
@@ -95,8 +123,15 @@ async def test_answers_match_transformers_and_the_budget_holds_the_longest_input
 
 
 def test_the_flags_parse() -> None:
+    for bad in ({"long_prefill_token_threshold": -1},
+                {"long_prefill_token_threshold": 64, "enable_chunked_prefill": False}):
+        with pytest.raises(ConfigError) as info:
+            EngineConfig(**bad)
+        assert info.value.field == "long_prefill_token_threshold"
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
+    assert config_from_args(parser.parse_args(["--long-prefill-token-threshold", "256"])
+                            ).long_prefill_token_threshold == 256
     assert not config_from_args(parser.parse_args(["--no-enable-chunked-prefill"])).enable_chunked_prefill
     assert config_from_args(parser.parse_args(["--enable-chunked-prefill"])).enable_chunked_prefill
     args = parser.parse_args(["--calculate-kv-scales", "--kv-cache-dtype", "int8"])
