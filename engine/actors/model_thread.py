@@ -32,15 +32,27 @@ def _serve(jobs: queue.SimpleQueue[tuple[Callable[[], Any], trio.lowlevel.TrioTo
     while True:
         fn, token, task = jobs.get()
         result = outcome.capture(fn)
-        try:
-            token.run_sync_soon(trio.lowlevel.reschedule, task, result)
-        except trio.RunFinishedError:  # the caller's trio.run is gone; nobody waits
-            pass
-        # Let go of the job before waiting for the next: its function holds what it
+        # Let go of the job before its caller runs again: its function holds what it
         # closed over (the model runner, for a step) and its task the caller's frames (the
         # engine), which an engine closed in a long-lived process would otherwise keep
-        # resident, model and all, until another engine's first job.
-        del fn, token, task, result
+        # resident, model and all, until another engine's first job. The task and result
+        # travel in a box that the trio side empties as it wakes the task, so this thread
+        # holds neither from the moment the caller can go on (deleting them after handing
+        # them over raced the caller, which could finish first on a busy machine).
+        box = [task, result]
+        del fn, task, result
+        try:
+            token.run_sync_soon(_wake, box)
+        except trio.RunFinishedError:  # the caller's trio.run is gone; nobody waits
+            box.clear()
+        del token, box
+
+
+def _wake(box: list[Any]) -> None:
+    """On the trio thread: reschedule the job's task with its result, emptying the box."""
+    task, result = box
+    box.clear()
+    trio.lowlevel.reschedule(task, result)
 
 
 def _queue() -> queue.SimpleQueue[tuple[Callable[[], Any], trio.lowlevel.TrioToken, Any]]:
