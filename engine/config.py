@@ -95,7 +95,7 @@ def parse_address(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "suffix")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -104,7 +104,10 @@ class SpeculativeConfig:
     up to ``num_speculative_tokens`` tokens per step by matching the last
     ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens against the prompt and output;
     "draft_model" has the model at ``model`` (a Hugging Face folder or a GGUF file with the
-    target's vocabulary) propose ``num_speculative_tokens`` tokens, one forward each."""
+    target's vocabulary) propose ``num_speculative_tokens`` tokens, one forward each;
+    "suffix" proposes what followed the context's longest suffix in the request's own
+    context and in earlier requests' answers (engine.core.suffix), by vLLM's
+    ``suffix_decoding_*`` keys."""
 
     method: str
     num_speculative_tokens: int
@@ -115,6 +118,13 @@ class SpeculativeConfig:
     # and --quantization are for the target.
     dtype: str | None = None
     quantization: str | None = None
+    # suffix (vLLM's keys and defaults): the trees' depth (match and proposal together),
+    # the finished requests' answers kept, the proposal's length over the match's at most,
+    # and the least estimated probability of a proposed path.
+    suffix_decoding_max_tree_depth: int | None = None
+    suffix_decoding_max_cached_requests: int | None = None
+    suffix_decoding_max_spec_factor: float | None = None
+    suffix_decoding_min_token_prob: float | None = None
 
     def to_json(self) -> str:
         """The canonical JSON text: the keys its method reads, those not given left out."""
@@ -126,6 +136,12 @@ class SpeculativeConfig:
         if self.method == "draft_model":
             return (f"draft_model {self.model}: {self.num_speculative_tokens} tokens a step "
                     "proposed by the draft, verified by the target in one forward")
+        if self.method == "suffix":
+            return (f"suffix: up to {self.num_speculative_tokens} tokens a step from the context "
+                    f"and the last {self.suffix_decoding_max_cached_requests} answers (depth "
+                    f"{self.suffix_decoding_max_tree_depth}, at most "
+                    f"{self.suffix_decoding_max_spec_factor}x the match, paths of probability "
+                    f">= {self.suffix_decoding_min_token_prob})")
         return (f"{self.method}: up to {self.num_speculative_tokens} tokens a step, matching "
                 f"{self.prompt_lookup_max}..{self.prompt_lookup_min}-token suffixes")
 
@@ -134,6 +150,9 @@ class SpeculativeConfig:
 _SPECULATIVE_KEYS = {
     "ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"},
     "draft_model": {"method", "num_speculative_tokens", "model", "dtype", "quantization"},
+    "suffix": {"method", "num_speculative_tokens", "suffix_decoding_max_tree_depth",
+               "suffix_decoding_max_cached_requests", "suffix_decoding_max_spec_factor",
+               "suffix_decoding_min_token_prob"},
 }
 
 
@@ -290,6 +309,8 @@ def parse_speculative_config(value: str | dict[str, Any]) -> SpeculativeConfig:
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64):
             raise bad(f"{key} must be an integer in [1, 64], got {v!r}")
         ints[key] = v
+    if method == "suffix":
+        return _suffix_config(value, ints["num_speculative_tokens"], bad)
     if ints["num_speculative_tokens"] is None:
         raise bad("num_speculative_tokens is required")
     if method == "draft_model":
@@ -316,6 +337,30 @@ def _draft_model_config(value: dict[str, Any], k: int, bad: Callable[[str], Conf
         raise bad(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     # The lookup bounds are the ngram method's; kept at their defaults, unused.
     return SpeculativeConfig("draft_model", k, 4, 1, model, dtype, quantization)
+
+
+def _suffix_config(value: dict[str, Any], k: int | None, bad: Callable[[str], ConfigError]) -> SpeculativeConfig:
+    """vLLM's suffix decoding keys, at vLLM's defaults where not given; without
+    ``num_speculative_tokens``, the tree's depth (at most 64 here) bounds a proposal."""
+    depth = value.get("suffix_decoding_max_tree_depth", 24)
+    cached = value.get("suffix_decoding_max_cached_requests", 10000)
+    factor = value.get("suffix_decoding_max_spec_factor", 1.0)
+    prob = value.get("suffix_decoding_min_token_prob", 0.1)
+    for key, v, lo, hi in (("suffix_decoding_max_tree_depth", depth, 2, 1024),
+                           ("suffix_decoding_max_cached_requests", cached, 0, 10**7)):
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise bad(f"{key} must be an integer in [{lo}, {hi}], got {v!r}")
+    for key, v, lo, hi in (("suffix_decoding_max_spec_factor", factor, 0.0, 1e6),
+                           ("suffix_decoding_min_token_prob", prob, 0.0, 1.0)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi or (
+                key.endswith("factor") and v == 0):
+            raise bad(f"{key} must be a number in {'(' if key.endswith('factor') else '['}{lo}, {hi}], "
+                      f"got {v!r}")
+    return SpeculativeConfig("suffix", k if k is not None else min(depth, 64), 4, 1,
+                             suffix_decoding_max_tree_depth=depth,
+                             suffix_decoding_max_cached_requests=cached,
+                             suffix_decoding_max_spec_factor=float(factor),
+                             suffix_decoding_min_token_prob=float(prob))
 
 
 def parse_partition(value: Any) -> tuple[int, ...]:

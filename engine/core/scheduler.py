@@ -153,7 +153,7 @@ class Scheduler(BeamScheduling):
         self._preemptions = 0
         self._scheduled_tokens = 0
         self._finished = 0
-        self._spec = SpecCounters([0] * max(config.num_speculative_tokens, config.num_prediction_tokens))
+        self._spec = SpecCounters.for_config(config)
         self._beam_owner: dict[str, Request] = {}  # beam key -> its group's request
 
     # -- requests in and out ----------------------------------------------------------------
@@ -313,7 +313,7 @@ class Scheduler(BeamScheduling):
             if budget == 0:
                 i += 1  # its next image's encoder does not fit this step's encoder budget
                 continue
-            drafts, n_drafts = choose_proposal(config, req, budget)
+            drafts, n_drafts = choose_proposal(config, req, budget, self._spec)
             reply = fits_table(req, budget, n_drafts, config.block_size, config.state_checkpoints)
             if reply is None:
                 reply, preempted_here = yield from self._allocate_or_preempt(req, budget, n_drafts)
@@ -588,6 +588,7 @@ class Scheduler(BeamScheduling):
         if req.seen_by_runner:
             self._finished_ids.append(req.sample_id)
         self._finished += 1
+        self._spec.finished(req)  # suffix decoding keeps its answer
         had_blocks = bool(req.block_ids)
         req.block_ids = []
         req.num_released_blocks = 0

@@ -64,6 +64,9 @@ class SchedulerConfig:
     # draft_model: the runner's draft model proposes num_speculative_tokens tokens for a
     # speculating decode step (the chunk reserves the positions; the runner fills them).
     draft_model: bool = False
+    # Suffix decoding (engine.core.suffix): (max tree depth, answers kept, max spec factor,
+    # min token probability); None: another method, or none.
+    suffix_decoding: tuple[int, int, float, float] | None = None
     # Distinct LoRA adapters among the running requests (the runner's slots); 0: no limit
     # (no adapters are served).
     max_loras: int = 0
@@ -135,4 +138,7 @@ def _speculative_fields(config: EngineConfig) -> dict[str, int | bool]:
             "prompt_lookup_max": spec.prompt_lookup_max,
             "prompt_lookup_min": spec.prompt_lookup_min,
             "num_prediction_tokens": spec.num_speculative_tokens,
-            "draft_model": spec.method == "draft_model"}
+            "draft_model": spec.method == "draft_model",
+            "suffix_decoding": None if spec.method != "suffix" else (
+                spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests,
+                spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob)}

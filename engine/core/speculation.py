@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from engine.core.request import ProtocolError, Request, RequestStatus
 from engine.core.scheduler_config import SchedulerConfig
 from engine.core.spec import propose
+from engine.core.suffix import SuffixCache
 from engine.messages import SampledToken, ScheduledChunk
 
 
@@ -25,11 +26,12 @@ def speculates(config: SchedulerConfig, req: Request) -> bool:
         req.params.thinking_token_budget is None)
 
 
-def choose_proposal(config: SchedulerConfig, req: Request, budget: int) -> tuple[tuple[int, ...], int]:
+def choose_proposal(config: SchedulerConfig, req: Request, budget: int,
+                    counters: SpecCounters | None = None) -> tuple[tuple[int, ...], int]:
     """The tokens to verify after ``req``'s next one this step, and how many: a decode
     step of a request whose every token is known (none in flight), with room left in
     ``max_tokens`` and the budget. With a draft model the runner proposes them in the
-    step: ``((), k)``."""
+    step: ``((), k)``; with suffix decoding they come from ``counters.suffix``."""
     if req.prediction:
         k = config.num_prediction_tokens
     else:
@@ -46,6 +48,9 @@ def choose_proposal(config: SchedulerConfig, req: Request, budget: int) -> tuple
         return drafts, len(drafts)
     if config.draft_model:
         return (), k
+    if counters is not None and counters.suffix is not None:
+        drafts = counters.suffix.propose(req.known_token_ids(), k)
+        return drafts, len(drafts)
     drafts = propose(req.known_token_ids(), None, k, config.prompt_lookup_max,
                      config.prompt_lookup_min)[0]
     return drafts, len(drafts)
@@ -74,6 +79,18 @@ class SpecCounters:
     drafts: int = 0
     draft_tokens: int = 0
     accepted: int = 0
+    # Suffix decoding's answers of finished requests (None: another method, or none).
+    suffix: SuffixCache | None = None
+
+    @classmethod
+    def for_config(cls, config: SchedulerConfig) -> SpecCounters:
+        suffix = None if config.suffix_decoding is None else SuffixCache(*config.suffix_decoding)
+        return cls([0] * max(config.num_speculative_tokens, config.num_prediction_tokens), suffix=suffix)
+
+    def finished(self, req: Request) -> None:
+        """A request ended: suffix decoding keeps its answer."""
+        if self.suffix is not None and req.beam is None and req.output_token_ids:
+            self.suffix.add_answer(req.output_token_ids)
 
     def record(self, req: Request, proposed: int, accepted: int) -> None:
         """Count one verification step of ``req`` (its own counters too)."""
