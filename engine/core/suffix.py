@@ -27,10 +27,14 @@ once its request has finished.
 
 from __future__ import annotations
 
+import array
 import collections
 from collections.abc import Sequence
 
 import numpy as np
+
+_SHIFT = 32  # an index entry: answer id << _SHIFT | position in the answer
+_POSITION = (1 << _SHIFT) - 1
 
 # The occurrences of a token pair kept in the answers' index (the latest ones): a common
 # pair is seen often enough that older occurrences add little to the counts, and each
@@ -47,11 +51,16 @@ class SuffixCache:
         self.max_cached_requests = max_cached_requests
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
-        self._answers: collections.OrderedDict[int, tuple[int, ...]] = collections.OrderedDict()
+        # Answers as arrays of 64-bit ids (a third of a tuple's memory); the index's entries
+        # are single ints, answer id and position packed (``_SHIFT``).
+        self._answers: collections.OrderedDict[int, array.array[int]] = collections.OrderedDict()
         self._next_id = 0
         self._evicted = 0  # answers dropped since the index was last pruned
-        # (token, token) -> deque of (answer id, index of the token after the pair)
-        self._pairs: dict[tuple[int, int], collections.deque[tuple[int, int]]] = {}
+        # The pair (a, b) as a << _SHIFT | b -> its occurrences, each answer id << _SHIFT |
+        # index of the token after the pair: one int while there is one (most pairs of a
+        # large vocabulary occur once: a list each would cost ten times the memory), then a
+        # list of the latest OCCURRENCES_KEPT.
+        self._pairs: dict[int, int | list[int]] = {}
 
     def __len__(self) -> int:
         return len(self._answers)
@@ -63,15 +72,21 @@ class SuffixCache:
             return
         answer_id = self._next_id
         self._next_id += 1
-        tokens = self._answers[answer_id] = tuple(tokens)
+        tokens = self._answers[answer_id] = array.array("q", tokens)
         # The pair before each position i; at the answer's end (i == len) nothing follows,
         # and the occurrence still counts, as a path ending in a suffix tree's node does.
+        pairs, base = self._pairs, answer_id << _SHIFT
         for i in range(2, len(tokens) + 1):
-            pair = (tokens[i - 2], tokens[i - 1])
-            slot = self._pairs.get(pair)
+            pair = tokens[i - 2] << _SHIFT | tokens[i - 1]
+            slot = pairs.get(pair)
             if slot is None:
-                slot = self._pairs[pair] = collections.deque(maxlen=OCCURRENCES_KEPT)
-            slot.append((answer_id, i))
+                pairs[pair] = base | i
+            elif isinstance(slot, int):
+                pairs[pair] = [slot, base | i]
+            else:
+                slot.append(base | i)
+                if len(slot) > 2 * OCCURRENCES_KEPT:
+                    del slot[:-OCCURRENCES_KEPT]
         while len(self._answers) > self.max_cached_requests:
             self._answers.popitem(last=False)  # its index entries are skipped until pruned
             self._evicted += 1
@@ -83,7 +98,7 @@ class SuffixCache:
         if k < 1 or len(context) < 2:
             return ()
         ctx = np.asarray(context, dtype=np.int64)
-        own = self._best(_own_occurrences(ctx, self.max_depth - 1), k, 1)
+        own = self._best(_own_occurrences(ctx, context, self.max_depth - 1), k, 1)
         if not self._answers:
             return own[0]
         other = self._best(self._answer_occurrences(ctx), k, 2)
@@ -94,16 +109,18 @@ class SuffixCache:
     def _answer_occurrences(self, ctx: np.ndarray) -> list[tuple[Sequence[int], int, int]]:
         """The answers' occurrences of the context's last two tokens, each as (answer,
         index after it, how far back it matches the context: 2 or more)."""
-        slot = self._pairs.get((int(ctx[-2]), int(ctx[-1])))
-        if not slot:
+        slot = self._pairs.get(int(ctx[-2]) << _SHIFT | int(ctx[-1]))
+        if slot is None:
             return []
+        slot = [slot] if isinstance(slot, int) else slot[-OCCURRENCES_KEPT:]
         limit = min(self.max_depth - 1, len(ctx) - 1)
         if limit < 2:
             return []
         tail = ctx[-limit - 1:].tolist()[::-1]  # the context backwards from its last token
         out = []
-        for answer_id, pos in slot:
-            seq = self._answers.get(answer_id)
+        for entry in slot:
+            seq = self._answers.get(entry >> _SHIFT)
+            pos = entry & _POSITION
             if seq is None:
                 continue
             m, top = 2, min(limit, pos)
@@ -159,18 +176,18 @@ class SuffixCache:
         """Drop the index entries of answers no longer kept (once as many were dropped as
         are kept, so the index stays within twice the answers' tokens)."""
         self._evicted = 0
-        for pair in list(self._pairs):
-            kept = collections.deque((a, p) for a, p in self._pairs[pair] if a in self._answers)
-            if kept:
-                self._pairs[pair] = collections.deque(kept, maxlen=OCCURRENCES_KEPT)
-            else:
+        for pair, slot in list(self._pairs.items()):
+            kept = [e for e in ([slot] if isinstance(slot, int) else slot) if e >> _SHIFT in self._answers]
+            if not kept:
                 del self._pairs[pair]
+            else:
+                self._pairs[pair] = kept[0] if len(kept) == 1 else kept[-OCCURRENCES_KEPT:]
 
 
-def _own_occurrences(ctx: np.ndarray, limit: int) -> list[tuple[Sequence[int], int, int]]:
+def _own_occurrences(ctx: np.ndarray, seq: Sequence[int], limit: int) -> list[tuple[Sequence[int], int, int]]:
     """The earlier occurrences, in ``ctx`` itself, of its last token, each as (ctx, index
-    after it, how far back it matches the context: at most ``limit`` tokens). The context's
-    own end is not one: nothing follows it."""
+    after it, how far back it matches the context: at most ``limit`` tokens); ``seq`` is
+    ``ctx`` as given. The context's own end is not one: nothing follows it."""
     n = len(ctx)
     ends = np.flatnonzero(ctx[: n - 1] == ctx[-1]) + 1  # e: ctx[e - 1] == ctx[-1], e <= n - 1
     if not ends.size:
@@ -185,5 +202,4 @@ def _own_occurrences(ctx: np.ndarray, limit: int) -> list[tuple[Sequence[int], i
             break
         lengths[ok] = m + 1
         alive = ok
-    seq = ctx.tolist()
     return [(seq, int(e), int(m)) for e, m in zip(ends, lengths, strict=True)]
