@@ -143,3 +143,19 @@ async def test_answers_match_transformers_and_an_earlier_answer_is_proposed(tmp_
             accepted[cached] = eng.statistics().spec_accepted_tokens - before
     assert accepted[100] > accepted[0]
     assert accepted[100] >= 30  # most of the 39 tokens after the first come proposed
+
+
+def test_after_many_evictions_only_the_kept_answers_propose() -> None:
+    """Answers dropped first in first out (their index entries pruned on the way) leave
+    the cache proposing exactly as one that only ever saw the kept ones."""
+    rng = random.Random(7)
+    answers = [[rng.randrange(6) for _ in range(rng.randint(3, 30))] for _ in range(200)]
+    churned, fresh = SuffixCache(12, 3, 2.0, 0.1), SuffixCache(12, 3, 2.0, 0.1)
+    for answer in answers:
+        churned.add_answer(answer)
+    for answer in answers[-3:]:
+        fresh.add_answer(answer)
+    assert len(churned) == 3
+    for _ in range(50):
+        context = [rng.randrange(6) for _ in range(rng.randint(2, 20))]
+        assert churned.propose(context, 8) == fresh.propose(context, 8)
