@@ -34,8 +34,9 @@ CHAT_TEMPLATE_CONTENT_FORMATS = ("auto", "string", "openai")
 
 
 def parse_mm_limit(value: str) -> int:
-    """``--limit-mm-per-prompt``: images per request, as ``4`` or vLLM's ``{"image": 4}``
-    (other modalities may only be 0: none is supported)."""
+    """``--limit-mm-per-prompt``: images (or a Qwen2-Audio's clips) per request, as ``4``
+    or vLLM's ``{"image": 4}`` / ``{"audio": 2}`` (other modalities may only be 0: none is
+    supported; no model here takes both images and audio)."""
     text = value.strip()
     if not text.startswith("{"):
         return int(text)
@@ -44,9 +45,13 @@ def parse_mm_limit(value: str) -> int:
     except json.JSONDecodeError as exc:
         raise ValueError(f"not JSON: {exc}") from None
     if not isinstance(limits, dict) or any(
-            k != "image" and v not in (0, None) for k, v in limits.items()):
-        raise ValueError("only the image modality is supported: {\"image\": N}")
-    return int(limits.get("image", 4))
+            k not in ("image", "audio") and v not in (0, None) for k, v in limits.items()):
+        raise ValueError("only the image and audio modalities are supported: {\"image\": N} "
+                         "or {\"audio\": N}")
+    given = [int(limits[k]) for k in ("image", "audio") if limits.get(k) is not None]
+    if len(given) == 2 and 0 not in given:
+        raise ValueError("give images or audio a limit, not both: no model here takes both")
+    return max(given) if given else 4
 
 
 def parse_memory(text: str) -> int | float:

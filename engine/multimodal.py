@@ -37,6 +37,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from engine.config import parse_mm_processor_kwargs
 from engine.errors import ConfigError, InvalidParamError
 from engine.messages import ImageInput
@@ -66,27 +68,53 @@ class RawImage:
     data: Any  # bytes | PIL.Image.Image | ImageURL
 
 
+# Content parts by the media they carry: images (OpenAI's image_url, the embedded API's
+# image) and audio clips (OpenAI's input_audio, vLLM's audio_url, the embedded API's audio).
+MEDIA_PARTS = {"image_url": "image", "image": "image",
+               "input_audio": "audio", "audio_url": "audio", "audio": "audio"}
+# The formats OpenAI's input_audio names, and those libsndfile reads besides.
+AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")
+_PLURAL = {"image": "images", "audio": "audio clips"}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AudioClip:
+    """An audio clip given beside a prompt (``multi_modal_data={"audio": ...}``): encoded
+    bytes or a ``(samples, sampling rate)`` pair."""
+
+    data: Any
+
+
 def has_images(messages: Any) -> bool:
-    """Whether any chat message holds a non-text content part (cheap: no decoding)."""
+    """Whether any chat message holds an image or audio part (cheap: no decoding)."""
     if not isinstance(messages, (list, tuple)):
         return False
     for m in messages:
         content = m.get("content") if isinstance(m, Mapping) else None
         if isinstance(content, (list, tuple)) and any(
-            isinstance(p, Mapping) and p.get("type") in ("image_url", "image") for p in content
+            isinstance(p, Mapping) and p.get("type") in MEDIA_PARTS for p in content
         ):
             return True
     return False
 
 
+def _refuse_kind(kind: str, kinds: Sequence[str], model: str, where: str) -> None:
+    if kind not in kinds:
+        takes = " and ".join(["text", *(_PLURAL[k] for k in kinds)]) if kinds else "text only"
+        raise InvalidParamError(f"{where}: the model {model} takes {takes}, not {_PLURAL[kind]}",
+                                param=where)
+
+
 def split_images(
-    messages: Sequence[Any], takes_images: bool, limits: MediaLimits, *, model: str = "model",
+    messages: Sequence[Any], kinds: Sequence[str], limits: MediaLimits, *, model: str = "model",
 ) -> tuple[list[Any], list[RawImage]]:
-    """The messages with each image part replaced by ``{"type": "image"}`` (the parts stay
-    in the order given), and the images in prompt order. ``takes_images`` false: a
-    text-only model, which refuses them."""
+    """The messages with each image part replaced by ``{"type": "image"}`` and each audio
+    part by ``{"type": "audio", "audio": None}`` (the parts stay in the order given; a
+    template tests a part for an ``audio`` key or its type), and the media in prompt
+    order. ``kinds``: what the model takes (``("image",)``, ``("audio",)``; empty for a
+    text-only model); another kind is refused, naming the part."""
     out: list[Any] = []
-    images: list[RawImage] = []
+    media: list[RawImage] = []
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, Mapping) else None
         if not isinstance(content, (list, tuple)):
@@ -95,46 +123,93 @@ def split_images(
         parts = []
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, Mapping) else None
-            if kind not in ("image_url", "image"):
+            if kind not in MEDIA_PARTS:
                 parts.append(part)
                 continue
             where = f"messages[{i}].content[{j}]"
-            if not takes_images:
+            _refuse_kind(MEDIA_PARTS[kind], kinds, model, where)
+            media.append(RawImage(where, _part_data(part, kind, where, limits)))
+            if len(media) > limits.max_images_per_prompt:
                 raise InvalidParamError(
-                    f"{where}: the model {model} takes text only, not images", param=where)
-            images.append(RawImage(where, _part_data(part, kind, where, limits)))
-            if len(images) > limits.max_images_per_prompt:
-                raise InvalidParamError(
-                    f"{where}: more than {limits.max_images_per_prompt} images in one request "
-                    "(--limit-mm-per-prompt)", param="messages")
-            parts.append({"type": "image"})
+                    f"{where}: more than {limits.max_images_per_prompt} "
+                    f"{_PLURAL[MEDIA_PARTS[kind]]} in one request (--limit-mm-per-prompt)",
+                    param="messages")
+            parts.append({"type": "image"} if MEDIA_PARTS[kind] == "image"
+                         else {"type": "audio", "audio": None})
         out.append({**message, "content": parts})
-    return out, images
+    return out, media
 
 
-def prompt_images(images: Any, takes_images: bool, limits: MediaLimits, *, model: str = "model",
+def prompt_images(images: Any, kinds: Sequence[str], limits: MediaLimits, *, model: str = "model",
                   where: str = "images") -> list[RawImage]:
-    """Images given beside a text or token-id prompt (vLLM's ``multi_modal_data``), in the
-    order of the prompt's image tokens: one image or a list, each bytes or a PIL image.
-    A text-only model (``takes_images`` false) refuses them (a 400 naming ``where``)."""
-    items = list(images) if isinstance(images, (list, tuple)) else [images]
-    if not takes_images:
-        raise InvalidParamError(f"{where}: the model {model} takes text only, not images",
-                                param=where)
+    """Images (or audio clips) given beside a text or token-id prompt (vLLM's
+    ``multi_modal_data``), in the order of the prompt's image (audio) tokens: one or a
+    list, each bytes or a PIL image, or an :class:`AudioClip` or ``(samples, rate)`` pair.
+    Bytes are the model's kind of media. Media the model does not take (``kinds``) are
+    refused (a 400 naming ``where``)."""
+    items = list(images) if isinstance(images, (list, tuple)) and not _is_samples(images) else [images]
     if len(items) > limits.max_images_per_prompt:
-        raise InvalidParamError(f"{where}: {len(items)} images in one request; at most "
+        raise InvalidParamError(f"{where}: {len(items)} media items in one request; at most "
                                 f"{limits.max_images_per_prompt} (--limit-mm-per-prompt)",
                                 param=where)
     out = []
     for k, data in enumerate(items):
         at = f"{where}[{k}]"
-        if isinstance(data, (bytes, bytearray, memoryview)):
+        if isinstance(data, AudioClip) or _is_samples(data):
+            _refuse_kind("audio", kinds, model, at)
+            out.append(RawImage(at, embedded_audio(getattr(data, "data", data), at)))
+        elif isinstance(data, (bytes, bytearray, memoryview)):
+            _refuse_kind(kinds[0] if kinds else "image", kinds, model, at)
             out.append(RawImage(at, bytes(data)))
         elif _is_pil(data):
+            _refuse_kind("image", kinds, model, at)
             out.append(RawImage(at, data))
         else:
-            raise InvalidParamError(f"{at} must be bytes or a PIL image", param=at)
+            raise InvalidParamError(f"{at} must be bytes, a PIL image or an audio clip",
+                                    param=at)
     return out
+
+
+def _is_samples(data: Any) -> bool:
+    """A ``(samples, rate)`` pair: an array and a number."""
+    return (isinstance(data, tuple) and len(data) == 2 and hasattr(data[0], "__len__")
+            and not isinstance(data[0], (bytes, str)) and isinstance(data[1], (int, float)))
+
+
+def input_audio_bytes(part: Mapping[str, Any], where: str) -> bytes:
+    """The encoded clip of OpenAI's ``input_audio`` part."""
+    spec = part.get("input_audio")
+    if not isinstance(spec, Mapping) or not isinstance(spec.get("data"), str):
+        raise InvalidParamError(f"{where}.input_audio must be an object with base64 data",
+                                param=where)
+    fmt = spec.get("format", "wav")
+    if fmt not in AUDIO_FORMATS:
+        raise InvalidParamError(f"{where}.input_audio.format must be one of "
+                                f"{', '.join(AUDIO_FORMATS)}, got {fmt!r}", param=where)
+    try:
+        return base64.b64decode(spec["data"], validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidParamError(f"{where}.input_audio.data is not valid base64 ({exc})",
+                                param=where) from None
+
+
+def embedded_audio(data: Any, where: str) -> Any:
+    """An embedded API's clip: encoded bytes, or ``(samples, rate)`` as vLLM's
+    ``multi_modal_data`` takes it (samples a 1-D array, or ``[frames, channels]``)."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return bytes(data)
+    if isinstance(data, tuple) and len(data) == 2:
+        samples, rate = data
+        array = np.asarray(samples)
+        if array.dtype.kind not in "fiu" or array.ndim not in (1, 2) or not array.size:
+            raise InvalidParamError(f"{where}: audio samples must be a non-empty 1-D (or "
+                                    "[frames, channels]) array of numbers", param=where)
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
+            raise InvalidParamError(f"{where}: the sampling rate must be a positive number",
+                                    param=where)
+        return array.astype(np.float32), float(rate)
+    raise InvalidParamError(f"{where} must be encoded audio bytes or a (samples, "
+                            "sampling rate) pair", param=where)
 
 
 def _part_data(part: Mapping[str, Any], kind: str, where: str, limits: MediaLimits) -> Any:
@@ -145,10 +220,22 @@ def _part_data(part: Mapping[str, Any], kind: str, where: str, limits: MediaLimi
         if _is_pil(data):
             return data
         raise InvalidParamError(f"{where}.image must be bytes or a PIL image", param=where)
+    if kind == "audio":  # the embedded API
+        return embedded_audio(part.get("audio"), f"{where}.audio")
+    if kind == "input_audio":
+        return input_audio_bytes(part, where)
+    if kind == "audio_url":
+        spec = part.get("audio_url")
+        url = spec.get("url") if isinstance(spec, Mapping) else spec
+        return _media_url(url, where, "audio_url", limits)
     spec = part.get("image_url")
     url = spec.get("url") if isinstance(spec, Mapping) else spec
+    return _media_url(url, where, "image_url", limits)
+
+
+def _media_url(url: Any, where: str, field: str, limits: MediaLimits) -> Any:
     if not isinstance(url, str):
-        raise InvalidParamError(f"{where}.image_url.url must be a string", param=where)
+        raise InvalidParamError(f"{where}.{field}.url must be a string", param=where)
     if url.startswith("data:"):
         return _data_url(url, where)
     scheme = urllib.parse.urlsplit(url).scheme.lower()
@@ -156,11 +243,11 @@ def _part_data(part: Mapping[str, Any], kind: str, where: str, limits: MediaLimi
         host = (urllib.parse.urlsplit(url).hostname or "").lower()
         if host not in limits.allowed_media_domains:
             raise InvalidParamError(
-                f"{where}: image URLs from {host or 'that host'!r} are not allowed; send the "
-                "image as a base64 data: URL (the server fetches only from "
+                f"{where}: media URLs from {host or 'that host'!r} are not allowed; send the "
+                "data as a base64 data: URL (the server fetches only from "
                 "--allowed-media-domains)", param=where)
         return ImageURL(url)  # fetched with the decoding, in a worker thread
-    raise InvalidParamError(f"{where}: image_url must be a data: URL (or http(s) for an "
+    raise InvalidParamError(f"{where}: {field} must be a data: URL (or http(s) for an "
                             "allowed host)", param=where)
 
 
@@ -220,8 +307,9 @@ def fetch_image(url: str, where: str) -> bytes:
 def _data_url(url: str, where: str) -> bytes:
     header, sep, payload = url.partition(",")
     if not sep or not header.endswith(";base64"):
-        raise InvalidParamError(f"{where}: a data: URL image must be base64 "
-                                "(data:image/png;base64,...)", param=where)
+        raise InvalidParamError(f"{where}: a data: URL must be base64 "
+                                "(data:image/png;base64,... or data:audio/wav;base64,...)",
+                                param=where)
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
@@ -298,6 +386,8 @@ class ImagePreprocessor:
     dynamic resolution), ``t * h * w / merge_size**2`` of the image's own patch grid.
     With a ``frame`` (Gemma 3) the image token is widened to the frame's tokens around the
     placeholders instead (:class:`ImageFrame`)."""
+
+    kinds = ("image",)  # the media it takes (engine.audio.AudioPreprocessor: audio)
 
     def __init__(self, folder: str | Path, *, image_token_id: int, image_token: str,
                  num_image_tokens: int | None, limits: MediaLimits, merge_size: int | None = None,

@@ -168,7 +168,7 @@ class FakeEngine:
         from engine import multimodal
 
         await trio.lowlevel.checkpoint()
-        messages, _ = multimodal.split_images(messages, False, multimodal.MediaLimits(),
+        messages, _ = multimodal.split_images(messages, (), multimodal.MediaLimits(),
                                               model=self.model_name)
         return tuple(self._prompt_ids(messages, chat_options))
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import trio
 
+from engine import multimodal
 from engine.api.engine import Engine, PreparedRequest
 from engine.api.metrics import Metrics, RequestTimer
 from engine.api.outputs import (
@@ -137,11 +138,24 @@ def _images(index: int, data: Any) -> tuple[Any, ...]:
     if not isinstance(data, Mapping):
         raise _refused(index, "multi_modal_data must be a dict", param="multi_modal_data")
     for kind in data:
-        if kind != "image":
-            raise _refused(index, f"multi_modal_data[{kind!r}]: this engine takes images only",
-                           param="multi_modal_data")
+        if kind not in ("image", "audio"):
+            raise _refused(index, f"multi_modal_data[{kind!r}]: this engine takes images and "
+                                  "audio only", param="multi_modal_data")
+    if len(data) > 1:
+        raise _refused(index, "multi_modal_data gives images or audio, not both (no model "
+                              "here takes both)", param="multi_modal_data")
+    if "audio" in data:  # a clip, a (samples, rate) pair, or a list of them
+        clips = data["audio"]
+        if not isinstance(clips, list) and not (isinstance(clips, tuple) and not _is_clip(clips)):
+            clips = [clips]
+        return tuple(multimodal.AudioClip(c) for c in clips)
     images = data.get("image")
     return tuple(images) if isinstance(images, (list, tuple)) else (images,)
+
+
+def _is_clip(data: tuple[Any, ...]) -> bool:
+    """A ``(samples, rate)`` pair rather than a tuple of clips."""
+    return len(data) == 2 and isinstance(data[1], (int, float)) and not isinstance(data[1], bool)
 
 
 def chat_prompts(messages: Any, options: TemplateOptions,

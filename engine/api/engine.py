@@ -342,8 +342,8 @@ class Engine(SleepMode):
         elif images:
             prep = self._parts.images
             raw_images = multimodal.prompt_images(
-                images, prep is not None, prep.limits if prep is not None else
-                multimodal.MediaLimits(), model=self.model_name, where="multi_modal_data.image")
+                images, prep.kinds if prep is not None else (), prep.limits if prep is not None
+                else multimodal.MediaLimits(), model=self.model_name, where="multi_modal_data")
         submit = admission.submit_request(
             prompt, params, request_id=request_id if request_id is not None else uuid.uuid4().hex,
             priority=priority, cache_salt=cache_salt, arrival_time=time.monotonic(),
@@ -530,7 +530,8 @@ class Engine(SleepMode):
         (a 400 naming the part)."""
         prep = self._parts.images
         limits = prep.limits if prep is not None else multimodal.MediaLimits()
-        return multimodal.split_images(prompt, prep is not None, limits, model=self.model_name)
+        return multimodal.split_images(prompt, prep.kinds if prep is not None else (), limits,
+                                       model=self.model_name)
 
     def generate(
         self,

@@ -147,7 +147,7 @@ def _assistant_fields(where: str, out: dict[str, Any]) -> None:
         out["content"] = refusal or ""
 
 
-_IMAGE_PARTS = ("image_url", "image")
+_IMAGE_PARTS = ("image_url", "image", "input_audio", "audio_url", "audio")  # media parts
 
 
 def _content(where: str, content: Any, images: bool = False,
@@ -176,7 +176,7 @@ def _content(where: str, content: Any, images: bool = False,
             parts.append({"type": "text", "text": part["refusal"]})
             continue
         if kind != "text":
-            what = "a text or image part" if images else "a text part"
+            what = "a text, image or audio part" if images else "a text part"
             if kind == "refusal":
                 what += " (a refusal part belongs to an assistant turn)"
             raise InvalidParamError(f"{where}.content[{j}] must be {what}, got {kind!r}",
@@ -217,8 +217,9 @@ def _shape_content(chat: list[dict[str, Any]], fmt: str,
     """The messages as a template of content format ``fmt`` takes them (vLLM's rule).
 
     ``openai``: every content is a list of parts in the order given, text parts as
-    ``{"type": "text", "text"}`` and each image as ``{"type": "image"}`` (the template
-    writes the image placeholder the model's processor expects); a string becomes one text
+    ``{"type": "text", "text"}``, each image as ``{"type": "image"}`` and each audio clip
+    as ``{"type": "audio", "audio": None}`` (the template writes the placeholder the
+    model's processor expects); a string becomes one text
     part. ``string``: a list becomes its parts joined with a newline, each image as
     ``image_text`` (the model's placeholder). A tool result is a string either way; an
     assistant turn without content keeps none."""
@@ -231,6 +232,7 @@ def _shape_content(chat: list[dict[str, Any]], fmt: str,
         if fmt == "openai":
             parts = [{"type": "text", "text": content}] if isinstance(content, str) else [
                 {"type": "text", "text": p["text"]} if p.get("type") == "text"
+                else {"type": "audio", "audio": None} if p.get("type") == "audio"
                 else {"type": "image"} for p in content]
             out.append({**message, "content": parts})
         elif isinstance(content, list):

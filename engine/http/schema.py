@@ -183,15 +183,21 @@ COMPLETION: dict[str, Any] = {
 }
 
 # A content part; the chat normalizer (engine.chat.template) checks what each type must
-# hold. An image (vision models) is a data: URL, or http(s) from --allowed-media-domains.
+# hold. An image (vision models) or an audio_url (audio models) is a data: URL, or http(s)
+# from --allowed-media-domains; OpenAI's input_audio is base64 with its format.
 _CONTENT_PART = {"type": "object", "required": ["type"], "properties": {
-    "type": {"enum": ["text", "image_url", "refusal"],
-             "description": "text, image_url (vision models), refusal (an assistant turn's, "
-                            "read as its text)"},
+    "type": {"enum": ["text", "image_url", "input_audio", "audio_url", "refusal"],
+             "description": "text, image_url (vision models), input_audio and audio_url "
+                            "(audio models), refusal (an assistant turn's, read as its text)"},
     "text": {"type": "string"}, "refusal": {"type": "string"},
     "image_url": {"anyOf": [{"type": "string"}, {"type": "object", "required": ["url"],
                   "properties": {"url": {"type": "string"},
-                                 "detail": {"enum": ["auto", "low", "high"]}}}]}}}
+                                 "detail": {"enum": ["auto", "low", "high"]}}}]},
+    "audio_url": {"anyOf": [{"type": "string"}, {"type": "object", "required": ["url"],
+                  "properties": {"url": {"type": "string"}}}]},
+    "input_audio": {"type": "object", "required": ["data"],
+                    "properties": {"data": {"type": "string"},
+                                   "format": {"enum": ["wav", "mp3", "flac", "ogg"]}}}}}
 _MESSAGE = {
     "type": "object",
     "required": ["role"],

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from engine.errors import CorruptModelError, UnsupportedModelError
+from engine.models import audio_config as audio
 from engine.models.absolute_config import ABSOLUTE_ARCHITECTURES, AbsoluteConfig, absolute_fields
 from engine.models.decoder_fields import (
     GEMMA_FAMILY,
@@ -125,6 +126,7 @@ TEXT_PART_ARCHITECTURES = {
     "Mistral3ForConditionalGeneration": ("MistralForCausalLM", "mistral"),
     "Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
     "Qwen3_5MoeForConditionalGeneration": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
+    audio.QWEN2_AUDIO: ("Qwen2ForCausalLM", "qwen2"),  # with its audio tower (audio_config.py)
 }
 # The same decoders saved without their LM head (transformers' base classes), as embedding
 # models such as Qwen3-Embedding are: weights without the "model." prefix, no lm_head.
@@ -238,9 +240,9 @@ class ModelConfig:
     # Gated DeltaNet layers (deltanet_config.DeltaNetConfig); None: every layer attends.
     mamba: MambaConfig | None = None
     deltanet: DeltaNetConfig | None = None
-    # A vision-language model's vision tower (LLaVA, Qwen-VL, Gemma 3); None for a
-    # text-only model.
-    vision: VisionConfig | QwenVisionConfig | Gemma3VisionConfig | None = None
+    # A multimodal model's encoder: a vision tower (LLaVA, Qwen-VL, Gemma 3) or an audio
+    # tower (Qwen2-Audio); None for a text-only model.
+    vision: VisionConfig | QwenVisionConfig | Gemma3VisionConfig | audio.AudioConfig | None = None
     # GPT-2 and OPT (ABSOLUTE_ARCHITECTURES): learned positions, LayerNorm; None otherwise.
     absolute: AbsoluteConfig | None = None
     # ModernBERT (models/modernbert.py): its local layers, their window and RoPE base, its
@@ -505,7 +507,7 @@ _VISION_ACTIVATIONS = ("quick_gelu", "gelu", "gelu_pytorch_tanh")
 def _text_part_config(raw: dict[str, Any], arch: str) -> ModelConfig:
     """The text model of a vision-language checkpoint (TEXT_PART_ARCHITECTURES)."""
     causal, model_type = TEXT_PART_ARCHITECTURES[arch]
-    text = raw.get("text_config")
+    text = audio.qwen2_audio_text(raw) if arch == audio.QWEN2_AUDIO else raw.get("text_config")
     if not isinstance(text, dict):
         raise CorruptModelError(f"{arch}: config.json has no text_config")
     if text.get("model_type", model_type) != model_type:
@@ -531,6 +533,8 @@ def _text_part_config(raw: dict[str, Any], arch: str) -> ModelConfig:
                 f"Gemma 3: an image's {vision.mm_tokens_per_image} tokens do not fit the "
                 f"sliding window ({min(windows)})")
         config = dataclasses.replace(config, vision=vision)
+    elif arch == audio.QWEN2_AUDIO and raw.get("audio_config") is not None:
+        config = dataclasses.replace(config, vision=audio.qwen2_audio_config(raw, config.vocab_size))
     return config
 
 

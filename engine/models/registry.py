@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from engine.errors import CorruptModelError, UnsupportedModelError
+from engine.models.audio_config import AudioConfig
 from engine.models.bert import BertModel
 from engine.models.cohere import CohereModel
 from engine.models.config import ModelConfig
@@ -36,6 +37,7 @@ from engine.models.olmo import OlmoModel
 from engine.models.olmoe import OlmoeModel
 from engine.models.opt import OPTModel
 from engine.models.phi import PhiModel
+from engine.models.qwen2_audio import Qwen2AudioModel
 from engine.models.qwen3_5 import Qwen35Model
 from engine.models.qwen_vl import QwenVLModel
 from engine.models.starcoder2 import Starcoder2Model
@@ -95,6 +97,7 @@ MODEL_CLASSES: dict[str, type] = {
     "gemma3_vision": Gemma3VisionModel,
     "qwen2_vl": QwenVLModel,
     "qwen2_5_vl": QwenVLModel,
+    "qwen2_audio": Qwen2AudioModel,
 }
 
 
@@ -104,6 +107,8 @@ def architecture_name(config: ModelConfig) -> str:
         return config.vision.kind  # type: ignore[union-attr]  # QwenVisionConfig: "qwen2_vl" | "qwen2_5_vl"
     if isinstance(config.vision, Gemma3VisionConfig):
         return "gemma3_vision"
+    if isinstance(config.vision, AudioConfig):
+        return config.vision.kind
     if config.vision is not None:
         return "llava"
     return config.architecture

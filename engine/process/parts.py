@@ -20,9 +20,11 @@ from typing import Any
 import torch
 
 from engine.actors.parts import EngineParts
+from engine.audio import AudioPreprocessor
 from engine.config import EngineConfig
 from engine.core.admission import AdmissionLimits
 from engine.errors import ConfigError
+from engine.models.audio_config import AudioConfig
 from engine.models.layers.linear import weight_bytes
 from engine.models.layers.shard import pipeline_parallel_problem, tensor_parallel_problem
 from engine.models.loader import EMBEDDING_MODEL_NAMES, _model_config
@@ -225,11 +227,36 @@ def _widest_stage(config: EngineConfig, loaded: Any, tp: Any) -> Any:
     return dataclasses.replace(tp, stage=PipelineStage(start=start, stop=stop))
 
 
+def audio_preprocessor(config: EngineConfig, audio: AudioConfig, folder: Path,
+                       tokenizer: Any) -> AudioPreprocessor:
+    """Qwen2-Audio's feature extractor and how a clip enters the prompt: its template
+    writes ``<|audio_bos|><|AUDIO|><|audio_eos|>`` per clip."""
+    tokens = {}
+    for text in ("<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"):
+        token_id = tokenizer.token_to_id(text)
+        if token_id is None:
+            raise ConfigError(f"the tokenizer has no {text} token (Qwen2-Audio's)", field="model")
+        tokens[text] = token_id
+    if tokens["<|AUDIO|>"] != audio.audio_token_id:
+        raise ConfigError(f"config.json's audio_token_index ({audio.audio_token_id}) is not the "
+                          f"tokenizer's <|AUDIO|> ({tokens['<|AUDIO|>']})", field="model")
+    if config.mm_processor_options:
+        raise ConfigError("mm_processor_kwargs: Qwen2-Audio's feature extractor takes none",
+                          field="mm_processor_kwargs")
+    limits = MediaLimits(config.limit_mm_per_prompt, config.max_image_pixels, config.media_domains)
+    return AudioPreprocessor(folder, max_frames=audio.max_frames, audio_token_id=audio.audio_token_id,
+                             audio_token="<|AUDIO|>", image_text="".join(tokens),
+                             marker_ids={k: tokens[k] for k in ("<|audio_bos|>", "<|audio_eos|>")},
+                             limits=limits)
+
+
 def image_preprocessor(config: EngineConfig, model_config: Any, folder: Path, tokenizer: Any) -> Any:
     """The model's image preprocessor (engine.multimodal) for a vision-language model."""
     vision = model_config.vision
     if vision is None:
         return None
+    if isinstance(vision, AudioConfig):
+        return audio_preprocessor(config, vision, folder, tokenizer)
     token = tokenizer.convert_ids_to_tokens([vision.image_token_id])[0]
     if token is None:
         raise ConfigError(f"the tokenizer has no image token (id {vision.image_token_id})",

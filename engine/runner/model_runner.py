@@ -536,8 +536,9 @@ class ModelRunner:
                 bytearray(image.pixels), dtype=torch.float32).view(image.shape).to(self.device)
         if missing:
             encoded: Sequence[torch.Tensor]
-            if self.config.mrope:  # Qwen-VL: images of their own sizes, one list
-                encoded = self.model.encode_image_inputs(list(missing.values()))  # type: ignore[attr-defined]
+            if hasattr(self.model, "encode_image_inputs"):  # Qwen-VL, Qwen2-Audio: inputs
+                # of their own sizes, one list
+                encoded = self.model.encode_image_inputs(list(missing.values()))
             else:
                 pixels = torch.stack([
                     torch.frombuffer(bytearray(image.pixels), dtype=torch.float32).view(image.shape)

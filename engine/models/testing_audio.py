@@ -1,0 +1,118 @@
+"""A tiny random Qwen2-Audio for the tests: the tiny Qwen2 decoder (engine.models.testing)
+behind a two-layer Whisper-style audio tower, with a Whisper feature extractor whose
+window is two seconds (200 log-mel frames of 16 bins), so a clip costs little to encode."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Tokenizer
+
+from engine.models.testing import _weights, write_tiny_model
+
+AUDIO_TOKENS = ("<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>")
+TINY_AUDIO_SECONDS = 2
+TINY_AUDIO_RATE = 16000
+TINY_MEL_BINS = 16
+
+# Qwen2-Audio-Instruct's conversation format: ChatML with a default system turn, each
+# clip written as "Audio N: " and its three tokens on a line of its own.
+QWEN2_AUDIO_TEMPLATE = (
+    "{% set clips = namespace(n=0) %}"
+    "{% for m in messages %}"
+    "{% if loop.first and m['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for part in m['content'] %}"
+    "{% if 'audio' in part or 'audio_url' in part or part['type'] == 'audio' %}"
+    "{% set clips.n = clips.n + 1 %}"
+    "Audio {{ clips.n }}: <|audio_bos|><|AUDIO|><|audio_eos|>\n"
+    "{% elif 'text' in part %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_tiny_qwen2_audio(path: str | Path, *, seed: int = 0) -> Path:
+    """A tiny random Qwen2-Audio in folder ``path``, in the layout of the released
+    checkpoints (transformers 4's names: ``audio_tower.*``, ``multi_modal_projector.*``,
+    ``language_model.*``): config.json from ``Qwen2AudioConfig``, model.safetensors, the
+    tiny tokenizer with the three audio tokens and the template above, and a
+    ``WhisperFeatureExtractor`` (preprocessor_config.json)."""
+    # transformers is heavy and only the audio tests need it: imported here, on use.
+    from transformers import Qwen2AudioConfig, WhisperFeatureExtractor
+
+    path = Path(path)
+    write_tiny_model(path, "qwen2", seed=seed, chat_template=QWEN2_AUDIO_TEMPLATE)
+    tok = Tokenizer.from_str((path / "tokenizer.json").read_text())
+    tok.add_special_tokens([AddedToken(t, special=True) for t in AUDIO_TOKENS])
+    ids = {t: tok.token_to_id(t) for t in AUDIO_TOKENS}
+    (path / "tokenizer.json").write_text(tok.to_str())
+    text = json.loads((path / "config.json").read_text())
+    # Untied: with a tied head these random weights mostly repeat the last token.
+    text.update(vocab_size=max(ids.values()) + 1, tie_word_embeddings=False)
+    frames = TINY_AUDIO_SECONDS * TINY_AUDIO_RATE // 160
+    d, layers, ffn = 32, 2, 64
+    audio = dict(num_mel_bins=TINY_MEL_BINS, d_model=d, encoder_layers=layers,
+                 encoder_attention_heads=4, encoder_ffn_dim=ffn, max_source_positions=frames // 2)
+    text_cfg = {k: v for k, v in text.items() if k not in ("architectures", "torch_dtype")}
+    cfg = Qwen2AudioConfig(audio_config=audio, text_config=text_cfg,
+                           audio_token_index=ids["<|AUDIO|>"])
+    cfg.save_pretrained(path)
+    raw = json.loads((path / "config.json").read_text())
+    raw["architectures"] = ["Qwen2AudioForConditionalGeneration"]
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    gen = torch.Generator().manual_seed(seed + 1)
+
+    def rand(*shape: int, std: float = 0.2) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    weights = {}
+    for k, v in _weights(text, seed).items():
+        weights[k.replace("model.", "language_model.model.", 1) if k.startswith("model.")
+                else "language_model." + k] = v
+    t = "audio_tower."
+
+    def linear(name: str, out: int, inp: int, bias: bool = True, std: float = 0.2) -> None:
+        weights[name + ".weight"] = rand(out, inp, std=std)
+        if bias:
+            weights[name + ".bias"] = rand(out, std=0.1)
+
+    def norm(name: str, n: int) -> None:
+        weights[name + ".weight"] = 1 + rand(n, std=0.1)
+        weights[name + ".bias"] = rand(n, std=0.1)
+
+    weights[t + "conv1.weight"] = rand(d, TINY_MEL_BINS, 3, std=0.3)
+    weights[t + "conv1.bias"] = rand(d, std=0.1)
+    weights[t + "conv2.weight"] = rand(d, d, 3, std=0.2)
+    weights[t + "conv2.bias"] = rand(d, std=0.1)
+    weights[t + "embed_positions.weight"] = rand(frames // 2, d, std=0.5)
+    for i in range(layers):
+        p = f"{t}layers.{i}."
+        norm(p + "self_attn_layer_norm", d)
+        norm(p + "final_layer_norm", d)
+        linear(p + "self_attn.q_proj", d, d)
+        linear(p + "self_attn.k_proj", d, d, bias=False)
+        linear(p + "self_attn.v_proj", d, d)
+        linear(p + "self_attn.out_proj", d, d)
+        linear(p + "fc1", ffn, d)
+        linear(p + "fc2", d, ffn)
+    norm(t + "layer_norm", d)
+    linear("multi_modal_projector.linear", text["hidden_size"], d, std=1.0)
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+    WhisperFeatureExtractor(feature_size=TINY_MEL_BINS, sampling_rate=TINY_AUDIO_RATE,
+                            hop_length=160, chunk_length=TINY_AUDIO_SECONDS,
+                            n_fft=400).save_pretrained(path)
+    return path
+
+
+__all__ = ["AUDIO_TOKENS", "QWEN2_AUDIO_TEMPLATE", "TINY_AUDIO_RATE", "TINY_AUDIO_SECONDS",
+           "write_tiny_qwen2_audio"]
