@@ -40,17 +40,24 @@ QWEN2_AUDIO_TEMPLATE = (
 )
 
 
-def write_tiny_qwen2_audio(path: str | Path, *, seed: int = 0) -> Path:
+def write_tiny_qwen2_audio(path: str | Path, *, seed: int = 0, d_model: int = 32, layers: int = 2,
+                           heads: int = 4, ffn: int = 64, mel_bins: int = TINY_MEL_BINS,
+                           seconds: int = TINY_AUDIO_SECONDS,
+                           text_overrides: dict | None = None) -> Path:
     """A tiny random Qwen2-Audio in folder ``path``, in the layout of the released
     checkpoints (transformers 4's names: ``audio_tower.*``, ``multi_modal_projector.*``,
     ``language_model.*``): config.json from ``Qwen2AudioConfig``, model.safetensors, the
     tiny tokenizer with the three audio tokens and the template above, and a
-    ``WhisperFeatureExtractor`` (preprocessor_config.json)."""
+    ``WhisperFeatureExtractor`` (preprocessor_config.json). The tower's shape and window
+    may be set (bench/audio.py writes the released one: 1,280 wide, 32 layers of 20 heads,
+    5,120 in the MLP, 128 bins, 30 seconds); ``text_overrides`` are the decoder's
+    (:func:`write_tiny_model`'s ``overrides``)."""
     # transformers is heavy and only the audio tests need it: imported here, on use.
     from transformers import Qwen2AudioConfig, WhisperFeatureExtractor
 
     path = Path(path)
-    write_tiny_model(path, "qwen2", seed=seed, chat_template=QWEN2_AUDIO_TEMPLATE)
+    write_tiny_model(path, "qwen2", seed=seed, chat_template=QWEN2_AUDIO_TEMPLATE,
+                     overrides=text_overrides)
     tok = Tokenizer.from_str((path / "tokenizer.json").read_text())
     tok.add_special_tokens([AddedToken(t, special=True) for t in AUDIO_TOKENS])
     ids = {t: tok.token_to_id(t) for t in AUDIO_TOKENS}
@@ -58,10 +65,10 @@ def write_tiny_qwen2_audio(path: str | Path, *, seed: int = 0) -> Path:
     text = json.loads((path / "config.json").read_text())
     # Untied: with a tied head these random weights mostly repeat the last token.
     text.update(vocab_size=max(ids.values()) + 1, tie_word_embeddings=False)
-    frames = TINY_AUDIO_SECONDS * TINY_AUDIO_RATE // 160
-    d, layers, ffn = 32, 2, 64
-    audio = dict(num_mel_bins=TINY_MEL_BINS, d_model=d, encoder_layers=layers,
-                 encoder_attention_heads=4, encoder_ffn_dim=ffn, max_source_positions=frames // 2)
+    frames = seconds * TINY_AUDIO_RATE // 160
+    d = d_model
+    audio = dict(num_mel_bins=mel_bins, d_model=d, encoder_layers=layers,
+                 encoder_attention_heads=heads, encoder_ffn_dim=ffn, max_source_positions=frames // 2)
     text_cfg = {k: v for k, v in text.items() if k not in ("architectures", "torch_dtype")}
     cfg = Qwen2AudioConfig(audio_config=audio, text_config=text_cfg,
                            audio_token_index=ids["<|AUDIO|>"])
@@ -71,8 +78,10 @@ def write_tiny_qwen2_audio(path: str | Path, *, seed: int = 0) -> Path:
     (path / "config.json").write_text(json.dumps(raw, indent=2))
     gen = torch.Generator().manual_seed(seed + 1)
 
-    def rand(*shape: int, std: float = 0.2) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * std
+    def rand(*shape: int, std: float = 0.2, fan: int = 0) -> torch.Tensor:
+        # Scaled down by the inputs summed (``fan``) past the tiny tower's widest (96), so
+        # a wide tower's activations stay in range; the tiny one's weights are as drawn.
+        return torch.randn(*shape, generator=gen) * (std * min(1.0, (96 / max(fan, 1)) ** 0.5))
 
     weights = {}
     for k, v in _weights(text, seed).items():
@@ -81,7 +90,7 @@ def write_tiny_qwen2_audio(path: str | Path, *, seed: int = 0) -> Path:
     t = "audio_tower."
 
     def linear(name: str, out: int, inp: int, bias: bool = True, std: float = 0.2) -> None:
-        weights[name + ".weight"] = rand(out, inp, std=std)
+        weights[name + ".weight"] = rand(out, inp, std=std, fan=inp)
         if bias:
             weights[name + ".bias"] = rand(out, std=0.1)
 
@@ -89,9 +98,9 @@ def write_tiny_qwen2_audio(path: str | Path, *, seed: int = 0) -> Path:
         weights[name + ".weight"] = 1 + rand(n, std=0.1)
         weights[name + ".bias"] = rand(n, std=0.1)
 
-    weights[t + "conv1.weight"] = rand(d, TINY_MEL_BINS, 3, std=0.3)
+    weights[t + "conv1.weight"] = rand(d, mel_bins, 3, std=0.3, fan=3 * mel_bins)
     weights[t + "conv1.bias"] = rand(d, std=0.1)
-    weights[t + "conv2.weight"] = rand(d, d, 3, std=0.2)
+    weights[t + "conv2.weight"] = rand(d, d, 3, std=0.2, fan=3 * d)
     weights[t + "conv2.bias"] = rand(d, std=0.1)
     weights[t + "embed_positions.weight"] = rand(frames // 2, d, std=0.5)
     for i in range(layers):
@@ -108,8 +117,8 @@ def write_tiny_qwen2_audio(path: str | Path, *, seed: int = 0) -> Path:
     linear("multi_modal_projector.linear", text["hidden_size"], d, std=1.0)
     save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"),
               metadata={"format": "pt"})
-    WhisperFeatureExtractor(feature_size=TINY_MEL_BINS, sampling_rate=TINY_AUDIO_RATE,
-                            hop_length=160, chunk_length=TINY_AUDIO_SECONDS,
+    WhisperFeatureExtractor(feature_size=mel_bins, sampling_rate=TINY_AUDIO_RATE,
+                            hop_length=160, chunk_length=seconds,
                             n_fft=400).save_pretrained(path)
     return path
 
