@@ -358,8 +358,9 @@ def test_every_route_renders_the_parts_as_the_template_reads_them(qwen_vl_text,
 
 
 def test_content_parts_the_server_does_not_read_are_a_400_naming_them(qwen_vl_text) -> None:
-    """Audio and file parts are refused (this server reads neither), naming the part's
-    type; a refusal part outside an assistant turn too. An assistant's refusal part is
+    """File parts are refused (this server reads none), naming the part's type; an audio
+    part to a model without an audio tower, naming the part and what the model takes; a
+    refusal part outside an assistant turn too. An assistant's refusal part is
     the prompt transformers renders from its text (what the openai client replays)."""
     from transformers import AutoTokenizer
 
@@ -374,14 +375,15 @@ def test_content_parts_the_server_does_not_read_are_a_400_naming_them(qwen_vl_te
         assert chat.model_extra["prompt_token_ids"] == want
         for part, param in (
                 ({"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
-                 "messages[0].content[0].type"),
+                 "messages[0].content[0]"),
                 ({"type": "file", "file": {"file_id": "file-1"}}, "messages[0].content[0].type"),
                 ({"type": "refusal", "refusal": "no"}, "messages[0].content")):
             with pytest.raises(openai.BadRequestError) as info:
                 client.chat.completions.create(
                     model="m", max_tokens=2, messages=[{"role": "user", "content": [part]}])
             assert info.value.body["param"] == param
-            assert part["type"] in info.value.body["message"]
+            assert (part["type"] if part["type"] != "input_audio"
+                    else "takes text only, not audio clips") in info.value.body["message"]
         # History this server cannot render: an assistant's audio. (The deprecated
         # function_call is read as a tool call: tests/test_http_tools.py.)
         for field, value in (("audio", {"id": "audio_1"}),):
