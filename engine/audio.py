@@ -88,7 +88,7 @@ class AudioPreprocessor:
 
     def __init__(self, folder: str | Path, *, max_frames: int, audio_token_id: int,
                  audio_token: str, image_text: str, marker_ids: Mapping[str, int],
-                 limits: Any) -> None:
+                 limits: Any, cross_attention: bool = False) -> None:
         from transformers import AutoFeatureExtractor
 
         self.extractor = AutoFeatureExtractor.from_pretrained(str(folder))
@@ -104,6 +104,9 @@ class AudioPreprocessor:
         self.image_text = image_text
         self.marker_ids = dict(marker_ids)
         self.limits = limits
+        # Whisper: the clip is read by the decoder's cross-attention, not placeholders; the
+        # prompt (the decoder's task tokens) is given whole, with exactly one clip.
+        self.cross_attention = cross_attention
 
     def features(self, raw: RawImage) -> tuple[bytes, tuple[int, ...], int]:
         """``(float32 bytes, shape, frames)`` of one clip: its log-mel frames and the two
@@ -121,7 +124,9 @@ class AudioPreprocessor:
         if audio_tokens(frames) < 1:
             raise InvalidParamError(f"{raw.where}: the audio is too short ({len(samples)} "
                                     f"samples at {self.rate} Hz)", param=raw.where)
-        kept = out["input_features"][0][:, : frames + 2].astype("<f4")
+        # Whisper's encoder attends over the whole window: every frame is kept.
+        kept = out["input_features"][0][:, : None if self.cross_attention else frames + 2]
+        kept = kept.astype("<f4")
         kept = np.ascontiguousarray(kept)
         return kept.tobytes(), tuple(int(d) for d in kept.shape), frames
 
@@ -132,6 +137,13 @@ class AudioPreprocessor:
         if options:
             raise InvalidParamError("mm_processor_kwargs: this model's audio feature "
                                     "extractor takes none", param="mm_processor_kwargs")
+        if self.cross_attention:
+            if len(clips) != 1:
+                raise InvalidParamError(f"Whisper transcribes one clip a request, got "
+                                        f"{len(clips)}", param="file")
+            features, shape, frames = self.features(clips[0])
+            key = int.from_bytes(hashlib.sha256(features).digest()[:8], "little") >> 1
+            return tuple(ids), (ImageInput(0, 0, key, features, shape, (frames,)),)
         at = [i for i, t in enumerate(ids) if t == self.image_token_id]
         if len(at) != len(clips):
             raise InvalidParamError(

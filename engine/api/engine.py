@@ -344,6 +344,9 @@ class Engine(SleepMode):
             raw_images = multimodal.prompt_images(
                 images, prep.kinds if prep is not None else (), prep.limits if prep is not None
                 else multimodal.MediaLimits(), model=self.model_name, where="multi_modal_data")
+        if getattr(self._parts.images, "cross_attention", False) and len(raw_images) != 1:
+            raise InvalidParamError(f"the model {self.model_name} (Whisper) transcribes one audio "
+                                    "clip a request: use /v1/audio/transcriptions", param="model")
         submit = admission.submit_request(
             prompt, params, request_id=request_id if request_id is not None else uuid.uuid4().hex,
             priority=priority, cache_salt=cache_salt, arrival_time=time.monotonic(),

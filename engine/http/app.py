@@ -16,6 +16,8 @@ family                                      routes
                                             ``/cancel``
 :mod:`engine.http.pooling.routes`           ``/v1/embeddings``, ``/v1/score``,
                                             ``/v1/rerank`` (and vLLM's other paths)
+:mod:`engine.http.audio`                    ``/v1/audio/transcriptions``,
+                                            ``/v1/audio/translations`` (Whisper)
 :mod:`engine.http.admin`                    ``/health``, ``/ping``, ``/version``,
                                             ``/metrics``, ``/v1/models``, ``/load``,
                                             ``/openapi.json``, ``/tokenize``,
@@ -72,6 +74,7 @@ from engine.http import auth, edge, sse
 from engine.http.admin import AdminRoutes
 from engine.http.anthropic.protocol import error_body as anthropic_error_body
 from engine.http.anthropic.routes import AnthropicRoutes
+from engine.http.audio import AudioRoutes
 from engine.http.bodies import TaskBody, json_response
 from engine.http.completions.routes import CompletionsRoutes
 from engine.http.errors import LOGGED_ELSEWHERE, APIError, error_from_exception
@@ -141,7 +144,7 @@ def create_app(
     completions = CompletionsRoutes(server)
     pooling = PoolingRoutes(server)
     responses = ResponsesRoutes(server)
-    for routes in (completions, AnthropicRoutes(server), responses, pooling,
+    for routes in (completions, AnthropicRoutes(server), responses, pooling, AudioRoutes(server),
                    AdminRoutes(server), InvocationsRoute(server, completions, pooling)):
         routes.register(app)
     # The /v1/responses store, for tests and operators' introspection (statistics()).

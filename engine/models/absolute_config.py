@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any
 
 from engine.errors import CorruptModelError, UnsupportedModelError
+from engine.models.audio_config import AudioConfig
 
 # Hugging Face architecture -> family.
 ABSOLUTE_ARCHITECTURES = {
@@ -22,6 +23,9 @@ ABSOLUTE_ARCHITECTURES = {
     # GPT-2's layer with one KV head (multi_query) and nn.Linear weights: StarCoder,
     # SantaCoder, WizardCoder (models/gpt_bigcode.py).
     "GPTBigCodeForCausalLM": "gpt_bigcode",
+    # The decoder of Whisper's encoder-decoder (models/whisper.py): GPT-2's layer with a
+    # cross-attention to the audio encoder's states between attention and MLP.
+    "WhisperForConditionalGeneration": "whisper",
 }
 
 # activation_function values -> the MLP's activation. gelu_new (GPT-2's) is the tanh
@@ -59,6 +63,8 @@ class AbsoluteConfig:
 def absolute_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
     """``ModelConfig``'s fields for a GPT-2, GPTBigCode or OPT ``config.json`` (RoPE fields
     neutral)."""
+    if arch == "whisper":
+        return _whisper_fields(raw)
     gpt2 = arch in ("gpt2", "gpt_bigcode")  # GPTBigCode names its fields as GPT-2
     for key in _GPT2_REFUSED if gpt2 else ():
         if raw.get(key):
@@ -119,6 +125,43 @@ def absolute_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptModelError(f"config.json is missing or has a bad field: {exc}") from exc
+
+
+def _whisper_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """Whisper's decoder as GPT-2's fields (pre-norm, a final norm, positions from row 0),
+    its encoder as an :class:`AudioConfig` in ``vision`` (the media encoder's slot)."""
+    if raw.get("scale_embedding"):
+        raise UnsupportedModelError("whisper: scale_embedding true is not supported")
+    act = raw.get("activation_function", "gelu")
+    if act != "gelu":
+        raise UnsupportedModelError(f"whisper: activation_function {act!r} is not supported")
+    try:
+        hidden, heads = int(raw["d_model"]), int(raw["decoder_attention_heads"])
+        layers = int(raw["decoder_layers"])
+        encoder = AudioConfig(
+            num_mel_bins=int(raw.get("num_mel_bins", 80)), d_model=hidden,
+            encoder_layers=int(raw["encoder_layers"]),
+            encoder_attention_heads=int(raw["encoder_attention_heads"]),
+            encoder_ffn_dim=int(raw["encoder_ffn_dim"]),
+            max_source_positions=int(raw.get("max_source_positions", 1500)),
+            activation_function=act, audio_token_id=-1, kind="whisper")
+        eos = raw.get("eos_token_id", 50256)
+        return dict(
+            architecture="whisper", vocab_size=int(raw["vocab_size"]), hidden_size=hidden,
+            intermediate_size=int(raw["decoder_ffn_dim"]), num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads,
+            rms_norm_eps=1e-5, rope_theta=0.0, rope_scaling=None,
+            max_position_embeddings=int(raw.get("max_target_positions", 448)),
+            tie_word_embeddings=True, attention_bias=True, qk_norm=False, sliding_window=None,
+            layer_windows=(0,) * layers, bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=tuple(int(e) for e in (eos if isinstance(eos, list) else [eos])),
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"), activation="gelu",
+            absolute=AbsoluteConfig(position_offset=0, pre_norm=True, final_norm=True,
+                                    embed_dim=hidden),
+            vision=encoder,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptModelError(f"config.json is missing or has a bad whisper field: {exc}") from exc
 
 
 __all__ = ["ABSOLUTE_ARCHITECTURES", "AbsoluteConfig", "absolute_fields"]

@@ -42,6 +42,7 @@ from engine.models.qwen3_5 import Qwen35Model
 from engine.models.qwen_vl import QwenVLModel
 from engine.models.starcoder2 import Starcoder2Model
 from engine.models.vision_config import Gemma3VisionConfig
+from engine.models.whisper import WhisperModel
 from engine.ops import Ops
 from engine.parallel import SINGLE, TensorParallel
 
@@ -98,6 +99,7 @@ MODEL_CLASSES: dict[str, type] = {
     "qwen2_vl": QwenVLModel,
     "qwen2_5_vl": QwenVLModel,
     "qwen2_audio": Qwen2AudioModel,
+    "whisper": WhisperModel,
 }
 
 

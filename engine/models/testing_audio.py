@@ -123,5 +123,66 @@ def write_tiny_qwen2_audio(path: str | Path, *, seed: int = 0, d_model: int = 32
     return path
 
 
+# Whisper's special tokens, as its tokenizer has them (a few of its 99 languages).
+WHISPER_TOKENS = ("<|startoftranscript|>", "<|en|>", "<|fr|>", "<|de|>", "<|translate|>",
+                  "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>",
+                  "<|notimestamps|>")
+
+
+def write_tiny_whisper(path: str | Path, *, seed: int = 0) -> Path:
+    """A tiny random Whisper in folder ``path``: config.json from ``WhisperConfig`` (two
+    encoder and two decoder layers 32 wide, a two-second window of 16 log-mel bins, 64
+    decoder positions), model.safetensors under transformers' names (``model.encoder.*``,
+    ``model.decoder.*``; the head tied to the token table), the tiny tokenizer with
+    Whisper's special tokens, generation_config.json and a ``WhisperFeatureExtractor``."""
+    from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    path = Path(path)
+    write_tiny_model(path, "llama", seed=seed)
+    tok = Tokenizer.from_str((path / "tokenizer.json").read_text())
+    tok.add_special_tokens([AddedToken(t, special=True) for t in WHISPER_TOKENS])
+    ids = {t: tok.token_to_id(t) for t in ("<|endoftext|>", *WHISPER_TOKENS)}
+    (path / "tokenizer.json").write_text(tok.to_str())
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config.update(eos_token="<|endoftext|>", chat_template=None)
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    frames = TINY_AUDIO_SECONDS * TINY_AUDIO_RATE // 160
+    eos, start = ids["<|endoftext|>"], ids["<|startoftranscript|>"]
+    cfg = WhisperConfig(vocab_size=max(ids.values()) + 1, num_mel_bins=TINY_MEL_BINS, d_model=32,
+                        encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64,
+                        decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64,
+                        max_source_positions=frames // 2, max_target_positions=64,
+                        eos_token_id=eos, bos_token_id=eos, pad_token_id=eos,
+                        decoder_start_token_id=start, suppress_tokens=[], begin_suppress_tokens=[])
+    (path / "config.json").unlink()
+    cfg.save_pretrained(path)
+    raw = json.loads((path / "config.json").read_text())
+    raw["architectures"] = ["WhisperForConditionalGeneration"]
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    shapes = {k: v.shape for k, v in WhisperForConditionalGeneration(cfg).state_dict().items()}
+    gen = torch.Generator().manual_seed(seed + 1)
+    weights = {}
+    for name, shape in shapes.items():
+        if name == "proj_out.weight":
+            continue  # tied to model.decoder.embed_tokens
+        if "layer_norm" in name:
+            w = (1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn(shape, generator=gen)
+        elif name.endswith("bias"):
+            w = 0.1 * torch.randn(shape, generator=gen)
+        elif "embed" in name:
+            w = 0.3 * torch.randn(shape, generator=gen)
+        else:  # a projection or convolution: scaled by its inputs
+            fan = shape[1] * (shape[2] if len(shape) == 3 else 1)
+            w = torch.randn(shape, generator=gen) * (1.5 / fan**0.5)
+        weights[name] = w.contiguous()
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": eos, "eos_token_id": eos, "decoder_start_token_id": start}, indent=2))
+    WhisperFeatureExtractor(feature_size=TINY_MEL_BINS, sampling_rate=TINY_AUDIO_RATE,
+                            hop_length=160, chunk_length=TINY_AUDIO_SECONDS,
+                            n_fft=400).save_pretrained(path)
+    return path
+
+
 __all__ = ["AUDIO_TOKENS", "QWEN2_AUDIO_TEMPLATE", "TINY_AUDIO_RATE", "TINY_AUDIO_SECONDS",
-           "write_tiny_qwen2_audio"]
+           "WHISPER_TOKENS", "write_tiny_qwen2_audio", "write_tiny_whisper"]

@@ -99,6 +99,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
 def _build_parts(config: EngineConfig, device: torch.device, load: RankLoad,
                  group: Any) -> EngineParts:
     loaded, tokenizer, pooler = load.loaded, load.tokenizer, load.pooler
+    if getattr(loaded.config.vision, "kind", None) == "whisper":
+        config = _encoder_decoder_rules(config)
     if loaded.config.recurrent is not None:
         config = _recurrent_state_rules(config)
     elif config.state_checkpoints:
@@ -202,6 +204,23 @@ def _refuse_unsplittable(model_config: Any, config: EngineConfig) -> None:
                           "above 1", field="speculative_config")
 
 
+def _encoder_decoder_rules(config: EngineConfig) -> EngineConfig:
+    """Whisper: a decoder token's KV depends on its request's clip (every layer reads the
+    clip through its cross-attention), which the prefix cache's keys (the decoder's
+    tokens) do not hold: caching off. Speculative decoding, LoRA and the KV store are
+    refused (not built for a model whose steps read a clip per request)."""
+    for field, on in (("speculative_config", config.speculative is not None),
+                      ("enable_lora", config.enable_lora),
+                      ("kv_transfer_config", config.kv_transfer is not None)):
+        if on:
+            raise ConfigError(f"{field} is not supported for Whisper (an encoder-decoder "
+                              "model)", field=field)
+    if config.enable_prefix_caching:
+        logger.info("prefix caching off: Whisper's decoder KV depends on each request's clip")
+        config = dataclasses.replace(config, enable_prefix_caching=False)
+    return config
+
+
 def _recurrent_state_rules(config: EngineConfig) -> EngineConfig:
     """A model with recurrent layers (Mamba-2, Gated DeltaNet) keeps one state a request, advanced by every
     token it computes: a speculative step's rejected tokens could not be taken back out of
@@ -230,7 +249,13 @@ def _widest_stage(config: EngineConfig, loaded: Any, tp: Any) -> Any:
 def audio_preprocessor(config: EngineConfig, audio: AudioConfig, folder: Path,
                        tokenizer: Any) -> AudioPreprocessor:
     """Qwen2-Audio's feature extractor and how a clip enters the prompt: its template
-    writes ``<|audio_bos|><|AUDIO|><|audio_eos|>`` per clip."""
+    writes ``<|audio_bos|><|AUDIO|><|audio_eos|>`` per clip. Whisper's: one clip a
+    request, read by the decoder's cross-attention."""
+    limits = MediaLimits(config.limit_mm_per_prompt, config.max_image_pixels, config.media_domains)
+    if audio.kind == "whisper":
+        return AudioPreprocessor(folder, max_frames=audio.max_frames, audio_token_id=-1,
+                                 audio_token="", image_text="", marker_ids={}, limits=limits,
+                                 cross_attention=True)
     tokens = {}
     for text in ("<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"):
         token_id = tokenizer.token_to_id(text)
@@ -243,7 +268,6 @@ def audio_preprocessor(config: EngineConfig, audio: AudioConfig, folder: Path,
     if config.mm_processor_options:
         raise ConfigError("mm_processor_kwargs: Qwen2-Audio's feature extractor takes none",
                           field="mm_processor_kwargs")
-    limits = MediaLimits(config.limit_mm_per_prompt, config.max_image_pixels, config.media_domains)
     return AudioPreprocessor(folder, max_frames=audio.max_frames, audio_token_id=audio.audio_token_id,
                              audio_token="<|AUDIO|>", image_text="".join(tokens),
                              marker_ids={k: tokens[k] for k in ("<|audio_bos|>", "<|audio_eos|>")},

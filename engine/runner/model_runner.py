@@ -192,6 +192,8 @@ class ModelRunner:
             why = "a pooling or encoder model has no decode steps"
         elif self.config.mrope:
             why = "M-RoPE positions are computed per step"
+        elif getattr(self.model, "cross_attention", False):
+            why = "each request's rows attend to its own clip's encoder output"
         elif self.state_slots is not None:
             why = "recurrent layers' states are read by slot per step"
         elif self.lora is not None:
@@ -393,7 +395,10 @@ class ModelRunner:
         meta = self._with_state_slots(meta, chunks)
         mm = self._image_embeds(chunks, states)
         with self._lora_step(chunks, states):
-            if mm is not None:
+            if getattr(self.model, "cross_attention", False):  # Whisper
+                hidden = self.model.forward(input_ids, positions, meta, self.kv_caches,
+                                            cross=self._cross_spans(chunks, states))
+            elif mm is not None:
                 hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, mm_embeds=mm)
             elif self.graphs is None or (hidden := self.graphs.run(input_ids, positions, meta)) is None:
                 hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
@@ -446,7 +451,13 @@ class ModelRunner:
         table = tuple(range(-(-(prompt_len + 2) // self.block_size))) if self.paged_kv else ()
         prefill = ScheduledChunk(rid, 0, prompt_len, table, True)
         decode = ScheduledChunk(rid, prompt_len, 1, table, True)
-        steps = [StepPlan(0, (NewRequest(rid, (0,) * prompt_len, params, ()),), (prefill,), ()),
+        images: tuple[ImageInput, ...] = ()
+        if getattr(self.model, "cross_attention", False):  # Whisper reads a clip: silence
+            audio = self.config.vision
+            shape = (audio.num_mel_bins, audio.max_frames)  # type: ignore[union-attr]
+            images = (ImageInput(0, 0, 0, bytes(4 * shape[0] * shape[1]), shape, (shape[1],)),)
+        steps = [StepPlan(0, (NewRequest(rid, (0,) * prompt_len, params, (), images=images),),
+                          (prefill,), ()),
                  StepPlan(1, (), (decode,), ())]
         if self.pooler is not None:
             steps = steps[:1]  # a pooling request ends with its prompt
@@ -551,13 +562,32 @@ class ModelRunner:
         values = torch.cat([self._encoder_cache[image.key][lo:hi] for _, image, lo, hi in spans])
         return rows, values
 
+    def _cross_spans(self, chunks: Sequence[ScheduledChunk],
+                     states: Sequence[RequestState]) -> list[tuple[int, int, torch.Tensor]]:
+        """Each chunk's rows and its request's clip's cross-attention keys and values
+        (Whisper), encoding the clips not in the encoder cache (kept while their requests
+        live)."""
+        missing = {s.images[0].key: s.images[0] for s in states
+                   if s.images[0].key not in self._encoder_cache}
+        if missing:
+            encoded = self.model.encode_image_inputs(list(missing.values()))
+            self.encoder_runs += len(missing)
+            self._encoder_cache.update(zip(missing, encoded, strict=True))
+        spans, row = [], 0
+        for c, s in zip(chunks, states, strict=True):
+            spans.append((row, row + c.num_tokens, self._encoder_cache[s.images[0].key]))
+            row += c.num_tokens
+        return spans
+
     def _evict_encoder_outputs(self) -> None:
-        """Drop the encoder outputs no live request still has placeholders of to prefill."""
+        """Drop the encoder outputs no live request still has placeholders of to prefill
+        (or, for Whisper's cross-attention, no live request reads)."""
+        cross = getattr(self.model, "cross_attention", False)
         needed = {
             image.key
             for s in self._requests.values()
             for image in s.images
-            if s.prefilled < image.offset + image.length
+            if cross or s.prefilled < image.offset + image.length
         }
         for key in [k for k in self._encoder_cache if k not in needed]:
             del self._encoder_cache[key]

@@ -1,0 +1,147 @@
+"""Speech to text with Whisper: what ``/v1/audio/transcriptions`` and
+``/v1/audio/translations`` run, over the embedded engine.
+
+A clip is decoded (engine.audio: soundfile, channels averaged, soxr to the extractor's
+rate) and cut into pieces of at most the model's window (30 s), each cut at the quietest
+tenth of a second of the last second before the window's end, so that a cut falls between
+words where the clip allows. Each piece is one engine request (all submitted at once, so
+they run batched): the decoder prompt is Whisper's task tokens,
+``[<|startofprev|> prompt] <|startoftranscript|> <|lang|> <|transcribe|> <|notimestamps|>``,
+and the piece rides beside it as the clip its cross-attention reads. The text is the
+pieces' texts in order, joined with a space where neither side has one.
+
+The language is the request's (an ISO 639-1 code whose ``<|xx|>`` token the tokenizer
+has), or English where none is given, as vLLM defaults it; Whisper's own language
+detection is not run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import trio
+
+from engine.api.engine import Engine
+from engine.api.streams import RequestStream
+from engine.audio import decode_audio
+from engine.errors import InvalidParamError
+from engine.multimodal import AudioClip
+from engine.params import SamplingParams
+
+# The longest clip a request may send (cut into windows): ten minutes.
+MAX_CLIP_SECONDS = 600.0
+TASKS = ("transcribe", "translate")
+
+
+@dataclasses.dataclass
+class Transcription:
+    """The pieces of one clip running as engine requests, in order, and its length."""
+
+    streams: list[RequestStream]
+    seconds: float
+
+    async def deltas(self) -> AsyncIterator[str]:
+        """The text as it is decoded: each piece's, one after the other (the later pieces
+        run meanwhile)."""
+        for i, stream in enumerate(self.streams):
+            first = True
+            async with stream:
+                async for out in stream:
+                    text = out.text
+                    if first and i and text and not text[0].isspace():
+                        text = " " + text  # the pieces joined with a space
+                    first = first and not text
+                    if text:
+                        yield text
+
+    async def text(self) -> str:
+        return "".join([d async for d in self.deltas()])
+
+    async def aclose(self) -> None:
+        for stream in self.streams:
+            await stream.aclose()
+
+
+def transcribes(engine: Engine) -> bool:
+    """Whether ``engine`` serves a speech-to-text model (Whisper)."""
+    return bool(getattr(engine._parts.images, "cross_attention", False))
+
+
+def whisper_prompt(tokenizer: Any, *, language: str | None, task: str,
+                   prompt: str | None) -> tuple[int, ...]:
+    """The decoder's prompt: the previous text (``prompt``) then the task tokens."""
+    if task not in TASKS:
+        raise InvalidParamError(f"task must be one of {', '.join(TASKS)}", param="task")
+    lang = language or "en"
+    ids = [tokenizer.token_to_id(t) for t in
+           ("<|startoftranscript|>", f"<|{lang}|>", f"<|{task}|>", "<|notimestamps|>")]
+    if ids[1] is None:
+        raise InvalidParamError(f"language {language!r} is not one of the model's (an ISO "
+                                "639-1 code such as 'en', 'fr')", param="language")
+    if None in ids:
+        raise InvalidParamError("the model's tokenizer lacks Whisper's task tokens", param="model")
+    if prompt:
+        prev = tokenizer.token_to_id("<|startofprev|>")
+        if prev is None:
+            raise InvalidParamError("the model's tokenizer has no <|startofprev|> token",
+                                    param="prompt")
+        ids = [prev, *tokenizer.encode(" " + prompt.strip(), add_special_tokens=False), *ids]
+    return tuple(ids)
+
+
+def cut_points(samples: np.ndarray, rate: float, window: float) -> list[int]:
+    """Where a clip of ``samples`` is cut into pieces of at most ``window`` seconds: in
+    each window's last second, at the start of its quietest tenth of a second."""
+    n, size = len(samples), int(window * rate)
+    cuts, start = [], 0
+    step = max(1, int(rate / 10))
+    while n - start > size:
+        lo = start + size - int(rate)
+        energy = [float(np.square(samples[a:a + step]).sum()) for a in range(lo, start + size - step + 1, step)]
+        cut = lo + step * int(np.argmin(energy)) if energy else start + size
+        cut = max(cut, start + 1)
+        cuts.append(cut)
+        start = cut
+    return cuts
+
+
+async def transcribe(engine: Engine, data: Any, *, language: str | None = None,
+                     task: str = "transcribe", prompt: str | None = None,
+                     temperature: float = 0.0, max_tokens: int | None = None,
+                     request_id: str | None = None) -> Transcription:
+    """Submit ``data`` (encoded audio bytes, or a ``(samples, rate)`` pair) for
+    transcription (``task="translate"``: into English); the pieces' requests are queued
+    when this returns. Refused with :class:`InvalidParamError` naming the field: a model
+    that does not transcribe, a clip that does not decode or is over
+    :data:`MAX_CLIP_SECONDS`, an unknown language."""
+    if not transcribes(engine):
+        raise InvalidParamError(f"the model {engine.model_name} does not transcribe audio "
+                                "(Whisper does)", param="model")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 2:
+        raise InvalidParamError("temperature must be a number in [0, 2]", param="temperature")
+    ids = whisper_prompt(engine.tokenizer, language=language, task=task, prompt=prompt)
+    samples, rate = await trio.to_thread.run_sync(decode_audio, data, "file", MAX_CLIP_SECONDS)
+    window = engine._parts.images.max_seconds
+    cuts = [0, *cut_points(samples, rate, window), len(samples)]
+    pieces = [samples[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+    params = SamplingParams(temperature=float(temperature), max_tokens=max_tokens)
+    base = request_id or uuid.uuid4().hex
+    prepared = [await engine.prepare(list(ids), params, images=[AudioClip((piece, rate))],
+                                     request_id=base if len(pieces) == 1 else f"{base}-{i}")
+                for i, piece in enumerate(pieces)]
+    return Transcription([engine.enqueue(p) for p in prepared], len(samples) / rate)
+
+
+def duration_seconds(transcription: Transcription) -> int:
+    """OpenAI's ``usage`` of a clip: its length in whole seconds, rounded up."""
+    return math.ceil(transcription.seconds)
+
+
+__all__ = ["MAX_CLIP_SECONDS", "TASKS", "Transcription", "cut_points", "duration_seconds",
+           "transcribe", "transcribes", "whisper_prompt"]
+

@@ -1,0 +1,141 @@
+"""OpenAI's speech-to-text routes, ``/v1/audio/transcriptions`` and
+``/v1/audio/translations``, over Whisper (:mod:`engine.api.transcription`).
+
+The body is ``multipart/form-data``, as OpenAI's client sends it: ``file`` (the clip:
+WAV, FLAC, Ogg or MP3, at most ten minutes), ``model``, and optionally ``language`` (an
+ISO 639-1 code; transcriptions only), ``prompt`` (text the clip continues),
+``response_format`` (``json``: ``{"text", "usage"}``; ``text``: the text alone),
+``temperature`` and ``stream`` (``true``: OpenAI's ``transcript.text.delta`` events, then
+``transcript.text.done``). A field that changes the answer and is not built (timestamps:
+``verbose_json``, ``srt``, ``vtt``, ``timestamp_granularities[]``) is a 400 naming it, and
+so is any unknown field.
+"""
+
+from __future__ import annotations
+
+import trio
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import RequestEntityTooLarge
+
+from engine.api import transcription
+from engine.errors import InvalidParamError
+from engine.http import sse
+from engine.http.bodies import json_response, sse_response
+from engine.http.errors import APIError
+from engine.http.server import Server
+
+FIELDS = {"file", "model", "language", "prompt", "response_format", "temperature", "stream"}
+FORMATS = ("json", "text")
+_NOT_BUILT = {"verbose_json": "segment timestamps are not built",
+              "srt": "segment timestamps are not built", "vtt": "segment timestamps are not built"}
+
+
+class AudioRoutes:
+    """The speech-to-text handlers, bound to one :class:`Server`."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.engine = server.engine
+
+    def register(self, app: QuartTrio) -> None:
+        app.add_url_rule("/v1/audio/transcriptions", view_func=self.transcriptions, methods=["POST"])
+        app.add_url_rule("/v1/audio/translations", view_func=self.translations, methods=["POST"])
+
+    async def transcriptions(self) -> Response:
+        return await self._run("transcribe")
+
+    async def translations(self) -> Response:
+        return await self._run("translate")
+
+    async def _form(self) -> tuple[dict[str, str], bytes]:
+        length = request.content_length
+        if length is not None and length > self.server.max_request_bytes:
+            raise self.server._too_large(length)
+        if request.mimetype != "multipart/form-data":
+            raise APIError(400, "the body must be multipart/form-data with the clip as `file` "
+                           "(as OpenAI's client sends it)", param="file", code="invalid_value")
+        try:
+            form, files = await request.form, await request.files
+        except RequestEntityTooLarge:
+            raise self.server._too_large(None) from None
+        fields = {k: form[k] for k in form}
+        unknown = sorted((set(fields) | set(files)) - FIELDS)
+        if unknown:
+            why = (" (timestamps are not built)" if unknown[0].startswith("timestamp_granularities")
+                   else "")
+            raise APIError(400, f"unknown or unsupported field `{unknown[0]}`{why}",
+                           param=unknown[0], code="unsupported_parameter")
+        upload = files.get("file")
+        if upload is None:
+            raise APIError(400, "the clip is missing: send it as the form's `file`", param="file",
+                           code="missing_required_parameter")
+        return fields, upload.read()
+
+    async def _run(self, task: str) -> Response:
+        fields, data = await self._form()
+        self.server.check_base_model(fields.get("model"))
+        fmt = fields.get("response_format", "json")
+        if fmt in _NOT_BUILT:
+            raise APIError(400, f"response_format `{fmt}`: {_NOT_BUILT[fmt]}; use json or text",
+                           param="response_format", code="unsupported_parameter")
+        if fmt not in FORMATS:
+            raise APIError(400, f"response_format must be one of {', '.join(FORMATS)}",
+                           param="response_format", code="invalid_value")
+        if task == "translate" and "language" in fields:
+            raise APIError(400, "a translation is into English; `language` is not taken",
+                           param="language", code="unsupported_parameter")
+        stream = _flag(fields.get("stream", "false"), "stream")
+        if stream and fmt != "json":
+            raise APIError(400, "stream returns events; response_format text is not streamed",
+                           param="response_format", code="unsupported_parameter")
+        temperature = _number(fields.get("temperature", "0"), "temperature")
+        try:
+            run = await transcription.transcribe(
+                self.engine, data, language=fields.get("language") or None, task=task,
+                prompt=fields.get("prompt") or None, temperature=temperature,
+                request_id=self.server.request_id())
+        except InvalidParamError as exc:
+            raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+        if stream:
+            return sse_response(lambda send: _write_events(run, send), run.aclose)
+        try:
+            text = await run.text()
+        finally:
+            await run.aclose()
+        if fmt == "text":
+            return Response(text, 200, content_type="text/plain; charset=utf-8")
+        return json_response({"text": text, "usage": {
+            "type": "duration", "seconds": transcription.duration_seconds(run)}}, 200)
+
+
+async def _write_events(run: transcription.Transcription, send: trio.MemorySendChannel[bytes]) -> None:
+    async with send:
+        try:
+            parts = []
+            async for delta in run.deltas():
+                parts.append(delta)
+                await send.send(sse.event({"type": "transcript.text.delta", "delta": delta}))
+            await send.send(sse.event({"type": "transcript.text.done", "text": "".join(parts),
+                                       "usage": {"type": "duration",
+                                                 "seconds": transcription.duration_seconds(run)}}))
+            await send.send(b"data: [DONE]\n\n")
+        finally:
+            await run.aclose()
+
+
+def _flag(value: str, name: str) -> bool:
+    if value.lower() not in ("true", "false"):
+        raise APIError(400, f"{name} must be true or false", param=name, code="invalid_value")
+    return value.lower() == "true"
+
+
+def _number(value: str, name: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise APIError(400, f"{name} must be a number", param=name, code="invalid_value") from None
+
+
+__all__ = ["AudioRoutes", "FIELDS"]
+
