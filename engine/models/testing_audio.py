@@ -129,12 +129,16 @@ WHISPER_TOKENS = ("<|startoftranscript|>", "<|en|>", "<|fr|>", "<|de|>", "<|tran
                   "<|notimestamps|>")
 
 
-def write_tiny_whisper(path: str | Path, *, seed: int = 0) -> Path:
+def write_tiny_whisper(path: str | Path, *, seed: int = 0, d_model: int = 32, layers: int = 2,
+                       heads: int = 4, ffn: int = 64, mel_bins: int = TINY_MEL_BINS,
+                       seconds: int = TINY_AUDIO_SECONDS, positions: int = 64) -> Path:
     """A tiny random Whisper in folder ``path``: config.json from ``WhisperConfig`` (two
     encoder and two decoder layers 32 wide, a two-second window of 16 log-mel bins, 64
     decoder positions), model.safetensors under transformers' names (``model.encoder.*``,
     ``model.decoder.*``; the head tied to the token table), the tiny tokenizer with
-    Whisper's special tokens, generation_config.json and a ``WhisperFeatureExtractor``."""
+    Whisper's special tokens, generation_config.json and a ``WhisperFeatureExtractor``. The
+    shape may be set (bench/whisper.py writes whisper-base's: 512 wide, 6 + 6 layers of 8
+    heads, 2,048 in the MLPs, 80 bins, the 30-second window, 448 positions)."""
     from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
     path = Path(path)
@@ -146,12 +150,12 @@ def write_tiny_whisper(path: str | Path, *, seed: int = 0) -> Path:
     config = json.loads((path / "tokenizer_config.json").read_text())
     config.update(eos_token="<|endoftext|>", chat_template=None)
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    frames = TINY_AUDIO_SECONDS * TINY_AUDIO_RATE // 160
+    frames = seconds * TINY_AUDIO_RATE // 160
     eos, start = ids["<|endoftext|>"], ids["<|startoftranscript|>"]
-    cfg = WhisperConfig(vocab_size=max(ids.values()) + 1, num_mel_bins=TINY_MEL_BINS, d_model=32,
-                        encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64,
-                        decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64,
-                        max_source_positions=frames // 2, max_target_positions=64,
+    cfg = WhisperConfig(vocab_size=max(ids.values()) + 1, num_mel_bins=mel_bins, d_model=d_model,
+                        encoder_layers=layers, encoder_attention_heads=heads, encoder_ffn_dim=ffn,
+                        decoder_layers=layers, decoder_attention_heads=heads, decoder_ffn_dim=ffn,
+                        max_source_positions=frames // 2, max_target_positions=positions,
                         eos_token_id=eos, bos_token_id=eos, pad_token_id=eos,
                         decoder_start_token_id=start, suppress_tokens=[], begin_suppress_tokens=[])
     (path / "config.json").unlink()
@@ -178,9 +182,8 @@ def write_tiny_whisper(path: str | Path, *, seed: int = 0) -> Path:
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": eos, "eos_token_id": eos, "decoder_start_token_id": start}, indent=2))
-    WhisperFeatureExtractor(feature_size=TINY_MEL_BINS, sampling_rate=TINY_AUDIO_RATE,
-                            hop_length=160, chunk_length=TINY_AUDIO_SECONDS,
-                            n_fft=400).save_pretrained(path)
+    WhisperFeatureExtractor(feature_size=mel_bins, sampling_rate=TINY_AUDIO_RATE,
+                            hop_length=160, chunk_length=seconds, n_fft=400).save_pretrained(path)
     return path
 
 
