@@ -79,6 +79,15 @@ def hf_greedy(hf, wave: np.ndarray, prompt: list[int], limit: int = MAX_POSITION
     return ids[0, len(prompt):].tolist(), torch.stack(steps)
 
 
+def hf_language(hf, wave: np.ndarray) -> str:
+    """The language transformers' ``detect_language`` finds in the clip."""
+    model, extractor, tok = hf
+    features = extractor(wave, sampling_rate=TINY_AUDIO_RATE, return_tensors="pt").input_features
+    with torch.no_grad():
+        token = model.detect_language(features)[0]
+    return tok.convert_ids_to_tokens(int(token))[2:-2]
+
+
 def _prompt(eng_or_folder, **kw) -> list[int]:
     """The decoder prompt the transcription route builds (engine.api.transcription)."""
     from engine.models.tokenizer import Tokenizer
@@ -193,7 +202,8 @@ def test_the_openai_client_transcribes_as_transformers_does(server, hf, whisper)
             model="tiny-whisper", file=("a.wav", _wav(wave)), language="fr", stream=True))
         assert "".join(e.delta for e in events if e.type == "transcript.text.delta") == expected
         assert events[-1].type == "transcript.text.done" and events[-1].text == expected
-        new, _ = hf_greedy(hf, wave, _prompt(whisper, task="translate"))
+        lang = hf_language(hf, wave)  # no language given: detected, as transformers does
+        new, _ = hf_greedy(hf, wave, _prompt(whisper, task="translate", language=lang))
         # (The openai client's translations call is deprecated: the form, as it sends it.)
         translated = httpx.post(server.base_url + "/v1/audio/translations",
                                 files={"file": ("a.wav", _wav(wave))}, data={"model": "tiny-whisper"})
@@ -206,12 +216,13 @@ def test_the_openai_client_transcribes_as_transformers_does(server, hf, whisper)
                                np.zeros(800, np.float32), _clip(6, 0.9)])
         cuts = [0, *cut_points(long, TINY_AUDIO_RATE, 2.0), len(long)]
         assert len(cuts) == 4
-        texts = [tok.decode(hf_greedy(hf, long[a:b], _prompt(whisper))[0], skip_special_tokens=True)
-                 for a, b in zip(cuts, cuts[1:], strict=False)]
+        texts = [tok.decode(hf_greedy(hf, long[a:b], _prompt(whisper, language="de"))[0],
+                            skip_special_tokens=True) for a, b in zip(cuts, cuts[1:], strict=False)]
         joined = texts[0]
         for t in texts[1:]:
             joined += t if not t or t[0].isspace() else " " + t
-        reply = client.audio.transcriptions.create(model="tiny-whisper", file=("a.wav", _wav(long)))
+        reply = client.audio.transcriptions.create(model="tiny-whisper", file=("a.wav", _wav(long)),
+                                                   language="de")
         assert reply.text == joined
 
 
@@ -233,3 +244,62 @@ def test_a_bad_transcription_is_refused_naming_the_field(server, kwargs, param) 
             client.completions.create(model="tiny-whisper", prompt="hello", max_tokens=2)
         assert client.audio.transcriptions.create(model="tiny-whisper",
                                                   file=("a.wav", _wav(_clip(0, 1.0)))).text is not None
+
+
+async def test_without_a_language_the_clip_s_is_detected_as_transformers_detects_it(whisper, hf) -> None:
+    from engine.api.transcription import transcribe
+
+    waves = [_clip(seed, 1.0) for seed in range(8)]
+    langs = [hf_language(hf, w) for w in waves]
+    assert len(set(langs)) > 1  # the tiny model tells these clips apart
+    async with _open(whisper) as eng:
+        for wave, lang in zip(waves, langs, strict=True):
+            run = await transcribe(eng, (wave, TINY_AUDIO_RATE))
+            assert run.streams[0].prompt_token_ids == tuple(_prompt(eng, language=lang))
+            await run.aclose()
+        await wait_idle(eng)
+
+
+async def test_an_english_only_model_takes_neither_language_nor_task_tokens(whisper, hf, tmp_path) -> None:
+    import json
+    import shutil
+
+    from engine.api.transcription import transcribe
+
+    folder = tmp_path / "whisper.en"
+    shutil.copytree(whisper, folder)
+    config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps(config | {"is_multilingual": False}))
+    wave = _clip(3, 1.0)
+    async with _open(folder) as eng:
+        tok = eng.tokenizer
+        prompt = [tok.token_to_id("<|startoftranscript|>"), tok.token_to_id("<|notimestamps|>")]
+        run = await transcribe(eng, (wave, TINY_AUDIO_RATE))
+        assert run.streams[0].prompt_token_ids == tuple(prompt)
+        assert await run.text() == hf[2].decode(hf_greedy(hf, wave, prompt)[0], skip_special_tokens=True)
+        with pytest.raises(InvalidParamError, match="English only") as info:
+            await transcribe(eng, (wave, TINY_AUDIO_RATE), language="fr")
+        assert info.value.param == "language"
+        with pytest.raises(InvalidParamError, match="does not translate"):
+            await transcribe(eng, (wave, TINY_AUDIO_RATE), task="translate")
+        await wait_idle(eng)
+
+
+def test_vllms_sampling_fields_reach_the_sampler(server, hf, whisper) -> None:
+    """A seed makes a sampled transcription repeat; max_completion_tokens caps it; a bad
+    value is a 400 naming the field."""
+    form = {"model": "tiny-whisper", "language": "en", "temperature": "1.0", "seed": "7",
+            "top_k": "50"}
+    clip = {"file": ("a.wav", _wav(_clip(2, 1.0)))}
+    url = server.base_url + "/v1/audio/transcriptions"
+    first, again = (httpx.post(url, files=clip, data=form).json()["text"] for _ in range(2))
+    assert first == again
+    other = httpx.post(url, files=clip, data=form | {"seed": "8"}).json()["text"]
+    assert other != first
+    short = httpx.post(url, files=clip, data={"model": "tiny-whisper", "language": "en",
+                                              "max_completion_tokens": "3"})
+    new, _ = hf_greedy(hf, _clip(2, 1.0), _prompt(whisper, language="en"))
+    assert short.json()["text"] == hf[2].decode(new[:3], skip_special_tokens=True)
+    for field, value in (("top_p", "2.0"), ("seed", "x"), ("max_completion_tokens", "0")):
+        refused = httpx.post(url, files=clip, data=form | {field: value})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field

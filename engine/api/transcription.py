@@ -11,16 +11,21 @@ and the piece rides beside it as the clip its cross-attention reads. The text is
 pieces' texts in order, joined with a space where neither side has one.
 
 The language is the request's (an ISO 639-1 code whose ``<|xx|>`` token the tokenizer
-has), or English where none is given, as vLLM defaults it; Whisper's own language
-detection is not run.
+has), or, where none is given, the one Whisper detects in the clip's first window (its
+most likely language token after ``<|startoftranscript|>``, as transformers' ``generate``
+detects it); an English-only model (``.en``, ``is_multilingual`` false) takes neither
+language nor task tokens.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import math
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -72,15 +77,46 @@ def transcribes(engine: Engine) -> bool:
     return bool(getattr(engine._parts.images, "cross_attention", False))
 
 
+def language_ids(tokenizer: Any) -> dict[str, int]:
+    """The model's language tokens by code: Whisper's vocabulary holds them between
+    ``<|startoftranscript|>`` and ``<|translate|>`` (``<|en|>``, ``<|zh|>``, ...)."""
+    first, last = tokenizer.token_to_id("<|startoftranscript|>"), tokenizer.token_to_id("<|translate|>")
+    if first is None or last is None:
+        return {}
+    tokens = tokenizer.convert_ids_to_tokens(range(first + 1, last))
+    return {t[2:-2]: first + 1 + i for i, t in enumerate(tokens)
+            if t and t.startswith("<|") and t.endswith("|>")}
+
+
+@functools.lru_cache(maxsize=8)
+def multilingual(folder: str) -> bool:
+    """generation_config.json's ``is_multilingual`` (an English-only ``.en`` model's is
+    false: its prompt has no language or task token); true where it does not say."""
+    path = Path(folder) / "generation_config.json"
+    try:
+        return bool(json.loads(path.read_text()).get("is_multilingual", True))
+    except (OSError, ValueError):
+        return True
+
+
 def whisper_prompt(tokenizer: Any, *, language: str | None, task: str,
-                   prompt: str | None) -> tuple[int, ...]:
-    """The decoder's prompt: the previous text (``prompt``) then the task tokens."""
+                   prompt: str | None, is_multilingual: bool = True) -> tuple[int, ...]:
+    """The decoder's prompt: the previous text (``prompt``) then the task tokens
+    (``<|startoftranscript|> <|xx|> <|task|> <|notimestamps|>``; an English-only model's
+    ``<|startoftranscript|> <|notimestamps|>``). ``language`` None: English."""
     if task not in TASKS:
         raise InvalidParamError(f"task must be one of {', '.join(TASKS)}", param="task")
-    lang = language or "en"
-    ids = [tokenizer.token_to_id(t) for t in
-           ("<|startoftranscript|>", f"<|{lang}|>", f"<|{task}|>", "<|notimestamps|>")]
-    if ids[1] is None:
+    if not is_multilingual:
+        if language not in (None, "en"):
+            raise InvalidParamError(f"this model transcribes English only, not {language!r}",
+                                    param="language")
+        if task == "translate":
+            raise InvalidParamError("this English-only model does not translate", param="model")
+        names: tuple[str, ...] = ("<|startoftranscript|>", "<|notimestamps|>")
+    else:
+        names = ("<|startoftranscript|>", f"<|{language or 'en'}|>", f"<|{task}|>", "<|notimestamps|>")
+    ids = [tokenizer.token_to_id(t) for t in names]
+    if is_multilingual and ids[1] is None:
         raise InvalidParamError(f"language {language!r} is not one of the model's (an ISO "
                                 "639-1 code such as 'en', 'fr')", param="language")
     if None in ids:
@@ -92,6 +128,19 @@ def whisper_prompt(tokenizer: Any, *, language: str | None, task: str,
                                     param="prompt")
         ids = [prev, *tokenizer.encode(" " + prompt.strip(), add_special_tokens=False), *ids]
     return tuple(ids)
+
+
+async def detect_language(engine: Engine, samples: np.ndarray, rate: float) -> str:
+    """The clip's language as Whisper tells it (transformers' ``detect_language``): the
+    most likely language token after ``<|startoftranscript|>``."""
+    langs = language_ids(engine.tokenizer)
+    by_id = {i: code for code, i in langs.items()}
+    sot = engine.tokenizer.token_to_id("<|startoftranscript|>")
+    params = SamplingParams(temperature=0.0, max_tokens=1, allowed_token_ids=tuple(by_id))
+    stream = engine.enqueue(await engine.prepare([sot], params, images=[AudioClip((samples, rate))]))
+    async with stream:
+        token = [t async for out in stream for t in out.token_ids]
+    return by_id[token[0]]
 
 
 def cut_points(samples: np.ndarray, rate: float, window: float) -> list[int]:
@@ -113,28 +162,44 @@ def cut_points(samples: np.ndarray, rate: float, window: float) -> list[int]:
 async def transcribe(engine: Engine, data: Any, *, language: str | None = None,
                      task: str = "transcribe", prompt: str | None = None,
                      temperature: float = 0.0, max_tokens: int | None = None,
+                     sampling: Mapping[str, Any] | None = None,
                      request_id: str | None = None) -> Transcription:
     """Submit ``data`` (encoded audio bytes, or a ``(samples, rate)`` pair) for
     transcription (``task="translate"``: into English); the pieces' requests are queued
-    when this returns. Refused with :class:`InvalidParamError` naming the field: a model
-    that does not transcribe, a clip that does not decode or is over
-    :data:`MAX_CLIP_SECONDS`, an unknown language."""
+    when this returns. ``language`` None: detected from the clip's first window (a
+    multilingual model), as transformers' ``generate`` does. ``sampling``: more
+    :class:`SamplingParams` fields (``seed``, ``top_p``, penalties). Refused with
+    :class:`InvalidParamError` naming the field: a model that does not transcribe, a clip
+    that does not decode or is over :data:`MAX_CLIP_SECONDS`, an unknown language."""
     if not transcribes(engine):
         raise InvalidParamError(f"the model {engine.model_name} does not transcribe audio "
                                 "(Whisper does)", param="model")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 2:
         raise InvalidParamError("temperature must be a number in [0, 2]", param="temperature")
-    ids = whisper_prompt(engine.tokenizer, language=language, task=task, prompt=prompt)
+    params = SamplingParams(temperature=float(temperature), max_tokens=max_tokens, **(sampling or {}))
+    is_multilingual = multilingual(str(engine._parts.tokenizer_folder))
+    whisper_prompt(engine.tokenizer, language=language, task=task, prompt=prompt,
+                   is_multilingual=is_multilingual)  # checked before the clip is decoded
     samples, rate = await trio.to_thread.run_sync(decode_audio, data, "file", MAX_CLIP_SECONDS)
     window = engine._parts.images.max_seconds
     cuts = [0, *cut_points(samples, rate, window), len(samples)]
     pieces = [samples[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
-    params = SamplingParams(temperature=float(temperature), max_tokens=max_tokens)
+    if language is None and is_multilingual and language_ids(engine.tokenizer):
+        language = await detect_language(engine, pieces[0], rate)
+    ids = whisper_prompt(engine.tokenizer, language=language, task=task, prompt=prompt,
+                         is_multilingual=is_multilingual)
     base = request_id or uuid.uuid4().hex
     prepared = [await engine.prepare(list(ids), params, images=[AudioClip((piece, rate))],
                                      request_id=base if len(pieces) == 1 else f"{base}-{i}")
                 for i, piece in enumerate(pieces)]
-    return Transcription([engine.enqueue(p) for p in prepared], len(samples) / rate)
+    run = Transcription([], len(samples) / rate)
+    try:
+        for p in prepared:
+            run.streams.append(engine.enqueue(p))
+    except BaseException:  # a full queue, say: the pieces already queued are aborted
+        await run.aclose()
+        raise
+    return run
 
 
 def duration_seconds(transcription: Transcription) -> int:
@@ -142,6 +207,7 @@ def duration_seconds(transcription: Transcription) -> int:
     return math.ceil(transcription.seconds)
 
 
-__all__ = ["MAX_CLIP_SECONDS", "TASKS", "Transcription", "cut_points", "duration_seconds",
-           "transcribe", "transcribes", "whisper_prompt"]
+__all__ = ["MAX_CLIP_SECONDS", "TASKS", "Transcription", "cut_points", "detect_language",
+           "duration_seconds", "language_ids", "multilingual", "transcribe", "transcribes",
+           "whisper_prompt"]
 

@@ -5,13 +5,16 @@ The body is ``multipart/form-data``, as OpenAI's client sends it: ``file`` (the 
 WAV, FLAC, Ogg or MP3, at most ten minutes), ``model``, and optionally ``language`` (an
 ISO 639-1 code; transcriptions only), ``prompt`` (text the clip continues),
 ``response_format`` (``json``: ``{"text", "usage"}``; ``text``: the text alone),
-``temperature`` and ``stream`` (``true``: OpenAI's ``transcript.text.delta`` events, then
-``transcript.text.done``). A field that changes the answer and is not built (timestamps:
+``temperature``, ``stream`` (``true``: OpenAI's ``transcript.text.delta`` events, then
+``transcript.text.done``) and vLLM's sampling extras (``seed``, ``top_p``, ``top_k``,
+``min_p``, the three penalties, ``max_completion_tokens``). A field that changes the answer and is not built (timestamps:
 ``verbose_json``, ``srt``, ``vtt``, ``timestamp_granularities[]``) is a 400 naming it, and
 so is any unknown field.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import trio
 from quart import Response, request
@@ -25,7 +28,11 @@ from engine.http.bodies import json_response, sse_response
 from engine.http.errors import APIError
 from engine.http.server import Server
 
-FIELDS = {"file", "model", "language", "prompt", "response_format", "temperature", "stream"}
+# vLLM's sampling extras of these routes, each a SamplingParams field (int or float).
+SAMPLING = {"seed": int, "top_p": float, "top_k": int, "min_p": float, "frequency_penalty": float,
+            "presence_penalty": float, "repetition_penalty": float, "max_completion_tokens": int}
+FIELDS = {"file", "model", "language", "prompt", "response_format", "temperature", "stream",
+          *SAMPLING}
 FORMATS = ("json", "text")
 _NOT_BUILT = {"verbose_json": "segment timestamps are not built",
               "srt": "segment timestamps are not built", "vtt": "segment timestamps are not built"}
@@ -90,13 +97,16 @@ class AudioRoutes:
             raise APIError(400, "stream returns events; response_format text is not streamed",
                            param="response_format", code="unsupported_parameter")
         temperature = _number(fields.get("temperature", "0"), "temperature")
+        sampling = {k: _number(fields[k], k, kind) for k, kind in SAMPLING.items() if k in fields}
+        max_tokens = sampling.pop("max_completion_tokens", None)
         try:
             run = await transcription.transcribe(
                 self.engine, data, language=fields.get("language") or None, task=task,
                 prompt=fields.get("prompt") or None, temperature=temperature,
-                request_id=self.server.request_id())
+                max_tokens=max_tokens, sampling=sampling, request_id=self.server.request_id())
         except InvalidParamError as exc:
-            raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+            param = "max_completion_tokens" if exc.param == "max_tokens" else exc.param  # the form's name
+            raise APIError(400, str(exc), param=param, code="invalid_value") from None
         if stream:
             return sse_response(lambda send: _write_events(run, send), run.aclose)
         try:
@@ -130,11 +140,12 @@ def _flag(value: str, name: str) -> bool:
     return value.lower() == "true"
 
 
-def _number(value: str, name: str) -> float:
+def _number(value: str, name: str, kind: type = float) -> Any:
     try:
-        return float(value)
+        return kind(value)
     except ValueError:
-        raise APIError(400, f"{name} must be a number", param=name, code="invalid_value") from None
+        what = "an integer" if kind is int else "a number"
+        raise APIError(400, f"{name} must be {what}", param=name, code="invalid_value") from None
 
 
 __all__ = ["AudioRoutes", "FIELDS"]

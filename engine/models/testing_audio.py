@@ -180,8 +180,12 @@ def write_tiny_whisper(path: str | Path, *, seed: int = 0, d_model: int = 32, la
             w = torch.randn(shape, generator=gen) * (1.5 / fan**0.5)
         weights[name] = w.contiguous()
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    langs = {t: ids[t] for t in WHISPER_TOKENS if t[2:-2] in ("en", "fr", "de")}
     (path / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": eos, "eos_token_id": eos, "decoder_start_token_id": start}, indent=2))
+        {"bos_token_id": eos, "eos_token_id": eos, "decoder_start_token_id": start,
+         "is_multilingual": True, "lang_to_id": langs,
+         "task_to_id": {"transcribe": ids["<|transcribe|>"], "translate": ids["<|translate|>"]},
+         "no_timestamps_token_id": ids["<|notimestamps|>"]}, indent=2))
     WhisperFeatureExtractor(feature_size=mel_bins, sampling_rate=TINY_AUDIO_RATE,
                             hop_length=160, chunk_length=seconds, n_fft=400).save_pretrained(path)
     return path
