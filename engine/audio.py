@@ -30,7 +30,7 @@ import numpy as np
 
 from engine.errors import CorruptModelError, InvalidParamError
 from engine.messages import ImageInput
-from engine.multimodal import ImageURL, RawImage, fetch_image
+from engine.multimodal import ImageURL, RawImage, fetch_image, media_token_positions
 
 
 def audio_tokens(frames: int) -> int:
@@ -144,15 +144,8 @@ class AudioPreprocessor:
             features, shape, frames = self.features(clips[0])
             key = int.from_bytes(hashlib.sha256(features).digest()[:8], "little") >> 1
             return tuple(ids), (ImageInput(0, 0, key, features, shape, (frames,)),)
-        at = [i for i, t in enumerate(ids) if t == self.image_token_id]
-        if len(at) != len(clips):
-            raise InvalidParamError(
-                f"the prompt holds {len(at)} {self.image_token} tokens for {len(clips)} audio "
-                "clips (the chat template must write one per audio part)", param="messages")
-        for text, token_id in self.marker_ids.items():
-            if sum(1 for t in ids if t == token_id) != len(clips):
-                raise InvalidParamError(f"the prompt holds {text} tokens that are not a "
-                                        f"clip's (do not write {text} in text)", param="messages")
+        at = media_token_positions(ids, self.image_token_id, self.image_token, self.marker_ids,
+                                   len(clips), "audio clip")
         out: list[int] = []
         inputs: list[ImageInput] = []
         prev = 0

@@ -487,17 +487,8 @@ class ImagePreprocessor:
         and the images (processed with a request's ``options``, its mm_processor_kwargs).
         Safe in a worker thread (decoding and preprocessing are slow)."""
         processor = self.processor_for(options)
-        at = [i for i, t in enumerate(ids) if t == self.image_token_id]
-        if len(at) != len(images):
-            # Text never becomes the token (it is marked as the client's), so the chat
-            # template wrote another count: one that drops some image parts, say.
-            raise InvalidParamError(
-                f"the prompt holds {len(at)} {self.image_token} tokens for {len(images)} images "
-                "(the chat template must write one per image part)", param="messages")
-        for text, token_id in self.marker_ids.items():
-            if sum(1 for t in ids if t == token_id) != len(images):
-                raise InvalidParamError(f"the prompt holds {text} tokens that are not an "
-                                        f"image's (do not write {text} in text)", param="messages")
+        at = media_token_positions(ids, self.image_token_id, self.image_token, self.marker_ids,
+                                   len(images), "image")
         frame = self.frame
         if frame is not None and any(t == frame.placeholder_id or t in frame.after for t in ids):
             raise InvalidParamError("the prompt holds image placeholder or end-of-image tokens "
@@ -526,6 +517,25 @@ class ImagePreprocessor:
             prev = pos + 1
         _join(out, ids[prev:], frame)
         return tuple(out), tuple(inputs)
+
+
+def media_token_positions(ids: Sequence[int], token_id: int, token: str,
+                          marker_ids: Mapping[str, int], count: int, noun: str) -> list[int]:
+    """Where the prompt ``ids`` holds the media token (one per item: ``count`` images or
+    clips), each marker token (Qwen-VL's ``<|vision_start|>``, Qwen2-Audio's
+    ``<|audio_bos|>``) as many times; otherwise a 400. Text never becomes these tokens (it
+    is marked as the client's), so another count is a chat template that dropped a part,
+    or markers typed where no item stands."""
+    at = [i for i, t in enumerate(ids) if t == token_id]
+    if len(at) != count:
+        raise InvalidParamError(
+            f"the prompt holds {len(at)} {token} tokens for {count} {noun}s (the chat template "
+            f"must write one per {noun} part)", param="messages")
+    for text, marker in marker_ids.items():
+        if sum(1 for t in ids if t == marker) != count:
+            raise InvalidParamError(f"the prompt holds {text} tokens that are not an {noun}'s "
+                                    f"(do not write {text} in text)", param="messages")
+    return at
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
