@@ -34,6 +34,11 @@ MAX_EXTRA_ARGS_CHARS = 16_384
 _MAX_BEAM_WIDTH = 128
 _MAX_LENGTH_PENALTY = 100.0
 
+# extra_args keys the engine's own processors read: a Whisper transcription's opt-in to
+# its timestamp rules (engine.runner.whisper_timestamps).
+WHISPER_TIMESTAMPS = "whisper_timestamps"
+ENGINE_EXTRA_ARGS = frozenset({WHISPER_TIMESTAMPS})
+
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingParams:
@@ -98,7 +103,8 @@ class SamplingParams:
     # with nothing between them, whatever the tokenizer's decoder would put there.
     spaces_between_special_tokens: bool = True
     # Per-request arguments of the server's logits processors (--logits-processors), as
-    # vLLM's SamplingParams.extra_args (HTTP: vllm_xargs): JSON values under string keys.
+    # vLLM's SamplingParams.extra_args (HTTP: vllm_xargs): JSON values under string keys;
+    # also the engine's own (ENGINE_EXTRA_ARGS: Whisper's timestamp rules).
     extra_args: dict[str, Any] | None = None
     # vLLM's detokenize: False returns token ids only (the text and logprobs' decoded tokens
     # stay empty, the detokenizer does no work for the request); stop strings need text.

@@ -227,13 +227,13 @@ def test_the_openai_client_transcribes_as_transformers_does(server, hf, whisper)
 
 
 @pytest.mark.parametrize(("kwargs", "param"), [
-    (dict(response_format="srt"), "response_format"),
-    (dict(timestamp_granularities=["word"]), "timestamp_granularities[]"),
+    (dict(response_format="srt", stream=True), "response_format"),
+    (dict(response_format="verbose_json", timestamp_granularities=["word"]), "timestamp_granularities[]"),
     (dict(language="xx"), "language"),
     (dict(model="another-model"), "model"),
     (dict(file=("a.wav", b"RIFF not really a wav")), "file"),
     (dict(temperature=3.5), "temperature"),
-], ids=["srt", "timestamps", "language", "model", "corrupt", "temperature"])
+], ids=["streamed-srt", "word-timestamps", "language", "model", "corrupt", "temperature"])
 def test_a_bad_transcription_is_refused_naming_the_field(server, kwargs, param) -> None:
     args = dict(model="tiny-whisper", file=("a.wav", _wav(_clip(0, 1.0)))) | kwargs
     with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as client:
@@ -303,3 +303,80 @@ def test_vllms_sampling_fields_reach_the_sampler(server, hf, whisper) -> None:
     for field, value in (("top_p", "2.0"), ("seed", "x"), ("max_completion_tokens", "0")):
         refused = httpx.post(url, files=clip, data=form | {field: value})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == field
+
+
+def hf_timestamped(hf, wave: np.ndarray, prompt: list[int]) -> list[int]:
+    """transformers' greedy tokens after ``prompt`` with its own
+    ``WhisperTimeStampLogitsProcessor`` over each step's logits (one window: no seek)."""
+    from transformers.generation.logits_process import WhisperTimeStampLogitsProcessor
+
+    model, extractor, _ = hf
+    rules = WhisperTimeStampLogitsProcessor(model.generation_config, begin_index=len(prompt))
+    features = extractor(wave, sampling_rate=TINY_AUDIO_RATE, return_tensors="pt").input_features
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        encoded = model.model.encoder(features).last_hidden_state
+        while ids.shape[1] < MAX_POSITIONS:
+            logits = model(encoder_outputs=(encoded,), decoder_input_ids=ids).logits[:, -1]
+            token = rules(ids, logits).argmax(-1)
+            ids = torch.cat([ids, token.view(1, 1)], 1)
+            if int(token) == model.config.eos_token_id:
+                break
+    return ids[0, len(prompt):].tolist()
+
+
+async def test_timestamps_follow_whispers_rules_as_transformers_applies_them(whisper, hf) -> None:
+    """Token for token transformers' decoding under its WhisperTimeStampLogitsProcessor
+    (the oracle of the engine's rules), the segments cut at the timestamps' pairs; clips
+    whose outputs hold pairs and ones that do not."""
+    from engine.api.transcription import transcribe
+
+    eot = hf[0].generation_config.eos_token_id
+    first = hf[2].convert_tokens_to_ids("<|notimestamps|>") + 1
+    pairs = set()
+    async with _open(whisper) as eng:
+        prompt = _prompt(eng, language="en")[:-1]  # no <|notimestamps|>
+        for seed, seconds in ((0, 0.8), (1, 1.0), (3, 1.4), (10, 1.5), (12, 1.5)):
+            wave = _clip(seed, seconds)
+            tokens = hf_timestamped(hf, wave, prompt)
+            run = await transcribe(eng, (wave, TINY_AUDIO_RATE), language="en", timestamps=True)
+            assert run.streams[0].prompt_token_ids == tuple(prompt)
+            text, segments = await run.segments(eng.tokenizer)
+            ours = [t for seg in segments for t in seg["tokens"]]
+            assert ours == [t for t in tokens if t != eot]
+            assert ours[0] >= first  # the first token is a timestamp
+            stamped = [t >= first for t in ours]
+            has_pair = any(a and b for a, b in zip(stamped, stamped[1:], strict=False))
+            pairs.add(has_pair)
+            for seg in segments[:-1] if has_pair else ():  # each opens on its timestamp
+                assert seg["tokens"][0] >= first
+                assert seg["start"] == pytest.approx((seg["tokens"][0] - first) * 0.02)
+            assert text == hf[2].decode([t for t in tokens if t < first], skip_special_tokens=True)
+            await run.aclose()
+        await wait_idle(eng)
+    assert pairs == {True, False}  # outputs with and without a pair of timestamps
+
+
+def test_verbose_json_srt_and_vtt_carry_the_segments(server) -> None:
+    import re
+
+    url = server.base_url + "/v1/audio/transcriptions"
+    clip = {"file": ("a.wav", _wav(_clip(4, 1.6)))}
+    form = {"model": "tiny-whisper", "language": "en"}
+    verbose = httpx.post(url, files=clip, data=form | {"response_format": "verbose_json",
+                                                       "timestamp_granularities[]": "segment"}).json()
+    assert verbose["language"] == "en" and verbose["task"] == "transcribe"
+    assert abs(verbose["duration"] - 1.6) < 1e-6 and verbose["segments"]
+    for s in verbose["segments"]:
+        assert 0 <= s["start"] <= s["end"] <= 2.0 and isinstance(s["avg_logprob"], float)
+    for fmt, header, mark in (("srt", "", ","), ("vtt", "WEBVTT\n\n", ".")):
+        body = httpx.post(url, files=clip, data=form | {"response_format": fmt}).text
+        assert body.startswith(header)
+        stamps = re.findall(rf"(\d\d):(\d\d):(\d\d){re.escape(mark)}(\d\d\d) --> "
+                            rf"(\d\d):(\d\d):(\d\d){re.escape(mark)}(\d\d\d)", body)
+        assert len(stamps) == len(verbose["segments"])
+        for (h, m, s, ms, *_), seg in zip(stamps, verbose["segments"], strict=True):
+            assert int(h) * 3600 + int(m) * 60 + int(s) + int(ms) / 1000 == pytest.approx(seg["start"], abs=1e-3)
+    words = httpx.post(url, files=clip, data=form | {"response_format": "verbose_json",
+                                                     "timestamp_granularities[]": "word"})
+    assert words.status_code == 400 and words.json()["error"]["param"] == "timestamp_granularities[]"

@@ -24,6 +24,7 @@ import functools
 import json
 import math
 import uuid
+import zlib
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from engine.api.streams import RequestStream
 from engine.audio import decode_audio
 from engine.errors import InvalidParamError
 from engine.multimodal import AudioClip
-from engine.params import SamplingParams
+from engine.params import WHISPER_TIMESTAMPS, SamplingParams
 
 # The longest clip a request may send (cut into windows): ten minutes.
 MAX_CLIP_SECONDS = 600.0
@@ -45,10 +46,48 @@ TASKS = ("transcribe", "translate")
 
 @dataclasses.dataclass
 class Transcription:
-    """The pieces of one clip running as engine requests, in order, and its length."""
+    """The pieces of one clip running as engine requests, in order, and its length; with
+    timestamps asked, each piece's start and length (seconds) and the first timestamp
+    token's id."""
 
     streams: list[RequestStream]
     seconds: float
+    language: str | None = None
+    starts: list[float] = dataclasses.field(default_factory=list)
+    lengths: list[float] = dataclasses.field(default_factory=list)
+    first_timestamp: int | None = None
+    temperature: float = 0.0
+
+    async def segments(self, tokenizer: Any) -> tuple[str, list[dict[str, Any]]]:
+        """The text and OpenAI's ``verbose_json`` segments (read to the end; timestamps
+        asked): each piece split as Whisper splits a window's tokens (:func:`split_segments`),
+        its times moved by the piece's start."""
+        assert self.first_timestamp is not None
+        texts, segments = [], []
+        for stream, start, length in zip(self.streams, self.starts, self.lengths, strict=True):
+            tokens, logprobs, text = [], [], []
+            async with stream:
+                async for out in stream:
+                    tokens += out.token_ids
+                    logprobs += [lp.logprob for lp in out.logprobs or ()]
+                    text.append(out.text)
+            texts.append("".join(text))
+            if tokens and tokens[-1] < self.first_timestamp and tokens[-1] in tokenizer.skipped_special_ids:
+                tokens, logprobs = tokens[:-1], logprobs[:-1]  # the end of text
+            for a, b, span, chosen in split_segments(tokens, self.first_timestamp, length):
+                words = tokenizer.decode([t for t in span if t < self.first_timestamp])
+                raw = words.encode()
+                segments.append({
+                    "id": len(segments), "seek": round(start * 100), "start": round(start + a, 3),
+                    "end": round(start + b, 3), "text": words, "tokens": span,
+                    "temperature": self.temperature,
+                    "avg_logprob": float(np.mean([logprobs[i] for i in chosen])) if chosen and logprobs else None,
+                    "compression_ratio": len(raw) / len(zlib.compress(raw)) if raw else 0.0,
+                    "no_speech_prob": None})
+        joined = texts[0] if texts else ""
+        for t in texts[1:]:
+            joined += t if not t or t[0].isspace() or not joined else " " + t
+        return joined, segments
 
     async def deltas(self) -> AsyncIterator[str]:
         """The text as it is decoded: each piece's, one after the other (the later pieces
@@ -162,13 +201,15 @@ def cut_points(samples: np.ndarray, rate: float, window: float) -> list[int]:
 async def transcribe(engine: Engine, data: Any, *, language: str | None = None,
                      task: str = "transcribe", prompt: str | None = None,
                      temperature: float = 0.0, max_tokens: int | None = None,
-                     sampling: Mapping[str, Any] | None = None,
+                     sampling: Mapping[str, Any] | None = None, timestamps: bool = False,
                      request_id: str | None = None) -> Transcription:
     """Submit ``data`` (encoded audio bytes, or a ``(samples, rate)`` pair) for
     transcription (``task="translate"``: into English); the pieces' requests are queued
     when this returns. ``language`` None: detected from the clip's first window (a
     multilingual model), as transformers' ``generate`` does. ``sampling``: more
-    :class:`SamplingParams` fields (``seed``, ``top_p``, penalties). Refused with
+    :class:`SamplingParams` fields (``seed``, ``top_p``, penalties). ``timestamps``: the
+    prompt leaves ``<|notimestamps|>`` out and Whisper's timestamp rules apply
+    (:meth:`Transcription.segments` reads the result). Refused with
     :class:`InvalidParamError` naming the field: a model that does not transcribe, a clip
     that does not decode or is over :data:`MAX_CLIP_SECONDS`, an unknown language."""
     if not transcribes(engine):
@@ -176,7 +217,15 @@ async def transcribe(engine: Engine, data: Any, *, language: str | None = None,
                                 "(Whisper does)", param="model")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 2:
         raise InvalidParamError("temperature must be a number in [0, 2]", param="temperature")
-    params = SamplingParams(temperature=float(temperature), max_tokens=max_tokens, **(sampling or {}))
+    sampling = dict(sampling or {})
+    first_timestamp = None
+    if timestamps:
+        notimestamps = engine.tokenizer.token_to_id("<|notimestamps|>")
+        if notimestamps is None:
+            raise InvalidParamError("the model's tokenizer has no timestamp tokens", param="response_format")
+        first_timestamp = notimestamps + 1
+        sampling.update(extra_args={WHISPER_TIMESTAMPS: True}, logprobs=0)
+    params = SamplingParams(temperature=float(temperature), max_tokens=max_tokens, **sampling)
     is_multilingual = multilingual(str(engine._parts.tokenizer_folder))
     whisper_prompt(engine.tokenizer, language=language, task=task, prompt=prompt,
                    is_multilingual=is_multilingual)  # checked before the clip is decoded
@@ -188,11 +237,16 @@ async def transcribe(engine: Engine, data: Any, *, language: str | None = None,
         language = await detect_language(engine, pieces[0], rate)
     ids = whisper_prompt(engine.tokenizer, language=language, task=task, prompt=prompt,
                          is_multilingual=is_multilingual)
+    if timestamps:
+        ids = ids[:-1]  # no <|notimestamps|>: Whisper writes the segments' times
     base = request_id or uuid.uuid4().hex
     prepared = [await engine.prepare(list(ids), params, images=[AudioClip((piece, rate))],
                                      request_id=base if len(pieces) == 1 else f"{base}-{i}")
                 for i, piece in enumerate(pieces)]
-    run = Transcription([], len(samples) / rate)
+    run = Transcription([], len(samples) / rate, language=language,
+                        starts=[a / rate for a in cuts[:-1]],
+                        lengths=[(b - a) / rate for a, b in zip(cuts, cuts[1:], strict=False)],
+                        first_timestamp=first_timestamp, temperature=float(temperature))
     try:
         for p in prepared:
             run.streams.append(engine.enqueue(p))
@@ -202,12 +256,46 @@ async def transcribe(engine: Engine, data: Any, *, language: str | None = None,
     return run
 
 
+def split_segments(tokens: list[int], first_timestamp: int,
+                   length: float) -> list[tuple[float, float, list[int], list[int]]]:
+    """One window's output split into segments as Whisper (and transformers) split it:
+    at each pair of adjacent timestamps, a segment from its first token's time to its
+    last timestamp's (the last segment keeps its closing pair, and ends at the pair's
+    first; a tail that ends on one timestamp is a segment too); without a pair, one
+    segment from 0 to the last timestamp (to ``length`` without any). Text after the
+    last pair that no timestamp closes, which Whisper decodes again from the next window,
+    is one more segment to the window's end here. Each: ``(start, end, tokens, their
+    indices)``."""
+    stamp = [t >= first_timestamp for t in tokens]
+
+    def at(t: int) -> float:
+        return (t - first_timestamp) * 0.02
+
+    pairs = [i for i in range(1, len(tokens)) if stamp[i - 1] and stamp[i]]
+    if not pairs:
+        stamps = [t for t in tokens if t >= first_timestamp]
+        end = at(stamps[-1]) if stamps and stamps[-1] != first_timestamp else length
+        return [(0.0, end, tokens, list(range(len(tokens))))] if tokens else []
+    single_end = len(tokens) >= 2 and stamp[-1] and not stamp[-2]
+    cuts = [*pairs, len(tokens)] if single_end else [*pairs[:-1], pairs[-1] + 1]
+    out, last = [], 0
+    for k, cut in enumerate(cuts):
+        span = tokens[last:cut]
+        end = span[-1] if k < len(cuts) - 1 or single_end else span[-2]
+        out.append((at(span[0]), at(end), span, list(range(last, cut))))
+        last = cut
+    if any(not stamp[i] for i in range(last, len(tokens))):
+        start = at(tokens[last - 1])
+        out.append((start, max(start, length), tokens[last:], list(range(last, len(tokens)))))
+    return out
+
+
 def duration_seconds(transcription: Transcription) -> int:
     """OpenAI's ``usage`` of a clip: its length in whole seconds, rounded up."""
     return math.ceil(transcription.seconds)
 
 
 __all__ = ["MAX_CLIP_SECONDS", "TASKS", "Transcription", "cut_points", "detect_language",
-           "duration_seconds", "language_ids", "multilingual", "transcribe", "transcribes",
-           "whisper_prompt"]
+           "duration_seconds", "language_ids", "multilingual", "split_segments", "transcribe",
+           "transcribes", "whisper_prompt"]
 

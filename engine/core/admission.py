@@ -34,7 +34,7 @@ from engine.messages import (
     TextPrompt,
     TokensPrompt,
 )
-from engine.params import SamplingParams
+from engine.params import ENGINE_EXTRA_ARGS, SamplingParams
 from engine.structured.check import max_output_bytes
 
 Prompt = TextPrompt | TokensPrompt | ChatPrompt
@@ -231,7 +231,7 @@ def request_params(params: SamplingParams, *, processors: Sequence[type], images
     text without special tokens), after the checks only the engine can make: the server's
     logits processor classes (``extra_args``, each one's ``validate_params``), and what
     their batch or a request's images cannot take."""
-    if params.extra_args and not processors:
+    if params.extra_args and not processors and set(params.extra_args) - ENGINE_EXTRA_ARGS:
         raise InvalidParamError(
             "extra_args (vllm_xargs) are arguments of the server's logits processors, and "
             "this server runs none (--logits-processors)", param="extra_args")

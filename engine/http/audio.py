@@ -4,12 +4,12 @@
 The body is ``multipart/form-data``, as OpenAI's client sends it: ``file`` (the clip:
 WAV, FLAC, Ogg or MP3, at most ten minutes), ``model``, and optionally ``language`` (an
 ISO 639-1 code; transcriptions only), ``prompt`` (text the clip continues),
-``response_format`` (``json``: ``{"text", "usage"}``; ``text``: the text alone),
+``response_format`` (``json``: ``{"text", "usage"}``; ``text``: the text alone;
+``verbose_json``, ``srt``, ``vtt``: with Whisper's segment timestamps),
 ``temperature``, ``stream`` (``true``: OpenAI's ``transcript.text.delta`` events, then
 ``transcript.text.done``) and vLLM's sampling extras (``seed``, ``top_p``, ``top_k``,
-``min_p``, the three penalties, ``max_completion_tokens``). A field that changes the answer and is not built (timestamps:
-``verbose_json``, ``srt``, ``vtt``, ``timestamp_granularities[]``) is a 400 naming it, and
-so is any unknown field.
+``min_p``, the three penalties, ``max_completion_tokens``). Word timestamps
+(``timestamp_granularities[]`` ``word``) are a 400, and so is any unknown field.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from engine.http.server import Server
 # vLLM's sampling extras of these routes, each a SamplingParams field (int or float).
 SAMPLING = {"seed": int, "top_p": float, "top_k": int, "min_p": float, "frequency_penalty": float,
             "presence_penalty": float, "repetition_penalty": float, "max_completion_tokens": int}
+GRANULARITIES = "timestamp_granularities[]"
 FIELDS = {"file", "model", "language", "prompt", "response_format", "temperature", "stream",
-          *SAMPLING}
-FORMATS = ("json", "text")
-_NOT_BUILT = {"verbose_json": "segment timestamps are not built",
-              "srt": "segment timestamps are not built", "vtt": "segment timestamps are not built"}
+          GRANULARITIES, *SAMPLING}
+FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
+TIMED = ("verbose_json", "srt", "vtt")  # the formats with segment timestamps
 
 
 class AudioRoutes:
@@ -69,10 +69,13 @@ class AudioRoutes:
         fields = {k: form[k] for k in form}
         unknown = sorted((set(fields) | set(files)) - FIELDS)
         if unknown:
-            why = (" (timestamps are not built)" if unknown[0].startswith("timestamp_granularities")
-                   else "")
-            raise APIError(400, f"unknown or unsupported field `{unknown[0]}`{why}",
+            raise APIError(400, f"unknown or unsupported field `{unknown[0]}`",
                            param=unknown[0], code="unsupported_parameter")
+        for granularity in form.getlist(GRANULARITIES):
+            if granularity != "segment":
+                raise APIError(400, f"timestamp granularity `{granularity}`: only `segment` is "
+                               "built (word timestamps are not)", param=GRANULARITIES,
+                               code="unsupported_parameter")
         upload = files.get("file")
         if upload is None:
             raise APIError(400, "the clip is missing: send it as the form's `file`", param="file",
@@ -83,9 +86,9 @@ class AudioRoutes:
         fields, data = await self._form()
         self.server.check_base_model(fields.get("model"))
         fmt = fields.get("response_format", "json")
-        if fmt in _NOT_BUILT:
-            raise APIError(400, f"response_format `{fmt}`: {_NOT_BUILT[fmt]}; use json or text",
-                           param="response_format", code="unsupported_parameter")
+        if GRANULARITIES in fields and fmt != "verbose_json":
+            raise APIError(400, "timestamp_granularities needs response_format verbose_json",
+                           param=GRANULARITIES, code="invalid_value")
         if fmt not in FORMATS:
             raise APIError(400, f"response_format must be one of {', '.join(FORMATS)}",
                            param="response_format", code="invalid_value")
@@ -94,7 +97,7 @@ class AudioRoutes:
                            param="language", code="unsupported_parameter")
         stream = _flag(fields.get("stream", "false"), "stream")
         if stream and fmt != "json":
-            raise APIError(400, "stream returns events; response_format text is not streamed",
+            raise APIError(400, f"stream returns events; response_format {fmt} is not streamed",
                            param="response_format", code="unsupported_parameter")
         temperature = _number(fields.get("temperature", "0"), "temperature")
         sampling = {k: _number(fields[k], k, kind) for k, kind in SAMPLING.items() if k in fields}
@@ -103,16 +106,27 @@ class AudioRoutes:
             run = await transcription.transcribe(
                 self.engine, data, language=fields.get("language") or None, task=task,
                 prompt=fields.get("prompt") or None, temperature=temperature,
-                max_tokens=max_tokens, sampling=sampling, request_id=self.server.request_id())
+                max_tokens=max_tokens, sampling=sampling, timestamps=fmt in TIMED,
+                request_id=self.server.request_id())
         except InvalidParamError as exc:
             param = "max_completion_tokens" if exc.param == "max_tokens" else exc.param  # the form's name
             raise APIError(400, str(exc), param=param, code="invalid_value") from None
         if stream:
             return sse_response(lambda send: _write_events(run, send), run.aclose)
         try:
-            text = await run.text()
+            if fmt in TIMED:
+                text, segments = await run.segments(self.engine.tokenizer)
+            else:
+                text = await run.text()
         finally:
             await run.aclose()
+        if fmt == "verbose_json":
+            return json_response({"task": task, "language": run.language, "duration": run.seconds,
+                                  "text": text, "segments": segments, "usage": {
+                                      "type": "duration",
+                                      "seconds": transcription.duration_seconds(run)}}, 200)
+        if fmt in ("srt", "vtt"):
+            return Response(subtitles(segments, fmt), 200, content_type="text/plain; charset=utf-8")
         if fmt == "text":
             return Response(text, 200, content_type="text/plain; charset=utf-8")
         return json_response({"text": text, "usage": {
@@ -132,6 +146,20 @@ async def _write_events(run: transcription.Transcription, send: trio.MemorySendC
             await send.send(b"data: [DONE]\n\n")
         finally:
             await run.aclose()
+
+
+def subtitles(segments: list[dict[str, Any]], fmt: str) -> str:
+    """The segments as SubRip (``srt``: numbered cues, ``00:00:01,500``) or WebVTT
+    (``vtt``: a ``WEBVTT`` header, ``00:00:01.500``)."""
+    mark = "," if fmt == "srt" else "."
+
+    def clock(seconds: float) -> str:
+        ms = round(seconds * 1000)
+        return f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}{mark}{ms % 1000:03d}"
+
+    cues = [(f"{i}\n" if fmt == "srt" else "") + f"{clock(s['start'])} --> {clock(s['end'])}\n"
+            f"{s['text'].strip()}\n" for i, s in enumerate(segments, start=1)]
+    return ("WEBVTT\n\n" if fmt == "vtt" else "") + "\n".join(cues)
 
 
 def _flag(value: str, name: str) -> bool:

@@ -123,8 +123,10 @@ def write_tiny_qwen2_audio(path: str | Path, *, seed: int = 0, d_model: int = 32
     return path
 
 
-# Whisper's special tokens, as its tokenizer has them (a few of its 99 languages).
-WHISPER_TOKENS = ("<|startoftranscript|>", "<|en|>", "<|fr|>", "<|de|>", "<|translate|>",
+# Whisper's special tokens, as its tokenizer has them (a few of its 99 languages), after
+# the text's and the end of text (<|eot|> here: the tiny tokenizer's <|endoftext|> is its
+# first id, and Whisper's timestamp rules tell text from the rest by the end's id).
+WHISPER_TOKENS = ("<|eot|>", "<|startoftranscript|>", "<|en|>", "<|fr|>", "<|de|>", "<|translate|>",
                   "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>",
                   "<|notimestamps|>")
 
@@ -144,15 +146,18 @@ def write_tiny_whisper(path: str | Path, *, seed: int = 0, d_model: int = 32, la
     path = Path(path)
     write_tiny_model(path, "llama", seed=seed)
     tok = Tokenizer.from_str((path / "tokenizer.json").read_text())
-    tok.add_special_tokens([AddedToken(t, special=True) for t in WHISPER_TOKENS])
-    ids = {t: tok.token_to_id(t) for t in ("<|endoftext|>", *WHISPER_TOKENS)}
+    # Then a timestamp token every 20 ms of the window, <|0.00|> to <|30.00|> (Whisper's).
+    stamps = [f"<|{i * 0.02:.2f}|>" for i in range(seconds * 50 + 1)]
+    tok.add_special_tokens([AddedToken(t, special=True) for t in (*WHISPER_TOKENS, *stamps)])
+    ids = {t: tok.token_to_id(t) for t in WHISPER_TOKENS}
+    last = tok.token_to_id(stamps[-1])
     (path / "tokenizer.json").write_text(tok.to_str())
     config = json.loads((path / "tokenizer_config.json").read_text())
-    config.update(eos_token="<|endoftext|>", chat_template=None)
+    config.update(eos_token="<|eot|>", chat_template=None)
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     frames = seconds * TINY_AUDIO_RATE // 160
-    eos, start = ids["<|endoftext|>"], ids["<|startoftranscript|>"]
-    cfg = WhisperConfig(vocab_size=max(ids.values()) + 1, num_mel_bins=mel_bins, d_model=d_model,
+    eos, start = ids["<|eot|>"], ids["<|startoftranscript|>"]
+    cfg = WhisperConfig(vocab_size=last + 1, num_mel_bins=mel_bins, d_model=d_model,
                         encoder_layers=layers, encoder_attention_heads=heads, encoder_ffn_dim=ffn,
                         decoder_layers=layers, decoder_attention_heads=heads, decoder_ffn_dim=ffn,
                         max_source_positions=frames // 2, max_target_positions=positions,
@@ -185,7 +190,8 @@ def write_tiny_whisper(path: str | Path, *, seed: int = 0, d_model: int = 32, la
         {"bos_token_id": eos, "eos_token_id": eos, "decoder_start_token_id": start,
          "is_multilingual": True, "lang_to_id": langs,
          "task_to_id": {"transcribe": ids["<|transcribe|>"], "translate": ids["<|translate|>"]},
-         "no_timestamps_token_id": ids["<|notimestamps|>"]}, indent=2))
+         "no_timestamps_token_id": ids["<|notimestamps|>"], "max_initial_timestamp_index": 50,
+         "suppress_tokens": [], "begin_suppress_tokens": []}, indent=2))
     WhisperFeatureExtractor(feature_size=mel_bins, sampling_rate=TINY_AUDIO_RATE,
                             hop_length=160, chunk_length=seconds, n_fft=400).save_pretrained(path)
     return path

@@ -26,6 +26,7 @@ from engine.parallel import SINGLE
 from engine.runner.logits_processors import load_logits_processors
 from engine.runner.lora import LoraSettings
 from engine.runner.model_runner import ModelRunner
+from engine.runner.whisper_timestamps import whisper_timestamp_processor
 from engine.structured import GrammarBackend
 
 logger = logging.getLogger("engine")
@@ -148,7 +149,7 @@ def build_rank_runner(config: EngineConfig, load: RankLoad, device: torch.device
         pooler=load.pooler,
         tp=tp if tp is not None else SINGLE,
         draft=load.draft,
-        logits_processors=load_logits_processors(config.logits_processor_names),
+        logits_processors=load_logits_processors(config.logits_processor_names) + _model_processors(load),
         lora=lora_settings(config, load.loaded.dtype),
         decode_graphs=device.type == "cuda" and not config.enforce_eager,
         max_model_len=config.max_model_len,
@@ -220,6 +221,20 @@ def _with_sep(loaded: Any, tokenizer: Any) -> Any:
     """The loaded encoder with its [SEP] id, which marks where a pair's segment B starts."""
     sep = tokenizer.token_to_id("[SEP]")
     return dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, sep_token_id=sep))
+
+
+def _model_processors(load: RankLoad) -> tuple[type, ...]:
+    """The logits processors the model's own decoding needs: Whisper's timestamp rules
+    (applied to the requests that ask for timestamps; see engine.runner.whisper_timestamps)."""
+    if getattr(load.loaded.config.vision, "kind", None) != "whisper":
+        return ()
+    no_timestamps = load.tokenizer.token_to_id("<|notimestamps|>")
+    if no_timestamps is None:
+        return ()
+    gen = load.loaded.generation_config
+    eos = gen.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos if isinstance(eos, int) else min(load.eos_ids)
+    return (whisper_timestamp_processor(no_timestamps, eos, gen.get("max_initial_timestamp_index", 50)),)
 
 
 def _eos_ids(loaded: Any, tokenizer: Any) -> tuple[int, ...]:
