@@ -7,7 +7,8 @@ same run.
 The model is written to a temp dir by ``engine.models.testing_audio.write_tiny_whisper``
 with whisper-base's shape (512 wide, 6 encoder and 6 decoder layers of 8 heads, 2,048 in
 the MLPs, 80 log-mel bins, the 30-second window, 448 decoder positions) and the tiny
-tokenizer's vocabulary (about 400 tokens: the LM head is cheaper than base's 51,865).
+tokenizer's vocabulary with Whisper's special and timestamp tokens (about 1,900 tokens:
+the LM head is cheaper than base's 51,865).
 Each clip (a tone with noise, ``--seconds`` long) is transcribed to exactly ``--tokens``
 tokens (random weights never end on their own: the engine ignores the end token,
 transformers gets ``min_new_tokens``), greedy, from the same task tokens.
@@ -22,6 +23,7 @@ after the other, never at once.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -108,6 +110,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_tiny_whisper(Path(tmp) / "whisper-base-shape", d_model=512, layers=6, heads=8,
                                     ffn=2048, mel_bins=80, seconds=30, positions=448)
+        # transformers' Whisper generate reads language, task and timestamp fields from
+        # generation_config.json and then runs its long-form loop; both sides here decode
+        # the given prompt greedily, no more: only the tokens' ids stay.
+        gen = json.loads((folder / "generation_config.json").read_text())
+        (folder / "generation_config.json").write_text(json.dumps(
+            {k: gen[k] for k in ("bos_token_id", "eos_token_id", "decoder_start_token_id")}))
         print(f"whisper-base's shape, random weights; {args.clips} clips of {args.seconds:g} s, "
               f"{args.tokens} tokens each; float32; torch threads {torch.get_num_threads()}; "
               f"medians of {args.rounds} rounds")
