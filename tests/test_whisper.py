@@ -380,3 +380,35 @@ def test_verbose_json_srt_and_vtt_carry_the_segments(server) -> None:
     words = httpx.post(url, files=clip, data=form | {"response_format": "verbose_json",
                                                      "timestamp_granularities[]": "word"})
     assert words.status_code == 400 and words.json()["error"]["param"] == "timestamp_granularities[]"
+
+
+def test_llm_takes_vllms_offline_whisper_prompts(whisper, hf) -> None:
+    """vLLM's offline Whisper forms on the LLM: the decoder prompt with the clip in
+    multi_modal_data, and the explicit encoder/decoder prompt dict; a malformed one is
+    refused naming its key."""
+    from engine.errors import BatchPromptError
+
+    wave = _clip(6, 1.2)
+    prompt = _prompt(whisper, language="en")
+    expected, _ = hf_greedy(hf, wave, prompt)
+    text = hf[2].decode(prompt, skip_special_tokens=False)
+    llm = engine.LLM(str(whisper), dtype="float32", kv_cache_memory=8 * 2**20, block_size=4)
+    try:
+        params = engine.SamplingParams(temperature=0, max_tokens=None)
+        plain = llm.generate({"prompt": text, "multi_modal_data": {"audio": (wave, TINY_AUDIO_RATE)}},
+                             params)
+        split = llm.generate([
+            {"encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": (wave, TINY_AUDIO_RATE)}},
+             "decoder_prompt": text},
+            {"encoder_prompt": {"multi_modal_data": {"audio": _wav(wave)}},
+             "decoder_prompt": {"prompt_token_ids": prompt}}], params)
+        for out in (*plain, *split):
+            assert list(out.outputs[0].token_ids) == expected
+        with pytest.raises(BatchPromptError, match="encoder_prompt takes multi_modal_data"):
+            llm.generate({"encoder_prompt": {"prompt": "hello", "multi_modal_data": {"audio": _wav(wave)}},
+                          "decoder_prompt": text}, params)
+        with pytest.raises(BatchPromptError, match="not 'cache_salt'"):
+            llm.generate({"encoder_prompt": {"multi_modal_data": {"audio": _wav(wave)}},
+                          "decoder_prompt": text, "cache_salt": "x"}, params)
+    finally:
+        llm.close()

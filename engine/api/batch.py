@@ -100,6 +100,8 @@ def _generation_prompt(index: int, prompt: Any) -> BatchPrompt:
     if not isinstance(prompt, Mapping):
         raise _refused(index, "a prompt must be a string, a list of token ids, or a dict with "
                               "'prompt' or 'prompt_token_ids'")
+    if "encoder_prompt" in prompt or "decoder_prompt" in prompt:
+        prompt = _encoder_decoder_prompt(index, prompt)
     unknown = sorted(set(map(str, prompt)) - _PROMPT_KEYS)
     if unknown:
         raise _refused(index, f"unknown prompt key {unknown[0]!r} (this engine reads "
@@ -130,6 +132,32 @@ def _generation_prompt(index: int, prompt: Any) -> BatchPrompt:
                               "or 'prompt_embeds'")
     return BatchPrompt(body, text if isinstance(text, str) else None,
                        _images(index, prompt.get("multi_modal_data")), salt, mm_options=options)
+
+
+def _encoder_decoder_prompt(index: int, prompt: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's explicit encoder/decoder prompt (Whisper's offline form):
+    ``{"encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": ...}},
+    "decoder_prompt": "<|startoftranscript|>..."}`` as the one prompt dict it means: the
+    decoder's prompt (text or ``{"prompt_token_ids": [...]}``) with the encoder's clip."""
+    extra = sorted(set(map(str, prompt)) - {"encoder_prompt", "decoder_prompt"})
+    if extra:
+        raise _refused(index, f"an encoder/decoder prompt takes encoder_prompt and "
+                              f"decoder_prompt only, not {extra[0]!r}", param=extra[0])
+    encoder, decoder = prompt.get("encoder_prompt"), prompt.get("decoder_prompt")
+    if not isinstance(encoder, Mapping) or "multi_modal_data" not in encoder:
+        raise _refused(index, "encoder_prompt must be a dict with the clip in multi_modal_data",
+                       param="encoder_prompt")
+    if set(map(str, encoder)) - {"prompt", "multi_modal_data"} or encoder.get("prompt") not in (None, ""):
+        raise _refused(index, "encoder_prompt takes multi_modal_data (and an empty prompt) only: "
+                              "the encoder reads the clip, not text", param="encoder_prompt")
+    if isinstance(decoder, str):
+        out: dict[str, Any] = {"prompt": decoder}
+    elif isinstance(decoder, Mapping) and set(map(str, decoder)) <= {"prompt", "prompt_token_ids"}:
+        out = dict(decoder)
+    else:
+        raise _refused(index, "decoder_prompt must be a string or a dict with 'prompt' or "
+                              "'prompt_token_ids'", param="decoder_prompt")
+    return {**out, "multi_modal_data": encoder["multi_modal_data"]}
 
 
 def _images(index: int, data: Any) -> tuple[Any, ...]:
