@@ -380,6 +380,10 @@ def test_verbose_json_srt_and_vtt_carry_the_segments(server) -> None:
     words = httpx.post(url, files=clip, data=form | {"response_format": "verbose_json",
                                                      "timestamp_granularities[]": "word"})
     assert words.status_code == 400 and words.json()["error"]["param"] == "timestamp_granularities[]"
+    two = httpx.post(url, data=form, files=[("file", clip["file"]), ("file", clip["file"])])
+    assert two.status_code == 400 and two.json()["error"]["param"] == "file"
+    twice = httpx.post(url, files=clip, data={"model": "tiny-whisper", "language": ["en", "fr"]})
+    assert twice.status_code == 400 and twice.json()["error"]["param"] == "language"
 
 
 def test_llm_takes_vllms_offline_whisper_prompts(whisper, hf) -> None:

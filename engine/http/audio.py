@@ -71,6 +71,13 @@ class AudioRoutes:
         if unknown:
             raise APIError(400, f"unknown or unsupported field `{unknown[0]}`",
                            param=unknown[0], code="unsupported_parameter")
+        for key, values in ((k, form.getlist(k)) for k in form):
+            if len(values) > 1 and key != GRANULARITIES:
+                raise APIError(400, f"`{key}` is given {len(values)} times; it takes one value",
+                               param=key, code="invalid_value")
+        if len(files.getlist("file")) > 1:
+            raise APIError(400, "one clip a request: `file` is given more than once",
+                           param="file", code="invalid_value")
         for granularity in form.getlist(GRANULARITIES):
             if granularity != "segment":
                 raise APIError(400, f"timestamp granularity `{granularity}`: only `segment` is "
