@@ -29,6 +29,10 @@ class ImageInput:
     bytes, C order, of ``shape``, e.g. ``(3, 336, 336)``). ``key`` is a 63-bit content
     hash of the preprocessed pixels: it names the encoder's cached output and stands for
     the placeholder tokens in the prefix cache's block keys (see ``Request.cache_token_ids``).
+
+    An audio clip travels as one too (engine.audio): ``pixels`` are its log-mel frames
+    ``(mel, frames)`` and ``grid`` ``(frames,)`` its own frame count; Whisper's clip has
+    no placeholders (``length`` 0), as the decoder's cross-attention reads it.
     """
 
     offset: int

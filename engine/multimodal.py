@@ -1,4 +1,6 @@
-"""Images in chat prompts: from content parts to :class:`ImageInput` messages.
+"""Images in chat prompts: from content parts to :class:`ImageInput` messages. Audio
+parts are taken out of the messages here too (:data:`MEDIA_PARTS`); their clips are
+read by :mod:`engine.audio`.
 
 The data path (admission, in the caller's task or a worker thread):
 
