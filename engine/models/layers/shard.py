@@ -59,7 +59,7 @@ def tensor_parallel_problem(config: ModelConfig, n: int, *, expert_parallel: boo
     if config.is_encoder:
         return "tensor parallelism is not supported for encoder (BERT) models"
     if config.vision is not None and not isinstance(config.vision, Gemma3VisionConfig):
-        return "tensor parallelism is not supported for vision-language models (LLaVA, Qwen-VL) and Qwen2-Audio"
+        return "tensor parallelism is not supported for vision-language models (LLaVA, Qwen-VL), Qwen2-Audio and Whisper"
     problems = []
     if config.recurrent is not None and (why := config.recurrent.tensor_parallel_problem(n)):
         problems.append(why)
@@ -102,7 +102,7 @@ def pipeline_parallel_problem(config: ModelConfig, n: int,
     if config.is_encoder:
         return "pipeline parallelism is not supported for encoder (BERT) models"
     if config.vision is not None:
-        return ("pipeline parallelism is not supported for multimodal models (LLaVA, "
+        return ("pipeline parallelism is not supported for multimodal models (LLaVA, Whisper, "
                 "Qwen-VL, Qwen2-Audio, Gemma 3 with images; --limit-mm-per-prompt 0 serves Gemma 3 as text)")
     try:
         stage_layers(config.num_hidden_layers, n, partition)
