@@ -416,3 +416,22 @@ def test_llm_takes_vllms_offline_whisper_prompts(whisper, hf) -> None:
                           "decoder_prompt": text, "cache_salt": "x"}, params)
     finally:
         llm.close()
+
+
+async def test_the_clips_cross_attention_memory_is_counted_in_the_kv_budget(whisper, hf) -> None:
+    """Each running request keeps its clip's keys and values (every decoder layer's K and
+    V over the encoder's positions): max_num_seqs is lowered to what half the budget
+    holds, and a budget that cannot hold one request's is refused at startup."""
+    from engine.errors import ConfigError
+
+    cfg = hf[0].config
+    per = cfg.decoder_layers * 2 * cfg.d_model * cfg.max_source_positions * 4  # float32
+    budget = 24 * per
+    async with _open(whisper, kv_cache_memory=budget, max_num_seqs=64) as eng:
+        assert eng.config.max_num_seqs == 12  # half of 24 requests' worth
+        assert eng.statistics().kv_blocks_total * 4 * 2 * cfg.decoder_layers * cfg.d_model * 4 <= budget - 12 * per
+        outs = await _run(eng, _prompt(eng, language="en"), _clip(0, 1.0))
+        assert token_ids(outs) == hf_greedy(hf, _clip(0, 1.0), _prompt(eng, language="en"))[0]
+    with pytest.raises(ConfigError, match="cross-attention keys and values"):
+        async with _open(whisper, kv_cache_memory=per):
+            pass

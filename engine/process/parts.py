@@ -489,6 +489,7 @@ def _size_kv_pool(
         total = int(free_memory(device) * budget) if isinstance(budget, float) else int(budget)
         budget = total * mine // (mine + theirs)
     config, budget = _less_recurrent_states(config, loaded, device, budget, tp)
+    config, budget = _less_cross_attention(config, loaded, device, budget)
     if config.num_gpu_blocks_override is not None:
         # vLLM's override: the count as given, whatever the budget buys.
         blocks = config.num_gpu_blocks_override
@@ -506,6 +507,34 @@ def _size_kv_pool(
         )
     max_len = min(wanted or model_max, blocks * config.block_size)
     return dataclasses.replace(config, max_model_len=max_len), blocks
+
+
+def _less_cross_attention(config: EngineConfig, loaded: Any, device: torch.device,
+                          budget: int | float) -> tuple[EngineConfig, int | float]:
+    """The KV pool's budget once Whisper's cross-attention keys and values (each running
+    request's clip: every layer's K and V over the encoder's positions, kept by the
+    runner while the request lives) are set aside for ``max_num_seqs`` requests. Where
+    they would take over half the budget, ``max_num_seqs`` is lowered to what half holds
+    (logged); where not even one fits, refused."""
+    audio = loaded.config.vision
+    if getattr(audio, "kind", None) != "whisper":
+        return config, budget
+    per = (loaded.config.num_hidden_layers * 2 * loaded.config.hidden_size
+           * audio.max_source_positions * loaded.dtype.itemsize)
+    total = int(free_memory(device) * budget) if isinstance(budget, float) else int(budget)
+    fits = total // 2 // per
+    if fits < 1:
+        raise ConfigError(f"one request's cross-attention keys and values ({per / 2**20:.1f} MiB) "
+                          f"take over half the KV budget of {total / 2**20:.1f} MiB: raise "
+                          "kv_cache_memory", field="kv_cache_memory")
+    if config.max_num_seqs > fits:
+        logger.info("max_num_seqs %d -> %d: each running request's cross-attention keys and values "
+                    "take %.1f MiB, and half the KV budget holds %d", config.max_num_seqs, fits,
+                    per / 2**20, fits)
+        config = dataclasses.replace(config, max_num_seqs=int(fits))
+    logger.info("cross-attention: %d requests' keys and values, %.0f MiB of the KV budget",
+                config.max_num_seqs, config.max_num_seqs * per / 2**20)
+    return config, total - config.max_num_seqs * per
 
 
 def _less_recurrent_states(config: EngineConfig, loaded: Any, device: torch.device, budget: int | float,
