@@ -68,6 +68,16 @@ def _stored_route(method: str, summary: str, ok: dict[str, Any], api_key: bool, 
     return {method: {"summary": summary, "parameters": parameters, "responses": responses}}
 
 
+# The speech routes' form (engine.http.audio): the clip and the fields OpenAI's client sends.
+_SPEECH = {"type": "object", "required": ["file"], "properties": {
+    "file": {"type": "string", "format": "binary"}, "model": {"type": "string"},
+    "language": {"type": "string"}, "prompt": {"type": "string"},
+    "response_format": {"enum": ["json", "text", "verbose_json", "srt", "vtt"]},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+    "stream": {"type": "boolean"},
+    "timestamp_granularities[]": {"type": "array", "items": {"enum": ["segment"]}}}}
+
+
 def _errors(*codes: str) -> dict[str, Any]:
     return {code: {"description": _ERRORS[code], "content": {
         "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
@@ -188,6 +198,17 @@ def openapi(version: str, *, api_key: bool, tokenizer_info: bool = False) -> dic
             "text/plain": {"schema": {"type": "string"}}}}),
         "/openapi.json": _get("This document", _json({"type": "object"})),
     }
+    for path, summary in (("/v1/audio/transcriptions", "Transcribe a clip (Whisper)"),
+                          ("/v1/audio/translations", "Translate a clip into English (Whisper)")):
+        paths[path] = {"post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": _SPEECH}}},
+            "responses": {"200": {"description": "the text: JSON (json, verbose_json), plain text "
+                                  "(text, srt, vtt), or with stream true server-sent events",
+                                  "content": {"application/json": {"schema": {"type": "object"}},
+                                              "text/plain": {"schema": {"type": "string"}},
+                                              "text/event-stream": {"schema": {"type": "string"}}}},
+                          **_errors(*gen_errors)}}}
     if tokenizer_info:
         paths["/tokenizer_info"] = _get("The tokenizer's configuration and chat template",
                                         _json({"type": "object"}), *(("401",) if api_key else ()))
