@@ -38,6 +38,7 @@ from engine.models.vision_config import (
     QwenVisionConfig,
     VisionConfig,
     gemma3_vision_config,
+    qwen_vl_parts,
 )
 
 # Hugging Face architecture -> family. The Llama family's decoder layer is the Llama layer
@@ -590,61 +591,14 @@ def _llava_config(raw: dict[str, Any]) -> ModelConfig:
 
 
 def _qwen_vl_config(raw: dict[str, Any], kind: str) -> ModelConfig:
-    """Qwen2-VL / Qwen2.5-VL: a Qwen2 decoder (``text_config`` in transformers 5, the top
-    level in older configs) with M-RoPE, plus the vision tower's config."""
-    try:
-        vis = dict(raw["vision_config"])
-        text = dict(raw.get("text_config") or {k: v for k, v in raw.items() if k != "vision_config"})
-        text["architectures"] = ["Qwen2ForCausalLM"]
-        text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
-        if raw.get("tie_word_embeddings"):
-            text["tie_word_embeddings"] = True
-        text.setdefault("torch_dtype", raw.get("torch_dtype") or raw.get("dtype"))
-        # M-RoPE's section list rides in rope_scaling ({"type": "mrope"}, transformers 4)
-        # or rope_parameters (transformers 5); the frequencies are the default ones.
-        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or raw.get("rope_scaling") or {})
-        section = tuple(int(s) for s in rope.pop("mrope_section", ()))
-        if not section:
-            raise UnsupportedModelError(f"{kind} without rope mrope_section is not supported")
-        if rope.get("rope_type", rope.get("type", "default")) not in ("default", "mrope"):
-            raise UnsupportedModelError(
-                f"{kind} with rope type {rope.get('rope_type', rope.get('type'))!r} is not supported")
-        text.pop("rope_scaling", None)
-        text.pop("rope_parameters", None)
-        text["rope_theta"] = float(rope.get("rope_theta", text.get("rope_theta", raw.get("rope_theta", 1e6))))
-        vision_rope = vis.get("rope_parameters") or {}
-        qwen2 = kind == "qwen2_vl"
-        width = int(vis["embed_dim"] if qwen2 else vis["hidden_size"])
-        vision = QwenVisionConfig(
-            kind=kind,
-            depth=int(vis["depth"]),
-            hidden_size=width,
-            intermediate_size=int(width * vis.get("mlp_ratio", 4)) if qwen2 else int(vis["intermediate_size"]),
-            num_heads=int(vis["num_heads"]),
-            patch_size=int(vis.get("patch_size", 14)),
-            temporal_patch_size=int(vis.get("temporal_patch_size", 2)),
-            spatial_merge_size=int(vis.get("spatial_merge_size", 2)),
-            in_channels=int(vis.get("in_channels", vis.get("in_chans", 3))),
-            hidden_act=str(vis.get("hidden_act", "quick_gelu" if qwen2 else "silu")),
-            out_hidden_size=int(vis["hidden_size"] if qwen2 else vis["out_hidden_size"]),
-            rope_theta=float(vision_rope.get("rope_theta", 10000.0)),
-            window_size=0 if qwen2 else int(vis.get("window_size", 112)),
-            fullatt_block_indexes=() if qwen2 else tuple(int(i) for i in vis.get("fullatt_block_indexes", ())),
-            image_token_id=int(raw.get("image_token_id", 151655)),
-            vision_start_token_id=int(raw.get("vision_start_token_id", 151652)),
-            vision_end_token_id=int(raw.get("vision_end_token_id", 151653)),
-            mrope_section=section,
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CorruptModelError(f"config.json is missing or has a bad {kind} field: {exc}") from exc
-    if vision.hidden_act not in ("quick_gelu", "gelu", "silu", "gelu_pytorch_tanh"):
-        raise UnsupportedModelError(f"{kind} vision activation {vision.hidden_act!r} is not supported")
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL: a Qwen2 or Qwen3 decoder with M-RoPE, plus the
+    vision tower's config (vision_config.qwen_vl_parts)."""
+    text, vision = qwen_vl_parts(raw, kind)
     lm = ModelConfig.from_hf(text)
-    if 2 * sum(section) != lm.head_dim:
+    if 2 * sum(vision.mrope_section) != lm.head_dim:
         raise CorruptModelError(
-            f"mrope_section {list(section)} covers {sum(section)} frequencies; head_dim "
-            f"{lm.head_dim} has {lm.head_dim // 2}")
-    if vision.hidden_size % vision.num_heads or (vision.hidden_size // vision.num_heads) % 4:
-        raise CorruptModelError(f"{kind} vision width {vision.hidden_size} over {vision.num_heads} "
-                                "heads: the head size must be a multiple of 4 (2-D RoPE)")
+            f"mrope_section {list(vision.mrope_section)} covers {sum(vision.mrope_section)} "
+            f"frequencies; head_dim {lm.head_dim} has {lm.head_dim // 2}")
+    if lm.moe is not None and kind == "qwen3_vl_moe":  # stacked experts, top-k always renormalised
+        lm = dataclasses.replace(lm, moe=dataclasses.replace(lm.moe, naming="qwen_stacked", norm_topk_prob=True))
     return dataclasses.replace(lm, vision=vision)

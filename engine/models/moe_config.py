@@ -30,7 +30,9 @@ class MoeConfig:
     # (mlp.experts.gate_up_proj [E, hidden, 2 * inter], gate and up columns alternating),
     # with biases, the router's too, and the clamped SwiGLU (engine.ops.moe.ClampedSwiglu)
     # of this limit and sigmoid gain; 0: the plain SwiGLU.
-    naming: str  # "mixtral", "qwen", "granite", "deepseek" (GLM-4.5's too), "ernie" or "gpt_oss"
+    # Qwen3-VL-MoE's (naming "qwen_stacked"): mlp.experts.gate_up_proj / down_proj, stacked
+    # (models/layers/moe.py reads either layout) beside Qwen's mlp.gate router.
+    naming: str  # "mixtral", "qwen", "qwen_stacked", "granite", "deepseek", "ernie" or "gpt_oss"
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.0
     # DeepSeek-V3's routing ("sigmoid", GLM-4.5's too, naming "deepseek"; "softmax": the

@@ -1,5 +1,6 @@
-"""Qwen2-VL and Qwen2.5-VL: a vision transformer with 2-D rotary positions and a patch
-merger in front of a Qwen2 decoder whose RoPE has three position streams (M-RoPE).
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL: a vision transformer with 2-D rotary positions and a
+patch merger in front of a Qwen2 (Qwen3-VL: Qwen3) decoder whose RoPE has three position
+streams (M-RoPE).
 
 An image arrives preprocessed by transformers' ``Qwen2VLImageProcessor``: resized so each
 side is a multiple of ``patch_size * spatial_merge_size`` (within the pixel budget), cut
@@ -7,25 +8,34 @@ into ``t x h x w`` patches of ``in_channels x temporal_patch_size x patch x patc
 (a still image is its frame twice: ``t = 1``), each ``merge x merge`` block of patches
 consecutive. The tower (:class:`QwenVisionTower`):
 
-* patch embedding: the Conv3d whose kernel is its stride, i.e. one matmul per patch;
+* patch embedding: the Conv3d whose kernel is its stride, i.e. one matmul per patch
+  (Qwen3-VL's has a bias, and adds a learned position table: a square grid resampled
+  bilinearly, corners aligned, to the image's patch grid);
 * 2-D RoPE: the first half of each head's frequencies rotate by the patch's row, the
   second half by its column (``head_dim / 4`` frequencies each, base ``rope_theta``);
-* blocks: Qwen2-VL's are pre-LayerNorm with a QuickGELU MLP, every block attending over
-  its whole frame; Qwen2.5-VL's are pre-RMSNorm with a SwiGLU MLP (biased), and attend
-  within windows of ``window_size`` pixels (patches reordered window by window) except
-  the ``fullatt_block_indexes`` blocks, which see the whole frame;
+* blocks: Qwen2-VL's and Qwen3-VL's are pre-LayerNorm with a two-linear MLP (QuickGELU;
+  tanh GELU), every block attending over its whole frame; Qwen2.5-VL's are pre-RMSNorm
+  with a SwiGLU MLP (biased), and attend within windows of ``window_size`` pixels
+  (patches reordered window by window) except the ``fullatt_block_indexes`` blocks,
+  which see the whole frame;
 * the merger: a norm, then each ``merge x merge`` block of patches concatenated into one
   vector and an MLP (Linear, GELU, Linear) to the decoder's width: one embedding per
   placeholder token.
+* Qwen3-VL's DeepStack: the outputs of the ``deepstack_visual_indexes`` blocks, each
+  through a merger of its own (its norm after the concatenation), are added to the
+  image's rows of the hidden states after decoder layers 0, 1, ... The tower hands the
+  runner one row per placeholder holding the embedding and these features side by side;
+  :meth:`QwenVLModel.forward` splits them.
 
 M-RoPE (:func:`mrope_positions`): a text token's three positions are equal and count up;
 an image's placeholders take (temporal, row, column) positions on its merged grid, offset
 by the position the image starts at; the text after it continues from the largest
 position so far plus one. Generated tokens sit at ``index + delta``
 (``delta = max position + 1 - prompt length``), on all three streams. The decoder rotates
-frequency ``j`` of each head by the stream that ``mrope_section`` assigns to ``j``: the
-model gathers one cos/sin row per token (:meth:`QwenVLModel.forward`) and hands the
-usual ``rotary_embedding`` op that per-token table, so every op set runs M-RoPE.
+frequency ``j`` of each head by the stream that ``mrope_section`` assigns to ``j``
+(consecutive sections; Qwen3-VL's interleaved T, H, W): the model gathers one cos/sin row
+per token (:meth:`QwenVLModel.forward`) and hands the usual ``rotary_embedding`` op that
+per-token table, so every op set runs M-RoPE.
 
 Weights: transformers 5 saves ``model.language_model.*`` / ``model.visual.*`` /
 ``lm_head.weight``; the hub's older checkpoints ``model.*`` / ``visual.*``. Both map to
@@ -60,22 +70,42 @@ def normalize_qwen_vl_names(name: str) -> str:
 def qwen_vision_weight_names(vision: QwenVisionConfig) -> list[str]:
     """The vision tower's and merger's tensors the engine reads."""
     v = "visual."
-    layer_norm = vision.kind == "qwen2_vl"
+    layer_norm = vision.kind != "qwen2_5_vl"
     names = [v + "patch_embed.proj.weight"]
+    if vision.qwen3:
+        names += [v + "patch_embed.proj.bias", v + "pos_embed.weight"]
 
     def norm(name: str) -> list[str]:
         return [name + ".weight"] + ([name + ".bias"] if layer_norm else [])
 
-    mlp = ("mlp.fc1", "mlp.fc2") if layer_norm else ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
     for i in range(vision.depth):
         p = f"{v}blocks.{i}."
         names += norm(p + "norm1") + norm(p + "norm2")
-        for lin in ("attn.qkv", "attn.proj", *mlp):
+        for lin in ("attn.qkv", "attn.proj", *_mlp_names(vision.kind)):
             names += [p + lin + ".weight", p + lin + ".bias"]
-    names += norm(v + "merger.ln_q")
-    for lin in ("merger.mlp.0", "merger.mlp.2"):
-        names += [v + lin + ".weight", v + lin + ".bias"]
+    for norm_name, linears in _merger_names(vision):
+        names += norm(norm_name)
+        for lin in linears:
+            names += [lin + ".weight", lin + ".bias"]
     return names
+
+
+def _mlp_names(kind: str) -> tuple[str, ...]:
+    if kind == "qwen2_vl":
+        return ("mlp.fc1", "mlp.fc2")
+    if kind == "qwen2_5_vl":
+        return ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    return ("mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def _merger_names(vision: QwenVisionConfig) -> list[tuple[str, tuple[str, str]]]:
+    """(norm, (linear 1, linear 2)) of the merger, then of each DeepStack merger."""
+    v = "visual."
+    if not vision.qwen3:
+        return [(v + "merger.ln_q", (v + "merger.mlp.0", v + "merger.mlp.2"))]
+    prefixes = [v + "merger."] + [f"{v}deepstack_merger_list.{j}." for j in
+                                  range(len(vision.deepstack_visual_indexes))]
+    return [(p + "norm", (p + "linear_fc1", p + "linear_fc2")) for p in prefixes]
 
 
 def image_token_count(grid: Sequence[int], merge: int) -> int:
@@ -113,6 +143,20 @@ def mrope_positions(length: int, images: Sequence[Any], merge: int) -> tuple[tor
     return pos, top + 1 - length
 
 
+def mrope_streams(section: Sequence[int], interleaved: bool) -> torch.Tensor:
+    """The stream (0 temporal, 1 row, 2 column) each of the ``sum(section)`` frequencies
+    turns by: consecutive sections (Qwen2-VL), or Qwen3-VL's interleaving, where frequency
+    ``j`` is the row's when ``j % 3 == 1`` and ``j < 3 * section[1]``, the column's when
+    ``j % 3 == 2`` and ``j < 3 * section[2]``, and the temporal stream's otherwise."""
+    if not interleaved:
+        return torch.cat([torch.full((s,), i % 3) for i, s in enumerate(section)])
+    j = torch.arange(sum(section))
+    stream = torch.zeros_like(j)
+    for k in (1, 2):
+        stream[(j % 3 == k) & (j < 3 * section[k])] = k
+    return stream
+
+
 def _act(name: str, x: torch.Tensor) -> torch.Tensor:
     if name == "quick_gelu":
         return x * torch.sigmoid(1.702 * x)
@@ -137,13 +181,21 @@ class _Block:
     mlp: list[tuple[torch.Tensor, torch.Tensor]]  # fc1, fc2 | gate, up, down
 
 
+@dataclasses.dataclass(slots=True)
+class _Merger:
+    norm: tuple[torch.Tensor, torch.Tensor | None]
+    fc1: tuple[torch.Tensor, torch.Tensor]
+    fc2: tuple[torch.Tensor, torch.Tensor]
+    after: bool  # the norm over the concatenated merge block (DeepStack's), not each patch
+
+
 class QwenVisionTower:
     """Qwen2-VL's / Qwen2.5-VL's vision transformer and patch merger: images' patches
     ``[sum of t*h*w, C*T*P*P]`` and grids -> one ``[tokens, out_hidden]`` per image."""
 
     def __init__(self, vision: QwenVisionConfig, get: ShardedWeights) -> None:
         self.cfg = vision
-        self.layer_norm = vision.kind == "qwen2_vl"
+        self.layer_norm = vision.kind != "qwen2_5_vl"
         v = "visual."
         patch = get(v + "patch_embed.proj.weight")
         width = vision.hidden_size
@@ -153,9 +205,23 @@ class QwenVisionTower:
                                     f"vision config gives {expected}")
         # The Conv3d's kernel equals its stride: a matmul over each flattened patch.
         self.patch_weight = patch.reshape(width, -1)
+        self.patch_bias = get(v + "patch_embed.proj.bias") if vision.qwen3 else None
+        self.pos_embed = None
+        if vision.qwen3:
+            table = get(v + "pos_embed.weight")
+            side = int(round(vision.num_position_embeddings ** 0.5))
+            if tuple(table.shape) != (side * side, width):
+                raise CorruptModelError(f"visual.pos_embed.weight is {tuple(table.shape)}; the vision "
+                                        f"config gives {(side * side, width)}")
+            # [1, width, side, side]: the grid F.interpolate resamples to each image's.
+            self.pos_embed = table.float().T.reshape(1, width, side, side)
         self.blocks = [self._block(get, i) for i in range(vision.depth)]
-        self.merger_norm = self._norm(get, v + "merger.ln_q")
-        self.merger = [(get(f"{v}merger.mlp.{i}.weight"), get(f"{v}merger.mlp.{i}.bias")) for i in (0, 2)]
+
+        def wb(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+            return get(name + ".weight"), get(name + ".bias")
+
+        self.mergers = [_Merger(self._norm(get, norm), wb(fc1), wb(fc2), after=j > 0)
+                        for j, (norm, (fc1, fc2)) in enumerate(_merger_names(vision))]
         head = width // vision.num_heads
         quarter = head // 2
         self.inv_freq = 1.0 / (vision.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float32) / quarter))
@@ -169,9 +235,8 @@ class QwenVisionTower:
         def wb(name: str) -> tuple[torch.Tensor, torch.Tensor]:
             return get(p + name + ".weight"), get(p + name + ".bias")
 
-        mlp = ("mlp.fc1", "mlp.fc2") if self.layer_norm else ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
         return _Block(self._norm(get, p + "norm1"), self._norm(get, p + "norm2"), wb("attn.qkv"),
-                      wb("attn.proj"), [wb(name) for name in mlp])
+                      wb("attn.proj"), [wb(name) for name in _mlp_names(self.cfg.kind)])
 
     def _apply_norm(self, x: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
         weight, bias = norm
@@ -185,9 +250,11 @@ class QwenVisionTower:
         cfg = self.cfg
         m = cfg.spatial_merge_size
         unit = m * m
-        x = F.linear(pixels.to(self.patch_weight.dtype), self.patch_weight)  # [N, width]
+        x = F.linear(pixels.to(self.patch_weight.dtype), self.patch_weight, self.patch_bias)  # [N, width]
         n = x.shape[0]
         rows, cols = _patch_coordinates(grids, m)
+        if self.pos_embed is not None:
+            x = x + self._learned_positions(grids, rows, cols).to(x.dtype)
         freqs = torch.stack([rows, cols], -1).float().unsqueeze(-1) * self.inv_freq  # [N, 2, F]
         angles = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
         angles = torch.cat([angles, angles], dim=-1).to(x.device)  # [N, head]
@@ -200,15 +267,40 @@ class QwenVisionTower:
             x = x.view(n // unit, unit, -1)[order].reshape(n, -1)
             angles = angles.view(n // unit, unit, -1)[order.to(angles.device)].reshape(n, -1)
         cos, sin = angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)  # [N, 1, head] fp32
+        deep = []
         for i, block in enumerate(self.blocks):
             segments = frames if windows is None or i in cfg.fullatt_block_indexes else windows
             x = self._forward_block(block, x, cos, sin, segments)
-        h = self._apply_norm(x, self.merger_norm).reshape(n // unit, -1)
-        h = F.linear(F.gelu(F.linear(h, *self.merger[0])), *self.merger[1])
+            if i in cfg.deepstack_visual_indexes:  # in block order, each with its own merger
+                deep.append(self._merge(x, self.mergers[1 + cfg.deepstack_visual_indexes.index(i)]))
+        # One row per placeholder: the embedding, then each DeepStack feature beside it.
+        h = torch.cat([self._merge(x, self.mergers[0]), *deep], dim=-1)
         if order is not None:
             h = h[torch.argsort(order).to(h.device)]
         counts = [image_token_count(g, m) for g in grids]
         return list(h.split(counts))
+
+    def _merge(self, x: torch.Tensor, merger: _Merger) -> torch.Tensor:
+        """Each ``merge x merge`` block of patches' rows -> one row of the decoder's width."""
+        unit = self.cfg.spatial_merge_size ** 2
+        if merger.after:
+            h = self._apply_norm(x.reshape(x.shape[0] // unit, -1), merger.norm)
+        else:
+            h = self._apply_norm(x, merger.norm).reshape(x.shape[0] // unit, -1)
+        return F.linear(F.gelu(F.linear(h, *merger.fc1)), *merger.fc2)
+
+    def _learned_positions(self, grids: Sequence[Sequence[int]], rows: torch.Tensor,
+                           cols: torch.Tensor) -> torch.Tensor:
+        """Qwen3-VL: each patch's position embedding [N, width], the square table resampled
+        bilinearly (corners aligned) to its image's ``h x w`` grid, every frame alike."""
+        assert self.pos_embed is not None
+        out, at = [], 0
+        for t, h, w in grids:
+            grid = F.interpolate(self.pos_embed, size=(h, w), mode="bilinear", align_corners=True)[0]
+            r, c = rows[at : at + h * w], cols[at : at + h * w]
+            out.append(grid[:, r, c].T.repeat(t, 1))
+            at += t * h * w
+        return torch.cat(out).to(self.patch_weight.device)
 
     def _forward_block(self, block: _Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        segments: list[tuple[int, int]]) -> torch.Tensor:
@@ -311,11 +403,10 @@ class QwenVLModel(Decoder):
         vision = config.vision
         assert isinstance(vision, QwenVisionConfig)
         self.vision = QwenVisionTower(vision, ShardedWeights(weights, dtype, self.device))
-        half = config.head_dim // 2
         # Frequency j (of head_dim / 2, cos and sin halves alike) turns by stream stream[j].
-        stream = torch.cat([torch.full((s,), i % 3) for i, s in enumerate(vision.mrope_section)])
+        stream = mrope_streams(vision.mrope_section, vision.mrope_interleaved)
         self._mrope_stream = torch.cat([stream, stream]).to(self.device)
-        self._mrope_column = torch.arange(2 * half, device=self.device)
+        self._mrope_column = torch.arange(config.head_dim, device=self.device)
 
     def prompt_positions(self, length: int, images: Sequence[Any]) -> tuple[torch.Tensor, int]:
         """A prompt's ``([3, length] M-RoPE positions, delta)`` (:func:`mrope_positions`):
@@ -358,4 +449,13 @@ class QwenVLModel(Decoder):
         # Every layer rotates by this step's per-token table (row i for token i).
         table = self.mrope_table(positions)
         rows = torch.arange(positions.shape[1], device=positions.device)
-        return self._decode(self._embed(input_ids), rows, meta, kv_caches, mm_embeds, rope=table)
+        deepstack = None
+        if mm_embeds is not None and self.vision.cfg.deepstack_visual_indexes:
+            # Qwen3-VL: the embedding, then each DeepStack feature (added after decoder
+            # layers 0, 1, ...) side by side in each placeholder's row.
+            image_rows, values = mm_embeds
+            parts = values.split(self.config.hidden_size, dim=-1)
+            mm_embeds = (image_rows, parts[0])
+            deepstack = [(image_rows, part) for part in parts[1:]]
+        return self._decode(self._embed(input_ids), rows, meta, kv_caches, mm_embeds, rope=table,
+                            layer_adds=deepstack)

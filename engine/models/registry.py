@@ -98,6 +98,8 @@ MODEL_CLASSES: dict[str, type] = {
     "gemma3_vision": Gemma3VisionModel,
     "qwen2_vl": QwenVLModel,
     "qwen2_5_vl": QwenVLModel,
+    "qwen3_vl": QwenVLModel,
+    "qwen3_vl_moe": QwenVLModel,
     "qwen2_audio": Qwen2AudioModel,
     "whisper": WhisperModel,
 }
@@ -106,7 +108,7 @@ MODEL_CLASSES: dict[str, type] = {
 def architecture_name(config: ModelConfig) -> str:
     """The name :data:`MODEL_CLASSES` files ``config``'s model under."""
     if config.mrope:
-        return config.vision.kind  # type: ignore[union-attr]  # QwenVisionConfig: "qwen2_vl" | "qwen2_5_vl"
+        return config.vision.kind  # type: ignore[union-attr]  # QwenVisionConfig: "qwen2_vl", "qwen3_vl", ...
     if isinstance(config.vision, Gemma3VisionConfig):
         return "gemma3_vision"
     if isinstance(config.vision, AudioConfig):

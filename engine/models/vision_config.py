@@ -1,7 +1,7 @@
 """The vision towers' shapes a vision-language model's ``config.json`` gives
-(:class:`VisionConfig` for LLaVA, :class:`QwenVisionConfig` for Qwen2-VL / Qwen2.5-VL,
-:class:`Gemma3VisionConfig` for Gemma 3); ``ModelConfig.from_hf`` (engine.models.config)
-reads them into ``ModelConfig.vision``."""
+(:class:`VisionConfig` for LLaVA, :class:`QwenVisionConfig` for Qwen2-VL / Qwen2.5-VL /
+Qwen3-VL, :class:`Gemma3VisionConfig` for Gemma 3); ``ModelConfig.from_hf``
+(engine.models.config) reads them into ``ModelConfig.vision``."""
 
 from __future__ import annotations
 
@@ -13,12 +13,17 @@ from engine.errors import CorruptModelError, UnsupportedModelError
 # Vision-language models: a vision tower and projector in front of a decoder of the
 # families above (models/llava.py). The language model's config is their text_config.
 VISION_ARCHITECTURES = {"LlavaForConditionalGeneration": "llava"}
-# Qwen2-VL and Qwen2.5-VL (models/qwen_vl.py): a vision transformer with 2-D rotary
-# positions and a patch merger in front of a Qwen2 decoder with M-RoPE.
+# Qwen2-VL, Qwen2.5-VL and Qwen3-VL (models/qwen_vl.py): a vision transformer with 2-D
+# rotary positions and a patch merger in front of a Qwen2 / Qwen3 decoder with M-RoPE.
 QWEN_VL_ARCHITECTURES = {
     "Qwen2VLForConditionalGeneration": "qwen2_vl",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "Qwen3VLForConditionalGeneration": "qwen3_vl",
+    "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
 }
+# Each kind's language model, as ModelConfig.from_hf reads its text_config.
+QWEN_VL_TEXT = {"qwen2_vl": "Qwen2ForCausalLM", "qwen2_5_vl": "Qwen2ForCausalLM",
+                "qwen3_vl": "Qwen3ForCausalLM", "qwen3_vl_moe": "Qwen3MoeForCausalLM"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,13 +68,14 @@ class VisionConfig:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class QwenVisionConfig:
-    """Qwen2-VL's / Qwen2.5-VL's vision transformer, its patch merger, and M-RoPE.
+    """Qwen2-VL's / Qwen2.5-VL's / Qwen3-VL's vision transformer, its patch merger, and
+    M-RoPE.
 
     Images keep their own size (a multiple of ``patch_size * spatial_merge_size`` pixels
     per side, as the image processor resizes them): an image of ``h x w`` patches becomes
     ``h * w / spatial_merge_size**2`` placeholder tokens."""
 
-    kind: str  # "qwen2_vl" or "qwen2_5_vl"
+    kind: str  # "qwen2_vl", "qwen2_5_vl", "qwen3_vl" or "qwen3_vl_moe"
     depth: int
     hidden_size: int  # the tower's width
     intermediate_size: int  # of each block's MLP
@@ -90,6 +96,18 @@ class QwenVisionConfig:
     # M-RoPE: how many of the decoder's head_dim / 2 frequencies the temporal, height and
     # width positions each rotate (in that order, cycling).
     mrope_section: tuple[int, ...]
+    # Qwen3-VL: the streams take frequencies in turn (T, H, W, T, H, W, ...) within
+    # 3 * section, the rest the temporal stream's; Qwen2-VL's sections are consecutive.
+    mrope_interleaved: bool = False
+    # Qwen3-VL: a learned num_position_embeddings table (a square grid, resampled to each
+    # image's patches), a patch embedding with a bias, and the blocks whose outputs a
+    # merger of their own adds to the first decoder layers' hidden states (DeepStack).
+    num_position_embeddings: int = 0
+    deepstack_visual_indexes: tuple[int, ...] = ()
+
+    @property
+    def qwen3(self) -> bool:
+        return self.kind.startswith("qwen3")
 
     @property
     def num_image_tokens(self) -> None:
@@ -168,3 +186,75 @@ def gemma3_vision_config(raw: dict[str, Any]) -> Gemma3VisionConfig:
     if tower.hidden_act not in ("gelu_pytorch_tanh", "gelu"):
         raise UnsupportedModelError(f"Gemma 3 vision activation {tower.hidden_act!r} is not supported")
     return vision
+
+
+def qwen_vl_parts(raw: dict[str, Any], kind: str) -> tuple[dict[str, Any], QwenVisionConfig]:
+    """A Qwen-VL ``config.json``'s language model config (``text_config`` in transformers
+    5, the top level in older configs; M-RoPE's fields taken out) and vision config."""
+    try:
+        vis = dict(raw["vision_config"])
+        text = dict(raw.get("text_config") or {k: v for k, v in raw.items() if k != "vision_config"})
+        text["architectures"] = [QWEN_VL_TEXT[kind]]
+        text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+        if raw.get("tie_word_embeddings"):
+            text["tie_word_embeddings"] = True
+        text.setdefault("torch_dtype", raw.get("torch_dtype") or raw.get("dtype"))
+        # M-RoPE's section list rides in rope_scaling ({"type": "mrope"}, transformers 4)
+        # or rope_parameters (transformers 5); the frequencies are the default ones.
+        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or raw.get("rope_scaling") or {})
+        section = tuple(int(s) for s in rope.pop("mrope_section", ()))
+        if not section:
+            raise UnsupportedModelError(f"{kind} without rope mrope_section is not supported")
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", "mrope"):
+            raise UnsupportedModelError(
+                f"{kind} with rope type {rope.get('rope_type', rope.get('type'))!r} is not supported")
+        text.pop("rope_scaling", None)
+        text.pop("rope_parameters", None)
+        text["rope_theta"] = float(rope.get("rope_theta", text.get("rope_theta", raw.get("rope_theta", 1e6))))
+        vision_rope = vis.get("rope_parameters") or {}
+        qwen2 = kind == "qwen2_vl"
+        qwen3 = kind.startswith("qwen3")
+        width = int(vis["embed_dim"] if qwen2 else vis["hidden_size"])
+        act = "quick_gelu" if qwen2 else "gelu_pytorch_tanh" if qwen3 else "silu"
+        vision = QwenVisionConfig(
+            kind=kind,
+            depth=int(vis["depth"]),
+            hidden_size=width,
+            intermediate_size=int(width * vis.get("mlp_ratio", 4)) if qwen2 else int(vis["intermediate_size"]),
+            num_heads=int(vis["num_heads"]),
+            patch_size=int(vis.get("patch_size", 16 if qwen3 else 14)),
+            temporal_patch_size=int(vis.get("temporal_patch_size", 2)),
+            spatial_merge_size=int(vis.get("spatial_merge_size", 2)),
+            in_channels=int(vis.get("in_channels", vis.get("in_chans", 3))),
+            hidden_act=str(vis.get("hidden_act", act)),
+            out_hidden_size=int(vis["hidden_size"] if qwen2 else vis["out_hidden_size"]),
+            rope_theta=float(vision_rope.get("rope_theta", 10000.0)),
+            window_size=int(vis.get("window_size", 112)) if kind == "qwen2_5_vl" else 0,
+            fullatt_block_indexes=(tuple(int(i) for i in vis.get("fullatt_block_indexes", ()))
+                                   if kind == "qwen2_5_vl" else ()),
+            image_token_id=int(raw.get("image_token_id", 151655)),
+            vision_start_token_id=int(raw.get("vision_start_token_id", 151652)),
+            vision_end_token_id=int(raw.get("vision_end_token_id", 151653)),
+            mrope_section=section,
+            mrope_interleaved=bool(rope.get("mrope_interleaved", False)),
+            num_position_embeddings=int(vis.get("num_position_embeddings", 2304)) if qwen3 else 0,
+            deepstack_visual_indexes=(tuple(int(i) for i in vis.get("deepstack_visual_indexes", (8, 16, 24)))
+                                      if qwen3 else ()),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptModelError(f"config.json is missing or has a bad {kind} field: {exc}") from exc
+    if vision.hidden_act not in ("quick_gelu", "gelu", "silu", "gelu_pytorch_tanh"):
+        raise UnsupportedModelError(f"{kind} vision activation {vision.hidden_act!r} is not supported")
+    if vision.hidden_size % vision.num_heads or (vision.hidden_size // vision.num_heads) % 4:
+        raise CorruptModelError(f"{kind} vision width {vision.hidden_size} over {vision.num_heads} "
+                                "heads: the head size must be a multiple of 4 (2-D RoPE)")
+    if qwen3:
+        side = int(round(vision.num_position_embeddings ** 0.5))
+        if side * side != vision.num_position_embeddings or side < 2:
+            raise CorruptModelError(f"{kind} num_position_embeddings {vision.num_position_embeddings} "
+                                    "is not a square grid")
+        bad = [i for i in vision.deepstack_visual_indexes if not 0 <= i < vision.depth]
+        if bad:
+            raise CorruptModelError(f"{kind} deepstack_visual_indexes {bad} are not blocks of the "
+                                    f"{vision.depth}")
+    return text, vision

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -365,12 +365,14 @@ class Decoder:
         mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
         rope: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
+        layer_adds: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor | None:
         """:meth:`forward` from the token embeddings ``hidden`` [T, hidden]. ``rope``: a
         table every layer rotates by this step instead of its own (row ``positions[i]`` for
-        token ``i``; Qwen-VL's per-token M-RoPE rows). A later pipeline stage passes the
-        ``residual`` stream it received; a stage before the last sends its hidden states
-        and residual on and returns None."""
+        token ``i``; Qwen-VL's per-token M-RoPE rows). ``layer_adds[i]``: ``(rows,
+        values)`` added to those rows of the hidden states after layer ``i`` (Qwen3-VL's
+        DeepStack). A later pipeline stage passes the ``residual`` stream it received; a
+        stage before the last sends its hidden states and residual on and returns None."""
         ops = self.ops
         stage = self.tp.stage
         if mm_embeds is not None:
@@ -383,7 +385,8 @@ class Decoder:
             if out is not None:
                 return out
         scaled = self._scaled_block_output
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        adds = layer_adds or ()
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if residual is None:
                 residual = hidden
                 x = ops.rms_norm(hidden, layer.input_norm, self.eps)
@@ -392,6 +395,9 @@ class Decoder:
             attn = self._attention(layer, x, positions, meta, k_cache, v_cache, rope)
             x, residual = ops.fused_add_rms_norm(scaled(attn), residual, layer.post_norm, self.eps)
             hidden = self._mlp(layer, x)
+            if i < len(adds):  # the layer's output is hidden + residual: add to either
+                rows, values = adds[i]
+                hidden = hidden.index_add(0, rows, values.to(hidden.dtype))
         assert residual is not None  # num_hidden_layers >= 1 is checked at build time
         if not stage.last:
             stage.send([hidden, residual])

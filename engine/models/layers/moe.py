@@ -40,6 +40,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from engine.errors import CorruptModelError
 from engine.models.config import ModelConfig, MoeConfig
 from engine.models.layers.shard import ShardedWeights
 from engine.ops import Ops
@@ -66,6 +67,8 @@ def sparse_layer_weight_names(moe: MoeConfig, layer: int) -> list[str]:
     p = layer_prefix(moe, layer)
     if moe.naming == "granite":
         return [p + "router.layer.weight", p + "input_linear.weight", p + "output_linear.weight"]
+    if moe.naming == "qwen_stacked":
+        return [p + "gate.weight", p + "experts.gate_up_proj", p + "experts.down_proj"]
     names = [p + "gate.weight"]
     if moe.scoring in ("sigmoid", "softmax_bias"):
         names.append(p + _score_bias_name(moe))
@@ -166,6 +169,25 @@ def _granite_experts(w13: torch.Tensor, w2: torch.Tensor, inter: int,
     return gate_up.contiguous(), w2[:, :, a:b].contiguous()
 
 
+def _qwen_stacked_experts(gate_up: torch.Tensor, down: torch.Tensor, moe: MoeConfig,
+                          hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-VL-MoE's stacked experts as the kernels take them (``[E, 2 * inter, hidden]``,
+    gate rows then up rows; ``[E, hidden, inter]``). The hub's checkpoints hold them
+    transposed (``[E, hidden, 2 * inter]``, ``[E, inter, hidden]``), transformers 5's
+    ``save_pretrained`` as the kernels do: the down projection's shape tells them apart
+    (the gate/up one's where ``inter == hidden``)."""
+    e, inter = moe.num_experts, moe.intermediate_size
+    hub = (tuple(down.shape) == (e, inter, hidden) if inter != hidden
+           else tuple(gate_up.shape) == (e, hidden, 2 * inter))
+    if hub:
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    if tuple(gate_up.shape) != (e, 2 * inter, hidden) or tuple(down.shape) != (e, hidden, inter):
+        raise CorruptModelError(
+            f"the stacked experts are {tuple(gate_up.shape)} and {tuple(down.shape)}; the config "
+            f"gives {(e, hidden, 2 * inter)} and {(e, inter, hidden)} (or transposed)")
+    return gate_up, down
+
+
 class SparseMoeBlock:
     """One layer's router, stacked expert weights and optional shared expert."""
 
@@ -199,6 +221,12 @@ class SparseMoeBlock:
             self.w13, self.w2 = _granite_experts(get(p + "input_linear.weight"),
                                                  get(p + "output_linear.weight"),
                                                  moe.intermediate_size, tp)
+            return
+        if moe.naming == "qwen_stacked":
+            self.router = linear(get(p + "gate.weight"))
+            stacked = _qwen_stacked_experts(get(p + "experts.gate_up_proj"), get(p + "experts.down_proj"),
+                                            moe, config.hidden_size)
+            self.w13, self.w2 = _granite_experts(*stacked, moe.intermediate_size, tp)
             return
         if moe.scoring != "softmax":  # DeepSeek's: the router (and its selection bias) in fp32
             fp32 = ShardedWeights(get.weights, torch.float32, get.device)  # type: ignore[attr-defined]
