@@ -1,9 +1,11 @@
-"""Qwen2-VL / Qwen2.5-VL: images/s through the vision tower and the time to first token of
-one image plus a 64-token question, the engine beside transformers, same model, same run
-(bench/vision.py is the same measurement for LLaVA; this reuses its parts).
+"""Qwen2-VL / Qwen2.5-VL / Qwen3-VL: images/s through the vision tower and the time to first
+token of one image plus a 64-token question, the engine beside transformers, same model,
+same run (bench/vision.py is the same measurement for LLaVA; this reuses its parts).
 
     python bench/vision_qwen.py                        # a tiny random Qwen2-VL in a temp dir
     python bench/vision_qwen.py --arch qwen2_5_vl      # a tiny random Qwen2.5-VL
+    python bench/vision_qwen.py --arch qwen3_vl --tower 2b --layers 6 --size 448
+                                                       # Qwen3-VL-2B's tower, 6 of its 24 blocks
     python bench/vision_qwen.py --model PATH --dtype bfloat16 --device cuda --size 448
 
 Encoder: ``--images`` square images of ``--size`` pixels, preprocessed once by the
@@ -34,8 +36,12 @@ from bench.vision import _best, _image, _question, engine_ttft  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="a Qwen2-VL / Qwen2.5-VL folder (default: a tiny random one)")
-    parser.add_argument("--arch", default="qwen2_vl", choices=("qwen2_vl", "qwen2_5_vl"),
+    parser.add_argument("--arch", default="qwen2_vl", choices=("qwen2_vl", "qwen2_5_vl", "qwen3_vl"),
                         help="the tiny model's kind when --model is not given")
+    parser.add_argument("--tower", choices=("tiny", "2b"), default="tiny",
+                        help="qwen3_vl: the tiny tower, or Qwen3-VL-2B's (1,024 wide, 16 heads, "
+                             "4,096 in the MLP, patches of 16, a 48 x 48 position grid)")
+    parser.add_argument("--layers", type=int, default=24, help="--tower 2b: blocks of its 24 kept")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--size", type=int, default=56, help="image side in pixels")
@@ -48,13 +54,26 @@ def main() -> None:
 
     from engine.messages import ImageInput
     from engine.models.testing import write_tiny_qwen_vl
-    from tests.test_qwen_vl import IMAGE_TEXT, hf_model
+    from engine.models.testing_qwen3_vl import write_tiny_qwen3_vl
+    from tests import test_qwen3_vl, test_qwen_vl
+    from tests.test_qwen_vl import IMAGE_TEXT
 
     tmp = None
     folder = Path(args.model) if args.model else None
     if folder is None:
         tmp = tempfile.TemporaryDirectory()
-        folder = write_tiny_qwen_vl(Path(tmp.name) / args.arch, args.arch)
+        if args.arch == "qwen3_vl":
+            tower = None
+            if args.tower == "2b":  # deepstack at its blocks 5, 11, 17, those kept
+                tower = dict(depth=args.layers, hidden_size=1024, intermediate_size=4096, num_heads=16,
+                             patch_size=16, num_position_embeddings=2304,
+                             deepstack_visual_indexes=[i for i in (5, 11, 17) if i < args.layers])
+            folder = write_tiny_qwen3_vl(Path(tmp.name) / args.arch, vision=tower,
+                                         max_pixels=max(args.size, 64) ** 2)
+        else:
+            folder = write_tiny_qwen_vl(Path(tmp.name) / args.arch, args.arch)
+    qwen3 = AutoConfig.from_pretrained(folder).model_type.startswith("qwen3")
+    hf_model = (test_qwen3_vl if qwen3 else test_qwen_vl).hf_model
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     tokenizer = AutoTokenizer.from_pretrained(folder)
     question = _question(tokenizer, args.question_tokens)
@@ -105,8 +124,9 @@ def main() -> None:
         if i:
             hf_times.append(time.perf_counter() - t0)
     kind = AutoConfig.from_pretrained(folder).model_type
+    tower_note = f"; Qwen3-VL-2B's tower, {args.layers} of 24 blocks" if args.tower == "2b" else ""
     print(f"model {folder} ({kind}, {args.dtype}, {args.device}); image {args.size}x{args.size} "
-          f"({int(grids[0].prod()) // 4} tokens); question {args.question_tokens} tokens, prompt "
+          f"({int(grids[0].prod()) // 4} tokens{tower_note}); question {args.question_tokens} tokens, prompt "
           f"{inputs['input_ids'].shape[1]} tokens")
     print(f"{'':24}{'engine':>12}{'transformers':>14}")
     print(f"{'encoder images/s':24}{ours_ips:12.1f}{hf_ips:14.1f}")
