@@ -35,9 +35,11 @@ _MAX_BEAM_WIDTH = 128
 _MAX_LENGTH_PENALTY = 100.0
 
 # extra_args keys the engine's own processors read: a Whisper transcription's opt-in to
-# its timestamp rules (engine.runner.whisper_timestamps).
+# its timestamp rules and to its checkpoint's suppressed tokens
+# (engine.runner.whisper_timestamps). Only a Whisper model takes them.
 WHISPER_TIMESTAMPS = "whisper_timestamps"
-ENGINE_EXTRA_ARGS = frozenset({WHISPER_TIMESTAMPS})
+WHISPER_SUPPRESS = "whisper_suppress"
+ENGINE_EXTRA_ARGS = frozenset({WHISPER_TIMESTAMPS, WHISPER_SUPPRESS})
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

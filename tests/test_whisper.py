@@ -305,13 +305,27 @@ def test_vllms_sampling_fields_reach_the_sampler(server, hf, whisper) -> None:
         assert refused.status_code == 400 and refused.json()["error"]["param"] == field
 
 
-def hf_timestamped(hf, wave: np.ndarray, prompt: list[int]) -> list[int]:
-    """transformers' greedy tokens after ``prompt`` with its own
-    ``WhisperTimeStampLogitsProcessor`` over each step's logits (one window: no seek)."""
-    from transformers.generation.logits_process import WhisperTimeStampLogitsProcessor
+def hf_timestamped(hf, wave: np.ndarray, prompt: list[int], *, suppress: list[int] | None = None,
+                   begin: list[int] | None = None, timestamps: bool = True) -> list[int]:
+    """transformers' greedy tokens after ``prompt`` with its own logits processors over each
+    step's logits, in the order its Whisper ``generate`` puts them: the tokens suppressed
+    at the first step (``begin``) and at every step (``suppress``), then the
+    ``WhisperTimeStampLogitsProcessor`` (one window: no seek)."""
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        SuppressTokensAtBeginLogitsProcessor,
+        SuppressTokensLogitsProcessor,
+        WhisperTimeStampLogitsProcessor,
+    )
 
     model, extractor, _ = hf
-    rules = WhisperTimeStampLogitsProcessor(model.generation_config, begin_index=len(prompt))
+    rules = LogitsProcessorList()
+    if begin:
+        rules.append(SuppressTokensAtBeginLogitsProcessor(begin, begin_index=len(prompt)))
+    if suppress:
+        rules.append(SuppressTokensLogitsProcessor(suppress))
+    if timestamps:
+        rules.append(WhisperTimeStampLogitsProcessor(model.generation_config, begin_index=len(prompt)))
     features = extractor(wave, sampling_rate=TINY_AUDIO_RATE, return_tensors="pt").input_features
     ids = torch.tensor([prompt])
     with torch.no_grad():
@@ -435,3 +449,46 @@ async def test_the_clips_cross_attention_memory_is_counted_in_the_kv_budget(whis
     with pytest.raises(ConfigError, match="cross-attention keys and values"):
         async with _open(whisper, kv_cache_memory=per):
             pass
+
+
+async def test_the_checkpoints_suppressed_tokens_are_not_transcribed(whisper, hf, tmp_path) -> None:
+    """A checkpoint's ``suppress_tokens`` and ``begin_suppress_tokens`` (its
+    generation_config.json) apply to every transcription as transformers' own processors
+    apply them, before the timestamp rules; the lists are taken from transformers'
+    unsuppressed answer, so they change it. Only Whisper takes the engine's own
+    extra_args keys."""
+    import json
+    import shutil
+
+    from engine.api.transcription import transcribe
+    from engine.params import WHISPER_SUPPRESS
+
+    eot = hf[0].generation_config.eos_token_id
+    first = hf[2].convert_tokens_to_ids("<|notimestamps|>") + 1
+    wave = _clip(4, 1.2)
+    prompt = _prompt(whisper, language="en")
+    plain = [t for t in hf_timestamped(hf, wave, prompt, timestamps=False) if t != eot]
+    stamped = [t for t in hf_timestamped(hf, wave, prompt[:-1]) if t != eot]
+    begin = [plain[0], stamped[0]]
+    suppress = sorted({*plain[1:4], *[t for t in stamped if t < first][:2]} - set(begin))
+    folder = tmp_path / "suppressing"
+    shutil.copytree(whisper, folder)
+    gen = json.loads((folder / "generation_config.json").read_text())
+    gen.update(suppress_tokens=suppress, begin_suppress_tokens=begin)
+    (folder / "generation_config.json").write_text(json.dumps(gen))
+    want = hf_timestamped(hf, wave, prompt, suppress=suppress, begin=begin, timestamps=False)
+    want_stamped = hf_timestamped(hf, wave, prompt[:-1], suppress=suppress, begin=begin)
+    assert [t for t in want if t != eot] != plain and [t for t in want_stamped if t != eot] != stamped
+    async with _open(folder) as eng:
+        run = await transcribe(eng, (wave, TINY_AUDIO_RATE), language="en")
+        async with run.streams[0] as stream:
+            got = token_ids([o async for o in stream])
+        assert got == want
+        run = await transcribe(eng, (wave, TINY_AUDIO_RATE), language="en", timestamps=True)
+        _, segments = await run.segments(eng.tokenizer)
+        assert [t for seg in segments for t in seg["tokens"]] == [t for t in want_stamped if t != eot]
+        await wait_idle(eng)
+    async with _open(write_tiny_model(tmp_path / "llama", "llama")) as eng:
+        with pytest.raises(InvalidParamError, match="engine's own") as info:
+            await eng.submit("hello", engine.SamplingParams(max_tokens=2, extra_args={WHISPER_SUPPRESS: True}))
+        assert info.value.param == "extra_args"

@@ -66,6 +66,7 @@ from engine.errors import (
 from engine.messages import AdmittedRequest, ControlProfiler, ResetPrefixCache
 from engine.models.chat_sandbox import RenderBudget
 from engine.params import (
+    ENGINE_EXTRA_ARGS,
     BeamSearchParams,
     SamplingParams,
     generation_defaults,
@@ -353,9 +354,11 @@ class Engine(SleepMode):
             chat_options=chat_options.to_json() if chat_options is not None else None,
             lora=self.loras.resolve(lora),
         )
+        whisper = getattr(self._parts.images, "cross_attention", False)
         params = admission.request_params(
             submit.params, processors=self._processors, images=bool(raw_images),
-            encode=lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+            encode=lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+            engine_keys=ENGINE_EXTRA_ARGS if whisper else frozenset())
         submit = dataclasses.replace(submit, params=params)
         ids, images_in = await self._prompt_ids(submit.prompt, raw_images,
                                                 truncate=params.truncate_prompt_tokens,

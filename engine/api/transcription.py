@@ -37,7 +37,7 @@ from engine.api.streams import RequestStream
 from engine.audio import decode_audio
 from engine.errors import InvalidParamError
 from engine.multimodal import AudioClip
-from engine.params import WHISPER_TIMESTAMPS, SamplingParams
+from engine.params import WHISPER_SUPPRESS, WHISPER_TIMESTAMPS, SamplingParams
 
 # The longest clip a request may send (cut into windows): ten minutes.
 MAX_CLIP_SECONDS = 600.0
@@ -217,14 +217,16 @@ async def transcribe(engine: Engine, data: Any, *, language: str | None = None,
                                 "(Whisper does)", param="model")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 2:
         raise InvalidParamError("temperature must be a number in [0, 2]", param="temperature")
-    sampling = dict(sampling or {})
+    # The checkpoint's suppressed tokens apply to every transcription, as in transformers'
+    # generate (engine.runner.whisper_timestamps).
+    sampling = dict(sampling or {}, extra_args={WHISPER_SUPPRESS: True})
     first_timestamp = None
     if timestamps:
         notimestamps = engine.tokenizer.token_to_id("<|notimestamps|>")
         if notimestamps is None:
             raise InvalidParamError("the model's tokenizer has no timestamp tokens", param="response_format")
         first_timestamp = notimestamps + 1
-        sampling.update(extra_args={WHISPER_TIMESTAMPS: True}, logprobs=0)
+        sampling.update(extra_args={WHISPER_SUPPRESS: True, WHISPER_TIMESTAMPS: True}, logprobs=0)
     params = SamplingParams(temperature=float(temperature), max_tokens=max_tokens, **sampling)
     is_multilingual = multilingual(str(engine._parts.tokenizer_folder))
     whisper_prompt(engine.tokenizer, language=language, task=task, prompt=prompt,

@@ -226,11 +226,17 @@ def _truncated(ids: tuple[int, ...], tokenizer: PromptTokenizer, prompt: Prompt,
 
 
 def request_params(params: SamplingParams, *, processors: Sequence[type], images: bool,
-                   encode: Callable[[str], Sequence[int]]) -> SamplingParams:
+                   encode: Callable[[str], Sequence[int]],
+                   engine_keys: frozenset[str] = frozenset()) -> SamplingParams:
     """``params`` as the engine runs them (``bad_words`` as token ids, through ``encode``:
     text without special tokens), after the checks only the engine can make: the server's
     logits processor classes (``extra_args``, each one's ``validate_params``), and what
-    their batch or a request's images cannot take."""
+    their batch or a request's images cannot take. ``engine_keys``: the engine's own
+    ``extra_args`` keys the model reads (Whisper's); another model refuses them."""
+    stray = sorted(set(params.extra_args or ()) & ENGINE_EXTRA_ARGS - engine_keys)
+    if stray:
+        raise InvalidParamError(f"extra_args key {stray[0]!r} is the engine's own, read only for a "
+                                "Whisper model's transcriptions", param="extra_args")
     if params.extra_args and not processors and set(params.extra_args) - ENGINE_EXTRA_ARGS:
         raise InvalidParamError(
             "extra_args (vllm_xargs) are arguments of the server's logits processors, and "

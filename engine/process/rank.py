@@ -224,17 +224,23 @@ def _with_sep(loaded: Any, tokenizer: Any) -> Any:
 
 
 def _model_processors(load: RankLoad) -> tuple[type, ...]:
-    """The logits processors the model's own decoding needs: Whisper's timestamp rules
-    (applied to the requests that ask for timestamps; see engine.runner.whisper_timestamps)."""
+    """The logits processors the model's own decoding needs: Whisper's suppressed tokens
+    and timestamp rules (applied to the transcriptions, and the timestamp rules to those
+    that ask for timestamps; see engine.runner.whisper_timestamps)."""
     if getattr(load.loaded.config.vision, "kind", None) != "whisper":
         return ()
     no_timestamps = load.tokenizer.token_to_id("<|notimestamps|>")
-    if no_timestamps is None:
-        return ()
     gen = load.loaded.generation_config
     eos = gen.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and eos else eos if isinstance(eos, int) else min(load.eos_ids)
-    return (whisper_timestamp_processor(no_timestamps, eos, gen.get("max_initial_timestamp_index", 50)),)
+    vocab = load.loaded.config.vocab_size
+
+    def ids(key: str) -> tuple[int, ...]:  # ids past the vocabulary suppress nothing, as in transformers
+        given = gen.get(key) or ()
+        return tuple(sorted({int(t) for t in given if isinstance(t, int) and 0 <= t < vocab}))
+
+    return (whisper_timestamp_processor(no_timestamps, eos, gen.get("max_initial_timestamp_index", 50),
+                                        ids("suppress_tokens"), ids("begin_suppress_tokens")),)
 
 
 def _eos_ids(loaded: Any, tokenizer: Any) -> tuple[int, ...]:

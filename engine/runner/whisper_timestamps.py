@@ -1,5 +1,12 @@
-"""Whisper's timestamp rules as a logits processor (the batch-level interface of
-:mod:`engine.runner.logits_processors`), for a transcription that asks for segments.
+"""Whisper's decoding rules as a logits processor (the batch-level interface of
+:mod:`engine.runner.logits_processors`): its checkpoint's suppressed tokens for every
+transcription, and the timestamp rules for one that asks for segments.
+
+A transcription's ``extra_args`` carry ``whisper_suppress``: the checkpoint's
+``suppress_tokens`` (the non-speech symbols OpenAI's decoder suppresses) are never
+sampled, and its ``begin_suppress_tokens`` (a blank, the end of text) are not the first
+token, as transformers' ``SuppressTokensLogitsProcessor`` and
+``SuppressTokensAtBeginLogitsProcessor`` apply them (before the timestamp rules).
 
 Such a request's prompt leaves out ``<|notimestamps|>``, and its ``extra_args`` carry
 ``whisper_timestamps``. Whisper then writes each segment between two timestamp tokens
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.params import WHISPER_SUPPRESS, WHISPER_TIMESTAMPS
 from engine.runner.logits_processors import (
     BatchUpdate,
     LogitsProcessor,
@@ -28,18 +36,23 @@ from engine.runner.logits_processors import (
     ProcessorConfig,
 )
 
-OPT_IN = "whisper_timestamps"  # the extra_args key a request sets
+OPT_IN = WHISPER_TIMESTAMPS  # the extra_args key a request sets for the timestamp rules
 
 
-def whisper_timestamp_processor(no_timestamps_id: int, eos_id: int,
-                                max_initial_index: int | None) -> type[LogitsProcessor]:
+def whisper_timestamp_processor(no_timestamps_id: int | None, eos_id: int,
+                                max_initial_index: int | None, suppress: tuple[int, ...] = (),
+                                begin_suppress: tuple[int, ...] = ()) -> type[LogitsProcessor]:
     """The processor class for a model whose ``<|notimestamps|>`` is ``no_timestamps_id``
-    (the timestamps follow it) and whose end of text is ``eos_id``."""
+    (the timestamps follow it; None: a tokenizer without them) and whose end of text is
+    ``eos_id``; ``suppress`` / ``begin_suppress``: its checkpoint's token lists."""
 
-    class WhisperTimestamps(LogitsProcessor):
+    class WhisperRules(LogitsProcessor):
         def __init__(self, config: ProcessorConfig, device: torch.device, is_pin_memory: bool) -> None:
-            self.rows: dict[int, list[int]] = {}  # batch row -> its live output ids
-            self.first = no_timestamps_id + 1
+            self.rows: dict[int, list[int]] = {}  # batch row -> its live output ids (timestamps)
+            self.suppressed: dict[int, list[int]] = {}  # the same, for the suppressed tokens
+            self.first = no_timestamps_id + 1 if no_timestamps_id is not None else 0
+            self.suppress = torch.tensor(suppress, dtype=torch.long, device=device)
+            self.begin = torch.tensor(begin_suppress, dtype=torch.long, device=device)
 
         def is_argmax_invariant(self) -> bool:
             return False
@@ -47,23 +60,29 @@ def whisper_timestamp_processor(no_timestamps_id: int, eos_id: int,
         def update_state(self, batch_update: BatchUpdate | None) -> None:
             if batch_update is None:
                 return
-            for index in batch_update.removed:
-                self.rows.pop(index, None)
-            for index, params, _prompt, outputs in batch_update.added:
-                if (params.extra_args or {}).get(OPT_IN):
-                    self.rows[index] = outputs
-                else:
-                    self.rows.pop(index, None)
-            for a, b, direction in batch_update.moved:
-                moving = self.rows.pop(a, None)
-                if direction is MoveDirectionality.SWAP:
-                    other = self.rows.pop(b, None)
-                    if other is not None:
-                        self.rows[a] = other
-                if moving is not None:
-                    self.rows[b] = moving
+            for table, key in ((self.rows, OPT_IN), (self.suppressed, WHISPER_SUPPRESS)):
+                for index in batch_update.removed:
+                    table.pop(index, None)
+                for index, params, _prompt, outputs in batch_update.added:
+                    if (params.extra_args or {}).get(key) and (key != OPT_IN or no_timestamps_id is not None):
+                        table[index] = outputs
+                    else:
+                        table.pop(index, None)
+                for a, b, direction in batch_update.moved:
+                    moving = table.pop(a, None)
+                    if direction is MoveDirectionality.SWAP:
+                        other = table.pop(b, None)
+                        if other is not None:
+                            table[a] = other
+                    if moving is not None:
+                        table[b] = moving
 
         def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            for k, seq in self.suppressed.items():
+                if self.suppress.numel():
+                    logits[k, self.suppress] = float("-inf")
+                if not seq and self.begin.numel():
+                    logits[k, self.begin] = float("-inf")
             first = self.first
             for k, seq in self.rows.items():
                 row = logits[k]
@@ -87,7 +106,7 @@ def whisper_timestamp_processor(no_timestamps_id: int, eos_id: int,
                     row[:first] = float("-inf")
             return logits
 
-    return WhisperTimestamps
+    return WhisperRules
 
 
 __all__ = ["OPT_IN", "whisper_timestamp_processor"]
