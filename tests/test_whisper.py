@@ -371,11 +371,25 @@ async def test_timestamps_follow_whispers_rules_as_transformers_applies_them(whi
     assert pairs == {True, False}  # outputs with and without a pair of timestamps
 
 
-def test_verbose_json_srt_and_vtt_carry_the_segments(server) -> None:
+def hf_no_speech(hf, wave: np.ndarray) -> float:
+    """transformers' no-speech probability of a window: the softmax, at the
+    ``<|startoftranscript|>`` position, of the token before ``<|notimestamps|>``."""
+    model, extractor, tok = hf
+    features = extractor(wave, sampling_rate=TINY_AUDIO_RATE, return_tensors="pt").input_features
+    sot = torch.tensor([[tok.convert_tokens_to_ids("<|startoftranscript|>")]])
+    with torch.no_grad():
+        logits = model(input_features=features, decoder_input_ids=sot).logits[0, 0]
+    return float(logits.float().softmax(-1)[tok.convert_tokens_to_ids("<|notimestamps|>") - 1])
+
+
+def test_verbose_json_srt_and_vtt_carry_the_segments(server, hf) -> None:
+    """verbose_json's segments (each window's no_speech_prob as transformers computes
+    it), and srt and vtt cues at the same times."""
     import re
 
     url = server.base_url + "/v1/audio/transcriptions"
-    clip = {"file": ("a.wav", _wav(_clip(4, 1.6)))}
+    wave = _clip(4, 1.6)
+    clip = {"file": ("a.wav", _wav(wave))}
     form = {"model": "tiny-whisper", "language": "en"}
     verbose = httpx.post(url, files=clip, data=form | {"response_format": "verbose_json",
                                                        "timestamp_granularities[]": "segment"}).json()
@@ -383,6 +397,7 @@ def test_verbose_json_srt_and_vtt_carry_the_segments(server) -> None:
     assert abs(verbose["duration"] - 1.6) < 1e-6 and verbose["segments"]
     for s in verbose["segments"]:
         assert 0 <= s["start"] <= s["end"] <= 2.0 and isinstance(s["avg_logprob"], float)
+        assert s["no_speech_prob"] == pytest.approx(hf_no_speech(hf, wave), rel=1e-4)
     for fmt, header, mark in (("srt", "", ","), ("vtt", "WEBVTT\n\n", ".")):
         body = httpx.post(url, files=clip, data=form | {"response_format": fmt}).text
         assert body.startswith(header)

@@ -57,6 +57,9 @@ class Transcription:
     lengths: list[float] = dataclasses.field(default_factory=list)
     first_timestamp: int | None = None
     temperature: float = 0.0
+    # verbose_json: each piece's probe of Whisper's no-speech token (no_speech_probs).
+    probes: list[RequestStream] = dataclasses.field(default_factory=list)
+    no_speech_id: int | None = None
 
     async def segments(self, tokenizer: Any) -> tuple[str, list[dict[str, Any]]]:
         """The text and OpenAI's ``verbose_json`` segments (read to the end; timestamps
@@ -64,7 +67,8 @@ class Transcription:
         its times moved by the piece's start."""
         assert self.first_timestamp is not None
         texts, segments = [], []
-        for stream, start, length in zip(self.streams, self.starts, self.lengths, strict=True):
+        no_speech = await self.no_speech_probs()
+        for stream, start, length, quiet in zip(self.streams, self.starts, self.lengths, no_speech, strict=True):
             tokens, logprobs, text = [], [], []
             async with stream:
                 async for out in stream:
@@ -83,11 +87,26 @@ class Transcription:
                     "temperature": self.temperature,
                     "avg_logprob": float(np.mean([logprobs[i] for i in chosen])) if chosen and logprobs else None,
                     "compression_ratio": len(raw) / len(zlib.compress(raw)) if raw else 0.0,
-                    "no_speech_prob": None})
+                    "no_speech_prob": quiet})
         joined = texts[0] if texts else ""
         for t in texts[1:]:
             joined += t if not t or t[0].isspace() or not joined else " " + t
         return joined, segments
+
+    async def no_speech_probs(self) -> list[float | None]:
+        """Each piece's probability of Whisper's no-speech token right after
+        ``<|startoftranscript|>`` (the raw logprob of the probe's second prompt token), as
+        OpenAI's decoder and transformers' ``WhisperNoSpeechDetection`` read it; None
+        for every piece without probes."""
+        if not self.probes:
+            return [None] * len(self.streams)
+        out: list[float | None] = []
+        for probe in self.probes:
+            async with probe:
+                outs = [o async for o in probe]
+            entry = outs[0].prompt_logprobs[1] if outs and outs[0].prompt_logprobs else None
+            out.append(math.exp(entry.logprob) if entry is not None else None)
+        return out
 
     async def deltas(self) -> AsyncIterator[str]:
         """The text as it is decoded: each piece's, one after the other (the later pieces
@@ -107,7 +126,7 @@ class Transcription:
         return "".join([d async for d in self.deltas()])
 
     async def aclose(self) -> None:
-        for stream in self.streams:
+        for stream in (*self.streams, *self.probes):
             await stream.aclose()
 
 
@@ -202,14 +221,15 @@ async def transcribe(engine: Engine, data: Any, *, language: str | None = None,
                      task: str = "transcribe", prompt: str | None = None,
                      temperature: float = 0.0, max_tokens: int | None = None,
                      sampling: Mapping[str, Any] | None = None, timestamps: bool = False,
-                     request_id: str | None = None) -> Transcription:
+                     no_speech: bool = False, request_id: str | None = None) -> Transcription:
     """Submit ``data`` (encoded audio bytes, or a ``(samples, rate)`` pair) for
     transcription (``task="translate"``: into English); the pieces' requests are queued
     when this returns. ``language`` None: detected from the clip's first window (a
     multilingual model), as transformers' ``generate`` does. ``sampling``: more
     :class:`SamplingParams` fields (``seed``, ``top_p``, penalties). ``timestamps``: the
     prompt leaves ``<|notimestamps|>`` out and Whisper's timestamp rules apply
-    (:meth:`Transcription.segments` reads the result). Refused with
+    (:meth:`Transcription.segments` reads the result); ``no_speech``: each piece is probed
+    for Whisper's no-speech probability too (the segments' ``no_speech_prob``). Refused with
     :class:`InvalidParamError` naming the field: a model that does not transcribe, a clip
     that does not decode or is over :data:`MAX_CLIP_SECONDS`, an unknown language."""
     if not transcribes(engine):
@@ -245,13 +265,29 @@ async def transcribe(engine: Engine, data: Any, *, language: str | None = None,
     prepared = [await engine.prepare(list(ids), params, images=[AudioClip((piece, rate))],
                                      request_id=base if len(pieces) == 1 else f"{base}-{i}")
                 for i, piece in enumerate(pieces)]
+    # The no-speech token sits just before <|notimestamps|> (<|nospeech|>, <|nocaptions|>
+    # in the first checkpoints), as transformers finds it.
+    no_speech_id = first_timestamp - 2 if no_speech and first_timestamp is not None else None
+    if no_speech_id is not None and engine.tokenizer.convert_ids_to_tokens([no_speech_id])[0] not in (
+            "<|nospeech|>", "<|nocaptions|>"):
+        no_speech_id = None  # a vocabulary without it: no_speech_prob stays null
+    probes = []
+    if no_speech_id is not None:
+        sot = engine.tokenizer.token_to_id("<|startoftranscript|>")
+        probe = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+        probes = [await engine.prepare([sot, no_speech_id], probe, images=[AudioClip((piece, rate))],
+                                       request_id=f"{base}-no-speech-{i}")
+                  for i, piece in enumerate(pieces)]
     run = Transcription([], len(samples) / rate, language=language,
                         starts=[a / rate for a in cuts[:-1]],
                         lengths=[(b - a) / rate for a, b in zip(cuts, cuts[1:], strict=False)],
-                        first_timestamp=first_timestamp, temperature=float(temperature))
+                        first_timestamp=first_timestamp, temperature=float(temperature),
+                        no_speech_id=no_speech_id)
     try:
         for p in prepared:
             run.streams.append(engine.enqueue(p))
+        for p in probes:  # each beside its piece, whose clip's encoder output it shares
+            run.probes.append(engine.enqueue(p))
     except BaseException:  # a full queue, say: the pieces already queued are aborted
         await run.aclose()
         raise

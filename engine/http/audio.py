@@ -114,7 +114,7 @@ class AudioRoutes:
                 self.engine, data, language=fields.get("language") or None, task=task,
                 prompt=fields.get("prompt") or None, temperature=temperature,
                 max_tokens=max_tokens, sampling=sampling, timestamps=fmt in TIMED,
-                request_id=self.server.request_id())
+                no_speech=fmt == "verbose_json", request_id=self.server.request_id())
         except InvalidParamError as exc:
             param = "max_completion_tokens" if exc.param == "max_tokens" else exc.param  # the form's name
             raise APIError(400, str(exc), param=param, code="invalid_value") from None
