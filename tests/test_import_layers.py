@@ -36,7 +36,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("models", ("engine.models",)),
     ("kernels", ("engine.ops", "engine.parallel")),
     ("shared types", ("engine.messages", "engine.params", "engine.config", "engine.multimodal",
-                      "engine.audio", "engine.kv_transfer")),
+                      "engine.audio", "engine.image_tiles", "engine.kv_transfer")),
     ("structured outputs", ("engine.structured",)),
     ("base", ("engine.errors", "engine._version")),
 )

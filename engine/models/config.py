@@ -32,12 +32,15 @@ from engine.models.encoder_config import (
 from engine.models.mamba_config import MambaConfig, mamba_fields, nemotron_h_raw
 from engine.models.moe_config import MoeConfig
 from engine.models.vision_config import (
+    IDEFICS3_ARCHITECTURES,
     QWEN_VL_ARCHITECTURES,
     VISION_ARCHITECTURES,
     Gemma3VisionConfig,
+    Idefics3VisionConfig,
     QwenVisionConfig,
     VisionConfig,
     gemma3_vision_config,
+    idefics3_parts,
     qwen_vl_parts,
 )
 
@@ -241,9 +244,10 @@ class ModelConfig:
     # Gated DeltaNet layers (deltanet_config.DeltaNetConfig); None: every layer attends.
     mamba: MambaConfig | None = None
     deltanet: DeltaNetConfig | None = None
-    # A multimodal model's encoder: a vision tower (LLaVA, Qwen-VL, Gemma 3) or an audio
+    # A multimodal model's encoder: a vision tower (LLaVA, Qwen-VL, Gemma 3, SmolVLM) or an audio
     # tower (Qwen2-Audio); None for a text-only model.
-    vision: VisionConfig | QwenVisionConfig | Gemma3VisionConfig | audio.AudioConfig | None = None
+    vision: (VisionConfig | QwenVisionConfig | Gemma3VisionConfig | Idefics3VisionConfig
+             | audio.AudioConfig | None) = None
     # GPT-2 and OPT (ABSOLUTE_ARCHITECTURES): learned positions, LayerNorm; None otherwise.
     absolute: AbsoluteConfig | None = None
     # ModernBERT (models/modernbert.py): its local layers, their window and RoPE base, its
@@ -285,6 +289,13 @@ class ModelConfig:
         qwen_vl = next((QWEN_VL_ARCHITECTURES[a] for a in archs if a in QWEN_VL_ARCHITECTURES), None)
         if qwen_vl is not None:
             return _qwen_vl_config(raw, qwen_vl)
+        tiled = next((IDEFICS3_ARCHITECTURES[a] for a in archs if a in IDEFICS3_ARCHITECTURES), None)
+        if tiled is not None:  # Idefics3 / SmolVLM: a Llama decoder
+            text, tiles = idefics3_parts(raw, tiled)
+            lm = ModelConfig.from_hf(text)
+            if lm.is_encoder or lm.architecture != "llama":
+                raise UnsupportedModelError(f"{tiled} over a {lm.architecture} language model is not supported")
+            return dataclasses.replace(lm, vision=tiles)
         encoder = next((a for a in archs if a in ENCODER_ARCHITECTURES), None)
         if encoder is not None:
             return cls(**encoder_fields(raw, encoder))

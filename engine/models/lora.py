@@ -55,9 +55,10 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 
 # A peft key: base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight;
 # over a vision-language model the language model's layers nest as transformers 5 saves
-# them (model.language_model.layers) or 4 did (language_model.model.layers). A key of the
-# vision tower or projector matches none of these: refused as an unsupported target.
-_KEY = re.compile(r"^base_model\.model\.(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\."
+# them (model.language_model.layers; Idefics3's and SmolVLM's model.text_model.layers) or
+# 4 did (language_model.model.layers). A key of the vision tower or projector matches none
+# of these: refused as an unsupported target.
+_KEY = re.compile(r"^base_model\.model\.(?:model\.)?(?:language_model\.|text_model\.)?(?:model\.)?layers\.(\d+)\."
                   r"(self_attn|mlp|block_sparse_moe)\.([\w.]+?)\.lora_([AB])\.weight$")
 # transformers 4's experts, an nn.Linear each (Qwen's gate/up/down_proj, Mixtral's w1/w3/w2):
 # experts.N.<projection>, read into the fused experts' pairs (_per_expert_pairs).

@@ -27,6 +27,7 @@ from engine.models.gpt_bigcode import GPTBigCodeModel
 from engine.models.gpt_neox import GPTNeoXModel
 from engine.models.gpt_oss import GptOssModel
 from engine.models.granite4 import GraniteHybridModel
+from engine.models.idefics3 import Idefics3Model
 from engine.models.layers.decoder import Decoder
 from engine.models.layers.shard import check_tensor_parallel
 from engine.models.llama import LlamaModel
@@ -41,7 +42,7 @@ from engine.models.qwen2_audio import Qwen2AudioModel
 from engine.models.qwen3_5 import Qwen35Model
 from engine.models.qwen_vl import QwenVLModel
 from engine.models.starcoder2 import Starcoder2Model
-from engine.models.vision_config import Gemma3VisionConfig
+from engine.models.vision_config import Gemma3VisionConfig, Idefics3VisionConfig
 from engine.models.whisper import WhisperModel
 from engine.ops import Ops
 from engine.parallel import SINGLE, TensorParallel
@@ -99,6 +100,7 @@ MODEL_CLASSES: dict[str, type] = {
     "qwen2_vl": QwenVLModel,
     "qwen2_5_vl": QwenVLModel,
     "qwen3_vl": QwenVLModel,
+    "idefics3": Idefics3Model,
     "qwen3_vl_moe": QwenVLModel,
     "qwen2_audio": Qwen2AudioModel,
     "whisper": WhisperModel,
@@ -111,6 +113,8 @@ def architecture_name(config: ModelConfig) -> str:
         return config.vision.kind  # type: ignore[union-attr]  # QwenVisionConfig: "qwen2_vl", "qwen3_vl", ...
     if isinstance(config.vision, Gemma3VisionConfig):
         return "gemma3_vision"
+    if isinstance(config.vision, Idefics3VisionConfig):
+        return "idefics3"  # SmolVLM's too
     if isinstance(config.vision, AudioConfig):
         return config.vision.kind
     if config.vision is not None:

@@ -258,3 +258,68 @@ def qwen_vl_parts(raw: dict[str, Any], kind: str) -> tuple[dict[str, Any], QwenV
             raise CorruptModelError(f"{kind} deepstack_visual_indexes {bad} are not blocks of the "
                                     f"{vision.depth}")
     return text, vision
+
+
+# Idefics3 and SmolVLM (models/idefics3.py): a SigLIP tower over each tile of an image cut
+# into tiles (and the whole image shrunk to one), pixel-shuffled and projected, in front of
+# a Llama decoder.
+IDEFICS3_ARCHITECTURES = {"Idefics3ForConditionalGeneration": "idefics3",
+                          "SmolVLMForConditionalGeneration": "smolvlm"}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Idefics3VisionConfig:
+    """Idefics3's / SmolVLM's tower (SigLIP, every layer, then ``post_layernorm``: ``tower``)
+    and connector: each tile's ``(image_size / patch_size)**2`` patch states are
+    pixel-shuffled (``scale_factor x scale_factor`` neighbours concatenated) and projected
+    to the decoder's width, ``num_image_tokens`` placeholders a tile. The image processor
+    cuts an image into rows x columns tiles plus the whole image (the global tile); the
+    prompt frames them with ``<fake_token_around_image>``, ``<row_R_col_C>`` and
+    ``<global-img>`` tokens (engine.image_tiles)."""
+
+    tower: VisionConfig
+    scale_factor: int
+    image_token_id: int
+    kind: str = "idefics3"  # or "smolvlm"
+
+    @property
+    def num_image_tokens(self) -> int:
+        """Placeholders a tile."""
+        side = self.tower.image_size // self.tower.patch_size
+        return side * side // (self.scale_factor * self.scale_factor)
+
+
+def idefics3_parts(raw: dict[str, Any], kind: str) -> tuple[dict[str, Any], Idefics3VisionConfig]:
+    """An Idefics3 / SmolVLM ``config.json``'s language model config (``text_config``, a
+    Llama) and its tower and connector (transformers' defaults where it is silent)."""
+    try:
+        text = dict(raw["text_config"])
+        vis = dict(raw.get("vision_config") or {})
+        text.setdefault("architectures", ["LlamaForCausalLM"])
+        text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+        text.setdefault("torch_dtype", raw.get("torch_dtype") or raw.get("dtype"))
+        layers = int(vis.get("num_hidden_layers", 12))
+        tower = VisionConfig(
+            hidden_size=int(vis.get("hidden_size", 1152)),
+            intermediate_size=int(vis.get("intermediate_size", 3072)),
+            num_hidden_layers=layers,
+            num_attention_heads=int(vis.get("num_attention_heads", 16)),
+            image_size=int(vis.get("image_size", 224)),
+            patch_size=int(vis.get("patch_size", 32)),
+            num_channels=int(vis.get("num_channels", 3)),
+            layer_norm_eps=float(vis.get("layer_norm_eps", 1e-6)),
+            hidden_act=str(vis.get("hidden_act", "gelu_pytorch_tanh")),
+            feature_layers=(layers,), select_strategy="full", projector_act="none",
+            projector_bias=False, image_token_id=int(raw.get("image_token_id", 128257)),
+            tower="siglip")
+        vision = Idefics3VisionConfig(tower=tower, scale_factor=int(raw.get("scale_factor", 2)),
+                                      image_token_id=tower.image_token_id, kind=kind)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptModelError(f"config.json is missing or has a bad {kind} field: {exc}") from exc
+    side = tower.image_size // tower.patch_size
+    if side < 1 or side % vision.scale_factor or tower.image_size % tower.patch_size:
+        raise CorruptModelError(f"{kind}: image_size {tower.image_size} / patch_size {tower.patch_size} "
+                                f"is not a whole grid that scale_factor {vision.scale_factor} divides")
+    if tower.hidden_act not in ("gelu_pytorch_tanh", "gelu"):
+        raise UnsupportedModelError(f"{kind} vision activation {tower.hidden_act!r} is not supported")
+    return text, vision

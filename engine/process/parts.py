@@ -24,13 +24,14 @@ from engine.audio import AudioPreprocessor
 from engine.config import EngineConfig
 from engine.core.admission import AdmissionLimits
 from engine.errors import ConfigError
+from engine.image_tiles import FAKE, GLOBAL, TiledImagePreprocessor
 from engine.models.audio_config import AudioConfig
 from engine.models.layers.linear import weight_bytes
 from engine.models.layers.shard import pipeline_parallel_problem, tensor_parallel_problem
 from engine.models.loader import EMBEDDING_MODEL_NAMES, _model_config
 from engine.models.pooling import PoolerConfig
 from engine.models.tokenizer import Tokenizer
-from engine.models.vision_config import Gemma3VisionConfig
+from engine.models.vision_config import Gemma3VisionConfig, Idefics3VisionConfig
 from engine.multimodal import ImageFrame, ImagePreprocessor, MediaLimits, newline_merges
 from engine.parallel import SINGLE, PipelineStage, stage_layers
 from engine.process.pipeline import PipelineRunner
@@ -305,6 +306,8 @@ def image_preprocessor(config: EngineConfig, model_config: Any, folder: Path, to
                                  processor_options=options,
                                  marker_ids={start: vision.vision_start_token_id,
                                              end: vision.vision_end_token_id})
+    if isinstance(vision, Idefics3VisionConfig):
+        return _tiled_images(folder, vision, tokenizer, limits)
     if isinstance(vision, Gemma3VisionConfig):
         if config.max_num_batched_tokens < vision.num_image_tokens:
             raise ConfigError(
@@ -314,6 +317,24 @@ def image_preprocessor(config: EngineConfig, model_config: Any, folder: Path, to
         return _gemma3_images(folder, vision, tokenizer, limits)
     return ImagePreprocessor(folder, image_token_id=vision.image_token_id, image_token=token,
                              num_image_tokens=vision.num_image_tokens, limits=limits)
+
+
+def _tiled_images(folder: Path, vision: Idefics3VisionConfig, tokenizer: Any,
+                  limits: MediaLimits) -> TiledImagePreprocessor:
+    """Idefics3's / SmolVLM's: each image's tiles framed by the tokenizer's frame tokens,
+    which it must hold (``<fake_token_around_image>``, ``<global-img>``, ``<row_R_col_C>``)."""
+    frame = [tokenizer.token_to_id(FAKE), tokenizer.token_to_id(GLOBAL)]
+    if None in frame:
+        raise ConfigError(f"the tokenizer lacks {FAKE} or {GLOBAL}: not an Idefics3 / SmolVLM "
+                          "tokenizer", field="model")
+    # <row_R_col_C> for every tile position the image processor can cut (its splits).
+    frame += [i for r in range(1, 65) for c in range(1, 65)
+              if (i := tokenizer.token_to_id(f"<row_{r}_col_{c}>")) is not None]
+    token = tokenizer.convert_ids_to_tokens([vision.image_token_id])[0]
+    return TiledImagePreprocessor(folder, image_token_id=vision.image_token_id, image_token=token,
+                                  num_image_tokens=vision.num_image_tokens, limits=limits,
+                                  encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
+                                  frame_ids=frame)
 
 
 def _gemma3_images(folder: Path, vision: Gemma3VisionConfig, tokenizer: Any,

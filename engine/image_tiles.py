@@ -1,0 +1,138 @@
+"""Images cut into tiles, as Idefics3 and SmolVLM take them (models/idefics3.py).
+
+The model's own image processor (``Idefics3ImageProcessor`` / ``SmolVLMImageProcessor``,
+from the folder) resizes an image to its longest-edge budget, cuts it into ``rows x
+cols`` tiles of the tower's size and adds the whole image shrunk to one more tile (an
+image that fits one tile is that tile alone: rows and columns 0). The chat template
+writes ``<image>`` for the image part; as the processor does, the engine widens it to::
+
+    <fake_token_around_image><row_1_col_1><image>*N ... <fake_token_around_image><row_1_col_C><image>*N\\n
+    ...
+    \\n<fake_token_around_image><global-img><image>*N<fake_token_around_image>
+
+tokenized with the model's tokenizer (the frame is special tokens around newlines, so it
+tokenizes the same inside the prompt as alone). Each tile is an
+:class:`~engine.messages.ImageInput` of its own (its ``N = num_image_tokens`` placeholders,
+its pixels ``(C, S, S)``), encoded, cached and prefix-keyed as one LLaVA image is.
+
+A tile travels as the 8-bit pixels the processor resized (SmolVLM's 512-pixel tiles: 768
+KiB, not 3 MiB of float32, so that a photo's 17 tiles fit a request's pixel budget): the
+processor's rescale and normalisation (``x / 255``, then ``(x - 0.5) / 0.5``, every
+released checkpoint's; another is refused at startup) are undone exactly and the model
+applies them again (models/idefics3.py). A processor whose tiles are not 8-bit values so
+normalised sends them as float32; the model tells the two apart by their byte count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from engine.errors import CorruptModelError, InvalidParamError
+from engine.messages import ImageInput
+from engine.multimodal import (
+    ImagePreprocessor,
+    MediaLimits,
+    RawImage,
+    decode_image,
+    media_token_positions,
+)
+
+FAKE = "<fake_token_around_image>"
+GLOBAL = "<global-img>"
+# The processor's normalisation the model applies to 8-bit tiles: (x * RESCALE - MEAN) / STD.
+RESCALE, MEAN, STD = 1 / 255, 0.5, 0.5
+
+
+def tile_bytes(tile: Any) -> bytes:
+    """A normalised float32 tile as its 8-bit pixels where they are exactly that (what the
+    model undoes: :data:`RESCALE`, :data:`MEAN`, :data:`STD`), else as float32."""
+    import numpy as np
+
+    raw = np.rint((tile * STD + MEAN) / RESCALE)
+    if raw.min() >= 0 and raw.max() <= 255:
+        back = ((raw.astype(np.float32) * np.float32(RESCALE)) - MEAN) / STD
+        if np.abs(back - tile).max() < 1e-5:
+            return raw.astype(np.uint8).tobytes()
+    return tile.astype("<f4", copy=False).tobytes()
+
+
+def tile_prompt(rows: int, cols: int, per_tile: int, image_token: str) -> str:
+    """The text Idefics3's processor puts where the template wrote ``<image>``."""
+    pads = image_token * per_tile
+    if rows == 0 and cols == 0:
+        return f"{FAKE}{GLOBAL}{pads}{FAKE}"
+    grid = "".join("".join(f"{FAKE}<row_{r + 1}_col_{c + 1}>{pads}" for c in range(cols)) + "\n"
+                   for r in range(rows))
+    return f"{grid}\n{FAKE}{GLOBAL}{pads}{FAKE}"
+
+
+class TiledImagePreprocessor(ImagePreprocessor):
+    """Idefics3's / SmolVLM's images: one prompt image, several tiles (module docstring)."""
+
+    def __init__(self, folder: str | Path, *, image_token_id: int, image_token: str,
+                 num_image_tokens: int, limits: MediaLimits, encode: Callable[[str], list[int]],
+                 frame_ids: Sequence[int]) -> None:
+        super().__init__(folder, image_token_id=image_token_id, image_token=image_token,
+                         num_image_tokens=num_image_tokens, limits=limits)
+        p = self.processor
+        norm = (getattr(p, "rescale_factor", None), tuple(getattr(p, "image_mean", ()) or ()),
+                tuple(getattr(p, "image_std", ()) or ()))
+        if (norm[0] is None or abs(norm[0] - RESCALE) > 1e-9 or any(abs(m - MEAN) > 1e-9 for m in norm[1])
+                or any(abs(s - STD) > 1e-9 for s in norm[2]) or not norm[1] or not norm[2]):
+            raise CorruptModelError(f"{folder}: the image processor normalises by {norm}; the "
+                                    f"engine takes Idefics3's ({RESCALE:.6f}, {MEAN}, {STD})")
+        self.encode = encode
+        # The frame's own tokens (<fake_token_around_image>, <global-img>, <row_R_col_C>):
+        # only an image's widening writes them.
+        self.frame_ids = frozenset(frame_ids)
+
+    def tiles(self, raw: RawImage) -> tuple[Any, int, int]:
+        """``(float32 tiles [T, C, S, S], rows, cols)`` of one image."""
+        image = decode_image(raw.data, raw.where, self.limits.max_image_pixels)
+        try:
+            out = self.processor(images=[[image]], return_tensors="np", return_row_col_info=True)
+        except ValueError as exc:
+            raise InvalidParamError(f"{raw.where}: the model's image processor refused the "
+                                    f"image ({exc})", param=raw.where) from None
+        tiles = out["pixel_values"][0]
+        mask = out.get("pixel_attention_mask")
+        if mask is not None and not mask[0].all():  # a padded tile: never for one image's tiles
+            raise CorruptModelError("the image processor padded a tile of one image")
+        return tiles.astype("<f4", copy=False), int(out["rows"][0][0]), int(out["cols"][0][0])
+
+    def expand(self, ids: Sequence[int], images: Sequence[RawImage],
+               options: Mapping[str, Any] | None = None) -> tuple[tuple[int, ...], tuple[ImageInput, ...]]:
+        self.processor_for(options)  # refuses any mm_processor_kwargs: no pixel budget here
+        at = media_token_positions(ids, self.image_token_id, self.image_token, {}, len(images), "image")
+        if any(t in self.frame_ids for t in ids):
+            raise InvalidParamError("the prompt holds image frame tokens that are not an image's",
+                                    param="messages")
+        per_tile = self.num_image_tokens
+        assert per_tile is not None
+        out: list[int] = []
+        inputs: list[ImageInput] = []
+        prev = 0
+        for pos, raw in zip(at, images, strict=True):
+            out.extend(ids[prev:pos])
+            tiles, rows, cols = self.tiles(raw)
+            framed = self.encode(tile_prompt(rows, cols, per_tile, self.image_token))
+            starts = [i for i, t in enumerate(framed) if t == self.image_token_id
+                      and (i == 0 or framed[i - 1] != self.image_token_id)]
+            if len(starts) != len(tiles) or framed.count(self.image_token_id) != per_tile * len(tiles):
+                raise CorruptModelError(f"the image processor gave {len(tiles)} tiles for {rows} x {cols}; "
+                                        f"the prompt frames {len(starts)}")
+            for start, tile in zip(starts, tiles, strict=True):
+                pixels = tile_bytes(tile)
+                digest = hashlib.sha256(repr(tile.shape).encode() + pixels).digest()
+                inputs.append(ImageInput(len(out) + start, per_tile, int.from_bytes(digest[:8], "little") >> 1,
+                                         pixels, tuple(int(d) for d in tile.shape), ()))
+            out.extend(framed)
+            prev = pos + 1
+        out.extend(ids[prev:])
+        return tuple(out), tuple(inputs)
+
+
+__all__ = ["MEAN", "RESCALE", "STD", "TiledImagePreprocessor", "tile_bytes", "tile_prompt"]
