@@ -208,3 +208,20 @@ async def test_tiles_travel_as_8_bit_pixels_the_model_normalises_as_the_processo
     for tile, expected in zip(tiles, want, strict=True):
         assert len(tile.pixels) == expected.size  # one byte a value
         torch.testing.assert_close(tile_pixels(tile), torch.from_numpy(expected), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("folder", ["idefics3"], indirect=True)
+def test_llm_takes_vllms_offline_smolvlm_prompt(folder, hf) -> None:
+    """vLLM's offline form: the template's text with ``<image>`` and the picture in
+    ``multi_modal_data``; and ``LLM.chat``."""
+    _, processor = hf
+    ids, _, new, _ = hf_run(hf, [TALL], new_tokens=4)
+    conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+    text = processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    with engine.LLM(folder, dtype="float32", kv_cache_memory=8 * 2**20) as llm:
+        generated = llm.generate({"prompt": text, "multi_modal_data": {"image": TALL}}, greedy(4),
+                                 use_tqdm=False)
+        chat = llm.chat(messages([TALL]), greedy(4), use_tqdm=False)
+    for out in (generated[0], chat[0]):
+        assert out.prompt_token_ids == ids
+        assert list(out.outputs[0].token_ids) == new
