@@ -16,7 +16,12 @@ import pytest
 import torch
 from engine_helpers import collect, greedy, token_ids, wait_idle
 from gemma3_written import IMAGE_MARKERS, MM_TOKENS, hf_gemma3_vision, write_tiny_gemma3_vision
-from vlm_checks import assert_matches_transformers, tokens_with_adapter, write_vlm_adapter
+from vlm_checks import (
+    assert_matches_transformers,
+    hf_forward_and_generate,
+    tokens_with_adapter,
+    write_vlm_adapter,
+)
 
 import engine
 from engine.core.encoder_budget import EncoderBudget
@@ -65,14 +70,7 @@ def _hf_run(hf, images: list, *, causal: bool = False):
     inputs = processor(text=text, images=images, return_tensors="pt")
     if causal:
         inputs.pop("token_type_ids")
-    with torch.no_grad():
-        logits = model(**inputs).logits[0]
-        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True)
-    ids = inputs["input_ids"][0].tolist()
-    steps = torch.stack([s[0] for s in out.logits])
-    return (ids, torch.log_softmax(logits.float(), -1), out.sequences[0, len(ids):].tolist(),
-            torch.log_softmax(steps.float(), -1))
+    return hf_forward_and_generate(model, inputs, NEW_TOKENS)
 
 
 def _open(folder, **options):

@@ -23,7 +23,12 @@ from engine.errors import InvalidParamError
 from engine.models.testing_idefics3 import write_tiny_idefics3
 from tests.engine_helpers import greedy, token_ids, wait_idle
 from tests.test_llava import data_url
-from tests.vlm_checks import assert_matches_transformers, tokens_with_adapter, write_vlm_adapter
+from tests.vlm_checks import (
+    assert_matches_transformers,
+    hf_forward_and_generate,
+    tokens_with_adapter,
+    write_vlm_adapter,
+)
 
 NEW_TOKENS = 16
 QUESTION = "What is in the picture? Describe it."
@@ -84,14 +89,7 @@ def hf_run(hf, images: list, question: str = QUESTION, new_tokens: int = NEW_TOK
     text = processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
     inputs = processor(text=text, images=[images], return_tensors="pt")
     inputs.pop("mm_token_type_ids", None)
-    with torch.no_grad():
-        logits = model(**inputs).logits[0]
-        out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True)
-    ids = inputs["input_ids"][0].tolist()
-    new = out.sequences[0, len(ids):].tolist()
-    steps = torch.stack([s[0] for s in out.logits])
-    return ids, torch.log_softmax(logits.float(), -1), new, torch.log_softmax(steps.float(), -1)
+    return hf_forward_and_generate(model, inputs, new_tokens)
 
 
 def _open(folder, **options):

@@ -25,7 +25,12 @@ from engine.errors import InvalidParamError
 from engine.models.testing import IMAGE_TOKEN, write_tiny_llava
 from tests.engine_helpers import collect, greedy, token_ids, wait_idle
 from tests.template_data import LLAVA_1_5, checkpoint_template
-from tests.vlm_checks import assert_matches_transformers, tokens_with_adapter, write_vlm_adapter
+from tests.vlm_checks import (
+    assert_matches_transformers,
+    hf_forward_and_generate,
+    tokens_with_adapter,
+    write_vlm_adapter,
+)
 
 NEW_TOKENS = 24
 QUESTION = "What is in the picture? Describe it."
@@ -109,14 +114,7 @@ def _hf_run(hf, images: list, question: str = QUESTION):
     model, processor = hf
     inputs = processor(text=_hf_text(processor, len(images), question), images=images,
                        return_tensors="pt")
-    with torch.no_grad():
-        logits = model(**inputs).logits[0]
-        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True)
-    ids = inputs["input_ids"][0].tolist()
-    new = out.sequences[0, len(ids):].tolist()
-    steps = torch.stack([s[0] for s in out.logits])
-    return ids, torch.log_softmax(logits.float(), -1), new, torch.log_softmax(steps.float(), -1)
+    return hf_forward_and_generate(model, inputs, NEW_TOKENS)
 
 
 def _open(llava, **options):

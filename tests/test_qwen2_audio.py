@@ -28,7 +28,7 @@ from engine.models.testing import write_tiny_model
 from engine.models.testing_audio import TINY_AUDIO_RATE, TINY_AUDIO_SECONDS, write_tiny_qwen2_audio
 from engine.multimodal import AudioClip
 from tests.engine_helpers import collect, greedy, token_ids, wait_idle
-from tests.vlm_checks import assert_matches_transformers
+from tests.vlm_checks import assert_matches_transformers, hf_forward_and_generate
 
 NEW_TOKENS = 12
 QUESTION = "What is in this clip? Describe it."
@@ -109,14 +109,7 @@ def hf_run(hf, clips: list[bytes], question: str = QUESTION, new_tokens: int = N
                                          add_generation_prompt=True, tokenize=False)
     inputs = processor(text=text, audio=[decoded(c) for c in clips], return_tensors="pt",
                        sampling_rate=TINY_AUDIO_RATE)
-    with torch.no_grad():
-        logits = model(**inputs).logits[0]
-        out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True)
-    ids = inputs["input_ids"][0].tolist()
-    new = out.sequences[0, len(ids):].tolist()
-    steps = torch.stack([s[0] for s in out.logits])
-    return ids, torch.log_softmax(logits.float(), -1), new, torch.log_softmax(steps.float(), -1)
+    return hf_forward_and_generate(model, inputs, new_tokens)
 
 
 async def _with_clips(eng, prompt: str, clips: list) -> list:

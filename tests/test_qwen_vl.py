@@ -24,7 +24,12 @@ from engine.models.testing import TINY_QWEN_VL_MAX_PIXELS, write_tiny_qwen_vl
 from tests.engine_helpers import greedy, token_ids, wait_idle
 from tests.template_data import QWEN2_VL, checkpoint_template
 from tests.test_llava import data_url
-from tests.vlm_checks import assert_matches_transformers, tokens_with_adapter, write_vlm_adapter
+from tests.vlm_checks import (
+    assert_matches_transformers,
+    hf_forward_and_generate,
+    tokens_with_adapter,
+    write_vlm_adapter,
+)
 
 NEW_TOKENS = 24
 QUESTION = "What is in the picture? Describe it."
@@ -104,14 +109,7 @@ def hf_run(hf, images: list, question: str = QUESTION, new_tokens: int = NEW_TOK
     model, processor = hf
     inputs = processor(text=hf_text(processor, len(images), question), images=images,
                        return_tensors="pt")
-    with torch.no_grad():
-        logits = model(**inputs).logits[0]
-        out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True)
-    ids = inputs["input_ids"][0].tolist()
-    new = out.sequences[0, len(ids):].tolist()
-    steps = torch.stack([s[0] for s in out.logits])
-    return ids, torch.log_softmax(logits.float(), -1), new, torch.log_softmax(steps.float(), -1)
+    return hf_forward_and_generate(model, inputs, new_tokens)
 
 
 def _open(folder, **options):

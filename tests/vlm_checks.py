@@ -40,6 +40,19 @@ def dense(entry: Any, vocab: int) -> torch.Tensor:
     return row
 
 
+def hf_forward_and_generate(model: Any, inputs: Any, new_tokens: int):
+    """transformers' side of a check: ``(prompt ids, log-softmax at every prompt
+    position, greedy new tokens, each step's log-softmax)`` of the processor's ``inputs``."""
+    with torch.no_grad():
+        logits = model(**inputs).logits[0]
+        out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    ids = inputs["input_ids"][0].tolist()
+    new = out.sequences[0, len(ids):].tolist()
+    steps = torch.stack([s[0] for s in out.logits])
+    return ids, torch.log_softmax(logits.float(), -1), new, torch.log_softmax(steps.float(), -1)
+
+
 def assert_matches_transformers(outs: list[Any], hf_logprobs: torch.Tensor, hf_new: list[int],
                                 hf_steps: torch.Tensor) -> None:
     """One request's outputs (with ``prompt_logprobs`` and ``logprobs`` of the whole
