@@ -15,12 +15,8 @@ tokenizes the same inside the prompt as alone). Each tile is an
 :class:`~engine.messages.ImageInput` of its own (its ``N = num_image_tokens`` placeholders,
 its pixels ``(C, S, S)``), encoded, cached and prefix-keyed as one LLaVA image is.
 
-A tile travels as the 8-bit pixels the processor resized (SmolVLM's 512-pixel tiles: 768
-KiB, not 3 MiB of float32, so that a photo's 17 tiles fit a request's pixel budget): the
-processor's rescale and normalisation (``x / 255``, then ``(x - 0.5) / 0.5``, every
-released checkpoint's; another is refused at startup) are undone exactly and the model
-applies them again (models/idefics3.py). A processor whose tiles are not 8-bit values so
-normalised sends them as float32; the model tells the two apart by their byte count.
+A tile travels packed as its 8-bit pixels (engine.pixels; SmolVLM's 512-pixel tiles: 768
+KiB, not 3 MiB of float32, so that a photo's 17 tiles fit a request's pixel budget).
 """
 
 from __future__ import annotations
@@ -39,24 +35,10 @@ from engine.multimodal import (
     decode_image,
     media_token_positions,
 )
+from engine.pixels import normalisation, pack
 
 FAKE = "<fake_token_around_image>"
 GLOBAL = "<global-img>"
-# The processor's normalisation the model applies to 8-bit tiles: (x * RESCALE - MEAN) / STD.
-RESCALE, MEAN, STD = 1 / 255, 0.5, 0.5
-
-
-def tile_bytes(tile: Any) -> bytes:
-    """A normalised float32 tile as its 8-bit pixels where they are exactly that (what the
-    model undoes: :data:`RESCALE`, :data:`MEAN`, :data:`STD`), else as float32."""
-    import numpy as np
-
-    raw = np.rint((tile * STD + MEAN) / RESCALE)
-    if raw.min() >= 0 and raw.max() <= 255:
-        back = ((raw.astype(np.float32) * np.float32(RESCALE)) - MEAN) / STD
-        if np.abs(back - tile).max() < 1e-5:
-            return raw.astype(np.uint8).tobytes()
-    return tile.astype("<f4", copy=False).tobytes()
 
 
 def tile_prompt(rows: int, cols: int, per_tile: int, image_token: str) -> str:
@@ -77,13 +59,7 @@ class TiledImagePreprocessor(ImagePreprocessor):
                  frame_ids: Sequence[int]) -> None:
         super().__init__(folder, image_token_id=image_token_id, image_token=image_token,
                          num_image_tokens=num_image_tokens, limits=limits)
-        p = self.processor
-        norm = (getattr(p, "rescale_factor", None), tuple(getattr(p, "image_mean", ()) or ()),
-                tuple(getattr(p, "image_std", ()) or ()))
-        if (norm[0] is None or abs(norm[0] - RESCALE) > 1e-9 or any(abs(m - MEAN) > 1e-9 for m in norm[1])
-                or any(abs(s - STD) > 1e-9 for s in norm[2]) or not norm[1] or not norm[2]):
-            raise CorruptModelError(f"{folder}: the image processor normalises by {norm}; the "
-                                    f"engine takes Idefics3's ({RESCALE:.6f}, {MEAN}, {STD})")
+        self.norm = normalisation(self.processor)
         self.encode = encode
         # The frame's own tokens (<fake_token_around_image>, <global-img>, <row_R_col_C>):
         # only an image's widening writes them.
@@ -125,7 +101,7 @@ class TiledImagePreprocessor(ImagePreprocessor):
                 raise CorruptModelError(f"the image processor gave {len(tiles)} tiles for {rows} x {cols}; "
                                         f"the prompt frames {len(starts)}")
             for start, tile in zip(starts, tiles, strict=True):
-                pixels = tile_bytes(tile)
+                pixels = pack(tile.reshape(1, tile.shape[0], -1), self.norm)
                 digest = hashlib.sha256(repr(tile.shape).encode() + pixels).digest()
                 inputs.append(ImageInput(len(out) + start, per_tile, int.from_bytes(digest[:8], "little") >> 1,
                                          pixels, tuple(int(d) for d in tile.shape), ()))
@@ -135,4 +111,4 @@ class TiledImagePreprocessor(ImagePreprocessor):
         return tuple(out), tuple(inputs)
 
 
-__all__ = ["MEAN", "RESCALE", "STD", "TiledImagePreprocessor", "tile_bytes", "tile_prompt"]
+__all__ = ["TiledImagePreprocessor", "tile_prompt"]

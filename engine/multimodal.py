@@ -44,6 +44,7 @@ import numpy as np
 from engine.config import parse_mm_processor_kwargs
 from engine.errors import ConfigError, InvalidParamError
 from engine.messages import ImageInput
+from engine.pixels import normalisation, pack
 
 # The formats accepted, by their leading bytes (WebP: "RIFF", size, "WEBP").
 # Image processors kept for requests' own mm_processor_kwargs (one per distinct set).
@@ -469,6 +470,8 @@ class ImagePreprocessor:
             raise InvalidParamError(f"{raw.where}: the model's image processor refused the "
                                     f"image ({exc})", param=raw.where) from None
         grid: tuple[int, ...] = ()
+        norm = normalisation(processor)
+        channels = len(norm[1]) if norm is not None else 1
         if self.merge_size is not None:
             pixels = out["pixel_values"]  # every patch of the image, one row each
             grid = tuple(int(d) for d in out["image_grid_thw"][0])
@@ -478,10 +481,12 @@ class ImagePreprocessor:
                                     int(processor.patch_size) ** 2)
             if (frames == frames[:, :, :1]).all():
                 pixels = frames[:, :, 0].reshape(len(pixels), -1)
+            rows = pixels.reshape(len(pixels), channels, -1)  # each row channel by channel
         else:
             pixels = out["pixel_values"][0]
-        pixels = pixels.astype("<f4", copy=False)
-        return pixels.tobytes(), tuple(int(d) for d in pixels.shape), grid
+            rows = pixels.reshape(1, channels, -1)  # (C, H, W)
+        # 8-bit values and each channel's constants where they are exact (engine.pixels).
+        return pack(rows, norm), tuple(int(d) for d in pixels.shape), grid
 
     def expand(self, ids: Sequence[int], images: Sequence[RawImage],
                options: Mapping[str, Any] | None = None) -> tuple[tuple[int, ...], tuple[ImageInput, ...]]:

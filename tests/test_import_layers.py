@@ -35,7 +35,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("model runner", ("engine.runner",)),
     ("models", ("engine.models",)),
     ("kernels", ("engine.ops", "engine.parallel")),
-    ("shared types", ("engine.messages", "engine.params", "engine.config", "engine.multimodal",
+    ("shared types", ("engine.messages", "engine.params", "engine.config", "engine.multimodal", "engine.pixels",
                       "engine.audio", "engine.image_tiles", "engine.kv_transfer")),
     ("structured outputs", ("engine.structured",)),
     ("base", ("engine.errors", "engine._version")),

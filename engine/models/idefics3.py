@@ -20,20 +20,19 @@ Weights: ``model.vision_model.*`` -> ``vision_tower.*``, ``model.connector.*`` -
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from engine.image_tiles import MEAN, RESCALE, STD
 from engine.models.config import ModelConfig
 from engine.models.layers.decoder import Decoder, decoder_weight_names
 from engine.models.layers.shard import ShardedWeights
 from engine.models.layers.vision_tower import TOWER, ViTEncoder
 from engine.models.vision_config import Idefics3VisionConfig
 from engine.ops import Ops
+from engine.pixels import unpack
 
 PROJECTION = "connector.modality_projection.proj.weight"
 
@@ -99,16 +98,6 @@ class TileTower(ViTEncoder):
         return F.linear(pixel_shuffle(x, self.tiles.scale_factor), self.projection)
 
 
-def tile_pixels(tile: Any) -> torch.Tensor:
-    """An ``ImageInput`` tile's float32 pixels ``(C, S, S)``: 8-bit values normalised as the
-    processor normalises them (engine.image_tiles.tile_bytes), or float32 as sent."""
-    shape = tuple(tile.shape)
-    if len(tile.pixels) == math.prod(shape):  # one byte a value
-        raw = torch.frombuffer(bytearray(tile.pixels), dtype=torch.uint8).view(shape).float()
-        return (raw * RESCALE - MEAN) / STD
-    return torch.frombuffer(bytearray(tile.pixels), dtype=torch.float32).view(shape)
-
-
 class Idefics3Model(Decoder):
     """The Llama decoder with a tiled SigLIP tower whose outputs replace the input
     embeddings at each tile's placeholder positions."""
@@ -133,9 +122,9 @@ class Idefics3Model(Decoder):
         return self.vision(pixels.to(self.device))
 
     def encode_image_inputs(self, tiles: Sequence[Any]) -> list[torch.Tensor]:
-        """The step's new tiles (``ImageInput``s, :func:`tile_pixels`) -> one
+        """The step's new tiles (``ImageInput``s, their pixels packed: engine.pixels) -> one
         ``[num_image_tokens, hidden]`` embedding each, encoded as one batch."""
-        return list(self.encode_images(torch.stack([tile_pixels(t) for t in tiles])))
+        return list(self.encode_images(torch.stack([unpack(t.pixels, t.shape) for t in tiles])))
 
 
 __all__ = ["Idefics3Model", "idefics3_weight_names", "normalize_idefics3_names", "pixel_shuffle",

@@ -57,6 +57,7 @@ from engine.models.layers.decoder import Decoder, decoder_weight_names
 from engine.models.layers.shard import ShardedWeights
 from engine.models.vision_config import QwenVisionConfig
 from engine.ops import AttentionMetadata, Ops
+from engine.pixels import unpack
 
 
 def normalize_qwen_vl_names(name: str) -> str:
@@ -421,7 +422,7 @@ class QwenVLModel(Decoder):
         area = cfg.patch_size * cfg.patch_size
         parts = []
         for im in images:
-            patches = torch.frombuffer(bytearray(im.pixels), dtype=torch.float32).view(im.shape)
+            patches = unpack(im.pixels, im.shape)
             if im.shape[1] == cfg.in_channels * area:  # one frame: repeat it T times
                 patches = patches.view(-1, cfg.in_channels, 1, area).expand(
                     -1, -1, cfg.temporal_patch_size, -1).reshape(len(patches), -1)

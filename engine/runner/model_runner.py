@@ -42,6 +42,7 @@ from engine.models.registry import build_model
 from engine.ops import AttentionMetadata, Ops
 from engine.parallel import SINGLE, TensorParallel
 from engine.params import SamplingParams
+from engine.pixels import unpack
 from engine.runner.batch import BatchBuilder
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes, describe
 from engine.runner.draft import DraftModel, Proposal, track_draft
@@ -551,9 +552,7 @@ class ModelRunner:
                 # of their own sizes, one list
                 encoded = self.model.encode_image_inputs(list(missing.values()))
             else:
-                pixels = torch.stack([
-                    torch.frombuffer(bytearray(image.pixels), dtype=torch.float32).view(image.shape)
-                    for image in missing.values()])
+                pixels = torch.stack([unpack(image.pixels, image.shape) for image in missing.values()])
                 encoded = self.model.encode_images(pixels)  # type: ignore[attr-defined]
             self.encoder_runs += len(missing)
             for key, out in zip(missing, encoded, strict=True):
