@@ -1,4 +1,5 @@
-"""Images cut into tiles, as Idefics3 and SmolVLM take them (models/idefics3.py).
+"""Images cut into tiles, as Idefics3 and SmolVLM take them (models/idefics3.py), and as
+InternVL does (:class:`ContextImagePreprocessor`, models/internvl.py).
 
 The model's own image processor (``Idefics3ImageProcessor`` / ``SmolVLMImageProcessor``,
 from the folder) resizes an image to its longest-edge budget, cuts it into ``rows x
@@ -111,4 +112,50 @@ class TiledImagePreprocessor(ImagePreprocessor):
         return tuple(out), tuple(inputs)
 
 
-__all__ = ["TiledImagePreprocessor", "tile_prompt"]
+class ContextImagePreprocessor(ImagePreprocessor):
+    """InternVL's images: the processor (``GotOcr2ImageProcessor``, ``crop_to_patches`` as
+    ``InternVLProcessor`` asks) gives an image's tiles, and the template's ``<IMG_CONTEXT>``
+    is widened to ``<img>``, ``num_image_tokens`` placeholders a tile, ``</img>``: one
+    :class:`~engine.messages.ImageInput` an image, its pixels ``(T, C, S, S)`` packed."""
+
+    def __init__(self, folder: str | Path, *, image_token_id: int, image_token: str,
+                 num_image_tokens: int, limits: MediaLimits, start_id: int, end_id: int) -> None:
+        super().__init__(folder, image_token_id=image_token_id, image_token=image_token,
+                         num_image_tokens=num_image_tokens, limits=limits)
+        self.norm = normalisation(self.processor)
+        self.start_id, self.end_id = start_id, end_id
+
+    def expand(self, ids: Sequence[int], images: Sequence[RawImage],
+               options: Mapping[str, Any] | None = None) -> tuple[tuple[int, ...], tuple[ImageInput, ...]]:
+        self.processor_for(options)  # refuses any mm_processor_kwargs: no pixel budget here
+        at = media_token_positions(ids, self.image_token_id, self.image_token, {}, len(images), "image")
+        if any(t in (self.start_id, self.end_id) for t in ids):
+            raise InvalidParamError("the prompt holds <img> or </img> tokens that are not an image's",
+                                    param="messages")
+        per_tile = self.num_image_tokens
+        assert per_tile is not None
+        out: list[int] = []
+        inputs: list[ImageInput] = []
+        prev = 0
+        for pos, raw in zip(at, images, strict=True):
+            out.extend(ids[prev:pos])
+            image = decode_image(raw.data, raw.where, self.limits.max_image_pixels)
+            try:
+                tiles = self.processor(images=[image], crop_to_patches=True, return_tensors="np")["pixel_values"]
+            except ValueError as exc:
+                raise InvalidParamError(f"{raw.where}: the model's image processor refused the "
+                                        f"image ({exc})", param=raw.where) from None
+            pixels = pack(tiles.reshape(len(tiles), tiles.shape[1], -1), self.norm)
+            shape = tuple(int(d) for d in tiles.shape)
+            digest = hashlib.sha256(repr(shape).encode() + pixels).digest()
+            out.append(self.start_id)
+            inputs.append(ImageInput(len(out), per_tile * len(tiles), int.from_bytes(digest[:8], "little") >> 1,
+                                     pixels, shape, ()))
+            out.extend([self.image_token_id] * (per_tile * len(tiles)))
+            out.append(self.end_id)
+            prev = pos + 1
+        out.extend(ids[prev:])
+        return tuple(out), tuple(inputs)
+
+
+__all__ = ["ContextImagePreprocessor", "TiledImagePreprocessor", "tile_prompt"]

@@ -33,14 +33,17 @@ from engine.models.mamba_config import MambaConfig, mamba_fields, nemotron_h_raw
 from engine.models.moe_config import MoeConfig
 from engine.models.vision_config import (
     IDEFICS3_ARCHITECTURES,
+    INTERNVL_ARCHITECTURES,
     QWEN_VL_ARCHITECTURES,
     VISION_ARCHITECTURES,
     Gemma3VisionConfig,
     Idefics3VisionConfig,
+    InternVLVisionConfig,
     QwenVisionConfig,
     VisionConfig,
     gemma3_vision_config,
     idefics3_parts,
+    internvl_parts,
     qwen_vl_parts,
 )
 
@@ -247,7 +250,7 @@ class ModelConfig:
     # A multimodal model's encoder: a vision tower (LLaVA, Qwen-VL, Gemma 3, SmolVLM) or an audio
     # tower (Qwen2-Audio); None for a text-only model.
     vision: (VisionConfig | QwenVisionConfig | Gemma3VisionConfig | Idefics3VisionConfig
-             | audio.AudioConfig | None) = None
+             | InternVLVisionConfig | audio.AudioConfig | None) = None
     # GPT-2 and OPT (ABSOLUTE_ARCHITECTURES): learned positions, LayerNorm; None otherwise.
     absolute: AbsoluteConfig | None = None
     # ModernBERT (models/modernbert.py): its local layers, their window and RoPE base, its
@@ -296,6 +299,12 @@ class ModelConfig:
             if lm.is_encoder or lm.architecture != "llama":
                 raise UnsupportedModelError(f"{tiled} over a {lm.architecture} language model is not supported")
             return dataclasses.replace(lm, vision=tiles)
+        if any(a in INTERNVL_ARCHITECTURES for a in archs):  # over Qwen2 / Qwen3 / Llama
+            text, internvl = internvl_parts(raw)
+            lm = ModelConfig.from_hf(text)
+            if lm.is_encoder or lm.architecture not in ("qwen2", "qwen3", "llama"):
+                raise UnsupportedModelError(f"InternVL over a {lm.architecture} language model is not supported")
+            return dataclasses.replace(lm, vision=internvl)
         encoder = next((a for a in archs if a in ENCODER_ARCHITECTURES), None)
         if encoder is not None:
             return cls(**encoder_fields(raw, encoder))

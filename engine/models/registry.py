@@ -28,6 +28,7 @@ from engine.models.gpt_neox import GPTNeoXModel
 from engine.models.gpt_oss import GptOssModel
 from engine.models.granite4 import GraniteHybridModel
 from engine.models.idefics3 import Idefics3Model
+from engine.models.internvl import InternVLModel
 from engine.models.layers.decoder import Decoder
 from engine.models.layers.shard import check_tensor_parallel
 from engine.models.llama import LlamaModel
@@ -42,7 +43,11 @@ from engine.models.qwen2_audio import Qwen2AudioModel
 from engine.models.qwen3_5 import Qwen35Model
 from engine.models.qwen_vl import QwenVLModel
 from engine.models.starcoder2 import Starcoder2Model
-from engine.models.vision_config import Gemma3VisionConfig, Idefics3VisionConfig
+from engine.models.vision_config import (
+    Gemma3VisionConfig,
+    Idefics3VisionConfig,
+    InternVLVisionConfig,
+)
 from engine.models.whisper import WhisperModel
 from engine.ops import Ops
 from engine.parallel import SINGLE, TensorParallel
@@ -101,6 +106,7 @@ MODEL_CLASSES: dict[str, type] = {
     "qwen2_5_vl": QwenVLModel,
     "qwen3_vl": QwenVLModel,
     "idefics3": Idefics3Model,
+    "internvl": InternVLModel,
     "qwen3_vl_moe": QwenVLModel,
     "qwen2_audio": Qwen2AudioModel,
     "whisper": WhisperModel,
@@ -115,6 +121,8 @@ def architecture_name(config: ModelConfig) -> str:
         return "gemma3_vision"
     if isinstance(config.vision, Idefics3VisionConfig):
         return "idefics3"  # SmolVLM's too
+    if isinstance(config.vision, InternVLVisionConfig):
+        return "internvl"
     if isinstance(config.vision, AudioConfig):
         return config.vision.kind
     if config.vision is not None:

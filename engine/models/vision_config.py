@@ -323,3 +323,103 @@ def idefics3_parts(raw: dict[str, Any], kind: str) -> tuple[dict[str, Any], Idef
     if tower.hidden_act not in ("gelu_pytorch_tanh", "gelu"):
         raise UnsupportedModelError(f"{kind} vision activation {tower.hidden_act!r} is not supported")
     return text, vision
+
+
+# InternVL (models/internvl.py): InternViT over each tile of an image (and a thumbnail),
+# pixel-shuffled and projected, in front of a Qwen2 / Qwen3 / Llama decoder.
+INTERNVL_ARCHITECTURES = {"InternVLForConditionalGeneration": "internvl"}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class InternVLVisionConfig:
+    """InternVL's tower (InternViT: a CLS position, learned positions, pre-norm layers with
+    layer scale, optional q/k RMSNorm over the whole width) and projector (LayerNorm,
+    Linear, GELU, Linear) after a pixel shuffle of ``downsample_ratio``. The image
+    processor (``GotOcr2ImageProcessor``) crops an image into tiles of ``image_size`` plus
+    a thumbnail; the prompt writes ``<img>``, ``num_image_tokens`` placeholders a tile,
+    ``</img>``."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    image_size: int
+    patch_size: int
+    num_channels: int
+    layer_norm_eps: float
+    norm_type: str  # "layer_norm" or "rms_norm"
+    qk_norm: bool
+    attention_bias: bool
+    hidden_act: str
+    final_norm: bool  # use_mean_pooling false: a LayerNorm after the last layer
+    downsample_ratio: float
+    projector_act: str
+    image_token_id: int
+    kind: str = "internvl"
+
+    @property
+    def scale(self) -> int:
+        """The pixel shuffle's block side (1 / downsample_ratio)."""
+        return int(round(1 / self.downsample_ratio))
+
+    @property
+    def num_image_tokens(self) -> int:
+        """Placeholders a tile."""
+        side = self.image_size // self.patch_size
+        return (side // self.scale) ** 2
+
+
+def internvl_parts(raw: dict[str, Any]) -> tuple[dict[str, Any], InternVLVisionConfig]:
+    """An InternVL ``config.json``'s language model config (``text_config``) and tower."""
+    try:
+        text = dict(raw["text_config"])
+        vis = dict(raw.get("vision_config") or {})
+        text.setdefault("architectures", [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                                           "llama": "LlamaForCausalLM"}.get(text.get("model_type", "qwen2"),
+                                                                            "Qwen2ForCausalLM")])
+        text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+        text.setdefault("torch_dtype", raw.get("torch_dtype") or raw.get("dtype"))
+
+        def side(value: Any, default: int) -> int:
+            value = default if value is None else value
+            if isinstance(value, (list, tuple)):
+                if len(set(value)) != 1:
+                    raise UnsupportedModelError(f"InternVL with a non-square {value} is not supported")
+                value = value[0]
+            return int(value)
+
+        vision = InternVLVisionConfig(
+            hidden_size=int(vis.get("hidden_size", 1024)),
+            intermediate_size=int(vis.get("intermediate_size", 4096)),
+            num_hidden_layers=int(vis.get("num_hidden_layers", 24)),
+            num_attention_heads=int(vis.get("num_attention_heads", 16)),
+            image_size=side(vis.get("image_size"), 448), patch_size=side(vis.get("patch_size"), 14),
+            num_channels=int(vis.get("num_channels", 3)),
+            layer_norm_eps=float(vis.get("layer_norm_eps", 1e-6)),
+            norm_type=str(vis.get("norm_type", "layer_norm")),
+            qk_norm=bool(vis.get("use_qk_norm", False)),
+            attention_bias=bool(vis.get("attention_bias", False)),
+            hidden_act=str(vis.get("hidden_act", "gelu")),
+            final_norm=not vis.get("use_mean_pooling", True),
+            downsample_ratio=float(raw.get("downsample_ratio", 0.5)),
+            projector_act=str(raw.get("projector_hidden_act", "gelu")),
+            image_token_id=int(raw.get("image_token_id", 151667)))
+        layer = raw.get("vision_feature_layer", -1)
+        strategy = raw.get("vision_feature_select_strategy", "default")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptModelError(f"config.json is missing or has a bad InternVL field: {exc}") from exc
+    if layer != -1 or strategy != "default":
+        raise UnsupportedModelError(f"InternVL with vision_feature_layer {layer!r} / select strategy "
+                                    f"{strategy!r} is not supported (-1, default are)")
+    if vision.norm_type not in ("layer_norm", "rms_norm") or vis.get("use_mask_token") or not vis.get(
+            "use_absolute_position_embeddings", True):
+        raise UnsupportedModelError("InternVL's tower: norm_type layer_norm or rms_norm with absolute "
+                                    "positions and no mask token is supported")
+    grid = vision.image_size // vision.patch_size
+    if vision.image_size % vision.patch_size or grid % vision.scale or vision.scale * vision.downsample_ratio != 1:
+        raise CorruptModelError(f"InternVL: image_size {vision.image_size} / patch_size {vision.patch_size} "
+                                f"is not a grid that downsample_ratio {vision.downsample_ratio} shuffles")
+    for act in (vision.hidden_act, vision.projector_act):
+        if act not in ("gelu", "gelu_pytorch_tanh", "quick_gelu"):
+            raise UnsupportedModelError(f"InternVL activation {act!r} is not supported")
+    return text, vision

@@ -24,14 +24,18 @@ from engine.audio import AudioPreprocessor
 from engine.config import EngineConfig
 from engine.core.admission import AdmissionLimits
 from engine.errors import ConfigError
-from engine.image_tiles import FAKE, GLOBAL, TiledImagePreprocessor
+from engine.image_tiles import FAKE, GLOBAL, ContextImagePreprocessor, TiledImagePreprocessor
 from engine.models.audio_config import AudioConfig
 from engine.models.layers.linear import weight_bytes
 from engine.models.layers.shard import pipeline_parallel_problem, tensor_parallel_problem
 from engine.models.loader import EMBEDDING_MODEL_NAMES, _model_config
 from engine.models.pooling import PoolerConfig
 from engine.models.tokenizer import Tokenizer
-from engine.models.vision_config import Gemma3VisionConfig, Idefics3VisionConfig
+from engine.models.vision_config import (
+    Gemma3VisionConfig,
+    Idefics3VisionConfig,
+    InternVLVisionConfig,
+)
 from engine.multimodal import ImageFrame, ImagePreprocessor, MediaLimits, newline_merges
 from engine.parallel import SINGLE, PipelineStage, stage_layers
 from engine.process.pipeline import PipelineRunner
@@ -308,6 +312,13 @@ def image_preprocessor(config: EngineConfig, model_config: Any, folder: Path, to
                                              end: vision.vision_end_token_id})
     if isinstance(vision, Idefics3VisionConfig):
         return _tiled_images(folder, vision, tokenizer, limits)
+    if isinstance(vision, InternVLVisionConfig):
+        start, end = tokenizer.token_to_id("<img>"), tokenizer.token_to_id("</img>")
+        if start is None or end is None:
+            raise ConfigError("the tokenizer lacks InternVL's <img> or </img>", field="model")
+        return ContextImagePreprocessor(folder, image_token_id=vision.image_token_id, image_token=token,
+                                        num_image_tokens=vision.num_image_tokens, limits=limits,
+                                        start_id=start, end_id=end)
     if isinstance(vision, Gemma3VisionConfig):
         if config.max_num_batched_tokens < vision.num_image_tokens:
             raise ConfigError(
