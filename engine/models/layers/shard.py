@@ -59,7 +59,7 @@ def tensor_parallel_problem(config: ModelConfig, n: int, *, expert_parallel: boo
     if config.is_encoder:
         return "tensor parallelism is not supported for encoder (BERT) models"
     if config.vision is not None and not isinstance(config.vision, Gemma3VisionConfig):
-        return "tensor parallelism is not supported for vision-language models (LLaVA, Qwen-VL, SmolVLM), Qwen2-Audio and Whisper"
+        return "tensor parallelism is not supported for vision-language models (LLaVA, Qwen-VL, SmolVLM, InternVL), Qwen2-Audio and Whisper"
     problems = []
     if config.recurrent is not None and (why := config.recurrent.tensor_parallel_problem(n)):
         problems.append(why)
