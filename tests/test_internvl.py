@@ -47,7 +47,7 @@ def folder(tmp_path_factory, request):
     return write_tiny_internvl(tmp_path_factory.mktemp(f"internvl-{request.param}"), text_arch=request.param)
 
 
-def hf_model(folder):
+def hf_model(folder, image_seq_length: int = 4):
     from transformers import (
         AutoImageProcessor,
         AutoTokenizer,
@@ -66,7 +66,7 @@ def hf_model(folder):
     tokenizer = AutoTokenizer.from_pretrained(folder)
     processor = ImageOnlyProcessor(image_processor=AutoImageProcessor.from_pretrained(folder),
                                    tokenizer=tokenizer, chat_template=tokenizer.chat_template,
-                                   image_seq_length=4)
+                                   image_seq_length=image_seq_length)
     return model, processor
 
 

@@ -1,7 +1,7 @@
 """Tiny Idefics3 / SmolVLM checkpoints written by transformers' own
 ``Idefics3ForConditionalGeneration`` / ``SmolVLMForConditionalGeneration``, with random
 weights over the tiny Llama's tokenizer plus the image frame tokens, for
-tests/test_idefics3.py and bench/vision_smolvlm.py.
+tests/test_idefics3.py and bench/vision_tiles.py.
 
 The tower sees tiles of 48 pixels in patches of 8 (6 x 6 patches, pixel-shuffled 2 x 2
 into 9 placeholders a tile); the image processor resizes an image's longest edge to 96

@@ -29,12 +29,15 @@ INTERNVL_TEMPLATE = (
 
 
 def write_tiny_internvl(path: str | Path, *, seed: int = 0, text_arch: str = "qwen2",
-                        vision: dict[str, Any] | None = None) -> Path:
+                        vision: dict[str, Any] | None = None, max_patches: int = 4,
+                        text: dict[str, Any] | None = None) -> Path:
     """A tiny random InternVL in folder ``path``: transformers' ``save_pretrained`` layout
     over the tiny ``text_arch`` decoder (qwen2, qwen3), InternVL's image tokens in the
     tokenizer (and its config's ``extra_special_tokens``, as the processor reads them),
     an InternVL chat template, and a ``GotOcr2ImageProcessor`` of 32-pixel tiles.
-    ``vision``: the tower's config over the tiny one's."""
+    ``vision``: the tower's config over the tiny one's (a bench writes a released tower's
+    shape), ``max_patches`` the processor's most tiles, ``text`` the decoder's config over
+    the tiny one's."""
     # transformers is heavy and only the VLM tests need it: imported here, on use.
     from transformers import GotOcr2ImageProcessor, InternVLConfig, InternVLForConditionalGeneration
 
@@ -46,14 +49,18 @@ def write_tiny_internvl(path: str | Path, *, seed: int = 0, text_arch: str = "qw
     tok_config = json.loads((path / "tokenizer_config.json").read_text())
     tok_config["extra_special_tokens"] = INTERNVL_TOKENS
     (path / "tokenizer_config.json").write_text(json.dumps(tok_config))
-    text = json.loads((path / "config.json").read_text())
-    text.update(vocab_size=tok.get_vocab_size(), tie_word_embeddings=False)
-    text_cfg = {k: v for k, v in text.items() if k not in ("architectures", "torch_dtype")}
+    raw = json.loads((path / "config.json").read_text())
+    raw.update(text or {})
+    raw.update(vocab_size=tok.get_vocab_size(), tie_word_embeddings=False)
+    text_cfg = {k: v for k, v in raw.items() if k not in ("architectures", "torch_dtype")}
     tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  image_size=[32, 32], patch_size=[8, 8], attention_bias=True)
     tower.update(vision or {})
+    side = tower["image_size"][0] if isinstance(tower["image_size"], list) else tower["image_size"]
+    patch = tower["patch_size"][0] if isinstance(tower["patch_size"], list) else tower["patch_size"]
     cfg = InternVLConfig(text_config=text_cfg, vision_config=tower, downsample_ratio=0.5,
-                         image_token_id=tok.token_to_id("<IMG_CONTEXT>"), image_seq_length=4,
+                         image_token_id=tok.token_to_id("<IMG_CONTEXT>"),
+                         image_seq_length=(side // patch // 2) ** 2,
                          tie_word_embeddings=False)
     cfg.dtype = "float32"
     torch.manual_seed(seed)
@@ -69,9 +76,8 @@ def write_tiny_internvl(path: str | Path, *, seed: int = 0, text_arch: str = "qw
             else:
                 p.normal_(0.0, 0.1)
     model.save_pretrained(path)
-    side = tower["image_size"][0] if isinstance(tower["image_size"], list) else tower["image_size"]
     GotOcr2ImageProcessor(size={"height": side, "width": side}, crop_to_patches=True, min_patches=1,
-                          max_patches=4).save_pretrained(path)
+                          max_patches=max_patches).save_pretrained(path)
     return path
 
 
