@@ -29,7 +29,7 @@ serve: setup
 
 # Two workers, a test file each (tests/conftest.py says why and how they share the cores).
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25
 
 # ruff, and the package's floors (no import cycle, none up a floor: tests/test_import_layers.py).
 lint: setup

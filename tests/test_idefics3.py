@@ -98,9 +98,15 @@ def _open(folder, **options):
     return engine.open_engine(folder, **(defaults | options))
 
 
-@pytest.mark.parametrize(("images", "batched"), [([WIDE], 2048), ([WIDE, TALL], 2048),
-                                                 ([_image(2, (40, 30))], 2048), ([TALL], 12)],
-                         ids=["tiles", "two-images", "small-image", "tiles-across-chunks"])
+# Every case on SmolVLM; Idefics3 (the same model under SmolVLM v1's class) on the first.
+CASES = [pytest.param("smolvlm", [WIDE], 2048, id="smolvlm-tiles"),
+         pytest.param("smolvlm", [WIDE, TALL], 2048, id="smolvlm-two-images"),
+         pytest.param("smolvlm", [_image(2, (40, 30))], 2048, id="smolvlm-small-image"),
+         pytest.param("smolvlm", [TALL], 12, id="smolvlm-tiles-across-chunks"),
+         pytest.param("idefics3", [WIDE, TALL], 2048, id="idefics3-two-images")]
+
+
+@pytest.mark.parametrize(("folder", "images", "batched"), CASES, indirect=["folder"])
 async def test_logits_and_greedy_tokens_match_transformers(folder, hf, images, batched) -> None:
     ids, hf_logprobs, hf_new, hf_steps = hf_run(hf, images)
     pad = hf[0].config.image_token_id

@@ -91,9 +91,15 @@ def _open(folder, **options):
     return engine.open_engine(folder, **(defaults | options))
 
 
-@pytest.mark.parametrize(("images", "batched"), [([WIDE], 2048), ([WIDE, SQUARE], 2048),
-                                                 ([SMALL], 2048), ([SQUARE], 12)],
-                         ids=["tiles", "two-images", "one-tile", "tiles-across-chunks"])
+# Every case over Qwen2; over Qwen3 (InternVL3.5's decoder) the first.
+CASES = [pytest.param("qwen2", [WIDE], 2048, id="qwen2-tiles"),
+         pytest.param("qwen2", [WIDE, SQUARE], 2048, id="qwen2-two-images"),
+         pytest.param("qwen2", [SMALL], 2048, id="qwen2-one-tile"),
+         pytest.param("qwen2", [SQUARE], 12, id="qwen2-tiles-across-chunks"),
+         pytest.param("qwen3", [WIDE, SQUARE], 2048, id="qwen3-two-images")]
+
+
+@pytest.mark.parametrize(("folder", "images", "batched"), CASES, indirect=["folder"])
 async def test_logits_and_greedy_tokens_match_transformers(folder, hf, images, batched) -> None:
     ids, hf_logprobs, hf_new, hf_steps = hf_run(hf, images)
     pad = hf[0].config.image_token_id
