@@ -30,6 +30,23 @@ if not torch.cuda.is_available():
 # and test_http_pooling.py both use them; sentence-transformers' encode takes seconds).
 from pooling_fixtures import classifier, cross_encoder, minilm, st_embeddings, tagger  # noqa: E402, F401
 
+# The files that hold the suite's longest setups and tests (make test's --durations): run
+# first. `--dist loadfile` hands files out in collection order as the workers free up, so
+# with these at the front the last files are short ones and neither worker waits long for
+# the other at the end (with them last in alphabetical order, one ran alone for minutes).
+HEAVY_FIRST = (
+    "test_tensor_parallel_gguf.py", "test_pipeline_parallel.py", "test_tensor_parallel.py",
+    "test_quant_fidelity.py", "test_data_parallel_groups.py", "test_moe.py", "test_beam_search.py",
+    "test_lora_parallel.py", "test_tensor_parallel_workers.py", "test_gpt2_opt.py",
+    "test_pipeline_workers.py", "test_data_parallel_ray.py", "test_loader.py", "test_core_process.py",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001
+    """The heavy files first (:data:`HEAVY_FIRST`), every other in collection order."""
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
 
 @pytest.fixture(scope="module")
 def one_thread():
