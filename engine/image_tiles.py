@@ -23,7 +23,7 @@ KiB, not 3 MiB of float32, so that a photo's 17 tiles fit a request's pixel budg
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,25 @@ def tile_prompt(rows: int, cols: int, per_tile: int, image_token: str) -> str:
     grid = "".join("".join(f"{FAKE}<row_{r + 1}_col_{c + 1}>{pads}" for c in range(cols)) + "\n"
                    for r in range(rows))
     return f"{grid}\n{FAKE}{GLOBAL}{pads}{FAKE}"
+
+
+def _image_positions(prep: ImagePreprocessor, ids: Sequence[int], images: Sequence[RawImage],
+                     options: Mapping[str, Any] | None, own: Collection[int], what: str) -> list[int]:
+    """Where ``ids`` holds each image's token, after the checks: no mm_processor_kwargs (no
+    pixel budget here), none of the model's own frame tokens ``own`` written by anything
+    but an image."""
+    prep.processor_for(options)
+    at = media_token_positions(ids, prep.image_token_id, prep.image_token, {}, len(images), "image")
+    if any(t in own for t in ids):
+        raise InvalidParamError(f"the prompt holds {what} tokens that are not an image's", param="messages")
+    return at
+
+
+def _image_input(offset: int, length: int, pixels: bytes, shape: Sequence[int]) -> ImageInput:
+    """An image input keyed by its packed pixels and their shape (the prefix cache's key)."""
+    shape = tuple(int(d) for d in shape)
+    digest = hashlib.sha256(repr(shape).encode() + pixels).digest()
+    return ImageInput(offset, length, int.from_bytes(digest[:8], "little") >> 1, pixels, shape, ())
 
 
 class TiledImagePreprocessor(ImagePreprocessor):
@@ -82,11 +101,7 @@ class TiledImagePreprocessor(ImagePreprocessor):
 
     def expand(self, ids: Sequence[int], images: Sequence[RawImage],
                options: Mapping[str, Any] | None = None) -> tuple[tuple[int, ...], tuple[ImageInput, ...]]:
-        self.processor_for(options)  # refuses any mm_processor_kwargs: no pixel budget here
-        at = media_token_positions(ids, self.image_token_id, self.image_token, {}, len(images), "image")
-        if any(t in self.frame_ids for t in ids):
-            raise InvalidParamError("the prompt holds image frame tokens that are not an image's",
-                                    param="messages")
+        at = _image_positions(self, ids, images, options, self.frame_ids, "image frame")
         per_tile = self.num_image_tokens
         assert per_tile is not None
         out: list[int] = []
@@ -102,10 +117,8 @@ class TiledImagePreprocessor(ImagePreprocessor):
                 raise CorruptModelError(f"the image processor gave {len(tiles)} tiles for {rows} x {cols}; "
                                         f"the prompt frames {len(starts)}")
             for start, tile in zip(starts, tiles, strict=True):
-                pixels = pack(tile.reshape(1, tile.shape[0], -1), self.norm)
-                digest = hashlib.sha256(repr(tile.shape).encode() + pixels).digest()
-                inputs.append(ImageInput(len(out) + start, per_tile, int.from_bytes(digest[:8], "little") >> 1,
-                                         pixels, tuple(int(d) for d in tile.shape), ()))
+                inputs.append(_image_input(len(out) + start, per_tile,
+                                           pack(tile.reshape(1, tile.shape[0], -1), self.norm), tile.shape))
             out.extend(framed)
             prev = pos + 1
         out.extend(ids[prev:])
@@ -127,11 +140,7 @@ class ContextImagePreprocessor(ImagePreprocessor):
 
     def expand(self, ids: Sequence[int], images: Sequence[RawImage],
                options: Mapping[str, Any] | None = None) -> tuple[tuple[int, ...], tuple[ImageInput, ...]]:
-        self.processor_for(options)  # refuses any mm_processor_kwargs: no pixel budget here
-        at = media_token_positions(ids, self.image_token_id, self.image_token, {}, len(images), "image")
-        if any(t in (self.start_id, self.end_id) for t in ids):
-            raise InvalidParamError("the prompt holds <img> or </img> tokens that are not an image's",
-                                    param="messages")
+        at = _image_positions(self, ids, images, options, (self.start_id, self.end_id), "<img> or </img>")
         per_tile = self.num_image_tokens
         assert per_tile is not None
         out: list[int] = []
@@ -145,12 +154,9 @@ class ContextImagePreprocessor(ImagePreprocessor):
             except ValueError as exc:
                 raise InvalidParamError(f"{raw.where}: the model's image processor refused the "
                                         f"image ({exc})", param=raw.where) from None
-            pixels = pack(tiles.reshape(len(tiles), tiles.shape[1], -1), self.norm)
-            shape = tuple(int(d) for d in tiles.shape)
-            digest = hashlib.sha256(repr(shape).encode() + pixels).digest()
             out.append(self.start_id)
-            inputs.append(ImageInput(len(out), per_tile * len(tiles), int.from_bytes(digest[:8], "little") >> 1,
-                                     pixels, shape, ()))
+            inputs.append(_image_input(len(out), per_tile * len(tiles),
+                                       pack(tiles.reshape(len(tiles), tiles.shape[1], -1), self.norm), tiles.shape))
             out.extend([self.image_token_id] * (per_tile * len(tiles)))
             out.append(self.end_id)
             prev = pos + 1

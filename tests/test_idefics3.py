@@ -25,6 +25,7 @@ from tests.engine_helpers import greedy, token_ids, wait_idle
 from tests.test_llava import data_url
 from tests.vlm_checks import (
     assert_matches_transformers,
+    assert_served_like_transformers,
     hf_forward_and_generate,
     tokens_with_adapter,
     write_vlm_adapter,
@@ -159,25 +160,9 @@ async def test_bad_images_are_refused_and_the_engine_serves_on(folder) -> None:
 
 @pytest.mark.parametrize("folder", ["smolvlm"], indirect=True)
 def test_the_openai_client_behind_an_engine_core_process(folder, hf) -> None:
-    import openai
-
-    import engine.api
-    from tests.http_server import ServerThread
-
     ids, _, new, _ = hf_run(hf, [WIDE, TALL])
-    expected = hf[1].tokenizer.decode(new, skip_special_tokens=True)
-
-    def open_engine():
-        return engine.api.open_engine(str(folder), served_model_name="tiny-smolvlm", dtype="float32",
-                                      kv_cache_memory=8 * 2**20, block_size=4, engine_core="process")
-
-    with ServerThread(open_engine) as server, openai.OpenAI(
-            base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as client:
-        args = dict(model="tiny-smolvlm", messages=messages([WIDE, TALL]), temperature=0,
-                    max_tokens=NEW_TOKENS, extra_body={"ignore_eos": True})
-        reply = client.chat.completions.create(**args)
-        assert reply.choices[0].message.content == expected
-        assert reply.usage.prompt_tokens == len(ids)
+    assert_served_like_transformers(folder, messages([WIDE, TALL]),
+                                    hf[1].tokenizer.decode(new, skip_special_tokens=True), len(ids), NEW_TOKENS)
 
 
 @pytest.mark.parametrize("folder", ["smolvlm"], indirect=True)

@@ -20,7 +20,12 @@ from engine.errors import InvalidParamError
 from engine.models.testing_internvl import write_tiny_internvl
 from tests.engine_helpers import greedy, token_ids, wait_idle
 from tests.test_llava import data_url
-from tests.vlm_checks import assert_matches_transformers, hf_forward_and_generate
+from tests.vlm_checks import (
+    assert_matches_transformers,
+    assert_served_like_transformers,
+    hf_forward_and_generate,
+    image_only,
+)
 
 NEW_TOKENS = 16
 QUESTION = "What is in the picture? Describe it."
@@ -55,13 +60,7 @@ def hf_model(folder, image_seq_length: int = 4):
         InternVLProcessor,
     )
 
-    class ImageOnlyProcessor(InternVLProcessor):
-        # The processor's video half needs torchvision (not installed); images need none of it.
-        def check_argument_for_proper_class(self, name, arg):  # noqa: ANN001, ANN202
-            if arg is not None:
-                return super().check_argument_for_proper_class(name, arg)
-            return None
-
+    ImageOnlyProcessor = image_only(InternVLProcessor)  # noqa: N806
     model = InternVLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     processor = ImageOnlyProcessor(image_processor=AutoImageProcessor.from_pretrained(folder),
@@ -139,25 +138,9 @@ async def test_repeats_hit_the_cache_and_bad_images_are_refused(folder, hf) -> N
 
 @pytest.mark.parametrize("folder", ["qwen2"], indirect=True)
 def test_the_openai_client_behind_an_engine_core_process(folder, hf) -> None:
-    import openai
-
-    import engine.api
-    from tests.http_server import ServerThread
-
     ids, _, new, _ = hf_run(hf, [WIDE, SMALL])
-    expected = hf[1].tokenizer.decode(new, skip_special_tokens=True)
-
-    def open_engine():
-        return engine.api.open_engine(str(folder), served_model_name="tiny-internvl", dtype="float32",
-                                      kv_cache_memory=8 * 2**20, block_size=4, engine_core="process")
-
-    with ServerThread(open_engine) as server, openai.OpenAI(
-            base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as client:
-        args = dict(model="tiny-internvl", messages=messages([WIDE, SMALL]), temperature=0,
-                    max_tokens=NEW_TOKENS, extra_body={"ignore_eos": True})
-        reply = client.chat.completions.create(**args)
-        assert reply.choices[0].message.content == expected
-        assert reply.usage.prompt_tokens == len(ids)
+    assert_served_like_transformers(folder, messages([WIDE, SMALL]),
+                                    hf[1].tokenizer.decode(new, skip_special_tokens=True), len(ids), NEW_TOKENS)
 
 
 @pytest.mark.parametrize("folder", ["qwen2"], indirect=True)

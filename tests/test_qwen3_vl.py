@@ -23,7 +23,9 @@ from tests.template_data import QWEN2_VL, checkpoint_template
 from tests.test_qwen_vl import IMAGES, QUESTION, _image, hf_text, messages
 from tests.vlm_checks import (
     assert_matches_transformers,
+    assert_served_like_transformers,
     hf_forward_and_generate,
+    image_only,
     tokens_with_adapter,
     write_vlm_adapter,
 )
@@ -47,13 +49,7 @@ def hf_model(folder):
         Qwen3VLProcessor,
     )
 
-    class ImageOnlyProcessor(Qwen3VLProcessor):
-        # The processor's video half needs torchvision (not installed); images need none of it.
-        def check_argument_for_proper_class(self, name, arg):  # noqa: ANN001, ANN202
-            if arg is not None:
-                return super().check_argument_for_proper_class(name, arg)
-            return None
-
+    ImageOnlyProcessor = image_only(Qwen3VLProcessor)  # noqa: N806
     moe = AutoConfig.from_pretrained(folder).model_type == "qwen3_vl_moe"
     cls = Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
     model = cls.from_pretrained(folder, dtype=torch.float32).eval()
@@ -179,28 +175,7 @@ async def test_a_lora_adapter_on_the_language_model_answers_images_as_peft(qwen3
 
 def test_the_openai_client_behind_an_engine_core_process(qwen3_vl, hf) -> None:
     """An image_url part through the official client to a server whose engine core runs
-    in its own process: transformers' greedy answer, streamed and not, and the prompt's
-    token count."""
-    import openai
-
-    import engine.api
-    from tests.http_server import ServerThread
-
-    _, processor = hf
-    images = IMAGES[:2]
-    ids, _, new, _ = hf_run(hf, images)
-    expected = processor.tokenizer.decode(new, skip_special_tokens=True)
-
-    def open_engine():
-        return engine.api.open_engine(str(qwen3_vl), served_model_name="tiny-qwen3-vl", dtype="float32",
-                                      kv_cache_memory=8 * 2**20, block_size=4, engine_core="process")
-
-    with ServerThread(open_engine) as server, openai.OpenAI(
-            base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as client:
-        args = dict(model="tiny-qwen3-vl", messages=messages(images), temperature=0,
-                    max_tokens=NEW_TOKENS, extra_body={"ignore_eos": True})
-        reply = client.chat.completions.create(**args)
-        assert reply.choices[0].message.content == expected
-        assert reply.usage.prompt_tokens == len(ids)
-        chunks = client.chat.completions.create(**args, stream=True)
-        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    in its own process: transformers' greedy answer and the prompt's token count."""
+    ids, _, new, _ = hf_run(hf, IMAGES[:2])
+    assert_served_like_transformers(qwen3_vl, messages(IMAGES[:2]),
+                                    hf[1].tokenizer.decode(new, skip_special_tokens=True), len(ids), NEW_TOKENS)

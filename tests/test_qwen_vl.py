@@ -27,6 +27,7 @@ from tests.test_llava import data_url
 from tests.vlm_checks import (
     assert_matches_transformers,
     hf_forward_and_generate,
+    image_only,
     tokens_with_adapter,
     write_vlm_adapter,
 )
@@ -83,13 +84,7 @@ def hf_model(folder):
         Qwen2VLProcessor,
     )
 
-    class ImageOnlyProcessor(Qwen2VLProcessor):
-        # The processor's video half needs torchvision (not installed); images need none of it.
-        def check_argument_for_proper_class(self, name, arg):  # noqa: ANN001, ANN202
-            if arg is not None:
-                return super().check_argument_for_proper_class(name, arg)
-            return None
-
+    ImageOnlyProcessor = image_only(Qwen2VLProcessor)  # noqa: N806
     kind = AutoConfig.from_pretrained(folder).model_type
     cls = Qwen2VLForConditionalGeneration if kind == "qwen2_vl" else Qwen2_5_VLForConditionalGeneration
     model = cls.from_pretrained(folder, dtype=torch.float32).eval()

@@ -73,3 +73,39 @@ async def tokens_with_adapter(opened: Any, messages: list[dict], new_tokens: int
                for lora in (None, "lm")}
         await wait_idle(eng)
     return got
+
+
+def image_only(processor_cls: type) -> type:
+    """transformers' processor class ``processor_cls`` without its video half, whose video
+    processor needs torchvision (not installed here); images need none of it."""
+
+    class ImageOnly(processor_cls):  # type: ignore[misc, valid-type]
+        def check_argument_for_proper_class(self, name, arg):  # noqa: ANN001, ANN202
+            if arg is not None:
+                return super().check_argument_for_proper_class(name, arg)
+            return None
+
+    return ImageOnly
+
+
+def assert_served_like_transformers(folder: Path, messages: list[dict], expected: str,
+                                    prompt_tokens: int, new_tokens: int) -> None:
+    """The official ``openai`` client against ``serve`` of ``folder`` with its engine core
+    in a process of its own: the chat answer is transformers' text ``expected`` and the
+    usage counts ``prompt_tokens``."""
+    import openai
+
+    import engine.api
+    from tests.http_server import ServerThread
+
+    def open_engine():  # noqa: ANN202
+        return engine.api.open_engine(str(folder), served_model_name="tiny-vlm", dtype="float32",
+                                      kv_cache_memory=8 * 2**20, block_size=4, engine_core="process")
+
+    with ServerThread(open_engine) as server, openai.OpenAI(
+            base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as client:
+        reply = client.chat.completions.create(model="tiny-vlm", messages=messages, temperature=0,
+                                               max_tokens=new_tokens, extra_body={"ignore_eos": True})
+        assert reply.choices[0].message.content == expected
+        assert reply.usage.prompt_tokens == prompt_tokens
+
