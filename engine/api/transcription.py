@@ -59,7 +59,6 @@ class Transcription:
     temperature: float = 0.0
     # verbose_json: each piece's probe of Whisper's no-speech token (no_speech_probs).
     probes: list[RequestStream] = dataclasses.field(default_factory=list)
-    no_speech_id: int | None = None
 
     async def segments(self, tokenizer: Any) -> tuple[str, list[dict[str, Any]]]:
         """The text and OpenAI's ``verbose_json`` segments (read to the end; timestamps
@@ -281,8 +280,7 @@ async def transcribe(engine: Engine, data: Any, *, language: str | None = None,
     run = Transcription([], len(samples) / rate, language=language,
                         starts=[a / rate for a in cuts[:-1]],
                         lengths=[(b - a) / rate for a, b in zip(cuts, cuts[1:], strict=False)],
-                        first_timestamp=first_timestamp, temperature=float(temperature),
-                        no_speech_id=no_speech_id)
+                        first_timestamp=first_timestamp, temperature=float(temperature))
     try:
         for p in prepared:
             run.streams.append(engine.enqueue(p))

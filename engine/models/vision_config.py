@@ -149,6 +149,26 @@ class Gemma3VisionConfig:
         return self.patches_per_side // int(round(self.mm_tokens_per_image ** 0.5))
 
 
+def siglip_tower(vis: dict[str, Any], image_token_id: int, *, layers: int, intermediate: int,
+                 image_size: int, patch_size: int) -> VisionConfig:
+    """A whole SigLIP tower read from a ``vision_config`` (Gemma 3's, Idefics3's), the
+    family's transformers defaults where it is silent: every layer's output, no projector
+    of its own."""
+    layers = int(vis.get("num_hidden_layers", layers))
+    return VisionConfig(
+        hidden_size=int(vis.get("hidden_size", 1152)),
+        intermediate_size=int(vis.get("intermediate_size", intermediate)),
+        num_hidden_layers=layers,
+        num_attention_heads=int(vis.get("num_attention_heads", 16)),
+        image_size=int(vis.get("image_size", image_size)),
+        patch_size=int(vis.get("patch_size", patch_size)),
+        num_channels=int(vis.get("num_channels", 3)),
+        layer_norm_eps=float(vis.get("layer_norm_eps", 1e-6)),
+        hidden_act=str(vis.get("hidden_act", "gelu_pytorch_tanh")),
+        feature_layers=(layers,), select_strategy="full", projector_act="none",
+        projector_bias=False, image_token_id=image_token_id, tower="siglip")
+
+
 def gemma3_vision_config(raw: dict[str, Any]) -> Gemma3VisionConfig:
     """Gemma 3's ``vision_config`` and image tokens from its outer config.json (the
     defaults are transformers' ``Gemma3Config``'s)."""
@@ -157,20 +177,8 @@ def gemma3_vision_config(raw: dict[str, Any]) -> Gemma3VisionConfig:
         if vis.get("model_type", "siglip_vision_model") != "siglip_vision_model":
             raise UnsupportedModelError(f"Gemma 3 with a {vis['model_type']!r} vision tower is "
                                         "not supported (SigLIP is)")
-        layers = int(vis.get("num_hidden_layers", 27))
-        tower = VisionConfig(
-            hidden_size=int(vis.get("hidden_size", 1152)),
-            intermediate_size=int(vis.get("intermediate_size", 4304)),
-            num_hidden_layers=layers,
-            num_attention_heads=int(vis.get("num_attention_heads", 16)),
-            image_size=int(vis.get("image_size", 896)),
-            patch_size=int(vis.get("patch_size", 14)),
-            num_channels=int(vis.get("num_channels", 3)),
-            layer_norm_eps=float(vis.get("layer_norm_eps", 1e-6)),
-            hidden_act=str(vis.get("hidden_act", "gelu_pytorch_tanh")),
-            feature_layers=(layers,), select_strategy="full", projector_act="none",
-            projector_bias=False, image_token_id=int(raw.get("image_token_index", 262144)),
-            tower="siglip")
+        tower = siglip_tower(vis, int(raw.get("image_token_index", 262144)), layers=27,
+                             intermediate=4304, image_size=896, patch_size=14)
         vision = Gemma3VisionConfig(
             tower=tower, mm_tokens_per_image=int(raw.get("mm_tokens_per_image", 256)),
             image_token_id=tower.image_token_id,
@@ -298,20 +306,8 @@ def idefics3_parts(raw: dict[str, Any], kind: str) -> tuple[dict[str, Any], Idef
         text.setdefault("architectures", ["LlamaForCausalLM"])
         text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
         text.setdefault("torch_dtype", raw.get("torch_dtype") or raw.get("dtype"))
-        layers = int(vis.get("num_hidden_layers", 12))
-        tower = VisionConfig(
-            hidden_size=int(vis.get("hidden_size", 1152)),
-            intermediate_size=int(vis.get("intermediate_size", 3072)),
-            num_hidden_layers=layers,
-            num_attention_heads=int(vis.get("num_attention_heads", 16)),
-            image_size=int(vis.get("image_size", 224)),
-            patch_size=int(vis.get("patch_size", 32)),
-            num_channels=int(vis.get("num_channels", 3)),
-            layer_norm_eps=float(vis.get("layer_norm_eps", 1e-6)),
-            hidden_act=str(vis.get("hidden_act", "gelu_pytorch_tanh")),
-            feature_layers=(layers,), select_strategy="full", projector_act="none",
-            projector_bias=False, image_token_id=int(raw.get("image_token_id", 128257)),
-            tower="siglip")
+        tower = siglip_tower(vis, int(raw.get("image_token_id", 128257)), layers=12,
+                             intermediate=3072, image_size=224, patch_size=32)
         vision = Idefics3VisionConfig(tower=tower, scale_factor=int(raw.get("scale_factor", 2)),
                                       image_token_id=tower.image_token_id, kind=kind)
     except (KeyError, TypeError, ValueError) as exc:
