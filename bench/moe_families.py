@@ -43,6 +43,9 @@ at reduced shapes that keep what sets each family apart (``SHAPES``):
 * Nemotron-H: single-mixer blocks (Mamba, MLP, Mamba, attention, MLP, Mamba, MLP, Mamba),
   the mixer 32 heads of 64 with a 128-wide state in 8 groups, squared-ReLU MLPs 2816 wide.
   Unfused.
+* Falcon-H1: attention (8 query and 2 KV heads of 64) and a Mamba-2 mixer (24 heads of 64,
+  a 128-wide state, one group) side by side in each of 8 layers, a 2048 SwiGLU MLP, its
+  multipliers as Falcon-H1-0.5B's: that model's shape with 8 of its 36 layers. Unfused.
 
 Random weights decode as fast as trained ones: only the shapes matter here. Both sides
 load the same folder in ``--dtype``; each round times the engine's decode steps (one
@@ -113,6 +116,14 @@ SHAPES = {
                        max_position_embeddings=4096, intermediate_size=2816, hybrid_override_pattern="M-M*-M-M",
                        num_hidden_layers=8, mamba_num_heads=32, mamba_head_dim=64, n_groups=8, ssm_state_size=128,
                        vocab_size=384, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # Falcon-H1-0.5B's layer, 8 of its 36, with its multipliers.
+    "falcon_h1": dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                      intermediate_size=2048, num_hidden_layers=8, mamba_d_ssm=1536, mamba_n_heads=24, mamba_d_head=64,
+                      mamba_n_groups=1, mamba_d_state=128, max_position_embeddings=4096, vocab_size=384,
+                      tie_word_embeddings=False, rope_theta=1e11, embedding_multiplier=5.66, lm_head_multiplier=0.039,
+                      key_multiplier=0.39, attention_out_multiplier=0.9375, ssm_in_multiplier=1.25,
+                      ssm_out_multiplier=0.2357, ssm_multipliers=[0.354, 0.25, 0.354, 0.5, 0.354],
+                      mlp_multipliers=[0.884, 0.586], pad_token_id=0, bos_token_id=1, eos_token_id=2),
     # Qwen3.5 (dense): three Gated DeltaNet layers to one gated attention layer, the
     # DeltaNet 8 key and 16 value heads of 64 (Qwen3.5's ratio), attention heads of 128.
     "qwen3_5": ATTENTION | dict(
@@ -134,7 +145,8 @@ def write(family: str, folder: Path) -> None:
 
     name = {"glm4_moe": "Glm4Moe", "deepseek_v3": "DeepseekV3", "glm4": "Glm4", "cohere2": "Cohere2", "olmoe": "Olmoe",
             "gpt_bigcode": "GPTBigCode", "starcoder2": "Starcoder2", "gpt_neox": "GPTNeoX",
-            "phi": "Phi", "granite4h": "GraniteMoeHybrid", "nemotron_h": "NemotronH", "qwen3_5": "Qwen3_5"}[family]
+            "phi": "Phi", "granite4h": "GraniteMoeHybrid", "nemotron_h": "NemotronH", "qwen3_5": "Qwen3_5",
+            "falcon_h1": "FalconH1"}[family]
     config = getattr(transformers, f"{name}{'TextConfig' if family == 'qwen3_5' else 'Config'}")(**SHAPES[family])
     torch.manual_seed(0)
     getattr(transformers, f"{name}ForCausalLM")(config).save_pretrained(folder)
@@ -190,7 +202,7 @@ def main() -> None:
             step = engine.runner.model.fused_step
             # latent attention, post-block norms, LayerNorm, q/k norms across the heads
             fuses = family not in ("deepseek_v3", "glm4", "cohere2", "olmoe", "gpt_bigcode", "starcoder2", "gpt_neox",
-                                  "phi", "granite4h", "nemotron_h", "qwen3_5")
+                                  "phi", "granite4h", "nemotron_h", "qwen3_5", "falcon_h1")
             assert (step is not None and step.steps > 0) == fuses, f"{family}: the fused step ran or not"
             del engine, hf
 

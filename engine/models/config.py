@@ -29,7 +29,14 @@ from engine.models.encoder_config import (
     encoder_fields,
     matryoshka,
 )
-from engine.models.mamba_config import MambaConfig, mamba_fields, nemotron_h_raw
+from engine.models.mamba_config import (
+    FalconH1Multipliers,
+    MambaConfig,
+    falcon_h1_multipliers,
+    falcon_h1_raw,
+    mamba_fields,
+    nemotron_h_raw,
+)
 from engine.models.moe_config import MoeConfig
 from engine.models.vision_config import (
     IDEFICS3_ARCHITECTURES,
@@ -72,6 +79,9 @@ SUPPORTED_ARCHITECTURES = {
     "GraniteMoeHybridForCausalLM": "granite_hybrid",
     # NVIDIA's Nemotron-H (models/nemotron_h.py): Mamba-2, attention and MLP layers, one block each.
     "NemotronHForCausalLM": "nemotron_h",
+    # TII's Falcon-H1 (models/falcon_h1.py): attention and a Mamba-2 mixer side by side in
+    # every layer, muP multipliers throughout.
+    "FalconH1ForCausalLM": "falcon_h1",
     # Qwen3.5 (models/qwen3_5.py): Gated DeltaNet layers between gated attention layers.
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",  # its MLPs Qwen2-MoE's routed and gated shared experts
@@ -247,6 +257,7 @@ class ModelConfig:
     # Gated DeltaNet layers (deltanet_config.DeltaNetConfig); None: every layer attends.
     mamba: MambaConfig | None = None
     deltanet: DeltaNetConfig | None = None
+    falcon_h1: FalconH1Multipliers | None = None  # Falcon-H1's multipliers (mamba_config)
     # A multimodal model's encoder: a vision tower (LLaVA, Qwen-VL, Gemma 3, SmolVLM) or an audio
     # tower (Qwen2-Audio); None for a text-only model.
     vision: (VisionConfig | QwenVisionConfig | Gemma3VisionConfig | Idefics3VisionConfig
@@ -319,6 +330,8 @@ class ModelConfig:
             raw = granite_hybrid_raw(raw)
         elif arch == "nemotron_h":
             raw = nemotron_h_raw(raw)
+        elif arch == "falcon_h1":
+            raw = falcon_h1_raw(raw)
         elif arch == "qwen3_5_moe":  # every MLP is the experts': no dense width
             raw = {"intermediate_size": raw.get("moe_intermediate_size", 0), **raw}
         elif arch == "gpt_neox":
@@ -398,6 +411,7 @@ class ModelConfig:
                 mla=mla.get("mla"),
                 mamba=mamba_fields(raw, arch),
                 deltanet=deltanet_fields(raw, arch),
+                falcon_h1=falcon_h1_multipliers(raw, arch),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptModelError(f"config.json is missing or has a bad field: {exc}") from exc

@@ -73,6 +73,8 @@ def granite_multipliers(raw: dict[str, Any], arch: str) -> dict[str, Any]:
             raise UnsupportedModelError(f"use_qk_norm (a LayerNorm on each head of q and k) on {arch} is not supported")
         return {"logit_scale": float(raw.get("logit_scale", 0.0625)),
                 "rms_norm_eps": float(raw.get("layer_norm_eps", 1e-5))}
+    if arch == "falcon_h1":  # its other multipliers: ModelConfig.falcon_h1
+        return {"embedding_multiplier": float(raw.get("embedding_multiplier", 1.0))}
     if arch not in ("granite", "granite_moe", "granite_hybrid"):
         return {}
     return {

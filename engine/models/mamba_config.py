@@ -1,6 +1,8 @@
 """The Mamba-2 mixers of a hybrid decoder (Granite 4.0's "h" models,
 ``GraniteMoeHybridForCausalLM`` with ``mamba`` layers; NVIDIA's Nemotron-H,
-``NemotronHForCausalLM``): their shape as config.json gives it (``ModelConfig.mamba``).
+``NemotronHForCausalLM``; TII's Falcon-H1, ``FalconH1ForCausalLM``): their shape as
+config.json gives it (``ModelConfig.mamba``), and Falcon-H1's multipliers
+(``ModelConfig.falcon_h1``).
 
 A Mamba-2 layer keeps no KV cache. Each request carries two recurrent states a layer
 instead, whatever its length: the last ``d_conv - 1`` inputs of the causal convolution
@@ -36,6 +38,16 @@ class MambaConfig:
     # Over tensor-parallel ranks (local()): how many ranks one gated-norm group spans (its
     # groups copied to every rank, n_groups 1: the norm's mean is summed over the ranks).
     norm_world: int = 1
+    # The output's gate: an RMS norm per group of y * silu(z) (gated_norm, Granite's and
+    # Nemotron-H's), of y before the gate (norm_before_gate), or no norm at all (Falcon-H1's
+    # mamba_rms_norm false: y * silu(z)); the norm's weight multiplies the fp32 normed
+    # values before they are rounded (norm_weight_fp32, Falcon-H1's) or after.
+    gated_norm: bool = True
+    norm_before_gate: bool = False
+    norm_weight_fp32: bool = False
+    # Falcon-H1's ssm_multipliers: in_proj's output scaled, one factor for each of its
+    # parts (z, x, B, C, dt); () for none.
+    in_multipliers: tuple[float, ...] = ()
 
     @property
     def d_inner(self) -> int:
@@ -115,12 +127,60 @@ def nemotron_h_raw(raw: dict[str, Any]) -> dict[str, Any]:
                   "rms_norm_eps": float(raw.get("layer_norm_epsilon", 1e-5)), "hidden_act": "silu"}
 
 
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class FalconH1Multipliers:
+    """Falcon-H1's muP multipliers, applied to the activations where transformers applies
+    them: the attention's input and output, the Mamba mixer's input and output (in_proj's
+    parts: ``MambaConfig.in_multipliers``), the MLP's gate and output, the logits. Its
+    key_multiplier scales the attention scores (the attention scale), its
+    embedding_multiplier is ``ModelConfig.embedding_multiplier``."""
+
+    attention_in: float = 1.0
+    attention_out: float = 1.0
+    ssm_in: float = 1.0
+    ssm_out: float = 1.0
+    mlp_gate: float = 1.0
+    mlp_down: float = 1.0
+    lm_head: float = 1.0
+    key: float = 1.0
+
+
+def falcon_h1_raw(raw: dict[str, Any]) -> dict[str, Any]:
+    """A Falcon-H1 config.json under the decoder's keys. Each of its layers runs attention
+    and a Mamba mixer side by side on one norm, so each is two cache layers here:
+    attention at ``2 i``, its Mamba mixer at ``2 i + 1`` (``layer_types``). Biases on
+    any projection are refused (the released models have none)."""
+    for flag in ("attention_bias", "mlp_bias", "mamba_proj_bias", "projectors_bias"):
+        if raw.get(flag):
+            raise UnsupportedModelError(f"Falcon-H1 with {flag} is not supported")
+    for key in ("hidden_act", "mamba_hidden_act"):
+        if raw.get(key, "silu") != "silu":
+            raise UnsupportedModelError(f"Falcon-H1 with {key} {raw.get(key)!r} is not supported (silu is)")
+    layers = int(raw["num_hidden_layers"])
+    return dict(raw, layer_types=["attention", "mamba"] * layers, num_hidden_layers=2 * layers)
+
+
+def falcon_h1_multipliers(raw: dict[str, Any], arch: str) -> FalconH1Multipliers | None:
+    """Falcon-H1's multipliers (transformers' defaults: 1 each), None for other families."""
+    if arch != "falcon_h1":
+        return None
+    gate, down = raw.get("mlp_multipliers") or (1.0, 1.0)
+    return FalconH1Multipliers(
+        attention_in=float(raw.get("attention_in_multiplier", 1.0)),
+        attention_out=float(raw.get("attention_out_multiplier", 1.0)),
+        ssm_in=float(raw.get("ssm_in_multiplier", 1.0)), ssm_out=float(raw.get("ssm_out_multiplier", 1.0)),
+        mlp_gate=float(gate), mlp_down=float(down), lm_head=float(raw.get("lm_head_multiplier", 1.0)),
+        key=float(raw.get("key_multiplier", 1.0)))
+
+
 def mamba_fields(raw: dict[str, Any], arch: str) -> MambaConfig | None:
     """Granite 4's Mamba layers (``layer_types`` "mamba"), or None where every layer is
     attention (granite-4.0-micro) or for any other architecture; Nemotron-H's Mamba and
     MLP layers (its raw config as :func:`nemotron_h_raw` gives it)."""
     if arch == "nemotron_h":
         return _nemotron_h(raw)
+    if arch == "falcon_h1":
+        return _falcon_h1(raw)
     if arch != "granite_hybrid":
         return None
     layers = int(raw["num_hidden_layers"])
@@ -184,6 +244,35 @@ def _nemotron_h(raw: dict[str, Any]) -> MambaConfig:
         proj_bias=bool(raw.get("use_bias", False)), dt_min=_json_float(limit[0]), dt_max=_json_float(limit[1]))
 
 
+def _falcon_h1(raw: dict[str, Any]) -> MambaConfig:
+    """Falcon-H1's mixers (every odd cache layer, :func:`falcon_h1_raw`): ``mamba_d_ssm``
+    wide (else ``mamba_expand`` x hidden), its gated norm optional (``mamba_rms_norm``,
+    off as released), its in_proj scaled by ``ssm_multipliers``."""
+    heads = int(raw.get("mamba_n_heads", 128))
+    d_ssm = raw.get("mamba_d_ssm")
+    d_inner = int(d_ssm) if d_ssm is not None else int(raw.get("mamba_expand", 2)) * int(raw["hidden_size"])
+    head_dim = raw.get("mamba_d_head", "auto")
+    head_dim = d_inner // heads if head_dim in (None, "auto") else int(head_dim)
+    if head_dim * heads != d_inner:
+        raise ValueError(f"mamba_n_heads ({heads}) x mamba_d_head ({head_dim}) must be the mixer's "
+                         f"width ({d_inner})")
+    groups = int(raw.get("mamba_n_groups", 1))
+    if heads % groups:
+        raise ValueError(f"mamba_n_groups ({groups}) must divide mamba_n_heads ({heads})")
+    multipliers = tuple(float(m) for m in raw.get("ssm_multipliers") or (1.0,) * 5)
+    if len(multipliers) != 5:
+        raise ValueError(f"ssm_multipliers has {len(multipliers)} values, not 5 (z, x, B, C, dt)")
+    limit = raw.get("time_step_limit") or (0.0, math.inf)
+    return MambaConfig(
+        layers=tuple(range(1, int(raw["num_hidden_layers"]), 2)), n_heads=heads, head_dim=head_dim,
+        d_state=int(raw.get("mamba_d_state", 256)), n_groups=groups, d_conv=int(raw.get("mamba_d_conv", 4)),
+        conv_bias=bool(raw.get("mamba_conv_bias", True)), proj_bias=False,
+        dt_min=_json_float(limit[0]), dt_max=_json_float(limit[1]),
+        gated_norm=bool(raw.get("mamba_rms_norm", False)),
+        norm_before_gate=bool(raw.get("mamba_norm_before_gate", True)), norm_weight_fp32=True,
+        in_multipliers=() if all(m == 1.0 for m in multipliers) else multipliers)
+
+
 def state_bytes_per_slot(recurrent: Any, layers: int, dtype_bytes: int) -> int:
     """One request's recurrent state over ``layers`` of ``recurrent``'s layers (a
     MambaConfig or a DeltaNetConfig: ``state_shapes()``): the convolution's window in the
@@ -192,4 +281,5 @@ def state_bytes_per_slot(recurrent: Any, layers: int, dtype_bytes: int) -> int:
     return layers * (math.prod(conv) * dtype_bytes + math.prod(ssm) * 4)
 
 
-__all__ = ["MambaConfig", "mamba_fields", "nemotron_h_raw", "state_bytes_per_slot"]
+__all__ = ["FalconH1Multipliers", "MambaConfig", "falcon_h1_multipliers", "falcon_h1_raw", "mamba_fields",
+           "nemotron_h_raw", "state_bytes_per_slot"]

@@ -20,6 +20,7 @@ from engine.models.cohere import CohereModel
 from engine.models.config import ModelConfig
 from engine.models.deepseek import DeepseekModel
 from engine.models.ernie import ErnieModel
+from engine.models.falcon_h1 import FalconH1Model
 from engine.models.gemma import Gemma3VisionModel, GemmaModel
 from engine.models.glm4 import Glm4Model
 from engine.models.gpt2 import GPT2Model
@@ -68,6 +69,7 @@ MODEL_CLASSES: dict[str, type] = {
     "granite_moe": LlamaModel,
     "granite_hybrid": GraniteHybridModel,
     "nemotron_h": NemotronHModel,
+    "falcon_h1": FalconH1Model,
     "qwen3_5": Qwen35Model,
     "qwen3_5_moe": Qwen35Model,
     "qwen3_next": Qwen35Model,

@@ -21,6 +21,10 @@ The mixer, with ``x``, ``B``, ``C`` the convolved and SiLU'd channels, per head 
     dt = clamp(softplus(dt_raw + dt_bias))            A = -exp(A_log)
     state = exp(dt A) state + dt x B^T                 y = state C + D x
     out = out_proj(rms_norm_grouped(y * silu(z)) * norm_weight)
+
+Falcon-H1's mixers scale in_proj's output by a factor for each of its parts
+(``MambaConfig.in_multipliers``) and gate ``y`` without a norm, or norm it before the
+gate (``MambaConfig.gated_norm``, ``norm_before_gate``).
 """
 
 from __future__ import annotations
@@ -58,7 +62,8 @@ def mamba_weight_names(config: MambaConfig, prefix: str, module: str = "mamba") 
     names.append(p + "conv1d.weight")
     if config.conv_bias:
         names.append(p + "conv1d.bias")
-    names += [p + "dt_bias", p + "A_log", p + "D", p + "norm.weight", p + "out_proj.weight"]
+    names += [p + "dt_bias", p + "A_log", p + "D", *([p + "norm.weight"] if config.gated_norm else []),
+              p + "out_proj.weight"]
     if config.proj_bias:
         names.append(p + "out_proj.bias")
     return names
@@ -75,11 +80,13 @@ class MambaMixer:
     dt_bias: torch.Tensor  # [n_heads] fp32
     a: torch.Tensor  # [n_heads] fp32: -exp(A_log)
     d: torch.Tensor  # [n_heads] fp32
-    norm: torch.Tensor  # [d_inner], model dtype
+    norm: torch.Tensor | None  # [d_inner], model dtype; None without a gated norm
     out_proj: Any  # Linear (a RowParallel over tensor-parallel ranks): [hidden, d_inner]
     eps: float
     ops: Any  # the state-space model's decode step (engine.ops.Ops.ssd_decode)
     tp: Any = SINGLE  # the rank's group: a norm group spanning ranks sums its squares over them
+    # in_proj's output scale, a value per row (Falcon-H1's ssm_multipliers), model dtype; or None.
+    scale: torch.Tensor | None = None
 
     @classmethod
     def build(cls, config: MambaConfig, get: Any, prefix: str, eps: float, make_linear: Any, ops: Any,
@@ -107,6 +114,13 @@ class MambaMixer:
             return get.rows(name, sizes=(d_in, d_in, bc, bc, heads),
                             spans=[part(d_in), part(d_in), groups, groups, part(heads)]) if on else None
 
+        scale = None
+        if config.in_multipliers:  # the rank's rows of in_proj, as its weight is cut
+            sizes, spans = (d_in, d_in, bc, bc, heads), [part(d_in), part(d_in), groups, groups, part(heads)]
+            scale = torch.cat([torch.full((b - a,), m) for m, cut in zip(config.in_multipliers, spans, strict=True)
+                               for a, b in cut]).to(device=get.device, dtype=get.dtype)
+            assert scale.shape[0] == local.in_proj_size and len(sizes) == 5
+
         return cls(
             config=local,
             in_proj=make_linear([get.rows(p + "in_proj.weight", sizes=(d_in, d_in, bc, bc, heads),
@@ -117,12 +131,13 @@ class MambaMixer:
             dt_bias=fp32(p + "dt_bias"),
             a=-torch.exp(fp32(p + "A_log")),
             d=fp32(p + "D"),
-            norm=get.rows(p + "norm.weight"),
+            norm=get.rows(p + "norm.weight") if config.gated_norm else None,
             out_proj=get.row_parallel(p + "out_proj.weight") if tp.enabled else make_linear(
                 [get(p + "out_proj.weight")], get(p + "out_proj.bias") if config.proj_bias else None),
             eps=eps,
             ops=ops,
             tp=tp,
+            scale=scale,
         )
 
     def __call__(self, x: torch.Tensor, meta: AttentionMetadata, conv_state: torch.Tensor,
@@ -131,6 +146,8 @@ class MambaMixer:
         hidden]; advances each request's states in its slot."""
         c = self.config
         zxbcdt = self.in_proj(x)
+        if self.scale is not None:
+            zxbcdt = zxbcdt * self.scale
         z, xbc, dt = zxbcdt.split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias).clamp(c.dt_min, c.dt_max)  # [T, H]
         y = torch.empty(x.shape[0], c.n_heads, c.head_dim, dtype=torch.float32, device=x.device)
@@ -217,14 +234,20 @@ class MambaMixer:
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMS norm over each group's channels of ``y * silu(z)`` (fp32), times the weight
-        in the model dtype (as transformers rounds it)."""
+        in the model dtype (as transformers rounds it); or as ``MambaConfig`` says, of
+        ``y`` before the gate, the weight times the fp32 values, or no norm at all."""
         c = self.config
-        gated = (y * F.silu(z.float())).reshape(y.shape[0], c.n_groups, -1)
+        gate = F.silu(z.float())
+        if not c.gated_norm:
+            return y * gate
+        gated = (y if c.norm_before_gate else y * gate).reshape(y.shape[0], c.n_groups, -1)
         squares = gated.pow(2).sum(-1, keepdim=True)
         if c.norm_world > 1:  # one group over every rank's heads
             squares = self.tp.all_reduce(squares)
-        normed = gated * torch.rsqrt(squares / (gated.shape[-1] * c.norm_world) + self.eps)
-        return self.norm * normed.reshape(y.shape[0], c.d_inner).to(self.norm.dtype)
+        assert self.norm is not None
+        normed = (gated * torch.rsqrt(squares / (gated.shape[-1] * c.norm_world) + self.eps)).reshape(y.shape[0], c.d_inner)
+        out = self.norm.float() * normed if c.norm_weight_fp32 else self.norm * normed.to(self.norm.dtype)
+        return out * gate if c.norm_before_gate else out
 
 
 __all__ = ["SCAN_BLOCK", "MambaMixer", "mamba_weight_names"]

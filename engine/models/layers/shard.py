@@ -58,6 +58,8 @@ def tensor_parallel_problem(config: ModelConfig, n: int, *, expert_parallel: boo
         return None
     if config.is_encoder:
         return "tensor parallelism is not supported for encoder (BERT) models"
+    if config.falcon_h1 is not None:
+        return "tensor parallelism is not supported for Falcon-H1"
     if config.vision is not None and not isinstance(config.vision, Gemma3VisionConfig):
         return "tensor parallelism is not supported for vision-language models (LLaVA, Qwen-VL, SmolVLM, InternVL), Qwen2-Audio and Whisper"
     problems = []
@@ -101,6 +103,8 @@ def pipeline_parallel_problem(config: ModelConfig, n: int,
         return None
     if config.is_encoder:
         return "pipeline parallelism is not supported for encoder (BERT) models"
+    if config.falcon_h1 is not None:
+        return "pipeline parallelism is not supported for Falcon-H1"
     if config.vision is not None:
         return ("pipeline parallelism is not supported for multimodal models (LLaVA, Whisper, "
                 "Qwen-VL, Qwen2-Audio, Gemma 3 with images; --limit-mm-per-prompt 0 serves Gemma 3 as text)")
