@@ -34,6 +34,7 @@ from engine.models.mamba_config import (
     MambaConfig,
     falcon_h1_multipliers,
     falcon_h1_raw,
+    mamba2_raw,
     mamba_fields,
     nemotron_h_raw,
 )
@@ -82,6 +83,7 @@ SUPPORTED_ARCHITECTURES = {
     # TII's Falcon-H1 (models/falcon_h1.py): attention and a Mamba-2 mixer side by side in
     # every layer, muP multipliers throughout.
     "FalconH1ForCausalLM": "falcon_h1",
+    "Mamba2ForCausalLM": "mamba2",  # Mamba-2 alone (models/nemotron_h.py): a Mamba block a layer
     # Qwen3.5 (models/qwen3_5.py): Gated DeltaNet layers between gated attention layers.
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",  # its MLPs Qwen2-MoE's routed and gated shared experts
@@ -332,6 +334,8 @@ class ModelConfig:
             raw = nemotron_h_raw(raw)
         elif arch == "falcon_h1":
             raw = falcon_h1_raw(raw)
+        elif arch == "mamba2":
+            raw = mamba2_raw(raw)
         elif arch == "qwen3_5_moe":  # every MLP is the experts': no dense width
             raw = {"intermediate_size": raw.get("moe_intermediate_size", 0), **raw}
         elif arch == "gpt_neox":

@@ -48,6 +48,9 @@ class MambaConfig:
     # Falcon-H1's ssm_multipliers: in_proj's output scaled, one factor for each of its
     # parts (z, x, B, C, dt); () for none.
     in_multipliers: tuple[float, ...] = ()
+    # Mamba2ForCausalLM's residual_in_fp32: the residual stream is kept in fp32 between
+    # blocks (each block's norm reads it rounded to the model dtype).
+    residual_in_fp32: bool = False
 
     @property
     def d_inner(self) -> int:
@@ -160,6 +163,27 @@ def falcon_h1_raw(raw: dict[str, Any]) -> dict[str, Any]:
     return dict(raw, layer_types=["attention", "mamba"] * layers, num_hidden_layers=2 * layers)
 
 
+# transformers' Mamba2Config defaults, for the keys a config.json leaves out.
+_MAMBA2_DEFAULTS = dict(num_heads=128, head_dim=64, vocab_size=32768, hidden_size=4096, state_size=128,
+                        num_hidden_layers=64, layer_norm_epsilon=1e-5, expand=2, conv_kernel=4, n_groups=8,
+                        use_bias=False, use_conv_bias=True, hidden_act="silu", residual_in_fp32=True,
+                        time_step_limit=(0.0, math.inf), tie_word_embeddings=False, pad_token_id=1,
+                        bos_token_id=0, eos_token_id=2)
+
+
+def mamba2_raw(raw: dict[str, Any]) -> dict[str, Any]:
+    """A Mamba-2 (``Mamba2ForCausalLM``: Mamba-Codestral, the mamba2-*-hf conversions)
+    config.json under the decoder's keys: every layer a Mamba block, no attention (the
+    attention fields the decoder reads are the mixer's heads, and unused)."""
+    out = _MAMBA2_DEFAULTS | raw
+    if out["hidden_act"] != "silu":
+        raise UnsupportedModelError(f"Mamba-2 with hidden_act {out['hidden_act']!r} is not supported (silu is)")
+    layers, heads = int(out["num_hidden_layers"]), int(out["num_heads"])
+    return out | {"layer_types": ["mamba"] * layers, "num_attention_heads": heads, "num_key_value_heads": heads,
+                  "intermediate_size": int(out["expand"]) * int(out["hidden_size"]),
+                  "rms_norm_eps": float(out["layer_norm_epsilon"])}
+
+
 def falcon_h1_multipliers(raw: dict[str, Any], arch: str) -> FalconH1Multipliers | None:
     """Falcon-H1's multipliers (transformers' defaults: 1 each), None for other families."""
     if arch != "falcon_h1":
@@ -181,6 +205,8 @@ def mamba_fields(raw: dict[str, Any], arch: str) -> MambaConfig | None:
         return _nemotron_h(raw)
     if arch == "falcon_h1":
         return _falcon_h1(raw)
+    if arch == "mamba2":
+        return _mamba2(raw)
     if arch != "granite_hybrid":
         return None
     layers = int(raw["num_hidden_layers"])
@@ -244,6 +270,22 @@ def _nemotron_h(raw: dict[str, Any]) -> MambaConfig:
         proj_bias=bool(raw.get("use_bias", False)), dt_min=_json_float(limit[0]), dt_max=_json_float(limit[1]))
 
 
+def _mamba2(raw: dict[str, Any]) -> MambaConfig:
+    """Mamba-2's mixers, one a layer (its raw config as :func:`mamba2_raw` gives it)."""
+    heads, head_dim, groups = int(raw["num_heads"]), int(raw["head_dim"]), int(raw["n_groups"])
+    if heads * head_dim != int(raw["expand"]) * int(raw["hidden_size"]):
+        raise ValueError(f"num_heads ({heads}) x head_dim ({head_dim}) must be expand x hidden_size")
+    if heads % groups:
+        raise ValueError(f"n_groups ({groups}) must divide num_heads ({heads})")
+    limit = raw["time_step_limit"] or (0.0, math.inf)
+    return MambaConfig(
+        layers=tuple(range(int(raw["num_hidden_layers"]))), n_heads=heads, head_dim=head_dim,
+        d_state=int(raw["state_size"]), n_groups=groups, d_conv=int(raw["conv_kernel"]),
+        conv_bias=bool(raw["use_conv_bias"]), proj_bias=bool(raw["use_bias"]),
+        dt_min=_json_float(limit[0]), dt_max=_json_float(limit[1]),
+        residual_in_fp32=bool(raw["residual_in_fp32"]))
+
+
 def _falcon_h1(raw: dict[str, Any]) -> MambaConfig:
     """Falcon-H1's mixers (every odd cache layer, :func:`falcon_h1_raw`): ``mamba_d_ssm``
     wide (else ``mamba_expand`` x hidden), its gated norm optional (``mamba_rms_norm``,
@@ -281,5 +323,5 @@ def state_bytes_per_slot(recurrent: Any, layers: int, dtype_bytes: int) -> int:
     return layers * (math.prod(conv) * dtype_bytes + math.prod(ssm) * 4)
 
 
-__all__ = ["FalconH1Multipliers", "MambaConfig", "falcon_h1_multipliers", "falcon_h1_raw", "mamba_fields",
-           "nemotron_h_raw", "state_bytes_per_slot"]
+__all__ = ["FalconH1Multipliers", "MambaConfig", "falcon_h1_multipliers", "falcon_h1_raw", "mamba2_raw",
+           "mamba_fields", "nemotron_h_raw", "state_bytes_per_slot"]

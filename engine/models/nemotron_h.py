@@ -14,6 +14,12 @@ a request (engine.runner.state_slots), with what that turns off (prefix caching)
 refuses (speculation, beam search, LoRA). Tensor-parallel ranks each keep their heads of
 every mixer and their share of every MLP; pipeline stages cut the blocks as any layers.
 The fused CPU decode step does not run it.
+
+Mamba-2 alone (``Mamba2ForCausalLM``: Mamba-Codestral-7B, the ``mamba2-*-hf`` conversions)
+is the same stack with a Mamba block in every layer and the same ``backbone.*`` names
+(:class:`Mamba2Model`); its norms round the normed row before the weight multiplies it, as
+Llama's, and with ``residual_in_fp32`` (the default) the residual stream stays fp32
+between blocks, as transformers keeps it.
 """
 
 from __future__ import annotations
@@ -148,4 +154,44 @@ class NemotronHModel(Decoder):
                                 lambda h: self._norm(h, self.norm), mm_embeds=mm_embeds)
 
 
-__all__ = ["NemotronBlock", "NemotronHModel"]
+class Mamba2Model(NemotronHModel):
+    """Mamba-2 alone (see the module docstring): every block a Mamba mixer."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], ops: Ops, *, dtype: torch.dtype,
+                 device: torch.device | str = "cpu", tp: TensorParallel = SINGLE) -> None:
+        super().__init__(config, weights, ops, dtype=dtype, device=device, tp=tp)
+        for layer in self.layers:  # Llama's norm: the weight in the model dtype
+            layer.norm = layer.norm.to(dtype)
+        if self.norm is not None:  # the last norm reads the fp32 stream: the weight as rounded, in fp32
+            self.norm = self.norm.to(dtype).float()
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm; advances every block's states."""
+        m = self.config.mamba
+        assert m is not None
+        fp32 = m.residual_in_fp32
+
+        def block(layer: NemotronBlock, hidden: torch.Tensor, conv: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+            assert layer.mamba is not None
+            out = layer.mamba(self.ops.rms_norm(hidden.to(self.dtype), layer.norm, self.eps), meta, conv, state)
+            return (hidden.float() if fp32 else hidden) + out
+
+        def final(hidden: torch.Tensor) -> torch.Tensor:
+            if not fp32:
+                return self.ops.rms_norm(hidden, self.norm.to(self.dtype), self.eps)
+            h = hidden.float()  # transformers' norm of the fp32 stream: the fp32 weight times the fp32 row
+            return (self.norm * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))).to(self.dtype)
+
+        return self._run_stream(input_ids, positions, kv_caches, block, final,  # type: ignore[return-value]
+                                mm_embeds=mm_embeds)
+
+
+__all__ = ["Mamba2Model", "NemotronBlock", "NemotronHModel"]
