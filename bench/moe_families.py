@@ -46,6 +46,8 @@ at reduced shapes that keep what sets each family apart (``SHAPES``):
 * Falcon-H1: attention (8 query and 2 KV heads of 64) and a Mamba-2 mixer (24 heads of 64,
   a 128-wide state, one group) side by side in each of 8 layers, a 2048 SwiGLU MLP, its
   multipliers as Falcon-H1-0.5B's: that model's shape with 8 of its 36 layers. Unfused.
+* Mamba-1 (selective scan): 8 Mamba blocks at mamba-370m's width (hidden 1024, 2048 channels, a
+  16-wide state). Unfused.
 * Mamba-2 alone: 8 Mamba blocks (32 heads of 64, a 128-wide state in 8 groups: Mamba-Codestral's
   mixer at a quarter of its width), no attention. Unfused.
 
@@ -126,6 +128,9 @@ SHAPES = {
                       key_multiplier=0.39, attention_out_multiplier=0.9375, ssm_in_multiplier=1.25,
                       ssm_out_multiplier=0.2357, ssm_multipliers=[0.354, 0.25, 0.354, 0.5, 0.354],
                       mlp_multipliers=[0.884, 0.586], pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # Mamba-1: mamba-370m's block (hidden 1024, 2048 channels, a 16-wide state, dt rank 64).
+    "mamba": dict(hidden_size=1024, state_size=16, num_hidden_layers=8, vocab_size=384, tie_word_embeddings=False,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2),
     # Mamba-2 alone: Mamba-Codestral-7B's mixer (heads of 64, 8 groups, a 128-wide state) at hidden 1024.
     "mamba2": dict(hidden_size=1024, num_heads=32, head_dim=64, n_groups=8, state_size=128, num_hidden_layers=8,
                    vocab_size=384, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
@@ -151,7 +156,7 @@ def write(family: str, folder: Path) -> None:
     name = {"glm4_moe": "Glm4Moe", "deepseek_v3": "DeepseekV3", "glm4": "Glm4", "cohere2": "Cohere2", "olmoe": "Olmoe",
             "gpt_bigcode": "GPTBigCode", "starcoder2": "Starcoder2", "gpt_neox": "GPTNeoX",
             "phi": "Phi", "granite4h": "GraniteMoeHybrid", "nemotron_h": "NemotronH", "qwen3_5": "Qwen3_5",
-            "falcon_h1": "FalconH1", "mamba2": "Mamba2"}[family]
+            "falcon_h1": "FalconH1", "mamba2": "Mamba2", "mamba": "Mamba"}[family]
     config = getattr(transformers, f"{name}{'TextConfig' if family == 'qwen3_5' else 'Config'}")(**SHAPES[family])
     torch.manual_seed(0)
     getattr(transformers, f"{name}ForCausalLM")(config).save_pretrained(folder)
@@ -207,7 +212,7 @@ def main() -> None:
             step = engine.runner.model.fused_step
             # latent attention, post-block norms, LayerNorm, q/k norms across the heads
             fuses = family not in ("deepseek_v3", "glm4", "cohere2", "olmoe", "gpt_bigcode", "starcoder2", "gpt_neox",
-                                  "phi", "granite4h", "nemotron_h", "qwen3_5", "falcon_h1", "mamba2")
+                                  "phi", "granite4h", "nemotron_h", "qwen3_5", "falcon_h1", "mamba2", "mamba")
             assert (step is not None and step.steps > 0) == fuses, f"{family}: the fused step ran or not"
             del engine, hf
 

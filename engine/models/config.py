@@ -31,12 +31,12 @@ from engine.models.encoder_config import (
 )
 from engine.models.mamba_config import (
     FalconH1Multipliers,
+    Mamba1Config,
     MambaConfig,
     falcon_h1_multipliers,
-    falcon_h1_raw,
-    mamba2_raw,
+    mamba1_fields,
     mamba_fields,
-    nemotron_h_raw,
+    recurrent_raw,
 )
 from engine.models.moe_config import MoeConfig
 from engine.models.vision_config import (
@@ -84,6 +84,8 @@ SUPPORTED_ARCHITECTURES = {
     # every layer, muP multipliers throughout.
     "FalconH1ForCausalLM": "falcon_h1",
     "Mamba2ForCausalLM": "mamba2",  # Mamba-2 alone (models/nemotron_h.py): a Mamba block a layer
+    "MambaForCausalLM": "mamba",  # Mamba-1's selective scan, a block a layer (models/nemotron_h.py)
+    "FalconMambaForCausalLM": "falcon_mamba",  # ... with dt, B and C RMS-normed
     # Qwen3.5 (models/qwen3_5.py): Gated DeltaNet layers between gated attention layers.
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",  # its MLPs Qwen2-MoE's routed and gated shared experts
@@ -260,6 +262,7 @@ class ModelConfig:
     mamba: MambaConfig | None = None
     deltanet: DeltaNetConfig | None = None
     falcon_h1: FalconH1Multipliers | None = None  # Falcon-H1's multipliers (mamba_config)
+    mamba1: Mamba1Config | None = None  # Mamba-1's selective-scan layers (Mamba, FalconMamba)
     # A multimodal model's encoder: a vision tower (LLaVA, Qwen-VL, Gemma 3, SmolVLM) or an audio
     # tower (Qwen2-Audio); None for a text-only model.
     vision: (VisionConfig | QwenVisionConfig | Gemma3VisionConfig | Idefics3VisionConfig
@@ -271,10 +274,10 @@ class ModelConfig:
     modernbert: ModernBertConfig | None = None
 
     @property
-    def recurrent(self) -> MambaConfig | DeltaNetConfig | None:
+    def recurrent(self) -> MambaConfig | DeltaNetConfig | Mamba1Config | None:
         """The layers that keep a recurrent state a request instead of KV blocks (Mamba-2,
-        Gated DeltaNet), or None: what the runner's state slots and the engine's rules read."""
-        return self.mamba or self.deltanet
+        Gated DeltaNet, Mamba-1), or None: what the runner's state slots and the engine's rules read."""
+        return self.mamba or self.deltanet or self.mamba1
 
     @property
     def mrope(self) -> bool:
@@ -330,16 +333,11 @@ class ModelConfig:
             arch = next(BASE_MODEL_ARCHITECTURES[a] for a in archs if a in BASE_MODEL_ARCHITECTURES)
         if arch == "granite_hybrid":
             raw = granite_hybrid_raw(raw)
-        elif arch == "nemotron_h":
-            raw = nemotron_h_raw(raw)
-        elif arch == "falcon_h1":
-            raw = falcon_h1_raw(raw)
-        elif arch == "mamba2":
-            raw = mamba2_raw(raw)
         elif arch == "qwen3_5_moe":  # every MLP is the experts': no dense width
             raw = {"intermediate_size": raw.get("moe_intermediate_size", 0), **raw}
         elif arch == "gpt_neox":
             raw = gpt_neox_raw(raw)
+        raw = recurrent_raw(raw, arch)  # Nemotron-H, Falcon-H1, the Mamba families
         classifier = {}
         if arch is None and any(a in DECODER_CLASSIFIER_ARCHITECTURES for a in archs):
             arch = next(DECODER_CLASSIFIER_ARCHITECTURES[a] for a in archs if a in DECODER_CLASSIFIER_ARCHITECTURES)
@@ -416,6 +414,7 @@ class ModelConfig:
                 mamba=mamba_fields(raw, arch),
                 deltanet=deltanet_fields(raw, arch),
                 falcon_h1=falcon_h1_multipliers(raw, arch),
+                mamba1=mamba1_fields(raw, arch),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptModelError(f"config.json is missing or has a bad field: {exc}") from exc

@@ -197,6 +197,18 @@ def falcon_h1_multipliers(raw: dict[str, Any], arch: str) -> FalconH1Multipliers
         key=float(raw.get("key_multiplier", 1.0)))
 
 
+def recurrent_raw(raw: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The config.json of a family with Mamba layers only or alongside others under the
+    decoder's keys (Nemotron-H, Falcon-H1, Mamba-2, Mamba and FalconMamba); any other as it is."""
+    if arch == "nemotron_h":
+        return nemotron_h_raw(raw)
+    if arch == "falcon_h1":
+        return falcon_h1_raw(raw)
+    if arch == "mamba2":
+        return mamba2_raw(raw)
+    return mamba1_raw(raw) if arch in ("mamba", "falcon_mamba") else raw
+
+
 def mamba_fields(raw: dict[str, Any], arch: str) -> MambaConfig | None:
     """Granite 4's Mamba layers (``layer_types`` "mamba"), or None where every layer is
     attention (granite-4.0-micro) or for any other architecture; Nemotron-H's Mamba and
@@ -315,6 +327,73 @@ def _falcon_h1(raw: dict[str, Any]) -> MambaConfig:
         in_multipliers=() if all(m == 1.0 for m in multipliers) else multipliers)
 
 
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Mamba1Config:
+    """The selective-scan (Mamba-1) mixers of ``MambaForCausalLM`` and
+    ``FalconMambaForCausalLM``, one a layer: ``d_inner`` channels, each with its own
+    ``d_state``-wide state and its own decay per state value (``A`` is ``[d_inner,
+    d_state]``); dt through a ``dt_rank`` bottleneck; B and C shared by the channels."""
+
+    layers: tuple[int, ...]
+    mlp_layers: tuple[int, ...] = ()  # (none: what attention_layers reads of any recurrent config)
+    d_inner: int
+    d_state: int
+    d_conv: int
+    dt_rank: int
+    conv_bias: bool
+    proj_bias: bool  # in_proj and out_proj
+    # FalconMamba's mixer_rms_eps: dt's bottleneck, B and C each RMS-normed (no weight)
+    # before use; None for Mamba.
+    bcdt_norm_eps: float | None = None
+    residual_in_fp32: bool = True
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """One request's states in one layer: the convolution's window, the SSM state."""
+        return (self.d_inner, self.d_conv - 1), (self.d_inner, self.d_state)
+
+    def local(self, world: int) -> Mamba1Config:
+        assert world == 1  # tensor_parallel_problem refuses more
+        return self
+
+    def tensor_parallel_problem(self, world: int) -> str | None:
+        return "Mamba-1 (selective-scan) layers do not split over tensor-parallel ranks" if world > 1 else None
+
+
+# transformers' MambaConfig / FalconMambaConfig defaults, for the keys a config.json leaves out.
+_MAMBA1_DEFAULTS = dict(vocab_size=50280, hidden_size=768, state_size=16, num_hidden_layers=32,
+                        layer_norm_epsilon=1e-5, pad_token_id=0, bos_token_id=0, eos_token_id=0, expand=2,
+                        conv_kernel=4, use_bias=False, use_conv_bias=True, hidden_act="silu",
+                        residual_in_fp32=True, time_step_rank="auto", tie_word_embeddings=True,
+                        mixer_rms_eps=1e-6)
+
+
+def mamba1_raw(raw: dict[str, Any]) -> dict[str, Any]:
+    """A Mamba or FalconMamba config.json under the decoder's keys (every layer a Mamba
+    block; the attention fields, unused, set to one head of the model's width)."""
+    out = _MAMBA1_DEFAULTS | raw
+    if out["hidden_act"] != "silu":
+        raise UnsupportedModelError(f"Mamba with hidden_act {out['hidden_act']!r} is not supported (silu is)")
+    hidden = int(out["hidden_size"])
+    inner = int(out.get("intermediate_size") or int(out["expand"]) * hidden)
+    rank = out["time_step_rank"]
+    return out | {"num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": hidden, "intermediate_size": inner,
+                  "time_step_rank": math.ceil(hidden / 16) if rank == "auto" else int(rank),
+                  "rms_norm_eps": float(out["layer_norm_epsilon"])}
+
+
+def mamba1_fields(raw: dict[str, Any], arch: str) -> Mamba1Config | None:
+    """The mixers of a Mamba / FalconMamba config as :func:`mamba1_raw` gives it; None
+    for other families."""
+    if arch not in ("mamba", "falcon_mamba"):
+        return None
+    return Mamba1Config(
+        layers=tuple(range(int(raw["num_hidden_layers"]))), d_inner=int(raw["intermediate_size"]),
+        d_state=int(raw["state_size"]), d_conv=int(raw["conv_kernel"]), dt_rank=int(raw["time_step_rank"]),
+        conv_bias=bool(raw["use_conv_bias"]), proj_bias=bool(raw["use_bias"]),
+        bcdt_norm_eps=float(raw["mixer_rms_eps"]) if arch == "falcon_mamba" else None,
+        residual_in_fp32=bool(raw["residual_in_fp32"]))
+
+
 def state_bytes_per_slot(recurrent: Any, layers: int, dtype_bytes: int) -> int:
     """One request's recurrent state over ``layers`` of ``recurrent``'s layers (a
     MambaConfig or a DeltaNetConfig: ``state_shapes()``): the convolution's window in the
@@ -323,5 +402,5 @@ def state_bytes_per_slot(recurrent: Any, layers: int, dtype_bytes: int) -> int:
     return layers * (math.prod(conv) * dtype_bytes + math.prod(ssm) * 4)
 
 
-__all__ = ["FalconH1Multipliers", "MambaConfig", "falcon_h1_multipliers", "falcon_h1_raw", "mamba2_raw",
-           "mamba_fields", "nemotron_h_raw", "state_bytes_per_slot"]
+__all__ = ["FalconH1Multipliers", "Mamba1Config", "MambaConfig", "mamba1_fields", "mamba1_raw", "falcon_h1_multipliers", "falcon_h1_raw", "mamba2_raw",
+           "mamba_fields", "nemotron_h_raw", "recurrent_raw", "state_bytes_per_slot"]

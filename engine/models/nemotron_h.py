@@ -19,7 +19,10 @@ Mamba-2 alone (``Mamba2ForCausalLM``: Mamba-Codestral-7B, the ``mamba2-*-hf`` co
 is the same stack with a Mamba block in every layer and the same ``backbone.*`` names
 (:class:`Mamba2Model`); its norms round the normed row before the weight multiplies it, as
 Llama's, and with ``residual_in_fp32`` (the default) the residual stream stays fp32
-between blocks, as transformers keeps it.
+between blocks, as transformers keeps it. Mamba-1 (``MambaForCausalLM``: state-spaces'
+mamba-*-hf; ``FalconMambaForCausalLM``: falcon-mamba-7b, Falcon3-Mamba-7B) is that stack
+again with the selective-scan mixer (engine.models.layers.mamba1) in its blocks
+(:class:`MambaModel`).
 """
 
 from __future__ import annotations
@@ -31,9 +34,11 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.config import ModelConfig
+from engine.models.deltanet_config import DeltaNetConfig
 from engine.models.layers.decoder import Decoder, DecoderLayer
 from engine.models.layers.linear import make_linear
 from engine.models.layers.mamba import MambaMixer, mamba_weight_names
+from engine.models.layers.mamba1 import Mamba1Mixer, mamba1_weight_names
 from engine.models.layers.shard import ShardedWeights, qkv_spans
 from engine.ops import AttentionMetadata, Ops
 from engine.parallel import SINGLE, TensorParallel
@@ -175,8 +180,8 @@ class Mamba2Model(NemotronHModel):
         mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; advances every block's states."""
-        m = self.config.mamba
-        assert m is not None
+        m = self.config.recurrent
+        assert m is not None and not isinstance(m, DeltaNetConfig)
         fp32 = m.residual_in_fp32
 
         def block(layer: NemotronBlock, hidden: torch.Tensor, conv: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
@@ -194,4 +199,32 @@ class Mamba2Model(NemotronHModel):
                                 mm_embeds=mm_embeds)
 
 
-__all__ = ["Mamba2Model", "NemotronBlock", "NemotronHModel"]
+class MambaModel(Mamba2Model):
+    """Mamba-1 (see the module docstring): Mamba-2's stack with the selective-scan mixer."""
+
+    @classmethod
+    def weight_names(cls, config: ModelConfig) -> list[str]:
+        m = config.mamba1
+        assert m is not None
+        names = ["model.embed_tokens.weight"]
+        for i in range(config.num_hidden_layers):
+            names += [f"model.layers.{i}.norm.weight", *mamba1_weight_names(m, f"model.layers.{i}.")]
+        names.append("model.norm.weight")
+        if not config.tie_word_embeddings:
+            names.append("lm_head.weight")
+        return names
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], ops: Ops, *, dtype: torch.dtype,
+                 device: torch.device | str = "cpu", tp: TensorParallel = SINGLE) -> None:
+        m = config.mamba1
+        assert m is not None
+        self._init_common(config, ops, dtype, device, tp, scale=1.0)
+        self.cos_sin_cache = None
+        get = ShardedWeights(weights, dtype, self.device, tp)
+        self._build_ends(get, weights, lambda: get("model.norm.weight").float())
+        self.layers = [NemotronBlock(norm=get(f"model.layers.{i}.norm.weight"),
+                                     mamba=Mamba1Mixer.build(m, get, f"model.layers.{i}.", make_linear, ops))  # type: ignore[arg-type]
+                       for i in tp.stage.layer_range(config.num_hidden_layers)]
+
+
+__all__ = ["Mamba2Model", "MambaModel", "NemotronBlock", "NemotronHModel"]

@@ -35,7 +35,7 @@ from engine.models.layers.shard import check_tensor_parallel
 from engine.models.llama import LlamaModel
 from engine.models.llava import LlavaModel
 from engine.models.modernbert import ModernBertModel
-from engine.models.nemotron_h import Mamba2Model, NemotronHModel
+from engine.models.nemotron_h import Mamba2Model, MambaModel, NemotronHModel
 from engine.models.olmo import OlmoModel
 from engine.models.olmoe import OlmoeModel
 from engine.models.opt import OPTModel
@@ -71,6 +71,8 @@ MODEL_CLASSES: dict[str, type] = {
     "nemotron_h": NemotronHModel,
     "falcon_h1": FalconH1Model,
     "mamba2": Mamba2Model,
+    "mamba": MambaModel,
+    "falcon_mamba": MambaModel,
     "qwen3_5": Qwen35Model,
     "qwen3_5_moe": Qwen35Model,
     "qwen3_next": Qwen35Model,

@@ -1,0 +1,148 @@
+"""The selective-scan mixer of Mamba-1 (``MambaForCausalLM``, ``FalconMambaForCausalLM``),
+over the per-request recurrent states the runner keeps (engine.models.mamba_config.Mamba1Config)::
+
+    conv_state [slots, d_inner, d_conv - 1]   the convolution's last inputs (model dtype)
+    ssm_state  [slots, d_inner, d_state]      fp32
+
+For a token, with ``u`` the convolved and SiLU'd half of in_proj's output and ``z`` the
+other half::
+
+    dt_r, B, C = split(x_proj(u))                 (FalconMamba: each RMS-normed, no weight)
+    dt = softplus(dt_proj(dt_r))                  [d_inner]
+    state = exp(dt A) state + (dt u) B^T          A = -exp(A_log): [d_inner, d_state]
+    y = state C + D u;   out = out_proj(y * silu(z))
+
+A channel's state decays by a rate of its own for each state value, so the state-space
+dual's block form (layers/mamba.py) has no shared decay to factor: a prompt chunk computes
+every token's decay and input at once, in blocks of :data:`SCAN_TOKENS` tokens, and the
+recurrence steps through a block's tokens one multiply-add each. Decode rows, one token on
+a context, are updated together. The runner's slots, checkpoints and decode-row grouping
+are those of layers/recurrent.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from engine.models.layers.recurrent import conv_prompt, mix_by_request, slot_views, write_back
+from engine.models.mamba_config import Mamba1Config
+from engine.ops import AttentionMetadata
+
+# Tokens of a prompt chunk whose decays and inputs are computed at once ([tokens, d_inner,
+# d_state] fp32 each: 32 MiB at Mamba-2.8B's 5,120 x 16 and 128 tokens).
+SCAN_TOKENS = 128
+
+
+def mamba1_weight_names(config: Mamba1Config, prefix: str) -> list[str]:
+    """The checkpoint tensors of one layer's mixer under ``prefix`` ("model.layers.N.")."""
+    p = prefix + "mixer."
+    names = [p + "in_proj.weight", p + "conv1d.weight", p + "x_proj.weight", p + "dt_proj.weight",
+             p + "dt_proj.bias", p + "A_log", p + "D", p + "out_proj.weight"]
+    if config.proj_bias:
+        names += [p + "in_proj.bias", p + "out_proj.bias"]
+    if config.conv_bias:
+        names.append(p + "conv1d.bias")
+    return names
+
+
+@dataclasses.dataclass(slots=True)
+class Mamba1Mixer:
+    """One layer's selective-scan mixer (the module docstring's)."""
+
+    config: Mamba1Config
+    in_proj: Any  # Linear: [2 d_inner, hidden] (x, then z)
+    conv_weight: torch.Tensor  # [d_inner, d_conv] fp32
+    conv_bias: torch.Tensor | None  # [d_inner] fp32
+    x_proj: Any  # Linear: [dt_rank + 2 d_state, d_inner]
+    dt_proj: Any  # Linear: [d_inner, dt_rank], no bias (added in fp32)
+    dt_bias: torch.Tensor  # [d_inner] fp32
+    a: torch.Tensor  # [d_inner, d_state] fp32: -exp(A_log)
+    d: torch.Tensor  # [d_inner] fp32
+    out_proj: Any  # Linear: [hidden, d_inner]
+    ops: Any  # the convolution's decode token (engine.ops.Ops.conv_decode)
+
+    @classmethod
+    def build(cls, config: Mamba1Config, get: Any, prefix: str, make_linear: Any, ops: Any) -> Mamba1Mixer:
+        p = prefix + "mixer."
+
+        def fp32(name: str) -> torch.Tensor:
+            return get(name).float()
+
+        return cls(
+            config=config,
+            in_proj=make_linear([get(p + "in_proj.weight")], get(p + "in_proj.bias") if config.proj_bias else None),
+            conv_weight=fp32(p + "conv1d.weight").reshape(config.d_inner, config.d_conv),
+            conv_bias=fp32(p + "conv1d.bias") if config.conv_bias else None,
+            x_proj=make_linear([get(p + "x_proj.weight")]),
+            dt_proj=make_linear([get(p + "dt_proj.weight")]),
+            dt_bias=fp32(p + "dt_proj.bias"),
+            a=-torch.exp(fp32(p + "A_log")),
+            d=fp32(p + "D"),
+            out_proj=make_linear([get(p + "out_proj.weight")], get(p + "out_proj.bias") if config.proj_bias else None),
+            ops=ops,
+        )
+
+    def __call__(self, x: torch.Tensor, meta: AttentionMetadata, conv_state: torch.Tensor,
+                 ssm_state: torch.Tensor) -> torch.Tensor:
+        """The mixer's output [T, hidden] for the step's normed hidden states ``x`` [T,
+        hidden]; advances each request's states in its slot."""
+        xs, z = self.in_proj(x).chunk(2, dim=-1)
+        y = torch.empty(x.shape[0], self.config.d_inner, dtype=torch.float32, device=x.device)
+
+        def decode(pick, slots: torch.Tensor, host: tuple[int, ...]) -> torch.Tensor:
+            conv, state, in_place = slot_views(conv_state, ssm_state, slots, host)  # state [N, D, S]
+            u = self.ops.conv_decode(conv, pick(xs), self.conv_weight, self.conv_bias).to(x.dtype)
+            dt, b, c = self._select(u)
+            state.mul_(torch.exp(dt[:, :, None] * self.a)).add_((dt * u.float())[:, :, None] * b[:, None, :])
+            out = (state @ c[:, :, None]).squeeze(-1) + self.d * u.float()
+            write_back(conv_state, ssm_state, slots, conv, state, in_place)
+            return out
+
+        def chunk(lo: int, hi: int, slot: int, fresh: bool) -> torch.Tensor:
+            u = conv_prompt(conv_state, slot, fresh, xs[lo:hi], self.conv_weight, self.conv_bias).to(x.dtype)
+            state = torch.zeros_like(ssm_state[slot]) if fresh else ssm_state[slot]
+            out = torch.empty(hi - lo, self.config.d_inner, dtype=torch.float32, device=x.device)
+            for start in range(0, hi - lo, SCAN_TOKENS):
+                part = u[start:start + SCAN_TOKENS]
+                out[start:start + part.shape[0]], state = self._scan(part, state)
+            ssm_state[slot] = state
+            return out
+
+        mix_by_request(meta, y, decode, chunk, (conv_state, ssm_state))
+        return self.out_proj((y * F.silu(z.float())).to(x.dtype))
+
+    def _select(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """dt [N, d_inner], B and C [N, d_state] (fp32) for the convolved rows ``u``
+        (model dtype), as transformers computes them: x_proj and dt_proj in the model
+        dtype, dt_proj's bias and the softplus in fp32."""
+        c = self.config
+        dt_r, b, cc = self.x_proj(u).split([c.dt_rank, c.d_state, c.d_state], dim=-1)
+        if c.bcdt_norm_eps is not None:  # FalconMamba's weightless norms, each rounded back
+            dt_r, b, cc = (_rms(t, c.bcdt_norm_eps) for t in (dt_r, b, cc))
+        dt = F.softplus(self.dt_proj(dt_r).float() + self.dt_bias)
+        return dt, b.float(), cc.float()
+
+    def _scan(self, u: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The SSM over ``n`` tokens ``u`` [n, d_inner] from ``state`` [d_inner, d_state]:
+        the outputs [n, d_inner] fp32 and the state after them. Every token's decay and
+        input at once, then one multiply-add a token."""
+        dt, b, c = self._select(u)
+        uf = u.float()
+        decay = torch.exp(dt[:, :, None] * self.a)  # [n, D, S]
+        states = (dt * uf)[:, :, None] * b[:, None, :]  # each token's input, then its state
+        for t in range(u.shape[0]):
+            state = torch.addcmul(states[t], decay[t], state, out=states[t])
+        return (states @ c[:, :, None]).squeeze(-1) + self.d * uf, state
+
+
+def _rms(t: torch.Tensor, eps: float) -> torch.Tensor:
+    """``t`` RMS-normed over its last dimension in fp32, in its own dtype."""
+    f = t.float()
+    return (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(t.dtype)
+
+
+__all__ = ["SCAN_TOKENS", "Mamba1Mixer", "mamba1_weight_names"]
