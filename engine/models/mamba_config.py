@@ -232,16 +232,7 @@ def mamba_fields(raw: dict[str, Any], arch: str) -> MambaConfig | None:
     mamba = tuple(i for i, t in enumerate(types) if t in _MAMBA_TYPES)
     if not mamba:
         return None
-    hidden, heads = int(raw["hidden_size"]), int(raw.get("mamba_n_heads", 128))
-    d_inner = int(raw.get("mamba_expand", 2)) * hidden
-    head_dim = raw.get("mamba_d_head", "auto")
-    head_dim = d_inner // heads if head_dim in (None, "auto") else int(head_dim)
-    if head_dim * heads != d_inner:
-        raise ValueError(f"mamba_n_heads ({heads}) x mamba_d_head ({head_dim}) must be "
-                         f"mamba_expand x hidden_size ({d_inner})")
-    groups = int(raw.get("mamba_n_groups", 1))
-    if heads % groups:
-        raise ValueError(f"mamba_n_groups ({groups}) must divide mamba_n_heads ({heads})")
+    heads, head_dim, groups = _mamba_heads(raw, int(raw.get("mamba_expand", 2)) * int(raw["hidden_size"]))
     if raw.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"GraniteMoeHybrid Mamba layers with hidden_act "
                                     f"{raw.get('hidden_act')!r} are not supported (silu is)")
@@ -251,6 +242,21 @@ def mamba_fields(raw: dict[str, Any], arch: str) -> MambaConfig | None:
         n_groups=groups, d_conv=int(raw.get("mamba_d_conv", 4)),
         conv_bias=bool(raw.get("mamba_conv_bias", True)), proj_bias=bool(raw.get("mamba_proj_bias", False)),
         dt_min=_json_float(limit[0]), dt_max=_json_float(limit[1]))
+
+
+def _mamba_heads(raw: dict[str, Any], d_inner: int) -> tuple[int, int, int]:
+    """Granite 4's and Falcon-H1's mixer heads, their width and B/C groups
+    (``mamba_n_heads``, ``mamba_d_head``, "auto": the mixer's width ``d_inner`` over the
+    heads, ``mamba_n_groups``), checked against each other."""
+    heads = int(raw.get("mamba_n_heads", 128))
+    head_dim = raw.get("mamba_d_head", "auto")
+    head_dim = d_inner // heads if head_dim in (None, "auto") else int(head_dim)
+    if head_dim * heads != d_inner:
+        raise ValueError(f"mamba_n_heads ({heads}) x mamba_d_head ({head_dim}) must be the mixer's width ({d_inner})")
+    groups = int(raw.get("mamba_n_groups", 1))
+    if heads % groups:
+        raise ValueError(f"mamba_n_groups ({groups}) must divide mamba_n_heads ({heads})")
+    return heads, head_dim, groups
 
 
 def _json_float(value: Any) -> float:
@@ -302,17 +308,9 @@ def _falcon_h1(raw: dict[str, Any]) -> MambaConfig:
     """Falcon-H1's mixers (every odd cache layer, :func:`falcon_h1_raw`): ``mamba_d_ssm``
     wide (else ``mamba_expand`` x hidden), its gated norm optional (``mamba_rms_norm``,
     off as released), its in_proj scaled by ``ssm_multipliers``."""
-    heads = int(raw.get("mamba_n_heads", 128))
     d_ssm = raw.get("mamba_d_ssm")
-    d_inner = int(d_ssm) if d_ssm is not None else int(raw.get("mamba_expand", 2)) * int(raw["hidden_size"])
-    head_dim = raw.get("mamba_d_head", "auto")
-    head_dim = d_inner // heads if head_dim in (None, "auto") else int(head_dim)
-    if head_dim * heads != d_inner:
-        raise ValueError(f"mamba_n_heads ({heads}) x mamba_d_head ({head_dim}) must be the mixer's "
-                         f"width ({d_inner})")
-    groups = int(raw.get("mamba_n_groups", 1))
-    if heads % groups:
-        raise ValueError(f"mamba_n_groups ({groups}) must divide mamba_n_heads ({heads})")
+    heads, head_dim, groups = _mamba_heads(
+        raw, int(d_ssm) if d_ssm is not None else int(raw.get("mamba_expand", 2)) * int(raw["hidden_size"]))
     multipliers = tuple(float(m) for m in raw.get("ssm_multipliers") or (1.0,) * 5)
     if len(multipliers) != 5:
         raise ValueError(f"ssm_multipliers has {len(multipliers)} values, not 5 (z, x, B, C, dt)")
