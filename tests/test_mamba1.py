@@ -109,3 +109,18 @@ async def test_two_pipeline_stages_match_transformers(tmp_path) -> None:
     stats = await assert_engine_matches(hf, tmp_path / "m", prompts_of((17, 21, 12, 19), 384, seed=10),
                                         pipeline_parallel_size=2)
     assert stats.preemptions > 0
+
+
+async def test_served_with_the_default_pool(mamba) -> None:
+    """No layer keeps K/V, so the pool's blocks cost nothing: the engine opens on its
+    default budget (no block count given) and serves transformers' greedy tokens."""
+    import engine
+    from engine_helpers import greedy, token_ids
+    from test_parity import _hf_greedy
+
+    hf, folder = mamba
+    prompt = prompts_of((15,), 384, seed=3)[0]
+    async with engine.open_engine(str(folder), dtype="float32", max_num_seqs=3, max_model_len=64) as eng:
+        async with await eng.submit(prompt, greedy(6)) as stream:
+            assert token_ids([out async for out in stream]) == _hf_greedy(hf, prompt, 6)[0]
+        assert eng.statistics().kv_blocks_total == 3 * 64 // eng.config.block_size

@@ -42,6 +42,7 @@ from engine.process.pipeline import PipelineRunner
 from engine.process.rank import RankLoad, build_rank_runner, load_rank
 from engine.process.workers import TensorParallelRunner, WorkerGroup
 from engine.runner.kv_cache import (
+    attention_layers,
     bytes_per_block,
     default_kv_budget,
     free_memory,
@@ -531,6 +532,10 @@ def _size_kv_pool(
                 f"num_gpu_blocks_override {blocks} blocks of {config.block_size} tokens cannot "
                 f"hold one request of max_model_len {wanted} tokens ({needed} blocks)",
                 field="num_gpu_blocks_override")
+    elif not attention_layers(loaded.config):
+        # No layer keeps K/V (Mamba alone): the blocks only count tokens and cost nothing,
+        # so there are as many as max_num_seqs requests of the longest length fill.
+        blocks = config.max_num_seqs * -(-(wanted or model_max) // config.block_size)
     else:
         blocks = num_kv_blocks(
             loaded.config, loaded.dtype, config.block_size, budget, device,
