@@ -114,9 +114,10 @@ async def test_two_pipeline_stages_match_transformers(tmp_path) -> None:
 async def test_served_with_the_default_pool(mamba) -> None:
     """No layer keeps K/V, so the pool's blocks cost nothing: the engine opens on its
     default budget (no block count given) and serves transformers' greedy tokens."""
-    import engine
     from engine_helpers import greedy, token_ids
     from test_parity import _hf_greedy
+
+    import engine
 
     hf, folder = mamba
     prompt = prompts_of((15,), 384, seed=3)[0]
