@@ -48,6 +48,10 @@ at reduced shapes that keep what sets each family apart (``SHAPES``):
   multipliers as Falcon-H1-0.5B's: that model's shape with 8 of its 36 layers. Unfused.
 * Mamba-1 (selective scan): 8 Mamba blocks at mamba-370m's width (hidden 1024, 2048 channels, a
   16-wide state). Unfused.
+* Jamba: Jamba Mini's layer pattern at hidden 1024 over 8 layers (attention, 8 query and 2 KV heads
+  of 128 without positions, in layer 4; Mamba-1 with 2048 channels and a 16-wide state in
+  the others; 16 experts 1024 wide, 2 routed a token, every other layer; SwiGLU MLPs
+  1024 wide between). Unfused.
 * Mamba-2 alone: 8 Mamba blocks (32 heads of 64, a 128-wide state in 8 groups: Mamba-Codestral's
   mixer at a quarter of its width), no attention. Unfused.
 
@@ -131,6 +135,10 @@ SHAPES = {
     # Mamba-1: mamba-370m's block (hidden 1024, 2048 channels, a 16-wide state, dt rank 64).
     "mamba": dict(hidden_size=1024, state_size=16, num_hidden_layers=8, vocab_size=384, tie_word_embeddings=False,
                   pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # Jamba: Jamba Mini's pattern (attention every 8th layer from the 4th, experts every other).
+    "jamba": dict(hidden_size=1024, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=2, num_experts=16, num_experts_per_tok=2, mamba_d_state=16, vocab_size=384,
+                  tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     # Mamba-2 alone: Mamba-Codestral-7B's mixer (heads of 64, 8 groups, a 128-wide state) at hidden 1024.
     "mamba2": dict(hidden_size=1024, num_heads=32, head_dim=64, n_groups=8, state_size=128, num_hidden_layers=8,
                    vocab_size=384, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
@@ -156,7 +164,8 @@ def write(family: str, folder: Path) -> None:
     name = {"glm4_moe": "Glm4Moe", "deepseek_v3": "DeepseekV3", "glm4": "Glm4", "cohere2": "Cohere2", "olmoe": "Olmoe",
             "gpt_bigcode": "GPTBigCode", "starcoder2": "Starcoder2", "gpt_neox": "GPTNeoX",
             "phi": "Phi", "granite4h": "GraniteMoeHybrid", "nemotron_h": "NemotronH", "qwen3_5": "Qwen3_5",
-            "falcon_h1": "FalconH1", "mamba2": "Mamba2", "mamba": "Mamba"}[family]
+            "falcon_h1": "FalconH1", "mamba2": "Mamba2", "mamba": "Mamba",
+            "jamba": "Jamba"}[family]
     config = getattr(transformers, f"{name}{'TextConfig' if family == 'qwen3_5' else 'Config'}")(**SHAPES[family])
     torch.manual_seed(0)
     getattr(transformers, f"{name}ForCausalLM")(config).save_pretrained(folder)
@@ -212,7 +221,7 @@ def main() -> None:
             step = engine.runner.model.fused_step
             # latent attention, post-block norms, LayerNorm, q/k norms across the heads
             fuses = family not in ("deepseek_v3", "glm4", "cohere2", "olmoe", "gpt_bigcode", "starcoder2", "gpt_neox",
-                                  "phi", "granite4h", "nemotron_h", "qwen3_5", "falcon_h1", "mamba2", "mamba")
+                                  "phi", "granite4h", "nemotron_h", "qwen3_5", "falcon_h1", "mamba2", "mamba", "jamba")
             assert (step is not None and step.steps > 0) == fuses, f"{family}: the fused step ran or not"
             del engine, hf
 

@@ -86,6 +86,7 @@ SUPPORTED_ARCHITECTURES = {
     "Mamba2ForCausalLM": "mamba2",  # Mamba-2 alone (models/nemotron_h.py): a Mamba block a layer
     "MambaForCausalLM": "mamba",  # Mamba-1's selective scan, a block a layer (models/nemotron_h.py)
     "FalconMambaForCausalLM": "falcon_mamba",  # ... with dt, B and C RMS-normed
+    "JambaForCausalLM": "jamba",  # Mamba-1 and positionless attention layers, experts (models/jamba.py)
     # Qwen3.5 (models/qwen3_5.py): Gated DeltaNet layers between gated attention layers.
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",  # its MLPs Qwen2-MoE's routed and gated shared experts

@@ -128,7 +128,7 @@ def nope_layers(raw: dict[str, Any], arch: str, layers: int) -> tuple[int, ...]:
     them unless its ``position_embedding_type`` is "rope"."""
     if arch == "granite_hybrid":
         return () if raw.get("position_embedding_type") == "rope" else tuple(range(layers))
-    if arch == "nemotron_h":  # its attention layers take no positions
+    if arch in ("nemotron_h", "jamba"):  # their attention layers take no positions
         return tuple(range(layers))
     if arch != "smollm3":
         return ()

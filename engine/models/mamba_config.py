@@ -206,6 +206,8 @@ def recurrent_raw(raw: dict[str, Any], arch: str) -> dict[str, Any]:
         return falcon_h1_raw(raw)
     if arch == "mamba2":
         return mamba2_raw(raw)
+    if arch == "jamba":
+        return jamba_raw(raw)
     return mamba1_raw(raw) if arch in ("mamba", "falcon_mamba") else raw
 
 
@@ -341,8 +343,10 @@ class Mamba1Config:
     conv_bias: bool
     proj_bias: bool  # in_proj and out_proj
     # FalconMamba's mixer_rms_eps: dt's bottleneck, B and C each RMS-normed (no weight)
-    # before use; None for Mamba.
+    # before use; None for Mamba. Jamba's norms have weights (bcdt_norm_weights).
     bcdt_norm_eps: float | None = None
+    bcdt_norm_weights: bool = False
+    module: str = "mixer"  # where a layer's mixer sits: "mixer", Jamba's "mamba"
     residual_in_fp32: bool = True
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -382,6 +386,8 @@ def mamba1_raw(raw: dict[str, Any]) -> dict[str, Any]:
 def mamba1_fields(raw: dict[str, Any], arch: str) -> Mamba1Config | None:
     """The mixers of a Mamba / FalconMamba config as :func:`mamba1_raw` gives it; None
     for other families."""
+    if arch == "jamba":
+        return _jamba(raw)
     if arch not in ("mamba", "falcon_mamba"):
         return None
     return Mamba1Config(
@@ -392,6 +398,31 @@ def mamba1_fields(raw: dict[str, Any], arch: str) -> Mamba1Config | None:
         residual_in_fp32=bool(raw["residual_in_fp32"]))
 
 
+def jamba_raw(raw: dict[str, Any]) -> dict[str, Any]:
+    """A Jamba config.json under the decoder's keys: its layers' kinds (attention every
+    ``attn_layer_period``-th from ``attn_layer_offset``, Mamba-1 the others) as
+    ``layer_types``."""
+    for key in ("hidden_act",):
+        if raw.get(key, "silu") != "silu":
+            raise UnsupportedModelError(f"Jamba with {key} {raw.get(key)!r} is not supported (silu is)")
+    layers = int(raw["num_hidden_layers"])
+    period, offset = int(raw.get("attn_layer_period", 8)), int(raw.get("attn_layer_offset", 4))
+    return dict(raw, layer_types=["attention" if i % period == offset else "mamba" for i in range(layers)])
+
+
+def _jamba(raw: dict[str, Any]) -> Mamba1Config:
+    """Jamba's Mamba-1 mixers: dt, B and C RMS-normed with weights at rms_norm_eps."""
+    hidden = int(raw["hidden_size"])
+    rank = raw.get("mamba_dt_rank", "auto")
+    return Mamba1Config(
+        layers=tuple(i for i, t in enumerate(raw["layer_types"]) if t == "mamba"),
+        d_inner=int(raw.get("mamba_expand", 2)) * hidden, d_state=int(raw.get("mamba_d_state", 16)),
+        d_conv=int(raw.get("mamba_d_conv", 4)), dt_rank=math.ceil(hidden / 16) if rank == "auto" else int(rank),
+        conv_bias=bool(raw.get("mamba_conv_bias", True)), proj_bias=bool(raw.get("mamba_proj_bias", False)),
+        bcdt_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), bcdt_norm_weights=True, module="mamba",
+        residual_in_fp32=False)
+
+
 def state_bytes_per_slot(recurrent: Any, layers: int, dtype_bytes: int) -> int:
     """One request's recurrent state over ``layers`` of ``recurrent``'s layers (a
     MambaConfig or a DeltaNetConfig: ``state_shapes()``): the convolution's window in the
@@ -400,5 +431,5 @@ def state_bytes_per_slot(recurrent: Any, layers: int, dtype_bytes: int) -> int:
     return layers * (math.prod(conv) * dtype_bytes + math.prod(ssm) * 4)
 
 
-__all__ = ["FalconH1Multipliers", "Mamba1Config", "MambaConfig", "mamba1_fields", "mamba1_raw", "falcon_h1_multipliers", "falcon_h1_raw", "mamba2_raw",
+__all__ = ["FalconH1Multipliers", "Mamba1Config", "MambaConfig", "jamba_raw", "mamba1_fields", "mamba1_raw", "falcon_h1_multipliers", "falcon_h1_raw", "mamba2_raw",
            "mamba_fields", "nemotron_h_raw", "recurrent_raw", "state_bytes_per_slot"]

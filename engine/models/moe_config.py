@@ -32,7 +32,8 @@ class MoeConfig:
     # of this limit and sigmoid gain; 0: the plain SwiGLU.
     # Qwen3-VL-MoE's (naming "qwen_stacked"): mlp.experts.gate_up_proj / down_proj, stacked
     # (models/layers/moe.py reads either layout) beside Qwen's mlp.gate router.
-    naming: str  # "mixtral", "qwen", "qwen_stacked", "granite", "deepseek", "ernie" or "gpt_oss"
+    # Jamba's (naming "jamba"): feed_forward.router, feed_forward.experts.N.gate_proj/up_proj/down_proj.
+    naming: str  # "mixtral", "qwen", "qwen_stacked", "granite", "deepseek", "ernie", "gpt_oss" or "jamba"
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.0
     # DeepSeek-V3's routing ("sigmoid", GLM-4.5's too, naming "deepseek"; "softmax": the
@@ -114,6 +115,15 @@ class MoeConfig:
                 sparse_layers=tuple(range(num_layers)),
                 naming="mixtral",
             )
+        if arch == "jamba":  # every expert_layer_period-th layer from the offset; top-k not renormalised
+            experts, period = _num_experts(raw, 16), int(raw.get("expert_layer_period", 2))
+            offset = int(raw.get("expert_layer_offset", 1))
+            sparse = tuple(i for i in range(num_layers) if experts > 1 and i % period == offset)
+            if not sparse:
+                return None
+            return cls(num_experts=experts, top_k=int(raw.get("num_experts_per_tok", 2)),
+                       intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=False,
+                       shared_expert_intermediate_size=0, sparse_layers=sparse, naming="jamba")
         if arch == "olmoe":  # every layer routed, Qwen's names; renormalised only if asked
             return cls(num_experts=_num_experts(raw, 64), top_k=int(raw.get("num_experts_per_tok", 8)),
                        intermediate_size=int(raw["intermediate_size"]),

@@ -30,6 +30,7 @@ from engine.models.gpt_oss import GptOssModel
 from engine.models.granite4 import GraniteHybridModel
 from engine.models.idefics3 import Idefics3Model
 from engine.models.internvl import InternVLModel
+from engine.models.jamba import JambaModel
 from engine.models.layers.decoder import Decoder
 from engine.models.layers.shard import check_tensor_parallel
 from engine.models.llama import LlamaModel
@@ -73,6 +74,7 @@ MODEL_CLASSES: dict[str, type] = {
     "mamba2": Mamba2Model,
     "mamba": MambaModel,
     "falcon_mamba": MambaModel,
+    "jamba": JambaModel,
     "qwen3_5": Qwen35Model,
     "qwen3_5_moe": Qwen35Model,
     "qwen3_next": Qwen35Model,

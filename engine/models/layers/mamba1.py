@@ -39,13 +39,15 @@ SCAN_TOKENS = 128
 
 def mamba1_weight_names(config: Mamba1Config, prefix: str) -> list[str]:
     """The checkpoint tensors of one layer's mixer under ``prefix`` ("model.layers.N.")."""
-    p = prefix + "mixer."
+    p = prefix + config.module + "."
     names = [p + "in_proj.weight", p + "conv1d.weight", p + "x_proj.weight", p + "dt_proj.weight",
              p + "dt_proj.bias", p + "A_log", p + "D", p + "out_proj.weight"]
     if config.proj_bias:
         names += [p + "in_proj.bias", p + "out_proj.bias"]
     if config.conv_bias:
         names.append(p + "conv1d.bias")
+    if config.bcdt_norm_weights:
+        names += [p + f"{n}_layernorm.weight" for n in ("dt", "b", "c")]
     return names
 
 
@@ -64,10 +66,12 @@ class Mamba1Mixer:
     d: torch.Tensor  # [d_inner] fp32
     out_proj: Any  # Linear: [hidden, d_inner]
     ops: Any  # the convolution's decode token (engine.ops.Ops.conv_decode)
+    # Jamba's norms of dt's bottleneck, B and C (model dtype), or None.
+    norms: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(cls, config: Mamba1Config, get: Any, prefix: str, make_linear: Any, ops: Any) -> Mamba1Mixer:
-        p = prefix + "mixer."
+        p = prefix + config.module + "."
 
         def fp32(name: str) -> torch.Tensor:
             return get(name).float()
@@ -84,6 +88,8 @@ class Mamba1Mixer:
             d=fp32(p + "D"),
             out_proj=make_linear([get(p + "out_proj.weight")], get(p + "out_proj.bias") if config.proj_bias else None),
             ops=ops,
+            norms=tuple(get(p + f"{n}_layernorm.weight") for n in ("dt", "b", "c"))  # type: ignore[arg-type]
+            if config.bcdt_norm_weights else None,
         )
 
     def __call__(self, x: torch.Tensor, meta: AttentionMetadata, conv_state: torch.Tensor,
@@ -121,7 +127,10 @@ class Mamba1Mixer:
         dtype, dt_proj's bias and the softplus in fp32."""
         c = self.config
         dt_r, b, cc = self.x_proj(u).split([c.dt_rank, c.d_state, c.d_state], dim=-1)
-        if c.bcdt_norm_eps is not None:  # FalconMamba's weightless norms, each rounded back
+        if self.norms is not None:  # Jamba's: Llama's norm, the weight times the rounded row
+            assert c.bcdt_norm_eps is not None
+            dt_r, b, cc = (w * _rms(t, c.bcdt_norm_eps) for w, t in zip(self.norms, (dt_r, b, cc), strict=True))
+        elif c.bcdt_norm_eps is not None:  # FalconMamba's weightless norms, each rounded back
             dt_r, b, cc = (_rms(t, c.bcdt_norm_eps) for t in (dt_r, b, cc))
         dt = F.softplus(self.dt_proj(dt_r).float() + self.dt_bias)
         return dt, b.float(), cc.float()

@@ -50,8 +50,12 @@ from engine.parallel import SINGLE, TensorParallel, shard_range
 
 def layer_prefix(moe: MoeConfig, layer: int) -> str:
     """Where a sparse layer's MLP weights live: Mixtral says block_sparse_moe, Qwen mlp."""
-    block = "block_sparse_moe" if moe.naming in ("mixtral", "granite") else "mlp"
+    block = {"mixtral": "block_sparse_moe", "granite": "block_sparse_moe", "jamba": "feed_forward"}.get(moe.naming, "mlp")
     return f"model.layers.{layer}.{block}."
+
+
+def _router_name(moe: MoeConfig) -> str:
+    return "router.weight" if moe.naming == "jamba" else "gate.weight"
 
 
 def expert_weight_names(moe: MoeConfig, layer: int, expert: int) -> tuple[str, str, str]:
@@ -69,7 +73,7 @@ def sparse_layer_weight_names(moe: MoeConfig, layer: int) -> list[str]:
         return [p + "router.layer.weight", p + "input_linear.weight", p + "output_linear.weight"]
     if moe.naming == "qwen_stacked":
         return [p + "gate.weight", p + "experts.gate_up_proj", p + "experts.down_proj"]
-    names = [p + "gate.weight"]
+    names = [p + _router_name(moe)]
     if moe.scoring in ("sigmoid", "softmax_bias"):
         names.append(p + _score_bias_name(moe))
     for e in range(moe.num_experts):
@@ -234,7 +238,7 @@ class SparseMoeBlock:
             if moe.scoring in ("sigmoid", "softmax_bias"):
                 self.score_bias = fp32(p + _score_bias_name(moe)).reshape(-1)
         else:
-            self.router = linear(get(p + "gate.weight"))  # [E, hidden]
+            self.router = linear(get(p + _router_name(moe)))  # [E, hidden]
         # Column-parallel gate/up rows, row-parallel down columns (whole with one rank).
         rows = get.rows if tp.enabled else get  # type: ignore[attr-defined]
         cols = get.cols if tp.enabled else get  # type: ignore[attr-defined]
