@@ -16,8 +16,10 @@ A layer keeps both a KV cache and the Mamba states, so the runner sees two cache
 for each (``mamba_config.falcon_h1_raw``): layer ``i``'s attention at ``2 i``, its mixer's
 conv and SSM states at ``2 i + 1``. Everything the runner does for a hybrid model (a state
 slot a request, their checkpoints for the prefix cache, preemption) then holds as for
-Nemotron-H. Pipeline stages and tensor-parallel ranks are refused (a stage boundary would
-fall between a layer's two halves); the fused CPU decode step does not run it.
+Nemotron-H. Tensor-parallel ranks each keep their attention heads, their Mamba heads (and
+their rows of in_proj's multipliers) and their share of the MLP; pipeline stages are
+refused (a stage boundary could fall between a layer's two halves). The fused CPU decode
+step does not run it.
 """
 
 from __future__ import annotations

@@ -58,8 +58,6 @@ def tensor_parallel_problem(config: ModelConfig, n: int, *, expert_parallel: boo
         return None
     if config.is_encoder:
         return "tensor parallelism is not supported for encoder (BERT) models"
-    if config.falcon_h1 is not None:
-        return "tensor parallelism is not supported for Falcon-H1"
     if config.vision is not None and not isinstance(config.vision, Gemma3VisionConfig):
         return "tensor parallelism is not supported for vision-language models (LLaVA, Qwen-VL, SmolVLM, InternVL), Qwen2-Audio and Whisper"
     problems = []
