@@ -53,8 +53,11 @@ def test_greedy_tokens_and_logprobs_match_transformers(falcon, ops: str) -> None
     loaded = assert_greedy_matches(hf, folder, ops, fused=False)
     m, multipliers = loaded.config.mamba, loaded.config.falcon_h1
     assert m is not None and multipliers is not None
-    assert (m.layers, loaded.config.num_hidden_layers, m.gated_norm) == ((1, 3, 5), 6, False)
-    assert (multipliers.key, loaded.config.embedding_multiplier, m.in_multipliers[3]) == (0.6, 1.7, 1.6)
+    n = hf.config.num_hidden_layers  # each layer two cache layers: its mixer's states at 2 i + 1
+    assert (m.layers, loaded.config.num_hidden_layers, m.gated_norm) == (
+        tuple(range(1, 2 * n, 2)), 2 * n, hf.config.mamba_rms_norm)
+    assert (multipliers.key, loaded.config.embedding_multiplier, m.in_multipliers) == (
+        hf.config.key_multiplier, hf.config.embedding_multiplier, tuple(hf.config.ssm_multipliers))
 
 
 @pytest.mark.parametrize("ops", ["torch", "cpu", pytest.param("triton", marks=pytest.mark.kernels)])

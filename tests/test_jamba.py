@@ -94,7 +94,8 @@ def test_the_released_config_reads_its_layers() -> None:
     assert config.mamba1 is not None and config.moe is not None
     assert config.mamba1.layers == tuple(i for i, t in enumerate(want.layers_block_type) if t == "mamba")
     assert config.moe.sparse_layers == tuple(i for i, n in enumerate(want.layers_num_experts) if n > 1)
-    assert (config.mamba1.d_inner, config.mamba1.dt_rank, config.moe.norm_topk_prob) == (8192, 256, False)
+    assert (config.mamba1.d_inner, config.mamba1.dt_rank) == (want.mamba_expand * want.hidden_size, want.mamba_dt_rank)
+    assert not config.moe.norm_topk_prob  # JambaTopKRouter keeps the softmax's top-k as they are
     assert config.nope_layers == tuple(range(32))
 
 

@@ -13,9 +13,12 @@ from typing import Any
 
 import pytest
 import torch
+from engine_helpers import greedy, token_ids
 from hf_written import assert_chunked_greedy_matches, assert_greedy_matches, write_hf_model
 from hybrid_helpers import assert_engine_matches, draw_mamba_parameters, prompts_of
+from test_parity import _hf_greedy
 
+import engine
 from engine.errors import UnsupportedModelError
 from engine.models.config import ModelConfig
 from engine.models.layers import mamba1
@@ -52,7 +55,8 @@ def test_greedy_tokens_and_logprobs_match_transformers(mamba, ops: str) -> None:
     hf, folder = mamba
     loaded = assert_greedy_matches(hf, folder, ops, fused=False)
     m = loaded.config.mamba1
-    assert m is not None and (m.layers, m.d_inner, m.dt_rank, m.bcdt_norm_eps) == ((0, 1, 2), 128, 6, None)
+    assert m is not None and (m.layers, m.d_inner, m.dt_rank, m.bcdt_norm_eps) == (
+        tuple(range(hf.config.num_hidden_layers)), hf.config.intermediate_size, hf.config.time_step_rank, None)
     assert attention_layers(loaded.config) == []
 
 
@@ -114,10 +118,6 @@ async def test_two_pipeline_stages_match_transformers(tmp_path) -> None:
 async def test_served_with_the_default_pool(mamba) -> None:
     """No layer keeps K/V, so the pool's blocks cost nothing: the engine opens on its
     default budget (no block count given) and serves transformers' greedy tokens."""
-    from engine_helpers import greedy, token_ids
-    from test_parity import _hf_greedy
-
-    import engine
 
     hf, folder = mamba
     prompt = prompts_of((15,), 384, seed=3)[0]
