@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 from tokenizers import pre_tokenizers
 
 from engine.errors import CorruptModelError, UnsupportedModelError
-from engine.models import gguf_families
+from engine.models import gguf_families, gguf_recurrent
 
 # Bump when the converter's output changes, so cached conversions are redone.
 CONVERTER_VERSION = 2
@@ -63,7 +63,7 @@ _ARCHITECTURES = {
     # Qwen3.5: Gated DeltaNet layers between gated attention layers (see _qwen35_config).
     "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text", False),
     "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", False),
-}
+} | gguf_recurrent.ARCHITECTURES  # mamba, mamba2, falcon-h1, jamba: see gguf_recurrent
 _QWEN35 = frozenset({"qwen35", "qwen35moe"})
 
 # Mixture-of-experts tensors. llama.cpp stacks each layer's experts into one tensor per
@@ -178,19 +178,23 @@ def unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The Hugging Face name of a GGUF tensor of ``arch``, or None when the name is unknown."""
-    if arch in _QWEN35:
-        blk, layer, rest = (gguf_name.split(".", 2) + ["", ""])[:3]
-        if blk == "blk" and layer.isdigit() and rest in _QWEN35_BARE_NAMES:
-            return f"model.layers.{int(layer)}.{_QWEN35_BARE_NAMES[rest]}"
+    recurrent = arch in gguf_recurrent.ARCHITECTURES
+    bare = _QWEN35_BARE_NAMES if arch in _QWEN35 else gguf_recurrent.BARE_NAMES.get(arch, {})
+    blk, layer, rest = (gguf_name.split(".", 2) + ["", ""])[:3]
+    if blk == "blk" and layer.isdigit() and rest in bare:
+        return f"model.layers.{int(layer)}.{bare[rest]}"
     stem, dot, suffix = gguf_name.rpartition(".")
     if not dot or suffix not in ("weight", "bias"):
         return None
     gpt2 = arch == "gpt2"
-    top = _GPT2_TOP_LEVEL_NAMES if gpt2 else _TOP_LEVEL_NAMES
+    top = _GPT2_TOP_LEVEL_NAMES if gpt2 else gguf_recurrent.TOP_LEVEL_NAMES[arch] if recurrent else _TOP_LEVEL_NAMES
     if stem in top:
         return f"{top[stem]}.{suffix}"
     parts = stem.split(".")
-    names = _GPT2_BLOCK_NAMES if gpt2 else _BLOCK_NAMES | _ARCH_BLOCK_NAMES.get(arch, {})
+    if recurrent:
+        names = gguf_recurrent.BLOCK_NAMES[arch]
+    else:
+        names = _GPT2_BLOCK_NAMES if gpt2 else _BLOCK_NAMES | _ARCH_BLOCK_NAMES.get(arch, {})
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
         layer = f"transformer.h.{int(parts[1])}" if gpt2 else f"model.layers.{int(parts[1])}"
         if parts[2] in names:
@@ -213,12 +217,13 @@ def stored_value_fix(arch: str, hf_name: str) -> Any:
     * llama.cpp's converter stores Gemma's norm weights, and every Qwen3.5 norm but the
       Gated DeltaNet's gated one, as ``1 + w`` (its RMSNorm multiplies by the weight as
       is; both Hugging Face families add the 1 themselves);
-    * Qwen3.5's ``A_log`` is stored as the decay rate it gives, ``-exp(A_log)``.
+    * Qwen3.5's ``A_log``, and every Mamba mixer's, is stored as the decay rate it gives,
+      ``-exp(A_log)``.
     """
     if hf_name.endswith("norm.weight") and (
             arch in _GEMMA or (arch in _QWEN35 and not hf_name.endswith("linear_attn.norm.weight"))):
         return _minus_one
-    if arch in _QWEN35 and hf_name.endswith("linear_attn.A_log"):
+    if (arch in _QWEN35 or arch in gguf_recurrent.ARCHITECTURES) and hf_name.endswith(".A_log"):
         return _log_of_negated
     return None
 
@@ -324,22 +329,25 @@ def _hf_config(fields: _Fields, arch: str, reader: Any, path: Path) -> dict[str,
         raise UnsupportedModelError(f"{path}: rope_freqs (Llama 3.1 RoPE scaling) is not supported")
     if "token_embd.weight" not in names:
         raise CorruptModelError(f"{path}: GGUF has no token_embd.weight tensor")
+    bos, eos = _token_ids(fields)
+    base = {
+        # ggml shape of the embedding is [hidden, vocab].
+        "vocab_size": int(names["token_embd.weight"].shape[1]),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "torch_dtype": _natural_dtype_name(reader),
+    }
+    if arch in gguf_recurrent.ARCHITECTURES:
+        return gguf_recurrent.config(fields, arch, names, base, path)
     hidden = int(fields.get(f"{arch}.embedding_length"))
     heads = int(fields.get(f"{arch}.attention.head_count"))
     kv_heads = fields.get(f"{arch}.attention.head_count_kv", heads)
     if isinstance(kv_heads, list):
         raise UnsupportedModelError(f"{path}: per-layer KV head counts are not supported")
-    bos = fields.get("tokenizer.ggml.bos_token_id", None)
-    eos = [int(fields.get("tokenizer.ggml.eos_token_id"))]
-    # Chat models often end a turn with a separate end-of-turn token; stop on both.
-    eot = fields.get("tokenizer.ggml.eot_token_id", None)
-    if eot is not None and int(eot) not in eos:
-        eos.append(int(eot))
-    config: dict[str, Any] = {
+    config: dict[str, Any] = base | {
         "architectures": [hf_arch],
         "model_type": model_type,
-        # ggml shape of the embedding is [hidden, vocab].
-        "vocab_size": int(names["token_embd.weight"].shape[1]),
         "hidden_size": hidden,
         # Qwen3.5-MoE has no dense MLP: its files may leave the dense width out.
         "intermediate_size": int(fields.get(f"{arch}.feed_forward_length", 0 if arch == "qwen35moe" else ...)),
@@ -354,11 +362,7 @@ def _hf_config(fields: _Fields, arch: str, reader: Any, path: Path) -> dict[str,
         "rope_theta": float(fields.get(f"{arch}.rope.freq_base", 10000.0)),
         "rope_scaling": gguf_families.rope_scaling(fields, arch, path),
         "max_position_embeddings": int(fields.get(f"{arch}.context_length")),
-        "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
-        "bos_token_id": None if bos is None else int(bos),
-        "eos_token_id": eos[0] if len(eos) == 1 else eos,
-        "torch_dtype": _natural_dtype_name(reader),
         "hidden_act": "silu",
     }
     if arch in ("qwen2", "qwen3", "qwen2moe", "qwen3moe"):
@@ -380,6 +384,17 @@ def _hf_config(fields: _Fields, arch: str, reader: Any, path: Path) -> dict[str,
     if arch in _QWEN35:
         config.update(gguf_families.qwen35_config(fields, arch, config, path))
     return config
+
+
+def _token_ids(fields: _Fields) -> tuple[int | None, int | list[int]]:
+    """The BOS id (or None) and the EOS id, or ids: chat models often end a turn with a
+    separate end-of-turn token, and generation stops on both."""
+    bos = fields.get("tokenizer.ggml.bos_token_id", None)
+    eos = [int(fields.get("tokenizer.ggml.eos_token_id"))]
+    eot = fields.get("tokenizer.ggml.eot_token_id", None)
+    if eot is not None and int(eot) not in eos:
+        eos.append(int(eot))
+    return None if bos is None else int(bos), eos[0] if len(eos) == 1 else eos
 
 
 def _phi3_config(fields: _Fields, names: dict[str, Any], config: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -434,8 +449,9 @@ def _hf_tensors(reader: Any, config: dict[str, Any], *, arch: str, path: Path) -
             value = unpermute_qk(value, config["num_key_value_heads"])
         elif arch == "gpt2" and name.endswith(GPT2_CONV1D):
             value = value.t()  # llama.cpp's [out, in] back to Conv1D's [in, out]
-        elif arch in _QWEN35 and name.endswith("linear_attn.conv1d.weight"):
+        elif (arch in _QWEN35 or arch in gguf_recurrent.ARCHITECTURES) and name.endswith("conv1d.weight"):
             value = value.unsqueeze(1)  # llama.cpp drops the depthwise kernel's middle axis
+        value = value.reshape(gguf_recurrent.hf_shape(arch, name, tuple(value.shape)))
         fix = stored_value_fix(arch, name)
         if fix is not None:
             value = fix(value)
@@ -453,7 +469,10 @@ def moe_tensor_names(gguf_name: str, model_type: str, experts: int) -> list[str]
         return None
     kind = parts[2]
     mixtral = model_type == "mixtral"
-    prefix = f"model.layers.{int(parts[1])}.{'block_sparse_moe' if mixtral else 'mlp'}."
+    module = {"mixtral": "block_sparse_moe", "jamba": "feed_forward"}.get(model_type, "mlp")
+    prefix = f"model.layers.{int(parts[1])}.{module}."
+    if kind == "ffn_gate_inp" and model_type == "jamba":
+        return [f"{prefix}router.weight"]
     if kind in _MOE_BLOCK_NAMES:
         return [f"{prefix}{_MOE_BLOCK_NAMES[kind]}.weight"]
     projections = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")

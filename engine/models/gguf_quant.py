@@ -11,9 +11,10 @@ norms, F16, or a block format the kernels lack) are dequantized as the converter
 the log names the block formats that were.
 
 The per-tensor fix-ups mirror ``gguf_convert._hf_tensors`` (phi3's RoPE factor tensors
-skipped, Gemma's and Qwen3.5's stored 1 + w norms undone, Qwen3.5's decay rates read back
-as A_log, GPT-2's dense projections read transposed; Qwen3.5's convolution kernels stay
-[channels, kernel], as its mixer reads them);
+skipped, Gemma's and Qwen3.5's stored 1 + w norms undone, Qwen3.5's and the Mamba mixers'
+decay rates read back as A_log, GPT-2's dense projections read transposed; their
+convolution kernels stay [channels, kernel], as their mixers read them, and Mamba-2's A, D
+and gated norm are read as vectors, see :mod:`engine.models.gguf_recurrent`);
 llama.cpp's q/k row permutation (see
 :func:`gguf_convert.unpermute_qk`) acts on whole rows within each head, and each row of a
 block-quantized tensor is its own run of blocks, so it is undone on the block rows without
@@ -32,7 +33,7 @@ import numpy as np
 import torch
 
 from engine.errors import CorruptModelError, UnsupportedModelError
-from engine.models import gguf_convert
+from engine.models import gguf_convert, gguf_recurrent
 from engine.models.checkpoint import (
     CheckpointFile,
     LazyWeights,
@@ -226,6 +227,7 @@ def _gguf_tensors(path: Path, config: ModelConfig, device: torch.device, layout:
         name = gguf_convert.hf_tensor_name(t.name, arch)
         if name is None:
             raise UnsupportedModelError(f"{path}: unknown GGUF tensor {t.name!r}")
+        dims = gguf_recurrent.hf_shape(arch, name, dims)  # Mamba-2's A, D and norm: the vectors they are
         proj = name.rsplit(".", 2)[-2] if permuted else ""
         # Qwen3.5's convolution kernels are 2-D but no matmul's: read dense whatever their type.
         matrix = len(dims) == 2 and not name.endswith("conv1d.weight")
