@@ -322,3 +322,13 @@ def test_jamba_layers_no_period_gives_are_refused(tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "hf", tmp_path / "m.gguf", attention_layers=[0, 1, 3])
     with pytest.raises(UnsupportedModelError, match=r"attention layers \[0, 1, 3\]"):
         load_model(path, dtype="float32")
+
+
+async def test_falcon_h1_over_two_tensor_parallel_ranks(tmp_path: Path) -> None:
+    """Each rank reads its rows of the file's tensors: its heads of A, D and dt's bias and
+    its groups of the gated norm (stored [heads, 1] and [groups, width / groups]), its rows
+    of in_proj, attention and the MLP."""
+    hf = as_stored(write("falcon_h1", tmp_path / "hf", mamba_rms_norm=True, mamba_norm_before_gate=False))
+    path = write_gguf(tmp_path / "hf", tmp_path / "m.gguf")
+    stats = await assert_engine_matches(hf, path, prompts_of((17, 21, 12, 19), 384, seed=10), tensor_parallel_size=2)
+    assert stats.preemptions > 0

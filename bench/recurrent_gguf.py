@@ -1,0 +1,163 @@
+"""The state-space families from GGUFs written by llama.cpp's own converter: read as
+transformers runs the model they came from, then timed beside llama.cpp on the same file.
+
+    .venv/bin/python bench/recurrent_gguf.py --llama-cpp /work/llama
+        [--families falcon_h1,mamba2,mamba,jamba] [--outtype q8_0] [--new-tokens 64]
+        [--prompt-len 512] [--rounds 3] [--dtypes float32,bfloat16] [--check-only]
+
+For each family, ``moe_families.SHAPES[family]``'s random-weight model is written by
+transformers and converted by llama.cpp's ``convert_hf_to_gguf.py`` (the source tree
+``../shared/anchors/build_llama_cpp.sh`` leaves under ``DIR/src``; see ``qwen35_gguf``'s
+driver), twice:
+
+* ``--outtype f32``: the file (Falcon-H1's with its multipliers away from 1) through ``engine.LLM``, greedy, against transformers'
+  ``generate`` on the folder it came from (fp32, 16 tokens after a 32-token prompt): the
+  tokens agreeing, and the largest difference of their logprobs;
+* ``--outtype`` (unless ``--check-only``): decode at batch 1 after a 64-token prompt and
+  the one-step prefill of ``--prompt-len`` tokens, the engine's runner (blocks kept) against
+  ``llama-bench`` (tg and pp) on that file, alternated in each round, 2 threads each
+  (``build_llama_cpp.sh``'s fair settings). The best of ``--rounds``.
+
+The converter's tokenizer step is given the BPE pre-tokenizer's name (the tiny tokenizer's
+hash is not one it knows) and, for Jamba, told to read the tokenizer as GPT-2's (its own
+path wants a sentencepiece-style vocabulary the tiny tokenizer is not); the weights and the
+layout are the converter's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import EngineDecode, prompts  # noqa: E402
+from moe_families import SHAPES, write  # noqa: E402
+from qwen35_gguf import llama_bench  # noqa: E402
+
+import engine  # noqa: E402
+from engine.models.loader import load_model  # noqa: E402
+
+# Falcon-H1's multipliers away from 1 (and from each other), as the released models have
+# them, so the converter's folding of each into its weights is read back here.
+FALCON_H1_MULTIPLIERS = dict(
+    embedding_multiplier=5.6, lm_head_multiplier=0.04, key_multiplier=0.39, attention_in_multiplier=1.0,
+    attention_out_multiplier=0.94, ssm_in_multiplier=1.25, ssm_out_multiplier=0.24,
+    ssm_multipliers=[0.35, 0.25, 0.51, 0.51, 0.64], mlp_multipliers=[0.91, 0.45])
+
+DRIVER = """
+import runpy, sys
+root = sys.argv.pop(1)
+sys.path[:0] = [root + "/gguf-py", root]
+import conversion.base as base
+import conversion.jamba as jamba
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+jamba.JambaModel.set_vocab = lambda self: self._set_vocab_gpt2()
+sys.argv[0] = root + "/convert_hf_to_gguf.py"
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def convert(llama_cpp: Path, folder: Path, out: Path, outtype: str) -> None:
+    roots = sorted(llama_cpp.glob("src/llama_cpp_python-*/vendor/llama.cpp"))
+    if not roots:
+        raise SystemExit(f"no llama.cpp source under {llama_cpp}/src (run ../shared/anchors/build_llama_cpp.sh)")
+    done = subprocess.run([sys.executable, "-c", DRIVER, str(roots[-1]), str(folder), "--outfile", str(out),
+                           "--outtype", outtype], capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"convert_hf_to_gguf.py failed on {folder.name}:\n{done.stderr[-3000:]}")
+
+
+def check(folder: Path, path: Path) -> tuple[int, int, float]:
+    """Greedy tokens from the f32 file through engine.LLM and from transformers on the
+    folder: (tokens agreeing before the first difference, tokens, largest |logprob
+    difference| over the agreeing ones)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    prompt = prompts(1, 32, hf.config.vocab_size)[0]
+    new = 16
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, output_scores=True,
+                          return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+    want = out.sequences[0, len(prompt):].tolist()
+    want_lp = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, want, strict=True)]
+    llm = engine.LLM(str(path), dtype="float32", max_model_len=256)
+    try:
+        got = llm.generate({"prompt_token_ids": prompt}, engine.SamplingParams(
+            temperature=0.0, max_tokens=new, logprobs=0, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    finally:
+        llm.close()
+    agree = next((i for i, (a, b) in enumerate(zip(got.token_ids, want, strict=True)) if a != b), new)
+    diffs = [abs(got.logprobs[i][t].logprob - want_lp[i]) for i, t in enumerate(want[:agree])]
+    return agree, new, max(diffs, default=float("nan"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--llama-cpp", type=Path, required=True)
+    ap.add_argument("--families", default="falcon_h1,mamba2,mamba,jamba")
+    ap.add_argument("--outtype", default="q8_0")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--check-only", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    dtypes = args.dtypes.split(",")
+    SHAPES["falcon_h1"] = SHAPES["falcon_h1"] | FALCON_H1_MULTIPLIERS
+    rows: list[str] = []
+    for family in args.families.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = Path(tmp) / family
+            write(family, folder)
+            f32 = Path(tmp) / f"{family}-f32.gguf"
+            convert(args.llama_cpp, folder, f32, "f32")
+            agree, new, diff = check(folder, f32)
+            print(f"{family}: llama.cpp's f32 file, greedy against transformers: {agree}/{new} tokens agree, "
+                  f"largest logprob difference {diff:.2e}", flush=True)
+            if args.check_only:
+                continue
+            path = Path(tmp) / f"{family}-{args.outtype}.gguf"
+            convert(args.llama_cpp, folder, path, args.outtype)
+            loaded = load_model(path, dtype="float32")
+            print(f"{path.name}: {path.stat().st_size / 2**20:.1f} MiB, quantization {loaded.quantization}",
+                  flush=True)
+            vocab, n, new = loaded.config.vocab_size, args.prompt_len, args.new_tokens
+            engines = {d: EngineDecode(loaded, getattr(torch, d), 1, n + new) for d in dtypes}
+            best: dict[str, float] = {}
+
+            def keep(key: str, value: float, best: dict[str, float] = best) -> None:
+                best[key] = max(best.get(key, 0.0), value)
+
+            for _ in range(args.rounds):
+                for d, eng in engines.items():
+                    short = prompts(1, 64, vocab)
+                    eng.run(short, 4)  # warm-up
+                    keep(f"decode {d}", (new - 1) / eng.run(short, new))
+                    long = prompts(1, n, vocab)
+                    t0 = time.perf_counter()
+                    decode = eng.run(long, 2)
+                    keep(f"prefill {d}", n / (time.perf_counter() - t0 - decode))
+                keep("decode llama.cpp", llama_bench(args.llama_cpp, path, 0, new))
+                keep("prefill llama.cpp", llama_bench(args.llama_cpp, path, n, 0))
+            for kind, label in (("decode", f"tg{new}"), ("prefill", f"pp{n}")):
+                ref = best[f"{kind} llama.cpp"]
+                ours = [best[f"{kind} {d}"] for d in dtypes]
+                rows.append(f"| {family} | {label} | " + " | ".join(f"{v:.1f}" for v in ours) + f" | {ref:.1f} | "
+                            + " | ".join(f"**{v / ref:.2f}x**" for v in ours) + " |")
+    if rows:
+        print(f"\n| family | run | " + " | ".join(f"engine ({d})" for d in dtypes) + " | llama.cpp | "
+              + " | ".join(f"engine ({d}) / llama.cpp" for d in dtypes) + " |")
+        print("|---" * (3 + 2 * len(dtypes)) + "|")
+        print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
