@@ -153,7 +153,7 @@ def main() -> None:
                 rows.append(f"| {family} | {label} | " + " | ".join(f"{v:.1f}" for v in ours) + f" | {ref:.1f} | "
                             + " | ".join(f"**{v / ref:.2f}x**" for v in ours) + " |")
     if rows:
-        print(f"\n| family | run | " + " | ".join(f"engine ({d})" for d in dtypes) + " | llama.cpp | "
+        print("\n| family | run | " + " | ".join(f"engine ({d})" for d in dtypes) + " | llama.cpp | "
               + " | ".join(f"engine ({d}) / llama.cpp" for d in dtypes) + " |")
         print("|---" * (3 + 2 * len(dtypes)) + "|")
         print("\n".join(rows))
