@@ -93,32 +93,51 @@ def main() -> None:
         convert(args.llama_cpp, folder, path, args.outtype)
         loaded = load_model(path, dtype="float32")
         print(f"{path.name}: {path.stat().st_size / 2**20:.1f} MiB, quantization {loaded.quantization}")
-        vocab, n, new = loaded.config.vocab_size, args.prompt_len, args.new_tokens
-        engines = {name: EngineDecode(loaded, getattr(torch, name), 1, n + new) for name in args.dtypes.split(",")}
-        best: dict[str, float] = {}
+        best = time_beside_llama(args.llama_cpp, path, loaded, args.dtypes.split(","), args.prompt_len,
+                                 args.new_tokens, args.rounds)
+        dtypes = args.dtypes.split(",")
+        print("| | " + " | ".join(f"engine ({d})" for d in dtypes) + " | llama.cpp | " +
+              " | ".join(f"engine ({d}) / llama.cpp" for d in dtypes) + " |")
+        print("|---" * (2 + 2 * len(dtypes)) + "|")
+        labels = {"decode": f"decode tok/s, batch 1 (tg{args.new_tokens})", "prefill": f"prompt tok/s (pp{args.prompt_len})"}
+        for kind, label in labels.items():
+            print(f"| {label} | " + table_cells(best, kind, dtypes))
 
-        def keep(key: str, value: float) -> None:
-            best[key] = max(best.get(key, 0.0), value)
 
-        for _ in range(args.rounds):
-            for name, eng in engines.items():
-                short = prompts(1, 64, vocab)
-                eng.run(short, 4)  # warm-up
-                keep(f"decode {name}", (new - 1) / eng.run(short, new))
-                long = prompts(1, n, vocab)
-                t0 = time.perf_counter()
-                decode = eng.run(long, 2)
-                keep(f"prefill {name}", n / (time.perf_counter() - t0 - decode))
-            keep("decode llama.cpp", llama_bench(args.llama_cpp, path, 0, new))
-            keep("prefill llama.cpp", llama_bench(args.llama_cpp, path, n, 0))
-        print("| | " + " | ".join(f"engine ({d})" for d in engines) + " | llama.cpp | " +
-              " | ".join(f"engine ({d}) / llama.cpp" for d in engines) + " |")
-        print("|---" * (2 + 2 * len(engines)) + "|")
-        for kind, label in (("decode", f"decode tok/s, batch 1 (tg{new})"), ("prefill", f"prompt tok/s (pp{n})")):
-            ref = best[f"{kind} llama.cpp"]
-            ours = [best[f"{kind} {d}"] for d in engines]
-            print(f"| {label} | " + " | ".join(f"{v:.1f}" for v in ours) + f" | {ref:.1f} | " +
-                  " | ".join(f"**{v / ref:.2f}x**" for v in ours) + " |")
+def time_beside_llama(llama_cpp: Path, path: Path, loaded, dtypes: list[str], n: int, new: int,
+                      rounds: int) -> dict[str, float]:
+    """The best of ``rounds`` alternated rounds: the engine's runner on ``loaded`` (in each
+    of ``dtypes``) decoding ``new`` tokens after 64 and prefilling ``n`` in one step, and
+    ``llama-bench`` tg / pp on ``path``; tokens/s under "decode D", "prefill D", "decode
+    llama.cpp" and "prefill llama.cpp"."""
+    vocab = loaded.config.vocab_size
+    engines = {d: EngineDecode(loaded, getattr(torch, d), 1, n + new) for d in dtypes}
+    best: dict[str, float] = {}
+
+    def keep(key: str, value: float) -> None:
+        best[key] = max(best.get(key, 0.0), value)
+
+    for _ in range(rounds):
+        for d, eng in engines.items():
+            short = prompts(1, 64, vocab)
+            eng.run(short, 4)  # warm-up
+            keep(f"decode {d}", (new - 1) / eng.run(short, new))
+            long = prompts(1, n, vocab)
+            t0 = time.perf_counter()
+            decode = eng.run(long, 2)
+            keep(f"prefill {d}", n / (time.perf_counter() - t0 - decode))
+        keep("decode llama.cpp", llama_bench(llama_cpp, path, 0, new))
+        keep("prefill llama.cpp", llama_bench(llama_cpp, path, n, 0))
+    return best
+
+
+def table_cells(best: dict[str, float], kind: str, dtypes: list[str]) -> str:
+    """A table row's cells for ``kind`` ("decode" or "prefill"): the engine's figure in each
+    dtype, llama.cpp's, then each ratio."""
+    ref = best[f"{kind} llama.cpp"]
+    ours = [best[f"{kind} {d}"] for d in dtypes]
+    return (" | ".join(f"{v:.1f}" for v in ours) + f" | {ref:.1f} | "
+            + " | ".join(f"**{v / ref:.2f}x**" for v in ours) + " |")
 
 
 if __name__ == "__main__":

@@ -30,15 +30,14 @@ import argparse
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import EngineDecode, prompts  # noqa: E402
+from decode import prompts  # noqa: E402
 from moe_families import SHAPES, write  # noqa: E402
-from qwen35_gguf import llama_bench  # noqa: E402
+from qwen35_gguf import table_cells, time_beside_llama  # noqa: E402
 
 import engine  # noqa: E402
 from engine.models.loader import load_model  # noqa: E402
@@ -129,29 +128,10 @@ def main() -> None:
             loaded = load_model(path, dtype="float32")
             print(f"{path.name}: {path.stat().st_size / 2**20:.1f} MiB, quantization {loaded.quantization}",
                   flush=True)
-            vocab, n, new = loaded.config.vocab_size, args.prompt_len, args.new_tokens
-            engines = {d: EngineDecode(loaded, getattr(torch, d), 1, n + new) for d in dtypes}
-            best: dict[str, float] = {}
-
-            def keep(key: str, value: float, best: dict[str, float] = best) -> None:
-                best[key] = max(best.get(key, 0.0), value)
-
-            for _ in range(args.rounds):
-                for d, eng in engines.items():
-                    short = prompts(1, 64, vocab)
-                    eng.run(short, 4)  # warm-up
-                    keep(f"decode {d}", (new - 1) / eng.run(short, new))
-                    long = prompts(1, n, vocab)
-                    t0 = time.perf_counter()
-                    decode = eng.run(long, 2)
-                    keep(f"prefill {d}", n / (time.perf_counter() - t0 - decode))
-                keep("decode llama.cpp", llama_bench(args.llama_cpp, path, 0, new))
-                keep("prefill llama.cpp", llama_bench(args.llama_cpp, path, n, 0))
-            for kind, label in (("decode", f"tg{new}"), ("prefill", f"pp{n}")):
-                ref = best[f"{kind} llama.cpp"]
-                ours = [best[f"{kind} {d}"] for d in dtypes]
-                rows.append(f"| {family} | {label} | " + " | ".join(f"{v:.1f}" for v in ours) + f" | {ref:.1f} | "
-                            + " | ".join(f"**{v / ref:.2f}x**" for v in ours) + " |")
+            best = time_beside_llama(args.llama_cpp, path, loaded, dtypes, args.prompt_len, args.new_tokens,
+                                     args.rounds)
+            for kind, label in (("decode", f"tg{args.new_tokens}"), ("prefill", f"pp{args.prompt_len}")):
+                rows.append(f"| {family} | {label} | " + table_cells(best, kind, dtypes))
     if rows:
         print("\n| family | run | " + " | ".join(f"engine ({d})" for d in dtypes) + " | llama.cpp | "
               + " | ".join(f"engine ({d}) / llama.cpp" for d in dtypes) + " |")

@@ -14,6 +14,7 @@ from test_parity import LOGPROB_ATOL, NEW_TOKENS, _hf_greedy, _prompts, _runner
 
 from engine.models.loader import load_model
 from engine.models.testing import write_tiny_model
+from engine.ops.cpu import qmatmul as cq
 
 
 def write_hf_model(hf: Any, folder: Path, *, norms: bool = False, biases: float = 0.0) -> Any:
@@ -73,6 +74,25 @@ def assert_chunked_greedy_matches(hf: Any, folder: Path, ops: str, *, prompts: i
         assert [s.token_id for s in run] == want_tokens
         got = torch.tensor([s.logprob for s in run], dtype=torch.float64)
         torch.testing.assert_close(got, torch.tensor(want_logprobs, dtype=torch.float64), atol=LOGPROB_ATOL, rtol=0)
+
+
+def assert_kept_blocks_match_dequantized(path: Path, monkeypatch: Any, check_runner: Any) -> None:
+    """GGUF ``path`` loaded with its blocks kept, over the torch reference matmul, gives the
+    same greedy tokens and logprobs as the file dequantized, prefilled in chunks;
+    ``check_runner`` is shown the kept model's runner first (to assert what kept its blocks)."""
+    kept = load_model(path, dtype="float32")
+    dequantized = load_model(path, dtype="float32", quantization="none")
+    assert kept.quantization == "gguf"
+    prompts = _prompts(kept.config.vocab_size)
+    want = run_greedy(_runner(dequantized, 4, "torch"), prompts, NEW_TOKENS, chunk_size=5, block_size=4)
+    monkeypatch.setattr(cq, "available", lambda: False)
+    runner = _runner(kept, 4, "cpu")
+    check_runner(runner)
+    got = run_greedy(runner, prompts, NEW_TOKENS, chunk_size=5, block_size=4)
+    for g, w in zip(got, want, strict=True):
+        assert [s.token_id for s in g] == [s.token_id for s in w]
+        torch.testing.assert_close(torch.tensor([s.logprob for s in g]), torch.tensor([s.logprob for s in w]),
+                                   atol=LOGPROB_ATOL, rtol=0)
 
 
 # 8 experts in 4 groups, 2 groups kept, 3 routed a token, scaled by 2.5; one dense layer first.

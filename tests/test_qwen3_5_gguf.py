@@ -22,12 +22,15 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from greedy_driver import run_greedy
-from hf_written import assert_chunked_greedy_matches, assert_greedy_matches, write_hf_model
+from hf_written import (
+    assert_chunked_greedy_matches,
+    assert_greedy_matches,
+    assert_kept_blocks_match_dequantized,
+    write_hf_model,
+)
 from hybrid_helpers import assert_engine_matches, draw_mamba_parameters, prompts_of
 from safetensors.torch import load_file
 from test_loader import _add_tokenizer, quantize_array
-from test_parity import LOGPROB_ATOL, NEW_TOKENS, _prompts, _runner
 from test_qwen3_5 import TINY
 
 import engine
@@ -298,23 +301,15 @@ def test_a_q8_0_gguf_keeps_its_blocks_and_matches_the_dequantized_model(
     file dequantized, prefilled in chunks."""
     write_dense(tmp_path / "hf")
     path = write_qwen35_gguf(tmp_path / "hf", tmp_path / "q8.gguf", quant=Q8_0, dense_ba=dense_ba)
-    kept = load_model(path, dtype="float32")
-    dequantized = load_model(path, dtype="float32", quantization="none")
-    assert kept.quantization == "gguf"
-    prompts = _prompts(kept.config.vocab_size)
-    want = run_greedy(_runner(dequantized, 4, "torch"), prompts, NEW_TOKENS, chunk_size=5, block_size=4)
-    monkeypatch.setattr(cq, "available", lambda: False)
-    runner = _runner(kept, 4, "cpu")
-    mixers = [layer.mixer for layer in runner.model.layers if hasattr(layer, "mixer")]
-    assert len(mixers) == 3 and all(isinstance(m, DeltaNetMixer) for m in mixers)
-    for m in mixers:
-        assert isinstance(m.in_proj, QuantLinear) and isinstance(m.out_proj, QuantLinear)
-        assert (m.ba_proj is not None) == dense_ba
-    got = run_greedy(runner, prompts, NEW_TOKENS, chunk_size=5, block_size=4)
-    for g, w in zip(got, want, strict=True):
-        assert [s.token_id for s in g] == [s.token_id for s in w]
-        torch.testing.assert_close(torch.tensor([s.logprob for s in g]), torch.tensor([s.logprob for s in w]),
-                                   atol=LOGPROB_ATOL, rtol=0)
+
+    def check(runner: Any) -> None:
+        mixers = [layer.mixer for layer in runner.model.layers if hasattr(layer, "mixer")]
+        assert len(mixers) == 3 and all(isinstance(m, DeltaNetMixer) for m in mixers)
+        for m in mixers:
+            assert isinstance(m.in_proj, QuantLinear) and isinstance(m.out_proj, QuantLinear)
+            assert (m.ba_proj is not None) == dense_ba
+
+    assert_kept_blocks_match_dequantized(path, monkeypatch, check)
 
 
 async def test_tiled_value_heads_are_refused_over_tensor_parallel_ranks(dense) -> None:

@@ -24,8 +24,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from greedy_driver import run_greedy
-from hf_written import assert_chunked_greedy_matches, assert_greedy_matches
+from hf_written import (
+    assert_chunked_greedy_matches,
+    assert_greedy_matches,
+    assert_kept_blocks_match_dequantized,
+)
 from hybrid_helpers import assert_engine_matches, prompts_of
 from safetensors.torch import load_file
 from test_falcon_h1 import write_falcon_h1
@@ -33,7 +36,6 @@ from test_jamba import write_jamba
 from test_loader import _add_tokenizer, quantize_array
 from test_mamba1 import write_mamba1
 from test_mamba2 import write_mamba2
-from test_parity import LOGPROB_ATOL, NEW_TOKENS, _prompts, _runner
 
 from engine.errors import UnsupportedModelError
 from engine.models.layers.linear import QuantLinear
@@ -288,23 +290,15 @@ def test_a_q8_0_gguf_keeps_its_blocks_and_matches_the_dequantized_model(
     and logprobs as the file dequantized, prefilled in chunks."""
     write(family, tmp_path / "hf")
     path = write_gguf(tmp_path / "hf", tmp_path / "q8.gguf", quant=Q8_0)
-    kept = load_model(path, dtype="float32")
-    dequantized = load_model(path, dtype="float32", quantization="none")
-    assert kept.quantization == "gguf"
-    prompts = _prompts(kept.config.vocab_size)
-    want = run_greedy(_runner(dequantized, 4, "torch"), prompts, NEW_TOKENS, chunk_size=5, block_size=4)
-    monkeypatch.setattr(cq, "available", lambda: False)
-    runner = _runner(kept, 4, "cpu")
-    mixers = [getattr(layer, a) for layer in runner.model.layers for a in ("mamba", "mixer")
-              if isinstance(getattr(layer, a, None), (MambaMixer, Mamba1Mixer))]
-    recurrent = kept.config.mamba or kept.config.mamba1
-    assert recurrent is not None and len(mixers) == len(recurrent.layers)
-    assert all(isinstance(m.in_proj, QuantLinear) and isinstance(m.out_proj, QuantLinear) for m in mixers)
-    got = run_greedy(runner, prompts, NEW_TOKENS, chunk_size=5, block_size=4)
-    for g, w in zip(got, want, strict=True):
-        assert [s.token_id for s in g] == [s.token_id for s in w]
-        torch.testing.assert_close(torch.tensor([s.logprob for s in g]), torch.tensor([s.logprob for s in w]),
-                                   atol=LOGPROB_ATOL, rtol=0)
+
+    def check(runner: Any) -> None:
+        mixers = [getattr(layer, a) for layer in runner.model.layers for a in ("mamba", "mixer")
+                  if isinstance(getattr(layer, a, None), (MambaMixer, Mamba1Mixer))]
+        recurrent = runner.model.config.mamba or runner.model.config.mamba1
+        assert recurrent is not None and len(mixers) == len(recurrent.layers)
+        assert all(isinstance(m.in_proj, QuantLinear) and isinstance(m.out_proj, QuantLinear) for m in mixers)
+
+    assert_kept_blocks_match_dequantized(path, monkeypatch, check)
 
 
 @pytest.mark.parametrize("family", ["falcon_h1", "jamba"])
