@@ -79,6 +79,15 @@ async def test_two_pipeline_stages_match_transformers(jamba) -> None:
     assert stats.preemptions > 0
 
 
+async def test_two_tensor_parallel_ranks_match_transformers(jamba) -> None:
+    """Each rank its Mamba channels, its attention heads and its share of every expert and
+    of the dense MLP."""
+    hf, folder = jamba
+    stats = await assert_engine_matches(hf, folder, prompts_of((17, 21, 12, 19), 384, seed=10),
+                                        tensor_parallel_size=2)
+    assert stats.preemptions > 0
+
+
 def test_the_released_config_reads_its_layers() -> None:
     """Jamba-Mini-1.7's config.json (its keys; the defaults of the layer periods)."""
     from transformers import JambaConfig

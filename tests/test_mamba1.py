@@ -99,7 +99,26 @@ def test_a_config_that_leaves_keys_out_reads_transformers_defaults(arch: str) ->
     assert (config.vocab_size, config.hidden_size, config.rms_norm_eps, config.tie_word_embeddings) == (
         want.vocab_size, want.hidden_size, want.layer_norm_epsilon, want.tie_word_embeddings)
     assert m.bcdt_norm_eps == getattr(want, "mixer_rms_eps", None)
-    assert "tensor-parallel" in (tensor_parallel_problem(config, 2) or "")
+    assert tensor_parallel_problem(config, 2) is None  # no attention heads to divide
+
+
+@pytest.mark.parametrize("falcon", [False, True], ids=["mamba", "falcon_mamba"])
+async def test_two_tensor_parallel_ranks_match_transformers(tmp_path, falcon: bool) -> None:
+    """Each rank keeps half the channels (their rows of in_proj, the convolution, dt_proj,
+    A and D, and their states); x_proj's dt bottleneck, B and C are summed over the ranks
+    before FalconMamba's norms read them."""
+    hf = write_mamba1(tmp_path / "m", falcon=falcon)
+    stats = await assert_engine_matches(hf, tmp_path / "m", prompts_of((17, 21, 12, 19), 384, seed=10),
+                                        tensor_parallel_size=2)
+    assert stats.preemptions > 0
+
+
+def test_channels_that_do_not_divide_are_refused(tmp_path) -> None:
+    config = ModelConfig.from_hf({"architectures": ["MambaForCausalLM"], "hidden_size": 64, "intermediate_size": 130,
+                                  "vocab_size": 384})
+    assert "130 channels" in (tensor_parallel_problem(config, 4) or "")
+    biased = ModelConfig.from_hf({"architectures": ["MambaForCausalLM"], "use_bias": True})
+    assert "use_bias" in (tensor_parallel_problem(biased, 2) or "")
 
 
 def test_what_it_refuses_is_named() -> None:

@@ -326,3 +326,12 @@ async def test_falcon_h1_over_two_tensor_parallel_ranks(tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "hf", tmp_path / "m.gguf")
     stats = await assert_engine_matches(hf, path, prompts_of((17, 21, 12, 19), 384, seed=10), tensor_parallel_size=2)
     assert stats.preemptions > 0
+
+
+async def test_mamba_over_two_tensor_parallel_ranks(tmp_path: Path) -> None:
+    """Each rank reads its channels' rows of the file's in_proj, convolution, dt_proj, A
+    (stored as the decay rate, 2-D) and D, and x_proj's and out_proj's columns."""
+    hf = as_stored(write("mamba", tmp_path / "hf"))
+    path = write_gguf(tmp_path / "hf", tmp_path / "m.gguf")
+    stats = await assert_engine_matches(hf, path, prompts_of((17, 21, 12, 19), 384, seed=10), tensor_parallel_size=2)
+    assert stats.preemptions > 0

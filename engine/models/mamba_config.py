@@ -354,11 +354,17 @@ class Mamba1Config:
         return (self.d_inner, self.d_conv - 1), (self.d_inner, self.d_state)
 
     def local(self, world: int) -> Mamba1Config:
-        assert world == 1  # tensor_parallel_problem refuses more
-        return self
+        """One of ``world`` tensor-parallel ranks' share: its ``d_inner / world`` channels
+        (each channel's convolution, state, dt, A and D are its own)."""
+        return self if world == 1 else dataclasses.replace(self, d_inner=self.d_inner // world)
 
     def tensor_parallel_problem(self, world: int) -> str | None:
-        return "Mamba-1 (selective-scan) layers do not split over tensor-parallel ranks" if world > 1 else None
+        """Why the mixers cannot be split over ``world`` ranks, or None."""
+        if self.d_inner % world:
+            return f"the Mamba layers' {self.d_inner} channels (intermediate size) do not divide by {world}"
+        if self.proj_bias:
+            return "Mamba layers with projection biases (use_bias) do not split over ranks"
+        return None
 
 
 # transformers' MambaConfig / FalconMambaConfig defaults, for the keys a config.json leaves out.

@@ -18,6 +18,11 @@ every token's decay and input at once, in blocks of :data:`SCAN_TOKENS` tokens, 
 recurrence steps through a block's tokens one multiply-add each. Decode rows, one token on
 a context, are updated together. The runner's slots, checkpoints and decode-row grouping
 are those of layers/recurrent.py.
+
+Over tensor-parallel ranks each rank keeps ``d_inner / world`` channels: their rows of
+in_proj (x and z), of the convolution, dt_proj, A and D, and their states. x_proj and
+out_proj read those channels as row-parallel projections, so dt's bottleneck, B and C are
+summed over the ranks, every rank selecting with all of them, and the output is whole.
 """
 
 from __future__ import annotations
@@ -71,22 +76,33 @@ class Mamba1Mixer:
 
     @classmethod
     def build(cls, config: Mamba1Config, get: Any, prefix: str, make_linear: Any, ops: Any) -> Mamba1Mixer:
+        """Layer ``prefix``'s mixer from ``get`` (a ShardedWeights): over tensor-parallel
+        ranks, this rank's channels of in_proj's x and z, of the convolution, dt_proj, dt's
+        bias, A_log and D; x_proj and out_proj row-parallel over those channels (x_proj's
+        dt bottleneck, B and C summed over the ranks: every rank selects with all of them)."""
         p = prefix + config.module + "."
+        d, tp = config.d_inner, get.tp
 
         def fp32(name: str) -> torch.Tensor:
-            return get(name).float()
+            return get.rows(name).float()
 
+        def row_parallel(name: str, bias: bool = False) -> Any:
+            return get.row_parallel(p + name + ".weight") if tp.enabled else make_linear(
+                [get(p + name + ".weight")], get(p + name + ".bias") if bias else None)
+
+        local = config.local(tp.world_size)
         return cls(
-            config=config,
-            in_proj=make_linear([get(p + "in_proj.weight")], get(p + "in_proj.bias") if config.proj_bias else None),
-            conv_weight=fp32(p + "conv1d.weight").reshape(config.d_inner, config.d_conv),
+            config=local,
+            in_proj=make_linear([get.rows(p + "in_proj.weight", sizes=(d, d))],
+                                get.rows(p + "in_proj.bias", sizes=(d, d)) if config.proj_bias else None),
+            conv_weight=fp32(p + "conv1d.weight").reshape(local.d_inner, config.d_conv),
             conv_bias=fp32(p + "conv1d.bias") if config.conv_bias else None,
-            x_proj=make_linear([get(p + "x_proj.weight")]),
-            dt_proj=make_linear([get(p + "dt_proj.weight")]),
+            x_proj=row_parallel("x_proj"),
+            dt_proj=make_linear([get.rows(p + "dt_proj.weight")]),
             dt_bias=fp32(p + "dt_proj.bias"),
             a=-torch.exp(fp32(p + "A_log")),
             d=fp32(p + "D"),
-            out_proj=make_linear([get(p + "out_proj.weight")], get(p + "out_proj.bias") if config.proj_bias else None),
+            out_proj=row_parallel("out_proj", config.proj_bias),
             ops=ops,
             norms=tuple(get(p + f"{n}_layernorm.weight") for n in ("dt", "b", "c"))  # type: ignore[arg-type]
             if config.bcdt_norm_weights else None,

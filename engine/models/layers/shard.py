@@ -64,6 +64,9 @@ def tensor_parallel_problem(config: ModelConfig, n: int, *, expert_parallel: boo
     if config.recurrent is not None and (why := config.recurrent.tensor_parallel_problem(n)):
         problems.append(why)
     h, hkv = config.num_attention_heads, config.num_key_value_heads
+    recurrent = config.recurrent
+    if recurrent is not None and len(recurrent.layers) + len(recurrent.mlp_layers) == config.num_hidden_layers:
+        h = hkv = n  # no attention layer (Mamba, Mamba-2 alone): no heads to split
     if h % n:
         problems.append(f"num_attention_heads ({h}) does not divide by {n}")
     if hkv >= n and hkv % n:
