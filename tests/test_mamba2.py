@@ -85,3 +85,11 @@ def test_a_config_that_leaves_keys_out_reads_transformers_defaults() -> None:
 def test_what_it_refuses_is_named() -> None:
     with pytest.raises(UnsupportedModelError, match="hidden_act"):
         ModelConfig.from_hf({"architectures": ["Mamba2ForCausalLM"], "hidden_act": "gelu"})
+
+
+async def test_two_tensor_parallel_ranks_match_transformers(mamba2) -> None:
+    """Each rank its heads and one of the two groups of B and C (Nemotron-H's split, with
+    no attention layer beside it)."""
+    hf, folder = mamba2
+    stats = await assert_engine_matches(hf, folder, prompts_of((17, 21, 12, 19), 384, seed=10), tensor_parallel_size=2)
+    assert stats.preemptions > 0
