@@ -124,8 +124,21 @@ def test_the_released_config_reads_every_multiplier() -> None:
         hf.ssm_out_multiplier)
     assert (mult.mlp_gate, mult.mlp_down) == tuple(hf.mlp_multipliers)
     assert (config.embedding_multiplier, config.head_dim, config.rope_theta) == (hf.embedding_multiplier, 64, 1e11)
-    assert "Falcon-H1" in (pipeline_parallel_problem(config, 2) or "")
     assert tensor_parallel_problem(config, 2) is None
+    # Stages hold whole layers: its 4 layers (8 cache layers) in at most 4 stages.
+    assert pipeline_parallel_problem(config, 4) is None
+    assert "4 layers" in (pipeline_parallel_problem(config, 5) or "")
+
+
+@pytest.mark.parametrize("partition", [None, "1,2"], ids=["even", "1-2"])
+async def test_two_pipeline_stages_match_transformers(falcon, partition: str | None) -> None:
+    """Each stage holds whole layers, attention and mixer together (an even split of the
+    three, two then one, or the partition asked for in layers), and the first stage's
+    hidden states reach the second."""
+    hf, folder = falcon
+    stats = await assert_engine_matches(hf, folder, prompts_of((17, 21, 12, 19), 384, seed=10),
+                                        pipeline_parallel_size=2, pipeline_layer_partition=partition)
+    assert stats.preemptions > 0
 
 
 @pytest.mark.parametrize(("extra", "match"), [

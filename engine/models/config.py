@@ -281,6 +281,13 @@ class ModelConfig:
         return self.mamba or self.deltanet or self.mamba1
 
     @property
+    def cache_layers_per_layer(self) -> int:
+        """How many of ``num_hidden_layers`` (cache layers) one decoder layer is: two for
+        Falcon-H1 (attention, then its mixer's states), one for every other model. A
+        pipeline stage holds whole layers."""
+        return 2 if self.falcon_h1 is not None else 1
+
+    @property
     def mrope(self) -> bool:
         """Positions are M-RoPE's three streams (Qwen-VL): the runner gives ``[3, T]``."""
         return isinstance(self.vision, QwenVisionConfig)

@@ -83,7 +83,10 @@ class FalconH1Model(Decoder):
         self._init_rope_tables()
         get = ShardedWeights(weights, dtype, self.device, tp)
         self._build_ends(get, weights, lambda: get("model.final_layernorm.weight"))
-        self.layers = [self._hybrid_layer(get, i) for i in range(config.num_hidden_layers // 2)]
+        # A pipeline stage holds whole layers (both cache layers of each: the stage's cache
+        # layers are [2 a, 2 b), engine.process.parts cuts them so).
+        stage = tp.stage.layer_range(config.num_hidden_layers)
+        self.layers = [self._hybrid_layer(get, i) for i in range(stage.start // 2, stage.stop // 2)]
 
     def _hybrid_layer(self, get: ShardedWeights, i: int) -> FalconH1Layer:
         p = f"model.layers.{i}."
@@ -131,9 +134,10 @@ class FalconH1Model(Decoder):
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """Hidden states [T, hidden] after the final norm; writes this step's K/V and
-        advances the Mamba mixers' states."""
+        advances the Mamba mixers' states. A pipeline stage before the last sends its
+        hidden states on and returns None."""
         ops, m, eps = self.ops, self.multipliers, self.eps
         scale = self.config.embedding_multiplier
         hidden = self._hidden_stream_in(input_ids, positions, None if scale == 1.0 else scale, mm_embeds)
@@ -146,6 +150,9 @@ class FalconH1Model(Decoder):
                                        positions, meta, k_cache, v_cache)
             hidden = hidden + (mixed * m.ssm_out + attended * m.attention_out)
             hidden = hidden + self._falcon_mlp(attn, ops.rms_norm(hidden, attn.post_norm, eps))
+        if not self.tp.stage.last:
+            self.tp.stage.send([hidden])
+            return None
         return ops.rms_norm(hidden, self.norm, eps)
 
 

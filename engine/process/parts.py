@@ -90,6 +90,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
         # Refused before any worker starts; the workers load the model while rank 0
         # sizes its pool and builds its runner.
         _refuse_unsplittable(load.loaded.config, config)
+        config = _stages_of_whole_layers(load.loaded.config, config)
         if load.pooler is not None and config.pipeline_parallel_size > 1:
             raise ConfigError("pipeline parallelism is not supported for pooling models",
                               field="pipeline_parallel_size")
@@ -208,6 +209,19 @@ def _refuse_unsplittable(model_config: Any, config: EngineConfig) -> None:
         # has until the step comes back: refused rather than planned a step behind.
         raise ConfigError("speculative decoding is not supported with pipeline_parallel_size "
                           "above 1", field="speculative_config")
+
+
+def _stages_of_whole_layers(model_config: Any, config: EngineConfig) -> EngineConfig:
+    """``config`` with its pipeline stages' layers counted in cache layers, for a model
+    whose decoder layer is more than one (Falcon-H1's two): the partition asked for (in
+    decoder layers), or the even split of the decoder layers, each count times that many.
+    The workers, the stages' KV pools and the model then cut at whole layers."""
+    per = model_config.cache_layers_per_layer
+    if per == 1 or config.pipeline_parallel_size == 1:
+        return config
+    bounds = stage_layers(model_config.num_hidden_layers // per, config.pipeline_parallel_size,
+                          config.pipeline_layer_partition)
+    return dataclasses.replace(config, pipeline_layer_partition=tuple(per * (b - a) for a, b in bounds))
 
 
 def _encoder_decoder_rules(config: EngineConfig) -> EngineConfig:

@@ -104,13 +104,11 @@ def pipeline_parallel_problem(config: ModelConfig, n: int,
         return None
     if config.is_encoder:
         return "pipeline parallelism is not supported for encoder (BERT) models"
-    if config.falcon_h1 is not None:
-        return "pipeline parallelism is not supported for Falcon-H1"
     if config.vision is not None:
         return ("pipeline parallelism is not supported for multimodal models (LLaVA, Whisper, "
                 "Qwen-VL, Qwen2-Audio, Gemma 3 with images; --limit-mm-per-prompt 0 serves Gemma 3 as text)")
-    try:
-        stage_layers(config.num_hidden_layers, n, partition)
+    try:  # (counted in decoder layers: Falcon-H1's are two cache layers each)
+        stage_layers(config.num_hidden_layers // config.cache_layers_per_layer, n, partition)
     except ValueError as exc:
         return f"the model cannot be split into {n} pipeline stages: {exc}"
     return None
