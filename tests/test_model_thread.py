@@ -5,6 +5,7 @@ each calling thread its own thread team, and two teams on two cores slow every l
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import time
 import weakref
@@ -12,11 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import trio
 from engine_helpers import collect, greedy, tiny_model, token_ids
 
 import engine
-from engine.actors.model_thread import model_thread_ident, run_in_model_thread
+from engine.actors import model_thread
+from engine.actors.model_thread import model_thread_ident, release_openmp_team, run_in_model_thread
 from engine.runner.model_runner import ModelRunner
 
 
@@ -117,3 +120,70 @@ def test_an_engine_held_after_its_close_lets_its_model_go(model: Path) -> None:
     eng, runner = held
     assert runner() is None
     assert eng.statistics().requests_finished == 1
+
+
+def _native_threads() -> set[int]:
+    """The process's threads that are not Python's (libgomp's team workers among them)."""
+    python = {t.native_id for t in threading.enumerate()}
+    return {int(tid) for tid in os.listdir("/proc/self/task")} - python
+
+
+def test_releasing_a_threads_openmp_team_ends_its_workers() -> None:
+    """A thread's matmul over two torch threads starts a team (a libgomp worker thread
+    that stays, idle); released, the worker ends, while another live thread's team stays."""
+    found: dict[str, Any] = {}
+    a = torch.randn(512, 512)
+    holding, done = threading.Event(), threading.Event()
+
+    def team_of_a_thread(name: str, release: bool) -> None:
+        before = _native_threads()
+        torch.set_num_threads(2)
+        a @ a  # noqa: B018 -- a parallel region, for its team
+        found[name] = _native_threads() - before
+        if release:
+            found["released"] = release_openmp_team()
+            found["after"] = _native_threads()
+        else:
+            holding.set()
+            done.wait()
+
+    threads = torch.get_num_threads()
+    other = threading.Thread(target=team_of_a_thread, args=("other", False))
+    try:
+        other.start()
+        holding.wait()
+        this = threading.Thread(target=team_of_a_thread, args=("this", True))
+        this.start()
+        this.join()
+    finally:
+        done.set()
+        other.join()
+        torch.set_num_threads(threads)
+    assert found["other"] and found["this"]  # each thread's region started workers of its own
+    assert found["released"] is True
+    assert not found["this"] & found["after"]  # its workers ended
+    assert found["other"] <= found["after"]  # the other thread's team is its own, and stays
+
+
+def test_the_engine_releases_its_callers_team_and_the_model_threads(
+        model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``engine.LLM`` releases the team of the thread that waits for it (at opening and
+    at each call), and the model thread's team when it closes."""
+    calls: list[str] = []
+
+    def record() -> bool:
+        calls.append("model" if threading.get_ident() == model_thread_ident() else threading.current_thread().name)
+        return release_openmp_team()
+
+    for module in ("engine.api.engine_thread", "engine.api.open"):
+        monkeypatch.setattr(f"{module}.release_openmp_team", record)
+    assert model_thread.release_openmp_team is release_openmp_team  # the real one, as the spy calls
+    llm = engine.LLM(str(model), dtype="float32", kv_cache_memory=2**22)
+    opened = list(calls)
+    llm.generate({"prompt_token_ids": [5, 6, 7]}, engine.SamplingParams(max_tokens=2), use_tqdm=False)
+    called = list(calls)
+    llm.close()
+    me = threading.current_thread().name
+    assert opened[0] == me and "model" not in opened
+    assert called[len(opened):] == [me]
+    assert calls[len(called):] == ["model"]

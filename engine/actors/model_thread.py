@@ -10,11 +10,25 @@ work here keeps one team.
 
 The wait is not cancellable, as ``to_thread.run_sync`` without ``abandon_on_cancel``: the
 model writes the KV cache, so a step is never abandoned half done.
+
+The caller's own threads are the other way in: an application that ran torch on its main
+thread (two threads, the cores' count) holds a team of its own, idle in libgomp's pool, and
+from then on libgomp counts more threads than CPUs and stops spinning at its barriers (it
+sleeps and wakes at each parallel region instead). Measured on the dev machine (SmolLM2
+Q4_1, ``engine.LLM``, one stream): 270-285 tok/s, but 77-80 once the caller's thread had
+run one matmul before opening the engine; the model thread's idle team costs the caller's
+torch work the same after the engine closes. :func:`release_openmp_team` hands a thread's
+team back (OpenMP 5's ``omp_pause_resource_all``): the engine calls it on a thread that is
+about to wait for it (``engine.LLM``'s caller, :func:`engine.open_engine`'s) and, when it
+closes, on the model thread.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -76,6 +90,31 @@ async def run_in_model_thread(fn: Callable[..., T], *args: Any) -> T:
         return trio.lowlevel.Abort.FAILED  # never abandoned (see the module docstring)
 
     return await trio.lowlevel.wait_task_rescheduled(abort)  # type: ignore[no-any-return]
+
+
+# omp_pause_resource_all's kind that frees the calling thread's pool of team threads.
+_OMP_PAUSE_HARD = 2
+
+
+def release_openmp_team() -> bool:
+    """Hand the calling thread's OpenMP team back to libgomp (its worker threads end; the
+    thread's next parallel region starts a new team). Whether it did: False where torch's
+    OpenMP is not libgomp or has no ``omp_pause_resource_all``, or inside a parallel region.
+    Safe to call on any thread at any time; it touches no other thread's team."""
+    pause = _omp_pause_resource_all()
+    return pause is not None and pause(_OMP_PAUSE_HARD) == 0
+
+
+@functools.cache
+def _omp_pause_resource_all() -> Any:
+    if "torch" not in sys.modules:
+        return None  # torch not loaded: no team of its, and dlopen here would pick a libgomp for it
+    try:
+        pause = ctypes.CDLL("libgomp.so.1").omp_pause_resource_all  # the copy torch loaded
+    except (OSError, AttributeError):
+        return None
+    pause.argtypes, pause.restype = (ctypes.c_int,), ctypes.c_int
+    return pause
 
 
 def model_thread_ident() -> int | None:

@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 import outcome
 import trio
 
+from engine.actors.model_thread import release_openmp_team
 from engine.api.engine import Engine
 from engine.api.open import open_engine
 from engine.errors import EngineDeadError
@@ -107,6 +108,7 @@ class EngineThread:
         self._token: trio.lowlevel.TrioToken | None = None
         self._scope: trio.CancelScope | None = None
         self._jobs: trio.MemorySendChannel[_Job] | None = None
+        release_openmp_team()  # this caller waits: its idle team would slow the model's
         started: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, args=(model, options, started),
                                         name=name, daemon=True)
@@ -177,6 +179,7 @@ class EngineThread:
         until it has unwound before it propagates."""
         job = _Job(work)
         jobs = self._jobs_send()
+        release_openmp_team()  # (see engine.actors.model_thread): this thread waits now
 
         def hand() -> None:
             try:

@@ -13,7 +13,7 @@ from typing import Any
 
 import trio
 
-from engine.actors.model_thread import run_in_model_thread
+from engine.actors.model_thread import release_openmp_team, run_in_model_thread
 from engine.actors.parts import EngineParts
 from engine.actors.system import (
     ActorHandles,
@@ -119,6 +119,9 @@ async def open_engine(
     :mod:`engine.process.cores`); ``core_secret`` is the shared secret that cores started on
     other machines (``data_parallel_address``) must prove they know.
     """
+    # An idle OpenMP team of the caller's thread would slow every step of the model's
+    # (engine.actors.model_thread); it starts again when the caller next runs torch.
+    release_openmp_team()
     resolved = resolve_engine_core(
         _config(str(model) if model is not None else None, config, options))
     # Hub ids become local paths here, before any process or thread loads them.
@@ -159,6 +162,10 @@ async def open_engine(
             with trio.CancelScope(shield=True):
                 await run_in_model_thread(close)
         if parts is not None:
+            # The model thread stays for the process's next engine; its team would slow
+            # the caller's own torch work till then.
+            with trio.CancelScope(shield=True):
+                await run_in_model_thread(release_openmp_team)
             # The model and its KV pool go now, not when the caller lets go of the engine
             # (``with LLM(a) as llm`` then ``with LLM(b) as llm`` held both at once).
             parts.runner = None
