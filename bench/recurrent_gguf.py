@@ -10,7 +10,8 @@ transformers and converted by llama.cpp's ``convert_hf_to_gguf.py`` (the source 
 ``../shared/anchors/build_llama_cpp.sh`` leaves under ``DIR/src``; see ``qwen35_gguf``'s
 driver), twice:
 
-* ``--outtype f32``: the file (Falcon-H1's with its multipliers away from 1) through ``engine.LLM``, greedy, against transformers'
+* ``--outtype f32``: the file (Falcon-H1's with its shape's multipliers, away from 1, which
+  the converter folds into the weights) through ``engine.LLM``, greedy, against transformers'
   ``generate`` on the folder it came from (fp32, 16 tokens after a 32-token prompt): the
   tokens agreeing, and the largest difference of their logprobs;
 * ``--outtype`` (unless ``--check-only``): decode at batch 1 after a 64-token prompt and
@@ -36,18 +37,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import prompts  # noqa: E402
-from moe_families import SHAPES, write  # noqa: E402
+from moe_families import write  # noqa: E402
 from qwen35_gguf import table_cells, time_beside_llama  # noqa: E402
 
 import engine  # noqa: E402
 from engine.models.loader import load_model  # noqa: E402
-
-# Falcon-H1's multipliers away from 1 (and from each other), as the released models have
-# them, so the converter's folding of each into its weights is read back here.
-FALCON_H1_MULTIPLIERS = dict(
-    embedding_multiplier=5.6, lm_head_multiplier=0.04, key_multiplier=0.39, attention_in_multiplier=1.0,
-    attention_out_multiplier=0.94, ssm_in_multiplier=1.25, ssm_out_multiplier=0.24,
-    ssm_multipliers=[0.35, 0.25, 0.51, 0.51, 0.64], mlp_multipliers=[0.91, 0.45])
 
 DRIVER = """
 import runpy, sys
@@ -110,7 +104,6 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
     dtypes = args.dtypes.split(",")
-    SHAPES["falcon_h1"] = SHAPES["falcon_h1"] | FALCON_H1_MULTIPLIERS
     rows: list[str] = []
     for family in args.families.split(","):
         with tempfile.TemporaryDirectory() as tmp:
