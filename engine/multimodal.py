@@ -307,6 +307,15 @@ def fetch_image(url: str, where: str) -> bytes:
     return data
 
 
+def media_url_bytes(url: str, where: str, field: str, allowed_domains: tuple[str, ...]) -> bytes:
+    """The bytes a media URL names: a base64 ``data:`` URL decoded, or an http(s) URL of a
+    host in ``allowed_domains`` fetched within the fetch limits (blocking: a worker
+    thread's). Any other URL, and any failure, is an :class:`InvalidParamError` naming
+    ``where``."""
+    data = _media_url(url, where, field, MediaLimits(allowed_media_domains=allowed_domains))
+    return fetch_image(data.url, where) if isinstance(data, ImageURL) else data
+
+
 def _data_url(url: str, where: str) -> bytes:
     header, sep, payload = url.partition(",")
     if not sep or not header.endswith(";base64"):

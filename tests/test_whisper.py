@@ -14,7 +14,9 @@ window cut into pieces, each transformers' transcription of its piece; and the r
 
 from __future__ import annotations
 
+import base64
 import io
+import json
 
 import httpx
 import numpy as np
@@ -23,6 +25,7 @@ import pytest
 import torch
 
 import engine
+from engine import cli
 from engine.api.transcription import cut_points, whisper_prompt
 from engine.errors import InvalidParamError
 from engine.models.testing import write_tiny_model
@@ -507,3 +510,51 @@ async def test_the_checkpoints_suppressed_tokens_are_not_transcribed(whisper, hf
         with pytest.raises(InvalidParamError, match="engine's own") as info:
             await eng.submit("hello", engine.SamplingParams(max_tokens=2, extra_args={WHISPER_SUPPRESS: True}))
         assert info.value.param == "extra_args"
+
+
+def test_run_batch_answers_vllms_speech_lines_as_transformers(whisper, hf, tmp_path) -> None:
+    """vLLM's batch lines for the speech routes: the clip named by ``file_url`` (a base64
+    data: URL), the other fields the form's; json, text and srt answers as transformers
+    transcribes the clip, a translation too; a ``file`` field, a file: URL, a host not
+    allowed, word timestamps, a stream and a field name that would break the form each
+    refused, naming the field."""
+    tok = hf[2]
+    wave = _clip(3, 1.5)
+    clip = "data:audio/wav;base64," + base64.b64encode(_wav(wave)).decode()
+    speech, translate = "/v1/audio/transcriptions", "/v1/audio/translations"
+    bodies = {
+        "json": (speech, {"model": "tiny-whisper", "file_url": clip, "language": "fr"}),
+        "text": (speech, {"file_url": clip, "language": "fr", "response_format": "text", "temperature": 0}),
+        "srt": (speech, {"file_url": clip, "language": "fr", "response_format": "srt"}),
+        "translated": (translate, {"file_url": clip}),
+        "file": (speech, {"file": "a.wav", "language": "fr"}),
+        "scheme": (speech, {"file_url": "file:///etc/passwd"}),
+        "host": (speech, {"file_url": "http://example.com/a.wav"}),
+        "words": (speech, {"file_url": clip, "response_format": "verbose_json",
+                           "timestamp_granularities": ["word"]}),
+        "stream": (speech, {"file_url": clip, "stream": True}),
+        "name": (speech, {"file_url": clip, 'x"; name="language': "fr"}),
+    }
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"custom_id": k, "method": "POST", "url": url, "body": body}) + "\n"
+                              for k, (url, body) in bodies.items()))
+    out = tmp_path / "out.jsonl"
+    assert cli.main(["run-batch", "-i", str(source), "-o", str(out), "--model", str(whisper),
+                     "--served-model-name", "tiny-whisper", "--dtype", "float32", "--kv-cache-memory", "8MiB",
+                     "--block-size", "4", "--no-progress"]) == 0
+    got = {item["custom_id"]: item for item in map(json.loads, out.read_text().splitlines())}
+    expected = tok.decode(hf_greedy(hf, wave, _prompt(whisper, language="fr"))[0], skip_special_tokens=True)
+    assert got["json"]["response"]["body"]["text"] == expected and got["json"]["error"] is None
+    assert got["text"]["response"]["body"] == expected
+    srt = got["srt"]["response"]["body"]  # the subtitles as the route writes them (tested above), as text
+    assert isinstance(srt, str) and srt.startswith("1\n00:00:") and " --> " in srt
+    lang = hf_language(hf, wave)
+    translated = tok.decode(hf_greedy(hf, wave, _prompt(whisper, task="translate", language=lang))[0],
+                            skip_special_tokens=True)
+    assert got["translated"]["response"]["body"]["text"] == translated
+    for key, param in (("file", "file"), ("scheme", "file_url"), ("host", "file_url"),
+                       ("words", "timestamp_granularities[]"), ("name", 'x"; name="language')):
+        answer = got[key]
+        assert answer["response"]["status_code"] == 400, key
+        assert answer["response"]["body"]["error"]["param"] == param == answer["error"]["param"], key
+    assert got["stream"]["response"] is None and got["stream"]["error"]["param"] == "body.stream"

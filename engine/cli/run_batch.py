@@ -2,7 +2,8 @@
 no server.
 
 Each input line is one request of the OpenAI Batch API: ``{"custom_id", "method": "POST",
-"url", "body"}``, ``url`` one of :data:`BATCH_URLS`. Each output line answers one input line
+"url", "body"}``, ``url`` one of :data:`BATCH_URLS` (a speech line names its clip by
+``file_url``: :mod:`engine.cli.batch_speech`). Each output line answers one input line
 in the Batch API's output shape::
 
     {"id": "batch_req_…", "custom_id": "…",
@@ -44,6 +45,7 @@ from tqdm import tqdm
 
 from engine.api import open_engine
 from engine.cli.args import add_engine_arguments, config_from_args
+from engine.cli.batch_speech import SPEECH_URLS, speech_form
 from engine.cli.help import HelpFormatter
 from engine.cli.serve import (
     DEFAULT_MAX_ENGINE_RESTARTS,
@@ -52,7 +54,7 @@ from engine.cli.serve import (
     add_chat_arguments,
     chat_settings,
 )
-from engine.errors import EngineError
+from engine.errors import EngineError, InvalidParamError
 from engine.http.app import RETRY_AFTER_SECONDS, create_app
 
 logger = logging.getLogger("engine.cli.run_batch")
@@ -60,7 +62,7 @@ logger = logging.getLogger("engine.cli.run_batch")
 # The routes a batch line may name: OpenAI's batch endpoints that this server has, and
 # vLLM's run-batch's pooling ones.
 BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/score",
-              "/v1/rerank")
+              "/v1/rerank", *SPEECH_URLS)
 EXIT_BAD_INPUT = 2  # as argparse's usage errors
 EXIT_INTERRUPTED = 130  # a shell's status for a command ended by SIGINT (128 + 2)
 # Statuses that mean "not now", not "no": the line is sent again after Retry-After.
@@ -175,8 +177,8 @@ def resume_state(path: str) -> tuple[set[str], set[int]]:
 # -- answering a line -----------------------------------------------------------------------
 
 
-async def call_app(app: Any, path: str, body: bytes, headers: dict[str, str]
-                   ) -> tuple[int, bytes]:
+async def call_app(app: Any, path: str, body: bytes, headers: dict[str, str],
+                   content_type: str = "application/json") -> tuple[int, bytes]:
     """POST ``body`` to ``path`` of the ASGI ``app`` in this process; (status, body).
 
     The request arrives whole, as from a client that sent it and then waits: the app's
@@ -187,7 +189,7 @@ async def call_app(app: Any, path: str, body: bytes, headers: dict[str, str]
         "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
         "root_path": "", "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0),
         "extensions": {},
-        "headers": [(b"content-type", b"application/json"),
+        "headers": [(b"content-type", content_type.encode()),
                     (b"content-length", str(len(body)).encode()),
                     *((k.lower().encode(), v.encode()) for k, v in headers.items())],
     }
@@ -237,10 +239,16 @@ async def run_line(app: Any, eng: Any, line: BatchLine) -> dict[str, Any]:
     """Answer one line through the app; a 429 or a restart's 503 is waited out."""
     if line.error is not None:
         return answer(line, None, None, None)
-    data = json.dumps(line.body).encode()
     request_id = f"req_{uuid.uuid4().hex}"
+    data, content_type = json.dumps(line.body).encode(), "application/json"
+    if line.url in SPEECH_URLS:  # its clip by file_url, sent on as the route's form
+        try:
+            data, content_type = await trio.to_thread.run_sync(speech_form, line.body, eng.config.media_domains)
+        except InvalidParamError as exc:
+            return answer(line, 400, request_id, {"error": {
+                "message": str(exc), "type": "invalid_request_error", "param": exc.param, "code": "invalid_value"}})
     while True:
-        status, raw = await call_app(app, line.url, data, {"X-Request-Id": request_id})
+        status, raw = await call_app(app, line.url, data, {"X-Request-Id": request_id}, content_type)
         if status not in _RETRY_STATUSES:
             break
         if eng.dead:
@@ -249,7 +257,9 @@ async def run_line(app: Any, eng: Any, line: BatchLine) -> dict[str, Any]:
     try:
         body = json.loads(raw)
     except ValueError:
-        body = {"error": {"message": raw.decode(errors="replace"), "code": str(status)}}
+        text = raw.decode(errors="replace")
+        # A transcription's text, srt or vtt answer is plain text: the body is that string.
+        body = text if status < 400 else {"error": {"message": text, "code": str(status)}}
     return answer(line, status, request_id, body)
 
 
