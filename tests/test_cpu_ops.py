@@ -485,6 +485,28 @@ def test_ssd_decode_matches_the_reference(heads: int, groups: int, n: int, p: in
     assert not torch.equal(got_state, state)  # it moved, in place
 
 
+# --- Mamba-1's decode step ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,channels,ds", [(1, 16, 16), (3, 96, 16), (2, 40, 8)])
+def test_selective_decode_matches_the_reference(n: int, channels: int, ds: int, threads: int,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The output and the state it leaves, each channel decaying at rates of its own (the C
+    kernel's: the reference it would fall back to is taken away)."""
+    state = _rand(n, channels, ds, seed=70) * 0.3
+    u, b, c = _rand(n, channels, seed=71), _rand(n, ds, seed=72), _rand(n, ds, seed=73)
+    dt = torch.nn.functional.softplus(_rand(n, channels, seed=74))
+    a, d = -torch.exp(_rand(channels, ds, seed=75)), _rand(channels, seed=76)
+    want_state, got_state = state.clone(), state.clone()
+    want = TorchOps().selective_decode(want_state, u, dt, a, b, c, d)
+    monkeypatch.delattr(TorchOps, "selective_decode")
+    got = CpuOps().selective_decode(got_state, u, dt, a, b, c, d)
+    assert got.shape == (n, channels)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    torch.testing.assert_close(got_state, want_state, **TOL[torch.float32])
+    assert not torch.equal(got_state, state)  # it moved, in place
+
+
 # --- a recurrent layer's causal convolution, one decode token -------------------------------
 
 

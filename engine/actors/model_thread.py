@@ -19,8 +19,9 @@ Q4_1, ``engine.LLM``, one stream): 270-285 tok/s, but 77-80 once the caller's th
 run one matmul before opening the engine; the model thread's idle team costs the caller's
 torch work the same after the engine closes. :func:`release_openmp_team` hands a thread's
 team back (OpenMP 5's ``omp_pause_resource_all``): the engine calls it on a thread that is
-about to wait for it (``engine.LLM``'s caller, :func:`engine.open_engine`'s) and, when it
-closes, on the model thread.
+about to wait for it (``engine.LLM``'s caller, :func:`engine.open_engine`'s), on the model
+thread when an engine closes, and on one of trio's worker threads after it preprocessed a
+request's media (:func:`then_release_team`: Whisper's features are torch's STFT).
 """
 
 from __future__ import annotations
@@ -115,6 +116,16 @@ def _omp_pause_resource_all() -> Any:
         return None
     pause.argtypes, pause.restype = (ctypes.c_int,), ctypes.c_int
     return pause
+
+
+def then_release_team(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, then the calling thread's OpenMP team released: for work that may run
+    torch on one of trio's worker threads (an audio clip's features), whose idle team would
+    slow the model thread's steps for as long as trio keeps that thread."""
+    try:
+        return fn(*args)
+    finally:
+        release_openmp_team()
 
 
 def model_thread_ident() -> int | None:

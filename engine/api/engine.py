@@ -33,7 +33,7 @@ from typing import Any
 import trio
 
 from engine import multimodal
-from engine.actors.model_thread import run_in_model_thread
+from engine.actors.model_thread import run_in_model_thread, then_release_team
 from engine.actors.parts import EngineParts
 from engine.actors.router import OutputMailbox
 from engine.actors.system import (
@@ -525,8 +525,9 @@ class Engine(SleepMode):
         if raw_images:
             # Decoding and the image processor take milliseconds per image: off the trio
             # thread, abandoned (pure) on cancel.
+            # (Whisper's log-mel features are torch's STFT: its team is handed back.)
             ids, images = await trio.to_thread.run_sync(
-                self._parts.images.expand, ids, list(raw_images), mm_options,
+                then_release_team, self._parts.images.expand, ids, list(raw_images), mm_options,
                 abandon_on_cancel=True)
         return ids, images
 

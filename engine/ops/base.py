@@ -303,6 +303,15 @@ class Ops(Protocol):
         exp(dt a) S + dt x B^T``; returns ``S C + d x`` ``[N, H, P]``."""
         ...
 
+    def selective_decode(self, state: torch.Tensor, u: torch.Tensor, dt: torch.Tensor, a: torch.Tensor,
+                         b: torch.Tensor, c: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """One decode token of Mamba-1's selective scan for N requests, fp32: ``state``
+        ``[N, D, S]`` (updated in place), ``u`` and ``dt`` ``[N, D]`` (the convolved input;
+        dt after softplus), ``a`` ``[D, S]`` (the decay rates, ``-exp(A_log)``: a rate per
+        channel and state value), ``b`` and ``c`` ``[N, S]`` (shared by the channels), ``d``
+        ``[D]``. Per channel ``s = exp(dt a) s + dt u B``; returns ``s . C + d u`` ``[N, D]``."""
+        ...
+
     def fused_moe(
         self,
         x: torch.Tensor,  # [T, hidden]

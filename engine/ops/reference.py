@@ -114,6 +114,15 @@ def ssd_decode_reference(state: torch.Tensor, x: torch.Tensor, b: torch.Tensor, 
     return (state @ c.unsqueeze(-1)).squeeze(-1) + d[:, None] * x
 
 
+def selective_decode_reference(state: torch.Tensor, u: torch.Tensor, dt: torch.Tensor, a: torch.Tensor,
+                               b: torch.Tensor, c: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """One decode token of Mamba-1's selective scan for N requests (see
+    :meth:`engine.ops.Ops.selective_decode`), in torch's batched ops: the decays, the
+    ``dt u B`` outer product, read against C."""
+    state.mul_(torch.exp(dt[:, :, None] * a)).add_((dt * u)[:, :, None] * b[:, None, :])
+    return (state @ c[:, :, None]).squeeze(-1) + d * u
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Gather:
     """Where a padded batch of requests reads its context from the flat cache."""
@@ -284,6 +293,10 @@ class TorchOps:
     def ssd_decode(self, state: torch.Tensor, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor,
                    a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
         return ssd_decode_reference(state, x, b, c, dt, a, d)
+
+    def selective_decode(self, state: torch.Tensor, u: torch.Tensor, dt: torch.Tensor, a: torch.Tensor,
+                         b: torch.Tensor, c: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        return selective_decode_reference(state, u, dt, a, b, c, d)
 
     def conv_decode(self, conv: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:

@@ -19,6 +19,7 @@ from engine.ops.reference import (
     conv_decode_reference,
     delta_rule_decode_reference,
     encoder_attention_reference,
+    selective_decode_reference,
     ssd_decode_reference,
 )
 from engine.ops.triton import (
@@ -112,6 +113,11 @@ class TritonOps:
                    a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
         """torch's batched ops: no Triton kernel of its own."""
         return ssd_decode_reference(state, x, b, c, dt, a, d)
+
+    def selective_decode(self, state: torch.Tensor, u: torch.Tensor, dt: torch.Tensor, a: torch.Tensor,
+                         b: torch.Tensor, c: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """torch's batched ops: no Triton kernel of its own."""
+        return selective_decode_reference(state, u, dt, a, b, c, d)
 
     def paged_attention_prefill(
         self,

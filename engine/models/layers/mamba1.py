@@ -70,7 +70,7 @@ class Mamba1Mixer:
     a: torch.Tensor  # [d_inner, d_state] fp32: -exp(A_log)
     d: torch.Tensor  # [d_inner] fp32
     out_proj: Any  # Linear: [hidden, d_inner]
-    ops: Any  # the convolution's decode token (engine.ops.Ops.conv_decode)
+    ops: Any  # the convolution's and the scan's decode tokens (Ops.conv_decode, Ops.selective_decode)
     # Jamba's norms of dt's bottleneck, B and C (model dtype), or None.
     norms: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
@@ -119,8 +119,8 @@ class Mamba1Mixer:
             conv, state, in_place = slot_views(conv_state, ssm_state, slots, host)  # state [N, D, S]
             u = self.ops.conv_decode(conv, pick(xs), self.conv_weight, self.conv_bias).to(x.dtype)
             dt, b, c = self._select(u)
-            state.mul_(torch.exp(dt[:, :, None] * self.a)).add_((dt * u.float())[:, :, None] * b[:, None, :])
-            out = (state @ c[:, :, None]).squeeze(-1) + self.d * u.float()
+            out = self.ops.selective_decode(state, u.float(), dt.contiguous(), self.a, b.contiguous(), c.contiguous(),
+                                            self.d)
             write_back(conv_state, ssm_state, slots, conv, state, in_place)
             return out
 

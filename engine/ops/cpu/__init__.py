@@ -392,6 +392,23 @@ class CpuOps(TorchOps):
             raise CpuKernelError(f"conv_decode: the kernel failed ({rc})")
         return out
 
+    def selective_decode(self, state: torch.Tensor, u: torch.Tensor, dt: torch.Tensor, a: torch.Tensor,
+                         b: torch.Tensor, c: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """One C call for every (request, channel): one pass over each state row where the
+        reference's batched ops make four, and no [N, D, S] temporaries."""
+        n, dch, ds = state.shape
+        tensors = (state, u, dt, a, b, c, d)
+        if (any(t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() for t in tensors)
+                or u.shape != (n, dch) or dt.shape != (n, dch) or a.shape != (dch, ds) or b.shape != (n, ds)
+                or c.shape != (n, ds) or d.shape != (dch,)):
+            return super().selective_decode(state, u, dt, a, b, c, d)
+        y = torch.empty(n, dch, dtype=torch.float32)
+        rc = _lib.eng_selective_decode(*(_ptr(t, "float *") for t in (state, u, dt, a, b, c, d, y)), n, dch, ds,
+                                       torch.get_num_threads())
+        if rc:
+            raise CpuKernelError(f"selective_decode: the kernel failed ({rc})")
+        return y
+
     def ssd_decode(self, state: torch.Tensor, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor,
                    a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
         """One C call for every (request, head): one pass over each state where the

@@ -48,6 +48,8 @@ int eng_delta_rule_decode(float *state, const float *q, const float *k, const fl
                           int64_t dv, int tiled, int nthreads);
 int eng_conv_decode(int dtype, void *conv, const void *x, int64_t x_stride, const float *weight, const float *bias,
                     float *out, int64_t n, int64_t c, int64_t w, int nthreads);
+int eng_selective_decode(float *state, const float *u, const float *dt, const float *a, const float *B,
+                         const float *C, const float *d, float *y, int64_t n, int64_t dch, int64_t ds, int nthreads);
 int eng_ssd_decode(float *state, const float *x, const float *B, const float *C, const float *dt, const float *a,
                    const float *d, float *y, int64_t n, int64_t h, int64_t g, int64_t p, int64_t ds, int nthreads);
 """

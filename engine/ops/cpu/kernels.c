@@ -1055,6 +1055,40 @@ int eng_ssd_decode(float *state, const float *x, const float *B, const float *C,
     return 0;
 }
 
+/* ---- Mamba-1: one decode step of the selective scan ------------------------------------- */
+
+/* One channel of one request: state row [ds], its input u and step dt, its decay rates a
+ * [ds] and skip d, the request's B and C [ds]. One pass where the torch reference makes
+ * four (the decays, the update, the read against C): each value decays by exp(dt a_j),
+ * takes dt u B_j, and is read against C_j at once. */
+CLONES void eng_selective_item(float *row, float u, float dt, const float *a, const float *B, const float *C,
+                               float d, float *y, int64_t ds) {
+    const float du = dt * u;
+    float acc = 0.0f;
+    for (int64_t j = 0; j < ds; j++) {
+        const float v = expf(dt * a[j]) * row[j] + du * B[j];
+        row[j] = v;
+        acc += v * C[j];
+    }
+    *y = acc + d * u;
+}
+
+/* One decode token for each of n requests, every channel: state [n, dch, ds], u, dt and y
+ * [n, dch], a [dch, ds], B and C [n, ds], d [dch]; all fp32 and contiguous. The state is
+ * updated in place. Returns -1 for a shape it does not take. */
+int eng_selective_decode(float *state, const float *u, const float *dt, const float *a, const float *B,
+                         const float *C, const float *d, float *y, int64_t n, int64_t dch, int64_t ds, int nthreads) {
+    if (n < 0 || dch < 1 || ds < 1)
+        return -1;
+    const int64_t items = n * dch;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && items > 1 && items * ds >= PARALLEL_MIN_WORK)
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t r = it / dch, k = it % dch;
+        eng_selective_item(state + it * ds, u[it], dt[it], a + k * ds, B + r * ds, C + r * ds, d[k], y + it, ds);
+    }
+    return 0;
+}
+
 /* ---- int8 KV-cache write -------------------------------------------------------------- */
 
 /* Quantize one token's row of d values (fp32 or bf16 at x) into int8 codes and a scale:
