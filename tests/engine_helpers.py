@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import random
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -62,6 +64,12 @@ async def wait_idle(eng: Any) -> engine.EngineStatistics:
     except trio.TooSlowError:
         raise AssertionError(f"the engine never went idle: {eng.statistics()}") from None
     return eng.statistics()
+
+
+def native_threads() -> set[int]:
+    """The process's threads that are not Python's (libgomp's team workers among them)."""
+    python = {t.native_id for t in threading.enumerate()}
+    return {int(tid) for tid in os.listdir("/proc/self/task")} - python
 
 
 def tiny_model(tmp_path_factory: Any, arch: str = "llama") -> Path:

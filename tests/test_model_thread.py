@@ -5,7 +5,6 @@ each calling thread its own thread team, and two teams on two cores slow every l
 from __future__ import annotations
 
 import gc
-import os
 import threading
 import time
 import weakref
@@ -15,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import trio
-from engine_helpers import collect, greedy, tiny_model, token_ids
+from engine_helpers import collect, greedy, native_threads, tiny_model, token_ids
 
 import engine
 from engine.actors import model_thread
@@ -122,12 +121,6 @@ def test_an_engine_held_after_its_close_lets_its_model_go(model: Path) -> None:
     assert eng.statistics().requests_finished == 1
 
 
-def _native_threads() -> set[int]:
-    """The process's threads that are not Python's (libgomp's team workers among them)."""
-    python = {t.native_id for t in threading.enumerate()}
-    return {int(tid) for tid in os.listdir("/proc/self/task")} - python
-
-
 def test_releasing_a_threads_openmp_team_ends_its_workers() -> None:
     """A thread's matmul over two torch threads starts a team (a libgomp worker thread
     that stays, idle); released, the worker ends, while another live thread's team stays."""
@@ -136,13 +129,13 @@ def test_releasing_a_threads_openmp_team_ends_its_workers() -> None:
     holding, done = threading.Event(), threading.Event()
 
     def team_of_a_thread(name: str, release: bool) -> None:
-        before = _native_threads()
+        before = native_threads()
         torch.set_num_threads(2)
         a @ a  # noqa: B018 -- a parallel region, for its team
-        found[name] = _native_threads() - before
+        found[name] = native_threads() - before
         if release:
             found["released"] = release_openmp_team()
-            found["after"] = _native_threads()
+            found["after"] = native_threads()
         else:
             holding.set()
             done.wait()

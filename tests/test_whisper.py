@@ -31,7 +31,7 @@ from engine.errors import InvalidParamError
 from engine.models.testing import write_tiny_model
 from engine.models.testing_audio import TINY_AUDIO_RATE, write_tiny_whisper
 from engine.multimodal import AudioClip
-from tests.engine_helpers import collect, greedy, token_ids, wait_idle
+from tests.engine_helpers import collect, greedy, native_threads, token_ids, wait_idle
 from tests.http_server import ServerThread
 
 MAX_POSITIONS = 64  # the tiny decoder's max_target_positions
@@ -558,3 +558,22 @@ def test_run_batch_answers_vllms_speech_lines_as_transformers(whisper, hf, tmp_p
         assert answer["response"]["status_code"] == 400, key
         assert answer["response"]["body"]["error"]["param"] == param == answer["error"]["param"], key
     assert got["stream"]["response"] is None and got["stream"]["error"]["param"] == "body.stream"
+
+
+async def test_a_clips_features_leave_no_openmp_team_behind(whisper) -> None:
+    """Whisper's log-mel features are torch's STFT, run on one of trio's worker threads:
+    over two torch threads that starts a team of its own, which (kept while trio keeps the
+    thread) would slow every model step. The engine hands it back once the clip is
+    preprocessed: a transcription leaves no new thread behind."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        async with _open(whisper) as eng:
+            prompt = _prompt(eng, language="en")
+            before = native_threads()  # the model thread's team among them (its warm-up's)
+            for seed in (1, 2):
+                await _run(eng, prompt, _clip(seed, 1.0))
+            after = native_threads()
+    finally:
+        torch.set_num_threads(threads)
+    assert not after - before
