@@ -132,6 +132,53 @@ def test_bench_serve_counts_the_tokens_the_server_counted(model: Path, tmp_path:
     assert result["p90_ttft_s"] <= result["p90_e2el_s"]
 
 
+def test_bench_serve_chat_streams_chat_and_counts_the_tokens_the_server_counted(
+        model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's ``openai-chat`` backend: each prompt's ids made text by the server's
+    /detokenize, sent as a user message, streamed; the server counts the prompt (template
+    and all), and each answer is its whole length."""
+    prompts, input_len, output_len = 4, 6, 3
+    names = ("engine:prompt_tokens_total", "engine:generation_tokens_total")
+    with ServerThread(lambda: engine.open_engine(str(model), dtype="float32",
+                                                 kv_cache_memory=8 * 2**20)) as server:
+        before = server.metrics(*names)
+        status = cli.main([
+            "bench", "serve", "--base-url", server.base_url, "--backend", "openai-chat",
+            "--num-prompts", str(prompts), "--random-input-len", str(input_len),
+            "--random-output-len", str(output_len), "--random-token-range", "3:384", "--ignore-eos",
+            "--no-warmup", "--disable-tqdm", "--output-json", str(tmp_path / "chat.json")])
+        after = server.metrics(*names)
+        mismatched = cli.main(["bench", "serve", "--base-url", server.base_url, "--backend", "openai-chat",
+                               "--endpoint", "/v1/completions", "--num-prompts", "1", "--no-warmup"])
+    assert status == 0 and mismatched == 1
+    assert "--backend openai-chat sends to /v1/chat/completions" in capsys.readouterr().err
+    result = json.loads((tmp_path / "chat.json").read_text())
+    assert (result["endpoint"], result["completed"], result["failed"]) == ("/v1/chat/completions", prompts, 0)
+    assert result["total_input_tokens"] == after[0] - before[0] > prompts * input_len  # the template's too
+    assert result["total_output_tokens"] == after[1] - before[1] == prompts * output_len
+    assert 0 < result["p50_ttft_s"] <= result["p50_e2el_s"]
+
+
+def test_bench_serve_embeddings_times_each_request(model: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's ``openai-embeddings`` backend: the prompts posted to /v1/embeddings, each
+    answered whole; the report is their latency (E2EL) and the tokens the server embedded."""
+    prompts, input_len = 5, 6
+    with ServerThread(lambda: engine.open_engine(str(model), dtype="float32", kv_cache_memory=8 * 2**20,
+                                                 runner="pooling")) as server:
+        status = cli.main([
+            "bench", "serve", "--base-url", server.base_url, "--backend", "openai-embeddings",
+            "--num-prompts", str(prompts), "--random-input-len", str(input_len), "--random-token-range", "3:384",
+            "--disable-tqdm", "--output-json", str(tmp_path / "embed.json")])
+    assert status == 0
+    result = json.loads((tmp_path / "embed.json").read_text())
+    assert (result["endpoint"], result["completed"], result["failed"]) == ("/v1/embeddings", prompts, 0)
+    assert (result["total_input_tokens"], result["total_output_tokens"]) == (prompts * input_len, 0)
+    assert 0 < result["p50_e2el_s"] <= result["p90_e2el_s"]
+    printed = capsys.readouterr().out
+    assert "Mean E2EL (ms):" in printed and "TTFT" not in printed
+
+
 @pytest.mark.parametrize("kind", ["throughput", "latency"])
 def test_offline_benches_run_what_they_were_asked(model: Path, tmp_path: Path, kind: str,
                                                   capsys: pytest.CaptureFixture[str]) -> None:

@@ -185,12 +185,92 @@ class CompletionExchange(StreamExchange):
         result.ok = True
 
 
+class ChatExchange(CompletionExchange):
+    """One streamed ``/v1/chat/completions`` request (vLLM's ``openai-chat`` backend): the
+    prompt is one user message of ``text`` (its token count is the server's, read from the
+    streamed usage); a chunk with content (or reasoning) is one with output."""
+
+    def __init__(self, model: str, text: str, output_len: int, *, ignore_eos: bool = True) -> None:
+        StreamExchange.__init__(self, "/v1/chat/completions", {
+            "model": model, "messages": [{"role": "user", "content": text}], "max_completion_tokens": output_len,
+            "stream": True, "ignore_eos": ignore_eos, "temperature": 0,
+            "stream_options": {"include_usage": True}})
+        self.usage_tokens = None
+        self.chunks = 0
+
+    def on_event(self, data: bytes, now: float) -> None:
+        chunk = self.chunk(data)
+        if chunk is None:
+            return
+        if chunk.get("usage"):
+            self.usage_tokens = chunk["usage"]["completion_tokens"]
+            self.result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+        if not chunk["choices"]:
+            return
+        delta = chunk["choices"][0].get("delta") or {}
+        if not (delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")):
+            return
+        self.chunks += 1
+        self.tick(now)
+
+
+class EmbeddingExchange(Exchange):
+    """One ``/v1/embeddings`` request (vLLM's ``openai-embeddings`` backend), answered whole:
+    its latency, and the prompt tokens the server counted."""
+
+    def __init__(self, model: str, prompt: list[int]) -> None:
+        super().__init__("POST", "/v1/embeddings", {"model": model, "input": prompt})
+        self.result = RequestResult(prompt_tokens=len(prompt))
+
+    def on_body(self, body: bytes) -> None:
+        if self.status != 200:
+            self.result.error = f"HTTP {self.status}: {body[:200]!r}"
+            return
+        try:
+            usage = orjson.loads(body).get("usage") or {}
+        except orjson.JSONDecodeError:
+            self.result.error = f"not JSON: {body[:200]!r}"
+            return
+        self.result.prompt_tokens = int(usage.get("prompt_tokens", self.result.prompt_tokens))
+
+    def on_end(self, now: float, error: str) -> None:
+        result = self.result
+        if error:
+            result.error = error
+        if result.error:
+            return
+        result.latency = result.ttft = now - self.started
+        result.ok = True
+
+
 def stream_completion(http: LoadClient, model: str, prompt: list[int], output_len: int, *,
                       ignore_eos: bool = True) -> RequestResult:
     """Stream one ``/v1/completions`` request on its own (see :class:`CompletionExchange`)."""
     exchange = CompletionExchange(model, prompt, output_len, ignore_eos=ignore_eos)
     http.run([exchange])
     return exchange.result
+
+
+# vLLM's backends of `bench serve` this one speaks, and the endpoint each speaks to.
+BACKENDS = {"openai": "/v1/completions", "vllm": "/v1/completions", "openai-chat": "/v1/chat/completions",
+            "openai-embeddings": "/v1/embeddings"}
+
+
+def serve_endpoint(backend: str, endpoint: str | None) -> str:
+    """The endpoint ``backend`` sends to (``endpoint`` when given, which must be that one)."""
+    want = BACKENDS[backend]
+    if endpoint is not None and endpoint != want:
+        raise ValueError(f"--backend {backend} sends to {want}, not --endpoint {endpoint}")
+    return want
+
+
+def detokenize(http: LoadClient, model: str, prompt: list[int]) -> str:
+    """``prompt``'s text, by the server's own ``/detokenize`` (a chat prompt is text; the
+    server then counts its tokens, which may differ from ``len(prompt)`` by a few)."""
+    status, body = request_json(http, "POST", "/detokenize", {"model": model, "tokens": prompt})
+    if status != 200 or not isinstance(body, dict) or not isinstance(body.get("prompt"), str):
+        raise RuntimeError(f"POST /detokenize: HTTP {status}: {body!r}"[:300])
+    return body["prompt"]
 
 
 def first_model(http: LoadClient) -> str:
@@ -201,17 +281,25 @@ def first_model(http: LoadClient) -> str:
     return str(body["data"][0]["id"])
 
 
-def run_load(http: LoadClient, model: str, jobs: Sequence[tuple[list[int], int]], *,
+def run_load(http: LoadClient, model: str, jobs: Sequence[tuple[Any, int]], *,
              request_rate: float = math.inf, max_concurrency: int | None = None,
-             rng: random.Random, ignore_eos: bool = True, progress: Any = None
-             ) -> tuple[list[RequestResult], float]:
-    """Send ``jobs`` (Poisson arrivals at ``request_rate`` a second, at most
-    ``max_concurrency`` in flight); every result, and the seconds it took."""
-    exchanges = [CompletionExchange(model, prompt, n, ignore_eos=ignore_eos)
-                 for prompt, n in jobs]
+             rng: random.Random, ignore_eos: bool = True, progress: Any = None,
+             endpoint: str = "/v1/completions") -> tuple[list[RequestResult], float]:
+    """Send ``jobs`` to ``endpoint`` (Poisson arrivals at ``request_rate`` a second, at
+    most ``max_concurrency`` in flight); every result, and the seconds it took. A job's
+    prompt is token ids, or text for chat."""
+    exchanges = [_exchange(endpoint, model, prompt, n, ignore_eos) for prompt, n in jobs]
     duration = http.run(exchanges, max_concurrency=max_concurrency, request_rate=request_rate,
                         rng=rng, on_done=None if progress is None else lambda _: progress.update(1))
     return [e.result for e in exchanges], duration
+
+
+def _exchange(endpoint: str, model: str, prompt: Any, n: int, ignore_eos: bool) -> Any:
+    if endpoint == "/v1/chat/completions":
+        return ChatExchange(model, prompt, n, ignore_eos=ignore_eos)
+    if endpoint == "/v1/embeddings":
+        return EmbeddingExchange(model, prompt)
+    return CompletionExchange(model, prompt, n, ignore_eos=ignore_eos)
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -282,21 +370,25 @@ def _bench_serve(args: argparse.Namespace) -> dict[str, Any]:
                            tokens=args.random_token_range, prefix_len=args.random_prefix_len)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     url = args.base_url or f"http://{args.host}:{args.port}"
+    endpoint = serve_endpoint(args.backend, args.endpoint)
     with LoadClient(url, headers) as http:
         model = args.model or first_model(http)
+        if endpoint == "/v1/chat/completions":  # a chat message is text: the server's own
+            jobs = [(detokenize(http, model, prompt), n) for prompt, n in jobs]
         if args.warmup:
-            warm = stream_completion(http, model, jobs[0][0], 4, ignore_eos=True)
-            if not warm.ok:
-                raise RuntimeError(f"the warm-up request failed: {warm.error}")
+            warm = _exchange(endpoint, model, jobs[0][0], 4, True)
+            http.run([warm])
+            if not warm.result.ok:
+                raise RuntimeError(f"the warm-up request failed: {warm.result.error}")
         print(f"Traffic request rate: {args.request_rate}\nMaximum request concurrency: "
               f"{args.max_concurrency}", file=sys.stderr)
         with tqdm(total=len(jobs), disable=args.disable_tqdm or None, file=sys.stderr) as bar:
             results, duration = run_load(
                 http, model, jobs, request_rate=args.request_rate,
                 max_concurrency=args.max_concurrency, rng=rng, ignore_eos=args.ignore_eos,
-                progress=bar)
+                progress=bar, endpoint=endpoint)
     summary = summarize(results, duration, args.metric_percentiles)
-    return {"model": model, "request_rate": args.request_rate,
+    return {"model": model, "backend": args.backend, "endpoint": endpoint, "request_rate": args.request_rate,
             "max_concurrency": args.max_concurrency, "num_prompts": args.num_prompts, **summary}
 
 
@@ -383,7 +475,9 @@ def run_bench(args: argparse.Namespace) -> int:
             print(f"error: {args.base_url or f'http://{args.host}:{args.port}'}: {exc}",
                   file=sys.stderr)
             return EXIT_FAILED
-        print_summary(result, [m for m in args.percentile_metrics if m in METRICS])
+        metrics = args.percentile_metrics or (["e2el"] if result["endpoint"] == "/v1/embeddings"
+                                              else ["ttft", "tpot", "itl"])
+        print_summary(result, [m for m in metrics if m in METRICS])
         status = EXIT_FAILED if result["failed"] else 0
         path = args.result_filename if args.save_result else args.output_json
     elif args.bench_command == "throughput":
@@ -452,9 +546,12 @@ def _add_serve(sub: Any) -> None:
     add("--base-url", default=None, help="the server (default: http://HOST:PORT)")
     add("--host", default="127.0.0.1")
     add("--port", type=int, default=8000)
-    add("--backend", choices=("openai", "vllm"), default="openai",
-        help="the API spoken: streamed /v1/completions either way (vLLM's names)")
-    add("--endpoint", choices=("/v1/completions",), default="/v1/completions")
+    add("--backend", choices=tuple(BACKENDS), default="openai",
+        help="the API spoken (vLLM's names): openai and vllm stream /v1/completions, openai-chat "
+             "streams /v1/chat/completions (the prompt's ids made text by the server's /detokenize), "
+             "openai-embeddings posts /v1/embeddings (latency only)")
+    add("--endpoint", choices=tuple(sorted(set(BACKENDS.values()))), default=None,
+        help="the backend's endpoint (default: the one it speaks to)")
     add("--model", default=None, help="default: the server's first (GET /v1/models)")
     add("--api-key", default=None, metavar="KEY", help="sent as 'Authorization: Bearer KEY'")
     add("--dataset-name", choices=("random",), default="random")
@@ -473,8 +570,9 @@ def _add_serve(sub: Any) -> None:
     add("--max-concurrency", type=_positive, default=None, metavar="N",
         help="most requests in flight (default: no limit)")
     add("--ignore-eos", action="store_true", help="every request makes its whole output length")
-    add("--percentile-metrics", type=_metrics, default=["ttft", "tpot", "itl"],
-        help=f"the metrics reported: some of {','.join(METRICS)}")
+    add("--percentile-metrics", type=_metrics, default=None,
+        help=f"the metrics reported: some of {','.join(METRICS)} (default: ttft,tpot,itl; e2el for "
+             "openai-embeddings)")
     add("--metric-percentiles", type=_csv(float), default=[99.0],
         help="the percentiles reported, as 25,50,99")
     add("--seed", type=int, default=0)
