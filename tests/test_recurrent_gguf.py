@@ -33,9 +33,10 @@ from hybrid_helpers import assert_engine_matches, prompts_of
 from safetensors.torch import load_file
 from test_falcon_h1 import write_falcon_h1
 from test_jamba import write_jamba
-from test_loader import _add_tokenizer, quantize_array
+from test_loader import _add_tokenizer, _llama_cpp_permute, quantize_array
 from test_mamba1 import write_mamba1
 from test_mamba2 import write_mamba2
+from test_nemotron_h import write_nemotron_h
 
 from engine.errors import UnsupportedModelError
 from engine.models.layers.linear import QuantLinear
@@ -48,7 +49,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 F32, Q8_0 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0
 ARCH = {"mamba": gguf.MODEL_ARCH.MAMBA, "falcon_mamba": gguf.MODEL_ARCH.MAMBA, "mamba2": gguf.MODEL_ARCH.MAMBA2,
-        "falcon_h1": gguf.MODEL_ARCH.FALCON_H1, "jamba": gguf.MODEL_ARCH.JAMBA}
+        "falcon_h1": gguf.MODEL_ARCH.FALCON_H1, "jamba": gguf.MODEL_ARCH.JAMBA,
+        "nemotron_h": gguf.MODEL_ARCH.NEMOTRON_H}
 
 
 @pytest.fixture(autouse=True)
@@ -63,7 +65,8 @@ def write(family: str, folder: Path, **extra: Any) -> Any:
         # carry no other): the oracle is built so.
         extra = ({"mixer_rms_eps": 1e-5, "layer_norm_epsilon": 1e-5} if family == "falcon_mamba" else {}) | extra
         return write_mamba1(folder, falcon=family == "falcon_mamba", **extra)
-    return {"mamba2": write_mamba2, "falcon_h1": write_falcon_h1, "jamba": write_jamba}[family](folder, **extra)
+    return {"mamba2": write_mamba2, "falcon_h1": write_falcon_h1, "jamba": write_jamba,
+            "nemotron_h": write_nemotron_h}[family](folder, **extra)
 
 
 def as_stored(hf: Any) -> Any:
@@ -147,6 +150,21 @@ def _metadata(w: gguf.GGUFWriter, family: str, cfg: dict[str, Any], key_in_weigh
         w.add_rope_freq_base(cfg.get("rope_parameters", cfg).get("rope_theta"))
         if not key_in_weights:  # the key multiplier as llama.cpp's score scale instead
             w.add_attention_scale(cfg["key_multiplier"] / math.sqrt(cfg["head_dim"]))
+    elif family == "nemotron_h":  # Granite's hybrid converter's keys, with the blocks' kinds as lists
+        kinds = _nemotron_kinds(cfg)
+        inner = cfg["mamba_num_heads"] * cfg["mamba_head_dim"]
+        w.add_context_length(2 ** 20)  # no RoPE: the converter's arbitrary length
+        w.add_head_count(cfg["num_attention_heads"])
+        w.add_head_count_kv([cfg["num_key_value_heads"] if k == "*" else 0 for k in kinds])
+        w.add_feed_forward_length([cfg["intermediate_size"] if k == "-" else 0 for k in kinds])
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+        w.add_layer_norm_rms_eps(cfg["layer_norm_epsilon"])
+        w.add_ssm_conv_kernel(cfg["conv_kernel"])
+        w.add_ssm_state_size(cfg["ssm_state_size"])
+        w.add_ssm_group_count(cfg["n_groups"])
+        w.add_ssm_inner_size(inner)
+        w.add_ssm_time_step_rank(cfg["mamba_num_heads"])
     else:  # jamba
         layers, offset, period = cfg["num_hidden_layers"], cfg["attn_layer_offset"], cfg["attn_layer_period"]
         if attention_layers is None:
@@ -164,19 +182,30 @@ def _metadata(w: gguf.GGUFWriter, family: str, cfg: dict[str, Any], key_in_weigh
         w.add_expert_used_count(cfg["num_experts_per_tok"])
 
 
+def _nemotron_kinds(cfg: dict[str, Any]) -> str:
+    """Nemotron-H's block kinds as a pattern ("M" Mamba-2, "*" attention, "-" MLP), from
+    the config transformers wrote (its list of names, or the pattern)."""
+    names = {"mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*", "mlp": "-"}
+    kinds = cfg.get("layers_block_type") or cfg.get("hybrid_override_pattern")
+    return kinds if isinstance(kinds, str) else "".join(names[k] for k in kinds)
+
+
 def _stored(name: str, array: np.ndarray, family: str, cfg: dict[str, Any], key_in_weights: bool) -> np.ndarray:
     """One Hugging Face tensor's values as the converter stores them (the module docstring)."""
     if family == "falcon_h1":
         array = _falcon_fold(name, array, cfg, key_in_weights)
+    if family == "nemotron_h" and name.endswith(("q_proj.weight", "k_proj.weight")):  # Llama's permutation
+        heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
+        array = _llama_cpp_permute(array, heads)
     if name.endswith("A_log"):
         array = -np.exp(array)
     if name.endswith("conv1d.weight"):
         array = array.squeeze(1)
-    if family in ("mamba2", "falcon_h1"):
+    if family in ("mamba2", "falcon_h1", "nemotron_h"):
         if name.endswith(("A_log", ".D")):
             array = array.reshape(-1, 1)
         elif name.endswith(("mixer.norm.weight", "mamba.norm.weight")):
-            groups = cfg["n_groups"] if family == "mamba2" else cfg["mamba_n_groups"]
+            groups = cfg["mamba_n_groups"] if family == "falcon_h1" else cfg["n_groups"]
             array = array.reshape(groups, -1)
     return array
 
@@ -192,6 +221,8 @@ def write_gguf(folder: Path, out: Path, *, quant: gguf.GGMLQuantizationType = F3
     (else its config's)."""
     cfg = json.loads((folder / "config.json").read_text())
     family = cfg["model_type"]
+    if family == "nemotron_h":  # transformers 5 writes its blocks' kinds, not their count
+        cfg["num_hidden_layers"] = len(_nemotron_kinds(cfg))
     arch = ARCH[family]
     names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
     w = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
@@ -231,7 +262,7 @@ def write_gguf(folder: Path, out: Path, *, quant: gguf.GGMLQuantizationType = F3
     return out
 
 
-FAMILIES = ["mamba", "falcon_mamba", "mamba2", "falcon_h1", "jamba"]
+FAMILIES = ["mamba", "falcon_mamba", "mamba2", "falcon_h1", "jamba", "nemotron_h"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -254,6 +285,19 @@ def test_an_f32_gguf_matches_transformers(tmp_path: Path, family: str) -> None:
         m = got.mamba
         assert m is not None and (m.n_heads, m.head_dim, m.n_groups, got.head_dim) == (
             c.mamba_n_heads, c.mamba_d_head, c.mamba_n_groups, c.head_dim)
+    elif family == "nemotron_h":
+        m, kinds = got.mamba, _nemotron_kinds(c.to_dict())
+        assert m is not None and (m.layers, m.mlp_layers) == (
+            tuple(i for i, k in enumerate(kinds) if k == "M"), tuple(i for i, k in enumerate(kinds) if k == "-"))
+        assert (m.n_heads, m.head_dim, m.n_groups, got.num_key_value_heads) == (
+            c.mamba_num_heads, c.mamba_head_dim, c.n_groups, c.num_key_value_heads)
+        # The q/k rows back in transformers' order (llama.cpp's permutation would not show
+        # in the tokens: these blocks attend without positions), from the file read either way.
+        layer = kinds.index("*")
+        for kept in (load_model(path, dtype="float32"), load_model(path, dtype="float32", quantization="none")):
+            for proj in ("q_proj", "k_proj"):
+                want = hf.state_dict()[f"model.layers.{layer}.mixer.{proj}.weight"]
+                assert torch.equal(kept.weights[f"model.layers.{layer}.mixer.{proj}.weight"].float(), want), proj
     else:
         m, moe = got.mamba1, got.moe
         assert m is not None and moe is not None
@@ -301,7 +345,7 @@ def test_a_q8_0_gguf_keeps_its_blocks_and_matches_the_dequantized_model(
     assert_kept_blocks_match_dequantized(path, monkeypatch, check)
 
 
-@pytest.mark.parametrize("family", ["falcon_h1", "jamba"])
+@pytest.mark.parametrize("family", ["falcon_h1", "jamba", "nemotron_h"])
 async def test_the_engine_serves_it_batched_chunked_and_preempted(tmp_path: Path, family: str) -> None:
     hf = as_stored(write(family, tmp_path / "hf"))
     path = write_gguf(tmp_path / "hf", tmp_path / "m.gguf")

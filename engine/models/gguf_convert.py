@@ -443,9 +443,9 @@ def _hf_tensors(reader: Any, config: dict[str, Any], *, arch: str, path: Path) -
         if name is None:
             raise UnsupportedModelError(f"{path}: unknown GGUF tensor {t.name!r}")
         value = _dequantize(t, path)
-        if permuted and name.endswith("self_attn.q_proj.weight"):
+        if permuted and name.endswith(".q_proj.weight"):
             value = unpermute_qk(value, config["num_attention_heads"])
-        elif permuted and name.endswith("self_attn.k_proj.weight"):
+        elif permuted and name.endswith(".k_proj.weight"):
             value = unpermute_qk(value, config["num_key_value_heads"])
         elif arch == "gpt2" and name.endswith(GPT2_CONV1D):
             value = value.t()  # llama.cpp's [out, in] back to Conv1D's [in, out]

@@ -1,6 +1,7 @@
 """GGUF files of the state-space families, as llama.cpp's converter writes them:
 ``mamba`` (Mamba, and FalconMamba when ``ssm.dt_b_c_rms`` is set), ``mamba2``,
-``falcon-h1`` and ``jamba``. engine.models.gguf_convert reads every GGUF; this module holds
+``falcon-h1``, ``jamba`` and ``nemotron_h`` (its dense models; the MoE ones are
+``nemotron_h_moe``, not read). engine.models.gguf_convert reads every GGUF; this module holds
 what these four differ in.
 
 * **Names.** The mixer's tensors are ``ssm_*``: ``ssm_in``, ``ssm_conv1d``, ``ssm_x``
@@ -18,7 +19,9 @@ what these four differ in.
   written. Each scales a linear map or its input, so the model read here runs every
   multiplier at 1 and gives the same numbers. llama.cpp runs the mixer's gated norm after
   the gate, whatever the original's order, and this reads it so.
-* **Layer kinds.** Jamba's attention layers are those with a non-zero
+* **Layer kinds.** Nemotron-H's blocks are attention where ``attention.head_count_kv``
+  (a count a block) is not zero, its MLP where ``feed_forward_length`` is not, Mamba-2
+  elsewhere. Jamba's attention layers are those with a non-zero
   ``attention.head_count_kv`` (a list, a count a layer), its expert layers those with a
   router; transformers' config states both as a period and an offset, recovered here (a
   layout that no period gives is refused, by name).
@@ -42,6 +45,9 @@ ARCHITECTURES = {
     # llama.cpp rotates Falcon-H1 NEOX-style, as Hugging Face does: its rows are unpermuted.
     "falcon-h1": ("FalconH1ForCausalLM", "falcon_h1", False),
     "jamba": ("JambaForCausalLM", "jamba", False),
+    # Nemotron-H's converter is Granite's, a Llama's: q/k rows permuted (its attention has
+    # no positions, so llama.cpp would not notice; undone here for transformers' layout).
+    "nemotron_h": ("NemotronHForCausalLM", "nemotron_h", True),
 }
 
 # The engine's names: Mamba's and Mamba-2's stacks read model.* (their checkpoints'
@@ -50,7 +56,7 @@ TOP_LEVEL_NAMES = {
     "mamba": {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"},
     "falcon-h1": {"token_embd": "model.embed_tokens", "output_norm": "model.final_layernorm", "output": "lm_head"},
 }
-TOP_LEVEL_NAMES["mamba2"] = TOP_LEVEL_NAMES["mamba"]
+TOP_LEVEL_NAMES["mamba2"] = TOP_LEVEL_NAMES["nemotron_h"] = TOP_LEVEL_NAMES["mamba"]
 TOP_LEVEL_NAMES["jamba"] = TOP_LEVEL_NAMES["falcon-h1"]
 
 _ATTENTION = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -74,6 +80,10 @@ BLOCK_NAMES = {
     "jamba": {"attn_norm": "input_layernorm"} | _ATTENTION | _FFN
              | _mixer("mamba", "ssm_in", "ssm_conv1d", "ssm_x", "ssm_dt", "ssm_dt_norm", "ssm_b_norm",
                       "ssm_c_norm", "ssm_out"),
+    # One mixer a block, all under mixer.: Mamba-2, attention or the squared-ReLU MLP.
+    "nemotron_h": {"attn_norm": "norm", "ffn_up": "mixer.up_proj", "ffn_down": "mixer.down_proj"}
+                  | {k: v.replace("self_attn.", "mixer.") for k, v in _ATTENTION.items()}
+                  | _mixer("mixer", "ssm_in", "ssm_conv1d", "ssm_norm", "ssm_out"),
 }
 
 # Tensors named without a .weight/.bias suffix in one of the two, by what follows "blk.N.".
@@ -84,10 +94,11 @@ BARE_NAMES = {
     "falcon-h1": {"ssm_a": "mamba.A_log", "ssm_d": "mamba.D", "ssm_dt.bias": "mamba.dt_bias",
                   "ffn_norm": "pre_ff_layernorm.weight"},
     "jamba": {"ssm_a": "mamba.A_log", "ssm_d": "mamba.D"},
+    "nemotron_h": {"ssm_a": "mixer.A_log", "ssm_d": "mixer.D", "ssm_dt.bias": "mixer.dt_bias"},
 }
 
 # Mamba-2's mixers: A and D stored [heads, 1], the gated norm [groups, width / groups].
-_FLATTENED = frozenset({"mamba2", "falcon-h1"})
+_FLATTENED = frozenset({"mamba2", "falcon-h1", "nemotron_h"})
 
 
 def hf_shape(arch: str, hf_name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -125,6 +136,8 @@ def config(fields: Any, arch: str, names: dict[str, Any], base: dict[str, Any], 
             **({"mixer_rms_eps": eps} if falcon else {}),
         }
     groups = int(fields.get(f"{arch}.ssm.group_count", 1))
+    if arch == "nemotron_h":
+        return out | _nemotron_h(fields, names, layers, inner, ssm, groups, eps, conv_bias, proj_bias, path)
     if arch == "mamba2":
         heads = ssm["rank"]  # llama.cpp's time-step rank is Mamba-2's head count
         if not heads or inner % heads:
@@ -176,11 +189,7 @@ def _falcon_h1(fields: Any, names: dict[str, Any], inner: int, ssm: dict[str, in
 
 def _jamba(fields: Any, names: dict[str, Any], layers: int, hidden: int, inner: int, ssm: dict[str, int],
            conv_bias: bool, proj_bias: bool, path: Path) -> dict[str, Any]:
-    kv = fields.get("jamba.attention.head_count_kv")
-    kv_list = [int(k) for k in kv] if isinstance(kv, list) else [int(kv)] * layers
-    if len(kv_list) != layers:
-        raise CorruptModelError(f"{path}: jamba.attention.head_count_kv lists {len(kv_list)} layers, "
-                                f"the model has {layers}")
+    kv_list = _per_layer(fields.get("jamba.attention.head_count_kv"), layers, "attention.head_count_kv", path)
     attention = [i for i, k in enumerate(kv_list) if k]
     if len({kv_list[i] for i in attention}) > 1:
         raise UnsupportedModelError(f"{path}: Jamba attention layers with different KV head counts are not supported")
@@ -201,6 +210,40 @@ def _jamba(fields: Any, names: dict[str, Any], layers: int, hidden: int, inner: 
         "mamba_expand": _ratio(inner, hidden, "jamba", path), "mamba_conv_bias": conv_bias,
         "mamba_proj_bias": proj_bias,
     }
+
+
+def _nemotron_h(fields: Any, names: dict[str, Any], layers: int, inner: int, ssm: dict[str, int], groups: int,
+                eps: float, conv_bias: bool, proj_bias: bool, path: Path) -> dict[str, Any]:
+    """Nemotron-H's blocks as its ``hybrid_override_pattern``: attention where the block
+    has KV heads (``attention.head_count_kv``, a count a block), the MLP where it has a
+    feed-forward width (``feed_forward_length``, likewise), Mamba-2 elsewhere."""
+    kv = _per_layer(fields.get("nemotron_h.attention.head_count_kv"), layers, "attention.head_count_kv", path)
+    ff = _per_layer(fields.get("nemotron_h.feed_forward_length"), layers, "feed_forward_length", path)
+    pattern = "".join("*" if kv[i] else "-" if ff[i] else "M" for i in range(layers))
+    heads_m = ssm["rank"]  # as Mamba-2's: the time-step rank is the head count
+    if not heads_m or inner % heads_m:
+        raise CorruptModelError(f"{path}: nemotron_h.ssm.inner_size {inner} is not whole heads of "
+                                f"time_step_rank {heads_m}")
+    heads = int(fields.get("nemotron_h.attention.head_count"))
+    return {
+        "hybrid_override_pattern": pattern, "num_attention_heads": heads,
+        "num_key_value_heads": next((k for k in kv if k), heads),
+        "head_dim": int(fields.get("nemotron_h.attention.key_length")),
+        "intermediate_size": next((f for f in ff if f), 0),
+        "mamba_num_heads": heads_m, "mamba_head_dim": inner // heads_m, "n_groups": groups,
+        "ssm_state_size": ssm["state"], "conv_kernel": ssm["conv"], "use_conv_bias": conv_bias, "use_bias": proj_bias,
+        "layer_norm_epsilon": eps, "max_position_embeddings": int(fields.get("nemotron_h.context_length")),
+        "attention_bias": f"blk.{_first_attention(names)}.attn_q.bias" in names,
+        "mlp_bias": any(n.endswith(".ffn_up.bias") for n in names), "mlp_hidden_act": "relu2",
+    }
+
+
+def _per_layer(value: Any, layers: int, key: str, path: Path) -> list[int]:
+    """A per-layer metadata list (or one count for every layer)."""
+    counts = [int(v) for v in value] if isinstance(value, list) else [int(value)] * layers
+    if len(counts) != layers:
+        raise CorruptModelError(f"{path}: {key} lists {len(counts)} layers, the model has {layers}")
+    return counts
 
 
 def _period(layers_on: list[int], layers: int, what: str, path: Path) -> tuple[int, int]:
