@@ -32,6 +32,7 @@ from hf_written import (
 from hybrid_helpers import assert_engine_matches, prompts_of
 from safetensors.torch import load_file
 from test_falcon_h1 import write_falcon_h1
+from test_granite4_mamba import write_hybrid
 from test_jamba import write_jamba
 from test_loader import _add_tokenizer, _llama_cpp_permute, quantize_array
 from test_mamba1 import write_mamba1
@@ -50,7 +51,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 F32, Q8_0 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0
 ARCH = {"mamba": gguf.MODEL_ARCH.MAMBA, "falcon_mamba": gguf.MODEL_ARCH.MAMBA, "mamba2": gguf.MODEL_ARCH.MAMBA2,
         "falcon_h1": gguf.MODEL_ARCH.FALCON_H1, "jamba": gguf.MODEL_ARCH.JAMBA,
-        "nemotron_h": gguf.MODEL_ARCH.NEMOTRON_H}
+        "nemotron_h": gguf.MODEL_ARCH.NEMOTRON_H, "granitemoehybrid": gguf.MODEL_ARCH.GRANITE_HYBRID}
 
 
 @pytest.fixture(autouse=True)
@@ -65,6 +66,10 @@ def write(family: str, folder: Path, **extra: Any) -> Any:
         # carry no other): the oracle is built so.
         extra = ({"mixer_rms_eps": 1e-5, "layer_norm_epsilon": 1e-5} if family == "falcon_mamba" else {}) | extra
         return write_mamba1(folder, falcon=family == "falcon_mamba", **extra)
+    if family == "granitemoehybrid":
+        # Released as the "h" models are: attention without positions (llama.cpp's
+        # converter runs a hybrid's attention so whatever its config says).
+        return write_hybrid(folder, **({"position_embedding_type": "nope"} | extra))
     return {"mamba2": write_mamba2, "falcon_h1": write_falcon_h1, "jamba": write_jamba,
             "nemotron_h": write_nemotron_h}[family](folder, **extra)
 
@@ -165,6 +170,28 @@ def _metadata(w: gguf.GGUFWriter, family: str, cfg: dict[str, Any], key_in_weigh
         w.add_ssm_group_count(cfg["n_groups"])
         w.add_ssm_inner_size(inner)
         w.add_ssm_time_step_rank(cfg["mamba_num_heads"])
+    elif family == "granitemoehybrid":  # Granite's (a Llama's) keys, then the hybrid's
+        kinds, experts = cfg["layer_types"], cfg.get("num_local_experts") or 0
+        w.add_context_length(2 ** 20)  # no RoPE in a hybrid (rope.scaling.finetuned false)
+        w.add_feed_forward_length(cfg["intermediate_size"])
+        w.add_head_count(cfg["num_attention_heads"])
+        w.add_head_count_kv([cfg["num_key_value_heads"] if k in ("attention", "full_attention") else 0 for k in kinds])
+        w.add_rope_freq_base(cfg.get("rope_parameters", cfg).get("rope_theta", 10000.0))
+        w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+        w.add_expert_count(experts)
+        if experts:
+            w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_attention_scale(cfg["attention_multiplier"])
+        w.add_embedding_scale(cfg["embedding_multiplier"])
+        w.add_residual_scale(cfg["residual_multiplier"])
+        w.add_logit_scale(cfg["logits_scaling"])
+        w.add_expert_shared_feed_forward_length(cfg["shared_intermediate_size"])
+        w.add_ssm_conv_kernel(cfg["mamba_d_conv"])
+        w.add_ssm_state_size(cfg["mamba_d_state"])
+        w.add_ssm_group_count(cfg["mamba_n_groups"])
+        w.add_ssm_inner_size(cfg["mamba_expand"] * hidden)
+        w.add_ssm_time_step_rank(cfg["mamba_n_heads"])
+        w.add_rope_scaling_finetuned(False)
     else:  # jamba
         layers, offset, period = cfg["num_hidden_layers"], cfg["attn_layer_offset"], cfg["attn_layer_period"]
         if attention_layers is None:
@@ -190,22 +217,43 @@ def _nemotron_kinds(cfg: dict[str, Any]) -> str:
     return kinds if isinstance(kinds, str) else "".join(names[k] for k in kinds)
 
 
+def _granite_split(name: str, array: np.ndarray, cfg: dict[str, Any]) -> list[tuple[str, np.ndarray]] | None:
+    """Granite's MLP tensors as the converter writes them (``blk.{bid}.`` names): the
+    shared MLP's [gate; up] split in two (``ffn_gate`` / ``ffn_up``, or the ``_shexp``
+    pair beside experts), the experts' stacked [gate; up] split along each expert's rows,
+    their down stack and router as they are; None for any other tensor."""
+    shexp = "_shexp" if cfg.get("num_local_experts") else ""
+    if name.endswith("shared_mlp.input_linear.weight"):
+        gate, up = np.split(array, 2, axis=0)
+        return [(f"blk.{{bid}}.ffn_gate{shexp}", gate), (f"blk.{{bid}}.ffn_up{shexp}", up)]
+    if name.endswith("shared_mlp.output_linear.weight"):
+        return [(f"blk.{{bid}}.ffn_down{shexp}", array)]
+    if name.endswith("block_sparse_moe.input_linear.weight"):
+        gate, up = np.split(array, 2, axis=1)
+        return [("blk.{bid}.ffn_gate_exps", gate), ("blk.{bid}.ffn_up_exps", up)]
+    if name.endswith("block_sparse_moe.output_linear.weight"):
+        return [("blk.{bid}.ffn_down_exps", array)]
+    if name.endswith("block_sparse_moe.router.layer.weight"):
+        return [("blk.{bid}.ffn_gate_inp", array)]
+    return None
+
+
 def _stored(name: str, array: np.ndarray, family: str, cfg: dict[str, Any], key_in_weights: bool) -> np.ndarray:
     """One Hugging Face tensor's values as the converter stores them (the module docstring)."""
     if family == "falcon_h1":
         array = _falcon_fold(name, array, cfg, key_in_weights)
-    if family == "nemotron_h" and name.endswith(("q_proj.weight", "k_proj.weight")):  # Llama's permutation
+    if family in ("nemotron_h", "granitemoehybrid") and name.endswith(("q_proj.weight", "k_proj.weight")):
         heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
         array = _llama_cpp_permute(array, heads)
     if name.endswith("A_log"):
         array = -np.exp(array)
     if name.endswith("conv1d.weight"):
         array = array.squeeze(1)
-    if family in ("mamba2", "falcon_h1", "nemotron_h"):
+    if family in ("mamba2", "falcon_h1", "nemotron_h", "granitemoehybrid"):
         if name.endswith(("A_log", ".D")):
             array = array.reshape(-1, 1)
         elif name.endswith(("mixer.norm.weight", "mamba.norm.weight")):
-            groups = cfg["mamba_n_groups"] if family == "falcon_h1" else cfg["n_groups"]
+            groups = cfg["mamba_n_groups"] if family in ("falcon_h1", "granitemoehybrid") else cfg["n_groups"]
             array = array.reshape(groups, -1)
     return array
 
@@ -239,6 +287,10 @@ def write_gguf(folder: Path, out: Path, *, quant: gguf.GGMLQuantizationType = F3
     for name, array in stored.items():
         if name in done:
             continue
+        if family == "granitemoehybrid" and (granite := _granite_split(name, array, cfg)) is not None:
+            for stem, part in granite:  # the converter's split of Granite's fused MLP tensors
+                add(stem.format(bid=name.split(".")[2]) + ".weight", part, dense=stem.endswith("gate_inp"))
+            continue
         if ".feed_forward.experts." in name:  # each layer's experts stacked, one tensor a projection
             prefix = name.split(".feed_forward.experts.")[0]
             for proj in ("gate_proj", "up_proj", "down_proj"):
@@ -262,7 +314,7 @@ def write_gguf(folder: Path, out: Path, *, quant: gguf.GGMLQuantizationType = F3
     return out
 
 
-FAMILIES = ["mamba", "falcon_mamba", "mamba2", "falcon_h1", "jamba", "nemotron_h"]
+FAMILIES = ["mamba", "falcon_mamba", "mamba2", "falcon_h1", "jamba", "nemotron_h", "granitemoehybrid"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -298,6 +350,13 @@ def test_an_f32_gguf_matches_transformers(tmp_path: Path, family: str) -> None:
             for proj in ("q_proj", "k_proj"):
                 want = hf.state_dict()[f"model.layers.{layer}.mixer.{proj}.weight"]
                 assert torch.equal(kept.weights[f"model.layers.{layer}.mixer.{proj}.weight"].float(), want), proj
+    elif family == "granitemoehybrid":
+        m = got.mamba
+        assert m is not None and m.layers == tuple(i for i, t in enumerate(c.layer_types) if "linear" in t)
+        assert (got.embedding_multiplier, got.residual_multiplier, got.logits_scaling) == pytest.approx(
+            (c.embedding_multiplier, c.residual_multiplier, c.logits_scaling))  # (float32 in the file)
+        assert got.attention_multiplier == pytest.approx(c.attention_multiplier)
+        assert got.nope_layers == tuple(range(c.num_hidden_layers)) and got.moe is None
     else:
         m, moe = got.mamba1, got.moe
         assert m is not None and moe is not None
@@ -379,3 +438,22 @@ async def test_mamba_over_two_tensor_parallel_ranks(tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "hf", tmp_path / "m.gguf")
     stats = await assert_engine_matches(hf, path, prompts_of((17, 21, 12, 19), 384, seed=10), tensor_parallel_size=2)
     assert stats.preemptions > 0
+
+
+def test_granite_4s_experts_from_a_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """granite-4.0-h-tiny's layout: experts beside the shared MLP in every layer. The
+    converter splits the stacked [gate; up] of each and keeps the stacks; read back, they
+    give transformers' tokens (F32), and kept in blocks the dequantized file's."""
+    moe = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)
+    hf = as_stored(write("granitemoehybrid", tmp_path / "hf", **moe))
+    loaded = assert_greedy_matches(hf, write_gguf(tmp_path / "hf", tmp_path / "m.gguf"), "torch", fused=False)
+    assert loaded.config.moe is not None and loaded.config.moe.num_experts == 4
+    stored = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    name = "model.layers.1.block_sparse_moe.input_linear.weight"
+    assert torch.equal(loaded.weights[name], stored[name])  # each expert's gate rows, then its up rows
+    path = write_gguf(tmp_path / "hf", tmp_path / "q8.gguf", quant=Q8_0)
+
+    def check(runner: Any) -> None:
+        assert any(isinstance(getattr(layer, "gate_up", None), QuantLinear) for layer in runner.model.layers)
+
+    assert_kept_blocks_match_dequantized(path, monkeypatch, check)

@@ -430,12 +430,13 @@ def _natural_dtype_name(reader: Any) -> str:
 def _hf_tensors(reader: Any, config: dict[str, Any], *, arch: str, path: Path) -> dict[str, torch.Tensor]:
     permuted = _ARCHITECTURES[arch][2]
     tensors: dict[str, torch.Tensor] = {}
+    joined: dict[str, dict[int, torch.Tensor]] = {}  # parts of one tensor (gguf_recurrent.JOINED)
     for t in reader.tensors:
         if arch == "phi3" and t.name in _ROPE_FACTOR_TENSORS:
             continue  # read into config.json's rope_scaling
         if past_last_layer(t.name, config.get("num_hidden_layers", config.get("n_layer"))):  # GPT-2's n_layer
             continue
-        moe = _moe_tensors(t, config, path)
+        moe = None if arch in gguf_recurrent.JOINED else _moe_tensors(t, config, path)  # Granite's: stacked
         if moe is not None:
             tensors.update(moe)
             continue
@@ -455,7 +456,15 @@ def _hf_tensors(reader: Any, config: dict[str, Any], *, arch: str, path: Path) -
         fix = stored_value_fix(arch, name)
         if fix is not None:
             value = fix(value)
+        part = gguf_recurrent.joined_part(arch, t.name)
+        if part is not None:
+            joined.setdefault(name, {})[part] = value
+            continue
         tensors[name] = value.contiguous()
+    for name, parts in joined.items():
+        if sorted(parts) != list(range(len(parts))) or len(parts) < 2:
+            raise CorruptModelError(f"{path}: {name} has parts {sorted(parts)} of the GGUF's, not all of them")
+        tensors[name] = torch.cat([parts[i] for i in sorted(parts)], dim=-2).contiguous()  # rows; a stack's each
     return tensors
 
 

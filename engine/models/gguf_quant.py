@@ -161,6 +161,43 @@ class GgufTensor(StoredTensor):
         return value.contiguous()
 
 
+class JoinedRows(StoredTensor):
+    """GGUF tensors read as one Hugging Face tensor, joined along its rows: a 2-D one's
+    first axis (Granite 4's MLP: its gate's rows, then its up's), a 3-D stack's second
+    (each expert's gate rows, then its up rows; read whole, dense). Kept blocks stay blocks
+    when every part keeps the same format; otherwise each part is read dense."""
+
+    def __init__(self, name: str, parts: list[GgufTensor]) -> None:
+        first = parts[0]
+        if any(p.shape[:-2] != first.shape[:-2] or p.shape[-1] != first.shape[-1] for p in parts):
+            raise CorruptModelError(f"{first.file.path}: the parts of {name} differ in shape "
+                                    f"({', '.join(str(list(p.shape)) for p in parts)})")
+        if len({(p.keep, p.qtype) for p in parts}) > 1:
+            for p in parts:  # blocks of two formats cannot be one weight: all dense
+                p.keep, p.layout = None, None
+        self.parts, self.name, self.dtype, self.layout = parts, name, first.dtype, first.layout
+        rows = sum(p.shape[-2] for p in parts)
+        self.shape = (*first.shape[:-2], rows, first.shape[-1])
+
+    def read(self):
+        if len(self.shape) == 2:
+            return self.read_rows([(0, self.shape[0])])
+        return torch.cat([p.read() for p in self.parts], dim=-2).contiguous()
+
+    def read_rows(self, spans: list[tuple[int, int]]):
+        if len(self.shape) != 2:
+            raise ValueError(f"{self.name}: a stack of experts is read whole")
+        pieces = []
+        for a, b in spans:
+            start = 0
+            for p in self.parts:
+                lo, hi = max(a, start), min(b, start + p.shape[0])
+                if lo < hi:
+                    pieces.append(p._span(lo - start, hi - start))
+                start += p.shape[0]
+        return self.parts[0]._finish(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
+
+
 def read_gguf_weights(path: Path, config: ModelConfig, *, device: torch.device, layout: str = "panels",
                       lazy: bool = False) -> GgufWeights:
     """The weights of GGUF ``path`` with the matrices of the formats ``layout``'s kernels
@@ -189,6 +226,7 @@ def _gguf_tensors(path: Path, config: ModelConfig, device: torch.device, layout:
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     file = CheckpointFile(path)
     weights: dict[str, StoredTensor] = {}
+    joined: dict[str, dict[int, GgufTensor]] = {}  # parts of one tensor (gguf_recurrent.JOINED)
     kept: Counter[str] = Counter()
     dequantized: Counter[str] = Counter()
     total = 0
@@ -203,7 +241,9 @@ def _gguf_tensors(path: Path, config: ModelConfig, device: torch.device, layout:
         # Expert stacks (3-D) and routers are split into per-expert matrices as the
         # converter does; the expert kernels take dense weights, so their blocks are not kept.
         experts = dims[0] if len(dims) == 3 else 1
-        moe = gguf_convert.moe_tensor_names(t.name, config.architecture, experts)
+        # (Granite 4's experts stay stacked, as its checkpoints hold them.)
+        moe = None if arch in gguf_recurrent.JOINED else gguf_convert.moe_tensor_names(
+            t.name, config.architecture, experts)
         if moe is not None:
             stack = t.name.split(".")[2]
             if len(moe) > 1 or stack in gguf_convert._EXPERT_STACKS or stack == gguf_convert.GATE_UP_STACK:
@@ -239,10 +279,18 @@ def _gguf_tensors(path: Path, config: ModelConfig, device: torch.device, layout:
         tensor = GgufTensor(file, name, t.tensor_type, dims, int(t.data_offset), keep=keep, layout=layout,
                             device=device, heads=heads.get(proj, 0),
                             fix=gguf_convert.stored_value_fix(arch, name))
+        part = gguf_recurrent.joined_part(arch, t.name)
+        if part is not None:
+            joined.setdefault(name, {})[part] = tensor
+            continue
         # GPT-2's projections: kept blocks stay llama.cpp's [out, in] (the model reads them
         # so); dense ones read as a Hugging Face Conv1D, [in, out], as the converter writes.
         conv1d = arch == "gpt2" and name.endswith(gguf_convert.GPT2_CONV1D) and keep is None
         weights[name] = Transposed(tensor) if conv1d else tensor
+    for name, parts in joined.items():
+        if sorted(parts) != list(range(len(parts))) or len(parts) < 2:
+            raise CorruptModelError(f"{path}: {name} has parts {sorted(parts)} of the GGUF's, not all of them")
+        weights[name] = JoinedRows(name, [parts[i] for i in sorted(parts)])
     del reader  # the header's memory map goes with it: the tensors are read by position
     return GgufWeights(LazyWeights(weights, [file]), total, dict(kept), dict(dequantized))
 

@@ -48,6 +48,8 @@ ARCHITECTURES = {
     # Nemotron-H's converter is Granite's, a Llama's: q/k rows permuted (its attention has
     # no positions, so llama.cpp would not notice; undone here for transformers' layout).
     "nemotron_h": ("NemotronHForCausalLM", "nemotron_h", True),
+    # Granite 4's hybrid models (granite-4.0-h-*): a Granite (Llama) converter, q/k permuted.
+    "granitehybrid": ("GraniteMoeHybridForCausalLM", "granitemoehybrid", True),
 }
 
 # The engine's names: Mamba's and Mamba-2's stacks read model.* (their checkpoints'
@@ -57,6 +59,7 @@ TOP_LEVEL_NAMES = {
     "falcon-h1": {"token_embd": "model.embed_tokens", "output_norm": "model.final_layernorm", "output": "lm_head"},
 }
 TOP_LEVEL_NAMES["mamba2"] = TOP_LEVEL_NAMES["nemotron_h"] = TOP_LEVEL_NAMES["mamba"]
+TOP_LEVEL_NAMES["granitehybrid"] = TOP_LEVEL_NAMES["mamba"]
 TOP_LEVEL_NAMES["jamba"] = TOP_LEVEL_NAMES["falcon-h1"]
 
 _ATTENTION = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -84,7 +87,30 @@ BLOCK_NAMES = {
     "nemotron_h": {"attn_norm": "norm", "ffn_up": "mixer.up_proj", "ffn_down": "mixer.down_proj"}
                   | {k: v.replace("self_attn.", "mixer.") for k, v in _ATTENTION.items()}
                   | _mixer("mixer", "ssm_in", "ssm_conv1d", "ssm_norm", "ssm_out"),
+    # Granite 4: its MLP's gate and up are one tensor in the checkpoint (JOINED below), the
+    # experts stacked; llama.cpp splits the one and keeps the others.
+    "granitehybrid": {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"} | _ATTENTION
+                     | _mixer("mamba", "ssm_in", "ssm_conv1d", "ssm_norm", "ssm_out")
+                     | {"ffn_gate": "shared_mlp.input_linear", "ffn_up": "shared_mlp.input_linear",
+                        "ffn_gate_shexp": "shared_mlp.input_linear", "ffn_up_shexp": "shared_mlp.input_linear",
+                        "ffn_down": "shared_mlp.output_linear", "ffn_down_shexp": "shared_mlp.output_linear",
+                        "ffn_gate_exps": "block_sparse_moe.input_linear", "ffn_up_exps": "block_sparse_moe.input_linear",
+                        "ffn_down_exps": "block_sparse_moe.output_linear",
+                        "ffn_gate_inp": "block_sparse_moe.router.layer"},
 }
+
+# The GGUF tensors that are parts of one Hugging Face tensor, joined along its rows (a 2-D
+# tensor's first axis, a 3-D stack's second: each expert's gate rows, then its up rows):
+# the part each is, by what follows "blk.N.".
+JOINED = {"granitehybrid": {"ffn_gate": 0, "ffn_up": 1, "ffn_gate_shexp": 0, "ffn_up_shexp": 1,
+                            "ffn_gate_exps": 0, "ffn_up_exps": 1}}
+
+
+def joined_part(arch: str, gguf_name: str) -> int | None:
+    """Which part of its Hugging Face tensor GGUF tensor ``gguf_name`` is (see
+    :data:`JOINED`), or None for a tensor that is one whole."""
+    parts = gguf_name.split(".")
+    return JOINED.get(arch, {}).get(parts[2]) if len(parts) == 4 and parts[0] == "blk" else None
 
 # Tensors named without a .weight/.bias suffix in one of the two, by what follows "blk.N.".
 BARE_NAMES = {
@@ -95,10 +121,11 @@ BARE_NAMES = {
                   "ffn_norm": "pre_ff_layernorm.weight"},
     "jamba": {"ssm_a": "mamba.A_log", "ssm_d": "mamba.D"},
     "nemotron_h": {"ssm_a": "mixer.A_log", "ssm_d": "mixer.D", "ssm_dt.bias": "mixer.dt_bias"},
+    "granitehybrid": {"ssm_a": "mamba.A_log", "ssm_d": "mamba.D", "ssm_dt.bias": "mamba.dt_bias"},
 }
 
 # Mamba-2's mixers: A and D stored [heads, 1], the gated norm [groups, width / groups].
-_FLATTENED = frozenset({"mamba2", "falcon-h1", "nemotron_h"})
+_FLATTENED = frozenset({"mamba2", "falcon-h1", "nemotron_h", "granitehybrid"})
 
 
 def hf_shape(arch: str, hf_name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -138,6 +165,9 @@ def config(fields: Any, arch: str, names: dict[str, Any], base: dict[str, Any], 
     groups = int(fields.get(f"{arch}.ssm.group_count", 1))
     if arch == "nemotron_h":
         return out | _nemotron_h(fields, names, layers, inner, ssm, groups, eps, conv_bias, proj_bias, path)
+    if arch == "granitehybrid":
+        return out | _granite_hybrid(fields, names, layers, hidden, inner, ssm, groups, eps, conv_bias, proj_bias,
+                                     path)
     if arch == "mamba2":
         heads = ssm["rank"]  # llama.cpp's time-step rank is Mamba-2's head count
         if not heads or inner % heads:
@@ -238,6 +268,46 @@ def _nemotron_h(fields: Any, names: dict[str, Any], layers: int, inner: int, ssm
     }
 
 
+def _granite_hybrid(fields: Any, names: dict[str, Any], layers: int, hidden: int, inner: int, ssm: dict[str, int],
+                    groups: int, eps: float, conv_bias: bool, proj_bias: bool, path: Path) -> dict[str, Any]:
+    """Granite 4's hybrid config: attention where ``attention.head_count_kv`` is not zero,
+    Mamba-2 elsewhere; Granite's four multipliers under llama.cpp's names (its attention
+    scale head_dim ** -0.5 where the file has none, as llama.cpp reads it); RoPE only where
+    ``rope.scaling.finetuned`` says so (the "h" models have none); the shared MLP's and the
+    experts' widths from their tensors."""
+    a = "granitehybrid"
+    kv = _per_layer(fields.get(f"{a}.attention.head_count_kv"), layers, "attention.head_count_kv", path)
+    heads = int(fields.get(f"{a}.attention.head_count"))
+    if hidden % heads or int(fields.get(f"{a}.attention.key_length", hidden // heads)) != hidden // heads:
+        raise UnsupportedModelError(f"{path}: Granite 4 with a head width other than hidden / heads is not supported")
+    heads_m = ssm["rank"]
+    if not heads_m or inner % heads_m:
+        raise CorruptModelError(f"{path}: {a}.ssm.inner_size {inner} is not whole heads of time_step_rank {heads_m}")
+    shared = names.get("blk.0.ffn_gate_shexp.weight") or names.get("blk.0.ffn_gate.weight")
+    if shared is None:
+        raise CorruptModelError(f"{path}: the GGUF has no shared MLP (ffn_gate or ffn_gate_shexp)")
+    experts = int(fields.get(f"{a}.expert_count", 0))
+    stack = names.get("blk.0.ffn_gate_exps.weight")
+    return {
+        "layer_types": ["attention" if kv[i] else "mamba" for i in range(layers)],
+        "num_attention_heads": heads, "num_key_value_heads": next((k for k in kv if k), heads),
+        "shared_intermediate_size": int(shared.shape[1]),  # ggml [hidden, width]
+        "intermediate_size": int(stack.shape[1]) if experts and stack is not None else int(shared.shape[1]),
+        "num_local_experts": experts, "num_experts_per_tok": int(fields.get(f"{a}.expert_used_count", 0)),
+        "mamba_n_heads": heads_m, "mamba_d_head": inner // heads_m, "mamba_n_groups": groups,
+        "mamba_d_state": ssm["state"], "mamba_d_conv": ssm["conv"], "mamba_expand": _ratio(inner, hidden, a, path),
+        "mamba_conv_bias": conv_bias, "mamba_proj_bias": proj_bias,
+        "rms_norm_eps": eps, "max_position_embeddings": int(fields.get(f"{a}.context_length")),
+        "rope_theta": float(fields.get(f"{a}.rope.freq_base", 10000.0)),
+        "position_embedding_type": "rope" if fields.get(f"{a}.rope.scaling.finetuned", True) else "nope",
+        "embedding_multiplier": float(fields.get(f"{a}.embedding_scale", 1.0)),
+        "residual_multiplier": float(fields.get(f"{a}.residual_scale", 1.0)),
+        "attention_multiplier": float(fields.get(f"{a}.attention.scale", (hidden // heads) ** -0.5)),
+        "logits_scaling": float(fields.get(f"{a}.logit_scale", 1.0)),
+        "attention_bias": f"blk.{_first_attention(names)}.attn_q.bias" in names,
+    }
+
+
 def _per_layer(value: Any, layers: int, key: str, path: Path) -> list[int]:
     """A per-layer metadata list (or one count for every layer)."""
     counts = [int(v) for v in value] if isinstance(value, list) else [int(value)] * layers
@@ -270,4 +340,4 @@ def _ratio(inner: int, hidden: int, arch: str, path: Path) -> int:
     return inner // hidden
 
 
-__all__ = ["ARCHITECTURES", "BARE_NAMES", "BLOCK_NAMES", "TOP_LEVEL_NAMES", "config", "hf_shape"]
+__all__ = ["ARCHITECTURES", "BARE_NAMES", "BLOCK_NAMES", "JOINED", "TOP_LEVEL_NAMES", "config", "hf_shape", "joined_part"]

@@ -15,13 +15,13 @@ import torch
 
 from engine.ops.base import AttentionMetadata, KVCache, LoraSegments
 from engine.ops.moe import ClampedSwiglu, fused_moe_reference
-from engine.ops.reference import (
+from engine.ops.recurrent_reference import (
     conv_decode_reference,
     delta_rule_decode_reference,
-    encoder_attention_reference,
     selective_decode_reference,
     ssd_decode_reference,
 )
+from engine.ops.reference import encoder_attention_reference
 from engine.ops.triton import (
     attention_decode,
     attention_prefill,
