@@ -2,10 +2,10 @@
 transformers runs the model they came from, then timed beside llama.cpp on the same file.
 
     .venv/bin/python bench/recurrent_gguf.py --llama-cpp /work/llama
-        [--families falcon_h1,mamba2,mamba,jamba] [--outtype q8_0] [--new-tokens 64]
+        [--families falcon_h1,mamba2,mamba,jamba,granite4h] [--outtype q8_0] [--new-tokens 64]
         [--prompt-len 512] [--rounds 3] [--dtypes float32,bfloat16] [--check-only]
 
-For each family, ``moe_families.SHAPES[family]``'s random-weight model is written by
+For each family (Granite 4's hybrid is ``granite4h``), ``moe_families.SHAPES[family]``'s random-weight model is written by
 transformers and converted by llama.cpp's ``convert_hf_to_gguf.py`` (the source tree
 ``../shared/anchors/build_llama_cpp.sh`` leaves under ``DIR/src``; see ``qwen35_gguf``'s
 driver), twice:
@@ -19,7 +19,8 @@ driver), twice:
   ``llama-bench`` (tg and pp) on that file, alternated in each round, 2 threads each
   (``build_llama_cpp.sh``'s fair settings). The best of ``--rounds``.
 
-The converter's tokenizer step is given the BPE pre-tokenizer's name (the tiny tokenizer's
+Granite 4's config is written as IBM's are before it is converted (see
+``released_layer_names``). The converter's tokenizer step is given the BPE pre-tokenizer's name (the tiny tokenizer's
 hash is not one it knows) and, for Jamba, told to read the tokenizer as GPT-2's (its own
 path wants a sentencepiece-style vocabulary the tiny tokenizer is not); the weights and the
 layout are the converter's own.
@@ -28,6 +29,7 @@ layout are the converter's own.
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import tempfile
@@ -54,6 +56,22 @@ jamba.JambaModel.set_vocab = lambda self: self._set_vocab_gpt2()
 sys.argv[0] = root + "/convert_hf_to_gguf.py"
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
+
+
+def released_layer_names(folder: Path) -> None:
+    """Granite 4's ``layer_types`` as IBM's configs name them ("mamba", "attention"):
+    transformers 5 saves "linear_attention" / "full_attention", which this converter does
+    not know (it would take every layer for Mamba); and a dense model's
+    ``num_experts_per_tok`` 0 and ``intermediate_size`` its MLP's width, as IBM's
+    (transformers' defaults, 2 and 11,008, make llama.cpp abort or refuse the file)."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    names = {"linear_attention": "mamba", "full_attention": "attention"}
+    config["layer_types"] = [names.get(t, t) for t in config["layer_types"]]
+    if not config.get("num_local_experts"):  # IBM's dense configs: no expert routed, one MLP width
+        config["num_experts_per_tok"] = 0
+        config["intermediate_size"] = config["shared_intermediate_size"]
+    path.write_text(json.dumps(config, indent=2))
 
 
 def convert(llama_cpp: Path, folder: Path, out: Path, outtype: str) -> None:
@@ -94,7 +112,7 @@ def check(folder: Path, path: Path) -> tuple[int, int, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-cpp", type=Path, required=True)
-    ap.add_argument("--families", default="falcon_h1,mamba2,mamba,jamba")
+    ap.add_argument("--families", default="falcon_h1,mamba2,mamba,jamba,granite4h")
     ap.add_argument("--outtype", default="q8_0")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -109,6 +127,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             folder = Path(tmp) / family
             write(family, folder)
+            if family == "granite4h":
+                released_layer_names(folder)
             f32 = Path(tmp) / f"{family}-f32.gguf"
             convert(args.llama_cpp, folder, f32, "f32")
             agree, new, diff = check(folder, f32)
