@@ -21,7 +21,7 @@ driver), twice:
 
 Granite 4's config is written as IBM's are before it is converted (see
 ``released_layer_names``). The converter's tokenizer step is given the BPE pre-tokenizer's name (the tiny tokenizer's
-hash is not one it knows) and, for Jamba, told to read the tokenizer as GPT-2's (its own
+hash is not one it knows) and, for Jamba and the Llama family (Granite's), told to read the tokenizer as GPT-2's (its own
 path wants a sentencepiece-style vocabulary the tiny tokenizer is not); the weights and the
 layout are the converter's own.
 """
@@ -51,8 +51,10 @@ root = sys.argv.pop(1)
 sys.path[:0] = [root + "/gguf-py", root]
 import conversion.base as base
 import conversion.jamba as jamba
+import conversion.llama as llama
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
 jamba.JambaModel.set_vocab = lambda self: self._set_vocab_gpt2()
+llama.LlamaModel.set_vocab = lambda self: self._set_vocab_gpt2()
 sys.argv[0] = root + "/convert_hf_to_gguf.py"
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

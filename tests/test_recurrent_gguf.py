@@ -28,6 +28,7 @@ from hf_written import (
     assert_chunked_greedy_matches,
     assert_greedy_matches,
     assert_kept_blocks_match_dequantized,
+    write_hf_model,
 )
 from hybrid_helpers import assert_engine_matches, prompts_of
 from safetensors.torch import load_file
@@ -51,7 +52,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 F32, Q8_0 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0
 ARCH = {"mamba": gguf.MODEL_ARCH.MAMBA, "falcon_mamba": gguf.MODEL_ARCH.MAMBA, "mamba2": gguf.MODEL_ARCH.MAMBA2,
         "falcon_h1": gguf.MODEL_ARCH.FALCON_H1, "jamba": gguf.MODEL_ARCH.JAMBA,
-        "nemotron_h": gguf.MODEL_ARCH.NEMOTRON_H, "granitemoehybrid": gguf.MODEL_ARCH.GRANITE_HYBRID}
+        "nemotron_h": gguf.MODEL_ARCH.NEMOTRON_H, "granitemoehybrid": gguf.MODEL_ARCH.GRANITE_HYBRID,
+        "granitemoe": gguf.MODEL_ARCH.GRANITE_MOE}
 
 
 @pytest.fixture(autouse=True)
@@ -66,6 +68,15 @@ def write(family: str, folder: Path, **extra: Any) -> Any:
         # carry no other): the oracle is built so.
         extra = ({"mixer_rms_eps": 1e-5, "layer_norm_epsilon": 1e-5} if family == "falcon_mamba" else {}) | extra
         return write_mamba1(folder, falcon=family == "falcon_mamba", **extra)
+    if family == "granitemoe":  # Granite 3's MoE (test_moe's shape), its multipliers away from 1
+        from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
+
+        torch.manual_seed(0)
+        return write_hf_model(GraniteMoeForCausalLM(GraniteMoeConfig(**(dict(
+            vocab_size=384, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
+            embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.3, logits_scaling=4.0,
+            tie_word_embeddings=False) | extra))), folder, norms=True)
     if family == "granitemoehybrid":
         # Released as the "h" models are: attention without positions (llama.cpp's
         # converter runs a hybrid's attention so whatever its config says).
@@ -170,6 +181,19 @@ def _metadata(w: gguf.GGUFWriter, family: str, cfg: dict[str, Any], key_in_weigh
         w.add_ssm_group_count(cfg["n_groups"])
         w.add_ssm_inner_size(inner)
         w.add_ssm_time_step_rank(cfg["mamba_num_heads"])
+    elif family == "granitemoe":  # Granite's (a Llama's) keys, and its experts'
+        w.add_context_length(cfg["max_position_embeddings"])
+        w.add_feed_forward_length(cfg["intermediate_size"])
+        w.add_head_count(cfg["num_attention_heads"])
+        w.add_head_count_kv(cfg["num_key_value_heads"])
+        w.add_rope_freq_base(cfg.get("rope_parameters", cfg).get("rope_theta", 10000.0))
+        w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+        w.add_expert_count(cfg["num_local_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_attention_scale(cfg["attention_multiplier"])
+        w.add_embedding_scale(cfg["embedding_multiplier"])
+        w.add_residual_scale(cfg["residual_multiplier"])
+        w.add_logit_scale(cfg["logits_scaling"])
     elif family == "granitemoehybrid":  # Granite's (a Llama's) keys, then the hybrid's
         kinds, experts = cfg["layer_types"], cfg.get("num_local_experts") or 0
         w.add_context_length(2 ** 20)  # no RoPE in a hybrid (rope.scaling.finetuned false)
@@ -242,7 +266,8 @@ def _stored(name: str, array: np.ndarray, family: str, cfg: dict[str, Any], key_
     """One Hugging Face tensor's values as the converter stores them (the module docstring)."""
     if family == "falcon_h1":
         array = _falcon_fold(name, array, cfg, key_in_weights)
-    if family in ("nemotron_h", "granitemoehybrid") and name.endswith(("q_proj.weight", "k_proj.weight")):
+    if family in ("nemotron_h", "granitemoehybrid", "granitemoe") and name.endswith(
+            ("q_proj.weight", "k_proj.weight")):
         heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
         array = _llama_cpp_permute(array, heads)
     if name.endswith("A_log"):
@@ -287,7 +312,7 @@ def write_gguf(folder: Path, out: Path, *, quant: gguf.GGMLQuantizationType = F3
     for name, array in stored.items():
         if name in done:
             continue
-        if family == "granitemoehybrid" and (granite := _granite_split(name, array, cfg)) is not None:
+        if family.startswith("granitemoe") and (granite := _granite_split(name, array, cfg)) is not None:
             for stem, part in granite:  # the converter's split of Granite's fused MLP tensors
                 add(stem.format(bid=name.split(".")[2]) + ".weight", part, dense=stem.endswith("gate_inp"))
             continue
@@ -457,3 +482,23 @@ def test_granite_4s_experts_from_a_gguf(tmp_path: Path, monkeypatch: pytest.Monk
         assert any(isinstance(getattr(layer, "gate_up", None), QuantLinear) for layer in runner.model.layers)
 
     assert_kept_blocks_match_dequantized(path, monkeypatch, check)
+
+
+def test_granite_3s_moe_from_a_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp's ``granitemoe`` (granite-3.x-*-a*m): every layer's experts, their fused
+    [gate; up] split by the converter, joined back; Granite's multipliers; q/k rows
+    unpermuted. Transformers' tokens from the F32 file (RoPE: a permutation left in would
+    show), and the dequantized file's from Q8_0."""
+    hf = write("granitemoe", tmp_path / "hf")
+    loaded = assert_greedy_matches(hf, write_gguf(tmp_path / "hf", tmp_path / "m.gguf"), "cpu", fused=True)
+    c, got = hf.config, loaded.config
+    assert got.moe is not None and (got.moe.num_experts, got.moe.top_k, got.moe.intermediate_size) == (
+        c.num_local_experts, c.num_experts_per_tok, c.intermediate_size)
+    assert (got.embedding_multiplier, got.residual_multiplier, got.logits_scaling, got.attention_multiplier) == (
+        pytest.approx(c.embedding_multiplier), pytest.approx(c.residual_multiplier), pytest.approx(c.logits_scaling),
+        pytest.approx(c.attention_multiplier))
+    def check(runner: Any) -> None:  # attention in blocks (the experts' kernels take them dense)
+        assert all(isinstance(layer.qkv, QuantLinear) for layer in runner.model.layers)
+
+    assert_kept_blocks_match_dequantized(write_gguf(tmp_path / "hf", tmp_path / "q8.gguf", quant=Q8_0), monkeypatch,
+                                         check)

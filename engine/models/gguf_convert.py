@@ -53,6 +53,9 @@ _ARCHITECTURES = {
     "phi3": ("Phi3ForCausalLM", "phi3", False),
     # llama.cpp's converter permutes Granite's q/k rows as Llama's (its GraniteModel is one).
     "granite": ("GraniteForCausalLM", "granite", True),
+    # Granite 3's MoE models (granite-3.x-*-a*m): Granite's, experts stacked as Mixtral's
+    # files hold them, gate and up apart (gguf_recurrent.JOINED joins them back).
+    "granitemoe": ("GraniteMoeForCausalLM", "granitemoe", True),
     # SmolLM3 too (llama.cpp rotates it as Llama); its RoPE-less layers are every fourth,
     # a rule llama.cpp fixes (no GGUF key), as transformers' default no_rope_layer_interval.
     "smollm3": ("SmolLM3ForCausalLM", "smollm3", True),
@@ -129,6 +132,9 @@ _ARCH_BLOCK_NAMES = {
     },
 }
 _ARCH_BLOCK_NAMES["gemma3"] = _ARCH_BLOCK_NAMES["gemma2"]
+_ARCH_BLOCK_NAMES["granitemoe"] = {
+    "ffn_gate_inp": "block_sparse_moe.router.layer", "ffn_gate_exps": "block_sparse_moe.input_linear",
+    "ffn_up_exps": "block_sparse_moe.input_linear", "ffn_down_exps": "block_sparse_moe.output_linear"}
 _ARCH_BLOCK_NAMES["qwen35moe"] = _ARCH_BLOCK_NAMES["qwen35"]
 # Qwen3.5's tensors whose Hugging Face name has no .weight/.bias suffix, by what follows
 # "blk.N." (llama.cpp names the decay rates ssm_a, without a suffix, as Mamba's).
@@ -371,12 +377,12 @@ def _hf_config(fields: _Fields, arch: str, reader: Any, path: Path) -> dict[str,
         config.update(gguf_families.gemma_config(fields, arch, config))
     if arch == "phi3":
         config.update(_phi3_config(fields, names, config, path))
-    if arch == "granite":  # its four multipliers, under llama.cpp's names
+    if arch in ("granite", "granitemoe"):  # its four multipliers, under llama.cpp's names
         for hf_key, key, default in (("embedding_multiplier", "embedding_scale", 1.0),
                                      ("residual_multiplier", "residual_scale", 1.0),
                                      ("attention_multiplier", "attention.scale", None),
                                      ("logits_scaling", "logit_scale", 1.0)):
-            value = fields.get(f"granite.{key}", default)
+            value = fields.get(f"{arch}.{key}", default)
             if value is not None:
                 config[hf_key] = float(value)
     if int(fields.get(f"{arch}.expert_count", 0)):

@@ -89,6 +89,11 @@ def moe_config(fields: Any, arch: str, names: dict[str, Any]) -> dict[str, Any]:
             "num_local_experts": experts,
             "num_experts_per_tok": used,
         }
+    if arch == "granitemoe":  # every layer sparse, softmax over the top-k logits (renormalised)
+        gate = names.get("blk.0.ffn_gate_exps.weight")
+        return {"num_local_experts": experts, "num_experts_per_tok": used,
+                "intermediate_size": int(gate.shape[1]) if gate is not None else int(
+                    fields.get(f"{arch}.feed_forward_length"))}
     if arch not in ("qwen2moe", "qwen3moe", "qwen35moe"):
         raise UnsupportedModelError(f"GGUF architecture {arch!r} with experts is not supported")
     layers = int(fields.get(f"{arch}.block_count"))

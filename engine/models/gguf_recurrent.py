@@ -102,8 +102,11 @@ BLOCK_NAMES = {
 # The GGUF tensors that are parts of one Hugging Face tensor, joined along its rows (a 2-D
 # tensor's first axis, a 3-D stack's second: each expert's gate rows, then its up rows):
 # the part each is, by what follows "blk.N.".
+# Granite 3's MoE files (``granitemoe``, read by gguf_convert's common path) split their
+# experts the same way.
 JOINED = {"granitehybrid": {"ffn_gate": 0, "ffn_up": 1, "ffn_gate_shexp": 0, "ffn_up_shexp": 1,
-                            "ffn_gate_exps": 0, "ffn_up_exps": 1}}
+                            "ffn_gate_exps": 0, "ffn_up_exps": 1},
+          "granitemoe": {"ffn_gate_exps": 0, "ffn_up_exps": 1}}
 
 
 def joined_part(arch: str, gguf_name: str) -> int | None:
