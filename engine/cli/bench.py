@@ -169,10 +169,14 @@ class CompletionExchange(StreamExchange):
         if chunk.get("usage"):
             self.usage_tokens = chunk["usage"]["completion_tokens"]
             self.result.prompt_tokens = chunk["usage"]["prompt_tokens"]
-        if not chunk["choices"] or not chunk["choices"][0]["text"]:
+        if not chunk["choices"] or not self.has_output(chunk["choices"][0]):
             return
         self.chunks += 1
         self.tick(now)
+
+    @staticmethod
+    def has_output(choice: dict[str, Any]) -> bool:
+        return bool(choice["text"])
 
     def on_end(self, now: float, error: str) -> None:
         result = self.result
@@ -198,20 +202,10 @@ class ChatExchange(CompletionExchange):
         self.usage_tokens = None
         self.chunks = 0
 
-    def on_event(self, data: bytes, now: float) -> None:
-        chunk = self.chunk(data)
-        if chunk is None:
-            return
-        if chunk.get("usage"):
-            self.usage_tokens = chunk["usage"]["completion_tokens"]
-            self.result.prompt_tokens = chunk["usage"]["prompt_tokens"]
-        if not chunk["choices"]:
-            return
-        delta = chunk["choices"][0].get("delta") or {}
-        if not (delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")):
-            return
-        self.chunks += 1
-        self.tick(now)
+    @staticmethod
+    def has_output(choice: dict[str, Any]) -> bool:
+        delta = choice.get("delta") or {}
+        return bool(delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning"))
 
 
 class EmbeddingExchange(Exchange):
