@@ -5,10 +5,10 @@ transformers runs the model they came from, then timed beside llama.cpp on the s
         [--families falcon_h1,mamba2,mamba,jamba,granite4h] [--outtype q8_0] [--new-tokens 64]
         [--prompt-len 512] [--rounds 3] [--dtypes float32,bfloat16] [--check-only]
 
-For each family (Granite 4's hybrid is ``granite4h``), ``moe_families.SHAPES[family]``'s random-weight model is written by
-transformers and converted by llama.cpp's ``convert_hf_to_gguf.py`` (the source tree
-``../shared/anchors/build_llama_cpp.sh`` leaves under ``DIR/src``; see ``qwen35_gguf``'s
-driver), twice:
+For each family (Granite 4's hybrid is ``granite4h``), ``moe_families.SHAPES[family]``'s
+random-weight model is written by transformers and converted by llama.cpp's
+``convert_hf_to_gguf.py`` (the source tree ``../shared/anchors/build_llama_cpp.sh`` leaves
+under ``DIR/src``; see ``qwen35_gguf``'s driver), twice:
 
 * ``--outtype f32``: the file (Falcon-H1's with its shape's multipliers, away from 1, which
   the converter folds into the weights) through ``engine.LLM``, greedy, against transformers'
@@ -20,10 +20,11 @@ driver), twice:
   (``build_llama_cpp.sh``'s fair settings). The best of ``--rounds``.
 
 Granite 4's config is written as IBM's are before it is converted (see
-``released_layer_names``). The converter's tokenizer step is given the BPE pre-tokenizer's name (the tiny tokenizer's
-hash is not one it knows) and, for Jamba and the Llama family (Granite's), told to read the tokenizer as GPT-2's (its own
-path wants a sentencepiece-style vocabulary the tiny tokenizer is not); the weights and the
-layout are the converter's own.
+``released_layer_names``). The converter's tokenizer step is given the BPE pre-tokenizer's
+name (the tiny tokenizer's hash is not one it knows) and, for Jamba and the Llama family
+(Granite's), told to read the tokenizer as GPT-2's (their own paths want a
+sentencepiece-style vocabulary the tiny tokenizer is not); the weights and the layout are
+the converter's own.
 """
 
 from __future__ import annotations
