@@ -502,3 +502,14 @@ def test_granite_3s_moe_from_a_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
     assert_kept_blocks_match_dequantized(write_gguf(tmp_path / "hf", tmp_path / "q8.gguf", quant=Q8_0), monkeypatch,
                                          check)
+
+
+async def test_granite_4_over_two_tensor_parallel_ranks(tmp_path: Path) -> None:
+    """Each rank reads its rows of the joined [gate; up] (its share of each half, from the
+    file's two tensors), its share of every expert from the stacks, its heads and Mamba
+    heads."""
+    hf = as_stored(write("granitemoehybrid", tmp_path / "hf", num_local_experts=4, num_experts_per_tok=2,
+                         intermediate_size=32))
+    path = write_gguf(tmp_path / "hf", tmp_path / "m.gguf")
+    stats = await assert_engine_matches(hf, path, prompts_of((17, 21, 12, 19), 384, seed=10), tensor_parallel_size=2)
+    assert stats.preemptions > 0
