@@ -1028,6 +1028,9 @@ CLONES void eng_ssd_item(float *S, const float *x, const float *B, const float *
         const float u = dt * x[i];
         float *row = S + i * ds;
         float acc = 0.0f;
+        /* Vectorized, the read against C summed in lanes (its order is not the reference's
+         * matmul's either). */
+#pragma omp simd reduction(+ : acc)
         for (int64_t j = 0; j < ds; j++) {
             const float v = decay * row[j] + u * B[j];
             row[j] = v;
@@ -1068,6 +1071,7 @@ CLONES void eng_selective_item(float *row, float u, float dt, const float *a, co
     for (int64_t j = 0; j < ds; j++)
         row[j] = exp_nonpos(dt * a[j]) * row[j] + du * B[j];
     float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
     for (int64_t j = 0; j < ds; j++)
         acc += row[j] * C[j];
     *y = acc + d * u;
