@@ -105,6 +105,13 @@ class RequestResult:
     output_tokens: int = 0
     itls: list[float] = dataclasses.field(default_factory=list)
 
+    def failed(self, error: str) -> bool:
+        """Whether the request failed: ``error`` (the exchange's, "" when it completed)
+        recorded, or an error its answer gave before."""
+        if error:
+            self.error = error
+        return bool(self.error)
+
     @property
     def tpot(self) -> float | None:
         """Time per output token after the first; None for a one-token answer."""
@@ -180,9 +187,7 @@ class CompletionExchange(StreamExchange):
 
     def on_end(self, now: float, error: str) -> None:
         result = self.result
-        if error:
-            result.error = error
-        if result.error:
+        if result.failed(error):
             return
         result.latency = now - self.started
         result.output_tokens = self.usage_tokens if self.usage_tokens is not None else self.chunks
@@ -229,9 +234,7 @@ class EmbeddingExchange(Exchange):
 
     def on_end(self, now: float, error: str) -> None:
         result = self.result
-        if error:
-            result.error = error
-        if result.error:
+        if result.failed(error):
             return
         result.latency = result.ttft = now - self.started
         result.ok = True
