@@ -124,6 +124,16 @@ SHAPES = {
                        max_position_embeddings=4096, intermediate_size=2816, hybrid_override_pattern="M-M*-M-M",
                        num_hidden_layers=8, mamba_num_heads=32, mamba_head_dim=64, n_groups=8, ssm_state_size=128,
                        vocab_size=384, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # Nemotron 3 Nano's blocks (NVIDIA-Nemotron-3-Nano-30B-A3B's pattern, shortened) at
+    # hidden 1024: Mamba, experts, Mamba, attention, experts, Mamba, experts, Mamba; 32
+    # experts of 512 (Nano: 128 of 1856 at hidden 2688), 6 routed a token, scaled by 2.5,
+    # a shared expert of 1024; the routers drawn (write() below: transformers starts them at 0).
+    "nemotron3": dict(hidden_size=1024, num_attention_heads=16, num_key_value_heads=2, head_dim=64,
+                      max_position_embeddings=4096, hybrid_override_pattern="MEM*EMEM", num_hidden_layers=8,
+                      mamba_num_heads=32, mamba_head_dim=64, n_groups=8, ssm_state_size=128, n_routed_experts=32,
+                      num_experts_per_tok=6, moe_intermediate_size=512, moe_shared_expert_intermediate_size=1024,
+                      routed_scaling_factor=2.5, n_group=1, topk_group=1, norm_topk_prob=True, vocab_size=384,
+                      tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     # Falcon-H1-0.5B's layer, 8 of its 36, with its multipliers.
     "falcon_h1": dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
                       intermediate_size=2048, num_hidden_layers=8, mamba_d_ssm=1536, mamba_n_heads=24, mamba_d_head=64,
@@ -163,12 +173,19 @@ def write(family: str, folder: Path) -> None:
 
     name = {"glm4_moe": "Glm4Moe", "deepseek_v3": "DeepseekV3", "glm4": "Glm4", "cohere2": "Cohere2", "olmoe": "Olmoe",
             "gpt_bigcode": "GPTBigCode", "starcoder2": "Starcoder2", "gpt_neox": "GPTNeoX",
-            "phi": "Phi", "granite4h": "GraniteMoeHybrid", "nemotron_h": "NemotronH", "qwen3_5": "Qwen3_5",
+            "phi": "Phi", "granite4h": "GraniteMoeHybrid", "nemotron_h": "NemotronH", "nemotron3": "NemotronH",
+            "qwen3_5": "Qwen3_5",
             "falcon_h1": "FalconH1", "mamba2": "Mamba2", "mamba": "Mamba",
             "jamba": "Jamba"}[family]
     config = getattr(transformers, f"{name}{'TextConfig' if family == 'qwen3_5' else 'Config'}")(**SHAPES[family])
     torch.manual_seed(0)
-    getattr(transformers, f"{name}ForCausalLM")(config).save_pretrained(folder)
+    model = getattr(transformers, f"{name}ForCausalLM")(config)
+    if family == "nemotron3":  # the routers and their selection biases away from 0
+        with torch.no_grad():
+            for n, p in [*model.named_parameters(), *model.named_buffers()]:
+                if n.endswith(("mixer.gate.weight", "e_score_correction_bias")):
+                    p.normal_(0.0, 0.02 if n.endswith("weight") else 0.01)
+    model.save_pretrained(folder)
     tokenizer = write_tiny_model(folder.parent / "tokenizer", "llama")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer / name, folder / name)
@@ -221,7 +238,8 @@ def main() -> None:
             step = engine.runner.model.fused_step
             # latent attention, post-block norms, LayerNorm, q/k norms across the heads
             fuses = family not in ("deepseek_v3", "glm4", "cohere2", "olmoe", "gpt_bigcode", "starcoder2", "gpt_neox",
-                                  "phi", "granite4h", "nemotron_h", "qwen3_5", "falcon_h1", "mamba2", "mamba", "jamba")
+                                  "phi", "granite4h", "nemotron_h", "nemotron3", "qwen3_5", "falcon_h1", "mamba2",
+                                  "mamba", "jamba")
             assert (step is not None and step.steps > 0) == fuses, f"{family}: the fused step ran or not"
             del engine, hf
 

@@ -2,10 +2,13 @@
 transformers runs the model they came from, then timed beside llama.cpp on the same file.
 
     .venv/bin/python bench/recurrent_gguf.py --llama-cpp /work/llama
-        [--families falcon_h1,mamba2,mamba,jamba,granite4h] [--outtype q8_0] [--new-tokens 64]
+        [--families falcon_h1,mamba2,mamba,jamba,granite4h,nemotron_h,nemotron3] [--outtype q8_0]
+        [--new-tokens 64]
         [--prompt-len 512] [--rounds 3] [--dtypes float32,bfloat16] [--check-only]
 
-For each family (Granite 4's hybrid is ``granite4h``), ``moe_families.SHAPES[family]``'s
+For each family (Granite 4's hybrid is ``granite4h``, Nemotron 3's ``nemotron3``; the
+converter writes both Nemotron-H families as ``nemotron_h_moe``, since transformers 5 writes
+``num_experts_per_tok`` into every Nemotron-H config), ``moe_families.SHAPES[family]``'s
 random-weight model is written by transformers and converted by llama.cpp's
 ``convert_hf_to_gguf.py`` (the source tree ``../shared/anchors/build_llama_cpp.sh`` leaves
 under ``DIR/src``; see ``qwen35_gguf``'s driver), twice:
@@ -115,7 +118,7 @@ def check(folder: Path, path: Path) -> tuple[int, int, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-cpp", type=Path, required=True)
-    ap.add_argument("--families", default="falcon_h1,mamba2,mamba,jamba,granite4h")
+    ap.add_argument("--families", default="falcon_h1,mamba2,mamba,jamba,granite4h,nemotron_h,nemotron3")
     ap.add_argument("--outtype", default="q8_0")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--new-tokens", type=int, default=64)

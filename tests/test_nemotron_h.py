@@ -104,7 +104,6 @@ def test_the_released_config_reads_its_pattern() -> None:
 
 
 @pytest.mark.parametrize(("extra", "match"), [
-    ({"hybrid_override_pattern": "M-E*-M"}, "MoE"),
     ({"hybrid_override_pattern": "M-X*-M"}, "'X'"),
     ({"mlp_hidden_act": "gelu"}, "mlp_hidden_act"),
     ({"attention_bias": True}, "attention_bias"),

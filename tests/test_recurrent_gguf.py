@@ -52,7 +52,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 F32, Q8_0 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0
 ARCH = {"mamba": gguf.MODEL_ARCH.MAMBA, "falcon_mamba": gguf.MODEL_ARCH.MAMBA, "mamba2": gguf.MODEL_ARCH.MAMBA2,
         "falcon_h1": gguf.MODEL_ARCH.FALCON_H1, "jamba": gguf.MODEL_ARCH.JAMBA,
-        "nemotron_h": gguf.MODEL_ARCH.NEMOTRON_H, "granitemoehybrid": gguf.MODEL_ARCH.GRANITE_HYBRID,
+        "nemotron_h": gguf.MODEL_ARCH.NEMOTRON_H, "nemotron_h_moe": gguf.MODEL_ARCH.NEMOTRON_H_MOE,
+        "granitemoehybrid": gguf.MODEL_ARCH.GRANITE_HYBRID,
         "granitemoe": gguf.MODEL_ARCH.GRANITE_MOE}
 
 
@@ -166,16 +167,29 @@ def _metadata(w: gguf.GGUFWriter, family: str, cfg: dict[str, Any], key_in_weigh
         w.add_rope_freq_base(cfg.get("rope_parameters", cfg).get("rope_theta"))
         if not key_in_weights:  # the key multiplier as llama.cpp's score scale instead
             w.add_attention_scale(cfg["key_multiplier"] / math.sqrt(cfg["head_dim"]))
-    elif family == "nemotron_h":  # Granite's hybrid converter's keys, with the blocks' kinds as lists
+    elif family in ("nemotron_h", "nemotron_h_moe"):  # Granite's hybrid converter's keys, the blocks' kinds as lists
         kinds = _nemotron_kinds(cfg)
         inner = cfg["mamba_num_heads"] * cfg["mamba_head_dim"]
         w.add_context_length(2 ** 20)  # no RoPE: the converter's arbitrary length
         w.add_head_count(cfg["num_attention_heads"])
         w.add_head_count_kv([cfg["num_key_value_heads"] if k == "*" else 0 for k in kinds])
-        w.add_feed_forward_length([cfg["intermediate_size"] if k == "-" else 0 for k in kinds])
+        if family == "nemotron_h_moe":  # the expert blocks' width in the list, then the experts' keys
+            w.add_feed_forward_length([cfg["moe_intermediate_size"] if k == "E" else 0 for k in kinds])
+            w.add_expert_used_count(cfg["num_experts_per_tok"])
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+            w.add_expert_shared_feed_forward_length(cfg["moe_shared_expert_intermediate_size"])
+            w.add_expert_count(cfg["n_routed_experts"])
+            w.add_expert_shared_count(cfg["n_shared_experts"])
+            w.add_expert_weights_norm(cfg["norm_topk_prob"])
+            w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+            w.add_expert_group_count(cfg["n_group"])
+            if cfg.get("moe_latent_size") is not None:
+                w.add_moe_latent_size(cfg["moe_latent_size"])
+        else:
+            w.add_feed_forward_length([cfg["intermediate_size"] if k == "-" else 0 for k in kinds])
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
-        w.add_layer_norm_rms_eps(cfg["layer_norm_epsilon"])
+        w.add_layer_norm_eps(cfg["layer_norm_epsilon"])  # (its config has no rms_norm_eps: the LayerNorm key)
         w.add_ssm_conv_kernel(cfg["conv_kernel"])
         w.add_ssm_state_size(cfg["ssm_state_size"])
         w.add_ssm_group_count(cfg["n_groups"])
@@ -236,7 +250,7 @@ def _metadata(w: gguf.GGUFWriter, family: str, cfg: dict[str, Any], key_in_weigh
 def _nemotron_kinds(cfg: dict[str, Any]) -> str:
     """Nemotron-H's block kinds as a pattern ("M" Mamba-2, "*" attention, "-" MLP), from
     the config transformers wrote (its list of names, or the pattern)."""
-    names = {"mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*", "mlp": "-"}
+    names = {"mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*", "mlp": "-", "moe": "E"}
     kinds = cfg.get("layers_block_type") or cfg.get("hybrid_override_pattern")
     return kinds if isinstance(kinds, str) else "".join(names[k] for k in kinds)
 
@@ -266,7 +280,7 @@ def _stored(name: str, array: np.ndarray, family: str, cfg: dict[str, Any], key_
     """One Hugging Face tensor's values as the converter stores them (the module docstring)."""
     if family == "falcon_h1":
         array = _falcon_fold(name, array, cfg, key_in_weights)
-    if family in ("nemotron_h", "granitemoehybrid", "granitemoe") and name.endswith(
+    if family in ("nemotron_h", "nemotron_h_moe", "granitemoehybrid", "granitemoe") and name.endswith(
             ("q_proj.weight", "k_proj.weight")):
         heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
         array = _llama_cpp_permute(array, heads)
@@ -274,7 +288,7 @@ def _stored(name: str, array: np.ndarray, family: str, cfg: dict[str, Any], key_
         array = -np.exp(array)
     if name.endswith("conv1d.weight"):
         array = array.squeeze(1)
-    if family in ("mamba2", "falcon_h1", "nemotron_h", "granitemoehybrid"):
+    if family in ("mamba2", "falcon_h1", "nemotron_h", "nemotron_h_moe", "granitemoehybrid"):
         if name.endswith(("A_log", ".D")):
             array = array.reshape(-1, 1)
         elif name.endswith(("mixer.norm.weight", "mamba.norm.weight")):
@@ -296,6 +310,8 @@ def write_gguf(folder: Path, out: Path, *, quant: gguf.GGMLQuantizationType = F3
     family = cfg["model_type"]
     if family == "nemotron_h":  # transformers 5 writes its blocks' kinds, not their count
         cfg["num_hidden_layers"] = len(_nemotron_kinds(cfg))
+        if "E" in _nemotron_kinds(cfg):  # the converter's MoE architecture (Nemotron 3)
+            family = "nemotron_h_moe"
     arch = ARCH[family]
     names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
     w = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
@@ -324,14 +340,25 @@ def write_gguf(folder: Path, out: Path, *, quant: gguf.GGMLQuantizationType = F3
                 add(names.get_name(f"{prefix}.mlp.experts.{proj}") + ".weight", np.stack([stored[p] for p in parts]),
                     dense=dense_experts)
             continue
+        if ".mixer.experts." in name:  # Nemotron 3's experts stacked as Mixtral's: up and down, no gate
+            prefix = name.split(".mixer.experts.")[0].replace("backbone.", "model.")
+            for proj in ("up_proj", "down_proj"):
+                parts = [f"{name.split('.mixer.experts.')[0]}.mixer.experts.{e}.{proj}.weight"
+                         for e in range(cfg["n_routed_experts"])]
+                done.update(parts)
+                add(names.get_name(f"{prefix}.mlp.experts.{proj}") + ".weight", np.stack([stored[p] for p in parts]),
+                    dense=dense_experts)
+            continue
         if name.endswith("dt_bias"):  # Mamba-2's rename before the table
             name_for_table = name.replace("dt_bias", "dt_proj.bias")
+        elif name.endswith("e_score_correction_bias"):  # the converter's rename: exp_probs_b.bias
+            name_for_table = name.replace("e_score_correction_bias", "e_score_correction.bias")
         else:
             name_for_table = name
         gname = names.get_name(name_for_table, try_suffixes=(".weight", ".bias"))
         assert gname is not None, name
         value = _stored(name, array, family, cfg, key_in_weights)
-        add(gname, value, dense=name.endswith(("conv1d.weight", "router.weight")))
+        add(gname, value, dense=name.endswith(("conv1d.weight", "router.weight", "mixer.gate.weight")))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

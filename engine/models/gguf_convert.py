@@ -484,10 +484,12 @@ def moe_tensor_names(gguf_name: str, model_type: str, experts: int) -> list[str]
         return None
     kind = parts[2]
     mixtral = model_type == "mixtral"
-    module = {"mixtral": "block_sparse_moe", "jamba": "feed_forward"}.get(model_type, "mlp")
+    module = {"mixtral": "block_sparse_moe", "jamba": "feed_forward", "nemotron_h": "mixer"}.get(model_type, "mlp")
     prefix = f"model.layers.{int(parts[1])}.{module}."
     if kind == "ffn_gate_inp" and model_type == "jamba":
         return [f"{prefix}router.weight"]
+    if model_type == "nemotron_h" and kind.endswith("_shexp"):
+        return None  # Nemotron 3's shared expert: a block's own tensors (gguf_recurrent.BLOCK_NAMES)
     if kind in _MOE_BLOCK_NAMES:
         return [f"{prefix}{_MOE_BLOCK_NAMES[kind]}.weight"]
     projections = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")

@@ -1,8 +1,7 @@
 """GGUF files of the state-space families, as llama.cpp's converter writes them:
 ``mamba`` (Mamba, and FalconMamba when ``ssm.dt_b_c_rms`` is set), ``mamba2``,
-``falcon-h1``, ``jamba`` and ``nemotron_h`` (its dense models; the MoE ones are
-``nemotron_h_moe``, not read). engine.models.gguf_convert reads every GGUF; this module holds
-what these four differ in.
+``falcon-h1``, ``jamba``, ``nemotron_h`` and ``nemotron_h_moe`` (Nemotron 3), ``granitehybrid``.
+engine.models.gguf_convert reads every GGUF; this module holds what these differ in.
 
 * **Names.** The mixer's tensors are ``ssm_*``: ``ssm_in``, ``ssm_conv1d``, ``ssm_x``
   (Mamba-1's x_proj), ``ssm_dt`` (Mamba-1's dt_proj; Mamba-2's dt bias is ``ssm_dt.bias``
@@ -21,7 +20,10 @@ what these four differ in.
   the gate, whatever the original's order, and this reads it so.
 * **Layer kinds.** Nemotron-H's blocks are attention where ``attention.head_count_kv``
   (a count a block) is not zero, its MLP where ``feed_forward_length`` is not, Mamba-2
-  elsewhere. Jamba's attention layers are those with a non-zero
+  elsewhere; in Nemotron 3's files (``nemotron_h_moe``) the blocks with a feed-forward
+  width are its experts' instead, stacked as Mixtral's (up and down alone: no gate), with
+  the router's selection bias ``exp_probs_b.bias``, the shared expert's ``*_shexp`` and
+  the latent projections ``ffn_latent_down`` / ``ffn_latent_up``. Jamba's attention layers are those with a non-zero
   ``attention.head_count_kv`` (a list, a count a layer), its expert layers those with a
   router; transformers' config states both as a period and an offset, recovered here (a
   layout that no period gives is refused, by name).
@@ -48,6 +50,7 @@ ARCHITECTURES = {
     # Nemotron-H's converter is Granite's, a Llama's: q/k rows permuted (its attention has
     # no positions, so llama.cpp would not notice; undone here for transformers' layout).
     "nemotron_h": ("NemotronHForCausalLM", "nemotron_h", True),
+    "nemotron_h_moe": ("NemotronHForCausalLM", "nemotron_h", True),  # Nemotron 3: its "E" blocks
     # Granite 4's hybrid models (granite-4.0-h-*): a Granite (Llama) converter, q/k permuted.
     "granitehybrid": ("GraniteMoeHybridForCausalLM", "granitemoehybrid", True),
 }
@@ -58,7 +61,7 @@ TOP_LEVEL_NAMES = {
     "mamba": {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"},
     "falcon-h1": {"token_embd": "model.embed_tokens", "output_norm": "model.final_layernorm", "output": "lm_head"},
 }
-TOP_LEVEL_NAMES["mamba2"] = TOP_LEVEL_NAMES["nemotron_h"] = TOP_LEVEL_NAMES["mamba"]
+TOP_LEVEL_NAMES["mamba2"] = TOP_LEVEL_NAMES["nemotron_h"] = TOP_LEVEL_NAMES["nemotron_h_moe"] = TOP_LEVEL_NAMES["mamba"]
 TOP_LEVEL_NAMES["granitehybrid"] = TOP_LEVEL_NAMES["mamba"]
 TOP_LEVEL_NAMES["jamba"] = TOP_LEVEL_NAMES["falcon-h1"]
 
@@ -87,6 +90,13 @@ BLOCK_NAMES = {
     "nemotron_h": {"attn_norm": "norm", "ffn_up": "mixer.up_proj", "ffn_down": "mixer.down_proj"}
                   | {k: v.replace("self_attn.", "mixer.") for k, v in _ATTENTION.items()}
                   | _mixer("mixer", "ssm_in", "ssm_conv1d", "ssm_norm", "ssm_out"),
+    # Nemotron 3: the experts' stacks and router are gguf_convert.moe_tensor_names's.
+    "nemotron_h_moe": {"attn_norm": "norm", "ffn_up": "mixer.up_proj", "ffn_down": "mixer.down_proj",
+                       "ffn_up_shexp": "mixer.shared_experts.up_proj",
+                       "ffn_down_shexp": "mixer.shared_experts.down_proj",
+                       "ffn_latent_down": "mixer.fc1_latent_proj", "ffn_latent_up": "mixer.fc2_latent_proj"}
+                      | {k: v.replace("self_attn.", "mixer.") for k, v in _ATTENTION.items()}
+                      | _mixer("mixer", "ssm_in", "ssm_conv1d", "ssm_norm", "ssm_out"),
     # Granite 4: its MLP's gate and up are one tensor in the checkpoint (JOINED below), the
     # experts stacked; llama.cpp splits the one and keeps the others.
     "granitehybrid": {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"} | _ATTENTION
@@ -124,11 +134,13 @@ BARE_NAMES = {
                   "ffn_norm": "pre_ff_layernorm.weight"},
     "jamba": {"ssm_a": "mamba.A_log", "ssm_d": "mamba.D"},
     "nemotron_h": {"ssm_a": "mixer.A_log", "ssm_d": "mixer.D", "ssm_dt.bias": "mixer.dt_bias"},
+    "nemotron_h_moe": {"ssm_a": "mixer.A_log", "ssm_d": "mixer.D", "ssm_dt.bias": "mixer.dt_bias",
+                       "exp_probs_b.bias": "mixer.gate.e_score_correction_bias"},
     "granitehybrid": {"ssm_a": "mamba.A_log", "ssm_d": "mamba.D", "ssm_dt.bias": "mamba.dt_bias"},
 }
 
 # Mamba-2's mixers: A and D stored [heads, 1], the gated norm [groups, width / groups].
-_FLATTENED = frozenset({"mamba2", "falcon-h1", "nemotron_h", "granitehybrid"})
+_FLATTENED = frozenset({"mamba2", "falcon-h1", "nemotron_h", "nemotron_h_moe", "granitehybrid"})
 
 
 def hf_shape(arch: str, hf_name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -144,12 +156,16 @@ def config(fields: Any, arch: str, names: dict[str, Any], base: dict[str, Any], 
     metadata ``fields`` and tensors ``names``; ``base`` holds what every family shares
     (vocabulary, token ids, dtype, tied head)."""
     hf_arch, model_type, _ = ARCHITECTURES[arch]
-    layers = int(fields.get(f"{arch}.block_count"))
+    # (less the multi-token-prediction blocks the converter appends: not read)
+    layers = int(fields.get(f"{arch}.block_count")) - int(fields.get(f"{arch}.nextn_predict_layers", 0))
     hidden = int(fields.get(f"{arch}.embedding_length"))
     inner = int(fields.get(f"{arch}.ssm.inner_size"))
     ssm = {"conv": int(fields.get(f"{arch}.ssm.conv_kernel")), "state": int(fields.get(f"{arch}.ssm.state_size")),
            "rank": int(fields.get(f"{arch}.ssm.time_step_rank"))}
-    eps = float(fields.get(f"{arch}.attention.layer_norm_rms_epsilon"))
+    # (Nemotron-H's converter writes the RMS norms' epsilon under the LayerNorm key alone,
+    # which llama.cpp reads for both.)
+    eps = float(fields.get(f"{arch}.attention.layer_norm_rms_epsilon", None)
+                or fields.get(f"{arch}.attention.layer_norm_epsilon"))
     first_mixer = min((int(n.split(".")[1]) for n in names if n.endswith(".ssm_in.weight")), default=0)
     conv_bias = f"blk.{first_mixer}.ssm_conv1d.bias" in names
     proj_bias = f"blk.{first_mixer}.ssm_in.bias" in names
@@ -166,8 +182,8 @@ def config(fields: Any, arch: str, names: dict[str, Any], base: dict[str, Any], 
             **({"mixer_rms_eps": eps} if falcon else {}),
         }
     groups = int(fields.get(f"{arch}.ssm.group_count", 1))
-    if arch == "nemotron_h":
-        return out | _nemotron_h(fields, names, layers, inner, ssm, groups, eps, conv_bias, proj_bias, path)
+    if arch in ("nemotron_h", "nemotron_h_moe"):
+        return out | _nemotron_h(fields, arch, names, layers, inner, ssm, groups, eps, conv_bias, proj_bias, path)
     if arch == "granitehybrid":
         return out | _granite_hybrid(fields, names, layers, hidden, inner, ssm, groups, eps, conv_bias, proj_bias,
                                      path)
@@ -245,29 +261,69 @@ def _jamba(fields: Any, names: dict[str, Any], layers: int, hidden: int, inner: 
     }
 
 
-def _nemotron_h(fields: Any, names: dict[str, Any], layers: int, inner: int, ssm: dict[str, int], groups: int,
-                eps: float, conv_bias: bool, proj_bias: bool, path: Path) -> dict[str, Any]:
+def _nemotron_h(fields: Any, arch: str, names: dict[str, Any], layers: int, inner: int, ssm: dict[str, int],
+                groups: int, eps: float, conv_bias: bool, proj_bias: bool, path: Path) -> dict[str, Any]:
     """Nemotron-H's blocks as its ``hybrid_override_pattern``: attention where the block
     has KV heads (``attention.head_count_kv``, a count a block), the MLP where it has a
-    feed-forward width (``feed_forward_length``, likewise), Mamba-2 elsewhere."""
-    kv = _per_layer(fields.get("nemotron_h.attention.head_count_kv"), layers, "attention.head_count_kv", path)
-    ff = _per_layer(fields.get("nemotron_h.feed_forward_length"), layers, "feed_forward_length", path)
-    pattern = "".join("*" if kv[i] else "-" if ff[i] else "M" for i in range(layers))
+    feed-forward width (``feed_forward_length``, likewise; in a ``nemotron_h_moe`` file
+    the experts), Mamba-2 elsewhere."""
+    kv = _per_layer(fields.get(f"{arch}.attention.head_count_kv"), layers, "attention.head_count_kv", path)
+    ff = _per_layer(fields.get(f"{arch}.feed_forward_length"), layers, "feed_forward_length", path)
+    moe = arch == "nemotron_h_moe"
+    # (The converter writes a dense model whose config.json lists num_experts_per_tok, as
+    # transformers 5 writes every one, as nemotron_h_moe, its MLP blocks' widths as 0: an
+    # MLP block is then known by its tensors.)
+    mlp = {i for i in range(layers) if f"blk.{i}.ffn_up.weight" in names}
+    pattern = "".join("*" if kv[i] else ("E" if moe and i not in mlp else "-") if ff[i] or i in mlp else "M"
+                      for i in range(layers))
+    mlp_width = next((int(names[f"blk.{i}.ffn_up.weight"].shape[1]) for i in sorted(mlp)), 0)  # ggml [hidden, width]
     heads_m = ssm["rank"]  # as Mamba-2's: the time-step rank is the head count
     if not heads_m or inner % heads_m:
-        raise CorruptModelError(f"{path}: nemotron_h.ssm.inner_size {inner} is not whole heads of "
+        raise CorruptModelError(f"{path}: {arch}.ssm.inner_size {inner} is not whole heads of "
                                 f"time_step_rank {heads_m}")
-    heads = int(fields.get("nemotron_h.attention.head_count"))
-    return {
+    heads = int(fields.get(f"{arch}.attention.head_count"))
+    out = {
         "hybrid_override_pattern": pattern, "num_attention_heads": heads,
         "num_key_value_heads": next((k for k in kv if k), heads),
-        "head_dim": int(fields.get("nemotron_h.attention.key_length")),
-        "intermediate_size": next((f for f in ff if f), 0),
+        "head_dim": int(fields.get(f"{arch}.attention.key_length")),
+        "intermediate_size": mlp_width if moe else next((f for f in ff if f), 0),
         "mamba_num_heads": heads_m, "mamba_head_dim": inner // heads_m, "n_groups": groups,
         "ssm_state_size": ssm["state"], "conv_kernel": ssm["conv"], "use_conv_bias": conv_bias, "use_bias": proj_bias,
-        "layer_norm_epsilon": eps, "max_position_embeddings": int(fields.get("nemotron_h.context_length")),
+        "layer_norm_epsilon": eps, "max_position_embeddings": int(fields.get(f"{arch}.context_length")),
         "attention_bias": f"blk.{_first_attention(names)}.attn_q.bias" in names,
-        "mlp_bias": any(n.endswith(".ffn_up.bias") for n in names), "mlp_hidden_act": "relu2",
+        "mlp_bias": any(n.endswith((".ffn_up.bias", ".ffn_up_shexp.bias")) for n in names), "mlp_hidden_act": "relu2",
+    }
+    experts = moe and "E" in pattern
+    return out | (_nemotron_experts(fields, arch, [f for i, f in enumerate(ff) if i not in mlp], path) if experts else {})
+
+
+def _nemotron_experts(fields: Any, arch: str, ff: list[int], path: Path) -> dict[str, Any]:
+    """Nemotron 3's experts under transformers' keys, from the converter's: one width for
+    every expert block (a file of several, NVIDIA's Puzzle models, is refused), and the
+    expert groups (a file of several groups that does not say how many a token may use
+    is refused, as llama.cpp refuses it)."""
+    widths = {f for f in ff if f}
+    per_expert = fields.get(f"{arch}.expert_feed_forward_length")
+    if isinstance(per_expert, list):
+        widths |= {int(f) for f in per_expert if int(f)}
+    if len(widths) > 1:
+        raise UnsupportedModelError(f"{path}: Nemotron 3 with experts of several widths {sorted(widths)} "
+                                    "(a Puzzle model) is not supported")
+    n_group = int(fields.get(f"{arch}.expert_group_count", 1) or 1)
+    used = int(fields.get(f"{arch}.expert_group_used_count", 0) or 0)
+    if n_group > 1 and not 0 < used < n_group:
+        raise CorruptModelError(f"{path}: {arch}.expert_group_count is {n_group} and expert_group_used_count "
+                                f"{used or 'missing'}: the groups a token may use are not known")
+    latent = fields.get(f"{arch}.moe_latent_size", None)
+    return {
+        "n_routed_experts": int(fields.get(f"{arch}.expert_count")),
+        "num_experts_per_tok": int(fields.get(f"{arch}.expert_used_count")),
+        "moe_intermediate_size": widths.pop() if widths else 0,
+        "moe_shared_expert_intermediate_size": int(fields.get(f"{arch}.expert_shared_feed_forward_length", 0)),
+        "norm_topk_prob": bool(fields.get(f"{arch}.expert_weights_norm", False)),
+        "routed_scaling_factor": float(fields.get(f"{arch}.expert_weights_scale", 1.0)),
+        "n_group": n_group, "topk_group": used if n_group > 1 else 1,
+        "moe_latent_size": int(latent) if latent else None,
     }
 
 

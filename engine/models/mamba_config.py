@@ -24,7 +24,7 @@ class MambaConfig:
     """The Mamba-2 layers of a hybrid model and their mixer's shape."""
 
     layers: tuple[int, ...]  # the Mamba layers' indices; the others are attention layers
-    # Nemotron-H's MLP blocks (a layer of their own, no attention, no state): no cache either.
+    # Nemotron-H's MLP and MoE blocks (a layer of their own, no attention, no state): no cache either.
     mlp_layers: tuple[int, ...] = ()
     n_heads: int
     head_dim: int
@@ -102,7 +102,8 @@ def nemotron_h_raw(raw: dict[str, Any]) -> dict[str, Any]:
     """A Nemotron-H config.json under the decoder's keys: its layers as ``layer_types``
     ("mamba", "attention", "mlp"; from ``hybrid_override_pattern`` as released or
     transformers 5's ``layers_block_type``), its norms' eps; the MLP's squared ReLU and
-    the layers without RoPE are the family's own. MoE layers ("E", Nemotron 3) are refused."""
+    the layers without RoPE are the family's own. MoE layers ("E", Nemotron 3) are "moe"
+    (engine.models.moe_config reads their experts)."""
     pattern = raw.get("hybrid_override_pattern")
     if pattern is not None:
         unknown = sorted(set(pattern) - set(_PATTERN))
@@ -112,9 +113,9 @@ def nemotron_h_raw(raw: dict[str, Any]) -> dict[str, Any]:
     else:
         names = {"linear_attention": "mamba", "full_attention": "attention"}
         types = [names.get(t, t) for t in raw.get("layers_block_type") or raw.get("layer_types") or []]
-    if "moe" in types:
-        raise UnsupportedModelError("Nemotron-H with MoE layers (Nemotron 3) is not supported; its "
-                                    "Mamba, attention and MLP layers are")
+        unknown = sorted(set(types) - set(_PATTERN.values()))
+        if unknown:
+            raise UnsupportedModelError(f"Nemotron-H layers_block_type {unknown} are not known")
     if raw.get("mlp_hidden_act", "relu2") != "relu2":
         raise UnsupportedModelError(f"Nemotron-H with mlp_hidden_act {raw.get('mlp_hidden_act')!r} is not "
                                     "supported (relu2 is)")
@@ -284,7 +285,7 @@ def _nemotron_h(raw: dict[str, Any]) -> MambaConfig:
     limit = raw.get("time_step_limit") or (0.0, math.inf)
     return MambaConfig(
         layers=tuple(i for i, t in enumerate(types) if t == "mamba"),
-        mlp_layers=tuple(i for i, t in enumerate(types) if t == "mlp"),
+        mlp_layers=tuple(i for i, t in enumerate(types) if t in ("mlp", "moe")),  # (the MoE blocks: ModelConfig.moe)
         n_heads=heads, head_dim=head_dim, d_state=int(raw.get("ssm_state_size", 128)), n_groups=groups,
         d_conv=int(raw.get("conv_kernel", 4)), conv_bias=bool(raw.get("use_conv_bias", True)),
         proj_bias=bool(raw.get("use_bias", False)), dt_min=_json_float(limit[0]), dt_max=_json_float(limit[1]))

@@ -1,6 +1,6 @@
 """The sparse MLP of a mixture-of-experts decoder, read from its ``config.json``
 (``ModelConfig.moe``; engine.models.layers.moe builds it): Mixtral, Qwen2-MoE, Qwen3-MoE,
-Granite-MoE, GLM-4.5 and gpt-oss."""
+Granite-MoE, GLM-4.5, gpt-oss, Nemotron 3 and others."""
 
 from __future__ import annotations
 
@@ -33,7 +33,11 @@ class MoeConfig:
     # Qwen3-VL-MoE's (naming "qwen_stacked"): mlp.experts.gate_up_proj / down_proj, stacked
     # (models/layers/moe.py reads either layout) beside Qwen's mlp.gate router.
     # Jamba's (naming "jamba"): feed_forward.router, feed_forward.experts.N.gate_proj/up_proj/down_proj.
-    naming: str  # "mixtral", "qwen", "qwen_stacked", "granite", "deepseek", "ernie", "gpt_oss" or "jamba"
+    # Nemotron 3's (naming "nemotron_h"): mixer.gate (DeepSeek-V3's routing, below),
+    # mixer.experts.N.up_proj/down_proj with no gate (relu(up) ** 2), an ungated shared
+    # expert of the same kind (mixer.shared_experts), and with latent_size the experts
+    # working in a narrower space (mixer.fc1_latent_proj before them, fc2_latent_proj after).
+    naming: str  # "mixtral", "qwen", "qwen_stacked", "granite", "deepseek", "ernie", "gpt_oss", "jamba", "nemotron_h"
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.0
     # DeepSeek-V3's routing ("sigmoid", GLM-4.5's too, naming "deepseek"; "softmax": the
@@ -49,6 +53,13 @@ class MoeConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    latent_size: int = 0  # Nemotron 3's moe_latent_size; 0: the experts read the hidden state
+
+    @property
+    def gated(self) -> bool:
+        """Whether each expert is SiLU-gated (``w13`` gate rows then up rows); Nemotron 3's
+        are not (up rows alone, squared ReLU)."""
+        return self.naming != "nemotron_h"
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], arch: str, num_layers: int) -> MoeConfig | None:
@@ -77,6 +88,21 @@ class MoeConfig:
                        sparse_layers=tuple(range(int(raw.get("first_k_dense_replace", d[4])), num_layers)),
                        naming="deepseek", scoring="softmax_groups" if v2 else "sigmoid", n_group=groups,
                        topk_group=topk_groups, routed_scaling_factor=float(raw.get("routed_scaling_factor", d[3])))
+        if arch == "nemotron_h":  # its "moe" blocks (raw as engine.models.mamba_config.nemotron_h_raw gives it)
+            sparse = tuple(i for i, t in enumerate(raw["layer_types"]) if t == "moe")
+            if not sparse:
+                return None
+            experts = int(raw.get("n_routed_experts") or _num_experts(raw, 8))
+            groups, topk_groups = int(raw.get("n_group") or 1), int(raw.get("topk_group") or 1)
+            if experts % groups or not 0 < topk_groups <= groups:
+                raise ValueError(f"n_group {groups} / topk_group {topk_groups} do not fit {experts} experts")
+            return cls(num_experts=experts, top_k=int(raw.get("num_experts_per_tok", 2)),
+                       intermediate_size=int(raw.get("moe_intermediate_size", 7688)),
+                       norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+                       shared_expert_intermediate_size=int(raw.get("moe_shared_expert_intermediate_size", 7688) or 0),
+                       sparse_layers=sparse, naming="nemotron_h", scoring="sigmoid", n_group=groups,
+                       topk_group=topk_groups, routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+                       latent_size=int(raw.get("moe_latent_size") or 0))
         if arch == "ernie4_5_moe":
             # ERNIE 4.5's: layers start..end, every interval-th; softmax scores chosen with a
             # selection bias (moe_statics), renormalised; ungated shared experts.

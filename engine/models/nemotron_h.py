@@ -5,14 +5,18 @@ is one of
 * a Mamba-2 layer ("M" in ``hybrid_override_pattern``; engine.models.layers.mamba, the
   mixer Granite 4's hybrid layers run, here under ``mixer.``);
 * attention ("*"): GQA with no positions at all (the Mamba layers carry them), no biases;
-* an MLP ("-"): ``down(relu(up(x)) ** 2)``, no gate.
+* an MLP ("-"): ``down(relu(up(x)) ** 2)``, no gate;
+* a mixture of experts ("E", Nemotron 3: NVIDIA-Nemotron-3-Nano-30B-A3B and up): DeepSeek-V3's
+  sigmoid routing with its selection bias, groups and scale, experts and a shared expert
+  of the MLP's ungated kind, optionally in a latent space (engine.models.layers.moe).
 
 Its RMS norms multiply the fp32 normed row by the weight in fp32 and round once. The
-checkpoint's ``backbone.*`` names are read as the decoder's (``checkpoint_name``). MoE
-blocks ("E", Nemotron 3) are refused at load; the Mamba layers keep one recurrent state
+checkpoint's ``backbone.*`` names are read as the decoder's (``checkpoint_name``). The
+Mamba layers keep one recurrent state
 a request (engine.runner.state_slots), with what that turns off (prefix caching) and
 refuses (speculation, beam search, LoRA). Tensor-parallel ranks each keep their heads of
-every mixer and their share of every MLP; pipeline stages cut the blocks as any layers.
+every mixer and their share of every MLP and every expert (or, with expert parallelism,
+their experts whole); pipeline stages cut the blocks as any layers.
 The fused CPU decode step does not run it.
 
 Mamba-2 alone (``Mamba2ForCausalLM``: Mamba-Codestral-7B, the ``mamba2-*-hf`` conversions)
@@ -39,6 +43,7 @@ from engine.models.layers.decoder import Decoder, DecoderLayer
 from engine.models.layers.linear import make_linear
 from engine.models.layers.mamba import MambaMixer, mamba_weight_names
 from engine.models.layers.mamba1 import Mamba1Mixer, mamba1_weight_names
+from engine.models.layers.moe import SparseMoeBlock, sparse_layer_weight_names
 from engine.models.layers.shard import ShardedWeights, qkv_spans
 from engine.ops import AttentionMetadata, Ops
 from engine.parallel import SINGLE, TensorParallel
@@ -47,13 +52,14 @@ from engine.parallel import SINGLE, TensorParallel
 @dataclasses.dataclass(slots=True)
 class NemotronBlock:
     """One block: its norm (fp32) and exactly one of a Mamba mixer, an attention layer
-    (a DecoderLayer's projections) or an MLP (``up``, ``down``)."""
+    (a DecoderLayer's projections), an MLP (``up``, ``down``) or experts (``moe``)."""
 
     norm: torch.Tensor
     mamba: MambaMixer | None = None
     attention: DecoderLayer | None = None
     up: Any = None
     down: Any = None
+    moe: SparseMoeBlock | None = None
 
 
 class NemotronHModel(Decoder):
@@ -69,6 +75,8 @@ class NemotronHModel(Decoder):
             names.append(p + "norm.weight")
             if i in m.layers:
                 names += mamba_weight_names(m, p, "mixer")
+            elif config.moe is not None and i in config.moe.sparse_layers:
+                names += sparse_layer_weight_names(config.moe, i)
             elif i in m.mlp_layers:
                 names += [p + "mixer.up_proj.weight", p + "mixer.down_proj.weight"]
             else:
@@ -112,6 +120,8 @@ class NemotronHModel(Decoder):
         mixer = p + "mixer."
         if i in m.layers:
             block.mamba = MambaMixer.build(m, get, p, self.eps, make_linear, self.ops, module="mixer")
+        elif self.config.moe is not None and i in self.config.moe.sparse_layers:
+            block.moe = SparseMoeBlock(self.config, i, get, lambda w: make_linear([w]), self.tp)  # (GGUF blocks kept)
         elif i in m.mlp_layers:  # over tensor-parallel ranks: up's rows, down's columns
             block.up = make_linear([get.rows(mixer + "up_proj.weight")])
             block.down = get.row_parallel(mixer + "down_proj.weight")
@@ -151,6 +161,8 @@ class NemotronHModel(Decoder):
                 out = layer.mamba(x, meta, first, second)  # the layer's conv and SSM states
             elif layer.attention is not None:
                 out = self._attention(layer.attention, x, positions, meta, first, second)
+            elif layer.moe is not None:  # each rank's experts' partial sums, joined
+                out = self.tp.all_reduce(layer.moe(x, self.ops))
             else:
                 out = layer.down(torch.square(F.relu(layer.up(x))))
             return hidden + out

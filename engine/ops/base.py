@@ -36,7 +36,7 @@ from typing import Protocol
 
 import torch
 
-from engine.ops.moe import ClampedSwiglu
+from engine.ops.moe import ExpertActivation
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -319,9 +319,9 @@ class Ops(Protocol):
         w2: torch.Tensor,  # [E, hidden, inter]
         topk_weights: torch.Tensor,  # [T, k] fp32 routing weights
         topk_ids: torch.Tensor,  # [T, k] int64 expert of each slot
-        swiglu: ClampedSwiglu | None = None,  # gpt-oss's biased, clamped gate
+        activation: ExpertActivation | None = None,  # gpt-oss's clamped gate, Nemotron 3's squared ReLU
     ) -> torch.Tensor:
-        """The routed experts' SiLU-gated MLPs, weighted and summed per token: [T, hidden].
+        """The routed experts' MLPs (SiLU-gated, or ``activation``'s), weighted and summed per token: [T, hidden].
 
         Reads only the weights of experts that received a token (see ``engine.ops.moe``).
         """

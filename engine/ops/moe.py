@@ -55,17 +55,34 @@ class ClampedSwiglu:
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class SquaredRelu:
+    """Nemotron 3's experts, in place of the gated ``silu(gate) * up``: no gate at all, the
+    first projection's rows (``w13`` [E, inter, in]) are the up projection's alone, and
+    the activation is ``relu(up) ** 2``."""
+
+    b13: None = None
+
+    def __call__(self, h: torch.Tensor, inter: int) -> torch.Tensor:
+        return torch.square(F.relu(h))
+
+
+# What an expert runs between its two projections, where it is not the SiLU-gated MLP.
+ExpertActivation = ClampedSwiglu | SquaredRelu
+
+
 def fused_moe_reference(
     x: torch.Tensor,  # [T, hidden]
     w13: torch.Tensor,  # [E, 2 * inter, hidden]: each expert's gate rows then up rows
     w2: torch.Tensor,  # [E, hidden, inter]
     topk_weights: torch.Tensor,  # [T, k] fp32
     topk_ids: torch.Tensor,  # [T, k] int64
-    swiglu: ClampedSwiglu | None = None,
+    activation: ExpertActivation | None = None,
 ) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with
-    ``e = topk_ids[t, j]``, for every token ``t``; returned in ``x.dtype``. ``swiglu``:
-    gpt-oss's biased, clamped activation instead (:class:`ClampedSwiglu`)."""
+    ``e = topk_ids[t, j]``, for every token ``t``; returned in ``x.dtype``. ``activation``:
+    gpt-oss's biased, clamped one instead (:class:`ClampedSwiglu`), or Nemotron 3's
+    ungated squared ReLU (:class:`SquaredRelu`)."""
     tokens, k = topk_ids.shape
     hidden = x.shape[-1]
     inter = w2.shape[-1]
@@ -76,11 +93,12 @@ def fused_moe_reference(
     for expert, n in enumerate(counts):
         if n == 0:
             continue  # an expert that received no token: its weights are never read
-        if swiglu is None:
+        if activation is None:
             h = F.linear(rows[start : start + n], w13[expert])
             act = F.silu(h[:, :inter]) * h[:, inter:]
         else:
-            act = swiglu(F.linear(rows[start : start + n], w13[expert], swiglu.b13[expert]), inter)
+            bias = None if activation.b13 is None else activation.b13[expert]
+            act = activation(F.linear(rows[start : start + n], w13[expert], bias), inter)
         out_sorted[start : start + n] = F.linear(act, w2[expert])
         start += n
     return combine(out_sorted, order, topk_weights)
@@ -95,4 +113,4 @@ def combine(out_sorted: torch.Tensor, order: torch.Tensor, topk_weights: torch.T
     return weighted.sum(1).to(out_sorted.dtype)
 
 
-__all__ = ["ClampedSwiglu", "combine", "fused_moe_reference", "sort_by_expert"]
+__all__ = ["ClampedSwiglu", "ExpertActivation", "SquaredRelu", "combine", "fused_moe_reference", "sort_by_expert"]

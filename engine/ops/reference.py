@@ -24,7 +24,7 @@ from engine.ops.base import (
     QuantizedKV,
     lora_rows_unpaired,
 )
-from engine.ops.moe import ClampedSwiglu, fused_moe_reference
+from engine.ops.moe import ExpertActivation, fused_moe_reference
 from engine.ops.recurrent_reference import (
     conv_decode_reference,
     delta_rule_decode_reference,
@@ -199,9 +199,9 @@ class TorchOps:
         w2: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
-        swiglu: ClampedSwiglu | None = None,
+        activation: ExpertActivation | None = None,
     ) -> torch.Tensor:
-        return fused_moe_reference(x, w13, w2, topk_weights, topk_ids, swiglu)
+        return fused_moe_reference(x, w13, w2, topk_weights, topk_ids, activation)
 
     # --- attention -------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from engine.ops.base import AttentionMetadata, KVCache, LoraSegments
-from engine.ops.moe import ClampedSwiglu, fused_moe_reference
+from engine.ops.moe import ExpertActivation, fused_moe_reference
 from engine.ops.recurrent_reference import (
     conv_decode_reference,
     delta_rule_decode_reference,
@@ -142,12 +142,12 @@ class TritonOps:
         w2: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
-        swiglu: ClampedSwiglu | None = None,
+        activation: ExpertActivation | None = None,
     ) -> torch.Tensor:
         """Two grouped GEMMs over expert-sorted (token, slot) tiles (see ``fused_moe``);
-        gpt-oss's clamped activation: the torch grouped path (engine.ops.moe)."""
-        if swiglu is not None:
-            return fused_moe_reference(x, w13, w2, topk_weights, topk_ids, swiglu)
+        gpt-oss's clamped activation and Nemotron 3's squared ReLU: the torch grouped path (engine.ops.moe)."""
+        if activation is not None:
+            return fused_moe_reference(x, w13, w2, topk_weights, topk_ids, activation)
         return fused_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
 
     def lora_add(

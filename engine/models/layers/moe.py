@@ -3,6 +3,10 @@ router, routed experts and an optional shared expert, replacing the dense MLP in
 ``MoeConfig.sparse_layers`` names. GLM-4.5 and DeepSeek-V3 route by sigmoid scores with a
 selection bias, expert groups and a scale, DeepSeek-V2 by softmax scores with groups
 (:func:`select_experts_grouped`), their routers in fp32 and their shared experts ungated.
+Nemotron 3 routes as DeepSeek-V3 does; its experts and shared expert have no gate
+(``relu(up) ** 2``: ``Ops.fused_moe`` with :class:`~engine.ops.moe.SquaredRelu`, ``w13``
+holding the up rows alone), and its larger models run the experts in a latent space
+between two dense projections.
 
 Routing, as transformers computes it for each of these models: router logits in the model
 dtype, a softmax over all experts in fp32, the ``top_k`` largest probabilities, and (when
@@ -44,13 +48,14 @@ from engine.errors import CorruptModelError
 from engine.models.config import ModelConfig, MoeConfig
 from engine.models.layers.shard import ShardedWeights
 from engine.ops import Ops
-from engine.ops.moe import ClampedSwiglu
+from engine.ops.moe import ExpertActivation, SquaredRelu
 from engine.parallel import SINGLE, TensorParallel, shard_range
 
 
 def layer_prefix(moe: MoeConfig, layer: int) -> str:
     """Where a sparse layer's MLP weights live: Mixtral says block_sparse_moe, Qwen mlp."""
-    block = {"mixtral": "block_sparse_moe", "granite": "block_sparse_moe", "jamba": "feed_forward"}.get(moe.naming, "mlp")
+    block = {"mixtral": "block_sparse_moe", "granite": "block_sparse_moe", "jamba": "feed_forward",
+             "nemotron_h": "mixer"}.get(moe.naming, "mlp")
     return f"model.layers.{layer}.{block}."
 
 
@@ -76,16 +81,18 @@ def sparse_layer_weight_names(moe: MoeConfig, layer: int) -> list[str]:
     names = [p + _router_name(moe)]
     if moe.scoring in ("sigmoid", "softmax_bias"):
         names.append(p + _score_bias_name(moe))
+    if moe.latent_size:
+        names += [p + "fc1_latent_proj.weight", p + "fc2_latent_proj.weight"]
     for e in range(moe.num_experts):
-        names += expert_weight_names(moe, layer, e)
+        names += expert_weight_names(moe, layer, e)[0 if moe.gated else 1:]
     if moe.shared_expert_intermediate_size:
-        names += [p + f"{_shared_name(moe)}.{n}_proj.weight" for n in ("gate", "up", "down")]
+        names += [p + f"{_shared_name(moe)}.{n}_proj.weight" for n in ("gate", "up", "down")[0 if moe.gated else 1:]]
         if moe.naming not in _UNGATED:  # DeepSeek's, GLM's and ERNIE's shared experts are not gated
             names.append(p + "shared_expert_gate.weight")
     return names
 
 
-_UNGATED = ("deepseek", "ernie")
+_UNGATED = ("deepseek", "ernie", "nemotron_h")
 
 
 def _shared_name(moe: MoeConfig) -> str:
@@ -141,7 +148,7 @@ def expert_share(num_experts: int, tp: TensorParallel) -> tuple[int, int]:
 
 
 def local_experts(ops: Ops, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor, first: int, swiglu: ClampedSwiglu | None = None) -> torch.Tensor:
+                  ids: torch.Tensor, first: int, activation: ExpertActivation | None = None) -> torch.Tensor:
     """This rank's part of the routed experts' output under expert parallelism: the
     (token, slot) pairs routed to its experts ``[first, first + len(w13))``, each run as a
     row of its own (one slot) through ``Ops.fused_moe``, their weighted outputs summed
@@ -152,7 +159,7 @@ def local_experts(ops: Ops, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     if pairs.numel():
         tokens = pairs // ids.shape[1]
         y = ops.fused_moe(x.index_select(0, tokens), w13, w2, weights.reshape(-1, 1)[pairs].contiguous(),
-                          local.reshape(-1, 1)[pairs].contiguous(), swiglu)
+                          local.reshape(-1, 1)[pairs].contiguous(), activation)
         out.index_add_(0, tokens, y.float())
     return out.to(x.dtype)
 
@@ -196,7 +203,7 @@ class SparseMoeBlock:
     """One layer's router, stacked expert weights and optional shared expert."""
 
     __slots__ = ("top_k", "renormalize", "router", "w13", "w2", "shared_gate_up", "shared_down", "shared_gate", "lora",
-                 "moe", "score_bias", "first_expert")
+                 "moe", "score_bias", "first_expert", "activation", "latent_in", "latent_out")
 
     def __init__(
         self,
@@ -220,6 +227,12 @@ class SparseMoeBlock:
         self.moe, self.score_bias = moe, None  # score_bias: DeepSeek-V3's routing's (GLM-4.5's)
         # Under expert parallelism the first of this rank's whole experts, else None.
         self.first_expert = expert_share(moe.num_experts, tp)[0] if tp.enabled and tp.expert_parallel else None
+        # Nemotron 3's ungated experts, and its latent projections (whole on every rank:
+        # the experts' partial sums go through the second one before they are summed).
+        self.activation = None if moe.gated else SquaredRelu()
+        self.latent_in = self.latent_out = None
+        if moe.latent_size:
+            self.latent_in, self.latent_out = (linear(get(p + f"fc{n}_latent_proj.weight")) for n in (1, 2))
         if moe.naming == "granite":  # stacked as the kernels take them
             self.router = linear(get(p + "router.layer.weight"))
             self.w13, self.w2 = _granite_experts(get(p + "input_linear.weight"),
@@ -245,14 +258,15 @@ class SparseMoeBlock:
         gate_up, down = [], []
         whole = self.first_expert is not None  # expert parallelism: this rank's experts, whole
         for e in range(*expert_share(moe.num_experts, tp)):
-            g, u, d = expert_weight_names(moe, layer, e)
-            gate_up.append(torch.cat([get(g), get(u)]) if whole else torch.cat([rows(g), rows(u)]))
-            down.append(get(d) if whole else cols(d))
+            halves = expert_weight_names(moe, layer, e)[0 if moe.gated else 1:]  # (gate,) up, down
+            gate_up.append(torch.cat([(get if whole else rows)(n) for n in halves[:-1]]))
+            down.append(get(halves[-1]) if whole else cols(halves[-1]))
         self.w13 = torch.stack(gate_up)
         self.w2 = torch.stack(down)
         if moe.shared_expert_intermediate_size:
             s = p + _shared_name(moe) + "."
-            self.shared_gate_up = linear(torch.cat([rows(s + "gate_proj.weight"), rows(s + "up_proj.weight")]))
+            parts = [rows(s + f"{n}_proj.weight") for n in ("gate", "up")[0 if moe.gated else 1:]]
+            self.shared_gate_up = linear(parts[0] if len(parts) == 1 else torch.cat(parts))  # (Nemotron's: may be kept in blocks)
             self.shared_down = linear(cols(s + "down_proj.weight"))
             if moe.naming not in _UNGATED:
                 self.shared_gate = linear(get(p + "shared_expert_gate.weight"))  # [1, hidden]
@@ -265,15 +279,19 @@ class SparseMoeBlock:
         else:
             weights, ids = select_experts(self.router(x), self.top_k, self.renormalize)
         token_slots = None if self.lora is None else self.lora.active()
+        xe = x if self.latent_in is None else self.latent_in(x)
         if self.first_expert is not None:
-            out = local_experts(ops, x, self.w13, self.w2, weights, ids, self.first_expert)
+            out = local_experts(ops, xe, self.w13, self.w2, weights, ids, self.first_expert, self.activation)
         elif token_slots is None:
-            out = ops.fused_moe(x, self.w13, self.w2, weights, ids)
+            out = ops.fused_moe(xe, self.w13, self.w2, weights, ids, self.activation)
         else:  # a token's adapter adapts the experts: the deltas go inside each expert's MLP
             out = self.lora(x, self.w13, self.w2, weights, ids, token_slots)
+        if self.latent_out is not None:
+            out = self.latent_out(out)
         if self.shared_gate_up is not None:
             assert self.shared_down is not None
-            shared = self.shared_down(ops.silu_and_mul(self.shared_gate_up(x)))
+            up = self.shared_gate_up(x)
+            shared = self.shared_down(ops.silu_and_mul(up) if self.activation is None else torch.square(F.relu(up)))
             out = out + (shared if self.shared_gate is None else F.sigmoid(self.shared_gate(x)) * shared)
         return out
 

@@ -27,7 +27,7 @@ import weakref
 import torch
 
 from engine.ops.base import AttentionMetadata, KVCache, LoraSegments, QuantizedKV
-from engine.ops.moe import ClampedSwiglu
+from engine.ops.moe import ClampedSwiglu, ExpertActivation, SquaredRelu
 from engine.ops.reference import TorchOps, _adjacent_heads, _PrefillPlan
 
 try:  # built at install time; absent in a source tree nobody installed
@@ -451,24 +451,28 @@ class CpuOps(TorchOps):
         w2: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
-        swiglu: ClampedSwiglu | None = None,
+        activation: ExpertActivation | None = None,
     ) -> torch.Tensor:
         """Up to ``MOE_MAX_TOKENS`` tokens (decode steps, verification chunks): one C call
         over the routed experts (quant.c's ``eng_moe_small``: the reference's sorted pairs,
         its roundings, the dense small-batch kernel for the expert matmuls; gpt-oss's
-        biased, clamped experts too); more tokens, or other inputs, the torch reference."""
+        biased, clamped experts and Nemotron 3's ungated squared-ReLU ones too); more
+        tokens, or other inputs, the torch reference."""
         code = _DTYPE_CODES.get(x.dtype)
         t, k = topk_ids.shape
+        swiglu = activation if isinstance(activation, ClampedSwiglu) else None
+        gated = not isinstance(activation, SquaredRelu)
         b13 = None if swiglu is None else swiglu.b13
         if swiglu is not None and not (swiglu.limit > 0 and b13.dtype == x.dtype and b13.is_contiguous()
                                        and b13.shape == w13.shape[:2]):
-            return super().fused_moe(x, w13, w2, topk_weights, topk_ids, swiglu)
+            return super().fused_moe(x, w13, w2, topk_weights, topk_ids, activation)
         if (code is None or t > MOE_MAX_TOKENS or not t or x.dim() != 2 or not _plain(x, w13, w2)
                 or not (w13.dtype == w2.dtype == x.dtype) or w13.dim() != 3 or w2.dim() != 3
-                or w13.shape[2] != x.shape[1] or w2.shape[1] != x.shape[1] or w13.shape[1] != 2 * w2.shape[2]
+                or w13.shape[2] != x.shape[1] or w2.shape[1] != x.shape[1]
+                or w13.shape[1] != (2 if gated else 1) * w2.shape[2]
                 or topk_ids.dtype != torch.int64 or topk_weights.dtype != torch.float32
                 or not (topk_ids.is_contiguous() and topk_weights.is_contiguous())):
-            return super().fused_moe(x, w13, w2, topk_weights, topk_ids, swiglu)
+            return super().fused_moe(x, w13, w2, topk_weights, topk_ids, activation)
         hidden, inter = x.shape[1], w2.shape[2]
         out = torch.empty_like(x)
         pairs = t * k
@@ -477,13 +481,13 @@ class CpuOps(TorchOps):
         status = _lib.eng_moe_small(
             code, _ptr(out), _ptr(x), t, hidden, inter, k, w13.shape[0], _ptr(w13), _ptr(w2),
             _ffi.NULL if b13 is None else _ptr(b13), 0.0 if swiglu is None else swiglu.alpha,
-            0.0 if swiglu is None else swiglu.limit, _ptr(topk_weights, "float *"), _ptr(topk_ids, "int64_t *"),
-            _ptr(xg), _ptr(h), _ptr(a), _ptr(y), torch.get_num_threads(),
+            0.0 if swiglu is None else swiglu.limit, int(gated), _ptr(topk_weights, "float *"),
+            _ptr(topk_ids, "int64_t *"), _ptr(xg), _ptr(h), _ptr(a), _ptr(y), torch.get_num_threads(),
         )
         if status == -2:
             raise CpuKernelError(f"fused_moe: an expert id is outside the {w13.shape[0]} experts")
         if status:
-            return super().fused_moe(x, w13, w2, topk_weights, topk_ids, swiglu)
+            return super().fused_moe(x, w13, w2, topk_weights, topk_ids, activation)
         return out
 
     def write_kv_cache(

@@ -69,7 +69,7 @@ int eng_dense_isa(void);
 int eng_dense_matmul(int dtype, void *out, const void *x, int64_t M, int64_t K, int64_t N, const void *w,
                      const void *bias, int nthreads);
 int eng_moe_small(int dtype, void *out, const void *x, int64_t T, int64_t H, int64_t I, int64_t k, int64_t E,
-                  const void *w13, const void *w2, const void *b13, float alpha, float limit,
+                  const void *w13, const void *w2, const void *b13, float alpha, float limit, int gated,
                   const float *topw, const int64_t *topi, void *xg, void *h, void *a, void *y, int nthreads);
 int eng_qpack(int fmt, const uint8_t *raw, int64_t N, int64_t K, uint8_t *codes, uint8_t *hi,
               uint16_t *d, uint16_t *m, uint8_t *sc, uint8_t *mn, int nthreads);

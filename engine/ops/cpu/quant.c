@@ -1533,10 +1533,13 @@ void eng_clamp_swiglu_row(void *, const void *, int64_t, int64_t, float, float, 
 
 #define MOE_MAX_PAIRS 256
 
+/* gated: w13 holds each expert's gate rows then up rows (2 I of them) and the activation
+ * is SiLU-gated (gpt-oss's clamped form where limit > 0); else w13 holds the up rows alone
+ * (I of them) and the activation is Nemotron 3's relu(up)^2. */
 int eng_moe_small(int dtype, void *out, const void *x, int64_t T, int64_t H, int64_t I, int64_t k, int64_t E,
-                  const void *w13, const void *w2, const void *bias13, float alpha, float limit,
+                  const void *w13, const void *w2, const void *bias13, float alpha, float limit, int gated,
                   const float *topw, const int64_t *topi, void *xg, void *h, void *a, void *y, int nthreads) {
-    const int64_t P = T * k;
+    const int64_t P = T * k, R = gated ? 2 * I : I;
     if ((dtype != 0 && dtype != 1) || T < 1 || k < 1 || P > MOE_MAX_PAIRS || H < 1 || I < 1 || E < 1)
         return -1;
     for (int64_t p = 0; p < P; p++)
@@ -1580,21 +1583,27 @@ int eng_moe_small(int dtype, void *out, const void *x, int64_t T, int64_t H, int
     }
     for (int64_t i = 0; i < P; i++)
         memcpy((char *)xg + (size_t)(i * H) * es, (const char *)x + (size_t)(order[i] / k * H) * es, (size_t)H * es);
-    const int64_t b13 = (2 * I + DENSE_BLOCK - 1) / DENSE_BLOCK, b2 = (H + DENSE_BLOCK - 1) / DENSE_BLOCK;
+    const int64_t b13 = (R + DENSE_BLOCK - 1) / DENSE_BLOCK, b2 = (H + DENSE_BLOCK - 1) / DENSE_BLOCK;
     const int team = nthreads > 1 && P * I * H >= 32768 ? nthreads : 1;
 #pragma omp parallel num_threads(team)
     {
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < groups * b13; it++) {
-            const int64_t g = it / b13, n0 = it % b13 * DENSE_BLOCK, n1 = n0 + DENSE_BLOCK < 2 * I ? n0 + DENSE_BLOCK : 2 * I;
-            dense_block(bf, (const char *)w13 + (size_t)(gexp[g] * 2 * I * H) * es,
-                        bias13 ? (const char *)bias13 + (size_t)(gexp[g] * 2 * I) * es : NULL,
-                        (const char *)xg + (size_t)(gstart[g] * H) * es, (char *)h + (size_t)(gstart[g] * 2 * I) * es,
-                        2 * I, H, gstart[g + 1] - gstart[g], n0, n1);
+            const int64_t g = it / b13, n0 = it % b13 * DENSE_BLOCK, n1 = n0 + DENSE_BLOCK < R ? n0 + DENSE_BLOCK : R;
+            dense_block(bf, (const char *)w13 + (size_t)(gexp[g] * R * H) * es,
+                        bias13 ? (const char *)bias13 + (size_t)(gexp[g] * R) * es : NULL,
+                        (const char *)xg + (size_t)(gstart[g] * H) * es, (char *)h + (size_t)(gstart[g] * R) * es,
+                        R, H, gstart[g + 1] - gstart[g], n0, n1);
         }
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < P; i++) {
-            if (limit > 0.0f) /* gpt-oss's experts */
+            if (!gated) /* Nemotron 3's: relu(up)^2, rounded once as torch's square rounds */
+                for (int64_t c = 0; c < I; c++) {
+                    float v = d_ld(h, i * I + c, bf);
+                    v = v > 0.0f ? v : 0.0f;
+                    d_st(a, i * I + c, v * v, bf);
+                }
+            else if (limit > 0.0f) /* gpt-oss's experts */
                 eng_clamp_swiglu_row(a, h, i, I, alpha, limit, bf);
             else if (bf)
                 eng_silu_mul_row_bf16(a, h, i, I, 0, I);
