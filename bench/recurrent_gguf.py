@@ -56,6 +56,10 @@ sys.path[:0] = [root + "/gguf-py", root]
 import conversion.base as base
 import conversion.jamba as jamba
 import conversion.llama as llama
+if sys.argv[1] == "--raw-hparams":  # config.json as written, not through transformers' AutoConfig
+    import json, pathlib
+    sys.argv.pop(1)
+    base.ModelBase.load_hparams = staticmethod(lambda d, *a, **k: json.loads((pathlib.Path(d) / "config.json").read_text()))
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
 jamba.JambaModel.set_vocab = lambda self: self._set_vocab_gpt2()
 llama.LlamaModel.set_vocab = lambda self: self._set_vocab_gpt2()
@@ -80,12 +84,33 @@ def released_layer_names(folder: Path) -> None:
     path.write_text(json.dumps(config, indent=2))
 
 
-def convert(llama_cpp: Path, folder: Path, out: Path, outtype: str) -> None:
+def released_dense_nemotron_h(folder: Path) -> None:
+    """A dense Nemotron-H's config.json as NVIDIA's are (Nano 9B v2's): no expert keys, the
+    blocks' kinds as ``hybrid_override_pattern``.
+    transformers 5 writes its defaults for them (``num_experts_per_tok`` among them), which
+    make the converter write the file as ``nemotron_h_moe`` with the MLP blocks' widths 0,
+    a file llama.cpp itself refuses (the engine reads either). The converter reads the
+    config through transformers' AutoConfig, which puts them back, so this family is
+    converted with ``--raw-hparams`` (DRIVER: config.json as written)."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    experts = ("n_routed_experts", "n_shared_experts", "n_group", "topk_group", "num_experts_per_tok",
+               "routed_scaling_factor", "norm_topk_prob")
+    for key in [k for k in config if k in experts or k.startswith("moe_")]:
+        del config[key]
+    # and the blocks as a pattern, as released (the converter reads a list's "mlp" as no MLP)
+    kinds = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*", "mlp": "-"}
+    config["hybrid_override_pattern"] = "".join(kinds[t] for t in config.pop("layers_block_type"))
+    config["num_hidden_layers"] = len(config["hybrid_override_pattern"])
+    path.write_text(json.dumps(config, indent=2))
+
+
+def convert(llama_cpp: Path, folder: Path, out: Path, outtype: str, *, raw_hparams: bool = False) -> None:
     roots = sorted(llama_cpp.glob("src/llama_cpp_python-*/vendor/llama.cpp"))
     if not roots:
         raise SystemExit(f"no llama.cpp source under {llama_cpp}/src (run ../shared/anchors/build_llama_cpp.sh)")
-    done = subprocess.run([sys.executable, "-c", DRIVER, str(roots[-1]), str(folder), "--outfile", str(out),
-                           "--outtype", outtype], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", DRIVER, str(roots[-1]), *(["--raw-hparams"] if raw_hparams else []),
+                           str(folder), "--outfile", str(out), "--outtype", outtype], capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"convert_hf_to_gguf.py failed on {folder.name}:\n{done.stderr[-3000:]}")
 
@@ -135,15 +160,17 @@ def main() -> None:
             write(family, folder)
             if family == "granite4h":
                 released_layer_names(folder)
+            if family == "nemotron_h":
+                released_dense_nemotron_h(folder)
             f32 = Path(tmp) / f"{family}-f32.gguf"
-            convert(args.llama_cpp, folder, f32, "f32")
+            convert(args.llama_cpp, folder, f32, "f32", raw_hparams=family == "nemotron_h")
             agree, new, diff = check(folder, f32)
             print(f"{family}: llama.cpp's f32 file, greedy against transformers: {agree}/{new} tokens agree, "
                   f"largest logprob difference {diff:.2e}", flush=True)
             if args.check_only:
                 continue
             path = Path(tmp) / f"{family}-{args.outtype}.gguf"
-            convert(args.llama_cpp, folder, path, args.outtype)
+            convert(args.llama_cpp, folder, path, args.outtype, raw_hparams=family == "nemotron_h")
             loaded = load_model(path, dtype="float32")
             print(f"{path.name}: {path.stat().st_size / 2**20:.1f} MiB, quantization {loaded.quantization}",
                   flush=True)

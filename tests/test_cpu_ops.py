@@ -16,6 +16,7 @@ import torch
 from engine.ops import AttentionMetadata, get_ops
 from engine.ops import cpu as cpu_ops
 from engine.ops.cpu import CpuKernelError, CpuOps
+from engine.ops.recurrent_reference import MambaDecodeSpec
 from engine.ops.reference import TorchOps
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=4e-2, rtol=1e-2)}
@@ -485,6 +486,40 @@ def test_ssd_decode_matches_the_reference(heads: int, groups: int, n: int, p: in
     assert not torch.equal(got_state, state)  # it moved, in place
 
 
+# --- a Mamba-2 mixer's whole decode token, between its projections -----------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("form", ["gated-norm", "norm-then-gate-fp32-weight", "no-norm"])
+@pytest.mark.parametrize("n,groups", [(1, 2), (3, 1)])
+def test_mamba2_decode_matches_the_reference(dtype: torch.dtype, form: str, n: int, groups: int, threads: int,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Output, window and state against the torch reference (the torch convolution and
+    state-space step, then the gated norm), in_proj's rows a column slice of a wider tensor,
+    dt's clamp biting at both ends (the C kernel's: the reference is taken away)."""
+    heads, p, ds, width = 4, 8, 16, 3
+    d_inner, conv_dim = heads * p, heads * p + 2 * groups * ds
+    spec = MambaDecodeSpec(d_inner=d_inner, n_groups=groups, d_state=ds, dt_min=0.05, dt_max=2.0, eps=1e-5,
+                           gated_norm=form != "no-norm", norm_before_gate=form.startswith("norm-then"),
+                           weight_fp32=form.startswith("norm-then"), norm_dtype=dtype)
+    zx = (_rand(n, d_inner + conv_dim + heads + 40, seed=60) * 2).to(dtype)[:, 8:8 + d_inner + conv_dim + heads]
+    conv = _rand(n, conv_dim, width, seed=61, dtype=dtype)
+    state = _rand(n, heads, p, ds, seed=62) * 0.3
+    weight, bias = _rand(conv_dim, width + 1, seed=63) * 0.5, _rand(conv_dim, seed=64)
+    dt_bias, a, d = _rand(heads, seed=65), -torch.exp(_rand(heads, seed=66)), _rand(heads, seed=67)
+    norm = _rand(d_inner, seed=68).to(dtype).float()  # (a model-dtype weight's values)
+    args = (weight, bias, dt_bias, a, d, norm, spec)
+    want_conv, want_state = conv.clone(), state.clone()
+    want = TorchOps().mamba2_decode(zx, want_conv, want_state, *args)
+    monkeypatch.delattr(TorchOps, "mamba2_decode")
+    got_conv, got_state = conv.clone(), state.clone()
+    got = CpuOps().mamba2_decode(zx, got_conv, got_state, *args)
+    assert got.dtype == dtype and got.shape == (n, d_inner)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+    torch.testing.assert_close(got_state, want_state, **TOL[torch.float32])
+    assert torch.equal(got_conv, want_conv) and not torch.equal(got_state, state)
+
+
 # --- Mamba-1's decode step ---------------------------------------------------------------
 
 
@@ -513,12 +548,13 @@ def test_selective_decode_matches_the_reference(n: int, channels: int, ds: int, 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("n", [1, 3])
-def test_conv_decode_matches_the_reference(dtype: torch.dtype, bias: bool, n: int, threads: int,
+@pytest.mark.parametrize("width", [3, 5])  # (3: d_conv 4, the released models', its taps unrolled)
+def test_conv_decode_matches_the_reference(dtype: torch.dtype, bias: bool, n: int, width: int, threads: int,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The output and the window it leaves, x a column slice of a wider projection (its rows
     strided), as a mixer passes it (the C kernel's: the reference it would fall back to is
     taken away)."""
-    channels, width = 96, 3
+    channels = 96
     conv = _rand(n, channels, width, seed=90, dtype=dtype)
     x = _rand(n, channels + 40, seed=91, dtype=dtype)[:, 8:8 + channels]
     weight = _rand(channels, width + 1, seed=92)

@@ -37,6 +37,7 @@ from typing import Protocol
 import torch
 
 from engine.ops.moe import ExpertActivation
+from engine.ops.recurrent_reference import MambaDecodeSpec
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -301,6 +302,17 @@ class Ops(Protocol):
         Ds]`` (head ``h`` reads group ``h // (H / G)``), ``dt`` ``[N, H]`` (after softplus and
         clamp), ``a`` (the decay rates, ``-exp(A_log)``) and ``d`` ``[H]``. Per head ``S =
         exp(dt a) S + dt x B^T``; returns ``S C + d x`` ``[N, H, P]``."""
+        ...
+
+    def mamba2_decode(self, zx: torch.Tensor, conv: torch.Tensor, state: torch.Tensor, conv_weight: torch.Tensor,
+                      conv_bias: torch.Tensor | None, dt_bias: torch.Tensor, a: torch.Tensor, d: torch.Tensor,
+                      norm: torch.Tensor | None, spec: MambaDecodeSpec) -> torch.Tensor:
+        """One decode token of a Mamba-2 mixer for N requests, between its two projections:
+        from in_proj's rows ``zx`` [N, d_inner + conv_dim + H] (z, then x B C, then dt; rows
+        may be strided) to out_proj's input [N, d_inner] in ``zx``'s dtype: dt's softplus
+        and clamp, :meth:`conv_decode` on ``conv`` [N, conv_dim, d_conv - 1], :meth:`ssd_decode`
+        on ``state`` [N, H, P, d_state] (both updated in place), then the gated RMS norm
+        (``norm``, the weight; ``spec``'s form)."""
         ...
 
     def selective_decode(self, state: torch.Tensor, u: torch.Tensor, dt: torch.Tensor, a: torch.Tensor,

@@ -16,8 +16,10 @@ import torch
 from engine.ops.base import AttentionMetadata, KVCache, LoraSegments
 from engine.ops.moe import ExpertActivation, fused_moe_reference
 from engine.ops.recurrent_reference import (
+    MambaDecodeSpec,
     conv_decode_reference,
     delta_rule_decode_reference,
+    mamba2_decode_reference,
     selective_decode_reference,
     ssd_decode_reference,
 )
@@ -113,6 +115,11 @@ class TritonOps:
                    a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
         """torch's batched ops: no Triton kernel of its own."""
         return ssd_decode_reference(state, x, b, c, dt, a, d)
+
+    def mamba2_decode(self, zx: torch.Tensor, conv: torch.Tensor, state: torch.Tensor, conv_weight: torch.Tensor,
+                      conv_bias: torch.Tensor | None, dt_bias: torch.Tensor, a: torch.Tensor, d: torch.Tensor,
+                      norm: torch.Tensor | None, spec: MambaDecodeSpec) -> torch.Tensor:
+        return mamba2_decode_reference(self, zx, conv, state, conv_weight, conv_bias, dt_bias, a, d, norm, spec)
 
     def selective_decode(self, state: torch.Tensor, u: torch.Tensor, dt: torch.Tensor, a: torch.Tensor,
                          b: torch.Tensor, c: torch.Tensor, d: torch.Tensor) -> torch.Tensor:

@@ -37,13 +37,16 @@ import torch.nn.functional as F
 
 from engine.models.layers.recurrent import (
     conv_prompt,
+    decode_only,
     mix_by_request,
+    save_after_decode,
     slot_views,
     write_back,
 )
 from engine.models.layers.shard import shard_range
 from engine.models.mamba_config import MambaConfig
 from engine.ops import AttentionMetadata
+from engine.ops.recurrent_reference import MambaDecodeSpec, gated_rms_norm_reference
 from engine.parallel import SINGLE
 
 # Tokens of a prompt chunk's scan block: its [heads, block, block] decay matrix is the
@@ -87,6 +90,17 @@ class MambaMixer:
     tp: Any = SINGLE  # the rank's group: a norm group spanning ranks sums its squares over them
     # in_proj's output scale, a value per row (Falcon-H1's ssm_multipliers), model dtype; or None.
     scale: torch.Tensor | None = None
+    # The gated norm's form and widths (this rank's), and its weight as fp32: made once.
+    spec: MambaDecodeSpec = dataclasses.field(init=False)
+    norm_fp32: torch.Tensor | None = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        c = self.config
+        self.spec = MambaDecodeSpec(
+            d_inner=c.d_inner, n_groups=c.n_groups, d_state=c.d_state, dt_min=c.dt_min, dt_max=c.dt_max,
+            eps=self.eps, gated_norm=c.gated_norm, norm_before_gate=c.norm_before_gate,
+            weight_fp32=c.norm_weight_fp32, norm_dtype=torch.float32 if self.norm is None else self.norm.dtype)
+        self.norm_fp32 = None if self.norm is None else self.norm.float().contiguous()
 
     @classmethod
     def build(cls, config: MambaConfig, get: Any, prefix: str, eps: float, make_linear: Any, ops: Any,
@@ -148,6 +162,13 @@ class MambaMixer:
         zxbcdt = self.in_proj(x)
         if self.scale is not None:
             zxbcdt = zxbcdt * self.scale
+        if c.norm_world == 1 and decode_only(meta):  # one op from in_proj's rows to out_proj's input
+            conv, state, in_place = slot_views(conv_state, ssm_state, meta.state_slots, meta.state_slots_host)
+            mixed = self.ops.mamba2_decode(zxbcdt, conv, state, self.conv_weight, self.conv_bias, self.dt_bias,
+                                           self.a, self.d, self.norm_fp32, self.spec)
+            write_back(conv_state, ssm_state, meta.state_slots, conv, state, in_place)
+            save_after_decode(meta, (conv_state, ssm_state))
+            return self.out_proj(mixed.to(x.dtype))
         z, xbc, dt = zxbcdt.split([c.d_inner, c.conv_dim, c.n_heads], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias).clamp(c.dt_min, c.dt_max)  # [T, H]
         y = torch.empty(x.shape[0], c.n_heads, c.head_dim, dtype=torch.float32, device=x.device)
@@ -235,17 +256,17 @@ class MambaMixer:
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMS norm over each group's channels of ``y * silu(z)`` (fp32), times the weight
         in the model dtype (as transformers rounds it); or as ``MambaConfig`` says, of
-        ``y`` before the gate, the weight times the fp32 values, or no norm at all."""
+        ``y`` before the gate, the weight times the fp32 values, or no norm at all
+        (engine.ops.recurrent_reference.gated_rms_norm_reference); a group spanning
+        tensor-parallel ranks sums its squares over them."""
         c = self.config
+        if c.norm_world == 1 or not c.gated_norm:
+            return gated_rms_norm_reference(y, z, self.norm_fp32, self.spec)
         gate = F.silu(z.float())
-        if not c.gated_norm:
-            return y * gate
         gated = (y if c.norm_before_gate else y * gate).reshape(y.shape[0], c.n_groups, -1)
-        squares = gated.pow(2).sum(-1, keepdim=True)
-        if c.norm_world > 1:  # one group over every rank's heads
-            squares = self.tp.all_reduce(squares)
-        assert self.norm is not None
+        squares = self.tp.all_reduce(gated.pow(2).sum(-1, keepdim=True))  # one group over every rank's heads
         normed = (gated * torch.rsqrt(squares / (gated.shape[-1] * c.norm_world) + self.eps)).reshape(y.shape[0], c.d_inner)
+        assert self.norm is not None
         out = self.norm.float() * normed if c.norm_weight_fp32 else self.norm * normed.to(self.norm.dtype)
         return out * gate if c.norm_before_gate else out
 

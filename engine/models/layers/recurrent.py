@@ -75,6 +75,21 @@ def mix_by_request(
     return out
 
 
+def decode_only(meta: AttentionMetadata) -> bool:
+    """Whether every request of the step is one token on a context (and none starts from
+    a checkpoint): the rows :func:`mix_by_request` would hand to ``decode`` all at once."""
+    return (not meta.state_loads and meta.state_slots is not None
+            and all(n == 1 and s > 1 for n, s in zip(meta.query_lens_host, meta.seq_lens_host, strict=True)))
+
+
+def save_after_decode(meta: AttentionMetadata, states: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """A decode-only step's checkpoint saves (each after its request's token), as
+    :func:`mix_by_request` makes them."""
+    slots = meta.state_slots_host
+    for b, _, dst in meta.state_saves:
+        _copy_slot(states, slots[b], dst)
+
+
 def _copy_slot(states: tuple[torch.Tensor, torch.Tensor], src: int, dst: int) -> None:
     for t in states:
         t[dst].copy_(t[src])
@@ -110,4 +125,4 @@ def conv_prompt(conv_state: torch.Tensor, slot: int, fresh: bool, x: torch.Tenso
     return F.silu(mixed.t())
 
 
-__all__ = ["conv_prompt", "mix_by_request", "slot_views", "write_back"]
+__all__ = ["conv_prompt", "decode_only", "mix_by_request", "save_after_decode", "slot_views", "write_back"]

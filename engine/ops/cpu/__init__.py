@@ -27,8 +27,10 @@ import weakref
 import torch
 
 from engine.ops.base import AttentionMetadata, KVCache, LoraSegments, QuantizedKV
+from engine.ops.cpu.errors import CpuKernelError
+from engine.ops.cpu.recurrent import RecurrentKernels
 from engine.ops.moe import ClampedSwiglu, ExpertActivation, SquaredRelu
-from engine.ops.reference import TorchOps, _adjacent_heads, _PrefillPlan
+from engine.ops.reference import _adjacent_heads, _PrefillPlan
 
 try:  # built at install time; absent in a source tree nobody installed
     from engine.ops.cpu._kernels import ffi as _ffi
@@ -54,10 +56,6 @@ def _ptr(t: torch.Tensor, ctype: str = "void *"):  # a cffi pointer to the tenso
 
 def _gemma_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
-
-
-class CpuKernelError(RuntimeError):
-    """A C kernel refused its arguments (a position or block id out of range)."""
 
 
 def lora_slice_bounds(slices: tuple[int, ...], rank: int, out_features: int) -> tuple[int, ...]:
@@ -107,10 +105,12 @@ class _LoraPool:
         self.cols, self.nslices = _ffi.new("int64_t[]", bounds), len(bounds) - 1
 
 
-class CpuOps(TorchOps):
+class CpuOps(RecurrentKernels):
     """C kernels for RMSNorm, RoPE, SiLU-and-mul, single-query paged attention, an
     encoder's attention, MoE experts and LoRA; the torch reference for the rest. Raises
     ``RuntimeError`` at construction if the kernels are not built."""
+
+    _lib, _ffi = _lib, _ffi  # (for the recurrent kernels: engine.ops.cpu.recurrent)
 
     name = "cpu"
     # Each query row of a request with at most this many query tokens in a step goes
@@ -371,61 +371,6 @@ class CpuOps(TorchOps):
         if rc:
             raise CpuKernelError(f"delta_rule_decode: the kernel failed ({rc})")
         return out
-
-    def conv_decode(self, conv: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                    bias: torch.Tensor | None) -> torch.Tensor:
-        """One C call for the step's rows: the window's dot product, SiLU and shift per
-        channel, where the reference concatenates, copies, multiplies and sums."""
-        code = _DTYPE_CODES.get(conv.dtype)
-        n, c, w = conv.shape if conv.dim() == 3 else (0, 0, 0)
-        if (code is None or x.dtype != conv.dtype or not conv.is_cpu or not conv.is_contiguous() or x.dim() != 2
-                or x.shape != (n, c) or (n and x.stride(-1) != 1) or weight.dtype != torch.float32
-                or not weight.is_contiguous() or weight.shape != (c, w + 1)
-                or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()
-                                          or bias.shape != (c,)))):
-            return super().conv_decode(conv, x, weight, bias)
-        out = torch.empty(n, c, dtype=torch.float32)
-        rc = _lib.eng_conv_decode(code, _ptr(conv), _ptr(x), x.stride(0) if n else c, _ptr(weight, "float *"),
-                                  _ffi.NULL if bias is None else _ptr(bias, "float *"), _ptr(out, "float *"), n, c, w,
-                                  torch.get_num_threads())
-        if rc:
-            raise CpuKernelError(f"conv_decode: the kernel failed ({rc})")
-        return out
-
-    def selective_decode(self, state: torch.Tensor, u: torch.Tensor, dt: torch.Tensor, a: torch.Tensor,
-                         b: torch.Tensor, c: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-        """One C call for every (request, channel): one pass over each state row where the
-        reference's batched ops make four, and no [N, D, S] temporaries."""
-        n, dch, ds = state.shape
-        tensors = (state, u, dt, a, b, c, d)
-        if (any(t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() for t in tensors)
-                or u.shape != (n, dch) or dt.shape != (n, dch) or a.shape != (dch, ds) or b.shape != (n, ds)
-                or c.shape != (n, ds) or d.shape != (dch,)):
-            return super().selective_decode(state, u, dt, a, b, c, d)
-        y = torch.empty(n, dch, dtype=torch.float32)
-        rc = _lib.eng_selective_decode(*(_ptr(t, "float *") for t in (state, u, dt, a, b, c, d, y)), n, dch, ds,
-                                       torch.get_num_threads())
-        if rc:
-            raise CpuKernelError(f"selective_decode: the kernel failed ({rc})")
-        return y
-
-    def ssd_decode(self, state: torch.Tensor, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor,
-                   a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-        """One C call for every (request, head): one pass over each state where the
-        reference's batched ops make three, and no copy of B and C per head."""
-        n, h, p, ds = state.shape
-        g = b.shape[1] if b.dim() == 3 else 0
-        tensors = (state, x, b, c, dt, a, d)
-        if (any(t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() for t in tensors)
-                or not g or h % g or x.shape != (n, h, p) or b.shape != (n, g, ds) or c.shape != b.shape
-                or dt.shape != (n, h) or a.shape != (h,) or d.shape != (h,)):
-            return super().ssd_decode(state, x, b, c, dt, a, d)
-        y = torch.empty(n, h, p, dtype=torch.float32)
-        rc = _lib.eng_ssd_decode(*(_ptr(t, "float *") for t in (state, x, b, c, dt, a, d, y)), n, h, g, p, ds,
-                                 torch.get_num_threads())
-        if rc:
-            raise CpuKernelError(f"ssd_decode: the kernel failed ({rc})")
-        return y
 
     def gemma_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Gemma's RMSNorm: ``x / rms(x) * weight`` in fp32 with ``weight`` (1 + w) in fp32,

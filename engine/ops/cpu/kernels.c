@@ -981,23 +981,60 @@ int eng_delta_rule_decode(float *state, const float *q, const float *k, const fl
 
 /* ---- a recurrent layer's causal convolution, one decode token ---------------------------- */
 
-CLONES void eng_conv_decode_row(int bf, void *conv, const void *x, int64_t xo, const float *weight, const float *bias,
-                                float *out, int64_t c, int64_t w, int64_t ro) {
-    const size_t size = bf ? 2 : 4;
+/* Row `ro`: each channel's window . weight (then x's tap, then the bias: the reference's
+ * order), the window shifted on by x, then SiLU over the row. The dot products run in
+ * lanes (the taps a short inner loop, unrolled at the usual width) and the shift is
+ * element copies, not two libc calls a channel. SiLU keeps libm's expf: exp_nonpos's
+ * 2 ulp, fed back through a recurrence, moved Qwen3.5's logprobs against transformers'
+ * past their bound. */
+INLINE void conv_decode_row(int bf, void *conv, const void *x, int64_t xo, const float *weight, const float *bias,
+                            float *out, int64_t c, int64_t w, int64_t ro) {
+    float *o = out + ro * c;
+    const int64_t base = ro * c * w;
+#pragma omp simd
     for (int64_t ch = 0; ch < c; ch++) {
-        char *window = (char *)conv + (size_t)((ro * c + ch) * w) * size;
         const float *wt = weight + ch * (w + 1);
-        const float xv = ld(x, xo + ch, bf);
         float acc = 0.0f;
         for (int64_t k = 0; k < w; k++)
-            acc += ld(window, k, bf) * wt[k];
+            acc += ld(conv, base + ch * w + k, bf) * wt[k];
+        const float xv = ld(x, xo + ch, bf);
         acc += xv * wt[w];
         if (bias)
             acc += bias[ch];
-        memmove(window, window + size, (size_t)(w - 1) * size);  /* the window moves on by one */
-        memcpy(window + (size_t)(w - 1) * size, (const char *)x + (size_t)(xo + ch) * size, size);
-        out[ro * c + ch] = acc / (1.0f + expf(-acc));  /* SiLU */
+        o[ch] = acc;
     }
+    if (bf) {
+        uint16_t *win = (uint16_t *)conv + base;
+        const uint16_t *xs = (const uint16_t *)x + xo;
+        for (int64_t ch = 0; ch < c; ch++) {
+            for (int64_t k = 0; k + 1 < w; k++)
+                win[ch * w + k] = win[ch * w + k + 1];
+            win[ch * w + w - 1] = xs[ch];
+        }
+    } else {
+        float *win = (float *)conv + base;
+        const float *xs = (const float *)x + xo;
+        for (int64_t ch = 0; ch < c; ch++) {
+            for (int64_t k = 0; k + 1 < w; k++)
+                win[ch * w + k] = win[ch * w + k + 1];
+            win[ch * w + w - 1] = xs[ch];
+        }
+    }
+    for (int64_t ch = 0; ch < c; ch++) {
+        const float z = o[ch];
+        o[ch] = z / (1.0f + expf(-z));
+    }
+}
+
+CLONES void eng_conv_decode_row(int bf, void *conv, const void *x, int64_t xo, const float *weight, const float *bias,
+                                float *out, int64_t c, int64_t w, int64_t ro) {
+    /* (w a constant where it is the released models' 3, d_conv 4: the taps unrolled) */
+    if (bf)
+        w == 3 ? conv_decode_row(1, conv, x, xo, weight, bias, out, c, 3, ro)
+               : conv_decode_row(1, conv, x, xo, weight, bias, out, c, w, ro);
+    else
+        w == 3 ? conv_decode_row(0, conv, x, xo, weight, bias, out, c, 3, ro)
+               : conv_decode_row(0, conv, x, xo, weight, bias, out, c, w, ro);
 }
 
 /* One token a row through a depthwise causal convolution: conv [n, c, w] (the last w
@@ -1054,6 +1091,91 @@ int eng_ssd_decode(float *state, const float *x, const float *B, const float *C,
         const int64_t r = it / h, k = it % h, grp = r * g + k / per;
         eng_ssd_item(state + it * p * ds, x + it * p, B + grp * ds, C + grp * ds, dt[it], a[k], d[k], y + it * p, p,
                      ds);
+    }
+    return 0;
+}
+
+/* ---- Mamba-2: a mixer's whole decode token, between its two projections --------------- */
+
+/* Row r's gated RMS norm (its groups of d_inner / g channels) of y (fp32) with the gate
+ * silu(z), as the mixer's torch path computes it: flags & 1: normed at all (else y *
+ * gate); flags & 2: y normed before the gate multiplies it (else after); flags & 4: the
+ * weight's product rounded to the dtype as a model-dtype weight times the rounded row
+ * (else the fp32 product). Written in the dtype. */
+INLINE void mamba_gated_norm_row(int bf, const void *zx, int64_t zo, const float *y, const float *w, float eps,
+                                 int flags, void *out, int64_t oo, int64_t d_inner, int64_t g, float *gate) {
+#pragma omp simd
+    for (int64_t i = 0; i < d_inner; i++) {
+        const float z = ld(zx, zo + i, bf);
+        const float e = exp_nonpos(z < 0.0f ? z : -z);
+        gate[i] = z * ((z < 0.0f ? e : 1.0f) / (1.0f + e));
+    }
+    if (!(flags & 1)) {
+        for (int64_t i = 0; i < d_inner; i++)
+            st(out, oo + i, y[i] * gate[i], bf);
+        return;
+    }
+    const int before = flags & 2, rounds = flags & 4;
+    const int64_t per = d_inner / g;
+    for (int64_t gi = 0; gi < g; gi++) {
+        const int64_t lo = gi * per;
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = lo; i < lo + per; i++) {
+            const float v = before ? y[i] : y[i] * gate[i];
+            ss += v * v;
+        }
+        const float inv = 1.0f / sqrtf(ss / (float)per + eps);
+        for (int64_t i = lo; i < lo + per; i++) {
+            const float v = (before ? y[i] : y[i] * gate[i]) * inv;
+            float o = rounds ? rnd(w[i] * rnd(v, bf), bf) : w[i] * v;
+            st(out, oo + i, before ? o * gate[i] : o, bf);
+        }
+    }
+}
+
+/* One decode token of a Mamba-2 mixer for n requests, from in_proj's rows zx [n, W] (fp32
+ * or bf16, x_stride elements apart: z [d_inner], then x B C [conv_dim], then dt [h]) to
+ * the gated norm's output [n, d_inner] in the same dtype, out_proj's input: dt =
+ * clamp(softplus(dt + dt_bias)), the causal convolution (conv [n, conv_dim, w], the dtype,
+ * moved on in place), the state-space step on state [n, h, p, ds] fp32 (in place), then
+ * the gated norm (see mamba_gated_norm_row; w the norm's weight as fp32, d_inner of it).
+ * One call where the torch path makes some twenty ops, each slow after the projections
+ * have streamed their weights through the caches. scratch: n * (conv_dim + h + 2 d_inner)
+ * floats. Returns -1 for a dtype or shape it does not take. */
+int eng_mamba2_decode(int dtype, const void *zx, int64_t x_stride, void *conv, float *state, const float *conv_w,
+                      const float *conv_b, const float *dt_bias, const float *a, const float *d, const float *w,
+                      float dt_min, float dt_max, float eps, int flags, int64_t n, int64_t d_inner, int64_t conv_dim,
+                      int64_t cw, int64_t h, int64_t g, int64_t ds, float *scratch, void *out, int nthreads) {
+    if ((dtype != DT_F32 && dtype != DT_BF16) || n < 1 || h < 1 || g < 1 || h % g || d_inner % h || d_inner % g
+        || conv_dim != d_inner + 2 * g * ds || cw < 1 || x_stride < d_inner + conv_dim + h)
+        return -1;
+    const int bf = dtype == DT_BF16;
+    const int64_t p = d_inner / h, per = h / g;
+    float *mixed = scratch, *dts = mixed + n * conv_dim, *y = dts + n * h, *gate = y + n * d_inner;
+    for (int64_t r = 0; r < n; r++) {
+        for (int64_t k = 0; k < h; k++) {  /* torch's softplus: the input itself above 20 */
+            const float v = ld(zx, r * x_stride + d_inner + conv_dim + k, bf) + dt_bias[k];
+            const float sp = v > 20.0f ? v : log1pf(expf(v));
+            dts[r * h + k] = sp < dt_min ? dt_min : (sp > dt_max ? dt_max : sp);
+        }
+        eng_conv_decode_row(bf, conv, zx, r * x_stride + d_inner, conv_w, conv_b, mixed, conv_dim, cw, r);
+    }
+    const int64_t items = n * h;
+    const int team = nthreads > 1 && items > 1 && items * p * ds >= PARALLEL_MIN_WORK ? nthreads : 1;
+#pragma omp parallel num_threads(team)
+    {
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t r = it / h, k = it % h, grp = k / per;
+            const float *m = mixed + r * conv_dim;
+            eng_ssd_item(state + it * p * ds, m + k * p, m + d_inner + grp * ds, m + d_inner + g * ds + grp * ds,
+                         dts[it], a[k], d[k], y + r * d_inner + k * p, p, ds);
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n; r++)
+            mamba_gated_norm_row(bf, zx, r * x_stride, y + r * d_inner, w, eps, flags, out, r * d_inner, d_inner, g,
+                                 gate + r * d_inner);
     }
     return 0;
 }
