@@ -44,6 +44,7 @@ from engine.models.layers.linear import make_linear
 from engine.models.layers.mamba import MambaMixer, mamba_weight_names
 from engine.models.layers.mamba1 import Mamba1Mixer, mamba1_weight_names
 from engine.models.layers.moe import SparseMoeBlock, sparse_layer_weight_names
+from engine.models.layers.norm import gemma_rms_norm
 from engine.models.layers.shard import ShardedWeights, qkv_spans
 from engine.ops import AttentionMetadata, Ops
 from engine.parallel import SINGLE, TensorParallel
@@ -136,8 +137,9 @@ class NemotronHModel(Decoder):
         return block
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Nemotron-H's RMS norm: the fp32 weight times the fp32 normed row, rounded once."""
-        return F.rms_norm(x.float(), (x.shape[-1],), weight, self.eps).to(x.dtype)
+        """Nemotron-H's RMS norm: the fp32 weight times the fp32 normed row, rounded once
+        (Gemma's arithmetic with the weight as stored: one C call on the CPU kernels)."""
+        return gemma_rms_norm(self.ops, x, weight, self.eps)
 
     def plan_fused_step(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """None: the fused CPU step runs no Mamba, positionless or single-mixer block."""

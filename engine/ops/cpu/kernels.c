@@ -987,6 +987,13 @@ int eng_delta_rule_decode(float *state, const float *q, const float *k, const fl
  * element copies, not two libc calls a channel. SiLU keeps libm's expf: exp_nonpos's
  * 2 ulp, fed back through a recurrence, moved Qwen3.5's logprobs against transformers'
  * past their bound. */
+INLINE void copy_element(int bf, void *dst, int64_t i, const void *src, int64_t j) {
+    if (bf)
+        ((uint16_t *)dst)[i] = ((const uint16_t *)src)[j];
+    else
+        ((float *)dst)[i] = ((const float *)src)[j];
+}
+
 INLINE void conv_decode_row(int bf, void *conv, const void *x, int64_t xo, const float *weight, const float *bias,
                             float *out, int64_t c, int64_t w, int64_t ro) {
     float *o = out + ro * c;
@@ -1003,22 +1010,10 @@ INLINE void conv_decode_row(int bf, void *conv, const void *x, int64_t xo, const
             acc += bias[ch];
         o[ch] = acc;
     }
-    if (bf) {
-        uint16_t *win = (uint16_t *)conv + base;
-        const uint16_t *xs = (const uint16_t *)x + xo;
-        for (int64_t ch = 0; ch < c; ch++) {
-            for (int64_t k = 0; k + 1 < w; k++)
-                win[ch * w + k] = win[ch * w + k + 1];
-            win[ch * w + w - 1] = xs[ch];
-        }
-    } else {
-        float *win = (float *)conv + base;
-        const float *xs = (const float *)x + xo;
-        for (int64_t ch = 0; ch < c; ch++) {
-            for (int64_t k = 0; k + 1 < w; k++)
-                win[ch * w + k] = win[ch * w + k + 1];
-            win[ch * w + w - 1] = xs[ch];
-        }
+    for (int64_t ch = 0; ch < c; ch++) {  /* (bf a constant here: each copy one element's bits) */
+        for (int64_t k = 0; k + 1 < w; k++)
+            copy_element(bf, conv, base + ch * w + k, conv, base + ch * w + k + 1);
+        copy_element(bf, conv, base + ch * w + w - 1, x, xo + ch);
     }
     for (int64_t ch = 0; ch < c; ch++) {
         const float z = o[ch];
