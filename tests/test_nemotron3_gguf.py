@@ -89,3 +89,35 @@ def test_groups_without_a_count_used_are_refused(tmp_path: Path) -> None:
     write_nemotron3(tmp_path / "hf", pattern="ME*E")
     with pytest.raises(CorruptModelError, match="expert_group_used_count missing"):
         load_model(write_gguf(tmp_path / "hf", tmp_path / "m.gguf"), dtype="float32")
+
+
+def test_a_multi_token_prediction_block_is_left_unread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nemotron 3 Super's files: the converter appends its MTP block (attention and
+    experts, and nextn's own tensors) as one more block, counted in ``block_count`` and
+    in the per-block lists, with ``nextn_predict_layers`` 1. The decoder is read without it
+    and gives transformers' tokens."""
+    import gguf
+    import numpy as np
+
+    hf = as_stored(write_nemotron3(tmp_path / "hf", pattern="ME*E", **ONE_GROUP))
+    layers, hidden = hf.config.num_hidden_layers, hf.config.hidden_size
+    real = {name: getattr(gguf.GGUFWriter, name) for name in (
+        "add_block_count", "add_head_count_kv", "add_feed_forward_length", "write_header_to_file")}
+    monkeypatch.setattr(gguf.GGUFWriter, "add_block_count", lambda self, n: real["add_block_count"](self, n + 1))
+    monkeypatch.setattr(gguf.GGUFWriter, "add_head_count_kv",
+                        lambda self, kv: real["add_head_count_kv"](self, [*kv, max(kv)]))
+    monkeypatch.setattr(gguf.GGUFWriter, "add_feed_forward_length",
+                        lambda self, ff: real["add_feed_forward_length"](self, [*ff, max(ff)]))
+
+    def header(self: Any, *a: Any, **k: Any) -> None:
+        self.add_nextn_predict_layers(1)
+        rng = np.random.default_rng(3)
+        for name, shape in (("attn_norm", (hidden,)), ("nextn.eh_proj", (hidden, 2 * hidden)),
+                            ("nextn.enorm", (hidden,))):
+            self.add_tensor(f"blk.{layers}.{name}.weight", rng.standard_normal(shape).astype(np.float32))
+        real["write_header_to_file"](self, *a, **k)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_header_to_file", header)
+    path = write_gguf(tmp_path / "hf", tmp_path / "m.gguf")
+    loaded = assert_greedy_matches(hf, path, "cpu", fused=False)
+    assert loaded.config.num_hidden_layers == layers and loaded.config.moe.sparse_layers == (1, 3)

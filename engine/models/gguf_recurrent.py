@@ -267,8 +267,9 @@ def _nemotron_h(fields: Any, arch: str, names: dict[str, Any], layers: int, inne
     has KV heads (``attention.head_count_kv``, a count a block), the MLP where it has a
     feed-forward width (``feed_forward_length``, likewise; in a ``nemotron_h_moe`` file
     the experts), Mamba-2 elsewhere."""
-    kv = _per_layer(fields.get(f"{arch}.attention.head_count_kv"), layers, "attention.head_count_kv", path)
-    ff = _per_layer(fields.get(f"{arch}.feed_forward_length"), layers, "feed_forward_length", path)
+    nextn = int(fields.get(f"{arch}.nextn_predict_layers", 0))
+    kv = _per_layer(fields.get(f"{arch}.attention.head_count_kv"), layers, "attention.head_count_kv", path, nextn)
+    ff = _per_layer(fields.get(f"{arch}.feed_forward_length"), layers, "feed_forward_length", path, nextn)
     moe = arch == "nemotron_h_moe"
     # (The converter writes a dense model whose config.json lists num_experts_per_tok, as
     # transformers 5 writes every one, as nemotron_h_moe, its MLP blocks' widths as 0: an
@@ -294,10 +295,11 @@ def _nemotron_h(fields: Any, arch: str, names: dict[str, Any], layers: int, inne
         "mlp_bias": any(n.endswith((".ffn_up.bias", ".ffn_up_shexp.bias")) for n in names), "mlp_hidden_act": "relu2",
     }
     experts = moe and "E" in pattern
-    return out | (_nemotron_experts(fields, arch, [f for i, f in enumerate(ff) if i not in mlp], path) if experts else {})
+    widths = [f for i, f in enumerate(ff) if i not in mlp]
+    return out | (_nemotron_experts(fields, arch, widths, layers, path) if experts else {})
 
 
-def _nemotron_experts(fields: Any, arch: str, ff: list[int], path: Path) -> dict[str, Any]:
+def _nemotron_experts(fields: Any, arch: str, ff: list[int], layers: int, path: Path) -> dict[str, Any]:
     """Nemotron 3's experts under transformers' keys, from the converter's: one width for
     every expert block (a file of several, NVIDIA's Puzzle models, is refused), and the
     expert groups (a file of several groups that does not say how many a token may use
@@ -305,7 +307,7 @@ def _nemotron_experts(fields: Any, arch: str, ff: list[int], path: Path) -> dict
     widths = {f for f in ff if f}
     per_expert = fields.get(f"{arch}.expert_feed_forward_length")
     if isinstance(per_expert, list):
-        widths |= {int(f) for f in per_expert if int(f)}
+        widths |= {int(f) for f in per_expert[:layers] if int(f)}
     if len(widths) > 1:
         raise UnsupportedModelError(f"{path}: Nemotron 3 with experts of several widths {sorted(widths)} "
                                     "(a Puzzle model) is not supported")
@@ -367,12 +369,14 @@ def _granite_hybrid(fields: Any, names: dict[str, Any], layers: int, hidden: int
     }
 
 
-def _per_layer(value: Any, layers: int, key: str, path: Path) -> list[int]:
-    """A per-layer metadata list (or one count for every layer)."""
+def _per_layer(value: Any, layers: int, key: str, path: Path, extra: int = 0) -> list[int]:
+    """A per-layer metadata list (or one count for every layer): the decoder's ``layers``
+    of it, where the list may also cover the ``extra`` multi-token-prediction blocks the
+    converter appends (Nemotron 3 Super's, not read)."""
     counts = [int(v) for v in value] if isinstance(value, list) else [int(value)] * layers
-    if len(counts) != layers:
+    if len(counts) not in (layers, layers + extra):
         raise CorruptModelError(f"{path}: {key} lists {len(counts)} layers, the model has {layers}")
-    return counts
+    return counts[:layers]
 
 
 def _period(layers_on: list[int], layers: int, what: str, path: Path) -> tuple[int, int]:
