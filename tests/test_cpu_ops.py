@@ -542,6 +542,30 @@ def test_selective_decode_matches_the_reference(n: int, channels: int, ds: int, 
     assert not torch.equal(got_state, state)  # it moved, in place
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 3])
+def test_mamba1_decode_matches_the_reference(dtype: torch.dtype, n: int, threads: int,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Mamba-1 mixer's token after its dt projection: output and state against the torch
+    reference (its softplus, the selective step, the gate), B and C column slices of x_proj's
+    output and z of in_proj's, as the mixer passes them (the reference is taken away)."""
+    channels, ds, rank = 40, 16, 8
+    state = _rand(n, channels, ds, seed=50) * 0.3
+    u, dt_raw = _rand(n, channels, seed=51, dtype=dtype), (_rand(n, channels, seed=52) * 3).to(dtype)
+    proj = _rand(n, rank + 2 * ds, seed=53, dtype=dtype)
+    b, c = proj[:, rank:rank + ds], proj[:, rank + ds:]
+    z = _rand(n, 2 * channels, seed=54, dtype=dtype)[:, channels:]
+    dt_bias, a, d = _rand(channels, seed=55), -torch.exp(_rand(channels, ds, seed=56)), _rand(channels, seed=57)
+    want_state, got_state = state.clone(), state.clone()
+    want = TorchOps().mamba1_decode(want_state, u, dt_raw, dt_bias, a, b, c, d, z)
+    monkeypatch.delattr(TorchOps, "mamba1_decode")
+    got = CpuOps().mamba1_decode(got_state, u, dt_raw, dt_bias, a, b, c, d, z)
+    assert got.dtype == dtype and got.shape == (n, channels)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+    torch.testing.assert_close(got_state, want_state, **TOL[torch.float32])
+    assert not torch.equal(got_state, state)
+
+
 # --- a recurrent layer's causal convolution, one decode token -------------------------------
 
 

@@ -315,6 +315,16 @@ class Ops(Protocol):
         (``norm``, the weight; ``spec``'s form)."""
         ...
 
+    def mamba1_decode(self, state: torch.Tensor, u: torch.Tensor, dt_raw: torch.Tensor, dt_bias: torch.Tensor,
+                      a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor,
+                      z: torch.Tensor) -> torch.Tensor:
+        """A Mamba-1 mixer's decode token for N requests after its dt projection: ``dt =
+        softplus(dt_raw + dt_bias)`` in fp32, :meth:`selective_decode` on ``state`` [N, D,
+        S] (in place) with the convolved ``u`` [N, D], B and C [N, S], then ``y *
+        silu(z)`` [N, D] in ``z``'s dtype (``u``, ``dt_raw``, B, C and ``z`` in the model
+        dtype; B, C and z may be strided rows)."""
+        ...
+
     def selective_decode(self, state: torch.Tensor, u: torch.Tensor, dt: torch.Tensor, a: torch.Tensor,
                          b: torch.Tensor, c: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
         """One decode token of Mamba-1's selective scan for N requests, fp32: ``state``

@@ -113,6 +113,16 @@ def ssd_decode_reference(state: torch.Tensor, x: torch.Tensor, b: torch.Tensor, 
     return (state @ c.unsqueeze(-1)).squeeze(-1) + d[:, None] * x
 
 
+def mamba1_decode_reference(ops: Any, state: torch.Tensor, u: torch.Tensor, dt_raw: torch.Tensor,
+                            dt_bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor,
+                            z: torch.Tensor) -> torch.Tensor:
+    """A Mamba-1 mixer's decode token after its dt projection, for N requests (see
+    :meth:`engine.ops.Ops.mamba1_decode`), through ``ops``' own selective-scan step."""
+    dt = F.softplus(dt_raw.float() + dt_bias)
+    y = ops.selective_decode(state, u.float(), dt.contiguous(), a, b.float().contiguous(), c.float().contiguous(), d)
+    return (y * F.silu(z.float())).to(z.dtype)
+
+
 def selective_decode_reference(state: torch.Tensor, u: torch.Tensor, dt: torch.Tensor, a: torch.Tensor,
                                b: torch.Tensor, c: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """One decode token of Mamba-1's selective scan for N requests (see
@@ -123,4 +133,5 @@ def selective_decode_reference(state: torch.Tensor, u: torch.Tensor, dt: torch.T
 
 
 __all__ = ["MambaDecodeSpec", "conv_decode_reference", "delta_rule_decode_reference", "gated_rms_norm_reference",
-           "mamba2_decode_reference", "selective_decode_reference", "ssd_decode_reference"]
+           "mamba1_decode_reference", "mamba2_decode_reference", "selective_decode_reference",
+           "ssd_decode_reference"]

@@ -29,6 +29,7 @@ from engine.ops.recurrent_reference import (
     MambaDecodeSpec,
     conv_decode_reference,
     delta_rule_decode_reference,
+    mamba1_decode_reference,
     mamba2_decode_reference,
     selective_decode_reference,
     ssd_decode_reference,
@@ -253,6 +254,11 @@ class TorchOps:
                       conv_bias: torch.Tensor | None, dt_bias: torch.Tensor, a: torch.Tensor, d: torch.Tensor,
                       norm: torch.Tensor | None, spec: MambaDecodeSpec) -> torch.Tensor:
         return mamba2_decode_reference(self, zx, conv, state, conv_weight, conv_bias, dt_bias, a, d, norm, spec)
+
+    def mamba1_decode(self, state: torch.Tensor, u: torch.Tensor, dt_raw: torch.Tensor, dt_bias: torch.Tensor,
+                      a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor,
+                      z: torch.Tensor) -> torch.Tensor:
+        return mamba1_decode_reference(self, state, u, dt_raw, dt_bias, a, b, c, d, z)
 
     def selective_decode(self, state: torch.Tensor, u: torch.Tensor, dt: torch.Tensor, a: torch.Tensor,
                          b: torch.Tensor, c: torch.Tensor, d: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.models.layers.recurrent import conv_prompt, mix_by_request, slot_views, write_back
+from engine.models.layers.recurrent import (
+    conv_prompt,
+    decode_only,
+    mix_by_request,
+    save_after_decode,
+    slot_views,
+    write_back,
+)
 from engine.models.mamba_config import Mamba1Config
 from engine.ops import AttentionMetadata
 
@@ -113,6 +120,14 @@ class Mamba1Mixer:
         """The mixer's output [T, hidden] for the step's normed hidden states ``x`` [T,
         hidden]; advances each request's states in its slot."""
         xs, z = self.in_proj(x).chunk(2, dim=-1)
+        if decode_only(meta):  # after the projections, one op: dt, the scan's step, the gate
+            conv, state, in_place = slot_views(conv_state, ssm_state, meta.state_slots, meta.state_slots_host)
+            u = self.ops.conv_decode(conv, xs, self.conv_weight, self.conv_bias).to(x.dtype)
+            dt_r, b, cc = self._projected(u)
+            gated = self.ops.mamba1_decode(state, u, self.dt_proj(dt_r), self.dt_bias, self.a, b, cc, self.d, z)
+            write_back(conv_state, ssm_state, meta.state_slots, conv, state, in_place)
+            save_after_decode(meta, (conv_state, ssm_state))
+            return self.out_proj(gated.to(x.dtype))
         y = torch.empty(x.shape[0], self.config.d_inner, dtype=torch.float32, device=x.device)
 
         def decode(pick, slots: torch.Tensor, host: tuple[int, ...]) -> torch.Tensor:
@@ -137,10 +152,9 @@ class Mamba1Mixer:
         mix_by_request(meta, y, decode, chunk, (conv_state, ssm_state))
         return self.out_proj((y * F.silu(z.float())).to(x.dtype))
 
-    def _select(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """dt [N, d_inner], B and C [N, d_state] (fp32) for the convolved rows ``u``
-        (model dtype), as transformers computes them: x_proj and dt_proj in the model
-        dtype, dt_proj's bias and the softplus in fp32."""
+    def _projected(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x_proj's dt bottleneck, B and C for the convolved rows ``u`` (model dtype), normed
+        where the family norms them, in the model dtype, as transformers computes them."""
         c = self.config
         dt_r, b, cc = self.x_proj(u).split([c.dt_rank, c.d_state, c.d_state], dim=-1)
         if self.norms is not None:  # Jamba's: Llama's norm, the weight times the rounded row
@@ -148,6 +162,12 @@ class Mamba1Mixer:
             dt_r, b, cc = (w * _rms(t, c.bcdt_norm_eps) for w, t in zip(self.norms, (dt_r, b, cc), strict=True))
         elif c.bcdt_norm_eps is not None:  # FalconMamba's weightless norms, each rounded back
             dt_r, b, cc = (_rms(t, c.bcdt_norm_eps) for t in (dt_r, b, cc))
+        return dt_r, b, cc
+
+    def _select(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """dt [N, d_inner], B and C [N, d_state] (fp32) for the convolved rows ``u``
+        (model dtype): dt_proj in the model dtype, its bias and the softplus in fp32."""
+        dt_r, b, cc = self._projected(u)
         dt = F.softplus(self.dt_proj(dt_r).float() + self.dt_bias)
         return dt, b.float(), cc.float()
 

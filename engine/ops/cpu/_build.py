@@ -52,6 +52,9 @@ int eng_selective_decode(float *state, const float *u, const float *dt, const fl
                          const float *C, const float *d, float *y, int64_t n, int64_t dch, int64_t ds, int nthreads);
 int eng_ssd_decode(float *state, const float *x, const float *B, const float *C, const float *dt, const float *a,
                    const float *d, float *y, int64_t n, int64_t h, int64_t g, int64_t p, int64_t ds, int nthreads);
+int eng_mamba1_decode(int dtype, float *state, const void *u, const void *dt_raw, const void *B, const void *C,
+                      int64_t bc_stride, const void *z, int64_t z_stride, const float *dt_bias, const float *a,
+                      const float *d, void *out, float *scratch, int64_t n, int64_t dch, int64_t ds, int nthreads);
 int eng_mamba2_decode(int dtype, const void *zx, int64_t x_stride, void *conv, float *state, const float *conv_w,
                       const float *conv_b, const float *dt_bias, const float *a, const float *d, const float *w,
                       float dt_min, float dt_max, float eps, int flags, int64_t n, int64_t d_inner, int64_t conv_dim,

@@ -1210,6 +1210,39 @@ int eng_selective_decode(float *state, const float *u, const float *dt, const fl
     return 0;
 }
 
+/* A Mamba-1 mixer's decode token after its dt projection, for n requests: dt =
+ * softplus(dt_raw + dt_bias) (torch's: the input itself above 20), the selective scan's
+ * step on state [n, dch, ds] fp32 (in place), then y * silu(z) written in the dtype. u and
+ * dt_raw [n, dch] (the dtype, contiguous), B and C [n, ds] and z [n, dch] (the dtype, rows
+ * b_stride / z_stride elements apart), dt_bias and d [dch], a [dch, ds] fp32. scratch: 2 n
+ * ds floats (B and C as fp32). One call where the torch path makes some ten small ops. */
+int eng_mamba1_decode(int dtype, float *state, const void *u, const void *dt_raw, const void *B, const void *C,
+                      int64_t bc_stride, const void *z, int64_t z_stride, const float *dt_bias, const float *a,
+                      const float *d, void *out, float *scratch, int64_t n, int64_t dch, int64_t ds, int nthreads) {
+    if ((dtype != DT_F32 && dtype != DT_BF16) || n < 1 || dch < 1 || ds < 1 || bc_stride < ds || z_stride < dch)
+        return -1;
+    const int bf = dtype == DT_BF16;
+    float *bf32 = scratch, *cf32 = scratch + n * ds;
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t j = 0; j < ds; j++) {
+            bf32[r * ds + j] = ld(B, r * bc_stride + j, bf);
+            cf32[r * ds + j] = ld(C, r * bc_stride + j, bf);
+        }
+    const int64_t items = n * dch;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && items > 1 && items * ds >= PARALLEL_MIN_WORK)
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t r = it / dch, k = it % dch;
+        const float v = ld(dt_raw, it, bf) + dt_bias[k];
+        const float dt = v > 20.0f ? v : log1pf(expf(v));
+        float y;
+        eng_selective_item(state + it * ds, ld(u, it, bf), dt, a + k * ds, bf32 + r * ds, cf32 + r * ds, d[k], &y,
+                           ds);
+        const float g = ld(z, r * z_stride + k, bf);
+        st(out, it, y * (g / (1.0f + expf(-g))), bf);
+    }
+    return 0;
+}
+
 /* ---- int8 KV-cache write -------------------------------------------------------------- */
 
 /* Quantize one token's row of d values (fp32 or bf16 at x) into int8 codes and a scale:

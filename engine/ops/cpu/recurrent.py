@@ -88,6 +88,30 @@ class RecurrentKernels(TorchOps):
             raise CpuKernelError(f"ssd_decode: the kernel failed ({rc})")
         return y
 
+    def mamba1_decode(self, state: torch.Tensor, u: torch.Tensor, dt_raw: torch.Tensor, dt_bias: torch.Tensor,
+                      a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor,
+                      z: torch.Tensor) -> torch.Tensor:
+        """One C call (kernels.c's ``eng_mamba1_decode``): dt, the selective scan's step
+        over every (request, channel), the gate; the reference's numbers."""
+        code = _DTYPE_CODES.get(u.dtype)
+        n, dch, ds = state.shape if state.dim() == 3 else (0, 0, 0)
+        if (code is None or not n or not u.is_cpu or state.dtype != torch.float32 or not state.is_contiguous()
+                or any(t.dtype != u.dtype for t in (dt_raw, b, c, z)) or not (u.is_contiguous() and dt_raw.is_contiguous())
+                or u.shape != (n, dch) or dt_raw.shape != (n, dch) or z.shape != (n, dch) or b.shape != (n, ds)
+                or c.shape != (n, ds) or b.stride() != c.stride() or b.stride(1) != 1 or z.stride(1) != 1
+                or any(t.dtype != torch.float32 or not t.is_contiguous() for t in (dt_bias, a, d))
+                or a.shape != (dch, ds) or dt_bias.shape != (dch,) or d.shape != (dch,)):
+            return super().mamba1_decode(state, u, dt_raw, dt_bias, a, b, c, d, z)
+        out = torch.empty(n, dch, dtype=u.dtype)
+        scratch = torch.empty(2 * n * ds, dtype=torch.float32)
+        rc = self._lib.eng_mamba1_decode(
+            code, self._ptr(state, "float *"), self._ptr(u), self._ptr(dt_raw), self._ptr(b), self._ptr(c), b.stride(0),
+            self._ptr(z), z.stride(0), self._ptr(dt_bias, "float *"), self._ptr(a, "float *"), self._ptr(d, "float *"),
+            self._ptr(out), self._ptr(scratch, "float *"), n, dch, ds, torch.get_num_threads())
+        if rc:
+            return super().mamba1_decode(state, u, dt_raw, dt_bias, a, b, c, d, z)
+        return out
+
     def mamba2_decode(self, zx: torch.Tensor, conv: torch.Tensor, state: torch.Tensor, conv_weight: torch.Tensor,
                       conv_bias: torch.Tensor | None, dt_bias: torch.Tensor, a: torch.Tensor, d: torch.Tensor,
                       norm: torch.Tensor | None, spec: MambaDecodeSpec) -> torch.Tensor:
