@@ -46,7 +46,7 @@ from engine.models.loader import load_model
 from engine.models.testing import TINY_MOE_ARCHITECTURES, write_tiny_model
 from engine.models.testing_quant import quantize_q4_k
 from engine.ops.cpu import qmatmul as cq
-from engine.ops.quant import QuantizedWeight
+from engine.ops.quant import QuantizedExperts, QuantizedWeight
 
 # int8 activations per 32 columns err by up to amax / 254 each (0.4% of the block's largest
 # entry); after two layers and the head the logits moved by at most 1.5% of their row's
@@ -122,8 +122,12 @@ def test_a_quantized_gguf_keeps_its_blocks_and_matches_the_dequantized_model(
     assert all(isinstance(p, QuantLinear) for p in _projections(model))
     formats = {p.fmt.name for proj in _projections(model) for p in proj.parts}
     assert formats == ({quant, "Q8_0"} if quant == "Q4_K" else {quant})
-    if kept.config.moe is None:  # expert stacks are dequantized by design (dense expert kernels)
-        assert weight_bytes(model) <= 1.2 * kept.file_tensor_bytes
+    if kept.config.moe is not None:  # the experts' stacks stay in their blocks too
+        blocks = [layer.moe for layer in model.layers if layer.moe is not None]
+        assert blocks and all(isinstance(b.w13, QuantizedExperts) and isinstance(b.w2, QuantizedExperts)
+                              for b in blocks)
+        assert {p.fmt.name for b in blocks for w in (b.w13, b.w2) for p in w.parts} == {quant}
+    assert weight_bytes(model) <= 1.2 * kept.file_tensor_bytes
 
     prompts = _prompts(kept.config.vocab_size)
     want = _prefill_logits(_runner(dense, 4, "cpu"), prompts, 5)

@@ -239,7 +239,8 @@ def _gguf_tensors(path: Path, config: ModelConfig, device: torch.device, layout:
         kind = t.tensor_type.name
         dims = tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml lists the fastest first
         # Expert stacks (3-D) and routers are split into per-expert matrices as the
-        # converter does; the expert kernels take dense weights, so their blocks are not kept.
+        # converter does; on CPU an expert's blocks are kept in panels (the layer stacks
+        # them again: engine.models.layers.moe.stack_experts), else read dense.
         experts = dims[0] if len(dims) == 3 else 1
         # (Granite 4's experts stay stacked, as its checkpoints hold them.)
         moe = None if arch in gguf_recurrent.JOINED else gguf_convert.moe_tensor_names(
@@ -254,13 +255,23 @@ def _gguf_tensors(path: Path, config: ModelConfig, device: torch.device, layout:
                 if dims[1] % parts:
                     raise CorruptModelError(f"{path}: expert tensor {t.name!r} has an odd row count ({dims})")
                 step = int(t.n_bytes) // (experts * parts)
+                keep = format_of(kind) if layout == "panels" and kind in formats else None
                 for i, name in enumerate(moe):
                     weights[name] = GgufTensor(file, name, t.tensor_type, (dims[1] // parts, dims[2]),
-                                               int(t.data_offset) + i * step, keep=None, layout=layout, device=device)
-            else:  # a router [E, hidden], or the shared expert's gate: [hidden] in GGUF, [1, hidden] in HF
+                                               int(t.data_offset) + i * step, keep=keep, layout=layout, device=device)
+                if keep is not None:
+                    kept[f"{kind} (experts)"] += 1
+                    continue
+            else:  # a router [E, hidden] or the shared expert's gate ([hidden] in GGUF, [1, hidden] in
+                # HF), read dense; or a shared expert's projection, kept in blocks as a dense MLP's
                 shape = (1, dims[0]) if len(dims) == 1 else dims
-                weights[moe[0]] = GgufTensor(file, moe[0], t.tensor_type, shape, int(t.data_offset), keep=None,
+                keep = (format_of(kind) if kind in formats and len(dims) == 2 and stack.endswith("_shexp")
+                        and stack != "ffn_gate_inp_shexp" else None)
+                weights[moe[0]] = GgufTensor(file, moe[0], t.tensor_type, shape, int(t.data_offset), keep=keep,
                                              layout=layout, device=device)
+                if keep is not None:
+                    kept[kind] += 1
+                    continue
             if kind not in gguf_convert._LOSSLESS_TORCH_DTYPES:
                 dequantized[f"{kind} (experts)"] += 1
             continue

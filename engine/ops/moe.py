@@ -71,10 +71,18 @@ class SquaredRelu:
 ExpertActivation = ClampedSwiglu | SquaredRelu
 
 
+def expert_weight(w, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert ``e``'s ``[rows, in]`` weight of a stack: a dense stack's own, or one kept in
+    blocks (:class:`engine.ops.quant.QuantizedExperts`, known here by its ``dense``:
+    importing it would cycle through the CPU package) dequantized into ``dtype``."""
+    dense = getattr(w, "dense", None)
+    return w[e] if dense is None else dense(e, dtype)
+
+
 def fused_moe_reference(
     x: torch.Tensor,  # [T, hidden]
-    w13: torch.Tensor,  # [E, 2 * inter, hidden]: each expert's gate rows then up rows
-    w2: torch.Tensor,  # [E, hidden, inter]
+    w13: torch.Tensor,  # [E, 2 * inter, hidden]: each expert's gate rows then up rows (or QuantizedExperts)
+    w2: torch.Tensor,  # [E, hidden, inter] (or QuantizedExperts)
     topk_weights: torch.Tensor,  # [T, k] fp32
     topk_ids: torch.Tensor,  # [T, k] int64
     activation: ExpertActivation | None = None,
@@ -94,12 +102,12 @@ def fused_moe_reference(
         if n == 0:
             continue  # an expert that received no token: its weights are never read
         if activation is None:
-            h = F.linear(rows[start : start + n], w13[expert])
+            h = F.linear(rows[start : start + n], expert_weight(w13, expert, x.dtype))
             act = F.silu(h[:, :inter]) * h[:, inter:]
         else:
             bias = None if activation.b13 is None else activation.b13[expert]
-            act = activation(F.linear(rows[start : start + n], w13[expert], bias), inter)
-        out_sorted[start : start + n] = F.linear(act, w2[expert])
+            act = activation(F.linear(rows[start : start + n], expert_weight(w13, expert, x.dtype), bias), inter)
+        out_sorted[start : start + n] = F.linear(act, expert_weight(w2, expert, x.dtype))
         start += n
     return combine(out_sorted, order, topk_weights)
 
@@ -113,4 +121,5 @@ def combine(out_sorted: torch.Tensor, order: torch.Tensor, topk_weights: torch.T
     return weighted.sum(1).to(out_sorted.dtype)
 
 
-__all__ = ["ClampedSwiglu", "ExpertActivation", "SquaredRelu", "combine", "fused_moe_reference", "sort_by_expert"]
+__all__ = ["ClampedSwiglu", "ExpertActivation", "SquaredRelu", "combine", "expert_weight", "fused_moe_reference",
+           "sort_by_expert"]

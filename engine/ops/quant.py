@@ -311,6 +311,77 @@ class QuantizedWeight:
         return f"QuantizedWeight({self.fmt.name}, shape={self.shape}, layout={self.layout!r})"
 
 
+class QuantizedExperts:
+    """One projection of a mixture-of-experts layer's ``E`` experts kept in their blocks
+    (GGUF's ``ffn_*_exps`` stacks), panel-packed for the CPU kernels.
+
+    ``parts`` are stacks side by side in an expert's output rows (a gated first
+    projection's gate, then up; Nemotron 3's up alone; the down), each its own format, each
+    ``E`` experts' ``[rows, K]`` weights one after another with every expert's rows padded
+    to whole panels: expert ``e``'s panels are ``[e * P, (e + 1) * P)``, ``P =
+    ceil(rows / 16)``. ``shape`` is the dense stack's ``[E, sum(rows), K]``, as
+    ``Ops.fused_moe`` reads it from a dense ``w13`` or ``w2``.
+    """
+
+    __slots__ = ("parts", "rows", "shape", "__weakref__")  # weakref: the C wrapper caches pointers
+
+    def __init__(self, parts: list[QuantizedWeight], rows: list[int], num_experts: int) -> None:
+        self.parts, self.rows = parts, rows
+        self.shape = (num_experts, sum(rows), parts[0].shape[1])
+
+    @classmethod
+    def stack(cls, experts: list[list[QuantizedWeight]]) -> QuantizedExperts:
+        """From each expert's parts (``experts[e]``: its gate and up, or its up or down),
+        every expert's part ``i`` of one format and shape, panel-packed."""
+        columns = list(zip(*experts, strict=True))
+        parts, rows = [], []
+        for column in columns:
+            first = column[0]
+            if any(w.layout != "panels" or w.fmt != first.fmt or w.shape != first.shape for w in column):
+                raise QuantError("stacked experts take panel-packed weights of one format and shape")
+            data = {f: torch.cat([w.data[f] for w in column]) for f in first.data}
+            padded = -(-first.shape[0] // PANEL) * PANEL
+            parts.append(QuantizedWeight(first.fmt, (len(column) * padded, first.shape[1]), "panels", data))
+            rows.append(first.shape[0])
+        return cls(parts, rows, len(experts))
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def to(self, device: torch.device | str | torch.dtype | None = None,
+           dtype: torch.dtype | None = None) -> QuantizedExperts:
+        """Itself, as :meth:`QuantizedWeight.to`."""
+        for p in self.parts:
+            p.to(device, dtype)
+        return self
+
+    def expert(self, e: int) -> list[QuantizedWeight]:
+        """Expert ``e``'s parts, as weights of their own (views of the stacks)."""
+        out = []
+        for part, rows in zip(self.parts, self.rows, strict=True):
+            per = -(-rows // PANEL)
+            data = {f: t[e * per : (e + 1) * per] for f, t in part.data.items()}
+            out.append(QuantizedWeight(part.fmt, (rows, part.shape[1]), "panels", data))
+        return out
+
+    def dense(self, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Expert ``e``'s weight ``[sum(rows), K]`` dequantized into ``dtype``."""
+        return torch.cat([w.dequantize() for w in self.expert(e)]).to(dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """The dense fp32 stack ``[E, sum(rows), K]`` (tests, fallbacks)."""
+        return torch.stack([self.dense(e) for e in range(self.shape[0])])
+
+    def __repr__(self) -> str:
+        formats = "+".join(p.fmt.name for p in self.parts)
+        return f"QuantizedExperts({formats}, shape={self.shape})"
+
+
 def reference_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     """``x @ dequantize(w).T`` in fp32: the oracle of the quantized matmul kernels."""
     return x.float() @ w.dequantize().to(x.device).T
@@ -324,6 +395,7 @@ __all__ = [
     "Decoded",
     "QuantError",
     "QuantFormat",
+    "QuantizedExperts",
     "QuantizedWeight",
     "check_blocks",
     "decode_blocks",

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from engine.ops.cpu import qmatmul as cq
 from engine.ops.cpu.fused_spec import DenseProjection, QuantProjection
-from engine.ops.quant import QuantizedWeight, dequantize_blocks, reference_matmul
+from engine.ops.quant import QuantizedExperts, QuantizedWeight, dequantize_blocks, reference_matmul
 
 logger = logging.getLogger("engine.models")
 
@@ -248,7 +248,7 @@ def weight_bytes(model) -> int:
         if t is None or id(t) in seen:
             return
         seen.add(id(t))
-        if isinstance(t, QuantizedWeight):
+        if isinstance(t, QuantizedWeight | QuantizedExperts):
             total += t.nbytes
         elif hasattr(t, "slots") and hasattr(t, "base"):  # LoraLinear: the base (its slots are not weights)
             add(t.base)
@@ -261,12 +261,16 @@ def weight_bytes(model) -> int:
         elif isinstance(t, tuple):  # a LayerNorm's (weight, bias)
             for part in t:
                 add(part)
+        elif hasattr(t, "w13"):  # a sparse MoE block: its experts, router and shared expert
+            for name in ("router", "score_bias", "w13", "w2", "shared_gate_up", "shared_down", "shared_gate",
+                         "latent_in", "latent_out"):
+                add(getattr(t, name, None))
         elif hasattr(t, "linear"):  # a tensor-parallel rank's row-parallel projection
             add(t.linear)
         elif hasattr(t, "weight"):  # a dense Linear: its weight and its packed copy
             add(t.weight)
             add(getattr(t, "_packed", None))
-            add(t.bias)
+            add(getattr(t, "bias", None))  # (an fp32 router has none)
 
     # The decoders' top-level weights (GPT-2's and OPT's position tables and projections
     # too), and the BERT encoder's (models/bert.py).

@@ -46,9 +46,12 @@ import torch.nn.functional as F
 
 from engine.errors import CorruptModelError
 from engine.models.config import ModelConfig, MoeConfig
+from engine.models.layers.linear import make_linear
 from engine.models.layers.shard import ShardedWeights
 from engine.ops import Ops
-from engine.ops.moe import ExpertActivation, SquaredRelu
+from engine.ops.cpu import qmatmul as cq
+from engine.ops.moe import ClampedSwiglu, ExpertActivation, SquaredRelu
+from engine.ops.quant import QuantizedExperts, QuantizedWeight
 from engine.parallel import SINGLE, TensorParallel, shard_range
 
 
@@ -147,6 +150,37 @@ def expert_share(num_experts: int, tp: TensorParallel) -> tuple[int, int]:
     return 0, num_experts
 
 
+def run_experts(ops: Ops, x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor,
+                activation: ExpertActivation | None = None) -> torch.Tensor:
+    """The routed experts' output: ``Ops.fused_moe``, or for experts kept in their blocks
+    (:class:`~engine.ops.quant.QuantizedExperts`) quant.c's kernel over the blocks, as a
+    projection kept in blocks takes ``qmatmul`` (where the C kernels are not built, the
+    reference: each routed expert dequantized)."""
+    if (isinstance(w13, QuantizedExperts) and x.is_cpu and x.dtype in (torch.float32, torch.bfloat16)
+            and not isinstance(activation, ClampedSwiglu) and cq.available()):
+        return cq.qmoe(x, w13, w2, weights, ids, gated=activation is None)
+    return ops.fused_moe(x, w13, w2, weights, ids, activation)
+
+
+def stack_experts(gate_up: list[list], down: list, dtype: torch.dtype):
+    """``(w13, w2)`` from each expert's weights (``gate_up[e]``: its gate and up, or its up
+    alone; ``down[e]``): kept in their blocks (:class:`~engine.ops.quant.QuantizedExperts`)
+    where every one of them is panel-packed and each projection's formats agree across the
+    experts, else dense stacks in ``dtype`` (a block-kept weight among dense ones is
+    dequantized)."""
+    weights = [w for parts in gate_up for w in parts] + list(down)
+    if all(isinstance(w, QuantizedWeight) and w.layout == "panels" for w in weights):
+        columns = [*zip(*gate_up, strict=True), down]
+        if all(len({(w.fmt, w.shape) for w in column}) == 1 for column in columns):
+            return QuantizedExperts.stack(gate_up), QuantizedExperts.stack([[w] for w in down])
+
+    def dense(w) -> torch.Tensor:
+        return w.dequantize().to(dtype) if isinstance(w, QuantizedWeight) else w
+
+    return (torch.stack([torch.cat([dense(w) for w in parts]) for parts in gate_up]),
+            torch.stack([dense(w) for w in down]))
+
+
 def local_experts(ops: Ops, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, first: int, activation: ExpertActivation | None = None) -> torch.Tensor:
     """This rank's part of the routed experts' output under expert parallelism: the
@@ -158,8 +192,8 @@ def local_experts(ops: Ops, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     if pairs.numel():
         tokens = pairs // ids.shape[1]
-        y = ops.fused_moe(x.index_select(0, tokens), w13, w2, weights.reshape(-1, 1)[pairs].contiguous(),
-                          local.reshape(-1, 1)[pairs].contiguous(), activation)
+        y = run_experts(ops, x.index_select(0, tokens), w13, w2, weights.reshape(-1, 1)[pairs].contiguous(),
+                        local.reshape(-1, 1)[pairs].contiguous(), activation)
         out.index_add_(0, tokens, y.float())
     return out.to(x.dtype)
 
@@ -252,22 +286,22 @@ class SparseMoeBlock:
                 self.score_bias = fp32(p + _score_bias_name(moe)).reshape(-1)
         else:
             self.router = linear(get(p + _router_name(moe)))  # [E, hidden]
-        # Column-parallel gate/up rows, row-parallel down columns (whole with one rank).
+        # Column-parallel gate/up rows, row-parallel down columns (whole with one rank; dense
+        # where a rank's columns would split a GGUF's blocks).
         rows = get.rows if tp.enabled else get  # type: ignore[attr-defined]
-        cols = get.cols if tp.enabled else get  # type: ignore[attr-defined]
         gate_up, down = [], []
         whole = self.first_expert is not None  # expert parallelism: this rank's experts, whole
         for e in range(*expert_share(moe.num_experts, tp)):
             halves = expert_weight_names(moe, layer, e)[0 if moe.gated else 1:]  # (gate,) up, down
-            gate_up.append(torch.cat([(get if whole else rows)(n) for n in halves[:-1]]))
-            down.append(get(halves[-1]) if whole else cols(halves[-1]))
-        self.w13 = torch.stack(gate_up)
-        self.w2 = torch.stack(down)
+            gate_up.append([(get if whole else rows)(n) for n in halves[:-1]])
+            down.append(get(halves[-1]) if whole else get.cols_or_dense(halves[-1]))  # type: ignore[attr-defined]
+        # A GGUF's experts stay in their blocks (panels, on CPU), else dense stacks.
+        self.w13, self.w2 = stack_experts(gate_up, down, get.dtype)  # type: ignore[attr-defined]
         if moe.shared_expert_intermediate_size:
             s = p + _shared_name(moe) + "."
-            parts = [rows(s + f"{n}_proj.weight") for n in ("gate", "up")[0 if moe.gated else 1:]]
-            self.shared_gate_up = linear(parts[0] if len(parts) == 1 else torch.cat(parts))  # (Nemotron's: may be kept in blocks)
-            self.shared_down = linear(cols(s + "down_proj.weight"))
+            # (a GGUF's shared expert may be kept in blocks, as a dense MLP is)
+            self.shared_gate_up = make_linear([rows(s + f"{n}_proj.weight") for n in ("gate", "up")[0 if moe.gated else 1:]])
+            self.shared_down = make_linear([get.cols_or_dense(s + "down_proj.weight")])  # type: ignore[attr-defined]
             if moe.naming not in _UNGATED:
                 self.shared_gate = linear(get(p + "shared_expert_gate.weight"))  # [1, hidden]
 
@@ -283,7 +317,7 @@ class SparseMoeBlock:
         if self.first_expert is not None:
             out = local_experts(ops, xe, self.w13, self.w2, weights, ids, self.first_expert, self.activation)
         elif token_slots is None:
-            out = ops.fused_moe(xe, self.w13, self.w2, weights, ids, self.activation)
+            out = run_experts(ops, xe, self.w13, self.w2, weights, ids, self.activation)
         else:  # a token's adapter adapts the experts: the deltas go inside each expert's MLP
             out = self.lora(x, self.w13, self.w2, weights, ids, token_slots)
         if self.latent_out is not None:
@@ -312,7 +346,9 @@ __all__ = [
     "SparseMoeBlock",
     "expert_weight_names",
     "layer_prefix",
+    "run_experts",
     "select_experts",
     "select_experts_grouped",
     "sparse_layer_weight_names",
+    "stack_experts",
 ]

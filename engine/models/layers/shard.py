@@ -286,6 +286,20 @@ class ShardedWeights:
         a, b = shard_range(w.shape[-1], self.tp.rank, self.tp.world_size)
         return self._cast(w.read_cols(a, b) if isinstance(w, StoredTensor) else take_cols(w, a, b, name))
 
+    def cols_or_dense(self, name: str):
+        """Row-parallel, as :meth:`cols`, where the cut falls on the weight's block
+        boundaries (or it is dense); where it would split its blocks (an expert's down
+        projection kept in blocks, over a rank count its blocks do not divide), the whole
+        weight dequantized, then cut: dense in the model dtype."""
+        w = self._raw(name)
+        if not self.tp.enabled:
+            return self(name)
+        a, b = shard_range(w.shape[-1], self.tp.rank, self.tp.world_size)
+        fmt = w.fmt if isinstance(w, QuantizedWeight) else getattr(w, "keep", None)
+        if fmt is None or (a % fmt.block == 0 and b % fmt.block == 0):
+            return self.cols(name)
+        return self._cast(_own(read_stored(w).dequantize()[:, a:b]))
+
     def row_parallel(self, name: str):
         """A row-parallel projection (o, down) over this rank's share of the input features,
         returning the whole output on every rank: the plain projection on one rank, else a

@@ -403,6 +403,8 @@ class CpuOps(RecurrentKernels):
         its roundings, the dense small-batch kernel for the expert matmuls; gpt-oss's
         biased, clamped experts and Nemotron 3's ungated squared-ReLU ones too); more
         tokens, or other inputs, the torch reference."""
+        if not isinstance(w13, torch.Tensor):  # experts kept in blocks, run here by the reference
+            return super().fused_moe(x, w13, w2, topk_weights, topk_ids, activation)
         code = _DTYPE_CODES.get(x.dtype)
         t, k = topk_ids.shape
         swiglu = activation if isinstance(activation, ClampedSwiglu) else None

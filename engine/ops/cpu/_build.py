@@ -82,6 +82,14 @@ int eng_qpack(int fmt, const uint8_t *raw, int64_t N, int64_t K, uint8_t *codes,
               uint16_t *d, uint16_t *m, uint8_t *sc, uint8_t *mn, int nthreads);
 """
 
+# The routed experts kept in their blocks (quant.c), over fused.h's EngQPart: declared
+# after it, in the cdef and in the wrapper's source alike.
+QMOE_CDEF = """
+int eng_qmoe(int dtype, void *out, const void *x, int64_t T, int64_t H, int64_t I, int64_t k, int64_t E,
+             const EngQPart *w13, int n13, const EngQPart *w2, int gated, const float *topw, const int64_t *topi,
+             int nthreads);
+"""
+
 # The fused decode step (fused.c): fused.h's declarations, read from the header itself
 # (its include guard and #include lines dropped: cffi's cdef takes declarations and integer
 # #defines only), and the entry point.
@@ -92,7 +100,7 @@ FUSED_CDEF = "\n".join(
 int eng_fused_decode(const EngFusedModel *m, EngFusedState *st, int64_t T, void *out, const int64_t *positions,
                      const int64_t *slots, const int32_t *block_tables, int64_t bt_stride,
                      const int32_t *seq_lens, int nthreads);
-"""
+""" + QMOE_CDEF
 
 # -ffp-contract=off: no fused multiply-adds the source does not spell, so fp32 results
 # round where torch's separate ops round. -fno-math-errno and -fno-trapping-math let
@@ -106,7 +114,7 @@ ffibuilder.set_source(
     # quant.c's prototypes, and fused.c's header, for the wrappers
     (HERE / "kernels.c").read_text() + QUANT_CDEF + '#include "fused.h"\n'
     "int eng_fused_decode(const EngFusedModel *, EngFusedState *, int64_t, void *, const int64_t *, const int64_t *,"
-    " const int32_t *, int64_t, const int32_t *, int);\n",
+    " const int32_t *, int64_t, const int32_t *, int);\n" + QMOE_CDEF,
     # Relative to the repository root, where setup.py and the by-hand build below run.
     sources=["engine/ops/cpu/quant.c", "engine/ops/cpu/fused.c"],
     include_dirs=["engine/ops/cpu"],

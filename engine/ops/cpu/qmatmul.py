@@ -15,13 +15,14 @@ from engine.ops.cpu.qpack import ERRORS as _ERRORS
 from engine.ops.cpu.qpack import pack
 from engine.ops.cpu.qpack import pointers as _pointers
 from engine.ops.cpu.qpack import ptr as _ptr
-from engine.ops.quant import QuantizedWeight
+from engine.ops.quant import QuantizedExperts, QuantizedWeight
 from engine.ops.quant_formats import FORMAT_CODES, QuantError
 
 try:  # built at install time (setup.py); absent in a source tree nobody built
+    from engine.ops.cpu._kernels import ffi as _ffi
     from engine.ops.cpu._kernels import lib as _lib
 except ImportError:  # pragma: no cover - depends on the install
-    _lib = None
+    _ffi = _lib = None
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # QDT_* in quant.c
 
@@ -134,7 +135,64 @@ def qrows(w: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype, *, threads:
     return out if ids.dim() == 1 else out.view(*ids.shape, k)
 
 
-__all__ = ["PATHS", "available", "pack", "paths", "qmatmul", "qrows"]
+# Each stack's EngQPart array (quant.c's eng_qmoe takes its parts so), made once per stack
+# and dropped with it, as _FIELDS is for a weight.
+_EXPERT_PARTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _expert_parts(w: QuantizedExperts):
+    cached = _EXPERT_PARTS.get(w)
+    if cached is not None:
+        return cached
+    if w.device.type != "cpu":
+        raise QuantError(f"the CPU kernels take panel-packed CPU weights, got {w!r}")
+    parts = _ffi.new("EngQPart[]", len(w.parts))
+    col = 0
+    for i, (part, rows) in enumerate(zip(w.parts, w.rows, strict=True)):
+        codes, hi, d, m, sc, mn = _pointers(part.data)
+        parts[i].fmt, parts[i].N, parts[i].col = FORMAT_CODES[part.fmt.name], rows, col
+        parts[i].codes, parts[i].hi, parts[i].d, parts[i].m, parts[i].sc, parts[i].mn = codes, hi, d, m, sc, mn
+        col += rows
+    _EXPERT_PARTS[w] = parts
+    return parts
+
+
+def qmoe(x: torch.Tensor, w13: QuantizedExperts, w2: QuantizedExperts, topk_weights: torch.Tensor,
+         topk_ids: torch.Tensor, *, gated: bool = True, threads: int | None = None) -> torch.Tensor:
+    """The routed experts' output ``[T, hidden]`` in ``x``'s dtype (``Ops.fused_moe``'s
+    computation) with both projections kept in their blocks: quant.c's ``eng_qmoe``, the
+    quantized matmuls' int8 kernels over each expert's group of (token, slot) pairs.
+    ``gated``: ``w13`` is each expert's gate then up (SiLU-and-mul between), else its up
+    alone (Nemotron 3's ``relu(up) ** 2``)."""
+    t, k = topk_ids.shape
+    e, r, h = w13.shape
+    inter = w2.shape[2]
+    code = _DTYPES.get(x.dtype)
+    if code is None or x.dim() != 2 or not x.is_cpu or x.shape[1] != h:
+        raise QuantError(f"quantized experts: activations {x.dtype} {list(x.shape)} do not fit {w13!r}")
+    if (len(w13.parts) != (2 if gated else 1) or r != (2 if gated else 1) * inter or w2.shape[:2] != (e, h)
+            or len(w2.parts) != 1):
+        raise QuantError(f"quantized experts: {w13!r} and {w2!r} are not one layer's (gated={gated})")
+    if topk_ids.dtype != torch.int64 or topk_weights.dtype != torch.float32 or topk_weights.shape != (t, k):
+        raise QuantError("quantized experts: routing ids must be int64 and weights float32, both [T, k]")
+    x = x.contiguous()
+    ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
+    out = torch.empty_like(x)
+    if t == 0:
+        return out
+    status = _lib.eng_qmoe(
+        code, _ptr(out, "void *"), _ptr(x, "void *"), t, h, inter, k, e, _expert_parts(w13), len(w13.parts),
+        _expert_parts(w2), int(gated), _ptr(weights, "float *"), _ptr(ids, "int64_t *"),
+        threads or torch.get_num_threads(),
+    )
+    if status == -2:
+        raise QuantError(f"an expert id is out of range for {e} experts")
+    if status:
+        raise QuantError(f"quantized experts {w13!r}: {'out of memory' if status == -3 else 'bad arguments'}")
+    return out
+
+
+__all__ = ["PATHS", "available", "pack", "paths", "qmatmul", "qmoe", "qrows"]
 
 
 # Rows of activations up to which a dense projection on CPU takes quant.c's dense kernel

@@ -1628,3 +1628,184 @@ int eng_moe_small(int dtype, void *out, const void *x, int64_t T, int64_t H, int
     }
     return 0;
 }
+
+/* ---- routed experts kept in their blocks ---------------------------------------------------
+ *
+ * eng_moe_small's computation where the experts' matrices stay in GGUF blocks (a GGUF's
+ * ffn_*_exps stacks, panel-packed): the (token, slot) pairs sorted by expert, each routed
+ * expert's first projection over its group of pairs, the activation, its down projection,
+ * and a token's k outputs summed with their routing weights in fp32. A part (EngQPart)
+ * holds E experts' [N, K] weights one after another, each expert's N rows padded to whole
+ * panels, so expert e's panel p is the stack's panel e * ceil(N / 16) + p. w13's parts
+ * write columns [col, col + N) of the first projection's [pairs, n13 * I] output: the gate
+ * at 0 and the up at I (gated), or the up rows alone (Nemotron 3's relu(up)^2 experts).
+ * w2 is the down stack (N = H, K = I).
+ *
+ * The matmuls are eng_qmatmul's int8 micro-kernels over activations quantized as it
+ * quantizes them, and every intermediate is rounded to the activations' dtype where the
+ * quantized Linear path rounds it, so each pair's output is, value for value, what a dense
+ * model's MLP kept in blocks computes for one token (two eng_qmatmul calls around the
+ * activation). Any number of tokens; scratch is allocated here. Returns 0; -1 for
+ * arguments it does not take, -2 for an expert id out of range, -3 out of memory (out is
+ * written only on 0). */
+
+/* The group of a work item: the last g with start[g] <= item (start ascending). */
+static int64_t qmoe_group(const int64_t *start, int64_t groups, int64_t item) {
+    int64_t lo = 0, hi = groups - 1;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (start[mid] <= item)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+
+/* Tokens [gs + t0, gs + t1) of one group through panel p of an expert's part, stored at
+ * columns col + 16 p of rows gs + t of out (row stride ostride). */
+static void qmoe_panel(const EngQPart *pt, int64_t K, int64_t e, int64_t p, const QActs *acts, int64_t gs, int64_t t0,
+                       int64_t t1, int dtype, void *out, int64_t ostride, int use_avx512, int use_avx2) {
+    const int64_t pe = (pt->N + PANEL - 1) / PANEL;
+    const QWeight w = {pt->fmt, K, pe * PANEL * (e + 1), pe * (e + 1), K / 32, pt->codes, pt->hi, pt->d,
+                       pt->m, pt->sc, pt->mn};
+    const QActs a = {acts->xq + gs * K, acts->dx + gs * (K / 32), acts->xs + gs * (K / 16)};
+    const int64_t rows = pt->N - p * PANEL < PANEL ? pt->N - p * PANEL : PANEL;
+    const int64_t tile = use_avx512 ? TILE512 : TILE;
+    float acc[TILE512 * PANEL];
+    (void)use_avx2;
+    for (int64_t s = t0; s < t1; s += tile) {
+        const int64_t nt = t1 - s < tile ? t1 - s : tile;
+#if HAVE_AVX512_PATH
+        if (use_avx512)
+            q_panel_avx512(&w, e * pe + p, &a, s, nt, acc);
+        else if (use_avx2)
+            q_panel_avx2(&w, e * pe + p, &a, s, nt, acc);
+        else
+#endif
+            q_panel_portable(&w, e * pe + p, &a, s, nt, acc);
+        for (int64_t t = 0; t < nt; t++)
+            q_store(out, dtype, ostride, gs + s + t, pt->col + p * PANEL, rows, acc + t * PANEL);
+    }
+}
+
+int eng_qmoe(int dtype, void *out, const void *x, int64_t T, int64_t H, int64_t I, int64_t k, int64_t E,
+             const EngQPart *w13, int n13, const EngQPart *w2, int gated, const float *topw, const int64_t *topi,
+             int nthreads) {
+    if ((dtype != QDT_F32 && dtype != QDT_BF16) || T < 1 || k < 1 || E < 1 || n13 != (gated ? 2 : 1) || !w2 ||
+        !topw || !topi)
+        return -1;
+    for (int i = 0; i < n13; i++)
+        if (q_check(w13[i].fmt, H, w13[i].N) || w13[i].N != I || w13[i].col != i * I || !w13[i].codes || !w13[i].d)
+            return -1;
+    if (q_check(w2->fmt, I, w2->N) || w2->N != H || !w2->codes || !w2->d)
+        return -1;
+    const int64_t P = T * k, R = n13 * I;
+    for (int64_t p = 0; p < P; p++)
+        if (topi[p] < 0 || topi[p] >= E)
+            return -2;
+    const int bf = dtype == QDT_BF16;
+    const size_t es = bf ? 2 : 4;
+    int64_t *count = calloc((size_t)E, sizeof(int64_t)), *order = malloc(sizeof(int64_t) * (size_t)P);
+    int64_t *where = malloc(sizeof(int64_t) * (size_t)P), *gexp = malloc(sizeof(int64_t) * (size_t)(P + 1));
+    int64_t *gstart = malloc(sizeof(int64_t) * (size_t)(P + 1));
+    int64_t *item13 = malloc(sizeof(int64_t) * (size_t)(P + 1)), *item2 = malloc(sizeof(int64_t) * (size_t)(P + 1));
+    int8_t *xq = malloc((size_t)(P * H)), *aq = malloc((size_t)(P * I));
+    float *dx = malloc(sizeof(float) * (size_t)(P * (H / 32))), *xs = malloc(sizeof(float) * (size_t)(P * (H / 16)));
+    float *adx = malloc(sizeof(float) * (size_t)(P * (I / 32))), *axs = malloc(sizeof(float) * (size_t)(P * (I / 16)));
+    void *h = malloc(es * (size_t)(P * R)), *act = malloc(es * (size_t)(P * I)), *y = malloc(es * (size_t)(P * H));
+    int status = 0;
+    if (!count || !order || !where || !gexp || !gstart || !item13 || !item2 || !xq || !aq || !dx || !xs || !adx ||
+        !axs || !h || !act || !y) {
+        status = -3;
+        goto done;
+    }
+    /* Pairs sorted by expert, stably (a counting sort): groups in ascending expert order. */
+    int64_t groups = 0;
+    for (int64_t p = 0; p < P; p++)
+        count[topi[p]]++;
+    {
+        int64_t n = 0;
+        for (int64_t e = 0; e < E; e++)
+            if (count[e]) {
+                gexp[groups] = e;
+                gstart[groups++] = n;
+                n += count[e];
+                count[e] = gstart[groups - 1]; /* now the next free position of the group */
+            }
+        gstart[groups] = n;
+        for (int64_t p = 0; p < P; p++) {
+            where[p] = count[topi[p]]++;
+            order[where[p]] = p;
+        }
+    }
+    /* Work items: for each group, its token blocks times the panels of its parts. */
+    int64_t pe13 = 0;
+    for (int i = 0; i < n13; i++)
+        pe13 += (I + PANEL - 1) / PANEL;
+    const int64_t pe2 = (H + PANEL - 1) / PANEL;
+    item13[0] = item2[0] = 0;
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t blocks = (gstart[g + 1] - gstart[g] + TOKEN_BLOCK - 1) / TOKEN_BLOCK;
+        item13[g + 1] = item13[g] + blocks * pe13;
+        item2[g + 1] = item2[g] + blocks * pe2;
+    }
+    int use_avx512 = 0, use_avx2 = 0;
+#if HAVE_AVX512_PATH
+    use_avx512 = q_has_avx512();
+    use_avx2 = !use_avx512 && q_has_avx2();
+#endif
+    const QActs xa = {xq, dx, xs}, aa = {aq, adx, axs};
+    const int team = nthreads > 1 && (double)P * (double)I * (double)H >= QPARALLEL_MIN_WORK ? nthreads : 1;
+#pragma omp parallel num_threads(team)
+    {
+        /* Each pair's row of activations, quantized in the pairs' sorted order. */
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < P; i++)
+            q_quantize_row((const char *)x + (size_t)(order[i] / k * H) * es, bf, H, xq + i * H, dx + i * (H / 32),
+                           xs + i * (H / 16));
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < item13[groups]; it++) {
+            const int64_t g = qmoe_group(item13, groups, it), local = it - item13[g];
+            const int64_t tb = local / pe13, pp = local % pe13, per = (I + PANEL - 1) / PANEL;
+            const int part = (int)(pp / per);
+            const int64_t n = gstart[g + 1] - gstart[g], t0 = tb * TOKEN_BLOCK;
+            qmoe_panel(w13 + part, H, gexp[g], pp % per, &xa, gstart[g], t0, t0 + TOKEN_BLOCK < n ? t0 + TOKEN_BLOCK : n,
+                       dtype, h, R, use_avx512, use_avx2);
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < P; i++) {
+            if (!gated) /* Nemotron 3's: relu(up)^2, rounded once as torch's square rounds */
+                for (int64_t c = 0; c < I; c++) {
+                    float v = d_ld(h, i * I + c, bf);
+                    v = v > 0.0f ? v : 0.0f;
+                    d_st(act, i * I + c, v * v, bf);
+                }
+            else if (bf)
+                eng_silu_mul_row_bf16(act, h, i, I, 0, I);
+            else
+                eng_silu_mul_row_f32(act, h, i, I, 0, I);
+            q_quantize_row((const char *)act + (size_t)(i * I) * es, bf, I, aq + i * I, adx + i * (I / 32),
+                           axs + i * (I / 16));
+        }
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < item2[groups]; it++) {
+            const int64_t g = qmoe_group(item2, groups, it), local = it - item2[g];
+            const int64_t tb = local / pe2, n = gstart[g + 1] - gstart[g], t0 = tb * TOKEN_BLOCK;
+            qmoe_panel(w2, I, gexp[g], local % pe2, &aa, gstart[g], t0, t0 + TOKEN_BLOCK < n ? t0 + TOKEN_BLOCK : n,
+                       dtype, y, H, use_avx512, use_avx2);
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t c = 0; c < H; c++) {
+                float s = 0.0f;
+                for (int64_t j = 0; j < k; j++)
+                    s += d_ld(y, where[t * k + j] * H + c, bf) * topw[t * k + j];
+                d_st(out, t * H + c, s, bf);
+            }
+    }
+done:
+    free(count), free(order), free(where), free(gexp), free(gstart), free(item13), free(item2);
+    free(xq), free(aq), free(dx), free(xs), free(adx), free(axs), free(h), free(act), free(y);
+    return status;
+}
