@@ -52,6 +52,9 @@ at reduced shapes that keep what sets each family apart (``SHAPES``):
   of 128 without positions, in layer 4; Mamba-1 with 2048 channels and a 16-wide state in
   the others; 16 experts 1024 wide, 2 routed a token, every other layer; SwiGLU MLPs
   1024 wide between). Unfused.
+* Qwen3-MoE: Qwen3-30B-A3B's routing (softmax over the experts, 8 routed a token,
+  renormalised, no shared expert) with 64 experts 512 wide on every layer; the same
+  attention with q/k norms. Unfused (the experts run through ``fused_moe``).
 * Mamba-2 alone: 8 Mamba blocks (32 heads of 64, a 128-wide state in 8 groups: Mamba-Codestral's
   mixer at a quarter of its width), no attention. Unfused.
 
@@ -158,6 +161,12 @@ SHAPES = {
         head_dim=128, intermediate_size=2816, vocab_size=384, tie_word_embeddings=False, linear_num_key_heads=8,
         linear_num_value_heads=16, linear_key_head_dim=64, linear_value_head_dim=64, pad_token_id=0, bos_token_id=1,
         eos_token_id=2),
+    # Qwen3-MoE (Qwen3-30B-A3B's routing: 128 experts of 768 at hidden 2048, 8 routed a
+    # token, renormalised; here 64 experts of 512 at hidden 1024), q/k norms, no shared expert.
+    "qwen3_moe": ATTENTION | dict(
+        intermediate_size=2816, moe_intermediate_size=512, num_experts=64, num_experts_per_tok=8, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], vocab_size=384, tie_word_embeddings=False, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2),
     "glm4_moe": ATTENTION | dict(
         intermediate_size=2816, moe_intermediate_size=256, n_routed_experts=64, num_experts_per_tok=8,
         n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, attention_bias=True,
@@ -172,6 +181,7 @@ def write(family: str, folder: Path) -> None:
     import transformers
 
     name = {"glm4_moe": "Glm4Moe", "deepseek_v3": "DeepseekV3", "glm4": "Glm4", "cohere2": "Cohere2", "olmoe": "Olmoe",
+            "qwen3_moe": "Qwen3Moe",
             "gpt_bigcode": "GPTBigCode", "starcoder2": "Starcoder2", "gpt_neox": "GPTNeoX",
             "phi": "Phi", "granite4h": "GraniteMoeHybrid", "nemotron_h": "NemotronH", "nemotron3": "NemotronH",
             "qwen3_5": "Qwen3_5",

@@ -1,8 +1,10 @@
-"""The state-space families from GGUFs written by llama.cpp's own converter: read as
-transformers runs the model they came from, then timed beside llama.cpp on the same file.
+"""The state-space families, and Qwen3-MoE (``qwen3_moe``), from
+GGUFs written by llama.cpp's own converter: read as transformers runs the model they came
+from, then timed beside llama.cpp on the same file.
 
     .venv/bin/python bench/recurrent_gguf.py --llama-cpp /work/llama
-        [--families falcon_h1,mamba2,mamba,jamba,granite4h,nemotron_h,nemotron3] [--outtype q8_0]
+        [--families falcon_h1,mamba2,mamba,jamba,granite4h,nemotron_h,nemotron3,qwen3_moe]
+        [--outtype q8_0]
         [--new-tokens 64]
         [--prompt-len 512] [--rounds 3] [--dtypes float32,bfloat16] [--check-only]
 
