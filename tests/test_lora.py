@@ -439,7 +439,7 @@ def test_a_gguf_base_with_an_adapter_matches_peft_on_the_dequantized_model(tmp_p
 # biases (the adapter's delta goes on after the quantized matmul's bias, as LoraLinear adds
 # it to QuantLinear's output), Gemma 2's layer, and a MoE whose sparse MLPs run between C calls.
 FUSED_CASES = [("llama", "dense", "float32"), ("qwen2", "Q4_1", "bfloat16"), ("gemma2", "Q8_0", "bfloat16"),
-               ("qwen2_moe", "dense", "float32")]
+               ("qwen2_moe", "dense", "float32"), ("qwen2_moe", "Q8_0", "float32")]
 
 
 @pytest.mark.parametrize(("arch", "quant", "dtype"), FUSED_CASES, ids=["-".join(c) for c in FUSED_CASES])

@@ -279,3 +279,38 @@ def test_two_pipeline_stages_match_peft(tiny) -> None:
             name = names[i % len(names)]
             torch.testing.assert_close(got, tiny.want[name][i // len(names)], atol=tiny.atol, rtol=0,
                                        msg=lambda m, n=name: f"adapter {n}: {m}")
+
+
+def test_a_gguf_base_whose_experts_stay_in_blocks_matches_peft_on_the_dequantized_model(tmp_path, monkeypatch) -> None:
+    """A Q8_0 Qwen2-MoE GGUF keeps its experts' blocks (``QuantizedExperts``); an adapter
+    over its experts and shared expert runs beside them (each adapted expert's weight read
+    dequantized in the LoRA path, the base's pairs through the C kernel), against peft over
+    the same file dequantized, as tests/test_lora.py holds a dense GGUF base: over the C
+    kernels within KERNEL_LOGIT_SPAN of each row's range (int8 activations), and a base row
+    the adapter's expert deltas would move by far more."""
+    from test_quant_models import KERNEL_LOGIT_SPAN, write_quantized
+
+    from engine.models.loader import load_model
+    from engine.ops.quant import QuantizedExperts
+
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_quantized(tmp_path, "qwen2_moe", "Q8_0")
+    kept = load_model(path, dtype="float32")
+    dense = load_model(path, dtype="float32", quantization="none")
+    # The routed experts alone (and the shared expert's one-row gate, as peft wants a module),
+    # at a std that lets their deltas move the logits well past the bound.
+    peft_model = write_peft_adapters(dense.folder, tmp_path, {"r8": ADAPTERS["r8"]}, seed=5,
+                                     targets=r".*\.mlp\.shared_expert_gate", std=0.1)
+    adapter = LoraAdapter("r8", str(tmp_path / "r8"), 1)
+    prompts = _prompts(kept.config.vocab_size)
+    with torch.inference_mode():
+        want = [peft_model(torch.tensor([p])).logits[0] for p in prompts]
+    runner = _runner(kept, "cpu")
+    assert all(isinstance(layer.moe.w13, QuantizedExperts) for layer in runner.model.layers if layer.moe is not None)
+    got = prefill_logits(runner, prompts + prompts, [adapter] * len(prompts) + [None] * len(prompts))
+    moved = 0.0
+    for g, base, w in zip(got, got[len(prompts):], want, strict=False):
+        span = (w.amax(-1) - w.amin(-1)).unsqueeze(-1)
+        assert float(((g - w).abs() / span).max()) <= KERNEL_LOGIT_SPAN
+        moved = max(moved, float(((base - w).abs() / span).max()))
+    assert moved > 4 * KERNEL_LOGIT_SPAN  # the adapter's deltas are not within the bound
