@@ -130,8 +130,16 @@ class BlockPool:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._hasher = hasher
-        self._blocks = [_Block(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # The free queue, next to be taken first, in three parts, so a pool of millions of
+        # blocks (a tiny model's share of the KV memory) costs nothing until they are used:
+        # blocks freed holding no cached tokens (the last freed first: a dict popped from
+        # its end), then the never-used blocks [_fresh, num_blocks) in id order, then the
+        # freed cached blocks, least recently freed first. A block's record is made when it
+        # is first handed out (the fresh ids go in order, so _blocks[i] exists for i < _fresh).
+        self._blocks: list[_Block] = []
+        self._fresh = 0
+        self._free_front: dict[int, None] = {}
+        self._free_back: OrderedDict[int, None] = OrderedDict()
         self._buckets: dict[int, list[_Block]] = {}
         self._tables: dict[str, list[int]] = {}
         # Per request: (key, gen) of each leading block whose tokens are in the cache,
@@ -203,8 +211,8 @@ class BlockPool:
         num_new = max(0, -(-end // self.block_size) - len(table) - len(hits))
         # Hit blocks that sit in the free queue leave it too; count them against it.
         num_taken = num_new + sum(1 for b in hits if b.ref_count == 0)
-        if num_taken > len(self._free):
-            return AllocationRefused(call.sample_id, num_taken, len(self._free))
+        if num_taken > self.num_free_blocks:
+            return AllocationRefused(call.sample_id, num_taken, self.num_free_blocks)
         for block in hits:
             self._take(block)
         new_ids = [self._allocate_one() for _ in range(num_new)]
@@ -313,7 +321,7 @@ class BlockPool:
                                 f"into {call.dst_id!r}")
         if self._released.get(call.src_id):
             raise ProtocolError(f"cannot fork {call.src_id!r}: it released blocks")
-        if call.copy_last and not self._free:
+        if call.copy_last and not self.num_free_blocks:
             return AllocationRefused(call.dst_id, 1, 0)
         shared = src[: call.num_blocks - 1] if call.copy_last else src[: call.num_blocks]
         for block_id in shared:
@@ -342,17 +350,18 @@ class BlockPool:
         return True
 
     def _unref(self, block_id: int, sample_id: str) -> None:
-        block = self._blocks[block_id]
-        if block.ref_count <= 0 or block_id in self._free:
+        block = self._blocks[block_id] if 0 <= block_id < self._fresh else None
+        if block is None or block.ref_count <= 0 or block_id in self._free_front or block_id in self._free_back:
             raise ProtocolError(f"block {block_id} freed twice (request {sample_id!r})")
         block.ref_count -= 1
         if block.ref_count == 0:
-            self._free[block_id] = None
-            if not block.gen:
+            if block.gen:
+                self._free_back[block_id] = None
+            else:
                 # Holding no cached tokens, it is worth nothing: reuse it before any
                 # never-used block (whose memory pages may not be resident yet) and before
                 # evicting a cached one.
-                self._free.move_to_end(block_id, last=False)
+                self._free_front[block_id] = None
 
     def _reserve_checkpoint(self, sample_id: str, start: int, end: int, loaded_gen: int,
                             past_prompt: bool) -> tuple[tuple[int, int], ...]:
@@ -415,7 +424,7 @@ class BlockPool:
 
     def checkpoint_of(self, block_id: int) -> int | None:
         """The state checkpoint tied to the cache entry of ``block_id`` (tests)."""
-        gen = self._blocks[block_id].gen
+        gen = self._blocks[block_id].gen if 0 <= block_id < self._fresh else 0
         return self._ckpt_of.get(gen) if gen and self._ckpt_block.get(gen) == block_id else None
 
     @property
@@ -425,9 +434,9 @@ class BlockPool:
     def statistics(self) -> AllocatorStats:
         return AllocatorStats(
             num_blocks=self.num_blocks,
-            num_free_blocks=len(self._free),
+            num_free_blocks=self.num_free_blocks,
             num_cached_blocks=self._num_cached,
-            usage=1.0 - len(self._free) / self.num_blocks,
+            usage=1.0 - self.num_free_blocks / self.num_blocks,
             prefix_cache_queries=self._queries,
             prefix_cache_hits=self._hits,
         )
@@ -437,14 +446,16 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks no request holds, cached ones included."""
-        return len(self._free)
+        return len(self._free_front) + self.num_blocks - self._fresh + len(self._free_back)
 
     def ref_count(self, block_id: int) -> int:
-        return self._blocks[block_id].ref_count
+        if not 0 <= block_id < self.num_blocks:
+            raise IndexError(f"block {block_id} of {self.num_blocks}")
+        return self._blocks[block_id].ref_count if block_id < self._fresh else 0
 
     def free_block_ids(self) -> tuple[int, ...]:
         """The free queue, next to be evicted first."""
-        return tuple(self._free)
+        return (*reversed(self._free_front), *range(self._fresh, self.num_blocks), *self._free_back)
 
     def block_table(self, sample_id: str) -> tuple[int, ...]:
         return tuple(self._tables.get(sample_id, ()))
@@ -516,11 +527,21 @@ class BlockPool:
 
     def _take(self, block: _Block) -> None:
         if block.ref_count == 0:
-            del self._free[block.block_id]
+            if block.block_id in self._free_front:
+                del self._free_front[block.block_id]
+            else:
+                del self._free_back[block.block_id]
         block.ref_count += 1
 
     def _allocate_one(self) -> int:
-        block_id, _ = self._free.popitem(last=False)
+        if self._free_front:
+            block_id, _ = self._free_front.popitem()
+        elif self._fresh < self.num_blocks:
+            block_id = self._fresh
+            self._blocks.append(_Block(block_id))
+            self._fresh += 1
+        else:
+            block_id, _ = self._free_back.popitem(last=False)
         block = self._blocks[block_id]
         if block.gen:
             self._evict(block)
