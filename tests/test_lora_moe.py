@@ -283,8 +283,8 @@ def test_two_pipeline_stages_match_peft(tiny) -> None:
 
 def test_a_gguf_base_whose_experts_stay_in_blocks_matches_peft_on_the_dequantized_model(tmp_path, monkeypatch) -> None:
     """A Q8_0 Qwen2-MoE GGUF keeps its experts' blocks (``QuantizedExperts``); an adapter
-    over its experts and shared expert runs beside them (each adapted expert's weight read
-    dequantized in the LoRA path, the base's pairs through the C kernel), against peft over
+    over its experts runs beside them (the LoRA path's per-expert matmuls through qmatmul
+    on the expert's blocks, the base's pairs through the C kernel), against peft over
     the same file dequantized, as tests/test_lora.py holds a dense GGUF base: over the C
     kernels within KERNEL_LOGIT_SPAN of each row's range (int8 activations), and a base row
     the adapter's expert deltas would move by far more."""

@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.config import ModelConfig
+from engine.models.layers.moe import expert_linear
 from engine.models.layers.shard import RowParallel, qkv_spans
 from engine.models.lora import (
     EXPERT_DOWN,
@@ -64,7 +65,7 @@ from engine.models.lora import (
 )
 from engine.ops import LoraSegments, Ops, lora_rows_paired
 from engine.ops.cpu.fused_spec import LoraProjection
-from engine.ops.moe import combine, expert_weight
+from engine.ops.moe import combine
 from engine.parallel import SINGLE, TensorParallel, shard_range
 
 Spans = tuple[tuple[int, int], ...]
@@ -253,12 +254,12 @@ class LoraExperts:
                     runs.append((pos, pos + c, slot))
                     pos += c
             segments = LoraSegments(tuple(runs), sorted_slots[start:end]) if runs else None
-            h = F.linear(rows[start:end], expert_weight(w13, e, x.dtype))  # (blocks kept: dequantized)
+            h = expert_linear(rows[start:end], w13, e)  # (experts kept in blocks: qmatmul)
             a13, b13, a2, b2 = self.per_expert[e]
             if segments is not None:
                 ops.lora_add(h, rows[start:end], a13, b13, segments)
             act = F.silu(h[:, :inter]) * h[:, inter:]
-            out = F.linear(act, expert_weight(w2, e, x.dtype))
+            out = expert_linear(act, w2, e)
             if segments is not None:
                 ops.lora_add(out, act, a2, b2, segments)
             out_sorted[start:end] = out

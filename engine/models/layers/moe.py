@@ -50,7 +50,7 @@ from engine.models.layers.linear import make_linear
 from engine.models.layers.shard import ShardedWeights
 from engine.ops import Ops
 from engine.ops.cpu import qmatmul as cq
-from engine.ops.moe import ClampedSwiglu, ExpertActivation, SquaredRelu
+from engine.ops.moe import ClampedSwiglu, ExpertActivation, SquaredRelu, expert_weight
 from engine.ops.quant import QuantizedExperts, QuantizedWeight
 from engine.parallel import SINGLE, TensorParallel, shard_range
 
@@ -160,6 +160,23 @@ def run_experts(ops: Ops, x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: 
             and not isinstance(activation, ClampedSwiglu) and cq.available()):
         return cq.qmoe(x, w13, w2, weights, ids, gated=activation is None)
     return ops.fused_moe(x, w13, w2, weights, ids, activation)
+
+
+def expert_linear(x: torch.Tensor, w, e: int) -> torch.Tensor:
+    """``x @ W_e.T`` for expert ``e`` of a stack (the LoRA path's per-expert matmuls): a
+    stack kept in blocks through ``qmatmul``, part by part into its output columns (the
+    arithmetic ``eng_qmoe`` gives the pairs it runs), else the dense weight (dequantized
+    where the C kernels are missing)."""
+    if isinstance(w, QuantizedExperts) and x.is_cpu and x.dtype in (torch.float32, torch.bfloat16) \
+            and cq.available():
+        x = x.contiguous()
+        out = torch.empty((x.shape[0], w.shape[1]), dtype=x.dtype)
+        col = 0
+        for part in w.expert(e):
+            cq.qmatmul(x, part, out=out[:, col : col + part.shape[0]])
+            col += part.shape[0]
+        return out
+    return F.linear(x, expert_weight(w, e, x.dtype))
 
 
 def stack_experts(gate_up: list[list], down: list, dtype: torch.dtype):
@@ -344,6 +361,7 @@ class _Fp32Router:
 
 __all__ = [
     "SparseMoeBlock",
+    "expert_linear",
     "expert_weight_names",
     "layer_prefix",
     "run_experts",
