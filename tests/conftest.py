@@ -31,14 +31,18 @@ if not torch.cuda.is_available():
 from pooling_fixtures import classifier, cross_encoder, minilm, st_embeddings, tagger  # noqa: E402, F401
 
 # The files that hold the suite's longest setups and tests (make test's --durations): run
-# first. `--dist loadfile` hands files out in collection order as the workers free up, so
-# with these at the front the last files are short ones and neither worker waits long for
-# the other at the end (with them last in alphabetical order, one ran alone for minutes).
+# first, longest first (each file's total of setups and calls, measured with
+# --durations=0). `--dist loadfile` hands files out in collection order as the workers free
+# up, so with these at the front the last files are short ones and neither worker waits
+# long for the other at the end (with them last in alphabetical order, one ran alone for
+# minutes).
 HEAVY_FIRST = (
-    "test_tensor_parallel_gguf.py", "test_pipeline_parallel.py", "test_tensor_parallel.py",
-    "test_quant_fidelity.py", "test_data_parallel_groups.py", "test_moe.py", "test_beam_search.py",
-    "test_lora_parallel.py", "test_tensor_parallel_workers.py", "test_gpt2_opt.py",
-    "test_pipeline_workers.py", "test_data_parallel_ray.py", "test_loader.py", "test_core_process.py",
+    "test_parity.py", "test_core_process.py", "test_http_cli.py", "test_pipeline_workers.py", "test_moe.py",
+    "test_engine_e2e.py", "test_data_parallel_groups.py", "test_tensor_parallel_gguf.py",
+    "test_tensor_parallel_workers.py", "test_pipeline_parallel.py", "test_sleep_mode.py", "test_gpt2_opt.py",
+    "test_lora_moe.py", "test_lora_parallel.py", "test_quant_fidelity.py", "test_cli.py", "test_tensor_parallel.py",
+    "test_beam_search.py", "test_grammar_compile_budget.py", "test_hub.py", "test_loader.py",
+    "test_data_parallel_ray.py",
 )
 
 

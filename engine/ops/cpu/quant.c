@@ -1533,6 +1533,28 @@ void eng_clamp_swiglu_row(void *, const void *, int64_t, int64_t, float, float, 
 
 #define MOE_MAX_PAIRS 256
 
+/* Nemotron 3's expert activation on pair row i: relu(up)^2, rounded once as torch's
+ * square rounds (h and a [pairs, I] in the dtype). */
+static void moe_relu2_row(void *a, const void *h, int64_t i, int64_t I, int bf) {
+    for (int64_t c = 0; c < I; c++) {
+        float v = d_ld(h, i * I + c, bf);
+        v = v > 0.0f ? v : 0.0f;
+        d_st(a, i * I + c, v * v, bf);
+    }
+}
+
+/* Token t's output: its k pair rows of y [pairs, H] (at where[t * k + j]) weighted by
+ * topw and summed in fp32, in the dtype. */
+static void moe_combine_row(void *out, const void *y, const int64_t *where, const float *topw, int64_t t,
+                            int64_t k, int64_t H, int bf) {
+    for (int64_t c = 0; c < H; c++) {
+        float s = 0.0f;
+        for (int64_t j = 0; j < k; j++)
+            s += d_ld(y, where[t * k + j] * H + c, bf) * topw[t * k + j];
+        d_st(out, t * H + c, s, bf);
+    }
+}
+
 /* gated: w13 holds each expert's gate rows then up rows (2 I of them) and the activation
  * is SiLU-gated (gpt-oss's clamped form where limit > 0); else w13 holds the up rows alone
  * (I of them) and the activation is Nemotron 3's relu(up)^2. */
@@ -1597,12 +1619,8 @@ int eng_moe_small(int dtype, void *out, const void *x, int64_t T, int64_t H, int
         }
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < P; i++) {
-            if (!gated) /* Nemotron 3's: relu(up)^2, rounded once as torch's square rounds */
-                for (int64_t c = 0; c < I; c++) {
-                    float v = d_ld(h, i * I + c, bf);
-                    v = v > 0.0f ? v : 0.0f;
-                    d_st(a, i * I + c, v * v, bf);
-                }
+            if (!gated)
+                moe_relu2_row(a, h, i, I, bf);
             else if (limit > 0.0f) /* gpt-oss's experts */
                 eng_clamp_swiglu_row(a, h, i, I, alpha, limit, bf);
             else if (bf)
@@ -1619,12 +1637,7 @@ int eng_moe_small(int dtype, void *out, const void *x, int64_t T, int64_t H, int
         }
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++)
-            for (int64_t c = 0; c < H; c++) {
-                float s = 0.0f;
-                for (int64_t j = 0; j < k; j++)
-                    s += d_ld(y, where[t * k + j] * H + c, bf) * topw[t * k + j];
-                d_st(out, t * H + c, s, bf);
-            }
+            moe_combine_row(out, y, where, topw, t, k, H, bf);
     }
     return 0;
 }
@@ -1775,12 +1788,8 @@ int eng_qmoe(int dtype, void *out, const void *x, int64_t T, int64_t H, int64_t 
         }
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < P; i++) {
-            if (!gated) /* Nemotron 3's: relu(up)^2, rounded once as torch's square rounds */
-                for (int64_t c = 0; c < I; c++) {
-                    float v = d_ld(h, i * I + c, bf);
-                    v = v > 0.0f ? v : 0.0f;
-                    d_st(act, i * I + c, v * v, bf);
-                }
+            if (!gated)
+                moe_relu2_row(act, h, i, I, bf);
             else if (bf)
                 eng_silu_mul_row_bf16(act, h, i, I, 0, I);
             else
@@ -1797,12 +1806,7 @@ int eng_qmoe(int dtype, void *out, const void *x, int64_t T, int64_t H, int64_t 
         }
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++)
-            for (int64_t c = 0; c < H; c++) {
-                float s = 0.0f;
-                for (int64_t j = 0; j < k; j++)
-                    s += d_ld(y, where[t * k + j] * H + c, bf) * topw[t * k + j];
-                d_st(out, t * H + c, s, bf);
-            }
+            moe_combine_row(out, y, where, topw, t, k, H, bf);
     }
 done:
     free(count), free(order), free(where), free(gexp), free(gstart), free(item13), free(item2);
