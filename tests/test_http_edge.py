@@ -38,8 +38,12 @@ from engine.models.testing import write_tiny_model
 from engine.models.tokenizer import Tokenizer
 
 MAX_REQUEST_BYTES = 4096
-# Shortened for the test (the served default is edge.KEEP_ALIVE_SECONDS).
-KEEP_ALIVE = 0.5
+# Shortened for the test (the served default is edge.KEEP_ALIVE_SECONDS), but not so far
+# that a loaded host closes a connection a test reuses: at 0.5 s, with the client and the
+# server thread sharing one GIL on two busy cores, the gap between httpx reading the 413
+# and sending its next request passed it (the chunked-body test failed once in a CI run
+# and once in two runs beside eight busy processes; at 2 s it held in five such runs).
+KEEP_ALIVE = 2.0
 READ_LIMIT = 10.0  # hang guard for one socket read
 
 
