@@ -167,6 +167,10 @@ SHAPES = {
         intermediate_size=2816, moe_intermediate_size=512, num_experts=64, num_experts_per_tok=8, norm_topk_prob=True,
         decoder_sparse_step=1, mlp_only_layers=[], vocab_size=384, tie_word_embeddings=False, pad_token_id=0,
         bos_token_id=1, eos_token_id=2),
+    # A dense Llama at the same attention (bench/gguf_formats.py's model: its widths are
+    # whole 256-column super-blocks, so every matrix takes a k-quant).
+    "llama": ATTENTION | dict(intermediate_size=2816, vocab_size=384, tie_word_embeddings=False, pad_token_id=0,
+                              bos_token_id=1, eos_token_id=2),
     "glm4_moe": ATTENTION | dict(
         intermediate_size=2816, moe_intermediate_size=256, n_routed_experts=64, num_experts_per_tok=8,
         n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, attention_bias=True,
@@ -181,7 +185,7 @@ def write(family: str, folder: Path) -> None:
     import transformers
 
     name = {"glm4_moe": "Glm4Moe", "deepseek_v3": "DeepseekV3", "glm4": "Glm4", "cohere2": "Cohere2", "olmoe": "Olmoe",
-            "qwen3_moe": "Qwen3Moe",
+            "qwen3_moe": "Qwen3Moe", "llama": "Llama",
             "gpt_bigcode": "GPTBigCode", "starcoder2": "Starcoder2", "gpt_neox": "GPTNeoX",
             "phi": "Phi", "granite4h": "GraniteMoeHybrid", "nemotron_h": "NemotronH", "nemotron3": "NemotronH",
             "qwen3_5": "Qwen3_5",

@@ -31,20 +31,23 @@ from engine.models.config import ModelConfig
 from engine.models.loader import load_model, resolve_model
 from engine.models.registry import model_class
 from engine.models.testing import CHATML_TEMPLATE, TINY_ARCHITECTURES, write_tiny_model
-from engine.models.testing_quant import quantize_q4_k
+from engine.models.testing_quant import quantize_q2_k, quantize_q3_k, quantize_q4_k
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 Q4_K = gguf.GGMLQuantizationType.Q4_K
+# The k-quants the tiny-model helpers encode (the gguf package quantizes the others).
+K_QUANT_WRITERS = {Q4_K: quantize_q4_k, gguf.GGMLQuantizationType.Q3_K: quantize_q3_k,
+                   gguf.GGMLQuantizationType.Q2_K: quantize_q2_k}
 F32 = gguf.GGMLQuantizationType.F32
 
 
 def quantize_array(array: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     """GGUF bytes of ``array`` in ``qtype`` (F32: the array itself). The gguf package writes
-    the 32-column formats; Q4_K comes from the tiny-model helpers' own encoder."""
+    the 32-column formats; Q4_K, Q3_K and Q2_K come from the tiny-model helpers' encoders."""
     if qtype == F32:
         return array
-    if qtype == Q4_K:
-        return quantize_q4_k(array)
+    if qtype in K_QUANT_WRITERS:
+        return K_QUANT_WRITERS[qtype](array)
     return gguf.quants.quantize(array, qtype)
 
 
@@ -166,7 +169,7 @@ def write_gguf(
             array = array + 1  # llama.cpp's converter stores Gemma's norms as 1 + w
         gname = _gguf_name(name, gguf_arch)
         qtype = quant if array.ndim == 2 else F32
-        if qtype == Q4_K and array.shape[-1] % 256:
+        if qtype in K_QUANT_WRITERS and array.shape[-1] % 256:
             qtype = Q8_0  # rows too short for a k-quant: llama.cpp's quantizer falls back too
         data = quantize_array(array, qtype)
         if replace and gname in replace:

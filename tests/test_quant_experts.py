@@ -77,6 +77,8 @@ CASES = [  # (first projection's format, down's, hidden, inter): the K-quants ne
     ("Q4_0", "Q4_1", 96, 64),
     ("Q4_K", "Q6_K", 256, 256),
     ("Q5_K", "Q4_K", 256, 256),
+    ("Q5_0", "Q5_1", 96, 64),
+    ("Q3_K", "Q2_K", 256, 256),
 ]
 
 

@@ -44,7 +44,7 @@ from engine.models.layers.linear import QuantLinear, weight_bytes
 from engine.models.llama import LlamaModel
 from engine.models.loader import load_model
 from engine.models.testing import TINY_MOE_ARCHITECTURES, write_tiny_model
-from engine.models.testing_quant import quantize_q4_k
+from engine.models.testing_quant import quantize_q2_k, quantize_q3_k, quantize_q4_k
 from engine.ops.cpu import qmatmul as cq
 from engine.ops.quant import QuantizedExperts, QuantizedWeight
 
@@ -69,6 +69,13 @@ CASES = [
     ("phi3", "Q8_0", None),
     ("mixtral", "Q8_0", None),
     ("qwen2_moe", "Q8_0", None),
+    # The formats kept in blocks since session 35 (Q4_K_M files of narrow models hold
+    # Q5_0; Q3_K_M, Q3_K_S and Q2_K files hold Q3_K and Q2_K).
+    # (the tiny Llama ties its head: the head multiplies by the embedding's own blocks)
+    ("llama", "Q5_0", {"tie_word_embeddings": True}),
+    ("llama", "Q5_1", {"tie_word_embeddings": True}),
+    ("llama", "Q3_K", WIDE | {"tie_word_embeddings": True}),
+    ("llama", "Q2_K", WIDE | {"tie_word_embeddings": True}),
 ]
 
 
@@ -121,7 +128,9 @@ def test_a_quantized_gguf_keeps_its_blocks_and_matches_the_dequantized_model(
     assert isinstance(model.embed, QuantizedWeight)
     assert all(isinstance(p, QuantLinear) for p in _projections(model))
     formats = {p.fmt.name for proj in _projections(model) for p in proj.parts}
-    assert formats == ({quant, "Q8_0"} if quant == "Q4_K" else {quant})
+    # A k-quant's rows narrower than 256 fall back to Q8_0 (and Q4_K's attn_v is Q8_0).
+    assert formats == ({quant, "Q8_0"} if quant == "Q4_K" else {quant}) or (
+        quant.endswith("_K") and formats == {quant, "Q8_0"})
     if kept.config.moe is not None:  # the experts' stacks stay in their blocks too
         blocks = [layer.moe for layer in model.layers if layer.moe is not None]
         assert blocks and all(isinstance(b.w13, QuantizedExperts) and isinstance(b.w2, QuantizedExperts)
@@ -165,6 +174,36 @@ def test_the_q4_k_writer_makes_blocks_gguf_reads_back_within_a_step() -> None:
     err = np.abs(back - w).reshape(sub.shape).max(-1)
     assert (err <= bound).all()
     assert np.abs(back - w).max() > 0 and np.abs(back[2, :32]).max() == 0
+
+
+@pytest.mark.parametrize("quant", ["Q3_K", "Q2_K"])
+def test_the_q3_k_and_q2_k_writers_make_blocks_gguf_reads_back_within_a_step(quant: str) -> None:
+    """The helpers' Q3_K and Q2_K encoders, checked with gguf's own dequantizer. Q3_K: each
+    value within one stored step |d sc| (the sub-block's peak of the other sign may clip
+    to the top code) plus the rounding of the 6-bit scale (up to 4 codes times d / 2).
+    Q2_K: within half a step plus the 4-bit scale's rounding (3 codes times d / 2) and the
+    4-bit min's (dmin / 2)."""
+    g = np.random.default_rng(4)
+    w = (g.standard_normal((6, 512)) * 0.08).astype(np.float32)
+    w[1] += 0.3  # no negative entries
+    w[2, :16] = 0.0  # a zero sub-block
+    qtype = getattr(gguf.GGMLQuantizationType, quant)
+    blocks = (quantize_q3_k if quant == "Q3_K" else quantize_q2_k)(w)
+    assert blocks.shape == (6, 2 * (110 if quant == "Q3_K" else 84))
+    back = gguf.quants.dequantize(blocks, qtype).reshape(w.shape)
+    sub = w.reshape(6, 2, 16, 16)
+    if quant == "Q3_K":
+        step = np.abs(sub).max(-1) / 4
+        d = step.max(-1, keepdims=True) / 31
+        bound = step + 4 * 0.5 * d + 1e-3 * d
+    else:
+        step = (sub.max(-1) - np.minimum(sub.min(-1), 0)) / 3
+        d = step.max(-1, keepdims=True) / 15
+        dmin = (-np.minimum(sub.min(-1), 0)).max(-1, keepdims=True) / 15
+        bound = 0.5 * step + 3 * 0.5 * d + 0.5 * dmin + 1e-3 * d
+    err = np.abs(back - w).reshape(sub.shape).max(-1)
+    assert (err <= bound).all()
+    assert np.abs(back - w).max() > 0 and np.abs(back[2, :16]).max() == 0
 
 
 # --------------------------------------------------------------------------------------

@@ -201,7 +201,7 @@ class JoinedRows(StoredTensor):
 def read_gguf_weights(path: Path, config: ModelConfig, *, device: torch.device, layout: str = "panels",
                       lazy: bool = False) -> GgufWeights:
     """The weights of GGUF ``path`` with the matrices of the formats ``layout``'s kernels
-    read kept on ``device`` (panels: Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K, for the C kernels;
+    read kept on ``device`` (panels: every format of ``engine.ops.quant.FORMATS``, for the C kernels;
     blocks: Q4_0/Q4_1/Q8_0/Q4_K, for the Triton kernel). ``lazy``: the
     :class:`GgufTensor` of each name instead, read when asked (see
     :mod:`engine.models.checkpoint`)."""

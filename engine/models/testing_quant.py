@@ -9,8 +9,9 @@ largest magnitude is the format's largest code; the other tensors as they are.
 (pack-quantized, symmetric) and "ct-w4-asym" (pack-quantized with zero points). Blocks and groups must divide the matrices (transformers'
 loaders, the oracle, require it).
 
-Also :func:`quantize_q4_k`, GGUF Q4_K rows for the tests that write a k-quant GGUF (the
-gguf package quantizes only the 32-column formats).
+Also :func:`quantize_q4_k`, :func:`quantize_q3_k` and :func:`quantize_q2_k`, GGUF k-quant
+rows for the tests that write a k-quant GGUF (the gguf package quantizes only the
+32-column formats).
 """
 
 from __future__ import annotations
@@ -186,3 +187,77 @@ def quantize_q4_k(weight: np.ndarray) -> np.ndarray:
         axis=-1,
     )
     return blocks.reshape(n, k // 256 * 144)
+
+
+def _two_bit_planes(q: np.ndarray) -> np.ndarray:
+    """Codes ``q [n, blocks, 256]`` (values 0..3 used) as GGUF's 64 bytes a super-block:
+    element 128h + 32j + l in bits 2j..2j+1 of byte 32h + l."""
+    n, nb = q.shape[:2]
+    parts = (q & 3).reshape(n, nb, 2, 4, 32)
+    out = parts[:, :, :, 0] | (parts[:, :, :, 1] << 2) | (parts[:, :, :, 2] << 4) | (parts[:, :, :, 3] << 6)
+    return out.reshape(n, nb, 64).astype(np.uint8)
+
+
+def quantize_q3_k(weight: np.ndarray) -> np.ndarray:
+    """GGUF Q3_K rows ``[N, K / 256 * 110]`` uint8 of an fp32 ``weight [N, K]``.
+
+    A 256-column super-block holds an fp16 ``d``, sixteen 6-bit scales stored as ``sc +
+    32`` (one per 16 columns, 12 bytes) and 3-bit codes (the low two bits in ``qs``, the
+    third in ``hmask``): ``w = d * sc * (q - 4)``. Each 16-column scale is signed so that
+    the sub-block's largest magnitude lands on code 0 (``-4``), both signs occurring;
+    rounded to nearest (not llama.cpp's search).
+    """
+    n, k = weight.shape
+    if k % 256:
+        raise ValueError(f"Q3_K needs K to be a multiple of 256, got {k}")
+    x = weight.astype(np.float32).reshape(n, k // 256, 16, 16)
+    peak = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]
+    scale = peak / -4.0  # [n, blocks, 16]
+    d = (np.abs(scale).max(-1) / 31).astype(np.float16)  # |sc| <= 31: no scale clips
+    u = d.astype(np.float32)[..., None]
+    sc = np.clip(np.rint(np.divide(scale, u, out=np.zeros_like(scale), where=u > 0)), -32, 31).astype(np.int32)
+    step = (u * sc)[..., None]
+    q = np.rint(np.divide(x, step, out=np.zeros_like(x), where=step != 0)) + 4
+    q = np.clip(q, 0, 7).astype(np.uint8).reshape(n, k // 256, 256)
+    hi = (q >> 2).reshape(n, k // 256, 8, 32)  # bit 4h + j of hmask[l]: element 128h + 32j + l
+    hmask = np.zeros((n, k // 256, 32), dtype=np.uint8)
+    for bit in range(8):
+        hmask |= (hi[:, :, bit] << bit).astype(np.uint8)
+    v = (sc + 32).astype(np.uint8)  # [n, blocks, 16], 6 bits
+    scales = np.empty((n, k // 256, 12), dtype=np.uint8)
+    scales[..., 0:8] = (v[..., 0:8] & 15) | ((v[..., 8:16] & 15) << 4)
+    high = v >> 4  # scale j's top two bits: byte 8 + j % 4, bits 2 (j // 4)
+    scales[..., 8:12] = high[..., 0:4] | (high[..., 4:8] << 2) | (high[..., 8:12] << 4) | (high[..., 12:16] << 6)
+    blocks = np.concatenate([hmask, _two_bit_planes(q), scales, d[..., None].view(np.uint8)], axis=-1)
+    return blocks.reshape(n, k // 256 * 110)
+
+
+def quantize_q2_k(weight: np.ndarray) -> np.ndarray:
+    """GGUF Q2_K rows ``[N, K / 256 * 84]`` uint8 of an fp32 ``weight [N, K]``.
+
+    A 256-column super-block holds sixteen bytes of 4-bit scale and min (one byte per 16
+    columns, the scale in the low nibble), 2-bit codes, and fp16 ``d`` and ``dmin``:
+    ``w = d * sc * q - dmin * mn``. Rounded to nearest, as :func:`quantize_q4_k`.
+    """
+    n, k = weight.shape
+    if k % 256:
+        raise ValueError(f"Q2_K needs K to be a multiple of 256, got {k}")
+    x = weight.astype(np.float32).reshape(n, k // 256, 16, 16)
+    lo = np.minimum(x.min(-1), 0.0)
+    scale, mins = (x.max(-1) - lo) / 3, -lo
+    d = (scale.max(-1) / 15).astype(np.float16)
+    dmin = (mins.max(-1) / 15).astype(np.float16)
+
+    def four_bits(v: np.ndarray, unit: np.ndarray) -> np.ndarray:
+        u = unit.astype(np.float32)[..., None]
+        return np.clip(np.rint(np.divide(v, u, out=np.zeros_like(v), where=u > 0)), 0, 15).astype(np.uint8)
+
+    sc, mn = four_bits(scale, d), four_bits(mins, dmin)
+    step = (d.astype(np.float32)[..., None] * sc)[..., None]
+    offset = (dmin.astype(np.float32)[..., None] * mn)[..., None]
+    q = np.divide(x + offset, step, out=np.zeros_like(x), where=step > 0)
+    q = np.clip(np.rint(q), 0, 3).astype(np.uint8).reshape(n, k // 256, 256)
+    blocks = np.concatenate(
+        [sc | (mn << 4), _two_bit_planes(q), d[..., None].view(np.uint8), dmin[..., None].view(np.uint8)], axis=-1
+    )
+    return blocks.reshape(n, k // 256 * 84)

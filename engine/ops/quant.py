@@ -1,4 +1,5 @@
-"""Block-quantized weights (GGUF Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) kept in their blocks.
+"""Block-quantized weights (GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
+kept in their blocks.
 
 Every format stores, per row of a ``[N, K]`` weight, unsigned integer *codes* with one
 ``scale`` and ``min`` per group of ``G`` consecutive columns, and means
@@ -9,7 +10,11 @@ format   group  bits  scale, min of a group (d, dmin: fp16 per block; sc, mn: in
 =======  =====  ====  ===================================================================
 Q4_0     32     4     d, -8 d
 Q4_1     32     4     d, m (both fp16)
+Q5_0     32     5     d, -16 d
+Q5_1     32     5     d, m
 Q8_0     32     8     d, -128 d        (the int8 q is stored as the code q + 128)
+Q2_K     16     2     d sc, -dmin mn   (sc, mn: 4-bit, one byte per 16 columns)
+Q3_K     16     3     d sc, -4 d sc    (sc: 6-bit, stored as the signed sc - 32)
 Q4_K     32     4     d sc, -dmin mn   (sc, mn: 6-bit, 8 per 256-column super-block)
 Q5_K     32     5     d sc, -dmin mn
 Q6_K     16     6     d sc, -32 d sc   (sc: int8, 16 per super-block)
@@ -29,14 +34,18 @@ gives an AVX-512 VNNI ``vpdpbusd`` operand: 16 rows x 4 consecutive columns (a "
     codes4[p, g, v, 4*r + j]   low nibble : code[16p + r, 32g + 4*(2v)   + j]   v = 0..3
                                high nibble: code[16p + r, 32g + 4*(2v+1) + j]   r = 0..15
     codes8[p, g, q, 4*r + j]   = code[16p + r, 32g + 4q + j]                    q = 0..7
-    hi1[p, g, q]  (Q5_K)       64-bit mask: bit 4*r + j = bit 4 of code[16p + r, 32g + 4q + j]
+    codes2[p, g, h, 4*r + j]   (Q2_K, Q3_K) bits 2i..2i+1 = bits 0..1 of quad q = 4h + i's code
+    hi1[p, g, q]  (Q5_*, Q3_K) 64-bit mask: bit 4*r + j = bit 4 (Q3_K: bit 2) of
+                               code[16p + r, 32g + 4q + j]
     hi2[p, g, h, 4*r + j]      (Q6_K) bits 2i..2i+1 = bits 4..5 of quad q = 4h + i's code
 
 and the scales per panel, 16 rows side by side, so one load gives a vector of 16:
-``d``/``m`` ``[P, K/32, 16]`` fp16 (Q4_0, Q4_1, Q8_0); ``d``/``dmin`` ``[P, K/256, 16]``
-fp16 and ``sc``/``mn`` ``[P, K/32, 16]`` uint8 (Q4_K, Q5_K); ``d`` ``[P, K/256, 16]`` fp16
-and ``sc`` ``[P, K/16, 16]`` int8 (Q6_K). The bytes equal the file's for Q4_0, Q4_1, Q8_0
-and Q6_K; Q4_K and Q5_K unpack their 6-bit scales to bytes (+2.8% and +2.3%).
+``d``/``m`` ``[P, K/32, 16]`` fp16 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); ``d``/``dmin``
+``[P, K/256, 16]`` fp16 and ``sc``/``mn`` ``[P, K/32, 16]`` uint8 (Q4_K, Q5_K); ``d``
+``[P, K/256, 16]`` fp16 and ``sc`` ``[P, K/16, 16]`` int8 (Q6_K, Q3_K); ``d``/``dmin``
+``[P, K/256, 16]`` fp16 and ``sc`` ``[P, K/16, 16]`` uint8, the file's byte (Q2_K). The
+bytes equal the file's for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K and Q6_K; Q4_K and Q5_K
+unpack their 6-bit scales to bytes (+2.8% and +2.3%), Q3_K its to int8 (+3.6%).
 """
 
 from __future__ import annotations
@@ -65,7 +74,8 @@ class Decoded:
     """A GGUF tensor taken apart: ``codes`` [N, K] uint8 and the format's scale fields.
 
     ``fields`` maps names to per-row tensors: ``d``, ``m``, ``dmin`` (fp16, per block),
-    ``sc``, ``mn`` (uint8 per 32 columns; int8 per 16 for Q6_K).
+    ``sc``, ``mn`` (uint8 per 32 columns; int8 per 16 for Q6_K and Q3_K; for Q2_K ``sc``
+    alone, uint8 per 16, the file's ``scale | min << 4``).
     """
 
     fmt: QuantFormat
@@ -75,18 +85,21 @@ class Decoded:
     def scale_min(self) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 ``scale``, ``min`` [N, K / group], computed as the kernels compute them."""
         f, name = self.fields, self.fmt.name
-        if name in ("Q4_0", "Q8_0"):
+        if name in ("Q4_0", "Q5_0", "Q8_0"):
             d = f["d"].float()
-            return d, d * (-8.0 if name == "Q4_0" else -128.0)
-        if name == "Q4_1":
+            return d, d * {"Q4_0": -8.0, "Q5_0": -16.0, "Q8_0": -128.0}[name]
+        if name in ("Q4_1", "Q5_1"):
             return f["d"].float(), f["m"].float()
         if name in ("Q4_K", "Q5_K"):
             d = f["d"].float().repeat_interleave(8, dim=1)
             dmin = f["dmin"].float().repeat_interleave(8, dim=1)
             return d * f["sc"].float(), -(dmin * f["mn"].float())
-        d = f["d"].float().repeat_interleave(16, dim=1)  # Q6_K
+        d = f["d"].float().repeat_interleave(16, dim=1)  # Q6_K, Q3_K, Q2_K: 16 columns a scale
+        if name == "Q2_K":
+            dmin = f["dmin"].float().repeat_interleave(16, dim=1)
+            return d * (f["sc"] & 15).float(), -(dmin * (f["sc"] >> 4).float())
         scale = d * f["sc"].float()
-        return scale, scale * -32.0
+        return scale, scale * (-32.0 if name == "Q6_K" else -4.0)
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight [N, K]."""
@@ -126,6 +139,33 @@ def decode_blocks(raw: torch.Tensor, fmt: QuantFormat | str, k: int) -> Decoded:
             fields["m"] = _f16(b, 2)
         qs = b[..., off : off + 16]
         codes = torch.cat([qs & 15, qs >> 4], -1)  # byte l: element l (low), l + 16 (high)
+    elif name in ("Q5_0", "Q5_1"):
+        off = 2 if name == "Q5_0" else 4  # qh: bit l of the little-endian uint32 is element l's bit 4
+        fields["d"] = _f16(b, 0)
+        if name == "Q5_1":
+            fields["m"] = _f16(b, 2)
+        qh = b[..., off : off + 4].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)
+        qs = b[..., off + 4 : off + 20]
+        codes = torch.cat([qs & 15, qs >> 4], -1) | ((qh & 1).reshape(n, nb, 32) << 4)
+    elif name in ("Q2_K", "Q3_K"):
+        # Element 128n + 32j + l holds bits 2j..2j+1 of qs[32n + l]; Q3_K's bit 2 is bit
+        # 4n + j of hmask[l]. One scale per 16 elements, in order.
+        qs = b[..., 16:80] if name == "Q2_K" else b[..., 32:96]
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1)
+        codes = (qs.reshape(n, nb, 2, 1, 32) >> shifts) & 3  # [n, nb, half, j, l]
+        if name == "Q2_K":
+            fields["sc"] = b[..., 0:16].reshape(n, nb * 16)
+            fields["d"], fields["dmin"] = _f16(b, 80), _f16(b, 82)
+        else:
+            hm = b[..., 0:32].reshape(n, nb, 1, 1, 32)
+            bit = torch.arange(8, dtype=torch.uint8).view(1, 1, 2, 4, 1)
+            codes = codes | (((hm >> bit) & 1) << 2)
+            s = b[..., 96:108]
+            low = torch.cat([s[..., 0:8] & 15, s[..., 0:8] >> 4], -1)  # scale j's bits 0..3
+            high = (s[..., 8:12].unsqueeze(-2) >> shifts.view(1, 1, 4, 1)) & 3  # [.., j // 4, j % 4]
+            sc = (low | (high.reshape(n, nb, 16) << 4)).to(torch.int16) - 32
+            fields["sc"] = sc.to(torch.int8).reshape(n, nb * 16)
+            fields["d"] = _f16(b, 108)
     elif name == "Q8_0":
         fields["d"] = _f16(b, 0)
         codes = b[..., 2:34] ^ 0x80  # int8 q -> q + 128, unsigned for vpdpbusd
@@ -187,11 +227,14 @@ def pack_panels(dec: Decoded) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     if fmt.bits == 8:
         out["codes8"] = quads.contiguous()
+    elif fmt.bits <= 3:
+        low = (quads & 3).view(p, g, 2, 4, 64)
+        out["codes2"] = (low[:, :, :, 0] | (low[:, :, :, 1] << 2) | (low[:, :, :, 2] << 4) | (low[:, :, :, 3] << 6)).contiguous()
     else:
         low = quads & 15
         out["codes4"] = (low[:, :, 0::2] | (low[:, :, 1::2] << 4)).contiguous()
-    if fmt.bits == 5:
-        bits = ((quads >> 4) & 1).to(torch.int64)  # [p, g, 8, 64]
+    if fmt.bits in (3, 5):
+        bits = ((quads >> (fmt.bits - 1)) & 1).to(torch.int64)  # [p, g, 8, 64]
         weights = torch.ones(64, dtype=torch.int64) << torch.arange(64)
         out["hi1"] = (bits * weights).sum(-1).contiguous()  # int64 masks (sums of distinct bits)
     if fmt.bits == 6:
@@ -204,8 +247,12 @@ def pack_panels(dec: Decoded) -> dict[str, torch.Tensor]:
 
 def unpack_panels(fmt: QuantFormat, packed: dict[str, torch.Tensor], n: int, k: int) -> Decoded:
     """Inverse of :func:`pack_panels` (the reference the kernels' layout is tested with)."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1)
     if "codes8" in packed:
         quads = packed["codes8"]
+    elif "codes2" in packed:
+        c2 = packed["codes2"].unsqueeze(3)  # [p, g, 2, 1, 64]
+        quads = ((c2 >> shifts) & 3).reshape(c2.shape[0], c2.shape[1], 8, 64)
     else:
         c4 = packed["codes4"]
         p, g = c4.shape[:2]
@@ -213,16 +260,15 @@ def unpack_panels(fmt: QuantFormat, packed: dict[str, torch.Tensor], n: int, k: 
     p, g = quads.shape[:2]
     if "hi1" in packed:
         bits = (packed["hi1"].unsqueeze(-1) >> torch.arange(64)) & 1
-        quads = quads | (bits.to(torch.uint8) << 4)
+        quads = quads | (bits.to(torch.uint8) << (fmt.bits - 1))
     if "hi2" in packed:
         h = packed["hi2"].unsqueeze(3)  # [p, g, 2, 1, 64]
-        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1)
         quads = quads | ((((h >> shifts) & 3) << 4).reshape(p, g, 8, 64))
     codes = quads.view(p, g, 8, PANEL, 4).permute(0, 3, 1, 2, 4).reshape(p * PANEL, k)[:n]
     fields = {
         name: t.transpose(1, 2).reshape(p * PANEL, t.shape[1])[:n]
         for name, t in packed.items()
-        if name not in ("codes4", "codes8", "hi1", "hi2")
+        if name not in ("codes2", "codes4", "codes8", "hi1", "hi2")
     }
     return Decoded(fmt, codes.contiguous(), fields)
 

@@ -16,6 +16,11 @@ import torch
 
 PANEL = 16  # rows per panel: one AVX-512 vector of 16 int32 / fp32 lanes
 
+# The panel field holding a format's low code bits, by bits per code: 8 bits a byte, the
+# low 4 bits two to a byte, the low 2 bits four to a byte (above them, ``hi1`` holds bit 4
+# of a 5-bit code and bit 2 of a 3-bit one, ``hi2`` bits 4 and 5 of a 6-bit code).
+CODE_FIELDS = {8: "codes8", 6: "codes4", 5: "codes4", 4: "codes4", 3: "codes2", 2: "codes2"}
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class QuantFormat:
@@ -38,6 +43,10 @@ FORMATS: dict[str, QuantFormat] = {
         QuantFormat("Q4_K", 12, 256, 144, 32, 4),
         QuantFormat("Q5_K", 13, 256, 176, 32, 5),
         QuantFormat("Q6_K", 14, 256, 210, 16, 6),
+        QuantFormat("Q5_0", 6, 32, 22, 32, 5),
+        QuantFormat("Q5_1", 7, 32, 24, 32, 5),
+        QuantFormat("Q3_K", 11, 256, 110, 16, 3),
+        QuantFormat("Q2_K", 10, 256, 84, 16, 2),
     )
 }
 
@@ -77,19 +86,23 @@ def panel_shapes(fmt: QuantFormat, n: int, k: int) -> dict[str, tuple[tuple[int,
     """Name -> (shape, dtype) of each tensor of the panel layout of an [n, k] weight."""
     p, g, sb = -(-n // PANEL), k // 32, k // 256
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    out["codes8" if fmt.bits == 8 else "codes4"] = ((p, g, 8 if fmt.bits == 8 else 4, 64), torch.uint8)
-    if fmt.bits == 5:
+    codes = CODE_FIELDS[fmt.bits]
+    out[codes] = ((p, g, {"codes8": 8, "codes4": 4, "codes2": 2}[codes], 64), torch.uint8)
+    if fmt.bits in (3, 5):
         out["hi1"] = ((p, g, 8), torch.int64)
     if fmt.bits == 6:
         out["hi2"] = ((p, g, 2, 64), torch.uint8)
     if fmt.block == 32:
         out["d"] = ((p, g, PANEL), torch.float16)
-        if fmt.name == "Q4_1":
+        if fmt.name in ("Q4_1", "Q5_1"):
             out["m"] = ((p, g, PANEL), torch.float16)
     else:
         out["d"] = ((p, sb, PANEL), torch.float16)
-        if fmt.name == "Q6_K":
+        if fmt.name in ("Q6_K", "Q3_K"):
             out["sc"] = ((p, 2 * g, PANEL), torch.int8)
+        elif fmt.name == "Q2_K":
+            out["dmin"] = ((p, sb, PANEL), torch.float16)
+            out["sc"] = ((p, 2 * g, PANEL), torch.uint8)  # the file's byte: scale | min << 4
         else:
             out["dmin"] = ((p, sb, PANEL), torch.float16)
             out["sc"] = ((p, g, PANEL), torch.uint8)
@@ -98,6 +111,7 @@ def panel_shapes(fmt: QuantFormat, n: int, k: int) -> dict[str, tuple[tuple[int,
 
 
 __all__ = [
+    "CODE_FIELDS",
     "FORMATS",
     "FORMAT_CODES",
     "LAYOUT_FORMATS",

@@ -219,8 +219,8 @@ def _quant_cols(w: QuantizedWeight, a: int, b: int, name: str) -> QuantizedWeigh
     for field, t in w.data.items():
         if field in ("d", "dmin") and block == 256:
             data[field] = _own(t[:, s0:s1])
-        elif field == "sc" and w.fmt.name == "Q6_K":
-            data[field] = _own(t[:, 2 * g0 : 2 * g1])  # one scale per 16 columns
+        elif field == "sc" and w.fmt.group == 16:
+            data[field] = _own(t[:, 2 * g0 : 2 * g1])  # one scale per 16 columns (Q6_K, Q3_K, Q2_K)
         else:  # codes, high bits, per-32 scales and mins, and the 32-column formats' d/m
             data[field] = _own(t[:, g0:g1])
     return QuantizedWeight(w.fmt, (n, b - a), "panels", data)

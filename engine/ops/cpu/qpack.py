@@ -41,7 +41,7 @@ def ptr(t: torch.Tensor | None, ctype: str):
 def pointers(data: dict[str, torch.Tensor]) -> tuple:
     """The six field pointers quant.c's entry points take for a panel-packed weight's
     ``data``: codes, high bits, ``d``, ``m`` or ``dmin``, ``sc``, ``mn`` (NULL if absent)."""
-    codes = data.get("codes4", data.get("codes8"))
+    codes = data.get("codes4", data.get("codes8", data.get("codes2")))
     hi = data.get("hi1", data.get("hi2"))
     second = data.get("m", data.get("dmin"))
     return (

@@ -1,5 +1,6 @@
 /*
- * Matrix products with block-quantized weights (GGUF Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K),
+ * Matrix products with block-quantized weights (GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K,
+ * Q4_K, Q5_K, Q6_K),
  * called through cffi; the layout and the formats' meaning are in engine/ops/quant.py.
  *
  *   out[t, n] = sum_k x[t, k] * w[n, k],   w[n, k] = code * scale(group) + min(group)
@@ -44,7 +45,23 @@
 #endif
 #define QINLINE static inline __attribute__((always_inline))
 
-enum { F_Q4_0 = 0, F_Q4_1 = 1, F_Q8_0 = 2, F_Q4_K = 3, F_Q5_K = 4, F_Q6_K = 5, F_COUNT = 6 };
+enum { F_Q4_0 = 0, F_Q4_1 = 1, F_Q8_0 = 2, F_Q4_K = 3, F_Q5_K = 4, F_Q6_K = 5, F_Q5_0 = 6, F_Q5_1 = 7, F_Q3_K = 8,
+       F_Q2_K = 9, F_COUNT = 10 };
+
+/* What a format's panels hold (engine/ops/quant.py has the table). Each kernel is
+ * specialized per format, so these fold to constants inside its loops. */
+#define Q_SUPER(f) ((f) == F_Q4_K || (f) == F_Q5_K || (f) == F_Q6_K || (f) == F_Q3_K || (f) == F_Q2_K) /* d per 256 */
+#define Q_DMIN(f) ((f) == F_Q4_K || (f) == F_Q5_K || (f) == F_Q2_K) /* m holds dmin per 256 columns */
+#define Q_PER16(f) ((f) == F_Q6_K || (f) == F_Q3_K || (f) == F_Q2_K) /* a scale per 16 columns */
+#define Q_HI1(f) ((f) == F_Q5_K || (f) == F_Q5_0 || (f) == F_Q5_1 || (f) == F_Q3_K) /* hi: one bit a code */
+#define Q_HI1_BIT(f) ((f) == F_Q3_K ? 2 : 4)                                           /* ... which bit */
+#define Q_CODES2(f) ((f) == F_Q2_K || (f) == F_Q3_K) /* codes: the low 2 bits, four to a byte */
+#define Q_GROUP_BYTES(f) ((f) == F_Q8_0 ? 512 : Q_CODES2(f) ? 128 : 256) /* code bytes of a panel's group */
+#define Q_PER32_D(f) ((f) == F_Q4_0 || (f) == F_Q4_1 || (f) == F_Q8_0 || (f) == F_Q5_0 || (f) == F_Q5_1)
+
+/* Columns and bytes of a GGUF block, by format code. */
+static const int64_t q_block_cols[F_COUNT] = {32, 32, 32, 256, 256, 256, 32, 32, 256, 256};
+static const int64_t q_block_bytes[F_COUNT] = {18, 20, 34, 144, 176, 210, 22, 24, 110, 84};
 /* QDT_BF16_F32: bf16 activations, fp32 results holding the bf16-rounded values (a bf16
  * model's logits, widened without a second pass). eng_qmatmul only. */
 enum { QDT_F32 = 0, QDT_BF16 = 1, QDT_BF16_F32 = 2 };
@@ -112,11 +129,12 @@ static void q_store(void *out, int dtype, int64_t out_stride, int64_t t, int64_t
 typedef struct {
     int fmt;
     int64_t K, N, P, G;      /* columns, rows, panels, groups of 32 columns */
-    const uint8_t *codes;    /* codes4 [P,G,4,64] | codes8 [P,G,8,64] */
-    const uint8_t *hi;       /* hi1 [P,G,8] uint64 (Q5_K) | hi2 [P,G,2,64] (Q6_K) */
-    const uint16_t *d;       /* fp16 [P,G,16] (Q4_0/Q4_1/Q8_0) | [P,K/256,16] (K-quants) */
-    const uint16_t *m;       /* fp16: m [P,G,16] (Q4_1) | dmin [P,K/256,16] (Q4_K/Q5_K) */
-    const uint8_t *sc;       /* uint8 [P,G,16] (Q4_K/Q5_K) | int8 [P,2G,16] (Q6_K) */
+    const uint8_t *codes;    /* codes4 [P,G,4,64] | codes8 [P,G,8,64] | codes2 [P,G,2,64] (Q2_K/Q3_K) */
+    const uint8_t *hi;       /* hi1 [P,G,8] uint64 (Q5_*, Q3_K) | hi2 [P,G,2,64] (Q6_K) */
+    const uint16_t *d;       /* fp16 [P,G,16] (32-column formats) | [P,K/256,16] (K-quants) */
+    const uint16_t *m;       /* fp16: m [P,G,16] (Q4_1/Q5_1) | dmin [P,K/256,16] (Q4_K/Q5_K/Q2_K) */
+    const uint8_t *sc;       /* uint8 [P,G,16] (Q4_K/Q5_K) | int8 [P,2G,16] (Q6_K/Q3_K) |
+                                uint8 [P,2G,16] scale | min << 4 (Q2_K) */
     const uint8_t *mn;       /* uint8 [P,G,16] (Q4_K/Q5_K) */
 } QWeight;
 
@@ -126,17 +144,25 @@ QINLINE void q_scale_min(const QWeight *w, int64_t p, int64_t g, int r, int h, f
     int64_t ps = (p * (w->G / 8) + g / 8) * PANEL + r;
     switch (w->fmt) {
     case F_Q4_0: *scale = q_f16_to_f32(w->d[pg]); *mn = -8.0f * *scale; break;
-    case F_Q4_1: *scale = q_f16_to_f32(w->d[pg]); *mn = q_f16_to_f32(w->m[pg]); break;
+    case F_Q5_0: *scale = q_f16_to_f32(w->d[pg]); *mn = -16.0f * *scale; break;
+    case F_Q4_1:
+    case F_Q5_1: *scale = q_f16_to_f32(w->d[pg]); *mn = q_f16_to_f32(w->m[pg]); break;
     case F_Q8_0: *scale = q_f16_to_f32(w->d[pg]); *mn = -128.0f * *scale; break;
     case F_Q4_K:
     case F_Q5_K:
         *scale = q_f16_to_f32(w->d[ps]) * (float)w->sc[pg];
         *mn = -(q_f16_to_f32(w->m[ps]) * (float)w->mn[pg]);
         break;
-    default: { /* Q6_K */
+    case F_Q2_K: {
+        const uint8_t b = w->sc[(p * 2 * w->G + 2 * g + h) * PANEL + r];
+        *scale = q_f16_to_f32(w->d[ps]) * (float)(b & 15);
+        *mn = -(q_f16_to_f32(w->m[ps]) * (float)(b >> 4));
+        break;
+    }
+    default: { /* Q6_K, Q3_K */
         int64_t p16 = (p * 2 * w->G + 2 * g + h) * PANEL + r;
         *scale = q_f16_to_f32(w->d[ps]) * (float)(int8_t)w->sc[p16];
-        *mn = -32.0f * *scale;
+        *mn = (w->fmt == F_Q6_K ? -32.0f : -4.0f) * *scale;
     }
     }
 }
@@ -147,12 +173,16 @@ QINLINE int q_code(const QWeight *w, int64_t p, int64_t g, int q, int r, int j) 
     int c;
     if (w->fmt == F_Q8_0)
         return w->codes[(pg * 8 + q) * 64 + b];
-    c = w->codes[(pg * 4 + q / 2) * 64 + b];
-    c = q & 1 ? c >> 4 : c & 15;
-    if (w->fmt == F_Q5_K) {
+    if (Q_CODES2(w->fmt)) {
+        c = (w->codes[(pg * 2 + q / 4) * 64 + b] >> (2 * (q & 3))) & 3;
+    } else {
+        c = w->codes[(pg * 4 + q / 2) * 64 + b];
+        c = q & 1 ? c >> 4 : c & 15;
+    }
+    if (Q_HI1(w->fmt)) {
         uint64_t mask;
         memcpy(&mask, w->hi + (pg * 8 + q) * 8, 8);
-        c |= (int)((mask >> b) & 1) << 4;
+        c |= (int)((mask >> b) & 1) << Q_HI1_BIT(w->fmt);
     } else if (w->fmt == F_Q6_K) {
         c |= ((w->hi[(pg * 2 + q / 4) * 64 + b] >> (2 * (q & 3))) & 3) << 4;
     }
@@ -221,7 +251,7 @@ QCLONES static void q_panel_portable(const QWeight *w, int64_t p, const QActs *a
                     s1 += (int32_t)codes[r][16 + i] * xq[16 + i];
                 }
                 float v;
-                if (w->fmt == F_Q6_K)
+                if (Q_PER16(w->fmt))
                     v = (float)s0 * (scale[r][0] * dx) + mn[r][0] * xs[0] + (float)s1 * (scale[r][1] * dx) +
                         mn[r][1] * xs[1];
                 else
@@ -255,15 +285,24 @@ AVX512 QINLINE void q_unpack(const QWeight *w, int fmt, int64_t pg, __m512i *c) 
             c[q] = _mm512_loadu_si512(src + q);
         return;
     }
-    const __m512i low4 = _mm512_set1_epi8(15);
-    const uint8_t *src = w->codes + pg * 256;
-    for (int v = 0; v < 4; v++) {
-        __m512i b = _mm512_loadu_si512((const void *)(src + 64 * v));
-        c[2 * v] = _mm512_and_si512(b, low4);
-        c[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
+    if (Q_CODES2(fmt)) {
+        const __m512i low2 = _mm512_set1_epi8(3);
+        for (int v = 0; v < 2; v++) {
+            __m512i b = _mm512_loadu_si512((const void *)(w->codes + pg * 128 + 64 * v));
+            for (int i = 0; i < 4; i++)
+                c[4 * v + i] = _mm512_and_si512(_mm512_srli_epi16(b, 2 * i), low2);
+        }
+    } else {
+        const __m512i low4 = _mm512_set1_epi8(15);
+        const uint8_t *src = w->codes + pg * 256;
+        for (int v = 0; v < 4; v++) {
+            __m512i b = _mm512_loadu_si512((const void *)(src + 64 * v));
+            c[2 * v] = _mm512_and_si512(b, low4);
+            c[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
+        }
     }
-    if (fmt == F_Q5_K) {
-        const __m512i bit4 = _mm512_set1_epi8(16);
+    if (Q_HI1(fmt)) {
+        const __m512i bit4 = _mm512_set1_epi8(1 << Q_HI1_BIT(fmt));
         const uint64_t *masks = (const uint64_t *)(w->hi + pg * 64);
         for (int q = 0; q < 8; q++) {
             uint64_t mk;
@@ -278,6 +317,38 @@ AVX512 QINLINE void q_unpack(const QWeight *w, int fmt, int64_t pg, __m512i *c) 
                 __m512i bits = _mm512_and_si512(_mm512_srli_epi16(b, 2 * i), low2);
                 c[4 * h + i] = _mm512_or_si512(c[4 * h + i], _mm512_slli_epi16(bits, 4));
             }
+        }
+    }
+}
+
+/* Scale and min of a group's 16 rows, for a format with one scale per 32 columns: o is
+ * the group's offset pg * PANEL; D, Dm the super-block's d and dmin (Q4_K, Q5_K). */
+AVX512 QINLINE void q_sm32(const QWeight *w, const int fmt, int64_t o, __m512 D, __m512 Dm, __m512 *S, __m512 *Mn) {
+    switch (fmt) {
+    case F_Q4_0: *S = q_ld_f16(w->d + o); *Mn = _mm512_mul_ps(*S, _mm512_set1_ps(-8.0f)); break;
+    case F_Q5_0: *S = q_ld_f16(w->d + o); *Mn = _mm512_mul_ps(*S, _mm512_set1_ps(-16.0f)); break;
+    case F_Q4_1:
+    case F_Q5_1: *S = q_ld_f16(w->d + o); *Mn = q_ld_f16(w->m + o); break;
+    case F_Q8_0: *S = q_ld_f16(w->d + o); *Mn = _mm512_mul_ps(*S, _mm512_set1_ps(-128.0f)); break;
+    default: /* Q4_K, Q5_K: -(dmin * mn) as the portable path rounds it */
+        *S = _mm512_mul_ps(D, q_ld_u8(w->sc + o));
+        *Mn = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(Dm, q_ld_u8(w->mn + o)));
+    }
+}
+
+/* The same for the two 16-column halves of a group (Q6_K, Q3_K, Q2_K): p16 is the offset
+ * (p * 2G + 2g) * PANEL of the group's first half in sc. */
+AVX512 QINLINE void q_sm16(const QWeight *w, const int fmt, int64_t p16, __m512 D, __m512 Dm, __m512 *S,
+                           __m512 *Mn) {
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *sc = w->sc + p16 + h * PANEL;
+        if (fmt == F_Q2_K) {
+            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sc));
+            S[h] = _mm512_mul_ps(D, _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))));
+            Mn[h] = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(Dm, _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4))));
+        } else {
+            S[h] = _mm512_mul_ps(D, q_ld_i8(sc));
+            Mn[h] = _mm512_mul_ps(S[h], _mm512_set1_ps(fmt == F_Q6_K ? -32.0f : -4.0f));
         }
     }
 }
@@ -309,29 +380,27 @@ AVX512 QINLINE void q_panel_avx512_fmt(const QWeight *w, const int fmt, int64_t 
          * alone left the one-token step at ~30 GB/s where the machine reads ~50. Past the
          * panel's end it touches the next panel's first groups (or harmlessly beyond). */
         {
-            const char *cp = (const char *)(w->codes + (pg + Q_PREFETCH_GROUPS) * (fmt == F_Q8_0 ? 512 : 256));
-            for (int l = 0; l < (fmt == F_Q8_0 ? 8 : 4); l++)
+            const char *cp = (const char *)(w->codes + (pg + Q_PREFETCH_GROUPS) * Q_GROUP_BYTES(fmt));
+            for (int l = 0; l < Q_GROUP_BYTES(fmt) / 64; l++)
                 _mm_prefetch(cp + 64 * l, _MM_HINT_T0);
-            if ((g & 1) == 0 && (fmt == F_Q4_0 || fmt == F_Q4_1 || fmt == F_Q8_0)) {
+            if ((g & 1) == 0 && Q_PER32_D(fmt)) {
                 _mm_prefetch((const char *)(w->d + (pg + Q_PREFETCH_GROUPS) * PANEL), _MM_HINT_T0);
-                if (fmt == F_Q4_1)
+                if (fmt == F_Q4_1 || fmt == F_Q5_1)
                     _mm_prefetch((const char *)(w->m + (pg + Q_PREFETCH_GROUPS) * PANEL), _MM_HINT_T0);
             }
         }
         __m512i c[8];
         q_unpack(w, fmt, pg, c);
-        if ((fmt == F_Q4_K || fmt == F_Q5_K || fmt == F_Q6_K) && g % 8 == 0) {
+        if (Q_SUPER(fmt) && g % 8 == 0) {
             const int64_t ps = (p * (G / 8) + g / 8) * PANEL;
             D = q_ld_f16(w->d + ps);
-            if (fmt != F_Q6_K)
+            if (Q_DMIN(fmt))
                 Dm = q_ld_f16(w->m + ps);
         }
-        if (fmt == F_Q6_K) {
-            const int64_t p16 = (p * 2 * G + 2 * g) * PANEL;
-            __m512 S0 = _mm512_mul_ps(D, q_ld_i8(w->sc + p16));
-            __m512 S1 = _mm512_mul_ps(D, q_ld_i8(w->sc + p16 + PANEL));
-            __m512 M0 = _mm512_mul_ps(S0, _mm512_set1_ps(-32.0f));
-            __m512 M1 = _mm512_mul_ps(S1, _mm512_set1_ps(-32.0f));
+        if (Q_PER16(fmt)) {
+            __m512 S16[2], M16[2];
+            q_sm16(w, fmt, (p * 2 * G + 2 * g) * PANEL, D, Dm, S16, M16);
+            const __m512 S0 = S16[0], S1 = S16[1], M0 = M16[0], M1 = M16[1];
             for (int t = 0; t < nt; t++) {
                 const int8_t *xq = a->xq + (t0 + t) * K + 32 * g;
                 const float dx = a->dx[(t0 + t) * (K / 32) + g];
@@ -346,15 +415,7 @@ AVX512 QINLINE void q_panel_avx512_fmt(const QWeight *w, const int fmt, int64_t 
             continue;
         }
         __m512 S, Mn;
-        const int64_t o = pg * PANEL;
-        switch (fmt) {
-        case F_Q4_0: S = q_ld_f16(w->d + o); Mn = _mm512_mul_ps(S, _mm512_set1_ps(-8.0f)); break;
-        case F_Q4_1: S = q_ld_f16(w->d + o); Mn = q_ld_f16(w->m + o); break;
-        case F_Q8_0: S = q_ld_f16(w->d + o); Mn = _mm512_mul_ps(S, _mm512_set1_ps(-128.0f)); break;
-        default: /* Q4_K, Q5_K: -(dmin * mn) as the portable path rounds it */
-            S = _mm512_mul_ps(D, q_ld_u8(w->sc + o));
-            Mn = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(Dm, q_ld_u8(w->mn + o)));
-        }
+        q_sm32(w, fmt, pg * PANEL, D, Dm, &S, &Mn);
         for (int t = 0; t < nt; t++) {
             const int8_t *xq = a->xq + (t0 + t) * K + 32 * g;
             const float dx = a->dx[(t0 + t) * (K / 32) + g];
@@ -386,7 +447,11 @@ AVX512 static void q_panel_avx512(const QWeight *w, int64_t p, const QActs *a, i
     case F_Q8_0: Q_TILES(F_Q8_0) break;
     case F_Q4_K: Q_TILES(F_Q4_K) break;
     case F_Q5_K: Q_TILES(F_Q5_K) break;
-    default: Q_TILES(F_Q6_K)
+    case F_Q6_K: Q_TILES(F_Q6_K) break;
+    case F_Q5_0: Q_TILES(F_Q5_0) break;
+    case F_Q5_1: Q_TILES(F_Q5_1) break;
+    case F_Q3_K: Q_TILES(F_Q3_K) break;
+    default: Q_TILES(F_Q2_K)
     }
 #undef Q_TILES
     for (int t = 0; t < nt; t++)
@@ -528,13 +593,13 @@ AMX QINLINE void q_panel_amx_fmt(const QWeight *w, const int fmt, int64_t p, con
             B = bbuf;
         }
         const int8_t *A = a->xq + t0 * K + 32 * g;
-        if ((fmt == F_Q4_K || fmt == F_Q5_K || fmt == F_Q6_K) && g % 8 == 0) {
+        if (Q_SUPER(fmt) && g % 8 == 0) {
             const int64_t ps = (p * (G / 8) + g / 8) * PANEL;
             D = q_ld_f16(w->d + ps);
-            if (fmt != F_Q6_K)
+            if (Q_DMIN(fmt))
                 Dm = q_ld_f16(w->m + ps);
         }
-        if (fmt == F_Q6_K) {
+        if (Q_PER16(fmt)) {
             _tile_zero(T_C0);
             _tile_zero(T_C1);
             _tile_loadd(T_A16, A, K);
@@ -546,11 +611,9 @@ AMX QINLINE void q_panel_amx_fmt(const QWeight *w, const int fmt, int64_t p, con
             _tile_stored(T_C0, cbuf[0], 64);
             _tile_stored(T_C1, cbuf[1], 64);
             Q_MEMORY_BARRIER();
-            const int64_t p16 = (p * 2 * G + 2 * g) * PANEL;
-            __m512 S0 = _mm512_mul_ps(D, q_ld_i8(w->sc + p16));
-            __m512 S1 = _mm512_mul_ps(D, q_ld_i8(w->sc + p16 + PANEL));
-            __m512 M0 = _mm512_mul_ps(S0, _mm512_set1_ps(-32.0f));
-            __m512 M1 = _mm512_mul_ps(S1, _mm512_set1_ps(-32.0f));
+            __m512 S16[2], M16[2];
+            q_sm16(w, fmt, (p * 2 * G + 2 * g) * PANEL, D, Dm, S16, M16);
+            const __m512 S0 = S16[0], S1 = S16[1], M0 = M16[0], M1 = M16[1];
             for (int t = 0; t < nt; t++) {
                 const float dx = a->dx[(t0 + t) * (K / 32) + g];
                 const float *xs = a->xs + (t0 + t) * (K / 16) + 2 * g;
@@ -581,20 +644,12 @@ AMX QINLINE void q_panel_amx_fmt(const QWeight *w, const int fmt, int64_t p, con
         }
         Q_MEMORY_BARRIER();
         __m512 S, Mn;
-        const int64_t o = pg * PANEL;
-        switch (fmt) {
-        case F_Q4_0: S = q_ld_f16(w->d + o); Mn = _mm512_mul_ps(S, _mm512_set1_ps(-8.0f)); break;
-        case F_Q4_1: S = q_ld_f16(w->d + o); Mn = q_ld_f16(w->m + o); break;
-        case F_Q8_0: S = q_ld_f16(w->d + o); Mn = _mm512_mul_ps(S, _mm512_set1_ps(-128.0f)); break;
-        default:
-            S = _mm512_mul_ps(D, q_ld_u8(w->sc + o));
-            Mn = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(Dm, q_ld_u8(w->mn + o)));
-        }
+        q_sm32(w, fmt, pg * PANEL, D, Dm, &S, &Mn);
         if (g > 0)
             q_amx_epilogue(a, K, t0, nt, g - 1, cbuf[(g - 1) % 2], Sprev, Mprev, acc);
         Sprev = S, Mprev = Mn;
     }
-    if (fmt != F_Q6_K)
+    if (!Q_PER16(fmt))
         q_amx_epilogue(a, K, t0, nt, G - 1, cbuf[(G - 1) % 2], Sprev, Mprev, acc);
     for (int t = 0; t < nt; t++)
         _mm512_storeu_ps(out + t * PANEL, acc[t]);
@@ -607,7 +662,11 @@ AMX static void q_panel_amx(const QWeight *w, int64_t p, const QActs *a, int64_t
     case F_Q8_0: q_panel_amx_fmt(w, F_Q8_0, p, a, t0, nt, out); break;
     case F_Q4_K: q_panel_amx_fmt(w, F_Q4_K, p, a, t0, nt, out); break;
     case F_Q5_K: q_panel_amx_fmt(w, F_Q5_K, p, a, t0, nt, out); break;
-    default: q_panel_amx_fmt(w, F_Q6_K, p, a, t0, nt, out);
+    case F_Q6_K: q_panel_amx_fmt(w, F_Q6_K, p, a, t0, nt, out); break;
+    case F_Q5_0: q_panel_amx_fmt(w, F_Q5_0, p, a, t0, nt, out); break;
+    case F_Q5_1: q_panel_amx_fmt(w, F_Q5_1, p, a, t0, nt, out); break;
+    case F_Q3_K: q_panel_amx_fmt(w, F_Q3_K, p, a, t0, nt, out); break;
+    default: q_panel_amx_fmt(w, F_Q2_K, p, a, t0, nt, out);
     }
 }
 
@@ -646,24 +705,12 @@ AMXBF16 QINLINE void q_dequant_group_bf16(const QWeight *w, const int fmt, int64
     __m512i c[8];
     q_unpack(w, fmt, pg, c);
     __m512 S[2], Mn[2];
-    switch (fmt) {
-    case F_Q4_0: S[0] = q_ld_f16(w->d + o); Mn[0] = _mm512_mul_ps(S[0], _mm512_set1_ps(-8.0f)); break;
-    case F_Q4_1: S[0] = q_ld_f16(w->d + o); Mn[0] = q_ld_f16(w->m + o); break;
-    case F_Q8_0: S[0] = q_ld_f16(w->d + o); Mn[0] = _mm512_mul_ps(S[0], _mm512_set1_ps(-128.0f)); break;
-    case F_Q6_K: {
-        const int64_t p16 = (p * 2 * G + 2 * g) * PANEL;
-        S[0] = _mm512_mul_ps(D, q_ld_i8(w->sc + p16));
-        S[1] = _mm512_mul_ps(D, q_ld_i8(w->sc + p16 + PANEL));
-        Mn[0] = _mm512_mul_ps(S[0], _mm512_set1_ps(-32.0f));
-        Mn[1] = _mm512_mul_ps(S[1], _mm512_set1_ps(-32.0f));
-        break;
-    }
-    default:
-        S[0] = _mm512_mul_ps(D, q_ld_u8(w->sc + o));
-        Mn[0] = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(Dm, q_ld_u8(w->mn + o)));
-    }
-    if (fmt != F_Q6_K)
+    if (Q_PER16(fmt)) {
+        q_sm16(w, fmt, (p * 2 * G + 2 * g) * PANEL, D, Dm, S, Mn);
+    } else {
+        q_sm32(w, fmt, o, D, Dm, &S[0], &Mn[0]);
         S[1] = S[0], Mn[1] = Mn[0];
+    }
     /* Lane l of 16-byte chunk k of a quad is row 4k + l/4, column j = l % 4. */
     __m512 Se[2][4], Me[2][4];
     for (int k = 0; k < 4; k++) {
@@ -678,7 +725,7 @@ AMXBF16 QINLINE void q_dequant_group_bf16(const QWeight *w, const int fmt, int64
     const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
     const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
     for (int q = 0; q < 8; q++) {
-        const int h = fmt == F_Q6_K ? q / 4 : 0;
+        const int h = Q_PER16(fmt) ? q / 4 : 0;
         __m512 f[4];
         for (int k = 0; k < 4; k++) {
             __m512i v = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(c[q], k));
@@ -694,10 +741,10 @@ AMXBF16 QINLINE void q_dequant_group_bf16(const QWeight *w, const int fmt, int64
 AMXBF16 QINLINE void q_dequant_panel_bf16_fmt(const QWeight *w, const int fmt, int64_t p, uint8_t *dst) {
     __m512 D = _mm512_setzero_ps(), Dm = _mm512_setzero_ps();
     for (int64_t g = 0; g < w->G; g++) {
-        if ((fmt == F_Q4_K || fmt == F_Q5_K || fmt == F_Q6_K) && g % 8 == 0) {
+        if (Q_SUPER(fmt) && g % 8 == 0) {
             const int64_t ps = (p * (w->G / 8) + g / 8) * PANEL;
             D = q_ld_f16(w->d + ps);
-            if (fmt != F_Q6_K)
+            if (Q_DMIN(fmt))
                 Dm = q_ld_f16(w->m + ps);
         }
         q_dequant_group_bf16(w, fmt, p, g, D, Dm, dst + g * 1024);
@@ -711,7 +758,11 @@ AMXBF16 static void q_dequant_panel_bf16(const QWeight *w, int64_t p, uint8_t *d
     case F_Q8_0: q_dequant_panel_bf16_fmt(w, F_Q8_0, p, dst); break;
     case F_Q4_K: q_dequant_panel_bf16_fmt(w, F_Q4_K, p, dst); break;
     case F_Q5_K: q_dequant_panel_bf16_fmt(w, F_Q5_K, p, dst); break;
-    default: q_dequant_panel_bf16_fmt(w, F_Q6_K, p, dst);
+    case F_Q6_K: q_dequant_panel_bf16_fmt(w, F_Q6_K, p, dst); break;
+    case F_Q5_0: q_dequant_panel_bf16_fmt(w, F_Q5_0, p, dst); break;
+    case F_Q5_1: q_dequant_panel_bf16_fmt(w, F_Q5_1, p, dst); break;
+    case F_Q3_K: q_dequant_panel_bf16_fmt(w, F_Q3_K, p, dst); break;
+    default: q_dequant_panel_bf16_fmt(w, F_Q2_K, p, dst);
     }
     Q_MEMORY_BARRIER(); /* the tile loads read dst */
 }
@@ -799,14 +850,14 @@ AVX2 QINLINE __m256 q2_ld_i8(const uint8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
-/* 32 bits of a Q5_K mask -> 32 bytes, 16 where the bit is set (bit i -> byte i). */
-AVX2 QINLINE __m256i q2_bits_to_16(uint32_t bits) {
+/* 32 bits of a hi1 mask -> 32 bytes, `value` where the bit is set (bit i -> byte i). */
+AVX2 QINLINE __m256i q2_bits_to(uint32_t bits, char value) {
     const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                             2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
     const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
     __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread);
     b = _mm256_cmpeq_epi8(_mm256_and_si256(b, select), select);
-    return _mm256_and_si256(b, _mm256_set1_epi8(16));
+    return _mm256_and_si256(b, _mm256_set1_epi8(value));
 }
 
 /* Quads 0..7 of rows 8h .. 8h+7 of group pg (Q8_0: c[] holds the low nibbles, c[8 + q]
@@ -821,16 +872,25 @@ AVX2 QINLINE void q2_unpack(const QWeight *w, int fmt, int64_t pg, int h, __m256
         }
         return;
     }
-    for (int v = 0; v < 4; v++) {
-        __m256i b = _mm256_loadu_si256((const __m256i *)(w->codes + pg * 256 + 64 * v + 32 * h));
-        c[2 * v] = _mm256_and_si256(b, low4);
-        c[2 * v + 1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+    if (Q_CODES2(fmt)) {
+        const __m256i low2 = _mm256_set1_epi8(3);
+        for (int v = 0; v < 2; v++) {
+            __m256i b = _mm256_loadu_si256((const __m256i *)(w->codes + pg * 128 + 64 * v + 32 * h));
+            for (int i = 0; i < 4; i++)
+                c[4 * v + i] = _mm256_and_si256(_mm256_srli_epi16(b, 2 * i), low2);
+        }
+    } else {
+        for (int v = 0; v < 4; v++) {
+            __m256i b = _mm256_loadu_si256((const __m256i *)(w->codes + pg * 256 + 64 * v + 32 * h));
+            c[2 * v] = _mm256_and_si256(b, low4);
+            c[2 * v + 1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+        }
     }
-    if (fmt == F_Q5_K) {
+    if (Q_HI1(fmt)) {
         for (int q = 0; q < 8; q++) {
             uint64_t mk;
             memcpy(&mk, w->hi + (pg * 8 + q) * 8, 8);
-            c[q] = _mm256_or_si256(c[q], q2_bits_to_16((uint32_t)(mk >> (32 * h))));
+            c[q] = _mm256_or_si256(c[q], q2_bits_to((uint32_t)(mk >> (32 * h)), (char)(1 << Q_HI1_BIT(fmt))));
         }
     } else if (fmt == F_Q6_K) {
         const __m256i low2 = _mm256_set1_epi8(3);
@@ -869,18 +929,30 @@ AVX2 QINLINE void q_panel_avx2_fmt(const QWeight *w, const int fmt, int64_t p, c
             const int64_t pg = p * G + g;
             __m256i c[16];
             q2_unpack(w, fmt, pg, h, c);
-            if ((fmt == F_Q4_K || fmt == F_Q5_K || fmt == F_Q6_K) && g % 8 == 0) {
+            if (Q_SUPER(fmt) && g % 8 == 0) {
                 const int64_t ps = (p * (G / 8) + g / 8) * PANEL + 8 * h;
                 D = q2_ld_f16(w->d + ps);
-                if (fmt != F_Q6_K)
+                if (Q_DMIN(fmt))
                     Dm = q2_ld_f16(w->m + ps);
             }
-            if (fmt == F_Q6_K) {
+            if (Q_PER16(fmt)) {
                 const int64_t p16 = (p * 2 * G + 2 * g) * PANEL + 8 * h;
-                __m256 S0 = _mm256_mul_ps(D, q2_ld_i8(w->sc + p16));
-                __m256 S1 = _mm256_mul_ps(D, q2_ld_i8(w->sc + p16 + PANEL));
-                __m256 M0 = _mm256_mul_ps(S0, _mm256_set1_ps(-32.0f));
-                __m256 M1 = _mm256_mul_ps(S1, _mm256_set1_ps(-32.0f));
+                __m256 S0, S1, M0, M1;
+                if (fmt == F_Q2_K) {
+                    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w->sc + p16)));
+                    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w->sc + p16 + PANEL)));
+                    const __m256i low = _mm256_set1_epi32(15);
+                    S0 = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_and_si256(b0, low)));
+                    S1 = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_and_si256(b1, low)));
+                    M0 = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(Dm, _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4))));
+                    M1 = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(Dm, _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4))));
+                } else {
+                    const __m256 off = _mm256_set1_ps(fmt == F_Q6_K ? -32.0f : -4.0f);
+                    S0 = _mm256_mul_ps(D, q2_ld_i8(w->sc + p16));
+                    S1 = _mm256_mul_ps(D, q2_ld_i8(w->sc + p16 + PANEL));
+                    M0 = _mm256_mul_ps(S0, off);
+                    M1 = _mm256_mul_ps(S1, off);
+                }
                 for (int t = 0; t < nt; t++) {
                     const int8_t *xq = a->xq + (t0 + t) * K + 32 * g;
                     const float dx = a->dx[(t0 + t) * (K / 32) + g];
@@ -898,7 +970,9 @@ AVX2 QINLINE void q_panel_avx2_fmt(const QWeight *w, const int fmt, int64_t p, c
             const int64_t o = pg * PANEL + 8 * h;
             switch (fmt) {
             case F_Q4_0: S = q2_ld_f16(w->d + o); Mn = _mm256_mul_ps(S, _mm256_set1_ps(-8.0f)); break;
-            case F_Q4_1: S = q2_ld_f16(w->d + o); Mn = q2_ld_f16(w->m + o); break;
+            case F_Q5_0: S = q2_ld_f16(w->d + o); Mn = _mm256_mul_ps(S, _mm256_set1_ps(-16.0f)); break;
+            case F_Q4_1:
+            case F_Q5_1: S = q2_ld_f16(w->d + o); Mn = q2_ld_f16(w->m + o); break;
             case F_Q8_0: S = q2_ld_f16(w->d + o); Mn = _mm256_mul_ps(S, _mm256_set1_ps(-128.0f)); break;
             default: /* Q4_K, Q5_K: -(dmin * mn) as the portable path rounds it */
                 S = _mm256_mul_ps(D, q2_ld_u8(w->sc + o));
@@ -935,7 +1009,11 @@ AVX2 static void q_panel_avx2(const QWeight *w, int64_t p, const QActs *a, int64
     case F_Q8_0: Q_TILES(F_Q8_0) break;
     case F_Q4_K: Q_TILES(F_Q4_K) break;
     case F_Q5_K: Q_TILES(F_Q5_K) break;
-    default: Q_TILES(F_Q6_K)
+    case F_Q6_K: Q_TILES(F_Q6_K) break;
+    case F_Q5_0: Q_TILES(F_Q5_0) break;
+    case F_Q5_1: Q_TILES(F_Q5_1) break;
+    case F_Q3_K: Q_TILES(F_Q3_K) break;
+    default: Q_TILES(F_Q2_K)
     }
 #undef Q_TILES
 }
@@ -967,8 +1045,7 @@ static void q_quantize_row(const void *x, int bf, int64_t K, int8_t *xq, float *
 static int q_check(int fmt, int64_t K, int64_t N) {
     if (fmt < 0 || fmt >= F_COUNT || K <= 0 || N <= 0)
         return Q_BAD_ARGS;
-    int64_t block = fmt >= F_Q4_K ? 256 : 32;
-    return K % block ? Q_BAD_ARGS : Q_OK;
+    return K % q_block_cols[fmt] ? Q_BAD_ARGS : Q_OK;
 }
 
 /* Whether this CPU runs the AVX2 path (isa 5). */
@@ -1120,7 +1197,7 @@ int eng_qrows(int fmt, int dtype, void *out, const int64_t *ids, int64_t n_ids, 
             q_scale_min(&w, p, g, r, 1, &scale[1], &mnv[1]);
             for (int q = 0; q < 8; q++)
                 for (int j = 0; j < 4; j++) {
-                    int h = w.fmt == F_Q6_K ? q / 4 : 0;
+                    int h = Q_PER16(w.fmt) ? q / 4 : 0;
                     row[4 * q + j] = (float)q_code(&w, p, g, q, r, j) * scale[h] + mnv[h];
                 }
             q_store(out, dtype, K, i, 32 * g, 32, row);
@@ -1161,11 +1238,53 @@ static void q_pack_group(const QWeight *w, const uint8_t *row, int64_t p, int64_
             code[l] = qs[l] & 15, code[l + 16] = qs[l] >> 4;
         break;
     }
+    case F_Q5_0:
+    case F_Q5_1: {
+        const uint8_t *b = row + g * (w->fmt == F_Q5_0 ? 22 : 24);
+        const uint8_t *qh = b + (w->fmt == F_Q5_0 ? 2 : 4), *qs = qh + 4;
+        d[pg] = q_u16(b);
+        if (w->fmt == F_Q5_1)
+            m[pg] = q_u16(b + 2);
+        for (int l = 0; l < 32; l++) /* bit l of the little-endian qh is element l's bit 4 */
+            code[l] = (uint8_t)((l < 16 ? qs[l] & 15 : qs[l - 16] >> 4) | (((qh[l / 8] >> (l % 8)) & 1) << 4));
+        break;
+    }
     case F_Q8_0: {
         const uint8_t *b = row + g * 34;
         d[pg] = q_u16(b);
         for (int l = 0; l < 32; l++)
             code[l] = b[2 + l] ^ 0x80;
+        break;
+    }
+    case F_Q2_K:
+    case F_Q3_K: {
+        /* Element 128n + 32j + l of a super-block: bits 2j..2j+1 of qs[32n + l]; Q3_K's
+         * bit 2 is bit 4n + j of hmask[l]. Group g is sub-block s = 4n + j. */
+        const int two = w->fmt == F_Q2_K;
+        const uint8_t *b = row + (g / 8) * (two ? 84 : 110);
+        const uint8_t *qs = b + (two ? 16 : 32) + 32 * (s / 4);
+        const int64_t p16 = (p * 2 * w->G + 2 * g) * PANEL + r;
+        for (int l = 0; l < 32; l++) {
+            code[l] = (uint8_t)((qs[l] >> (2 * (s % 4))) & 3);
+            if (!two)
+                code[l] |= (uint8_t)(((b[l] >> s) & 1) << 2);
+        }
+        if (two) {
+            d[ps] = q_u16(b + 80);
+            m[ps] = q_u16(b + 82);
+            sc[p16] = b[2 * s];
+            sc[p16 + PANEL] = b[2 * s + 1];
+        } else {
+            /* 16 six-bit scales: bits 0..3 in the nibbles of bytes 0..7 (scales 0..7 low,
+             * 8..15 high), bits 4..5 in bytes 8..11 (scale j: byte 8 + j % 4, pair j / 4). */
+            const uint8_t *sb = b + 96;
+            d[ps] = q_u16(b + 108);
+            for (int i = 0; i < 2; i++) {
+                const int j = 2 * s + i;
+                const int lo = j < 8 ? sb[j] & 15 : sb[j - 8] >> 4, hi2 = (sb[8 + j % 4] >> (2 * (j / 4))) & 3;
+                sc[p16 + i * PANEL] = (uint8_t)(int8_t)((lo | (hi2 << 4)) - 32);
+            }
+        }
         break;
     }
     case F_Q4_K:
@@ -1201,16 +1320,14 @@ static void q_pack_group(const QWeight *w, const uint8_t *row, int64_t p, int64_
  * are sized and zeroed by the caller (padding rows stay zero). */
 int eng_qpack(int fmt, const uint8_t *raw, int64_t N, int64_t K, uint8_t *codes, uint8_t *hi, uint16_t *d,
               uint16_t *m, uint8_t *sc, uint8_t *mn, int nthreads) {
-    static const int64_t block_bytes[F_COUNT] = {18, 20, 34, 144, 176, 210};
-    static const int64_t block_cols[F_COUNT] = {32, 32, 32, 256, 256, 256};
     if (q_check(fmt, K, N) || !raw || !codes || !d)
         return Q_BAD_ARGS;
-    if ((fmt == F_Q4_1 || fmt == F_Q4_K || fmt == F_Q5_K) && !m)
+    if ((fmt == F_Q4_1 || fmt == F_Q5_1 || Q_DMIN(fmt)) && !m)
         return Q_BAD_ARGS;
-    if ((fmt >= F_Q4_K && !sc) || ((fmt == F_Q4_K || fmt == F_Q5_K) && !mn) || (fmt >= F_Q5_K && !hi))
+    if ((Q_SUPER(fmt) && !sc) || ((fmt == F_Q4_K || fmt == F_Q5_K) && !mn) || ((Q_HI1(fmt) || fmt == F_Q6_K) && !hi))
         return Q_BAD_ARGS;
     QWeight w = {fmt, K, N, (N + PANEL - 1) / PANEL, K / 32, codes, hi, d, m, sc, mn};
-    const int64_t row_bytes = K / block_cols[fmt] * block_bytes[fmt];
+    const int64_t row_bytes = K / q_block_cols[fmt] * q_block_bytes[fmt];
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t p = 0; p < w.P; p++) {
         for (int r = 0; r < PANEL && p * PANEL + r < N; r++) {
@@ -1226,9 +1343,12 @@ int eng_qpack(int fmt, const uint8_t *raw, int64_t N, int64_t K, uint8_t *codes,
                             codes[(pg * 8 + q) * 64 + b] = (uint8_t)c;
                             continue;
                         }
-                        codes[(pg * 4 + q / 2) * 64 + b] |= (uint8_t)((c & 15) << (4 * (q & 1)));
-                        if (fmt == F_Q5_K)
-                            ((uint64_t *)hi)[pg * 8 + q] |= (uint64_t)((c >> 4) & 1) << b;
+                        if (Q_CODES2(fmt))
+                            codes[(pg * 2 + q / 4) * 64 + b] |= (uint8_t)((c & 3) << (2 * (q & 3)));
+                        else
+                            codes[(pg * 4 + q / 2) * 64 + b] |= (uint8_t)((c & 15) << (4 * (q & 1)));
+                        if (Q_HI1(fmt))
+                            ((uint64_t *)hi)[pg * 8 + q] |= (uint64_t)((c >> Q_HI1_BIT(fmt)) & 1) << b;
                         else if (fmt == F_Q6_K)
                             hi[(pg * 2 + q / 4) * 64 + b] |= (uint8_t)(((c >> 4) & 3) << (2 * (q & 3)));
                     }
