@@ -28,15 +28,14 @@ import argparse
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import EngineDecode, prompts  # noqa: E402
+from decode import EngineDecode  # noqa: E402
 from moe_families import write  # noqa: E402
-from qwen35_gguf import llama_bench  # noqa: E402
+from qwen35_gguf import time_engines  # noqa: E402
 from recurrent_gguf import convert  # noqa: E402
 
 from engine.models.layers.linear import weight_bytes  # noqa: E402
@@ -67,26 +66,9 @@ def time_file(llama_cpp: Path, path: Path, dtypes: list[str], n: int, new: int, 
     kept = load_model(path, dtype="float32")
     dense = load_model(path, dtype="float32", quantization="none")
     assert kept.quantization == "gguf" and dense.quantization != "gguf"
-    vocab = kept.config.vocab_size
-    engines = {(way, d): EngineDecode(loaded, getattr(torch, d), 1, n + new)
+    engines = {f"{way} {d}": EngineDecode(loaded, getattr(torch, d), 1, n + new)
                for way, loaded in (("kept", kept), ("dense", dense)) for d in dtypes}
-    best: dict[str, float] = {}
-
-    def keep(key: str, value: float) -> None:
-        best[key] = max(best.get(key, 0.0), value)
-
-    for _ in range(rounds):
-        for (way, d), eng in engines.items():
-            short = prompts(1, 64, vocab)
-            eng.run(short, 4)  # warm-up
-            keep(f"decode {way} {d}", (new - 1) / eng.run(short, new))
-            long = prompts(1, n, vocab)
-            t0 = time.perf_counter()
-            decode = eng.run(long, 2)
-            keep(f"prefill {way} {d}", n / (time.perf_counter() - t0 - decode))
-        keep("decode llama.cpp", llama_bench(llama_cpp, path, 0, new))
-        keep("prefill llama.cpp", llama_bench(llama_cpp, path, n, 0))
-    return best
+    return time_engines(llama_cpp, path, engines, kept.config.vocab_size, n, new, rounds)
 
 
 def main() -> None:

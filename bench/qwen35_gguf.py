@@ -110,22 +110,28 @@ def time_beside_llama(llama_cpp: Path, path: Path, loaded, dtypes: list[str], n:
     of ``dtypes``) decoding ``new`` tokens after 64 and prefilling ``n`` in one step, and
     ``llama-bench`` tg / pp on ``path``; tokens/s under "decode D", "prefill D", "decode
     llama.cpp" and "prefill llama.cpp"."""
-    vocab = loaded.config.vocab_size
     engines = {d: EngineDecode(loaded, getattr(torch, d), 1, n + new) for d in dtypes}
+    return time_engines(llama_cpp, path, engines, loaded.config.vocab_size, n, new, rounds)
+
+
+def time_engines(llama_cpp: Path, path: Path, engines: dict, vocab: int, n: int, new: int,
+                 rounds: int) -> dict[str, float]:
+    """:func:`time_beside_llama` over ``engines`` (label -> ``EngineDecode``): tokens/s under
+    "decode LABEL", "prefill LABEL" and llama.cpp's two."""
     best: dict[str, float] = {}
 
     def keep(key: str, value: float) -> None:
         best[key] = max(best.get(key, 0.0), value)
 
     for _ in range(rounds):
-        for d, eng in engines.items():
+        for label, eng in engines.items():
             short = prompts(1, 64, vocab)
             eng.run(short, 4)  # warm-up
-            keep(f"decode {d}", (new - 1) / eng.run(short, new))
+            keep(f"decode {label}", (new - 1) / eng.run(short, new))
             long = prompts(1, n, vocab)
             t0 = time.perf_counter()
             decode = eng.run(long, 2)
-            keep(f"prefill {d}", n / (time.perf_counter() - t0 - decode))
+            keep(f"prefill {label}", n / (time.perf_counter() - t0 - decode))
         keep("decode llama.cpp", llama_bench(llama_cpp, path, 0, new))
         keep("prefill llama.cpp", llama_bench(llama_cpp, path, n, 0))
     return best
