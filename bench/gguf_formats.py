@@ -1,5 +1,6 @@
-"""GGUF's Q5_0, Q5_1, Q3_K and Q2_K kept in their blocks: against the same file read dense
-(what the loader did with these formats before session 35) and beside llama.cpp.
+"""GGUF's Q5_0, Q5_1, Q3_K, Q2_K, IQ4_NL and IQ4_XS kept in their blocks: against the same
+file read dense (what the loader did with these formats before session 35) and beside
+llama.cpp.
 
     .venv/bin/python bench/gguf_formats.py --llama-cpp /work/llama-noamx
         [--types Q5_0,Q5_1,Q3_K_S,Q2_K,Q3_K_M,Q2_K-mix] [--rounds 2] [--dtypes float32,bfloat16]

@@ -31,23 +31,29 @@ from engine.models.config import ModelConfig
 from engine.models.loader import load_model, resolve_model
 from engine.models.registry import model_class
 from engine.models.testing import CHATML_TEMPLATE, TINY_ARCHITECTURES, write_tiny_model
-from engine.models.testing_quant import quantize_q2_k, quantize_q3_k, quantize_q4_k
+from engine.models.testing_quant import quantize_iq4, quantize_q2_k, quantize_q3_k, quantize_q4_k
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 Q4_K = gguf.GGMLQuantizationType.Q4_K
 # The k-quants the tiny-model helpers encode (the gguf package quantizes the others).
 K_QUANT_WRITERS = {Q4_K: quantize_q4_k, gguf.GGMLQuantizationType.Q3_K: quantize_q3_k,
-                   gguf.GGMLQuantizationType.Q2_K: quantize_q2_k}
+                   gguf.GGMLQuantizationType.Q2_K: quantize_q2_k,
+                   gguf.GGMLQuantizationType.IQ4_XS: lambda a: quantize_iq4(a, "IQ4_XS")}
+# and the IQ4 table format of 32-column blocks
+OTHER_WRITERS = {gguf.GGMLQuantizationType.IQ4_NL: lambda a: quantize_iq4(a, "IQ4_NL")}
 F32 = gguf.GGMLQuantizationType.F32
 
 
 def quantize_array(array: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     """GGUF bytes of ``array`` in ``qtype`` (F32: the array itself). The gguf package writes
-    the 32-column formats; Q4_K, Q3_K and Q2_K come from the tiny-model helpers' encoders."""
+    the 32-column formats; Q4_K, Q3_K, Q2_K and the IQ4s come from the tiny-model helpers'
+    encoders."""
     if qtype == F32:
         return array
     if qtype in K_QUANT_WRITERS:
         return K_QUANT_WRITERS[qtype](array)
+    if qtype in OTHER_WRITERS:
+        return OTHER_WRITERS[qtype](array)
     return gguf.quants.quantize(array, qtype)
 
 

@@ -34,7 +34,7 @@ def random_blocks(fmt_name: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
     nb = k // fmt.block
     b = g.integers(0, 256, size=(n, nb, fmt.block_bytes), dtype=np.uint8)
     offsets = {"Q4_0": [0], "Q8_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
-               "Q5_0": [0], "Q5_1": [0, 2], "Q3_K": [108], "Q2_K": [80, 82]}
+               "Q5_0": [0], "Q5_1": [0, 2], "Q3_K": [108], "Q2_K": [80, 82], "IQ4_NL": [0], "IQ4_XS": [0]}
     for off in offsets[fmt_name]:
         scale = g.uniform(-0.02, 0.02, size=(n, nb)).astype(np.float16)
         b[..., off : off + 2] = scale.view(np.uint8).reshape(n, nb, 2)
@@ -67,7 +67,7 @@ def test_decode_refuses_shapes_that_do_not_fit_the_format():
     with pytest.raises(QuantError, match="expected uint8"):
         decode_blocks(torch.zeros(2, 17, dtype=torch.uint8), "Q4_0", 32)
     with pytest.raises(QuantError, match="unsupported"):
-        decode_blocks(torch.zeros(2, 18, dtype=torch.uint8), "IQ4_NL", 32)
+        decode_blocks(torch.zeros(2, 18, dtype=torch.uint8), "IQ2_XS", 32)
 
 
 def int8_activation_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
@@ -149,7 +149,7 @@ def test_amx_bf16_path_matches_the_reference(name):
 
 
 @needs_kernels
-@pytest.mark.parametrize("name", ["Q4_1", "Q6_K", "Q5_0", "Q3_K", "Q2_K"])
+@pytest.mark.parametrize("name", ["Q4_1", "Q6_K", "Q5_0", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS"])
 def test_every_int8_path_agrees_on_a_wide_batch(name):
     w = QuantizedWeight.from_blocks(random_blocks(name, 64, 1024), name, 1024)
     x = torch.randn(130, 1024, generator=torch.Generator().manual_seed(4))

@@ -79,6 +79,7 @@ CASES = [  # (first projection's format, down's, hidden, inter): the K-quants ne
     ("Q5_K", "Q4_K", 256, 256),
     ("Q5_0", "Q5_1", 96, 64),
     ("Q3_K", "Q2_K", 256, 256),
+    ("IQ4_XS", "IQ4_NL", 256, 96),
 ]
 
 

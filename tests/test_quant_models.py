@@ -44,7 +44,7 @@ from engine.models.layers.linear import QuantLinear, weight_bytes
 from engine.models.llama import LlamaModel
 from engine.models.loader import load_model
 from engine.models.testing import TINY_MOE_ARCHITECTURES, write_tiny_model
-from engine.models.testing_quant import quantize_q2_k, quantize_q3_k, quantize_q4_k
+from engine.models.testing_quant import quantize_iq4, quantize_q2_k, quantize_q3_k, quantize_q4_k
 from engine.ops.cpu import qmatmul as cq
 from engine.ops.quant import QuantizedExperts, QuantizedWeight
 
@@ -76,6 +76,8 @@ CASES = [
     ("llama", "Q5_1", {"tie_word_embeddings": True}),
     ("llama", "Q3_K", WIDE | {"tie_word_embeddings": True}),
     ("llama", "Q2_K", WIDE | {"tie_word_embeddings": True}),
+    ("llama", "IQ4_NL", {"tie_word_embeddings": True}),
+    ("llama", "IQ4_XS", WIDE | {"tie_word_embeddings": True}),
 ]
 
 
@@ -130,7 +132,7 @@ def test_a_quantized_gguf_keeps_its_blocks_and_matches_the_dequantized_model(
     formats = {p.fmt.name for proj in _projections(model) for p in proj.parts}
     # A k-quant's rows narrower than 256 fall back to Q8_0 (and Q4_K's attn_v is Q8_0).
     assert formats == ({quant, "Q8_0"} if quant == "Q4_K" else {quant}) or (
-        quant.endswith("_K") and formats == {quant, "Q8_0"})
+        quant.endswith(("_K", "_XS")) and formats == {quant, "Q8_0"})
     if kept.config.moe is not None:  # the experts' stacks stay in their blocks too
         blocks = [layer.moe for layer in model.layers if layer.moe is not None]
         assert blocks and all(isinstance(b.w13, QuantizedExperts) and isinstance(b.w2, QuantizedExperts)
@@ -204,6 +206,27 @@ def test_the_q3_k_and_q2_k_writers_make_blocks_gguf_reads_back_within_a_step(qua
     err = np.abs(back - w).reshape(sub.shape).max(-1)
     assert (err <= bound).all()
     assert np.abs(back - w).max() > 0 and np.abs(back[2, :16]).max() == 0
+
+
+@pytest.mark.parametrize("kind", ["IQ4_NL", "IQ4_XS"])
+def test_the_iq4_writer_makes_blocks_gguf_reads_back_within_a_step(kind: str) -> None:
+    """The helpers' IQ4 encoder, checked with gguf's own dequantizer: each value within 14
+    of its block's steps (half the table's widest gap is 12; a value past its top entry,
+    113, lies up to 127) plus, for IQ4_XS, the 6-bit scale's rounding (d / 2, times the
+    table's 127 at most)."""
+    g = np.random.default_rng(5)
+    w = (g.standard_normal((6, 512)) * 0.08).astype(np.float32)
+    w[2, :32] = 0.0  # a zero block
+    blocks = quantize_iq4(w, kind)
+    back = gguf.quants.dequantize(blocks, getattr(gguf.GGMLQuantizationType, kind)).reshape(w.shape)
+    sub = np.abs(w.reshape(6, -1, 32)).max(-1, keepdims=True) / 127  # each block's step
+    bound = 14 * sub * 1.01
+    if kind == "IQ4_XS":
+        d = np.abs(w.reshape(6, 2, 256)).max(-1, keepdims=True).repeat(8, 1) / 127 / 31
+        bound = bound + 127 * 0.5 * d + 1e-3 * sub
+    err = np.abs(back - w).reshape(6, -1, 32)
+    assert (err <= bound).all()
+    assert np.abs(back - w).max() > 0 and np.abs(back[2, :32]).max() == 0
 
 
 # --------------------------------------------------------------------------------------

@@ -19,8 +19,8 @@ quantization ``"auto"`` (or ``"gguf"``) keeps a GGUF's block-quantized matrices 
 layout of the kernels that will run the model (:mod:`engine.models.gguf_quant`), found as
 :func:`engine.ops.get_ops` finds them from ``ops_backend`` and the device: the Triton
 backend (CUDA, or CPU under its interpreter) keeps Q4_0/Q4_1/Q8_0/Q4_K in GGUF's blocks on
-the device; on CPU the other backends keep those and Q5_0/Q5_1/Q2_K/Q3_K/Q5_K/Q6_K in the C
-kernels' panels.
+the device; on CPU the other backends keep those and Q5_0/Q5_1/Q2_K/Q3_K/Q5_K/Q6_K/IQ4_NL/
+IQ4_XS in the C kernels' panels.
 The formats the kernels lack are dequantized (the log names them), and so is every weight
 on CUDA with the torch backend. dtype then is the activations' and the other tensors'.
 ``"none"`` dequantizes everything, as before. A Hugging Face folder has nothing to keep:

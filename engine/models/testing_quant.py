@@ -9,9 +9,9 @@ largest magnitude is the format's largest code; the other tensors as they are.
 (pack-quantized, symmetric) and "ct-w4-asym" (pack-quantized with zero points). Blocks and groups must divide the matrices (transformers'
 loaders, the oracle, require it).
 
-Also :func:`quantize_q4_k`, :func:`quantize_q3_k` and :func:`quantize_q2_k`, GGUF k-quant
-rows for the tests that write a k-quant GGUF (the gguf package quantizes only the
-32-column formats).
+Also :func:`quantize_q4_k`, :func:`quantize_q3_k`, :func:`quantize_q2_k` and
+:func:`quantize_iq4`, GGUF rows for the tests that write a k-quant or IQ4 GGUF (the gguf
+package quantizes only the 32-column formats without a table).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+from engine.ops.quant_formats import IQ4_VALUES
 
 LAYOUTS = ("fp8-block", "ct-tensor", "ct-channel", "ct-block", "ct-w4-group", "ct-w4-asym",
            "ct-w8-channel", "ct-int8-channel", "ct-int8-group")
@@ -261,3 +263,39 @@ def quantize_q2_k(weight: np.ndarray) -> np.ndarray:
         [sc | (mn << 4), _two_bit_planes(q), d[..., None].view(np.uint8), dmin[..., None].view(np.uint8)], axis=-1
     )
     return blocks.reshape(n, k // 256 * 84)
+
+
+def quantize_iq4(weight: np.ndarray, kind: str) -> np.ndarray:
+    """GGUF ``kind`` ("IQ4_NL": 18 bytes a 32-column block; "IQ4_XS": 136 a 256-column
+    super-block) rows of an fp32 ``weight [N, K]``: each value the nearest of the 16-entry
+    table (``engine.ops.quant_formats.IQ4_VALUES``) times its block's scale, the scale set so
+    the block's largest magnitude meets the table's end (IQ4_XS: an fp16 ``d`` a
+    super-block and a 6-bit ``sc - 32`` a 32-column sub-block). Rounded to nearest, not
+    llama.cpp's search."""
+    n, k = weight.shape
+    per = 32 if kind == "IQ4_NL" else 256
+    if k % per:
+        raise ValueError(f"{kind} needs K to be a multiple of {per}, got {k}")
+    table = np.asarray(IQ4_VALUES, dtype=np.float32)
+    x = weight.astype(np.float32).reshape(n, k // per, per // 32, 32)
+    want = np.abs(x).max(-1) / 127  # [n, blocks, sub-blocks]
+    if kind == "IQ4_NL":
+        d = want[..., 0].astype(np.float16)
+        step = d.astype(np.float32)[..., None]
+    else:
+        d = (want.max(-1) / 31).astype(np.float16)
+        u = d.astype(np.float32)[..., None]
+        sc = np.clip(np.rint(np.divide(want, u, out=np.zeros_like(want), where=u > 0)), 0, 31).astype(np.int32)
+        step = u * sc
+    ratio = np.divide(x, step[..., None], out=np.zeros_like(x), where=step[..., None] > 0)
+    q = np.abs(ratio[..., None] - table).argmin(-1).astype(np.uint8)  # [n, blocks, sub, 32]
+    codes = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, k // per, per // 2)
+    if kind == "IQ4_NL":
+        return np.concatenate([d[..., None].view(np.uint8), codes], -1).reshape(n, k // 32 * 18)
+    v = (sc + 32).astype(np.uint16)  # [n, blocks, 8], 6 bits
+    high = np.zeros((n, k // 256), dtype=np.uint16)
+    for ib in range(8):
+        high |= (v[..., ib] >> 4) << (2 * ib)
+    low = ((v[..., 0::2] & 15) | ((v[..., 1::2] & 15) << 4)).astype(np.uint8)
+    blocks = np.concatenate([d[..., None].view(np.uint8), high[..., None].view(np.uint8), low, codes], -1)
+    return blocks.reshape(n, k // 256 * 136)

@@ -1,5 +1,5 @@
-"""Block-quantized weights (GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
-kept in their blocks.
+"""Block-quantized weights (GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+IQ4_NL, IQ4_XS) kept in their blocks.
 
 Every format stores, per row of a ``[N, K]`` weight, unsigned integer *codes* with one
 ``scale`` and ``min`` per group of ``G`` consecutive columns, and means
@@ -18,6 +18,8 @@ Q3_K     16     3     d sc, -4 d sc    (sc: 6-bit, stored as the signed sc - 32)
 Q4_K     32     4     d sc, -dmin mn   (sc, mn: 6-bit, 8 per 256-column super-block)
 Q5_K     32     5     d sc, -dmin mn
 Q6_K     16     6     d sc, -32 d sc   (sc: int8, 16 per super-block)
+IQ4_NL   32     4     d                (w = scale * IQ4_VALUES[code]: a table, not a line)
+IQ4_XS   32     4     d sc             (sc: 6-bit, stored as the signed sc - 32)
 =======  =====  ====  ===================================================================
 
 This module holds the torch reference of all of it (decode a GGUF block array, dequantize,
@@ -42,7 +44,8 @@ gives an AVX-512 VNNI ``vpdpbusd`` operand: 16 rows x 4 consecutive columns (a "
 and the scales per panel, 16 rows side by side, so one load gives a vector of 16:
 ``d``/``m`` ``[P, K/32, 16]`` fp16 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); ``d``/``dmin``
 ``[P, K/256, 16]`` fp16 and ``sc``/``mn`` ``[P, K/32, 16]`` uint8 (Q4_K, Q5_K); ``d``
-``[P, K/256, 16]`` fp16 and ``sc`` ``[P, K/16, 16]`` int8 (Q6_K, Q3_K); ``d``/``dmin``
+``[P, K/256, 16]`` fp16 and ``sc`` ``[P, K/16, 16]`` int8 (Q6_K, Q3_K) or ``[P, K/32, 16]`` int8 (IQ4_XS; IQ4_NL as
+Q4_0); ``d``/``dmin``
 ``[P, K/256, 16]`` fp16 and ``sc`` ``[P, K/16, 16]`` uint8, the file's byte (Q2_K). The
 bytes equal the file's for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K and Q6_K; Q4_K and Q5_K
 unpack their 6-bit scales to bytes (+2.8% and +2.3%), Q3_K its to int8 (+3.6%).
@@ -58,7 +61,9 @@ from engine.ops.cpu import qpack
 from engine.ops.quant_formats import (
     FORMAT_CODES,
     FORMATS,
+    IQ4_VALUES,
     LAYOUT_FORMATS,
+    LOOKUP_FORMATS,
     PANEL,
     QuantError,
     QuantFormat,
@@ -75,7 +80,8 @@ class Decoded:
 
     ``fields`` maps names to per-row tensors: ``d``, ``m``, ``dmin`` (fp16, per block),
     ``sc``, ``mn`` (uint8 per 32 columns; int8 per 16 for Q6_K and Q3_K; for Q2_K ``sc``
-    alone, uint8 per 16, the file's ``scale | min << 4``).
+    alone, uint8 per 16, the file's ``scale | min << 4``; IQ4_XS's ``sc`` int8 per 32).
+    The IQ4 formats' ``codes`` are their table indices (see :meth:`dequantize`).
     """
 
     fmt: QuantFormat
@@ -85,6 +91,12 @@ class Decoded:
     def scale_min(self) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 ``scale``, ``min`` [N, K / group], computed as the kernels compute them."""
         f, name = self.fields, self.fmt.name
+        if name == "IQ4_NL":
+            d = f["d"].float()
+            return d, d * -128.0
+        if name == "IQ4_XS":
+            scale = f["d"].float().repeat_interleave(8, dim=1) * f["sc"].float()
+            return scale, scale * -128.0
         if name in ("Q4_0", "Q5_0", "Q8_0"):
             d = f["d"].float()
             return d, d * {"Q4_0": -8.0, "Q5_0": -16.0, "Q8_0": -128.0}[name]
@@ -106,6 +118,9 @@ class Decoded:
         scale, mn = self.scale_min()
         g = self.fmt.group
         n, k = self.codes.shape
+        if self.fmt.name in LOOKUP_FORMATS:  # scale * the table's value, as gguf computes it
+            values = torch.tensor(IQ4_VALUES, dtype=torch.float32)[self.codes.long()]
+            return (values.view(n, k // g, g) * scale.unsqueeze(-1)).view(n, k)
         w = self.codes.float().view(n, k // g, g) * scale.unsqueeze(-1) + mn.unsqueeze(-1)
         return w.view(n, k)
 
@@ -132,8 +147,8 @@ def decode_blocks(raw: torch.Tensor, fmt: QuantFormat | str, k: int) -> Decoded:
     b = raw.reshape(n, nb, fmt.block_bytes)
     name = fmt.name
     fields: dict[str, torch.Tensor] = {}
-    if name in ("Q4_0", "Q4_1"):
-        off = 2 if name == "Q4_0" else 4
+    if name in ("Q4_0", "Q4_1", "IQ4_NL"):
+        off = 4 if name == "Q4_1" else 2
         fields["d"] = _f16(b, 0)
         if name == "Q4_1":
             fields["m"] = _f16(b, 2)
@@ -166,6 +181,17 @@ def decode_blocks(raw: torch.Tensor, fmt: QuantFormat | str, k: int) -> Decoded:
             sc = (low | (high.reshape(n, nb, 16) << 4)).to(torch.int16) - 32
             fields["sc"] = sc.to(torch.int8).reshape(n, nb * 16)
             fields["d"] = _f16(b, 108)
+    elif name == "IQ4_XS":
+        # d, then the 6-bit scales of the eight 32-column sub-blocks (bits 0..3 in the
+        # nibbles of 4 bytes, bits 4..5 in pairs of a uint16), then 16 bytes a sub-block
+        # of codes (low nibbles its first 16 columns, high nibbles the rest).
+        fields["d"] = _f16(b, 0)
+        high = b[..., 2:4].contiguous().view(torch.int16).to(torch.int32)  # [n, nb, 1]
+        high = (high >> (2 * torch.arange(8, dtype=torch.int32))) & 3  # [n, nb, 8]
+        low = torch.stack([b[..., 4:8] & 15, b[..., 4:8] >> 4], -1).reshape(n, nb, 8).to(torch.int32)
+        fields["sc"] = ((low | (high << 4)) - 32).to(torch.int8).reshape(n, nb * 8)
+        qs = b[..., 8:136].reshape(n, nb, 8, 16)
+        codes = torch.cat([qs & 15, qs >> 4], -1)
     elif name == "Q8_0":
         fields["d"] = _f16(b, 0)
         codes = b[..., 2:34] ^ 0x80  # int8 q -> q + 128, unsigned for vpdpbusd

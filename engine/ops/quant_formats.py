@@ -47,8 +47,16 @@ FORMATS: dict[str, QuantFormat] = {
         QuantFormat("Q5_1", 7, 32, 24, 32, 5),
         QuantFormat("Q3_K", 11, 256, 110, 16, 3),
         QuantFormat("Q2_K", 10, 256, 84, 16, 2),
+        QuantFormat("IQ4_NL", 20, 32, 18, 32, 4),
+        QuantFormat("IQ4_XS", 23, 256, 136, 32, 4),
     )
 }
+
+# IQ4_NL's and IQ4_XS's 4-bit codes index this table of int8 values (llama.cpp's
+# kvalues_iq4nl): w = scale * IQ4_VALUES[code]. The kernels multiply the unsigned value + 128
+# (their codes are unsigned) with a min of -128 * scale, as for Q8_0.
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+LOOKUP_FORMATS = ("IQ4_NL", "IQ4_XS")
 
 # The C kernels' format codes (enum in engine/ops/cpu/quant.c).
 FORMAT_CODES = {name: i for i, name in enumerate(FORMATS)}
@@ -100,6 +108,8 @@ def panel_shapes(fmt: QuantFormat, n: int, k: int) -> dict[str, tuple[tuple[int,
         out["d"] = ((p, sb, PANEL), torch.float16)
         if fmt.name in ("Q6_K", "Q3_K"):
             out["sc"] = ((p, 2 * g, PANEL), torch.int8)
+        elif fmt.name == "IQ4_XS":
+            out["sc"] = ((p, g, PANEL), torch.int8)  # the 6-bit scale - 32, one per 32 columns
         elif fmt.name == "Q2_K":
             out["dmin"] = ((p, sb, PANEL), torch.float16)
             out["sc"] = ((p, 2 * g, PANEL), torch.uint8)  # the file's byte: scale | min << 4
@@ -114,7 +124,9 @@ __all__ = [
     "CODE_FIELDS",
     "FORMATS",
     "FORMAT_CODES",
+    "IQ4_VALUES",
     "LAYOUT_FORMATS",
+    "LOOKUP_FORMATS",
     "PANEL",
     "QuantError",
     "QuantFormat",

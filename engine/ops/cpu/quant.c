@@ -1,6 +1,6 @@
 /*
  * Matrix products with block-quantized weights (GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K,
- * Q4_K, Q5_K, Q6_K),
+ * Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS),
  * called through cffi; the layout and the formats' meaning are in engine/ops/quant.py.
  *
  *   out[t, n] = sum_k x[t, k] * w[n, k],   w[n, k] = code * scale(group) + min(group)
@@ -46,22 +46,27 @@
 #define QINLINE static inline __attribute__((always_inline))
 
 enum { F_Q4_0 = 0, F_Q4_1 = 1, F_Q8_0 = 2, F_Q4_K = 3, F_Q5_K = 4, F_Q6_K = 5, F_Q5_0 = 6, F_Q5_1 = 7, F_Q3_K = 8,
-       F_Q2_K = 9, F_COUNT = 10 };
+       F_Q2_K = 9, F_IQ4_NL = 10, F_IQ4_XS = 11, F_COUNT = 12 };
 
 /* What a format's panels hold (engine/ops/quant.py has the table). Each kernel is
  * specialized per format, so these fold to constants inside its loops. */
-#define Q_SUPER(f) ((f) == F_Q4_K || (f) == F_Q5_K || (f) == F_Q6_K || (f) == F_Q3_K || (f) == F_Q2_K) /* d per 256 */
+#define Q_SUPER(f) \
+    ((f) == F_Q4_K || (f) == F_Q5_K || (f) == F_Q6_K || (f) == F_Q3_K || (f) == F_Q2_K || (f) == F_IQ4_XS) /* d per 256 */
 #define Q_DMIN(f) ((f) == F_Q4_K || (f) == F_Q5_K || (f) == F_Q2_K) /* m holds dmin per 256 columns */
 #define Q_PER16(f) ((f) == F_Q6_K || (f) == F_Q3_K || (f) == F_Q2_K) /* a scale per 16 columns */
 #define Q_HI1(f) ((f) == F_Q5_K || (f) == F_Q5_0 || (f) == F_Q5_1 || (f) == F_Q3_K) /* hi: one bit a code */
 #define Q_HI1_BIT(f) ((f) == F_Q3_K ? 2 : 4)                                           /* ... which bit */
 #define Q_CODES2(f) ((f) == F_Q2_K || (f) == F_Q3_K) /* codes: the low 2 bits, four to a byte */
 #define Q_GROUP_BYTES(f) ((f) == F_Q8_0 ? 512 : Q_CODES2(f) ? 128 : 256) /* code bytes of a panel's group */
-#define Q_PER32_D(f) ((f) == F_Q4_0 || (f) == F_Q4_1 || (f) == F_Q8_0 || (f) == F_Q5_0 || (f) == F_Q5_1)
+#define Q_PER32_D(f) ((f) == F_Q4_0 || (f) == F_Q4_1 || (f) == F_Q8_0 || (f) == F_Q5_0 || (f) == F_Q5_1 || (f) == F_IQ4_NL)
+/* The 4-bit code indexes Q_IQ4_U8 (llama.cpp's kvalues_iq4nl + 128, unsigned for vpdpbusd;
+ * the min is -128 * scale, as Q8_0's). */
+#define Q_LUT(f) ((f) == F_IQ4_NL || (f) == F_IQ4_XS)
+static const uint8_t Q_IQ4_U8[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
 /* Columns and bytes of a GGUF block, by format code. */
-static const int64_t q_block_cols[F_COUNT] = {32, 32, 32, 256, 256, 256, 32, 32, 256, 256};
-static const int64_t q_block_bytes[F_COUNT] = {18, 20, 34, 144, 176, 210, 22, 24, 110, 84};
+static const int64_t q_block_cols[F_COUNT] = {32, 32, 32, 256, 256, 256, 32, 32, 256, 256, 32, 256};
+static const int64_t q_block_bytes[F_COUNT] = {18, 20, 34, 144, 176, 210, 22, 24, 110, 84, 18, 136};
 /* QDT_BF16_F32: bf16 activations, fp32 results holding the bf16-rounded values (a bf16
  * model's logits, widened without a second pass). eng_qmatmul only. */
 enum { QDT_F32 = 0, QDT_BF16 = 1, QDT_BF16_F32 = 2 };
@@ -147,7 +152,9 @@ QINLINE void q_scale_min(const QWeight *w, int64_t p, int64_t g, int r, int h, f
     case F_Q5_0: *scale = q_f16_to_f32(w->d[pg]); *mn = -16.0f * *scale; break;
     case F_Q4_1:
     case F_Q5_1: *scale = q_f16_to_f32(w->d[pg]); *mn = q_f16_to_f32(w->m[pg]); break;
-    case F_Q8_0: *scale = q_f16_to_f32(w->d[pg]); *mn = -128.0f * *scale; break;
+    case F_Q8_0:
+    case F_IQ4_NL: *scale = q_f16_to_f32(w->d[pg]); *mn = -128.0f * *scale; break;
+    case F_IQ4_XS: *scale = q_f16_to_f32(w->d[ps]) * (float)(int8_t)w->sc[pg]; *mn = -128.0f * *scale; break;
     case F_Q4_K:
     case F_Q5_K:
         *scale = q_f16_to_f32(w->d[ps]) * (float)w->sc[pg];
@@ -186,7 +193,7 @@ QINLINE int q_code(const QWeight *w, int64_t p, int64_t g, int q, int r, int j) 
     } else if (w->fmt == F_Q6_K) {
         c |= ((w->hi[(pg * 2 + q / 4) * 64 + b] >> (2 * (q & 3))) & 3) << 4;
     }
-    return c;
+    return Q_LUT(w->fmt) ? Q_IQ4_U8[c] : c;
 }
 
 /* ---- activations: int8 per 32 columns ---------------------------------------------- */
@@ -300,6 +307,11 @@ AVX512 QINLINE void q_unpack(const QWeight *w, int fmt, int64_t pg, __m512i *c) 
             c[2 * v] = _mm512_and_si512(b, low4);
             c[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
         }
+        if (Q_LUT(fmt)) { /* each 128-bit lane looks its nibbles up in the table */
+            const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)Q_IQ4_U8));
+            for (int q = 0; q < 8; q++)
+                c[q] = _mm512_shuffle_epi8(lut, c[q]);
+        }
     }
     if (Q_HI1(fmt)) {
         const __m512i bit4 = _mm512_set1_epi8(1 << Q_HI1_BIT(fmt));
@@ -329,7 +341,9 @@ AVX512 QINLINE void q_sm32(const QWeight *w, const int fmt, int64_t o, __m512 D,
     case F_Q5_0: *S = q_ld_f16(w->d + o); *Mn = _mm512_mul_ps(*S, _mm512_set1_ps(-16.0f)); break;
     case F_Q4_1:
     case F_Q5_1: *S = q_ld_f16(w->d + o); *Mn = q_ld_f16(w->m + o); break;
-    case F_Q8_0: *S = q_ld_f16(w->d + o); *Mn = _mm512_mul_ps(*S, _mm512_set1_ps(-128.0f)); break;
+    case F_Q8_0:
+    case F_IQ4_NL: *S = q_ld_f16(w->d + o); *Mn = _mm512_mul_ps(*S, _mm512_set1_ps(-128.0f)); break;
+    case F_IQ4_XS: *S = _mm512_mul_ps(D, q_ld_i8(w->sc + o)); *Mn = _mm512_mul_ps(*S, _mm512_set1_ps(-128.0f)); break;
     default: /* Q4_K, Q5_K: -(dmin * mn) as the portable path rounds it */
         *S = _mm512_mul_ps(D, q_ld_u8(w->sc + o));
         *Mn = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(Dm, q_ld_u8(w->mn + o)));
@@ -451,7 +465,9 @@ AVX512 static void q_panel_avx512(const QWeight *w, int64_t p, const QActs *a, i
     case F_Q5_0: Q_TILES(F_Q5_0) break;
     case F_Q5_1: Q_TILES(F_Q5_1) break;
     case F_Q3_K: Q_TILES(F_Q3_K) break;
-    default: Q_TILES(F_Q2_K)
+    case F_Q2_K: Q_TILES(F_Q2_K) break;
+    case F_IQ4_NL: Q_TILES(F_IQ4_NL) break;
+    default: Q_TILES(F_IQ4_XS)
     }
 #undef Q_TILES
     for (int t = 0; t < nt; t++)
@@ -666,7 +682,9 @@ AMX static void q_panel_amx(const QWeight *w, int64_t p, const QActs *a, int64_t
     case F_Q5_0: q_panel_amx_fmt(w, F_Q5_0, p, a, t0, nt, out); break;
     case F_Q5_1: q_panel_amx_fmt(w, F_Q5_1, p, a, t0, nt, out); break;
     case F_Q3_K: q_panel_amx_fmt(w, F_Q3_K, p, a, t0, nt, out); break;
-    default: q_panel_amx_fmt(w, F_Q2_K, p, a, t0, nt, out);
+    case F_Q2_K: q_panel_amx_fmt(w, F_Q2_K, p, a, t0, nt, out); break;
+    case F_IQ4_NL: q_panel_amx_fmt(w, F_IQ4_NL, p, a, t0, nt, out); break;
+    default: q_panel_amx_fmt(w, F_IQ4_XS, p, a, t0, nt, out);
     }
 }
 
@@ -779,7 +797,9 @@ AMXBF16 static void q_dequant_panel_bf16(const QWeight *w, int64_t p, uint8_t *d
     case F_Q5_0: q_dequant_panel_bf16_fmt(w, F_Q5_0, p, dst); break;
     case F_Q5_1: q_dequant_panel_bf16_fmt(w, F_Q5_1, p, dst); break;
     case F_Q3_K: q_dequant_panel_bf16_fmt(w, F_Q3_K, p, dst); break;
-    default: q_dequant_panel_bf16_fmt(w, F_Q2_K, p, dst);
+    case F_Q2_K: q_dequant_panel_bf16_fmt(w, F_Q2_K, p, dst); break;
+    case F_IQ4_NL: q_dequant_panel_bf16_fmt(w, F_IQ4_NL, p, dst); break;
+    default: q_dequant_panel_bf16_fmt(w, F_IQ4_XS, p, dst);
     }
     Q_MEMORY_BARRIER(); /* the tile loads read dst */
 }
@@ -942,6 +962,14 @@ AVX2 QINLINE void q2_unpack(const QWeight *w, int fmt, int64_t pg, int h, __m256
             c[2 * v] = _mm256_and_si256(b, low4);
             c[2 * v + 1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
         }
+        if (Q_LUT(fmt)) { /* looked up, then split into nibbles as Q8_0's codes are */
+            const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)Q_IQ4_U8));
+            for (int q = 0; q < 8; q++) {
+                const __m256i u = _mm256_shuffle_epi8(lut, c[q]);
+                c[q] = _mm256_and_si256(u, low4);
+                c[8 + q] = _mm256_and_si256(_mm256_srli_epi16(u, 4), low4);
+            }
+        }
     }
     if (Q_HI1(fmt)) {
         for (int q = 0; q < 8; q++) {
@@ -1030,7 +1058,12 @@ AVX2 QINLINE void q_panel_avx2_fmt(const QWeight *w, const int fmt, int64_t p, c
             case F_Q5_0: S = q2_ld_f16(w->d + o); Mn = _mm256_mul_ps(S, _mm256_set1_ps(-16.0f)); break;
             case F_Q4_1:
             case F_Q5_1: S = q2_ld_f16(w->d + o); Mn = q2_ld_f16(w->m + o); break;
-            case F_Q8_0: S = q2_ld_f16(w->d + o); Mn = _mm256_mul_ps(S, _mm256_set1_ps(-128.0f)); break;
+            case F_Q8_0:
+            case F_IQ4_NL: S = q2_ld_f16(w->d + o); Mn = _mm256_mul_ps(S, _mm256_set1_ps(-128.0f)); break;
+            case F_IQ4_XS:
+                S = _mm256_mul_ps(D, q2_ld_i8(w->sc + o));
+                Mn = _mm256_mul_ps(S, _mm256_set1_ps(-128.0f));
+                break;
             default: /* Q4_K, Q5_K: -(dmin * mn) as the portable path rounds it */
                 S = _mm256_mul_ps(D, q2_ld_u8(w->sc + o));
                 Mn = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(Dm, q2_ld_u8(w->mn + o)));
@@ -1040,7 +1073,7 @@ AVX2 QINLINE void q_panel_avx2_fmt(const QWeight *w, const int fmt, int64_t p, c
                 const float dx = a->dx[(t0 + t) * (K / 32) + g];
                 const float *xs = a->xs + (t0 + t) * (K / 16) + 2 * g;
                 __m256i si = q2_dot(c, xq, 0, 8);
-                if (fmt == F_Q8_0) /* lo + 16 hi: exact in int32 */
+                if (fmt == F_Q8_0 || Q_LUT(fmt)) /* lo + 16 hi: exact in int32 */
                     si = _mm256_add_epi32(si, _mm256_slli_epi32(q2_dot(c + 8, xq, 0, 8), 4));
                 __m256 v = _mm256_cvtepi32_ps(si);
                 acc[t] = _mm256_fmadd_ps(v, _mm256_mul_ps(S, _mm256_set1_ps(dx)), acc[t]);
@@ -1070,7 +1103,9 @@ AVX2 static void q_panel_avx2(const QWeight *w, int64_t p, const QActs *a, int64
     case F_Q5_0: Q_TILES(F_Q5_0) break;
     case F_Q5_1: Q_TILES(F_Q5_1) break;
     case F_Q3_K: Q_TILES(F_Q3_K) break;
-    default: Q_TILES(F_Q2_K)
+    case F_Q2_K: Q_TILES(F_Q2_K) break;
+    case F_IQ4_NL: Q_TILES(F_IQ4_NL) break;
+    default: Q_TILES(F_IQ4_XS)
     }
 #undef Q_TILES
 }
@@ -1254,8 +1289,9 @@ int eng_qrows(int fmt, int dtype, void *out, const int64_t *ids, int64_t n_ids, 
             q_scale_min(&w, p, g, r, 1, &scale[1], &mnv[1]);
             for (int q = 0; q < 8; q++)
                 for (int j = 0; j < 4; j++) {
-                    int h = Q_PER16(w.fmt) ? q / 4 : 0;
-                    row[4 * q + j] = (float)q_code(&w, p, g, q, r, j) * scale[h] + mnv[h];
+                    int h = Q_PER16(w.fmt) ? q / 4 : 0, c = q_code(&w, p, g, q, r, j);
+                    /* a table format: the table's signed value times the scale, as gguf */
+                    row[4 * q + j] = Q_LUT(w.fmt) ? (float)(c - 128) * scale[h] : (float)c * scale[h] + mnv[h];
                 }
             q_store(out, dtype, K, i, 32 * g, 32, row);
         }
@@ -1285,9 +1321,10 @@ static void q_pack_group(const QWeight *w, const uint8_t *row, int64_t p, int64_
     const int s = (int)(g % 8); /* sub-block of a 256-column super-block */
     switch (w->fmt) {
     case F_Q4_0:
+    case F_IQ4_NL:
     case F_Q4_1: {
-        const uint8_t *b = row + g * (w->fmt == F_Q4_0 ? 18 : 20);
-        const uint8_t *qs = b + (w->fmt == F_Q4_0 ? 2 : 4);
+        const uint8_t *b = row + g * (w->fmt == F_Q4_1 ? 20 : 18);
+        const uint8_t *qs = b + (w->fmt == F_Q4_1 ? 4 : 2);
         d[pg] = q_u16(b);
         if (w->fmt == F_Q4_1)
             m[pg] = q_u16(b + 2);
@@ -1311,6 +1348,17 @@ static void q_pack_group(const QWeight *w, const uint8_t *row, int64_t p, int64_
         d[pg] = q_u16(b);
         for (int l = 0; l < 32; l++)
             code[l] = b[2 + l] ^ 0x80;
+        break;
+    }
+    case F_IQ4_XS: {
+        /* d, the sub-blocks' 6-bit scales (bits 0..3 in the nibbles of bytes 4..7, bits
+         * 4..5 in pairs of the uint16 at 2), 16 bytes of codes a sub-block. */
+        const uint8_t *b = row + (g / 8) * 136, *qs = b + 8 + 16 * s;
+        const int ls = ((b[4 + s / 2] >> (4 * (s % 2))) & 15) | (((q_u16(b + 2) >> (2 * s)) & 3) << 4);
+        d[ps] = q_u16(b);
+        sc[pg] = (uint8_t)(int8_t)(ls - 32);
+        for (int l = 0; l < 16; l++)
+            code[l] = qs[l] & 15, code[l + 16] = qs[l] >> 4;
         break;
     }
     case F_Q2_K:
