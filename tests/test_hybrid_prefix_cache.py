@@ -41,8 +41,11 @@ def _options(**extra: Any) -> dict[str, Any]:
 
 
 # transformers' greedy answer to each prompt, per model: the tests ask several engines the
-# same prompt (the hybrid models' torch paths take seconds an answer).
-_HF_ANSWERS: dict[tuple[int, tuple[int, ...]], tuple[list[int], list[float]]] = {}
+# same prompt (the hybrid models' torch paths take seconds an answer). Each entry holds its
+# model too: keyed by id(), a model collected after its module's parameter (the fixture's
+# scope) could leave its id to the next family's model, which would then be handed the
+# first one's answers (a fresh-clone run failed every Qwen3.5 case so).
+_HF_ANSWERS: dict[tuple[int, tuple[int, ...]], tuple[Any, list[int], list[float]]] = {}
 
 
 async def _answer(eng: Any, hf: Any, prompt: list[int]) -> int:
@@ -51,8 +54,8 @@ async def _answer(eng: Any, hf: Any, prompt: list[int]) -> int:
     outputs = await collect(eng, prompt, greedy(NEW_TOKENS, logprobs=0))
     key = (id(hf), tuple(prompt))
     if key not in _HF_ANSWERS:
-        _HF_ANSWERS[key] = _hf_greedy(hf, prompt, NEW_TOKENS)
-    tokens, logprobs = _HF_ANSWERS[key]
+        _HF_ANSWERS[key] = (hf, *_hf_greedy(hf, prompt, NEW_TOKENS))
+    _, tokens, logprobs = _HF_ANSWERS[key]
     assert token_ids(outputs) == tokens
     got = torch.tensor([lp.logprob for out in outputs for lp in out.logprobs], dtype=torch.float64)
     torch.testing.assert_close(got, torch.tensor(logprobs, dtype=torch.float64), atol=LOGPROB_ATOL, rtol=0)
