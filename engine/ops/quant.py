@@ -42,13 +42,13 @@ gives an AVX-512 VNNI ``vpdpbusd`` operand: 16 rows x 4 consecutive columns (a "
     hi2[p, g, h, 4*r + j]      (Q6_K) bits 2i..2i+1 = bits 4..5 of quad q = 4h + i's code
 
 and the scales per panel, 16 rows side by side, so one load gives a vector of 16:
-``d``/``m`` ``[P, K/32, 16]`` fp16 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); ``d``/``dmin``
+``d``/``m`` ``[P, K/32, 16]`` fp16 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL); ``d``/``dmin``
 ``[P, K/256, 16]`` fp16 and ``sc``/``mn`` ``[P, K/32, 16]`` uint8 (Q4_K, Q5_K); ``d``
-``[P, K/256, 16]`` fp16 and ``sc`` ``[P, K/16, 16]`` int8 (Q6_K, Q3_K) or ``[P, K/32, 16]`` int8 (IQ4_XS; IQ4_NL as
-Q4_0); ``d``/``dmin``
-``[P, K/256, 16]`` fp16 and ``sc`` ``[P, K/16, 16]`` uint8, the file's byte (Q2_K). The
-bytes equal the file's for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K and Q6_K; Q4_K and Q5_K
-unpack their 6-bit scales to bytes (+2.8% and +2.3%), Q3_K its to int8 (+3.6%).
+``[P, K/256, 16]`` fp16 and ``sc`` ``[P, K/16, 16]`` int8 (Q6_K, Q3_K) or ``[P, K/32, 16]``
+int8 (IQ4_XS); ``d``/``dmin`` ``[P, K/256, 16]`` fp16 and ``sc`` ``[P, K/16, 16]`` uint8,
+the file's byte (Q2_K). The bytes equal the file's for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K,
+Q6_K and IQ4_NL; Q4_K and Q5_K unpack their 6-bit scales to bytes (+2.8% and +2.3%), Q3_K
+and IQ4_XS theirs to int8 (+3.6% and +1.5%).
 """
 
 from __future__ import annotations
