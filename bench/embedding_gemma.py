@@ -39,6 +39,30 @@ SHAPE = dict(vocab_size=32000, hidden_size=768, intermediate_size=1152, num_atte
              tie_word_embeddings=True)
 
 
+def compare(llm: engine.LLM, st: object, sentences: list[str], rounds: int) -> dict[str, float]:
+    """``llm.embed`` against ``st.encode`` (batch 32) of ``sentences``, ``rounds`` times,
+    alternating which goes first; prints each round, the medians, their ratio and the
+    smallest cosine between the two sides' vectors, and returns the medians."""
+    rates: dict[str, list[float]] = {"engine": [], "sentence-transformers": []}
+    ours = theirs = None
+    for r in range(rounds):
+        order = ("engine", "sentence-transformers") if r % 2 == 0 else ("sentence-transformers", "engine")
+        for name in order:
+            t0 = time.perf_counter()
+            if name == "engine":
+                ours = np.stack([o.outputs.embedding for o in llm.embed(sentences, use_tqdm=False)])
+            else:
+                theirs = st.encode(sentences, batch_size=32)  # type: ignore[attr-defined]
+            rates[name].append(len(sentences) / (time.perf_counter() - t0))
+        print(f"round {r + 1}: " + ", ".join(f"{n} {rates[n][-1]:.1f}/s" for n in order))
+    med = {n: statistics.median(v) for n, v in rates.items()}
+    cos = float(np.min(np.sum(ours * theirs, axis=1)))
+    print(f"median: engine {med['engine']:.1f}/s, sentence-transformers "
+          f"{med['sentence-transformers']:.1f}/s, engine / sentence-transformers "
+          f"{med['engine'] / med['sentence-transformers']:.3f}; smallest cosine {cos:.6f}")
+    return med
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--sentences", type=int, default=256)
@@ -58,23 +82,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(sentence-transformers' batches); torch threads {torch.get_num_threads()}")
         llm.embed(sentences[:8], use_tqdm=False)
         st.encode(sentences[:8], batch_size=32)
-        rates: dict[str, list[float]] = {"engine": [], "sentence-transformers": []}
-        ours = theirs = None
-        for r in range(args.rounds):
-            order = ("engine", "sentence-transformers") if r % 2 == 0 else ("sentence-transformers", "engine")
-            for name in order:
-                t0 = time.perf_counter()
-                if name == "engine":
-                    ours = np.stack([o.outputs.embedding for o in llm.embed(sentences, use_tqdm=False)])
-                else:
-                    theirs = st.encode(sentences, batch_size=32)
-                rates[name].append(len(sentences) / (time.perf_counter() - t0))
-            print(f"round {r + 1}: " + ", ".join(f"{n} {rates[n][-1]:.1f}/s" for n in order))
-        med = {n: statistics.median(v) for n, v in rates.items()}
-        cos = float(np.min(np.sum(ours * theirs, axis=1)))
-        print(f"median: engine {med['engine']:.1f}/s, sentence-transformers "
-              f"{med['sentence-transformers']:.1f}/s, engine / sentence-transformers "
-              f"{med['engine'] / med['sentence-transformers']:.3f}; smallest cosine {cos:.6f}")
+        compare(llm, st, sentences, args.rounds)
         llm.close()
     return 0
 
