@@ -138,6 +138,41 @@ def test_left_truncation_matches_the_tokenizers_own(minilm: Path) -> None:
         assert list(input_ids(ours, text, truncate=k, max_model_len=256)) == want
 
 
+def test_many_inputs_in_one_tokenizer_call_are_the_tokenizers_own_one_by_one(minilm: Path) -> None:
+    """input_ids_many (texts in one call, id lists beside them, a limit for all or one
+    each) against transformers' tokenizer, input by input: whole, left-truncated to k, and
+    without the special tokens."""
+    from transformers import AutoTokenizer
+
+    from engine.core.pooling import input_ids_many
+    from engine.models.tokenizer import Tokenizer
+
+    ours = Tokenizer.from_folder(minilm)
+    theirs = AutoTokenizer.from_pretrained(str(minilm), truncation_side="left")
+    texts = sentences()[:12] + ["the quick brown fox jumps over the lazy dog " * 5]
+    ids_items = [tuple(range(1000, 1040)), (7, 8)]
+    items: list = texts[:6] + [ids_items[0]] + texts[6:] + [ids_items[1]]
+
+    def want(item: object, k: int | None, specials: bool = True) -> list[int]:
+        if not isinstance(item, str):
+            return list(item)[-k:] if k is not None else list(item)
+        if k is None:
+            return theirs(item, add_special_tokens=specials)["input_ids"]
+        return theirs(item, truncation=True, max_length=k)["input_ids"]
+
+    got = input_ids_many(ours, items, truncate=None, max_model_len=256)
+    assert [list(g) for g in got] == [want(i, None) for i in items]
+    bare = input_ids_many(ours, items, truncate=None, max_model_len=256, add_special_tokens=False)
+    assert [list(g) for g in bare] == [want(i, None, specials=False) for i in items]
+    assert [list(g) for g in input_ids_many(ours, items, truncate=9, max_model_len=256)] == [
+        want(i, 9) for i in items]
+    limits = [None if n % 3 == 0 else 4 + n for n in range(len(items))]
+    mixed = input_ids_many(ours, items, truncate=limits, max_model_len=256)
+    assert [list(g) for g in mixed] == [want(i, k) for i, k in zip(items, limits, strict=True)]
+    with pytest.raises(InvalidParamError) as info:
+        input_ids_many(ours, ["fine", "bad \ud800 text"], truncate=None, max_model_len=256)
+    assert info.value.param == "input"
+
 # -- a causal LM as an embedder ---------------------------------------------------------
 
 @pytest.fixture(scope="module")

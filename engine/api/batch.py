@@ -388,16 +388,26 @@ async def _token_ids(engine: Engine, inputs: Sequence[str | tuple[int, ...]],
     :class:`BatchPromptError`."""
     limits = truncate if isinstance(truncate, Sequence) else [truncate] * len(inputs)
 
+    def one(i: int) -> tuple[int, ...]:
+        try:
+            ids = pooling.input_ids(engine.tokenizer, inputs[i], truncate=limits[i],
+                                    max_model_len=engine.max_model_len, param="prompts")
+            _check_length(ids, engine.max_model_len)
+        except RequestError as exc:
+            raise BatchPromptError(i, exc) from exc
+        return ids
+
     def work() -> list[tuple[int, ...]]:
-        out = []
-        for i, item in enumerate(inputs):
+        try:  # the texts in one tokenizer call
+            out = pooling.input_ids_many(engine.tokenizer, inputs, truncate=limits,
+                                         max_model_len=engine.max_model_len, param="prompts")
+        except RequestError:
+            return [one(i) for i in range(len(inputs))]  # names the first bad one
+        for i, ids in enumerate(out):
             try:
-                ids = pooling.input_ids(engine.tokenizer, item, truncate=limits[i],
-                                        max_model_len=engine.max_model_len, param="prompts")
                 _check_length(ids, engine.max_model_len)
             except RequestError as exc:
                 raise BatchPromptError(i, exc) from exc
-            out.append(ids)
         return out
 
     return await trio.to_thread.run_sync(work, abandon_on_cancel=True)

@@ -657,10 +657,9 @@ class Engine(SleepMode):
         items = _inputs(input)
         ids = await self._tokenize(
             sum(len(i) for i in items if isinstance(i, str)),
-            lambda: [pooling.input_ids(self.tokenizer, item, truncate=truncate,
-                                       max_model_len=self.max_model_len,
-                                       add_special_tokens=add_special_tokens)
-                     for item in items])
+            lambda: pooling.input_ids_many(self.tokenizer, items, truncate=truncate,
+                                           max_model_len=self.max_model_len,
+                                           add_special_tokens=add_special_tokens))
         return await self.pool(ids, request_id=request_id, priority=priority, tokens=tokens,
                                lora=lora)
 
@@ -700,8 +699,8 @@ class Engine(SleepMode):
         texts = list(dict.fromkeys(firsts + seconds))
         ids = await self._tokenize(
             sum(map(len, texts)),
-            lambda: [pooling.input_ids(self.tokenizer, t, truncate=truncate_prompt_tokens,
-                                       max_model_len=self.max_model_len) for t in texts])
+            lambda: pooling.input_ids_many(self.tokenizer, texts, truncate=truncate_prompt_tokens,
+                                           max_model_len=self.max_model_len))
         by_text = dict(zip(texts, await self.pool(ids, request_id=request_id, priority=priority,
                                                   lora=lora), strict=True))
         return [(pooling.cosine(by_text[a], by_text[b]),

@@ -56,23 +56,48 @@ def input_ids(
     ``truncate`` is vLLM's ``truncate_prompt_tokens``: keep only the last ``k`` tokens
     (``-1``: the model's ``max_model_len``); text keeps its special tokens ([CLS] ...
     [SEP]) and loses content tokens from the left, as vLLM's left-truncating tokenizer."""
-    limit = _truncation(truncate, max_model_len)
-    if isinstance(item, str):
-        text = _unicode(item, param)
-        backend = tokenizer.backend_tokenizer
-        # encode_batch_fast: the same ids without the character offsets, which nothing
-        # here reads (35 against 43 us a 25-token sentence, of a one-sentence embeddings
-        # request's event-loop time).
-        if limit is None:
-            return tuple(backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids)
-        encoding = backend.encode_batch_fast([text], add_special_tokens=False)[0]
+    return input_ids_many(tokenizer, [item], truncate=truncate, max_model_len=max_model_len,
+                          param=param, add_special_tokens=add_special_tokens)[0]
+
+
+def input_ids_many(
+    tokenizer: Any, items: Sequence[str | Sequence[int]], *,
+    truncate: int | None | Sequence[int | None], max_model_len: int, param: str = "input",
+    add_special_tokens: bool = True,
+) -> list[tuple[int, ...]]:
+    """:func:`input_ids` of each of ``items``, in order, the texts tokenized in one call of
+    the tokenizer (30-34 against 48-51 us a 25-token sentence one call each, 16 or 512
+    sentences: the per-call cost is most of a short text's). ``truncate``: one for all, or
+    one per item. The first bad text or limit raises, before any is tokenized."""
+    limits = ([_truncation(t, max_model_len) for t in truncate] if isinstance(truncate, Sequence)
+              else [_truncation(truncate, max_model_len)] * len(items))
+    out: list[tuple[int, ...] | None] = [None] * len(items)
+    whole: list[int] = []  # texts kept whole, and texts with a limit
+    cut: list[int] = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            _unicode(item, param)
+            (whole if limits[i] is None else cut).append(i)
+        else:
+            ids, limit = tuple(item), limits[i]
+            out[i] = ids[-limit:] if limit is not None and len(ids) > limit else ids
+    backend = tokenizer.backend_tokenizer
+    # encode_batch_fast: the same ids without the character offsets, which nothing here
+    # reads (35 against 43 us a 25-token sentence).
+    if whole:
+        encodings = backend.encode_batch_fast([items[i] for i in whole],
+                                              add_special_tokens=add_special_tokens)
+        for i, encoding in zip(whole, encodings, strict=True):
+            out[i] = tuple(encoding.ids)
+    if cut:
         specials = backend.num_special_tokens_to_add(False) if add_special_tokens else 0
-        room = max(limit - specials, 0)
-        if len(encoding.ids) > room:
-            encoding.truncate(room, direction="left")
-        return tuple(backend.post_process(encoding).ids if add_special_tokens else encoding.ids)
-    ids = tuple(item)
-    return ids[-limit:] if limit is not None and len(ids) > limit else ids
+        encodings = backend.encode_batch_fast([items[i] for i in cut], add_special_tokens=False)
+        for i, encoding in zip(cut, encodings, strict=True):
+            room = max(limits[i] - specials, 0)
+            if len(encoding.ids) > room:
+                encoding.truncate(room, direction="left")
+            out[i] = tuple(backend.post_process(encoding).ids if add_special_tokens else encoding.ids)
+    return out  # type: ignore[return-value]  # every slot filled above
 
 
 def pair_ids(
