@@ -444,6 +444,13 @@ def test_pooling_params_shape_embeddings_and_classifications(
         raw = llm.embed(texts, pooling_params=engine.PoolingParams(normalize=False), use_tqdm=False)
         mixed = llm.embed(texts, use_tqdm=False, pooling_params=[
             engine.PoolingParams(normalize=False), engine.PoolingParams(truncate_prompt_tokens=5)])
+        # The batch's texts reach the tokenizer in one call; a refusal still names its
+        # prompt (a text that is not Unicode, one past the model's 256 tokens).
+        for bad_texts, index in (([texts[0], "bad \ud800 text"], 1), ([texts[0], "word " * 400], 1),
+                                 (["word " * 400, texts[1]], 0)):
+            with pytest.raises(BatchPromptError) as info:
+                llm.embed(bad_texts, use_tqdm=False)
+            assert info.value.index == index
         for bad, param in ((engine.PoolingParams(use_activation=False), "pooling_params.use_activation"),
                            (engine.PoolingParams(dimensions=8), "dimensions"),
                            ([engine.PoolingParams()], "pooling_params")):
