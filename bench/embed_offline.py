@@ -41,9 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     st = SentenceTransformer(folder, device="cpu")
     llm = engine.LLM(embed_bench.MODEL, dtype="float32")
     print(f"{len(sentences)} sentences; torch threads {torch.get_num_threads()}")
-    llm.embed(sentences[:32], use_tqdm=False)
-    st.encode(sentences[:32], batch_size=32)
-    compare(llm, st, sentences, args.rounds)
+    compare(llm, st, sentences, args.rounds, warm=32)
     llm.close()
     return 0
 
