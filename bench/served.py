@@ -26,7 +26,8 @@ Sections (``--sections``, comma-separated; default all):
   new connection each; the server process's CPU a request (every thread, from
   ``/proc/PID/task/*/stat``) and the load generator's; then the same loads against
   bench/bare_app.py (quart-trio on hypercorn, one route: the stack alone), the baseline
-  of what the server adds. Linux only.
+  of what the server adds, and against its bare ASGI callable (hypercorn without quart),
+  which splits the stack's cost between the two. Linux only.
 * ``core``: serve with the engine core in its process (``--engine-core process``) against
   in-process at each of ``--core-concurrencies`` (1, 8, 32), the chat section's load
   (``--core-modes`` adds ``coreasync``, the core process planning step N+1 while step N
@@ -227,6 +228,8 @@ def section_requests(args: argparse.Namespace) -> dict[str, float]:
         out |= _health_load(args, url, proc.pid, "requests")
     with bare_app() as (url, pid):
         out |= _health_load(args, url, pid, "requests bare stack")
+    with bare_app("asgi") as (url, pid):
+        out |= _health_load(args, url, pid, "requests bare hypercorn")
     return out
 
 
@@ -246,10 +249,11 @@ def _health_load(args: argparse.Namespace, url: str, pid: int, prefix: str) -> d
 
 
 @contextlib.contextmanager
-def bare_app() -> Iterator[tuple[str, int]]:
-    """bench/bare_app.py (quart-trio and hypercorn, one route) on a free port."""
+def bare_app(kind: str = "quart") -> Iterator[tuple[str, int]]:
+    """bench/bare_app.py on a free port: ``quart`` (quart-trio and hypercorn, one route) or
+    ``asgi`` (a bare ASGI callable on hypercorn)."""
     port = serve_bench._free_port()
-    with _running([sys.executable, str(REPO / "bench" / "bare_app.py"), str(port)],
+    with _running([sys.executable, str(REPO / "bench" / "bare_app.py"), str(port), kind],
                   port) as (url, proc):
         yield url, proc.pid
 
@@ -296,6 +300,9 @@ RATIOS = [
     ("requests new connection server CPU us", "requests keep-alive server CPU us"),
     ("requests keep-alive server CPU us", "requests bare stack keep-alive server CPU us"),
     ("requests new connection server CPU us", "requests bare stack new connection server CPU us"),
+    ("requests bare stack keep-alive server CPU us", "requests bare hypercorn keep-alive server CPU us"),
+    ("requests bare stack new connection server CPU us",
+     "requests bare hypercorn new connection server CPU us"),
     ("core c={c} core tok/s", "core c={c} inproc tok/s"),
     ("core c={c} coreasync tok/s", "core c={c} inproc tok/s"),
     ("spec plain warm s (median)", "spec ngram warm s (median)"),
