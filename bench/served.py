@@ -19,7 +19,8 @@ Sections (``--sections``, comma-separated; default all):
   sentences from 32 clients: one sentence a request with keep-alive, one a request on a new
   connection each (``Connection: close``), and 16 a request; then, with the server
   stopped, sentence-transformers' ``encode`` of the same sentences at batch 32. Reported:
-  sentences/s and each row / sentence-transformers, and the smallest cosine between the
+  sentences/s and each row / sentence-transformers, the CPU the server's event loop (its
+  main thread) spent a request in each load, and the smallest cosine between the
   server's vectors and sentence-transformers' (a check, not a figure).
 * ``requests``: what a request that does nothing costs: ``--num-requests`` (3,000)
   ``GET /health`` from 32 clients to the embeddings server, with keep-alive and with a
@@ -191,14 +192,17 @@ def section_chat(args: argparse.Namespace) -> dict[str, float]:
 def section_embed(args: argparse.Namespace) -> dict[str, float]:
     sentences = embed_bench.corpus(args.num_sentences)
     out, vectors = {}, {}
-    with served(args, model_args=("--model", embed_bench.MODEL, "--dtype", args.embed_dtype,
-                                  "--engine-core", args.embed_engine_core)) as url:
+    with served_process(args, model_args=("--model", embed_bench.MODEL, "--dtype", args.embed_dtype,
+                                          "--engine-core", args.embed_engine_core)) as (url, proc):
         embed_bench.run_load(url, sentences[:32], 4)  # warm-up
         for label, per, fresh in (("1/request keep-alive", 1, False),
                                   ("1/request new connection", 1, True),
                                   ("16/request", 16, False)):
+            loop0 = _thread_cpu_seconds(proc.pid, proc.pid)
             secs, vecs = embed_bench.run_load(url, sentences, 32, per, fresh)
+            loop = _thread_cpu_seconds(proc.pid, proc.pid) - loop0
             out[f"embed c=32 {label} sentences/s"] = len(sentences) / secs
+            out[f"embed c=32 {label} event loop CPU us a request"] = loop / len(vecs) * per * 1e6
             vectors[label] = vecs
     secs, reference = embed_bench.offline(sentences, 32)
     out["embed sentence-transformers batch 32 sentences/s"] = len(sentences) / secs
@@ -213,12 +217,15 @@ def section_embed(args: argparse.Namespace) -> dict[str, float]:
 
 def _process_cpu_seconds(pid: int) -> float:
     """User and system CPU of every thread of ``pid`` so far (``/proc/PID/task/*/stat``)."""
-    ticks = 0
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
+    return sum(_thread_cpu_seconds(pid, int(task)) for task in os.listdir(f"/proc/{pid}/task"))
+
+
+def _thread_cpu_seconds(pid: int, tid: int) -> float:
+    """User and system CPU of thread ``tid`` of ``pid`` so far (the main thread: ``tid`` =
+    ``pid``; serve's event loop runs there)."""
+    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def section_requests(args: argparse.Namespace) -> dict[str, float]:
